@@ -1,0 +1,135 @@
+"""The two small interfaces every backend implements, and the values they share.
+
+* :class:`Residency` decides (control): which hot slot holds which host row, exact LRU,
+  per (index group, request state row). It never moves bytes.
+* :class:`Mover` moves bytes (data): gathers a plan from the host pool into a hot slab,
+  mirrors written rows into the pool, stages whole blocks for prefill.
+
+They meet only through the frozen values below. One implementation per backend: ``cpu``
+(NumPy, in this package) and ``cuda`` (kernels from ``csrc/``).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparsekv.proto.layout import Layout
+
+
+class ResidencyError(ValueError):
+    """Bad input to the residency engine. ``code`` names a ``proto.ErrorCode`` member."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The rows one resolve must copy, for every layer of its index group.
+
+    ``rows[i]`` (host row) goes to flat hot slot ``slots[i]`` = ``state_row * region_stride
+    + slot``. Entries are sorted by host row: the gather reads the pool in address order.
+    """
+
+    rows: np.ndarray  # int32 [n]
+    slots: np.ndarray  # int32 [n]
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Result of resolving one top-k batch for one index group."""
+
+    slots: np.ndarray  # int32 [batch, top_k]: slot within the region, -1 if none
+    misses: np.ndarray  # int32 [batch]
+    hits: int
+    out_of_range: int  # columns naming an id < -1 or >= host_rows
+    plan: Plan
+
+
+class Residency(abc.ABC):
+    """Residency state of one rank: ``owner`` and ``lru`` per (group, state row)."""
+
+    layout: Layout
+
+    @abc.abstractmethod
+    def reset(self, state_rows: np.ndarray) -> None:
+        """Empty every group's region of each state row (a new request took it)."""
+
+    @abc.abstractmethod
+    def invalidate(self, state_row: int, rows: np.ndarray) -> None:
+        """In every group of ``state_row``, empty the slots owning one of ``rows``."""
+
+    @abc.abstractmethod
+    def invalidate_everywhere(self, rows: np.ndarray) -> int:
+        """Empty every slot of every state row owning one of ``rows``; return how many."""
+
+    @abc.abstractmethod
+    def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Resolved:
+        """Resolve a batch: ``state_rows`` int32 [batch] (-1 = padding, untouched) and
+        ``topk`` int32 [batch, top_k] host row ids. Rows sharing a state row (several
+        query tokens of one request) resolve one after another in batch order.
+        Raises :class:`ResidencyError` before changing any state when the input is bad."""
+
+
+class Mover(abc.ABC):
+    """Byte mover of one rank: host pool <-> hot slab and staging buffer."""
+
+    @abc.abstractmethod
+    def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
+        """Copy ``plan`` for each of ``layers``; return bytes moved."""
+
+    @abc.abstractmethod
+    def stage(self, rows: np.ndarray, layers: tuple[int, ...]) -> int:
+        """Copy host ``rows`` of each of ``layers`` to the front of the staging buffer."""
+
+
+def check_batch(layout: Layout, group: int, state_rows: np.ndarray, topk: np.ndarray) -> None:
+    """Shape and range checks shared by every backend (no duplicate check: see below)."""
+    if not 0 <= group < layout.num_groups:
+        raise ResidencyError("BAD_ARGUMENT", f"group {group} out of range [0, {layout.num_groups})")
+    if state_rows.ndim != 1 or topk.ndim != 2 or topk.shape[0] != state_rows.shape[0]:
+        raise ResidencyError(
+            "BAD_ARGUMENT",
+            f"state_rows must be [batch] and topk [batch, top_k]; got {state_rows.shape} and {topk.shape}",
+        )
+    if topk.shape[1] > layout.top_k:
+        raise ResidencyError(
+            "BAD_ARGUMENT", f"topk has {topk.shape[1]} columns, layout top_k is {layout.top_k}"
+        )
+    bad = (state_rows < -1) | (state_rows >= layout.max_reqs)
+    if bad.any():
+        raise ResidencyError(
+            "BAD_STATE_ROW",
+            f"state row {int(state_rows[bad][0])} out of range [-1, {layout.max_reqs})",
+        )
+    # Several query tokens of one request resolve one after another into one region; a
+    # later token may only evict slots no earlier token of the step uses, which holds
+    # exactly when the region has top_k slots per token.
+    live = state_rows[state_rows >= 0]
+    if live.size:
+        counts = np.bincount(live)
+        worst = int(counts.argmax())
+        if int(counts[worst]) * layout.top_k > layout.region_stride:
+            raise ResidencyError(
+                "BAD_ARGUMENT",
+                f"state row {worst} appears {int(counts[worst])} times in the batch; region_stride "
+                f"{layout.region_stride} holds {layout.region_stride // layout.top_k} tokens of top_k {layout.top_k}",
+            )
+
+
+def find_duplicates(topk: np.ndarray, state_rows: np.ndarray, host_rows: int) -> int:
+    """Return the first batch row whose in-range ids repeat, or -1."""
+    if topk.size == 0:
+        return -1
+    masked = np.where((topk >= 0) & (topk < host_rows), topk, -1).astype(np.int64)
+    s = np.sort(masked, axis=1)
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    dup_rows = np.flatnonzero(dup.any(axis=1) & (state_rows >= 0))
+    return int(dup_rows[0]) if dup_rows.size else -1

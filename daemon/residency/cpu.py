@@ -1,0 +1,146 @@
+"""NumPy backend: the residency contract and the byte mover on host arrays.
+
+The state arrays have the shapes the GPU holds: ``owner`` and ``lru`` are int32
+``[groups, max_reqs, region_stride]``. The hot slab is a byte array
+``[num_layers, max_reqs, region_stride, row_bytes]`` in shared memory that clients map.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparsekv.proto.layout import Layout
+
+from .base import Mover, Plan, Residency, ResidencyError, Resolved, check_batch, find_duplicates
+
+
+def row_view(a: np.ndarray, row_bytes: int) -> np.ndarray:
+    """View a byte array as one opaque element per row, so fancy indexing moves whole rows."""
+    return a.reshape(-1, row_bytes).view(np.dtype((np.void, row_bytes))).reshape(-1)
+
+
+class CpuResidency(Residency):
+    def __init__(self, layout: Layout):
+        self.layout = layout.validate()
+        shape = (layout.num_groups, layout.max_reqs, layout.region_stride)
+        self.owner = np.full(shape, -1, dtype=np.int32)
+        self.lru = np.empty(shape, dtype=np.int32)
+        self.lru[...] = np.arange(layout.region_stride, dtype=np.int32)
+
+    def reset(self, state_rows: np.ndarray) -> None:
+        rows = np.asarray(state_rows, dtype=np.int64)
+        rows = rows[rows >= 0]
+        if rows.size and rows.max() >= self.layout.max_reqs:
+            raise ResidencyError("BAD_STATE_ROW", f"state row {int(rows.max())} >= max_reqs")
+        self.owner[:, rows] = -1
+        self.lru[:, rows] = np.arange(self.layout.region_stride, dtype=np.int32)
+
+    def invalidate(self, state_row: int, rows: np.ndarray) -> None:
+        if not 0 <= state_row < self.layout.max_reqs:
+            raise ResidencyError("BAD_STATE_ROW", f"state row {state_row} out of range")
+        rows = np.asarray(rows, dtype=np.int32)
+        rows = rows[rows >= 0]
+        if rows.size:
+            region = self.owner[:, state_row]
+            region[np.isin(region, rows)] = -1
+
+    def invalidate_everywhere(self, rows: np.ndarray) -> int:
+        rows = np.asarray(rows, dtype=np.int32)
+        rows = rows[rows >= 0]
+        if not rows.size:
+            return 0
+        stale = np.isin(self.owner, rows)
+        n = int(stale.sum())
+        if n:
+            self.owner[stale] = -1
+        return n
+
+    def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Resolved:
+        lay = self.layout
+        state_rows = np.asarray(state_rows, dtype=np.int32)
+        topk = np.asarray(topk, dtype=np.int32)
+        check_batch(lay, group, state_rows, topk)
+        dup = find_duplicates(topk, state_rows, lay.host_rows)
+        if dup >= 0:
+            raise ResidencyError(
+                "DUPLICATE_IDS", f"top-k row {dup} names the same host row twice; ids must be unique"
+            )
+        batch, k = topk.shape
+        slots = np.full((batch, k), -1, dtype=np.int32)
+        misses = np.zeros(batch, dtype=np.int32)
+        plan_rows, plan_slots = [], []
+        hits = 0
+        live = state_rows >= 0
+        out_of_range = int(((topk < -1) | (topk >= lay.host_rows))[live].sum())
+        stride = lay.region_stride
+        for b in np.flatnonzero(live):
+            s = int(state_rows[b])
+            owner, lru = self.owner[group, s], self.lru[group, s]
+            ids = topk[b]
+            valid = (ids >= 0) & (ids < lay.host_rows)
+            # Hit lookup: sort the owners once, binary-search each id.
+            order = np.argsort(owner, kind="stable")
+            sorted_owner = owner[order]
+            pos = np.minimum(np.searchsorted(sorted_owner, ids), stride - 1)
+            hit = valid & (sorted_owner[pos] == ids)
+            hit_slot = order[pos]
+            is_hit_slot = np.zeros(stride, dtype=bool)
+            is_hit_slot[hit_slot[hit]] = True
+            in_hit = is_hit_slot[lru]
+            evictable = lru[~in_hit]
+            miss = valid & ~hit
+            n_miss = int(miss.sum())
+            miss_slots = evictable[:n_miss]
+            owner[miss_slots] = ids[miss]
+            lru[:] = np.concatenate((evictable[n_miss:], miss_slots, lru[in_hit]))
+            row_slots = np.full(k, -1, dtype=np.int32)
+            row_slots[hit] = hit_slot[hit]
+            row_slots[miss] = miss_slots
+            slots[b] = row_slots
+            misses[b] = n_miss
+            hits += int(hit.sum())
+            if n_miss:
+                plan_rows.append(ids[miss])
+                plan_slots.append(miss_slots + s * stride)
+        if plan_rows:
+            rows = np.concatenate(plan_rows)
+            flat = np.concatenate(plan_slots).astype(np.int32)
+            by_row = np.argsort(rows, kind="stable")
+            plan = Plan(rows=rows[by_row], slots=flat[by_row])
+        else:
+            plan = Plan(rows=np.empty(0, np.int32), slots=np.empty(0, np.int32))
+        return Resolved(slots=slots, misses=misses, hits=hits, out_of_range=out_of_range, plan=plan)
+
+
+class CpuMover(Mover):
+    """Moves rows between the pool ``[L, host_rows, row_bytes]`` and one rank's slab."""
+
+    def __init__(self, layout: Layout, pool: np.ndarray, slab: np.ndarray, staging: np.ndarray | None):
+        self.layout = layout
+        rb = layout.row_bytes
+        self._pool = [row_view(pool[layer], rb) for layer in range(layout.num_layers)]
+        self._slab = [row_view(slab[layer], rb) for layer in range(layout.num_layers)]
+        self._staging = (
+            [row_view(staging[layer], rb) for layer in range(layout.num_layers)]
+            if staging is not None and layout.staging_rows
+            else None
+        )
+
+    def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
+        if not len(plan):
+            return 0
+        for layer in layers:
+            self._slab[layer][plan.slots] = self._pool[layer][plan.rows]
+        return len(plan) * len(layers) * self.layout.row_bytes
+
+    def stage(self, rows: np.ndarray, layers: tuple[int, ...]) -> int:
+        if self._staging is None:
+            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
+        n = int(rows.shape[0])
+        if n > self.layout.staging_rows:
+            raise ResidencyError(
+                "TOO_LARGE", f"{n} rows do not fit the staging buffer of {self.layout.staging_rows}"
+            )
+        for layer in layers:
+            self._staging[layer][:n] = self._pool[layer][rows]
+        return n * len(layers) * self.layout.row_bytes

@@ -1,0 +1,129 @@
+"""The cache layout a client attaches with: a frozen value object shared by both ends."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+MAX_REGION_STRIDE = 32768
+MAX_LAYERS = 1024
+MAX_REQS = 65536
+ROW_ALIGN_BYTES = 16  # the GPU gather moves rows with 16-byte loads
+
+
+class LayoutError(ValueError):
+    """The layout is inconsistent; the message names the field at fault."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape of one engine's cache, identical on every tensor-parallel rank.
+
+    Attributes:
+        num_layers: attention layers whose KV rows the pool holds.
+        row_bytes: bytes of one KV row of one layer (656 for DeepSeek ``fp8_ds_mla``);
+            a multiple of 16.
+        top_k: columns of one top-k row.
+        region_stride: hot slots per (index group, request state row); ``>= top_k``.
+        max_reqs: request state rows (the engine's concurrent requests).
+        host_rows: host rows per layer in the pool (token slots of the engine's allocator).
+        index_groups: layers sharing one slot assignment, leader first; empty means one
+            group per layer. Together the groups name every layer exactly once.
+        staging_rows: rows per layer of the prefill staging buffer (0: none).
+    """
+
+    num_layers: int
+    row_bytes: int
+    top_k: int
+    region_stride: int
+    max_reqs: int
+    host_rows: int
+    index_groups: tuple[tuple[int, ...], ...] = field(default=())
+    staging_rows: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "index_groups", tuple(tuple(int(x) for x in g) for g in self.index_groups)
+        )
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The index groups, with the one-group-per-layer default made explicit."""
+        if self.index_groups:
+            return self.index_groups
+        return tuple((layer,) for layer in range(self.num_layers))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Host bytes this layout needs in the shared pool (all layers)."""
+        return self.num_layers * self.host_rows * self.row_bytes
+
+    @property
+    def slab_bytes(self) -> int:
+        """Bytes of one rank's hot slab: every layer's hot regions."""
+        return self.num_layers * self.max_reqs * self.region_stride * self.row_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.num_layers * self.staging_rows * self.row_bytes
+
+    def validate(self) -> "Layout":
+        """Raise :class:`LayoutError` naming the first field at fault; return self."""
+
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise LayoutError(msg)
+
+        for name in ("num_layers", "row_bytes", "top_k", "region_stride", "max_reqs", "host_rows"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        need(self.num_layers <= MAX_LAYERS, f"num_layers {self.num_layers} exceeds {MAX_LAYERS}")
+        need(
+            self.row_bytes % ROW_ALIGN_BYTES == 0,
+            f"row_bytes {self.row_bytes} must be a multiple of {ROW_ALIGN_BYTES}",
+        )
+        need(
+            self.top_k <= self.region_stride <= MAX_REGION_STRIDE,
+            f"region_stride {self.region_stride} must lie in [top_k={self.top_k}, {MAX_REGION_STRIDE}]",
+        )
+        need(self.max_reqs <= MAX_REQS, f"max_reqs {self.max_reqs} exceeds {MAX_REQS}")
+        need(self.host_rows < 2**31 - 1, f"host_rows {self.host_rows} must fit in int32")
+        need(
+            isinstance(self.staging_rows, int) and self.staging_rows >= 0,
+            f"staging_rows must be >= 0, got {self.staging_rows!r}",
+        )
+        seen = sorted(layer for g in self.groups for layer in g)
+        need(all(len(g) > 0 for g in self.groups), "index_groups has an empty group")
+        need(
+            seen == list(range(self.num_layers)),
+            f"index_groups must name every layer 0..{self.num_layers - 1} exactly once",
+        )
+        return self
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        d["index_groups"] = [list(g) for g in self.index_groups]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Layout":
+        if not isinstance(d, dict):
+            raise LayoutError("layout must be a map")
+        known = {
+            "num_layers", "row_bytes", "top_k", "region_stride", "max_reqs",
+            "host_rows", "index_groups", "staging_rows",
+        }
+        unknown = set(d) - known
+        if unknown:
+            raise LayoutError(f"unknown layout fields: {sorted(unknown)}")
+        missing = known - set(d) - {"index_groups", "staging_rows"}
+        if missing:
+            raise LayoutError(f"layout is missing: {sorted(missing)}")
+        try:
+            groups = tuple(tuple(int(x) for x in g) for g in d.get("index_groups", ()))
+        except (TypeError, ValueError) as e:
+            raise LayoutError(f"index_groups must be lists of layer numbers: {e}") from None
+        return cls(**{**d, "index_groups": groups}).validate()

@@ -1,0 +1,68 @@
+"""The NumPy engine against the reference model, on random batches (hypothesis)."""
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from sparsekv.daemon.residency.contract import RegionModel
+from sparsekv.daemon.residency.cpu import CpuResidency
+from sparsekv.proto.layout import Layout
+
+
+@st.composite
+def scenarios(draw):
+    top_k = draw(st.integers(1, 6))
+    tokens = draw(st.integers(1, 2))
+    region_stride = draw(st.integers(top_k * tokens, top_k * tokens + 5))
+    host_rows = draw(st.integers(top_k, 24))
+    max_reqs = draw(st.integers(1, 3))
+    steps = []
+    for _ in range(draw(st.integers(1, 12))):
+        batch = []
+        used = {}
+        for _ in range(draw(st.integers(1, 4))):
+            s = draw(st.integers(-1, max_reqs - 1))
+            if s >= 0 and used.get(s, 0) >= tokens:
+                s = -1
+            used[s] = used.get(s, 0) + 1
+            ids = draw(st.lists(st.integers(0, host_rows - 1), min_size=0, max_size=top_k, unique=True))
+            junk = draw(st.lists(st.sampled_from([-1, -7, host_rows, host_rows + 3]), max_size=top_k - len(ids), min_size=top_k - len(ids)))
+            row = ids + junk
+            row = draw(st.permutations(row))
+            batch.append((s, list(row)))
+        reset = draw(st.lists(st.integers(0, max_reqs - 1), max_size=2))
+        inval = draw(st.lists(st.tuples(st.integers(0, max_reqs - 1), st.integers(0, host_rows - 1)), max_size=3))
+        steps.append((reset, inval, batch))
+    return Layout(num_layers=1, row_bytes=16, top_k=top_k, region_stride=region_stride,
+                  max_reqs=max_reqs, host_rows=host_rows), steps
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_numpy_engine_equals_reference(scenario):
+    layout, steps = scenario
+    eng = CpuResidency(layout)
+    model = [RegionModel(layout.region_stride) for _ in range(layout.max_reqs)]
+    for reset, inval, batch in steps:
+        eng.reset(np.array(reset, dtype=np.int32))
+        for s in reset:
+            model[s].reset()
+        for s, row in inval:
+            eng.invalidate(s, np.array([row]))
+            model[s].invalidate([row])
+        state_rows = np.array([s for s, _ in batch], dtype=np.int32)
+        topk = np.array([r for _, r in batch], dtype=np.int32)
+        got = eng.resolve(0, state_rows, topk)
+        want_plan = []
+        for b, (s, row) in enumerate(batch):
+            if s < 0:
+                assert (got.slots[b] == -1).all() and got.misses[b] == 0
+                continue
+            slots, plan, _ = model[s].resolve(row, layout.host_rows)
+            assert got.slots[b].tolist() == slots
+            assert got.misses[b] == len(plan)
+            want_plan += [(g, s * layout.region_stride + slot) for g, slot in plan]
+        assert sorted(zip(got.plan.rows.tolist(), got.plan.slots.tolist())) == sorted(want_plan)
+        assert list(got.plan.rows) == sorted(got.plan.rows)
+        for s in range(layout.max_reqs):
+            assert eng.owner[0, s].tolist() == model[s].owner
+            assert eng.lru[0, s].tolist() == model[s].lru
