@@ -1,0 +1,18 @@
+"""Client side of sparsekv: the per-rank client library, the in-process transport and the
+``sparsekv`` command line."""
+
+from .client import Attachment, Client, Pending, TopkResult
+from .errors import (
+    BadRequest,
+    DaemonUnavailable,
+    LayoutMismatch,
+    NotAttached,
+    PoolFull,
+    ProtocolMismatch,
+    SparseKVError,
+)
+
+__all__ = [
+    "Attachment", "BadRequest", "Client", "DaemonUnavailable", "LayoutMismatch", "NotAttached",
+    "Pending", "PoolFull", "ProtocolMismatch", "SparseKVError", "TopkResult",
+]

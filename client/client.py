@@ -1,0 +1,228 @@
+"""Client library for one engine rank.
+
+    from sparsekv.client import Client
+    with Client("/run/sparsekv", rank=0) as c:
+        att = c.attach(layout, engine="llama-70b")
+        c.step(step=0, state_rows=rows, reset=new)
+        r = c.topk(step=0, group=0, topk=ids)   # rows are in att.slab when it returns
+        att.slab[layer, state_row, r.slots[b, col]]  # the KV row of column col
+
+On the cpu backend the hot slab and staging buffer are shared-memory NumPy arrays; the
+reply to a top-k batch arrives once the gather is done. Requests can be pipelined:
+``submit_topk`` returns a :class:`Pending` whose ``wait()`` collects the result.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from sparsekv.proto import PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
+
+from .errors import DaemonUnavailable, ProtocolMismatch, SparseKVError, error_for
+
+
+def default_run_dir() -> str:
+    runtime = os.environ.get("SPARSEKV_RUN_DIR") or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return runtime or "/run/sparsekv"
+
+
+@dataclass(frozen=True)
+class TopkResult:
+    slots: np.ndarray  # int32 [batch, top_k]: hot slot of each column in its state row's region, -1 if none
+    misses: np.ndarray  # int32 [batch]
+    hits: int
+    out_of_range: int
+
+
+@dataclass
+class Attachment:
+    """What attach gives a rank: its layout and the hot slab it reads rows from."""
+
+    layout: Layout
+    engine: str
+    slab: np.ndarray  # uint8 [num_layers, max_reqs, region_stride, row_bytes]
+    staging: np.ndarray | None  # uint8 [num_layers, staging_rows, row_bytes]
+    _mm: mmap.mmap | None = None
+
+    def rows(self, layer: int, state_row: int, slots: np.ndarray) -> np.ndarray:
+        """The hot rows of ``slots`` (-1 gives zeros) as uint8 [n, row_bytes]."""
+        slots = np.asarray(slots)
+        out = self.slab[layer, state_row, np.maximum(slots, 0)]
+        out[slots < 0] = 0
+        return out
+
+    def close(self) -> None:
+        self.slab = self.staging = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the OS unmaps at exit
+            self._mm = None
+
+
+class Pending:
+    """A request on the wire; ``wait()`` returns its reply (or raises its error)."""
+
+    def __init__(self, client: "Client", req_id: int, convert):
+        self._client, self._id, self._convert = client, req_id, convert
+        self._result = None
+        self._done = False
+
+    def wait(self):
+        if not self._done:
+            header, arrays = self._client._await_reply(self._id)
+            self._result = self._convert(header, arrays)
+            self._done = True
+        return self._result
+
+
+class Client:
+    """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
+
+    def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
+                 name: str = "", timeout_s: float = 30.0):
+        self.run_dir = run_dir or default_run_dir()
+        self.rank, self.device, self.name = rank, device, name
+        self.timeout_s = timeout_s
+        self.info: dict = {}
+        self.attachment: Attachment | None = None
+        self._ctx = self._sock = None
+        self._next_id = 1
+        self._replies: dict[int, tuple] = {}
+
+    # -- connection --------------------------------------------------------------
+    def connect(self) -> "Client":
+        path = os.path.join(self.run_dir, "control.sock")
+        if not os.path.exists(path):
+            raise DaemonUnavailable(f"no daemon socket at {path}; is sparsekvd running with --run-dir {self.run_dir}?",
+                                    ErrorCode.INTERNAL)
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"ipc://{path}")
+        try:
+            self.info = self._call(MsgType.HELLO, {"pid": os.getpid(), "rank": self.rank,
+                                                   "device": self.device, "name": self.name})[0]
+        except BaseException:
+            self.close()
+            raise
+        if self.info.get("version") != PROTOCOL_VERSION:
+            raise ProtocolMismatch(f"daemon speaks protocol {self.info.get('version')}, client {PROTOCOL_VERSION}")
+        return self
+
+    def close(self) -> None:
+        if self.attachment is not None:
+            self.attachment.close()
+            self.attachment = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def __enter__(self) -> "Client":
+        return self.connect() if self._sock is None else self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.attachment is not None and self._sock is not None:
+                self.detach()
+        finally:
+            self.close()
+
+    # -- requests ----------------------------------------------------------------
+    def attach(self, layout: Layout, engine: str = "default") -> Attachment:
+        layout.validate()
+        fields, _ = self._call(MsgType.ATTACH, {"engine": engine, "layout": layout.to_wire()})
+        h = fields["handles"]
+        if h.get("kind") != "shm":
+            raise SparseKVError(f"this client maps cpu (shm) slabs; the daemon exported {h.get('kind')!r}")
+        fd = os.open(h["path"], os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, max(h["bytes"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        slab = buf[: layout.slab_bytes].reshape(layout.num_layers, layout.max_reqs, layout.region_stride, layout.row_bytes)
+        staging = None
+        if layout.staging_rows:
+            staging = buf[layout.slab_bytes : layout.slab_bytes + layout.staging_bytes].reshape(
+                layout.num_layers, layout.staging_rows, layout.row_bytes)
+        self.attachment = Attachment(layout, engine, slab, staging, mm)
+        return self.attachment
+
+    def detach(self) -> None:
+        self._call(MsgType.DETACH)
+        if self.attachment is not None:
+            self.attachment.close()
+            self.attachment = None
+
+    def step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
+        """Begin decode step ``step``: the batch's state rows (-1 = padding), which of them
+        start a new request (``reset`` bool [batch]) and rows rewritten since the last step
+        (``invalidate`` int32 [batch, n], -1 = none)."""
+        arrays = {"state_rows": np.asarray(state_rows, dtype=np.int32)}
+        if reset is not None:
+            arrays["reset"] = np.asarray(reset, dtype=bool)
+        if invalidate is not None:
+            arrays["invalidate"] = np.asarray(invalidate, dtype=np.int32)
+        self._call(MsgType.STEP, {"step": int(step)}, arrays)
+
+    def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:
+        arrays = {"topk": np.asarray(topk, dtype=np.int32)}
+        if state_rows is not None:
+            arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
+        req = self._send(MsgType.TOPK, {"step": int(step), "group": int(group)}, arrays)
+        return Pending(self, req, lambda h, a: TopkResult(a["slots"], a["misses"], h["hits"], h["out_of_range"]))
+
+    def topk(self, step: int, group: int, topk, state_rows=None) -> TopkResult:
+        """Resolve one index group's top-k batch; when this returns the rows are in the slab."""
+        return self.submit_topk(step, group, topk, state_rows).wait()
+
+    def write(self, rows, data, layers=None) -> dict:
+        """Copy ``data`` uint8 [len(layers), n, row_bytes] into host ``rows`` (all layers when
+        ``layers`` is None); hot copies of those rows are dropped in every rank."""
+        fields, _ = self._call(MsgType.WRITE, {"layers": None if layers is None else [int(x) for x in layers]},
+                               {"rows": np.asarray(rows, dtype=np.int32), "data": np.asarray(data, dtype=np.uint8)})
+        return fields
+
+    def stage(self, rows, layers=None) -> int:
+        """Copy host ``rows`` (e.g. whole blocks) of ``layers`` to the staging buffer's front."""
+        fields, _ = self._call(MsgType.STAGE, {"layers": None if layers is None else [int(x) for x in layers]},
+                               {"rows": np.asarray(rows, dtype=np.int32)})
+        return fields["bytes"]
+
+    def stats(self) -> dict:
+        return self._call(MsgType.STATS)[0]["stats"]
+
+    # -- plumbing ----------------------------------------------------------------
+    def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
+        if self._sock is None:
+            raise SparseKVError("client is not connected; call connect() or use it as a context manager")
+        req = self._next_id
+        self._next_id += 1
+        self._sock.send_multipart(encode(msg_type, req, fields, arrays), copy=False)
+        return req
+
+    def _await_reply(self, req_id: int):
+        while req_id not in self._replies:
+            if not self._sock.poll(int(self.timeout_s * 1000)):
+                raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s",
+                                        ErrorCode.INTERNAL)
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                header, arrays = decode(frames)
+            except ProtocolError as e:
+                raise SparseKVError(f"undecodable reply: {e}") from None
+            self._replies[header["id"]] = (header, arrays)
+        header, arrays = self._replies.pop(req_id)
+        if not header.get("ok"):
+            raise error_for(header.get("code", int(ErrorCode.INTERNAL)), header.get("msg", "no message"))
+        return header, arrays
+
+    def _call(self, msg_type: MsgType, fields=None, arrays=None):
+        return self._await_reply(self._send(msg_type, fields, arrays))

@@ -1,0 +1,61 @@
+"""Typed exceptions raised by the client; each carries the daemon's code and message."""
+
+from __future__ import annotations
+
+from sparsekv.proto import ErrorCode
+
+
+class SparseKVError(Exception):
+    """A request failed. ``code`` is a :class:`~sparsekv.proto.ErrorCode`."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, code: ErrorCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = ErrorCode(code)
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.args[0]}"
+
+
+class DaemonUnavailable(SparseKVError):
+    """No daemon answered in time (not running, wrong --run-dir, or stuck)."""
+
+
+class ProtocolMismatch(SparseKVError):
+    code = ErrorCode.BAD_VERSION
+
+
+class LayoutMismatch(SparseKVError):
+    code = ErrorCode.LAYOUT_MISMATCH
+
+
+class PoolFull(SparseKVError):
+    code = ErrorCode.POOL_FULL
+
+
+class BadRequest(SparseKVError):
+    """The request was malformed or out of range (BAD_* , DUPLICATE_IDS, TOO_LARGE...)."""
+
+
+class NotAttached(SparseKVError):
+    code = ErrorCode.NOT_ATTACHED
+
+
+_BY_CODE = {
+    ErrorCode.BAD_VERSION: ProtocolMismatch,
+    ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
+    ErrorCode.POOL_FULL: PoolFull,
+    ErrorCode.NOT_ATTACHED: NotAttached,
+    ErrorCode.NOT_HELLO: NotAttached,
+}
+
+
+def error_for(code: int, message: str) -> SparseKVError:
+    try:
+        code = ErrorCode(code)
+    except ValueError:
+        return SparseKVError(f"unknown error code {code}: {message}")
+    cls = _BY_CODE.get(code, BadRequest if code != ErrorCode.INTERNAL else SparseKVError)
+    return cls(message, code)

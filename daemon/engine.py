@@ -1,0 +1,136 @@
+"""What one engine owns inside the daemon: its pool range and, per rank, a hot slab with
+its residency state. Used by the daemon's server and by the in-process transport alike.
+
+Ordering rules kept here:
+* a step's resets and invalidations apply before any top-k batch of that step;
+* a write lands in the pool before the hot copies of its rows are dropped, in every rank:
+  the next resolve that names the row misses and reads the new bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparsekv.proto.layout import Layout
+
+from .residency.base import Mover, Residency, ResidencyError, Resolved
+
+
+def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
+    """Integer array of ``ndim`` dims as int32, or a BAD_ARGUMENT error naming it."""
+    a = np.asarray(a)
+    if a.ndim != ndim:
+        raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise ResidencyError("BAD_ARGUMENT", f"{name} must hold integers, got {a.dtype}")
+    if a.dtype != np.int32:
+        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+            raise ResidencyError("BAD_ARGUMENT", f"{name} has values outside int32")
+        a = a.astype(np.int32)
+    return a
+
+
+@dataclass
+class RankState:
+    """One rank's attachment: its hot slab, its residency and the current step."""
+
+    rank: int
+    device: str
+    residency: Residency
+    mover: Mover
+    slab: np.ndarray | object
+    staging: np.ndarray | object | None
+    step: int = -1
+    state_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+
+    def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
+        """Record the batch of a decode step; apply its resets and invalidations."""
+        lay = self.residency.layout
+        state_rows = as_ids("state_rows", state_rows, 1)
+        if state_rows.size > 0 and ((state_rows < -1) | (state_rows >= lay.max_reqs)).any():
+            bad = state_rows[(state_rows < -1) | (state_rows >= lay.max_reqs)][0]
+            raise ResidencyError("BAD_STATE_ROW", f"state row {int(bad)} out of range [-1, {lay.max_reqs})")
+        if reset is not None:
+            reset = np.asarray(reset)
+            if reset.shape != state_rows.shape:
+                raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]={state_rows.shape}, got {reset.shape}")
+        if invalidate is not None:
+            invalidate = as_ids("invalidate", invalidate, 2)
+            if invalidate.shape[0] != state_rows.shape[0]:
+                raise ResidencyError(
+                    "BAD_ARGUMENT", f"invalidate must be [batch, n] with batch {state_rows.shape[0]}, got {invalidate.shape}"
+                )
+        # All checks passed: now change state.
+        if reset is not None and reset.any():
+            self.residency.reset(state_rows[reset.astype(bool) & (state_rows >= 0)])
+        if invalidate is not None and invalidate.size:
+            for b in np.flatnonzero(state_rows >= 0):
+                rows = invalidate[b][invalidate[b] >= 0]
+                if rows.size:
+                    self.residency.invalidate(int(state_rows[b]), rows)
+        self.step = int(step)
+        self.state_rows = state_rows
+
+    def topk(self, step: int, group: int, topk, state_rows=None) -> tuple[Resolved, int]:
+        """Resolve one index group's top-k batch and gather its misses for every layer of
+        the group; return the result and the bytes moved."""
+        if state_rows is None:
+            if step != self.step:
+                raise ResidencyError(
+                    "BAD_ARGUMENT", f"top-k for step {step} but the last STEP was {self.step}; send STEP first"
+                )
+            state_rows = self.state_rows
+        else:
+            state_rows = as_ids("state_rows", state_rows, 1)
+        topk = as_ids("topk", topk, 2)
+        lay = self.residency.layout
+        res = self.residency.resolve(group, state_rows, topk)
+        moved = self.mover.gather(res.plan, lay.groups[group])
+        return res, moved
+
+
+class EngineSpace:
+    """One engine's share of the daemon: layout, pool range, and its ranks' states."""
+
+    def __init__(self, name: str, layout: Layout, pool: np.ndarray, pool_offset: int = 0):
+        self.name = name
+        self.layout = layout
+        self.pool = pool  # uint8 [num_layers, host_rows, row_bytes]
+        self.pool_offset = pool_offset
+        self.ranks: dict[int, RankState] = {}  # by client id
+
+    def write(self, layers, rows, data) -> tuple[int, int]:
+        """Copy ``data`` [len(layers), n, row_bytes] into host ``rows`` of ``layers`` and drop
+        every hot copy of those rows in every rank. Returns (bytes written, slots dropped)."""
+        lay = self.layout
+        layers = check_layers(lay, layers)
+        rows = as_ids("rows", rows, 1)
+        if rows.size and (rows.min() < 0 or rows.max() >= lay.host_rows):
+            raise ResidencyError("BAD_ARGUMENT", f"write rows must lie in [0, {lay.host_rows})")
+        data = np.asarray(data)
+        want = (len(layers), rows.shape[0], lay.row_bytes)
+        if data.dtype != np.uint8 or data.shape != want:
+            raise ResidencyError("BAD_ARGUMENT", f"write data must be uint8 {list(want)}, got {data.dtype} {list(data.shape)}")
+        for i, layer in enumerate(layers):
+            self.pool[layer, rows] = data[i]
+        dropped = sum(r.residency.invalidate_everywhere(rows) for r in self.ranks.values())
+        return data.nbytes, dropped
+
+    def read(self, layers, rows) -> np.ndarray:
+        layers = check_layers(self.layout, layers)
+        rows = as_ids("rows", rows, 1)
+        return self.pool[np.asarray(layers)[:, None], rows[None, :]]
+
+
+def check_layers(layout: Layout, layers) -> tuple[int, ...]:
+    if layers is None:
+        return tuple(range(layout.num_layers))
+    try:
+        out = tuple(int(x) for x in layers)
+    except (TypeError, ValueError):
+        raise ResidencyError("BAD_ARGUMENT", "layers must be a list of layer numbers") from None
+    if any(not 0 <= x < layout.num_layers for x in out):
+        raise ResidencyError("BAD_ARGUMENT", f"layers must lie in [0, {layout.num_layers}), got {list(out)}")
+    return out

@@ -1,0 +1,412 @@
+"""The control plane: a ZeroMQ ROUTER served on (uv)asyncio, plus the stats socket.
+
+One thread owns the ROUTER socket and every worker's state (STYLE 5): requests are
+handled one at a time in arrival order, so no lock guards the residency state. On the
+cpu backend the gather runs inline; on cuda the handlers only enqueue work on the
+device's copy stream, so the loop never waits on the GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import psutil
+import zmq
+import zmq.asyncio
+
+from sparsekv.proto import (
+    ERROR_HINTS,
+    PROTOCOL_VERSION,
+    REQUESTS,
+    ErrorCode,
+    Layout,
+    LayoutError,
+    MsgType,
+    ProtocolError,
+    decode,
+    reply_error,
+    reply_ok,
+)
+
+from . import stats as stats_mod
+from .engine import EngineSpace, RankState, check_layers
+from .notify import Notifier
+from .pool import HostPool, PoolError
+from .residency.base import ResidencyError
+
+log = logging.getLogger("sparsekv.server")
+
+
+@dataclass
+class Session:
+    """One connected client (one engine rank), keyed by its ZeroMQ identity."""
+
+    identity: bytes
+    client_id: int
+    pid: int
+    rank: int
+    device: str
+    name: str
+    proc_started: float | None
+    connected_at: float = field(default_factory=time.time)
+    engine: str | None = None
+    state: RankState | None = None
+    requests: int = 0
+
+
+class Daemon:
+    def __init__(self, run_dir: str, backend, pool: HostPool, *, max_clients: int = 256,
+                 reap_interval_s: float = 2.0, notifier: Notifier | None = None):
+        self.run_dir = run_dir
+        self.backend = backend
+        self.pool = pool
+        self.max_clients = max_clients
+        self.reap_interval_s = reap_interval_s
+        self.notifier = notifier or Notifier({})
+        self.stats = stats_mod.Stats()
+        self.sessions: dict[bytes, Session] = {}
+        self.engines: dict[str, EngineSpace] = {}
+        self._next_client_id = 1
+        self._stop = asyncio.Event()
+        self.handlers = {
+            MsgType.HELLO: self.on_hello,
+            MsgType.ATTACH: self.on_attach,
+            MsgType.STEP: self.on_step,
+            MsgType.TOPK: self.on_topk,
+            MsgType.WRITE: self.on_write,
+            MsgType.STAGE: self.on_stage,
+            MsgType.DETACH: self.on_detach,
+            MsgType.STATS: self.on_stats,
+        }
+        # The protocol is declared once in proto/; refuse to start if it and the handlers drift.
+        missing = set(REQUESTS) - set(self.handlers)
+        if missing or set(self.handlers) - set(REQUESTS):
+            raise RuntimeError(f"handlers do not match proto.REQUESTS: {sorted(m.name for m in missing)}")
+
+    @property
+    def control_path(self) -> str:
+        return os.path.join(self.run_dir, "control.sock")
+
+    @property
+    def stats_path(self) -> str:
+        return os.path.join(self.run_dir, "stats.sock")
+
+    # -- serving ------------------------------------------------------------------
+    async def serve(self, on_ready=None) -> None:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        for p in (self.control_path, self.stats_path):
+            if os.path.exists(p):
+                os.unlink(p)
+        sock.bind(f"ipc://{self.control_path}")
+        stats_server = await asyncio.start_unix_server(self._stats_client, path=self.stats_path)
+        os.chmod(self.control_path, 0o660)
+        os.chmod(self.stats_path, 0o660)
+        tasks = [asyncio.create_task(self._reaper(), name="reaper")]
+        if self.notifier.watchdog_interval_s:
+            tasks.append(asyncio.create_task(self._watchdog(), name="watchdog"))
+        status = f"serving {len(self.backend.devices)} device(s), pool {self.pool.size_bytes >> 20} MiB"
+        log.info("ready: %s on %s", status, self.control_path)
+        self.notifier.ready(status)
+        if on_ready:
+            on_ready()
+        stop_wait = asyncio.create_task(self._stop.wait())
+        try:
+            while not self._stop.is_set():
+                recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+                done, _ = await asyncio.wait({recv, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if recv not in done:
+                    recv.cancel()
+                    break
+                frames = recv.result()
+                identity, body = frames[0].bytes, frames[1:]
+                reply = self.handle(identity, body)
+                await sock.send_multipart([identity, *reply], copy=False)
+        finally:
+            self.notifier.stopping()
+            log.info("stopping: detaching %d client(s)", len(self.sessions))
+            for t in tasks:
+                t.cancel()
+            stats_server.close()
+            for s in list(self.sessions.values()):
+                self._detach(s)
+            self.sessions.clear()
+            sock.close(0)
+            ctx.term()
+            for p in (self.control_path, self.stats_path):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def handle(self, identity: bytes, frames) -> list:
+        """Answer one request; never raises. Errors are replies with a code and message."""
+        t0 = time.perf_counter()
+        msg_type, req_id = 0, 0
+        try:
+            header, arrays = decode(frames)
+            msg_type, req_id = header["t"], header["id"]
+            if header["v"] != PROTOCOL_VERSION:
+                raise ProtocolError(
+                    ErrorCode.BAD_VERSION,
+                    f"client speaks protocol version {header['v']}, this daemon speaks {PROTOCOL_VERSION}",
+                )
+            try:
+                kind = MsgType(msg_type)
+            except ValueError:
+                raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}") from None
+            need_fields, allowed_arrays = REQUESTS[kind]
+            absent = [f for f in need_fields if f not in header]
+            if absent:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} needs field(s) {sorted(absent)}")
+            extra = set(arrays) - allowed_arrays
+            if extra:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} takes no array(s) {sorted(extra)}")
+            session = self.sessions.get(identity)
+            if kind != MsgType.HELLO and session is None:
+                raise ProtocolError(ErrorCode.NOT_HELLO, "no HELLO from this connection")
+            if session is not None:
+                session.requests += 1
+            fields, out_arrays = self.handlers[kind](session, identity, header, arrays)
+            self.stats.add(requests=1)
+            if kind == MsgType.TOPK:
+                self.stats.latency(time.perf_counter() - t0)
+            return reply_ok(msg_type, req_id, fields, out_arrays)
+        except (ProtocolError, ResidencyError, LayoutError, PoolError) as e:
+            code = _code_of(e)
+            self.stats.add(requests=1)
+            self.stats.error(code.name)
+            log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
+            return reply_error(msg_type, req_id, code, f"{e.args[0]} ({ERROR_HINTS.get(code, '')})")
+        except Exception as e:  # noqa: BLE001 - a bug must not take the daemon down
+            log.exception("internal error on request type %s", msg_type)
+            self.stats.add(requests=1)
+            self.stats.error(ErrorCode.INTERNAL.name)
+            return reply_error(msg_type, req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})")
+
+    # -- handlers: each returns (fields, arrays) --------------------------------------
+    def on_hello(self, session, identity, h, arrays):
+        if session is not None:  # the same connection says hello again: start over
+            self._detach(session)
+            del self.sessions[identity]
+        if len(self.sessions) >= self.max_clients:
+            raise ProtocolError(ErrorCode.TOO_MANY_CLIENTS, f"{len(self.sessions)} clients connected (max {self.max_clients})")
+        pid, rank = _int(h, "pid"), _int(h, "rank")
+        try:
+            started = psutil.Process(pid).create_time()
+        except (psutil.Error, ValueError):
+            started = None
+        s = Session(identity, self._next_client_id, pid, rank, str(h["device"]), str(h["name"])[:128], started)
+        self._next_client_id += 1
+        self.sessions[identity] = s
+        log.info("client %d hello: pid %d rank %d device %s %s", s.client_id, pid, rank, s.device, s.name)
+        return {"client_id": s.client_id, "daemon_pid": os.getpid(), "version": PROTOCOL_VERSION,
+                **self.backend.describe()}, None
+
+    def on_attach(self, s: Session, identity, h, arrays):
+        if s.state is not None:
+            raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"client {s.client_id} is attached to engine {s.engine!r}")
+        engine = str(h["engine"])
+        if not engine or len(engine) > 128:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "engine must be a name of 1..128 characters")
+        try:
+            layout = Layout.from_wire(h["layout"])
+        except (LayoutError, TypeError) as e:
+            raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
+        space = self.engines.get(engine)
+        created = space is None
+        if created:
+            offset = self.pool.allocate(layout.pool_bytes)
+            view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
+            space = EngineSpace(engine, layout, view, offset)
+        elif space.layout != layout:
+            raise ProtocolError(
+                ErrorCode.LAYOUT_MISMATCH,
+                f"engine {engine!r} is attached with {space.layout.to_wire()}, this rank sent {layout.to_wire()}",
+            )
+        try:
+            state, handles = self.backend.new_rank(space, s.client_id, s.rank, s.device)
+        except Exception:
+            if created:
+                self.pool.release(space.pool_offset)
+            raise
+        space.ranks[s.client_id] = state
+        self.engines[engine] = space
+        s.engine, s.state = engine, state
+        log.info("client %d attached to engine %r (%s)", s.client_id, engine, "new" if created else "joined")
+        return {"handles": handles, "layout": layout.to_wire()}, None
+
+    def on_step(self, s: Session, identity, h, a):
+        st = self._state(s)
+        if "state_rows" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STEP needs the state_rows array")
+        if a["state_rows"].shape[0] > 4096:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"batch of {a['state_rows'].shape[0]} exceeds 4096")
+        st.begin_step(_int(h, "step"), a["state_rows"], a.get("reset"), a.get("invalidate"))
+        self.stats.add(steps=1)
+        return {}, None
+
+    def on_topk(self, s: Session, identity, h, a):
+        st = self._state(s)
+        if "topk" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
+        res, moved = st.topk(_int(h, "step"), _int(h, "group"), a["topk"], a.get("state_rows"))
+        misses = int(res.misses.sum())
+        layers = len(st.residency.layout.groups[_int(h, "group")])
+        self.stats.add(topk_batches=1, hits=res.hits, misses=misses, rows_moved=misses * layers,
+                       bytes_moved=moved, out_of_range=res.out_of_range)
+        return {"hits": res.hits, "out_of_range": res.out_of_range}, {"slots": res.slots, "misses": res.misses}
+
+    def on_write(self, s: Session, identity, h, a):
+        self._state(s)
+        if "rows" not in a or "data" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE needs the rows and data arrays")
+        space = self.engines[s.engine]
+        nbytes, dropped = space.write(h["layers"], a["rows"], a["data"])
+        self.stats.add(rows_written=a["rows"].shape[0] * a["data"].shape[0], bytes_written=nbytes, hot_invalidated=dropped)
+        return {"bytes": nbytes, "invalidated": dropped}, None
+
+    def on_stage(self, s: Session, identity, h, a):
+        st = self._state(s)
+        if "rows" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STAGE needs the rows array")
+        from .engine import as_ids  # noqa: PLC0415
+
+        rows = as_ids("rows", a["rows"], 1)
+        lay = st.residency.layout
+        if rows.size and (rows.min() < 0 or rows.max() >= lay.host_rows):
+            raise ResidencyError("BAD_ARGUMENT", f"stage rows must lie in [0, {lay.host_rows})")
+        layers = check_layers(lay, h["layers"])
+        nbytes = st.mover.stage(rows, layers)
+        self.stats.add(rows_staged=rows.size * len(layers))
+        return {"bytes": nbytes}, None
+
+    def on_detach(self, s: Session, identity, h, a):
+        attached = s.state is not None
+        self._detach(s)
+        return {"was_attached": attached}, None
+
+    def on_stats(self, s: Session, identity, h, a):
+        return {"stats": self.snapshot()}, None
+
+    # -- helpers ------------------------------------------------------------------
+    def _state(self, s: Session) -> RankState:
+        if s.state is None:
+            raise ProtocolError(ErrorCode.NOT_ATTACHED, f"client {s.client_id} has not attached a layout")
+        return s.state
+
+    def _detach(self, s: Session) -> None:
+        if s.state is None:
+            return
+        space = self.engines.get(s.engine)
+        if space is not None:
+            space.ranks.pop(s.client_id, None)
+            if not space.ranks:  # the last rank left: the engine's rows go with it
+                del self.engines[s.engine]
+                self.pool.release(space.pool_offset)
+        self.backend.release_rank(s.client_id)
+        log.info("client %d detached from engine %r", s.client_id, s.engine)
+        s.state, s.engine = None, None
+
+    def snapshot(self) -> dict:
+        return self.stats.snapshot({
+            **self.backend.describe(),
+            "clients": len(self.sessions),
+            "attached": sum(1 for s in self.sessions.values() if s.state is not None),
+            "engines": len(self.engines),
+            "pool_bytes": self.pool.size_bytes,
+            "pool_used_bytes": self.pool.used_bytes,
+            "protocol_version": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+        })
+
+    def client_lines(self) -> str:
+        now = time.time()
+        lines = ["id\tpid\trank\tdevice\tengine\tattached\trequests\tage_s\tname"]
+        for s in sorted(self.sessions.values(), key=lambda s: s.client_id):
+            lines.append(
+                f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
+                f"{'yes' if s.state else 'no'}\t{s.requests}\t{now - s.connected_at:.0f}\t{s.name or '-'}"
+            )
+        return "\n".join(lines) + "\n"
+
+    def reap_dead(self) -> int:
+        """Detach clients whose process is gone (ZeroMQ does not say when a peer leaves)."""
+        dead = []
+        for identity, s in self.sessions.items():
+            try:
+                alive = psutil.Process(s.pid).create_time() == s.proc_started if s.proc_started else psutil.pid_exists(s.pid)
+            except psutil.NoSuchProcess:
+                alive = False
+            except psutil.Error:
+                alive = True  # cannot tell (permissions): keep it
+            if not alive:
+                dead.append(identity)
+        for identity in dead:
+            s = self.sessions.pop(identity)
+            log.warning("client %d (pid %d) is gone; detaching it", s.client_id, s.pid)
+            self._detach(s)
+        return len(dead)
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            try:
+                self.reap_dead()
+            except Exception:  # noqa: BLE001
+                log.exception("reaper failed")
+
+    async def _watchdog(self) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_interval_s)
+
+    async def _stats_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), timeout=5.0)
+            cmd = line.decode(errors="replace").strip().lower() or "stats"
+            if cmd == "stats":
+                out = stats_mod.render_table(self.snapshot())
+            elif cmd == "json":
+                out = stats_mod.render_json(self.snapshot())
+            elif cmd == "prometheus":
+                out = stats_mod.render_prometheus(self.snapshot())
+            elif cmd == "clients":
+                out = self.client_lines()
+            else:
+                out = f"error: unknown command {cmd[:40]!r}; try stats, json, prometheus, clients\n"
+            writer.write(out.encode())
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def _int(h: dict, name: str) -> int:
+    v = h.get(name)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"field {name!r} must be an integer, got {type(v).__name__}")
+    return v
+
+
+def _code_of(e: Exception) -> ErrorCode:
+    if isinstance(e, ProtocolError):
+        return e.code
+    if isinstance(e, ResidencyError):
+        return ErrorCode[e.code]
+    if isinstance(e, LayoutError):
+        return ErrorCode.BAD_LAYOUT
+    if isinstance(e, PoolError):
+        return ErrorCode.POOL_FULL
+    return ErrorCode.INTERNAL

@@ -1,0 +1,108 @@
+"""Encode and decode multipart messages: a msgpack header plus raw array frames."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+from .messages import LIMITS, PROTOCOL_VERSION, WIRE_DTYPES, ErrorCode, Limits, MsgType, ProtocolError
+
+
+def encode(
+    msg_type: MsgType | int,
+    req_id: int,
+    fields: dict[str, Any] | None = None,
+    arrays: dict[str, np.ndarray] | None = None,
+) -> list:
+    """Return the frames of one message. Arrays are sent without a copy when contiguous."""
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": int(msg_type), "id": int(req_id)}
+    if fields:
+        header.update(fields)
+    frames: list = [None]
+    if arrays:
+        desc = []
+        for name, a in arrays.items():
+            a = np.ascontiguousarray(a)
+            desc.append([name, a.dtype.name, list(a.shape)])
+            frames.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+        header["arrays"] = desc
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, np.ndarray]]:
+    """Parse ``frames`` into ``(header, arrays)``; raise :class:`ProtocolError` on any flaw.
+
+    The arrays are read-only views of the received frames (no copy).
+    """
+    if not frames:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "empty message")
+    if len(frames) > limits.max_frames:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(frames)} frames exceed the limit of {limits.max_frames}")
+    raw = _bytes(frames[0])
+    if len(raw) > limits.max_header_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header of {len(raw)} bytes exceeds {limits.max_header_bytes}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"header is not msgpack: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "header must be a map")
+    for key in ("v", "t", "id"):
+        if not isinstance(header.get(key), int):
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"header field {key!r} must be an integer")
+    desc = header.pop("arrays", [])
+    if not isinstance(desc, list) or len(desc) != len(frames) - 1:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME,
+            f"header describes {len(desc) if isinstance(desc, list) else '?'} arrays but {len(frames) - 1} frames follow",
+        )
+    arrays: dict[str, np.ndarray] = {}
+    for item, frame in zip(desc, frames[1:]):
+        name, array = _array(item, frame, limits)
+        if name in arrays:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r} sent twice")
+        arrays[name] = array
+    return header, arrays
+
+
+def _bytes(frame) -> bytes | memoryview:
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        return frame
+    return frame.buffer  # zmq.Frame
+
+
+def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
+    if not (isinstance(item, list) and len(item) == 3):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "array description must be [name, dtype, shape]")
+    name, dtype, shape = item
+    if not isinstance(name, str) or dtype not in WIRE_DTYPES:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: dtype {dtype!r} is not allowed on the wire")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > limits.max_array_dims
+        or not all(isinstance(d, int) and d >= 0 for d in shape)
+    ):
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: bad shape {shape!r}")
+    buf = _bytes(frame)
+    nbytes = len(buf)
+    if nbytes > limits.max_frame_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"array {name!r} of {nbytes} bytes exceeds {limits.max_frame_bytes}")
+    dt = np.dtype(dtype)
+    want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if want != nbytes:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"array {name!r}: shape {shape} of {dtype} needs {want} bytes, frame has {nbytes}"
+        )
+    a = np.frombuffer(buf, dtype=dt) if nbytes else np.empty(0, dt)
+    return name, a.reshape(shape)
+
+
+def reply_ok(msg_type: int, req_id: int, fields=None, arrays=None) -> list:
+    return encode(msg_type, req_id, {"ok": True, **(fields or {})}, arrays)
+
+
+def reply_error(msg_type: int, req_id: int, code: ErrorCode, message: str) -> list:
+    return encode(msg_type, req_id, {"ok": False, "code": int(code), "error": ErrorCode(code).name, "msg": message})

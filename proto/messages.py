@@ -1,0 +1,116 @@
+"""The sparsekv wire protocol, declared once.
+
+A message is a ZeroMQ multipart: one msgpack header (a map) followed by zero or more raw
+array frames. The header carries ``v`` (protocol version, checked in HELLO), ``t`` (a
+:class:`MsgType`), ``id`` (the client's request id, echoed in the reply), the fields of
+that type, and ``arrays``: one ``[name, dtype, shape]`` per raw frame, in frame order.
+Nothing is ever pickled.
+
+Rules for changing this file: :class:`MsgType` and :class:`ErrorCode` are append-only
+(never reorder, never reuse a number); a change that an old peer cannot read bumps
+:data:`PROTOCOL_VERSION`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+PROTOCOL_VERSION = 1
+
+
+class MsgType(enum.IntEnum):
+    """Request types; a reply carries the request's type. Append-only."""
+
+    HELLO = 1  # version, pid, rank, device, name -> daemon pid, backend, devices
+    ATTACH = 2  # engine, layout -> client slab/staging handles
+    STEP = 3  # step, state_rows, reset, invalidate -> ack
+    TOPK = 4  # step, group, topk [+ state_rows] -> slots, misses (cpu) / event (cuda)
+    WRITE = 5  # layers, rows, data -> ack (rows copied into the pool, hot copies invalidated)
+    STAGE = 6  # layers, rows -> ack (rows copied to the staging buffer)
+    DETACH = 7  # -> ack
+    STATS = 8  # -> counters
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a request failed. Append-only; each has a message a person can act on."""
+
+    OK = 0
+    BAD_FRAME = 1
+    BAD_VERSION = 2
+    UNKNOWN_TYPE = 3
+    NOT_HELLO = 4
+    NOT_ATTACHED = 5
+    BAD_LAYOUT = 6
+    LAYOUT_MISMATCH = 7
+    POOL_FULL = 8
+    BAD_ARGUMENT = 9
+    BAD_STATE_ROW = 10
+    DUPLICATE_IDS = 11
+    TOO_LARGE = 12
+    ALREADY_ATTACHED = 13
+    TOO_MANY_CLIENTS = 14
+    INTERNAL = 15
+    SHUTTING_DOWN = 16
+
+
+ERROR_HINTS: dict[ErrorCode, str] = {
+    ErrorCode.BAD_FRAME: "the message could not be decoded; check the client and daemon versions",
+    ErrorCode.BAD_VERSION: "client and daemon speak different protocol versions; upgrade one of them",
+    ErrorCode.UNKNOWN_TYPE: "the daemon does not know this request type; upgrade the daemon",
+    ErrorCode.NOT_HELLO: "send HELLO first (Client.connect does this)",
+    ErrorCode.NOT_ATTACHED: "attach a layout before sending steps, top-k batches or writes",
+    ErrorCode.BAD_LAYOUT: "the layout is inconsistent; the message names the field",
+    ErrorCode.LAYOUT_MISMATCH: "every rank of one engine must attach with the same layout",
+    ErrorCode.POOL_FULL: "the host pool has no room for this layout; raise --pool-size or lower host_rows",
+    ErrorCode.BAD_ARGUMENT: "an argument has the wrong shape, type or range",
+    ErrorCode.BAD_STATE_ROW: "state rows must lie in [-1, max_reqs)",
+    ErrorCode.DUPLICATE_IDS: "a top-k row must not name the same host row twice",
+    ErrorCode.TOO_LARGE: "the message exceeds a protocol limit; split it",
+    ErrorCode.ALREADY_ATTACHED: "this client is attached already; detach first",
+    ErrorCode.TOO_MANY_CLIENTS: "the daemon serves its maximum number of clients",
+    ErrorCode.INTERNAL: "the daemon hit a bug; see its log (journalctl -u sparsekvd)",
+    ErrorCode.SHUTTING_DOWN: "the daemon is stopping",
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Explicit size limits, checked on decode before anything is allocated."""
+
+    max_frames: int = 16
+    max_header_bytes: int = 64 * 1024
+    max_frame_bytes: int = 1 << 30  # one raw array frame
+    max_array_dims: int = 4
+    max_batch: int = 4096
+    max_write_rows: int = 1 << 20
+
+
+LIMITS = Limits()
+
+# Array dtypes allowed on the wire (NumPy names).
+WIRE_DTYPES = frozenset({"int32", "int64", "uint8", "bool", "float32", "float64"})
+
+# The fields each request carries besides v/t/id/arrays, and the arrays it may send:
+# the daemon checks every handler against this table at start (see daemon/server.py).
+REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
+    MsgType.HELLO: (frozenset({"pid", "rank", "device", "name"}), frozenset()),
+    MsgType.ATTACH: (frozenset({"engine", "layout"}), frozenset()),
+    MsgType.STEP: (frozenset({"step"}), frozenset({"state_rows", "reset", "invalidate"})),
+    MsgType.TOPK: (frozenset({"step", "group"}), frozenset({"topk", "state_rows"})),
+    MsgType.WRITE: (frozenset({"layers"}), frozenset({"rows", "data"})),
+    MsgType.STAGE: (frozenset({"layers"}), frozenset({"rows"})),
+    MsgType.DETACH: (frozenset(), frozenset()),
+    MsgType.STATS: (frozenset(), frozenset()),
+}
+
+
+class ProtocolError(Exception):
+    """A request or reply that breaks the protocol, with the code to answer it."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = ErrorCode(code)
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.args[0]}"
