@@ -1,0 +1,137 @@
+"""``sparsekv demo``: the main job on embedded defaults.
+
+Starts a private daemon (cuda if a GPU is present, else cpu), connects two tensor-parallel
+ranks as separate processes to one engine, runs a synthetic decode, checks every row the
+ranks read, and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import sys
+import time
+
+import numpy as np
+
+from .client import Client
+from .private_daemon import PrivateDaemon
+from .trace import synth
+from .verify import count_mismatches, fill_pool
+
+DEFAULTS = dict(steps=300, batch=8, top_k=256, region_stride=512, max_reqs=16, host_rows=65536,
+                row_bytes=656, num_layers=4, overlap=0.8, context=2048, lifetime=64, seed=7)
+GROUPS = ((0, 1), (2, 3))  # two index groups of two layers (leader + follower)
+
+
+def _rank_main(run_dir: str, rank: int, params: dict, barrier, results, show_progress: bool) -> None:
+    trace = synth(**{k: params[k] for k in DEFAULTS})
+    layout = trace.layout()
+    layout = dataclasses.replace(layout, index_groups=GROUPS)
+    lat = np.zeros(trace.steps)
+    bad = 0
+    with Client(run_dir, rank=rank, name=f"demo-rank{rank}") as c:
+        att = c.attach(layout, engine="demo")
+        if rank == 0:
+            fill_pool(c, layout)  # the "prefill": every host row gets known bytes
+        barrier.wait()
+        bar = _Progress(trace.steps) if show_progress else None
+        for t in range(trace.steps):
+            t0 = time.perf_counter()
+            c.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
+            # Both groups go out before waiting: the daemon works while the client sends.
+            pend = [c.submit_topk(t, g, trace.topk[t]) for g in range(len(GROUPS))]
+            res = [p.wait() for p in pend]
+            lat[t] = time.perf_counter() - t0
+            for g, r in enumerate(res):
+                bad += count_mismatches(att.slab, GROUPS[g], trace.state_rows[t], trace.topk[t], r.slots, layout.host_rows)
+            if bar:
+                bar.update(t + 1)
+        if bar:
+            bar.close()
+        barrier.wait()
+        stats = c.stats() if rank == 0 else None
+    results.put({"rank": rank, "lat": lat, "mismatched": bad, "stats": stats, "bytes_per_row": layout.row_bytes})
+
+
+class _Progress:
+    """A progress bar on a terminal; plain log lines every 10 % otherwise (journald-safe)."""
+
+    def __init__(self, total: int):
+        self.total, self.tty, self.last = total, sys.stderr.isatty(), -1
+
+    def update(self, n: int) -> None:
+        pct = n * 100 // self.total
+        if self.tty:
+            width = 40
+            fill = width * n // self.total
+            sys.stderr.write(f"\rdecode [{'#' * fill}{'.' * (width - fill)}] {n}/{self.total}")
+            sys.stderr.flush()
+        elif pct // 10 != self.last // 10:
+            sys.stderr.write(f"decode {pct}% ({n}/{self.total} steps)\n")
+        self.last = pct
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = True) -> dict:
+    params = dict(DEFAULTS)
+    if steps is not None:
+        params["steps"] = steps
+    pool_bytes = params["num_layers"] * params["host_rows"] * params["row_bytes"] + (16 << 20)
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    t0 = time.perf_counter()
+    with PrivateDaemon(pool_bytes=pool_bytes, backend=backend) as d:
+        procs = [ctx.Process(target=_rank_main, args=(d.run_dir, r, params, barrier, results, progress and r == 0))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        out = [results.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        failed = [p.exitcode for p in procs if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"a demo rank failed with exit code {failed[0]}")
+    wall = time.perf_counter() - t0
+    out.sort(key=lambda r: r["rank"])
+    stats = out[0]["stats"]
+    lat = np.concatenate([r["lat"] for r in out]) * 1e6
+    return {
+        "backend": stats["backend"],
+        "ranks": len(out),
+        "steps": params["steps"],
+        "batch": params["batch"],
+        "top_k": params["top_k"],
+        "layers": params["num_layers"],
+        "hit_rate": stats["hit_rate"],
+        "hits": stats["hits"],
+        "misses": stats["misses"],
+        "rows_moved": stats["rows_moved"],
+        "bytes_moved": stats["bytes_moved"],
+        "step_p50_us": float(np.percentile(lat, 50)),
+        "step_p99_us": float(np.percentile(lat, 99)),
+        "mismatched_rows": int(sum(r["mismatched"] for r in out)),
+        "wall_s": wall,
+    }
+
+
+def format_table(s: dict) -> str:
+    rows = [
+        ("backend", s["backend"]),
+        ("ranks (processes)", s["ranks"]),
+        ("steps x batch x top_k", f"{s['steps']} x {s['batch']} x {s['top_k']}"),
+        ("layers (2 index groups)", s["layers"]),
+        ("hit rate", f"{s['hit_rate'] * 100:.2f} %"),
+        ("hits / misses", f"{s['hits']} / {s['misses']}"),
+        ("rows moved", s["rows_moved"]),
+        ("bytes moved", f"{s['bytes_moved'] / 2**20:.1f} MiB"),
+        ("step latency p50", f"{s['step_p50_us']:.0f} us"),
+        ("step latency p99", f"{s['step_p99_us']:.0f} us"),
+        ("rows checked wrong", s["mismatched_rows"]),
+        ("wall time", f"{s['wall_s']:.1f} s"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows) + "\n"
