@@ -90,6 +90,18 @@ def cmd_demo(a) -> int:
     return 1 if s["mismatched_rows"] else 0
 
 
+def cmd_bench(a) -> int:
+    from .bench import format_results, run_bench  # noqa: PLC0415
+
+    which = a.which or ["resolve", "gather", "transport"]
+    unknown = set(which) - {"resolve", "gather", "transport"}
+    if unknown:
+        print(f"sparsekv bench: unknown benchmark(s) {sorted(unknown)}", file=sys.stderr)
+        return 2
+    sys.stdout.write(format_results(run_bench(which)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv", description="sparsekv user commands")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -143,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         s.add_argument(f"--{name}", type=typ, default=default, help=f"{help_text} (default {default})")
     s.set_defaults(fn=cmd_trace_synth)
+
+    q = sub.add_parser("bench", help="speed figures, each against a baseline measured in the same run")
+    q.add_argument("which", nargs="*", metavar="resolve|gather|transport", help="benchmarks to run (default: all)")
+    q.set_defaults(fn=cmd_bench)
 
     q = sub.add_parser("demo", help="two TP ranks against a private daemon on a synthetic decode")
     q.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")

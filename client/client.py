@@ -95,6 +95,7 @@ class Client:
         self._ctx = self._sock = None
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
+        self._deferred: list[int] = []  # requests sent without waiting (STEP)
 
     # -- connection --------------------------------------------------------------
     def connect(self) -> "Client":
@@ -170,7 +171,9 @@ class Client:
             arrays["reset"] = np.asarray(reset, dtype=bool)
         if invalidate is not None:
             arrays["invalidate"] = np.asarray(invalidate, dtype=np.int32)
-        self._call(MsgType.STEP, {"step": int(step)}, arrays)
+        # Not waited for: the daemon handles requests in order, so the step's reply comes
+        # before the next one's, and its error (if any) is raised by that next wait.
+        self._deferred.append(self._send(MsgType.STEP, {"step": int(step)}, arrays))
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:
         arrays = {"topk": np.asarray(topk, dtype=np.int32)}
@@ -208,7 +211,7 @@ class Client:
         self._sock.send_multipart(encode(msg_type, req, fields, arrays), copy=False)
         return req
 
-    def _await_reply(self, req_id: int):
+    def _receive_until(self, req_id: int) -> None:
         while req_id not in self._replies:
             if not self._sock.poll(int(self.timeout_s * 1000)):
                 raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s",
@@ -219,10 +222,28 @@ class Client:
             except ProtocolError as e:
                 raise SparseKVError(f"undecodable reply: {e}") from None
             self._replies[header["id"]] = (header, arrays)
+
+    def _await_reply(self, req_id: int):
+        self._receive_until(req_id)
+        self._check_deferred()
         header, arrays = self._replies.pop(req_id)
         if not header.get("ok"):
             raise error_for(header.get("code", int(ErrorCode.INTERNAL)), header.get("msg", "no message"))
         return header, arrays
+
+    def _check_deferred(self) -> None:
+        """Raise the first error among deferred requests whose replies have arrived."""
+        for r in [r for r in self._deferred if r in self._replies]:
+            self._deferred.remove(r)
+            header, _ = self._replies.pop(r)
+            if not header.get("ok"):
+                raise error_for(header.get("code", int(ErrorCode.INTERNAL)), header.get("msg", "no message"))
+
+    def flush(self) -> None:
+        """Wait for every deferred request (e.g. the last STEP); raise the first error."""
+        while self._deferred:
+            self._receive_until(self._deferred[0])
+            self._check_deferred()
 
     def _call(self, msg_type: MsgType, fields=None, arrays=None):
         return self._await_reply(self._send(msg_type, fields, arrays))

@@ -121,8 +121,7 @@ class HostPool:
                     return off
         raise PoolError(
             f"host pool has no free range of {format_size(need)} "
-            f"(pool {format_size(self.size_bytes)}, free {format_size(self.free_bytes)}); "
-            "raise --pool-size or lower host_rows"
+            f"(pool {format_size(self.size_bytes)}, free {format_size(self.free_bytes)})"
         )
 
     def release(self, offset: int) -> None:

@@ -117,21 +117,17 @@ class Daemon:
         self.notifier.ready(status)
         if on_ready:
             on_ready()
+        loop_task = asyncio.create_task(self._loop(sock), name="router")
         stop_wait = asyncio.create_task(self._stop.wait())
         try:
-            while not self._stop.is_set():
-                recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
-                done, _ = await asyncio.wait({recv, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if recv not in done:
-                    recv.cancel()
-                    break
-                frames = recv.result()
-                identity, body = frames[0].bytes, frames[1:]
-                reply = self.handle(identity, body)
-                await sock.send_multipart([identity, *reply], copy=False)
+            await asyncio.wait({loop_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if loop_task.done():
+                loop_task.result()  # re-raise what killed the loop
         finally:
             self.notifier.stopping()
             log.info("stopping: detaching %d client(s)", len(self.sessions))
+            loop_task.cancel()
+            stop_wait.cancel()
             for t in tasks:
                 t.cancel()
             stats_server.close()
@@ -145,6 +141,16 @@ class Daemon:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
+
+    async def _loop(self, sock) -> None:
+        """Receive, handle, reply: one request at a time, in arrival order."""
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            if len(frames) < 2:
+                continue  # an empty message carries no request to answer
+            identity = frames[0].bytes
+            reply = self.handle(identity, frames[1:])
+            await sock.send_multipart([identity, *reply], copy=False)
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,0 +1,118 @@
+"""``sparsekv bench``: speed figures as ratios against a baseline measured in the same run.
+
+* ``resolve``: time to resolve one top-k batch (residency only, no bytes moved).
+* ``gather``: rows per second of the plan gather against a bulk copy of the same bytes.
+* ``transport``: a decode step over the daemon (zmq) against the same step in process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
+from sparsekv.proto import Layout
+
+from .client import Client
+from .inproc import InprocClient
+from .private_daemon import PrivateDaemon
+from .trace import synth
+
+
+def _median_s(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def bench_resolve(batch=16, top_k=2048, region_stride=4096, overlap=0.8, reps=20, seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    host_rows = batch * 65536
+    lay = Layout(num_layers=1, row_bytes=16, top_k=top_k, region_stride=region_stride, max_reqs=batch, host_rows=host_rows)
+    eng = CpuResidency(lay)
+    state_rows = np.arange(batch, dtype=np.int32)
+    base = (np.arange(batch) * 65536)[:, None]
+    cur = [base + rng.choice(65536, top_k, replace=False)[None, :] for _ in range(1)][0].astype(np.int32)
+
+    def next_topk():
+        nonlocal cur
+        keep = rng.random(cur.shape) < overlap
+        fresh = base + rng.integers(0, 65536, cur.shape)
+        new = np.where(keep, cur, fresh)
+        # unique per row: replace collisions with -1 (rare)
+        for b in range(batch):
+            _, first = np.unique(new[b], return_index=True)
+            dup = np.ones(top_k, bool)
+            dup[first] = False
+            new[b][dup] = -1
+        cur = new.astype(np.int32)
+        return cur
+
+    batches = [next_topk() for _ in range(reps + 1)]
+    it = iter(batches)
+    per = _median_s(lambda: eng.resolve(0, state_rows, next(it)), reps)
+    return {"bench": "resolve", "batch": batch, "top_k": top_k, "region_stride": region_stride,
+            "overlap": overlap, "median_ms": round(per * 1e3, 3),
+            "columns_per_s": round(batch * top_k / per)}
+
+
+def bench_gather(rows=65536, row_bytes=656, host_rows=1 << 20, reps=5, seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    lay = Layout(num_layers=1, row_bytes=row_bytes, top_k=1, region_stride=rows, max_reqs=1, host_rows=host_rows)
+    pool = rng.integers(0, 255, (1, host_rows, row_bytes), dtype=np.uint8)
+    slab = np.zeros((1, 1, rows, row_bytes), np.uint8)
+    mover = CpuMover(lay, pool, slab, None)
+    from sparsekv.daemon.residency.base import Plan  # noqa: PLC0415
+
+    ids = np.sort(rng.choice(host_rows, rows, replace=False)).astype(np.int32)
+    plan = Plan(rows=ids, slots=np.arange(rows, dtype=np.int32))
+    t_gather = _median_s(lambda: mover.gather(plan, (0,)), reps)
+    src = pool.reshape(-1)[: rows * row_bytes]
+    dst = np.empty_like(src)
+    t_bulk = _median_s(lambda: np.copyto(dst, src), reps)
+    nbytes = rows * row_bytes
+    return {"bench": "gather", "rows": rows, "row_bytes": row_bytes,
+            "gather_GBps": round(nbytes / t_gather / 1e9, 2), "bulk_copy_GBps": round(nbytes / t_bulk / 1e9, 2),
+            "ratio_vs_bulk": round(t_bulk / t_gather, 3)}
+
+
+def bench_transport(steps=100, batch=8, top_k=256) -> dict:
+    tr = synth(steps=steps, batch=batch, top_k=top_k, region_stride=2 * top_k, max_reqs=2 * batch,
+               host_rows=2 * batch * 4096, num_layers=2, context=2048, seed=3)
+    lay = tr.layout()
+
+    def run(client) -> np.ndarray:
+        client.attach(lay, engine="bench")
+        lat = np.zeros(tr.steps)
+        for t in range(tr.steps):
+            t0 = time.perf_counter()
+            client.step(t, tr.state_rows[t], tr.reset[t], tr.invalidate[t])
+            client.topk(t, 0, tr.topk[t])
+            lat[t] = time.perf_counter() - t0
+        client.detach()
+        return lat * 1e6
+
+    with InprocClient() as c:
+        base = run(c)
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cpu") as d, Client(d.run_dir, name="bench") as c:
+        over = run(c)
+    p50b, p50z = float(np.median(base)), float(np.median(over))
+    return {"bench": "transport", "steps": steps, "batch": batch, "top_k": top_k,
+            "inproc_p50_us": round(p50b, 1), "zmq_p50_us": round(p50z, 1),
+            "zmq_p99_us": round(float(np.percentile(over, 99)), 1),
+            "zmq_overhead_us": round(p50z - p50b, 1), "ratio_vs_inproc": round(p50z / p50b, 3)}
+
+
+def run_bench(which: list[str]) -> list[dict]:
+    table = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport}
+    return [table[w]() for w in which]
+
+
+def format_results(results: list[dict]) -> str:
+    return "\n".join(json.dumps(r) for r in results) + "\n"
