@@ -100,18 +100,19 @@ class CpuBackend:
             self.release_rank(cid)
 
 
-def make_backend(name: str, run_dir: str, shm_dir: str, **cuda_opts):
-    """``auto`` picks cuda when a GPU and CuPy are usable, else cpu."""
-    if name in ("auto", "cuda"):
+def make_backend(cfg, pool):
+    """The backend ``cfg.backend`` names; ``auto`` picks cuda when a GPU and CuPy are
+    usable, else cpu."""
+    if cfg.backend in ("auto", "cuda"):
         reason = cuda_unavailable()
         if reason is None:
             from .cuda_backend import CudaBackend  # noqa: PLC0415 - needs cupy
 
-            return CudaBackend(run_dir=run_dir, **cuda_opts)
-        if name == "cuda":
+            return CudaBackend(cfg, pool)
+        if cfg.backend == "cuda":
             raise RuntimeError(f"--backend cuda: {reason}")
         log.info("no usable GPU (%s); using the cpu backend", reason)
-    return CpuBackend(run_dir, shm_dir)
+    return CpuBackend(cfg.run_dir, cfg.shm_dir)
 
 
 def cuda_unavailable() -> str | None:

@@ -69,6 +69,8 @@ class Config:
     shm_dir: str = "/dev/shm"  # where cpu-backend slabs live (clients map them)
     kernel_cache_dir: str = ""  # cuda: compiled kernel cache ("" = ~/.cache/sparsekv/kernels)
     gather_blocks: int = 32  # cuda: thread blocks the gather may use (SMs shared with attention)
+    device_arena_size: int = 16 << 30  # cuda: bytes of the one allocation per GPU for slabs and rings
+    ring_depth: int = 8  # cuda: top-k requests a rank may have in flight (events and result entries)
     log_level: str = "info"
 
     def validate(self) -> "Config":
@@ -76,6 +78,10 @@ class Config:
             raise ConfigError(f"backend must be auto, cpu or cuda, got {self.backend!r}")
         if self.pool_size <= 0:
             raise ConfigError("pool_size must be positive")
+        if self.ring_depth < 1 or self.ring_depth > 1024:
+            raise ConfigError(f"ring_depth must lie in [1, 1024], got {self.ring_depth}")
+        if self.gather_blocks < 1:
+            raise ConfigError(f"gather_blocks must be >= 1, got {self.gather_blocks}")
         if self.max_clients < 1:
             raise ConfigError("max_clients must be >= 1")
         if self.reap_interval_s <= 0:
@@ -90,8 +96,8 @@ class Config:
         lines = []
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "pool_size":
-                lines.append(f'pool_size = "{format_size(v)}"')
+            if f.name in _SIZES:
+                lines.append(f'{f.name} = "{format_size(v)}"')
             elif isinstance(v, str):
                 lines.append(f'{f.name} = "{v}"')
             else:
@@ -99,12 +105,15 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
+_SIZES = ("pool_size", "device_arena_size")
+
+
 def _coerce(name: str, value, source: str):
     kinds = {f.name: f.type for f in fields(Config)}
     if name not in kinds:
         raise ConfigError(f"{source}: unknown setting {name!r}")
     try:
-        if name == "pool_size":
+        if name in _SIZES:
             return parse_size(value)
         kind = kinds[name]
         if kind == "int":
@@ -157,6 +166,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-dir", dest="shm_dir", metavar="DIR")
     p.add_argument("--kernel-cache-dir", dest="kernel_cache_dir", metavar="DIR")
     p.add_argument("--gather-blocks", dest="gather_blocks", type=int, metavar="N")
+    p.add_argument("--device-arena-size", dest="device_arena_size", metavar="SIZE",
+                   help="cuda: one allocation per GPU holding every rank's slab and rings, e.g. 16GiB")
+    p.add_argument("--ring-depth", dest="ring_depth", type=int, metavar="N")
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
 

@@ -86,8 +86,7 @@ def main(argv=None) -> int:
 
         pool = HostPool(cfg.pool_size, cfg.prefault_threads, progress)
         notifier.status("starting backend")
-        backend = make_backend(cfg.backend, cfg.run_dir, cfg.shm_dir, pool=pool, devices=cfg.devices,
-                               kernel_cache_dir=cfg.kernel_cache_dir, gather_blocks=cfg.gather_blocks)
+        backend = make_backend(cfg, pool)
         from .server import Daemon  # noqa: PLC0415 - imports zmq only when serving
 
         daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
