@@ -33,10 +33,24 @@ def default_run_dir() -> str:
 
 @dataclass(frozen=True)
 class TopkResult:
-    slots: np.ndarray  # int32 [batch, top_k]: hot slot of each column in its state row's region, -1 if none
-    misses: np.ndarray  # int32 [batch]
-    hits: int
-    out_of_range: int
+    """Where a top-k batch's rows are. cpu: NumPy arrays, and ``hits`` / ``out_of_range``
+    from the reply. cuda: torch int32 views of the result ring (valid until ``ring_depth``
+    more requests; the current stream already waits for them), counts left to stats."""
+
+    slots: object  # int32 [batch, k]: hot slot of each column in its state row's region, -1 if none
+    misses: object  # int32 [batch]
+    hits: int | None
+    out_of_range: int | None
+    entry: int | None = None  # cuda: the ring entry
+
+    def host(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, misses)`` as NumPy (cuda: waits for the current stream)."""
+        if isinstance(self.slots, np.ndarray):
+            return self.slots, self.misses
+        import torch  # noqa: PLC0415
+
+        torch.cuda.current_stream(self.slots.device).synchronize()
+        return self.slots.cpu().numpy(), self.misses.cpu().numpy()
 
 
 @dataclass
@@ -87,6 +101,8 @@ class Client:
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
                  name: str = "", timeout_s: float = 30.0):
+        """``device``: ``"cpu"``, or ``"cuda:N"`` (this process's GPU numbering) for a rank
+        whose slab lives on a GPU of a cuda-backend daemon."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
         self.timeout_s = timeout_s
@@ -108,8 +124,13 @@ class Client:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"ipc://{path}")
         try:
+            device = self.device
+            if device.startswith("cuda:"):
+                from .cuda_attach import bus_id_of, local_device  # noqa: PLC0415
+
+                device = bus_id_of(local_device(device))  # numbering differs between processes
             self.info = self._call(MsgType.HELLO, {"pid": os.getpid(), "rank": self.rank,
-                                                   "device": self.device, "name": self.name})[0]
+                                                   "device": device, "name": self.name})[0]
         except BaseException:
             self.close()
             raise
@@ -136,12 +157,29 @@ class Client:
             self.close()
 
     # -- requests ----------------------------------------------------------------
-    def attach(self, layout: Layout, engine: str = "default") -> Attachment:
+    def attach(self, layout: Layout, engine: str = "default", fence: bool = False):
+        """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
+        ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
+        before each gather, so attention still reading earlier rows is never overwritten."""
         layout.validate()
-        fields, _ = self._call(MsgType.ATTACH, {"engine": engine, "layout": layout.to_wire()})
-        h = fields["handles"]
+        fields = {"engine": engine, "layout": layout.to_wire()}
+        fence_ring = None
+        if fence and self.device.startswith("cuda"):
+            from sparsekv.daemon.cuda_ipc import EventRing  # noqa: PLC0415
+
+            from .cuda_attach import local_device  # noqa: PLC0415
+
+            fence_ring = EventRing(local_device(self.device), 16)
+            fields["fence_events"] = fence_ring.handles
+        reply, _ = self._call(MsgType.ATTACH, fields)
+        h = reply["handles"]
+        if h.get("kind") == "cuda_ipc":
+            from .cuda_attach import CudaAttachment  # noqa: PLC0415
+
+            self.attachment = CudaAttachment(layout, engine, h, fence_ring)
+            return self.attachment
         if h.get("kind") != "shm":
-            raise SparseKVError(f"this client maps cpu (shm) slabs; the daemon exported {h.get('kind')!r}")
+            raise SparseKVError(f"unknown slab kind {h.get('kind')!r} from the daemon; upgrade the client")
         fd = os.open(h["path"], os.O_RDWR)
         try:
             mm = mmap.mmap(fd, max(h["bytes"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -179,7 +217,15 @@ class Client:
         arrays = {"topk": np.asarray(topk, dtype=np.int32)}
         if state_rows is not None:
             arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
-        req = self._send(MsgType.TOPK, {"step": int(step), "group": int(group)}, arrays)
+        fields = {"step": int(step), "group": int(group)}
+        att = self.attachment
+        if att is not None and hasattr(att, "record_fence"):
+            fence = att.record_fence()
+            if fence is not None:
+                fields["fence"] = fence
+            req = self._send(MsgType.TOPK, fields, arrays)
+            return Pending(self, req, lambda h, a: att.result(h["entry"], h["batch"], h["k"]))
+        req = self._send(MsgType.TOPK, fields, arrays)
         return Pending(self, req, lambda h, a: TopkResult(a["slots"], a["misses"], h["hits"], h["out_of_range"]))
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> TopkResult:

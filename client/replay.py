@@ -32,7 +32,8 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
             if run_dir is None:
                 pool_bytes = layout.pool_bytes + (8 << 20)
                 run_dir = stack.enter_context(PrivateDaemon(pool_bytes=pool_bytes, backend=backend, log_path=daemon_log)).run_dir
-            client = stack.enter_context(Client(run_dir, name="replay"))
+            device = "cuda:0" if backend == "cuda" else "cpu"
+            client = stack.enter_context(Client(run_dir, name="replay", device=device))
         att = client.attach(layout, engine=engine)
         if verify:
             fill_pool(client, layout)
@@ -46,12 +47,18 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
             t0 = time.perf_counter()
             client.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
             r = client.topk(t, 0, trace.topk[t])
+            slots[t], misses[t] = r.host()  # cuda: waits for the gather (the step's end)
             lat[t] = time.perf_counter() - t0
-            slots[t], misses[t] = r.slots, r.misses
-            hits += r.hits
-            out_of_range += r.out_of_range
+            if r.hits is None:  # cuda: counted on the GPU; derive them from the result
+                live = trace.state_rows[t] >= 0
+                ids = trace.topk[t][live]
+                hits += int(((ids >= 0) & (ids < layout.host_rows)).sum()) - int(misses[t].sum())
+                out_of_range += int(((ids < -1) | (ids >= layout.host_rows)).sum())
+            else:
+                hits += r.hits
+                out_of_range += r.out_of_range
             if verify:
-                mismatched += count_mismatches(att.slab, layers, trace.state_rows[t], trace.topk[t], r.slots, layout.host_rows)
+                mismatched += count_mismatches(att.slab, layers, trace.state_rows[t], trace.topk[t], slots[t], layout.host_rows)
         elapsed = time.perf_counter() - t_start
         client.detach()
     summary = {

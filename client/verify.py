@@ -43,7 +43,9 @@ def count_mismatches(slab: np.ndarray, layers, state_rows: np.ndarray, topk: np.
             bad += int((slots[b][ok] < 0).sum()) * len(layers)
             ok &= slots[b] >= 0
         for layer in layers:
-            got = slab[layer, state_rows[b], slots[b][ok]]
+            got = slab[layer, int(state_rows[b]), slots[b][ok]]
+            if not isinstance(got, np.ndarray):  # a torch tensor on the GPU (cuda backend)
+                got = got.cpu().numpy()
             want = pattern(layer, ids[ok], row_bytes)
             bad += int((got != want).any(axis=1).sum())
     return bad

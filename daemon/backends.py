@@ -54,7 +54,10 @@ class CpuBackend:
     def describe(self) -> dict:
         return {"backend": self.name, "devices": self.devices}
 
-    def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str) -> tuple[RankState, dict]:
+    def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str,
+                 fence_events=None) -> tuple[RankState, dict]:
+        """A rank's state and what its client needs to map the slab. ``fence_events`` is
+        for the cuda backend (the cpu client reads only after each reply)."""
         lay = space.layout
         path = f"{self._prefix}{client_id}"
         nbytes = lay.slab_bytes + lay.staging_bytes
@@ -94,6 +97,13 @@ class CpuBackend:
             pass
         # The mapping itself goes away with the last view; clients keep theirs until they
         # unmap, which is safe with shared memory.
+
+    def release_engine(self, space: EngineSpace) -> None:
+        """The engine's last rank left (nothing is pinned on the cpu backend)."""
+
+    def device_counters(self) -> dict:
+        """Counters kept on devices (none: the cpu ranks report through each reply)."""
+        return {}
 
     def close(self) -> None:
         for cid in list(self._slabs):

@@ -47,6 +47,19 @@ class RankState:
 
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         """Record the batch of a decode step; apply its resets and invalidations."""
+        state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
+        if reset is not None and reset.any():
+            self.residency.reset(state_rows[reset & (state_rows >= 0)])
+        if invalidate is not None and invalidate.size:
+            for b in np.flatnonzero(state_rows >= 0):
+                rows = invalidate[b][invalidate[b] >= 0]
+                if rows.size:
+                    self.residency.invalidate(int(state_rows[b]), rows)
+        self.step = int(step)
+        self.state_rows = state_rows
+
+    def check_step(self, state_rows, reset, invalidate):
+        """Validate a step's arrays (nothing changes on error); return them normalised."""
         lay = self.residency.layout
         state_rows = as_ids("state_rows", state_rows, 1)
         if state_rows.size > 0 and ((state_rows < -1) | (state_rows >= lay.max_reqs)).any():
@@ -62,33 +75,43 @@ class RankState:
                 raise ResidencyError(
                     "BAD_ARGUMENT", f"invalidate must be [batch, n] with batch {state_rows.shape[0]}, got {invalidate.shape}"
                 )
-        # All checks passed: now change state.
-        if reset is not None and reset.any():
-            self.residency.reset(state_rows[reset.astype(bool) & (state_rows >= 0)])
-        if invalidate is not None and invalidate.size:
-            for b in np.flatnonzero(state_rows >= 0):
-                rows = invalidate[b][invalidate[b] >= 0]
-                if rows.size:
-                    self.residency.invalidate(int(state_rows[b]), rows)
-        self.step = int(step)
-        self.state_rows = state_rows
+        return state_rows, None if reset is None else reset.astype(bool), invalidate
+
+    def batch_rows(self, step: int, state_rows) -> np.ndarray:
+        """The state rows of a top-k batch: given with it, or those of its STEP."""
+        if state_rows is not None:
+            return as_ids("state_rows", state_rows, 1)
+        if step != self.step:
+            raise ResidencyError(
+                "BAD_ARGUMENT", f"top-k for step {step} but the last STEP was {self.step}; send STEP first"
+            )
+        return self.state_rows
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> tuple[Resolved, int]:
         """Resolve one index group's top-k batch and gather its misses for every layer of
         the group; return the result and the bytes moved."""
-        if state_rows is None:
-            if step != self.step:
-                raise ResidencyError(
-                    "BAD_ARGUMENT", f"top-k for step {step} but the last STEP was {self.step}; send STEP first"
-                )
-            state_rows = self.state_rows
-        else:
-            state_rows = as_ids("state_rows", state_rows, 1)
+        state_rows = self.batch_rows(step, state_rows)
         topk = as_ids("topk", topk, 2)
         lay = self.residency.layout
         res = self.residency.resolve(group, state_rows, topk)
         moved = self.mover.gather(res.plan, lay.groups[group])
         return res, moved
+
+    def serve_topk(self, step: int, group: int, topk, state_rows=None, fence=None) -> tuple[dict, dict, dict]:
+        """The daemon's TOPK: (reply fields, reply arrays, counter deltas). The rows are in
+        the slab when this returns (cpu); the cuda rank overrides it to only enqueue."""
+        res, moved = self.topk(step, group, topk, state_rows)
+        misses = int(res.misses.sum())
+        layers = len(self.residency.layout.groups[group])
+        deltas = {"topk_batches": 1, "hits": res.hits, "misses": misses, "rows_moved": misses * layers,
+                  "bytes_moved": moved, "out_of_range": res.out_of_range}
+        return {"hits": res.hits, "out_of_range": res.out_of_range}, {"slots": res.slots, "misses": res.misses}, deltas
+
+    def quiesce(self) -> None:
+        """Wait until no copy of this rank is in flight (before the pool is rewritten)."""
+
+    def close(self) -> None:
+        """Free what the rank holds beyond its slab (device buffers, events)."""
 
 
 class EngineSpace:
@@ -113,6 +136,8 @@ class EngineSpace:
         want = (len(layers), rows.shape[0], lay.row_bytes)
         if data.dtype != np.uint8 or data.shape != want:
             raise ResidencyError("BAD_ARGUMENT", f"write data must be uint8 {list(want)}, got {data.dtype} {list(data.shape)}")
+        for r in self.ranks.values():
+            r.quiesce()  # no gather may read a row while it is being rewritten
         for i, layer in enumerate(layers):
             self.pool[layer, rows] = data[i]
         dropped = sum(r.residency.invalidate_everywhere(rows) for r in self.ranks.values())

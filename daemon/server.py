@@ -208,6 +208,10 @@ class Daemon:
         if len(self.sessions) >= self.max_clients:
             raise ProtocolError(ErrorCode.TOO_MANY_CLIENTS, f"{len(self.sessions)} clients connected (max {self.max_clients})")
         pid, rank = _int(h, "pid"), _int(h, "rank")
+        # A pid no process can have would make the reaper's psutil calls raise for ever
+        # (OverflowError), and then no dead client would be reaped.
+        if not 0 < pid < 2**31:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"pid {pid} is not a process id")
         try:
             started = psutil.Process(pid).create_time()
         except (psutil.Error, ValueError):
@@ -241,9 +245,10 @@ class Daemon:
                 f"engine {engine!r} is attached with {space.layout.to_wire()}, this rank sent {layout.to_wire()}",
             )
         try:
-            state, handles = self.backend.new_rank(space, s.client_id, s.rank, s.device)
+            state, handles = self.backend.new_rank(space, s.client_id, s.rank, s.device, h.get("fence_events"))
         except Exception:
             if created:
+                self.backend.release_engine(space)
                 self.pool.release(space.pool_offset)
             raise
         space.ranks[s.client_id] = state
@@ -256,8 +261,9 @@ class Daemon:
         st = self._state(s)
         if "state_rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STEP needs the state_rows array")
-        if a["state_rows"].shape[0] > 4096:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"batch of {a['state_rows'].shape[0]} exceeds 4096")
+        # .size, not .shape[0]: a 0-d array must reach begin_step's BAD_ARGUMENT, not IndexError.
+        if a["state_rows"].size > 4096:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"batch of {a['state_rows'].size} exceeds 4096")
         st.begin_step(_int(h, "step"), a["state_rows"], a.get("reset"), a.get("invalidate"))
         self.stats.add(steps=1)
         return {}, None
@@ -266,12 +272,12 @@ class Daemon:
         st = self._state(s)
         if "topk" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
-        res, moved = st.topk(_int(h, "step"), _int(h, "group"), a["topk"], a.get("state_rows"))
-        misses = int(res.misses.sum())
-        layers = len(st.residency.layout.groups[_int(h, "group")])
-        self.stats.add(topk_batches=1, hits=res.hits, misses=misses, rows_moved=misses * layers,
-                       bytes_moved=moved, out_of_range=res.out_of_range)
-        return {"hits": res.hits, "out_of_range": res.out_of_range}, {"slots": res.slots, "misses": res.misses}
+        fence = h.get("fence")
+        if fence is not None and not isinstance(fence, int):
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "fence must be an integer entry of the client's event ring")
+        fields, arrays, deltas = st.serve_topk(_int(h, "step"), _int(h, "group"), a["topk"], a.get("state_rows"), fence)
+        self.stats.add(**deltas)
+        return fields, arrays
 
     def on_write(self, s: Session, identity, h, a):
         self._state(s)
@@ -319,13 +325,16 @@ class Daemon:
             space.ranks.pop(s.client_id, None)
             if not space.ranks:  # the last rank left: the engine's rows go with it
                 del self.engines[s.engine]
-                self.pool.release(space.pool_offset)
         self.backend.release_rank(s.client_id)
+        if space is not None and not space.ranks:
+            self.backend.release_engine(space)
+            self.pool.release(space.pool_offset)
         log.info("client %d detached from engine %r", s.client_id, s.engine)
         s.state, s.engine = None, None
 
     def snapshot(self) -> dict:
-        return self.stats.snapshot({
+        # cuda: hits, misses and bytes are counted on the GPUs and read only here.
+        return self.stats.snapshot(self.backend.device_counters(), {
             **self.backend.describe(),
             "clients": len(self.sessions),
             "attached": sum(1 for s in self.sessions.values() if s.state is not None),
@@ -352,6 +361,10 @@ class Daemon:
         for identity, s in self.sessions.items():
             try:
                 alive = psutil.Process(s.pid).create_time() == s.proc_started if s.proc_started else psutil.pid_exists(s.pid)
+                # A killed client that its parent has not waited for yet is a zombie: it
+                # still has a create time, but it will never send again.
+                if alive and psutil.Process(s.pid).status() == psutil.STATUS_ZOMBIE:
+                    alive = False
             except psutil.NoSuchProcess:
                 alive = False
             except psutil.Error:

@@ -50,8 +50,11 @@ class Stats:
         a = np.fromiter(self._lat_us, dtype=np.float64)
         return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "n": int(a.size)}
 
-    def snapshot(self, gauges: dict) -> dict:
+    def snapshot(self, device: dict, gauges: dict) -> dict:
+        """Counters (host ones plus ``device``, those counted on GPUs) and ``gauges``."""
         c = dict(self.c)
+        for k, v in device.items():
+            c[k] += v
         looked = c["hits"] + c["misses"]
         return {
             **c,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import msgpack
@@ -78,12 +79,16 @@ def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
     if not (isinstance(item, list) and len(item) == 3):
         raise ProtocolError(ErrorCode.BAD_FRAME, "array description must be [name, dtype, shape]")
     name, dtype, shape = item
-    if not isinstance(name, str) or dtype not in WIRE_DTYPES:
+    if not isinstance(name, str):
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"array name must be a string, got {type(name).__name__}")
+    # isinstance first: an unhashable dtype (a list) would make the set lookup raise TypeError.
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: dtype {dtype!r} is not allowed on the wire")
     if (
         not isinstance(shape, list)
         or len(shape) > limits.max_array_dims
-        or not all(isinstance(d, int) and d >= 0 for d in shape)
+        # bool is an int subclass that NumPy refuses as a dimension
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: bad shape {shape!r}")
     buf = _bytes(frame)
@@ -91,7 +96,9 @@ def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
     if nbytes > limits.max_frame_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"array {name!r} of {nbytes} bytes exceeds {limits.max_frame_bytes}")
     dt = np.dtype(dtype)
-    want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    # Exact Python integers: an int64 product wraps around for huge shapes and could
+    # "match" a short frame, then fail in reshape.
+    want = math.prod(shape) * dt.itemsize
     if want != nbytes:
         raise ProtocolError(
             ErrorCode.BAD_FRAME, f"array {name!r}: shape {shape} of {dtype} needs {want} bytes, frame has {nbytes}"

@@ -29,6 +29,8 @@ class Layout:
         index_groups: layers sharing one slot assignment, leader first; empty means one
             group per layer. Together the groups name every layer exactly once.
         staging_rows: rows per layer of the prefill staging buffer (0: none).
+        max_batch: most rows of one top-k batch (0: ``max_reqs``); device buffers are
+            sized by it. Several query tokens of one request need more than ``max_reqs``.
     """
 
     num_layers: int
@@ -39,11 +41,14 @@ class Layout:
     host_rows: int
     index_groups: tuple[tuple[int, ...], ...] = field(default=())
     staging_rows: int = 0
+    max_batch: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "index_groups", tuple(tuple(int(x) for x in g) for g in self.index_groups)
         )
+        if self.max_batch == 0 and isinstance(self.max_reqs, int):
+            object.__setattr__(self, "max_batch", self.max_reqs)
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -95,6 +100,10 @@ class Layout:
             isinstance(self.staging_rows, int) and self.staging_rows >= 0,
             f"staging_rows must be >= 0, got {self.staging_rows!r}",
         )
+        need(
+            isinstance(self.max_batch, int) and 0 < self.max_batch <= 65536,
+            f"max_batch must lie in [1, 65536], got {self.max_batch!r}",
+        )
         seen = sorted(layer for g in self.groups for layer in g)
         need(all(len(g) > 0 for g in self.groups), "index_groups has an empty group")
         need(
@@ -114,12 +123,12 @@ class Layout:
             raise LayoutError("layout must be a map")
         known = {
             "num_layers", "row_bytes", "top_k", "region_stride", "max_reqs",
-            "host_rows", "index_groups", "staging_rows",
+            "host_rows", "index_groups", "staging_rows", "max_batch",
         }
         unknown = set(d) - known
         if unknown:
             raise LayoutError(f"unknown layout fields: {sorted(unknown)}")
-        missing = known - set(d) - {"index_groups", "staging_rows"}
+        missing = known - set(d) - {"index_groups", "staging_rows", "max_batch"}
         if missing:
             raise LayoutError(f"layout is missing: {sorted(missing)}")
         try:

@@ -1,0 +1,91 @@
+"""A rank's view of a cuda-backend attachment: the daemon's device memory as torch tensors.
+
+The slab, staging buffer and result ring live in the daemon's per-GPU arena, opened once
+with ``cudaIpcOpenMemHandle``; nothing is copied. Readiness is stream-ordered: a top-k
+reply names a ring entry, and the rank's current torch stream waits (on the GPU) for the
+daemon's event of that entry before anything reads the rows. Optionally the rank exports
+its own "fence" events: it records one on its stream before each top-k request, and the
+daemon's copy stream waits on it, so a gather never overwrites slots that attention of an
+earlier step is still reading.
+"""
+
+from __future__ import annotations
+
+from sparsekv.daemon.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
+from sparsekv.proto import Layout
+
+
+def local_device(device: str) -> int:
+    """``"cuda:N"`` -> N (this process's numbering)."""
+    if not device.startswith("cuda:"):
+        raise ValueError(f"a cuda rank needs device='cuda:N', got {device!r}")
+    return int(device.split(":", 1)[1])
+
+
+def bus_id_of(ordinal: int) -> str:
+    import cupy as cp  # noqa: PLC0415
+
+    return cp.cuda.runtime.deviceGetPCIBusId(ordinal).lower()
+
+
+class CudaAttachment:
+    def __init__(self, layout: Layout, engine: str, handles: dict, fence: EventRing | None):
+        import torch  # noqa: PLC0415
+
+        self.layout, self.engine = layout, engine
+        self.device = device_for_bus_id(handles["bus_id"])
+        self.torch_device = torch.device("cuda", self.device)
+        R, B, K = handles["ring_depth"], handles["max_batch"], handles["top_k"]
+        self._arena = ImportedArena(handles["arena_handle"], handles["arena_bytes"], self.device)
+        lay = layout
+        self.slab = self._arena.torch(handles["slab_offset"], (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes))
+        self.staging = (self._arena.torch(handles["staging_offset"], (lay.num_layers, lay.staging_rows, lay.row_bytes))
+                        if lay.staging_rows else None)
+        self._slots = self._arena.torch(handles["slots_offset"], (R, B, K), "int32")
+        self._misses = self._arena.torch(handles["misses_offset"], (R, B), "int32")
+        self._events = ImportedEvents(handles["events"], self.device)
+        self._fence = fence
+
+    def _stream_ptr(self) -> int:
+        import torch  # noqa: PLC0415
+
+        return torch.cuda.current_stream(self.torch_device).cuda_stream
+
+    def record_fence(self) -> int | None:
+        """Record the next fence event on the current stream; its index goes with TOPK."""
+        if self._fence is None:
+            return None
+        import cupy as cp  # noqa: PLC0415
+
+        k = self._fence.take()
+        with cp.cuda.Device(self.device):
+            cp.cuda.runtime.eventRecord(self._fence.events[k].ptr, self._stream_ptr())
+        return k
+
+    def result(self, entry: int, batch: int, k: int):
+        """Make the current stream wait for ring ``entry``; return its slots and misses
+        (torch int32 views, valid until ``ring_depth`` more top-k requests)."""
+        from .client import TopkResult  # noqa: PLC0415
+
+        self._events.wait(entry, self._stream_ptr())
+        return TopkResult(self._slots[entry, :batch, :k], self._misses[entry, :batch], None, None, entry)
+
+    def rows(self, layer: int, state_row: int, slots):
+        import torch  # noqa: PLC0415
+
+        slots = torch.as_tensor(slots, device=self.torch_device).long()
+        out = self.slab[layer, state_row, slots.clamp(min=0)]
+        out[slots < 0] = 0
+        return out
+
+    def close(self) -> None:
+        self.slab = self.staging = self._slots = self._misses = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+        if self._arena is not None:
+            import torch  # noqa: PLC0415
+
+            torch.cuda.synchronize(self.torch_device)
+            self._arena.close()
+            self._arena = None

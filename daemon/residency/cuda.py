@@ -1,0 +1,619 @@
+"""CUDA backend: the residency contract and the byte mover as kernels (``csrc/``).
+
+Same interfaces and exact semantics as ``cpu.py``; the state lives on the device as CuPy
+int32 arrays ``owner`` / ``lru`` of shape ``[groups, max_reqs, region_stride]``.
+
+Two kinds of entry points:
+
+* **device-resident** (the decode path): ``resolve_async``, ``gather_async``,
+  ``reset_async``, ``invalidate_async``, ``stage_async``, ``write_async`` take device
+  arrays, write into preallocated fixed-shape buffers (:class:`ResolveOutput`), run on a
+  given CuPy stream and never read anything back to the host.
+* **host convenience** (tests, ``replay --verify``, the CPU-backend-shaped interface):
+  ``resolve``, ``reset``, ``invalidate``, ``invalidate_everywhere``, ``gather``, ``stage``,
+  ``write`` take and return NumPy, validate on the host exactly like ``cpu.py`` (the same
+  :class:`ResidencyError` codes, raised before any state changes) and synchronise.
+
+Duplicate ids: the host ``resolve`` raises ``DUPLICATE_IDS`` before touching state. The
+device path cannot raise; it stays memory-safe and deterministic: of equal ids in one
+top-k row the first column is resolved and every later one is treated as -1 (no slot, not
+a miss, not in the plan), and bit ``ERR_DUPLICATE_IDS`` is OR-ed into the error word
+``out.counters[3]``.
+
+``cupy`` is imported lazily: importing this module needs no GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparsekv.proto.layout import Layout
+
+from .base import Mover, Plan, Residency, ResidencyError, Resolved, check_batch, find_duplicates
+
+RESOLVE_THREADS = 1024  # one block per batch row; 1024 threads keep the sort short
+COPY_THREADS = 256
+DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
+SETUP_BLOCKS = 1024  # cap for the grid-stride reset/invalidate kernels
+DEFAULT_SMEM_BYTES = 48 << 10  # dynamic shared memory without an opt-in
+
+# Bits of the error word counters[3] (csrc/common.cuh).
+ERR_DUPLICATE_IDS = 1
+ERR_CORRUPT_STATE = 2
+ERR_BAD_STATE_ROW = 4
+# Indices into ResolveOutput.counters.
+HITS, MISSES, OUT_OF_RANGE, ERRORS = range(4)
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def resolve_defines(threads: int = RESOLVE_THREADS) -> dict:
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"resolve threads must be a multiple of 32 in [32, 1024], got {threads}")
+    return {"SKV_RESOLVE_THREADS": int(threads)}
+
+
+def copy_defines(row_bytes: int, threads: int = COPY_THREADS) -> dict:
+    if row_bytes % 16 or row_bytes <= 0:
+        raise ValueError(f"row_bytes {row_bytes} must be a positive multiple of 16")
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"copy threads must be a multiple of 32 in [32, 1024], got {threads}")
+    return {"SKV_ROW_VECS": row_bytes // 16, "SKV_COPY_THREADS": int(threads)}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def _a16(n: int) -> int:
+    return (n + 15) & ~15
+
+
+def resolve_workspace_bytes(k: int, region_stride: int) -> int:
+    """Bytes of one resolve block's workspace for ``k`` columns (mirrors ``skv_ws``)."""
+    kp = _pow2(k)
+    return _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + _a16(region_stride * 4)
+
+
+def _null():
+    return np.uint64(0)
+
+
+class ResolveOutput:
+    """Device buffers of one resolve, fixed shapes ``[max_batch, top_k]``.
+
+    After ``resolve_async(group, state_rows, topk, out)`` of a batch of ``B`` rows and
+    ``k`` columns (on the stream, not yet on the host):
+
+    * ``slots[b, c]``: slot within the region for column ``c`` of row ``b`` (-1 if none;
+      columns ``k..top_k`` are -1);
+    * ``misses[b]``: misses of row ``b``; padding rows 0;
+    * ``plan_rows[b, :misses[b]]`` / ``plan_slots[b, :misses[b]]``: the compact plan of
+      row ``b`` sorted by host row; a slot is flat ``state_row * region_stride + slot``;
+      entries past ``misses[b]`` are stale;
+    * ``counters`` (uint64 [4]): hits, misses, out-of-range ids, error bits, **accumulated**
+      across resolves until :meth:`zero_counters`.
+
+    ``batch``, ``k`` and ``group`` (host ints) record the last resolve for ``gather_async``.
+    """
+
+    def __init__(self, layout: Layout, max_batch: int, workspace_bytes: int = 0, stream=None):
+        cp = _cp()
+        if max_batch <= 0:
+            raise ValueError(f"max_batch must be positive, got {max_batch}")
+        self.max_batch = int(max_batch)
+        self.top_k = layout.top_k
+        with _on(stream):
+            self.slots = cp.full((max_batch, layout.top_k), -1, dtype=cp.int32)
+            self.misses = cp.zeros(max_batch, dtype=cp.int32)
+            self.plan_rows = cp.full((max_batch, layout.top_k), -1, dtype=cp.int32)
+            self.plan_slots = cp.full((max_batch, layout.top_k), -1, dtype=cp.int32)
+            self.counters = cp.zeros(4, dtype=cp.uint64)
+            # Global scratch for strides whose workspace does not fit in shared memory.
+            self.workspace = cp.empty(max_batch * workspace_bytes, dtype=cp.uint8) if workspace_bytes else None
+        self.workspace_bytes = int(workspace_bytes)
+        self.batch = 0
+        self.k = 0
+        self.group = -1
+
+    def zero_counters(self, stream=None) -> None:
+        with _on(stream):
+            self.counters.fill(0)
+
+    def read_counters(self, stream=None) -> dict:
+        """Synchronise ``stream`` and return the counters (off the decode path: stats)."""
+        if stream is not None:
+            stream.synchronize()
+        c = self.counters.get()
+        return {"hits": int(c[HITS]), "misses": int(c[MISSES]), "out_of_range": int(c[OUT_OF_RANGE]),
+                "errors": int(c[ERRORS])}
+
+
+class _on:
+    """``with _on(stream):`` makes ``stream`` current (no-op for None)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.stream.__enter__()
+        return self.stream
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.stream.__exit__(*exc)
+
+
+def _grid(total: int, threads: int, cap: int) -> int:
+    return max(1, min(cap, -(-total // threads)))
+
+
+def _device_i32(a, name: str, ndim: int):
+    """A C-contiguous int32 device array (a copy on the device only if needed)."""
+    cp = _cp()
+    if a.ndim != ndim:
+        raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
+    if a.dtype != cp.int32:
+        raise ResidencyError("BAD_ARGUMENT", f"{name} must be int32, got {a.dtype}")
+    return cp.ascontiguousarray(a)
+
+
+class CudaResidency(Residency):
+    """Residency state on one GPU with the resolve/reset/invalidate kernels.
+
+    Args:
+        layout: the attached layout.
+        kernels: a :class:`sparsekv.daemon.kernels.KernelCache` (default: the process one).
+        stream: the CuPy stream of the host-convenience calls and the default of the
+            async ones (default: a new non-blocking stream).
+        threads: threads per resolve block (a multiple of 32).
+        workspace: ``"auto"`` (shared memory when it fits, else global scratch),
+            ``"shared"`` or ``"global"``.
+    """
+
+    def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
+                 workspace: str = "auto"):
+        cp = _cp()
+        self.layout = layout.validate()
+        if kernels is None:
+            from sparsekv.daemon.kernels import get_cache
+
+            kernels = get_cache()
+        self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
+        g, r, s = layout.num_groups, layout.max_reqs, layout.region_stride
+        with self.stream:
+            self.owner = cp.full((g, r, s), -1, dtype=cp.int32)
+            self.lru = cp.empty((g, r, s), dtype=cp.int32)
+            self.lru[...] = cp.arange(s, dtype=cp.int32)
+        defines = resolve_defines(threads)
+        self.threads = int(threads)
+        self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
+        self._reset = kernels.function("resolve.cu", "skv_reset", defines)
+        self._invalidate = kernels.function("resolve.cu", "skv_invalidate", defines)
+
+        self.workspace_bytes = resolve_workspace_bytes(layout.top_k, s)
+        limit = _smem_limit(self._resolve)
+        if workspace not in ("auto", "shared", "global"):
+            raise ValueError(f"workspace must be auto, shared or global, got {workspace!r}")
+        if workspace == "shared" and self.workspace_bytes > limit:
+            raise ValueError(f"resolve workspace {self.workspace_bytes} B exceeds shared memory {limit} B")
+        self.workspace_global = workspace == "global" or (workspace == "auto" and self.workspace_bytes > limit)
+        if not self.workspace_global and self.workspace_bytes > DEFAULT_SMEM_BYTES:
+            self._resolve.max_dynamic_shared_size_bytes = self.workspace_bytes
+        self._host_out: ResolveOutput | None = None
+        self.last_errors = 0  # error bits of the last host-convenience resolve
+
+    # -- device-resident entry points ------------------------------------------------
+
+    def new_output(self, max_batch: int) -> ResolveOutput:
+        """A :class:`ResolveOutput` for batches of up to ``max_batch`` rows."""
+        ws = self.workspace_bytes if self.workspace_global else 0
+        return ResolveOutput(self.layout, max_batch, ws, self.stream)
+
+    def resolve_async(self, group: int, state_rows, topk, out: ResolveOutput, stream=None) -> None:
+        """Resolve ``topk`` (int32 [B, k], device) for ``state_rows`` (int32 [B], device)
+        into ``out`` on ``stream``. Host-side checks look at shapes only (no readback):
+        bad ids and state rows are handled on the device (see the module docstring)."""
+        lay = self.layout
+        stream = stream if stream is not None else self.stream
+        if not 0 <= group < lay.num_groups:
+            raise ResidencyError("BAD_ARGUMENT", f"group {group} out of range [0, {lay.num_groups})")
+        with stream:  # a contiguity copy, if any, is ordered on the stream too
+            state_rows = _device_i32(state_rows, "state_rows", 1)
+            topk = _device_i32(topk, "topk", 2)
+        batch, k = topk.shape
+        if state_rows.shape[0] != batch:
+            raise ResidencyError("BAD_ARGUMENT", f"state_rows {state_rows.shape} and topk {topk.shape} disagree")
+        if k > out.top_k:
+            raise ResidencyError("BAD_ARGUMENT", f"topk has {k} columns, the output holds {out.top_k}")
+        if batch > out.max_batch:
+            raise ResidencyError("TOO_LARGE", f"batch {batch} exceeds the output's max_batch {out.max_batch}")
+        if self.workspace_global and out.workspace is None:
+            raise ResidencyError("BAD_ARGUMENT", "this residency needs an output with a global workspace (new_output)")
+        out.batch, out.k, out.group = batch, k, group
+        if batch == 0:
+            return
+        kp = _pow2(k)
+        i32 = np.int32
+        if self.workspace_global:
+            ws, ws_stride, smem = out.workspace, np.int64(out.workspace_bytes), 0
+        else:
+            ws, ws_stride, smem = _null(), np.int64(0), resolve_workspace_bytes(k, lay.region_stride)
+        with stream:
+            self._resolve(
+                (batch,), (self.threads,),
+                (self.owner[group], self.lru[group], i32(lay.max_reqs), i32(lay.region_stride),
+                 i32(lay.host_rows), state_rows, i32(batch), topk, i32(k), i32(kp), i32(out.top_k),
+                 out.slots, out.misses, out.plan_rows, out.plan_slots, out.counters, ws, ws_stride),
+                shared_mem=smem,
+            )
+
+    def reset_async(self, state_rows, stream=None) -> None:
+        """Empty every group's region of each state row (int32 [n], device; -1 skipped)."""
+        lay = self.layout
+        i32 = np.int32
+        with (stream if stream is not None else self.stream):
+            state_rows = _device_i32(state_rows, "state_rows", 1)
+            n = state_rows.shape[0]
+            if n == 0:
+                return
+            total = n * lay.num_groups * lay.region_stride
+            self._reset(
+                (_grid(total, 256, SETUP_BLOCKS),), (256,),
+                (self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
+                 state_rows, i32(n)),
+            )
+
+    def invalidate_async(self, rows, state_rows=None, counter=None, stream=None) -> None:
+        """Empty the slots owning one of ``rows`` (int32 [n], device, any order; negative
+        entries ignored): in every region, or only in ``state_rows`` (int32 [m], device).
+        ``counter`` (uint64 [1], device) accumulates how many slots were emptied (counted
+        once per slot only when ``state_rows`` is None or has no repeats)."""
+        cp = _cp()
+        lay = self.layout
+        stream = stream if stream is not None else self.stream
+        i32 = np.int32
+        with stream:
+            rows = _device_i32(rows, "rows", 1)
+            if rows.shape[0] == 0:
+                return
+            rows_sorted = cp.sort(rows)  # binary search in the kernel; stays on the device
+            if state_rows is None:
+                regions, sr, n_state = lay.num_groups * lay.max_reqs, _null(), 0
+            else:
+                sr = _device_i32(state_rows, "state_rows", 1)
+                n_state = sr.shape[0]
+                regions = lay.num_groups * n_state
+                if n_state == 0:
+                    return
+            total = regions * lay.region_stride
+            self._invalidate(
+                (_grid(total, 256, SETUP_BLOCKS),), (256,),
+                (self.owner, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride), sr,
+                 i32(n_state), rows_sorted, i32(rows_sorted.shape[0]),
+                 counter if counter is not None else _null()),
+            )
+
+    # -- host convenience (same checks and results as CpuResidency) ------------------
+
+    def reset(self, state_rows: np.ndarray) -> None:
+        cp = _cp()
+        rows = np.asarray(state_rows, dtype=np.int64)
+        rows = rows[rows >= 0]
+        if rows.size and rows.max() >= self.layout.max_reqs:
+            raise ResidencyError("BAD_STATE_ROW", f"state row {int(rows.max())} >= max_reqs")
+        if not rows.size:
+            return
+        with self.stream:
+            self.reset_async(cp.asarray(rows.astype(np.int32)))
+        self.stream.synchronize()
+
+    def invalidate(self, state_row: int, rows: np.ndarray) -> None:
+        cp = _cp()
+        if not 0 <= state_row < self.layout.max_reqs:
+            raise ResidencyError("BAD_STATE_ROW", f"state row {state_row} out of range")
+        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        rows = rows[rows >= 0]
+        if not rows.size:
+            return
+        with self.stream:
+            self.invalidate_async(cp.asarray(rows), cp.asarray(np.array([state_row], np.int32)))
+        self.stream.synchronize()
+
+    def invalidate_everywhere(self, rows: np.ndarray) -> int:
+        cp = _cp()
+        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        rows = rows[rows >= 0]
+        if not rows.size:
+            return 0
+        with self.stream:
+            counter = cp.zeros(1, dtype=cp.uint64)
+            self.invalidate_async(cp.asarray(rows), None, counter)
+        self.stream.synchronize()
+        return int(counter.get()[0])
+
+    def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Resolved:
+        cp = _cp()
+        lay = self.layout
+        state_rows = np.asarray(state_rows, dtype=np.int32)
+        topk = np.asarray(topk, dtype=np.int32)
+        check_batch(lay, group, state_rows, topk)
+        dup = find_duplicates(topk, state_rows, lay.host_rows)
+        if dup >= 0:
+            raise ResidencyError(
+                "DUPLICATE_IDS", f"top-k row {dup} names the same host row twice; ids must be unique"
+            )
+        batch, k = topk.shape
+        if batch == 0:
+            empty = np.empty(0, np.int32)
+            return Resolved(slots=np.full((0, k), -1, np.int32), misses=empty.copy(), hits=0,
+                            out_of_range=0, plan=Plan(rows=empty.copy(), slots=empty.copy()))
+        out = self._host_output(batch)
+        with self.stream:
+            out.zero_counters()
+            self.resolve_async(group, cp.asarray(state_rows), cp.asarray(np.ascontiguousarray(topk)), out)
+        self.stream.synchronize()
+        slots = out.slots[:batch, :k].get()
+        misses = out.misses[:batch].get()
+        counters = out.counters.get()
+        prow = out.plan_rows[:batch].get()
+        pslot = out.plan_slots[:batch].get()
+        self.last_errors = int(counters[ERRORS])
+        # Per-row plans (each sorted by host row) in batch order, then one stable sort:
+        # the same order as the NumPy engine (ties between batch rows in batch order).
+        take = np.arange(out.top_k)[None, :] < misses[:, None]
+        rows, flat = prow[take], pslot[take]
+        by_row = np.argsort(rows, kind="stable")
+        return Resolved(
+            slots=np.ascontiguousarray(slots),
+            misses=misses,
+            hits=int(counters[HITS]),
+            out_of_range=int(counters[OUT_OF_RANGE]),
+            plan=Plan(rows=rows[by_row].astype(np.int32), slots=flat[by_row].astype(np.int32)),
+        )
+
+    def _host_output(self, batch: int) -> ResolveOutput:
+        if self._host_out is None or self._host_out.max_batch < batch:
+            self._host_out = self.new_output(max(batch, 2 * (self._host_out.max_batch if self._host_out else 0)))
+        return self._host_out
+
+    # -- state transfer (tests, checkpoints) -----------------------------------------
+
+    def state(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(owner, lru)`` copied to the host (synchronises the stream)."""
+        self.stream.synchronize()
+        return self.owner.get(), self.lru.get()
+
+    def load_state(self, owner: np.ndarray, lru: np.ndarray) -> None:
+        """Overwrite the device state with host arrays of shape ``[groups, max_reqs, stride]``."""
+        cp = _cp()
+        shape = self.owner.shape
+        owner = np.asarray(owner, dtype=np.int32)
+        lru = np.asarray(lru, dtype=np.int32)
+        if owner.shape != shape or lru.shape != shape:
+            raise ResidencyError("BAD_ARGUMENT", f"state must be {shape}, got {owner.shape} and {lru.shape}")
+        with self.stream:
+            self.owner[...] = cp.asarray(owner)
+            self.lru[...] = cp.asarray(lru)
+        self.stream.synchronize()
+
+
+def _smem_limit(kernel) -> int:
+    """Dynamic shared memory a block of ``kernel`` may opt in to."""
+    cp = _cp()
+    rt = cp.cuda.runtime
+    dev = cp.cuda.Device().id
+    optin = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)
+    return int(optin) - int(kernel.shared_size_bytes)
+
+
+@dataclass
+class DeviceBuffers:
+    """The hot slab and the staging buffer of one rank: one ``cudaMalloc`` (``memory``;
+    exportable as one CUDA IPC handle), each a view at a 256-byte-aligned offset."""
+
+    memory: object  # cupy.cuda.memory.Memory
+    slab: object  # cupy uint8 [num_layers, max_reqs, region_stride, row_bytes], offset 0
+    staging: object | None  # cupy uint8 [num_layers, staging_rows, row_bytes] or None
+    staging_offset: int
+
+
+def allocate_device_buffers(layout: Layout) -> DeviceBuffers:
+    cp = _cp()
+    lay = layout.validate()
+    staging_offset = (lay.slab_bytes + 255) & ~255
+    total = staging_offset + lay.staging_bytes
+    mem = cp.cuda.memory.Memory(total)  # plain cudaMalloc, outside CuPy's pool
+    slab = cp.ndarray(
+        (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes), dtype=cp.uint8,
+        memptr=cp.cuda.memory.MemoryPointer(mem, 0),
+    )
+    staging = None
+    if lay.staging_rows:
+        staging = cp.ndarray(
+            (lay.num_layers, lay.staging_rows, lay.row_bytes), dtype=cp.uint8,
+            memptr=cp.cuda.memory.MemoryPointer(mem, staging_offset),
+        )
+    return DeviceBuffers(mem, slab, staging, staging_offset)
+
+
+class CudaMover(Mover):
+    """Moves rows between the pinned host pool ``[L, host_rows, row_bytes]`` and one GPU.
+
+    Args:
+        layout: the attached layout.
+        pool: a :class:`sparsekv.daemon.pinned.PinnedRegion` holding the pool, or the
+            device address (int) of any registered / pinned host buffer (tests).
+        pool_offset: byte offset of this engine's pool inside ``pool`` (16-aligned).
+        buffers: slab and staging (default: :func:`allocate_device_buffers`).
+        kernels, stream: as for :class:`CudaResidency`.
+        blocks: most blocks a copy kernel uses (SMs are shared with attention).
+        threads: threads per copy block.
+    """
+
+    def __init__(self, layout: Layout, pool, *, pool_offset: int = 0, buffers: DeviceBuffers | None = None,
+                 kernels=None, stream=None, blocks: int = DEFAULT_COPY_BLOCKS, threads: int = COPY_THREADS):
+        cp = _cp()
+        self.layout = lay = layout.validate()
+        if kernels is None:
+            from sparsekv.daemon.kernels import get_cache
+
+            kernels = get_cache()
+        self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
+        if hasattr(pool, "device_address"):
+            self.pool_address = int(pool.device_address(pool_offset, lay.pool_bytes))
+        else:
+            self.pool_address = int(pool) + int(pool_offset)
+        if self.pool_address % 16:
+            raise ValueError(f"pool device address {self.pool_address:#x} must be 16-byte aligned")
+        self.buffers = buffers if buffers is not None else allocate_device_buffers(lay)
+        self.slab = self.buffers.slab
+        self.staging = self.buffers.staging
+        want = (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes)
+        if tuple(self.slab.shape) != want or self.slab.dtype != cp.uint8 or not self.slab.flags.c_contiguous:
+            raise ValueError(f"slab must be a contiguous uint8 array {want}")
+        if blocks <= 0:
+            raise ValueError(f"blocks must be positive, got {blocks}")
+        self.blocks = int(blocks)
+        self.threads = int(threads)
+        self._copy = kernels.function("copy.cu", "skv_copy_rows", copy_defines(lay.row_bytes, threads))
+        self._layers: dict[tuple[int, ...], object] = {}
+
+    def _layers_dev(self, layers) -> tuple[object, int]:
+        cp = _cp()
+        key = tuple(int(x) for x in layers)
+        arr = self._layers.get(key)
+        if arr is None:
+            bad = [x for x in key if not 0 <= x < self.layout.num_layers]
+            if bad:
+                raise ResidencyError("BAD_ARGUMENT", f"layers {bad} outside [0, {self.layout.num_layers})")
+            with self.stream:
+                arr = cp.asarray(np.array(key, dtype=np.int32))
+            self.stream.synchronize()  # once per distinct tuple: the upload is done for good
+            self._layers[key] = arr
+        return arr, len(key)
+
+    def _launch(self, stream, blocks, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows,
+                dst_rows, dst_layers, layers, mode, src_idx, dst_idx, counts, nb, ld) -> None:
+        if nb == 0 or ld == 0:
+            return
+        layers_dev, n_layers = self._layers_dev(layers)
+        if n_layers == 0:
+            return
+        i32, i64 = np.int32, np.int64
+        smem = (nb + 1) * 8 if counts is not None else 0
+        if smem > DEFAULT_SMEM_BYTES:
+            raise ResidencyError("TOO_LARGE", f"batch {nb} too large for one gather launch")
+        with (stream if stream is not None else self.stream):
+            self._copy(
+                (int(blocks),), (self.threads,),
+                (src, i64(src_layer_rows), i64(src_rows), i32(src_layers),
+                 dst, i64(dst_layer_rows), i64(dst_rows), i32(dst_layers),
+                 layers_dev, i32(n_layers), i32(mode),
+                 src_idx if src_idx is not None else _null(), dst_idx if dst_idx is not None else _null(),
+                 counts if counts is not None else _null(), i32(nb), i32(ld)),
+                shared_mem=smem,
+            )
+
+    def _pool(self) -> np.uint64:
+        return np.uint64(self.pool_address)
+
+    def _blocks_for(self, rows: int, layers: int) -> int:
+        vecs = rows * layers * (self.layout.row_bytes // 16)
+        return _grid(vecs, self.threads, self.blocks)
+
+    # -- device-resident entry points ------------------------------------------------
+
+    def gather_async(self, out: ResolveOutput, layers, stream=None, blocks: int | None = None) -> None:
+        """Copy the plan of the last resolve into ``out`` for each of ``layers`` (the index
+        group's layers), pool -> slab, on ``stream``. Order after the resolve on one stream."""
+        lay = self.layout
+        slots = lay.max_reqs * lay.region_stride
+        self._launch(stream, blocks or self.blocks, self._pool(), lay.host_rows, lay.host_rows, lay.num_layers,
+                     self.slab, slots, slots, lay.num_layers, layers, 3, out.plan_rows, out.plan_slots,
+                     out.misses, out.batch, out.top_k)
+
+    def stage_async(self, rows, layers, stream=None, blocks: int | None = None) -> None:
+        """Copy host ``rows`` (int32 [n], device) of each of ``layers`` to the front of the
+        staging buffer; rows outside [0, host_rows) are skipped."""
+        lay = self.layout
+        if self.staging is None:
+            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
+        with (stream if stream is not None else self.stream):
+            rows = _device_i32(rows, "rows", 1)
+        n = rows.shape[0]
+        if n > lay.staging_rows:
+            raise ResidencyError("TOO_LARGE", f"{n} rows do not fit the staging buffer of {lay.staging_rows}")
+        self._launch(stream, blocks or self._blocks_for(n, len(layers)), self._pool(), lay.host_rows,
+                     lay.host_rows, lay.num_layers, self.staging, lay.staging_rows, lay.staging_rows,
+                     lay.num_layers, layers, 3, rows, None, None, 1, n)
+
+    def write_async(self, layers, rows, src, stream=None, blocks: int | None = None) -> None:
+        """Write mirror: ``src`` (uint8 [len(layers), n, row_bytes], device) row i of layer
+        li -> host row ``rows[i]`` (int32 [n], device) of layer ``layers[li]``. Rows
+        outside [0, host_rows) (e.g. -1 padding) are skipped. Invalidate hot copies
+        separately (``CudaResidency.invalidate_async``)."""
+        cp = _cp()
+        lay = self.layout
+        n = rows.shape[0]
+        want = (len(layers), n, lay.row_bytes)
+        if tuple(src.shape) != want or src.dtype != cp.uint8:
+            raise ResidencyError("BAD_ARGUMENT", f"src must be uint8 {want}, got {src.dtype} {src.shape}")
+        with (stream if stream is not None else self.stream):
+            rows = _device_i32(rows, "rows", 1)
+            src = cp.ascontiguousarray(src)
+        self._launch(stream, blocks or self._blocks_for(n, len(layers)), src, n, n, len(layers),
+                     self._pool(), lay.host_rows, lay.host_rows, lay.num_layers, layers, 2, None, rows,
+                     None, 1, n)
+
+    # -- host convenience (same results as CpuMover) ---------------------------------
+
+    def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
+        cp = _cp()
+        n = len(plan)
+        if not n:
+            return 0
+        lay = self.layout
+        slots = lay.max_reqs * lay.region_stride
+        with self.stream:
+            rows = cp.asarray(np.ascontiguousarray(plan.rows, dtype=np.int32))
+            flat = cp.asarray(np.ascontiguousarray(plan.slots, dtype=np.int32))
+            self._launch(None, self._blocks_for(n, len(layers)), self._pool(), lay.host_rows, lay.host_rows,
+                         lay.num_layers, self.slab, slots, slots, lay.num_layers, layers, 3, rows, flat, None, 1, n)
+        self.stream.synchronize()
+        return n * len(layers) * lay.row_bytes
+
+    def stage(self, rows: np.ndarray, layers: tuple[int, ...]) -> int:
+        cp = _cp()
+        lay = self.layout
+        if self.staging is None:
+            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
+        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        n = int(rows.shape[0])
+        if n > lay.staging_rows:
+            raise ResidencyError("TOO_LARGE", f"{n} rows do not fit the staging buffer of {lay.staging_rows}")
+        if n and (rows.min() < 0 or rows.max() >= lay.host_rows):
+            raise ResidencyError("BAD_ARGUMENT", f"stage rows must lie in [0, {lay.host_rows})")
+        if n:
+            with self.stream:
+                self.stage_async(cp.asarray(rows), layers)
+            self.stream.synchronize()
+        return n * len(layers) * lay.row_bytes
+
+    def write(self, layers: tuple[int, ...], rows: np.ndarray, src) -> int:
+        """Host convenience of :meth:`write_async` (``src`` NumPy or CuPy); returns bytes."""
+        cp = _cp()
+        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        live = int(((rows >= 0) & (rows < self.layout.host_rows)).sum())
+        if rows.size:
+            with self.stream:
+                self.write_async(layers, cp.asarray(rows), cp.asarray(src))
+            self.stream.synchronize()
+        return live * len(layers) * self.layout.row_bytes

@@ -1,0 +1,135 @@
+"""The cuda backend end to end: a real sparsekvd on the GPU, clients opening its slab
+through CUDA IPC, every result compared with the cpu backend bit for bit.
+
+All tests are marked ``cuda``: skipped on CPU machines, failures under --require-cuda.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from sparsekv.client import BadRequest, Client
+from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.client.replay import replay
+from sparsekv.client.trace import synth
+from sparsekv.client.verify import count_mismatches, fill_pool, pattern
+
+pytestmark = pytest.mark.cuda
+
+ARENA = ["--device-arena-size", "2GiB"]
+
+
+def small_trace(**kw):
+    base = dict(steps=60, batch=8, top_k=128, region_stride=256, max_reqs=12, host_rows=12 * 2048,
+                num_layers=3, context=1500, lifetime=20, overlap=0.7, invalidate=0.2, share_prefix=0.3,
+                out_of_range=0.01, seed=11)
+    base.update(kw)
+    return synth(**base)
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_k": 512, "region_stride": 1024, "batch": 4, "steps": 30},
+                                {"top_k": 64, "region_stride": 192, "seed": 5, "pad": 0.4}])
+def test_replay_zmq_cuda_equals_cpu_bit_for_bit(kw):
+    trace = small_trace(**kw)
+    cpu, cpu_res = replay(trace, transport="inproc", backend="cpu")
+    gpu, gpu_res = replay(trace, transport="zmq", backend="cuda", verify=True)
+    assert gpu["mismatched_rows"] == 0
+    np.testing.assert_array_equal(gpu_res["slots"], cpu_res["slots"])
+    np.testing.assert_array_equal(gpu_res["misses"], cpu_res["misses"])
+    assert (gpu["hits"], gpu["misses"], gpu["out_of_range"]) == (cpu["hits"], cpu["misses"], cpu["out_of_range"])
+
+
+def test_daemon_stats_are_counted_on_the_device():
+    trace = small_trace()
+    cpu, _ = replay(trace, transport="inproc", backend="cpu")
+    lay = trace.layout()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d:
+        replay(trace, transport="zmq", backend="cuda", connect=d.run_dir)
+        with Client(d.run_dir, device="cuda:0") as c:
+            snap = c.stats()
+    assert snap["backend"] == "cuda"
+    assert (snap["hits"], snap["misses"], snap["out_of_range"]) == (cpu["hits"], cpu["misses"], cpu["out_of_range"])
+    assert snap["rows_moved"] == cpu["misses"] * lay.num_layers
+    assert snap["bytes_moved"] == cpu["misses"] * lay.num_layers * lay.row_bytes
+
+
+def _rank(run_dir, rank, trace_kw, barrier, out):
+    trace = small_trace(**trace_kw)
+    lay = trace.layout()
+    bad = 0
+    slots = np.zeros(trace.topk.shape, np.int32)
+    with Client(run_dir, rank=rank, device="cuda:0") as c:
+        att = c.attach(lay, engine="tp", fence=True)
+        if rank == 0:
+            fill_pool(c, lay)
+        barrier.wait()
+        for t in range(trace.steps):
+            c.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
+            s, _ = c.topk(t, 0, trace.topk[t]).host()
+            slots[t] = s
+            bad += count_mismatches(att.slab, lay.groups[0], trace.state_rows[t], trace.topk[t], s, lay.host_rows)
+        barrier.wait()
+    out.put((rank, bad, slots))
+
+
+def test_two_rank_processes_share_one_pool_on_one_gpu():
+    trace_kw = {"steps": 40}
+    trace = small_trace(**trace_kw)
+    _, want = replay(trace, transport="inproc", backend="cpu")
+    lay = trace.layout()
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d:
+        procs = [ctx.Process(target=_rank, args=(d.run_dir, r, trace_kw, barrier, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        results = sorted(out.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    for rank, bad, slots in results:
+        assert bad == 0, f"rank {rank} read {bad} wrong rows"
+        np.testing.assert_array_equal(slots, want["slots"])
+
+
+def test_write_reaches_the_pool_and_drops_hot_copies():
+    trace = small_trace(steps=1)
+    lay = trace.layout()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d, \
+            Client(d.run_dir, device="cuda:0") as c:
+        att = c.attach(lay, engine="w")
+        fill_pool(c, lay)
+        ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
+        c.step(0, [0])
+        s0, m0 = c.topk(0, 0, ids).host()
+        assert m0[0] == lay.top_k
+        new = np.stack([pattern(layer + 100, ids[0, :5], lay.row_bytes) for layer in range(lay.num_layers)])
+        c.write(ids[0, :5], new)
+        c.step(1, [0])
+        s1, m1 = c.topk(1, 0, ids).host()
+        assert m1[0] == 5  # exactly the rewritten rows miss
+        for layer in range(lay.num_layers):
+            got = att.slab[layer, 0, s1[0, :5]].cpu().numpy()
+            np.testing.assert_array_equal(got, new[layer])
+
+
+def test_duplicate_ids_are_refused_and_state_kept():
+    trace = small_trace(steps=1)
+    lay = trace.layout()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d, \
+            Client(d.run_dir, device="cuda:0") as c:
+        att = c.attach(lay, engine="dup")
+        fill_pool(c, lay)
+        ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
+        c.step(0, [1])
+        c.topk(0, 0, ids).host()
+        bad = ids.copy()
+        bad[0, 3] = bad[0, 7]
+        with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
+            c.topk(0, 0, bad)
+        s, m = c.topk(0, 0, ids).host()
+        assert m[0] == 0  # all hits: the refused batch changed nothing
+        assert count_mismatches(att.slab, (0, 1, 2), np.array([1]), ids, s, lay.host_rows) == 0
