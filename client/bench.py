@@ -109,8 +109,64 @@ def bench_transport(steps=100, batch=8, top_k=256) -> dict:
             "zmq_overhead_us": round(p50z - p50b, 1), "ratio_vs_inproc": round(p50z / p50b, 3)}
 
 
+def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, num_layers=1, seed=5) -> dict:
+    """A decode step through a cuda daemon over zmq (step + top-k + wait for the event)
+    against the same resolve + gather run in this process on the same GPU. The difference
+    is the cross-process hand-off (run it under MPS: DESIGN §2)."""
+    import cupy as cp  # noqa: PLC0415
+
+    from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
+    from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
+    from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency  # noqa: PLC0415
+
+    tr = synth(steps=steps, batch=batch, top_k=top_k, region_stride=region_stride, max_reqs=2 * batch,
+               host_rows=2 * batch * 16384, num_layers=num_layers, context=12000, lifetime=steps,
+               arrive=1.0, pad=0.0, invalidate=0.0, out_of_range=0.0, share_prefix=0.0, overlap=0.8, seed=seed)
+    lay = tr.layout()
+    # In process: the same kernels on a pinned pool, one stream, synchronised each step.
+    with HostPool(lay.pool_bytes) as pool:
+        pinned = PinnedRegion(pool.address, lay.pool_bytes, lay.row_bytes)
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            res = CudaResidency(lay, stream=stream)
+            mover = CudaMover(lay, pinned, stream=stream)
+            out = res.new_output(batch)
+            base = np.zeros(steps)
+            for t in range(steps):
+                t0 = time.perf_counter()
+                with stream:
+                    if tr.reset[t].any():
+                        res.reset_async(cp.asarray(tr.state_rows[t][tr.reset[t]]))
+                    res.resolve_async(0, cp.asarray(tr.state_rows[t]), cp.asarray(tr.topk[t]), out)
+                    mover.gather_async(out, lay.groups[0])
+                stream.synchronize()
+                base[t] = time.perf_counter() - t0
+            del mover, res, out
+        finally:
+            pinned.close()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
+                       extra_args=["--device-arena-size", "4GiB"]) as d, \
+            Client(d.run_dir, name="bench", device="cuda:0") as c:
+        c.attach(lay, engine="bench")
+        over = np.zeros(steps)
+        for t in range(steps):
+            t0 = time.perf_counter()
+            c.step(t, tr.state_rows[t], tr.reset[t], tr.invalidate[t])
+            c.topk(t, 0, tr.topk[t]).host()
+            over[t] = time.perf_counter() - t0
+    warm = slice(10, None)  # first steps compile nothing but fault in state and caches
+    b, z = base[warm] * 1e6, over[warm] * 1e6
+    return {"bench": "cuda_transport", "steps": steps, "batch": batch, "top_k": top_k,
+            "region_stride": region_stride, "layers": num_layers,
+            "inproc_p50_us": round(float(np.median(b)), 1), "inproc_p99_us": round(float(np.percentile(b, 99)), 1),
+            "zmq_p50_us": round(float(np.median(z)), 1), "zmq_p99_us": round(float(np.percentile(z, 99)), 1),
+            "handoff_p50_us": round(float(np.median(z) - np.median(b)), 1),
+            "ratio_vs_inproc": round(float(np.median(z) / np.median(b)), 3)}
+
+
 def run_bench(which: list[str]) -> list[dict]:
-    table = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport}
+    table = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport,
+             "cuda_transport": bench_cuda_transport}
     return [table[w]() for w in which]
 
 

@@ -94,7 +94,7 @@ def cmd_bench(a) -> int:
     from .bench import format_results, run_bench  # noqa: PLC0415
 
     which = a.which or ["resolve", "gather", "transport"]
-    unknown = set(which) - {"resolve", "gather", "transport"}
+    unknown = set(which) - {"resolve", "gather", "transport", "cuda_transport"}
     if unknown:
         print(f"sparsekv bench: unknown benchmark(s) {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_trace_synth)
 
     q = sub.add_parser("bench", help="speed figures, each against a baseline measured in the same run")
-    q.add_argument("which", nargs="*", metavar="resolve|gather|transport", help="benchmarks to run (default: all)")
+    q.add_argument("which", nargs="*", metavar="NAME",
+                   help="resolve, gather, transport (cpu; the default set) or cuda_transport (needs a GPU)")
     q.set_defaults(fn=cmd_bench)
 
     q = sub.add_parser("demo", help="two TP ranks against a private daemon on a synthetic decode")

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One batched run on the GPU machine (see docs/PERF.md): install, test, time.
+#   run from the repo root there; carries .whl (pyzmq for python 3.12).
+# Writes logs under $OUT and prints a short table last.
+set -uo pipefail
+OUT=${OUT:-/tmp/skv-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE=/tmp/skv-kernels
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+mkdir -p /tmp/mps /tmp/mpslog
+nvidia-cuda-mps-control -d && echo "MPS started"
+trap 'echo quit | nvidia-cuda-mps-control' EXIT
+
+status=0
+what=${1:-all}
+if [[ $what == all || $what == test ]]; then
+  timeout 400 python3 -m pytest -q --require-cuda -m cuda -x tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
+  status=${PIPESTATUS[0]}
+fi
+if [[ $what == all || $what == bench ]]; then
+  SPARSEKV_CUDA_BENCH=1 timeout 200 python3 -m pytest -q -s --require-cuda tests/daemon/residency/test_cuda_kernels.py -k bench_table 2>&1 | tee "$OUT/bench-kernels.log" | tail -20
+  timeout 200 python3 -m sparsekv.client.cli bench cuda_transport 2>&1 | tee "$OUT/bench-transport.log" | tail -5
+fi
+exit $status
