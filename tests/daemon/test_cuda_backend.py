@@ -133,3 +133,49 @@ def test_duplicate_ids_are_refused_and_state_kept():
         s, m = c.topk(0, 0, ids).host()
         assert m[0] == 0  # all hits: the refused batch changed nothing
         assert count_mismatches(att.slab, (0, 1, 2), np.array([1]), ids, s, lay.host_rows) == 0
+
+
+def _rank_on(run_dir, rank, device, trace_kw, barrier, out):
+    trace = small_trace(**trace_kw)
+    lay = trace.layout()
+    bad = 0
+    slots = np.zeros(trace.topk.shape, np.int32)
+    with Client(run_dir, rank=rank, device=device) as c:
+        att = c.attach(lay, engine="tp2")
+        if rank == 0:
+            fill_pool(c, lay)
+        barrier.wait()
+        for t in range(trace.steps):
+            c.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
+            s, _ = c.topk(t, 0, trace.topk[t]).host()
+            slots[t] = s
+            bad += count_mismatches(att.slab, lay.groups[0], trace.state_rows[t], trace.topk[t], s, lay.host_rows)
+        barrier.wait()
+        stats = c.stats() if rank == 0 else None
+    out.put((rank, bad, slots, str(att.slab.device) if att.slab is not None else device, stats))
+
+
+def test_two_ranks_on_two_gpus_share_one_host_pool():
+    import cupy as cp
+
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    trace_kw = {"steps": 30}
+    trace = small_trace(**trace_kw)
+    _, want = replay(trace, transport="inproc", backend="cpu")
+    lay = trace.layout()
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d:
+        procs = [ctx.Process(target=_rank_on, args=(d.run_dir, r, f"cuda:{r}", trace_kw, barrier, out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        results = sorted(out.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    assert results[0][4]["devices"] == ["cuda:0", "cuda:1"]
+    for rank, bad, slots, _dev, _ in results:
+        assert bad == 0, f"rank {rank} read {bad} wrong rows"
+        np.testing.assert_array_equal(slots, want["slots"])
