@@ -53,10 +53,14 @@ def cmd_replay(a) -> int:
     except TraceError as e:
         print(f"sparsekv replay: {e}", file=sys.stderr)
         return 2
+    from .errors import BadRequest  # noqa: PLC0415
+
     try:
         summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify,
                                  connect=a.connect, daemon_log=a.daemon_log)
-    except ValueError as e:
+    except (ValueError, BadRequest) as e:
+        # BadRequest: the trace's content breaks the contract (duplicate ids in a row,
+        # state rows outside max_reqs, too many tokens per state row): a bad trace file.
         print(f"sparsekv replay: {e}", file=sys.stderr)
         return 2
     save_result(a.out, result)

@@ -76,7 +76,7 @@ class InprocClient:
     def stage(self, rows, layers=None) -> int:
         with _errors():
             st = self._need()
-            return st.mover.stage(as_ids("rows", rows, 1), check_layers(st.residency.layout, layers))
+            return st.stage(as_ids("rows", rows, 1), check_layers(st.residency.layout, layers))
 
     def _need(self):
         if self._state is None:

@@ -81,15 +81,21 @@ class Trace:
             z = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as e:
             raise TraceError(f"cannot read trace {path}: {e}") from None
+        if not isinstance(z, np.lib.npyio.NpzFile):  # np.load also reads a bare .npy array
+            raise TraceError(f"trace {path} is not an .npz archive")
         need = {"topk", "state_rows", "reset", "invalidate", *SCALARS}
         missing = need - set(z.files)
         if missing:
             raise TraceError(f"trace {path} lacks {sorted(missing)}")
-        return cls(
-            topk=z["topk"].astype(np.int32), state_rows=z["state_rows"].astype(np.int32),
-            reset=z["reset"].astype(bool), invalidate=z["invalidate"].astype(np.int32),
-            **{k: int(z[k]) for k in SCALARS},
-        ).check()
+        try:
+            trace = cls(
+                topk=z["topk"].astype(np.int32), state_rows=z["state_rows"].astype(np.int32),
+                reset=z["reset"].astype(bool), invalidate=z["invalidate"].astype(np.int32),
+                **{k: int(z[k]) for k in SCALARS},
+            )
+        except (TypeError, ValueError) as e:  # object or text arrays, an array where a number belongs
+            raise TraceError(f"trace {path} has an array of the wrong type: {e}") from None
+        return trace.check()
 
 
 def synth(

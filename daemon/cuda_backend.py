@@ -18,7 +18,6 @@ import os
 
 import numpy as np
 
-from sparsekv.proto.layout import Layout
 
 from .cuda_ipc import ArenaFull, DeviceArena, EventRing, ImportedEvents
 from .engine import EngineSpace, RankState
@@ -163,12 +162,18 @@ class CudaRankState(RankState):
             d_rows = self.d_rows[entry, :batch]
             d_topk.set(self.h_topk[entry, :n].reshape(batch, k), stream=stream)
             d_rows.set(self.h_rows[entry, :batch], stream=stream)
-            if batch and k < lay.top_k:
-                out.slots[:batch, k:].fill(-1)
             self.residency.resolve_async(group, d_rows, d_topk, out, stream)
             self.mover.gather_async(out, lay.groups[group], stream)
             self.events.record(entry, stream)
         return {"entry": entry, "batch": batch, "k": k}, None, {"topk_batches": 1}
+
+    def drop_rewritten(self, rows):
+        with self._cp.cuda.Device(self.worker.ordinal):
+            return self.residency.invalidate_everywhere(rows)
+
+    def stage(self, rows, layers):
+        with self._cp.cuda.Device(self.worker.ordinal):
+            return self.mover.stage(rows, layers)
 
     def quiesce(self) -> None:
         self.worker.stream.synchronize()
@@ -176,7 +181,8 @@ class CudaRankState(RankState):
     def counters(self) -> dict:
         """Device counters read back (stats only; synchronises the stream)."""
         self.worker.stream.synchronize()
-        c = self.group_counters.get()
+        with self._cp.cuda.Device(self.worker.ordinal):
+            c = self.group_counters.get()
         lay = self.residency.layout
         layers = np.array([len(g) for g in lay.groups], dtype=np.uint64)
         misses = c[:, MISSES]

@@ -107,6 +107,14 @@ class RankState:
                   "bytes_moved": moved, "out_of_range": res.out_of_range}
         return {"hits": res.hits, "out_of_range": res.out_of_range}, {"slots": res.slots, "misses": res.misses}, deltas
 
+    def drop_rewritten(self, rows: np.ndarray) -> int:
+        """Empty every slot of this rank holding one of ``rows``; return how many."""
+        return self.residency.invalidate_everywhere(rows)
+
+    def stage(self, rows: np.ndarray, layers: tuple[int, ...]) -> int:
+        """Copy host ``rows`` of ``layers`` to the staging buffer; bytes when it returns."""
+        return self.mover.stage(rows, layers)
+
     def quiesce(self) -> None:
         """Wait until no copy of this rank is in flight (before the pool is rewritten)."""
 
@@ -140,7 +148,7 @@ class EngineSpace:
             r.quiesce()  # no gather may read a row while it is being rewritten
         for i, layer in enumerate(layers):
             self.pool[layer, rows] = data[i]
-        dropped = sum(r.residency.invalidate_everywhere(rows) for r in self.ranks.values())
+        dropped = sum(r.drop_rewritten(rows) for r in self.ranks.values())
         return data.nbytes, dropped
 
     def read(self, layers, rows) -> np.ndarray:

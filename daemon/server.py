@@ -14,7 +14,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import psutil
 import zmq
 import zmq.asyncio
@@ -299,7 +298,7 @@ class Daemon:
         if rows.size and (rows.min() < 0 or rows.max() >= lay.host_rows):
             raise ResidencyError("BAD_ARGUMENT", f"stage rows must lie in [0, {lay.host_rows})")
         layers = check_layers(lay, h["layers"])
-        nbytes = st.mover.stage(rows, layers)
+        nbytes = st.stage(rows, layers)
         self.stats.add(rows_staged=rows.size * len(layers))
         return {"bytes": nbytes}, None
 

@@ -35,6 +35,7 @@ from .base import Mover, Plan, Residency, ResidencyError, Resolved, check_batch,
 
 RESOLVE_THREADS = 1024  # one block per batch row; 1024 threads keep the sort short
 COPY_THREADS = 256
+COPY_LOAD = 1  # __ldg: the source of a copy is never written while it runs
 DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
 SETUP_BLOCKS = 1024  # cap for the grid-stride reset/invalidate kernels
 DEFAULT_SMEM_BYTES = 48 << 10  # dynamic shared memory without an opt-in
@@ -59,12 +60,16 @@ def resolve_defines(threads: int = RESOLVE_THREADS) -> dict:
     return {"SKV_RESOLVE_THREADS": int(threads)}
 
 
-def copy_defines(row_bytes: int, threads: int = COPY_THREADS) -> dict:
+def copy_defines(row_bytes: int, threads: int = COPY_THREADS, load: int = COPY_LOAD) -> dict:
+    """Constants of the copy module: 16-byte vectors per row, threads, load flavour
+    (0 plain, 1 ``__ldg``, 2 ``__ldcs``; csrc/copy.cu)."""
     if row_bytes % 16 or row_bytes <= 0:
         raise ValueError(f"row_bytes {row_bytes} must be a positive multiple of 16")
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"copy threads must be a multiple of 32 in [32, 1024], got {threads}")
-    return {"SKV_ROW_VECS": row_bytes // 16, "SKV_COPY_THREADS": int(threads)}
+    if load not in (0, 1, 2):
+        raise ValueError(f"load must be 0, 1 or 2, got {load}")
+    return {"SKV_ROW_VECS": row_bytes // 16, "SKV_COPY_THREADS": int(threads), "SKV_COPY_LOAD": int(load)}
 
 
 def _pow2(n: int) -> int:
@@ -212,8 +217,11 @@ class CudaResidency(Residency):
 
     # -- device-resident entry points ------------------------------------------------
 
-    def new_output(self, max_batch: int) -> ResolveOutput:
-        """A :class:`ResolveOutput` for batches of up to ``max_batch`` rows."""
+    def new_output(self, max_batch: int | None = None) -> ResolveOutput:
+        """A :class:`ResolveOutput` for batches of up to ``max_batch`` rows (default: the
+        layout's ``max_batch``)."""
+        if max_batch is None:
+            max_batch = getattr(self.layout, "max_batch", 0) or self.layout.max_reqs
         ws = self.workspace_bytes if self.workspace_global else 0
         return ResolveOutput(self.layout, max_batch, ws, self.stream)
 
@@ -456,10 +464,12 @@ class CudaMover(Mover):
         kernels, stream: as for :class:`CudaResidency`.
         blocks: most blocks a copy kernel uses (SMs are shared with attention).
         threads: threads per copy block.
+        load: how the copy kernel reads 16-byte vectors (see :func:`copy_defines`).
     """
 
     def __init__(self, layout: Layout, pool, *, pool_offset: int = 0, buffers: DeviceBuffers | None = None,
-                 kernels=None, stream=None, blocks: int = DEFAULT_COPY_BLOCKS, threads: int = COPY_THREADS):
+                 kernels=None, stream=None, blocks: int = DEFAULT_COPY_BLOCKS, threads: int = COPY_THREADS,
+                 load: int = COPY_LOAD):
         cp = _cp()
         self.layout = lay = layout.validate()
         if kernels is None:
@@ -483,7 +493,7 @@ class CudaMover(Mover):
             raise ValueError(f"blocks must be positive, got {blocks}")
         self.blocks = int(blocks)
         self.threads = int(threads)
-        self._copy = kernels.function("copy.cu", "skv_copy_rows", copy_defines(lay.row_bytes, threads))
+        self._copy = kernels.function("copy.cu", "skv_copy_rows", copy_defines(lay.row_bytes, threads, load))
         self._layers: dict[tuple[int, ...], object] = {}
 
     def _layers_dev(self, layers) -> tuple[object, int]:
