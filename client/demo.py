@@ -24,13 +24,13 @@ DEFAULTS = dict(steps=300, batch=8, top_k=256, region_stride=512, max_reqs=16, h
 GROUPS = ((0, 1), (2, 3))  # two index groups of two layers (leader + follower)
 
 
-def _rank_main(run_dir: str, rank: int, params: dict, barrier, results, show_progress: bool) -> None:
+def _rank_main(run_dir: str, rank: int, device: str, params: dict, barrier, results, show_progress: bool) -> None:
     trace = synth(**{k: params[k] for k in DEFAULTS})
     layout = trace.layout()
     layout = dataclasses.replace(layout, index_groups=GROUPS)
     lat = np.zeros(trace.steps)
     bad = 0
-    with Client(run_dir, rank=rank, name=f"demo-rank{rank}") as c:
+    with Client(run_dir, rank=rank, device=device, name=f"demo-rank{rank}") as c:
         att = c.attach(layout, engine="demo")
         if rank == 0:
             fill_pool(c, layout)  # the "prefill": every host row gets known bytes
@@ -41,10 +41,10 @@ def _rank_main(run_dir: str, rank: int, params: dict, barrier, results, show_pro
             c.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
             # Both groups go out before waiting: the daemon works while the client sends.
             pend = [c.submit_topk(t, g, trace.topk[t]) for g in range(len(GROUPS))]
-            res = [p.wait() for p in pend]
+            res = [p.wait().host() for p in pend]  # cuda: waits for the gathers
             lat[t] = time.perf_counter() - t0
-            for g, r in enumerate(res):
-                bad += count_mismatches(att.slab, GROUPS[g], trace.state_rows[t], trace.topk[t], r.slots, layout.host_rows)
+            for g, (slots, _misses) in enumerate(res):
+                bad += count_mismatches(att.slab, GROUPS[g], trace.state_rows[t], trace.topk[t], slots, layout.host_rows)
             if bar:
                 bar.update(t + 1)
         if bar:
@@ -81,11 +81,22 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
     if steps is not None:
         params["steps"] = steps
     pool_bytes = params["num_layers"] * params["host_rows"] * params["row_bytes"] + (16 << 20)
+    if backend == "auto":
+        from sparsekv.daemon.backends import cuda_unavailable  # noqa: PLC0415
+
+        backend = "cpu" if cuda_unavailable() else "cuda"
+    devices = ["cpu", "cpu"]
+    if backend == "cuda":
+        import cupy as cp  # noqa: PLC0415
+
+        n = cp.cuda.runtime.getDeviceCount()
+        devices = [f"cuda:{r % n}" for r in range(2)]  # two GPUs when there are two
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
     t0 = time.perf_counter()
-    with PrivateDaemon(pool_bytes=pool_bytes, backend=backend) as d:
-        procs = [ctx.Process(target=_rank_main, args=(d.run_dir, r, params, barrier, results, progress and r == 0))
+    extra = ["--device-arena-size", "1GiB"] if backend == "cuda" else []
+    with PrivateDaemon(pool_bytes=pool_bytes, backend=backend, extra_args=extra) as d:
+        procs = [ctx.Process(target=_rank_main, args=(d.run_dir, r, devices[r], params, barrier, results, progress and r == 0))
                  for r in range(2)]
         for p in procs:
             p.start()
@@ -101,6 +112,7 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
     lat = np.concatenate([r["lat"] for r in out]) * 1e6
     return {
         "backend": stats["backend"],
+        "devices": ",".join(devices),
         "ranks": len(out),
         "steps": params["steps"],
         "batch": params["batch"],
@@ -121,7 +133,7 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
 def format_table(s: dict) -> str:
     rows = [
         ("backend", s["backend"]),
-        ("ranks (processes)", s["ranks"]),
+        ("ranks (processes)", f"{s['ranks']} on {s['devices']}"),
         ("steps x batch x top_k", f"{s['steps']} x {s['batch']} x {s['top_k']}"),
         ("layers (2 index groups)", s["layers"]),
         ("hit rate", f"{s['hit_rate'] * 100:.2f} %"),
