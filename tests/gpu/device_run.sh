@@ -21,6 +21,7 @@ what=${1:-all}
 if [[ $what == all || $what == test ]]; then
   timeout 400 python3 -m pytest -q --require-cuda -m cuda -x tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
   status=${PIPESTATUS[0]}
+  timeout 200 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
 fi
 if [[ $what == all || $what == bench ]]; then
   SPARSEKV_CUDA_BENCH=1 timeout 200 python3 -m pytest -q -s --require-cuda tests/daemon/residency/test_cuda_kernels.py -k bench_table 2>&1 | tee "$OUT/bench-kernels.log" | tail -20
