@@ -34,3 +34,38 @@ def pytest_runtest_setup(item):
     if item.config.getoption("--require-cuda"):
         pytest.fail(f"--require-cuda: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+# -- fixtures shared by the suite (helpers live in tests/helpers.py) ----------------------
+POOL_BYTES = 64 << 20  # small: the daemon starts in a fraction of a second
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """A private sparsekvd (cpu backend, 64 MiB pool) in its own process, stopped after
+    the test. Dead clients are reaped every 0.1 s. Its log is ``tmp_path/sparsekvd.log``."""
+    from sparsekv.client.private_daemon import PrivateDaemon
+
+    log_path = tmp_path / "sparsekvd.log"
+    d = PrivateDaemon(pool_bytes=POOL_BYTES, backend="cpu", extra_args=["--reap-interval-s", "0.1"],
+                      log_path=str(log_path), start_timeout_s=30)
+    with d:
+        yield d
+
+
+@pytest.fixture
+def spawn_rank():
+    """Factory ``spawn_rank(run_dir, rank)`` of rank processes (tests/helpers.RankProc);
+    every one is stopped after the test, killed if it does not exit."""
+    import helpers
+
+    procs = []
+
+    def make(run_dir, rank, name=""):
+        p = helpers.RankProc(run_dir, rank, name)
+        procs.append(p)
+        return p
+
+    yield make
+    for p in procs:
+        p.close()

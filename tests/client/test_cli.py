@@ -1,0 +1,158 @@
+"""``sparsekv trace synth`` and ``sparsekv replay`` as commands (DESIGN §6): the one-line
+JSON summary printed last, the result file's arrays, identical results through both
+transports (and equal to the reference model), clear exit-2 errors for bad traces."""
+
+import json
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.client.trace import Trace, synth
+
+SYNTH = ["--steps", 30, "--batch", 4, "--top-k", 16, "--region-stride", 32, "--max-reqs", 8, "--host-rows", 2048,
+         "--row-bytes", 32, "--num-layers", 2, "--context", 150, "--lifetime", 12, "--invalidate", 0.2,
+         "--out-of-range", 0.01, "--seed", 4]
+
+
+def summary_of(r) -> dict:
+    """The last stdout line, which must be the JSON summary."""
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    s = json.loads(last)
+    for key in ("steps", "hits", "misses", "mismatched_rows"):
+        assert key in s, key
+    return s
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("trace") / "t.npz"
+    r = helpers.run_cli("trace", "synth", "--out", path, *SYNTH)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (info["steps"], info["batch"], info["top_k"]) == (30, 4, 16)
+    assert info["resets"] > 0 and info["live_rows"] > 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def inproc_result(trace_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("inproc") / "r.npz"
+    s = summary_of(helpers.run_cli("replay", trace_path, "--out", out, "--transport", "inproc", "--verify"))
+    return s, np.load(out)
+
+
+def test_trace_synth_writes_the_documented_trace_format(trace_path):
+    z = np.load(trace_path)
+    assert z["topk"].dtype == np.int32 and z["topk"].shape == (30, 4, 16)
+    assert z["state_rows"].dtype == np.int32 and z["state_rows"].shape == (30, 4)
+    assert z["reset"].dtype == bool and z["reset"].shape == (30, 4)
+    assert z["invalidate"].dtype == np.int32 and z["invalidate"].shape[:2] == (30, 4)
+    assert {k: int(z[k]) for k in ("region_stride", "host_rows", "max_reqs", "row_bytes", "num_layers")} == {
+        "region_stride": 32, "host_rows": 2048, "max_reqs": 8, "row_bytes": 32, "num_layers": 2}
+
+
+def test_replay_inproc_prints_summary_and_writes_result(inproc_result):
+    s, z = inproc_result
+    assert s["steps"] == 30 and s["transport"] == "inproc"
+    assert s["mismatched_rows"] == 0 and s["verified"] is True
+    assert z["slots"].dtype == np.int32 and z["slots"].shape == (30, 4, 16)
+    assert z["misses"].dtype == np.int32 and z["misses"].shape == (30, 4)
+    assert s["misses"] == int(z["misses"].sum())
+    assert s["hits"] > 0 and s["misses"] > 0
+
+
+def test_replay_inproc_equals_the_reference_model(trace_path, inproc_result):
+    slots, misses = helpers.reference_replay(Trace.load(str(trace_path)))
+    np.testing.assert_array_equal(inproc_result[1]["slots"], slots)
+    np.testing.assert_array_equal(inproc_result[1]["misses"], misses)
+
+
+def test_replay_zmq_verify_matches_inproc_exactly(trace_path, inproc_result, tmp_path):
+    out = tmp_path / "zmq.npz"
+    s = summary_of(helpers.run_cli("replay", trace_path, "--out", out, "--transport", "zmq", "--verify"))
+    assert s["transport"] == "zmq" and s["mismatched_rows"] == 0
+    z = np.load(out)
+    np.testing.assert_array_equal(z["slots"], inproc_result[1]["slots"])
+    np.testing.assert_array_equal(z["misses"], inproc_result[1]["misses"])
+    for key in ("steps", "hits", "misses", "out_of_range"):
+        assert s[key] == inproc_result[0][key], key
+
+
+def test_replay_connects_to_a_running_daemon(trace_path, inproc_result, daemon, tmp_path):
+    out = tmp_path / "c.npz"
+    s = summary_of(helpers.run_cli("replay", trace_path, "--out", out, "--transport", "zmq", "--verify",
+                                   "--connect", daemon.run_dir))
+    assert s["mismatched_rows"] == 0
+    np.testing.assert_array_equal(np.load(out)["slots"], inproc_result[1]["slots"])
+    stats = helpers.stats_json(daemon.run_dir)
+    assert stats["misses"] == s["misses"] and stats["hits"] == s["hits"]
+    assert stats["engines"] == 0  # the replay detached
+
+
+def test_replay_without_verify_reports_no_mismatch_count(trace_path, tmp_path):
+    s = summary_of(helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz"))
+    assert s["verified"] is False and s["mismatched_rows"] is None
+
+
+def _save(path, **over):
+    tr = synth(steps=3, batch=2, top_k=4, region_stride=8, max_reqs=4, host_rows=256, row_bytes=16, num_layers=1,
+               seed=1)
+    arrays = dict(topk=tr.topk, state_rows=tr.state_rows, reset=tr.reset, invalidate=tr.invalidate,
+                  region_stride=8, host_rows=256, max_reqs=4, row_bytes=16, num_layers=1)
+    arrays.update(over)
+    arrays = {k: v for k, v in arrays.items() if v is not None}
+    np.savez(path, **arrays)
+    return path
+
+
+def _dup_topk():
+    tr = synth(steps=3, batch=2, top_k=4, region_stride=8, max_reqs=4, host_rows=256, row_bytes=16, num_layers=1,
+               arrive=1.0, pad=0.0, seed=1)
+    topk = tr.topk.copy()
+    topk[1, 0, :2] = 17  # a live row naming one host row twice
+    assert tr.state_rows[1, 0] >= 0
+    return topk
+
+
+BAD_TRACES = {
+    "missing file": (lambda p: p.parent / "nope.npz", "cannot read trace"),
+    "not an archive": (lambda p: (p.write_text("hello"), p)[1], "cannot read trace"),
+    "bare npy": (lambda p: (np.save(p.with_suffix(".npy"), np.arange(3)), p.with_suffix(".npy"))[1],
+                 "is not an .npz archive"),
+    "missing array": (lambda p: _save(p, reset=None), "lacks ['reset']"),
+    "wrong shape": (lambda p: _save(p, state_rows=np.zeros((3, 5), np.int32)), "state_rows must be [3, 2]"),
+    "array for a scalar": (lambda p: _save(p, host_rows=np.arange(2)), "wrong type"),
+    "text array": (lambda p: _save(p, topk=np.full((3, 2, 4), "x")), "wrong type"),
+    "bad layout scalars": (lambda p: _save(p, region_stride=2), "region_stride"),
+    "state row beyond max_reqs": (lambda p: _save(p, state_rows=np.full((3, 2), 9, np.int32)), "state row 9"),
+    "duplicate ids in a row": (lambda p: _save(p, topk=_dup_topk()), "same host row twice"),
+}
+
+
+# Every case on inproc; on zmq the ones refused by the daemon rather than by the loader.
+BAD_TRACE_RUNS = [(c, "inproc") for c in BAD_TRACES] + [
+    (c, "zmq") for c in ("duplicate ids in a row", "state row beyond max_reqs")]
+
+
+@pytest.mark.parametrize("case, transport", BAD_TRACE_RUNS)
+def test_bad_trace_exits_2_with_a_message(tmp_path, case, transport):
+    make, words = BAD_TRACES[case]
+    path = make(tmp_path / "bad.npz")
+    r = helpers.run_cli("replay", path, "--out", tmp_path / "r.npz", "--transport", transport)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith("sparsekv replay: ") and words in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "r.npz").exists()
+
+
+def test_doorbell_transport_on_cpu_is_refused_with_exit_2(trace_path, tmp_path):
+    r = helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz", "--transport", "doorbell")
+    assert r.returncode == 2 and "sparsekv replay:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_trace_synth_with_impossible_parameters_exits_2(tmp_path):
+    r = helpers.run_cli("trace", "synth", "--out", tmp_path / "t.npz", "--batch", 9, "--max-reqs", 4)
+    assert r.returncode == 2 and "batch 9 exceeds max_reqs 4" in r.stderr
+    assert not (tmp_path / "t.npz").exists()

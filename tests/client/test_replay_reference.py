@@ -1,0 +1,80 @@
+"""Synthetic traces (client/trace.py ``synth``) replayed in process must give exactly the
+slots and misses of the same trace driven through the reference model."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import helpers
+from sparsekv.client.replay import replay
+from sparsekv.client.trace import Trace, TraceError, synth
+
+
+def assert_matches_reference(trace: Trace, verify: bool = False) -> dict:
+    summary, result = replay(trace, transport="inproc", verify=verify)
+    want_slots, want_misses = helpers.reference_replay(trace)
+    assert result["slots"].shape == trace.topk.shape and result["slots"].dtype == np.int32
+    assert result["misses"].shape == trace.topk.shape[:2] and result["misses"].dtype == np.int32
+    np.testing.assert_array_equal(result["slots"], want_slots)
+    np.testing.assert_array_equal(result["misses"], want_misses)
+    assert summary["misses"] == int(want_misses.sum())
+    return summary
+
+
+def test_long_synthetic_trace_matches_reference_model():
+    trace = synth(steps=160, batch=6, top_k=24, region_stride=48, max_reqs=10, host_rows=4000, row_bytes=16,
+                  num_layers=1, overlap=0.7, context=200, lifetime=20, arrive=0.6, pad=0.15, invalidate=0.2,
+                  out_of_range=0.01, share_prefix=0.3, seed=11)
+    # the trace exercises every clause: arrivals, padding, rewrites, bad ids, hits and misses
+    assert trace.reset.sum() > 10 and (trace.state_rows < 0).sum() > 10
+    assert (trace.invalidate >= 0).sum() > 10
+    assert ((trace.topk < -1) | (trace.topk >= trace.host_rows))[trace.state_rows >= 0].sum() > 10
+    summary = assert_matches_reference(trace, verify=True)
+    assert summary["hits"] > 0 and summary["misses"] > 0
+    assert summary["out_of_range"] > 0
+    assert summary["mismatched_rows"] == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    top_k=st.integers(2, 12),
+    extra=st.integers(0, 12),
+    overlap=st.floats(0.0, 1.0),
+    pad=st.floats(0.0, 0.5),
+    invalidate=st.floats(0.0, 0.8),
+    share_prefix=st.floats(0.0, 1.0),
+    out_of_range=st.sampled_from([0.0, 0.05]),
+)
+def test_synthetic_traces_match_reference_model(seed, top_k, extra, overlap, pad, invalidate, share_prefix,
+                                                out_of_range):
+    trace = synth(steps=25, batch=3, top_k=top_k, region_stride=top_k + extra, max_reqs=4, host_rows=512,
+                  row_bytes=16, num_layers=1, overlap=overlap, context=40, lifetime=8, arrive=0.7, pad=pad,
+                  invalidate=invalidate, out_of_range=out_of_range, share_prefix=share_prefix, seed=seed)
+    assert_matches_reference(trace)
+
+
+def test_trace_save_load_round_trip(tmp_path):
+    trace = synth(steps=5, batch=2, top_k=4, region_stride=8, max_reqs=4, host_rows=256, num_layers=3, seed=3)
+    path = str(tmp_path / "t.npz")
+    trace.save(path)
+    back = Trace.load(path)
+    for name in ("topk", "state_rows", "reset", "invalidate"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(trace, name))
+    assert (back.region_stride, back.host_rows, back.max_reqs, back.row_bytes, back.num_layers) == (8, 256, 4, 656, 3)
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(batch=5, max_reqs=4), "batch 5 exceeds max_reqs 4"),
+        (dict(host_rows=16, max_reqs=4, top_k=4), "rows per request"),
+        (dict(region_stride=2, top_k=4), "region_stride"),
+    ],
+)
+def test_synth_rejects_impossible_parameters(kw, words):
+    params = dict(steps=2, batch=2, top_k=4, region_stride=8, max_reqs=4, host_rows=256)
+    params.update(kw)
+    with pytest.raises(TraceError) as ei:
+        synth(**params)
+    assert words in str(ei.value)

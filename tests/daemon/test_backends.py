@@ -1,0 +1,59 @@
+"""CpuBackend: one shared-memory slab file per attached rank, named after the run dir,
+removed on release and close; stale files of this run dir (a killed daemon's) removed at
+start, other run dirs' files left alone."""
+
+import os
+import stat
+
+import numpy as np
+
+import helpers
+from sparsekv.daemon.backends import CpuBackend, run_dir_tag
+from sparsekv.daemon.engine import EngineSpace
+
+
+def space(**kw):
+    lay = helpers.layout(**kw)
+    return EngineSpace("e", lay, np.zeros((lay.num_layers, lay.host_rows, lay.row_bytes), np.uint8))
+
+
+def test_run_dir_tag_is_stable_and_distinct(tmp_path):
+    assert run_dir_tag(str(tmp_path)) == run_dir_tag(str(tmp_path) + "/.")
+    assert run_dir_tag("/run/a") != run_dir_tag("/run/b") and len(run_dir_tag("/run/a")) == 10
+
+
+def test_new_rank_creates_a_private_slab_file_of_slab_and_staging_bytes(tmp_path):
+    be = CpuBackend("/run/x", shm_dir=str(tmp_path))
+    sp = space(staging_rows=4)
+    state, handles = be.new_rank(sp, 7, 1, "cpu")
+    path = handles["path"]
+    assert path == f"{tmp_path}/sparsekv-{run_dir_tag('/run/x')}-7"
+    assert handles["kind"] == "shm" and handles["slab_bytes"] == sp.layout.slab_bytes
+    assert os.path.getsize(path) == handles["bytes"] == sp.layout.slab_bytes + sp.layout.staging_bytes
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    # the daemon's slab array is the file: what it writes, a client mapping the file reads
+    state.slab[1, 2, 3, 4] = 99
+    with open(path, "rb") as f:
+        data = np.frombuffer(f.read(), np.uint8)
+    assert data[np.ravel_multi_index((1, 2, 3, 4), state.slab.shape)] == 99
+    be.release_rank(7)
+    assert not os.path.exists(path)
+    be.release_rank(7)  # twice is fine
+
+
+def test_close_removes_every_slab(tmp_path):
+    be = CpuBackend("/run/x", shm_dir=str(tmp_path))
+    for cid in (1, 2, 3):
+        be.new_rank(space(), cid, 0, "cpu")
+    assert len(os.listdir(tmp_path)) == 3
+    be.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_start_removes_stale_slabs_of_its_run_dir_only(tmp_path):
+    mine = tmp_path / f"sparsekv-{run_dir_tag('/run/x')}-4"
+    theirs = tmp_path / f"sparsekv-{run_dir_tag('/run/y')}-4"
+    mine.write_bytes(b"stale")
+    theirs.write_bytes(b"live")
+    CpuBackend("/run/x", shm_dir=str(tmp_path))
+    assert not mine.exists() and theirs.exists()

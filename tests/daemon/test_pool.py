@@ -1,0 +1,91 @@
+"""HostPool: refused when it would not fit in RAM, first-fit ranges on 2 MiB boundaries
+that coalesce when released, an idempotent close, nothing left in the file system."""
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sparsekv.daemon import pool as pool_mod
+from sparsekv.daemon.pool import ALIGN_BYTES, HostPool, PoolError
+
+MiB = 1 << 20
+
+
+def test_pool_larger_than_available_ram_is_refused_with_a_clear_error(monkeypatch):
+    monkeypatch.setattr(pool_mod.psutil, "virtual_memory", lambda: SimpleNamespace(available=8 * MiB))
+    with pytest.raises(PoolError) as ei:
+        HostPool(16 * MiB)
+    msg = str(ei.value)
+    assert "16MiB" in msg and "8MiB" in msg and "--pool-size" in msg
+    HostPool(8 * MiB).close()  # exactly what is available fits
+
+
+def test_pool_is_zeroed_shared_memory_with_no_name_in_the_file_system():
+    with HostPool(4 * MiB, threads=2) as p:
+        # a memfd: no path exists that a crashed daemon could leave behind
+        assert os.readlink(f"/proc/self/fd/{p._fd}").startswith("/memfd:sparsekv-pool")
+        assert p.array.shape == (4 * MiB,) and p.array.dtype == np.uint8
+        assert not p.array.any()
+        p.array[123] = 7
+        assert p.view(0, (4, MiB))[0, 123] == 7
+        assert p.address == p.array.ctypes.data
+
+
+def test_prefault_reports_progress_up_to_done():
+    seen = []
+    HostPool(3 * 64 * MiB // 2, threads=2, progress=seen.append).close()
+    assert seen and seen[-1] == 1.0 and seen == sorted(seen)
+
+
+def test_allocate_rounds_up_to_2mib_first_fit():
+    with HostPool(8 * MiB) as p:
+        a = p.allocate(1)
+        b = p.allocate(ALIGN_BYTES + 1)
+        assert (a, b) == (0, ALIGN_BYTES)
+        assert p.used_bytes == 3 * ALIGN_BYTES and p.free_bytes == ALIGN_BYTES
+        c = p.allocate(ALIGN_BYTES)
+        assert c == 3 * ALIGN_BYTES and p.free_bytes == 0
+
+
+def test_no_room_is_a_pool_error_naming_sizes():
+    with HostPool(4 * MiB) as p:
+        p.allocate(3 * MiB)
+        with pytest.raises(PoolError) as ei:
+            p.allocate(1)
+        assert "no free range of 2MiB" in str(ei.value) and "free 0B" in str(ei.value)
+
+
+def test_released_ranges_coalesce():
+    with HostPool(8 * MiB) as p:
+        offs = [p.allocate(ALIGN_BYTES) for _ in range(4)]
+        assert p.free_bytes == 0
+        p.release(offs[1])
+        p.release(offs[3])
+        with pytest.raises(PoolError):
+            p.allocate(2 * ALIGN_BYTES)  # two free ranges, not adjacent
+        p.release(offs[2])  # joins both neighbours
+        assert p._free == [(ALIGN_BYTES, 3 * ALIGN_BYTES)]
+        assert p.allocate(3 * ALIGN_BYTES) == ALIGN_BYTES
+        p.release(ALIGN_BYTES)
+        p.release(0)
+        assert p._free == [(0, 8 * MiB)] and p.used_bytes == 0
+
+
+def test_close_is_idempotent_and_frees_the_fd():
+    p = HostPool(2 * MiB)
+    fd = p._fd
+    p.close()
+    p.close()
+    assert p.array is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_close_with_a_live_view_does_not_raise():
+    p = HostPool(2 * MiB)
+    v = p.view(0, (2, MiB))
+    p.close()  # warns, leaves the mapping to the OS while the view lives
+    p.close()
+    assert v.shape == (2, MiB)

@@ -1,0 +1,257 @@
+"""The daemon's request handling in process (Daemon.handle, no sockets): every error gets
+a reply with its code and a message, counted by code; the client registry (attach,
+detach, engines and their pool ranges); reaping of dead clients."""
+
+import os
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import psutil
+import pytest
+
+import helpers
+from sparsekv.daemon import server as server_mod
+from sparsekv.daemon.backends import CpuBackend
+from sparsekv.daemon.pool import HostPool
+from sparsekv.daemon.server import Daemon
+from sparsekv.proto import ERROR_HINTS, PROTOCOL_VERSION, ErrorCode, MsgType, decode, encode
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def dm(tmp_path):
+    pool = HostPool(8 * MiB, threads=1)
+    backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
+    d = Daemon(str(tmp_path), backend, pool, max_clients=3)
+    yield d
+    for s in list(d.sessions.values()):
+        d._detach(s)
+    backend.close()
+    pool.close()
+
+
+def call(dm, ident, msg_type, fields=None, arrays=None, req_id=11):
+    h, a = decode([bytes(f) for f in dm.handle(ident, [bytes(f) for f in encode(msg_type, req_id, fields, arrays)])])
+    return h, a
+
+
+def hello(dm, ident=b"A", pid=None, rank=0):
+    h, _ = call(dm, ident, MsgType.HELLO, {"pid": pid or os.getpid(), "rank": rank, "device": "cpu", "name": "t"})
+    assert h["ok"], h
+    return h
+
+
+def attach(dm, ident=b"A", engine="e", **kw):
+    return call(dm, ident, MsgType.ATTACH, {"engine": engine, "layout": helpers.layout(**kw).to_wire()})[0]
+
+
+def assert_error(h, code: ErrorCode, words: str = ""):
+    assert h["ok"] is False, h
+    assert (h["code"], h["error"]) == (int(code), code.name)
+    assert words in h["msg"]
+    assert ERROR_HINTS[code] in h["msg"]  # the message says what to do
+
+
+def test_hello_replies_with_daemon_facts(dm):
+    h = hello(dm)
+    assert h["version"] == PROTOCOL_VERSION and h["daemon_pid"] == os.getpid()
+    assert h["backend"] == "cpu" and h["client_id"] == 1 and h["id"] == 11 and h["t"] == MsgType.HELLO
+
+
+def test_any_request_before_hello_is_not_hello(dm):
+    assert_error(call(dm, b"A", MsgType.STATS)[0], ErrorCode.NOT_HELLO)
+
+
+def test_wrong_protocol_version_is_bad_version_naming_both(dm):
+    frames = [bytes(f) for f in encode(MsgType.HELLO, 5, {"pid": 1, "rank": 0, "device": "cpu", "name": ""})]
+    head = msgpack.unpackb(frames[0])
+    head["v"] = PROTOCOL_VERSION + 1
+    h, _ = decode(dm.handle(b"A", [msgpack.packb(head)]))
+    assert_error(h, ErrorCode.BAD_VERSION, f"version {PROTOCOL_VERSION + 1}, this daemon speaks {PROTOCOL_VERSION}")
+    assert h["id"] == 5 and h["t"] == MsgType.HELLO  # the reply still finds its request
+    assert not dm.sessions
+
+
+def test_unknown_message_type(dm):
+    hello(dm)
+    assert_error(call(dm, b"A", 99)[0], ErrorCode.UNKNOWN_TYPE, "unknown message type 99")
+
+
+def test_undecodable_request_is_bad_frame(dm):
+    h, _ = decode(dm.handle(b"A", [b"\xc1"]))
+    assert_error(h, ErrorCode.BAD_FRAME, "not msgpack")
+    assert (h["t"], h["id"]) == (0, 0)
+
+
+def test_missing_fields_and_unexpected_arrays_are_bad_argument(dm):
+    assert_error(call(dm, b"A", MsgType.HELLO, {"pid": 1})[0], ErrorCode.BAD_ARGUMENT, "'device'")
+    hello(dm)
+    attach(dm)
+    h, _ = call(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.zeros(1, np.int32), "junk": np.zeros(1)})
+    assert_error(h, ErrorCode.BAD_ARGUMENT, "takes no array(s) ['junk']")
+    assert_error(call(dm, b"A", MsgType.STEP, {"step": 0})[0], ErrorCode.BAD_ARGUMENT, "needs the state_rows array")
+    h, _ = call(dm, b"A", MsgType.STEP, {"step": "0"}, {"state_rows": np.zeros(1, np.int32)})
+    assert_error(h, ErrorCode.BAD_ARGUMENT, "field 'step' must be an integer")
+
+
+@pytest.mark.parametrize("pid", [0, -4, 2**40, 2**63])
+def test_hello_with_impossible_pid_is_refused(dm, pid):
+    h, _ = call(dm, b"A", MsgType.HELLO, {"pid": pid, "rank": 0, "device": "cpu", "name": ""})
+    assert_error(h, ErrorCode.BAD_ARGUMENT, f"pid {pid}")
+    assert not dm.sessions
+    assert dm.reap_dead() == 0
+
+
+def test_requests_before_attach_are_not_attached(dm):
+    hello(dm)
+    for t, arrays in ((MsgType.STEP, {"state_rows": np.zeros(1, np.int32)}),
+                      (MsgType.TOPK, {"topk": np.zeros((1, 4), np.int32)}),
+                      (MsgType.WRITE, {"rows": np.zeros(1, np.int32), "data": np.zeros((2, 1, 32), np.uint8)}),
+                      (MsgType.STAGE, {"rows": np.zeros(1, np.int32)})):
+        h, _ = call(dm, b"A", t, {"step": 0, "group": 0, "layers": None}, arrays)
+        assert_error(h, ErrorCode.NOT_ATTACHED, "has not attached")
+
+
+def test_attach_twice_is_already_attached(dm):
+    hello(dm)
+    assert attach(dm)["ok"]
+    assert_error(attach(dm), ErrorCode.ALREADY_ATTACHED, "attached to engine 'e'")
+
+
+def test_bad_layout_names_the_field(dm):
+    hello(dm)
+    wire = helpers.layout().to_wire()
+    wire["row_bytes"] = 30
+    h, _ = call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})
+    assert_error(h, ErrorCode.BAD_LAYOUT, "row_bytes 30")
+    assert_error(call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": 7})[0], ErrorCode.BAD_LAYOUT, "map")
+    assert_error(call(dm, b"A", MsgType.ATTACH, {"engine": "", "layout": wire})[0], ErrorCode.BAD_ARGUMENT, "engine")
+    assert dm.pool.used_bytes == 0
+
+
+def test_second_rank_with_another_layout_is_layout_mismatch(dm):
+    hello(dm, b"A")
+    hello(dm, b"B", rank=1)
+    assert attach(dm, b"A")["ok"]
+    assert_error(attach(dm, b"B", top_k=2), ErrorCode.LAYOUT_MISMATCH, "engine 'e' is attached with")
+    assert attach(dm, b"B", engine="other", top_k=2)["ok"]  # another engine may differ
+    assert len(dm.engines) == 2
+
+
+def test_layout_that_does_not_fit_the_pool_is_pool_full(dm):
+    hello(dm)
+    h = attach(dm, host_rows=2**20, row_bytes=16, num_layers=1)  # 16 MiB > 8 MiB pool
+    assert_error(h, ErrorCode.POOL_FULL, "no free range of 16MiB")
+    assert dm.pool.used_bytes == 0 and not dm.engines
+    assert attach(dm)["ok"]  # and the client may try again with a smaller one
+
+
+def test_too_many_clients(dm):
+    for i in range(3):
+        hello(dm, bytes([65 + i]))
+    h, _ = call(dm, b"Z", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
+    assert_error(h, ErrorCode.TOO_MANY_CLIENTS, "max 3")
+
+
+def test_zero_dimensional_state_rows_is_bad_argument_not_internal(dm):
+    hello(dm)
+    attach(dm)
+    head = {"v": PROTOCOL_VERSION, "t": int(MsgType.STEP), "id": 3, "step": 0, "arrays": [["state_rows", "int32", []]]}
+    h, _ = decode(dm.handle(b"A", [msgpack.packb(head), np.int32(0).tobytes()]))
+    assert_error(h, ErrorCode.BAD_ARGUMENT, "state_rows must have 1 dimension")
+
+
+def test_batch_larger_than_the_limit_is_too_large(dm):
+    hello(dm)
+    attach(dm)
+    h, _ = call(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.full(4097, -1, np.int32)})
+    assert_error(h, ErrorCode.TOO_LARGE, "4097")
+
+
+def test_duplicate_ids_over_the_wire(dm):
+    hello(dm)
+    attach(dm)
+    assert call(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
+    h, _ = call(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0}, {"topk": np.array([[3, 4, 3, -1]], np.int32)})
+    assert_error(h, ErrorCode.DUPLICATE_IDS, "same host row twice")
+    assert (dm.sessions[b"A"].state.residency.owner == -1).all()
+
+
+def test_errors_and_requests_are_counted_by_code(dm):
+    call(dm, b"A", MsgType.STATS)
+    dm.handle(b"A", [b"\xc1"])
+    dm.handle(b"A", [b"\xc1"])
+    hello(dm)
+    snap = call(dm, b"A", MsgType.STATS)[0]["stats"]
+    assert snap["errors_by_code"] == {"NOT_HELLO": 1, "BAD_FRAME": 2}
+    assert snap["errors"] == 3
+    assert snap["requests"] == 4  # the STATS being answered is counted after its snapshot
+
+
+def test_handler_bug_is_internal_and_the_daemon_keeps_serving(dm, monkeypatch):
+    hello(dm)
+
+    def boom(*a):
+        raise KeyError("oops")
+
+    monkeypatch.setitem(dm.handlers, MsgType.DETACH, boom)
+    assert_error(call(dm, b"A", MsgType.DETACH)[0], ErrorCode.INTERNAL, "KeyError")
+    assert call(dm, b"A", MsgType.STATS)[0]["ok"]
+
+
+def test_handlers_must_match_the_declared_protocol(tmp_path, monkeypatch):
+    declared = {k: v for k, v in server_mod.REQUESTS.items() if k != MsgType.STATS}
+    monkeypatch.setattr(server_mod, "REQUESTS", declared)
+    with pytest.raises(RuntimeError, match="do not match proto.REQUESTS"):
+        Daemon(str(tmp_path), None, None)
+
+
+def test_last_rank_detaching_frees_the_engine_and_its_slab(dm, tmp_path):
+    hello(dm, b"A")
+    hello(dm, b"B", rank=1)
+    attach(dm, b"A")
+    attach(dm, b"B")
+    assert dm.pool.used_bytes > 0 and len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 2
+    assert call(dm, b"A", MsgType.DETACH)[0]["was_attached"] is True
+    assert "e" in dm.engines and dm.pool.used_bytes > 0
+    call(dm, b"B", MsgType.DETACH)
+    assert not dm.engines and dm.pool.used_bytes == 0
+    assert helpers.shm_slabs(str(tmp_path), str(tmp_path)) == []
+    assert call(dm, b"B", MsgType.DETACH)[0]["was_attached"] is False
+
+
+def test_hello_again_on_one_connection_starts_over(dm):
+    hello(dm)
+    attach(dm)
+    h = hello(dm)
+    assert h["client_id"] == 2 and len(dm.sessions) == 1
+    assert not dm.engines and dm.pool.used_bytes == 0
+
+
+@pytest.mark.parametrize("reap", [True, False], ids=["exited", "zombie"])
+def test_reap_dead_detaches_clients_whose_process_is_gone(dm, tmp_path, reap):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        hello(dm, b"live", pid=live.pid)
+        attach(dm, b"live", engine="keep")
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        hello(dm, b"dead", pid=proc.pid)
+        attach(dm, b"dead", engine="gone")
+        used = dm.pool.used_bytes
+        proc.kill()
+        if reap:
+            proc.wait()
+        else:
+            helpers.wait_for(lambda: psutil.Process(proc.pid).status() == "zombie", what="zombie")
+        assert dm.reap_dead() == 1
+        assert set(dm.sessions) == {b"live"} and set(dm.engines) == {"keep"}
+        assert dm.pool.used_bytes < used
+        assert len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 1
+        assert dm.reap_dead() == 0
+        proc.wait()
+    finally:
+        live.kill()
+        live.wait()

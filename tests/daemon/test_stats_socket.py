@@ -1,0 +1,137 @@
+"""RUN_DIR/stats.sock of a real daemon (stats, json, prometheus, clients, unknown
+commands) and the ``sparsekv stats`` / ``sparsekv clients`` commands that read it."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import helpers
+from sparsekv.client import BadRequest, Client
+
+LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=128)
+
+
+@pytest.fixture
+def busy(daemon, spawn_rank):
+    """Two clients (this process as rank 0, a spawned process as rank 3) on one engine,
+    after one step with hits, misses, an out-of-range id and one error."""
+    c = Client(daemon.run_dir, rank=0, name="main", timeout_s=10).connect()
+    c.attach(LAYOUT, engine="e")
+    other = spawn_rank(daemon.run_dir, 3, name="other")
+    other.call("connect")
+    other.call("attach", layout=LAYOUT.to_wire(), engine="e")
+    c.step(0, [0])
+    c.topk(0, 0, [[1, 2, 3, 999]])  # 3 misses, 1 out of range
+    c.step(1, [0])
+    c.topk(1, 0, [[1, 2, 5, -1]])  # 2 hits, 1 miss
+    with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
+        c.topk(1, 0, [[1, 1, -1, -1]])
+    yield daemon, c, other
+    c.close()
+
+
+def test_json_has_every_counter_and_gauge(busy):
+    daemon, c, other = busy
+    s = json.loads(helpers.stats_query(daemon.run_dir, "json"))
+    assert (s["hits"], s["misses"], s["out_of_range"]) == (2, 4, 1)
+    assert s["rows_moved"] == 4 and s["bytes_moved"] == 4 * 32
+    assert s["errors_by_code"] == {"DUPLICATE_IDS": 1} and s["errors"] == 1
+    assert s["clients"] == 2 and s["attached"] == 2 and s["engines"] == 1
+    assert s["pool_bytes"] == 64 << 20 and s["pool_used_bytes"] >= LAYOUT.pool_bytes
+    assert s["hit_rate"] == pytest.approx(2 / 6)
+    assert s["backend"] == "cpu" and s["pid"] == daemon.proc.pid
+    assert s["topk_latency_us"]["n"] >= 2 and s["topk_latency_us"]["p99"] >= s["topk_latency_us"]["p50"] > 0
+
+
+def test_stats_table_is_human_readable(busy):
+    daemon, *_ = busy
+    out = helpers.stats_query(daemon.run_dir, "stats")
+    assert "hit rate       33.33 %  (2 hits, 4 misses)" in out
+    assert "out of range   1" in out
+    assert "errors         1  DUPLICATE_IDS=1" in out
+
+
+def test_empty_command_means_stats(busy):
+    daemon, *_ = busy
+    assert helpers.stats_query(daemon.run_dir, "").startswith("backend        cpu")
+
+
+PROM_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? '
+                         r'(-?[0-9.e+-]+|NaN|\+Inf|-Inf)$')
+
+
+def test_prometheus_is_well_formed(busy):
+    daemon, *_ = busy
+    text = helpers.stats_query(daemon.run_dir, "prometheus")
+    assert text.endswith("\n")
+    helped, typed, samples = set(), {}, {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, help_text = line[7:].split(" ", 1)
+            assert help_text.strip() and name not in helped
+            helped.add(name)
+        elif line.startswith("# TYPE "):
+            name, kind = line[7:].split(" ")
+            assert kind in ("counter", "gauge", "summary") and name in helped
+            typed[name] = kind
+        else:
+            m = PROM_SAMPLE.match(line)
+            assert m, f"not a sample line: {line!r}"
+            base = re.sub(r"_(count|sum)$", "", m.group(1))
+            assert m.group(1) in typed or base in typed, f"sample before its TYPE: {line!r}"
+            samples[m.group(1) + (m.group(2) or "")] = float(m.group(4))
+    assert samples["sparsekv_hits_total"] == 2 and samples["sparsekv_misses_total"] == 4
+    assert samples['sparsekv_errors_by_code_total{code="DUPLICATE_IDS"}'] == 1
+    assert samples["sparsekv_pool_bytes"] == 64 << 20 and samples["sparsekv_clients"] == 2
+    assert typed["sparsekv_hits_total"] == "counter" and typed["sparsekv_clients"] == "gauge"
+
+
+def parse_clients(text):
+    lines = text.splitlines()
+    header = lines[0].split("\t")
+    assert header[:3] == ["id", "pid", "rank"]
+    return [dict(zip(header, line.split("\t"), strict=True)) for line in lines[1:]]
+
+
+def test_clients_lists_one_line_per_client_with_pid_and_rank(busy):
+    daemon, c, other = busy
+    rows = parse_clients(helpers.stats_query(daemon.run_dir, "clients"))
+    assert {(r["pid"], r["rank"], r["name"]) for r in rows} == {(str(os.getpid()), "0", "main"),
+                                                                 (str(other.pid), "3", "other")}
+    assert all(r["engine"] == "e" and r["attached"] == "yes" for r in rows)
+
+
+def test_unknown_command_gives_an_error_line(daemon):
+    out = helpers.stats_query(daemon.run_dir, "bogus")
+    assert out.startswith("error: unknown command 'bogus'") and out.endswith("\n") and out.count("\n") == 1
+    assert "stats, json, prometheus, clients" in out
+    # the socket keeps serving
+    assert json.loads(helpers.stats_query(daemon.run_dir, "json"))["clients"] == 0
+
+
+def test_cli_stats_json_and_clients(busy):
+    daemon, c, other = busy
+    r = helpers.run_cli("stats", "--json", "--run-dir", daemon.run_dir)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert (s["hits"], s["misses"], s["clients"]) == (2, 4, 2)
+    # the installed console script
+    script = os.path.join(os.path.dirname(sys.executable), "sparsekv")
+    r = subprocess.run([script, "clients", "--run-dir", daemon.run_dir], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert {(row["pid"], row["rank"]) for row in parse_clients(r.stdout)} == {(str(os.getpid()), "0"),
+                                                                              (str(other.pid), "3")}
+    r = helpers.run_cli("stats", "--prometheus", "--run-dir", daemon.run_dir)
+    assert r.returncode == 0 and "sparsekv_hits_total 2" in r.stdout
+    r = helpers.run_cli("stats", "--run-dir", daemon.run_dir)
+    assert r.returncode == 0 and "hit rate" in r.stdout
+
+
+def test_cli_without_daemon_says_so(tmp_path):
+    r = helpers.run_cli("stats", "--json", "--run-dir", str(tmp_path))
+    assert r.returncode == 1
+    assert f"no daemon at {tmp_path}/stats.sock" in r.stderr

@@ -1,0 +1,279 @@
+"""Shared test helpers: small layouts, a reference-model replay, byte checks, a rank
+running in its own process, raw socket helpers and polling.
+
+Imported by test modules as ``helpers`` (pytest puts ``tests/`` on ``sys.path`` through
+``tests/conftest.py``); spawned rank processes inherit that path, so the functions below
+can be the target of ``multiprocessing`` ``spawn`` children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+from sparsekv.daemon.backends import run_dir_tag
+from sparsekv.daemon.residency.contract import RegionModel
+from sparsekv.proto import Layout
+
+PY = sys.executable
+SPAWN = mp.get_context("spawn")
+
+
+def layout(**kw) -> Layout:
+    """A tiny valid layout; keyword arguments override fields."""
+    base = dict(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=4, host_rows=64)
+    base.update(kw)
+    return Layout(**base).validate()
+
+
+@contextlib.contextmanager
+def short_tmpdir(prefix: str = "skv-"):
+    """A temp dir with a short path: AF_UNIX socket paths must stay under 108 bytes, which
+    pytest's ``tmp_path`` (long test names) does not guarantee."""
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def wait_for(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "condition"):
+    """Poll ``pred`` until it returns a truthy value; return it, or fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def shm_slabs(run_dir: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """The cpu backend's slab files of the daemon serving ``run_dir``."""
+    return sorted(glob.glob(os.path.join(shm_dir, f"sparsekv-{run_dir_tag(run_dir)}-*")))
+
+
+# -- expected bytes ----------------------------------------------------------------------
+def gen_pattern(layer: int, rows, row_bytes: int, gen=None) -> np.ndarray:
+    """The bytes of host ``rows`` of ``layer``: the ``--verify`` pattern for generation 0,
+    a different pattern for each later generation (rows rewritten by a test)."""
+    from sparsekv.client.verify import pattern
+
+    rows = np.asarray(rows, dtype=np.int64)
+    g = np.zeros(rows.shape[0], np.int64) if gen is None else np.asarray(gen, np.int64)[rows]
+    out = np.empty((rows.shape[0], row_bytes), np.uint8)
+    for v in np.unique(g):
+        sel = g == v
+        # Layer numbers far beyond any layout give each generation its own bytes.
+        out[sel] = pattern(layer + 7919 * int(v), rows[sel], row_bytes)
+    return out
+
+
+def bad_rows(slab, layers, state_rows, topk, slots, host_rows: int, gen=None) -> int:
+    """Hot rows (per layer and valid column) whose bytes differ from ``gen_pattern``, plus
+    valid columns that got no slot. Like ``client.verify.count_mismatches``, with
+    generations of rewritten rows."""
+    bad = 0
+    row_bytes = slab.shape[-1]
+    for b in np.flatnonzero(np.asarray(state_rows) >= 0):
+        ids = np.asarray(topk[b])
+        ok = (ids >= 0) & (ids < host_rows)
+        bad += int((slots[b][ok] < 0).sum()) * len(layers)
+        ok &= slots[b] >= 0
+        for layer in layers:
+            got = slab[layer, state_rows[b], slots[b][ok]]
+            bad += int((got != gen_pattern(layer, ids[ok], row_bytes, gen)).any(axis=1).sum())
+    return bad
+
+
+def fill(client, lay: Layout, gen=None) -> None:
+    """Write ``gen_pattern`` into every host row of every layer through ``client.write``."""
+    rows = np.arange(lay.host_rows, dtype=np.int32)
+    client.write(rows, np.stack([gen_pattern(layer, rows, lay.row_bytes, gen) for layer in range(lay.num_layers)]))
+
+
+# -- the reference model driven like a replay ---------------------------------------------
+def reference_replay(trace) -> tuple[np.ndarray, np.ndarray]:
+    """Replay ``trace`` (one index group) through ``RegionModel``: returns (slots, misses)
+    as the contract says they must be. Order within a step as the engine documents:
+    resets, then invalidations, then the batch rows' top-k in batch order."""
+    regions = [RegionModel(trace.region_stride) for _ in range(trace.max_reqs)]
+    slots = np.full(trace.topk.shape, -1, np.int32)
+    misses = np.zeros(trace.topk.shape[:2], np.int32)
+    for t in range(trace.steps):
+        rows = trace.state_rows[t]
+        for b in np.flatnonzero(trace.reset[t] & (rows >= 0)):
+            regions[rows[b]].reset()
+        for b in np.flatnonzero(rows >= 0):
+            inval = trace.invalidate[t, b]
+            regions[rows[b]].invalidate([int(r) for r in inval if r >= 0])
+        for b in np.flatnonzero(rows >= 0):
+            s, plan, _ = regions[rows[b]].resolve(trace.topk[t, b], trace.host_rows)
+            slots[t, b] = s
+            misses[t, b] = len(plan)
+    return slots, misses
+
+
+# -- one engine rank in its own process ------------------------------------------------
+def _rank_server(conn, run_dir: str, rank: int, name: str) -> None:
+    """Child process: one Client, driven by commands from the test over ``conn``. Every
+    byte check happens here, on this process's own mapping of its hot slab."""
+    from sparsekv.client import Client, SparseKVError
+    from sparsekv.client.verify import count_mismatches
+
+    client = Client(run_dir, rank=rank, name=name, timeout_s=20)
+    att = None
+    gen = None
+    step_rows = np.empty(0, np.int32)
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "exit":
+                client.close()
+                conn.send(("ok", None))
+                return
+            if cmd == "connect":
+                client.connect()
+                out = {"pid": os.getpid(), "client_id": client.info["client_id"]}
+            elif cmd == "attach":
+                att = client.attach(Layout.from_wire(args["layout"]), engine=args["engine"])
+                gen = np.zeros(att.layout.host_rows, np.int64)
+                out = {"slab_shape": list(att.slab.shape)}
+            elif cmd == "fill":
+                fill(client, att.layout, gen)
+                out = None
+            elif cmd == "write":  # rewrite rows with the next generation of bytes
+                rows = np.asarray(args["rows"], np.int32)
+                layers = args.get("layers")
+                new_gen = gen.copy()
+                new_gen[rows] += 1
+                lays = range(att.layout.num_layers) if layers is None else layers
+                data = np.stack([gen_pattern(layer, rows, att.layout.row_bytes, new_gen) for layer in lays])
+                out = client.write(rows, data, layers)
+                gen = new_gen
+            elif cmd == "gen":  # another rank rewrote rows: expect their new bytes
+                gen[np.asarray(args["rows"])] += 1
+                out = None
+            elif cmd == "step":
+                client.step(args["step"], args["state_rows"], args.get("reset"), args.get("invalidate"))
+                step_rows = np.asarray(args["state_rows"])
+                out = None
+            elif cmd == "topk":
+                r = client.topk(args["step"], args["group"], args["topk"], args.get("state_rows"))
+                state_rows = args.get("state_rows")
+                state_rows = step_rows if state_rows is None else state_rows
+                layers = att.layout.groups[args["group"]]
+                topk = np.asarray(args["topk"])
+                bad = bad_rows(att.slab, layers, np.asarray(state_rows), topk, r.slots, att.layout.host_rows, gen)
+                if not gen.any():  # nothing rewritten: the project's own --verify check applies too
+                    bad += count_mismatches(att.slab, layers, np.asarray(state_rows), topk, r.slots,
+                                            att.layout.host_rows)
+                out = {"slots": np.array(r.slots), "misses": np.array(r.misses), "hits": r.hits,
+                       "out_of_range": r.out_of_range, "bad": bad}
+            elif cmd == "stage":
+                nbytes = client.stage(args["rows"], args.get("layers"))
+                rows = np.asarray(args["rows"])
+                lays = range(att.layout.num_layers) if args.get("layers") is None else args["layers"]
+                out = {"bytes": nbytes,
+                       "staged_ok": all(np.array_equal(att.staging[layer, : rows.size],
+                                                       gen_pattern(layer, rows, att.layout.row_bytes, gen))
+                                        for layer in lays),
+                       "staging": np.array(att.staging)}
+            elif cmd == "detach":
+                client.detach()
+                att = None
+                out = None
+            elif cmd == "stats":
+                out = client.stats()
+            else:
+                raise ValueError(f"unknown command {cmd}")
+            conn.send(("ok", out))
+        except SparseKVError as e:
+            conn.send(("err", {"type": type(e).__name__, "code": e.code.name, "msg": e.args[0]}))
+        except Exception as e:  # noqa: BLE001 - report, keep serving
+            conn.send(("exc", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class RankError(Exception):
+    def __init__(self, info: dict):
+        super().__init__(f"{info['type']} {info['code']}: {info['msg']}")
+        self.type, self.code, self.msg = info["type"], info["code"], info["msg"]
+
+
+class RankProc:
+    """A TP rank in a spawned process; ``call`` runs one command there and returns its
+    result, raises :class:`RankError` for a typed client error."""
+
+    def __init__(self, run_dir: str, rank: int, name: str = ""):
+        self.conn, child = SPAWN.Pipe()
+        self.proc = SPAWN.Process(target=_rank_server, args=(child, run_dir, rank, name or f"rank{rank}"),
+                                  daemon=True)
+        self.proc.start()
+        child.close()
+        self.pid = self.proc.pid
+
+    def call(self, cmd: str, timeout_s: float = 30.0, **args):
+        self.conn.send((cmd, args))
+        if not self.conn.poll(timeout_s):
+            raise AssertionError(f"rank process did not answer {cmd!r} within {timeout_s} s")
+        status, out = self.conn.recv()
+        if status == "err":
+            raise RankError(out)
+        if status == "exc":
+            raise AssertionError(f"rank process failed on {cmd!r}: {out}")
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL, then reap it (a zombie still looks alive to ``psutil``)."""
+        self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout_s=10)
+            except Exception:  # noqa: BLE001 - kill below
+                pass
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.kill()
+        self.conn.close()
+
+
+# -- sockets and commands ----------------------------------------------------------------
+def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
+    """One request on the stats socket; returns the whole answer."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    try:
+        s.connect(os.path.join(run_dir, "stats.sock"))
+        s.sendall(command.encode() + b"\n")
+        chunks = []
+        while b := s.recv(65536):
+            chunks.append(b)
+        return b"".join(chunks).decode()
+    finally:
+        s.close()
+
+
+def stats_json(run_dir: str) -> dict:
+    return json.loads(stats_query(run_dir, "json"))
+
+
+def run_cli(*args, env=None, timeout_s: float = 60.0, module: str = "sparsekv.client.cli") -> subprocess.CompletedProcess:
+    """Run ``python -m MODULE ARGS`` and capture its output."""
+    return subprocess.run([PY, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
