@@ -152,7 +152,12 @@ class Client:
     def __exit__(self, *exc) -> None:
         try:
             if self.attachment is not None and self._sock is not None:
+                # Leaving: do not hang for the full timeout if the daemon is gone (the
+                # daemon's reaper detaches a dead client's rank anyway).
+                self.timeout_s = min(self.timeout_s, 5.0)
                 self.detach()
+        except DaemonUnavailable:
+            pass
         finally:
             self.close()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .engine import EngineSpace, RankState
+from .residency.base import ResidencyError
 from .residency.cpu import CpuMover, CpuResidency
 
 log = logging.getLogger("sparsekv.backend")
@@ -63,7 +64,15 @@ class CpuBackend:
         nbytes = lay.slab_bytes + lay.staging_bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
+            # Reserve the pages now: a sparse file would let a later gather die of SIGBUS
+            # when shared memory runs out; this fails here, with a clear error, instead.
+            try:
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            except OSError as e:
+                raise ResidencyError(
+                    "TOO_LARGE", f"cannot reserve a hot slab of {nbytes >> 20} MiB in {os.path.dirname(path)}: "
+                    f"{e.strerror}; lower max_reqs, region_stride or num_layers, or enlarge {os.path.dirname(path)}"
+                ) from None
             mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except Exception:
             os.unlink(path)

@@ -52,7 +52,7 @@ def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, n
     if not isinstance(header, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, "header must be a map")
     for key in ("v", "t", "id"):
-        if not isinstance(header.get(key), int):
+        if not isinstance(header.get(key), int) or isinstance(header.get(key), bool):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"header field {key!r} must be an integer")
     desc = header.pop("arrays", [])
     if not isinstance(desc, list) or len(desc) != len(frames) - 1:

@@ -57,3 +57,25 @@ def test_start_removes_stale_slabs_of_its_run_dir_only(tmp_path):
     theirs.write_bytes(b"live")
     CpuBackend("/run/x", shm_dir=str(tmp_path))
     assert not mine.exists() and theirs.exists()
+
+
+def test_slab_larger_than_shared_memory_is_refused_cleanly(tmp_path):
+    """A slab that /dev/shm cannot hold fails at attach (TOO_LARGE), not later with SIGBUS."""
+    import glob
+
+    import numpy as np
+    import pytest
+
+    from sparsekv.daemon.backends import CpuBackend, run_dir_tag
+    from sparsekv.daemon.engine import EngineSpace
+    from sparsekv.daemon.residency.base import ResidencyError
+    from sparsekv.proto import Layout
+
+    lay = Layout(num_layers=64, row_bytes=1024, top_k=1, region_stride=32768, max_reqs=4096, host_rows=1)
+    run_dir = str(tmp_path)
+    be = CpuBackend(run_dir)
+    space = EngineSpace("big", lay, np.zeros((lay.num_layers, 1, lay.row_bytes), np.uint8))
+    with pytest.raises(ResidencyError, match="cannot reserve a hot slab") as e:
+        be.new_rank(space, 1, 0, "cpu")
+    assert e.value.code == "TOO_LARGE"
+    assert glob.glob(f"/dev/shm/sparsekv-{run_dir_tag(run_dir)}-*") == []

@@ -96,6 +96,7 @@ MALFORMED = {
     "missing t": ([pack(header(t=...))], ErrorCode.BAD_FRAME, "'t'"),
     "missing id": ([pack(header(id=...))], ErrorCode.BAD_FRAME, "'id'"),
     "v not an int": ([pack(header(v="1"))], ErrorCode.BAD_FRAME, "'v' must be an integer"),
+    "v a bool": ([pack(header(v=True))], ErrorCode.BAD_FRAME, "'v' must be an integer"),
     "non-string key": ([b"\x81\x01\x02"], ErrorCode.BAD_FRAME, "not msgpack"),
     "array described, no frame": ([pack(header(arrays=[["a", "int32", [3]]]))], ErrorCode.BAD_FRAME,
                                   "describes 1 arrays but 0 frames"),

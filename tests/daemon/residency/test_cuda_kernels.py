@@ -1,0 +1,718 @@
+"""The CUDA backend against the NumPy engine, bit for bit, on random traces; byte checks of
+the mover; memory safety on corrupt state; the pinned region; the kernel cache.
+
+Every test needs a GPU (marked ``cuda``; skipped on CPU machines unless ``--require-cuda``).
+``SPARSEKV_CUDA_BENCH=1`` also runs the timing table (resolve, gather, bulk H2D copy).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from sparsekv.daemon import kernels
+from sparsekv.daemon.pinned import PinError, PinnedRegion, plan_chunks
+from sparsekv.daemon.residency.base import Plan, ResidencyError
+from sparsekv.daemon.residency.contract import RegionModel
+from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
+from sparsekv.proto.layout import Layout
+
+pytestmark = pytest.mark.cuda
+
+JUNK = (-1, -2, -7, -(2**31))  # plus host_rows, host_rows + 5, 2**31 - 1 (made per layout)
+
+
+@pytest.fixture(scope="session")
+def kc(tmp_path_factory):
+    return kernels.KernelCache(tmp_path_factory.mktemp("kernel-cache"))
+
+
+def cuda_mod():
+    from sparsekv.daemon.residency import cuda
+
+    return cuda
+
+
+def layout(top_k, stride, host_rows, max_reqs, groups=1, layers_per_group=1, row_bytes=32, staging_rows=0):
+    n = groups * layers_per_group
+    idx = tuple(tuple(range(g * layers_per_group, (g + 1) * layers_per_group)) for g in range(groups))
+    return Layout(num_layers=n, row_bytes=row_bytes, top_k=top_k, region_stride=stride, max_reqs=max_reqs,
+                  host_rows=host_rows, index_groups=idx, staging_rows=staging_rows).validate()
+
+
+# -- random traces --------------------------------------------------------------------
+
+
+def junk_values(lay):
+    return np.array(JUNK + (lay.host_rows, lay.host_rows + 5, 2**31 - 1), dtype=np.int64).astype(np.int32)
+
+
+def gen_row(rng, lay, prev, overlap, junk_p):
+    """One top-k row: ``overlap`` of ``prev`` kept, the rest fresh, unique, then junk."""
+    k = lay.top_k
+    keep = np.empty(0, np.int64)
+    if prev is not None and prev.size and overlap > 0:
+        keep = rng.choice(prev, size=min(prev.size, int(round(overlap * k))), replace=False)
+    fresh = rng.choice(lay.host_rows, size=min(lay.host_rows, 2 * k + 8), replace=False)
+    cand = np.concatenate([keep, fresh])
+    _, first = np.unique(cand, return_index=True)
+    ids = cand[np.sort(first)][:k]
+    row = np.full(k, -1, np.int64)
+    row[: ids.size] = ids
+    row = rng.permutation(row)
+    if rng.random() < 0.15:  # a short row: trailing columns -1
+        row[rng.integers(0, k + 1):] = -1
+    junk = rng.random(k) < junk_p
+    row[junk] = rng.choice(junk_values(lay), size=int(junk.sum()))
+    return row.astype(np.int32)
+
+
+def gen_batch(rng, lay, memory, batch, overlap, pad_p=0.15, junk_p=0.05, fresh=False):
+    tokens = lay.region_stride // lay.top_k
+    used: dict[int, int] = {}
+    states = []
+    for _ in range(batch):
+        s = int(rng.integers(lay.max_reqs))
+        if rng.random() < pad_p or used.get(s, 0) >= tokens:
+            s = -1
+        else:
+            used[s] = used.get(s, 0) + 1
+        states.append(s)
+    topk = np.empty((batch, lay.top_k), np.int32)
+    for b, s in enumerate(states):
+        prev = None if (fresh or s < 0) else memory.get(s)
+        topk[b] = gen_row(rng, lay, prev, overlap, junk_p)
+        if s >= 0:
+            ok = topk[b][(topk[b] >= 0) & (topk[b] < lay.host_rows)]
+            memory[s] = ok.astype(np.int64)
+    return np.array(states, np.int32), topk
+
+
+def assert_same(want, got, where=""):
+    np.testing.assert_array_equal(got.slots, want.slots, err_msg=f"slots {where}")
+    np.testing.assert_array_equal(got.misses, want.misses, err_msg=f"misses {where}")
+    assert got.hits == want.hits, where
+    assert got.out_of_range == want.out_of_range, where
+    np.testing.assert_array_equal(got.plan.rows, want.plan.rows, err_msg=f"plan rows {where}")
+    np.testing.assert_array_equal(got.plan.slots, want.plan.slots, err_msg=f"plan slots {where}")
+    assert got.plan.rows.dtype == np.int32 and got.plan.slots.dtype == np.int32
+    assert got.slots.dtype == np.int32 and got.misses.dtype == np.int32
+
+
+def assert_state(cpu, gpu, where=""):
+    owner, lru = gpu.state()
+    np.testing.assert_array_equal(owner, cpu.owner, err_msg=f"owner {where}")
+    np.testing.assert_array_equal(lru, cpu.lru, err_msg=f"lru {where}")
+
+
+def run_trace(cpu, gpu, lay, seed, steps, batch, overlap, state_every=1):
+    rng = np.random.default_rng(seed)
+    memory: dict[int, np.ndarray] = {}
+    last = None
+    stats = {"hits": 0, "misses": 0, "all_hit_steps": 0}
+    for step in range(steps):
+        where = f"seed {seed} step {step}"
+        mode = rng.random()
+        if mode < 0.1 and last is not None:  # all-hit: the same batch again, nothing in between
+            group, sr, tk = last
+            stats["all_hit_steps"] += 1
+        else:
+            if rng.random() < 0.2:
+                rs = rng.choice(lay.max_reqs, size=int(rng.integers(1, 3)), replace=True).astype(np.int32)
+                cpu.reset(rs)
+                gpu.reset(rs)
+            if rng.random() < 0.3 and memory:
+                s = int(rng.choice(list(memory)))
+                rows = rng.choice(memory[s], size=min(memory[s].size, int(rng.integers(1, 6))), replace=False) \
+                    if memory[s].size else np.empty(0, np.int64)
+                rows = np.concatenate([rows, [-1, int(rng.integers(lay.host_rows))]]).astype(np.int32)
+                cpu.invalidate(s, rows)
+                gpu.invalidate(s, rows)
+            if rng.random() < 0.15 and memory:
+                pool = np.concatenate(list(memory.values()))
+                if pool.size:
+                    rows = rng.choice(pool, size=min(pool.size, 8), replace=False).astype(np.int32)
+                    assert gpu.invalidate_everywhere(rows) == cpu.invalidate_everywhere(rows), where
+            fresh = mode < 0.2  # all-miss-ish: fresh ids
+            sr, tk = gen_batch(rng, lay, memory, batch, overlap, fresh=fresh)
+            group = int(rng.integers(lay.num_groups))
+        want = cpu.resolve(group, sr, tk)
+        got = gpu.resolve(group, sr, tk)
+        assert_same(want, got, where)
+        assert gpu.last_errors == 0, where
+        stats["hits"] += want.hits
+        stats["misses"] += int(want.misses.sum())
+        last = (group, sr, tk)
+        if step % state_every == 0 or step == steps - 1:
+            assert_state(cpu, gpu, where)
+    # The trace must have exercised both paths.
+    assert stats["hits"] > 0 and stats["misses"] > 0, stats
+    return stats
+
+
+# id, top_k, stride, host_rows, max_reqs, groups, batch, steps, overlap, threads, workspace
+TRACES = [
+    ("tiny", 4, 8, 24, 3, 2, 5, 80, 0.5, 32, "auto"),
+    ("tiny-exact", 5, 5, 12, 2, 1, 3, 80, 0.6, 32, "auto"),
+    ("tiles", 100, 300, 400, 4, 2, 8, 30, 0.7, 32, "auto"),
+    ("tiles-global", 100, 300, 400, 4, 2, 8, 30, 0.7, 64, "global"),
+    ("odd", 37, 111, 90, 3, 3, 6, 40, 0.5, 64, "auto"),
+    ("big", 2048, 4096, 1 << 20, 64, 2, 64, 12, 0.7, 1024, "auto"),
+    ("big-64threads", 2048, 4096, 200_000, 8, 1, 12, 8, 0.7, 64, "auto"),
+    ("big-global", 2048, 4096, 200_000, 8, 1, 12, 8, 0.7, 1024, "global"),
+    ("stride32k", 2048, 32768, 1 << 20, 4, 1, 6, 6, 0.7, 1024, "auto"),
+    ("topk32k", 32768, 32768, 1 << 20, 2, 1, 2, 4, 0.7, 1024, "auto"),
+]
+
+
+@pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
+def test_resolve_matches_cpu(case, kc):
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
+    cuda = cuda_mod()
+    lay = layout(k, stride, host_rows, reqs, groups=groups)
+    cpu = CpuResidency(lay)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws)
+    if name == "topk32k":
+        assert gpu.workspace_global  # 644 KiB per block cannot live in shared memory
+    run_trace(cpu, gpu, lay, seed=hash(name) % 1000, steps=steps, batch=batch, overlap=overlap,
+              state_every=1 if k < 1000 else 4)
+
+
+def test_matches_reference_model(kc):
+    """One state row, long random sequence, against contract.RegionModel directly."""
+    cuda = cuda_mod()
+    lay = layout(6, 12, 30, 1)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    model = RegionModel(lay.region_stride)
+    rng = np.random.default_rng(7)
+    memory: dict[int, np.ndarray] = {}
+    for step in range(150):
+        if rng.random() < 0.05:
+            gpu.reset(np.array([0], np.int32))
+            model.reset()
+        if rng.random() < 0.2:
+            rows = rng.integers(0, 30, size=3).astype(np.int32)
+            gpu.invalidate(0, rows)
+            model.invalidate(rows.tolist())
+        row = gen_row(rng, lay, memory.get(0), 0.5, 0.1)
+        ok = row[(row >= 0) & (row < lay.host_rows)]
+        memory[0] = ok.astype(np.int64)
+        got = gpu.resolve(0, np.array([0], np.int32), row[None, :])
+        slots, plan, oor = model.resolve(row.tolist(), lay.host_rows)
+        assert got.slots[0].tolist() == slots, step
+        assert sorted(zip(got.plan.rows.tolist(), got.plan.slots.tolist())) == sorted(plan), step
+        assert got.out_of_range == oor
+        owner, lru = gpu.state()
+        assert owner[0, 0].tolist() == model.owner and lru[0, 0].tolist() == model.lru, step
+
+
+def test_eviction_order_small(kc):
+    """A hand-checked LRU sequence: oldest evictable first, hits move to the back."""
+    cuda = cuda_mod()
+    lay = layout(2, 4, 10, 1)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    cpu = CpuResidency(lay)
+    # (ids, slots): e.g. step 2: 1 hits slot 0; evictables in LRU order are 2, 3, 1, so the
+    # miss 3 takes slot 2 and the new lru is [3, 1] + [2] + [0].
+    seq = [([1, 2], [0, 1]), ([3, 1], [2, 0]), ([4, 5], [3, 1]), ([1, 6], [0, 2]), ([-1, 7], [-1, 3]),
+           ([7, 3], [3, 1])]
+    for ids, slots in seq:
+        tk = np.array([ids], np.int32)
+        got = gpu.resolve(0, np.array([0], np.int32), tk)
+        assert got.slots[0].tolist() == slots
+        assert_same(cpu.resolve(0, np.array([0], np.int32), tk), got)
+        assert_state(cpu, gpu)
+    owner, lru = gpu.state()
+    assert owner[0, 0].tolist() == [1, 3, 6, 7] and lru[0, 0].tolist() == [2, 0, 1, 3]
+
+
+# -- device path ----------------------------------------------------------------------
+
+
+def test_device_path_counters_padding_and_short_rows(kc):
+    import cupy as cp
+
+    cuda = cuda_mod()
+    lay = layout(8, 16, 100, 4, groups=2)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    cpu = CpuResidency(lay)
+    out = gpu.new_output(6)
+    rng = np.random.default_rng(3)
+    memory: dict = {}
+    total = {"hits": 0, "misses": 0, "out_of_range": 0}
+    for step in range(6):
+        sr, tk = gen_batch(rng, lay, memory, 5, 0.6, junk_p=0.2)
+        tk = tk[:, :6]  # fewer columns than top_k: columns 6..8 of slots are -1
+        want = cpu.resolve(step % 2, sr, tk)
+        with gpu.stream:
+            gpu.resolve_async(step % 2, cp.asarray(sr), cp.asarray(tk), out)
+        gpu.stream.synchronize()
+        assert out.batch == 5 and out.k == 6 and out.group == step % 2
+        slots = out.slots.get()
+        np.testing.assert_array_equal(slots[:5, :6], want.slots)
+        assert (slots[:5, 6:] == -1).all()
+        misses = out.misses.get()[:5]
+        np.testing.assert_array_equal(misses, want.misses)
+        pr, ps = out.plan_rows.get(), out.plan_slots.get()
+        pairs = []
+        for b in range(5):
+            rows = pr[b, : misses[b]]
+            assert (np.diff(rows) > 0).all(), "per-row plan sorted by host row"
+            pairs += list(zip(rows.tolist(), ps[b, : misses[b]].tolist()))
+        assert sorted(pairs) == sorted(zip(want.plan.rows.tolist(), want.plan.slots.tolist()))
+        total["hits"] += want.hits
+        total["misses"] += int(want.misses.sum())
+        total["out_of_range"] += want.out_of_range
+        c = out.read_counters(gpu.stream)
+        assert {k: c[k] for k in total} == total  # accumulated across resolves
+        assert c["errors"] == 0
+    out.zero_counters(gpu.stream)
+    assert out.read_counters(gpu.stream)["hits"] == 0
+
+
+def test_device_path_bad_state_row_is_padding(kc):
+    import cupy as cp
+
+    cuda = cuda_mod()
+    lay = layout(4, 8, 50, 2)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    out = gpu.new_output(3)
+    before = gpu.state()
+    with gpu.stream:
+        gpu.resolve_async(0, cp.asarray(np.array([5, -3, -1], np.int32)),
+                          cp.asarray(np.arange(12, dtype=np.int32).reshape(3, 4)), out)
+    c = out.read_counters(gpu.stream)
+    assert c["errors"] == cuda.ERR_BAD_STATE_ROW and c["hits"] == c["misses"] == 0
+    assert (out.slots.get()[:3] == -1).all() and (out.misses.get()[:3] == 0).all()
+    after = gpu.state()
+    np.testing.assert_array_equal(before[0], after[0])
+    np.testing.assert_array_equal(before[1], after[1])
+    with pytest.raises(ResidencyError) as e:
+        gpu.resolve(0, np.array([5], np.int32), np.zeros((1, 4), np.int32))
+    assert e.value.code == "BAD_STATE_ROW"
+
+
+def test_duplicates_host_raises_device_drops_later(kc):
+    import cupy as cp
+
+    cuda = cuda_mod()
+    lay = layout(6, 12, 40, 2)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    cpu = CpuResidency(lay)
+    warm = np.array([[1, 2, 3, 4, 5, 6]], np.int32)
+    cpu.resolve(0, np.array([0], np.int32), warm)
+    gpu.resolve(0, np.array([0], np.int32), warm)
+    dup = np.array([[9, 3, 9, 7, 3, 9], [1, 2, 3, -1, -1, -1]], np.int32)
+    sr = np.array([0, 1], np.int32)
+    before = gpu.state()
+    with pytest.raises(ResidencyError) as e:
+        gpu.resolve(0, sr, dup)
+    assert e.value.code == "DUPLICATE_IDS"
+    after = gpu.state()
+    np.testing.assert_array_equal(before[0], after[0])
+    np.testing.assert_array_equal(before[1], after[1])
+    # Device path: later duplicates act as -1; the result equals the CPU on that input.
+    dedup = np.array([[9, 3, -1, 7, -1, -1], [1, 2, 3, -1, -1, -1]], np.int32)
+    want = cpu.resolve(0, sr, dedup)
+    out = gpu.new_output(2)
+    with gpu.stream:
+        gpu.resolve_async(0, cp.asarray(sr), cp.asarray(dup), out)
+    c = out.read_counters(gpu.stream)
+    assert c["errors"] == cuda.ERR_DUPLICATE_IDS
+    np.testing.assert_array_equal(out.slots.get()[:2], want.slots)
+    np.testing.assert_array_equal(out.misses.get()[:2], want.misses)
+    assert c["hits"] == want.hits
+    assert_state(cpu, gpu)
+
+
+def test_garbage_owner_matches_cpu(kc):
+    """Owner rows holding junk (repeats, out-of-range values) still resolve exactly as the
+    NumPy engine does (a repeated owner: the lowest slot is the hit)."""
+    cuda = cuda_mod()
+    lay = layout(16, 48, 60, 3, groups=2)
+    cpu = CpuResidency(lay)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    rng = np.random.default_rng(11)
+    owner = rng.integers(-5, 70, size=cpu.owner.shape).astype(np.int32)
+    lru = np.stack([[rng.permutation(lay.region_stride) for _ in range(3)] for _ in range(2)]).astype(np.int32)
+    cpu.owner[...] = owner
+    cpu.lru[...] = lru
+    gpu.load_state(owner, lru)
+    run_trace(cpu, gpu, lay, seed=5, steps=20, batch=4, overlap=0.5)
+
+
+def _guarded(cp, shape, dtype, fill, guard=4096):
+    """A device array inside a larger one whose margins hold a canary."""
+    n = int(np.prod(shape))
+    canary = np.array(0x5A5A5A5A, dtype=np.int64).astype(dtype) if np.dtype(dtype).itemsize >= 4 else 0x5A
+    big = cp.full(n + 2 * guard, canary, dtype=dtype)
+    view = big[guard: guard + n].reshape(shape)
+    view[...] = fill
+    return big, view, canary, guard
+
+
+def _intact(big, canary, guard, n):
+    h = big.get()
+    return (h[:guard] == canary).all() and (h[guard + n:] == canary).all()
+
+
+def test_corrupt_state_never_writes_out_of_bounds(kc):
+    import cupy as cp
+
+    cuda = cuda_mod()
+    lay = layout(32, 64, 500, 3, groups=2, layers_per_group=2, row_bytes=48)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    shape = gpu.owner.shape
+    rng = np.random.default_rng(13)
+    guards = []
+    for attr in ("owner", "lru"):
+        big, view, canary, guard = _guarded(cp, shape, np.int32, 0)
+        setattr(gpu, attr, view)
+        guards.append((big, canary, guard, view.size))
+    out = gpu.new_output(6)
+    for attr in ("slots", "misses", "plan_rows", "plan_slots"):
+        a = getattr(out, attr)
+        big, view, canary, guard = _guarded(cp, a.shape, np.int32, -1)
+        setattr(out, attr, view)
+        guards.append((big, canary, guard, view.size))
+    # Slab inside a guarded allocation; pool is a plain pinned mapping.
+    big_slab, slab, scan, sguard = _guarded(cp, (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes),
+                                            np.uint8, 0, guard=1 << 16)
+    bufs = cuda.DeviceBuffers(memory=None, slab=slab, staging=None, staging_offset=0)
+    m, pool = _pinned_pool(lay.pool_bytes)
+    with PinnedRegion(pool.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
+        mover = cuda.CudaMover(lay, region, buffers=bufs, kernels=kc, stream=gpu.stream, blocks=4, threads=64)
+        for trial in range(12):
+            bad_lru = rng.integers(-40, 100, size=shape).astype(np.int32)
+            if trial % 3 == 0:  # every entry the same slot: almost no evictables
+                bad_lru[...] = rng.integers(0, lay.region_stride)
+            bad_owner = rng.integers(-3, 520, size=shape).astype(np.int32)
+            with gpu.stream:
+                gpu.owner[...] = cp.asarray(bad_owner)
+                gpu.lru[...] = cp.asarray(bad_lru)
+            sr, tk = gen_batch(rng, lay, {}, 6, 0.0, junk_p=0.1)
+            out.zero_counters(gpu.stream)
+            with gpu.stream:
+                gpu.resolve_async(int(trial % 2), cp.asarray(sr), cp.asarray(tk), out)
+                mover.gather_async(out, lay.groups[trial % 2])
+            c = out.read_counters(gpu.stream)
+            assert c["errors"] & cuda.ERR_CORRUPT_STATE
+            slots, misses = out.slots.get(), out.misses.get()
+            assert ((slots >= -1) & (slots < lay.region_stride)).all()
+            assert ((misses >= 0) & (misses <= lay.top_k)).all()
+            ps = out.plan_slots.get()
+            for b in range(6):
+                p = ps[b, : misses[b]]
+                assert ((p >= 0) & (p < lay.max_reqs * lay.region_stride)).all()
+            for big, canary, guard, n in guards:
+                assert _intact(big, canary, guard, n), trial
+            assert _intact(big_slab, scan, sguard, slab.size), trial
+            # State stays in range where it was written: lru positions form a permutation.
+            lru_after = gpu.lru.get()
+            assert lru_after.shape == shape
+
+
+# -- mover ----------------------------------------------------------------------------
+
+
+def _pinned_pool(nbytes):
+    """An anonymous mapping (page-aligned) and a byte view of it, filled with random bytes."""
+    m = mmap.mmap(-1, max(nbytes, 1))
+    a = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+    rng = np.random.default_rng(nbytes % 1000)
+    a[...] = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    return m, a
+
+
+@pytest.mark.parametrize("row_bytes", [16, 656])
+def test_gather_stage_write_bytes(kc, row_bytes):
+    import cupy as cp
+
+    cuda = cuda_mod()
+    lay = layout(64, 128, 3000, 4, groups=2, layers_per_group=3, row_bytes=row_bytes, staging_rows=200)
+    cpu = CpuResidency(lay)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=64)
+    offset = 3 * 4096 + 16 * 7  # the engine's region starts inside a larger shared pool
+    m, shared = _pinned_pool(offset + lay.pool_bytes + 4096)
+    chunk = 2 * int(np.lcm(row_bytes, mmap.PAGESIZE))
+    with PinnedRegion(shared.ctypes.data, shared.size, lay.row_bytes, max_chunk_bytes=chunk) as region:
+        assert len(region.chunks) > 1
+        pool = shared[offset: offset + lay.pool_bytes].reshape(lay.num_layers, lay.host_rows, row_bytes)
+        mover = cuda.CudaMover(lay, region, pool_offset=offset, kernels=kc, stream=gpu.stream, blocks=8,
+                               threads=64)
+        mover.slab.fill(0)
+        mover.staging.fill(0)
+        host_slab = np.zeros(mover.slab.shape, np.uint8)
+        host_staging = np.zeros(mover.staging.shape, np.uint8)
+        ref = CpuMover(lay, pool, host_slab, host_staging)
+        rng = np.random.default_rng(17)
+        memory: dict = {}
+        out = gpu.new_output(8)
+        for step in range(8):
+            sr, tk = gen_batch(rng, lay, memory, 8, 0.5)
+            group = step % lay.num_groups
+            want = cpu.resolve(group, sr, tk)
+            layers = lay.groups[group]
+            if step % 2:
+                got = gpu.resolve(group, sr, tk)
+                assert_same(want, got)
+                assert mover.gather(got.plan, layers) == ref.gather(want.plan, layers)
+            else:
+                with gpu.stream:
+                    gpu.resolve_async(group, cp.asarray(sr), cp.asarray(tk), out)
+                    mover.gather_async(out, layers)
+                ref.gather(want.plan, layers)
+                gpu.stream.synchronize()
+            np.testing.assert_array_equal(mover.slab.get(), host_slab, err_msg=f"slab step {step}")
+        # Every live column's slot holds its row, for every layer of the group.
+        slab = mover.slab.get()
+        for b, s in enumerate(sr):
+            if s < 0:
+                continue
+            for c, g in enumerate(tk[b]):
+                if 0 <= g < lay.host_rows:
+                    slot = want.slots[b, c]
+                    for layer in lay.groups[group]:
+                        assert (slab[layer, s, slot] == pool[layer, g]).all()
+        # Stage: whole rows to the front of the staging buffer.
+        rows = rng.choice(lay.host_rows, size=150, replace=False).astype(np.int32)
+        assert mover.stage(rows, (0, 4, 5)) == ref.stage(rows, (0, 4, 5))
+        np.testing.assert_array_equal(mover.staging.get(), host_staging)
+        with pytest.raises(ResidencyError) as e:
+            mover.stage(np.arange(201, dtype=np.int32), (0,))
+        assert e.value.code == "TOO_LARGE"
+        # Write mirror: device rows -> host rows (padding -1 skipped), then invalidate.
+        wrows = rng.choice(lay.host_rows, size=40, replace=False).astype(np.int32)
+        wrows[::7] = -1
+        layers = (1, 2, 5)
+        src = rng.integers(0, 256, size=(3, 40, row_bytes), dtype=np.uint8)
+        before = pool.copy()
+        nbytes = mover.write(layers, wrows, src)
+        assert nbytes == int((wrows >= 0).sum()) * 3 * row_bytes
+        expect = before.copy()
+        for li, layer in enumerate(layers):
+            live = wrows >= 0
+            expect[layer, wrows[live]] = src[li, live]
+        np.testing.assert_array_equal(pool, expect)
+        assert gpu.invalidate_everywhere(wrows) == cpu.invalidate_everywhere(wrows)
+        assert_state(cpu, gpu)
+
+
+def test_gather_host_plan_matches_cpu_mover(kc):
+    cuda = cuda_mod()
+    lay = layout(32, 64, 5000, 2, groups=1, layers_per_group=4, row_bytes=656)
+    m, pool_bytes = _pinned_pool(lay.pool_bytes)
+    with PinnedRegion(pool_bytes.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
+        pool = pool_bytes.reshape(lay.num_layers, lay.host_rows, lay.row_bytes)
+        mover = cuda.CudaMover(lay, region, kernels=kc, blocks=3, threads=64)
+        mover.slab.fill(0)
+        host_slab = np.zeros(mover.slab.shape, np.uint8)
+        ref = CpuMover(lay, pool, host_slab, None)
+        rng = np.random.default_rng(19)
+        n = 100
+        plan = Plan(rows=np.sort(rng.choice(lay.host_rows, size=n, replace=False)).astype(np.int32),
+                    slots=rng.choice(lay.max_reqs * lay.region_stride, size=n, replace=False).astype(np.int32))
+        assert mover.gather(plan, (0, 2, 3)) == ref.gather(plan, (0, 2, 3)) == n * 3 * 656
+        np.testing.assert_array_equal(mover.slab.get(), host_slab)
+        assert mover.gather(Plan(np.empty(0, np.int32), np.empty(0, np.int32)), (0,)) == 0
+
+
+# -- pinned region --------------------------------------------------------------------
+
+
+def test_plan_chunks_rules():
+    page = 4096
+    chunks = plan_chunks(0x10000, 10 << 20, 656, 1 << 20, page)
+    unit = np.lcm(656, page)
+    assert sum(n for _, n in chunks) == 10 << 20
+    assert all(off % unit == 0 and off % 656 == 0 for off, _ in chunks)
+    assert all(n <= 1 << 20 for _, n in chunks)
+    assert plan_chunks(0x10008, 1000, 16, 4096, page) == [(0, 1000)]  # one chunk: no alignment need
+    with pytest.raises(ValueError):
+        plan_chunks(0x10008, 1 << 20, 16, 4096, page)  # several chunks from an unaligned start
+    with pytest.raises(ValueError):
+        plan_chunks(0x10000, 1 << 20, 656, 100_000, page)  # lcm(656, page) > max chunk
+
+
+class _FailingRuntime:
+    """The real runtime, failing the n-th registration."""
+
+    def __init__(self, fail_at):
+        from sparsekv.daemon.pinned import CudaHostRuntime
+
+        self.rt = CudaHostRuntime()
+        self.fail_at = fail_at
+        self.calls = 0
+        self.unregistered = []
+
+    def register(self, address, nbytes, flags):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        self.rt.register(address, nbytes, flags)
+
+    def unregister(self, address):
+        self.unregistered.append(address)
+        self.rt.unregister(address)
+
+    def device_pointer(self, address):
+        return self.rt.device_pointer(address)
+
+
+def test_pinned_region_chunks_close_and_rollback():
+    from sparsekv.daemon.pinned import CudaHostRuntime
+
+    nbytes = 8 << 20
+    m = mmap.mmap(-1, nbytes)
+    a = np.frombuffer(m, dtype=np.uint8)
+    addr = a.ctypes.data
+    region = PinnedRegion(addr, nbytes, 656, max_chunk_bytes=1 << 20)
+    unit = int(np.lcm(656, mmap.PAGESIZE))
+    assert len(region.chunks) == -(-nbytes // ((1 << 20) // unit * unit))
+    for c in region.chunks:
+        assert c.offset % 656 == 0 and c.nbytes <= 1 << 20
+    assert region.contiguous
+    assert region.device_address(0) == region.chunks[0].device_address
+    off = region.chunks[2].offset + 656 * 3
+    assert region.device_address(off, 656) == region.chunks[2].device_address + 656 * 3
+    region.close()
+    region.close()  # idempotent
+    assert region.closed
+    with pytest.raises(PinError):
+        region.device_address(0)
+    # Rollback: the 4th chunk fails; the 3 done are unregistered, then it raises.
+    rt = _FailingRuntime(fail_at=4)
+    with pytest.raises(PinError):
+        PinnedRegion(addr, nbytes, 656, max_chunk_bytes=1 << 20, runtime=rt)
+    assert len(rt.unregistered) == 3
+    # Nothing stays registered: the whole mapping registers again in one go.
+    real = CudaHostRuntime()
+    real.register(addr, nbytes, 3)
+    real.unregister(addr)
+
+
+# -- kernel cache ---------------------------------------------------------------------
+
+
+def test_kernel_cache_dir_and_warm(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / "env"))
+    assert kernels.cache_dir() == tmp_path / "env"
+    assert kernels.cache_dir(tmp_path / "arg") == tmp_path / "arg"
+    monkeypatch.delenv(kernels.CACHE_ENV)
+    assert kernels.cache_dir() == kernels.Path(kernels.DEFAULT_CACHE_DIR).expanduser()
+    src = kernels.load_source("resolve.cu", {"SKV_RESOLVE_THREADS": 64})
+    assert "#include" not in src and "#define SKV_RESOLVE_THREADS 64" in src
+    kc = kernels.KernelCache(tmp_path / "c")
+    names = kc.warm(row_bytes=(656, 32))
+    assert "skv_resolve" in names and "skv_copy_rows" in names
+    files = sorted(p.name for p in (tmp_path / "c").glob("*.cubin"))
+    assert len(files) == 3  # resolve + copy for two row sizes
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")}
+    kernels.KernelCache(tmp_path / "c").warm(row_bytes=(656, 32))  # a new process: from disk
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")} == mtimes
+
+
+# -- timing table (SPARSEKV_CUDA_BENCH=1) --------------------------------------------
+
+
+@pytest.mark.skipif(os.environ.get("SPARSEKV_CUDA_BENCH") != "1", reason="set SPARSEKV_CUDA_BENCH=1")
+def test_bench_table(kc, capsys):
+    """Resolve time (B=64, k=2048, S=4096) and gather GB/s of 2048 x 64 random 656 B rows
+    from a 5 GiB pinned pool, beside a bulk pinned H2D copy, all with CUDA events."""
+    import cupy as cp
+
+    cuda = cuda_mod()
+    s = cp.cuda.Stream(non_blocking=True)
+
+    def timed(fn, per, rounds=7, warmup=2):
+        """Median and min over ``rounds`` of the mean time (us) of ``per`` back-to-back calls."""
+        for _ in range(warmup):
+            fn()
+        s.synchronize()
+        times = []
+        for _ in range(rounds):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            for _ in range(per):
+                fn()
+            b.record(s)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / per)
+        return float(np.median(times)), float(np.min(times))
+
+    table = []
+    rb, batch, k, stride = 656, 64, 2048, 4096
+    pool_bytes = 5 << 30
+    host_rows = pool_bytes // rb
+    lay = Layout(num_layers=1, row_bytes=rb, top_k=k, region_stride=stride, max_reqs=batch,
+                 host_rows=host_rows).validate()
+    gpu = cuda.CudaResidency(lay, kernels=kc, stream=s)
+    out = gpu.new_output(batch)
+    rng = np.random.default_rng(0)
+    sr = cp.asarray(np.arange(batch, dtype=np.int32))
+    n_batches = 16
+    fresh_h = [np.stack([rng.choice(host_rows, k, replace=False) for _ in range(batch)]).astype(np.int32)
+               for _ in range(n_batches)]
+    steady_h = [fresh_h[0]]
+    keep = int(0.7 * k)
+    for i in range(1, n_batches):  # 70 % of each request's ids carry over from its last step
+        nxt = fresh_h[i].copy()
+        nxt[:, :keep] = steady_h[-1][:, k - keep:]
+        steady_h.append(rng.permuted(nxt, axis=1))
+    fresh = [cp.asarray(x) for x in fresh_h]
+    steady = [cp.asarray(x) for x in steady_h]
+    counter = iter(range(1 << 40))
+
+    def resolve(batches):
+        gpu.resolve_async(0, sr, batches[next(counter) % n_batches], out, stream=s)
+
+    t = timed(lambda: resolve(fresh), per=n_batches)
+    table.append(("resolve B=64 k=2048 S=4096, fresh ids (all miss)", f"{t[0]:.1f} us", f"min {t[1]:.1f} us"))
+    t = timed(lambda: resolve(steady), per=n_batches)
+    out.zero_counters(s)
+    for _ in range(n_batches):
+        resolve(steady)
+    c = out.read_counters(s)
+    hit = c["hits"] / (c["hits"] + c["misses"])
+    table.append((f"resolve B=64 k=2048 S=4096, 70% carry-over (hit rate {hit:.0%})", f"{t[0]:.1f} us",
+                  f"min {t[1]:.1f} us"))
+
+    m = mmap.mmap(-1, pool_bytes)
+    pool = np.frombuffer(m, dtype=np.uint8)
+    pool[::4096] = 1  # fault every page in
+    with PinnedRegion(pool.ctypes.data, pool_bytes, rb, max_chunk_bytes=4 << 30) as region:
+        mover = cuda.CudaMover(lay, region, kernels=kc, stream=s)
+        gpu.reset(np.arange(batch, dtype=np.int32))
+        gpu.resolve_async(0, sr, fresh[1], out, stream=s)  # all miss: 131072 rows, sorted per request
+        assert out.read_counters(s)["misses"] >= batch * k
+        nbytes = batch * k * rb
+        for blocks in (16, 32, 66, 132, 264):
+            t = timed(lambda: mover.gather_async(out, (0,), stream=s, blocks=blocks), per=4, rounds=5)
+            table.append((f"gather 131072 x 656 B (plan sorted per request), {blocks} blocks",
+                          f"{nbytes / t[0] / 1e3:.1f} GB/s", f"{t[0]:.0f} us"))
+        rows = cp.asarray(rng.choice(host_rows, batch * k, replace=False).astype(np.int32))
+        flat = cp.asarray(rng.permutation(batch * stride)[: batch * k].astype(np.int32))
+        sorted_rows = cp.sort(rows)
+        for label, r in (("unsorted", rows), ("globally sorted", sorted_rows)):
+            t = timed(lambda: mover._launch(s, 132, mover._pool(), host_rows, host_rows, 1, mover.slab,
+                                            batch * stride, batch * stride, 1, (0,), 3, r, flat, None, 1,
+                                            batch * k), per=4, rounds=5)
+            table.append((f"gather 131072 x 656 B ({label}), 132 blocks", f"{nbytes / t[0] / 1e3:.1f} GB/s",
+                          f"{t[0]:.0f} us"))
+        dst = cp.empty(4 << 30, dtype=cp.uint8)
+        host = region.device_address(0, 4 << 30)
+
+        def bulk():
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, host, 4 << 30, cp.cuda.runtime.memcpyHostToDevice, s.ptr)
+
+        t = timed(bulk, per=1, rounds=5, warmup=1)
+        table.append(("bulk pinned H2D copy 4 GiB (cudaMemcpyAsync)", f"{(4 << 30) / t[0] / 1e3:.1f} GB/s",
+                      f"{t[0] / 1e3:.1f} ms"))
+        s.synchronize()
+    with capsys.disabled():
+        print("\n\n| what | value | note |\n| --- | --- | --- |")
+        for row in table:
+            print("| " + " | ".join(row) + " |")
