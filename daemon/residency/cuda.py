@@ -161,12 +161,16 @@ def _grid(total: int, threads: int, cap: int) -> int:
 
 
 def _device_i32(a, name: str, ndim: int):
-    """A C-contiguous int32 device array (a copy on the device only if needed)."""
+    """A C-contiguous int32 device array. A device array of that kind passes through; any
+    other integer array is converted (on the current stream; a host array is uploaded)."""
     cp = _cp()
     if a.ndim != ndim:
         raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise ResidencyError("BAD_ARGUMENT", f"{name} must hold integers, got {a.dtype}")
+    a = cp.asarray(a)
     if a.dtype != cp.int32:
-        raise ResidencyError("BAD_ARGUMENT", f"{name} must be int32, got {a.dtype}")
+        a = a.astype(cp.int32)
     return cp.ascontiguousarray(a)
 
 

@@ -36,6 +36,14 @@ def cuda_mod():
     return cuda
 
 
+def device_sync():
+    """Wait for every stream: set-up work issued on the legacy default stream does not
+    order against the backend's non-blocking streams."""
+    import cupy as cp
+
+    cp.cuda.runtime.deviceSynchronize()
+
+
 def layout(top_k, stride, host_rows, max_reqs, groups=1, layers_per_group=1, row_bytes=32, staging_rows=0):
     n = groups * layers_per_group
     idx = tuple(tuple(range(g * layers_per_group, (g + 1) * layers_per_group)) for g in range(groups))
@@ -381,6 +389,7 @@ def test_corrupt_state_never_writes_out_of_bounds(kc):
     # Slab inside a guarded allocation; pool is a plain pinned mapping.
     big_slab, slab, scan, sguard = _guarded(cp, (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes),
                                             np.uint8, 0, guard=1 << 16)
+    device_sync()
     bufs = cuda.DeviceBuffers(memory=None, slab=slab, staging=None, staging_offset=0)
     m, pool = _pinned_pool(lay.pool_bytes)
     with PinnedRegion(pool.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
@@ -445,6 +454,7 @@ def test_gather_stage_write_bytes(kc, row_bytes):
                                threads=64)
         mover.slab.fill(0)
         mover.staging.fill(0)
+        device_sync()
         host_slab = np.zeros(mover.slab.shape, np.uint8)
         host_staging = np.zeros(mover.staging.shape, np.uint8)
         ref = CpuMover(lay, pool, host_slab, host_staging)
@@ -509,6 +519,7 @@ def test_gather_host_plan_matches_cpu_mover(kc):
         pool = pool_bytes.reshape(lay.num_layers, lay.host_rows, lay.row_bytes)
         mover = cuda.CudaMover(lay, region, kernels=kc, blocks=3, threads=64)
         mover.slab.fill(0)
+        device_sync()
         host_slab = np.zeros(mover.slab.shape, np.uint8)
         ref = CpuMover(lay, pool, host_slab, None)
         rng = np.random.default_rng(19)
@@ -664,6 +675,7 @@ def test_bench_table(kc, capsys):
         steady_h.append(rng.permuted(nxt, axis=1))
     fresh = [cp.asarray(x) for x in fresh_h]
     steady = [cp.asarray(x) for x in steady_h]
+    device_sync()
     counter = iter(range(1 << 40))
 
     def resolve(batches):
@@ -696,6 +708,7 @@ def test_bench_table(kc, capsys):
         rows = cp.asarray(rng.choice(host_rows, batch * k, replace=False).astype(np.int32))
         flat = cp.asarray(rng.permutation(batch * stride)[: batch * k].astype(np.int32))
         sorted_rows = cp.sort(rows)
+        device_sync()
         for label, r in (("unsorted", rows), ("globally sorted", sorted_rows)):
             t = timed(lambda: mover._launch(s, 132, mover._pool(), host_rows, host_rows, 1, mover.slab,
                                             batch * stride, batch * stride, 1, (0,), 3, r, flat, None, 1,

@@ -1,0 +1,389 @@
+// Residency kernels: resolve (the exact contract of DESIGN.md §4), reset, invalidate.
+//
+// State: owner and lru are int32 [groups, max_reqs, region_stride]; the host passes the
+// group's [max_reqs, region_stride] view. See csrc/README.md for the algorithm and the
+// error word; daemon/residency/cuda.py for the launch code.
+#include "common.cuh"
+
+#ifndef SKV_RESOLVE_THREADS
+#define SKV_RESOLVE_THREADS 1024
+#endif
+#define SKV_RT SKV_RESOLVE_THREADS
+
+#define SKV_NONE (-1)
+#define SKV_PENDING 0x7fffffff       // a valid column not (yet) known to hit
+#define SKV_MISS_TAG 0x40000000      // colv = MISS_TAG | slot once a miss got its slot
+#define SKV_SLOT_MASK 0x3fffffff
+#define SKV_NO_KEY 0xffffffffffffffffull
+
+// Per-row workspace, in dynamic shared memory when it fits, else in a global scratch slice
+// per block. Byte layout (each part 16-aligned), mirrored by resolve_workspace_bytes() in
+// daemon/residency/cuda.py:
+//   keys  u64[kp]          (host row << 32 | column), sorted; kp = pow2 >= k
+//   colv  int[k]           per column: NONE, PENDING, hit slot, or MISS_TAG | slot
+//   evict int[k]           the oldest evictable slots, in LRU order (miss m takes evict[m])
+//   hmask u32[ceil(S/32)]  bit per slot: a hit this step
+//   smask u32[ceil(S/32)]  bit per slot: seen in the lru (finds repeated entries)
+//   lcopy int[S]           the lru row as it was before this resolve
+struct SkvWs {
+    u64* keys;
+    int* colv;
+    int* evict;
+    u32* hmask;
+    u32* smask;
+    int* lcopy;
+};
+
+__device__ __forceinline__ SkvWs skv_ws(unsigned char* base, int kp, int k, int S) {
+    SkvWs w;
+    u64 off = 0;
+    w.keys = (u64*)(base + off);
+    off += skv_align16((u64)kp * 8ull);
+    w.colv = (int*)(base + off);
+    off += skv_align16((u64)k * 4ull);
+    w.evict = (int*)(base + off);
+    off += skv_align16((u64)k * 4ull);
+    w.hmask = (u32*)(base + off);
+    off += skv_align16((u64)((S + 31) / 32) * 4ull);
+    w.smask = (u32*)(base + off);
+    off += skv_align16((u64)((S + 31) / 32) * 4ull);
+    w.lcopy = (int*)(base + off);
+    return w;
+}
+
+// Ascending bitonic sort of a[0, n), n a power of two, by the whole block. The caller
+// has synchronised the block after writing a[]; the sort ends with __syncthreads().
+//
+// Pair t compares a[i] and a[i + stride] with i = 2t - (t & (stride - 1)). For strides up
+// to 32 the 32 pairs of one warp (t = 32w .. 32w + 31, also on later loop rounds since
+// SKV_RT is a multiple of 32) stay inside elements 64w .. 64w + 63, so two such stages in a
+// row only need __syncwarp(); a stage with a larger stride, and the stage after it, need
+// the whole block. For n = 2048 that is 20 block barriers instead of 66.
+__device__ __forceinline__ void skv_bitonic_sort(u64* a, int n) {
+    const int half = n >> 1;
+    int prev_stride = 1;
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            if (stride <= 32 && prev_stride <= 32) __syncwarp();
+            else __syncthreads();
+            prev_stride = stride;
+            for (int t = threadIdx.x; t < half; t += SKV_RT) {
+                const int i = 2 * t - (t & (stride - 1));
+                const int j = i + stride;
+                const u64 x = a[i];
+                const u64 y = a[j];
+                const bool ascending = (i & size) == 0;
+                if ((x > y) == ascending) {
+                    a[i] = y;
+                    a[j] = x;
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// Resolve one top-k batch of one index group.
+//
+// Grid: one block per batch row. The block of the first batch row naming a state row
+// resolves every batch row naming it, one after another in batch order (several query
+// tokens of one request); the other blocks of that state row exit at once. Padding rows
+// (state row -1) get slots -1 and 0 misses and touch no state.
+//
+// Per batch row b (state row s, ids = topk[b, 0:k]):
+//   1. keys = (id << 32 | column) for ids in [0, host_rows), NO_KEY otherwise; sort.
+//      Equal neighbours are duplicate ids: the later column becomes -1 (error bit 1).
+//   2. Hit lookup, reversed: every slot j binary-searches owner[j] among the sorted keys;
+//      a match records the smallest such j for that column (atomicMin), which is what the
+//      NumPy engine's stable argsort + searchsorted picks when the owner row is corrupt.
+//   3. Partition the old lru by "hit slot": evictables keep their order, rotated by the
+//      miss count, then the hits; the first n_miss evictables go to evict[].
+//   4. Miss m (column order) takes evict[m]; owner[slot] = id.
+//   5. Plan: the misses in key order (host row ascending), compacted to the front of
+//      plan_rows[b] / plan_slots[b] (flat slot s * S + slot); misses[b] = their count.
+// Corrupt state (an lru entry outside [0, S) or repeated, or fewer evictable entries than
+// misses) never writes out of bounds: a miss whose evictable entry is outside [0, S) or
+// missing resolves to -1, is not counted and is not in the plan; a repeated entry may be
+// handed to two misses (both in range). Error bit 2 reports it.
+//
+// counters (u64[4], accumulated): hits, misses, out_of_range (ids < -1 or >= host_rows
+// of live rows), error bits (OR).
+//
+// __launch_bounds__(..., 1): one block per SM is the plan (one block per batch row, and
+// rarely more rows than SMs). Without the 1, ptxas aims at two blocks per SM, caps the
+// registers at 32 and spills.
+extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
+    int* __restrict__ owner_g,          // [max_reqs, S] of this group
+    int* __restrict__ lru_g,            // [max_reqs, S] of this group
+    const int max_reqs, const int S, const int host_rows,
+    const int* __restrict__ state_rows,  // [batch]
+    const int batch,
+    const int* __restrict__ topk,       // [batch, k], contiguous
+    const int k, const int kp,          // kp: power of two >= max(k, 1)
+    const int out_k,                    // row stride of the outputs (>= k)
+    int* __restrict__ slots_out,        // [batch, out_k]
+    int* __restrict__ misses_out,       // [batch]
+    int* __restrict__ plan_rows,        // [batch, out_k]
+    int* __restrict__ plan_slots,       // [batch, out_k]
+    u64* __restrict__ counters,         // [4]
+    unsigned char* __restrict__ ws_global,  // null: workspace in dynamic shared memory
+    const i64 ws_stride)                // bytes of one block's global workspace
+{
+    __shared__ int sh_warp[SKV_RT / 32];
+    __shared__ int sh_cell;
+    SKV_DYN_SMEM(skv_smem);
+
+    const int tid = threadIdx.x;
+    const int b0 = blockIdx.x;
+    if (b0 >= batch) return;
+    const int s = state_rows[b0];
+    if (s < 0 || s >= max_reqs) {
+        for (int c = tid; c < out_k; c += SKV_RT) slots_out[(i64)b0 * out_k + c] = SKV_NONE;
+        if (tid == 0) {
+            misses_out[b0] = 0;
+            if (s != -1) atomicOr(&counters[3], (u64)SKV_ERR_BAD_STATE_ROW);
+        }
+        return;
+    }
+    // Only the first batch row naming s works; it walks the later ones in order.
+    int earlier = 0;
+    for (int j = tid; j < b0; j += SKV_RT) earlier |= (state_rows[j] == s);
+    if (__syncthreads_or(earlier)) return;
+
+    unsigned char* base = ws_global ? ws_global + (i64)b0 * ws_stride : skv_smem;
+    const SkvWs w = skv_ws(base, kp, k, S);
+    int* owner = owner_g + (i64)s * S;
+    int* lru = lru_g + (i64)s * S;
+    const int mask_words = (S + 31) / 32;
+
+    u64 sum_hits = 0, sum_misses = 0, sum_oor = 0;
+    u32 err = 0;
+
+    for (int b = b0; b < batch; ++b) {
+        if (state_rows[b] != s) continue;  // uniform: every thread reads the same word
+        const int* ids = topk + (i64)b * k;
+
+        // 1a. keys, column states, cleared hit mask, copy of the lru row.
+        int oor = 0;
+        for (int i = tid; i < kp; i += SKV_RT) {
+            u64 key = SKV_NO_KEY;
+            if (i < k) {
+                const int g = ids[i];
+                const bool valid = g >= 0 && g < host_rows;
+                oor += (g < -1 || g >= host_rows) ? 1 : 0;
+                if (valid) key = ((u64)(u32)g << 32) | (u64)(u32)i;
+                w.colv[i] = valid ? SKV_PENDING : SKV_NONE;
+            }
+            w.keys[i] = key;
+        }
+        for (int i = tid; i < mask_words; i += SKV_RT) {
+            w.hmask[i] = 0u;
+            w.smask[i] = 0u;
+        }
+        for (int i = tid; i < S; i += SKV_RT) w.lcopy[i] = lru[i];
+        const int n_oor = skv_block_sum(oor, &sh_cell);  // also orders the writes above
+
+        // 1b. sort by (host row, column).
+        skv_bitonic_sort(w.keys, kp);
+
+        // 1c + 2. duplicates (later column of an equal pair -> NONE) and the reversed hit
+        // lookup. They touch different colv entries: a lookup lands on the first key of
+        // a run of equal ids, never on a later duplicate.
+        int dup = 0;
+        for (int p = 1 + tid; p < kp; p += SKV_RT) {
+            const u64 cur = w.keys[p];
+            if (cur != SKV_NO_KEY && (w.keys[p - 1] >> 32) == (cur >> 32)) {
+                w.colv[(u32)cur] = SKV_NONE;
+                dup = 1;
+            }
+        }
+        for (int j = tid; j < S; j += SKV_RT) {
+            const int o = owner[j];
+            if (o >= 0 && o < host_rows) {
+                const u64 want = (u64)(u32)o << 32;
+                const int p = skv_lower_bound_u64(w.keys, kp, want);
+                if (p < kp && (w.keys[p] >> 32) == (u64)(u32)o) atomicMin(&w.colv[(u32)w.keys[p]], j);
+            }
+        }
+        if (__syncthreads_or(dup)) err |= SKV_ERR_DUPLICATE_IDS;
+
+        // Hit slots into the mask; count hits and misses.
+        int nh = 0, nm = 0;
+        for (int c = tid; c < k; c += SKV_RT) {
+            const int v = w.colv[c];
+            if (v >= 0 && v < S) {
+                atomicOr(&w.hmask[v >> 5], 1u << (v & 31));
+                ++nh;
+            } else if (v == SKV_PENDING) {
+                ++nm;
+            }
+        }
+        const int n_hit = skv_block_sum(nh, &sh_cell);
+        const int n_miss = skv_block_sum(nm, &sh_cell);
+
+        // 3a. hit entries of the old lru. In a sound state this equals n_hit; counting them
+        // keeps the new lru a permutation of positions [0, S) even when it is not. An entry
+        // outside [0, S) or a repeated one marks the state corrupt.
+        int hl = 0, bad = 0;
+        for (int i = tid; i < S; i += SKV_RT) {
+            const int sl = w.lcopy[i];
+            if (sl >= 0 && sl < S) {
+                const u32 bit = 1u << (sl & 31);
+                hl += (w.hmask[sl >> 5] & bit) ? 1 : 0;
+                if (atomicOr(&w.smask[sl >> 5], bit) & bit) bad = 1;
+            } else {
+                bad = 1;
+            }
+        }
+        const int n_hit_lru = skv_block_sum(hl, &sh_cell);
+        if (__syncthreads_or(bad)) err |= SKV_ERR_CORRUPT_STATE;
+        const int n_evict = S - n_hit_lru;
+        const int n_take = n_miss < n_evict ? n_miss : n_evict;
+        if (n_take < n_miss) err |= SKV_ERR_CORRUPT_STATE;
+
+        // 3b. new lru = evictables[n_take:] + evictables[:n_take] + hits (stable).
+        int carry = 0;
+        for (int base_i = 0; base_i < S; base_i += SKV_RT) {
+            const int i = base_i + tid;
+            int sl = -1;
+            bool hit = false;
+            if (i < S) {
+                sl = w.lcopy[i];
+                hit = sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
+            }
+            int tile;
+            const int e = skv_block_scan_flag<SKV_RT>(i < S && !hit, sh_warp, &tile) + carry;
+            if (i < S) {
+                int pos;
+                if (!hit) {
+                    if (e < n_take) {
+                        w.evict[e] = sl;
+                        pos = n_evict - n_take + e;
+                    } else {
+                        pos = e - n_take;
+                    }
+                } else {
+                    pos = n_evict + (i - e);
+                }
+                lru[pos] = sl;
+            }
+            carry += tile;
+        }
+        __syncthreads();
+
+        // 4. misses take evictables in column order; write the slot of every column.
+        int* out_slots = slots_out + (i64)b * out_k;
+        int bad_slot = 0;
+        carry = 0;
+        for (int base_c = 0; base_c < k; base_c += SKV_RT) {
+            const int c = base_c + tid;
+            const int v = c < k ? w.colv[c] : SKV_NONE;
+            int tile;
+            const int m = skv_block_scan_flag<SKV_RT>(v == SKV_PENDING, sh_warp, &tile) + carry;
+            if (c < k) {
+                int out = SKV_NONE;
+                if (v >= 0 && v < S) {
+                    out = v;
+                } else if (v == SKV_PENDING) {
+                    const int sl = m < n_take ? w.evict[m] : -1;
+                    if (sl >= 0 && sl < S) {
+                        owner[sl] = ids[c];
+                        w.colv[c] = SKV_MISS_TAG | sl;
+                        out = sl;
+                    } else {
+                        w.colv[c] = SKV_NONE;
+                        bad_slot = 1;
+                    }
+                }
+                out_slots[c] = out;
+            }
+            carry += tile;
+        }
+        for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
+        if (__syncthreads_or(bad_slot)) err |= SKV_ERR_CORRUPT_STATE;
+
+        // 5. plan: misses in host-row order, compacted.
+        int* prow = plan_rows + (i64)b * out_k;
+        int* pslot = plan_slots + (i64)b * out_k;
+        const int flat0 = s * S;
+        carry = 0;
+        for (int base_p = 0; base_p < kp; base_p += SKV_RT) {
+            const int p = base_p + tid;
+            const u64 key = p < kp ? w.keys[p] : SKV_NO_KEY;
+            int v = SKV_NONE;
+            if (key != SKV_NO_KEY) v = w.colv[(u32)key];
+            const bool miss = v >= SKV_MISS_TAG && v != SKV_PENDING;
+            int tile;
+            const int q = skv_block_scan_flag<SKV_RT>(miss, sh_warp, &tile) + carry;
+            if (miss) {
+                prow[q] = (int)(key >> 32);
+                pslot[q] = flat0 + (v & SKV_SLOT_MASK);
+            }
+            carry += tile;
+            // keys are sorted: once a tile ends in NO_KEY the rest are NO_KEY too.
+            if (__syncthreads_or(p == base_p + SKV_RT - 1 && key == SKV_NO_KEY)) break;
+        }
+        if (tid == 0) misses_out[b] = carry;
+        sum_hits += (u64)n_hit;
+        sum_misses += (u64)carry;
+        sum_oor += (u64)n_oor;
+        __syncthreads();  // the next batch row of s reuses the workspace
+    }
+    if (tid == 0) {
+        if (sum_hits) atomicAdd(&counters[0], sum_hits);
+        if (sum_misses) atomicAdd(&counters[1], sum_misses);
+        if (sum_oor) atomicAdd(&counters[2], sum_oor);
+        if (err) atomicOr(&counters[3], (u64)err);
+    }
+}
+
+// Every group's region of each listed state row: owner = -1, lru = 0..S-1.
+// Entries outside [0, max_reqs) are skipped. Grid-stride over n * groups * S.
+extern "C" __global__ void skv_reset(int* __restrict__ owner, int* __restrict__ lru,
+                                     const int groups, const int max_reqs, const int S,
+                                     const int* __restrict__ state_rows, const int n) {
+    const i64 total = (i64)n * groups * S;
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < total;
+         t += (i64)gridDim.x * blockDim.x) {
+        const int slot = (int)(t % S);
+        const i64 rest = t / S;
+        const int g = (int)(rest % groups);
+        const int s = state_rows[rest / groups];
+        if (s < 0 || s >= max_reqs) continue;
+        const i64 at = ((i64)g * max_reqs + s) * S + slot;
+        owner[at] = -1;
+        lru[at] = slot;
+    }
+}
+
+// Empty every slot whose owner is one of rows_sorted[0, n_rows) (ascending; negative
+// entries never match). With state_rows null, scan every (group, state row); else only
+// the listed state rows (entries outside [0, max_reqs) skipped). The lru is unchanged.
+// counter (u64, may be null) accumulates how many slots were emptied.
+extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int groups,
+                                          const int max_reqs, const int S,
+                                          const int* __restrict__ state_rows, const int n_state,
+                                          const int* __restrict__ rows_sorted, const int n_rows,
+                                          u64* __restrict__ counter) {
+    const i64 n_regions = state_rows ? (i64)groups * n_state : (i64)groups * max_reqs;
+    const i64 total = n_regions * S;
+    u64 emptied = 0;
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < total;
+         t += (i64)gridDim.x * blockDim.x) {
+        i64 at = t;
+        if (state_rows) {
+            const int slot = (int)(t % S);
+            const i64 rest = t / S;
+            const int g = (int)(rest % groups);
+            const int s = state_rows[rest / groups];
+            if (s < 0 || s >= max_reqs) continue;
+            at = ((i64)g * max_reqs + s) * S + slot;
+        }
+        const int o = owner[at];
+        if (o >= 0 && skv_contains_i32(rows_sorted, n_rows, o)) {
+            owner[at] = -1;
+            ++emptied;
+        }
+    }
+    if (counter && emptied) atomicAdd(counter, emptied);
+}
