@@ -19,7 +19,7 @@ of client id -> resources, see cuda_backend.py).
 
 from __future__ import annotations
 
-import threading
+from .ranges import RangeAllocator, RangeFull
 
 ALIGN_BYTES = 256
 
@@ -43,35 +43,20 @@ class DeviceArena:
                 cp.cuda.runtime.free(self.ptr)
                 raise
         self._mem = cp.cuda.UnownedMemory(self.ptr, self.nbytes, self, device)
-        self._free: list[tuple[int, int]] = [(0, self.nbytes)]
-        self._used: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._ranges = RangeAllocator(self.nbytes, ALIGN_BYTES)
         self._closed = False
 
     def allocate(self, nbytes: int) -> int:
-        need = max(ALIGN_BYTES, -(-int(nbytes) // ALIGN_BYTES) * ALIGN_BYTES)
-        with self._lock:
-            for i, (off, length) in enumerate(self._free):
-                if length >= need:
-                    self._free[i : i + 1] = [] if length == need else [(off + need, length - need)]
-                    self._used[off] = need
-                    return off
-        raise ArenaFull(
-            f"device {self.device} arena has no free range of {need >> 20} MiB "
-            f"(arena {self.nbytes >> 20} MiB, used {sum(self._used.values()) >> 20} MiB); raise --device-arena-size"
-        )
+        try:
+            return self._ranges.allocate(nbytes)
+        except RangeFull:
+            raise ArenaFull(
+                f"device {self.device} arena has no free range of {self._ranges.rounded(nbytes) >> 20} MiB "
+                f"(arena {self.nbytes >> 20} MiB, used {self.used_bytes >> 20} MiB); raise --device-arena-size"
+            ) from None
 
     def release(self, offset: int) -> None:
-        with self._lock:
-            length = self._used.pop(offset)
-            free = sorted(self._free + [(offset, length)])
-            merged: list[tuple[int, int]] = []
-            for off, n in free:
-                if merged and merged[-1][0] + merged[-1][1] == off:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((off, n))
-            self._free = merged
+        self._ranges.release(offset)
 
     def view(self, offset: int, shape: tuple[int, ...], dtype="uint8"):
         """A CuPy array over ``[offset, offset + nbytes)`` of the arena (no copy)."""
@@ -80,7 +65,7 @@ class DeviceArena:
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._used.values())
+        return self._ranges.used_bytes
 
     def close(self) -> None:
         """Free the allocation once. Importers must have closed their handles (the daemon

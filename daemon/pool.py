@@ -12,7 +12,6 @@ import ctypes
 import logging
 import mmap
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -21,6 +20,7 @@ import numpy as np
 import psutil
 
 from .config import format_size
+from .ranges import RangeAllocator, RangeFull
 
 log = logging.getLogger("sparsekv.pool")
 
@@ -56,9 +56,7 @@ class HostPool:
                 f"({format_size(avail)}); lower --pool-size"
             )
         self.size_bytes = int(size_bytes)
-        self._lock = threading.Lock()
-        self._free: list[tuple[int, int]] = [(0, self.size_bytes)]  # (offset, length), sorted
-        self._used: dict[int, int] = {}
+        self._ranges = RangeAllocator(self.size_bytes, ALIGN_BYTES)
         self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, self.size_bytes)
@@ -109,41 +107,24 @@ class HostPool:
     # -- allocation of engine ranges -------------------------------------------------
     def allocate(self, nbytes: int) -> int:
         """Reserve ``nbytes`` (rounded up to 2 MiB); return the offset. First fit."""
-        need = -(-int(nbytes) // ALIGN_BYTES) * ALIGN_BYTES
-        with self._lock:
-            for i, (off, length) in enumerate(self._free):
-                if length >= need:
-                    if length == need:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (off + need, length - need)
-                    self._used[off] = need
-                    return off
-        raise PoolError(
-            f"host pool has no free range of {format_size(need)} "
-            f"(pool {format_size(self.size_bytes)}, free {format_size(self.free_bytes)})"
-        )
+        try:
+            return self._ranges.allocate(nbytes)
+        except RangeFull:
+            raise PoolError(
+                f"host pool has no free range of {format_size(self._ranges.rounded(nbytes))} "
+                f"(pool {format_size(self.size_bytes)}, free {format_size(self.free_bytes)})"
+            ) from None
 
     def release(self, offset: int) -> None:
-        with self._lock:
-            length = self._used.pop(offset)
-            self._free.append((offset, length))
-            self._free.sort()
-            merged: list[tuple[int, int]] = []
-            for off, n in self._free:
-                if merged and merged[-1][0] + merged[-1][1] == off:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((off, n))
-            self._free = merged
+        self._ranges.release(offset)
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._used.values())
+        return self._ranges.used_bytes
 
     @property
     def free_bytes(self) -> int:
-        return self.size_bytes - self.used_bytes
+        return self._ranges.free_bytes
 
     def view(self, offset: int, shape: tuple[int, ...]) -> np.ndarray:
         n = int(np.prod(shape))

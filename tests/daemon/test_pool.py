@@ -66,11 +66,11 @@ def test_released_ranges_coalesce():
         with pytest.raises(PoolError):
             p.allocate(2 * ALIGN_BYTES)  # two free ranges, not adjacent
         p.release(offs[2])  # joins both neighbours
-        assert p._free == [(ALIGN_BYTES, 3 * ALIGN_BYTES)]
+        assert p._ranges._free == [(ALIGN_BYTES, 3 * ALIGN_BYTES)]
         assert p.allocate(3 * ALIGN_BYTES) == ALIGN_BYTES
         p.release(ALIGN_BYTES)
         p.release(0)
-        assert p._free == [(0, 8 * MiB)] and p.used_bytes == 0
+        assert p._ranges._free == [(0, 8 * MiB)] and p.used_bytes == 0
 
 
 def test_close_is_idempotent_and_frees_the_fd():
