@@ -190,12 +190,7 @@ class Client:
             mm = mmap.mmap(fd, max(h["bytes"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        buf = np.frombuffer(mm, dtype=np.uint8)
-        slab = buf[: layout.slab_bytes].reshape(layout.num_layers, layout.max_reqs, layout.region_stride, layout.row_bytes)
-        staging = None
-        if layout.staging_rows:
-            staging = buf[layout.slab_bytes : layout.slab_bytes + layout.staging_bytes].reshape(
-                layout.num_layers, layout.staging_rows, layout.row_bytes)
+        slab, staging = layout.split_buffer(np.frombuffer(mm, dtype=np.uint8))
         self.attachment = Attachment(layout, engine, slab, staging, mm)
         return self.attachment
 

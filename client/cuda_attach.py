@@ -38,9 +38,8 @@ class CudaAttachment:
         R, B, K = handles["ring_depth"], handles["max_batch"], handles["top_k"]
         self._arena = ImportedArena(handles["arena_handle"], handles["arena_bytes"], self.device)
         lay = layout
-        self.slab = self._arena.torch(handles["slab_offset"], (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes))
-        self.staging = (self._arena.torch(handles["staging_offset"], (lay.num_layers, lay.staging_rows, lay.row_bytes))
-                        if lay.staging_rows else None)
+        self.slab = self._arena.torch(handles["slab_offset"], lay.slab_shape)
+        self.staging = self._arena.torch(handles["staging_offset"], lay.staging_shape) if lay.staging_rows else None
         self._slots = self._arena.torch(handles["slots_offset"], (R, B, K), "int32")
         self._misses = self._arena.torch(handles["misses_offset"], (R, B), "int32")
         self._events = ImportedEvents(handles["events"], self.device)

@@ -79,11 +79,7 @@ class CpuBackend:
             raise
         finally:
             os.close(fd)
-        buf = np.frombuffer(mm, dtype=np.uint8)
-        slab = buf[: lay.slab_bytes].reshape(lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes)
-        staging = None
-        if lay.staging_rows:
-            staging = buf[lay.slab_bytes : nbytes].reshape(lay.num_layers, lay.staging_rows, lay.row_bytes)
+        slab, staging = lay.split_buffer(np.frombuffer(mm, dtype=np.uint8))
         self._slabs[client_id] = _ShmSlab(path, mm)
         state = RankState(
             rank=rank,

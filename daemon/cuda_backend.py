@@ -83,9 +83,8 @@ class CudaRankState(RankState):
             self._release_offsets()
             raise ResidencyError("TOO_LARGE", str(e)) from None
         with cp.cuda.Device(worker.ordinal):
-            slab = arena.view(self.offsets["slab"], (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes))
-            staging = (arena.view(self.offsets["staging"], (lay.num_layers, lay.staging_rows, lay.row_bytes))
-                       if lay.staging_rows else None)
+            slab = arena.view(self.offsets["slab"], lay.slab_shape)
+            staging = arena.view(self.offsets["staging"], lay.staging_shape) if lay.staging_rows else None
             self.slots_ring = arena.view(self.offsets["slots"], (R, B, K), "int32")
             self.misses_ring = arena.view(self.offsets["misses"], (R, B), "int32")
             stream = worker.stream

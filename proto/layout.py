@@ -75,6 +75,22 @@ class Layout:
     def staging_bytes(self) -> int:
         return self.num_layers * self.staging_rows * self.row_bytes
 
+    @property
+    def slab_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.max_reqs, self.region_stride, self.row_bytes)
+
+    @property
+    def staging_shape(self) -> tuple[int, int, int]:
+        return (self.num_layers, self.staging_rows, self.row_bytes)
+
+    def split_buffer(self, buf):
+        """``(slab, staging or None)`` views of a byte array laid out slab | staging (the
+        cpu backend's shared-memory file, mapped by the daemon and the client alike)."""
+        slab = buf[: self.slab_bytes].reshape(self.slab_shape)
+        if not self.staging_rows:
+            return slab, None
+        return slab, buf[self.slab_bytes : self.slab_bytes + self.staging_bytes].reshape(self.staging_shape)
+
     def validate(self) -> "Layout":
         """Raise :class:`LayoutError` naming the first field at fault; return self."""
 

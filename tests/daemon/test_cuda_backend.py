@@ -56,43 +56,8 @@ def test_daemon_stats_are_counted_on_the_device():
     assert snap["bytes_moved"] == cpu["misses"] * lay.num_layers * lay.row_bytes
 
 
-def _rank(run_dir, rank, trace_kw, barrier, out):
-    trace = small_trace(**trace_kw)
-    lay = trace.layout()
-    bad = 0
-    slots = np.zeros(trace.topk.shape, np.int32)
-    with Client(run_dir, rank=rank, device="cuda:0") as c:
-        att = c.attach(lay, engine="tp", fence=True)
-        if rank == 0:
-            fill_pool(c, lay)
-        barrier.wait()
-        for t in range(trace.steps):
-            c.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
-            s, _ = c.topk(t, 0, trace.topk[t]).host()
-            slots[t] = s
-            bad += count_mismatches(att.slab, lay.groups[0], trace.state_rows[t], trace.topk[t], s, lay.host_rows)
-        barrier.wait()
-    out.put((rank, bad, slots))
-
-
 def test_two_rank_processes_share_one_pool_on_one_gpu():
-    trace_kw = {"steps": 40}
-    trace = small_trace(**trace_kw)
-    _, want = replay(trace, transport="inproc", backend="cpu")
-    lay = trace.layout()
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(2), ctx.Queue()
-    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d:
-        procs = [ctx.Process(target=_rank, args=(d.run_dir, r, trace_kw, barrier, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = sorted(out.get(timeout=300) for _ in procs)
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
-    for rank, bad, slots in results:
-        assert bad == 0, f"rank {rank} read {bad} wrong rows"
-        np.testing.assert_array_equal(slots, want["slots"])
+    _run_two_ranks(["cuda:0", "cuda:0"], fence=True, trace_kw={"steps": 40})
 
 
 def test_write_reaches_the_pool_and_drops_hot_copies():
@@ -135,13 +100,15 @@ def test_duplicate_ids_are_refused_and_state_kept():
         assert count_mismatches(att.slab, (0, 1, 2), np.array([1]), ids, s, lay.host_rows) == 0
 
 
-def _rank_on(run_dir, rank, device, trace_kw, barrier, out):
+def _rank_on(run_dir, rank, device, fence, trace_kw, barrier, out):
+    """One TP rank in its own process: attach, (rank 0) fill the pool, decode, check every
+    row it reads from its slab on the GPU."""
     trace = small_trace(**trace_kw)
     lay = trace.layout()
     bad = 0
     slots = np.zeros(trace.topk.shape, np.int32)
     with Client(run_dir, rank=rank, device=device) as c:
-        att = c.attach(lay, engine="tp2")
+        att = c.attach(lay, engine="tp", fence=fence)
         if rank == 0:
             fill_pool(c, lay)
         barrier.wait()
@@ -152,22 +119,17 @@ def _rank_on(run_dir, rank, device, trace_kw, barrier, out):
             bad += count_mismatches(att.slab, lay.groups[0], trace.state_rows[t], trace.topk[t], s, lay.host_rows)
         barrier.wait()
         stats = c.stats() if rank == 0 else None
-    out.put((rank, bad, slots, str(att.slab.device) if att.slab is not None else device, stats))
+    out.put((rank, bad, slots, stats))
 
 
-def test_two_ranks_on_two_gpus_share_one_host_pool():
-    import cupy as cp
-
-    if cp.cuda.runtime.getDeviceCount() < 2:
-        pytest.skip("needs two GPUs")
-    trace_kw = {"steps": 30}
+def _run_two_ranks(devices, fence, trace_kw):
     trace = small_trace(**trace_kw)
     _, want = replay(trace, transport="inproc", backend="cpu")
     lay = trace.layout()
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(2), ctx.Queue()
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d:
-        procs = [ctx.Process(target=_rank_on, args=(d.run_dir, r, f"cuda:{r}", trace_kw, barrier, out))
+        procs = [ctx.Process(target=_rank_on, args=(d.run_dir, r, devices[r], fence, trace_kw, barrier, out))
                  for r in range(2)]
         for p in procs:
             p.start()
@@ -175,7 +137,16 @@ def test_two_ranks_on_two_gpus_share_one_host_pool():
         for p in procs:
             p.join(60)
             assert p.exitcode == 0
-    assert results[0][4]["devices"] == ["cuda:0", "cuda:1"]
-    for rank, bad, slots, _dev, _ in results:
+    for rank, bad, slots, _ in results:
         assert bad == 0, f"rank {rank} read {bad} wrong rows"
         np.testing.assert_array_equal(slots, want["slots"])
+    return results
+
+
+def test_two_ranks_on_two_gpus_share_one_host_pool():
+    import cupy as cp
+
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    results = _run_two_ranks(["cuda:0", "cuda:1"], fence=False, trace_kw={"steps": 30})
+    assert results[0][3]["devices"] == ["cuda:0", "cuda:1"]
