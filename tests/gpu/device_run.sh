@@ -19,7 +19,7 @@ trap 'echo quit | nvidia-cuda-mps-control' EXIT
 status=0
 what=${1:-all}
 if [[ $what == all || $what == test ]]; then
-  timeout 400 python3 -m pytest -q --require-cuda -m cuda -x tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
+  timeout 400 python3 -m pytest -q --require-cuda -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
   status=${PIPESTATUS[0]}
   timeout 200 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
 fi
