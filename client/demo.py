@@ -25,6 +25,15 @@ GROUPS = ((0, 1), (2, 3))  # two index groups of two layers (leader + follower)
 
 
 def _rank_main(run_dir: str, rank: int, device: str, params: dict, barrier, results, show_progress: bool) -> None:
+    try:
+        _rank_body(run_dir, rank, device, params, barrier, results, show_progress)
+    except BaseException as e:  # tell the parent, and free the other rank from the barrier
+        barrier.abort()
+        results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        raise
+
+
+def _rank_body(run_dir, rank, device, params, barrier, results, show_progress) -> None:
     trace = synth(**{k: params[k] for k in DEFAULTS})
     layout = trace.layout()
     layout = dataclasses.replace(layout, index_groups=GROUPS)
@@ -34,7 +43,7 @@ def _rank_main(run_dir: str, rank: int, device: str, params: dict, barrier, resu
         att = c.attach(layout, engine="demo")
         if rank == 0:
             fill_pool(c, layout)  # the "prefill": every host row gets known bytes
-        barrier.wait()
+        barrier.wait(timeout=300)
         bar = _Progress(trace.steps) if show_progress else None
         for t in range(trace.steps):
             t0 = time.perf_counter()
@@ -49,7 +58,7 @@ def _rank_main(run_dir: str, rank: int, device: str, params: dict, barrier, resu
                 bar.update(t + 1)
         if bar:
             bar.close()
-        barrier.wait()
+        barrier.wait(timeout=300)
         stats = c.stats() if rank == 0 else None
     results.put({"rank": rank, "lat": lat, "mismatched": bad, "stats": stats, "bytes_per_row": layout.row_bytes})
 
@@ -101,6 +110,9 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
         for p in procs:
             p.start()
         out = [results.get(timeout=600) for _ in procs]
+        errors = [r["error"] for r in out if "error" in r]
+        if errors:
+            raise RuntimeError(f"a demo rank failed: {errors[0]}")
         for p in procs:
             p.join(timeout=60)
         failed = [p.exitcode for p in procs if p.exitcode != 0]

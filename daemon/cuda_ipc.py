@@ -154,8 +154,11 @@ class ImportedEvents:
             self.ptrs = [cp.cuda.runtime.ipcOpenEventHandle(h) for h in handles]
 
     def wait(self, k: int, stream_ptr: int) -> None:
-        """Make ``stream_ptr`` wait (on the GPU, not the CPU) for entry ``k``."""
-        _cp().cuda.runtime.streamWaitEvent(stream_ptr, self.ptrs[k], 0)
+        """Make ``stream_ptr`` wait (on the GPU, not the CPU) for entry ``k``. The device
+        is made current: stream 0 means the current device's default stream."""
+        cp = _cp()
+        with cp.cuda.Device(self.device):
+            cp.cuda.runtime.streamWaitEvent(stream_ptr, self.ptrs[k], 0)
 
     def synchronize(self, k: int) -> None:
         _cp().cuda.runtime.eventSynchronize(self.ptrs[k])

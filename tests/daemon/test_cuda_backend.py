@@ -7,6 +7,8 @@ All tests are marked ``cuda``: skipped on CPU machines, failures under --require
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import traceback
 
 import numpy as np
 import pytest
@@ -20,6 +22,8 @@ from sparsekv.client.verify import count_mismatches, fill_pool, pattern
 pytestmark = pytest.mark.cuda
 
 ARENA = ["--device-arena-size", "2GiB"]
+# On the GPU machine the device run script points this at its output folder.
+DAEMON_LOG = os.environ.get("SPARSEKV_TEST_DAEMON_LOG")
 
 
 def small_trace(**kw):
@@ -103,23 +107,27 @@ def test_duplicate_ids_are_refused_and_state_kept():
 def _rank_on(run_dir, rank, device, fence, trace_kw, barrier, out):
     """One TP rank in its own process: attach, (rank 0) fill the pool, decode, check every
     row it reads from its slab on the GPU."""
-    trace = small_trace(**trace_kw)
-    lay = trace.layout()
-    bad = 0
-    slots = np.zeros(trace.topk.shape, np.int32)
-    with Client(run_dir, rank=rank, device=device) as c:
-        att = c.attach(lay, engine="tp", fence=fence)
-        if rank == 0:
-            fill_pool(c, lay)
-        barrier.wait()
-        for t in range(trace.steps):
-            c.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
-            s, _ = c.topk(t, 0, trace.topk[t]).host()
-            slots[t] = s
-            bad += count_mismatches(att.slab, lay.groups[0], trace.state_rows[t], trace.topk[t], s, lay.host_rows)
-        barrier.wait()
-        stats = c.stats() if rank == 0 else None
-    out.put((rank, bad, slots, stats))
+    try:
+        trace = small_trace(**trace_kw)
+        lay = trace.layout()
+        bad = 0
+        slots = np.zeros(trace.topk.shape, np.int32)
+        with Client(run_dir, rank=rank, device=device) as c:
+            att = c.attach(lay, engine="tp", fence=fence)
+            if rank == 0:
+                fill_pool(c, lay)
+            barrier.wait(timeout=120)
+            for t in range(trace.steps):
+                c.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
+                s, _ = c.topk(t, 0, trace.topk[t]).host()
+                slots[t] = s
+                bad += count_mismatches(att.slab, lay.groups[0], trace.state_rows[t], trace.topk[t], s, lay.host_rows)
+            barrier.wait(timeout=120)
+            stats = c.stats() if rank == 0 else None
+        out.put((rank, bad, slots, stats))
+    except BaseException:  # report instead of leaving the other rank at the barrier
+        barrier.abort()
+        out.put((rank, -1, traceback.format_exc(), None))
 
 
 def _run_two_ranks(devices, fence, trace_kw):
@@ -128,16 +136,17 @@ def _run_two_ranks(devices, fence, trace_kw):
     lay = trace.layout()
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(2), ctx.Queue()
-    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d:
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG) as d:
         procs = [ctx.Process(target=_rank_on, args=(d.run_dir, r, devices[r], fence, trace_kw, barrier, out))
                  for r in range(2)]
         for p in procs:
             p.start()
-        results = sorted(out.get(timeout=300) for _ in procs)
+        results = sorted((out.get(timeout=300) for _ in procs), key=lambda r: r[0])
         for p in procs:
             p.join(60)
-            assert p.exitcode == 0
     for rank, bad, slots, _ in results:
+        assert bad != -1, f"rank {rank} failed:\n{slots}"
         assert bad == 0, f"rank {rank} read {bad} wrong rows"
         np.testing.assert_array_equal(slots, want["slots"])
     return results

@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/skv-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE=/tmp/skv-kernels
+export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE=/tmp/skv-kernels SPARSEKV_TEST_DAEMON_LOG=$OUT/daemon.log
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
@@ -19,9 +19,9 @@ trap 'echo quit | nvidia-cuda-mps-control' EXIT
 status=0
 what=${1:-all}
 if [[ $what == all || $what == test ]]; then
-  timeout 400 python3 -m pytest -q --require-cuda -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
+  timeout ${PYTEST_TIMEOUT_S:-400} python3 -m pytest -q --require-cuda -m cuda -p no:cacheprovider ${PYTEST_SELECT:-tests} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
   status=${PIPESTATUS[0]}
-  timeout 200 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
+  timeout 150 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
 fi
 if [[ $what == all || $what == bench ]]; then
   SPARSEKV_CUDA_BENCH=1 timeout 200 python3 -m pytest -q -s --require-cuda tests/daemon/residency/test_cuda_kernels.py -k bench_table 2>&1 | tee "$OUT/bench-kernels.log" | tail -20
