@@ -162,7 +162,7 @@ class CudaRankState(RankState):
             d_topk.set(self.h_topk[entry, :n].reshape(batch, k), stream=stream)
             d_rows.set(self.h_rows[entry, :batch], stream=stream)
             self.residency.resolve_async(group, d_rows, d_topk, out, stream)
-            self.mover.gather_async(out, lay.groups[group], stream)
+            self.mover.gather_sorted_async(out, lay.groups[group], stream)
             self.events.record(entry, stream)
         return {"entry": entry, "batch": batch, "k": k}, None, {"topk_batches": 1}
 

@@ -128,7 +128,8 @@ def find_duplicates(topk: np.ndarray, state_rows: np.ndarray, host_rows: int) ->
     """Return the first batch row whose in-range ids repeat, or -1."""
     if topk.size == 0:
         return -1
-    masked = np.where((topk >= 0) & (topk < host_rows), topk, -1).astype(np.int64)
+    # int32 throughout: NumPy's vectorised sort is twice as fast on it as on int64.
+    masked = np.where((topk >= 0) & (topk < host_rows), topk, np.int32(-1)).astype(np.int32, copy=False)
     s = np.sort(masked, axis=1)
     dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
     dup_rows = np.flatnonzero(dup.any(axis=1) & (state_rows >= 0))
