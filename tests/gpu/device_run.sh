@@ -18,13 +18,17 @@ trap 'echo quit | nvidia-cuda-mps-control' EXIT
 
 status=0
 what=${1:-all}
-if [[ $what == all || $what == test ]]; then
+# what: all (tests, demo, kernel and transport benchmarks) | test (tests, demo) |
+#       e2e (tests, demo, transport benchmark) | bench (both benchmarks)
+if [[ $what == all || $what == test || $what == e2e ]]; then
   timeout ${PYTEST_TIMEOUT_S:-400} python3 -m pytest -q --require-cuda -m cuda -p no:cacheprovider ${PYTEST_SELECT:-tests} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
   status=${PIPESTATUS[0]}
   timeout 150 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
 fi
 if [[ $what == all || $what == bench ]]; then
   SPARSEKV_CUDA_BENCH=1 timeout 200 python3 -m pytest -q -s --require-cuda tests/daemon/residency/test_cuda_kernels.py -k bench_table 2>&1 | tee "$OUT/bench-kernels.log" | tail -20
+fi
+if [[ $what == all || $what == bench || $what == e2e ]]; then
   timeout 200 python3 -m sparsekv.client.cli bench cuda_transport 2>&1 | tee "$OUT/bench-transport.log" | tail -5
 fi
 exit $status
