@@ -1,0 +1,61 @@
+"""Where the daemon's time goes on the cuda decode path: the server's handlers called in
+process (no sockets) under cProfile. Run on the GPU machine:
+    python3 tests/gpu/profile_daemon.py [steps]
+"""
+
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import numpy as np
+
+from sparsekv.client.trace import synth
+from sparsekv.daemon.config import Config
+from sparsekv.daemon.cuda_backend import CudaBackend
+from sparsekv.daemon.pool import HostPool
+from sparsekv.daemon.server import Daemon
+from sparsekv.proto import MsgType, decode, encode
+
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 150
+tr = synth(steps=steps, batch=16, top_k=2048, region_stride=4096, max_reqs=32, host_rows=32 * 16384,
+           num_layers=1, context=12000, lifetime=steps, arrive=1.0, pad=0.0, invalidate=0.0,
+           out_of_range=0.0, share_prefix=0.0, overlap=0.8, seed=5)
+lay = tr.layout()
+cfg = Config(backend="cuda", run_dir="/tmp/skv-prof", device_arena_size=2 << 30, devices="0")
+pool = HostPool(lay.pool_bytes + (8 << 20))
+backend = CudaBackend(cfg, pool)
+d = Daemon(cfg.run_dir, backend, pool)
+
+
+def call(t, fields=None, arrays=None):
+    h, _ = decode(d.handle(b"prof", encode(t, 1, fields, arrays)))
+    assert h["ok"], h
+    return h
+
+
+call(MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cuda:0", "name": "prof"})
+call(MsgType.ATTACH, {"engine": "p", "layout": lay.to_wire()})
+stream = backend.workers[0].stream
+
+
+def run(lo, hi):
+    for t in range(lo, hi):
+        call(MsgType.STEP, {"step": t}, {"state_rows": tr.state_rows[t], "reset": tr.reset[t],
+                                         "invalidate": tr.invalidate[t]})
+        call(MsgType.TOPK, {"step": t, "group": 0}, {"topk": tr.topk[t]})
+    stream.synchronize()
+
+
+run(0, 10)
+t0 = time.perf_counter()
+run(10, steps // 2)
+per = (time.perf_counter() - t0) / (steps // 2 - 10)
+print(f"host time per step (STEP + TOPK handled, then one sync at the end): {per * 1e6:.0f} us")
+prof = cProfile.Profile()
+prof.enable()
+run(steps // 2, steps)
+prof.disable()
+pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+print("device counters", backend.device_counters())
