@@ -128,9 +128,10 @@ def find_duplicates(topk: np.ndarray, state_rows: np.ndarray, host_rows: int) ->
     """Return the first batch row whose in-range ids repeat, or -1."""
     if topk.size == 0:
         return -1
-    # int32 throughout: NumPy's vectorised sort is twice as fast on it as on int64.
-    masked = np.where((topk >= 0) & (topk < host_rows), topk, np.int32(-1)).astype(np.int32, copy=False)
-    s = np.sort(masked, axis=1)
-    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    # Sort the raw ids (int32: NumPy's vectorised sort is fastest on it) and look for equal
+    # neighbours that are in range: out-of-range ids may repeat.
+    s = np.sort(topk.astype(np.int32, copy=False), axis=1)
+    nxt = s[:, 1:]
+    dup = (nxt == s[:, :-1]) & (nxt >= 0) & (nxt < host_rows)
     dup_rows = np.flatnonzero(dup.any(axis=1) & (state_rows >= 0))
     return int(dup_rows[0]) if dup_rows.size else -1
