@@ -1,0 +1,69 @@
+"""PinnedRegion's chunking and lifetime on the CPU, with a fake at the CUDA boundary."""
+
+import pytest
+
+from sparsekv.daemon.pinned import PinError, PinnedRegion, plan_chunks
+
+PAGE = 4096
+GiB = 1 << 30
+
+
+class FakeRuntime:
+    """Records register/unregister calls; fails the n-th register when asked."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at = fail_at
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+
+    def register(self, address, nbytes, flags):
+        if self.fail_at is not None and len(self.registered) == self.fail_at:
+            raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        assert flags == 0x03  # portable | mapped
+        self.registered.append((address, nbytes))
+
+    def unregister(self, address):
+        self.unregistered.append(address)
+
+    def device_pointer(self, address):
+        return address  # UVA: same address
+
+
+@pytest.mark.parametrize("row_bytes", [656, 16, 4096, 1000])
+def test_chunks_cover_the_region_without_splitting_a_row(row_bytes):
+    nbytes = 10 * GiB + 12345 * row_bytes
+    chunks = plan_chunks(0x7F0000000000, nbytes, row_bytes, 3 * GiB, PAGE)
+    assert chunks[0][0] == 0 and sum(n for _, n in chunks) == nbytes
+    for (off, n), (nxt, _) in zip(chunks, chunks[1:]):
+        assert off + n == nxt  # contiguous, no gap, no overlap
+        assert nxt % row_bytes == 0 and nxt % PAGE == 0  # boundary between rows and pages
+    assert all(n <= 3 * GiB for _, n in chunks)
+
+
+def test_small_region_is_one_chunk_and_unaligned_large_region_is_refused():
+    assert plan_chunks(123, 1000, 656, 64 * GiB, PAGE) == [(0, 1000)]
+    with pytest.raises(ValueError, match="not page-aligned"):
+        plan_chunks(123, 2 * GiB, 656, GiB, PAGE)
+    with pytest.raises(ValueError, match="no chunk can hold whole rows"):
+        plan_chunks(0, 2 * PAGE * 656, 656, PAGE, PAGE)
+
+
+def test_close_unregisters_every_chunk_exactly_once():
+    rt = FakeRuntime()
+    base = 0x7F0000000000
+    r = PinnedRegion(base, 5 * GiB, 656, 2 * GiB, runtime=rt, page_bytes=PAGE)
+    assert len(rt.registered) == 3
+    assert r.device_address(0) == base and r.device_base == base
+    r.close()
+    r.close()
+    assert sorted(rt.unregistered) == sorted(a for a, _ in rt.registered)
+    with pytest.raises(PinError, match="closed"):
+        r.device_address(0)
+
+
+def test_failed_registration_rolls_back_the_chunks_already_registered():
+    rt = FakeRuntime(fail_at=2)
+    with pytest.raises(PinError, match="failed at chunk 2 of 3"):
+        PinnedRegion(0x7F0000000000, 5 * GiB, 656, 2 * GiB, runtime=rt, page_bytes=PAGE)
+    assert len(rt.registered) == 2
+    assert sorted(rt.unregistered) == sorted(a for a, _ in rt.registered)
