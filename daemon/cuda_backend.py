@@ -22,7 +22,7 @@ import numpy as np
 from .cuda_ipc import ArenaFull, DeviceArena, EventRing, ImportedEvents
 from .engine import EngineSpace, RankState
 from .pinned import PinnedRegion
-from .residency.base import ResidencyError, check_batch, find_duplicates
+from .residency.base import ResidencyError, check_batch
 from .residency.cuda import CudaMover, CudaResidency, DeviceBuffers
 from .residency.cuda import HITS, MISSES, OUT_OF_RANGE
 
@@ -134,13 +134,10 @@ class CudaRankState(RankState):
         lay = self.residency.layout
         state_rows = self.batch_rows(step, state_rows)
         topk = as_ids("topk", topk, 2)
-        check_batch(lay, group, state_rows, topk)
+        state_rows, topk = check_batch(lay, group, state_rows, topk)
         batch, k = topk.shape
         if batch > self.max_batch:
             raise ResidencyError("TOO_LARGE", f"batch {batch} exceeds max_batch {self.max_batch} of the layout")
-        dup = find_duplicates(topk, state_rows, lay.host_rows)
-        if dup >= 0:
-            raise ResidencyError("DUPLICATE_IDS", f"top-k row {dup} names the same host row twice; ids must be unique")
         if fence is not None and (self.fence_events is None or not 0 <= fence < len(self.fence_events.ptrs)):
             raise ResidencyError("BAD_ARGUMENT", f"fence {fence} names no event the client exported at attach")
         entry = self.events.take()

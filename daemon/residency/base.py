@@ -90,8 +90,11 @@ class Mover(abc.ABC):
         """Copy host ``rows`` of each of ``layers`` to the front of the staging buffer."""
 
 
-def check_batch(layout: Layout, group: int, state_rows: np.ndarray, topk: np.ndarray) -> None:
-    """Shape and range checks shared by every backend (no duplicate check: see below)."""
+def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarray, np.ndarray]:
+    """The checks every backend makes before a resolve changes anything: shapes, group,
+    state rows, room for several query tokens, unique ids. Returns both arrays as int32."""
+    state_rows = np.asarray(state_rows, dtype=np.int32)
+    topk = np.asarray(topk, dtype=np.int32)
     if not 0 <= group < layout.num_groups:
         raise ResidencyError("BAD_ARGUMENT", f"group {group} out of range [0, {layout.num_groups})")
     if state_rows.ndim != 1 or topk.ndim != 2 or topk.shape[0] != state_rows.shape[0]:
@@ -122,6 +125,10 @@ def check_batch(layout: Layout, group: int, state_rows: np.ndarray, topk: np.nda
                 f"state row {worst} appears {int(counts[worst])} times in the batch; region_stride "
                 f"{layout.region_stride} holds {layout.region_stride // layout.top_k} tokens of top_k {layout.top_k}",
             )
+    dup = find_duplicates(topk, state_rows, layout.host_rows)
+    if dup >= 0:
+        raise ResidencyError("DUPLICATE_IDS", f"top-k row {dup} names the same host row twice; ids must be unique")
+    return state_rows, topk
 
 
 def find_duplicates(topk: np.ndarray, state_rows: np.ndarray, host_rows: int) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 
 from sparsekv.proto.layout import Layout
 
-from .base import Mover, Plan, Residency, ResidencyError, Resolved, check_batch, find_duplicates
+from .base import Mover, Plan, Residency, ResidencyError, Resolved, check_batch
 
 
 def row_view(a: np.ndarray, row_bytes: int) -> np.ndarray:
@@ -57,14 +57,7 @@ class CpuResidency(Residency):
 
     def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Resolved:
         lay = self.layout
-        state_rows = np.asarray(state_rows, dtype=np.int32)
-        topk = np.asarray(topk, dtype=np.int32)
-        check_batch(lay, group, state_rows, topk)
-        dup = find_duplicates(topk, state_rows, lay.host_rows)
-        if dup >= 0:
-            raise ResidencyError(
-                "DUPLICATE_IDS", f"top-k row {dup} names the same host row twice; ids must be unique"
-            )
+        state_rows, topk = check_batch(lay, group, state_rows, topk)
         batch, k = topk.shape
         slots = np.full((batch, k), -1, dtype=np.int32)
         misses = np.zeros(batch, dtype=np.int32)

@@ -31,7 +31,7 @@ import numpy as np
 
 from sparsekv.proto.layout import Layout
 
-from .base import Mover, Plan, Residency, ResidencyError, Resolved, check_batch, find_duplicates
+from .base import Mover, Plan, Residency, ResidencyError, Resolved, check_batch
 
 RESOLVE_THREADS = 1024  # one block per batch row; 1024 threads keep the sort short
 COPY_THREADS = 256
@@ -354,14 +354,7 @@ class CudaResidency(Residency):
     def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Resolved:
         cp = _cp()
         lay = self.layout
-        state_rows = np.asarray(state_rows, dtype=np.int32)
-        topk = np.asarray(topk, dtype=np.int32)
-        check_batch(lay, group, state_rows, topk)
-        dup = find_duplicates(topk, state_rows, lay.host_rows)
-        if dup >= 0:
-            raise ResidencyError(
-                "DUPLICATE_IDS", f"top-k row {dup} names the same host row twice; ids must be unique"
-            )
+        state_rows, topk = check_batch(lay, group, state_rows, topk)
         batch, k = topk.shape
         if batch == 0:
             empty = np.empty(0, np.int32)
