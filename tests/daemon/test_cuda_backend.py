@@ -64,44 +64,45 @@ def test_two_rank_processes_share_one_pool_on_one_gpu():
     _run_two_ranks(["cuda:0", "cuda:0"], fence=True, trace_kw={"steps": 40})
 
 
-def test_write_reaches_the_pool_and_drops_hot_copies():
-    trace = small_trace(steps=1)
-    lay = trace.layout()
-    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d, \
-            Client(d.run_dir, device="cuda:0") as c:
-        att = c.attach(lay, engine="w")
+@pytest.fixture
+def filled():
+    """A private cuda daemon and one attached cuda:0 client whose pool holds the pattern."""
+    lay = small_trace(steps=1).layout()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG) as d, Client(d.run_dir, device="cuda:0") as c:
+        att = c.attach(lay, engine="one")
         fill_pool(c, lay)
-        ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
-        c.step(0, [0])
-        s0, m0 = c.topk(0, 0, ids).host()
-        assert m0[0] == lay.top_k
-        new = np.stack([pattern(layer + 100, ids[0, :5], lay.row_bytes) for layer in range(lay.num_layers)])
-        c.write(ids[0, :5], new)
-        c.step(1, [0])
-        s1, m1 = c.topk(1, 0, ids).host()
-        assert m1[0] == 5  # exactly the rewritten rows miss
-        for layer in range(lay.num_layers):
-            got = att.slab[layer, 0, s1[0, :5]].cpu().numpy()
-            np.testing.assert_array_equal(got, new[layer])
+        yield lay, c, att
 
 
-def test_duplicate_ids_are_refused_and_state_kept():
-    trace = small_trace(steps=1)
-    lay = trace.layout()
-    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA) as d, \
-            Client(d.run_dir, device="cuda:0") as c:
-        att = c.attach(lay, engine="dup")
-        fill_pool(c, lay)
-        ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
-        c.step(0, [1])
-        c.topk(0, 0, ids).host()
-        bad = ids.copy()
-        bad[0, 3] = bad[0, 7]
-        with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
-            c.topk(0, 0, bad)
-        s, m = c.topk(0, 0, ids).host()
-        assert m[0] == 0  # all hits: the refused batch changed nothing
-        assert count_mismatches(att.slab, (0, 1, 2), np.array([1]), ids, s, lay.host_rows) == 0
+def test_write_reaches_the_pool_and_drops_hot_copies(filled):
+    lay, c, att = filled
+    ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
+    c.step(0, [0])
+    s0, m0 = c.topk(0, 0, ids).host()
+    assert m0[0] == lay.top_k
+    new = np.stack([pattern(layer + 100, ids[0, :5], lay.row_bytes) for layer in range(lay.num_layers)])
+    c.write(ids[0, :5], new)
+    c.step(1, [0])
+    s1, m1 = c.topk(1, 0, ids).host()
+    assert m1[0] == 5  # exactly the rewritten rows miss
+    for layer in range(lay.num_layers):
+        got = att.slab[layer, 0, s1[0, :5]].cpu().numpy()
+        np.testing.assert_array_equal(got, new[layer])
+
+
+def test_duplicate_ids_are_refused_and_state_kept(filled):
+    lay, c, att = filled
+    ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
+    c.step(0, [1])
+    c.topk(0, 0, ids).host()
+    bad = ids.copy()
+    bad[0, 3] = bad[0, 7]
+    with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
+        c.topk(0, 0, bad)
+    s, m = c.topk(0, 0, ids).host()
+    assert m[0] == 0  # all hits: the refused batch changed nothing
+    assert count_mismatches(att.slab, (0, 1, 2), np.array([1]), ids, s, lay.host_rows) == 0
 
 
 def _rank_on(run_dir, rank, device, fence, trace_kw, barrier, out):
