@@ -18,13 +18,13 @@ import os
 
 import numpy as np
 
+from sparsekv.proto.layout import ROW_ALIGN_BYTES
 
 from .cuda_ipc import ArenaFull, DeviceArena, EventRing, ImportedEvents
 from .engine import EngineSpace, RankState
 from .pinned import PinnedRegion
 from .residency.base import ResidencyError, check_batch
-from .residency.cuda import CudaMover, CudaResidency, DeviceBuffers
-from .residency.cuda import HITS, MISSES, OUT_OF_RANGE
+from .residency.cuda import HITS, MISSES, OUT_OF_RANGE, CudaMover, CudaResidency, DeviceBuffers
 
 log = logging.getLogger("sparsekv.cuda")
 
@@ -256,6 +256,9 @@ class CudaBackend:
                              f"{', '.join(f'cuda:{w.ordinal} ({w.bus_id})' for w in self.workers)}")
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None):
+        if space.layout.row_bytes % ROW_ALIGN_BYTES:
+            raise ResidencyError("BAD_LAYOUT", f"row_bytes {space.layout.row_bytes} must be a multiple of "
+                                 f"{ROW_ALIGN_BYTES} on the cuda backend (rows move with 16-byte loads)")
         worker = self.worker_for(device)
         pinned = self._pinned.get(space.name)
         if pinned is None:

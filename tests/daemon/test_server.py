@@ -124,9 +124,9 @@ def test_attach_twice_is_already_attached(dm):
 def test_bad_layout_names_the_field(dm):
     hello(dm)
     wire = helpers.layout().to_wire()
-    wire["row_bytes"] = 30
+    wire["row_bytes"] = 0
     h, _ = call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})
-    assert_error(h, ErrorCode.BAD_LAYOUT, "row_bytes 30")
+    assert_error(h, ErrorCode.BAD_LAYOUT, "row_bytes must be a positive integer")
     assert_error(call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": 7})[0], ErrorCode.BAD_LAYOUT, "map")
     assert_error(call(dm, b"A", MsgType.ATTACH, {"engine": "", "layout": wire})[0], ErrorCode.BAD_ARGUMENT, "engine")
     assert dm.pool.used_bytes == 0

@@ -9,7 +9,6 @@ import pstats
 import sys
 import time
 
-import numpy as np
 
 from sparsekv.client.trace import synth
 from sparsekv.daemon.config import Config

@@ -24,7 +24,7 @@ def test_a_good_layout_validates_and_returns_itself():
         (dict(num_layers=1025), "num_layers"),
         (dict(num_layers="4"), "num_layers"),
         (dict(row_bytes=-16), "row_bytes"),
-        (dict(row_bytes=650), "row_bytes"),
+        (dict(row_bytes=0), "row_bytes"),
         (dict(top_k=0), "top_k"),
         (dict(region_stride=0), "region_stride"),
         (dict(region_stride=2047), "region_stride"),
