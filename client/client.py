@@ -26,6 +26,9 @@ from sparsekv.proto import PROTOCOL_VERSION, ErrorCode, Layout, MsgType, Protoco
 from .errors import DaemonUnavailable, ProtocolMismatch, SparseKVError, error_for
 
 
+_ENVELOPE = frozenset({"v", "t", "id", "ok"})
+
+
 def default_run_dir() -> str:
     runtime = os.environ.get("SPARSEKV_RUN_DIR") or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
     return runtime or "/run/sparsekv"
@@ -239,6 +242,20 @@ class Client:
                                {"rows": np.asarray(rows, dtype=np.int32), "data": np.asarray(data, dtype=np.uint8)})
         return fields
 
+    def write_staged(self, rows, layers=None) -> dict:
+        """Write rows this rank put at the front of its staging buffer (``att.staging[layer,
+        :len(rows)]`` for each of ``layers``, all when None) into host ``rows``; hot copies
+        of those rows are dropped in every rank. On the cuda backend the copy is ordered
+        after this rank's current stream (fence events) and the call returns once it is
+        enqueued: reuse the staging buffer only after a later request's reply."""
+        fields = {"layers": None if layers is None else [int(x) for x in layers]}
+        att = self.attachment
+        if att is not None and hasattr(att, "record_fence"):
+            fence = att.record_fence()
+            if fence is not None:
+                fields["fence"] = fence
+        return self._call(MsgType.WRITE_STAGED, fields, {"rows": np.asarray(rows, dtype=np.int32)})[0]
+
     def stage(self, rows, layers=None) -> int:
         """Copy host ``rows`` (e.g. whole blocks) of ``layers`` to the staging buffer's front."""
         fields, _ = self._call(MsgType.STAGE, {"layers": None if layers is None else [int(x) for x in layers]},
@@ -292,4 +309,6 @@ class Client:
             self._check_deferred()
 
     def _call(self, msg_type: MsgType, fields=None, arrays=None):
-        return self._await_reply(self._send(msg_type, fields, arrays))
+        """Send and wait; return (reply fields without the envelope, reply arrays)."""
+        header, arrays = self._await_reply(self._send(msg_type, fields, arrays))
+        return {k: v for k, v in header.items() if k not in _ENVELOPE}, arrays

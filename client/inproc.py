@@ -73,6 +73,12 @@ class InprocClient:
             nbytes, dropped = self._space.write(layers, rows, data)
         return {"bytes": nbytes, "invalidated": dropped}
 
+    def write_staged(self, rows, layers=None) -> dict:
+        with _errors():
+            st = self._need()
+            nbytes, dropped = self._space.write_staged(st, layers, rows)
+        return {"bytes": nbytes, "invalidated": dropped}
+
     def stage(self, rows, layers=None) -> int:
         with _errors():
             st = self._need()

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from .client import Client
+from .errors import BadRequest
 from .inproc import InprocClient
 from .private_daemon import PrivateDaemon
 from .trace import Trace
@@ -45,8 +46,11 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
         t_start = time.perf_counter()
         for t in range(trace.steps):
             t0 = time.perf_counter()
-            client.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
-            r = client.topk(t, 0, trace.topk[t])
+            try:
+                client.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
+                r = client.topk(t, 0, trace.topk[t])
+            except BadRequest as e:  # the trace breaks the contract: say where
+                raise BadRequest(f"step {t}: {e.args[0]}", e.code) from None
             slots[t], misses[t] = r.host()  # cuda: waits for the gather (the step's end)
             lat[t] = time.perf_counter() - t0
             if r.hits is None:  # cuda: counted on the GPU; derive them from the result

@@ -79,14 +79,19 @@ class Trace:
     def load(cls, path: str) -> "Trace":
         try:
             z = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
+        except OSError as e:
             raise TraceError(f"cannot read trace {path}: {e}") from None
+        except ValueError:  # np.load's guess at an unknown format talks about pickles
+            raise TraceError(f"trace {path} is not an .npz archive (numpy.savez)") from None
         if not isinstance(z, np.lib.npyio.NpzFile):  # np.load also reads a bare .npy array
             raise TraceError(f"trace {path} is not an .npz archive")
         need = {"topk", "state_rows", "reset", "invalidate", *SCALARS}
         missing = need - set(z.files)
         if missing:
             raise TraceError(f"trace {path} lacks {sorted(missing)}")
+        for name in ("topk", "state_rows", "invalidate"):
+            if z[name].dtype.kind not in "iu":
+                raise TraceError(f"trace {path}: {name} must hold integers (int32), got {z[name].dtype}")
         try:
             trace = cls(
                 topk=z["topk"].astype(np.int32), state_rows=z["state_rows"].astype(np.int32),

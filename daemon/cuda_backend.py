@@ -166,6 +166,35 @@ class CudaRankState(RankState):
             self.events.record(entry, stream)
         return {"entry": entry, "batch": batch, "k": k}, None, {"topk_batches": 1}
 
+    def write_staged(self, space, layers, rows, fence=None):
+        """Staging buffer -> host pool on this GPU's copy stream (the write-mirror kernel),
+        after the client's fence; other ranks' streams wait for it before their next
+        work, and every rank drops its hot copies of ``rows`` in stream order. Returns
+        when enqueued; slots dropped are not counted (that would need a readback)."""
+        cp = self._cp
+        if fence is not None and (self.fence_events is None or not 0 <= fence < len(self.fence_events.ptrs)):
+            raise ResidencyError("BAD_ARGUMENT", f"fence {fence} names no event the client exported at attach")
+        n = int(rows.shape[0])
+        stream = self.worker.stream
+        with cp.cuda.Device(self.worker.ordinal), stream:
+            if fence is not None:
+                self.fence_events.wait(fence, stream.ptr)
+            if n:
+                src = self.staging[cp.asarray(np.asarray(layers, np.int32))][:, :n]
+                self.mover.write_async(layers, cp.asarray(rows), src, stream)
+            written = cp.cuda.Event(disable_timing=True)
+            written.record(stream)
+        for other in space.ranks.values():
+            with cp.cuda.Device(other.worker.ordinal):
+                if other is not self:
+                    # The pool rows change on this GPU's stream: no later gather of another
+                    # rank (any GPU) may start before that copy is done.
+                    other.worker.stream.wait_event(written)
+                if n:
+                    with other.worker.stream:
+                        other.residency.invalidate_async(cp.asarray(rows))
+        return n * len(layers) * space.layout.row_bytes, 0
+
     def drop_rewritten(self, rows):
         with self._cp.cuda.Device(self.worker.ordinal):
             return self.residency.invalidate_everywhere(rows)

@@ -107,6 +107,12 @@ class RankState:
                   "bytes_moved": moved, "out_of_range": res.out_of_range}
         return {"hits": res.hits, "out_of_range": res.out_of_range}, {"slots": res.slots, "misses": res.misses}, deltas
 
+    def write_staged(self, space: "EngineSpace", layers: tuple[int, ...], rows: np.ndarray, fence=None) -> tuple[int, int]:
+        """Write the first ``len(rows)`` rows of this rank's staging buffer (each of
+        ``layers``) into host ``rows``; checked by :meth:`EngineSpace.write_staged`."""
+        data = self.staging[np.asarray(layers)[:, None], np.arange(rows.shape[0])[None, :]]
+        return space.write(layers, rows, data)
+
     def drop_rewritten(self, rows: np.ndarray) -> int:
         """Empty every slot of this rank holding one of ``rows``; return how many."""
         return self.residency.invalidate_everywhere(rows)
@@ -150,6 +156,21 @@ class EngineSpace:
             self.pool[layer, rows] = data[i]
         dropped = sum(r.drop_rewritten(rows) for r in self.ranks.values())
         return data.nbytes, dropped
+
+    def write_staged(self, rank: RankState, layers, rows, fence=None) -> tuple[int, int]:
+        """The write path for rows the client produced itself (on the GPU, for the cuda
+        backend): it put them at the front of its staging buffer, layer by layer; they go
+        to host ``rows`` and every hot copy of those rows is dropped in every rank."""
+        lay = self.layout
+        layers = check_layers(lay, layers)
+        rows = as_ids("rows", rows, 1)
+        if rank.staging is None:
+            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0) to write from")
+        if rows.shape[0] > lay.staging_rows:
+            raise ResidencyError("TOO_LARGE", f"{rows.shape[0]} rows exceed the staging buffer of {lay.staging_rows}")
+        if rows.size and (rows.min() < 0 or rows.max() >= lay.host_rows):
+            raise ResidencyError("BAD_ARGUMENT", f"write rows must lie in [0, {lay.host_rows})")
+        return rank.write_staged(self, layers, rows, fence)
 
     def read(self, layers, rows) -> np.ndarray:
         layers = check_layers(self.layout, layers)

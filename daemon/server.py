@@ -81,6 +81,7 @@ class Daemon:
             MsgType.STAGE: self.on_stage,
             MsgType.DETACH: self.on_detach,
             MsgType.STATS: self.on_stats,
+            MsgType.WRITE_STAGED: self.on_write_staged,
         }
         # The protocol is declared once in proto/; refuse to start if it and the handlers drift.
         missing = set(REQUESTS) - set(self.handlers)
@@ -285,6 +286,17 @@ class Daemon:
         space = self.engines[s.engine]
         nbytes, dropped = space.write(h["layers"], a["rows"], a["data"])
         self.stats.add(rows_written=a["rows"].shape[0] * a["data"].shape[0], bytes_written=nbytes, hot_invalidated=dropped)
+        return {"bytes": nbytes, "invalidated": dropped}, None
+
+    def on_write_staged(self, s: Session, identity, h, a):
+        st = self._state(s)
+        if "rows" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE_STAGED needs the rows array")
+        fence = h.get("fence")
+        if fence is not None and not isinstance(fence, int):
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "fence must be an integer entry of the client's event ring")
+        nbytes, dropped = self.engines[s.engine].write_staged(st, h["layers"], a["rows"], fence)
+        self.stats.add(rows_written=nbytes // st.residency.layout.row_bytes, bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
 
     def on_stage(self, s: Session, identity, h, a):

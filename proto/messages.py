@@ -30,6 +30,7 @@ class MsgType(enum.IntEnum):
     STAGE = 6  # layers, rows -> ack (rows copied to the staging buffer)
     DETACH = 7  # -> ack
     STATS = 8  # -> counters
+    WRITE_STAGED = 9  # layers, rows [+ fence] -> ack (rows the client put in its staging buffer -> pool)
 
 
 class ErrorCode(enum.IntEnum):
@@ -102,6 +103,7 @@ REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
     MsgType.STAGE: (frozenset({"layers"}), frozenset({"rows"})),
     MsgType.DETACH: (frozenset(), frozenset()),
     MsgType.STATS: (frozenset(), frozenset()),
+    MsgType.WRITE_STAGED: (frozenset({"layers"}), frozenset({"rows"})),
 }
 
 

@@ -118,16 +118,17 @@ def _dup_topk():
 
 BAD_TRACES = {
     "missing file": (lambda p: p.parent / "nope.npz", "cannot read trace"),
-    "not an archive": (lambda p: (p.write_text("hello"), p)[1], "cannot read trace"),
+    "not an archive": (lambda p: (p.write_text("hello"), p)[1], "is not an .npz archive"),
     "bare npy": (lambda p: (np.save(p.with_suffix(".npy"), np.arange(3)), p.with_suffix(".npy"))[1],
                  "is not an .npz archive"),
     "missing array": (lambda p: _save(p, reset=None), "lacks ['reset']"),
     "wrong shape": (lambda p: _save(p, state_rows=np.zeros((3, 5), np.int32)), "state_rows must be [3, 2]"),
     "array for a scalar": (lambda p: _save(p, host_rows=np.arange(2)), "wrong type"),
-    "text array": (lambda p: _save(p, topk=np.full((3, 2, 4), "x")), "wrong type"),
+    "text array": (lambda p: _save(p, topk=np.full((3, 2, 4), "x")), "topk must hold integers"),
+    "float ids": (lambda p: _save(p, topk=np.zeros((3, 2, 4), np.float32)), "topk must hold integers (int32), got float32"),
     "bad layout scalars": (lambda p: _save(p, region_stride=2), "region_stride"),
     "state row beyond max_reqs": (lambda p: _save(p, state_rows=np.full((3, 2), 9, np.int32)), "state row 9"),
-    "duplicate ids in a row": (lambda p: _save(p, topk=_dup_topk()), "same host row twice"),
+    "duplicate ids in a row": (lambda p: _save(p, topk=_dup_topk()), "step 1: top-k row 0 names the same host row twice"),
 }
 
 

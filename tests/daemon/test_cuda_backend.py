@@ -160,3 +160,36 @@ def test_two_ranks_on_two_gpus_share_one_host_pool():
         pytest.skip("needs two GPUs")
     results = _run_two_ranks(["cuda:0", "cuda:1"], fence=False, trace_kw={"steps": 30})
     assert results[0][3]["devices"] == ["cuda:0", "cuda:1"]
+
+
+def test_rows_written_from_the_staging_buffer_reach_every_gpu(tmp_path):
+    """The write mirror on the device: a rank writes rows from its staging buffer (GPU
+    memory) into the host pool; the next resolve misses exactly those rows and gathers
+    the new bytes, in this rank and in a second rank (on the second GPU when there is one)."""
+    import dataclasses
+
+    import cupy as cp
+    import torch
+
+    lay = dataclasses.replace(small_trace(steps=1).layout(), staging_rows=16)
+    second = "cuda:1" if cp.cuda.runtime.getDeviceCount() > 1 else "cuda:0"
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG) as d, Client(d.run_dir, device="cuda:0") as a, \
+            Client(d.run_dir, rank=1, device=second) as b:
+        att_a = a.attach(lay, engine="ws", fence=True)
+        att_b = b.attach(lay, engine="ws")
+        fill_pool(a, lay)
+        ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
+        for c in (a, b):
+            c.step(0, [0])
+            assert c.topk(0, 0, ids).host()[1][0] == lay.top_k
+        rows = ids[0, 3:9]
+        new = np.stack([pattern(layer + 200, rows, lay.row_bytes) for layer in range(lay.num_layers)])
+        att_a.staging[:, : rows.size] = torch.from_numpy(new).to(att_a.staging.device)
+        a.write_staged(rows)
+        for c, att in ((a, att_a), (b, att_b)):
+            c.step(1, [0])
+            s, m = c.topk(1, 0, ids).host()
+            assert m[0] == rows.size, "exactly the written rows miss"
+            for layer in range(lay.num_layers):
+                np.testing.assert_array_equal(att.slab[layer, 0, s[0, 3:9]].cpu().numpy(), new[layer])

@@ -7,7 +7,7 @@ from sparsekv.proto import ERROR_HINTS, REQUESTS, ErrorCode, MsgType, ProtocolEr
 def test_message_type_numbers_are_pinned():
     # Append-only: a reorder or reuse breaks every deployed peer. Extend, never edit.
     assert {m.name: int(m) for m in MsgType} == {
-        "HELLO": 1, "ATTACH": 2, "STEP": 3, "TOPK": 4, "WRITE": 5, "STAGE": 6, "DETACH": 7, "STATS": 8,
+        "HELLO": 1, "ATTACH": 2, "STEP": 3, "TOPK": 4, "WRITE": 5, "STAGE": 6, "DETACH": 7, "STATS": 8, "WRITE_STAGED": 9,
     }
 
 
