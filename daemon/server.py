@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from sparsekv.proto import (
     ERROR_HINTS,
+    LIMITS,
     PROTOCOL_VERSION,
     REQUESTS,
     ErrorCode,
@@ -33,7 +34,7 @@ from sparsekv.proto import (
 )
 
 from . import stats as stats_mod
-from .engine import EngineSpace, RankState, check_layers
+from .engine import EngineSpace, RankState, as_ids, check_layers
 from .notify import Notifier
 from .pool import HostPool, PoolError
 from .residency.base import ResidencyError
@@ -262,8 +263,8 @@ class Daemon:
         if "state_rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STEP needs the state_rows array")
         # .size, not .shape[0]: a 0-d array must reach begin_step's BAD_ARGUMENT, not IndexError.
-        if a["state_rows"].size > 4096:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"batch of {a['state_rows'].size} exceeds 4096")
+        if a["state_rows"].size > LIMITS.max_batch:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"batch of {a['state_rows'].size} exceeds {LIMITS.max_batch}")
         st.begin_step(_int(h, "step"), a["state_rows"], a.get("reset"), a.get("invalidate"))
         self.stats.add(steps=1)
         return {}, None
@@ -272,9 +273,7 @@ class Daemon:
         st = self._state(s)
         if "topk" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
-        fence = h.get("fence")
-        if fence is not None and not isinstance(fence, int):
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "fence must be an integer entry of the client's event ring")
+        fence = _fence(h)
         fields, arrays, deltas = st.serve_topk(_int(h, "step"), _int(h, "group"), a["topk"], a.get("state_rows"), fence)
         self.stats.add(**deltas)
         return fields, arrays
@@ -292,9 +291,7 @@ class Daemon:
         st = self._state(s)
         if "rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE_STAGED needs the rows array")
-        fence = h.get("fence")
-        if fence is not None and not isinstance(fence, int):
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "fence must be an integer entry of the client's event ring")
+        fence = _fence(h)
         nbytes, dropped = self.engines[s.engine].write_staged(st, h["layers"], a["rows"], fence)
         self.stats.add(rows_written=nbytes // st.residency.layout.row_bytes, bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
@@ -303,8 +300,6 @@ class Daemon:
         st = self._state(s)
         if "rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STAGE needs the rows array")
-        from .engine import as_ids  # noqa: PLC0415
-
         rows = as_ids("rows", a["rows"], 1)
         lay = st.residency.layout
         if rows.size and (rows.min() < 0 or rows.max() >= lay.host_rows):
@@ -428,6 +423,14 @@ def _int(h: dict, name: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"field {name!r} must be an integer, got {type(v).__name__}")
     return v
+
+
+def _fence(h: dict) -> int | None:
+    """The optional ``fence`` field: an entry of the client's exported event ring."""
+    fence = h.get("fence")
+    if fence is not None and (not isinstance(fence, int) or isinstance(fence, bool)):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "fence must be an integer entry of the client's event ring")
+    return fence
 
 
 def _code_of(e: Exception) -> ErrorCode:
