@@ -14,6 +14,7 @@ at attach, in chunks that never split a row; one registration serves every GPU.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 
 import numpy as np
@@ -292,7 +293,10 @@ class CudaBackend:
         pinned = self._pinned.get(space.name)
         if pinned is None:
             lay = space.layout
-            pinned = PinnedRegion(self.pool.address + space.pool_offset, lay.pool_bytes, lay.row_bytes)
+            # Whole pages: cudaHostRegister wants them, and the engine's pool range is
+            # reserved in 2 MiB units, so the rounded span stays inside it.
+            nbytes = -(-lay.pool_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+            pinned = PinnedRegion(self.pool.address + space.pool_offset, nbytes, lay.row_bytes)
             self._pinned[space.name] = pinned
         try:
             state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks)
