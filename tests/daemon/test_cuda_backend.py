@@ -35,7 +35,8 @@ def small_trace(**kw):
 
 
 @pytest.mark.parametrize("kw", [{}, {"top_k": 512, "region_stride": 1024, "batch": 4, "steps": 30},
-                                {"top_k": 64, "region_stride": 192, "seed": 5, "pad": 0.4}])
+                                {"top_k": 64, "region_stride": 192, "seed": 5, "pad": 0.4},
+                                {"host_rows": 12 * 2048 + 5, "num_layers": 1, "seed": 8}])  # not whole pages
 def test_replay_zmq_cuda_equals_cpu_bit_for_bit(kw):
     trace = small_trace(**kw)
     cpu, cpu_res = replay(trace, transport="inproc", backend="cpu")
