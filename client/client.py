@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from sparsekv.proto import PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
+from sparsekv.proto.frames import send_copy
 
 from .errors import DaemonUnavailable, ProtocolMismatch, SparseKVError, error_for
 
@@ -271,7 +272,8 @@ class Client:
             raise SparseKVError("client is not connected; call connect() or use it as a context manager")
         req = self._next_id
         self._next_id += 1
-        self._sock.send_multipart(encode(msg_type, req, fields, arrays), copy=False)
+        frames = encode(msg_type, req, fields, arrays)
+        self._sock.send_multipart(frames, copy=send_copy(frames))
         return req
 
     def _receive_until(self, req_id: int) -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import psutil
 import zmq
-import zmq.asyncio
 
 from sparsekv.proto import (
     ERROR_HINTS,
@@ -32,6 +31,8 @@ from sparsekv.proto import (
     reply_error,
     reply_ok,
 )
+
+from sparsekv.proto.frames import send_copy
 
 from . import stats as stats_mod
 from .engine import EngineSpace, RankState, as_ids, check_layers
@@ -99,7 +100,10 @@ class Daemon:
 
     # -- serving ------------------------------------------------------------------
     async def serve(self, on_ready=None) -> None:
-        ctx = zmq.asyncio.Context()
+        # A plain ZeroMQ socket whose file descriptor the (uv)loop watches: on each wake-up
+        # the loop drains every queued request (a pipelined STEP + TOPK costs one wake-up).
+        # The descriptor is edge-triggered, so ZMQ_EVENTS is re-read until no input is left.
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -110,6 +114,9 @@ class Daemon:
         stats_server = await asyncio.start_unix_server(self._stats_client, path=self.stats_path)
         os.chmod(self.control_path, 0o660)
         os.chmod(self.stats_path, 0o660)
+        loop = asyncio.get_running_loop()
+        fd = sock.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._drain, sock)
         tasks = [asyncio.create_task(self._reaper(), name="reaper")]
         if self.notifier.watchdog_interval_s:
             tasks.append(asyncio.create_task(self._watchdog(), name="watchdog"))
@@ -118,17 +125,13 @@ class Daemon:
         self.notifier.ready(status)
         if on_ready:
             on_ready()
-        loop_task = asyncio.create_task(self._loop(sock), name="router")
-        stop_wait = asyncio.create_task(self._stop.wait())
         try:
-            await asyncio.wait({loop_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-            if loop_task.done():
-                loop_task.result()  # re-raise what killed the loop
+            self._drain(sock)  # anything that arrived before the reader was registered
+            await self._stop.wait()
         finally:
             self.notifier.stopping()
             log.info("stopping: detaching %d client(s)", len(self.sessions))
-            loop_task.cancel()
-            stop_wait.cancel()
+            loop.remove_reader(fd)
             for t in tasks:
                 t.cancel()
             stats_server.close()
@@ -143,15 +146,21 @@ class Daemon:
                 except FileNotFoundError:
                     pass
 
-    async def _loop(self, sock) -> None:
-        """Receive, handle, reply: one request at a time, in arrival order."""
-        while True:
-            frames = await sock.recv_multipart(copy=False)
+    def _drain(self, sock) -> None:
+        """Receive, handle, reply until no request is queued: one at a time, in order."""
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             if len(frames) < 2:
                 continue  # an empty message carries no request to answer
             identity = frames[0].bytes
             reply = self.handle(identity, frames[1:])
-            await sock.send_multipart([identity, *reply], copy=False)
+            try:
+                sock.send_multipart([identity, *reply], zmq.NOBLOCK, copy=send_copy(reply))
+            except zmq.Again:  # the client stopped reading and its queue is full
+                log.warning("reply to a client dropped: its queue is full")
 
     def stop(self) -> None:
         self._stop.set()

@@ -69,6 +69,16 @@ def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, n
     return header, arrays
 
 
+# pyzmq's zero-copy send costs tens of microseconds per frame (a tracked zmq.Frame); below
+# this size copying the bytes is cheaper.
+ZERO_COPY_MIN_BYTES = 64 * 1024
+
+
+def send_copy(frames) -> bool:
+    """Whether to send ``frames`` by copy (small messages) rather than zero-copy."""
+    return sum(len(f) if isinstance(f, (bytes, bytearray)) else f.nbytes for f in frames) < ZERO_COPY_MIN_BYTES
+
+
 def _bytes(frame) -> bytes | memoryview:
     if isinstance(frame, (bytes, bytearray, memoryview)):
         return frame
