@@ -69,7 +69,8 @@ class Stats:
 def render_table(snap: dict) -> str:
     lat = snap["topk_latency_us"]
     lines = [
-        f"backend        {snap.get('backend', '?')}  devices {','.join(snap.get('devices', []))}",
+        f"backend        {snap.get('backend', '?')}  devices {','.join(snap.get('devices', []))}"
+        + ("" if "mps" not in snap else f"  MPS {'on' if snap['mps'] else 'OFF (every GPU hand-off costs ~300 us)'}"),
         f"uptime         {snap['uptime_s']:.0f} s",
         f"clients        {snap.get('clients', 0)}  engines {snap.get('engines', 0)}",
         f"pool           {snap.get('pool_used_bytes', 0) / 2**20:.1f} / {snap.get('pool_bytes', 0) / 2**20:.1f} MiB used",
@@ -105,8 +106,11 @@ def render_prometheus(snap: dict) -> str:
         ("pool_used_bytes", "bytes of the host pool given to engines"),
         ("uptime_s", "seconds since the daemon started"),
     )
+    if "mps" in snap:  # cuda backend only
+        gauges += (("mps", "1 when the NVIDIA MPS control daemon is running"),)
     for name, help_text in gauges:
-        out += [f"# HELP sparsekv_{name} {help_text}", f"# TYPE sparsekv_{name} gauge", f"sparsekv_{name} {snap.get(name, 0)}"]
+        out += [f"# HELP sparsekv_{name} {help_text}", f"# TYPE sparsekv_{name} gauge",
+                f"sparsekv_{name} {int(snap[name]) if isinstance(snap.get(name), bool) else snap.get(name, 0)}"]
     lat = snap["topk_latency_us"]
     out += ["# HELP sparsekv_topk_latency_us top-k handling time in the daemon, recent window",
             "# TYPE sparsekv_topk_latency_us summary",

@@ -135,3 +135,14 @@ def test_cli_without_daemon_says_so(tmp_path):
     r = helpers.run_cli("stats", "--json", "--run-dir", str(tmp_path))
     assert r.returncode == 1
     assert f"no daemon at {tmp_path}/stats.sock" in r.stderr
+
+
+def test_mps_state_is_shown_for_the_cuda_backend():
+    """Operators see at a glance when MPS is off (every GPU hand-off then costs ~300 us)."""
+    from sparsekv.daemon.stats import Stats, render_prometheus, render_table
+
+    snap = Stats().snapshot({}, {"backend": "cuda", "devices": ["cuda:0"], "mps": False})
+    assert "MPS OFF" in render_table(snap)
+    assert "sparsekv_mps 0" in render_prometheus(snap).splitlines()
+    cpu = Stats().snapshot({}, {"backend": "cpu", "devices": ["cpu"]})
+    assert "MPS" not in render_table(cpu) and "sparsekv_mps" not in render_prometheus(cpu)
