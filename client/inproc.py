@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsekv.daemon.engine import EngineSpace, as_ids, check_layers
+from sparsekv.daemon.engine import EngineSpace
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import ErrorCode, Layout
@@ -82,7 +82,7 @@ class InprocClient:
     def stage(self, rows, layers=None) -> int:
         with _errors():
             st = self._need()
-            return st.stage(as_ids("rows", rows, 1), check_layers(st.residency.layout, layers))
+            return st.stage(rows, layers)
 
     def _need(self):
         if self._state is None:

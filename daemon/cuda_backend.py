@@ -200,9 +200,9 @@ class CudaRankState(RankState):
         with self._cp.cuda.Device(self.worker.ordinal):
             return self.residency.invalidate_everywhere(rows)
 
-    def stage(self, rows, layers):
+    def stage(self, rows, layers=None):
         with self._cp.cuda.Device(self.worker.ordinal):
-            return self.mover.stage(rows, layers)
+            return super().stage(rows, layers)
 
     def quiesce(self) -> None:
         self.worker.stream.synchronize()

@@ -117,9 +117,11 @@ class RankState:
         """Empty every slot of this rank holding one of ``rows``; return how many."""
         return self.residency.invalidate_everywhere(rows)
 
-    def stage(self, rows: np.ndarray, layers: tuple[int, ...]) -> int:
-        """Copy host ``rows`` of ``layers`` to the staging buffer; bytes when it returns."""
-        return self.mover.stage(rows, layers)
+    def stage(self, rows, layers=None) -> int:
+        """Copy host ``rows`` of ``layers`` (all when None) to the front of the staging
+        buffer; return the bytes once they are there."""
+        lay = self.residency.layout
+        return self.mover.stage(host_rows_arg(lay, rows, "stage"), check_layers(lay, layers))
 
     def quiesce(self) -> None:
         """Wait until no copy of this rank is in flight (before the pool is rewritten)."""
@@ -143,9 +145,7 @@ class EngineSpace:
         every hot copy of those rows in every rank. Returns (bytes written, slots dropped)."""
         lay = self.layout
         layers = check_layers(lay, layers)
-        rows = as_ids("rows", rows, 1)
-        if rows.size and (rows.min() < 0 or rows.max() >= lay.host_rows):
-            raise ResidencyError("BAD_ARGUMENT", f"write rows must lie in [0, {lay.host_rows})")
+        rows = host_rows_arg(lay, rows, "write")
         data = np.asarray(data)
         want = (len(layers), rows.shape[0], lay.row_bytes)
         if data.dtype != np.uint8 or data.shape != want:
@@ -163,19 +163,25 @@ class EngineSpace:
         to host ``rows`` and every hot copy of those rows is dropped in every rank."""
         lay = self.layout
         layers = check_layers(lay, layers)
-        rows = as_ids("rows", rows, 1)
+        rows = host_rows_arg(lay, rows, "write")
         if rank.staging is None:
             raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0) to write from")
         if rows.shape[0] > lay.staging_rows:
             raise ResidencyError("TOO_LARGE", f"{rows.shape[0]} rows exceed the staging buffer of {lay.staging_rows}")
-        if rows.size and (rows.min() < 0 or rows.max() >= lay.host_rows):
-            raise ResidencyError("BAD_ARGUMENT", f"write rows must lie in [0, {lay.host_rows})")
         return rank.write_staged(self, layers, rows, fence)
 
     def read(self, layers, rows) -> np.ndarray:
         layers = check_layers(self.layout, layers)
         rows = as_ids("rows", rows, 1)
         return self.pool[np.asarray(layers)[:, None], rows[None, :]]
+
+
+def host_rows_arg(layout: Layout, rows, what: str) -> np.ndarray:
+    """``rows`` as int32 [n], each a host row in [0, host_rows), or BAD_ARGUMENT."""
+    rows = as_ids("rows", rows, 1)
+    if rows.size and (rows.min() < 0 or rows.max() >= layout.host_rows):
+        raise ResidencyError("BAD_ARGUMENT", f"{what} rows must lie in [0, {layout.host_rows})")
+    return rows
 
 
 def check_layers(layout: Layout, layers) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ from sparsekv.proto import (
 from sparsekv.proto.frames import send_copy
 
 from . import stats as stats_mod
-from .engine import EngineSpace, RankState, as_ids, check_layers
+from .engine import EngineSpace, RankState
 from .notify import Notifier
 from .pool import HostPool, PoolError
 from .residency.base import ResidencyError
@@ -309,13 +309,8 @@ class Daemon:
         st = self._state(s)
         if "rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STAGE needs the rows array")
-        rows = as_ids("rows", a["rows"], 1)
-        lay = st.residency.layout
-        if rows.size and (rows.min() < 0 or rows.max() >= lay.host_rows):
-            raise ResidencyError("BAD_ARGUMENT", f"stage rows must lie in [0, {lay.host_rows})")
-        layers = check_layers(lay, h["layers"])
-        nbytes = st.stage(rows, layers)
-        self.stats.add(rows_staged=rows.size * len(layers))
+        nbytes = st.stage(a["rows"], h["layers"])
+        self.stats.add(rows_staged=nbytes // st.residency.layout.row_bytes)
         return {"bytes": nbytes}, None
 
     def on_detach(self, s: Session, identity, h, a):

@@ -43,3 +43,17 @@ def test_inproc_raises_the_daemon_clients_typed_errors():
 def test_inproc_refuses_other_backends():
     with pytest.raises(ValueError, match="backend 'cpu'"):
         InprocClient(backend="tpu")
+
+
+def test_stage_of_rows_outside_the_pool_is_a_typed_error_as_through_the_daemon():
+    import pytest
+
+    from sparsekv.client import BadRequest
+    from sparsekv.client.inproc import InprocClient
+    from sparsekv.proto import Layout
+
+    lay = Layout(num_layers=1, row_bytes=16, top_k=2, region_stride=2, max_reqs=1, host_rows=8, staging_rows=4)
+    with InprocClient() as c:
+        c.attach(lay)
+        with pytest.raises(BadRequest, match=r"stage rows must lie in \[0, 8\)"):
+            c.stage([8])
