@@ -67,13 +67,6 @@ class Attachment:
     staging: np.ndarray | None  # uint8 [num_layers, staging_rows, row_bytes]
     _mm: mmap.mmap | None = None
 
-    def rows(self, layer: int, state_row: int, slots: np.ndarray) -> np.ndarray:
-        """The hot rows of ``slots`` (-1 gives zeros) as uint8 [n, row_bytes]."""
-        slots = np.asarray(slots)
-        out = self.slab[layer, state_row, np.maximum(slots, 0)]
-        out[slots < 0] = 0
-        return out
-
     def close(self) -> None:
         self.slab = self.staging = None
         if self._mm is not None:

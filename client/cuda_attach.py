@@ -69,14 +69,6 @@ class CudaAttachment:
         self._events.wait(entry, self._stream_ptr())
         return TopkResult(self._slots[entry, :batch, :k], self._misses[entry, :batch], None, None, entry)
 
-    def rows(self, layer: int, state_row: int, slots):
-        import torch  # noqa: PLC0415
-
-        slots = torch.as_tensor(slots, device=self.torch_device).long()
-        out = self.slab[layer, state_row, slots.clamp(min=0)]
-        out[slots < 0] = 0
-        return out
-
     def close(self) -> None:
         self.slab = self.staging = self._slots = self._misses = None
         if self._events is not None:

@@ -12,7 +12,6 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 _UNITS = {
     "": 1, "b": 1,
@@ -171,6 +170,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ring-depth", dest="ring_depth", type=int, metavar="N")
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
 
-
-def run_dir_path(cfg: Config) -> Path:
-    return Path(cfg.run_dir)

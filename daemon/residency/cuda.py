@@ -492,7 +492,6 @@ class CudaMover(Mover):
         self.threads = int(threads)
         self._copy = kernels.function("copy.cu", "skv_copy_rows", copy_defines(lay.row_bytes, threads, load))
         self._layers: dict[tuple[int, ...], object] = {}
-        self._sort_buf = None  # (rows, slots, total, column ids) of gather_sorted_async
 
     def _layers_dev(self, layers) -> tuple[object, int]:
         cp = _cp()
@@ -547,33 +546,6 @@ class CudaMover(Mover):
         self._launch(stream, blocks or self.blocks, self._pool(), lay.host_rows, lay.host_rows, lay.num_layers,
                      self.slab, slots, slots, lay.num_layers, layers, 3, out.plan_rows, out.plan_slots,
                      out.misses, out.batch, out.top_k)
-
-    def gather_sorted_async(self, out: ResolveOutput, layers, stream=None, blocks: int | None = None) -> None:
-        """Like :meth:`gather_async`, but first sorts the whole batch's plan by host row on
-        the device. Rows of one request are close in the pool, but requests are far apart:
-        one address-ordered pass over the batch gathers about twice as fast as row after row
-        (45 vs 25 GB/s for 131k rows, csrc/README.md). Invalid entries sort last under the
-        key INT32_MAX and the copy takes only the first sum(misses): no readback."""
-        cp = _cp()
-        lay = self.layout
-        batch, k = out.batch, out.top_k
-        if batch == 0:
-            return
-        n = batch * k
-        with (stream if stream is not None else self.stream):
-            if self._sort_buf is None or self._sort_buf[0].shape[0] < n:
-                self._sort_buf = (cp.empty(n, cp.int32), cp.empty(n, cp.int32), cp.empty(1, cp.int32),
-                                  cp.arange(k, dtype=cp.int32))
-            rows_s, slots_s, total, cols = self._sort_buf
-            valid = cols[None, :] < out.misses[:batch, None]
-            keys = cp.where(valid, out.plan_rows[:batch], cp.int32(2**31 - 1)).reshape(-1)
-            order = cp.argsort(keys)
-            rows_s[:n] = keys[order]
-            slots_s[:n] = out.plan_slots[:batch].reshape(-1)[order]
-            total[0] = out.misses[:batch].sum()
-        slots = lay.max_reqs * lay.region_stride
-        self._launch(stream, blocks or self.blocks, self._pool(), lay.host_rows, lay.host_rows, lay.num_layers,
-                     self.slab, slots, slots, lay.num_layers, layers, 3, rows_s, slots_s, total, 1, n)
 
     def stage_async(self, rows, layers, stream=None, blocks: int | None = None) -> None:
         """Copy host ``rows`` (int32 [n], device) of each of ``layers`` to the front of the
