@@ -50,3 +50,15 @@ def test_write_staged_through_the_daemon():
         check(c)
         # the daemon kept serving after the refused writes
         assert c.stats()["errors_by_code"] == {"TOO_LARGE": 1, "BAD_ARGUMENT": 1}
+
+
+def test_flush_raises_the_error_of_a_step_nobody_waited_for():
+    """STEP is sent without waiting; flush() surfaces its error when no request follows."""
+    with PrivateDaemon(pool_bytes=32 << 20) as d, Client(d.run_dir) as c:
+        c.attach(LAY)
+        c.step(0, [LAY.max_reqs])  # state row out of range
+        with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
+            c.flush()
+        c.step(1, [0])
+        c.flush()  # nothing pending, nothing raised
+        assert int(c.topk(1, 0, [[1, 2, 3, 4]]).misses[0]) == 4
