@@ -123,6 +123,13 @@ class RankState:
         lay = self.residency.layout
         return self.mover.stage(host_rows_arg(lay, rows, "stage"), check_layers(lay, layers))
 
+    def take_error(self) -> "ResidencyError | None":
+        """An error this rank found after the fact (the cuda backend checks some input on
+        the GPU), returned once and forgotten; None when there is none. The daemon asks
+        before each request that runs on the rank and answers it with this error instead
+        of running it. The cpu rank finds every error while handling the request: None."""
+        return None
+
     def quiesce(self) -> None:
         """Wait until no copy of this rank is in flight (before the pool is rewritten)."""
 

@@ -35,12 +35,17 @@ from sparsekv.proto import (
 from sparsekv.proto.frames import send_copy
 
 from . import stats as stats_mod
-from .engine import EngineSpace, RankState
+from .engine import RankState
 from .notify import Notifier
 from .pool import HostPool, PoolError
+from .registry import EngineRegistry
 from .residency.base import ResidencyError
 
 log = logging.getLogger("sparsekv.server")
+
+# Requests that run on a rank's state: a rank's asynchronous error (one the cuda backend
+# learns of after the fact) is answered to the next of these instead of running it.
+_RANK_REQUESTS = frozenset({MsgType.STEP, MsgType.TOPK, MsgType.WRITE, MsgType.WRITE_STAGED, MsgType.STAGE})
 
 
 @dataclass
@@ -71,7 +76,7 @@ class Daemon:
         self.notifier = notifier or Notifier({})
         self.stats = stats_mod.Stats()
         self.sessions: dict[bytes, Session] = {}
-        self.engines: dict[str, EngineSpace] = {}
+        self.engines = EngineRegistry(pool, backend)  # engine lifetimes and pool ranges
         self._next_client_id = 1
         self._stop = asyncio.Event()
         self.handlers = {
@@ -153,10 +158,11 @@ class Daemon:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            tr = time.perf_counter_ns()  # the reply's "tr": the request is here, not yet decoded
             if len(frames) < 2:
                 continue  # an empty message carries no request to answer
             identity = frames[0].bytes
-            reply = self.handle(identity, frames[1:])
+            reply = self.handle(identity, frames[1:], tr)
             try:
                 sock.send_multipart([identity, *reply], zmq.NOBLOCK, copy=send_copy(reply))
             except zmq.Again:  # the client stopped reading and its queue is full
@@ -165,9 +171,15 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
 
-    def handle(self, identity: bytes, frames) -> list:
-        """Answer one request; never raises. Errors are replies with a code and message."""
-        t0 = time.perf_counter()
+    def handle(self, identity: bytes, frames, tr: int | None = None) -> list:
+        """Answer one request; never raises. Errors are replies with a code and message.
+
+        ``tr``: ``time.perf_counter_ns()`` when the request was received (now if None).
+        Every reply carries it as ``tr`` and the time just before it is encoded as ``tx``,
+        so a client can split a request's time into its own, the socket's and the daemon's
+        (CLOCK_MONOTONIC: one clock for every process of the host)."""
+        if tr is None:
+            tr = time.perf_counter_ns()
         msg_type, req_id = 0, 0
         try:
             header, arrays = decode(frames)
@@ -193,22 +205,32 @@ class Daemon:
                 raise ProtocolError(ErrorCode.NOT_HELLO, "no HELLO from this connection")
             if session is not None:
                 session.requests += 1
+                if kind in _RANK_REQUESTS and session.state is not None:
+                    # Like CUDA's: an error the rank found after the fact (bad input seen
+                    # on the GPU) fails the next call on it, which does not run.
+                    err = session.state.take_error()
+                    if err is not None:
+                        self.stats.add(async_errors=1)
+                        raise err
             fields, out_arrays = self.handlers[kind](session, identity, header, arrays)
             self.stats.add(requests=1)
+            tx = time.perf_counter_ns()
             if kind == MsgType.TOPK:
-                self.stats.latency(time.perf_counter() - t0)
-            return reply_ok(msg_type, req_id, fields, out_arrays)
+                self.stats.latency((tx - tr) * 1e-9)
+            return reply_ok(msg_type, req_id, fields, out_arrays, tr, tx)
         except (ProtocolError, ResidencyError, LayoutError, PoolError) as e:
             code = _code_of(e)
             self.stats.add(requests=1)
             self.stats.error(code.name)
             log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
-            return reply_error(msg_type, req_id, code, f"{e.args[0]} ({ERROR_HINTS.get(code, '')})")
+            msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
+            return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns())
         except Exception as e:  # noqa: BLE001 - a bug must not take the daemon down
             log.exception("internal error on request type %s", msg_type)
             self.stats.add(requests=1)
             self.stats.error(ErrorCode.INTERNAL.name)
-            return reply_error(msg_type, req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})")
+            msg = f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})"
+            return reply_error(msg_type, req_id, ErrorCode.INTERNAL, msg, tr, time.perf_counter_ns())
 
     # -- handlers: each returns (fields, arrays) --------------------------------------
     def on_hello(self, session, identity, h, arrays):
@@ -243,26 +265,8 @@ class Daemon:
             layout = Layout.from_wire(h["layout"])
         except (LayoutError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
-        space = self.engines.get(engine)
-        created = space is None
-        if created:
-            offset = self.pool.allocate(layout.pool_bytes)
-            view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
-            space = EngineSpace(engine, layout, view, offset)
-        elif space.layout != layout:
-            raise ProtocolError(
-                ErrorCode.LAYOUT_MISMATCH,
-                f"engine {engine!r} is attached with {space.layout.to_wire()}, this rank sent {layout.to_wire()}",
-            )
-        try:
-            state, handles = self.backend.new_rank(space, s.client_id, s.rank, s.device, h.get("fence_events"))
-        except Exception:
-            if created:
-                self.backend.release_engine(space)
-                self.pool.release(space.pool_offset)
-            raise
-        space.ranks[s.client_id] = state
-        self.engines[engine] = space
+        created = engine not in self.engines
+        state, handles = self.engines.attach(s.client_id, s.rank, s.device, engine, layout, h.get("fence_events"))
         s.engine, s.state = engine, state
         log.info("client %d attached to engine %r (%s)", s.client_id, engine, "new" if created else "joined")
         return {"handles": handles, "layout": layout.to_wire()}, None
@@ -291,8 +295,7 @@ class Daemon:
         self._state(s)
         if "rows" not in a or "data" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE needs the rows and data arrays")
-        space = self.engines[s.engine]
-        nbytes, dropped = space.write(h["layers"], a["rows"], a["data"])
+        nbytes, dropped = self.engines.space(s.engine).write(h["layers"], a["rows"], a["data"])
         self.stats.add(rows_written=a["rows"].shape[0] * a["data"].shape[0], bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
 
@@ -301,7 +304,7 @@ class Daemon:
         if "rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE_STAGED needs the rows array")
         fence = _fence(h)
-        nbytes, dropped = self.engines[s.engine].write_staged(st, h["layers"], a["rows"], fence)
+        nbytes, dropped = self.engines.space(s.engine).write_staged(st, h["layers"], a["rows"], fence)
         self.stats.add(rows_written=nbytes // st.residency.layout.row_bytes, bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
 
@@ -330,15 +333,7 @@ class Daemon:
     def _detach(self, s: Session) -> None:
         if s.state is None:
             return
-        space = self.engines.get(s.engine)
-        if space is not None:
-            space.ranks.pop(s.client_id, None)
-            if not space.ranks:  # the last rank left: the engine's rows go with it
-                del self.engines[s.engine]
-        self.backend.release_rank(s.client_id)
-        if space is not None and not space.ranks:
-            self.backend.release_engine(space)
-            self.pool.release(space.pool_offset)
+        self.engines.detach(s.client_id, s.engine)
         log.info("client %d detached from engine %r", s.client_id, s.engine)
         s.state, s.engine = None, None
 
@@ -348,9 +343,7 @@ class Daemon:
             **self.backend.describe(),
             "clients": len(self.sessions),
             "attached": sum(1 for s in self.sessions.values() if s.state is not None),
-            "engines": len(self.engines),
-            "pool_bytes": self.pool.size_bytes,
-            "pool_used_bytes": self.pool.used_bytes,
+            **self.engines.gauges(),
             "protocol_version": PROTOCOL_VERSION,
             "pid": os.getpid(),
         })

@@ -23,6 +23,7 @@ COUNTERS = (
     ("rows_staged", "rows copied to prefill staging buffers"),
     ("requests", "requests handled"),
     ("errors", "requests answered with an error"),
+    ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
 )
 
 

@@ -117,9 +117,20 @@ def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
     return name, a.reshape(shape)
 
 
-def reply_ok(msg_type: int, req_id: int, fields=None, arrays=None) -> list:
-    return encode(msg_type, req_id, {"ok": True, **(fields or {})}, arrays)
+def reply_ok(msg_type: int, req_id: int, fields=None, arrays=None, tr: int | None = None, tx: int | None = None) -> list:
+    """A successful reply. ``tr`` / ``tx``: the daemon's receive and reply times
+    (``time.perf_counter_ns()``), sent as header fields of those names when given."""
+    head = {"ok": True, **fields} if fields else {"ok": True}
+    if tr is not None:
+        head["tr"], head["tx"] = tr, tx
+    return encode(msg_type, req_id, head, arrays)
 
 
-def reply_error(msg_type: int, req_id: int, code: ErrorCode, message: str) -> list:
-    return encode(msg_type, req_id, {"ok": False, "code": int(code), "error": ErrorCode(code).name, "msg": message})
+def reply_error(msg_type: int, req_id: int, code: ErrorCode, message: str,
+                tr: int | None = None, tx: int | None = None) -> list:
+    """A failed reply: ``code``, its name as ``error``, ``msg``; ``tr`` / ``tx`` as in
+    :func:`reply_ok`."""
+    head = {"ok": False, "code": int(code), "error": ErrorCode(code).name, "msg": message}
+    if tr is not None:
+        head["tr"], head["tx"] = tr, tx
+    return encode(msg_type, req_id, head)

@@ -4,7 +4,10 @@ A message is a ZeroMQ multipart: one msgpack header (a map) followed by zero or 
 array frames. The header carries ``v`` (protocol version, checked in HELLO), ``t`` (a
 :class:`MsgType`), ``id`` (the client's request id, echoed in the reply), the fields of
 that type, and ``arrays``: one ``[name, dtype, shape]`` per raw frame, in frame order.
-Nothing is ever pickled.
+Nothing is ever pickled. Optional timestamps (``time.perf_counter_ns()``, CLOCK_MONOTONIC,
+one clock for every process of a host): ``ts`` in a request (when the client sent it),
+``tr`` and ``tx`` in every reply (when the daemon received the request, and just before
+it encoded the reply). A peer ignores header fields it does not know.
 
 Rules for changing this file: :class:`MsgType` and :class:`ErrorCode` are append-only
 (never reorder, never reuse a number); a change that an old peer cannot read bumps
@@ -92,7 +95,8 @@ LIMITS = Limits()
 # Array dtypes allowed on the wire (NumPy names).
 WIRE_DTYPES = frozenset({"int32", "int64", "uint8", "bool", "float32", "float64"})
 
-# The fields each request carries besides v/t/id/arrays, and the arrays it may send:
+# The fields each request must carry besides v/t/id/arrays (optional ones, such as ``ts``
+# or ``fence``, are not listed), and the arrays it may send:
 # the daemon checks every handler against this table at start (see daemon/server.py).
 REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
     MsgType.HELLO: (frozenset({"pid", "rank", "device", "name"}), frozenset()),

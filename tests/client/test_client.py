@@ -1,9 +1,11 @@
 """Client library against a scripted daemon (a bare ROUTER in a thread): a daemon of
 another protocol version is refused with ProtocolMismatch, error replies become typed
-exceptions carrying the daemon's message, a silent daemon times out clearly."""
+exceptions carrying the daemon's message, a silent daemon times out clearly, every
+request carries its send time ``ts``."""
 
 import os
 import threading
+import time
 
 import msgpack
 import pytest
@@ -81,6 +83,23 @@ def test_error_reply_is_a_typed_exception_with_the_daemons_message(fake):
             c.attach(helpers.layout())
         assert ei.value.code == ErrorCode.POOL_FULL
         assert "no free range of 4GiB" in str(ei.value)
+
+
+def test_every_request_carries_its_send_time_and_a_daemon_without_times_is_fine(fake):
+    seen = []
+
+    def reply(h):  # a daemon that sends no tr / tx: nothing is recorded, nothing breaks
+        seen.append(h)
+        return {"v": PROTOCOL_VERSION, "t": h["t"], "id": h["id"], "ok": True, "client_id": 1,
+                "version": PROTOCOL_VERSION, "stats": {}}
+
+    before = time.perf_counter_ns()
+    with Client(fake(reply), timeout_s=5) as c:
+        c.stats()
+        assert c.timings == {} and not c._sent
+    assert [h["t"] for h in seen] == [1, 8]
+    assert all(isinstance(h["ts"], int) and before <= h["ts"] <= time.perf_counter_ns() for h in seen)
+    assert seen[0]["ts"] <= seen[1]["ts"]
 
 
 def test_silent_daemon_times_out_with_daemon_unavailable(fake):

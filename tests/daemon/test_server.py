@@ -1,10 +1,12 @@
 """The daemon's request handling in process (Daemon.handle, no sockets): every error gets
 a reply with its code and a message, counted by code; the client registry (attach,
-detach, engines and their pool ranges); reaping of dead clients."""
+detach, engines and their pool ranges); reaping of dead clients; a rank's asynchronous
+error answering its next request; receive / reply times in every reply."""
 
 import os
 import subprocess
 import sys
+import time
 
 import msgpack
 import numpy as np
@@ -15,6 +17,7 @@ import helpers
 from sparsekv.daemon import server as server_mod
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.pool import HostPool
+from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.server import Daemon
 from sparsekv.proto import ERROR_HINTS, PROTOCOL_VERSION, ErrorCode, MsgType, decode, encode
 
@@ -255,3 +258,50 @@ def test_reap_dead_detaches_clients_whose_process_is_gone(dm, tmp_path, reap):
     finally:
         live.kill()
         live.wait()
+
+
+def test_async_error_of_a_rank_answers_the_next_rank_request_which_does_not_run(dm, monkeypatch):
+    hello(dm)
+    attach(dm)
+    assert call(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
+    st = dm.sessions[b"A"].state
+    pending = [ResidencyError("BAD_ARGUMENT", "top-k id 99 of an earlier batch was out of range (seen on the GPU)")]
+    monkeypatch.setattr(st, "take_error", lambda: pending.pop() if pending else None)
+    topk = {"topk": np.array([[1, 2, 3, 4]], np.int32)}
+    assert call(dm, b"A", MsgType.STATS)[0]["ok"]  # not a rank request: the error waits
+    assert pending
+    assert_error(call(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0}, topk)[0], ErrorCode.BAD_ARGUMENT, "top-k id 99")
+    assert (st.residency.owner == -1).all()  # the TOPK did not run
+    snap = dm.snapshot()
+    assert snap["async_errors"] == 1 and snap["errors_by_code"] == {"BAD_ARGUMENT": 1} and snap["topk_batches"] == 0
+    h, a = call(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0}, topk)  # the error was taken once
+    assert h["ok"] and h["hits"] == 0 and (a["slots"] >= 0).all()
+    snap = dm.snapshot()
+    assert snap["async_errors"] == 1 and snap["errors"] == 1 and snap["topk_batches"] == 1
+
+
+def test_cpu_rank_has_no_async_error(dm):
+    hello(dm)
+    attach(dm)
+    assert dm.sessions[b"A"].state.take_error() is None
+
+
+def test_every_reply_carries_daemon_receive_and_reply_times(dm):
+    def times(ident, msg_type, fields=None, arrays=None):
+        tr = time.perf_counter_ns()
+        frames = [bytes(f) for f in encode(msg_type, 3, fields, arrays)]
+        h, _ = decode([bytes(f) for f in dm.handle(ident, frames, tr)])
+        assert h["tr"] == tr and tr <= h["tx"] <= time.perf_counter_ns(), h
+        return h
+
+    assert_error(times(b"A", MsgType.STATS), ErrorCode.NOT_HELLO)  # error replies too
+    tr = time.perf_counter_ns()
+    h, _ = decode(dm.handle(b"A", [b"\xc1"], tr))
+    assert h["ok"] is False and h["tr"] == tr <= h["tx"]
+    # optional header fields the daemon does not know (the client's "ts") are accepted
+    h = times(b"A", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "t",
+                                    "ts": time.perf_counter_ns(), "later_field": [1, 2]})
+    assert h["ok"]
+    assert times(b"A", MsgType.STATS)["ok"]
+    h = call(dm, b"A", MsgType.STATS)[0]  # handle() without a receive time takes its own
+    assert h["tr"] <= h["tx"]

@@ -1,80 +1,17 @@
-"""Device memory and events the daemon shares with client processes through CUDA IPC.
+"""CUDA IPC objects both sides of the protocol open: interprocess events and imported
+device memory. The daemon exports them (its arena, its per-rank event rings), clients
+import them; a client exports fence events the daemon imports. Handles travel in the
+ATTACH reply and request as bytes.
 
-* :class:`DeviceArena`: one plain ``cudaMalloc`` per GPU (not a caching allocator: an IPC
-  handle names a whole allocation, and a caching pool could hand the same memory to two
-  owners). Hot slabs, staging buffers and result rings are views at 256-byte aligned
-  offsets; clients open the arena's handle once and address it by offset.
 * :class:`EventRing`: interprocess events, one per in-flight request of a rank. The daemon
   records entry ``k`` on its copy stream after request ``k``'s gather; the client's stream
   waits on it before attention reads the rows.
+* :class:`ImportedArena`, :class:`ImportedEvents`: the importing side.
 
-The importing side (:class:`ImportedArena`, :class:`ImportedEvents`) is here too: clients
-open the daemon's arena and events with it, and the daemon opens a client's fence events
-(recorded after attention read the slab) with it.
-
-Lifetimes: ranges and rings stay reserved until their rank detaches or its process is
-reaped; only then can another rank reuse them (the export registry is the backend's map
-of client id -> resources, see cuda_backend.py).
+``cupy`` is imported lazily: importing this module needs no GPU.
 """
 
 from __future__ import annotations
-
-from .ranges import RangeAllocator, RangeFull
-
-ALIGN_BYTES = 256
-
-
-class ArenaFull(RuntimeError):
-    pass
-
-
-class DeviceArena:
-    def __init__(self, device: int, nbytes: int):
-        import cupy as cp  # noqa: PLC0415
-
-        self._cp = cp
-        self.device = device
-        self.nbytes = int(nbytes)
-        with cp.cuda.Device(device):
-            self.ptr = cp.cuda.runtime.malloc(self.nbytes)
-            try:
-                self.handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.ptr))
-            except Exception:
-                cp.cuda.runtime.free(self.ptr)
-                raise
-        self._mem = cp.cuda.UnownedMemory(self.ptr, self.nbytes, self, device)
-        self._ranges = RangeAllocator(self.nbytes, ALIGN_BYTES)
-        self._closed = False
-
-    def allocate(self, nbytes: int) -> int:
-        try:
-            return self._ranges.allocate(nbytes)
-        except RangeFull:
-            raise ArenaFull(
-                f"device {self.device} arena has no free range of {self._ranges.rounded(nbytes) >> 20} MiB "
-                f"(arena {self.nbytes >> 20} MiB, used {self.used_bytes >> 20} MiB); raise --device-arena-size"
-            ) from None
-
-    def release(self, offset: int) -> None:
-        self._ranges.release(offset)
-
-    def view(self, offset: int, shape: tuple[int, ...], dtype="uint8"):
-        """A CuPy array over ``[offset, offset + nbytes)`` of the arena (no copy)."""
-        cp = self._cp
-        return cp.ndarray(shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(self._mem, offset))
-
-    @property
-    def used_bytes(self) -> int:
-        return self._ranges.used_bytes
-
-    def close(self) -> None:
-        """Free the allocation once. Importers must have closed their handles (the daemon
-        only closes an arena at shutdown, after every client was detached)."""
-        if self._closed:
-            return
-        self._closed = True
-        with self._cp.cuda.Device(self.device):
-            self._cp.cuda.runtime.free(self.ptr)
 
 
 class EventRing:

@@ -1,0 +1,139 @@
+"""EngineRegistry on the cpu backend: the first rank of an engine reserves its pool range,
+later ranks join it with the same layout (else LAYOUT_MISMATCH), a failed attach of a new
+engine leaves nothing allocated, and the last rank's detach frees the engine's range."""
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.daemon.backends import CpuBackend
+from sparsekv.daemon.pool import HostPool, PoolError
+from sparsekv.daemon.registry import EngineRegistry
+from sparsekv.daemon.residency.base import ResidencyError
+from sparsekv.proto import ErrorCode, ProtocolError
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool():
+    p = HostPool(8 * MiB, threads=1)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def backend(tmp_path):
+    b = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def reg(pool, backend):
+    return EngineRegistry(pool, backend)
+
+
+def test_first_rank_creates_the_engine_with_its_pool_range(reg, pool, tmp_path):
+    lay = helpers.layout()
+    state, handles = reg.attach(1, 0, "cpu", "e", lay)
+    assert len(reg) == 1 and "e" in reg and list(reg) == ["e"]
+    space = reg.space("e")
+    assert space.layout == lay and space.ranks == {1: state}
+    assert pool.used_bytes >= lay.pool_bytes
+    assert space.pool.shape == (lay.num_layers, lay.host_rows, lay.row_bytes)
+    assert handles["kind"] == "shm" and len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 1
+    assert reg.gauges() == {"engines": 1, "pool_bytes": pool.size_bytes, "pool_used_bytes": pool.used_bytes}
+
+
+def test_second_rank_joins_the_same_engine_and_pool_range(reg, pool):
+    lay = helpers.layout()
+    s1, _ = reg.attach(1, 0, "cpu", "e", lay)
+    used = pool.used_bytes
+    s2, _ = reg.attach(2, 1, "cpu", "e", lay)
+    assert len(reg) == 1 and pool.used_bytes == used
+    assert reg.space("e").ranks == {1: s1, 2: s2}
+    # one engine, one pool: a write reaches the rows both ranks gather from
+    reg.space("e").write([0], np.array([3], np.int32), np.full((1, 1, lay.row_bytes), 7, np.uint8))
+    assert s1.mover is not s2.mover and (reg.space("e").pool[0, 3] == 7).all()
+
+
+def test_another_layout_for_an_existing_engine_is_layout_mismatch(reg, pool, tmp_path):
+    reg.attach(1, 0, "cpu", "e", helpers.layout())
+    used = pool.used_bytes
+    with pytest.raises(ProtocolError) as ei:
+        reg.attach(2, 1, "cpu", "e", helpers.layout(top_k=2))
+    assert ei.value.code == ErrorCode.LAYOUT_MISMATCH and "engine 'e' is attached with" in str(ei.value)
+    assert pool.used_bytes == used and list(reg.space("e").ranks) == [1]
+    assert len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 1  # no slab for the refused rank
+    reg.attach(2, 1, "cpu", "other", helpers.layout(top_k=2))  # another engine may differ
+    assert len(reg) == 2
+
+
+def test_layout_larger_than_the_pool_is_pool_full_and_allocates_nothing(reg, pool):
+    with pytest.raises(PoolError, match="no free range"):
+        reg.attach(1, 0, "cpu", "e", helpers.layout(host_rows=2**20, row_bytes=16, num_layers=1))
+    assert pool.used_bytes == 0 and len(reg) == 0
+
+
+class FailingBackend(CpuBackend):
+    """A cpu backend whose new_rank fails; records release_engine calls."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.released = []
+
+    def new_rank(self, *a, **kw):
+        raise ResidencyError("TOO_LARGE", "no room for the slab")
+
+    def release_engine(self, space):
+        self.released.append(space.name)
+
+
+def test_failed_new_rank_of_a_new_engine_leaves_no_pool_range(pool, tmp_path):
+    backend = FailingBackend(str(tmp_path), shm_dir=str(tmp_path))
+    reg = EngineRegistry(pool, backend)
+    with pytest.raises(ResidencyError, match="no room"):
+        reg.attach(1, 0, "cpu", "e", helpers.layout())
+    assert pool.used_bytes == 0 and len(reg) == 0 and "e" not in reg
+    assert backend.released == ["e"]  # the backend's per-engine resources are let go too
+    pool.release(pool.allocate(pool.size_bytes))  # the whole pool is free again
+
+
+def test_failed_new_rank_joining_an_engine_keeps_the_engine(reg, pool, backend, monkeypatch):
+    s1, _ = reg.attach(1, 0, "cpu", "e", helpers.layout())
+    used = pool.used_bytes
+
+    def fail(*a, **kw):
+        raise ResidencyError("TOO_LARGE", "no room for the slab")
+
+    monkeypatch.setattr(backend, "new_rank", fail)
+    with pytest.raises(ResidencyError):
+        reg.attach(2, 1, "cpu", "e", helpers.layout())
+    assert pool.used_bytes == used and reg.space("e").ranks == {1: s1}
+
+
+def test_last_rank_detaching_frees_the_engine_and_its_range(reg, pool, tmp_path):
+    lay = helpers.layout()
+    reg.attach(1, 0, "cpu", "e", lay)
+    reg.attach(2, 1, "cpu", "e", lay)
+    used = pool.used_bytes
+    reg.detach(1, "e")
+    assert "e" in reg and pool.used_bytes == used and list(reg.space("e").ranks) == [2]
+    assert len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 1  # rank 1's slab is gone
+    reg.detach(2, "e")
+    assert len(reg) == 0 and pool.used_bytes == 0
+    assert helpers.shm_slabs(str(tmp_path), str(tmp_path)) == []
+    with pytest.raises(KeyError):
+        reg.space("e")
+    reg.detach(2, "e")  # detaching twice is harmless
+    # a new first rank of the name gets a fresh engine
+    reg.attach(3, 0, "cpu", "e", helpers.layout(top_k=2))
+    assert reg.space("e").layout.top_k == 2
+
+
+def test_detaching_one_engine_leaves_the_others(reg, pool):
+    reg.attach(1, 0, "cpu", "a", helpers.layout())
+    reg.attach(2, 0, "cpu", "b", helpers.layout())
+    reg.detach(1, "a")
+    assert list(reg) == ["b"] and pool.used_bytes > 0
