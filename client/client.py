@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,36 +26,15 @@ from sparsekv.proto import PROTOCOL_VERSION, ErrorCode, Layout, MsgType, Protoco
 from sparsekv.proto.frames import send_copy
 
 from .errors import DaemonUnavailable, ProtocolMismatch, SparseKVError, error_for
+from .results import TopkResult
 
 
-_ENVELOPE = frozenset({"v", "t", "id", "ok"})
+_ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
 
 
 def default_run_dir() -> str:
     runtime = os.environ.get("SPARSEKV_RUN_DIR") or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
     return runtime or "/run/sparsekv"
-
-
-@dataclass(frozen=True)
-class TopkResult:
-    """Where a top-k batch's rows are. cpu: NumPy arrays, and ``hits`` / ``out_of_range``
-    from the reply. cuda: torch int32 views of the result ring (valid until ``ring_depth``
-    more requests; the current stream already waits for them), counts left to stats."""
-
-    slots: object  # int32 [batch, k]: hot slot of each column in its state row's region, -1 if none
-    misses: object  # int32 [batch]
-    hits: int | None
-    out_of_range: int | None
-    entry: int | None = None  # cuda: the ring entry
-
-    def host(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(slots, misses)`` as NumPy (cuda: waits for the current stream)."""
-        if isinstance(self.slots, np.ndarray):
-            return self.slots, self.misses
-        import torch  # noqa: PLC0415
-
-        torch.cuda.current_stream(self.slots.device).synchronize()
-        return self.slots.cpu().numpy(), self.misses.cpu().numpy()
 
 
 @dataclass
@@ -109,6 +89,10 @@ class Client:
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP)
+        self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
+        # Per request type, the last reply's (sent, daemon received, daemon replied,
+        # received here) in perf_counter_ns: one clock (CLOCK_MONOTONIC) for the whole host.
+        self.timings: dict[MsgType, tuple[int, int, int, int]] = {}
 
     # -- connection --------------------------------------------------------------
     def connect(self) -> "Client":
@@ -142,6 +126,7 @@ class Client:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        self._sent.clear()  # requests whose replies will never come
 
     def __enter__(self) -> "Client":
         return self.connect() if self._sock is None else self
@@ -167,7 +152,7 @@ class Client:
         fields = {"engine": engine, "layout": layout.to_wire()}
         fence_ring = None
         if fence and self.device.startswith("cuda"):
-            from sparsekv.daemon.cuda_ipc import EventRing  # noqa: PLC0415
+            from sparsekv.proto.cuda_ipc import EventRing  # noqa: PLC0415
 
             from .cuda_attach import local_device  # noqa: PLC0415
 
@@ -265,8 +250,15 @@ class Client:
             raise SparseKVError("client is not connected; call connect() or use it as a context manager")
         req = self._next_id
         self._next_id += 1
+        ts = time.perf_counter_ns()
+        # ``fields`` is always a dict this client built for this one request: extend it.
+        if fields is None:
+            fields = {"ts": ts}
+        else:
+            fields["ts"] = ts
         frames = encode(msg_type, req, fields, arrays)
         self._sock.send_multipart(frames, copy=send_copy(frames))
+        self._sent[req] = (msg_type, ts)
         return req
 
     def _receive_until(self, req_id: int) -> None:
@@ -275,11 +267,17 @@ class Client:
                 raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s",
                                         ErrorCode.INTERNAL)
             frames = self._sock.recv_multipart(copy=False)
+            t_recv = time.perf_counter_ns()
             try:
                 header, arrays = decode(frames)
             except ProtocolError as e:
                 raise SparseKVError(f"undecodable reply: {e}") from None
-            self._replies[header["id"]] = (header, arrays)
+            rid = header["id"]
+            sent = self._sent.pop(rid, None)
+            tr = header.get("tr")
+            if sent is not None and tr is not None:
+                self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
+            self._replies[rid] = (header, arrays)
 
     def _await_reply(self, req_id: int):
         self._receive_until(req_id)

@@ -11,8 +11,10 @@ earlier step is still reading.
 
 from __future__ import annotations
 
-from sparsekv.daemon.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
+from sparsekv.proto.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
 from sparsekv.proto import Layout
+
+from .results import TopkResult
 
 
 def local_device(device: str) -> int:
@@ -64,8 +66,6 @@ class CudaAttachment:
     def result(self, entry: int, batch: int, k: int):
         """Make the current stream wait for ring ``entry``; return its slots and misses
         (torch int32 views, valid until ``ring_depth`` more top-k requests)."""
-        from .client import TopkResult  # noqa: PLC0415
-
         self._events.wait(entry, self._stream_ptr())
         return TopkResult(self._slots[entry, :batch, :k], self._misses[entry, :batch], None, None, entry)
 

@@ -13,7 +13,8 @@ from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import ErrorCode, Layout
 
-from .client import Attachment, TopkResult
+from .client import Attachment
+from .results import TopkResult
 from .errors import error_for
 
 

@@ -1,0 +1,30 @@
+"""What a top-k request returns; shared by the zmq client, the cuda attachment and the
+in-process transport (a module of its own so that none of them imports another)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TopkResult:
+    """Where a top-k batch's rows are. cpu: NumPy arrays, and ``hits`` / ``out_of_range``
+    from the reply. cuda: torch int32 views of the result ring (valid until ``ring_depth``
+    more requests; the current stream already waits for them), counts left to stats."""
+
+    slots: object  # int32 [batch, k]: hot slot of each column in its state row's region, -1 if none
+    misses: object  # int32 [batch]
+    hits: int | None
+    out_of_range: int | None
+    entry: int | None = None  # cuda: the ring entry
+
+    def host(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, misses)`` as NumPy (cuda: waits for the current stream)."""
+        if isinstance(self.slots, np.ndarray):
+            return self.slots, self.misses
+        import torch  # noqa: PLC0415
+
+        torch.cuda.current_stream(self.slots.device).synchronize()
+        return self.slots.cpu().numpy(), self.misses.cpu().numpy()
