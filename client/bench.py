@@ -110,45 +110,51 @@ def bench_transport(steps=100, batch=8, top_k=256) -> dict:
 
 
 def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, num_layers=1, seed=5) -> dict:
-    """A decode step through a cuda daemon over zmq (step + top-k + wait for the event)
-    against the same resolve + gather run in this process on the same GPU. The difference
-    is the cross-process hand-off (run it under MPS: DESIGN §2)."""
+    """A decode step through a cuda daemon over zmq (STEP + TOPK, wait for the event,
+    slots to the host) against the same device step run in this process on the same GPU
+    (same kernels, same per-request CUDA graphs, same host-side block writes; no socket).
+    The difference is the cross-process hand-off (run it under MPS: DESIGN §2). The
+    header timestamps split the zmq step into client, socket and daemon time."""
     import cupy as cp  # noqa: PLC0415
 
+    from sparsekv.daemon.cuda.backend import DeviceWorker  # noqa: PLC0415
+    from sparsekv.daemon.cuda.rank import CudaRankState  # noqa: PLC0415
+    from sparsekv.daemon.engine import EngineSpace  # noqa: PLC0415
+    from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
     from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
     from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
-    from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency  # noqa: PLC0415
+    from sparsekv.proto import MsgType  # noqa: PLC0415
 
     tr = synth(steps=steps, batch=batch, top_k=top_k, region_stride=region_stride, max_reqs=2 * batch,
                host_rows=2 * batch * 16384, num_layers=num_layers, context=12000, lifetime=steps,
                arrive=1.0, pad=0.0, invalidate=0.0, out_of_range=0.0, share_prefix=0.0, overlap=0.8, seed=seed)
     lay = tr.layout()
-    # In process: the same kernels on a pinned pool, one stream, synchronised each step.
-    with HostPool(lay.pool_bytes) as pool:
+    # In process: a rank of the daemon's own kind, driven directly.
+    with HostPool(lay.pool_bytes + (2 << 20)) as pool:
         pinned = PinnedRegion(pool.address, lay.pool_bytes, lay.row_bytes)
+        worker = DeviceWorker(0, 2 << 30, get_cache())
         try:
-            stream = cp.cuda.Stream(non_blocking=True)
-            res = CudaResidency(lay, stream=stream)
-            mover = CudaMover(lay, pinned, stream=stream)
-            out = res.new_output(batch)
+            space = EngineSpace("bench", lay, pool.view(0, (lay.num_layers, lay.host_rows, lay.row_bytes)), 0)
+            rank = CudaRankState(0, worker, space, pinned, ring_depth=8, gather_blocks=32)
             base = np.zeros(steps)
-            for t in range(steps):
-                t0 = time.perf_counter()
-                with stream:
-                    if tr.reset[t].any():
-                        res.reset_async(cp.asarray(tr.state_rows[t][tr.reset[t]]))
-                    res.resolve_async(0, cp.asarray(tr.state_rows[t]), cp.asarray(tr.topk[t]), out)
-                    mover.gather_async(out, lay.groups[0])
-                stream.synchronize()
-                base[t] = time.perf_counter() - t0
-            del mover, res, out
+            with cp.cuda.Device(0):
+                for t in range(steps):
+                    t0 = time.perf_counter()
+                    rank.begin_step(t, tr.state_rows[t], tr.reset[t], tr.invalidate[t])
+                    f, _, _ = rank.serve_topk(t, 0, tr.topk[t])
+                    worker.stream.synchronize()
+                    rank.buffers.slots[f["entry"], :batch, :top_k].get()
+                    base[t] = time.perf_counter() - t0
+            rank.close()
         finally:
+            worker.close()
             pinned.close()
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
                        extra_args=["--device-arena-size", "4GiB"]) as d, \
             Client(d.run_dir, name="bench", device="cuda:0") as c:
         c.attach(lay, engine="bench")
         over, reply = np.zeros(steps), np.zeros(steps)
+        daemon_host, sock_in, sock_out = np.zeros(steps), np.zeros(steps), np.zeros(steps)
         for t in range(steps):
             t0 = time.perf_counter()
             c.step(t, tr.state_rows[t], tr.reset[t], tr.invalidate[t])
@@ -156,16 +162,27 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             reply[t] = time.perf_counter() - t0  # the daemon has enqueued the work
             r.host()
             over[t] = time.perf_counter() - t0
+            s_ts, s_tr, s_tx, _ = c.timings[MsgType.STEP]
+            k_ts, k_tr, k_tx, k_rx = c.timings[MsgType.TOPK]
+            daemon_host[t] = (s_tx - s_tr) + (k_tx - k_tr)
+            sock_in[t] = k_tr - k_ts
+            sock_out[t] = k_rx - k_tx
         daemon_us = c.stats()["topk_latency_us"]
-    warm = slice(10, None)  # first steps compile nothing but fault in state and caches
+    warm = slice(10, None)  # the first steps fault in state and caches
     b, z = base[warm] * 1e6, over[warm] * 1e6
+
+    def p50(a, scale=1.0):
+        return round(float(np.median(a[warm])) * scale, 1)
+
     return {"bench": "cuda_transport", "steps": steps, "batch": batch, "top_k": top_k,
             "region_stride": region_stride, "layers": num_layers,
             "inproc_p50_us": round(float(np.median(b)), 1), "inproc_p99_us": round(float(np.percentile(b, 99)), 1),
             "zmq_p50_us": round(float(np.median(z)), 1), "zmq_p99_us": round(float(np.percentile(z, 99)), 1),
-            "zmq_reply_p50_us": round(float(np.median(reply[warm])) * 1e6, 1),
+            "zmq_reply_p50_us": p50(reply, 1e6),
+            "daemon_host_us_per_step": p50(daemon_host, 1e-3),
+            "topk_socket_in_p50_us": p50(sock_in, 1e-3), "topk_socket_out_p50_us": p50(sock_out, 1e-3),
             "daemon_topk_p50_us": round(daemon_us["p50"], 1),
-            "handoff_p50_us": round(float(np.median(z) - np.median(b)), 1),
+            "zmq_handoff_p50_us": round(float(np.median(z) - np.median(b)), 1),
             "ratio_vs_inproc": round(float(np.median(z) / np.median(b)), 3)}
 
 

@@ -18,10 +18,34 @@ typedef long long i64;
 #define SKV_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
-// Bits of the error word (counters[3] of the resolve output). Documented in csrc/README.md.
-#define SKV_ERR_DUPLICATE_IDS 1u  // a later duplicate id in a top-k row was treated as -1
-#define SKV_ERR_CORRUPT_STATE 2u  // lru named a slot outside the region, or too few evictables
-#define SKV_ERR_BAD_STATE_ROW 4u  // a state row outside [-1, max_reqs): row treated as padding
+// The step descriptor: int32[SKV_DESC_INTS] in device memory, the head of a step block
+// (csrc/README.md, "Step blocks"). Everything a decode step's kernels need that varies
+// from step to step is read from it; launch shapes never depend on it.
+#define SKV_D_SEQ 0      // request sequence number (for error reports)
+#define SKV_D_STEP 1     // the engine's step number (for error reports)
+#define SKV_D_BATCH 2    // batch rows, in [0, max_batch]
+#define SKV_D_K 3        // top-k columns of this batch, in [0, top_k]
+#define SKV_D_GROUP 4    // index group, in [0, groups)
+#define SKV_D_INV_N 5    // invalidate columns of a STEP block, in [0, top_k]
+#define SKV_DESC_INTS 16
+
+// The per-rank error record: int32[SKV_ERR_INTS] in device memory. For each kind e:
+// err[e] counts occurrences (never reset: the host remembers what it has reported),
+// err[8 + e] / err[16 + e] / err[24 + e] hold the batch row / step / group of the latest.
+#define SKV_E_DUPLICATE_IDS 0   // a top-k row named a host row twice: the row was refused
+#define SKV_E_CORRUPT_STATE 1   // lru named a slot outside the region, or too few evictables
+#define SKV_E_BAD_STATE_ROW 2   // a state row outside [-1, max_reqs): the row was padding
+#define SKV_E_TOO_MANY_TOKENS 3 // more rows of one state row than region_stride / top_k: refused
+#define SKV_E_BAD_STEP 4        // the descriptor is out of range: the launch did nothing
+#define SKV_E_KINDS 5
+#define SKV_ERR_INTS 32
+
+__device__ __forceinline__ void skv_report(int* err, int kind, int row, const int* desc) {
+    atomicAdd(&err[kind], 1);
+    err[8 + kind] = row;
+    err[16 + kind] = desc[SKV_D_STEP];
+    err[24 + kind] = desc[SKV_D_GROUP];
+}
 
 __device__ __forceinline__ u64 skv_align16(u64 x) { return (x + 15ull) & ~15ull; }
 
@@ -106,3 +130,29 @@ __device__ __forceinline__ bool skv_contains_i32(const int* a, int n, int key) {
     }
     return lo < n && a[lo] == key;
 }
+
+// Ascending bitonic sort of int a[0, n), n a power of two, by the whole block (any block
+// size). The caller synchronised after writing a[]; ends with __syncthreads().
+__device__ __forceinline__ void skv_block_sort_i32(int* a, int n) {
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int t = threadIdx.x; t < (n >> 1); t += blockDim.x) {
+                const int i = 2 * t - (t & (stride - 1));
+                const int j = i + stride;
+                const int x = a[i], y = a[j];
+                if ((x > y) == ((i & size) == 0)) {
+                    a[i] = y;
+                    a[j] = x;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+__device__ __forceinline__ int skv_pow2(int n) {
+    int p = 1;
+    while (p < n) p <<= 1;
+    return p;
+}
+

@@ -38,24 +38,22 @@ __device__ __forceinline__ uint4 skv_load16(const uint4* p) {
 //   src row  = src_idx ? src_idx[e] : e     of source layer (mode & 1 ? layers[li] : li)
 //   dst row  = dst_idx ? dst_idx[e] : e     of dest layer   (mode & 2 ? layers[li] : li)
 // With counts (int[nb]) only the first counts[b] entries of batch row b are copied (the
-// compact per-row plan of skv_resolve); without, all nb * ld. Entries are numbered
-// e = b * ld + i. A row or layer outside its buffer is skipped, never read or written.
-// Dynamic shared memory: (nb + 1) * 8 bytes when counts is given, else 0.
-// __launch_bounds__(..., 1) lets ptxas keep all loads in flight in registers (no spills).
-extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
+// compact per-row plan of skv_resolve); without, the first `total` of all nb * ld. Entries
+// are numbered e = b * ld + i. A row or layer outside its buffer is skipped, never read or
+// written. Dynamic shared memory: (nb + 1) * 8 bytes when counts is given, else 0.
+__device__ __forceinline__ void skv_copy_body(
     const unsigned char* __restrict__ src, const i64 src_layer_rows, const i64 src_rows,
     const int src_layers,
     unsigned char* __restrict__ dst, const i64 dst_layer_rows, const i64 dst_rows,
     const int dst_layers,
     const int* __restrict__ layers, const int n_layers, const int mode,
     const int* __restrict__ src_idx, const int* __restrict__ dst_idx,
-    const int* __restrict__ counts, const int nb, const int ld)
+    const int* __restrict__ counts, const int nb, const int ld, i64 total)
 {
     __shared__ int sh_scan[SKV_CT];
     SKV_DYN_SMEM(skv_smem);
     i64* pref = (i64*)skv_smem;  // pref[b] = entries of batch rows before b (counts mode)
 
-    i64 total;
     if (counts) {
         i64 carry = 0;
         for (int base = 0; base < nb; base += SKV_CT) {
@@ -70,8 +68,6 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
         if (threadIdx.x == 0) pref[nb] = carry;
         __syncthreads();
         total = carry;
-    } else {
-        total = (i64)nb * ld;
     }
     const i64 per_layer = total * SKV_ROW_VECS;
     const i64 step = (i64)gridDim.x * SKV_CT;
@@ -113,6 +109,82 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
 #pragma unroll
             for (int u = 0; u < SKV_COPY_UNROLL; ++u)
                 if (out[u]) *out[u] = buf[u];
+        }
+    }
+}
+
+// The general copy (staging, write mirror, host-driven gathers). count_dev, when given,
+// caps the entries at *count_dev read on the device (the write mirror: the grid is fixed,
+// the row count lives in device memory next to the rows).
+// __launch_bounds__(..., 1) lets ptxas keep all loads in flight in registers (no spills).
+extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
+    const unsigned char* __restrict__ src, const i64 src_layer_rows, const i64 src_rows,
+    const int src_layers,
+    unsigned char* __restrict__ dst, const i64 dst_layer_rows, const i64 dst_rows,
+    const int dst_layers,
+    const int* __restrict__ layers, const int n_layers, const int mode,
+    const int* __restrict__ src_idx, const int* __restrict__ dst_idx,
+    const int* __restrict__ counts, const int nb, const int ld,
+    const int* __restrict__ count_dev)
+{
+    i64 total = (i64)nb * ld;
+    if (count_dev) {
+        const i64 c = count_dev[0];
+        total = c < 0 ? 0 : (c < total ? c : total);
+    }
+    skv_copy_body(src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows, dst_rows,
+                  dst_layers, layers, n_layers, mode, src_idx, dst_idx, counts, nb, ld, total);
+}
+
+// The decode-step gather: the plan of the last skv_resolve (per batch row, misses[b]
+// entries), pool -> slab, for every layer of the descriptor's group. The batch and the
+// group come from the descriptor; the group's layers from `group_layers` ([groups,
+// layers_stride]: count, then layer numbers). Grid: fixed. Dynamic shared memory:
+// (max_batch + 1) * 8 bytes. A descriptor out of range copies nothing (skv_resolve
+// reports it).
+extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
+    const int* __restrict__ desc,
+    const unsigned char* __restrict__ pool, const i64 host_rows, const int num_layers,
+    unsigned char* __restrict__ slab, const i64 slab_layer_rows,
+    const int* __restrict__ group_layers, const int layers_stride, const int groups,
+    const int* __restrict__ plan_rows, const int* __restrict__ plan_slots,
+    const int* __restrict__ misses, const int max_batch, const int ld)
+{
+    const int batch = desc[SKV_D_BATCH];
+    const int group = desc[SKV_D_GROUP];
+    if (batch <= 0 || batch > max_batch || group < 0 || group >= groups) return;
+    const int* g = group_layers + (i64)group * layers_stride;
+    int n_layers = g[0];
+    n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
+    skv_copy_body(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
+                  num_layers, g + 1, n_layers, 3, plan_rows, plan_slots, misses, batch, ld, 0);
+}
+
+// A step block from pinned host memory (mapped) to its device copy: the descriptor, then
+// the used part of each section. Block layout (int32): [desc: SKV_DESC_INTS]
+// [rows: max_batch] [aux: max_batch] [payload: payload_cap]; payload entries used:
+// batch * desc[SKV_D_K] (a TOPK block) or batch * desc[SKV_D_INV_N] (a STEP block, `step`
+// != 0). Sizes come from the descriptor, clamped to the sections: the launch is fixed.
+extern "C" __global__ void skv_fetch(const int* __restrict__ src, int* __restrict__ dst,
+                                     const int max_batch, const int payload_cap, const int step) {
+    __shared__ int sh_desc[SKV_DESC_INTS];
+    if (threadIdx.x < SKV_DESC_INTS) sh_desc[threadIdx.x] = src[threadIdx.x];
+    __syncthreads();
+    int batch = sh_desc[SKV_D_BATCH];
+    batch = batch < 0 ? 0 : (batch > max_batch ? max_batch : batch);
+    const int cols = sh_desc[step ? SKV_D_INV_N : SKV_D_K];
+    i64 used = (i64)batch * (cols < 0 ? 0 : cols);
+    used = used > payload_cap ? payload_cap : used;
+    const i64 head = SKV_DESC_INTS + 2 * (i64)max_batch;
+    const i64 total = head + used;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        if (i < SKV_DESC_INTS) {
+            dst[i] = sh_desc[i];
+        } else if (i < head) {
+            const i64 j = (i - SKV_DESC_INTS) % max_batch;
+            if (j < batch) dst[i] = src[i];
+        } else {
+            dst[i] = src[i];
         }
     }
 }

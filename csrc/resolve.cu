@@ -83,16 +83,19 @@ __device__ __forceinline__ void skv_bitonic_sort(u64* a, int n) {
     __syncthreads();
 }
 
-// Resolve one top-k batch of one index group.
+// Resolve one top-k batch of one index group, as the step descriptor says.
 //
-// Grid: one block per batch row. The block of the first batch row naming a state row
-// resolves every batch row naming it, one after another in batch order (several query
-// tokens of one request); the other blocks of that state row exit at once. Padding rows
-// (state row -1) get slots -1 and 0 misses and touch no state.
+// Grid: max_batch blocks, fixed; blocks at or past the descriptor's batch exit. One
+// block per batch row: the block of the first batch row naming a state row resolves
+// every batch row naming it, one after another in batch order (several query tokens of
+// one request); the other blocks of that state row exit at once. Padding rows (state row
+// -1) get slots -1 and 0 misses and touch no state.
 //
 // Per batch row b (state row s, ids = topk[b, 0:k]):
+//   0. The t-th row of s (t from 1) with t > S / top_k is refused (TOO_MANY_TOKENS): a
+//      later token could evict an earlier token's slots.
 //   1. keys = (id << 32 | column) for ids in [0, host_rows), NO_KEY otherwise; sort.
-//      Equal neighbours are duplicate ids: the later column becomes -1 (error bit 1).
+//      Equal neighbours are duplicate ids: the row is refused (DUPLICATE_IDS).
 //   2. Hit lookup, reversed: every slot j binary-searches owner[j] among the sorted keys;
 //      a match records the smallest such j for that column (atomicMin), which is what the
 //      NumPy engine's stable argsort + searchsorted picks when the owner row is corrupt.
@@ -101,31 +104,36 @@ __device__ __forceinline__ void skv_bitonic_sort(u64* a, int n) {
 //   4. Miss m (column order) takes evict[m]; owner[slot] = id.
 //   5. Plan: the misses in key order (host row ascending), compacted to the front of
 //      plan_rows[b] / plan_slots[b] (flat slot s * S + slot); misses[b] = their count.
+// A refused row gets slots -1 and 0 misses, changes no state and counts nothing; the
+// error record says which row (csrc/common.cuh).
 // Corrupt state (an lru entry outside [0, S) or repeated, or fewer evictable entries than
 // misses) never writes out of bounds: a miss whose evictable entry is outside [0, S) or
 // missing resolves to -1, is not counted and is not in the plan; a repeated entry may be
-// handed to two misses (both in range). Error bit 2 reports it.
+// handed to two misses (both in range). CORRUPT_STATE reports it.
 //
-// counters (u64[4], accumulated): hits, misses, out_of_range (ids < -1 or >= host_rows
-// of live rows), error bits (OR).
+// counters (u64, accumulated): hits, misses, out_of_range (ids < -1 or >= host_rows of
+// resolved rows), at counters + group * counters_per_group (0: one set for all groups).
 //
 // __launch_bounds__(..., 1): one block per SM is the plan (one block per batch row, and
 // rarely more rows than SMs). Without the 1, ptxas aims at two blocks per SM, caps the
 // registers at 32 and spills.
 extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
-    int* __restrict__ owner_g,          // [max_reqs, S] of this group
-    int* __restrict__ lru_g,            // [max_reqs, S] of this group
-    const int max_reqs, const int S, const int host_rows,
+    const int* __restrict__ desc,       // step descriptor (batch, k, group, step)
+    int* __restrict__ owner_all,        // [groups, max_reqs, S]
+    int* __restrict__ lru_all,          // [groups, max_reqs, S]
+    const int groups, const int max_reqs, const int S, const int host_rows,
+    const int top_k,                    // the layout's top_k: S / top_k tokens per state row
+    const int max_batch,
     const int* __restrict__ state_rows,  // [batch]
-    const int batch,
     const int* __restrict__ topk,       // [batch, k], contiguous
-    const int k, const int kp,          // kp: power of two >= max(k, 1)
     const int out_k,                    // row stride of the outputs (>= k)
-    int* __restrict__ slots_out,        // [batch, out_k]
-    int* __restrict__ misses_out,       // [batch]
-    int* __restrict__ plan_rows,        // [batch, out_k]
-    int* __restrict__ plan_slots,       // [batch, out_k]
-    u64* __restrict__ counters,         // [4]
+    int* __restrict__ slots_out,        // [max_batch, out_k]
+    int* __restrict__ misses_out,       // [max_batch]
+    int* __restrict__ plan_rows,        // [max_batch, out_k]
+    int* __restrict__ plan_slots,       // [max_batch, out_k]
+    u64* __restrict__ counters,         // [3] per group (see above)
+    const int counters_per_group,       // 0 or 4
+    int* __restrict__ err,              // the error record
     unsigned char* __restrict__ ws_global,  // null: workspace in dynamic shared memory
     const i64 ws_stride)                // bytes of one block's global workspace
 {
@@ -135,13 +143,26 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 
     const int tid = threadIdx.x;
     const int b0 = blockIdx.x;
+    const int batch = desc[SKV_D_BATCH];
+    const int k = desc[SKV_D_K];
+    const int group = desc[SKV_D_GROUP];
+    if (batch < 0 || batch > max_batch || k < 0 || k > out_k || group < 0 || group >= groups) {
+        // Nothing is resolved; the gather reads the same descriptor and does nothing.
+        if (b0 == 0 && tid == 0) skv_report(err, SKV_E_BAD_STEP, -1, desc);
+        return;
+    }
     if (b0 >= batch) return;
+    int kp = 1;
+    while (kp < k) kp <<= 1;
+    int* owner_g = owner_all + (i64)group * max_reqs * S;
+    int* lru_g = lru_all + (i64)group * max_reqs * S;
+    u64* cnt = counters + (i64)group * counters_per_group;
     const int s = state_rows[b0];
     if (s < 0 || s >= max_reqs) {
         for (int c = tid; c < out_k; c += SKV_RT) slots_out[(i64)b0 * out_k + c] = SKV_NONE;
         if (tid == 0) {
             misses_out[b0] = 0;
-            if (s != -1) atomicOr(&counters[3], (u64)SKV_ERR_BAD_STATE_ROW);
+            if (s != -1) skv_report(err, SKV_E_BAD_STATE_ROW, b0, desc);
         }
         return;
     }
@@ -149,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     int earlier = 0;
     for (int j = tid; j < b0; j += SKV_RT) earlier |= (state_rows[j] == s);
     if (__syncthreads_or(earlier)) return;
+    const int max_tokens = S / top_k;
 
     unsigned char* base = ws_global ? ws_global + (i64)b0 * ws_stride : skv_smem;
     const SkvWs w = skv_ws(base, kp, k, S);
@@ -157,11 +179,20 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const int mask_words = (S + 31) / 32;
 
     u64 sum_hits = 0, sum_misses = 0, sum_oor = 0;
-    u32 err = 0;
+    int tokens = 0;
 
     for (int b = b0; b < batch; ++b) {
         if (state_rows[b] != s) continue;  // uniform: every thread reads the same word
         const int* ids = topk + (i64)b * k;
+        int* out_slots = slots_out + (i64)b * out_k;
+        if (++tokens > max_tokens) {
+            for (int c = tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
+            if (tid == 0) {
+                misses_out[b] = 0;
+                skv_report(err, SKV_E_TOO_MANY_TOKENS, b, desc);
+            }
+            continue;
+        }
 
         // 1a. keys, column states, cleared hit mask, copy of the lru row.
         int oor = 0;
@@ -186,17 +217,22 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // 1b. sort by (host row, column).
         skv_bitonic_sort(w.keys, kp);
 
-        // 1c + 2. duplicates (later column of an equal pair -> NONE) and the reversed hit
-        // lookup. They touch different colv entries: a lookup lands on the first key of
-        // a run of equal ids, never on a later duplicate.
+        // 1c. duplicates: the row is refused before any state changes.
         int dup = 0;
         for (int p = 1 + tid; p < kp; p += SKV_RT) {
             const u64 cur = w.keys[p];
-            if (cur != SKV_NO_KEY && (w.keys[p - 1] >> 32) == (cur >> 32)) {
-                w.colv[(u32)cur] = SKV_NONE;
-                dup = 1;
-            }
+            if (cur != SKV_NO_KEY && (w.keys[p - 1] >> 32) == (cur >> 32)) dup = 1;
         }
+        if (__syncthreads_or(dup)) {  // a barrier: nobody reads the workspace after it
+            for (int c = tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
+            if (tid == 0) {
+                misses_out[b] = 0;
+                skv_report(err, SKV_E_DUPLICATE_IDS, b, desc);
+            }
+            continue;
+        }
+
+        // 2. the reversed hit lookup.
         for (int j = tid; j < S; j += SKV_RT) {
             const int o = owner[j];
             if (o >= 0 && o < host_rows) {
@@ -205,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 if (p < kp && (w.keys[p] >> 32) == (u64)(u32)o) atomicMin(&w.colv[(u32)w.keys[p]], j);
             }
         }
-        if (__syncthreads_or(dup)) err |= SKV_ERR_DUPLICATE_IDS;
+        __syncthreads();
 
         // Hit slots into the mask; count hits and misses.
         int nh = 0, nm = 0;
@@ -236,10 +272,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             }
         }
         const int n_hit_lru = skv_block_sum(hl, &sh_cell);
-        if (__syncthreads_or(bad)) err |= SKV_ERR_CORRUPT_STATE;
+        int corrupt = __syncthreads_or(bad);
         const int n_evict = S - n_hit_lru;
         const int n_take = n_miss < n_evict ? n_miss : n_evict;
-        if (n_take < n_miss) err |= SKV_ERR_CORRUPT_STATE;
+        if (n_take < n_miss) corrupt = 1;
 
         // 3b. new lru = evictables[n_take:] + evictables[:n_take] + hits (stable).
         int carry = 0;
@@ -272,7 +308,6 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         __syncthreads();
 
         // 4. misses take evictables in column order; write the slot of every column.
-        int* out_slots = slots_out + (i64)b * out_k;
         int bad_slot = 0;
         carry = 0;
         for (int base_c = 0; base_c < k; base_c += SKV_RT) {
@@ -300,7 +335,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             carry += tile;
         }
         for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
-        if (__syncthreads_or(bad_slot)) err |= SKV_ERR_CORRUPT_STATE;
+        if (__syncthreads_or(bad_slot)) corrupt = 1;
+        if (corrupt && tid == 0) skv_report(err, SKV_E_CORRUPT_STATE, b, desc);
 
         // 5. plan: misses in host-row order, compacted.
         int* prow = plan_rows + (i64)b * out_k;
@@ -330,10 +366,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         __syncthreads();  // the next batch row of s reuses the workspace
     }
     if (tid == 0) {
-        if (sum_hits) atomicAdd(&counters[0], sum_hits);
-        if (sum_misses) atomicAdd(&counters[1], sum_misses);
-        if (sum_oor) atomicAdd(&counters[2], sum_oor);
-        if (err) atomicOr(&counters[3], (u64)err);
+        if (sum_hits) atomicAdd(&cnt[0], sum_hits);
+        if (sum_misses) atomicAdd(&cnt[1], sum_misses);
+        if (sum_oor) atomicAdd(&cnt[2], sum_oor);
     }
 }
 
@@ -356,17 +391,22 @@ extern "C" __global__ void skv_reset(int* __restrict__ owner, int* __restrict__ 
     }
 }
 
-// Empty every slot whose owner is one of rows_sorted[0, n_rows) (ascending; negative
-// entries never match). With state_rows null, scan every (group, state row); else only
-// the listed state rows (entries outside [0, max_reqs) skipped). The lru is unchanged.
-// counter (u64, may be null) accumulates how many slots were emptied.
+// Empty every slot whose owner is one of the rows of `rows` = [n, r_0 .. r_{n-1}], the
+// r ascending (negative entries never match), n read on the device and clamped to
+// [0, rows_cap]. With state_rows null, scan every (group, state row); else only the
+// listed state rows (entries outside [0, max_reqs) skipped). The lru is unchanged.
+// counter (u64, may be null) accumulates how many slots were emptied. Grid: fixed,
+// strides over the regions (the write path: rows written on one rank, dropped in all).
 extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int groups,
                                           const int max_reqs, const int S,
                                           const int* __restrict__ state_rows, const int n_state,
-                                          const int* __restrict__ rows_sorted, const int n_rows,
+                                          const int* __restrict__ rows, const int rows_cap,
                                           u64* __restrict__ counter) {
+    int n_rows = rows[0];
+    n_rows = n_rows < 0 ? 0 : (n_rows > rows_cap ? rows_cap : n_rows);
+    const int* rows_sorted = rows + 1;
     const i64 n_regions = state_rows ? (i64)groups * n_state : (i64)groups * max_reqs;
-    const i64 total = n_regions * S;
+    const i64 total = n_rows ? n_regions * S : 0;
     u64 emptied = 0;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < total;
          t += (i64)gridDim.x * blockDim.x) {
@@ -386,4 +426,60 @@ extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int gro
         }
     }
     if (counter && emptied) atomicAdd(counter, emptied);
+}
+
+// The start of a decode step, from a STEP block: for each batch row b (state row s =
+// state_rows[b], every group), reset[b] != 0 empties the region and sets lru = 0..S-1;
+// else the slots owning one of inv[b, 0:n] (n = desc[INV_N]; negative entries never
+// match) become empty, lru unchanged. Reset and invalidate only ever write -1 to owners,
+// so rows of one state row handled by different blocks commute: the result is the NumPy
+// engine's (resets first, then invalidations).
+//
+// Grid: fixed; blocks stride over the (batch row, group) items. Dynamic shared memory:
+// inv_cap_p2 ints (the sorted invalidate row). A state row outside [-1, max_reqs) is
+// skipped and reported (BAD_STATE_ROW); a descriptor out of range does nothing (BAD_STEP).
+extern "C" __global__ void skv_begin_step(const int* __restrict__ desc, int* __restrict__ owner,
+                                          int* __restrict__ lru, const int groups,
+                                          const int max_reqs, const int S, const int max_batch,
+                                          const int* __restrict__ state_rows,
+                                          const int* __restrict__ reset,
+                                          const int* __restrict__ inv, const int inv_cap,
+                                          int* __restrict__ err) {
+    SKV_DYN_SMEM(skv_smem);
+    int* sorted = (int*)skv_smem;
+    const int batch = desc[SKV_D_BATCH];
+    const int n = desc[SKV_D_INV_N];
+    if (batch < 0 || batch > max_batch || n < 0 || n > inv_cap) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) skv_report(err, SKV_E_BAD_STEP, -1, desc);
+        return;
+    }
+    const int np2 = skv_pow2(n > 0 ? n : 1);
+    const i64 items = (i64)batch * groups;
+    for (i64 t = blockIdx.x; t < items; t += gridDim.x) {  // block-uniform
+        const int b = (int)(t / groups);
+        const int g = (int)(t % groups);
+        const int s = state_rows[b];
+        if (s < 0 || s >= max_reqs) {
+            if (s != -1 && g == 0 && threadIdx.x == 0) skv_report(err, SKV_E_BAD_STATE_ROW, b, desc);
+            continue;
+        }
+        const i64 base = ((i64)g * max_reqs + s) * S;
+        if (reset[b]) {
+            for (int j = threadIdx.x; j < S; j += blockDim.x) {
+                owner[base + j] = -1;
+                lru[base + j] = j;
+            }
+            continue;
+        }
+        if (n == 0) continue;
+        for (int i = threadIdx.x; i < np2; i += blockDim.x)
+            sorted[i] = i < n ? inv[(i64)b * n + i] : 0x7fffffff;
+        __syncthreads();
+        skv_block_sort_i32(sorted, np2);
+        for (int j = threadIdx.x; j < S; j += blockDim.x) {
+            const int o = owner[base + j];
+            if (o >= 0 && skv_contains_i32(sorted, n, o)) owner[base + j] = -1;
+        }
+        __syncthreads();  // the next item reuses `sorted`
+    }
 }

@@ -121,7 +121,7 @@ def make_backend(cfg, pool):
     if cfg.backend in ("auto", "cuda"):
         reason = cuda_unavailable()
         if reason is None:
-            from .cuda_backend import CudaBackend  # noqa: PLC0415 - needs cupy
+            from .cuda.backend import CudaBackend  # noqa: PLC0415 - needs cupy
 
             return CudaBackend(cfg, pool)
         if cfg.backend == "cuda":

@@ -37,14 +37,38 @@ CACHE_ENV = "SPARSEKV_KERNEL_CACHE"
 DEFAULT_CACHE_DIR = "~/.cache/sparsekv/kernels"
 OPTIONS: tuple[str, ...] = ("-std=c++17",)
 # Bump when the way sources are assembled changes (it is part of every cache key).
-_SCHEMA = "sparsekv-kernels-1"
+_SCHEMA = "sparsekv-kernels-2"
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
 
 # Kernel entry points by source file; warm() compiles every module listed here.
 SOURCES: dict[str, tuple[str, ...]] = {
-    "resolve.cu": ("skv_resolve", "skv_reset", "skv_invalidate"),
-    "copy.cu": ("skv_copy_rows",),
+    "resolve.cu": ("skv_resolve", "skv_reset", "skv_invalidate", "skv_begin_step"),
+    "copy.cu": ("skv_copy_rows", "skv_gather", "skv_fetch"),
 }
+
+RESOLVE_THREADS = 1024  # one block per batch row; 1024 threads keep the sort short
+COPY_THREADS = 256
+COPY_LOAD = 1  # __ldg: the source of a copy is never written while it runs
+DEFAULT_SMEM_BYTES = 48 << 10  # dynamic shared memory without an opt-in
+
+
+def resolve_defines(threads: int = RESOLVE_THREADS) -> dict:
+    """Constants of the residency module (csrc/resolve.cu)."""
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"resolve threads must be a multiple of 32 in [32, 1024], got {threads}")
+    return {"SKV_RESOLVE_THREADS": int(threads)}
+
+
+def copy_defines(row_bytes: int, threads: int = COPY_THREADS, load: int = COPY_LOAD) -> dict:
+    """Constants of the copy module: 16-byte vectors per row, threads, load flavour
+    (0 plain, 1 ``__ldg``, 2 ``__ldcs``; csrc/copy.cu)."""
+    if row_bytes % 16 or row_bytes <= 0:
+        raise ValueError(f"row_bytes {row_bytes} must be a positive multiple of 16")
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"copy threads must be a multiple of 32 in [32, 1024], got {threads}")
+    if load not in (0, 1, 2):
+        raise ValueError(f"load must be 0, 1 or 2, got {load}")
+    return {"SKV_ROW_VECS": row_bytes // 16, "SKV_COPY_THREADS": int(threads), "SKV_COPY_LOAD": int(load)}
 
 
 def csrc_dir() -> Path:
@@ -98,13 +122,30 @@ class KernelCache:
     def __init__(self, cache_dir_: str | os.PathLike | None = None):
         self.cache_dir = cache_dir(cache_dir_)
         self._modules: dict[tuple, object] = {}
+        self._smem: dict[tuple, int] = {}  # highest dynamic shared memory opted in, per function
         self._lock = threading.Lock()
 
     # -- public -----------------------------------------------------------------------
 
-    def function(self, source: str, name: str, defines: Mapping[str, int | str] | None = None):
-        """The kernel ``name`` of ``csrc/<source>`` built with ``defines``."""
-        return self.module(source, defines).get_function(name)
+    def function(self, source: str, name: str, defines: Mapping[str, int | str] | None = None,
+                 smem_bytes: int = 0):
+        """The kernel ``name`` of ``csrc/<source>`` built with ``defines``, allowed at least
+        ``smem_bytes`` of dynamic shared memory.
+
+        The opt-in limit is an attribute of the compiled function, which every user of the
+        same module on this device shares (two engines with different layouts, say): it is
+        only ever raised here, to the largest any caller asked for, never lowered.
+        """
+        fn = self.module(source, defines).get_function(name)
+        if smem_bytes > DEFAULT_SMEM_BYTES:
+            import cupy
+
+            key = (source, tuple(sorted((defines or {}).items())), cupy.cuda.Device().id, name)
+            with self._lock:
+                if smem_bytes > self._smem.get(key, DEFAULT_SMEM_BYTES):
+                    fn.max_dynamic_shared_size_bytes = int(smem_bytes)
+                    self._smem[key] = int(smem_bytes)
+        return fn
 
     def module(self, source: str, defines: Mapping[str, int | str] | None = None):
         import cupy
@@ -129,17 +170,15 @@ class KernelCache:
         Returns the function names loaded. ``row_bytes`` lists the row sizes of the
         layouts to serve (the copy kernel is specialised on ``row_bytes / 16``).
         """
-        from sparsekv.daemon.residency import cuda as backend
-
         names = []
-        for threads in resolve_threads or (backend.RESOLVE_THREADS,):
+        for threads in resolve_threads or (RESOLVE_THREADS,):
             for fn in SOURCES["resolve.cu"]:
-                self.function("resolve.cu", fn, backend.resolve_defines(threads))
+                self.function("resolve.cu", fn, resolve_defines(threads))
                 names.append(fn)
         for rb in row_bytes:
-            for threads in copy_threads or (backend.COPY_THREADS,):
+            for threads in copy_threads or (COPY_THREADS,):
                 for fn in SOURCES["copy.cu"]:
-                    self.function("copy.cu", fn, backend.copy_defines(rb, threads))
+                    self.function("copy.cu", fn, copy_defines(rb, threads))
                     names.append(fn)
         return names
 

@@ -338,9 +338,12 @@ class Daemon:
         s.state, s.engine = None, None
 
     def snapshot(self) -> dict:
-        # cuda: hits, misses and bytes are counted on the GPUs and read only here.
+        # cuda: hits, misses and bytes are counted on the GPUs; this reads their pinned
+        # host mirrors (no synchronisation), and the rows the kernels refused, by kind.
+        device_errors = getattr(self.backend, "device_errors", None)
         return self.stats.snapshot(self.backend.device_counters(), {
             **self.backend.describe(),
+            **({"device_errors": device_errors()} if device_errors else {}),
             "clients": len(self.sessions),
             "attached": sum(1 for s in self.sessions.values() if s.state is not None),
             **self.engines.gauges(),

@@ -83,6 +83,8 @@ def render_table(snap: dict) -> str:
         f"errors         {snap['errors']}"
         + ("  " + " ".join(f"{k}={v}" for k, v in sorted(snap["errors_by_code"].items())) if snap["errors_by_code"] else ""),
     ]
+    if snap.get("device_errors"):  # cuda: rows the kernels refused or mended, by kind
+        lines.append("device errors  " + " ".join(f"{k}={v}" for k, v in sorted(snap["device_errors"].items())))
     return "\n".join(lines) + "\n"
 
 
@@ -99,6 +101,11 @@ def render_prometheus(snap: dict) -> str:
             "# TYPE sparsekv_errors_by_code_total counter"]
     for code, n in sorted(snap["errors_by_code"].items()):
         out.append(f'sparsekv_errors_by_code_total{{code="{code}"}} {n}')
+    if "device_errors" in snap:  # cuda backend only
+        out += ["# HELP sparsekv_device_errors_total batch rows the GPU kernels refused or mended, by kind",
+                "# TYPE sparsekv_device_errors_total counter"]
+        for kind, n in sorted(snap["device_errors"].items()):
+            out.append(f'sparsekv_device_errors_total{{kind="{kind}"}} {n}')
     gauges = (
         ("hit_rate", "hits / (hits + misses) since start"),
         ("clients", "attached or connected clients"),

@@ -14,11 +14,15 @@ Two kinds of entry points:
   ``write`` take and return NumPy, validate on the host exactly like ``cpu.py`` (the same
   :class:`ResidencyError` codes, raised before any state changes) and synchronise.
 
-Duplicate ids: the host ``resolve`` raises ``DUPLICATE_IDS`` before touching state. The
-device path cannot raise; it stays memory-safe and deterministic: of equal ids in one
-top-k row the first column is resolved and every later one is treated as -1 (no slot, not
-a miss, not in the plan), and bit ``ERR_DUPLICATE_IDS`` is OR-ed into the error word
-``out.counters[3]``.
+Bad input: the host ``resolve`` raises before touching state, like the cpu backend. The
+device path cannot raise; it stays memory-safe and deterministic: a top-k row naming a
+host row twice, or a state row's row beyond ``region_stride / top_k`` tokens, is refused
+(slots -1, no misses, no state change), a bad state row is padding, and the kernels count
+each such event in the error record ``out.err`` (kind, batch row, step, group; see
+``csrc/common.cuh``). The daemon turns those records into typed errors.
+
+Every size the kernels use comes from a step descriptor in device memory (``make_desc``),
+so a launch never depends on what the host knows about the step.
 
 ``cupy`` is imported lazily: importing this module needs no GPU.
 """
@@ -33,19 +37,36 @@ from sparsekv.proto.layout import Layout
 
 from .base import Mover, Plan, Residency, ResidencyError, Resolved, check_batch
 
-RESOLVE_THREADS = 1024  # one block per batch row; 1024 threads keep the sort short
-COPY_THREADS = 256
-COPY_LOAD = 1  # __ldg: the source of a copy is never written while it runs
+from sparsekv.daemon.kernels import (  # noqa: E402 - constants only; cupy stays lazy
+    COPY_LOAD,
+    COPY_THREADS,
+    DEFAULT_SMEM_BYTES,
+    RESOLVE_THREADS,
+    copy_defines,
+    resolve_defines,
+)
+
 DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
 SETUP_BLOCKS = 1024  # cap for the grid-stride reset/invalidate kernels
-DEFAULT_SMEM_BYTES = 48 << 10  # dynamic shared memory without an opt-in
+STEP_BLOCKS = 128  # fixed grid of skv_begin_step (blocks stride over batch rows x groups)
 
-# Bits of the error word counters[3] (csrc/common.cuh).
-ERR_DUPLICATE_IDS = 1
-ERR_CORRUPT_STATE = 2
-ERR_BAD_STATE_ROW = 4
-# Indices into ResolveOutput.counters.
-HITS, MISSES, OUT_OF_RANGE, ERRORS = range(4)
+# The step descriptor (csrc/common.cuh): int32[DESC_INTS] in device memory.
+DESC_INTS = 16
+D_SEQ, D_STEP, D_BATCH, D_K, D_GROUP, D_INV_N = range(6)
+# The error record (csrc/common.cuh): int32[ERR_INTS]; err[e] counts kind e, err[8 + e],
+# err[16 + e], err[24 + e] hold the batch row, step and group of the latest.
+ERR_INTS = 32
+E_DUPLICATE_IDS, E_CORRUPT_STATE, E_BAD_STATE_ROW, E_TOO_MANY_TOKENS, E_BAD_STEP = range(5)
+ERROR_KINDS = ("DUPLICATE_IDS", "CORRUPT_STATE", "BAD_STATE_ROW", "TOO_MANY_TOKENS", "BAD_STEP")
+# Bits of ResolveOutput.read_counters()["errors"]: 1 << kind.
+ERR_DUPLICATE_IDS = 1 << E_DUPLICATE_IDS
+ERR_CORRUPT_STATE = 1 << E_CORRUPT_STATE
+ERR_BAD_STATE_ROW = 1 << E_BAD_STATE_ROW
+ERR_TOO_MANY_TOKENS = 1 << E_TOO_MANY_TOKENS
+ERR_BAD_STEP = 1 << E_BAD_STEP
+# Indices into the per-group counters (u64 [3] used of 4).
+HITS, MISSES, OUT_OF_RANGE = range(3)
+COUNTERS_PER_GROUP = 4
 
 
 def _cp():
@@ -54,22 +75,29 @@ def _cp():
     return cupy
 
 
-def resolve_defines(threads: int = RESOLVE_THREADS) -> dict:
-    if threads % 32 or not 32 <= threads <= 1024:
-        raise ValueError(f"resolve threads must be a multiple of 32 in [32, 1024], got {threads}")
-    return {"SKV_RESOLVE_THREADS": int(threads)}
+def error_bits(err) -> int:
+    """The bits (1 << kind) of the kinds an error record (host int32 [ERR_INTS]) counted."""
+    return sum(1 << e for e in range(len(ERROR_KINDS)) if int(err[e]))
 
 
-def copy_defines(row_bytes: int, threads: int = COPY_THREADS, load: int = COPY_LOAD) -> dict:
-    """Constants of the copy module: 16-byte vectors per row, threads, load flavour
-    (0 plain, 1 ``__ldg``, 2 ``__ldcs``; csrc/copy.cu)."""
-    if row_bytes % 16 or row_bytes <= 0:
-        raise ValueError(f"row_bytes {row_bytes} must be a positive multiple of 16")
-    if threads % 32 or not 32 <= threads <= 1024:
-        raise ValueError(f"copy threads must be a multiple of 32 in [32, 1024], got {threads}")
-    if load not in (0, 1, 2):
-        raise ValueError(f"load must be 0, 1 or 2, got {load}")
-    return {"SKV_ROW_VECS": row_bytes // 16, "SKV_COPY_THREADS": int(threads), "SKV_COPY_LOAD": int(load)}
+def make_desc(batch: int = 0, k: int = 0, group: int = 0, inv_n: int = 0, step: int = 0, seq: int = 0) -> np.ndarray:
+    """A step descriptor (host int32 [DESC_INTS])."""
+    d = np.zeros(DESC_INTS, np.int32)
+    d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = (
+        seq & 0x7FFFFFFF, step & 0x7FFFFFFF, batch, k, group, inv_n)
+    return d
+
+
+def rows_block(rows, cap: int | None = None) -> np.ndarray:
+    """``[n, rows sorted ascending...]`` (int32; negative rows dropped), the input of
+    ``skv_invalidate``, padded with -1 to ``1 + cap`` entries when ``cap`` is given."""
+    rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+    rows = np.sort(rows[rows >= 0])
+    n = 1 + (cap if cap is not None else rows.size)
+    out = np.full(n, -1, np.int32)
+    out[0] = rows.size
+    out[1 : 1 + rows.size] = rows
+    return out
 
 
 def _pow2(n: int) -> int:
@@ -102,8 +130,9 @@ class ResolveOutput:
     * ``plan_rows[b, :misses[b]]`` / ``plan_slots[b, :misses[b]]``: the compact plan of
       row ``b`` sorted by host row; a slot is flat ``state_row * region_stride + slot``;
       entries past ``misses[b]`` are stale;
-    * ``counters`` (uint64 [4]): hits, misses, out-of-range ids, error bits, **accumulated**
-      across resolves until :meth:`zero_counters`.
+    * ``counters`` (uint64 [4]): hits, misses, out-of-range ids, **accumulated** across
+      resolves until :meth:`zero_counters`; ``err`` (int32 [ERR_INTS]) the error record;
+      ``desc`` (int32 [DESC_INTS]) the descriptor of the last resolve.
 
     ``batch``, ``k`` and ``group`` (host ints) record the last resolve for ``gather_async``.
     """
@@ -120,6 +149,8 @@ class ResolveOutput:
             self.plan_rows = cp.full((max_batch, layout.top_k), -1, dtype=cp.int32)
             self.plan_slots = cp.full((max_batch, layout.top_k), -1, dtype=cp.int32)
             self.counters = cp.zeros(4, dtype=cp.uint64)
+            self.err = cp.zeros(ERR_INTS, dtype=cp.int32)
+            self.desc = cp.zeros(DESC_INTS, dtype=cp.int32)
             # Global scratch for strides whose workspace does not fit in shared memory.
             self.workspace = cp.empty(max_batch * workspace_bytes, dtype=cp.uint8) if workspace_bytes else None
         self.workspace_bytes = int(workspace_bytes)
@@ -130,14 +161,15 @@ class ResolveOutput:
     def zero_counters(self, stream=None) -> None:
         with _on(stream):
             self.counters.fill(0)
+            self.err.fill(0)
 
     def read_counters(self, stream=None) -> dict:
-        """Synchronise ``stream`` and return the counters (off the decode path: stats)."""
+        """Synchronise ``stream`` and return the counters and the error bits (tests)."""
         if stream is not None:
             stream.synchronize()
         c = self.counters.get()
         return {"hits": int(c[HITS]), "misses": int(c[MISSES]), "out_of_range": int(c[OUT_OF_RANGE]),
-                "errors": int(c[ERRORS])}
+                "errors": error_bits(self.err.get())}
 
 
 class _on:
@@ -214,8 +246,16 @@ class CudaResidency(Residency):
         if workspace == "shared" and self.workspace_bytes > limit:
             raise ValueError(f"resolve workspace {self.workspace_bytes} B exceeds shared memory {limit} B")
         self.workspace_global = workspace == "global" or (workspace == "auto" and self.workspace_bytes > limit)
-        if not self.workspace_global and self.workspace_bytes > DEFAULT_SMEM_BYTES:
-            self._resolve.max_dynamic_shared_size_bytes = self.workspace_bytes
+        self.resolve_smem = 0 if self.workspace_global else self.workspace_bytes
+        # Raised, never lowered, on the function every engine on this GPU shares.
+        self._resolve = kernels.function("resolve.cu", "skv_resolve", defines, smem_bytes=self.resolve_smem)
+        # skv_begin_step holds one sorted invalidate row (at most top_k ids) in shared memory.
+        self.inv_cap = layout.top_k
+        self.step_smem = _pow2(self.inv_cap) * 4
+        if self.step_smem > limit:
+            self.inv_cap = limit // 8  # a power of two that fits; STEP refuses wider rows
+            self.step_smem = _pow2(self.inv_cap) * 4
+        self._begin_step = kernels.function("resolve.cu", "skv_begin_step", defines, smem_bytes=self.step_smem)
         self._host_out: ResolveOutput | None = None
         self.last_errors = 0  # error bits of the last host-convenience resolve
 
@@ -231,7 +271,8 @@ class CudaResidency(Residency):
 
     def resolve_async(self, group: int, state_rows, topk, out: ResolveOutput, stream=None) -> None:
         """Resolve ``topk`` (int32 [B, k], device) for ``state_rows`` (int32 [B], device)
-        into ``out`` on ``stream``. Host-side checks look at shapes only (no readback):
+        into ``out`` on ``stream``: writes ``out.desc`` from the shapes (a small upload),
+        then :meth:`launch_resolve`. Host-side checks look at shapes only (no readback):
         bad ids and state rows are handled on the device (see the module docstring)."""
         lay = self.layout
         stream = stream if stream is not None else self.stream
@@ -252,19 +293,44 @@ class CudaResidency(Residency):
         out.batch, out.k, out.group = batch, k, group
         if batch == 0:
             return
-        kp = _pow2(k)
+        out.desc.set(make_desc(batch, k, group), stream=stream)
+        self.launch_resolve(out.desc, state_rows, topk, out.slots, out.misses, out.plan_rows, out.plan_slots,
+                            out.counters, 0, out.err, out.workspace, out.max_batch, stream)
+
+    def launch_resolve(self, desc, state_rows, topk, slots, misses, plan_rows, plan_slots, counters,
+                       counters_per_group: int, err, workspace, max_batch: int, stream) -> None:
+        """Enqueue ``skv_resolve`` on ``stream``. Device arrays only; the batch, columns and
+        group come from ``desc``; the grid (``max_batch`` blocks) and shared memory are
+        fixed by the layout. ``slots`` and the plan are ``[max_batch, top_k]``; counters
+        are ``[groups, 4]`` with ``counters_per_group`` 4, or one ``[4]`` with 0."""
+        lay = self.layout
         i32 = np.int32
         if self.workspace_global:
-            ws, ws_stride, smem = out.workspace, np.int64(out.workspace_bytes), 0
+            ws = workspace
+            ws_stride = np.int64(self.workspace_bytes)
         else:
-            ws, ws_stride, smem = _null(), np.int64(0), resolve_workspace_bytes(k, lay.region_stride)
+            ws, ws_stride = _null(), np.int64(0)
         with stream:
             self._resolve(
-                (batch,), (self.threads,),
-                (self.owner[group], self.lru[group], i32(lay.max_reqs), i32(lay.region_stride),
-                 i32(lay.host_rows), state_rows, i32(batch), topk, i32(k), i32(kp), i32(out.top_k),
-                 out.slots, out.misses, out.plan_rows, out.plan_slots, out.counters, ws, ws_stride),
-                shared_mem=smem,
+                (int(max_batch),), (self.threads,),
+                (desc, self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
+                 i32(lay.host_rows), i32(lay.top_k), i32(max_batch), state_rows, topk, i32(lay.top_k),
+                 slots, misses, plan_rows, plan_slots, counters, i32(counters_per_group), err, ws, ws_stride),
+                shared_mem=self.resolve_smem,
+            )
+
+    def launch_begin_step(self, desc, state_rows, reset, invalidate, err, max_batch: int, stream) -> None:
+        """Enqueue ``skv_begin_step`` on ``stream``: the step's resets and invalidations
+        (device arrays: ``state_rows`` and ``reset`` int32 [max_batch], ``invalidate``
+        int32 [batch, desc INV_N] flat), sized by ``desc``, on a fixed grid."""
+        lay = self.layout
+        i32 = np.int32
+        with stream:
+            self._begin_step(
+                (STEP_BLOCKS,), (256,),
+                (desc, self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
+                 i32(max_batch), state_rows, reset, invalidate, i32(self.inv_cap), err),
+                shared_mem=self.step_smem,
             )
 
     def reset_async(self, state_rows, stream=None) -> None:
@@ -283,20 +349,16 @@ class CudaResidency(Residency):
                  state_rows, i32(n)),
             )
 
-    def invalidate_async(self, rows, state_rows=None, counter=None, stream=None) -> None:
-        """Empty the slots owning one of ``rows`` (int32 [n], device, any order; negative
-        entries ignored): in every region, or only in ``state_rows`` (int32 [m], device).
-        ``counter`` (uint64 [1], device) accumulates how many slots were emptied (counted
-        once per slot only when ``state_rows`` is None or has no repeats)."""
-        cp = _cp()
+    def invalidate_async(self, rows, rows_cap: int, state_rows=None, counter=None, stream=None) -> None:
+        """Empty the slots owning one of the rows of ``rows`` (device int32 ``[1 + cap]``:
+        ``[n, sorted rows...]``, see :func:`rows_block`): in every region, or only in
+        ``state_rows`` (int32 [m], device). ``counter`` (uint64 [1], device) accumulates
+        how many slots were emptied (counted once per slot only when ``state_rows`` is
+        None or has no repeats). Fixed grid; the count is read on the device."""
         lay = self.layout
         stream = stream if stream is not None else self.stream
         i32 = np.int32
         with stream:
-            rows = _device_i32(rows, "rows", 1)
-            if rows.shape[0] == 0:
-                return
-            rows_sorted = cp.sort(rows)  # binary search in the kernel; stays on the device
             if state_rows is None:
                 regions, sr, n_state = lay.num_groups * lay.max_reqs, _null(), 0
             else:
@@ -309,8 +371,7 @@ class CudaResidency(Residency):
             self._invalidate(
                 (_grid(total, 256, SETUP_BLOCKS),), (256,),
                 (self.owner, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride), sr,
-                 i32(n_state), rows_sorted, i32(rows_sorted.shape[0]),
-                 counter if counter is not None else _null()),
+                 i32(n_state), rows, i32(rows_cap), counter if counter is not None else _null()),
             )
 
     # -- host convenience (same checks and results as CpuResidency) ------------------
@@ -331,23 +392,21 @@ class CudaResidency(Residency):
         cp = _cp()
         if not 0 <= state_row < self.layout.max_reqs:
             raise ResidencyError("BAD_STATE_ROW", f"state row {state_row} out of range")
-        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
-        rows = rows[rows >= 0]
-        if not rows.size:
+        block = rows_block(rows)
+        if not block[0]:
             return
         with self.stream:
-            self.invalidate_async(cp.asarray(rows), cp.asarray(np.array([state_row], np.int32)))
+            self.invalidate_async(cp.asarray(block), int(block[0]), cp.asarray(np.array([state_row], np.int32)))
         self.stream.synchronize()
 
     def invalidate_everywhere(self, rows: np.ndarray) -> int:
         cp = _cp()
-        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
-        rows = rows[rows >= 0]
-        if not rows.size:
+        block = rows_block(rows)
+        if not block[0]:
             return 0
         with self.stream:
             counter = cp.zeros(1, dtype=cp.uint64)
-            self.invalidate_async(cp.asarray(rows), None, counter)
+            self.invalidate_async(cp.asarray(block), int(block[0]), None, counter)
         self.stream.synchronize()
         return int(counter.get()[0])
 
@@ -370,7 +429,7 @@ class CudaResidency(Residency):
         counters = out.counters.get()
         prow = out.plan_rows[:batch].get()
         pslot = out.plan_slots[:batch].get()
-        self.last_errors = int(counters[ERRORS])
+        self.last_errors = error_bits(out.err.get())
         # Per-row plans (each sorted by host row) in batch order, then one stable sort:
         # the same order as the NumPy engine (ties between batch rows in batch order).
         take = np.arange(out.top_k)[None, :] < misses[:, None]
@@ -490,7 +549,18 @@ class CudaMover(Mover):
             raise ValueError(f"blocks must be positive, got {blocks}")
         self.blocks = int(blocks)
         self.threads = int(threads)
-        self._copy = kernels.function("copy.cu", "skv_copy_rows", copy_defines(lay.row_bytes, threads, load))
+        defines = copy_defines(lay.row_bytes, threads, load)
+        self._copy = kernels.function("copy.cu", "skv_copy_rows", defines)
+        self._gather = kernels.function("copy.cu", "skv_gather", defines)
+        # Each group's layers on the device, [groups, 1 + most layers of a group]: count, layers.
+        width = 1 + max(len(g) for g in lay.groups)
+        table = np.full((lay.num_groups, width), -1, np.int32)
+        for gi, g in enumerate(lay.groups):
+            table[gi, 0] = len(g)
+            table[gi, 1 : 1 + len(g)] = g
+        with self.stream:
+            self.group_layers = cp.asarray(table)
+        self.stream.synchronize()
         self._layers: dict[tuple[int, ...], object] = {}
 
     def _layers_dev(self, layers) -> tuple[object, int]:
@@ -508,10 +578,14 @@ class CudaMover(Mover):
         return arr, len(key)
 
     def _launch(self, stream, blocks, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows,
-                dst_rows, dst_layers, layers, mode, src_idx, dst_idx, counts, nb, ld) -> None:
+                dst_rows, dst_layers, layers, mode, src_idx, dst_idx, counts, nb, ld, count_dev=None,
+                layers_dev=None) -> None:
         if nb == 0 or ld == 0:
             return
-        layers_dev, n_layers = self._layers_dev(layers)
+        if layers_dev is None:
+            layers_dev, n_layers = self._layers_dev(layers)
+        else:  # already on the device: (array, count)
+            layers_dev, n_layers = layers_dev
         if n_layers == 0:
             return
         i32, i64 = np.int32, np.int64
@@ -525,7 +599,8 @@ class CudaMover(Mover):
                  dst, i64(dst_layer_rows), i64(dst_rows), i32(dst_layers),
                  layers_dev, i32(n_layers), i32(mode),
                  src_idx if src_idx is not None else _null(), dst_idx if dst_idx is not None else _null(),
-                 counts if counts is not None else _null(), i32(nb), i32(ld)),
+                 counts if counts is not None else _null(), i32(nb), i32(ld),
+                 count_dev if count_dev is not None else _null()),
                 shared_mem=smem,
             )
 
@@ -546,6 +621,35 @@ class CudaMover(Mover):
         self._launch(stream, blocks or self.blocks, self._pool(), lay.host_rows, lay.host_rows, lay.num_layers,
                      self.slab, slots, slots, lay.num_layers, layers, 3, out.plan_rows, out.plan_slots,
                      out.misses, out.batch, out.top_k)
+
+    def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream) -> None:
+        """Enqueue ``skv_gather``: the plan of the last :meth:`CudaResidency.launch_resolve`
+        (per-row counts ``misses``), pool -> slab, for every layer of the descriptor's
+        group. Device arrays only; fixed grid (``blocks``) and shared memory."""
+        lay = self.layout
+        i32, i64 = np.int32, np.int64
+        slots = lay.max_reqs * lay.region_stride
+        with stream:
+            self._gather(
+                (self.blocks,), (self.threads,),
+                (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
+                 self.group_layers, i32(self.group_layers.shape[1]), i32(lay.num_groups),
+                 plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k)),
+                shared_mem=(int(max_batch) + 1) * 8,
+            )
+
+    def launch_write_staged(self, layers, n_layers: int, rows, stream) -> None:
+        """Write mirror in place: row i of the staging buffer, for each listed layer ->
+        host row ``rows[1 + i]`` of that layer, for i < ``rows[0]`` (device int32
+        ``[1 + staging_rows]``: the count, then the rows in staging order). ``layers`` is
+        a device int32 array of ``n_layers`` layer numbers. Fixed grid; the count is read
+        on the device; rows outside [0, host_rows) are skipped."""
+        lay = self.layout
+        if self.staging is None:
+            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
+        self._launch(stream, self.blocks, self.staging, lay.staging_rows, lay.staging_rows, lay.num_layers,
+                     self._pool(), lay.host_rows, lay.host_rows, lay.num_layers, None, 3, None,
+                     rows[1:], None, 1, lay.staging_rows, count_dev=rows, layers_dev=(layers, int(n_layers)))
 
     def stage_async(self, rows, layers, stream=None, blocks: int | None = None) -> None:
         """Copy host ``rows`` (int32 [n], device) of each of ``layers`` to the front of the

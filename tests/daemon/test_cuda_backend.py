@@ -93,17 +93,50 @@ def test_write_reaches_the_pool_and_drops_hot_copies(filled):
 
 
 def test_duplicate_ids_are_refused_and_state_kept(filled):
+    """Found on the device: the row is refused, and the next request gets the typed error
+    (the cpu backend raises at once; the GPU only knows after the fact)."""
     lay, c, att = filled
     ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
     c.step(0, [1])
     c.topk(0, 0, ids).host()
     bad = ids.copy()
     bad[0, 3] = bad[0, 7]
-    with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
-        c.topk(0, 0, bad)
+    s, m = c.topk(0, 0, bad).host()  # waits for the GPU: its error record is out
+    assert (s == -1).all() and m[0] == 0
+    with pytest.raises(BadRequest, match="DUPLICATE_IDS") as e:
+        c.topk(0, 0, ids)
+    assert "batch row 0" in str(e.value)
     s, m = c.topk(0, 0, ids).host()
-    assert m[0] == 0  # all hits: the refused batch changed nothing
+    assert m[0] == 0  # all hits: the refused row changed nothing
     assert count_mismatches(att.slab, (0, 1, 2), np.array([1]), ids, s, lay.host_rows) == 0
+    snap = c.stats()
+    assert snap["device_errors"]["duplicate_ids"] == 1
+    assert snap["errors_by_code"]["DUPLICATE_IDS"] == 1 and snap["async_errors"] == 1
+
+
+def test_two_engines_with_different_layouts_share_one_gpu():
+    """Two engines whose resolve needs different shared memory on one GPU: the later,
+    smaller one attached, the first one's decode still equals the cpu backend."""
+    big = small_trace(top_k=2048, region_stride=8192, batch=2, max_reqs=2, host_rows=2 * 16384, steps=6,
+                      num_layers=1, context=12000, lifetime=6)
+    little = small_trace(top_k=2048, region_stride=4096, batch=2, max_reqs=2, host_rows=2 * 16384, steps=6,
+                         num_layers=1, context=12000, lifetime=6, seed=3)
+    _, want = replay(big, transport="inproc", backend="cpu")
+    pool = big.layout().pool_bytes + little.layout().pool_bytes + (16 << 20)
+    with PrivateDaemon(pool_bytes=pool, backend="cuda", extra_args=ARENA, log_path=DAEMON_LOG) as d, \
+            Client(d.run_dir, device="cuda:0") as other:
+        first = Client(d.run_dir, device="cuda:0").connect()
+        try:
+            first.attach(big.layout(), engine="big")
+            other.attach(little.layout(), engine="little")
+            for t in range(big.steps):
+                first.step(t, big.state_rows[t], big.reset[t], big.invalidate[t])
+                s, m = first.topk(t, 0, big.topk[t]).host()
+                np.testing.assert_array_equal(s, want["slots"][t])
+                np.testing.assert_array_equal(m, want["misses"][t])
+        finally:
+            first.detach()
+            first.close()
 
 
 def _rank_on(run_dir, rank, device, fence, trace_kw, barrier, out):

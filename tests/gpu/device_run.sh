@@ -29,6 +29,6 @@ if [[ $what == all || $what == bench ]]; then
   SPARSEKV_CUDA_BENCH=1 timeout 200 python3 -m pytest -q -s --require-cuda tests/daemon/residency/test_cuda_kernels.py -k bench_table 2>&1 | tee "$OUT/bench-kernels.log" | tail -20
 fi
 if [[ $what == all || $what == bench || $what == e2e ]]; then
-  timeout 200 python3 -m sparsekv.client.cli bench cuda_transport 2>&1 | tee "$OUT/bench-transport.log" | tail -5
+  timeout 200 python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" 2>&1 | tee "$OUT/bench-transport.log" | tail -5
 fi
 exit $status

@@ -12,7 +12,7 @@ import time
 
 from sparsekv.client.trace import synth
 from sparsekv.daemon.config import Config
-from sparsekv.daemon.cuda_backend import CudaBackend
+from sparsekv.daemon.cuda.backend import CudaBackend
 from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.server import Daemon
 from sparsekv.proto import MsgType, decode, encode

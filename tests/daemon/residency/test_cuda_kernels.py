@@ -304,7 +304,7 @@ def test_device_path_bad_state_row_is_padding(kc):
     assert e.value.code == "BAD_STATE_ROW"
 
 
-def test_duplicates_host_raises_device_drops_later(kc):
+def test_duplicates_host_raises_device_refuses_the_row(kc):
     import cupy as cp
 
     cuda = cuda_mod()
@@ -323,16 +323,19 @@ def test_duplicates_host_raises_device_drops_later(kc):
     after = gpu.state()
     np.testing.assert_array_equal(before[0], after[0])
     np.testing.assert_array_equal(before[1], after[1])
-    # Device path: later duplicates act as -1; the result equals the CPU on that input.
-    dedup = np.array([[9, 3, -1, 7, -1, -1], [1, 2, 3, -1, -1, -1]], np.int32)
-    want = cpu.resolve(0, sr, dedup)
+    # Device path: the row with duplicates is refused (slots -1, no misses, its state
+    # untouched, the error record names it); the other row resolves as on the CPU.
+    want = cpu.resolve(0, sr[1:], dup[1:])
     out = gpu.new_output(2)
     with gpu.stream:
         gpu.resolve_async(0, cp.asarray(sr), cp.asarray(dup), out)
     c = out.read_counters(gpu.stream)
     assert c["errors"] == cuda.ERR_DUPLICATE_IDS
-    np.testing.assert_array_equal(out.slots.get()[:2], want.slots)
-    np.testing.assert_array_equal(out.misses.get()[:2], want.misses)
+    err = out.err.get()
+    assert err[cuda.E_DUPLICATE_IDS] == 1 and err[8 + cuda.E_DUPLICATE_IDS] == 0  # batch row 0
+    assert (out.slots.get()[0] == -1).all() and out.misses.get()[0] == 0
+    np.testing.assert_array_equal(out.slots.get()[1:2], want.slots)
+    np.testing.assert_array_equal(out.misses.get()[1:2], want.misses)
     assert c["hits"] == want.hits
     assert_state(cpu, gpu)
 

@@ -1,0 +1,1 @@
+"""The cuda backend: per-GPU workers, rank buffers, the device step and its transports (see daemon/README.md)."""

@@ -1,0 +1,200 @@
+"""A cuda rank's memory: views into its GPU's arena (what the client opens through CUDA
+IPC, and what the decode step's kernels read and write), the pinned host blocks its
+transport fills, and the export the client receives at attach.
+
+Arena layout of one rank (each section a 256-byte aligned range of the arena):
+
+| section | shape | who writes / reads |
+| --- | --- | --- |
+| ``slab`` | uint8 ``[L, max_reqs, S, row_bytes]`` | gather / the engine's attention |
+| ``staging`` | uint8 ``[L, staging_rows, row_bytes]`` | the client / stage, write mirror |
+| ``slots``, ``misses`` | int32 ``[R, B, K]``, ``[R, B]`` | resolve / the client (ring entry) |
+| ``step_block`` | int32 step block (below) | the transport / ``skv_begin_step`` |
+| ``topk_block`` | int32 step block (below) | the transport / ``skv_resolve`` |
+| ``plan_rows``, ``plan_slots`` | int32 ``[B, K]`` | resolve / gather |
+| ``stats`` | uint64 ``[G, 4]`` then int32 ``[ERR_INTS]`` | kernels / copied to the host after each request |
+| ``write_rows``, ``drop_rows`` | int32 ``[1 + staging_rows]`` | write path: count + rows in staging order / sorted |
+| ``layers`` | int32 ``[L]`` | write path: the layers of a staged write |
+| ``workspace`` | uint8 ``[B, resolve workspace]`` | resolve, when its workspace is too big for shared memory |
+
+A **step block** is int32 ``[DESC_INTS + 2 B + B K]``: the descriptor, ``rows`` (state row
+per batch row), ``aux`` (STEP: reset flag per batch row), ``payload`` (TOPK: the top-k ids
+``[batch, k]``; STEP: the invalidate rows ``[batch, n]``), each contiguous from its start.
+The zmq transport writes one into pinned host memory and ``skv_fetch`` copies it to the
+arena; a device transport writes the arena's block directly.
+
+B = ``layout.max_batch``, K = ``layout.top_k``, R = ``ring_depth``, G = index groups.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from ..residency.base import ResidencyError
+from ..residency.cuda import COUNTERS_PER_GROUP, DESC_INTS, ERR_INTS
+from .arena import ArenaFull
+
+
+def block_ints(max_batch: int, top_k: int) -> int:
+    """int32 entries of one step block."""
+    return DESC_INTS + 2 * max_batch + max_batch * top_k
+
+
+class BlockView:
+    """The sections of one step block (device or host array of ``block_ints`` entries)."""
+
+    def __init__(self, block, max_batch: int):
+        self.block = block
+        self.desc = block[:DESC_INTS]
+        self.rows = block[DESC_INTS: DESC_INTS + max_batch]
+        self.aux = block[DESC_INTS + max_batch: DESC_INTS + 2 * max_batch]
+        self.payload = block[DESC_INTS + 2 * max_batch:]
+
+
+class HostBlocks:
+    """Pinned, mapped host memory for a rank's transport: an anonymous mapping registered
+    with ``cudaHostRegister`` (portable, mapped), so kernels read it and the copy engine
+    writes it. Owns both; :meth:`close` is idempotent."""
+
+    def __init__(self, nbytes: int):
+        from ..pinned import PinnedRegion
+
+        self.nbytes = max(mmap.PAGESIZE, -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self._mm = mmap.mmap(-1, self.nbytes)
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.address = self.array.ctypes.data
+        try:
+            self._region = PinnedRegion(self.address, self.nbytes, 4)
+        except Exception:
+            self.array = None
+            self._mm.close()
+            raise
+        self.device_address = self._region.device_base
+        self._used = 0
+
+    def take(self, nbytes: int, dtype, shape) -> tuple[np.ndarray, int]:
+        """The next ``nbytes`` (256-aligned) as a host array and its device address."""
+        off = self._used
+        self._used = off + ((int(nbytes) + 255) & ~255)
+        if self._used > self.nbytes:
+            raise ValueError("host blocks overflow (sized wrong)")
+        a = self.array[off: off + int(nbytes)].view(dtype).reshape(shape)
+        return a, self.device_address + off
+
+    def close(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+            self.array = None
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view outlives us; the mapping goes with the process
+
+
+class RankBuffers:
+    """Every device range of one rank, allocated in its GPU's arena, and the host blocks.
+
+    Args:
+        arena: the GPU's :class:`~sparsekv.daemon.cuda.arena.DeviceArena`.
+        layout: the attached layout.
+        ring_depth: result ring entries (requests a client may have in flight).
+        workspace_bytes: per-batch-row global resolve workspace (0: shared memory).
+    """
+
+    def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0):
+        import cupy as cp
+
+        lay = layout
+        self.layout, self.arena, self.ring_depth = lay, arena, int(ring_depth)
+        R, B, K, G = self.ring_depth, lay.max_batch, lay.top_k, lay.num_groups
+        self.max_batch, self.block_ints = B, block_ints(B, K)
+        self.stats_bytes = G * COUNTERS_PER_GROUP * 8 + ERR_INTS * 4
+        sizes = {
+            "slab": lay.slab_bytes, "staging": lay.staging_bytes,
+            "slots": R * B * K * 4, "misses": R * B * 4,
+            "step_block": self.block_ints * 4, "topk_block": self.block_ints * 4,
+            "plan_rows": B * K * 4, "plan_slots": B * K * 4,
+            "stats": self.stats_bytes,
+            "write_rows": (1 + lay.staging_rows) * 4, "drop_rows": (1 + lay.staging_rows) * 4,
+            "layers": lay.num_layers * 4,
+            "workspace": B * int(workspace_bytes),
+        }
+        self.offsets: dict[str, int] = {}
+        try:
+            for name, n in sizes.items():
+                self.offsets[name] = arena.allocate(max(n, 1))
+        except ArenaFull as e:
+            self.release()
+            raise ResidencyError("TOO_LARGE", str(e)) from None
+        v, o = arena.view, self.offsets
+        with cp.cuda.Device(arena.device):
+            self.slab = v(o["slab"], lay.slab_shape)
+            self.staging = v(o["staging"], lay.staging_shape) if lay.staging_rows else None
+            self.slots = v(o["slots"], (R, B, K), "int32")
+            self.misses = v(o["misses"], (R, B), "int32")
+            self.step = BlockView(v(o["step_block"], (self.block_ints,), "int32"), B)
+            self.topk = BlockView(v(o["topk_block"], (self.block_ints,), "int32"), B)
+            self.plan_rows = v(o["plan_rows"], (B, K), "int32")
+            self.plan_slots = v(o["plan_slots"], (B, K), "int32")
+            self.stats = v(o["stats"], (self.stats_bytes,))
+            self.counters = v(o["stats"], (G, COUNTERS_PER_GROUP), "uint64")
+            self.err = v(o["stats"] + G * COUNTERS_PER_GROUP * 8, (ERR_INTS,), "int32")
+            self.write_rows = v(o["write_rows"], (1 + lay.staging_rows,), "int32")
+            self.drop_rows = v(o["drop_rows"], (1 + lay.staging_rows,), "int32")
+            self.layers = v(o["layers"], (lay.num_layers,), "int32")
+            self.workspace = v(o["workspace"], (max(B * int(workspace_bytes), 1),)) if workspace_bytes else None
+            # Known contents before the first request: empty results, zero counters.
+            self.slots.fill(-1)
+            self.misses.fill(0)
+            self.stats.fill(0)
+            self.step.block.fill(0)
+            self.topk.block.fill(0)
+            cp.cuda.runtime.deviceSynchronize()
+        # Pinned host side: R step blocks, R top-k blocks, the stats mirror, the write blocks.
+        n_write = 1 + lay.staging_rows
+        total = 2 * R * (self.block_ints * 4 + 256) + self.stats_bytes + 256 + 2 * (n_write * 4 + 256) \
+            + lay.num_layers * 4 + 256
+        self.host = HostBlocks(total)
+        try:
+            self.host_step = [self._host_block() for _ in range(R)]
+            self.host_topk = [self._host_block() for _ in range(R)]
+            self.host_stats, self.host_stats_address = self.host.take(self.stats_bytes, np.uint8, (self.stats_bytes,))
+            self.host_counters = self.host_stats[: G * COUNTERS_PER_GROUP * 8].view(np.uint64).reshape(G, -1)
+            self.host_err = self.host_stats[G * COUNTERS_PER_GROUP * 8:].view(np.int32)
+            self.host_write_rows, _ = self.host.take(n_write * 4, np.int32, (n_write,))
+            self.host_drop_rows, _ = self.host.take(n_write * 4, np.int32, (n_write,))
+            self.host_layers, _ = self.host.take(lay.num_layers * 4, np.int32, (lay.num_layers,))
+        except Exception:
+            self.host.close()
+            self.release()
+            raise
+
+    def _host_block(self) -> tuple[BlockView, int]:
+        a, addr = self.host.take(self.block_ints * 4, np.int32, (self.block_ints,))
+        a[:] = 0
+        return BlockView(a, self.max_batch), addr
+
+    def export(self, device: int, bus_id: str, events: list[bytes]) -> dict:
+        """What the client needs to open this rank's memory (the ATTACH reply's handles)."""
+        lay, o = self.layout, self.offsets
+        return {"kind": "cuda_ipc", "device": device, "bus_id": bus_id,
+                "arena_handle": self.arena.handle, "arena_bytes": self.arena.nbytes,
+                "slab_offset": o["slab"], "staging_offset": o["staging"],
+                "slots_offset": o["slots"], "misses_offset": o["misses"],
+                "step_block_offset": o["step_block"], "topk_block_offset": o["topk_block"],
+                "block_ints": self.block_ints,
+                "ring_depth": self.ring_depth, "max_batch": self.max_batch, "top_k": lay.top_k,
+                "events": events}
+
+    def release(self) -> None:
+        """Give the arena ranges back (after the GPU is done with them)."""
+        for off in self.offsets.values():
+            self.arena.release(off)
+        self.offsets = {}
+
+    def close(self) -> None:
+        self.host.close()
+        self.release()

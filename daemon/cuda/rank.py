@@ -1,0 +1,222 @@
+"""One rank on one GPU: the orchestration of its buffers, device step and transport.
+
+:class:`CudaRankState` keeps the cpu rank's contract (``engine.RankState``): a STEP,
+then TOPK batches, writes, staging. What differs: the work is enqueued, never waited on;
+bad values are found by the kernels and come back through the error record, which
+:meth:`CudaRankState.take_error` turns into the cpu backend's typed errors at the next
+request; counters are read from their pinned mirror, never by synchronising.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..engine import RankState
+from ..residency.base import ResidencyError
+from ..residency.cuda import (
+    ERROR_KINDS,
+    HITS,
+    MISSES,
+    OUT_OF_RANGE,
+    CudaMover,
+    CudaResidency,
+    DeviceBuffers,
+    rows_block,
+)
+from .buffers import RankBuffers
+from .step import DeviceStep
+from .transport import ZmqTransport, _i32
+
+log = logging.getLogger("sparsekv.cuda")
+
+# Error kind -> (proto.ErrorCode name, what it means for the client).
+ERROR_CODES = {
+    "DUPLICATE_IDS": ("DUPLICATE_IDS", "names the same host row twice; ids must be unique. That row was refused "
+                      "(slots -1, no state change)"),
+    "CORRUPT_STATE": ("INTERNAL", "found the residency state corrupt (a daemon bug); its rows may be missing"),
+    "BAD_STATE_ROW": ("BAD_STATE_ROW", "has a state row outside [-1, max_reqs); the row was treated as padding"),
+    "TOO_MANY_TOKENS": ("BAD_ARGUMENT", "is one token too many for its state row: region_stride / top_k tokens "
+                        "of one request fit a step. That row was refused (slots -1, no state change)"),
+    "BAD_STEP": ("BAD_ARGUMENT", "had a step descriptor out of range; nothing of it was done"),
+}
+
+
+class CudaRankState(RankState):
+    """A rank on one GPU. Same contract as the cpu rank; the work is enqueued, not waited.
+
+    Args:
+        rank: the client's TP rank.
+        worker: the GPU's :class:`~sparsekv.daemon.cuda.backend.DeviceWorker`.
+        space: the engine (layout, pool range, ranks).
+        pinned: the engine's registered pool range.
+        ring_depth: result ring entries.
+        gather_blocks: the most blocks a gather uses (SMs are shared with attention).
+        graphs: replay a CUDA graph per request (True) or launch kernel by kernel.
+    """
+
+    def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
+                 graphs: bool = True):
+        import cupy as cp
+
+        from sparsekv.proto.cuda_ipc import EventRing
+
+        lay = space.layout
+        self.worker, self._cp = worker, cp
+        self.fence_events = None
+        with cp.cuda.Device(worker.ordinal):
+            stream = worker.stream
+            residency = CudaResidency(lay, kernels=worker.kernels, stream=stream)
+            ws = residency.workspace_bytes if residency.workspace_global else 0
+            self.buffers = bufs = RankBuffers(worker.arena, lay, ring_depth, ws)
+            try:
+                mover = CudaMover(lay, pinned, pool_offset=0, kernels=worker.kernels, stream=stream,
+                                  buffers=DeviceBuffers(None, bufs.slab, bufs.staging, bufs.offsets["staging"]),
+                                  blocks=gather_blocks)
+                self.dstep = DeviceStep(residency, mover, bufs, worker.kernels)
+                self.events = EventRing(worker.ordinal, ring_depth)
+                self.transport = ZmqTransport(self.dstep, worker, self.events, graphs=graphs)
+            except Exception:
+                bufs.close()
+                raise
+        self._write_uploads: list = []  # events after the last staged write's uploads
+        self._reported = [0] * len(ERROR_KINDS)  # error counts already turned into replies
+        self._retired: dict[str, int] = {}
+        super().__init__(rank=rank, device=f"cuda:{worker.ordinal}", residency=residency, mover=mover,
+                         slab=bufs.slab, staging=bufs.staging)
+
+    # -- decode path -------------------------------------------------------------------
+    def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
+        state_rows = _i32("state_rows", state_rows, 1)
+        with self._cp.cuda.Device(self.worker.ordinal):
+            self.transport.step(int(step), state_rows, reset, invalidate)
+        self.step = int(step)
+        self.state_rows = state_rows
+
+    def serve_topk(self, step, group, topk, state_rows=None, fence=None):
+        state_rows = self.batch_rows(step, state_rows)
+        topk = _i32("topk", topk, 2)
+        wait = None
+        if fence is not None:
+            fence_events = self.fence_events
+            if fence_events is None or not 0 <= fence < len(fence_events.ptrs):
+                raise ResidencyError("BAD_ARGUMENT", f"fence {fence} names no event the client exported at attach")
+
+            def wait(stream):
+                # The client's reads of the slab (earlier steps) finish before we overwrite.
+                fence_events.wait(fence, stream.ptr)
+        with self._cp.cuda.Device(self.worker.ordinal):
+            entry = self.transport.topk(int(step), int(group), state_rows, topk, wait)
+        batch, k = topk.shape
+        return {"entry": entry, "batch": batch, "k": k}, None, {"topk_batches": 1}
+
+    def take_error(self) -> ResidencyError | None:
+        """The first error the kernels recorded since the last call, as the cpu backend's
+        typed error (read from the pinned mirror of the error record: no wait). Every kind
+        counted meanwhile is marked reported; the others are logged."""
+        err = self.buffers.host_err
+        found = None
+        for kind, name in enumerate(ERROR_KINDS):
+            n = int(err[kind])
+            if n != self._reported[kind]:
+                new = n - self._reported[kind]
+                self._reported[kind] = n
+                code, what = ERROR_CODES[name]
+                row, step, group = int(err[8 + kind]), int(err[16 + kind]), int(err[24 + kind])
+                msg = f"step {step}, group {group}: batch row {row} {what} ({new} such row(s) since the last reply)"
+                if found is None:
+                    found = ResidencyError(code, msg)
+                else:
+                    log.warning("rank %d: also %s: %s", self.rank, name, msg)
+        return found
+
+    def error_counts(self) -> dict[str, int]:
+        """Rows refused or mended on this rank by kind (from the pinned mirror)."""
+        err = self.buffers.host_err
+        return {name.lower(): int(err[k]) for k, name in enumerate(ERROR_KINDS)}
+
+    # -- write path --------------------------------------------------------------------
+    def write_staged(self, space, layers, rows, fence=None):
+        """Staging buffer -> host pool on this GPU's stream, read in place by the
+        write-mirror kernel (fixed grid; the row count is read on the device), after the
+        client's fence. Every other rank's stream then waits for it, and every rank drops
+        its hot copies of ``rows`` in stream order. Returns when enqueued; slots dropped
+        are not counted (that would need a readback)."""
+        cp = self._cp
+        if fence is not None and (self.fence_events is None or not 0 <= fence < len(self.fence_events.ptrs)):
+            raise ResidencyError("BAD_ARGUMENT", f"fence {fence} names no event the client exported at attach")
+        bufs = self.buffers
+        n = int(rows.shape[0])
+        stream = self.worker.stream
+        for ev in self._write_uploads:  # the pinned write blocks are reused: uploads done?
+            ev.synchronize()
+        self._write_uploads = []
+        bufs.host_write_rows[0] = n
+        bufs.host_write_rows[1 : 1 + n] = rows
+        bufs.host_drop_rows[:] = rows_block(rows, space.layout.staging_rows)
+        bufs.host_layers[: len(layers)] = layers
+        with cp.cuda.Device(self.worker.ordinal), stream:
+            if fence is not None:
+                self.fence_events.wait(fence, stream.ptr)
+            _upload(bufs.write_rows, bufs.host_write_rows, stream)
+            _upload(bufs.layers, bufs.host_layers, stream)
+            self.mover.launch_write_staged(bufs.layers, len(layers), bufs.write_rows, stream)
+            written = cp.cuda.Event(disable_timing=True)
+            written.record(stream)
+        for other in space.ranks.values():
+            with cp.cuda.Device(other.worker.ordinal):
+                s = other.worker.stream
+                if other is not self:
+                    # The pool rows change on this GPU's stream: no later gather of another
+                    # rank (any GPU) may start before that copy is done.
+                    s.wait_event(written)
+                _upload(other.buffers.drop_rows, bufs.host_drop_rows, s)
+                other.residency.invalidate_async(other.buffers.drop_rows, space.layout.staging_rows, stream=s)
+                done = cp.cuda.Event(disable_timing=True)
+                done.record(s)
+                self._write_uploads.append(done)
+        return n * len(layers) * space.layout.row_bytes, 0
+
+    def drop_rewritten(self, rows):
+        with self._cp.cuda.Device(self.worker.ordinal):
+            return self.residency.invalidate_everywhere(rows)
+
+    def stage(self, rows, layers=None):
+        with self._cp.cuda.Device(self.worker.ordinal):
+            return super().stage(rows, layers)
+
+    def quiesce(self) -> None:
+        self.worker.stream.synchronize()
+
+    # -- stats -------------------------------------------------------------------------
+    def counters(self) -> dict:
+        """Counters from the pinned mirror the device step copies out after each request:
+        no synchronisation (a scrape never stalls the copy stream; it may lag by the
+        requests still in flight)."""
+        c = self.buffers.host_counters
+        lay = self.residency.layout
+        layers = np.array([len(g) for g in lay.groups], dtype=np.uint64)
+        misses = c[:, MISSES]
+        moved = int((misses * layers).sum())
+        return {"hits": int(c[:, HITS].sum()), "misses": int(misses.sum()),
+                "out_of_range": int(c[:, OUT_OF_RANGE].sum()),
+                "rows_moved": moved, "bytes_moved": moved * lay.row_bytes}
+
+    def export(self) -> dict:
+        return self.buffers.export(self.worker.ordinal, self.worker.bus_id, self.events.handles)
+
+    def close(self) -> None:
+        """Wait for this rank's work, then free its graphs, events, host blocks and ranges."""
+        self.transport.close()
+        if self.fence_events is not None:
+            self.fence_events.close()
+            self.fence_events = None
+        self.buffers.close()
+
+
+def _upload(dst, src: np.ndarray, stream) -> None:
+    """Host (pinned) -> device copy of ``src``'s bytes on ``stream``, asynchronous."""
+    import cupy as cp
+
+    cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, 1, stream.ptr)

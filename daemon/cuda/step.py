@@ -1,0 +1,104 @@
+"""The decode step on one GPU, enqueued from device memory only.
+
+:class:`DeviceStep` turns a rank's step blocks (``buffers.py``) into kernel launches:
+
+* ``enqueue_begin``: ``skv_begin_step`` (the step's resets and invalidations);
+* ``enqueue_topk(entry)``: ``skv_resolve`` into ring entry ``entry`` and the plan, then
+  ``skv_gather`` of the plan for every layer of the group;
+* ``enqueue_stats_out``: the rank's counters and error record, device -> pinned host
+  mirror (a copy, no wait: a stats scrape reads the mirror).
+
+Every size comes from the descriptor in the block, every launch has a fixed grid and
+fixed shared memory, and nothing reads back or waits: the sequence captures into a CUDA
+graph (``tests/daemon/test_cuda_step.py`` captures it in global mode), and a transport
+either replays such graphs (zmq) or has the engine's own stream drive them (doorbell).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..residency.cuda import CudaMover, CudaResidency
+
+FETCH_BLOCKS = 16
+MEMCPY_DEVICE_TO_HOST = 2
+
+
+class DeviceStep:
+    """The decode-path kernels of one rank, bound to its buffers.
+
+    Args:
+        residency: the rank's :class:`CudaResidency` (owner/lru on its GPU).
+        mover: the rank's :class:`CudaMover` (pool and slab addresses).
+        buffers: the rank's :class:`~sparsekv.daemon.cuda.buffers.RankBuffers`.
+        kernels: the :class:`~sparsekv.daemon.kernels.KernelCache` (for ``skv_fetch``).
+    """
+
+    def __init__(self, residency: CudaResidency, mover: CudaMover, buffers, kernels):
+        from ..kernels import copy_defines
+
+        self.residency, self.mover, self.buffers = residency, mover, buffers
+        self.layout = residency.layout
+        self._fetch = kernels.function("copy.cu", "skv_fetch", copy_defines(self.layout.row_bytes))
+
+    # -- pieces -----------------------------------------------------------------------
+    def enqueue_fetch(self, host_address: int, block, stream, step: bool) -> None:
+        """``skv_fetch``: a pinned host step block (device address) -> ``block`` (device)."""
+        b = self.buffers
+        i32 = np.int32
+        with stream:
+            self._fetch((FETCH_BLOCKS,), (256,),
+                        (np.uint64(host_address), block, i32(b.max_batch), i32(b.max_batch * self.layout.top_k),
+                         i32(1 if step else 0)))
+
+    def enqueue_begin(self, stream) -> None:
+        b = self.buffers.step
+        self.residency.launch_begin_step(b.desc, b.rows, b.aux, b.payload, self.buffers.err,
+                                         self.buffers.max_batch, stream)
+
+    def enqueue_topk(self, entry: int, stream) -> None:
+        bufs = self.buffers
+        t = bufs.topk
+        self.residency.launch_resolve(t.desc, t.rows, t.payload, bufs.slots[entry], bufs.misses[entry],
+                                      bufs.plan_rows, bufs.plan_slots, bufs.counters, 4, bufs.err,
+                                      bufs.workspace, bufs.max_batch, stream)
+        self.mover.launch_gather(t.desc, bufs.plan_rows, bufs.plan_slots, bufs.misses[entry], bufs.max_batch, stream)
+
+    def enqueue_stats_out(self, stream) -> None:
+        import cupy as cp
+
+        bufs = self.buffers
+        cp.cuda.runtime.memcpyAsync(bufs.host_stats_address, bufs.stats.data.ptr, bufs.stats_bytes,
+                                    MEMCPY_DEVICE_TO_HOST, stream.ptr)
+
+    # -- whole requests ------------------------------------------------------------------
+    def enqueue_step_request(self, host_address: int | None, stream) -> None:
+        """A STEP: [fetch its block from pinned memory] -> begin -> stats out."""
+        if host_address is not None:
+            self.enqueue_fetch(host_address, self.buffers.step.block, stream, step=True)
+        self.enqueue_begin(stream)
+        self.enqueue_stats_out(stream)
+
+    def enqueue_topk_request(self, entry: int, host_address: int | None, stream) -> None:
+        """A TOPK into ring entry ``entry``: [fetch] -> resolve -> gather -> stats out."""
+        if host_address is not None:
+            self.enqueue_fetch(host_address, self.buffers.topk.block, stream, step=False)
+        self.enqueue_topk(entry, stream)
+        self.enqueue_stats_out(stream)
+
+
+def capture(fn, device: int):
+    """Run ``fn(stream)`` under stream capture in global mode (any synchronising or
+    unsafe call inside fails the capture) on a fresh stream; return the graph, uploaded."""
+    import cupy as cp
+
+    with cp.cuda.Device(device):
+        stream = cp.cuda.Stream(non_blocking=True)
+        stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+        try:
+            fn(stream)
+        finally:
+            graph = stream.end_capture()
+        graph.upload(stream)
+        stream.synchronize()
+    return graph

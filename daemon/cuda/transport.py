@@ -1,0 +1,173 @@
+"""How a step reaches a cuda rank's device step: the transports.
+
+A transport takes a STEP or TOPK as the client sent it, gets its step block into the
+rank's device memory, and enqueues the :class:`~sparsekv.daemon.cuda.step.DeviceStep`
+for it. One small interface (:class:`Transport`), one class per transport:
+
+* :class:`ZmqTransport` (here): the request arrived in a ZeroMQ message. The host checks
+  shapes only (values are checked by the kernels), writes the block into a pinned host
+  ring entry, and replays that entry's CUDA graph (fetch -> kernels -> stats out), then
+  records the entry's IPC event for the client. No sort, no readback, no size from the
+  host reaches a launch.
+* ``doorbell`` (next): the engine's stream writes the block and rings a word; the daemon's
+  stream, stocked ahead, runs the same device step.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+from ..residency.base import ResidencyError
+from ..residency.cuda import D_BATCH, D_GROUP, D_INV_N, D_K, D_SEQ, D_STEP
+from .step import capture
+
+
+class Transport(abc.ABC):
+    """Moves a rank's steps onto its device step; owns whatever staging that takes."""
+
+    @abc.abstractmethod
+    def step(self, step: int, state_rows: np.ndarray, reset, invalidate) -> None:
+        """Enqueue a STEP (its resets and invalidations)."""
+
+    @abc.abstractmethod
+    def topk(self, step: int, group: int, state_rows: np.ndarray, topk: np.ndarray, fence=None) -> int:
+        """Enqueue a TOPK; return the result ring entry whose event the client waits on."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Wait for work in flight and free what the transport holds."""
+
+
+def _i32(name: str, a, ndim: int) -> np.ndarray:
+    """``a`` as an int32 array of ``ndim`` dims, or BAD_ARGUMENT (no value checks)."""
+    a = np.asarray(a)
+    if a.ndim != ndim:
+        raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
+    if a.dtype != np.int32:
+        if a.dtype.kind not in "iub":
+            raise ResidencyError("BAD_ARGUMENT", f"{name} must hold integers, got {a.dtype}")
+        if a.dtype.kind != "b" and a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+            raise ResidencyError("BAD_ARGUMENT", f"{name} has values outside int32")
+        a = a.astype(np.int32)
+    return a
+
+
+class ZmqTransport(Transport):
+    """Steps that arrived as ZeroMQ messages, replayed as one CUDA graph each.
+
+    Per ring entry ``e`` there is a pinned STEP block and a pinned TOPK block, and a graph
+    for each, captured once at attach. A request writes its entry's block and launches
+    the graph; the entry's event (TOPK: the client's IPC event) guards the block's reuse
+    ``ring_depth`` requests later.
+
+    Args:
+        dstep: the rank's :class:`~sparsekv.daemon.cuda.step.DeviceStep`.
+        worker: the GPU's worker (its ``stream`` runs the graphs; ``ordinal``).
+        events: the rank's :class:`~sparsekv.proto.cuda_ipc.EventRing` (TOPK results).
+        graphs: replay captured graphs (True) or launch kernel by kernel (False).
+    """
+
+    def __init__(self, dstep, worker, events, graphs: bool = True):
+        import cupy as cp
+
+        self.dstep, self.worker, self.events = dstep, worker, events
+        self.buffers = b = dstep.buffers
+        self.layout = dstep.layout
+        self.max_batch, self.top_k = b.max_batch, self.layout.top_k
+        self.inv_cap = dstep.residency.inv_cap
+        self._seq = 0
+        self._step_next = 0
+        with cp.cuda.Device(worker.ordinal):
+            self._step_done = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(b.ring_depth)]
+        self._step_used = [False] * b.ring_depth
+        self._topk_used = [False] * b.ring_depth
+        self.graphs = bool(graphs)
+        self._step_graphs, self._topk_graphs = [], []
+        if self.graphs:
+            for e in range(b.ring_depth):
+                self._step_graphs.append(capture(
+                    lambda s, e=e: dstep.enqueue_step_request(b.host_step[e][1], s), worker.ordinal))
+                self._topk_graphs.append(capture(
+                    lambda s, e=e: dstep.enqueue_topk_request(e, b.host_topk[e][1], s), worker.ordinal))
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) & 0x7FFFFFFF
+        return self._seq
+
+    def step(self, step: int, state_rows: np.ndarray, reset, invalidate) -> None:
+        B = self.max_batch
+        batch = state_rows.shape[0]
+        if batch > B:
+            raise ResidencyError("TOO_LARGE", f"batch {batch} exceeds max_batch {B} of the layout")
+        if reset is not None and np.shape(reset) != (batch,):
+            raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]=({batch},), got {np.shape(reset)}")
+        n = 0
+        if invalidate is not None:
+            invalidate = _i32("invalidate", invalidate, 2)
+            if invalidate.shape[0] != batch:
+                raise ResidencyError("BAD_ARGUMENT",
+                                     f"invalidate must be [batch, n] with batch {batch}, got {invalidate.shape}")
+            n = invalidate.shape[1]
+            if n > self.inv_cap:
+                raise ResidencyError("TOO_LARGE", f"invalidate has {n} columns; at most {self.inv_cap} per step")
+        e = self._step_next
+        self._step_next = (e + 1) % len(self._step_done)
+        if self._step_used[e] and not self._step_done[e].done:
+            self._step_done[e].synchronize()  # back pressure: ring_depth steps ago, rarely waits
+        blk, addr = self.buffers.host_step[e]
+        d = blk.desc
+        d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = \
+            self._next_seq(), step & 0x7FFFFFFF, batch, 0, 0, n
+        blk.rows[:batch] = state_rows
+        if reset is None:
+            blk.aux[:batch] = 0
+        else:
+            blk.aux[:batch] = reset
+        if n:
+            blk.payload[: batch * n] = invalidate.reshape(-1)
+        stream = self.worker.stream
+        if self.graphs:
+            self._step_graphs[e].launch(stream)
+        else:
+            self.dstep.enqueue_step_request(addr, stream)
+        self._step_done[e].record(stream)
+        self._step_used[e] = True
+
+    def topk(self, step: int, group: int, state_rows: np.ndarray, topk: np.ndarray, fence=None) -> int:
+        batch, k = topk.shape
+        if batch != state_rows.shape[0]:
+            raise ResidencyError("BAD_ARGUMENT",
+                                 f"state_rows must be [batch] and topk [batch, top_k]; got {state_rows.shape} and {topk.shape}")
+        if k > self.top_k:
+            raise ResidencyError("BAD_ARGUMENT", f"topk has {k} columns, layout top_k is {self.top_k}")
+        if batch > self.max_batch:
+            raise ResidencyError("TOO_LARGE", f"batch {batch} exceeds max_batch {self.max_batch} of the layout")
+        if not 0 <= group < self.layout.num_groups:
+            raise ResidencyError("BAD_ARGUMENT", f"group {group} out of range [0, {self.layout.num_groups})")
+        e = self.events.take()
+        if self._topk_used[e] and not self.events.events[e].done:
+            # Back pressure: the entry's last use (ring_depth requests ago) must be done
+            # before its pinned block is overwritten; normally long finished.
+            self.events.events[e].synchronize()
+        blk, addr = self.buffers.host_topk[e]
+        d = blk.desc
+        d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = \
+            self._next_seq(), step & 0x7FFFFFFF, batch, k, group, 0
+        blk.rows[:batch] = state_rows
+        blk.payload[: batch * k] = topk.reshape(-1)
+        stream = self.worker.stream
+        if fence is not None:
+            fence(stream)
+        if self.graphs:
+            self._topk_graphs[e].launch(stream)
+        else:
+            self.dstep.enqueue_topk_request(e, addr, stream)
+        self.events.record(e, stream)
+        self._topk_used[e] = True
+        return e
+
+    def close(self) -> None:
+        self.worker.stream.synchronize()
+        self._step_graphs, self._topk_graphs = [], []

@@ -1,0 +1,40 @@
+"""Run the benchmarks whose figures the issues name, and write them as one flat JSON
+object (docs/perf/latest.json's format: key -> number, plus date, commit, machine).
+Run on the GPU machine, under MPS:
+    python3 tests/gpu/perf_latest.py OUT.json [COMMIT]
+"""
+
+import datetime
+import json
+import subprocess
+import sys
+
+from sparsekv.client.bench import bench_cuda_transport
+
+
+def machine() -> str:
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except OSError:
+        gpu = []
+    return f"{len(gpu)} x {gpu[0]}" if gpu else "unknown"
+
+
+def main() -> int:
+    out = sys.argv[1]
+    commit = sys.argv[2] if len(sys.argv) > 2 else "unknown"
+    r = bench_cuda_transport()
+    print(json.dumps(r))
+    latest = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    latest = {f"cuda_transport_{k}" if k not in ("zmq_handoff_p50_us", "daemon_host_us_per_step") else k: v
+              for k, v in latest.items()}
+    latest.update(date=datetime.date.today().isoformat(), commit=commit, machine=machine())
+    with open(out, "w") as f:
+        json.dump(latest, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
