@@ -1,5 +1,6 @@
-"""Where the daemon's time goes on the cuda decode path: the server's handlers called in
-process (no sockets) under cProfile. Run on the GPU machine:
+"""Where the daemon's host time goes on the cuda decode path: the server's handlers called
+in process (no sockets), timed per request type, then under cProfile. Run on the GPU
+machine:
     python3 tests/gpu/profile_daemon.py [steps]
 """
 
@@ -9,6 +10,7 @@ import pstats
 import sys
 import time
 
+import numpy as np
 
 from sparsekv.client.trace import synth
 from sparsekv.daemon.config import Config
@@ -17,7 +19,7 @@ from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.server import Daemon
 from sparsekv.proto import MsgType, decode, encode
 
-steps = int(sys.argv[1]) if len(sys.argv) > 1 else 150
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 300
 tr = synth(steps=steps, batch=16, top_k=2048, region_stride=4096, max_reqs=32, host_rows=32 * 16384,
            num_layers=1, context=12000, lifetime=steps, arrive=1.0, pad=0.0, invalidate=0.0,
            out_of_range=0.0, share_prefix=0.0, overlap=0.8, seed=5)
@@ -26,6 +28,7 @@ cfg = Config(backend="cuda", run_dir="/tmp/skv-prof", device_arena_size=2 << 30,
 pool = HostPool(lay.pool_bytes + (8 << 20))
 backend = CudaBackend(cfg, pool)
 d = Daemon(cfg.run_dir, backend, pool)
+frames = {}
 
 
 def call(t, fields=None, arrays=None):
@@ -37,24 +40,29 @@ def call(t, fields=None, arrays=None):
 call(MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cuda:0", "name": "prof"})
 call(MsgType.ATTACH, {"engine": "p", "layout": lay.to_wire()})
 stream = backend.workers[0].stream
+msgs = [(encode(MsgType.STEP, 2 * t, {"step": t}, {"state_rows": tr.state_rows[t], "reset": tr.reset[t],
+                                                    "invalidate": tr.invalidate[t]}),
+         encode(MsgType.TOPK, 2 * t + 1, {"step": t, "group": 0}, {"topk": tr.topk[t]})) for t in range(steps)]
 
 
-def run(lo, hi):
+def run(lo, hi, times=None):
     for t in range(lo, hi):
-        call(MsgType.STEP, {"step": t}, {"state_rows": tr.state_rows[t], "reset": tr.reset[t],
-                                         "invalidate": tr.invalidate[t]})
-        call(MsgType.TOPK, {"step": t, "group": 0}, {"topk": tr.topk[t]})
-    stream.synchronize()
+        for i, m in enumerate(msgs[t]):
+            t0 = time.perf_counter_ns()
+            d.handle(b"prof", m)
+            if times is not None:
+                times[i].append(time.perf_counter_ns() - t0)
+        stream.synchronize()  # like a client that waits for each step's rows
 
 
 run(0, 10)
-t0 = time.perf_counter()
-run(10, steps // 2)
-per = (time.perf_counter() - t0) / (steps // 2 - 10)
-print(f"host time per step (STEP + TOPK handled, then one sync at the end): {per * 1e6:.0f} us")
+times = ([], [])
+run(10, steps // 2, times)
+print(f"daemon host time per request (handle(), frames in hand): STEP p50 {np.median(times[0]) / 1e3:.1f} us, "
+      f"TOPK p50 {np.median(times[1]) / 1e3:.1f} us, sum {(np.median(times[0]) + np.median(times[1])) / 1e3:.1f} us")
 prof = cProfile.Profile()
 prof.enable()
 run(steps // 2, steps)
 prof.disable()
-pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 print("device counters", backend.device_counters())
