@@ -89,6 +89,7 @@ class Client:
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP)
+        self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
         # Per request type, the last reply's (sent, daemon received, daemon replied,
         # received here) in perf_counter_ns: one clock (CLOCK_MONOTONIC) for the whole host.
@@ -191,15 +192,27 @@ class Client:
             arrays["reset"] = np.asarray(reset, dtype=bool)
         if invalidate is not None:
             arrays["invalidate"] = np.asarray(invalidate, dtype=np.int32)
-        # Not waited for: the daemon handles requests in order, so the step's reply comes
-        # before the next one's, and its error (if any) is raised by that next wait.
-        self._deferred.append(self._send(MsgType.STEP, {"step": int(step)}, arrays))
+        # Not sent yet: it rides on this step's first TOPK (one message and one daemon
+        # wake-up instead of two), or goes alone before any other request. Not waited
+        # for either way: its error (if any) is raised by the next wait.
+        self._send_pending_step()
+        self._pending_step = (int(step), arrays)
+
+    def _send_pending_step(self) -> None:
+        pending, self._pending_step = self._pending_step, None
+        if pending is not None:
+            self._deferred.append(self._send(MsgType.STEP, {"step": pending[0]}, pending[1]))
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:
         arrays = {"topk": np.asarray(topk, dtype=np.int32)}
-        if state_rows is not None:
-            arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
         fields = {"step": int(step), "group": int(group)}
+        pending = self._pending_step
+        if pending is not None and pending[0] == fields["step"] and state_rows is None:
+            self._pending_step = None
+            arrays.update(pending[1])  # state_rows, reset, invalidate of the step
+            fields["begin"] = True
+        elif state_rows is not None:
+            arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
         att = self.attachment
         if att is not None and hasattr(att, "record_fence"):
             fence = att.record_fence()
@@ -248,6 +261,8 @@ class Client:
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
         if self._sock is None:
             raise SparseKVError("client is not connected; call connect() or use it as a context manager")
+        if self._pending_step is not None:
+            self._send_pending_step()  # requests reach the daemon in the order they were made
         req = self._next_id
         self._next_id += 1
         ts = time.perf_counter_ns()
@@ -297,6 +312,7 @@ class Client:
 
     def flush(self) -> None:
         """Wait for every deferred request (e.g. the last STEP); raise the first error."""
+        self._send_pending_step()
         while self._deferred:
             self._receive_until(self._deferred[0])
             self._check_deferred()

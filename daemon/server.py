@@ -189,16 +189,16 @@ class Daemon:
                     ErrorCode.BAD_VERSION,
                     f"client speaks protocol version {header['v']}, this daemon speaks {PROTOCOL_VERSION}",
                 )
-            try:
-                kind = MsgType(msg_type)
-            except ValueError:
-                raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}") from None
+            kind = _KINDS.get(msg_type)
+            if kind is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
             need_fields, allowed_arrays = REQUESTS[kind]
-            absent = [f for f in need_fields if f not in header]
-            if absent:
-                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} needs field(s) {sorted(absent)}")
-            extra = set(arrays) - allowed_arrays
-            if extra:
+            for f in need_fields:
+                if f not in header:
+                    absent = [f for f in need_fields if f not in header]
+                    raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} needs field(s) {sorted(absent)}")
+            if not allowed_arrays.issuperset(arrays):
+                extra = set(arrays) - allowed_arrays
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} takes no array(s) {sorted(extra)}")
             session = self.sessions.get(identity)
             if kind != MsgType.HELLO and session is None:
@@ -213,7 +213,7 @@ class Daemon:
                         self.stats.add(async_errors=1)
                         raise err
             fields, out_arrays = self.handlers[kind](session, identity, header, arrays)
-            self.stats.add(requests=1)
+            self.stats.c["requests"] += 1
             tx = time.perf_counter_ns()
             if kind == MsgType.TOPK:
                 self.stats.latency((tx - tr) * 1e-9)
@@ -287,8 +287,24 @@ class Daemon:
         if "topk" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
         fence = _fence(h)
-        fields, arrays, deltas = st.serve_topk(_int(h, "step"), _int(h, "group"), a["topk"], a.get("state_rows"), fence)
-        self.stats.add(**deltas)
+        step = _int(h, "step")
+        state_rows = a.get("state_rows")
+        if h.get("begin") is True:
+            # The step's STEP rides on its first TOPK (one message, one wake-up): begin
+            # the step with these arrays, then resolve against its state rows.
+            if state_rows is None:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TOPK that begins a step needs the state_rows array")
+            if state_rows.size > LIMITS.max_batch:
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"batch of {state_rows.size} exceeds {LIMITS.max_batch}")
+            st.begin_step(step, state_rows, a.get("reset"), a.get("invalidate"))
+            self.stats.c["steps"] += 1
+            state_rows = None
+        elif "reset" in a or "invalidate" in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "reset and invalidate go with a TOPK only when it begins a step")
+        fields, arrays, deltas = st.serve_topk(step, _int(h, "group"), a["topk"], state_rows, fence)
+        c = self.stats.c
+        for k, v in deltas.items():
+            c[k] += v
         return fields, arrays
 
     def on_write(self, s: Session, identity, h, a):
@@ -416,6 +432,9 @@ class Daemon:
             pass
         finally:
             writer.close()
+
+
+_KINDS = {int(m): m for m in MsgType}
 
 
 def _int(h: dict, name: str) -> int:

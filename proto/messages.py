@@ -102,7 +102,8 @@ REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
     MsgType.HELLO: (frozenset({"pid", "rank", "device", "name"}), frozenset()),
     MsgType.ATTACH: (frozenset({"engine", "layout"}), frozenset()),
     MsgType.STEP: (frozenset({"step"}), frozenset({"state_rows", "reset", "invalidate"})),
-    MsgType.TOPK: (frozenset({"step", "group"}), frozenset({"topk", "state_rows"})),
+    # A TOPK with "begin": true also carries its step's STEP arrays (reset, invalidate).
+    MsgType.TOPK: (frozenset({"step", "group"}), frozenset({"topk", "state_rows", "reset", "invalidate"})),
     MsgType.WRITE: (frozenset({"layers"}), frozenset({"rows", "data"})),
     MsgType.STAGE: (frozenset({"layers"}), frozenset({"rows"})),
     MsgType.DETACH: (frozenset(), frozenset()),

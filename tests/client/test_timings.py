@@ -23,13 +23,18 @@ def test_step_and_topk_times_are_ordered_client_daemon_client(daemon):
         r = c.topk(0, 0, np.array([[0, 1, 2, 3], [4, 5, 6, -1]], np.int32))
         after = time.perf_counter_ns()
         assert r.hits == 0  # the result is untouched by the timing fields
+        # The STEP rode on the TOPK (one message): no STEP reply of its own.
+        assert MsgType.STEP not in c.timings
+        c.step(1, [0, 1])
+        c.flush()  # a STEP with no TOPK after it goes alone
         for t in (MsgType.STEP, MsgType.TOPK):
             ts, tr, tx, recv = c.timings[t]
             assert all(isinstance(x, int) for x in (ts, tr, tx, recv))
-            assert before <= ts <= tr <= tx <= recv <= after, (t.name, ts, tr, tx, recv)
-        assert c.timings[MsgType.STEP][0] <= c.timings[MsgType.TOPK][0]  # sent in that order
+            assert before <= ts <= tr <= tx <= recv <= time.perf_counter_ns(), (t.name, ts, tr, tx, recv)
+        assert c.timings[MsgType.TOPK][3] <= c.timings[MsgType.STEP][0]  # the flushed STEP went after
+        assert c.timings[MsgType.TOPK][3] <= after
         first = c.timings[MsgType.TOPK]
-        c.topk(0, 1, np.array([[0, 1, 2, 3], [4, 5, 6, -1]], np.int32))
+        c.topk(1, 1, np.array([[0, 1, 2, 3], [4, 5, 6, -1]], np.int32))
         assert c.timings[MsgType.TOPK][0] > first[0]  # the last reply of the type
         assert not c._sent  # every request's entry went with its reply
 
