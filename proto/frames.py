@@ -68,10 +68,9 @@ def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, n
     return header, arrays
 
 
-# pyzmq's zero-copy send costs tens of microseconds per frame (a tracked zmq.Frame, freed
-# through its garbage-collector thread); below this size copying the bytes is cheaper.
-# A decode step's top-k batch (16 x 2048 int32 = 128 KiB) is copied.
-ZERO_COPY_MIN_BYTES = 4 << 20
+# pyzmq's zero-copy send costs tens of microseconds per frame (a tracked zmq.Frame); below
+# this size copying the bytes is cheaper.
+ZERO_COPY_MIN_BYTES = 64 * 1024
 
 
 def send_copy(frames) -> bool:
