@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (see docs/PERF.md): install, test, time.
 #   run from the repo root there; carries .whl (pyzmq for python 3.12).
+#   COMMIT=<hash from the developer machine> (the device has no .git) goes into latest.json.
 # Writes logs under $OUT and prints a short table last.
 set -uo pipefail
 OUT=${OUT:-/tmp/skv-out}
