@@ -25,7 +25,7 @@ import zmq
 from sparsekv.proto import PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
 from sparsekv.proto.frames import send_copy
 
-from .errors import DaemonUnavailable, ProtocolMismatch, SparseKVError, error_for
+from .errors import BadRequest, DaemonUnavailable, ProtocolMismatch, SparseKVError, error_for
 from .results import TopkResult
 
 
@@ -77,12 +77,15 @@ class Client:
     """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
-                 name: str = "", timeout_s: float = 30.0):
+                 name: str = "", timeout_s: float = 30.0, spin_us: int | None = None):
         """``device``: ``"cpu"``, or ``"cuda:N"`` (this process's GPU numbering) for a rank
         whose slab lives on a GPU of a cuda-backend daemon."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
         self.timeout_s = timeout_s
+        # Poll for a reply this long before sleeping on the socket (a wake-up costs tens of
+        # microseconds, in a VM more): default 500 for cuda ranks, 0 for cpu ones.
+        self.spin_ns = (500 if device.startswith("cuda") else 0) * 1000 if spin_us is None else int(spin_us) * 1000
         self.info: dict = {}
         self.attachment: Attachment | None = None
         self._ctx = self._sock = None
@@ -90,6 +93,7 @@ class Client:
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP)
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
+        self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
         self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
         # Per request type, the last reply's (sent, daemon received, daemon replied,
         # received here) in perf_counter_ns: one clock (CLOCK_MONOTONIC) for the whole host.
@@ -197,6 +201,7 @@ class Client:
         # for either way: its error (if any) is raised by the next wait.
         self._send_pending_step()
         self._pending_step = (int(step), arrays)
+        self._step_rows = (int(step), arrays["state_rows"])
 
     def _send_pending_step(self) -> None:
         pending, self._pending_step = self._pending_step, None
@@ -206,14 +211,17 @@ class Client:
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:
         arrays = {"topk": np.asarray(topk, dtype=np.int32)}
         fields = {"step": int(step), "group": int(group)}
+        att = self.attachment
         pending = self._pending_step
-        if pending is not None and pending[0] == fields["step"] and state_rows is None:
+        begins = pending is not None and pending[0] == fields["step"] and state_rows is None
+        if att is not None and getattr(att, "has_blocks", False):
+            return self._submit_topk_block(att, fields, arrays["topk"], state_rows, begins)
+        if begins:
             self._pending_step = None
             arrays.update(pending[1])  # state_rows, reset, invalidate of the step
             fields["begin"] = True
         elif state_rows is not None:
             arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
-        att = self.attachment
         if att is not None and hasattr(att, "record_fence"):
             fence = att.record_fence()
             if fence is not None:
@@ -222,6 +230,34 @@ class Client:
             return Pending(self, req, lambda h, a: att.result(h["entry"], h["batch"], h["k"]))
         req = self._send(MsgType.TOPK, fields, arrays)
         return Pending(self, req, lambda h, a: TopkResult(a["slots"], a["misses"], h["hits"], h["out_of_range"]))
+
+    def _submit_topk_block(self, att, fields, topk, state_rows, begins) -> Pending:
+        """cuda: the batch goes into this rank's pinned step block (shared with the
+        daemon), the message carries only the entry number."""
+        step = fields["step"]
+        begin = None
+        if begins:
+            _, arrays = self._pending_step
+            self._pending_step = None
+            rows = arrays["state_rows"]
+            begin = (arrays.get("reset"), arrays.get("invalidate"))
+            fields["begin"] = True
+        elif state_rows is not None:
+            rows = np.asarray(state_rows, dtype=np.int32)
+        elif self._step_rows is not None and self._step_rows[0] == step:
+            rows = self._step_rows[1]
+        else:
+            last = self._step_rows[0] if self._step_rows is not None else -1
+            raise BadRequest(f"top-k for step {step} but the last STEP was {last}; send STEP first",
+                             ErrorCode.BAD_ARGUMENT)
+        _check_batch(att, rows, topk, begin)
+        fence = att.record_fence()
+        if fence is not None:
+            fields["fence"] = fence
+        fields["block"] = att.write_blocks(step, fields["group"], rows, topk, begin)
+        batch, k = topk.shape
+        req = self._send(MsgType.TOPK, fields)
+        return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> TopkResult:
         """Resolve one index group's top-k batch; when this returns the rows are in the slab."""
@@ -278,7 +314,7 @@ class Client:
 
     def _receive_until(self, req_id: int) -> None:
         while req_id not in self._replies:
-            if not self._sock.poll(int(self.timeout_s * 1000)):
+            if not self._spin() and not self._sock.poll(int(self.timeout_s * 1000)):
                 raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s",
                                         ErrorCode.INTERNAL)
             frames = self._sock.recv_multipart(copy=False)
@@ -293,6 +329,17 @@ class Client:
             if sent is not None and tr is not None:
                 self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
             self._replies[rid] = (header, arrays)
+
+    def _spin(self) -> bool:
+        """Poll without sleeping for up to ``spin_us``; True once a reply is waiting."""
+        if not self.spin_ns:
+            return False
+        poll, now = self._sock.poll, time.perf_counter_ns
+        end = now() + self.spin_ns
+        while now() < end:
+            if poll(0):
+                return True
+        return False
 
     def _await_reply(self, req_id: int):
         self._receive_until(req_id)
@@ -321,3 +368,21 @@ class Client:
         """Send and wait; return (reply fields without the envelope, reply arrays)."""
         header, arrays = self._await_reply(self._send(msg_type, fields, arrays))
         return {k: v for k, v in header.items() if k not in _ENVELOPE}, arrays
+
+
+def _check_batch(att, rows: np.ndarray, topk: np.ndarray, begin) -> None:
+    """Shapes only (the daemon's kernels check every value), before a block is written."""
+    lay = att.layout
+    if rows.ndim != 1 or topk.ndim != 2 or topk.shape[0] != rows.shape[0]:
+        raise BadRequest(f"state_rows must be [batch] and topk [batch, top_k]; got {rows.shape} and {topk.shape}",
+                         ErrorCode.BAD_ARGUMENT)
+    if topk.shape[1] > lay.top_k:
+        raise BadRequest(f"topk has {topk.shape[1]} columns, layout top_k is {lay.top_k}", ErrorCode.BAD_ARGUMENT)
+    if rows.shape[0] > lay.max_batch:
+        raise BadRequest(f"batch {rows.shape[0]} exceeds max_batch {lay.max_batch} of the layout", ErrorCode.TOO_LARGE)
+    if begin is not None:
+        reset, inv = begin
+        if reset is not None and reset.shape != rows.shape:
+            raise BadRequest(f"reset must be [batch]={rows.shape}, got {reset.shape}", ErrorCode.BAD_ARGUMENT)
+        if inv is not None and (inv.ndim != 2 or inv.shape[0] != rows.shape[0] or inv.shape[1] > lay.top_k):
+            raise BadRequest(f"invalidate must be [batch, n <= top_k], got {inv.shape}", ErrorCode.BAD_ARGUMENT)

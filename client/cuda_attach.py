@@ -46,6 +46,57 @@ class CudaAttachment:
         self._misses = self._arena.torch(handles["misses_offset"], (R, B), "int32")
         self._events = ImportedEvents(handles["events"], self.device)
         self._fence = fence
+        self._blocks_mm = None
+        self._next = 0
+        self._used = [False] * R
+        self._seq = 0
+        path = handles.get("blocks_path")
+        if path:
+            # The rank's pinned step blocks, shared with the daemon: a TOPK writes its
+            # block here and sends only the entry number.
+            import mmap  # noqa: PLC0415
+            import os  # noqa: PLC0415
+
+            import numpy as np  # noqa: PLC0415
+
+            from sparsekv.proto.step_block import BlockView  # noqa: PLC0415
+
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._blocks_mm = mmap.mmap(fd, handles["blocks_bytes"], mmap.MAP_SHARED,
+                                            mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            buf = np.frombuffer(self._blocks_mm, dtype=np.uint8)
+            n = handles["block_ints"] * 4
+
+            def view(off):
+                return BlockView(buf[off: off + n].view(np.int32), B)
+
+            self._step_blocks = [view(o) for o in handles["client_step_offsets"]]
+            self._topk_blocks = [view(o) for o in handles["client_topk_offsets"]]
+
+    @property
+    def has_blocks(self) -> bool:
+        return self._blocks_mm is not None
+
+    def write_blocks(self, step: int, group: int, state_rows, topk, begin=None) -> int:
+        """Write a TOPK (and, with ``begin`` = (reset, invalidate), its STEP) into the next
+        entry's pinned blocks; return the entry. The entry's previous use must be done on
+        the GPU before its blocks are rewritten (its event; ring_depth requests ago, so
+        this rarely waits)."""
+        from sparsekv.proto.step_block import write_step, write_topk  # noqa: PLC0415
+
+        e = self._next
+        self._next = (e + 1) % len(self._used)
+        if self._used[e]:
+            self._events.synchronize(e)
+        self._used[e] = True
+        self._seq += 1
+        if begin is not None:
+            write_step(self._step_blocks[e], self._seq, step, state_rows, begin[0], begin[1])
+        write_topk(self._topk_blocks[e], self._seq, step, group, state_rows, topk)
+        return e
 
     def _stream_ptr(self) -> int:
         import torch  # noqa: PLC0415
@@ -71,6 +122,13 @@ class CudaAttachment:
 
     def close(self) -> None:
         self.slab = self.staging = self._slots = self._misses = None
+        self._step_blocks = self._topk_blocks = None
+        if self._blocks_mm is not None:
+            try:
+                self._blocks_mm.close()
+            except BufferError:
+                pass
+            self._blocks_mm = None
         if self._events is not None:
             self._events.close()
             self._events = None

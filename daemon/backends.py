@@ -28,6 +28,17 @@ def run_dir_tag(run_dir: str) -> str:
     return hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:10]
 
 
+def remove_stale(prefix: str) -> None:
+    """Remove files ``prefix*`` left by a daemon of this run dir that died; nobody can be
+    using them (the caller made sure no daemon serves this run dir)."""
+    for stale in glob.glob(prefix + "*"):
+        log.warning("removing stale shared-memory file %s", stale)
+        try:
+            os.unlink(stale)
+        except OSError:
+            pass
+
+
 @dataclass
 class _ShmSlab:
     path: str
@@ -43,14 +54,7 @@ class CpuBackend:
         self.devices = ["cpu"]
         self._prefix = os.path.join(shm_dir, f"sparsekv-{run_dir_tag(run_dir)}-")
         self._slabs: dict[int, _ShmSlab] = {}
-        for stale in glob.glob(self._prefix + "*"):
-            # Left by a daemon of this run dir that died; nobody can be using it (the
-            # caller made sure no daemon serves this run dir).
-            log.warning("removing stale slab %s", stale)
-            try:
-                os.unlink(stale)
-            except OSError:
-                pass
+        remove_stale(self._prefix)
 
     def describe(self) -> dict:
         return {"backend": self.name, "devices": self.devices}

@@ -90,7 +90,9 @@ def main(argv=None) -> int:
         from .server import Daemon  # noqa: PLC0415 - imports zmq only when serving
 
         daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
-                        reap_interval_s=cfg.reap_interval_s, notifier=notifier)
+                        reap_interval_s=cfg.reap_interval_s, notifier=notifier,
+                        busy_poll_us=cfg.busy_poll_us if cfg.busy_poll_us >= 0
+                        else (1000 if backend.name == "cuda" else 0))
         return _run(daemon)
     except (PoolError, RuntimeError, OSError) as e:
         log.error("cannot start: %s", e)

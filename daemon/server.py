@@ -67,12 +67,13 @@ class Session:
 
 class Daemon:
     def __init__(self, run_dir: str, backend, pool: HostPool, *, max_clients: int = 256,
-                 reap_interval_s: float = 2.0, notifier: Notifier | None = None):
+                 reap_interval_s: float = 2.0, notifier: Notifier | None = None, busy_poll_us: int = 0):
         self.run_dir = run_dir
         self.backend = backend
         self.pool = pool
         self.max_clients = max_clients
         self.reap_interval_s = reap_interval_s
+        self.busy_poll_ns = int(busy_poll_us) * 1000
         self.notifier = notifier or Notifier({})
         self.stats = stats_mod.Stats()
         self.sessions: dict[bytes, Session] = {}
@@ -152,13 +153,28 @@ class Daemon:
                     pass
 
     def _drain(self, sock) -> None:
-        """Receive, handle, reply until no request is queued: one at a time, in order."""
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        """Receive, handle, reply until no request is queued: one at a time, in order.
+
+        With ``busy_poll_us``, keep polling that long after the last request before
+        going back to sleep: the next request of a decode step then needs no wake-up.
+        A wake-up's work is bounded (``_DRAIN_SLICE_NS``); past it the rest is picked up
+        on the loop's next turn, so the stats socket, reaper and watchdog still run."""
+        now = time.perf_counter_ns
+        start = last = now()
+        while True:
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                t = now()
+                if t - last >= self.busy_poll_ns:
+                    return
+                if t - start >= _DRAIN_SLICE_NS:
+                    asyncio.get_running_loop().call_soon(self._drain, sock)
+                    return
+                continue
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
-            tr = time.perf_counter_ns()  # the reply's "tr": the request is here, not yet decoded
+                continue
+            tr = now()  # the reply's "tr": the request is here, not yet decoded
             if len(frames) < 2:
                 continue  # an empty message carries no request to answer
             identity = frames[0].bytes
@@ -167,6 +183,10 @@ class Daemon:
                 sock.send_multipart([identity, *reply], zmq.NOBLOCK, copy=send_copy(reply))
             except zmq.Again:  # the client stopped reading and its queue is full
                 log.warning("reply to a client dropped: its queue is full")
+            last = now()
+            if last - start >= _DRAIN_SLICE_NS:
+                asyncio.get_running_loop().call_soon(self._drain, sock)
+                return
 
     def stop(self) -> None:
         self._stop.set()
@@ -284,10 +304,26 @@ class Daemon:
 
     def on_topk(self, s: Session, identity, h, a):
         st = self._state(s)
-        if "topk" not in a:
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
         fence = _fence(h)
         step = _int(h, "step")
+        block = h.get("block")
+        if block is not None:
+            # The client wrote the step block(s) into its pinned ring entry `block`: no
+            # array on the socket, nothing to copy (cuda ranks only).
+            if type(block) is not int or a:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "block must be an entry number, sent without arrays")
+            serve = getattr(st, "serve_topk_block", None)
+            if serve is None:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "this rank has no client-written step blocks (cuda only)")
+            begin = h.get("begin") is True
+            fields, arrays, deltas = serve(step, _int(h, "group"), block, begin, fence)
+            c = self.stats.c
+            c["steps"] += begin
+            for k, v in deltas.items():
+                c[k] += v
+            return fields, arrays
+        if "topk" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
         state_rows = a.get("state_rows")
         if h.get("begin") is True:
             # The step's STEP rides on its first TOPK (one message, one wake-up): begin
@@ -435,6 +471,7 @@ class Daemon:
 
 
 _KINDS = {int(m): m for m in MsgType}
+_DRAIN_SLICE_NS = 20_000_000  # most time one loop wake-up spends on requests
 
 
 def _int(h: dict, name: str) -> int:

@@ -83,6 +83,11 @@ class CudaBackend:
             self.close()
             raise
         self.devices = [f"cuda:{w.ordinal}" for w in self.workers]
+        # Each rank's pinned step blocks live in a shared-memory file its client maps.
+        from ..backends import remove_stale, run_dir_tag  # noqa: PLC0415
+
+        self._blocks_prefix = os.path.join(cfg.shm_dir, f"sparsekv-{run_dir_tag(cfg.run_dir)}-blocks-")
+        remove_stale(self._blocks_prefix)
         self._ranks: dict[int, CudaRankState] = {}
         self._pinned: dict[str, PinnedRegion] = {}
         self._retired: dict[str, int] = {}
@@ -115,7 +120,7 @@ class CudaBackend:
             self._pinned[space.name] = pinned
         try:
             state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
-                                  graphs=GRAPHS)
+                                  graphs=GRAPHS, blocks_path=f"{self._blocks_prefix}{client_id}")
             if fence_events:
                 from sparsekv.proto.cuda_ipc import ImportedEvents  # noqa: PLC0415
 

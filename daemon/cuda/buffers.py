@@ -17,6 +17,11 @@ Arena layout of one rank (each section a 256-byte aligned range of the arena):
 | ``layers`` | int32 ``[L]`` | write path: the layers of a staged write |
 | ``workspace`` | uint8 ``[B, resolve workspace]`` | resolve, when its workspace is too big for shared memory |
 
+Pinned host blocks (one shared-memory file, registered; ``HostBlocks``): R STEP and R TOPK
+blocks the daemon writes (requests whose arrays came on the socket), R STEP and R TOPK
+blocks the client writes (it then sends a TOPK naming the entry: no array on the
+socket), the stats mirror, the write path's blocks.
+
 A **step block** is int32 ``[DESC_INTS + 2 B + B K]``: the descriptor, ``rows`` (state row
 per batch row), ``aux`` (STEP: reset flag per batch row), ``payload`` (TOPK: the top-k ids
 ``[batch, k]``; STEP: the invalidate rows ``[batch, n]``), each contiguous from its start.
@@ -33,43 +38,47 @@ import mmap
 import numpy as np
 
 from ..residency.base import ResidencyError
-from ..residency.cuda import COUNTERS_PER_GROUP, DESC_INTS, ERR_INTS
+from sparsekv.proto.step_block import BlockView, block_ints
+
+from ..residency.cuda import COUNTERS_PER_GROUP, ERR_INTS
 from .arena import ArenaFull
 
 
-def block_ints(max_batch: int, top_k: int) -> int:
-    """int32 entries of one step block."""
-    return DESC_INTS + 2 * max_batch + max_batch * top_k
-
-
-class BlockView:
-    """The sections of one step block (device or host array of ``block_ints`` entries)."""
-
-    def __init__(self, block, max_batch: int):
-        self.block = block
-        self.desc = block[:DESC_INTS]
-        self.rows = block[DESC_INTS: DESC_INTS + max_batch]
-        self.aux = block[DESC_INTS + max_batch: DESC_INTS + 2 * max_batch]
-        self.payload = block[DESC_INTS + 2 * max_batch:]
-
-
 class HostBlocks:
-    """Pinned, mapped host memory for a rank's transport: an anonymous mapping registered
-    with ``cudaHostRegister`` (portable, mapped), so kernels read it and the copy engine
-    writes it. Owns both; :meth:`close` is idempotent."""
+    """Pinned, mapped host memory for a rank's transport: a shared-memory file (the client
+    maps it too, and writes its step blocks there) registered with ``cudaHostRegister``
+    (portable, mapped), so kernels read it and the copy engine writes it. Owns the file,
+    the mapping and the registration; :meth:`close` is idempotent and removes the file.
 
-    def __init__(self, nbytes: int):
+    ``path`` None: an anonymous mapping (in-process use)."""
+
+    def __init__(self, nbytes: int, path: str | None = None):
+        import os
+
         from ..pinned import PinnedRegion
 
         self.nbytes = max(mmap.PAGESIZE, -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
-        self._mm = mmap.mmap(-1, self.nbytes)
+        self.path = path
+        if path is None:
+            self._mm = mmap.mmap(-1, self.nbytes)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)  # no SIGBUS later: fail here
+                self._mm = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.unlink(path)
+                raise
+            finally:
+                os.close(fd)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.address = self.array.ctypes.data
         try:
             self._region = PinnedRegion(self.address, self.nbytes, 4)
-        except Exception:
+        except BaseException:
             self.array = None
             self._mm.close()
+            self._unlink()
             raise
         self.device_address = self._region.device_base
         self._used = 0
@@ -83,6 +92,19 @@ class HostBlocks:
         a = self.array[off: off + int(nbytes)].view(dtype).reshape(shape)
         return a, self.device_address + off
 
+    def offset_of(self, a: np.ndarray) -> int:
+        """Byte offset of a view from :meth:`take` in the file."""
+        return a.ctypes.data - self.address
+
+    def _unlink(self) -> None:
+        import os
+
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         if self._region is not None:
             self._region.close()
@@ -92,6 +114,7 @@ class HostBlocks:
                 self._mm.close()
             except BufferError:
                 pass  # a view outlives us; the mapping goes with the process
+            self._unlink()
 
 
 class RankBuffers:
@@ -102,9 +125,11 @@ class RankBuffers:
         layout: the attached layout.
         ring_depth: result ring entries (requests a client may have in flight).
         workspace_bytes: per-batch-row global resolve workspace (0: shared memory).
+        blocks_path: the shared-memory file of the pinned host blocks (the client maps it
+            and may write its step blocks there); None: anonymous (in process).
     """
 
-    def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0):
+    def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_path: str | None = None):
         import cupy as cp
 
         lay = layout
@@ -155,12 +180,20 @@ class RankBuffers:
             cp.cuda.runtime.deviceSynchronize()
         # Pinned host side: R step blocks, R top-k blocks, the stats mirror, the write blocks.
         n_write = 1 + lay.staging_rows
-        total = 2 * R * (self.block_ints * 4 + 256) + self.stats_bytes + 256 + 2 * (n_write * 4 + 256) \
+        total = 4 * R * (self.block_ints * 4 + 256) + self.stats_bytes + 256 + 2 * (n_write * 4 + 256) \
             + lay.num_layers * 4 + 256
-        self.host = HostBlocks(total)
         try:
+            self.host = HostBlocks(total, blocks_path)
+        except BaseException:
+            self.release()
+            raise
+        try:
+            # Written by the daemon (requests whose arrays came on the socket) ...
             self.host_step = [self._host_block() for _ in range(R)]
             self.host_topk = [self._host_block() for _ in range(R)]
+            # ... and by the client (it names the entry in a small TOPK message).
+            self.client_step = [self._host_block() for _ in range(R)]
+            self.client_topk = [self._host_block() for _ in range(R)]
             self.host_stats, self.host_stats_address = self.host.take(self.stats_bytes, np.uint8, (self.stats_bytes,))
             self.host_counters = self.host_stats[: G * COUNTERS_PER_GROUP * 8].view(np.uint64).reshape(G, -1)
             self.host_err = self.host_stats[G * COUNTERS_PER_GROUP * 8:].view(np.int32)
@@ -186,6 +219,11 @@ class RankBuffers:
                 "slots_offset": o["slots"], "misses_offset": o["misses"],
                 "step_block_offset": o["step_block"], "topk_block_offset": o["topk_block"],
                 "block_ints": self.block_ints,
+                # The pinned host step blocks, which the client may write itself (one
+                # small TOPK message then names the entry; no array on the socket).
+                "blocks_path": self.host.path, "blocks_bytes": self.host.nbytes,
+                "client_step_offsets": [self.host.offset_of(b.block) for b, _ in self.client_step],
+                "client_topk_offsets": [self.host.offset_of(b.block) for b, _ in self.client_topk],
                 "ring_depth": self.ring_depth, "max_batch": self.max_batch, "top_k": lay.top_k,
                 "events": events}
 

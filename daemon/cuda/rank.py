@@ -54,10 +54,12 @@ class CudaRankState(RankState):
         ring_depth: result ring entries.
         gather_blocks: the most blocks a gather uses (SMs are shared with attention).
         graphs: replay a CUDA graph per request (True) or launch kernel by kernel.
+        blocks_path: the shared-memory file of the rank's pinned step blocks (None:
+            anonymous, for in-process use).
     """
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
-                 graphs: bool = True):
+                 graphs: bool = True, blocks_path: str | None = None):
         import cupy as cp
 
         from sparsekv.proto.cuda_ipc import EventRing
@@ -69,7 +71,7 @@ class CudaRankState(RankState):
             stream = worker.stream
             residency = CudaResidency(lay, kernels=worker.kernels, stream=stream)
             ws = residency.workspace_bytes if residency.workspace_global else 0
-            self.buffers = bufs = RankBuffers(worker.arena, lay, ring_depth, ws)
+            self.buffers = bufs = RankBuffers(worker.arena, lay, ring_depth, ws, blocks_path)
             try:
                 mover = CudaMover(lay, pinned, pool_offset=0, kernels=worker.kernels, stream=stream,
                                   buffers=DeviceBuffers(None, bufs.slab, bufs.staging, bufs.offsets["staging"]),
@@ -97,19 +99,33 @@ class CudaRankState(RankState):
     def serve_topk(self, step, group, topk, state_rows=None, fence=None):
         state_rows = self.batch_rows(step, state_rows)
         topk = _i32("topk", topk, 2)
-        wait = None
-        if fence is not None:
-            fence_events = self.fence_events
-            if fence_events is None or not 0 <= fence < len(fence_events.ptrs):
-                raise ResidencyError("BAD_ARGUMENT", f"fence {fence} names no event the client exported at attach")
-
-            def wait(stream):
-                # The client's reads of the slab (earlier steps) finish before we overwrite.
-                fence_events.wait(fence, stream.ptr)
+        wait = self._fence_wait(fence)
         with self._cp.cuda.Device(self.worker.ordinal):
             entry = self.transport.topk(int(step), int(group), state_rows, topk, wait)
         batch, k = topk.shape
         return {"entry": entry, "batch": batch, "k": k}, None, {"topk_batches": 1}
+
+    def serve_topk_block(self, step: int, group: int, entry: int, begin: bool, fence=None):
+        """A TOPK (with ``begin``: and its STEP) whose step blocks the client wrote into its
+        pinned block ``entry``; see ``ZmqTransport.topk_block``."""
+        wait = self._fence_wait(fence)
+        with self._cp.cuda.Device(self.worker.ordinal):
+            self.transport.topk_block(int(entry), bool(begin), wait)
+        if begin:
+            self.step = int(step)
+        return {"entry": int(entry)}, None, {"topk_batches": 1}
+
+    def _fence_wait(self, fence):
+        if fence is None:
+            return None
+        fence_events = self.fence_events
+        if fence_events is None or not 0 <= fence < len(fence_events.ptrs):
+            raise ResidencyError("BAD_ARGUMENT", f"fence {fence} names no event the client exported at attach")
+
+        def wait(stream):
+            # The client's reads of the slab (earlier steps) finish before we overwrite.
+            fence_events.wait(fence, stream.ptr)
+        return wait
 
     def take_error(self) -> ResidencyError | None:
         """The first error the kernels recorded since the last call, as the cpu backend's

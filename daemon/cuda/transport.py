@@ -19,8 +19,9 @@ import abc
 
 import numpy as np
 
+from sparsekv.proto.step_block import write_step, write_topk
+
 from ..residency.base import ResidencyError
-from ..residency.cuda import D_BATCH, D_GROUP, D_INV_N, D_K, D_SEQ, D_STEP
 from .step import capture
 
 
@@ -85,12 +86,17 @@ class ZmqTransport(Transport):
         self._topk_used = [False] * b.ring_depth
         self.graphs = bool(graphs)
         self._step_graphs, self._topk_graphs = [], []
+        self._cstep_graphs, self._ctopk_graphs = [], []
         if self.graphs:
             for e in range(b.ring_depth):
                 self._step_graphs.append(capture(
                     lambda s, e=e: dstep.enqueue_step_request(b.host_step[e][1], s), worker.ordinal))
                 self._topk_graphs.append(capture(
                     lambda s, e=e: dstep.enqueue_topk_request(e, b.host_topk[e][1], s), worker.ordinal))
+                self._cstep_graphs.append(capture(
+                    lambda s, e=e: dstep.enqueue_step_request(b.client_step[e][1], s), worker.ordinal))
+                self._ctopk_graphs.append(capture(
+                    lambda s, e=e: dstep.enqueue_topk_request(e, b.client_topk[e][1], s), worker.ordinal))
 
     def _next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0x7FFFFFFF
@@ -117,16 +123,7 @@ class ZmqTransport(Transport):
         if self._step_used[e] and not self._step_done[e].done:
             self._step_done[e].synchronize()  # back pressure: ring_depth steps ago, rarely waits
         blk, addr = self.buffers.host_step[e]
-        d = blk.desc
-        d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = \
-            self._next_seq(), step & 0x7FFFFFFF, batch, 0, 0, n
-        blk.rows[:batch] = state_rows
-        if reset is None:
-            blk.aux[:batch] = 0
-        else:
-            blk.aux[:batch] = reset
-        if n:
-            blk.payload[: batch * n] = invalidate.reshape(-1)
+        write_step(blk, self._next_seq(), step, state_rows, reset, invalidate if n else None)
         stream = self.worker.stream
         if self.graphs:
             self._step_graphs[e].launch(stream)
@@ -152,11 +149,7 @@ class ZmqTransport(Transport):
             # before its pinned block is overwritten; normally long finished.
             self.events.events[e].synchronize()
         blk, addr = self.buffers.host_topk[e]
-        d = blk.desc
-        d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = \
-            self._next_seq(), step & 0x7FFFFFFF, batch, k, group, 0
-        blk.rows[:batch] = state_rows
-        blk.payload[: batch * k] = topk.reshape(-1)
+        write_topk(blk, self._next_seq(), step, group, state_rows, topk)
         stream = self.worker.stream
         if fence is not None:
             fence(stream)
@@ -168,6 +161,30 @@ class ZmqTransport(Transport):
         self._topk_used[e] = True
         return e
 
+    def topk_block(self, entry: int, begin: bool, fence=None) -> int:
+        """A TOPK whose step block the client wrote into its pinned block ``entry`` (and,
+        with ``begin``, its STEP into its step block ``entry``): nothing to check or copy
+        on the host, the kernels check the descriptor. The client made sure the entry's
+        previous use is done (its event) before writing it."""
+        if not 0 <= entry < len(self._topk_used):
+            raise ResidencyError("BAD_ARGUMENT", f"block {entry} outside the ring of {len(self._topk_used)}")
+        stream = self.worker.stream
+        b = self.buffers
+        if fence is not None:
+            fence(stream)
+        if self.graphs:
+            if begin:
+                self._cstep_graphs[entry].launch(stream)
+            self._ctopk_graphs[entry].launch(stream)
+        else:
+            if begin:
+                self.dstep.enqueue_step_request(b.client_step[entry][1], stream)
+            self.dstep.enqueue_topk_request(entry, b.client_topk[entry][1], stream)
+        self.events.record(entry, stream)
+        self._topk_used[entry] = True
+        return entry
+
     def close(self) -> None:
         self.worker.stream.synchronize()
         self._step_graphs, self._topk_graphs = [], []
+        self._cstep_graphs, self._ctopk_graphs = [], []

@@ -50,9 +50,8 @@ DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
 SETUP_BLOCKS = 1024  # cap for the grid-stride reset/invalidate kernels
 STEP_BLOCKS = 128  # fixed grid of skv_begin_step (blocks stride over batch rows x groups)
 
-# The step descriptor (csrc/common.cuh): int32[DESC_INTS] in device memory.
-DESC_INTS = 16
-D_SEQ, D_STEP, D_BATCH, D_K, D_GROUP, D_INV_N = range(6)
+# The step descriptor (csrc/common.cuh, proto/step_block.py): int32[DESC_INTS].
+from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_INV_N, D_K, D_SEQ, D_STEP, DESC_INTS  # noqa: E402,F401
 # The error record (csrc/common.cuh): int32[ERR_INTS]; err[e] counts kind e, err[8 + e],
 # err[16 + e], err[24 + e] hold the batch row, step and group of the latest.
 ERR_INTS = 32

@@ -1,0 +1,63 @@
+"""The step block: how a decode step is described to the daemon's kernels (both sides
+write it; the kernels check every value). int32 entries:
+
+    [desc: DESC_INTS] [rows: max_batch] [aux: max_batch] [payload: max_batch * top_k]
+
+* ``desc``: ``SEQ`` (request number, for error reports), ``STEP``, ``BATCH`` (rows),
+  ``K`` (top-k columns), ``GROUP`` (index group), ``INV_N`` (invalidate columns);
+* ``rows``: the state row of each batch row (-1 = padding);
+* ``aux``: a STEP block's reset flag per batch row (0/1);
+* ``payload``: a TOPK block's ids ``[batch, K]``, a STEP block's invalidate rows
+  ``[batch, INV_N]``, contiguous from the start.
+
+``csrc/common.cuh`` declares the same numbers for the kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DESC_INTS = 16
+D_SEQ, D_STEP, D_BATCH, D_K, D_GROUP, D_INV_N = range(6)
+
+
+def block_ints(max_batch: int, top_k: int) -> int:
+    """int32 entries of one step block."""
+    return DESC_INTS + 2 * max_batch + max_batch * top_k
+
+
+class BlockView:
+    """The sections of one step block (a device or host array of ``block_ints`` entries)."""
+
+    def __init__(self, block, max_batch: int):
+        self.block = block
+        self.desc = block[:DESC_INTS]
+        self.rows = block[DESC_INTS: DESC_INTS + max_batch]
+        self.aux = block[DESC_INTS + max_batch: DESC_INTS + 2 * max_batch]
+        self.payload = block[DESC_INTS + 2 * max_batch:]
+
+
+def write_topk(blk: BlockView, seq: int, step: int, group: int, state_rows: np.ndarray, topk: np.ndarray) -> None:
+    """Fill a TOPK block (host memory)."""
+    batch, k = topk.shape
+    d = blk.desc
+    d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = \
+        seq & 0x7FFFFFFF, step & 0x7FFFFFFF, batch, k, group, 0
+    blk.rows[:batch] = state_rows
+    blk.payload[: batch * k] = topk.reshape(-1)
+
+
+def write_step(blk: BlockView, seq: int, step: int, state_rows: np.ndarray, reset, invalidate) -> None:
+    """Fill a STEP block (host memory); ``reset`` and ``invalidate`` may be None."""
+    batch = state_rows.shape[0]
+    n = 0 if invalidate is None else invalidate.shape[1]
+    d = blk.desc
+    d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = \
+        seq & 0x7FFFFFFF, step & 0x7FFFFFFF, batch, 0, 0, n
+    blk.rows[:batch] = state_rows
+    if reset is None:
+        blk.aux[:batch] = 0
+    else:
+        blk.aux[:batch] = reset
+    if n:
+        blk.payload[: batch * n] = invalidate.reshape(-1)
