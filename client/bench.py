@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -129,33 +130,33 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
                host_rows=2 * batch * 16384, num_layers=num_layers, context=12000, lifetime=steps,
                arrive=1.0, pad=0.0, invalidate=0.0, out_of_range=0.0, share_prefix=0.0, overlap=0.8, seed=seed)
     lay = tr.layout()
+    # Both paths in one window, step by step (in process, then through the daemon), so
+    # that drift of the machine between two long runs does not land in the difference.
     # In process: a rank of the daemon's own kind, driven directly.
-    with HostPool(lay.pool_bytes + (2 << 20)) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(HostPool(lay.pool_bytes + (2 << 20)))
         pinned = PinnedRegion(pool.address, lay.pool_bytes, lay.row_bytes)
+        stack.callback(pinned.close)
         worker = DeviceWorker(0, 2 << 30, get_cache())
-        try:
-            space = EngineSpace("bench", lay, pool.view(0, (lay.num_layers, lay.host_rows, lay.row_bytes)), 0)
-            rank = CudaRankState(0, worker, space, pinned, ring_depth=8, gather_blocks=32)
-            base = np.zeros(steps)
-            with cp.cuda.Device(0):
-                for t in range(steps):
-                    t0 = time.perf_counter()
-                    rank.begin_step(t, tr.state_rows[t], tr.reset[t], tr.invalidate[t])
-                    f, _, _ = rank.serve_topk(t, 0, tr.topk[t])
-                    worker.stream.synchronize()
-                    rank.buffers.slots[f["entry"], :batch, :top_k].get()
-                    base[t] = time.perf_counter() - t0
-            rank.close()
-        finally:
-            worker.close()
-            pinned.close()
-    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
-                       extra_args=["--device-arena-size", "4GiB"]) as d, \
-            Client(d.run_dir, name="bench", device="cuda:0") as c:
+        stack.callback(worker.close)
+        space = EngineSpace("bench", lay, pool.view(0, (lay.num_layers, lay.host_rows, lay.row_bytes)), 0)
+        rank = CudaRankState(0, worker, space, pinned, ring_depth=8, gather_blocks=32)
+        stack.callback(rank.close)
+        d = stack.enter_context(PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
+                                              extra_args=["--device-arena-size", "4GiB"]))
+        c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0"))
         c.attach(lay, engine="bench")
+        base = np.zeros(steps)
         over, reply = np.zeros(steps), np.zeros(steps)
         daemon_host, sock_in, sock_out = np.zeros(steps), np.zeros(steps), np.zeros(steps)
         for t in range(steps):
+            with cp.cuda.Device(0):
+                t0 = time.perf_counter()
+                rank.begin_step(t, tr.state_rows[t], tr.reset[t], tr.invalidate[t])
+                f, _, _ = rank.serve_topk(t, 0, tr.topk[t])
+                worker.stream.synchronize()
+                rank.buffers.slots[f["entry"], :batch, :top_k].get()
+                base[t] = time.perf_counter() - t0
             t0 = time.perf_counter()
             c.step(t, tr.state_rows[t], tr.reset[t], tr.invalidate[t])
             r = c.topk(t, 0, tr.topk[t])

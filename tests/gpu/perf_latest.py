@@ -24,7 +24,7 @@ def machine() -> str:
 def main() -> int:
     out = sys.argv[1]
     commit = sys.argv[2] if len(sys.argv) > 2 else "unknown"
-    r = bench_cuda_transport()
+    r = bench_cuda_transport(steps=400)
     print(json.dumps(r))
     latest = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     latest = {f"cuda_transport_{k}" if k not in ("zmq_handoff_p50_us", "daemon_host_us_per_step") else k: v
