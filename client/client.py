@@ -334,10 +334,11 @@ class Client:
         """Poll without sleeping for up to ``spin_us``; True once a reply is waiting."""
         if not self.spin_ns:
             return False
-        poll, now = self._sock.poll, time.perf_counter_ns
+        # ZMQ_EVENTS, not poll(): a poll builds a Poller each call (microseconds).
+        get, now = self._sock.getsockopt, time.perf_counter_ns
         end = now() + self.spin_ns
         while now() < end:
-            if poll(0):
+            if get(zmq.EVENTS) & zmq.POLLIN:
                 return True
         return False
 

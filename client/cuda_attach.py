@@ -46,6 +46,7 @@ class CudaAttachment:
         self._misses = self._arena.torch(handles["misses_offset"], (R, B), "int32")
         self._events = ImportedEvents(handles["events"], self.device)
         self._fence = fence
+        self._views: dict[tuple[int, int, int], tuple] = {}
         self._blocks_mm = None
         self._next = 0
         self._used = [False] * R
@@ -89,7 +90,7 @@ class CudaAttachment:
 
         e = self._next
         self._next = (e + 1) % len(self._used)
-        if self._used[e]:
+        if self._used[e] and not self._events.done(e):
             self._events.synchronize(e)
         self._used[e] = True
         self._seq += 1
@@ -101,7 +102,7 @@ class CudaAttachment:
     def _stream_ptr(self) -> int:
         import torch  # noqa: PLC0415
 
-        return torch.cuda.current_stream(self.torch_device).cuda_stream
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     def record_fence(self) -> int | None:
         """Record the next fence event on the current stream; its index goes with TOPK."""
@@ -118,10 +119,17 @@ class CudaAttachment:
         """Make the current stream wait for ring ``entry``; return its slots and misses
         (torch int32 views, valid until ``ring_depth`` more top-k requests)."""
         self._events.wait(entry, self._stream_ptr())
-        return TopkResult(self._slots[entry, :batch, :k], self._misses[entry, :batch], None, None, entry)
+        key = (entry, batch, k)
+        views = self._views.get(key)
+        if views is None:  # torch slicing costs ~10 us a view: make each shape once
+            if len(self._views) > 4096:
+                self._views.clear()
+            views = self._views[key] = (self._slots[entry, :batch, :k], self._misses[entry, :batch])
+        return TopkResult(views[0], views[1], None, None, entry)
 
     def close(self) -> None:
         self.slab = self.staging = self._slots = self._misses = None
+        self._views = {}
         self._step_blocks = self._topk_blocks = None
         if self._blocks_mm is not None:
             try:

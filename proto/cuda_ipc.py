@@ -100,6 +100,10 @@ class ImportedEvents:
     def synchronize(self, k: int) -> None:
         _cp().cuda.runtime.eventSynchronize(self.ptrs[k])
 
+    def done(self, k: int) -> bool:
+        """Whether entry ``k``'s last recorded work is done (never waits)."""
+        return _cp().cuda.runtime.eventQuery(self.ptrs[k]) == 0
+
     def close(self) -> None:
         cp = _cp()
         for p in self.ptrs:

@@ -86,15 +86,16 @@ class ZmqTransport(Transport):
         self._topk_used = [False] * b.ring_depth
         self.graphs = bool(graphs)
         self._step_graphs, self._topk_graphs = [], []
-        self._cstep_graphs, self._ctopk_graphs = [], []
+        self._cboth_graphs, self._ctopk_graphs = [], []
         if self.graphs:
             for e in range(b.ring_depth):
                 self._step_graphs.append(capture(
                     lambda s, e=e: dstep.enqueue_step_request(b.host_step[e][1], s), worker.ordinal))
                 self._topk_graphs.append(capture(
                     lambda s, e=e: dstep.enqueue_topk_request(e, b.host_topk[e][1], s), worker.ordinal))
-                self._cstep_graphs.append(capture(
-                    lambda s, e=e: dstep.enqueue_step_request(b.client_step[e][1], s), worker.ordinal))
+                self._cboth_graphs.append(capture(  # a STEP riding on its first TOPK: one launch
+                    lambda s, e=e: (dstep.enqueue_step_request(b.client_step[e][1], s),
+                                    dstep.enqueue_topk_request(e, b.client_topk[e][1], s)), worker.ordinal))
                 self._ctopk_graphs.append(capture(
                     lambda s, e=e: dstep.enqueue_topk_request(e, b.client_topk[e][1], s), worker.ordinal))
 
@@ -173,9 +174,7 @@ class ZmqTransport(Transport):
         if fence is not None:
             fence(stream)
         if self.graphs:
-            if begin:
-                self._cstep_graphs[entry].launch(stream)
-            self._ctopk_graphs[entry].launch(stream)
+            (self._cboth_graphs if begin else self._ctopk_graphs)[entry].launch(stream)
         else:
             if begin:
                 self.dstep.enqueue_step_request(b.client_step[entry][1], stream)
@@ -187,4 +186,4 @@ class ZmqTransport(Transport):
     def close(self) -> None:
         self.worker.stream.synchronize()
         self._step_graphs, self._topk_graphs = [], []
-        self._cstep_graphs, self._ctopk_graphs = [], []
+        self._cboth_graphs, self._ctopk_graphs = [], []

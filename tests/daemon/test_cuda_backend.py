@@ -227,3 +227,26 @@ def test_rows_written_from_the_staging_buffer_reach_every_gpu(tmp_path):
             assert m[0] == rows.size, "exactly the written rows miss"
             for layer in range(lay.num_layers):
                 np.testing.assert_array_equal(att.slab[layer, 0, s[0, 3:9]].cpu().numpy(), new[layer])
+
+
+def test_every_group_of_a_step_from_client_written_blocks_equals_cpu():
+    """A cuda client writes each TOPK into its pinned step block (the STEP rides on the
+    first); later groups of the step reuse the step's state rows. Same as the cpu backend."""
+    from sparsekv.client.inproc import InprocClient
+
+    trace = small_trace(steps=12)
+    lay = trace.layout()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG) as d, Client(d.run_dir, device="cuda:0") as c, \
+            InprocClient(backend="cpu") as ref:
+        att = c.attach(lay, engine="groups")
+        assert att.has_blocks
+        ref.attach(lay, engine="groups")
+        for t in range(trace.steps):
+            for cl in (c, ref):
+                cl.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
+            for g in range(lay.num_groups):
+                s, m = c.topk(t, g, trace.topk[t]).host()
+                want = ref.topk(t, g, trace.topk[t])
+                np.testing.assert_array_equal(s, want.slots, err_msg=f"step {t} group {g}")
+                np.testing.assert_array_equal(m, want.misses, err_msg=f"step {t} group {g}")
