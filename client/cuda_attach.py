@@ -11,10 +11,14 @@ earlier step is still reading.
 
 from __future__ import annotations
 
+import logging
+
 from sparsekv.proto.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
 from sparsekv.proto import Layout
 
 from .results import TopkResult
+
+log = logging.getLogger("sparsekv.client")
 
 
 def local_device(device: str) -> int:
@@ -55,6 +59,15 @@ class CudaAttachment:
         if path:
             # The rank's pinned step blocks, shared with the daemon: a TOPK writes its
             # block here and sends only the entry number.
+            import os  # noqa: PLC0415
+
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as e:  # another user's daemon, say: top-k batches go as arrays
+                log.warning("cannot map the daemon's step blocks %s (%s); sending top-k batches on the socket",
+                            path, e.strerror)
+                path = None
+        if path:
             import mmap  # noqa: PLC0415
             import os  # noqa: PLC0415
 
@@ -62,7 +75,6 @@ class CudaAttachment:
 
             from sparsekv.proto.step_block import BlockView  # noqa: PLC0415
 
-            fd = os.open(path, os.O_RDWR)
             try:
                 self._blocks_mm = mmap.mmap(fd, handles["blocks_bytes"], mmap.MAP_SHARED,
                                             mmap.PROT_READ | mmap.PROT_WRITE)
