@@ -110,12 +110,98 @@ def bench_transport(steps=100, batch=8, top_k=256) -> dict:
             "zmq_overhead_us": round(p50z - p50b, 1), "ratio_vs_inproc": round(p50z / p50b, 3)}
 
 
+def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000) -> None:
+    """A bare ZeroMQ + CUDA IPC event echo (the floor of any cross-process hand-off):
+    each request records an interprocess event on a stream and is answered at once.
+    Polls like sparsekvd: busy for ``busy_poll_us`` after a request, then sleeps."""
+    import cupy as cp  # noqa: PLC0415
+    import zmq  # noqa: PLC0415
+
+    from sparsekv.proto.cuda_ipc import EventRing  # noqa: PLC0415
+
+    ring = EventRing(0, 1)
+    stream = cp.cuda.Stream(non_blocking=True)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"ipc://{path}")
+    handles.put(ring.handles)
+    ready.set()
+    last = time.perf_counter_ns()
+    while True:
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if time.perf_counter_ns() - last < busy_poll_us * 1000:
+                continue
+            sock.poll(1000)
+            continue
+        ident, msg = sock.recv_multipart()
+        if msg == b"stop":
+            sock.send_multipart([ident, b"bye"])
+            break
+        ring.record(0, stream)
+        sock.send_multipart([ident, b"ok"])
+        last = time.perf_counter_ns()
+    sock.close(0)
+    ctx.term()
+
+
+class _BareRoundTrip:
+    """The client side of :func:`_bare_server`: send, spin for the reply like a cuda
+    Client, make a stream wait on the event, synchronise it."""
+
+    def __init__(self, stack, spin_us: int = 500):
+        import multiprocessing as mp  # noqa: PLC0415
+        import os  # noqa: PLC0415
+        import tempfile  # noqa: PLC0415
+
+        import cupy as cp  # noqa: PLC0415
+        import zmq  # noqa: PLC0415
+
+        from sparsekv.proto.cuda_ipc import ImportedEvents  # noqa: PLC0415
+
+        ctx = mp.get_context("spawn")
+        path = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "bare.sock")
+        ready, handles = ctx.Event(), ctx.Queue()
+        self.proc = ctx.Process(target=_bare_server, args=(path, ready, handles), daemon=True)
+        self.proc.start()
+        if not ready.wait(60):
+            raise RuntimeError("bare zmq server did not start")
+        self.events = ImportedEvents(handles.get(timeout=10), 0)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.zctx = zmq.Context()
+        self.sock = self.zctx.socket(zmq.DEALER)
+        self.sock.connect(f"ipc://{path}")
+        self.spin_ns = spin_us * 1000
+        stack.callback(self.close)
+
+    def once(self) -> float:
+        import zmq  # noqa: PLC0415
+
+        t0 = time.perf_counter_ns()
+        self.sock.send(b"go")
+        end = t0 + self.spin_ns
+        while not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.perf_counter_ns() < end:
+            pass
+        self.sock.recv()
+        self.events.wait(0, self.stream.ptr)
+        self.stream.synchronize()
+        return (time.perf_counter_ns() - t0) * 1e-9
+
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.sock.recv()
+        self.sock.close(0)
+        self.zctx.term()
+        self.proc.join(10)
+        self.events.close()
+
+
 def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, num_layers=1, seed=5) -> dict:
     """A decode step through a cuda daemon over zmq (STEP + TOPK, wait for the event,
     slots to the host) against the same device step run in this process on the same GPU
     (same kernels, same per-request CUDA graphs, same host-side block writes; no socket).
-    The difference is the cross-process hand-off (run it under MPS: DESIGN §2). The
-    header timestamps split the zmq step into client, socket and daemon time."""
+    The difference is the cross-process hand-off (run it under MPS: DESIGN §2), set
+    beside a bare ZeroMQ + IPC event round trip measured step by step in the same window.
+    The header timestamps split the zmq step into client, socket and daemon time."""
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.cuda.backend import DeviceWorker  # noqa: PLC0415
@@ -146,6 +232,8 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
                                               extra_args=["--device-arena-size", "4GiB"]))
         c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0"))
         c.attach(lay, engine="bench")
+        bare_rt = _BareRoundTrip(stack)
+        bare = np.zeros(steps)
         base = np.zeros(steps)
         over, reply = np.zeros(steps), np.zeros(steps)
         daemon_host, sock_in, sock_out = np.zeros(steps), np.zeros(steps), np.zeros(steps)
@@ -168,6 +256,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             daemon_host[t] = k_tx - k_tr
             sock_in[t] = k_tr - k_ts
             sock_out[t] = k_rx - k_tx
+            bare[t] = bare_rt.once()
         daemon_us = c.stats()["topk_latency_us"]
     warm = slice(10, None)  # the first steps fault in state and caches
     b, z = base[warm] * 1e6, over[warm] * 1e6
@@ -184,6 +273,10 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             "topk_socket_in_p50_us": p50(sock_in, 1e-3), "topk_socket_out_p50_us": p50(sock_out, 1e-3),
             "daemon_topk_p50_us": round(daemon_us["p50"], 1),
             "zmq_handoff_p50_us": round(float(np.median(z) - np.median(b)), 1),
+            # The floor measured in the same window: a bare ZeroMQ request/reply between
+            # two Python processes plus a CUDA IPC event wait (DESIGN §2: 120 us).
+            "bare_zmq_event_rtt_p50_us": p50(bare, 1e6),
+            "handoff_vs_bare_rtt": round(float((np.median(z) - np.median(b)) / np.median(bare[warm])), 3),
             "ratio_vs_inproc": round(float(np.median(z) / np.median(b)), 3)}
 
 
