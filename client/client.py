@@ -94,6 +94,7 @@ class Client:
         self._deferred: list[int] = []  # requests sent without waiting (STEP)
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
+        self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
         self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
         # Per request type, the last reply's (sent, daemon received, daemon replied,
         # received here) in perf_counter_ns: one clock (CLOCK_MONOTONIC) for the whole host.
@@ -237,11 +238,9 @@ class Client:
         step = fields["step"]
         begin = None
         if begins:
-            _, arrays = self._pending_step
-            self._pending_step = None
+            arrays = self._pending_step[1]
             rows = arrays["state_rows"]
             begin = (arrays.get("reset"), arrays.get("invalidate"))
-            fields["begin"] = True
         elif state_rows is not None:
             rows = np.asarray(state_rows, dtype=np.int32)
         elif self._step_rows is not None and self._step_rows[0] == step:
@@ -250,13 +249,23 @@ class Client:
             last = self._step_rows[0] if self._step_rows is not None else -1
             raise BadRequest(f"top-k for step {step} but the last STEP was {last}; send STEP first",
                              ErrorCode.BAD_ARGUMENT)
-        _check_batch(att, rows, topk, begin)
+        _check_batch(att, rows, topk, begin)  # before anything is consumed or written
+        if begins:
+            self._pending_step = None
+            fields["begin"] = True
+        e = att.next_entry()
+        prev = self._block_requests.get(e)
+        if prev is not None and prev in self._sent:
+            # The daemon has not answered the entry's last request yet, so its graph may
+            # not even be launched: its pinned block must not be rewritten before.
+            self._receive_until(prev)
         fence = att.record_fence()
         if fence is not None:
             fields["fence"] = fence
-        fields["block"] = att.write_blocks(step, fields["group"], rows, topk, begin)
+        fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin)
         batch, k = topk.shape
         req = self._send(MsgType.TOPK, fields)
+        self._block_requests[e] = req
         return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> TopkResult:

@@ -93,15 +93,19 @@ class CudaAttachment:
     def has_blocks(self) -> bool:
         return self._blocks_mm is not None
 
-    def write_blocks(self, step: int, group: int, state_rows, topk, begin=None) -> int:
-        """Write a TOPK (and, with ``begin`` = (reset, invalidate), its STEP) into the next
-        entry's pinned blocks; return the entry. The entry's previous use must be done on
-        the GPU before its blocks are rewritten (its event; ring_depth requests ago, so
-        this rarely waits)."""
-        from sparsekv.proto.step_block import write_step, write_topk  # noqa: PLC0415
-
+    def next_entry(self) -> int:
+        """The entry the next :meth:`write_blocks` should use (round robin)."""
         e = self._next
         self._next = (e + 1) % len(self._used)
+        return e
+
+    def write_blocks(self, e: int, step: int, group: int, state_rows, topk, begin=None) -> int:
+        """Write a TOPK (and, with ``begin`` = (reset, invalidate), its STEP) into entry
+        ``e``'s pinned blocks; return ``e``. The caller has the reply of the entry's last
+        request (so its graph is launched); here its GPU work must be done too before the
+        blocks are rewritten (its event; ring_depth requests ago: this rarely waits)."""
+        from sparsekv.proto.step_block import write_step, write_topk  # noqa: PLC0415
+
         if self._used[e] and not self._events.done(e):
             self._events.synchronize(e)
         self._used[e] = True

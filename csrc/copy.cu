@@ -150,9 +150,15 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int* __restrict__ plan_rows, const int* __restrict__ plan_slots,
     const int* __restrict__ misses, const int max_batch, const int ld)
 {
-    const int batch = desc[SKV_D_BATCH];
-    const int group = desc[SKV_D_GROUP];
-    if (batch <= 0 || batch > max_batch || group < 0 || group >= groups) return;
+    // Read once into shared memory: the loop bounds (and barriers) of the copy depend on
+    // them, and a client may rewrite its step block while the kernel runs.
+    __shared__ int sh_desc[SKV_DESC_INTS];
+    if (threadIdx.x < SKV_DESC_INTS) sh_desc[threadIdx.x] = desc[threadIdx.x];
+    __syncthreads();
+    const int batch = sh_desc[SKV_D_BATCH];
+    const int group = sh_desc[SKV_D_GROUP];
+    const int k = sh_desc[SKV_D_K];
+    if (batch <= 0 || batch > max_batch || group < 0 || group >= groups || k < 0 || k > ld) return;
     const int* g = group_layers + (i64)group * layers_stride;
     int n_layers = g[0];
     n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);

@@ -141,14 +141,28 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     __shared__ int sh_cell;
     SKV_DYN_SMEM(skv_smem);
 
+    __shared__ int sh_desc[SKV_DESC_INTS];
+    __shared__ int sh_row[2];
+
     const int tid = threadIdx.x;
     const int b0 = blockIdx.x;
-    const int batch = desc[SKV_D_BATCH];
-    const int k = desc[SKV_D_K];
-    const int group = desc[SKV_D_GROUP];
+    // Every value that steers control flow is read once, by one thread, into shared
+    // memory: a client may rewrite its step block while the kernel runs, and threads of
+    // one block that saw different values would diverge around the barriers.
+    if (tid < SKV_DESC_INTS) sh_desc[tid] = desc[tid];
+    if (tid == 0) sh_row[0] = b0 < max_batch ? state_rows[b0] : -1;
+    __syncthreads();
+    const int batch = sh_desc[SKV_D_BATCH];
+    const int k = sh_desc[SKV_D_K];
+    const int group = sh_desc[SKV_D_GROUP];
     if (batch < 0 || batch > max_batch || k < 0 || k > out_k || group < 0 || group >= groups) {
-        // Nothing is resolved; the gather reads the same descriptor and does nothing.
-        if (b0 == 0 && tid == 0) skv_report(err, SKV_E_BAD_STEP, -1, desc);
+        // Nothing is resolved: every row gets slots -1 and 0 misses (the gather then
+        // copies nothing, and no stale result of the ring entry is left for the client).
+        for (int c = tid; c < out_k; c += SKV_RT) slots_out[(i64)b0 * out_k + c] = SKV_NONE;
+        if (tid == 0) {
+            misses_out[b0] = 0;
+            if (b0 == 0) skv_report(err, SKV_E_BAD_STEP, -1, sh_desc);
+        }
         return;
     }
     if (b0 >= batch) return;
@@ -157,12 +171,12 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     int* owner_g = owner_all + (i64)group * max_reqs * S;
     int* lru_g = lru_all + (i64)group * max_reqs * S;
     u64* cnt = counters + (i64)group * counters_per_group;
-    const int s = state_rows[b0];
+    const int s = sh_row[0];
     if (s < 0 || s >= max_reqs) {
         for (int c = tid; c < out_k; c += SKV_RT) slots_out[(i64)b0 * out_k + c] = SKV_NONE;
         if (tid == 0) {
             misses_out[b0] = 0;
-            if (s != -1) skv_report(err, SKV_E_BAD_STATE_ROW, b0, desc);
+            if (s != -1) skv_report(err, SKV_E_BAD_STATE_ROW, b0, sh_desc);
         }
         return;
     }
@@ -182,14 +196,18 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     int tokens = 0;
 
     for (int b = b0; b < batch; ++b) {
-        if (state_rows[b] != s) continue;  // uniform: every thread reads the same word
+        // One read per row, shared (double-buffered: a slot is rewritten two rows later,
+        // after a barrier every thread has passed since reading it).
+        if (tid == 0) sh_row[b & 1] = state_rows[b];
+        __syncthreads();
+        if (sh_row[b & 1] != s) continue;
         const int* ids = topk + (i64)b * k;
         int* out_slots = slots_out + (i64)b * out_k;
         if (++tokens > max_tokens) {
             for (int c = tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
             if (tid == 0) {
                 misses_out[b] = 0;
-                skv_report(err, SKV_E_TOO_MANY_TOKENS, b, desc);
+                skv_report(err, SKV_E_TOO_MANY_TOKENS, b, sh_desc);
             }
             continue;
         }
@@ -227,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             for (int c = tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
             if (tid == 0) {
                 misses_out[b] = 0;
-                skv_report(err, SKV_E_DUPLICATE_IDS, b, desc);
+                skv_report(err, SKV_E_DUPLICATE_IDS, b, sh_desc);
             }
             continue;
         }
@@ -336,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         }
         for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
         if (__syncthreads_or(bad_slot)) corrupt = 1;
-        if (corrupt && tid == 0) skv_report(err, SKV_E_CORRUPT_STATE, b, desc);
+        if (corrupt && tid == 0) skv_report(err, SKV_E_CORRUPT_STATE, b, sh_desc);
 
         // 5. plan: misses in host-row order, compacted.
         int* prow = plan_rows + (i64)b * out_k;
@@ -446,11 +464,16 @@ extern "C" __global__ void skv_begin_step(const int* __restrict__ desc, int* __r
                                           const int* __restrict__ inv, const int inv_cap,
                                           int* __restrict__ err) {
     SKV_DYN_SMEM(skv_smem);
+    __shared__ int sh_desc[SKV_DESC_INTS];
+    __shared__ int sh_item[2];  // state row and reset flag of the current item
     int* sorted = (int*)skv_smem;
-    const int batch = desc[SKV_D_BATCH];
-    const int n = desc[SKV_D_INV_N];
+    // Control values are read once into shared memory (see skv_resolve).
+    if (threadIdx.x < SKV_DESC_INTS) sh_desc[threadIdx.x] = desc[threadIdx.x];
+    __syncthreads();
+    const int batch = sh_desc[SKV_D_BATCH];
+    const int n = sh_desc[SKV_D_INV_N];
     if (batch < 0 || batch > max_batch || n < 0 || n > inv_cap) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) skv_report(err, SKV_E_BAD_STEP, -1, desc);
+        if (blockIdx.x == 0 && threadIdx.x == 0) skv_report(err, SKV_E_BAD_STEP, -1, sh_desc);
         return;
     }
     const int np2 = skv_pow2(n > 0 ? n : 1);
@@ -458,13 +481,19 @@ extern "C" __global__ void skv_begin_step(const int* __restrict__ desc, int* __r
     for (i64 t = blockIdx.x; t < items; t += gridDim.x) {  // block-uniform
         const int b = (int)(t / groups);
         const int g = (int)(t % groups);
-        const int s = state_rows[b];
+        __syncthreads();  // every thread has read the previous item's cells
+        if (threadIdx.x == 0) {
+            sh_item[0] = state_rows[b];
+            sh_item[1] = reset[b];
+        }
+        __syncthreads();
+        const int s = sh_item[0];
         if (s < 0 || s >= max_reqs) {
-            if (s != -1 && g == 0 && threadIdx.x == 0) skv_report(err, SKV_E_BAD_STATE_ROW, b, desc);
+            if (s != -1 && g == 0 && threadIdx.x == 0) skv_report(err, SKV_E_BAD_STATE_ROW, b, sh_desc);
             continue;
         }
         const i64 base = ((i64)g * max_reqs + s) * S;
-        if (reset[b]) {
+        if (sh_item[1]) {
             for (int j = threadIdx.x; j < S; j += blockDim.x) {
                 owner[base + j] = -1;
                 lru[base + j] = j;

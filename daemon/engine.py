@@ -85,6 +85,10 @@ class RankState:
             raise ResidencyError(
                 "BAD_ARGUMENT", f"top-k for step {step} but the last STEP was {self.step}; send STEP first"
             )
+        if self.state_rows is None:
+            raise ResidencyError(
+                "BAD_ARGUMENT", f"step {step} began in a client-written block; send state_rows with this top-k"
+            )
         return self.state_rows
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> tuple[Resolved, int]:
@@ -122,6 +126,9 @@ class RankState:
         buffer; return the bytes once they are there."""
         lay = self.residency.layout
         return self.mover.stage(host_rows_arg(lay, rows, "stage"), check_layers(lay, layers))
+
+    def check_fence(self, fence) -> None:
+        """Raise if ``fence`` names no event the client exported (cuda); cpu: nothing."""
 
     def take_error(self) -> "ResidencyError | None":
         """An error this rank found after the fact (the cuda backend checks some input on

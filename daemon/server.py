@@ -231,6 +231,8 @@ class Daemon:
                     err = session.state.take_error()
                     if err is not None:
                         self.stats.add(async_errors=1)
+                        what = "nor the STEP it began " if header.get("begin") is True else ""
+                        err.args = (f"{err.args[0]}; this {kind.name} request {what}was not run",)
                         raise err
             fields, out_arrays = self.handlers[kind](session, identity, header, arrays)
             self.stats.c["requests"] += 1
@@ -332,6 +334,7 @@ class Daemon:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TOPK that begins a step needs the state_rows array")
             if state_rows.size > LIMITS.max_batch:
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"batch of {state_rows.size} exceeds {LIMITS.max_batch}")
+            st.check_fence(fence)  # all or nothing: the STEP does not run if the TOPK cannot
             st.begin_step(step, state_rows, a.get("reset"), a.get("invalidate"))
             self.stats.c["steps"] += 1
             state_rows = None

@@ -112,8 +112,14 @@ class CudaRankState(RankState):
         with self._cp.cuda.Device(self.worker.ordinal):
             self.transport.topk_block(int(entry), bool(begin), wait)
         if begin:
+            # The step's state rows are in the client's block, not here: a later TOPK of
+            # this step sent as arrays must carry its own (batch_rows says so).
             self.step = int(step)
+            self.state_rows = None
         return {"entry": int(entry)}, None, {"topk_batches": 1}
+
+    def check_fence(self, fence) -> None:
+        self._fence_wait(fence)
 
     def _fence_wait(self, fence):
         if fence is None:
@@ -165,33 +171,49 @@ class CudaRankState(RankState):
         bufs = self.buffers
         n = int(rows.shape[0])
         stream = self.worker.stream
-        for ev in self._write_uploads:  # the pinned write blocks are reused: uploads done?
+        # The pinned write blocks are reused: the previous write's uploads must be done.
+        # Each upload is enqueued before anything that waits on a client (fences, other
+        # streams), so this waits at most for work already queued ahead of it.
+        for ev in self._write_uploads:
             ev.synchronize()
         self._write_uploads = []
         bufs.host_write_rows[0] = n
         bufs.host_write_rows[1 : 1 + n] = rows
         bufs.host_drop_rows[:] = rows_block(rows, space.layout.staging_rows)
         bufs.host_layers[: len(layers)] = layers
+        others = [o for o in space.ranks.values() if o.worker.stream is not stream]
         with cp.cuda.Device(self.worker.ordinal), stream:
-            if fence is not None:
-                self.fence_events.wait(fence, stream.ptr)
             _upload(bufs.write_rows, bufs.host_write_rows, stream)
             _upload(bufs.layers, bufs.host_layers, stream)
+            up = cp.cuda.Event(disable_timing=True)
+            up.record(stream)
+            self._write_uploads.append(up)
+            if fence is not None:
+                self.fence_events.wait(fence, stream.ptr)
+        # Gathers already queued on other GPUs' streams read the pool rows being
+        # rewritten: the write starts after them.
+        for other in others:
+            with cp.cuda.Device(other.worker.ordinal):
+                queued = cp.cuda.Event(disable_timing=True)
+                queued.record(other.worker.stream)
+            with cp.cuda.Device(self.worker.ordinal):
+                stream.wait_event(queued)
+        with cp.cuda.Device(self.worker.ordinal), stream:
             self.mover.launch_write_staged(bufs.layers, len(layers), bufs.write_rows, stream)
             written = cp.cuda.Event(disable_timing=True)
             written.record(stream)
         for other in space.ranks.values():
             with cp.cuda.Device(other.worker.ordinal):
                 s = other.worker.stream
-                if other is not self:
+                _upload(other.buffers.drop_rows, bufs.host_drop_rows, s)
+                up = cp.cuda.Event(disable_timing=True)
+                up.record(s)
+                self._write_uploads.append(up)
+                if s is not stream:
                     # The pool rows change on this GPU's stream: no later gather of another
                     # rank (any GPU) may start before that copy is done.
                     s.wait_event(written)
-                _upload(other.buffers.drop_rows, bufs.host_drop_rows, s)
                 other.residency.invalidate_async(other.buffers.drop_rows, space.layout.staging_rows, stream=s)
-                done = cp.cuda.Event(disable_timing=True)
-                done.record(s)
-                self._write_uploads.append(done)
         return n * len(layers) * space.layout.row_bytes, 0
 
     def drop_rewritten(self, rows):

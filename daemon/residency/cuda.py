@@ -550,7 +550,14 @@ class CudaMover(Mover):
         self.threads = int(threads)
         defines = copy_defines(lay.row_bytes, threads, load)
         self._copy = kernels.function("copy.cu", "skv_copy_rows", defines)
-        self._gather = kernels.function("copy.cu", "skv_gather", defines)
+        # The gather's per-row prefix lives in shared memory: (max_batch + 1) x 8 bytes.
+        gather_smem = (lay.max_batch + 1) * 8
+        if gather_smem > DEFAULT_SMEM_BYTES:
+            limit = _smem_limit(self._copy)
+            if gather_smem > limit:
+                raise ResidencyError("TOO_LARGE", f"max_batch {lay.max_batch} needs {gather_smem} B of shared "
+                                     f"memory for one gather; this GPU allows {limit} B; lower max_batch")
+        self._gather = kernels.function("copy.cu", "skv_gather", defines, smem_bytes=gather_smem)
         # Each group's layers on the device, [groups, 1 + most layers of a group]: count, layers.
         width = 1 + max(len(g) for g in lay.groups)
         table = np.full((lay.num_groups, width), -1, np.int32)

@@ -263,3 +263,36 @@ def test_stats_scrape_does_not_wait_for_the_stream(rig):
     busy = not r.worker.stream.done
     r.worker.stream.synchronize()
     assert busy and took < 0.1, (busy, took)
+
+
+def test_a_bad_descriptor_in_a_client_block_does_nothing_and_leaves_no_stale_result(rig):
+    """The client writes its blocks itself: a descriptor out of range (k > top_k) after a
+    good TOPK on the same ring entry resolves nothing, gathers nothing, leaves the entry
+    with slots -1 and 0 misses (not the earlier result), and comes back as BAD_ARGUMENT."""
+    from sparsekv.proto.step_block import write_step, write_topk
+
+    lay = _one_row_layout(num_layers=2, index_groups=((0,), (1,)))
+    r = rig(lay, graphs=True)
+    bufs = r.rank.buffers
+    sr = np.array([1], np.int32)
+    ids = np.arange(8, dtype=np.int32)[None, :]
+    write_step(bufs.client_step[0][0], 1, 0, sr, None, None)
+    write_topk(bufs.client_topk[0][0], 1, 0, 0, sr, ids)
+    r.rank.serve_topk_block(0, 0, 0, True)
+    slots, misses = r.slots(0, 1, 8)
+    assert misses[0] == 8
+    owner0, _ = r.rank.residency.state()
+    slab0 = bufs.slab.get()
+    write_topk(bufs.client_topk[0][0], 2, 0, 1, sr, ids)
+    bufs.client_topk[0][0].desc[3] = lay.top_k + 1  # K out of range
+    r.rank.serve_topk_block(0, 1, 0, False)
+    slots, misses = r.slots(0, 1, 8)
+    assert (slots == -1).all() and misses[0] == 0
+    owner1, _ = r.rank.residency.state()
+    np.testing.assert_array_equal(owner1, owner0)
+    np.testing.assert_array_equal(bufs.slab.get(), slab0)
+    e = r.rank.take_error()
+    assert e is not None and e.code == "BAD_ARGUMENT" and "descriptor" in str(e)
+    # The step's state rows came in the block: a TOPK sent as arrays must bring its own.
+    with pytest.raises(ResidencyError, match="client-written block"):
+        r.rank.serve_topk(0, 1, ids)
