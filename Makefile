@@ -2,28 +2,43 @@
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
-STAMP   := $(VENV)/.installed
-# On machines without a GPU take the CPU build of torch (a plain `torch` pulls several GB).
-TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# CUDA=1 also installs the `cuda` extra (CuPy and torch) for the cuda backend and cuda
+# ranks. The default is the cpu backend only: no torch, no CuPy (a small .venv).
+CUDA    ?=
+comma   := ,
+EXTRAS  := $(if $(CUDA),cuda$(comma)test,test)
+# One stamp per flavour: `make install CUDA=1` after a plain install adds the extra.
+STAMP   := $(VENV)/.installed-$(if $(CUDA),cuda,cpu)
 PYTEST_ARGS ?=
+# Worker processes for `make test` / `make soak` (pytest-xdist); 0 or 1: one process.
+# Most tests wait on a daemon or a rank process, so 2 workers on 2 cores cut the wall time
+# by about 40 %. `make test-cuda` stays serial (the GPU tests share the devices).
+JOBS    ?= 2
+XDIST   := $(if $(filter-out 0 1,$(JOBS)),-n $(JOBS),)
 
-.PHONY: install test test-cuda demo bench nvcc clean
+.PHONY: install test test-cuda soak demo bench nvcc clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "$(TORCH)"
-	$(VPY) -m pip install -q -e ".[test]"
+	$(VPY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
+# The default suite: every behaviour, short property runs, no soak tests (pyproject's
+# addopts deselect `-m soak`).
 test: install
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # On the GPU machine: run everything and fail (not skip) the tests marked `cuda`.
 test-cuda: install
 	$(VPY) -m pytest -q --require-cuda $(PYTEST_ARGS)
+
+# Long runs: the tests marked `soak` and every hypothesis property test with many more
+# examples (SPARSEKV_LONG=1; tests/helpers.py `examples`). Minutes, not seconds.
+soak: install
+	SPARSEKV_LONG=1 $(VPY) -m pytest -q $(XDIST) -m "soak or hypothesis" $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/sparsekv demo

@@ -28,7 +28,19 @@ def local_device(device: str) -> int:
     return int(device.split(":", 1)[1])
 
 
+def require_cuda_extra() -> None:
+    """A cuda rank needs CuPy (IPC handles, events) and torch (its tensors); both come with
+    the ``cuda`` extra and are imported only here, on the cuda path: the cpu client and
+    the CLI run without them. Raises ImportError saying what to install."""
+    import importlib.util  # noqa: PLC0415
+
+    missing = [m for m in ("cupy", "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"a cuda rank needs {' and '.join(missing)}: pip install 'sparsekv[cuda]'")
+
+
 def bus_id_of(ordinal: int) -> str:
+    require_cuda_extra()  # the first call of a cuda rank (Client.connect)
     import cupy as cp  # noqa: PLC0415
 
     return cp.cuda.runtime.deviceGetPCIBusId(ordinal).lower()

@@ -12,6 +12,8 @@ import hashlib
 import logging
 import mmap
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,8 +68,10 @@ class CpuBackend:
         lay = space.layout
         path = f"{self._prefix}{client_id}"
         nbytes = lay.slab_bytes + lay.staging_bytes
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Group read/write: engines reach the daemon through its group (deploy/README.md).
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
+            os.fchmod(fd, 0o660)  # whatever the umask
             # Reserve the pages now: a sparse file would let a later gather die of SIGBUS
             # when shared memory runs out; this fails here, with a clear error, instead.
             try:
@@ -119,28 +123,67 @@ class CpuBackend:
             self.release_rank(cid)
 
 
+CUDA_INSTALL_HINT = "pip install 'sparsekv[cuda]'"
+
+
 def make_backend(cfg, pool):
-    """The backend ``cfg.backend`` names; ``auto`` picks cuda when a GPU and CuPy are
-    usable, else cpu."""
+    """The backend ``cfg.backend`` names.
+
+    ``auto`` picks cuda when CuPy sees a GPU, and cpu when the machine has no NVIDIA GPU
+    at all. A machine that has a GPU (``gpu_present``) but where CuPy cannot use it is an
+    error, not a quiet fall back to the cpu backend: an operator who installed the daemon
+    on a GPU node without the ``cuda`` extra would otherwise serve every engine from host
+    memory without knowing. ``backend = "cpu"`` runs the cpu backend on purpose."""
     if cfg.backend in ("auto", "cuda"):
-        reason = cuda_unavailable()
+        reason, missing = _cuda_probe()
         if reason is None:
             from .cuda.backend import CudaBackend  # noqa: PLC0415 - needs cupy
 
             return CudaBackend(cfg, pool)
+        fix = f"install the cuda extra: {CUDA_INSTALL_HINT}" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
         if cfg.backend == "cuda":
-            raise RuntimeError(f"--backend cuda: {reason}")
-        log.info("no usable GPU (%s); using the cpu backend", reason)
+            raise RuntimeError(f"--backend cuda: {reason}; {fix}")
+        gpu = gpu_present()
+        if gpu is not None:
+            raise RuntimeError(f"backend auto: this machine has an NVIDIA GPU ({gpu}) but the cuda backend "
+                               f"cannot use it ({reason}); {fix}, or set backend = \"cpu\" to serve from the "
+                               "cpu backend on purpose")
+        log.info("no NVIDIA GPU on this machine; using the cpu backend")
     return CpuBackend(cfg.run_dir, cfg.shm_dir)
 
 
 def cuda_unavailable() -> str | None:
     """None when CuPy sees a GPU, else why not."""
+    return _cuda_probe()[0]
+
+
+def _cuda_probe() -> tuple[str | None, bool]:
+    """(why CuPy cannot use a GPU, or None; whether that is because CuPy is not installed)."""
     try:
         import cupy  # noqa: PLC0415
-
+    except ImportError as e:
+        return f"CuPy is not installed ({type(e).__name__}: {e})", True
+    try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-    except Exception as e:  # noqa: BLE001 - import or driver errors alike
-        return f"{type(e).__name__}: {e}"
+            return "no CUDA device", False
+    except Exception as e:  # noqa: BLE001 - driver and runtime errors alike
+        return f"{type(e).__name__}: {e}", False
+    return None, False
+
+
+def gpu_present() -> str | None:
+    """What shows that this machine has an NVIDIA GPU, or None. Asks the driver, not CuPy
+    (so that "no GPU" and "a GPU but no CuPy" differ): the driver's control device
+    ``/dev/nvidiactl``, or ``nvidia-smi -L`` listing a GPU."""
+    if os.path.exists("/dev/nvidiactl"):
+        return "/dev/nvidiactl exists"
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode == 0 and "GPU" in r.stdout:
+        return "nvidia-smi lists " + r.stdout.strip().splitlines()[0]
     return None

@@ -22,7 +22,7 @@ def test_run_dir_tag_is_stable_and_distinct(tmp_path):
     assert run_dir_tag("/run/a") != run_dir_tag("/run/b") and len(run_dir_tag("/run/a")) == 10
 
 
-def test_new_rank_creates_a_private_slab_file_of_slab_and_staging_bytes(tmp_path):
+def test_new_rank_creates_a_group_shared_slab_file_of_slab_and_staging_bytes(tmp_path):
     be = CpuBackend("/run/x", shm_dir=str(tmp_path))
     sp = space(staging_rows=4)
     state, handles = be.new_rank(sp, 7, 1, "cpu")
@@ -30,7 +30,7 @@ def test_new_rank_creates_a_private_slab_file_of_slab_and_staging_bytes(tmp_path
     assert path == f"{tmp_path}/sparsekv-{run_dir_tag('/run/x')}-7"
     assert handles["kind"] == "shm" and handles["slab_bytes"] == sp.layout.slab_bytes
     assert os.path.getsize(path) == handles["bytes"] == sp.layout.slab_bytes + sp.layout.staging_bytes
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660  # owner and the daemon's group, whatever the umask
     # the daemon's slab array is the file: what it writes, a client mapping the file reads
     state.slab[1, 2, 3, 4] = 99
     with open(path, "rb") as f:
@@ -79,3 +79,83 @@ def test_slab_larger_than_shared_memory_is_refused_cleanly(tmp_path):
         be.new_rank(space, 1, 0, "cpu")
     assert e.value.code == "TOO_LARGE"
     assert glob.glob(f"/dev/shm/sparsekv-{run_dir_tag(run_dir)}-*") == []
+
+
+# -- make_backend: which backend `auto` picks --------------------------------------------
+def _cfg(tmp_path, backend):
+    from sparsekv.daemon.config import Config
+
+    return Config(backend=backend, run_dir=str(tmp_path), shm_dir=str(tmp_path))
+
+
+def _no_cupy(monkeypatch):
+    from sparsekv.daemon import backends
+
+    monkeypatch.setattr(backends, "_cuda_probe",
+                        lambda: ("CuPy is not installed (ModuleNotFoundError: No module named 'cupy')", True))
+
+
+def test_auto_without_a_gpu_picks_the_cpu_backend(tmp_path, monkeypatch):
+    from sparsekv.daemon import backends
+
+    _no_cupy(monkeypatch)
+    monkeypatch.setattr(backends, "gpu_present", lambda: None)
+    be = backends.make_backend(_cfg(tmp_path, "auto"), None)
+    try:
+        assert isinstance(be, CpuBackend) and be.describe()["backend"] == "cpu"
+    finally:
+        be.close()
+
+
+def test_auto_on_a_gpu_machine_without_cupy_is_an_error_naming_the_cuda_extra(tmp_path, monkeypatch):
+    import pytest
+
+    from sparsekv.daemon import backends
+
+    _no_cupy(monkeypatch)
+    monkeypatch.setattr(backends, "gpu_present", lambda: "/dev/nvidiactl exists")
+    with pytest.raises(RuntimeError) as e:
+        backends.make_backend(_cfg(tmp_path, "auto"), None)
+    msg = str(e.value)
+    assert "pip install 'sparsekv[cuda]'" in msg and "/dev/nvidiactl" in msg and 'backend = "cpu"' in msg
+    assert os.listdir(tmp_path) == []  # no cpu backend was made behind the error
+
+
+def test_backend_cuda_without_cupy_names_the_cuda_extra(tmp_path, monkeypatch):
+    import pytest
+
+    from sparsekv.daemon import backends
+
+    _no_cupy(monkeypatch)
+    monkeypatch.setattr(backends, "gpu_present", lambda: None)
+    with pytest.raises(RuntimeError, match=r"--backend cuda: CuPy is not installed.*pip install 'sparsekv\[cuda\]'"):
+        backends.make_backend(_cfg(tmp_path, "cuda"), None)
+
+
+def test_backend_cpu_on_a_gpu_machine_is_the_cpu_backend(tmp_path, monkeypatch):
+    from sparsekv.daemon import backends
+
+    _no_cupy(monkeypatch)
+    monkeypatch.setattr(backends, "gpu_present", lambda: "/dev/nvidiactl exists")
+    be = backends.make_backend(_cfg(tmp_path, "cpu"), None)
+    be.close()
+    assert isinstance(be, CpuBackend)
+
+
+def test_gpu_probe_asks_the_driver_not_cupy(tmp_path, monkeypatch):
+    """``/dev/nvidiactl`` or an ``nvidia-smi -L`` that lists a GPU; an ``nvidia-smi`` that
+    fails (installed, no driver loaded) or is absent means no GPU."""
+    from sparsekv.daemon import backends
+
+    real_exists = os.path.exists
+    monkeypatch.setattr(backends.os.path, "exists", lambda p: False if p == "/dev/nvidiactl" else real_exists(p))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert backends.gpu_present() is None  # no nvidia-smi on PATH
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the driver' >&2\nexit 9\n")
+    smi.chmod(0o755)
+    assert backends.gpu_present() is None
+    smi.write_text("#!/bin/sh\n[ \"$1\" = -L ] && echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    assert backends.gpu_present() == "nvidia-smi lists GPU 0: NVIDIA H200 (UUID: GPU-0)"
+    monkeypatch.setattr(backends.os.path, "exists", lambda p: p == "/dev/nvidiactl" or real_exists(p))
+    assert backends.gpu_present() == "/dev/nvidiactl exists"
