@@ -29,6 +29,14 @@ from sparsekv.proto import Layout
 
 PY = sys.executable
 SPAWN = mp.get_context("spawn")
+# SPARSEKV_LONG=1 (`make soak`): property tests draw many more examples.
+LONG = os.environ.get("SPARSEKV_LONG", "") not in ("", "0")
+
+
+def examples(default: int, long: int) -> int:
+    """A hypothesis ``max_examples``: ``default`` in the everyday suite (seconds on 2
+    cores), ``long`` under ``SPARSEKV_LONG=1``."""
+    return long if LONG else default
 
 
 def layout(**kw) -> Layout:

@@ -35,7 +35,7 @@ def test_long_synthetic_trace_matches_reference_model():
     assert summary["mismatched_rows"] == 0
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=helpers.examples(25, 500), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     top_k=st.integers(2, 12),

@@ -6,6 +6,8 @@ of its group, the current pool bytes of the row it owns."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
+import helpers
+
 from sparsekv.daemon.engine import EngineSpace, RankState
 from sparsekv.daemon.residency.contract import RegionModel
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
@@ -47,7 +49,7 @@ def programs(draw):
     return lay, steps, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=helpers.examples(60, 2500), deadline=None)
 @given(programs())
 def test_engine_equals_reference_and_hot_slots_hold_current_pool_bytes(program):
     lay, steps, seed = program

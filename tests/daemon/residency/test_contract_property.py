@@ -3,6 +3,8 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
+import helpers
+
 from sparsekv.daemon.residency.contract import RegionModel
 from sparsekv.daemon.residency.cpu import CpuResidency
 from sparsekv.proto.layout import Layout
@@ -36,7 +38,7 @@ def scenarios(draw):
                   max_reqs=max_reqs, host_rows=host_rows), steps
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=helpers.examples(100, 5000), deadline=None)
 @given(scenarios())
 def test_numpy_engine_equals_reference(scenario):
     layout, steps = scenario
