@@ -1,47 +1,58 @@
-"""``sparsekv``: the user command line (stats, clients, replay, trace synth, demo)."""
+"""``sparsekv``: the user command line (stats, clients, top, health, replay, trace synth,
+demo, bench).
+
+A common mistake (no daemon, a wrong run dir, a pool too small for a layout, no
+permission on a socket) ends the command with one line on stderr and a non-zero exit,
+never a traceback: :func:`main` turns those errors into that line.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
+from importlib import metadata
 
 from .client import default_run_dir
+from .errors import DaemonUnavailable, SparseKVError
+from .health import StatsSocketError, stats_query
 
 
-def _stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
-    path = os.path.join(run_dir, "stats.sock")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout_s)
+def _version() -> str:
     try:
-        s.connect(path)
-        s.sendall(command.encode() + b"\n")
-        chunks = []
-        while True:
-            b = s.recv(65536)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks).decode()
-    except (FileNotFoundError, ConnectionRefusedError):
-        raise SystemExit(f"sparsekv: no daemon at {path} (is sparsekvd running with --run-dir {run_dir}?)") from None
-    except socket.timeout:
-        raise SystemExit(f"sparsekv: daemon at {path} did not answer within {timeout_s} s") from None
-    finally:
-        s.close()
+        return metadata.version("sparsekv")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def cmd_stats(a) -> int:
     what = "json" if a.json else "prometheus" if a.prometheus else "stats"
-    sys.stdout.write(_stats_query(a.run_dir, what))
+    sys.stdout.write(stats_query(a.run_dir, what, a.timeout_s))
     return 0
 
 
 def cmd_clients(a) -> int:
-    sys.stdout.write(_stats_query(a.run_dir, "clients"))
+    sys.stdout.write(stats_query(a.run_dir, "clients", a.timeout_s))
     return 0
+
+
+def cmd_top(a) -> int:
+    from .top import run_top  # noqa: PLC0415
+
+    if a.interval_s <= 0:
+        print("sparsekv top: --interval-s must be > 0", file=sys.stderr)
+        return 2
+    return run_top(a.run_dir, a.interval_s, once=a.once)
+
+
+def cmd_health(a) -> int:
+    from .health import exit_code, probe  # noqa: PLC0415
+
+    h = probe(a.run_dir, a.timeout_s)
+    code = exit_code(h, a.live)
+    if not a.quiet:
+        print(h.message, file=sys.stdout if code == 0 else sys.stderr)
+    return code
 
 
 def cmd_replay(a) -> int:
@@ -106,38 +117,72 @@ def cmd_bench(a) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default after its help (unless the help already says it, or
+    the option is required, a switch, or has no default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.required or any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                or (not action.option_strings and action.nargs not in ("?", "*"))):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparsekv", description="sparsekv user commands")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="sparsekv", description="sparsekv user commands", formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"sparsekv {_version()}", help="print the version and exit")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def run_dir_arg(q):
-        q.add_argument("--run-dir", default=default_run_dir(), help="the daemon's run dir (default %(default)s)")
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
 
-    q = sub.add_parser("stats", help="counters of a running daemon")
+    def run_dir_arg(q, timeout_s: float = 5.0):
+        q.add_argument("--run-dir", default=default_run_dir(),
+                       help="the daemon's run dir ($SPARSEKV_RUN_DIR, else $RUNTIME_DIRECTORY, else /run/sparsekv)")
+        q.add_argument("--timeout-s", type=float, default=timeout_s, metavar="S",
+                       help="give up when the daemon has not answered after this many seconds")
+
+    q = command("stats", "counters of a running daemon")
     run_dir_arg(q)
     g = q.add_mutually_exclusive_group()
-    g.add_argument("--json", action="store_true")
-    g.add_argument("--prometheus", action="store_true")
+    g.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    g.add_argument("--prometheus", action="store_true", help="Prometheus text exposition format")
     q.set_defaults(fn=cmd_stats)
 
-    q = sub.add_parser("clients", help="one line per connected client")
+    q = command("clients", "one line per connected client")
     run_dir_arg(q)
     q.set_defaults(fn=cmd_clients)
 
-    q = sub.add_parser("replay", help="drive the stack with a recorded trace")
-    q.add_argument("trace", metavar="TRACE.npz")
-    q.add_argument("--out", required=True, metavar="RESULT.npz")
-    q.add_argument("--transport", choices=["inproc", "zmq", "doorbell"], default="inproc")
-    q.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    q = command("top", "a live view of a running daemon: rates per second, latency, pool, clients")
+    run_dir_arg(q)
+    q.add_argument("--interval-s", type=float, default=1.0, metavar="S", help="seconds between frames")
+    q.add_argument("--once", action="store_true", help="print one frame (after one interval) and exit")
+    q.set_defaults(fn=cmd_top)
+
+    q = command("health", "probe a daemon: exit 0 ready, 1 alive but not ready (starting), 2 unreachable")
+    run_dir_arg(q, timeout_s=1.0)
+    q.add_argument("--live", action="store_true",
+                   help="liveness: exit 0 also while the daemon starts (pre-faulting its pool)")
+    q.add_argument("--quiet", action="store_true", help="print nothing; the exit code says it all")
+    q.set_defaults(fn=cmd_health)
+
+    q = command("replay", "drive the stack with a recorded trace")
+    q.add_argument("trace", metavar="TRACE.npz", help="a trace file (sparsekv trace synth, DESIGN §6)")
+    q.add_argument("--out", required=True, metavar="RESULT.npz", help="where to write the slots and misses")
+    q.add_argument("--transport", choices=["inproc", "zmq", "doorbell"], default="inproc",
+                   help="inproc: the engine in this process; zmq: a daemon over its socket; doorbell: designed, not built")
+    q.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend of the private daemon")
     q.add_argument("--verify", action="store_true", help="fill the pool with a known pattern and check every hot row")
-    q.add_argument("--connect", metavar="RUN_DIR", help="use this running daemon instead of a private one")
-    q.add_argument("--daemon-log", metavar="FILE", help="log of the private daemon")
+    q.add_argument("--connect", metavar="RUN_DIR",
+                   help="use this running daemon instead of a private one (default: a private daemon)")
+    q.add_argument("--daemon-log", metavar="FILE", help="log of the private daemon (default: discarded)")
     q.set_defaults(fn=cmd_replay)
 
-    q = sub.add_parser("trace", help="trace tools")
-    tsub = q.add_subparsers(dest="trace_cmd", required=True)
-    s = tsub.add_parser("synth", help="generate a synthetic decode trace")
-    s.add_argument("--out", required=True, metavar="TRACE.npz")
+    q = command("trace", "trace tools")
+    tsub = q.add_subparsers(dest="trace_cmd", required=True, metavar="TOOL")
+    s = tsub.add_parser("synth", help="generate a synthetic decode trace", formatter_class=_HelpFormatter)
+    s.add_argument("--out", required=True, metavar="TRACE.npz", help="where to write the trace")
     for name, typ, default, help_text in (
         ("steps", int, 200, "decode steps"),
         ("batch", int, 8, "batch rows per step"),
@@ -157,17 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
         ("share-prefix", float, 0.1, "chance a new request shares a live one's prefix rows"),
         ("seed", int, 0, "random seed"),
     ):
-        s.add_argument(f"--{name}", type=typ, default=default, help=f"{help_text} (default {default})")
+        s.add_argument(f"--{name}", type=typ, default=default, help=help_text)
     s.set_defaults(fn=cmd_trace_synth)
 
-    q = sub.add_parser("bench", help="speed figures, each against a baseline measured in the same run")
+    q = command("bench", "speed figures, each against a baseline measured in the same run")
     q.add_argument("which", nargs="*", metavar="NAME",
                    help="resolve, gather, transport (cpu; the default set) or cuda_transport (needs a GPU)")
     q.set_defaults(fn=cmd_bench)
 
-    q = sub.add_parser("demo", help="two TP ranks against a private daemon on a synthetic decode")
-    q.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
-    q.add_argument("--steps", type=int, default=None)
+    q = command("demo", "two TP ranks against a private daemon on a synthetic decode")
+    q.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto", help="backend of the private daemon")
+    q.add_argument("--steps", type=int, default=None, help="decode steps (default: the demo's own number)")
     q.add_argument("--quiet", action="store_true", help="no progress output")
     q.set_defaults(fn=cmd_demo)
     return p
@@ -175,7 +220,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    return a.fn(a)
+    what = f"sparsekv {a.cmd}" + (f" {a.trace_cmd}" if a.cmd == "trace" else "")
+    try:
+        return a.fn(a)
+    except StatsSocketError as e:
+        return _fail(what, str(e))
+    except DaemonUnavailable as e:
+        # Not "INTERNAL: ...": nothing went wrong inside a daemon, there is none to ask.
+        return _fail(what, e.args[0])
+    except SparseKVError as e:  # the daemon refused (POOL_FULL, LAYOUT_MISMATCH, ...): its code and message
+        return _fail(what, str(e))
+    except PermissionError as e:
+        return _fail(what, f"permission denied: {e.filename or e}")
+    except OSError as e:
+        return _fail(what, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(what: str, message: str) -> int:
+    print(f"{what}: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the message holds
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Daemon configuration: one frozen dataclass.
 
 Precedence: defaults < TOML file (``--config``) < ``SPARSEKV_*`` environment < command line.
-``sparsekvd --print-config`` shows the result as TOML.
+Each setting has one environment name, ``SPARSEKV_<NAME>`` (``SPARSEKV_POOL_SIZE``, ...).
+``sparsekvd --print-config`` shows the result as TOML, each value with where it came from.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tomllib
 from dataclasses import dataclass, fields
 
 _UNITS = {
-    "": 1, "b": 1,
+    "b": 1,
     "k": 1000, "kb": 1000, "kib": 1 << 10,
     "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
     "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
@@ -26,15 +27,27 @@ class ConfigError(ValueError):
     """A setting has a bad value; the message names the setting and where it came from."""
 
 
-def parse_size(text: str | int) -> int:
-    """``'64GiB'`` -> bytes. Accepts an integer, or a number with B/KiB/MiB/GiB/TiB (or KB/MB/...)."""
+def parse_size(text: str | int, *, unit_required: bool = True) -> int:
+    """``'64GiB'`` -> bytes: a number with a unit, B/KiB/MiB/GiB/TiB (or KB/MB/GB/TB, powers
+    of 1000). A number without a unit is an error unless ``unit_required`` is False: in a
+    config file ``pool_size = 64`` meant as GiB would silently be 64 bytes."""
+    if isinstance(text, bool):
+        raise ValueError(f"bad size {text!r}; use e.g. 256MiB or 64GiB")
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must be >= 0, got {text}")
+        if unit_required:
+            raise ValueError(f"size {text} has no unit; write e.g. \"{text}B\", 256MiB or 64GiB")
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"bad size {text!r}; use e.g. 256MiB, 64GiB or a byte count")
+    if not m or (m.group(2) and m.group(2).lower() not in _UNITS):
+        raise ValueError(f"bad size {text!r}; use e.g. 256MiB, 64GiB or 4096B")
+    if not m.group(2):
+        if unit_required:
+            raise ValueError(f"size {text.strip()!r} has no unit; write e.g. \"{text.strip()}B\", 256MiB or 64GiB")
+        if "." in m.group(1):
+            raise ValueError(f"bad size {text!r}: a byte count is a whole number")
+        return int(m.group(1))
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -74,6 +87,9 @@ class Config:
     # request of a decode step then costs no wake-up (tens of microseconds in a VM).
     # -1: 1000 on the cuda backend, 0 (off) on the cpu backend.
     busy_poll_us: int = -1
+    # Prometheus text on http://127.0.0.1:<port>/metrics, served by the daemon's own loop;
+    # 0: off (the stats socket's `prometheus` command serves the same text).
+    metrics_port: int = 0
     log_level: str = "info"
 
     def validate(self) -> "Config":
@@ -91,35 +107,72 @@ class Config:
             raise ConfigError("max_clients must be >= 1")
         if self.reap_interval_s <= 0:
             raise ConfigError("reap_interval_s must be > 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must lie in [0, 65535] (0: off), got {self.metrics_port}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.devices != "all" and not re.fullmatch(r"\d+(,\d+)*", self.devices):
             raise ConfigError(f"devices must be 'all' or a comma list of ordinals, got {self.devices!r}")
         return self
 
-    def to_toml(self) -> str:
+    def to_toml(self, sources: dict[str, str] | None = None) -> str:
+        """The settings as TOML; with ``sources`` (from :func:`load_with_sources`) each line
+        ends with a comment saying where its value came from."""
         lines = []
+        if sources is not None:
+            lines.append("# effective sparsekvd settings; after each: default, file, env or flag")
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in _SIZES:
-                lines.append(f'{f.name} = "{format_size(v)}"')
+                line = f'{f.name} = "{format_size(v)}"'
             elif isinstance(v, str):
-                lines.append(f'{f.name} = "{v}"')
+                line = f"{f.name} = {_toml_str(v)}"
             else:
-                lines.append(f"{f.name} = {v}")
+                line = f"{f.name} = {v}"
+            if sources is not None:
+                line = f"{line:<40} # {sources.get(f.name, 'default')}"
+            lines.append(line)
         return "\n".join(lines) + "\n"
 
 
 _SIZES = ("pool_size", "device_arena_size")
 
+# What each setting means, for --help (its default and environment name are added).
+_HELP = {
+    "backend": "auto: cuda when CuPy sees a GPU, else cpu",
+    "run_dir": "where the sockets and the lock live",
+    "pool_size": "host pool for every engine's KV rows, with a unit: 256MiB, 64GiB",
+    "prefault_threads": "threads that pre-fault the pool; 0: one per core, at most 16",
+    "devices": "cuda: GPUs to serve, 'all' or a comma list of ordinals",
+    "max_clients": "connected clients (engine ranks) at most",
+    "reap_interval_s": "seconds between checks for dead client processes",
+    "shm_dir": "where cpu-backend slabs live (clients map them)",
+    "kernel_cache_dir": "cuda: compiled kernel cache; '' = ~/.cache/sparsekv/kernels",
+    "gather_blocks": "cuda: thread blocks the gather may use (SMs are shared with attention)",
+    "device_arena_size": "cuda: one allocation per GPU for every rank's slab and rings, with a unit",
+    "ring_depth": "cuda: top-k requests a rank may have in flight",
+    "busy_poll_us": "poll the control socket this long after a request; -1: 1000 on cuda, 0 on cpu",
+    "metrics_port": "serve Prometheus text on http://127.0.0.1:PORT/metrics; 0: off",
+    "log_level": "debug, info, warning or error",
+}
 
-def _coerce(name: str, value, source: str):
+
+def env_name(setting: str) -> str:
+    """The one environment variable of ``setting``."""
+    return "SPARSEKV_" + setting.upper()
+
+
+def _toml_str(v: str) -> str:
+    return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _coerce(name: str, value, source: str, *, unit_required: bool = True):
     kinds = {f.name: f.type for f in fields(Config)}
     if name not in kinds:
         raise ConfigError(f"{source}: unknown setting {name!r}")
     try:
         if name in _SIZES:
-            return parse_size(value)
+            return parse_size(value, unit_required=unit_required)
         kind = kinds[name]
         if kind == "int":
             return int(value)
@@ -132,8 +185,17 @@ def _coerce(name: str, value, source: str):
 
 def load(args: argparse.Namespace | None = None, environ=None) -> Config:
     """Build the configuration from the TOML file, the environment and parsed arguments."""
+    return load_with_sources(args, environ)[0]
+
+
+def load_with_sources(args: argparse.Namespace | None = None, environ=None) -> tuple[Config, dict[str, str]]:
+    """:func:`load`, and for each setting where its value came from: ``default``,
+    ``file PATH``, ``env NAME`` or ``flag --NAME``."""
     environ = os.environ if environ is None else environ
     values: dict = {}
+    sources: dict[str, str] = {f.name: "default" for f in fields(Config)}
+    if os.environ.get("RUNTIME_DIRECTORY"):  # what default_run_dir() reads
+        sources["run_dir"] = "default (env RUNTIME_DIRECTORY, set by systemd)"
     cfg_file = getattr(args, "config", None) or environ.get("SPARSEKV_CONFIG")
     if cfg_file:
         try:
@@ -146,34 +208,49 @@ def load(args: argparse.Namespace | None = None, environ=None) -> Config:
         section = data.get("sparsekvd", data)
         for k, v in section.items():
             values[k] = _coerce(k, v, f"config file {cfg_file}")
+            sources[k] = f"file {cfg_file}"
     for f in fields(Config):
-        env_name = "SPARSEKV_" + f.name.upper()
-        if env_name in environ:
-            values[f.name] = _coerce(f.name, environ[env_name], f"environment {env_name}")
+        name = env_name(f.name)
+        if name in environ:
+            values[f.name] = _coerce(f.name, environ[name], f"environment {name}")
+            sources[f.name] = f"env {name}"
     if args is not None:
         for f in fields(Config):
             v = getattr(args, f.name, None)
             if v is not None:
-                values[f.name] = _coerce(f.name, v, f"--{f.name.replace('_', '-')}")
-    return Config(**values).validate()
+                flag = f"--{f.name.replace('_', '-')}"
+                values[f.name] = _coerce(f.name, v, flag)
+                sources[f.name] = f"flag {flag}"
+    return Config(**values).validate(), sources
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.name == "run_dir":
+        return "$RUNTIME_DIRECTORY or /run/sparsekv"
+    v = f.default
+    if f.name in _SIZES:
+        return format_size(v)
+    return repr(v) if isinstance(v, str) else str(v)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Command-line flags for every setting (all default to None: 'not given')."""
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file with settings (table [sparsekvd] or top level)")
-    p.add_argument("--backend", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--run-dir", dest="run_dir", metavar="DIR", help="sockets live here (default $RUNTIME_DIRECTORY or /run/sparsekv)")
-    p.add_argument("--pool-size", dest="pool_size", metavar="SIZE", help="host pool size, e.g. 256MiB, 64GiB")
-    p.add_argument("--prefault-threads", dest="prefault_threads", type=int, metavar="N")
-    p.add_argument("--devices", metavar="all|0,1,..")
-    p.add_argument("--max-clients", dest="max_clients", type=int, metavar="N")
-    p.add_argument("--reap-interval-s", dest="reap_interval_s", type=float, metavar="S")
-    p.add_argument("--busy-poll-us", dest="busy_poll_us", type=int, metavar="US")
-    p.add_argument("--shm-dir", dest="shm_dir", metavar="DIR")
-    p.add_argument("--kernel-cache-dir", dest="kernel_cache_dir", metavar="DIR")
-    p.add_argument("--gather-blocks", dest="gather_blocks", type=int, metavar="N")
-    p.add_argument("--device-arena-size", dest="device_arena_size", metavar="SIZE",
-                   help="cuda: one allocation per GPU holding every rank's slab and rings, e.g. 16GiB")
-    p.add_argument("--ring-depth", dest="ring_depth", type=int, metavar="N")
-    p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
-
+    """Command-line flags for every setting. Each defaults to None ('not given', so the
+    file and the environment apply); its help shows the built-in default and its one
+    environment name."""
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file with settings (table [sparsekvd] or top level) (default: none; env SPARSEKV_CONFIG)")
+    metavars = {"pool_size": "SIZE", "device_arena_size": "SIZE", "run_dir": "DIR", "shm_dir": "DIR",
+                "kernel_cache_dir": "DIR", "devices": "all|0,1,..", "reap_interval_s": "S", "busy_poll_us": "US",
+                "metrics_port": "PORT"}
+    choices = {"backend": ["auto", "cpu", "cuda"], "log_level": ["debug", "info", "warning", "error"]}
+    types = {"int": int, "float": float}
+    for f in fields(Config):
+        kw = {"dest": f.name,
+              "help": f"{_HELP[f.name]} (default: {_default_text(f)}; env {env_name(f.name)})"}
+        if f.name in choices:
+            kw["choices"] = choices[f.name]
+        else:
+            kw["metavar"] = metavars.get(f.name, "N")
+        if f.name not in _SIZES and f.type in types:
+            kw["type"] = types[f.type]
+        p.add_argument(f"--{f.name.replace('_', '-')}", **kw)

@@ -1,33 +1,118 @@
-"""``sparsekvd``: the per-node daemon's entry point."""
+"""``sparsekvd``: the per-node daemon's entry point.
+
+Start: configuration, run-dir lock, a check that the backend can start at all (before
+minutes of pre-faulting), the pool, the backend, then serving. Signals: SIGTERM/SIGINT
+stop cleanly at any point (during the pre-fault too: STOPPING=1, pool freed, lock
+released); SIGHUP is logged and ignored (there is nothing to reload: settings are read
+at start), so it never kills the daemon and leaves stale sockets behind.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
 import signal
 import sys
+import time
 
 from . import config as config_mod
-from .backends import make_backend
+from .backends import cuda_unavailable, make_backend
 from .notify import Notifier
 from .pool import HostPool, PoolError
+from .stats import package_version
 
 log = logging.getLogger("sparsekv")
 
+# Asked of systemd (EXTEND_TIMEOUT_USEC) at each pre-fault progress report, about once a
+# second: a start that keeps moving is never killed by TimeoutStartSec=, a stuck one is.
+START_EXTEND_S = 60.0
+PROGRESS_LOG_INTERVAL_S = 5.0  # pre-fault progress lines in the log (STATUS= gets every one)
+
+
+# -- logging ------------------------------------------------------------------------------
+def _syslog_priority(levelno: int) -> int:
+    if levelno >= logging.CRITICAL:
+        return 2
+    if levelno >= logging.ERROR:
+        return 3
+    if levelno >= logging.WARNING:
+        return 4
+    if levelno >= logging.INFO:
+        return 6
+    return 7
+
+
+class JournalFormatter(logging.Formatter):
+    """sd-daemon(3) style for journald: each line starts with ``<N>``, its syslog priority
+    (journald stores it as the entry's PRIORITY), and carries no time (journald adds it).
+    Every line of a multi-line record (a traceback) gets the prefix: journald makes one
+    entry per line."""
+
+    def __init__(self):
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = f"<{_syslog_priority(record.levelno)}>"
+        return "\n".join(prefix + line for line in super().format(record).split("\n"))
+
+
+class UtcFormatter(logging.Formatter):
+    """For terminals and files: an ISO 8601 UTC time first (``2025-01-31T12:00:00.123Z``)."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt=None) -> str:  # noqa: N802 - logging's name
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+
+
+def on_journald(stream, environ=None) -> bool:
+    """True when ``stream`` is systemd's journal stream: ``$JOURNAL_STREAM`` ("dev:inode")
+    names the very file ``stream`` writes to. A child whose stderr was redirected
+    elsewhere inherits the variable but not the stream, hence the comparison."""
+    environ = os.environ if environ is None else environ
+    dev, _, ino = environ.get("JOURNAL_STREAM", "").partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat(stream.fileno())
+    except (OSError, AttributeError, ValueError):
+        return False
+    return st.st_dev == int(dev) and st.st_ino == int(ino)
+
+
+def log_handler(stream=None, environ=None) -> logging.Handler:
+    """A stderr handler with the journald or the timestamped format, whichever fits."""
+    stream = sys.stderr if stream is None else stream
+    h = logging.StreamHandler(stream)
+    h.setFormatter(JournalFormatter() if on_journald(stream, environ) else UtcFormatter())
+    return h
+
 
 def setup_logging(level: str) -> None:
-    # journald adds the time; a terminal user wants it.
-    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_sparsekvd", False):
+            root.removeHandler(h)
+    h = log_handler()
+    h._sparsekvd = True
+    root.addHandler(h)
+    root.setLevel(getattr(logging, level.upper()))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparsekvd", description="sparsekv per-node KV-cache daemon")
+    p = argparse.ArgumentParser(prog="sparsekvd", description="sparsekv per-node KV-cache daemon. Settings: "
+                                "defaults < TOML file < SPARSEKV_<NAME> environment < these flags.")
     config_mod.add_arguments(p)
-    p.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective settings as TOML, each with where it came from "
+                   "(default / file / env / flag), and exit")
+    p.add_argument("--version", action="version", version=f"sparsekvd {package_version()}",
+                   help="print the version and exit")
     return p
 
 
@@ -58,55 +143,157 @@ class RunDirLock:
             self.fd = -1
 
 
+class _Interrupted(BaseException):
+    """SIGTERM/SIGINT during start. A BaseException, like KeyboardInterrupt: no
+    ``except Exception`` on the way may swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StartSignals:
+    """Signal handling until the event loop takes over (a context manager; the previous
+    handlers come back at exit).
+
+    SIGTERM/SIGINT record a stop; inside :meth:`interruptible` (the pool's pre-fault,
+    which may take minutes) they also raise :class:`_Interrupted` at once, elsewhere
+    :meth:`check` raises it at the next step of the start. SIGHUP is logged and ignored.
+    """
+
+    def __init__(self):
+        self.requested: int | None = None
+        self._interruptible = False
+        self._saved: dict[int, object] = {}
+
+    def __enter__(self) -> "StartSignals":
+        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop), (signal.SIGHUP, self._on_hup)):
+            self._saved[sig] = signal.signal(sig, fn)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, fn in self._saved.items():
+            signal.signal(sig, fn)
+        self._saved.clear()
+
+    def _on_stop(self, signum, frame) -> None:
+        if self.requested is None:
+            self.requested = signum
+            log.info("%s during start: stopping", signal.Signals(signum).name)
+        if self._interruptible:
+            self._interruptible = False  # once: never inside the clean-up that follows
+            raise _Interrupted(signum)
+
+    def _on_hup(self, signum, frame) -> None:
+        log_sighup()
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        self.check()
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    def check(self) -> None:
+        if self.requested is not None:
+            raise _Interrupted(self.requested)
+
+
+def log_sighup() -> None:
+    log.warning("SIGHUP ignored: settings are read only at start (restart sparsekvd to change them); "
+                "logs go to stderr, nothing to reopen")
+
+
+def backend_refusal(cfg) -> str | None:
+    """Why the configured backend cannot start, found before the pool is pre-faulted (a
+    large pool takes minutes); None when it may. Only an explicit cuda backend is checked:
+    ``auto`` falls back to cpu, and make_backend decides that once the pool exists."""
+    if cfg.backend != "cuda":
+        return None
+    reason = cuda_unavailable()
+    if reason is not None:
+        return f"--backend cuda: {reason}"
+    if cfg.devices != "all":
+        import cupy  # noqa: PLC0415 - importable: cuda_unavailable() said so
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        bad = [int(o) for o in cfg.devices.split(",") if not 0 <= int(o) < count]
+        if bad:
+            return f"--devices names GPU(s) {bad}, but {count} are visible"
+    return None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = config_mod.load(args)
+        cfg, sources = config_mod.load_with_sources(args)
     except config_mod.ConfigError as e:
         print(f"sparsekvd: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        sys.stdout.write(cfg.to_toml())
+        sys.stdout.write(cfg.to_toml(sources))
         return 0
     setup_logging(cfg.log_level)
+    refusal = backend_refusal(cfg)
+    if refusal is not None:
+        log.error("cannot start: %s", refusal)
+        return 1
     notifier = Notifier()
-    try:
-        lock = RunDirLock(cfg.run_dir)
-    except (RuntimeError, OSError) as e:
-        log.error("%s", e)
-        return 1
-    pool = backend = None
-    try:
-        notifier.status(f"pre-faulting host pool of {config_mod.format_size(cfg.pool_size)}")
+    with StartSignals() as signals:
+        try:
+            lock = RunDirLock(cfg.run_dir)
+        except (RuntimeError, OSError) as e:
+            log.error("%s", e)
+            return 1
+        pool = backend = None
+        try:
+            size = config_mod.format_size(cfg.pool_size)
+            log.info("sparsekvd %s (pid %d) on %s: pre-faulting host pool of %s", package_version(), os.getpid(),
+                     cfg.run_dir, size)
+            notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")
+            last_log = [time.monotonic()]
 
-        def progress(frac: float) -> None:
-            msg = f"pre-faulting host pool: {frac * 100:.0f}%"
-            notifier.status(msg)
-            log.debug(msg)
+            def progress(frac: float) -> None:
+                msg = f"pre-faulting host pool of {size}: {frac * 100:.0f}%"
+                notifier.extend_timeout(START_EXTEND_S, status=msg)
+                now = time.monotonic()
+                if now - last_log[0] >= PROGRESS_LOG_INTERVAL_S and frac < 1.0:  # the pool logs its end
+                    last_log[0] = now
+                    log.info("%s", msg)
 
-        pool = HostPool(cfg.pool_size, cfg.prefault_threads, progress)
-        notifier.status("starting backend")
-        backend = make_backend(cfg, pool)
-        from .server import Daemon  # noqa: PLC0415 - imports zmq only when serving
+            with signals.interruptible():
+                pool = HostPool(cfg.pool_size, cfg.prefault_threads, progress)
+            signals.check()
+            notifier.extend_timeout(START_EXTEND_S, status="starting backend")
+            backend = make_backend(cfg, pool)
+            signals.check()
+            from .server import Daemon  # noqa: PLC0415 - imports zmq only when serving
 
-        daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
-                        reap_interval_s=cfg.reap_interval_s, notifier=notifier,
-                        busy_poll_us=cfg.busy_poll_us if cfg.busy_poll_us >= 0
-                        else (1000 if backend.name == "cuda" else 0))
-        return _run(daemon)
-    except (PoolError, RuntimeError, OSError) as e:
-        log.error("cannot start: %s", e)
-        return 1
-    finally:
-        if backend is not None:
-            backend.close()
-        if pool is not None:
-            pool.close()
-        lock.release()
-        notifier.close()
+            daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
+                            reap_interval_s=cfg.reap_interval_s, notifier=notifier,
+                            busy_poll_us=cfg.busy_poll_us if cfg.busy_poll_us >= 0
+                            else (1000 if backend.name == "cuda" else 0),
+                            metrics_port=cfg.metrics_port)
+            return _run(daemon, signals)
+        except _Interrupted:
+            notifier.stopping()
+            log.info("stopped before serving")
+            return 0
+        except (PoolError, RuntimeError, OSError) as e:
+            log.error("cannot start: %s", e)
+            return 1
+        finally:
+            if backend is not None:
+                backend.close()
+            if pool is not None:
+                pool.close()
+            lock.release()
+            notifier.close()
 
 
-def _run(daemon) -> int:
+def _run(daemon, signals: StartSignals) -> int:
     try:
         import uvloop  # noqa: PLC0415
 
@@ -114,10 +301,17 @@ def _run(daemon) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
         runner = asyncio.run
 
+    def stop(sig: signal.Signals) -> None:
+        log.info("%s: stopping", sig.name)
+        daemon.stop()
+
     async def go():
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, daemon.stop)
+            loop.add_signal_handler(sig, stop, sig)
+        loop.add_signal_handler(signal.SIGHUP, log_sighup)
+        if signals.requested is not None:  # arrived between the last check and the handlers above
+            daemon.stop()
         await daemon.serve()
 
     runner(go())

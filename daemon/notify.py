@@ -48,6 +48,14 @@ class Notifier:
     def stopping(self) -> bool:
         return self.send(STOPPING=1, STATUS="stopping")
 
+    def extend_timeout(self, seconds: float, status: str | None = None) -> bool:
+        """Ask systemd (>= 236) for ``seconds`` more before it gives up on the current
+        start (or stop): sent while a large pool pre-faults, so ``TimeoutStartSec=`` bounds
+        a stall, not a slow but moving start. It never shortens the unit's own timeout."""
+        fields: dict[str, str | int] = {} if status is None else {"STATUS": status}
+        fields["EXTEND_TIMEOUT_USEC"] = max(1, int(seconds * 1e6))
+        return self.send(**fields)
+
     def watchdog(self) -> bool:
         return self.send(WATCHDOG=1)
 

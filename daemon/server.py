@@ -1,4 +1,5 @@
-"""The control plane: a ZeroMQ ROUTER served on (uv)asyncio, plus the stats socket.
+"""The control plane: a ZeroMQ ROUTER served on (uv)asyncio, plus the stats socket and
+the optional loopback HTTP ``/metrics`` endpoint (same loop, same thread).
 
 One thread owns the ROUTER socket and every worker's state (STYLE 5): requests are
 handled one at a time in arrival order, so no lock guards the residency state. On the
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import psutil
 import zmq
+from prometheus_client import CollectorRegistry
 
 from sparsekv.proto import (
     ERROR_HINTS,
@@ -63,11 +65,13 @@ class Session:
     engine: str | None = None
     state: RankState | None = None
     requests: int = 0
+    errors: int = 0
 
 
 class Daemon:
     def __init__(self, run_dir: str, backend, pool: HostPool, *, max_clients: int = 256,
-                 reap_interval_s: float = 2.0, notifier: Notifier | None = None, busy_poll_us: int = 0):
+                 reap_interval_s: float = 2.0, notifier: Notifier | None = None, busy_poll_us: int = 0,
+                 metrics_port: int = 0):
         self.run_dir = run_dir
         self.backend = backend
         self.pool = pool
@@ -75,7 +79,14 @@ class Daemon:
         self.reap_interval_s = reap_interval_s
         self.busy_poll_ns = int(busy_poll_us) * 1000
         self.notifier = notifier or Notifier({})
-        self.stats = stats_mod.Stats()
+        # The daemon's own registry (never prometheus_client's global one): the top-k
+        # histogram, fed per request, and the snapshot's metrics, built at each scrape.
+        self.registry = CollectorRegistry()
+        self.stats = stats_mod.Stats(registry=self.registry)
+        self.registry.register(stats_mod.SnapshotCollector(self.snapshot))
+        self.metrics_port = int(metrics_port)  # 0: no HTTP endpoint
+        self.metrics_address: tuple[str, int] | None = None  # once bound
+        self.version = stats_mod.package_version()
         self.sessions: dict[bytes, Session] = {}
         self.engines = EngineRegistry(pool, backend)  # engine lifetimes and pool ranges
         self._next_client_id = 1
@@ -109,6 +120,14 @@ class Daemon:
         # A plain ZeroMQ socket whose file descriptor the (uv)loop watches: on each wake-up
         # the loop drains every queued request (a pipelined STEP + TOPK costs one wake-up).
         # The descriptor is edge-triggered, so ZMQ_EVENTS is re-read until no input is left.
+        http_server = None
+        if self.metrics_port:
+            # First: a port in use fails the start before any socket of the run dir exists.
+            # Loopback only: the endpoint has no authentication (a node's Prometheus agent
+            # or a sidecar scrapes it; expose it further through them, not from here).
+            http_server = await asyncio.start_server(self._http_client, host="127.0.0.1", port=self.metrics_port)
+            self.metrics_address = http_server.sockets[0].getsockname()[:2]
+            log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -141,6 +160,8 @@ class Daemon:
             for t in tasks:
                 t.cancel()
             stats_server.close()
+            if http_server is not None:
+                http_server.close()
             for s in list(self.sessions.values()):
                 self._detach(s)
             self.sessions.clear()
@@ -244,6 +265,7 @@ class Daemon:
             code = _code_of(e)
             self.stats.add(requests=1)
             self.stats.error(code.name)
+            self._count_client_error(identity)
             log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
             msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
             return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns())
@@ -251,6 +273,7 @@ class Daemon:
             log.exception("internal error on request type %s", msg_type)
             self.stats.add(requests=1)
             self.stats.error(ErrorCode.INTERNAL.name)
+            self._count_client_error(identity)
             msg = f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})"
             return reply_error(msg_type, req_id, ErrorCode.INTERNAL, msg, tr, time.perf_counter_ns())
 
@@ -288,7 +311,14 @@ class Daemon:
         except (LayoutError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
         created = engine not in self.engines
-        state, handles = self.engines.attach(s.client_id, s.rank, s.device, engine, layout, h.get("fence_events"))
+        try:
+            state, handles = self.engines.attach(s.client_id, s.rank, s.device, engine, layout, h.get("fence_events"))
+        except (PoolError, ProtocolError, ResidencyError) as e:
+            # An engine that cannot attach (no room in the pool, another layout, no room
+            # for its slab) is the operator's business, not only the client's: warn.
+            log.warning("client %d (pid %d rank %d) refused: attach to engine %r: %s: %s", s.client_id, s.pid,
+                        s.rank, engine, _code_of(e).name, e.args[0] if e.args else e)
+            raise
         s.engine, s.state = engine, state
         log.info("client %d attached to engine %r (%s)", s.client_id, engine, "new" if created else "joined")
         return {"handles": handles, "layout": layout.to_wire()}, None
@@ -373,7 +403,11 @@ class Daemon:
 
     def on_detach(self, s: Session, identity, h, a):
         attached = s.state is not None
+        engine = s.engine
         self._detach(s)
+        # A clean exit: the client said goodbye (the reaper's "gone" is the unclean one).
+        log.info("client %d (pid %d rank %d) detached%s", s.client_id, s.pid, s.rank,
+                 f" from engine {engine!r}" if attached else " (was not attached)")
         return {"was_attached": attached}, None
 
     def on_stats(self, s: Session, identity, h, a):
@@ -385,34 +419,67 @@ class Daemon:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, f"client {s.client_id} has not attached a layout")
         return s.state
 
+    def _count_client_error(self, identity: bytes) -> None:
+        s = self.sessions.get(identity)  # error path only: the hot path does not pay for it
+        if s is not None:
+            s.errors += 1
+
     def _detach(self, s: Session) -> None:
         if s.state is None:
             return
         self.engines.detach(s.client_id, s.engine)
-        log.info("client %d detached from engine %r", s.client_id, s.engine)
+        log.debug("client %d released its rank of engine %r", s.client_id, s.engine)
         s.state, s.engine = None, None
 
     def snapshot(self) -> dict:
         # cuda: hits, misses and bytes are counted on the GPUs; this reads their pinned
         # host mirrors (no synchronisation), and the rows the kernels refused, by kind.
         device_errors = getattr(self.backend, "device_errors", None)
+        arenas = self._arenas()
         return self.stats.snapshot(self.backend.device_counters(), {
             **self.backend.describe(),
             **({"device_errors": device_errors()} if device_errors else {}),
+            **({"arenas": arenas} if arenas is not None else {}),
             "clients": len(self.sessions),
             "attached": sum(1 for s in self.sessions.values() if s.state is not None),
             **self.engines.gauges(),
+            "per_engine": self._per_engine(),
             "protocol_version": PROTOCOL_VERSION,
+            "version": self.version,
             "pid": os.getpid(),
         })
 
+    def _per_engine(self) -> dict:
+        out = {}
+        for name in self.engines:
+            space = self.engines.space(name)
+            lay = space.layout
+            out[name] = {"ranks": len(space.ranks), "pool_bytes": lay.pool_bytes,
+                         "slab_bytes": len(space.ranks) * lay.slab_bytes}
+        return out
+
+    def _arenas(self) -> dict | None:
+        """cuda: each GPU's arena (one allocation for every rank's slab and rings)."""
+        workers = getattr(self.backend, "workers", None)
+        if not workers:
+            return None
+        out = {}
+        for w in workers:
+            arena = getattr(w, "arena", None)
+            if arena is not None:
+                out[f"cuda:{w.ordinal}"] = {"bytes": int(arena.nbytes), "used_bytes": int(arena.used_bytes)}
+        return out
+
     def client_lines(self) -> str:
+        """One tab-separated line per client under a header line; columns may be added
+        (``sparsekv top`` and tests read them by header name), ``name`` stays last."""
         now = time.time()
-        lines = ["id\tpid\trank\tdevice\tengine\tattached\trequests\tage_s\tname"]
+        lines = ["id\tpid\trank\tdevice\tengine\tattached\trequests\terrors\tage_s\tname"]
         for s in sorted(self.sessions.values(), key=lambda s: s.client_id):
+            name = (s.name or "-").replace("\t", " ").replace("\n", " ")
             lines.append(
                 f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
-                f"{'yes' if s.state else 'no'}\t{s.requests}\t{now - s.connected_at:.0f}\t{s.name or '-'}"
+                f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t{name}"
             )
         return "\n".join(lines) + "\n"
 
@@ -434,7 +501,11 @@ class Daemon:
                 dead.append(identity)
         for identity in dead:
             s = self.sessions.pop(identity)
-            log.warning("client %d (pid %d) is gone; detaching it", s.client_id, s.pid)
+            if s.state is not None:  # died attached: it never said goodbye
+                log.warning("client %d (pid %d rank %d) is gone; detaching it from engine %r",
+                            s.client_id, s.pid, s.rank, s.engine)
+            else:  # had detached (or never attached): a normal exit
+                log.info("client %d (pid %d) exited", s.client_id, s.pid)
             self._detach(s)
         return len(dead)
 
@@ -460,11 +531,14 @@ class Daemon:
             elif cmd == "json":
                 out = stats_mod.render_json(self.snapshot())
             elif cmd == "prometheus":
-                out = stats_mod.render_prometheus(self.snapshot())
+                out = stats_mod.render_prometheus(self.registry)
             elif cmd == "clients":
                 out = self.client_lines()
+            elif cmd == "health":
+                # The socket exists only once the daemon serves (READY=1 sent): answering is ready.
+                out = f"ready pid={os.getpid()} clients={len(self.sessions)}\n"
             else:
-                out = f"error: unknown command {cmd[:40]!r}; try stats, json, prometheus, clients\n"
+                out = f"error: unknown command {cmd[:40]!r}; try stats, json, prometheus, clients, health\n"
             writer.write(out.encode())
             await writer.drain()
         except (asyncio.TimeoutError, ConnectionError):
@@ -472,8 +546,35 @@ class Daemon:
         finally:
             writer.close()
 
+    async def _http_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A minimal HTTP/1.0 responder: ``GET /metrics`` (Prometheus text), one request
+        per connection. Runs on the daemon's loop: a scrape costs one snapshot, no thread."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5.0)
+            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+            body, ctype, extra = b"", "text/plain; charset=utf-8", ""
+            if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+                status, body = "400 Bad Request", b"bad request line\n"
+            elif parts[0] not in ("GET", "HEAD"):
+                status, body, extra = "405 Method Not Allowed", b"only GET\n", "Allow: GET, HEAD\r\n"
+            elif parts[1].split("?", 1)[0] != "/metrics":
+                status, body = "404 Not Found", b"not found; metrics are at /metrics\n"
+            else:
+                status, body, ctype = "200 OK", stats_mod.render_prometheus(self.registry).encode(), _PROMETHEUS_TEXT
+            head_out = (f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                        f"{extra}Connection: close\r\n\r\n").encode()
+            writer.write(head_out if parts and parts[0] == "HEAD" else head_out + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
 
 _KINDS = {int(m): m for m in MsgType}
+# What generate_latest() writes (prometheus_client's CONTENT_TYPE_LATEST names 1.0.0 in
+# recent releases, which this text is not).
+_PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 _DRAIN_SLICE_NS = 20_000_000  # most time one loop wake-up spends on requests
 
 

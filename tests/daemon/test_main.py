@@ -1,13 +1,22 @@
-"""``sparsekvd`` as a process: sd_notify to a test NOTIFY_SOCKET (STATUS while starting,
-READY once serving, STOPPING on SIGTERM), clean exit removing its sockets, one daemon
-per run dir, ``--print-config`` precedence, clear errors for bad settings, and no shared
-memory left behind, even by a daemon that was killed."""
+"""``sparsekvd`` as a process: sd_notify to a test NOTIFY_SOCKET (STATUS and
+EXTEND_TIMEOUT_USEC while starting, READY once serving, STOPPING on SIGTERM, also during
+the pre-fault), clean exit removing its sockets, SIGHUP logged and ignored, one daemon
+per run dir, ``--print-config`` precedence and sources, clear errors for bad settings
+(``--backend cuda`` without a GPU before the pool), log lines for journald and for
+people, ``--version``, and no shared memory left behind, even by a daemon that was
+killed."""
 
 import contextlib
+import datetime
+import importlib.metadata
+import io
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
+import time
 import tomllib
 import uuid
 
@@ -21,7 +30,7 @@ DAEMON = [helpers.PY, "-m", "sparsekv.daemon.main"]
 
 def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SPARSEKV_", "NOTIFY_SOCKET", "WATCHDOG_", "RUNTIME_DIRECTORY"))}
+           if not k.startswith(("SPARSEKV_", "NOTIFY_SOCKET", "WATCHDOG_", "RUNTIME_DIRECTORY", "JOURNAL_STREAM"))}
     env.update(extra)
     return env
 
@@ -99,6 +108,8 @@ def test_sd_notify_status_ready_stopping_and_clean_exit(run_dir, address):
         assert os.path.exists(os.path.join(run_dir, "stats.sock"))
         status = [m for m in before_ready[:-1] if m.startswith(b"STATUS=")]
         assert status and b"pre-faulting host pool" in status[0], before_ready
+        # systemd's TimeoutStartSec= must not kill a long pre-fault that keeps moving
+        assert all(b"EXTEND_TIMEOUT_USEC=" in m for m in status), status
         assert b"STATUS=serving" in before_ready[-1]
         # watchdog pings at half of WATCHDOG_USEC
         receive_until(s, b"WATCHDOG=1", timeout_s=5)
@@ -155,13 +166,16 @@ def test_print_config_shows_defaults_toml_env_command_line_precedence(tmp_path):
     assert cfg["run_dir"] == "/tmp/x"
     assert cfg["gather_blocks"] == 32 and cfg["shm_dir"] == "/dev/shm"  # defaults
     assert not os.path.exists("/tmp/x/control.sock")
+    source = {ln.split(" ")[0]: ln.rsplit("# ", 1)[1] for ln in r.stdout.splitlines() if not ln.startswith("#")}
+    assert source["pool_size"] == f"file {toml}" and source["max_clients"] == "env SPARSEKV_MAX_CLIENTS"
+    assert source["reap_interval_s"] == "flag --reap-interval-s" and source["gather_blocks"] == "default"
 
 
 @pytest.mark.parametrize(
     "args, env, words",
     [
         (["--pool-size", "12XB"], {}, "--pool-size: bad value for pool_size: bad size '12XB'"),
-        (["--pool-size", "0"], {}, "pool_size must be positive"),
+        (["--pool-size", "0B"], {}, "pool_size must be positive"),
         ([], {"SPARSEKV_POOL_SIZE": "lots"}, "environment SPARSEKV_POOL_SIZE: bad value for pool_size"),
     ],
 )
@@ -201,3 +215,156 @@ def test_slabs_of_a_killed_daemon_are_removed_by_the_next_start(run_dir):
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=20) == 0
     assert helpers.shm_slabs(run_dir) == []
+
+
+def test_version():
+    r = subprocess.run([*DAEMON, "--version"], capture_output=True, text=True, timeout=30, env=clean_env())
+    assert r.returncode == 0 and r.stdout.strip() == f"sparsekvd {importlib.metadata.version('sparsekv')}"
+
+
+def test_backend_cuda_without_a_gpu_fails_before_the_pool_is_prefaulted(run_dir):
+    from sparsekv.daemon.backends import cuda_unavailable
+
+    if cuda_unavailable() is None:
+        pytest.skip("a GPU is usable here")
+    # 64 TiB: had the pool come first, the error would be "does not fit in available RAM"
+    r = subprocess.run([*DAEMON, "--backend", "cuda", "--run-dir", run_dir, "--pool-size", "64TiB"],
+                       capture_output=True, text=True, timeout=60, env=clean_env())
+    assert r.returncode == 1
+    assert "cannot start: --backend cuda:" in r.stderr
+    assert "does not fit" not in r.stderr and "pre-faulting" not in r.stderr
+    assert not os.path.exists(run_dir)  # not even the lock
+
+
+def test_sighup_is_logged_and_ignored(run_dir):
+    with sparsekvd(run_dir) as p:
+        wait_serving(run_dir, p)
+        p.send_signal(signal.SIGHUP)
+        helpers.wait_for(lambda: "SIGHUP ignored" in log_text(p), 10, what="the SIGHUP log line")
+        assert p.poll() is None and helpers.stats_json(run_dir)["pid"] == p.pid  # still serving
+        with Client(run_dir) as c:
+            c.attach(helpers.layout())
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0, log_text(p)
+        text = log_text(p)
+    assert re.search(r" WARNING sparsekv: SIGHUP ignored", text)
+    # pre-fault progress is in the log at INFO
+    assert re.search(r" INFO sparsekv: sparsekvd \S+ \(pid \d+\) on .*: pre-faulting host pool of 64MiB", text)
+    assert re.search(r" INFO sparsekv.pool: pool 64MiB pre-faulted in", text)
+    assert os.listdir(run_dir) == []
+
+
+def wait_datagram(sock, pred, timeout_s=30.0) -> list[bytes]:
+    got = []
+    sock.settimeout(timeout_s)
+    while True:
+        got.append(sock.recv(4096))
+        if pred(got[-1]):
+            return got
+
+
+def test_sigterm_during_prefault_stops_cleanly(run_dir):
+    """A real pool, pre-faulted by one thread: SIGHUP then SIGTERM while it pre-faults."""
+    notify = os.path.join(os.path.dirname(run_dir), "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(notify)
+        with sparsekvd(run_dir, "--prefault-threads", "1", pool="4GiB", env=clean_env(NOTIFY_SOCKET=notify)) as p:
+            got = wait_datagram(s, lambda m: b"pre-faulting host pool of 4GiB: " in m or b"READY=1" in m)
+            p.send_signal(signal.SIGHUP)
+            p.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            got += wait_datagram(s, lambda m: b"STOPPING=1" in m)
+            rc = p.wait(timeout=30)
+            took_s = time.monotonic() - t0
+            text = log_text(p)
+    if any(b"READY=1" in m for m in got):
+        pytest.skip("the pool pre-faulted before the signal came (fast machine)")
+    assert rc == 0, text
+    assert "SIGHUP ignored" in text and "SIGTERM during start: stopping" in text and "stopped before serving" in text
+    assert "pre-faulted in" not in text  # stopped part way, not at the end
+    assert took_s < 10, text
+    assert os.listdir(run_dir) == []  # no sockets, lock released
+
+
+def test_sigterm_during_prefault_in_process(monkeypatch, tmp_path):
+    """The same, deterministic: a pool whose pre-fault never ends unless interrupted."""
+    import sparsekv.daemon.main as main_mod
+
+    class EndlessPool:
+        def __init__(self, size_bytes, threads, progress):
+            progress(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler is ours by now
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise AssertionError("the pre-fault was not interrupted")
+
+    def no_backend(*a):
+        raise AssertionError("the backend started after SIGTERM")
+
+    notify = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(notify)
+        s.settimeout(5)
+        monkeypatch.setattr(main_mod, "HostPool", EndlessPool)
+        monkeypatch.setattr(main_mod, "make_backend", no_backend)
+        monkeypatch.setattr(main_mod, "setup_logging", lambda level: None)
+        for k in ("WATCHDOG_USEC", "WATCHDOG_PID"):
+            monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv("NOTIFY_SOCKET", notify)
+        before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+        run = str(tmp_path / "run")
+        assert main_mod.main(["--backend", "cpu", "--run-dir", run, "--pool-size", "1GiB"]) == 0
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before  # restored
+        got = wait_datagram(s, lambda m: b"STOPPING=1" in m, timeout_s=5)
+    assert any(b"EXTEND_TIMEOUT_USEC=" in m for m in got)
+    assert os.listdir(run) == []  # lock released and removed
+
+
+# -- logs ----------------------------------------------------------------------------------
+def test_journald_lines_carry_a_syslog_priority_and_no_time(run_dir):
+    log_path = os.path.join(os.path.dirname(run_dir), "sparsekvd.log")
+    open(log_path, "wb").close()  # sparsekvd() reopens it with "w+": same inode
+    st = os.stat(log_path)
+    with sparsekvd(run_dir, env=clean_env(JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}")) as p:
+        wait_serving(run_dir, p)
+        p.send_signal(signal.SIGHUP)
+        helpers.wait_for(lambda: "SIGHUP" in log_text(p), 10, what="the SIGHUP log line")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+        lines = log_text(p).splitlines()
+    assert lines and all(re.match(r"^<[0-7]>", line) for line in lines), lines
+    assert any(line.startswith("<6>INFO sparsekv.server: ready") for line in lines), lines
+    assert any(line.startswith("<4>WARNING sparsekv: SIGHUP ignored") for line in lines), lines
+    assert not any(re.search(r"\d{4}-\d\d-\d\dT\d\d:", line) for line in lines)
+
+
+def test_other_lines_carry_a_utc_iso_time(run_dir):
+    # JOURNAL_STREAM inherited from a unit but stderr redirected elsewhere: not the journal
+    with sparsekvd(run_dir, env=clean_env(JOURNAL_STREAM="1:2")) as p:
+        wait_serving(run_dir, p)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+        lines = log_text(p).splitlines()
+    stamp = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z (DEBUG|INFO|WARNING|ERROR) sparsekv")
+    assert lines and all(stamp.match(line) for line in lines), lines
+    first = datetime.datetime.fromisoformat(stamp.match(lines[0]).group(1)).replace(tzinfo=datetime.timezone.utc)
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - first).total_seconds()) < 120  # UTC, not local
+
+
+def test_journald_detection_and_formats(tmp_path):
+    from sparsekv.daemon.main import JournalFormatter, UtcFormatter, log_handler, on_journald
+
+    with open(tmp_path / "err", "w") as f:
+        st = os.fstat(f.fileno())
+        assert on_journald(f, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+        assert not on_journald(f, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino + 1}"})
+        assert not on_journald(f, {"JOURNAL_STREAM": "garbage"}) and not on_journald(f, {})
+        assert isinstance(log_handler(f, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}).formatter, JournalFormatter)
+        assert isinstance(log_handler(f, {}).formatter, UtcFormatter)
+    assert not on_journald(io.StringIO(), {"JOURNAL_STREAM": "1:2"})  # no file descriptor
+    rec = logging.LogRecord("sparsekv.x", logging.ERROR, __file__, 1, "first\nsecond", None, None)
+    assert JournalFormatter().format(rec) == "<3>ERROR sparsekv.x: first\n<3>second"  # one journal entry a line
+    for level, prio in ((logging.DEBUG, 7), (logging.INFO, 6), (logging.WARNING, 4), (logging.CRITICAL, 2)):
+        rec = logging.LogRecord("n", level, __file__, 1, "m", None, None)
+        assert JournalFormatter().format(rec).startswith(f"<{prio}>")

@@ -1,5 +1,6 @@
 """Notifier (sd_notify without libsystemd): datagrams to $NOTIFY_SOCKET, path or abstract
-name, a silent no-op without it, the watchdog period from WATCHDOG_USEC."""
+name, a silent no-op without it, the watchdog period from WATCHDOG_USEC, and
+EXTEND_TIMEOUT_USEC for a long start."""
 
 import os
 import socket
@@ -32,6 +33,10 @@ def test_messages_reach_a_path_socket(listener):
     assert s.recv(4096) == b"STOPPING=1\nSTATUS=stopping"
     assert n.watchdog()
     assert s.recv(4096) == b"WATCHDOG=1"
+    assert n.extend_timeout(60)
+    assert s.recv(4096) == b"EXTEND_TIMEOUT_USEC=60000000"
+    assert n.extend_timeout(1.5, status="pre-faulting host pool of 1GiB: 10%")
+    assert s.recv(4096) == b"STATUS=pre-faulting host pool of 1GiB: 10%\nEXTEND_TIMEOUT_USEC=1500000"
     n.close()
     n.close()
 

@@ -3,13 +3,13 @@ commands) and the ``sparsekv stats`` / ``sparsekv clients`` commands that read i
 
 import json
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
 import helpers
+import promcheck
 from sparsekv.client import BadRequest, Client
 
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=128)
@@ -60,34 +60,37 @@ def test_empty_command_means_stats(busy):
     assert helpers.stats_query(daemon.run_dir, "").startswith("backend        cpu")
 
 
-PROM_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? '
-                         r'(-?[0-9.e+-]+|NaN|\+Inf|-Inf)$')
-
-
-def test_prometheus_is_well_formed(busy):
+def test_prometheus_is_parsed_by_prometheus_client_and_promtool(busy):
     daemon, *_ = busy
     text = helpers.stats_query(daemon.run_dir, "prometheus")
     assert text.endswith("\n")
-    helped, typed, samples = set(), {}, {}
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            name, help_text = line[7:].split(" ", 1)
-            assert help_text.strip() and name not in helped
-            helped.add(name)
-        elif line.startswith("# TYPE "):
-            name, kind = line[7:].split(" ")
-            assert kind in ("counter", "gauge", "summary") and name in helped
-            typed[name] = kind
-        else:
-            m = PROM_SAMPLE.match(line)
-            assert m, f"not a sample line: {line!r}"
-            base = re.sub(r"_(count|sum)$", "", m.group(1))
-            assert m.group(1) in typed or base in typed, f"sample before its TYPE: {line!r}"
-            samples[m.group(1) + (m.group(2) or "")] = float(m.group(4))
-    assert samples["sparsekv_hits_total"] == 2 and samples["sparsekv_misses_total"] == 4
-    assert samples['sparsekv_errors_by_code_total{code="DUPLICATE_IDS"}'] == 1
-    assert samples["sparsekv_pool_bytes"] == 64 << 20 and samples["sparsekv_clients"] == 2
-    assert typed["sparsekv_hits_total"] == "counter" and typed["sparsekv_clients"] == "gauge"
+    fams = promcheck.families(text)  # prometheus_client's own parser
+    promcheck.promtool_check(text)  # `promtool check metrics` (skips its part when not installed)
+    v = promcheck.values(fams)
+    assert v["sparsekv_hits_total"] == 2 and v["sparsekv_misses_total"] == 4
+    assert v["sparsekv_bytes_moved_total"] == 4 * 32 and v["sparsekv_out_of_range_total"] == 1
+    assert v['sparsekv_errors_total{code="DUPLICATE_IDS"}'] == 1
+    assert v['sparsekv_errors_total{code="POOL_FULL"}'] == 0  # every code, before its first error
+    assert "sparsekv_errors_by_code_total" not in text  # one errors family
+    assert v["sparsekv_pool_bytes"] == 64 << 20 and v["sparsekv_clients"] == 2
+    assert v['sparsekv_engine_ranks{engine="e"}'] == 2
+    assert v['sparsekv_engine_pool_bytes{engine="e"}'] == LAYOUT.pool_bytes
+    assert v['sparsekv_engine_slab_bytes{engine="e"}'] == 2 * LAYOUT.slab_bytes
+    info = [s for s in fams["sparsekv_build_info"].samples]
+    assert len(info) == 1 and info[0].labels["backend"] == "cpu" and info[0].labels["version"]
+    assert info[0].labels["protocol"] and info[0].value == 1
+    assert fams["sparsekv_hits"].type == "counter" and fams["sparsekv_clients"].type == "gauge"
+    hist = fams["sparsekv_topk_duration_seconds"]
+    assert hist.type == "histogram"
+    assert v["sparsekv_topk_duration_seconds_count"] == 2  # the two answered top-k batches
+    assert v['sparsekv_topk_duration_seconds_bucket{le="+Inf"}'] == 2
+    assert v["sparsekv_topk_duration_seconds_sum"] > 0
+    # seconds since the epoch, not an uptime that resets the series' meaning
+    assert abs(v["sparsekv_start_time_seconds"] - helpers.stats_json(daemon.run_dir)["start_time_s"]) < 1e-3
+
+
+def test_health_command_answers_ready(daemon):
+    assert helpers.stats_query(daemon.run_dir, "health").startswith(f"ready pid={daemon.proc.pid}")
 
 
 def parse_clients(text):
@@ -103,12 +106,25 @@ def test_clients_lists_one_line_per_client_with_pid_and_rank(busy):
     assert {(r["pid"], r["rank"], r["name"]) for r in rows} == {(str(os.getpid()), "0", "main"),
                                                                  (str(other.pid), "3", "other")}
     assert all(r["engine"] == "e" and r["attached"] == "yes" for r in rows)
+    # per-client counters (``sparsekv top`` shows their rates): main sent ATTACH, two TOPK
+    # each carrying its step's STEP, and one refused TOPK (HELLO opens the count)
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["main"]["errors"] == "1" and by_name["other"]["errors"] == "0"
+    assert by_name["main"]["requests"] == "4" and by_name["other"]["requests"] == "1"
+
+
+def test_json_has_per_engine_use_and_the_histogram_totals(busy):
+    daemon, *_ = busy
+    s = helpers.stats_json(daemon.run_dir)
+    assert s["per_engine"] == {"e": {"ranks": 2, "pool_bytes": LAYOUT.pool_bytes, "slab_bytes": 2 * LAYOUT.slab_bytes}}
+    assert s["topk_seconds_count"] == 2 and s["topk_seconds_sum"] > 0
+    assert s["version"] and "arenas" not in s  # cpu: no device arenas
 
 
 def test_unknown_command_gives_an_error_line(daemon):
     out = helpers.stats_query(daemon.run_dir, "bogus")
     assert out.startswith("error: unknown command 'bogus'") and out.endswith("\n") and out.count("\n") == 1
-    assert "stats, json, prometheus, clients" in out
+    assert "stats, json, prometheus, clients, health" in out
     # the socket keeps serving
     assert json.loads(helpers.stats_query(daemon.run_dir, "json"))["clients"] == 0
 
@@ -135,14 +151,15 @@ def test_cli_without_daemon_says_so(tmp_path):
     r = helpers.run_cli("stats", "--json", "--run-dir", str(tmp_path))
     assert r.returncode == 1
     assert f"no daemon at {tmp_path}/stats.sock" in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
 def test_mps_state_is_shown_for_the_cuda_backend():
     """Operators see at a glance when MPS is off (every GPU hand-off then costs ~300 us)."""
-    from sparsekv.daemon.stats import Stats, render_prometheus, render_table
+    from sparsekv.daemon.stats import Stats, registry_for, render_prometheus, render_table
 
     snap = Stats().snapshot({}, {"backend": "cuda", "devices": ["cuda:0"], "mps": False})
     assert "MPS OFF" in render_table(snap)
-    assert "sparsekv_mps 0" in render_prometheus(snap).splitlines()
+    assert "sparsekv_mps 0.0" in render_prometheus(registry_for(snap)).splitlines()
     cpu = Stats().snapshot({}, {"backend": "cpu", "devices": ["cpu"]})
-    assert "MPS" not in render_table(cpu) and "sparsekv_mps" not in render_prometheus(cpu)
+    assert "MPS" not in render_table(cpu) and "sparsekv_mps" not in render_prometheus(registry_for(cpu))

@@ -1,0 +1,153 @@
+"""``sparsekv health``: a fast probe of one daemon, for systemd, scripts and Kubernetes.
+
+Exit codes: 0 ready (the daemon answers on its stats socket, which it binds only once it
+serves and has sent READY=1), 1 alive but not ready (no answering socket yet, but the
+run dir's lock is held by a live process: the daemon is pre-faulting its pool or starting
+its backend, which can take minutes), 2 unreachable or dead. ``--live`` asks only "is it
+alive": 0 for ready or starting.
+
+The lock is never taken, only looked at (``/proc/locks``): a probe that took it, even
+briefly, could make a daemon that starts at that moment refuse its own run dir.
+
+This module is also the stats socket's client for ``sparsekv stats``/``clients``/``top``
+(:func:`stats_query`), with errors a person can act on instead of tracebacks.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import socket
+from dataclasses import dataclass
+
+READY, NOT_READY, UNREACHABLE = 0, 1, 2
+
+STATS_SOCKET = "stats.sock"
+LOCK_FILE = "sparsekvd.lock"  # daemon/main.py RunDirLock: flock held for the daemon's life, holds its pid
+
+
+class StatsSocketError(Exception):
+    """The stats socket could not be asked. ``kind``: ``missing`` (no socket, or nobody
+    listens on it), ``timeout``, ``permission`` or ``error``."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
+    """Send one command line to RUN_DIR/stats.sock; return the whole answer."""
+    path = os.path.join(run_dir, STATS_SOCKET)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    try:
+        s.connect(path)
+        s.sendall(command.encode() + b"\n")
+        chunks = []
+        while b := s.recv(65536):
+            chunks.append(b)
+        return b"".join(chunks).decode()
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        where = (f"{run_dir} does not exist" if not os.path.isdir(run_dir)
+                 else "nothing listens on it" if isinstance(e, ConnectionRefusedError) else "no socket")
+        raise StatsSocketError(f"no daemon at {path} ({where}; is sparsekvd running with --run-dir {run_dir}?)",
+                               "missing") from None
+    except PermissionError:
+        raise StatsSocketError(f"permission denied on {path}: {_access_hint(path)}", "permission") from None
+    except socket.timeout:
+        raise StatsSocketError(f"daemon at {path} did not answer within {timeout_s:g} s", "timeout") from None
+    except OSError as e:
+        raise StatsSocketError(f"cannot ask the daemon at {path}: {e.strerror or e}", "error") from None
+    finally:
+        s.close()
+
+
+def _access_hint(path: str) -> str:
+    try:
+        st = os.stat(path)
+        group = grp.getgrgid(st.st_gid).gr_name
+    except (OSError, KeyError):
+        return "run as the daemon's user or a member of its group"
+    return f"the socket is mode {st.st_mode & 0o777:04o}, group {group}; run as a member of group {group}"
+
+
+def lock_holder(run_dir: str) -> int | None:
+    """The pid of the process holding RUN_DIR/sparsekvd.lock (0 when it holds it but the
+    pid cannot be read), or None when nobody holds it."""
+    path = os.path.join(run_dir, LOCK_FILE)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    try:
+        with open(path) as fh:
+            text = fh.read(32).strip()
+    except OSError:
+        text = ""
+    pid = int(text) if text.isdigit() else None
+    held = _flock_held(st)
+    if held is None:  # no /proc/locks: believe the pid in the file if it is alive
+        held = pid is not None and _pid_alive(pid)
+    return (pid or 0) if held else None
+
+
+def _flock_held(st: os.stat_result) -> bool | None:
+    """Whether /proc/locks lists a flock on the file ``st`` describes (None: cannot tell).
+    Lines look like ``1: FLOCK  ADVISORY  WRITE 1234 fe:00:2247208 0 EOF``; waiters carry
+    ``->`` and do not hold the lock."""
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    try:
+        with open("/proc/locks") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        f = line.split()
+        if len(f) < 6 or f[1] == "->" or f[1] != "FLOCK":
+            continue
+        try:
+            major, minor, ino = f[5].split(":")
+            if (int(major, 16), int(minor, 16), int(ino)) == want:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, belongs to someone else
+    return True
+
+
+@dataclass(frozen=True)
+class Health:
+    code: int  # READY, NOT_READY or UNREACHABLE
+    message: str
+
+
+def probe(run_dir: str, timeout_s: float = 1.0) -> Health:
+    """Ask the daemon of ``run_dir`` how it is; never raises."""
+    try:
+        answer = stats_query(run_dir, "health", timeout_s).strip()
+    except StatsSocketError as e:
+        if e.kind == "missing":
+            pid = lock_holder(run_dir)
+            if pid is not None:
+                return Health(NOT_READY, f"starting: sparsekvd (pid {pid or '?'}) holds {run_dir}/{LOCK_FILE} but "
+                                         "does not serve yet (pre-faulting the pool or starting the backend)")
+        return Health(UNREACHABLE, str(e))
+    # Any answer means the loop serves (a daemon without the `health` command says so in
+    # an error line, and is ready all the same).
+    return Health(READY, answer.splitlines()[0] if answer else "ready")
+
+
+def exit_code(h: Health, live: bool) -> int:
+    """The probe's exit code: with ``live``, starting counts as alive (0)."""
+    if live and h.code == NOT_READY:
+        return READY
+    return h.code

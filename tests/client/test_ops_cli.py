@@ -1,0 +1,276 @@
+"""The operator's commands: ``sparsekv health`` (exit 0 ready / 1 starting / 2 unreachable,
+``--live``), ``sparsekv top`` (rates of one interval), ``--version``, help text with
+defaults for every option, and one line on stderr — never a traceback — for the common
+mistakes (no daemon, a wrong run dir, a pool too small for a layout, no permission)."""
+
+import argparse
+import fcntl
+import importlib.metadata
+import io
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+import helpers
+from sparsekv.client import Client, cli
+from sparsekv.client import health as health_mod
+from sparsekv.client import top as top_mod
+
+LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=128)
+
+
+def one_line_error(r, returncode: int = 1) -> str:
+    assert r.returncode == returncode, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    return r.stderr
+
+
+# -- version and help ----------------------------------------------------------------------
+def test_version():
+    r = helpers.run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"sparsekv {importlib.metadata.version('sparsekv')}"
+
+
+def all_parsers(p: argparse.ArgumentParser):
+    yield p
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                yield from all_parsers(sub)
+
+
+def test_every_option_has_help_and_shows_its_default():
+    for p in all_parsers(cli.build_parser()):
+        fmt = p._get_formatter()
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            assert a.help, f"{p.prog} {a.option_strings or a.dest}: no help"
+            switch = isinstance(a, (argparse._StoreTrueAction, argparse._VersionAction))
+            if a.option_strings and not a.required and not switch:
+                shown = fmt._expand_help(a) if hasattr(fmt, "_expand_help") else a.help
+                assert "default" in shown, f"{p.prog} {a.option_strings}: {shown!r} shows no default"
+
+
+def test_help_runs_for_every_command():
+    assert helpers.run_cli("--help").returncode == 0
+    for args in (["top", "--help"], ["health", "--help"], ["trace", "synth", "--help"], ["stats", "--help"]):
+        r = helpers.run_cli(*args)
+        assert r.returncode == 0 and "default" in r.stdout, args
+
+
+# -- health --------------------------------------------------------------------------------
+def test_health_ready(daemon):
+    r = helpers.run_cli("health", "--run-dir", daemon.run_dir)
+    assert r.returncode == 0 and r.stdout.startswith(f"ready pid={daemon.proc.pid}"), r.stderr
+    assert helpers.run_cli("health", "--live", "--quiet", "--run-dir", daemon.run_dir).returncode == 0
+
+
+def test_health_without_daemon_is_2(tmp_path):
+    r = helpers.run_cli("health", "--run-dir", tmp_path)
+    assert "no daemon at" in one_line_error(r, 2)
+    assert helpers.run_cli("health", "--live", "--run-dir", tmp_path).returncode == 2
+    r = helpers.run_cli("health", "--run-dir", tmp_path / "nope")
+    assert "does not exist" in one_line_error(r, 2)
+
+
+@pytest.fixture
+def starting_daemon(tmp_path):
+    """A run dir as a daemon leaves it while it pre-faults: the lock held (by this
+    process, as sparsekvd holds it), its pid in the file, no sockets yet."""
+    run = tmp_path / "run"
+    run.mkdir()
+    fd = os.open(run / "sparsekvd.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    yield run
+    os.close(fd)
+
+
+def test_health_while_starting_is_1_and_alive(starting_daemon):
+    r = helpers.run_cli("health", "--run-dir", starting_daemon)
+    assert f"pid {os.getpid()}" in one_line_error(r, 1) and "does not serve yet" in r.stderr
+    r = helpers.run_cli("health", "--live", "--run-dir", starting_daemon)
+    assert r.returncode == 0 and "starting" in r.stdout
+    # a stale socket of a killed daemon (nobody listens) does not change that
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(starting_daemon / "stats.sock"))  # bound, never listening: connect is refused
+        assert helpers.run_cli("health", "--run-dir", starting_daemon).returncode == 1
+
+
+def test_health_after_a_killed_daemon_is_2(tmp_path):
+    """Its lock file (with a pid) is left behind, but nobody holds the lock."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "sparsekvd.lock").write_text(f"{os.getpid()}\n")  # a live pid, but no flock
+    assert health_mod.lock_holder(str(run)) is None
+    assert helpers.run_cli("health", "--live", "--run-dir", run).returncode == 2
+
+
+def test_health_never_takes_the_lock(starting_daemon):
+    """Probing while a daemon starts must not make it lose its own run dir."""
+    before = open("/proc/locks").read().count("FLOCK")
+    assert health_mod.probe(str(starting_daemon)).code == health_mod.NOT_READY
+    assert open("/proc/locks").read().count("FLOCK") == before
+
+
+def test_health_of_a_daemon_that_does_not_answer_is_2_within_the_timeout(tmp_path):
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(run / "stats.sock"))
+        s.listen()  # accepts, never answers: a stuck loop
+        t0 = time.monotonic()
+        r = helpers.run_cli("health", "--timeout-s", "0.3", "--run-dir", run)
+        assert time.monotonic() - t0 < 10
+    assert "did not answer within 0.3 s" in one_line_error(r, 2)
+
+
+# -- common mistakes: one line, no traceback -----------------------------------------------
+def test_permission_denied_on_the_socket_is_one_line(monkeypatch, capsys, daemon):
+    import socket
+
+    def refuse(self, address):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    assert cli.main(["stats", "--run-dir", daemon.run_dir]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sparsekv stats: permission denied on ") and err.count("\n") == 1
+    assert "mode 0660" in err and "group" in err
+    assert cli.main(["health", "--run-dir", daemon.run_dir]) == 2
+    assert "permission denied" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def big_trace(tmp_path_factory):
+    """A trace whose layout needs 128 MiB of pool (the test daemon has 64)."""
+    path = tmp_path_factory.mktemp("trace") / "big.npz"
+    r = helpers.run_cli("trace", "synth", "--out", path, "--steps", 2, "--batch", 2, "--top-k", 8,
+                        "--region-stride", 16, "--max-reqs", 4, "--host-rows", 1 << 20, "--row-bytes", 64,
+                        "--num-layers", 2, "--context", 64)
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+def test_replay_to_a_pool_too_small_is_one_line(daemon, big_trace, tmp_path):
+    r = helpers.run_cli("replay", big_trace, "--out", tmp_path / "r.npz", "--transport", "zmq",
+                        "--connect", daemon.run_dir)
+    err = one_line_error(r)
+    assert err.startswith("sparsekv replay: POOL_FULL: ") and "--pool-size" in err
+
+
+def test_replay_to_a_wrong_run_dir_is_one_line_and_not_internal(big_trace, tmp_path):
+    r = helpers.run_cli("replay", big_trace, "--out", tmp_path / "r.npz", "--transport", "zmq",
+                        "--connect", tmp_path / "nowhere")
+    err = one_line_error(r)
+    assert err.startswith("sparsekv replay: no daemon socket at ") and "INTERNAL" not in err
+
+
+def test_stats_with_a_wrong_run_dir_is_one_line(tmp_path):
+    err = one_line_error(helpers.run_cli("clients", "--run-dir", tmp_path / "nope"))
+    assert err.startswith("sparsekv clients: no daemon at ") and "does not exist" in err
+
+
+# -- top -----------------------------------------------------------------------------------
+def sample(t, clients=(), **counters) -> top_mod.Sample:
+    snap = {"pid": 7, "backend": "cpu", "uptime_s": t, "pool_bytes": 64 << 20, "pool_used_bytes": 16 << 20,
+            "engines": 1, "clients": len(clients), "attached": len(clients),
+            "topk_latency_us": {"p50": 40.0, "p99": 90.0, "n": 100},
+            "per_engine": {"e": {"ranks": 2, "pool_bytes": 12 << 20, "slab_bytes": 3 << 20}}, **counters}
+    return top_mod.Sample(t, snap, [dict(c) for c in clients])
+
+
+def test_top_shows_rates_of_the_interval_not_totals():
+    a = sample(10.0, [{"id": "1", "pid": "11", "rank": "0", "engine": "e", "requests": "100", "errors": "0",
+                       "name": "r0"}],
+               requests=1000, topk_batches=500, hits=9000, misses=1000, bytes_moved=10**9, rows_moved=100,
+               errors=0, topk_seconds_count=500, topk_seconds_sum=0.02)
+    b = sample(12.0, [{"id": "1", "pid": "11", "rank": "0", "engine": "e", "requests": "300", "errors": "2",
+                       "name": "r0"},
+                      {"id": "2", "pid": "12", "rank": "1", "engine": "e", "requests": "50", "errors": "0",
+                       "name": "r1"}],
+               requests=1400, topk_batches=700, hits=9300, misses=1100, bytes_moved=5 * 10**9, rows_moved=300,
+               errors=2, topk_seconds_count=700, topk_seconds_sum=0.03)
+    r = top_mod.rates(a, b)
+    assert r["requests"] == 200 and r["topk_batches"] == 100 and r["bytes_moved"] == 2e9
+    assert r["hit_rate"] == pytest.approx(300 / 400)  # this interval's, not 9300/10400
+    assert r["topk_mean_us"] == pytest.approx(50.0)
+    by_id = {c["id"]: c for c in r["clients"]}
+    assert by_id["1"]["requests_per_s"] == 100 and by_id["1"]["errors_per_s"] == 1
+    assert by_id["2"]["requests_per_s"] == 25  # new in the interval: counted from 0
+    out = top_mod.render("/run/x", a, b)
+    assert "75.00 %" in out and "2.000 GB/s" in out and "200.0 /s" in out and "p50 40 us" in out
+    assert "12.0 MiB" in out and "3.0 MiB" in out and "16.0 MiB / 64.0 MiB used (25.0 %)" in out
+    assert "\x1b" not in out and top_mod.render("/run/x", a, b, clear=True).startswith(top_mod.CLEAR)
+
+
+def test_top_with_nothing_happening_shows_no_rate():
+    a, b = sample(1.0), sample(2.0)
+    out = top_mod.render("/r", a, b)
+    assert "hit rate             -" in out and "(no clients)" in out
+
+
+def test_top_once_against_a_daemon_under_load(daemon):
+    c = Client(daemon.run_dir, rank=0, name="loader", timeout_s=10).connect()
+    c.attach(LAYOUT, engine="e")
+    stop = threading.Event()
+
+    def load():
+        step = 0
+        while not stop.is_set():
+            c.step(step, [0])
+            c.topk(step, 0, [[step % 100, (step + 1) % 100, 120, -1]])
+            step += 1
+            time.sleep(0.002)
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        p = subprocess.run([helpers.PY, "-m", "sparsekv.client.cli", "top", "--once", "--run-dir", daemon.run_dir],
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        stop.set()
+        t.join()
+        c.close()
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "\x1b" not in out  # not a terminal: no screen clearing
+    lines = out.splitlines()
+    req = next(line for line in lines if line.startswith("requests"))
+    assert float(req.split()[1]) > 10, out
+    assert "GB/s" in out and "hit rate" in out and "p99" in out
+    engine = next(line for line in lines if line.startswith("e "))
+    assert engine.split()[1] == "1"
+    client = next(line for line in lines if line.rstrip().endswith("loader"))
+    assert float(client.split()[4]) > 10, out  # its requests per second
+
+
+def test_top_without_daemon_is_one_line(tmp_path):
+    assert "no daemon at" in one_line_error(helpers.run_cli("top", "--once", "--run-dir", tmp_path))
+
+
+def test_top_clears_the_screen_only_on_a_terminal(monkeypatch):
+    frames = iter([sample(1.0, requests=0), sample(2.0, requests=10), sample(3.0, requests=30)])
+    monkeypatch.setattr(top_mod, "take_sample", lambda run_dir: next(frames))
+    monkeypatch.setattr(top_mod.time, "sleep", lambda s: None)
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    with pytest.raises(StopIteration):  # runs until the samples run out
+        top_mod.run_top("/r", 1.0, once=False, out=out)
+    assert out.getvalue().count(top_mod.CLEAR) == 2
+    frames = iter([sample(1.0, requests=0), sample(2.0, requests=10)])
+    out = Tty()
+    assert top_mod.run_top("/r", 1.0, once=True, out=out) == 0
+    assert top_mod.CLEAR not in out.getvalue()
