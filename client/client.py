@@ -104,8 +104,7 @@ class Client:
     def connect(self) -> "Client":
         path = os.path.join(self.run_dir, "control.sock")
         if not os.path.exists(path):
-            raise DaemonUnavailable(f"no daemon socket at {path}; is sparsekvd running with --run-dir {self.run_dir}?",
-                                    ErrorCode.INTERNAL)
+            raise DaemonUnavailable(f"no daemon socket at {path}; is sparsekvd running with --run-dir {self.run_dir}?")
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -324,8 +323,7 @@ class Client:
     def _receive_until(self, req_id: int) -> None:
         while req_id not in self._replies:
             if not self._spin() and not self._sock.poll(int(self.timeout_s * 1000)):
-                raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s",
-                                        ErrorCode.INTERNAL)
+                raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s")
             frames = self._sock.recv_multipart(copy=False)
             t_recv = time.perf_counter_ns()
             try:

@@ -20,7 +20,11 @@ class SparseKVError(Exception):
 
 
 class DaemonUnavailable(SparseKVError):
-    """No daemon answered in time (not running, wrong --run-dir, or stuck)."""
+    """No daemon answered in time (not running, wrong --run-dir, or stuck). Not a code
+    the daemon sent: the message says what happened, without a code name."""
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class ProtocolMismatch(SparseKVError):

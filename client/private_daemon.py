@@ -31,7 +31,7 @@ class PrivateDaemon:
     def __enter__(self) -> "PrivateDaemon":
         self.run_dir = tempfile.mkdtemp(prefix="sparsekv-run-")
         cmd = [sys.executable, "-m", "sparsekv.daemon.main", "--run-dir", self.run_dir, "--backend", self.backend,
-               "--pool-size", str(self.pool_bytes), *self.extra_args]
+               "--pool-size", f"{self.pool_bytes}B", *self.extra_args]
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ if self.env is None else self.env)
         env.pop("NOTIFY_SOCKET", None)

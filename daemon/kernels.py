@@ -7,7 +7,7 @@ is that text, the compiler options, the NVRTC version and the GPU architecture; 
 lands in the cache directory:
 
 1. the ``cache_dir`` argument, else
-2. ``$SPARSEKV_KERNEL_CACHE``, else
+2. ``$SPARSEKV_KERNEL_CACHE_DIR`` (also the daemon's ``kernel_cache_dir`` setting), else
 3. ``~/.cache/sparsekv/kernels``.
 
 Builds are serialised across processes (several daemon workers and TP ranks start at
@@ -33,7 +33,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "SPARSEKV_KERNEL_CACHE"
+CACHE_ENV = "SPARSEKV_KERNEL_CACHE_DIR"  # the same name as the daemon setting kernel_cache_dir
 DEFAULT_CACHE_DIR = "~/.cache/sparsekv/kernels"
 OPTIONS: tuple[str, ...] = ("-std=c++17",)
 # Bump when the way sources are assembled changes (it is part of every cache key).
@@ -79,7 +79,7 @@ def csrc_dir() -> Path:
 
 
 def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """Resolve the cache directory: argument, else ``$SPARSEKV_KERNEL_CACHE``, else default."""
+    """Resolve the cache directory: argument, else ``$SPARSEKV_KERNEL_CACHE_DIR``, else default."""
     chosen = path if path is not None else os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR
     return Path(chosen).expanduser()
 

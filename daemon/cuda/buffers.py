@@ -62,8 +62,10 @@ class HostBlocks:
         if path is None:
             self._mm = mmap.mmap(-1, self.nbytes)
         else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # Group read/write: engines reach the daemon through its group (deploy/).
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
             try:
+                os.fchmod(fd, 0o660)  # whatever the umask
                 os.posix_fallocate(fd, 0, self.nbytes)  # no SIGBUS later: fail here
                 self._mm = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except BaseException:

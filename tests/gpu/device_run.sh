@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (see docs/PERF.md): install, test, time.
-#   run from the repo root there; carries .whl (pyzmq for python 3.12).
+#   run from the repo root there; carries .whl: pyzmq (python 3.12) and setuptools>=77 (the
+#   build needs it for the SPDX licence fields; the image may have an older one).
 #   COMMIT=<hash from the developer machine> (the device has no .git) goes into latest.json.
 # Writes logs under $OUT and prints a short table last.
 set -uo pipefail
 OUT=${OUT:-/tmp/skv-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE=/tmp/skv-kernels SPARSEKV_TEST_DAEMON_LOG=$OUT/daemon.log
+export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE_DIR=/tmp/skv-kernels SPARSEKV_TEST_DAEMON_LOG=$OUT/daemon.log
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
