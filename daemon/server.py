@@ -135,10 +135,12 @@ class Daemon:
         for p in (self.control_path, self.stats_path):
             if os.path.exists(p):
                 os.unlink(p)
-        sock.bind(f"ipc://{self.control_path}")
+        # The stats socket first: whoever sees control.sock (clients, PrivateDaemon, probes)
+        # finds stats.sock there too.
         stats_server = await asyncio.start_unix_server(self._stats_client, path=self.stats_path)
-        os.chmod(self.control_path, 0o660)
         os.chmod(self.stats_path, 0o660)
+        sock.bind(f"ipc://{self.control_path}")
+        os.chmod(self.control_path, 0o660)
         loop = asyncio.get_running_loop()
         fd = sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain, sock)
