@@ -7,6 +7,7 @@ from .errors import (
     DaemonUnavailable,
     LayoutMismatch,
     NotAttached,
+    PermissionDenied,
     PoolFull,
     ProtocolMismatch,
     SparseKVError,
@@ -14,5 +15,5 @@ from .errors import (
 
 __all__ = [
     "Attachment", "BadRequest", "Client", "DaemonUnavailable", "LayoutMismatch", "NotAttached",
-    "Pending", "PoolFull", "ProtocolMismatch", "SparseKVError", "TopkResult",
+    "Pending", "PermissionDenied", "PoolFull", "ProtocolMismatch", "SparseKVError", "TopkResult",
 ]

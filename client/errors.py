@@ -47,12 +47,22 @@ class NotAttached(SparseKVError):
     code = ErrorCode.NOT_ATTACHED
 
 
+class PermissionDenied(SparseKVError):
+    """The engine belongs to another user (attach as its owner, as root or as a member of
+    the daemon's admin group, or pick another engine name), or the daemon could not read
+    this connection's credentials. The message never names the other engine's owner or
+    layout."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
 _BY_CODE = {
     ErrorCode.BAD_VERSION: ProtocolMismatch,
     ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
     ErrorCode.POOL_FULL: PoolFull,
     ErrorCode.NOT_ATTACHED: NotAttached,
     ErrorCode.NOT_HELLO: NotAttached,
+    ErrorCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import mmap
 import os
+import secrets
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -41,6 +42,16 @@ def remove_stale(prefix: str) -> None:
             pass
 
 
+def shm_path(prefix: str, client_id: int) -> str:
+    """A new shared-memory file name for client ``client_id``:
+    ``<prefix><client id>-<16 random hex digits>``. ``/dev/shm`` is writable by every
+    user, so a predictable name could be created first by someone else (squatted: the
+    daemon's ``O_EXCL`` create then fails, or, without ``O_EXCL``, it would use a file
+    another user controls); the token makes the name unknowable in advance. Stale files
+    are still found by ``prefix`` (:func:`remove_stale`)."""
+    return f"{prefix}{client_id}-{secrets.token_hex(8)}"
+
+
 @dataclass
 class _ShmSlab:
     path: str
@@ -66,10 +77,12 @@ class CpuBackend:
         """A rank's state and what its client needs to map the slab. ``fence_events`` is
         for the cuda backend (the cpu client reads only after each reply)."""
         lay = space.layout
-        path = f"{self._prefix}{client_id}"
+        path = shm_path(self._prefix, client_id)
         nbytes = lay.slab_bytes + lay.staging_bytes
         # Group read/write: engines reach the daemon through its group (deploy/README.md).
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        # O_EXCL (which also refuses a symlink planted under the name) and O_NOFOLLOW: the
+        # daemon only ever maps a file it created itself.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o660)
         try:
             os.fchmod(fd, 0o660)  # whatever the umask
             # Reserve the pages now: a sparse file would let a later gather die of SIGBUS

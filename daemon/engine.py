@@ -144,14 +144,29 @@ class RankState:
         """Free what the rank holds beyond its slab (device buffers, events)."""
 
 
-class EngineSpace:
-    """One engine's share of the daemon: layout, pool range, and its ranks' states."""
+@dataclass(frozen=True)
+class Owner:
+    """Who created an engine: the uid and gid the kernel reported for its first rank's
+    connection (``SO_PEERCRED``). Later ranks join only as the same uid, as root, or as a
+    member of the daemon's admin group (``EngineRegistry.attach``)."""
 
-    def __init__(self, name: str, layout: Layout, pool: np.ndarray, pool_offset: int = 0):
+    uid: int
+    gid: int
+
+
+class EngineSpace:
+    """One engine's share of the daemon: layout, pool range, and its ranks' states.
+
+    ``owner``: the creator's credentials (None: an engine of the in-process transport,
+    which has no daemon and no other users)."""
+
+    def __init__(self, name: str, layout: Layout, pool: np.ndarray, pool_offset: int = 0,
+                 owner: Owner | None = None):
         self.name = name
         self.layout = layout
         self.pool = pool  # uint8 [num_layers, host_rows, row_bytes]
         self.pool_offset = pool_offset
+        self.owner = owner
         self.ranks: dict[int, RankState] = {}  # by client id
 
     def write(self, layers, rows, data) -> tuple[int, int]:

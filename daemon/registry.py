@@ -2,8 +2,11 @@
 
 An engine (one model served by one or several TP ranks) is created by its first rank's
 ATTACH, which reserves its host pool range; every later rank of the same name joins it
-(with the same layout, or LAYOUT_MISMATCH); when its last rank detaches, the backend's
-per-engine resources and the pool range are released. The server keeps sessions and
+(with the same layout, or LAYOUT_MISMATCH) if it may: an engine belongs to the uid of the
+client that created it, and only that uid, root, or a member of the daemon's admin group
+joins it (anyone else gets PERMISSION_DENIED, which names neither the owner nor the
+layout); when its last rank detaches, the backend's per-engine resources and the pool
+range are released (the pool zeroes the range before it is reused). The server keeps sessions and
 maps each attached session to (engine name, rank state); everything per engine lives
 here and in :class:`~.engine.EngineSpace`, so a feature that acts once for all ranks of
 one engine is a change in these two places only.
@@ -16,7 +19,7 @@ from typing import Iterator
 
 from sparsekv.proto import ErrorCode, Layout, ProtocolError
 
-from .engine import EngineSpace, RankState
+from .engine import EngineSpace, Owner, RankState
 from .pool import HostPool
 
 log = logging.getLogger("sparsekv.registry")
@@ -39,22 +42,37 @@ class EngineRegistry:
         self._engines: dict[str, EngineSpace] = {}
 
     def attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
-               fence_events=None) -> tuple[RankState, dict]:
+               fence_events=None, *, owner: Owner | None = None, privileged: bool = False) -> tuple[RankState, dict]:
         """Add rank ``rank`` (client ``client_id``, on ``device``) to ``engine_name``,
         creating the engine (and its pool range) if it is new. Returns the rank's state and
-        the handles its client maps. Raises ``PoolError`` (no room), ``ProtocolError``
-        LAYOUT_MISMATCH (the engine exists with another layout) or whatever the backend
-        raises; on any error nothing is left allocated for a new engine."""
+        the handles its client maps.
+
+        ``owner``: the client's credentials; a new engine belongs to them. An existing
+        engine with an owner is joined only with the same uid, as uid 0, or when
+        ``privileged`` (the caller's admin-group check); ``owner`` None joins only
+        engines that have none.
+
+        Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED (another
+        user's engine: checked first, and the message names neither its owner nor its
+        layout), LAYOUT_MISMATCH (the engine exists with another layout) or whatever the
+        backend raises; on any error nothing is left allocated for a new engine."""
         space = self._engines.get(engine_name)
         created = space is None
         if created:
             offset = self.pool.allocate(layout.pool_bytes)
             try:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
-                space = EngineSpace(engine_name, layout, view, offset)
+                space = EngineSpace(engine_name, layout, view, offset, owner)
             except BaseException:
-                self.pool.release(offset)
+                self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
+        elif not _may_join(space.owner, owner, privileged):
+            # The same answer whatever the layout: another user learns nothing of the
+            # engine beyond its name being taken.
+            raise ProtocolError(
+                ErrorCode.PERMISSION_DENIED,
+                f"engine {engine_name!r} belongs to another user; attach as its owner, or choose another name",
+            )
         elif space.layout != layout:
             raise ProtocolError(
                 ErrorCode.LAYOUT_MISMATCH,
@@ -65,7 +83,8 @@ class EngineRegistry:
         except BaseException:
             if created:  # the engine never had a rank: nothing of it may stay behind
                 self.backend.release_engine(space)
-                self.pool.release(space.pool_offset)
+                # No rank ever existed, so nothing wrote to the range: it is still zero.
+                self.pool.release(space.pool_offset, zero=False)
             raise
         space.ranks[client_id] = state
         self._engines[engine_name] = space
@@ -82,6 +101,8 @@ class EngineRegistry:
         # The rank first: it may hold resources that refer to the engine's (pinned) pool.
         self.backend.release_rank(client_id)
         if space is not None and not space.ranks:
+            # Unpinned first (cuda): the pool zeroes the range, in the background, only
+            # once no device mapping of it is left.
             self.backend.release_engine(space)
             self.pool.release(space.pool_offset)
             log.info("engine %r released its pool range", engine_name)
@@ -106,3 +127,10 @@ class EngineRegistry:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._engines)
+
+
+def _may_join(engine_owner: Owner | None, owner: Owner | None, privileged: bool) -> bool:
+    """Whether a client with ``owner`` credentials may join an engine of ``engine_owner``."""
+    if engine_owner is None or privileged:
+        return True
+    return owner is not None and owner.uid in (engine_owner.uid, 0)

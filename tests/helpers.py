@@ -69,6 +69,31 @@ def wait_for(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: str 
         time.sleep(interval_s)
 
 
+class PeerFrame(bytes):
+    """A frame as ``Daemon.handle`` gets it from a real connection: its bytes plus the
+    connection's credentials, libzmq's ``Peer-Address`` property (``get``).
+    ``peer_address`` None: a frame whose property cannot be read (``ZMQError``)."""
+
+    def __new__(cls, data, peer_address):
+        self = super().__new__(cls, bytes(data))
+        self.peer_address = peer_address
+        return self
+
+    def get(self, prop: str):
+        import zmq  # noqa: PLC0415
+
+        if prop != "Peer-Address" or self.peer_address is None:
+            raise zmq.ZMQError(22)  # EINVAL, as libzmq answers for a missing property
+        return self.peer_address
+
+
+def peer_frames(frames, pid: int, uid: int | None = None, gid: int | None = None) -> list:
+    """``frames`` as received from process ``pid`` running as ``uid`` / ``gid`` (this
+    process's when None)."""
+    addr = f"localhost:{os.getuid() if uid is None else uid}:{os.getgid() if gid is None else gid}:{pid}"
+    return [PeerFrame(f, addr) for f in frames]
+
+
 def shm_slabs(run_dir: str, shm_dir: str = "/dev/shm") -> list[str]:
     """The cpu backend's slab files of the daemon serving ``run_dir``."""
     return sorted(glob.glob(os.path.join(shm_dir, f"sparsekv-{run_dir_tag(run_dir)}-*")))

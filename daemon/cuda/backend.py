@@ -13,6 +13,7 @@ import os
 
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 
+from ..backends import shm_path
 from ..engine import EngineSpace
 from ..pinned import PinnedRegion
 from ..residency.base import ResidencyError
@@ -120,7 +121,7 @@ class CudaBackend:
             self._pinned[space.name] = pinned
         try:
             state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
-                                  graphs=GRAPHS, blocks_path=f"{self._blocks_prefix}{client_id}")
+                                  graphs=GRAPHS, blocks_path=shm_path(self._blocks_prefix, client_id))
             if fence_events:
                 from sparsekv.proto.cuda_ipc import ImportedEvents  # noqa: PLC0415
 

@@ -3,6 +3,7 @@ removed on release and close; stale files of this run dir (a killed daemon's) re
 start, other run dirs' files left alone."""
 
 import os
+import re
 import stat
 
 import numpy as np
@@ -27,7 +28,8 @@ def test_new_rank_creates_a_group_shared_slab_file_of_slab_and_staging_bytes(tmp
     sp = space(staging_rows=4)
     state, handles = be.new_rank(sp, 7, 1, "cpu")
     path = handles["path"]
-    assert path == f"{tmp_path}/sparsekv-{run_dir_tag('/run/x')}-7"
+    # <prefix><client id>-<16 random hex digits>: nobody can create the name first
+    assert re.fullmatch(rf"{tmp_path}/sparsekv-{run_dir_tag('/run/x')}-7-[0-9a-f]{{16}}", path), path
     assert handles["kind"] == "shm" and handles["slab_bytes"] == sp.layout.slab_bytes
     assert os.path.getsize(path) == handles["bytes"] == sp.layout.slab_bytes + sp.layout.staging_bytes
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o660  # owner and the daemon's group, whatever the umask

@@ -1,0 +1,421 @@
+"""Who a client is comes from the kernel, not from its HELLO: the session's pid, uid and
+gid are the connection's SO_PEERCRED (libzmq's ``Peer-Address``); a client is watched
+through a pidfd of that pid, so one that lies about its pid is still reclaimed the moment
+it dies, without waiting for the reaper's tick; a second HELLO never throws an attached
+rank away."""
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+import helpers
+from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.daemon import peers as peers_mod
+from sparsekv.daemon.backends import CpuBackend
+from sparsekv.daemon.peers import Peer, PidWatch, parse_peer_address, peer_creds
+from sparsekv.daemon.pool import HostPool
+from sparsekv.daemon.server import Daemon
+from sparsekv.proto import ERROR_HINTS, ErrorCode, MsgType, ProtocolError, decode, encode
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def dm(tmp_path):
+    pool = HostPool(8 * MiB, threads=1)
+    backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
+    d = Daemon(str(tmp_path), backend, pool, max_clients=8)
+    yield d
+    for s in list(d.sessions.values()):
+        d._detach(s)
+    backend.close()
+    pool.close()
+
+
+@pytest.fixture
+def sleeper():
+    """A child process to stand for a client (killed after the test)."""
+    procs = []
+
+    def make():
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        procs.append(p)
+        return p
+
+    yield make
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def call(dm, ident, msg_type, fields=None, arrays=None, *, peer=False):
+    """One request through ``dm.handle``; ``peer``: a ``Peer-Address`` string (or None for
+    an unreadable one) as if received on a real connection; False: an in-process call."""
+    frames = [bytes(f) for f in encode(msg_type, 1, fields, arrays)]
+    if peer is not False:
+        frames = [helpers.PeerFrame(f, peer) for f in frames]
+    return decode([bytes(f) for f in dm.handle(ident, frames)])[0]
+
+
+def hello_fields(pid=1):
+    return {"pid": pid, "rank": 0, "device": "cpu", "name": "t"}
+
+
+def addr(pid, uid=None, gid=None):
+    return f"localhost:{os.getuid() if uid is None else uid}:{os.getgid() if gid is None else gid}:{pid}"
+
+
+def assert_error(h, code, words=""):
+    assert h["ok"] is False, h
+    assert h["code"] == int(code), h
+    assert words in h["msg"], h["msg"]
+    assert ERROR_HINTS[code] in h["msg"]
+
+
+# -- credentials ---------------------------------------------------------------------------
+@pytest.mark.parametrize("value, want", [
+    ("localhost:1000:100:4242", Peer(1000, 100, 4242, True)),
+    (b"localhost:0:0:1", Peer(0, 0, 1, True)),
+    ("localhost:65534:65534:0", Peer(65534, 65534, 0, True)),  # outside our pid namespace
+    ("localhost", None),  # a UNIX peer whose SO_PEERCRED could not be read
+    ("127.0.0.1", None),  # a tcp peer
+    ("fe80::1:2:3:4", None),  # an IPv6 peer's address must never read as uid 2, gid 3, pid 4
+    ("localhost:4294967295:0:1", None),  # (uid_t) -1
+    ("localhost:1:2:-3", None),
+    ("localhost:1:2:3:4", None),
+    ("localhost:１:2:3", None),  # non-ASCII digits
+    ("", None),
+    (None, None),
+    (17, None),
+])
+def test_peer_address_parsing(value, want):
+    assert parse_peer_address(value) == want
+
+
+def test_peer_creds_of_frames():
+    assert peer_creds([b"header"]) is None  # plain bytes: an in-process call
+    assert peer_creds([helpers.PeerFrame(b"h", addr(9, 5, 6))]) == Peer(5, 6, 9, True)
+    for bad in (None, "localhost", "x:y:z:w"):
+        with pytest.raises(ProtocolError) as ei:
+            peer_creds([helpers.PeerFrame(b"h", bad)])
+        assert ei.value.code == ErrorCode.PERMISSION_DENIED
+
+
+def test_real_zmq_frames_carry_this_process_as_peer(tmp_path):
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context()
+    with helpers.short_tmpdir() as d:
+        r = ctx.socket(zmq.ROUTER)
+        r.bind(f"ipc://{d}/s")
+        c = ctx.socket(zmq.DEALER)
+        c.connect(f"ipc://{d}/s")
+        c.send(b"x")
+        assert r.poll(5000)
+        frames = r.recv_multipart(copy=False)
+        assert peer_creds(frames[1:]) == Peer(os.getuid(), os.getgid(), os.getpid(), True)
+        r.close(0)
+        c.close(0)
+    ctx.term()
+
+
+# -- HELLO ---------------------------------------------------------------------------------
+def test_session_identity_comes_from_the_kernel_not_the_hello(dm, sleeper, caplog):
+    child = sleeper()
+    with caplog.at_level(logging.INFO, logger="sparsekv.server"):
+        h = call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid, 1234, 99))
+    assert h["ok"], h
+    s = dm.sessions[b"A"]
+    assert (s.pid, s.uid, s.gid, s.verified) == (child.pid, 1234, 99, True)
+    assert s.peer_address == addr(child.pid, 1234, 99)  # for a later request's frames to match
+    assert s.proc_started is not None  # of the kernel's pid: pid reuse is told apart
+    claim = [r for r in caplog.records if "claims pid 1" in r.getMessage()]
+    assert claim and claim[0].levelno == logging.INFO and f"the kernel says {child.pid}" in claim[0].getMessage()
+    # The same claim as the kernel's says nothing
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sparsekv.server"):
+        assert call(dm, b"B", MsgType.HELLO, hello_fields(pid=child.pid), peer=addr(child.pid))["ok"]
+    assert not [r for r in caplog.records if "claims pid" in r.getMessage()]
+
+
+@pytest.mark.parametrize("peer", [None, "localhost", "127.0.0.1", "localhost:a:b:c"],
+                         ids=["unreadable", "no-peercred", "tcp", "garbage"])
+def test_hello_whose_credentials_cannot_be_read_is_permission_denied(dm, peer):
+    h = call(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer)
+    assert_error(h, ErrorCode.PERMISSION_DENIED, "credentials")
+    assert not dm.sessions
+    assert dm.snapshot()["errors_by_code"] == {"PERMISSION_DENIED": 1}
+
+
+def test_in_process_hello_is_the_daemons_own_user_unverified_and_never_reaped(dm):
+    assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=os.getpid()), peer=False)["ok"]
+    s = dm.sessions[b"A"]
+    assert (s.pid, s.uid, s.gid, s.verified, s.watch) == (0, os.getuid(), os.getgid(), False, None)
+    assert dm.reap_dead() == 0 and b"A" in dm.sessions
+
+
+def test_kernel_pid_0_is_outside_our_pid_namespace_warned_and_not_reaped(dm, caplog):
+    with caplog.at_level(logging.INFO, logger="sparsekv.server"):
+        assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=77), peer=addr(0, 1000, 1000))["ok"]
+    s = dm.sessions[b"A"]
+    assert (s.pid, s.uid, s.verified, s.watch) == (0, 1000, True, None)
+    assert any(r.levelno == logging.WARNING and "pid namespace" in r.getMessage() for r in caplog.records)
+    assert dm.reap_dead() == 0
+
+
+def test_clients_listing_shows_the_kernels_pid_and_uid(dm, sleeper):
+    child = sleeper()
+    call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid, 1234, 99))
+    header, row = dm.client_lines().splitlines()
+    cols = dict(zip(header.split("\t"), row.split("\t")))
+    assert cols["pid"] == str(child.pid) and cols["uid"] == "1234"
+    assert header.split("\t")[:3] == ["id", "pid", "rank"] and header.split("\t")[-1] == "name"
+
+
+def test_hello_again_from_another_process_cannot_take_over_the_connection(dm, sleeper):
+    a, b = sleeper(), sleeper()
+    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(a.pid))["ok"]
+    h = call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(b.pid))
+    assert_error(h, ErrorCode.PERMISSION_DENIED, "another process")
+    assert dm.sessions[b"A"].pid == a.pid and dm.sessions[b"A"].client_id == 1
+    # the connection's own process may start over (not attached)
+    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(a.pid))["client_id"] == 2
+
+
+# -- liveness: the pidfd -------------------------------------------------------------------
+def test_client_claiming_pid_1_is_reaped_when_its_real_process_dies(dm, sleeper, tmp_path):
+    child = sleeper()
+    assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid))["ok"]
+    assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
+    assert dm.sessions[b"A"].watch is not None
+    assert dm.reap_dead() == 0
+    child.kill()
+    child.wait()
+    assert dm.reap_dead() == 1
+    assert not dm.sessions and not dm.engines and dm.pool.used_bytes == 0
+    assert helpers.shm_slabs(str(tmp_path), str(tmp_path)) == []
+
+
+def test_zombie_is_dead_to_the_pidfd(dm, sleeper):
+    child = sleeper()
+    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(child.pid))["ok"]
+    child.kill()  # not waited for: a zombie
+    helpers.wait_for(lambda: dm.sessions[b"A"].watch.exited(), what="the pidfd to turn readable")
+    assert dm.reap_dead() == 1
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_dead_client_is_reclaimed_by_the_event_loop_at_once(tmp_path, sleeper, loop):
+    """No reaper tick runs here: only the pidfd registered with the loop can reap."""
+    async def main():
+        pool = HostPool(8 * MiB, threads=1)
+        backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
+        dm = Daemon(str(tmp_path), backend, pool, reap_interval_s=3600)
+        try:
+            child = sleeper()
+            assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid))["ok"]
+            assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
+            await asyncio.sleep(0.05)
+            assert b"A" in dm.sessions  # alive: nothing happens
+            t0 = time.monotonic()
+            child.kill()
+            while b"A" in dm.sessions and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.005)
+            assert b"A" not in dm.sessions, "the dead client was not reaped"
+            assert time.monotonic() - t0 < 1.0
+            assert not dm.engines and pool.used_bytes == 0
+        finally:
+            for s in list(dm.sessions.values()):
+                dm._detach(s)
+            backend.close()
+            pool.close()
+
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+
+
+def test_pidfd_is_closed_on_detach_and_opened_again_on_attach(dm, sleeper):
+    child = sleeper()
+    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(child.pid))["ok"]
+    wire = helpers.layout().to_wire()
+    assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})["ok"]
+    fd = dm.sessions[b"A"].watch.fd
+    assert is_pidfd(fd)
+    assert call(dm, b"A", MsgType.DETACH)["ok"]
+    assert dm.sessions[b"A"].watch is None and not is_pidfd(fd)
+    assert dm.reap_dead() == 0  # detached and alive: the periodic check keeps it
+    assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})["ok"]
+    assert dm.sessions[b"A"].watch is not None  # attached again: watched again
+    child.kill()
+    child.wait()
+    assert dm.reap_dead() == 1 and not dm.engines
+
+
+def test_detached_client_is_still_reaped_by_the_periodic_check(dm, sleeper):
+    child = sleeper()
+    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(child.pid))["ok"]
+    assert call(dm, b"A", MsgType.DETACH)["ok"]
+    child.kill()
+    child.wait()
+    assert dm.reap_dead() == 1 and not dm.sessions
+
+
+def test_without_pidfd_open_the_periodic_check_reaps_the_kernels_pid(dm, sleeper, monkeypatch):
+    def no_pidfd(pid, flags=0):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(peers_mod.os, "pidfd_open", no_pidfd)
+    child = sleeper()
+    assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid))["ok"]
+    assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
+    assert dm.sessions[b"A"].watch is None
+    assert dm.reap_dead() == 0
+    child.kill()
+    child.wait()
+    assert dm.reap_dead() == 1 and not dm.engines
+
+
+def is_pidfd(fd: int) -> bool:
+    try:
+        return "pidfd" in os.readlink(f"/proc/self/fd/{fd}")  # anon_inode:[pidfd], or pidfd:[n] (pidfs)
+    except OSError:
+        return False
+
+
+def test_pid_watch_close_is_idempotent(sleeper):
+    child = sleeper()
+    w = PidWatch(child.pid)
+    assert not w.exited()
+    w.close()
+    w.close()
+    assert w.exited()  # closed: nothing to watch
+
+
+# -- over the socket ------------------------------------------------------------------------
+RAW_CLIENT = r"""
+import json, sys, zmq
+from sparsekv.proto import MsgType, decode, encode
+run_dir, claimed, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+s = zmq.Context().socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(f"ipc://{run_dir}/control.sock")
+def call(t, fields):
+    s.send_multipart(encode(t, 1, fields))
+    if not s.poll(10000):
+        raise SystemExit("no reply")
+    return decode(s.recv_multipart())[0]
+print(json.dumps(call(MsgType.HELLO, {"pid": claimed, "rank": 0, "device": "cpu", "name": "raw"})), flush=True)
+for engine, layout in steps:
+    print(json.dumps(call(MsgType.ATTACH, {"engine": engine, "layout": layout})), flush=True)
+sys.stdin.read()  # until the test closes stdin or kills us
+"""
+
+
+def as_user(uid: int | None, groups=()) -> list[str]:
+    """The command prefix that runs a program as ``uid`` (its gid the same number, only
+    ``groups`` as supplementary groups); nothing for None. ``setpriv`` execs in place, so
+    the process keeps the pid the test sees."""
+    if uid is None:
+        return []
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}",
+            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"]
+
+
+def raw_client(run_dir, claimed_pid, steps, uid=None, groups=()):
+    """A process (as ``uid``) that says HELLO (claiming ``claimed_pid``) and ATTACHes
+    ``steps`` ([engine, layout wire]) over the control socket; returns (process, replies)."""
+    p = subprocess.Popen([*as_user(uid, groups), sys.executable, "-c", RAW_CLIENT, run_dir, str(claimed_pid),
+                          json.dumps(steps)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/tmp")
+    replies = []
+    for _ in range(1 + len(steps)):
+        line = p.stdout.readline()
+        assert line, f"raw client exited with {p.wait()}"
+        replies.append(json.loads(line))
+    return p, replies
+
+
+def clients(run_dir):
+    lines = helpers.stats_query(run_dir, "clients").splitlines()
+    header = lines[0].split("\t")
+    return [dict(zip(header, line.split("\t"))) for line in lines[1:]]
+
+
+def test_client_lying_about_its_pid_is_reclaimed_at_once_over_the_socket(tmp_path):
+    # A reap tick of a minute: only the pidfd can reclaim the client within the test.
+    with PrivateDaemon(pool_bytes=64 * MiB, backend="cpu", extra_args=["--reap-interval-s", "60"],
+                       log_path=str(tmp_path / "d.log"), start_timeout_s=30) as d:
+        p, (hello, att) = raw_client(d.run_dir, 1, [["e", helpers.layout().to_wire()]])
+        assert hello["ok"] and att["ok"], (hello, att)
+        (row,) = clients(d.run_dir)
+        assert (row["pid"], row["uid"], row["attached"]) == (str(p.pid), str(os.getuid()), "yes")
+        p.kill()
+        p.wait()
+        t0 = time.monotonic()
+        s = helpers.wait_for(lambda: (x := helpers.stats_json(d.run_dir))["clients"] == 0 and x, timeout_s=10,
+                             what="the daemon to reclaim the dead client")
+        assert time.monotonic() - t0 < 5
+        assert s["engines"] == 0 and s["pool_used_bytes"] == 0
+        assert helpers.shm_slabs(d.run_dir) == []
+
+
+def _can_run_as_others() -> str | None:
+    """Why clients cannot be run as other users here, or None."""
+    if os.geteuid() != 0:
+        return "needs root to run clients as other users"
+    if shutil.which("setpriv") is None:
+        return "needs setpriv (util-linux)"
+    r = subprocess.run([*as_user(65534), sys.executable, "-c", "import zmq, sparsekv.proto"], cwd="/tmp",
+                       capture_output=True)
+    return None if r.returncode == 0 else "this interpreter cannot run as another user"
+
+
+ROOT = pytest.mark.skipif(_can_run_as_others() is not None, reason=str(_can_run_as_others()))
+
+
+@ROOT
+def test_another_users_engine_is_permission_denied_over_the_socket(tmp_path):
+    lay, other = helpers.layout().to_wire(), helpers.layout(top_k=2).to_wire()
+    with PrivateDaemon(pool_bytes=64 * MiB, backend="cpu", log_path=str(tmp_path / "d.log"),
+                       start_timeout_s=30) as d:
+        os.chmod(d.run_dir, 0o755)  # let other users reach the socket (a test daemon's dir is 0700)
+        os.chmod(os.path.join(d.run_dir, "control.sock"), 0o666)
+        owner, (h, att) = raw_client(d.run_dir, 1, [["e", lay]], uid=65534)
+        assert h["ok"] and att["ok"], att
+        stranger, (h, same, diff) = raw_client(d.run_dir, 1, [["e", lay], ["e", other]], uid=65533)
+        for r in (same, diff):  # the same answer whatever the layout
+            assert r["ok"] is False and r["code"] == int(ErrorCode.PERMISSION_DENIED), r
+            assert "top_k" not in r["msg"] and "65534" not in r["msg"] and "layout" not in r["msg"].split("(")[0]
+        rows = {r["pid"]: r for r in clients(d.run_dir)}
+        assert rows[str(owner.pid)]["uid"] == "65534" and rows[str(stranger.pid)]["uid"] == "65533"
+        assert rows[str(stranger.pid)]["attached"] == "no"
+        # root may join; for root, as for the owner, another layout is LAYOUT_MISMATCH with the layout
+        root, (h, mismatch, joined) = raw_client(d.run_dir, 1, [["e", other], ["e", lay]])
+        assert mismatch["code"] == int(ErrorCode.LAYOUT_MISMATCH) and "top_k" in mismatch["msg"], mismatch
+        assert joined["ok"], joined
+        owner2, (h, own_mismatch) = raw_client(d.run_dir, 1, [["e", other]], uid=65534)
+        assert own_mismatch["code"] == int(ErrorCode.LAYOUT_MISMATCH), own_mismatch
+        for p in (owner, stranger, root, owner2):
+            p.kill()
+            p.wait()
+
+
+def test_attach_beyond_the_rank_memory_limit_is_refused_before_allocating(dm):
+    """max_slab_bytes (config) bounds one rank's slab + staging + residency state: a
+    layout past it is TOO_LARGE, and no pool range is taken."""
+    dm.max_slab_bytes = 1 * MiB
+    assert call(dm, b"a", MsgType.HELLO, hello_fields())["ok"]
+    lay = helpers.layout(num_layers=4, row_bytes=64, top_k=64, region_stride=128, max_reqs=64, host_rows=256)
+    h = call(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})
+    assert_error(h, ErrorCode.TOO_LARGE)
+    assert dm.pool.used_bytes == 0 and len(dm.engines) == 0
+    dm.max_slab_bytes = 64 * MiB
+    assert call(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})["ok"]

@@ -1,0 +1,220 @@
+"""Engines belong to their creator: an engine records the uid and gid the kernel reported
+for its first rank; another rank joins only as the same uid, as root, or as a member of the
+daemon's admin group (``Daemon(admin_gid=...)``). Anyone else gets PERMISSION_DENIED,
+whatever layout it sends, and the message names neither the owner nor the layout; the
+owner (and root) still get LAYOUT_MISMATCH with the layout. Requests that act on an engine
+(STEP, TOPK, WRITE, STAGE) reach only the sender's own attachment."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.daemon import server as server_mod
+from sparsekv.daemon.backends import CpuBackend
+from sparsekv.daemon.engine import Owner
+from sparsekv.daemon.peers import process_groups
+from sparsekv.daemon.pool import HostPool
+from sparsekv.daemon.server import Daemon
+from sparsekv.proto import ERROR_HINTS, ErrorCode, MsgType, decode, encode
+
+MiB = 1 << 20
+ADMIN = 4242
+
+
+@pytest.fixture
+def make_dm(tmp_path):
+    made = []
+
+    def make(admin_gid=None):
+        pool = HostPool(8 * MiB, threads=1)
+        backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
+        d = Daemon(str(tmp_path), backend, pool, admin_gid=admin_gid)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        for s in list(d.sessions.values()):
+            d._detach(s)
+        d.backend.close()
+        d.pool.close()
+
+
+@pytest.fixture
+def dm(make_dm):
+    return make_dm(admin_gid=ADMIN)
+
+
+@pytest.fixture
+def proc():
+    """A live process to stand for a client (its pid is what the kernel reports)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def call(dm, ident, msg_type, fields=None, arrays=None, peer=None):
+    frames = [bytes(f) for f in encode(msg_type, 1, fields, arrays)]
+    if peer is not None:
+        frames = [helpers.PeerFrame(f, peer) for f in frames]
+    return decode([bytes(f) for f in dm.handle(ident, frames)])
+
+
+def connect(dm, ident, pid, uid, gid=None):
+    """HELLO from process ``pid`` running as ``uid`` / ``gid`` (gid = uid when None)."""
+    gid = uid if gid is None else gid
+    h, _ = call(dm, ident, MsgType.HELLO, {"pid": pid, "rank": 0, "device": "cpu", "name": ""},
+                peer=f"localhost:{uid}:{gid}:{pid}")
+    assert h["ok"], h
+    return dm.sessions[ident]
+
+
+def attach(dm, ident, engine="e", **kw):
+    return call(dm, ident, MsgType.ATTACH, {"engine": engine, "layout": helpers.layout(**kw).to_wire()})[0]
+
+
+def assert_denied(h):
+    assert h["ok"] is False and h["code"] == int(ErrorCode.PERMISSION_DENIED), h
+    assert ERROR_HINTS[ErrorCode.PERMISSION_DENIED] in h["msg"]
+    said = h["msg"].split(" (")[0]  # what the daemon says of this engine, before the hint
+    assert "1000" not in said and "top_k" not in said and "region_stride" not in said, said
+
+
+def test_engine_records_the_uid_and_gid_of_its_creator(dm, proc):
+    connect(dm, b"A", proc.pid, 1000, 100)
+    assert attach(dm, b"A")["ok"]
+    assert dm.engines.space("e").owner == Owner(1000, 100)
+
+
+def test_same_uid_joins_another_uid_is_denied_whatever_the_layout(dm, proc):
+    connect(dm, b"A", proc.pid, 1000)
+    assert attach(dm, b"A")["ok"]
+    connect(dm, b"B", proc.pid, 1000, 555)  # same uid, another primary group
+    assert attach(dm, b"B")["ok"]
+    connect(dm, b"C", proc.pid, 2000)
+    used = dm.pool.used_bytes
+    same, other = attach(dm, b"C"), attach(dm, b"C", top_k=2)
+    assert_denied(same)
+    assert_denied(other)
+    # indistinguishable: the same code and words whatever the stranger's layout
+    assert same["msg"] == other["msg"]
+    assert dm.sessions[b"C"].state is None and len(dm.engines.space("e").ranks) == 2
+    assert dm.pool.used_bytes == used
+    assert len(helpers.shm_slabs(dm.run_dir, dm.run_dir)) == 2  # no slab for the refused rank
+    assert dm.snapshot()["errors_by_code"] == {"PERMISSION_DENIED": 2}
+    assert attach(dm, b"C", engine="mine", top_k=2)["ok"]  # its own engine, any layout
+
+
+def test_owner_still_gets_layout_mismatch_with_the_layout(dm, proc):
+    connect(dm, b"A", proc.pid, 1000)
+    connect(dm, b"B", proc.pid, 1000)
+    assert attach(dm, b"A")["ok"]
+    h = attach(dm, b"B", top_k=2)
+    assert h["code"] == int(ErrorCode.LAYOUT_MISMATCH) and "top_k" in h["msg"], h
+
+
+def test_root_joins_any_engine(dm, proc):
+    connect(dm, b"A", proc.pid, 1000)
+    assert attach(dm, b"A")["ok"]
+    connect(dm, b"R", proc.pid, 0)
+    h = attach(dm, b"R", top_k=2)
+    assert h["code"] == int(ErrorCode.LAYOUT_MISMATCH) and "top_k" in h["msg"]  # root may see it
+    assert attach(dm, b"R")["ok"]
+
+
+def test_admin_group_as_primary_gid_joins(dm, proc):
+    connect(dm, b"A", proc.pid, 1000)
+    assert attach(dm, b"A")["ok"]
+    connect(dm, b"M", proc.pid, 3000, ADMIN)
+    assert attach(dm, b"M")["ok"]
+
+
+def test_admin_group_as_supplementary_group_joins(dm, proc, monkeypatch):
+    seen = []
+
+    def groups(pid):
+        seen.append(pid)
+        return frozenset({7, ADMIN}) if pid == proc.pid else frozenset()
+
+    monkeypatch.setattr(server_mod, "process_groups", groups)
+    connect(dm, b"A", proc.pid, 1000)
+    assert attach(dm, b"A")["ok"]
+    connect(dm, b"M", proc.pid, 3000, 3000)
+    assert attach(dm, b"M")["ok"] and seen == [proc.pid]
+
+
+def test_without_an_admin_group_nobody_else_joins(make_dm, proc):
+    dm = make_dm(admin_gid=None)
+    connect(dm, b"A", proc.pid, 1000)
+    assert attach(dm, b"A")["ok"]
+    connect(dm, b"M", proc.pid, 3000, ADMIN)
+    assert_denied(attach(dm, b"M"))
+    connect(dm, b"R", proc.pid, 0)
+    assert attach(dm, b"R")["ok"]
+
+
+def test_supplementary_groups_are_not_trusted_once_the_process_is_gone(dm, monkeypatch):
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        connect(dm, b"A", os.getpid(), 1000)
+        assert attach(dm, b"A")["ok"]
+        connect(dm, b"M", p.pid, 3000)
+        p.kill()
+        p.wait()
+        # /proc would now describe whatever process took the pid: never trusted
+        monkeypatch.setattr(server_mod, "process_groups", lambda pid: frozenset({ADMIN}))
+        assert dm.sessions[b"M"].watch.exited()
+        assert_denied(attach(dm, b"M"))
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_admin_group_is_read_from_the_real_process(dm):
+    """A real process of uid 3000 with the admin group only as a supplementary group."""
+    p = subprocess.Popen(["setpriv", "--reuid=3000", "--regid=3000", f"--groups={ADMIN}", "sleep", "120"])
+    try:
+        helpers.wait_for(lambda: process_groups(p.pid) == {ADMIN}, what="setpriv to set the child's groups")
+        connect(dm, b"A", os.getpid(), 1000)
+        assert attach(dm, b"A")["ok"]
+        connect(dm, b"M", p.pid, 3000)
+        assert attach(dm, b"M")["ok"]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_requests_reach_only_the_senders_own_attachment(dm, proc):
+    lay = helpers.layout()
+    connect(dm, b"A", proc.pid, 1000)
+    assert attach(dm, b"A", engine="a")["ok"]
+    a_pool = dm.engines.space("a").pool
+    rows = np.arange(4, dtype=np.int32)
+    data = np.full((lay.num_layers, 4, lay.row_bytes), 0xAB, np.uint8)
+    assert call(dm, b"A", MsgType.WRITE, {"layers": None}, {"rows": rows, "data": data})[0]["ok"]
+    connect(dm, b"B", proc.pid, 2000)
+    # not attached: nothing of anyone else's engine is reachable
+    for t, fields, arrays in (
+        (MsgType.WRITE, {"layers": None}, {"rows": rows, "data": np.zeros_like(data)}),
+        (MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)}),
+        (MsgType.TOPK, {"step": 0, "group": 0}, {"topk": rows[None, :]}),
+        (MsgType.STAGE, {"layers": None}, {"rows": rows}),
+    ):
+        h, _ = call(dm, b"B", t, fields, arrays)
+        assert h["code"] == int(ErrorCode.NOT_ATTACHED), h
+    # attached to its own engine: it reads and writes only that engine's rows
+    assert attach(dm, b"B", engine="b")["ok"]
+    assert call(dm, b"B", MsgType.WRITE, {"layers": None}, {"rows": rows, "data": np.zeros_like(data)})[0]["ok"]
+    assert (a_pool[:, :4] == 0xAB).all()
+    assert call(dm, b"B", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
+    h, arrays = call(dm, b"B", MsgType.TOPK, {"step": 0, "group": 0}, {"topk": rows[None, :]})
+    assert h["ok"] and arrays["misses"][0] == 4
+    b_slab = dm.sessions[b"B"].state.slab
+    assert not (b_slab == 0xAB).any()
