@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
+import stat
+import struct
 import time
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import zmq
 
-from sparsekv.proto import PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
+from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
 from sparsekv.proto.frames import send_copy
 
 from .errors import BadRequest, DaemonUnavailable, ProtocolMismatch, SparseKVError, error_for
@@ -30,6 +34,13 @@ from .results import TopkResult
 
 
 _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
+# While waiting for a reply, check this often that the daemon still lives: a client
+# learns within about this long that its daemon died or was restarted, not at timeout_s.
+LIVENESS_SLICE_S = 0.25
+BYE_TIMEOUT_S = 0.5  # close() waits this long for the daemon's goodbye
+# The daemon renames its socket to this while it is short of file descriptors
+# (daemon/connguard.py): no new connection, the existing ones go on.
+BUSY_SUFFIX = ".busy"
 
 
 def default_run_dir() -> str:
@@ -99,15 +110,34 @@ class Client:
         # Per request type, the last reply's (sent, daemon received, daemon replied,
         # received here) in perf_counter_ns: one clock (CLOCK_MONOTONIC) for the whole host.
         self.timings: dict[MsgType, tuple[int, int, int, int]] = {}
+        # The daemon this client talks to, found at connect (see _check_daemon): its pid as
+        # this process sees it (0: in another pid namespace), its start time, and the
+        # identity of its socket file (_file_id). ``_gone``: why it is no longer there.
+        self._daemon_pid = 0
+        self._daemon_started: float | None = None
+        self._socket_id: tuple[int, int, int] | None = None
+        self._gone: str | None = None
 
     # -- connection --------------------------------------------------------------
+    @property
+    def control_path(self) -> str:
+        return os.path.join(self.run_dir, "control.sock")
+
     def connect(self) -> "Client":
-        path = os.path.join(self.run_dir, "control.sock")
-        if not os.path.exists(path):
-            raise DaemonUnavailable(f"no daemon socket at {path}; is sparsekvd running with --run-dir {self.run_dir}?")
+        path = self.control_path
+        # Connect once by hand first: libzmq retries a refused or forbidden connection
+        # silently (the HELLO would only time out), this says at once what is wrong,
+        # and the kernel names the daemon's process (SO_PEERCRED, in our pid namespace).
+        self._daemon_pid, self._socket_id = probe_daemon(path, self.run_dir)
+        self._daemon_started = _start_time(self._daemon_pid)
+        self._gone = None
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A routing id of our own: if the connection drops (the daemon's heartbeat timed
+        # out while this process was stopped), libzmq reconnects under the same name and
+        # the daemon still knows this client.
+        self._sock.setsockopt(zmq.ROUTING_ID, b"skv" + os.urandom(13))
         self._sock.connect(f"ipc://{path}")
         try:
             device = self.device
@@ -125,6 +155,12 @@ class Client:
         return self
 
     def close(self) -> None:
+        """Say goodbye (BYE: the daemon detaches this rank and forgets the connection,
+        so a process may open and close clients for ever), then close. Waits at most
+        ``BYE_TIMEOUT_S`` and ignores every failure: the daemon's reaper frees what a
+        client that could not say goodbye held once its process exits."""
+        if self._sock is not None and self.info:
+            self._goodbye()
         if self.attachment is not None:
             self.attachment.close()
             self.attachment = None
@@ -132,21 +168,31 @@ class Client:
             self._sock.close(0)
             self._sock = None
         self._sent.clear()  # requests whose replies will never come
+        self._replies.clear()
+        self._deferred.clear()
+        self.info = {}
+
+    def _goodbye(self) -> None:
+        timeout_s, self.timeout_s = self.timeout_s, min(self.timeout_s, BYE_TIMEOUT_S)
+        self._pending_step = None  # a STEP not sent yet: nobody will use it
+        try:
+            try:
+                self._call(MsgType.BYE)
+            except SparseKVError as e:
+                if e.code != ErrorCode.UNKNOWN_TYPE or self.attachment is None:
+                    raise
+                self._call(MsgType.DETACH)  # a daemon without BYE: detach at least
+        except (SparseKVError, zmq.ZMQError):
+            pass
+        finally:
+            self.timeout_s = timeout_s
 
     def __enter__(self) -> "Client":
         return self.connect() if self._sock is None else self
 
     def __exit__(self, *exc) -> None:
-        try:
-            if self.attachment is not None and self._sock is not None:
-                # Leaving: do not hang for the full timeout if the daemon is gone (the
-                # daemon's reaper detaches a dead client's rank anyway).
-                self.timeout_s = min(self.timeout_s, 5.0)
-                self.detach()
-        except DaemonUnavailable:
-            pass
-        finally:
-            self.close()
+        self.close()  # BYE detaches too
+
 
     # -- requests ----------------------------------------------------------------
     def attach(self, layout: Layout, engine: str = "default", fence: bool = False):
@@ -274,9 +320,20 @@ class Client:
     def write(self, rows, data, layers=None) -> dict:
         """Copy ``data`` uint8 [len(layers), n, row_bytes] into host ``rows`` (all layers when
         ``layers`` is None); hot copies of those rows are dropped in every rank."""
-        fields, _ = self._call(MsgType.WRITE, {"layers": None if layers is None else [int(x) for x in layers]},
-                               {"rows": np.asarray(rows, dtype=np.int32), "data": np.asarray(data, dtype=np.uint8)})
-        return fields
+        layers = None if layers is None else [int(x) for x in layers]
+        rows, data = np.asarray(rows, dtype=np.int32), np.asarray(data, dtype=np.uint8)
+        per_row = data.nbytes // max(1, data.shape[1]) if data.ndim == 3 and rows.ndim == 1 else 0
+        if not per_row or (data.nbytes <= LIMITS.max_frame_bytes and rows.shape[0] <= LIMITS.max_write_rows):
+            return self._call(MsgType.WRITE, {"layers": layers}, {"rows": rows, "data": data})[0]
+        # Larger than one frame may carry: several WRITEs of whole rows, each in order.
+        step = max(1, min(LIMITS.max_frame_bytes // per_row, LIMITS.max_write_rows))
+        total: dict = {}
+        for i in range(0, rows.shape[0], step):
+            part = self._call(MsgType.WRITE, {"layers": layers}, {"rows": rows[i:i + step], "data": data[:, i:i + step]})[0]
+            for k, v in part.items():
+                total[k] = total.get(k, 0) + v if isinstance(v, int) else v
+        return total
+
 
     def write_staged(self, rows, layers=None) -> dict:
         """Write rows this rank put at the front of its staging buffer (``att.staging[layer,
@@ -304,6 +361,8 @@ class Client:
     # -- plumbing ----------------------------------------------------------------
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
         if self._sock is None:
+            if self._gone is not None:
+                raise DaemonUnavailable(self._gone)
             raise SparseKVError("client is not connected; call connect() or use it as a context manager")
         if self._pending_step is not None:
             self._send_pending_step()  # requests reach the daemon in the order they were made
@@ -316,14 +375,23 @@ class Client:
         else:
             fields["ts"] = ts
         frames = encode(msg_type, req, fields, arrays)
+        if arrays:
+            for f in frames[1:]:
+                # The daemon would drop the connection unread (ZMQ_MAXMSGSIZE) and this
+                # client would wait for a reply that never comes: refuse it here.
+                if len(f) > LIMITS.max_frame_bytes:
+                    raise BadRequest(f"an array of {len(f)} bytes exceeds the frame limit of "
+                                     f"{LIMITS.max_frame_bytes} bytes; split the request", ErrorCode.TOO_LARGE)
         self._sock.send_multipart(frames, copy=send_copy(frames))
         self._sent[req] = (msg_type, ts)
         return req
 
     def _receive_until(self, req_id: int) -> None:
+        if self._sock is None and req_id not in self._replies:
+            raise DaemonUnavailable(self._gone or "client is not connected")
         while req_id not in self._replies:
-            if not self._spin() and not self._sock.poll(int(self.timeout_s * 1000)):
-                raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s")
+            if not self._spin() and not self._sock.poll(int(min(self.timeout_s, LIVENESS_SLICE_S) * 1000)):
+                self._wait_slices()
             frames = self._sock.recv_multipart(copy=False)
             t_recv = time.perf_counter_ns()
             try:
@@ -336,6 +404,67 @@ class Client:
             if sent is not None and tr is not None:
                 self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
             self._replies[rid] = (header, arrays)
+
+    def _wait_slices(self) -> None:
+        """No reply within the first slice: poll on in slices until ``timeout_s``,
+        checking between slices that the daemon still lives (it may have died or been
+        restarted: then no reply will ever come)."""
+        deadline = time.monotonic() + self.timeout_s - min(self.timeout_s, LIVENESS_SLICE_S)
+        while True:
+            why = self._check_daemon()
+            if why is not None:
+                self._lost(why)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s")
+            if self._sock.poll(max(1, int(min(left, LIVENESS_SLICE_S) * 1000))):
+                return
+
+    def _check_daemon(self) -> str | None:
+        """Why the daemon this client connected to is no longer there, or None while it
+        seems to be: its process (when this process can see it) and its socket file (a
+        restarted daemon makes a new one)."""
+        path = self.control_path
+        pid = self._daemon_pid
+        if pid > 0:
+            try:
+                p = psutil.Process(pid)
+                # A new process under the same pid, or a zombie its parent has not reaped.
+                if (self._daemon_started is not None and p.create_time() != self._daemon_started) \
+                        or p.status() == psutil.STATUS_ZOMBIE:
+                    return f"sparsekvd is gone (pid {pid} exited)"
+            except psutil.NoSuchProcess:
+                return f"sparsekvd is gone (pid {pid} exited)"
+            except psutil.Error:
+                pass  # cannot tell (permissions): the socket says more
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            try:
+                st = os.stat(path + BUSY_SUFFIX)  # held off new connections: still ours
+            except FileNotFoundError:
+                return f"sparsekvd is gone: its socket {path} was removed"
+            except OSError:
+                return None
+        except OSError:
+            return None
+        if self._socket_id is not None and _file_id(st) != self._socket_id:
+            return f"sparsekvd restarted: {path} is a new daemon's socket"
+        return None
+
+    def _lost(self, why: str):
+        """The daemon is gone: every request of this client fails from now on."""
+        self._gone = (f"{why}; this client's session{' and attachment are' if self.attachment else ' is'} "
+                      "gone: create a new Client (and attach again)")
+        self._sock.close(0)
+        self._sock = None
+        # Nothing in flight will be answered (connect() again starts clean).
+        self._sent.clear()
+        self._replies.clear()
+        self._deferred.clear()
+        self._block_requests.clear()
+        self._pending_step = None
+        raise DaemonUnavailable(self._gone)
 
     def _spin(self) -> bool:
         """Poll without sleeping for up to ``spin_us``; True once a reply is waiting."""
@@ -354,8 +483,16 @@ class Client:
         self._check_deferred()
         header, arrays = self._replies.pop(req_id)
         if not header.get("ok"):
-            raise error_for(header.get("code", int(ErrorCode.INTERNAL)), header.get("msg", "no message"))
+            code = header.get("code", int(ErrorCode.INTERNAL))
+            if code == ErrorCode.NOT_HELLO and self.info and self._sock is not None:
+                # This connection said HELLO, yet the daemon does not know it: a new
+                # daemon answers (libzmq reconnected to it by itself) if the socket changed.
+                why = self._check_daemon()
+                if why is not None:
+                    self._lost(why)
+            raise error_for(code, header.get("msg", "no message"))
         return header, arrays
+
 
     def _check_deferred(self) -> None:
         """Raise the first error among deferred requests whose replies have arrived."""
@@ -376,6 +513,70 @@ class Client:
         """Send and wait; return (reply fields without the envelope, reply arrays)."""
         header, arrays = self._await_reply(self._send(msg_type, fields, arrays))
         return {k: v for k, v in header.items() if k not in _ENVELOPE}, arrays
+
+
+def probe_daemon(path: str, run_dir: str) -> tuple[int, tuple[int, int]]:
+    """Connect to the daemon's socket ``path`` once, as a plain UNIX socket, and hang up.
+    Returns (the daemon's pid as this process sees it, 0 when it runs in another pid
+    namespace; the socket file's identity, _file_id). Raises :class:`DaemonUnavailable`
+    saying what is wrong: no socket, permission denied, connection refused (a daemon that
+    died left it behind), or a daemon holding off new connections."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.exists(path + BUSY_SUFFIX):
+            raise DaemonUnavailable(f"sparsekvd at {run_dir} refuses new connections for now: it is short of file "
+                                    "descriptors (too many open connections; see its log); retry later") from None
+        raise DaemonUnavailable(f"no daemon socket at {path}; is sparsekvd running with --run-dir {run_dir}?") from None
+    except PermissionError:
+        raise DaemonUnavailable(f"permission denied on {run_dir}: this user may not enter sparsekvd's run dir "
+                                "(engines need the daemon's group, see deploy/README.md)") from None
+    except OSError as e:
+        raise DaemonUnavailable(f"cannot reach {path}: {e.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise DaemonUnavailable(f"{path} is not a socket; is --run-dir {run_dir} sparsekvd's run dir?")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(2.0)
+        try:
+            s.connect(path)
+        except PermissionError:
+            raise DaemonUnavailable(f"permission denied on {path}: this user may not connect to sparsekvd (connecting "
+                                    "needs write permission on the socket: the daemon's group, see deploy/README.md)"
+                                    ) from None
+        except ConnectionRefusedError:
+            raise DaemonUnavailable(f"connection refused on {path}: no sparsekvd listens there (it exited and left "
+                                    "its socket behind, or it is starting)") from None
+        except FileNotFoundError:
+            return probe_daemon(path, run_dir)  # renamed away just now: say why
+        except (BlockingIOError, TimeoutError):
+            raise DaemonUnavailable(f"sparsekvd at {run_dir} does not accept connections: its queue is full "
+                                    "(is it stuck?)") from None
+        except OSError as e:
+            raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror}") from None
+        try:
+            pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        except OSError:
+            pid = 0
+    finally:
+        s.close()
+    return max(pid, 0), _file_id(st)
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells one socket file from the next at the same path: a file system may give
+    a new file the inode number of one just deleted (ext4 does), but not its mtime too
+    (set when the daemon binds it; chmod and rename leave it)."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def _start_time(pid: int) -> float | None:
+    if pid <= 0:
+        return None
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 def _check_batch(att, rows: np.ndarray, topk: np.ndarray, begin) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -90,6 +91,12 @@ class Config:
     # Prometheus text on http://127.0.0.1:<port>/metrics, served by the daemon's own loop;
     # 0: off (the stats socket's `prometheus` command serves the same text).
     metrics_port: int = 0
+    # Most memory one rank's ATTACH may take in the daemon: hot slab + staging buffer +
+    # residency state (owner and lru, 8 bytes per slot and index group), checked before
+    # anything is allocated (residency/base.py check_layout_limits).
+    max_slab_bytes: int = 16 << 30
+    # Members of this group may join any user's engine (operators' tools); -1: none.
+    admin_gid: int = -1
     log_level: str = "info"
 
     def validate(self) -> "Config":
@@ -105,8 +112,18 @@ class Config:
             raise ConfigError(f"gather_blocks must be >= 1, got {self.gather_blocks}")
         if self.max_clients < 1:
             raise ConfigError("max_clients must be >= 1")
-        if self.reap_interval_s <= 0:
-            raise ConfigError("reap_interval_s must be > 0")
+        # nan compares false with everything: `nan <= 0` would let it through, and the
+        # reaper would never run (inf: the same).
+        if not math.isfinite(self.reap_interval_s) or not 0 < self.reap_interval_s <= 3600:
+            raise ConfigError(f"reap_interval_s must be a number of seconds in (0, 3600], got {self.reap_interval_s}")
+        if self.max_slab_bytes <= 0:
+            raise ConfigError("max_slab_bytes must be positive")
+        if not -1 <= self.admin_gid < 2**32 - 1:
+            raise ConfigError(f"admin_gid must be a group id, or -1 for none, got {self.admin_gid}")
+        if self.prefault_threads < 0 or self.prefault_threads > 1024:
+            raise ConfigError(f"prefault_threads must lie in [0, 1024] (0: one per core), got {self.prefault_threads}")
+        if self.max_clients > 1_000_000:
+            raise ConfigError(f"max_clients must lie in [1, 1000000], got {self.max_clients}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must lie in [0, 65535] (0: off), got {self.metrics_port}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -135,7 +152,7 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-_SIZES = ("pool_size", "device_arena_size")
+_SIZES = ("pool_size", "device_arena_size", "max_slab_bytes")
 
 # What each setting means, for --help (its default and environment name are added).
 _HELP = {
@@ -153,6 +170,8 @@ _HELP = {
     "ring_depth": "cuda: top-k requests a rank may have in flight",
     "busy_poll_us": "poll the control socket this long after a request; -1: 1000 on cuda, 0 on cpu",
     "metrics_port": "serve Prometheus text on http://127.0.0.1:PORT/metrics; 0: off",
+    "max_slab_bytes": "most memory one rank may take (hot slab + staging + residency state), with a unit",
+    "admin_gid": "members of this group may join any user's engine; -1: nobody but root",
     "log_level": "debug, info, warning or error",
 }
 
@@ -167,20 +186,44 @@ def _toml_str(v: str) -> str:
 
 
 def _coerce(name: str, value, source: str, *, unit_required: bool = True):
+    """``value`` as setting ``name`` wants it. Text (environment, flags) is parsed; a
+    TOML value must already have the right type: ``max_clients = 2.7`` is an error, not 2,
+    and ``true`` is not 1."""
     kinds = {f.name: f.type for f in fields(Config)}
     if name not in kinds:
         raise ConfigError(f"{source}: unknown setting {name!r}")
+    kind = kinds[name]
     try:
         if name in _SIZES:
+            if not isinstance(value, (str, int)) or isinstance(value, bool):
+                raise ValueError(f"a size is text with a unit such as \"64GiB\", got {_toml_type(value)}")
             return parse_size(value, unit_required=unit_required)
-        kind = kinds[name]
         if kind == "int":
-            return int(value)
+            if isinstance(value, str):
+                return int(value.strip())
+            if type(value) is not int:
+                raise ValueError(f"an integer is needed, got {_toml_type(value)} {value!r}")
+            return value
         if kind == "float":
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError) as e:
+            if isinstance(value, str):
+                v = float(value.strip())
+            elif type(value) in (int, float):
+                v = float(value)
+            else:
+                raise ValueError(f"a number is needed, got {_toml_type(value)} {value!r}")
+            if not math.isfinite(v):
+                raise ValueError(f"{value!r} is not a finite number")
+            return v
+        if not isinstance(value, str):
+            raise ValueError(f"text is needed, got {_toml_type(value)} {value!r}")
+        return value
+    except (TypeError, ValueError, OverflowError) as e:
         raise ConfigError(f"{source}: bad value for {name}: {e}") from None
+
+
+def _toml_type(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "text", list: "an array",
+            dict: "a table"}.get(type(value), type(value).__name__)
 
 
 def load(args: argparse.Namespace | None = None, environ=None) -> Config:
@@ -205,7 +248,7 @@ def load_with_sources(args: argparse.Namespace | None = None, environ=None) -> t
             raise ConfigError(f"cannot read config file {cfg_file}: {e.strerror}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {cfg_file} is not valid TOML: {e}") from None
-        section = data.get("sparsekvd", data)
+        section = _settings_table(data, cfg_file)
         for k, v in section.items():
             values[k] = _coerce(k, v, f"config file {cfg_file}")
             sources[k] = f"file {cfg_file}"
@@ -224,6 +267,28 @@ def load_with_sources(args: argparse.Namespace | None = None, environ=None) -> t
     return Config(**values).validate(), sources
 
 
+def _settings_table(data: dict, cfg_file: str) -> dict:
+    """The settings of a parsed TOML file: the table ``[sparsekvd]``, or the top level
+    when there is none. Anything else (another table, an array of tables, settings both
+    inside and outside ``[sparsekvd]``) is a one-line error, not a traceback or a setting
+    silently ignored."""
+    where = f"config file {cfg_file}"
+    if "sparsekvd" in data:
+        section = data["sparsekvd"]
+        if not isinstance(section, dict):
+            raise ConfigError(f"{where}: sparsekvd must be a table ([sparsekvd]), got {_toml_type(section)}")
+        others = sorted(k for k in data if k != "sparsekvd")
+        if others:
+            raise ConfigError(f"{where}: {others} outside the table [sparsekvd]; put every setting in it")
+        data = section
+    for k, v in data.items():
+        if isinstance(v, dict) or (isinstance(v, list) and v and all(isinstance(x, dict) for x in v)):
+            known = {f.name for f in fields(Config)}
+            what = f"setting {k} cannot be a table" if k in known else f"unknown table [{k}]"
+            raise ConfigError(f"{where}: {what}; settings are plain keys (at the top level or in [sparsekvd])")
+    return data
+
+
 def _default_text(f: dataclasses.Field) -> str:
     if f.name == "run_dir":
         return "$RUNTIME_DIRECTORY or /run/sparsekv"
@@ -239,7 +304,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     environment name."""
     p.add_argument("--config", metavar="FILE.toml",
                    help="TOML file with settings (table [sparsekvd] or top level) (default: none; env SPARSEKV_CONFIG)")
-    metavars = {"pool_size": "SIZE", "device_arena_size": "SIZE", "run_dir": "DIR", "shm_dir": "DIR",
+    metavars = {"pool_size": "SIZE", "device_arena_size": "SIZE", "max_slab_bytes": "SIZE", "run_dir": "DIR",
+                "shm_dir": "DIR",
                 "kernel_cache_dir": "DIR", "devices": "all|0,1,..", "reap_interval_s": "S", "busy_poll_us": "US",
                 "metrics_port": "PORT"}
     choices = {"backend": ["auto", "cpu", "cuda"], "log_level": ["debug", "info", "warning", "error"]}

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -31,6 +32,37 @@ log = logging.getLogger("sparsekv")
 # second: a start that keeps moving is never killed by TimeoutStartSec=, a stuck one is.
 START_EXTEND_S = 60.0
 PROGRESS_LOG_INTERVAL_S = 5.0  # pre-fault progress lines in the log (STATUS= gets every one)
+# Below this many open files the daemon warns: every client connection takes one (and
+# libzmq aborts the process if an accept finds none: daemon/connguard.py holds off new
+# connections near the limit). systemd's default soft limit is 1024.
+MIN_OPEN_FILES = 4096
+
+
+def raise_open_files_limit() -> tuple[int, int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard one; return (before, now, hard). An
+    unprivileged process may always do this; systemd's default is 1024 soft, 524288
+    hard (the unit sets LimitNOFILE=65536)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft, soft, hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):  # a hard limit above fs.nr_open: keep what we have
+        return soft, soft, hard
+    return soft, want, hard
+
+
+def log_open_files_limit() -> None:
+    before, now, hard = raise_open_files_limit()
+    if now != before:
+        log.info("open files: soft limit raised from %d to %d (the hard limit)", before, now)
+    else:
+        log.info("open files: soft limit %d (hard %d)", now, hard)
+    if now < MIN_OPEN_FILES:
+        log.warning("open files: the limit %d is low: each client connection takes one, and new connections are "
+                    "held off near the limit; raise LimitNOFILE= (the unit sets 65536) or ulimit -Hn to at least %d",
+                    now, MIN_OPEN_FILES)
 
 
 # -- logging ------------------------------------------------------------------------------
@@ -235,7 +267,14 @@ def main(argv=None) -> int:
     if args.print_config:
         sys.stdout.write(cfg.to_toml(sources))
         return 0
+    if not os.path.isdir(cfg.shm_dir) or not os.access(cfg.shm_dir, os.W_OK | os.X_OK):
+        why = "does not exist" if not os.path.exists(cfg.shm_dir) else (
+            "is not a directory" if not os.path.isdir(cfg.shm_dir) else "is not writable by this user")
+        print(f"sparsekvd: shm_dir {cfg.shm_dir} ({sources.get('shm_dir', 'default')}) {why}; slabs are created "
+              "there: point shm_dir at a tmpfs the engines see (usually /dev/shm)", file=sys.stderr)
+        return 2
     setup_logging(cfg.log_level)
+    log_open_files_limit()
     refusal = backend_refusal(cfg)
     if refusal is not None:
         log.error("cannot start: %s", refusal)
@@ -275,7 +314,9 @@ def main(argv=None) -> int:
                             reap_interval_s=cfg.reap_interval_s, notifier=notifier,
                             busy_poll_us=cfg.busy_poll_us if cfg.busy_poll_us >= 0
                             else (1000 if backend.name == "cuda" else 0),
-                            metrics_port=cfg.metrics_port)
+                            metrics_port=cfg.metrics_port,
+                            admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None)
+            daemon.max_slab_bytes = cfg.max_slab_bytes  # ATTACH: check_layout_limits
             return _run(daemon, signals)
         except _Interrupted:
             notifier.stopping()
@@ -285,10 +326,14 @@ def main(argv=None) -> int:
             log.error("cannot start: %s", e)
             return 1
         finally:
-            if backend is not None:
-                backend.close()
-            if pool is not None:
-                pool.close()
+            # Each step by itself: after a fatal error (a lost GPU context) one may fail,
+            # and the exit code must still say why the daemon stopped, not this.
+            for what, part in (("backend", backend), ("pool", pool)):
+                if part is not None:
+                    try:
+                        part.close()
+                    except Exception:  # noqa: BLE001
+                        log.exception("closing the %s failed", what)
             lock.release()
             notifier.close()
 
@@ -315,6 +360,9 @@ def _run(daemon, signals: StartSignals) -> int:
         await daemon.serve()
 
     runner(go())
+    if daemon.exit_code:
+        log.critical("stopped: exit code %d", daemon.exit_code)
+        return daemon.exit_code
     log.info("stopped")
     return 0
 

@@ -10,6 +10,7 @@ device's copy stream, so the loop never waits on the GPU.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -37,11 +38,14 @@ from sparsekv.proto import (
 from sparsekv.proto.frames import send_copy
 
 from . import stats as stats_mod
-from .engine import RankState
+from .connguard import BUSY_SUFFIX, ConnectionGuard
+from .engine import Owner, RankState
 from .notify import Notifier
+from .peers import Peer, PidWatch, process_groups
+from .peers import peer_creds as _peer_creds
 from .pool import HostPool, PoolError
 from .registry import EngineRegistry
-from .residency.base import ResidencyError
+from .residency.base import ResidencyError, check_layout_limits
 
 log = logging.getLogger("sparsekv.server")
 
@@ -52,7 +56,14 @@ _RANK_REQUESTS = frozenset({MsgType.STEP, MsgType.TOPK, MsgType.WRITE, MsgType.W
 
 @dataclass
 class Session:
-    """One connected client (one engine rank), keyed by its ZeroMQ identity."""
+    """One connected client (one engine rank), keyed by its ZeroMQ identity.
+
+    ``pid``, ``uid``, ``gid``: what the kernel says of the connection (``SO_PEERCRED``),
+    never what the client claims; ``verified`` False (pid 0, the daemon's own uid and gid)
+    for in-process calls, which carry no credentials. ``watch``: a pidfd of the process,
+    open from HELLO to DETACH and again from a later ATTACH, so a client that dies holding
+    an engine is reclaimed at once (None: pid 0, or no pidfd; the reaper's periodic check
+    covers those)."""
 
     identity: bytes
     client_id: int
@@ -66,13 +77,30 @@ class Session:
     state: RankState | None = None
     requests: int = 0
     errors: int = 0
+    uid: int = -1
+    gid: int = -1
+    verified: bool = False
+    watch: PidWatch | None = None
+    peer_address: str = ""  # the HELLO's Peer-Address, as libzmq gave it ("": unverified)
 
 
 class Daemon:
+    # 0, or EXIT_FATAL once a request hit an error no one can be served after (_fatal):
+    # serve() then returns and main() exits with it.
+    exit_code = 0
+    fatal_reason = ""
+    # Most bytes one rank's slab + staging + residency state may take (config
+    # max_slab_bytes; main sets it): ATTACH checks it with check_layout_limits.
+    max_slab_bytes = 16 << 30
+
     def __init__(self, run_dir: str, backend, pool: HostPool, *, max_clients: int = 256,
                  reap_interval_s: float = 2.0, notifier: Notifier | None = None, busy_poll_us: int = 0,
-                 metrics_port: int = 0):
+                 metrics_port: int = 0, admin_gid: int | None = None):
         self.run_dir = run_dir
+        # Members of this group (primary or supplementary) may join any user's engine.
+        self.admin_gid = admin_gid
+        # The credentials of the HELLO being handled (set by handle() from its frames).
+        self._peer: Peer | None = None
         self.backend = backend
         self.pool = pool
         self.max_clients = max_clients
@@ -101,6 +129,7 @@ class Daemon:
             MsgType.DETACH: self.on_detach,
             MsgType.STATS: self.on_stats,
             MsgType.WRITE_STAGED: self.on_write_staged,
+            MsgType.BYE: self.on_bye,
         }
         # The protocol is declared once in proto/; refuse to start if it and the handlers drift.
         missing = set(REQUESTS) - set(self.handlers)
@@ -132,8 +161,16 @@ class Daemon:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        for p in (self.control_path, self.stats_path):
-            if os.path.exists(p):
+        # Bound what one peer can cost (see MAX_MESSAGE_BYTES and the heartbeats below
+        # _DRAIN_SLICE_NS): a frame larger than any legal request drops its connection
+        # before it is read, a silent peer is dropped after HEARTBEAT_TIMEOUT_MS.
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        busy_path = self.control_path + BUSY_SUFFIX
+        for p in (self.control_path, busy_path, self.stats_path):
+            if os.path.lexists(p):
                 os.unlink(p)
         # The stats socket first: whoever sees control.sock (clients, PrivateDaemon, probes)
         # finds stats.sock there too.
@@ -141,6 +178,10 @@ class Daemon:
         os.chmod(self.stats_path, 0o660)
         sock.bind(f"ipc://{self.control_path}")
         os.chmod(self.control_path, 0o660)
+        # libzmq aborts the process if accepting a connection finds no free descriptor:
+        # hold off new connections while few are left (daemon/connguard.py).
+        guard = ConnectionGuard(sock, self.control_path).start()
+        self.connection_guard = guard
         loop = asyncio.get_running_loop()
         fd = sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain, sock)
@@ -156,7 +197,10 @@ class Daemon:
             self._drain(sock)  # anything that arrived before the reader was registered
             await self._stop.wait()
         finally:
-            self.notifier.stopping()
+            if self.exit_code:  # keep saying why in `systemctl status`
+                self.notifier.send(STOPPING=1, STATUS=f"failed: {self.fatal_reason[:200]}")
+            else:
+                self.notifier.stopping()
             log.info("stopping: detaching %d client(s)", len(self.sessions))
             loop.remove_reader(fd)
             for t in tasks:
@@ -164,12 +208,21 @@ class Daemon:
             stats_server.close()
             if http_server is not None:
                 http_server.close()
-            for s in list(self.sessions.values()):
-                self._detach(s)
+            if self.exit_code:
+                # The GPU context is lost: releasing device memory would only fail (or
+                # hang); the process exit frees everything.
+                log.info("not detaching %d client(s): the daemon is failing", len(self.sessions))
+            else:
+                for s in list(self.sessions.values()):
+                    try:
+                        self._detach(s)
+                    except Exception:  # noqa: BLE001 - stop the others cleanly all the same
+                        log.exception("detaching client %d at stop failed", s.client_id)
             self.sessions.clear()
+            guard.close()
             sock.close(0)
             ctx.term()
-            for p in (self.control_path, self.stats_path):
+            for p in (self.control_path, busy_path, self.stats_path):
                 try:
                     os.unlink(p)
                 except FileNotFoundError:
@@ -206,6 +259,8 @@ class Daemon:
                 sock.send_multipart([identity, *reply], zmq.NOBLOCK, copy=send_copy(reply))
             except zmq.Again:  # the client stopped reading and its queue is full
                 log.warning("reply to a client dropped: its queue is full")
+            if self.exit_code:  # a fatal error: run nothing more (serve() is stopping)
+                return
             last = now()
             if last - start >= _DRAIN_SLICE_NS:
                 asyncio.get_running_loop().call_soon(self._drain, sock)
@@ -257,6 +312,7 @@ class Daemon:
                         what = "nor the STEP it began " if header.get("begin") is True else ""
                         err.args = (f"{err.args[0]}; this {kind.name} request {what}was not run",)
                         raise err
+            if kind == MsgType.HELLO: self._peer = _peer_creds(frames)  # noqa: E701 - SO_PEERCRED, HELLO only
             fields, out_arrays = self.handlers[kind](session, identity, header, arrays)
             self.stats.c["requests"] += 1
             tx = time.perf_counter_ns()
@@ -272,33 +328,80 @@ class Daemon:
             msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
             return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns())
         except Exception as e:  # noqa: BLE001 - a bug must not take the daemon down
-            log.exception("internal error on request type %s", msg_type)
+            sticky = sticky_cuda_error(e)
+            if sticky is not None:
+                # The GPU context is lost for good (CUDA's sticky errors): every later
+                # call on it fails too. Exit non-zero now, so systemd restarts the daemon
+                # and every client learns at once that it is gone, instead of failing
+                # request after request.
+                self._fatal(f"sticky CUDA error {sticky} on request type {msg_type}: {type(e).__name__}: {e}")
+            else:
+                log.exception("internal error on request type %s", msg_type)
             self.stats.add(requests=1)
             self.stats.error(ErrorCode.INTERNAL.name)
             self._count_client_error(identity)
             msg = f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})"
+            if sticky is not None:
+                msg = f"{type(e).__name__}: {e}: the GPU context is lost; sparsekvd exits and must be restarted"
             return reply_error(msg_type, req_id, ErrorCode.INTERNAL, msg, tr, time.perf_counter_ns())
+
+    def _fatal(self, why: str) -> None:
+        """Stop serving and make the process exit with :data:`EXIT_FATAL` (main returns
+        it): an error after which the daemon cannot serve anyone (a lost GPU context)."""
+        log.critical("%s: exiting with code %d", why, EXIT_FATAL)
+        self.notifier.status(f"failed: {why[:200]}")
+        self.fatal_reason = why
+        self.exit_code = EXIT_FATAL
+        self.stop()
 
     # -- handlers: each returns (fields, arrays) --------------------------------------
     def on_hello(self, session, identity, h, arrays):
-        if session is not None:  # the same connection says hello again: start over
+        # Who the client is comes from the kernel: SO_PEERCRED of its connection, read by
+        # handle() from the frames (libzmq's "Peer-Address"). The "pid" field is still
+        # required (older daemons need it) but only compared with the kernel's.
+        peer, self._peer = self._peer, None
+        if peer is None:  # an in-process call (plain bytes frames): no credentials to read
+            peer = Peer.unverified()
+        rank = _int(h, "rank")
+        if session is not None:
+            # The same connection says hello again. Only its own process may (a ROUTER
+            # identity names one connection; another process could reuse it only once
+            # that connection is gone), and never while attached: a second HELLO must not
+            # silently throw away the rank it holds. Once detached it is a reconnect.
+            if session.verified and (peer.uid, peer.pid) != (session.uid, session.pid):
+                raise ProtocolError(ErrorCode.PERMISSION_DENIED,
+                                    f"this connection is client {session.client_id} of another process")
+            if session.state is not None:
+                raise ProtocolError(ErrorCode.ALREADY_ATTACHED,
+                                    f"client {session.client_id} is attached to engine {session.engine!r}; "
+                                    "send DETACH before HELLO again")
             self._detach(session)
             del self.sessions[identity]
         if len(self.sessions) >= self.max_clients:
             raise ProtocolError(ErrorCode.TOO_MANY_CLIENTS, f"{len(self.sessions)} clients connected (max {self.max_clients})")
-        pid, rank = _int(h, "pid"), _int(h, "rank")
-        # A pid no process can have would make the reaper's psutil calls raise for ever
-        # (OverflowError), and then no dead client would be reaped.
-        if not 0 < pid < 2**31:
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"pid {pid} is not a process id")
-        try:
-            started = psutil.Process(pid).create_time()
-        except (psutil.Error, ValueError):
-            started = None
-        s = Session(identity, self._next_client_id, pid, rank, str(h["device"]), str(h["name"])[:128], started)
+        pid = peer.pid
+        claimed = h.get("pid")
+        if peer.verified and claimed != pid:
+            # Another pid namespace (a container) numbers the process differently, or the
+            # client lies: either way the kernel's number is the one to watch.
+            log.info("client hello claims pid %s; the kernel says %d (another pid namespace?): using %d",
+                     str(claimed)[:24], pid, pid)
+        started = None
+        if pid > 0:
+            try:
+                started = psutil.Process(pid).create_time()
+            except (psutil.Error, ValueError, OSError):  # OSError: EMFILE, say
+                pass
+        s = Session(identity, self._next_client_id, pid, rank, str(h["device"]), str(h["name"])[:128], started,
+                    uid=peer.uid, gid=peer.gid, verified=peer.verified, peer_address=peer.address)
         self._next_client_id += 1
+        s.watch = self._watch(s)
         self.sessions[identity] = s
-        log.info("client %d hello: pid %d rank %d device %s %s", s.client_id, pid, rank, s.device, s.name)
+        log.info("client %d hello: pid %d uid %d rank %d device %s %s", s.client_id, pid, s.uid, rank, s.device, s.name)
+        if peer.verified and pid == 0:
+            log.warning("client %d (uid %d) runs outside the daemon's pid namespace: if it dies attached, its rank "
+                        "is not reclaimed until the daemon stops (run engines with the host's pid namespace)",
+                        s.client_id, s.uid)
         return {"client_id": s.client_id, "daemon_pid": os.getpid(), "version": PROTOCOL_VERSION,
                 **self.backend.describe()}, None
 
@@ -313,16 +416,32 @@ class Daemon:
         except (LayoutError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
         created = engine not in self.engines
+        if s.watch is None and s.pid > 0:  # watched again from now on (DETACH closed it)
+            s.watch = self._watch(s)
+            if s.watch is not None and s.proc_started is not None and _started(s.pid) != s.proc_started:
+                # The pid is another process's now: whoever holds this connection is not
+                # the process that said HELLO. The reaper's periodic check reclaims it.
+                s.watch.close()
+                s.watch = None
+                raise ProtocolError(ErrorCode.PERMISSION_DENIED,
+                                    f"the process that said HELLO as client {s.client_id} has exited; connect again")
+        check_layout_limits(layout, self.max_slab_bytes)  # before anything is allocated
+        admin = not created and self._is_admin(s)  # only joining needs it (a /proc read)
         try:
-            state, handles = self.engines.attach(s.client_id, s.rank, s.device, engine, layout, h.get("fence_events"))
+            state, handles = self.engines.attach(s.client_id, s.rank, s.device, engine, layout, h.get("fence_events"),
+                                                 owner=Owner(s.uid, s.gid), privileged=admin)
         except (PoolError, ProtocolError, ResidencyError) as e:
             # An engine that cannot attach (no room in the pool, another layout, no room
             # for its slab) is the operator's business, not only the client's: warn.
-            log.warning("client %d (pid %d rank %d) refused: attach to engine %r: %s: %s", s.client_id, s.pid,
-                        s.rank, engine, _code_of(e).name, e.args[0] if e.args else e)
+            # The log may name the owner (the operator's view); the client's reply does not.
+            owner = self.engines.space(engine).owner if engine in self.engines else None
+            log.warning("client %d (pid %d uid %d rank %d) refused: attach to engine %r%s: %s: %s", s.client_id,
+                        s.pid, s.uid, s.rank, engine, f" (owner uid {owner.uid})" if owner else "",
+                        _code_of(e).name, e.args[0] if e.args else e)
             raise
         s.engine, s.state = engine, state
-        log.info("client %d attached to engine %r (%s)", s.client_id, engine, "new" if created else "joined")
+        log.info("client %d attached to engine %r (%s)", s.client_id, engine,
+                 f"new, owner uid {s.uid}" if created else "joined")
         return {"handles": handles, "layout": layout.to_wire()}, None
 
     def on_step(self, s: Session, identity, h, a):
@@ -330,8 +449,7 @@ class Daemon:
         if "state_rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STEP needs the state_rows array")
         # .size, not .shape[0]: a 0-d array must reach begin_step's BAD_ARGUMENT, not IndexError.
-        if a["state_rows"].size > LIMITS.max_batch:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"batch of {a['state_rows'].size} exceeds {LIMITS.max_batch}")
+        _batch_fits(st, a["state_rows"].size)
         st.begin_step(_int(h, "step"), a["state_rows"], a.get("reset"), a.get("invalidate"))
         self.stats.add(steps=1)
         return {}, None
@@ -364,15 +482,17 @@ class Daemon:
             # the step with these arrays, then resolve against its state rows.
             if state_rows is None:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TOPK that begins a step needs the state_rows array")
-            if state_rows.size > LIMITS.max_batch:
-                raise ProtocolError(ErrorCode.TOO_LARGE, f"batch of {state_rows.size} exceeds {LIMITS.max_batch}")
+            _batch_fits(st, state_rows.size)
             st.check_fence(fence)  # all or nothing: the STEP does not run if the TOPK cannot
             st.begin_step(step, state_rows, a.get("reset"), a.get("invalidate"))
             self.stats.c["steps"] += 1
             state_rows = None
         elif "reset" in a or "invalidate" in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "reset and invalidate go with a TOPK only when it begins a step")
-        fields, arrays, deltas = st.serve_topk(step, _int(h, "group"), a["topk"], state_rows, fence)
+        topk = a["topk"]
+        if topk.ndim:  # before any work: rows of padding cost as much as live ones
+            _batch_fits(st, topk.shape[0])
+        fields, arrays, deltas = st.serve_topk(step, _int(h, "group"), topk, state_rows, fence)
         c = self.stats.c
         for k, v in deltas.items():
             c[k] += v
@@ -382,7 +502,9 @@ class Daemon:
         self._state(s)
         if "rows" not in a or "data" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE needs the rows and data arrays")
-        nbytes, dropped = self.engines.space(s.engine).write(h["layers"], a["rows"], a["data"])
+        if a["rows"].size > LIMITS.max_write_rows:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"a write of {a['rows'].size} rows exceeds {LIMITS.max_write_rows}")
+        nbytes, dropped = self.engines.space(s.engine).write(_layers(h), a["rows"], a["data"])
         self.stats.add(rows_written=a["rows"].shape[0] * a["data"].shape[0], bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
 
@@ -391,7 +513,7 @@ class Daemon:
         if "rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE_STAGED needs the rows array")
         fence = _fence(h)
-        nbytes, dropped = self.engines.space(s.engine).write_staged(st, h["layers"], a["rows"], fence)
+        nbytes, dropped = self.engines.space(s.engine).write_staged(st, _layers(h), a["rows"], fence)
         self.stats.add(rows_written=nbytes // st.residency.layout.row_bytes, bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
 
@@ -399,7 +521,7 @@ class Daemon:
         st = self._state(s)
         if "rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STAGE needs the rows array")
-        nbytes = st.stage(a["rows"], h["layers"])
+        nbytes = st.stage(a["rows"], _layers(h))
         self.stats.add(rows_staged=nbytes // st.residency.layout.row_bytes)
         return {"bytes": nbytes}, None
 
@@ -410,6 +532,18 @@ class Daemon:
         # A clean exit: the client said goodbye (the reaper's "gone" is the unclean one).
         log.info("client %d (pid %d rank %d) detached%s", s.client_id, s.pid, s.rank,
                  f" from engine {engine!r}" if attached else " (was not attached)")
+        return {"was_attached": attached}, None
+
+    def on_bye(self, s: Session, identity, h, a):
+        # Client.close(): the client leaves for good. Detach (if attached) and forget the
+        # session, so short-lived clients of a long-lived process never fill max_clients
+        # (the reaper only frees sessions of processes that have exited).
+        attached = s.state is not None
+        engine = s.engine
+        self._detach(s)
+        self.sessions.pop(identity, None)
+        log.info("client %d (pid %d rank %d) said goodbye%s", s.client_id, s.pid, s.rank,
+                 f", detached from engine {engine!r}" if attached else "")
         return {"was_attached": attached}, None
 
     def on_stats(self, s: Session, identity, h, a):
@@ -427,11 +561,50 @@ class Daemon:
             s.errors += 1
 
     def _detach(self, s: Session) -> None:
+        """Release ``s``'s rank, if any, and stop watching its process: on DETACH (a
+        later ATTACH watches it again), when it is reaped or replaced, and at stop."""
+        if s.watch is not None:
+            s.watch.close()
+            s.watch = None
         if s.state is None:
             return
         self.engines.detach(s.client_id, s.engine)
         log.debug("client %d released its rank of engine %r", s.client_id, s.engine)
         s.state, s.engine = None, None
+
+    def _watch(self, s: Session) -> PidWatch | None:
+        """A pidfd of ``s``'s process whose exit reaps ``s`` at once (None: pid 0, or no
+        pidfd here; then the reaper's periodic check is all there is)."""
+        if s.pid <= 0:
+            return None
+        try:
+            return PidWatch(s.pid, functools.partial(self._pid_exited, s.identity, s.client_id))
+        except (OSError, AttributeError) as e:
+            log.debug("client %d: no pidfd for pid %d (%s); the periodic check watches it", s.client_id, s.pid, e)
+            return None
+
+    def _pid_exited(self, identity: bytes, client_id: int) -> None:
+        """The event loop saw a client's pidfd become readable: its process has exited."""
+        s = self.sessions.get(identity)
+        if s is None or s.client_id != client_id:
+            return  # already gone (its watch was closed with it)
+        try:
+            self._reap(s)
+        except Exception:  # noqa: BLE001 - a callback of the loop: log, never raise
+            log.exception("reaping client %d failed", client_id)
+
+    def _is_admin(self, s: Session) -> bool:
+        """Whether ``s``'s process is in the admin group (primary or supplementary gid).
+        Supplementary groups come from ``/proc``, trusted only while the pidfd shows the
+        process that said HELLO still running (the pid cannot have been reused)."""
+        if self.admin_gid is None:
+            return False
+        if s.verified and s.gid == self.admin_gid:
+            return True
+        if not s.verified or s.watch is None:
+            return False
+        groups = process_groups(s.pid)
+        return self.admin_gid in groups and not s.watch.exited()
 
     def snapshot(self) -> dict:
         # cuda: hits, misses and bytes are counted on the GPUs; this reads their pinned
@@ -476,40 +649,38 @@ class Daemon:
         """One tab-separated line per client under a header line; columns may be added
         (``sparsekv top`` and tests read them by header name), ``name`` stays last."""
         now = time.time()
-        lines = ["id\tpid\trank\tdevice\tengine\tattached\trequests\terrors\tage_s\tname"]
+        # pid and uid are the kernel's (SO_PEERCRED); pid 0: unknown (another pid namespace).
+        lines = ["id\tpid\trank\tdevice\tengine\tattached\trequests\terrors\tage_s\tuid\tname"]
         for s in sorted(self.sessions.values(), key=lambda s: s.client_id):
             name = (s.name or "-").replace("\t", " ").replace("\n", " ")
             lines.append(
                 f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
-                f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t{name}"
+                f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t{s.uid}\t{name}"
             )
         return "\n".join(lines) + "\n"
 
     def reap_dead(self) -> int:
-        """Detach clients whose process is gone (ZeroMQ does not say when a peer leaves)."""
-        dead = []
-        for identity, s in self.sessions.items():
-            try:
-                alive = psutil.Process(s.pid).create_time() == s.proc_started if s.proc_started else psutil.pid_exists(s.pid)
-                # A killed client that its parent has not waited for yet is a zombie: it
-                # still has a create time, but it will never send again.
-                if alive and psutil.Process(s.pid).status() == psutil.STATUS_ZOMBIE:
-                    alive = False
-            except psutil.NoSuchProcess:
-                alive = False
-            except psutil.Error:
-                alive = True  # cannot tell (permissions): keep it
-            if not alive:
-                dead.append(identity)
-        for identity in dead:
-            s = self.sessions.pop(identity)
-            if s.state is not None:  # died attached: it never said goodbye
-                log.warning("client %d (pid %d rank %d) is gone; detaching it from engine %r",
-                            s.client_id, s.pid, s.rank, s.engine)
-            else:  # had detached (or never attached): a normal exit
-                log.info("client %d (pid %d) exited", s.client_id, s.pid)
-            self._detach(s)
+        """Detach clients whose process is gone (ZeroMQ does not say when a peer leaves).
+
+        A watched client (pidfd) is normally reaped the moment it exits, by the event
+        loop; this periodic pass is the fallback for clients without a pidfd (DETACHed,
+        or no ``pidfd_open``), checked by pid and start time. A session of pid 0 (an
+        in-process call, or a process outside the daemon's pid namespace) is never
+        reaped: nothing says whether it lives."""
+        dead = [s for s in self.sessions.values() if not _alive(s)]
+        for s in dead:
+            self._reap(s)
         return len(dead)
+
+    def _reap(self, s: Session) -> None:
+        """Forget session ``s`` whose process is gone, and release what it held."""
+        self.sessions.pop(s.identity, None)
+        if s.state is not None:  # died attached: it never said goodbye
+            log.warning("client %d (pid %d rank %d) is gone; detaching it from engine %r",
+                        s.client_id, s.pid, s.rank, s.engine)
+        else:  # had detached (or never attached): a normal exit
+            log.info("client %d (pid %d) exited", s.client_id, s.pid)
+        self._detach(s)
 
     async def _reaper(self) -> None:
         while True:
@@ -579,11 +750,78 @@ _KINDS = {int(m): m for m in MsgType}
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 _DRAIN_SLICE_NS = 20_000_000  # most time one loop wake-up spends on requests
 
+# What one peer may cost the ROUTER (libzmq enforces these in its I/O thread):
+# - the largest frame of a legal request; a peer announcing a larger one is disconnected
+#   before the frame is read (ZMQ_MAXMSGSIZE applies to each frame of a multipart);
+MAX_MESSAGE_BYTES = max(LIMITS.max_frame_bytes, LIMITS.max_header_bytes)
+# - a PING every HEARTBEAT_IVL_MS; a connection silent for HEARTBEAT_TIMEOUT_MS (a frozen
+#   or vanished peer: nothing answers the PINGs) is closed;
+HEARTBEAT_IVL_MS = 5_000
+HEARTBEAT_TIMEOUT_MS = 30_000
+# - a connection that has not finished the ZMTP handshake within this is closed (a raw
+#   socket that connects and says nothing holds a descriptor only this long).
+HANDSHAKE_IVL_MS = 5_000
+
+EXIT_FATAL = 70  # EX_SOFTWARE: the daemon cannot go on (a sticky CUDA error)
+
+# CUDA errors after which the context is unusable and the process must exit ("sticky"):
+# the runtime's cudaError and the driver's CUresult share these numbers.
+STICKY_CUDA_ERRORS = {
+    214: "ECC uncorrectable",
+    700: "illegal address",
+    702: "launch timeout",
+    710: "device-side assert",
+    714: "hardware stack error",
+    715: "illegal instruction",
+    716: "misaligned address",
+    717: "invalid address space",
+    718: "invalid program counter",
+    719: "launch failure",
+}
+_CUDA_ERROR_CLASSES = frozenset({"CUDARuntimeError", "CUDADriverError"})
+
+
+def sticky_cuda_error(e: BaseException) -> str | None:
+    """``"700 (illegal address)"`` when ``e`` (or an exception it was raised from) is
+    CuPy's ``CUDARuntimeError`` / ``CUDADriverError`` with a sticky status; else None.
+    Matched by class name and ``.status``: the cpu backend never imports CuPy."""
+    seen = 0
+    while e is not None and seen < 8:
+        if type(e).__name__ in _CUDA_ERROR_CLASSES:
+            status = getattr(e, "status", None)
+            if isinstance(status, int) and status in STICKY_CUDA_ERRORS:
+                return f"{status} ({STICKY_CUDA_ERRORS[status]})"
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
 
 def _int(h: dict, name: str) -> int:
     v = h.get(name)
     if not isinstance(v, int) or isinstance(v, bool):
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"field {name!r} must be an integer, got {type(v).__name__}")
+    return v
+
+
+def _batch_fits(st: RankState, rows: int) -> None:
+    """TOO_LARGE unless a batch of ``rows`` rows fits the protocol and the rank's layout
+    (its ``max_batch``: device buffers are sized by it, and a cpu resolve is as slow for
+    padding rows as for live ones)."""
+    limit = st.residency.layout.max_batch
+    if rows > LIMITS.max_batch or rows > limit:
+        raise ProtocolError(ErrorCode.TOO_LARGE,
+                            f"batch of {rows} rows exceeds max_batch {min(limit, LIMITS.max_batch)}")
+
+
+def _layers(h: dict) -> list[int] | None:
+    """The ``layers`` field: null (every layer) or a non-empty list of integers (their
+    range is the layout's to check)."""
+    v = h["layers"]
+    if v is None:
+        return None
+    if type(v) is not list or not v or not all(type(x) is int for x in v):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT,
+                            f"layers must be null (every layer) or a non-empty list of layer numbers, got {str(v)[:60]}")
     return v
 
 
@@ -605,3 +843,29 @@ def _code_of(e: Exception) -> ErrorCode:
     if isinstance(e, PoolError):
         return ErrorCode.POOL_FULL
     return ErrorCode.INTERNAL
+
+
+def _started(pid: int) -> float | None:
+    """Process ``pid``'s start time (psutil), None when it cannot be read."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError, OverflowError):
+        return None
+
+
+def _alive(s: Session) -> bool:
+    """Whether session ``s``'s process still runs, for the reaper's periodic pass."""
+    if s.pid <= 0:
+        return True  # unknown (in process, or outside our pid namespace): never reaped
+    if s.watch is not None:
+        return not s.watch.exited()
+    try:
+        p = psutil.Process(s.pid)
+        alive = p.create_time() == s.proc_started if s.proc_started else True
+        # A killed client that its parent has not waited for yet is a zombie: it still
+        # has a create time, but it will never send again.
+        return alive and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True  # cannot tell (permissions): keep it

@@ -98,9 +98,11 @@ class Layout:
             if not ok:
                 raise LayoutError(msg)
 
+        # type() is int, not isinstance(): True is an int to Python, not a layer count.
         for name in ("num_layers", "row_bytes", "top_k", "region_stride", "max_reqs", "host_rows"):
             value = getattr(self, name)
-            need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+            need(type(value) is int and value > 0, f"{name} must be a positive integer, got {value!r}")
+        need(self.row_bytes < 2**31, f"row_bytes {self.row_bytes} must fit in int32")
         need(self.num_layers <= MAX_LAYERS, f"num_layers {self.num_layers} exceeds {MAX_LAYERS}")
         need(
             self.top_k <= self.region_stride <= MAX_REGION_STRIDE,
@@ -109,11 +111,11 @@ class Layout:
         need(self.max_reqs <= MAX_REQS, f"max_reqs {self.max_reqs} exceeds {MAX_REQS}")
         need(self.host_rows < 2**31 - 1, f"host_rows {self.host_rows} must fit in int32")
         need(
-            isinstance(self.staging_rows, int) and self.staging_rows >= 0,
-            f"staging_rows must be >= 0, got {self.staging_rows!r}",
+            type(self.staging_rows) is int and 0 <= self.staging_rows < 2**31 - 1,
+            f"staging_rows must be an integer in [0, 2**31 - 1), got {self.staging_rows!r}",
         )
         need(
-            isinstance(self.max_batch, int) and 0 < self.max_batch <= 65536,
+            type(self.max_batch) is int and 0 < self.max_batch <= 65536,
             f"max_batch must lie in [1, 65536], got {self.max_batch!r}",
         )
         seen = sorted(layer for g in self.groups for layer in g)
@@ -143,8 +145,10 @@ class Layout:
         missing = known - set(d) - {"index_groups", "staging_rows", "max_batch"}
         if missing:
             raise LayoutError(f"layout is missing: {sorted(missing)}")
-        try:
-            groups = tuple(tuple(int(x) for x in g) for g in d.get("index_groups", ()))
-        except (TypeError, ValueError) as e:
-            raise LayoutError(f"index_groups must be lists of layer numbers: {e}") from None
+        raw = d.get("index_groups", ())
+        # Exact integers: int() would take 1.5 for 1 and raise OverflowError on inf.
+        if not isinstance(raw, (list, tuple)) or not all(
+                isinstance(g, (list, tuple)) and all(type(x) is int for x in g) for g in raw):
+            raise LayoutError(f"index_groups must be lists of layer numbers, got {str(raw)[:60]}")
+        groups = tuple(tuple(g) for g in raw)
         return cls(**{**d, "index_groups": groups}).validate()

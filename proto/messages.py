@@ -34,6 +34,7 @@ class MsgType(enum.IntEnum):
     DETACH = 7  # -> ack
     STATS = 8  # -> counters
     WRITE_STAGED = 9  # layers, rows [+ fence] -> ack (rows the client put in its staging buffer -> pool)
+    BYE = 10  # -> ack (detach if attached, and the daemon forgets this connection: Client.close)
 
 
 class ErrorCode(enum.IntEnum):
@@ -56,6 +57,7 @@ class ErrorCode(enum.IntEnum):
     TOO_MANY_CLIENTS = 14
     INTERNAL = 15
     SHUTTING_DOWN = 16
+    PERMISSION_DENIED = 17
 
 
 ERROR_HINTS: dict[ErrorCode, str] = {
@@ -75,6 +77,8 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     ErrorCode.TOO_MANY_CLIENTS: "the daemon serves its maximum number of clients",
     ErrorCode.INTERNAL: "the daemon hit a bug; see its log (journalctl -u sparsekvd)",
     ErrorCode.SHUTTING_DOWN: "the daemon is stopping",
+    ErrorCode.PERMISSION_DENIED: "another user's engine, or a connection whose credentials the daemon cannot read; "
+    "attach as the engine's owner, as root or as a member of the daemon's admin group, or pick another engine name",
 }
 
 
@@ -84,7 +88,9 @@ class Limits:
 
     max_frames: int = 16
     max_header_bytes: int = 64 * 1024
-    max_frame_bytes: int = 1 << 30  # one raw array frame
+    # One raw array frame. The daemon's ROUTER drops a connection that announces a larger
+    # frame (ZMQ_MAXMSGSIZE) before reading it: a client splits bigger writes.
+    max_frame_bytes: int = 256 << 20
     max_array_dims: int = 4
     max_batch: int = 4096
     max_write_rows: int = 1 << 20
@@ -109,6 +115,7 @@ REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
     MsgType.DETACH: (frozenset(), frozenset()),
     MsgType.STATS: (frozenset(), frozenset()),
     MsgType.WRITE_STAGED: (frozenset({"layers"}), frozenset({"rows"})),
+    MsgType.BYE: (frozenset(), frozenset()),
 }
 
 

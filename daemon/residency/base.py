@@ -106,6 +106,8 @@ def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarra
         raise ResidencyError(
             "BAD_ARGUMENT", f"topk has {topk.shape[1]} columns, layout top_k is {layout.top_k}"
         )
+    if topk.shape[0] > layout.max_batch:  # padding rows cost a resolve as much as live ones
+        raise ResidencyError("TOO_LARGE", f"batch of {topk.shape[0]} rows exceeds max_batch {layout.max_batch}")
     bad = (state_rows < -1) | (state_rows >= layout.max_reqs)
     if bad.any():
         raise ResidencyError(
@@ -129,6 +131,39 @@ def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarra
     if dup >= 0:
         raise ResidencyError("DUPLICATE_IDS", f"top-k row {dup} names the same host row twice; ids must be unique")
     return state_rows, topk
+
+
+# Bytes of residency state per (index group, state row, slot): owner and lru, int32 each
+# (both backends keep these arrays, on the host or on the GPU).
+STATE_BYTES_PER_SLOT = 8
+
+
+def rank_bytes(layout: Layout) -> dict[str, int]:
+    """What one rank of ``layout`` costs the daemon, by part: ``slab`` (every layer's hot
+    regions), ``staging``, ``state`` (owner and lru of every group's regions: 8 bytes a
+    slot and group, so a layout of tiny rows costs far more in state than in slab: 256 MiB
+    of one-byte rows, one group per layer, is 2 GiB of state) and ``total``."""
+    slab, staging = layout.slab_bytes, layout.staging_bytes
+    state = layout.num_groups * layout.max_reqs * layout.region_stride * STATE_BYTES_PER_SLOT
+    return {"slab": slab, "staging": staging, "state": state, "total": slab + staging + state}
+
+
+def check_layout_limits(layout: Layout, max_rank_bytes: int) -> dict[str, int]:
+    """Refuse (``ResidencyError`` TOO_LARGE, before anything is allocated) a layout whose
+    rank would take more than ``max_rank_bytes`` of the daemon's memory: hot slab, staging
+    buffer and residency state together (:func:`rank_bytes`). Returns the parts. The
+    caller is ATTACH, with the daemon's ``max_slab_bytes`` setting."""
+    parts = rank_bytes(layout)
+    if parts["total"] > max_rank_bytes:
+        mib = {k: v / (1 << 20) for k, v in parts.items()}
+        raise ResidencyError(
+            "TOO_LARGE",
+            f"a rank of this layout takes {mib['total']:.0f} MiB (hot slab {mib['slab']:.0f} MiB, staging "
+            f"{mib['staging']:.0f} MiB, residency state {mib['state']:.0f} MiB), more than the daemon's "
+            f"max_slab_bytes of {max_rank_bytes / (1 << 20):.0f} MiB; lower max_reqs, region_stride or num_layers "
+            "(or index groups), or raise max_slab_bytes",
+        )
+    return parts
 
 
 def find_duplicates(topk: np.ndarray, state_rows: np.ndarray, host_rows: int) -> int:

@@ -97,7 +97,7 @@ def test_every_request_carries_its_send_time_and_a_daemon_without_times_is_fine(
     with Client(fake(reply), timeout_s=5) as c:
         c.stats()
         assert c.timings == {} and not c._sent
-    assert [h["t"] for h in seen] == [1, 8]
+    assert [h["t"] for h in seen] == [1, 8, 10]  # HELLO, STATS, BYE (close says goodbye)
     assert all(isinstance(h["ts"], int) and before <= h["ts"] <= time.perf_counter_ns() for h in seen)
     assert seen[0]["ts"] <= seen[1]["ts"]
 

@@ -23,7 +23,7 @@ def programs(draw):
     lay = Layout(num_layers=3, row_bytes=16, top_k=top_k,
                  region_stride=draw(st.integers(top_k * tokens, top_k * tokens + 3)),
                  max_reqs=draw(st.integers(1, 3)), host_rows=draw(st.integers(top_k + 1, 20)),
-                 index_groups=draw(st.sampled_from(GROUPINGS))).validate()
+                 index_groups=draw(st.sampled_from(GROUPINGS)), max_batch=4).validate()  # batches of 1..4 rows
     steps = []
     for _ in range(draw(st.integers(1, 10))):
         writes = draw(st.lists(st.integers(0, lay.host_rows - 1), max_size=3, unique=True))

@@ -34,8 +34,9 @@ def scenarios(draw):
         reset = draw(st.lists(st.integers(0, max_reqs - 1), max_size=2))
         inval = draw(st.lists(st.tuples(st.integers(0, max_reqs - 1), st.integers(0, host_rows - 1)), max_size=3))
         steps.append((reset, inval, batch))
+    # max_batch 4: batches of up to 4 rows (padding and several tokens of one request).
     return Layout(num_layers=1, row_bytes=16, top_k=top_k, region_stride=region_stride,
-                  max_reqs=max_reqs, host_rows=host_rows), steps
+                  max_reqs=max_reqs, host_rows=host_rows, max_batch=4), steps
 
 
 @settings(max_examples=helpers.examples(100, 5000), deadline=None)

@@ -1,0 +1,161 @@
+"""Keep the control socket from costing the daemon its last file descriptor.
+
+libzmq (4.3.5 and earlier) aborts the whole process when ``accept()`` on an ``ipc://``
+listener fails with EMFILE (``Too many open files (src/ipc_listener.cpp:...)``: only
+ENFILE is tolerated there), and every connection it accepts costs a descriptor, handshake
+or not. There is no libzmq option that caps connections, and unbinding the endpoint would
+drop every connection it accepted. So, when the open descriptors come within
+``reserve_fds`` of ``RLIMIT_NOFILE``, the guard renames ``control.sock`` to
+``control.sock.busy``: nobody can start a new connection (connect() by path fails with
+ENOENT, for root too), the connections already made keep working, and the listener
+itself is untouched. When enough descriptors are free again it renames it back.
+
+Accepts come faster than any reaction, so the guard reacts from its own thread, woken by
+libzmq's monitor events (accepted, disconnected, ...) and once a second, and counts the
+process's descriptors in ``/proc/self/fd``. What remains: connections started before the
+rename (at most the listen backlog, plus those racing with the guard's wake-up) are still
+accepted; the reserve (a quarter of the limit, 128 .. 4096) absorbs them. A flood faster
+than that reserve per wake-up (tens of thousands of connections a second from processes
+allowed to connect) can still exhaust a small limit: give the daemon a large
+``LimitNOFILE=`` (the unit sets 65536; sparsekvd raises its soft limit to the hard one).
+
+Clients see a missing ``control.sock`` beside a ``control.sock.busy`` and say so
+(``Client.connect``); a connected client treats either name holding its socket file as
+its daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import threading
+import time
+
+import zmq
+
+log = logging.getLogger("sparsekv.server")
+
+BUSY_SUFFIX = ".busy"
+
+
+def reserve_for(limit_fds: int) -> int:
+    """Descriptors kept free below the soft limit: a quarter of it, 128 .. 4096."""
+    return min(max(128, limit_fds // 4), 4096)
+
+
+def open_fds() -> int:
+    """Descriptors this process has open now (the limit when they cannot be counted:
+    listing /proc/self/fd needs a descriptor of its own)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+class ConnectionGuard:
+    """Renames ``path`` away while the process is short of descriptors (see above).
+
+    Arguments:
+        router: the bound ROUTER socket (owned by the caller's thread; only
+            ``get_monitor_socket`` / ``disable_monitor`` are called on it, from there).
+        path: the endpoint's socket file.
+        limit_fds: the soft ``RLIMIT_NOFILE`` (read now when None).
+        reserve_fds: descriptors to keep free (:func:`reserve_for` the limit when None).
+    """
+
+    def __init__(self, router, path: str, *, limit_fds: int | None = None, reserve_fds: int | None = None):
+        self.router = router
+        self.path = path
+        self.busy_path = path + BUSY_SUFFIX
+        self.limit_fds = limit_fds or resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.reserve_fds = reserve_fds if reserve_fds is not None else reserve_for(self.limit_fds)
+        self.gated = False
+        self.gated_count = 0  # times the socket was renamed away (tests, logs)
+        self.last_fds = open_fds()  # at the last scan
+        self._lock = threading.Lock()  # gate / ungate / close: one at a time
+        self._closed = False
+        self._monitor = router.get_monitor_socket(zmq.EVENT_ALL)  # the guard thread owns it from here
+        self._thread = threading.Thread(target=self._run, name="sparsekv-connguard", daemon=True)
+
+    def start(self) -> "ConnectionGuard":
+        self._thread.start()
+        return self
+
+    def check(self) -> None:
+        """Gate or ungate for the descriptors open now."""
+        n = self.last_fds = open_fds()
+        with self._lock:
+            if self._closed:
+                return
+            if not self.gated and n >= self.limit_fds - self.reserve_fds:
+                try:
+                    os.rename(self.path, self.busy_path)
+                except OSError as e:
+                    log.error("cannot hold off new connections (rename %s: %s)", self.path, e.strerror)
+                    return
+                self.gated = True
+                self.gated_count += 1
+                log.warning("%d of %d file descriptors in use: refusing new connections until %d are free "
+                            "(%s renamed to %s); raise LimitNOFILE= or find the client that leaks connections "
+                            "(sparsekv clients)", n, self.limit_fds, 2 * self.reserve_fds, self.path, self.busy_path)
+            elif self.gated and n < self.limit_fds - 2 * self.reserve_fds:
+                self._ungate()
+                log.info("%d of %d file descriptors in use: accepting new connections again", n, self.limit_fds)
+
+    def _ungate(self) -> None:
+        try:
+            os.rename(self.busy_path, self.path)
+        except OSError as e:
+            log.error("cannot accept new connections again (rename %s: %s)", self.busy_path, e.strerror)
+            return
+        self.gated = False
+
+    def _run(self) -> None:
+        mon = self._monitor
+        accepted, last_scan = 0, time.monotonic()
+        try:
+            while True:
+                if mon.poll(1000):
+                    # Everything queued, then at most one count: a burst of accepts costs
+                    # one scan of /proc/self/fd.
+                    while True:
+                        try:
+                            frames = mon.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        event = int.from_bytes(frames[0][:2], "little") if frames and len(frames[0]) >= 2 else 0
+                        if event == zmq.EVENT_MONITOR_STOPPED:
+                            return
+                        accepted += event == zmq.EVENT_ACCEPTED
+                now = time.monotonic()
+                # Scan (it holds the GIL for a while when many descriptors are open) once a
+                # second, or at once when the accepts since the last scan may have brought
+                # the count near the limit, or while gated.
+                if self.gated or now - last_scan >= 1.0 or \
+                        self.last_fds + accepted >= self.limit_fds - 2 * self.reserve_fds:
+                    self.check()
+                    accepted, last_scan = 0, now
+        except zmq.ZMQError as e:  # the context is going away
+            if e.errno not in (zmq.ETERM, zmq.ENOTSOCK):
+                log.exception("connection guard failed")
+        except Exception:  # noqa: BLE001 - a thread must not die silently
+            log.exception("connection guard failed")
+        finally:
+            mon.close(0)
+
+    def close(self) -> None:
+        """Stop the thread (from the router's thread) and put the socket file back."""
+        with self._lock:
+            self._closed = True
+            if self.gated:
+                self._ungate()
+        if not self._thread.is_alive() and self._thread.ident is None:  # never started
+            self._monitor.close(0)
+            return
+        try:
+            self.router.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._thread.join(5)
+

@@ -1,0 +1,194 @@
+"""A client learns within seconds that its daemon is gone, and says what happened: the
+daemon's process exited (kill -9), it was restarted (a new socket), nobody listens on a
+socket left behind (connection refused), this user may not connect (permission denied);
+a new Client against a new daemon on the same run dir works at once. ``Client.close()``
+says goodbye (BYE): the daemon forgets the session, so a process may open and close
+clients for ever without filling ``max_clients``."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.client import Client, DaemonUnavailable
+from sparsekv.client import client as client_mod
+from sparsekv.proto import LIMITS
+
+
+def start(run_dir, *args) -> subprocess.Popen:
+    """A daemon on ``run_dir``, serving when this returns (its stats socket answers)."""
+    p = subprocess.Popen([helpers.PY, "-m", "sparsekv.daemon.main", "--backend", "cpu", "--run-dir", run_dir,
+                          "--pool-size", "16MiB", "--shm-dir", run_dir, *args],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def serving():
+        assert p.poll() is None, "the daemon exited"
+        try:
+            return helpers.stats_json(run_dir)["pid"] == p.pid
+        except (OSError, ValueError):
+            return False
+
+    helpers.wait_for(serving, 30, what="the daemon to serve")
+    return p
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+
+
+@pytest.fixture
+def run_dir():
+    with helpers.short_tmpdir() as d:
+        yield d
+
+
+def test_killed_daemon_is_noticed_within_seconds_and_a_new_one_serves_at_once(run_dir):
+    p = start(run_dir)
+    try:
+        c = Client(run_dir, timeout_s=30).connect()
+        c.attach(helpers.layout())
+        os.kill(p.pid, signal.SIGSTOP)  # the next request waits for a reply
+        threading.Timer(0.5, os.kill, (p.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable) as ei:
+            c.stats()  # the daemon dies while this waits; it is not reaped (a zombie)
+        took = time.monotonic() - t0 - 0.5
+        assert took < 3.0, took
+        assert f"sparsekvd is gone (pid {p.pid} exited)" in str(ei.value) and "INTERNAL" not in str(ei.value)
+        assert "create a new Client" in str(ei.value)
+        with pytest.raises(DaemonUnavailable, match="is gone"):  # and from now on, at once
+            c.step(1, [0])
+            c.flush()
+        p.wait()
+        p = start(run_dir)  # the socket the dead one left is replaced
+        t0 = time.monotonic()
+        with Client(run_dir, timeout_s=5) as c2:
+            c2.attach(helpers.layout())
+            assert c2.stats()["attached"] == 1
+        assert time.monotonic() - t0 < 2.0
+        t0 = time.monotonic()
+        c.close()  # the old client closes quietly and at once
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        stop(p)
+
+
+def test_restarted_daemon_is_noticed_by_its_socket(run_dir, monkeypatch):
+    p = start(run_dir)
+    try:
+        c = Client(run_dir, timeout_s=30).connect()
+        c._daemon_pid = 0  # as from another pid namespace: only the socket tells
+        stop(p)
+        p = start(run_dir)
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable) as ei:
+            c.stats()  # the new daemon does not know this connection: no reply
+        assert time.monotonic() - t0 < 3.0
+        assert "sparsekvd restarted" in str(ei.value)
+    finally:
+        stop(p)
+
+
+def test_a_socket_nobody_listens_on_is_connection_refused_at_once(run_dir):
+    p = start(run_dir)
+    stop(p)  # kill -9 leaves control.sock behind
+    assert os.path.exists(os.path.join(run_dir, "control.sock"))
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable) as ei:
+        Client(run_dir, timeout_s=30).connect()
+    assert time.monotonic() - t0 < 1.0
+    assert "connection refused" in str(ei.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_a_socket_this_user_may_not_use_is_permission_denied(run_dir):
+    os.chmod(run_dir, 0o755)  # others may enter; the socket itself is 0660 root:root
+    p = start(run_dir)
+    try:
+        path = os.path.join(run_dir, "control.sock")
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # as nobody, with this process's imports already loaded
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                client_mod.probe_daemon(path, run_dir)
+                msg = "connected"
+            except DaemonUnavailable as e:
+                msg = str(e)
+            except BaseException as e:  # noqa: BLE001
+                msg = repr(e)
+            os.write(w, msg.encode())
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        msg = os.read(r, 4096).decode()
+        os.close(r)
+        assert msg.startswith(f"permission denied on {path}"), msg
+    finally:
+        stop(p)
+
+
+def test_close_says_goodbye_so_clients_never_fill_max_clients(run_dir):
+    p = start(run_dir, "--max-clients", "4")
+    try:
+        lay = helpers.layout()
+        for i in range(24):
+            if i % 2:
+                with Client(run_dir, name=f"with-{i}") as c:
+                    c.attach(lay, engine=f"e{i % 3}")
+            else:
+                c = Client(run_dir, name=f"plain-{i}").connect()
+                if i % 4 == 0:
+                    c.attach(lay)
+                c.close()
+        with Client(run_dir) as c:
+            stats = c.stats()
+            assert stats["clients"] == 1 and stats["attached"] == 0 and stats["engines"] == 0
+            assert stats["pool_used_bytes"] == 0
+    finally:
+        stop(p)
+
+
+def test_close_without_a_daemon_returns_at_once(run_dir):
+    p = start(run_dir)
+    c = Client(run_dir, timeout_s=30).connect()
+    os.kill(p.pid, signal.SIGSTOP)  # alive but silent: the goodbye gets no answer
+    try:
+        t0 = time.monotonic()
+        c.close()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        stop(p)
+
+
+def test_a_write_larger_than_one_frame_is_split(run_dir, monkeypatch):
+    p = start(run_dir)
+    try:
+        with Client(run_dir, timeout_s=10) as c:
+            lay = helpers.layout(host_rows=64, row_bytes=32)
+            c.attach(lay)
+            rows = np.arange(64, dtype=np.int32)
+            data = np.stack([helpers.gen_pattern(layer, rows, 32) for layer in range(2)])
+            # A frame limit of 10 rows (of both layers): seven WRITEs, the same result.
+            monkeypatch.setattr(client_mod, "LIMITS", LIMITS.__class__(max_frame_bytes=10 * 2 * 32))
+            out = c.write(rows, data)
+            assert out["bytes"] == data.nbytes
+            c.step(0, [0])
+            r = c.topk(0, 0, [[3, 40, 63, 11]])
+            slab = c.attachment.slab
+            assert helpers.bad_rows(slab, (0,), np.array([0]), np.array([[3, 40, 63, 11]]), r.slots, 64) == 0
+            # An array no split can shrink is refused here, not dropped by the daemon.
+            monkeypatch.setattr(client_mod, "LIMITS", LIMITS.__class__(max_frame_bytes=8))
+            with pytest.raises(Exception, match="exceeds the frame limit"):
+                c.step(1, [0, 1, 2])
+                c.flush()
+    finally:
+        stop(p)

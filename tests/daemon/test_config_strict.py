@@ -1,0 +1,94 @@
+"""Settings that used to slip through: nan / inf / negative seconds (nan meant "never
+reap"), a TOML float or bool silently truncated to an int setting, text settings given
+as numbers, tables where settings belong (a traceback before), a missing ``shm_dir``
+found only at the first attach; each is now one clear line naming the setting and its
+source, and sparsekvd exits 2 before touching anything."""
+
+import os
+import subprocess
+
+import pytest
+
+import helpers
+from sparsekv.daemon.config import ConfigError, load
+from sparsekv.daemon.main import build_parser
+
+DAEMON = [helpers.PY, "-m", "sparsekv.daemon.main"]
+
+
+def load_toml(tmp_path, text, env=None, args=()):
+    path = tmp_path / "d.toml"
+    path.write_text(text)
+    return load(build_parser().parse_args(["--config", str(path), *args]), environ=env or {})
+
+
+@pytest.mark.parametrize("toml, env, args, words", [
+    ("reap_interval_s = nan", {}, [], "bad value for reap_interval_s: nan is not a finite number"),
+    ("reap_interval_s = inf", {}, [], "bad value for reap_interval_s: inf is not a finite number"),
+    ("reap_interval_s = -1.0", {}, [], "reap_interval_s must be"),
+    ("", {"SPARSEKV_REAP_INTERVAL_S": "nan"}, [], "environment SPARSEKV_REAP_INTERVAL_S: bad value"),
+    ("", {"SPARSEKV_REAP_INTERVAL_S": "-inf"}, [], "not a finite number"),
+    ("", {}, ["--reap-interval-s", "nan"], "--reap-interval-s: bad value"),
+    ("", {}, ["--reap-interval-s", "1e9"], "reap_interval_s must be"),
+    ("max_clients = 2.7", {}, [], "bad value for max_clients: an integer is needed, got a float 2.7"),
+    ("max_clients = true", {}, [], "an integer is needed, got a boolean"),
+    ("max_clients = 0", {}, [], "max_clients must be >= 1"),
+    ("", {"SPARSEKV_MAX_CLIENTS": "2.7"}, [], "environment SPARSEKV_MAX_CLIENTS: bad value"),
+    ("ring_depth = [8]", {}, [], "an integer is needed, got an array"),
+    ("reap_interval_s = true", {}, [], "a number is needed, got a boolean"),
+    ("shm_dir = 5", {}, [], "bad value for shm_dir: text is needed, got an integer"),
+    ("backend = false", {}, [], "text is needed, got a boolean"),
+    ("pool_size = 1.5", {}, [], "a size is text with a unit"),
+    ("max_slab_bytes = \"0B\"", {}, [], "max_slab_bytes must be positive"),
+    ("prefault_threads = -2", {}, [], "prefault_threads must lie in"),
+])
+def test_bad_numbers_and_types_are_errors(tmp_path, toml, env, args, words):
+    with pytest.raises(ConfigError) as ei:
+        load_toml(tmp_path, toml, env, args)
+    assert words in str(ei.value)
+    assert "\n" not in str(ei.value)
+
+
+def test_numbers_of_the_right_kind_still_load(tmp_path):
+    cfg = load_toml(tmp_path, 'reap_interval_s = 1\nmax_clients = 7\nmax_slab_bytes = "1GiB"\n',
+                    {"SPARSEKV_RING_DEPTH": " 4 "})
+    assert (cfg.reap_interval_s, cfg.max_clients, cfg.max_slab_bytes, cfg.ring_depth) == (1.0, 7, 1 << 30, 4)
+
+
+@pytest.mark.parametrize("toml, words", [
+    ("[foo]\nbar = 1\n", "unknown table [foo]"),
+    ("[[sparsekvd]]\nmax_clients = 1\n", "sparsekvd must be a table ([sparsekvd]), got an array"),
+    ("sparsekvd = 3\n", "sparsekvd must be a table ([sparsekvd]), got an integer"),
+    ("pool_size = \"1GiB\"\n[sparsekvd]\nmax_clients = 3\n", "['pool_size'] outside the table [sparsekvd]"),
+    ("[sparsekvd]\n[sparsekvd.backend]\nx = 1\n", "setting backend cannot be a table"),
+    ("[[servers]]\nname = 1\n", "unknown table [servers]"),
+])
+def test_tables_where_settings_belong_are_one_line_errors(tmp_path, toml, words):
+    with pytest.raises(ConfigError) as ei:
+        load_toml(tmp_path, toml)
+    assert words in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_sparsekvd_with_a_non_table_section_exits_2_with_one_line(tmp_path):
+    path = tmp_path / "d.toml"
+    path.write_text("[foo]\nbar = 1\n")
+    run_dir = str(tmp_path / "run")
+    r = subprocess.run([*DAEMON, "--backend", "cpu", "--run-dir", run_dir, "--config", str(path)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [f"sparsekvd: config file {path}: unknown table [foo]; settings are plain "
+                                             "keys (at the top level or in [sparsekvd])"]
+    assert not os.path.exists(run_dir)
+
+
+def test_missing_shm_dir_is_refused_at_start(tmp_path):
+    run_dir = str(tmp_path / "run")
+    r = subprocess.run([*DAEMON, "--backend", "cpu", "--run-dir", run_dir, "--pool-size", "16MiB",
+                        "--shm-dir", str(tmp_path / "nope")], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"shm_dir {tmp_path / 'nope'} (flag --shm-dir) does not exist" in r.stderr
+    assert not os.path.exists(run_dir)  # before the lock, the pool, anything
+    # --print-config still shows the settings
+    r = subprocess.run([*DAEMON, "--shm-dir", str(tmp_path / "nope"), "--print-config"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0 and "shm_dir" in r.stdout

@@ -1,0 +1,188 @@
+"""What one peer of the control socket can cost a serving daemon (``Daemon.serve`` in a
+thread of this process, cpu backend), and the daemon's exit on a sticky CUDA error.
+
+A raw ``AF_UNIX`` peer speaking just enough ZMTP 3 shows what libzmq does with the
+ROUTER's options: a frame announced larger than any request (1 GiB) drops the connection
+at once, unread (``ZMQ_MAXMSGSIZE``); a peer that goes silent is dropped after the
+heartbeat timeout, one that never finishes its handshake after the handshake interval.
+A handler raising CuPy's ``CUDARuntimeError`` with a sticky status (a fake class of that
+name here) makes the daemon log CRITICAL, set ``STATUS=`` and stop with exit code 70."""
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+import helpers
+from sparsekv.client import Client, SparseKVError
+from sparsekv.daemon import main as main_mod
+from sparsekv.daemon import server as server_mod
+from sparsekv.daemon.backends import CpuBackend
+from sparsekv.daemon.notify import Notifier
+from sparsekv.daemon.pool import HostPool
+from sparsekv.proto import LIMITS, MsgType
+
+MiB = 1 << 20
+
+
+@contextlib.contextmanager
+def serving(notifier=None):
+    """A daemon serving a short run dir from a thread; stopped (if still serving) after."""
+    with helpers.short_tmpdir() as run_dir:
+        pool = HostPool(8 * MiB, threads=1)
+        backend = CpuBackend(run_dir, shm_dir=run_dir)
+        d = server_mod.Daemon(run_dir, backend, pool, notifier=notifier)
+        ready, box = threading.Event(), {}
+
+        async def run():
+            box["loop"] = asyncio.get_running_loop()
+            await d.serve(on_ready=ready.set)
+
+        def thread():
+            try:
+                asyncio.run(run())
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                box["error"] = e
+                ready.set()
+
+        t = threading.Thread(target=thread, daemon=True)
+        t.start()
+        assert ready.wait(10) and "error" not in box, box
+        d.thread = t
+        try:
+            yield d
+        finally:
+            if t.is_alive():
+                box["loop"].call_soon_threadsafe(d.stop)
+                t.join(10)
+            backend.close()
+            pool.close()
+
+
+def zmtp_peer(path: str, minor: int = 1) -> socket.socket:
+    """A raw connection that completes a ZMTP 3.x NULL handshake as a DEALER."""
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.settimeout(10)
+    s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, minor]) + b"NULL".ljust(20, b"\x00") + b"\x00" * 32)
+    body = bytes([5]) + b"READY" + bytes([11]) + b"Socket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+    s.sendall(bytes([0x04, len(body)]) + body)
+    got = b""
+    while len(got) < 64 + 2:  # the daemon's greeting and (the start of) its READY
+        chunk = s.recv(4096)
+        assert chunk, "the daemon closed the connection during the handshake"
+        got += chunk
+    return s
+
+
+def closed_within(s: socket.socket, timeout_s: float) -> float | None:
+    """Seconds until the daemon closes ``s`` (reading and dropping what it sends), or None."""
+    s.settimeout(timeout_s)
+    t0 = time.monotonic()
+    try:
+        while s.recv(65536):
+            pass
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0
+
+
+def test_a_frame_larger_than_any_request_drops_its_connection_unread():
+    assert server_mod.MAX_MESSAGE_BYTES == LIMITS.max_frame_bytes < 1 << 30
+    with serving() as d:
+        s = zmtp_peer(d.control_path)
+        # A long frame header announcing 1 GiB, then only a few bytes of it.
+        s.sendall(bytes([0x02]) + (1 << 30).to_bytes(8, "big") + b"x" * 100)
+        took = closed_within(s, 5)
+        assert took is not None and took < 1.0
+        with Client(d.run_dir, timeout_s=5) as c:  # everyone else goes on
+            assert c.stats()["clients"] == 1
+
+
+def test_silent_peers_and_handshakes_that_never_end_are_dropped(monkeypatch):
+    monkeypatch.setattr(server_mod, "HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(server_mod, "HEARTBEAT_TIMEOUT_MS", 300)
+    monkeypatch.setattr(server_mod, "HANDSHAKE_IVL_MS", 300)
+    with serving() as d:
+        silent = zmtp_peer(d.control_path)  # never answers the daemon's PINGs
+        mute = socket.socket(socket.AF_UNIX)  # connects and never says anything
+        mute.connect(d.control_path)
+        took = closed_within(silent, 5)
+        assert took is not None and took < 2.0
+        took = closed_within(mute, 5)
+        assert took is not None and took < 2.0
+        with Client(d.run_dir, timeout_s=5) as c:  # a live client answers PINGs: kept
+            time.sleep(1.0)
+            assert c.stats()["clients"] == 1
+
+
+class CUDARuntimeError(RuntimeError):
+    """Shaped like CuPy's (cupy_backends.cuda.api.runtime): a ``status`` attribute."""
+
+    def __init__(self, status: int):
+        super().__init__(f"cudaErrorIllegalAddress: an illegal memory access was encountered ({status})")
+        self.status = status
+
+
+def test_sticky_cuda_error_is_recognised_by_name_and_status():
+    assert server_mod.sticky_cuda_error(CUDARuntimeError(700)) == "700 (illegal address)"
+    assert server_mod.sticky_cuda_error(CUDARuntimeError(2)) is None  # out of memory: not sticky
+    assert server_mod.sticky_cuda_error(RuntimeError("illegal address")) is None
+    try:
+        try:
+            raise type("CUDADriverError", (Exception,), {"status": 719})()
+        except Exception as e:
+            raise ValueError("wrapped") from e
+    except ValueError as e:
+        assert server_mod.sticky_cuda_error(e) == "719 (launch failure)"
+
+
+def test_a_sticky_cuda_error_stops_the_daemon_with_exit_code_70(caplog, tmp_path):
+    notify_path = str(tmp_path / "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(5)
+    with serving(Notifier({"NOTIFY_SOCKET": notify_path})) as d:
+        def boom(*args):
+            raise CUDARuntimeError(700)
+
+        d.handlers[MsgType.STATS] = boom
+        c = Client(d.run_dir, timeout_s=5).connect()
+        with caplog.at_level(logging.CRITICAL, logger="sparsekv.server"):
+            t0 = time.monotonic()
+            with pytest.raises(SparseKVError) as ei:
+                c.stats()
+            d.thread.join(5)
+            assert not d.thread.is_alive() and time.monotonic() - t0 < 5  # serve() returned: promptly
+        assert "GPU context is lost" in str(ei.value) and "INTERNAL" in str(ei.value)
+        assert d.exit_code == server_mod.EXIT_FATAL == 70
+        assert any(r.levelno == logging.CRITICAL and "sticky CUDA error 700" in r.getMessage() for r in caplog.records)
+        msgs = []
+        with contextlib.suppress(TimeoutError):
+            while not any(b"STOPPING=1" in m for m in msgs):
+                msgs.append(notify.recv(4096))
+        assert any(b"STATUS=failed: sticky CUDA error 700" in m for m in msgs), msgs
+        assert not os.path.exists(d.control_path)  # stopped cleanly all the same
+        c.close()
+    notify.close()
+
+
+def test_main_returns_the_daemons_exit_code():
+    class Failing:
+        exit_code = 0
+
+        async def serve(self):
+            self.exit_code = 70
+
+        def stop(self):
+            pass
+
+    with main_mod.StartSignals() as signals:
+        assert main_mod._run(Failing(), signals) == 70
