@@ -310,3 +310,24 @@ def run_cli(*args, env=None, timeout_s: float = 60.0, module: str = "sparsekv.cl
     """Run ``python -m MODULE ARGS`` and capture its output."""
     return subprocess.run([PY, "-m", module, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout_s, env=env)
+
+
+@contextlib.contextmanager
+def inproc_daemon(path, max_clients: int = 3, pool_bytes: int = 8 << 20):
+    """A ``Daemon`` on the cpu backend driven in this process through ``handle()`` (no
+    sockets), with its run dir and shared-memory files under ``path``; every session
+    detached and everything closed afterwards."""
+    from sparsekv.daemon.backends import CpuBackend
+    from sparsekv.daemon.pool import HostPool
+    from sparsekv.daemon.server import Daemon
+
+    pool = HostPool(pool_bytes, threads=1)
+    backend = CpuBackend(str(path), shm_dir=str(path))
+    d = Daemon(str(path), backend, pool, max_clients=max_clients)
+    try:
+        yield d
+    finally:
+        for s in list(d.sessions.values()):
+            d._detach(s)
+        backend.close()
+        pool.close()

@@ -121,15 +121,8 @@ def requests(draw):
 
 @pytest.fixture(scope="module")
 def dm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    pool = HostPool(8 * MiB, threads=1)
-    backend = CpuBackend(str(tmp), shm_dir=str(tmp))
-    d = Daemon(str(tmp), backend, pool, max_clients=8)
-    yield d
-    for s in list(d.sessions.values()):
-        d._detach(s)
-    backend.close()
-    pool.close()
+    with helpers.inproc_daemon(tmp_path_factory.mktemp("fuzz"), max_clients=8) as d:
+        yield d
 
 
 def call(dm, ident, kind, fields=None, arrays=None):

@@ -29,14 +29,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def dm(tmp_path):
-    pool = HostPool(8 * MiB, threads=1)
-    backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
-    d = Daemon(str(tmp_path), backend, pool, max_clients=8)
-    yield d
-    for s in list(d.sessions.values()):
-        d._detach(s)
-    backend.close()
-    pool.close()
+    with helpers.inproc_daemon(tmp_path, max_clients=8) as d:
+        yield d
 
 
 @pytest.fixture

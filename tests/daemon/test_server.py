@@ -15,8 +15,6 @@ import pytest
 
 import helpers
 from sparsekv.daemon import server as server_mod
-from sparsekv.daemon.backends import CpuBackend
-from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.server import Daemon
 from sparsekv.proto import ERROR_HINTS, PROTOCOL_VERSION, ErrorCode, MsgType, decode, encode
@@ -26,14 +24,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def dm(tmp_path):
-    pool = HostPool(8 * MiB, threads=1)
-    backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
-    d = Daemon(str(tmp_path), backend, pool, max_clients=3)
-    yield d
-    for s in list(d.sessions.values()):
-        d._detach(s)
-    backend.close()
-    pool.close()
+    with helpers.inproc_daemon(tmp_path, max_clients=3) as d:
+        yield d
 
 
 def call(dm, ident, msg_type, fields=None, arrays=None, req_id=11, peer_pid=None):
