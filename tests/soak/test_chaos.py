@@ -1,0 +1,281 @@
+"""Chaos soak (marked ``soak``: ``make soak`` runs it, ``make test`` does not), cpu
+backend, for ``SPARSEKV_SOAK_S`` seconds (default 60).
+
+One private daemon (``--reap-interval-s 0.2``) serves, all at once:
+
+- ``CLIENTS`` verifying client processes (``chaos_worker.py``), each alone on its own
+  engine. The correctness check is exact because each engine has a single process that
+  both rewrites and reads: it fills every (layer, row) with generation 0 of the
+  ``--verify`` pattern (client/verify.py), every 5 steps rewrites 4 rows (2 of them hot)
+  with the next generation through WRITE, and after each STEP + TOPK compares every
+  delivered hot row with the pattern of that row's *current* generation. Its WRITE reply
+  arrives before its next STEP is sent (program order in one process), so no row may show
+  an older generation: there is no racy window to tolerate. (Rewrites racing reads from
+  another rank of the same engine are covered, without chaos, by
+  tests/client/test_soak.py's two-rank test.)
+- random SIGKILLs of those clients every 1.5–3 s; the daemon must drop the killed pid's
+  session within 2 s (its ``clients`` list), then the client is respawned on its engine;
+- the daemon SIGKILLed twice (at 35 % and 70 % of the run) and restarted on the same run
+  dir: every live client must raise ``DaemonUnavailable`` within 3 s of the kill, and be
+  re-attached with its pool re-filled within 2 s of the new daemon serving;
+- a fuzzing process (``chaos_fuzz.py``) sending random bytes and structurally valid but
+  wrong messages to control.sock; no reply may be INTERNAL (its own count, and the
+  daemon's ``errors_by_code`` read before each kill and at the end).
+
+At the end: 0 wrong rows, no client error other than ``DaemonUnavailable``, the session
+list equal to the live processes, the daemon's RSS growth and fd count over the last
+incarnation (from the clients' re-attach to the end), and no shared-memory file of the run
+dir left once the daemon stops. A one-line JSON summary is printed (``-s`` shows it).
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+import helpers
+from sparsekv.client.private_daemon import PrivateDaemon
+
+pytestmark = pytest.mark.soak
+
+SOAK_S = float(os.environ.get("SPARSEKV_SOAK_S", "60"))
+CLIENTS = 4
+HERE = os.path.dirname(os.path.abspath(__file__))
+POOL_BYTES = 64 << 20
+
+
+def session_pids(run_dir: str) -> list[int]:
+    lines = helpers.stats_query(run_dir, "clients").splitlines()
+    col = lines[0].split("\t").index("pid")
+    return [int(line.split("\t")[col]) for line in lines[1:] if line]
+
+
+def read_events(path: str, kind: str | None = None) -> list[dict]:
+    """The JSON events a worker wrote (only those of ``kind`` when given)."""
+    out = []
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            if kind is not None and f'"ev": "{kind}"' not in line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line cut by SIGKILL
+                pass
+    return out
+
+
+def pct(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))], 4)
+
+
+class Chaos:
+    def __init__(self, d: PrivateDaemon, tmp: str):
+        self.d, self.tmp = d, tmp
+        self.workers: dict[int, subprocess.Popen] = {}  # engine index -> process
+        self.events: dict[int, str] = {}  # pid -> events file
+        self.seed = 0
+
+    def spawn(self, i: int) -> None:
+        self.seed += 1
+        path = os.path.join(self.tmp, f"w{i}-{self.seed}.jsonl")
+        p = subprocess.Popen([helpers.PY, os.path.join(HERE, "chaos_worker.py"), self.d.run_dir, f"e{i}",
+                              str(self.seed), path])
+        self.workers[i] = p
+        self.events[p.pid] = path
+
+    def attached_since(self, t: float, pids) -> dict[int, float]:
+        """pid -> the first time (wall clock) after ``t`` it reported being attached."""
+        out = {}
+        for pid in pids:
+            for e in read_events(self.events[pid], "attached"):
+                if e["t"] >= t:
+                    out[pid] = e["t"]
+                    break
+        return out
+
+    def restart_daemon(self) -> tuple[subprocess.Popen, float]:
+        """A new daemon on the same run dir, as PrivateDaemon starts one; returns it and
+        the wall time it answered on its stats socket."""
+        d = self.d
+        cmd = [helpers.PY, "-m", "sparsekv.daemon.main", "--run-dir", d.run_dir, "--backend", d.backend,
+               "--pool-size", f"{d.pool_bytes}B", *d.extra_args]
+        log = open(os.path.join(self.tmp, "sparsekvd.log"), "ab")
+        p = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+
+        def serving():
+            assert p.poll() is None, "the restarted daemon exited"
+            try:
+                return helpers.stats_json(d.run_dir)["pid"] == p.pid
+            except (OSError, ValueError):
+                return False
+
+        helpers.wait_for(serving, 30, interval_s=0.005, what="the restarted daemon to serve")
+        d.proc = p  # PrivateDaemon stops this one at exit
+        return p, time.time()
+
+
+def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path):
+    tmp = str(tmp_path)
+    rnd = random.Random(11)
+    summary = {"soak_s": SOAK_S, "clients": CLIENTS}
+    reclaim, detect, reattach, internal_seen = [], [], [], []
+    incarnations = []  # the killed daemons: RSS growth and fds just before each kill
+    d = PrivateDaemon(pool_bytes=POOL_BYTES, backend="cpu", extra_args=["--reap-interval-s", "0.2"],
+                      log_path=os.path.join(tmp, "sparsekvd.log"), start_timeout_s=30)
+    fuzz_path = os.path.join(tmp, "fuzz.json")
+    fuzz = None
+    with d:
+        run_dir = d.run_dir
+        helpers.wait_for(lambda: _serving(run_dir, d.proc.pid), 30, what="the daemon to serve")
+        ch = Chaos(d, tmp)
+        try:
+            for i in range(CLIENTS):
+                ch.spawn(i)
+            t_start = time.time()
+            helpers.wait_for(lambda: len(ch.attached_since(0, [p.pid for p in ch.workers.values()])) == CLIENTS,
+                             30, what="every client to attach")
+            fuzz = subprocess.Popen([helpers.PY, os.path.join(HERE, "chaos_fuzz.py"), run_dir, "5", fuzz_path])
+            proc = psutil.Process(d.proc.pid)
+            summary["rss_start_mib"] = round(proc.memory_info().rss / 2**20, 1)
+            summary["fds_start"] = proc.num_fds()
+            kills_at = [t_start + 0.35 * SOAK_S, t_start + 0.70 * SOAK_S]
+            next_client_kill = time.time() + rnd.uniform(1.5, 3.0)
+            end = t_start + SOAK_S
+            client_kills = daemon_kills = 0
+            while time.time() < end:
+                now = time.time()
+                if kills_at and now >= kills_at[0]:
+                    kills_at.pop(0)
+                    internal_seen.append(helpers.stats_json(run_dir)["errors_by_code"].get("INTERNAL", 0))
+                    inc = psutil.Process(d.proc.pid)
+                    grown = inc.memory_info().rss / 2**20 - summary["rss_start_mib"]
+                    incarnations.append({"rss_growth_mib": round(grown, 1), "fds": inc.num_fds()})
+                    live = [p.pid for p in ch.workers.values()]
+                    t_kill = time.time()
+                    os.kill(d.proc.pid, signal.SIGKILL)
+                    d.proc.wait()
+                    daemon_kills += 1
+                    time.sleep(0.5)  # the socket left behind: clients get "connection refused"
+                    _, t_ready = ch.restart_daemon()
+
+                    def lost_all():
+                        got = {}
+                        for pid in live:
+                            for e in read_events(ch.events[pid], "lost"):
+                                if e["t"] >= t_kill:
+                                    got[pid] = e["t"]
+                                    break
+                        return got if len(got) == len(live) else None
+
+                    lost = helpers.wait_for(lost_all, 5, what="every client to notice the daemon's death")
+                    detect += [t - t_kill for t in lost.values()]
+                    back = helpers.wait_for(lambda: (a := ch.attached_since(t_ready, live)) and len(a) == len(live)
+                                            and a, 10, interval_s=0.01, what="every client to re-attach")
+                    reattach += [t - t_ready for t in back.values()]
+                    proc = psutil.Process(d.proc.pid)
+                    summary["rss_start_mib"] = round(proc.memory_info().rss / 2**20, 1)  # the last incarnation
+                    summary["fds_start"] = proc.num_fds()
+                    next_client_kill = time.time() + rnd.uniform(1.5, 3.0)
+                elif now >= next_client_kill:
+                    i = rnd.randrange(CLIENTS)
+                    victim = ch.workers[i]
+                    # Only a client the daemon knows (attached after the last restart).
+                    if victim.pid in session_pids(run_dir):
+                        t0 = time.monotonic()
+                        victim.kill()
+                        victim.wait()
+                        helpers.wait_for(lambda: victim.pid not in session_pids(run_dir), 5, interval_s=0.005,
+                                         what="the killed client's session to be reclaimed")
+                        reclaim.append(time.monotonic() - t0)
+                        client_kills += 1
+                        ch.spawn(i)
+                    next_client_kill = time.time() + rnd.uniform(1.5, 3.0)
+                else:
+                    time.sleep(0.02)
+            # Wait until every client is attached again, then look at the daemon.
+            helpers.wait_for(lambda: all(ch.attached_since(0, [p.pid]) for p in ch.workers.values()), 10,
+                             what="the last respawned clients to attach")
+            time.sleep(1.0)
+            fuzz.kill()
+            fuzz.wait()
+            live = {p.pid for p in ch.workers.values()}
+            helpers.wait_for(lambda: set(session_pids(run_dir)) == live, 5,
+                             what="the session list to equal the live clients")
+            stats = helpers.stats_json(run_dir)
+            proc = psutil.Process(d.proc.pid)
+            summary["rss_end_mib"] = round(proc.memory_info().rss / 2**20, 1)
+            summary["fds_end"] = proc.num_fds()
+            summary["daemon_clients_end"] = stats["clients"]
+        finally:
+            for p in ch.workers.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in ch.workers.values():
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            if fuzz is not None and fuzz.poll() is None:
+                fuzz.kill()
+                fuzz.wait()
+        internal_seen.append(stats["errors_by_code"].get("INTERNAL", 0))
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(20)
+        leftover = helpers.shm_slabs(run_dir)
+
+    # -- figures ---------------------------------------------------------------------------
+    checks = rows = bad = 0
+    errors, bad_events = [], []
+    for path in ch.events.values():
+        last = {}
+        for e in read_events(path):
+            if "checks" in e:
+                last = e
+            if e["ev"] == "bad":
+                bad_events.append(e)
+            if e["ev"] == "error":
+                errors.append(e)
+        checks += last.get("checks", 0)
+        rows += last.get("rows", 0)
+    bad = sum(e["bad"] for e in bad_events)
+    fz = json.load(open(fuzz_path)) if os.path.exists(fuzz_path) else {}
+    summary.update({
+        "checks": checks, "rows_checked": rows, "wrong_rows": bad, "client_errors": len(errors),
+        "client_kills": client_kills, "daemon_kills": daemon_kills,
+        "reclaim_s_p50": pct(reclaim, 50), "reclaim_s_p99": pct(reclaim, 99), "reclaim_s_max": pct(reclaim, 100),
+        "detect_s_max": pct(detect, 100), "detect_s_p50": pct(detect, 50),
+        "reattach_s_max": pct(reattach, 100), "reattach_s_p50": pct(reattach, 50),
+        "fuzz_sent": fz.get("sent", 0), "fuzz_replies": fz.get("replies", 0), "fuzz_internal": fz.get("internal"),
+        "daemon_internal": internal_seen, "shm_left": len(leftover), "killed_incarnations": incarnations,
+    })
+    summary["rss_growth_mib"] = round(summary["rss_end_mib"] - summary["rss_start_mib"], 1)
+    print("CHAOS_SUMMARY " + json.dumps(summary))
+
+    assert bad == 0, bad_events[:5]
+    assert not errors, errors[:5]
+    assert checks > 0 and client_kills > 0 and daemon_kills == 2
+    assert reclaim and max(reclaim) < 2.0, reclaim
+    assert detect and max(detect) < 3.0, detect
+    assert reattach and max(reattach) < 2.0, reattach
+    assert fz.get("sent", 0) > 0 and fz.get("internal") == 0 and not any(internal_seen), (fz, internal_seen)
+    assert summary["daemon_clients_end"] == CLIENTS
+    assert not leftover, leftover
+
+
+def _serving(run_dir: str, pid: int) -> bool:
+    try:
+        return helpers.stats_json(run_dir)["pid"] == pid
+    except (OSError, ValueError):
+        return False
