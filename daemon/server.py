@@ -302,6 +302,12 @@ class Daemon:
             if kind != MsgType.HELLO and session is None:
                 raise ProtocolError(ErrorCode.NOT_HELLO, "no HELLO from this connection")
             if session is not None:
+                if session.peer_address and kind != MsgType.HELLO:
+                    # A peer may choose its routing id: the process behind a session's
+                    # identity must be the one that said HELLO (SO_PEERCRED, ~0.2 us).
+                    if _peer_address(frames) not in (None, session.peer_address):
+                        raise ProtocolError(ErrorCode.PERMISSION_DENIED,
+                                            "this connection is not the process that said HELLO on it; send HELLO")
                 session.requests += 1
                 if kind in _RANK_REQUESTS and session.state is not None:
                     # Like CUDA's: an error the rank found after the fact (bad input seen
@@ -745,6 +751,18 @@ class Daemon:
 
 
 _KINDS = {int(m): m for m in MsgType}
+
+
+def _peer_address(frames) -> str | None:
+    """libzmq's ``Peer-Address`` of received frames ("" if unreadable); None for plain
+    bytes (an in-process call)."""
+    get = getattr(frames[0], "get", None) if frames else None
+    if get is None:
+        return None
+    try:
+        return get("Peer-Address")
+    except Exception:  # noqa: BLE001 - zmq.ZMQError: no such property
+        return ""
 # What generate_latest() writes (prometheus_client's CONTENT_TYPE_LATEST names 1.0.0 in
 # recent releases, which this text is not).
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"

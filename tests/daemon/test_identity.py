@@ -413,3 +413,14 @@ def test_attach_beyond_the_rank_memory_limit_is_refused_before_allocating(dm):
     assert dm.pool.used_bytes == 0 and len(dm.engines) == 0
     dm.max_slab_bytes = 64 * MiB
     assert call(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})["ok"]
+
+
+def test_a_session_answers_only_the_process_that_said_hello(dm, sleeper):
+    """A peer can choose its routing id: a request under a session's identity from
+    another process (other SO_PEERCRED) is refused, the session itself is untouched."""
+    me = sleeper()
+    assert call(dm, b"s", MsgType.HELLO, hello_fields(), peer=addr(me.pid))["ok"]
+    other = sleeper()
+    h = call(dm, b"s", MsgType.STATS, peer=addr(other.pid))
+    assert_error(h, ErrorCode.PERMISSION_DENIED, "said HELLO")
+    assert call(dm, b"s", MsgType.STATS, peer=addr(me.pid))["ok"]
