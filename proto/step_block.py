@@ -37,12 +37,17 @@ class BlockView:
         self.payload = block[DESC_INTS + 2 * max_batch:]
 
 
+def write_desc(d, *, seq: int = 0, step: int = 0, batch: int = 0, k: int = 0, group: int = 0,
+               inv_n: int = 0) -> None:
+    """Fill a descriptor (host int32 [DESC_INTS], e.g. a block's ``desc``)."""
+    d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = \
+        seq & 0x7FFFFFFF, step & 0x7FFFFFFF, batch, k, group, inv_n
+
+
 def write_topk(blk: BlockView, seq: int, step: int, group: int, state_rows: np.ndarray, topk: np.ndarray) -> None:
     """Fill a TOPK block (host memory)."""
     batch, k = topk.shape
-    d = blk.desc
-    d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = \
-        seq & 0x7FFFFFFF, step & 0x7FFFFFFF, batch, k, group, 0
+    write_desc(blk.desc, seq=seq, step=step, batch=batch, k=k, group=group)
     blk.rows[:batch] = state_rows
     blk.payload[: batch * k] = topk.reshape(-1)
 
@@ -51,9 +56,7 @@ def write_step(blk: BlockView, seq: int, step: int, state_rows: np.ndarray, rese
     """Fill a STEP block (host memory); ``reset`` and ``invalidate`` may be None."""
     batch = state_rows.shape[0]
     n = 0 if invalidate is None else invalidate.shape[1]
-    d = blk.desc
-    d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = \
-        seq & 0x7FFFFFFF, step & 0x7FFFFFFF, batch, 0, 0, n
+    write_desc(blk.desc, seq=seq, step=step, batch=batch, inv_n=n)
     blk.rows[:batch] = state_rows
     if reset is None:
         blk.aux[:batch] = 0

@@ -142,10 +142,8 @@ class CudaBackend:
         if state is None:
             return
         state.close()  # waits for the rank's work: the mirrors below are final
-        for k, v in state.counters().items():
-            self._retired[k] = self._retired.get(k, 0) + v
-        for k, v in state.error_counts().items():
-            self._retired_errors[k] = self._retired_errors.get(k, 0) + v
+        self._retired = _summed(self._retired, [state.counters()])
+        self._retired_errors = _summed(self._retired_errors, [state.error_counts()])
 
     def release_engine(self, space: EngineSpace) -> None:
         self._unpin(space.name)
@@ -157,19 +155,11 @@ class CudaBackend:
 
     def device_counters(self) -> dict:
         """Counters the GPUs keep, from each rank's pinned mirror (no synchronisation)."""
-        total = dict(self._retired)
-        for st in self._ranks.values():
-            for k, v in st.counters().items():
-                total[k] = total.get(k, 0) + v
-        return total
+        return _summed(self._retired, (st.counters() for st in self._ranks.values()))
 
     def device_errors(self) -> dict:
         """Rows the kernels refused or mended, by kind, over every rank ever attached."""
-        total = dict(self._retired_errors)
-        for st in self._ranks.values():
-            for k, v in st.error_counts().items():
-                total[k] = total.get(k, 0) + v
-        return total
+        return _summed(self._retired_errors, (st.error_counts() for st in self._ranks.values()))
 
     def close(self) -> None:
         for cid in list(self._ranks):
@@ -179,3 +169,12 @@ class CudaBackend:
         for w in self.workers:
             w.close()
         self.workers = []
+
+
+def _summed(base: dict, parts) -> dict:
+    """``base`` plus every dict of ``parts``, key by key (a new dict)."""
+    total = dict(base)
+    for part in parts:
+        for k, v in part.items():
+            total[k] = total.get(k, 0) + v
+    return total

@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from ..engine import RankState
+from ..engine import RankState, as_ids
 from ..residency.base import ResidencyError
 from ..residency.cuda import (
     ERROR_KINDS,
@@ -27,7 +27,7 @@ from ..residency.cuda import (
 )
 from .buffers import RankBuffers
 from .step import DeviceStep
-from .transport import ZmqTransport, _i32
+from .transport import ZmqTransport
 
 log = logging.getLogger("sparsekv.cuda")
 
@@ -90,7 +90,7 @@ class CudaRankState(RankState):
 
     # -- decode path -------------------------------------------------------------------
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
-        state_rows = _i32("state_rows", state_rows, 1)
+        state_rows = as_ids("state_rows", state_rows, 1)
         with self._cp.cuda.Device(self.worker.ordinal):
             self.transport.step(int(step), state_rows, reset, invalidate)
         self.step = int(step)
@@ -98,7 +98,7 @@ class CudaRankState(RankState):
 
     def serve_topk(self, step, group, topk, state_rows=None, fence=None):
         state_rows = self.batch_rows(step, state_rows)
-        topk = _i32("topk", topk, 2)
+        topk = as_ids("topk", topk, 2)
         wait = self._fence_wait(fence)
         with self._cp.cuda.Device(self.worker.ordinal):
             entry = self.transport.topk(int(step), int(group), state_rows, topk, wait)
@@ -166,8 +166,7 @@ class CudaRankState(RankState):
         its hot copies of ``rows`` in stream order. Returns when enqueued; slots dropped
         are not counted (that would need a readback)."""
         cp = self._cp
-        if fence is not None and (self.fence_events is None or not 0 <= fence < len(self.fence_events.ptrs)):
-            raise ResidencyError("BAD_ARGUMENT", f"fence {fence} names no event the client exported at attach")
+        wait = self._fence_wait(fence)  # checks the fence before anything is written
         bufs = self.buffers
         n = int(rows.shape[0])
         stream = self.worker.stream
@@ -188,8 +187,8 @@ class CudaRankState(RankState):
             up = cp.cuda.Event(disable_timing=True)
             up.record(stream)
             self._write_uploads.append(up)
-            if fence is not None:
-                self.fence_events.wait(fence, stream.ptr)
+            if wait is not None:
+                wait(stream)
         # Gathers already queued on other GPUs' streams read the pool rows being
         # rewritten: the write starts after them.
         for other in others:

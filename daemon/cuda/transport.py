@@ -21,6 +21,7 @@ import numpy as np
 
 from sparsekv.proto.step_block import write_step, write_topk
 
+from ..engine import as_ids
 from ..residency.base import ResidencyError
 from .step import capture
 
@@ -39,20 +40,6 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Wait for work in flight and free what the transport holds."""
-
-
-def _i32(name: str, a, ndim: int) -> np.ndarray:
-    """``a`` as an int32 array of ``ndim`` dims, or BAD_ARGUMENT (no value checks)."""
-    a = np.asarray(a)
-    if a.ndim != ndim:
-        raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
-    if a.dtype != np.int32:
-        if a.dtype.kind not in "iub":
-            raise ResidencyError("BAD_ARGUMENT", f"{name} must hold integers, got {a.dtype}")
-        if a.dtype.kind != "b" and a.size and (a.min() < -(2**31) or a.max() >= 2**31):
-            raise ResidencyError("BAD_ARGUMENT", f"{name} has values outside int32")
-        a = a.astype(np.int32)
-    return a
 
 
 class ZmqTransport(Transport):
@@ -112,7 +99,7 @@ class ZmqTransport(Transport):
             raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]=({batch},), got {np.shape(reset)}")
         n = 0
         if invalidate is not None:
-            invalidate = _i32("invalidate", invalidate, 2)
+            invalidate = as_ids("invalidate", invalidate, 2)
             if invalidate.shape[0] != batch:
                 raise ResidencyError("BAD_ARGUMENT",
                                      f"invalidate must be [batch, n] with batch {batch}, got {invalidate.shape}")

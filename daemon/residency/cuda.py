@@ -52,6 +52,7 @@ STEP_BLOCKS = 128  # fixed grid of skv_begin_step (blocks stride over batch rows
 
 # The step descriptor (csrc/common.cuh, proto/step_block.py): int32[DESC_INTS].
 from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_INV_N, D_K, D_SEQ, D_STEP, DESC_INTS  # noqa: E402,F401
+from sparsekv.proto.step_block import write_desc  # noqa: E402
 # The error record (csrc/common.cuh): int32[ERR_INTS]; err[e] counts kind e, err[8 + e],
 # err[16 + e], err[24 + e] hold the batch row, step and group of the latest.
 ERR_INTS = 32
@@ -82,8 +83,7 @@ def error_bits(err) -> int:
 def make_desc(batch: int = 0, k: int = 0, group: int = 0, inv_n: int = 0, step: int = 0, seq: int = 0) -> np.ndarray:
     """A step descriptor (host int32 [DESC_INTS])."""
     d = np.zeros(DESC_INTS, np.int32)
-    d[D_SEQ], d[D_STEP], d[D_BATCH], d[D_K], d[D_GROUP], d[D_INV_N] = (
-        seq & 0x7FFFFFFF, step & 0x7FFFFFFF, batch, k, group, inv_n)
+    write_desc(d, seq=seq, step=step, batch=batch, k=k, group=group, inv_n=inv_n)
     return d
 
 
