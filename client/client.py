@@ -14,6 +14,7 @@ reply to a top-k batch arrives once the gather is done. Requests can be pipeline
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import socket
@@ -33,6 +34,7 @@ from .errors import BadRequest, DaemonUnavailable, ProtocolMismatch, SparseKVErr
 from .results import TopkResult
 
 
+log = logging.getLogger("sparsekv.client")
 _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
 # While waiting for a reply, check this often that the daemon still lives: a client
 # learns within about this long that its daemon died or was restarted, not at timeout_s.
@@ -195,12 +197,25 @@ class Client:
 
 
     # -- requests ----------------------------------------------------------------
-    def attach(self, layout: Layout, engine: str = "default", fence: bool = False):
+    def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq"):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
-        before each gather, so attention still reading earlier rows is never overwritten."""
+        before each gather, so attention still reading earlier rows is never overwritten.
+        ``transport``: ``"zmq"`` (steps as messages: ``step``/``topk``) or ``"doorbell"``
+        (cuda: the engine's stream drives the steps through :meth:`doorbell_handle`)."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
+        if transport != "zmq":
+            if transport != "doorbell":
+                raise BadRequest(f"transport must be 'zmq' or 'doorbell', got {transport!r}", ErrorCode.BAD_ARGUMENT)
+            if not self.device.startswith("cuda"):
+                raise BadRequest("the doorbell transport needs a cuda rank (device='cuda:N')", ErrorCode.BAD_ARGUMENT)
+            from sparsekv.proto.cuda_ipc import mps_running  # noqa: PLC0415
+
+            if not mps_running():
+                log.warning("NVIDIA MPS is not running: each doorbell hand-off between this engine and sparsekvd "
+                            "costs ~300 us instead of a few (DESIGN §2; start nvidia-cuda-mps-control -d)")
+            fields["transport"] = transport
         fence_ring = None
         if fence and self.device.startswith("cuda"):
             from sparsekv.proto.cuda_ipc import EventRing  # noqa: PLC0415
@@ -226,6 +241,14 @@ class Client:
         slab, staging = layout.split_buffer(np.frombuffer(mm, dtype=np.uint8))
         self.attachment = Attachment(layout, engine, slab, staging, mm)
         return self.attachment
+
+    def doorbell_handle(self, **kw):
+        """The engine's handle of a rank attached with ``transport="doorbell"``:
+        :class:`~sparsekv.client.doorbell.DoorbellSwapIn` (``begin_step``, ``swap_in``,
+        ``kv``, ``check``)."""
+        from .doorbell import DoorbellSwapIn  # noqa: PLC0415
+
+        return DoorbellSwapIn(self, **kw)
 
     def detach(self) -> None:
         self._call(MsgType.DETACH)

@@ -50,7 +50,7 @@ class CudaAttachment:
     def __init__(self, layout: Layout, engine: str, handles: dict, fence: EventRing | None):
         import torch  # noqa: PLC0415
 
-        self.layout, self.engine = layout, engine
+        self.layout, self.engine, self.handles = layout, engine, handles
         self.device = device_for_bus_id(handles["bus_id"])
         self.torch_device = torch.device("cuda", self.device)
         R, B, K = handles["ring_depth"], handles["max_batch"], handles["top_k"]
@@ -64,6 +64,7 @@ class CudaAttachment:
         self._fence = fence
         self._views: dict[tuple[int, int, int], tuple] = {}
         self._blocks_mm = None
+        self.error_mirror = None  # the rank's pinned error record (in the blocks file)
         self._next = 0
         self._used = [False] * R
         self._seq = 0
@@ -98,6 +99,9 @@ class CudaAttachment:
             def view(off):
                 return BlockView(buf[off: off + n].view(np.int32), B)
 
+            if "err_offset" in handles:
+                off = handles["err_offset"]
+                self.error_mirror = buf[off: off + 128].view(np.int32)
             self._step_blocks = [view(o) for o in handles["client_step_offsets"]]
             self._topk_blocks = [view(o) for o in handles["client_topk_offsets"]]
 
@@ -158,7 +162,7 @@ class CudaAttachment:
     def close(self) -> None:
         self.slab = self.staging = self._slots = self._misses = None
         self._views = {}
-        self._step_blocks = self._topk_blocks = None
+        self._step_blocks = self._topk_blocks = self.error_mirror = None
         if self._blocks_mm is not None:
             try:
                 self._blocks_mm.close()

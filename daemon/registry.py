@@ -42,7 +42,8 @@ class EngineRegistry:
         self._engines: dict[str, EngineSpace] = {}
 
     def attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
-               fence_events=None, *, owner: Owner | None = None, privileged: bool = False) -> tuple[RankState, dict]:
+               fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
+               transport: str = "zmq") -> tuple[RankState, dict]:
         """Add rank ``rank`` (client ``client_id``, on ``device``) to ``engine_name``,
         creating the engine (and its pool range) if it is new. Returns the rank's state and
         the handles its client maps.
@@ -79,7 +80,8 @@ class EngineRegistry:
                 f"engine {engine_name!r} is attached with {space.layout.to_wire()}, this rank sent {layout.to_wire()}",
             )
         try:
-            state, handles = self.backend.new_rank(space, client_id, rank, device, fence_events)
+            kw = {"transport": transport} if transport != "zmq" else {}
+            state, handles = self.backend.new_rank(space, client_id, rank, device, fence_events, **kw)
         except BaseException:
             if created:  # the engine never had a rank: nothing of it may stay behind
                 self.backend.release_engine(space)

@@ -432,10 +432,16 @@ class Daemon:
                 raise ProtocolError(ErrorCode.PERMISSION_DENIED,
                                     f"the process that said HELLO as client {s.client_id} has exited; connect again")
         check_layout_limits(layout, self.max_slab_bytes)  # before anything is allocated
+        transport = h.get("transport", "zmq")
+        if transport not in ("zmq", "doorbell"):
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"transport must be 'zmq' or 'doorbell', got {transport!r}")
+        if transport == "doorbell" and self.backend.name != "cuda":
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "the doorbell transport needs the cuda backend (device rings "
+                                f"and stream memory operations); this daemon runs {self.backend.name}: use zmq")
         admin = not created and self._is_admin(s)  # only joining needs it (a /proc read)
         try:
             state, handles = self.engines.attach(s.client_id, s.rank, s.device, engine, layout, h.get("fence_events"),
-                                                 owner=Owner(s.uid, s.gid), privileged=admin)
+                                                 owner=Owner(s.uid, s.gid), privileged=admin, transport=transport)
         except (PoolError, ProtocolError, ResidencyError) as e:
             # An engine that cannot attach (no room in the pool, another layout, no room
             # for its slab) is the operator's business, not only the client's: warn.

@@ -48,6 +48,14 @@ def _cp():
     return cp
 
 
+def mps_running() -> bool:
+    """Whether an NVIDIA MPS control daemon listens where this process's CUDA looks."""
+    import os
+
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
 def device_for_bus_id(bus_id: str) -> int:
     """Local ordinal of the GPU with this PCI bus id (CUDA_VISIBLE_DEVICES may renumber)."""
     cp = _cp()

@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 
+from sparsekv.proto.cuda_ipc import mps_running
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 
 from ..backends import shm_path
@@ -25,11 +26,6 @@ from .rank import CudaRankState
 GRAPHS = os.environ.get("SPARSEKV_CUDA_GRAPHS", "1") != "0"
 
 log = logging.getLogger("sparsekv.cuda")
-
-
-def mps_running() -> bool:
-    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    return os.path.exists(os.path.join(pipe, "control"))
 
 
 class DeviceWorker:
@@ -106,7 +102,8 @@ class CudaBackend:
         raise ResidencyError("BAD_ARGUMENT", f"device {device!r} is not served here; this daemon serves "
                              f"{', '.join(f'cuda:{w.ordinal} ({w.bus_id})' for w in self.workers)}")
 
-    def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None):
+    def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
+                 transport: str = "zmq"):
         if space.layout.row_bytes % ROW_ALIGN_BYTES:
             raise ResidencyError("BAD_LAYOUT", f"row_bytes {space.layout.row_bytes} must be a multiple of "
                                  f"{ROW_ALIGN_BYTES} on the cuda backend (rows move with 16-byte loads)")
@@ -121,7 +118,8 @@ class CudaBackend:
             self._pinned[space.name] = pinned
         try:
             state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
-                                  graphs=GRAPHS, blocks_path=shm_path(self._blocks_prefix, client_id))
+                                  graphs=GRAPHS, blocks_path=shm_path(self._blocks_prefix, client_id),
+                                  transport=transport)
             if fence_events:
                 from sparsekv.proto.cuda_ipc import ImportedEvents  # noqa: PLC0415
 

@@ -16,6 +16,10 @@ Arena layout of one rank (each section a 256-byte aligned range of the arena):
 | ``write_rows``, ``drop_rows`` | int32 ``[1 + staging_rows]`` | write path: count + rows in staging order / sorted |
 | ``layers`` | int32 ``[L]`` | write path: the layers of a staged write |
 | ``workspace`` | uint8 ``[B, resolve workspace]`` | resolve, when its workspace is too big for shared memory |
+| ``db_step``, ``db_topk`` | int32 step block, ``[G]`` step blocks | doorbell: the engine's stream / the daemon's step graph |
+| ``db_slots``, ``db_misses`` | int32 ``[G, B, K]``, ``[G, B]`` | doorbell: resolve / the engine's ``skv_db_indices`` |
+| ``db_ctl`` | uint32 ``[1 + G + L]`` | doorbell words: the step bell, a bell per group, a ready word per layer |
+| ``db_layers`` | int32 ``[L, G, 2]`` | doorbell: per layer, a group table naming only that layer (one gather per layer) |
 
 Pinned host blocks (one shared-memory file, registered; ``HostBlocks``): R STEP and R TOPK
 blocks the daemon writes (requests whose arrays came on the socket), R STEP and R TOPK
@@ -129,9 +133,11 @@ class RankBuffers:
         workspace_bytes: per-batch-row global resolve workspace (0: shared memory).
         blocks_path: the shared-memory file of the pinned host blocks (the client maps it
             and may write its step blocks there); None: anonymous (in process).
+        doorbell: also the doorbell transport's rings and words (``db_*`` sections).
     """
 
-    def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_path: str | None = None):
+    def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_path: str | None = None,
+                 doorbell: bool = False):
         import cupy as cp
 
         lay = layout
@@ -149,6 +155,12 @@ class RankBuffers:
             "layers": lay.num_layers * 4,
             "workspace": B * int(workspace_bytes),
         }
+        L = lay.num_layers
+        self.doorbell = bool(doorbell)
+        if self.doorbell:
+            sizes.update({"db_step": self.block_ints * 4, "db_topk": G * self.block_ints * 4,
+                          "db_slots": G * B * K * 4, "db_misses": G * B * 4,
+                          "db_ctl": (1 + G + L) * 4, "db_layers": L * G * 2 * 4})
         self.offsets: dict[str, int] = {}
         try:
             for name, n in sizes.items():
@@ -173,6 +185,25 @@ class RankBuffers:
             self.drop_rows = v(o["drop_rows"], (1 + lay.staging_rows,), "int32")
             self.layers = v(o["layers"], (lay.num_layers,), "int32")
             self.workspace = v(o["workspace"], (max(B * int(workspace_bytes), 1),)) if workspace_bytes else None
+            if self.doorbell:
+                self.db_step = BlockView(v(o["db_step"], (self.block_ints,), "int32"), B)
+                self.db_topk = [BlockView(v(o["db_topk"] + g * self.block_ints * 4, (self.block_ints,), "int32"), B)
+                                for g in range(G)]
+                self.db_slots = v(o["db_slots"], (G, B, K), "int32")
+                self.db_misses = v(o["db_misses"], (G, B), "int32")
+                self.db_ctl = v(o["db_ctl"], (1 + G + L,), "uint32")
+                self.db_layers = v(o["db_layers"], (L, G, 2), "int32")
+                table = np.zeros((L, G, 2), np.int32)
+                for g, layers in enumerate(lay.groups):
+                    for layer in layers:
+                        table[layer, g] = (1, layer)
+                self.db_layers.set(table)
+                self.db_step.block.fill(0)
+                for blk in self.db_topk:
+                    blk.block.fill(0)
+                self.db_slots.fill(-1)
+                self.db_misses.fill(0)
+                self.db_ctl.fill(0)
             # Known contents before the first request: empty results, zero counters.
             self.slots.fill(-1)
             self.misses.fill(0)
@@ -215,7 +246,7 @@ class RankBuffers:
     def export(self, device: int, bus_id: str, events: list[bytes]) -> dict:
         """What the client needs to open this rank's memory (the ATTACH reply's handles)."""
         lay, o = self.layout, self.offsets
-        return {"kind": "cuda_ipc", "device": device, "bus_id": bus_id,
+        out = {"kind": "cuda_ipc", "device": device, "bus_id": bus_id,
                 "arena_handle": self.arena.handle, "arena_bytes": self.arena.nbytes,
                 "slab_offset": o["slab"], "staging_offset": o["staging"],
                 "slots_offset": o["slots"], "misses_offset": o["misses"],
@@ -227,7 +258,16 @@ class RankBuffers:
                 "client_step_offsets": [self.host.offset_of(b.block) for b, _ in self.client_step],
                 "client_topk_offsets": [self.host.offset_of(b.block) for b, _ in self.client_topk],
                 "ring_depth": self.ring_depth, "max_batch": self.max_batch, "top_k": lay.top_k,
-                "events": events}
+                "events": events,
+                # The pinned mirror of the error record (a doorbell handle's check() reads it).
+                "err_offset": self.host.offset_of(self.host_err)}
+        if self.doorbell:
+            g, L = lay.num_groups, lay.num_layers
+            out["doorbell"] = {"step_block_offset": o["db_step"], "topk_block_offset": o["db_topk"],
+                               "slots_offset": o["db_slots"], "misses_offset": o["db_misses"],
+                               "ctl_offset": o["db_ctl"], "bell_step": 0, "bells": [1 + i for i in range(g)],
+                               "ready": [1 + g + i for i in range(L)]}
+        return out
 
     def release(self) -> None:
         """Give the arena ranges back (after the GPU is done with them)."""

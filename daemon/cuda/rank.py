@@ -16,7 +16,6 @@ import numpy as np
 from ..engine import RankState, as_ids
 from ..residency.base import ResidencyError
 from ..residency.cuda import (
-    ERROR_KINDS,
     HITS,
     MISSES,
     OUT_OF_RANGE,
@@ -25,23 +24,13 @@ from ..residency.cuda import (
     DeviceBuffers,
     rows_block,
 )
+from sparsekv.proto.device_errors import ErrorRecord
+
 from .buffers import RankBuffers
 from .step import DeviceStep
 from .transport import ZmqTransport
 
 log = logging.getLogger("sparsekv.cuda")
-
-# Error kind -> (proto.ErrorCode name, what it means for the client).
-ERROR_CODES = {
-    "DUPLICATE_IDS": ("DUPLICATE_IDS", "names the same host row twice; ids must be unique. That row was refused "
-                      "(slots -1, no state change)"),
-    "CORRUPT_STATE": ("INTERNAL", "found the residency state corrupt (a daemon bug); its rows may be missing"),
-    "BAD_STATE_ROW": ("BAD_STATE_ROW", "has a state row outside [-1, max_reqs); the row was treated as padding"),
-    "TOO_MANY_TOKENS": ("BAD_ARGUMENT", "is one token too many for its state row: region_stride / top_k tokens "
-                        "of one request fit a step. That row was refused (slots -1, no state change)"),
-    "BAD_STEP": ("BAD_ARGUMENT", "had a step descriptor out of range; nothing of it was done"),
-}
-
 
 class CudaRankState(RankState):
     """A rank on one GPU. Same contract as the cpu rank; the work is enqueued, not waited.
@@ -56,10 +45,12 @@ class CudaRankState(RankState):
         graphs: replay a CUDA graph per request (True) or launch kernel by kernel.
         blocks_path: the shared-memory file of the rank's pinned step blocks (None:
             anonymous, for in-process use).
+        transport: ``"zmq"`` (steps arrive as messages) or ``"doorbell"`` (the engine's
+            stream drives them; ``doorbell.py``).
     """
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
-                 graphs: bool = True, blocks_path: str | None = None):
+                 graphs: bool = True, blocks_path: str | None = None, transport: str = "zmq"):
         import cupy as cp
 
         from sparsekv.proto.cuda_ipc import EventRing
@@ -71,19 +62,27 @@ class CudaRankState(RankState):
             stream = worker.stream
             residency = CudaResidency(lay, kernels=worker.kernels, stream=stream)
             ws = residency.workspace_bytes if residency.workspace_global else 0
-            self.buffers = bufs = RankBuffers(worker.arena, lay, ring_depth, ws, blocks_path)
+            if transport not in ("zmq", "doorbell"):
+                raise ResidencyError("BAD_ARGUMENT", f"unknown transport {transport!r}; use zmq or doorbell")
+            self.buffers = bufs = RankBuffers(worker.arena, lay, ring_depth, ws, blocks_path,
+                                              doorbell=transport == "doorbell")
             try:
                 mover = CudaMover(lay, pinned, pool_offset=0, kernels=worker.kernels, stream=stream,
                                   buffers=DeviceBuffers(None, bufs.slab, bufs.staging, bufs.offsets["staging"]),
                                   blocks=gather_blocks)
                 self.dstep = DeviceStep(residency, mover, bufs, worker.kernels)
                 self.events = EventRing(worker.ordinal, ring_depth)
-                self.transport = ZmqTransport(self.dstep, worker, self.events, graphs=graphs)
+                if transport == "doorbell":
+                    from .doorbell import DoorbellTransport  # noqa: PLC0415
+
+                    self.transport = DoorbellTransport(self.dstep, worker)
+                else:
+                    self.transport = ZmqTransport(self.dstep, worker, self.events, graphs=graphs)
             except Exception:
                 bufs.close()
                 raise
         self._write_uploads: list = []  # events after the last staged write's uploads
-        self._reported = [0] * len(ERROR_KINDS)  # error counts already turned into replies
+        self._errors = ErrorRecord(bufs.host_err)  # counts already turned into replies
         self._retired: dict[str, int] = {}
         super().__init__(rank=rank, device=f"cuda:{worker.ordinal}", residency=residency, mover=mover,
                          slab=bufs.slab, staging=bufs.staging)
@@ -137,26 +136,14 @@ class CudaRankState(RankState):
         """The first error the kernels recorded since the last call, as the cpu backend's
         typed error (read from the pinned mirror of the error record: no wait). Every kind
         counted meanwhile is marked reported; the others are logged."""
-        err = self.buffers.host_err
-        found = None
-        for kind, name in enumerate(ERROR_KINDS):
-            n = int(err[kind])
-            if n != self._reported[kind]:
-                new = n - self._reported[kind]
-                self._reported[kind] = n
-                code, what = ERROR_CODES[name]
-                row, step, group = int(err[8 + kind]), int(err[16 + kind]), int(err[24 + kind])
-                msg = f"step {step}, group {group}: batch row {row} {what} ({new} such row(s) since the last reply)"
-                if found is None:
-                    found = ResidencyError(code, msg)
-                else:
-                    log.warning("rank %d: also %s: %s", self.rank, name, msg)
-        return found
+        found = self._errors.take()
+        for code, msg in found[1:]:
+            log.warning("rank %d: also %s: %s", self.rank, code, msg)
+        return ResidencyError(*found[0]) if found else None
 
     def error_counts(self) -> dict[str, int]:
         """Rows refused or mended on this rank by kind (from the pinned mirror)."""
-        err = self.buffers.host_err
-        return {name.lower(): int(err[k]) for k, name in enumerate(ERROR_KINDS)}
+        return self._errors.counts()
 
     # -- write path --------------------------------------------------------------------
     def write_staged(self, space, layers, rows, fence=None):
@@ -180,7 +167,7 @@ class CudaRankState(RankState):
         bufs.host_write_rows[1 : 1 + n] = rows
         bufs.host_drop_rows[:] = rows_block(rows, space.layout.staging_rows)
         bufs.host_layers[: len(layers)] = layers
-        others = [o for o in space.ranks.values() if o.worker.stream is not stream]
+        others = [o for o in space.ranks.values() if o.worker.stream is not stream and not o.device_driven]
         with cp.cuda.Device(self.worker.ordinal), stream:
             _upload(bufs.write_rows, bufs.host_write_rows, stream)
             _upload(bufs.layers, bufs.host_layers, stream)
@@ -202,6 +189,8 @@ class CudaRankState(RankState):
             written = cp.cuda.Event(disable_timing=True)
             written.record(stream)
         for other in space.ranks.values():
+            if other.device_driven:
+                continue  # its engine passes rewritten rows to begin_step (doorbell.py)
             with cp.cuda.Device(other.worker.ordinal):
                 s = other.worker.stream
                 _upload(other.buffers.drop_rows, bufs.host_drop_rows, s)
@@ -243,9 +232,16 @@ class CudaRankState(RankState):
     def export(self) -> dict:
         return self.buffers.export(self.worker.ordinal, self.worker.bus_id, self.events.handles)
 
+    @property
+    def device_driven(self) -> bool:
+        """True when the engine's stream drives this rank (doorbell transport)."""
+        return getattr(self.transport, "device_driven", False)
+
     def close(self) -> None:
         """Wait for this rank's work, then free its graphs, events, host blocks and ranges."""
-        self.transport.close()
+        if self.transport.close() is False:
+            self.buffers.host.close()
+            return  # a stream that did not drain may still write its ranges: never reuse them
         if self.fence_events is not None:
             self.fence_events.close()
             self.fence_events = None

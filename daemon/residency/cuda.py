@@ -57,7 +57,7 @@ from sparsekv.proto.step_block import write_desc  # noqa: E402
 # err[16 + e], err[24 + e] hold the batch row, step and group of the latest.
 ERR_INTS = 32
 E_DUPLICATE_IDS, E_CORRUPT_STATE, E_BAD_STATE_ROW, E_TOO_MANY_TOKENS, E_BAD_STEP = range(5)
-ERROR_KINDS = ("DUPLICATE_IDS", "CORRUPT_STATE", "BAD_STATE_ROW", "TOO_MANY_TOKENS", "BAD_STEP")
+from sparsekv.proto.device_errors import ERROR_KINDS  # noqa: E402 - the record's kinds, shared with clients
 # Bits of ResolveOutput.read_counters()["errors"]: 1 << kind.
 ERR_DUPLICATE_IDS = 1 << E_DUPLICATE_IDS
 ERR_CORRUPT_STATE = 1 << E_CORRUPT_STATE
@@ -628,18 +628,23 @@ class CudaMover(Mover):
                      self.slab, slots, slots, lay.num_layers, layers, 3, out.plan_rows, out.plan_slots,
                      out.misses, out.batch, out.top_k)
 
-    def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream) -> None:
+    def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream,
+                      group_layers=None) -> None:
         """Enqueue ``skv_gather``: the plan of the last :meth:`CudaResidency.launch_resolve`
         (per-row counts ``misses``), pool -> slab, for every layer of the descriptor's
-        group. Device arrays only; fixed grid (``blocks``) and shared memory."""
+        group. Device arrays only; fixed grid (``blocks``) and shared memory.
+        ``group_layers``: another int32 ``[groups, stride]`` table (count, then layers) in
+        place of the layout's, e.g. one naming a single layer of the group (doorbell: a
+        ready word per layer)."""
         lay = self.layout
         i32, i64 = np.int32, np.int64
         slots = lay.max_reqs * lay.region_stride
+        table = self.group_layers if group_layers is None else group_layers
         with stream:
             self._gather(
                 (self.blocks,), (self.threads,),
                 (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
-                 self.group_layers, i32(self.group_layers.shape[1]), i32(lay.num_groups),
+                 table, i32(table.shape[1]), i32(lay.num_groups),
                  plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k)),
                 shared_mem=(int(max_batch) + 1) * 8,
             )

@@ -1,0 +1,348 @@
+"""The engine's handle on the doorbell transport: ``swap_in`` on device tensors, on the
+caller's current stream, capturable into the engine's CUDA graph.
+
+    c = Client(run_dir, rank=r, device="cuda:0").connect()
+    c.attach(layout, engine="glm", transport="doorbell")
+    h = c.doorbell_handle()
+    # per decode step (all of it can be captured into one torch.cuda.CUDAGraph):
+    h.begin_step(state_rows, reset, invalidate)
+    for layer in range(L):
+        idx = h.swap_in(req_id_per_token, block_table, topk_positions, layer=layer, block_size=64)
+        rows = h.kv(layer)[idx.clamp(min=0)]   # [tokens, k, row_bytes]; mask idx < 0
+    h.check()   # now and then: raises what the daemon refused, or DaemonUnavailable
+
+What happens on the engine's stream (no host code of either process in between):
+
+* ``begin_step``: ``skv_db_begin`` writes the step block into the daemon's ring, then the
+  step bell is rung (``cuStreamWriteValue32``).
+* ``swap_in`` on a group's leader layer: ``skv_db_topk`` maps positions to host rows into
+  the group's top-k block and rings the group's bell. On every layer: wait for the
+  layer's ready word (``cuStreamWaitValue32``), reset it, then ``skv_db_indices`` turns
+  the group's slots into attention indices.
+
+**Indexing.** ``swap_in`` returns int32 ``[tokens, k]``: for column ``j`` of token ``t``,
+``kv(layer)[idx[t, j]]`` is the KV row of that position (``kv(layer)`` = the layer's hot
+slab as ``[max_reqs * region_stride, row_bytes]``, index ``req * region_stride + slot``),
+and ``-1`` means masked: no row (padding token, a position that maps to no host row, a
+refused row). With ``resident_block_table`` (blocks the engine still holds on its GPU),
+such a position resolves to ``resident_base + block * block_size + pos % block_size``
+instead (an index into the engine's own storage; see ``resident_base``), without touching
+the residency.
+
+Several tokens of one request (speculative decoding) follow the residency contract:
+``region_stride // top_k`` tokens of a request per step. Every layer's ``swap_in`` must be
+called every step, in layer order within a group (the daemon sets every layer's ready
+word; a word left set would release that layer one step early).
+
+**Failure.** A thread watches the daemon (its process and its socket file). If the daemon
+dies, the handle sets its own "dead" word (``skv_db_indices`` then returns -1 everywhere)
+and keeps setting every ready word, so the engine's stream never hangs; ``check()`` then
+raises :class:`~sparsekv.client.errors.DaemonUnavailable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from sparsekv.proto import ErrorCode
+from sparsekv.proto.device_errors import ErrorRecord
+from sparsekv.proto.stream_ops import wait32, write32
+
+from .errors import BadRequest, DaemonUnavailable, error_for
+
+log = logging.getLogger("sparsekv.client")
+
+WATCH_INTERVAL_S = 0.02  # how often the watcher checks that the daemon lives
+RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is set again
+THREADS = 256
+
+
+def _kernels():
+    from sparsekv.csrc.build import get_cache  # noqa: PLC0415
+
+    return get_cache()
+
+
+class DeviceSwapIn:
+    """The engine-side handle on device tensors: argument checks, the engine-side kernels
+    (``csrc/handle.cu``) and the indices. Where the rows come from is a subclass's three
+    hand-off points: after the step block is written (:meth:`_begun`), after a group's
+    top-k block is written (:meth:`_rang`), before a layer's indices are made
+    (:meth:`_ready`). :class:`DoorbellSwapIn` rings the daemon there;
+    ``client.inproc_cuda.InprocSwapIn`` runs the daemon's kernels inline."""
+
+    def _bind(self, layout, device: int, slab, step_block: int, topk_blocks: list[int], slots: list[int],
+              error_mirror=None, resident_base: int = 0, hot_base: int = 0) -> None:
+        """Device addresses of the rank's step block, per-group top-k blocks and slots."""
+        import cupy as cp  # noqa: PLC0415
+        import torch  # noqa: PLC0415
+
+        self.layout = lay = layout
+        self.device = device
+        self.resident_base, self.hot_base = int(resident_base), int(hot_base)
+        self._step_block, self._topk_blocks, self._slots = step_block, topk_blocks, slots
+        self._group_of = {layer: g for g, layers in enumerate(lay.groups) for layer in layers}
+        self._leader = {layers[0]: g for g, layers in enumerate(lay.groups)}
+        with cp.cuda.Device(device):
+            mod = _kernels().module("handle.cu")
+            self._k_begin = mod.get_function("skv_db_begin")
+            self._k_topk = mod.get_function("skv_db_topk")
+            self._k_indices = mod.get_function("skv_db_indices")
+            self._counter = cp.zeros(1, dtype=cp.int32)  # the engine's step number (device)
+            self._dead = cp.zeros(1, dtype=cp.int32)
+            cp.cuda.runtime.deviceSynchronize()
+        self._torch = torch
+        self._slab = slab
+        self._errors = ErrorRecord(error_mirror) if error_mirror is not None else None
+        self._step = 0  # host-side count of begin_step calls (argument checks only)
+        self._resolved: dict[int, int] = {}  # group -> the step its leader rang
+        self._gone: str | None = None
+
+    # -- hand-off points ---------------------------------------------------------------
+    def _begun(self, stream_ptr: int) -> None:
+        raise NotImplementedError
+
+    def _rang(self, group: int, stream_ptr: int) -> None:
+        raise NotImplementedError
+
+    def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
+        raise NotImplementedError
+
+    # -- the engine's calls ------------------------------------------------------------
+    def kv(self, layer: int):
+        """The layer's hot slab as ``[max_reqs * region_stride, row_bytes]`` uint8 (a view
+        of the daemon's memory, through CUDA IPC)."""
+        lay = self.layout
+        return self._slab[layer].view(lay.max_reqs * lay.region_stride, lay.row_bytes)
+
+    def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
+        """Begin a decode step on the current stream: ``state_rows`` int32 [n] (the step's
+        requests, -1 = padding), ``reset`` bool [n] (a row that starts a new request),
+        ``invalidate`` int32 [n, m] (host rows rewritten since the last step, -1 = none)."""
+        lay = self.layout
+        rows = self._ids("state_rows", state_rows, 1)
+        n = rows.shape[0]
+        if n > lay.max_batch:
+            raise BadRequest(f"batch {n} exceeds max_batch {lay.max_batch} of the layout", ErrorCode.TOO_LARGE)
+        if reset is not None:
+            torch = self._torch
+            if tuple(reset.shape) != (n,) or not reset.is_cuda or reset.dtype not in (torch.bool, torch.uint8) \
+                    or not reset.is_contiguous():
+                raise BadRequest(f"reset must be a contiguous bool tensor [{n}] on the rank's GPU, got "
+                                 f"{reset.dtype} {tuple(reset.shape)}", ErrorCode.BAD_ARGUMENT)
+        inv_n = 0
+        if invalidate is not None:
+            invalidate = self._ids("invalidate", invalidate, 2)
+            if invalidate.shape[0] != n or invalidate.shape[1] > lay.top_k:
+                raise BadRequest(f"invalidate must be [{n}, m <= {lay.top_k}], got {tuple(invalidate.shape)}",
+                                 ErrorCode.BAD_ARGUMENT)
+            inv_n = invalidate.shape[1]
+        i32 = np.int32
+        s = self._stream()
+        self._launch(self._k_begin, 1, s,
+                     (self._step_block, self._counter.data.ptr, rows.data_ptr(), i32(n),
+                      reset.data_ptr() if reset is not None else 0,
+                      invalidate.data_ptr() if inv_n else 0, i32(inv_n), i32(lay.max_batch)))
+        self._begun(s)
+        self._step += 1
+
+    def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int = 1,
+                return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
+                resident_block_table=None):
+        """Indices of the rows of ``layer`` that ``logical_topk_indices`` names (module
+        docstring). ``req_id_per_token`` int32 [tokens] (state row of each token, -1 =
+        padding); ``block_table`` int32 [requests, max_blocks] indexed by request, or None
+        when the top-k holds host rows; ``logical_topk_indices`` int32 [tokens, k]."""
+        lay = self.layout
+        g = self._group_of.get(int(layer))
+        if g is None:
+            raise BadRequest(f"layer {layer} out of range [0, {lay.num_layers})", ErrorCode.BAD_ARGUMENT)
+        req = self._ids("req_id_per_token", req_id_per_token, 1)
+        topk = self._ids("logical_topk_indices", logical_topk_indices, 2)
+        tokens, k = topk.shape
+        if req.shape[0] != tokens:
+            raise BadRequest(f"req_id_per_token has {req.shape[0]} tokens, the top-k {tokens}", ErrorCode.BAD_ARGUMENT)
+        if tokens > lay.max_batch:
+            raise BadRequest(f"{tokens} tokens exceed max_batch {lay.max_batch} of the layout", ErrorCode.TOO_LARGE)
+        if k > lay.top_k:
+            raise BadRequest(f"top-k has {k} columns, layout top_k is {lay.top_k}", ErrorCode.BAD_ARGUMENT)
+        if block_table is not None:
+            block_table = self._ids("block_table", block_table, 2)
+            if int(block_size) <= 0:
+                raise BadRequest(f"block_size must be positive, got {block_size}", ErrorCode.BAD_ARGUMENT)
+            table_rows, max_blocks = block_table.shape
+        else:
+            if resident_block_table is not None:
+                raise BadRequest("resident_block_table needs a block_table (positions)", ErrorCode.BAD_ARGUMENT)
+            table_rows, max_blocks = lay.max_reqs, 0
+        res_blocks = 0
+        if resident_block_table is not None:
+            resident_block_table = self._ids("resident_block_table", resident_block_table, 2)
+            if resident_block_table.shape[0] != table_rows:
+                raise BadRequest(f"resident_block_table must have {table_rows} rows like block_table, got "
+                                 f"{tuple(resident_block_table.shape)}", ErrorCode.BAD_ARGUMENT)
+            res_blocks = resident_block_table.shape[1]
+        leader = self._leader.get(int(layer)) is not None
+        if not leader and self._resolved.get(g) != self._step:
+            raise BadRequest(f"layer {layer} follows layer {lay.groups[g][0]} in index group {g}: call swap_in for "
+                             "the leader first in each step", ErrorCode.BAD_ARGUMENT)
+        torch = self._torch
+        out = attention_indices_out
+        if out is None:
+            out = torch.empty((tokens, k), dtype=torch.int32, device=topk.device)
+        elif tuple(out.shape) != (tokens, k) or out.dtype != torch.int32 or not out.is_contiguous():
+            raise BadRequest(f"attention_indices_out must be a contiguous int32 [{tokens}, {k}] tensor",
+                             ErrorCode.BAD_ARGUMENT)
+        valid = None
+        if return_valid_counts or valid_counts_out is not None:
+            valid = valid_counts_out
+            if valid is None:
+                valid = torch.empty((tokens,), dtype=torch.int32, device=topk.device)
+            elif tuple(valid.shape) != (tokens,) or valid.dtype != torch.int32:
+                raise BadRequest(f"valid_counts_out must be an int32 [{tokens}] tensor", ErrorCode.BAD_ARGUMENT)
+        i32, i64 = np.int32, np.int64
+        s = self._stream()
+        grid = max(1, min(tokens, 1024))
+        table_ptr = block_table.data_ptr() if block_table is not None else 0
+        res_ptr = resident_block_table.data_ptr() if resident_block_table is not None else 0
+        if leader:
+            self._launch(self._k_topk, grid, s,
+                         (self._topk_blocks[g], self._counter.data.ptr, req.data_ptr(), i32(tokens),
+                          table_ptr, i32(table_rows), i32(max_blocks), res_ptr, i32(res_blocks),
+                          topk.data_ptr(), i32(k), i32(max(1, int(block_size))), i32(g), i32(lay.max_batch)))
+            self._rang(g, s)
+            self._resolved[g] = self._step
+        self._ready(int(layer), g, s)
+        self._launch(self._k_indices, grid, s,
+                     (self._slots[g], i32(lay.top_k), req.data_ptr(), i32(tokens), topk.data_ptr(), i32(k),
+                      res_ptr, i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))),
+                      i32(lay.region_stride), i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr,
+                      out.data_ptr(), valid.data_ptr() if valid is not None else 0))
+        return (out, valid) if return_valid_counts else out
+
+    def check(self) -> None:
+        """Raise what went wrong since the last check: :class:`DaemonUnavailable` once the
+        daemon is gone, else the typed error of the first kind of row the daemon's kernels
+        refused (read from the rank's pinned error mirror, written at the end of each
+        step's last resolve: after the stream has passed a step, its errors are there)."""
+        if self._gone is not None:
+            raise DaemonUnavailable(self._gone)
+        if self._errors is None:
+            return
+        found = self._errors.take()
+        for code, msg in found[1:]:
+            log.warning("also %s: %s", code, msg)
+        if found:
+            code, msg = found[0]
+            raise error_for(int(ErrorCode[code]), msg)
+
+    @property
+    def gone(self) -> str | None:
+        """Why the daemon is gone, or None while it serves this handle."""
+        return self._gone
+
+    def close(self) -> None:
+        pass
+
+    # -- internals ---------------------------------------------------------------------
+    def _stream(self) -> int:
+        return self._torch.cuda.current_stream(self.device).cuda_stream
+
+    def _ids(self, name: str, t, ndim: int):
+        torch = self._torch
+        if not isinstance(t, torch.Tensor) or not t.is_cuda or t.dim() != ndim:
+            raise BadRequest(f"{name} must be a {ndim}-d int32 tensor on cuda:{self.device}", ErrorCode.BAD_ARGUMENT)
+        if t.dtype != torch.int32:
+            raise BadRequest(f"{name} must be int32, got {t.dtype}", ErrorCode.BAD_ARGUMENT)
+        if t.device.index != self.device:
+            raise BadRequest(f"{name} is on {t.device}, the rank on cuda:{self.device}", ErrorCode.BAD_ARGUMENT)
+        if not t.is_contiguous():  # a copy here would be freed under the engine's graph
+            raise BadRequest(f"{name} must be contiguous", ErrorCode.BAD_ARGUMENT)
+        return t
+
+    def _launch(self, fn, grid: int, stream_ptr: int, args) -> None:
+        import cupy as cp  # noqa: PLC0415
+
+        with cp.cuda.Device(self.device), cp.cuda.ExternalStream(stream_ptr):
+            fn((grid,), (THREADS,), tuple(np.uint64(a) if isinstance(a, int) else a for a in args))
+
+
+class DoorbellSwapIn(DeviceSwapIn):
+    """A rank's doorbell handle. Made by ``Client.doorbell_handle()`` after an attach with
+    ``transport="doorbell"``; one per rank, used from the thread that drives the rank's
+    stream."""
+
+    def __init__(self, client, resident_base: int = 0, hot_base: int = 0):
+        att = client.attachment
+        db = (att.handles or {}).get("doorbell") if att is not None else None
+        if db is None:
+            raise BadRequest("this rank is not attached with transport='doorbell'", ErrorCode.BAD_ARGUMENT)
+        self.client, self.att = client, att
+        lay = att.layout
+        arena = att._arena
+        B, K, G, L = lay.max_batch, lay.top_k, lay.num_groups, lay.num_layers
+        bints = att.handles["block_ints"]
+        self._bind(lay, att.device, att.slab, arena.ptr + db["step_block_offset"],
+                   [arena.ptr + db["topk_block_offset"] + g * bints * 4 for g in range(G)],
+                   [arena.ptr + db["slots_offset"] + g * B * K * 4 for g in range(G)],
+                   att.error_mirror, resident_base, hot_base)
+        ctl = arena.ptr + db["ctl_offset"]
+        self._bell_step = ctl + 4 * db["bell_step"]
+        self._bells = [ctl + 4 * i for i in db["bells"]]
+        self._readys = [ctl + 4 * i for i in db["ready"]]
+        self._ready_first, self._ready_n = min(db["ready"]), len(db["ready"])
+        self._ctl = arena.cupy(db["ctl_offset"], (1 + G + L,), "uint32")
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
+        self._watcher.start()
+
+    def _begun(self, stream_ptr: int) -> None:
+        write32(stream_ptr, self._bell_step, 1)
+
+    def _rang(self, group: int, stream_ptr: int) -> None:
+        write32(stream_ptr, self._bells[group], 1)
+
+    def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
+        wait32(stream_ptr, self._readys[layer], 1)
+        write32(stream_ptr, self._readys[layer], 0)
+
+    def close(self) -> None:
+        """Stop the watcher (the engine's stream must not be waiting on a ready word any
+        more: synchronise it first)."""
+        self._closed.set()
+        if self._watcher.is_alive() and threading.current_thread() is not self._watcher:
+            self._watcher.join(timeout=2.0)
+
+    def _watch(self) -> None:
+        """Watch the daemon; once it is gone, release the engine's stream for ever."""
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            try:
+                why = self.client._check_daemon()
+            except Exception as e:  # noqa: BLE001 - keep watching
+                log.debug("daemon check failed: %r", e)
+                continue
+            if why is not None:
+                self._gone = (f"{why}: the doorbell handle released its stream; every index is -1 from now on. "
+                              "Create a new Client and attach again")
+                log.error("%s", self._gone)
+                self._release()
+                return
+
+    def _release(self) -> None:
+        import cupy as cp  # noqa: PLC0415
+
+        with cp.cuda.Device(self.device):
+            side = cp.cuda.Stream(non_blocking=True)
+            with side:
+                self._dead[0] = 1
+            side.synchronize()
+            ready = self._ctl[self._ready_first: self._ready_first + self._ready_n]
+            while not self._closed.is_set():
+                with side:
+                    ready[:] = 1
+                side.synchronize()
+                time.sleep(RELEASE_INTERVAL_S)

@@ -1,0 +1,117 @@
+"""The engine's handle with no daemon: the daemon's kernels inline on the caller's stream.
+
+:class:`InprocSwapIn` has the API of the doorbell handle (``begin_step``, ``swap_in``,
+``kv``, ``check``; ``client/doorbell.py``) and runs the same kernels, in the same order,
+where the doorbell hands off: ``skv_begin_step`` after the step block is written,
+``skv_resolve`` after a group's top-k block, the layer's ``skv_gather`` before its
+indices. It owns a pinned host pool (``pool``, NumPy ``[L, host_rows, row_bytes]``, for
+the caller to fill) and a device arena. For baselines (``sparsekv bench decode``'s
+in-process mode) and for users who want sparsekv as a library in one process.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from sparsekv.proto import Layout
+
+from .doorbell import DeviceSwapIn
+
+GATHER_BLOCKS = 264  # as the daemon's default gather_blocks
+
+
+class InprocSwapIn(DeviceSwapIn):
+    """Args:
+        layout: the layout (as for ``Client.attach``).
+        device: the GPU ordinal.
+        gather_blocks: the most blocks a gather uses.
+    """
+
+    def __init__(self, layout: Layout, device: int = 0, gather_blocks: int = GATHER_BLOCKS):
+        import cupy as cp  # noqa: PLC0415
+        import torch  # noqa: PLC0415
+
+        from sparsekv.daemon.cuda.arena import DeviceArena  # noqa: PLC0415
+        from sparsekv.daemon.cuda.buffers import RankBuffers  # noqa: PLC0415
+        from sparsekv.daemon.cuda.step import DeviceStep  # noqa: PLC0415
+        from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
+        from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
+        from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, DeviceBuffers  # noqa: PLC0415
+
+        lay = layout.validate()
+        kernels = get_cache()
+        nbytes = -(-lay.pool_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self._pool_mm = mmap.mmap(-1, nbytes)
+        self.pool = np.frombuffer(self._pool_mm, dtype=np.uint8)[: lay.pool_bytes].reshape(
+            lay.num_layers, lay.host_rows, lay.row_bytes)
+        self._pinned = PinnedRegion(self.pool.ctypes.data, nbytes, lay.row_bytes)
+        with cp.cuda.Device(device):
+            stream = cp.cuda.Stream(non_blocking=True)
+            residency = CudaResidency(lay, kernels=kernels, stream=stream)
+            ws = residency.workspace_bytes if residency.workspace_global else 0
+            need = lay.slab_bytes + lay.staging_bytes + (64 << 20) + lay.max_batch * ws \
+                + 8 * lay.num_groups * lay.max_batch * lay.top_k * 4
+            self._arena = DeviceArena(device, need)
+            self.buffers = b = RankBuffers(self._arena, lay, 1, ws, None, doorbell=True)
+            mover = CudaMover(lay, self._pinned, pool_offset=0, kernels=kernels, stream=stream,
+                              buffers=DeviceBuffers(None, b.slab, b.staging, b.offsets["staging"]),
+                              blocks=gather_blocks)
+            self.dstep = DeviceStep(residency, mover, b, kernels)
+        G, B, K = lay.num_groups, lay.max_batch, lay.top_k
+        self._err_host = np.zeros(b.err.shape[0], np.int32)
+        self._bind(lay, device, torch.from_dlpack(b.slab), b.db_step.block.data.ptr,
+                   [blk.block.data.ptr for blk in b.db_topk], [b.db_slots[g].data.ptr for g in range(G)],
+                   self._err_host)
+
+    def _ext(self, stream_ptr: int):
+        import cupy as cp  # noqa: PLC0415
+
+        return cp.cuda.ExternalStream(stream_ptr)
+
+    def _begun(self, stream_ptr: int) -> None:
+        b, d = self.buffers, self.dstep
+        d.residency.launch_begin_step(b.db_step.desc, b.db_step.rows, b.db_step.aux, b.db_step.payload, b.err,
+                                      b.max_batch, self._ext(stream_ptr))
+
+    def _rang(self, group: int, stream_ptr: int) -> None:
+        b, d = self.buffers, self.dstep
+        t = b.db_topk[group]
+        d.residency.launch_resolve(t.desc, t.rows, t.payload, b.db_slots[group], b.db_misses[group],
+                                   b.plan_rows, b.plan_slots, b.counters, 4, b.err, b.workspace,
+                                   b.max_batch, self._ext(stream_ptr))
+
+    def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
+        b, d = self.buffers, self.dstep
+        d.mover.launch_gather(b.db_topk[group].desc, b.plan_rows, b.plan_slots, b.db_misses[group], b.max_batch,
+                              self._ext(stream_ptr), group_layers=b.db_layers[layer])
+
+    def check(self) -> None:
+        """As the doorbell handle's; waits for the device (reads its error record)."""
+        import cupy as cp  # noqa: PLC0415
+
+        with cp.cuda.Device(self.device):
+            cp.cuda.runtime.deviceSynchronize()
+            self._err_host[:] = self.buffers.err.get()
+        super().check()
+
+    def counters(self) -> dict:
+        """hits, misses, out_of_range over every group (waits for the device)."""
+        from sparsekv.daemon.residency.cuda import HITS, MISSES, OUT_OF_RANGE  # noqa: PLC0415
+
+        c = self.buffers.counters.get()
+        return {"hits": int(c[:, HITS].sum()), "misses": int(c[:, MISSES].sum()),
+                "out_of_range": int(c[:, OUT_OF_RANGE].sum())}
+
+    def close(self) -> None:
+        import cupy as cp  # noqa: PLC0415
+
+        if self._arena is None:
+            return
+        with cp.cuda.Device(self.device):
+            cp.cuda.runtime.deviceSynchronize()
+        self.buffers.close()
+        self._arena.close()
+        self._arena = None
+        self._pinned.close()

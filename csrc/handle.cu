@@ -1,0 +1,146 @@
+// The engine side of the doorbell transport: kernels that run on the ENGINE's stream
+// (client/doorbell.py), between its own kernels, inside its CUDA graph. They write the
+// step blocks the daemon's stream reads (through CUDA IPC, in the daemon's arena) and
+// turn the daemon's slots into the indices the engine's sparse attention reads.
+//
+//   skv_db_begin    engine tensors (state rows, reset, invalidate) -> the daemon's STEP block
+//   skv_db_topk     logical positions + block table -> host rows in the group's TOPK block
+//   skv_db_indices  the group's slots -> attention indices [tokens, k] (+ valid counts)
+//
+// Launch shapes come from the engine's tensor shapes (fixed in its graph); every value is
+// checked again by the daemon's kernels. Step numbers come from a device counter the
+// engine's stream bumps in skv_db_begin, so a replayed graph describes each step right.
+#include "common.cuh"
+
+#define SKV_UNMAPPED (-2)  // a position that maps to no host row: counted as out of range
+
+// The STEP block: desc, rows = state_rows, aux = reset (0/1), payload = invalidate [n, inv_n].
+// counter[0] is the engine's step number (bumped here, once per step).
+extern "C" __global__ void skv_db_begin(int* __restrict__ blk, int* __restrict__ counter,
+                                        const int* __restrict__ state_rows, const int n,
+                                        const unsigned char* __restrict__ reset,
+                                        const int* __restrict__ invalidate, const int inv_n,
+                                        const int max_batch) {
+    const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+    const int stride = gridDim.x * blockDim.x;
+    if (tid == 0) {
+        const int step = counter[0] + 1;
+        counter[0] = step;
+        for (int i = 0; i < SKV_DESC_INTS; ++i) blk[i] = 0;
+        blk[SKV_D_SEQ] = step;
+        blk[SKV_D_STEP] = step;
+        blk[SKV_D_BATCH] = n;
+        blk[SKV_D_INV_N] = inv_n;
+    }
+    int* rows = blk + SKV_DESC_INTS;
+    int* aux = rows + max_batch;
+    int* payload = aux + max_batch;
+    for (int b = tid; b < n; b += stride) {
+        rows[b] = state_rows[b];
+        aux[b] = reset ? (reset[b] ? 1 : 0) : 0;
+    }
+    const i64 total = (i64)n * inv_n;
+    for (i64 i = tid; i < total; i += stride) payload[i] = invalidate[i];
+}
+
+// The TOPK block of a group, from the leader layer's logical top-k. Column j of token t
+// holds position p; its host row is block_table[req, p / bs] * bs + p % bs with req =
+// req_ids[t] (a row of the table per request). p < 0, p / bs past the table, a -1 block,
+// or a row beyond int32 -> SKV_UNMAPPED. A position whose block the engine still holds
+// on its GPU (resident[req, p / bs] >= 0, when `resident` is given) -> -1: no host row,
+// not a miss, not counted; skv_db_indices points it at the resident copy.
+// Without a table (null), the top-k holds host rows and is copied as it is.
+// Grid: one block per token (grid-stride), any block size.
+extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restrict__ counter,
+                                       const int* __restrict__ req_ids, const int tokens,
+                                       const int* __restrict__ table, const int table_rows,
+                                       const int max_blocks,
+                                       const int* __restrict__ resident, const int res_blocks,
+                                       const int* __restrict__ topk, const int k, const int block_size,
+                                       const int group, const int max_batch) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        for (int i = 0; i < SKV_DESC_INTS; ++i) blk[i] = 0;
+        blk[SKV_D_SEQ] = counter[0];
+        blk[SKV_D_STEP] = counter[0];
+        blk[SKV_D_BATCH] = tokens;
+        blk[SKV_D_K] = k;
+        blk[SKV_D_GROUP] = group;
+    }
+    int* rows = blk + SKV_DESC_INTS;
+    int* payload = rows + 2 * max_batch;
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        const int req = req_ids[t];
+        const bool live = req >= 0 && req < table_rows;
+        if (threadIdx.x == 0) rows[t] = req < 0 ? -1 : req;  // the daemon checks the range
+        const int* trow = table ? table + (i64)(live ? req : 0) * max_blocks : nullptr;
+        const int* rrow = resident ? resident + (i64)(live ? req : 0) * res_blocks : nullptr;
+        for (int j = threadIdx.x; j < k; j += blockDim.x) {
+            const int p = topk[(i64)t * k + j];
+            int out = SKV_UNMAPPED;
+            if (!trow) {
+                out = p;  // no table: the top-k holds host rows already
+            } else if (live && p >= 0) {
+                const int blkno = p / block_size;
+                if (rrow && blkno < res_blocks && rrow[blkno] >= 0) {
+                    out = -1;
+                } else if (blkno < max_blocks) {
+                    const int hb = trow[blkno];
+                    if (hb >= 0) {
+                        const i64 row = (i64)hb * block_size + p % block_size;
+                        if (row <= 0x7fffffffll) out = (int)row;
+                    }
+                }
+            }
+            payload[(i64)t * k + j] = out;
+        }
+    }
+}
+
+// Attention indices of one layer: out[t, j] =
+//   resident copy:  resident_base + resident[req, p / bs] * bs + p % bs
+//   hot slot s >= 0: hot_base + req * region_stride + s
+//   otherwise -1 (and -1 everywhere once `dead[0]` is set: the daemon is gone).
+// `slots` is the group's [max_batch, ld] result. valid[t] (optional) = entries >= 0.
+// Grid: one block per token (grid-stride); blockDim a multiple of 32, at most 1024.
+extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const int ld,
+                                          const int* __restrict__ req_ids, const int tokens,
+                                          const int* __restrict__ topk, const int k,
+                                          const int* __restrict__ resident, const int res_blocks,
+                                          const int table_rows, const int block_size,
+                                          const int region_stride,
+                                          const i64 hot_base, const i64 resident_base,
+                                          const int* __restrict__ dead,
+                                          int* __restrict__ out, int* __restrict__ valid) {
+    __shared__ int count;
+    const bool gone = dead && *(volatile const int*)dead != 0;
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        if (threadIdx.x == 0) count = 0;
+        __syncthreads();
+        const int req = req_ids[t];
+        const bool live = !gone && req >= 0 && req < table_rows;
+        const int* rrow = (resident && live) ? resident + (i64)req * res_blocks : nullptr;
+        int mine = 0;
+        for (int j = threadIdx.x; j < k; j += blockDim.x) {
+            int o = -1;
+            if (live) {
+                const int p = topk[(i64)t * k + j];
+                const int blkno = p >= 0 ? p / block_size : -1;
+                const int rb = (rrow && p >= 0 && blkno < res_blocks) ? rrow[blkno] : -1;
+                if (rb >= 0) {
+                    o = (int)(resident_base + (i64)rb * block_size + p % block_size);
+                } else {
+                    const int s = slots[(i64)t * ld + j];
+                    if (s >= 0) o = (int)(hot_base + (i64)req * region_stride + s);
+                }
+            }
+            out[(i64)t * k + j] = o;
+            mine += o >= 0;
+        }
+        if (valid) {
+            if (mine) atomicAdd(&count, mine);
+            __syncthreads();
+            if (threadIdx.x == 0) valid[t] = count;
+        }
+        __syncthreads();
+    }
+}

@@ -1,0 +1,163 @@
+"""The doorbell transport: a rank whose steps the engine's own stream drives.
+
+The engine's stream writes the step blocks straight into this rank's ``db_*`` sections of
+the arena (CUDA IPC) and rings words there with stream memory operations
+(``proto/stream_ops.py``); the daemon's stream, stocked ahead with one CUDA graph per
+step, waits on those words, runs the same device step as the zmq transport, and sets a
+ready word per layer. No host code of either process sits between a top-k and its rows.
+
+One step graph (captured once at attach)::
+
+    wait bell_step == 1; bell_step = 0; skv_begin_step(db_step)
+    for each index group g:
+        wait bell[g] == 1; bell[g] = 0
+        skv_resolve(db_topk[g]) -> db_slots[g], db_misses[g], the plan
+        (last group: counters and error record -> the pinned mirror)
+        for each layer l of g: skv_gather(l); ready[l] = 1
+
+A stocking thread keeps ``depth`` step graphs launched ahead on the rank's own stream
+(never the GPU worker's shared stream: it spends its life waiting on this engine's
+bells). Closing stops the thread, then rings every bell from the host until the stocked
+graphs have run out (they resolve the last step's blocks again: harmless, the rank is
+going away), so the stream drains and the rank's memory can be given back.
+
+Writes (``WRITE_STAGED``) are not ordered against a doorbell rank's stream, and do not
+drop its hot copies: its engine passes rewritten rows to the next ``begin_step`` as
+``invalidate``, and rewrites only rows no step in flight reads (new KV rows).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from sparsekv.proto.stream_ops import wait32, write32
+
+from ..residency.base import ResidencyError
+from .step import capture
+from .transport import Transport
+
+log = logging.getLogger("sparsekv.cuda")
+
+DEPTH = 8  # step graphs launched ahead
+DRAIN_TIMEOUT_S = 10.0
+
+
+class DoorbellTransport(Transport):
+    """Args:
+        dstep: the rank's :class:`~sparsekv.daemon.cuda.step.DeviceStep` (its buffers have
+            the ``db_*`` sections).
+        worker: the GPU's worker (``ordinal``).
+        depth: step graphs kept launched ahead.
+    """
+
+    device_driven = True
+
+    def __init__(self, dstep, worker, depth: int = DEPTH):
+        import cupy as cp
+
+        self.dstep, self.worker = dstep, worker
+        self.buffers = b = dstep.buffers
+        if not b.doorbell:
+            raise ValueError("rank buffers were made without the doorbell sections")
+        self.layout = dstep.layout
+        self.depth = int(depth)
+        ctl = b.db_ctl.data.ptr
+        G, L = self.layout.num_groups, self.layout.num_layers
+        self._bell_step = ctl
+        self._bells = [ctl + 4 * (1 + g) for g in range(G)]
+        self._ready = [ctl + 4 * (1 + G + layer) for layer in range(L)]
+        with cp.cuda.Device(worker.ordinal):
+            self.stream = cp.cuda.Stream(non_blocking=True)
+        self.graph = capture(self._enqueue_step, worker.ordinal)
+        self._stop = threading.Event()
+        self.steps_launched = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._stock, name=f"sparsekv-doorbell-{worker.ordinal}", daemon=True)
+        self._thread.start()
+
+    # -- the step graph ------------------------------------------------------------------
+    def _enqueue_step(self, stream) -> None:
+        b, d = self.buffers, self.dstep
+        s = stream.ptr
+        wait32(s, self._bell_step, 1)
+        write32(s, self._bell_step, 0)
+        d.residency.launch_begin_step(b.db_step.desc, b.db_step.rows, b.db_step.aux, b.db_step.payload, b.err,
+                                      b.max_batch, stream)
+        for g, layers in enumerate(self.layout.groups):
+            t = b.db_topk[g]
+            wait32(s, self._bells[g], 1)
+            write32(s, self._bells[g], 0)
+            d.residency.launch_resolve(t.desc, t.rows, t.payload, b.db_slots[g], b.db_misses[g],
+                                       b.plan_rows, b.plan_slots, b.counters, 4, b.err, b.workspace,
+                                       b.max_batch, stream)
+            if g == self.layout.num_groups - 1:
+                # Before the last ready word: once the engine's stream has passed a step,
+                # the step's counters and errors are in the pinned mirror (check()).
+                d.enqueue_stats_out(stream)
+            for layer in layers:
+                d.mover.launch_gather(t.desc, b.plan_rows, b.plan_slots, b.db_misses[g], b.max_batch, stream,
+                                      group_layers=b.db_layers[layer])
+                write32(s, self._ready[layer], 1)
+
+    # -- stocking ------------------------------------------------------------------------
+    def _stock(self) -> None:
+        import cupy as cp
+
+        try:
+            with cp.cuda.Device(self.worker.ordinal):
+                inflight: list = []
+                while not self._stop.is_set():
+                    while inflight and inflight[0].done:
+                        inflight.pop(0)
+                    if len(inflight) >= self.depth:
+                        time.sleep(0.0002)
+                        continue
+                    self.graph.launch(self.stream)
+                    ev = cp.cuda.Event(block=False, disable_timing=True)
+                    ev.record(self.stream)
+                    inflight.append(ev)
+                    self.steps_launched += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the next request and at close
+            self._error = e
+            log.error("doorbell stocking thread of GPU %d failed: %r", self.worker.ordinal, e)
+
+    # -- Transport -----------------------------------------------------------------------
+    def _refuse(self):
+        raise ResidencyError("BAD_ARGUMENT", "this rank attached with the doorbell transport: its steps come "
+                             "from its engine's stream (client/doorbell.py), not as STEP/TOPK messages")
+
+    def step(self, step, state_rows, reset, invalidate) -> None:
+        self._refuse()
+
+    def topk(self, step, group, state_rows, topk, fence=None) -> int:
+        self._refuse()
+
+    def topk_block(self, entry, begin, fence=None) -> int:
+        self._refuse()
+
+    def close(self) -> bool:
+        """Stop stocking; ring the bells until the stocked steps have drained. Returns
+        False if the stream did not drain (then its memory must not be reused)."""
+        import cupy as cp
+
+        self._stop.set()
+        self._thread.join()
+        G = self.layout.num_groups
+        with cp.cuda.Device(self.worker.ordinal):
+            done = cp.cuda.Event(block=False, disable_timing=True)
+            done.record(self.stream)
+            side = cp.cuda.Stream(non_blocking=True)
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            while not done.done:
+                if time.monotonic() > deadline:
+                    log.error("doorbell stream of GPU %d did not drain in %.0f s; its memory stays allocated",
+                              self.worker.ordinal, DRAIN_TIMEOUT_S)
+                    return False
+                with side:
+                    self.buffers.db_ctl[: 1 + G] = 1  # every bell rung: the stocked steps run through
+                side.synchronize()
+                time.sleep(0.0002)
+        self.graph = None
+        return True

@@ -1,0 +1,70 @@
+"""Stream memory operations (CUDA driver API), the doorbell transport's only primitives.
+
+``write32(stream, address, value)`` enqueues a 32-bit store and ``wait32(stream, address,
+value)`` a wait until the word equals ``value``; both run on the GPU's front end in stream
+order, need no kernel and no CPU, and can be captured into CUDA graphs. Both sides of the
+doorbell use them: the engine rings a group's bell and waits on a layer's ready word, the
+daemon waits on bells and sets ready words. Each word is a flip-flop: one side sets it to
+1, the other waits for 1 and resets it to 0, so every value is a constant and a captured
+graph replays every step unchanged.
+
+Called through ``ctypes`` on ``libcuda.so.1``, which every CUDA machine has (the driver
+itself): no extra package. ``cuda-python`` would do the same, but is not a dependency of
+CuPy or torch and is not on every machine; these two calls do not justify it. The ``_v2``
+entry points (CUDA 11.7+) are used: they need no device attribute to be enabled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+CU_STREAM_WAIT_VALUE_EQ = 0x1
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+
+_lock = threading.Lock()
+_fns: tuple | None = None
+
+
+class StreamOpError(RuntimeError):
+    pass
+
+
+def _load():
+    global _fns
+    with _lock:
+        if _fns is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as e:
+                raise StreamOpError(f"cannot load the CUDA driver (libcuda.so.1): {e}") from None
+            fns = []
+            for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"):
+                try:
+                    f = getattr(lib, name)
+                except AttributeError:
+                    raise StreamOpError(f"the CUDA driver lacks {name} (needs CUDA 11.7 or newer)") from None
+                f.restype = ctypes.c_int
+                f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+                fns.append(f)
+            _fns = tuple(fns)
+    return _fns
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise StreamOpError(f"{what} failed with CUresult {rc}")
+
+
+def write32(stream_ptr: int, address: int, value: int) -> None:
+    """Enqueue ``*(uint32*)address = value`` on the stream (a ``CUstream``/``cudaStream_t``)."""
+    rc = _load()[0](ctypes.c_void_p(int(stream_ptr)), int(address), int(value) & 0xFFFFFFFF,
+                    CU_STREAM_WRITE_VALUE_DEFAULT)
+    _check(rc, "cuStreamWriteValue32")
+
+
+def wait32(stream_ptr: int, address: int, value: int) -> None:
+    """Enqueue a wait until ``*(uint32*)address == value`` on the stream."""
+    rc = _load()[1](ctypes.c_void_p(int(stream_ptr)), int(address), int(value) & 0xFFFFFFFF,
+                    CU_STREAM_WAIT_VALUE_EQ)
+    _check(rc, "cuStreamWaitValue32")

@@ -1,0 +1,294 @@
+"""The doorbell transport and the engine's handle (client/doorbell.py) on the GPU: every
+index ``swap_in`` returns equals the cpu backend's slot for that column (through the same
+contract), every row it points at holds its host row's bytes, a whole decode step
+captures into one CUDA graph, a killed daemon never hangs the engine's stream.
+
+Marked ``cuda`` except the last tests (refusals a cpu daemon gives).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sparsekv.client import BadRequest, Client
+from sparsekv.client.errors import DaemonUnavailable
+from sparsekv.client.inproc import InprocClient
+from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.client.verify import fill_pool, pattern
+from sparsekv.proto import ErrorCode, Layout, MsgType
+from sparsekv.proto.positions import host_rows as map_positions
+
+ARENA = ["--device-arena-size", "2GiB"]
+DAEMON_LOG = os.environ.get("SPARSEKV_TEST_DAEMON_LOG")
+BLOCK = 16
+
+
+def layout(**kw) -> Layout:
+    base = dict(num_layers=3, row_bytes=656, top_k=64, region_stride=128, max_reqs=8, host_rows=8 * 1024,
+                index_groups=((0, 1), (2,)), max_batch=8)
+    base.update(kw)
+    return Layout(**base).validate()
+
+
+def steps(lay: Layout, n: int, seed: int = 0, positions: bool = False, spec: bool = False):
+    """Decode steps: (state_rows, reset, invalidate, req_ids, topk per group, block table).
+    Requests 0..5 live throughout (request 5 restarts at step n // 2); padding token at
+    the end; with ``spec`` request 1 has two tokens. Positional: each request's context
+    is 40 blocks of BLOCK rows from its own host range, shuffled, block 7 is null."""
+    rng = np.random.default_rng(seed)
+    span = lay.host_rows // lay.max_reqs
+    table = np.full((lay.max_reqs, 48), -1, np.int32)
+    for r in range(lay.max_reqs):
+        blocks = rng.permutation(span // BLOCK)[:40] + r * span // BLOCK
+        table[r, :40] = blocks
+        table[r, 7] = -1
+    out = []
+    prev = {}
+    for t in range(n):
+        reqs = [0, 1, 2, 3, 4, 5]
+        state = np.array(reqs + [-1], np.int32)
+        reset = np.zeros(len(state), bool)
+        if t == 0:
+            reset[:6] = True
+        if t == n // 2:
+            reset[5] = True
+        inval = np.full((len(state), 2), -1, np.int32)
+        inval[2, 0] = 2 * span + int(rng.integers(0, 200))
+        tok = reqs + ([1] if spec else []) + [-1]
+        req_ids = np.array(tok, np.int32)
+        per_group = []
+        for g in range(lay.num_groups):
+            rows = np.full((len(tok), lay.top_k), -1, np.int32)
+            for i, r in enumerate(tok):
+                if r < 0:
+                    rows[i] = rng.integers(-3, 50, lay.top_k)  # junk on a padding token
+                    continue
+                hi = 40 * BLOCK if positions else 600
+                keep = prev.get((g, i))
+                fresh = rng.permutation(hi)[: lay.top_k]
+                if keep is not None:
+                    fresh = np.concatenate([keep[: lay.top_k // 2], np.setdiff1d(fresh, keep[: lay.top_k // 2])])
+                    fresh = fresh[: lay.top_k]
+                prev[(g, i)] = fresh
+                ids = fresh.astype(np.int32)
+                if not positions:
+                    ids = ids + r * span
+                ids = ids.copy()
+                ids[rng.integers(0, lay.top_k)] = -1 if not positions else 40 * BLOCK + 5  # none / past table
+                rows[i] = ids
+            per_group.append(rows)
+        out.append((state, reset, inval, req_ids, per_group, table if positions else None))
+    return out
+
+
+def reference(lay: Layout, plan, positions: bool):
+    """Expected indices per (step, layer) from the cpu backend in process."""
+    S = lay.region_stride
+    want = []
+    with InprocClient(backend="cpu") as c:
+        c.attach(lay, engine="ref")
+        for t, (state, reset, inval, req, per_group, table) in enumerate(plan):
+            c.step(t, state, reset, inval)
+            by_layer = {}
+            for g, layers in enumerate(lay.groups):
+                ids = per_group[g]
+                if positions:
+                    rows_table = np.where(req[:, None] >= 0, table[np.maximum(req, 0)], -1)
+                    ids = map_positions(ids, rows_table, BLOCK)
+                r = c.topk(t, g, ids, state_rows=req)
+                slots = np.asarray(r.slots)
+                idx = np.where((slots >= 0) & (req[:, None] >= 0), req[:, None] * S + slots, -1).astype(np.int32)
+                for layer in layers:
+                    by_layer[layer] = (idx, ids)
+            want.append(by_layer)
+    return want
+
+
+@pytest.fixture
+def cuda_daemon():
+    lay = layout()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG) as d:
+        yield d
+
+
+def attach(run_dir, lay, fill=True):
+    c = Client(run_dir, name="doorbell-test", device="cuda:0").connect()
+    c.attach(lay, engine="db", transport="doorbell")
+    if fill:
+        fill_pool(c, lay)
+    return c, c.doorbell_handle()
+
+
+def dev(a, torch):
+    return torch.as_tensor(np.ascontiguousarray(a)).cuda()
+
+
+def check_bytes(h, lay, idx, ids, layer, torch):
+    """Every index >= 0 points at its host row's bytes."""
+    ok = idx >= 0
+    if not ok.any():
+        return
+    got = h.kv(layer)[torch.as_tensor(idx[ok]).long().cuda()].cpu().numpy()
+    np.testing.assert_array_equal(got, pattern(layer, ids[ok], lay.row_bytes))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("positions,spec", [(False, False), (True, False), (True, True)])
+def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, positions, spec):
+    import torch
+
+    lay = layout()
+    plan = steps(lay, 12, seed=3, positions=positions, spec=spec)
+    want = reference(lay, plan, positions)
+    c, h = attach(cuda_daemon.run_dir, lay)
+    try:
+        for t, (state, reset, inval, req, per_group, table) in enumerate(plan):
+            h.begin_step(dev(state, torch), dev(reset, torch), dev(inval, torch))
+            for g, layers in enumerate(lay.groups):
+                for layer in layers:
+                    idx, valid = h.swap_in(dev(req, torch), None if table is None else dev(table, torch),
+                                           dev(per_group[g], torch), layer=layer, block_size=BLOCK,
+                                           return_valid_counts=True)
+                    torch.cuda.synchronize()
+                    idx = idx.cpu().numpy()
+                    exp, ids = want[t][layer]
+                    np.testing.assert_array_equal(idx, exp, err_msg=f"step {t} layer {layer}")
+                    np.testing.assert_array_equal(valid.cpu().numpy(), (exp >= 0).sum(1))
+                    check_bytes(h, lay, idx, ids, layer, torch)
+            h.check()
+    finally:
+        h.close()
+        c.close()
+
+
+@pytest.mark.cuda
+def test_a_whole_decode_step_captures_into_one_cuda_graph(cuda_daemon):
+    import torch
+
+    lay = layout()
+    plan = steps(lay, 10, seed=5, positions=True)
+    want = reference(lay, plan, True)
+    c, h = attach(cuda_daemon.run_dir, lay)
+    state, reset, inval, req, per_group, table = plan[0]
+    s_state, s_reset, s_inval, s_req = (dev(x, torch) for x in (state, reset, inval, req))
+    s_table = dev(table, torch)
+    s_topk = [dev(x, torch) for x in per_group]
+    outs = {layer: torch.empty((len(req), lay.top_k), dtype=torch.int32, device="cuda") for layer in range(3)}
+
+    def one_step():
+        h.begin_step(s_state, s_reset, s_inval)
+        for g, layers in enumerate(lay.groups):
+            for layer in layers:
+                h.swap_in(s_req, s_table, s_topk[g], layer=layer, block_size=BLOCK, attention_indices_out=outs[layer])
+
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # global capture mode: any sync or readback fails it
+            one_step()
+        for t, (state, reset, inval, req, per_group, table) in enumerate(plan):
+            for dst, src in ((s_state, state), (s_reset, reset), (s_inval, inval), (s_req, req), (s_table, table)):
+                dst.copy_(torch.as_tensor(src))
+            for g in range(lay.num_groups):
+                s_topk[g].copy_(torch.as_tensor(per_group[g]))
+            graph.replay()
+            torch.cuda.synchronize()
+            for layer in range(3):
+                exp, ids = want[t][layer]
+                idx = outs[layer].cpu().numpy()
+                np.testing.assert_array_equal(idx, exp, err_msg=f"step {t} layer {layer}")
+                check_bytes(h, lay, idx, ids, layer, torch)
+        h.check()
+    finally:
+        h.close()
+        c.close()
+
+
+@pytest.mark.cuda
+def test_duplicate_positions_are_refused_and_check_raises_them():
+    import torch
+
+    lay = layout(index_groups=((0, 1, 2),))
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG) as d:
+        c, h = attach(d.run_dir, lay, fill=False)
+        try:
+            state = np.array([0, 1], np.int32)
+            topk = np.tile(np.arange(lay.top_k, dtype=np.int32), (2, 1))
+            topk[1, 5] = topk[1, 6]  # row 1 names host row 6 twice
+            h.begin_step(dev(state, torch), dev(np.ones(2, bool), torch))
+            idx = [h.swap_in(dev(state, torch), None, dev(topk, torch), layer=layer) for layer in range(3)]
+            torch.cuda.synchronize()
+            with pytest.raises(BadRequest) as e:
+                h.check()
+            assert e.value.code == ErrorCode.DUPLICATE_IDS
+            assert "batch row 1" in str(e.value)
+            assert (idx[0][1] == -1).all().item() and (idx[0][0] >= 0).all().item()
+            h.check()  # reported once
+        finally:
+            h.close()
+            c.close()
+
+
+@pytest.mark.cuda
+def test_a_killed_daemon_releases_the_engine_stream_and_check_says_so():
+    import torch
+
+    lay = layout()
+    d = PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA, log_path=DAEMON_LOG)
+    with d:
+        c, h = attach(d.run_dir, lay, fill=False)
+        plan = steps(lay, 2, seed=1)
+        state, reset, inval, req, per_group, _ = plan[0]
+        h.begin_step(dev(state, torch), dev(reset, torch))
+        for g, layers in enumerate(lay.groups):
+            for layer in layers:
+                h.swap_in(dev(req, torch), None, dev(per_group[g], torch), layer=layer)
+        torch.cuda.synchronize()
+        h.check()
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait(10)
+        # The next step waits on ready words nobody will set, unless the handle does.
+        state, reset, inval, req, per_group, _ = plan[1]
+        h.begin_step(dev(state, torch), None)
+        last = None
+        for g, layers in enumerate(lay.groups):
+            for layer in layers:
+                last = h.swap_in(dev(req, torch), None, dev(per_group[g], torch), layer=layer)
+        done = threading.Event()
+        t0 = time.monotonic()
+        threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
+        assert done.wait(20), "the engine's stream still waits on the dead daemon"
+        released_s = time.monotonic() - t0
+        with pytest.raises(DaemonUnavailable):
+            h.check()
+        assert (last == -1).all().item()  # nothing points at rows nobody gathered
+        print(f"stream released {released_s * 1e3:.0f} ms after the wait began")
+        h.close()
+        c._sock = None  # the daemon is gone: nothing to say goodbye to
+        c.close()
+
+
+def test_a_cpu_daemon_refuses_the_doorbell_transport(daemon):
+    lay = layout()
+    c = Client(daemon.run_dir, name="cpu").connect()
+    try:
+        with pytest.raises(BadRequest, match="cuda rank"):
+            c.attach(lay, transport="doorbell")  # refused here: a cpu rank
+        with pytest.raises(BadRequest, match="transport"):
+            c.attach(lay, transport="pigeon")
+        with pytest.raises(BadRequest, match="cuda backend") as e:  # and by the daemon
+            c._call(MsgType.ATTACH, {"engine": "x", "layout": lay.to_wire(), "transport": "doorbell"})
+        assert e.value.code == ErrorCode.BAD_ARGUMENT
+        with pytest.raises(BadRequest, match="transport") as e:
+            c._call(MsgType.ATTACH, {"engine": "x", "layout": lay.to_wire(), "transport": 7})
+        # Nothing of the refused attaches stayed: engine "x" takes another layout.
+        c.attach(layout(max_reqs=4), engine="x")
+    finally:
+        c.close()
