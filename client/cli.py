@@ -83,7 +83,8 @@ def cmd_trace_synth(a) -> int:
     from .trace import TraceError, synth  # noqa: PLC0415
 
     keys = ("steps", "batch", "top_k", "region_stride", "max_reqs", "host_rows", "row_bytes", "num_layers",
-            "overlap", "context", "lifetime", "arrive", "pad", "invalidate", "out_of_range", "share_prefix", "seed")
+            "overlap", "context", "lifetime", "arrive", "pad", "invalidate", "out_of_range", "share_prefix",
+            "block_size", "spec", "seed")
     try:
         tr = synth(**{k: getattr(a, k) for k in keys})
     except (TraceError, ValueError) as e:
@@ -93,7 +94,7 @@ def cmd_trace_synth(a) -> int:
     live = tr.state_rows >= 0
     print(json.dumps({"out": a.out, "steps": tr.steps, "batch": tr.batch, "top_k": tr.top_k,
                       "live_rows": int(live.sum()), "resets": int(tr.reset.sum()),
-                      "invalidations": int((tr.invalidate >= 0).sum())}))
+                      "invalidations": int((tr.invalidate >= 0).sum()), "block_size": tr.block_size}))
     return 0
 
 
@@ -106,9 +107,17 @@ def cmd_demo(a) -> int:
 
 
 def cmd_bench(a) -> int:
+    which = a.which or ["resolve", "gather", "transport"]
+    if "decode" in which:
+        if len(which) != 1:
+            print("sparsekv bench: decode runs alone (sparsekv bench decode [options]; it needs a GPU)",
+                  file=sys.stderr)
+            return 2
+        from .bench_decode import run_args  # noqa: PLC0415
+
+        return run_args(a)
     from .bench import format_results, run_bench  # noqa: PLC0415
 
-    which = a.which or ["resolve", "gather", "transport"]
     unknown = set(which) - {"resolve", "gather", "transport", "cuda_transport"}
     if unknown:
         print(f"sparsekv bench: unknown benchmark(s) {sorted(unknown)}", file=sys.stderr)
@@ -168,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_health)
 
     q = command("replay", "drive the stack with a recorded trace")
-    q.add_argument("trace", metavar="TRACE.npz", help="a trace file (sparsekv trace synth, DESIGN §6)")
+    q.add_argument("trace", metavar="TRACE.npz",
+                   help="a trace file, host rows or positions (sparsekv trace synth, DESIGN §6, docs/TRACES.md)")
     q.add_argument("--out", required=True, metavar="RESULT.npz", help="where to write the slots and misses")
     q.add_argument("--transport", choices=["inproc", "zmq", "doorbell"], default="inproc",
                    help="inproc: the engine in this process; zmq: a daemon over its socket; doorbell: designed, not built")
@@ -200,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("invalidate", float, 0.05, "chance per request and step that one of its rows is rewritten"),
         ("out-of-range", float, 0.0005, "chance per column of an out-of-range id"),
         ("share-prefix", float, 0.1, "chance a new request shares a live one's prefix rows"),
+        ("block-size", int, 0, "tokens per block: > 0 writes a position trace (topk holds logical positions, "
+                               "mapped through a per-request block table; docs/TRACES.md); 0: host rows"),
+        ("spec", float, 0.0, "chance per step that a live request takes a second batch row (speculative "
+                             "decoding: same state row, another top-k); needs region-stride >= 2 * top-k"),
         ("seed", int, 0, "random seed"),
     ):
         s.add_argument(f"--{name}", type=typ, default=default, help=help_text)
@@ -207,7 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = command("bench", "speed figures, each against a baseline measured in the same run")
     q.add_argument("which", nargs="*", metavar="NAME",
-                   help="resolve, gather, transport (cpu; the default set) or cuda_transport (needs a GPU)")
+                   help="resolve, gather, transport (cpu; the default set), cuda_transport (needs a GPU), or decode "
+                        "alone (a whole decode step, offloaded against on the GPU; needs a GPU; options below)")
+    from .bench_decode import add_arguments as add_decode_arguments  # noqa: PLC0415
+
+    add_decode_arguments(q.add_argument_group("decode options (sparsekv bench decode ...)"))
     q.set_defaults(fn=cmd_bench)
 
     q = command("demo", "two TP ranks against a private daemon on a synthetic decode")

@@ -61,6 +61,11 @@ RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is se
 THREADS = 256
 
 
+def _external(cp, stream_ptr: int):
+    """A CuPy stream object for a stream someone else owns (torch's current stream)."""
+    return cp.cuda.ExternalStream(stream_ptr)
+
+
 def _kernels():
     from sparsekv.csrc.build import get_cache  # noqa: PLC0415
 
@@ -267,7 +272,7 @@ class DeviceSwapIn:
     def _launch(self, fn, grid: int, stream_ptr: int, args) -> None:
         import cupy as cp  # noqa: PLC0415
 
-        with cp.cuda.Device(self.device), cp.cuda.ExternalStream(stream_ptr):
+        with cp.cuda.Device(self.device), _external(cp, stream_ptr):
             fn((grid,), (THREADS,), tuple(np.uint64(a) if isinstance(a, int) else a for a in args))
 
 

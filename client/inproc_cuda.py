@@ -19,7 +19,7 @@ from sparsekv.proto import Layout
 
 from .doorbell import DeviceSwapIn
 
-GATHER_BLOCKS = 264  # as the daemon's default gather_blocks
+GATHER_BLOCKS = 32  # the daemon's default gather_blocks (config.py)
 
 
 class InprocSwapIn(DeviceSwapIn):
@@ -68,7 +68,9 @@ class InprocSwapIn(DeviceSwapIn):
     def _ext(self, stream_ptr: int):
         import cupy as cp  # noqa: PLC0415
 
-        return cp.cuda.ExternalStream(stream_ptr)
+        from .doorbell import _external  # noqa: PLC0415
+
+        return _external(cp, stream_ptr)
 
     def _begun(self, stream_ptr: int) -> None:
         b, d = self.buffers, self.dstep

@@ -1,4 +1,10 @@
-"""``sparsekv replay``: drive the whole stack with a recorded trace (DESIGN §6)."""
+"""``sparsekv replay``: drive the whole stack with a recorded trace (DESIGN §6, docs/TRACES.md).
+
+The loop (:func:`replay`) is the same for every transport; what one step costs on a
+transport is a :class:`Driver`'s :meth:`~Driver.run_step`. Position traces are mapped to
+host rows (``Trace.host_topk``) before they reach a client; counts and ``--verify`` use
+the mapped rows.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,67 @@ from .private_daemon import PrivateDaemon
 from .trace import Trace
 from .verify import count_mismatches, fill_pool
 
+# run_step's answer: slots int32 [batch, top_k], misses int32 [batch], hits, out_of_range
+# (None where the transport does not report them: the loop derives them from the result).
+StepResult = tuple[np.ndarray, np.ndarray, int | None, int | None]
+
+
+class Driver:
+    """One transport's side of a replay: opens a client (its resources on ``stack``),
+    attaches the trace's layout, and runs one step at a time.
+
+    A subclass provides :meth:`open`; the default :meth:`run_step` sends the step (state
+    rows, resets, invalidations) and the step's top-k batch of index group 0 in host rows,
+    and waits for the result. The loop needs ``client`` (for ``--verify``'s pool fill:
+    ``client.write``), ``att.slab`` (for ``--verify``'s check) and :meth:`close`.
+    """
+
+    def __init__(self, trace: Trace, stack: contextlib.ExitStack, *, backend: str, engine: str,
+                 connect: str | None = None, daemon_log: str | None = None):
+        self.trace = trace
+        self.layout = trace.layout()
+        self.client = self.open(stack, backend=backend, connect=connect, daemon_log=daemon_log)
+        self.att = self.client.attach(self.layout, engine=engine)
+
+    def open(self, stack: contextlib.ExitStack, *, backend: str, connect: str | None, daemon_log: str | None):
+        """Return a connected client (``Client`` API), its cleanup entered on ``stack``."""
+        raise NotImplementedError
+
+    def run_step(self, t: int) -> StepResult:
+        """Step ``t`` of the trace; returns once its rows are in the slab (cuda: once the
+        gather is done)."""
+        tr = self.trace
+        self.client.step(t, tr.state_rows[t], tr.reset[t], tr.invalidate[t])
+        r = self.client.topk(t, 0, tr.host_topk(t))
+        slots, misses = r.host()  # cuda: waits for the gather (the step's end)
+        return slots, misses, r.hits, r.out_of_range
+
+    def close(self) -> None:
+        self.client.detach()
+
+
+class InprocDriver(Driver):
+    """The residency engine and mover in this process (cpu backend)."""
+
+    def open(self, stack, *, backend, connect, daemon_log):
+        return stack.enter_context(InprocClient(backend=backend))
+
+
+class ZmqDriver(Driver):
+    """A daemon over its ZeroMQ socket: ``connect`` (a run dir), else a private daemon."""
+
+    def open(self, stack, *, backend, connect, daemon_log):
+        run_dir = connect
+        if run_dir is None:
+            pool_bytes = self.layout.pool_bytes + (8 << 20)
+            run_dir = stack.enter_context(PrivateDaemon(pool_bytes=pool_bytes, backend=backend,
+                                                        log_path=daemon_log)).run_dir
+        device = "cuda:0" if backend == "cuda" else "cpu"
+        return stack.enter_context(Client(run_dir, name="replay", device=device))
+
+
+DRIVERS: dict[str, type[Driver]] = {"inproc": InprocDriver, "zmq": ZmqDriver}
+
 
 def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", verify: bool = False,
            connect: str | None = None, engine: str = "replay", daemon_log: str | None = None) -> tuple[dict, dict]:
@@ -23,21 +90,13 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
     if transport == "doorbell":
         raise ValueError("the doorbell transport needs the cuda backend's device rings, which are not built yet; "
                          "use --transport zmq or inproc")
-    if transport not in ("inproc", "zmq"):
-        raise ValueError(f"unknown transport {transport!r}; use inproc or zmq")
+    if transport not in DRIVERS:
+        raise ValueError(f"unknown transport {transport!r}; use {' or '.join(DRIVERS)}")
     with contextlib.ExitStack() as stack:
-        if transport == "inproc":
-            client = stack.enter_context(InprocClient(backend=backend))
-        else:
-            run_dir = connect
-            if run_dir is None:
-                pool_bytes = layout.pool_bytes + (8 << 20)
-                run_dir = stack.enter_context(PrivateDaemon(pool_bytes=pool_bytes, backend=backend, log_path=daemon_log)).run_dir
-            device = "cuda:0" if backend == "cuda" else "cpu"
-            client = stack.enter_context(Client(run_dir, name="replay", device=device))
-        att = client.attach(layout, engine=engine)
+        driver = DRIVERS[transport](trace, stack, backend=backend, engine=engine, connect=connect,
+                                    daemon_log=daemon_log)
         if verify:
-            fill_pool(client, layout)
+            fill_pool(driver.client, layout)
         slots = np.full(trace.topk.shape, -1, np.int32)
         misses = np.zeros(trace.topk.shape[:2], np.int32)
         lat = np.zeros(trace.steps)
@@ -47,24 +106,25 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
         for t in range(trace.steps):
             t0 = time.perf_counter()
             try:
-                client.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
-                r = client.topk(t, 0, trace.topk[t])
+                slots[t], misses[t], step_hits, step_oob = driver.run_step(t)
             except BadRequest as e:  # the trace breaks the contract: say where
                 raise BadRequest(f"step {t}: {e.args[0]}", e.code) from None
-            slots[t], misses[t] = r.host()  # cuda: waits for the gather (the step's end)
             lat[t] = time.perf_counter() - t0
-            if r.hits is None:  # cuda: counted on the GPU; derive them from the result
-                live = trace.state_rows[t] >= 0
-                ids = trace.topk[t][live]
-                hits += int(((ids >= 0) & (ids < layout.host_rows)).sum()) - int(misses[t].sum())
-                out_of_range += int(((ids < -1) | (ids >= layout.host_rows)).sum())
-            else:
-                hits += r.hits
-                out_of_range += r.out_of_range
+            rows = trace.host_topk(t)  # what the step asked for, in host rows
+            live = trace.state_rows[t] >= 0
+            if step_hits is None:  # cuda: counted on the GPU; derive them from the result
+                ids = rows[live]
+                step_hits = int(((ids >= 0) & (ids < layout.host_rows)).sum()) - int(misses[t].sum())
+            if step_oob is None:
+                ids = rows[live]
+                step_oob = int(((ids < -1) | (ids >= layout.host_rows)).sum())
+            hits += step_hits
+            out_of_range += step_oob
             if verify:
-                mismatched += count_mismatches(att.slab, layers, trace.state_rows[t], trace.topk[t], slots[t], layout.host_rows)
+                mismatched += count_mismatches(driver.att.slab, layers, trace.state_rows[t], rows, slots[t],
+                                               layout.host_rows)
         elapsed = time.perf_counter() - t_start
-        client.detach()
+        driver.close()
     summary = {
         "transport": transport,
         "backend": backend,

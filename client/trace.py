@@ -1,19 +1,26 @@
-"""Decode traces (DESIGN §6): load, check, save, and a synthetic generator.
+"""Decode traces (DESIGN §6, docs/TRACES.md): load, check, save, and a synthetic generator.
 
 A trace ``.npz`` holds ``topk`` int32 [steps, batch, top_k] (host row ids, -1 = none),
 ``state_rows`` int32 [steps, batch] (-1 = padding batch row), ``reset`` bool
 [steps, batch], ``invalidate`` int32 [steps, batch, n] (rows rewritten before the step,
 -1 = none), and scalars ``region_stride``, ``host_rows``, ``max_reqs``, ``row_bytes``,
 ``num_layers`` (layers of one index group).
+
+A *position trace* also holds ``block_table`` int32 [steps, batch, max_blocks] (the host
+block of each logical block of the batch row's request, -1 = none) and scalar
+``block_size``; its ``topk`` then holds logical token positions, mapped to host rows by
+:func:`sparsekv.proto.positions.host_rows` (:meth:`Trace.host_topk`). ``invalidate``
+stays in host rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from sparsekv.proto import Layout
+from sparsekv.proto.positions import host_rows as map_positions
 
 SCALARS = ("region_stride", "host_rows", "max_reqs", "row_bytes", "num_layers")
 
@@ -33,6 +40,8 @@ class Trace:
     max_reqs: int
     row_bytes: int
     num_layers: int
+    block_table: np.ndarray | None = None  # position traces: int32 [steps, batch, max_blocks]
+    block_size: int = 0  # position traces: tokens per block; 0: topk holds host rows
 
     @property
     def steps(self) -> int:
@@ -45,6 +54,26 @@ class Trace:
     @property
     def top_k(self) -> int:
         return int(self.topk.shape[2])
+
+    @property
+    def positional(self) -> bool:
+        """True when ``topk`` holds logical positions (a block table maps them)."""
+        return self.block_table is not None
+
+    def host_topk(self, t: int) -> np.ndarray:
+        """int32 [batch, top_k]: the host rows step ``t``'s top-k names. A position trace's
+        positions go through its block table; one that does not map becomes
+        ``proto.positions.UNMAPPED`` (-2), which the residency counts as out of range."""
+        if self.block_table is None:
+            return self.topk[t]
+        return map_positions(self.topk[t], self.block_table[t], self.block_size)
+
+    def to_host_rows(self) -> "Trace":
+        """The same trace with every step's top-k mapped to host rows (no block table)."""
+        if self.block_table is None:
+            return self
+        topk = np.stack([self.host_topk(t) for t in range(self.steps)]) if self.steps else self.topk.copy()
+        return replace(self, topk=topk.astype(np.int32), block_table=None, block_size=0)
 
     def layout(self, staging_rows: int = 0) -> Layout:
         """The layout of one index group of ``num_layers`` layers, as the trace describes."""
@@ -66,13 +95,40 @@ class Trace:
             self.layout()
         except ValueError as e:
             raise TraceError(f"trace scalars do not make a valid layout: {e}") from None
+        self._check_block_table()
         return self
 
+    def _check_block_table(self) -> None:
+        table, bs = self.block_table, self.block_size
+        if table is None:
+            if bs != 0:
+                raise TraceError(f"block_size {bs} given without a block_table; a position trace needs both "
+                                 "(a host-row trace has neither)")
+            return
+        s, b = self.topk.shape[:2]
+        if not isinstance(bs, (int, np.integer)) or bs <= 0:
+            raise TraceError(f"block_table given with block_size {bs}; a position trace needs both, block_size > 0")
+        if table.ndim != 3 or table.shape[:2] != (s, b):
+            raise TraceError(f"block_table must be [{s}, {b}, max_blocks], got {table.shape}")
+        if table.dtype.kind not in "iu":
+            raise TraceError(f"block_table must hold integers (int32), got {table.dtype}")
+        if table.size:
+            whole = self.host_rows // bs  # host blocks that lie wholly in the pool
+            lo, hi = int(table.min()), int(table.max())
+            if lo < -1:
+                raise TraceError(f"block_table holds block {lo}; host blocks are >= 0, -1 = none")
+            if hi >= whole:
+                raise TraceError(f"block_table names host block {hi}, but host_rows {self.host_rows} holds "
+                                 f"{whole} whole blocks of block_size {bs}")
+
     def save(self, path: str) -> None:
+        extra = {}
+        if self.block_table is not None:
+            extra = {"block_table": self.block_table.astype(np.int32), "block_size": np.int64(self.block_size)}
         np.savez_compressed(
             path, topk=self.topk.astype(np.int32), state_rows=self.state_rows.astype(np.int32),
             reset=self.reset.astype(bool), invalidate=self.invalidate.astype(np.int32),
-            **{k: np.int64(getattr(self, k)) for k in SCALARS},
+            **{k: np.int64(getattr(self, k)) for k in SCALARS}, **extra,
         )
 
     @classmethod
@@ -89,18 +145,145 @@ class Trace:
         missing = need - set(z.files)
         if missing:
             raise TraceError(f"trace {path} lacks {sorted(missing)}")
-        for name in ("topk", "state_rows", "invalidate"):
+        positional = {"block_table", "block_size"} & set(z.files)
+        if len(positional) == 1:
+            raise TraceError(f"trace {path} has {positional.pop()} alone; a position trace needs both "
+                             "block_table and block_size")
+        for name in ("topk", "state_rows", "invalidate", *(("block_table",) if positional else ())):
             if z[name].dtype.kind not in "iu":
                 raise TraceError(f"trace {path}: {name} must hold integers (int32), got {z[name].dtype}")
         try:
+            extra = {}
+            if positional:
+                extra = {"block_table": z["block_table"].astype(np.int32), "block_size": int(z["block_size"])}
             trace = cls(
                 topk=z["topk"].astype(np.int32), state_rows=z["state_rows"].astype(np.int32),
                 reset=z["reset"].astype(bool), invalidate=z["invalidate"].astype(np.int32),
-                **{k: int(z[k]) for k in SCALARS},
+                **{k: int(z[k]) for k in SCALARS}, **extra,
             )
         except (TypeError, ValueError) as e:  # object or text arrays, an array where a number belongs
             raise TraceError(f"trace {path} has an array of the wrong type: {e}") from None
         return trace.check()
+
+
+# -- the synthetic generator ---------------------------------------------------------------
+NULL_BLOCK = 0.05  # position traces: chance a logical block of a new request's own context is null
+
+
+@dataclass
+class _Request:
+    """One request of the generator. Host-row traces: its context is host rows
+    ``base .. base + length``. Position traces: positions ``0 .. length`` through
+    ``table`` (host block of each logical block, -1 = null), less those on null blocks."""
+
+    state: int  # its state row
+    base: int  # host-row traces: first host row of its context (a donor's when it shares a prefix)
+    own: int  # first host row of its state row's own range
+    length: int  # context tokens
+    left: int  # decode steps to go
+    prev: np.ndarray | None = None  # its last top-k row, before stray ids
+    new: bool = True
+    table: list[int] | None = None  # position traces only
+    free: list[int] = field(default_factory=list)  # position traces: own host blocks not used yet
+
+    def context(self, block_size: int) -> np.ndarray:
+        """The ids its top-k may name: host rows, or positions on a mapped block."""
+        if self.table is None:
+            return np.arange(self.base, self.base + self.length, dtype=np.int64)
+        pos = np.arange(self.length, dtype=np.int64)
+        return pos[np.asarray(self.table, np.int64)[pos // block_size] >= 0]
+
+    def host_rows_of(self, ids: np.ndarray, block_size: int) -> np.ndarray:
+        if self.table is None:
+            return ids
+        return np.asarray(self.table, np.int64)[ids // block_size] * block_size + ids % block_size
+
+    def strays(self, host_rows: int, block_size: int, max_blocks: int) -> list[int]:
+        """Ids that name no row: out of range, or (positions) negative, past the table or on a null block."""
+        if self.table is None:
+            return [host_rows, host_rows + 7, -5]
+        past = max_blocks * block_size
+        nulls = [i * block_size for i, blk in enumerate(self.table) if blk < 0]
+        return [-1, -5, past, past + 3] + nulls[:1]
+
+    def grow(self, span: int, block_size: int, max_blocks: int) -> None:
+        """Decode appends one token, in the request's own range (a new block when the last is full)."""
+        if self.table is None:
+            if self.base == self.own and self.length < span - 1:
+                self.length += 1
+            return
+        if self.length // block_size == len(self.table):
+            if not self.free or len(self.table) >= max_blocks:
+                return
+            self.table.append(self.free.pop())
+        self.length += 1
+
+
+def _arrive(rng, state: int, live: list, *, span: int, context: int, lifetime: int, share_prefix: float,
+            block_size: int, max_blocks: int) -> _Request:
+    """A new request on ``state``; it may share a live request's prefix (prefix cache)."""
+    length = int(min(span - lifetime - 1, max(8, rng.normal(context, context / 4))))
+    length = max(1, length)
+    base = state * span
+    others = [r for r in live if r is not None]
+    donor = None
+    if others and rng.random() < share_prefix:
+        donor = others[rng.integers(len(others))]
+        base = donor.base  # shares the donor's prefix rows
+        length = min(length, donor.length)
+    req = _Request(state=state, base=base, own=state * span, length=length,
+                   left=int(rng.integers(lifetime // 2, lifetime * 3 // 2 + 1)))
+    if block_size:
+        _give_blocks(rng, req, donor, others, block_size, max_blocks)
+    return req
+
+
+def _give_blocks(rng, req: _Request, donor: _Request | None, others: list, block_size: int, max_blocks: int) -> None:
+    """A position request's block table: a shared prefix's whole blocks from the donor's
+    table, the rest from the request's own host blocks (``max_blocks`` of them from
+    ``state * max_blocks``) in random order, skipping any a live request still holds. A few
+    blocks of its own context are null (-1), never its last."""
+    held = {blk for r in others for blk in r.table if blk >= 0}
+    first = req.state * max_blocks
+    req.free = [int(blk) for blk in rng.permutation(np.arange(first, first + max_blocks)) if blk not in held]
+    req.table = list(donor.table[: req.length // block_size]) if donor is not None else []
+    n_blocks = -(-req.length // block_size)
+    null = rng.random(n_blocks) < NULL_BLOCK
+    for i in range(len(req.table), n_blocks):
+        if null[i] and i < n_blocks - 1:
+            req.table.append(-1)
+        elif req.free:
+            req.table.append(req.free.pop())
+        else:
+            break  # every own block is held by requests sharing an earlier owner's prefix
+    req.length = min(req.length, len(req.table) * block_size)
+
+
+def _pick(rng, ctx: np.ndarray, prev: np.ndarray | None, top_k: int, overlap: float) -> np.ndarray:
+    """A top-k row of distinct ids of ``ctx`` keeping a fraction ``overlap`` of ``prev``'s
+    ids; -1 after the ids when ``ctx`` has fewer than ``top_k``."""
+    if ctx.size <= top_k:
+        ids = rng.permutation(ctx)
+    else:
+        keep = np.empty(0, np.int64)
+        if prev is not None:
+            prev = prev[prev >= 0]
+            keep = rng.choice(prev, int(overlap * prev.size), replace=False) if prev.size else keep
+        need = top_k - keep.size
+        pool = np.setdiff1d(ctx, keep, assume_unique=False)
+        ids = np.concatenate([keep, rng.choice(pool, need, replace=False)])
+        ids = rng.permutation(ids)
+    row = np.full(top_k, -1, np.int64)
+    row[: ids.size] = ids
+    return row
+
+
+def _with_strays(rng, row: np.ndarray, rate: float, strays: list[int]) -> np.ndarray:
+    """``row`` with each column replaced, with chance ``rate``, by one of ``strays``."""
+    row = row.copy()
+    bad = rng.random(row.size) < rate
+    row[bad] = rng.choice(strays, int(bad.sum()))
+    return row
 
 
 def synth(
@@ -121,6 +304,8 @@ def synth(
     invalidate: float = 0.05,
     out_of_range: float = 0.0005,
     share_prefix: float = 0.1,
+    block_size: int = 0,
+    spec: float = 0.0,
     seed: int = 0,
 ) -> Trace:
     """Generate a decode trace.
@@ -132,70 +317,83 @@ def synth(
     for a step (state row -1, junk ids). ``invalidate`` is the chance per request and step
     that one of its rows is rewritten; ``out_of_range`` the chance per column of a bad id;
     ``share_prefix`` the chance a new request shares the first rows of a live one.
+
+    ``block_size`` > 0 writes a position trace: each request's context is whole host
+    blocks of its own range (in random order; shared prefix blocks are the donor's) in a
+    per-request block table, some of its logical blocks null (-1); ``topk`` holds
+    positions, and a bad column is a negative position, one past the table or one on a
+    null block. ``spec`` is the chance that a live request also takes a free batch row for
+    a step (speculative decoding: the same state row, the same block table, another
+    top-k); it needs ``region_stride >= 2 * top_k``. With both 0 the output is that of
+    earlier versions for the same seed.
     """
     rng = np.random.default_rng(seed)
     if batch > max_reqs:
         raise TraceError(f"batch {batch} exceeds max_reqs {max_reqs}")
-    span = host_rows // max_reqs  # host rows a state row's requests may use
-    if span < top_k + 2:
-        raise TraceError(f"host_rows {host_rows} gives {span} rows per request; need more than top_k {top_k}")
+    if block_size < 0:
+        raise TraceError(f"block_size must be >= 0 (0: a host-row trace), got {block_size}")
+    if not 0.0 <= spec <= 1.0:
+        raise TraceError(f"spec is a probability in [0, 1], got {spec}")
+    if spec > 0 and region_stride < 2 * top_k:
+        raise TraceError(f"spec needs region_stride >= 2 * top_k (a state row on two batch rows of a step); "
+                         f"got region_stride {region_stride}, top_k {top_k}")
+    max_blocks = 0  # position traces: blocks of a state row's own range, the table's width
+    if block_size:
+        max_blocks = host_rows // block_size // max_reqs
+        span = max_blocks * block_size
+        if span < top_k + 2:
+            raise TraceError(f"host_rows {host_rows} gives {max_blocks} blocks of {block_size} ({span} rows per "
+                             f"request); need more than top_k {top_k}")
+    else:
+        span = host_rows // max_reqs  # host rows a state row's requests may use
+        if span < top_k + 2:
+            raise TraceError(f"host_rows {host_rows} gives {span} rows per request; need more than top_k {top_k}")
     t_topk = np.full((steps, batch, top_k), -1, np.int32)
     t_rows = np.full((steps, batch), -1, np.int32)
     t_reset = np.zeros((steps, batch), bool)
     t_inval = np.full((steps, batch, 2), -1, np.int32)
+    t_table = np.full((steps, batch, max_blocks), -1, np.int32) if block_size else None
     free_state = list(rng.permutation(max_reqs))
-    # Per batch slot: None or dict(state, base, length, left, prev)
-    live: list[dict | None] = [None] * batch
+    live: list[_Request | None] = [None] * batch  # the request on each batch row
     for t in range(steps):
+        served = []  # (batch row, request, its context) of this step's live rows
         for b in range(batch):
             req = live[b]
-            if req is not None and req["left"] <= 0:
-                free_state.append(req["state"])
+            if req is not None and req.left <= 0:
+                free_state.append(req.state)
                 live[b] = req = None
             if req is None and free_state and rng.random() < arrive:
-                s = int(free_state.pop(0))
-                length = int(min(span - lifetime - 1, max(8, rng.normal(context, context / 4))))
-                length = max(1, length)
-                base = s * span
-                others = [r for r in live if r is not None]
-                if others and rng.random() < share_prefix:
-                    donor = others[rng.integers(len(others))]
-                    base = donor["base"]  # shares the donor's prefix rows (prefix cache)
-                    length = min(length, donor["length"])
-                req = live[b] = {"state": s, "base": base, "own": s * span, "length": length,
-                                 "left": int(rng.integers(lifetime // 2, lifetime * 3 // 2 + 1)), "prev": None, "new": True}
+                req = live[b] = _arrive(rng, int(free_state.pop(0)), live, span=span, context=context,
+                                        lifetime=lifetime, share_prefix=share_prefix, block_size=block_size,
+                                        max_blocks=max_blocks)
             if req is None:
                 t_topk[t, b] = rng.integers(-1, host_rows, top_k)  # padding rows carry junk
                 continue
-            if not req["new"] and rng.random() < pad:
+            if not req.new and rng.random() < pad:
                 t_topk[t, b] = rng.integers(-1, host_rows, top_k)
                 continue  # padding this step; the request stays
-            t_rows[t, b] = req["state"]
-            t_reset[t, b] = req["new"]
-            req["new"] = False
-            n_ctx = req["length"]
-            ctx_rows = np.arange(req["base"], req["base"] + n_ctx, dtype=np.int64)
-            if n_ctx <= top_k:
-                ids = rng.permutation(ctx_rows)
-            else:
-                keep = np.empty(0, np.int64)
-                if req["prev"] is not None:
-                    prev = req["prev"][req["prev"] >= 0]
-                    keep = rng.choice(prev, int(overlap * prev.size), replace=False) if prev.size else keep
-                need = top_k - keep.size
-                pool = np.setdiff1d(ctx_rows, keep, assume_unique=False)
-                ids = np.concatenate([keep, rng.choice(pool, need, replace=False)])
-                ids = rng.permutation(ids)
-            row = np.full(top_k, -1, np.int64)
-            row[: ids.size] = ids
-            req["prev"] = row.copy()
-            bad = rng.random(top_k) < out_of_range
-            row[bad] = rng.choice([host_rows, host_rows + 7, -5], int(bad.sum()))
-            t_topk[t, b] = row
-            if rng.random() < invalidate:
-                t_inval[t, b, 0] = ctx_rows[rng.integers(ctx_rows.size)]
-            # decode appends one row (in the request's own range) and ages the request
-            if req["base"] == req["own"] and req["length"] < span - 1:
-                req["length"] += 1
-            req["left"] -= 1
-    return Trace(t_topk, t_rows, t_reset, t_inval, region_stride, host_rows, max_reqs, row_bytes, num_layers).check()
+            t_rows[t, b] = req.state
+            t_reset[t, b] = req.new
+            req.new = False
+            ctx = req.context(block_size)
+            req.prev = _pick(rng, ctx, req.prev, top_k, overlap)
+            t_topk[t, b] = _with_strays(rng, req.prev, out_of_range, req.strays(host_rows, block_size, max_blocks))
+            if t_table is not None:
+                t_table[t, b, : len(req.table)] = req.table
+            if rng.random() < invalidate and ctx.size:
+                t_inval[t, b, 0] = req.host_rows_of(ctx[rng.integers(ctx.size)], block_size)
+            served.append((b, req, ctx))
+            req.grow(span, block_size, max_blocks)
+            req.left -= 1
+        if spec > 0:  # speculative rows: a second batch row of a served request, on a free batch row
+            free_rows = [b for b in range(batch) if live[b] is None]
+            for b, req, ctx in served:
+                if free_rows and rng.random() < spec:
+                    c = free_rows.pop(0)
+                    t_rows[t, c] = req.state  # reset and invalidations ride on the first row
+                    row = _pick(rng, ctx, req.prev, top_k, min(overlap, 0.5))
+                    t_topk[t, c] = _with_strays(rng, row, out_of_range, req.strays(host_rows, block_size, max_blocks))
+                    if t_table is not None:
+                        t_table[t, c] = t_table[t, b]
+    return Trace(t_topk, t_rows, t_reset, t_inval, region_stride, host_rows, max_reqs, row_bytes, num_layers,
+                 block_table=t_table, block_size=block_size).check()

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import faulthandler
 import resource
 import signal
 import sys
@@ -27,6 +28,12 @@ from .pool import HostPool, PoolError
 from .stats import package_version
 
 log = logging.getLogger("sparsekv")
+
+# Hardware work queues per GPU context (read when CUDA starts, 8 by default, 32 at most).
+# A doorbell rank's stream sits in a stream wait for as long as its engine computes; a
+# stream that shares its queue would wait behind it. The most queues, so that the
+# daemon's other streams (other ranks, copies) rarely share one.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 # Asked of systemd (EXTEND_TIMEOUT_USEC) at each pre-fault progress report, about once a
 # second: a start that keeps moving is never killed by TimeoutStartSec=, a stuck one is.
@@ -355,6 +362,8 @@ def _run(daemon, signals: StartSignals) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop, sig)
         loop.add_signal_handler(signal.SIGHUP, log_sighup)
+        # `kill -USR2 <pid>`: every thread's stack to stderr (the journal), for a stuck daemon.
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
         if signals.requested is not None:  # arrived between the last check and the handlers above
             daemon.stop()
         await daemon.serve()

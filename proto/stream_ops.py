@@ -39,13 +39,16 @@ def _load():
             except OSError as e:
                 raise StreamOpError(f"cannot load the CUDA driver (libcuda.so.1): {e}") from None
             fns = []
-            for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"):
+            for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2", "cuGraphLaunch"):
                 try:
                     f = getattr(lib, name)
                 except AttributeError:
                     raise StreamOpError(f"the CUDA driver lacks {name} (needs CUDA 11.7 or newer)") from None
                 f.restype = ctypes.c_int
-                f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+                if name == "cuGraphLaunch":
+                    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+                else:
+                    f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
                 fns.append(f)
             _fns = tuple(fns)
     return _fns
@@ -68,3 +71,12 @@ def wait32(stream_ptr: int, address: int, value: int) -> None:
     rc = _load()[1](ctypes.c_void_p(int(stream_ptr)), int(address), int(value) & 0xFFFFFFFF,
                     CU_STREAM_WAIT_VALUE_EQ)
     _check(rc, "cuStreamWaitValue32")
+
+
+def graph_launch(graph_exec: int, stream_ptr: int) -> None:
+    """Launch an instantiated graph (``cudaGraphExec_t``, e.g. CuPy's ``Graph.graphExec``)
+    on a stream. Through ctypes, so the GIL is released for the call: a launch onto a
+    stream whose queue is full blocks until it has room, and must not stop the daemon's
+    other threads meanwhile."""
+    rc = _load()[2](ctypes.c_void_p(int(graph_exec)), ctypes.c_void_p(int(stream_ptr)))
+    _check(rc, "cuGraphLaunch")

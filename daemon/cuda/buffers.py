@@ -170,6 +170,8 @@ class RankBuffers:
             raise ResidencyError("TOO_LARGE", str(e)) from None
         v, o = arena.view, self.offsets
         with cp.cuda.Device(arena.device):
+            init = cp.cuda.Stream(non_blocking=True)
+            init.__enter__()
             self.slab = v(o["slab"], lay.slab_shape)
             self.staging = v(o["staging"], lay.staging_shape) if lay.staging_rows else None
             self.slots = v(o["slots"], (R, B, K), "int32")
@@ -210,7 +212,10 @@ class RankBuffers:
             self.stats.fill(0)
             self.step.block.fill(0)
             self.topk.block.fill(0)
-            cp.cuda.runtime.deviceSynchronize()
+            # Wait for these fills only: never the whole device (a doorbell rank's stream
+            # waits on its engine's bells for as long as it lives).
+            init.synchronize()
+            init.__exit__(None, None, None)
         # Pinned host side: R step blocks, R top-k blocks, the stats mirror, the write blocks.
         n_write = 1 + lay.staging_rows
         total = 4 * R * (self.block_ints * 4 + 256) + self.stats_bytes + 256 + 2 * (n_write * 4 + 256) \

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 
-from sparsekv.proto.stream_ops import wait32, write32
+from sparsekv.proto.stream_ops import graph_launch, wait32, write32
 
 from ..residency.base import ResidencyError
 from .step import capture
@@ -40,7 +40,7 @@ from .transport import Transport
 
 log = logging.getLogger("sparsekv.cuda")
 
-DEPTH = 8  # step graphs launched ahead
+DEPTH = 2  # step graphs launched ahead (a launch must never block: see _stock)
 DRAIN_TIMEOUT_S = 10.0
 
 
@@ -105,6 +105,10 @@ class DoorbellTransport(Transport):
     def _stock(self) -> None:
         import cupy as cp
 
+        graph = self.graph
+        if getattr(graph, "graphExec", 0) == 0 and hasattr(graph, "_ensure_instantiate"):
+            graph._ensure_instantiate()
+        exec_ptr = graph.graphExec
         try:
             with cp.cuda.Device(self.worker.ordinal):
                 inflight: list = []
@@ -114,7 +118,7 @@ class DoorbellTransport(Transport):
                     if len(inflight) >= self.depth:
                         time.sleep(0.0002)
                         continue
-                    self.graph.launch(self.stream)
+                    graph_launch(exec_ptr, self.stream.ptr)  # the GIL is free while it runs
                     ev = cp.cuda.Event(block=False, disable_timing=True)
                     ev.record(self.stream)
                     inflight.append(ev)

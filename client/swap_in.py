@@ -1,0 +1,293 @@
+"""The engine's handle, portable: ``swap_in`` over an ordinary ``Client`` or ``InprocClient``.
+
+An engine's sparse-attention layer asks, per decode step and layer, "where are the KV rows
+my indexer selected?" and reads them from a small hot slab. :class:`HostSwapIn` answers
+over any client (cpu or cuda backend, zmq or in process) with host arrays; the device
+handle (``client.doorbell_handle()``, CUDA, ``client/doorbell.py``) has the same methods
+on device tensors. Model code that calls only ``begin_step`` / ``swap_in`` / ``kv`` runs
+unchanged on either::
+
+    h = HostSwapIn(client)                       # client connected and attached
+    for each decode step:
+        h.begin_step(state_rows, reset=new, invalidate=rewritten)
+        for each layer:
+            idx = h.swap_in(req_id_per_token, block_table, topk_positions,
+                            layer=layer, block_size=16)
+            kv = torch.as_tensor(h.kv(layer))     # shares the slab's memory
+            rows = kv[idx.clamp(min=0).long()]    # mask idx < 0 in the attention
+
+Indexing (what an attention kernel reads)
+-----------------------------------------
+``kv(layer)`` is the layer's hot slab as one 2-D array ``[max_reqs * region_stride,
+row_bytes]`` uint8: request state row ``r`` owns rows ``r * region_stride`` to
+``(r + 1) * region_stride - 1`` (its hot region; slot ``s`` is row ``r * region_stride +
+s``). ``swap_in`` returns ``idx`` int32 ``[tokens, k]``, column for column of
+``logical_topk_indices``:
+
+* ``idx[t, j] >= 0``: the KV row of logical position ``logical_topk_indices[t, j]`` of
+  request ``req_id_per_token[t]`` is ``kv(layer)[idx[t, j]]`` (all ``row_bytes``), and
+  stays there until the next ``swap_in`` of the group's leader layer;
+* ``idx[t, j] == -1``: nothing to read; the attention must mask the column. This is the
+  case for a padding token (request -1), a negative position, a position past the block
+  table or on a -1 (null) block.
+
+``valid_counts[t]`` is the number of columns of token ``t`` with ``idx >= 0``. The valid
+columns keep the caller's column order: they are a prefix of the row only when the
+caller's invalid positions are at the end of the row (as an indexer that pads with -1
+produces). A kernel that takes "the first ``n`` columns" needs that ordering.
+
+Index groups: ``layout.groups`` is a tuple of tuples of layers; a group's first layer is
+its *leader*. The leader's ``swap_in`` maps positions to host rows
+(:func:`sparsekv.proto.positions.host_rows`) and sends one top-k batch for the whole
+group, which gathers the rows into every layer of the group. A follower's ``swap_in``
+sends nothing: it returns the same indices (into its own layer's slab) and reads neither
+``block_table`` nor ``logical_topk_indices`` (only their shapes and the request ids are
+checked against the leader's). A follower called before its leader in a step raises
+:class:`~sparsekv.client.errors.BadRequest`.
+
+Tokens: several tokens of one request (speculative decoding) may share a step, up to
+``region_stride // top_k`` of them; ``Layout.max_batch`` bounds the tokens of a step.
+Every request a token names must be among the step's ``state_rows``.
+
+Arrays: NumPy or torch tensors (any device: they are copied to the host, so this is no
+fast path for a GPU). Results are torch tensors on the device of
+``logical_topk_indices`` (else of ``req_id_per_token``) when either is one, else NumPy;
+or the ``*_out`` arrays (int32, exact shape) when given, filled and returned. Errors are the client's
+typed exceptions (:mod:`sparsekv.client.errors`), raised by the call that caused them, or
+by the next one for a STEP the zmq client sent without waiting; :meth:`check` waits for
+such deferred replies.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from sparsekv.proto import ErrorCode
+from sparsekv.proto.positions import host_rows
+
+from .errors import BadRequest, NotAttached, SparseKVError
+
+
+class HostSwapIn:
+    """The portable ``swap_in`` handle over a connected, attached client.
+
+    The handle does not own the client: :meth:`close` forgets the slab views and the
+    step's slots, and leaves the client open. Not thread-safe, like the client.
+    """
+
+    def __init__(self, client):
+        att = getattr(client, "attachment", None)
+        if att is None:
+            raise NotAttached("HostSwapIn needs an attached client: call client.attach(layout) first")
+        self._client = client
+        self.layout = att.layout
+        lay = self.layout
+        self._stride = lay.region_stride
+        # layer -> (its group, the group's leader layer)
+        self._group_of = {layer: (g, layers[0]) for g, layers in enumerate(lay.groups) for layer in layers}
+        # One view per layer of the attachment's slab [L, max_reqs, region_stride, row_bytes]:
+        # a reshape of a contiguous array, so the rows are the slab's own memory.
+        self._kv = [att.slab[layer].reshape(lay.max_reqs * lay.region_stride, lay.row_bytes)
+                    for layer in range(lay.num_layers)]
+        self._next_step = 0
+        self._step: int | None = None  # the step begun, None before the first / after a failed one
+        self._failed = False  # the last begin_step raised
+        self._state_rows = np.empty(0, np.int32)
+        self._slots: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (req ids, slots) of this step
+        # Totals over the handle's life, from the top-k replies (the cuda backend leaves
+        # hits and out_of_range to its stats: then they stay 0). Not part of the device API.
+        self.counts = {"batches": 0, "hits": 0, "misses": 0, "out_of_range": 0}
+        self._closed = False
+
+    # -- the API ---------------------------------------------------------------------
+    def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
+        """Begin the next decode step (this handle numbers them 0, 1, ...): ``state_rows``
+        int [n], the request state rows of the step (-1 = padding); ``reset`` bool [n],
+        rows that start a new request; ``invalidate`` int [n, m], host rows rewritten
+        since the last step that row ``i``'s region may hold (-1 = none)."""
+        self._open()
+        self._step, self._failed = None, True  # until it has begun, swap_in refuses to run
+        self._slots.clear()
+        rows = _ints("state_rows", state_rows, 1)
+        reset = None if reset is None else _host(reset).astype(bool)
+        invalidate = None if invalidate is None else _ints("invalidate", invalidate, 2)
+        step, self._next_step = self._next_step, self._next_step + 1
+        self._client.step(step, rows, reset=reset, invalidate=invalidate)
+        self._step, self._state_rows, self._failed = step, rows, False
+
+    def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int,
+                return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None):
+        """Make the rows of ``logical_topk_indices`` int [tokens, k] (positions of each
+        token's request, k <= layout.top_k) readable in ``kv(layer)``; return the indices
+        int32 [tokens, k] into it (-1: none), and with ``return_valid_counts`` also the
+        count of indices >= 0 per token, int32 [tokens]. ``req_id_per_token`` int
+        [tokens]: the state row of each token (-1 = padding token); ``block_table`` int
+        [>= max req id + 1, max_blocks]: host block of each logical block of each request
+        (-1 = none), ``block_size`` tokens per block. See the module docstring."""
+        self._open()
+        like = next((a for a in (logical_topk_indices, req_id_per_token) if _is_torch(a)), None)
+        group, leader = self._group(layer)
+        if self._step is None:
+            why = "the last begin_step failed" if self._failed else "swap_in before begin_step"
+            raise BadRequest(f"{why}: call begin_step(state_rows, ...) once per decode step before its first swap_in",
+                             ErrorCode.BAD_ARGUMENT)
+        reqs = _ints("req_id_per_token", req_id_per_token, 1)
+        topk = _ints("logical_topk_indices", logical_topk_indices, 2)
+        if topk.shape[0] != reqs.shape[0]:
+            raise BadRequest(f"logical_topk_indices must be [tokens={reqs.shape[0]}, k], got {topk.shape}",
+                             ErrorCode.BAD_ARGUMENT)
+        if topk.shape[1] > self.layout.top_k:
+            raise BadRequest(f"logical_topk_indices has {topk.shape[1]} columns, layout top_k is {self.layout.top_k}",
+                             ErrorCode.BAD_ARGUMENT)
+        if layer == leader:
+            slots = self._lead(group, reqs, topk, block_table, block_size)
+        else:
+            slots = self._follow(group, layer, leader, reqs, topk)
+        # Region of state row r, slot s: row r * region_stride + s (fits int32: the layout
+        # keeps max_reqs * region_stride <= 2**31).
+        idx = np.where(slots >= 0, reqs[:, None].astype(np.int64) * self._stride + slots, -1).astype(np.int32)
+        counts = (idx >= 0).sum(axis=1, dtype=np.int32)
+        idx = _deliver("attention_indices_out", idx, attention_indices_out, like)
+        if not return_valid_counts:
+            return idx
+        return idx, _deliver("valid_counts_out", counts, valid_counts_out, like)
+
+    def kv(self, layer: int):
+        """The layer's hot slab, ``[max_reqs * region_stride, row_bytes]`` uint8 (NumPy for
+        a cpu attachment, a torch tensor on the GPU for a cuda one); a view, not a copy."""
+        self._open()
+        if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.layout.num_layers):
+            raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
+        return self._kv[int(layer)]
+
+    def check(self) -> None:
+        """Raise the typed error of a request the daemon refused and nobody has seen yet.
+        On this host path every request's error is raised by the call that made it, except
+        a STEP the zmq client sent without waiting (its error surfaces at the next reply):
+        this waits for those. The in-process client has nothing deferred."""
+        self._open()
+        flush = getattr(self._client, "flush", None)
+        if flush is not None:
+            flush()
+
+    def close(self) -> None:
+        """Forget the slab views and the step's slots (idempotent). The client stays open:
+        it belongs to the caller."""
+        self._closed = True
+        self._kv = []
+        self._slots.clear()
+        self._step = None
+
+    def __enter__(self) -> "HostSwapIn":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------
+    def _open(self) -> None:
+        if self._closed:
+            raise SparseKVError("this HostSwapIn is closed; make a new one")
+
+    def _group(self, layer) -> tuple[int, int]:
+        if not isinstance(layer, (int, np.integer)) or int(layer) not in self._group_of:
+            raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
+        return self._group_of[int(layer)]
+
+    def _lead(self, group: int, reqs: np.ndarray, topk: np.ndarray, block_table, block_size) -> np.ndarray:
+        """The group's leader: positions -> host rows, one top-k batch, keep the slots."""
+        lay = self.layout
+        table = _ints("block_table", block_table, 2)
+        bad = (reqs < -1) | (reqs >= lay.max_reqs)
+        if bad.any():
+            raise BadRequest(f"req_id_per_token holds {int(reqs[bad][0])}, outside [-1, max_reqs={lay.max_reqs})",
+                             ErrorCode.BAD_STATE_ROW)
+        live = reqs >= 0
+        if live.any() and int(reqs.max()) >= table.shape[0]:
+            raise BadRequest(f"block_table has {table.shape[0]} row(s); request {int(reqs.max())} has none "
+                             "(it is indexed by request state row)", ErrorCode.BAD_ARGUMENT)
+        stray = live & ~np.isin(reqs, self._state_rows)
+        if stray.any():
+            t = int(np.flatnonzero(stray)[0])
+            raise BadRequest(f"token {t} belongs to request {int(reqs[t])}, which is not among this step's state rows; "
+                             "pass every request of the step to begin_step", ErrorCode.BAD_STATE_ROW)
+        # The per-token table: its request's row of the block table; a padding token gets
+        # a row of -1, so each of its positions maps to nothing.
+        per_token = np.full((reqs.shape[0], table.shape[1]), -1, dtype=table.dtype)
+        per_token[live] = table[reqs[live]]
+        try:
+            rows = host_rows(topk, per_token, block_size)
+        except (TypeError, ValueError) as e:  # e.g. block_size not a positive integer
+            raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
+        if reqs.shape[0] == 0:
+            slots = np.empty((0, topk.shape[1]), np.int32)
+        else:
+            res = self._client.topk(self._step, group, rows, state_rows=reqs)
+            slots, misses = res.host()  # NumPy (cuda: waits for the current stream)
+            slots = np.asarray(slots, dtype=np.int32)
+            self.counts["batches"] += 1
+            self.counts["hits"] += res.hits or 0
+            self.counts["misses"] += int(np.asarray(misses).sum())
+            self.counts["out_of_range"] += res.out_of_range or 0
+        self._slots[group] = (reqs, slots)
+        return slots
+
+    def _follow(self, group: int, layer: int, leader: int, reqs: np.ndarray, topk: np.ndarray) -> np.ndarray:
+        """A follower: the leader's slots of this step, no request."""
+        got = self._slots.get(group)
+        if got is None:
+            raise BadRequest(f"layer {layer} follows layer {leader} in index group {group}, whose swap_in has not run "
+                             f"in step {self._step}: call swap_in for layer {leader} first", ErrorCode.BAD_ARGUMENT)
+        lead_reqs, slots = got
+        if reqs.shape != lead_reqs.shape or not np.array_equal(reqs, lead_reqs) or topk.shape != slots.shape:
+            raise BadRequest(f"layer {layer} reuses the top-k of its leader layer {leader}, so it must pass the same "
+                             f"tokens: req_id_per_token {reqs.shape} and logical_topk_indices {topk.shape} differ from "
+                             f"the leader's {lead_reqs.shape} and {slots.shape}", ErrorCode.BAD_ARGUMENT)
+        return slots
+
+
+def _is_torch(a) -> bool:
+    torch = sys.modules.get("torch")  # a tensor implies torch is imported: never import it here
+    return torch is not None and isinstance(a, torch.Tensor)
+
+
+def _host(a) -> np.ndarray:
+    if _is_torch(a):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
+
+def _ints(name: str, a, ndim: int) -> np.ndarray:
+    """An integer array of ``ndim`` dims on the host, or BadRequest naming it."""
+    arr = _host(a)
+    if arr.ndim != ndim:
+        raise BadRequest(f"{name} must have {ndim} dimension(s), got shape {arr.shape}", ErrorCode.BAD_ARGUMENT)
+    if arr.dtype.kind not in "iu":
+        raise BadRequest(f"{name} must hold integers, got {arr.dtype}", ErrorCode.BAD_ARGUMENT)
+    return arr
+
+
+def _deliver(name: str, result: np.ndarray, out, like):
+    """``result`` written into ``out`` (returned), or as a new array of ``like``'s kind."""
+    if out is None:
+        if like is None:
+            return result
+        import torch  # noqa: PLC0415 - only reached with a tensor argument, so torch is there
+
+        return torch.from_numpy(result).to(like.device)
+    if tuple(out.shape) != result.shape:
+        raise BadRequest(f"{name} must have shape {result.shape}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
+    if _is_torch(out):
+        import torch  # noqa: PLC0415
+
+        if out.dtype != torch.int32:
+            raise BadRequest(f"{name} must be int32, got {out.dtype}", ErrorCode.BAD_ARGUMENT)
+        out.copy_(torch.from_numpy(result))
+        return out
+    if not isinstance(out, np.ndarray) or out.dtype != np.int32:
+        raise BadRequest(f"{name} must be an int32 NumPy array or torch tensor, got {type(out).__name__} "
+                         f"{getattr(out, 'dtype', '')}", ErrorCode.BAD_ARGUMENT)
+    out[...] = result
+    return out

@@ -1,0 +1,321 @@
+"""Decode loop of the DSA-shaped model (model.py) with its KV rows local or in sparsekv.
+
+    python examples/dsa_decode/run.py                   # both modes side by side, in process
+    python examples/dsa_decode/run.py --transport zmq   # sparsekv through a private daemon
+    python examples/dsa_decode/run.py --kv sparsekv     # one mode: prints output digests
+
+Requests of different lengths arrive and leave; each gets a request state row and host
+blocks from a shuffled free list (a request's blocks are not contiguous, and freed blocks
+go to the next request). Every step: admit (a stand-in prefill writes the prompt's rows),
+``begin_step``, the model's layers (each calls ``swap_in`` and reads ``kv(layer)``), then
+each token's new KV rows are written, before the next step reads them.
+
+``--kv local``: every KV row in a torch tensor indexed by host row (model.LocalKV).
+``--kv sparsekv``: rows written into sparsekv's host pool (``client.write``), read
+through ``HostSwapIn.swap_in`` from the hot slab. ``--kv both`` runs the two side by side
+on one schedule and compares their logits every step: they must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model import Batch, Config, DsaModel, LocalKV  # noqa: E402
+
+from sparsekv.client import Client  # noqa: E402
+from sparsekv.client.inproc import InprocClient  # noqa: E402
+from sparsekv.client.private_daemon import PrivateDaemon  # noqa: E402
+from sparsekv.client.swap_in import HostSwapIn  # noqa: E402
+from sparsekv.proto import Layout  # noqa: E402
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 40
+    requests: int = 10
+    max_reqs: int = 4  # request state rows = the fixed batch of one step (padded with -1)
+    block_size: int = 16
+    host_blocks: int = 40  # the host pool: host_blocks * block_size rows per layer
+    prompt: tuple[int, int] = (8, 100)  # prompt length range
+    new_tokens: tuple[int, int] = (4, 24)  # decoded tokens range
+    seed: int = 1
+
+
+# -- the schedule: the same for every KV mode ------------------------------------------
+@dataclass
+class Request:
+    rid: int
+    arrive: int
+    prompt: torch.Tensor  # tokens; the last one is the first decode step's input
+    new_tokens: int
+    state_row: int = -1
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # positions with KV rows
+    decoded: int = 0
+    last_row: int = -1  # host row written for it since the last step (-1 none)
+
+
+@dataclass
+class Plan:
+    """One step's batch as the engine hands it to sparsekv and the model: token b is the
+    request in state row b, or padding (-1)."""
+
+    req_ids: torch.Tensor  # int64 [max_reqs]
+    positions: torch.Tensor  # int64 [max_reqs]
+    block_table: torch.Tensor  # int64 [max_reqs, max_blocks]
+    reset: torch.Tensor  # bool [max_reqs]: the state row starts a new request
+    invalidate: torch.Tensor  # int64 [max_reqs, 1]: host row rewritten since the last step
+    new_rows: torch.Tensor  # int64 [max_reqs]: host row of each token's own KV row, -1 padding
+    admitted: list[Request]
+    running: dict[int, Request]
+
+
+class Scheduler:
+    """Arrivals, state rows and host blocks (allocated whole at admission, freed LIFO)."""
+
+    def __init__(self, rc: RunConfig, vocab: int):
+        self.rc = rc
+        g = torch.Generator().manual_seed(rc.seed)
+
+        def draw(lo, hi):
+            return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+        self.max_blocks = -(-(rc.prompt[1] + rc.new_tokens[1]) // rc.block_size)
+        self.waiting = []
+        for i in range(rc.requests):
+            arrive = draw(0, rc.steps * 2 // 3) if i else 0
+            prompt = torch.randint(vocab, (draw(*rc.prompt) + 1,), generator=g)
+            self.waiting.append(Request(i, arrive, prompt, draw(*rc.new_tokens)))
+        self.waiting.sort(key=lambda r: r.arrive)
+        self.free_rows = list(range(rc.max_reqs))
+        self.free_blocks = torch.randperm(rc.host_blocks, generator=g).tolist()
+        self.used_blocks: set[int] = set()  # every block handed out so far
+        self.reused_blocks = 0  # blocks handed out again after a request left
+        self.running: dict[int, Request] = {}
+
+    def plan(self, step: int) -> Plan:
+        rc, admitted = self.rc, []
+        while self.waiting and self.waiting[0].arrive <= step and self.free_rows:
+            r = self.waiting[0]
+            need = -(-(len(r.prompt) + r.new_tokens) // rc.block_size)
+            if need > len(self.free_blocks):
+                break
+            self.waiting.pop(0)
+            r.state_row = self.free_rows.pop(0)
+            r.blocks = [self.free_blocks.pop() for _ in range(need)]
+            self.reused_blocks += len(self.used_blocks.intersection(r.blocks))
+            self.used_blocks.update(r.blocks)
+            r.length = len(r.prompt) - 1  # the prefill writes all but the last prompt token
+            self.running[r.state_row] = r
+            admitted.append(r)
+        n = rc.max_reqs
+        p = Plan(req_ids=torch.full((n,), -1), positions=torch.zeros(n, dtype=torch.long),
+                 block_table=torch.full((n, self.max_blocks), -1), reset=torch.zeros(n, dtype=torch.bool),
+                 invalidate=torch.full((n, 1), -1), new_rows=torch.full((n,), -1), admitted=admitted,
+                 running=dict(self.running))
+        new = {r.rid for r in admitted}
+        for s, r in self.running.items():
+            p.req_ids[s], p.positions[s] = s, r.length
+            p.block_table[s, : len(r.blocks)] = torch.tensor(r.blocks)
+            p.reset[s] = r.rid in new
+            p.invalidate[s, 0] = r.last_row
+            p.new_rows[s] = self.row_of(r, r.length)
+        return p
+
+    def row_of(self, r: Request, position: int) -> int:
+        return r.blocks[position // self.rc.block_size] * self.rc.block_size + position % self.rc.block_size
+
+    def prompt_rows(self, r: Request) -> torch.Tensor:
+        return torch.tensor([self.row_of(r, pos) for pos in range(r.length)], dtype=torch.long)
+
+    def finish(self, p: Plan) -> list[Request]:
+        """After the step: one more position each; requests done leave (blocks and state
+        row back to the free lists)."""
+        left = []
+        for s, r in list(self.running.items()):
+            r.last_row = int(p.new_rows[s])
+            r.length += 1
+            r.decoded += 1
+            if r.decoded == r.new_tokens:
+                del self.running[s]
+                self.free_blocks.extend(reversed(r.blocks))  # LIFO: the next request gets them
+                self.free_rows.append(s)
+                left.append(r)
+        return left
+
+
+# -- one KV mode -------------------------------------------------------------------------
+class Engine:
+    """The model, the handle its attention reads through, and where new rows go."""
+
+    def __init__(self, name: str, model: DsaModel, handle, write, host_rows: int):
+        self.name, self.model, self.handle, self.write = name, model, handle, write
+        self.device = model.cfg.device
+        self.index_keys = torch.zeros((model.cfg.num_layers, host_rows, model.cfg.index_dim), device=self.device)
+        self.next_token: dict[int, int] = {}  # request -> its next input token
+
+    def prefill(self, r: Request, rows: torch.Tensor) -> None:
+        rows = rows.to(self.device)
+        kv_rows, keys = self.model.prompt_rows(r.prompt[:-1].to(self.device))
+        self.write(rows, kv_rows)
+        self.index_keys[:, rows] = keys
+        self.next_token[r.rid] = int(r.prompt[-1])
+
+    def step(self, p: Plan, block_size: int) -> torch.Tensor:
+        """One decode step; returns the logits of the live tokens [n, vocab] (on the CPU)."""
+        dev = self.device
+        self.handle.begin_step(p.req_ids.to(dev), reset=p.reset.to(dev), invalidate=p.invalidate.to(dev))
+        tokens = torch.tensor([self.next_token[p.running[s].rid] if s in p.running else 0
+                               for s in range(len(p.req_ids))])
+        batch = Batch(tokens.to(dev), p.req_ids.to(dev), p.positions.to(dev), p.block_table.to(dev), block_size)
+        out = self.model.decode_step(batch, self.handle, self.index_keys)
+        live = (p.req_ids >= 0).to(dev)
+        rows = p.new_rows.to(dev)[live]
+        # New rows land before the next step reads them (this step read its own rows
+        # directly: each token attends to the rows it just made).
+        self.write(rows, out.kv_rows[:, live])
+        self.index_keys[:, rows] = out.index_keys[:, live]
+        logits = out.logits[live].cpu()
+        for s, tok in zip(p.req_ids[p.req_ids >= 0].tolist(), logits.argmax(1).tolist()):
+            self.next_token[p.running[s].rid] = tok  # greedy
+        return logits
+
+
+def layout_for(cfg: Config, rc: RunConfig) -> Layout:
+    return Layout(num_layers=cfg.num_layers, row_bytes=656, top_k=cfg.top_k, region_stride=2 * cfg.top_k,
+                  max_reqs=rc.max_reqs, host_rows=rc.host_blocks * rc.block_size, index_groups=cfg.groups).validate()
+
+
+@contextlib.contextmanager
+def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str | None = None):
+    """An Engine whose KV rows live in sparsekv: connect, attach, wrap in a handle."""
+    layout = layout_for(model.cfg, rc)
+    with contextlib.ExitStack() as stack:
+        if transport == "inproc":
+            client = stack.enter_context(InprocClient(backend="cpu"))
+        elif transport == "zmq":
+            if run_dir is None:
+                run_dir = stack.enter_context(PrivateDaemon(pool_bytes=max(64 << 20, 2 * layout.pool_bytes),
+                                                            backend="cpu")).run_dir
+            client = stack.enter_context(Client(run_dir, name="dsa-example"))
+        else:
+            # ===== device handle: plug in here (client/doorbell.py) ==========================
+            # client = stack.enter_context(Client(run_dir, device="cuda:0", name="dsa-example"))
+            # client.attach(layout, engine="dsa-example")
+            # handle = client.doorbell_handle()   # same begin_step / swap_in / kv, device tensors
+            # ... and build the model with Config(device="cuda:0"); writes may go through
+            # client.write (host bytes, as below) or the staging buffer (write_staged).
+            # ====================================================================================
+            raise SystemExit(f"--transport {transport}: the device handle (client/doorbell.py) is not built yet")
+        client.attach(layout, engine="dsa-example")
+        handle = stack.enter_context(HostSwapIn(client))
+
+        def write(rows: torch.Tensor, data: torch.Tensor) -> None:
+            client.write(rows.cpu().numpy().astype(np.int32), data.cpu().numpy())  # all layers
+
+        yield Engine("sparsekv", model, handle, write, layout.host_rows)
+        handle.check()
+
+
+@dataclass
+class Result:
+    logits: dict[str, list[torch.Tensor]]  # mode -> per step [live tokens, vocab]
+    equal: bool | None  # --kv both: every step bit-identical
+    max_abs_diff: float | None
+    reused_blocks: int
+    counts: dict | None  # sparsekv's hits / misses / out_of_range
+
+
+def run(cfg: Config, rc: RunConfig, kv: str = "both", transport: str = "inproc", run_dir: str | None = None,
+        out=print) -> Result:
+    model = DsaModel(cfg)
+    host_rows = rc.host_blocks * rc.block_size
+    modes = ["local", "sparsekv"] if kv == "both" else [kv]
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for mode in modes:
+            if mode == "local":
+                local = LocalKV(cfg.num_layers, host_rows, cfg.device)
+                engines.append(Engine("local", model, local, local.write, host_rows))
+            else:
+                engines.append(stack.enter_context(sparsekv_engine(model, rc, transport, run_dir)))
+        sched = Scheduler(rc, cfg.vocab)
+        logits = {e.name: [] for e in engines}
+        worst, equal = 0.0, True
+        for step in range(rc.steps):
+            p = sched.plan(step)
+            for r in p.admitted:
+                rows = sched.prompt_rows(r)
+                for e in engines:
+                    e.prefill(r, rows)
+            before = dict(getattr(engines[-1].handle, "counts", {}))
+            for e in engines:
+                logits[e.name].append(e.step(p, rc.block_size))
+            left = sched.finish(p)
+            line = f"step {step:3d}  running {len(p.running)} (+{len(p.admitted)} new, -{len(left)} left)"
+            counts = getattr(engines[-1].handle, "counts", None)
+            if counts:
+                line += f"  hits {counts['hits'] - before['hits']:4d} misses {counts['misses'] - before['misses']:4d}"
+            if len(engines) == 2:
+                a, b = logits["local"][-1], logits["sparsekv"][-1]
+                same = torch.equal(a, b)
+                diff = float((a - b).abs().max()) if a.numel() else 0.0
+                equal &= same
+                worst = max(worst, diff)
+                line += f"  max|local - sparsekv| {diff:.3g} {'equal' if same else 'DIFFERENT'}"
+            else:
+                line += f"  digest {_digest(logits[modes[0]][-1])}"
+            out(line)
+        counts = getattr(engines[-1].handle, "counts", None)
+        counts = dict(counts) if counts is not None else None
+    out(f"requests: {rc.requests - len(sched.waiting)} admitted, {len(sched.running)} still running; "
+        f"host blocks handed out again after their request left: {sched.reused_blocks}"
+        + (f"; sparsekv: {counts}" if counts else ""))
+    if len(engines) == 2:
+        out(f"outputs {'equal' if equal else 'NOT equal'}: local vs sparsekv over {rc.steps} steps, "
+            f"max abs diff {worst:.3g}")
+        return Result(logits, equal, worst, sched.reused_blocks, counts)
+    out(f"outputs digest ({modes[0]}, {rc.steps} steps): {_digest(*logits[modes[0]])}")
+    return Result(logits, None, None, sched.reused_blocks, counts)
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kv", choices=["local", "sparsekv", "both"], default="both")
+    ap.add_argument("--transport", choices=["inproc", "zmq", "doorbell"], default="inproc",
+                    help="sparsekv in this process, through a daemon (a private one unless --run-dir), "
+                         "or the device handle")
+    ap.add_argument("--run-dir", help="an existing sparsekvd's run dir (--transport zmq)")
+    ap.add_argument("--device", default="cpu", help="where the model runs (cuda:0 with --transport doorbell)")
+    ap.add_argument("--steps", type=int, default=RunConfig.steps)
+    ap.add_argument("--requests", type=int, default=RunConfig.requests)
+    ap.add_argument("--layers", type=int, default=Config.num_layers)
+    ap.add_argument("--layers-per-indexer", type=int, default=Config.layers_per_indexer)
+    ap.add_argument("--top-k", type=int, default=Config.top_k)
+    ap.add_argument("--seed", type=int, default=RunConfig.seed)
+    a = ap.parse_args(argv)
+    cfg = Config(num_layers=a.layers, top_k=a.top_k, layers_per_indexer=a.layers_per_indexer, seed=a.seed,
+                 device=a.device)
+    rc = RunConfig(steps=a.steps, requests=a.requests, seed=a.seed)
+    res = run(cfg, rc, a.kv, a.transport, a.run_dir)
+    return 0 if res.equal in (True, None) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

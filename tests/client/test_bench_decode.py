@@ -1,0 +1,419 @@
+"""``sparsekv bench decode`` (client/bench_decode.py): the top-k generator keeps the
+tuned share of each row from step to step and about ``layer_overlap`` between adjacent
+layers; the fill helpers; the table and the JSON keys; options and the command line.
+The engine-side step code runs on torch's CPU device where torch is installed; the whole
+benchmark runs once, tiny, on a GPU (marked ``cuda``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from sparsekv.client import bench_decode as bd
+from sparsekv.client.bench_decode import Options, Result, derive, generate, summary, table
+
+SMALL = dict(steps=6, layers=6, context=1024, top_k=256, block_size=16)
+
+
+def overlap(a: np.ndarray, b: np.ndarray) -> int:
+    return len(np.intersect1d(a, b))
+
+
+# -- generation -----------------------------------------------------------------------------
+@pytest.mark.parametrize("hits", [0.8, 0.9, 0.95, 1.0, 0.0])
+def test_every_layer_keeps_the_tuned_share_of_each_row_from_the_previous_step(hits):
+    wl = generate(4, hits, **SMALL, seed=1)
+    keep = int(round(hits * 256))
+    assert wl.target_hit_rate == keep / 256
+    assert abs(wl.target_hit_rate - hits) <= 1 / 256
+    for t in range(1, wl.steps):
+        cur, prev = wl.topk(t), wl.topk(t - 1)
+        for layer in range(wl.layers):
+            for r in range(wl.batch):
+                assert overlap(cur[layer, r], prev[layer, r]) == keep, (t, layer, r)
+
+
+def test_rows_are_unique_positions_in_the_context():
+    wl = generate(5, 0.8, **SMALL, seed=2)
+    assert wl.base.dtype == np.int32 and wl.base.shape == (6, 5, 256)
+    for t in range(wl.steps):
+        topk = wl.topk(t)
+        assert topk.shape == (6, 5, 256) and topk.dtype == np.int32
+        assert topk.min() >= 0 and topk.max() < 1024
+        for layer in range(wl.layers):
+            for r in range(wl.batch):
+                assert len(np.unique(topk[layer, r])) == 256
+
+
+@pytest.mark.parametrize("target", [0.85, 0.7, 1.0])
+def test_adjacent_layers_overlap_about_layer_overlap(target):
+    wl = generate(16, 0.9, steps=3, layers=8, context=1024, top_k=256, block_size=16, layer_overlap=target, seed=3)
+    topk = wl.topk(2)
+    shares = [overlap(topk[layer, r], topk[layer - 1, r]) / 256 for layer in range(1, 8) for r in range(16)]
+    assert abs(np.mean(shares) - target) < 0.03, np.mean(shares)
+    if target < 1:
+        assert overlap(topk[7, 0], topk[0, 0]) < 256  # far layers drift apart
+
+
+def test_block_table_maps_every_position_to_its_own_host_row():
+    wl = generate(3, 0.9, **SMALL, seed=4)
+    blocks = 1024 // 16
+    assert wl.block_table.shape == (3, blocks)
+    assert sorted(wl.block_table.ravel().tolist()) == list(range(3 * blocks))  # every host block once
+    rows = wl.host_rows_of(2)
+    assert rows.min() >= 0 and rows.max() < 3 * 1024
+    for layer in range(wl.layers):
+        for r in range(3):
+            assert len(np.unique(rows[layer, r])) == 256
+
+
+def test_reset_only_at_the_first_step():
+    wl = generate(3, 0.9, **SMALL)
+    assert wl.reset[0].all() and not wl.reset[1:].any()
+
+
+def test_generation_is_deterministic_and_a_batch_shares_its_block_table():
+    a = generate(4, 0.9, **SMALL, seed=7)
+    b = generate(4, 0.9, **SMALL, seed=7)
+    c = generate(4, 0.8, **SMALL, seed=7)
+    np.testing.assert_array_equal(a.base, b.base)
+    np.testing.assert_array_equal(a.perms, b.perms)
+    np.testing.assert_array_equal(a.block_table, c.block_table)
+    assert not np.array_equal(a.base, c.base)
+
+
+def test_a_context_too_short_for_the_new_positions_is_refused():
+    with pytest.raises(ValueError, match="context"):
+        generate(2, 0.5, steps=2, layers=1, context=300, top_k=256, block_size=16)
+    with pytest.raises(ValueError, match="--context"):
+        Options(hits=(50.0,), context=3000, top_k=2048).validate()
+
+
+# -- fill -------------------------------------------------------------------------------------
+def test_fill_pattern_fills_every_layer_alike_from_a_repeating_tile():
+    pool = np.zeros((4, bd.PATTERN_ROWS + 100, 32), np.uint8)
+    bd.fill_pattern(pool, threads=2)
+    tile = bd.pattern_tile(bd.PATTERN_ROWS, 32)
+    np.testing.assert_array_equal(pool[0, : bd.PATTERN_ROWS], tile)
+    np.testing.assert_array_equal(pool[0, bd.PATTERN_ROWS:], tile[:100])
+    for layer in range(1, 4):
+        np.testing.assert_array_equal(pool[layer], pool[0])
+    assert pool[0, 1, 0] == 7 and pool[0, 1, 3] == 10
+
+
+def test_fill_through_client_writes_every_row_of_every_layer_in_whole_frames(monkeypatch):
+    from types import SimpleNamespace
+
+    frame = 3 * 32 * 40  # 40 rows of 3 layers a write
+    monkeypatch.setattr(bd, "LIMITS", SimpleNamespace(max_frame_bytes=frame, max_write_rows=1 << 20))
+
+    class FakeClient:
+        def __init__(self):
+            self.pool = np.zeros((3, 100, 32), np.uint8)
+            self.writes = []
+
+        def write(self, rows, data, layers=None):
+            assert layers is None and data.shape == (3, len(rows), 32) and data.nbytes <= frame
+            assert rows.dtype == np.int32
+            self.pool[:, rows] = data
+            self.writes.append((int(rows[0]), len(rows)))
+
+    lay = bd.Layout(num_layers=3, row_bytes=32, top_k=4, region_stride=4, max_reqs=1, host_rows=100)
+    c = FakeClient()
+    assert bd.fill_through_client(c, lay) >= 0
+    assert c.writes == [(0, 40), (40, 40), (80, 20)]
+    block = np.zeros((3, 40, 32), np.uint8)
+    bd.fill_pattern(block)
+    for start, n in c.writes:
+        np.testing.assert_array_equal(c.pool[:, start:start + n], block[:, :n])
+
+
+# -- results: derived figures, table, JSON ----------------------------------------------------
+def fake_results() -> list[Result]:
+    out = []
+    for batch in (16, 64):
+        for hits in (80.0, 90.0):
+            base = 1000.0 * batch / 16
+            out.append(Result("gpu", batch, hits, run="graph", p50_us=base / 2, p99_us=base / 2 + 5))
+            out.append(Result("inproc", batch, hits, run="graph", p50_us=base, p99_us=base + 10, hit_rate=hits / 100,
+                              hit_measured=True, misses_per_step=(1 - hits / 100) * batch * 2048 * 61, fill_s=1.5))
+            out.append(Result("doorbell", batch, hits, run="graph", p50_us=base + 122.0, p99_us=base + 200,
+                              hit_rate=hits / 100, hit_measured=False,
+                              misses_per_step=(1 - hits / 100) * batch * 2048 * 61))
+    out.append(Result("zmq", 16, 80.0, skipped="unavailable: no HostSwapIn"))
+    out.append(Result("zmq", 64, 90.0, error="DaemonUnavailable: sparsekvd is gone"))
+    return derive(out, 61, 656)
+
+
+def test_derived_figures_compare_each_mode_with_inproc_of_the_same_config():
+    rs = {(r.batch, r.hits, r.mode): r for r in fake_results()}
+    db, inproc = rs[(64, 90.0, "doorbell")], rs[(64, 90.0, "inproc")]
+    assert db.overhead_us_per_layer == pytest.approx(122.0 / 61)
+    assert db.vs_inproc == pytest.approx(db.p50_us / inproc.p50_us)
+    assert inproc.inproc_vs_gpu == pytest.approx(2.0)
+    assert inproc.gbps == pytest.approx(inproc.misses_per_step * 656 / (inproc.p50_us * 1e-6) / 1e9)
+    assert rs[(64, 90.0, "gpu")].gbps is None and rs[(64, 90.0, "gpu")].vs_inproc is None
+
+
+def test_json_has_the_headline_keys_at_batch_64_and_90_percent():
+    opts = Options(gather_blocks=32)
+    d = summary(fake_results(), opts)
+    json.dumps(d)  # plain values only
+    assert d["decode_reference_config"] == "b64_h90_k2048"
+    assert d["doorbell_overhead_us_per_layer"] == pytest.approx(2.0, abs=0.01)
+    assert d["decode_daemon_vs_inproc"] == pytest.approx(round((4000 + 122) / 4000, 3))
+    assert d["decode_b64_h90_doorbell_p50_us"] == 4122.0
+    assert d["decode_b64_h90_inproc_p50_us"] == 4000.0
+    assert d["decode_b16_h80_gpu_p99_us"] == 505.0
+    assert d["decode_b64_h90_inproc_vs_gpu"] == 2.0
+    assert d["decode_b64_h90_doorbell_overhead_us_per_layer"] == 2.0
+    assert d["decode_b64_h90_doorbell_hit_rate_measured"] is False
+    assert d["decode_b64_inproc_fill_s"] == 1.5
+    assert d["decode_b16_h80_zmq_skipped"].startswith("unavailable")
+    assert d["decode_b64_h90_zmq_error"].startswith("DaemonUnavailable")
+    assert d["decode_gather_blocks"] == 32 and d["decode_layers"] == 61
+
+
+def test_json_falls_back_to_the_first_config_without_batch_64_at_90_percent():
+    rs = [r for r in fake_results() if not (r.batch == 64 and r.hits == 90.0)]
+    d = summary(rs, Options(gather_blocks=32))
+    assert d["decode_reference_config"] == "b16_h80_k2048"
+    assert d["doorbell_overhead_us_per_layer"] == pytest.approx(2.0, abs=0.01)
+    assert d["decode_daemon_vs_inproc"] == pytest.approx(round(1122 / 1000, 3))
+    empty = summary([], Options(gather_blocks=32))
+    assert empty["doorbell_overhead_us_per_layer"] is None and empty["decode_daemon_vs_inproc"] is None
+
+
+def test_table_lists_every_config_in_order_with_notes():
+    rs = fake_results()
+    rs[0].run = "eager"
+    text = table(rs, Options(gather_blocks=32))
+    lines = text.splitlines()
+    assert lines[0].startswith("sparsekv bench decode: 61 layers, top-k 2048, 656 B rows, context 8192")
+    assert "gather_blocks 32" in lines[0]
+    for col in ("batch", "hits", "mode", "run", "p50 us", "p99 us", "hit %", "GB/s", "+us/layer", "x inproc",
+                "inproc/gpu"):
+        assert col in lines[1]
+    rows = [ln for ln in lines[2:] if not ln.startswith("note: ")]
+    assert len(rows) == 14
+    assert [ln.split()[2] for ln in rows[:3]] == ["gpu", "inproc", "doorbell"]  # mode order within a config
+    assert [ln.split()[0] for ln in rows].index("64") == 7  # batch 16 first (with its zmq row)
+    db = next(ln for ln in rows if ln.split()[:3] == ["64", "90%", "doorbell"])
+    assert "4122.0" in db and "+2.00" in db and " 1.03" in db and "90.0~" in db
+    assert "skipped: unavailable" in text and "error: DaemonUnavailable" in text
+    assert "generator's target" in text and "capture failed" in text
+
+
+def test_hits_keys_are_names():
+    assert bd.hkey(90.0) == "90" and bd.hkey(92.5) == "92p5"
+
+
+def test_plot_without_matplotlib_says_so_and_skips(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert bd.plot(fake_results(), str(tmp_path / "p.png")) is False
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert bd.plot(fake_results(), str(tmp_path / "p.png")) is True
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+# -- options and the command line -------------------------------------------------------------
+def parse(*argv):
+    from sparsekv.client.cli import build_parser
+
+    return build_parser().parse_args(["bench", "decode", *argv])
+
+
+def test_defaults_quick_and_explicit_options():
+    o = bd.options_from_args(parse())
+    assert (o.batches, o.hits, o.steps, o.modes, o.layers, o.top_k) == (
+        (16, 64, 128), (80.0, 90.0, 95.0), 40, ("gpu", "inproc", "doorbell"), 61, 2048)
+    q = bd.options_from_args(parse("--quick"))
+    assert (q.batches, q.hits, q.steps) == ((16, 64), (90.0,), 20)
+    e = bd.options_from_args(parse("--quick", "--batches", "8,32", "--hits", "0.9,95", "--steps", "5",
+                                   "--modes", "zmq,gpu,zmq", "--json", "x.json", "--plot", "p.png"))
+    assert (e.batches, e.hits, e.steps, e.modes) == ((8, 32), (90.0, 95.0), 5, ("zmq", "gpu"))
+    assert (e.json_path, e.plot_path) == ("x.json", "p.png")
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--modes", "gpu,bogus"], "--modes"),
+    (["--batches", "0"], "--batches"),
+    (["--hits", "120"], "--hits"),
+    (["--row-bytes", "650"], "multiple of 16"),
+    (["--steps", "-1"], "--steps"),
+    (["--context", "2100"], "--context"),
+])
+def test_bad_options_end_in_one_line_and_exit_2(argv, msg, capsys):
+    from sparsekv.client.cli import main
+
+    assert main(["bench", "decode", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sparsekv bench decode:") and msg in err and len(err.splitlines()) == 1
+
+
+def test_decode_runs_alone(capsys):
+    from sparsekv.client.cli import main
+
+    assert main(["bench", "decode", "gather"]) == 2
+    assert "decode runs alone" in capsys.readouterr().err
+
+
+def test_a_list_that_is_not_one_is_an_argparse_error():
+    with pytest.raises(SystemExit):
+        parse("--batches", "16,x")
+
+
+# -- the engine-side step code on torch's CPU device ------------------------------------------
+@pytest.fixture
+def cpu_torch(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(bd, "_device", lambda torch: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    return torch
+
+
+def tiny():
+    opts = Options(batches=(3,), hits=(90.0,), layers=3, top_k=64, row_bytes=32, context=256, block_size=16,
+                   steps=3, warmup=2, gather_blocks=32).validate()
+    lay = bd.make_layout(3, opts)
+    wl = generate(3, 0.9, steps=5, layers=3, context=256, top_k=64, block_size=16, seed=5)
+    return opts, lay, wl
+
+
+def expected_out(pool: np.ndarray, rows: np.ndarray, mask=None) -> np.ndarray:
+    """[layers, batch]: the sum of every int32 word of every selected row."""
+    words = pool.view(np.int32).astype(np.int64)  # [L, R, RB / 4]
+    sums = words.sum(axis=2)  # [L, R]
+    per = np.take_along_axis(sums[:, None, :], np.maximum(rows, 0).reshape(rows.shape[0], 1, -1), axis=2)
+    per = per.reshape(rows.shape)
+    if mask is not None:
+        per = per * mask
+    return per.sum(axis=2)
+
+
+def test_the_gpu_step_maps_positions_through_the_block_table_and_reads_those_rows(cpu_torch):
+    torch = cpu_torch
+    opts, lay, wl = tiny()
+    pool = np.zeros((3, lay.host_rows, 32), np.uint8)
+    pool[:] = np.random.default_rng(0).integers(0, 256, pool.shape, dtype=np.uint8)
+    kv32 = torch.from_numpy(pool).view(torch.int32)
+    st = bd._Static(torch, lay, opts.blocks)
+    inputs = bd._Inputs(torch, wl)
+    st.table.copy_(inputs.table)
+    step = bd._gpu_step(torch, kv32, st, lay, opts.block_size)
+    for t in (0, 3):
+        inputs.load(st, t)
+        np.testing.assert_array_equal(st.topk.numpy(), wl.topk(t))
+        assert st.reset.numpy().tolist() == wl.reset[t].tolist()
+        step()
+        np.testing.assert_array_equal(st.out.numpy(), expected_out(pool, wl.host_rows_of(t)))
+
+
+class FakeHandle:
+    """The device handle's API on the CPU: indices = host rows, column 0 masked."""
+
+    def __init__(self, torch, pool):
+        self.torch, self.pool = torch, torch.from_numpy(pool)
+        self.begun = 0
+        self.layers: list[int] = []
+
+    def kv(self, layer):
+        return self.pool[layer]
+
+    def begin_step(self, state_rows, reset=None, invalidate=None):
+        assert invalidate is None and reset.dtype == self.torch.bool
+        self.begun += 1
+
+    def swap_in(self, req, table, topk, *, layer, block_size, attention_indices_out):
+        assert topk.is_contiguous() and attention_indices_out.is_contiguous()
+        blocks = table[req.long()].gather(1, (topk // block_size).long())
+        idx = (blocks * block_size + topk % block_size).to(self.torch.int32)
+        idx[:, 0] = -1
+        attention_indices_out.copy_(idx)
+        self.layers.append(layer)
+        return attention_indices_out
+
+
+def test_the_handle_step_calls_begin_once_and_every_layer_in_order_and_masks_minus_one(cpu_torch):
+    torch = cpu_torch
+    opts, lay, wl = tiny()
+    pool = np.random.default_rng(1).integers(0, 256, (3, lay.host_rows, 32), dtype=np.uint8)
+    h = FakeHandle(torch, pool)
+    st = bd._Static(torch, lay, opts.blocks)
+    inputs = bd._Inputs(torch, wl)
+    st.table.copy_(inputs.table)
+    inputs.load(st, 1)
+    bd._handle_step(torch, h, st, lay, opts.block_size)()
+    assert h.begun == 1 and h.layers == [0, 1, 2]
+    mask = np.ones((3, 3, 64), np.int64)
+    mask[:, :, 0] = 0
+    np.testing.assert_array_equal(st.out.numpy(), expected_out(pool, wl.host_rows_of(1), mask))
+
+
+def test_run_configs_times_each_config_and_measures_the_hit_rate(cpu_torch):
+    torch = cpu_torch
+    opts, lay, _ = tiny()
+    workloads = {h: generate(3, h / 100, steps=opts.warmup + opts.steps, layers=3, context=256, top_k=64,
+                             block_size=16) for h in (80.0, 90.0)}
+    st = bd._Static(torch, lay, opts.blocks)
+    calls = []
+    counter = iter([(0, 0), (90, 10), (100, 10), (180, 30)])
+    out: list = []
+    bd._run_configs(torch, "inproc", lambda: calls.append(1), st, lay, workloads, opts, out,
+                    counts=lambda: next(counter), capture=False, fill_s=2.0)
+    assert len(calls) == 2 * (opts.warmup + opts.steps)
+    assert [(r.mode, r.hits, r.run) for r in out] == [("inproc", 80.0, "eager"), ("inproc", 90.0, "eager")]
+    assert out[0].hit_rate == 0.9 and out[0].hit_measured and out[0].misses_per_step == 10 / 3
+    assert out[1].hit_rate == 0.8 and out[1].fill_s is None and out[0].fill_s == 2.0
+    assert all(r.p50_us >= 0 and r.p99_us >= r.p50_us for r in out)
+    # No counters: the generator's target, marked as such.
+    out2: list = []
+    bd._run_configs(torch, "doorbell", lambda: None, st, lay, {90.0: workloads[90.0]}, opts, out2,
+                    counts=lambda: None, capture=False)
+    assert out2[0].hit_rate == workloads[90.0].target_hit_rate and not out2[0].hit_measured
+
+
+def test_a_failing_mode_becomes_error_rows_and_the_run_goes_on(capsys):
+    out: list = [Result("inproc", 16, 80.0, run="graph", p50_us=1.0, p99_us=1.0)]
+
+    def boom():
+        raise RuntimeError("arena\ntoo small")
+
+    bd._guarded(out, "inproc", 16, {80.0: None, 90.0: None}, boom)
+    assert [(r.hits, r.error) for r in out[1:]] == [(90.0, "RuntimeError: arena too small")]
+    assert "batch 16 inproc failed" in capsys.readouterr().err
+
+
+# -- the whole benchmark, tiny, on a GPU ------------------------------------------------------
+@pytest.mark.cuda
+def test_a_tiny_run_on_the_gpu(tmp_path):
+    import torch
+
+    opts = Options(batches=(2, 4), hits=(90.0,), layers=2, top_k=64, row_bytes=656, context=256, block_size=16,
+                   steps=3, warmup=2, modes=("gpu", "inproc", "doorbell", "zmq"),
+                   daemon_log=str(tmp_path / "sparsekvd.log")).validate()
+    results = bd.run(opts, torch)
+    by = {(r.batch, r.mode): r for r in results}
+    keep = round(0.9 * 64) / 64
+    for batch in (2, 4):
+        for mode in ("gpu", "inproc", "doorbell"):
+            r = by[(batch, mode)]
+            assert r.ok, (mode, r.error, (tmp_path / "sparsekvd.log").read_text()[-2000:])
+            assert r.run == "graph", mode
+        assert by[(batch, "inproc")].hit_rate == pytest.approx(keep) and by[(batch, "inproc")].hit_measured
+        assert by[(batch, "doorbell")].hit_rate == pytest.approx(keep)
+        z = by[(batch, "zmq")]
+        assert z.ok or z.skipped, z.error
+    d = summary(results, opts)
+    json.dumps(d)
+    assert d["decode_reference_config"] == "b2_h90_k64"
+    assert d["decode_b4_h90_doorbell_p50_us"] > 0
+    print(table(results, opts))

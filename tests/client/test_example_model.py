@@ -1,0 +1,96 @@
+"""examples/dsa_decode: the DSA-shaped model gives bit-identical outputs with its KV rows
+local and with them in sparsekv (HostSwapIn), in process and through a daemon."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dsa_decode"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"dsa_decode_{name}", EXAMPLE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+run = load("run")
+# Tiny: 3 state rows, 24 host blocks of 16 rows; 6 requests of 4-60 prompt tokens and
+# 3-10 new ones arrive over the first 13 steps, so requests leave, state rows and blocks
+# are handed out again, and contexts pass top_k (the indexer really selects).
+CFG = run.Config(num_layers=3, top_k=16)
+RC = run.RunConfig(steps=20, requests=6, max_reqs=3, host_blocks=24, prompt=(4, 60), new_tokens=(3, 10), seed=3)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The model is tiny: with pytest-xdist's workers on few cores, torch's thread pools
+    would fight over them (tens of seconds instead of one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def assert_exercised(res):
+    """The run did what the comparison needs: reads that hit and miss, blocks reused."""
+    assert res.reused_blocks > 0
+    assert res.counts["hits"] > 0 and res.counts["misses"] > 0 and res.counts["out_of_range"] > 0
+    assert sum(x.shape[0] for x in res.logits["sparsekv"]) > RC.steps  # more than one token a step
+
+
+def test_local_and_sparsekv_outputs_are_bit_identical_in_process():
+    lines = []
+    res = run.run(CFG, RC, kv="both", transport="inproc", out=lines.append)
+    assert_exercised(res)
+    assert res.equal is True and res.max_abs_diff == 0.0
+    assert len(lines) == RC.steps + 2 and all("equal" in x for x in lines[:RC.steps])
+    assert lines[-1].startswith("outputs equal: local vs sparsekv over 20 steps, max abs diff 0")
+    # Each mode alone (nothing shared but the seed) gives the same logits, bit for bit.
+    local = run.run(CFG, RC, kv="local", out=lambda s: None)
+    alone = run.run(CFG, RC, kv="sparsekv", transport="inproc", out=lambda s: None)
+    for a, b, c in zip(local.logits["local"], alone.logits["sparsekv"], res.logits["local"], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_local_and_sparsekv_outputs_are_bit_identical_through_a_private_daemon(daemon):
+    cfg = run.Config(num_layers=4, top_k=16, layers_per_indexer=2)  # GLM-style groups: followers too
+    res = run.run(cfg, RC, kv="both", transport="zmq", run_dir=daemon.run_dir, out=lambda s: None)
+    assert_exercised(res)
+    assert res.counts["batches"] == RC.steps * 2  # one top-k request per group and step
+    assert res.equal is True and res.max_abs_diff == 0.0
+
+
+def test_a_wrong_byte_in_the_pool_shows_as_different_outputs(monkeypatch):
+    """The comparison is live: one flipped byte in one written row changes the outputs."""
+    from sparsekv.client.inproc import InprocClient
+
+    real, calls = InprocClient.write, []
+
+    def corrupt_fourth_write(self, rows, data, layers=None):
+        calls.append(len(rows))
+        if len(calls) == 4:
+            data = np.array(data)
+            data[0, 0, 1] ^= 0x40  # a high bit of the first latent value of layer 0's row
+        return real(self, rows, data, layers)
+
+    monkeypatch.setattr(InprocClient, "write", corrupt_fourth_write)
+    lines = []
+    res = run.run(CFG, RC, kv="both", transport="inproc", out=lines.append)
+    assert res.equal is False and res.max_abs_diff > 0
+    assert "DIFFERENT" in "".join(lines) and lines[-1].startswith("outputs NOT equal")
+
+
+def test_the_script_runs_and_exits_zero_when_equal():
+    r = subprocess.run([sys.executable, str(EXAMPLE / "run.py"), "--steps", "6", "--layers", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == "outputs equal: local vs sparsekv over 6 steps, max abs diff 0"

@@ -1,0 +1,251 @@
+"""HostSwapIn, the portable engine handle: logical positions -> indices into kv(layer),
+on a case worked out by hand (DESIGN §4 residency, §6 position rule), through the
+in-process client and through a private daemon."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from sparsekv.client import BadRequest, Client, NotAttached, SparseKVError
+from sparsekv.client.inproc import InprocClient
+from sparsekv.client.swap_in import HostSwapIn
+from sparsekv.client.verify import fill_pool, pattern
+from sparsekv.proto import ErrorCode, Layout
+
+# Layers 0 and 1 share one index group (leader 0); layer 2 is a group of its own.
+# region_stride 8 = 2 tokens of top_k 4 per request; max_batch 8 for those tokens.
+LAYOUT = Layout(num_layers=3, row_bytes=16, top_k=4, region_stride=8, max_reqs=3, host_rows=64,
+                index_groups=((0, 1), (2,)), max_batch=8).validate()
+BS = 4  # block size
+# Host block of each logical block, one row per request state row (-1 = null block).
+TABLE = np.array([[5, -1, 2],
+                  [0, 7, -1],
+                  [3, 1, 4]])
+REQS = np.array([0, 1, 1, -1])  # two tokens of request 1, one padding token
+POS = np.array([[9, 5, 1, 12],   # req 0: row 2*4+1=9 | null block | row 5*4+1=21 | past the table
+                [0, 6, -3, 2],   # req 1: row 0 | row 7*4+2=30 | negative | row 2
+                [6, 4, 1, 8],    # req 1: row 30 (hit of the token above) | row 28 | row 1 | null block
+                [0, 1, 2, 3]])   # padding token: nothing
+HOST = np.array([[9, -1, 21, -1],
+                 [0, 30, -1, 2],
+                 [30, 28, 1, -1],
+                 [-1, -1, -1, -1]])
+# Fresh regions, LRU 0..7: req 0's misses take slots 0, 1 (region 0 starts at row 0);
+# req 1's first token takes 0, 1, 2 (region at row 8), its second token hits row 30 in
+# slot 1 and its misses take the oldest evictable slots, 3 and 4.
+WANT = np.array([[0, -1, 1, -1],
+                 [8, 9, -1, 10],
+                 [9, 11, 12, -1],
+                 [-1, -1, -1, -1]], dtype=np.int32)
+WANT_COUNTS = np.array([2, 3, 3, 0], dtype=np.int32)
+
+
+@pytest.fixture(params=["inproc", "zmq"])
+def client(request):
+    if request.param == "inproc":
+        with InprocClient() as c:
+            c.attach(LAYOUT)
+            yield c
+    else:
+        d = request.getfixturevalue("daemon")
+        with Client(d.run_dir, name="swap-in-test") as c:
+            c.attach(LAYOUT)
+            yield c
+
+
+def rows_match(h, layer, idx, host):
+    """Every index >= 0 reads the host pool row it stands for (the verify pattern)."""
+    ok = idx >= 0
+    got = h.kv(layer)[idx[ok]]
+    return np.array_equal(got, pattern(layer, host[ok], LAYOUT.row_bytes))
+
+
+def test_positions_map_to_the_hand_worked_indices_and_rows(client):
+    fill_pool(client, LAYOUT)
+    h = HostSwapIn(client)
+    h.begin_step([0, 1, -1], reset=[True, True, False])
+    idx, counts = h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS, return_valid_counts=True)
+    assert idx.dtype == np.int32 and counts.dtype == np.int32
+    assert idx.tolist() == WANT.tolist() and counts.tolist() == WANT_COUNTS.tolist()
+    assert rows_match(h, 0, idx, HOST)
+    # The follower reuses the leader's slots (no request) and reads its own layer's rows.
+    assert h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS).tolist() == WANT.tolist()
+    assert h.counts["batches"] == 1
+    assert rows_match(h, 1, WANT, HOST)
+    # Layer 2 leads its own group: a request of its own, the same slots on fresh regions.
+    assert h.swap_in(REQS, TABLE, POS, layer=2, block_size=BS).tolist() == WANT.tolist()
+    assert rows_match(h, 2, WANT, HOST)
+    assert h.counts == {"batches": 2, "hits": 2, "misses": 14, "out_of_range": 8}
+    h.check()
+
+
+def test_later_steps_hit_honour_reset_and_invalidate_and_refuse_a_follower_first(client):
+    fill_pool(client, LAYOUT)
+    h = HostSwapIn(client)
+    h.begin_step([0, 1, -1], reset=[True, True, False])
+    h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+    h.begin_step([0, 1, -1])
+    with pytest.raises(BadRequest, match=r"layer 1 follows layer 0 in index group 0.*step 1.*layer 0 first") as ei:
+        h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS)
+    assert ei.value.code == ErrorCode.BAD_ARGUMENT
+    before = dict(h.counts)
+    assert h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS).tolist() == WANT.tolist()
+    assert h.counts["misses"] == before["misses"] and h.counts["hits"] == before["hits"] + 8  # all 8 hit
+    assert h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS).tolist() == WANT.tolist()
+    # Request 0 leaves; a new request takes its state row (reset) with blocks 2 and 6,
+    # whose rows 24..27 are rewritten first. Request 1 goes on; its row 28 is declared
+    # rewritten (invalidate), so its slot 3 is emptied in place (LRU order unchanged).
+    table = TABLE.copy()
+    table[0] = [2, 6, -1]
+    new_rows = np.arange(24, 28)
+    client.write(new_rows, np.stack([pattern(ly, new_rows, 16) ^ 0x5A for ly in range(3)]))
+    h.begin_step([0, 1], reset=[True, False], invalidate=[[-1], [28]])
+    idx = h.swap_in(REQS[:3], table, POS[:3], layer=0, block_size=BS)
+    # new req 0: 9 -> null block | 5 -> row 6*4+1=25 | 1 -> row 2*4+1=9 | past the table:
+    # misses into slots 0, 1 of its fresh region. Req 1: row 28 misses into the oldest
+    # evictable slot, 5 (without the invalidate it would hit slot 3: index 11).
+    assert idx.tolist() == [[-1, 0, 1, -1], [8, 9, -1, 10], [9, 13, 12, -1]]
+    assert np.array_equal(h.kv(0)[0], pattern(0, [25], 16)[0] ^ 0x5A)  # the rewritten bytes
+    host = np.array([[-1, 25, 9, -1], HOST[1], HOST[2]])
+    ok = (idx >= 0) & (host != 25)
+    assert np.array_equal(h.kv(0)[idx[ok]], pattern(0, host[ok], 16))
+
+
+def test_out_arrays_are_filled_and_returned(client):
+    h = HostSwapIn(client)
+    h.begin_step([0, 1, -1], reset=[True, True, False])
+    out = np.full((4, 4), 77, dtype=np.int32)
+    vc = np.full(4, 77, dtype=np.int32)
+    got, got_vc = h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS, return_valid_counts=True,
+                            attention_indices_out=out, valid_counts_out=vc)
+    assert got is out and got_vc is vc
+    assert out.tolist() == WANT.tolist() and vc.tolist() == WANT_COUNTS.tolist()
+    with pytest.raises(BadRequest, match=r"attention_indices_out must have shape \(4, 4\)"):
+        h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS, attention_indices_out=np.zeros((4, 3), np.int32))
+    with pytest.raises(BadRequest, match="attention_indices_out must be an int32"):
+        h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS, attention_indices_out=np.zeros((4, 4), np.int64))
+
+
+def test_bad_calls_raise_typed_errors_that_name_the_mistake(client):
+    with InprocClient() as bare:
+        with pytest.raises(NotAttached, match="attach"):
+            HostSwapIn(bare)
+    h = HostSwapIn(client)
+    with pytest.raises(BadRequest, match="swap_in before begin_step"):
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+    h.begin_step([0, 1, -1], reset=[True, True, False])
+
+    def refused(match, code=ErrorCode.BAD_ARGUMENT, reqs=REQS, table=TABLE, pos=POS, layer=0):
+        with pytest.raises(BadRequest, match=match) as ei:
+            h.swap_in(reqs, table, pos, layer=layer, block_size=BS)
+        assert ei.value.code == code
+
+    refused(r"layer 3 out of range \[0, 3\)", layer=3)
+    refused("token 0 belongs to request 2, which is not among this step's state rows", ErrorCode.BAD_STATE_ROW,
+            reqs=np.array([2, 1, 1, -1]))
+    refused("outside \\[-1, max_reqs=3\\)", ErrorCode.BAD_STATE_ROW, reqs=np.array([3, 1, 1, -1]))
+    refused(r"block_table has 1 row\(s\); request 1 has none", table=TABLE[:1])
+    refused("logical_topk_indices has 5 columns, layout top_k is 4", pos=np.zeros((4, 5), np.int64))
+    refused("logical_topk_indices must hold integers", pos=POS.astype(np.float32))
+    refused(r"logical_topk_indices must be \[tokens=3, k\]", reqs=REQS[:3])
+    # Three tokens of request 1 exceed its region (2 tokens of top_k 4): the daemon says so.
+    refused("state row 1 appears 3 times", reqs=np.array([0, 1, 1, 1]))
+    with pytest.raises(BadRequest, match="layer 3"):
+        h.kv(3)
+    h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+    refused("layer 1 reuses the top-k of its leader layer 0, so it must pass the same tokens",
+            reqs=np.array([0, 1, -1, 1]), layer=1)
+    h.close()
+    h.close()
+    with pytest.raises(SparseKVError, match="closed"):
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+    assert client.attachment is not None  # the handle leaves the client to its owner
+
+
+def test_check_raises_a_refused_step_through_either_transport(client):
+    h = HostSwapIn(client)
+    with pytest.raises(BadRequest) as ei:
+        # In process the step raises at once; the zmq client sends it without waiting
+        # (it rides on the next request) and check() waits for its reply.
+        h.begin_step([5])
+        h.check()
+    assert ei.value.code == ErrorCode.BAD_STATE_ROW
+    h.begin_step([0, 1, -1])
+    h.check()  # nothing refused since
+
+
+def test_kv_is_a_view_of_the_attached_slab(client):
+    h = HostSwapIn(client)
+    slab = client.attachment.slab
+    for layer in range(LAYOUT.num_layers):
+        kv = h.kv(layer)
+        assert kv.shape == (LAYOUT.max_reqs * LAYOUT.region_stride, LAYOUT.row_bytes) and kv.dtype == np.uint8
+        assert np.shares_memory(kv, slab[layer])
+        kv[2 * LAYOUT.region_stride + 5] = 200 + layer  # region of state row 2, slot 5
+        assert (slab[layer, 2, 5] == 200 + layer).all()
+
+
+def test_torch_in_torch_out_and_torch_out_arrays():
+    torch = pytest.importorskip("torch")
+    with InprocClient() as c:
+        c.attach(LAYOUT)
+        fill_pool(c, LAYOUT)
+        h = HostSwapIn(c)
+        h.begin_step(torch.tensor([0, 1, -1]), reset=torch.tensor([True, True, False]))
+        idx, counts = h.swap_in(torch.from_numpy(REQS), torch.from_numpy(TABLE), torch.from_numpy(POS), layer=0,
+                                block_size=BS, return_valid_counts=True)
+        assert isinstance(idx, torch.Tensor) and idx.dtype == torch.int32 and counts.dtype == torch.int32
+        assert idx.tolist() == WANT.tolist() and counts.tolist() == WANT_COUNTS.tolist()
+        out, vc = torch.full((4, 4), 7, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+        got = h.swap_in(torch.from_numpy(REQS), torch.from_numpy(TABLE), torch.from_numpy(POS), layer=1,
+                        block_size=BS, return_valid_counts=True, attention_indices_out=out, valid_counts_out=vc)
+        assert got[0] is out and got[1] is vc and out.tolist() == WANT.tolist() and vc.tolist() == WANT_COUNTS.tolist()
+        with pytest.raises(BadRequest, match="must be int32"):
+            h.swap_in(torch.from_numpy(REQS), TABLE, POS, layer=1, block_size=BS,
+                      attention_indices_out=torch.zeros((4, 4), dtype=torch.int64))
+        # What an attention layer does with them: the rows of layer 1, as a tensor.
+        kv = torch.as_tensor(h.kv(1))
+        ok = idx >= 0
+        assert torch.equal(kv[idx[ok].long()], torch.from_numpy(pattern(1, HOST[ok.numpy()], 16)))
+
+
+def test_the_handle_imports_and_runs_without_torch(tmp_path):
+    code = textwrap.dedent("""
+        import importlib.abc, sys
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "cupy"):
+                    raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        sys.meta_path.insert(0, Block())
+        import numpy as np
+        from sparsekv.client.inproc import InprocClient
+        from sparsekv.client.swap_in import HostSwapIn
+        from sparsekv.proto import Layout
+        with InprocClient() as c:
+            c.attach(Layout(num_layers=1, row_bytes=16, top_k=2, region_stride=2, max_reqs=1, host_rows=8))
+            h = HostSwapIn(c)
+            h.begin_step([0])
+            print(h.swap_in(np.array([0]), np.array([[1]]), np.array([[2, 0]]), layer=0, block_size=4).tolist())
+        assert not {"torch", "cupy"} & set(sys.modules)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "[[0, 1]]"
+
+
+def test_a_failed_begin_step_leaves_no_step_to_swap_into():
+    with InprocClient() as c:
+        c.attach(LAYOUT)
+        h = HostSwapIn(c)
+        h.begin_step([0, 1, -1], reset=[True, True, False])
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+        with pytest.raises(BadRequest, match="state_rows must hold integers"):
+            h.begin_step(np.array([0.0, 1.0]))
+        with pytest.raises(BadRequest, match="the last begin_step failed"):
+            h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS)  # not the last step's slots either
+        h.begin_step([0, 1, -1])
+        with pytest.raises(BadRequest, match="block_size must be positive"):
+            h.swap_in(REQS, TABLE, POS, layer=0, block_size=0)
