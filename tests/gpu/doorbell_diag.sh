@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# The doorbell tests alone on the GPU machine, stopping at the first failure; 45 s in,
+# every sparsekvd gets SIGUSR2 (its threads' stacks land in $OUT/daemon.log): for a hang.
 set -uo pipefail
 OUT=${OUT:-/tmp/skv-out}; mkdir -p $OUT
 export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE_DIR=/tmp/skv-kernels SPARSEKV_TEST_DAEMON_LOG=$OUT/daemon.log
