@@ -743,23 +743,32 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list) 
                                               start_timeout_s=DAEMON_START_TIMEOUT_S))
         _say(f"batch {batch}: private cuda daemon up in {time.perf_counter() - t0:.1f} s "
              f"(pool {lay.pool_bytes / 1e9:.1f} GB, arena {size})")
+        # The zmq rank (if any) first and the pool filled through it; the doorbell rank
+        # attaches after the fill and detaches before the zmq run: while a doorbell rank
+        # waits on its engine's bells, other work of the daemon on that GPU may wait
+        # behind its parked stream (docs/PERF.md, "Doorbell"), so the two never overlap.
         c = cz = None
-        if want_db:
-            c = Client(d.run_dir, rank=0, device=f"cuda:{DEVICE}", name="bench-decode-doorbell",
-                       timeout_s=CLIENT_TIMEOUT_S).connect()
-            stack.callback(c.close)
-            c.attach(lay, engine=engine, transport="doorbell")
         if want_zmq:
             cz = Client(d.run_dir, rank=1 if want_db else 0, device=f"cuda:{DEVICE}", name="bench-decode-zmq",
                         timeout_s=CLIENT_TIMEOUT_S).connect()
             stack.callback(cz.close)
-            cz.attach(lay, engine=engine)  # joins the same engine: same pool
-        fill_s = fill_through_client(c or cz, lay)
+            cz.attach(lay, engine=engine)
+        if want_db:
+            c = Client(d.run_dir, rank=0, device=f"cuda:{DEVICE}", name="bench-decode-doorbell",
+                       timeout_s=CLIENT_TIMEOUT_S).connect()
+            stack.callback(c.close)
+            if cz is None:
+                c.attach(lay, engine=engine, transport="doorbell")
+        fill_s = fill_through_client(cz or c, lay)
         _say(f"batch {batch}: wrote {lay.pool_bytes / 1e9:.1f} GB into the daemon's pool through client.write in "
              f"{fill_s:.1f} s ({lay.pool_bytes / 1e9 / max(fill_s, 1e-9):.2f} GB/s)")
         if want_db:
+            if cz is not None:
+                c.attach(lay, engine=engine, transport="doorbell")  # joins: the pool is already written
             _guarded(out, "doorbell", batch, workloads,
                      lambda: _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s))
+            if cz is not None:
+                c.detach()
         if want_zmq:
             _guarded(out, "zmq", batch, workloads,
                      lambda: _run_zmq_rank(torch, host_swap_in(cz), cz, lay, workloads, opts, out, fill_s))

@@ -81,7 +81,7 @@ class DeviceSwapIn:
     ``client.inproc_cuda.InprocSwapIn`` runs the daemon's kernels inline."""
 
     def _bind(self, layout, device: int, slab, step_block: int, topk_blocks: list[int], slots: list[int],
-              error_mirror=None, resident_base: int = 0, hot_base: int = 0) -> None:
+              error_mirror=None, resident_base: int = 0, hot_base: int = 0, misses=None) -> None:
         """Device addresses of the rank's step block, per-group top-k blocks and slots."""
         import cupy as cp  # noqa: PLC0415
         import torch  # noqa: PLC0415
@@ -102,6 +102,7 @@ class DeviceSwapIn:
             cp.cuda.runtime.deviceSynchronize()
         self._torch = torch
         self._slab = slab
+        self._misses = misses  # torch int32 [groups, max_batch]: each group's misses per batch row
         self._errors = ErrorRecord(error_mirror) if error_mirror is not None else None
         self._step = 0  # host-side count of begin_step calls (argument checks only)
         self._resolved: dict[int, int] = {}  # group -> the step its leader rang
@@ -123,6 +124,11 @@ class DeviceSwapIn:
         of the daemon's memory, through CUDA IPC)."""
         lay = self.layout
         return self._slab[layer].view(lay.max_reqs * lay.region_stride, lay.row_bytes)
+
+    def misses(self, group: int):
+        """The group's misses per token of its last resolve (torch int32 [max_batch], a
+        view: read it after the stream has passed the group, before the next step)."""
+        return self._misses[group]
 
     def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
         """Begin a decode step on the current stream: ``state_rows`` int32 [n] (the step's
@@ -294,7 +300,8 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._bind(lay, att.device, att.slab, arena.ptr + db["step_block_offset"],
                    [arena.ptr + db["topk_block_offset"] + g * bints * 4 for g in range(G)],
                    [arena.ptr + db["slots_offset"] + g * B * K * 4 for g in range(G)],
-                   att.error_mirror, resident_base, hot_base)
+                   att.error_mirror, resident_base, hot_base,
+                   misses=arena.torch(db["misses_offset"], (G, B), "int32"))
         ctl = arena.ptr + db["ctl_offset"]
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]

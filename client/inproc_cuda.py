@@ -63,7 +63,7 @@ class InprocSwapIn(DeviceSwapIn):
         self._err_host = np.zeros(b.err.shape[0], np.int32)
         self._bind(lay, device, torch.from_dlpack(b.slab), b.db_step.block.data.ptr,
                    [blk.block.data.ptr for blk in b.db_topk], [b.db_slots[g].data.ptr for g in range(G)],
-                   self._err_host)
+                   self._err_host, misses=torch.from_dlpack(b.db_misses))
 
     def _ext(self, stream_ptr: int):
         import cupy as cp  # noqa: PLC0415

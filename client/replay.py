@@ -36,12 +36,14 @@ class Driver:
     ``client.write``), ``att.slab`` (for ``--verify``'s check) and :meth:`close`.
     """
 
+    attach_kw: dict = {}  # extra arguments of Client.attach (the transport)
+
     def __init__(self, trace: Trace, stack: contextlib.ExitStack, *, backend: str, engine: str,
                  connect: str | None = None, daemon_log: str | None = None):
         self.trace = trace
         self.layout = trace.layout()
         self.client = self.open(stack, backend=backend, connect=connect, daemon_log=daemon_log)
-        self.att = self.client.attach(self.layout, engine=engine)
+        self.att = self.client.attach(self.layout, engine=engine, **self.attach_kw)
 
     def open(self, stack: contextlib.ExitStack, *, backend: str, connect: str | None, daemon_log: str | None):
         """Return a connected client (``Client`` API), its cleanup entered on ``stack``."""
@@ -80,16 +82,58 @@ class ZmqDriver(Driver):
         return stack.enter_context(Client(run_dir, name="replay", device=device))
 
 
-DRIVERS: dict[str, type[Driver]] = {"inproc": InprocDriver, "zmq": ZmqDriver}
+class DoorbellDriver(ZmqDriver):
+    """The engine's handle on the doorbell transport (cuda only): each step's arrays go
+    to the GPU as tensors, ``begin_step`` and every layer of group 0's ``swap_in`` run on
+    the current stream, positions are mapped on the GPU (the block table indexed by state
+    row). Slots come back from the indices, misses from the group's device counts."""
+
+    attach_kw = {"transport": "doorbell"}
+
+    def __init__(self, trace, stack, *, backend, engine, connect=None, daemon_log=None):
+        if backend != "cuda":
+            raise ValueError("the doorbell transport needs --backend cuda")
+        import torch  # noqa: PLC0415
+
+        self.torch = torch
+        super().__init__(trace, stack, backend=backend, engine=engine, connect=connect, daemon_log=daemon_log)
+        self.handle = self.client.doorbell_handle()
+        stack.callback(self.handle.close)
+
+    def run_step(self, t: int) -> StepResult:
+        torch, tr, h, lay = self.torch, self.trace, self.handle, self.layout
+
+        def dev(a):
+            return torch.as_tensor(np.ascontiguousarray(a)).cuda()
+
+        state = tr.state_rows[t]
+        h.begin_step(dev(state), dev(tr.reset[t]), dev(tr.invalidate[t]))
+        table, block_size = None, 1
+        if tr.positional:
+            rows = np.full((lay.max_reqs, tr.block_table.shape[2]), -1, np.int32)
+            live = state >= 0
+            rows[state[live]] = tr.block_table[t][live]  # a request's rows share its table
+            table, block_size = dev(rows), tr.block_size
+        req, topk = dev(state), dev(tr.topk[t])
+        first = None
+        for layer in lay.groups[0]:
+            idx = h.swap_in(req, table, topk, layer=layer, block_size=block_size)
+            first = idx if first is None else first
+        torch.cuda.synchronize()
+        idx = first.cpu().numpy()
+        slots = np.where(idx >= 0, idx - state[:, None].astype(np.int64) * lay.region_stride, -1).astype(np.int32)
+        misses = h.misses(0)[: len(state)].cpu().numpy().copy()
+        h.check()
+        return slots, misses, None, None
+
+
+DRIVERS: dict[str, type[Driver]] = {"inproc": InprocDriver, "zmq": ZmqDriver, "doorbell": DoorbellDriver}
 
 
 def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", verify: bool = False,
            connect: str | None = None, engine: str = "replay", daemon_log: str | None = None) -> tuple[dict, dict]:
     """Run ``trace``; return (summary, result arrays ``slots`` and ``misses``)."""
     layout = trace.layout()
-    if transport == "doorbell":
-        raise ValueError("the doorbell transport needs the cuda backend's device rings, which are not built yet; "
-                         "use --transport zmq or inproc")
     if transport not in DRIVERS:
         raise ValueError(f"unknown transport {transport!r}; use {' or '.join(DRIVERS)}")
     with contextlib.ExitStack() as stack:

@@ -21,9 +21,16 @@ bells). Closing stops the thread, then rings every bell from the host until the 
 graphs have run out (they resolve the last step's blocks again: harmless, the rank is
 going away), so the stream drains and the rank's memory can be given back.
 
-Writes (``WRITE_STAGED``) are not ordered against a doorbell rank's stream, and do not
-drop its hot copies: its engine passes rewritten rows to the next ``begin_step`` as
-``invalidate``, and rewrites only rows no step in flight reads (new KV rows).
+Writes (``WRITE``, ``WRITE_STAGED``) are not ordered against a doorbell rank's stream,
+and do not drop its hot copies (its residency belongs to its stream): its engine passes
+rewritten rows to the next ``begin_step`` as ``invalidate``, and rewrites only rows no
+step in flight reads (new KV rows).
+
+Known hazard (measured on the H200, docs/PERF.md): while the stream waits on a bell,
+other work of this process on the GPU may wait behind it. A readback on the legacy
+default stream did (fixed: readbacks run on the residency's stream), and the daemon asks
+for the most hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, main.py). Whether a zmq
+rank's work on the same GPU can be held up by an idle doorbell rank is not yet measured.
 """
 
 from __future__ import annotations

@@ -205,6 +205,10 @@ class CudaRankState(RankState):
         return n * len(layers) * space.layout.row_bytes, 0
 
     def drop_rewritten(self, rows):
+        if self.device_driven:
+            # Its residency belongs to its stream (doorbell.py): the engine passes rewritten
+            # rows to begin_step. Touching it here would race with that stream's resolve.
+            return 0
         with self._cp.cuda.Device(self.worker.ordinal):
             return self.residency.invalidate_everywhere(rows)
 

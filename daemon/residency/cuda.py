@@ -406,8 +406,8 @@ class CudaResidency(Residency):
         with self.stream:
             counter = cp.zeros(1, dtype=cp.uint64)
             self.invalidate_async(cp.asarray(block), int(block[0]), None, counter)
-        self.stream.synchronize()
-        return int(counter.get(stream=self.stream)[0])
+        with self.stream:  # a readback on the legacy stream would wait behind parked doorbell streams
+            return int(counter.get()[0])
 
     def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Resolved:
         cp = _cp()
@@ -423,12 +423,16 @@ class CudaResidency(Residency):
             out.zero_counters()
             self.resolve_async(group, cp.asarray(state_rows), cp.asarray(np.ascontiguousarray(topk)), out)
         self.stream.synchronize()
-        slots = out.slots[:batch, :k].get(stream=self.stream)
-        misses = out.misses[:batch].get(stream=self.stream)
-        counters = out.counters.get(stream=self.stream)
-        prow = out.plan_rows[:batch].get(stream=self.stream)
-        pslot = out.plan_slots[:batch].get(stream=self.stream)
-        self.last_errors = error_bits(out.err.get(stream=self.stream))
+        # Read back on our stream (with it current, so that CuPy's contiguous copy of a
+        # slice runs there too): never on the legacy stream, which can wait behind a
+        # doorbell rank's parked stream.
+        with self.stream:
+            slots = out.slots[:batch, :k].get()
+            misses = out.misses[:batch].get()
+            counters = out.counters.get()
+            prow = out.plan_rows[:batch].get()
+            pslot = out.plan_slots[:batch].get()
+            self.last_errors = error_bits(out.err.get())
         # Per-row plans (each sorted by host row) in batch order, then one stable sort:
         # the same order as the NumPy engine (ties between batch rows in batch order).
         take = np.arange(out.top_k)[None, :] < misses[:, None]
@@ -452,7 +456,8 @@ class CudaResidency(Residency):
     def state(self) -> tuple[np.ndarray, np.ndarray]:
         """``(owner, lru)`` copied to the host (synchronises the stream)."""
         self.stream.synchronize()
-        return self.owner.get(stream=self.stream), self.lru.get(stream=self.stream)
+        with self.stream:
+            return self.owner.get(), self.lru.get()
 
     def load_state(self, owner: np.ndarray, lru: np.ndarray) -> None:
         """Overwrite the device state with host arrays of shape ``[groups, max_reqs, stride]``."""

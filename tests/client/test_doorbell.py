@@ -292,3 +292,30 @@ def test_a_cpu_daemon_refuses_the_doorbell_transport(daemon):
         c.attach(layout(max_reqs=4), engine="x")
     finally:
         c.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [{}, {"block_size": 16}, {"block_size": 16, "spec": 0.3, "region_stride": 256}])
+def test_replay_through_the_doorbell_equals_inproc_and_verifies(kw):
+    from sparsekv.client.replay import replay
+    from sparsekv.client.trace import synth
+
+    base = dict(steps=30, batch=6, top_k=128, region_stride=256, max_reqs=10, host_rows=10 * 2048, num_layers=2,
+                context=1200, lifetime=12, overlap=0.7, invalidate=0.2, out_of_range=0.01, seed=4)
+    base.update(kw)
+    trace = synth(**base)
+    want, want_res = replay(trace, transport="inproc", backend="cpu")
+    got, got_res = replay(trace, transport="doorbell", backend="cuda", verify=True, daemon_log=DAEMON_LOG)
+    np.testing.assert_array_equal(got_res["slots"], want_res["slots"])
+    np.testing.assert_array_equal(got_res["misses"], want_res["misses"])
+    assert got["mismatched_rows"] == 0
+    assert (got["hits"], got["out_of_range"]) == (want["hits"], want["out_of_range"])
+
+
+def test_replay_refuses_the_doorbell_without_the_cuda_backend():
+    from sparsekv.client.replay import replay
+    from sparsekv.client.trace import synth
+
+    trace = synth(steps=2, batch=2, top_k=16, region_stride=32, max_reqs=4, host_rows=4 * 256, context=100)
+    with pytest.raises(ValueError, match="--backend cuda"):
+        replay(trace, transport="doorbell", backend="cpu")

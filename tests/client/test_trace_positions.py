@@ -363,7 +363,7 @@ def test_a_new_driver_plugs_in_without_touching_the_loop(pos_trace):
     finally:
         del DRIVERS["counting"]
     assert calls == list(range(pos_trace.steps)) and s["transport"] == "counting" and s["mismatched_rows"] == 0
-    assert set(DRIVERS) == {"inproc", "zmq"}
+    assert set(DRIVERS) == {"inproc", "zmq", "doorbell"}
     with pytest.raises(ValueError, match="doorbell transport"):
         replay(pos_trace, transport="doorbell")
     with pytest.raises(ValueError, match="unknown transport 'pigeon'; use inproc or zmq"):
