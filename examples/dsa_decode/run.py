@@ -190,6 +190,32 @@ class Engine:
         return logits
 
 
+class DeviceHandle:
+    """The doorbell handle takes contiguous int32 tensors on its GPU; the model's are
+    int64: convert here (an engine would keep int32 tensors and skip this)."""
+
+    def __init__(self, h):
+        self.h = h
+
+    def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
+        self.h.begin_step(state_rows.int().contiguous(), None if reset is None else reset.contiguous(),
+                          None if invalidate is None else invalidate.int().contiguous())
+
+    def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer, block_size):
+        return self.h.swap_in(req_id_per_token.int().contiguous(), block_table.int().contiguous(),
+                              logical_topk_indices.int().contiguous(), layer=layer, block_size=block_size)
+
+    def kv(self, layer: int):
+        return self.h.kv(layer)
+
+    def check(self) -> None:
+        self.h.check()
+
+    def close(self) -> None:
+        torch.cuda.synchronize()  # nothing may wait on a ready word once the watcher stops
+        self.h.close()
+
+
 def layout_for(cfg: Config, rc: RunConfig) -> Layout:
     return Layout(num_layers=cfg.num_layers, row_bytes=656, top_k=cfg.top_k, region_stride=2 * cfg.top_k,
                   max_reqs=rc.max_reqs, host_rows=rc.host_blocks * rc.block_size, index_groups=cfg.groups).validate()
@@ -207,17 +233,21 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
                 run_dir = stack.enter_context(PrivateDaemon(pool_bytes=max(64 << 20, 2 * layout.pool_bytes),
                                                             backend="cpu")).run_dir
             client = stack.enter_context(Client(run_dir, name="dsa-example"))
+        else:  # doorbell: the device handle, on the model's own CUDA stream
+            if not str(model.cfg.device).startswith("cuda"):
+                raise SystemExit("--transport doorbell runs the model on the GPU: add --device cuda:0")
+            if run_dir is None:
+                run_dir = stack.enter_context(PrivateDaemon(
+                    pool_bytes=max(64 << 20, 2 * layout.pool_bytes), backend="cuda",
+                    extra_args=["--device-arena-size", "1GiB"])).run_dir
+            client = stack.enter_context(Client(run_dir, name="dsa-example", device=str(model.cfg.device)))
+        if transport == "doorbell":
+            client.attach(layout, engine="dsa-example", transport="doorbell")
+            handle = DeviceHandle(client.doorbell_handle())
+            stack.callback(handle.close)
         else:
-            # ===== device handle: plug in here (client/doorbell.py) ==========================
-            # client = stack.enter_context(Client(run_dir, device="cuda:0", name="dsa-example"))
-            # client.attach(layout, engine="dsa-example")
-            # handle = client.doorbell_handle()   # same begin_step / swap_in / kv, device tensors
-            # ... and build the model with Config(device="cuda:0"); writes may go through
-            # client.write (host bytes, as below) or the staging buffer (write_staged).
-            # ====================================================================================
-            raise SystemExit(f"--transport {transport}: the device handle (client/doorbell.py) is not built yet")
-        client.attach(layout, engine="dsa-example")
-        handle = stack.enter_context(HostSwapIn(client))
+            client.attach(layout, engine="dsa-example")
+            handle = stack.enter_context(HostSwapIn(client))
 
         def write(rows: torch.Tensor, data: torch.Tensor) -> None:
             client.write(rows.cpu().numpy().astype(np.int32), data.cpu().numpy())  # all layers

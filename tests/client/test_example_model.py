@@ -94,3 +94,13 @@ def test_the_script_runs_and_exits_zero_when_equal():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1] == "outputs equal: local vs sparsekv over 6 steps, max abs diff 0"
+
+
+@pytest.mark.cuda
+def test_local_and_sparsekv_outputs_are_bit_identical_through_the_doorbell():
+    """The model on the GPU, its KV served through the device handle (client/doorbell.py)."""
+    cfg = run.Config(num_layers=4, top_k=16, layers_per_indexer=2, device="cuda:0")
+    res = run.run(cfg, RC, kv="both", transport="doorbell", out=lambda s: None)
+    assert res.reused_blocks > 0
+    assert sum(x.shape[0] for x in res.logits["sparsekv"]) > RC.steps
+    assert res.equal is True and res.max_abs_diff == 0.0
