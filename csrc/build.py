@@ -195,15 +195,17 @@ def _file_lock(path: Path):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-_default: dict[Path, KernelCache] = {}
+_default: dict[tuple[type, Path], "KernelCache"] = {}
 _default_lock = threading.Lock()
 
 
-def get_cache(cache_dir_: str | os.PathLike | None = None) -> KernelCache:
-    """The process-wide :class:`KernelCache` for a cache directory."""
+def get_cache(cache_dir_: str | os.PathLike | None = None, cls: type | None = None) -> KernelCache:
+    """The process-wide cache of class ``cls`` (default :class:`KernelCache`; the daemon's
+    subclass adds ``warm``) for a cache directory."""
+    cls = cls or KernelCache
     d = cache_dir(cache_dir_)
     with _default_lock:
-        kc = _default.get(d)
+        kc = _default.get((cls, d))
         if kc is None:
-            kc = _default[d] = KernelCache(d)
+            kc = _default[(cls, d)] = cls(d)
         return kc

@@ -10,9 +10,7 @@ without CUDA works.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterable
-from pathlib import Path
 
 from sparsekv.csrc import build
 from sparsekv.csrc.build import (  # noqa: F401 - re-exported
@@ -82,18 +80,9 @@ class KernelCache(build.KernelCache):
         return names
 
 
-_default: dict[Path, KernelCache] = {}
-_default_lock = threading.Lock()
-
-
 def get_cache(cache_dir_: str | os.PathLike | None = None) -> KernelCache:
-    """The process-wide :class:`KernelCache` for a cache directory."""
-    d = cache_dir(cache_dir_)
-    with _default_lock:
-        kc = _default.get(d)
-        if kc is None:
-            kc = _default[d] = KernelCache(d)
-        return kc
+    """The process-wide daemon :class:`KernelCache` for a cache directory."""
+    return build.get_cache(cache_dir_, KernelCache)
 
 
 def warm(cache_dir_: str | os.PathLike | None = None, row_bytes: Iterable[int] = (656,)) -> list[str]:
