@@ -309,7 +309,9 @@ class Daemon:
                         raise ProtocolError(ErrorCode.PERMISSION_DENIED,
                                             "this connection is not the process that said HELLO on it; send HELLO")
                 session.requests += 1
-                if kind in _RANK_REQUESTS and session.state is not None:
+                if kind in _RANK_REQUESTS and session.state is not None \
+                        and not getattr(session.state, "device_driven", False):
+                    # (A doorbell rank's errors are its handle's check(): not a write's.)
                     # Like CUDA's: an error the rank found after the fact (bad input seen
                     # on the GPU) fails the next call on it, which does not run.
                     err = session.state.take_error()
