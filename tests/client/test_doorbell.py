@@ -130,6 +130,15 @@ def dev(a, torch):
     return torch.as_tensor(np.ascontiguousarray(a)).cuda()
 
 
+def check_layer(h, lay, want, t, layer, idx, torch):
+    """Step ``t``'s indices of ``layer`` (host array) equal the cpu backend's, and every
+    one points at its host row's bytes."""
+    exp, ids = want[t][layer]
+    np.testing.assert_array_equal(idx, exp, err_msg=f"step {t} layer {layer}")
+    check_bytes(h, lay, idx, ids, layer, torch)
+    return exp
+
+
 def check_bytes(h, lay, idx, ids, layer, torch):
     """Every index >= 0 points at its host row's bytes."""
     ok = idx >= 0
@@ -157,11 +166,8 @@ def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, p
                                            dev(per_group[g], torch), layer=layer, block_size=BLOCK,
                                            return_valid_counts=True)
                     torch.cuda.synchronize()
-                    idx = idx.cpu().numpy()
-                    exp, ids = want[t][layer]
-                    np.testing.assert_array_equal(idx, exp, err_msg=f"step {t} layer {layer}")
+                    exp = check_layer(h, lay, want, t, layer, idx.cpu().numpy(), torch)
                     np.testing.assert_array_equal(valid.cpu().numpy(), (exp >= 0).sum(1))
-                    check_bytes(h, lay, idx, ids, layer, torch)
             h.check()
     finally:
         h.close()
@@ -200,10 +206,7 @@ def test_a_whole_decode_step_captures_into_one_cuda_graph(cuda_daemon):
             graph.replay()
             torch.cuda.synchronize()
             for layer in range(3):
-                exp, ids = want[t][layer]
-                idx = outs[layer].cpu().numpy()
-                np.testing.assert_array_equal(idx, exp, err_msg=f"step {t} layer {layer}")
-                check_bytes(h, lay, idx, ids, layer, torch)
+                check_layer(h, lay, want, t, layer, outs[layer].cpu().numpy(), torch)
         h.check()
     finally:
         h.close()
