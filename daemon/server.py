@@ -169,15 +169,20 @@ class Daemon:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         busy_path = self.control_path + BUSY_SUFFIX
-        for p in (self.control_path, busy_path, self.stats_path):
+        new_path = self.control_path + ".new"
+        for p in (self.control_path, busy_path, new_path, self.stats_path):
             if os.path.lexists(p):
                 os.unlink(p)
         # The stats socket first: whoever sees control.sock (clients, PrivateDaemon, probes)
         # finds stats.sock there too.
         stats_server = await asyncio.start_unix_server(self._stats_client, path=self.stats_path)
         os.chmod(self.stats_path, 0o660)
-        sock.bind(f"ipc://{self.control_path}")
-        os.chmod(self.control_path, 0o660)
+        # Bound under a private name and renamed into place once it listens (with its
+        # mode set): the file exists between bind() and listen(), and a client that
+        # connected in that gap was refused as if no daemon were there.
+        sock.bind(f"ipc://{new_path}")
+        os.chmod(new_path, 0o660)
+        os.rename(new_path, self.control_path)
         # libzmq aborts the process if accepting a connection finds no free descriptor:
         # hold off new connections while few are left (daemon/connguard.py).
         guard = ConnectionGuard(sock, self.control_path).start()

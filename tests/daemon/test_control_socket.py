@@ -148,3 +148,36 @@ def test_client_without_daemon_says_where_it_looked(tmp_path):
     with pytest.raises(DaemonUnavailable) as ei:
         Client(str(tmp_path)).connect()
     assert "control.sock" in str(ei.value) and str(tmp_path) in str(ei.value)
+
+
+def test_control_socket_appears_only_once_it_accepts_connections(tmp_path):
+    """A client that connects the moment control.sock appears is accepted: the daemon
+    binds under a private name and renames the socket into place after listen() (a
+    connect in the gap between bind and listen was refused: a flaky CI failure)."""
+    import socket
+    import stat
+    import subprocess
+    import sys
+    import time
+
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        run_dir.mkdir()
+        path = str(run_dir / "control.sock")
+        proc = subprocess.Popen([sys.executable, "-m", "sparsekv.daemon.main", "--run-dir", str(run_dir),
+                                 "--backend", "cpu", "--pool-size", "16MiB"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(path):  # no sleep: catch the first instant it exists
+                assert proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o660  # its mode was set before it appeared
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(path)  # ConnectionRefusedError here was the bug
+            finally:
+                s.close()
+            assert not os.path.exists(path + ".new")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
