@@ -101,6 +101,7 @@ class Client:
         self.spin_ns = (500 if device.startswith("cuda") else 0) * 1000 if spin_us is None else int(spin_us) * 1000
         self.info: dict = {}
         self.attachment: Attachment | None = None
+        self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
         self._ctx = self._sock = None
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
@@ -161,6 +162,7 @@ class Client:
         so a process may open and close clients for ever), then close. Waits at most
         ``BYE_TIMEOUT_S`` and ignores every failure: the daemon's reaper frees what a
         client that could not say goodbye held once its process exits."""
+        self._close_handles()  # before the daemon lets the rank's memory go
         if self._sock is not None and self.info:
             self._goodbye()
         if self.attachment is not None:
@@ -226,21 +228,59 @@ class Client:
             fields["fence_events"] = fence_ring.handles
         reply, _ = self._call(MsgType.ATTACH, fields)
         h = reply["handles"]
-        if h.get("kind") == "cuda_ipc":
-            from .cuda_attach import CudaAttachment  # noqa: PLC0415
-
-            self.attachment = CudaAttachment(layout, engine, h, fence_ring)
-            return self.attachment
-        if h.get("kind") != "shm":
+        if h.get("kind") not in ("cuda_ipc", "shm"):
             raise SparseKVError(f"unknown slab kind {h.get('kind')!r} from the daemon; upgrade the client")
-        fd = os.open(h["path"], os.O_RDWR)
+        cuda = h["kind"] == "cuda_ipc"
         try:
-            mm = mmap.mmap(fd, max(h["bytes"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            fds = self._fetch_fds(h)
+        except SparseKVError as e:
+            if not cuda:  # no slab to read: give the rank back
+                self._detach_quietly()
+                raise
+            # cuda: only the pinned step blocks are missing; top-k batches go as arrays.
+            log.warning("cannot get the daemon's step blocks (%s); sending top-k batches on the socket", e)
+            fds = {}
+        try:  # the mappings keep the memory; the descriptors are not needed past this
+            if cuda:
+                from .cuda_attach import CudaAttachment  # noqa: PLC0415
+
+                self.attachment = CudaAttachment(layout, engine, h, fence_ring, fds=fds)
+                return self.attachment
+            if h.get("fd") not in fds:
+                self._detach_quietly()
+                raise SparseKVError(f"the daemon sent no descriptor {h.get('fd')!r} for the slab; check the client "
+                                    "and daemon versions")
+            mm = mmap.mmap(fds[h["fd"]], max(h["bytes"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            os.close(fd)
+            for fd in fds.values():
+                os.close(fd)
         slab, staging = layout.split_buffer(np.frombuffer(mm, dtype=np.uint8))
         self.attachment = Attachment(layout, engine, slab, staging, mm)
         return self.attachment
+
+    def _fetch_fds(self, handles: dict) -> dict[str, int]:
+        """The descriptors of the rank's shared memory, by name, from the daemon's fd socket
+        (``proto/fd_socket.py``): a one-time token for this process only. Empty when the
+        handles offer none. The caller closes them."""
+        token = handles.get("fd_token")
+        if token is None:
+            return {}
+        from sparsekv.proto.fd_socket import fetch_fds  # noqa: PLC0415
+
+        path = os.path.join(self.run_dir, os.path.basename(str(handles.get("fd_socket"))))
+        try:
+            return fetch_fds(path, str(token), min(self.timeout_s, 10.0))
+        except ProtocolError as e:
+            raise error_for(e.code, f"the fd socket {path} refused this process: {e.args[0]}") from None
+        except OSError as e:
+            raise DaemonUnavailable(f"cannot get the rank's memory from {path}: "
+                                    f"{e.strerror or type(e).__name__}") from None
+
+    def _detach_quietly(self) -> None:
+        try:
+            self._call(MsgType.DETACH)
+        except (SparseKVError, zmq.ZMQError):
+            pass
 
     def doorbell_handle(self, **kw):
         """The engine's handle of a rank attached with ``transport="doorbell"``:
@@ -248,9 +288,18 @@ class Client:
         ``kv``, ``check``)."""
         from .doorbell import DoorbellSwapIn  # noqa: PLC0415
 
-        return DoorbellSwapIn(self, **kw)
+        h = DoorbellSwapIn(self, **kw)
+        self._handles.append(h)  # closed before the rank's memory is unmapped
+        return h
+
+    def _close_handles(self) -> None:
+        """Close the rank's device handles: their threads write into its memory."""
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.close()
 
     def detach(self) -> None:
+        self._close_handles()
         self._call(MsgType.DETACH)
         if self.attachment is not None:
             self.attachment.close()
@@ -460,17 +509,23 @@ class Client:
                 return f"sparsekvd is gone (pid {pid} exited)"
             except psutil.Error:
                 pass  # cannot tell (permissions): the socket says more
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            try:
-                st = os.stat(path + BUSY_SUFFIX)  # held off new connections: still ours
-            except FileNotFoundError:
-                return f"sparsekvd is gone: its socket {path} was removed"
-            except OSError:
-                return None
-        except OSError:
-            return None
+        st = None
+        # The daemon renames control.sock <-> control.sock.busy while it holds off new
+        # connections (daemon/connguard.py): both names can be missing between two stats.
+        # Gone only when neither exists three times over.
+        for _ in range(3):
+            for p in (path, path + BUSY_SUFFIX):
+                try:
+                    st = os.stat(p)
+                    break
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    return None  # cannot tell
+            if st is not None:
+                break
+        if st is None:
+            return f"sparsekvd is gone: its socket {path} was removed"
         if self._socket_id is not None and _file_id(st) != self._socket_id:
             return f"sparsekvd restarted: {path} is a new daemon's socket"
         return None

@@ -47,7 +47,10 @@ def bus_id_of(ordinal: int) -> str:
 
 
 class CudaAttachment:
-    def __init__(self, layout: Layout, engine: str, handles: dict, fence: EventRing | None):
+    def __init__(self, layout: Layout, engine: str, handles: dict, fence: EventRing | None,
+                 fds: dict[str, int] | None = None):
+        """``fds``: descriptors from the daemon's fd socket by name (the caller closes
+        them): ``handles["blocks_fd"]`` names the rank's pinned step blocks."""
         import torch  # noqa: PLC0415
 
         self.layout, self.engine, self.handles = layout, engine, handles
@@ -68,31 +71,20 @@ class CudaAttachment:
         self._next = 0
         self._used = [False] * R
         self._seq = 0
-        path = handles.get("blocks_path")
-        if path:
-            # The rank's pinned step blocks, shared with the daemon: a TOPK writes its
-            # block here and sends only the entry number.
-            import os  # noqa: PLC0415
-
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except OSError as e:  # another user's daemon, say: top-k batches go as arrays
-                log.warning("cannot map the daemon's step blocks %s (%s); sending top-k batches on the socket",
-                            path, e.strerror)
-                path = None
-        if path:
+        # The rank's pinned step blocks, shared with the daemon: a TOPK writes its block
+        # here and sends only the entry number. Without them top-k batches go as arrays.
+        fd = (fds or {}).get(handles.get("blocks_fd"))
+        if fd is None and fds and handles.get("blocks_fd"):  # (Client.attach says why when none came)
+            log.warning("the daemon's step blocks did not come; sending top-k batches on the socket")
+        if fd is not None:
             import mmap  # noqa: PLC0415
-            import os  # noqa: PLC0415
 
             import numpy as np  # noqa: PLC0415
 
             from sparsekv.proto.step_block import BlockView  # noqa: PLC0415
 
-            try:
-                self._blocks_mm = mmap.mmap(fd, handles["blocks_bytes"], mmap.MAP_SHARED,
-                                            mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
+            self._blocks_mm = mmap.mmap(fd, handles["blocks_bytes"], mmap.MAP_SHARED,
+                                        mmap.PROT_READ | mmap.PROT_WRITE)
             buf = np.frombuffer(self._blocks_mm, dtype=np.uint8)
             n = handles["block_ints"] * 4
 

@@ -53,12 +53,14 @@ from sparsekv.proto.device_errors import ErrorRecord
 from sparsekv.proto.stream_ops import wait32, write32
 
 from .errors import BadRequest, DaemonUnavailable, error_for
+from .step_order import StepOrder
 
 log = logging.getLogger("sparsekv.client")
 
 WATCH_INTERVAL_S = 0.02  # how often the watcher checks that the daemon lives
 RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is set again
 THREADS = 256
+INT32_MAX = 2**31 - 1  # attention indices are int32
 
 
 def _external(cp, stream_ptr: int):
@@ -81,17 +83,24 @@ class DeviceSwapIn:
     ``client.inproc_cuda.InprocSwapIn`` runs the daemon's kernels inline."""
 
     def _bind(self, layout, device: int, slab, step_block: int, topk_blocks: list[int], slots: list[int],
-              error_mirror=None, resident_base: int = 0, hot_base: int = 0, misses=None) -> None:
-        """Device addresses of the rank's step block, per-group top-k blocks and slots."""
+              error_mirror=None, resident_base: int = 0, hot_base: int = 0, misses=None,
+              inv_cap: int | None = None) -> None:
+        """Device addresses of the rank's step block, per-group top-k blocks and slots.
+        ``inv_cap``: the most invalidate columns a step block takes (the layout's top_k
+        unless the daemon says fewer)."""
         import cupy as cp  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
         self.layout = lay = layout
         self.device = device
         self.resident_base, self.hot_base = int(resident_base), int(hot_base)
+        hot_end = self.hot_base + lay.max_reqs * lay.region_stride
+        if self.hot_base < 0 or self.resident_base < 0 or hot_end - 1 > INT32_MAX:
+            raise BadRequest(f"hot_base {self.hot_base} and resident_base {self.resident_base} must be >= 0, and the "
+                             f"hot rows' indices (up to {hot_end - 1}) must fit int32", ErrorCode.BAD_ARGUMENT)
+        self.inv_cap = lay.top_k if inv_cap is None else int(inv_cap)
         self._step_block, self._topk_blocks, self._slots = step_block, topk_blocks, slots
-        self._group_of = {layer: g for g, layers in enumerate(lay.groups) for layer in layers}
-        self._leader = {layers[0]: g for g, layers in enumerate(lay.groups)}
+        self._order = StepOrder(lay.groups)
         with cp.cuda.Device(device):
             mod = _kernels().module("handle.cu")
             self._k_begin = mod.get_function("skv_db_begin")
@@ -104,8 +113,6 @@ class DeviceSwapIn:
         self._slab = slab
         self._misses = misses  # torch int32 [groups, max_batch]: each group's misses per batch row
         self._errors = ErrorRecord(error_mirror) if error_mirror is not None else None
-        self._step = 0  # host-side count of begin_step calls (argument checks only)
-        self._resolved: dict[int, int] = {}  # group -> the step its leader rang
         self._gone: str | None = None
 
     # -- hand-off points ---------------------------------------------------------------
@@ -133,8 +140,10 @@ class DeviceSwapIn:
     def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
         """Begin a decode step on the current stream: ``state_rows`` int32 [n] (the step's
         requests, -1 = padding), ``reset`` bool [n] (a row that starts a new request),
-        ``invalidate`` int32 [n, m] (host rows rewritten since the last step, -1 = none)."""
+        ``invalidate`` int32 [n, m] (host rows rewritten since the last step, -1 = none).
+        The previous step must be complete (``client/step_order.py``)."""
         lay = self.layout
+        self._order.check_begin()
         rows = self._ids("state_rows", state_rows, 1)
         n = rows.shape[0]
         if n > lay.max_batch:
@@ -148,9 +157,12 @@ class DeviceSwapIn:
         inv_n = 0
         if invalidate is not None:
             invalidate = self._ids("invalidate", invalidate, 2)
-            if invalidate.shape[0] != n or invalidate.shape[1] > lay.top_k:
-                raise BadRequest(f"invalidate must be [{n}, m <= {lay.top_k}], got {tuple(invalidate.shape)}",
+            if invalidate.shape[0] != n:
+                raise BadRequest(f"invalidate must be [{n}, m], got {tuple(invalidate.shape)}",
                                  ErrorCode.BAD_ARGUMENT)
+            if invalidate.shape[1] > self.inv_cap:
+                raise BadRequest(f"invalidate has {invalidate.shape[1]} columns; at most {self.inv_cap} per step",
+                                 ErrorCode.TOO_LARGE)
             inv_n = invalidate.shape[1]
         i32 = np.int32
         s = self._stream()
@@ -159,7 +171,28 @@ class DeviceSwapIn:
                       reset.data_ptr() if reset is not None else 0,
                       invalidate.data_ptr() if inv_n else 0, i32(inv_n), i32(lay.max_batch)))
         self._begun(s)
-        self._step += 1
+        self._order.began()
+
+    def finish_step(self) -> None:
+        """End the current step on the current stream when it was interrupted (an
+        exception between layers, a layer the engine skipped): the groups not yet rung
+        are rung with an empty batch, the layers not yet consumed are waited for. Their
+        rows are not used. A no-op on a complete step."""
+        groups, layers = self._order.pending()
+        if not groups and not layers:
+            return
+        s = self._stream()
+        i32 = np.int32
+        for g in groups:
+            self._launch(self._k_topk, 1, s,
+                         (self._topk_blocks[g], self._counter.data.ptr, self._counter.data.ptr, i32(0),
+                          0, i32(0), i32(0), 0, i32(0), self._counter.data.ptr, i32(self.layout.top_k), i32(1), i32(g),
+                          i32(self.layout.max_batch)))
+            self._rang(g, s)
+            self._order.rang(g)
+        for layer in layers:
+            self._ready(layer, self._order.group_of[layer], s)
+            self._order.ready(layer)
 
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int = 1,
                 return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
@@ -169,9 +202,9 @@ class DeviceSwapIn:
         padding); ``block_table`` int32 [requests, max_blocks] indexed by request, or None
         when the top-k holds host rows; ``logical_topk_indices`` int32 [tokens, k]."""
         lay = self.layout
-        g = self._group_of.get(int(layer))
-        if g is None:
-            raise BadRequest(f"layer {layer} out of range [0, {lay.num_layers})", ErrorCode.BAD_ARGUMENT)
+        layer = int(layer)
+        leader = self._order.check_layer(layer)
+        g = self._order.group_of[layer]
         req = self._ids("req_id_per_token", req_id_per_token, 1)
         topk = self._ids("logical_topk_indices", logical_topk_indices, 2)
         tokens, k = topk.shape
@@ -197,28 +230,27 @@ class DeviceSwapIn:
                 raise BadRequest(f"resident_block_table must have {table_rows} rows like block_table, got "
                                  f"{tuple(resident_block_table.shape)}", ErrorCode.BAD_ARGUMENT)
             res_blocks = resident_block_table.shape[1]
-        leader = self._leader.get(int(layer)) is not None
-        if not leader and self._resolved.get(g) != self._step:
-            raise BadRequest(f"layer {layer} follows layer {lay.groups[g][0]} in index group {g}: call swap_in for "
-                             "the leader first in each step", ErrorCode.BAD_ARGUMENT)
         torch = self._torch
         out = attention_indices_out
         if out is None:
             out = torch.empty((tokens, k), dtype=torch.int32, device=topk.device)
-        elif tuple(out.shape) != (tokens, k) or out.dtype != torch.int32 or not out.is_contiguous():
-            raise BadRequest(f"attention_indices_out must be a contiguous int32 [{tokens}, {k}] tensor",
-                             ErrorCode.BAD_ARGUMENT)
+        else:
+            self._out("attention_indices_out", out, (tokens, k))
         valid = None
         if return_valid_counts or valid_counts_out is not None:
             valid = valid_counts_out
             if valid is None:
                 valid = torch.empty((tokens,), dtype=torch.int32, device=topk.device)
-            elif tuple(valid.shape) != (tokens,) or valid.dtype != torch.int32:
-                raise BadRequest(f"valid_counts_out must be an int32 [{tokens}] tensor", ErrorCode.BAD_ARGUMENT)
+            else:
+                self._out("valid_counts_out", valid, (tokens,))
         i32, i64 = np.int32, np.int64
         s = self._stream()
         grid = max(1, min(tokens, 1024))
-        table_ptr = block_table.data_ptr() if block_table is not None else 0
+        # A table with no entries still means "positions": never a null pointer (null =
+        # the top-k holds host rows); with 0 rows or 0 blocks nothing of it is read.
+        table_ptr = 0
+        if block_table is not None:
+            table_ptr = block_table.data_ptr() if block_table.numel() else self._counter.data.ptr
         res_ptr = resident_block_table.data_ptr() if resident_block_table is not None else 0
         if leader:
             self._launch(self._k_topk, grid, s,
@@ -226,8 +258,9 @@ class DeviceSwapIn:
                           table_ptr, i32(table_rows), i32(max_blocks), res_ptr, i32(res_blocks),
                           topk.data_ptr(), i32(k), i32(max(1, int(block_size))), i32(g), i32(lay.max_batch)))
             self._rang(g, s)
-            self._resolved[g] = self._step
-        self._ready(int(layer), g, s)
+            self._order.rang(g)
+        self._ready(layer, g, s)
+        self._order.ready(layer)
         self._launch(self._k_indices, grid, s,
                      (self._slots[g], i32(lay.top_k), req.data_ptr(), i32(tokens), topk.data_ptr(), i32(k),
                       res_ptr, i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))),
@@ -257,7 +290,8 @@ class DeviceSwapIn:
         return self._gone
 
     def close(self) -> None:
-        pass
+        """Refuse every later call (a closed handle's memory may be gone)."""
+        self._order.close()
 
     # -- internals ---------------------------------------------------------------------
     def _stream(self) -> int:
@@ -274,6 +308,15 @@ class DeviceSwapIn:
         if not t.is_contiguous():  # a copy here would be freed under the engine's graph
             raise BadRequest(f"{name} must be contiguous", ErrorCode.BAD_ARGUMENT)
         return t
+
+    def _out(self, name: str, t, shape: tuple) -> None:
+        """An output tensor the kernels write: int32, ``shape``, contiguous, on the rank's GPU."""
+        torch = self._torch
+        if not isinstance(t, torch.Tensor) or not t.is_cuda or t.device.index != self.device \
+                or t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise BadRequest(f"{name} must be a contiguous int32 {list(shape)} tensor on cuda:{self.device}, got "
+                             f"{got}", ErrorCode.BAD_ARGUMENT)
 
     def _launch(self, fn, grid: int, stream_ptr: int, args) -> None:
         import cupy as cp  # noqa: PLC0415
@@ -301,7 +344,7 @@ class DoorbellSwapIn(DeviceSwapIn):
                    [arena.ptr + db["topk_block_offset"] + g * bints * 4 for g in range(G)],
                    [arena.ptr + db["slots_offset"] + g * B * K * 4 for g in range(G)],
                    att.error_mirror, resident_base, hot_base,
-                   misses=arena.torch(db["misses_offset"], (G, B), "int32"))
+                   misses=arena.torch(db["misses_offset"], (G, B), "int32"), inv_cap=db.get("inv_cap"))
         ctl = arena.ptr + db["ctl_offset"]
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]
@@ -323,11 +366,13 @@ class DoorbellSwapIn(DeviceSwapIn):
         write32(stream_ptr, self._readys[layer], 0)
 
     def close(self) -> None:
-        """Stop the watcher (the engine's stream must not be waiting on a ready word any
-        more: synchronise it first)."""
+        """Stop the watcher and refuse every later call. ``Client.detach`` and
+        ``Client.close`` call it before the rank's memory is unmapped (the watcher writes
+        into it); the engine's stream must not be waiting on a ready word any more."""
+        super().close()
         self._closed.set()
         if self._watcher.is_alive() and threading.current_thread() is not self._watcher:
-            self._watcher.join(timeout=2.0)
+            self._watcher.join(timeout=5.0)
 
     def _watch(self) -> None:
         """Watch the daemon; once it is gone, release the engine's stream for ever."""

@@ -109,6 +109,7 @@ class InprocSwapIn(DeviceSwapIn):
     def close(self) -> None:
         import cupy as cp  # noqa: PLC0415
 
+        super().close()
         if self._arena is None:
             return
         with cp.cuda.Device(self.device):

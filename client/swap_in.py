@@ -68,6 +68,7 @@ from sparsekv.proto import ErrorCode
 from sparsekv.proto.positions import host_rows
 
 from .errors import BadRequest, NotAttached, SparseKVError
+from .step_order import StepOrder
 
 
 class HostSwapIn:
@@ -96,6 +97,9 @@ class HostSwapIn:
         self._failed = False  # the last begin_step raised
         self._state_rows = np.empty(0, np.int32)
         self._slots: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (req ids, slots) of this step
+        # The device handle's step order (client/step_order.py), kept here too, so that
+        # model code that runs on this handle runs unchanged on the device one.
+        self._order = StepOrder(lay.groups)
         # Totals over the handle's life, from the top-k replies (the cuda backend leaves
         # hits and out_of_range to its stats: then they stay 0). Not part of the device API.
         self.counts = {"batches": 0, "hits": 0, "misses": 0, "out_of_range": 0}
@@ -106,8 +110,10 @@ class HostSwapIn:
         """Begin the next decode step (this handle numbers them 0, 1, ...): ``state_rows``
         int [n], the request state rows of the step (-1 = padding); ``reset`` bool [n],
         rows that start a new request; ``invalidate`` int [n, m], host rows rewritten
-        since the last step that row ``i``'s region may hold (-1 = none)."""
+        since the last step that row ``i``'s region may hold (-1 = none). The previous
+        step must be complete: every layer's swap_in called once (or :meth:`finish_step`)."""
         self._open()
+        self._order.check_begin()
         self._step, self._failed = None, True  # until it has begun, swap_in refuses to run
         self._slots.clear()
         rows = _ints("state_rows", state_rows, 1)
@@ -116,6 +122,17 @@ class HostSwapIn:
         step, self._next_step = self._next_step, self._next_step + 1
         self._client.step(step, rows, reset=reset, invalidate=invalidate)
         self._step, self._state_rows, self._failed = step, rows, False
+        self._order.began()
+
+    def finish_step(self) -> None:
+        """End an interrupted step (as the device handle's): the groups not yet called
+        resolve nothing this step, the layers not yet called are done."""
+        self._open()
+        groups, layers = self._order.pending()
+        for g in groups:
+            self._order.rang(g)
+        for layer in layers:
+            self._order.ready(layer)
 
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int,
                 return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None):
@@ -141,18 +158,25 @@ class HostSwapIn:
         if topk.shape[1] > self.layout.top_k:
             raise BadRequest(f"logical_topk_indices has {topk.shape[1]} columns, layout top_k is {self.layout.top_k}",
                              ErrorCode.BAD_ARGUMENT)
+        # Everything the caller passed is checked before the step's order moves on.
+        _check_out("attention_indices_out", attention_indices_out, topk.shape)
+        if return_valid_counts:
+            _check_out("valid_counts_out", valid_counts_out, topk.shape[:1])
+        self._order.check_layer(int(layer))
         if layer == leader:
             slots = self._lead(group, reqs, topk, block_table, block_size)
+            self._order.rang(group)
         else:
             slots = self._follow(group, layer, leader, reqs, topk)
+        self._order.ready(int(layer))
         # Region of state row r, slot s: row r * region_stride + s (fits int32: the layout
         # keeps max_reqs * region_stride <= 2**31).
         idx = np.where(slots >= 0, reqs[:, None].astype(np.int64) * self._stride + slots, -1).astype(np.int32)
         counts = (idx >= 0).sum(axis=1, dtype=np.int32)
-        idx = _deliver("attention_indices_out", idx, attention_indices_out, like)
+        idx = _deliver(idx, attention_indices_out, like)
         if not return_valid_counts:
             return idx
-        return idx, _deliver("valid_counts_out", counts, valid_counts_out, like)
+        return idx, _deliver(counts, valid_counts_out, like)
 
     def kv(self, layer: int):
         """The layer's hot slab, ``[max_reqs * region_stride, row_bytes]`` uint8 (NumPy for
@@ -269,25 +293,35 @@ def _ints(name: str, a, ndim: int) -> np.ndarray:
     return arr
 
 
-def _deliver(name: str, result: np.ndarray, out, like):
-    """``result`` written into ``out`` (returned), or as a new array of ``like``'s kind."""
+def _check_out(name: str, out, shape: tuple) -> None:
+    """Raise unless ``out`` (None: none given) can take an int32 result of ``shape``."""
+    if out is None:
+        return
+    if _is_torch(out):
+        import torch  # noqa: PLC0415
+
+        if out.dtype != torch.int32:
+            raise BadRequest(f"{name} must be int32, got {out.dtype}", ErrorCode.BAD_ARGUMENT)
+    elif not isinstance(out, np.ndarray) or out.dtype != np.int32:
+        raise BadRequest(f"{name} must be an int32 NumPy array or torch tensor, got {type(out).__name__} "
+                         f"{getattr(out, 'dtype', '')}", ErrorCode.BAD_ARGUMENT)
+    if tuple(out.shape) != shape:
+        raise BadRequest(f"{name} must have shape {shape}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
+
+
+def _deliver(result: np.ndarray, out, like):
+    """``result`` written into ``out`` (checked by _check_out; returned), or as a new
+    array of ``like``'s kind."""
     if out is None:
         if like is None:
             return result
         import torch  # noqa: PLC0415 - only reached with a tensor argument, so torch is there
 
         return torch.from_numpy(result).to(like.device)
-    if tuple(out.shape) != result.shape:
-        raise BadRequest(f"{name} must have shape {result.shape}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
     if _is_torch(out):
         import torch  # noqa: PLC0415
 
-        if out.dtype != torch.int32:
-            raise BadRequest(f"{name} must be int32, got {out.dtype}", ErrorCode.BAD_ARGUMENT)
         out.copy_(torch.from_numpy(result))
         return out
-    if not isinstance(out, np.ndarray) or out.dtype != np.int32:
-        raise BadRequest(f"{name} must be an int32 NumPy array or torch tensor, got {type(out).__name__} "
-                         f"{getattr(out, 'dtype', '')}", ErrorCode.BAD_ARGUMENT)
     out[...] = result
     return out

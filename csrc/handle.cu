@@ -99,7 +99,8 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
 // Attention indices of one layer: out[t, j] =
 //   resident copy:  resident_base + resident[req, p / bs] * bs + p % bs
 //   hot slot s >= 0: hot_base + req * region_stride + s
-//   otherwise -1 (and -1 everywhere once `dead[0]` is set: the daemon is gone).
+//   otherwise -1 (and -1 everywhere once `dead[0]` is set: the daemon is gone; -1 for an
+//   index that would not fit int32: a resident block number far out of range).
 // `slots` is the group's [max_batch, ld] result. valid[t] (optional) = entries >= 0.
 // Grid: one block per token (grid-stride); blockDim a multiple of 32, at most 1024.
 extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const int ld,
@@ -126,12 +127,14 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
                 const int p = topk[(i64)t * k + j];
                 const int blkno = p >= 0 ? p / block_size : -1;
                 const int rb = (rrow && p >= 0 && blkno < res_blocks) ? rrow[blkno] : -1;
+                i64 v = -1;
                 if (rb >= 0) {
-                    o = (int)(resident_base + (i64)rb * block_size + p % block_size);
+                    v = resident_base + (i64)rb * block_size + p % block_size;
                 } else {
                     const int s = slots[(i64)t * ld + j];
-                    if (s >= 0) o = (int)(hot_base + (i64)req * region_stride + s);
+                    if (s >= 0) v = hot_base + (i64)req * region_stride + s;
                 }
+                if (v <= 0x7fffffffll) o = (int)v;  // an index past int32 is no row (-1)
             }
             out[(i64)t * k + j] = o;
             mine += o >= 0;

@@ -1,23 +1,25 @@
 """Backends: where a rank's hot slab lives and which residency/mover implement it.
 
-``cpu``: slabs are files in shared memory (``/dev/shm``) that the client maps; NumPy
-residency and mover. ``cuda``: slabs are ``cudaMalloc`` allocations exported through CUDA
-IPC handles; residency and mover are the kernels of ``csrc/`` (see ``residency/cuda.py``).
+``cpu``: slabs are anonymous shared memory (memfds) that the client maps, having got the
+descriptor over the fd socket (``proto/fd_socket.py``); NumPy residency and mover.
+``cuda``: slabs are ``cudaMalloc`` allocations exported through CUDA IPC handles;
+residency and mover are the kernels of ``csrc/`` (see ``residency/cuda.py``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import logging
 import mmap
 import os
-import secrets
 import shutil
 import subprocess
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 
 from .engine import EngineSpace, RankState
 from .residency.base import ResidencyError
@@ -32,7 +34,8 @@ def run_dir_tag(run_dir: str) -> str:
 
 
 def remove_stale(prefix: str) -> None:
-    """Remove files ``prefix*`` left by a daemon of this run dir that died; nobody can be
+    """Remove files ``prefix*`` left by a daemon of this run dir that died (an older
+    version: slabs and step blocks are memfds now, which leave nothing); nobody can be
     using them (the caller made sure no daemon serves this run dir)."""
     for stale in glob.glob(prefix + "*"):
         log.warning("removing stale shared-memory file %s", stale)
@@ -42,19 +45,30 @@ def remove_stale(prefix: str) -> None:
             pass
 
 
-def shm_path(prefix: str, client_id: int) -> str:
-    """A new shared-memory file name for client ``client_id``:
-    ``<prefix><client id>-<16 random hex digits>``. ``/dev/shm`` is writable by every
-    user, so a predictable name could be created first by someone else (squatted: the
-    daemon's ``O_EXCL`` create then fails, or, without ``O_EXCL``, it would use a file
-    another user controls); the token makes the name unknowable in advance. Stale files
-    are still found by ``prefix`` (:func:`remove_stale`)."""
-    return f"{prefix}{client_id}-{secrets.token_hex(8)}"
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def new_memfd(name: str, nbytes: int) -> int:
+    """A memfd of ``nbytes`` (close-on-exec) whose pages are reserved now, and sealed
+    against any change of size. It has no name in any file system: nobody can open it, a
+    client gets it only as a descriptor (the fd socket, ``proto/fd_socket.py``); ``name``
+    only shows in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``. Reserving (``fallocate``)
+    fails here, with ``OSError``, where a sparse file would let a later access die of
+    SIGBUS; the seals keep a client that holds the descriptor from shrinking it under the
+    daemon's mapping (SIGBUS again)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass
 class _ShmSlab:
-    path: str
+    fd: int  # kept while the rank lives: the fd socket hands it to the rank's client
     mm: mmap.mmap
 
 
@@ -65,43 +79,45 @@ class CpuBackend:
 
     def __init__(self, run_dir: str, shm_dir: str = "/dev/shm"):
         self.devices = ["cpu"]
-        self._prefix = os.path.join(shm_dir, f"sparsekv-{run_dir_tag(run_dir)}-")
+        self._name = f"sparsekv-{run_dir_tag(run_dir)}-"  # memfd names: <name><client id>
         self._slabs: dict[int, _ShmSlab] = {}
-        remove_stale(self._prefix)
+        # Slab files an older sparsekvd of this run dir left in shm_dir (it crashed).
+        remove_stale(os.path.join(shm_dir, self._name))
 
     def describe(self) -> dict:
         return {"backend": self.name, "devices": self.devices}
+
+    def failure(self) -> str | None:
+        """Why the backend cannot serve anyone any more (the server then exits 70), or
+        None. Nothing of the cpu backend fails on its own."""
+        return None
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str,
                  fence_events=None) -> tuple[RankState, dict]:
         """A rank's state and what its client needs to map the slab. ``fence_events`` is
         for the cuda backend (the cpu client reads only after each reply)."""
         lay = space.layout
-        path = shm_path(self._prefix, client_id)
         nbytes = lay.slab_bytes + lay.staging_bytes
-        # Group read/write: engines reach the daemon through its group (deploy/README.md).
-        # O_EXCL (which also refuses a symlink planted under the name) and O_NOFOLLOW: the
-        # daemon only ever maps a file it created itself.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o660)
+        # Anonymous shared memory (new_memfd): only the process that attached the rank
+        # gets the descriptor (the server's fd socket). Its pages are reserved now, so
+        # running out of memory fails this attach, not a later gather (SIGBUS).
+        avail = psutil.virtual_memory().available
+        fix = "lower max_reqs, region_stride or num_layers"
+        if nbytes > avail:
+            raise ResidencyError("TOO_LARGE", f"cannot reserve a hot slab of {nbytes >> 20} MiB: {avail >> 20} MiB "
+                                 f"of memory available; {fix}")
         try:
-            os.fchmod(fd, 0o660)  # whatever the umask
-            # Reserve the pages now: a sparse file would let a later gather die of SIGBUS
-            # when shared memory runs out; this fails here, with a clear error, instead.
-            try:
-                os.posix_fallocate(fd, 0, max(nbytes, 1))
-            except OSError as e:
-                raise ResidencyError(
-                    "TOO_LARGE", f"cannot reserve a hot slab of {nbytes >> 20} MiB in {os.path.dirname(path)}: "
-                    f"{e.strerror}; lower max_reqs, region_stride or num_layers, or enlarge {os.path.dirname(path)}"
-                ) from None
+            fd = new_memfd(f"{self._name}{client_id}", max(nbytes, 1))
+        except OSError as e:
+            raise ResidencyError("TOO_LARGE", f"cannot reserve a hot slab of {nbytes >> 20} MiB: {e.strerror}; "
+                                 f"{fix}") from None
+        try:
             mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except Exception:
-            os.unlink(path)
-            raise
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         slab, staging = lay.split_buffer(np.frombuffer(mm, dtype=np.uint8))
-        self._slabs[client_id] = _ShmSlab(path, mm)
+        self._slabs[client_id] = _ShmSlab(fd, mm)
         state = RankState(
             rank=rank,
             device=device,
@@ -110,19 +126,24 @@ class CpuBackend:
             slab=slab,
             staging=staging,
         )
-        handles = {"kind": "shm", "path": path, "bytes": nbytes, "slab_bytes": lay.slab_bytes}
+        # "fd": the name of the slab's descriptor on the fd socket (the server adds the
+        # socket's name and the token).
+        handles = {"kind": "shm", "fd": "slab", "bytes": nbytes, "slab_bytes": lay.slab_bytes}
         return state, handles
+
+    def share_fds(self, client_id: int) -> dict[str, int]:
+        """The descriptors the client of rank ``client_id`` maps, by the names its handles
+        give them (still owned by the backend)."""
+        shm = self._slabs.get(client_id)
+        return {} if shm is None else {"slab": shm.fd}
 
     def release_rank(self, client_id: int) -> None:
         shm = self._slabs.pop(client_id, None)
         if shm is None:
             return
-        try:
-            os.unlink(shm.path)
-        except FileNotFoundError:
-            pass
-        # The mapping itself goes away with the last view; clients keep theirs until they
-        # unmap, which is safe with shared memory.
+        os.close(shm.fd)
+        # The memory itself goes away with the last mapping: the daemon's goes with the
+        # last view; clients keep theirs until they unmap, which is safe with shared memory.
 
     def release_engine(self, space: EngineSpace) -> None:
         """The engine's last rank left (nothing is pinned on the cpu backend)."""

@@ -79,7 +79,7 @@ class Config:
     devices: str = "all"  # cuda: "all" or a comma list of ordinals
     max_clients: int = 256
     reap_interval_s: float = 2.0  # how often dead client processes are detached
-    shm_dir: str = "/dev/shm"  # where cpu-backend slabs live (clients map them)
+    shm_dir: str = "/dev/shm"  # where older versions put slab files (slabs are memfds now)
     kernel_cache_dir: str = ""  # cuda: compiled kernel cache ("" = ~/.cache/sparsekv/kernels)
     gather_blocks: int = 32  # cuda: thread blocks the gather may use (SMs shared with attention)
     device_arena_size: int = 16 << 30  # cuda: bytes of the one allocation per GPU for slabs and rings
@@ -163,7 +163,7 @@ _HELP = {
     "devices": "cuda: GPUs to serve, 'all' or a comma list of ordinals",
     "max_clients": "connected clients (engine ranks) at most",
     "reap_interval_s": "seconds between checks for dead client processes",
-    "shm_dir": "where cpu-backend slabs live (clients map them)",
+    "shm_dir": "where older versions put slab files; stale ones of this run dir are removed at start",
     "kernel_cache_dir": "cuda: compiled kernel cache; '' = ~/.cache/sparsekv/kernels",
     "gather_blocks": "cuda: thread blocks the gather may use (SMs are shared with attention)",
     "device_arena_size": "cuda: one allocation per GPU for every rank's slab and rings, with a unit",

@@ -277,8 +277,8 @@ def main(argv=None) -> int:
     if not os.path.isdir(cfg.shm_dir) or not os.access(cfg.shm_dir, os.W_OK | os.X_OK):
         why = "does not exist" if not os.path.exists(cfg.shm_dir) else (
             "is not a directory" if not os.path.isdir(cfg.shm_dir) else "is not writable by this user")
-        print(f"sparsekvd: shm_dir {cfg.shm_dir} ({sources.get('shm_dir', 'default')}) {why}; slabs are created "
-              "there: point shm_dir at a tmpfs the engines see (usually /dev/shm)", file=sys.stderr)
+        print(f"sparsekvd: shm_dir {cfg.shm_dir} ({sources.get('shm_dir', 'default')}) {why}; stale slab files of "
+              "older versions are removed there: point shm_dir at the engines' /dev/shm", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
     log_open_files_limit()

@@ -1,5 +1,6 @@
-"""The control plane: a ZeroMQ ROUTER served on (uv)asyncio, plus the stats socket and
-the optional loopback HTTP ``/metrics`` endpoint (same loop, same thread).
+"""The control plane: a ZeroMQ ROUTER served on (uv)asyncio, plus the stats socket, the fd
+socket (a rank's shared-memory descriptors for the process that attached it) and the
+optional loopback HTTP ``/metrics`` endpoint (same loop, same thread).
 
 One thread owns the ROUTER socket and every worker's state (STYLE 5): requests are
 handled one at a time in arrival order, so no lock guards the residency state. On the
@@ -13,6 +14,9 @@ import asyncio
 import functools
 import logging
 import os
+import secrets
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +39,7 @@ from sparsekv.proto import (
     reply_ok,
 )
 
+from sparsekv.proto import fd_socket
 from sparsekv.proto.frames import send_copy
 
 from . import stats as stats_mod
@@ -82,6 +87,7 @@ class Session:
     verified: bool = False
     watch: PidWatch | None = None
     peer_address: str = ""  # the HELLO's Peer-Address, as libzmq gave it ("": unverified)
+    fd_token: str | None = None  # the fd socket's token of its attached rank, until used
 
 
 class Daemon:
@@ -118,6 +124,9 @@ class Daemon:
         self.sessions: dict[bytes, Session] = {}
         self.engines = EngineRegistry(pool, backend)  # engine lifetimes and pool ranges
         self._next_client_id = 1
+        # fd socket tokens not used yet -> their session (one per attached rank at most).
+        self._fd_offers: dict[str, Session] = {}
+        self._fd_conns = 0  # fd socket connections being served
         self._stop = asyncio.Event()
         self.handlers = {
             MsgType.HELLO: self.on_hello,
@@ -143,6 +152,10 @@ class Daemon:
     @property
     def stats_path(self) -> str:
         return os.path.join(self.run_dir, "stats.sock")
+
+    @property
+    def fd_path(self) -> str:
+        return os.path.join(self.run_dir, fd_socket.FD_SOCKET)
 
     # -- serving ------------------------------------------------------------------
     async def serve(self, on_ready=None) -> None:
@@ -170,13 +183,27 @@ class Daemon:
         sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         busy_path = self.control_path + BUSY_SUFFIX
         new_path = self.control_path + ".new"
-        for p in (self.control_path, busy_path, new_path, self.stats_path):
+        fd_new_path = self.fd_path + ".new"
+        for p in (self.control_path, busy_path, new_path, self.stats_path, self.fd_path, fd_new_path):
             if os.path.lexists(p):
                 os.unlink(p)
-        # The stats socket first: whoever sees control.sock (clients, PrivateDaemon, probes)
-        # finds stats.sock there too.
+        # The stats and fd sockets first: whoever sees control.sock (clients, PrivateDaemon,
+        # probes) finds them there too.
         stats_server = await asyncio.start_unix_server(self._stats_client, path=self.stats_path)
         os.chmod(self.stats_path, 0o660)
+        # The fd socket as control.sock below: listening, mode set, then renamed into place.
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(fd_new_path)
+            os.chmod(fd_new_path, 0o660)
+            listener.listen(64)
+            fd_server = await asyncio.start_unix_server(self._fd_client, sock=listener,
+                                                        limit=fd_socket.MAX_REQUEST_BYTES)
+        except BaseException:
+            listener.close()
+            stats_server.close()
+            raise
+        os.rename(fd_new_path, self.fd_path)
         # Bound under a private name and renamed into place once it listens (with its
         # mode set): the file exists between bind() and listen(), and a client that
         # connected in that gap was refused as if no daemon were there.
@@ -190,7 +217,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         fd = sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain, sock)
-        tasks = [asyncio.create_task(self._reaper(), name="reaper")]
+        tasks = [asyncio.create_task(self._reaper(), name="reaper"),
+                 asyncio.create_task(self._health(), name="health")]
         if self.notifier.watchdog_interval_s:
             tasks.append(asyncio.create_task(self._watchdog(), name="watchdog"))
         status = f"serving {len(self.backend.devices)} device(s), pool {self.pool.size_bytes >> 20} MiB"
@@ -211,6 +239,7 @@ class Daemon:
             for t in tasks:
                 t.cancel()
             stats_server.close()
+            fd_server.close()
             if http_server is not None:
                 http_server.close()
             if self.exit_code:
@@ -227,7 +256,8 @@ class Daemon:
             guard.close()
             sock.close(0)
             ctx.term()
-            for p in (self.control_path, busy_path, self.stats_path):
+            self._fd_offers.clear()
+            for p in (self.control_path, busy_path, self.stats_path, self.fd_path):
                 try:
                     os.unlink(p)
                 except FileNotFoundError:
@@ -461,6 +491,12 @@ class Daemon:
         s.engine, s.state = engine, state
         log.info("client %d attached to engine %r (%s)", s.client_id, engine,
                  f"new, owner uid {s.uid}" if created else "joined")
+        if self.backend.share_fds(s.client_id):
+            # The rank's shared memory has no name to open: its descriptors go to this
+            # process only, over the fd socket, for this one-time token.
+            s.fd_token = secrets.token_hex(fd_socket.TOKEN_BYTES)
+            self._fd_offers[s.fd_token] = s
+            handles = {**handles, "fd_socket": fd_socket.FD_SOCKET, "fd_token": s.fd_token}
         return {"handles": handles, "layout": layout.to_wire()}, None
 
     def on_step(self, s: Session, identity, h, a):
@@ -585,6 +621,9 @@ class Daemon:
         if s.watch is not None:
             s.watch.close()
             s.watch = None
+        if s.fd_token is not None:  # withdrawn with the rank
+            self._fd_offers.pop(s.fd_token, None)
+            s.fd_token = None
         if s.state is None:
             return
         self.engines.detach(s.client_id, s.engine)
@@ -709,6 +748,16 @@ class Daemon:
             except Exception:  # noqa: BLE001
                 log.exception("reaper failed")
 
+    async def _health(self) -> None:
+        """Exit (70) once the backend cannot serve anyone: GPU work that runs without
+        requests (a doorbell rank's stream) fails where no reply can say so."""
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            why = self.backend.failure()
+            if why:
+                self._fatal(why)
+                return
+
     async def _watchdog(self) -> None:
         while True:
             self.notifier.watchdog()
@@ -737,6 +786,78 @@ class Daemon:
             pass
         finally:
             writer.close()
+
+    async def _fd_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The fd socket (``proto/fd_socket.py``): one token line in; the descriptors of
+        the token's rank out (SCM_RIGHTS) if the connection's process is the one that
+        attached it, else a refusal saying why. Bounded: one line of at most
+        ``MAX_REQUEST_BYTES``, ``TIMEOUT_S``, ``FD_MAX_CONNECTIONS`` served at once."""
+        if self._fd_conns >= FD_MAX_CONNECTIONS:  # a flood: keep the descriptors for clients
+            self.stats.add(fd_refusals=1)  # (not logged: a flood would flood the log too)
+            writer.close()
+            return
+        self._fd_conns += 1
+        try:
+            raw = writer.get_extra_info("socket")
+            try:
+                line = await asyncio.wait_for(reader.readuntil(b"\n"), timeout=fd_socket.TIMEOUT_S)
+            except asyncio.TimeoutError:
+                line = None
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                line = b""
+            pid, uid, gid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))
+            answer, fds = self._fd_answer(line, pid, uid, gid)
+            # The transport has no sendmsg: the same socket, wrapped for one call (the
+            # answer is small, the send buffer empty: it never blocks).
+            conn = socket.socket(fileno=raw.fileno())
+            try:
+                socket.send_fds(conn, [answer], fds)
+            finally:
+                conn.detach()  # the transport owns and closes it
+        except (OSError, ValueError) as e:  # the peer hung up, say
+            log.debug("fd socket: %s", e)
+        finally:
+            self._fd_conns -= 1
+            writer.close()
+
+    def _fd_answer(self, line: bytes | None, pid: int, uid: int, gid: int) -> tuple[bytes, list[int]]:
+        """The fd socket's answer to ``line`` (None: nothing came in time) from process
+        ``pid`` running as ``uid`` / ``gid`` (SO_PEERCRED), and the descriptors to send."""
+        token = (line or b"").strip().decode("ascii", "replace")
+        s = self._fd_offers.get(token) if token else None
+        if line is None:
+            why = f"no token within {fd_socket.TIMEOUT_S:g} s"
+        elif s is None:
+            why = ("unknown or already used token: a token serves one connection, from the process that attached, "
+                   "until it detaches")
+        elif not self._is_attacher(s, pid, uid, gid):
+            # The token came back from another process: leaked, or stolen. Kept for the
+            # rank's own process.
+            log.warning("fd socket: pid %d (uid %d gid %d) presented the token of client %d (pid %d uid %d)",
+                        pid, uid, gid, s.client_id, s.pid, s.uid)
+            why = (f"this process (pid {pid}, uid {uid}) did not attach this rank: only the process that attached "
+                   "it gets its memory")
+        else:
+            del self._fd_offers[token]
+            s.fd_token = None
+            fds = self.backend.share_fds(s.client_id)
+            log.debug("fd socket: client %d (pid %d) got %s", s.client_id, pid, ", ".join(fds))
+            return fd_socket.answer(True, fds=list(fds)), list(fds.values())
+        self.stats.add(fd_refusals=1)
+        log.info("fd socket: refused pid %d uid %d: %s", pid, uid, why)
+        return fd_socket.answer(False, code=ErrorCode.PERMISSION_DENIED, msg=why), []
+
+    @staticmethod
+    def _is_attacher(s: Session, pid: int, uid: int, gid: int) -> bool:
+        """Whether process ``pid`` (uid, gid: SO_PEERCRED of the fd socket) is the one
+        that said HELLO as ``s`` (SO_PEERCRED of control.sock) and still runs; an
+        in-process session (no credentials) is the daemon's own process."""
+        if not s.verified:
+            return pid == os.getpid()
+        if (pid, uid, gid) != (s.pid, s.uid, s.gid):
+            return False
+        return s.watch is None or not s.watch.exited()  # exited: the pid may be another's now
 
     async def _http_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A minimal HTTP/1.0 responder: ``GET /metrics`` (Prometheus text), one request
@@ -781,6 +902,8 @@ def _peer_address(frames) -> str | None:
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 _DRAIN_SLICE_NS = 20_000_000  # most time one loop wake-up spends on requests
 
+FD_MAX_CONNECTIONS = 64  # fd socket connections served at once; more are closed unanswered
+
 # What one peer may cost the ROUTER (libzmq enforces these in its I/O thread):
 # - the largest frame of a legal request; a peer announcing a larger one is disconnected
 #   before the frame is read (ZMQ_MAXMSGSIZE applies to each frame of a multipart);
@@ -793,6 +916,7 @@ HEARTBEAT_TIMEOUT_MS = 30_000
 #   socket that connects and says nothing holds a descriptor only this long).
 HANDSHAKE_IVL_MS = 5_000
 
+HEALTH_INTERVAL_S = 0.25  # how often the backend's own failures are looked for
 EXIT_FATAL = 70  # EX_SOFTWARE: the daemon cannot go on (a sticky CUDA error)
 
 # CUDA errors after which the context is unusable and the process must exit ("sticky"):

@@ -39,6 +39,7 @@ COUNTERS = (
     ("requests", "requests handled"),
     ("errors", "requests answered with an error"),
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
+    ("fd_refusals", "fd socket connections refused (a bad, used or withdrawn token, or not the attaching process)"),
 )
 
 # Top-k handling time in the daemon runs from ~10 us (cpu, small batch; cuda: enqueue
@@ -228,6 +229,8 @@ def render_table(snap: dict) -> str:
         f"errors         {snap['errors']}"
         + ("  " + " ".join(f"{k}={v}" for k, v in sorted(snap["errors_by_code"].items())) if snap["errors_by_code"] else ""),
     ]
+    if snap.get("fd_refusals"):  # fds.sock: a bad token, or not the process that attached
+        lines.append(f"fd refusals    {snap['fd_refusals']}")
     if snap.get("device_errors"):  # cuda: rows the kernels refused or mended, by kind
         lines.append("device errors  " + " ".join(f"{k}={v}" for k, v in sorted(snap["device_errors"].items())))
     for engine, e in sorted(snap.get("per_engine", {}).items()):

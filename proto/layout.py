@@ -85,7 +85,7 @@ class Layout:
 
     def split_buffer(self, buf):
         """``(slab, staging or None)`` views of a byte array laid out slab | staging (the
-        cpu backend's shared-memory file, mapped by the daemon and the client alike)."""
+        cpu backend's memfd, mapped by the daemon and the client alike)."""
         slab = buf[: self.slab_bytes].reshape(self.slab_shape)
         if not self.staging_rows:
             return slab, None

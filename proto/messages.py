@@ -19,7 +19,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 1
+# 2: the ATTACH reply hands shared memory over the fd socket (fd_socket.py), no file path.
+PROTOCOL_VERSION = 2
 
 
 class MsgType(enum.IntEnum):

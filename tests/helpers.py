@@ -95,8 +95,41 @@ def peer_frames(frames, pid: int, uid: int | None = None, gid: int | None = None
 
 
 def shm_slabs(run_dir: str, shm_dir: str = "/dev/shm") -> list[str]:
-    """The cpu backend's slab files of the daemon serving ``run_dir``."""
-    return sorted(glob.glob(os.path.join(shm_dir, f"sparsekv-{run_dir_tag(run_dir)}-*")))
+    """The cpu backend's slabs of the daemon serving ``run_dir``: the memfds it holds
+    (``memfd:sparsekv-<tag>-<client id>``) and any file of the run dir's prefix in
+    ``shm_dir`` (paths: an older daemon's slabs; none are made now)."""
+    return sorted(shm_files(run_dir, shm_dir) + slab_memfds(run_dir))
+
+
+def shm_files(run_dir: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Files of ``run_dir``'s prefix in ``shm_dir``."""
+    return glob.glob(os.path.join(shm_dir, f"sparsekv-{run_dir_tag(run_dir)}-*"))
+
+
+def slab_memfds(run_dir: str, pid: int | None = None) -> list[str]:
+    """The names of the memfds of ``run_dir``'s tag that process ``pid`` holds open, once
+    each (an ``mmap`` object holds a descriptor of its own) (default: the pid in ``run_dir/sparsekvd.lock``, a daemon's; without that file this
+    process's, where an in-process daemon runs)."""
+    if pid is None:
+        try:
+            with open(os.path.join(run_dir, "sparsekvd.lock")) as f:
+                pid = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            pid = os.getpid()
+    prefix = f"/memfd:sparsekv-{run_dir_tag(run_dir)}-"
+    out = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []  # no such process (any more)
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            out.add(target[1:].removesuffix(" (deleted)"))
+    return sorted(out)
 
 
 # -- expected bytes ----------------------------------------------------------------------

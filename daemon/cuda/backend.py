@@ -14,7 +14,6 @@ import os
 from sparsekv.proto.cuda_ipc import mps_running
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 
-from ..backends import shm_path
 from ..engine import EngineSpace
 from ..pinned import PinnedRegion
 from ..residency.base import ResidencyError
@@ -80,15 +79,18 @@ class CudaBackend:
             self.close()
             raise
         self.devices = [f"cuda:{w.ordinal}" for w in self.workers]
-        # Each rank's pinned step blocks live in a shared-memory file its client maps.
+        # Each rank's pinned step blocks live in a memfd its client maps (the server hands
+        # the descriptor over the fd socket); an older sparsekvd left files in shm_dir.
         from ..backends import remove_stale, run_dir_tag  # noqa: PLC0415
 
-        self._blocks_prefix = os.path.join(cfg.shm_dir, f"sparsekv-{run_dir_tag(cfg.run_dir)}-blocks-")
-        remove_stale(self._blocks_prefix)
+        self._blocks_name = f"sparsekv-{run_dir_tag(cfg.run_dir)}-blocks-"
+        remove_stale(os.path.join(cfg.shm_dir, self._blocks_name))
         self._ranks: dict[int, CudaRankState] = {}
         self._pinned: dict[str, PinnedRegion] = {}
         self._retired: dict[str, int] = {}
         self._retired_errors: dict[str, int] = {}
+        self._stuck: set[str] = set()  # engines whose pool a stream that did not drain may read
+        self._failure: str | None = None
 
     def describe(self) -> dict:
         return {"backend": self.name, "devices": self.devices,
@@ -118,7 +120,7 @@ class CudaBackend:
             self._pinned[space.name] = pinned
         try:
             state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
-                                  graphs=GRAPHS, blocks_path=shm_path(self._blocks_prefix, client_id),
+                                  graphs=GRAPHS, blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
                                   transport=transport)
             if fence_events:
                 from sparsekv.proto.cuda_ipc import ImportedEvents  # noqa: PLC0415
@@ -135,18 +137,43 @@ class CudaBackend:
         self._ranks[client_id] = state
         return state, state.export()
 
+    def share_fds(self, client_id: int) -> dict[str, int]:
+        """The descriptors the client of rank ``client_id`` maps, by the names its handles
+        give them (``blocks_fd``): its pinned step blocks (still owned by the rank)."""
+        state = self._ranks.get(client_id)
+        fd = None if state is None else state.buffers.host.fd
+        return {} if fd is None else {"blocks": fd}
+
     def release_rank(self, client_id: int) -> None:
         state = self._ranks.pop(client_id, None)
         if state is None:
             return
-        state.close()  # waits for the rank's work: the mirrors below are final
+        if not state.close():  # waits for the rank's work: the mirrors below are final
+            # Its stream may still read the engine's pinned pool: never unpin it. The
+            # daemon exits (failure()), which frees everything.
+            self._stuck.add(state.space_name)
+            self._failure = self._failure or (f"a doorbell stream of GPU {state.worker.ordinal} did not drain at "
+                                              "detach: the GPU does not run it")
         self._retired = _summed(self._retired, [state.counters()])
         self._retired_errors = _summed(self._retired_errors, [state.error_counts()])
 
     def release_engine(self, space: EngineSpace) -> None:
         self._unpin(space.name)
 
+    def failure(self) -> str | None:
+        """Why this backend cannot serve anyone any more (the server exits 70), or None:
+        a rank's stream that stopped or did not drain."""
+        if self._failure:
+            return self._failure
+        for st in self._ranks.values():
+            why = st.failure()
+            if why:
+                return why
+        return None
+
     def _unpin(self, name: str) -> None:
+        if name in self._stuck:
+            return  # a stream that did not drain may still read it
         pinned = self._pinned.pop(name, None)
         if pinned is not None:
             pinned.close()

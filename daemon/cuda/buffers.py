@@ -21,7 +21,7 @@ Arena layout of one rank (each section a 256-byte aligned range of the arena):
 | ``db_ctl`` | uint32 ``[1 + G + L]`` | doorbell words: the step bell, a bell per group, a ready word per layer |
 | ``db_layers`` | int32 ``[L, G, 2]`` | doorbell: per layer, a group table naming only that layer (one gather per layer) |
 
-Pinned host blocks (one shared-memory file, registered; ``HostBlocks``): R STEP and R TOPK
+Pinned host blocks (one memfd that the client maps too, registered; ``HostBlocks``): R STEP and R TOPK
 blocks the daemon writes (requests whose arrays came on the socket), R STEP and R TOPK
 blocks the client writes (it then sends a TOPK naming the entry: no array on the
 socket), the stats mirror, the write path's blocks.
@@ -49,34 +49,32 @@ from .arena import ArenaFull
 
 
 class HostBlocks:
-    """Pinned, mapped host memory for a rank's transport: a shared-memory file (the client
-    maps it too, and writes its step blocks there) registered with ``cudaHostRegister``
-    (portable, mapped), so kernels read it and the copy engine writes it. Owns the file,
-    the mapping and the registration; :meth:`close` is idempotent and removes the file.
+    """Pinned, mapped host memory for a rank's transport: a memfd (the client maps it too,
+    having got the descriptor over the fd socket, and writes its step blocks there)
+    registered with ``cudaHostRegister`` (portable, mapped), so kernels read it and the
+    copy engine writes it. Owns the descriptor (``fd``, kept until :meth:`close`), the
+    mapping and the registration; :meth:`close` is idempotent.
 
-    ``path`` None: an anonymous mapping (in-process use)."""
+    ``name``: the memfd's name (``backends.new_memfd``: pages reserved, size sealed);
+    None: an anonymous mapping (in-process use), ``fd`` None."""
 
-    def __init__(self, nbytes: int, path: str | None = None):
+    def __init__(self, nbytes: int, name: str | None = None):
         import os
 
+        from ..backends import new_memfd
         from ..pinned import PinnedRegion
 
         self.nbytes = max(mmap.PAGESIZE, -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
-        self.path = path
-        if path is None:
+        self.fd = None
+        if name is None:
             self._mm = mmap.mmap(-1, self.nbytes)
         else:
-            # Group read/write: engines reach the daemon through its group (deploy/).
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+            self.fd = new_memfd(name, self.nbytes)  # no SIGBUS later: fails here
             try:
-                os.fchmod(fd, 0o660)  # whatever the umask
-                os.posix_fallocate(fd, 0, self.nbytes)  # no SIGBUS later: fail here
-                self._mm = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self._mm = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except BaseException:
-                os.unlink(path)
+                self._close_fd()
                 raise
-            finally:
-                os.close(fd)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.address = self.array.ctypes.data
         try:
@@ -84,7 +82,7 @@ class HostBlocks:
         except BaseException:
             self.array = None
             self._mm.close()
-            self._unlink()
+            self._close_fd()
             raise
         self.device_address = self._region.device_base
         self._used = 0
@@ -102,14 +100,12 @@ class HostBlocks:
         """Byte offset of a view from :meth:`take` in the file."""
         return a.ctypes.data - self.address
 
-    def _unlink(self) -> None:
+    def _close_fd(self) -> None:
         import os
 
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
 
     def close(self) -> None:
         if self._region is not None:
@@ -120,7 +116,7 @@ class HostBlocks:
                 self._mm.close()
             except BufferError:
                 pass  # a view outlives us; the mapping goes with the process
-            self._unlink()
+            self._close_fd()
 
 
 class RankBuffers:
@@ -131,12 +127,12 @@ class RankBuffers:
         layout: the attached layout.
         ring_depth: result ring entries (requests a client may have in flight).
         workspace_bytes: per-batch-row global resolve workspace (0: shared memory).
-        blocks_path: the shared-memory file of the pinned host blocks (the client maps it
-            and may write its step blocks there); None: anonymous (in process).
+        blocks_name: the memfd name of the pinned host blocks (the client maps them and
+            may write its step blocks there); None: anonymous (in process).
         doorbell: also the doorbell transport's rings and words (``db_*`` sections).
     """
 
-    def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_path: str | None = None,
+    def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_name: str | None = None,
                  doorbell: bool = False):
         import cupy as cp
 
@@ -221,7 +217,7 @@ class RankBuffers:
         total = 4 * R * (self.block_ints * 4 + 256) + self.stats_bytes + 256 + 2 * (n_write * 4 + 256) \
             + lay.num_layers * 4 + 256
         try:
-            self.host = HostBlocks(total, blocks_path)
+            self.host = HostBlocks(total, blocks_name)
         except BaseException:
             self.release()
             raise
@@ -258,8 +254,9 @@ class RankBuffers:
                 "step_block_offset": o["step_block"], "topk_block_offset": o["topk_block"],
                 "block_ints": self.block_ints,
                 # The pinned host step blocks, which the client may write itself (one
-                # small TOPK message then names the entry; no array on the socket).
-                "blocks_path": self.host.path, "blocks_bytes": self.host.nbytes,
+                # small TOPK message then names the entry; no array on the socket): the
+                # name of their descriptor on the fd socket (None: none to map).
+                "blocks_fd": "blocks" if self.host.fd is not None else None, "blocks_bytes": self.host.nbytes,
                 "client_step_offsets": [self.host.offset_of(b.block) for b, _ in self.client_step],
                 "client_topk_offsets": [self.host.offset_of(b.block) for b, _ in self.client_topk],
                 "ring_depth": self.ring_depth, "max_batch": self.max_batch, "top_k": lay.top_k,

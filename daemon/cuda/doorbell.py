@@ -130,9 +130,18 @@ class DoorbellTransport(Transport):
                     ev.record(self.stream)
                     inflight.append(ev)
                     self.steps_launched += 1
-        except BaseException as e:  # noqa: BLE001 - reported by the next request and at close
+        except BaseException as e:  # noqa: BLE001 - the daemon exits (failure())
             self._error = e
-            log.error("doorbell stocking thread of GPU %d failed: %r", self.worker.ordinal, e)
+            log.critical("doorbell stocking thread of GPU %d failed: %r", self.worker.ordinal, e)
+
+    def failure(self) -> str | None:
+        """Why this rank's stream can no longer serve its engine, or None. A stocking
+        thread that died leaves the engine's stream waiting on a ready word for ever: the
+        daemon exits (its engines' watchers then release their streams), and systemd
+        restarts it."""
+        if self._error is not None:
+            return f"the doorbell stream of GPU {self.worker.ordinal} stopped: {self._error!r}"
+        return None
 
     # -- Transport -----------------------------------------------------------------------
     def _refuse(self):
@@ -150,7 +159,9 @@ class DoorbellTransport(Transport):
 
     def close(self) -> bool:
         """Stop stocking; ring the bells until the stocked steps have drained. Returns
-        False if the stream did not drain (then its memory must not be reused)."""
+        False if the stream did not drain: then it may still read and write the rank's
+        memory and the engine's pinned pool, nothing of it may be freed or reused, and
+        the daemon exits (``CudaBackend.failure``)."""
         import cupy as cp
 
         self._stop.set()

@@ -56,6 +56,7 @@ class CudaRankState(RankState):
         from sparsekv.proto.cuda_ipc import EventRing
 
         lay = space.layout
+        self.space_name = space.name
         self.worker, self._cp = worker, cp
         self.fence_events = None
         with cp.cuda.Device(worker.ordinal):
@@ -234,22 +235,32 @@ class CudaRankState(RankState):
                 "rows_moved": moved, "bytes_moved": moved * lay.row_bytes}
 
     def export(self) -> dict:
-        return self.buffers.export(self.worker.ordinal, self.worker.bus_id, self.events.handles)
+        out = self.buffers.export(self.worker.ordinal, self.worker.bus_id, self.events.handles)
+        if "doorbell" in out:  # begin_step checks its invalidate width on the engine's side
+            out["doorbell"]["inv_cap"] = self.residency.inv_cap
+        return out
 
     @property
     def device_driven(self) -> bool:
         """True when the engine's stream drives this rank (doorbell transport)."""
         return getattr(self.transport, "device_driven", False)
 
-    def close(self) -> None:
-        """Wait for this rank's work, then free its graphs, events, host blocks and ranges."""
+    def failure(self) -> str | None:
+        """Why this rank's GPU work can no longer be served (its transport), or None."""
+        f = getattr(self.transport, "failure", None)
+        return f() if f is not None else None
+
+    def close(self) -> bool:
+        """Wait for this rank's work, then free its graphs, events, host blocks and ranges.
+        Returns False (and frees nothing) if the rank's stream did not drain: it may still
+        touch every one of them."""
         if self.transport.close() is False:
-            self.buffers.host.close()
-            return  # a stream that did not drain may still write its ranges: never reuse them
+            return False
         if self.fence_events is not None:
             self.fence_events.close()
             self.fence_events = None
         self.buffers.close()
+        return True
 
 
 def _upload(dst, src: np.ndarray, stream) -> None:

@@ -278,6 +278,98 @@ def test_a_killed_daemon_releases_the_engine_stream_and_check_says_so():
         c.close()
 
 
+@pytest.mark.cuda
+def test_an_interrupted_step_is_finished_and_the_next_step_reads_fresh_rows(cuda_daemon):
+    """A step broken off after its first layer (an exception in the engine's model): the
+    next begin_step is refused (a skipped layer's ready word would release it one step
+    early: rows of the previous step); finish_step ends it; the step after is exact."""
+    import torch
+
+    from sparsekv.client.errors import NotAttached
+
+    lay = layout()
+    plan = steps(lay, 3, seed=7)
+    # The cpu reference: step 1 resolves group 0 only (finish_step rings group 1 empty).
+    want = {}
+    with InprocClient(backend="cpu") as ref:
+        ref.attach(lay, engine="ref")
+        for t, (state, reset, inval, req, per_group, _) in enumerate(plan):
+            ref.step(t, state, reset, inval)
+            for g, layers in enumerate(lay.groups):
+                if t == 1 and g > 0:
+                    break
+                slots = np.asarray(ref.topk(t, g, per_group[g], state_rows=req).slots)
+                idx = np.where((slots >= 0) & (req[:, None] >= 0), req[:, None] * lay.region_stride + slots, -1)
+                for layer in layers:
+                    want[t, layer] = (idx.astype(np.int32), per_group[g])
+    c, h = attach(cuda_daemon.run_dir, lay)
+    try:
+        for t, (state, reset, inval, req, per_group, _) in enumerate(plan):
+            h.begin_step(dev(state, torch), dev(reset, torch), dev(inval, torch))
+            for g, layers in enumerate(lay.groups):
+                for layer in layers:
+                    if t == 1 and layer > 0:
+                        continue
+                    idx = h.swap_in(dev(req, torch), None, dev(per_group[g], torch), layer=layer)
+                    torch.cuda.synchronize()
+                    exp, ids = want[t, layer]
+                    np.testing.assert_array_equal(idx.cpu().numpy(), exp, err_msg=f"step {t} layer {layer}")
+                    check_bytes(h, lay, exp, ids, layer, torch)
+                    if t == 1:
+                        with pytest.raises(BadRequest, match="twice"):
+                            h.swap_in(dev(req, torch), None, dev(per_group[g], torch), layer=layer)
+            if t == 1:
+                with pytest.raises(BadRequest, match=r"not complete .*layers 1-2 without swap_in"):
+                    h.begin_step(dev(state, torch))
+                h.finish_step()
+                torch.cuda.synchronize()
+        h.check()
+        c.detach()
+        with pytest.raises(NotAttached, match="closed"):
+            h.begin_step(dev(plan[0][0], torch))
+    finally:
+        c.close()
+
+
+@pytest.mark.cuda
+def test_the_handle_refuses_bad_arguments_before_anything_runs(cuda_daemon):
+    import torch
+
+    lay = layout()
+    c, h = attach(cuda_daemon.run_dir, lay)
+    try:
+        state, reset, inval, req, per_group, table = steps(lay, 1, seed=2, positions=True)[0]
+        with pytest.raises(BadRequest, match="begin_step"):
+            h.swap_in(dev(req, torch), None, dev(per_group[0], torch), layer=0)
+        wide = np.full((len(state), h.inv_cap + 1), -1, np.int32)
+        with pytest.raises(BadRequest, match=f"at most {h.inv_cap}") as e:
+            h.begin_step(dev(state, torch), None, dev(wide, torch))
+        assert e.value.code == ErrorCode.TOO_LARGE
+        h.begin_step(dev(state, torch), dev(reset, torch))
+        with pytest.raises(BadRequest, match="group 0"):
+            h.swap_in(dev(req, torch), None, dev(per_group[1], torch), layer=2)  # group 1 before group 0
+        bad_valid = torch.empty((len(req), 2), dtype=torch.int32, device="cuda")[:, 0]  # not contiguous
+        with pytest.raises(BadRequest, match="valid_counts_out must be a contiguous int32"):
+            h.swap_in(dev(req, torch), dev(table, torch), dev(per_group[0], torch), layer=0, block_size=BLOCK,
+                      valid_counts_out=bad_valid)
+        # A table with no blocks: every position maps to no row (never read as host rows).
+        empty = torch.empty((lay.max_reqs, 0), dtype=torch.int32, device="cuda")
+        idx = h.swap_in(dev(req, torch), empty, dev(per_group[0], torch), layer=0, block_size=BLOCK)
+        h.swap_in(dev(req, torch), empty, dev(per_group[0], torch), layer=1, block_size=BLOCK)
+        h.swap_in(dev(req, torch), empty, dev(per_group[1], torch), layer=2, block_size=BLOCK)
+        torch.cuda.synchronize()
+        assert (idx == -1).all().item()
+        h.check()
+    finally:
+        c.close()
+    with pytest.raises(BadRequest, match="int32"):
+        c2, h2 = attach(cuda_daemon.run_dir, lay, fill=False)
+        try:
+            type(h2)(c2, hot_base=2**31 - 16)
+        finally:
+            c2.close()
+
+
 def test_a_cpu_daemon_refuses_the_doorbell_transport(daemon):
     lay = layout()
     c = Client(daemon.run_dir, name="cpu").connect()

@@ -96,6 +96,34 @@ def test_restarted_daemon_is_noticed_by_its_socket(run_dir, monkeypatch):
         stop(p)
 
 
+def test_a_socket_renamed_to_busy_and_back_between_two_looks_is_not_a_dead_daemon(run_dir, monkeypatch):
+    """The daemon renames control.sock <-> control.sock.busy while it holds off new
+    connections: a look at both names can miss both. The liveness check (and a doorbell
+    handle's watcher, which releases the engine's stream for good on it) must not call
+    that gone."""
+    p = start(run_dir)
+    try:
+        c = Client(run_dir, timeout_s=30).connect()
+        c._daemon_pid = 0  # as from another pid namespace: only the socket tells
+        real_stat, misses = os.stat, {"n": 2}
+
+        def racing_stat(path, *a, **kw):
+            if str(path).startswith(c.control_path) and misses["n"] > 0:
+                misses["n"] -= 1  # control.sock, then control.sock.busy: both "missing"
+                raise FileNotFoundError(path)
+            return real_stat(path, *a, **kw)
+
+        monkeypatch.setattr(client_mod.os, "stat", racing_stat)
+        assert c._check_daemon() is None
+        assert misses["n"] == 0
+        misses["n"] = 10**6  # really gone: every look misses
+        assert "its socket" in c._check_daemon() and "was removed" in c._check_daemon()
+        monkeypatch.undo()
+        c.close()
+    finally:
+        stop(p)
+
+
 def test_a_socket_nobody_listens_on_is_connection_refused_at_once(run_dir):
     p = start(run_dir)
     stop(p)  # kill -9 leaves control.sock behind

@@ -87,6 +87,9 @@ def test_later_steps_hit_honour_reset_and_invalidate_and_refuse_a_follower_first
     h = HostSwapIn(client)
     h.begin_step([0, 1, -1], reset=[True, True, False])
     h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+    with pytest.raises(BadRequest, match=r"step 0 is not complete \(groups \[1\] not rung, layers 1-2 without"):
+        h.begin_step([0, 1, -1])  # layers 1 and 2 were not called: the device handle would hang or read stale rows
+    h.finish_step()
     h.begin_step([0, 1, -1])
     with pytest.raises(BadRequest, match=r"layer 1 follows layer 0 in index group 0.*step 1.*layer 0 first") as ei:
         h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS)
@@ -102,6 +105,7 @@ def test_later_steps_hit_honour_reset_and_invalidate_and_refuse_a_follower_first
     table[0] = [2, 6, -1]
     new_rows = np.arange(24, 28)
     client.write(new_rows, np.stack([pattern(ly, new_rows, 16) ^ 0x5A for ly in range(3)]))
+    h.finish_step()  # layer 2 (group 1) was not called
     h.begin_step([0, 1], reset=[True, False], invalidate=[[-1], [28]])
     idx = h.swap_in(REQS[:3], table, POS[:3], layer=0, block_size=BS)
     # new req 0: 9 -> null block | 5 -> row 6*4+1=25 | 1 -> row 2*4+1=9 | past the table:
@@ -173,6 +177,7 @@ def test_check_raises_a_refused_step_through_either_transport(client):
         h.begin_step([5])
         h.check()
     assert ei.value.code == ErrorCode.BAD_STATE_ROW
+    h.finish_step()  # a no-op in process (the step never began); ends the refused one over zmq
     h.begin_step([0, 1, -1])
     h.check()  # nothing refused since
 
@@ -242,6 +247,7 @@ def test_a_failed_begin_step_leaves_no_step_to_swap_into():
         h = HostSwapIn(c)
         h.begin_step([0, 1, -1], reset=[True, True, False])
         h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+        h.finish_step()
         with pytest.raises(BadRequest, match="state_rows must hold integers"):
             h.begin_step(np.array([0.0, 1.0]))
         with pytest.raises(BadRequest, match="the last begin_step failed"):

@@ -1,12 +1,14 @@
-"""CpuBackend: one shared-memory slab file per attached rank, named after the run dir,
-removed on release and close; stale files of this run dir (a killed daemon's) removed at
-start, other run dirs' files left alone."""
+"""CpuBackend: one anonymous shared-memory slab (a sealed memfd, named after the run dir
+in /proc only) per attached rank, closed on release and close; stale files of this run
+dir (an older daemon's, killed) removed from shm_dir at start, other run dirs' files left
+alone."""
 
+import fcntl
+import mmap
 import os
-import re
-import stat
 
 import numpy as np
+import pytest
 
 import helpers
 from sparsekv.daemon.backends import CpuBackend, run_dir_tag
@@ -23,33 +25,44 @@ def test_run_dir_tag_is_stable_and_distinct(tmp_path):
     assert run_dir_tag("/run/a") != run_dir_tag("/run/b") and len(run_dir_tag("/run/a")) == 10
 
 
-def test_new_rank_creates_a_group_shared_slab_file_of_slab_and_staging_bytes(tmp_path):
+def test_new_rank_makes_an_anonymous_sealed_slab_of_slab_and_staging_bytes(tmp_path):
     be = CpuBackend("/run/x", shm_dir=str(tmp_path))
     sp = space(staging_rows=4)
     state, handles = be.new_rank(sp, 7, 1, "cpu")
-    path = handles["path"]
-    # <prefix><client id>-<16 random hex digits>: nobody can create the name first
-    assert re.fullmatch(rf"{tmp_path}/sparsekv-{run_dir_tag('/run/x')}-7-[0-9a-f]{{16}}", path), path
-    assert handles["kind"] == "shm" and handles["slab_bytes"] == sp.layout.slab_bytes
-    assert os.path.getsize(path) == handles["bytes"] == sp.layout.slab_bytes + sp.layout.staging_bytes
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660  # owner and the daemon's group, whatever the umask
-    # the daemon's slab array is the file: what it writes, a client mapping the file reads
+    assert handles == {"kind": "shm", "fd": "slab", "bytes": sp.layout.slab_bytes + sp.layout.staging_bytes,
+                       "slab_bytes": sp.layout.slab_bytes}
+    fd = be.share_fds(7)["slab"]
+    # a memfd: no name in any file system (nothing in shm_dir), only in /proc/<pid>/fd
+    assert os.listdir(tmp_path) == []
+    assert os.readlink(f"/proc/self/fd/{fd}") == f"/memfd:sparsekv-{run_dir_tag('/run/x')}-7 (deleted)"
+    assert os.fstat(fd).st_size == handles["bytes"]
+    # sealed: a client holding the descriptor cannot shrink it under the daemon's mapping
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)
+    # the daemon's slab array is the memfd: what it writes, a client mapping it reads
     state.slab[1, 2, 3, 4] = 99
-    with open(path, "rb") as f:
-        data = np.frombuffer(f.read(), np.uint8)
+    client = mmap.mmap(fd, handles["bytes"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    data = np.frombuffer(client, np.uint8)
     assert data[np.ravel_multi_index((1, 2, 3, 4), state.slab.shape)] == 99
+    data[0] = 7  # and the other way round
+    assert state.slab.reshape(-1)[0] == 7
+    del data
+    client.close()
     be.release_rank(7)
-    assert not os.path.exists(path)
+    assert be.share_fds(7) == {}
     be.release_rank(7)  # twice is fine
 
 
-def test_close_removes_every_slab(tmp_path):
+def test_close_releases_every_slab(tmp_path):
     be = CpuBackend("/run/x", shm_dir=str(tmp_path))
     for cid in (1, 2, 3):
         be.new_rank(space(), cid, 0, "cpu")
-    assert len(os.listdir(tmp_path)) == 3
+    assert helpers.slab_memfds("/run/x", os.getpid()) == [f"memfd:sparsekv-{run_dir_tag('/run/x')}-{c}"
+                                                          for c in (1, 2, 3)]
     be.close()
-    assert os.listdir(tmp_path) == []
+    assert helpers.slab_memfds("/run/x", os.getpid()) == [] and os.listdir(tmp_path) == []
 
 
 def test_start_removes_stale_slabs_of_its_run_dir_only(tmp_path):
@@ -62,7 +75,7 @@ def test_start_removes_stale_slabs_of_its_run_dir_only(tmp_path):
 
 
 def test_slab_larger_than_shared_memory_is_refused_cleanly(tmp_path):
-    """A slab that /dev/shm cannot hold fails at attach (TOO_LARGE), not later with SIGBUS."""
+    """A slab that memory cannot hold fails at attach (TOO_LARGE), not later with SIGBUS."""
     import glob
 
     import numpy as np

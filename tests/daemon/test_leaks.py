@@ -147,35 +147,23 @@ def test_repeated_hello_never_piles_up_sessions(tmp_path):
         pool.close()
 
 
-# -- slab file names -------------------------------------------------------------------------
-def test_slab_names_carry_a_random_token(tmp_path):
+# -- slabs have no name -----------------------------------------------------------------------
+def test_slabs_are_memfds_and_squatted_names_change_nothing(tmp_path):
     be = CpuBackend("/run/x", shm_dir=str(tmp_path))
-    lay = helpers.layout()
-    from sparsekv.daemon.engine import EngineSpace
-
-    space = EngineSpace("e", lay, np.zeros((lay.num_layers, lay.host_rows, lay.row_bytes), np.uint8))
-    paths = []
-    for _ in range(2):
-        _, h = be.new_rank(space, 1, 0, "cpu")
-        paths.append(h["path"])
-        be.release_rank(1)
-    prefix = f"{tmp_path}/sparsekv-{run_dir_tag('/run/x')}-1-"
-    assert all(p.startswith(prefix) and len(p) == len(prefix) + 16 for p in paths)
-    assert paths[0] != paths[1]  # the same client id twice: another name each time
-    be.close()
-
-
-def test_a_squatted_predictable_name_does_not_stop_an_attach(tmp_path):
-    be = CpuBackend("/run/x", shm_dir=str(tmp_path))
+    # names the daemon used to pick, taken by someone else after it started
     squat = tmp_path / f"sparsekv-{run_dir_tag('/run/x')}-1"
-    squat.write_bytes(b"someone else's")  # the name the daemon used to pick
+    squat.write_bytes(b"someone else's")
     os.symlink("/etc/passwd", f"{squat}-0000000000000000")
     lay = helpers.layout()
     from sparsekv.daemon.engine import EngineSpace
 
     space = EngineSpace("e", lay, np.zeros((lay.num_layers, lay.host_rows, lay.row_bytes), np.uint8))
-    _, h = be.new_rank(space, 1, 0, "cpu")
-    assert h["path"] != str(squat) and os.path.getsize(h["path"]) == h["bytes"]
+    for _ in range(2):  # the same client id twice: a new memfd each time
+        _, h = be.new_rank(space, 1, 0, "cpu")
+        fd = be.share_fds(1)[h["fd"]]
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:") and os.fstat(fd).st_size == h["bytes"]
+        be.release_rank(1)
+    assert sorted(os.listdir(tmp_path)) == [squat.name, f"{squat.name}-0000000000000000"]  # nothing made, nothing touched
     assert squat.read_bytes() == b"someone else's"
     be.close()
 

@@ -24,6 +24,7 @@ import pytest
 
 import helpers
 from sparsekv.client import Client
+from sparsekv.daemon.backends import run_dir_tag
 
 DAEMON = [helpers.PY, "-m", "sparsekv.daemon.main"]
 
@@ -88,7 +89,7 @@ def run_dir():
     with helpers.short_tmpdir() as d:
         run = os.path.join(d, "run")
         yield run
-        for path in helpers.shm_slabs(run):  # a test that failed after killing a daemon
+        for path in helpers.shm_files(run):  # a test that failed after making one
             os.unlink(path)
 
 
@@ -106,6 +107,7 @@ def test_sd_notify_status_ready_stopping_and_clean_exit(run_dir, address):
         # READY comes once the control socket is bound: a client may connect right away
         assert os.path.exists(os.path.join(run_dir, "control.sock"))
         assert os.path.exists(os.path.join(run_dir, "stats.sock"))
+        assert os.path.exists(os.path.join(run_dir, "fds.sock"))
         status = [m for m in before_ready[:-1] if m.startswith(b"STATUS=")]
         assert status and b"pre-faulting host pool" in status[0], before_ready
         # systemd's TimeoutStartSec= must not kill a long pre-fault that keeps moving
@@ -123,7 +125,7 @@ def test_sd_notify_status_ready_stopping_and_clean_exit(run_dir, address):
         finally:
             c.close()
     assert any(b"STOPPING=1" in m for m in after)
-    for name in ("control.sock", "stats.sock", "sparsekvd.lock"):
+    for name in ("control.sock", "stats.sock", "fds.sock", "sparsekvd.lock"):
         assert not os.path.exists(os.path.join(run_dir, name)), name
     assert helpers.shm_slabs(run_dir) == []  # slabs of attached clients removed too
 
@@ -195,20 +197,23 @@ def test_pool_larger_than_ram_is_refused_and_leaves_nothing(run_dir):
     assert os.listdir(run_dir) == []  # no sockets, lock released and removed
 
 
-def test_slabs_of_a_killed_daemon_are_removed_by_the_next_start(run_dir):
+def test_a_killed_daemon_leaves_no_slab_and_older_stale_files_are_removed(run_dir):
     with sparsekvd(run_dir) as p:
         wait_serving(run_dir, p)
         c = Client(run_dir).connect()
         c.attach(helpers.layout())
-        stale = helpers.shm_slabs(run_dir)
-        assert len(stale) == 1
+        assert len(helpers.shm_slabs(run_dir)) == 1 and helpers.shm_files(run_dir) == []  # a memfd, no file
         p.kill()
         p.wait()
         c.close()
-    assert helpers.shm_slabs(run_dir) == stale  # SIGKILL: nobody cleaned up
+    assert helpers.shm_slabs(run_dir) == []  # SIGKILL: the memfd went with the process
+    # an older sparsekvd's slab file (it died): removed by the next start
+    old = f"/dev/shm/sparsekv-{run_dir_tag(run_dir)}-1-0123456789abcdef"
+    with open(old, "wb") as f:
+        f.write(b"stale")
     with sparsekvd(run_dir) as p:
         wait_serving(run_dir, p)
-        assert helpers.shm_slabs(run_dir) == []
+        assert helpers.shm_slabs(run_dir) == [] and not os.path.exists(old)
         with Client(run_dir) as c:  # the stale control.sock did not block the new daemon
             c.attach(helpers.layout())
             assert len(helpers.shm_slabs(run_dir)) == 1

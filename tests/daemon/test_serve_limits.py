@@ -174,6 +174,35 @@ def test_a_sticky_cuda_error_stops_the_daemon_with_exit_code_70(caplog, tmp_path
     notify.close()
 
 
+def test_a_backend_failure_outside_any_request_stops_the_daemon_with_exit_code_70(caplog, tmp_path):
+    """GPU work that runs without requests (a doorbell rank's stream) can fail where no
+    reply can say so: the daemon finds it within a health interval and exits 70, so
+    systemd restarts it and the engines' watchers release their streams."""
+    notify_path = str(tmp_path / "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(5)
+    with serving(Notifier({"NOTIFY_SOCKET": notify_path})) as d:
+        c = Client(d.run_dir, timeout_s=5).connect()
+        c.stats()  # serving
+        with caplog.at_level(logging.CRITICAL, logger="sparsekv.server"):
+            t0 = time.monotonic()
+            d.backend.failure = lambda: "the doorbell stream of GPU 0 stopped: CUDARuntimeError(700)"
+            d.thread.join(5)
+            assert not d.thread.is_alive()
+            assert time.monotonic() - t0 < 4 * server_mod.HEALTH_INTERVAL_S + 1
+        assert d.exit_code == server_mod.EXIT_FATAL
+        assert "doorbell stream of GPU 0 stopped" in d.fatal_reason
+        assert any(r.levelno == logging.CRITICAL and "doorbell stream" in r.getMessage() for r in caplog.records)
+        msgs = []
+        with contextlib.suppress(TimeoutError):
+            while not any(b"STOPPING=1" in m for m in msgs):
+                msgs.append(notify.recv(4096))
+        assert any(b"STATUS=failed: the doorbell stream" in m for m in msgs), msgs
+        c.close()
+    notify.close()
+
+
 def test_main_returns_the_daemons_exit_code():
     class Failing:
         exit_code = 0

@@ -20,7 +20,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import helpers  # noqa: E402
-from sparsekv.proto import MsgType, encode  # noqa: E402
+from sparsekv.proto import PROTOCOL_VERSION, MsgType, encode  # noqa: E402
 
 GOOD = helpers.layout(num_layers=2, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=32)
 
@@ -44,7 +44,7 @@ def messages(rng, req_id):
         out.append([rng.bytes(int(rng.integers(0, 200)))])
     out.append([rng.bytes(int(rng.integers(1, 60))) for _ in range(int(rng.integers(2, 5)))])
     out.append([msgpack.packb({str(junk_value(rng))[:5]: junk_value(rng) for _ in range(3)}, use_bin_type=True)])
-    out.append([msgpack.packb({"v": 1, "t": int(rng.integers(-1, 14)), "id": junk_value(rng)}, use_bin_type=True)])
+    out.append([msgpack.packb({"v": PROTOCOL_VERSION, "t": int(rng.integers(-1, 14)), "id": junk_value(rng)}, use_bin_type=True)])
     # Structurally valid, wrong contents.
     t = MsgType(int(rng.integers(1, 11)))
     out.append(encode(t, req_id, {"step": junk_value(rng), "group": junk_value(rng), "layers": junk_value(rng)},

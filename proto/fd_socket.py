@@ -1,0 +1,83 @@
+"""The fd socket: how a client gets the descriptors of its rank's shared memory.
+
+A rank's host memory that both sides map (the cpu backend's slab + staging buffer, the
+cuda backend's pinned step blocks) is an anonymous memfd: it has no name in any file
+system, so no other process can open it, whatever its user or group. The ATTACH reply's
+handles name the descriptors a rank gets (``fd``: cpu, ``blocks_fd``: cuda) and carry
+
+- ``fd_socket``: a file name in the run dir (:data:`FD_SOCKET`), a plain UNIX stream
+  socket (mode 0660, like ``control.sock``);
+- ``fd_token``: random (:data:`TOKEN_BYTES`), good for one connection, withdrawn when the
+  rank detaches.
+
+The client connects, sends the token and a newline (at most :data:`MAX_REQUEST_BYTES`),
+and reads one answer: a JSON line ``{"ok": true, "fds": [names]}`` with the descriptors,
+in that order, as ``SCM_RIGHTS``; or ``{"ok": false, "code": "<ErrorCode name>", "msg":
+...}`` without any. The daemon hands them only to the process that attached (the
+connection's ``SO_PEERCRED`` pid and uid equal the session's, as ``control.sock`` gave
+them at HELLO); anything else is refused and counted (``fd_refusals``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+from .messages import ErrorCode, ProtocolError
+
+FD_SOCKET = "fds.sock"
+TOKEN_BYTES = 16  # sent as 32 hex digits
+MAX_REQUEST_BYTES = 128  # the token line; the daemon reads no more
+MAX_ANSWER_BYTES = 4096
+MAX_FDS = 8
+TIMEOUT_S = 5.0  # each side gives up on a silent peer after this
+
+
+def answer(ok: bool, *, fds: list[str] | None = None, code: ErrorCode | None = None, msg: str = "") -> bytes:
+    """The daemon's answer line (the descriptors travel beside it)."""
+    body = {"ok": True, "fds": list(fds or [])} if ok else {"ok": False, "code": code.name, "msg": msg}
+    return json.dumps(body).encode() + b"\n"
+
+
+def fetch_fds(path: str, token: str, timeout_s: float = TIMEOUT_S) -> dict[str, int]:
+    """Connect to the fd socket ``path``, present ``token``; return the descriptors by name
+    (the caller closes them). Raises ``ProtocolError`` with the daemon's code when it
+    refuses, ``OSError`` when the socket cannot be reached."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    fds: list[int] = []
+    try:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        s.sendall(token.encode("ascii") + b"\n")
+        data, fds, flags, _ = socket.recv_fds(s, MAX_ANSWER_BYTES, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+        while data and not data.endswith(b"\n") and len(data) < MAX_ANSWER_BYTES:
+            more = s.recv(MAX_ANSWER_BYTES - len(data))  # the descriptors came with the first bytes
+            if not more:
+                break
+            data += more
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError(ErrorCode.INTERNAL, "the daemon's descriptors were cut off (more than "
+                                f"{MAX_FDS}, or this process is out of descriptors)")
+        if not data:
+            raise ProtocolError(ErrorCode.INTERNAL, "the daemon closed the fd socket without an answer (busy, or "
+                                "stopping: see its log)")
+        try:
+            head = json.loads(data)
+        except ValueError:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket answered {data[:60]!r}, not a JSON line; "
+                                "check the client and daemon versions") from None
+        if not isinstance(head, dict) or not head.get("ok"):
+            head = head if isinstance(head, dict) else {}
+            code = ErrorCode.__members__.get(str(head.get("code")), ErrorCode.INTERNAL)
+            raise ProtocolError(code, str(head.get("msg", "refused")))
+        names = head.get("fds")
+        if not isinstance(names, list) or len(names) != len(fds):
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket named {names!r} but sent {len(fds)} descriptor(s)")
+        out = dict(zip(map(str, names), fds))
+        fds = []
+        return out
+    finally:
+        for fd in fds:
+            os.close(fd)
+        s.close()
