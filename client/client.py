@@ -59,6 +59,8 @@ class Attachment:
     slab: np.ndarray  # uint8 [num_layers, max_reqs, region_stride, row_bytes]
     staging: np.ndarray | None  # uint8 [num_layers, staging_rows, row_bytes]
     _mm: mmap.mmap | None = None
+    # An engine-owned slab (client/engine_slab.py): the hot rows live there; ``slab`` is None.
+    engine_slab: object = None
 
     def close(self) -> None:
         self.slab = self.staging = None
@@ -199,14 +201,19 @@ class Client:
 
 
     # -- requests ----------------------------------------------------------------
-    def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq"):
+    def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq",
+               slab=None):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
         before each gather, so attention still reading earlier rows is never overwritten.
         ``transport``: ``"zmq"`` (steps as messages: ``step``/``topk``) or ``"doorbell"``
-        (cuda: the engine's stream drives the steps through :meth:`doorbell_handle`)."""
+        (cuda: the engine's stream drives the steps through :meth:`doorbell_handle`).
+        ``slab``: an engine-owned hot slab (:class:`~sparsekv.client.engine_slab.EngineSlab`
+        with its geometry): the daemon gathers into it instead of a slab of its own."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
+        if slab is not None:
+            fields["slab"] = self._offer_slab(layout, slab)
         if transport != "zmq":
             if transport != "doorbell":
                 raise BadRequest(f"transport must be 'zmq' or 'doorbell', got {transport!r}", ErrorCode.BAD_ARGUMENT)
@@ -244,19 +251,51 @@ class Client:
             if cuda:
                 from .cuda_attach import CudaAttachment  # noqa: PLC0415
 
-                self.attachment = CudaAttachment(layout, engine, h, fence_ring, fds=fds)
+                self.attachment = CudaAttachment(layout, engine, h, fence_ring, fds=fds, engine_slab=slab)
                 return self.attachment
-            if h.get("fd") not in fds:
-                self._detach_quietly()
-                raise SparseKVError(f"the daemon sent no descriptor {h.get('fd')!r} for the slab; check the client "
-                                    "and daemon versions")
-            mm = mmap.mmap(fds[h["fd"]], max(h["bytes"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = None
+            if h.get("fd") is not None or not h.get("engine_slab"):
+                if h.get("fd") not in fds:
+                    self._detach_quietly()
+                    raise SparseKVError(f"the daemon sent no descriptor {h.get('fd')!r} for the slab; check the "
+                                        "client and daemon versions")
+                mm = mmap.mmap(fds[h["fd"]], max(h["bytes"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             for fd in fds.values():
                 os.close(fd)
+        if h.get("engine_slab"):  # the daemon's memory holds the staging buffer only (if any)
+            staging = np.frombuffer(mm, dtype=np.uint8)[: layout.staging_bytes].reshape(layout.staging_shape) \
+                if mm is not None and layout.staging_bytes else None
+            self.attachment = Attachment(layout, engine, None, staging, mm, engine_slab=slab)
+            return self.attachment
         slab, staging = layout.split_buffer(np.frombuffer(mm, dtype=np.uint8))
         self.attachment = Attachment(layout, engine, slab, staging, mm)
         return self.attachment
+
+    def _offer_slab(self, layout: Layout, slab) -> dict:
+        """The ATTACH field of an engine-owned slab: its geometry, and (cpu) the id of its
+        descriptor deposited on the daemon's fd socket."""
+        from sparsekv.proto import fd_socket  # noqa: PLC0415
+
+        geo = slab.check(layout)
+        if self.device.startswith("cuda") != slab.cuda:
+            raise BadRequest("a cuda rank's engine slab is a GPU tensor (EngineSlab.from_tensor), a cpu rank's "
+                             "shared memory (EngineSlab.shared_memory)", ErrorCode.BAD_ARGUMENT)
+        if slab.cuda:
+            from .cuda_attach import local_device  # noqa: PLC0415
+
+            if slab.device != local_device(self.device):
+                raise BadRequest(f"the engine slab is on cuda:{slab.device}, this rank on {self.device}",
+                                 ErrorCode.BAD_ARGUMENT)
+            ex = slab.export()
+            return {"geometry": geo.to_wire(), "ipc_handle": ex["ipc_handle"], "ipc_offset": ex["ipc_offset"]}
+        try:
+            dep = fd_socket.deposit_fd(os.path.join(self.run_dir, fd_socket.FD_SOCKET), slab.fd)
+        except ProtocolError as e:
+            raise error_for(e.code, f"the daemon refused the engine's slab: {e.args[0]}") from None
+        except OSError as e:
+            raise DaemonUnavailable(f"cannot give the engine's slab to sparsekvd at {self.run_dir}: {e}") from None
+        return {"deposit": dep, "geometry": geo.to_wire()}
 
     def _fetch_fds(self, handles: dict) -> dict[str, int]:
         """The descriptors of the rank's shared memory, by name, from the daemon's fd socket

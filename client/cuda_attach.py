@@ -48,9 +48,11 @@ def bus_id_of(ordinal: int) -> str:
 
 class CudaAttachment:
     def __init__(self, layout: Layout, engine: str, handles: dict, fence: EventRing | None,
-                 fds: dict[str, int] | None = None):
+                 fds: dict[str, int] | None = None, engine_slab=None):
         """``fds``: descriptors from the daemon's fd socket by name (the caller closes
-        them): ``handles["blocks_fd"]`` names the rank's pinned step blocks."""
+        them): ``handles["blocks_fd"]`` names the rank's pinned step blocks.
+        ``engine_slab``: the engine-owned slab this rank attached with (then ``slab`` is
+        None: the hot rows are in the engine's tensor)."""
         import torch  # noqa: PLC0415
 
         self.layout, self.engine, self.handles = layout, engine, handles
@@ -59,7 +61,8 @@ class CudaAttachment:
         R, B, K = handles["ring_depth"], handles["max_batch"], handles["top_k"]
         self._arena = ImportedArena(handles["arena_handle"], handles["arena_bytes"], self.device)
         lay = layout
-        self.slab = self._arena.torch(handles["slab_offset"], lay.slab_shape)
+        self.engine_slab = engine_slab if handles.get("engine_slab") else None
+        self.slab = None if self.engine_slab is not None else self._arena.torch(handles["slab_offset"], lay.slab_shape)
         self.staging = self._arena.torch(handles["staging_offset"], lay.staging_shape) if lay.staging_rows else None
         self._slots = self._arena.torch(handles["slots_offset"], (R, B, K), "int32")
         self._misses = self._arena.torch(handles["misses_offset"], (R, B), "int32")

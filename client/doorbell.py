@@ -84,7 +84,7 @@ class DeviceSwapIn:
 
     def _bind(self, layout, device: int, slab, step_block: int, topk_blocks: list[int], slots: list[int],
               error_mirror=None, resident_base: int = 0, hot_base: int = 0, misses=None,
-              inv_cap: int | None = None) -> None:
+              inv_cap: int | None = None, engine_slab=None) -> None:
         """Device addresses of the rank's step block, per-group top-k blocks and slots.
         ``inv_cap``: the most invalidate columns a step block takes (the layout's top_k
         unless the daemon says fewer)."""
@@ -110,7 +110,8 @@ class DeviceSwapIn:
             self._dead = cp.zeros(1, dtype=cp.int32)
             cp.cuda.runtime.deviceSynchronize()
         self._torch = torch
-        self._slab = slab
+        self._slab = slab  # None with an engine-owned slab (kv() reads the engine's tensor)
+        self._engine_slab = engine_slab
         self._misses = misses  # torch int32 [groups, max_batch]: each group's misses per batch row
         self._errors = ErrorRecord(error_mirror) if error_mirror is not None else None
         self._gone: str | None = None
@@ -128,8 +129,12 @@ class DeviceSwapIn:
     # -- the engine's calls ------------------------------------------------------------
     def kv(self, layer: int):
         """The layer's hot slab as ``[max_reqs * region_stride, row_bytes]`` uint8 (a view
-        of the daemon's memory, through CUDA IPC)."""
+        of the daemon's memory, through CUDA IPC). With an engine-owned slab: the
+        engine's own rows of the layer in its index space (``EngineSlab.layer_rows``:
+        hot rows from ``hot_base``, resident rows where the engine keeps them)."""
         lay = self.layout
+        if self._engine_slab is not None:
+            return self._engine_slab.layer_rows(lay, layer, self.hot_base)
         return self._slab[layer].view(lay.max_reqs * lay.region_stride, lay.row_bytes)
 
     def misses(self, group: int):
@@ -344,7 +349,8 @@ class DoorbellSwapIn(DeviceSwapIn):
                    [arena.ptr + db["topk_block_offset"] + g * bints * 4 for g in range(G)],
                    [arena.ptr + db["slots_offset"] + g * B * K * 4 for g in range(G)],
                    att.error_mirror, resident_base, hot_base,
-                   misses=arena.torch(db["misses_offset"], (G, B), "int32"), inv_cap=db.get("inv_cap"))
+                   misses=arena.torch(db["misses_offset"], (G, B), "int32"), inv_cap=db.get("inv_cap"),
+                   engine_slab=getattr(att, "engine_slab", None))
         ctl = arena.ptr + db["ctl_offset"]
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]

@@ -78,7 +78,12 @@ class HostSwapIn:
     step's slots, and leaves the client open. Not thread-safe, like the client.
     """
 
-    def __init__(self, client):
+    def __init__(self, client, hot_base: int = 0, resident_base: int = 0):
+        """``hot_base``: with an engine-owned slab (``client/engine_slab.py``), the index
+        of hot row 0 in the engine's own rows (indices are ``hot_base + req *
+        region_stride + slot``; ``kv(layer)`` is then the engine's rows of the layer).
+        ``resident_base``: added to the index of a resident row (``swap_in``'s
+        ``resident_block_table``), as the device handle's."""
         att = getattr(client, "attachment", None)
         if att is None:
             raise NotAttached("HostSwapIn needs an attached client: call client.attach(layout) first")
@@ -86,12 +91,21 @@ class HostSwapIn:
         self.layout = att.layout
         lay = self.layout
         self._stride = lay.region_stride
+        engine_slab = getattr(att, "engine_slab", None)
+        if hot_base and engine_slab is None:
+            raise BadRequest("hot_base needs an engine-owned slab (attach with slab=EngineSlab...)",
+                             ErrorCode.BAD_ARGUMENT)
+        self.hot_base = int(hot_base)
+        self.resident_base = int(resident_base)
         # layer -> (its group, the group's leader layer)
         self._group_of = {layer: (g, layers[0]) for g, layers in enumerate(lay.groups) for layer in layers}
         # One view per layer of the attachment's slab [L, max_reqs, region_stride, row_bytes]:
         # a reshape of a contiguous array, so the rows are the slab's own memory.
-        self._kv = [att.slab[layer].reshape(lay.max_reqs * lay.region_stride, lay.row_bytes)
-                    for layer in range(lay.num_layers)]
+        if engine_slab is not None:
+            self._kv = [engine_slab.layer_rows(lay, layer, self.hot_base) for layer in range(lay.num_layers)]
+        else:
+            self._kv = [att.slab[layer].reshape(lay.max_reqs * lay.region_stride, lay.row_bytes)
+                        for layer in range(lay.num_layers)]
         self._next_step = 0
         self._step: int | None = None  # the step begun, None before the first / after a failed one
         self._failed = False  # the last begin_step raised
@@ -135,14 +149,19 @@ class HostSwapIn:
             self._order.ready(layer)
 
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int,
-                return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None):
+                return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
+                resident_block_table=None):
         """Make the rows of ``logical_topk_indices`` int [tokens, k] (positions of each
         token's request, k <= layout.top_k) readable in ``kv(layer)``; return the indices
         int32 [tokens, k] into it (-1: none), and with ``return_valid_counts`` also the
         count of indices >= 0 per token, int32 [tokens]. ``req_id_per_token`` int
         [tokens]: the state row of each token (-1 = padding token); ``block_table`` int
         [>= max req id + 1, max_blocks]: host block of each logical block of each request
-        (-1 = none), ``block_size`` tokens per block. See the module docstring."""
+        (-1 = none), ``block_size`` tokens per block. ``resident_block_table`` int [like
+        block_table's rows, n]: the block of the engine's own storage that still holds a
+        logical block (-1 = none): such a position is index ``resident_base + block *
+        block_size + pos % block_size``, not fetched (as the device handle). See the module
+        docstring."""
         self._open()
         like = next((a for a in (logical_topk_indices, req_id_per_token) if _is_torch(a)), None)
         group, leader = self._group(layer)
@@ -164,14 +183,19 @@ class HostSwapIn:
             _check_out("valid_counts_out", valid_counts_out, topk.shape[:1])
         self._order.check_layer(int(layer))
         if layer == leader:
-            slots = self._lead(group, reqs, topk, block_table, block_size)
+            slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table)
             self._order.rang(group)
         else:
-            slots = self._follow(group, layer, leader, reqs, topk)
+            slots, resident = self._follow(group, layer, leader, reqs, topk)
         self._order.ready(int(layer))
         # Region of state row r, slot s: row r * region_stride + s (fits int32: the layout
-        # keeps max_reqs * region_stride <= 2**31).
-        idx = np.where(slots >= 0, reqs[:, None].astype(np.int64) * self._stride + slots, -1).astype(np.int32)
+        # keeps max_reqs * region_stride <= 2**31), from hot_base.
+        idx = np.where(slots >= 0, self.hot_base + reqs[:, None].astype(np.int64) * self._stride + slots, -1)
+        if resident is not None:
+            idx = np.where(resident >= 0, self.resident_base + resident, idx)
+        if (idx > np.iinfo(np.int32).max).any():
+            raise BadRequest("an index passes int32: lower hot_base or resident_base", ErrorCode.BAD_ARGUMENT)
+        idx = idx.astype(np.int32)
         counts = (idx >= 0).sum(axis=1, dtype=np.int32)
         idx = _deliver(idx, attention_indices_out, like)
         if not return_valid_counts:
@@ -180,7 +204,9 @@ class HostSwapIn:
 
     def kv(self, layer: int):
         """The layer's hot slab, ``[max_reqs * region_stride, row_bytes]`` uint8 (NumPy for
-        a cpu attachment, a torch tensor on the GPU for a cuda one); a view, not a copy."""
+        a cpu attachment, a torch tensor on the GPU for a cuda one); a view, not a copy.
+        With an engine-owned slab: the engine's rows of the layer in its index space
+        (``EngineSlab.layer_rows``), resident and hot alike."""
         self._open()
         if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.layout.num_layers):
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
@@ -220,8 +246,9 @@ class HostSwapIn:
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
         return self._group_of[int(layer)]
 
-    def _lead(self, group: int, reqs: np.ndarray, topk: np.ndarray, block_table, block_size) -> np.ndarray:
-        """The group's leader: positions -> host rows, one top-k batch, keep the slots."""
+    def _lead(self, group: int, reqs: np.ndarray, topk: np.ndarray, block_table, block_size, resident_table):
+        """The group's leader: positions -> host rows, one top-k batch, keep the slots
+        (and the resident rows: ``[tokens, k]`` row of the engine's storage, -1 = none)."""
         lay = self.layout
         table = _ints("block_table", block_table, 2)
         bad = (reqs < -1) | (reqs >= lay.max_reqs)
@@ -245,6 +272,20 @@ class HostSwapIn:
             rows = host_rows(topk, per_token, block_size)
         except (TypeError, ValueError) as e:  # e.g. block_size not a positive integer
             raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
+        resident = None
+        if resident_table is not None:
+            res = _ints("resident_block_table", resident_table, 2)
+            if res.shape[0] != table.shape[0]:
+                raise BadRequest(f"resident_block_table must have {table.shape[0]} rows like block_table, got "
+                                 f"{res.shape}", ErrorCode.BAD_ARGUMENT)
+            per_res = np.full((reqs.shape[0], res.shape[1]), -1, dtype=np.int64)
+            per_res[live] = res[reqs[live]]
+            blk = np.where(topk >= 0, topk // block_size, -1)
+            inside = (blk >= 0) & (blk < res.shape[1])
+            rb = np.where(inside, np.take_along_axis(per_res, np.clip(blk, 0, max(res.shape[1] - 1, 0)), 1)
+                          if res.shape[1] else -1, -1)
+            resident = np.where(rb >= 0, rb * block_size + topk % block_size, -1)
+            rows = np.where(resident >= 0, -1, rows).astype(np.int32)  # held by the engine: not fetched
         if reqs.shape[0] == 0:
             slots = np.empty((0, topk.shape[1]), np.int32)
         else:
@@ -255,8 +296,8 @@ class HostSwapIn:
             self.counts["hits"] += res.hits or 0
             self.counts["misses"] += int(np.asarray(misses).sum())
             self.counts["out_of_range"] += res.out_of_range or 0
-        self._slots[group] = (reqs, slots)
-        return slots
+        self._slots[group] = (reqs, slots, resident)
+        return slots, resident
 
     def _follow(self, group: int, layer: int, leader: int, reqs: np.ndarray, topk: np.ndarray) -> np.ndarray:
         """A follower: the leader's slots of this step, no request."""
@@ -264,12 +305,12 @@ class HostSwapIn:
         if got is None:
             raise BadRequest(f"layer {layer} follows layer {leader} in index group {group}, whose swap_in has not run "
                              f"in step {self._step}: call swap_in for layer {leader} first", ErrorCode.BAD_ARGUMENT)
-        lead_reqs, slots = got
+        lead_reqs, slots, resident = got
         if reqs.shape != lead_reqs.shape or not np.array_equal(reqs, lead_reqs) or topk.shape != slots.shape:
             raise BadRequest(f"layer {layer} reuses the top-k of its leader layer {leader}, so it must pass the same "
                              f"tokens: req_id_per_token {reqs.shape} and logical_topk_indices {topk.shape} differ from "
                              f"the leader's {lead_reqs.shape} and {slots.shape}", ErrorCode.BAD_ARGUMENT)
-        return slots
+        return slots, resident
 
 
 def _is_torch(a) -> bool:

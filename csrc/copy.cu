@@ -34,9 +34,19 @@ __device__ __forceinline__ uint4 skv_load16(const uint4* p) {
 }
 #define SKV_CT SKV_COPY_THREADS
 
+// Where a destination row goes. Without `layer_off` (null): row r of layer l is at
+// dst + (l * layer_rows + r) * row_bytes. With it (an engine-owned slab, proto/slab.py):
+// at dst + layer_off[l] + (r / block_rows) * block_stride + (r % block_rows) * row_bytes.
+struct SkvDstGeometry {
+    const i64* layer_off;
+    i64 block_rows;
+    i64 block_stride;
+};
+
 // Copy, for each listed layer li in [0, n_layers), every entry e of a [nb, ld] index list:
 //   src row  = src_idx ? src_idx[e] : e     of source layer (mode & 1 ? layers[li] : li)
 //   dst row  = dst_idx ? dst_idx[e] : e     of dest layer   (mode & 2 ? layers[li] : li)
+// (the destination laid out by `geo`, see SkvDstGeometry)
 // With counts (int[nb]) only the first counts[b] entries of batch row b are copied (the
 // compact per-row plan of skv_resolve); without, the first `total` of all nb * ld. Entries
 // are numbered e = b * ld + i. A row or layer outside its buffer is skipped, never read or
@@ -48,7 +58,8 @@ __device__ __forceinline__ void skv_copy_body(
     const int dst_layers,
     const int* __restrict__ layers, const int n_layers, const int mode,
     const int* __restrict__ src_idx, const int* __restrict__ dst_idx,
-    const int* __restrict__ counts, const int nb, const int ld, i64 total)
+    const int* __restrict__ counts, const int nb, const int ld, i64 total,
+    const SkvDstGeometry geo)
 {
     __shared__ int sh_scan[SKV_CT];
     SKV_DYN_SMEM(skv_smem);
@@ -78,7 +89,8 @@ __device__ __forceinline__ void skv_copy_body(
         const i64 dl = (mode & 2) ? lay : li;
         if (sl < 0 || sl >= src_layers || dl < 0 || dl >= dst_layers) continue;
         const unsigned char* src_l = src + sl * src_layer_rows * (SKV_ROW_VECS * 16);
-        unsigned char* dst_l = dst + dl * dst_layer_rows * (SKV_ROW_VECS * 16);
+        unsigned char* dst_l = geo.layer_off ? dst + geo.layer_off[dl]
+                                             : dst + dl * dst_layer_rows * (SKV_ROW_VECS * 16);
 
         for (i64 v0 = (i64)blockIdx.x * SKV_CT + threadIdx.x; v0 < per_layer;
              v0 += step * SKV_COPY_UNROLL) {
@@ -102,7 +114,11 @@ __device__ __forceinline__ void skv_copy_body(
                     const i64 dr = dst_idx ? (i64)dst_idx[e] : e;
                     if (sr >= 0 && sr < src_rows && dr >= 0 && dr < dst_rows) {
                         buf[u] = skv_load16((const uint4*)(src_l + (sr * SKV_ROW_VECS + vec) * 16));
-                        out[u] = (uint4*)(dst_l + (dr * SKV_ROW_VECS + vec) * 16);
+                        const i64 at = geo.layer_off
+                            ? (dr / geo.block_rows) * geo.block_stride
+                                  + ((dr % geo.block_rows) * SKV_ROW_VECS + vec) * 16
+                            : (dr * SKV_ROW_VECS + vec) * 16;
+                        out[u] = (uint4*)(dst_l + at);
                     }
                 }
             }
@@ -125,19 +141,23 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
     const int* __restrict__ layers, const int n_layers, const int mode,
     const int* __restrict__ src_idx, const int* __restrict__ dst_idx,
     const int* __restrict__ counts, const int nb, const int ld,
-    const int* __restrict__ count_dev)
+    const int* __restrict__ count_dev,
+    const i64* __restrict__ dst_layer_off, const i64 dst_block_rows, const i64 dst_block_stride)
 {
     i64 total = (i64)nb * ld;
     if (count_dev) {
         const i64 c = count_dev[0];
         total = c < 0 ? 0 : (c < total ? c : total);
     }
+    const SkvDstGeometry geo = {dst_layer_off, dst_block_rows < 1 ? 1 : dst_block_rows, dst_block_stride};
     skv_copy_body(src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows, dst_rows,
-                  dst_layers, layers, n_layers, mode, src_idx, dst_idx, counts, nb, ld, total);
+                  dst_layers, layers, n_layers, mode, src_idx, dst_idx, counts, nb, ld, total, geo);
 }
 
 // The decode-step gather: the plan of the last skv_resolve (per batch row, misses[b]
-// entries), pool -> slab, for every layer of the descriptor's group. The batch and the
+// entries), pool -> slab, for every layer of the descriptor's group; the slab laid out
+// by slab_layer_off / slab_block_rows / slab_block_stride when an engine owns it
+// (SkvDstGeometry; null: the daemon's own [layers, slab_layer_rows] slab). The batch and the
 // group come from the descriptor; the group's layers from `group_layers` ([groups,
 // layers_stride]: count, then layer numbers). Grid: fixed. Dynamic shared memory:
 // (max_batch + 1) * 8 bytes. A descriptor out of range copies nothing (skv_resolve
@@ -148,7 +168,8 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     unsigned char* __restrict__ slab, const i64 slab_layer_rows,
     const int* __restrict__ group_layers, const int layers_stride, const int groups,
     const int* __restrict__ plan_rows, const int* __restrict__ plan_slots,
-    const int* __restrict__ misses, const int max_batch, const int ld)
+    const int* __restrict__ misses, const int max_batch, const int ld,
+    const i64* __restrict__ slab_layer_off, const i64 slab_block_rows, const i64 slab_block_stride)
 {
     // Read once into shared memory: the loop bounds (and barriers) of the copy depend on
     // them, and a client may rewrite its step block while the kernel runs.
@@ -162,8 +183,9 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int* g = group_layers + (i64)group * layers_stride;
     int n_layers = g[0];
     n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
+    const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
     skv_copy_body(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
-                  num_layers, g + 1, n_layers, 3, plan_rows, plan_slots, misses, batch, ld, 0);
+                  num_layers, g + 1, n_layers, 3, plan_rows, plan_slots, misses, batch, ld, 0, geo);
 }
 
 // A step block from pinned host memory (mapped) to its device copy: the descriptor, then

@@ -68,8 +68,29 @@ def new_memfd(name: str, nbytes: int) -> int:
 
 @dataclass
 class _ShmSlab:
-    fd: int  # kept while the rank lives: the fd socket hands it to the rank's client
-    mm: mmap.mmap
+    fd: int  # kept while the rank lives: the fd socket hands it to the rank's client (-1: none)
+    mm: mmap.mmap | None
+    engine_fd: int = -1  # an engine-owned slab's descriptor (deposited by the client)
+    engine_mm: mmap.mmap | None = None
+
+
+def map_engine_slab(fd: int, geometry) -> mmap.mmap:
+    """Map an engine-owned slab the client deposited (``proto/slab.py``): a memfd sealed
+    against shrinking (else the client could cut it under the daemon's writes: SIGBUS)
+    of at least ``geometry.buffer_bytes``. Raises ResidencyError naming what is wrong."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ResidencyError("BAD_ARGUMENT", "the engine's slab must be a memfd (os.memfd_create with "
+                             "MFD_ALLOW_SEALING), sealed with F_SEAL_SHRINK") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise ResidencyError("BAD_ARGUMENT", "the engine's slab memfd must be sealed against shrinking "
+                             "(fcntl F_ADD_SEALS F_SEAL_SHRINK) before it is deposited")
+    size = os.fstat(fd).st_size
+    if size < geometry.buffer_bytes:
+        raise ResidencyError("BAD_ARGUMENT", f"the engine's slab memfd has {size} bytes, its geometry says "
+                             f"buffer_bytes {geometry.buffer_bytes}")
+    return mmap.mmap(fd, geometry.buffer_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 class CpuBackend:
@@ -93,10 +114,15 @@ class CpuBackend:
         return None
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str,
-                 fence_events=None) -> tuple[RankState, dict]:
+                 fence_events=None, engine_slab=None) -> tuple[RankState, dict]:
         """A rank's state and what its client needs to map the slab. ``fence_events`` is
-        for the cuda backend (the cpu client reads only after each reply)."""
+        for the cuda backend (the cpu client reads only after each reply).
+        ``engine_slab``: an engine-owned slab (``engine.EngineSlabImport``: a checked
+        geometry and a memfd this backend takes): gathers go there, and the daemon's
+        shared memory holds only the staging buffer."""
         lay = space.layout
+        if engine_slab is not None:
+            return self._engine_rank(space, client_id, rank, device, engine_slab)
         nbytes = lay.slab_bytes + lay.staging_bytes
         # Anonymous shared memory (new_memfd): only the process that attached the rank
         # gets the descriptor (the server's fd socket). Its pages are reserved now, so
@@ -131,17 +157,50 @@ class CpuBackend:
         handles = {"kind": "shm", "fd": "slab", "bytes": nbytes, "slab_bytes": lay.slab_bytes}
         return state, handles
 
+    def _engine_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, engine_slab):
+        lay, geo = space.layout, engine_slab.geometry
+        fd, mm, shm = engine_slab.take_fd(), None, None
+        try:
+            engine_mm = map_engine_slab(fd, geo)
+            nbytes = lay.staging_bytes
+            staging = None
+            if nbytes:
+                shm = new_memfd(f"{self._name}{client_id}", nbytes)
+                mm = mmap.mmap(shm, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                staging = np.frombuffer(mm, dtype=np.uint8).reshape(lay.staging_shape)
+        except OSError as e:
+            for f in (fd, shm):
+                if f is not None:
+                    os.close(f)
+            raise ResidencyError("TOO_LARGE", f"cannot map the engine's slab or a staging buffer: {e.strerror}") \
+                from None
+        except BaseException:
+            for f in (fd, shm):
+                if f is not None:
+                    os.close(f)
+            raise
+        buf = np.frombuffer(engine_mm, dtype=np.uint8)
+        self._slabs[client_id] = _ShmSlab(-1 if shm is None else shm, mm, fd, engine_mm)
+        state = RankState(rank=rank, device=device, residency=CpuResidency(lay),
+                          mover=CpuMover(lay, space.pool, buf, staging, geometry=geo), slab=buf, staging=staging)
+        handles = {"kind": "shm", "engine_slab": True, "bytes": nbytes, "slab_bytes": 0}
+        if shm is not None:
+            handles["fd"] = "slab"  # the staging buffer (the server adds the socket and the token)
+        return state, handles
+
     def share_fds(self, client_id: int) -> dict[str, int]:
         """The descriptors the client of rank ``client_id`` maps, by the names its handles
         give them (still owned by the backend)."""
         shm = self._slabs.get(client_id)
-        return {} if shm is None else {"slab": shm.fd}
+        return {} if shm is None or shm.fd < 0 else {"slab": shm.fd}
 
     def release_rank(self, client_id: int) -> None:
         shm = self._slabs.pop(client_id, None)
         if shm is None:
             return
-        os.close(shm.fd)
+        for fd in (shm.fd, shm.engine_fd):
+            if fd >= 0:
+                os.close(fd)
         # The memory itself goes away with the last mapping: the daemon's goes with the
         # last view; clients keep theirs until they unmap, which is safe with shared memory.
 

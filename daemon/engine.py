@@ -16,6 +16,7 @@ import numpy as np
 from sparsekv.proto.layout import Layout
 
 from .residency.base import Mover, Residency, ResidencyError, Resolved
+from .residency.cpu import CpuMover
 
 
 def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
@@ -30,6 +31,31 @@ def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
             raise ResidencyError("BAD_ARGUMENT", f"{name} has values outside int32")
         a = a.astype(np.int32)
     return a
+
+
+class EngineSlabImport:
+    """An engine-owned hot slab on its way to a backend (``proto/slab.py``): its checked
+    geometry and its memory (cpu: a deposited memfd; cuda: an IPC handle). The backend that maps it calls
+    :meth:`take_fd` and owns the descriptor from then on; whoever made the import calls
+    :meth:`close` when the attach is over, which closes a descriptor nobody took."""
+
+    def __init__(self, geometry, fd: int = -1, ipc: tuple[bytes, int] | None = None):
+        self.geometry = geometry
+        self._fd = fd
+        self.ipc = ipc  # cuda: (IPC handle of the engine's allocation, byte offset in it)
+
+    def take_fd(self) -> int:
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            raise ResidencyError("BAD_ARGUMENT", "this engine slab brings no descriptor (a cpu rank needs one)")
+        return fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            import os  # noqa: PLC0415
+
+            os.close(self._fd)
+            self._fd = -1
 
 
 @dataclass
@@ -114,8 +140,22 @@ class RankState:
     def write_staged(self, space: "EngineSpace", layers: tuple[int, ...], rows: np.ndarray, fence=None) -> tuple[int, int]:
         """Write the first ``len(rows)`` rows of this rank's staging buffer (each of
         ``layers``) into host ``rows``; checked by :meth:`EngineSpace.write_staged`."""
-        data = self.staging[np.asarray(layers)[:, None], np.arange(rows.shape[0])[None, :]]
-        return space.write(layers, rows, data)
+        space.quiesce()
+        space.copy_rows(layers, rows, self.staged_rows(layers, rows.shape[0]))
+        return len(layers) * rows.shape[0] * space.layout.row_bytes, space.drop_rewritten(rows)
+
+    def staged_rows(self, layers: tuple[int, ...], n: int) -> list[np.ndarray]:
+        """The first ``n`` rows of the staging buffer of each of ``layers`` (views; host
+        memory only)."""
+        return [self.staging[layer, :n] for layer in layers]
+
+    @property
+    def host_memory(self) -> bool:
+        """Whether this rank's slab and staging buffer are host memory that NumPy copies
+        (the cpu mover): its stage / write_staged copies, and the unmapping of its memory,
+        may then run on a worker thread. False on the cuda backend (device work stays on
+        the loop's thread)."""
+        return isinstance(self.mover, CpuMover)
 
     def drop_rewritten(self, rows: np.ndarray) -> int:
         """Empty every slot of this rank holding one of ``rows``; return how many."""
@@ -172,6 +212,15 @@ class EngineSpace:
     def write(self, layers, rows, data) -> tuple[int, int]:
         """Copy ``data`` [len(layers), n, row_bytes] into host ``rows`` of ``layers`` and drop
         every hot copy of those rows in every rank. Returns (bytes written, slots dropped)."""
+        layers, rows, data = self.check_write(layers, rows, data)
+        self.quiesce()
+        self.copy_rows(layers, rows, data)
+        return data.nbytes, self.drop_rewritten(rows)
+
+    # A write in steps, for the daemon to run its bulk on a worker thread (daemon/heavy.py):
+    # check_write, quiesce, copy_rows (any thread), drop_rewritten.
+    def check_write(self, layers, rows, data) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+        """A write's arguments checked (BAD_ARGUMENT, nothing changed) and normalised."""
         lay = self.layout
         layers = check_layers(lay, layers)
         rows = host_rows_arg(lay, rows, "write")
@@ -179,17 +228,34 @@ class EngineSpace:
         want = (len(layers), rows.shape[0], lay.row_bytes)
         if data.dtype != np.uint8 or data.shape != want:
             raise ResidencyError("BAD_ARGUMENT", f"write data must be uint8 {list(want)}, got {data.dtype} {list(data.shape)}")
+        return layers, rows, data
+
+    def quiesce(self) -> None:
+        """Wait until no copy of any rank is in flight: no gather may read a row while it
+        is being rewritten."""
         for r in self.ranks.values():
-            r.quiesce()  # no gather may read a row while it is being rewritten
-        for i, layer in enumerate(layers):
-            self.pool[layer, rows] = data[i]
-        dropped = sum(r.drop_rewritten(rows) for r in self.ranks.values())
-        return data.nbytes, dropped
+            r.quiesce()
+
+    def copy_rows(self, layers, rows: np.ndarray, src) -> None:
+        """Copy ``src[i]`` (uint8 [len(rows), row_bytes]) into host ``rows`` of
+        ``layers[i]``: a write's bulk. It touches this engine's pool rows only, so a worker
+        thread may run it while no request on this engine runs (the daemon holds them)."""
+        for layer, part in zip(layers, src):
+            self.pool[layer, rows] = part
+
+    def drop_rewritten(self, rows: np.ndarray) -> int:
+        """Empty every slot of every rank holding one of ``rows``; return how many."""
+        return sum(r.drop_rewritten(rows) for r in self.ranks.values())
 
     def write_staged(self, rank: RankState, layers, rows, fence=None) -> tuple[int, int]:
         """The write path for rows the client produced itself (on the GPU, for the cuda
         backend): it put them at the front of its staging buffer, layer by layer; they go
         to host ``rows`` and every hot copy of those rows is dropped in every rank."""
+        layers, rows = self.check_staged(rank, layers, rows)
+        return rank.write_staged(self, layers, rows, fence)
+
+    def check_staged(self, rank: RankState, layers, rows) -> tuple[tuple[int, ...], np.ndarray]:
+        """A staged write's arguments checked (nothing changed) and normalised."""
         lay = self.layout
         layers = check_layers(lay, layers)
         rows = host_rows_arg(lay, rows, "write")
@@ -197,7 +263,7 @@ class EngineSpace:
             raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0) to write from")
         if rows.shape[0] > lay.staging_rows:
             raise ResidencyError("TOO_LARGE", f"{rows.shape[0]} rows exceed the staging buffer of {lay.staging_rows}")
-        return rank.write_staged(self, layers, rows, fence)
+        return layers, rows
 
     def read(self, layers, rows) -> np.ndarray:
         layers = check_layers(self.layout, layers)

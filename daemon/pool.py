@@ -184,6 +184,16 @@ class HostPool:
                 continue
             self._ranges.release(offset)
 
+    def zeroing_to_wait_for(self, nbytes: int) -> list:
+        """What ``allocate(nbytes)`` would wait for now: the futures of every pending
+        zeroing when no free range fits (empty when it would not wait). Any thread may
+        wait for them (``concurrent.futures.wait``); the daemon does so on a worker thread
+        before an ATTACH allocates, so its loop never waits for zeroing."""
+        self._collect()
+        if not self._zeroing or self._ranges.fits(nbytes):
+            return []
+        return [c for _, chunks in self._zeroing.values() for c in chunks]
+
     def wait_zeroed(self) -> None:
         """Block until every released range is zeroed and free again (tests; allocate
         when the pool is otherwise full)."""

@@ -32,6 +32,12 @@ class RangeAllocator:
                     return off
         raise RangeFull(f"no free range of {need} bytes")
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``allocate(nbytes)`` would find a free range now."""
+        need = self.rounded(nbytes)
+        with self._lock:
+            return any(length >= need for _, length in self._free)
+
     def release(self, offset: int) -> None:
         """Give back the range at ``offset``, merging it with free neighbours."""
         with self._lock:

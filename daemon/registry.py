@@ -15,6 +15,7 @@ one engine is a change in these two places only.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Iterator
 
 from sparsekv.proto import ErrorCode, Layout, ProtocolError
@@ -25,13 +26,32 @@ from .pool import HostPool
 log = logging.getLogger("sparsekv.registry")
 
 
+@dataclass(eq=False)
+class PendingAttach:
+    """An attach between :meth:`EngineRegistry.begin_attach` and its commit or abort."""
+
+    space: EngineSpace
+    created: bool  # this attach made the engine (which has had no rank yet)
+    client_id: int
+    new_rank_args: tuple  # backend.new_rank's (and prepare_rank's) arguments
+    new_rank_kw: dict
+    state: RankState | None = None  # the rank, once the backend made it
+    handles: dict | None = None
+    settled: bool = False  # committed or aborted
+
+
 class EngineRegistry:
     """Engines by name, each with its pool range and its ranks (by client id).
 
     Arguments:
         pool: the daemon's :class:`HostPool`; engine ranges are allocated from it.
         backend: a backend (``new_rank``, ``release_rank``, ``release_engine``); it makes
-            each rank's state and owns what an engine holds beyond its pool range.
+            each rank's state and owns what an engine holds beyond its pool range. An
+            attach's slow part (:meth:`prepare`) may run on a worker thread: ``new_rank``
+            runs there unless the backend sets ``new_rank_on_loop`` (cuda: a rank's
+            device buffers and graphs belong to the loop's thread), and so does the
+            backend's optional ``prepare_rank`` (``new_rank``'s arguments; cuda: checks
+            and pinning).
 
     Iterating yields engine names; ``len()`` is the number of engines.
     """
@@ -40,10 +60,11 @@ class EngineRegistry:
         self.pool = pool
         self.backend = backend
         self._engines: dict[str, EngineSpace] = {}
+        self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
 
     def attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
-               transport: str = "zmq") -> tuple[RankState, dict]:
+               transport: str = "zmq", engine_slab=None) -> tuple[RankState, dict]:
         """Add rank ``rank`` (client ``client_id``, on ``device``) to ``engine_name``,
         creating the engine (and its pool range) if it is new. Returns the rank's state and
         the handles its client maps.
@@ -56,7 +77,27 @@ class EngineRegistry:
         Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED (another
         user's engine: checked first, and the message names neither its owner nor its
         layout), LAYOUT_MISMATCH (the engine exists with another layout) or whatever the
-        backend raises; on any error nothing is left allocated for a new engine."""
+        backend raises; on any error nothing is left allocated for a new engine.
+
+        The steps of :meth:`begin_attach`, in one call (the daemon runs :meth:`prepare`
+        on a worker thread)."""
+        p = self.begin_attach(client_id, rank, device, engine_name, layout, fence_events, owner=owner,
+                              privileged=privileged, transport=transport, engine_slab=engine_slab)
+        try:
+            self.prepare(p)
+            return self.commit(p)
+        except BaseException:
+            self.abort(p)
+            raise
+
+    def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
+                     fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
+                     transport: str = "zmq", engine_slab=None) -> PendingAttach:
+        """The first step of :meth:`attach` (same arguments, same errors), on the owner's
+        thread: the checks, and a new engine's name and pool range (the engine is listed
+        from now on, with no rank). Then :meth:`prepare` (the slow part: any thread), then
+        :meth:`commit`; :meth:`abort` on any error or when the attach is given up. While
+        an attach is pending its engine is not released, even if every other rank leaves."""
         space = self._engines.get(engine_name)
         created = space is None
         if created:
@@ -67,6 +108,7 @@ class EngineRegistry:
             except BaseException:
                 self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
+            self._engines[engine_name] = space
         elif not _may_join(space.owner, owner, privileged):
             # The same answer whatever the layout: another user learns nothing of the
             # engine beyond its name being taken.
@@ -79,35 +121,74 @@ class EngineRegistry:
                 ErrorCode.LAYOUT_MISMATCH,
                 f"engine {engine_name!r} is attached with {space.layout.to_wire()}, this rank sent {layout.to_wire()}",
             )
-        try:
-            kw = {"transport": transport} if transport != "zmq" else {}
-            state, handles = self.backend.new_rank(space, client_id, rank, device, fence_events, **kw)
-        except BaseException:
-            if created:  # the engine never had a rank: nothing of it may stay behind
-                self.backend.release_engine(space)
-                # No rank ever existed, so nothing wrote to the range: it is still zero.
-                self.pool.release(space.pool_offset, zero=False)
-            raise
-        space.ranks[client_id] = state
-        self._engines[engine_name] = space
-        return state, handles
+        kw = {"transport": transport} if transport != "zmq" else {}
+        if engine_slab is not None:
+            kw["engine_slab"] = engine_slab
+        self._attaching[engine_name] = self._attaching.get(engine_name, 0) + 1
+        return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw)
+
+    def prepare(self, p: PendingAttach) -> None:
+        """The slow part of an attach, on any thread: the backend's ``prepare_rank`` if it
+        has one (cuda: page-locks a new engine's pool range) and, unless the backend makes
+        its ranks on the owner's thread (``new_rank_on_loop``: cuda), the rank itself
+        (cpu: its slab). It touches only ``p``, its engine's pool range and what the
+        backend makes for it."""
+        prepare_rank = getattr(self.backend, "prepare_rank", None)
+        if prepare_rank is not None:
+            prepare_rank(*p.new_rank_args, **p.new_rank_kw)
+        if not getattr(self.backend, "new_rank_on_loop", False):
+            p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
+
+    def commit(self, p: PendingAttach) -> tuple[RankState, dict]:
+        """The last step of an attach (owner's thread): the rank joins its engine."""
+        if p.state is None:  # the backend makes it here (new_rank_on_loop)
+            p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
+        p.space.ranks[p.client_id] = p.state
+        self._settle(p)
+        return p.state, p.handles
+
+    def abort(self, p: PendingAttach) -> None:
+        """Give up an attach (owner's thread; after commit, nothing): release its rank if
+        it was made, and its engine if that has no rank and no other attach pending."""
+        if p.settled:
+            return
+        if p.state is not None:
+            p.state = None
+            self.backend.release_rank(p.client_id)
+        self._settle(p)
+        # An engine this attach created never had a rank: nothing wrote to its range,
+        # which is still zero.
+        self._release_if_unused(p.space, zero=not p.created)
+
+    def _settle(self, p: PendingAttach) -> None:
+        p.settled = True
+        left = self._attaching.pop(p.space.name) - 1
+        if left:
+            self._attaching[p.space.name] = left
 
     def detach(self, client_id: int, engine_name: str) -> None:
         """Release client ``client_id``'s rank of ``engine_name``; when it was the
-        engine's last rank, release the engine and its pool range too."""
+        engine's last rank (and no attach to it is pending), release the engine and its
+        pool range too."""
         space = self._engines.get(engine_name)
         if space is not None:
             space.ranks.pop(client_id, None)
-            if not space.ranks:  # the last rank left: the engine's rows go with it
-                del self._engines[engine_name]
         # The rank first: it may hold resources that refer to the engine's (pinned) pool.
         self.backend.release_rank(client_id)
-        if space is not None and not space.ranks:
-            # Unpinned first (cuda): the pool zeroes the range, in the background, only
-            # once no device mapping of it is left.
-            self.backend.release_engine(space)
-            self.pool.release(space.pool_offset)
+        if space is not None and self._release_if_unused(space):
             log.info("engine %r released its pool range", engine_name)
+
+    def _release_if_unused(self, space: EngineSpace, zero: bool = True) -> bool:
+        """Release ``space`` (the backend's part, then its pool range) if it has no rank
+        and no attach pending; return whether it did."""
+        if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space:
+            return False
+        del self._engines[space.name]  # the engine's rows go with it
+        # Unpinned first (cuda): the pool zeroes the range, in the background, only
+        # once no device mapping of it is left.
+        self.backend.release_engine(space)
+        self.pool.release(space.pool_offset, zero=zero)
+        return True
 
     def space(self, engine_name: str) -> EngineSpace:
         """The engine named ``engine_name`` (KeyError if none is attached)."""

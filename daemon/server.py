@@ -5,7 +5,10 @@ optional loopback HTTP ``/metrics`` endpoint (same loop, same thread).
 One thread owns the ROUTER socket and every worker's state (STYLE 5): requests are
 handled one at a time in arrival order, so no lock guards the residency state. On the
 cpu backend the gather runs inline; on cuda the handlers only enqueue work on the
-device's copy stream, so the loop never waits on the GPU.
+device's copy stream, so the loop never waits on the GPU. The slow part of a heavy
+request (ATTACH, a large WRITE, ...) runs on a worker thread and its reply comes later;
+its session's later requests, and those on an engine it holds, wait for it in order
+(daemon/heavy.py).
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ import asyncio
 import functools
 import logging
 import os
-import secrets
-import socket
-import struct
 import time
+import types
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import psutil
@@ -41,10 +43,14 @@ from sparsekv.proto import (
 
 from sparsekv.proto import fd_socket
 from sparsekv.proto.frames import send_copy
+from sparsekv.proto.layout import ROW_ALIGN_BYTES
+from sparsekv.proto.slab import SlabGeometry
 
 from . import stats as stats_mod
 from .connguard import BUSY_SUFFIX, ConnectionGuard
-from .engine import Owner, RankState
+from .engine import EngineSlabImport, Owner, RankState
+from .fd_server import FdServer
+from .heavy import MAX_WAITING, Gone, HeavyRequests, Job, Slow
 from .notify import Notifier
 from .peers import Peer, PidWatch, process_groups
 from .peers import peer_creds as _peer_creds
@@ -98,6 +104,10 @@ class Daemon:
     # Most bytes one rank's slab + staging + residency state may take (config
     # max_slab_bytes; main sets it): ATTACH checks it with check_layout_limits.
     max_slab_bytes = 16 << 30
+    # WRITE, WRITE_STAGED and STAGE (cpu) copies of at least this many bytes run on a
+    # worker thread (about a millisecond of copying here); smaller ones cost less than
+    # the hop and run inline. An ATTACH's slow part always runs there.
+    heavy_bytes = 4 << 20
 
     def __init__(self, run_dir: str, backend, pool: HostPool, *, max_clients: int = 256,
                  reap_interval_s: float = 2.0, notifier: Notifier | None = None, busy_poll_us: int = 0,
@@ -123,10 +133,12 @@ class Daemon:
         self.version = stats_mod.package_version()
         self.sessions: dict[bytes, Session] = {}
         self.engines = EngineRegistry(pool, backend)  # engine lifetimes and pool ranges
+        # Heavy requests' slow parts on worker threads, and the requests waiting for them.
+        self.heavy = HeavyRequests()
+        self._sock = None  # the ROUTER socket, while serving
         self._next_client_id = 1
-        # fd socket tokens not used yet -> their session (one per attached rank at most).
-        self._fd_offers: dict[str, Session] = {}
-        self._fd_conns = 0  # fd socket connections being served
+        # The fd socket: rank memory to its own process, engine slabs from it (fd_server.py).
+        self.fd_server = FdServer(self.stats, lambda cid: self.backend.share_fds(cid), self._is_attacher)
         self._stop = asyncio.Event()
         self.handlers = {
             MsgType.HELLO: self.on_hello,
@@ -170,7 +182,7 @@ class Daemon:
             http_server = await asyncio.start_server(self._http_client, host="127.0.0.1", port=self.metrics_port)
             self.metrics_address = http_server.sockets[0].getsockname()[:2]
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
-        ctx = zmq.Context()
+        ctx = zmq.Context(io_threads=ZMQ_IO_THREADS)
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -183,27 +195,18 @@ class Daemon:
         sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         busy_path = self.control_path + BUSY_SUFFIX
         new_path = self.control_path + ".new"
-        fd_new_path = self.fd_path + ".new"
-        for p in (self.control_path, busy_path, new_path, self.stats_path, self.fd_path, fd_new_path):
+        for p in (self.control_path, busy_path, new_path, self.stats_path):
             if os.path.lexists(p):
                 os.unlink(p)
         # The stats and fd sockets first: whoever sees control.sock (clients, PrivateDaemon,
         # probes) finds them there too.
         stats_server = await asyncio.start_unix_server(self._stats_client, path=self.stats_path)
         os.chmod(self.stats_path, 0o660)
-        # The fd socket as control.sock below: listening, mode set, then renamed into place.
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            listener.bind(fd_new_path)
-            os.chmod(fd_new_path, 0o660)
-            listener.listen(64)
-            fd_server = await asyncio.start_unix_server(self._fd_client, sock=listener,
-                                                        limit=fd_socket.MAX_REQUEST_BYTES)
+        try:  # listening, mode set, then renamed into place (as control.sock below)
+            await self.fd_server.start(self.fd_path)
         except BaseException:
-            listener.close()
             stats_server.close()
             raise
-        os.rename(fd_new_path, self.fd_path)
         # Bound under a private name and renamed into place once it listens (with its
         # mode set): the file exists between bind() and listen(), and a client that
         # connected in that gap was refused as if no daemon were there.
@@ -215,6 +218,8 @@ class Daemon:
         guard = ConnectionGuard(sock, self.control_path).start()
         self.connection_guard = guard
         loop = asyncio.get_running_loop()
+        self._sock = sock
+        self.heavy.open(loop)  # slow parts of heavy requests on worker threads from now on
         fd = sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain, sock)
         tasks = [asyncio.create_task(self._reaper(), name="reaper"),
@@ -239,9 +244,13 @@ class Daemon:
             for t in tasks:
                 t.cancel()
             stats_server.close()
-            fd_server.close()
+            self.fd_server.close()
             if http_server is not None:
                 http_server.close()
+            # Heavy requests in flight: their slow parts finish (never interrupted), then
+            # each rolls back (Gone), before the sessions are detached.
+            for job in self.heavy.close(wait=not self.exit_code):
+                self._resume(job, None, Gone("the daemon stops"))
             if self.exit_code:
                 # The GPU context is lost: releasing device memory would only fail (or
                 # hang); the process exit frees everything.
@@ -253,10 +262,11 @@ class Daemon:
                     except Exception:  # noqa: BLE001 - stop the others cleanly all the same
                         log.exception("detaching client %d at stop failed", s.client_id)
             self.sessions.clear()
+            self.heavy.shutdown(wait=not self.exit_code)  # memory being released on its threads
+            self._sock = None
             guard.close()
             sock.close(0)
             ctx.term()
-            self._fd_offers.clear()
             for p in (self.control_path, busy_path, self.stats_path, self.fd_path):
                 try:
                     os.unlink(p)
@@ -264,7 +274,8 @@ class Daemon:
                     pass
 
     def _drain(self, sock) -> None:
-        """Receive, handle, reply until no request is queued: one at a time, in order.
+        """Receive, handle, reply until no request is queued: one at a time, in order
+        (a heavy request's slow part runs on a worker thread: daemon/heavy.py).
 
         With ``busy_poll_us``, keep polling that long after the last request before
         going back to sleep: the next request of a decode step then needs no wake-up.
@@ -288,12 +299,7 @@ class Daemon:
             tr = now()  # the reply's "tr": the request is here, not yet decoded
             if len(frames) < 2:
                 continue  # an empty message carries no request to answer
-            identity = frames[0].bytes
-            reply = self.handle(identity, frames[1:], tr)
-            try:
-                sock.send_multipart([identity, *reply], zmq.NOBLOCK, copy=send_copy(reply))
-            except zmq.Again:  # the client stopped reading and its queue is full
-                log.warning("reply to a client dropped: its queue is full")
+            self._serve(frames[0].bytes, (frames[1:], tr))
             if self.exit_code:  # a fatal error: run nothing more (serve() is stopping)
                 return
             last = now()
@@ -310,9 +316,18 @@ class Daemon:
         ``tr``: ``time.perf_counter_ns()`` when the request was received (now if None).
         Every reply carries it as ``tr`` and the time just before it is encoded as ``tx``,
         so a client can split a request's time into its own, the socket's and the daemon's
-        (CLOCK_MONOTONIC: one clock for every process of the host)."""
-        if tr is None:
-            tr = time.perf_counter_ns()
+        (CLOCK_MONOTONIC: one clock for every process of the host).
+
+        A heavy request runs whole here, its slow part on the caller's thread; the
+        serving loop goes through :meth:`_serve` instead, which runs that part on a
+        worker thread and replies later (daemon/heavy.py)."""
+        return self._handle(identity, frames, time.perf_counter_ns() if tr is None else tr, defer=False)
+
+    def _handle(self, identity: bytes, frames, tr: int, defer: bool):
+        """The reply to one request (never raises). ``defer`` (serving): instead
+        ``_WAIT`` when the request must wait for a heavy request in flight on its
+        engine (nothing of it ran), or its :class:`Job` when its handler reached a slow
+        part (the reply comes from :meth:`_resume`)."""
         msg_type, req_id = 0, 0
         try:
             header, arrays = decode(frames)
@@ -336,6 +351,8 @@ class Daemon:
             session = self.sessions.get(identity)
             if kind != MsgType.HELLO and session is None:
                 raise ProtocolError(ErrorCode.NOT_HELLO, "no HELLO from this connection")
+            if defer and self._must_wait(session, kind, header):
+                return _WAIT
             if session is not None:
                 if session.peer_address and kind != MsgType.HELLO:
                     # A peer may choose its routing id: the process behind a session's
@@ -356,13 +373,26 @@ class Daemon:
                         err.args = (f"{err.args[0]}; this {kind.name} request {what}was not run",)
                         raise err
             if kind == MsgType.HELLO: self._peer = _peer_creds(frames)  # noqa: E701 - SO_PEERCRED, HELLO only
-            fields, out_arrays = self.handlers[kind](session, identity, header, arrays)
-            self.stats.c["requests"] += 1
-            tx = time.perf_counter_ns()
-            if kind == MsgType.TOPK:
-                self.stats.latency((tx - tr) * 1e-9)
-            return reply_ok(msg_type, req_id, fields, out_arrays, tr, tx)
-        except (ProtocolError, ResidencyError, LayoutError, PoolError) as e:
+            out = self.handlers[kind](session, identity, header, arrays)
+            if isinstance(out, types.GeneratorType):  # a heavy request's handler
+                job = Job(out, identity, session, kind, msg_type, req_id, tr)
+                return self._step(job) if defer else self._inline(job)
+            return self._ok(kind, msg_type, req_id, out, tr)
+        except Exception as e:  # noqa: BLE001 - answered with its code, never raised
+            return self._failed(e, identity, msg_type, req_id, tr)
+
+    def _ok(self, kind: MsgType, msg_type: int, req_id: int, out: tuple, tr: int) -> list:
+        """The reply to a request its handler answered with ``out`` (fields, arrays)."""
+        fields, out_arrays = out
+        self.stats.c["requests"] += 1
+        tx = time.perf_counter_ns()
+        if kind == MsgType.TOPK:
+            self.stats.latency((tx - tr) * 1e-9)
+        return reply_ok(msg_type, req_id, fields, out_arrays, tr, tx)
+
+    def _failed(self, e: Exception, identity: bytes, msg_type: int, req_id: int, tr: int) -> list:
+        """The error reply to a request that raised ``e``, counted."""
+        if isinstance(e, (ProtocolError, ResidencyError, LayoutError, PoolError)):
             code = _code_of(e)
             self.stats.add(requests=1)
             self.stats.error(code.name)
@@ -370,23 +400,23 @@ class Daemon:
             log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
             msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
             return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns())
-        except Exception as e:  # noqa: BLE001 - a bug must not take the daemon down
-            sticky = sticky_cuda_error(e)
-            if sticky is not None:
-                # The GPU context is lost for good (CUDA's sticky errors): every later
-                # call on it fails too. Exit non-zero now, so systemd restarts the daemon
-                # and every client learns at once that it is gone, instead of failing
-                # request after request.
-                self._fatal(f"sticky CUDA error {sticky} on request type {msg_type}: {type(e).__name__}: {e}")
-            else:
-                log.exception("internal error on request type %s", msg_type)
-            self.stats.add(requests=1)
-            self.stats.error(ErrorCode.INTERNAL.name)
-            self._count_client_error(identity)
-            msg = f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})"
-            if sticky is not None:
-                msg = f"{type(e).__name__}: {e}: the GPU context is lost; sparsekvd exits and must be restarted"
-            return reply_error(msg_type, req_id, ErrorCode.INTERNAL, msg, tr, time.perf_counter_ns())
+        # Anything else is a bug, which must not take the daemon down.
+        sticky = sticky_cuda_error(e)
+        if sticky is not None:
+            # The GPU context is lost for good (CUDA's sticky errors): every later
+            # call on it fails too. Exit non-zero now, so systemd restarts the daemon
+            # and every client learns at once that it is gone, instead of failing
+            # request after request.
+            self._fatal(f"sticky CUDA error {sticky} on request type {msg_type}: {type(e).__name__}: {e}")
+        else:
+            log.error("internal error on request type %s", msg_type, exc_info=e)
+        self.stats.add(requests=1)
+        self.stats.error(ErrorCode.INTERNAL.name)
+        self._count_client_error(identity)
+        msg = f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})"
+        if sticky is not None:
+            msg = f"{type(e).__name__}: {e}: the GPU context is lost; sparsekvd exits and must be restarted"
+        return reply_error(msg_type, req_id, ErrorCode.INTERNAL, msg, tr, time.perf_counter_ns())
 
     def _fatal(self, why: str) -> None:
         """Stop serving and make the process exit with :data:`EXIT_FATAL` (main returns
@@ -397,7 +427,119 @@ class Daemon:
         self.exit_code = EXIT_FATAL
         self.stop()
 
-    # -- handlers: each returns (fields, arrays) --------------------------------------
+    # -- heavy requests: slow parts on worker threads (daemon/heavy.py) -------------------
+    def _serve(self, identity: bytes, request: tuple) -> None:
+        """(serving) Answer ``request`` (frames, tr) of session ``identity`` now, or start
+        its slow part (answered by :meth:`_resume`), or queue it behind what it waits for."""
+        if self.heavy.busy(identity):  # its session's earlier requests go first
+            self._queue(identity, request)
+            return
+        out = self._handle(identity, *request, defer=True)
+        if out is _WAIT:
+            self._queue(identity, request)
+        else:
+            self._answer(identity, out)
+
+    def _queue(self, identity: bytes, request: tuple) -> None:
+        if not self.heavy.wait(identity, request):
+            log.warning("request of a client dropped: %d of its requests wait already", MAX_WAITING)
+
+    def _answer(self, identity: bytes, out) -> None:
+        if isinstance(out, Job):
+            self.heavy.start(out, self._resume)
+        elif out is not None:
+            self._send(identity, out)
+
+    def _send(self, identity: bytes, reply: list) -> None:
+        try:
+            self._sock.send_multipart([identity, *reply], zmq.NOBLOCK, copy=send_copy(reply))
+        except zmq.Again:  # the client stopped reading and its queue is full
+            log.warning("reply to a client dropped: its queue is full")
+
+    def _must_wait(self, session: Session | None, kind: MsgType, header: dict) -> bool:
+        """Whether a request must wait for a heavy request in flight on an engine: the
+        one its session is attached to, or the one it attaches to."""
+        if session is not None and self.heavy.engine_busy(session.engine):
+            return True
+        return kind == MsgType.ATTACH and self.heavy.engine_busy(str(header["engine"]))
+
+    def _step(self, job: Job, value=None, error: BaseException | None = None):
+        """Run ``job``'s handler on the loop, from its last ``yield`` (sending ``value``
+        or raising ``error`` there) to its next slow part (returns ``job``) or its end
+        (returns the reply; None when it had nobody to answer: :class:`Gone`)."""
+        try:
+            try:
+                job.slow = job.gen.throw(error) if error is not None else job.gen.send(value)
+            except StopIteration as done:
+                return self._ok(job.kind, job.msg_type, job.req_id, done.value, job.tr)
+        except Gone:
+            self.stats.add(requests=1)  # counted, answered to nobody
+            return None
+        except Exception as e:  # noqa: BLE001 - answered with its code
+            return self._failed(e, job.identity, job.msg_type, job.req_id, job.tr)
+        finally:
+            # The error's traceback holds this frame: keep no cycle through it (the frames
+            # of a failed attach may hold a rank's memory until the cycle is collected).
+            gone, error = isinstance(error, Gone), None
+        if gone:  # a handler must re-raise Gone, not go on
+            job.gen.close()
+            return None
+        return job
+
+    def _inline(self, job: Job) -> list:
+        """A heavy request run whole on this thread (``handle``: no serving loop)."""
+        out = self._step(job)
+        while out is job:
+            try:
+                value = job.slow.fn()
+            except Exception as e:  # noqa: BLE001 - raised at the handler's yield
+                out = self._step(job, None, e)
+            else:
+                out = self._step(job, value)
+        return out
+
+    def _resume(self, job: Job, value, error: BaseException | None) -> None:
+        """(loop) ``job``'s slow part is over: run its handler on, then reply, release
+        what it held and serve the requests that waited for it."""
+        if self.sessions.get(job.identity) is not job.session and not isinstance(error, Gone):
+            if error is not None:
+                log.debug("heavy request of a client that is gone failed: %r", error)
+            value, error = None, Gone(f"client {job.session.client_id} is gone")
+        out = self._step(job, value, error)
+        value = error = None  # no reference cycle through this frame (see _step)
+        if out is job and self.heavy.serving:
+            self.heavy.start(job, self._resume)
+            return
+        self.heavy.finish(job)
+        if self.sessions.get(job.identity) is not job.session:
+            self._detach(job.session)  # reaped while its request ran: its rank goes now
+        if not self.heavy.serving:
+            return  # stopping
+        if out is not None:
+            self._send(job.identity, out)
+        if self.exit_code:  # a fatal error: run nothing more (serve() is stopping)
+            return
+        self._serve_waiting(last=job.identity)
+        # A send may take the socket's edge-triggered wake-up for requests that came in
+        # meanwhile (libzmq: check ZMQ_EVENTS after every send): drain them now.
+        self._drain(self._sock)
+
+    def _serve_waiting(self, last: bytes) -> None:
+        """The requests that waited, each session's in order, until one waits again;
+        session ``last`` (whose request just ended) after the others: it cannot keep
+        an engine from them with request after request."""
+        for identity in sorted(self.heavy.waiting_sessions(), key=lambda i: i == last):
+            while (request := self.heavy.next_waiting(identity)) is not None:
+                out = self._handle(identity, *request, defer=True)
+                if out is _WAIT:
+                    self.heavy.wait(identity, request, first=True)
+                    break
+                self._answer(identity, out)
+                if self.exit_code:
+                    return
+
+    # -- handlers: each returns (fields, arrays); a heavy one is a generator that yields
+    # Slow(fn) for each slow part and returns them (daemon/heavy.py) -----------------------
     def on_hello(self, session, identity, h, arrays):
         # Who the client is comes from the kernel: SO_PEERCRED of its connection, read by
         # handle() from the frames (libzmq's "Peer-Address"). The "pid" field is still
@@ -468,17 +610,31 @@ class Daemon:
                 s.watch = None
                 raise ProtocolError(ErrorCode.PERMISSION_DENIED,
                                     f"the process that said HELLO as client {s.client_id} has exited; connect again")
-        check_layout_limits(layout, self.max_slab_bytes)  # before anything is allocated
+        slab_field = h.get("slab")
+        check_layout_limits(layout, self.max_slab_bytes, engine_slab=slab_field is not None)  # before allocating
         transport = h.get("transport", "zmq")
         if transport not in ("zmq", "doorbell"):
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"transport must be 'zmq' or 'doorbell', got {transport!r}")
         if transport == "doorbell" and self.backend.name != "cuda":
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "the doorbell transport needs the cuda backend (device rings "
                                 f"and stream memory operations); this daemon runs {self.backend.name}: use zmq")
+        engine_slab = self._engine_slab(s, layout, slab_field) if slab_field is not None else None
         admin = not created and self._is_admin(s)  # only joining needs it (a /proc read)
         try:
-            state, handles = self.engines.attach(s.client_id, s.rank, s.device, engine, layout, h.get("fence_events"),
-                                                 owner=Owner(s.uid, s.gid), privileged=admin, transport=transport)
+            if created and (zeroing := self.pool.zeroing_to_wait_for(layout.pool_bytes)):
+                # Only released ranges, once zeroed, make room: wait for them off the loop.
+                yield Slow(functools.partial(wait_futures, zeroing), engine=engine)
+            pending = self.engines.begin_attach(s.client_id, s.rank, s.device, engine, layout,
+                                                h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
+                                                transport=transport, engine_slab=engine_slab)
+            try:
+                # The slow part on a worker thread: the rank's slab (cpu), the pinning of
+                # a new engine's pool range (cuda). ATTACHes to a new engine wait for it.
+                yield Slow(functools.partial(self.engines.prepare, pending), engine=engine if pending.created else None)
+                state, handles = self.engines.commit(pending)
+            except BaseException:  # an error, or Gone: nothing of this attach stays
+                self.engines.abort(pending)
+                raise
         except (PoolError, ProtocolError, ResidencyError) as e:
             # An engine that cannot attach (no room in the pool, another layout, no room
             # for its slab) is the operator's business, not only the client's: warn.
@@ -488,16 +644,39 @@ class Daemon:
                         s.pid, s.uid, s.rank, engine, f" (owner uid {owner.uid})" if owner else "",
                         _code_of(e).name, e.args[0] if e.args else e)
             raise
+        finally:
+            if engine_slab is not None:
+                engine_slab.close()  # its descriptor, unless the backend took it
         s.engine, s.state = engine, state
         log.info("client %d attached to engine %r (%s)", s.client_id, engine,
                  f"new, owner uid {s.uid}" if created else "joined")
         if self.backend.share_fds(s.client_id):
             # The rank's shared memory has no name to open: its descriptors go to this
             # process only, over the fd socket, for this one-time token.
-            s.fd_token = secrets.token_hex(fd_socket.TOKEN_BYTES)
-            self._fd_offers[s.fd_token] = s
+            s.fd_token = self.fd_server.offer(s)
             handles = {**handles, "fd_socket": fd_socket.FD_SOCKET, "fd_token": s.fd_token}
         return {"handles": handles, "layout": layout.to_wire()}, None
+
+    def _engine_slab(self, s: Session, layout: Layout, field) -> EngineSlabImport:
+        """ATTACH's ``slab`` (an engine-owned slab, proto/slab.py): its geometry, checked
+        against the layout, and its memory: on cpu the memfd this session's process
+        deposited on the fd socket, on cuda a CUDA IPC handle and offset."""
+        if not isinstance(field, dict) or "geometry" not in field:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "slab must be a map with a geometry (and, on the cpu "
+                                "backend, the deposit id of the slab's descriptor)")
+        try:
+            geo = SlabGeometry.from_wire(field["geometry"]).check(layout, align=1 if self.backend.name == "cpu"
+                                                                   else ROW_ALIGN_BYTES)
+        except (LayoutError, TypeError) as e:
+            raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
+        if self.backend.name != "cpu":  # device memory, exported by the engine through CUDA IPC
+            handle, offset = field.get("ipc_handle"), field.get("ipc_offset")
+            if not isinstance(handle, bytes) or len(handle) != 64 or type(offset) is not int or offset < 0:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a cuda rank's slab needs ipc_handle (the 64-byte CUDA "
+                                    "IPC handle of the allocation) and ipc_offset (an int >= 0)")
+            return EngineSlabImport(geo, ipc=(handle, offset))
+        fd = self.fd_server.take_deposit(field.get("deposit"), s.pid, s.uid, s.gid)
+        return EngineSlabImport(geo, fd)
 
     def on_step(self, s: Session, identity, h, a):
         st = self._state(s)
@@ -559,8 +738,10 @@ class Daemon:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE needs the rows and data arrays")
         if a["rows"].size > LIMITS.max_write_rows:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"a write of {a['rows'].size} rows exceeds {LIMITS.max_write_rows}")
-        nbytes, dropped = self.engines.space(s.engine).write(_layers(h), a["rows"], a["data"])
-        self.stats.add(rows_written=a["rows"].shape[0] * a["data"].shape[0], bytes_written=nbytes, hot_invalidated=dropped)
+        space = self.engines.space(s.engine)
+        layers, rows, data = space.check_write(_layers(h), a["rows"], a["data"])
+        nbytes, dropped = yield from self._write_rows(s, space, layers, rows, data)
+        self.stats.add(rows_written=rows.shape[0] * len(layers), bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
 
     def on_write_staged(self, s: Session, identity, h, a):
@@ -568,15 +749,43 @@ class Daemon:
         if "rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE_STAGED needs the rows array")
         fence = _fence(h)
-        nbytes, dropped = self.engines.space(s.engine).write_staged(st, _layers(h), a["rows"], fence)
+        space = self.engines.space(s.engine)
+        if st.host_memory:  # cpu: a host copy out of the staging buffer, maybe a large one
+            layers, rows = space.check_staged(st, _layers(h), a["rows"])
+            src = st.staged_rows(layers, rows.shape[0])
+            nbytes, dropped = yield from self._write_rows(s, space, layers, rows, src)
+        else:  # cuda: enqueued on the device, never waited for
+            nbytes, dropped = space.write_staged(st, _layers(h), a["rows"], fence)
         self.stats.add(rows_written=nbytes // st.residency.layout.row_bytes, bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
+
+    def _write_rows(self, s: Session, space, layers, rows, src):
+        """A write's bulk, for ``yield from``: every rank of the engine quiesced, ``src``
+        copied into the pool rows (on a worker thread when large: requests on the engine
+        wait meanwhile), then every hot copy of the rows dropped, whatever happened (the
+        rows may have changed). Returns (bytes, slots dropped)."""
+        nbytes = len(layers) * rows.shape[0] * space.layout.row_bytes
+        space.quiesce()
+        try:
+            if nbytes >= self.heavy_bytes:
+                yield Slow(functools.partial(space.copy_rows, layers, rows, src), engine=s.engine)
+            else:
+                space.copy_rows(layers, rows, src)
+        finally:
+            dropped = space.drop_rewritten(rows)
+        return nbytes, dropped
 
     def on_stage(self, s: Session, identity, h, a):
         st = self._state(s)
         if "rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STAGE needs the rows array")
-        nbytes = st.stage(a["rows"], _layers(h))
+        layers, lay = _layers(h), st.residency.layout
+        if st.host_memory and a["rows"].size * len(layers or range(lay.num_layers)) * lay.row_bytes >= self.heavy_bytes:
+            # cpu: pool rows to the staging buffer on a worker thread (checked there);
+            # writes to the engine wait meanwhile
+            nbytes = yield Slow(functools.partial(st.stage, a["rows"], layers), engine=s.engine)
+        else:
+            nbytes = st.stage(a["rows"], layers)
         self.stats.add(rows_staged=nbytes // st.residency.layout.row_bytes)
         return {"bytes": nbytes}, None
 
@@ -622,13 +831,19 @@ class Daemon:
             s.watch.close()
             s.watch = None
         if s.fd_token is not None:  # withdrawn with the rank
-            self._fd_offers.pop(s.fd_token, None)
+            self.fd_server.withdraw(s.fd_token)
             s.fd_token = None
         if s.state is None:
             return
+        if self.heavy.running(s.identity):
+            return  # (reaped) its heavy request still uses the rank: _resume releases it
         self.engines.detach(s.client_id, s.engine)
         log.debug("client %d released its rank of engine %r", s.client_id, s.engine)
+        # The last reference to a cpu rank's memory is dropped on a worker thread: the
+        # unmapping of a large slab (the pages go with the last mapping) takes ~0.1 s a GiB.
+        box = [s.state] if s.state.host_memory else []
         s.state, s.engine = None, None
+        self.heavy.release(box)
 
     def _watch(self, s: Session) -> PidWatch | None:
         """A pidfd of ``s``'s process whose exit reaps ``s`` at once (None: pid 0, or no
@@ -728,11 +943,13 @@ class Daemon:
         dead = [s for s in self.sessions.values() if not _alive(s)]
         for s in dead:
             self._reap(s)
+        self.fd_server.expire()  # engine slabs deposited and never attached with
         return len(dead)
 
     def _reap(self, s: Session) -> None:
         """Forget session ``s`` whose process is gone, and release what it held."""
         self.sessions.pop(s.identity, None)
+        self.heavy.forget(s.identity)  # its requests waiting behind a heavy one
         if s.state is not None:  # died attached: it never said goodbye
             log.warning("client %d (pid %d rank %d) is gone; detaching it from engine %r",
                         s.client_id, s.pid, s.rank, s.engine)
@@ -787,67 +1004,6 @@ class Daemon:
         finally:
             writer.close()
 
-    async def _fd_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The fd socket (``proto/fd_socket.py``): one token line in; the descriptors of
-        the token's rank out (SCM_RIGHTS) if the connection's process is the one that
-        attached it, else a refusal saying why. Bounded: one line of at most
-        ``MAX_REQUEST_BYTES``, ``TIMEOUT_S``, ``FD_MAX_CONNECTIONS`` served at once."""
-        if self._fd_conns >= FD_MAX_CONNECTIONS:  # a flood: keep the descriptors for clients
-            self.stats.add(fd_refusals=1)  # (not logged: a flood would flood the log too)
-            writer.close()
-            return
-        self._fd_conns += 1
-        try:
-            raw = writer.get_extra_info("socket")
-            try:
-                line = await asyncio.wait_for(reader.readuntil(b"\n"), timeout=fd_socket.TIMEOUT_S)
-            except asyncio.TimeoutError:
-                line = None
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-                line = b""
-            pid, uid, gid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                struct.calcsize("3i")))
-            answer, fds = self._fd_answer(line, pid, uid, gid)
-            # The transport has no sendmsg: the same socket, wrapped for one call (the
-            # answer is small, the send buffer empty: it never blocks).
-            conn = socket.socket(fileno=raw.fileno())
-            try:
-                socket.send_fds(conn, [answer], fds)
-            finally:
-                conn.detach()  # the transport owns and closes it
-        except (OSError, ValueError) as e:  # the peer hung up, say
-            log.debug("fd socket: %s", e)
-        finally:
-            self._fd_conns -= 1
-            writer.close()
-
-    def _fd_answer(self, line: bytes | None, pid: int, uid: int, gid: int) -> tuple[bytes, list[int]]:
-        """The fd socket's answer to ``line`` (None: nothing came in time) from process
-        ``pid`` running as ``uid`` / ``gid`` (SO_PEERCRED), and the descriptors to send."""
-        token = (line or b"").strip().decode("ascii", "replace")
-        s = self._fd_offers.get(token) if token else None
-        if line is None:
-            why = f"no token within {fd_socket.TIMEOUT_S:g} s"
-        elif s is None:
-            why = ("unknown or already used token: a token serves one connection, from the process that attached, "
-                   "until it detaches")
-        elif not self._is_attacher(s, pid, uid, gid):
-            # The token came back from another process: leaked, or stolen. Kept for the
-            # rank's own process.
-            log.warning("fd socket: pid %d (uid %d gid %d) presented the token of client %d (pid %d uid %d)",
-                        pid, uid, gid, s.client_id, s.pid, s.uid)
-            why = (f"this process (pid {pid}, uid {uid}) did not attach this rank: only the process that attached "
-                   "it gets its memory")
-        else:
-            del self._fd_offers[token]
-            s.fd_token = None
-            fds = self.backend.share_fds(s.client_id)
-            log.debug("fd socket: client %d (pid %d) got %s", s.client_id, pid, ", ".join(fds))
-            return fd_socket.answer(True, fds=list(fds)), list(fds.values())
-        self.stats.add(fd_refusals=1)
-        log.info("fd socket: refused pid %d uid %d: %s", pid, uid, why)
-        return fd_socket.answer(False, code=ErrorCode.PERMISSION_DENIED, msg=why), []
-
     @staticmethod
     def _is_attacher(s: Session, pid: int, uid: int, gid: int) -> bool:
         """Whether process ``pid`` (uid, gid: SO_PEERCRED of the fd socket) is the one
@@ -885,6 +1041,7 @@ class Daemon:
 
 
 _KINDS = {int(m): m for m in MsgType}
+_WAIT = object()  # _handle: the request waits for a heavy request in flight on its engine
 
 
 def _peer_address(frames) -> str | None:
@@ -902,7 +1059,6 @@ def _peer_address(frames) -> str | None:
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 _DRAIN_SLICE_NS = 20_000_000  # most time one loop wake-up spends on requests
 
-FD_MAX_CONNECTIONS = 64  # fd socket connections served at once; more are closed unanswered
 
 # What one peer may cost the ROUTER (libzmq enforces these in its I/O thread):
 # - the largest frame of a legal request; a peer announcing a larger one is disconnected
@@ -915,6 +1071,13 @@ HEARTBEAT_TIMEOUT_MS = 30_000
 # - a connection that has not finished the ZMTP handshake within this is closed (a raw
 #   socket that connects and says nothing holds a descriptor only this long).
 HANDSHAKE_IVL_MS = 5_000
+# - libzmq reads a large frame in one read() while its sender keeps up (256 MiB: 0.1-0.3 s
+#   on the 2-core dev VM), and every connection served by the same I/O thread waits
+#   meanwhile. A new connection goes to the least loaded thread: with several, one
+#   client's large WRITE stalls only those that share its thread. Measured, another
+#   client's top-k during a 256 MiB WRITE: 1 thread 250-370 ms, 2: 27 ms, 4: 17-57 ms
+#   (tests/soak/stall.py; what is left there is both cores copying the frame).
+ZMQ_IO_THREADS = 4
 
 HEALTH_INTERVAL_S = 0.25  # how often the backend's own failures are looked for
 EXIT_FATAL = 70  # EX_SOFTWARE: the daemon cannot go on (a sticky CUDA error)

@@ -65,6 +65,69 @@ def device_for_bus_id(bus_id: str) -> int:
     raise RuntimeError(f"no visible GPU has PCI bus id {bus_id}; check CUDA_VISIBLE_DEVICES")
 
 
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """``(base, size)`` of the device allocation that holds address ``ptr``
+    (``cuMemGetAddressRange``; the caller's current device must own it)."""
+    import ctypes  # noqa: PLC0415
+
+    _cp().cuda.runtime.getDevice()  # the runtime's context is current on this thread
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuMemGetAddressRange_v2
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(int(ptr)))
+    if rc != 0:
+        raise RuntimeError(f"cuMemGetAddressRange({int(ptr):#x}) failed with CUresult {rc}: not device memory of "
+                           "this GPU")
+    return int(base.value), int(size.value)
+
+
+def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
+    """What another process needs to map ``nbytes`` of device memory at ``ptr`` (on GPU
+    ``device``): the IPC handle of the allocation that holds it and the offset in it.
+    Memory from ``cudaMalloc`` (torch's default allocator) exports; memory of the
+    virtual-memory API (torch's ``expandable_segments``) does not."""
+    cp = _cp()
+    with cp.cuda.Device(device):
+        base, size = allocation_range(ptr)
+        if int(ptr) + int(nbytes) > base + size:
+            raise ValueError(f"{nbytes} bytes at {int(ptr):#x} pass the end of their allocation")
+        handle = cp.cuda.runtime.ipcGetMemHandle(base)
+    return {"ipc_handle": bytes(handle), "ipc_offset": int(ptr) - base, "bytes": int(nbytes),
+            "bus_id": cp.cuda.runtime.deviceGetPCIBusId(device).lower()}
+
+
+class ImportedBuffer:
+    """Device memory another process exported (:func:`export_buffer`), opened on
+    ``device``: ``ptr`` is its first byte. Checks that ``nbytes`` from there lie inside
+    the exporter's allocation. Imported memory stays valid after its exporter exits."""
+
+    def __init__(self, handle: bytes, offset: int, nbytes: int, device: int):
+        cp = _cp()
+        self.device = device
+        with cp.cuda.Device(device):
+            self._base = cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            try:
+                base, size = allocation_range(self._base)
+                if offset < 0 or offset + nbytes > base + size - self._base:
+                    raise ValueError(f"the exported allocation has {base + size - self._base} bytes; "
+                                     f"offset {offset} + {nbytes} bytes do not fit")
+            except BaseException:
+                cp.cuda.runtime.ipcCloseMemHandle(self._base)
+                raise
+        self.ptr = self._base + int(offset)
+        self.nbytes = int(nbytes)
+        self._closed = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            cp = _cp()
+            with cp.cuda.Device(self.device):
+                cp.cuda.runtime.ipcCloseMemHandle(self._base)
+
+
 class ImportedArena:
     def __init__(self, handle: bytes, nbytes: int, device: int):
         cp = _cp()

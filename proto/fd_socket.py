@@ -34,10 +34,61 @@ MAX_FDS = 8
 TIMEOUT_S = 5.0  # each side gives up on a silent peer after this
 
 
-def answer(ok: bool, *, fds: list[str] | None = None, code: ErrorCode | None = None, msg: str = "") -> bytes:
+DEPOSIT = "deposit"  # the request line that brings an engine-owned slab's descriptor
+
+
+def answer(ok: bool, *, fds: list[str] | None = None, code: ErrorCode | None = None, msg: str = "",
+           deposit: str | None = None) -> bytes:
     """The daemon's answer line (the descriptors travel beside it)."""
-    body = {"ok": True, "fds": list(fds or [])} if ok else {"ok": False, "code": code.name, "msg": msg}
+    if not ok:
+        body = {"ok": False, "code": code.name, "msg": msg}
+    elif deposit is not None:
+        body = {"ok": True, "deposit": deposit}
+    else:
+        body = {"ok": True, "fds": list(fds or [])}
     return json.dumps(body).encode() + b"\n"
+
+
+def deposit_fd(path: str, fd: int, timeout_s: float = TIMEOUT_S) -> str:
+    """Give the daemon the descriptor ``fd`` (an engine-owned slab: a sealed memfd) over
+    the fd socket ``path``; return the deposit's id, which this process's next ATTACH
+    names (``slab``: ``{"deposit": id, ...}``). Raises ``ProtocolError`` with the
+    daemon's code when it refuses, ``OSError`` when the socket cannot be reached."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        socket.send_fds(s, [DEPOSIT.encode() + b"\n"], [fd])
+        data = b""
+        while not data.endswith(b"\n") and len(data) < MAX_ANSWER_BYTES:
+            more = s.recv(MAX_ANSWER_BYTES - len(data))
+            if not more:
+                break
+            data += more
+        head = _parse(data)
+        dep = head.get("deposit")
+        if not isinstance(dep, str):
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket answered a deposit with {head!r}")
+        return dep
+    finally:
+        s.close()
+
+
+def _parse(data: bytes) -> dict:
+    """The answer line as a dict; raises ``ProtocolError`` for a refusal or garbage."""
+    if not data:
+        raise ProtocolError(ErrorCode.INTERNAL, "the daemon closed the fd socket without an answer (busy, or "
+                            "stopping: see its log)")
+    try:
+        head = json.loads(data)
+    except ValueError:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket answered {data[:60]!r}, not a JSON line; "
+                            "check the client and daemon versions") from None
+    if not isinstance(head, dict) or not head.get("ok"):
+        head = head if isinstance(head, dict) else {}
+        code = ErrorCode.__members__.get(str(head.get("code")), ErrorCode.INTERNAL)
+        raise ProtocolError(code, str(head.get("msg", "refused")))
+    return head
 
 
 def fetch_fds(path: str, token: str, timeout_s: float = TIMEOUT_S) -> dict[str, int]:
@@ -59,18 +110,7 @@ def fetch_fds(path: str, token: str, timeout_s: float = TIMEOUT_S) -> dict[str, 
         if flags & socket.MSG_CTRUNC:
             raise ProtocolError(ErrorCode.INTERNAL, "the daemon's descriptors were cut off (more than "
                                 f"{MAX_FDS}, or this process is out of descriptors)")
-        if not data:
-            raise ProtocolError(ErrorCode.INTERNAL, "the daemon closed the fd socket without an answer (busy, or "
-                                "stopping: see its log)")
-        try:
-            head = json.loads(data)
-        except ValueError:
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket answered {data[:60]!r}, not a JSON line; "
-                                "check the client and daemon versions") from None
-        if not isinstance(head, dict) or not head.get("ok"):
-            head = head if isinstance(head, dict) else {}
-            code = ErrorCode.__members__.get(str(head.get("code")), ErrorCode.INTERNAL)
-            raise ProtocolError(code, str(head.get("msg", "refused")))
+        head = _parse(data)
         names = head.get("fds")
         if not isinstance(names, list) or len(names) != len(fds):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket named {names!r} but sent {len(fds)} descriptor(s)")

@@ -104,24 +104,39 @@ class CudaBackend:
         raise ResidencyError("BAD_ARGUMENT", f"device {device!r} is not served here; this daemon serves "
                              f"{', '.join(f'cuda:{w.ordinal} ({w.bus_id})' for w in self.workers)}")
 
-    def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
-                 transport: str = "zmq"):
+    # The registry makes ranks on the loop's thread (their buffers, graphs and streams are
+    # the loop's); only prepare_rank runs on a worker thread first.
+    new_rank_on_loop = True
+
+    def prepare_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
+                     transport: str = "zmq", engine_slab=None) -> DeviceWorker:
+        """``new_rank``'s checks and its slow part, with its arguments; returns the rank's
+        device worker. The slow part: page-locking the engine's pool range for the GPUs
+        (``cudaHostRegister``, ~20 s for 500 GiB), once per engine; ``release_engine``
+        undoes it. The registry runs this on a worker thread before ``new_rank`` (the CUDA
+        runtime is thread-safe; until the engine's first rank is made only this attach
+        uses it), so the loop never waits for it; ``new_rank`` then finds it done."""
         if space.layout.row_bytes % ROW_ALIGN_BYTES:
             raise ResidencyError("BAD_LAYOUT", f"row_bytes {space.layout.row_bytes} must be a multiple of "
                                  f"{ROW_ALIGN_BYTES} on the cuda backend (rows move with 16-byte loads)")
         worker = self.worker_for(device)
-        pinned = self._pinned.get(space.name)
-        if pinned is None:
+        if space.name not in self._pinned:
             lay = space.layout
             # Whole pages: cudaHostRegister wants them, and the engine's pool range is
             # reserved in 2 MiB units, so the rounded span stays inside it.
             nbytes = -(-lay.pool_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
-            pinned = PinnedRegion(self.pool.address + space.pool_offset, nbytes, lay.row_bytes)
-            self._pinned[space.name] = pinned
+            self._pinned[space.name] = PinnedRegion(self.pool.address + space.pool_offset, nbytes, lay.row_bytes)
+        return worker
+
+    def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
+                 transport: str = "zmq", engine_slab=None):
+        # Checks again (cheap); pins only if nobody ran prepare_rank for this engine yet.
+        worker = self.prepare_rank(space, client_id, rank, device, fence_events, transport, engine_slab)
+        pinned = self._pinned[space.name]
         try:
             state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
                                   graphs=GRAPHS, blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
-                                  transport=transport)
+                                  transport=transport, engine_slab=engine_slab)
             if fence_events:
                 from sparsekv.proto.cuda_ipc import ImportedEvents  # noqa: PLC0415
 

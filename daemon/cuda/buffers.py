@@ -130,10 +130,12 @@ class RankBuffers:
         blocks_name: the memfd name of the pinned host blocks (the client maps them and
             may write its step blocks there); None: anonymous (in process).
         doorbell: also the doorbell transport's rings and words (``db_*`` sections).
+        own_slab: allocate the hot slab (False: the engine brings it, ``proto/slab.py``;
+            ``slab`` is then None and the export says ``engine_slab``).
     """
 
     def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_name: str | None = None,
-                 doorbell: bool = False):
+                 doorbell: bool = False, own_slab: bool = True):
         import cupy as cp
 
         lay = layout
@@ -141,8 +143,9 @@ class RankBuffers:
         R, B, K, G = self.ring_depth, lay.max_batch, lay.top_k, lay.num_groups
         self.max_batch, self.block_ints = B, block_ints(B, K)
         self.stats_bytes = G * COUNTERS_PER_GROUP * 8 + ERR_INTS * 4
+        self.own_slab = bool(own_slab)
         sizes = {
-            "slab": lay.slab_bytes, "staging": lay.staging_bytes,
+            "slab": lay.slab_bytes if own_slab else 0, "staging": lay.staging_bytes,
             "slots": R * B * K * 4, "misses": R * B * 4,
             "step_block": self.block_ints * 4, "topk_block": self.block_ints * 4,
             "plan_rows": B * K * 4, "plan_slots": B * K * 4,
@@ -168,7 +171,7 @@ class RankBuffers:
         with cp.cuda.Device(arena.device):
             init = cp.cuda.Stream(non_blocking=True)
             init.__enter__()
-            self.slab = v(o["slab"], lay.slab_shape)
+            self.slab = v(o["slab"], lay.slab_shape) if own_slab else None
             self.staging = v(o["staging"], lay.staging_shape) if lay.staging_rows else None
             self.slots = v(o["slots"], (R, B, K), "int32")
             self.misses = v(o["misses"], (R, B), "int32")
@@ -249,7 +252,8 @@ class RankBuffers:
         lay, o = self.layout, self.offsets
         out = {"kind": "cuda_ipc", "device": device, "bus_id": bus_id,
                 "arena_handle": self.arena.handle, "arena_bytes": self.arena.nbytes,
-                "slab_offset": o["slab"], "staging_offset": o["staging"],
+                "slab_offset": o["slab"] if self.own_slab else None, "engine_slab": not self.own_slab,
+                "staging_offset": o["staging"],
                 "slots_offset": o["slots"], "misses_offset": o["misses"],
                 "step_block_offset": o["step_block"], "topk_block_offset": o["topk_block"],
                 "block_ints": self.block_ints,

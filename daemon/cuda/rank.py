@@ -47,10 +47,14 @@ class CudaRankState(RankState):
             anonymous, for in-process use).
         transport: ``"zmq"`` (steps arrive as messages) or ``"doorbell"`` (the engine's
             stream drives them; ``doorbell.py``).
+        engine_slab: an engine-owned slab (``engine.EngineSlabImport`` with ``ipc``:
+            handle, offset): imported through CUDA IPC, gathered into by its geometry; the
+            import is closed when the rank closes.
     """
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
-                 graphs: bool = True, blocks_path: str | None = None, transport: str = "zmq"):
+                 graphs: bool = True, blocks_path: str | None = None, transport: str = "zmq",
+                 engine_slab=None):
         import cupy as cp
 
         from sparsekv.proto.cuda_ipc import EventRing
@@ -59,18 +63,37 @@ class CudaRankState(RankState):
         self.space_name = space.name
         self.worker, self._cp = worker, cp
         self.fence_events = None
+        self.engine_slab = None  # the imported engine-owned slab (ImportedBuffer)
+        if engine_slab is not None:
+            from sparsekv.proto.cuda_ipc import ImportedBuffer  # noqa: PLC0415
+
+            handle, offset = engine_slab.ipc
+            try:
+                self.engine_slab = ImportedBuffer(handle, offset, engine_slab.geometry.buffer_bytes, worker.ordinal)
+            except (ValueError, RuntimeError) as e:  # a handle of another GPU, a short allocation, garbage
+                raise ResidencyError("BAD_ARGUMENT", f"cannot import the engine's slab: {e}") from None
+            if self.engine_slab.ptr % 16:
+                self.engine_slab.close()
+                raise ResidencyError("BAD_ARGUMENT", "the engine's slab must start on a 16-byte boundary")
         with cp.cuda.Device(worker.ordinal):
             stream = worker.stream
             residency = CudaResidency(lay, kernels=worker.kernels, stream=stream)
             ws = residency.workspace_bytes if residency.workspace_global else 0
             if transport not in ("zmq", "doorbell"):
                 raise ResidencyError("BAD_ARGUMENT", f"unknown transport {transport!r}; use zmq or doorbell")
-            self.buffers = bufs = RankBuffers(worker.arena, lay, ring_depth, ws, blocks_path,
-                                              doorbell=transport == "doorbell")
+            try:
+                self.buffers = bufs = RankBuffers(worker.arena, lay, ring_depth, ws, blocks_path,
+                                                  doorbell=transport == "doorbell", own_slab=engine_slab is None)
+            except BaseException:
+                if self.engine_slab is not None:
+                    self.engine_slab.close()
+                raise
             try:
                 mover = CudaMover(lay, pinned, pool_offset=0, kernels=worker.kernels, stream=stream,
                                   buffers=DeviceBuffers(None, bufs.slab, bufs.staging, bufs.offsets["staging"]),
-                                  blocks=gather_blocks)
+                                  blocks=gather_blocks,
+                                  engine_slab=None if engine_slab is None
+                                  else (self.engine_slab.ptr, engine_slab.geometry))
                 self.dstep = DeviceStep(residency, mover, bufs, worker.kernels)
                 self.events = EventRing(worker.ordinal, ring_depth)
                 if transport == "doorbell":
@@ -81,6 +104,8 @@ class CudaRankState(RankState):
                     self.transport = ZmqTransport(self.dstep, worker, self.events, graphs=graphs)
             except Exception:
                 bufs.close()
+                if self.engine_slab is not None:
+                    self.engine_slab.close()
                 raise
         self._write_uploads: list = []  # events after the last staged write's uploads
         self._errors = ErrorRecord(bufs.host_err)  # counts already turned into replies
@@ -260,6 +285,9 @@ class CudaRankState(RankState):
             self.fence_events.close()
             self.fence_events = None
         self.buffers.close()
+        if self.engine_slab is not None:  # the stream is drained: nothing writes it any more
+            self.engine_slab.close()
+            self.engine_slab = None
         return True
 
 

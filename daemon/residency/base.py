@@ -148,12 +148,16 @@ def rank_bytes(layout: Layout) -> dict[str, int]:
     return {"slab": slab, "staging": staging, "state": state, "total": slab + staging + state}
 
 
-def check_layout_limits(layout: Layout, max_rank_bytes: int) -> dict[str, int]:
+def check_layout_limits(layout: Layout, max_rank_bytes: int, engine_slab: bool = False) -> dict[str, int]:
     """Refuse (``ResidencyError`` TOO_LARGE, before anything is allocated) a layout whose
     rank would take more than ``max_rank_bytes`` of the daemon's memory: hot slab, staging
     buffer and residency state together (:func:`rank_bytes`). Returns the parts. The
-    caller is ATTACH, with the daemon's ``max_slab_bytes`` setting."""
+    caller is ATTACH, with the daemon's ``max_slab_bytes`` setting. With ``engine_slab``
+    the engine brings the slab: it costs the daemon nothing."""
     parts = rank_bytes(layout)
+    if engine_slab:
+        parts["total"] -= parts["slab"]
+        parts["slab"] = 0
     if parts["total"] > max_rank_bytes:
         mib = {k: v / (1 << 20) for k, v in parts.items()}
         raise ResidencyError(

@@ -19,6 +19,24 @@ def row_view(a: np.ndarray, row_bytes: int) -> np.ndarray:
     return a.reshape(-1, row_bytes).view(np.dtype((np.void, row_bytes))).reshape(-1)
 
 
+def slab_views(layout: Layout, geometry, buffer: np.ndarray) -> list[np.ndarray]:
+    """Each layer's hot rows in ``buffer`` (uint8, 1-D) laid out by ``geometry`` (a
+    checked :class:`~sparsekv.proto.slab.SlabGeometry`), one opaque element per row: 1-D
+    ``[hot rows]`` when the rows follow each other, else ``[blocks, block_rows]``."""
+    rb, br, stride = layout.row_bytes, geometry.block_rows, geometry.block_stride
+    nb = geometry.blocks(layout)
+    linear = geometry.is_linear(layout)
+    out = []
+    for off in geometry.layer_offsets:
+        if linear:
+            out.append(row_view(buffer[off: off + nb * br * rb], rb))
+            continue
+        base = buffer[off: off + (nb - 1) * stride + br * rb]
+        blocks = np.lib.stride_tricks.as_strided(base, shape=(nb, br, rb), strides=(stride, rb, 1))
+        out.append(blocks.view(np.dtype((np.void, rb)))[..., 0])
+    return out
+
+
 class CpuResidency(Residency):
     def __init__(self, layout: Layout):
         self.layout = layout.validate()
@@ -108,11 +126,19 @@ class CpuResidency(Residency):
 class CpuMover(Mover):
     """Moves rows between the pool ``[L, host_rows, row_bytes]`` and one rank's slab."""
 
-    def __init__(self, layout: Layout, pool: np.ndarray, slab: np.ndarray, staging: np.ndarray | None):
+    def __init__(self, layout: Layout, pool: np.ndarray, slab: np.ndarray, staging: np.ndarray | None,
+                 geometry=None):
+        """``slab``: the daemon's slab ``Layout.slab_shape``, or with ``geometry`` (an
+        engine-owned slab, ``proto/slab.py``) the engine's whole buffer (uint8, 1-D)."""
         self.layout = layout
         rb = layout.row_bytes
         self._pool = [row_view(pool[layer], rb) for layer in range(layout.num_layers)]
-        self._slab = [row_view(slab[layer], rb) for layer in range(layout.num_layers)]
+        if geometry is None:
+            self._slab = [row_view(slab[layer], rb) for layer in range(layout.num_layers)]
+            self._block_rows = 0
+        else:
+            self._slab = slab_views(layout, geometry, slab)
+            self._block_rows = 0 if geometry.is_linear(layout) else geometry.block_rows
         self._staging = (
             [row_view(staging[layer], rb) for layer in range(layout.num_layers)]
             if staging is not None and layout.staging_rows
@@ -122,8 +148,11 @@ class CpuMover(Mover):
     def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
         if not len(plan):
             return 0
+        dst = plan.slots
+        if self._block_rows:  # an engine's paged slab: (block, row in block)
+            dst = (plan.slots // self._block_rows, plan.slots % self._block_rows)
         for layer in layers:
-            self._slab[layer][plan.slots] = self._pool[layer][plan.rows]
+            self._slab[layer][dst] = self._pool[layer][plan.rows]
         return len(plan) * len(layers) * self.layout.row_bytes
 
     def stage(self, rows: np.ndarray, layers: tuple[int, ...]) -> int:

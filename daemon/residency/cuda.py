@@ -525,11 +525,14 @@ class CudaMover(Mover):
         blocks: most blocks a copy kernel uses (SMs are shared with attention).
         threads: threads per copy block.
         load: how the copy kernel reads 16-byte vectors (see :func:`copy_defines`).
+        engine_slab: ``(device address, SlabGeometry)`` of an engine-owned slab
+            (``proto/slab.py``, checked): gathers write there, laid out by the geometry,
+            instead of ``buffers.slab``.
     """
 
     def __init__(self, layout: Layout, pool, *, pool_offset: int = 0, buffers: DeviceBuffers | None = None,
                  kernels=None, stream=None, blocks: int = DEFAULT_COPY_BLOCKS, threads: int = COPY_THREADS,
-                 load: int = COPY_LOAD):
+                 load: int = COPY_LOAD, engine_slab=None):
         cp = _cp()
         self.layout = lay = layout.validate()
         if kernels is None:
@@ -544,11 +547,24 @@ class CudaMover(Mover):
         if self.pool_address % 16:
             raise ValueError(f"pool device address {self.pool_address:#x} must be 16-byte aligned")
         self.buffers = buffers if buffers is not None else allocate_device_buffers(lay)
-        self.slab = self.buffers.slab
         self.staging = self.buffers.staging
-        want = (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes)
-        if tuple(self.slab.shape) != want or self.slab.dtype != cp.uint8 or not self.slab.flags.c_contiguous:
-            raise ValueError(f"slab must be a contiguous uint8 array {want}")
+        # Where gathers write: the daemon's slab (no geometry), or an engine's buffer laid
+        # out by its geometry (per-layer byte offsets on the device, block rows, stride).
+        self._geo = (_null(), np.int64(1), np.int64(0))
+        if engine_slab is not None:
+            address, geo = engine_slab
+            if int(address) % 16:
+                raise ValueError(f"engine slab address {int(address):#x} must be 16-byte aligned")
+            self.slab = np.uint64(int(address))
+            with self.stream:
+                self._slab_offsets = cp.asarray(np.asarray(geo.layer_offsets, dtype=np.int64))
+            self.stream.synchronize()
+            self._geo = (self._slab_offsets, np.int64(geo.block_rows), np.int64(geo.block_stride))
+        else:
+            self.slab = self.buffers.slab
+            want = (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes)
+            if tuple(self.slab.shape) != want or self.slab.dtype != cp.uint8 or not self.slab.flags.c_contiguous:
+                raise ValueError(f"slab must be a contiguous uint8 array {want}")
         if blocks <= 0:
             raise ValueError(f"blocks must be positive, got {blocks}")
         self.blocks = int(blocks)
@@ -590,7 +606,9 @@ class CudaMover(Mover):
 
     def _launch(self, stream, blocks, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows,
                 dst_rows, dst_layers, layers, mode, src_idx, dst_idx, counts, nb, ld, count_dev=None,
-                layers_dev=None) -> None:
+                layers_dev=None, dst_geo=None) -> None:
+        """One ``skv_copy_rows``; ``dst_geo``: the destination's (layer offsets, block
+        rows, block stride) when it is an engine's slab (``self._geo``)."""
         if nb == 0 or ld == 0:
             return
         if layers_dev is None:
@@ -611,7 +629,8 @@ class CudaMover(Mover):
                  layers_dev, i32(n_layers), i32(mode),
                  src_idx if src_idx is not None else _null(), dst_idx if dst_idx is not None else _null(),
                  counts if counts is not None else _null(), i32(nb), i32(ld),
-                 count_dev if count_dev is not None else _null()),
+                 count_dev if count_dev is not None else _null(),
+                 *(dst_geo if dst_geo is not None else (_null(), np.int64(1), np.int64(0)))),
                 shared_mem=smem,
             )
 
@@ -631,7 +650,7 @@ class CudaMover(Mover):
         slots = lay.max_reqs * lay.region_stride
         self._launch(stream, blocks or self.blocks, self._pool(), lay.host_rows, lay.host_rows, lay.num_layers,
                      self.slab, slots, slots, lay.num_layers, layers, 3, out.plan_rows, out.plan_slots,
-                     out.misses, out.batch, out.top_k)
+                     out.misses, out.batch, out.top_k, dst_geo=self._geo)
 
     def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream,
                       group_layers=None) -> None:
@@ -650,7 +669,7 @@ class CudaMover(Mover):
                 (self.blocks,), (self.threads,),
                 (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
                  table, i32(table.shape[1]), i32(lay.num_groups),
-                 plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k)),
+                 plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo),
                 shared_mem=(int(max_batch) + 1) * 8,
             )
 
@@ -713,7 +732,8 @@ class CudaMover(Mover):
             rows = cp.asarray(np.ascontiguousarray(plan.rows, dtype=np.int32))
             flat = cp.asarray(np.ascontiguousarray(plan.slots, dtype=np.int32))
             self._launch(None, self._blocks_for(n, len(layers)), self._pool(), lay.host_rows, lay.host_rows,
-                         lay.num_layers, self.slab, slots, slots, lay.num_layers, layers, 3, rows, flat, None, 1, n)
+                         lay.num_layers, self.slab, slots, slots, lay.num_layers, layers, 3, rows, flat, None, 1, n,
+                         dst_geo=self._geo)
         self.stream.synchronize()
         return n * len(layers) * lay.row_bytes
 

@@ -370,6 +370,69 @@ def test_the_handle_refuses_bad_arguments_before_anything_runs(cuda_daemon):
             c2.close()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("gap_rows", [0, 3])
+def test_an_engine_owned_slab_inside_a_larger_tensor_is_exact_and_its_neighbours_untouched(cuda_daemon, gap_rows):
+    """The hot region inside the engine's own KV tensor (issue: the hot slab inside the
+    engine's KV cache): per layer, 5 resident blocks then the hot blocks, `gap_rows` rows
+    of other data after each block, guard bytes around everything. swap_in's indices
+    (from hot_base) equal the cpu backend's, read the right bytes through kv(), and no
+    byte outside the hot blocks changes."""
+    import torch
+
+    from sparsekv.client.engine_slab import EngineSlab
+    from sparsekv.proto.slab import SlabGeometry
+
+    lay = layout()
+    rb = lay.row_bytes
+    stride = (BLOCK + gap_rows) * rb
+    hot_blocks = lay.max_reqs * lay.region_stride // BLOCK
+    first = 5
+    layer_span = (first + hot_blocks) * stride + 4096
+    guard = 8192
+    nbytes = lay.num_layers * layer_span
+    big = torch.randint(0, 256, (guard + nbytes + guard,), dtype=torch.uint8, device="cuda")
+    start = big.clone()
+    kv = EngineSlab.from_tensor(big[guard: guard + nbytes])
+    geo = SlabGeometry.paged(lay, [layer * layer_span for layer in range(lay.num_layers)], first_block=first,
+                             block_size=BLOCK, block_stride=stride, buffer_bytes=nbytes)
+    kv.with_geometry(geo)
+    hot_base = first * BLOCK
+    plan = steps(lay, 8, seed=11, positions=True)
+    want = reference(lay, plan, True)
+    c = Client(cuda_daemon.run_dir, name="engine-slab", device="cuda:0").connect()
+    try:
+        att = c.attach(lay, engine="own", transport="doorbell", slab=kv)
+        assert att.slab is None
+        fill_pool(c, lay)
+        h = c.doorbell_handle(hot_base=hot_base)
+        for t, (state, reset, inval, req, per_group, table) in enumerate(plan):
+            h.begin_step(dev(state, torch), dev(reset, torch), dev(inval, torch))
+            for g, layers in enumerate(lay.groups):
+                for layer in layers:
+                    idx = h.swap_in(dev(req, torch), dev(table, torch), dev(per_group[g], torch), layer=layer,
+                                    block_size=BLOCK).cpu().numpy()
+                    exp, ids = want[t][layer]
+                    np.testing.assert_array_equal(idx, np.where(exp >= 0, exp + hot_base, -1),
+                                                  err_msg=f"step {t} layer {layer}")
+                    ok = idx >= 0
+                    if ok.any():
+                        rows = h.kv(layer)
+                        i = torch.as_tensor(idx[ok]).long().cuda()
+                        got = rows[i] if gap_rows == 0 else rows[i // BLOCK, i % BLOCK]
+                        np.testing.assert_array_equal(got.cpu().numpy(), pattern(layer, ids[ok], rb))
+            h.check()
+        torch.cuda.synchronize()
+        touched = torch.zeros_like(big, dtype=torch.bool)
+        for layer in range(lay.num_layers):
+            offs = geo.row_offsets(lay, layer, np.arange(lay.max_reqs * lay.region_stride))
+            for off in offs:
+                touched[guard + int(off): guard + int(off) + rb] = True
+        assert torch.equal(big[~touched], start[~touched])  # guards, gaps, resident blocks
+    finally:
+        c.close()
+
+
 def test_a_cpu_daemon_refuses_the_doorbell_transport(daemon):
     lay = layout()
     c = Client(daemon.run_dir, name="cpu").connect()

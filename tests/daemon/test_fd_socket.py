@@ -231,15 +231,15 @@ def test_the_fd_answer_in_process(tmp_path):
         line = h["fd_token"].encode() + b"\n"
         uid, gid = os.getuid(), os.getgid()
         # nothing in time; another process (an in-process session is the daemon's own process)
-        for got, why in ((d._fd_answer(None, os.getpid(), uid, gid), "no token within"),
-                         (d._fd_answer(line, os.getpid() + 1, uid, gid), "did not attach this rank")):
+        for got, why in ((d.fd_server._answer(None, [], os.getpid(), uid, gid), "no request within"),
+                         (d.fd_server._answer(line, [], os.getpid() + 1, uid, gid), "did not attach this rank")):
             answer, fds = got
             assert fds == [] and json.loads(answer)["code"] == "PERMISSION_DENIED" and why in answer.decode()
-        answer, fds = d._fd_answer(line, os.getpid(), uid, gid)
+        answer, fds = d.fd_server._answer(line, [], os.getpid(), uid, gid)
         assert json.loads(answer) == {"ok": True, "fds": ["slab"]} and fds == [d.backend.share_fds(1)["slab"]]
-        answer, fds = d._fd_answer(line, os.getpid(), uid, gid)
+        answer, fds = d.fd_server._answer(line, [], os.getpid(), uid, gid)
         assert fds == [] and "already used" in answer.decode()
-        assert d.snapshot()["fd_refusals"] == 3 and d._fd_offers == {}
+        assert d.snapshot()["fd_refusals"] == 3 and d.fd_server.offers == {}
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

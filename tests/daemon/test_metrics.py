@@ -1,9 +1,7 @@
-"""Prometheus metrics: the top-k histogram (buckets, seconds, cheap enough for the hot
-path), families built from a snapshot (cuda-only ones included), the daemon's own
+"""Prometheus metrics: the top-k histogram (buckets, seconds), families built from a snapshot (cuda-only ones included), the daemon's own
 registry, and the optional loopback HTTP ``/metrics`` endpoint of a real daemon."""
 
 import socket
-import time
 import urllib.error
 import urllib.request
 
@@ -38,19 +36,6 @@ def test_latency_feeds_the_window_and_a_histogram_in_seconds():
 def test_buckets_span_10_us_to_100_ms():
     assert LATENCY_BUCKETS_S[0] == 10e-6 and LATENCY_BUCKETS_S[-1] == 100e-3
     assert list(LATENCY_BUCKETS_S) == sorted(LATENCY_BUCKETS_S)
-
-
-def test_latency_costs_under_2_us():
-    """The TOPK handler calls Stats.latency once per request: window append + histogram."""
-    st = Stats()
-    n = 20_000
-    best = float("inf")
-    for _ in range(5):  # the best of several runs: the cost, not the machine's noise
-        t0 = time.perf_counter()
-        for _ in range(n):
-            st.latency(42e-6)
-        best = min(best, (time.perf_counter() - t0) / n)
-    assert best < 2e-6, f"Stats.latency takes {best * 1e6:.2f} us"
 
 
 def test_the_daemons_registry_is_its_own():

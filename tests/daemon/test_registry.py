@@ -137,3 +137,74 @@ def test_detaching_one_engine_leaves_the_others(reg, pool):
     reg.attach(2, 0, "cpu", "b", helpers.layout())
     reg.detach(1, "a")
     assert list(reg) == ["b"] and pool.used_bytes > 0
+
+
+# -- an attach in steps (the daemon runs prepare on a worker thread) --------------------------
+def test_an_engine_with_an_attach_pending_outlives_its_last_rank(reg, pool):
+    lay = helpers.layout()
+    reg.attach(1, 0, "cpu", "e", lay)
+    p = reg.begin_attach(2, 1, "cpu", "e", lay)
+    reg.prepare(p)
+    reg.detach(1, "e")  # the last rank leaves while rank 2's attach is pending
+    assert "e" in reg and pool.used_bytes >= lay.pool_bytes
+    state, _ = reg.commit(p)
+    assert reg.space("e").ranks == {2: state}
+    reg.detach(2, "e")
+    assert len(reg) == 0 and pool.used_bytes == 0
+
+
+def test_an_aborted_attach_releases_its_rank_and_the_engine_it_made(reg, pool, tmp_path):
+    lay = helpers.layout()
+    p = reg.begin_attach(1, 0, "cpu", "e", lay)
+    assert "e" in reg and pool.used_bytes >= lay.pool_bytes  # reserved from the first step
+    reg.prepare(p)
+    assert len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 1
+    reg.abort(p)
+    reg.abort(p)  # once only
+    del p
+    assert len(reg) == 0 and pool.used_bytes == 0 and pool.zeroing_bytes == 0
+    assert helpers.shm_slabs(str(tmp_path), str(tmp_path)) == []
+
+
+def test_an_aborted_join_keeps_the_engine_and_a_committed_attach_cannot_be_aborted(reg, pool):
+    lay = helpers.layout()
+    s1, _ = reg.attach(1, 0, "cpu", "e", lay)
+    p = reg.begin_attach(2, 1, "cpu", "e", lay)
+    reg.prepare(p)
+    reg.abort(p)
+    assert reg.space("e").ranks == {1: s1}
+    q = reg.begin_attach(3, 1, "cpu", "e", lay)
+    reg.prepare(q)
+    s3, _ = reg.commit(q)
+    reg.abort(q)  # after commit: nothing
+    assert reg.space("e").ranks == {1: s1, 3: s3}
+
+
+class LoopRanksBackend(CpuBackend):
+    """Ranks made on the owner's thread, a prepare_rank before (as the cuda backend)."""
+
+    new_rank_on_loop = True
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = []
+
+    def prepare_rank(self, space, client_id, rank, device, fence_events=None):
+        self.calls.append(("prepare_rank", space.name, client_id))
+
+    def new_rank(self, space, client_id, *a, **kw):
+        self.calls.append(("new_rank", space.name, client_id))
+        return super().new_rank(space, client_id, *a, **kw)
+
+
+def test_prepare_runs_only_prepare_rank_when_ranks_are_made_on_the_owners_thread(pool, tmp_path):
+    backend = LoopRanksBackend(str(tmp_path), shm_dir=str(tmp_path))
+    reg = EngineRegistry(pool, backend)
+    try:
+        p = reg.begin_attach(1, 0, "cpu", "e", helpers.layout())
+        reg.prepare(p)
+        assert backend.calls == [("prepare_rank", "e", 1)] and p.state is None
+        reg.commit(p)
+        assert backend.calls[1:] == [("new_rank", "e", 1)] and list(reg.space("e").ranks) == [1]
+    finally:
+        backend.close()

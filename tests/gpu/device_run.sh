@@ -22,15 +22,23 @@ status=0
 what=${1:-all}
 # what: all (tests, demo, kernel and transport benchmarks) | test (tests, demo) |
 #       e2e (tests, demo, transport benchmark) | bench (both benchmarks)
+# One test may not hang the whole run: pytest-timeout when the machine has it.
+per_test=""
+python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout ${PER_TEST_TIMEOUT_S:-90}"
 if [[ $what == all || $what == test || $what == e2e ]]; then
-  timeout ${PYTEST_TIMEOUT_S:-400} python3 -m pytest -q --require-cuda -m cuda -p no:cacheprovider ${PYTEST_SELECT:-tests} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
+  timeout ${PYTEST_TIMEOUT_S:-400} python3 -m pytest -q --require-cuda -m cuda -p no:cacheprovider $per_test ${PYTEST_SELECT:-tests} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
   status=${PIPESTATUS[0]}
   timeout 150 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
+  # The example model through the engine's handle on the GPU (doorbell), as a user runs it.
+  timeout 150 python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 2>&1 | tee "$OUT/example-doorbell.log" | tail -6
+fi
+if [[ $what == all || $what == bench || $what == e2e ]]; then
+  timeout 240 python3 -m sparsekv.client.cli bench decode --quick --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
 fi
 if [[ $what == all || $what == bench ]]; then
   SPARSEKV_CUDA_BENCH=1 timeout 200 python3 -m pytest -q -s --require-cuda tests/daemon/residency/test_cuda_kernels.py -k bench_table 2>&1 | tee "$OUT/bench-kernels.log" | tail -20
 fi
 if [[ $what == all || $what == bench || $what == e2e ]]; then
-  timeout 200 python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" 2>&1 | tee "$OUT/bench-transport.log" | tail -5
+  timeout 200 python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" "$OUT/decode.json" 2>&1 | tee "$OUT/bench-transport.log" | tail -5
 fi
 exit $status

@@ -82,3 +82,33 @@ def test_stage_without_staging_buffer_is_a_clear_error():
     with pytest.raises(ResidencyError) as ei:
         mover.stage(np.arange(1, dtype=np.int32), (0,))
     assert ei.value.code == "BAD_ARGUMENT" and "staging_rows = 0" in str(ei.value)
+
+
+@pytest.mark.parametrize("block_stride", [3 * 32, 5 * 32])  # rows back to back / each block followed by a gap
+def test_gather_into_an_engine_owned_paged_slab_writes_exactly_the_plans_rows(block_stride):
+    """An engine-owned slab (proto/slab.py): 3-row blocks, layers interleaved or with gaps
+    between blocks; the same rows land where the geometry puts them, and every other
+    byte of the engine's buffer (its other blocks, the gaps, the bytes around) is kept."""
+    from sparsekv.proto.slab import SlabGeometry
+
+    lay, pool, slab, _, mover, res = setup()
+    rows_per_layer = lay.max_reqs * lay.region_stride  # 18 rows = 6 blocks of 3
+    layer_span = 6 * block_stride + 64
+    geo = SlabGeometry.paged(lay, [64 + layer * layer_span for layer in range(lay.num_layers)], first_block=0,
+                             block_size=3, block_stride=block_stride,
+                             buffer_bytes=64 + lay.num_layers * layer_span + 64).check(lay)
+    buf = np.full(geo.buffer_bytes, SENTINEL, np.uint8)
+    engine = CpuMover(lay, pool, buf, None, geometry=geo)
+    state_rows = np.array([2, 0, 1], np.int32)
+    topk = np.array([[5, 17, -1], [39, 0, 5], [1, 2, 3]], np.int32)
+    r = res.resolve(1, state_rows, topk)
+    assert engine.gather(r.plan, lay.groups[1]) == mover.gather(r.plan, lay.groups[1])
+    expect = np.full_like(buf, SENTINEL)
+    for layer in range(lay.num_layers):
+        for h in range(rows_per_layer):
+            if layer in lay.groups[1]:
+                off = int(geo.row_offsets(lay, layer, [h])[0])
+                req, slot = divmod(h, lay.region_stride)
+                expect[off: off + lay.row_bytes] = slab[layer, req, slot]
+    assert np.array_equal(buf, expect)
+    assert (buf != SENTINEL).sum() > 0

@@ -535,6 +535,87 @@ def test_gather_host_plan_matches_cpu_mover(kc):
         assert mover.gather(Plan(np.empty(0, np.int32), np.empty(0, np.int32)), (0,)) == 0
 
 
+@pytest.mark.parametrize("block_stride_rows", [4, 7])  # rows back to back / a gap after each block
+def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_guards(kc, block_stride_rows):
+    """An engine-owned slab (proto/slab.py) inside a larger device buffer: the host plan,
+    the device resolve + gather and the fixed-grid step gather write exactly what
+    CpuMover writes into the same geometry; every other byte of the buffer (guards before
+    and after, the gaps between blocks, the engine's other blocks) is untouched."""
+    import cupy as cp
+
+    from sparsekv.proto.slab import SlabGeometry
+
+    cuda = cuda_mod()
+    lay = layout(32, 64, 3000, 2, groups=2, layers_per_group=2, row_bytes=656)
+    br = 4
+    stride = block_stride_rows * lay.row_bytes
+    blocks = lay.max_reqs * lay.region_stride // br
+    resident = 3  # the engine's own blocks before the hot ones, in each layer
+    layer_span = (resident + blocks) * stride + 4096
+    bases = [4096 + layer * layer_span for layer in range(lay.num_layers)]
+    nbytes = 4096 + lay.num_layers * layer_span + 4096
+    geo = SlabGeometry.paged(lay, bases, first_block=resident, block_size=br, block_stride=stride,
+                             buffer_bytes=nbytes).check(lay)
+    cpu = CpuResidency(lay)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=64)
+    m, pool_bytes = _pinned_pool(lay.pool_bytes)
+    with PinnedRegion(pool_bytes.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
+        pool = pool_bytes.reshape(lay.num_layers, lay.host_rows, lay.row_bytes)
+        rng = np.random.default_rng(23)
+        start = rng.integers(0, 256, nbytes, dtype=np.uint8)  # the engine's bytes, guards included
+        with gpu.stream:
+            dev = cp.asarray(start)
+        gpu.stream.synchronize()
+        mover = cuda.CudaMover(lay, region, kernels=kc, stream=gpu.stream, blocks=8, threads=64,
+                               engine_slab=(dev.data.ptr, geo))
+        host = start.copy()
+        ref = CpuMover(lay, pool, host, None, geometry=geo)
+        memory: dict = {}
+        out = gpu.new_output(8)
+        for step in range(9):
+            sr, tk = gen_batch(rng, lay, memory, 8, 0.5)
+            group = step % lay.num_groups
+            want = cpu.resolve(group, sr, tk)
+            layers = lay.groups[group]
+            if step % 3 == 0:
+                got = gpu.resolve(group, sr, tk)
+                assert_same(want, got)
+                assert mover.gather(got.plan, layers) == ref.gather(want.plan, layers)
+            elif step % 3 == 1:
+                with gpu.stream:
+                    gpu.resolve_async(group, cp.asarray(sr), cp.asarray(tk), out)
+                    mover.gather_async(out, layers)
+                ref.gather(want.plan, layers)
+            else:  # the device step's gather: plan counts per batch row, fixed grid
+                got = gpu.resolve(group, sr, tk)
+                assert_same(want, got)
+                plan_rows = np.full((lay.max_batch, lay.top_k), -1, np.int32)
+                plan_slots = np.full((lay.max_batch, lay.top_k), -1, np.int32)
+                misses = np.zeros(lay.max_batch, np.int32)
+                plan_rows[0, : len(got.plan)] = got.plan.rows  # one row carries the whole plan
+                plan_slots[0, : len(got.plan)] = got.plan.slots
+                misses[0] = len(got.plan)
+                assert len(got.plan) <= lay.top_k
+                from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
+
+                desc = np.zeros(DESC_INTS, np.int32)
+
+                desc[D_BATCH], desc[D_GROUP], desc[D_K] = 1, group, lay.top_k
+                with gpu.stream:
+                    mover.launch_gather(cp.asarray(desc), cp.asarray(plan_rows), cp.asarray(plan_slots),
+                                        cp.asarray(misses), lay.max_batch, gpu.stream)
+                ref.gather(got.plan, layers)
+            gpu.stream.synchronize()
+            np.testing.assert_array_equal(dev.get(), host, err_msg=f"step {step}")
+        assert (host != start).any()
+        touched = np.zeros(nbytes, bool)
+        for layer in range(lay.num_layers):
+            for h in range(lay.max_reqs * lay.region_stride):
+                off = int(geo.row_offsets(lay, layer, [h])[0])
+                touched[off: off + lay.row_bytes] = True
+        np.testing.assert_array_equal(dev.get()[~touched], start[~touched])  # guards, gaps, resident blocks
+
+
 # -- pinned region --------------------------------------------------------------------
 
 

@@ -1,0 +1,255 @@
+"""The fd socket's server (``proto/fd_socket.py``), on the daemon's loop.
+
+Two requests, one per connection, each checked against the connection's kernel identity
+(``SO_PEERCRED``):
+
+* ``<token>``: the descriptors of the rank the token was offered for (its slab, its
+  pinned step blocks), to the process that attached that rank and to no other;
+* ``deposit``, with one descriptor beside it: an engine-owned slab (``proto/slab.py``)
+  the process brings to its next ATTACH. The daemon keeps it under a random id, bound to
+  the depositing process, for :data:`DEPOSIT_TTL_S`; an ATTACH of that same process names
+  the id to use it. At most :data:`DEPOSITS_PER_PID` per process and
+  :data:`MAX_DEPOSITS` in all, so that no client can make the daemon hoard descriptors.
+
+Bounded like the stats socket: a request line of at most ``MAX_REQUEST_BYTES``,
+``TIMEOUT_S`` to send it, :data:`MAX_CONNECTIONS` served at once (more are closed
+unanswered and counted). Every refusal is counted in ``fd_refusals``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+from sparsekv.proto import ErrorCode, ProtocolError
+from sparsekv.proto import fd_socket
+
+log = logging.getLogger("sparsekv.server")
+
+MAX_CONNECTIONS = 64  # fd socket connections served at once; more are closed unanswered
+DEPOSIT_TTL_S = 60.0  # a deposited slab descriptor not used by an ATTACH is closed after this
+DEPOSITS_PER_PID = 4
+MAX_DEPOSITS = 256
+
+
+@dataclass
+class Deposit:
+    fd: int
+    pid: int
+    uid: int
+    gid: int
+    at: float  # time.monotonic() of the deposit
+
+
+class FdServer:
+    """Args:
+        stats: the daemon's counters (``add(fd_refusals=1)``).
+        share_fds: ``client_id -> {name: fd}``, the descriptors of a client's rank (the
+            backend's ``share_fds``; still owned by the backend).
+        is_attacher: ``(session, pid, uid, gid) -> bool``: whether that process is the
+            one that attached the session's rank.
+    """
+
+    def __init__(self, stats, share_fds, is_attacher):
+        self.stats = stats
+        self._share_fds = share_fds
+        self._is_attacher = is_attacher
+        self.offers: dict[str, object] = {}  # token -> session (one per attached rank at most)
+        self.deposits: dict[str, Deposit] = {}
+        self._conns = 0
+        self._listener: socket.socket | None = None
+        self._task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- lifetime ----------------------------------------------------------------------
+    async def start(self, path: str) -> None:
+        """Listen on ``path``: bound under a private name, mode 0660, listening, then
+        renamed into place (a client that sees the name can connect)."""
+        new_path = path + ".new"
+        for p in (path, new_path):
+            if os.path.lexists(p):
+                os.unlink(p)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            listener.bind(new_path)
+            os.chmod(new_path, 0o660)
+            listener.listen(64)
+            os.rename(new_path, path)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._task = asyncio.get_running_loop().create_task(self._accept(), name="fd-socket")
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        for t in list(self._tasks):
+            t.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self.offers.clear()
+        for dep in self.deposits.values():
+            os.close(dep.fd)
+        self.deposits.clear()
+
+    # -- offers (daemon -> client) -----------------------------------------------------
+    def offer(self, session) -> str:
+        """A one-time token for the descriptors of ``session``'s rank."""
+        token = secrets.token_hex(fd_socket.TOKEN_BYTES)
+        self.offers[token] = session
+        return token
+
+    def withdraw(self, token: str | None) -> None:
+        if token is not None:
+            self.offers.pop(token, None)
+
+    # -- deposits (client -> daemon) ---------------------------------------------------
+    def take_deposit(self, dep_id, pid: int, uid: int, gid: int) -> int:
+        """The descriptor deposited as ``dep_id`` by process ``pid`` (uid, gid): the
+        caller owns it from now on. Raises PERMISSION_DENIED for another process's
+        deposit (kept for it), BAD_ARGUMENT for an unknown or expired id."""
+        dep = self.deposits.get(dep_id) if isinstance(dep_id, str) else None
+        if dep is None:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "unknown or expired slab deposit: deposit the slab's "
+                                f"descriptor on the fd socket (it is kept {DEPOSIT_TTL_S:g} s), then attach once "
+                                "with its id")
+        if (dep.pid, dep.uid, dep.gid) != (pid, uid, gid):
+            self.stats.add(fd_refusals=1)
+            raise ProtocolError(ErrorCode.PERMISSION_DENIED, "this slab deposit belongs to another process: "
+                                "only the process that deposited a slab may attach with it")
+        del self.deposits[dep_id]
+        return dep.fd
+
+    def expire(self, now: float | None = None) -> int:
+        """Close deposits older than :data:`DEPOSIT_TTL_S`; return how many."""
+        now = time.monotonic() if now is None else now
+        old = [k for k, d in self.deposits.items() if now - d.at > DEPOSIT_TTL_S]
+        for k in old:
+            os.close(self.deposits.pop(k).fd)
+        return len(old)
+
+    # -- the socket --------------------------------------------------------------------
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except asyncio.CancelledError:
+                raise
+            except OSError as e:  # EMFILE and the like: keep serving
+                log.warning("fd socket: accept failed: %s", e)
+                await asyncio.sleep(0.05)
+                continue
+            if self._conns >= MAX_CONNECTIONS:  # a flood: keep the descriptors for clients
+                self.stats.add(fd_refusals=1)  # (not logged: a flood would flood the log too)
+                conn.close()
+                continue
+            t = loop.create_task(self._serve(conn))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        self._conns += 1
+        received: list[int] = []
+        try:
+            conn.setblocking(False)
+            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 struct.calcsize("3i")))
+            line, received = await _read_line(conn)
+            answer, fds = self._answer(line, received, pid, uid, gid)  # a deposit takes its fd out
+            socket.send_fds(conn, [answer], fds)
+        except (OSError, ValueError) as e:  # the peer hung up, say
+            log.debug("fd socket: %s", e)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for fd in received:
+                os.close(fd)
+            conn.close()
+            self._conns -= 1
+
+    def _answer(self, line: bytes | None, received: list[int], pid: int, uid: int,
+                gid: int) -> tuple[bytes, list[int]]:
+        """The answer to ``line`` (None: nothing came in time; ``received``: descriptors
+        that came with it: a deposit takes its own out of the list, the caller closes the
+        rest) and the descriptors to send."""
+        text = (line or b"").strip().decode("ascii", "replace")
+        if text == fd_socket.DEPOSIT:
+            return self._deposit(received, pid, uid, gid)
+        s = self.offers.get(text) if text else None
+        if line is None:
+            why = f"no request within {fd_socket.TIMEOUT_S:g} s"
+        elif received:
+            why = "descriptors are taken only with a deposit request"
+        elif s is None:
+            why = ("unknown or already used token: a token serves one connection, from the process that attached, "
+                   "until it detaches")
+        elif not self._is_attacher(s, pid, uid, gid):
+            # The token came back from another process: leaked, or stolen. Kept for the
+            # rank's own process.
+            log.warning("fd socket: pid %d (uid %d gid %d) presented the token of client %d (pid %d uid %d)",
+                        pid, uid, gid, s.client_id, s.pid, s.uid)
+            why = (f"this process (pid {pid}, uid {uid}) did not attach this rank: only the process that attached "
+                   "it gets its memory")
+        else:
+            del self.offers[text]
+            s.fd_token = None
+            fds = self._share_fds(s.client_id)
+            log.debug("fd socket: client %d (pid %d) got %s", s.client_id, pid, ", ".join(fds))
+            return fd_socket.answer(True, fds=list(fds)), list(fds.values())
+        return self._refuse(pid, uid, why)
+
+    def _deposit(self, received: list[int], pid: int, uid: int, gid: int) -> tuple[bytes, list[int]]:
+        if len(received) != 1:
+            return self._refuse(pid, uid, f"a deposit brings exactly one descriptor, this one {len(received)}")
+        self.expire()
+        mine = sum(1 for d in self.deposits.values() if d.pid == pid)
+        if mine >= DEPOSITS_PER_PID or len(self.deposits) >= MAX_DEPOSITS:
+            return self._refuse(pid, uid, f"too many slab deposits not yet used by an ATTACH ({mine} of this "
+                                f"process, {len(self.deposits)} in all); attach with them or wait "
+                                f"{DEPOSIT_TTL_S:g} s", ErrorCode.TOO_LARGE)
+        dep_id = secrets.token_hex(fd_socket.TOKEN_BYTES)
+        self.deposits[dep_id] = Deposit(received.pop(), pid, uid, gid, time.monotonic())
+        log.debug("fd socket: pid %d deposited a slab descriptor", pid)
+        return fd_socket.answer(True, deposit=dep_id), []
+
+    def _refuse(self, pid: int, uid: int, why: str, code: ErrorCode = ErrorCode.PERMISSION_DENIED):
+        self.stats.add(fd_refusals=1)
+        log.info("fd socket: refused pid %d uid %d: %s", pid, uid, why)
+        return fd_socket.answer(False, code=code, msg=why), []
+
+
+async def _read_line(conn: socket.socket) -> tuple[bytes | None, list[int]]:
+    """One request line (at most ``MAX_REQUEST_BYTES``) and the descriptors that came with
+    it, within ``TIMEOUT_S``; None for the line if it did not come in time."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + fd_socket.TIMEOUT_S
+    data, fds = b"", []
+    while b"\n" not in data and len(data) < fd_socket.MAX_REQUEST_BYTES:
+        ready = loop.create_future()
+        loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            return None, fds
+        finally:
+            loop.remove_reader(conn.fileno())
+        try:
+            chunk, got, _flags, _ = socket.recv_fds(conn, fd_socket.MAX_REQUEST_BYTES - len(data), fd_socket.MAX_FDS,
+                                                    socket.MSG_CMSG_CLOEXEC)
+        except BlockingIOError:
+            continue
+        fds.extend(got)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0], fds

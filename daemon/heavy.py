@@ -1,0 +1,227 @@
+"""Heavy requests: their slow parts on worker threads, their replies deferred, every
+session's replies still in order.
+
+Most requests take microseconds and run on the event loop as they arrive (server.py). A
+few legal ones take long: ATTACH of a large engine (the rank's slab on the cpu backend;
+``cudaHostRegister`` of the engine's pool range on cuda, ~20 s for 500 GiB), waiting for
+a released pool range to be zeroed, a WRITE of up to 256 MiB, a large STAGE or
+WRITE_STAGED (cpu). Inline they would stall every other client's top-k and the watchdog.
+Their handlers are generators instead: ``value = yield Slow(fn)`` runs ``fn()`` on a
+worker thread and resumes the handler on the loop with its result (or with its exception
+raised at the ``yield``); what the generator returns is the reply. Everything between
+two yields runs on the loop like any other handler, so the loop alone still touches
+sessions, ranks' residency, the registry and the pool's allocator; ``fn`` touches only
+what its handler set aside for it (a new rank's memory, an engine's pool rows) and
+releases the GIL (NumPy copies, ``posix_fallocate``, ``cudaHostRegister``).
+
+Order and exclusion. A request in flight holds its session: that session's later
+requests wait in a queue and run, in order, once it has replied (other sessions are
+served meanwhile). When its ``Slow`` names an engine (one it creates, or whose pool rows
+it copies) it holds that engine too: requests of every session attached to it, and
+ATTACHes naming it, wait as well, so no rank reads a row half written and no rank joins
+an engine half made.
+
+Lifetimes. When the session of a request in flight is gone (its process died: reaped)
+or the daemon stops, its handler is resumed with :class:`Gone` raised at its ``yield``
+once ``fn`` has returned (a running ``fn`` is never interrupted): it rolls back what it
+took, re-raises, and nothing is replied. A reaped session keeps its rank until then.
+
+Without a serving loop (``Daemon.handle`` called directly: tests) the same generators
+run inline, ``fn()`` on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any, Callable, Generator
+
+log = logging.getLogger("sparsekv.heavy")
+
+# Worker threads: a second one keeps one long pinning from holding up every other heavy
+# request; more would mostly take cores from the engines (the copies are memory-bound).
+THREADS = 2
+# Requests one session may have waiting behind a request in flight; more are dropped
+# unanswered (as libzmq drops messages past its high-water mark). A well-behaved client
+# has a few (a pipelined step, a ring of top-k requests).
+MAX_WAITING = 1024
+
+
+@dataclass(frozen=True)
+class Slow:
+    """What a heavy handler yields: ``fn()`` to run on a worker thread; ``engine``: an
+    engine it creates or copies pool rows of, whose requests wait until the reply."""
+
+    fn: Callable[[], Any]
+    engine: str | None = None
+
+
+class Gone(Exception):
+    """Raised at a heavy handler's ``yield`` when nobody is left to answer (the session
+    is gone, or the daemon stops): roll back what the request took and re-raise."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request whose handler is a generator, from its first ``yield`` to its reply."""
+
+    gen: Generator
+    identity: bytes  # the session's ZeroMQ routing id
+    session: Any
+    kind: Any  # its MsgType
+    msg_type: int
+    req_id: int
+    tr: int  # when it was received (perf_counter_ns)
+    slow: Slow | None = None  # what it waits for now
+    future: Future | None = None
+
+
+class HeavyRequests:
+    """The requests in flight on worker threads, what they hold, and the requests
+    waiting for them. Used from the loop's thread only (``fn`` aside)."""
+
+    def __init__(self, threads: int = THREADS):
+        self.threads = threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # while serving
+        self._jobs: dict[bytes, Job] = {}  # in flight, by session identity
+        self._engines: dict[str, Job] = {}  # engines held, by name
+        self._waiting: dict[bytes, deque] = {}  # requests waiting, by session identity
+
+    # -- state ---------------------------------------------------------------------
+    @property
+    def serving(self) -> bool:
+        return self._loop is not None
+
+    def running(self, identity: bytes) -> bool:
+        """Whether a request of session ``identity`` is in flight."""
+        return identity in self._jobs
+
+    def busy(self, identity: bytes) -> bool:
+        """Whether a new request of ``identity`` must queue: one is in flight or waits."""
+        return identity in self._jobs or identity in self._waiting
+
+    def engine_busy(self, engine: str | None) -> bool:
+        return engine is not None and engine in self._engines
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    # -- running -------------------------------------------------------------------
+    def open(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def start(self, job: Job, resume: Callable[[Job, Any, BaseException | None], None]) -> None:
+        """Run ``job.slow.fn`` on a worker thread, holding the job's session (and its
+        engine); then call ``resume(job, value, error)`` on the loop."""
+        for name in [n for n, j in self._engines.items() if j is job]:
+            del self._engines[name]  # a later step may hold another engine, or none
+        if job.slow.engine is not None:
+            self._engines[job.slow.engine] = job
+        self._jobs[job.identity] = job
+        loop = self._loop
+        job.future = future = self._workers().submit(job.slow.fn)
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._done, job, f, resume))
+
+    def _done(self, job: Job, future: Future, resume) -> None:
+        if job.future is not future:
+            return  # close() has taken it
+        job.future = None
+        value, error = _outcome(future)
+        del future
+        try:
+            resume(job, value, error)
+        finally:
+            # The error's traceback reaches this frame (through the handler's frames'
+            # callers): keep no reference cycle through it, which would keep whatever
+            # the handler held (a rank's memory) until the cycle collector runs.
+            del value, error
+
+    def finish(self, job: Job) -> None:
+        """Release what ``job`` held (it has replied, or had nobody to reply to)."""
+        if self._jobs.get(job.identity) is job:
+            del self._jobs[job.identity]
+        for name in [n for n, j in self._engines.items() if j is job]:
+            del self._engines[name]
+
+    # -- waiting requests ------------------------------------------------------------
+    def wait(self, identity: bytes, request, first: bool = False) -> bool:
+        """Queue ``request`` of ``identity`` (``first``: back at the head, where it was);
+        False when its queue is full (the request is dropped)."""
+        q = self._waiting.setdefault(identity, deque())
+        if len(q) >= MAX_WAITING and not first:
+            return False
+        if first:
+            q.appendleft(request)
+        else:
+            q.append(request)
+        return True
+
+    def waiting_sessions(self) -> list[bytes]:
+        return list(self._waiting)
+
+    def next_waiting(self, identity: bytes):
+        """The oldest waiting request of ``identity``, taken off its queue; None when it
+        has none, or has a request in flight again."""
+        q = self._waiting.get(identity)
+        if not q or identity in self._jobs:
+            return None
+        request = q.popleft()
+        if not q:
+            del self._waiting[identity]
+        return request
+
+    def forget(self, identity: bytes) -> None:
+        """Drop what ``identity`` has waiting (its session is gone)."""
+        self._waiting.pop(identity, None)
+
+    # -- lifetimes -------------------------------------------------------------------
+    def release(self, box: list) -> None:
+        """Empty ``box`` on a worker thread (now, without a serving loop): the caller puts
+        the last reference to something slow to free in it (a large rank's host memory is
+        unmapped then: ~0.1 s per GiB) and keeps none itself."""
+        if self._loop is None:
+            box.clear()
+        else:
+            self._workers().submit(box.clear)
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="heavy")
+        return self._executor
+
+    def close(self, wait: bool = True) -> list[Job]:
+        """Stop serving: wait for every running ``fn`` (never interrupted) and return the
+        jobs in flight, for the server to resume with :class:`Gone`. Waiting requests are
+        dropped. ``wait`` False (the daemon is failing): do not wait, return nothing."""
+        self._loop = None
+        self._waiting.clear()
+        jobs = list(self._jobs.values())
+        self._jobs.clear()
+        self._engines.clear()
+        running = [j.future for j in jobs if j.future is not None]
+        for j in jobs:
+            j.future = None  # no resume from the futures' callbacks any more
+        if not wait:
+            return []
+        if running:
+            log.info("stopping: waiting for %d heavy request(s) in flight", len(running))
+            wait_futures(running)
+        return jobs
+
+    def shutdown(self, wait: bool = True) -> None:
+        """End the worker threads (after :meth:`close`), waiting for what they run."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait, cancel_futures=not wait)
+            self._executor = None
+
+
+def _outcome(future: Future) -> tuple[Any, BaseException | None]:
+    """(value, None) or (None, the exception ``fn`` raised), raising nothing here (a
+    raise would put this frame in the exception's traceback)."""
+    error = future.exception()
+    return (None, error) if error is not None else (future.result(), None)

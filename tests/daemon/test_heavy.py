@@ -1,0 +1,381 @@
+"""Heavy requests run their slow part on a worker thread (daemon/heavy.py): a daemon
+serving from a thread of this process (cpu backend), whose slow parts are held on an
+Event, shows that other sessions are served meanwhile, that one session's replies stay in
+order, that requests on an engine being written wait for the write, and that a failure,
+a client killed mid-request or a daemon stopped mid-request leaves nothing behind.
+Nothing here is timed: stalls are measured by tests/soak/stall.py."""
+
+import asyncio
+import contextlib
+import os
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+import helpers
+from sparsekv.client import Client
+from sparsekv.daemon import engine as engine_mod
+from sparsekv.daemon import pool as pool_mod
+from sparsekv.daemon import server as server_mod
+from sparsekv.daemon.backends import CpuBackend
+from sparsekv.daemon.pool import ALIGN_BYTES, INLINE_ZERO_BYTES, HostPool
+from sparsekv.daemon.residency.base import ResidencyError
+from sparsekv.proto import ErrorCode, MsgType, decode, encode
+
+MiB = 1 << 20
+LAYOUT = helpers.layout()
+
+
+class Gate:
+    """Holds whoever calls ``wait`` until ``open``; ``entered`` says someone is held."""
+
+    def __init__(self):
+        self.entered, self._open = threading.Event(), threading.Event()
+
+    def wait(self):
+        self.entered.set()
+        assert self._open.wait(30), "the gate was never opened"
+
+    def open(self):
+        self._open.set()
+
+
+class GatedBackend(CpuBackend):
+    """A cpu backend whose ranks of engine ``big`` are made only once the gate opens
+    (``new_rank`` runs on the daemon's worker thread); ``fail``: then it raises (that
+    exception, or TOO_LARGE)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate, self.fail = Gate(), False
+
+    def new_rank(self, space, *a, **kw):
+        if space.name == "big":
+            self.gate.wait()
+            if self.fail:
+                raise self.fail if isinstance(self.fail, Exception) else \
+                    ResidencyError("TOO_LARGE", "no room for the slab (injected)")
+        return super().new_rank(space, *a, **kw)
+
+
+@contextlib.contextmanager
+def serving(pool_bytes=16 * MiB, backend_cls=GatedBackend):
+    """A daemon on a GatedBackend serving a short run dir from a thread; stopped after
+    (the gate opened first, so a held request cannot hang the stop)."""
+    with helpers.short_tmpdir() as run_dir:
+        pool = HostPool(pool_bytes, threads=1)
+        backend = backend_cls(run_dir, shm_dir=run_dir)
+        d = server_mod.Daemon(run_dir, backend, pool, reap_interval_s=0.1)
+        ready, box = threading.Event(), {}
+
+        async def run():
+            box["loop"] = asyncio.get_running_loop()
+            await d.serve(on_ready=ready.set)
+
+        def thread():
+            try:
+                asyncio.run(run())
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                box["error"] = e
+                ready.set()
+
+        t = threading.Thread(target=thread, daemon=True)
+        t.start()
+        assert ready.wait(10) and "error" not in box, box
+        d.thread, d.box = t, box
+        d.call_soon = lambda fn: box["loop"].call_soon_threadsafe(fn)
+        try:
+            yield d
+        finally:
+            backend.gate.open()
+            if t.is_alive():
+                d.call_soon(d.stop)
+                t.join(20)
+            assert "error" not in box, box
+            backend.close()
+            pool.close()
+
+
+class Raw:
+    """A DEALER speaking the protocol without waiting for replies (to pipeline)."""
+
+    def __init__(self, run_dir: str):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"ipc://{os.path.join(run_dir, 'control.sock')}")
+        self.next_id = 1
+
+    def send(self, t, fields=None, arrays=None) -> int:
+        req, self.next_id = self.next_id, self.next_id + 1
+        self.sock.send_multipart(encode(t, req, fields, arrays))
+        return req
+
+    def recv(self, timeout_s: float = 10.0) -> dict | None:
+        """The next reply's header, or None when none comes within ``timeout_s``."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return decode(self.sock.recv_multipart())[0]
+
+    def call(self, t, fields=None, arrays=None) -> dict:
+        req = self.send(t, fields, arrays)
+        h = self.recv()
+        assert h is not None and h["id"] == req, h
+        return h
+
+    def hello(self) -> dict:
+        return self.call(MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "raw"})
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def raw():
+    socks = []
+
+    def make(run_dir):
+        r = Raw(run_dir)
+        socks.append(r)
+        return r
+
+    yield make
+    for r in socks:
+        r.close()
+
+
+def attached_client(run_dir: str, engine: str = "a") -> Client:
+    """A client attached to ``engine``, filled, its step begun: ready for top-k."""
+    c = Client(run_dir, name="other", timeout_s=10).connect()
+    c.attach(LAYOUT, engine=engine)
+    helpers.fill(c, LAYOUT)
+    c.step(0, np.arange(2, dtype=np.int32), np.ones(2, bool))
+    return c
+
+
+def topk_ok(c: Client) -> None:
+    r = c.topk(0, 0, np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32))
+    assert (np.asarray(r.slots) >= 0).all()
+
+
+def nothing_left(d) -> bool:
+    return (not d.engines and d.pool.used_bytes == 0 and not d.backend._slabs
+            and not helpers.slab_memfds(d.run_dir, os.getpid()))
+
+
+def test_others_are_served_while_an_attach_runs_and_its_session_is_answered_in_order(raw):
+    with serving() as d:
+        a = attached_client(d.run_dir)
+        b = raw(d.run_dir)
+        b.hello()
+        ids = [b.send(MsgType.ATTACH, {"engine": "big", "layout": LAYOUT.to_wire()}),
+               b.send(MsgType.STATS), b.send(MsgType.DETACH)]
+        assert d.backend.gate.entered.wait(10)  # the attach's slow part is held
+        for _ in range(3):  # another session: served meanwhile, every time
+            topk_ok(a)
+            assert a.stats()["clients"] == 2
+        assert b.recv(timeout_s=0.2) is None  # B's STATS and DETACH wait behind its ATTACH
+        d.backend.gate.open()
+        replies = [b.recv() for _ in ids]
+        assert [h["id"] for h in replies] == ids and all(h["ok"] for h in replies), replies
+        assert "handles" in replies[0] and replies[2]["was_attached"] is True
+        assert list(helpers.wait_for(lambda: list(d.engines) == ["a"] and list(d.engines), what="big released")) \
+            == ["a"]
+        a.close()
+
+
+def test_a_failing_attach_rolls_back_off_the_loop_and_the_engine_can_be_attached_again(raw):
+    with serving() as d:
+        d.backend.fail = True
+        b = raw(d.run_dir)
+        b.hello()
+        req = b.send(MsgType.ATTACH, {"engine": "big", "layout": LAYOUT.to_wire()})
+        assert d.backend.gate.entered.wait(10)
+        assert "big" in d.engines and d.pool.used_bytes > 0  # reserved while it runs
+        d.backend.gate.open()
+        h = b.recv()
+        assert h["id"] == req and h["code"] == int(ErrorCode.TOO_LARGE) and "injected" in h["msg"], h
+        assert helpers.wait_for(lambda: nothing_left(d), what="nothing left")
+        snap = b.call(MsgType.STATS)["stats"]
+        assert snap["errors_by_code"]["TOO_LARGE"] == 1  # counted like any request
+        d.backend.fail = False
+        assert b.call(MsgType.ATTACH, {"engine": "big", "layout": LAYOUT.to_wire()})["ok"]
+
+
+class CUDARuntimeError(RuntimeError):
+    """Shaped like CuPy's: a ``status`` attribute (700: illegal address, sticky)."""
+
+    def __init__(self, status: int):
+        super().__init__(f"cudaErrorIllegalAddress ({status})")
+        self.status = status
+
+
+def test_a_sticky_cuda_error_in_a_slow_part_is_answered_and_stops_the_daemon_with_70(raw):
+    with serving() as d:
+        d.backend.fail = CUDARuntimeError(700)
+        d.backend.gate.open()
+        b = raw(d.run_dir)
+        b.hello()
+        h = b.call(MsgType.ATTACH, {"engine": "big", "layout": LAYOUT.to_wire()})
+        assert h["code"] == int(ErrorCode.INTERNAL) and "GPU context is lost" in h["msg"], h
+        d.thread.join(10)
+        assert not d.thread.is_alive() and d.exit_code == server_mod.EXIT_FATAL == 70
+
+
+def test_an_attach_naming_an_engine_being_made_waits_for_it(raw):
+    with serving() as d:
+        b, c = raw(d.run_dir), raw(d.run_dir)
+        b.hello(), c.hello()
+        rb = b.send(MsgType.ATTACH, {"engine": "big", "layout": LAYOUT.to_wire()})
+        assert d.backend.gate.entered.wait(10)
+        rc = c.send(MsgType.ATTACH, {"engine": "big", "layout": helpers.layout(top_k=2).to_wire()})
+        assert c.recv(timeout_s=0.2) is None  # no half-made engine to join
+        d.backend.gate.open()
+        assert b.recv()["id"] == rb
+        h = c.recv()  # then it sees the engine, made, with its layout
+        assert h["id"] == rc and h["code"] == int(ErrorCode.LAYOUT_MISMATCH), h
+
+
+def test_requests_on_an_engine_wait_for_its_write_and_other_engines_are_served(raw, monkeypatch):
+    gate, real = Gate(), engine_mod.EngineSpace.copy_rows
+
+    def held_copy(self, layers, rows, src):
+        if self.name == "w":
+            gate.wait()
+        real(self, layers, rows, src)
+
+    monkeypatch.setattr(engine_mod.EngineSpace, "copy_rows", held_copy)
+    with serving() as d:
+        d.heavy_bytes = 0  # every write runs on the worker thread
+        a = attached_client(d.run_dir)
+        b, c = raw(d.run_dir), raw(d.run_dir)
+        for r in (b, c):
+            r.hello()
+            assert r.call(MsgType.ATTACH, {"engine": "w", "layout": LAYOUT.to_wire()})["ok"]
+        rows = np.arange(4, dtype=np.int32)
+        data = np.full((LAYOUT.num_layers, 4, LAYOUT.row_bytes), 7, np.uint8)
+        rw = b.send(MsgType.WRITE, {"layers": None}, {"rows": rows, "data": data})
+        assert gate.entered.wait(10)
+        rs = c.send(MsgType.STEP, {"step": 0}, {"state_rows": np.arange(2, dtype=np.int32)})  # another rank of "w"
+        topk_ok(a)  # engine "a": served
+        assert c.recv(timeout_s=0.2) is None  # no rank of "w" reads a half-written row
+        gate.open()
+        hw, hs = b.recv(), c.recv()
+        assert hw["id"] == rw and hw["ok"] and hw["bytes"] == data.nbytes, hw
+        assert hs["id"] == rs and hs["ok"], hs
+        assert (d.engines.space("w").pool[:, :4] == 7).all()
+        assert a.stats()["bytes_written"] >= data.nbytes  # counted
+        a.close()
+
+
+def test_a_client_killed_mid_attach_leaves_nothing(spawn_rank):
+    with serving() as d:
+        p = spawn_rank(d.run_dir, 0)
+        p.call("connect")
+        p.conn.send(("attach", {"layout": LAYOUT.to_wire(), "engine": "big"}))  # no answer awaited
+        assert d.backend.gate.entered.wait(10)
+        p.kill()
+        helpers.wait_for(lambda: not d.sessions, what="the killed client reaped")
+        assert "big" in d.engines  # its attach still runs: nothing is released under it
+        d.backend.gate.open()
+        assert helpers.wait_for(lambda: nothing_left(d), what="the attach rolled back")
+        a = attached_client(d.run_dir, engine="big")  # the name and the room are free again
+        topk_ok(a)
+        a.close()
+
+
+def test_a_client_killed_mid_write_keeps_its_engine_until_the_copy_is_done(spawn_rank, monkeypatch):
+    gate, real = Gate(), engine_mod.EngineSpace.copy_rows
+
+    def held_copy(self, *a):
+        gate.wait()
+        real(self, *a)
+
+    monkeypatch.setattr(engine_mod.EngineSpace, "copy_rows", held_copy)
+    with serving() as d:
+        d.heavy_bytes = 0
+        p = spawn_rank(d.run_dir, 0)
+        p.call("connect")
+        p.call("attach", layout=LAYOUT.to_wire(), engine="w")
+        p.conn.send(("write", {"rows": [1, 2, 3]}))
+        assert gate.entered.wait(10)
+        p.kill()
+        helpers.wait_for(lambda: not d.sessions, what="the killed client reaped")
+        # Its engine's range is neither released nor zeroed while the copy writes into it.
+        assert "w" in d.engines and d.pool.used_bytes > 0 and d.pool.zeroing_bytes == 0
+        gate.open()
+        assert helpers.wait_for(lambda: nothing_left(d), what="the rank released after the copy")
+
+
+def test_a_daemon_stopped_mid_attach_waits_for_it_then_leaves_nothing(raw):
+    with serving() as d:
+        a = attached_client(d.run_dir)
+        b = raw(d.run_dir)
+        b.hello()
+        b.send(MsgType.ATTACH, {"engine": "big", "layout": LAYOUT.to_wire()})
+        assert d.backend.gate.entered.wait(10)
+        d.call_soon(d.stop)
+        d.thread.join(0.3)
+        assert d.thread.is_alive()  # the slow part is never interrupted: the stop waits for it
+        d.backend.gate.open()
+        d.thread.join(20)
+        assert not d.thread.is_alive() and "error" not in d.box and d.exit_code == 0
+        a.close()  # its own mapping of its slab (it runs in this process)
+        assert not d.sessions and nothing_left(d)
+        assert not os.path.exists(d.control_path)
+
+
+def test_an_attach_that_must_wait_for_zeroing_waits_off_the_loop(raw, monkeypatch):
+    gate, real = Gate(), pool_mod._zero
+
+    def held_zero(address, nbytes):
+        gate.wait()
+        real(address, nbytes)
+
+    big = helpers.layout(row_bytes=4096, host_rows=2 * INLINE_ZERO_BYTES // (2 * 4096))  # zeroed by threads
+    assert big.pool_bytes > INLINE_ZERO_BYTES
+    with serving(pool_bytes=big.pool_bytes + 2 * ALIGN_BYTES) as d:
+        a = attached_client(d.run_dir)  # takes the rest of the pool
+        b = raw(d.run_dir)
+        b.hello()
+        assert b.call(MsgType.ATTACH, {"engine": "z", "layout": big.to_wire()})["ok"]
+        monkeypatch.setattr(pool_mod, "_zero", held_zero)
+        assert b.call(MsgType.DETACH)["was_attached"]  # its range is zeroed, held
+        assert gate.entered.wait(10)
+        req = b.send(MsgType.ATTACH, {"engine": "z2", "layout": big.to_wire()})  # fits only once zeroed
+        topk_ok(a)  # the loop does not wait for the zeroing
+        assert b.recv(timeout_s=0.2) is None
+        gate.open()
+        h = b.recv()
+        assert h["id"] == req and h["ok"], h
+        a.close()
+
+
+class ThreadsBackend(GatedBackend):
+    """Records the thread of each call, making ranks on the loop's thread after a
+    prepare_rank (as the cuda backend: pinning off the loop, device work on it)."""
+
+    new_rank_on_loop = True
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.threads = {}
+
+    def prepare_rank(self, space, *a, **kw):
+        self.threads["prepare_rank"] = threading.current_thread()
+
+    def new_rank(self, space, *a, **kw):
+        self.threads["new_rank"] = threading.current_thread()
+        return super().new_rank(space, *a, **kw)
+
+
+def test_a_backend_that_makes_ranks_on_the_loop_prepares_them_on_a_worker_thread():
+    with serving(backend_cls=ThreadsBackend) as d:
+        a = attached_client(d.run_dir)
+        topk_ok(a)
+        assert d.backend.threads["new_rank"] is d.thread  # the loop's thread
+        assert d.backend.threads["prepare_rank"].name.startswith("heavy")  # not the loop's
+        a.close()

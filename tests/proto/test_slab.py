@@ -1,0 +1,66 @@
+"""SlabGeometry (proto/slab.py): where an engine-owned slab's hot rows are, and the check
+that keeps the daemon's writes inside the engine's buffer and off each other."""
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.proto.layout import LayoutError
+from sparsekv.proto.slab import SlabGeometry
+
+LAY = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=4)  # 32 hot rows per layer
+
+
+def test_contiguous_is_the_daemons_own_slab_layout():
+    g = SlabGeometry.contiguous(LAY).check(LAY)
+    assert g.is_linear(LAY) and g.buffer_bytes == LAY.slab_bytes
+    slab = np.arange(LAY.slab_bytes, dtype=np.int64).reshape(LAY.slab_shape[:3] + (-1,))
+    # hot row h = req * region_stride + slot of layer l sits where slab[l, req, slot] does
+    for layer, req, slot in [(0, 0, 0), (1, 3, 7), (0, 2, 5)]:
+        h = req * LAY.region_stride + slot
+        assert g.row_offsets(LAY, layer, [h])[0] == slab[layer, req, slot, 0]
+
+
+def test_a_paged_cache_with_gaps_maps_rows_block_by_block():
+    # [layers][blocks of 4 rows, each block followed by 4 rows of something else]
+    g = SlabGeometry.paged(LAY, layer_bases=[0, 4096], first_block=2, block_size=4, block_stride=256,
+                           buffer_bytes=8192).check(LAY)
+    assert not g.is_linear(LAY) and g.blocks(LAY) == 8
+    assert g.row_offsets(LAY, 0, [0, 3, 4, 31]).tolist() == [512, 512 + 96, 768, 512 + 7 * 256 + 96]
+    assert g.row_offsets(LAY, 1, [0])[0] == 4096 + 512
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(layer_offsets=(0,)), "layer_offsets has 1 entries, the layout 2 layers"),
+    (dict(block_rows=3), "block_rows 3 must divide the hot rows"),
+    (dict(block_rows=0), "block_rows must be >= 1"),
+    (dict(block_stride=64), "block_stride 64 is less than a block"),
+    (dict(block_stride=136), "block_stride 136 must be a multiple of 16"),
+    (dict(layer_offsets=(0, 4104)), "layer_offsets must be multiples of 16"),
+    (dict(layer_offsets=(0, -16)), "layer_offsets must be integers >= 0"),
+    (dict(buffer_bytes=4096 + 7 * 256 + 127), "reach byte 6016, past the buffer.s 6015"),
+    (dict(layer_offsets=(0, 64)), "hot blocks overlap"),
+    (dict(block_rows=True), "block_rows must be an integer"),
+])
+def test_bad_geometries_are_refused_naming_the_fault(kw, match):
+    base = dict(layer_offsets=(0, 4096), block_rows=4, block_stride=256, buffer_bytes=8192)
+    base.update(kw)
+    with pytest.raises(LayoutError, match=match):
+        SlabGeometry(**base).check(LAY)
+
+
+def test_interleaved_layers_that_do_not_overlap_are_accepted():
+    # [blocks][layers][4 rows]: layer 1's block b follows layer 0's block b
+    g = SlabGeometry((0, 128), 4, 256, 8 * 256).check(LAY)
+    assert g.row_offsets(LAY, 1, [5])[0] == 128 + 256 + 32
+
+
+def test_wire_round_trip_and_malformed_maps():
+    g = SlabGeometry((0, 4096), 4, 256, 8192)
+    assert SlabGeometry.from_wire(g.to_wire()) == g
+    with pytest.raises(LayoutError, match="needs field 'block_rows'"):
+        SlabGeometry.from_wire({"layer_offsets": [0, 1], "block_stride": 1, "buffer_bytes": 1})
+    with pytest.raises(LayoutError, match="must be a map"):
+        SlabGeometry.from_wire([1, 2])
+    with pytest.raises(LayoutError, match="must be a list"):
+        SlabGeometry.from_wire({"layer_offsets": 5, "block_rows": 1, "block_stride": 1, "buffer_bytes": 1})
