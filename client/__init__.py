@@ -10,10 +10,12 @@ from .errors import (
     PermissionDenied,
     PoolFull,
     ProtocolMismatch,
+    QuotaExceeded,
     SparseKVError,
 )
 
 __all__ = [
     "Attachment", "BadRequest", "Client", "DaemonUnavailable", "LayoutMismatch", "NotAttached",
-    "Pending", "PermissionDenied", "PoolFull", "ProtocolMismatch", "SparseKVError", "TopkResult",
+    "Pending", "PermissionDenied", "PoolFull", "ProtocolMismatch", "QuotaExceeded", "SparseKVError",
+    "TopkResult",
 ]

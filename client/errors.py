@@ -39,6 +39,12 @@ class PoolFull(SparseKVError):
     code = ErrorCode.POOL_FULL
 
 
+class QuotaExceeded(SparseKVError):
+    """This user holds its share of the daemon's clients or pool bytes (per-uid quotas)."""
+
+    code = ErrorCode.QUOTA_EXCEEDED
+
+
 class BadRequest(SparseKVError):
     """The request was malformed or out of range (BAD_* , DUPLICATE_IDS, TOO_LARGE...)."""
 
@@ -60,6 +66,7 @@ _BY_CODE = {
     ErrorCode.BAD_VERSION: ProtocolMismatch,
     ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
     ErrorCode.POOL_FULL: PoolFull,
+    ErrorCode.QUOTA_EXCEEDED: QuotaExceeded,
     ErrorCode.NOT_ATTACHED: NotAttached,
     ErrorCode.NOT_HELLO: NotAttached,
     ErrorCode.PERMISSION_DENIED: PermissionDenied,

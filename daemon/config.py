@@ -97,6 +97,19 @@ class Config:
     max_slab_bytes: int = 16 << 30
     # Members of this group may join any user's engine (operators' tools); -1: none.
     admin_gid: int = -1
+    # Per-uid quotas (0: none beyond the daemon-wide limits). What one user's clients may
+    # hold: sessions (HELLO), and pool bytes of the engines it created; QUOTA_EXCEEDED
+    # beyond, checked before anything is allocated. Root is counted like anyone else.
+    max_clients_per_uid: int = 0
+    max_pool_bytes_per_uid: int = 0
+    # Connections to control.sock (each costs the daemon a file descriptor): at most this
+    # many from one uid (0: no cap; more are closed at once and counted), each of which
+    # must send its HELLO within hello_timeout_s (else closed and counted). A session
+    # that never attached is dropped, and its connection closed, after idle_timeout_s
+    # without a request (an attached rank may idle as long as its process lives).
+    max_connections_per_uid: int = 0
+    hello_timeout_s: float = 10.0
+    idle_timeout_s: float = 600.0
     log_level: str = "info"
 
     def validate(self) -> "Config":
@@ -120,6 +133,15 @@ class Config:
             raise ConfigError("max_slab_bytes must be positive")
         if not -1 <= self.admin_gid < 2**32 - 1:
             raise ConfigError(f"admin_gid must be a group id, or -1 for none, got {self.admin_gid}")
+        for name in ("max_clients_per_uid", "max_connections_per_uid"):
+            if not 0 <= getattr(self, name) <= 1_000_000:
+                raise ConfigError(f"{name} must lie in [0, 1000000] (0: no cap), got {getattr(self, name)}")
+        if self.max_pool_bytes_per_uid < 0:
+            raise ConfigError(f"max_pool_bytes_per_uid must be >= 0 (0: no quota), got {self.max_pool_bytes_per_uid}")
+        for name in ("hello_timeout_s", "idle_timeout_s"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not 0 < v <= 86400:
+                raise ConfigError(f"{name} must be a number of seconds in (0, 86400], got {v}")
         if self.prefault_threads < 0 or self.prefault_threads > 1024:
             raise ConfigError(f"prefault_threads must lie in [0, 1024] (0: one per core), got {self.prefault_threads}")
         if self.max_clients > 1_000_000:
@@ -152,7 +174,7 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-_SIZES = ("pool_size", "device_arena_size", "max_slab_bytes")
+_SIZES = ("pool_size", "device_arena_size", "max_slab_bytes", "max_pool_bytes_per_uid")
 
 # What each setting means, for --help (its default and environment name are added).
 _HELP = {
@@ -172,6 +194,11 @@ _HELP = {
     "metrics_port": "serve Prometheus text on http://127.0.0.1:PORT/metrics; 0: off",
     "max_slab_bytes": "most memory one rank may take (hot slab + staging + residency state), with a unit",
     "admin_gid": "members of this group may join any user's engine; -1: nobody but root",
+    "max_clients_per_uid": "connected clients of one uid at most; 0: no cap beyond max_clients",
+    "max_pool_bytes_per_uid": "pool bytes of the engines one uid created, with a unit; 0B: no quota",
+    "max_connections_per_uid": "open control connections of one uid at most (more are closed); 0: no cap",
+    "hello_timeout_s": "a control connection that sends no HELLO within this is closed",
+    "idle_timeout_s": "a session that never attached is dropped after this long without a request",
     "log_level": "debug, info, warning or error",
 }
 

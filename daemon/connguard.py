@@ -34,6 +34,8 @@ import time
 
 import zmq
 
+from .connections import Connections
+
 log = logging.getLogger("sparsekv.server")
 
 BUSY_SUFFIX = ".busy"
@@ -62,10 +64,15 @@ class ConnectionGuard:
         path: the endpoint's socket file.
         limit_fds: the soft ``RLIMIT_NOFILE`` (read now when None).
         reserve_fds: descriptors to keep free (:func:`reserve_for` the limit when None).
+        connections: the table of connections (``daemon/connections.py``) this thread
+            feeds with the monitor's accepted / disconnected events and expires once a
+            second; None: no table.
     """
 
-    def __init__(self, router, path: str, *, limit_fds: int | None = None, reserve_fds: int | None = None):
+    def __init__(self, router, path: str, *, limit_fds: int | None = None, reserve_fds: int | None = None,
+                 connections: Connections | None = None):
         self.router = router
+        self.connections = connections
         self.path = path
         self.busy_path = path + BUSY_SUFFIX
         self.limit_fds = limit_fds or resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -114,6 +121,7 @@ class ConnectionGuard:
     def _run(self) -> None:
         mon = self._monitor
         accepted, last_scan = 0, time.monotonic()
+        last_expire = last_scan
         try:
             while True:
                 if mon.poll(1000):
@@ -124,11 +132,21 @@ class ConnectionGuard:
                             frames = mon.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        event = int.from_bytes(frames[0][:2], "little") if frames and len(frames[0]) >= 2 else 0
+                        head = frames[0] if frames else b""
+                        event = int.from_bytes(head[:2], "little") if len(head) >= 2 else 0
                         if event == zmq.EVENT_MONITOR_STOPPED:
                             return
                         accepted += event == zmq.EVENT_ACCEPTED
+                        if self.connections is not None and len(head) >= 6:
+                            fd = int.from_bytes(head[2:6], "little")  # the event's value: the descriptor
+                            if event == zmq.EVENT_ACCEPTED:
+                                self.connections.accepted(fd)
+                            elif event == zmq.EVENT_DISCONNECTED:
+                                self.connections.disconnected(fd)
                 now = time.monotonic()
+                if self.connections is not None and now - last_expire >= 1.0:
+                    self.connections.expire()
+                    last_expire = now
                 # Scan (it holds the GIL for a while when many descriptors are open) once a
                 # second, or at once when the accepts since the last scan may have brought
                 # the count near the limit, or while gated.

@@ -322,7 +322,11 @@ def main(argv=None) -> int:
                             busy_poll_us=cfg.busy_poll_us if cfg.busy_poll_us >= 0
                             else (1000 if backend.name == "cuda" else 0),
                             metrics_port=cfg.metrics_port,
-                            admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None)
+                            admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None,
+                            max_clients_per_uid=cfg.max_clients_per_uid,
+                            max_pool_bytes_per_uid=cfg.max_pool_bytes_per_uid,
+                            max_connections_per_uid=cfg.max_connections_per_uid,
+                            hello_timeout_s=cfg.hello_timeout_s, idle_timeout_s=cfg.idle_timeout_s)
             daemon.max_slab_bytes = cfg.max_slab_bytes  # ATTACH: check_layout_limits
             return _run(daemon, signals)
         except _Interrupted:

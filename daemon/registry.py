@@ -53,12 +53,17 @@ class EngineRegistry:
             backend's optional ``prepare_rank`` (``new_rank``'s arguments; cuda: checks
             and pinning).
 
+        max_pool_bytes_per_uid: pool bytes (``Layout.pool_bytes``) the engines one uid
+            created may hold together; a new engine beyond it is QUOTA_EXCEEDED before
+            anything is allocated. 0: no quota.
+
     Iterating yields engine names; ``len()`` is the number of engines.
     """
 
-    def __init__(self, pool: HostPool, backend):
+    def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0):
         self.pool = pool
         self.backend = backend
+        self.max_pool_bytes_per_uid = max_pool_bytes_per_uid  # 0: no quota
         self._engines: dict[str, EngineSpace] = {}
         self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
 
@@ -101,6 +106,7 @@ class EngineRegistry:
         space = self._engines.get(engine_name)
         created = space is None
         if created:
+            self._check_quota(owner, layout.pool_bytes)
             offset = self.pool.allocate(layout.pool_bytes)
             try:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
@@ -126,6 +132,22 @@ class EngineRegistry:
             kw["engine_slab"] = engine_slab
         self._attaching[engine_name] = self._attaching.get(engine_name, 0) + 1
         return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw)
+
+    def pool_bytes_of(self, uid: int) -> int:
+        """Pool bytes held by the engines ``uid`` created."""
+        return sum(space.layout.pool_bytes for space in self._engines.values()
+                   if space.owner is not None and space.owner.uid == uid)
+
+    def _check_quota(self, owner: Owner | None, pool_bytes: int) -> None:
+        if not self.max_pool_bytes_per_uid or owner is None:
+            return
+        held = self.pool_bytes_of(owner.uid)
+        if held + pool_bytes > self.max_pool_bytes_per_uid:
+            raise ProtocolError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"a new engine of {pool_bytes} pool bytes would bring uid {owner.uid} to {held + pool_bytes} "
+                f"(max_pool_bytes_per_uid {self.max_pool_bytes_per_uid}; its engines hold {held})",
+            )
 
     def prepare(self, p: PendingAttach) -> None:
         """The slow part of an attach, on any thread: the backend's ``prepare_rank`` if it

@@ -14,6 +14,7 @@ its session's later requests, and those on an engine it holds, wait for it in or
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import os
@@ -47,6 +48,7 @@ from sparsekv.proto.layout import ROW_ALIGN_BYTES
 from sparsekv.proto.slab import SlabGeometry
 
 from . import stats as stats_mod
+from .connections import Connections
 from .connguard import BUSY_SUFFIX, ConnectionGuard
 from .engine import EngineSlabImport, Owner, RankState
 from .fd_server import FdServer
@@ -94,6 +96,8 @@ class Session:
     watch: PidWatch | None = None
     peer_address: str = ""  # the HELLO's Peer-Address, as libzmq gave it ("": unverified)
     fd_token: str | None = None  # the fd socket's token of its attached rank, until used
+    last_request_at: float = field(default_factory=time.monotonic)  # idle_timeout_s counts from here
+    conn: tuple[int, int] | None = None  # its connection (fd, socket inode): closed if the session expires
 
 
 class Daemon:
@@ -111,7 +115,9 @@ class Daemon:
 
     def __init__(self, run_dir: str, backend, pool: HostPool, *, max_clients: int = 256,
                  reap_interval_s: float = 2.0, notifier: Notifier | None = None, busy_poll_us: int = 0,
-                 metrics_port: int = 0, admin_gid: int | None = None):
+                 metrics_port: int = 0, admin_gid: int | None = None, max_clients_per_uid: int = 0,
+                 max_pool_bytes_per_uid: int = 0, max_connections_per_uid: int = 0, hello_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 600.0):
         self.run_dir = run_dir
         # Members of this group (primary or supplementary) may join any user's engine.
         self.admin_gid = admin_gid
@@ -120,6 +126,15 @@ class Daemon:
         self.backend = backend
         self.pool = pool
         self.max_clients = max_clients
+        self.max_clients_per_uid = max_clients_per_uid  # 0: no per-uid cap (QUOTA_EXCEEDED at HELLO)
+        self.idle_timeout_s = idle_timeout_s  # a session that never attached, without a request
+        # The control socket's connections: credentials, HELLO deadline, per-uid cap
+        # (daemon/connections.py), fed by the connection guard's thread while serving.
+        self.connections = Connections(max_per_uid=max_connections_per_uid, hello_timeout_s=hello_timeout_s)
+        self._hello_fd: int | None = None  # the descriptor the HELLO being handled came on
+        # Identities of sessions dropped for idleness (the latest 1,024) -> what their next
+        # request is told: a client keeps its routing id across reconnects.
+        self._expired: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.reap_interval_s = reap_interval_s
         self.busy_poll_ns = int(busy_poll_us) * 1000
         self.notifier = notifier or Notifier({})
@@ -132,7 +147,8 @@ class Daemon:
         self.metrics_address: tuple[str, int] | None = None  # once bound
         self.version = stats_mod.package_version()
         self.sessions: dict[bytes, Session] = {}
-        self.engines = EngineRegistry(pool, backend)  # engine lifetimes and pool ranges
+        # engine lifetimes and pool ranges (and the per-uid pool quota)
+        self.engines = EngineRegistry(pool, backend, max_pool_bytes_per_uid=max_pool_bytes_per_uid)
         # Heavy requests' slow parts on worker threads, and the requests waiting for them.
         self.heavy = HeavyRequests()
         self._sock = None  # the ROUTER socket, while serving
@@ -215,7 +231,7 @@ class Daemon:
         os.rename(new_path, self.control_path)
         # libzmq aborts the process if accepting a connection finds no free descriptor:
         # hold off new connections while few are left (daemon/connguard.py).
-        guard = ConnectionGuard(sock, self.control_path).start()
+        guard = ConnectionGuard(sock, self.control_path, connections=self.connections).start()
         self.connection_guard = guard
         loop = asyncio.get_running_loop()
         self._sock = sock
@@ -350,7 +366,8 @@ class Daemon:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} takes no array(s) {sorted(extra)}")
             session = self.sessions.get(identity)
             if kind != MsgType.HELLO and session is None:
-                raise ProtocolError(ErrorCode.NOT_HELLO, "no HELLO from this connection")
+                why = self._expired.get(identity)
+                raise ProtocolError(ErrorCode.NOT_HELLO, why or "no HELLO from this connection")
             if defer and self._must_wait(session, kind, header):
                 return _WAIT
             if session is not None:
@@ -361,6 +378,7 @@ class Daemon:
                         raise ProtocolError(ErrorCode.PERMISSION_DENIED,
                                             "this connection is not the process that said HELLO on it; send HELLO")
                 session.requests += 1
+                session.last_request_at = time.monotonic()
                 if kind in _RANK_REQUESTS and session.state is not None \
                         and not getattr(session.state, "device_driven", False):
                     # (A doorbell rank's errors are its handle's check(): not a write's.)
@@ -372,7 +390,8 @@ class Daemon:
                         what = "nor the STEP it began " if header.get("begin") is True else ""
                         err.args = (f"{err.args[0]}; this {kind.name} request {what}was not run",)
                         raise err
-            if kind == MsgType.HELLO: self._peer = _peer_creds(frames)  # noqa: E701 - SO_PEERCRED, HELLO only
+            if kind == MsgType.HELLO:
+                self._peer, self._hello_fd = _peer_creds(frames), _src_fd(frames)  # SO_PEERCRED, HELLO only
             out = self.handlers[kind](session, identity, header, arrays)
             if isinstance(out, types.GeneratorType):  # a heavy request's handler
                 job = Job(out, identity, session, kind, msg_type, req_id, tr)
@@ -564,6 +583,11 @@ class Daemon:
             del self.sessions[identity]
         if len(self.sessions) >= self.max_clients:
             raise ProtocolError(ErrorCode.TOO_MANY_CLIENTS, f"{len(self.sessions)} clients connected (max {self.max_clients})")
+        if self.max_clients_per_uid:
+            mine = sum(1 for other in self.sessions.values() if other.uid == peer.uid)
+            if mine >= self.max_clients_per_uid:
+                raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, f"uid {peer.uid} has {mine} clients connected "
+                                    f"(max_clients_per_uid {self.max_clients_per_uid})")
         pid = peer.pid
         claimed = h.get("pid")
         if peer.verified and claimed != pid:
@@ -581,6 +605,9 @@ class Daemon:
                     uid=peer.uid, gid=peer.gid, verified=peer.verified, peer_address=peer.address)
         self._next_client_id += 1
         s.watch = self._watch(s)
+        fd, self._hello_fd = self._hello_fd, None
+        if fd is not None:  # its connection has a client now: no HELLO deadline; closed if the session expires
+            s.conn = self.connections.greeted(fd)
         self.sessions[identity] = s
         log.info("client %d hello: pid %d uid %d rank %d device %s %s", s.client_id, pid, s.uid, rank, s.device, s.name)
         if peer.verified and pid == 0:
@@ -889,6 +916,7 @@ class Daemon:
             **({"device_errors": device_errors()} if device_errors else {}),
             **({"arenas": arenas} if arenas is not None else {}),
             "clients": len(self.sessions),
+            **self.connections.counters(),  # counted on the connection guard's thread
             "attached": sum(1 for s in self.sessions.values() if s.state is not None),
             **self.engines.gauges(),
             "per_engine": self._per_engine(),
@@ -944,7 +972,30 @@ class Daemon:
         for s in dead:
             self._reap(s)
         self.fd_server.expire()  # engine slabs deposited and never attached with
+        self.expire_idle()
         return len(dead)
+
+    def expire_idle(self) -> int:
+        """Drop the sessions that never attached (or detached) and sent no request for
+        ``idle_timeout_s``, and close their connections: a client that said HELLO and
+        nothing more holds a place in ``max_clients`` (and its uid's quota) and a
+        descriptor. An attached rank may idle as long as its process lives. Returns how
+        many were dropped."""
+        limit = time.monotonic() - self.idle_timeout_s
+        idle = [s for s in self.sessions.values()
+                if s.state is None and s.last_request_at <= limit and not self.heavy.busy(s.identity)]
+        for s in idle:
+            log.info("client %d (pid %d uid %d) dropped: no request for %g s and not attached", s.client_id, s.pid,
+                     s.uid, self.idle_timeout_s)
+            self.sessions.pop(s.identity, None)
+            self._detach(s)
+            self.connections.close(s.conn)
+            self._expired[s.identity] = (f"client {s.client_id}'s session expired: no request for "
+                                         f"{self.idle_timeout_s:g} s and not attached (idle_timeout_s); connect again")
+            while len(self._expired) > 1024:
+                self._expired.popitem(last=False)
+        self.stats.add(sessions_expired=len(idle))
+        return len(idle)
 
     def _reap(self, s: Session) -> None:
         """Forget session ``s`` whose process is gone, and release what it held."""
@@ -1054,6 +1105,21 @@ def _peer_address(frames) -> str | None:
         return get("Peer-Address")
     except Exception:  # noqa: BLE001 - zmq.ZMQError: no such property
         return ""
+
+
+def _src_fd(frames) -> int | None:
+    """The descriptor of the connection received frames came on (libzmq's ``ZMQ_SRCFD``
+    property: deprecated, present in 4.3); None for plain bytes or when unreadable."""
+    get = getattr(frames[0], "get", None) if frames else None
+    if get is None:
+        return None
+    try:
+        fd = get(zmq.SRCFD)
+    except Exception:  # noqa: BLE001 - zmq.ZMQError, an older or newer libzmq
+        return None
+    return fd if type(fd) is int and fd >= 0 else None
+
+
 # What generate_latest() writes (prometheus_client's CONTENT_TYPE_LATEST names 1.0.0 in
 # recent releases, which this text is not).
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"

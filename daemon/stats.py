@@ -40,6 +40,11 @@ COUNTERS = (
     ("errors", "requests answered with an error"),
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
     ("fd_refusals", "fd socket connections refused (a bad, used or withdrawn token, or not the attaching process)"),
+    # These two are counted by the connection guard's thread (daemon/connections.py) and
+    # reach the snapshot through the server's gauges.
+    ("connections_refused", "control connections closed when accepted: their uid had max_connections_per_uid open"),
+    ("connections_expired", "control connections closed because no HELLO came within hello_timeout_s"),
+    ("sessions_expired", "sessions that never attached, dropped after idle_timeout_s without a request"),
 )
 
 # Top-k handling time in the daemon runs from ~10 us (cpu, small batch; cuda: enqueue
@@ -168,6 +173,7 @@ def metric_families(snap: dict) -> Iterator[Metric]:
     gauges = (
         ("start_time_seconds", "start_time_s", "when the daemon started, seconds since the Unix epoch"),
         ("clients", "clients", "connected clients"),
+        ("connections", "connections_open", "open control connections (with or without a HELLO)"),
         ("attached_clients", "attached", "clients attached to an engine"),
         ("engines", "engines", "engines with a pool range"),
         ("pool_bytes", "pool_bytes", "bytes of the host pool"),
@@ -229,6 +235,11 @@ def render_table(snap: dict) -> str:
         f"errors         {snap['errors']}"
         + ("  " + " ".join(f"{k}={v}" for k, v in sorted(snap["errors_by_code"].items())) if snap["errors_by_code"] else ""),
     ]
+    closed = {k: snap.get(f"connections_{k}", 0) for k in ("refused", "expired")}
+    if any(closed.values()) or snap.get("sessions_expired"):
+        lines.append(f"connections    {snap.get('connections_open', 0)} open, closed: {closed['refused']} over the "
+                     f"per-uid cap, {closed['expired']} without HELLO; {snap.get('sessions_expired', 0)} idle "
+                     "sessions expired")
     if snap.get("fd_refusals"):  # fds.sock: a bad token, or not the process that attached
         lines.append(f"fd refusals    {snap['fd_refusals']}")
     if snap.get("device_errors"):  # cuda: rows the kernels refused or mended, by kind

@@ -59,6 +59,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 15
     SHUTTING_DOWN = 16
     PERMISSION_DENIED = 17
+    QUOTA_EXCEEDED = 18
 
 
 ERROR_HINTS: dict[ErrorCode, str] = {
@@ -80,6 +81,8 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     ErrorCode.SHUTTING_DOWN: "the daemon is stopping",
     ErrorCode.PERMISSION_DENIED: "another user's engine, or a connection whose credentials the daemon cannot read; "
     "attach as the engine's owner, as root or as a member of the daemon's admin group, or pick another engine name",
+    ErrorCode.QUOTA_EXCEEDED: "this user holds its share of the daemon (max_clients_per_uid, max_pool_bytes_per_uid "
+    "in the daemon's config): close or detach other clients of this user, or ask the operator to raise it",
 }
 
 

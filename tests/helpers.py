@@ -364,3 +364,66 @@ def inproc_daemon(path, max_clients: int = 3, pool_bytes: int = 8 << 20):
             d._detach(s)
         backend.close()
         pool.close()
+
+
+# -- clients as other users (root, setpriv) -------------------------------------------------
+def as_user(uid: int | None, groups=()) -> list[str]:
+    """The command prefix that runs a program as ``uid`` (its gid the same number, only
+    ``groups`` as supplementary groups); nothing for None. ``setpriv`` execs in place, so
+    the process keeps the pid the test sees."""
+    if uid is None:
+        return []
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}",
+            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"]
+
+
+def why_not_other_users() -> str | None:
+    """Why clients cannot be run as other users here, or None (then they can)."""
+    if os.geteuid() != 0:
+        return "needs root to run clients as other users"
+    if shutil.which("setpriv") is None:
+        return "needs setpriv (util-linux)"
+    r = subprocess.run([*as_user(65534), sys.executable, "-c", "import zmq, sparsekv.proto"], cwd="/tmp",
+                       capture_output=True)
+    return None if r.returncode == 0 else "this interpreter cannot run as another user"
+
+
+def open_to_other_users(run_dir: str, *names: str) -> None:
+    """Let other users reach a private daemon's sockets (its run dir is 0700), as the
+    daemon's group may in a deployment."""
+    os.chmod(run_dir, 0o755)
+    for name in names or ("control.sock",):
+        os.chmod(os.path.join(run_dir, name), 0o666)
+
+
+RAW_CLIENT = r"""
+import json, sys, zmq
+from sparsekv.proto import MsgType, decode, encode
+run_dir, claimed, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+s = zmq.Context().socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(f"ipc://{run_dir}/control.sock")
+def call(t, fields):
+    s.send_multipart(encode(t, 1, fields))
+    if not s.poll(10000):
+        raise SystemExit("no reply")
+    return decode(s.recv_multipart())[0]
+print(json.dumps(call(MsgType.HELLO, {"pid": claimed, "rank": 0, "device": "cpu", "name": "raw"})), flush=True)
+for engine, layout in steps:
+    print(json.dumps(call(MsgType.ATTACH, {"engine": engine, "layout": layout})), flush=True)
+sys.stdin.read()  # until the test closes stdin or kills us
+"""
+
+
+def raw_client(run_dir, claimed_pid, steps, uid=None, groups=()):
+    """A process (as ``uid``) that says HELLO (claiming ``claimed_pid``) and ATTACHes
+    ``steps`` ([engine, layout wire]) over the control socket, then waits until its stdin
+    closes; returns (process, replies): the HELLO's and each ATTACH's reply."""
+    p = subprocess.Popen([*as_user(uid, groups), sys.executable, "-c", RAW_CLIENT, run_dir, str(claimed_pid),
+                          json.dumps(steps)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/tmp")
+    replies = []
+    for _ in range(1 + len(steps)):
+        line = p.stdout.readline()
+        assert line, f"raw client exited with {p.wait()}"
+        replies.append(json.loads(line))
+    return p, replies

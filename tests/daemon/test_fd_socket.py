@@ -7,7 +7,6 @@ refused with a reason and counted (``fd_refusals``), and the daemon goes on serv
 import json
 import mmap
 import os
-import shutil
 import socket
 import stat
 import subprocess
@@ -173,21 +172,7 @@ def test_the_token_is_withdrawn_when_the_rank_detaches(daemon):
             os.close(fd)
 
 
-def _can_run_as_others() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to run clients as other users"
-    if shutil.which("setpriv") is None:
-        return "needs setpriv (util-linux)"
-    r = subprocess.run([*as_user(65534), sys.executable, "-c", "import zmq, sparsekv.proto"], cwd="/tmp",
-                       capture_output=True)
-    return None if r.returncode == 0 else "this interpreter cannot run as another user"
-
-
-def as_user(uid: int) -> list[str]:
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-
-
-@pytest.mark.skipif(_can_run_as_others() is not None, reason=str(_can_run_as_others()))
+@pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
 def test_another_user_cannot_get_the_fds_of_a_users_rank(tmp_path):
     with PrivateDaemon(pool_bytes=64 * MiB, backend="cpu", log_path=str(tmp_path / "d.log"),
                        start_timeout_s=30) as d:
@@ -195,7 +180,7 @@ def test_another_user_cannot_get_the_fds_of_a_users_rank(tmp_path):
         for name in ("control.sock", FD_SOCKET):
             os.chmod(os.path.join(d.run_dir, name), 0o666)
         path = os.path.join(d.run_dir, FD_SOCKET)
-        owner = subprocess.Popen([*as_user(65534), sys.executable, "-c", ATTACHER, d.run_dir,
+        owner = subprocess.Popen([*helpers.as_user(65534), sys.executable, "-c", ATTACHER, d.run_dir,
                                   json.dumps(helpers.layout().to_wire())],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/tmp")
         try:
@@ -203,7 +188,7 @@ def test_another_user_cannot_get_the_fds_of_a_users_rank(tmp_path):
             assert att["ok"], att
             h = att["handles"]
             # another user, holding the owner's token (leaked): refused
-            stranger = fetch_elsewhere(path, h["fd_token"], as_user(65533))
+            stranger = fetch_elsewhere(path, h["fd_token"], helpers.as_user(65533))
             assert stranger["ok"] is False and stranger["code"] == "PERMISSION_DENIED", stranger
             assert "did not attach this rank" in stranger["msg"] and "65533" in stranger["msg"]
             # and no file of the daemon's to open instead

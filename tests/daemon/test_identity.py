@@ -5,10 +5,8 @@ it dies, without waiting for the reaper's tick; a second HELLO never throws an a
 rank away."""
 
 import asyncio
-import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -295,48 +293,6 @@ def test_pid_watch_close_is_idempotent(sleeper):
 
 
 # -- over the socket ------------------------------------------------------------------------
-RAW_CLIENT = r"""
-import json, sys, zmq
-from sparsekv.proto import MsgType, decode, encode
-run_dir, claimed, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-s = zmq.Context().socket(zmq.DEALER)
-s.setsockopt(zmq.LINGER, 0)
-s.connect(f"ipc://{run_dir}/control.sock")
-def call(t, fields):
-    s.send_multipart(encode(t, 1, fields))
-    if not s.poll(10000):
-        raise SystemExit("no reply")
-    return decode(s.recv_multipart())[0]
-print(json.dumps(call(MsgType.HELLO, {"pid": claimed, "rank": 0, "device": "cpu", "name": "raw"})), flush=True)
-for engine, layout in steps:
-    print(json.dumps(call(MsgType.ATTACH, {"engine": engine, "layout": layout})), flush=True)
-sys.stdin.read()  # until the test closes stdin or kills us
-"""
-
-
-def as_user(uid: int | None, groups=()) -> list[str]:
-    """The command prefix that runs a program as ``uid`` (its gid the same number, only
-    ``groups`` as supplementary groups); nothing for None. ``setpriv`` execs in place, so
-    the process keeps the pid the test sees."""
-    if uid is None:
-        return []
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}",
-            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"]
-
-
-def raw_client(run_dir, claimed_pid, steps, uid=None, groups=()):
-    """A process (as ``uid``) that says HELLO (claiming ``claimed_pid``) and ATTACHes
-    ``steps`` ([engine, layout wire]) over the control socket; returns (process, replies)."""
-    p = subprocess.Popen([*as_user(uid, groups), sys.executable, "-c", RAW_CLIENT, run_dir, str(claimed_pid),
-                          json.dumps(steps)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/tmp")
-    replies = []
-    for _ in range(1 + len(steps)):
-        line = p.stdout.readline()
-        assert line, f"raw client exited with {p.wait()}"
-        replies.append(json.loads(line))
-    return p, replies
-
-
 def clients(run_dir):
     lines = helpers.stats_query(run_dir, "clients").splitlines()
     header = lines[0].split("\t")
@@ -347,7 +303,7 @@ def test_client_lying_about_its_pid_is_reclaimed_at_once_over_the_socket(tmp_pat
     # A reap tick of a minute: only the pidfd can reclaim the client within the test.
     with PrivateDaemon(pool_bytes=64 * MiB, backend="cpu", extra_args=["--reap-interval-s", "60"],
                        log_path=str(tmp_path / "d.log"), start_timeout_s=30) as d:
-        p, (hello, att) = raw_client(d.run_dir, 1, [["e", helpers.layout().to_wire()]])
+        p, (hello, att) = helpers.raw_client(d.run_dir, 1, [["e", helpers.layout().to_wire()]])
         assert hello["ok"] and att["ok"], (hello, att)
         (row,) = clients(d.run_dir)
         assert (row["pid"], row["uid"], row["attached"]) == (str(p.pid), str(os.getuid()), "yes")
@@ -361,18 +317,7 @@ def test_client_lying_about_its_pid_is_reclaimed_at_once_over_the_socket(tmp_pat
         assert helpers.shm_slabs(d.run_dir) == []
 
 
-def _can_run_as_others() -> str | None:
-    """Why clients cannot be run as other users here, or None."""
-    if os.geteuid() != 0:
-        return "needs root to run clients as other users"
-    if shutil.which("setpriv") is None:
-        return "needs setpriv (util-linux)"
-    r = subprocess.run([*as_user(65534), sys.executable, "-c", "import zmq, sparsekv.proto"], cwd="/tmp",
-                       capture_output=True)
-    return None if r.returncode == 0 else "this interpreter cannot run as another user"
-
-
-ROOT = pytest.mark.skipif(_can_run_as_others() is not None, reason=str(_can_run_as_others()))
+ROOT = pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
 
 
 @ROOT
@@ -382,9 +327,9 @@ def test_another_users_engine_is_permission_denied_over_the_socket(tmp_path):
                        start_timeout_s=30) as d:
         os.chmod(d.run_dir, 0o755)  # let other users reach the socket (a test daemon's dir is 0700)
         os.chmod(os.path.join(d.run_dir, "control.sock"), 0o666)
-        owner, (h, att) = raw_client(d.run_dir, 1, [["e", lay]], uid=65534)
+        owner, (h, att) = helpers.raw_client(d.run_dir, 1, [["e", lay]], uid=65534)
         assert h["ok"] and att["ok"], att
-        stranger, (h, same, diff) = raw_client(d.run_dir, 1, [["e", lay], ["e", other]], uid=65533)
+        stranger, (h, same, diff) = helpers.raw_client(d.run_dir, 1, [["e", lay], ["e", other]], uid=65533)
         for r in (same, diff):  # the same answer whatever the layout
             assert r["ok"] is False and r["code"] == int(ErrorCode.PERMISSION_DENIED), r
             assert "top_k" not in r["msg"] and "65534" not in r["msg"] and "layout" not in r["msg"].split("(")[0]
@@ -392,10 +337,10 @@ def test_another_users_engine_is_permission_denied_over_the_socket(tmp_path):
         assert rows[str(owner.pid)]["uid"] == "65534" and rows[str(stranger.pid)]["uid"] == "65533"
         assert rows[str(stranger.pid)]["attached"] == "no"
         # root may join; for root, as for the owner, another layout is LAYOUT_MISMATCH with the layout
-        root, (h, mismatch, joined) = raw_client(d.run_dir, 1, [["e", other], ["e", lay]])
+        root, (h, mismatch, joined) = helpers.raw_client(d.run_dir, 1, [["e", other], ["e", lay]])
         assert mismatch["code"] == int(ErrorCode.LAYOUT_MISMATCH) and "top_k" in mismatch["msg"], mismatch
         assert joined["ok"], joined
-        owner2, (h, own_mismatch) = raw_client(d.run_dir, 1, [["e", other]], uid=65534)
+        owner2, (h, own_mismatch) = helpers.raw_client(d.run_dir, 1, [["e", other]], uid=65534)
         assert own_mismatch["code"] == int(ErrorCode.LAYOUT_MISMATCH), own_mismatch
         for p in (owner, stranger, root, owner2):
             p.kill()

@@ -1,0 +1,267 @@
+"""Per-uid quotas and the control socket's connections (daemon/connections.py).
+
+- ``max_clients_per_uid``: a HELLO beyond it is QUOTA_EXCEEDED; other uids are served.
+- ``max_pool_bytes_per_uid``: a new engine that would bring its creator's engines over it
+  is QUOTA_EXCEEDED before its range is allocated; joining an engine costs nothing.
+- ``max_connections_per_uid``: a connection beyond it is closed when accepted, counted.
+- ``hello_timeout_s``: a connection without a HELLO by then is closed, counted.
+- ``idle_timeout_s``: a session that never attached is dropped after that long idle and its
+  connection closed; an attached one is kept.
+"""
+
+import os
+import socket
+import time
+
+import pytest
+import zmq
+
+import helpers
+from sparsekv.client import Client, NotAttached, QuotaExceeded
+from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.daemon.backends import CpuBackend
+from sparsekv.daemon.connections import Connections, inspect, shutdown
+from sparsekv.daemon.engine import Owner
+from sparsekv.daemon.pool import HostPool
+from sparsekv.daemon.registry import EngineRegistry
+from sparsekv.proto import ErrorCode, ProtocolError
+
+MiB = 1 << 20
+OTHERS = pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
+
+
+def daemon(tmp_path, *args, pool_bytes=64 * MiB):
+    return PrivateDaemon(pool_bytes=pool_bytes, backend="cpu", extra_args=list(args),
+                         log_path=str(tmp_path / "d.log"), start_timeout_s=30)
+
+
+# -- clients per uid -----------------------------------------------------------------------
+def test_a_hello_beyond_the_uids_client_quota_is_refused_and_a_place_frees_on_close(tmp_path):
+    with daemon(tmp_path, "--max-clients-per-uid", "2") as d:
+        a, b = Client(d.run_dir).connect(), Client(d.run_dir).connect()
+        with pytest.raises(QuotaExceeded) as e:
+            Client(d.run_dir, timeout_s=5).connect()
+        assert e.value.code == ErrorCode.QUOTA_EXCEEDED
+        assert f"uid {os.getuid()} has 2 clients" in str(e.value) and "max_clients_per_uid 2" in str(e.value)
+        a.close()
+        c = Client(d.run_dir).connect()  # BYE freed a place
+        assert helpers.stats_json(d.run_dir)["errors_by_code"] == {"QUOTA_EXCEEDED": 1}
+        b.close()
+        c.close()
+
+
+@OTHERS
+def test_another_uid_is_served_while_one_uid_holds_its_client_quota(tmp_path):
+    with daemon(tmp_path, "--max-clients-per-uid", "1") as d:
+        helpers.open_to_other_users(d.run_dir)
+        first, (hello,) = helpers.raw_client(d.run_dir, 1, [], uid=65534)
+        second, (refused,) = helpers.raw_client(d.run_dir, 1, [], uid=65534)
+        other, (served,) = helpers.raw_client(d.run_dir, 1, [], uid=65533)
+        try:
+            assert hello["ok"] and served["ok"], (hello, served)
+            assert refused["ok"] is False and refused["code"] == int(ErrorCode.QUOTA_EXCEEDED), refused
+        finally:
+            for p in (first, second, other):
+                p.kill()
+                p.wait()
+
+
+# -- pool bytes per uid --------------------------------------------------------------------
+def test_a_new_engine_beyond_the_uids_pool_quota_is_refused_before_allocating(tmp_path):
+    pool = HostPool(64 * MiB, threads=1)
+    lay = helpers.layout(host_rows=4096, row_bytes=256)  # 1 MiB of pool a layer
+    reg = EngineRegistry(pool, CpuBackend(str(tmp_path), shm_dir=str(tmp_path)),
+                         max_pool_bytes_per_uid=lay.pool_bytes * 2)
+    try:
+        alice, bob = Owner(1000, 1000), Owner(1001, 1001)
+        reg.attach(1, 0, "cpu", "a1", lay, owner=alice)
+        reg.attach(2, 1, "cpu", "a1", lay, owner=alice)  # joining costs nothing
+        reg.attach(3, 0, "cpu", "a2", lay, owner=alice)
+        used = pool.used_bytes
+        with pytest.raises(ProtocolError) as e:
+            reg.attach(4, 0, "cpu", "a3", lay, owner=alice)
+        assert e.value.code == ErrorCode.QUOTA_EXCEEDED and "uid 1000" in str(e.value)
+        assert pool.used_bytes == used and "a3" not in reg  # nothing allocated, nothing listed
+        reg.attach(5, 0, "cpu", "b1", lay, owner=bob)  # another uid has its own quota
+        assert reg.pool_bytes_of(1000) == 2 * lay.pool_bytes and reg.pool_bytes_of(1001) == lay.pool_bytes
+        reg.detach(3, "a2")
+        reg.attach(6, 0, "cpu", "a3", lay, owner=alice)  # room again
+    finally:
+        for cid, name in ((1, "a1"), (2, "a1"), (5, "b1"), (6, "a3")):
+            if name in reg:
+                reg.detach(cid, name)
+        pool.close()
+
+
+def test_the_pool_quota_over_the_socket(tmp_path):
+    lay = helpers.layout(host_rows=4096, row_bytes=256)
+    with daemon(tmp_path, "--max-pool-bytes-per-uid", f"{lay.pool_bytes + lay.pool_bytes // 2}B") as d:
+        with Client(d.run_dir) as a, Client(d.run_dir) as b:
+            a.attach(lay, engine="first")
+            with pytest.raises(QuotaExceeded):
+                b.attach(lay, engine="second")
+            b.attach(lay, engine="first")  # another rank of the same engine
+        snap = helpers.stats_json(d.run_dir)
+        assert snap["errors_by_code"] == {"QUOTA_EXCEEDED": 1} and snap["engines"] == 0
+
+
+# -- connections -----------------------------------------------------------------------------
+def _raw_connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.settimeout(0.05)
+    return s
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    """Whether the daemon ended this raw connection (EOF after its ZMTP greeting)."""
+    try:
+        while True:
+            data = s.recv(4096)
+            if not data:
+                return True
+    except (socket.timeout, BlockingIOError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_connections_beyond_the_uids_cap_are_closed_and_counted(tmp_path):
+    with daemon(tmp_path, "--max-connections-per-uid", "3", "--hello-timeout-s", "30") as d:
+        path = os.path.join(d.run_dir, "control.sock")
+        socks = [_raw_connect(path) for _ in range(5)]
+        try:
+            helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["connections_refused"] == 2, timeout_s=5,
+                             what="two connections refused")
+            closed = helpers.wait_for(lambda: (n := sum(map(_closed_by_peer, socks))) == 2 and n, timeout_s=5,
+                                      what="two connections closed")
+            assert closed == 2
+            snap = helpers.stats_json(d.run_dir)
+            assert snap["connections_open"] == 3 and snap["connections_refused"] == 2
+            with pytest.raises(Exception):  # the uid is at its cap: a client of it is closed too
+                Client(d.run_dir, timeout_s=2).connect()
+        finally:
+            for s in socks:
+                s.close()
+        helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["connections_open"] == 0, timeout_s=5,
+                         what="the raw connections gone")
+        with Client(d.run_dir) as c:  # served again once the others left
+            assert c.info["client_id"] >= 1
+        assert "connections_refused_total" in helpers.stats_query(d.run_dir, "prometheus").replace("sparsekv_", "")
+
+
+def test_a_connection_without_hello_is_closed_after_the_timeout_and_clients_are_not(tmp_path):
+    with daemon(tmp_path, "--hello-timeout-s", "1") as d:
+        path = os.path.join(d.run_dir, "control.sock")
+        silent = zmq.Context.instance().socket(zmq.DEALER)  # handshakes, heartbeats, never says HELLO
+        silent.setsockopt(zmq.LINGER, 0)
+        silent.setsockopt(zmq.RECONNECT_IVL, 60_000)  # stays closed once closed
+        mon = silent.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        silent.connect(f"ipc://{path}")
+        raw = _raw_connect(path)  # not even a handshake (libzmq's own limit is 5 s)
+        try:
+            with Client(d.run_dir) as c:
+                t0 = time.monotonic()
+                assert mon.poll(5000), "the silent connection was not closed"
+                waited = time.monotonic() - t0
+                assert 0.5 < waited < 4, waited
+                helpers.wait_for(lambda: _closed_by_peer(raw), timeout_s=3, what="the raw connection closed")
+                snap = helpers.wait_for(lambda: (x := helpers.stats_json(d.run_dir))["connections_expired"] == 2
+                                        and x, timeout_s=3, what="two expired")
+                assert snap["connections_open"] == 1  # the client's
+                time.sleep(1.0)
+                assert c.stats()["clients"] == 1  # a client that said HELLO is never expired
+        finally:
+            mon.close(0)
+            silent.close(0)
+            raw.close()
+
+
+def test_an_idle_session_that_never_attached_expires_and_an_attached_one_stays(tmp_path):
+    with daemon(tmp_path, "--idle-timeout-s", "1", "--reap-interval-s", "0.2") as d:
+        idle = Client(d.run_dir).connect()
+        attached = Client(d.run_dir).connect()
+        attached.attach(helpers.layout(), engine="e")
+        snap = helpers.wait_for(lambda: (x := helpers.stats_json(d.run_dir))["sessions_expired"] == 1 and x,
+                                timeout_s=5, what="the idle session dropped")
+        assert snap["clients"] == 1 and snap["attached"] == 1
+        helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["connections_open"] == 1, timeout_s=3,
+                         what="its connection closed")
+        time.sleep(1.2)
+        assert attached.stats()["clients"] == 1  # idle but attached: kept
+        with pytest.raises(NotAttached) as e:  # the dropped one must connect again, and is told why
+            idle.stats()
+        assert e.value.code == ErrorCode.NOT_HELLO and "expired" in str(e.value) and "idle_timeout_s" in str(e.value)
+        idle.close()
+        attached.close()
+
+
+# -- the table itself ------------------------------------------------------------------------
+def test_inspect_and_shutdown_act_only_on_the_socket_they_noted(tmp_path):
+    with helpers.short_tmpdir() as d:
+        path = os.path.join(d, "s")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(4)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(path)
+        conn, _ = listener.accept()
+        try:
+            assert inspect(listener.fileno()) is None  # a listening socket is never a connection
+            with open(path + ".f", "w") as f:
+                assert inspect(f.fileno()) is None  # not a socket
+            ino, pid, uid, gid = inspect(conn.fileno())
+            assert (pid, uid, gid) == (os.getpid(), os.getuid(), os.getgid())
+            assert not shutdown(conn.fileno(), ino + 1)  # another socket by now: untouched
+            client.settimeout(0.1)
+            with pytest.raises(socket.timeout):
+                client.recv(1)
+            assert shutdown(conn.fileno(), ino)
+            assert client.recv(1) == b""  # the peer sees the end of the stream
+            assert not shutdown(listener.fileno(), os.fstat(listener.fileno()).st_ino)
+        finally:
+            for s in (client, conn, listener):
+                s.close()
+
+
+def test_the_table_caps_expires_and_spares_its_own_process(tmp_path):
+    now = [100.0]
+    with helpers.short_tmpdir() as d:
+        path = os.path.join(d, "s")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(8)
+        peers, conns = [], []
+        try:
+            for _ in range(3):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.connect(path)
+                peers.append(c)
+                conns.append(listener.accept()[0])
+            table = Connections(max_per_uid=2, hello_timeout_s=5, own_pid=-1, clock=lambda: now[0])
+            for c in conns:
+                table.accepted(c.fileno())
+            assert table.counters() == {"connections_refused": 1, "connections_expired": 0, "connections_open": 2}
+            assert table.by_uid() == {os.getuid(): 2}
+            greeted = table.greeted(conns[0].fileno())
+            now[0] += 5
+            assert table.expire() == 1  # conns[1]: no HELLO; conns[0] said it
+            assert table.close(greeted) and not table.close(greeted)
+            assert table.counters()["connections_open"] == 0
+            for p in peers:
+                p.settimeout(1)
+                assert p.recv(1) == b""
+            # A HELLO handled before the guard's thread saw its connection accepted.
+            early = Connections(hello_timeout_s=5, own_pid=-1, clock=lambda: now[0])
+            assert early.greeted(conns[2].fileno()) is not None
+            early.accepted(conns[2].fileno())
+            now[0] += 10
+            assert early.expire() == 0 and early.counters()["connections_open"] == 1
+            mine = Connections(max_per_uid=1, hello_timeout_s=5, clock=lambda: now[0])  # own_pid: this process
+            for c in conns:
+                mine.accepted(c.fileno())
+            now[0] += 10
+            assert mine.expire() == 0 and mine.counters()["connections_refused"] == 0
+        finally:
+            for s in peers + conns + [listener]:
+                s.close()
