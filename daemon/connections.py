@@ -13,7 +13,8 @@ it came from (the ``ZMQ_SRCFD`` property). That is enough to
   for ever (ZeroMQ heartbeats only prove that the peer's libzmq is alive);
 * close the connection of a session the server drops (``close``).
 
-A connection is closed with ``shutdown(2)`` on a duplicate of libzmq's descriptor:
+A connection is closed with ``shutdown(2)`` on libzmq's descriptor (borrowed, never
+duplicated nor closed):
 libzmq sees the end of the stream, as if the peer had hung up, and cleans up its pipe
 and descriptor itself. A descriptor number can be reused once libzmq closed it, so each
 entry keeps the socket's inode and nothing is shut down unless the descriptor still
@@ -51,53 +52,64 @@ class Conn:
     greeted: bool = False  # a HELLO came on it
 
 
+class _Borrowed:
+    """libzmq's descriptor ``fd`` as a socket object, without a duplicate: a duplicate
+    would take a descriptor, and near the open-files limit libzmq's next accept would then
+    fail with EMFILE, which aborts it (daemon/connguard.py). Detached, never closed, on
+    the way out."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.sock: socket.socket | None = None
+
+    def __enter__(self) -> socket.socket | None:
+        try:
+            self.sock = socket.socket(fileno=self.fd)
+        except OSError:  # not a socket (any more)
+            return None
+        return self.sock
+
+    def __exit__(self, *exc) -> None:
+        if self.sock is not None:
+            self.sock.detach()
+
+
 def inspect(fd: int) -> tuple[int, int, int, int] | None:
     """(inode, pid, uid, gid) of the connected UNIX socket ``fd``, or None when ``fd`` is
     not one (closed meanwhile, reused by something else, a listening socket)."""
     try:
-        dup = os.dup(fd)
+        ino = os.fstat(fd).st_ino
     except OSError:
         return None
-    try:
-        ino = os.fstat(dup).st_ino
-        s = socket.socket(fileno=dup)
-    except OSError:  # not a socket
-        os.close(dup)
-        return None
-    try:
-        if s.family != socket.AF_UNIX or s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+    with _Borrowed(fd) as s:
+        if s is None:
             return None
-        pid, uid, gid = _CRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        return ino, pid, uid, gid
-    except OSError:
-        return None
-    finally:
-        s.close()  # the duplicate only
+        try:
+            if s.family != socket.AF_UNIX or s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return None
+            pid, uid, gid = _CRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        except OSError:
+            return None
+    return ino, pid, uid, gid
 
 
 def shutdown(fd: int, ino: int) -> bool:
     """End connection ``fd`` if it is still the socket of inode ``ino`` (see the module)."""
     try:
-        dup = os.dup(fd)
-    except OSError:
-        return False
-    try:
-        if os.fstat(dup).st_ino != ino:
-            os.close(dup)
+        if os.fstat(fd).st_ino != ino:
             return False
-        s = socket.socket(fileno=dup)
     except OSError:
-        os.close(dup)
         return False
-    try:
-        if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+    with _Borrowed(fd) as s:
+        if s is None:
             return False
-        s.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+        try:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
 
 
 class Connections:
@@ -124,6 +136,7 @@ class Connections:
         # the loop may read a HELLO before the monitor's ACCEPTED event is handled.
         self._early: dict[int, float] = {}
         self.refused = 0  # closed when accepted: the uid's cap
+        self._last_refusal_log = float("-inf")
         self.expired = 0  # closed: no HELLO in time
         self.closed = 0  # closed for the server (a dropped session)
 
@@ -144,8 +157,12 @@ class Connections:
             self._conns.pop(fd, None)
             self.refused += 1
         shutdown(fd, ino)
-        log.warning("control connection of pid %d uid %d closed: uid %d has %d open (max_connections_per_uid %d)",
-                    pid, uid, uid, n, self.max_per_uid)
+        now = self._clock()
+        if now - self._last_refusal_log >= 10.0:  # a flood must not flood the journal too
+            self._last_refusal_log = now
+            log.warning("control connection of pid %d uid %d closed: uid %d has %d open (max_connections_per_uid "
+                        "%d); %d refused so far (this is logged at most every 10 s)", pid, uid, uid, n,
+                        self.max_per_uid, self.refused)
 
     def disconnected(self, fd: int) -> None:
         with self._lock:

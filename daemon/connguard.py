@@ -39,11 +39,14 @@ from .connections import Connections
 log = logging.getLogger("sparsekv.server")
 
 BUSY_SUFFIX = ".busy"
+_EVENTS_PER_PASS = 64  # monitor events read between two looks at the gate
 
 
 def reserve_for(limit_fds: int) -> int:
-    """Descriptors kept free below the soft limit: a quarter of it, 128 .. 4096."""
-    return min(max(128, limit_fds // 4), 4096)
+    """Descriptors kept free below the soft limit: half of a small limit (a flood is
+    accepted faster than the guard can react: about a thousand in a few milliseconds
+    here), a quarter of a larger one, 128 .. 4096."""
+    return min(max(128, limit_fds // 2 if limit_fds <= 4096 else limit_fds // 4), 4096)
 
 
 def open_fds() -> int:
@@ -77,6 +80,8 @@ class ConnectionGuard:
         self.busy_path = path + BUSY_SUFFIX
         self.limit_fds = limit_fds or resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.reserve_fds = reserve_fds if reserve_fds is not None else reserve_for(self.limit_fds)
+        # Gated from limit - reserve open descriptors, open again below ungate_at.
+        self.ungate_at = self.limit_fds - self.reserve_fds - self.reserve_fds // 2
         self.gated = False
         self.gated_count = 0  # times the socket was renamed away (tests, logs)
         self.last_fds = open_fds()  # at the last scan
@@ -92,23 +97,31 @@ class ConnectionGuard:
     def check(self) -> None:
         """Gate or ungate for the descriptors open now."""
         n = self.last_fds = open_fds()
+        if not self.gated and n >= self.limit_fds - self.reserve_fds:
+            self.gate(n)
+            return
         with self._lock:
             if self._closed:
                 return
-            if not self.gated and n >= self.limit_fds - self.reserve_fds:
-                try:
-                    os.rename(self.path, self.busy_path)
-                except OSError as e:
-                    log.error("cannot hold off new connections (rename %s: %s)", self.path, e.strerror)
-                    return
-                self.gated = True
-                self.gated_count += 1
-                log.warning("%d of %d file descriptors in use: refusing new connections until %d are free "
-                            "(%s renamed to %s); raise LimitNOFILE= or find the client that leaks connections "
-                            "(sparsekv clients)", n, self.limit_fds, 2 * self.reserve_fds, self.path, self.busy_path)
-            elif self.gated and n < self.limit_fds - 2 * self.reserve_fds:
+            if self.gated and n < self.ungate_at:
                 self._ungate()
                 log.info("%d of %d file descriptors in use: accepting new connections again", n, self.limit_fds)
+
+    def gate(self, n: int) -> None:
+        """Hold off new connections: ``n`` descriptors are (about to be) open."""
+        with self._lock:
+            if self._closed or self.gated:
+                return
+            try:
+                os.rename(self.path, self.busy_path)
+            except OSError as e:
+                log.error("cannot hold off new connections (rename %s: %s)", self.path, e.strerror)
+                return
+            self.gated = True
+            self.gated_count += 1
+        log.warning("%d of %d file descriptors in use: refusing new connections until fewer than %d are open "
+                    "(%s renamed to %s); raise LimitNOFILE= or find the client that leaks connections "
+                    "(sparsekv clients)", n, self.limit_fds, self.ungate_at, self.path, self.busy_path)
 
     def _ungate(self) -> None:
         try:
@@ -120,14 +133,17 @@ class ConnectionGuard:
 
     def _run(self) -> None:
         mon = self._monitor
-        accepted, last_scan = 0, time.monotonic()
+        # The open descriptors, estimated between scans from the monitor's events: a
+        # flood must be gated on the estimate, at once; the scan of /proc/self/fd (a
+        # millisecond with a thousand open) only corrects it, once a second or while
+        # near the limit or gated.
+        net, last_scan = 0, time.monotonic()
         last_expire = last_scan
+        table: list[tuple[int, int]] = []  # (event, fd) for the connection table, later
         try:
             while True:
-                if mon.poll(1000):
-                    # Everything queued, then at most one count: a burst of accepts costs
-                    # one scan of /proc/self/fd.
-                    while True:
+                if mon.poll(1000 if not table else 0):
+                    for _ in range(_EVENTS_PER_PASS):  # a flood never drains: look at the gate between
                         try:
                             frames = mon.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
@@ -136,24 +152,31 @@ class ConnectionGuard:
                         event = int.from_bytes(head[:2], "little") if len(head) >= 2 else 0
                         if event == zmq.EVENT_MONITOR_STOPPED:
                             return
-                        accepted += event == zmq.EVENT_ACCEPTED
-                        if self.connections is not None and len(head) >= 6:
-                            fd = int.from_bytes(head[2:6], "little")  # the event's value: the descriptor
-                            if event == zmq.EVENT_ACCEPTED:
-                                self.connections.accepted(fd)
-                            elif event == zmq.EVENT_DISCONNECTED:
-                                self.connections.disconnected(fd)
+                        if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):
+                            net += 1 if event == zmq.EVENT_ACCEPTED else -1
+                            if len(head) >= 6:
+                                table.append((event, int.from_bytes(head[2:6], "little")))  # value: the fd
                 now = time.monotonic()
+                near = self.last_fds + net >= self.limit_fds - self.reserve_fds
+                if near and not self.gated:
+                    self.gate(self.last_fds + net)  # on the estimate, before anything else
+                if self.gated or now - last_scan >= 1.0 or self.last_fds + net >= self.ungate_at:
+                    self.check()
+                    net, last_scan = 0, now
+                # Then the table, a batch per pass (reading each new connection's
+                # credentials takes a few microseconds: the gate must keep up first).
+                if self.connections is not None:
+                    batch, table = table[:_EVENTS_PER_PASS], table[_EVENTS_PER_PASS:]
+                    for event, fd in batch:
+                        if event == zmq.EVENT_ACCEPTED:
+                            self.connections.accepted(fd)
+                        else:
+                            self.connections.disconnected(fd)
                 if self.connections is not None and now - last_expire >= 1.0:
                     self.connections.expire()
                     last_expire = now
-                # Scan (it holds the GIL for a while when many descriptors are open) once a
-                # second, or at once when the accepts since the last scan may have brought
-                # the count near the limit, or while gated.
-                if self.gated or now - last_scan >= 1.0 or \
-                        self.last_fds + accepted >= self.limit_fds - 2 * self.reserve_fds:
-                    self.check()
-                    accepted, last_scan = 0, now
+                if self.connections is None:
+                    table.clear()
         except zmq.ZMQError as e:  # the context is going away
             if e.errno not in (zmq.ETERM, zmq.ENOTSOCK):
                 log.exception("connection guard failed")

@@ -13,7 +13,8 @@
   open-file limit is 1024 (soft and hard). The daemon must stay alive; a new client must
   be served: the time from the flood's start until one is, while the flood still holds
   every connection it got (the daemon closes those that send no HELLO within
-  ``hello_timeout_s``, 10 s by default).
+  ``hello_timeout_s``, 10 s by default). ``idle_other_uid``: the same flood from uid 65534
+  (root needed) against ``max_connections_per_uid = 256``: another user is served during it.
 - ``frame``: one 1 GiB frame sent to control.sock: refused unread; the daemon's peak RSS
   (VmHWM) growth (goal < 64 MiB).
 - ``reclaim``: ``--cycles`` times: a forked client connects, attaches an engine of its
@@ -157,18 +158,21 @@ time.sleep(max(0.0, hold_s - (time.monotonic() - t0)))
 """
 
 
-def goal_idle(n: int, procs: int = 10, hold_s: float = 30.0) -> dict:
+def goal_idle(n: int, procs: int = 10, hold_s: float = 30.0, flood_uid: int | None = None, cap: int = 0) -> dict:
     with helpers.short_tmpdir() as run_dir, open(os.path.join(run_dir, "d.log"), "wb") as log:
         def limit():
             resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
         d = subprocess.Popen([sys.executable, "-m", "sparsekv.daemon.main", "--backend", "cpu", "--run-dir", run_dir,
-                              "--pool-size", "16MiB"], stdout=log, stderr=log, preexec_fn=limit)
+                              "--pool-size", "16MiB", "--max-connections-per-uid", str(cap)],
+                             stdout=log, stderr=log, preexec_fn=limit)
         path = os.path.join(run_dir, "control.sock")
         helpers.wait_for(lambda: os.path.exists(path), 30, what="the daemon to serve")
+        if flood_uid is not None:
+            helpers.open_to_other_users(run_dir)
         t0 = time.monotonic()
-        floods = [subprocess.Popen([sys.executable, "-c", _FLOOD, path, str(n // procs), str(hold_s)],
-                                   stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+        floods = [subprocess.Popen([*helpers.as_user(flood_uid), sys.executable, "-c", _FLOOD, path, str(n // procs),
+                                    str(hold_s)], stdout=subprocess.PIPE, text=True, cwd="/tmp") for _ in range(procs)]
         served_at, tries = None, 0
         while time.monotonic() - t0 < hold_s - 2 and served_at is None:
             time.sleep(0.5)
@@ -190,7 +194,11 @@ def goal_idle(n: int, procs: int = 10, hold_s: float = 30.0) -> dict:
         after = _served(run_dir, 10) if alive else False
         d.terminate()
         code = d.wait(30)
-        return {"goal": "idle", "connections_tried": n, "connections_made": got, "connects_refused": failed,
+        log.flush()
+        with open(os.path.join(run_dir, "d.log"), errors="replace") as f:
+            tail = f.read().splitlines()[-6:]
+        return {"goal": "idle" if flood_uid is None else f"idle_uid{flood_uid}_cap{cap}",
+                "daemon_log_tail": tail if code else [], "connections_refused": snap.get("connections_refused"), "connections_tried": n, "connections_made": got, "connects_refused": failed,
                 "daemon_alive": alive, "served_during_flood_after_s": None if served_at is None else round(served_at, 1),
                 "served_after_flood": after, "connections_expired": snap.get("connections_expired"),
                 "daemon_exit": code}
@@ -284,7 +292,7 @@ def goal_reclaim(cycles: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="fuzz,idle,frame,reclaim")
+    ap.add_argument("--only", default="fuzz,idle,idle_other_uid,frame,reclaim")
     ap.add_argument("--fuzz-s", type=float, default=600)
     ap.add_argument("--idle", type=int, default=10_000)
     ap.add_argument("--cycles", type=int, default=1000)
@@ -293,7 +301,8 @@ def main(argv=None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     out = []
     for name in a.only.split(","):
-        r = {"fuzz": lambda: goal_fuzz(a.fuzz_s), "idle": lambda: goal_idle(a.idle), "frame": goal_frame,
+        r = {"fuzz": lambda: goal_fuzz(a.fuzz_s), "idle": lambda: goal_idle(a.idle),
+             "idle_other_uid": lambda: goal_idle(a.idle, flood_uid=65534, cap=256), "frame": goal_frame,
              "reclaim": lambda: goal_reclaim(a.cycles)}[name]()
         print(json.dumps(r), flush=True)
         out.append(r)
