@@ -165,6 +165,31 @@ def bad_rows(slab, layers, state_rows, topk, slots, host_rows: int, gen=None) ->
     return bad
 
 
+def bad_rows_between(slab, layers, state_rows, topk, slots, host_rows: int, lo, hi) -> int:
+    """``bad_rows`` where a row may hold any generation from ``lo[row]`` to ``hi[row]``
+    (rewrites racing the read from another process), plus valid columns with no slot."""
+    bad = 0
+    row_bytes = slab.shape[-1]
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+    for b in np.flatnonzero(np.asarray(state_rows) >= 0):
+        ids = np.asarray(topk[b])
+        ok = (ids >= 0) & (ids < host_rows)
+        bad += int((slots[b][ok] < 0).sum()) * len(layers)
+        ok &= slots[b] >= 0
+        rows = ids[ok]
+        for layer in layers:
+            got = slab[layer, state_rows[b], slots[b][ok]]
+            wrong = (got != gen_pattern(layer, rows, row_bytes, lo)).any(axis=1)
+            for i in np.flatnonzero(wrong):
+                r = rows[i : i + 1]
+                for g in range(int(lo[r[0]]) + 1, int(hi[r[0]]) + 1):
+                    if (got[i] == gen_pattern(layer, r, row_bytes, np.full(host_rows, g))[0]).all():
+                        wrong[i] = False
+                        break
+            bad += int(wrong.sum())
+    return bad
+
+
 def fill(client, lay: Layout, gen=None) -> None:
     """Write ``gen_pattern`` into every host row of every layer through ``client.write``."""
     rows = np.arange(lay.host_rows, dtype=np.int32)

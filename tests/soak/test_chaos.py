@@ -10,10 +10,13 @@ One private daemon (``--reap-interval-s 0.2``) serves, all at once:
   with the next generation through WRITE, and after each STEP + TOPK compares every
   delivered hot row with the pattern of that row's *current* generation. Its WRITE reply
   arrives before its next STEP is sent (program order in one process), so no row may show
-  an older generation: there is no racy window to tolerate. (Rewrites racing reads from
-  another rank of the same engine are covered, without chaos, by
-  tests/client/test_soak.py's two-rank test.)
-- random SIGKILLs of those clients every 1.5–3 s; the daemon must drop the killed pid's
+  an older generation: there is no racy window to tolerate.
+- a pair of processes (``chaos_pair.py``), two ranks of one engine: a writer rewriting
+  random rows without pause and a reader stepping at the same time, checking that every
+  delivered row holds a generation between the last WRITE finished before its step and
+  the last one started before its reply (an exact check for racing ranks).
+- random SIGKILLs of those clients and the pair's reader (never its writer: the pair's
+  engine outlives every kill) every 1.5–3 s; the daemon must drop the killed pid's
   session within 2 s (its ``clients`` list), then the client is respawned on its engine;
 - the daemon SIGKILLed twice (at 35 % and 70 % of the run) and restarted on the same run
   dir: every live client must raise ``DaemonUnavailable`` within 3 s of the kill, and be
@@ -45,6 +48,8 @@ pytestmark = pytest.mark.soak
 
 SOAK_S = float(os.environ.get("SPARSEKV_SOAK_S", "60"))
 CLIENTS = 4
+READER, WRITER = CLIENTS, CLIENTS + 1  # chaos_pair.py: two ranks of one engine, racing
+WORKERS = CLIENTS + 2
 HERE = os.path.dirname(os.path.abspath(__file__))
 POOL_BYTES = 64 << 20
 
@@ -84,12 +89,21 @@ class Chaos:
         self.workers: dict[int, subprocess.Popen] = {}  # engine index -> process
         self.events: dict[int, str] = {}  # pid -> events file
         self.seed = 0
+        self.pair_state = os.path.join(tmp, "pair.state")  # chaos_pair.py's shared generations
+        with open(self.pair_state, "wb") as f:
+            f.write(bytes(8 * (2 * 256 + 1)))
 
     def spawn(self, i: int) -> None:
+        """Worker ``i``: a verifying client alone on engine e{i} (i < CLIENTS), or the
+        pair's reader (READER) or writer (WRITER), two ranks of one engine."""
         self.seed += 1
         path = os.path.join(self.tmp, f"w{i}-{self.seed}.jsonl")
-        p = subprocess.Popen([helpers.PY, os.path.join(HERE, "chaos_worker.py"), self.d.run_dir, f"e{i}",
-                              str(self.seed), path])
+        if i < CLIENTS:
+            cmd = [os.path.join(HERE, "chaos_worker.py"), self.d.run_dir, f"e{i}", str(self.seed), path]
+        else:
+            cmd = [os.path.join(HERE, "chaos_pair.py"), "reader" if i == READER else "writer", self.d.run_dir,
+                   self.pair_state, str(self.seed), path]
+        p = subprocess.Popen([helpers.PY, *cmd])
         self.workers[i] = p
         self.events[p.pid] = path
 
@@ -140,10 +154,10 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path):
         helpers.wait_for(lambda: _serving(run_dir, d.proc.pid), 30, what="the daemon to serve")
         ch = Chaos(d, tmp)
         try:
-            for i in range(CLIENTS):
+            for i in range(WORKERS):
                 ch.spawn(i)
             t_start = time.time()
-            helpers.wait_for(lambda: len(ch.attached_since(0, [p.pid for p in ch.workers.values()])) == CLIENTS,
+            helpers.wait_for(lambda: len(ch.attached_since(0, [p.pid for p in ch.workers.values()])) == WORKERS,
                              30, what="every client to attach")
             fuzz = subprocess.Popen([helpers.PY, os.path.join(HERE, "chaos_fuzz.py"), run_dir, "5", fuzz_path])
             proc = psutil.Process(d.proc.pid)
@@ -188,7 +202,7 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path):
                     summary["fds_start"] = proc.num_fds()
                     next_client_kill = time.time() + rnd.uniform(1.5, 3.0)
                 elif now >= next_client_kill:
-                    i = rnd.randrange(CLIENTS)
+                    i = rnd.randrange(CLIENTS + 1)  # a lone client or the pair's reader, never its writer
                     victim = ch.workers[i]
                     # Only a client the daemon knows (attached after the last restart).
                     if victim.pid in session_pids(run_dir):
@@ -238,6 +252,7 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path):
     # -- figures ---------------------------------------------------------------------------
     checks = rows = bad = 0
     errors, bad_events = [], []
+    pair = {"reader": 0, "writer": 0}  # the pair's checks, its writes
     for path in ch.events.values():
         last = {}
         for e in read_events(path):
@@ -249,6 +264,8 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path):
                 errors.append(e)
         checks += last.get("checks", 0)
         rows += last.get("rows", 0)
+        if "role" in last:
+            pair[last["role"]] += last.get("checks", 0) if last["role"] == "reader" else last.get("writes", 0)
     bad = sum(e["bad"] for e in bad_events)
     fz = json.load(open(fuzz_path)) if os.path.exists(fuzz_path) else {}
     summary.update({
@@ -258,6 +275,7 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path):
         "detect_s_max": pct(detect, 100), "detect_s_p50": pct(detect, 50),
         "reattach_s_max": pct(reattach, 100), "reattach_s_p50": pct(reattach, 50),
         "fuzz_sent": fz.get("sent", 0), "fuzz_replies": fz.get("replies", 0), "fuzz_internal": fz.get("internal"),
+        "pair_checks": pair["reader"], "pair_writes": pair["writer"],
         "daemon_internal": internal_seen, "shm_left": len(leftover), "killed_incarnations": incarnations,
     })
     summary["rss_growth_mib"] = round(summary["rss_end_mib"] - summary["rss_start_mib"], 1)
@@ -270,7 +288,8 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path):
     assert detect and max(detect) < 3.0, detect
     assert reattach and max(reattach) < 2.0, reattach
     assert fz.get("sent", 0) > 0 and fz.get("internal") == 0 and not any(internal_seen), (fz, internal_seen)
-    assert summary["daemon_clients_end"] == CLIENTS
+    assert summary["daemon_clients_end"] == WORKERS
+    assert summary["pair_checks"] > 0 and summary["pair_writes"] > 0, summary
     assert not leftover, leftover
 
 
