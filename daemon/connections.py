@@ -8,26 +8,33 @@ it came from (the ``ZMQ_SRCFD`` property). That is enough to
 
 * read each connection's ``SO_PEERCRED`` when it is accepted, and refuse (close at once)
   connections of a uid beyond ``max_per_uid`` (0: no cap), counted in ``refused``;
-* close a connection that has not said HELLO within ``hello_timeout_s``, counted in
-  ``expired``: a peer that connects and stays silent would otherwise hold a descriptor
-  for ever (ZeroMQ heartbeats only prove that the peer's libzmq is alive);
-* close the connection of a session the server drops (``close``).
+* close a connection that carried no request of a session within ``hello_timeout_s``,
+  counted in ``expired``: a peer that connects and stays silent would otherwise hold a
+  descriptor for ever (ZeroMQ heartbeats only prove that the peer's libzmq is alive).
+  Any request of a known session counts, not only a HELLO: a client's libzmq reconnects
+  under the same routing id without saying HELLO again.
 
-A connection is closed with ``shutdown(2)`` on libzmq's descriptor (borrowed, never
-duplicated nor closed):
-libzmq sees the end of the stream, as if the peer had hung up, and cleans up its pipe
-and descriptor itself. A descriptor number can be reused once libzmq closed it, so each
-entry keeps the socket's inode and nothing is shut down unless the descriptor still
-names that same socket (and is not a listening socket).
+A connection is closed with ``shutdown(2)``: libzmq sees the end of the stream, as if the
+peer had hung up, and cleans up its pipe and descriptor itself. The descriptor belongs to
+libzmq, and its number may be closed and reused at any moment by libzmq's I/O threads, so
+it is never used directly: ``dup2`` pins the file it names onto a spare descriptor held
+for this (no new descriptor is taken: near the open-files limit libzmq's next accept
+would fail with EMFILE, which aborts it, daemon/connguard.py), and every check (the
+socket's inode, that it is a connection accepted by the control socket's listener, its
+credentials) and the ``shutdown`` act on that pinned file; the spare is then pointed back
+at ``/dev/null``, so no socket outlives libzmq's own close.
 
 Thread use: :meth:`accepted`, :meth:`disconnected` and :meth:`expire` run on the
-connection guard's thread (it owns the monitor socket), :meth:`greeted`, :meth:`close`
-and :meth:`by_uid` on the event loop; one lock guards the table.
+connection guard's thread (it owns the monitor socket), :meth:`touch` and
+:meth:`counters` on the event loop; one lock guards the table, another the spare.
+Whichever thread sees a connection first (its ACCEPTED event, or a request on it) reads
+its credentials and applies the cap, so no request is served on a connection beyond it.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -49,67 +56,7 @@ class Conn:
     uid: int
     gid: int
     at: float  # time.monotonic() when accepted
-    greeted: bool = False  # a HELLO came on it
-
-
-class _Borrowed:
-    """libzmq's descriptor ``fd`` as a socket object, without a duplicate: a duplicate
-    would take a descriptor, and near the open-files limit libzmq's next accept would then
-    fail with EMFILE, which aborts it (daemon/connguard.py). Detached, never closed, on
-    the way out."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-        self.sock: socket.socket | None = None
-
-    def __enter__(self) -> socket.socket | None:
-        try:
-            self.sock = socket.socket(fileno=self.fd)
-        except OSError:  # not a socket (any more)
-            return None
-        return self.sock
-
-    def __exit__(self, *exc) -> None:
-        if self.sock is not None:
-            self.sock.detach()
-
-
-def inspect(fd: int) -> tuple[int, int, int, int] | None:
-    """(inode, pid, uid, gid) of the connected UNIX socket ``fd``, or None when ``fd`` is
-    not one (closed meanwhile, reused by something else, a listening socket)."""
-    try:
-        ino = os.fstat(fd).st_ino
-    except OSError:
-        return None
-    with _Borrowed(fd) as s:
-        if s is None:
-            return None
-        try:
-            if s.family != socket.AF_UNIX or s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                return None
-            pid, uid, gid = _CRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        except OSError:
-            return None
-    return ino, pid, uid, gid
-
-
-def shutdown(fd: int, ino: int) -> bool:
-    """End connection ``fd`` if it is still the socket of inode ``ino`` (see the module)."""
-    try:
-        if os.fstat(fd).st_ino != ino:
-            return False
-    except OSError:
-        return False
-    with _Borrowed(fd) as s:
-        if s is None:
-            return False
-        try:
-            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                return False
-            s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            return False
-    return True
+    greeted: bool = False  # a request of a session came on it
 
 
 class Connections:
@@ -118,70 +65,159 @@ class Connections:
     Arguments:
         max_per_uid: connections of one uid at most (0: no cap); one more is closed when
             accepted and counted in ``refused``.
-        hello_timeout_s: a connection with no HELLO after this long is closed and
-            counted in ``expired``.
+        hello_timeout_s: a connection that carried no request of a session after this
+            long is closed and counted in ``expired``.
         own_pid: connections from this process (in-process clients, the daemon's own
             probes) are never capped or expired.
+        bound_path: the path the listener was bound under (``getsockname()`` of every
+            connection it accepted): nothing else is ever inspected or shut down. None:
+            not checked (tests).
+
+    :meth:`open` takes the two spare descriptors (``/dev/null``) before use, :meth:`close`
+    gives them back.
     """
 
     def __init__(self, *, max_per_uid: int = 0, hello_timeout_s: float = 10.0, own_pid: int | None = None,
-                 clock=time.monotonic):
+                 bound_path: str | None = None, clock=time.monotonic):
         self.max_per_uid = max_per_uid
         self.hello_timeout_s = hello_timeout_s
         self.own_pid = os.getpid() if own_pid is None else own_pid
+        self.bound_path = bound_path
         self._clock = clock
         self._lock = threading.Lock()
         self._conns: dict[int, Conn] = {}
-        # Sockets (by inode) that said HELLO before the guard's thread saw them accepted:
-        # the loop may read a HELLO before the monitor's ACCEPTED event is handled.
-        self._early: dict[int, float] = {}
+        self._pin_lock = threading.Lock()
+        self._null = self._spare = -1
         self.refused = 0  # closed when accepted: the uid's cap
+        self.expired = 0  # closed: no request of a session in time
         self._last_refusal_log = float("-inf")
-        self.expired = 0  # closed: no HELLO in time
-        self.closed = 0  # closed for the server (a dropped session)
 
-    # -- the guard's thread ------------------------------------------------------------
-    def accepted(self, fd: int) -> None:
-        """libzmq accepted connection ``fd``: note it, or close it if its uid has its cap."""
-        info = inspect(fd)
+    def open(self) -> "Connections":
+        if self._spare < 0:
+            self._null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            self._spare = os.dup(self._null)
+        return self
+
+    def close(self) -> None:
+        with self._pin_lock:
+            for fd in (self._spare, self._null):
+                if fd >= 0:
+                    os.close(fd)
+            self._null = self._spare = -1
+
+    # -- the pinned file -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _pinned(self, fd: int):
+        """The socket that descriptor ``fd`` names now, on the spare descriptor (a socket
+        object that must not be closed), or None when it is not a socket accepted by the
+        control socket's listener."""
+        with self._pin_lock:
+            if self._spare < 0:
+                yield None
+                return
+            try:
+                os.dup2(fd, self._spare, inheritable=False)
+            except OSError:  # closed meanwhile
+                yield None
+                return
+            s = None
+            try:
+                try:
+                    s = socket.socket(fileno=self._spare)
+                    ok = (s.family == socket.AF_UNIX and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                          and (self.bound_path is None or s.getsockname() == self.bound_path))
+                except OSError:  # not a socket
+                    ok = False
+                yield s if ok else None
+            finally:
+                if s is not None:
+                    s.detach()  # the spare stays ours
+                os.dup2(self._null, self._spare, inheritable=False)  # let the socket go with libzmq's close
+
+    def inspect(self, fd: int) -> tuple[int, int, int, int] | None:
+        """(inode, pid, uid, gid) of the control connection ``fd`` names, or None."""
+        with self._pinned(fd) as s:
+            if s is None:
+                return None
+            try:
+                pid, uid, gid = _CRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+                return os.fstat(s.fileno()).st_ino, pid, uid, gid
+            except OSError:
+                return None
+
+    def shutdown(self, fd: int, ino: int) -> bool:
+        """End connection ``fd`` if it still names the socket of inode ``ino``."""
+        with self._pinned(fd) as s:
+            if s is None:
+                return False
+            try:
+                if os.fstat(s.fileno()).st_ino != ino:
+                    return False
+                s.shutdown(socket.SHUT_RDWR)
+                return True
+            except OSError:
+                return False
+
+    # -- admission (either thread) ----------------------------------------------------
+    def _admit(self, fd: int, greeted: bool) -> bool:
+        """Note connection ``fd`` (whoever sees it first: the guard's thread at its
+        ACCEPTED event, or the loop at its first request), or close it if its uid has its
+        cap. Returns whether it may be served."""
+        info = self.inspect(fd)
         if info is None:
-            return  # gone already (its DISCONNECTED event follows), or not a connection
+            return False  # gone already (its DISCONNECTED event follows), or not a connection
         ino, pid, uid, gid = info
         with self._lock:
-            n = sum(1 for c in self._conns.values() if c.uid == uid and c.fd != fd)
+            c = self._conns.get(fd)
+            if c is not None and c.ino == ino:  # the other thread was first
+                c.greeted |= greeted
+                return True
+            n = self._count(uid, fd)
+            if self.max_per_uid and n >= self.max_per_uid and pid != self.own_pid:
+                # The monitor's events come from several I/O threads, out of order: an
+                # entry whose DISCONNECTED is still on its way must not count.
+                for c in [c for c in self._conns.values() if c.uid == uid and not _names(c)]:
+                    del self._conns[c.fd]
+                n = self._count(uid, fd)
             over = self.max_per_uid and n >= self.max_per_uid and pid != self.own_pid
             if not over:
-                self._conns[fd] = Conn(fd, ino, pid, uid, gid, self._clock(),
-                                       greeted=self._early.pop(ino, None) is not None)
-                return
+                self._conns[fd] = Conn(fd, ino, pid, uid, gid, self._clock(), greeted=greeted)
+                return True
             self._conns.pop(fd, None)
             self.refused += 1
-        shutdown(fd, ino)
+        self.shutdown(fd, ino)
         now = self._clock()
         if now - self._last_refusal_log >= 10.0:  # a flood must not flood the journal too
             self._last_refusal_log = now
             log.warning("control connection of pid %d uid %d closed: uid %d has %d open (max_connections_per_uid "
                         "%d); %d refused so far (this is logged at most every 10 s)", pid, uid, uid, n,
                         self.max_per_uid, self.refused)
+        return False
+
+    def _count(self, uid: int, fd: int) -> int:
+        return sum(1 for c in self._conns.values() if c.uid == uid and c.fd != fd)
+
+    # -- the guard's thread ------------------------------------------------------------
+    def accepted(self, fd: int) -> None:
+        """libzmq accepted connection ``fd``."""
+        self._admit(fd, greeted=False)
 
     def disconnected(self, fd: int) -> None:
         with self._lock:
             self._conns.pop(fd, None)
 
     def expire(self) -> int:
-        """Close the connections that said no HELLO within ``hello_timeout_s``; how many."""
-        now = self._clock()
-        limit = now - self.hello_timeout_s
+        """Close the connections that carried no request of a session within
+        ``hello_timeout_s``; how many."""
+        limit = self._clock() - self.hello_timeout_s
         with self._lock:
-            for ino in [i for i, t in self._early.items() if t < now - 60.0]:
-                del self._early[ino]  # accepted events that never came (closed at once)
             late = [c for c in self._conns.values()
                     if not c.greeted and c.at <= limit and c.pid != self.own_pid]
             for c in late:
                 del self._conns[c.fd]
         n = 0
         for c in late:
-            if shutdown(c.fd, c.ino):
+            if self.shutdown(c.fd, c.ino):
                 n += 1
                 log.info("control connection of pid %d uid %d closed: no HELLO within %g s", c.pid, c.uid,
                          self.hello_timeout_s)
@@ -190,39 +226,21 @@ class Connections:
         return n
 
     # -- the event loop ----------------------------------------------------------------
-    def greeted(self, fd: int) -> tuple[int, int] | None:
-        """A HELLO came on ``fd``: it is a client's now. Returns (fd, inode) to close it
-        by later (:meth:`close`), None if ``fd`` is no socket any more. Matched by inode:
-        the guard's thread may not have seen this connection accepted yet (then it is
-        marked when it does), or may still list an earlier socket of the same number."""
-        try:
-            ino = os.fstat(fd).st_ino
-        except OSError:
-            return None
-        with self._lock:
-            c = self._conns.get(fd)
-            if c is not None and c.ino == ino:
-                c.greeted = True
-            else:
-                self._early[ino] = self._clock()
-            return fd, ino
-
-    def close(self, conn: tuple[int, int] | None) -> bool:
-        """Close the connection :meth:`greeted` returned (None: nothing to do)."""
-        if conn is None:
-            return False
-        fd, ino = conn
-        with self._lock:
-            c = self._conns.get(fd)
-            known = c is not None and c.ino == ino
-            if known:
-                del self._conns[fd]
-            known = self._early.pop(ino, None) is not None or known
-        if known and shutdown(fd, ino):  # only while fd still names that socket
-            with self._lock:
-                self.closed += 1
+    def touch(self, fd: int | None) -> bool:
+        """A request came on ``fd`` (a message's ``ZMQ_SRCFD``; None: an in-process call).
+        Returns whether to serve it: False when the connection is beyond its uid's cap
+        (closed now; the request gets no answer). From a session (``greet``) it marks the
+        connection a client's, with no HELLO deadline: a reconnect under the same routing
+        id says no HELLO again. Cheap once the connection is known: every request calls
+        it. The guard's thread may not have seen this connection accepted yet: then this
+        thread reads its credentials and applies the cap first."""
+        if fd is None:
             return True
-        return False
+        with self._lock:
+            c = self._conns.get(fd)
+            if c is not None and c.greeted:
+                return True
+        return self._admit(fd, greeted=True)
 
     def by_uid(self) -> dict[int, int]:
         """Open connections per uid (stats)."""
@@ -233,3 +251,12 @@ class Connections:
         with self._lock:
             return {"connections_refused": self.refused, "connections_expired": self.expired,
                     "connections_open": len(self._conns)}
+
+
+def _names(c: Conn) -> bool:
+    """Whether descriptor ``c.fd`` still names ``c``'s socket (an inode check, no pin:
+    only used to forget stale entries)."""
+    try:
+        return os.fstat(c.fd).st_ino == c.ino
+    except OSError:
+        return False

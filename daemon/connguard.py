@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import resource
 import threading
 import time
@@ -45,6 +46,9 @@ log = logging.getLogger("sparsekv.server")
 
 BUSY_SUFFIX = ".busy"
 _EVENTS_PER_PASS = 64  # monitor events read between two looks at the gate
+_DRAIN_MAX = 4096  # monitor events read at most before the counts are corrected
+PROBE_S, PROBE_FLOOD = 0.002, 64  # reopening: a first look after 2 ms; this many more descriptors: a flood
+HOLD_MIN_S, HOLD_MAX_S = 1.0, 8.0  # how long a gate stays shut at least: the first, and after repeated floods
 
 
 def reserve_for(limit_fds: int) -> int:
@@ -86,17 +90,26 @@ class ConnectionGuard:
         self.limit_fds = limit_fds or resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.reserve_fds = reserve_fds if reserve_fds is not None else reserve_for(self.limit_fds)
         # Gated from limit - reserve open descriptors, open again below ungate_at.
-        self.ungate_at = self.limit_fds - self.reserve_fds - self.reserve_fds // 2
+        # (A bounded gap: below a small limit's daemon's own descriptors it would never reopen.)
+        self.ungate_at = self.limit_fds - self.reserve_fds - min(self.reserve_fds // 2, 64)
         self.gated = False
+        self._hold_s = HOLD_MIN_S / 2  # doubled at the first gate
+        self._hold_until = 0.0
+        self._ungated_at = float("-inf")
         self.gated_count = 0  # times the socket was renamed away (tests, logs)
         self.last_fds = open_fds()  # at the last scan
         self._lock = threading.Lock()  # gate / ungate / close: one at a time
         self._closed = False
         self._monitor = router.get_monitor_socket(zmq.EVENT_ALL)  # the guard thread owns it from here
         self._thread = threading.Thread(target=self._run, name="sparsekv-connguard", daemon=True)
+        self._table_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._table_thread = None if connections is None else \
+            threading.Thread(target=self._run_table, name="sparsekv-conntable", daemon=True)
 
     def start(self) -> "ConnectionGuard":
         self._thread.start()
+        if self._table_thread is not None:
+            self._table_thread.start()
         return self
 
     def check(self) -> None:
@@ -108,9 +121,19 @@ class ConnectionGuard:
         with self._lock:
             if self._closed:
                 return
-            if self.gated and n < self.ungate_at:
-                self._ungate()
-                log.info("%d of %d file descriptors in use: accepting new connections again", n, self.limit_fds)
+            if not (self.gated and n < self.ungate_at and time.monotonic() >= self._hold_until):
+                return
+            # Reopen for a moment first: if a flood is waiting, every connect it retries
+            # lands at once, faster than the monitor's events can say so. Whatever comes
+            # in within PROBE_S (plus the listen backlog) fits in the margin; count, and
+            # close again if it was a flood.
+            self._ungate()
+        time.sleep(PROBE_S)
+        m = self.last_fds = open_fds()
+        if m - n >= PROBE_FLOOD:
+            self.gate(m)
+            return
+        log.info("%d of %d file descriptors in use: accepting new connections again", m, self.limit_fds)
 
     def gate(self, n: int) -> None:
         """Hold off new connections: ``n`` descriptors are (about to be) open."""
@@ -123,6 +146,12 @@ class ConnectionGuard:
                 log.error("cannot hold off new connections (rename %s: %s)", self.path, e.strerror)
                 return
             self.gated = True
+            # Reopening into a flood is the dangerous moment (every waiting connect lands
+            # at once): a gate soon after the last reopening holds twice as long, up to
+            # HOLD_MAX_S; a quiet minute starts again from HOLD_MIN_S.
+            now = time.monotonic()
+            self._hold_s = min(2 * self._hold_s, HOLD_MAX_S) if now - self._ungated_at < 60 else HOLD_MIN_S
+            self._hold_until = now + self._hold_s
             self.gated_count += 1
         log.warning("%d of %d file descriptors in use: refusing new connections until fewer than %d are open "
                     "(%s renamed to %s); raise LimitNOFILE= or find the client that leaks connections "
@@ -135,20 +164,24 @@ class ConnectionGuard:
             log.error("cannot accept new connections again (rename %s: %s)", self.busy_path, e.strerror)
             return
         self.gated = False
+        self._ungated_at = time.monotonic()
 
     def _run(self) -> None:
         mon = self._monitor
+        gate_at = self.limit_fds - self.reserve_fds
         # The open descriptors, estimated between scans from the monitor's events: a
         # flood must be gated on the estimate, at once; the scan of /proc/self/fd (a
-        # millisecond with a thousand open) only corrects it, once a second or while
-        # near the limit or gated.
+        # millisecond with a thousand open) only corrects it, once a second, or near the
+        # limit, gated, or in the second after reopening (when every connect that waited
+        # lands at once).
         net, last_scan = 0, time.monotonic()
-        last_expire = last_scan
-        table: list[tuple[int, int]] = []  # (event, fd) for the connection table, later
+        table = self._table_queue  # (event, fd) for the table's thread
         try:
             while True:
-                if mon.poll(1000 if not table else 0):
-                    for _ in range(_EVENTS_PER_PASS):  # a flood never drains: look at the gate between
+                if mon.poll(1000):
+                    # Counting is cheap (a few us an event), so read everything queued, up
+                    # to _DRAIN_MAX, looking at the gate every _EVENTS_PER_PASS events.
+                    for i in range(_DRAIN_MAX):
                         try:
                             frames = mon.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
@@ -159,29 +192,17 @@ class ConnectionGuard:
                             return
                         if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):
                             net += 1 if event == zmq.EVENT_ACCEPTED else -1
-                            if len(head) >= 6:
-                                table.append((event, int.from_bytes(head[2:6], "little")))  # value: the fd
+                            if len(head) >= 6 and self.connections is not None:
+                                table.put((event, int.from_bytes(head[2:6], "little")))  # value: the fd
+                        if i % _EVENTS_PER_PASS == 0 and not self.gated and self.last_fds + net >= gate_at:
+                            self.gate(self.last_fds + net)  # on the estimate, before anything else
                 now = time.monotonic()
-                near = self.last_fds + net >= self.limit_fds - self.reserve_fds
-                if near and not self.gated:
-                    self.gate(self.last_fds + net)  # on the estimate, before anything else
-                if self.gated or now - last_scan >= 1.0 or self.last_fds + net >= self.ungate_at:
+                if not self.gated and self.last_fds + net >= gate_at:
+                    self.gate(self.last_fds + net)
+                if self.gated or now - last_scan >= 1.0 or self.last_fds + net >= self.ungate_at \
+                        or now - self._ungated_at < 1.0:
                     self.check()
                     net, last_scan = 0, now
-                # Then the table, a batch per pass (reading each new connection's
-                # credentials takes a few microseconds: the gate must keep up first).
-                if self.connections is not None:
-                    batch, table = table[:_EVENTS_PER_PASS], table[_EVENTS_PER_PASS:]
-                    for event, fd in batch:
-                        if event == zmq.EVENT_ACCEPTED:
-                            self.connections.accepted(fd)
-                        else:
-                            self.connections.disconnected(fd)
-                if self.connections is not None and now - last_expire >= 1.0:
-                    self.connections.expire()
-                    last_expire = now
-                if self.connections is None:
-                    table.clear()
         except zmq.ZMQError as e:  # the context is going away
             if e.errno not in (zmq.ETERM, zmq.ENOTSOCK):
                 log.exception("connection guard failed")
@@ -189,6 +210,33 @@ class ConnectionGuard:
             log.exception("connection guard failed")
         finally:
             mon.close(0)
+            self._table_queue.put(None)  # the table's thread ends too
+
+    def _run_table(self) -> None:
+        """The connection table's own thread: reading each new connection's credentials
+        (and closing those beyond their uid's cap, or late) takes several microseconds,
+        which must never delay the gate."""
+        q, last_expire = self._table_queue, time.monotonic()
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=1.0)
+                except queue.Empty:
+                    item = ()
+                if item is None:
+                    return
+                if item:
+                    event, fd = item
+                    if event == zmq.EVENT_ACCEPTED:
+                        self.connections.accepted(fd)
+                    else:
+                        self.connections.disconnected(fd)
+                now = time.monotonic()
+                if now - last_expire >= 1.0:
+                    self.connections.expire()
+                    last_expire = now
+        except Exception:  # noqa: BLE001 - a thread must not die silently
+            log.exception("connection table failed")
 
     def close(self) -> None:
         """Stop the thread (from the router's thread) and put the socket file back."""
@@ -204,4 +252,7 @@ class ConnectionGuard:
         except zmq.ZMQError:
             pass
         self._thread.join(5)
+        if self._table_thread is not None:
+            self._table_queue.put(None)
+            self._table_thread.join(5)  # before the server closes the table's spare descriptors
 

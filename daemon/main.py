@@ -349,6 +349,9 @@ def main(argv=None) -> int:
             notifier.close()
 
 
+GIL_SWITCH_S = 0.0005
+
+
 def _run(daemon, signals: StartSignals) -> int:
     try:
         import uvloop  # noqa: PLC0415
@@ -360,6 +363,11 @@ def _run(daemon, signals: StartSignals) -> int:
     def stop(sig: signal.Signals) -> None:
         log.info("%s: stopping", sig.name)
         daemon.stop()
+
+    # The connection guard's thread must react within milliseconds to a flood of
+    # connections (daemon/connguard.py): it waits for the GIL at most this long, not the
+    # default 5 ms. Only threads that want the GIL at once pay for the switches.
+    sys.setswitchinterval(GIL_SWITCH_S)
 
     async def go():
         loop = asyncio.get_running_loop()

@@ -21,7 +21,7 @@ from typing import Iterator
 from sparsekv.proto import ErrorCode, Layout, ProtocolError
 
 from .engine import EngineSpace, Owner, RankState
-from .pool import HostPool
+from .pool import ALIGN_BYTES, HostPool
 
 log = logging.getLogger("sparsekv.registry")
 
@@ -53,8 +53,8 @@ class EngineRegistry:
             backend's optional ``prepare_rank`` (``new_rank``'s arguments; cuda: checks
             and pinning).
 
-        max_pool_bytes_per_uid: pool bytes (``Layout.pool_bytes``) the engines one uid
-            created may hold together; a new engine beyond it is QUOTA_EXCEEDED before
+        max_pool_bytes_per_uid: pool bytes the engines one uid created may hold together
+            (their ranges, ``Layout.pool_bytes`` rounded up to 2 MiB); a new engine beyond it is QUOTA_EXCEEDED before
             anything is allocated. 0: no quota.
 
     Iterating yields engine names; ``len()`` is the number of engines.
@@ -134,13 +134,14 @@ class EngineRegistry:
         return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw)
 
     def pool_bytes_of(self, uid: int) -> int:
-        """Pool bytes held by the engines ``uid`` created."""
-        return sum(space.layout.pool_bytes for space in self._engines.values()
+        """Pool bytes held by the engines ``uid`` created (their ranges: 2 MiB aligned)."""
+        return sum(range_bytes(space.layout.pool_bytes) for space in self._engines.values()
                    if space.owner is not None and space.owner.uid == uid)
 
     def _check_quota(self, owner: Owner | None, pool_bytes: int) -> None:
         if not self.max_pool_bytes_per_uid or owner is None:
             return
+        pool_bytes = range_bytes(pool_bytes)
         held = self.pool_bytes_of(owner.uid)
         if held + pool_bytes > self.max_pool_bytes_per_uid:
             raise ProtocolError(
@@ -232,6 +233,11 @@ class EngineRegistry:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._engines)
+
+
+def range_bytes(pool_bytes: int) -> int:
+    """The bytes of the pool range an engine of ``pool_bytes`` takes (ALIGN_BYTES units)."""
+    return -(-pool_bytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def _may_join(engine_owner: Owner | None, owner: Owner | None, privileged: bool) -> bool:

@@ -97,7 +97,6 @@ class Session:
     peer_address: str = ""  # the HELLO's Peer-Address, as libzmq gave it ("": unverified)
     fd_token: str | None = None  # the fd socket's token of its attached rank, until used
     last_request_at: float = field(default_factory=time.monotonic)  # idle_timeout_s counts from here
-    conn: tuple[int, int] | None = None  # its connection (fd, socket inode): closed if the session expires
 
 
 class Daemon:
@@ -131,7 +130,6 @@ class Daemon:
         # The control socket's connections: credentials, HELLO deadline, per-uid cap
         # (daemon/connections.py), fed by the connection guard's thread while serving.
         self.connections = Connections(max_per_uid=max_connections_per_uid, hello_timeout_s=hello_timeout_s)
-        self._hello_fd: int | None = None  # the descriptor the HELLO being handled came on
         # Identities of sessions dropped for idleness (the latest 1,024) -> what their next
         # request is told: a client keeps its routing id across reconnects.
         self._expired: collections.OrderedDict[bytes, str] = collections.OrderedDict()
@@ -240,7 +238,8 @@ class Daemon:
         os.rename(new_path, self.control_path)
         # libzmq aborts the process if accepting a connection finds no free descriptor:
         # hold off new connections while few are left (daemon/connguard.py).
-        guard = ConnectionGuard(sock, self.control_path, connections=self.connections).start()
+        self.connections.bound_path = new_path  # what getsockname() says of every connection it accepts
+        guard = ConnectionGuard(sock, self.control_path, connections=self.connections.open()).start()
         self.connection_guard = guard
         loop = asyncio.get_running_loop()
         self._sock = sock
@@ -290,6 +289,7 @@ class Daemon:
             self.heavy.shutdown(wait=not self.exit_code)  # memory being released on its threads
             self._sock = None
             guard.close()
+            self.connections.close()  # its spare descriptors (the guard has stopped)
             sock.close(0)
             ctx.term()
             for p in (self.control_path, busy_path, self.stats_path, self.fd_path):
@@ -377,6 +377,11 @@ class Daemon:
             if kind != MsgType.HELLO and session is None:
                 why = self._expired.get(identity)
                 raise ProtocolError(ErrorCode.NOT_HELLO, why or "no HELLO from this connection")
+            # A session's request (a reconnect under the same routing id says no HELLO) makes
+            # its connection a client's: no HELLO deadline; and a connection beyond its uid's
+            # cap is closed, unanswered (daemon/connections.py).
+            if not self.connections.touch(_src_fd(frames)):
+                return None
             if defer and self._must_wait(session, kind, header):
                 return _WAIT
             if session is not None:
@@ -399,8 +404,7 @@ class Daemon:
                         what = "nor the STEP it began " if header.get("begin") is True else ""
                         err.args = (f"{err.args[0]}; this {kind.name} request {what}was not run",)
                         raise err
-            if kind == MsgType.HELLO:
-                self._peer, self._hello_fd = _peer_creds(frames), _src_fd(frames)  # SO_PEERCRED, HELLO only
+            if kind == MsgType.HELLO: self._peer = _peer_creds(frames)  # noqa: E701 - SO_PEERCRED, HELLO only
             out = self.handlers[kind](session, identity, header, arrays)
             if isinstance(out, types.GeneratorType):  # a heavy request's handler
                 job = Job(out, identity, session, kind, msg_type, req_id, tr)
@@ -614,9 +618,7 @@ class Daemon:
                     uid=peer.uid, gid=peer.gid, verified=peer.verified, peer_address=peer.address)
         self._next_client_id += 1
         s.watch = self._watch(s)
-        fd, self._hello_fd = self._hello_fd, None
-        if fd is not None:  # its connection has a client now: no HELLO deadline; closed if the session expires
-            s.conn = self.connections.greeted(fd)
+        self._expired.pop(identity, None)
         self.sessions[identity] = s
         log.info("client %d hello: pid %d uid %d rank %d device %s %s", s.client_id, pid, s.uid, rank, s.device, s.name)
         if peer.verified and pid == 0:
@@ -985,11 +987,11 @@ class Daemon:
         return len(dead)
 
     def expire_idle(self) -> int:
-        """Drop the sessions that never attached (or detached) and sent no request for
-        ``idle_timeout_s``, and close their connections: a client that said HELLO and
-        nothing more holds a place in ``max_clients`` (and its uid's quota) and a
-        descriptor. An attached rank may idle as long as its process lives. Returns how
-        many were dropped."""
+        """Drop the sessions that are not attached (never, or no more) and sent no request
+        for ``idle_timeout_s``: such a client holds a place in ``max_clients`` and in its
+        uid's quota. Its connection stays (its libzmq would only reconnect); its next
+        request is told why. An attached rank may idle as long as its process lives.
+        Returns how many were dropped."""
         limit = time.monotonic() - self.idle_timeout_s
         idle = [s for s in self.sessions.values()
                 if s.state is None and s.last_request_at <= limit and not self.heavy.busy(s.identity)]
@@ -998,7 +1000,6 @@ class Daemon:
                      s.uid, self.idle_timeout_s)
             self.sessions.pop(s.identity, None)
             self._detach(s)
-            self.connections.close(s.conn)
             self._expired[s.identity] = (f"client {s.client_id}'s session expired: no request for "
                                          f"{self.idle_timeout_s:g} s and not attached (idle_timeout_s); connect again")
             while len(self._expired) > 1024:

@@ -191,7 +191,12 @@ def goal_idle(n: int, procs: int = 10, hold_s: float = 30.0, flood_uid: int | No
         for f in floods:
             f.kill()
             f.wait()
-        after = _served(run_dir, 10) if alive else False
+        t_end, after = time.monotonic(), None  # the first client served once the flood is gone, and when
+        while alive and after is None and time.monotonic() - t_end < 30:
+            if _served(run_dir, 2):
+                after = round(time.monotonic() - t_end, 1)
+            else:
+                time.sleep(0.2)
         d.terminate()
         code = d.wait(30)
         log.flush()
@@ -200,7 +205,7 @@ def goal_idle(n: int, procs: int = 10, hold_s: float = 30.0, flood_uid: int | No
         return {"goal": "idle" if flood_uid is None else f"idle_uid{flood_uid}_cap{cap}",
                 "daemon_log_tail": tail if code else [], "connections_refused": snap.get("connections_refused"), "connections_tried": n, "connections_made": got, "connects_refused": failed,
                 "daemon_alive": alive, "served_during_flood_after_s": None if served_at is None else round(served_at, 1),
-                "served_after_flood": after, "connections_expired": snap.get("connections_expired"),
+                "served_after_flood_after_s": after, "connections_expired": snap.get("connections_expired"),
                 "daemon_exit": code}
 
 
@@ -273,8 +278,6 @@ def goal_reclaim(cycles: int) -> dict:
             ok = os.read(r, 1) == b"k"
             os.close(r)
             failures += not ok
-            if i == 10:
-                start = state()  # after warm-up (first imports, first engine)
             os.kill(pid, signal.SIGKILL)
             t0 = time.monotonic()
             os.waitpid(pid, 0)
@@ -283,6 +286,9 @@ def goal_reclaim(cycles: int) -> dict:
                     break
                 time.sleep(0.002)
             times.append(time.monotonic() - t0)
+            if i == 10:
+                time.sleep(0.5)
+                start = state()  # after warm-up (first imports, first engines), no client
         time.sleep(0.5)
         end = state()
         return {"goal": "reclaim", "cycles": cycles, "attach_failures": failures,
