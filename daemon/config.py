@@ -104,9 +104,10 @@ class Config:
     max_pool_bytes_per_uid: int = 0
     # Connections to control.sock (each costs the daemon a file descriptor): at most this
     # many from one uid (0: no cap; more are closed at once and counted), each of which
-    # must send its HELLO within hello_timeout_s (else closed and counted). A session
-    # that never attached is dropped, and its connection closed, after idle_timeout_s
-    # without a request (an attached rank may idle as long as its process lives).
+    # must carry a request of a session (its HELLO) within hello_timeout_s (else closed
+    # and counted). A session not attached (never, or no more) is dropped after
+    # idle_timeout_s without a request; its connection stays (an attached rank may idle
+    # as long as its process lives).
     max_connections_per_uid: int = 0
     hello_timeout_s: float = 10.0
     idle_timeout_s: float = 600.0
@@ -198,7 +199,7 @@ _HELP = {
     "max_pool_bytes_per_uid": "pool bytes of the engines one uid created, with a unit; 0B: no quota",
     "max_connections_per_uid": "open control connections of one uid at most (more are closed); 0: no cap",
     "hello_timeout_s": "a control connection that sends no HELLO within this is closed",
-    "idle_timeout_s": "a session that never attached is dropped after this long without a request",
+    "idle_timeout_s": "a session not attached is dropped after this long without a request",
     "log_level": "debug, info, warning or error",
 }
 

@@ -126,7 +126,7 @@ class Daemon:
         self.pool = pool
         self.max_clients = max_clients
         self.max_clients_per_uid = max_clients_per_uid  # 0: no per-uid cap (QUOTA_EXCEEDED at HELLO)
-        self.idle_timeout_s = idle_timeout_s  # a session that never attached, without a request
+        self.idle_timeout_s = idle_timeout_s  # a session not attached, without a request
         # The control socket's connections: credentials, HELLO deadline, per-uid cap
         # (daemon/connections.py), fed by the connection guard's thread while serving.
         self.connections = Connections(max_per_uid=max_connections_per_uid, hello_timeout_s=hello_timeout_s)
@@ -212,9 +212,10 @@ class Daemon:
         # client that finds the queue full is retried by libzmq.
         sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         # A ZAP domain turns on libzmq's ZAP path, whose one effect here (no handler is
-        # bound, so NULL-mechanism peers pass) is that it refuses ZMTP/1.0 peers: libzmq
-        # 4.3.5 leaks ~16 KiB for every connection that speaks ZMTP/1.0 and then fails
-        # (any first byte other than 0xff opens it), 1.5 GiB in 40 s of random bytes.
+        # bound, so NULL-mechanism peers pass) is that it refuses ZMTP/1.0 and 2.0 peers
+        # (libzmq 2.x; every client of ours speaks 3.x): libzmq 4.3.5 leaks ~16 KiB for
+        # every connection that speaks ZMTP/1.0 and then fails (any first byte other than
+        # 0xff opens it), 1.5 GiB in 40 s of random bytes.
         sock.setsockopt(zmq.ZAP_DOMAIN, b"sparsekv")
         busy_path = self.control_path + BUSY_SUFFIX
         new_path = self.control_path + ".new"

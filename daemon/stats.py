@@ -44,7 +44,7 @@ COUNTERS = (
     # reach the snapshot through the server's gauges.
     ("connections_refused", "control connections closed when accepted: their uid had max_connections_per_uid open"),
     ("connections_expired", "control connections closed because no HELLO came within hello_timeout_s"),
-    ("sessions_expired", "sessions that never attached, dropped after idle_timeout_s without a request"),
+    ("sessions_expired", "sessions not attached, dropped after idle_timeout_s without a request"),
 )
 
 # Top-k handling time in the daemon runs from ~10 us (cpu, small batch; cuda: enqueue

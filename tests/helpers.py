@@ -160,9 +160,14 @@ def bad_rows(slab, layers, state_rows, topk, slots, host_rows: int, gen=None) ->
         bad += int((slots[b][ok] < 0).sum()) * len(layers)
         ok &= slots[b] >= 0
         for layer in layers:
-            got = slab[layer, state_rows[b], slots[b][ok]]
+            got = _host(slab[layer, int(state_rows[b]), slots[b][ok]])
             bad += int((got != gen_pattern(layer, ids[ok], row_bytes, gen)).any(axis=1).sum())
     return bad
+
+
+def _host(rows) -> np.ndarray:
+    """Rows read from a slab as NumPy (a torch tensor on the GPU: cuda backend)."""
+    return rows if isinstance(rows, np.ndarray) else rows.cpu().numpy()
 
 
 def bad_rows_between(slab, layers, state_rows, topk, slots, host_rows: int, lo, hi) -> int:
@@ -178,7 +183,7 @@ def bad_rows_between(slab, layers, state_rows, topk, slots, host_rows: int, lo, 
         ok &= slots[b] >= 0
         rows = ids[ok]
         for layer in layers:
-            got = slab[layer, state_rows[b], slots[b][ok]]
+            got = _host(slab[layer, int(state_rows[b]), slots[b][ok]])
             wrong = (got != gen_pattern(layer, rows, row_bytes, lo)).any(axis=1)
             for i in np.flatnonzero(wrong):
                 r = rows[i : i + 1]
@@ -389,6 +394,54 @@ def inproc_daemon(path, max_clients: int = 3, pool_bytes: int = 8 << 20):
             d._detach(s)
         backend.close()
         pool.close()
+
+
+@contextlib.contextmanager
+def serving_daemon(pool_bytes: int = 8 << 20, backend_cls=None, before_stop=None, join_s: float = 10.0, **daemon_kw):
+    """A ``Daemon`` (cpu backend, or ``backend_cls(run_dir, shm_dir=run_dir)``) serving a
+    short run dir from a thread of this process, its sockets real. Yields it with
+    ``thread``, ``box`` (``loop``, and ``error`` if serving failed) and ``call_soon(fn)``
+    (run ``fn`` on its loop). Stopped after (``before_stop()`` first, if given), then its
+    backend and pool closed."""
+    import asyncio
+    import threading
+
+    from sparsekv.daemon.backends import CpuBackend
+    from sparsekv.daemon.pool import HostPool
+    from sparsekv.daemon.server import Daemon
+
+    with short_tmpdir() as run_dir:
+        pool = HostPool(pool_bytes, threads=1)
+        backend = (backend_cls or CpuBackend)(run_dir, shm_dir=run_dir)
+        d = Daemon(run_dir, backend, pool, **daemon_kw)
+        ready, box = threading.Event(), {}
+
+        async def run():
+            box["loop"] = asyncio.get_running_loop()
+            await d.serve(on_ready=ready.set)
+
+        def thread():
+            try:
+                asyncio.run(run())
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                box["error"] = e
+                ready.set()
+
+        t = threading.Thread(target=thread, daemon=True)
+        t.start()
+        assert ready.wait(10) and "error" not in box, box
+        d.thread, d.box = t, box
+        d.call_soon = lambda fn: box["loop"].call_soon_threadsafe(fn)
+        try:
+            yield d
+        finally:
+            if before_stop is not None:
+                before_stop(d)
+            if t.is_alive():
+                d.call_soon(d.stop)
+                t.join(join_s)
+            backend.close()
+            pool.close()
 
 
 # -- clients as other users (root, setpriv) -------------------------------------------------

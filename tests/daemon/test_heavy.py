@@ -5,7 +5,6 @@ order, that requests on an engine being written wait for the write, and that a f
 a client killed mid-request or a daemon stopped mid-request leaves nothing behind.
 Nothing here is timed: stalls are measured by tests/soak/stall.py."""
 
-import asyncio
 import contextlib
 import os
 import threading
@@ -20,7 +19,7 @@ from sparsekv.daemon import engine as engine_mod
 from sparsekv.daemon import pool as pool_mod
 from sparsekv.daemon import server as server_mod
 from sparsekv.daemon.backends import CpuBackend
-from sparsekv.daemon.pool import ALIGN_BYTES, INLINE_ZERO_BYTES, HostPool
+from sparsekv.daemon.pool import ALIGN_BYTES, INLINE_ZERO_BYTES
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.proto import ErrorCode, MsgType, decode, encode
 
@@ -64,38 +63,10 @@ class GatedBackend(CpuBackend):
 def serving(pool_bytes=16 * MiB, backend_cls=GatedBackend):
     """A daemon on a GatedBackend serving a short run dir from a thread; stopped after
     (the gate opened first, so a held request cannot hang the stop)."""
-    with helpers.short_tmpdir() as run_dir:
-        pool = HostPool(pool_bytes, threads=1)
-        backend = backend_cls(run_dir, shm_dir=run_dir)
-        d = server_mod.Daemon(run_dir, backend, pool, reap_interval_s=0.1)
-        ready, box = threading.Event(), {}
-
-        async def run():
-            box["loop"] = asyncio.get_running_loop()
-            await d.serve(on_ready=ready.set)
-
-        def thread():
-            try:
-                asyncio.run(run())
-            except BaseException as e:  # noqa: BLE001 - reported by the test
-                box["error"] = e
-                ready.set()
-
-        t = threading.Thread(target=thread, daemon=True)
-        t.start()
-        assert ready.wait(10) and "error" not in box, box
-        d.thread, d.box = t, box
-        d.call_soon = lambda fn: box["loop"].call_soon_threadsafe(fn)
-        try:
-            yield d
-        finally:
-            backend.gate.open()
-            if t.is_alive():
-                d.call_soon(d.stop)
-                t.join(20)
-            assert "error" not in box, box
-            backend.close()
-            pool.close()
+    with helpers.serving_daemon(pool_bytes, backend_cls, before_stop=lambda d: d.backend.gate.open(), join_s=20,
+                                reap_interval_s=0.1) as d:
+        yield d
+    assert "error" not in d.box, d.box
 
 
 class Raw:

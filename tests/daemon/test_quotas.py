@@ -232,7 +232,7 @@ def test_a_reconnect_under_the_same_routing_id_is_not_expired(tmp_path):
             second.close(0)
 
 
-def test_an_idle_session_that_never_attached_expires_and_an_attached_one_stays(tmp_path):
+def test_an_idle_session_not_attached_expires_and_an_attached_one_stays(tmp_path):
     with daemon(tmp_path, "--idle-timeout-s", "1", "--reap-interval-s", "0.2") as d:
         idle = Client(d.run_dir).connect()
         attached = Client(d.run_dir).connect()

@@ -8,12 +8,10 @@ heartbeat timeout, one that never finishes its handshake after the handshake int
 A handler raising CuPy's ``CUDARuntimeError`` with a sticky status (a fake class of that
 name here) makes the daemon log CRITICAL, set ``STATUS=`` and stop with exit code 70."""
 
-import asyncio
 import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 
 import pytest
@@ -22,46 +20,15 @@ import helpers
 from sparsekv.client import Client, SparseKVError
 from sparsekv.daemon import main as main_mod
 from sparsekv.daemon import server as server_mod
-from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.notify import Notifier
-from sparsekv.daemon.pool import HostPool
 from sparsekv.proto import LIMITS, MsgType
 
 MiB = 1 << 20
 
 
-@contextlib.contextmanager
 def serving(notifier=None):
     """A daemon serving a short run dir from a thread; stopped (if still serving) after."""
-    with helpers.short_tmpdir() as run_dir:
-        pool = HostPool(8 * MiB, threads=1)
-        backend = CpuBackend(run_dir, shm_dir=run_dir)
-        d = server_mod.Daemon(run_dir, backend, pool, notifier=notifier)
-        ready, box = threading.Event(), {}
-
-        async def run():
-            box["loop"] = asyncio.get_running_loop()
-            await d.serve(on_ready=ready.set)
-
-        def thread():
-            try:
-                asyncio.run(run())
-            except BaseException as e:  # noqa: BLE001 - reported by the test
-                box["error"] = e
-                ready.set()
-
-        t = threading.Thread(target=thread, daemon=True)
-        t.start()
-        assert ready.wait(10) and "error" not in box, box
-        d.thread = t
-        try:
-            yield d
-        finally:
-            if t.is_alive():
-                box["loop"].call_soon_threadsafe(d.stop)
-                t.join(10)
-            backend.close()
-            pool.close()
+    return helpers.serving_daemon(8 * MiB, notifier=notifier)
 
 
 def zmtp_peer(path: str, minor: int = 1) -> socket.socket:

@@ -26,7 +26,8 @@ what=${1:-all}
 per_test=""
 python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout ${PER_TEST_TIMEOUT_S:-90}"
 if [[ $what == all || $what == test || $what == e2e ]]; then
-  timeout ${PYTEST_TIMEOUT_S:-400} python3 -m pytest -q --require-cuda -m cuda -p no:cacheprovider $per_test ${PYTEST_SELECT:-tests} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
+  # (-m cuda takes the cuda chaos soak too: tests/soak/test_chaos.py[cuda], 30 s here)
+  SPARSEKV_SOAK_S=${SPARSEKV_SOAK_S:-30} timeout ${PYTEST_TIMEOUT_S:-400} python3 -m pytest -q --require-cuda -m cuda -p no:cacheprovider $per_test ${PYTEST_SELECT:-tests} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
   status=${PIPESTATUS[0]}
   timeout 150 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
   # The example model through the engine's handle on the GPU (doorbell), as a user runs it.

@@ -1,5 +1,6 @@
 """Two ranks of one engine for tests/soak/test_chaos.py, each its own process (so that the
-test can SIGKILL either): ``python chaos_pair.py ROLE RUN_DIR STATE_PATH SEED EVENTS_PATH``.
+test can SIGKILL either): ``python chaos_pair.py ROLE RUN_DIR STATE_PATH SEED EVENTS_PATH
+[DEVICE]`` (as chaos_worker.py).
 
 ROLE ``writer`` rewrites random rows of engine ``pair`` through WRITE, without pause;
 ROLE ``reader`` runs STEP + TOPK on the same engine at the same time and checks every
@@ -80,9 +81,9 @@ def reader(c: Client, att, st: np.memmap, rng, ev, counts) -> None:
         first = False
         topk = np.stack([rng.choice(H, LAYOUT.top_k, replace=False) for _ in range(BATCH)]).astype(np.int32)
         for g, layers in enumerate(att.layout.groups):
-            r = c.topk(counts["step"], g, topk)
+            slots, _ = c.topk(counts["step"], g, topk).host()  # (cuda: waits for the rows)
             hi = started.copy()
-            bad = helpers.bad_rows_between(att.slab, layers, state_rows, topk, r.slots, H, lo, hi)
+            bad = helpers.bad_rows_between(att.slab, layers, state_rows, topk, slots, H, lo, hi)
             counts["checks"] += 1
             counts["rows"] += topk.size * len(layers)
             if bad:
@@ -92,7 +93,7 @@ def reader(c: Client, att, st: np.memmap, rng, ev, counts) -> None:
             ev("progress", checks=counts["checks"], rows=counts["rows"], bad=counts["bad"], step=counts["step"])
 
 
-def main(role: str, run_dir: str, state_path: str, seed: int, events_path: str) -> None:
+def main(role: str, run_dir: str, state_path: str, seed: int, events_path: str, device: str = "cpu") -> None:
     out = open(events_path, "a", buffering=1)
     rng = np.random.default_rng(seed)
     st = state(state_path)
@@ -106,7 +107,8 @@ def main(role: str, run_dir: str, state_path: str, seed: int, events_path: str) 
     while True:
         c = None
         try:
-            c = Client(run_dir, name=f"chaos-{role}", rank=int(role == "reader"), timeout_s=10).connect()
+            c = Client(run_dir, name=f"chaos-{role}", rank=int(role == "reader"), device=device,
+                       timeout_s=10).connect()
             att = c.attach(LAYOUT, engine=ENGINE)
             ev("attached", after_loss=lost_at)
             lost_at = None
@@ -128,4 +130,4 @@ def main(role: str, run_dir: str, state_path: str, seed: int, events_path: str) 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], *sys.argv[6:7])

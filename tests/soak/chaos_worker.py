@@ -1,5 +1,6 @@
 """A verifying client for tests/soak/test_chaos.py, run as its own process (so that the
-test can SIGKILL it): ``python chaos_worker.py RUN_DIR ENGINE SEED EVENTS_PATH``.
+test can SIGKILL it): ``python chaos_worker.py RUN_DIR ENGINE SEED EVENTS_PATH [DEVICE]``
+(DEVICE: ``cpu``, or ``cuda:N`` against a cuda daemon: the slab is then GPU memory).
 
 It owns engine ENGINE alone (one rank): it fills the pool with generation 0 of the
 ``--verify`` pattern, then loops: every few steps it rewrites a few random rows (some hot)
@@ -28,7 +29,7 @@ LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=8, region_stride=16, m
 BATCH = 4
 
 
-def main(run_dir: str, engine: str, seed: int, events_path: str) -> None:
+def main(run_dir: str, engine: str, seed: int, events_path: str, device: str = "cpu") -> None:
     out = open(events_path, "a", buffering=1)
     rng = np.random.default_rng(seed)
 
@@ -42,7 +43,7 @@ def main(run_dir: str, engine: str, seed: int, events_path: str) -> None:
     while True:
         client = None
         try:
-            client = Client(run_dir, name=f"chaos-{engine}", timeout_s=10).connect()
+            client = Client(run_dir, name=f"chaos-{engine}", device=device, timeout_s=10).connect()
             att = client.attach(LAYOUT, engine=engine)
             gen = np.zeros(LAYOUT.host_rows, np.int64)
             helpers.fill(client, LAYOUT, gen)
@@ -69,8 +70,8 @@ def main(run_dir: str, engine: str, seed: int, events_path: str) -> None:
                 topk = np.stack([rng.choice(LAYOUT.host_rows, LAYOUT.top_k, replace=False)
                                  for _ in range(BATCH)]).astype(np.int32)
                 for g, layers in enumerate(att.layout.groups):
-                    r = client.topk(step, g, topk)
-                    bad = helpers.bad_rows(att.slab, layers, state_rows, topk, r.slots, LAYOUT.host_rows, gen)
+                    slots, _ = client.topk(step, g, topk).host()
+                    bad = helpers.bad_rows(att.slab, layers, state_rows, topk, slots, LAYOUT.host_rows, gen)
                     checks += 1
                     rows_checked += topk.size * len(layers)
                     if bad:
@@ -93,4 +94,4 @@ def main(run_dir: str, engine: str, seed: int, events_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])
