@@ -104,8 +104,8 @@ class Config:
     max_pool_bytes_per_uid: int = 0
     # Connections to control.sock (each costs the daemon a file descriptor): at most this
     # many from one uid (0: no cap; more are closed at once and counted), each of which
-    # must carry a request of a session (its HELLO) within hello_timeout_s (else closed
-    # and counted). A session not attached (never, or no more) is dropped after
+    # must send a HELLO within hello_timeout_s (else closed and counted; a process that
+    # said HELLO lately needs none on its next connections: libzmq's reconnects). A session not attached (never, or no more) is dropped after
     # idle_timeout_s without a request; its connection stays (an attached rank may idle
     # as long as its process lives).
     max_connections_per_uid: int = 0

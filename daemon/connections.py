@@ -8,11 +8,12 @@ it came from (the ``ZMQ_SRCFD`` property). That is enough to
 
 * read each connection's ``SO_PEERCRED`` when it is accepted, and refuse (close at once)
   connections of a uid beyond ``max_per_uid`` (0: no cap), counted in ``refused``;
-* close a connection that carried no request of a session within ``hello_timeout_s``,
-  counted in ``expired``: a peer that connects and stays silent would otherwise hold a
-  descriptor for ever (ZeroMQ heartbeats only prove that the peer's libzmq is alive).
-  Any request of a known session counts, not only a HELLO: a client's libzmq reconnects
-  under the same routing id without saying HELLO again.
+* close a connection that sent no HELLO within ``hello_timeout_s``, counted in
+  ``expired``: a peer that connects and stays silent would otherwise hold a descriptor
+  for ever (ZeroMQ heartbeats only prove that the peer's libzmq is alive). A connection
+  of a process that has said HELLO (in the last ``HELLO_MEMORY_S``) needs none: a
+  client's libzmq reconnects under the same routing id without saying HELLO again, and
+  nothing on the hot path has to look at connections.
 
 A connection is closed with ``shutdown(2)``: libzmq sees the end of the stream, as if the
 peer had hung up, and cleans up its pipe and descriptor itself. The descriptor belongs to
@@ -25,10 +26,11 @@ credentials) and the ``shutdown`` act on that pinned file; the spare is then poi
 at ``/dev/null``, so no socket outlives libzmq's own close.
 
 Thread use: :meth:`accepted`, :meth:`disconnected` and :meth:`expire` run on the
-connection guard's thread (it owns the monitor socket), :meth:`touch` and
-:meth:`counters` on the event loop; one lock guards the table, another the spare.
-Whichever thread sees a connection first (its ACCEPTED event, or a request on it) reads
-its credentials and applies the cap, so no request is served on a connection beyond it.
+connection table's thread (fed by the connection guard's, which owns the monitor socket),
+:meth:`hello` and :meth:`counters` on the event loop; one lock guards the table, another
+the spare. Whichever thread sees a connection first (its ACCEPTED event, or a HELLO on
+it) reads its credentials and applies the cap, so no HELLO is answered on a connection
+beyond it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 log = logging.getLogger("sparsekv.server")
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+HELLO_MEMORY_S = 600.0  # a process that said HELLO needs none on its next connections for this long
 
 
 @dataclass
@@ -56,7 +59,7 @@ class Conn:
     uid: int
     gid: int
     at: float  # time.monotonic() when accepted
-    greeted: bool = False  # a request of a session came on it
+    greeted: bool = False  # a HELLO came on it, or its process said one lately
 
 
 class Connections:
@@ -65,8 +68,8 @@ class Connections:
     Arguments:
         max_per_uid: connections of one uid at most (0: no cap); one more is closed when
             accepted and counted in ``refused``.
-        hello_timeout_s: a connection that carried no request of a session after this
-            long is closed and counted in ``expired``.
+        hello_timeout_s: a connection without a HELLO after this long is closed and
+            counted in ``expired`` (unless its process said HELLO lately).
         own_pid: connections from this process (in-process clients, the daemon's own
             probes) are never capped or expired.
         bound_path: the path the listener was bound under (``getsockname()`` of every
@@ -86,10 +89,11 @@ class Connections:
         self._clock = clock
         self._lock = threading.Lock()
         self._conns: dict[int, Conn] = {}
+        self._hello_pids: dict[int, float] = {}  # pid -> when it last said HELLO
         self._pin_lock = threading.Lock()
         self._null = self._spare = -1
         self.refused = 0  # closed when accepted: the uid's cap
-        self.expired = 0  # closed: no request of a session in time
+        self.expired = 0  # closed: no HELLO in time
         self._last_refusal_log = float("-inf")
 
     def open(self) -> "Connections":
@@ -161,7 +165,7 @@ class Connections:
     # -- admission (either thread) ----------------------------------------------------
     def _admit(self, fd: int, greeted: bool) -> bool:
         """Note connection ``fd`` (whoever sees it first: the guard's thread at its
-        ACCEPTED event, or the loop at its first request), or close it if its uid has its
+        ACCEPTED event, or the loop at a HELLO on it), or close it if its uid has its
         cap. Returns whether it may be served."""
         info = self.inspect(fd)
         if info is None:
@@ -169,9 +173,12 @@ class Connections:
         ino, pid, uid, gid = info
         with self._lock:
             c = self._conns.get(fd)
+            if greeted:
+                self._hello_pids[pid] = self._clock()
             if c is not None and c.ino == ino:  # the other thread was first
                 c.greeted |= greeted
                 return True
+            greeted = greeted or pid in self._hello_pids
             n = self._count(uid, fd)
             if self.max_per_uid and n >= self.max_per_uid and pid != self.own_pid:
                 # The monitor's events come from several I/O threads, out of order: an
@@ -207,10 +214,12 @@ class Connections:
             self._conns.pop(fd, None)
 
     def expire(self) -> int:
-        """Close the connections that carried no request of a session within
-        ``hello_timeout_s``; how many."""
-        limit = self._clock() - self.hello_timeout_s
+        """Close the connections without a HELLO within ``hello_timeout_s``; how many."""
+        now = self._clock()
+        limit = now - self.hello_timeout_s
         with self._lock:
+            for pid in [p for p, t in self._hello_pids.items() if t < now - HELLO_MEMORY_S]:
+                del self._hello_pids[pid]
             late = [c for c in self._conns.values()
                     if not c.greeted and c.at <= limit and c.pid != self.own_pid]
             for c in late:
@@ -226,20 +235,14 @@ class Connections:
         return n
 
     # -- the event loop ----------------------------------------------------------------
-    def touch(self, fd: int | None) -> bool:
-        """A request came on ``fd`` (a message's ``ZMQ_SRCFD``; None: an in-process call).
-        Returns whether to serve it: False when the connection is beyond its uid's cap
-        (closed now; the request gets no answer). From a session (``greet``) it marks the
-        connection a client's, with no HELLO deadline: a reconnect under the same routing
-        id says no HELLO again. Cheap once the connection is known: every request calls
-        it. The guard's thread may not have seen this connection accepted yet: then this
-        thread reads its credentials and applies the cap first."""
+    def hello(self, fd: int | None) -> bool:
+        """A HELLO came on ``fd`` (the message's ``ZMQ_SRCFD``; None: an in-process call):
+        its connection, and the next ones of its process, are a client's, with no HELLO
+        deadline. Returns whether to answer it: False when the connection is beyond its
+        uid's cap (closed now). The guard's thread may not have seen this connection
+        accepted yet: then this thread reads its credentials and applies the cap first."""
         if fd is None:
             return True
-        with self._lock:
-            c = self._conns.get(fd)
-            if c is not None and c.greeted:
-                return True
         return self._admit(fd, greeted=True)
 
     def by_uid(self) -> dict[int, int]:

@@ -378,10 +378,10 @@ class Daemon:
             if kind != MsgType.HELLO and session is None:
                 why = self._expired.get(identity)
                 raise ProtocolError(ErrorCode.NOT_HELLO, why or "no HELLO from this connection")
-            # A session's request (a reconnect under the same routing id says no HELLO) makes
-            # its connection a client's: no HELLO deadline; and a connection beyond its uid's
-            # cap is closed, unanswered (daemon/connections.py).
-            if not self.connections.touch(_src_fd(frames)):
+            # A HELLO makes its connection (and its process's next ones: a reconnect under
+            # the same routing id says none) a client's, with no HELLO deadline; on a
+            # connection beyond its uid's cap it is not answered (daemon/connections.py).
+            if kind == MsgType.HELLO and not self.connections.hello(_src_fd(frames)):
                 return None
             if defer and self._must_wait(session, kind, header):
                 return _WAIT

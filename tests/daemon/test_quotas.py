@@ -166,36 +166,50 @@ def test_connections_beyond_the_uids_cap_are_closed_and_counted(tmp_path):
         assert "connections_refused_total" in helpers.stats_query(d.run_dir, "prometheus").replace("sparsekv_", "")
 
 
+SILENT = r"""
+import json, socket, sys, time, zmq
+path = sys.argv[1]
+silent = zmq.Context().socket(zmq.DEALER)  # handshakes, heartbeats, never says HELLO
+silent.setsockopt(zmq.LINGER, 0)
+silent.setsockopt(zmq.RECONNECT_IVL, 60_000)  # stays closed once closed
+mon = silent.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+t0 = time.monotonic()
+silent.connect("ipc://" + path)
+raw = socket.socket(socket.AF_UNIX)  # not even a handshake (libzmq's own limit is 5 s)
+raw.connect(path)
+raw.settimeout(5)
+out = {"dealer_closed_s": time.monotonic() - t0 if mon.poll(5000) else None}
+try:
+    while raw.recv(4096):
+        pass
+    out["raw_closed_s"] = time.monotonic() - t0
+except OSError:
+    out["raw_closed_s"] = None
+print(json.dumps(out), flush=True)
+"""
+
+
 def test_a_connection_without_hello_is_closed_after_the_timeout_and_clients_are_not(tmp_path):
-    with daemon(tmp_path, "--hello-timeout-s", "1") as d:
-        path = os.path.join(d.run_dir, "control.sock")
-        silent = zmq.Context.instance().socket(zmq.DEALER)  # handshakes, heartbeats, never says HELLO
-        silent.setsockopt(zmq.LINGER, 0)
-        silent.setsockopt(zmq.RECONNECT_IVL, 60_000)  # stays closed once closed
-        mon = silent.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        t0 = time.monotonic()
-        silent.connect(f"ipc://{path}")
-        raw = _raw_connect(path)  # not even a handshake (libzmq's own limit is 5 s)
-        try:
-            with Client(d.run_dir) as c:
-                assert mon.poll(5000), "the silent connection was not closed"
-                waited = time.monotonic() - t0
-                assert 0.9 < waited < 4, waited
-                helpers.wait_for(lambda: _closed_by_peer(raw), timeout_s=3, what="the raw connection closed")
-                snap = helpers.wait_for(lambda: (x := helpers.stats_json(d.run_dir))["connections_expired"] == 2
-                                        and x, timeout_s=3, what="two expired")
-                assert snap["connections_open"] == 1  # the client's
-                time.sleep(1.0)
-                assert c.stats()["clients"] == 1  # a client that said HELLO is never expired
-        finally:
-            mon.close(0)
-            silent.close(0)
-            raw.close()
+    # The silent peers are another process: connections of a process that said HELLO
+    # need none (its libzmq's reconnects).
+    import json
+    import subprocess
+
+    with daemon(tmp_path, "--hello-timeout-s", "1") as d, Client(d.run_dir) as c:
+        r = subprocess.run([helpers.PY, "-c", SILENT, os.path.join(d.run_dir, "control.sock")], capture_output=True,
+                           text=True, timeout=30)
+        got = json.loads(r.stdout)
+        assert got["dealer_closed_s"] is not None and 0.9 < got["dealer_closed_s"] < 4, got
+        assert got["raw_closed_s"] is not None and got["raw_closed_s"] < 4, got
+        snap = helpers.stats_json(d.run_dir)
+        assert snap["connections_expired"] == 2 and snap["connections_open"] == 1, snap  # the client's
+        time.sleep(1.2)
+        assert c.stats()["clients"] == 1  # a client that said HELLO is never expired
 
 
 def test_a_reconnect_under_the_same_routing_id_is_not_expired(tmp_path):
     """A client's libzmq reconnects under its own routing id without a new HELLO (after a
-    heartbeat timeout, say): any request of the session counts, not only a HELLO."""
+    heartbeat timeout, say): its process said HELLO, so its new connection needs none."""
     from sparsekv.proto import MsgType, decode, encode
 
     with daemon(tmp_path, "--hello-timeout-s", "1") as d:
@@ -313,7 +327,7 @@ def test_the_table_caps_expires_and_spares_its_own_process():
             t.accepted(c.fileno())
         assert t.counters() == {"connections_refused": 1, "connections_expired": 0, "connections_open": 2}
         assert t.by_uid() == {os.getuid(): 2}
-        t.touch(conns[0].fileno())  # a request of a session came on it
+        t.hello(conns[0].fileno())  # a HELLO came on it
         now[0] += 5
         assert t.expire() == 1  # conns[1]: nothing came on it
         assert t.counters()["connections_open"] == 1
@@ -323,9 +337,18 @@ def test_the_table_caps_expires_and_spares_its_own_process():
         peers[0].settimeout(0.1)
         with pytest.raises(socket.timeout):
             peers[0].recv(1)
-        # A request handled before the guard's thread saw its connection accepted.
+        # Its process said HELLO: its next connection needs none (a reconnect says none).
+        d2, path2, listener2, [(later_peer, later)] = _pairs(1)
+        t.bound_path = path2
+        t.accepted(later.fileno())
+        now[0] += 10
+        assert t.expire() == 0 and t.counters()["connections_open"] == 2
+        later_peer.close(), later.close(), listener2.close()
+        d2.__exit__(None, None, None)
+        t.bound_path = path
+        # A HELLO handled before the guard's thread saw its connection accepted.
         early = table(hello_timeout_s=5, own_pid=-1)
-        early.touch(conns[0].fileno())
+        early.hello(conns[0].fileno())
         early.accepted(conns[0].fileno())
         now[0] += 10
         assert early.expire() == 0 and early.counters()["connections_open"] == 1
