@@ -184,6 +184,10 @@ class HostPool:
                 continue
             self._ranges.release(offset)
 
+    def range_bytes(self, nbytes: int) -> int:
+        """The bytes an engine range of ``nbytes`` takes (rounded up to 2 MiB)."""
+        return self._ranges.rounded(nbytes)
+
     def zeroing_to_wait_for(self, nbytes: int) -> list:
         """What ``allocate(nbytes)`` would wait for now: the futures of every pending
         zeroing when no free range fits (empty when it would not wait). Any thread may

@@ -21,7 +21,7 @@ from typing import Iterator
 from sparsekv.proto import ErrorCode, Layout, ProtocolError
 
 from .engine import EngineSpace, Owner, RankState
-from .pool import ALIGN_BYTES, HostPool
+from .pool import HostPool
 
 log = logging.getLogger("sparsekv.registry")
 
@@ -135,13 +135,13 @@ class EngineRegistry:
 
     def pool_bytes_of(self, uid: int) -> int:
         """Pool bytes held by the engines ``uid`` created (their ranges: 2 MiB aligned)."""
-        return sum(range_bytes(space.layout.pool_bytes) for space in self._engines.values()
+        return sum(self.pool.range_bytes(space.layout.pool_bytes) for space in self._engines.values()
                    if space.owner is not None and space.owner.uid == uid)
 
     def _check_quota(self, owner: Owner | None, pool_bytes: int) -> None:
         if not self.max_pool_bytes_per_uid or owner is None:
             return
-        pool_bytes = range_bytes(pool_bytes)
+        pool_bytes = self.pool.range_bytes(pool_bytes)
         held = self.pool_bytes_of(owner.uid)
         if held + pool_bytes > self.max_pool_bytes_per_uid:
             raise ProtocolError(
@@ -233,11 +233,6 @@ class EngineRegistry:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._engines)
-
-
-def range_bytes(pool_bytes: int) -> int:
-    """The bytes of the pool range an engine of ``pool_bytes`` takes (ALIGN_BYTES units)."""
-    return -(-pool_bytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def _may_join(engine_owner: Owner | None, owner: Owner | None, privileged: bool) -> bool:

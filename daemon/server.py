@@ -1106,28 +1106,28 @@ _KINDS = {int(m): m for m in MsgType}
 _WAIT = object()  # _handle: the request waits for a heavy request in flight on its engine
 
 
-def _peer_address(frames) -> str | None:
-    """libzmq's ``Peer-Address`` of received frames ("" if unreadable); None for plain
-    bytes (an in-process call)."""
+def _frame_property(frames, name, unreadable):
+    """libzmq's property ``name`` of received frames (``unreadable`` if libzmq has none);
+    None for plain bytes (an in-process call)."""
     get = getattr(frames[0], "get", None) if frames else None
     if get is None:
         return None
     try:
-        return get("Peer-Address")
-    except Exception:  # noqa: BLE001 - zmq.ZMQError: no such property
-        return ""
+        return get(name)
+    except Exception:  # noqa: BLE001 - zmq.ZMQError: no such property (an older or newer libzmq)
+        return unreadable
+
+
+def _peer_address(frames) -> str | None:
+    """libzmq's ``Peer-Address`` of received frames ("" if unreadable); None for plain
+    bytes (an in-process call)."""
+    return _frame_property(frames, "Peer-Address", "")
 
 
 def _src_fd(frames) -> int | None:
     """The descriptor of the connection received frames came on (libzmq's ``ZMQ_SRCFD``
     property: deprecated, present in 4.3); None for plain bytes or when unreadable."""
-    get = getattr(frames[0], "get", None) if frames else None
-    if get is None:
-        return None
-    try:
-        fd = get(zmq.SRCFD)
-    except Exception:  # noqa: BLE001 - zmq.ZMQError, an older or newer libzmq
-        return None
+    fd = _frame_property(frames, zmq.SRCFD, None)
     return fd if type(fd) is int and fd >= 0 else None
 
 
