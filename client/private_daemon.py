@@ -17,12 +17,15 @@ class PrivateDaemon:
     """``with PrivateDaemon(pool_bytes=..., backend="cpu") as d: Client(d.run_dir)``."""
 
     def __init__(self, *, pool_bytes: int, backend: str = "cpu", extra_args=(), log_path: str | None = None,
-                 start_timeout_s: float = 60.0, env: dict | None = None):
+                 start_timeout_s: float = 60.0, stop_timeout_s: float | None = None, env: dict | None = None):
         self.pool_bytes = pool_bytes
         self.backend = backend
         self.extra_args = list(extra_args)
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
+        if stop_timeout_s is None:
+            stop_timeout_s = float(os.environ.get("SPARSEKV_STOP_TIMEOUT_S", "20"))
+        self.stop_timeout_s = stop_timeout_s
         self.env = env
         self.run_dir = ""
         self.proc: subprocess.Popen | None = None
@@ -53,8 +56,14 @@ class PrivateDaemon:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=self.stop_timeout_s)
             except subprocess.TimeoutExpired:
+                # A daemon that does not stop: its threads' stacks to its log first
+                # (SIGUSR2, daemon/main.py), so the hang can be read afterwards.
+                sys.stderr.write(f"private sparsekvd (pid {self.proc.pid}) did not stop in "
+                                 f"{self.stop_timeout_s} s after SIGTERM: stacks to its log, then SIGKILL\n")
+                self.proc.send_signal(signal.SIGUSR2)
+                time.sleep(0.5)
                 self.proc.kill()
                 self.proc.wait()
         if self._log not in (None, subprocess.DEVNULL):

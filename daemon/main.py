@@ -34,6 +34,11 @@ log = logging.getLogger("sparsekv")
 # stream that shares its queue would wait behind it. The most queues, so that the
 # daemon's other streams (other ranks, copies) rarely share one.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# CUDA loads kernels lazily by default (since 12.2): a kernel's first launch loads its
+# code, and loading waits for the context's running work. With a doorbell stream parked on
+# its engine's bell that wait never ends (the daemon hung at a rank's close on the H200).
+# Eager loading loads every kernel of a module when the module is loaded, at attach.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 # Asked of systemd (EXTEND_TIMEOUT_USEC) at each pre-fault progress report, about once a
 # second: a start that keeps moving is never killed by TimeoutStartSec=, a stuck one is.

@@ -72,6 +72,8 @@ class CudaBackend:
         self.cfg = cfg
         kernels = get_cache(cfg.kernel_cache_dir or None)
         self.workers: list[DeviceWorker] = []
+        self._ranks: dict[int, CudaRankState] = {}  # before any worker: close() reads them
+        self._pinned: dict[str, PinnedRegion] = {}
         try:
             for o in ordinals:
                 self.workers.append(DeviceWorker(o, cfg.device_arena_size, kernels))
@@ -85,8 +87,6 @@ class CudaBackend:
 
         self._blocks_name = f"sparsekv-{run_dir_tag(cfg.run_dir)}-blocks-"
         remove_stale(os.path.join(cfg.shm_dir, self._blocks_name))
-        self._ranks: dict[int, CudaRankState] = {}
-        self._pinned: dict[str, PinnedRegion] = {}
         self._retired: dict[str, int] = {}
         self._retired_errors: dict[str, int] = {}
         self._stuck: set[str] = set()  # engines whose pool a stream that did not drain may read

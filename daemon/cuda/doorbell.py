@@ -167,19 +167,27 @@ class DoorbellTransport(Transport):
         self._stop.set()
         self._thread.join()
         G = self.layout.num_groups
+        bells = [self.buffers.db_ctl.data.ptr + 4 * i for i in range(1 + G)]
         with cp.cuda.Device(self.worker.ordinal):
             done = cp.cuda.Event(block=False, disable_timing=True)
             done.record(self.stream)
             side = cp.cuda.Stream(non_blocking=True)
+            rung = cp.cuda.Event(block=False, disable_timing=True)
             deadline = time.monotonic() + DRAIN_TIMEOUT_S
             while not done.done:
                 if time.monotonic() > deadline:
                     log.error("doorbell stream of GPU %d did not drain in %.0f s; its memory stays allocated",
                               self.worker.ordinal, DRAIN_TIMEOUT_S)
                     return False
-                with side:
-                    self.buffers.db_ctl[: 1 + G] = 1  # every bell rung: the stocked steps run through
-                side.synchronize()
+                # Every bell rung with stream memory operations, never a kernel: the first
+                # launch of a CuPy kernel loads a module, and a module load waits for the
+                # context's streams, this parked one included (measured on the H200: the
+                # daemon hung here until killed).
+                for address in bells:
+                    write32(side.ptr, address, 1)
+                rung.record(side)
+                while not rung.done and time.monotonic() < deadline:  # never an unbounded synchronize
+                    time.sleep(0.0002)
                 time.sleep(0.0002)
         self.graph = None
         return True

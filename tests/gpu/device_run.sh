@@ -20,15 +20,21 @@ trap 'echo quit | nvidia-cuda-mps-control' EXIT
 
 status=0
 what=${1:-all}
-# what: all (tests, demo, kernel and transport benchmarks) | test (tests, demo) |
+# what: all (tests, demo, kernel and transport benchmarks) | pytest (the cuda tests) | test (tests, demo) |
 #       e2e (tests, demo, transport benchmark) | bench (both benchmarks)
+# PYTEST_ARGS: more pytest options (e.g. "-n 3 --dist loadfile": pytest-xdist is on the
+# machine; one file per worker keeps each file's daemons in order).
+# SPARSEKV_STOP_TIMEOUT_S: how long a test's private daemon may take to stop on SIGTERM
+# before its stacks are dumped to $OUT/daemon.log and it is killed (default 20).
 # One test may not hang the whole run: pytest-timeout when the machine has it.
 per_test=""
 python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout ${PER_TEST_TIMEOUT_S:-90}"
-if [[ $what == all || $what == test || $what == e2e ]]; then
+if [[ $what == all || $what == test || $what == e2e || $what == pytest ]]; then
   # (-m cuda takes the cuda chaos soak too: tests/soak/test_chaos.py[cuda], 30 s here)
-  SPARSEKV_SOAK_S=${SPARSEKV_SOAK_S:-30} timeout ${PYTEST_TIMEOUT_S:-400} python3 -m pytest -q --require-cuda -m cuda -p no:cacheprovider $per_test ${PYTEST_SELECT:-tests} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
+  SPARSEKV_SOAK_S=${SPARSEKV_SOAK_S:-30} timeout ${PYTEST_TIMEOUT_S:-400} python3 -m pytest -q -rfE --tb=short --durations=15 --require-cuda -m cuda -p no:cacheprovider $per_test ${PYTEST_ARGS:-} ${PYTEST_SELECT:-tests} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
   status=${PIPESTATUS[0]}
+fi
+if [[ $what == all || $what == test || $what == e2e ]]; then
   timeout 150 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
   # The example model through the engine's handle on the GPU (doorbell), as a user runs it.
   timeout 150 python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 2>&1 | tee "$OUT/example-doorbell.log" | tail -6

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,11 +46,14 @@ def device_sync():
     cp.cuda.runtime.deviceSynchronize()
 
 
-def layout(top_k, stride, host_rows, max_reqs, groups=1, layers_per_group=1, row_bytes=32, staging_rows=0):
+def layout(top_k, stride, host_rows, max_reqs, groups=1, layers_per_group=1, row_bytes=32, staging_rows=0,
+           max_batch=64):
+    """``max_batch`` above ``max_reqs``: the traces carry several tokens of a request and
+    padding rows (the layout's limit on a batch is checked like any other)."""
     n = groups * layers_per_group
     idx = tuple(tuple(range(g * layers_per_group, (g + 1) * layers_per_group)) for g in range(groups))
     return Layout(num_layers=n, row_bytes=row_bytes, top_k=top_k, region_stride=stride, max_reqs=max_reqs,
-                  host_rows=host_rows, index_groups=idx, staging_rows=staging_rows).validate()
+                  host_rows=host_rows, index_groups=idx, staging_rows=staging_rows, max_batch=max_batch).validate()
 
 
 # -- random traces --------------------------------------------------------------------
@@ -181,7 +185,7 @@ TRACES = [
 def test_resolve_matches_cpu(case, kc):
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     cuda = cuda_mod()
-    lay = layout(k, stride, host_rows, reqs, groups=groups)
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     cpu = CpuResidency(lay)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws)
     if name == "topk32k":
@@ -698,7 +702,7 @@ def test_kernel_cache_dir_and_warm(tmp_path, monkeypatch):
     assert kernels.cache_dir() == tmp_path / "env"
     assert kernels.cache_dir(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv(kernels.CACHE_ENV)
-    assert kernels.cache_dir() == kernels.Path(kernels.DEFAULT_CACHE_DIR).expanduser()
+    assert kernels.cache_dir() == Path(kernels.DEFAULT_CACHE_DIR).expanduser()
     src = kernels.load_source("resolve.cu", {"SKV_RESOLVE_THREADS": 64})
     assert "#include" not in src and "#define SKV_RESOLVE_THREADS 64" in src
     kc = kernels.KernelCache(tmp_path / "c")
