@@ -20,7 +20,7 @@ trap 'echo quit | nvidia-cuda-mps-control' EXIT
 
 status=0
 what=${1:-all}
-# what: all (tests, demo, kernel and transport benchmarks) | pytest (the cuda tests) | test (tests, demo) |
+# what: all (tests, demo, kernel and transport benchmarks) | pytest (the cuda tests) | decode (sparsekv bench decode --quick) | test (tests, demo) |
 #       e2e (tests, demo, transport benchmark) | bench (both benchmarks)
 # PYTEST_ARGS: more pytest options (e.g. "-n 3 --dist loadfile": pytest-xdist is on the
 # machine; one file per worker keeps each file's daemons in order).
@@ -39,8 +39,8 @@ if [[ $what == all || $what == test || $what == e2e ]]; then
   # The example model through the engine's handle on the GPU (doorbell), as a user runs it.
   timeout 150 python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 2>&1 | tee "$OUT/example-doorbell.log" | tail -6
 fi
-if [[ $what == all || $what == bench || $what == e2e ]]; then
-  timeout 240 python3 -m sparsekv.client.cli bench decode --quick --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
+if [[ $what == all || $what == bench || $what == e2e || $what == decode ]]; then
+  timeout ${DECODE_TIMEOUT_S:-240} python3 -m sparsekv.client.cli bench decode --quick --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
 fi
 if [[ $what == all || $what == bench ]]; then
   SPARSEKV_CUDA_BENCH=1 timeout 200 python3 -m pytest -q -s --require-cuda tests/daemon/residency/test_cuda_kernels.py -k bench_table 2>&1 | tee "$OUT/bench-kernels.log" | tail -20
