@@ -596,15 +596,20 @@ def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_
                 plan_rows = np.full((lay.max_batch, lay.top_k), -1, np.int32)
                 plan_slots = np.full((lay.max_batch, lay.top_k), -1, np.int32)
                 misses = np.zeros(lay.max_batch, np.int32)
-                plan_rows[0, : len(got.plan)] = got.plan.rows  # one row carries the whole plan
-                plan_slots[0, : len(got.plan)] = got.plan.slots
-                misses[0] = len(got.plan)
-                assert len(got.plan) <= lay.top_k
+                k = lay.top_k  # the plan in rows of at most top_k entries, as the device step lays it out
+                chunks = max(1, -(-len(got.plan) // k))
+                assert chunks <= lay.max_batch
+                for i in range(chunks):
+                    part = slice(i * k, min((i + 1) * k, len(got.plan)))
+                    n = part.stop - part.start
+                    plan_rows[i, :n] = got.plan.rows[part]
+                    plan_slots[i, :n] = got.plan.slots[part]
+                    misses[i] = n
                 from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
 
                 desc = np.zeros(DESC_INTS, np.int32)
 
-                desc[D_BATCH], desc[D_GROUP], desc[D_K] = 1, group, lay.top_k
+                desc[D_BATCH], desc[D_GROUP], desc[D_K] = chunks, group, lay.top_k
                 with gpu.stream:
                     mover.launch_gather(cp.asarray(desc), cp.asarray(plan_rows), cp.asarray(plan_slots),
                                         cp.asarray(misses), lay.max_batch, gpu.stream)
