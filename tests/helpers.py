@@ -57,6 +57,19 @@ def short_tmpdir(prefix: str = "skv-"):
         shutil.rmtree(d, ignore_errors=True)
 
 
+_KEEP_OPEN: list = []
+
+
+def stacks_on_sigusr2(path: str) -> None:
+    """A test worker process: ``kill -USR2`` writes its threads' stacks to ``path``."""
+    import faulthandler
+    import signal
+
+    f = open(path, "a")  # noqa: SIM115 - open for the process's life
+    _KEEP_OPEN.append(f)
+    faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)
+
+
 def wait_for(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "condition"):
     """Poll ``pred`` until it returns a truthy value; return it, or fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

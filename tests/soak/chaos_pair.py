@@ -103,6 +103,7 @@ def main(role: str, run_dir: str, state_path: str, seed: int, events_path: str, 
 
     counts = {"checks": 0, "rows": 0, "bad": 0, "step": 0, "writes": 0}
     lost_at = None
+    helpers.stacks_on_sigusr2(events_path + ".stacks")
     ev("start")
     while True:
         c = None

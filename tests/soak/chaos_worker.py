@@ -39,6 +39,7 @@ def main(run_dir: str, engine: str, seed: int, events_path: str, device: str = "
     checks = rows_checked = bad_total = 0
     step = 0
     lost_at = None
+    helpers.stacks_on_sigusr2(events_path + ".stacks")
     ev("start")
     while True:
         client = None

@@ -32,6 +32,7 @@ incarnation (from the clients' re-attach to the end), and no shared-memory file 
 dir left once the daemon stops. A one-line JSON summary is printed (``-s`` shows it).
 """
 
+import contextlib
 import json
 import os
 import random
@@ -119,6 +120,31 @@ class Chaos:
                     break
         return out
 
+    def explain(self, pids) -> str:
+        """Why these workers did not report: each one's last events and its threads' stacks
+        (SIGUSR2: the workers install faulthandler on it, into ``<events>.stacks``)."""
+        out = []
+        for pid in pids:
+            path = self.events[pid]
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+        time.sleep(0.5)
+        for pid in pids:
+            path = self.events[pid]
+            last = read_events(path)[-3:]
+            stacks = ""
+            with contextlib.suppress(OSError), open(path + ".stacks") as f:
+                stacks = f.read()[-3000:]
+            out.append(f"worker {pid}: last events {last}\n{stacks}")
+        return "\n".join(out)
+
+    def wait_for_workers(self, pred, pids, timeout_s: float, what: str):
+        """``helpers.wait_for`` that, on a timeout, says what each of ``pids`` was doing."""
+        try:
+            return helpers.wait_for(pred, timeout_s, what=what)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.explain(list(pids))}") from None
+
     def restart_daemon(self) -> tuple[subprocess.Popen, float]:
         """A new daemon on the same run dir, as PrivateDaemon starts one; returns it and
         the wall time it began to serve: when its control.sock was renamed into place (the
@@ -162,8 +188,9 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path, ba
             for i in range(WORKERS):
                 ch.spawn(i)
             t_start = time.time()
-            helpers.wait_for(lambda: len(ch.attached_since(0, [p.pid for p in ch.workers.values()])) == WORKERS,
-                             30, what="every client to attach")
+            pids = [p.pid for p in ch.workers.values()]
+            ch.wait_for_workers(lambda: len(ch.attached_since(0, pids)) == WORKERS, pids, 30,
+                                what="every client to attach")
             fuzz = subprocess.Popen([helpers.PY, os.path.join(HERE, "chaos_fuzz.py"), run_dir, "5", fuzz_path])
             proc = psutil.Process(d.proc.pid)
             summary["rss_start_mib"] = round(proc.memory_info().rss / 2**20, 1)
@@ -197,7 +224,7 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path, ba
                                     break
                         return got if len(got) == len(live) else None
 
-                    lost = helpers.wait_for(lost_all, 5, what="every client to notice the daemon's death")
+                    lost = ch.wait_for_workers(lost_all, live, 5, what="every client to notice the daemon's death")
                     detect += [t - t_kill for t in lost.values()]
                     back = helpers.wait_for(lambda: (a := ch.attached_since(t_kill, live)) and len(a) == len(live)
                                             and a, 10, interval_s=0.01, what="every client to re-attach")
