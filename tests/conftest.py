@@ -1,6 +1,7 @@
 """Test options: GPU tests are marked ``cuda``; ``--require-cuda`` makes their skip a failure."""
 
 import functools
+import os
 
 import pytest
 
@@ -34,6 +35,25 @@ def pytest_runtest_setup(item):
     if item.config.getoption("--require-cuda"):
         pytest.fail(f"--require-cuda: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def pytest_runtest_teardown(item):
+    """``SPARSEKV_GPU_MEMLOG=FILE``: after each ``cuda`` test, the GPU's free memory (as
+    this process sees it: under MPS, the whole GPU's) and this process's CuPy and torch
+    pools, one line a test. For memory that outlives the tests that took it."""
+    path = os.environ.get("SPARSEKV_GPU_MEMLOG")
+    if not path or "cuda" not in item.keywords or cuda_unavailable_reason() is not None:
+        return
+    import sys
+
+    cp = sys.modules["cupy"]
+    free, total = cp.cuda.runtime.memGetInfo()
+    torch = sys.modules.get("torch")
+    held = torch.cuda.memory_reserved() if torch is not None and torch.cuda.is_initialized() else 0
+    with open(path, "a") as f:
+        f.write(f"{item.nodeid} free_GiB={free / 2**30:.2f} of {total / 2**30:.1f} "
+                f"cupy_pool_GiB={cp.get_default_memory_pool().total_bytes() / 2**30:.2f} "
+                f"torch_reserved_GiB={held / 2**30:.2f}\n")
 
 
 # -- fixtures shared by the suite (helpers live in tests/helpers.py) ----------------------
