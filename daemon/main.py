@@ -29,16 +29,30 @@ from .stats import package_version
 
 log = logging.getLogger("sparsekv")
 
-# Hardware work queues per GPU context (read when CUDA starts, 8 by default, 32 at most).
-# A doorbell rank's stream sits in a stream wait for as long as its engine computes; a
-# stream that shares its queue would wait behind it. The most queues, so that the
-# daemon's other streams (other ranks, copies) rarely share one.
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-# CUDA loads kernels lazily by default (since 12.2): a kernel's first launch loads its
-# code, and loading waits for the context's running work. With a doorbell stream parked on
-# its engine's bell that wait never ends (the daemon hung at a rank's close on the H200).
-# Eager loading loads every kernel of a module when the module is loaded, at attach.
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# The daemon's CUDA environment, set by main() before CUDA starts (never at import: a
+# process that imports this module, a test run say, would pass it to every CUDA process it
+# starts). A setting already in the environment (the unit's Environment=) wins.
+CUDA_ENV = {
+    # Hardware work queues of the daemon's context (8 by default, 32 at most). A doorbell
+    # rank's stream sits in a stream wait while its engine computes; a stream sharing its
+    # queue would wait behind it. Under MPS the queues come from one pool that every
+    # client of the GPU shares (NVIDIA's MPS guide, CUDA_DEVICE_MAX_CONNECTIONS): measured
+    # on the H200, a test run whose every process asked for 32 had spawned ranks fail to
+    # create contexts (cudaErrorMemoryAllocation); the daemon alone at 32 beside clients
+    # at the default did not. deploy/README.md says when to lower it.
+    "CUDA_DEVICE_MAX_CONNECTIONS": "32",
+    # Kernels are loaded when their module is (not at first launch): the H200 run had the
+    # daemon hang inside CuPy's compile-and-load of a kernel launched while a doorbell
+    # stream was parked on its bell, and lazy loading is documented to wait for work in
+    # flight. (That launch is gone: doorbell.py rings with stream memory operations.)
+    "CUDA_MODULE_LOADING": "EAGER",
+}
+
+
+def set_cuda_environment() -> None:
+    for key, value in CUDA_ENV.items():
+        os.environ.setdefault(key, value)
+
 
 # Asked of systemd (EXTEND_TIMEOUT_USEC) at each pre-fault progress report, about once a
 # second: a start that keeps moving is never killed by TimeoutStartSec=, a stuck one is.
@@ -279,6 +293,8 @@ def main(argv=None) -> int:
     if args.print_config:
         sys.stdout.write(cfg.to_toml(sources))
         return 0
+    if cfg.backend != "cpu":
+        set_cuda_environment()  # before anything asks CUDA about devices
     if not os.path.isdir(cfg.shm_dir) or not os.access(cfg.shm_dir, os.W_OK | os.X_OK):
         why = "does not exist" if not os.path.exists(cfg.shm_dir) else (
             "is not a directory" if not os.path.isdir(cfg.shm_dir) else "is not writable by this user")

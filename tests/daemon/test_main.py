@@ -373,3 +373,19 @@ def test_journald_detection_and_formats(tmp_path):
     for level, prio in ((logging.DEBUG, 7), (logging.INFO, 6), (logging.WARNING, 4), (logging.CRITICAL, 2)):
         rec = logging.LogRecord("n", level, __file__, 1, "m", None, None)
         assert JournalFormatter().format(rec).startswith(f"<{prio}>")
+
+
+def test_importing_the_daemon_leaves_the_cuda_environment_alone():
+    """The daemon's CUDA settings (more hardware queues, eager module loading) are set
+    by main() for a cuda or auto backend only, never at import: a test run or a tool
+    that imports the module would hand them to every CUDA process it starts (under MPS,
+    processes asking for 32 queues each could not all create contexts on the H200)."""
+    code = ("import os, sys\n"
+            "from sparsekv.daemon import main as m\n"
+            "keys = list(m.CUDA_ENV)\n"
+            "assert keys and not any(k in os.environ for k in keys), [k for k in keys if k in os.environ]\n"
+            "m.set_cuda_environment()\n"
+            "assert all(os.environ[k] == v for k, v in m.CUDA_ENV.items())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING")}
+    r = subprocess.run([helpers.PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
