@@ -28,8 +28,10 @@ step in flight reads (new KV rows).
 
 Known hazard (measured on the H200, docs/PERF.md): while the stream waits on a bell,
 other work of this process on the GPU may wait behind it. A readback on the legacy
-default stream did (fixed: readbacks run on the residency's stream), and the daemon asks
-for the most hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, main.py). Whether a zmq
+default stream did (fixed: readbacks run on the residency's stream), and so did a CuPy
+kernel's first compile-and-load at close (fixed: bells are rung with stream memory
+operations). The daemon asks for the most hardware queues and eager module loading
+(``CUDA_ENV``, main.py). Whether a zmq
 rank's work on the same GPU can be held up by an idle doorbell rank is not yet measured.
 """
 
