@@ -14,6 +14,8 @@ each token's new KV rows are written, before the next step reads them.
 ``--kv sparsekv``: rows written into sparsekv's host pool (``client.write``), read
 through ``HostSwapIn.swap_in`` from the hot slab. ``--kv both`` runs the two side by side
 on one schedule and compares their logits every step: they must be bit-identical.
+``--slab engine``: sparsekv's hot region inside the engine's own KV-cache tensor, beside
+the blocks the engine keeps itself (ResidentBlocks); one index array reads both.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model import Batch, Config, DsaModel, LocalKV  # noqa: E402
 
 from sparsekv.client import Client  # noqa: E402
+from sparsekv.client.engine_slab import EngineSlab  # noqa: E402
 from sparsekv.client.inproc import InprocClient  # noqa: E402
 from sparsekv.client.private_daemon import PrivateDaemon  # noqa: E402
 from sparsekv.client.swap_in import HostSwapIn  # noqa: E402
 from sparsekv.proto import Layout  # noqa: E402
+from sparsekv.proto.slab import SlabGeometry  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ class Scheduler:
         def draw(lo, hi):
             return int(torch.randint(lo, hi + 1, (1,), generator=g))
 
-        self.max_blocks = -(-(rc.prompt[1] + rc.new_tokens[1]) // rc.block_size)
+        self.max_blocks = self.blocks_per_request(rc)
         self.waiting = []
         for i in range(rc.requests):
             arrive = draw(0, rc.steps * 2 // 3) if i else 0
@@ -101,6 +105,11 @@ class Scheduler:
         self.used_blocks: set[int] = set()  # every block handed out so far
         self.reused_blocks = 0  # blocks handed out again after a request left
         self.running: dict[int, Request] = {}
+
+    @staticmethod
+    def blocks_per_request(rc: RunConfig) -> int:
+        """Columns of the block table: the blocks of the longest request."""
+        return -(-(rc.prompt[1] + rc.new_tokens[1]) // rc.block_size)
 
     def plan(self, step: int) -> Plan:
         rc, admitted = self.rc, []
@@ -157,8 +166,9 @@ class Scheduler:
 class Engine:
     """The model, the handle its attention reads through, and where new rows go."""
 
-    def __init__(self, name: str, model: DsaModel, handle, write, host_rows: int):
+    def __init__(self, name: str, model: DsaModel, handle, write, host_rows: int, resident=None):
         self.name, self.model, self.handle, self.write = name, model, handle, write
+        self.resident = resident  # ResidentBlocks: --slab engine keeps each request's newest block itself
         self.device = model.cfg.device
         self.index_keys = torch.zeros((model.cfg.num_layers, host_rows, model.cfg.index_dim), device=self.device)
         self.next_token: dict[int, int] = {}  # request -> its next input token
@@ -167,6 +177,8 @@ class Engine:
         rows = rows.to(self.device)
         kv_rows, keys = self.model.prompt_rows(r.prompt[:-1].to(self.device))
         self.write(rows, kv_rows)
+        if self.resident is not None:
+            self.resident.admit(r.state_row, kv_rows)
         self.index_keys[:, rows] = keys
         self.next_token[r.rid] = int(r.prompt[-1])
 
@@ -177,12 +189,16 @@ class Engine:
         tokens = torch.tensor([self.next_token[p.running[s].rid] if s in p.running else 0
                                for s in range(len(p.req_ids))])
         batch = Batch(tokens.to(dev), p.req_ids.to(dev), p.positions.to(dev), p.block_table.to(dev), block_size)
+        if self.resident is not None:
+            self.resident.begin(p)
         out = self.model.decode_step(batch, self.handle, self.index_keys)
         live = (p.req_ids >= 0).to(dev)
         rows = p.new_rows.to(dev)[live]
         # New rows land before the next step reads them (this step read its own rows
         # directly: each token attends to the rows it just made).
         self.write(rows, out.kv_rows[:, live])
+        if self.resident is not None:
+            self.resident.append(p, out.kv_rows)
         self.index_keys[:, rows] = out.index_keys[:, live]
         logits = out.logits[live].cpu()
         for s, tok in zip(p.req_ids[p.req_ids >= 0].tolist(), logits.argmax(1).tolist()):
@@ -201,9 +217,12 @@ class DeviceHandle:
         self.h.begin_step(state_rows.int().contiguous(), None if reset is None else reset.contiguous(),
                           None if invalidate is None else invalidate.int().contiguous())
 
-    def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer, block_size):
+    def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer, block_size,
+                resident_block_table=None):
+        res = None if resident_block_table is None else resident_block_table.int().contiguous()
         return self.h.swap_in(req_id_per_token.int().contiguous(), block_table.int().contiguous(),
-                              logical_topk_indices.int().contiguous(), layer=layer, block_size=block_size)
+                              logical_topk_indices.int().contiguous(), layer=layer, block_size=block_size,
+                              resident_block_table=res)
 
     def kv(self, layer: int):
         return self.h.kv(layer)
@@ -216,16 +235,127 @@ class DeviceHandle:
         self.h.close()
 
 
+class ResidentBlocks:
+    """``--slab engine``: the engine's own KV cache, one tensor, that sparsekv's hot region
+    lives inside, as a paged engine lays it out. Per layer: ``max_reqs`` resident blocks
+    (state row ``s``'s is block ``s``: the request's newest logical block, whose rows the
+    engine writes itself each step), then the hot blocks the daemon gathers into. One
+    index space for both: the model reads ``kv(layer)[idx]`` whichever holds the row.
+
+    The resident block table says which logical block each request still holds; its
+    positions resolve to ``block * block_size + pos % block_size`` and are not fetched.
+    Every row still goes to the host pool too (``client.write``): once the request moves
+    on to its next block, the older one is read through the hot region."""
+
+    def __init__(self, layout: Layout, rc: RunConfig, max_blocks: int, device):
+        self.bs, self.R = rc.block_size, rc.max_reqs
+        hot_rows = layout.max_reqs * layout.region_stride
+        if hot_rows % self.bs:
+            raise SystemExit(f"--slab engine: max_reqs * region_stride ({hot_rows}) must be whole blocks of "
+                             f"{self.bs} rows")
+        self.layer_rows = self.R * self.bs + hot_rows
+        layer_bytes = self.layer_rows * layout.row_bytes
+        self.nbytes = layout.num_layers * layer_bytes
+        self.geometry = SlabGeometry.paged(layout, [layer * layer_bytes for layer in range(layout.num_layers)],
+                                           first_block=self.R, block_size=self.bs, buffer_bytes=self.nbytes)
+        self.hot_base = self.R * self.bs
+        self.table = torch.full((rc.max_reqs, max_blocks), -1, dtype=torch.long, device=device)
+        self.current = torch.full((rc.max_reqs,), -1, dtype=torch.long)  # logical block held, per state row
+        self.storage = None  # [layers, layer_rows, 656] uint8, the engine's KV cache (set by attach)
+        self.reads = 0  # indices swap_in returned into resident blocks
+
+    def attach(self, client, layout: Layout, device, transport: str) -> EngineSlab:
+        """Allocate the engine's KV cache (shared memory on the CPU, a torch tensor on the
+        GPU), give it to the daemon with the geometry of its hot blocks."""
+        if str(device).startswith("cuda"):
+            buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+            slab = EngineSlab.from_tensor(buf)
+        else:
+            slab = EngineSlab.shared_memory(self.nbytes)
+            buf = torch.from_numpy(slab.array)
+        self.storage = buf.view(layout.num_layers, self.layer_rows, layout.row_bytes)
+        client.attach(layout, engine="dsa-example", transport=transport, slab=slab.with_geometry(self.geometry))
+        return slab
+
+    def _hold(self, s: int, block: int) -> None:
+        if int(self.current[s]) >= 0:
+            self.table[s, int(self.current[s])] = -1
+        self.current[s] = block
+        if block >= 0:
+            self.table[s, block] = s
+
+    def admit(self, s: int, kv_rows: torch.Tensor) -> None:
+        """A request starts in state row ``s`` with its prompt's rows ``[layers, n, 656]``:
+        its last block's rows go to resident block ``s``."""
+        self.table[s] = -1
+        self.current[s] = -1
+        n = kv_rows.shape[1]
+        if n == 0:
+            return
+        last = (n - 1) // self.bs
+        self._hold(s, last)
+        self.storage[:, s * self.bs: s * self.bs + n - last * self.bs] = kv_rows[:, last * self.bs:]
+
+    def begin(self, p: Plan) -> None:
+        for s in range(self.R):
+            if s not in p.running and int(self.current[s]) >= 0:
+                self._hold(s, -1)  # the request left: nothing held
+
+    def append(self, p: Plan, kv_rows: torch.Tensor) -> None:
+        """After a step: each live token's new row (position ``p.positions[s]``) in its
+        request's resident block; a row that starts a block moves the block there."""
+        for s in p.running:
+            pos = int(p.positions[s])
+            block = pos // self.bs
+            if block != int(self.current[s]):
+                self._hold(s, block)
+            self.storage[:, s * self.bs + pos % self.bs] = kv_rows[:, s]
+
+
+class EngineKV:
+    """The handle the model reads through with ``--slab engine``: sparsekv's ``swap_in``
+    with the engine's resident block table added."""
+
+    def __init__(self, h, resident: ResidentBlocks):
+        self.h, self.resident = h, resident
+        self.counts = getattr(h, "counts", None)
+
+    def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
+        self.h.begin_step(state_rows, reset=reset, invalidate=invalidate)
+
+    def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer, block_size):
+        idx = self.h.swap_in(req_id_per_token, block_table, logical_topk_indices, layer=layer,
+                             block_size=block_size, resident_block_table=self.resident.table)
+        # Rows read in place, for this example's report (on a GPU the count waits for the
+        # stream: an engine would not count here).
+        i = torch.as_tensor(idx)
+        self.resident.reads += int(((i >= 0) & (i < self.resident.hot_base)).sum())
+        return idx
+
+    def kv(self, layer: int):
+        return self.h.kv(layer)
+
+    def check(self) -> None:
+        self.h.check()
+
+    def close(self) -> None:
+        self.h.close()
+
+
 def layout_for(cfg: Config, rc: RunConfig) -> Layout:
     return Layout(num_layers=cfg.num_layers, row_bytes=656, top_k=cfg.top_k, region_stride=2 * cfg.top_k,
                   max_reqs=rc.max_reqs, host_rows=rc.host_blocks * rc.block_size, index_groups=cfg.groups).validate()
 
 
 @contextlib.contextmanager
-def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str | None = None):
-    """An Engine whose KV rows live in sparsekv: connect, attach, wrap in a handle."""
+def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str | None = None,
+                    slab: str = "daemon", max_blocks: int = 0):
+    """An Engine whose KV rows live in sparsekv: connect, attach, wrap in a handle.
+    ``slab="engine"``: the hot region inside the engine's own KV cache (ResidentBlocks)."""
     layout = layout_for(model.cfg, rc)
     with contextlib.ExitStack() as stack:
+        if slab == "engine" and transport == "inproc":
+            raise SystemExit("--slab engine gives the engine's memory to a daemon: use --transport zmq or doorbell")
         if transport == "inproc":
             client = stack.enter_context(InprocClient(backend="cpu"))
         elif transport == "zmq":
@@ -241,18 +371,29 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
                     pool_bytes=max(64 << 20, 2 * layout.pool_bytes), backend="cuda",
                     extra_args=["--device-arena-size", "1GiB"])).run_dir
             client = stack.enter_context(Client(run_dir, name="dsa-example", device=str(model.cfg.device)))
-        if transport == "doorbell":
+        resident = None
+        if slab == "engine":
+            resident = ResidentBlocks(layout, rc, max_blocks, model.cfg.device)
+            engine_slab = resident.attach(client, layout, model.cfg.device,
+                                          "doorbell" if transport == "doorbell" else "zmq")
+            stack.callback(engine_slab.close)
+        elif transport == "doorbell":
             client.attach(layout, engine="dsa-example", transport="doorbell")
-            handle = DeviceHandle(client.doorbell_handle())
-            stack.callback(handle.close)
         else:
             client.attach(layout, engine="dsa-example")
-            handle = stack.enter_context(HostSwapIn(client))
+        hot_base = resident.hot_base if resident is not None else 0
+        if transport == "doorbell":
+            handle = DeviceHandle(client.doorbell_handle(hot_base=hot_base))
+            stack.callback(handle.close)
+        else:
+            handle = stack.enter_context(HostSwapIn(client, hot_base=hot_base))
+        if resident is not None:
+            handle = EngineKV(handle, resident)
 
         def write(rows: torch.Tensor, data: torch.Tensor) -> None:
             client.write(rows.cpu().numpy().astype(np.int32), data.cpu().numpy())  # all layers
 
-        yield Engine("sparsekv", model, handle, write, layout.host_rows)
+        yield Engine("sparsekv", model, handle, write, layout.host_rows, resident)
         handle.check()
 
 
@@ -263,10 +404,11 @@ class Result:
     max_abs_diff: float | None
     reused_blocks: int
     counts: dict | None  # sparsekv's hits / misses / out_of_range
+    resident_reads: int | None = None  # --slab engine: rows read from the engine's resident blocks
 
 
 def run(cfg: Config, rc: RunConfig, kv: str = "both", transport: str = "inproc", run_dir: str | None = None,
-        out=print) -> Result:
+        out=print, slab: str = "daemon") -> Result:
     model = DsaModel(cfg)
     host_rows = rc.host_blocks * rc.block_size
     modes = ["local", "sparsekv"] if kv == "both" else [kv]
@@ -277,7 +419,8 @@ def run(cfg: Config, rc: RunConfig, kv: str = "both", transport: str = "inproc",
                 local = LocalKV(cfg.num_layers, host_rows, cfg.device)
                 engines.append(Engine("local", model, local, local.write, host_rows))
             else:
-                engines.append(stack.enter_context(sparsekv_engine(model, rc, transport, run_dir)))
+                engines.append(stack.enter_context(sparsekv_engine(model, rc, transport, run_dir, slab,
+                                                                   Scheduler.blocks_per_request(rc))))
         sched = Scheduler(rc, cfg.vocab)
         logits = {e.name: [] for e in engines}
         worst, equal = 0.0, True
@@ -307,15 +450,18 @@ def run(cfg: Config, rc: RunConfig, kv: str = "both", transport: str = "inproc",
             out(line)
         counts = getattr(engines[-1].handle, "counts", None)
         counts = dict(counts) if counts is not None else None
+        resident = engines[-1].resident
+        resident_reads = resident.reads if resident is not None else None
     out(f"requests: {rc.requests - len(sched.waiting)} admitted, {len(sched.running)} still running; "
         f"host blocks handed out again after their request left: {sched.reused_blocks}"
-        + (f"; sparsekv: {counts}" if counts else ""))
+        + (f"; sparsekv: {counts}" if counts else "")
+        + (f"; rows read from the engine's resident blocks: {resident_reads}" if resident_reads is not None else ""))
     if len(engines) == 2:
         out(f"outputs {'equal' if equal else 'NOT equal'}: local vs sparsekv over {rc.steps} steps, "
             f"max abs diff {worst:.3g}")
-        return Result(logits, equal, worst, sched.reused_blocks, counts)
+        return Result(logits, equal, worst, sched.reused_blocks, counts, resident_reads)
     out(f"outputs digest ({modes[0]}, {rc.steps} steps): {_digest(*logits[modes[0]])}")
-    return Result(logits, None, None, sched.reused_blocks, counts)
+    return Result(logits, None, None, sched.reused_blocks, counts, resident_reads)
 
 
 def _digest(*tensors: torch.Tensor) -> str:
@@ -332,6 +478,9 @@ def main(argv=None) -> int:
                     help="sparsekv in this process, through a daemon (a private one unless --run-dir), "
                          "or the device handle")
     ap.add_argument("--run-dir", help="an existing sparsekvd's run dir (--transport zmq)")
+    ap.add_argument("--slab", choices=["daemon", "engine"], default="daemon",
+                    help="engine: the hot region inside the engine's own KV cache, beside the resident blocks "
+                         "it keeps itself (--transport zmq or doorbell)")
     ap.add_argument("--device", default="cpu", help="where the model runs (cuda:0 with --transport doorbell)")
     ap.add_argument("--steps", type=int, default=RunConfig.steps)
     ap.add_argument("--requests", type=int, default=RunConfig.requests)
@@ -343,7 +492,7 @@ def main(argv=None) -> int:
     cfg = Config(num_layers=a.layers, top_k=a.top_k, layers_per_indexer=a.layers_per_indexer, seed=a.seed,
                  device=a.device)
     rc = RunConfig(steps=a.steps, requests=a.requests, seed=a.seed)
-    res = run(cfg, rc, a.kv, a.transport, a.run_dir)
+    res = run(cfg, rc, a.kv, a.transport, a.run_dir, slab=a.slab)
     return 0 if res.equal in (True, None) else 1
 
 

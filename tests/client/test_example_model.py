@@ -69,6 +69,42 @@ def test_local_and_sparsekv_outputs_are_bit_identical_through_a_private_daemon(d
     assert res.equal is True and res.max_abs_diff == 0.0
 
 
+def test_the_hot_region_inside_the_engines_kv_cache_beside_its_resident_blocks(daemon):
+    """--slab engine: one engine-owned KV tensor per layer holds each request's newest
+    block (written by the engine) and the hot blocks (gathered by the daemon); the model
+    reads both through one index array, and its outputs equal all-local KV bit for bit."""
+    cfg = run.Config(num_layers=4, top_k=16, layers_per_indexer=2)
+    res = run.run(cfg, RC, kv="both", transport="zmq", run_dir=daemon.run_dir, out=lambda s: None, slab="engine")
+    assert_exercised(res)
+    assert res.resident_reads > 0  # rows read in place from resident blocks, never fetched
+    assert res.equal is True and res.max_abs_diff == 0.0
+    plain = run.run(cfg, RC, kv="sparsekv", transport="zmq", run_dir=daemon.run_dir, out=lambda s: None)
+    assert plain.resident_reads is None
+    assert res.counts["misses"] < plain.counts["misses"]  # the newest blocks cost no copy
+
+
+def test_a_wrong_byte_in_a_resident_block_shows_as_different_outputs(daemon, monkeypatch):
+    """The resident blocks are really read: one flipped byte in one of them changes the
+    outputs (the host pool still holds the right row)."""
+    real, calls = run.ResidentBlocks.append, []
+
+    def corrupt_third(self, p, kv_rows):
+        real(self, p, kv_rows)
+        calls.append(1)
+        if len(calls) == 3:
+            s = next(iter(p.running))
+            pos = int(p.positions[s])
+            self.storage[0, s * self.bs + pos % self.bs, 1] ^= 0x40
+    monkeypatch.setattr(run.ResidentBlocks, "append", corrupt_third)
+    res = run.run(CFG, RC, kv="both", transport="zmq", run_dir=daemon.run_dir, out=lambda s: None, slab="engine")
+    assert res.equal is False and res.max_abs_diff > 0
+
+
+def test_engine_slab_needs_a_daemon():
+    with pytest.raises(SystemExit, match="--transport zmq or doorbell"):
+        run.run(CFG, RC, kv="sparsekv", transport="inproc", out=lambda s: None, slab="engine")
+
+
 def test_a_wrong_byte_in_the_pool_shows_as_different_outputs(monkeypatch):
     """The comparison is live: one flipped byte in one written row changes the outputs."""
     from sparsekv.client.inproc import InprocClient
@@ -103,4 +139,14 @@ def test_local_and_sparsekv_outputs_are_bit_identical_through_the_doorbell():
     res = run.run(cfg, RC, kv="both", transport="doorbell", out=lambda s: None)
     assert res.reused_blocks > 0
     assert sum(x.shape[0] for x in res.logits["sparsekv"]) > RC.steps
+    assert res.equal is True and res.max_abs_diff == 0.0
+
+
+@pytest.mark.cuda
+def test_the_hot_region_inside_the_engines_kv_tensor_on_the_gpu():
+    """--slab engine through the doorbell: the engine's KV cache is a torch tensor on the
+    GPU, exported to the daemon, its hot blocks gathered into in place."""
+    cfg = run.Config(num_layers=4, top_k=16, layers_per_indexer=2, device="cuda:0")
+    res = run.run(cfg, RC, kv="both", transport="doorbell", out=lambda s: None, slab="engine")
+    assert res.reused_blocks > 0 and res.resident_reads > 0
     assert res.equal is True and res.max_abs_diff == 0.0

@@ -38,6 +38,8 @@ if [[ $what == all || $what == test || $what == e2e ]]; then
   timeout 150 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
   # The example model through the engine's handle on the GPU (doorbell), as a user runs it.
   timeout 150 python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 2>&1 | tee "$OUT/example-doorbell.log" | tail -6
+  # ... with its hot region inside its own KV-cache tensor (issue 12).
+  timeout 150 python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 --slab engine 2>&1 | tee "$OUT/example-engine-slab.log" | tail -3
 fi
 if [[ $what == all || $what == bench || $what == e2e || $what == decode ]]; then
   timeout ${DECODE_TIMEOUT_S:-240} python3 -m sparsekv.client.cli bench decode --quick --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
