@@ -418,7 +418,7 @@ class Client:
         fence = att.record_fence()
         if fence is not None:
             fields["fence"] = fence
-        fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin)
+        fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin, self._still_there)
         batch, k = topk.shape
         req = self._send(MsgType.TOPK, fields)
         self._block_requests[e] = req
@@ -568,6 +568,12 @@ class Client:
         if self._socket_id is not None and _file_id(st) != self._socket_id:
             return f"sparsekvd restarted: {path} is a new daemon's socket"
         return None
+
+    def _still_there(self) -> None:
+        """Raise DaemonUnavailable (and forget the session) if the daemon has gone."""
+        why = self._check_daemon()
+        if why is not None:
+            self._lost(why)
 
     def _lost(self, why: str):
         """The daemon is gone: every request of this client fails from now on."""

@@ -12,11 +12,16 @@ earlier step is still reading.
 from __future__ import annotations
 
 import logging
+import time
 
 from sparsekv.proto.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
 from sparsekv.proto import Layout
 
 from .results import TopkResult
+
+# While waiting for a daemon's event on the host, ask whether the daemon is still there
+# this often (client.py's liveness slice is the same).
+EVENT_CHECK_S = 0.25
 
 log = logging.getLogger("sparsekv.client")
 
@@ -110,21 +115,35 @@ class CudaAttachment:
         self._next = (e + 1) % len(self._used)
         return e
 
-    def write_blocks(self, e: int, step: int, group: int, state_rows, topk, begin=None) -> int:
+    def write_blocks(self, e: int, step: int, group: int, state_rows, topk, begin=None, still_there=None) -> int:
         """Write a TOPK (and, with ``begin`` = (reset, invalidate), its STEP) into entry
         ``e``'s pinned blocks; return ``e``. The caller has the reply of the entry's last
         request (so its graph is launched); here its GPU work must be done too before the
-        blocks are rewritten (its event; ring_depth requests ago: this rarely waits)."""
+        blocks are rewritten (its event; ring_depth requests ago: this rarely waits).
+        ``still_there``: called every ``EVENT_CHECK_S`` while waiting; it raises when
+        the daemon is gone (a dead daemon's event may never complete: the wait is never
+        one unbounded ``cudaEventSynchronize``)."""
         from sparsekv.proto.step_block import write_step, write_topk  # noqa: PLC0415
 
         if self._used[e] and not self._events.done(e):
-            self._events.synchronize(e)
+            self._wait_event(e, still_there)
         self._used[e] = True
         self._seq += 1
         if begin is not None:
             write_step(self._step_blocks[e], self._seq, step, state_rows, begin[0], begin[1])
         write_topk(self._topk_blocks[e], self._seq, step, group, state_rows, topk)
         return e
+
+    def _wait_event(self, e: int, still_there) -> None:
+        """Poll entry ``e``'s event until it is done: short sleeps, growing to 1 ms, and
+        ``still_there()`` every ``EVENT_CHECK_S``."""
+        nap, next_check = 20e-6, time.monotonic() + EVENT_CHECK_S
+        while not self._events.done(e):
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+            if still_there is not None and time.monotonic() >= next_check:
+                still_there()
+                next_check = time.monotonic() + EVENT_CHECK_S
 
     def _stream_ptr(self) -> int:
         import torch  # noqa: PLC0415
