@@ -68,7 +68,7 @@ def cmd_replay(a) -> int:
 
     try:
         summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify,
-                                 connect=a.connect, daemon_log=a.daemon_log)
+                                 connect=a.connect, daemon_log=a.daemon_log, slab=a.slab)
     except (ValueError, BadRequest) as e:
         # BadRequest: the trace's content breaks the contract (duplicate ids in a row,
         # state rows outside max_reqs, too many tokens per state row): a bad trace file.
@@ -76,7 +76,7 @@ def cmd_replay(a) -> int:
         return 2
     save_result(a.out, result)
     print(summary_line(summary))
-    return 1 if a.verify and summary["mismatched_rows"] else 0
+    return 1 if (a.verify and summary["mismatched_rows"]) or summary["guard_bytes_changed"] else 0
 
 
 def cmd_trace_synth(a) -> int:
@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inproc: the engine in this process; zmq: a daemon over its socket; doorbell: designed, not built")
     q.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend of the private daemon")
     q.add_argument("--verify", action="store_true", help="fill the pool with a known pattern and check every hot row")
+    q.add_argument("--slab", choices=["daemon", "engine"], default="daemon",
+                   help="engine: the hot rows in a buffer this process owns, as an engine's KV cache would "
+                        "(zmq or doorbell), with guard bytes around them checked unchanged")
     q.add_argument("--connect", metavar="RUN_DIR",
                    help="use this running daemon instead of a private one (default: a private daemon)")
     q.add_argument("--daemon-log", metavar="FILE", help="log of the private daemon (default: discarded)")

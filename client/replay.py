@@ -14,7 +14,11 @@ import time
 
 import numpy as np
 
+from sparsekv.proto.layout import Layout
+from sparsekv.proto.slab import SlabGeometry
+
 from .client import Client
+from .engine_slab import EngineSlab
 from .errors import BadRequest
 from .inproc import InprocClient
 from .private_daemon import PrivateDaemon
@@ -24,6 +28,62 @@ from .verify import count_mismatches, fill_pool
 # run_step's answer: slots int32 [batch, top_k], misses int32 [batch], hits, out_of_range
 # (None where the transport does not report them: the loop derives them from the result).
 StepResult = tuple[np.ndarray, np.ndarray, int | None, int | None]
+
+
+SLABS = ("daemon", "engine")
+GUARD_BLOCKS = 2  # blocks of the engine's own rows before each layer's hot blocks
+GUARD_TAIL_BYTES = 4096  # and bytes after the last layer
+
+
+class EngineRows:
+    """``--slab engine``: the hot region inside a buffer the replay owns, as an engine's
+    paged KV cache would hold it (``client/engine_slab.py``). Per layer: ``GUARD_BLOCKS``
+    blocks of rows the daemon must not touch (an engine's resident blocks), then the hot
+    blocks; ``GUARD_TAIL_BYTES`` after the last layer. Every byte starts as noise; the
+    bytes outside the hot rows are checked unchanged at the end (:meth:`guard_changed`).
+    On a GPU (``device`` ``"cuda:N"``) the buffer is a torch tensor, else shared memory."""
+
+    def __init__(self, layout: Layout, device: str):
+        hot = layout.max_reqs * layout.region_stride
+        rb = layout.row_bytes
+        self.block = 16 if hot % 16 == 0 else hot
+        self.hot_base = GUARD_BLOCKS * self.block
+        self.layer_rows = self.hot_base + hot
+        self.shape = (layout.num_layers, layout.max_reqs, layout.region_stride, rb)
+        nbytes = layout.num_layers * self.layer_rows * rb + GUARD_TAIL_BYTES
+        bases = [layer * self.layer_rows * rb for layer in range(layout.num_layers)]
+        self.geometry = SlabGeometry.paged(layout, bases, first_block=GUARD_BLOCKS, block_size=self.block,
+                                           buffer_bytes=nbytes)
+        self.start = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        self.outside = np.ones(nbytes, bool)  # bytes of no hot row
+        for base in bases:
+            self.outside[base + self.hot_base * rb: base + self.layer_rows * rb] = False
+        if device.startswith("cuda"):
+            import torch  # noqa: PLC0415
+
+            buf = torch.from_numpy(self.start.copy()).to(device)
+            self.slab = EngineSlab.from_tensor(buf)
+        else:
+            self.slab = EngineSlab.shared_memory(nbytes)
+            self.slab.array[:] = self.start
+        self.slab.with_geometry(self.geometry)
+
+    def hot(self):
+        """The hot rows as ``[layers, max_reqs, region_stride, row_bytes]`` (a view)."""
+        a = self.slab.array
+        v = a[: self.shape[0] * self.layer_rows * self.shape[3]]
+        v = v.reshape(self.shape[0], self.layer_rows, self.shape[3])[:, self.hot_base:]
+        if isinstance(v, np.ndarray):
+            v = v.view()
+            v.shape = self.shape  # raises instead of copying
+            return v
+        return v.view(self.shape)
+
+    def guard_changed(self) -> int:
+        """Bytes outside the hot rows that differ from their start."""
+        a = self.slab.array
+        now = a.cpu().numpy() if not isinstance(a, np.ndarray) else a
+        return int((now[self.outside] != self.start[self.outside]).sum())
 
 
 class Driver:
@@ -39,11 +99,27 @@ class Driver:
     attach_kw: dict = {}  # extra arguments of Client.attach (the transport)
 
     def __init__(self, trace: Trace, stack: contextlib.ExitStack, *, backend: str, engine: str,
-                 connect: str | None = None, daemon_log: str | None = None):
+                 connect: str | None = None, daemon_log: str | None = None, slab: str = "daemon"):
+        if slab not in SLABS:
+            raise ValueError(f"unknown slab {slab!r}; use {' or '.join(SLABS)}")
         self.trace = trace
         self.layout = trace.layout()
         self.client = self.open(stack, backend=backend, connect=connect, daemon_log=daemon_log)
-        self.att = self.client.attach(self.layout, engine=engine, **self.attach_kw)
+        kw = dict(self.attach_kw)
+        self.engine_rows = None
+        if slab == "engine":
+            self.engine_rows = EngineRows(self.layout, self.client.device)
+            stack.callback(self.engine_rows.slab.close)
+            kw["slab"] = self.engine_rows.slab
+        self.att = self.client.attach(self.layout, engine=engine, **kw)
+
+    @property
+    def hot_base(self) -> int:
+        return self.engine_rows.hot_base if self.engine_rows is not None else 0
+
+    def hot_rows(self):
+        """The slab's hot rows ``[layers, max_reqs, region_stride, row_bytes]`` (--verify)."""
+        return self.engine_rows.hot() if self.engine_rows is not None else self.att.slab
 
     def open(self, stack: contextlib.ExitStack, *, backend: str, connect: str | None, daemon_log: str | None):
         """Return a connected client (``Client`` API), its cleanup entered on ``stack``."""
@@ -64,6 +140,11 @@ class Driver:
 
 class InprocDriver(Driver):
     """The residency engine and mover in this process (cpu backend)."""
+
+    def __init__(self, trace, stack, *, slab="daemon", **kw):
+        if slab != "daemon":
+            raise ValueError("an engine-owned slab is given to a daemon: use --transport zmq or doorbell")
+        super().__init__(trace, stack, **kw)
 
     def open(self, stack, *, backend, connect, daemon_log):
         return stack.enter_context(InprocClient(backend=backend))
@@ -90,14 +171,15 @@ class DoorbellDriver(ZmqDriver):
 
     attach_kw = {"transport": "doorbell"}
 
-    def __init__(self, trace, stack, *, backend, engine, connect=None, daemon_log=None):
+    def __init__(self, trace, stack, *, backend, engine, connect=None, daemon_log=None, slab="daemon"):
         if backend != "cuda":
             raise ValueError("the doorbell transport needs --backend cuda")
         import torch  # noqa: PLC0415
 
         self.torch = torch
-        super().__init__(trace, stack, backend=backend, engine=engine, connect=connect, daemon_log=daemon_log)
-        self.handle = self.client.doorbell_handle()
+        super().__init__(trace, stack, backend=backend, engine=engine, connect=connect, daemon_log=daemon_log,
+                         slab=slab)
+        self.handle = self.client.doorbell_handle(hot_base=self.hot_base)
         stack.callback(self.handle.close)
 
     def run_step(self, t: int) -> StepResult:
@@ -121,7 +203,8 @@ class DoorbellDriver(ZmqDriver):
             first = idx if first is None else first
         torch.cuda.synchronize()
         idx = first.cpu().numpy()
-        slots = np.where(idx >= 0, idx - state[:, None].astype(np.int64) * lay.region_stride, -1).astype(np.int32)
+        slots = np.where(idx >= 0, idx - self.hot_base - state[:, None].astype(np.int64) * lay.region_stride,
+                         -1).astype(np.int32)
         misses = h.misses(0)[: len(state)].cpu().numpy().copy()
         h.check()
         return slots, misses, None, None
@@ -131,14 +214,18 @@ DRIVERS: dict[str, type[Driver]] = {"inproc": InprocDriver, "zmq": ZmqDriver, "d
 
 
 def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", verify: bool = False,
-           connect: str | None = None, engine: str = "replay", daemon_log: str | None = None) -> tuple[dict, dict]:
-    """Run ``trace``; return (summary, result arrays ``slots`` and ``misses``)."""
+           connect: str | None = None, engine: str = "replay", daemon_log: str | None = None,
+           slab: str = "daemon") -> tuple[dict, dict]:
+    """Run ``trace``; return (summary, result arrays ``slots`` and ``misses``).
+    ``slab="engine"``: the hot rows in a buffer the replay owns (:class:`EngineRows`),
+    with guard bytes around them that must stay unchanged (``guard_bytes_changed``)."""
     layout = trace.layout()
     if transport not in DRIVERS:
         raise ValueError(f"unknown transport {transport!r}; use {' or '.join(DRIVERS)}")
     with contextlib.ExitStack() as stack:
         driver = DRIVERS[transport](trace, stack, backend=backend, engine=engine, connect=connect,
-                                    daemon_log=daemon_log)
+                                    daemon_log=daemon_log, slab=slab)
+        hot = driver.hot_rows()
         if verify:
             fill_pool(driver.client, layout)
         slots = np.full(trace.topk.shape, -1, np.int32)
@@ -165,10 +252,10 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
             hits += step_hits
             out_of_range += step_oob
             if verify:
-                mismatched += count_mismatches(driver.att.slab, layers, trace.state_rows[t], rows, slots[t],
-                                               layout.host_rows)
+                mismatched += count_mismatches(hot, layers, trace.state_rows[t], rows, slots[t], layout.host_rows)
         elapsed = time.perf_counter() - t_start
         driver.close()
+        guard = driver.engine_rows.guard_changed() if driver.engine_rows is not None else None
     summary = {
         "transport": transport,
         "backend": backend,
@@ -181,8 +268,10 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
         "out_of_range": int(out_of_range),
         "rows_moved": int(misses.sum()) * layout.num_layers,
         "bytes_moved": int(misses.sum()) * layout.num_layers * layout.row_bytes,
+        "slab": slab,
         "verified": verify,
         "mismatched_rows": int(mismatched) if verify else None,
+        "guard_bytes_changed": guard,
         "elapsed_s": round(elapsed, 4),
         "step_p50_us": round(float(np.percentile(lat, 50)) * 1e6, 1) if trace.steps else 0.0,
         "step_p99_us": round(float(np.percentile(lat, 99)) * 1e6, 1) if trace.steps else 0.0,

@@ -453,20 +453,24 @@ def test_a_cpu_daemon_refuses_the_doorbell_transport(daemon):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kw", [{}, {"block_size": 16}, {"block_size": 16, "spec": 0.3, "region_stride": 256}])
+@pytest.mark.parametrize("kw", [{}, {"block_size": 16}, {"block_size": 16, "spec": 0.3, "region_stride": 256},
+                                {"block_size": 16, "spec": 0.3, "slab": "engine"}])
 def test_replay_through_the_doorbell_equals_inproc_and_verifies(kw):
     from sparsekv.client.replay import replay
     from sparsekv.client.trace import synth
 
     base = dict(steps=30, batch=6, top_k=128, region_stride=256, max_reqs=10, host_rows=10 * 2048, num_layers=2,
                 context=1200, lifetime=12, overlap=0.7, invalidate=0.2, out_of_range=0.01, seed=4)
+    kw = dict(kw)
+    slab = kw.pop("slab", "daemon")  # engine: the hot rows in a tensor of this process, guards around them
     base.update(kw)
     trace = synth(**base)
     want, want_res = replay(trace, transport="inproc", backend="cpu")
-    got, got_res = replay(trace, transport="doorbell", backend="cuda", verify=True, daemon_log=DAEMON_LOG)
+    got, got_res = replay(trace, transport="doorbell", backend="cuda", verify=True, daemon_log=DAEMON_LOG, slab=slab)
     np.testing.assert_array_equal(got_res["slots"], want_res["slots"])
     np.testing.assert_array_equal(got_res["misses"], want_res["misses"])
     assert got["mismatched_rows"] == 0
+    assert got["guard_bytes_changed"] == (0 if slab == "engine" else None)
     assert (got["hits"], got["out_of_range"]) == (want["hits"], want["out_of_range"])
 
 

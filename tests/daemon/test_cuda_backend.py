@@ -36,12 +36,16 @@ def small_trace(**kw):
 
 @pytest.mark.parametrize("kw", [{}, {"top_k": 512, "region_stride": 1024, "batch": 4, "steps": 30},
                                 {"top_k": 64, "region_stride": 192, "seed": 5, "pad": 0.4},
-                                {"host_rows": 12 * 2048 + 5, "num_layers": 1, "seed": 8}])  # not whole pages
+                                {"host_rows": 12 * 2048 + 5, "num_layers": 1, "seed": 8},  # not whole pages
+                                {"slab": "engine"}])  # the hot rows in this process's tensor, guards around
 def test_replay_zmq_cuda_equals_cpu_bit_for_bit(kw):
+    kw = dict(kw)
+    slab = kw.pop("slab", "daemon")
     trace = small_trace(**kw)
     cpu, cpu_res = replay(trace, transport="inproc", backend="cpu")
-    gpu, gpu_res = replay(trace, transport="zmq", backend="cuda", verify=True)
+    gpu, gpu_res = replay(trace, transport="zmq", backend="cuda", verify=True, slab=slab)
     assert gpu["mismatched_rows"] == 0
+    assert gpu["guard_bytes_changed"] == (0 if slab == "engine" else None)
     np.testing.assert_array_equal(gpu_res["slots"], cpu_res["slots"])
     np.testing.assert_array_equal(gpu_res["misses"], cpu_res["misses"])
     assert (gpu["hits"], gpu["misses"], gpu["out_of_range"]) == (cpu["hits"], cpu["misses"], cpu["out_of_range"])
