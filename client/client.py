@@ -39,6 +39,9 @@ _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
 # While waiting for a reply, check this often that the daemon still lives: a client
 # learns within about this long that its daemon died or was restarted, not at timeout_s.
 LIVENESS_SLICE_S = 0.25
+# Closing a cuda rank whose daemon is gone: how long the GPU may take to finish the work
+# that read the rank's memory before the memory is left mapped instead (cuda_attach.py).
+GONE_CLOSE_WAIT_S = 5.0
 BYE_TIMEOUT_S = 0.5  # close() waits this long for the daemon's goodbye
 # The daemon renames its socket to this while it is short of file descriptors
 # (daemon/connguard.py): no new connection, the existing ones go on.
@@ -168,8 +171,8 @@ class Client:
         if self._sock is not None and self.info:
             self._goodbye()
         if self.attachment is not None:
-            self.attachment.close()
-            self.attachment = None
+            # Once the daemon is gone its events may never complete: wait a bounded time.
+            self._close_attachment(wait_s=GONE_CLOSE_WAIT_S if self._gone is not None else None)
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -341,8 +344,14 @@ class Client:
         self._close_handles()
         self._call(MsgType.DETACH)
         if self.attachment is not None:
-            self.attachment.close()
-            self.attachment = None
+            self._close_attachment()
+
+    def _close_attachment(self, wait_s: float | None = None) -> None:
+        att, self.attachment = self.attachment, None
+        if wait_s is not None and hasattr(att, "_stream_done_within"):  # cuda: bounded
+            att.close(wait_s=wait_s)
+        else:
+            att.close()
 
     def step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         """Begin decode step ``step``: the batch's state rows (-1 = padding), which of them
@@ -418,7 +427,8 @@ class Client:
         fence = att.record_fence()
         if fence is not None:
             fields["fence"] = fence
-        fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin, self._still_there)
+        fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin, self._still_there,
+                                           self.timeout_s)
         batch, k = topk.shape
         req = self._send(MsgType.TOPK, fields)
         self._block_requests[e] = req

@@ -115,18 +115,19 @@ class CudaAttachment:
         self._next = (e + 1) % len(self._used)
         return e
 
-    def write_blocks(self, e: int, step: int, group: int, state_rows, topk, begin=None, still_there=None) -> int:
+    def write_blocks(self, e: int, step: int, group: int, state_rows, topk, begin=None, still_there=None,
+                     timeout_s: float | None = None) -> int:
         """Write a TOPK (and, with ``begin`` = (reset, invalidate), its STEP) into entry
         ``e``'s pinned blocks; return ``e``. The caller has the reply of the entry's last
         request (so its graph is launched); here its GPU work must be done too before the
         blocks are rewritten (its event; ring_depth requests ago: this rarely waits).
         ``still_there``: called every ``EVENT_CHECK_S`` while waiting; it raises when
         the daemon is gone (a dead daemon's event may never complete: the wait is never
-        one unbounded ``cudaEventSynchronize``)."""
+        one unbounded ``cudaEventSynchronize``); ``timeout_s``: at most this long in all."""
         from sparsekv.proto.step_block import write_step, write_topk  # noqa: PLC0415
 
         if self._used[e] and not self._events.done(e):
-            self._wait_event(e, still_there)
+            self._wait_event(e, still_there, timeout_s)
         self._used[e] = True
         self._seq += 1
         if begin is not None:
@@ -134,11 +135,17 @@ class CudaAttachment:
         write_topk(self._topk_blocks[e], self._seq, step, group, state_rows, topk)
         return e
 
-    def _wait_event(self, e: int, still_there) -> None:
+    def _wait_event(self, e: int, still_there, timeout_s: float | None = None) -> None:
         """Poll entry ``e``'s event until it is done: short sleeps, growing to 1 ms, and
-        ``still_there()`` every ``EVENT_CHECK_S``."""
-        nap, next_check = 20e-6, time.monotonic() + EVENT_CHECK_S
+        ``still_there()`` every ``EVENT_CHECK_S``; DaemonUnavailable after ``timeout_s``
+        (the daemon is there but its GPU work does not end)."""
+        from .errors import DaemonUnavailable  # noqa: PLC0415
+
+        t0 = time.monotonic()
+        nap, next_check = 20e-6, t0 + EVENT_CHECK_S
         while not self._events.done(e):
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                raise DaemonUnavailable(f"sparsekvd's GPU work for ring entry {e} did not finish within {timeout_s} s")
             time.sleep(nap)
             nap = min(nap * 2, 1e-3)
             if still_there is not None and time.monotonic() >= next_check:

@@ -32,6 +32,7 @@ StepResult = tuple[np.ndarray, np.ndarray, int | None, int | None]
 
 SLABS = ("daemon", "engine")
 GUARD_BLOCKS = 2  # blocks of the engine's own rows before each layer's hot blocks
+GAP_ROWS = 1  # rows of other data after every block (a block stride wider than the block)
 GUARD_TAIL_BYTES = 4096  # and bytes after the last layer
 
 
@@ -39,51 +40,88 @@ class EngineRows:
     """``--slab engine``: the hot region inside a buffer the replay owns, as an engine's
     paged KV cache would hold it (``client/engine_slab.py``). Per layer: ``GUARD_BLOCKS``
     blocks of rows the daemon must not touch (an engine's resident blocks), then the hot
-    blocks; ``GUARD_TAIL_BYTES`` after the last layer. Every byte starts as noise; the
-    bytes outside the hot rows are checked unchanged at the end (:meth:`guard_changed`).
-    On a GPU (``device`` ``"cuda:N"``) the buffer is a torch tensor, else shared memory."""
+    blocks, every block followed by ``GAP_ROWS`` rows of other data (the geometry's block
+    stride is wider than a block); ``GUARD_TAIL_BYTES`` after the last layer. Every byte
+    starts as noise; the bytes outside the hot rows are checked unchanged at the end
+    (:meth:`guard_changed`). On a GPU (``device`` ``"cuda:N"``) the buffer is a torch
+    tensor, else shared memory; a copy of its first bytes stays beside it (twice the
+    buffer in all)."""
 
     def __init__(self, layout: Layout, device: str):
         hot = layout.max_reqs * layout.region_stride
-        rb = layout.row_bytes
+        rb = self.row_bytes = layout.row_bytes
         self.block = 16 if hot % 16 == 0 else hot
+        self.region_stride = layout.region_stride
         self.hot_base = GUARD_BLOCKS * self.block
-        self.layer_rows = self.hot_base + hot
+        self.blocks = GUARD_BLOCKS + hot // self.block  # per layer
+        self.block_stride = (self.block + GAP_ROWS) * rb
+        self.layer_bytes = self.blocks * self.block_stride
+        self.layers = layout.num_layers
         self.shape = (layout.num_layers, layout.max_reqs, layout.region_stride, rb)
-        nbytes = layout.num_layers * self.layer_rows * rb + GUARD_TAIL_BYTES
-        bases = [layer * self.layer_rows * rb for layer in range(layout.num_layers)]
+        nbytes = layout.num_layers * self.layer_bytes + GUARD_TAIL_BYTES
+        bases = [layer * self.layer_bytes for layer in range(layout.num_layers)]
         self.geometry = SlabGeometry.paged(layout, bases, first_block=GUARD_BLOCKS, block_size=self.block,
-                                           buffer_bytes=nbytes)
-        self.start = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-        self.outside = np.ones(nbytes, bool)  # bytes of no hot row
-        for base in bases:
-            self.outside[base + self.hot_base * rb: base + self.layer_rows * rb] = False
+                                           block_stride=self.block_stride, buffer_bytes=nbytes)
+        noise = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         if device.startswith("cuda"):
             import torch  # noqa: PLC0415
 
-            buf = torch.from_numpy(self.start.copy()).to(device)
+            buf = torch.from_numpy(noise).to(device)
             self.slab = EngineSlab.from_tensor(buf)
+            self.start = buf.clone()
         else:
             self.slab = EngineSlab.shared_memory(nbytes)
-            self.slab.array[:] = self.start
+            self.slab.array[:] = noise
+            self.start = noise
         self.slab.with_geometry(self.geometry)
 
-    def hot(self):
-        """The hot rows as ``[layers, max_reqs, region_stride, row_bytes]`` (a view)."""
-        a = self.slab.array
-        v = a[: self.shape[0] * self.layer_rows * self.shape[3]]
-        v = v.reshape(self.shape[0], self.layer_rows, self.shape[3])[:, self.hot_base:]
-        if isinstance(v, np.ndarray):
-            v = v.view()
-            v.shape = self.shape  # raises instead of copying
-            return v
-        return v.view(self.shape)
+    def _blocks(self, a, layer: int):
+        """Layer ``layer`` of buffer ``a`` as ``[blocks, block_stride]`` (a view)."""
+        v = a[layer * self.layer_bytes: (layer + 1) * self.layer_bytes]
+        return v.reshape(self.blocks, self.block_stride)
+
+    def hot(self) -> "HotRows":
+        """The hot rows, indexed ``[layer, state_row, slots]`` like the daemon's slab."""
+        views = []
+        for layer in range(self.layers):
+            v = self._blocks(self.slab.array, layer)[GUARD_BLOCKS:, : self.block * self.row_bytes]
+            v = v.reshape(v.shape[0], self.block, self.row_bytes)
+            if isinstance(v, np.ndarray) and not np.may_share_memory(v, self.slab.array):
+                raise AssertionError("the hot rows' view is a copy")  # NumPy could not make a view
+            views.append(v)
+        return HotRows(views, self.shape, self.region_stride, self.block)
 
     def guard_changed(self) -> int:
         """Bytes outside the hot rows that differ from their start."""
-        a = self.slab.array
-        now = a.cpu().numpy() if not isinstance(a, np.ndarray) else a
-        return int((now[self.outside] != self.start[self.outside]).sum())
+        a, b, rb = self.slab.array, self.start, self.row_bytes
+        changed = 0
+        for layer in range(self.layers):
+            now, was = self._blocks(a, layer), self._blocks(b, layer)
+            changed += int((now[:GUARD_BLOCKS] != was[:GUARD_BLOCKS]).sum())  # the engine's own blocks
+            changed += int((now[GUARD_BLOCKS:, self.block * rb:] != was[GUARD_BLOCKS:, self.block * rb:]).sum())
+        tail = self.layers * self.layer_bytes
+        changed += int((a[tail:] != b[tail:]).sum())
+        return changed
+
+
+class HotRows:
+    """An engine slab's hot rows as ``count_mismatches`` reads a slab: ``[layer,
+    state_row, slots]`` -> the rows ``[n, row_bytes]`` (per layer a ``[blocks, block_rows,
+    row_bytes]`` view; hot row ``state_row * region_stride + slot``)."""
+
+    def __init__(self, views, shape, region_stride: int, block: int):
+        self.views, self.shape, self.region_stride, self.block = views, shape, region_stride, block
+
+    def __getitem__(self, key):
+        layer, row, slots = key
+        h = int(row) * self.region_stride + np.asarray(slots, dtype=np.int64)
+        v = self.views[int(layer)]
+        i, j = h // self.block, h % self.block
+        if not isinstance(v, np.ndarray):
+            import torch  # noqa: PLC0415
+
+            i, j = torch.as_tensor(i, device=v.device), torch.as_tensor(j, device=v.device)
+        return v[i, j]
 
 
 class Driver:
@@ -142,7 +180,7 @@ class InprocDriver(Driver):
     """The residency engine and mover in this process (cpu backend)."""
 
     def __init__(self, trace, stack, *, slab="daemon", **kw):
-        if slab != "daemon":
+        if slab == "engine":
             raise ValueError("an engine-owned slab is given to a daemon: use --transport zmq or doorbell")
         super().__init__(trace, stack, **kw)
 

@@ -264,9 +264,9 @@ class ResidentBlocks:
         self.storage = None  # [layers, layer_rows, 656] uint8, the engine's KV cache (set by attach)
         self.reads = 0  # indices swap_in returned into resident blocks
 
-    def attach(self, client, layout: Layout, device, transport: str) -> EngineSlab:
-        """Allocate the engine's KV cache (shared memory on the CPU, a torch tensor on the
-        GPU), give it to the daemon with the geometry of its hot blocks."""
+    def allocate(self, layout: Layout, device) -> EngineSlab:
+        """The engine's KV cache (shared memory on the CPU, a torch tensor on the GPU),
+        with the geometry of its hot blocks: what ``client.attach(..., slab=)`` takes."""
         if str(device).startswith("cuda"):
             buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
             slab = EngineSlab.from_tensor(buf)
@@ -274,8 +274,7 @@ class ResidentBlocks:
             slab = EngineSlab.shared_memory(self.nbytes)
             buf = torch.from_numpy(slab.array)
         self.storage = buf.view(layout.num_layers, self.layer_rows, layout.row_bytes)
-        client.attach(layout, engine="dsa-example", transport=transport, slab=slab.with_geometry(self.geometry))
-        return slab
+        return slab.with_geometry(self.geometry)
 
     def _hold(self, s: int, block: int) -> None:
         if int(self.current[s]) >= 0:
@@ -374,9 +373,10 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
         resident = None
         if slab == "engine":
             resident = ResidentBlocks(layout, rc, max_blocks, model.cfg.device)
-            engine_slab = resident.attach(client, layout, model.cfg.device,
-                                          "doorbell" if transport == "doorbell" else "zmq")
+            engine_slab = resident.allocate(layout, model.cfg.device)
             stack.callback(engine_slab.close)
+            client.attach(layout, engine="dsa-example", transport="doorbell" if transport == "doorbell" else "zmq",
+                          slab=engine_slab)
         elif transport == "doorbell":
             client.attach(layout, engine="dsa-example", transport="doorbell")
         else:

@@ -27,8 +27,10 @@ def test_an_event_that_never_completes_ends_in_daemon_unavailable_once_the_daemo
             raise DaemonUnavailable("sparsekvd is gone (pid 1 exited)")
 
     t0 = time.monotonic()
+    # The event "completes" after 3 s: a wait that stopped asking would return then, and
+    # fail the test, instead of hanging it.
     with pytest.raises(DaemonUnavailable, match="gone"):
-        cuda_attach.CudaAttachment._wait_event(attachment(lambda e: False), 3, still_there)
+        cuda_attach.CudaAttachment._wait_event(attachment(lambda e: time.monotonic() - t0 > 3), 3, still_there)
     assert len(checks) == 2
     assert checks[0] - t0 >= cuda_attach.EVENT_CHECK_S * 0.9  # asked once a slice, not in a busy loop
     assert checks[1] - checks[0] >= cuda_attach.EVENT_CHECK_S * 0.9
@@ -43,3 +45,34 @@ def test_an_event_that_completes_returns_without_asking():
 
     cuda_attach.CudaAttachment._wait_event(attachment(done), 7, lambda: pytest.fail("asked while the event was done"))
     assert polls == [7] * 5
+
+
+def test_a_daemon_whose_gpu_work_never_ends_is_given_up_on_after_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="did not finish within 0.6 s"):
+        cuda_attach.CudaAttachment._wait_event(attachment(lambda e: time.monotonic() - t0 > 5), 1, lambda: None,
+                                               timeout_s=0.6)
+    assert 0.6 <= time.monotonic() - t0 < 4.5  # gave up: did not wait for the event (5 s)
+
+
+class FakeCudaAttachment:
+    def __init__(self):
+        self.closed_with = []
+
+    def _stream_done_within(self, wait_s):  # the cuda attachment's bounded wait (not called here)
+        raise AssertionError("close decides")
+
+    def close(self, wait_s=None):
+        self.closed_with.append(wait_s)
+
+
+@pytest.mark.parametrize("gone", [False, True])
+def test_closing_a_client_whose_daemon_is_gone_waits_for_the_gpu_a_bounded_time(tmp_path, gone):
+    from sparsekv.client import client as client_mod
+
+    c = client_mod.Client(str(tmp_path))
+    att = c.attachment = FakeCudaAttachment()
+    c._gone = "sparsekvd is gone (pid 1 exited)" if gone else None
+    c.close()
+    assert att.closed_with == [client_mod.GONE_CLOSE_WAIT_S if gone else None]
+    assert c.attachment is None

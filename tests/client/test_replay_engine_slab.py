@@ -33,15 +33,21 @@ def test_replay_into_an_engine_owned_slab_equals_inproc_and_keeps_the_guards(kw)
 def test_the_guard_count_sees_bytes_outside_the_hot_rows_only():
     lay = synth(**BASE).layout()
     rows = EngineRows(lay, "cpu")
+    a, rb = rows.slab.array, lay.row_bytes
     try:
         assert rows.guard_changed() == 0
-        rows.hot()[1, 3, 7, 5] ^= 0xFF  # a hot row: the daemon's to write
+        # A hot row's byte (the daemon's to write), found through the geometry the daemon
+        # gets: the replay's view of the hot rows reads that very byte.
+        off = int(rows.geometry.row_offsets(lay, 1, [3 * lay.region_stride + 7])[0]) + 5
+        a[off] ^= 0xFF
+        assert rows.hot()[1, 3, np.array([7])][0, 5] == a[off]
         assert rows.guard_changed() == 0
-        rows.slab.array[0] ^= 0xFF  # layer 0's first guard row
-        rows.slab.array[-1] ^= 0xFF  # the tail
-        rows.slab.array[rows.layer_rows * lay.row_bytes + 10] ^= 0xFF  # layer 1's guard rows
+        a[0] ^= 0xFF  # layer 0's first guard block
+        a[rows.layer_bytes + rows.hot_base // rows.block * rows.block_stride + rows.block * rb] ^= 0xFF  # a gap row
+        a[-1] ^= 0xFF  # the tail
         assert rows.guard_changed() == 3
         assert rows.hot().shape == (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes)
+        assert rows.geometry.block_stride == (rows.block + 1) * rb  # blocks with gaps: strided gathers
         assert rows.hot_base == 2 * rows.block and rows.geometry.buffer_bytes == rows.slab.nbytes
     finally:
         rows.slab.close()
