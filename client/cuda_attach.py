@@ -152,6 +152,19 @@ class CudaAttachment:
                 still_there()
                 next_check = time.monotonic() + EVENT_CHECK_S
 
+    def _stream_done_within(self, wait_s: float) -> bool:
+        """Whether the current stream's work so far ends within ``wait_s`` seconds (polled)."""
+        import torch  # noqa: PLC0415
+
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.torch_device))
+        deadline = time.monotonic() + wait_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
     def _stream_ptr(self) -> int:
         import torch  # noqa: PLC0415
 
@@ -180,7 +193,16 @@ class CudaAttachment:
             views = self._views[key] = (self._slots[entry, :batch, :k], self._misses[entry, :batch])
         return TopkResult(views[0], views[1], None, None, entry)
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
+        """Forget the rank's memory. First the GPU must be done with it: all of this
+        device's work (``wait_s`` None), or, once the daemon is gone (``wait_s``), the
+        current stream's work for at most ``wait_s`` seconds: a stream may wait on a dead
+        daemon's event for ever. If it does not finish, the daemon's arena stays mapped
+        (a warning says so) rather than the process hanging or a late kernel faulting."""
+        if self._arena is not None and wait_s is not None and not self._stream_done_within(wait_s):
+            log.warning("cuda:%d: work on the current stream still waits on sparsekvd (gone) after %.0f s; "
+                        "its memory stays mapped in this process", self.device, wait_s)
+            self._arena = None  # never unmapped under work that may still run
         self.slab = self.staging = self._slots = self._misses = None
         self._views = {}
         self._step_blocks = self._topk_blocks = self.error_mirror = None
@@ -196,6 +218,7 @@ class CudaAttachment:
         if self._arena is not None:
             import torch  # noqa: PLC0415
 
-            torch.cuda.synchronize(self.torch_device)
+            if wait_s is None:
+                torch.cuda.synchronize(self.torch_device)
             self._arena.close()
             self._arena = None

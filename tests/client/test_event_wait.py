@@ -76,3 +76,26 @@ def test_closing_a_client_whose_daemon_is_gone_waits_for_the_gpu_a_bounded_time(
     c.close()
     assert att.closed_with == [client_mod.GONE_CLOSE_WAIT_S if gone else None]
     assert c.attachment is None
+
+
+class Arena:
+    def __init__(self):
+        self.closed = 0
+
+    def close(self):
+        self.closed += 1
+
+
+def stub_attachment(finishes: bool):
+    """The parts of a CudaAttachment that close() touches, the GPU wait stood in for."""
+    return SimpleNamespace(_arena=Arena(), _blocks_mm=None, _events=None, device=0,
+                           _stream_done_within=lambda wait_s: finishes)
+
+
+@pytest.mark.parametrize("finishes", [True, False])
+def test_a_gone_daemons_arena_is_unmapped_only_once_the_stream_is_done(finishes):
+    att = stub_attachment(finishes)
+    arena = att._arena
+    cuda_attach.CudaAttachment.close(att, wait_s=0.1)
+    assert arena.closed == (1 if finishes else 0)  # else left mapped: work may still read it
+    assert att._arena is None and att.slab is None
