@@ -60,6 +60,37 @@ def short_tmpdir(prefix: str = "skv-"):
 _KEEP_OPEN: list = []
 
 
+def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
+    """The life of a soak worker (tests/soak/chaos_worker.py, chaos_pair.py), for ever:
+    ``open_client()`` a client, ``start(client)`` (attach, fill: returns the attachment),
+    report "attached" (with the time the loss it recovers from began), then ``work(client,
+    att)`` until something fails. A lost daemon is reported once per loss ("lost", with
+    ``counts``' checks, rows and bad), any other failure as "error"; the client is closed
+    and the loop begins again."""
+    from sparsekv.client import DaemonUnavailable
+
+    lost_at = None
+    while True:
+        client = None
+        try:
+            client = open_client()
+            att = start(client)
+            ev("attached", after_loss=lost_at)
+            lost_at = None
+            work(client, att)
+        except DaemonUnavailable as e:
+            if lost_at is None:
+                lost_at = time.time()
+                ev("lost", msg=str(e)[:200], checks=counts["checks"], rows=counts["rows"], bad=counts["bad"])
+        except Exception as e:  # noqa: BLE001 - a failure of the run: record it, carry on
+            ev("error", type=type(e).__name__, msg=str(e)[:300])
+            time.sleep(0.2)
+        finally:
+            if client is not None:
+                client.close()
+        time.sleep(0.02)
+
+
 def stacks_on_sigusr2(path: str) -> None:
     """A test worker process: ``kill -USR2`` writes its threads' stacks to ``path``."""
     import faulthandler

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import helpers  # noqa: E402
-from sparsekv.client import Client, DaemonUnavailable  # noqa: E402
+from sparsekv.client import Client  # noqa: E402
 
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=8, region_stride=16, max_reqs=4, host_rows=256)
 BATCH = 4
@@ -102,32 +102,20 @@ def main(role: str, run_dir: str, state_path: str, seed: int, events_path: str, 
         out.write(json.dumps({"ev": kind, "t": time.time(), "pid": os.getpid(), "role": role, **kw}) + "\n")
 
     counts = {"checks": 0, "rows": 0, "bad": 0, "step": 0, "writes": 0}
-    lost_at = None
     helpers.stacks_on_sigusr2(events_path + ".stacks")
     ev("start")
-    while True:
-        c = None
-        try:
-            c = Client(run_dir, name=f"chaos-{role}", rank=int(role == "reader"), device=device,
-                       timeout_s=10).connect()
-            att = c.attach(LAYOUT, engine=ENGINE)
-            ev("attached", after_loss=lost_at)
-            lost_at = None
-            if role == "writer":
-                writer(c, st, rng, ev, counts)
-            else:
-                reader(c, att, st, rng, ev, counts)
-        except DaemonUnavailable as e:
-            if lost_at is None:
-                lost_at = time.time()
-                ev("lost", msg=str(e)[:200], checks=counts["checks"], rows=counts["rows"], bad=counts["bad"])
-        except Exception as e:  # noqa: BLE001 - a failure of the run: record it, carry on
-            ev("error", type=type(e).__name__, msg=str(e)[:300])
-            time.sleep(0.2)
-        finally:
-            if c is not None:
-                c.close()
-        time.sleep(0.02)
+
+    def open_client():
+        return Client(run_dir, name=f"chaos-{role}", rank=int(role == "reader"), device=device,
+                      timeout_s=10).connect()
+
+    def work(c, att):
+        if role == "writer":
+            writer(c, st, rng, ev, counts)
+        else:
+            reader(c, att, st, rng, ev, counts)
+
+    helpers.soak_worker_loop(open_client, lambda c: c.attach(LAYOUT, engine=ENGINE), work, ev, counts)
 
 
 if __name__ == "__main__":

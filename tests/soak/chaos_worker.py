@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import helpers  # noqa: E402
-from sparsekv.client import Client, DaemonUnavailable  # noqa: E402
+from sparsekv.client import Client  # noqa: E402
 
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=8, region_stride=16, max_reqs=4, host_rows=256)
 BATCH = 4
@@ -36,62 +36,55 @@ def main(run_dir: str, engine: str, seed: int, events_path: str, device: str = "
     def ev(kind: str, **kw):
         out.write(json.dumps({"ev": kind, "t": time.time(), "pid": os.getpid(), **kw}) + "\n")
 
-    checks = rows_checked = bad_total = 0
-    step = 0
-    lost_at = None
+    counts = {"checks": 0, "rows": 0, "bad": 0}
+    run = {"step": 0, "gen": None}  # the step counter lives across reconnects
     helpers.stacks_on_sigusr2(events_path + ".stacks")
     ev("start")
-    while True:
-        client = None
-        try:
-            client = Client(run_dir, name=f"chaos-{engine}", device=device, timeout_s=10).connect()
-            att = client.attach(LAYOUT, engine=engine)
-            gen = np.zeros(LAYOUT.host_rows, np.int64)
-            helpers.fill(client, LAYOUT, gen)
-            ev("attached", after_loss=lost_at)
-            lost_at = None
-            first = True
-            last_topk = None
-            state_rows = np.arange(BATCH, dtype=np.int32)
-            while True:
-                step += 1
-                if last_topk is not None and step % 5 == 0:
-                    hot = rng.choice(last_topk.ravel(), 2, replace=False)
-                    cold = rng.integers(0, LAYOUT.host_rows, 2)
-                    rows = np.unique(np.concatenate([hot, cold])).astype(np.int32)
-                    new_gen = gen.copy()
-                    new_gen[rows] += 1
-                    data = np.stack([helpers.gen_pattern(layer, rows, LAYOUT.row_bytes, new_gen)
-                                     for layer in range(LAYOUT.num_layers)])
-                    client.write(rows, data)
-                    gen = new_gen  # the reply has arrived: these bytes are the current ones
-                reset = np.full(BATCH, first or rng.random() < 0.02)
-                first = False
-                client.step(step, state_rows, reset)
-                topk = np.stack([rng.choice(LAYOUT.host_rows, LAYOUT.top_k, replace=False)
-                                 for _ in range(BATCH)]).astype(np.int32)
-                for g, layers in enumerate(att.layout.groups):
-                    slots, _ = client.topk(step, g, topk).host()
-                    bad = helpers.bad_rows(att.slab, layers, state_rows, topk, slots, LAYOUT.host_rows, gen)
-                    checks += 1
-                    rows_checked += topk.size * len(layers)
-                    if bad:
-                        bad_total += bad
-                        ev("bad", step=step, group=g, bad=bad)
-                last_topk = topk
-                if step % 200 == 0:
-                    ev("progress", checks=checks, rows=rows_checked, bad=bad_total, step=step)
-        except DaemonUnavailable as e:
-            if lost_at is None:
-                lost_at = time.time()
-                ev("lost", msg=str(e)[:200], checks=checks, rows=rows_checked, bad=bad_total)
-        except Exception as e:  # noqa: BLE001 - a failure of the run: record it, carry on
-            ev("error", type=type(e).__name__, msg=str(e)[:300])
-            time.sleep(0.2)
-        finally:
-            if client is not None:
-                client.close()
-        time.sleep(0.02)
+
+    def open_client():
+        return Client(run_dir, name=f"chaos-{engine}", device=device, timeout_s=10).connect()
+
+    def start(client):
+        att = client.attach(LAYOUT, engine=engine)
+        run["gen"] = np.zeros(LAYOUT.host_rows, np.int64)
+        helpers.fill(client, LAYOUT, run["gen"])
+        return att
+
+    def work(client, att):
+        first = True
+        last_topk = None
+        state_rows = np.arange(BATCH, dtype=np.int32)
+        while True:
+            run["step"] += 1
+            step, gen = run["step"], run["gen"]
+            if last_topk is not None and step % 5 == 0:
+                hot = rng.choice(last_topk.ravel(), 2, replace=False)
+                cold = rng.integers(0, LAYOUT.host_rows, 2)
+                rows = np.unique(np.concatenate([hot, cold])).astype(np.int32)
+                new_gen = gen.copy()
+                new_gen[rows] += 1
+                data = np.stack([helpers.gen_pattern(layer, rows, LAYOUT.row_bytes, new_gen)
+                                 for layer in range(LAYOUT.num_layers)])
+                client.write(rows, data)
+                gen = run["gen"] = new_gen  # the reply has arrived: these bytes are the current ones
+            reset = np.full(BATCH, first or rng.random() < 0.02)
+            first = False
+            client.step(step, state_rows, reset)
+            topk = np.stack([rng.choice(LAYOUT.host_rows, LAYOUT.top_k, replace=False)
+                             for _ in range(BATCH)]).astype(np.int32)
+            for g, layers in enumerate(att.layout.groups):
+                slots, _ = client.topk(step, g, topk).host()
+                bad = helpers.bad_rows(att.slab, layers, state_rows, topk, slots, LAYOUT.host_rows, gen)
+                counts["checks"] += 1
+                counts["rows"] += topk.size * len(layers)
+                if bad:
+                    counts["bad"] += bad
+                    ev("bad", step=step, group=g, bad=bad)
+            last_topk = topk
+            if step % 200 == 0:
+                ev("progress", checks=counts["checks"], rows=counts["rows"], bad=counts["bad"], step=step)
+
+    helpers.soak_worker_loop(open_client, start, work, ev, counts)
 
 
 if __name__ == "__main__":
