@@ -518,10 +518,12 @@ def open_to_other_users(run_dir: str, *names: str) -> None:
         os.chmod(os.path.join(run_dir, name), 0o666)
 
 
-RAW_CLIENT = r"""
-import json, sys, zmq
-from sparsekv.proto import MsgType, decode, encode
-run_dir, claimed, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+# The start of a script that speaks the wire protocol by hand (no Client): a DEALER on
+# ``run_dir``'s control socket (the script sets ``run_dir`` first) and ``call(type,
+# fields)``, one request and its reply header.
+RAW_CALL = r"""
+import zmq
+from sparsekv.proto import decode, encode
 s = zmq.Context().socket(zmq.DEALER)
 s.setsockopt(zmq.LINGER, 0)
 s.connect(f"ipc://{run_dir}/control.sock")
@@ -530,6 +532,13 @@ def call(t, fields):
     if not s.poll(10000):
         raise SystemExit("no reply")
     return decode(s.recv_multipart())[0]
+"""
+
+RAW_CLIENT = r"""
+import json, sys
+from sparsekv.proto import MsgType
+run_dir, claimed, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+""" + RAW_CALL + r"""
 print(json.dumps(call(MsgType.HELLO, {"pid": claimed, "rank": 0, "device": "cpu", "name": "raw"})), flush=True)
 for engine, layout in steps:
     print(json.dumps(call(MsgType.ATTACH, {"engine": engine, "layout": layout})), flush=True)

@@ -39,18 +39,11 @@ else:
 # HELLO + ATTACH over the control socket, prints the ATTACH reply, then fetches its fds
 # when told (a line on stdin) and prints the result.
 ATTACHER = r"""
-import json, os, sys, zmq
-from sparsekv.proto import MsgType, ProtocolError, decode, encode
+import json, os, sys
+from sparsekv.proto import MsgType, ProtocolError
 from sparsekv.proto.fd_socket import fetch_fds
 run_dir, layout = sys.argv[1], json.loads(sys.argv[2])
-s = zmq.Context().socket(zmq.DEALER)
-s.setsockopt(zmq.LINGER, 0)
-s.connect(f"ipc://{run_dir}/control.sock")
-def call(t, fields):
-    s.send_multipart(encode(t, 1, fields))
-    if not s.poll(10000):
-        raise SystemExit("no reply")
-    return decode(s.recv_multipart())[0]
+""" + helpers.RAW_CALL + r"""
 call(MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "attacher"})
 h = call(MsgType.ATTACH, {"engine": "e", "layout": layout})
 print(json.dumps(h), flush=True)
