@@ -430,7 +430,7 @@ def run(cfg: Config, rc: RunConfig, kv: str = "both", transport: str = "inproc",
                 rows = sched.prompt_rows(r)
                 for e in engines:
                     e.prefill(r, rows)
-            before = dict(getattr(engines[-1].handle, "counts", {}))
+            before = dict(getattr(engines[-1].handle, "counts", None) or {})
             for e in engines:
                 logits[e.name].append(e.step(p, rc.block_size))
             left = sched.finish(p)

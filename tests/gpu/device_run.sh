@@ -16,7 +16,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 mkdir -p /tmp/mps /tmp/mpslog
 nvidia-cuda-mps-control -d && echo "MPS started"
-trap 'echo quit | nvidia-cuda-mps-control' EXIT
+# At most 8 files come back from $OUT: the figures and the pytest log stay as they are,
+# every other log goes into logs.tgz.
+pack_logs() {
+  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|decode.png|pytest-cuda.log|bench-kernels.json|logs.tgz' \
+     | tar czf logs.tgz --remove-files -T - 2>/dev/null)
+}
+trap 'echo quit | nvidia-cuda-mps-control; pack_logs' EXIT
 
 status=0
 what=${1:-all}
