@@ -13,12 +13,18 @@ caller's current stream, capturable into the engine's CUDA graph.
 
 What happens on the engine's stream (no host code of either process in between):
 
-* ``begin_step``: ``skv_db_begin`` writes the step block into the daemon's ring, then the
-  step bell is rung (``cuStreamWriteValue32``).
+* ``begin_step``: ``skv_db_begin`` writes the step block into the daemon's ring and rings
+  the step bell.
 * ``swap_in`` on a group's leader layer: ``skv_db_topk`` maps positions to host rows into
   the group's top-k block and rings the group's bell. On every layer: wait for the
-  layer's ready word (``cuStreamWaitValue32``), reset it, then ``skv_db_indices`` turns
-  the group's slots into attention indices.
+  layer's ready word and reset it, then ``skv_db_indices`` turns the group's slots into
+  attention indices.
+
+How bells are rung and ready words waited on (``signal``, default :data:`DEFAULT_SIGNAL`):
+``"kernel"``: the two kernels ring their bell themselves once their whole block is
+written, and a one-thread kernel (``csrc/signal.cu``) spins on the ready word; ``"ops"``:
+stream memory operations (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``) after and
+before the kernels. Both capture into CUDA graphs; docs/PERF.md has what each costs.
 
 **Indexing.** ``swap_in`` returns int32 ``[tokens, k]``: for column ``j`` of token ``t``,
 ``kv(layer)[idx[t, j]]`` is the KV row of that position (``kv(layer)`` = the layer's hot
@@ -56,6 +62,26 @@ from .errors import BadRequest, DaemonUnavailable, error_for
 from .step_order import StepOrder
 
 log = logging.getLogger("sparsekv.client")
+
+# How the engine's stream rings bells and waits on ready words: "kernel" (the top-k and
+# step kernels ring their bell themselves once their block is written; a one-thread
+# kernel spins on the ready word) or "ops" (stream memory operations: cuStreamWriteValue32
+# / cuStreamWaitValue32). Measured on the H200, docs/PERF.md "Doorbell signalling".
+SIGNAL_ENV = "SPARSEKV_DB_ENGINE_SIGNAL"
+SIGNALS = ("kernel", "ops")
+DEFAULT_SIGNAL = "kernel"
+
+
+def signal_mode(value: str | None = None) -> str:
+    """The engine side's signalling: ``value``, else ``$SPARSEKV_DB_ENGINE_SIGNAL``, else
+    the default."""
+    import os  # noqa: PLC0415
+
+    mode = value or os.environ.get(SIGNAL_ENV) or DEFAULT_SIGNAL
+    if mode not in SIGNALS:
+        raise BadRequest(f"doorbell signal must be one of {', '.join(SIGNALS)}, got {mode!r}", ErrorCode.BAD_ARGUMENT)
+    return mode
+
 
 WATCH_INTERVAL_S = 0.02  # how often the watcher checks that the daemon lives
 RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is set again
@@ -117,6 +143,14 @@ class DeviceSwapIn:
         self._gone: str | None = None
 
     # -- hand-off points ---------------------------------------------------------------
+    def _step_bell(self) -> int:
+        """The word ``skv_db_begin`` rings itself (0: none; :meth:`_begun` hands off)."""
+        return 0
+
+    def _group_bell(self, group: int) -> tuple[int, int]:
+        """(bell, arrival counter) that ``skv_db_topk`` rings itself ((0, 0): none)."""
+        return 0, 0
+
     def _begun(self, stream_ptr: int) -> None:
         raise NotImplementedError
 
@@ -174,7 +208,7 @@ class DeviceSwapIn:
         self._launch(self._k_begin, 1, s,
                      (self._step_block, self._counter.data.ptr, rows.data_ptr(), i32(n),
                       reset.data_ptr() if reset is not None else 0,
-                      invalidate.data_ptr() if inv_n else 0, i32(inv_n), i32(lay.max_batch)))
+                      invalidate.data_ptr() if inv_n else 0, i32(inv_n), i32(lay.max_batch), self._step_bell()))
         self._begun(s)
         self._order.began()
 
@@ -192,7 +226,7 @@ class DeviceSwapIn:
             self._launch(self._k_topk, 1, s,
                          (self._topk_blocks[g], self._counter.data.ptr, self._counter.data.ptr, i32(0),
                           0, i32(0), i32(0), 0, i32(0), self._counter.data.ptr, i32(self.layout.top_k), i32(1), i32(g),
-                          i32(self.layout.max_batch)))
+                          i32(self.layout.max_batch), *self._group_bell(g)))
             self._rang(g, s)
             self._order.rang(g)
         for layer in layers:
@@ -261,7 +295,8 @@ class DeviceSwapIn:
             self._launch(self._k_topk, grid, s,
                          (self._topk_blocks[g], self._counter.data.ptr, req.data_ptr(), i32(tokens),
                           table_ptr, i32(table_rows), i32(max_blocks), res_ptr, i32(res_blocks),
-                          topk.data_ptr(), i32(k), i32(max(1, int(block_size))), i32(g), i32(lay.max_batch)))
+                          topk.data_ptr(), i32(k), i32(max(1, int(block_size))), i32(g), i32(lay.max_batch),
+                          *self._group_bell(g)))
             self._rang(g, s)
             self._order.rang(g)
         self._ready(layer, g, s)
@@ -323,11 +358,11 @@ class DeviceSwapIn:
             raise BadRequest(f"{name} must be a contiguous int32 {list(shape)} tensor on cuda:{self.device}, got "
                              f"{got}", ErrorCode.BAD_ARGUMENT)
 
-    def _launch(self, fn, grid: int, stream_ptr: int, args) -> None:
+    def _launch(self, fn, grid: int, stream_ptr: int, args, threads: int = THREADS) -> None:
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(self.device), _external(cp, stream_ptr):
-            fn((grid,), (THREADS,), tuple(np.uint64(a) if isinstance(a, int) else a for a in args))
+            fn((grid,), (threads,), tuple(np.uint64(a) if isinstance(a, int) else a for a in args))
 
 
 class DoorbellSwapIn(DeviceSwapIn):
@@ -335,7 +370,8 @@ class DoorbellSwapIn(DeviceSwapIn):
     ``transport="doorbell"``; one per rank, used from the thread that drives the rank's
     stream."""
 
-    def __init__(self, client, resident_base: int = 0, hot_base: int = 0):
+    def __init__(self, client, resident_base: int = 0, hot_base: int = 0, signal: str | None = None):
+        self.signal = signal_mode(signal)
         att = client.attachment
         db = (att.handles or {}).get("doorbell") if att is not None else None
         if db is None:
@@ -357,17 +393,37 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._readys = [ctl + 4 * i for i in db["ready"]]
         self._ready_first, self._ready_n = min(db["ready"]), len(db["ready"])
         self._ctl = arena.cupy(db["ctl_offset"], (1 + G + L,), "uint32")
+        if self.signal == "kernel":
+            import cupy as cp  # noqa: PLC0415
+
+            with cp.cuda.Device(self.device):
+                self._k_wait = _kernels().module("signal.cu").get_function("skv_wait_word")
+                self._arrivals = cp.zeros(G, dtype=cp.uint32)  # skv_db_topk's arrival counter per group
+                cp.cuda.runtime.deviceSynchronize()
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
 
+    def _step_bell(self) -> int:
+        return self._bell_step if self.signal == "kernel" else 0
+
+    def _group_bell(self, group: int) -> tuple[int, int]:
+        if self.signal == "kernel":
+            return self._bells[group], self._arrivals.data.ptr + 4 * group
+        return 0, 0
+
     def _begun(self, stream_ptr: int) -> None:
-        write32(stream_ptr, self._bell_step, 1)
+        if self.signal == "ops":
+            write32(stream_ptr, self._bell_step, 1)
 
     def _rang(self, group: int, stream_ptr: int) -> None:
-        write32(stream_ptr, self._bells[group], 1)
+        if self.signal == "ops":
+            write32(stream_ptr, self._bells[group], 1)
 
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
+        if self.signal == "kernel":
+            self._launch(self._k_wait, 1, stream_ptr, (self._readys[layer],), threads=32)
+            return
         wait32(stream_ptr, self._readys[layer], 1)
         write32(stream_ptr, self._readys[layer], 0)
 

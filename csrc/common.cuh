@@ -156,3 +156,39 @@ __device__ __forceinline__ int skv_pow2(int n) {
     return p;
 }
 
+
+// -- doorbell words (flip-flops: one side sets 1, the other waits for 1 and resets 0) --------
+
+// Set `bell` to 1 once every block of the grid has passed this point, with all of their
+// earlier global writes visible before it (a device-wide fence per block, then a counter;
+// the last block to arrive resets the counter and rings). `done` is a u32 counter that
+// starts at 0 and is 0 again when the kernel ends; with one block it may be null.
+// Must be reached by every thread of every block (no early return before it).
+__device__ __forceinline__ void skv_ring_when_done(u32* done, u32* bell) {
+    if (!bell) return;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        bool last = true;
+        if (gridDim.x > 1 && done) {
+            last = atomicAdd(done, 1u) == gridDim.x - 1;
+            if (last) atomicExch(done, 0u);
+        }
+        if (last) {
+            __threadfence_system();
+            atomicExch(bell, 1u);
+        }
+    }
+}
+
+// Spin until `word` is 1, then reset it to 0 (the consuming side of a flip-flop). One
+// thread; the rest of the block passes straight through.
+__device__ __forceinline__ void skv_wait_and_clear(u32* word) {
+    if (threadIdx.x == 0) {
+        volatile u32* w = word;
+        while (*w != 1u) {
+        }
+        atomicExch(word, 0u);
+        __threadfence_system();
+    }
+}

@@ -7,6 +7,10 @@
 //   skv_db_topk     logical positions + block table -> host rows in the group's TOPK block
 //   skv_db_indices  the group's slots -> attention indices [tokens, k] (+ valid counts)
 //
+// With a `bell` (signalling by kernels, client/doorbell.py), skv_db_begin and skv_db_topk
+// ring it themselves once the whole block is written (skv_ring_when_done; `done` is the
+// topk's arrival counter, one per group); null: the caller rings with a stream operation.
+//
 // Launch shapes come from the engine's tensor shapes (fixed in its graph); every value is
 // checked again by the daemon's kernels. Step numbers come from a device counter the
 // engine's stream bumps in skv_db_begin, so a replayed graph describes each step right.
@@ -20,7 +24,7 @@ extern "C" __global__ void skv_db_begin(int* __restrict__ blk, int* __restrict__
                                         const int* __restrict__ state_rows, const int n,
                                         const unsigned char* __restrict__ reset,
                                         const int* __restrict__ invalidate, const int inv_n,
-                                        const int max_batch) {
+                                        const int max_batch, u32* bell) {
     const int tid = blockIdx.x * blockDim.x + threadIdx.x;
     const int stride = gridDim.x * blockDim.x;
     if (tid == 0) {
@@ -41,6 +45,7 @@ extern "C" __global__ void skv_db_begin(int* __restrict__ blk, int* __restrict__
     }
     const i64 total = (i64)n * inv_n;
     for (i64 i = tid; i < total; i += stride) payload[i] = invalidate[i];
+    skv_ring_when_done(nullptr, bell);  // one block: rings once its writes are visible
 }
 
 // The TOPK block of a group, from the leader layer's logical top-k. Column j of token t
@@ -57,7 +62,8 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                                        const int max_blocks,
                                        const int* __restrict__ resident, const int res_blocks,
                                        const int* __restrict__ topk, const int k, const int block_size,
-                                       const int group, const int max_batch) {
+                                       const int group, const int max_batch,
+                                       u32* done, u32* bell) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         for (int i = 0; i < SKV_DESC_INTS; ++i) blk[i] = 0;
         blk[SKV_D_SEQ] = counter[0];
@@ -94,6 +100,7 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
             payload[(i64)t * k + j] = out;
         }
     }
+    skv_ring_when_done(done, bell);
 }
 
 // Attention indices of one layer: out[t, j] =

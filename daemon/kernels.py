@@ -27,6 +27,7 @@ from sparsekv.csrc.build import (  # noqa: F401 - re-exported
 SOURCES: dict[str, tuple[str, ...]] = {
     "resolve.cu": ("skv_resolve", "skv_reset", "skv_invalidate", "skv_begin_step"),
     "copy.cu": ("skv_copy_rows", "skv_gather", "skv_fetch"),
+    "signal.cu": ("skv_wait_word", "skv_set_word"),
 }
 
 RESOLVE_THREADS = 1024  # one block per batch row; 1024 threads keep the sort short
@@ -77,6 +78,9 @@ class KernelCache(build.KernelCache):
                 for fn in SOURCES["copy.cu"]:
                     self.function("copy.cu", fn, copy_defines(rb, threads))
                     names.append(fn)
+        for fn in SOURCES["signal.cu"]:
+            self.function("signal.cu", fn)
+            names.append(fn)
         return names
 
 

@@ -38,8 +38,11 @@ rank's work on the same GPU can be held up by an idle doorbell rank is not yet m
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+
+import numpy as np
 
 from sparsekv.proto.stream_ops import graph_launch, wait32, write32
 
@@ -50,6 +53,19 @@ from .transport import Transport
 log = logging.getLogger("sparsekv.cuda")
 
 DEPTH = 2  # step graphs launched ahead (a launch must never block: see _stock)
+# How the step graph waits on bells and sets ready words: "ops" (stream memory operations)
+# or "kernel" (csrc/signal.cu: a one-thread spin kernel, a one-thread store). Measured on
+# the H200: docs/PERF.md, "Doorbell signalling".
+SIGNAL_ENV = "SPARSEKV_DB_DAEMON_SIGNAL"
+SIGNALS = ("ops", "kernel")
+DEFAULT_SIGNAL = "ops"
+
+
+def signal_mode() -> str:
+    mode = os.environ.get(SIGNAL_ENV) or DEFAULT_SIGNAL
+    if mode not in SIGNALS:
+        raise ValueError(f"{SIGNAL_ENV} must be one of {', '.join(SIGNALS)}, got {mode!r}")
+    return mode
 DRAIN_TIMEOUT_S = 10.0
 
 
@@ -77,8 +93,14 @@ class DoorbellTransport(Transport):
         self._bell_step = ctl
         self._bells = [ctl + 4 * (1 + g) for g in range(G)]
         self._ready = [ctl + 4 * (1 + G + layer) for layer in range(L)]
+        self.signal = signal_mode()
         with cp.cuda.Device(worker.ordinal):
             self.stream = cp.cuda.Stream(non_blocking=True)
+            if self.signal == "kernel":
+                from ..kernels import get_cache  # noqa: PLC0415
+
+                mod = get_cache().module("signal.cu")
+                self._k_wait, self._k_set = mod.get_function("skv_wait_word"), mod.get_function("skv_set_word")
         self.graph = capture(self._enqueue_step, worker.ordinal)
         self._stop = threading.Event()
         self.steps_launched = 0
@@ -87,17 +109,29 @@ class DoorbellTransport(Transport):
         self._thread.start()
 
     # -- the step graph ------------------------------------------------------------------
+    def _wait_bell(self, stream, address: int) -> None:
+        if self.signal == "kernel":
+            with stream:
+                self._k_wait((1,), (32,), (np.uint64(address),))
+        else:
+            wait32(stream.ptr, address, 1)
+            write32(stream.ptr, address, 0)
+
+    def _set_ready(self, stream, address: int) -> None:
+        if self.signal == "kernel":
+            with stream:
+                self._k_set((1,), (32,), (np.uint64(address),))
+        else:
+            write32(stream.ptr, address, 1)
+
     def _enqueue_step(self, stream) -> None:
         b, d = self.buffers, self.dstep
-        s = stream.ptr
-        wait32(s, self._bell_step, 1)
-        write32(s, self._bell_step, 0)
+        self._wait_bell(stream, self._bell_step)
         d.residency.launch_begin_step(b.db_step.desc, b.db_step.rows, b.db_step.aux, b.db_step.payload, b.err,
                                       b.max_batch, stream)
         for g, layers in enumerate(self.layout.groups):
             t = b.db_topk[g]
-            wait32(s, self._bells[g], 1)
-            write32(s, self._bells[g], 0)
+            self._wait_bell(stream, self._bells[g])
             d.residency.launch_resolve(t.desc, t.rows, t.payload, b.db_slots[g], b.db_misses[g],
                                        b.plan_rows, b.plan_slots, b.counters, 4, b.err, b.workspace,
                                        b.max_batch, stream)
@@ -108,7 +142,7 @@ class DoorbellTransport(Transport):
             for layer in layers:
                 d.mover.launch_gather(t.desc, b.plan_rows, b.plan_slots, b.db_misses[g], b.max_batch, stream,
                                       group_layers=b.db_layers[layer])
-                write32(s, self._ready[layer], 1)
+                self._set_ready(stream, self._ready[layer])
 
     # -- stocking ------------------------------------------------------------------------
     def _stock(self) -> None:

@@ -118,12 +118,14 @@ def cuda_daemon():
         yield d
 
 
-def attach(run_dir, lay, fill=True):
+def attach(run_dir, lay, fill=True, signal=None):
     c = Client(run_dir, name="doorbell-test", device="cuda:0").connect()
     c.attach(lay, engine="db", transport="doorbell")
     if fill:
         fill_pool(c, lay)
-    return c, c.doorbell_handle()
+    h = c.doorbell_handle(signal=signal)
+    assert h.signal == (signal or "kernel")
+    return c, h
 
 
 def dev(a, torch):
@@ -149,14 +151,15 @@ def check_bytes(h, lay, idx, ids, layer, torch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("signal", ["kernel", "ops"])
 @pytest.mark.parametrize("positions,spec", [(False, False), (True, False), (True, True)])
-def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, positions, spec):
+def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, positions, spec, signal):
     import torch
 
     lay = layout()
     plan = steps(lay, 12, seed=3, positions=positions, spec=spec)
     want = reference(lay, plan, positions)
-    c, h = attach(cuda_daemon.run_dir, lay)
+    c, h = attach(cuda_daemon.run_dir, lay, signal=signal)
     try:
         for t, (state, reset, inval, req, per_group, table) in enumerate(plan):
             h.begin_step(dev(state, torch), dev(reset, torch), dev(inval, torch))
@@ -175,13 +178,24 @@ def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, p
 
 
 @pytest.mark.cuda
-def test_a_whole_decode_step_captures_into_one_cuda_graph(cuda_daemon):
+@pytest.mark.parametrize("engine_signal,daemon_signal", [("kernel", "ops"), ("ops", "ops"), ("kernel", "kernel"),
+                                                         ("ops", "kernel")])
+def test_a_whole_decode_step_captures_into_one_cuda_graph(engine_signal, daemon_signal):
+    """Every signalling of either side (bells and ready words by stream operations or by
+    kernels) captures and replays exactly."""
     import torch
 
     lay = layout()
     plan = steps(lay, 10, seed=5, positions=True)
     want = reference(lay, plan, True)
-    c, h = attach(cuda_daemon.run_dir, lay)
+    env = dict(os.environ, SPARSEKV_DB_DAEMON_SIGNAL=daemon_signal)
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG, env=env) as d:
+        _capture_and_replay(d, lay, plan, want, engine_signal, torch)
+
+
+def _capture_and_replay(d, lay, plan, want, engine_signal, torch):
+    c, h = attach(d.run_dir, lay, signal=engine_signal)
     state, reset, inval, req, per_group, table = plan[0]
     s_state, s_reset, s_inval, s_req = (dev(x, torch) for x in (state, reset, inval, req))
     s_table = dev(table, torch)
@@ -240,13 +254,14 @@ def test_duplicate_positions_are_refused_and_check_raises_them():
 
 
 @pytest.mark.cuda
-def test_a_killed_daemon_releases_the_engine_stream_and_check_says_so():
+@pytest.mark.parametrize("engine_signal", ["kernel", "ops"])
+def test_a_killed_daemon_releases_the_engine_stream_and_check_says_so(engine_signal):
     import torch
 
     lay = layout()
     d = PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA, log_path=DAEMON_LOG)
     with d:
-        c, h = attach(d.run_dir, lay, fill=False)
+        c, h = attach(d.run_dir, lay, fill=False, signal=engine_signal)
         plan = steps(lay, 2, seed=1)
         state, reset, inval, req, per_group, _ = plan[0]
         h.begin_step(dev(state, torch), dev(reset, torch))

@@ -714,7 +714,7 @@ def test_kernel_cache_dir_and_warm(tmp_path, monkeypatch):
     names = kc.warm(row_bytes=(656, 32))
     assert "skv_resolve" in names and "skv_copy_rows" in names
     files = sorted(p.name for p in (tmp_path / "c").glob("*.cubin"))
-    assert len(files) == 3  # resolve + copy for two row sizes
+    assert len(files) == 4  # resolve, signal, and copy for two row sizes
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")}
     kernels.KernelCache(tmp_path / "c").warm(row_bytes=(656, 32))  # a new process: from disk
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")} == mtimes
