@@ -139,7 +139,8 @@ def make_layout(batch: int, opts: Options) -> Layout:
     """One index group per layer, one token per request (region_stride = top_k)."""
     return Layout(num_layers=opts.layers, row_bytes=opts.row_bytes, top_k=opts.top_k, region_stride=opts.top_k,
                   max_reqs=batch, host_rows=opts.host_rows(batch),
-                  index_groups=tuple((layer,) for layer in range(opts.layers)), max_batch=batch)
+                  index_groups=tuple((layer,) for layer in range(opts.layers)), max_batch=batch,
+                  staging_rows=min(FILL_STAGING_ROWS, opts.host_rows(batch)))
 
 
 def _keep(top_k: int, hit_rate: float) -> int:
@@ -300,6 +301,29 @@ def fill_pattern(pool: np.ndarray, threads: int | None = None) -> None:
             list(ex.map(lambda layer: np.copyto(pool[layer], first), range(1, layers)))
 
 
+FILL_STAGING_ROWS = 4096  # rows per layer of the staging buffer the pool is filled through
+
+
+def fill_through_staging(client, lay: Layout, torch) -> float:
+    """Fill every host row of every layer from the rank's staging buffer: the pattern
+    block is put there once, and each ``WRITE_STAGED`` copies it to the next
+    ``staging_rows`` host rows (the daemon's write mirror, device to host). A last plain
+    ``write`` of one row waits for them: a WRITE quiesces the engine's copies first.
+    Returns the seconds it took."""
+    att = client.attachment
+    n = lay.staging_rows
+    block = np.empty((lay.num_layers, n, lay.row_bytes), np.uint8)
+    fill_pattern(block)
+    t0 = time.perf_counter()
+    att.staging.copy_(torch.from_numpy(block))
+    torch.cuda.synchronize()
+    for start in range(0, lay.host_rows, n):
+        client.write_staged(np.arange(start, min(start + n, lay.host_rows), dtype=np.int32))
+    last = lay.host_rows - 1
+    client.write(np.array([last], np.int32), block[:, (last % n):(last % n) + 1])
+    return time.perf_counter() - t0
+
+
 def fill_through_client(client, lay: Layout) -> float:
     """Write every host row of every layer through ``client.write`` (all layers per
     request, as many rows as one frame carries); return the seconds it took."""
@@ -399,7 +423,10 @@ def summary(results: list[Result], opts: Options) -> dict:
     out: dict = {"decode_layers": opts.layers, "decode_top_k": opts.top_k, "decode_row_bytes": opts.row_bytes,
                  "decode_context": opts.context, "decode_block_size": opts.block_size, "decode_steps": opts.steps,
                  "decode_warmup": opts.warmup, "decode_gather_blocks": _gather_blocks(opts),
-                 "decode_layer_overlap": opts.layer_overlap}
+                 "decode_layer_overlap": opts.layer_overlap,
+                 # how bells and ready words were signalled (client/doorbell.py, daemon/cuda/doorbell.py)
+                 "decode_engine_signal": os.environ.get("SPARSEKV_DB_ENGINE_SIGNAL") or "default",
+                 "decode_daemon_signal": os.environ.get("SPARSEKV_DB_DAEMON_SIGNAL") or "default"}
     for r in results:
         k = f"decode_b{r.batch}_h{hkey(r.hits)}_{r.mode}"
         if r.skipped is not None:
@@ -759,8 +786,12 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list) 
             stack.callback(c.close)
             if cz is None:
                 c.attach(lay, engine=engine, transport="doorbell")
-        fill_s = fill_through_client(cz or c, lay)
-        _say(f"batch {batch}: wrote {lay.pool_bytes / 1e9:.1f} GB into the daemon's pool through client.write in "
+        filler = cz or c
+        if lay.staging_rows and getattr(filler.attachment, "staging", None) is not None:
+            fill_s, how = fill_through_staging(filler, lay, torch), "WRITE_STAGED"
+        else:
+            fill_s, how = fill_through_client(filler, lay), "client.write"
+        _say(f"batch {batch}: wrote {lay.pool_bytes / 1e9:.1f} GB into the daemon's pool through {how} in "
              f"{fill_s:.1f} s ({lay.pool_bytes / 1e9 / max(fill_s, 1e-9):.2f} GB/s)")
         if want_db:
             if cz is not None:

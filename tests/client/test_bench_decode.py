@@ -131,6 +131,51 @@ def test_fill_through_client_writes_every_row_of_every_layer_in_whole_frames(mon
         np.testing.assert_array_equal(c.pool[:, start:start + n], block[:, :n])
 
 
+def test_fill_through_staging_covers_every_row_once_and_ends_with_a_plain_write():
+    """The pattern goes to the staging buffer once; WRITE_STAGED then covers the host rows
+    in staging-sized pieces; a last one-row WRITE (which quiesces the engine's copies)
+    leaves the pool as a fill through client.write of the same pattern would."""
+    from types import SimpleNamespace
+
+    lay = bd.Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=4, max_reqs=1, host_rows=100,
+                    staging_rows=30)
+
+    class FakeTorch:
+        from_numpy = staticmethod(lambda a: a)
+        cuda = SimpleNamespace(synchronize=lambda: None)
+
+    class FakeStaging:
+        def __init__(self):
+            self.a = np.zeros((2, 30, 32), np.uint8)
+
+        def copy_(self, src):
+            self.a[...] = src
+
+    class FakeClient:
+        def __init__(self):
+            self.attachment = SimpleNamespace(staging=FakeStaging())
+            self.pool = np.zeros((2, 100, 32), np.uint8)
+            self.calls = []
+
+        def write_staged(self, rows, layers=None):
+            assert layers is None and rows.dtype == np.int32 and len(rows) <= 30
+            self.pool[:, rows] = self.attachment.staging.a[:, : len(rows)]
+            self.calls.append(("staged", int(rows[0]), len(rows)))
+
+        def write(self, rows, data, layers=None):
+            self.pool[:, rows] = data
+            self.calls.append(("write", int(rows[0]), len(rows)))
+
+    c = FakeClient()
+    assert bd.fill_through_staging(c, lay, FakeTorch) >= 0
+    assert c.calls == [("staged", 0, 30), ("staged", 30, 30), ("staged", 60, 30), ("staged", 90, 10),
+                       ("write", 99, 1)]
+    block = np.zeros((2, 30, 32), np.uint8)
+    bd.fill_pattern(block)
+    for r in range(100):
+        np.testing.assert_array_equal(c.pool[:, r], block[:, r % 30])
+
+
 # -- results: derived figures, table, JSON ----------------------------------------------------
 def fake_results() -> list[Result]:
     out = []
