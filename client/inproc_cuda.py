@@ -80,14 +80,11 @@ class InprocSwapIn(DeviceSwapIn):
     def _rang(self, group: int, stream_ptr: int) -> None:
         b, d = self.buffers, self.dstep
         t = b.db_topk[group]
-        d.residency.launch_resolve(t.desc, t.rows, t.payload, b.db_slots[group], b.db_misses[group],
-                                   b.plan_rows, b.plan_slots, b.counters, 4, b.err, b.workspace,
-                                   b.max_batch, self._ext(stream_ptr))
+        d.enqueue_resolve(t, b.db_slots[group], b.db_misses[group], self._ext(stream_ptr))
 
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
         b, d = self.buffers, self.dstep
-        d.mover.launch_gather(b.db_topk[group].desc, b.plan_rows, b.plan_slots, b.db_misses[group], b.max_batch,
-                              self._ext(stream_ptr), group_layers=b.db_layers[layer])
+        d.enqueue_gather(b.db_topk[group], b.db_misses[group], self._ext(stream_ptr), group_layers=b.db_layers[layer])
 
     def check(self) -> None:
         """As the doorbell handle's; waits for the device (reads its error record)."""

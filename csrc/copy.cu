@@ -216,3 +216,123 @@ extern "C" __global__ void skv_fetch(const int* __restrict__ src, int* __restric
         }
     }
 }
+
+// -- the batch-wide plan -------------------------------------------------------------------
+//
+// skv_resolve leaves one plan per batch row, each sorted by host row. skv_merge_plan
+// merges them into one list in host-row order, stable in batch order (the order the cpu
+// backend's stable sort gives): entry i of row b, host row r, goes to
+//     rank = i + sum_{b' < b} #{entries of b' <= r} + sum_{b' > b} #{entries of b' < r}
+// (counts by binary search in the other rows' sorted lists). The whole batch's gather then
+// walks the pool in address order, which is what keeps the GPU's host-memory translation
+// warm (docs/PERF.md, "Gather order"). Nothing is sorted and nothing waits: the count of
+// merged entries stays on the device (out_count) for skv_gather_merged.
+//
+// Grid: max_batch blocks (one per batch row, fixed), SKV_MERGE_THREADS threads. Dynamic
+// shared memory: SKV_MERGE_SMEM bytes: the batch's offsets, this row's rank accumulators
+// and, when they fit, every row's plan (else the lists are searched in global memory).
+#ifndef SKV_MERGE_THREADS
+#define SKV_MERGE_THREADS 1024
+#endif
+
+__device__ __forceinline__ int skv_count_below(const int* a, int n, int key, bool inclusive) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        const int v = a[mid];
+        if (v < key || (inclusive && v == key)) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+extern "C" __global__ void __launch_bounds__(SKV_MERGE_THREADS) skv_merge_plan(
+    const int* __restrict__ desc,
+    const int* __restrict__ plan_rows, const int* __restrict__ plan_slots,
+    const int* __restrict__ misses, const int max_batch, const int ld,
+    int* __restrict__ out_rows, int* __restrict__ out_slots, int* __restrict__ out_count,
+    const int smem_bytes)
+{
+    SKV_DYN_SMEM(merge_smem);
+    int* off = (int*)merge_smem;            // [max_batch + 1]: entries of the rows before b
+    int* acc = off + (max_batch + 1);     // [ld]: this row's ranks
+    int* lists = acc + ld;                // every row's plan, compact, when it fits
+    const int list_cap = smem_bytes / 4 - (max_batch + 1) - ld;
+    __shared__ int sh_batch;
+    if (threadIdx.x == 0) {
+        int batch = desc[SKV_D_BATCH];
+        const int k = desc[SKV_D_K];
+        if (batch < 0 || batch > max_batch || k < 0 || k > ld) batch = 0;  // skv_resolve reports it
+        sh_batch = batch;
+    }
+    __syncthreads();
+    const int batch = sh_batch;
+    if (threadIdx.x == 0) {
+        int run = 0;
+        for (int b = 0; b < batch; ++b) {
+            off[b] = run;
+            int c = misses[b];
+            run += c < 0 ? 0 : (c > ld ? ld : c);
+        }
+        off[batch] = run;
+        if (blockIdx.x == 0) *out_count = run;
+    }
+    __syncthreads();
+    const int total = off[batch];
+    const bool in_smem = total <= list_cap;
+    if (in_smem) {
+        for (int b = 0; b < batch; ++b) {
+            const int n = off[b + 1] - off[b];
+            for (int i = threadIdx.x; i < n; i += SKV_MERGE_THREADS) lists[off[b] + i] = plan_rows[(i64)b * ld + i];
+        }
+    }
+    const int me = blockIdx.x;
+    const int mine = me < batch ? off[me + 1] - off[me] : 0;
+    for (int i = threadIdx.x; i < mine; i += SKV_MERGE_THREADS) acc[i] = i;
+    __syncthreads();
+    // Pairs (entry i of this row, other row o), entries fastest: a warp searches one list.
+    const i64 pairs = (i64)mine * batch;
+    for (i64 p = threadIdx.x; p < pairs; p += SKV_MERGE_THREADS) {
+        const int o = (int)(p / mine);
+        const int i = (int)(p - (i64)o * mine);
+        if (o == me) continue;
+        const int key = in_smem ? lists[off[me] + i] : plan_rows[(i64)me * ld + i];
+        const int n = off[o + 1] - off[o];
+        const int* a = in_smem ? lists + off[o] : plan_rows + (i64)o * ld;
+        const int c = skv_count_below(a, n, key, o < me);
+        if (c) atomicAdd(&acc[i], c);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < mine; i += SKV_MERGE_THREADS) {
+        const int r = acc[i];
+        out_rows[r] = in_smem ? lists[off[me] + i] : plan_rows[(i64)me * ld + i];
+        out_slots[r] = plan_slots[(i64)me * ld + i];
+    }
+}
+
+// The decode-step gather of the merged plan (skv_merge_plan): *count entries of
+// rows/slots, pool -> slab, for every layer of the descriptor's group (as skv_gather).
+// Grid: fixed. No dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather_merged(
+    const int* __restrict__ desc,
+    const unsigned char* __restrict__ pool, const i64 host_rows, const int num_layers,
+    unsigned char* __restrict__ slab, const i64 slab_layer_rows,
+    const int* __restrict__ group_layers, const int layers_stride, const int groups,
+    const int* __restrict__ rows, const int* __restrict__ slots, const int* __restrict__ count,
+    const int cap,
+    const i64* __restrict__ slab_layer_off, const i64 slab_block_rows, const i64 slab_block_stride)
+{
+    __shared__ int sh_desc[SKV_DESC_INTS];
+    __shared__ int sh_count;
+    if (threadIdx.x < SKV_DESC_INTS) sh_desc[threadIdx.x] = desc[threadIdx.x];
+    if (threadIdx.x == 0) sh_count = *count;
+    __syncthreads();
+    const int group = sh_desc[SKV_D_GROUP];
+    if (group < 0 || group >= groups) return;
+    const int n = sh_count < 0 ? 0 : (sh_count > cap ? cap : sh_count);
+    const int* g = group_layers + (i64)group * layers_stride;
+    int n_layers = g[0];
+    n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
+    const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
+    skv_copy_body(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
+                  num_layers, g + 1, n_layers, 3, rows, slots, nullptr, 1, cap, n, geo);
+}

@@ -26,13 +26,14 @@ from sparsekv.csrc.build import (  # noqa: F401 - re-exported
 # Kernel entry points by source file; warm() compiles every module listed here.
 SOURCES: dict[str, tuple[str, ...]] = {
     "resolve.cu": ("skv_resolve", "skv_reset", "skv_invalidate", "skv_begin_step"),
-    "copy.cu": ("skv_copy_rows", "skv_gather", "skv_fetch"),
+    "copy.cu": ("skv_copy_rows", "skv_gather", "skv_fetch", "skv_merge_plan", "skv_gather_merged"),
     "signal.cu": ("skv_wait_word", "skv_set_word"),
 }
 
 RESOLVE_THREADS = 1024  # one block per batch row; 1024 threads keep the sort short
 COPY_THREADS = 256
 COPY_LOAD = 1  # __ldg: the source of a copy is never written while it runs
+MERGE_THREADS = 1024  # skv_merge_plan: one block per batch row
 
 
 def resolve_defines(threads: int = RESOLVE_THREADS) -> dict:
@@ -51,7 +52,8 @@ def copy_defines(row_bytes: int, threads: int = COPY_THREADS, load: int = COPY_L
         raise ValueError(f"copy threads must be a multiple of 32 in [32, 1024], got {threads}")
     if load not in (0, 1, 2):
         raise ValueError(f"load must be 0, 1 or 2, got {load}")
-    return {"SKV_ROW_VECS": row_bytes // 16, "SKV_COPY_THREADS": int(threads), "SKV_COPY_LOAD": int(load)}
+    return {"SKV_ROW_VECS": row_bytes // 16, "SKV_COPY_THREADS": int(threads), "SKV_COPY_LOAD": int(load),
+            "SKV_MERGE_THREADS": MERGE_THREADS}
 
 
 class KernelCache(build.KernelCache):

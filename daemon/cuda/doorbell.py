@@ -132,16 +132,13 @@ class DoorbellTransport(Transport):
         for g, layers in enumerate(self.layout.groups):
             t = b.db_topk[g]
             self._wait_bell(stream, self._bells[g])
-            d.residency.launch_resolve(t.desc, t.rows, t.payload, b.db_slots[g], b.db_misses[g],
-                                       b.plan_rows, b.plan_slots, b.counters, 4, b.err, b.workspace,
-                                       b.max_batch, stream)
+            d.enqueue_resolve(t, b.db_slots[g], b.db_misses[g], stream)
             if g == self.layout.num_groups - 1:
                 # Before the last ready word: once the engine's stream has passed a step,
                 # the step's counters and errors are in the pinned mirror (check()).
                 d.enqueue_stats_out(stream)
             for layer in layers:
-                d.mover.launch_gather(t.desc, b.plan_rows, b.plan_slots, b.db_misses[g], b.max_batch, stream,
-                                      group_layers=b.db_layers[layer])
+                d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer])
                 self._set_ready(stream, self._ready[layer])
 
     # -- stocking ------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 :class:`DeviceStep` turns a rank's step blocks (``buffers.py``) into kernel launches:
 
 * ``enqueue_begin``: ``skv_begin_step`` (the step's resets and invalidations);
-* ``enqueue_topk(entry)``: ``skv_resolve`` into ring entry ``entry`` and the plan, then
-  ``skv_gather`` of the plan for every layer of the group;
+* ``enqueue_topk(entry)``: ``skv_resolve`` into ring entry ``entry`` and the plan (merged
+  over the batch by ``skv_merge_plan`` in the batch gather order), then the gather of the
+  plan for every layer of the group;
 * ``enqueue_stats_out``: the rank's counters and error record, device -> pinned host
   mirror (a copy, no wait: a stats scrape reads the mirror).
 
@@ -56,13 +57,30 @@ class DeviceStep:
         self.residency.launch_begin_step(b.desc, b.rows, b.aux, b.payload, self.buffers.err,
                                          self.buffers.max_batch, stream)
 
-    def enqueue_topk(self, entry: int, stream) -> None:
+    def enqueue_resolve(self, block, slots, misses, stream) -> None:
+        """``skv_resolve`` of a top-k block into ``slots`` / ``misses`` and the per-row
+        plans, then (batch gather order) ``skv_merge_plan`` of those plans."""
         bufs = self.buffers
-        t = bufs.topk
-        self.residency.launch_resolve(t.desc, t.rows, t.payload, bufs.slots[entry], bufs.misses[entry],
+        self.residency.launch_resolve(block.desc, block.rows, block.payload, slots, misses,
                                       bufs.plan_rows, bufs.plan_slots, bufs.counters, 4, bufs.err,
                                       bufs.workspace, bufs.max_batch, stream)
-        self.mover.launch_gather(t.desc, bufs.plan_rows, bufs.plan_slots, bufs.misses[entry], bufs.max_batch, stream)
+        if self.mover.order == "batch":
+            self.mover.launch_merge_plan(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream)
+
+    def enqueue_gather(self, block, misses, stream, group_layers=None) -> None:
+        """The gather of the last :meth:`enqueue_resolve`, for the group's layers (or the
+        ones ``group_layers`` names)."""
+        bufs = self.buffers
+        if self.mover.order == "batch":
+            self.mover.launch_gather_merged(block.desc, stream, group_layers=group_layers)
+        else:
+            self.mover.launch_gather(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream,
+                                     group_layers=group_layers)
+
+    def enqueue_topk(self, entry: int, stream) -> None:
+        bufs = self.buffers
+        self.enqueue_resolve(bufs.topk, bufs.slots[entry], bufs.misses[entry], stream)
+        self.enqueue_gather(bufs.topk, bufs.misses[entry], stream)
 
     def enqueue_stats_out(self, stream) -> None:
         import cupy as cp

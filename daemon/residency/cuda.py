@@ -41,12 +41,30 @@ from sparsekv.daemon.kernels import (  # noqa: E402 - constants only; cupy stays
     COPY_LOAD,
     COPY_THREADS,
     DEFAULT_SMEM_BYTES,
+    MERGE_THREADS,
     RESOLVE_THREADS,
     copy_defines,
     resolve_defines,
 )
 
 DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
+# The order a decode step's gather reads the pool in: "batch" (every batch row's misses
+# merged by host row on the device, skv_merge_plan) or "request" (each batch row's plan in
+# turn, each sorted by host row). docs/PERF.md, "Gather order", has what each costs.
+GATHER_ORDER_ENV = "SPARSEKV_GATHER_ORDER"
+GATHER_ORDERS = ("batch", "request")
+DEFAULT_GATHER_ORDER = "batch"
+MERGE_SMEM_CAP = 200 << 10  # the merge's lists in shared memory up to this much
+
+
+def gather_order(value: str | None = None) -> str:
+    """``value``, else ``$SPARSEKV_GATHER_ORDER``, else the default."""
+    import os  # noqa: PLC0415
+
+    order = value or os.environ.get(GATHER_ORDER_ENV) or DEFAULT_GATHER_ORDER
+    if order not in GATHER_ORDERS:
+        raise ValueError(f"gather order must be one of {', '.join(GATHER_ORDERS)}, got {order!r}")
+    return order
 SETUP_BLOCKS = 1024  # cap for the grid-stride reset/invalidate kernels
 STEP_BLOCKS = 128  # fixed grid of skv_begin_step (blocks stride over batch rows x groups)
 
@@ -532,7 +550,7 @@ class CudaMover(Mover):
 
     def __init__(self, layout: Layout, pool, *, pool_offset: int = 0, buffers: DeviceBuffers | None = None,
                  kernels=None, stream=None, blocks: int = DEFAULT_COPY_BLOCKS, threads: int = COPY_THREADS,
-                 load: int = COPY_LOAD, engine_slab=None):
+                 load: int = COPY_LOAD, engine_slab=None, order: str | None = None):
         cp = _cp()
         self.layout = lay = layout.validate()
         if kernels is None:
@@ -579,6 +597,9 @@ class CudaMover(Mover):
                 raise ResidencyError("TOO_LARGE", f"max_batch {lay.max_batch} needs {gather_smem} B of shared "
                                      f"memory for one gather; this GPU allows {limit} B; lower max_batch")
         self._gather = kernels.function("copy.cu", "skv_gather", defines, smem_bytes=gather_smem)
+        self.order = gather_order(order)
+        if self.order == "batch":
+            self._init_merge(kernels, defines)
         # Each group's layers on the device, [groups, 1 + most layers of a group]: count, layers.
         width = 1 + max(len(g) for g in lay.groups)
         table = np.full((lay.num_groups, width), -1, np.int32)
@@ -589,6 +610,27 @@ class CudaMover(Mover):
             self.group_layers = cp.asarray(table)
         self.stream.synchronize()
         self._layers: dict[tuple[int, ...], object] = {}
+
+    def _init_merge(self, kernels, defines) -> None:
+        """The batch-wide plan: ``skv_merge_plan`` and its output (one list of up to
+        max_batch x top_k entries and its count, on the device)."""
+        cp = _cp()
+        lay = self.layout
+        head = (lay.max_batch + 1 + lay.top_k) * 4
+        probe = kernels.function("copy.cu", "skv_merge_plan", defines)
+        limit = min(_smem_limit(probe), MERGE_SMEM_CAP)
+        if head > limit:
+            raise ResidencyError("TOO_LARGE", f"max_batch {lay.max_batch} and top_k {lay.top_k} need {head} B of "
+                                 f"shared memory for the batch-wide plan; this GPU allows {limit} B")
+        self.merge_smem = min(limit, head + lay.max_batch * lay.top_k * 4) // 16 * 16
+        self._merge = kernels.function("copy.cu", "skv_merge_plan", defines, smem_bytes=self.merge_smem)
+        self._gather_merged = kernels.function("copy.cu", "skv_gather_merged", defines)
+        n = lay.max_batch * lay.top_k
+        with self.stream:
+            self.merged_rows = cp.full(n, -1, dtype=cp.int32)
+            self.merged_slots = cp.full(n, -1, dtype=cp.int32)
+            self.merged_count = cp.zeros(1, dtype=cp.int32)
+        self.stream.synchronize()
 
     def _layers_dev(self, layers) -> tuple[object, int]:
         cp = _cp()
@@ -671,6 +713,35 @@ class CudaMover(Mover):
                  table, i32(table.shape[1]), i32(lay.num_groups),
                  plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo),
                 shared_mem=(int(max_batch) + 1) * 8,
+            )
+
+    def launch_merge_plan(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream) -> None:
+        """Enqueue ``skv_merge_plan``: the per-row plans of the last resolve merged into
+        :attr:`merged_rows` / :attr:`merged_slots` in host-row order (stable in batch
+        order), their count in :attr:`merged_count`. Fixed grid (``max_batch`` blocks)."""
+        with stream:
+            self._merge(
+                (int(max_batch),), (MERGE_THREADS,),  # SKV_MERGE_THREADS (copy_defines)
+                (desc, plan_rows, plan_slots, misses, np.int32(max_batch), np.int32(self.layout.top_k),
+                 self.merged_rows, self.merged_slots, self.merged_count, np.int32(self.merge_smem)),
+                shared_mem=self.merge_smem,
+            )
+
+    def launch_gather_merged(self, desc, stream, group_layers=None) -> None:
+        """Enqueue ``skv_gather_merged``: the merged plan (:meth:`launch_merge_plan`),
+        pool -> slab, for every layer of the descriptor's group (``group_layers`` as for
+        :meth:`launch_gather`). Fixed grid, no dynamic shared memory."""
+        lay = self.layout
+        i32, i64 = np.int32, np.int64
+        slots = lay.max_reqs * lay.region_stride
+        table = self.group_layers if group_layers is None else group_layers
+        with stream:
+            self._gather_merged(
+                (self.blocks,), (self.threads,),
+                (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
+                 table, i32(table.shape[1]), i32(lay.num_groups),
+                 self.merged_rows, self.merged_slots, self.merged_count, i32(lay.max_batch * lay.top_k),
+                 *self._geo),
             )
 
     def launch_write_staged(self, layers, n_layers: int, rows, stream) -> None:

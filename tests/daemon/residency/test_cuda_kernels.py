@@ -519,6 +519,54 @@ def test_gather_stage_write_bytes(kc, row_bytes):
         assert_state(cpu, gpu)
 
 
+@pytest.mark.parametrize("top_k,stride,host_rows,max_reqs,max_batch", [
+    (64, 128, 500, 8, 16),          # few host rows: many rows shared by several requests
+    (2048, 2048, 300_000, 64, 64),  # ~115k misses: more than shared memory holds (global lists)
+])
+def test_batch_wide_plan_is_the_cpu_plan_order_and_gathers_the_same_bytes(kc, top_k, stride, host_rows, max_reqs,
+                                                                          max_batch):
+    """skv_merge_plan merges the per-row plans into the cpu backend's order (host row,
+    ties in batch order), with the count on the device; skv_gather_merged then writes the
+    same slab bytes as the per-request gather."""
+    import cupy as cp
+
+    cuda = cuda_mod()
+    lay = layout(top_k, stride, host_rows, max_reqs, row_bytes=32, max_batch=max_batch)
+    cpu = CpuResidency(lay)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=256)
+    m, pool = _pinned_pool(lay.pool_bytes)
+    rng = np.random.default_rng(top_k)
+    memory: dict = {}
+    with PinnedRegion(pool.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
+        movers = [cuda.CudaMover(lay, region, kernels=kc, stream=gpu.stream, blocks=8, threads=64, order=o)
+                  for o in ("batch", "request")]
+        assert [mv.order for mv in movers] == ["batch", "request"]
+        big = lay.max_batch * lay.top_k * 4 > movers[0].merge_smem
+        for trial in range(6):
+            batch = int(rng.integers(1, lay.max_batch + 1)) if trial else lay.max_batch
+            sr, tk = gen_batch(rng, lay, memory, batch, 0.5 if trial % 2 else 0.0, fresh=trial == 0)
+            want = cpu.resolve(0, sr, tk)
+            got = gpu.resolve(0, sr, tk)  # the host API: per-row plans in gpu._host_out
+            assert_same(want, got, f"trial {trial}")
+            out = gpu._host_out
+            for mv in movers:
+                mv.slab.fill(0)
+            with gpu.stream:
+                movers[0].launch_merge_plan(out.desc, out.plan_rows, out.plan_slots, out.misses, lay.max_batch,
+                                            gpu.stream)
+                movers[0].launch_gather_merged(out.desc, gpu.stream)
+                movers[1].launch_gather(out.desc, out.plan_rows, out.plan_slots, out.misses, lay.max_batch,
+                                        gpu.stream)
+            gpu.stream.synchronize()
+            n = int(movers[0].merged_count.get()[0])
+            assert n == len(want.plan), f"trial {trial}"
+            np.testing.assert_array_equal(movers[0].merged_rows.get()[:n], want.plan.rows, err_msg=f"trial {trial}")
+            np.testing.assert_array_equal(movers[0].merged_slots.get()[:n], want.plan.slots, err_msg=f"trial {trial}")
+            np.testing.assert_array_equal(movers[0].slab.get(), movers[1].slab.get(), err_msg=f"trial {trial}")
+            if trial == 0 and top_k == 2048:
+                assert big and n > movers[0].merge_smem // 4  # the global-memory path ran
+
+
 def test_gather_host_plan_matches_cpu_mover(kc):
     cuda = cuda_mod()
     lay = layout(32, 64, 5000, 2, groups=1, layers_per_group=4, row_bytes=656)
