@@ -124,42 +124,76 @@ class PinnedRegion:
         *,
         runtime=None,
         page_bytes: int | None = None,
+        deferred: bool = False,
     ):
         self.address = int(address)
         self.nbytes = int(nbytes)
         self.row_bytes = int(row_bytes)
         self.max_chunk_bytes = int(max_chunk_bytes)
         page = page_bytes or mmap.PAGESIZE
-        plan = plan_chunks(self.address, self.nbytes, self.row_bytes, self.max_chunk_bytes, page)
+        self._plan = plan_chunks(self.address, self.nbytes, self.row_bytes, self.max_chunk_bytes, page)
         self._rt = runtime if runtime is not None else CudaHostRuntime()
         self._lock = threading.Lock()
         self._closed = False
-        chunks: list[Chunk] = []
-        registered: list[int] = []
-        try:
-            for off, n in plan:
-                host = self.address + off
+        self._done: list[Chunk] = []
+        self.chunks: tuple[Chunk, ...] = ()
+        self.contiguous = False
+        if not deferred:
+            self.finish()
+
+    # -- registering (at once, or as the pool's pre-fault goes: ``deferred=True``) ------
+    def register_through(self, nbytes_ready: int) -> None:
+        """Register every planned chunk that ends within the first ``nbytes_ready`` bytes
+        (the part already pre-faulted, say). On a failure everything registered so far is
+        unregistered, the region is closed, and :class:`PinError` says where it failed."""
+        if self._closed:
+            raise PinError("the pinned region is closed")
+        while len(self._done) < len(self._plan):
+            off, n = self._plan[len(self._done)]
+            if off + n > nbytes_ready:
+                return
+            host = self.address + off
+            try:
                 self._rt.register(host, n, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
-                registered.append(host)
-                chunks.append(Chunk(off, n, host, int(self._rt.device_pointer(host))))
-        except BaseException as e:
-            # Roll back: unregister what was registered (newest first), then report.
-            for host in reversed(registered):
-                try:
-                    self._rt.unregister(host)
-                except Exception as ue:  # noqa: BLE001 - keep rolling back the rest
-                    log.error("rollback: cudaHostUnregister(%#x) failed: %s", host, ue)
-            self._closed = True
-            if isinstance(e, Exception):
-                raise PinError(
-                    f"registering {self.nbytes} B at {self.address:#x} failed at chunk "
-                    f"{len(chunks)} of {len(plan)} (done ones rolled back): {e}"
-                ) from e
-            raise
-        self.chunks: tuple[Chunk, ...] = tuple(chunks)
+            except BaseException as e:
+                at = len(self._done) + 1
+                self._roll_back()
+                if isinstance(e, Exception):
+                    raise PinError(
+                        f"registering {self.nbytes} B at {self.address:#x} failed at chunk "
+                        f"{at} of {len(self._plan)} (done ones rolled back): {e}"
+                    ) from e
+                raise
+            try:
+                dev = int(self._rt.device_pointer(host))
+            except BaseException:
+                self._done.append(Chunk(off, n, host, 0))
+                self._roll_back()
+                raise
+            self._done.append(Chunk(off, n, host, dev))
+
+    def finish(self) -> "PinnedRegion":
+        """Register whatever is left; the region is usable from here on."""
+        self.register_through(self.nbytes)
+        self.chunks = tuple(self._done)
         # One device span when every chunk keeps the host-to-device address delta.
         delta = {c.device_address - c.host_address for c in self.chunks}
         self.contiguous = len(delta) == 1
+        return self
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(c.nbytes for c in self._done)
+
+    def _roll_back(self) -> None:
+        """Unregister what was registered (newest first); the region ends closed."""
+        for c in reversed(self._done):
+            try:
+                self._rt.unregister(c.host_address)
+            except Exception as ue:  # noqa: BLE001 - keep rolling back the rest
+                log.error("rollback: cudaHostUnregister(%#x) failed: %s", c.host_address, ue)
+        self._done = []
+        self._closed = True
 
     @property
     def closed(self) -> bool:
@@ -167,6 +201,8 @@ class PinnedRegion:
 
     def chunk_of(self, offset: int) -> Chunk:
         """The chunk holding host byte ``offset`` of the region."""
+        if not self.chunks:
+            raise PinError("the pinned region is not registered yet (finish())")
         if not 0 <= offset < self.nbytes:
             raise ValueError(f"offset {offset} outside the region of {self.nbytes} B")
         if len(self.chunks) == 1:
@@ -200,7 +236,7 @@ class PinnedRegion:
                 return
             self._closed = True
             errors = []
-            for c in reversed(self.chunks):
+            for c in reversed(self._done):
                 try:
                     self._rt.unregister(c.host_address)
                 except Exception as e:  # noqa: BLE001 - unregister the rest regardless

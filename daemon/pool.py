@@ -60,6 +60,7 @@ class HostPool:
         threads: int = 0,
         progress: Callable[[float], None] | None = None,
         name: str = "sparsekv-pool",
+        on_faulted: Callable[[int], None] | None = None,
     ):
         avail = psutil.virtual_memory().available
         if size_bytes > avail:
@@ -86,14 +87,17 @@ class HostPool:
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.address = self.array.ctypes.data
         try:
-            self._prefault(threads or min(16, os.cpu_count() or 1), progress)
+            self._prefault(threads or min(16, os.cpu_count() or 1), progress, on_faulted)
         except BaseException:
             self.close()
             raise
 
-    def _prefault(self, threads: int, progress) -> None:
+    def _prefault(self, threads: int, progress, on_faulted=None) -> None:
         """Touch every page once, in parallel: first touch of fresh shared memory runs at
-        ~1.5 GiB/s on one thread (DESIGN §2), far too slow for a large pool."""
+        ~1.5 GiB/s on one thread (DESIGN §2), far too slow for a large pool.
+        ``on_faulted(nbytes)``, called on this thread as the faulted prefix
+        grows (in order), lets the caller page-lock that prefix while the other threads
+        fault the rest (the cuda backend registers the pool this way)."""
         t0 = time.monotonic()
         chunks = [(o, min(PREFAULT_CHUNK_BYTES, self.size_bytes - o)) for o in range(0, self.size_bytes, PREFAULT_CHUNK_BYTES)]
         libc = ctypes.CDLL(None, use_errno=True)
@@ -113,6 +117,9 @@ class HostPool:
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="prefault") as ex:
             for _ in ex.map(touch, chunks):
                 done += 1
+                if on_faulted is not None:
+                    off, n = chunks[done - 1]
+                    on_faulted(off + n)
                 now = time.monotonic()
                 if progress and (now - last > 1.0 or done == len(chunks)):
                     last = now

@@ -63,7 +63,54 @@ def test_close_unregisters_every_chunk_exactly_once():
 
 def test_failed_registration_rolls_back_the_chunks_already_registered():
     rt = FakeRuntime(fail_at=2)
-    with pytest.raises(PinError, match="failed at chunk 2 of 3"):
+    with pytest.raises(PinError, match="failed at chunk 3 of 3"):  # the third registration
         PinnedRegion(0x7F0000000000, 5 * GiB, 656, 2 * GiB, runtime=rt, page_bytes=PAGE)
     assert len(rt.registered) == 2
     assert sorted(rt.unregistered) == sorted(a for a, _ in rt.registered)
+
+
+def test_a_deferred_region_registers_each_chunk_once_its_bytes_are_ready():
+    """deferred=True: nothing is registered up front; register_through(n) registers the
+    chunks that end within the first n bytes, in order; finish() the rest. Until then the
+    region gives no device address."""
+    rt = FakeRuntime()
+    r = PinnedRegion(0x7F0000000000, 5 * GiB, 656, 2 * GiB, runtime=rt, page_bytes=PAGE, deferred=True)
+    assert rt.registered == [] and r.registered_bytes == 0
+    with pytest.raises(PinError, match="not registered yet"):
+        r.device_address(0)
+    r.register_through(1 * GiB)  # the first chunk is not all there yet
+    assert rt.registered == []
+    r.register_through(3 * GiB)
+    assert len(rt.registered) == 1 and rt.registered[0][0] == 0x7F0000000000
+    r.register_through(3 * GiB)  # nothing new
+    assert len(rt.registered) == 1
+    r.finish()
+    assert len(rt.registered) == 3 and r.registered_bytes == 5 * GiB
+    assert r.device_base == 0x7F0000000000
+    r.close()
+    assert sorted(rt.unregistered) == sorted(a for a, _ in rt.registered)
+
+
+def test_a_deferred_region_that_fails_part_way_rolls_back_and_closes():
+    rt = FakeRuntime(fail_at=1)
+    r = PinnedRegion(0x7F0000000000, 5 * GiB, 656, 2 * GiB, runtime=rt, page_bytes=PAGE, deferred=True)
+    r.register_through(2 * GiB)
+    with pytest.raises(PinError, match="failed at chunk 2 of 3"):
+        r.register_through(5 * GiB)
+    assert rt.unregistered == [rt.registered[0][0]] and r.closed
+    with pytest.raises(PinError, match="closed"):
+        r.register_through(5 * GiB)
+
+
+def test_the_pool_reports_its_faulted_prefix_in_order(tmp_path):
+    """HostPool's on_faulted gets the faulted prefix, growing to the whole pool: a caller
+    can page-lock it while the rest is still being faulted."""
+    from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
+
+    seen = []
+    pool = HostPool(3 * PREFAULT_CHUNK_BYTES + 4096, threads=2, on_faulted=seen.append)
+    try:
+        assert seen == sorted(seen) and seen[-1] == pool.size_bytes
+        assert seen[0] == PREFAULT_CHUNK_BYTES and len(seen) == 4
+    finally:
+        pool.close()
