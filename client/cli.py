@@ -108,14 +108,17 @@ def cmd_demo(a) -> int:
 
 def cmd_bench(a) -> int:
     which = a.which or ["resolve", "gather", "transport"]
-    if "decode" in which:
-        if len(which) != 1:
-            print("sparsekv bench: decode runs alone (sparsekv bench decode [options]; it needs a GPU)",
-                  file=sys.stderr)
-            return 2
-        from .bench_decode import run_args  # noqa: PLC0415
-
-        return run_args(a)
+    for alone in ("decode", "kernels"):
+        if alone in which:
+            if len(which) != 1:
+                print(f"sparsekv bench: {alone} runs alone (sparsekv bench {alone} [options]; it needs a GPU)",
+                      file=sys.stderr)
+                return 2
+            if alone == "decode":
+                from .bench_decode import run_args  # noqa: PLC0415
+            else:
+                from .bench_kernels import run_args  # noqa: PLC0415
+            return run_args(a)
     from .bench import format_results, run_bench  # noqa: PLC0415
 
     unknown = set(which) - {"resolve", "gather", "transport", "cuda_transport"}
@@ -224,11 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = command("bench", "speed figures, each against a baseline measured in the same run")
     q.add_argument("which", nargs="*", metavar="NAME",
-                   help="resolve, gather, transport (cpu; the default set), cuda_transport (needs a GPU), or decode "
-                        "alone (a whole decode step, offloaded against on the GPU; needs a GPU; options below)")
+                   help="resolve, gather, transport (cpu; the default set), cuda_transport (needs a GPU), or alone: "
+                        "decode (a whole decode step, offloaded against on the GPU) or kernels (gather, resolve "
+                        "and pool start against the link; both need a GPU; options below)")
     from .bench_decode import add_arguments as add_decode_arguments  # noqa: PLC0415
+    from .bench_kernels import add_arguments as add_kernels_arguments  # noqa: PLC0415
 
     add_decode_arguments(q.add_argument_group("decode options (sparsekv bench decode ...)"))
+    add_kernels_arguments(q.add_argument_group("kernels options (sparsekv bench kernels ...)"))
     q.set_defaults(fn=cmd_bench)
 
     q = command("demo", "two TP ranks against a private daemon on a synthetic decode")

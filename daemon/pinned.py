@@ -253,3 +253,71 @@ class PinnedRegion:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.chunks)} chunk(s)"
         return f"PinnedRegion({self.address:#x}, {self.nbytes} B, {state})"
+
+
+class PoolPinner:
+    """Page-lock a host pool while it is being pre-faulted: pass it as ``HostPool``'s
+    ``on_faulted``; each call registers the chunks of ``max_chunk_bytes`` that the faulted
+    prefix now covers, so registering chunk *n* overlaps the faulting of the chunks after
+    it. :meth:`finish` registers the rest and returns the :class:`PinnedRegion` of the
+    whole pool. The pool's rows belong to engines of any row size, so chunk boundaries
+    fall on pages only (``row_bytes`` 16): kernels read across them freely, a single bulk
+    DMA copy must not cross one (none of the daemon's copies of pool rows is one)."""
+
+    def __init__(self, max_chunk_bytes: int = 4 << 30, runtime=None):
+        self.max_chunk_bytes = int(max_chunk_bytes)
+        self._runtime = runtime
+        self.region: PinnedRegion | None = None
+        self._size = 0
+
+    def start(self, size_bytes: int) -> "PoolPinner":
+        self._size = int(size_bytes)
+        return self
+
+    def __call__(self, address: int, faulted: int) -> None:
+        if self.region is None:
+            if not self._size:
+                raise PinError("PoolPinner.start(size) was not called before the pool was faulted")
+            self.region = PinnedRegion(address, self._size, 16, self.max_chunk_bytes, runtime=self._runtime,
+                                       deferred=True)
+        self.region.register_through(faulted)
+
+    def finish(self) -> PinnedRegion:
+        if self.region is None:
+            raise PinError("no pool was faulted through this pinner")
+        return self.region.finish()
+
+
+class PinnedView:
+    """A range of a :class:`PinnedRegion` (an engine's part of a pool registered as a
+    whole), with the region's ``device_address`` and a ``close`` that leaves the region
+    registered (the pool's owner closes it)."""
+
+    def __init__(self, region: PinnedRegion, offset: int, nbytes: int):
+        if offset < 0 or nbytes <= 0 or offset + nbytes > region.nbytes:
+            raise ValueError(f"view [{offset}, {offset + nbytes}) outside the region of {region.nbytes} B")
+        self.region, self.offset, self.nbytes = region, int(offset), int(nbytes)
+        self.address = region.address + self.offset
+        self.row_bytes = region.row_bytes
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.region.closed
+
+    def device_address(self, offset: int, nbytes: int = 1) -> int:
+        if self.closed:
+            raise PinError("the pinned view is closed")
+        if nbytes < 1 or offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"span [{offset}, {offset + nbytes}) outside the view of {self.nbytes} B")
+        return self.region.device_address(self.offset + offset, nbytes)
+
+    @property
+    def device_base(self) -> int:
+        return self.device_address(0, self.nbytes)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return f"PinnedView({self.region!r}, +{self.offset}, {self.nbytes} B)"

@@ -60,7 +60,7 @@ class HostPool:
         threads: int = 0,
         progress: Callable[[float], None] | None = None,
         name: str = "sparsekv-pool",
-        on_faulted: Callable[[int], None] | None = None,
+        on_faulted: Callable[[int, int], None] | None = None,
     ):
         avail = psutil.virtual_memory().available
         if size_bytes > avail:
@@ -95,7 +95,8 @@ class HostPool:
     def _prefault(self, threads: int, progress, on_faulted=None) -> None:
         """Touch every page once, in parallel: first touch of fresh shared memory runs at
         ~1.5 GiB/s on one thread (DESIGN §2), far too slow for a large pool.
-        ``on_faulted(nbytes)``, called on this thread as the faulted prefix
+        ``on_faulted(address, nbytes)`` (the pool's first byte, the bytes faulted from there),
+        called on this thread as the faulted prefix
         grows (in order), lets the caller page-lock that prefix while the other threads
         fault the rest (the cuda backend registers the pool this way)."""
         t0 = time.monotonic()
@@ -119,7 +120,7 @@ class HostPool:
                 done += 1
                 if on_faulted is not None:
                     off, n = chunks[done - 1]
-                    on_faulted(off + n)
+                    on_faulted(self.address, off + n)
                 now = time.monotonic()
                 if progress and (now - last > 1.0 or done == len(chunks)):
                     last = now

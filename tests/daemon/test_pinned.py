@@ -108,9 +108,46 @@ def test_the_pool_reports_its_faulted_prefix_in_order(tmp_path):
     from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
 
     seen = []
-    pool = HostPool(3 * PREFAULT_CHUNK_BYTES + 4096, threads=2, on_faulted=seen.append)
+    pool = HostPool(3 * PREFAULT_CHUNK_BYTES + 4096, threads=2, on_faulted=lambda a, n: seen.append((a, n)))
     try:
-        assert seen == sorted(seen) and seen[-1] == pool.size_bytes
-        assert seen[0] == PREFAULT_CHUNK_BYTES and len(seen) == 4
+        done = [n for _, n in seen]
+        assert {a for a, _ in seen} == {pool.address}
+        assert done == sorted(done) and done[-1] == pool.size_bytes
+        assert done[0] == PREFAULT_CHUNK_BYTES and len(done) == 4
+    finally:
+        pool.close()
+
+
+def test_a_pool_pinner_registers_the_pool_as_it_is_faulted_and_views_share_it():
+    from sparsekv.daemon.pinned import PinnedView, PoolPinner
+    from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
+
+    rt = FakeRuntime()
+    size = 5 * PREFAULT_CHUNK_BYTES
+    pinner = PoolPinner(max_chunk_bytes=2 * PREFAULT_CHUNK_BYTES, runtime=rt).start(size)
+    calls = []
+    real = pinner.region
+
+    def spy(address, faulted):
+        calls.append((faulted, len(rt.registered)))
+        pinner(address, faulted)
+
+    pool = HostPool(size, threads=2, on_faulted=spy)
+    try:
+        assert real is None
+        region = pinner.finish()
+        assert [n for _, n in rt.registered] == [2 * PREFAULT_CHUNK_BYTES, 2 * PREFAULT_CHUNK_BYTES,
+                                                 PREFAULT_CHUNK_BYTES]
+        # The first chunk was registered when 2 of the 5 pre-fault chunks were done, before the rest.
+        assert calls[2] == (3 * PREFAULT_CHUNK_BYTES, 1)
+        v = PinnedView(region, 3 * 4096, 10 * 4096)
+        assert v.device_address(0) == pool.address + 3 * 4096
+        with pytest.raises(ValueError):
+            v.device_address(9 * 4096, 2 * 4096)  # past the view
+        v.close()
+        assert not region.closed and v.closed
+        with pytest.raises(PinError):
+            v.device_address(0)
+        region.close()
     finally:
         pool.close()

@@ -1,0 +1,278 @@
+"""``sparsekv bench kernels``: the daemon's kernels on one GPU against the link's own speed,
+in one run (issue "Kernels at the limit"; docs/PERF.md records what it printed).
+
+* **Pool ready**: a host pool of ``--pool-gib`` pre-faulted by every core and page-locked
+  for the GPU, twice: page-locking chunk by chunk while the rest is still being faulted
+  (the daemon's start), and fault-then-register one after the other. GiB/s of the pool.
+* **Gather** of a realistic decode step's misses from that pool (batch 64, top-k 2048,
+  656 B rows, ~10 % misses, each request's rows in its own 64-row blocks scattered over
+  one layer of the pool), in the per-request order and in the batch-wide order
+  (``skv_merge_plan``), for several grid sizes; against a bulk ``cudaMemcpyAsync`` of the
+  same bytes and of 4 GiB from the same pinned pool.
+* **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept from its last
+  step, at the daemon's thread count.
+
+Every figure is the median of CUDA-event timings over different inputs (no input repeats
+within a round, so nothing is served from L2). Needs a GPU; prints a table and, with
+``--json``, writes the flat figures (``gather_vs_bulk``, ``resolve_us_b64``,
+``pool_ready_GiBps`` and the rest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+GIB = 1 << 30
+ROW_BYTES = 656
+BATCH, TOP_K, STRIDE = 64, 2048, 4096
+MISS_RATE = 0.10
+BLOCK_ROWS = 64
+PLANS = 16  # distinct plans per timing round
+
+
+def _say(msg: str) -> None:
+    print(f"bench kernels: {msg}", file=sys.stderr, flush=True)
+
+
+class _Timer:
+    def __init__(self, cp, stream):
+        self.cp, self.stream = cp, stream
+
+    def median_us(self, fn, n: int, rounds: int = 5, warmup: int = 1) -> tuple[float, float]:
+        """Median and min over ``rounds`` of the mean time of ``fn(i)`` for i in range(n)."""
+        cp, s = self.cp, self.stream
+        for _ in range(warmup):
+            for i in range(n):
+                fn(i)
+        s.synchronize()
+        times = []
+        for _ in range(rounds):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            for i in range(n):
+                fn(i)
+            b.record(s)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / n)
+        return float(np.median(times)), float(np.min(times))
+
+
+# -- pool ready --------------------------------------------------------------------------------
+def pool_ready(nbytes: int, threads: int, pipelined: bool, max_chunk_bytes: int) -> tuple:
+    """(HostPool, PinnedRegion, seconds, note): a pool of ``nbytes`` faulted by ``threads``
+    and page-locked in chunks of ``max_chunk_bytes``: during the fault (``pipelined``, the
+    daemon's start) or after it."""
+    from sparsekv.daemon.pinned import PinnedRegion, PoolPinner  # noqa: PLC0415
+    from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    if pipelined:
+        pinner = PoolPinner(max_chunk_bytes).start(nbytes)
+        pool = HostPool(nbytes, threads, on_faulted=pinner)
+        region = pinner.finish()
+        return pool, region, time.perf_counter() - t0, "registered while faulting"
+    pool = HostPool(nbytes, threads)
+    t1 = time.perf_counter()
+    region = PinnedRegion(pool.address, nbytes, 16, max_chunk_bytes)
+    t2 = time.perf_counter()
+    note = f"fault {nbytes / GIB / (t1 - t0):.1f} GiB/s, then register {nbytes / GIB / (t2 - t1):.1f} GiB/s"
+    return pool, region, t2 - t0, note
+
+
+# -- a realistic step's plan -------------------------------------------------------------------
+def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP_K, miss_rate: float = MISS_RATE):
+    """``n`` plans of one layer: per request ~``miss_rate * top_k`` rows, each request's
+    rows inside its own blocks of BLOCK_ROWS rows (its context: an equal share of the
+    layer's rows, blocks scattered over the layer by a random block table), each plan
+    sorted by host row as skv_resolve leaves it. Returns (rows [n, batch, top_k] int32,
+    slots same shape, misses [n, batch] int32)."""
+    blocks = host_rows // BLOCK_ROWS
+    per_req = blocks // batch
+    table = rng.permutation(blocks)[: per_req * batch].reshape(batch, per_req)
+    misses = np.full((n, batch), int(round(miss_rate * top_k)), np.int32)
+    rows = np.full((n, batch, top_k), -1, np.int32)
+    slots = np.full((n, batch, top_k), -1, np.int32)
+    ctx = per_req * BLOCK_ROWS
+    for i in range(n):
+        for b in range(batch):
+            m = misses[i, b]
+            pos = rng.choice(ctx, m, replace=False)
+            r = np.sort(table[b, pos // BLOCK_ROWS].astype(np.int64) * BLOCK_ROWS + pos % BLOCK_ROWS)
+            rows[i, b, :m] = r
+            slots[i, b, :m] = b * STRIDE + rng.choice(STRIDE, m, replace=False)
+    return rows, slots, misses
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
+        blocks=(16, 32, 64, 132), both_pool_modes: bool = True, seed: int = 0) -> dict:
+    import cupy as cp  # noqa: PLC0415
+
+    from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
+    from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, allocate_device_buffers  # noqa: PLC0415
+    from sparsekv.proto import Layout  # noqa: PLC0415
+    from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
+
+    threads = threads or min(16, os.cpu_count() or 1)
+    nbytes = int(pool_gib * GIB) // (1 << 21) * (1 << 21)
+    chunk = int(chunk_gib * GIB)
+    out: dict = {"kernels_pool_GiB": round(nbytes / GIB, 2), "kernels_prefault_threads": threads,
+                 "kernels_register_chunk_GiB": chunk_gib}
+    rows_out: list[tuple[str, str, str]] = []
+
+    def row(what, value, note=""):
+        rows_out.append((what, value, note))
+        _say(f"{what}: {value} {note}")
+
+    kc = get_cache()
+    s = cp.cuda.Stream(non_blocking=True)
+    timer = _Timer(cp, s)
+    with contextlib.ExitStack() as stack:
+        if both_pool_modes:
+            pool, region, secs, note = pool_ready(nbytes, threads, pipelined=False, max_chunk_bytes=chunk)
+            out["pool_ready_sequential_GiBps"] = round(nbytes / GIB / secs, 2)
+            row(f"pool ready, {nbytes / GIB:.0f} GiB, fault then register", f"{nbytes / GIB / secs:.1f} GiB/s", note)
+            region.close()
+            pool.close()
+        pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
+        stack.callback(pool.close)
+        stack.callback(region.close)
+        out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
+        out["pool_ready_s"] = round(secs, 2)
+        row(f"pool ready, {nbytes / GIB:.0f} GiB, registered while faulting ({threads} threads)",
+            f"{nbytes / GIB / secs:.1f} GiB/s", f"{secs:.2f} s")
+
+        host_rows = nbytes // (layers * ROW_BYTES)
+        lay = Layout(num_layers=layers, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
+                     host_rows=host_rows, max_batch=BATCH).validate()
+        layer = layers // 2
+        rng = np.random.default_rng(seed)
+        t0 = time.perf_counter()
+        prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
+        _say(f"{PLANS} step plans in {time.perf_counter() - t0:.1f} s ({int(pmiss[0].sum())} misses each, "
+             f"{host_rows} rows a layer)")
+        with s:
+            d_rows = [cp.asarray(prow[i]) for i in range(PLANS)]
+            d_slots = [cp.asarray(pslot[i]) for i in range(PLANS)]
+            d_miss = [cp.asarray(pmiss[i]) for i in range(PLANS)]
+            desc = np.zeros(DESC_INTS, np.int32)
+            desc[D_BATCH], desc[D_K], desc[D_GROUP] = BATCH, TOP_K, layer
+            d_desc = cp.asarray(desc)
+        s.synchronize()
+        bufs = allocate_device_buffers(lay)
+        pool_off = 0
+        step_bytes = int(pmiss[0].sum()) * ROW_BYTES
+
+        # The link: bulk copies from the pinned pool (inside one registered chunk).
+        bulk = cp.empty(4 * GIB, dtype=cp.uint8)
+        src = region.device_address(0, 4 * GIB)
+
+        def copy(n, off=0):
+            cp.cuda.runtime.memcpyAsync(bulk.data.ptr, src + off, n, 1, s.ptr)  # host to device
+
+        t_big, _ = timer.median_us(lambda i: copy(4 * GIB), 1, rounds=3)
+        bulk_GBps = 4 * GIB / t_big / 1e3
+        spread = 4 * GIB // PLANS
+        t_same, _ = timer.median_us(lambda i: copy(step_bytes, (i * spread) // 4096 * 4096), PLANS)
+        same_GBps = step_bytes / t_same / 1e3
+        out.update(bulk_h2d_4GiB_GBps=round(bulk_GBps, 2), bulk_h2d_step_bytes_GBps=round(same_GBps, 2),
+                   kernels_step_bytes=step_bytes)
+        row("bulk pinned H2D, 4 GiB (cudaMemcpyAsync)", f"{bulk_GBps:.1f} GB/s", f"{t_big / 1e3:.1f} ms")
+        row(f"bulk pinned H2D, {step_bytes / 1e6:.1f} MB (the step's bytes)", f"{same_GBps:.1f} GB/s",
+            f"{t_same:.0f} us")
+        bulk = None
+        cp.get_default_memory_pool().free_all_blocks()
+
+        best = {"request": 0.0, "batch": 0.0}
+        merge_us = None
+        for nb in blocks:
+            for order in ("request", "batch"):
+                mv = CudaMover(lay, region, pool_offset=pool_off, buffers=bufs, kernels=kc, stream=s, blocks=nb,
+                               order=order)
+                if order == "request":
+                    def go(i, mv=mv):
+                        mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s)
+                else:
+                    def go(i, mv=mv):
+                        mv.launch_merge_plan(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s)
+                        mv.launch_gather_merged(d_desc, s)
+                    if merge_us is None:
+                        merge_us, _ = timer.median_us(
+                            lambda i, mv=mv: mv.launch_merge_plan(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s),
+                            PLANS)
+                        out["merge_plan_us_b64"] = round(merge_us, 1)
+                        row("merge of the batch's plans (skv_merge_plan), batch 64", f"{merge_us:.1f} us")
+                t, tmin = timer.median_us(go, PLANS)
+                gbps = step_bytes / t / 1e3
+                best[order] = max(best[order], gbps)
+                out[f"gather_{order}_order_{nb}blocks_GBps"] = round(gbps, 2)
+                extra = " (merge included)" if order == "batch" else ""
+                row(f"gather of the step's misses, {order} order, {nb} blocks x 256 threads{extra}",
+                    f"{gbps:.1f} GB/s", f"{t:.0f} us (min {tmin:.0f})")
+        out["gather_request_order_GBps"] = round(best["request"], 2)
+        out["gather_batch_order_GBps"] = round(best["batch"], 2)
+        out["gather_vs_bulk"] = round(best["batch"] / bulk_GBps, 3)
+        out["gather_vs_bulk_same_bytes"] = round(best["batch"] / same_GBps, 3)
+        out["gather_request_vs_bulk"] = round(best["request"] / bulk_GBps, 3)
+
+        # Resolve at the daemon's thread count, 90 % of each row kept from its last step.
+        rlay = Layout(num_layers=1, row_bytes=16, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
+                      host_rows=BATCH * 65536, max_batch=BATCH).validate()
+        res = CudaResidency(rlay, kernels=kc, stream=s)
+        ro = res.new_output(BATCH)
+        sr = cp.asarray(np.arange(BATCH, dtype=np.int32))
+        base = (np.arange(BATCH) * 65536)[:, None]
+        cur = (base + np.stack([rng.choice(65536, TOP_K, replace=False) for _ in range(BATCH)])).astype(np.int32)
+        seq = [cur]
+        keep = int(0.9 * TOP_K)
+        for _ in range(2 * PLANS):
+            nxt = cur.copy()
+            for b in range(BATCH):
+                fresh = np.setdiff1d(rng.choice(65536, 2 * TOP_K, replace=False) + base[b, 0], cur[b])[: TOP_K - keep]
+                nxt[b] = rng.permutation(np.concatenate([rng.choice(cur[b], keep, replace=False), fresh]))
+            seq.append(nxt)
+            cur = nxt
+        with s:
+            d_seq = [cp.asarray(x) for x in seq]
+        s.synchronize()
+        counter = iter(range(1 << 40))
+        for x in d_seq[:PLANS]:  # warm the residency up to the steady state
+            res.resolve_async(0, sr, x, ro, stream=s)
+        t, tmin = timer.median_us(lambda i: res.resolve_async(0, sr, d_seq[PLANS + next(counter) % PLANS], ro,
+                                                              stream=s), PLANS)
+        out["resolve_us_b64"] = round(t, 1)
+        row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads", f"{t:.1f} us",
+            f"min {tmin:.1f} us")
+    out["_rows"] = rows_out
+    return out
+
+
+def table(result: dict) -> str:
+    lines = ["| what | value | note |", "| --- | --- | --- |"]
+    lines += [f"| {w} | {v} | {n} |" for w, v, n in result.get("_rows", [])]
+    keys = ("gather_vs_bulk", "gather_vs_bulk_same_bytes", "resolve_us_b64", "pool_ready_GiBps")
+    lines += ["", "  ".join(f"{k} {result[k]}" for k in keys if k in result)]
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--pool-gib", type=float, default=64.0,
+                   help="kernels: the host pool the gather reads and the pool start times (GiB)")
+
+
+def run_args(a) -> int:
+    """``sparsekv bench kernels [--pool-gib N] [--json PATH]``."""
+    r = run(pool_gib=a.pool_gib)
+    sys.stdout.write(table(r))
+    path = getattr(a, "json_path", None)
+    if path:
+        with open(path, "w") as f:
+            json.dump({k: v for k, v in r.items() if not k.startswith("_")}, f, indent=1, sort_keys=True)
+            f.write("\n")
+    return 0

@@ -1,0 +1,45 @@
+"""sparsekv bench kernels: the step plans it times, its table, and (cuda) a small run."""
+
+import numpy as np
+import pytest
+
+from sparsekv.client import bench_kernels as bk
+
+
+def test_step_plans_look_like_a_decode_steps_misses():
+    """Each request's misses: the asked share of top-k, sorted by host row (as skv_resolve
+    leaves them), distinct, inside whole blocks that no other request owns; distinct slots
+    in the request's own region."""
+    rng = np.random.default_rng(1)
+    host_rows = 64 * 40 * bk.BLOCK_ROWS
+    rows, slots, misses = bk.step_plans(rng, host_rows, 3, batch=8, top_k=256, miss_rate=0.1)
+    assert rows.shape == slots.shape == (3, 8, 256) and misses.shape == (3, 8)
+    assert (misses == round(0.1 * 256)).all()
+    for i in range(3):
+        owner = {}
+        for b in range(8):
+            m = misses[i, b]
+            r = rows[i, b, :m]
+            assert (np.diff(r) > 0).all() and r.min() >= 0 and r.max() < host_rows
+            assert (rows[i, b, m:] == -1).all()
+            for blk in set((r // bk.BLOCK_ROWS).tolist()):
+                assert owner.setdefault(blk, b) == b
+            sl = slots[i, b, :m]
+            assert len(set(sl.tolist())) == m and (sl // bk.STRIDE == b).all()
+
+
+def test_the_table_lists_every_row_and_the_headline_keys():
+    r = {"_rows": [("gather", "40.0 GB/s", "1 us")], "gather_vs_bulk": 0.7, "resolve_us_b64": 20.0,
+         "pool_ready_GiBps": 25.0}
+    text = bk.table(r)
+    assert "| gather | 40.0 GB/s | 1 us |" in text
+    assert "gather_vs_bulk 0.7" in text and "pool_ready_GiBps 25.0" in text
+
+
+@pytest.mark.cuda
+def test_a_small_run_on_the_gpu():
+    r = bk.run(pool_gib=1.0, layers=4, blocks=(32,), both_pool_modes=True)
+    for k in ("gather_vs_bulk", "resolve_us_b64", "pool_ready_GiBps", "pool_ready_sequential_GiBps",
+              "merge_plan_us_b64", "gather_request_order_GBps", "gather_batch_order_GBps"):
+        assert r[k] > 0, k
+    assert r["kernels_step_bytes"] == 64 * round(0.1 * 2048) * 656
