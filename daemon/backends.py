@@ -219,20 +219,22 @@ class CpuBackend:
 CUDA_INSTALL_HINT = "pip install 'sparsekv[cuda]'"
 
 
-def make_backend(cfg, pool):
+def make_backend(cfg, pool, pool_region=None):
     """The backend ``cfg.backend`` names.
 
     ``auto`` picks cuda when CuPy sees a GPU, and cpu when the machine has no NVIDIA GPU
     at all. A machine that has a GPU (``gpu_present``) but where CuPy cannot use it is an
     error, not a quiet fall back to the cpu backend: an operator who installed the daemon
     on a GPU node without the ``cuda`` extra would otherwise serve every engine from host
-    memory without knowing. ``backend = "cpu"`` runs the cpu backend on purpose."""
+    memory without knowing. ``backend = "cpu"`` runs the cpu backend on purpose.
+    ``pool_region``: the pool's :class:`~sparsekv.daemon.pinned.PinnedRegion` when it was
+    page-locked at start (cuda; the caller keeps and closes it)."""
     if cfg.backend in ("auto", "cuda"):
         reason, missing = _cuda_probe()
         if reason is None:
             from .cuda.backend import CudaBackend  # noqa: PLC0415 - needs cupy
 
-            return CudaBackend(cfg, pool)
+            return CudaBackend(cfg, pool, pool_region)
         fix = f"install the cuda extra: {CUDA_INSTALL_HINT}" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
         if cfg.backend == "cuda":
             raise RuntimeError(f"--backend cuda: {reason}; {fix}")

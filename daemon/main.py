@@ -24,6 +24,7 @@ import time
 from . import config as config_mod
 from .backends import cuda_unavailable, make_backend
 from .notify import Notifier
+from .pinned import PinError, PoolPinner
 from .pool import HostPool, PoolError
 from .stats import package_version
 
@@ -264,6 +265,14 @@ def log_sighup() -> None:
                 "logs go to stderr, nothing to reopen")
 
 
+def pool_pinner(cfg):
+    """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool when the cuda backend will
+    serve it (``cuda``, or ``auto`` on a machine whose GPU CuPy sees), else None."""
+    if cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
+        return None
+    return PoolPinner().start(cfg.pool_size)
+
+
 def backend_refusal(cfg) -> str | None:
     """Why the configured backend cannot start, found before the pool is pre-faulted (a
     large pool takes minutes); None when it may. Only an explicit cuda backend is checked:
@@ -314,7 +323,7 @@ def main(argv=None) -> int:
         except (RuntimeError, OSError) as e:
             log.error("%s", e)
             return 1
-        pool = backend = None
+        pool = backend = pool_region = None
         try:
             size = config_mod.format_size(cfg.pool_size)
             log.info("sparsekvd %s (pid %d) on %s: pre-faulting host pool of %s", package_version(), os.getpid(),
@@ -330,11 +339,19 @@ def main(argv=None) -> int:
                     last_log[0] = now
                     log.info("%s", msg)
 
+            # The cuda backend page-locks the whole pool here, chunk by chunk as the
+            # pre-fault goes (never inside an attach): pool ready at the rate of the slower.
+            pinner = pool_pinner(cfg)
             with signals.interruptible():
-                pool = HostPool(cfg.pool_size, cfg.prefault_threads, progress)
+                pool = HostPool(cfg.pool_size, cfg.prefault_threads, progress, on_faulted=pinner)
             signals.check()
+            if pinner is not None:
+                t0 = time.monotonic()
+                pool_region = pinner.finish()
+                log.info("host pool of %s page-locked for the GPUs (%d chunks; %.2f s after the pre-fault)", size,
+                         len(pool_region.chunks), time.monotonic() - t0)
             notifier.extend_timeout(START_EXTEND_S, status="starting backend")
-            backend = make_backend(cfg, pool)
+            backend = make_backend(cfg, pool, pool_region)
             signals.check()
             from .server import Daemon  # noqa: PLC0415 - imports zmq only when serving
 
@@ -354,13 +371,13 @@ def main(argv=None) -> int:
             notifier.stopping()
             log.info("stopped before serving")
             return 0
-        except (PoolError, RuntimeError, OSError) as e:
+        except (PoolError, PinError, RuntimeError, OSError) as e:
             log.error("cannot start: %s", e)
             return 1
         finally:
             # Each step by itself: after a fatal error (a lost GPU context) one may fail,
             # and the exit code must still say why the daemon stopped, not this.
-            for what, part in (("backend", backend), ("pool", pool)):
+            for what, part in (("backend", backend), ("pool's page-locking", pool_region), ("pool", pool)):
                 if part is not None:
                     try:
                         part.close()

@@ -1,8 +1,11 @@
 """The cuda backend: one worker per GPU (its copy stream, its arena, its kernels) and the
 ranks it serves (``rank.py``), hot slabs in the arena exported through CUDA IPC.
 
-Host-pool ranges are registered with ``cudaHostRegister`` (portable, mapped) per engine,
-at attach, in chunks that never split a row; one registration serves every GPU.
+The daemon page-locks the whole host pool at start (``cudaHostRegister``, portable and
+mapped, chunk by chunk while it is pre-faulted: ``daemon/main.py``, ``pinned.PoolPinner``);
+each engine's range is then a view of it. Without that (tests, tools), an engine's range
+is registered at its attach, in chunks that never split a row. One registration serves
+every GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from sparsekv.proto.cuda_ipc import mps_running
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 
 from ..engine import EngineSpace
-from ..pinned import PinnedRegion
+from ..pinned import PinnedRegion, PinnedView
 from ..residency.base import ResidencyError
 from .arena import DeviceArena
 from .rank import CudaRankState
@@ -55,7 +58,7 @@ class DeviceWorker:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, cfg, pool):
+    def __init__(self, cfg, pool, pool_region=None):
         import cupy as cp  # noqa: PLC0415
 
         from ..kernels import get_cache  # noqa: PLC0415
@@ -69,6 +72,9 @@ class CudaBackend:
             log.warning("NVIDIA MPS is not running: every cross-process GPU hand-off will cost ~300 us "
                         "instead of ~26 us (start nvidia-cuda-mps-control -d; see deploy/)")
         self.pool = pool
+        # The whole pool page-locked at start (daemon/main.py): each engine's range is a
+        # view of it. None (tests, tools): each engine's range is registered at its attach.
+        self.pool_region = pool_region
         self.cfg = cfg
         kernels = get_cache(cfg.kernel_cache_dir or None)
         self.workers: list[DeviceWorker] = []
@@ -111,8 +117,9 @@ class CudaBackend:
     def prepare_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
                      transport: str = "zmq", engine_slab=None) -> DeviceWorker:
         """``new_rank``'s checks and its slow part, with its arguments; returns the rank's
-        device worker. The slow part: page-locking the engine's pool range for the GPUs
-        (``cudaHostRegister``, ~20 s for 500 GiB), once per engine; ``release_engine``
+        device worker. The slow part, when the pool was not page-locked at start:
+        page-locking the engine's pool range for the GPUs (``cudaHostRegister``, ~20 s
+        for 500 GiB), once per engine; ``release_engine``
         undoes it. The registry runs this on a worker thread before ``new_rank`` (the CUDA
         runtime is thread-safe; until the engine's first rank is made only this attach
         uses it), so the loop never waits for it; ``new_rank`` then finds it done."""
@@ -125,7 +132,10 @@ class CudaBackend:
             # Whole pages: cudaHostRegister wants them, and the engine's pool range is
             # reserved in 2 MiB units, so the rounded span stays inside it.
             nbytes = -(-lay.pool_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
-            self._pinned[space.name] = PinnedRegion(self.pool.address + space.pool_offset, nbytes, lay.row_bytes)
+            if self.pool_region is not None:
+                self._pinned[space.name] = PinnedView(self.pool_region, space.pool_offset, nbytes)
+            else:
+                self._pinned[space.name] = PinnedRegion(self.pool.address + space.pool_offset, nbytes, lay.row_bytes)
         return worker
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,

@@ -80,6 +80,26 @@ def filled():
         yield lay, c, att
 
 
+def test_the_pool_is_page_locked_at_start_and_an_attach_serves_from_it(tmp_path):
+    """The daemon registers the whole pool while pre-faulting it (never inside an
+    attach); an engine's range is a view of it, and its rows are served exactly."""
+    lay = small_trace(steps=1).layout()
+    log = tmp_path / "sparsekvd.log"
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=str(log)) as d, Client(d.run_dir, device="cuda:0") as c:
+        att = c.attach(lay, engine="pinned-at-start")
+        fill_pool(c, lay)
+        ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
+        c.step(0, [0])
+        slots, misses = c.topk(0, 0, ids).host()
+        assert misses[0] == lay.top_k
+        for layer in lay.groups[0]:
+            got = att.slab[layer, 0, slots[0]].cpu().numpy()
+            np.testing.assert_array_equal(got, pattern(layer, ids[0], lay.row_bytes))
+    text = log.read_text()
+    assert "page-locked for the GPUs" in text, text[-2000:]
+
+
 def test_write_reaches_the_pool_and_drops_hot_copies(filled):
     lay, c, att = filled
     ids = np.arange(lay.top_k, dtype=np.int32)[None, :]

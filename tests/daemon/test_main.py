@@ -389,3 +389,18 @@ def test_importing_the_daemon_leaves_the_cuda_environment_alone():
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING")}
     r = subprocess.run([helpers.PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_pool_is_page_locked_at_start_only_for_the_cuda_backend(monkeypatch):
+    """pool_pinner: a PoolPinner (the pool registered while it is faulted) when cuda will
+    serve it, None for the cpu backend and where CuPy sees no GPU."""
+    from sparsekv.daemon import main as main_mod
+    from sparsekv.daemon.config import Config
+    from sparsekv.daemon.pinned import PoolPinner
+
+    assert main_mod.pool_pinner(Config(backend="cpu")) is None
+    monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: "no CUDA device")
+    assert main_mod.pool_pinner(Config(backend="auto")) is None
+    monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: None)
+    p = main_mod.pool_pinner(Config(backend="auto", pool_size=64 << 20))
+    assert isinstance(p, PoolPinner) and p.region is None  # nothing registered before the fault
