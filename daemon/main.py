@@ -331,17 +331,19 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")
             last_log = [time.monotonic()]
 
+            # The cuda backend page-locks the whole pool here, chunk by chunk as the
+            # pre-fault goes (never inside an attach): pool ready at the rate of the slower.
+            pinner = pool_pinner(cfg)
+            doing = "pre-faulting and page-locking" if pinner is not None else "pre-faulting"
+
             def progress(frac: float) -> None:
-                msg = f"pre-faulting host pool of {size}: {frac * 100:.0f}%"
+                msg = f"{doing} host pool of {size}: {frac * 100:.0f}%"
                 notifier.extend_timeout(START_EXTEND_S, status=msg)
                 now = time.monotonic()
                 if now - last_log[0] >= PROGRESS_LOG_INTERVAL_S and frac < 1.0:  # the pool logs its end
                     last_log[0] = now
                     log.info("%s", msg)
 
-            # The cuda backend page-locks the whole pool here, chunk by chunk as the
-            # pre-fault goes (never inside an attach): pool ready at the rate of the slower.
-            pinner = pool_pinner(cfg)
             with signals.interruptible():
                 pool = HostPool(cfg.pool_size, cfg.prefault_threads, progress, on_faulted=pinner)
             signals.check()

@@ -296,7 +296,7 @@ def test_sigterm_during_prefault_in_process(monkeypatch, tmp_path):
     import sparsekv.daemon.main as main_mod
 
     class EndlessPool:
-        def __init__(self, size_bytes, threads, progress):
+        def __init__(self, size_bytes, threads, progress, on_faulted=None):
             progress(0.01)
             os.kill(os.getpid(), signal.SIGTERM)  # the handler is ours by now
             deadline = time.monotonic() + 20
