@@ -249,6 +249,25 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         out["resolve_us_b64"] = round(t, 1)
         row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads", f"{t:.1f} us",
             f"min {tmin:.1f} us")
+        # Where the time goes: the kernel stopped after each phase (csrc/resolve.cu,
+        # SKV_RESOLVE_STOP; the state then never changes, the results are wrong), and
+        # other thread counts.
+        for label, kw in [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)] + \
+                         [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]:
+            try:
+                var = CudaResidency(rlay, kernels=kc, stream=s, **kw)
+                vo = var.new_output(BATCH)
+                for x in d_seq[:PLANS]:
+                    var.resolve_async(0, sr, x, vo, stream=s)
+                tv, _ = timer.median_us(lambda i, var=var, vo=vo: var.resolve_async(0, sr, d_seq[PLANS + i], vo,
+                                                                                    stream=s), PLANS)
+            except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
+                row(f"resolve variant {label}", "FAILED", f"{type(e).__name__}: {e}")
+                continue
+            key = label.replace(" ", "_")
+            out[f"resolve_us_b64_{key}"] = round(tv, 1)
+            row(f"resolve variant: {label}" + (" (stops there)" if label.startswith("phase") else ""),
+                f"{tv:.1f} us")
     out["_rows"] = rows_out
     return out
 

@@ -9,6 +9,17 @@
 #define SKV_RESOLVE_THREADS 1024
 #endif
 #define SKV_RT SKV_RESOLVE_THREADS
+// Timing only (sparsekv bench kernels): stop each batch row after phase N (1 keys and
+// copies, 2 sort, 3 duplicates, 4 hit lookup, 5 counts, 6 new lru, 7 slots); the results
+// are then wrong. The daemon never defines it.
+#ifndef SKV_RESOLVE_STOP
+#define SKV_RESOLVE_STOP 99
+#endif
+#define SKV_STOP_AFTER(n) \
+    if (SKV_RESOLVE_STOP <= (n)) {  \
+        __syncthreads();            \
+        continue;                   \
+    }
 
 #define SKV_NONE (-1)
 #define SKV_PENDING 0x7fffffff       // a valid column not (yet) known to hit
@@ -231,9 +242,11 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         }
         for (int i = tid; i < S; i += SKV_RT) w.lcopy[i] = lru[i];
         const int n_oor = skv_block_sum(oor, &sh_cell);  // also orders the writes above
+        SKV_STOP_AFTER(1)
 
         // 1b. sort by (host row, column).
         skv_bitonic_sort(w.keys, kp);
+        SKV_STOP_AFTER(2)
 
         // 1c. duplicates: the row is refused before any state changes.
         int dup = 0;
@@ -249,6 +262,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             }
             continue;
         }
+        SKV_STOP_AFTER(3)
 
         // 2. the reversed hit lookup.
         for (int j = tid; j < S; j += SKV_RT) {
@@ -260,6 +274,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             }
         }
         __syncthreads();
+        SKV_STOP_AFTER(4)
 
         // Hit slots into the mask; count hits and misses.
         int nh = 0, nm = 0;
@@ -274,6 +289,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         }
         const int n_hit = skv_block_sum(nh, &sh_cell);
         const int n_miss = skv_block_sum(nm, &sh_cell);
+        SKV_STOP_AFTER(5)
 
         // 3a. hit entries of the old lru. In a sound state this equals n_hit; counting them
         // keeps the new lru a permutation of positions [0, S) even when it is not. An entry
@@ -324,6 +340,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             carry += tile;
         }
         __syncthreads();
+        SKV_STOP_AFTER(6)
 
         // 4. misses take evictables in column order; write the slot of every column.
         int bad_slot = 0;
@@ -355,6 +372,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
         if (__syncthreads_or(bad_slot)) corrupt = 1;
         if (corrupt && tid == 0) skv_report(err, SKV_E_CORRUPT_STATE, b, sh_desc);
+        SKV_STOP_AFTER(7)
 
         // 5. plan: misses in host-row order, compacted.
         int* prow = plan_rows + (i64)b * out_k;

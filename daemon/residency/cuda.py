@@ -234,10 +234,12 @@ class CudaResidency(Residency):
         threads: threads per resolve block (a multiple of 32).
         workspace: ``"auto"`` (shared memory when it fits, else global scratch),
             ``"shared"`` or ``"global"``.
+        timing_defines: more constants for the kernels (``SKV_RESOLVE_STOP``: the
+            kernel bench's phase timings; its results are wrong). Never in the daemon.
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
-                 workspace: str = "auto"):
+                 workspace: str = "auto", timing_defines: dict | None = None):
         cp = _cp()
         self.layout = layout.validate()
         if kernels is None:
@@ -250,7 +252,7 @@ class CudaResidency(Residency):
             self.owner = cp.full((g, r, s), -1, dtype=cp.int32)
             self.lru = cp.empty((g, r, s), dtype=cp.int32)
             self.lru[...] = cp.arange(s, dtype=cp.int32)
-        defines = resolve_defines(threads)
+        defines = dict(resolve_defines(threads), **(timing_defines or {}))
         self.threads = int(threads)
         self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
         self._reset = kernels.function("resolve.cu", "skv_reset", defines)
