@@ -68,8 +68,8 @@ log = logging.getLogger("sparsekv.client")
 # kernel spins on the ready word) or "ops" (stream memory operations: cuStreamWriteValue32
 # / cuStreamWaitValue32). Measured on the H200, docs/PERF.md "Doorbell signalling".
 SIGNAL_ENV = "SPARSEKV_DB_ENGINE_SIGNAL"
-SIGNALS = ("kernel", "ops")
-DEFAULT_SIGNAL = "kernel"
+SIGNALS = ("ops", "kernel")
+DEFAULT_SIGNAL = "ops"
 
 
 def signal_mode(value: str | None = None) -> str:
@@ -379,7 +379,7 @@ class DoorbellSwapIn(DeviceSwapIn):
         self.client, self.att = client, att
         lay = att.layout
         arena = att._arena
-        B, K, G, L = lay.max_batch, lay.top_k, lay.num_groups, lay.num_layers
+        B, K, G = lay.max_batch, lay.top_k, lay.num_groups
         bints = att.handles["block_ints"]
         self._bind(lay, att.device, att.slab, arena.ptr + db["step_block_offset"],
                    [arena.ptr + db["topk_block_offset"] + g * bints * 4 for g in range(G)],
@@ -391,8 +391,6 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]
         self._readys = [ctl + 4 * i for i in db["ready"]]
-        self._ready_first, self._ready_n = min(db["ready"]), len(db["ready"])
-        self._ctl = arena.cupy(db["ctl_offset"], (1 + G + L,), "uint32")
         if self.signal == "kernel":
             import cupy as cp  # noqa: PLC0415
 
@@ -452,16 +450,20 @@ class DoorbellSwapIn(DeviceSwapIn):
                 return
 
     def _release(self) -> None:
+        """Set the dead word, then every ready word again and again, from a side stream,
+        with stream memory operations only: a CuPy kernel's first use loads a module, and
+        a module load can wait for the context's running kernels, the engine's spin on a
+        ready word included (a deadlock: the same hazard as the daemon's close)."""
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(self.device):
             side = cp.cuda.Stream(non_blocking=True)
-            with side:
-                self._dead[0] = 1
-            side.synchronize()
-            ready = self._ctl[self._ready_first: self._ready_first + self._ready_n]
+            write32(side.ptr, self._dead.data.ptr, 1)
+            done = cp.cuda.Event(block=False, disable_timing=True)
             while not self._closed.is_set():
-                with side:
-                    ready[:] = 1
-                side.synchronize()
+                for address in self._readys:
+                    write32(side.ptr, address, 1)
+                done.record(side)
+                while not done.done and not self._closed.is_set():  # never an unbounded synchronize
+                    time.sleep(RELEASE_INTERVAL_S)
                 time.sleep(RELEASE_INTERVAL_S)

@@ -27,48 +27,68 @@ trap 'echo quit | nvidia-cuda-mps-control; pack_logs' EXIT
 status=0
 what=${1:-all}  # one or several, comma-separated (e.g. test,kernels,signals)
 has() { [[ ",$what," == *",$1,"* ]]; }
-# what: all (tests, demo, kernel and transport benchmarks) | pytest (the cuda tests) | decode (sparsekv bench decode --quick) | test (tests, demo) |
-#       e2e (tests, demo, transport benchmark) | bench (the benchmarks) | kernels (sparsekv bench kernels) |
-#       signals (bench decode at batch 64 for each doorbell signalling and gather order)
-# PYTEST_ARGS: more pytest options (e.g. "-n 3 --dist loadfile": pytest-xdist is on the
-# machine; one file per worker keeps each file's daemons in order).
-# SPARSEKV_STOP_TIMEOUT_S: how long a test's private daemon may take to stop on SIGTERM
-# before its stacks are dumped to $OUT/daemon.log and it is killed (default 20).
-# One test may not hang the whole run: pytest-timeout when the machine has it.
+# what: all (tests, demo, examples, kernel, decode and transport benchmarks) | pytest (the cuda
+#       tests) | test (tests, demo, examples) | e2e (tests, demo, examples, decode, transport) |
+#       bench (the benchmarks) | kernels (sparsekv bench kernels) | decode (sparsekv bench decode
+#       --quick) | signals (bench decode at batch 64 for each doorbell signalling and gather order)
+# Steps run in this order, the ones that can hurt the GPU (spin kernels) last.
+# BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
+# so that the logs are packed before the device tool's limit.
+# PYTEST_ARGS: more pytest options. SPARSEKV_STOP_TIMEOUT_S: how long a test's private
+# daemon may take to stop on SIGTERM before its stacks are dumped and it is killed.
+T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-540}
+left() {  # left DEFAULT: DEFAULT, or what is left of the budget less 15 s, if that is less
+  local l=$(( BUDGET_S - ($(date +%s) - T0) - 15 ))
+  (( l < 1 )) && l=1
+  (( $1 < l )) && echo "$1" || echo "$l"
+}
 per_test=""
 python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout ${PER_TEST_TIMEOUT_S:-90}"
+pytest_cuda() {  # pytest_cuda LOG MARKERS DEFAULT_TIMEOUT
+  SPARSEKV_SOAK_S=${SPARSEKV_SOAK_S:-30} timeout "$(left "$3")" python3 -m pytest -q -rfE --tb=short --durations=10 \
+    --require-cuda -m "$2" -p no:cacheprovider $per_test ${PYTEST_ARGS:-} ${PYTEST_SELECT:-tests} 2>&1 \
+    | tee -a "$OUT/$1" | tail -25
+  return "${PIPESTATUS[0]}"
+}
 if has all || has test || has e2e || has pytest; then
-  # (-m cuda takes the cuda chaos soak too: tests/soak/test_chaos.py[cuda], 30 s here)
-  SPARSEKV_SOAK_S=${SPARSEKV_SOAK_S:-30} timeout ${PYTEST_TIMEOUT_S:-400} python3 -m pytest -q -rfE --tb=short --durations=15 --require-cuda -m cuda -p no:cacheprovider $per_test ${PYTEST_ARGS:-} ${PYTEST_SELECT:-tests} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
-  status=${PIPESTATUS[0]}
-fi
-if has all || has test || has e2e; then
-  timeout 150 python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
-  # The example model through the engine's handle on the GPU (doorbell), as a user runs it.
-  timeout 150 python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 2>&1 | tee "$OUT/example-doorbell.log" | tail -6
-  # ... with its hot region inside its own KV-cache tensor (issue 12).
-  timeout 150 python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 --slab engine 2>&1 | tee "$OUT/example-engine-slab.log" | tail -3
-fi
-if has all || has bench || has e2e || has decode; then
-  timeout ${DECODE_TIMEOUT_S:-240} python3 -m sparsekv.client.cli bench decode --quick --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
+  pytest_cuda pytest-cuda.log "cuda and not spin" ${PYTEST_TIMEOUT_S:-300} || status=1
 fi
 if has all || has bench || has kernels; then
   # Gather, resolve and pool start against the link (64 GiB pool): docs/PERF.md, issue 8's keys.
-  timeout ${KERNELS_TIMEOUT_S:-200} python3 -m sparsekv.client.cli bench kernels --pool-gib ${POOL_GIB:-64} \
-    --json "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | tail -30
+  timeout "$(left ${KERNELS_TIMEOUT_S:-150})" python3 -m sparsekv.client.cli bench kernels --pool-gib ${POOL_GIB:-64} \
+    --json "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | tail -40
+fi
+if has all || has bench || has e2e || has decode; then
+  timeout "$(left ${DECODE_TIMEOUT_S:-150})" python3 -m sparsekv.client.cli bench decode --quick --json "$OUT/decode.json" \
+    --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
+fi
+if has all || has bench || has e2e; then
+  timeout "$(left 120)" python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" "$OUT/decode.json" \
+    "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-transport.log" | tail -5
+fi
+if has all || has test || has e2e; then
+  timeout "$(left 100)" python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
+  # The example model through the engine's handle on the GPU (doorbell), as a user runs it.
+  timeout "$(left 100)" python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 2>&1 \
+    | tee "$OUT/example-doorbell.log" | tail -3
+  # ... with its hot region inside its own KV-cache tensor (issue 12).
+  timeout "$(left 100)" python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 --slab engine 2>&1 \
+    | tee "$OUT/example-engine-slab.log" | tail -3
 fi
 if has signals; then
-  # Batch 64, 90 % hits: the doorbell's signalling on each side, and the gather order (one
-  # private daemon each; figures in decode-<variant>.json).
-  for v in kernel:ops ops:ops kernel:kernel ops:kernel kernel:ops:request; do
+  # Batch 64, 90 % hits: the doorbell's signalling on each side (engine:daemon) and the
+  # gather order; one private daemon each; figures in decode-<variant>.json.
+  for v in ops:ops ops:ops:request kernel:ops ops:kernel kernel:kernel; do
     IFS=: read -r eng dmn order <<<"$v"
     SPARSEKV_DB_ENGINE_SIGNAL=$eng SPARSEKV_DB_DAEMON_SIGNAL=$dmn SPARSEKV_GATHER_ORDER=${order:-batch} \
-      timeout ${DECODE_TIMEOUT_S:-120} python3 -m sparsekv.client.cli bench decode --batches 64 --hits 90 \
+      timeout "$(left 80)" python3 -m sparsekv.client.cli bench decode --batches 64 --hits 90 \
       --modes gpu,inproc,doorbell --json "$OUT/decode-${v//:/-}.json" 2>&1 | tee "$OUT/bench-decode-${v//:/-}.log" \
       | grep -E "^ +64 " | sed "s/^/$v /"
   done
 fi
-if has all || has bench || has e2e; then
-  timeout 200 python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" "$OUT/decode.json" 2>&1 | tee "$OUT/bench-transport.log" | tail -5
+if has all || has test || has e2e || has pytest; then
+  pytest_cuda pytest-cuda.log "cuda and spin" 120 || status=1
 fi
+echo "device_run: $(( $(date +%s) - T0 )) s"
 exit $status

@@ -1,9 +1,10 @@
 """Run the benchmarks whose figures the issues name, and write them as one flat JSON
 object (docs/perf/latest.json's format: key -> number, plus date, commit, machine).
 Run on the GPU machine, under MPS:
-    python3 tests/gpu/perf_latest.py OUT.json [COMMIT] [DECODE.json]
-DECODE.json: what ``sparsekv bench decode --json`` wrote in the same run; its numbers are
-merged in (``doorbell_overhead_us_per_layer``, ``decode_daemon_vs_inproc``, ...).
+    python3 tests/gpu/perf_latest.py OUT.json [COMMIT] [DECODE.json [KERNELS.json ...]]
+DECODE.json, KERNELS.json: what ``sparsekv bench decode --json`` and ``sparsekv bench
+kernels --json`` wrote in the same run; their numbers are merged in
+(``doorbell_overhead_us_per_layer``, ``decode_daemon_vs_inproc``, ``gather_vs_bulk``, ...).
 """
 
 import datetime
@@ -31,14 +32,14 @@ def main() -> int:
     latest = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     latest = {f"cuda_transport_{k}" if k not in ("zmq_handoff_p50_us", "daemon_host_us_per_step") else k: v
               for k, v in latest.items()}
-    if len(sys.argv) > 3:
+    for path in sys.argv[3:]:
         try:
-            with open(sys.argv[3]) as f:
-                decode = json.load(f)
+            with open(path) as f:
+                more = json.load(f)
         except (OSError, ValueError) as e:
-            print(f"no decode figures merged: {e}", file=sys.stderr)
+            print(f"no figures merged from {path}: {e}", file=sys.stderr)
         else:
-            latest.update({k: v for k, v in decode.items()
+            latest.update({k: v for k, v in more.items()
                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
     latest.update(date=datetime.date.today().isoformat(), commit=commit, machine=machine())
     with open(out, "w") as f:
