@@ -31,6 +31,8 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 #       tests) | test (tests, demo, examples) | e2e (tests, demo, examples, decode, transport) |
 #       bench (the benchmarks) | kernels (sparsekv bench kernels) | decode (sparsekv bench decode
 #       --quick) | signals (bench decode at batch 64 for each doorbell signalling and gather order)
+#       | latest (perf_latest.py: the transport bench, and latest.json from every figure) | demo |
+#       examples (the example model through the doorbell, its own KV and an engine-owned slab)
 # Steps run in this order, the ones that can hurt the GPU (spin kernels) last.
 # BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
 # so that the logs are packed before the device tool's limit.
@@ -63,12 +65,14 @@ if has all || has bench || has e2e || has decode; then
   timeout "$(left ${DECODE_TIMEOUT_S:-150})" python3 -m sparsekv.client.cli bench decode --quick --json "$OUT/decode.json" \
     --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
 fi
-if has all || has bench || has e2e; then
+if has all || has bench || has e2e || has latest; then
   timeout "$(left 120)" python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" "$OUT/decode.json" \
     "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-transport.log" | tail -5
 fi
-if has all || has test || has e2e; then
+if has all || has test || has e2e || has demo; then
   timeout "$(left 100)" python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
+fi
+if has all || has test || has e2e || has examples; then
   # The example model through the engine's handle on the GPU (doorbell), as a user runs it.
   timeout "$(left 100)" python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 2>&1 \
     | tee "$OUT/example-doorbell.log" | tail -3
@@ -79,7 +83,7 @@ fi
 if has signals; then
   # Batch 64, 90 % hits: the doorbell's signalling on each side (engine:daemon) and the
   # gather order; one private daemon each; figures in decode-<variant>.json.
-  for v in ops:ops ops:ops:request kernel:ops ops:kernel kernel:kernel; do
+  for v in ${SIGNAL_VARIANTS:-ops:ops:request kernel:ops ops:kernel kernel:kernel ops:ops}; do
     IFS=: read -r eng dmn order <<<"$v"
     SPARSEKV_DB_ENGINE_SIGNAL=$eng SPARSEKV_DB_DAEMON_SIGNAL=$dmn SPARSEKV_GATHER_ORDER=${order:-batch} \
       timeout "$(left 80)" python3 -m sparsekv.client.cli bench decode --batches 64 --hits 90 \
