@@ -85,6 +85,52 @@ def pool_ready(nbytes: int, threads: int, pipelined: bool, max_chunk_bytes: int)
     return pool, region, t2 - t0, note
 
 
+def fault_rates(nbytes: int, threads: int) -> dict:
+    """First-touch rate (GiB/s) of ``nbytes`` faulted by ``threads`` with
+    MADV_POPULATE_WRITE, for the ways a pool could be mapped: a memfd (what HostPool
+    maps), a memfd asking for transparent huge pages, an anonymous private mapping asking
+    for them. Where the pre-fault's wall is, for the pool start (issue 8)."""
+    import ctypes  # noqa: PLC0415
+    import mmap  # noqa: PLC0415
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
+    chunk = 64 << 20
+    out = {}
+    for name, shared, huge in (("memfd", True, False), ("memfd_thp", True, True), ("anon_thp", False, True)):
+        fd = os.memfd_create("sparsekv-bench", os.MFD_CLOEXEC) if shared else -1
+        try:
+            if shared:
+                os.ftruncate(fd, nbytes)
+                mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            else:
+                mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            if huge:
+                libc.madvise(addr, nbytes, MADV_HUGEPAGE)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as ex:
+                rcs = list(ex.map(lambda off: libc.madvise(addr + off, min(chunk, nbytes - off), MADV_POPULATE_WRITE),
+                                  range(0, nbytes, chunk)))
+            dt = time.perf_counter() - t0
+            out[f"fault_{name}_GiBps"] = round(nbytes / GIB / dt, 2) if not any(rcs) else None
+            mm.close()
+        except (OSError, ValueError, BufferError) as e:
+            out[f"fault_{name}_error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    for knob in ("enabled", "shmem_enabled"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{knob}") as f:
+                out[f"thp_{knob}"] = f.read().strip()
+        except OSError:
+            pass
+    return out
+
+
 # -- a realistic step's plan -------------------------------------------------------------------
 def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP_K, miss_rate: float = MISS_RATE):
     """``n`` plans of one layer: per request ~``miss_rate * top_k`` rows, each request's
@@ -115,6 +161,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
+    from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
     from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, allocate_device_buffers  # noqa: PLC0415
     from sparsekv.proto import Layout  # noqa: PLC0415
     from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
@@ -134,6 +181,11 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
     s = cp.cuda.Stream(non_blocking=True)
     timer = _Timer(cp, s)
     with contextlib.ExitStack() as stack:
+        rates = fault_rates(min(nbytes, 8 * GIB), threads)
+        out.update({k: v for k, v in rates.items() if isinstance(v, (int, float))})
+        row(f"first touch of {min(nbytes, 8 * GIB) / GIB:.0f} GiB, {threads} threads (MADV_POPULATE_WRITE)",
+            ", ".join(f"{k[6:-6]} {v} GiB/s" for k, v in rates.items() if k.endswith("_GiBps")),
+            "; ".join(f"{k}: {v}" for k, v in rates.items() if not k.endswith("_GiBps")))
         if both_pool_modes:
             pool, region, secs, note = pool_ready(nbytes, threads, pipelined=False, max_chunk_bytes=chunk)
             out["pool_ready_sequential_GiBps"] = round(nbytes / GIB / secs, 2)
@@ -170,20 +222,22 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         step_bytes = int(pmiss[0].sum()) * ROW_BYTES
 
         # The link: bulk copies from the pinned pool (inside one registered chunk).
-        bulk = cp.empty(4 * GIB, dtype=cp.uint8)
-        src = region.device_address(0, 4 * GIB)
+        big = min(4 * GIB, region.chunks[0].nbytes)  # one DMA copy stays inside one registration
+        bulk = cp.empty(big, dtype=cp.uint8)
+        src = region.device_address(0, big)
 
         def copy(n, off=0):
             cp.cuda.runtime.memcpyAsync(bulk.data.ptr, src + off, n, 1, s.ptr)  # host to device
 
-        t_big, _ = timer.median_us(lambda i: copy(4 * GIB), 1, rounds=3)
-        bulk_GBps = 4 * GIB / t_big / 1e3
-        spread = 4 * GIB // PLANS
+        t_big, _ = timer.median_us(lambda i: copy(big), 1, rounds=3)
+        bulk_GBps = big / t_big / 1e3
+        spread = max(0, big - step_bytes) // PLANS
         t_same, _ = timer.median_us(lambda i: copy(step_bytes, (i * spread) // 4096 * 4096), PLANS)
         same_GBps = step_bytes / t_same / 1e3
-        out.update(bulk_h2d_4GiB_GBps=round(bulk_GBps, 2), bulk_h2d_step_bytes_GBps=round(same_GBps, 2),
+        out.update(bulk_h2d_GBps=round(bulk_GBps, 2), bulk_h2d_GiB=round(big / GIB, 2), bulk_h2d_step_bytes_GBps=round(same_GBps, 2),
                    kernels_step_bytes=step_bytes)
-        row("bulk pinned H2D, 4 GiB (cudaMemcpyAsync)", f"{bulk_GBps:.1f} GB/s", f"{t_big / 1e3:.1f} ms")
+        row(f"bulk pinned H2D, {big / GIB:.2f} GiB (cudaMemcpyAsync)", f"{bulk_GBps:.1f} GB/s",
+            f"{t_big / 1e3:.1f} ms")
         row(f"bulk pinned H2D, {step_bytes / 1e6:.1f} MB (the step's bytes)", f"{same_GBps:.1f} GB/s",
             f"{t_same:.0f} us")
         bulk = None
@@ -215,6 +269,20 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 extra = " (merge included)" if order == "batch" else ""
                 row(f"gather of the step's misses, {order} order, {nb} blocks x 256 threads{extra}",
                     f"{gbps:.1f} GB/s", f"{t:.0f} us (min {tmin:.0f})")
+        # The same request-order gather from the engine's range registered in one piece
+        # (what an attach does), against the pool registered in chunks as it was faulted.
+        region.close()
+        whole = PinnedRegion(pool.address, -(-lay.pool_bytes // 4096) * 4096, ROW_BYTES,
+                             max_chunk_bytes=1 << 40)
+        stack.callback(whole.close)
+        for nb in (32, 64):
+            mv = CudaMover(lay, whole, buffers=bufs, kernels=kc, stream=s, blocks=nb, order="request")
+            t, _ = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
+                                                                     BATCH, s), PLANS)
+            gbps = step_bytes / t / 1e3
+            out[f"gather_request_order_{nb}blocks_one_registration_GBps"] = round(gbps, 2)
+            row(f"gather, request order, {nb} blocks, the engine's range registered in one piece",
+                f"{gbps:.1f} GB/s", f"{t:.0f} us")
         out["gather_request_order_GBps"] = round(best["request"], 2)
         out["gather_batch_order_GBps"] = round(best["batch"], 2)
         out["gather_vs_bulk"] = round(best["batch"] / bulk_GBps, 3)

@@ -265,9 +265,21 @@ def log_sighup() -> None:
                 "logs go to stderr, nothing to reopen")
 
 
+# Page-lock the whole pool at start, chunk by chunk while it is pre-faulted ("1"), instead
+# of each engine's range at its attach (the default). Off by default: measured on the H200
+# (docs/PERF.md, 2026-12-02 session 6) the pool was ready no faster (the pre-fault, at 4.5
+# GiB/s, is the wall) and a decode step's gathers from the pool registered in 4 GiB chunks
+# looked ~18 % slower than from one registration of the engine's range (to be confirmed:
+# `sparsekv bench kernels` compares the two).
+PIN_AT_START_ENV = "SPARSEKV_PIN_POOL_AT_START"
+
+
 def pool_pinner(cfg):
-    """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool when the cuda backend will
-    serve it (``cuda``, or ``auto`` on a machine whose GPU CuPy sees), else None."""
+    """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool when ``$SPARSEKV_PIN_POOL_AT_START``
+    is 1 and the cuda backend will serve it (``cuda``, or ``auto`` on a machine whose GPU
+    CuPy sees), else None (each engine's range is page-locked at its attach)."""
+    if os.environ.get(PIN_AT_START_ENV, "0") != "1":
+        return None
     if cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
         return None
     return PoolPinner().start(cfg.pool_size)
@@ -331,8 +343,8 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")
             last_log = [time.monotonic()]
 
-            # The cuda backend page-locks the whole pool here, chunk by chunk as the
-            # pre-fault goes (never inside an attach): pool ready at the rate of the slower.
+            # With SPARSEKV_PIN_POOL_AT_START=1 the cuda backend page-locks the whole pool
+            # here, chunk by chunk as the pre-fault goes, not at each engine's attach.
             pinner = pool_pinner(cfg)
             doing = "pre-faulting and page-locking" if pinner is not None else "pre-faulting"
 

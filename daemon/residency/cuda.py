@@ -48,12 +48,15 @@ from sparsekv.daemon.kernels import (  # noqa: E402 - constants only; cupy stays
 )
 
 DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
-# The order a decode step's gather reads the pool in: "batch" (every batch row's misses
-# merged by host row on the device, skv_merge_plan) or "request" (each batch row's plan in
-# turn, each sorted by host row). docs/PERF.md, "Gather order", has what each costs.
+# The order a decode step's gather reads the pool in: "request" (each batch row's plan in
+# turn, each sorted by host row) or "batch" (every batch row's misses merged by host row on
+# the device, skv_merge_plan). Measured on the H200 (docs/PERF.md, 2026-12-02 session 6):
+# with each request's rows in its own blocks the merge buys nothing (request order 39.3
+# GB/s, batch order 32.5-34.1 GB/s with the merge's 34.5 us included) and a decode step
+# at batch 64 is 9 % slower with it; "batch" stays for pools where requests share blocks.
 GATHER_ORDER_ENV = "SPARSEKV_GATHER_ORDER"
-GATHER_ORDERS = ("batch", "request")
-DEFAULT_GATHER_ORDER = "batch"
+GATHER_ORDERS = ("request", "batch")
+DEFAULT_GATHER_ORDER = "request"
 MERGE_SMEM_CAP = 200 << 10  # the merge's lists in shared memory up to this much
 
 

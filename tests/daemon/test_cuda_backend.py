@@ -81,12 +81,14 @@ def filled():
 
 
 def test_the_pool_is_page_locked_at_start_and_an_attach_serves_from_it(tmp_path):
-    """The daemon registers the whole pool while pre-faulting it (never inside an
-    attach); an engine's range is a view of it, and its rows are served exactly."""
+    """With SPARSEKV_PIN_POOL_AT_START=1 the daemon registers the whole pool while
+    pre-faulting it (not inside an attach); an engine's range is a view of it, and its rows
+    are served exactly."""
     lay = small_trace(steps=1).layout()
     log = tmp_path / "sparsekvd.log"
+    env = dict(os.environ, SPARSEKV_PIN_POOL_AT_START="1")
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
-                       log_path=str(log)) as d, Client(d.run_dir, device="cuda:0") as c:
+                       log_path=str(log), env=env) as d, Client(d.run_dir, device="cuda:0") as c:
         att = c.attach(lay, engine="pinned-at-start")
         fill_pool(c, lay)
         ids = np.arange(lay.top_k, dtype=np.int32)[None, :]
