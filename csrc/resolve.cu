@@ -153,7 +153,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     SKV_DYN_SMEM(skv_smem);
 
     __shared__ int sh_desc[SKV_DESC_INTS];
-    __shared__ int sh_row[2];
+    __shared__ int sh_row[1];
+    __shared__ int sh_list[SKV_RT];  // batch rows of this block's state row (one tile)
 
     const int tid = threadIdx.x;
     const int b0 = blockIdx.x;
@@ -206,12 +207,19 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     u64 sum_hits = 0, sum_misses = 0, sum_oor = 0;
     int tokens = 0;
 
-    for (int b = b0; b < batch; ++b) {
-        // One read per row, shared (double-buffered: a slot is rewritten two rows later,
-        // after a barrier every thread has passed since reading it).
-        if (tid == 0) sh_row[b & 1] = state_rows[b];
-        __syncthreads();
-        if (sh_row[b & 1] != s) continue;
+    // The batch rows of s, found by the whole block at once (a tile of SKV_RT rows per
+    // pass, in batch order, into sh_list), then resolved one after another. Reading them
+    // one by one, a global load and a barrier per batch row, cost block 0 of a batch of
+    // 64 about 25 us (docs/PERF.md, resolve phases).
+    for (int tile0 = b0; tile0 < batch; tile0 += SKV_RT) {
+    const int bt = tile0 + tid;
+    const bool of_s = bt == b0 || (bt < batch && state_rows[bt] == s);
+    int n_of_s;
+    const int at = skv_block_scan_flag<SKV_RT>(of_s, sh_warp, &n_of_s);
+    if (of_s) sh_list[at] = bt;
+    __syncthreads();
+    for (int li = 0; li < n_of_s; ++li) {
+        const int b = sh_list[li];
         const int* ids = topk + (i64)b * k;
         int* out_slots = slots_out + (i64)b * out_k;
         if (++tokens > max_tokens) {
@@ -400,6 +408,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         sum_misses += (u64)carry;
         sum_oor += (u64)n_oor;
         __syncthreads();  // the next batch row of s reuses the workspace
+    }
+    __syncthreads();  // every thread is done with sh_list before the next tile rewrites it
     }
     if (tid == 0) {
         if (sum_hits) atomicAdd(&cnt[0], sum_hits);
