@@ -200,6 +200,11 @@ class Daemon:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # A client's libzmq reconnects under its own (random, 13-byte) routing id. If the
+        # daemon still holds that id's old pipe (its end of the dead connection not yet
+        # torn down), libzmq would refuse the new connection, and the client would get no
+        # reply until its next reconnect: the new connection takes the id over instead.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # Bound what one peer can cost (see MAX_MESSAGE_BYTES and the heartbeats below
         # _DRAIN_SLICE_NS): a frame larger than any legal request drops its connection
         # before it is read, a silent peer is dropped after HEARTBEAT_TIMEOUT_MS.
