@@ -320,8 +320,12 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         # Where the time goes: the kernel stopped after each phase (csrc/resolve.cu,
         # SKV_RESOLVE_STOP; the state then never changes, the results are wrong), and
         # other thread counts.
-        for label, kw in [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)] + \
-                         [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]:
+        variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
+        variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]
+        variants += [("hash lookup", {"lookup": "hash"}), ("hash lookup 512 threads", {"lookup": "hash", "threads": 512})]
+        variants += [(f"hash lookup phase {p}", {"lookup": "hash", "timing_defines": {"SKV_RESOLVE_STOP": p}})
+                     for p in (1, 2, 4, 7)]
+        for label, kw in variants:
             try:
                 var = CudaResidency(rlay, kernels=kc, stream=s, **kw)
                 vo = var.new_output(BATCH)
@@ -334,7 +338,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 continue
             key = label.replace(" ", "_")
             out[f"resolve_us_b64_{key}"] = round(tv, 1)
-            row(f"resolve variant: {label}" + (" (stops there)" if label.startswith("phase") else ""),
+            row(f"resolve variant: {label}" + (" (stops there)" if "phase" in label else ""),
                 f"{tv:.1f} us")
     out["_rows"] = rows_out
     return out

@@ -9,6 +9,13 @@
 #define SKV_RESOLVE_THREADS 1024
 #endif
 #define SKV_RT SKV_RESOLVE_THREADS
+// How a row's columns are found from the region's owners: 0 sort the keys (bitonic) and
+// binary-search each owner; 1 a hash table of the columns' host rows in the workspace
+// (open addressing, 2 x pow2(k) entries), then only the misses are sorted for the plan.
+// Both give the same results (tests/daemon/residency/test_cuda_kernels.py runs both).
+#ifndef SKV_RESOLVE_LOOKUP
+#define SKV_RESOLVE_LOOKUP 0
+#endif
 // Timing only (sparsekv bench kernels): stop each batch row after phase N (1 keys and
 // copies, 2 sort, 3 duplicates, 4 hit lookup, 5 counts, 6 new lru, 7 slots); the results
 // are then wrong. The daemon never defines it.
@@ -36,6 +43,8 @@
 //   hmask u32[ceil(S/32)]  bit per slot: a hit this step
 //   smask u32[ceil(S/32)]  bit per slot: seen in the lru (finds repeated entries)
 //   lcopy int[S]           the lru row as it was before this resolve
+//   htab  int[2 kp], hcol int[2 kp]  (SKV_RESOLVE_LOOKUP 1) host row -> column table;
+//                          reused as u64[2 kp] for the misses' keys of the plan
 struct SkvWs {
     u64* keys;
     int* colv;
@@ -43,6 +52,8 @@ struct SkvWs {
     u32* hmask;
     u32* smask;
     int* lcopy;
+    int* htab;
+    int* hcol;
 };
 
 __device__ __forceinline__ SkvWs skv_ws(unsigned char* base, int kp, int k, int S) {
@@ -59,7 +70,16 @@ __device__ __forceinline__ SkvWs skv_ws(unsigned char* base, int kp, int k, int 
     w.smask = (u32*)(base + off);
     off += skv_align16((u64)((S + 31) / 32) * 4ull);
     w.lcopy = (int*)(base + off);
+    off += skv_align16((u64)S * 4ull);
+    w.htab = (int*)(base + off);  // only with SKV_RESOLVE_LOOKUP 1 (the workspace is sized for it)
+    w.hcol = w.htab + 2 * kp;
     return w;
+}
+
+// The home slot of host row g in a table of (1 << bits) entries (Fibonacci hashing: a
+// request's rows come in runs of consecutive numbers, which it spreads).
+__device__ __forceinline__ u32 skv_hash_slot(int g, int bits) {
+    return ((u32)g * 2654435769u) >> (32 - bits);
 }
 
 // Ascending bitonic sort of a[0, n), n a power of two, by the whole block. The caller
@@ -248,10 +268,41 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             w.hmask[i] = 0u;
             w.smask[i] = 0u;
         }
+#if SKV_RESOLVE_LOOKUP == 1
+        int hbits = 1;
+        while ((1 << hbits) < 2 * kp) ++hbits;
+        const int hsize = 1 << hbits;
+        for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
+#endif
         for (int i = tid; i < S; i += SKV_RT) w.lcopy[i] = lru[i];
         const int n_oor = skv_block_sum(oor, &sh_cell);  // also orders the writes above
         SKV_STOP_AFTER(1)
 
+#if SKV_RESOLVE_LOOKUP == 1
+        // 1b. every valid column into the table; a host row found there already is a
+        // duplicate. The table has twice the entries of the columns: a free one is always
+        // found, and two threads inserting one host row meet at the same entry.
+        int dup = 0;
+        for (int i = tid; i < k; i += SKV_RT) {
+            const u64 key = w.keys[i];
+            if (key == SKV_NO_KEY) continue;
+            const int g = (int)(key >> 32);
+            u32 h = skv_hash_slot(g, hbits);
+            while (true) {
+                const int prev = atomicCAS(&w.htab[h], -1, g);
+                if (prev == -1) {
+                    w.hcol[h] = i;
+                    break;
+                }
+                if (prev == g) {
+                    dup = 1;
+                    break;
+                }
+                h = (h + 1) & (u32)(hsize - 1);
+            }
+        }
+        SKV_STOP_AFTER(2)
+#else
         // 1b. sort by (host row, column).
         skv_bitonic_sort(w.keys, kp);
         SKV_STOP_AFTER(2)
@@ -262,6 +313,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             const u64 cur = w.keys[p];
             if (cur != SKV_NO_KEY && (w.keys[p - 1] >> 32) == (cur >> 32)) dup = 1;
         }
+#endif
         if (__syncthreads_or(dup)) {  // a barrier: nobody reads the workspace after it
             for (int c = tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
             if (tid == 0) {
@@ -276,9 +328,22 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         for (int j = tid; j < S; j += SKV_RT) {
             const int o = owner[j];
             if (o >= 0 && o < host_rows) {
+#if SKV_RESOLVE_LOOKUP == 1
+                u32 h = skv_hash_slot(o, hbits);
+                while (true) {
+                    const int v = w.htab[h];
+                    if (v == -1) break;
+                    if (v == o) {
+                        atomicMin(&w.colv[w.hcol[h]], j);
+                        break;
+                    }
+                    h = (h + 1) & (u32)(hsize - 1);
+                }
+#else
                 const u64 want = (u64)(u32)o << 32;
                 const int p = skv_lower_bound_u64(w.keys, kp, want);
                 if (p < kp && (w.keys[p] >> 32) == (u64)(u32)o) atomicMin(&w.colv[(u32)w.keys[p]], j);
+#endif
             }
         }
         __syncthreads();
@@ -387,6 +452,30 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         int* pslot = plan_slots + (i64)b * out_k;
         const int flat0 = s * S;
         carry = 0;
+#if SKV_RESOLVE_LOOKUP == 1
+        // The misses' keys (column order), then sorted: the table's memory is free now.
+        {
+            u64* mkeys = (u64*)w.htab;
+            for (int base_c = 0; base_c < k; base_c += SKV_RT) {
+                const int c = base_c + tid;
+                const int v = c < k ? w.colv[c] : SKV_NONE;
+                const bool miss = v >= SKV_MISS_TAG && v != SKV_PENDING;
+                int tile;
+                const int q = skv_block_scan_flag<SKV_RT>(miss, sh_warp, &tile) + carry;
+                if (miss) mkeys[q] = w.keys[c];
+                carry += tile;
+            }
+            const int np2 = skv_pow2(carry > 0 ? carry : 1);
+            for (int i = carry + tid; i < np2; i += SKV_RT) mkeys[i] = SKV_NO_KEY;
+            __syncthreads();
+            skv_bitonic_sort(mkeys, np2);
+            for (int q = tid; q < carry; q += SKV_RT) {
+                const u64 key = mkeys[q];
+                prow[q] = (int)(key >> 32);
+                pslot[q] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
+            }
+        }
+#else
         for (int base_p = 0; base_p < kp; base_p += SKV_RT) {
             const int p = base_p + tid;
             const u64 key = p < kp ? w.keys[p] : SKV_NO_KEY;
@@ -403,6 +492,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             // keys are sorted: once a tile ends in NO_KEY the rest are NO_KEY too.
             if (__syncthreads_or(p == base_p + SKV_RT - 1 && key == SKV_NO_KEY)) break;
         }
+#endif
         if (tid == 0) misses_out[b] = carry;
         sum_hits += (u64)n_hit;
         sum_misses += (u64)carry;

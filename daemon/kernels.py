@@ -36,11 +36,20 @@ COPY_LOAD = 1  # __ldg: the source of a copy is never written while it runs
 MERGE_THREADS = 1024  # skv_merge_plan: one block per batch row
 
 
-def resolve_defines(threads: int = RESOLVE_THREADS) -> dict:
-    """Constants of the residency module (csrc/resolve.cu)."""
+RESOLVE_LOOKUPS = {"sort": 0, "hash": 1}  # csrc/resolve.cu SKV_RESOLVE_LOOKUP
+
+
+def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort") -> dict:
+    """Constants of the residency module (csrc/resolve.cu): threads per block, and how a
+    row's columns are found from the region's owners (``sort`` or ``hash``)."""
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"resolve threads must be a multiple of 32 in [32, 1024], got {threads}")
-    return {"SKV_RESOLVE_THREADS": int(threads)}
+    if lookup not in RESOLVE_LOOKUPS:
+        raise ValueError(f"resolve lookup must be one of {', '.join(RESOLVE_LOOKUPS)}, got {lookup!r}")
+    out = {"SKV_RESOLVE_THREADS": int(threads)}
+    if lookup != "sort":  # the default module keeps its cache key
+        out["SKV_RESOLVE_LOOKUP"] = RESOLVE_LOOKUPS[lookup]
+    return out
 
 
 def copy_defines(row_bytes: int, threads: int = COPY_THREADS, load: int = COPY_LOAD) -> dict:

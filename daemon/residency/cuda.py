@@ -128,10 +128,27 @@ def _a16(n: int) -> int:
     return (n + 15) & ~15
 
 
-def resolve_workspace_bytes(k: int, region_stride: int) -> int:
-    """Bytes of one resolve block's workspace for ``k`` columns (mirrors ``skv_ws``)."""
+def resolve_workspace_bytes(k: int, region_stride: int, lookup: str = "sort") -> int:
+    """Bytes of one resolve block's workspace for ``k`` columns (mirrors ``skv_ws``); the
+    hash lookup adds its table (host rows and columns, 2 x pow2(k) entries each)."""
     kp = _pow2(k)
-    return _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + _a16(region_stride * 4)
+    base = _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + _a16(region_stride * 4)
+    return base + (_a16(4 * kp * 4) if lookup == "hash" else 0)
+
+
+RESOLVE_LOOKUP_ENV = "SPARSEKV_RESOLVE_LOOKUP"
+DEFAULT_RESOLVE_LOOKUP = "sort"
+
+
+def resolve_lookup(value: str | None = None) -> str:
+    """``value``, else ``$SPARSEKV_RESOLVE_LOOKUP``, else the default (``sort``: measured;
+    ``hash``: written 2026-12-02, not yet timed on a GPU)."""
+    import os  # noqa: PLC0415
+
+    lookup = value or os.environ.get(RESOLVE_LOOKUP_ENV) or DEFAULT_RESOLVE_LOOKUP
+    if lookup not in ("sort", "hash"):
+        raise ValueError(f"resolve lookup must be sort or hash, got {lookup!r}")
+    return lookup
 
 
 def _null():
@@ -239,10 +256,12 @@ class CudaResidency(Residency):
             ``"shared"`` or ``"global"``.
         timing_defines: more constants for the kernels (``SKV_RESOLVE_STOP``: the
             kernel bench's phase timings; its results are wrong). Never in the daemon.
+        lookup: how resolve finds a row's columns from the owners, ``sort`` or ``hash``
+            (:func:`resolve_lookup`: else ``$SPARSEKV_RESOLVE_LOOKUP``, else ``sort``).
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
-                 workspace: str = "auto", timing_defines: dict | None = None):
+                 workspace: str = "auto", timing_defines: dict | None = None, lookup: str | None = None):
         cp = _cp()
         self.layout = layout.validate()
         if kernels is None:
@@ -255,13 +274,14 @@ class CudaResidency(Residency):
             self.owner = cp.full((g, r, s), -1, dtype=cp.int32)
             self.lru = cp.empty((g, r, s), dtype=cp.int32)
             self.lru[...] = cp.arange(s, dtype=cp.int32)
-        defines = dict(resolve_defines(threads), **(timing_defines or {}))
+        self.lookup = resolve_lookup(lookup)
+        defines = dict(resolve_defines(threads, self.lookup), **(timing_defines or {}))
         self.threads = int(threads)
         self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
         self._reset = kernels.function("resolve.cu", "skv_reset", defines)
         self._invalidate = kernels.function("resolve.cu", "skv_invalidate", defines)
 
-        self.workspace_bytes = resolve_workspace_bytes(layout.top_k, s)
+        self.workspace_bytes = resolve_workspace_bytes(layout.top_k, s, self.lookup)
         limit = _smem_limit(self._resolve)
         if workspace not in ("auto", "shared", "global"):
             raise ValueError(f"workspace must be auto, shared or global, got {workspace!r}")

@@ -181,24 +181,32 @@ TRACES = [
 ]
 
 
+# Both ways resolve finds a row's columns (csrc/resolve.cu SKV_RESOLVE_LOOKUP) must give
+# the cpu backend's results.
+LOOKUPS = pytest.mark.parametrize("lookup", ["sort", "hash"])
+
+
+@LOOKUPS
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
-def test_resolve_matches_cpu(case, kc):
+def test_resolve_matches_cpu(case, kc, lookup):
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     cuda = cuda_mod()
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     cpu = CpuResidency(lay)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, lookup=lookup)
+    assert gpu.lookup == lookup
     if name == "topk32k":
         assert gpu.workspace_global  # 644 KiB per block cannot live in shared memory
     run_trace(cpu, gpu, lay, seed=zlib.crc32(name.encode()) % 1000, steps=steps, batch=batch, overlap=overlap,
               state_every=1 if k < 1000 else 4)
 
 
-def test_matches_reference_model(kc):
+@LOOKUPS
+def test_matches_reference_model(kc, lookup):
     """One state row, long random sequence, against contract.RegionModel directly."""
     cuda = cuda_mod()
     lay = layout(6, 12, 30, 1)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
     model = RegionModel(lay.region_stride)
     rng = np.random.default_rng(7)
     memory: dict[int, np.ndarray] = {}
@@ -222,11 +230,12 @@ def test_matches_reference_model(kc):
         assert owner[0, 0].tolist() == model.owner and lru[0, 0].tolist() == model.lru, step
 
 
-def test_eviction_order_small(kc):
+@LOOKUPS
+def test_eviction_order_small(kc, lookup):
     """A hand-checked LRU sequence: oldest evictable first, hits move to the back."""
     cuda = cuda_mod()
     lay = layout(2, 4, 10, 1)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
     cpu = CpuResidency(lay)
     # (ids, slots): e.g. step 2: 1 hits slot 0; evictables in LRU order are 2, 3, 1, so the
     # miss 3 takes slot 2 and the new lru is [3, 1] + [2] + [0].
@@ -245,12 +254,13 @@ def test_eviction_order_small(kc):
 # -- device path ----------------------------------------------------------------------
 
 
-def test_device_path_counters_padding_and_short_rows(kc):
+@LOOKUPS
+def test_device_path_counters_padding_and_short_rows(kc, lookup):
     import cupy as cp
 
     cuda = cuda_mod()
     lay = layout(8, 16, 100, 4, groups=2)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
     cpu = CpuResidency(lay)
     out = gpu.new_output(6)
     rng = np.random.default_rng(3)
@@ -286,12 +296,13 @@ def test_device_path_counters_padding_and_short_rows(kc):
     assert out.read_counters(gpu.stream)["hits"] == 0
 
 
-def test_device_path_bad_state_row_is_padding(kc):
+@LOOKUPS
+def test_device_path_bad_state_row_is_padding(kc, lookup):
     import cupy as cp
 
     cuda = cuda_mod()
     lay = layout(4, 8, 50, 2)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
     out = gpu.new_output(3)
     before = gpu.state()
     with gpu.stream:
@@ -308,12 +319,13 @@ def test_device_path_bad_state_row_is_padding(kc):
     assert e.value.code == "BAD_STATE_ROW"
 
 
-def test_duplicates_host_raises_device_refuses_the_row(kc):
+@LOOKUPS
+def test_duplicates_host_raises_device_refuses_the_row(kc, lookup):
     import cupy as cp
 
     cuda = cuda_mod()
     lay = layout(6, 12, 40, 2)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
     cpu = CpuResidency(lay)
     warm = np.array([[1, 2, 3, 4, 5, 6]], np.int32)
     cpu.resolve(0, np.array([0], np.int32), warm)
@@ -344,13 +356,14 @@ def test_duplicates_host_raises_device_refuses_the_row(kc):
     assert_state(cpu, gpu)
 
 
-def test_garbage_owner_matches_cpu(kc):
+@LOOKUPS
+def test_garbage_owner_matches_cpu(kc, lookup):
     """Owner rows holding junk (repeats, out-of-range values) still resolve exactly as the
     NumPy engine does (a repeated owner: the lowest slot is the hit)."""
     cuda = cuda_mod()
     lay = layout(16, 48, 60, 3, groups=2)
     cpu = CpuResidency(lay)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
     rng = np.random.default_rng(11)
     owner = rng.integers(-5, 70, size=cpu.owner.shape).astype(np.int32)
     lru = np.stack([[rng.permutation(lay.region_stride) for _ in range(3)] for _ in range(2)]).astype(np.int32)
@@ -375,12 +388,13 @@ def _intact(big, canary, guard, n):
     return (h[:guard] == canary).all() and (h[guard + n:] == canary).all()
 
 
-def test_corrupt_state_never_writes_out_of_bounds(kc):
+@LOOKUPS
+def test_corrupt_state_never_writes_out_of_bounds(kc, lookup):
     import cupy as cp
 
     cuda = cuda_mod()
     lay = layout(32, 64, 500, 3, groups=2, layers_per_group=2, row_bytes=48)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
     shape = gpu.owner.shape
     rng = np.random.default_rng(13)
     guards = []
