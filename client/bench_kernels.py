@@ -40,7 +40,9 @@ def _say(msg: str) -> None:
     print(f"bench kernels: {msg}", file=sys.stderr, flush=True)
 
 
-class _Timer:
+class EventTimer:
+    """CUDA-event timings of work enqueued on one stream."""
+
     def __init__(self, cp, stream):
         self.cp, self.stream = cp, stream
 
@@ -179,7 +181,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
 
     kc = get_cache()
     s = cp.cuda.Stream(non_blocking=True)
-    timer = _Timer(cp, s)
+    timer = EventTimer(cp, s)
     with contextlib.ExitStack() as stack:
         rates = fault_rates(min(nbytes, 8 * GIB), threads)
         out.update({k: v for k, v in rates.items() if isinstance(v, (int, float))})

@@ -807,21 +807,13 @@ def test_bench_table(kc, capsys):
             failures.append(label)
             row(label, "FAILED", f"{type(e).__name__}: {e}")
 
-    def timed(fn, per, rounds=7, warmup=2):
+    from sparsekv.client.bench_kernels import EventTimer
+
+    timer = EventTimer(cp, s)
+
+    def timed(fn, per, rounds=7):
         """Median and min over ``rounds`` of the mean time (us) of ``per`` back-to-back calls."""
-        for _ in range(warmup):
-            fn()
-        s.synchronize()
-        times = []
-        for _ in range(rounds):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            for _ in range(per):
-                fn()
-            b.record(s)
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / per)
-        return float(np.median(times)), float(np.min(times))
+        return timer.median_us(lambda i: fn(), per, rounds=rounds)
 
     with capsys.disabled():
         print("\n\n| what | value | note |\n| --- | --- | --- |", flush=True)
@@ -934,7 +926,7 @@ def test_bench_table(kc, capsys):
             def go():
                 cp.cuda.runtime.memcpyAsync(dst.data.ptr, host, n, cp.cuda.runtime.memcpyHostToDevice, s.ptr)
 
-            t = timed(go, per=1, rounds=5, warmup=1)
+            t = timed(go, per=1, rounds=5)
             row(f"bulk pinned H2D copy {n / 2**30:.2f} GiB (cudaMemcpyAsync)", f"{n / t[0] / 1e3:.1f} GB/s",
                 f"{t[0] / 1e3:.1f} ms")
 
