@@ -22,7 +22,14 @@ pack_logs() {
   (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|decode.png|pytest-cuda.log|bench-kernels.json|logs.tgz' \
      | tar czf logs.tgz --remove-files -T - 2>/dev/null)
 }
-trap 'echo quit | nvidia-cuda-mps-control; pack_logs' EXIT
+# Logs first: stopping MPS waits for its clients (a daemon a test left behind, say), and
+# the device tool's limit may come first. Then leftover daemons, then MPS, bounded.
+finish() {
+  pack_logs
+  pkill -KILL -f 'sparsekv.daemon.main|sparsekvd' 2>/dev/null
+  timeout 20 sh -c 'echo quit | nvidia-cuda-mps-control' || echo "MPS did not stop in 20 s"
+}
+trap finish EXIT
 
 status=0
 what=${1:-all}  # one or several, comma-separated (e.g. test,kernels,signals)
