@@ -159,7 +159,8 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
-        blocks=(16, 32, 64, 132), both_pool_modes: bool = True, seed: int = 0) -> dict:
+        blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool = True,
+        seed: int = 0) -> dict:
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
@@ -327,7 +328,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         variants += [("hash lookup", {"lookup": "hash"}), ("hash lookup 512 threads", {"lookup": "hash", "threads": 512})]
         variants += [(f"hash lookup phase {p}", {"lookup": "hash", "timing_defines": {"SKV_RESOLVE_STOP": p}})
                      for p in (1, 2, 4, 7)]
-        for label, kw in variants:
+        for label, kw in variants if resolve_variants else []:
             try:
                 var = CudaResidency(rlay, kernels=kc, stream=s, **kw)
                 vo = var.new_output(BATCH)
