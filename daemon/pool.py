@@ -1,7 +1,8 @@
 """The host pool: one shared, pre-faulted mapping that holds every engine's KV rows.
 
-The pool is a memfd: it has no name in any file system, so a crashed daemon can never
-leave it behind to break the next start. Engines get byte ranges of it (``allocate``);
+The pool is a memfd (or, with ``SPARSEKV_POOL_BACKING=anon_thp``, an anonymous mapping in
+transparent huge pages that children do not inherit): it has no name in any file system,
+so a crashed daemon can never leave it behind to break the next start. Engines get byte ranges of it (``allocate``);
 an engine's range is laid out ``[num_layers, host_rows, row_bytes]`` so one request's rows
 of one layer stay close (the GPU gather slows when ids scatter; DESIGN §2).
 
@@ -39,6 +40,32 @@ ZERO_CHUNK_BYTES = 256 << 20  # one memset of a released range: ~3 ms (dev VM)
 ZERO_THREADS = 2  # memory-bound: more threads mostly take cores from the engines
 INLINE_ZERO_BYTES = 8 << 20  # ~0.1 ms (dev VM): zeroed in release() itself
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_MADV_DONTFORK = 10
+_MADV_HUGEPAGE = 14
+# What backs the pool: "memfd" (shared memory, the default) or "anon_thp" (an anonymous
+# private mapping, not inherited by children, asking for transparent huge pages: fewer
+# faults at start, and fewer translations for the GPU's scattered reads, if the kernel
+# grants them). A measured switch: `sparsekv bench kernels` times both (docs/PERF.md).
+BACKING_ENV = "SPARSEKV_POOL_BACKING"
+BACKINGS = ("memfd", "anon_thp")
+
+
+def pool_backing(value: str | None = None) -> str:
+    """``value``, else ``$SPARSEKV_POOL_BACKING``, else ``memfd``."""
+    backing = value or os.environ.get(BACKING_ENV) or "memfd"
+    if backing not in BACKINGS:
+        raise PoolError(f"pool backing must be one of {', '.join(BACKINGS)}, got {backing!r}")
+    return backing
+
+
+def _madvise(address: int, nbytes: int, advice: int, what: str, required: bool) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(address, nbytes, advice) != 0:
+        err = ctypes.get_errno()
+        if required:
+            raise PoolError(f"madvise({what}) on the pool failed: {os.strerror(err)}")
+        log.warning("madvise(%s) on the pool failed (%s): it stays in small pages", what, os.strerror(err))
 
 
 class PoolError(RuntimeError):
@@ -61,6 +88,7 @@ class HostPool:
         progress: Callable[[float], None] | None = None,
         name: str = "sparsekv-pool",
         on_faulted: Callable[[int, int], None] | None = None,
+        backing: str | None = None,
     ):
         avail = psutil.virtual_memory().available
         if size_bytes > avail:
@@ -77,16 +105,27 @@ class HostPool:
         self._zeroing: dict[int, tuple[int, list]] = {}
         self._zeroer: ThreadPoolExecutor | None = None
         self._mm = None
-        self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self._fd, self.size_bytes)
-            self._mm = mmap.mmap(self._fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except Exception:
-            os.close(self._fd)
-            raise
+        self.backing = pool_backing(backing)
+        self._fd = -1
+        if self.backing == "memfd":
+            self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(self._fd, self.size_bytes)
+                self._mm = mmap.mmap(self._fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except Exception:
+                os.close(self._fd)
+                raise
+        else:
+            self._mm = mmap.mmap(-1, self.size_bytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                                 mmap.PROT_READ | mmap.PROT_WRITE)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.address = self.array.ctypes.data
         try:
+            if self.backing == "anon_thp":
+                # Never in a child (no copy-on-write of pages the GPU reads), and in 2 MiB
+                # pages where the kernel allows them (transparent_hugepage madvise/always).
+                _madvise(self.address, self.size_bytes, _MADV_DONTFORK, "MADV_DONTFORK", required=True)
+                _madvise(self.address, self.size_bytes, _MADV_HUGEPAGE, "MADV_HUGEPAGE", required=False)
             self._prefault(threads or min(16, os.cpu_count() or 1), progress, on_faulted)
         except BaseException:
             self.close()
@@ -251,7 +290,9 @@ class HostPool:
         except BufferError:
             log.warning("pool still has live views at close; leaving the mapping to the OS")
         self._mm = None
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self):
         return self

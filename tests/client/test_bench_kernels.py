@@ -40,6 +40,8 @@ def test_the_table_lists_every_row_and_the_headline_keys():
 def test_a_small_run_on_the_gpu():
     r = bk.run(pool_gib=1.0, layers=4, blocks=(32,), both_pool_modes=True, resolve_variants=False)
     for k in ("gather_vs_bulk", "resolve_us_b64", "pool_ready_GiBps", "pool_ready_sequential_GiBps",
-              "merge_plan_us_b64", "gather_request_order_GBps", "gather_batch_order_GBps"):
+              "merge_plan_us_b64", "gather_request_order_GBps", "gather_batch_order_GBps",
+              "gather_request_order_32blocks_one_registration_GBps", "gather_request_order_32blocks_anon_thp_GBps",
+              "pool_ready_anon_thp_GiBps"):
         assert r[k] > 0, k
     assert r["kernels_step_bytes"] == 64 * round(0.1 * 2048) * 656

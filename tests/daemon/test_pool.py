@@ -89,3 +89,37 @@ def test_close_with_a_live_view_does_not_raise():
     p.close()  # warns, leaves the mapping to the OS while the view lives
     p.close()
     assert v.shape == (2, MiB)
+
+
+def test_an_anonymous_huge_page_pool_serves_like_the_memfd_one(monkeypatch):
+    """SPARSEKV_POOL_BACKING=anon_thp: an anonymous mapping (no fd), not inherited by a
+    child (MADV_DONTFORK: a forked child touching it faults), pre-faulted and zeroed on
+    release like the memfd pool; a bad value is a clear error."""
+    import ctypes
+    import signal
+
+    from sparsekv.daemon.pool import BACKING_ENV
+
+    monkeypatch.setenv(BACKING_ENV, "anon_thp")
+    pool = HostPool(8 << 20, threads=2)
+    try:
+        assert pool.backing == "anon_thp" and pool._fd == -1
+        off = pool.allocate(4 << 20)
+        pool.array[off: off + 16] = 7
+        pool.release(off)
+        off2 = pool.allocate(4 << 20)
+        assert off2 == off and not pool.array[off: off + 16].any()  # zeroed before reuse
+        # A forked child does not get the mapping: reading it there is a fault, not a copy.
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ctypes.string_at(pool.address, 1)
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+    finally:
+        pool.close()
+    monkeypatch.setenv(BACKING_ENV, "hugetlbfs")
+    with pytest.raises(PoolError, match="pool backing must be one of"):
+        HostPool(8 << 20, threads=1)
