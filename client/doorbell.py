@@ -43,7 +43,13 @@ word; a word left set would release that layer one step early).
 **Failure.** A thread watches the daemon (its process and its socket file). If the daemon
 dies, the handle sets its own "dead" word (``skv_db_indices`` then returns -1 everywhere)
 and keeps setting every ready word, so the engine's stream never hangs; ``check()`` then
-raises :class:`~sparsekv.client.errors.DaemonUnavailable`.
+raises :class:`~sparsekv.client.errors.DaemonUnavailable`. The watcher releases the words
+with stream memory operations only: loading a CUDA module (a CuPy kernel's first use, a
+lazily loaded torch kernel) can wait until the context's running work is done, a stream
+parked on a ready word or a spinning wait kernel included. An engine that loads modules
+lazily while a step may be waiting on a dead daemon may stall there (whether the release
+still gets through then is not measured); ``CUDA_MODULE_LOADING=EAGER`` in the engine
+removes that window (the daemon sets it for itself).
 """
 
 from __future__ import annotations
