@@ -165,7 +165,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
 
     from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
     from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
-    from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, allocate_device_buffers  # noqa: PLC0415
+    from sparsekv.daemon.residency.cuda import CudaMover, allocate_device_buffers  # noqa: PLC0415
     from sparsekv.proto import Layout  # noqa: PLC0415
     from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
 
@@ -292,57 +292,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         out["gather_vs_bulk_same_bytes"] = round(best["batch"] / same_GBps, 3)
         out["gather_request_vs_bulk"] = round(best["request"] / bulk_GBps, 3)
 
-        # Resolve at the daemon's thread count, 90 % of each row kept from its last step.
-        rlay = Layout(num_layers=1, row_bytes=16, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
-                      host_rows=BATCH * 65536, max_batch=BATCH).validate()
-        res = CudaResidency(rlay, kernels=kc, stream=s)
-        ro = res.new_output(BATCH)
-        sr = cp.asarray(np.arange(BATCH, dtype=np.int32))
-        base = (np.arange(BATCH) * 65536)[:, None]
-        cur = (base + np.stack([rng.choice(65536, TOP_K, replace=False) for _ in range(BATCH)])).astype(np.int32)
-        seq = [cur]
-        keep = int(0.9 * TOP_K)
-        for _ in range(2 * PLANS):
-            nxt = cur.copy()
-            for b in range(BATCH):
-                fresh = np.setdiff1d(rng.choice(65536, 2 * TOP_K, replace=False) + base[b, 0], cur[b])[: TOP_K - keep]
-                nxt[b] = rng.permutation(np.concatenate([rng.choice(cur[b], keep, replace=False), fresh]))
-            seq.append(nxt)
-            cur = nxt
-        with s:
-            d_seq = [cp.asarray(x) for x in seq]
-        s.synchronize()
-        counter = iter(range(1 << 40))
-        for x in d_seq[:PLANS]:  # warm the residency up to the steady state
-            res.resolve_async(0, sr, x, ro, stream=s)
-        t, tmin = timer.median_us(lambda i: res.resolve_async(0, sr, d_seq[PLANS + next(counter) % PLANS], ro,
-                                                              stream=s), PLANS)
-        out["resolve_us_b64"] = round(t, 1)
-        row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads", f"{t:.1f} us",
-            f"min {tmin:.1f} us")
-        # Where the time goes: the kernel stopped after each phase (csrc/resolve.cu,
-        # SKV_RESOLVE_STOP; the state then never changes, the results are wrong), and
-        # other thread counts.
-        variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
-        variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]
-        variants += [("hash lookup", {"lookup": "hash"}), ("hash lookup 512 threads", {"lookup": "hash", "threads": 512})]
-        variants += [(f"hash lookup phase {p}", {"lookup": "hash", "timing_defines": {"SKV_RESOLVE_STOP": p}})
-                     for p in (1, 2, 4, 7)]
-        for label, kw in variants if resolve_variants else []:
-            try:
-                var = CudaResidency(rlay, kernels=kc, stream=s, **kw)
-                vo = var.new_output(BATCH)
-                for x in d_seq[:PLANS]:
-                    var.resolve_async(0, sr, x, vo, stream=s)
-                tv, _ = timer.median_us(lambda i, var=var, vo=vo: var.resolve_async(0, sr, d_seq[PLANS + i], vo,
-                                                                                    stream=s), PLANS)
-            except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
-                row(f"resolve variant {label}", "FAILED", f"{type(e).__name__}: {e}")
-                continue
-            key = label.replace(" ", "_")
-            out[f"resolve_us_b64_{key}"] = round(tv, 1)
-            row(f"resolve variant: {label}" + (" (stops there)" if "phase" in label else ""),
-                f"{tv:.1f} us")
+        _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants)
         # The same gather from a pool in transparent huge pages (anonymous mapping,
         # SPARSEKV_POOL_BACKING=anon_thp): fewer faults at start, fewer translations for
         # the GPU, if the kernel grants the pages.
@@ -354,6 +304,65 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 row("pool in transparent huge pages", "FAILED", f"{type(e).__name__}: {e}")
     out["_rows"] = rows_out
     return out
+
+
+def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) -> None:
+    """Resolve at the daemon's thread count (batch 64, top-k 2048, region 4096, 90 % kept),
+    then (``resolve_variants``) stopped after each phase, other thread counts, the hash lookup."""
+    from sparsekv.daemon.residency.cuda import CudaResidency  # noqa: PLC0415
+    from sparsekv.proto import Layout  # noqa: PLC0415
+
+    # Resolve at the daemon's thread count, 90 % of each row kept from its last step.
+    rlay = Layout(num_layers=1, row_bytes=16, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
+                  host_rows=BATCH * 65536, max_batch=BATCH).validate()
+    res = CudaResidency(rlay, kernels=kc, stream=s)
+    ro = res.new_output(BATCH)
+    sr = cp.asarray(np.arange(BATCH, dtype=np.int32))
+    base = (np.arange(BATCH) * 65536)[:, None]
+    cur = (base + np.stack([rng.choice(65536, TOP_K, replace=False) for _ in range(BATCH)])).astype(np.int32)
+    seq = [cur]
+    keep = int(0.9 * TOP_K)
+    for _ in range(2 * PLANS):
+        nxt = cur.copy()
+        for b in range(BATCH):
+            fresh = np.setdiff1d(rng.choice(65536, 2 * TOP_K, replace=False) + base[b, 0], cur[b])[: TOP_K - keep]
+            nxt[b] = rng.permutation(np.concatenate([rng.choice(cur[b], keep, replace=False), fresh]))
+        seq.append(nxt)
+        cur = nxt
+    with s:
+        d_seq = [cp.asarray(x) for x in seq]
+    s.synchronize()
+    counter = iter(range(1 << 40))
+    for x in d_seq[:PLANS]:  # warm the residency up to the steady state
+        res.resolve_async(0, sr, x, ro, stream=s)
+    t, tmin = timer.median_us(lambda i: res.resolve_async(0, sr, d_seq[PLANS + next(counter) % PLANS], ro,
+                                                          stream=s), PLANS)
+    out["resolve_us_b64"] = round(t, 1)
+    row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads", f"{t:.1f} us",
+        f"min {tmin:.1f} us")
+    # Where the time goes: the kernel stopped after each phase (csrc/resolve.cu,
+    # SKV_RESOLVE_STOP; the state then never changes, the results are wrong), and
+    # other thread counts.
+    variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
+    variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]
+    variants += [("hash lookup", {"lookup": "hash"}), ("hash lookup 512 threads", {"lookup": "hash", "threads": 512})]
+    variants += [(f"hash lookup phase {p}", {"lookup": "hash", "timing_defines": {"SKV_RESOLVE_STOP": p}})
+                 for p in (1, 2, 4, 7)]
+    for label, kw in variants if resolve_variants else []:
+        try:
+            var = CudaResidency(rlay, kernels=kc, stream=s, **kw)
+            vo = var.new_output(BATCH)
+            for x in d_seq[:PLANS]:
+                var.resolve_async(0, sr, x, vo, stream=s)
+            tv, _ = timer.median_us(lambda i, var=var, vo=vo: var.resolve_async(0, sr, d_seq[PLANS + i], vo,
+                                                                                stream=s), PLANS)
+        except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
+            row(f"resolve variant {label}", "FAILED", f"{type(e).__name__}: {e}")
+            continue
+        key = label.replace(" ", "_")
+        out[f"resolve_us_b64_{key}"] = round(tv, 1)
+        row(f"resolve variant: {label}" + (" (stops there)" if "phase" in label else ""),
+            f"{tv:.1f} us")
 
 
 def _thp_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s, plans, step_bytes):
