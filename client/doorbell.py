@@ -24,7 +24,7 @@ How bells are rung and ready words waited on (``signal``, default :data:`DEFAULT
 ``"kernel"``: the two kernels ring their bell themselves once their whole block is
 written, and a one-thread kernel (``csrc/signal.cu``) spins on the ready word; ``"ops"``:
 stream memory operations (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``) after and
-before the kernels. Both capture into CUDA graphs; docs/PERF.md has what each costs.
+before the kernels. Both capture into CUDA graphs; docs/PERF.md says what was measured.
 
 **Indexing.** ``swap_in`` returns int32 ``[tokens, k]``: for column ``j`` of token ``t``,
 ``kv(layer)[idx[t, j]]`` is the KV row of that position (``kv(layer)`` = the layer's hot
@@ -72,7 +72,8 @@ log = logging.getLogger("sparsekv.client")
 # How the engine's stream rings bells and waits on ready words: "kernel" (the top-k and
 # step kernels ring their bell themselves once their block is written; a one-thread
 # kernel spins on the ready word) or "ops" (stream memory operations: cuStreamWriteValue32
-# / cuStreamWaitValue32). Measured on the H200, docs/PERF.md "Doorbell signalling".
+# / cuStreamWaitValue32, the default). "kernel" is not yet timed on the H200 (docs/PERF.md,
+# session 6: `device_run.sh signals` measures both); a spinning kernel holds an SM slot.
 SIGNAL_ENV = "SPARSEKV_DB_ENGINE_SIGNAL"
 SIGNALS = ("ops", "kernel")
 DEFAULT_SIGNAL = "ops"

@@ -3,7 +3,7 @@
 // the doorbell transport. A wait is one thread spinning on a volatile word in device
 // memory (it holds one SM slot while it waits); a set is one atomic store after a
 // system-wide fence. Both capture into CUDA graphs like any kernel. Which one a side
-// uses is a measured choice (docs/PERF.md, "Doorbell signalling").
+// uses is chosen by measurement (docs/PERF.md; stream memory operations by default).
 //
 //   skv_wait_word   wait until *word == 1, then *word = 0
 //   skv_set_word    *word = 1 (after every earlier write of the stream is visible)

@@ -53,20 +53,21 @@ from .transport import Transport
 log = logging.getLogger("sparsekv.cuda")
 
 DEPTH = 2  # step graphs launched ahead (a launch must never block: see _stock)
-# How the step graph waits on bells and sets ready words: "ops" (stream memory operations)
-# or "kernel" (csrc/signal.cu: a one-thread spin kernel, a one-thread store). Measured on
-# the H200: docs/PERF.md, "Doorbell signalling".
+DRAIN_TIMEOUT_S = 10.0
+# How the step graph waits on bells and sets ready words: "ops" (stream memory operations,
+# the default) or "kernel" (csrc/signal.cu: a one-thread spin kernel, a one-thread store;
+# not yet timed on the H200: `device_run.sh signals` measures both, docs/PERF.md).
 SIGNAL_ENV = "SPARSEKV_DB_DAEMON_SIGNAL"
 SIGNALS = ("ops", "kernel")
 DEFAULT_SIGNAL = "ops"
 
 
 def signal_mode() -> str:
+    """The daemon side's signalling: ``$SPARSEKV_DB_DAEMON_SIGNAL``, else the default."""
     mode = os.environ.get(SIGNAL_ENV) or DEFAULT_SIGNAL
     if mode not in SIGNALS:
         raise ValueError(f"{SIGNAL_ENV} must be one of {', '.join(SIGNALS)}, got {mode!r}")
     return mode
-DRAIN_TIMEOUT_S = 10.0
 
 
 class DoorbellTransport(Transport):
