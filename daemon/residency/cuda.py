@@ -68,6 +68,8 @@ def gather_order(value: str | None = None) -> str:
     if order not in GATHER_ORDERS:
         raise ValueError(f"gather order must be one of {', '.join(GATHER_ORDERS)}, got {order!r}")
     return order
+
+
 SETUP_BLOCKS = 1024  # cap for the grid-stride reset/invalidate kernels
 STEP_BLOCKS = 128  # fixed grid of skv_begin_step (blocks stride over batch rows x groups)
 
@@ -643,11 +645,12 @@ class CudaMover(Mover):
         lay = self.layout
         head = (lay.max_batch + 1 + lay.top_k) * 4
         probe = kernels.function("copy.cu", "skv_merge_plan", defines)
-        limit = min(_smem_limit(probe), MERGE_SMEM_CAP)
-        if head > limit:
+        limit = min(_smem_limit(probe), MERGE_SMEM_CAP) // 16 * 16
+        # The offsets and ranks always, every row's list too when it fits (16-byte units).
+        self.merge_smem = min(limit, -(-(head + lay.max_batch * lay.top_k * 4) // 16) * 16)
+        if head > self.merge_smem:
             raise ResidencyError("TOO_LARGE", f"max_batch {lay.max_batch} and top_k {lay.top_k} need {head} B of "
                                  f"shared memory for the batch-wide plan; this GPU allows {limit} B")
-        self.merge_smem = min(limit, head + lay.max_batch * lay.top_k * 4) // 16 * 16
         self._merge = kernels.function("copy.cu", "skv_merge_plan", defines, smem_bytes=self.merge_smem)
         self._gather_merged = kernels.function("copy.cu", "skv_gather_merged", defines)
         n = lay.max_batch * lay.top_k
