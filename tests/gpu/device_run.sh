@@ -90,9 +90,9 @@ fi
 if has signals; then
   # Batch 64, 90 % hits: the doorbell's signalling on each side (engine:daemon) and the
   # gather order; one private daemon each; figures in decode-<variant>.json.
-  for v in ${SIGNAL_VARIANTS:-ops:ops:request kernel:ops ops:kernel kernel:kernel ops:ops}; do
+  for v in ${SIGNAL_VARIANTS:-kernel:ops ops:kernel kernel:kernel ops:ops:batch}; do
     IFS=: read -r eng dmn order <<<"$v"
-    SPARSEKV_DB_ENGINE_SIGNAL=$eng SPARSEKV_DB_DAEMON_SIGNAL=$dmn SPARSEKV_GATHER_ORDER=${order:-batch} \
+    SPARSEKV_DB_ENGINE_SIGNAL=$eng SPARSEKV_DB_DAEMON_SIGNAL=$dmn SPARSEKV_GATHER_ORDER=${order:-request} \
       timeout "$(left 80)" python3 -m sparsekv.client.cli bench decode --batches 64 --hits 90 \
       --modes gpu,inproc,doorbell --json "$OUT/decode-${v//:/-}.json" 2>&1 | tee "$OUT/bench-decode-${v//:/-}.log" \
       | grep -E "^ +64 " | sed "s/^/$v /"
