@@ -1,0 +1,143 @@
+"""The CUDA kernels of ``csrc/``, compiled for the CPU and run through an emulation of the
+few CUDA features they use (``emulator/``: each block is a set of fibers, one per thread,
+switched at barriers and warp votes), so that their logic is checked on machines without
+a GPU, against the NumPy engine, bit for bit. Not a model of the GPU's memory ordering or
+speed: a check of what the kernels compute, the GPU run stays the final word.
+
+``build(source, entry, signature, defines)`` compiles one kernel with a C++ compiler
+(``g++``/``c++``; tests skip without one) into a cache directory; :class:`Resolve` runs
+``skv_resolve`` over NumPy arrays laid out as ``daemon/residency/cuda.py`` lays them out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from sparsekv.csrc.build import load_source
+from sparsekv.daemon.residency.cuda import make_desc, resolve_workspace_bytes
+
+HERE = Path(__file__).resolve().parent
+EMU = HERE / "emulator"
+P = ctypes.c_void_p
+
+
+def compiler() -> str | None:
+    for name in ("g++", "c++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+_built: dict[str, ctypes.CDLL] = {}
+
+
+def build(source: str, entry: str, params: str, args: str, defines: dict) -> ctypes.CDLL:
+    """A shared library with ``run_<entry>(grid, block, smem, <params>)`` that runs the
+    kernel ``entry`` of ``csrc/<source>`` (``defines`` prepended) on the emulator.
+    ``params`` is the C parameter list of the kernel, ``args`` the names passed on."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++, clang++) on this machine")
+    text = "#include \"shim.h\"\n" + load_source(source, defines) + f"""
+#include <functional>
+void emu_launch(int grid, int block, int smem, std::function<void()> body);
+extern "C" void run_{entry}(int grid, int block, int smem, {params}) {{
+    emu_launch(grid, block, smem, [=] {{ {entry}({args}); }});
+}}
+"""
+    emu_src = (EMU / "emu.cpp").read_text() + (EMU / "shim.h").read_text()
+    key = hashlib.sha256((text + emu_src + cxx).encode()).hexdigest()[:16]
+    if key in _built:
+        return _built[key]
+    cache = Path(os.environ.get("SPARSEKV_EMU_CACHE", Path(tempfile.gettempdir()) / f"sparsekv-emu-{os.getuid()}"))
+    cache.mkdir(parents=True, exist_ok=True)
+    lib = cache / f"{entry}-{key}.so"
+    if not lib.exists():
+        src = cache / f".{entry}-{key}.{os.getpid()}.cpp"  # per process: test workers build at once
+        src.write_text(text)
+        tmp = cache / f".{entry}-{key}.{os.getpid()}.so"
+        subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{EMU}", "-o", str(tmp), str(src),
+                        str(EMU / "emu.cpp")], check=True, capture_output=True, timeout=300)
+        os.replace(tmp, lib)
+        src.unlink(missing_ok=True)
+    _built[key] = ctypes.CDLL(str(lib))
+    return _built[key]
+
+
+_RESOLVE_PARAMS = ("const int* desc, int* owner, int* lru, int groups, int max_reqs, int S, int host_rows, int top_k, "
+                   "int max_batch, const int* state_rows, const int* topk, int out_k, int* slots, int* misses, "
+                   "int* prow, int* pslot, unsigned long long* counters, int cpg, int* err, unsigned char* ws, "
+                   "long long ws_stride")
+_RESOLVE_ARGS = ("desc, owner, lru, groups, max_reqs, S, host_rows, top_k, max_batch, state_rows, topk, out_k, slots, "
+                 "misses, prow, pslot, counters, cpg, err, ws, ws_stride")
+
+
+def _ptr(a: np.ndarray):
+    return a.ctypes.data_as(P)
+
+
+class Resolve:
+    """``skv_resolve`` of one layout on the emulator, with its own owner/lru state
+    (``[groups, max_reqs, region_stride]``, as :class:`CudaResidency` keeps it).
+
+    ``resolve(group, state_rows, topk)`` returns what ``CudaResidency.resolve`` returns
+    (slots, misses, hits, out_of_range, the plan concatenated and stable-sorted) plus
+    ``misses_counted`` and the raw per-row outputs; ``err`` is the error record."""
+
+    def __init__(self, lay, lookup: str = "sort", threads: int = 64, workspace: str = "shared"):
+        self.lay, self.lookup, self.threads = lay, lookup, int(threads)
+        self.lib = build("resolve.cu", "skv_resolve", _RESOLVE_PARAMS, _RESOLVE_ARGS,
+                         {"SKV_RESOLVE_THREADS": self.threads, "SKV_RESOLVE_LOOKUP": {"sort": 0, "hash": 1}[lookup]})
+        g, r, s = lay.num_groups, lay.max_reqs, lay.region_stride
+        self.owner = np.full((g, r, s), -1, np.int32)
+        self.lru = np.empty((g, r, s), np.int32)
+        self.lru[...] = np.arange(s, dtype=np.int32)
+        self.ws_bytes = resolve_workspace_bytes(lay.top_k, s, lookup)
+        self.workspace = workspace
+        self.err = np.zeros(32, np.int32)
+
+    def run(self, group: int, state_rows: np.ndarray, topk: np.ndarray):
+        lay = self.lay
+        B, K = lay.max_batch, lay.top_k
+        batch, k = topk.shape
+        desc = make_desc(batch, k, group)
+        out = SimpleNamespace(slots=np.full((B, K), -7, np.int32), misses=np.full(B, -7, np.int32),
+                              prow=np.full((B, K), -7, np.int32), pslot=np.full((B, K), -7, np.int32),
+                              counters=np.zeros(4, np.uint64))
+        sr = np.full(B, -1, np.int32)
+        sr[:batch] = state_rows
+        tk = np.ascontiguousarray(topk, dtype=np.int32)
+        if self.workspace == "global":
+            ws = np.zeros(B * self.ws_bytes + 16, np.uint8)
+            ws_ptr, ws_stride, smem = _ptr(ws), self.ws_bytes, 0
+        else:
+            ws_ptr, ws_stride, smem = P(0), 0, self.ws_bytes
+        i = ctypes.c_int
+        self.lib.run_skv_resolve(
+            i(B), i(self.threads), i(smem), _ptr(desc), _ptr(self.owner), _ptr(self.lru), i(lay.num_groups),
+            i(lay.max_reqs), i(lay.region_stride), i(lay.host_rows), i(lay.top_k), i(B), _ptr(sr), _ptr(tk), i(K),
+            _ptr(out.slots), _ptr(out.misses), _ptr(out.prow), _ptr(out.pslot), _ptr(out.counters), i(0),
+            _ptr(self.err), ws_ptr, ctypes.c_longlong(ws_stride))
+        return out
+
+    def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray):
+        batch, k = topk.shape
+        out = self.run(group, state_rows, topk)
+        m = out.misses[:batch]
+        take = np.arange(self.lay.top_k)[None, :] < m[:, None]
+        rows, flat = out.prow[:batch][take], out.pslot[:batch][take]
+        by = np.argsort(rows, kind="stable")
+        plan = SimpleNamespace(rows=rows[by].astype(np.int32), slots=flat[by].astype(np.int32))
+        return SimpleNamespace(slots=out.slots[:batch, :k].copy(), misses=m.copy(), hits=int(out.counters[0]),
+                               out_of_range=int(out.counters[2]), misses_counted=int(out.counters[1]), plan=plan,
+                               raw=out)
