@@ -141,3 +141,27 @@ class Resolve:
         return SimpleNamespace(slots=out.slots[:batch, :k].copy(), misses=m.copy(), hits=int(out.counters[0]),
                                out_of_range=int(out.counters[2]), misses_counted=int(out.counters[1]), plan=plan,
                                raw=out)
+
+
+_MERGE_PARAMS = ("const int* desc, const int* plan_rows, const int* plan_slots, const int* misses, int max_batch, "
+                 "int ld, int* out_rows, int* out_slots, int* out_count, int smem_bytes")
+_MERGE_ARGS = "desc, plan_rows, plan_slots, misses, max_batch, ld, out_rows, out_slots, out_count, smem_bytes"
+
+
+def merge_plan(plan_rows: np.ndarray, plan_slots: np.ndarray, misses: np.ndarray, batch: int,
+               smem_bytes: int, threads: int = 64):
+    """``skv_merge_plan`` (csrc/copy.cu) of per-row plans ``[max_batch, ld]`` with
+    ``smem_bytes`` of dynamic shared memory; returns (rows, slots, count)."""
+    lib = build("copy.cu", "skv_merge_plan", _MERGE_PARAMS, _MERGE_ARGS,
+                {"SKV_ROW_VECS": 2, "SKV_COPY_THREADS": 64, "SKV_COPY_LOAD": 1, "SKV_MERGE_THREADS": threads})
+    B, ld = plan_rows.shape
+    desc = make_desc(batch, ld, 0)
+    rows = np.full(B * ld, -7, np.int32)
+    slots = np.full(B * ld, -7, np.int32)
+    count = np.full(1, -7, np.int32)
+    i = ctypes.c_int
+    lib.run_skv_merge_plan(i(B), i(threads), i(smem_bytes), _ptr(desc), _ptr(np.ascontiguousarray(plan_rows)),
+                           _ptr(np.ascontiguousarray(plan_slots)), _ptr(np.ascontiguousarray(misses)), i(B), i(ld),
+                           _ptr(rows), _ptr(slots), _ptr(count), i(smem_bytes))
+    n = int(count[0])
+    return rows[:n], slots[:n], n

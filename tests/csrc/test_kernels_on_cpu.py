@@ -120,3 +120,30 @@ def test_a_token_beyond_region_stride_over_top_k_is_refused(lookup):
     assert emu.err[E_TOO_MANY_TOKENS] == 1 and emu.err[8 + E_TOO_MANY_TOKENS] == 3
     np.testing.assert_array_equal(emu.owner, cpu.owner)
     np.testing.assert_array_equal(emu.lru, cpu.lru)
+
+
+@pytest.mark.parametrize("in_shared", [True, False])
+def test_the_batch_wide_plan_is_the_stable_host_row_order(in_shared):
+    """skv_merge_plan: every row's plan (sorted by host row, as skv_resolve leaves it)
+    merged into one list in host-row order, ties in batch order (the cpu backend's
+    stable sort), the lists in shared memory or searched in global memory."""
+    rng = np.random.default_rng(3)
+    B, ld = 8, 40
+    for trial in range(10):
+        batch = int(rng.integers(1, B + 1))
+        misses = rng.integers(0, ld + 1, size=B).astype(np.int32)
+        rows = np.full((B, ld), -1, np.int32)
+        slots = np.full((B, ld), -1, np.int32)
+        for b in range(B):
+            m = misses[b]
+            rows[b, :m] = np.sort(rng.choice(60, m, replace=m > 60))  # rows shared by several batch rows
+            slots[b, :m] = b * 1000 + np.arange(m)
+        head = (B + 1 + ld) * 4
+        smem = head + B * ld * 4 if in_shared else head  # room for the lists, or none
+        got_rows, got_slots, n = cpu_kernels.merge_plan(rows, slots, misses, batch, smem)
+        take = np.arange(ld)[None, :] < misses[:batch, None]
+        want_rows, want_slots = rows[:batch][take], slots[:batch][take]
+        order = np.argsort(want_rows, kind="stable")
+        assert n == want_rows.size, trial
+        np.testing.assert_array_equal(got_rows, want_rows[order], err_msg=f"trial {trial}")
+        np.testing.assert_array_equal(got_slots, want_slots[order], err_msg=f"trial {trial}")

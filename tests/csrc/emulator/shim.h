@@ -43,3 +43,8 @@ template <class T> inline T atomicMin(T* a, T v) { T o = *a; if (v < o) *a = v; 
 template <class T> inline T atomicOr(T* a, T v) { T o = *a; *a = o | v; return o; }
 template <class T> inline T atomicExch(T* a, T v) { T o = *a; *a = v; return o; }
 template <class T> inline T atomicCAS(T* a, T c, T v) { T o = *a; if (o == c) *a = v; return o; }
+
+// 16-byte vectors and the read-only / streaming loads of the copy kernels.
+struct uint4 { unsigned x, y, z, w; };
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldcs(const T* p) { return *p; }
