@@ -1,9 +1,10 @@
-"""``skv_resolve`` (csrc/resolve.cu), compiled for the CPU and run on the fiber emulator
-(``cpu_kernels.py``), against the NumPy engine, bit for bit: slots, misses, counters, the
-plan and the owner/lru state after every step, for both lookups (sort, hash), several
-thread counts, shared and global workspaces; rows refused for duplicates and for too many
-tokens; corrupt owners. The same checks as the GPU tests
-(``daemon/residency/test_cuda_kernels.py``), on any machine with a C++ compiler.
+"""Kernels of ``csrc/`` compiled for the CPU and run on the fiber emulator
+(``cpu_kernels.py``), against the NumPy engine, bit for bit. ``skv_resolve``: slots,
+misses, counters, the plan and the owner/lru state after every step, for both lookups
+(sort, hash), several thread counts, shared and global workspaces; rows refused for
+duplicates and for too many tokens; corrupt owners. ``skv_merge_plan``: the stable
+host-row order. The same checks as the GPU tests (``daemon/residency/test_cuda_kernels.py``),
+on any machine with a C++ compiler.
 """
 
 from __future__ import annotations
