@@ -165,3 +165,46 @@ def merge_plan(plan_rows: np.ndarray, plan_slots: np.ndarray, misses: np.ndarray
                            _ptr(rows), _ptr(slots), _ptr(count), i(smem_bytes))
     n = int(count[0])
     return rows[:n], slots[:n], n
+
+
+_TOPK_PARAMS = ("int* blk, const int* counter, const int* req_ids, int tokens, const int* table, int table_rows, "
+                "int max_blocks, const int* resident, int res_blocks, const int* topk, int k, int block_size, "
+                "int group, int max_batch, unsigned* done, unsigned* bell")
+_TOPK_ARGS = ("blk, counter, req_ids, tokens, table, table_rows, max_blocks, resident, res_blocks, topk, k, block_size, "
+              "group, max_batch, done, bell")
+_INDICES_PARAMS = ("const int* slots, int ld, const int* req_ids, int tokens, const int* topk, int k, "
+                   "const int* resident, int res_blocks, int table_rows, int block_size, int region_stride, "
+                   "long long hot_base, long long resident_base, const int* dead, int* out, int* valid")
+_INDICES_ARGS = ("slots, ld, req_ids, tokens, topk, k, resident, res_blocks, table_rows, block_size, region_stride, "
+                 "hot_base, resident_base, dead, out, valid")
+
+
+def _opt(a):
+    return _ptr(a) if a is not None else P(0)
+
+
+def db_topk(grid: int, threads: int, blk, counter, req_ids, table, resident, topk, block_size: int, group: int,
+            max_batch: int, done=None, bell=None):
+    """``skv_db_topk`` (csrc/handle.cu) over NumPy arrays; ``table`` / ``resident`` None
+    for none."""
+    lib = build("handle.cu", "skv_db_topk", _TOPK_PARAMS, _TOPK_ARGS, {})
+    i = ctypes.c_int
+    tokens, k = topk.shape
+    table_rows, max_blocks = table.shape if table is not None else (max_batch, 0)
+    res_blocks = resident.shape[1] if resident is not None else 0
+    lib.run_skv_db_topk(i(grid), i(threads), i(0), _ptr(blk), _ptr(counter), _ptr(req_ids), i(tokens), _opt(table),
+                        i(table_rows), i(max_blocks), _opt(resident), i(res_blocks), _ptr(topk), i(k), i(block_size),
+                        i(group), i(max_batch), _opt(done), _opt(bell))
+
+
+def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_rows: int, block_size: int,
+               region_stride: int, hot_base: int, resident_base: int, dead, out, valid=None):
+    """``skv_db_indices`` (csrc/handle.cu) over NumPy arrays."""
+    lib = build("handle.cu", "skv_db_indices", _INDICES_PARAMS, _INDICES_ARGS, {})
+    i = ctypes.c_int
+    tokens, k = topk.shape
+    res_blocks = resident.shape[1] if resident is not None else 0
+    lib.run_skv_db_indices(i(grid), i(threads), i(0), _ptr(slots), i(slots.shape[1]), _ptr(req_ids), i(tokens),
+                           _ptr(topk), i(k), _opt(resident), i(res_blocks), i(table_rows), i(block_size),
+                           i(region_stride), ctypes.c_longlong(hot_base), ctypes.c_longlong(resident_base),
+                           _opt(dead), _ptr(out), _opt(valid))

@@ -3,7 +3,9 @@
 misses, counters, the plan and the owner/lru state after every step, for both lookups
 (sort, hash), several thread counts, shared and global workspaces; rows refused for
 duplicates and for too many tokens; corrupt owners. ``skv_merge_plan``: the stable
-host-row order. The same checks as the GPU tests (``daemon/residency/test_cuda_kernels.py``),
+host-row order. ``skv_db_topk`` / ``skv_db_indices`` (the engine side): positions to host rows
+as proto/positions.py maps them, the bell rung once, indices into hot and resident rows. The
+same checks as the GPU tests (``daemon/residency/test_cuda_kernels.py``),
 on any machine with a C++ compiler.
 """
 
@@ -148,3 +150,75 @@ def test_the_batch_wide_plan_is_the_stable_host_row_order(in_shared):
         assert n == want_rows.size, trial
         np.testing.assert_array_equal(got_rows, want_rows[order], err_msg=f"trial {trial}")
         np.testing.assert_array_equal(got_slots, want_slots[order], err_msg=f"trial {trial}")
+
+
+def _positions_case(rng, tokens=7, k=24, reqs=5, max_blocks=6, bs=4):
+    req = rng.integers(-1, reqs + 1, size=tokens).astype(np.int32)  # padding and a request past the table
+    table = rng.integers(-1, 50, size=(reqs, max_blocks)).astype(np.int32)  # -1: a null block
+    resident = np.where(rng.random((reqs, max_blocks // 2)) < 0.3,
+                        rng.integers(0, 9, size=(reqs, max_blocks // 2)), -1).astype(np.int32)
+    topk = rng.integers(-3, max_blocks * bs + 6, size=(tokens, k)).astype(np.int32)  # negatives, past the table
+    return req, table, resident, topk, bs
+
+
+@pytest.mark.parametrize("grid", [1, 3])
+def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(grid):
+    """skv_db_topk: position -> host row by the request's block table (proto/positions.py's
+    rule), resident blocks -> -1 (no host row), unmapped -> -2; the step block's head; and
+    the bell rung once every block is done, its arrival counter back at 0."""
+    from sparsekv.proto.positions import UNMAPPED, host_rows
+
+    rng = np.random.default_rng(grid)
+    for trial in range(8):
+        req, table, resident, topk, bs = _positions_case(rng)
+        tokens, k = topk.shape
+        max_batch = 8
+        blk = np.full(16 + 2 * max_batch + max_batch * k, -9, np.int32)
+        counter = np.array([41], np.int32)
+        done, bell = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
+        cpu_kernels.db_topk(grid, 32, blk, counter, req, table, resident, topk, bs, group=2, max_batch=max_batch,
+                            done=done, bell=bell)
+        live = (req >= 0) & (req < table.shape[0])
+        rows_tab = np.where(live[:, None], table[np.clip(req, 0, table.shape[0] - 1)], -1)
+        want = host_rows(topk, rows_tab, bs)
+        blkno = np.where(topk >= 0, topk // bs, -1)
+        res_tab = np.where(live[:, None], resident[np.clip(req, 0, resident.shape[0] - 1)], -1)
+        in_res = (blkno >= 0) & (blkno < resident.shape[1])
+        is_res = in_res & (np.take_along_axis(res_tab, np.clip(blkno, 0, resident.shape[1] - 1), axis=1) >= 0)
+        want = np.where(is_res, -1, np.where(live[:, None], want, UNMAPPED))
+        payload = blk[16 + 2 * max_batch:16 + 2 * max_batch + tokens * k].reshape(tokens, k)
+        np.testing.assert_array_equal(payload, want, err_msg=f"trial {trial}")
+        np.testing.assert_array_equal(blk[16:16 + tokens], np.where(req < 0, -1, req))
+        assert blk[2] == tokens and blk[3] == k and blk[4] == 2 and blk[0] == 41  # batch, k, group, seq
+        assert bell[0] == 1 and done[0] == 0
+
+
+def test_the_engine_side_indices_point_at_hot_or_resident_rows():
+    """skv_db_indices: resident positions -> resident_base + block * bs + offset, hot slots
+    -> hot_base + req * stride + slot, everything else -1; valid counts; all -1 once dead."""
+    rng = np.random.default_rng(5)
+    req, table, resident, topk, bs = _positions_case(rng)
+    tokens, k = topk.shape
+    stride, hot, res_base = 64, 1000, 50_000
+    slots = rng.integers(-1, stride, size=(8, k)).astype(np.int32)
+    for dead_flag in (0, 1):
+        out = np.full((tokens, k), -9, np.int32)
+        valid = np.full(tokens, -9, np.int32)
+        dead = np.array([dead_flag], np.int32)
+        cpu_kernels.db_indices(3, 32, slots, req, topk, resident, table.shape[0], bs, stride, hot, res_base, dead,
+                               out, valid)
+        want = np.full((tokens, k), -1, np.int64)
+        for t in range(tokens):
+            r = int(req[t])
+            if dead_flag or not 0 <= r < table.shape[0]:
+                continue
+            for j in range(k):
+                p = int(topk[t, j])
+                b = p // bs if p >= 0 else -1
+                rb = resident[r, b] if 0 <= b < resident.shape[1] else -1
+                if p >= 0 and rb >= 0:
+                    want[t, j] = res_base + rb * bs + p % bs
+                elif slots[t, j] >= 0:
+                    want[t, j] = hot + r * stride + slots[t, j]
+        np.testing.assert_array_equal(out, want, err_msg=f"dead {dead_flag}")
+        np.testing.assert_array_equal(valid, (want >= 0).sum(axis=1))
