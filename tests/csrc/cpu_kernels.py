@@ -208,3 +208,26 @@ def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_ro
                            _ptr(topk), i(k), _opt(resident), i(res_blocks), i(table_rows), i(block_size),
                            i(region_stride), ctypes.c_longlong(hot_base), ctypes.c_longlong(resident_base),
                            _opt(dead), _ptr(out), _opt(valid))
+
+
+_GATHER_PARAMS = ("const int* desc, const unsigned char* pool, long long host_rows, int num_layers, "
+                  "unsigned char* slab, long long slab_layer_rows, const int* group_layers, int layers_stride, "
+                  "int groups, const int* plan_rows, const int* plan_slots, const int* misses, int max_batch, int ld, "
+                  "const long long* slab_layer_off, long long slab_block_rows, long long slab_block_stride")
+_GATHER_ARGS = ("desc, pool, host_rows, num_layers, slab, slab_layer_rows, group_layers, layers_stride, groups, "
+                "plan_rows, plan_slots, misses, max_batch, ld, slab_layer_off, slab_block_rows, slab_block_stride")
+
+
+def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan_slots, misses, grid: int = 4,
+           threads: int = 64, layer_off=None, block_rows: int = 1, block_stride: int = 0):
+    """``skv_gather`` (csrc/copy.cu): the per-row plans, pool ``[L, host_rows, row_bytes]``
+    (uint8) -> ``slab`` (uint8, laid out flat or by the engine-slab geometry)."""
+    L, host_rows, rb = pool.shape
+    lib = build("copy.cu", "skv_gather", _GATHER_PARAMS, _GATHER_ARGS,
+                {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads, "SKV_COPY_LOAD": 1, "SKV_MERGE_THREADS": 64})
+    B, ld = plan_rows.shape
+    i, q = ctypes.c_int, ctypes.c_longlong
+    lib.run_skv_gather(i(grid), i(threads), i((B + 1) * 8), _ptr(desc), _ptr(pool), q(host_rows), i(L), _ptr(slab),
+                       q(slab_layer_rows), _ptr(group_layers), i(group_layers.shape[1]), i(group_layers.shape[0]),
+                       _ptr(plan_rows), _ptr(plan_slots), _ptr(misses), i(B), i(ld), _opt(layer_off), q(block_rows),
+                       q(block_stride))

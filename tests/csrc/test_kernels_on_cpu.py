@@ -4,7 +4,8 @@ misses, counters, the plan and the owner/lru state after every step, for both lo
 (sort, hash), several thread counts, shared and global workspaces; rows refused for
 duplicates and for too many tokens; corrupt owners. ``skv_merge_plan``: the stable
 host-row order. ``skv_db_topk`` / ``skv_db_indices`` (the engine side): positions to host rows
-as proto/positions.py maps them, the bell rung once, indices into hot and resident rows. The
+as proto/positions.py maps them, the bell rung once, indices into hot and resident rows.
+``skv_gather``: the planned rows of the group's layers, flat or into a paged engine slab. The
 same checks as the GPU tests (``daemon/residency/test_cuda_kernels.py``),
 on any machine with a C++ compiler.
 """
@@ -222,3 +223,56 @@ def test_the_engine_side_indices_point_at_hot_or_resident_rows():
                     want[t, j] = hot + r * stride + slots[t, j]
         np.testing.assert_array_equal(out, want, err_msg=f"dead {dead_flag}")
         np.testing.assert_array_equal(valid, (want >= 0).sum(axis=1))
+
+
+@pytest.mark.parametrize("geometry", ["daemon", "engine"])
+def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_else(geometry):
+    """skv_gather: for each layer of the descriptor's group, row plan_rows[b, i] of the pool
+    to slot plan_slots[b, i] of the slab (i < misses[b]), into the daemon's flat slab or an
+    engine's paged buffer (blocks of block_rows rows at block_stride bytes, a gap after
+    each); every other byte stays as it was; an entry outside the pool is skipped."""
+    from sparsekv.daemon.residency.cuda import make_desc
+
+    rng = np.random.default_rng(11)
+    L, host_rows, rb = 4, 300, 48
+    B, ld, slots_n = 5, 12, 40  # slab rows per layer (max_reqs x region_stride)
+    pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)
+    groups = np.array([[2, 0, 3], [1, 1, -1]], np.int32)  # group 0: layers 0 and 3; group 1: layer 1
+    block_rows, gap = 4, 2
+    block_stride = (block_rows + gap) * rb
+    per_layer = slots_n // block_rows * block_stride
+    for trial in range(6):
+        batch = int(rng.integers(1, B + 1))
+        group = trial % 2
+        misses = rng.integers(0, ld + 1, size=B).astype(np.int32)
+        rows = rng.integers(0, host_rows, size=(B, ld)).astype(np.int32)
+        out_of_pool = rng.random((B, ld)) < 0.15  # past the pool or negative: skipped
+        rows[out_of_pool] = rng.choice([host_rows, host_rows + 1, -1, -5], size=int(out_of_pool.sum()))
+        # Slots distinct over the whole batch (the bytes then do not depend on write order);
+        # past the first slots_n // B entries of a row, -1 (skipped).
+        per_row = slots_n // B
+        slots = np.full((B, ld), -1, np.int32)
+        slots[:, :per_row] = rng.choice(slots_n, B * per_row, replace=False).reshape(B, per_row)
+        desc = make_desc(batch, ld, group)
+        if geometry == "daemon":
+            slab = rng.integers(0, 256, size=(L, slots_n, rb), dtype=np.uint8)
+            layer_off, bstride = None, 0
+        else:
+            slab = rng.integers(0, 256, size=(L * per_layer,), dtype=np.uint8)
+            layer_off = (np.arange(L) * per_layer).astype(np.int64)
+            bstride = block_stride
+        want = slab.copy()
+        for layer in groups[group, 1:1 + groups[group, 0]]:
+            for b in range(batch):
+                for i in range(misses[b]):
+                    r, sl = rows[b, i], slots[b, i]
+                    if not 0 <= r < host_rows or sl < 0:
+                        continue
+                    if geometry == "daemon":
+                        want[layer, sl] = pool[layer, r]
+                    else:
+                        at = layer * per_layer + (sl // block_rows) * block_stride + (sl % block_rows) * rb
+                        want[at:at + rb] = pool[layer, r]
+        cpu_kernels.gather(desc, pool, slab, slots_n, groups, rows, slots, misses, layer_off=layer_off,
+                           block_rows=block_rows if geometry == "engine" else 1, block_stride=bstride)
+        np.testing.assert_array_equal(slab, want, err_msg=f"trial {trial}")
