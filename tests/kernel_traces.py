@@ -2,7 +2,8 @@
 (``daemon/residency/test_cuda_kernels.py``) and the CPU emulation of the kernels
 (``csrc/test_kernels_on_cpu.py``): small layouts, top-k rows with carried-over ids, junk,
 short rows and padding, several tokens of one request, and the comparison of a resolve
-with the NumPy engine's.
+with the NumPy engine's; ``run_trace`` drives a whole trace (resets, invalidations, repeated
+batches) through any residency with the CudaResidency interface.
 
 Imported as ``kernel_traces`` (``tests/`` is on ``sys.path``, as for ``helpers``).
 """
@@ -81,3 +82,54 @@ def assert_same(want, got, where=""):
     np.testing.assert_array_equal(got.plan.slots, want.plan.slots, err_msg=f"plan slots {where}")
     assert got.plan.rows.dtype == np.int32 and got.plan.slots.dtype == np.int32
     assert got.slots.dtype == np.int32 and got.misses.dtype == np.int32
+
+
+def assert_state(cpu, gpu, where=""):
+    owner, lru = gpu.state()
+    np.testing.assert_array_equal(owner, cpu.owner, err_msg=f"owner {where}")
+    np.testing.assert_array_equal(lru, cpu.lru, err_msg=f"lru {where}")
+
+
+def run_trace(cpu, gpu, lay, seed, steps, batch, overlap, state_every=1):
+    rng = np.random.default_rng(seed)
+    memory: dict[int, np.ndarray] = {}
+    last = None
+    stats = {"hits": 0, "misses": 0, "all_hit_steps": 0}
+    for step in range(steps):
+        where = f"seed {seed} step {step}"
+        mode = rng.random()
+        if mode < 0.1 and last is not None:  # all-hit: the same batch again, nothing in between
+            group, sr, tk = last
+            stats["all_hit_steps"] += 1
+        else:
+            if rng.random() < 0.2:
+                rs = rng.choice(lay.max_reqs, size=int(rng.integers(1, 3)), replace=True).astype(np.int32)
+                cpu.reset(rs)
+                gpu.reset(rs)
+            if rng.random() < 0.3 and memory:
+                s = int(rng.choice(list(memory)))
+                rows = rng.choice(memory[s], size=min(memory[s].size, int(rng.integers(1, 6))), replace=False) \
+                    if memory[s].size else np.empty(0, np.int64)
+                rows = np.concatenate([rows, [-1, int(rng.integers(lay.host_rows))]]).astype(np.int32)
+                cpu.invalidate(s, rows)
+                gpu.invalidate(s, rows)
+            if rng.random() < 0.15 and memory:
+                pool = np.concatenate(list(memory.values()))
+                if pool.size:
+                    rows = rng.choice(pool, size=min(pool.size, 8), replace=False).astype(np.int32)
+                    assert gpu.invalidate_everywhere(rows) == cpu.invalidate_everywhere(rows), where
+            fresh = mode < 0.2  # all-miss-ish: fresh ids
+            sr, tk = gen_batch(rng, lay, memory, batch, overlap, fresh=fresh)
+            group = int(rng.integers(lay.num_groups))
+        want = cpu.resolve(group, sr, tk)
+        got = gpu.resolve(group, sr, tk)
+        assert_same(want, got, where)
+        assert gpu.last_errors == 0, where
+        stats["hits"] += want.hits
+        stats["misses"] += int(want.misses.sum())
+        last = (group, sr, tk)
+        if step % state_every == 0 or step == steps - 1:
+            assert_state(cpu, gpu, where)
+    # The trace must have exercised both paths.
+    assert stats["hits"] > 0 and stats["misses"] > 0, stats
+    return stats

@@ -106,6 +106,55 @@ class Resolve:
         self.workspace = workspace
         self.err = np.zeros(32, np.int32)
 
+    # -- the other residency kernels (skv_reset, skv_invalidate), as CudaResidency calls them
+    def _lib(self, entry: str, params: str, args: str):
+        return build("resolve.cu", entry, params, args,
+                     {"SKV_RESOLVE_THREADS": self.threads, "SKV_RESOLVE_LOOKUP": {"sort": 0, "hash": 1}[self.lookup]})
+
+    def reset(self, state_rows) -> None:
+        rows = np.asarray(state_rows, dtype=np.int32)
+        rows = np.ascontiguousarray(rows[rows >= 0])
+        if not rows.size:
+            return
+        lay = self.lay
+        lib = self._lib("skv_reset", "int* owner, int* lru, int groups, int max_reqs, int S, const int* state_rows, int n",
+                        "owner, lru, groups, max_reqs, S, state_rows, n")
+        i = ctypes.c_int
+        lib.run_skv_reset(i(3), i(64), i(0), _ptr(self.owner), _ptr(self.lru), i(lay.num_groups), i(lay.max_reqs),
+                          i(lay.region_stride), _ptr(rows), i(rows.size))
+
+    def _invalidate(self, rows, state_rows) -> int:
+        from sparsekv.daemon.residency.cuda import rows_block  # noqa: PLC0415
+
+        block = np.ascontiguousarray(rows_block(rows))
+        if not block[0]:
+            return 0
+        lay = self.lay
+        lib = self._lib("skv_invalidate", "int* owner, int groups, int max_reqs, int S, const int* state_rows, "
+                        "int n_state, const int* rows, int rows_cap, unsigned long long* counter",
+                        "owner, groups, max_reqs, S, state_rows, n_state, rows, rows_cap, counter")
+        counter = np.zeros(1, np.uint64)
+        sr = None if state_rows is None else np.ascontiguousarray(state_rows, dtype=np.int32)
+        i = ctypes.c_int
+        lib.run_skv_invalidate(i(3), i(64), i(0), _ptr(self.owner), i(lay.num_groups), i(lay.max_reqs),
+                               i(lay.region_stride), _opt(sr), i(0 if sr is None else sr.size), _ptr(block),
+                               i(int(block[0])), _ptr(counter))
+        return int(counter[0])
+
+    def invalidate(self, state_row: int, rows) -> None:
+        self._invalidate(rows, np.array([state_row], np.int32))
+
+    def invalidate_everywhere(self, rows) -> int:
+        return self._invalidate(rows, None)
+
+    def state(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.owner.copy(), self.lru.copy()
+
+    @property
+    def last_errors(self) -> int:
+        """Error bits counted so far (this emulated rank's whole record)."""
+        return sum(1 << e for e in range(5) if int(self.err[e]))
+
     def run(self, group: int, state_rows: np.ndarray, topk: np.ndarray):
         lay = self.lay
         B, K = lay.max_batch, lay.top_k

@@ -22,7 +22,7 @@ from sparsekv.daemon.residency.contract import RegionModel
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto.layout import Layout
 
-from kernel_traces import assert_same, gen_batch, gen_row, junk_values, layout  # noqa: F401 - shared with tests/csrc
+from kernel_traces import assert_same, assert_state, gen_batch, gen_row, junk_values, layout, run_trace  # noqa: F401,E501 - shared with tests/csrc
 
 pytestmark = pytest.mark.cuda
 
@@ -43,57 +43,6 @@ def device_sync():
     import cupy as cp
 
     cp.cuda.runtime.deviceSynchronize()
-
-
-def assert_state(cpu, gpu, where=""):
-    owner, lru = gpu.state()
-    np.testing.assert_array_equal(owner, cpu.owner, err_msg=f"owner {where}")
-    np.testing.assert_array_equal(lru, cpu.lru, err_msg=f"lru {where}")
-
-
-def run_trace(cpu, gpu, lay, seed, steps, batch, overlap, state_every=1):
-    rng = np.random.default_rng(seed)
-    memory: dict[int, np.ndarray] = {}
-    last = None
-    stats = {"hits": 0, "misses": 0, "all_hit_steps": 0}
-    for step in range(steps):
-        where = f"seed {seed} step {step}"
-        mode = rng.random()
-        if mode < 0.1 and last is not None:  # all-hit: the same batch again, nothing in between
-            group, sr, tk = last
-            stats["all_hit_steps"] += 1
-        else:
-            if rng.random() < 0.2:
-                rs = rng.choice(lay.max_reqs, size=int(rng.integers(1, 3)), replace=True).astype(np.int32)
-                cpu.reset(rs)
-                gpu.reset(rs)
-            if rng.random() < 0.3 and memory:
-                s = int(rng.choice(list(memory)))
-                rows = rng.choice(memory[s], size=min(memory[s].size, int(rng.integers(1, 6))), replace=False) \
-                    if memory[s].size else np.empty(0, np.int64)
-                rows = np.concatenate([rows, [-1, int(rng.integers(lay.host_rows))]]).astype(np.int32)
-                cpu.invalidate(s, rows)
-                gpu.invalidate(s, rows)
-            if rng.random() < 0.15 and memory:
-                pool = np.concatenate(list(memory.values()))
-                if pool.size:
-                    rows = rng.choice(pool, size=min(pool.size, 8), replace=False).astype(np.int32)
-                    assert gpu.invalidate_everywhere(rows) == cpu.invalidate_everywhere(rows), where
-            fresh = mode < 0.2  # all-miss-ish: fresh ids
-            sr, tk = gen_batch(rng, lay, memory, batch, overlap, fresh=fresh)
-            group = int(rng.integers(lay.num_groups))
-        want = cpu.resolve(group, sr, tk)
-        got = gpu.resolve(group, sr, tk)
-        assert_same(want, got, where)
-        assert gpu.last_errors == 0, where
-        stats["hits"] += want.hits
-        stats["misses"] += int(want.misses.sum())
-        last = (group, sr, tk)
-        if step % state_every == 0 or step == steps - 1:
-            assert_state(cpu, gpu, where)
-    # The trace must have exercised both paths.
-    assert stats["hits"] > 0 and stats["misses"] > 0, stats
-    return stats
 
 
 # id, top_k, stride, host_rows, max_reqs, groups, batch, steps, overlap, threads, workspace
