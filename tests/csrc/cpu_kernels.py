@@ -147,6 +147,27 @@ class Resolve:
     def invalidate_everywhere(self, rows) -> int:
         return self._invalidate(rows, None)
 
+    def begin_step(self, state_rows, reset, invalidate) -> None:
+        """``skv_begin_step`` of a STEP block: ``state_rows`` int32 [n], ``reset`` [n] (0/1),
+        ``invalidate`` int32 [n, m] (-1 = none)."""
+        lay = self.lay
+        inv = np.ascontiguousarray(invalidate, dtype=np.int32)
+        n, m = inv.shape
+        cap = max(1, lay.top_k)
+        lib = self._lib("skv_begin_step", "const int* desc, int* owner, int* lru, int groups, int max_reqs, int S, "
+                        "int max_batch, const int* state_rows, const int* reset, const int* inv, int inv_cap, int* err",
+                        "desc, owner, lru, groups, max_reqs, S, max_batch, state_rows, reset, inv, inv_cap, err")
+        desc = make_desc(batch=n, inv_n=m)
+        sr = np.full(lay.max_batch, -1, np.int32)
+        sr[:n] = state_rows
+        rs = np.zeros(lay.max_batch, np.int32)
+        rs[:n] = np.asarray(reset, dtype=np.int32)
+        smem = 4 * (1 << max(0, (cap - 1).bit_length()))
+        i = ctypes.c_int
+        lib.run_skv_begin_step(i(4), i(64), i(smem), _ptr(desc), _ptr(self.owner), _ptr(self.lru), i(lay.num_groups),
+                               i(lay.max_reqs), i(lay.region_stride), i(lay.max_batch), _ptr(sr), _ptr(rs), _ptr(inv),
+                               i(cap), _ptr(self.err))
+
     def state(self) -> tuple[np.ndarray, np.ndarray]:
         return self.owner.copy(), self.lru.copy()
 

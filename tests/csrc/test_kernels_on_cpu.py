@@ -1,6 +1,7 @@
 """Kernels of ``csrc/`` compiled for the CPU and run on the fiber emulator
 (``cpu_kernels.py``), against the NumPy engine, bit for bit. ``skv_resolve`` (with
-``skv_reset`` and ``skv_invalidate`` in the traces): slots, misses, counters, the plan and
+``skv_reset`` and ``skv_invalidate`` in the traces, ``skv_begin_step`` after them): slots,
+misses, counters, the plan and
 the owner/lru state after every step, for both lookups
 (sort, hash), several thread counts, shared and global workspaces; rows refused for
 duplicates and for too many tokens; corrupt owners. ``skv_merge_plan``: the stable
@@ -257,3 +258,33 @@ def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_els
         cpu_kernels.gather(desc, pool, slab, slots_n, groups, rows, slots, misses, layer_off=layer_off,
                            block_rows=block_rows if geometry == "engine" else 1, block_stride=bstride)
         np.testing.assert_array_equal(slab, want, err_msg=f"trial {trial}")
+
+
+@pytest.mark.parametrize("lookup", ["sort", "hash"])
+def test_begin_step_resets_then_invalidates_as_the_numpy_engine(lookup):
+    """skv_begin_step (one launch for the whole STEP block): rows with reset empty their
+    regions, the others lose the slots owning one of their invalidate ids; the result is
+    the NumPy engine's (resets first, then invalidations), the lru untouched by the
+    invalidations; then resolving goes on equal."""
+    lay = layout(8, 16, 60, 4, groups=2, max_batch=6)
+    cpu = CpuResidency(lay)
+    emu = cpu_kernels.Resolve(lay, lookup, threads=32)
+    rng = np.random.default_rng(13)
+    memory: dict = {}
+    for step in range(25):
+        sr, tk = gen_batch(rng, lay, memory, 6, 0.6)
+        group = int(rng.integers(lay.num_groups))
+        assert_same(cpu.resolve(group, sr, tk), emu.resolve(group, sr, tk), f"step {step}")
+        rows = rng.choice(lay.max_reqs, size=3, replace=False).astype(np.int32)
+        reset = (rng.random(3) < 0.3).astype(np.int32)
+        inv = rng.integers(-1, lay.host_rows, size=(3, 5)).astype(np.int32)
+        for s, r in zip(rows, reset):
+            if r:
+                cpu.reset(np.array([s], np.int32))
+        for s, r, ids in zip(rows, reset, inv):
+            if not r:
+                cpu.invalidate(int(s), ids)
+        emu.begin_step(rows, reset, inv)
+        np.testing.assert_array_equal(emu.owner, cpu.owner, err_msg=f"owner after step {step}")
+        np.testing.assert_array_equal(emu.lru, cpu.lru, err_msg=f"lru after step {step}")
+    assert not emu.err[:8].any()
