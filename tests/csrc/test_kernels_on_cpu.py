@@ -1,15 +1,18 @@
 """Kernels of ``csrc/`` compiled for the CPU and run on the fiber emulator
-(``cpu_kernels.py``), against the NumPy engine, bit for bit. ``skv_resolve`` (with
-``skv_reset`` and ``skv_invalidate`` in the traces, ``skv_begin_step`` after them): slots,
-misses, counters, the plan and
-the owner/lru state after every step, for both lookups
-(sort, hash), several thread counts, shared and global workspaces; rows refused for
-duplicates and for too many tokens; corrupt owners. ``skv_merge_plan``: the stable
-host-row order. ``skv_db_topk`` / ``skv_db_indices`` (the engine side): positions to host rows
-as proto/positions.py maps them, the bell rung once, indices into hot and resident rows.
-``skv_gather``: the planned rows of the group's layers, flat or into a paged engine slab. The
-same checks as the GPU tests (``daemon/residency/test_cuda_kernels.py``),
-on any machine with a C++ compiler.
+(``cpu_kernels.py``), against the NumPy engine, bit for bit:
+
+* ``skv_resolve`` (``skv_reset`` and ``skv_invalidate`` in its traces): slots, misses,
+  counters, the plan and the owner/lru state after every step, for both lookups (sort,
+  hash), several thread counts, shared and global workspaces; rows refused for duplicates
+  and for too many tokens; corrupt owners;
+* ``skv_begin_step``: resets, then invalidations;
+* ``skv_merge_plan``: the stable host-row order;
+* ``skv_db_topk`` / ``skv_db_indices`` (the engine side): positions to host rows as
+  ``proto/positions.py`` maps them, the bell rung once, indices into hot and resident rows;
+* ``skv_gather``: the planned rows of the group's layers, flat or into a paged engine slab.
+
+The same checks as the GPU tests (``daemon/residency/test_cuda_kernels.py``), on any
+machine with a C++ compiler.
 """
 
 from __future__ import annotations
