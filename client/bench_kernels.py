@@ -75,7 +75,7 @@ def pool_ready(nbytes: int, threads: int, pipelined: bool, max_chunk_bytes: int)
 
     t0 = time.perf_counter()
     if pipelined:
-        pinner = PoolPinner(max_chunk_bytes).start(nbytes)
+        pinner = PoolPinner(nbytes, max_chunk_bytes)
         pool = HostPool(nbytes, threads, on_faulted=pinner)
         region = pinner.finish()
         return pool, region, time.perf_counter() - t0, "registered while faulting"

@@ -282,7 +282,7 @@ def pool_pinner(cfg):
         return None
     if cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
         return None
-    return PoolPinner().start(cfg.pool_size)
+    return PoolPinner(cfg.pool_size)
 
 
 def backend_refusal(cfg) -> str | None:

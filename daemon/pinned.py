@@ -264,21 +264,15 @@ class PoolPinner:
     fall on pages only (``row_bytes`` 16): kernels read across them freely, a single bulk
     DMA copy must not cross one (none of the daemon's copies of pool rows is one)."""
 
-    def __init__(self, max_chunk_bytes: int = 4 << 30, runtime=None):
+    def __init__(self, size_bytes: int, max_chunk_bytes: int = 4 << 30, runtime=None):
+        self.size_bytes = int(size_bytes)
         self.max_chunk_bytes = int(max_chunk_bytes)
         self._runtime = runtime
         self.region: PinnedRegion | None = None
-        self._size = 0
-
-    def start(self, size_bytes: int) -> "PoolPinner":
-        self._size = int(size_bytes)
-        return self
 
     def __call__(self, address: int, faulted: int) -> None:
         if self.region is None:
-            if not self._size:
-                raise PinError("PoolPinner.start(size) was not called before the pool was faulted")
-            self.region = PinnedRegion(address, self._size, 16, self.max_chunk_bytes, runtime=self._runtime,
+            self.region = PinnedRegion(address, self.size_bytes, 16, self.max_chunk_bytes, runtime=self._runtime,
                                        deferred=True)
         self.region.register_through(faulted)
 

@@ -42,6 +42,7 @@ from sparsekv.daemon.kernels import (  # noqa: E402 - constants only; cupy stays
     COPY_THREADS,
     DEFAULT_SMEM_BYTES,
     MERGE_THREADS,
+    RESOLVE_LOOKUPS,
     RESOLVE_THREADS,
     copy_defines,
     resolve_defines,
@@ -148,8 +149,8 @@ def resolve_lookup(value: str | None = None) -> str:
     import os  # noqa: PLC0415
 
     lookup = value or os.environ.get(RESOLVE_LOOKUP_ENV) or DEFAULT_RESOLVE_LOOKUP
-    if lookup not in ("sort", "hash"):
-        raise ValueError(f"resolve lookup must be sort or hash, got {lookup!r}")
+    if lookup not in RESOLVE_LOOKUPS:
+        raise ValueError(f"resolve lookup must be one of {', '.join(RESOLVE_LOOKUPS)}, got {lookup!r}")
     return lookup
 
 

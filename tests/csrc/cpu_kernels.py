@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from sparsekv.csrc.build import load_source
+from sparsekv.daemon.kernels import resolve_defines
 from sparsekv.daemon.residency.cuda import make_desc, resolve_workspace_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -96,8 +97,7 @@ class Resolve:
 
     def __init__(self, lay, lookup: str = "sort", threads: int = 64, workspace: str = "shared"):
         self.lay, self.lookup, self.threads = lay, lookup, int(threads)
-        self.lib = build("resolve.cu", "skv_resolve", _RESOLVE_PARAMS, _RESOLVE_ARGS,
-                         {"SKV_RESOLVE_THREADS": self.threads, "SKV_RESOLVE_LOOKUP": {"sort": 0, "hash": 1}[lookup]})
+        self.lib = self._lib("skv_resolve", _RESOLVE_PARAMS, _RESOLVE_ARGS)
         g, r, s = lay.num_groups, lay.max_reqs, lay.region_stride
         self.owner = np.full((g, r, s), -1, np.int32)
         self.lru = np.empty((g, r, s), np.int32)
@@ -108,8 +108,7 @@ class Resolve:
 
     # -- the other residency kernels (skv_reset, skv_invalidate), as CudaResidency calls them
     def _lib(self, entry: str, params: str, args: str):
-        return build("resolve.cu", entry, params, args,
-                     {"SKV_RESOLVE_THREADS": self.threads, "SKV_RESOLVE_LOOKUP": {"sort": 0, "hash": 1}[self.lookup]})
+        return build("resolve.cu", entry, params, args, resolve_defines(self.threads, self.lookup))
 
     def reset(self, state_rows) -> None:
         rows = np.asarray(state_rows, dtype=np.int32)

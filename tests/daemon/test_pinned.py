@@ -124,7 +124,7 @@ def test_a_pool_pinner_registers_the_pool_as_it_is_faulted_and_views_share_it():
 
     rt = FakeRuntime()
     size = 5 * PREFAULT_CHUNK_BYTES
-    pinner = PoolPinner(max_chunk_bytes=2 * PREFAULT_CHUNK_BYTES, runtime=rt).start(size)
+    pinner = PoolPinner(size, max_chunk_bytes=2 * PREFAULT_CHUNK_BYTES, runtime=rt)
     calls = []
     real = pinner.region
 
