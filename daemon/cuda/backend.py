@@ -1,11 +1,11 @@
 """The cuda backend: one worker per GPU (its copy stream, its arena, its kernels) and the
 ranks it serves (``rank.py``), hot slabs in the arena exported through CUDA IPC.
 
-The daemon page-locks the whole host pool at start (``cudaHostRegister``, portable and
-mapped, chunk by chunk while it is pre-faulted: ``daemon/main.py``, ``pinned.PoolPinner``);
-each engine's range is then a view of it. Without that (tests, tools), an engine's range
-is registered at its attach, in chunks that never split a row. One registration serves
-every GPU.
+Each engine's host-pool range is registered with ``cudaHostRegister`` (portable, mapped)
+at its attach, in chunks that never split a row; one registration serves every GPU. With
+``SPARSEKV_PIN_POOL_AT_START=1`` the daemon page-locks the whole pool at start instead,
+chunk by chunk while it is pre-faulted (``daemon/main.py``, ``pinned.PoolPinner``), and
+an engine's range is a view of it.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ class CudaBackend:
             log.warning("NVIDIA MPS is not running: every cross-process GPU hand-off will cost ~300 us "
                         "instead of ~26 us (start nvidia-cuda-mps-control -d; see deploy/)")
         self.pool = pool
-        # The whole pool page-locked at start (daemon/main.py): each engine's range is a
-        # view of it. None (tests, tools): each engine's range is registered at its attach.
+        # The whole pool page-locked at start (SPARSEKV_PIN_POOL_AT_START=1, daemon/main.py):
+        # each engine's range is a view of it. None (the default): each engine's range is
+        # registered at its attach.
         self.pool_region = pool_region
         self.cfg = cfg
         kernels = get_cache(cfg.kernel_cache_dir or None)
