@@ -418,23 +418,19 @@ def table(results: list[Result], opts: Options) -> str:
     return "\n".join(lines + [f"note: {n}" for n in notes]) + "\n"
 
 
-def _signal(module: str) -> str:
-    """The doorbell signalling a side uses here (its environment override, else its default)."""
-    import importlib  # noqa: PLC0415
-
-    m = importlib.import_module(module)
-    return os.environ.get(m.SIGNAL_ENV) or m.DEFAULT_SIGNAL
-
-
 def summary(results: list[Result], opts: Options) -> dict:
     """The flat dict ``--json`` writes (call :func:`derive` first)."""
+    from sparsekv.daemon.cuda.doorbell import signal_mode as daemon_signal  # noqa: PLC0415
+
+    from .doorbell import signal_mode as engine_signal  # noqa: PLC0415
+
     out: dict = {"decode_layers": opts.layers, "decode_top_k": opts.top_k, "decode_row_bytes": opts.row_bytes,
                  "decode_context": opts.context, "decode_block_size": opts.block_size, "decode_steps": opts.steps,
                  "decode_warmup": opts.warmup, "decode_gather_blocks": _gather_blocks(opts),
                  "decode_layer_overlap": opts.layer_overlap,
                  # how bells and ready words were signalled (client/doorbell.py, daemon/cuda/doorbell.py)
-                 "decode_engine_signal": _signal("sparsekv.client.doorbell"),
-                 "decode_daemon_signal": _signal("sparsekv.daemon.cuda.doorbell")}
+                 "decode_engine_signal": engine_signal(),
+                 "decode_daemon_signal": daemon_signal()}
     for r in results:
         k = f"decode_b{r.batch}_h{hkey(r.hits)}_{r.mode}"
         if r.skipped is not None:
