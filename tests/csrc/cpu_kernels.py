@@ -24,7 +24,7 @@ import numpy as np
 
 from sparsekv.csrc.build import load_source
 from sparsekv.daemon.kernels import resolve_defines
-from sparsekv.daemon.residency.cuda import make_desc, resolve_workspace_bytes
+from sparsekv.daemon.residency.cuda import error_bits, make_desc, resolve_workspace_bytes
 
 HERE = Path(__file__).resolve().parent
 EMU = HERE / "emulator"
@@ -173,7 +173,7 @@ class Resolve:
     @property
     def last_errors(self) -> int:
         """Error bits counted so far (this emulated rank's whole record)."""
-        return sum(1 << e for e in range(5) if int(self.err[e]))
+        return error_bits(self.err)
 
     def run(self, group: int, state_rows: np.ndarray, topk: np.ndarray):
         lay = self.lay
