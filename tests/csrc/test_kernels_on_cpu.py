@@ -25,10 +25,10 @@ import pytest
 import cpu_kernels
 from kernel_traces import assert_same, gen_batch, layout, run_trace
 from sparsekv.daemon.residency.cpu import CpuResidency
+from sparsekv.daemon.residency.cuda import E_DUPLICATE_IDS, E_TOO_MANY_TOKENS
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 
-E_DUPLICATE_IDS, E_TOO_MANY_TOKENS = 0, 3  # csrc/common.cuh error kinds
 
 # name, top_k, stride, host_rows, max_reqs, groups, batch, steps, overlap, threads, workspace
 TRACES = [
