@@ -64,6 +64,32 @@ class EventTimer:
             times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / n)
         return float(np.median(times)), float(np.min(times))
 
+    def graph_us(self, fn, n: int, rounds: int = 5, warmup: int = 2) -> tuple[float, float]:
+        """Median and min over ``rounds`` of the mean time of ``fn(i)`` for i in range(n),
+        captured once into a CUDA graph and replayed: the device's time, without the
+        host's launch cost between calls (the daemon replays its step as a graph too)."""
+        cp, s = self.cp, self.stream
+        s.synchronize()
+        s.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
+        try:
+            for i in range(n):
+                fn(i)
+        finally:
+            graph = s.end_capture()
+        graph.upload(s)
+        for _ in range(warmup):
+            graph.launch(s)
+        s.synchronize()
+        times = []
+        for _ in range(rounds):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            graph.launch(s)
+            b.record(s)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / n)
+        return float(np.median(times)), float(np.min(times))
+
 
 # -- pool ready --------------------------------------------------------------------------------
 def pool_ready(nbytes: int, threads: int, pipelined: bool, max_chunk_bytes: int) -> tuple:
@@ -160,7 +186,7 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
         blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool = True,
-        thp_pool: bool = True, seed: int = 0) -> dict:
+        other_backing: bool = True, seed: int = 0) -> dict:
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
@@ -192,7 +218,8 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         if both_pool_modes:
             pool, region, secs, note = pool_ready(nbytes, threads, pipelined=False, max_chunk_bytes=chunk)
             out["pool_ready_sequential_GiBps"] = round(nbytes / GIB / secs, 2)
-            row(f"pool ready, {nbytes / GIB:.0f} GiB, fault then register", f"{nbytes / GIB / secs:.1f} GiB/s", note)
+            row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, fault then register",
+                f"{nbytes / GIB / secs:.1f} GiB/s", note)
             region.close()
             pool.close()
         pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
@@ -200,7 +227,8 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         stack.callback(region.close)
         out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
         out["pool_ready_s"] = round(secs, 2)
-        row(f"pool ready, {nbytes / GIB:.0f} GiB, registered while faulting ({threads} threads)",
+        out["pool_backing"] = pool.backing
+        row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting ({threads} threads)",
             f"{nbytes / GIB / secs:.1f} GiB/s", f"{secs:.2f} s")
 
         host_rows = nbytes // (layers * ROW_BYTES)
@@ -292,69 +320,87 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         out["gather_request_vs_bulk"] = round(best["request"] / bulk_GBps, 3)
 
         _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants)
-        # The same gather from a pool in transparent huge pages (anonymous mapping,
-        # SPARSEKV_POOL_BACKING=anon_thp): fewer faults at start, fewer translations for
-        # the GPU, if the kernel grants the pages.
-        if thp_pool:
+        # The same gather from a pool in the other backing (SPARSEKV_POOL_BACKING).
+        if other_backing:
             try:
-                _thp_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s,
+                _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s,
                             (d_desc, d_rows, d_slots, d_miss), step_bytes)
             except Exception as e:  # noqa: BLE001 - the figures above must still be written
-                row("pool in transparent huge pages", "FAILED", f"{type(e).__name__}: {e}")
+                row("pool in the other backing", "FAILED", f"{type(e).__name__}: {e}")
     out["_rows"] = rows_out
     return out
 
 
+def resolve_sequence(rng, steps: int = PLANS, batch: int = BATCH, top_k: int = TOP_K, kept: float = 0.9,
+                     span: int = 65536) -> list[np.ndarray]:
+    """``steps`` top-k batches (int32 [batch, top_k]) that form a cycle: each keeps
+    ``kept`` of its predecessor's ids, the first of the last's. Row b's ids are a window
+    sliding over a ring of ``steps * fresh`` distinct ids of its own range (b * span ...),
+    in random column order; a graph replaying them in order stays in the steady state."""
+    fresh = top_k - int(kept * top_k)
+    ring = steps * fresh
+    if ring < top_k + fresh or ring > span:
+        raise ValueError(f"{steps} steps of {fresh} fresh ids do not make a ring of {top_k}-id windows")
+    rings = np.stack([b * span + rng.choice(span, ring, replace=False) for b in range(batch)])
+    out = []
+    for i in range(steps):
+        cols = (i * fresh + np.arange(top_k)) % ring
+        out.append(np.stack([rng.permutation(rings[b, cols]) for b in range(batch)]).astype(np.int32))
+    return out
+
+
 def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) -> None:
-    """Resolve at the daemon's thread count (batch 64, top-k 2048, region 4096, 90 % kept),
-    then (``resolve_variants``) stopped after each phase, other thread counts, the hash lookup."""
-    from sparsekv.daemon.residency.cuda import CudaResidency  # noqa: PLC0415
+    """Resolve at the daemon's settings (batch 64, top-k 2048, region 4096, 90 % kept),
+    replayed as a CUDA graph (the device's time; the daemon replays its step as a graph),
+    and once launched one by one from Python with the descriptor's upload (the host's
+    floor); then (``resolve_variants``) stopped after each phase, other thread counts, the
+    other lookup."""
+    from sparsekv.daemon.residency.cuda import CudaResidency, make_desc  # noqa: PLC0415
     from sparsekv.proto import Layout  # noqa: PLC0415
 
-    # Resolve at the daemon's thread count, 90 % of each row kept from its last step.
     rlay = Layout(num_layers=1, row_bytes=16, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
                   host_rows=BATCH * 65536, max_batch=BATCH).validate()
-    res = CudaResidency(rlay, kernels=kc, stream=s)
-    ro = res.new_output(BATCH)
-    sr = cp.asarray(np.arange(BATCH, dtype=np.int32))
-    base = (np.arange(BATCH) * 65536)[:, None]
-    cur = (base + np.stack([rng.choice(65536, TOP_K, replace=False) for _ in range(BATCH)])).astype(np.int32)
-    seq = [cur]
-    keep = int(0.9 * TOP_K)
-    for _ in range(2 * PLANS):
-        nxt = cur.copy()
-        for b in range(BATCH):
-            fresh = np.setdiff1d(rng.choice(65536, 2 * TOP_K, replace=False) + base[b, 0], cur[b])[: TOP_K - keep]
-            nxt[b] = rng.permutation(np.concatenate([rng.choice(cur[b], keep, replace=False), fresh]))
-        seq.append(nxt)
-        cur = nxt
     with s:
-        d_seq = [cp.asarray(x) for x in seq]
+        d_seq = [cp.asarray(x) for x in resolve_sequence(rng)]
+        sr = cp.asarray(np.arange(BATCH, dtype=np.int32))
     s.synchronize()
-    counter = iter(range(1 << 40))
-    for x in d_seq[:PLANS]:  # warm the residency up to the steady state
-        res.resolve_async(0, sr, x, ro, stream=s)
-    t, tmin = timer.median_us(lambda i: res.resolve_async(0, sr, d_seq[PLANS + next(counter) % PLANS], ro,
-                                                          stream=s), PLANS)
+
+    def graph_time(res) -> float:
+        ro = res.new_output(BATCH)
+        for x in d_seq:  # the steady state (and the kernel compiled) before the capture
+            res.resolve_async(0, sr, x, ro, stream=s)
+        ro.desc.set(make_desc(BATCH, TOP_K, 0), stream=s)
+
+        def go(i):
+            res.launch_resolve(ro.desc, sr, d_seq[i], ro.slots, ro.misses, ro.plan_rows, ro.plan_slots,
+                               ro.counters, 0, ro.err, ro.workspace, BATCH, s)
+
+        t, _ = timer.graph_us(go, len(d_seq))
+        return t
+
+    res = CudaResidency(rlay, kernels=kc, stream=s)
+    t = graph_time(res)
     out["resolve_us_b64"] = round(t, 1)
-    row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads", f"{t:.1f} us",
-        f"min {tmin:.1f} us")
+    out["resolve_lookup"] = res.lookup
+    row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads, {res.lookup} lookup "
+        "(graph)", f"{t:.1f} us")
+    ro = res.new_output(BATCH)
+    te, _ = timer.median_us(lambda i: res.resolve_async(0, sr, d_seq[i], ro, stream=s), len(d_seq))
+    out["resolve_us_b64_eager"] = round(te, 1)
+    row("resolve, the same, each launched from Python after its descriptor's upload", f"{te:.1f} us",
+        "the host's floor when it is above the kernel")
     # Where the time goes: the kernel stopped after each phase (csrc/resolve.cu,
-    # SKV_RESOLVE_STOP; the state then never changes, the results are wrong), and
-    # other thread counts.
+    # SKV_RESOLVE_STOP; the state then never changes, the results are wrong), other
+    # thread counts, the other lookup.
+    other = "sort" if res.lookup == "hash" else "hash"
     variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
     variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]
-    variants += [("hash lookup", {"lookup": "hash"}), ("hash lookup 512 threads", {"lookup": "hash", "threads": 512})]
-    variants += [(f"hash lookup phase {p}", {"lookup": "hash", "timing_defines": {"SKV_RESOLVE_STOP": p}})
+    variants += [(f"{other} lookup", {"lookup": other}), (f"{other} lookup 512 threads", {"lookup": other, "threads": 512})]
+    variants += [(f"{other} lookup phase {p}", {"lookup": other, "timing_defines": {"SKV_RESOLVE_STOP": p}})
                  for p in (1, 2, 4, 7)]
     for label, kw in variants if resolve_variants else []:
         try:
-            var = CudaResidency(rlay, kernels=kc, stream=s, **kw)
-            vo = var.new_output(BATCH)
-            for x in d_seq[:PLANS]:
-                var.resolve_async(0, sr, x, vo, stream=s)
-            tv, _ = timer.median_us(lambda i, var=var, vo=vo: var.resolve_async(0, sr, d_seq[PLANS + i], vo,
-                                                                                stream=s), PLANS)
+            tv = graph_time(CudaResidency(rlay, kernels=kc, stream=s, **kw))
         except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
             row(f"resolve variant {label}", "FAILED", f"{type(e).__name__}: {e}")
             continue
@@ -375,31 +421,34 @@ def _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes: int, blo
     return step_bytes / t / 1e3, t
 
 
-def _thp_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s, plans, step_bytes):
-    """Pool ready and the request-order gather again, the pool in transparent huge pages."""
+def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s, plans,
+                          step_bytes):
+    """Pool ready and the request-order gather again, the pool in the other backing
+    (memfd when the default is anonymous huge pages, and the other way round)."""
     from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
-    from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
+    from sparsekv.daemon.pool import BACKINGS, HostPool  # noqa: PLC0415
 
     whole.close()
     region.close()
     pool.close()
+    other = next(b for b in BACKINGS if b != pool.backing)
 
     t0 = time.perf_counter()
-    hp = HostPool(nbytes, threads, backing="anon_thp")
+    hp = HostPool(nbytes, threads, backing=other)
     stack.callback(hp.close)
     t1 = time.perf_counter()
     hreg = PinnedRegion(hp.address, -(-lay.pool_bytes // 4096) * 4096, ROW_BYTES, max_chunk_bytes=1 << 40)
     stack.callback(hreg.close)
     t2 = time.perf_counter()
-    out["pool_ready_anon_thp_GiBps"] = round(nbytes / GIB / (t2 - t0), 2)
-    row(f"pool ready, {nbytes / GIB:.0f} GiB, anonymous + THP, fault then register",
+    out[f"pool_ready_{other}_GiBps"] = round(nbytes / GIB / (t2 - t0), 2)
+    row(f"pool ready, {nbytes / GIB:.0f} GiB, {other}, fault then register",
         f"{nbytes / GIB / (t2 - t0):.1f} GiB/s",
         f"fault {nbytes / GIB / (t1 - t0):.1f} GiB/s, register {lay.pool_bytes / GIB / (t2 - t1):.1f} GiB/s; "
         f"AnonHugePages {_anon_huge_kib() // (1 << 20)} GiB")
     for nb in (32, 64):
         gbps, t = _request_gather(lay, hreg, bufs, kc, s, timer, plans, step_bytes, nb)
-        out[f"gather_request_order_{nb}blocks_anon_thp_GBps"] = round(gbps, 2)
-        row(f"gather, request order, {nb} blocks, pool in transparent huge pages", f"{gbps:.1f} GB/s",
+        out[f"gather_request_order_{nb}blocks_{other}_GBps"] = round(gbps, 2)
+        row(f"gather, request order, {nb} blocks, pool {other}", f"{gbps:.1f} GB/s",
             f"{t:.0f} us")
 
 
@@ -426,11 +475,14 @@ def table(result: dict) -> str:
 def add_arguments(p) -> None:
     p.add_argument("--pool-gib", type=float, default=64.0,
                    help="kernels: the host pool the gather reads and the pool start times (GiB)")
+    p.add_argument("--kernels-quick", action="store_true",
+                   help="kernels: gathers on 32 and 64 blocks only, no pool in the other backing")
 
 
 def run_args(a) -> int:
-    """``sparsekv bench kernels [--pool-gib N] [--json PATH]``."""
-    r = run(pool_gib=a.pool_gib)
+    """``sparsekv bench kernels [--pool-gib N] [--kernels-quick] [--json PATH]``."""
+    quick = getattr(a, "kernels_quick", False)
+    r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132), other_backing=not quick)
     sys.stdout.write(table(r))
     path = getattr(a, "json_path", None)
     if path:

@@ -1,8 +1,13 @@
-"""The host pool: one shared, pre-faulted mapping that holds every engine's KV rows.
+"""The host pool: one pre-faulted mapping that holds every engine's KV rows.
 
-The pool is a memfd (or, with ``SPARSEKV_POOL_BACKING=anon_thp``, an anonymous mapping in
-transparent huge pages that children do not inherit): it has no name in any file system,
-so a crashed daemon can never leave it behind to break the next start. Engines get byte ranges of it (``allocate``);
+The pool is an anonymous private mapping in transparent huge pages that children do not
+inherit (``MADV_DONTFORK``, ``MADV_HUGEPAGE``; the default) or, with
+``SPARSEKV_POOL_BACKING=memfd``, a memfd in small pages. Neither has a name in any file
+system, so a crashed daemon can never leave it behind to break the next start. Only the
+daemon maps it (engines get their rows through the GPU, or the cpu backend's slabs).
+On the H200 (docs/PERF.md, 2026-12-02) 64 GiB was faulted at 45.7 GiB/s in huge pages
+against the memfd's 4.4, and registered for the GPU at 36.7 GiB/s against 13.6; a
+gather read it no slower. Engines get byte ranges of it (``allocate``);
 an engine's range is laid out ``[num_layers, host_rows, row_bytes]`` so one request's rows
 of one layer stay close (the GPU gather slows when ids scatter; DESIGN §2).
 
@@ -42,20 +47,36 @@ INLINE_ZERO_BYTES = 8 << 20  # ~0.1 ms (dev VM): zeroed in release() itself
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _MADV_DONTFORK = 10
 _MADV_HUGEPAGE = 14
-# What backs the pool: "memfd" (shared memory, the default) or "anon_thp" (an anonymous
-# private mapping, not inherited by children, asking for transparent huge pages: fewer
-# faults at start, and fewer translations for the GPU's scattered reads, if the kernel
-# grants them). A measured switch: `sparsekv bench kernels` times both (docs/PERF.md).
+# What backs the pool: "anon_thp" (an anonymous private mapping, not inherited by children,
+# asking for transparent huge pages: ten times fewer faults at start and a faster
+# registration, if the kernel grants them; the default) or "memfd" (shared memory in small
+# pages). A measured switch: `sparsekv bench kernels` times both (docs/PERF.md).
 BACKING_ENV = "SPARSEKV_POOL_BACKING"
-BACKINGS = ("memfd", "anon_thp")
+BACKINGS = ("anon_thp", "memfd")
+DEFAULT_BACKING = "anon_thp"
 
 
 def pool_backing(value: str | None = None) -> str:
-    """``value``, else ``$SPARSEKV_POOL_BACKING``, else ``memfd``."""
-    backing = value or os.environ.get(BACKING_ENV) or "memfd"
+    """``value``, else ``$SPARSEKV_POOL_BACKING``, else ``anon_thp``."""
+    backing = value or os.environ.get(BACKING_ENV) or DEFAULT_BACKING
     if backing not in BACKINGS:
         raise PoolError(f"pool backing must be one of {', '.join(BACKINGS)}, got {backing!r}")
     return backing
+
+
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str | None:
+    """The host's transparent huge page mode (``always``, ``madvise``, ``never``), or None
+    when it cannot be read."""
+    try:
+        with open(THP_ENABLED) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 def _madvise(address: int, nbytes: int, advice: int, what: str, required: bool) -> None:
@@ -73,7 +94,8 @@ class PoolError(RuntimeError):
 
 
 class HostPool:
-    """A shared anonymous mapping of ``size_bytes``, pre-faulted by several threads.
+    """A mapping of ``size_bytes`` (``backing``: see :func:`pool_backing`), pre-faulted by
+    several threads.
 
     Attributes:
         size_bytes: bytes of the mapping.
@@ -126,6 +148,9 @@ class HostPool:
                 # pages where the kernel allows them (transparent_hugepage madvise/always).
                 _madvise(self.address, self.size_bytes, _MADV_DONTFORK, "MADV_DONTFORK", required=True)
                 _madvise(self.address, self.size_bytes, _MADV_HUGEPAGE, "MADV_HUGEPAGE", required=False)
+                if thp_mode() == "never":
+                    log.warning("transparent huge pages are off on this host (%s is [never]): the pool stays "
+                                "in 4 KiB pages, and pre-faulting it is several times slower", THP_ENABLED)
             self._prefault(threads or min(16, os.cpu_count() or 1), progress, on_faulted)
         except BaseException:
             self.close()

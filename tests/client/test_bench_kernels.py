@@ -28,6 +28,25 @@ def test_step_plans_look_like_a_decode_steps_misses():
             assert len(set(sl.tolist())) == m and (sl // bk.STRIDE == b).all()
 
 
+def test_the_resolve_sequence_is_a_cycle_that_keeps_the_asked_share():
+    """Each batch keeps 90 % of its predecessor's ids (the first of the last's: a graph
+    replaying them stays in the steady state); ids are distinct within a row and stay in
+    the row's own range."""
+    rng = np.random.default_rng(2)
+    seq = bk.resolve_sequence(rng, steps=16, batch=3, top_k=256, kept=0.9, span=4096)
+    keep = int(0.9 * 256)
+    assert len(seq) == 16
+    for i, x in enumerate(seq):
+        assert x.shape == (3, 256) and x.dtype == np.int32
+        prev = seq[i - 1]
+        for b in range(3):
+            assert len(set(x[b].tolist())) == 256
+            assert (x[b] // 4096 == b).all()
+            assert len(set(x[b].tolist()) & set(prev[b].tolist())) == keep
+    with pytest.raises(ValueError):
+        bk.resolve_sequence(rng, steps=2, batch=1, top_k=256)
+
+
 def test_the_table_lists_every_row_and_the_headline_keys():
     r = {"_rows": [("gather", "40.0 GB/s", "1 us")], "gather_vs_bulk": 0.7, "resolve_us_b64": 20.0,
          "pool_ready_GiBps": 25.0}
@@ -41,7 +60,8 @@ def test_a_small_run_on_the_gpu():
     r = bk.run(pool_gib=1.0, layers=4, blocks=(32,), both_pool_modes=True, resolve_variants=False)
     for k in ("gather_vs_bulk", "resolve_us_b64", "pool_ready_GiBps", "pool_ready_sequential_GiBps",
               "merge_plan_us_b64", "gather_request_order_GBps", "gather_batch_order_GBps",
-              "gather_request_order_32blocks_one_registration_GBps", "gather_request_order_32blocks_anon_thp_GBps",
-              "pool_ready_anon_thp_GiBps"):
+              "gather_request_order_32blocks_one_registration_GBps", "gather_request_order_32blocks_memfd_GBps",
+              "pool_ready_memfd_GiBps", "resolve_us_b64_eager"):
         assert r[k] > 0, k
+    assert r["pool_backing"] == "anon_thp" and r["resolve_lookup"] == "hash"
     assert r["kernels_step_bytes"] == 64 * round(0.1 * 2048) * 656

@@ -23,7 +23,7 @@ def test_pool_larger_than_available_ram_is_refused_with_a_clear_error(monkeypatc
 
 
 def test_pool_is_zeroed_shared_memory_with_no_name_in_the_file_system():
-    with HostPool(4 * MiB, threads=2) as p:
+    with HostPool(4 * MiB, threads=2, backing="memfd") as p:
         # a memfd: no path exists that a crashed daemon could leave behind
         assert os.readlink(f"/proc/self/fd/{p._fd}").startswith("/memfd:sparsekv-pool")
         assert p.array.shape == (4 * MiB,) and p.array.dtype == np.uint8
@@ -92,15 +92,15 @@ def test_close_with_a_live_view_does_not_raise():
 
 
 def test_an_anonymous_huge_page_pool_serves_like_the_memfd_one(monkeypatch):
-    """SPARSEKV_POOL_BACKING=anon_thp: an anonymous mapping (no fd), not inherited by a
-    child (MADV_DONTFORK: a forked child touching it faults), pre-faulted and zeroed on
-    release like the memfd pool; a bad value is a clear error."""
+    """The default backing (SPARSEKV_POOL_BACKING unset): an anonymous mapping (no fd), not
+    inherited by a child (MADV_DONTFORK: a forked child touching it faults), pre-faulted
+    and zeroed on release like the memfd pool; a bad value is a clear error."""
     import ctypes
     import signal
 
     from sparsekv.daemon.pool import BACKING_ENV
 
-    monkeypatch.setenv(BACKING_ENV, "anon_thp")
+    monkeypatch.delenv(BACKING_ENV, raising=False)
     pool = HostPool(8 << 20, threads=2)
     try:
         assert pool.backing == "anon_thp" and pool._fd == -1

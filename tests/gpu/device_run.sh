@@ -39,6 +39,7 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 #       bench (the benchmarks) | kernels (sparsekv bench kernels) | decode (sparsekv bench decode
 #       --quick) | signals (bench decode at batch 64 for each doorbell signalling and gather order)
 #       | latest (perf_latest.py: the transport bench, and latest.json from every figure) | demo |
+#       ab (bench decode for each of AB_VARIANTS: the daemon's switches against each other) |
 #       examples (the example model through the doorbell, its own KV and an engine-owned slab)
 # Steps run in this order, the ones that can hurt the GPU (spin kernels) last.
 # BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
@@ -65,7 +66,7 @@ if has all || has test || has e2e || has pytest; then
 fi
 if has all || has bench || has kernels; then
   # Gather, resolve and pool start against the link (64 GiB pool): docs/PERF.md, issue 8's keys.
-  timeout "$(left ${KERNELS_TIMEOUT_S:-150})" python3 -m sparsekv.client.cli bench kernels --pool-gib ${POOL_GIB:-64} \
+  timeout "$(left ${KERNELS_TIMEOUT_S:-150})" python3 -m sparsekv.client.cli bench kernels --pool-gib ${POOL_GIB:-64} ${KERNELS_ARGS:-} \
     --json "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | tail -40
 fi
 if has all || has bench || has e2e || has decode; then
@@ -98,7 +99,20 @@ if has signals; then
       | grep -E "^ +64 " | sed "s/^/$v /"
   done
 fi
-if has all || has test || has e2e || has pytest; then
+if has ab; then
+  # A/B of the daemon's measured switches on a decode step (batch 16 and 64, 90 % hits):
+  # AB_VARIANTS "name:VAR=value,VAR=value ..." (an empty list after the colon: the defaults);
+  # one private daemon each; figures in decode-ab-<name>.json.
+  for v in ${AB_VARIANTS:-default: pin_start:SPARSEKV_PIN_POOL_AT_START=1 memfd:SPARSEKV_POOL_BACKING=memfd}; do
+    name=${v%%:*}; vars=${v#*:}
+    env ${vars//,/ } timeout "$(left 80)" python3 -m sparsekv.client.cli bench decode --batches ${AB_BATCHES:-16,64} \
+      --hits 90 --modes inproc,doorbell --json "$OUT/decode-ab-$name.json" 2>&1 | tee "$OUT/bench-decode-ab-$name.log" \
+      | grep -E "^ +(16|64|128) " | sed "s/^/$name /"
+  done
+fi
+# Spin kernels last, and only when asked (SPIN=1): on the H200 under MPS they have hung and
+# taken the MPS server down (docs/PERF.md, session 6 and 7).
+if [[ "${SPIN:-0}" == 1 ]] && (has all || has test || has e2e || has pytest); then
   pytest_cuda pytest-cuda.log "cuda and spin" 120 || status=1
 fi
 echo "device_run: $(( $(date +%s) - T0 )) s"

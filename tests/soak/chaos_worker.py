@@ -54,6 +54,11 @@ def main(run_dir: str, engine: str, seed: int, events_path: str, device: str = "
         first = True
         last_topk = None
         state_rows = np.arange(BATCH, dtype=np.int32)
+        # Progress every 200 steps or every second, with the longest request and check
+        # of the interval: when the test times out waiting for this worker, its last
+        # events say whether it was stuck in the daemon's calls or in its own checks.
+        slow = {"req_s_max": 0.0, "check_s_max": 0.0}
+        last_progress = time.monotonic()
         while True:
             run["step"] += 1
             step, gen = run["step"], run["gen"]
@@ -73,16 +78,23 @@ def main(run_dir: str, engine: str, seed: int, events_path: str, device: str = "
             topk = np.stack([rng.choice(LAYOUT.host_rows, LAYOUT.top_k, replace=False)
                              for _ in range(BATCH)]).astype(np.int32)
             for g, layers in enumerate(att.layout.groups):
+                t0 = time.monotonic()
                 slots, _ = client.topk(step, g, topk).host()
+                t1 = time.monotonic()
                 bad = helpers.bad_rows(att.slab, layers, state_rows, topk, slots, LAYOUT.host_rows, gen)
+                slow["req_s_max"] = max(slow["req_s_max"], t1 - t0)
+                slow["check_s_max"] = max(slow["check_s_max"], time.monotonic() - t1)
                 counts["checks"] += 1
                 counts["rows"] += topk.size * len(layers)
                 if bad:
                     counts["bad"] += bad
                     ev("bad", step=step, group=g, bad=bad)
             last_topk = topk
-            if step % 200 == 0:
-                ev("progress", checks=counts["checks"], rows=counts["rows"], bad=counts["bad"], step=step)
+            if step % 200 == 0 or time.monotonic() - last_progress > 1.0:
+                ev("progress", checks=counts["checks"], rows=counts["rows"], bad=counts["bad"], step=step,
+                   **{k: round(v, 4) for k, v in slow.items()})
+                slow = dict.fromkeys(slow, 0.0)
+                last_progress = time.monotonic()
 
     helpers.soak_worker_loop(open_client, start, work, ev, counts)
 

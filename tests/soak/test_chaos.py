@@ -138,12 +138,14 @@ class Chaos:
             out.append(f"worker {pid}: last events {last}\n{stacks}")
         return "\n".join(out)
 
-    def wait_for_workers(self, pred, pids, timeout_s: float, what: str):
-        """``helpers.wait_for`` that, on a timeout, says what each of ``pids`` was doing."""
+    def wait_for_workers(self, pred, pids, timeout_s: float, what: str, since: float | None = None):
+        """``helpers.wait_for`` that, on a timeout, says what each of ``pids`` was doing
+        (and how long ago ``since``, a wall time such as a daemon kill, was)."""
         try:
             return helpers.wait_for(pred, timeout_s, what=what)
         except AssertionError as e:
-            raise AssertionError(f"{e}\n{self.explain(list(pids))}") from None
+            when = f" (at {time.time():.3f}; {time.time() - since:.2f} s after {since:.3f})" if since else ""
+            raise AssertionError(f"{e}{when}\n{self.explain(list(pids))}") from None
 
     def restart_daemon(self) -> tuple[subprocess.Popen, float]:
         """A new daemon on the same run dir, as PrivateDaemon starts one; returns it and
@@ -224,7 +226,10 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path, ba
                                     break
                         return got if len(got) == len(live) else None
 
-                    lost = ch.wait_for_workers(lost_all, live, 5, what="every client to notice the daemon's death")
+                    restarted = time.time() - t_kill
+                    lost = ch.wait_for_workers(lost_all, live, 5, since=t_kill,
+                                               what=f"every client to notice the daemon's death (the new daemon "
+                                                    f"served {restarted:.2f} s after the kill)")
                     detect += [t - t_kill for t in lost.values()]
                     back = helpers.wait_for(lambda: (a := ch.attached_since(t_kill, live)) and len(a) == len(live)
                                             and a, 10, interval_s=0.01, what="every client to re-attach")
