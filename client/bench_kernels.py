@@ -395,6 +395,7 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     other = "sort" if res.lookup == "hash" else "hash"
     variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
     variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]
+    variants += [("tiles walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}})]
     variants += [(f"{other} lookup", {"lookup": other}), (f"{other} lookup 512 threads", {"lookup": other, "threads": 512})]
     variants += [(f"{other} lookup phase {p}", {"lookup": other, "timing_defines": {"SKV_RESOLVE_STOP": p}})
                  for p in (1, 2, 4, 7)]

@@ -71,6 +71,42 @@ __device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int
     return before + in_warp;
 }
 
+// Exclusive prefix sum, in thread order, of a per-thread count v in [0, 2^bits) (bits
+// block-uniform, at most 31): bit-sliced warp ballots, then the warp totals, so one
+// call costs `bits` ballots and two barriers whatever the counts. `warp_tot` is
+// __shared__ int[NT / 32]; `*total` receives the block's sum.
+template <int NT>
+__device__ __forceinline__ int skv_block_scan_count(int v, int bits, int* warp_tot, int* total) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const u32 below = (1u << lane) - 1u;
+    int in_warp = 0, warp_sum = 0;
+    for (int p = 0; p < bits; ++p) {
+        const u32 m = __ballot_sync(0xffffffffu, (v >> p) & 1);
+        in_warp += __popc(m & below) << p;
+        warp_sum += __popc(m) << p;
+    }
+    if (lane == 0) warp_tot[warp] = warp_sum;
+    __syncthreads();
+    int before = 0, sum = 0;
+#pragma unroll
+    for (int w = 0; w < NT / 32; ++w) {
+        const int x = warp_tot[w];
+        before += (w < warp) ? x : 0;
+        sum += x;
+    }
+    __syncthreads();  // warp_tot is reused by the next call
+    *total = sum;
+    return before + in_warp;
+}
+
+// Bits that hold every count in [0, n].
+__device__ __forceinline__ int skv_bits_for(int n) {
+    int b = 1;
+    while (b < 31 && (1 << b) <= n) ++b;
+    return b;
+}
+
 // Sum of one int per thread across the block. `cell` is one __shared__ int.
 __device__ __forceinline__ int skv_block_sum(int v, int* cell) {
     if (threadIdx.x == 0) *cell = 0;

@@ -16,6 +16,17 @@
 #ifndef SKV_RESOLVE_LOOKUP
 #define SKV_RESOLVE_LOOKUP 0
 #endif
+// How the lru partition, the misses' slots and the hash lookup's plan walk their arrays:
+// 1 each thread a contiguous chunk, one block-wide count scan per pass (few barriers);
+// 0 tiles of SKV_RT entries, a flag scan per tile. Both give the same results (the
+// kernel tests run both); 1 is the default, 0 kept for `sparsekv bench kernels`.
+#ifndef SKV_RESOLVE_CHUNKED
+#define SKV_RESOLVE_CHUNKED 1
+#endif
+// The hash lookup's plan orders up to this many misses by counting (each miss's rank is
+// the number of smaller keys: no barriers); more are sorted (bitonic).
+#define SKV_RANK_MAX 512
+
 // Timing only (sparsekv bench kernels): stop each batch row after phase N (1 keys and
 // copies, 2 sort, 3 duplicates, 4 hit lookup, 5 counts, 6 new lru, 7 slots); the results
 // are then wrong. The daemon never defines it.
@@ -364,6 +375,55 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const int n_miss = skv_block_sum(nm, &sh_cell);
         SKV_STOP_AFTER(5)
 
+#if SKV_RESOLVE_CHUNKED
+        // 3. one pass over the old lru, each thread a chunk of it: hit entries (in a sound
+        // state there are n_hit; counting them keeps the new lru a permutation of [0, S)
+        // even when the state is not), entries outside [0, S) or repeated (corrupt), then
+        // new lru = evictables[n_take:] + evictables[:n_take] + hits (stable), the first
+        // n_take evictables into evict[].
+        int corrupt;
+        int n_evict, n_take;
+        {
+            const int per = (S + SKV_RT - 1) / SKV_RT;
+            const int i0 = tid * per < S ? tid * per : S;
+            const int i1 = i0 + per < S ? i0 + per : S;
+            int ev = 0, bad = 0;
+            for (int i = i0; i < i1; ++i) {
+                const int sl = w.lcopy[i];
+                if (sl >= 0 && sl < S) {
+                    const u32 bit = 1u << (sl & 31);
+                    ev += (w.hmask[sl >> 5] & bit) ? 0 : 1;
+                    if (atomicOr(&w.smask[sl >> 5], bit) & bit) bad = 1;
+                } else {
+                    ++ev;  // not a hit: evictable (and the state is corrupt)
+                    bad = 1;
+                }
+            }
+            int e = skv_block_scan_count<SKV_RT>(ev, skv_bits_for(per), sh_warp, &n_evict);
+            corrupt = __syncthreads_or(bad);
+            n_take = n_miss < n_evict ? n_miss : n_evict;
+            if (n_take < n_miss) corrupt = 1;
+            for (int i = i0; i < i1; ++i) {
+                const int sl = w.lcopy[i];
+                const bool hit = sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
+                int pos;
+                if (!hit) {
+                    if (e < n_take) {
+                        w.evict[e] = sl;
+                        pos = n_evict - n_take + e;
+                    } else {
+                        pos = e - n_take;
+                    }
+                    ++e;
+                } else {
+                    pos = n_evict + (i - e);
+                }
+                lru[pos] = sl;
+            }
+        }
+        int carry = 0;
+        __syncthreads();
+#else
         // 3a. hit entries of the old lru. In a sound state this equals n_hit; counting them
         // keeps the new lru a permutation of positions [0, S) even when it is not. An entry
         // outside [0, S) or a repeated one marks the state corrupt.
@@ -413,10 +473,41 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             carry += tile;
         }
         __syncthreads();
+#endif
         SKV_STOP_AFTER(6)
 
         // 4. misses take evictables in column order; write the slot of every column.
         int bad_slot = 0;
+#if SKV_RESOLVE_CHUNKED
+        {
+            const int per = (k + SKV_RT - 1) / SKV_RT;
+            const int c0 = tid * per < k ? tid * per : k;
+            const int c1 = c0 + per < k ? c0 + per : k;
+            int pend = 0;
+            for (int c = c0; c < c1; ++c) pend += w.colv[c] == SKV_PENDING ? 1 : 0;
+            int total_pending;
+            int m = skv_block_scan_count<SKV_RT>(pend, skv_bits_for(per), sh_warp, &total_pending);
+            for (int c = c0; c < c1; ++c) {
+                const int v = w.colv[c];
+                int out = SKV_NONE;
+                if (v >= 0 && v < S) {
+                    out = v;
+                } else if (v == SKV_PENDING) {
+                    const int sl = m < n_take ? w.evict[m] : -1;
+                    if (sl >= 0 && sl < S) {
+                        owner[sl] = ids[c];
+                        w.colv[c] = SKV_MISS_TAG | sl;
+                        out = sl;
+                    } else {
+                        w.colv[c] = SKV_NONE;
+                        bad_slot = 1;
+                    }
+                    ++m;
+                }
+                out_slots[c] = out;
+            }
+        }
+#else
         carry = 0;
         for (int base_c = 0; base_c < k; base_c += SKV_RT) {
             const int c = base_c + tid;
@@ -442,6 +533,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             }
             carry += tile;
         }
+#endif
         for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
         if (__syncthreads_or(bad_slot)) corrupt = 1;
         if (corrupt && tid == 0) skv_report(err, SKV_E_CORRUPT_STATE, b, sh_desc);
@@ -453,9 +545,24 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const int flat0 = s * S;
         carry = 0;
 #if SKV_RESOLVE_LOOKUP == 1
-        // The misses' keys (column order), then sorted: the table's memory is free now.
+        // The misses' keys (column order), then in key order: the table's memory is free now.
         {
             u64* mkeys = (u64*)w.htab;
+#if SKV_RESOLVE_CHUNKED
+            const int per = (k + SKV_RT - 1) / SKV_RT;
+            const int c0 = tid * per < k ? tid * per : k;
+            const int c1 = c0 + per < k ? c0 + per : k;
+            int mine = 0;
+            for (int c = c0; c < c1; ++c) {
+                const int v = w.colv[c];
+                mine += (v >= SKV_MISS_TAG && v != SKV_PENDING) ? 1 : 0;
+            }
+            int q = skv_block_scan_count<SKV_RT>(mine, skv_bits_for(per), sh_warp, &carry);
+            for (int c = c0; c < c1; ++c) {
+                const int v = w.colv[c];
+                if (v >= SKV_MISS_TAG && v != SKV_PENDING) mkeys[q++] = w.keys[c];
+            }
+#else
             for (int base_c = 0; base_c < k; base_c += SKV_RT) {
                 const int c = base_c + tid;
                 const int v = c < k ? w.colv[c] : SKV_NONE;
@@ -465,14 +572,28 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 if (miss) mkeys[q] = w.keys[c];
                 carry += tile;
             }
-            const int np2 = skv_pow2(carry > 0 ? carry : 1);
-            for (int i = carry + tid; i < np2; i += SKV_RT) mkeys[i] = SKV_NO_KEY;
-            __syncthreads();
-            skv_bitonic_sort(mkeys, np2);
-            for (int q = tid; q < carry; q += SKV_RT) {
-                const u64 key = mkeys[q];
-                prow[q] = (int)(key >> 32);
-                pslot[q] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
+#endif
+            if (SKV_RESOLVE_CHUNKED && carry <= SKV_RANK_MAX) {
+                // Each miss's rank among the misses is the count of smaller keys (keys are
+                // distinct: the row has no duplicate ids).
+                __syncthreads();
+                for (int q2 = tid; q2 < carry; q2 += SKV_RT) {
+                    const u64 key = mkeys[q2];
+                    int r = 0;
+                    for (int j = 0; j < carry; ++j) r += mkeys[j] < key ? 1 : 0;
+                    prow[r] = (int)(key >> 32);
+                    pslot[r] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
+                }
+            } else {
+                const int np2 = skv_pow2(carry > 0 ? carry : 1);
+                for (int i = carry + tid; i < np2; i += SKV_RT) mkeys[i] = SKV_NO_KEY;
+                __syncthreads();
+                skv_bitonic_sort(mkeys, np2);
+                for (int q2 = tid; q2 < carry; q2 += SKV_RT) {
+                    const u64 key = mkeys[q2];
+                    prow[q2] = (int)(key >> 32);
+                    pslot[q2] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
+                }
             }
         }
 #else

@@ -265,20 +265,20 @@ def log_sighup() -> None:
                 "logs go to stderr, nothing to reopen")
 
 
-# Page-lock the whole pool at start, chunk by chunk while it is pre-faulted ("1"), instead
-# of each engine's range at its attach (the default). Off by default: measured on the H200
-# (docs/PERF.md, 2026-12-02 session 6) the pool was ready no faster (the pre-fault, at 4.5
-# GiB/s, is the wall) and a decode step's gathers from the pool registered in 4 GiB chunks
-# looked ~18 % slower than from one registration of the engine's range (to be confirmed:
-# `sparsekv bench kernels` compares the two).
+# Page-lock the whole pool at start, chunk by chunk while it is pre-faulted (the default,
+# "1"), or each engine's range at its attach ("0"). Measured on the H200 (docs/PERF.md,
+# 2026-12-02): a 64 GiB pool in huge pages was ready (faulted and registered) at 28 GiB/s
+# this way, and a decode step's gathers were no slower from it than from one registration
+# of the engine's range (bench kernels: 41.0-42.3 against 41.8-42.1 GB/s; bench decode at
+# batch 64: within the run-to-run spread). An attach then never waits for a registration.
 PIN_AT_START_ENV = "SPARSEKV_PIN_POOL_AT_START"
 
 
 def pool_pinner(cfg):
-    """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool when ``$SPARSEKV_PIN_POOL_AT_START``
-    is 1 and the cuda backend will serve it (``cuda``, or ``auto`` on a machine whose GPU
-    CuPy sees), else None (each engine's range is page-locked at its attach)."""
-    if os.environ.get(PIN_AT_START_ENV, "0") != "1":
+    """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool unless ``$SPARSEKV_PIN_POOL_AT_START``
+    is 0, when the cuda backend will serve it (``cuda``, or ``auto`` on a machine whose GPU
+    CuPy sees); else None (each engine's range is page-locked at its attach)."""
+    if os.environ.get(PIN_AT_START_ENV, "1") == "0":
         return None
     if cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
         return None
@@ -343,8 +343,8 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")
             last_log = [time.monotonic()]
 
-            # With SPARSEKV_PIN_POOL_AT_START=1 the cuda backend page-locks the whole pool
-            # here, chunk by chunk as the pre-fault goes, not at each engine's attach.
+            # The cuda backend page-locks the whole pool here, chunk by chunk as the
+            # pre-fault goes (SPARSEKV_PIN_POOL_AT_START=0: at each engine's attach).
             pinner = pool_pinner(cfg)
             doing = "pre-faulting and page-locking" if pinner is not None else "pre-faulting"
 

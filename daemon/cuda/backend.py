@@ -1,11 +1,11 @@
 """The cuda backend: one worker per GPU (its copy stream, its arena, its kernels) and the
 ranks it serves (``rank.py``), hot slabs in the arena exported through CUDA IPC.
 
-Each engine's host-pool range is registered with ``cudaHostRegister`` (portable, mapped)
-at its attach, in chunks that never split a row; one registration serves every GPU. With
-``SPARSEKV_PIN_POOL_AT_START=1`` the daemon page-locks the whole pool at start instead,
-chunk by chunk while it is pre-faulted (``daemon/main.py``, ``pinned.PoolPinner``), and
-an engine's range is a view of it.
+The daemon page-locks the whole host pool at start (``cudaHostRegister``, portable,
+mapped), chunk by chunk while it is pre-faulted (``daemon/main.py``, ``pinned.PoolPinner``),
+and an engine's range is a view of it; one registration serves every GPU. With
+``SPARSEKV_PIN_POOL_AT_START=0`` each engine's range is registered at its attach instead,
+in chunks that never split a row.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ class CudaBackend:
             log.warning("NVIDIA MPS is not running: every cross-process GPU hand-off will cost ~300 us "
                         "instead of ~26 us (start nvidia-cuda-mps-control -d; see deploy/)")
         self.pool = pool
-        # The whole pool page-locked at start (SPARSEKV_PIN_POOL_AT_START=1, daemon/main.py):
-        # each engine's range is a view of it. None (the default): each engine's range is
-        # registered at its attach.
+        # The whole pool page-locked at start (the default, daemon/main.py): each engine's
+        # range is a view of it. None (SPARSEKV_PIN_POOL_AT_START=0): each engine's range
+        # is registered at its attach.
         self.pool_region = pool_region
         self.cfg = cfg
         kernels = get_cache(cfg.kernel_cache_dir or None)

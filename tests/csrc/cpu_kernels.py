@@ -95,8 +95,10 @@ class Resolve:
     (slots, misses, hits, out_of_range, the plan concatenated and stable-sorted) plus
     ``misses_counted`` and the raw per-row outputs; ``err`` is the error record."""
 
-    def __init__(self, lay, lookup: str = "sort", threads: int = 64, workspace: str = "shared"):
+    def __init__(self, lay, lookup: str = "sort", threads: int = 64, workspace: str = "shared",
+                 defines: dict | None = None):
         self.lay, self.lookup, self.threads = lay, lookup, int(threads)
+        self.defines = dict(defines or {})  # more of csrc/resolve.cu's switches (SKV_RESOLVE_CHUNKED)
         self.lib = self._lib("skv_resolve", _RESOLVE_PARAMS, _RESOLVE_ARGS)
         g, r, s = lay.num_groups, lay.max_reqs, lay.region_stride
         self.owner = np.full((g, r, s), -1, np.int32)
@@ -108,7 +110,7 @@ class Resolve:
 
     # -- the other residency kernels (skv_reset, skv_invalidate), as CudaResidency calls them
     def _lib(self, entry: str, params: str, args: str):
-        return build("resolve.cu", entry, params, args, resolve_defines(self.threads, self.lookup))
+        return build("resolve.cu", entry, params, args, dict(resolve_defines(self.threads, self.lookup), **self.defines))
 
     def reset(self, state_rows) -> None:
         rows = np.asarray(state_rows, dtype=np.int32)

@@ -38,15 +38,20 @@ TRACES = [
     ("tiles-global", 100, 300, 400, 4, 2, 8, 20, 0.7, 64, "global"),
     ("odd", 37, 111, 90, 3, 3, 6, 30, 0.5, 64, "shared"),
     ("wide", 256, 512, 20_000, 8, 1, 12, 10, 0.8, 128, "shared"),
+    # more misses in a row than the hash plan ranks by counting (SKV_RANK_MAX): sorted
+    ("many-misses", 768, 1024, 40_000, 2, 1, 2, 4, 0.2, 128, "shared"),
 ]
 
 
+@pytest.mark.parametrize("chunked", [1, 0], ids=["chunks", "tiles"])
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
-def test_resolve_on_cpu_equals_the_numpy_engine(case, lookup):
+def test_resolve_on_cpu_equals_the_numpy_engine(case, lookup, chunked):
+    """Both walks of the lru, the slots and the plan (SKV_RESOLVE_CHUNKED): chunks per
+    thread with one count scan (the default), tiles with a flag scan each."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=threads, workspace=ws)
+    emu = cpu_kernels.Resolve(lay, lookup, threads=threads, workspace=ws, defines={"SKV_RESOLVE_CHUNKED": chunked})
     # resets, invalidations, repeated batches; the state compared after every step
     run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
     assert not emu.err[:8].any()  # nothing refused or mended on a sound trace

@@ -65,14 +65,18 @@ TRACES = [
 LOOKUPS = pytest.mark.parametrize("lookup", ["sort", "hash"])
 
 
+@pytest.mark.parametrize("chunked", [1, 0], ids=["chunks", "tiles"])
 @LOOKUPS
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
-def test_resolve_matches_cpu(case, kc, lookup):
+def test_resolve_matches_cpu(case, kc, lookup, chunked):
+    """Both lookups, and both walks of the lru, slots and plan (SKV_RESOLVE_CHUNKED: chunks
+    per thread, the default; tiles)."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     cuda = cuda_mod()
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     cpu = CpuResidency(lay)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, lookup=lookup)
+    extra = {} if chunked else {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}}
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, lookup=lookup, **extra)
     assert gpu.lookup == lookup
     if name == "topk32k":
         assert gpu.workspace_global  # 644 KiB per block cannot live in shared memory
