@@ -34,6 +34,10 @@ BATCH, TOP_K, STRIDE = 64, 2048, 4096
 MISS_RATE = 0.10
 BLOCK_ROWS = 64
 PLANS = 16  # distinct plans per timing round
+# The gather's kernel switches timed against the default (threads per block, the load
+# flavour of csrc/copy.cu: 0 plain, 1 __ldg, the default, 2 __ldcs).
+GATHER_VARIANTS = (("512 threads", {"threads": 512}), ("128 threads", {"threads": 128}),
+                   ("plain loads", {"load": 0}), ("streaming loads", {"load": 2}))
 
 
 def _say(msg: str) -> None:
@@ -186,7 +190,7 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
         blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool = True,
-        other_backing: bool = True, seed: int = 0) -> dict:
+        other_backing: bool = True, gather_variants=GATHER_VARIANTS, seed: int = 0) -> dict:
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
@@ -300,6 +304,19 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 extra = " (merge included)" if order == "batch" else ""
                 row(f"gather of the step's misses, {order} order, {nb} blocks x 256 threads{extra}",
                     f"{gbps:.1f} GB/s", f"{t:.0f} us (min {tmin:.0f})")
+        # The copy kernel's own switches, request order on 32 blocks: threads per block and
+        # how a 16-byte vector is read (csrc/copy.cu SKV_COPY_LOAD).
+        for label, kw in (gather_variants or ()):
+            try:
+                mv = CudaMover(lay, region, pool_offset=pool_off, buffers=bufs, kernels=kc, stream=s, blocks=32,
+                               order="request", **kw)
+                t, _ = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
+                                                                        BATCH, s), PLANS)
+            except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
+                row(f"gather variant {label}", "FAILED", f"{type(e).__name__}: {e}")
+                continue
+            out[f"gather_request_order_32blocks_{label.replace(' ', '_')}_GBps"] = round(step_bytes / t / 1e3, 2)
+            row(f"gather, request order, 32 blocks, {label}", f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us")
         # The same request-order gather from the engine's range registered in one piece
         # (what an attach does), against the pool registered in chunks as it was faulted.
         region.close()
@@ -483,7 +500,8 @@ def add_arguments(p) -> None:
 def run_args(a) -> int:
     """``sparsekv bench kernels [--pool-gib N] [--kernels-quick] [--json PATH]``."""
     quick = getattr(a, "kernels_quick", False)
-    r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132), other_backing=not quick)
+    r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132), other_backing=not quick,
+            gather_variants=() if quick else GATHER_VARIANTS)
     sys.stdout.write(table(r))
     path = getattr(a, "json_path", None)
     if path:

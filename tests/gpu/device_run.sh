@@ -40,6 +40,7 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 #       --quick) | signals (bench decode at batch 64 for each doorbell signalling and gather order)
 #       | latest (perf_latest.py: the transport bench, and latest.json from every figure) | demo |
 #       ab (bench decode for each of AB_VARIANTS: the daemon's switches against each other) |
+#       profile (tests/gpu/profile_daemon.py: the daemon's host time per request) |
 #       examples (the example model through the doorbell, its own KV and an engine-owned slab)
 # Steps run in this order, the ones that can hurt the GPU (spin kernels) last.
 # BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
@@ -70,7 +71,7 @@ if has all || has bench || has kernels; then
     --json "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | tail -40
 fi
 if has all || has bench || has e2e || has decode; then
-  timeout "$(left ${DECODE_TIMEOUT_S:-150})" python3 -m sparsekv.client.cli bench decode --quick --json "$OUT/decode.json" \
+  timeout "$(left ${DECODE_TIMEOUT_S:-150})" python3 -m sparsekv.client.cli bench decode --quick ${DECODE_ARGS:-} --json "$OUT/decode.json" \
     --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
 fi
 if has all || has bench || has e2e || has latest; then
@@ -98,6 +99,11 @@ if has signals; then
       --modes gpu,inproc,doorbell --json "$OUT/decode-${v//:/-}.json" 2>&1 | tee "$OUT/bench-decode-${v//:/-}.log" \
       | grep -E "^ +64 " | sed "s/^/$v /"
   done
+fi
+if has profile; then
+  # Where the daemon's host time goes per STEP + TOPK (handlers in process, then cProfile).
+  timeout "$(left 90)" python3 tests/gpu/profile_daemon.py 300 >"$OUT/profile-daemon.log" 2>&1
+  head -30 "$OUT/profile-daemon.log"
 fi
 if has ab; then
   # A/B of the daemon's measured switches on a decode step (batch 16 and 64, 90 % hits):
