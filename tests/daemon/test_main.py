@@ -391,18 +391,19 @@ def test_importing_the_daemon_leaves_the_cuda_environment_alone():
     assert r.returncode == 0, r.stderr
 
 
-def test_the_pool_is_page_locked_at_start_only_when_asked_and_for_the_cuda_backend(monkeypatch):
-    """pool_pinner: a PoolPinner (the pool registered while it is faulted) when asked for
-    and cuda will serve it; None by default, for the cpu backend and where CuPy sees no
-    GPU."""
+def test_the_pool_is_page_locked_at_start_unless_told_not_to_and_for_the_cuda_backend(monkeypatch):
+    """pool_pinner: a PoolPinner (the pool registered while it is faulted) by default when
+    cuda will serve it; None with SPARSEKV_PIN_POOL_AT_START=0, for the cpu backend and
+    where CuPy sees no GPU."""
     from sparsekv.daemon import main as main_mod
     from sparsekv.daemon.config import Config
     from sparsekv.daemon.pinned import PoolPinner
 
     monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: None)
+    monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "0")
+    assert main_mod.pool_pinner(Config(backend="cuda")) is None  # registration at attach
     monkeypatch.delenv(main_mod.PIN_AT_START_ENV, raising=False)
-    assert main_mod.pool_pinner(Config(backend="cuda")) is None  # off unless asked for
-    monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "1")
+    assert isinstance(main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)), PoolPinner)
     assert main_mod.pool_pinner(Config(backend="cpu")) is None
     monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: "no CUDA device")
     assert main_mod.pool_pinner(Config(backend="auto")) is None
