@@ -324,9 +324,13 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path, ba
     })
     summary["rss_growth_mib"] = round(summary["rss_end_mib"] - summary["rss_start_mib"], 1)
     print("CHAOS_SUMMARY " + json.dumps(summary))
+    if errors or bad_events:  # what the daemons said, for the report
+        with contextlib.suppress(OSError), open(os.path.join(tmp, "sparsekvd.log"), errors="replace") as f:
+            said = [line.rstrip() for line in f if " WARNING " in line or " ERROR " in line or "refused" in line]
+        print("DAEMON_WARNINGS\n" + "\n".join(said[-60:]))
 
-    assert bad == 0, bad_events[:5]
-    assert not errors, errors[:5]
+    assert bad == 0, [json.dumps(e) for e in bad_events[:5]]
+    assert not errors, [json.dumps(e) for e in errors[:5]]  # whole: type and message
     assert checks > 0 and client_kills > 0 and daemon_kills == 2
     assert reclaim and max(reclaim) < 2.0, reclaim
     assert detect and max(detect) < 3.0, detect
