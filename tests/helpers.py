@@ -83,7 +83,10 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
                 lost_at = time.time()
                 ev("lost", msg=str(e)[:200], checks=counts["checks"], rows=counts["rows"], bad=counts["bad"])
         except Exception as e:  # noqa: BLE001 - a failure of the run: record it, carry on
-            ev("error", type=type(e).__name__, msg=str(e)[:300])
+            import traceback
+
+            where = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
+            ev("error", type=type(e).__name__, msg=str(e)[:300], where=where[-8:])
             time.sleep(0.2)
         finally:
             if client is not None:
