@@ -98,6 +98,35 @@ def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
             "bus_id": cp.cuda.runtime.deviceGetPCIBusId(device).lower()}
 
 
+# cudaIpcOpenMemHandle of a handle the exporter has just handed over may fail for a moment
+# with cudaErrorInvalidResourceHandle: seen on the H200 under MPS (2026-12-02, the chaos
+# soak) in a process started right after another one that had the same memory open was
+# SIGKILLed, while the MPS server cleaned up after it; the same open a little later
+# works. Open retries for up to this long before the error stands.
+OPEN_RETRY_S = 2.0
+_INVALID_RESOURCE_HANDLE = 400  # cudaErrorInvalidResourceHandle
+
+
+def open_mem_handle(handle: bytes, retry_s: float = OPEN_RETRY_S, sleep=None) -> int:
+    """``cudaIpcOpenMemHandle`` (lazy peer access) on the current device; retried on
+    cudaErrorInvalidResourceHandle (see ``OPEN_RETRY_S``) with growing naps; any other
+    error, or that one past ``retry_s``, is raised."""
+    import time  # noqa: PLC0415
+
+    cp = _cp()
+    sleep = sleep or time.sleep
+    deadline = time.monotonic() + retry_s
+    nap = 0.005
+    while True:
+        try:
+            return cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            if getattr(e, "status", None) != _INVALID_RESOURCE_HANDLE or time.monotonic() >= deadline:
+                raise
+        sleep(nap)
+        nap = min(nap * 2, 0.1)
+
+
 class ImportedBuffer:
     """Device memory another process exported (:func:`export_buffer`), opened on
     ``device``: ``ptr`` is its first byte. Checks that ``nbytes`` from there lie inside
@@ -107,7 +136,7 @@ class ImportedBuffer:
         cp = _cp()
         self.device = device
         with cp.cuda.Device(device):
-            self._base = cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            self._base = open_mem_handle(handle)
             try:
                 base, size = allocation_range(self._base)
                 if offset < 0 or offset + nbytes > base + size - self._base:
@@ -133,7 +162,7 @@ class ImportedArena:
         cp = _cp()
         self.device, self.nbytes = device, nbytes
         with cp.cuda.Device(device):
-            self.ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            self.ptr = open_mem_handle(handle)
         self._mem = cp.cuda.UnownedMemory(self.ptr, nbytes, self, device)
         self._closed = False
 
