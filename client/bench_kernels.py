@@ -214,26 +214,30 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
     s = cp.cuda.Stream(non_blocking=True)
     timer = EventTimer(cp, s)
     with contextlib.ExitStack() as stack:
+        # The daemon's way first: the first large pool of a run is the one that finds the
+        # host's memory as it is (on the H200 a later one found huge pages ready and
+        # faulted three times faster: docs/PERF.md, session 7).
+        pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
+        out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
+        out["pool_ready_s"] = round(secs, 2)
+        out["pool_backing"] = pool.backing
+        row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting ({threads} threads), "
+            "the run's first pool", f"{nbytes / GIB / secs:.1f} GiB/s", f"{secs:.2f} s")
+        if both_pool_modes:
+            region.close()
+            pool.close()
+            pool, region, secs, note = pool_ready(nbytes, threads, pipelined=False, max_chunk_bytes=chunk)
+            out["pool_ready_sequential_GiBps"] = round(nbytes / GIB / secs, 2)
+            row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, fault then register (the second pool)",
+                f"{nbytes / GIB / secs:.1f} GiB/s", note)
+        stack.callback(pool.close)
+        stack.callback(region.close)
+        # First touch of each backing alone (8 GiB), after the pool: fault rates only.
         rates = fault_rates(min(nbytes, 8 * GIB), threads)
         out.update({k: v for k, v in rates.items() if isinstance(v, (int, float))})
         row(f"first touch of {min(nbytes, 8 * GIB) / GIB:.0f} GiB, {threads} threads (MADV_POPULATE_WRITE)",
             ", ".join(f"{k[6:-6]} {v} GiB/s" for k, v in rates.items() if k.endswith("_GiBps")),
             "; ".join(f"{k}: {v}" for k, v in rates.items() if not k.endswith("_GiBps")))
-        if both_pool_modes:
-            pool, region, secs, note = pool_ready(nbytes, threads, pipelined=False, max_chunk_bytes=chunk)
-            out["pool_ready_sequential_GiBps"] = round(nbytes / GIB / secs, 2)
-            row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, fault then register",
-                f"{nbytes / GIB / secs:.1f} GiB/s", note)
-            region.close()
-            pool.close()
-        pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
-        stack.callback(pool.close)
-        stack.callback(region.close)
-        out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
-        out["pool_ready_s"] = round(secs, 2)
-        out["pool_backing"] = pool.backing
-        row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting ({threads} threads)",
-            f"{nbytes / GIB / secs:.1f} GiB/s", f"{secs:.2f} s")
 
         host_rows = nbytes // (layers * ROW_BYTES)
         lay = Layout(num_layers=layers, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
