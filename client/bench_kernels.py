@@ -34,6 +34,9 @@ BATCH, TOP_K, STRIDE = 64, 2048, 4096
 MISS_RATE = 0.10
 BLOCK_ROWS = 64
 PLANS = 16  # distinct plans per timing round
+# Pool row strides timed against the model's 656 B rows (bench only, the daemon lays rows
+# out at their own size): 672 B rows are whole 32-byte sectors, 768 B whole 128-byte lines.
+ROW_SIZES = (656, 672, 704, 768)
 # The gather's kernel switches timed against the default (threads per block, the load
 # flavour of csrc/copy.cu: 0 plain, 1 __ldg, the default, 2 __ldcs).
 GATHER_VARIANTS = (("512 threads", {"threads": 512}), ("128 threads", {"threads": 128}),
@@ -190,7 +193,7 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
         blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool = True,
-        other_backing: bool = True, gather_variants=GATHER_VARIANTS, seed: int = 0) -> dict:
+        other_backing: bool = True, gather_variants=GATHER_VARIANTS, row_sizes=ROW_SIZES, seed: int = 0) -> dict:
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
@@ -340,6 +343,8 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         out["gather_batch_vs_bulk"] = round(best["batch"] / bulk_GBps, 3)
         out["gather_request_vs_bulk"] = round(best["request"] / bulk_GBps, 3)
 
+        if row_sizes:
+            _row_size_section(out, row, cp, kc, s, timer, rng, region, nbytes, layers, row_sizes)
         _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants)
         # The same gather from a pool in the other backing (SPARSEKV_POOL_BACKING).
         if other_backing:
@@ -368,6 +373,48 @@ def resolve_sequence(rng, steps: int = PLANS, batch: int = BATCH, top_k: int = T
         cols = (i * fresh + np.arange(top_k)) % ring
         out.append(np.stack([rng.permutation(rings[b, cols]) for b in range(batch)]).astype(np.int32))
     return out
+
+
+def _row_size_section(out, row, cp, kc, s, timer, rng, region, nbytes: int, layers: int, sizes) -> None:
+    """The request-order gather of one set of step plans (32 blocks) from pools laid out
+    with rows of each of ``sizes`` bytes (the same host rows, so the same rows of each
+    block; every layout fits the 64 GiB pool): whether padding the model's 656 B rows to
+    whole sectors or lines would bring the gather closer to the link. GB/s of the 656
+    bytes a row carries, and of the bytes read."""
+    from sparsekv.daemon.residency.cuda import CudaMover, allocate_device_buffers  # noqa: PLC0415
+    from sparsekv.proto import Layout  # noqa: PLC0415
+    from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
+
+    host_rows = nbytes // (layers * max(sizes))
+    prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
+    layer = layers // 2
+    with s:
+        d_rows = [cp.asarray(prow[i]) for i in range(PLANS)]
+        d_slots = [cp.asarray(pslot[i]) for i in range(PLANS)]
+        d_miss = [cp.asarray(pmiss[i]) for i in range(PLANS)]
+        desc = np.zeros(DESC_INTS, np.int32)
+        desc[D_BATCH], desc[D_K], desc[D_GROUP] = BATCH, TOP_K, layer
+        d_desc = cp.asarray(desc)
+    misses = int(pmiss[0].sum())
+    for size in sizes:
+        try:
+            lay = Layout(num_layers=layers, row_bytes=size, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
+                         host_rows=host_rows, max_batch=BATCH).validate()
+            bufs = allocate_device_buffers(lay)
+            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32, order="request")
+            t, _ = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
+                                                                    BATCH, s), PLANS)
+        except Exception as e:  # noqa: BLE001 - a size failing must not lose the rest
+            row(f"gather of {size} B rows", "FAILED", f"{type(e).__name__}: {e}")
+            continue
+        finally:
+            bufs = mv = None
+            cp.get_default_memory_pool().free_all_blocks()
+        useful = misses * ROW_BYTES / t / 1e3
+        out[f"gather_rows_{size}B_useful_GBps"] = round(useful, 2)
+        out[f"gather_rows_{size}B_read_GBps"] = round(misses * size / t / 1e3, 2)
+        row(f"gather, request order, 32 blocks, pool rows of {size} B ({ROW_BYTES} B used)",
+            f"{useful:.1f} GB/s used", f"{misses * size / t / 1e3:.1f} GB/s read, {t:.0f} us")
 
 
 def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) -> None:
@@ -505,7 +552,7 @@ def run_args(a) -> int:
     """``sparsekv bench kernels [--pool-gib N] [--kernels-quick] [--json PATH]``."""
     quick = getattr(a, "kernels_quick", False)
     r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132), other_backing=not quick,
-            gather_variants=() if quick else GATHER_VARIANTS)
+            gather_variants=() if quick else GATHER_VARIANTS, row_sizes=() if quick else ROW_SIZES)
     sys.stdout.write(table(r))
     path = getattr(a, "json_path", None)
     if path:

@@ -61,7 +61,8 @@ def test_a_small_run_on_the_gpu():
     for k in ("gather_vs_bulk", "resolve_us_b64", "pool_ready_GiBps", "pool_ready_sequential_GiBps",
               "merge_plan_us_b64", "gather_request_order_GBps", "gather_batch_order_GBps",
               "gather_request_order_32blocks_one_registration_GBps", "gather_request_order_32blocks_memfd_GBps",
-              "pool_ready_memfd_GiBps", "resolve_us_b64_eager"):
+              "pool_ready_memfd_GiBps", "resolve_us_b64_eager", "gather_rows_672B_useful_GBps",
+              "gather_rows_768B_read_GBps", "gather_request_order_32blocks_512_threads_GBps"):
         assert r[k] > 0, k
     assert r["pool_backing"] == "anon_thp" and r["resolve_lookup"] == "hash"
     assert r["kernels_step_bytes"] == 64 * round(0.1 * 2048) * 656
