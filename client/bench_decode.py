@@ -89,6 +89,7 @@ class Options:
     block_size: int = 64
     steps: int = DEFAULT_STEPS
     warmup: int = 8
+    rounds: int = 1  # every mode of a batch this many times over, alternating (run-to-run spread)
     modes: tuple[str, ...] = DEFAULT_MODES
     layer_overlap: float = 0.85
     gather_blocks: int | None = None
@@ -103,7 +104,7 @@ class Options:
             raise ValueError(f"--batches must be positive integers, got {list(self.batches)}")
         if not self.hits or any(not 0 <= h <= 100 for h in self.hits):
             raise ValueError(f"--hits must be percentages in [0, 100], got {list(self.hits)}")
-        for name in ("layers", "top_k", "row_bytes", "context", "block_size", "steps", "warmup"):
+        for name in ("layers", "top_k", "row_bytes", "context", "block_size", "steps", "warmup", "rounds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.row_bytes % 16:
@@ -355,15 +356,49 @@ class Result:
     fill_s: float | None = None  # seconds to fill this mode's pool (first config of a batch)
     error: str | None = None
     skipped: str | None = None
+    round: int = 0  # which of --rounds (combine_rounds() merges them)
+    round_p50s: tuple[float, ...] = ()  # merged: each round's p50
     # derived by derive()
     gbps: float | None = None
     overhead_us_per_layer: float | None = None
     vs_inproc: float | None = None
     inproc_vs_gpu: float | None = None
+    round_overheads: tuple[float, ...] = ()  # each round's overhead against that round's inproc
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.skipped is None and self.p50_us is not None
+
+
+def combine_rounds(results: list[Result], layers: int) -> list[Result]:
+    """One result per (batch, hits, mode) from the rounds of ``--rounds``: p50 and p99 the
+    median of the rounds' (the rounds' p50s kept), the hit rate and misses of the first,
+    and for a daemon mode each round's overhead against the same round's inproc
+    (``round_overheads``, microseconds a layer). A config whose every round failed keeps
+    its first failure; a failed round is left out of the others."""
+    groups: dict[tuple, list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.batch, r.hits, r.mode), []).append(r)
+    inproc = {(r.batch, r.hits, r.round): r for r in results if r.mode == "inproc" and r.ok}
+    out = []
+    for (batch, hits, mode), rs in groups.items():
+        ok = [r for r in rs if r.ok]
+        if not ok:
+            out.append(rs[0])
+            continue
+        first = ok[0]
+        p99s = [r.p99_us for r in ok if r.p99_us is not None]
+        merged = Result(mode, batch, hits, run=first.run,
+                        p50_us=float(np.median([r.p50_us for r in ok])),
+                        p99_us=float(np.median(p99s)) if p99s else None,
+                        hit_rate=first.hit_rate, hit_measured=first.hit_measured,
+                        misses_per_step=first.misses_per_step, fill_s=first.fill_s,
+                        round_p50s=tuple(r.p50_us for r in ok))
+        if mode in ("doorbell", "zmq"):
+            merged.round_overheads = tuple((r.p50_us - inproc[(batch, hits, r.round)].p50_us) / layers
+                                           for r in ok if (batch, hits, r.round) in inproc)
+        out.append(merged)
+    return out
 
 
 def derive(results: list[Result], layers: int, row_bytes: int) -> list[Result]:
@@ -415,6 +450,10 @@ def table(results: list[Result], opts: Options) -> str:
     if any(r.ok and r.run == "eager" and r.mode != "zmq" for r in results):
         notes.append("run eager: the CUDA graph capture failed, each step was launched from Python")
     notes.append("+us/layer = (mode p50 - inproc p50) / layers; x inproc = mode p50 / inproc p50")
+    for r in results:
+        if len(r.round_overheads) > 1:
+            notes.append(f"batch {r.batch} {hkey(r.hits)}% {r.mode}: {len(r.round_p50s)} rounds (medians above), "
+                         f"+us/layer per round {', '.join(f'{v:+.2f}' for v in r.round_overheads)}")
     return "\n".join(lines + [f"note: {n}" for n in notes]) + "\n"
 
 
@@ -452,6 +491,11 @@ def summary(results: list[Result], opts: Options) -> dict:
         if r.overhead_us_per_layer is not None:
             out[f"{k}_overhead_us_per_layer"] = _round(r.overhead_us_per_layer, 2)
             out[f"{k}_vs_inproc"] = _round(r.vs_inproc, 3)
+        if len(r.round_p50s) > 1:
+            out[f"{k}_rounds"] = len(r.round_p50s)
+        if len(r.round_overheads) > 1:
+            out[f"{k}_overhead_us_per_layer_min"] = _round(min(r.round_overheads), 2)
+            out[f"{k}_overhead_us_per_layer_max"] = _round(max(r.round_overheads), 2)
         if r.inproc_vs_gpu is not None:
             out[f"decode_b{r.batch}_h{hkey(r.hits)}_inproc_vs_gpu"] = _round(r.inproc_vs_gpu, 3)
     ref = _reference(results)
@@ -879,26 +923,36 @@ def run(opts: Options, torch=None) -> list[Result]:
                                  layer_overlap=opts.layer_overlap, seed=opts.seed) for h in opts.hits}
         _say(f"batch {batch}: top-k sequences of {len(workloads)} hit rate(s) generated in "
              f"{time.perf_counter() - t0:.1f} s (host_rows {lay.host_rows}, pool {lay.pool_bytes / 1e9:.1f} GB)")
-        if "gpu" in opts.modes:
-            _guarded(results, "gpu", batch, workloads, lambda: run_gpu(torch, lay, workloads, opts, results))
-            _free(torch)
-        if "inproc" in opts.modes:
-            _guarded(results, "inproc", batch, workloads, lambda: run_inproc(torch, lay, workloads, opts, results))
-            _free(torch)
-        if "doorbell" in opts.modes or "zmq" in opts.modes:
-            daemon_modes = [m for m in ("doorbell", "zmq") if m in opts.modes]
-            try:
-                run_doorbell(torch, lay, workloads, opts, results)
-            except KeyboardInterrupt:
-                raise
-            except Exception as e:  # noqa: BLE001 - the daemon did not start, attach or fill
-                why = f"{type(e).__name__}: {' '.join(str(e).split())}"
-                _say(f"batch {batch} daemon: {why}")
-                done = {(r.mode, r.hits) for r in results if r.batch == batch}
-                results.extend(Result(m, batch, h, error=why) for m in daemon_modes for h in workloads
-                               if (m, h) not in done)
-            _free(torch)
-    return derive(results, opts.layers, opts.row_bytes)
+        for rnd in range(opts.rounds):
+            here: list[Result] = []
+            _run_batch_modes(torch, batch, lay, workloads, opts, here)
+            for r in here:
+                r.round = rnd
+            results.extend(here)
+    return derive(combine_rounds(results, opts.layers), opts.layers, opts.row_bytes)
+
+
+def _run_batch_modes(torch, batch: int, lay: Layout, workloads: dict, opts: Options, results: list) -> None:
+    """Every mode of ``opts`` once for one batch size (one round), in MODES order."""
+    if "gpu" in opts.modes:
+        _guarded(results, "gpu", batch, workloads, lambda: run_gpu(torch, lay, workloads, opts, results))
+        _free(torch)
+    if "inproc" in opts.modes:
+        _guarded(results, "inproc", batch, workloads, lambda: run_inproc(torch, lay, workloads, opts, results))
+        _free(torch)
+    if "doorbell" in opts.modes or "zmq" in opts.modes:
+        daemon_modes = [m for m in ("doorbell", "zmq") if m in opts.modes]
+        try:
+            run_doorbell(torch, lay, workloads, opts, results)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 - the daemon did not start, attach or fill
+            why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+            _say(f"batch {batch} daemon: {why}")
+            done = {(r.mode, r.hits) for r in results if r.batch == batch}
+            results.extend(Result(m, batch, h, error=why) for m in daemon_modes for h in workloads
+                           if (m, h) not in done)
+        _free(torch)
 
 
 # -- command line --------------------------------------------------------------------------
@@ -930,6 +984,9 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help=f"timed decode steps per config (default: {DEFAULT_STEPS}; --quick: {QUICK_STEPS})")
     p.add_argument("--warmup", type=int, default=8, metavar="N", help="untimed steps before them (the first is cold)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run every mode of a batch N times, alternating, each daemon mode with a daemon of its "
+                        "own; figures are the rounds' medians, the spread of the hand-off is reported")
     p.add_argument("--context", type=int, default=8192, metavar="N", help="positions per request")
     p.add_argument("--block-size", type=int, default=64, metavar="N", help="positions per block of the block table")
     p.add_argument("--top-k", type=int, default=2048, metavar="N", help="columns per top-k row (= hot slots)")
@@ -957,6 +1014,7 @@ def options_from_args(a) -> Options:
         hits=a.hits or (QUICK_HITS if quick else DEFAULT_HITS),
         layers=a.layers, top_k=a.top_k, row_bytes=a.row_bytes, context=a.context, block_size=a.block_size,
         steps=a.steps if a.steps is not None else (QUICK_STEPS if quick else DEFAULT_STEPS), warmup=a.warmup,
+        rounds=a.rounds,
         modes=tuple(dict.fromkeys(a.modes)) if a.modes else DEFAULT_MODES,
         layer_overlap=a.layer_overlap, gather_blocks=a.gather_blocks, seed=a.seed,
         json_path=a.json_path, plot_path=a.plot_path, daemon_log=a.daemon_log,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sparsekv.client import bench_decode as bd
-from sparsekv.client.bench_decode import Options, Result, derive, generate, summary, table
+from sparsekv.client.bench_decode import Options, Result, combine_rounds, derive, generate, summary, table
 
 SMALL = dict(steps=6, layers=6, context=1024, top_k=256, block_size=16)
 
@@ -201,6 +201,34 @@ def test_derived_figures_compare_each_mode_with_inproc_of_the_same_config():
     assert inproc.inproc_vs_gpu == pytest.approx(2.0)
     assert inproc.gbps == pytest.approx(inproc.misses_per_step * 656 / (inproc.p50_us * 1e-6) / 1e9)
     assert rs[(64, 90.0, "gpu")].gbps is None and rs[(64, 90.0, "gpu")].vs_inproc is None
+
+
+def test_rounds_merge_into_medians_and_each_rounds_handoff_against_its_own_inproc():
+    """--rounds: p50 the median of the rounds' p50s; the daemon mode's overhead per round
+    against the inproc of the same round; a failed round is left out; the table and the
+    JSON say the spread."""
+    rs = []
+    for rnd, (inproc, db) in enumerate([(1000.0, 1061.0), (1100.0, 1100.0), (900.0, 1083.0)]):
+        rs.append(Result("inproc", 16, 90.0, run="graph", p50_us=inproc, p99_us=inproc + 5, round=rnd,
+                         misses_per_step=100.0))
+        rs.append(Result("doorbell", 16, 90.0, run="graph", p50_us=db, p99_us=db + 5, round=rnd,
+                         misses_per_step=100.0))
+    rs.append(Result("doorbell", 16, 90.0, error="daemon died", round=3))
+    rs.append(Result("zmq", 16, 90.0, error="refused", round=0))
+    merged = derive(combine_rounds(rs, 61), 61, 656)
+    by = {r.mode: r for r in merged}
+    assert set(by) == {"inproc", "doorbell", "zmq"}
+    assert by["inproc"].p50_us == 1000.0 and by["inproc"].round_p50s == (1000.0, 1100.0, 900.0)
+    assert by["doorbell"].p50_us == 1083.0 and by["doorbell"].p99_us == 1088.0
+    assert by["doorbell"].round_overheads == pytest.approx((1.0, 0.0, 3.0))
+    assert by["doorbell"].overhead_us_per_layer == pytest.approx(83.0 / 61)  # medians against medians
+    assert by["zmq"].error == "refused"
+    d = summary(merged, Options(gather_blocks=32))
+    assert d["decode_b16_h90_doorbell_rounds"] == 3
+    assert d["decode_b16_h90_doorbell_overhead_us_per_layer_min"] == 0.0
+    assert d["decode_b16_h90_doorbell_overhead_us_per_layer_max"] == 3.0
+    text = table(merged, Options(gather_blocks=32, rounds=3))
+    assert "3 rounds" in text and "+1.00, +0.00, +3.00" in text
 
 
 def test_json_has_the_headline_keys_at_batch_64_and_90_percent():
