@@ -200,7 +200,6 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
     from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
     from sparsekv.daemon.residency.cuda import DEFAULT_GATHER_ORDER, CudaMover, allocate_device_buffers  # noqa: PLC0415
     from sparsekv.proto import Layout  # noqa: PLC0415
-    from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
 
     threads = threads or min(16, os.cpu_count() or 1)
     nbytes = int(pool_gib * GIB) // (1 << 21) * (1 << 21)
@@ -251,14 +250,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
         _say(f"{PLANS} step plans in {time.perf_counter() - t0:.1f} s ({int(pmiss[0].sum())} misses each, "
              f"{host_rows} rows a layer)")
-        with s:
-            d_rows = [cp.asarray(prow[i]) for i in range(PLANS)]
-            d_slots = [cp.asarray(pslot[i]) for i in range(PLANS)]
-            d_miss = [cp.asarray(pmiss[i]) for i in range(PLANS)]
-            desc = np.zeros(DESC_INTS, np.int32)
-            desc[D_BATCH], desc[D_K], desc[D_GROUP] = BATCH, TOP_K, layer
-            d_desc = cp.asarray(desc)
-        s.synchronize()
+        d_desc, d_rows, d_slots, d_miss = _device_plans(cp, s, prow, pslot, pmiss, layer)
         bufs = allocate_device_buffers(lay)
         pool_off = 0
         step_bytes = int(pmiss[0].sum()) * ROW_BYTES
@@ -375,6 +367,22 @@ def resolve_sequence(rng, steps: int = PLANS, batch: int = BATCH, top_k: int = T
     return out
 
 
+def _device_plans(cp, s, prow, pslot, pmiss, layer: int) -> tuple:
+    """The step plans on the device, and a descriptor of batch 64, top-k 2048 naming
+    ``layer`` (one layer a group): (desc, rows, slots, misses), lists of PLANS arrays."""
+    from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
+
+    with s:
+        d_rows = [cp.asarray(prow[i]) for i in range(PLANS)]
+        d_slots = [cp.asarray(pslot[i]) for i in range(PLANS)]
+        d_miss = [cp.asarray(pmiss[i]) for i in range(PLANS)]
+        desc = np.zeros(DESC_INTS, np.int32)
+        desc[D_BATCH], desc[D_K], desc[D_GROUP] = BATCH, TOP_K, layer
+        d_desc = cp.asarray(desc)
+    s.synchronize()
+    return d_desc, d_rows, d_slots, d_miss
+
+
 def _row_size_section(out, row, cp, kc, s, timer, rng, region, nbytes: int, layers: int, sizes) -> None:
     """The request-order gather of one set of step plans (32 blocks) from pools laid out
     with rows of each of ``sizes`` bytes (the same host rows, so the same rows of each
@@ -383,18 +391,11 @@ def _row_size_section(out, row, cp, kc, s, timer, rng, region, nbytes: int, laye
     bytes a row carries, and of the bytes read."""
     from sparsekv.daemon.residency.cuda import CudaMover, allocate_device_buffers  # noqa: PLC0415
     from sparsekv.proto import Layout  # noqa: PLC0415
-    from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
 
     host_rows = nbytes // (layers * max(sizes))
     prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
     layer = layers // 2
-    with s:
-        d_rows = [cp.asarray(prow[i]) for i in range(PLANS)]
-        d_slots = [cp.asarray(pslot[i]) for i in range(PLANS)]
-        d_miss = [cp.asarray(pmiss[i]) for i in range(PLANS)]
-        desc = np.zeros(DESC_INTS, np.int32)
-        desc[D_BATCH], desc[D_K], desc[D_GROUP] = BATCH, TOP_K, layer
-        d_desc = cp.asarray(desc)
+    d_desc, d_rows, d_slots, d_miss = _device_plans(cp, s, prow, pslot, pmiss, layer)
     misses = int(pmiss[0].sum())
     for size in sizes:
         try:

@@ -49,15 +49,13 @@ __device__ __forceinline__ void skv_report(int* err, int kind, int row, const in
 
 __device__ __forceinline__ u64 skv_align16(u64 x) { return (x + 15ull) & ~15ull; }
 
-// Exclusive prefix count of a per-thread flag across the block, in thread order.
-// `warp_tot` is __shared__ int[NT / 32]; `*total` receives the block's count.
+// The block-wide exclusive prefix of a per-thread value from its warp-wide one: `in_warp`
+// (this thread's prefix within its warp) and `warp_sum` (its warp's total, the same in
+// every lane). `warp_tot` is __shared__ int[NT / 32]; `*total` receives the block's sum.
 template <int NT>
-__device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int* total) {
-    const int lane = threadIdx.x & 31;
+__device__ __forceinline__ int skv_add_warps(int in_warp, int warp_sum, int* warp_tot, int* total) {
     const int warp = threadIdx.x >> 5;
-    const u32 mask = __ballot_sync(0xffffffffu, flag);
-    const int in_warp = __popc(mask & ((1u << lane) - 1u));
-    if (lane == 0) warp_tot[warp] = __popc(mask);
+    if ((threadIdx.x & 31) == 0) warp_tot[warp] = warp_sum;
     __syncthreads();
     int before = 0, sum = 0;
 #pragma unroll
@@ -71,6 +69,15 @@ __device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int
     return before + in_warp;
 }
 
+// Exclusive prefix count of a per-thread flag across the block, in thread order.
+// `warp_tot` is __shared__ int[NT / 32]; `*total` receives the block's count.
+template <int NT>
+__device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int* total) {
+    const int lane = threadIdx.x & 31;
+    const u32 mask = __ballot_sync(0xffffffffu, flag);
+    return skv_add_warps<NT>(__popc(mask & ((1u << lane) - 1u)), __popc(mask), warp_tot, total);
+}
+
 // Exclusive prefix sum, in thread order, of a per-thread count v in [0, 2^bits) (bits
 // block-uniform, at most 31): bit-sliced warp ballots, then the warp totals, so one
 // call costs `bits` ballots and two barriers whatever the counts. `warp_tot` is
@@ -78,7 +85,6 @@ __device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int
 template <int NT>
 __device__ __forceinline__ int skv_block_scan_count(int v, int bits, int* warp_tot, int* total) {
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
     const u32 below = (1u << lane) - 1u;
     int in_warp = 0, warp_sum = 0;
     for (int p = 0; p < bits; ++p) {
@@ -86,18 +92,7 @@ __device__ __forceinline__ int skv_block_scan_count(int v, int bits, int* warp_t
         in_warp += __popc(m & below) << p;
         warp_sum += __popc(m) << p;
     }
-    if (lane == 0) warp_tot[warp] = warp_sum;
-    __syncthreads();
-    int before = 0, sum = 0;
-#pragma unroll
-    for (int w = 0; w < NT / 32; ++w) {
-        const int x = warp_tot[w];
-        before += (w < warp) ? x : 0;
-        sum += x;
-    }
-    __syncthreads();  // warp_tot is reused by the next call
-    *total = sum;
-    return before + in_warp;
+    return skv_add_warps<NT>(in_warp, warp_sum, warp_tot, total);
 }
 
 // Bits that hold every count in [0, n].

@@ -93,6 +93,27 @@ __device__ __forceinline__ u32 skv_hash_slot(int g, int bits) {
     return ((u32)g * 2654435769u) >> (32 - bits);
 }
 
+// Column c's slot once the lru is partitioned: its hit slot, or for a miss (the m-th in
+// column order) the m-th evictable, which it now owns (owner[slot] = its id, colv marks
+// it MISS_TAG | slot); -1 for an invalid column, and for a miss left without a valid
+// evictable (corrupt state: *bad_slot = 1, the column is dropped from the plan).
+__device__ __forceinline__ int skv_slot_of(const SkvWs& w, int c, int m, int n_take, int S,
+                                           const int* __restrict__ ids, int* __restrict__ owner,
+                                           int* bad_slot) {
+    const int v = w.colv[c];
+    if (v >= 0 && v < S) return v;
+    if (v != SKV_PENDING) return SKV_NONE;
+    const int sl = m < n_take ? w.evict[m] : -1;
+    if (sl >= 0 && sl < S) {
+        owner[sl] = ids[c];
+        w.colv[c] = SKV_MISS_TAG | sl;
+        return sl;
+    }
+    w.colv[c] = SKV_NONE;
+    *bad_slot = 1;
+    return SKV_NONE;
+}
+
 // Ascending bitonic sort of a[0, n), n a power of two, by the whole block. The caller
 // has synchronised the block after writing a[]; the sort ends with __syncthreads().
 //
@@ -488,23 +509,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             int total_pending;
             int m = skv_block_scan_count<SKV_RT>(pend, skv_bits_for(per), sh_warp, &total_pending);
             for (int c = c0; c < c1; ++c) {
-                const int v = w.colv[c];
-                int out = SKV_NONE;
-                if (v >= 0 && v < S) {
-                    out = v;
-                } else if (v == SKV_PENDING) {
-                    const int sl = m < n_take ? w.evict[m] : -1;
-                    if (sl >= 0 && sl < S) {
-                        owner[sl] = ids[c];
-                        w.colv[c] = SKV_MISS_TAG | sl;
-                        out = sl;
-                    } else {
-                        w.colv[c] = SKV_NONE;
-                        bad_slot = 1;
-                    }
-                    ++m;
-                }
-                out_slots[c] = out;
+                const bool pending = w.colv[c] == SKV_PENDING;
+                out_slots[c] = skv_slot_of(w, c, m, n_take, S, ids, owner, &bad_slot);
+                m += pending ? 1 : 0;
             }
         }
 #else
@@ -514,23 +521,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             const int v = c < k ? w.colv[c] : SKV_NONE;
             int tile;
             const int m = skv_block_scan_flag<SKV_RT>(v == SKV_PENDING, sh_warp, &tile) + carry;
-            if (c < k) {
-                int out = SKV_NONE;
-                if (v >= 0 && v < S) {
-                    out = v;
-                } else if (v == SKV_PENDING) {
-                    const int sl = m < n_take ? w.evict[m] : -1;
-                    if (sl >= 0 && sl < S) {
-                        owner[sl] = ids[c];
-                        w.colv[c] = SKV_MISS_TAG | sl;
-                        out = sl;
-                    } else {
-                        w.colv[c] = SKV_NONE;
-                        bad_slot = 1;
-                    }
-                }
-                out_slots[c] = out;
-            }
+            if (c < k) out_slots[c] = skv_slot_of(w, c, m, n_take, S, ids, owner, &bad_slot);
             carry += tile;
         }
 #endif
