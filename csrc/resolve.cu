@@ -93,6 +93,19 @@ __device__ __forceinline__ u32 skv_hash_slot(int g, int bits) {
     return ((u32)g * 2654435769u) >> (32 - bits);
 }
 
+// Where old lru entry i (slot sl) goes in the new lru = evictables[n_take:] +
+// evictables[:n_take] + hits, stable; `e` evictables come before it. The first n_take
+// evictables also go to evict[] (the misses take them in column order).
+__device__ __forceinline__ int skv_lru_pos(const SkvWs& w, int sl, bool hit, int i, int e, int n_evict,
+                                           int n_take) {
+    if (hit) return n_evict + (i - e);
+    if (e < n_take) {
+        w.evict[e] = sl;
+        return n_evict - n_take + e;
+    }
+    return e - n_take;
+}
+
 // Column c's slot once the lru is partitioned: its hit slot, or for a miss (the m-th in
 // column order) the m-th evictable, which it now owns (owner[slot] = its id, colv marks
 // it MISS_TAG | slot); -1 for an invalid column, and for a miss left without a valid
@@ -427,19 +440,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             for (int i = i0; i < i1; ++i) {
                 const int sl = w.lcopy[i];
                 const bool hit = sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
-                int pos;
-                if (!hit) {
-                    if (e < n_take) {
-                        w.evict[e] = sl;
-                        pos = n_evict - n_take + e;
-                    } else {
-                        pos = e - n_take;
-                    }
-                    ++e;
-                } else {
-                    pos = n_evict + (i - e);
-                }
-                lru[pos] = sl;
+                lru[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
+                e += hit ? 0 : 1;
             }
         }
         int carry = 0;
@@ -477,20 +479,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             }
             int tile;
             const int e = skv_block_scan_flag<SKV_RT>(i < S && !hit, sh_warp, &tile) + carry;
-            if (i < S) {
-                int pos;
-                if (!hit) {
-                    if (e < n_take) {
-                        w.evict[e] = sl;
-                        pos = n_evict - n_take + e;
-                    } else {
-                        pos = e - n_take;
-                    }
-                } else {
-                    pos = n_evict + (i - e);
-                }
-                lru[pos] = sl;
-            }
+            if (i < S) lru[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
             carry += tile;
         }
         __syncthreads();
