@@ -465,6 +465,9 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
     variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]
     variants += [("tiles walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}})]
+    if res.lookup == "hash":
+        variants += [("hash table x4", {"hash_scale": 4}),
+                     ("hash table x4 phase 2", {"hash_scale": 4, "timing_defines": {"SKV_RESOLVE_STOP": 2}})]
     variants += [(f"{other} lookup", {"lookup": other}), (f"{other} lookup 512 threads", {"lookup": other, "threads": 512})]
     variants += [(f"{other} lookup phase {p}", {"lookup": other, "timing_defines": {"SKV_RESOLVE_STOP": p}})
                  for p in (1, 2, 4, 7)]

@@ -11,10 +11,16 @@
 #define SKV_RT SKV_RESOLVE_THREADS
 // How a row's columns are found from the region's owners: 0 sort the keys (bitonic) and
 // binary-search each owner; 1 a hash table of the columns' host rows in the workspace
-// (open addressing, 2 x pow2(k) entries), then only the misses are sorted for the plan.
+// (open addressing, SKV_HASH_SCALE x pow2(k) entries), then only the misses are sorted for the plan.
 // Both give the same results (tests/daemon/residency/test_cuda_kernels.py runs both).
 #ifndef SKV_RESOLVE_LOOKUP
 #define SKV_RESOLVE_LOOKUP 0
+#endif
+// The hash table's entries per power-of-two column: 2 (load at most 1/2) or 4 (1/4:
+// shorter probe runs, twice the shared memory). The workspace size follows it
+// (resolve_workspace_bytes in daemon/residency/cuda.py).
+#ifndef SKV_HASH_SCALE
+#define SKV_HASH_SCALE 2
 #endif
 // How the lru partition, the misses' slots and the hash lookup's plan walk their arrays:
 // 1 each thread a contiguous chunk, one block-wide count scan per pass (few barriers);
@@ -54,8 +60,8 @@
 //   hmask u32[ceil(S/32)]  bit per slot: a hit this step
 //   smask u32[ceil(S/32)]  bit per slot: seen in the lru (finds repeated entries)
 //   lcopy int[S]           the lru row as it was before this resolve
-//   htab  int[2 kp], hcol int[2 kp]  (SKV_RESOLVE_LOOKUP 1) host row -> column table;
-//                          reused as u64[2 kp] for the misses' keys of the plan
+//   htab  int[H kp], hcol int[H kp]  (SKV_RESOLVE_LOOKUP 1; H = SKV_HASH_SCALE) host row
+//                          -> column table; reused as u64[kp] for the misses' keys of the plan
 struct SkvWs {
     u64* keys;
     int* colv;
@@ -83,7 +89,7 @@ __device__ __forceinline__ SkvWs skv_ws(unsigned char* base, int kp, int k, int 
     w.lcopy = (int*)(base + off);
     off += skv_align16((u64)S * 4ull);
     w.htab = (int*)(base + off);  // only with SKV_RESOLVE_LOOKUP 1 (the workspace is sized for it)
-    w.hcol = w.htab + 2 * kp;
+    w.hcol = w.htab + SKV_HASH_SCALE * kp;
     return w;
 }
 
@@ -315,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         }
 #if SKV_RESOLVE_LOOKUP == 1
         int hbits = 1;
-        while ((1 << hbits) < 2 * kp) ++hbits;
+        while ((1 << hbits) < SKV_HASH_SCALE * kp) ++hbits;
         const int hsize = 1 << hbits;
         for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
 #endif
@@ -325,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 
 #if SKV_RESOLVE_LOOKUP == 1
         // 1b. every valid column into the table; a host row found there already is a
-        // duplicate. The table has twice the entries of the columns: a free one is always
+        // duplicate. The table has 2 or 4 times the entries of the columns: a free one is always
         // found, and two threads inserting one host row meet at the same entry.
         int dup = 0;
         for (int i = tid; i < k; i += SKV_RT) {

@@ -39,16 +39,25 @@ MERGE_THREADS = 1024  # skv_merge_plan: one block per batch row
 RESOLVE_LOOKUPS = {"sort": 0, "hash": 1}  # csrc/resolve.cu SKV_RESOLVE_LOOKUP
 
 
-def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort") -> dict:
-    """Constants of the residency module (csrc/resolve.cu): threads per block, and how a
-    row's columns are found from the region's owners (``sort`` or ``hash``)."""
+HASH_SCALES = (2, 4)  # csrc/resolve.cu SKV_HASH_SCALE: table entries per power-of-two column
+DEFAULT_HASH_SCALE = 2
+
+
+def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort", hash_scale: int = DEFAULT_HASH_SCALE) -> dict:
+    """Constants of the residency module (csrc/resolve.cu): threads per block, how a row's
+    columns are found from the region's owners (``sort`` or ``hash``), and the hash
+    table's size (``hash_scale`` entries per power-of-two column)."""
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"resolve threads must be a multiple of 32 in [32, 1024], got {threads}")
     if lookup not in RESOLVE_LOOKUPS:
         raise ValueError(f"resolve lookup must be one of {', '.join(RESOLVE_LOOKUPS)}, got {lookup!r}")
+    if hash_scale not in HASH_SCALES:
+        raise ValueError(f"hash scale must be one of {HASH_SCALES}, got {hash_scale!r}")
     out = {"SKV_RESOLVE_THREADS": int(threads)}
     if lookup != "sort":  # the default module keeps its cache key
         out["SKV_RESOLVE_LOOKUP"] = RESOLVE_LOOKUPS[lookup]
+        if hash_scale != DEFAULT_HASH_SCALE:
+            out["SKV_HASH_SCALE"] = int(hash_scale)
     return out
 
 

@@ -40,6 +40,7 @@ from .base import Mover, Plan, Residency, ResidencyError, Resolved, check_batch
 from sparsekv.daemon.kernels import (  # noqa: E402 - constants only; cupy stays lazy
     COPY_LOAD,
     COPY_THREADS,
+    DEFAULT_HASH_SCALE,
     DEFAULT_SMEM_BYTES,
     MERGE_THREADS,
     RESOLVE_LOOKUPS,
@@ -131,12 +132,13 @@ def _a16(n: int) -> int:
     return (n + 15) & ~15
 
 
-def resolve_workspace_bytes(k: int, region_stride: int, lookup: str = "sort") -> int:
+def resolve_workspace_bytes(k: int, region_stride: int, lookup: str = "sort", hash_scale: int = 2) -> int:
     """Bytes of one resolve block's workspace for ``k`` columns (mirrors ``skv_ws``); the
-    hash lookup adds its table (host rows and columns, 2 x pow2(k) entries each)."""
+    hash lookup adds its table (host rows and columns, ``hash_scale`` x pow2(k) entries
+    each)."""
     kp = _pow2(k)
     base = _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + _a16(region_stride * 4)
-    return base + (_a16(4 * kp * 4) if lookup == "hash" else 0)
+    return base + (_a16(2 * hash_scale * kp * 4) if lookup == "hash" else 0)
 
 
 RESOLVE_LOOKUP_ENV = "SPARSEKV_RESOLVE_LOOKUP"
@@ -261,10 +263,13 @@ class CudaResidency(Residency):
             kernel bench's phase timings; its results are wrong). Never in the daemon.
         lookup: how resolve finds a row's columns from the owners, ``sort`` or ``hash``
             (:func:`resolve_lookup`: else ``$SPARSEKV_RESOLVE_LOOKUP``, else ``hash``).
+        hash_scale: the hash table's entries per power-of-two column (2 or 4; the kernel
+            bench compares them).
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
-                 workspace: str = "auto", timing_defines: dict | None = None, lookup: str | None = None):
+                 workspace: str = "auto", timing_defines: dict | None = None, lookup: str | None = None,
+                 hash_scale: int = DEFAULT_HASH_SCALE):
         cp = _cp()
         self.layout = layout.validate()
         if kernels is None:
@@ -278,13 +283,14 @@ class CudaResidency(Residency):
             self.lru = cp.empty((g, r, s), dtype=cp.int32)
             self.lru[...] = cp.arange(s, dtype=cp.int32)
         self.lookup = resolve_lookup(lookup)
-        defines = dict(resolve_defines(threads, self.lookup), **(timing_defines or {}))
+        self.hash_scale = int(hash_scale)
+        defines = dict(resolve_defines(threads, self.lookup, self.hash_scale), **(timing_defines or {}))
         self.threads = int(threads)
         self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
         self._reset = kernels.function("resolve.cu", "skv_reset", defines)
         self._invalidate = kernels.function("resolve.cu", "skv_invalidate", defines)
 
-        self.workspace_bytes = resolve_workspace_bytes(layout.top_k, s, self.lookup)
+        self.workspace_bytes = resolve_workspace_bytes(layout.top_k, s, self.lookup, self.hash_scale)
         limit = _smem_limit(self._resolve)
         if workspace not in ("auto", "shared", "global"):
             raise ValueError(f"workspace must be auto, shared or global, got {workspace!r}")

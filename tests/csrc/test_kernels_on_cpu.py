@@ -57,6 +57,16 @@ def test_resolve_on_cpu_equals_the_numpy_engine(case, lookup, chunked):
     assert not emu.err[:8].any()  # nothing refused or mended on a sound trace
 
 
+@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("tiles", "wide", "many-misses")], ids=lambda t: t[0])
+def test_the_hash_lookup_with_a_table_four_times_the_columns_equals_the_numpy_engine(case):
+    """SKV_HASH_SCALE 4 (hash_scale=4): the same results from a table of 4 x pow2(k)."""
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
+    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4)
+    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
+    assert not emu.err[:8].any()
+
+
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
 def test_corrupt_owners_resolve_as_on_the_numpy_engine(lookup):
     """Owners outside the host rows or owning one row twice (the lowest slot wins)."""

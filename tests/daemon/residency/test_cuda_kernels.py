@@ -65,6 +65,19 @@ TRACES = [
 LOOKUPS = pytest.mark.parametrize("lookup", ["sort", "hash"])
 
 
+@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("tiles", "big", "big-global")], ids=lambda t: t[0])
+def test_resolve_with_a_hash_table_four_times_the_columns_matches_cpu(case, kc):
+    """hash_scale 4 (csrc/resolve.cu SKV_HASH_SCALE): the workspace grows with the table,
+    the results stay the cpu backend's."""
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
+    cuda = cuda_mod()
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, lookup="hash", hash_scale=4)
+    assert gpu.workspace_bytes == cuda.resolve_workspace_bytes(k, stride, "hash", 4)
+    run_trace(CpuResidency(lay), gpu, lay, seed=zlib.crc32(name.encode()) % 1000, steps=steps, batch=batch,
+              overlap=overlap, state_every=1 if k < 1000 else 4)
+
+
 @pytest.mark.parametrize("chunked", [1, 0], ids=["chunks", "tiles"])
 @LOOKUPS
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
