@@ -42,6 +42,7 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 #       (DECODE_ARGS: more options of the decode step, e.g. "--steps 60 --rounds 3") |
 #       ab (bench decode for each of AB_VARIANTS: the daemon's switches against each other) |
 #       profile (tests/gpu/profile_daemon.py: the daemon's host time per request) |
+#       ncu (Nsight Compute on skv_resolve and skv_gather, tests/gpu/ncu_kernels.py) |
 #       examples (the example model through the doorbell, its own KV and an engine-owned slab)
 # Steps run in this order, the ones that can hurt the GPU (spin kernels) last.
 # BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
@@ -100,6 +101,22 @@ if has signals; then
       --modes gpu,inproc,doorbell --json "$OUT/decode-${v//:/-}.json" 2>&1 | tee "$OUT/bench-decode-${v//:/-}.log" \
       | grep -E "^ +64 " | sed "s/^/$v /"
   done
+fi
+if has ncu; then
+  # Nsight Compute on skv_resolve and skv_gather (tests/gpu/ncu_kernels.py), outside MPS
+  # (ncu does not profile MPS clients); text reports in ncu-<kernel>.txt (logs.tgz).
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [[ -n "$NCU" ]]; then
+    for k in skv_resolve skv_gather; do
+      CUDA_MPS_PIPE_DIRECTORY=/tmp/no-mps timeout "$(left 120)" "$NCU" --clock-control none -k "$k" \
+        --launch-skip 8 --launch-count 2 --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        python3 tests/gpu/ncu_kernels.py >"$OUT/ncu-$k.txt" 2>&1
+      grep -E "Duration|Throughput|Stall|Warp Cycles|Eligible|Achieved Occupancy|Registers" "$OUT/ncu-$k.txt" | head -25
+    done
+  else
+    echo "ncu: not found"
+  fi
 fi
 if has profile; then
   # Where the daemon's host time goes per STEP + TOPK (handlers in process, then cProfile).
