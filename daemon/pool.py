@@ -129,32 +129,46 @@ class HostPool:
         self._mm = None
         self.backing = pool_backing(backing)
         self._fd = -1
-        if self.backing == "memfd":
-            self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(self._fd, self.size_bytes)
-                self._mm = mmap.mmap(self._fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            except Exception:
-                os.close(self._fd)
-                raise
-        else:
-            self._mm = mmap.mmap(-1, self.size_bytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                                 mmap.PROT_READ | mmap.PROT_WRITE)
-        self.array = np.frombuffer(self._mm, dtype=np.uint8)
-        self.address = self.array.ctypes.data
+        self._map(name)
         try:
-            if self.backing == "anon_thp":
-                # Never in a child (no copy-on-write of pages the GPU reads), and in 2 MiB
-                # pages where the kernel allows them (transparent_hugepage madvise/always).
-                _madvise(self.address, self.size_bytes, _MADV_DONTFORK, "MADV_DONTFORK", required=True)
-                _madvise(self.address, self.size_bytes, _MADV_HUGEPAGE, "MADV_HUGEPAGE", required=False)
-                if thp_mode() == "never":
-                    log.warning("transparent huge pages are off on this host (%s is [never]): the pool stays "
-                                "in 4 KiB pages, and pre-faulting it is several times slower", THP_ENABLED)
             self._prefault(threads or min(16, os.cpu_count() or 1), progress, on_faulted)
         except BaseException:
             self.close()
             raise
+
+    def _map(self, name: str) -> None:
+        """Create the mapping (``_mm``, ``array``, ``address``). An anonymous one that
+        cannot be kept out of children (``MADV_DONTFORK`` refused, e.g. by a sandboxed
+        kernel) gives way to a memfd, with a warning: the daemon starts either way."""
+        if self.backing == "anon_thp":
+            mm = mmap.mmap(-1, self.size_bytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
+            arr = np.frombuffer(mm, dtype=np.uint8)
+            try:
+                # Never in a child (no copy-on-write of pages the GPU reads), and in 2 MiB
+                # pages where the kernel allows them (transparent_hugepage madvise/always).
+                _madvise(arr.ctypes.data, self.size_bytes, _MADV_DONTFORK, "MADV_DONTFORK", required=True)
+            except PoolError as e:
+                del arr
+                mm.close()
+                log.warning("%s: the pool is a memfd instead (as with SPARSEKV_POOL_BACKING=memfd)", e)
+                self.backing = "memfd"
+            else:
+                self._mm, self.array, self.address = mm, arr, arr.ctypes.data
+                _madvise(self.address, self.size_bytes, _MADV_HUGEPAGE, "MADV_HUGEPAGE", required=False)
+                if thp_mode() == "never":
+                    log.warning("transparent huge pages are off on this host (%s is [never]): the pool stays "
+                                "in 4 KiB pages, and pre-faulting it is several times slower", THP_ENABLED)
+                return
+        self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, self.size_bytes)
+            self._mm = mmap.mmap(self._fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except Exception:
+            os.close(self._fd)
+            self._fd = -1
+            raise
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.address = self.array.ctypes.data
 
     def _prefault(self, threads: int, progress, on_faulted=None) -> None:
         """Touch every page once, in parallel: first touch of fresh shared memory runs at

@@ -126,3 +126,26 @@ def test_an_anonymous_huge_page_pool_serves_like_the_memfd_one(monkeypatch):
     monkeypatch.setenv(BACKING_ENV, "hugetlbfs")
     with pytest.raises(PoolError, match="pool backing must be one of"):
         HostPool(8 << 20, threads=1)
+
+
+def test_an_anonymous_pool_the_kernel_will_not_keep_from_children_gives_way_to_a_memfd(monkeypatch, caplog):
+    """MADV_DONTFORK refused (a sandboxed kernel): the daemon still gets a pool, a memfd,
+    and says so; other advice failing changes nothing."""
+    from sparsekv.daemon import pool as pool_mod
+
+    real = pool_mod._madvise
+
+    def refuse_dontfork(address, nbytes, advice, what, required):
+        if advice == pool_mod._MADV_DONTFORK:
+            raise PoolError(f"madvise({what}) on the pool failed: Invalid argument")
+        return real(address, nbytes, advice, what, required)
+
+    monkeypatch.setattr(pool_mod, "_madvise", refuse_dontfork)
+    monkeypatch.delenv(pool_mod.BACKING_ENV, raising=False)
+    with caplog.at_level("WARNING", logger="sparsekv.pool"), HostPool(4 * MiB, threads=1) as p:
+        assert p.backing == "memfd" and p._fd >= 0
+        assert os.readlink(f"/proc/self/fd/{p._fd}").startswith("/memfd:sparsekv-pool")
+        off = p.allocate(MiB)
+        p.array[off: off + 4] = 9
+        assert p.view(off, (MiB,))[:4].tolist() == [9, 9, 9, 9]
+    assert any("the pool is a memfd instead" in r.getMessage() for r in caplog.records)
