@@ -219,12 +219,17 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         # The daemon's way first: the first large pool of a run is the one that finds the
         # host's memory as it is (on the H200 a later one found huge pages ready and
         # faulted three times faster: docs/PERF.md, session 7).
+        from sparsekv.daemon.pool import anon_huge_bytes  # noqa: PLC0415
+
+        huge0 = anon_huge_bytes()
         pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
+        huge = min(1.0, max(0, anon_huge_bytes() - huge0) / nbytes)
         out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
         out["pool_ready_s"] = round(secs, 2)
         out["pool_backing"] = pool.backing
+        out["pool_huge_page_share"] = round(huge, 3)
         row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting ({threads} threads), "
-            "the run's first pool", f"{nbytes / GIB / secs:.1f} GiB/s", f"{secs:.2f} s")
+            "the run's first pool", f"{nbytes / GIB / secs:.1f} GiB/s", f"{secs:.2f} s, {huge:.0%} in huge pages")
         if both_pool_modes:
             region.close()
             pool.close()
@@ -499,7 +504,7 @@ def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, t
     """Pool ready and the request-order gather again, the pool in the other backing
     (memfd when the default is anonymous huge pages, and the other way round)."""
     from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
-    from sparsekv.daemon.pool import BACKINGS, HostPool  # noqa: PLC0415
+    from sparsekv.daemon.pool import BACKINGS, HostPool, anon_huge_bytes  # noqa: PLC0415
 
     whole.close()
     region.close()
@@ -517,24 +522,12 @@ def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, t
     row(f"pool ready, {nbytes / GIB:.0f} GiB, {other}, fault then register",
         f"{nbytes / GIB / (t2 - t0):.1f} GiB/s",
         f"fault {nbytes / GIB / (t1 - t0):.1f} GiB/s, register {lay.pool_bytes / GIB / (t2 - t1):.1f} GiB/s; "
-        f"AnonHugePages {_anon_huge_kib() // (1 << 20)} GiB")
+        f"AnonHugePages {anon_huge_bytes() >> 30} GiB")
     for nb in (32, 64):
         gbps, t = _request_gather(lay, hreg, bufs, kc, s, timer, plans, step_bytes, nb)
         out[f"gather_request_order_{nb}blocks_{other}_GBps"] = round(gbps, 2)
         row(f"gather, request order, {nb} blocks, pool {other}", f"{gbps:.1f} GB/s",
             f"{t:.0f} us")
-
-
-def _anon_huge_kib() -> int:
-    """This process's anonymous memory in transparent huge pages (KiB; /proc/self/smaps_rollup)."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def table(result: dict) -> str:

@@ -79,6 +79,19 @@ def thp_mode() -> str | None:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
+def anon_huge_bytes() -> int:
+    """This process's anonymous memory in transparent huge pages (``AnonHugePages`` of
+    /proc/self/smaps_rollup), 0 when it cannot be read."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _madvise(address: int, nbytes: int, advice: int, what: str, required: bool) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -178,6 +191,7 @@ class HostPool:
         grows (in order), lets the caller page-lock that prefix while the other threads
         fault the rest (the cuda backend registers the pool this way)."""
         t0 = time.monotonic()
+        huge0 = anon_huge_bytes() if self.backing == "anon_thp" else 0
         chunks = [(o, min(PREFAULT_CHUNK_BYTES, self.size_bytes - o)) for o in range(0, self.size_bytes, PREFAULT_CHUNK_BYTES)]
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -204,9 +218,14 @@ class HostPool:
                     last = now
                     progress(done / len(chunks))
         dt = time.monotonic() - t0
+        huge = ""
+        if self.backing == "anon_thp":
+            # How much of it the kernel gave in huge pages (the fault rate depends on it).
+            got = min(self.size_bytes, max(0, anon_huge_bytes() - huge0))
+            huge = f", {got * 100 // max(1, self.size_bytes)} % in huge pages"
         log.info(
-            "pool %s pre-faulted in %.2f s with %d threads (%.1f GiB/s)",
-            format_size(self.size_bytes), dt, threads, self.size_bytes / max(dt, 1e-9) / (1 << 30),
+            "pool %s pre-faulted in %.2f s with %d threads (%.1f GiB/s%s)",
+            format_size(self.size_bytes), dt, threads, self.size_bytes / max(dt, 1e-9) / (1 << 30), huge,
         )
 
     # -- allocation of engine ranges -------------------------------------------------
