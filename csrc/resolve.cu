@@ -124,7 +124,11 @@ __device__ __forceinline__ int skv_slot_of(const SkvWs& w, int c, int m, int n_t
     if (v != SKV_PENDING) return SKV_NONE;
     const int sl = m < n_take ? w.evict[m] : -1;
     if (sl >= 0 && sl < S) {
+#if SKV_RESOLVE_LOOKUP == 1
+        owner[sl] = (int)(w.keys[c] >> 32);  // keys stay in column order: no global load
+#else
         owner[sl] = ids[c];
+#endif
         w.colv[c] = SKV_MISS_TAG | sl;
         return sl;
     }
@@ -221,6 +225,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 {
     __shared__ int sh_warp[SKV_RT / 32];
     __shared__ int sh_cell;
+    __shared__ u32 sh_cell_u;
     SKV_DYN_SMEM(skv_smem);
 
     __shared__ int sh_desc[SKV_DESC_INTS];
@@ -411,8 +416,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 ++nm;
             }
         }
-        const int n_hit = skv_block_sum(nh, &sh_cell);
-        const int n_miss = skv_block_sum(nm, &sh_cell);
+        // One block sum for both (k <= 32768 columns: each count fits in 16 bits).
+        const u32 both = skv_block_sum_u32(((u32)nh << 16) | (u32)nm, &sh_cell_u);
+        const int n_hit = (int)(both >> 16);
+        const int n_miss = (int)(both & 0xffffu);
         SKV_STOP_AFTER(5)
 
 #if SKV_RESOLVE_CHUNKED
