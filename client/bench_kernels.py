@@ -221,9 +221,8 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         # faulted three times faster: docs/PERF.md, session 7).
         from sparsekv.daemon.pool import anon_huge_bytes  # noqa: PLC0415
 
-        huge0 = anon_huge_bytes()
         pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
-        huge = min(1.0, max(0, anon_huge_bytes() - huge0) / nbytes)
+        huge = anon_huge_bytes(pool.address, pool.size_bytes) / nbytes
         out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
         out["pool_ready_s"] = round(secs, 2)
         out["pool_backing"] = pool.backing
@@ -522,7 +521,7 @@ def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, t
     row(f"pool ready, {nbytes / GIB:.0f} GiB, {other}, fault then register",
         f"{nbytes / GIB / (t2 - t0):.1f} GiB/s",
         f"fault {nbytes / GIB / (t1 - t0):.1f} GiB/s, register {lay.pool_bytes / GIB / (t2 - t1):.1f} GiB/s; "
-        f"AnonHugePages {anon_huge_bytes() >> 30} GiB")
+        f"AnonHugePages {anon_huge_bytes(hp.address, hp.size_bytes) >> 30} GiB")
     for nb in (32, 64):
         gbps, t = _request_gather(lay, hreg, bufs, kc, s, timer, plans, step_bytes, nb)
         out[f"gather_request_order_{nb}blocks_{other}_GBps"] = round(gbps, 2)

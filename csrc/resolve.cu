@@ -243,7 +243,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const int batch = sh_desc[SKV_D_BATCH];
     const int k = sh_desc[SKV_D_K];
     const int group = sh_desc[SKV_D_GROUP];
-    if (batch < 0 || batch > max_batch || k < 0 || k > out_k || group < 0 || group >= groups) {
+    // k < 65536 also keeps the packed hit/miss sum below exact (proto: top_k <= 32768).
+    if (batch < 0 || batch > max_batch || k < 0 || k > out_k || k > 65535 || group < 0 || group >= groups) {
         // Nothing is resolved: every row gets slots -1 and 0 misses (the gather then
         // copies nothing, and no stale result of the ring entry is left for the client).
         for (int c = tid; c < out_k; c += SKV_RT) slots_out[(i64)b0 * out_k + c] = SKV_NONE;

@@ -79,17 +79,26 @@ def thp_mode() -> str | None:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
-def anon_huge_bytes() -> int:
-    """This process's anonymous memory in transparent huge pages (``AnonHugePages`` of
-    /proc/self/smaps_rollup), 0 when it cannot be read."""
+def anon_huge_bytes(address: int | None = None, nbytes: int = 0) -> int:
+    """Anonymous memory in transparent huge pages (``AnonHugePages``): of the mappings of
+    this process that overlap ``[address, address + nbytes)`` (/proc/self/smaps), or of
+    the whole process when ``address`` is None (/proc/self/smaps_rollup); 0 when it cannot
+    be read."""
+    path = "/proc/self/smaps_rollup" if address is None else "/proc/self/smaps"
+    total, inside = 0, address is None
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                    if address is not None:
+                        lo, hi = (int(x, 16) for x in head.split("-"))
+                        inside = lo < address + nbytes and address < hi
+                elif inside and head == "AnonHugePages:":
+                    total += int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
-    return 0
+        return 0
+    return total
 
 
 def _madvise(address: int, nbytes: int, advice: int, what: str, required: bool) -> None:
@@ -191,7 +200,6 @@ class HostPool:
         grows (in order), lets the caller page-lock that prefix while the other threads
         fault the rest (the cuda backend registers the pool this way)."""
         t0 = time.monotonic()
-        huge0 = anon_huge_bytes() if self.backing == "anon_thp" else 0
         chunks = [(o, min(PREFAULT_CHUNK_BYTES, self.size_bytes - o)) for o in range(0, self.size_bytes, PREFAULT_CHUNK_BYTES)]
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -221,7 +229,7 @@ class HostPool:
         huge = ""
         if self.backing == "anon_thp":
             # How much of it the kernel gave in huge pages (the fault rate depends on it).
-            got = min(self.size_bytes, max(0, anon_huge_bytes() - huge0))
+            got = anon_huge_bytes(self.address, self.size_bytes)
             huge = f", {got * 100 // max(1, self.size_bytes)} % in huge pages"
         log.info(
             "pool %s pre-faulted in %.2f s with %d threads (%.1f GiB/s%s)",

@@ -130,13 +130,15 @@ def open_mem_handle(handle: bytes, retry_s: float = OPEN_RETRY_S, sleep=None) ->
 class ImportedBuffer:
     """Device memory another process exported (:func:`export_buffer`), opened on
     ``device``: ``ptr`` is its first byte. Checks that ``nbytes`` from there lie inside
-    the exporter's allocation. Imported memory stays valid after its exporter exits."""
+    the exporter's allocation. Imported memory stays valid after its exporter exits.
+    ``retry_s``: how long :func:`open_mem_handle` retries (0, the default: the daemon
+    opens engine slabs on its event loop, which must never sleep for a client)."""
 
-    def __init__(self, handle: bytes, offset: int, nbytes: int, device: int):
+    def __init__(self, handle: bytes, offset: int, nbytes: int, device: int, retry_s: float = 0.0):
         cp = _cp()
         self.device = device
         with cp.cuda.Device(device):
-            self._base = open_mem_handle(handle)
+            self._base = open_mem_handle(handle, retry_s=retry_s)
             try:
                 base, size = allocation_range(self._base)
                 if offset < 0 or offset + nbytes > base + size - self._base:

@@ -149,3 +149,16 @@ def test_an_anonymous_pool_the_kernel_will_not_keep_from_children_gives_way_to_a
         p.array[off: off + 4] = 9
         assert p.view(off, (MiB,))[:4].tolist() == [9, 9, 9, 9]
     assert any("the pool is a memfd instead" in r.getMessage() for r in caplog.records)
+
+
+def test_the_huge_page_count_is_the_pools_own():
+    """anon_huge_bytes(address, nbytes): only the mappings over that range (the pool's
+    share in huge pages, whatever else the process holds), at most its size; nothing
+    for a range nothing is mapped at."""
+    from sparsekv.daemon.pool import anon_huge_bytes
+
+    with HostPool(8 * MiB, threads=1) as p:
+        got = anon_huge_bytes(p.address, p.size_bytes)
+        assert 0 <= got <= p.size_bytes and got % (2 * MiB) == 0
+        assert anon_huge_bytes(p.address, p.size_bytes) <= anon_huge_bytes() or anon_huge_bytes() == 0
+    assert anon_huge_bytes(4096, 4096) == 0  # page 1: never mapped
