@@ -468,7 +468,10 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     other = "sort" if res.lookup == "hash" else "hash"
     variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
     variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]
-    variants += [("tiles walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}})]
+    variants += [("tiles walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}}),
+                 ("warp-segment lru walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2}}),
+                 ("warp-segment lru walk phase 6", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2,
+                                                                        "SKV_RESOLVE_STOP": 6}})]
     if res.lookup == "hash":
         variants += [("hash table x4", {"hash_scale": 4}),
                      ("hash table x4 phase 2", {"hash_scale": 4, "timing_defines": {"SKV_RESOLVE_STOP": 2}})]

@@ -24,8 +24,9 @@
 #endif
 // How the lru partition, the misses' slots and the hash lookup's plan walk their arrays:
 // 1 each thread a contiguous chunk, one block-wide count scan per pass (few barriers);
-// 0 tiles of SKV_RT entries, a flag scan per tile. Both give the same results (the
-// kernel tests run both); 1 is the default, 0 kept for `sparsekv bench kernels`.
+// 2 as 1, but the lru partition by warp segments (lanes on consecutive entries: no bank
+// conflicts); 0 tiles of SKV_RT entries, a flag scan per tile. All give the same results
+// (the kernel tests run them); 1 is the default, 0 and 2 are timed by `sparsekv bench kernels`.
 #ifndef SKV_RESOLVE_CHUNKED
 #define SKV_RESOLVE_CHUNKED 1
 #endif
@@ -423,7 +424,54 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const int n_miss = (int)(both & 0xffffu);
         SKV_STOP_AFTER(5)
 
-#if SKV_RESOLVE_CHUNKED
+#if SKV_RESOLVE_CHUNKED == 2
+        // 3. as below, each warp a contiguous segment of the old lru, its lanes on
+        // consecutive entries (shared memory read without bank conflicts), a ballot per
+        // round of 32; the warps' counts placed by one block prefix.
+        int corrupt;
+        int n_evict, n_take;
+        {
+            const int lane = tid & 31;
+            const int seg = ((S + SKV_RT / 32 - 1) / (SKV_RT / 32) + 31) & ~31;  // whole rounds
+            const int i0 = (tid >> 5) * seg;
+            const u32 below = (1u << lane) - 1u;
+            int ev = 0, bad = 0;
+            for (int j = 0; j < seg; j += 32) {
+                const int i = i0 + j + lane;
+                bool evictable = false;
+                if (i < S) {
+                    const int sl = w.lcopy[i];
+                    if (sl >= 0 && sl < S) {
+                        const u32 bit = 1u << (sl & 31);
+                        evictable = !(w.hmask[sl >> 5] & bit);
+                        if (atomicOr(&w.smask[sl >> 5], bit) & bit) bad = 1;
+                    } else {
+                        evictable = true;  // not a hit (and the state is corrupt)
+                        bad = 1;
+                    }
+                }
+                ev += __popc(__ballot_sync(0xffffffffu, evictable));
+            }
+            int e = skv_add_warps<SKV_RT>(0, ev, sh_warp, &n_evict);
+            corrupt = __syncthreads_or(bad);
+            n_take = n_miss < n_evict ? n_miss : n_evict;
+            if (n_take < n_miss) corrupt = 1;
+            for (int j = 0; j < seg; j += 32) {
+                const int i = i0 + j + lane;
+                int sl = -1;
+                bool hit = false;
+                if (i < S) {
+                    sl = w.lcopy[i];
+                    hit = sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
+                }
+                const u32 m = __ballot_sync(0xffffffffu, i < S && !hit);
+                if (i < S) lru[skv_lru_pos(w, sl, hit, i, e + __popc(m & below), n_evict, n_take)] = sl;
+                e += __popc(m);
+            }
+        }
+        int carry = 0;
+        __syncthreads();
+#elif SKV_RESOLVE_CHUNKED
         // 3. one pass over the old lru, each thread a chunk of it: hit entries (in a sound
         // state there are n_hit; counting them keeps the new lru a permutation of [0, S)
         // even when the state is not), entries outside [0, S) or repeated (corrupt), then

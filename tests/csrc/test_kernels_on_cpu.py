@@ -43,12 +43,13 @@ TRACES = [
 ]
 
 
-@pytest.mark.parametrize("chunked", [1, 0], ids=["chunks", "tiles"])
+@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
 def test_resolve_on_cpu_equals_the_numpy_engine(case, lookup, chunked):
-    """Both walks of the lru, the slots and the plan (SKV_RESOLVE_CHUNKED): chunks per
-    thread with one count scan (the default), tiles with a flag scan each."""
+    """Every walk of the lru, the slots and the plan (SKV_RESOLVE_CHUNKED): chunks per
+    thread with one count scan (the default), tiles with a flag scan each, warp segments
+    for the lru."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     emu = cpu_kernels.Resolve(lay, lookup, threads=threads, workspace=ws, defines={"SKV_RESOLVE_CHUNKED": chunked})

@@ -78,17 +78,17 @@ def test_resolve_with_a_hash_table_four_times_the_columns_matches_cpu(case, kc):
               overlap=overlap, state_every=1 if k < 1000 else 4)
 
 
-@pytest.mark.parametrize("chunked", [1, 0], ids=["chunks", "tiles"])
+@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
 @LOOKUPS
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
 def test_resolve_matches_cpu(case, kc, lookup, chunked):
-    """Both lookups, and both walks of the lru, slots and plan (SKV_RESOLVE_CHUNKED: chunks
-    per thread, the default; tiles)."""
+    """Both lookups, and every walk of the lru, slots and plan (SKV_RESOLVE_CHUNKED: chunks
+    per thread, the default; tiles; warp segments for the lru)."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     cuda = cuda_mod()
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     cpu = CpuResidency(lay)
-    extra = {} if chunked else {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}}
+    extra = {} if chunked == 1 else {"timing_defines": {"SKV_RESOLVE_CHUNKED": chunked}}
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, lookup=lookup, **extra)
     assert gpu.lookup == lookup
     if name == "topk32k":
