@@ -465,6 +465,32 @@ def test_a_failing_mode_becomes_error_rows_and_the_run_goes_on(capsys):
     assert "batch 16 inproc failed" in capsys.readouterr().err
 
 
+def test_run_alternates_the_modes_for_each_round_and_the_gpu_baseline_once(monkeypatch):
+    """run() with --rounds 3: inproc and the daemon modes three times each, in turn, the
+    all-on-GPU mode once; what comes out is one merged row per config."""
+    calls = []
+
+    def fake(mode):
+        def run_mode(torch, lay, workloads, opts, out):
+            calls.append(mode)
+            for h in workloads:
+                out.append(Result(mode, lay.max_batch, h, run="graph", p50_us=1000.0 + len(calls), p99_us=1100.0))
+        return run_mode
+
+    for mode in ("gpu", "inproc", "doorbell"):
+        monkeypatch.setattr(bd, f"run_{mode}", fake(mode))
+    monkeypatch.setattr(bd, "_free", lambda torch: None)
+    monkeypatch.setattr(bd, "generate", lambda *a, **k: None)
+    torch = type("T", (), {"cuda": type("C", (), {"set_device": staticmethod(lambda d: None)})})
+    opts = Options(batches=(4,), hits=(90.0,), rounds=3, **SMALL).validate()
+    rs = bd.run(opts, torch)
+    assert calls == ["gpu", "inproc", "doorbell", "inproc", "doorbell", "inproc", "doorbell"]
+    by = {r.mode: r for r in rs}
+    assert set(by) == {"gpu", "inproc", "doorbell"}
+    assert len(by["inproc"].round_p50s) == 3 and len(by["gpu"].round_p50s) == 1
+    assert by["doorbell"].round_overheads == pytest.approx((1 / SMALL["layers"],) * 3)
+
+
 # -- the whole benchmark, tiny, on a GPU ------------------------------------------------------
 @pytest.mark.cuda
 def test_a_tiny_run_on_the_gpu(tmp_path):
