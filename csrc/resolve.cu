@@ -125,11 +125,9 @@ __device__ __forceinline__ int skv_slot_of(const SkvWs& w, int c, int m, int n_t
     if (v != SKV_PENDING) return SKV_NONE;
     const int sl = m < n_take ? w.evict[m] : -1;
     if (sl >= 0 && sl < S) {
-#if SKV_RESOLVE_LOOKUP == 1
-        owner[sl] = (int)(w.keys[c] >> 32);  // keys stay in column order: no global load
-#else
+        // (With the hash lookup keys[c] >> 32 holds the same id without a global load, but
+        // reading it there cost the kernel 52 more bytes of spills: ptxas -v, sm_90.)
         owner[sl] = ids[c];
-#endif
         w.colv[c] = SKV_MISS_TAG | sl;
         return sl;
     }
