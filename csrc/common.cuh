@@ -102,24 +102,15 @@ __device__ __forceinline__ int skv_bits_for(int n) {
     return b;
 }
 
-// Sum of one u32 per thread across the block, modulo 2^32. `cell` is one __shared__ u32.
-__device__ __forceinline__ u32 skv_block_sum_u32(u32 v, u32* cell) {
-    if (threadIdx.x == 0) *cell = 0u;
-    __syncthreads();
-    if (v) atomicAdd(cell, v);
-    __syncthreads();
-    const u32 r = *cell;
-    __syncthreads();  // the cell is reused by the next call
-    return r;
-}
-
-// Sum of one int per thread across the block. `cell` is one __shared__ int.
-__device__ __forceinline__ int skv_block_sum(int v, int* cell) {
+// Sum of one value per thread across the block (int, or u32 modulo 2^32 for packed
+// counts). `cell` is one __shared__ T.
+template <class T>
+__device__ __forceinline__ T skv_block_sum(T v, T* cell) {
     if (threadIdx.x == 0) *cell = 0;
     __syncthreads();
     if (v) atomicAdd(cell, v);
     __syncthreads();
-    const int r = *cell;
+    const T r = *cell;
     __syncthreads();  // the cell is reused by the next call
     return r;
 }

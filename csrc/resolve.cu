@@ -417,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             }
         }
         // One block sum for both (k <= 32768 columns: each count fits in 16 bits).
-        const u32 both = skv_block_sum_u32(((u32)nh << 16) | (u32)nm, &sh_cell_u);
+        const u32 both = skv_block_sum<u32>(((u32)nh << 16) | (u32)nm, &sh_cell_u);
         const int n_hit = (int)(both >> 16);
         const int n_miss = (int)(both & 0xffffu);
         SKV_STOP_AFTER(5)
