@@ -340,7 +340,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         out["gather_request_vs_bulk"] = round(best["request"] / bulk_GBps, 3)
 
         if row_sizes:
-            _row_size_section(out, row, cp, kc, s, timer, rng, region, nbytes, layers, row_sizes)
+            _row_size_section(out, row, cp, kc, s, timer, rng, whole, layers, row_sizes)
         _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants)
         # The same gather from a pool in the other backing (SPARSEKV_POOL_BACKING).
         if other_backing:
@@ -387,16 +387,16 @@ def _device_plans(cp, s, prow, pslot, pmiss, layer: int) -> tuple:
     return d_desc, d_rows, d_slots, d_miss
 
 
-def _row_size_section(out, row, cp, kc, s, timer, rng, region, nbytes: int, layers: int, sizes) -> None:
+def _row_size_section(out, row, cp, kc, s, timer, rng, region, layers: int, sizes) -> None:
     """The request-order gather of one set of step plans (32 blocks) from pools laid out
     with rows of each of ``sizes`` bytes (the same host rows, so the same rows of each
-    block; every layout fits the 64 GiB pool): whether padding the model's 656 B rows to
-    whole sectors or lines would bring the gather closer to the link. GB/s of the 656
-    bytes a row carries, and of the bytes read."""
+    block; every layout fits the pinned ``region``): whether padding the model's 656 B
+    rows to whole sectors or lines would bring the gather closer to the link. GB/s of the
+    656 bytes a row carries, and of the bytes read."""
     from sparsekv.daemon.residency.cuda import CudaMover, allocate_device_buffers  # noqa: PLC0415
     from sparsekv.proto import Layout  # noqa: PLC0415
 
-    host_rows = nbytes // (layers * max(sizes))
+    host_rows = region.nbytes // (layers * max(sizes))
     prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
     layer = layers // 2
     d_desc, d_rows, d_slots, d_miss = _device_plans(cp, s, prow, pslot, pmiss, layer)
