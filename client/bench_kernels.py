@@ -55,21 +55,11 @@ class EventTimer:
 
     def median_us(self, fn, n: int, rounds: int = 5, warmup: int = 1) -> tuple[float, float]:
         """Median and min over ``rounds`` of the mean time of ``fn(i)`` for i in range(n)."""
-        cp, s = self.cp, self.stream
-        for _ in range(warmup):
+        def run_round():
             for i in range(n):
                 fn(i)
-        s.synchronize()
-        times = []
-        for _ in range(rounds):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            for i in range(n):
-                fn(i)
-            b.record(s)
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / n)
-        return float(np.median(times)), float(np.min(times))
+
+        return self._rounds(run_round, n, rounds, warmup)
 
     def graph_us(self, fn, n: int, rounds: int = 5, warmup: int = 2) -> tuple[float, float]:
         """Median and min over ``rounds`` of the mean time of ``fn(i)`` for i in range(n),
@@ -84,14 +74,20 @@ class EventTimer:
         finally:
             graph = s.end_capture()
         graph.upload(s)
+        return self._rounds(lambda: graph.launch(s), n, rounds, warmup)
+
+    def _rounds(self, run_round, n: int, rounds: int, warmup: int) -> tuple[float, float]:
+        """``run_round()`` ``warmup`` times, then timed ``rounds`` times between two events:
+        median and min of each round's time divided by ``n`` (microseconds)."""
+        cp, s = self.cp, self.stream
         for _ in range(warmup):
-            graph.launch(s)
+            run_round()
         s.synchronize()
         times = []
         for _ in range(rounds):
             a, b = cp.cuda.Event(), cp.cuda.Event()
             a.record(s)
-            graph.launch(s)
+            run_round()
             b.record(s)
             b.synchronize()
             times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / n)
