@@ -102,18 +102,28 @@ def pool_ready(nbytes: int, threads: int, pipelined: bool, max_chunk_bytes: int)
     from sparsekv.daemon.pinned import PinnedRegion, PoolPinner  # noqa: PLC0415
     from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
 
+    from sparsekv.daemon.pool import vmstat, vmstat_delta  # noqa: PLC0415
+
+    before = vmstat()
     t0 = time.perf_counter()
     if pipelined:
         pinner = PoolPinner(nbytes, max_chunk_bytes)
         pool = HostPool(nbytes, threads, on_faulted=pinner)
         region = pinner.finish()
-        return pool, region, time.perf_counter() - t0, "registered while faulting"
-    pool = HostPool(nbytes, threads)
-    t1 = time.perf_counter()
-    region = PinnedRegion(pool.address, nbytes, 16, max_chunk_bytes)
-    t2 = time.perf_counter()
-    note = f"fault {nbytes / GIB / (t1 - t0):.1f} GiB/s, then register {nbytes / GIB / (t2 - t1):.1f} GiB/s"
-    return pool, region, t2 - t0, note
+        secs = time.perf_counter() - t0
+        note = (f"every page faulted at {pool.faulted_s:.2f} s, {region.register_s:.2f} s in cudaHostRegister; "
+                "registered while faulting")
+    else:
+        pool = HostPool(nbytes, threads)
+        t1 = time.perf_counter()
+        region = PinnedRegion(pool.address, nbytes, 16, max_chunk_bytes)
+        secs = time.perf_counter() - t0
+        note = f"fault {nbytes / GIB / (t1 - t0):.1f} GiB/s, then register {nbytes / GIB / (t0 + secs - t1):.1f} GiB/s"
+    # What the kernel did meanwhile: huge pages given or refused, compaction, reclaim.
+    moved = {k: v for k, v in vmstat_delta(before, vmstat()).items() if v}
+    if moved:
+        note += "; vmstat " + " ".join(f"{k}={v}" for k, v in moved.items())
+    return pool, region, secs, note
 
 
 def fault_rates(nbytes: int, threads: int) -> dict:
@@ -221,10 +231,12 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         huge = anon_huge_bytes(pool.address, pool.size_bytes) / nbytes
         out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
         out["pool_ready_s"] = round(secs, 2)
+        out["pool_faulted_s"] = round(pool.faulted_s, 2)
+        out["pool_register_s"] = round(region.register_s, 2)
         out["pool_backing"] = pool.backing
         out["pool_huge_page_share"] = round(huge, 3)
         row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting ({threads} threads), "
-            "the run's first pool", f"{nbytes / GIB / secs:.1f} GiB/s", f"{secs:.2f} s, {huge:.0%} in huge pages")
+            "the run's first pool", f"{nbytes / GIB / secs:.1f} GiB/s", f"{secs:.2f} s, {huge:.0%} in huge pages; {note}")
         if both_pool_modes:
             region.close()
             pool.close()
@@ -316,6 +328,25 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 continue
             out[f"gather_request_order_32blocks_{label.replace(' ', '_')}_GBps"] = round(step_bytes / t / 1e3, 2)
             row(f"gather, request order, 32 blocks, {label}", f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us")
+        # The same kernel on adjacent rows (each request's misses one run of consecutive
+        # rows): what SM loads of pinned memory reach with no scatter at all, the ceiling
+        # of any gather by the SMs (the link's bulk figure is the copy engine's).
+        crow = prow.copy()
+        for i in range(PLANS):
+            for b in range(BATCH):
+                m = int(pmiss[i, b])
+                crow[i, b, :m] = np.arange(m, dtype=np.int32) + (i * BATCH + b) * m
+        if int(crow.max()) < lay.host_rows:
+            c_desc, c_rows, c_slots, c_miss = _device_plans(cp, s, crow, pslot, pmiss, layer)
+            mv = CudaMover(lay, region, pool_offset=pool_off, buffers=bufs, kernels=kc, stream=s, blocks=32,
+                           order="request")
+            t, _ = timer.median_us(lambda i: mv.launch_gather(c_desc, c_rows[i], c_slots[i], c_miss[i], BATCH, s),
+                                   PLANS)
+            out["gather_adjacent_rows_GBps"] = round(step_bytes / t / 1e3, 2)
+            out["gather_vs_adjacent_rows"] = round(best["request"] / (step_bytes / t / 1e3), 3)
+            row("gather, request order, 32 blocks, each request's misses adjacent rows (the SMs' ceiling)",
+                f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us; the scattered gather reaches "
+                f"{out['gather_vs_adjacent_rows']:.2f} of it")
         # The same request-order gather from the engine's range registered in one piece
         # (what an attach does), against the pool registered in chunks as it was faulted.
         region.close()
@@ -451,8 +482,11 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     t = graph_time(res)
     out["resolve_us_b64"] = round(t, 1)
     out["resolve_lookup"] = res.lookup
+    out["resolve_hash_scale"] = res.hash_scale
+    out["resolve_lru_smem"], out["resolve_owner_smem"] = int(res.lru_smem), int(res.owner_smem)
     row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads, {res.lookup} lookup "
-        "(graph)", f"{t:.1f} us")
+        f"(table x{res.hash_scale}, lru {'in' if res.lru_smem else 'out of'} the workspace, owners "
+        f"{'in' if res.owner_smem else 'out of'} it; graph)", f"{t:.1f} us")
     ro = res.new_output(BATCH)
     te, _ = timer.median_us(lambda i: res.resolve_async(0, sr, d_seq[i], ro, stream=s), len(d_seq))
     out["resolve_us_b64_eager"] = round(te, 1)
@@ -468,9 +502,17 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                  ("warp-segment lru walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2}}),
                  ("warp-segment lru walk phase 6", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2,
                                                                         "SKV_RESOLVE_STOP": 6}})]
+    # The workspace's options against the default (which takes each one that fits).
+    variants += [(f"new lru {'scattered to global memory' if res.lru_smem else 'in the workspace'}",
+                  {"lru_smem": not res.lru_smem}),
+                 (f"owners read {'from global memory' if res.owner_smem else 'into the workspace'}",
+                  {"owner_smem": not res.owner_smem}),
+                 ("session 7's workspace (table x2, rows in global memory)",
+                  {"hash_scale": 2, "lru_smem": False, "owner_smem": False})]
     if res.lookup == "hash":
-        variants += [("hash table x4", {"hash_scale": 4}),
-                     ("hash table x4 phase 2", {"hash_scale": 4, "timing_defines": {"SKV_RESOLVE_STOP": 2}})]
+        o = 2 if res.hash_scale == 4 else 4
+        variants += [(f"hash table x{o}", {"hash_scale": o}),
+                     (f"hash table x{o} phase 2", {"hash_scale": o, "timing_defines": {"SKV_RESOLVE_STOP": 2}})]
     variants += [(f"{other} lookup", {"lookup": other}), (f"{other} lookup 512 threads", {"lookup": other, "threads": 512})]
     variants += [(f"{other} lookup phase {p}", {"lookup": other, "timing_defines": {"SKV_RESOLVE_STOP": p}})
                  for p in (1, 2, 4, 7)]

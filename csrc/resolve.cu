@@ -30,6 +30,17 @@
 #ifndef SKV_RESOLVE_CHUNKED
 #define SKV_RESOLVE_CHUNKED 1
 #endif
+// Where the lru partition writes the new lru: 1 into the workspace (lnew: scattered writes
+// to shared memory), then one coalesced copy to global memory; 0 scattered to global
+// memory at once (each warp store up to 32 sectors). Both give the same results.
+#ifndef SKV_LRU_SMEM
+#define SKV_LRU_SMEM 0
+#endif
+// Where the hit lookup reads the region's owners: 1 from a copy in the workspace (ocopy,
+// loaded with the lru row in phase 1: the global loads in one burst), 0 from global memory.
+#ifndef SKV_OWNER_SMEM
+#define SKV_OWNER_SMEM 0
+#endif
 // The hash lookup's plan orders up to this many misses by counting (each miss's rank is
 // the number of smaller keys: no barriers); more are sorted (bitonic).
 #define SKV_RANK_MAX 512
@@ -61,6 +72,8 @@
 //   hmask u32[ceil(S/32)]  bit per slot: a hit this step
 //   smask u32[ceil(S/32)]  bit per slot: seen in the lru (finds repeated entries)
 //   lcopy int[S]           the lru row as it was before this resolve
+//   lnew  int[S]           only with SKV_LRU_SMEM 1: the new lru row, copied out whole
+//   ocopy int[S]           only with SKV_OWNER_SMEM 1: the owner row as it was
 //   htab  int[H kp], hcol int[H kp]  (SKV_RESOLVE_LOOKUP 1; H = SKV_HASH_SCALE) host row
 //                          -> column table; reused as u64[kp] for the misses' keys of the plan
 struct SkvWs {
@@ -70,6 +83,8 @@ struct SkvWs {
     u32* hmask;
     u32* smask;
     int* lcopy;
+    int* lnew;
+    int* ocopy;
     int* htab;
     int* hcol;
 };
@@ -89,6 +104,10 @@ __device__ __forceinline__ SkvWs skv_ws(unsigned char* base, int kp, int k, int 
     off += skv_align16((u64)((S + 31) / 32) * 4ull);
     w.lcopy = (int*)(base + off);
     off += skv_align16((u64)S * 4ull);
+    w.lnew = (int*)(base + off);
+    off += SKV_LRU_SMEM ? skv_align16((u64)S * 4ull) : 0;
+    w.ocopy = (int*)(base + off);
+    off += SKV_OWNER_SMEM ? skv_align16((u64)S * 4ull) : 0;
     w.htab = (int*)(base + off);  // only with SKV_RESOLVE_LOOKUP 1 (the workspace is sized for it)
     w.hcol = w.htab + SKV_HASH_SCALE * kp;
     return w;
@@ -330,7 +349,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const int hsize = 1 << hbits;
         for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
 #endif
-        for (int i = tid; i < S; i += SKV_RT) w.lcopy[i] = lru[i];
+        for (int i = tid; i < S; i += SKV_RT) {
+            w.lcopy[i] = lru[i];
+            if (SKV_OWNER_SMEM) w.ocopy[i] = owner[i];
+        }
         const int n_oor = skv_block_sum(oor, &sh_cell);  // also orders the writes above
         SKV_STOP_AFTER(1)
 
@@ -382,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 
         // 2. the reversed hit lookup.
         for (int j = tid; j < S; j += SKV_RT) {
-            const int o = owner[j];
+            const int o = SKV_OWNER_SMEM ? w.ocopy[j] : owner[j];
             if (o >= 0 && o < host_rows) {
 #if SKV_RESOLVE_LOOKUP == 1
                 u32 h = skv_hash_slot(o, hbits);
@@ -421,6 +443,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const int n_hit = (int)(both >> 16);
         const int n_miss = (int)(both & 0xffffu);
         SKV_STOP_AFTER(5)
+        int* const lru_out = SKV_LRU_SMEM ? w.lnew : lru;
 
 #if SKV_RESOLVE_CHUNKED == 2
         // 3. as below, each warp a contiguous segment of the old lru, its lanes on
@@ -463,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                     hit = sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
                 }
                 const u32 m = __ballot_sync(0xffffffffu, i < S && !hit);
-                if (i < S) lru[skv_lru_pos(w, sl, hit, i, e + __popc(m & below), n_evict, n_take)] = sl;
+                if (i < S) lru_out[skv_lru_pos(w, sl, hit, i, e + __popc(m & below), n_evict, n_take)] = sl;
                 e += __popc(m);
             }
         }
@@ -500,7 +523,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             for (int i = i0; i < i1; ++i) {
                 const int sl = w.lcopy[i];
                 const bool hit = sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
-                lru[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
+                lru_out[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
                 e += hit ? 0 : 1;
             }
         }
@@ -539,10 +562,15 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             }
             int tile;
             const int e = skv_block_scan_flag<SKV_RT>(i < S && !hit, sh_warp, &tile) + carry;
-            if (i < S) lru[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
+            if (i < S) lru_out[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
             carry += tile;
         }
         __syncthreads();
+#endif
+#if SKV_LRU_SMEM
+        // The partition ended with a barrier; nothing reads lru again in this row (the next
+        // row of s, after the row's last barrier, copies it into lcopy).
+        for (int i = tid; i < S; i += SKV_RT) lru[i] = w.lnew[i];
 #endif
         SKV_STOP_AFTER(6)
 

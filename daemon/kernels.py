@@ -43,10 +43,12 @@ HASH_SCALES = (2, 4)  # csrc/resolve.cu SKV_HASH_SCALE: table entries per power-
 DEFAULT_HASH_SCALE = 2
 
 
-def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort", hash_scale: int = DEFAULT_HASH_SCALE) -> dict:
+def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort", hash_scale: int = DEFAULT_HASH_SCALE,
+                    lru_smem: bool = False, owner_smem: bool = False) -> dict:
     """Constants of the residency module (csrc/resolve.cu): threads per block, how a row's
-    columns are found from the region's owners (``sort`` or ``hash``), and the hash
-    table's size (``hash_scale`` entries per power-of-two column)."""
+    columns are found from the region's owners (``sort`` or ``hash``), the hash
+    table's size (``hash_scale`` entries per power-of-two column), and whether the new lru
+    row and the owner row live in the workspace (``lru_smem``, ``owner_smem``)."""
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"resolve threads must be a multiple of 32 in [32, 1024], got {threads}")
     if lookup not in RESOLVE_LOOKUPS:
@@ -58,6 +60,10 @@ def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort", hash_s
         out["SKV_RESOLVE_LOOKUP"] = RESOLVE_LOOKUPS[lookup]
         if hash_scale != DEFAULT_HASH_SCALE:
             out["SKV_HASH_SCALE"] = int(hash_scale)
+    if lru_smem:  # the defaults keep the module's cache key
+        out["SKV_LRU_SMEM"] = 1
+    if owner_smem:
+        out["SKV_OWNER_SMEM"] = 1
     return out
 
 

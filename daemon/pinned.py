@@ -23,6 +23,7 @@ import logging
 import math
 import mmap
 import threading
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class PinnedRegion:
         self._done: list[Chunk] = []
         self.chunks: tuple[Chunk, ...] = ()
         self.contiguous = False
+        self.register_s = 0.0  # seconds spent in the runtime's register calls
         if not deferred:
             self.finish()
 
@@ -153,6 +155,7 @@ class PinnedRegion:
             if off + n > nbytes_ready:
                 return
             host = self.address + off
+            t0 = time.monotonic()
             try:
                 self._rt.register(host, n, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
             except BaseException as e:
@@ -164,6 +167,7 @@ class PinnedRegion:
                         f"{at} of {len(self._plan)} (done ones rolled back): {e}"
                     ) from e
                 raise
+            self.register_s += time.monotonic() - t0
             try:
                 dev = int(self._rt.device_pointer(host))
             except BaseException:

@@ -111,6 +111,31 @@ def _madvise(address: int, nbytes: int, advice: int, what: str, required: bool) 
         log.warning("madvise(%s) on the pool failed (%s): it stays in small pages", what, os.strerror(err))
 
 
+VMSTAT_KEYS = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "compact_fail", "pgmajfault",
+               "allocstall_normal", "pgscan_direct")
+
+
+def vmstat(keys=VMSTAT_KEYS, path: str = "/proc/vmstat") -> dict[str, int]:
+    """The kernel's counters ``keys`` from /proc/vmstat (those it has; {} where it cannot be
+    read): huge pages given or refused at faults, compaction and reclaim stalls, for the
+    pool's pre-fault figures."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name in keys:
+                    out[name] = int(value)
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def vmstat_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """``after - before`` for the counters both have."""
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
 class PoolError(RuntimeError):
     """The pool cannot be created or has no room; the message says what to change."""
 
@@ -123,6 +148,8 @@ class HostPool:
         size_bytes: bytes of the mapping.
         array: the whole pool as a uint8 NumPy array (no copy).
         address: host virtual address of byte 0 (for cudaHostRegister).
+        fault_s: seconds the pre-fault took (with ``on_faulted``: its calls included).
+        faulted_s: seconds until every page was faulted (the last chunk's touch done).
     """
 
     def __init__(
@@ -215,8 +242,16 @@ class HostPool:
 
         done = 0
         last = 0.0
+        touched = [t0]  # when the last touch ended (a list: written by the fault threads)
+
+        def timed_touch(chunk) -> None:
+            touch(chunk)
+            now = time.monotonic()
+            if now > touched[0]:
+                touched[0] = now
+
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="prefault") as ex:
-            for _ in ex.map(touch, chunks):
+            for _ in ex.map(timed_touch, chunks):
                 done += 1
                 if on_faulted is not None:
                     off, n = chunks[done - 1]
@@ -226,6 +261,7 @@ class HostPool:
                     last = now
                     progress(done / len(chunks))
         dt = time.monotonic() - t0
+        self.fault_s, self.faulted_s = dt, touched[0] - t0
         huge = ""
         if self.backing == "anon_thp":
             # How much of it the kernel gave in huge pages (the fault rate depends on it).

@@ -115,13 +115,17 @@ def open_mem_handle(handle: bytes, retry_s: float = OPEN_RETRY_S, sleep=None) ->
 
     cp = _cp()
     sleep = sleep or time.sleep
-    deadline = time.monotonic() + retry_s
+    t0 = time.monotonic()
+    deadline = t0 + retry_s
     nap = 0.005
+    tries = 0
     while True:
+        tries += 1
         try:
             return cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
         except cp.cuda.runtime.CUDARuntimeError as e:
             if getattr(e, "status", None) != _INVALID_RESOURCE_HANDLE or time.monotonic() >= deadline:
+                e.open_tries, e.open_s = tries, round(time.monotonic() - t0, 3)  # for the error's reader
                 raise
         sleep(nap)
         nap = min(nap * 2, 0.1)

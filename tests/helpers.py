@@ -86,7 +86,9 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
             import traceback
 
             where = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
-            ev("error", type=type(e).__name__, msg=str(e)[:300], where=where[-8:])
+            # status: a CUDA error's code; open_tries/open_s: how long an IPC open retried.
+            extra = {a: getattr(e, a) for a in ("status", "open_tries", "open_s") if hasattr(e, a)}
+            ev("error", type=type(e).__name__, msg=str(e)[:300], where=where[-8:], **extra)
             time.sleep(0.2)
         finally:
             if client is not None:

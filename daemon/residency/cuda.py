@@ -132,12 +132,15 @@ def _a16(n: int) -> int:
     return (n + 15) & ~15
 
 
-def resolve_workspace_bytes(k: int, region_stride: int, lookup: str = "sort", hash_scale: int = 2) -> int:
+def resolve_workspace_bytes(k: int, region_stride: int, lookup: str = "sort", hash_scale: int = 2,
+                            lru_smem: bool = False, owner_smem: bool = False) -> int:
     """Bytes of one resolve block's workspace for ``k`` columns (mirrors ``skv_ws``); the
     hash lookup adds its table (host rows and columns, ``hash_scale`` x pow2(k) entries
-    each)."""
+    each), ``lru_smem`` and ``owner_smem`` a region row each (csrc/resolve.cu
+    SKV_LRU_SMEM, SKV_OWNER_SMEM)."""
     kp = _pow2(k)
-    base = _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + _a16(region_stride * 4)
+    rows = 1 + int(bool(lru_smem)) + int(bool(owner_smem))
+    base = _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + rows * _a16(region_stride * 4)
     return base + (_a16(2 * hash_scale * kp * 4) if lookup == "hash" else 0)
 
 
@@ -263,13 +266,19 @@ class CudaResidency(Residency):
             kernel bench's phase timings; its results are wrong). Never in the daemon.
         lookup: how resolve finds a row's columns from the owners, ``sort`` or ``hash``
             (:func:`resolve_lookup`: else ``$SPARSEKV_RESOLVE_LOOKUP``, else ``hash``).
-        hash_scale: the hash table's entries per power-of-two column (2 or 4; the kernel
-            bench compares them).
+        hash_scale: the hash table's entries per power-of-two column, 2 or 4; ``None``
+            (the default): 4 when that workspace fits in shared memory, else 2 (on the
+            H200 the x4 table took batch 64 x top-k 2048 from 25.5 to 19.8 us: its probe
+            runs are shorter; docs/PERF.md, session 8).
+        lru_smem, owner_smem: the new lru row built in the workspace, then copied out
+            whole; the owner row read into it with the lru row (csrc/resolve.cu
+            SKV_LRU_SMEM, SKV_OWNER_SMEM). ``None`` (the default): on while the workspace
+            still fits in shared memory, after the x4 table.
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
                  workspace: str = "auto", timing_defines: dict | None = None, lookup: str | None = None,
-                 hash_scale: int = DEFAULT_HASH_SCALE):
+                 hash_scale: int | None = None, lru_smem: bool | None = None, owner_smem: bool | None = None):
         cp = _cp()
         self.layout = layout.validate()
         if kernels is None:
@@ -283,15 +292,28 @@ class CudaResidency(Residency):
             self.lru = cp.empty((g, r, s), dtype=cp.int32)
             self.lru[...] = cp.arange(s, dtype=cp.int32)
         self.lookup = resolve_lookup(lookup)
-        self.hash_scale = int(hash_scale)
-        defines = dict(resolve_defines(threads, self.lookup, self.hash_scale), **(timing_defines or {}))
         self.threads = int(threads)
+        # The workspace's options: those given, else the smallest, then (with workspace
+        # auto or shared) each in turn while the workspace still fits in shared memory.
+        opts = {"hash_scale": DEFAULT_HASH_SCALE if hash_scale is None else int(hash_scale),
+                "lru_smem": bool(lru_smem), "owner_smem": bool(owner_smem)}
+        defines = dict(resolve_defines(threads, self.lookup, **opts), **(timing_defines or {}))
         self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
+        limit = _smem_limit(self._resolve)  # no option changes the static shared memory
+        if workspace != "global":
+            for name, given, value in (("hash_scale", hash_scale, 4), ("lru_smem", lru_smem, True),
+                                       ("owner_smem", owner_smem, True)):
+                if given is None and not (name == "hash_scale" and self.lookup != "hash"):
+                    more = dict(opts, **{name: value})
+                    if resolve_workspace_bytes(layout.top_k, s, self.lookup, **more) <= limit:
+                        opts = more
+            defines = dict(resolve_defines(threads, self.lookup, **opts), **(timing_defines or {}))
+            self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
+        self.hash_scale, self.lru_smem, self.owner_smem = opts["hash_scale"], opts["lru_smem"], opts["owner_smem"]
         self._reset = kernels.function("resolve.cu", "skv_reset", defines)
         self._invalidate = kernels.function("resolve.cu", "skv_invalidate", defines)
 
-        self.workspace_bytes = resolve_workspace_bytes(layout.top_k, s, self.lookup, self.hash_scale)
-        limit = _smem_limit(self._resolve)
+        self.workspace_bytes = resolve_workspace_bytes(layout.top_k, s, self.lookup, **opts)
         if workspace not in ("auto", "shared", "global"):
             raise ValueError(f"workspace must be auto, shared or global, got {workspace!r}")
         if workspace == "shared" and self.workspace_bytes > limit:

@@ -68,12 +68,29 @@ def test_the_hash_lookup_with_a_table_four_times_the_columns_equals_the_numpy_en
     assert not emu.err[:8].any()
 
 
+@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
+@pytest.mark.parametrize("opts", [{"lru_smem": True}, {"owner_smem": True}, {"lru_smem": True, "owner_smem": True}],
+                         ids=["lru", "owner", "both"])
+@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("tiny", "tiles-global", "odd", "many-misses")],
+                         ids=lambda t: t[0])
+def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, opts, chunked):
+    """SKV_LRU_SMEM (the new lru built in the workspace, copied out whole) and
+    SKV_OWNER_SMEM (the owners read into it first), with every walk, the hash lookup."""
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
+    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4,
+                              defines={"SKV_RESOLVE_CHUNKED": chunked}, **opts)
+    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
+    assert not emu.err[:8].any()
+
+
+@pytest.mark.parametrize("opts", [{}, {"lru_smem": True, "owner_smem": True}], ids=["global-rows", "workspace-rows"])
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
-def test_corrupt_owners_resolve_as_on_the_numpy_engine(lookup):
+def test_corrupt_owners_resolve_as_on_the_numpy_engine(lookup, opts):
     """Owners outside the host rows or owning one row twice (the lowest slot wins)."""
     lay = layout(16, 48, 60, 3, max_batch=6)
     cpu = CpuResidency(lay)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=32)
+    emu = cpu_kernels.Resolve(lay, lookup, threads=32, **opts)
     rng = np.random.default_rng(7)
     for trial in range(20):
         bad = rng.integers(-3, 80, size=cpu.owner.shape).astype(np.int32)

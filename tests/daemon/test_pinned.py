@@ -151,3 +151,17 @@ def test_a_pool_pinner_registers_the_pool_as_it_is_faulted_and_views_share_it():
         region.close()
     finally:
         pool.close()
+
+
+def test_time_in_the_register_calls_is_summed():
+    """register_s: what the pool start reports as its page-locking time."""
+    import time
+
+    class SlowRuntime(FakeRuntime):
+        def register(self, address, nbytes, flags):
+            time.sleep(0.02)
+            super().register(address, nbytes, flags)
+
+    r = PinnedRegion(0x7F0000000000, 3 * GiB, 656, 1 * GiB, runtime=SlowRuntime(), page_bytes=PAGE)
+    assert 0.02 * len(r.chunks) <= r.register_s < 1.0
+    r.close()

@@ -162,3 +162,18 @@ def test_the_huge_page_count_is_the_pools_own():
         assert 0 <= got <= p.size_bytes and got % (2 * MiB) == 0
         assert anon_huge_bytes(p.address, p.size_bytes) <= anon_huge_bytes() or anon_huge_bytes() == 0
     assert anon_huge_bytes(4096, 4096) == 0  # page 1: never mapped
+
+
+def test_prefault_times_and_the_kernels_counters_are_reported(tmp_path):
+    """fault_s / faulted_s (the pool start's figures): every page is faulted no later than
+    the pre-fault ends. vmstat reads the counters it names from /proc/vmstat's format and
+    vmstat_delta subtracts the ones both snapshots have."""
+    with HostPool(3 * 64 * MiB, threads=2) as p:
+        assert 0.0 < p.faulted_s <= p.fault_s
+    f = tmp_path / "vmstat"
+    f.write_text("nr_free_pages 5\nthp_fault_alloc 10\ncompact_stall 2\nthp_fault_fallback 1\n")
+    before = pool_mod.vmstat(path=str(f))
+    assert before == {"thp_fault_alloc": 10, "compact_stall": 2, "thp_fault_fallback": 1}
+    assert pool_mod.vmstat(path=str(tmp_path / "missing")) == {}
+    assert pool_mod.vmstat_delta(before, {"thp_fault_alloc": 25, "compact_stall": 2}) == {
+        "thp_fault_alloc": 15, "compact_stall": 0}

@@ -111,8 +111,11 @@ if has ncu; then
       CUDA_MPS_PIPE_DIRECTORY=/tmp/no-mps timeout "$(left 120)" "$NCU" --clock-control none -k "$k" \
         --launch-skip 8 --launch-count 2 --section SpeedOfLight --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         python3 tests/gpu/ncu_kernels.py >"$OUT/ncu-$k.txt" 2>&1
-      grep -E "Duration|Throughput|Stall|Warp Cycles|Eligible|Achieved Occupancy|Registers" "$OUT/ncu-$k.txt" | head -25
+      grep -E "Duration|Warp Cycles Per Issued|Eligible Warps|Achieved Occupancy|Registers Per" "$OUT/ncu-$k.txt" | head -6
+      # the stall reasons of the first profiled launch, largest first
+      grep -E "issue_stalled" "$OUT/ncu-$k.txt" | awk '!seen[$1]++ {print $NF, $1}' | sort -rn | head -8
     done
   else
     echo "ncu: not found"

@@ -46,8 +46,9 @@ def test_other_errors_are_not_retried_and_the_invalid_handle_stands_past_the_dea
     with pytest.raises(FakeError) as ei:
         cuda_ipc.open_mem_handle(b"h", retry_s=5.0, sleep=lambda s: None)
     assert ei.value.status == 1 and len(calls) == 1
+    assert ei.value.open_tries == 1  # what it tried travels with the error
     cp, calls = fake_cupy([FakeError(400)] * 100)
     monkeypatch.setattr(cuda_ipc, "_cp", lambda: cp)
     with pytest.raises(FakeError) as ei:
         cuda_ipc.open_mem_handle(b"h", retry_s=0.0, sleep=lambda s: None)
-    assert ei.value.status == 400 and len(calls) == 1
+    assert ei.value.status == 400 and len(calls) == 1 and ei.value.open_tries == 1

@@ -328,6 +328,8 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path, ba
         with contextlib.suppress(OSError), open(os.path.join(tmp, "sparsekvd.log"), errors="replace") as f:
             said = [line.rstrip() for line in f if " WARNING " in line or " ERROR " in line or "refused" in line]
         print("DAEMON_WARNINGS\n" + "\n".join(said[-60:]))
+        for e in (errors + bad_events)[:10]:  # whole (pytest shortens the assertion's repr)
+            print("CLIENT_EVENT " + json.dumps(e))
 
     assert bad == 0, [json.dumps(e) for e in bad_events[:5]]
     assert not errors, [json.dumps(e) for e in errors[:5]]  # whole: type and message

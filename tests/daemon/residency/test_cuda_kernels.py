@@ -65,17 +65,37 @@ TRACES = [
 LOOKUPS = pytest.mark.parametrize("lookup", ["sort", "hash"])
 
 
+WORKSPACE_OPTS = [{"hash_scale": 2, "lru_smem": False, "owner_smem": False},
+                  {"hash_scale": 4, "lru_smem": False, "owner_smem": False},
+                  {"hash_scale": 2, "lru_smem": True, "owner_smem": True}]
+
+
+@pytest.mark.parametrize("opts", WORKSPACE_OPTS, ids=["x2", "x4", "x2-rows"])
 @pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("tiles", "big", "big-global")], ids=lambda t: t[0])
-def test_resolve_with_a_hash_table_four_times_the_columns_matches_cpu(case, kc):
-    """hash_scale 4 (csrc/resolve.cu SKV_HASH_SCALE): the workspace grows with the table,
-    the results stay the cpu backend's."""
+def test_resolve_with_each_workspace_option_matches_cpu(case, kc, opts):
+    """The hash table's size (SKV_HASH_SCALE), the new lru and the owners in the workspace
+    (SKV_LRU_SMEM, SKV_OWNER_SMEM), given explicitly (the default takes every one that
+    fits): the workspace grows with them, the results stay the cpu backend's."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     cuda = cuda_mod()
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, lookup="hash", hash_scale=4)
-    assert gpu.workspace_bytes == cuda.resolve_workspace_bytes(k, stride, "hash", 4)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, lookup="hash", **opts)
+    assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem) == tuple(opts.values())
+    assert gpu.workspace_bytes == cuda.resolve_workspace_bytes(k, stride, "hash", **opts)
     run_trace(CpuResidency(lay), gpu, lay, seed=zlib.crc32(name.encode()) % 1000, steps=steps, batch=batch,
               overlap=overlap, state_every=1 if k < 1000 else 4)
+
+
+def test_the_default_workspace_takes_each_option_that_fits_in_shared_memory(kc):
+    """Batch 64 x top-k 2048 x region 4096 (the reference step): the x4 table and both
+    rows fit in the H200's 227 KiB; a global workspace takes none of them."""
+    cuda = cuda_mod()
+    lay = layout(2048, 4096, 1 << 20, 64, max_batch=64)
+    gpu = cuda.CudaResidency(lay, kernels=kc, lookup="hash")
+    assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem, gpu.workspace_global) == (4, True, True, False)
+    assert gpu.resolve_smem == cuda.resolve_workspace_bytes(2048, 4096, "hash", 4, True, True)
+    glob = cuda.CudaResidency(lay, kernels=kc, lookup="hash", workspace="global")
+    assert (glob.hash_scale, glob.lru_smem, glob.owner_smem, glob.workspace_global) == (2, False, False, True)
 
 
 @pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
