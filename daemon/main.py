@@ -272,17 +272,21 @@ def log_sighup() -> None:
 # of the engine's range (bench kernels: 41.0-42.3 against 41.8-42.1 GB/s; bench decode at
 # batch 64: within the run-to-run spread). An attach then never waits for a registration.
 PIN_AT_START_ENV = "SPARSEKV_PIN_POOL_AT_START"
+PIN_AT_START_MODES = ("1", "faulting", "0")
 
 
 def pool_pinner(cfg):
-    """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool unless ``$SPARSEKV_PIN_POOL_AT_START``
-    is 0, when the cuda backend will serve it (``cuda``, or ``auto`` on a machine whose GPU
-    CuPy sees); else None (each engine's range is page-locked at its attach)."""
-    if os.environ.get(PIN_AT_START_ENV, "1") == "0":
+    """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool when the cuda backend will
+    serve it (``cuda``, or ``auto`` on a machine whose GPU CuPy sees), as
+    ``$SPARSEKV_PIN_POOL_AT_START`` says: ``1`` (default) the whole pool once it is
+    pre-faulted, ``faulting`` chunk by chunk while it is; ``0``: None (each engine's range
+    is page-locked at its attach)."""
+    mode = os.environ.get(PIN_AT_START_ENV, "1")
+    if mode not in PIN_AT_START_MODES:
+        raise ValueError(f"{PIN_AT_START_ENV}={mode!r}: expected one of {', '.join(PIN_AT_START_MODES)}")
+    if mode == "0" or cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
         return None
-    if cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
-        return None
-    return PoolPinner(cfg.pool_size)
+    return PoolPinner(cfg.pool_size, while_faulting=mode == "faulting")
 
 
 def backend_refusal(cfg) -> str | None:
@@ -335,7 +339,7 @@ def main(argv=None) -> int:
         except (RuntimeError, OSError) as e:
             log.error("%s", e)
             return 1
-        pool = backend = pool_region = None
+        pool = backend = pool_region = pinner = None
         try:
             size = config_mod.format_size(cfg.pool_size)
             log.info("sparsekvd %s (pid %d) on %s: pre-faulting host pool of %s", package_version(), os.getpid(),
@@ -343,10 +347,10 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")
             last_log = [time.monotonic()]
 
-            # The cuda backend page-locks the whole pool here, chunk by chunk as the
-            # pre-fault goes (SPARSEKV_PIN_POOL_AT_START=0: at each engine's attach).
+            # The cuda backend page-locks the whole pool here, after the pre-fault (=faulting:
+            # chunk by chunk as it goes; SPARSEKV_PIN_POOL_AT_START=0: at each attach).
             pinner = pool_pinner(cfg)
-            doing = "pre-faulting and page-locking" if pinner is not None else "pre-faulting"
+            doing = "pre-faulting and page-locking" if pinner is not None and pinner.while_faulting else "pre-faulting"
 
             def progress(frac: float) -> None:
                 msg = f"{doing} host pool of {size}: {frac * 100:.0f}%"
@@ -361,7 +365,13 @@ def main(argv=None) -> int:
             signals.check()
             if pinner is not None:
                 t0 = time.monotonic()
-                pool_region = pinner.finish()
+
+                def locked(frac: float) -> None:
+                    notifier.extend_timeout(START_EXTEND_S, status=f"page-locking host pool of {size}: {frac * 100:.0f}%")
+
+                with signals.interruptible():
+                    pool_region = pinner.finish(locked)
+                signals.check()
                 log.info("host pool of %s page-locked for the GPUs (%d chunks, %.2f s in cudaHostRegister; "
                          "%.2f s after the pre-fault)", size, len(pool_region.chunks), pool_region.register_s,
                          time.monotonic() - t0)
@@ -386,12 +396,14 @@ def main(argv=None) -> int:
             notifier.stopping()
             log.info("stopped before serving")
             return 0
-        except (PoolError, PinError, RuntimeError, OSError) as e:
+        except (PoolError, PinError, RuntimeError, OSError, ValueError) as e:
             log.error("cannot start: %s", e)
             return 1
         finally:
             # Each step by itself: after a fatal error (a lost GPU context) one may fail,
             # and the exit code must still say why the daemon stopped, not this.
+            if pool_region is None and pinner is not None:
+                pool_region = pinner.region  # a start stopped while the pool was registered
             for what, part in (("backend", backend), ("pool's page-locking", pool_region), ("pool", pool)):
                 if part is not None:
                     try:

@@ -24,6 +24,7 @@ import math
 import mmap
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -260,17 +261,22 @@ class PinnedRegion:
 
 
 class PoolPinner:
-    """Page-lock a host pool while it is being pre-faulted: pass it as ``HostPool``'s
-    ``on_faulted``; each call registers the chunks of ``max_chunk_bytes`` that the faulted
-    prefix now covers, so registering chunk *n* overlaps the faulting of the chunks after
-    it. :meth:`finish` registers the rest and returns the :class:`PinnedRegion` of the
-    whole pool. The pool's rows belong to engines of any row size, so chunk boundaries
-    fall on pages only (``row_bytes`` 16): kernels read across them freely, a single bulk
-    DMA copy must not cross one (none of the daemon's copies of pool rows is one)."""
+    """Page-lock a host pool at the daemon's start: pass it as ``HostPool``'s
+    ``on_faulted``. With ``while_faulting`` each call registers the chunks of
+    ``max_chunk_bytes`` that the faulted prefix now covers (chunk *n* registered while the
+    chunks after it are faulted); without it (the default) nothing is registered until
+    :meth:`finish`. On the H200 the overlap lost: the run's first 64 GiB pool spent 25 s
+    in cudaHostRegister and 22 s faulting while both ran, against 1.5 s each apart
+    (docs/PERF.md, session 8). :meth:`finish` registers the rest and returns the
+    :class:`PinnedRegion` of the whole pool. The pool's rows belong to engines of any row
+    size, so chunk boundaries fall on pages only (``row_bytes`` 16): kernels read across
+    them freely, a single bulk DMA copy must not cross one (none of the daemon's copies of
+    pool rows is one)."""
 
-    def __init__(self, size_bytes: int, max_chunk_bytes: int = 4 << 30, runtime=None):
+    def __init__(self, size_bytes: int, max_chunk_bytes: int = 4 << 30, runtime=None, while_faulting: bool = False):
         self.size_bytes = int(size_bytes)
         self.max_chunk_bytes = int(max_chunk_bytes)
+        self.while_faulting = bool(while_faulting)
         self._runtime = runtime
         self.region: PinnedRegion | None = None
 
@@ -278,12 +284,20 @@ class PoolPinner:
         if self.region is None:
             self.region = PinnedRegion(address, self.size_bytes, 16, self.max_chunk_bytes, runtime=self._runtime,
                                        deferred=True)
-        self.region.register_through(faulted)
+        if self.while_faulting:
+            self.region.register_through(faulted)
 
-    def finish(self) -> PinnedRegion:
+    def finish(self, progress: Callable[[float], None] | None = None) -> PinnedRegion:
+        """Register what is left, chunk by chunk; ``progress(fraction registered)`` after each."""
         if self.region is None:
             raise PinError("no pool was faulted through this pinner")
-        return self.region.finish()
+        r = self.region
+        step = self.max_chunk_bytes
+        for end in range(min(step, self.size_bytes), self.size_bytes + step, step):
+            r.register_through(min(end, self.size_bytes))
+            if progress is not None:
+                progress(r.registered_bytes / max(1, self.size_bytes))
+        return r.finish()
 
 
 class PinnedView:

@@ -13,6 +13,8 @@ ATTACH reply and request as bytes.
 
 from __future__ import annotations
 
+import os
+
 
 class EventRing:
     """``n`` interprocess events on one device (``cudaEventInterprocess`` needs
@@ -98,13 +100,16 @@ def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
             "bus_id": cp.cuda.runtime.deviceGetPCIBusId(device).lower()}
 
 
-# cudaIpcOpenMemHandle of a handle the exporter has just handed over may fail for a moment
+# cudaIpcOpenMemHandle of a handle the exporter has just handed over may fail for a while
 # with cudaErrorInvalidResourceHandle: seen on the H200 under MPS (2026-12-02, the chaos
 # soak) in a process started right after another one that had the same memory open was
-# SIGKILLed, while the MPS server cleaned up after it; the same open a little later
-# works. Open retries for up to this long before the error stands.
-OPEN_RETRY_S = 2.0
+# SIGKILLed, while the MPS server cleaned up after it; 2 s of retries were not always
+# enough (23 tries), a later attach worked. Open retries for up to this long (seconds,
+# $SPARSEKV_IPC_OPEN_RETRY_S) before the error stands.
+OPEN_RETRY_S = float(os.environ.get("SPARSEKV_IPC_OPEN_RETRY_S", "10"))
 _INVALID_RESOURCE_HANDLE = 400  # cudaErrorInvalidResourceHandle
+# The last open that needed more than one try, {"tries", "s"} (or None): the soak reports it.
+last_retried_open: dict | None = None
 
 
 def open_mem_handle(handle: bytes, retry_s: float = OPEN_RETRY_S, sleep=None) -> int:
@@ -122,7 +127,11 @@ def open_mem_handle(handle: bytes, retry_s: float = OPEN_RETRY_S, sleep=None) ->
     while True:
         tries += 1
         try:
-            return cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            if tries > 1:
+                global last_retried_open
+                last_retried_open = {"tries": tries, "s": round(time.monotonic() - t0, 3)}
+            return ptr
         except cp.cuda.runtime.CUDARuntimeError as e:
             if getattr(e, "status", None) != _INVALID_RESOURCE_HANDLE or time.monotonic() >= deadline:
                 e.open_tries, e.open_s = tries, round(time.monotonic() - t0, 3)  # for the error's reader

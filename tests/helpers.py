@@ -75,7 +75,11 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
         try:
             client = open_client()
             att = start(client)
-            ev("attached", after_loss=lost_at)
+            from sparsekv.proto import cuda_ipc  # noqa: PLC0415 - imports no CuPy
+
+            # an IPC open of this attach that needed retries (cudaErrorInvalidResourceHandle)
+            retried, cuda_ipc.last_retried_open = cuda_ipc.last_retried_open, None
+            ev("attached", after_loss=lost_at, **({"ipc_open_retried": retried} if retried else {}))
             lost_at = None
             work(client, att)
         except DaemonUnavailable as e:

@@ -272,8 +272,9 @@ class CudaResidency(Residency):
             runs are shorter; docs/PERF.md, session 8).
         lru_smem, owner_smem: the new lru row built in the workspace, then copied out
             whole; the owner row read into it with the lru row (csrc/resolve.cu
-            SKV_LRU_SMEM, SKV_OWNER_SMEM). ``None`` (the default): on while the workspace
-            still fits in shared memory, after the x4 table.
+            SKV_LRU_SMEM, SKV_OWNER_SMEM). Off by default: on the H200 neither moved the
+            reference resolve (20.6 us with both, 20.6 and 20.2 without one; session 8),
+            and each costs a region row of shared memory.
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
@@ -294,19 +295,17 @@ class CudaResidency(Residency):
         self.lookup = resolve_lookup(lookup)
         self.threads = int(threads)
         # The workspace's options: those given, else the smallest, then (with workspace
-        # auto or shared) each in turn while the workspace still fits in shared memory.
+        # auto or shared) the x4 table if the workspace still fits in shared memory.
         opts = {"hash_scale": DEFAULT_HASH_SCALE if hash_scale is None else int(hash_scale),
                 "lru_smem": bool(lru_smem), "owner_smem": bool(owner_smem)}
         defines = dict(resolve_defines(threads, self.lookup, **opts), **(timing_defines or {}))
         self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
         limit = _smem_limit(self._resolve)  # no option changes the static shared memory
         if workspace != "global":
-            for name, given, value in (("hash_scale", hash_scale, 4), ("lru_smem", lru_smem, True),
-                                       ("owner_smem", owner_smem, True)):
-                if given is None and not (name == "hash_scale" and self.lookup != "hash"):
-                    more = dict(opts, **{name: value})
-                    if resolve_workspace_bytes(layout.top_k, s, self.lookup, **more) <= limit:
-                        opts = more
+            if hash_scale is None and self.lookup == "hash":
+                more = dict(opts, hash_scale=4)
+                if resolve_workspace_bytes(layout.top_k, s, self.lookup, **more) <= limit:
+                    opts = more
             defines = dict(resolve_defines(threads, self.lookup, **opts), **(timing_defines or {}))
             self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
         self.hash_scale, self.lru_smem, self.owner_smem = opts["hash_scale"], opts["lru_smem"], opts["owner_smem"]

@@ -118,13 +118,13 @@ def test_the_pool_reports_its_faulted_prefix_in_order(tmp_path):
         pool.close()
 
 
-def test_a_pool_pinner_registers_the_pool_as_it_is_faulted_and_views_share_it():
+def test_a_pool_pinner_while_faulting_registers_the_pool_as_it_is_faulted_and_views_share_it():
     from sparsekv.daemon.pinned import PinnedView, PoolPinner
     from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
 
     rt = FakeRuntime()
     size = 5 * PREFAULT_CHUNK_BYTES
-    pinner = PoolPinner(size, max_chunk_bytes=2 * PREFAULT_CHUNK_BYTES, runtime=rt)
+    pinner = PoolPinner(size, max_chunk_bytes=2 * PREFAULT_CHUNK_BYTES, runtime=rt, while_faulting=True)
     calls = []
     real = pinner.region
 
@@ -165,3 +165,25 @@ def test_time_in_the_register_calls_is_summed():
     r = PinnedRegion(0x7F0000000000, 3 * GiB, 656, 1 * GiB, runtime=SlowRuntime(), page_bytes=PAGE)
     assert 0.02 * len(r.chunks) <= r.register_s < 1.0
     r.close()
+
+
+def test_a_pool_pinner_by_default_registers_after_the_fault_with_progress():
+    """The daemon's default: nothing registered while the pool is faulted; finish()
+    registers it chunk by chunk, saying how much is done after each."""
+    from sparsekv.daemon.pinned import PoolPinner
+    from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
+
+    rt = FakeRuntime()
+    size = 5 * PREFAULT_CHUNK_BYTES
+    pinner = PoolPinner(size, max_chunk_bytes=2 * PREFAULT_CHUNK_BYTES, runtime=rt)
+    pool = HostPool(size, threads=2, on_faulted=pinner)
+    try:
+        assert rt.registered == [] and pinner.region is not None
+        seen = []
+        region = pinner.finish(seen.append)
+        assert [n for _, n in rt.registered] == [2 * PREFAULT_CHUNK_BYTES, 2 * PREFAULT_CHUNK_BYTES,
+                                                 PREFAULT_CHUNK_BYTES]
+        assert seen == [0.4, 0.8, 1.0] and region.registered_bytes == size
+        region.close()
+    finally:
+        pool.close()

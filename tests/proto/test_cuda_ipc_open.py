@@ -38,6 +38,7 @@ def test_an_invalid_handle_for_a_moment_is_opened_on_a_later_try(monkeypatch):
     assert cuda_ipc.open_mem_handle(b"h", retry_s=5.0, sleep=naps.append) == 0xABC
     assert len(calls) == 3 and calls[0] == (b"h", 1)
     assert naps == sorted(naps) and len(naps) == 2  # growing naps between tries
+    assert cuda_ipc.last_retried_open["tries"] == 3  # what the soak reports
 
 
 def test_other_errors_are_not_retried_and_the_invalid_handle_stands_past_the_deadline(monkeypatch):

@@ -86,14 +86,17 @@ def test_resolve_with_each_workspace_option_matches_cpu(case, kc, opts):
               overlap=overlap, state_every=1 if k < 1000 else 4)
 
 
-def test_the_default_workspace_takes_each_option_that_fits_in_shared_memory(kc):
-    """Batch 64 x top-k 2048 x region 4096 (the reference step): the x4 table and both
-    rows fit in the H200's 227 KiB; a global workspace takes none of them."""
+def test_the_default_workspace_takes_the_x4_table_where_it_fits_in_shared_memory(kc):
+    """Batch 64 x top-k 2048 x region 4096 (the reference step): the x4 table fits in the
+    H200's 227 KiB, the rows stay in global memory (off unless asked); a global workspace
+    keeps the x2 table; with a region of 32768 the x4 workspace no longer fits."""
     cuda = cuda_mod()
     lay = layout(2048, 4096, 1 << 20, 64, max_batch=64)
     gpu = cuda.CudaResidency(lay, kernels=kc, lookup="hash")
-    assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem, gpu.workspace_global) == (4, True, True, False)
-    assert gpu.resolve_smem == cuda.resolve_workspace_bytes(2048, 4096, "hash", 4, True, True)
+    assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem, gpu.workspace_global) == (4, False, False, False)
+    assert gpu.resolve_smem == cuda.resolve_workspace_bytes(2048, 4096, "hash", 4)
+    wide = cuda.CudaResidency(layout(2048, 32768, 1 << 20, 4, max_batch=4), kernels=kc, lookup="hash")
+    assert wide.hash_scale == 2
     glob = cuda.CudaResidency(lay, kernels=kc, lookup="hash", workspace="global")
     assert (glob.hash_scale, glob.lru_smem, glob.owner_smem, glob.workspace_global) == (2, False, False, True)
 
