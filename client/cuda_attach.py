@@ -51,6 +51,26 @@ def bus_id_of(ordinal: int) -> str:
     return cp.cuda.runtime.deviceGetPCIBusId(ordinal).lower()
 
 
+# Arenas of lost daemons that stayed mapped because work on the stream still waited on
+# them at close, with an event marking that work's end: (ImportedArena, event).
+_left_mapped: list = []
+
+
+def sweep_left_mapped() -> int:
+    """Unmap each left-mapped arena whose marked work has ended; return how many stay. A
+    new attach sweeps first: under MPS an IPC open of a new daemon's arena was seen to
+    fail (cudaErrorInvalidResourceHandle) for a long while in a process that had an
+    earlier one open (docs/PERF.md, session 8)."""
+    keep = []
+    for arena, mark in _left_mapped:
+        if mark.query():
+            arena.close()
+        else:
+            keep.append((arena, mark))
+    _left_mapped[:] = keep
+    return len(keep)
+
+
 class CudaAttachment:
     def __init__(self, layout: Layout, engine: str, handles: dict, fence: EventRing | None,
                  fds: dict[str, int] | None = None, engine_slab=None):
@@ -64,6 +84,7 @@ class CudaAttachment:
         self.device = device_for_bus_id(handles["bus_id"])
         self.torch_device = torch.device("cuda", self.device)
         R, B, K = handles["ring_depth"], handles["max_batch"], handles["top_k"]
+        sweep_left_mapped()  # a lost daemon's arena whose waits have ended since
         self._arena = ImportedArena(handles["arena_handle"], handles["arena_bytes"], self.device)
         lay = layout
         self.engine_slab = engine_slab if handles.get("engine_slab") else None
@@ -152,6 +173,14 @@ class CudaAttachment:
                 still_there()
                 next_check = time.monotonic() + EVENT_CHECK_S
 
+    def _stream_mark(self):
+        """An event recorded on the current stream: done once its work so far is."""
+        import torch  # noqa: PLC0415
+
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(self.torch_device))
+        return mark
+
     def _stream_done_within(self, wait_s: float) -> bool:
         """Whether the current stream's work so far ends within ``wait_s`` seconds (polled)."""
         import torch  # noqa: PLC0415
@@ -201,7 +230,8 @@ class CudaAttachment:
         (a warning says so) rather than the process hanging or a late kernel faulting."""
         if self._arena is not None and wait_s is not None and not self._stream_done_within(wait_s):
             log.warning("cuda:%d: work on the current stream still waits on sparsekvd (gone) after %.0f s; "
-                        "its memory stays mapped in this process", self.device, wait_s)
+                        "its memory stays mapped in this process until that work ends", self.device, wait_s)
+            _left_mapped.append((self._arena, self._stream_mark()))  # unmapped by a later sweep
             self._arena = None  # never unmapped under work that may still run
         self.slab = self.staging = self._slots = self._misses = None
         self._views = {}

@@ -272,21 +272,21 @@ def log_sighup() -> None:
 # of the engine's range (bench kernels: 41.0-42.3 against 41.8-42.1 GB/s; bench decode at
 # batch 64: within the run-to-run spread). An attach then never waits for a registration.
 PIN_AT_START_ENV = "SPARSEKV_PIN_POOL_AT_START"
-PIN_AT_START_MODES = ("1", "faulting", "0")
+PIN_AT_START_MODES = ("1", "after", "0")
 
 
 def pool_pinner(cfg):
     """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool when the cuda backend will
     serve it (``cuda``, or ``auto`` on a machine whose GPU CuPy sees), as
-    ``$SPARSEKV_PIN_POOL_AT_START`` says: ``1`` (default) the whole pool once it is
-    pre-faulted, ``faulting`` chunk by chunk while it is; ``0``: None (each engine's range
-    is page-locked at its attach)."""
+    ``$SPARSEKV_PIN_POOL_AT_START`` says: ``1`` (default) chunk by chunk while it is
+    pre-faulted, ``after`` the whole pool once it is; ``0``: None (each engine's range is
+    page-locked at its attach)."""
     mode = os.environ.get(PIN_AT_START_ENV, "1")
     if mode not in PIN_AT_START_MODES:
         raise ValueError(f"{PIN_AT_START_ENV}={mode!r}: expected one of {', '.join(PIN_AT_START_MODES)}")
     if mode == "0" or cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
         return None
-    return PoolPinner(cfg.pool_size, while_faulting=mode == "faulting")
+    return PoolPinner(cfg.pool_size, while_faulting=mode == "1")
 
 
 def backend_refusal(cfg) -> str | None:
@@ -347,8 +347,8 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")
             last_log = [time.monotonic()]
 
-            # The cuda backend page-locks the whole pool here, after the pre-fault (=faulting:
-            # chunk by chunk as it goes; SPARSEKV_PIN_POOL_AT_START=0: at each attach).
+            # The cuda backend page-locks the whole pool here, chunk by chunk as the pre-fault
+            # goes (SPARSEKV_PIN_POOL_AT_START=after: once it is done; =0: at each attach).
             pinner = pool_pinner(cfg)
             doing = "pre-faulting and page-locking" if pinner is not None and pinner.while_faulting else "pre-faulting"
 

@@ -262,18 +262,17 @@ class PinnedRegion:
 
 class PoolPinner:
     """Page-lock a host pool at the daemon's start: pass it as ``HostPool``'s
-    ``on_faulted``. With ``while_faulting`` each call registers the chunks of
-    ``max_chunk_bytes`` that the faulted prefix now covers (chunk *n* registered while the
-    chunks after it are faulted); without it (the default) nothing is registered until
-    :meth:`finish`. On the H200 the overlap lost: the run's first 64 GiB pool spent 25 s
-    in cudaHostRegister and 22 s faulting while both ran, against 1.5 s each apart
-    (docs/PERF.md, session 8). :meth:`finish` registers the rest and returns the
+    ``on_faulted``. With ``while_faulting`` (the daemon's default) each call registers the
+    chunks of ``max_chunk_bytes`` that the faulted prefix now covers (chunk *n* registered
+    while the chunks after it are faulted); without it nothing is registered until
+    :meth:`finish`. On the H200 a 64 GiB pool was ready at 25.5-28.7 GiB/s with the
+    overlap, 17.2-21.3 without (docs/PERF.md, session 8). :meth:`finish` registers the rest and returns the
     :class:`PinnedRegion` of the whole pool. The pool's rows belong to engines of any row
     size, so chunk boundaries fall on pages only (``row_bytes`` 16): kernels read across
     them freely, a single bulk DMA copy must not cross one (none of the daemon's copies of
     pool rows is one)."""
 
-    def __init__(self, size_bytes: int, max_chunk_bytes: int = 4 << 30, runtime=None, while_faulting: bool = False):
+    def __init__(self, size_bytes: int, max_chunk_bytes: int = 4 << 30, runtime=None, while_faulting: bool = True):
         self.size_bytes = int(size_bytes)
         self.max_chunk_bytes = int(max_chunk_bytes)
         self.while_faulting = bool(while_faulting)

@@ -92,6 +92,9 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
             where = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
             # status: a CUDA error's code; open_tries/open_s: how long an IPC open retried.
             extra = {a: getattr(e, a) for a in ("status", "open_tries", "open_s") if hasattr(e, a)}
+            attach_mod = sys.modules.get("sparsekv.client.cuda_attach")  # loaded by a cuda rank only
+            if attach_mod is not None:  # lost daemons' arenas this process still maps
+                extra["arenas_left_mapped"] = len(attach_mod._left_mapped)
             ev("error", type=type(e).__name__, msg=str(e)[:300], where=where[-8:], **extra)
             time.sleep(0.2)
         finally:

@@ -392,7 +392,7 @@ def test_importing_the_daemon_leaves_the_cuda_environment_alone():
 
 
 def test_the_pool_is_page_locked_at_start_unless_told_not_to_and_for_the_cuda_backend(monkeypatch):
-    """pool_pinner: a PoolPinner (the pool registered once it is faulted; =faulting: while
+    """pool_pinner: a PoolPinner (the pool registered while it is faulted; =after: once
     it is) by default when cuda will serve it; None with SPARSEKV_PIN_POOL_AT_START=0, for
     the cpu backend and where CuPy sees no GPU; another value is refused by name."""
     from sparsekv.daemon import main as main_mod
@@ -410,9 +410,9 @@ def test_the_pool_is_page_locked_at_start_unless_told_not_to_and_for_the_cuda_ba
     monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: None)
     p = main_mod.pool_pinner(Config(backend="auto", pool_size=64 << 20))
     assert isinstance(p, PoolPinner) and p.region is None  # nothing registered before the fault
-    assert not p.while_faulting  # the default: the whole pool once it is faulted
-    monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "faulting")
-    assert main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)).while_faulting
+    assert p.while_faulting  # the default: chunk by chunk while the pool is faulted
+    monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "after")
+    assert not main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)).while_faulting
     monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "yes")
-    with pytest.raises(ValueError, match="SPARSEKV_PIN_POOL_AT_START='yes': expected one of 1, faulting, 0"):
+    with pytest.raises(ValueError, match="SPARSEKV_PIN_POOL_AT_START='yes': expected one of 1, after, 0"):
         main_mod.pool_pinner(Config(backend="cuda"))

@@ -167,15 +167,15 @@ def test_time_in_the_register_calls_is_summed():
     r.close()
 
 
-def test_a_pool_pinner_by_default_registers_after_the_fault_with_progress():
-    """The daemon's default: nothing registered while the pool is faulted; finish()
+def test_a_pool_pinner_after_the_fault_registers_in_finish_with_progress():
+    """SPARSEKV_PIN_POOL_AT_START=after: nothing registered while the pool is faulted; finish()
     registers it chunk by chunk, saying how much is done after each."""
     from sparsekv.daemon.pinned import PoolPinner
     from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
 
     rt = FakeRuntime()
     size = 5 * PREFAULT_CHUNK_BYTES
-    pinner = PoolPinner(size, max_chunk_bytes=2 * PREFAULT_CHUNK_BYTES, runtime=rt)
+    pinner = PoolPinner(size, max_chunk_bytes=2 * PREFAULT_CHUNK_BYTES, runtime=rt, while_faulting=False)
     pool = HostPool(size, threads=2, on_faulted=pinner)
     try:
         assert rt.registered == [] and pinner.region is not None
