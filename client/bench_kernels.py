@@ -506,7 +506,7 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     # thread counts, the other lookup.
     other = "sort" if res.lookup == "hash" else "hash"
     variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
-    variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512)]
+    variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512, 768)]  # 768: 80 registers, not 64
     variants += [("tiles walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}}),
                  ("warp-segment lru walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2}}),
                  ("warp-segment lru walk phase 6", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2,
@@ -519,6 +519,7 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                  ("session 7's workspace (table x2, rows in global memory)",
                   {"hash_scale": 2, "lru_smem": False, "owner_smem": False})]
     if res.lookup == "hash":
+        variants += [("a miss's id from its key", {"timing_defines": {"SKV_ID_FROM_KEY": 1}})]
         o = 2 if res.hash_scale == 4 else 4
         variants += [(f"hash table x{o}", {"hash_scale": o}),
                      (f"hash table x{o} phase 2", {"hash_scale": o, "timing_defines": {"SKV_RESOLVE_STOP": 2}})]

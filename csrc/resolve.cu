@@ -41,6 +41,12 @@
 #ifndef SKV_OWNER_SMEM
 #define SKV_OWNER_SMEM 0
 #endif
+// Where a miss's id comes from when it takes its slot: 0 the top-k row (a global load),
+// 1 (hash lookup only) its key in the workspace, which the hash lookup keeps in column
+// order (session 7: 52 more bytes of spills; timed by `sparsekv bench kernels`).
+#ifndef SKV_ID_FROM_KEY
+#define SKV_ID_FROM_KEY 0
+#endif
 // The hash lookup's plan orders up to this many misses by counting (each miss's rank is
 // the number of smaller keys: no barriers); more are sorted (bitonic).
 #define SKV_RANK_MAX 512
@@ -144,9 +150,11 @@ __device__ __forceinline__ int skv_slot_of(const SkvWs& w, int c, int m, int n_t
     if (v != SKV_PENDING) return SKV_NONE;
     const int sl = m < n_take ? w.evict[m] : -1;
     if (sl >= 0 && sl < S) {
-        // (With the hash lookup keys[c] >> 32 holds the same id without a global load, but
-        // reading it there cost the kernel 52 more bytes of spills: ptxas -v, sm_90.)
+#if SKV_RESOLVE_LOOKUP == 1 && SKV_ID_FROM_KEY
+        owner[sl] = (int)(w.keys[c] >> 32);  // the hash lookup keeps keys in column order
+#else
         owner[sl] = ids[c];
+#endif
         w.colv[c] = SKV_MISS_TAG | sl;
         return sl;
     }

@@ -84,6 +84,26 @@ def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, op
     assert not emu.err[:8].any()
 
 
+@pytest.mark.parametrize("lookup", ["sort", "hash"])
+def test_a_block_of_threads_not_a_power_of_two_equals_the_numpy_engine(lookup):
+    """SKV_RESOLVE_THREADS 96 (3 warps; the bench times 768): every scan and walk."""
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = TRACES[4]  # odd
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
+    emu = cpu_kernels.Resolve(lay, lookup, threads=96, workspace=ws)
+    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
+    assert not emu.err[:8].any()
+
+
+@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("tiny", "odd", "many-misses")], ids=lambda t: t[0])
+def test_a_miss_taking_its_id_from_its_key_equals_the_numpy_engine(case):
+    """SKV_ID_FROM_KEY 1 (hash lookup): the owner a miss writes comes from its key."""
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
+    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, defines={"SKV_ID_FROM_KEY": 1})
+    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
+    assert not emu.err[:8].any()
+
+
 @pytest.mark.parametrize("opts", [{}, {"lru_smem": True, "owner_smem": True}], ids=["global-rows", "workspace-rows"])
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
 def test_corrupt_owners_resolve_as_on_the_numpy_engine(lookup, opts):
