@@ -86,16 +86,36 @@ class Arena:
         self.closed += 1
 
 
-def stub_attachment(finishes: bool):
+class Mark:
+    """A stream mark (an event): done when told."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def stub_attachment(finishes: bool, mark=None):
     """The parts of a CudaAttachment that close() touches, the GPU wait stood in for."""
     return SimpleNamespace(_arena=Arena(), _blocks_mm=None, _events=None, device=0,
-                           _stream_done_within=lambda wait_s: finishes)
+                           _stream_done_within=lambda wait_s: finishes, _stream_mark=lambda: mark)
 
 
 @pytest.mark.parametrize("finishes", [True, False])
-def test_a_gone_daemons_arena_is_unmapped_only_once_the_stream_is_done(finishes):
-    att = stub_attachment(finishes)
+def test_a_gone_daemons_arena_is_unmapped_only_once_the_stream_is_done(finishes, monkeypatch):
+    """close() after the daemon is gone: unmapped at once when the stream's work ends in
+    time; else left mapped with a mark of that work, and the next attach's sweep unmaps
+    it once the mark is done (not before)."""
+    monkeypatch.setattr(cuda_attach, "_left_mapped", [])
+    mark = Mark()
+    att = stub_attachment(finishes, mark)
     arena = att._arena
     cuda_attach.CudaAttachment.close(att, wait_s=0.1)
     assert arena.closed == (1 if finishes else 0)  # else left mapped: work may still read it
     assert att._arena is None and att.slab is None
+    assert cuda_attach.sweep_left_mapped() == (0 if finishes else 1)  # the work still runs
+    assert arena.closed == (1 if finishes else 0)
+    mark.done = True
+    assert cuda_attach.sweep_left_mapped() == 0
+    assert arena.closed == 1  # once, either way
