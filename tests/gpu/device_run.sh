@@ -43,7 +43,8 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 #       ab (bench decode for each of AB_VARIANTS: the daemon's switches against each other) |
 #       profile (tests/gpu/profile_daemon.py: the daemon's host time per request) |
 #       ncu (Nsight Compute on skv_resolve and skv_gather, tests/gpu/ncu_kernels.py) |
-#       examples (the example model through the doorbell, its own KV and an engine-owned slab)
+#       examples (the example model through the doorbell, its own KV and an engine-owned slab) |
+#       probes (tests/gpu/pool_first_touch.py and tests/gpu/probe_ipc_after_kill.py)
 # Steps run in this order, the ones that can hurt the GPU (spin kernels) last.
 # BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
 # so that the logs are packed before the device tool's limit.
@@ -120,6 +121,12 @@ if has ncu; then
   else
     echo "ncu: not found"
   fi
+fi
+if has probes; then
+  # The host's first touch against the pool code's (64 GiB, no CUDA), and an IPC open of a
+  # handle whose holder was SIGKILLed (MPS is up): docs/PERF.md, session 8.
+  timeout "$(left 90)" python3 tests/gpu/pool_first_touch.py ${POOL_GIB:-64} 2>&1 | tee "$OUT/pool-first-touch.log"
+  timeout "$(left 90)" python3 tests/gpu/probe_ipc_after_kill.py 2>&1 | tee "$OUT/probe-ipc-after-kill.log"
 fi
 if has profile; then
   # Where the daemon's host time goes per STEP + TOPK (handlers in process, then cProfile).
