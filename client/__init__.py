@@ -5,6 +5,7 @@ from .client import Attachment, Client, Pending, TopkResult
 from .errors import (
     BadRequest,
     DaemonUnavailable,
+    DeviceMappingFailed,
     LayoutMismatch,
     NotAttached,
     PermissionDenied,
@@ -15,7 +16,7 @@ from .errors import (
 )
 
 __all__ = [
-    "Attachment", "BadRequest", "Client", "DaemonUnavailable", "LayoutMismatch", "NotAttached",
+    "Attachment", "BadRequest", "Client", "DaemonUnavailable", "DeviceMappingFailed", "LayoutMismatch", "NotAttached",
     "Pending", "PermissionDenied", "PoolFull", "ProtocolMismatch", "QuotaExceeded", "SparseKVError",
     "TopkResult",
 ]

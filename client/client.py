@@ -30,7 +30,7 @@ import zmq
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
 from sparsekv.proto.frames import send_copy
 
-from .errors import BadRequest, DaemonUnavailable, ProtocolMismatch, SparseKVError, error_for
+from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError, error_for
 from .results import TopkResult
 
 
@@ -90,6 +90,20 @@ class Pending:
             self._done = True
         return self._result
 
+
+
+def device_mapping_failed(e: Exception, handles: dict) -> DeviceMappingFailed:
+    """The typed error of an attach whose device memory could not be mapped here; keeps
+    what the IPC open tried (``open_tries``, ``open_s``) for whoever reports it."""
+    tried = f" ({e.open_tries} tries over {e.open_s} s)" if hasattr(e, "open_tries") else ""
+    err = DeviceMappingFailed(
+        f"attached, but cannot map sparsekvd's memory on GPU {handles.get('bus_id')}: {e}{tried}; the rank was "
+        "given back, attach again (under MPS this was seen for a while after a process that had the daemon's "
+        "memory open was killed)", getattr(e, "status", None))
+    for a in ("open_tries", "open_s"):
+        if hasattr(e, a):
+            setattr(err, a, getattr(e, a))
+    return err
 
 class Client:
     """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
@@ -254,7 +268,14 @@ class Client:
             if cuda:
                 from .cuda_attach import CudaAttachment  # noqa: PLC0415
 
-                self.attachment = CudaAttachment(layout, engine, h, fence_ring, fds=fds, engine_slab=slab)
+                try:
+                    self.attachment = CudaAttachment(layout, engine, h, fence_ring, fds=fds, engine_slab=slab)
+                except SparseKVError:
+                    self._detach_quietly()
+                    raise
+                except Exception as e:  # a CUDA call of this process: give the rank back, say what failed
+                    self._detach_quietly()
+                    raise device_mapping_failed(e, h) from e
                 return self.attachment
             mm = None
             if h.get("fd") is not None or not h.get("engine_slab"):

@@ -86,6 +86,17 @@ class CudaAttachment:
         R, B, K = handles["ring_depth"], handles["max_batch"], handles["top_k"]
         sweep_left_mapped()  # a lost daemon's arena whose waits have ended since
         self._arena = ImportedArena(handles["arena_handle"], handles["arena_bytes"], self.device)
+        self._events = None
+        try:
+            self._open_rest(layout, handles, fence, fds, engine_slab, R, B, K)
+        except BaseException:
+            if self._events is not None:
+                self._events.close()
+            self._arena.close()  # nothing of it is in use yet
+            raise
+
+    def _open_rest(self, layout, handles, fence, fds, engine_slab, R, B, K) -> None:
+        """Everything of __init__ after the arena is mapped (which it unmaps on a failure here)."""
         lay = layout
         self.engine_slab = engine_slab if handles.get("engine_slab") else None
         self.slab = None if self.engine_slab is not None else self._arena.torch(handles["slab_offset"], lay.slab_shape)

@@ -27,6 +27,20 @@ class DaemonUnavailable(SparseKVError):
         return self.args[0]
 
 
+class DeviceMappingFailed(SparseKVError):
+    """An attach got its rank but this process could not map the daemon's device memory
+    (a CUDA IPC open failed); the rank was given back. Not a code the daemon sent: the
+    message says what CUDA said and what to do. ``status``: the CUDA error's code, where
+    there was one."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class ProtocolMismatch(SparseKVError):
     code = ErrorCode.BAD_VERSION
 

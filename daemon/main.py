@@ -367,7 +367,8 @@ def main(argv=None) -> int:
                 t0 = time.monotonic()
 
                 def locked(frac: float) -> None:
-                    notifier.extend_timeout(START_EXTEND_S, status=f"page-locking host pool of {size}: {frac * 100:.0f}%")
+                    notifier.extend_timeout(START_EXTEND_S,
+                                            status=f"page-locking host pool of {size}: {frac * 100:.0f}%")
 
                 with signals.interruptible():
                     pool_region = pinner.finish(locked)

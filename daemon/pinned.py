@@ -272,7 +272,8 @@ class PoolPinner:
     them freely, a single bulk DMA copy must not cross one (none of the daemon's copies of
     pool rows is one)."""
 
-    def __init__(self, size_bytes: int, max_chunk_bytes: int = 4 << 30, runtime=None, while_faulting: bool = True):
+    def __init__(self, size_bytes: int, max_chunk_bytes: int = 4 << 30, runtime=None,
+                 while_faulting: bool = True):
         self.size_bytes = int(size_bytes)
         self.max_chunk_bytes = int(max_chunk_bytes)
         self.while_faulting = bool(while_faulting)

@@ -119,3 +119,33 @@ def test_a_gone_daemons_arena_is_unmapped_only_once_the_stream_is_done(finishes,
     mark.done = True
     assert cuda_attach.sweep_left_mapped() == 0
     assert arena.closed == 1  # once, either way
+
+
+def test_an_attach_whose_device_memory_cannot_be_mapped_gives_the_rank_back_with_a_typed_error(monkeypatch):
+    """The daemon granted the rank, the IPC open here failed (a CUDA error, as the cuda
+    chaos soak sees after a client kill): the rank is detached again, and the caller gets
+    DeviceMappingFailed naming the GPU, the CUDA error and what the open tried."""
+    from sparsekv.client import client as client_mod
+    from sparsekv.client.errors import DeviceMappingFailed
+    from sparsekv.proto import Layout
+
+    class CudaError(RuntimeError):
+        status, open_tries, open_s = 400, 23, 2.0
+
+    def refuse(*a, **kw):
+        raise CudaError("cudaErrorInvalidResourceHandle: invalid resource handle")
+
+    monkeypatch.setattr(cuda_attach, "CudaAttachment", refuse)
+    c = client_mod.Client("/nonexistent", device="cuda:0")
+    said = []
+    monkeypatch.setattr(c, "_call", lambda t, fields=None: ({"handles": {"kind": "cuda_ipc", "bus_id": "0000:00:06.0"}},
+                                                            None))
+    monkeypatch.setattr(c, "_fetch_fds", lambda h: {})
+    monkeypatch.setattr(c, "_detach_quietly", lambda: said.append("DETACH"))
+    lay = Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
+    with pytest.raises(DeviceMappingFailed) as ei:
+        c.attach(lay, engine="e")
+    assert said == ["DETACH"] and c.attachment is None
+    msg = str(ei.value)
+    assert "0000:00:06.0" in msg and "cudaErrorInvalidResourceHandle" in msg and "23 tries over 2.0 s" in msg
+    assert ei.value.status == 400 and ei.value.open_tries == 23
