@@ -68,9 +68,11 @@ def test_the_hash_lookup_with_a_table_four_times_the_columns_equals_the_numpy_en
     assert not emu.err[:8].any()
 
 
-@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
-@pytest.mark.parametrize("opts", [{"lru_smem": True}, {"owner_smem": True}, {"lru_smem": True, "owner_smem": True}],
-                         ids=["lru", "owner", "both"])
+# Both rows with every walk; each row alone with the default walk (each set of defines is
+# one more C++ build of the kernel).
+@pytest.mark.parametrize("opts, chunked", [({"lru_smem": True, "owner_smem": True}, c) for c in (1, 0, 2)]
+                         + [({"lru_smem": True}, 1), ({"owner_smem": True}, 1)],
+                         ids=["both-chunks", "both-tiles", "both-segments", "lru-chunks", "owner-chunks"])
 @pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("tiny", "tiles-global", "odd", "many-misses")],
                          ids=lambda t: t[0])
 def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, opts, chunked):
