@@ -100,9 +100,7 @@ def pool_ready(nbytes: int, threads: int, pipelined: bool, max_chunk_bytes: int)
     and page-locked in chunks of ``max_chunk_bytes``: during the fault (``pipelined``, the
     daemon's start) or after it."""
     from sparsekv.daemon.pinned import PinnedRegion, PoolPinner  # noqa: PLC0415
-    from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
-
-    from sparsekv.daemon.pool import vmstat, vmstat_delta  # noqa: PLC0415
+    from sparsekv.daemon.pool import HostPool, vmstat, vmstat_delta  # noqa: PLC0415
 
     before = vmstat()
     t0 = time.perf_counter()
@@ -238,21 +236,19 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting ({threads} threads; "
             "the daemon's way), the run's first pool", f"{nbytes / GIB / secs:.1f} GiB/s",
             f"{secs:.2f} s, {huge:.0%} in huge pages; {note}")
-        if both_pool_modes:
+        # The same way again (the run's first pool finds memory the host has never backed:
+        # a VM's first touch, tests/gpu/pool_first_touch.py; this one does not), then the
+        # other way (SPARSEKV_PIN_POOL_AT_START=after).
+        for pipelined, key, label in ((True, "again", "registered while faulting, the second pool"),
+                                      (False, "after_fault", "fault then register (=after; the third pool)")):
+            if not both_pool_modes:
+                break
             region.close()
             pool.close()
-            # The same way again: the run's first pool finds memory the host has never
-            # backed (a VM's first touch; tests/gpu/pool_first_touch.py), this one does not.
-            pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
-            out["pool_ready_again_GiBps"] = round(nbytes / GIB / secs, 2)
-            row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting, the second pool",
-                f"{nbytes / GIB / secs:.1f} GiB/s", note)
-            region.close()
-            pool.close()
-            pool, region, secs, note = pool_ready(nbytes, threads, pipelined=False, max_chunk_bytes=chunk)
-            out["pool_ready_after_fault_GiBps"] = round(nbytes / GIB / secs, 2)
-            row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, fault then register "
-                "(SPARSEKV_PIN_POOL_AT_START=after; the third pool)", f"{nbytes / GIB / secs:.1f} GiB/s", note)
+            pool, region, secs, note = pool_ready(nbytes, threads, pipelined=pipelined, max_chunk_bytes=chunk)
+            out[f"pool_ready_{key}_GiBps"] = round(nbytes / GIB / secs, 2)
+            row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, {label}", f"{nbytes / GIB / secs:.1f} GiB/s",
+                note)
         stack.callback(pool.close)
         stack.callback(region.close)
         # First touch of each backing alone (8 GiB), after the pool: fault rates only.

@@ -301,11 +301,9 @@ class CudaResidency(Residency):
         defines = dict(resolve_defines(threads, self.lookup, **opts), **(timing_defines or {}))
         self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
         limit = _smem_limit(self._resolve)  # no option changes the static shared memory
-        if workspace != "global":
-            if hash_scale is None and self.lookup == "hash":
-                more = dict(opts, hash_scale=4)
-                if resolve_workspace_bytes(layout.top_k, s, self.lookup, **more) <= limit:
-                    opts = more
+        if workspace != "global" and hash_scale is None and self.lookup == "hash" and resolve_workspace_bytes(
+                layout.top_k, s, self.lookup, **dict(opts, hash_scale=4)) <= limit:
+            opts["hash_scale"] = 4
             defines = dict(resolve_defines(threads, self.lookup, **opts), **(timing_defines or {}))
             self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
         self.hash_scale, self.lru_smem, self.owner_smem = opts["hash_scale"], opts["lru_smem"], opts["owner_smem"]
