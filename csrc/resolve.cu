@@ -125,6 +125,19 @@ __device__ __forceinline__ u32 skv_hash_slot(int g, int bits) {
     return ((u32)g * 2654435769u) >> (32 - bits);
 }
 
+// The first pass over the old lru, one entry (slot sl): whether it is a hit of this step;
+// it is marked seen, and *bad set for an entry outside [0, S) (not a hit: evictable) or one
+// seen before (corrupt state either way).
+__device__ __forceinline__ bool skv_lru_entry_hit(const SkvWs& w, int sl, int S, int* bad) {
+    if (sl < 0 || sl >= S) {
+        *bad = 1;
+        return false;
+    }
+    const u32 bit = 1u << (sl & 31);
+    if (atomicOr(&w.smask[sl >> 5], bit) & bit) *bad = 1;
+    return (w.hmask[sl >> 5] & bit) != 0u;
+}
+
 // Where old lru entry i (slot sl) goes in the new lru = evictables[n_take:] +
 // evictables[:n_take] + hits, stable; `e` evictables come before it. The first n_take
 // evictables also go to evict[] (the misses take them in column order).
@@ -467,18 +480,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             int ev = 0, bad = 0;
             for (int j = 0; j < seg; j += 32) {
                 const int i = i0 + j + lane;
-                bool evictable = false;
-                if (i < S) {
-                    const int sl = w.lcopy[i];
-                    if (sl >= 0 && sl < S) {
-                        const u32 bit = 1u << (sl & 31);
-                        evictable = !(w.hmask[sl >> 5] & bit);
-                        if (atomicOr(&w.smask[sl >> 5], bit) & bit) bad = 1;
-                    } else {
-                        evictable = true;  // not a hit (and the state is corrupt)
-                        bad = 1;
-                    }
-                }
+                const bool evictable = i < S && !skv_lru_entry_hit(w, w.lcopy[i], S, &bad);
                 ev += __popc(__ballot_sync(0xffffffffu, evictable));
             }
             int e = skv_add_warps<SKV_RT>(0, ev, sh_warp, &n_evict);
@@ -513,17 +515,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             const int i0 = tid * per < S ? tid * per : S;
             const int i1 = i0 + per < S ? i0 + per : S;
             int ev = 0, bad = 0;
-            for (int i = i0; i < i1; ++i) {
-                const int sl = w.lcopy[i];
-                if (sl >= 0 && sl < S) {
-                    const u32 bit = 1u << (sl & 31);
-                    ev += (w.hmask[sl >> 5] & bit) ? 0 : 1;
-                    if (atomicOr(&w.smask[sl >> 5], bit) & bit) bad = 1;
-                } else {
-                    ++ev;  // not a hit: evictable (and the state is corrupt)
-                    bad = 1;
-                }
-            }
+            for (int i = i0; i < i1; ++i) ev += skv_lru_entry_hit(w, w.lcopy[i], S, &bad) ? 0 : 1;
             int e = skv_block_scan_count<SKV_RT>(ev, skv_bits_for(per), sh_warp, &n_evict);
             corrupt = __syncthreads_or(bad);
             n_take = n_miss < n_evict ? n_miss : n_evict;
@@ -542,16 +534,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // keeps the new lru a permutation of positions [0, S) even when it is not. An entry
         // outside [0, S) or a repeated one marks the state corrupt.
         int hl = 0, bad = 0;
-        for (int i = tid; i < S; i += SKV_RT) {
-            const int sl = w.lcopy[i];
-            if (sl >= 0 && sl < S) {
-                const u32 bit = 1u << (sl & 31);
-                hl += (w.hmask[sl >> 5] & bit) ? 1 : 0;
-                if (atomicOr(&w.smask[sl >> 5], bit) & bit) bad = 1;
-            } else {
-                bad = 1;
-            }
-        }
+        for (int i = tid; i < S; i += SKV_RT) hl += skv_lru_entry_hit(w, w.lcopy[i], S, &bad) ? 1 : 0;
         const int n_hit_lru = skv_block_sum(hl, &sh_cell);
         int corrupt = __syncthreads_or(bad);
         const int n_evict = S - n_hit_lru;
