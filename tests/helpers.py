@@ -70,11 +70,13 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
     from sparsekv.client import DaemonUnavailable
 
     lost_at = None
+    attaches = 0  # this process's attaches so far (an error event says which one failed)
     while True:
         client = None
         try:
             client = open_client()
             att = start(client)
+            attaches += 1
             from sparsekv.proto import cuda_ipc  # noqa: PLC0415 - imports no CuPy
 
             # an IPC open of this attach that needed retries (cudaErrorInvalidResourceHandle)
@@ -95,6 +97,17 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
             attach_mod = sys.modules.get("sparsekv.client.cuda_attach")  # loaded by a cuda rank only
             if attach_mod is not None:  # lost daemons' arenas this process still maps
                 extra["arenas_left_mapped"] = len(attach_mod._left_mapped)
+            # which daemon answered (alive now?), after how many good attaches and which loss
+            dpid = (getattr(client, "info", None) or {}).get("daemon_pid")
+            if dpid:
+                try:
+                    os.kill(dpid, 0)
+                    extra["daemon_alive"] = True
+                except ProcessLookupError:
+                    extra["daemon_alive"] = False
+                except PermissionError:
+                    extra["daemon_alive"] = True
+            extra.update(daemon_pid=dpid, attaches_before=attaches, lost_at=lost_at)
             ev("error", type=type(e).__name__, msg=str(e)[:300], where=where[-8:], **extra)
             time.sleep(0.2)
         finally:

@@ -9,7 +9,9 @@ after such a kill (docs/PERF.md, session 8). Prints one line per case:
 - fresh:  an allocation nobody opened yet (after all the kills above);
 - reopen: one process opens, closes and opens the same handle again;
 - exporter: the exporter is killed while a holder maps its memory; a new exporter's fresh
-  handle is opened by that holder (the daemon-restart case).
+  handle is opened by that holder (the daemon-restart case);
+- dead exporter: a handle whose exporter was SIGKILLed, opened by a new process, while a
+  holder still maps it and once nobody does (a client handed a lost daemon's handle).
 Usage: python3 tests/gpu/probe_ipc_after_kill.py"""
 
 import os
@@ -131,6 +133,18 @@ def main():
     print(f"  exporter killed, holder kept its mapping: {out.strip()}", flush=True)
     exporter2.kill()
     exporter2.wait()
+
+    exporter = child("export", [])
+    dh = bytes.fromhex(exporter.stdout.readline().strip())
+    holder = child("hold", [dh])
+    holder.stdout.readline()
+    os.kill(exporter.pid, signal.SIGKILL)
+    exporter.wait()
+    print("dead exporter: its handle, a holder still maps the memory", flush=True)
+    run("open", [dh], "dead exporter, held")
+    holder.kill()
+    holder.wait()
+    run("open", [dh], "dead exporter, nobody holds")
 
 
 if __name__ == "__main__":

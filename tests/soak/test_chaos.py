@@ -91,6 +91,7 @@ class Chaos:
         self.workers: dict[int, subprocess.Popen] = {}  # engine index -> process
         self.events: dict[int, str] = {}  # pid -> events file
         self.seed = 0
+        self.timeline: list[tuple[float, str]] = []  # (wall time, what): spawns and kills, for a report
         self.pair_state = os.path.join(tmp, "pair.state")  # chaos_pair.py's shared generations
         with open(self.pair_state, "wb") as f:
             f.write(bytes(8 * (2 * 256 + 1)))
@@ -107,6 +108,7 @@ class Chaos:
             cmd = [os.path.join(HERE, "chaos_pair.py"), "reader" if i == READER else "writer", self.d.run_dir,
                    self.pair_state, str(self.seed), path, device]
         p = subprocess.Popen([helpers.PY, *cmd])
+        self.timeline.append((time.time(), f"spawn worker {i} pid {p.pid}"))
         self.workers[i] = p
         self.events[p.pid] = path
 
@@ -215,11 +217,13 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path, ba
                     # to whichever daemon it finds and has nothing to lose.
                     live = list(ch.attached_since(last_ready, [p.pid for p in ch.workers.values()]))
                     t_kill = time.time()
+                    ch.timeline.append((t_kill, f"SIGKILL daemon pid {d.proc.pid}"))
                     os.kill(d.proc.pid, signal.SIGKILL)
                     d.proc.wait()
                     daemon_kills += 1
                     time.sleep(0.5)  # the socket left behind: clients get "connection refused"
-                    _, t_ready = ch.restart_daemon()
+                    new, t_ready = ch.restart_daemon()
+                    ch.timeline.append((t_ready, f"daemon pid {new.pid} serves"))
                     last_ready = t_ready
                     waiting = list(live)  # the clients that have not reported the loss yet
 
@@ -251,6 +255,7 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path, ba
                     # Only a client the daemon knows (attached after the last restart).
                     if victim.pid in session_pids(run_dir):
                         t0 = time.monotonic()
+                        ch.timeline.append((time.time(), f"SIGKILL worker {i} pid {victim.pid}"))
                         victim.kill()
                         victim.wait()
                         helpers.wait_for(lambda: victim.pid not in session_pids(run_dir), 5, interval_s=0.005,
@@ -334,6 +339,14 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path, ba
         print("DAEMON_WARNINGS\n" + "\n".join(said[-60:]))
         for e in (errors + bad_events)[:10]:  # whole (pytest shortens the assertion's repr)
             print("CLIENT_EVENT " + json.dumps(e))
+        # when each failing worker did what, among the test's spawns and kills
+        lines = list(ch.timeline)
+        for pid in {e["pid"] for e in errors + bad_events}:
+            lines += [(e["t"], f"pid {pid} {e['ev']} " + json.dumps({k: v for k, v in e.items() if k not in
+                                                                     ("t", "pid", "ev", "where", "msg")}))
+                      for e in read_events(ch.events[pid])]
+        t0 = min((t for t, _ in lines), default=0.0)
+        print("CHAOS_TIMELINE\n" + "\n".join(f"{t - t0:8.3f} {what}" for t, what in sorted(lines)))
 
     assert bad == 0, [json.dumps(e) for e in bad_events[:5]]
     assert not errors, [json.dumps(e) for e in errors[:5]]  # whole: type and message
