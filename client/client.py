@@ -93,17 +93,13 @@ class Pending:
 
 
 def device_mapping_failed(e: Exception, handles: dict) -> DeviceMappingFailed:
-    """The typed error of an attach whose device memory could not be mapped here; keeps
-    what the IPC open tried (``open_tries``, ``open_s``) for whoever reports it."""
-    tried = f" ({e.open_tries} tries over {e.open_s} s)" if hasattr(e, "open_tries") else ""
-    err = DeviceMappingFailed(
-        f"attached, but cannot map sparsekvd's memory on GPU {handles.get('bus_id')}: {e}{tried}; the rank was "
-        "given back, attach again (under MPS this was seen for a while after a process that had the daemon's "
-        "memory open was killed)", getattr(e, "status", None))
-    for a in ("open_tries", "open_s"):
-        if hasattr(e, a):
-            setattr(err, a, getattr(e, a))
-    return err
+    """The typed error of an attach whose device memory could not be mapped here while
+    the daemon lives (when it has gone, the attach raises DaemonUnavailable instead)."""
+    return DeviceMappingFailed(
+        f"attached, but cannot map sparsekvd's memory on GPU {handles.get('bus_id')}: {e}; the rank was given "
+        "back. Check that this process sees that GPU (CUDA_VISIBLE_DEVICES) and, under MPS, uses the daemon's "
+        "MPS server (CUDA_MPS_PIPE_DIRECTORY)", getattr(e, "status", None))
+
 
 class Client:
     """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
@@ -274,8 +270,7 @@ class Client:
                     self._detach_quietly()
                     raise
                 except Exception as e:  # a CUDA call of this process: give the rank back, say what failed
-                    self._detach_quietly()
-                    raise device_mapping_failed(e, h) from e
+                    self._mapping_failed(e, h)
                 return self.attachment
             mm = None
             if h.get("fd") is not None or not h.get("engine_slab"):
@@ -338,6 +333,19 @@ class Client:
         except OSError as e:
             raise DaemonUnavailable(f"cannot get the rank's memory from {path}: "
                                     f"{e.strerror or type(e).__name__}") from None
+
+    def _mapping_failed(self, e: Exception, handles: dict):
+        """The daemon's device memory could not be mapped: DaemonUnavailable if the daemon
+        went meanwhile (the handle of an exited exporter never opens again: a daemon
+        killed between its ATTACH reply and this process's IPC open), else give the rank
+        back and raise DeviceMappingFailed."""
+        why = self._check_daemon()
+        if why is not None:
+            self._lost(f"{why} (the attach could not map its device memory: {e})")
+        self._detach_quietly()  # a round trip: one that finds the daemon gone says so (_gone)
+        if self._gone is not None:
+            raise DaemonUnavailable(f"{self._gone} (the attach could not map its device memory: {e})") from e
+        raise device_mapping_failed(e, handles) from e
 
     def _detach_quietly(self) -> None:
         try:

@@ -58,9 +58,8 @@ _left_mapped: list = []
 
 def sweep_left_mapped() -> int:
     """Unmap each left-mapped arena whose marked work has ended; return how many stay. A
-    new attach sweeps first: under MPS an IPC open of a new daemon's arena was seen to
-    fail (cudaErrorInvalidResourceHandle) for a long while in a process that had an
-    earlier one open (docs/PERF.md, session 8)."""
+    new attach sweeps first, so that a process that outlives many daemons does not keep
+    their device memory mapped."""
     keep = []
     for arena, mark in _left_mapped:
         if mark.query():

@@ -59,7 +59,7 @@ class InprocSwapIn(DeviceSwapIn):
                               buffers=DeviceBuffers(None, b.slab, b.staging, b.offsets["staging"]),
                               blocks=gather_blocks)
             self.dstep = DeviceStep(residency, mover, b, kernels)
-        G, B, K = lay.num_groups, lay.max_batch, lay.top_k
+        G = lay.num_groups
         self._err_host = np.zeros(b.err.shape[0], np.int32)
         self._bind(lay, device, torch.from_dlpack(b.slab), b.db_step.block.data.ptr,
                    [blk.block.data.ptr for blk in b.db_topk], [b.db_slots[g].data.ptr for g in range(G)],

@@ -13,8 +13,6 @@ ATTACH reply and request as bytes.
 
 from __future__ import annotations
 
-import os
-
 
 class EventRing:
     """``n`` interprocess events on one device (``cudaEventInterprocess`` needs
@@ -100,59 +98,26 @@ def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
             "bus_id": cp.cuda.runtime.deviceGetPCIBusId(device).lower()}
 
 
-# cudaIpcOpenMemHandle of a handle the exporter has just handed over may fail for a while
-# with cudaErrorInvalidResourceHandle: seen on the H200 under MPS (2026-12-02, the chaos
-# soak) in a process started right after another one that had the same memory open was
-# SIGKILLed. Session 8 retried for 10 s: no failing open ever succeeded later (0 of 3),
-# so the retry is short; the cause is not known yet (tests/gpu/probe_ipc_after_kill.py
-# asks whether it is the handle a killed process had open). Open retries for up to this
-# long (seconds, $SPARSEKV_IPC_OPEN_RETRY_S) before the error stands.
-OPEN_RETRY_S = float(os.environ.get("SPARSEKV_IPC_OPEN_RETRY_S", "2"))
-_INVALID_RESOURCE_HANDLE = 400  # cudaErrorInvalidResourceHandle
-# The last open that needed more than one try, {"tries", "s"} (or None): the soak reports it.
-last_retried_open: dict | None = None
-
-
-def open_mem_handle(handle: bytes, retry_s: float = OPEN_RETRY_S, sleep=None) -> int:
-    """``cudaIpcOpenMemHandle`` (lazy peer access) on the current device; retried on
-    cudaErrorInvalidResourceHandle (see ``OPEN_RETRY_S``) with growing naps; any other
-    error, or that one past ``retry_s``, is raised."""
-    import time  # noqa: PLC0415
-
+def open_mem_handle(handle: bytes) -> int:
+    """``cudaIpcOpenMemHandle`` (lazy peer access) on the current device. A handle whose
+    exporter has exited cannot be opened, for good, even while other processes still map
+    its memory: cudaErrorInvalidResourceHandle (tests/gpu/probe_ipc_after_kill.py on the
+    H200 under MPS, docs/PERF.md session 9). So a retry never helps; the caller asks
+    whether the exporter is still there."""
     cp = _cp()
-    sleep = sleep or time.sleep
-    t0 = time.monotonic()
-    deadline = t0 + retry_s
-    nap = 0.005
-    tries = 0
-    while True:
-        tries += 1
-        try:
-            ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
-            if tries > 1:
-                global last_retried_open
-                last_retried_open = {"tries": tries, "s": round(time.monotonic() - t0, 3)}
-            return ptr
-        except cp.cuda.runtime.CUDARuntimeError as e:
-            if getattr(e, "status", None) != _INVALID_RESOURCE_HANDLE or time.monotonic() >= deadline:
-                e.open_tries, e.open_s = tries, round(time.monotonic() - t0, 3)  # for the error's reader
-                raise
-        sleep(nap)
-        nap = min(nap * 2, 0.1)
+    return cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
 
 
 class ImportedBuffer:
     """Device memory another process exported (:func:`export_buffer`), opened on
     ``device``: ``ptr`` is its first byte. Checks that ``nbytes`` from there lie inside
-    the exporter's allocation. Imported memory stays valid after its exporter exits.
-    ``retry_s``: how long :func:`open_mem_handle` retries (0, the default: the daemon
-    opens engine slabs on its event loop, which must never sleep for a client)."""
+    the exporter's allocation. Imported memory stays valid after its exporter exits."""
 
-    def __init__(self, handle: bytes, offset: int, nbytes: int, device: int, retry_s: float = 0.0):
+    def __init__(self, handle: bytes, offset: int, nbytes: int, device: int):
         cp = _cp()
         self.device = device
         with cp.cuda.Device(device):
-            self._base = open_mem_handle(handle, retry_s=retry_s)
+            self._base = open_mem_handle(handle)
             try:
                 base, size = allocation_range(self._base)
                 if offset < 0 or offset + nbytes > base + size - self._base:

@@ -77,11 +77,7 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
             client = open_client()
             att = start(client)
             attaches += 1
-            from sparsekv.proto import cuda_ipc  # noqa: PLC0415 - imports no CuPy
-
-            # an IPC open of this attach that needed retries (cudaErrorInvalidResourceHandle)
-            retried, cuda_ipc.last_retried_open = cuda_ipc.last_retried_open, None
-            ev("attached", after_loss=lost_at, **({"ipc_open_retried": retried} if retried else {}))
+            ev("attached", after_loss=lost_at)
             lost_at = None
             work(client, att)
         except DaemonUnavailable as e:
@@ -92,8 +88,7 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
             import traceback
 
             where = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
-            # status: a CUDA error's code; open_tries/open_s: how long an IPC open retried.
-            extra = {a: getattr(e, a) for a in ("status", "open_tries", "open_s") if hasattr(e, a)}
+            extra = {"status": e.status} if hasattr(e, "status") else {}  # a CUDA error's code
             attach_mod = sys.modules.get("sparsekv.client.cuda_attach")  # loaded by a cuda rank only
             if attach_mod is not None:  # lost daemons' arenas this process still maps
                 extra["arenas_left_mapped"] = len(attach_mod._left_mapped)

@@ -121,31 +121,64 @@ def test_a_gone_daemons_arena_is_unmapped_only_once_the_stream_is_done(finishes,
     assert arena.closed == 1  # once, either way
 
 
-def test_an_attach_whose_device_memory_cannot_be_mapped_gives_the_rank_back_with_a_typed_error(monkeypatch):
-    """The daemon granted the rank, the IPC open here failed (a CUDA error, as the cuda
-    chaos soak sees after a client kill): the rank is detached again, and the caller gets
-    DeviceMappingFailed naming the GPU, the CUDA error and what the open tried."""
+def _refused_attach(monkeypatch, daemon_gone_at: str | None):
+    """A Client whose ATTACH is granted but whose IPC open fails with
+    cudaErrorInvalidResourceHandle; the daemon is gone from the start (``daemon_gone_at
+    == "check"``), found gone by the DETACH (``"detach"``), or alive (None). Returns the
+    client, what it sent, and the attach's exception."""
     from sparsekv.client import client as client_mod
-    from sparsekv.client.errors import DeviceMappingFailed
+    from sparsekv.client.errors import SparseKVError
     from sparsekv.proto import Layout
 
     class CudaError(RuntimeError):
-        status, open_tries, open_s = 400, 23, 2.0
+        status = 400
 
     def refuse(*a, **kw):
         raise CudaError("cudaErrorInvalidResourceHandle: invalid resource handle")
 
     monkeypatch.setattr(cuda_attach, "CudaAttachment", refuse)
     c = client_mod.Client("/nonexistent", device="cuda:0")
-    said = []
-    monkeypatch.setattr(c, "_call", lambda t, fields=None: ({"handles": {"kind": "cuda_ipc", "bus_id": "0000:00:06.0"}},
-                                                            None))
+    c._sock = SimpleNamespace(close=lambda linger=0: None)
+    sent = []
+
+    def call(t, fields=None):
+        sent.append(t.name)
+        if t.name == "DETACH" and daemon_gone_at == "detach":
+            c._lost("sparsekvd is gone (pid 4242 exited)")
+        return {"handles": {"kind": "cuda_ipc", "bus_id": "0000:00:06.0"}}, None
+
+    monkeypatch.setattr(c, "_call", call)
     monkeypatch.setattr(c, "_fetch_fds", lambda h: {})
-    monkeypatch.setattr(c, "_detach_quietly", lambda: said.append("DETACH"))
+    monkeypatch.setattr(c, "_check_daemon",
+                        lambda: "sparsekvd is gone (pid 4242 exited)" if daemon_gone_at == "check" else None)
     lay = Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
-    with pytest.raises(DeviceMappingFailed) as ei:
+    with pytest.raises(SparseKVError) as ei:
         c.attach(lay, engine="e")
-    assert said == ["DETACH"] and c.attachment is None
-    msg = str(ei.value)
-    assert "0000:00:06.0" in msg and "cudaErrorInvalidResourceHandle" in msg and "23 tries over 2.0 s" in msg
-    assert ei.value.status == 400 and ei.value.open_tries == 23
+    return c, sent, ei.value
+
+
+def test_an_attach_whose_device_memory_cannot_be_mapped_gives_the_rank_back_with_a_typed_error(monkeypatch):
+    """The daemon granted the rank and lives, the IPC open here failed (a CUDA error): the
+    rank is detached again, and the caller gets DeviceMappingFailed naming the GPU and
+    the CUDA error."""
+    from sparsekv.client.errors import DeviceMappingFailed
+
+    c, sent, e = _refused_attach(monkeypatch, None)
+    assert type(e) is DeviceMappingFailed
+    assert sent == ["ATTACH", "DETACH"] and c.attachment is None
+    assert "0000:00:06.0" in str(e) and "cudaErrorInvalidResourceHandle" in str(e)
+    assert e.status == 400
+
+
+@pytest.mark.parametrize("gone_at", ["check", "detach"])
+def test_an_attach_whose_daemon_died_before_the_ipc_open_says_daemon_unavailable(monkeypatch, gone_at):
+    """The daemon was killed between its ATTACH reply and this process's IPC open: the
+    handle of an exited exporter never opens (the cuda chaos soak, docs/PERF.md session
+    9). That is a lost daemon, not a mapping problem: DaemonUnavailable, whether the
+    daemon's process is seen gone at once or only the DETACH finds it; no DETACH is sent
+    to a daemon known gone."""
+    c, sent, e = _refused_attach(monkeypatch, gone_at)
+    assert type(e) is DaemonUnavailable
+    assert "pid 4242 exited" in str(e) and "could not map its device memory" in str(e)
+    assert sent == (["ATTACH"] if gone_at == "check" else ["ATTACH", "DETACH"])
+    assert c._sock is None and c._gone is not None  # every later request says so too
