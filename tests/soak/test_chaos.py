@@ -1,6 +1,7 @@
 """Chaos soak (marked ``soak``: ``make soak`` runs it, ``make test`` does not), on the cpu
 backend, and on the cuda backend (clients on ``cuda:0``, slabs in GPU memory; marked
-``cuda``: skipped without a GPU), for ``SPARSEKV_SOAK_S`` seconds (default 60).
+``cuda``: skipped without a GPU), for ``SPARSEKV_SOAK_S`` seconds (default 60); with
+``SPARSEKV_SOAK_SUMMARY_DIR`` set, its figures also go to ``chaos-<backend>.json`` there.
 
 One private daemon (``--reap-interval-s 0.2``) serves, all at once:
 
@@ -329,6 +330,9 @@ def test_chaos_soak_kills_restarts_and_fuzz_leave_every_row_correct(tmp_path, ba
     })
     summary["rss_growth_mib"] = round(summary["rss_end_mib"] - summary["rss_start_mib"], 1)
     print("CHAOS_SUMMARY " + json.dumps(summary))
+    if os.environ.get("SPARSEKV_SOAK_SUMMARY_DIR"):  # the figures of a passing run too (pytest hides prints)
+        with open(os.path.join(os.environ["SPARSEKV_SOAK_SUMMARY_DIR"], f"chaos-{backend}.json"), "w") as f:
+            json.dump(summary, f)
     if errors or bad_events:  # what the daemons said, for the report
         with contextlib.suppress(OSError), open(os.path.join(tmp, "sparsekvd.log"), errors="replace") as f:
             said = [line.rstrip() for line in f if " WARNING " in line or " ERROR " in line or "refused" in line]
