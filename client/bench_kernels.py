@@ -499,7 +499,9 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
         "the host's floor when it is above the kernel")
     # Where the time goes: the kernel stopped after each phase (csrc/resolve.cu,
     # SKV_RESOLVE_STOP; the state then never changes, the results are wrong), other
-    # thread counts, the other lookup.
+    # thread counts, the other lookup. Each variant starts from the default's steady
+    # state (owners and lru after the cycle), so that a stopped kernel sees the cycle's
+    # hits too (a fresh state would make every column a miss).
     other = "sort" if res.lookup == "hash" else "hash"
     variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
     variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512, 768)]  # 768: 80 registers, not 64
@@ -513,7 +515,13 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                  (f"owners read {'from global memory' if res.owner_smem else 'into the workspace'}",
                   {"owner_smem": not res.owner_smem}),
                  ("session 7's workspace (table x2, rows in global memory)",
-                  {"hash_scale": 2, "lru_smem": False, "owner_smem": False})]
+                  {"hash_scale": 2, "lru_smem": False, "owner_smem": False}),
+                 ("workspace decided per launch (generic accesses: session 8's build)",
+                  {"timing_defines": {"SKV_WS_SMEM": 0}}),
+                 ("the first row's columns loaded in phase 1 (no prefetch)", {"timing_defines": {"SKV_PREFETCH": 0}}),
+                 ("block sums by one shared atomic cell", {"timing_defines": {"SKV_SUM_ATOMIC": 1}}),
+                 ("session 8's build (generic accesses, no prefetch, atomic block sums)",
+                  {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_PREFETCH": 0, "SKV_SUM_ATOMIC": 1}})]
     if res.lookup == "hash":
         variants += [("a miss's id from its key", {"timing_defines": {"SKV_ID_FROM_KEY": 1}})]
         o = 2 if res.hash_scale == 4 else 4
@@ -524,7 +532,11 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                  for p in (1, 2, 4, 7)]
     for label, kw in variants if resolve_variants else []:
         try:
-            tv = graph_time(CudaResidency(rlay, kernels=kc, stream=s, **kw))
+            rv = CudaResidency(rlay, kernels=kc, stream=s, **kw)
+            with s:
+                rv.owner[...] = res.owner
+                rv.lru[...] = res.lru
+            tv = graph_time(rv)
         except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
             row(f"resolve variant {label}", "FAILED", f"{type(e).__name__}: {e}")
             continue

@@ -103,16 +103,33 @@ __device__ __forceinline__ int skv_bits_for(int n) {
 }
 
 // Sum of one value per thread across the block (int, or u32 modulo 2^32 for packed
-// counts). `cell` is one __shared__ T.
-template <class T>
-__device__ __forceinline__ T skv_block_sum(T v, T* cell) {
-    if (threadIdx.x == 0) *cell = 0;
+// counts): one warp reduction each (REDUX), the warps' sums through `parts` (__shared__
+// T[NT / 32]), two barriers. (Session 8's version added every thread's value into one
+// shared cell: 32-way conflicting atomics in every warp, and three barriers.)
+// SKV_SUM_ATOMIC 1 (timing only: `sparsekv bench kernels`): session 8's version.
+#ifndef SKV_SUM_ATOMIC
+#define SKV_SUM_ATOMIC 0
+#endif
+template <int NT, class T>
+__device__ __forceinline__ T skv_block_sum(T v, T* parts) {
+#if SKV_SUM_ATOMIC
+    if (threadIdx.x == 0) *parts = 0;
     __syncthreads();
-    if (v) atomicAdd(cell, v);
+    if (v) atomicAdd(parts, v);
     __syncthreads();
-    const T r = *cell;
-    __syncthreads();  // the cell is reused by the next call
+    const T r = *parts;
+    __syncthreads();
     return r;
+#else
+    const T w = (T)__reduce_add_sync(0xffffffffu, (unsigned)v);
+    if ((threadIdx.x & 31) == 0) parts[threadIdx.x >> 5] = w;
+    __syncthreads();
+    T r = 0;
+#pragma unroll
+    for (int i = 0; i < NT / 32; ++i) r += parts[i];
+    __syncthreads();  // parts is reused by the next call
+    return r;
+#endif
 }
 
 // Exclusive prefix sum of one int per thread (any values), Hillis-Steele in shared memory.

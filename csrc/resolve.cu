@@ -47,6 +47,19 @@
 #ifndef SKV_ID_FROM_KEY
 #define SKV_ID_FROM_KEY 0
 #endif
+// Where the workspace is, known when the module is built: 1 dynamic shared memory (the
+// kernel's ws_global must be null), so every workspace access compiles to a shared-memory
+// instruction (LDS, STS, ATOMS); 0 decided per launch (ws_global null or not), which makes
+// them generic loads, stores and atomics (session 9's SASS: 129 LD.E, 0 ATOMS).
+#ifndef SKV_WS_SMEM
+#define SKV_WS_SMEM 0
+#endif
+// 1: the first batch row's keys and lru copy are written into the workspace while the
+// block checks whether it works (their global loads in the same round trip as the state
+// rows': one round trip less before phase 1); 0: in phase 1, as for every later row.
+#ifndef SKV_PREFETCH
+#define SKV_PREFETCH 1
+#endif
 // The hash lookup's plan orders up to this many misses by counting (each miss's rank is
 // the number of smaller keys: no barriers); more are sorted (bitonic).
 #define SKV_RANK_MAX 512
@@ -263,8 +276,6 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const i64 ws_stride)                // bytes of one block's global workspace
 {
     __shared__ int sh_warp[SKV_RT / 32];
-    __shared__ int sh_cell;
-    __shared__ u32 sh_cell_u;
     SKV_DYN_SMEM(skv_smem);
 
     __shared__ int sh_desc[SKV_DESC_INTS];
@@ -308,17 +319,43 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         }
         return;
     }
+#if SKV_WS_SMEM
+    unsigned char* base = skv_smem;
+#else
+    unsigned char* base = ws_global ? ws_global + (i64)b0 * ws_stride : skv_smem;
+#endif
+    const SkvWs w = skv_ws(base, kp, k, S);
+    int* owner = owner_g + (i64)s * S;
+    int* lru = lru_g + (i64)s * S;
+    const int mask_words = (S + 31) / 32;
+
+    // Phase 1a's keys and column states of column i < kp (id g when i < k); returns
+    // whether g is out of range (counted).
+    auto column = [&](int i, int g) -> int {
+        u64 key = SKV_NO_KEY;
+        int oor = 0;
+        if (i < k) {
+            const bool valid = g >= 0 && g < host_rows;
+            oor = (g < -1 || g >= host_rows) ? 1 : 0;
+            if (valid) key = ((u64)(u32)g << 32) | (u64)(u32)i;
+            w.colv[i] = valid ? SKV_PENDING : SKV_NONE;
+        }
+        w.keys[i] = key;
+        return oor;
+    };
+    // The first tile's state rows, and (SKV_PREFETCH) b0's keys and the lru copy (b0 is
+    // the first row this block resolves, if it works), loaded with the check below.
+    const int sr_first = b0 + tid < batch ? state_rows[b0 + tid] : -1;
+    int oor_first = 0;
+    if (SKV_PREFETCH) {
+        for (int i = tid; i < kp; i += SKV_RT) oor_first += column(i, i < k ? topk[(i64)b0 * k + i] : 0);
+        for (int i = tid; i < S; i += SKV_RT) w.lcopy[i] = lru[i];
+    }
     // Only the first batch row naming s works; it walks the later ones in order.
     int earlier = 0;
     for (int j = tid; j < b0; j += SKV_RT) earlier |= (state_rows[j] == s);
     if (__syncthreads_or(earlier)) return;
     const int max_tokens = S / top_k;
-
-    unsigned char* base = ws_global ? ws_global + (i64)b0 * ws_stride : skv_smem;
-    const SkvWs w = skv_ws(base, kp, k, S);
-    int* owner = owner_g + (i64)s * S;
-    int* lru = lru_g + (i64)s * S;
-    const int mask_words = (S + 31) / 32;
 
     u64 sum_hits = 0, sum_misses = 0, sum_oor = 0;
     int tokens = 0;
@@ -329,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     // 64 about 25 us (docs/PERF.md, resolve phases).
     for (int tile0 = b0; tile0 < batch; tile0 += SKV_RT) {
     const int bt = tile0 + tid;
-    const bool of_s = bt == b0 || (bt < batch && state_rows[bt] == s);
+    const bool of_s = bt == b0 || (bt < batch && (tile0 == b0 ? sr_first : state_rows[bt]) == s);
     int n_of_s;
     const int at = skv_block_scan_flag<SKV_RT>(of_s, sh_warp, &n_of_s);
     if (of_s) sh_list[at] = bt;
@@ -347,19 +384,12 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             continue;
         }
 
-        // 1a. keys, column states, cleared hit mask, copy of the lru row.
-        int oor = 0;
-        for (int i = tid; i < kp; i += SKV_RT) {
-            u64 key = SKV_NO_KEY;
-            if (i < k) {
-                const int g = ids[i];
-                const bool valid = g >= 0 && g < host_rows;
-                oor += (g < -1 || g >= host_rows) ? 1 : 0;
-                if (valid) key = ((u64)(u32)g << 32) | (u64)(u32)i;
-                w.colv[i] = valid ? SKV_PENDING : SKV_NONE;
-            }
-            w.keys[i] = key;
-        }
+        // 1a. keys, column states, cleared hit mask, copy of the lru row (the first
+        // row's keys and lru copy are there already with SKV_PREFETCH).
+        const bool in_hand = SKV_PREFETCH && tile0 == b0 && li == 0;  // b == b0
+        int oor = in_hand ? oor_first : 0;
+        if (!in_hand)
+            for (int i = tid; i < kp; i += SKV_RT) oor += column(i, i < k ? ids[i] : 0);
         for (int i = tid; i < mask_words; i += SKV_RT) {
             w.hmask[i] = 0u;
             w.smask[i] = 0u;
@@ -371,10 +401,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
 #endif
         for (int i = tid; i < S; i += SKV_RT) {
-            w.lcopy[i] = lru[i];
+            if (!in_hand) w.lcopy[i] = lru[i];
             if (SKV_OWNER_SMEM) w.ocopy[i] = owner[i];
         }
-        const int n_oor = skv_block_sum(oor, &sh_cell);  // also orders the writes above
+        const int n_oor = skv_block_sum<SKV_RT>(oor, sh_warp);  // also orders the writes above
         SKV_STOP_AFTER(1)
 
 #if SKV_RESOLVE_LOOKUP == 1
@@ -460,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             }
         }
         // One block sum for both (k <= 32768 columns: each count fits in 16 bits).
-        const u32 both = skv_block_sum<u32>(((u32)nh << 16) | (u32)nm, &sh_cell_u);
+        const u32 both = skv_block_sum<SKV_RT, u32>(((u32)nh << 16) | (u32)nm, (u32*)sh_warp);
         const int n_hit = (int)(both >> 16);
         const int n_miss = (int)(both & 0xffffu);
         SKV_STOP_AFTER(5)
@@ -535,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // outside [0, S) or a repeated one marks the state corrupt.
         int hl = 0, bad = 0;
         for (int i = tid; i < S; i += SKV_RT) hl += skv_lru_entry_hit(w, w.lcopy[i], S, &bad) ? 1 : 0;
-        const int n_hit_lru = skv_block_sum(hl, &sh_cell);
+        const int n_hit_lru = skv_block_sum<SKV_RT>(hl, sh_warp);
         int corrupt = __syncthreads_or(bad);
         const int n_evict = S - n_hit_lru;
         const int n_take = n_miss < n_evict ? n_miss : n_evict;

@@ -44,11 +44,14 @@ DEFAULT_HASH_SCALE = 2
 
 
 def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort", hash_scale: int = DEFAULT_HASH_SCALE,
-                    lru_smem: bool = False, owner_smem: bool = False) -> dict:
+                    lru_smem: bool = False, owner_smem: bool = False, ws_smem: bool = False) -> dict:
     """Constants of the residency module (csrc/resolve.cu): threads per block, how a row's
     columns are found from the region's owners (``sort`` or ``hash``), the hash
     table's size (``hash_scale`` entries per power-of-two column), and whether the new lru
-    row and the owner row live in the workspace (``lru_smem``, ``owner_smem``)."""
+    row and the owner row live in the workspace (``lru_smem``, ``owner_smem``);
+    ``ws_smem``: the workspace is in shared memory, known when the module is built (its
+    accesses then compile to shared-memory instructions; the launch passes no global
+    workspace)."""
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"resolve threads must be a multiple of 32 in [32, 1024], got {threads}")
     if lookup not in RESOLVE_LOOKUPS:
@@ -64,6 +67,8 @@ def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort", hash_s
         out["SKV_LRU_SMEM"] = 1
     if owner_smem:
         out["SKV_OWNER_SMEM"] = 1
+    if ws_smem:
+        out["SKV_WS_SMEM"] = 1
     return out
 
 
@@ -94,11 +99,20 @@ class KernelCache(build.KernelCache):
         Returns the function names loaded. ``row_bytes`` lists the row sizes of the
         layouts to serve (the copy kernel is specialised on ``row_bytes / 16``).
         """
+        from .residency.cuda import resolve_lookup  # noqa: PLC0415 - it imports this module
+
         names = []
+        lookup = resolve_lookup()
+        # The residency modules CudaResidency builds for that lookup: the workspace in
+        # shared memory with the x4 table (most layouts) or the x2 (wider regions), and
+        # in global memory (the widest).
+        variants = [{"hash_scale": 4, "ws_smem": True}, {"hash_scale": 2, "ws_smem": True}, {"hash_scale": 2}] \
+            if lookup == "hash" else [{"ws_smem": True}, {}]
         for threads in resolve_threads or (RESOLVE_THREADS,):
-            for fn in SOURCES["resolve.cu"]:
-                self.function("resolve.cu", fn, resolve_defines(threads))
-                names.append(fn)
+            for v in variants:
+                for fn in SOURCES["resolve.cu"]:
+                    self.function("resolve.cu", fn, resolve_defines(threads, lookup, **v))
+                    names.append(fn)
         for rb in row_bytes:
             for threads in copy_threads or (COPY_THREADS,):
                 for fn in SOURCES["copy.cu"]:

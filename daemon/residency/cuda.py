@@ -296,26 +296,33 @@ class CudaResidency(Residency):
         self.threads = int(threads)
         # The workspace's options: those given, else the smallest, then (with workspace
         # auto or shared) the x4 table if the workspace still fits in shared memory.
+        # Built for a shared-memory workspace unless it must be global (rebuilt if it
+        # turns out not to fit).
+        if workspace not in ("auto", "shared", "global"):
+            raise ValueError(f"workspace must be auto, shared or global, got {workspace!r}")
         opts = {"hash_scale": DEFAULT_HASH_SCALE if hash_scale is None else int(hash_scale),
                 "lru_smem": bool(lru_smem), "owner_smem": bool(owner_smem)}
-        defines = dict(resolve_defines(threads, self.lookup, **opts), **(timing_defines or {}))
-        self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
+
+        def build(**o):
+            d = dict(resolve_defines(threads, self.lookup, **o), **(timing_defines or {}))
+            return d, kernels.function("resolve.cu", "skv_resolve", d)
+
+        ws_smem = workspace != "global"
+        defines, self._resolve = build(**opts, ws_smem=ws_smem)
         limit = _smem_limit(self._resolve)  # no option changes the static shared memory
         if workspace != "global" and hash_scale is None and self.lookup == "hash" and resolve_workspace_bytes(
                 layout.top_k, s, self.lookup, **dict(opts, hash_scale=4)) <= limit:
             opts["hash_scale"] = 4
-            defines = dict(resolve_defines(threads, self.lookup, **opts), **(timing_defines or {}))
-            self._resolve = kernels.function("resolve.cu", "skv_resolve", defines)
+            defines, self._resolve = build(**opts, ws_smem=ws_smem)
         self.hash_scale, self.lru_smem, self.owner_smem = opts["hash_scale"], opts["lru_smem"], opts["owner_smem"]
-        self._reset = kernels.function("resolve.cu", "skv_reset", defines)
-        self._invalidate = kernels.function("resolve.cu", "skv_invalidate", defines)
-
         self.workspace_bytes = resolve_workspace_bytes(layout.top_k, s, self.lookup, **opts)
-        if workspace not in ("auto", "shared", "global"):
-            raise ValueError(f"workspace must be auto, shared or global, got {workspace!r}")
         if workspace == "shared" and self.workspace_bytes > limit:
             raise ValueError(f"resolve workspace {self.workspace_bytes} B exceeds shared memory {limit} B")
         self.workspace_global = workspace == "global" or (workspace == "auto" and self.workspace_bytes > limit)
+        if self.workspace_global and ws_smem:
+            defines, self._resolve = build(**opts)
+        self._reset = kernels.function("resolve.cu", "skv_reset", defines)
+        self._invalidate = kernels.function("resolve.cu", "skv_invalidate", defines)
         self.resolve_smem = 0 if self.workspace_global else self.workspace_bytes
         # Raised, never lowered, on the function every engine on this GPU shares.
         self._resolve = kernels.function("resolve.cu", "skv_resolve", defines, smem_bytes=self.resolve_smem)

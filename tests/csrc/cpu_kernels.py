@@ -102,19 +102,20 @@ class Resolve:
         # the workspace's options (CudaResidency picks them), in the defines and its size
         self.opts = {"hash_scale": int(hash_scale), "lru_smem": bool(lru_smem), "owner_smem": bool(owner_smem)}
         self.defines = dict(defines or {})  # more of csrc/resolve.cu's switches (SKV_RESOLVE_CHUNKED)
+        self.workspace = workspace  # shared: built with SKV_WS_SMEM, as CudaResidency does
         self.lib = self._lib("skv_resolve", _RESOLVE_PARAMS, _RESOLVE_ARGS)
         g, r, s = lay.num_groups, lay.max_reqs, lay.region_stride
         self.owner = np.full((g, r, s), -1, np.int32)
         self.lru = np.empty((g, r, s), np.int32)
         self.lru[...] = np.arange(s, dtype=np.int32)
         self.ws_bytes = resolve_workspace_bytes(lay.top_k, s, lookup, **self.opts)
-        self.workspace = workspace
         self.err = np.zeros(32, np.int32)
 
     # -- the other residency kernels (skv_reset, skv_invalidate), as CudaResidency calls them
     def _lib(self, entry: str, params: str, args: str):
         return build("resolve.cu", entry, params, args,
-                     dict(resolve_defines(self.threads, self.lookup, **self.opts), **self.defines))
+                     dict(resolve_defines(self.threads, self.lookup, **self.opts, ws_smem=self.workspace == "shared"),
+                          **self.defines))
 
     def reset(self, state_rows) -> None:
         rows = np.asarray(state_rows, dtype=np.int32)

@@ -43,13 +43,17 @@ void emu_launch(int grid, int block, int smem, std::function<void()> body) {
             for (int w = 0; w * 32 < block; ++w) {
                 int lo = w * 32, hi = lo + 32 < block ? lo + 32 : block;
                 bool all = true, any = false;
-                unsigned mask = 0;
+                unsigned mask = 0, sum = 0;
                 for (int t = lo; t < hi; ++t) {
-                    if (emu_f[t].state == WAIT_WARP) { any = true; if (emu_f[t].pred) mask |= 1u << (t - lo); }
+                    if (emu_f[t].state == WAIT_WARP) {
+                        any = true;
+                        if (emu_f[t].pred) mask |= 1u << (t - lo);
+                        sum += emu_f[t].val;
+                    }
                     else if (emu_f[t].state != DONE) all = false;
                 }
                 if (any && all) {
-                    for (int t = lo; t < hi; ++t) if (emu_f[t].state == WAIT_WARP) { emu_f[t].mask = mask; emu_f[t].state = RUN; }
+                    for (int t = lo; t < hi; ++t) if (emu_f[t].state == WAIT_WARP) { emu_f[t].mask = mask; emu_f[t].sum = sum; emu_f[t].val = 0; emu_f[t].state = RUN; }
                     released = true;
                 }
             }

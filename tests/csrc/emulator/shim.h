@@ -10,7 +10,7 @@
 #include <cstdio>
 
 struct EmuDim { unsigned x, y, z; };
-struct EmuFiber { ucontext_t ctx; int state; int pred; unsigned mask; char* stack; };
+struct EmuFiber { ucontext_t ctx; int state; int pred; unsigned mask; unsigned val, sum; char* stack; };
 enum { RUN = 0, WAIT_BLOCK = 1, WAIT_WARP = 2, DONE = 3 };
 extern EmuDim emu_tid3, emu_bid3, emu_bdim3, emu_gdim3;
 extern std::vector<EmuFiber> emu_f;
@@ -35,6 +35,9 @@ inline void __syncthreads() { emu_f[emu_cur].pred = 0; emu_yield(WAIT_BLOCK); }
 inline int __syncthreads_or(int p) { emu_f[emu_cur].pred = p ? 1 : 0; emu_yield(WAIT_BLOCK); return emu_f[emu_cur].pred; }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_f[emu_cur].pred = 0; emu_yield(WAIT_WARP); }
 inline unsigned __ballot_sync(unsigned, int p) { emu_f[emu_cur].pred = p ? 1 : 0; emu_yield(WAIT_WARP); return emu_f[emu_cur].mask; }
+// val: this lane's addend; the warp's release sums the waiting lanes' (modulo 2^32)
+inline unsigned __reduce_add_sync(unsigned, unsigned v) { emu_f[emu_cur].pred = 0; emu_f[emu_cur].val = v; emu_yield(WAIT_WARP); return emu_f[emu_cur].sum; }
+inline int __reduce_add_sync(unsigned m, int v) { return (int)__reduce_add_sync(m, (unsigned)v); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline void __threadfence() {}
 inline void __threadfence_system() {}
