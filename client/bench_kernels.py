@@ -520,6 +520,7 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                   {"timing_defines": {"SKV_WS_SMEM": 0}}),
                  ("the first row's columns loaded in phase 1 (no prefetch)", {"timing_defines": {"SKV_PREFETCH": 0}}),
                  ("block sums by one shared atomic cell", {"timing_defines": {"SKV_SUM_ATOMIC": 1}}),
+                 ("the lru walk's chunks read entry by entry", {"timing_defines": {"SKV_LRU_VEC": 0}}),
                  ("session 8's build (generic accesses, no prefetch, atomic block sums)",
                   {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_PREFETCH": 0, "SKV_SUM_ATOMIC": 1}})]
     if res.lookup == "hash":

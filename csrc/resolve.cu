@@ -60,6 +60,10 @@
 #ifndef SKV_PREFETCH
 #define SKV_PREFETCH 1
 #endif
+// 1: the chunked lru walk reads chunks of 4 entries as one 16-byte load; 0 one by one.
+#ifndef SKV_LRU_VEC
+#define SKV_LRU_VEC 1
+#endif
 // The hash lookup's plan orders up to this many misses by counting (each miss's rank is
 // the number of smaller keys: no barriers); more are sorted (bitonic).
 #define SKV_RANK_MAX 512
@@ -138,17 +142,10 @@ __device__ __forceinline__ u32 skv_hash_slot(int g, int bits) {
     return ((u32)g * 2654435769u) >> (32 - bits);
 }
 
-// The first pass over the old lru, one entry (slot sl): whether it is a hit of this step;
-// it is marked seen, and *bad set for an entry outside [0, S) (not a hit: evictable) or one
-// seen before (corrupt state either way).
-__device__ __forceinline__ bool skv_lru_entry_hit(const SkvWs& w, int sl, int S, int* bad) {
-    if (sl < 0 || sl >= S) {
-        *bad = 1;
-        return false;
-    }
-    const u32 bit = 1u << (sl & 31);
-    if (atomicOr(&w.smask[sl >> 5], bit) & bit) *bad = 1;
-    return (w.hmask[sl >> 5] & bit) != 0u;
+// Whether old lru entry sl (a slot) is a hit of this step: in [0, S) and in the hit mask.
+// (Entries outside [0, S) or repeated were marked corrupt beside the inserts.)
+__device__ __forceinline__ bool skv_lru_hit(const SkvWs& w, int sl, int S) {
+    return sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
 }
 
 // Where old lru entry i (slot sl) goes in the new lru = evictables[n_take:] +
@@ -407,6 +404,20 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const int n_oor = skv_block_sum<SKV_RT>(oor, sh_warp);  // also orders the writes above
         SKV_STOP_AFTER(1)
 
+        // The old lru's entries marked seen (smask): one outside [0, S) or seen before
+        // makes the state corrupt (reported once the row is resolved). Here, beside the
+        // inserts, rather than in the partition's first pass (its critical path).
+        int lru_bad = 0;
+        for (int i = tid; i < S; i += SKV_RT) {
+            const int sl = w.lcopy[i];
+            if (sl < 0 || sl >= S) {
+                lru_bad = 1;
+                continue;
+            }
+            const u32 bit = 1u << (sl & 31);
+            if (atomicOr(&w.smask[sl >> 5], bit) & bit) lru_bad = 1;
+        }
+
 #if SKV_RESOLVE_LOOKUP == 1
         // 1b. every valid column into the table; a host row found there already is a
         // duplicate. The table has 2 or 4 times the entries of the columns: a free one is always
@@ -507,10 +518,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             const int seg = ((S + SKV_RT / 32 - 1) / (SKV_RT / 32) + 31) & ~31;  // whole rounds
             const int i0 = (tid >> 5) * seg;
             const u32 below = (1u << lane) - 1u;
-            int ev = 0, bad = 0;
+            int ev = 0, bad = lru_bad;
             for (int j = 0; j < seg; j += 32) {
                 const int i = i0 + j + lane;
-                const bool evictable = i < S && !skv_lru_entry_hit(w, w.lcopy[i], S, &bad);
+                const bool evictable = i < S && !skv_lru_hit(w, w.lcopy[i], S);
                 ev += __popc(__ballot_sync(0xffffffffu, evictable));
             }
             int e = skv_add_warps<SKV_RT>(0, ev, sh_warp, &n_evict);
@@ -523,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 bool hit = false;
                 if (i < S) {
                     sl = w.lcopy[i];
-                    hit = sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
+                    hit = skv_lru_hit(w, sl, S);
                 }
                 const u32 m = __ballot_sync(0xffffffffu, i < S && !hit);
                 if (i < S) lru_out[skv_lru_pos(w, sl, hit, i, e + __popc(m & below), n_evict, n_take)] = sl;
@@ -544,17 +555,37 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             const int per = (S + SKV_RT - 1) / SKV_RT;
             const int i0 = tid * per < S ? tid * per : S;
             const int i1 = i0 + per < S ? i0 + per : S;
-            int ev = 0, bad = 0;
-            for (int i = i0; i < i1; ++i) ev += skv_lru_entry_hit(w, w.lcopy[i], S, &bad) ? 0 : 1;
+            // Chunks of 4 (S = 4 x threads, the default shapes): one 16-byte load a pass
+            // (no bank conflicts; the scalar loads of lanes 16 bytes apart conflict 4 ways).
+            const bool vec = SKV_LRU_VEC && per == 4 && i1 - i0 == 4;  // block-uniform but for the last chunks
+            int ev = 0;
+            if (vec) {
+                const int4 q = *reinterpret_cast<const int4*>(w.lcopy + i0);
+                ev = !skv_lru_hit(w, q.x, S) + !skv_lru_hit(w, q.y, S) + !skv_lru_hit(w, q.z, S) +
+                     !skv_lru_hit(w, q.w, S);
+            } else {
+                for (int i = i0; i < i1; ++i) ev += skv_lru_hit(w, w.lcopy[i], S) ? 0 : 1;
+            }
             int e = skv_block_scan_count<SKV_RT>(ev, skv_bits_for(per), sh_warp, &n_evict);
-            corrupt = __syncthreads_or(bad);
+            corrupt = __syncthreads_or(lru_bad);
             n_take = n_miss < n_evict ? n_miss : n_evict;
             if (n_take < n_miss) corrupt = 1;
-            for (int i = i0; i < i1; ++i) {
-                const int sl = w.lcopy[i];
-                const bool hit = sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
-                lru_out[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
-                e += hit ? 0 : 1;
+            if (vec) {
+                const int4 q = *reinterpret_cast<const int4*>(w.lcopy + i0);
+                const int v[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const bool hit = skv_lru_hit(w, v[r], S);
+                    lru_out[skv_lru_pos(w, v[r], hit, i0 + r, e, n_evict, n_take)] = v[r];
+                    e += hit ? 0 : 1;
+                }
+            } else {
+                for (int i = i0; i < i1; ++i) {
+                    const int sl = w.lcopy[i];
+                    const bool hit = skv_lru_hit(w, sl, S);
+                    lru_out[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
+                    e += hit ? 0 : 1;
+                }
             }
         }
         int carry = 0;
@@ -563,8 +594,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // 3a. hit entries of the old lru. In a sound state this equals n_hit; counting them
         // keeps the new lru a permutation of positions [0, S) even when it is not. An entry
         // outside [0, S) or a repeated one marks the state corrupt.
-        int hl = 0, bad = 0;
-        for (int i = tid; i < S; i += SKV_RT) hl += skv_lru_entry_hit(w, w.lcopy[i], S, &bad) ? 1 : 0;
+        int hl = 0, bad = lru_bad;
+        for (int i = tid; i < S; i += SKV_RT) hl += skv_lru_hit(w, w.lcopy[i], S) ? 1 : 0;
         const int n_hit_lru = skv_block_sum<SKV_RT>(hl, sh_warp);
         int corrupt = __syncthreads_or(bad);
         const int n_evict = S - n_hit_lru;
@@ -579,7 +610,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             bool hit = false;
             if (i < S) {
                 sl = w.lcopy[i];
-                hit = sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
+                hit = skv_lru_hit(w, sl, S);
             }
             int tile;
             const int e = skv_block_scan_flag<SKV_RT>(i < S && !hit, sh_warp, &tile) + carry;
