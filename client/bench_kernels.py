@@ -516,13 +516,16 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                   {"owner_smem": not res.owner_smem}),
                  ("session 7's workspace (table x2, rows in global memory)",
                   {"hash_scale": 2, "lru_smem": False, "owner_smem": False}),
-                 ("workspace decided per launch (generic accesses: session 8's build)",
+                 ("workspace decided per launch (generic accesses)",
                   {"timing_defines": {"SKV_WS_SMEM": 0}}),
-                 ("the first row's columns loaded in phase 1 (no prefetch)", {"timing_defines": {"SKV_PREFETCH": 0}}),
-                 ("block sums by one shared atomic cell", {"timing_defines": {"SKV_SUM_ATOMIC": 1}}),
+                 ("the first row's columns loaded with the state rows (prefetch)", {"timing_defines": {"SKV_PREFETCH": 1}}),
+                 ("block sums by warp reductions", {"timing_defines": {"SKV_SUM_ATOMIC": 0}}),
                  ("the lru walk's chunks read entry by entry", {"timing_defines": {"SKV_LRU_VEC": 0}}),
-                 ("session 8's build (generic accesses, no prefetch, atomic block sums)",
-                  {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_PREFETCH": 0, "SKV_SUM_ATOMIC": 1}})]
+                 ("the plan's ranks one thread a miss", {"timing_defines": {"SKV_RANK_SPLIT": 0}}),
+                 ("session 8's build but for the lru's seen marks (generic accesses, chunks entry by entry, "
+                  "ranks one thread a miss)",
+                  {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_LRU_VEC": 0, "SKV_RANK_SPLIT": 0}}),
+                 ("768 threads, ranks one thread a miss", {"threads": 768, "timing_defines": {"SKV_RANK_SPLIT": 0}})]
     if res.lookup == "hash":
         variants += [("a miss's id from its key", {"timing_defines": {"SKV_ID_FROM_KEY": 1}})]
         o = 2 if res.hash_scale == 4 else 4

@@ -103,12 +103,12 @@ __device__ __forceinline__ int skv_bits_for(int n) {
 }
 
 // Sum of one value per thread across the block (int, or u32 modulo 2^32 for packed
-// counts): one warp reduction each (REDUX), the warps' sums through `parts` (__shared__
-// T[NT / 32]), two barriers. (Session 8's version added every thread's value into one
-// shared cell: 32-way conflicting atomics in every warp, and three barriers.)
-// SKV_SUM_ATOMIC 1 (timing only: `sparsekv bench kernels`): session 8's version.
+// counts), through `parts` (__shared__ T[NT / 32]).
+// SKV_SUM_ATOMIC 1 (the default): every thread's value added into parts[0], three
+// barriers; on the H200 the resolve took 19.2 us against 20.0 with the warp reductions
+// (session 9, one run: more registers spilled?). 0: warp reductions.
 #ifndef SKV_SUM_ATOMIC
-#define SKV_SUM_ATOMIC 0
+#define SKV_SUM_ATOMIC 1
 #endif
 template <int NT, class T>
 __device__ __forceinline__ T skv_block_sum(T v, T* parts) {

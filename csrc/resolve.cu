@@ -58,7 +58,11 @@
 // block checks whether it works (their global loads in the same round trip as the state
 // rows': one round trip less before phase 1); 0: in phase 1, as for every later row.
 #ifndef SKV_PREFETCH
-#define SKV_PREFETCH 1
+#define SKV_PREFETCH 0  // on the H200 (session 9, one run): 20.0 us with it, 19.4 without
+#endif
+// 1: the hash plan's ranks counted by several threads a miss (see there); 0 one each.
+#ifndef SKV_RANK_SPLIT
+#define SKV_RANK_SPLIT 1
 #endif
 // 1: the chunked lru walk reads chunks of 4 entries as one 16-byte load; 0 one by one.
 #ifndef SKV_LRU_VEC
@@ -680,7 +684,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             int q = skv_block_scan_count<SKV_RT>(mine, skv_bits_for(per), sh_warp, &carry);
             for (int c = c0; c < c1; ++c) {
                 const int v = w.colv[c];
-                if (v >= SKV_MISS_TAG && v != SKV_PENDING) mkeys[q++] = w.keys[c];
+                if (v >= SKV_MISS_TAG && v != SKV_PENDING) {
+                    w.hcol[q] = 0;  // the miss's rank, counted below (the table is free now)
+                    mkeys[q++] = w.keys[c];
+                }
             }
 #else
             for (int base_c = 0; base_c < k; base_c += SKV_RT) {
@@ -693,9 +700,31 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 carry += tile;
             }
 #endif
-            if (SKV_RESOLVE_CHUNKED && carry <= SKV_RANK_MAX) {
+            // G threads a miss (a power of two, at most 32: as many as the block has for
+            // the misses; block-uniform) when there are fewer misses than half the threads.
+            int lg = 0;
+            while (SKV_RANK_SPLIT && lg < 5 && (carry << (lg + 1)) <= SKV_RT) ++lg;
+            if (SKV_RESOLVE_CHUNKED && carry <= SKV_RANK_MAX && lg > 0) {
                 // Each miss's rank among the misses is the count of smaller keys (keys are
-                // distinct: the row has no duplicate ids).
+                // distinct: the row has no duplicate ids): its G threads count over every
+                // G-th key each and add their counts into its rank (hcol, zeroed above).
+                __syncthreads();
+                const int q2 = tid >> lg, part = tid & ((1 << lg) - 1);
+                if (q2 < carry) {
+                    const u64 key = mkeys[q2];
+                    int r = 0;
+                    for (int j = part; j < carry; j += 1 << lg) r += mkeys[j] < key ? 1 : 0;
+                    atomicAdd(&w.hcol[q2], r);
+                }
+                __syncthreads();
+                if (q2 < carry && part == 0) {
+                    const u64 key = mkeys[q2];
+                    const int r = w.hcol[q2];
+                    prow[r] = (int)(key >> 32);
+                    pslot[r] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
+                }
+            } else if (SKV_RESOLVE_CHUNKED && carry <= SKV_RANK_MAX) {
+                // The same, one thread a miss.
                 __syncthreads();
                 for (int q2 = tid; q2 < carry; q2 += SKV_RT) {
                     const u64 key = mkeys[q2];

@@ -86,6 +86,20 @@ def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, op
     assert not emu.err[:8].any()
 
 
+@pytest.mark.parametrize("defines", [{"SKV_PREFETCH": 1}, {"SKV_SUM_ATOMIC": 0}, {"SKV_RANK_SPLIT": 0}],
+                         ids=["prefetch", "warp-sums", "ranks-one-thread"])
+@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "wide")], ids=lambda t: t[0])
+def test_the_resolve_build_options_equal_the_numpy_engine(case, defines):
+    """The other side of each timed switch (csrc/resolve.cu, csrc/common.cuh): the first
+    row's columns loaded with the state rows, block sums by warp reductions, the plan's
+    ranks counted by one thread a miss; the hash lookup."""
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
+    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, defines=defines)
+    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
+    assert not emu.err[:8].any()
+
+
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
 def test_a_block_of_threads_not_a_power_of_two_equals_the_numpy_engine(lookup):
     """SKV_RESOLVE_THREADS 96 (3 warps; the bench times 768): every scan and walk."""
