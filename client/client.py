@@ -91,16 +91,6 @@ class Pending:
         return self._result
 
 
-
-def device_mapping_failed(e: Exception, handles: dict) -> DeviceMappingFailed:
-    """The typed error of an attach whose device memory could not be mapped here while
-    the daemon lives (when it has gone, the attach raises DaemonUnavailable instead)."""
-    return DeviceMappingFailed(
-        f"attached, but cannot map sparsekvd's memory on GPU {handles.get('bus_id')}: {e}; the rank was given "
-        "back. Check that this process sees that GPU (CUDA_VISIBLE_DEVICES) and, under MPS, uses the daemon's "
-        "MPS server (CUDA_MPS_PIPE_DIRECTORY)", getattr(e, "status", None))
-
-
 class Client:
     """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
 
@@ -338,14 +328,17 @@ class Client:
         """The daemon's device memory could not be mapped: DaemonUnavailable if the daemon
         went meanwhile (the handle of an exited exporter never opens again: a daemon
         killed between its ATTACH reply and this process's IPC open), else give the rank
-        back and raise DeviceMappingFailed."""
+        back and raise DeviceMappingFailed, naming the GPU and CUDA's error."""
         why = self._check_daemon()
         if why is not None:
             self._lost(f"{why} (the attach could not map its device memory: {e})")
         self._detach_quietly()  # a round trip: one that finds the daemon gone says so (_gone)
         if self._gone is not None:
             raise DaemonUnavailable(f"{self._gone} (the attach could not map its device memory: {e})") from e
-        raise device_mapping_failed(e, handles) from e
+        raise DeviceMappingFailed(
+            f"attached, but cannot map sparsekvd's memory on GPU {handles.get('bus_id')}: {e}; the rank was given "
+            "back. Check that this process sees that GPU (CUDA_VISIBLE_DEVICES) and, under MPS, uses the daemon's "
+            "MPS server (CUDA_MPS_PIPE_DIRECTORY)", getattr(e, "status", None)) from e
 
     def _detach_quietly(self) -> None:
         try:
