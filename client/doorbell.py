@@ -154,9 +154,18 @@ class DeviceSwapIn:
         """The word ``skv_db_begin`` rings itself (0: none; :meth:`_begun` hands off)."""
         return 0
 
-    def _group_bell(self, group: int) -> tuple[int, int]:
-        """(bell, arrival counter) that ``skv_db_topk`` rings itself ((0, 0): none)."""
+    def _group_ring(self, group: int) -> tuple[int, int]:
+        """``skv_db_topk``'s last two arguments, in its order: (arrival counter, bell) of
+        the group's bell that the kernel rings itself ((0, 0): none)."""
         return 0, 0
+
+    def _topk_args(self, group: int, tokens: int, req_ptr: int, table_ptr: int, table_rows: int, max_blocks: int,
+                   res_ptr: int, res_blocks: int, topk_ptr: int, k: int, block_size: int) -> tuple:
+        """The arguments of ``skv_db_topk`` (csrc/handle.cu), in its parameter order."""
+        i32 = np.int32
+        return (self._topk_blocks[group], self._counter.data.ptr, req_ptr, i32(tokens), table_ptr, i32(table_rows),
+                i32(max_blocks), res_ptr, i32(res_blocks), topk_ptr, i32(k), i32(max(1, int(block_size))),
+                i32(group), i32(self.layout.max_batch), *self._group_ring(group))
 
     def _begun(self, stream_ptr: int) -> None:
         raise NotImplementedError
@@ -228,12 +237,9 @@ class DeviceSwapIn:
         if not groups and not layers:
             return
         s = self._stream()
-        i32 = np.int32
         for g in groups:
-            self._launch(self._k_topk, 1, s,
-                         (self._topk_blocks[g], self._counter.data.ptr, self._counter.data.ptr, i32(0),
-                          0, i32(0), i32(0), 0, i32(0), self._counter.data.ptr, i32(self.layout.top_k), i32(1), i32(g),
-                          i32(self.layout.max_batch), *self._group_bell(g)))
+            ctr = self._counter.data.ptr  # any valid address: a batch of 0 tokens reads nothing
+            self._launch(self._k_topk, 1, s, self._topk_args(g, 0, ctr, 0, 0, 0, 0, 0, ctr, self.layout.top_k, 1))
             self._rang(g, s)
             self._order.rang(g)
         for layer in layers:
@@ -300,10 +306,8 @@ class DeviceSwapIn:
         res_ptr = resident_block_table.data_ptr() if resident_block_table is not None else 0
         if leader:
             self._launch(self._k_topk, grid, s,
-                         (self._topk_blocks[g], self._counter.data.ptr, req.data_ptr(), i32(tokens),
-                          table_ptr, i32(table_rows), i32(max_blocks), res_ptr, i32(res_blocks),
-                          topk.data_ptr(), i32(k), i32(max(1, int(block_size))), i32(g), i32(lay.max_batch),
-                          *self._group_bell(g)))
+                         self._topk_args(g, tokens, req.data_ptr(), table_ptr, table_rows, max_blocks, res_ptr,
+                                         res_blocks, topk.data_ptr(), k, block_size))
             self._rang(g, s)
             self._order.rang(g)
         self._ready(layer, g, s)
@@ -412,9 +416,9 @@ class DoorbellSwapIn(DeviceSwapIn):
     def _step_bell(self) -> int:
         return self._bell_step if self.signal == "kernel" else 0
 
-    def _group_bell(self, group: int) -> tuple[int, int]:
+    def _group_ring(self, group: int) -> tuple[int, int]:
         if self.signal == "kernel":
-            return self._bells[group], self._arrivals.data.ptr + 4 * group
+            return self._arrivals.data.ptr + 4 * group, self._bells[group]
         return 0, 0
 
     def _begun(self, stream_ptr: int) -> None:

@@ -273,6 +273,18 @@ def db_topk(grid: int, threads: int, blk, counter, req_ids, table, resident, top
                         i(group), i(max_batch), _opt(done), _opt(bell))
 
 
+def db_topk_raw(grid: int, threads: int, args: tuple):
+    """``skv_db_topk`` with an argument tuple as a launcher passes it (addresses as ints,
+    NumPy scalars), converted by the kernel's parameter types: to run a caller's own
+    argument builder (client/doorbell.py) against the kernel's parameter order."""
+    lib = build("handle.cu", "skv_db_topk", _TOPK_PARAMS, _TOPK_ARGS, {})
+    params = [p.strip() for p in _TOPK_PARAMS.split(",")]
+    if len(args) != len(params):
+        raise TypeError(f"skv_db_topk takes {len(params)} arguments, got {len(args)}")
+    conv = [P(int(a)) if "*" in p else ctypes.c_int(int(a)) for p, a in zip(params, args)]
+    lib.run_skv_db_topk(ctypes.c_int(grid), ctypes.c_int(threads), ctypes.c_int(0), *conv)
+
+
 def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_rows: int, block_size: int,
                region_stride: int, hot_base: int, resident_base: int, dead, out, valid=None):
     """``skv_db_indices`` (csrc/handle.cu) over NumPy arrays."""

@@ -248,6 +248,39 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
         assert bell[0] == 1 and done[0] == 0
 
 
+@pytest.mark.parametrize("grid", [1, 3])
+def test_the_handles_own_arguments_ring_the_groups_bell(grid):
+    """The doorbell handle's argument tuple for skv_db_topk (the one swap_in and
+    finish_step launch), run against the kernel's parameter order: with kernel signalling
+    the group's bell ends at 1 and its arrival counter at 0. (The handle once passed the
+    two the other way round: the kernel counted arrivals on the bell, which the daemon's
+    stream then never saw settle at 1, and the engine waited for ever.)"""
+    from types import SimpleNamespace
+
+    from sparsekv.client.doorbell import DoorbellSwapIn
+
+    tokens, k, max_batch, groups = 4, 8, 8, 2
+    blks = [np.full(16 + 2 * max_batch + max_batch * k, -9, np.int32) for _ in range(groups)]
+    counter = np.array([7], np.int32)
+    arrivals = np.zeros(groups, np.uint32)
+    bells = np.zeros(groups, np.uint32)
+    h = object.__new__(DoorbellSwapIn)  # no GPU: only the argument builder is used
+    h.signal = "kernel"
+    h.layout = SimpleNamespace(max_batch=max_batch)
+    h._topk_blocks = [b.ctypes.data for b in blks]
+    h._counter = SimpleNamespace(data=SimpleNamespace(ptr=counter.ctypes.data))
+    h._arrivals = SimpleNamespace(data=SimpleNamespace(ptr=arrivals.ctypes.data))
+    h._bells = [bells.ctypes.data + 4 * g for g in range(groups)]
+    req = np.arange(tokens, dtype=np.int32)
+    topk = np.arange(tokens * k, dtype=np.int32).reshape(tokens, k)
+    args = h._topk_args(1, tokens, req.ctypes.data, 0, max_batch, 0, 0, 0, topk.ctypes.data, k, 1)
+    cpu_kernels.db_topk_raw(grid, 32, args)
+    assert bells.tolist() == [0, 1] and arrivals.tolist() == [0, 0]
+    payload = blks[1][16 + 2 * max_batch:16 + 2 * max_batch + tokens * k].reshape(tokens, k)
+    np.testing.assert_array_equal(payload, topk)  # no table: host rows as they are
+    assert blks[1][0] == 7 and blks[1][4] == 1  # seq, group
+
+
 def test_the_engine_side_indices_point_at_hot_or_resident_rows():
     """skv_db_indices: resident positions -> resident_base + block * bs + offset, hot slots
     -> hot_base + req * stride + slot, everything else -1; valid counts; all -1 once dead."""
