@@ -24,7 +24,8 @@ How bells are rung and ready words waited on (``signal``, default :data:`DEFAULT
 ``"kernel"``: the two kernels ring their bell themselves once their whole block is
 written, and a one-thread kernel (``csrc/signal.cu``) spins on the ready word; ``"ops"``:
 stream memory operations (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``) after and
-before the kernels. Both capture into CUDA graphs; docs/PERF.md says what was measured.
+before the kernels; ``"kernel-ring"``: the kernels ring, stream operations wait. All
+capture into CUDA graphs; docs/PERF.md says what was measured.
 
 **Indexing.** ``swap_in`` returns int32 ``[tokens, k]``: for column ``j`` of token ``t``,
 ``kv(layer)[idx[t, j]]`` is the KV row of that position (``kv(layer)`` = the layer's hot
@@ -71,11 +72,11 @@ log = logging.getLogger("sparsekv.client")
 
 # How the engine's stream rings bells and waits on ready words: "kernel" (the top-k and
 # step kernels ring their bell themselves once their block is written; a one-thread
-# kernel spins on the ready word) or "ops" (stream memory operations: cuStreamWriteValue32
-# / cuStreamWaitValue32, the default). "kernel" is not yet timed on the H200 (docs/PERF.md,
-# session 6: `device_run.sh signals` measures both); a spinning kernel holds an SM slot.
+# kernel spins on the ready word), "ops" (stream memory operations: cuStreamWriteValue32
+# / cuStreamWaitValue32, the default) or "kernel-ring" (the kernels ring, stream
+# operations wait). docs/PERF.md has what each measured; a spinning kernel holds an SM slot.
 SIGNAL_ENV = "SPARSEKV_DB_ENGINE_SIGNAL"
-SIGNALS = ("ops", "kernel")
+SIGNALS = ("ops", "kernel", "kernel-ring")
 DEFAULT_SIGNAL = "ops"
 
 
@@ -402,11 +403,13 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]
         self._readys = [ctl + 4 * i for i in db["ready"]]
-        if self.signal == "kernel":
+        self._rings = self.signal in ("kernel", "kernel-ring")  # the kernels ring their bells
+        if self._rings:
             import cupy as cp  # noqa: PLC0415
 
             with cp.cuda.Device(self.device):
-                self._k_wait = _kernels().module("signal.cu").get_function("skv_wait_word")
+                if self.signal == "kernel":
+                    self._k_wait = _kernels().module("signal.cu").get_function("skv_wait_word")
                 self._arrivals = cp.zeros(G, dtype=cp.uint32)  # skv_db_topk's arrival counter per group
                 cp.cuda.runtime.deviceSynchronize()
         self._closed = threading.Event()
@@ -414,19 +417,19 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._watcher.start()
 
     def _step_bell(self) -> int:
-        return self._bell_step if self.signal == "kernel" else 0
+        return self._bell_step if self._rings else 0
 
     def _group_ring(self, group: int) -> tuple[int, int]:
-        if self.signal == "kernel":
+        if self._rings:
             return self._arrivals.data.ptr + 4 * group, self._bells[group]
         return 0, 0
 
     def _begun(self, stream_ptr: int) -> None:
-        if self.signal == "ops":
+        if not self._rings:
             write32(stream_ptr, self._bell_step, 1)
 
     def _rang(self, group: int, stream_ptr: int) -> None:
-        if self.signal == "ops":
+        if not self._rings:
             write32(stream_ptr, self._bells[group], 1)
 
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:

@@ -161,7 +161,9 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
 // group come from the descriptor; the group's layers from `group_layers` ([groups,
 // layers_stride]: count, then layer numbers). Grid: fixed. Dynamic shared memory:
 // (max_batch + 1) * 8 bytes. A descriptor out of range copies nothing (skv_resolve
-// reports it).
+// reports it). With a `ready` word (the doorbell transport, daemon/cuda/doorbell.py), the
+// last block to finish sets it to 1 once every block's rows are visible (`arrivals`: its
+// counter, 0 before and after); null: nothing is signalled.
 extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int* __restrict__ desc,
     const unsigned char* __restrict__ pool, const i64 host_rows, const int num_layers,
@@ -169,7 +171,8 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int* __restrict__ group_layers, const int layers_stride, const int groups,
     const int* __restrict__ plan_rows, const int* __restrict__ plan_slots,
     const int* __restrict__ misses, const int max_batch, const int ld,
-    const i64* __restrict__ slab_layer_off, const i64 slab_block_rows, const i64 slab_block_stride)
+    const i64* __restrict__ slab_layer_off, const i64 slab_block_rows, const i64 slab_block_stride,
+    u32* ready, u32* arrivals)
 {
     // Read once into shared memory: the loop bounds (and barriers) of the copy depend on
     // them, and a client may rewrite its step block while the kernel runs.
@@ -179,13 +182,16 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int batch = sh_desc[SKV_D_BATCH];
     const int group = sh_desc[SKV_D_GROUP];
     const int k = sh_desc[SKV_D_K];
-    if (batch <= 0 || batch > max_batch || group < 0 || group >= groups || k < 0 || k > ld) return;
-    const int* g = group_layers + (i64)group * layers_stride;
-    int n_layers = g[0];
-    n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
-    const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
-    skv_copy_body(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
-                  num_layers, g + 1, n_layers, 3, plan_rows, plan_slots, misses, batch, ld, 0, geo);
+    // Uniform over the grid (from the shared copy): every thread reaches the signal below.
+    if (!(batch <= 0 || batch > max_batch || group < 0 || group >= groups || k < 0 || k > ld)) {
+        const int* g = group_layers + (i64)group * layers_stride;
+        int n_layers = g[0];
+        n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
+        const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
+        skv_copy_body(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
+                      num_layers, g + 1, n_layers, 3, plan_rows, plan_slots, misses, batch, ld, 0, geo);
+    }
+    skv_ring_when_done(arrivals, ready);
 }
 
 // A step block from pinned host memory (mapped) to its device copy: the descriptor, then

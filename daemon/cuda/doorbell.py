@@ -13,7 +13,8 @@ One step graph (captured once at attach)::
         wait bell[g] == 1; bell[g] = 0
         skv_resolve(db_topk[g]) -> db_slots[g], db_misses[g], the plan
         (last group: counters and error record -> the pinned mirror)
-        for each layer l of g: skv_gather(l); ready[l] = 1
+        for each layer l of g: skv_gather(l); ready[l] = 1   (signal "gather": set by the
+                                                             gather's last block)
 
 A stocking thread keeps ``depth`` step graphs launched ahead on the rank's own stream
 (never the GPU worker's shared stream: it spends its life waiting on this engine's
@@ -55,10 +56,11 @@ log = logging.getLogger("sparsekv.cuda")
 DEPTH = 2  # step graphs launched ahead (a launch must never block: see _stock)
 DRAIN_TIMEOUT_S = 10.0
 # How the step graph waits on bells and sets ready words: "ops" (stream memory operations,
-# the default) or "kernel" (csrc/signal.cu: a one-thread spin kernel, a one-thread store;
-# not yet timed on the H200: `device_run.sh signals` measures both, docs/PERF.md).
+# the default), "kernel" (csrc/signal.cu: a one-thread spin kernel, a one-thread store),
+# or "gather" (bells as "ops"; a layer's ready word set by the last block of its gather,
+# one graph node less per layer). docs/PERF.md has what each measured.
 SIGNAL_ENV = "SPARSEKV_DB_DAEMON_SIGNAL"
-SIGNALS = ("ops", "kernel")
+SIGNALS = ("ops", "kernel", "gather")
 DEFAULT_SIGNAL = "ops"
 
 
@@ -97,6 +99,11 @@ class DoorbellTransport(Transport):
         self.signal = signal_mode()
         with cp.cuda.Device(worker.ordinal):
             self.stream = cp.cuda.Stream(non_blocking=True)
+            # The gathers' arrival counters, one per layer ("gather" signalling): zeroed
+            # here, back at 0 after each gather; they live as long as the stream may run.
+            self._arrivals = cp.zeros(L, dtype=cp.uint32) if self.signal == "gather" else None
+            if self._arrivals is not None:
+                cp.cuda.runtime.deviceSynchronize()
             if self.signal == "kernel":
                 from ..kernels import get_cache  # noqa: PLC0415
 
@@ -111,7 +118,7 @@ class DoorbellTransport(Transport):
 
     # -- the step graph ------------------------------------------------------------------
     def _wait_bell(self, stream, address: int) -> None:
-        if self.signal == "kernel":
+        if self.signal == "kernel":  # "gather" waits on bells as "ops" does
             with stream:
                 self._k_wait((1,), (32,), (np.uint64(address),))
         else:
@@ -119,7 +126,7 @@ class DoorbellTransport(Transport):
             write32(stream.ptr, address, 0)
 
     def _set_ready(self, stream, address: int) -> None:
-        if self.signal == "kernel":
+        if self.signal == "kernel":  # "gather": a batch-order gather cannot set it, "ops" does
             with stream:
                 self._k_set((1,), (32,), (np.uint64(address),))
         else:
@@ -139,8 +146,17 @@ class DoorbellTransport(Transport):
                 # the step's counters and errors are in the pinned mirror (check()).
                 d.enqueue_stats_out(stream)
             for layer in layers:
-                d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer])
-                self._set_ready(stream, self._ready[layer])
+                signalled = d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer],
+                                             **self._gather_signal(layer))
+                if not signalled:
+                    self._set_ready(stream, self._ready[layer])
+
+    def _gather_signal(self, layer: int) -> dict:
+        """The layer's ready word and arrival counter for its gather to set ("gather"), or
+        nothing."""
+        if self._arrivals is None:
+            return {}
+        return {"ready": self._ready[layer], "arrivals": self._arrivals.data.ptr + 4 * layer}
 
     # -- stocking ------------------------------------------------------------------------
     def _stock(self) -> None:
@@ -224,4 +240,5 @@ class DoorbellTransport(Transport):
                     time.sleep(0.0002)
                 time.sleep(0.0002)
         self.graph = None
+        self._arrivals = None
         return True

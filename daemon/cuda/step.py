@@ -67,15 +67,19 @@ class DeviceStep:
         if self.mover.order == "batch":
             self.mover.launch_merge_plan(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream)
 
-    def enqueue_gather(self, block, misses, stream, group_layers=None) -> None:
+    def enqueue_gather(self, block, misses, stream, group_layers=None, ready: int = 0, arrivals: int = 0) -> bool:
         """The gather of the last :meth:`enqueue_resolve`, for the group's layers (or the
-        ones ``group_layers`` names)."""
+        ones ``group_layers`` names). ``ready`` / ``arrivals``: a word the gather's last
+        block sets to 1 and its zeroed arrival counter (device addresses). Returns whether
+        the gather sets ``ready`` (the request-order gather does; the caller sets it
+        otherwise)."""
         bufs = self.buffers
         if self.mover.order == "batch":
             self.mover.launch_gather_merged(block.desc, stream, group_layers=group_layers)
-        else:
-            self.mover.launch_gather(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream,
-                                     group_layers=group_layers)
+            return False
+        self.mover.launch_gather(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream,
+                                 group_layers=group_layers, ready=ready, arrivals=arrivals)
+        return bool(ready)
 
     def enqueue_topk(self, entry: int, stream) -> None:
         bufs = self.buffers

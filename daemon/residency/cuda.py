@@ -756,13 +756,15 @@ class CudaMover(Mover):
                      out.misses, out.batch, out.top_k, dst_geo=self._geo)
 
     def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream,
-                      group_layers=None) -> None:
+                      group_layers=None, ready: int = 0, arrivals: int = 0) -> None:
         """Enqueue ``skv_gather``: the plan of the last :meth:`CudaResidency.launch_resolve`
         (per-row counts ``misses``), pool -> slab, for every layer of the descriptor's
         group. Device arrays only; fixed grid (``blocks``) and shared memory.
         ``group_layers``: another int32 ``[groups, stride]`` table (count, then layers) in
         place of the layout's, e.g. one naming a single layer of the group (doorbell: a
-        ready word per layer)."""
+        ready word per layer). ``ready`` / ``arrivals``: device addresses of a word the
+        kernel's last block sets to 1 once every row is written, and of its arrival
+        counter (zeroed; 0: no signal)."""
         lay = self.layout
         i32, i64 = np.int32, np.int64
         slots = lay.max_reqs * lay.region_stride
@@ -772,7 +774,8 @@ class CudaMover(Mover):
                 (self.blocks,), (self.threads,),
                 (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
                  table, i32(table.shape[1]), i32(lay.num_groups),
-                 plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo),
+                 plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo,
+                 np.uint64(ready), np.uint64(arrivals)),
                 shared_mem=(int(max_batch) + 1) * 8,
             )
 

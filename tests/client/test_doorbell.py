@@ -156,7 +156,7 @@ def check_bytes(h, lay, idx, ids, layer, torch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("signal", ["ops", SPIN])
+@pytest.mark.parametrize("signal", ["ops", "kernel-ring", SPIN])
 @pytest.mark.parametrize("positions,spec", [(False, False), (True, False), (True, True)])
 def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, positions, spec, signal):
     import torch
@@ -188,6 +188,9 @@ def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, p
     pytest.param("kernel", "ops", marks=pytest.mark.spin),
     pytest.param("ops", "kernel", marks=pytest.mark.spin),
     pytest.param("kernel", "kernel", marks=pytest.mark.spin),
+    ("ops", "gather"),
+    ("kernel-ring", "ops"),
+    ("kernel-ring", "gather"),
 ])
 def test_a_whole_decode_step_captures_into_one_cuda_graph(engine_signal, daemon_signal):
     """Every signalling of either side (bells and ready words by stream operations or by
@@ -263,7 +266,7 @@ def test_duplicate_positions_are_refused_and_check_raises_them():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("engine_signal", ["ops", SPIN])
+@pytest.mark.parametrize("engine_signal", ["ops", "kernel-ring", SPIN])
 def test_a_killed_daemon_releases_the_engine_stream_and_check_says_so(engine_signal):
     import torch
 

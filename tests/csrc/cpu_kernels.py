@@ -301,15 +301,18 @@ def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_ro
 _GATHER_PARAMS = ("const int* desc, const unsigned char* pool, long long host_rows, int num_layers, "
                   "unsigned char* slab, long long slab_layer_rows, const int* group_layers, int layers_stride, "
                   "int groups, const int* plan_rows, const int* plan_slots, const int* misses, int max_batch, int ld, "
-                  "const long long* slab_layer_off, long long slab_block_rows, long long slab_block_stride")
+                  "const long long* slab_layer_off, long long slab_block_rows, long long slab_block_stride, "
+                  "unsigned* ready, unsigned* arrivals")
 _GATHER_ARGS = ("desc, pool, host_rows, num_layers, slab, slab_layer_rows, group_layers, layers_stride, groups, "
-                "plan_rows, plan_slots, misses, max_batch, ld, slab_layer_off, slab_block_rows, slab_block_stride")
+                "plan_rows, plan_slots, misses, max_batch, ld, slab_layer_off, slab_block_rows, slab_block_stride, "
+                "ready, arrivals")
 
 
 def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan_slots, misses, grid: int = 4,
-           threads: int = 64, layer_off=None, block_rows: int = 1, block_stride: int = 0):
+           threads: int = 64, layer_off=None, block_rows: int = 1, block_stride: int = 0, ready=None, arrivals=None):
     """``skv_gather`` (csrc/copy.cu): the per-row plans, pool ``[L, host_rows, row_bytes]``
-    (uint8) -> ``slab`` (uint8, laid out flat or by the engine-slab geometry)."""
+    (uint8) -> ``slab`` (uint8, laid out flat or by the engine-slab geometry); ``ready`` /
+    ``arrivals``: uint32 [1] each, the word its last block sets and their counter."""
     L, host_rows, rb = pool.shape
     lib = build("copy.cu", "skv_gather", _GATHER_PARAMS, _GATHER_ARGS,
                 {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads, "SKV_COPY_LOAD": 1, "SKV_MERGE_THREADS": 64})
@@ -318,4 +321,4 @@ def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan
     lib.run_skv_gather(i(grid), i(threads), i((B + 1) * 8), _ptr(desc), _ptr(pool), q(host_rows), i(L), _ptr(slab),
                        q(slab_layer_rows), _ptr(group_layers), i(group_layers.shape[1]), i(group_layers.shape[0]),
                        _ptr(plan_rows), _ptr(plan_slots), _ptr(misses), i(B), i(ld), _opt(layer_off), q(block_rows),
-                       q(block_stride))
+                       q(block_stride), _opt(ready), _opt(arrivals))

@@ -248,8 +248,9 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
         assert bell[0] == 1 and done[0] == 0
 
 
+@pytest.mark.parametrize("signal", ["kernel", "kernel-ring"])
 @pytest.mark.parametrize("grid", [1, 3])
-def test_the_handles_own_arguments_ring_the_groups_bell(grid):
+def test_the_handles_own_arguments_ring_the_groups_bell(grid, signal):
     """The doorbell handle's argument tuple for skv_db_topk (the one swap_in and
     finish_step launch), run against the kernel's parameter order: with kernel signalling
     the group's bell ends at 1 and its arrival counter at 0. (The handle once passed the
@@ -265,7 +266,7 @@ def test_the_handles_own_arguments_ring_the_groups_bell(grid):
     arrivals = np.zeros(groups, np.uint32)
     bells = np.zeros(groups, np.uint32)
     h = object.__new__(DoorbellSwapIn)  # no GPU: only the argument builder is used
-    h.signal = "kernel"
+    h.signal, h._rings = signal, True
     h.layout = SimpleNamespace(max_batch=max_batch)
     h._topk_blocks = [b.ctypes.data for b in blks]
     h._counter = SimpleNamespace(data=SimpleNamespace(ptr=counter.ctypes.data))
@@ -363,6 +364,35 @@ def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_els
         cpu_kernels.gather(desc, pool, slab, slots_n, groups, rows, slots, misses, layer_off=layer_off,
                            block_rows=block_rows if geometry == "engine" else 1, block_stride=bstride)
         np.testing.assert_array_equal(slab, want, err_msg=f"trial {trial}")
+
+
+@pytest.mark.parametrize("grid", [1, 4])
+def test_the_gather_sets_its_ready_word_once_every_block_is_done(grid):
+    """skv_gather with a ready word (the doorbell's "gather" signalling): the rows are
+    copied as without it, the word is 1 afterwards and the arrival counter back at 0;
+    also when the descriptor is out of range (nothing copied, the engine still released);
+    without a word nothing is signalled."""
+    from sparsekv.daemon.residency.cuda import make_desc
+
+    rng = np.random.default_rng(3)
+    L, host_rows, rb, B, ld, slots_n = 2, 50, 32, 3, 4, 12
+    pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)
+    groups = np.array([[2, 0, 1]], np.int32)
+    rows = rng.integers(0, host_rows, size=(B, ld)).astype(np.int32)
+    slots = np.arange(B * ld, dtype=np.int32).reshape(B, ld) % slots_n
+    misses = np.array([4, 0, 2], np.int32)
+    for desc, copies in ((make_desc(3, ld, 0), True), (make_desc(3, ld, 5), False), (make_desc(0, ld, 0), False)):
+        slab = np.zeros((L, slots_n, rb), np.uint8)
+        ready, arrivals = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
+        cpu_kernels.gather(desc, pool, slab, slots_n, groups, rows, slots, misses, grid=grid, ready=ready,
+                           arrivals=arrivals)
+        assert ready[0] == 1 and arrivals[0] == 0
+        assert slab.any() == copies
+        if copies:
+            np.testing.assert_array_equal(slab[1, slots[0, :4]], pool[1, rows[0, :4]])
+    slab = np.zeros((L, slots_n, rb), np.uint8)
+    cpu_kernels.gather(make_desc(3, ld, 0), pool, slab, slots_n, groups, rows, slots, misses, grid=grid)
+    assert slab.any()  # no word: copied, nothing else to check (a null word is never written)
 
 
 @pytest.mark.parametrize("lookup", ["sort", "hash"])

@@ -137,11 +137,12 @@ fi
 if has ab; then
   # A/B of the daemon's measured switches on a decode step (batch 16 and 64, 90 % hits):
   # AB_VARIANTS "name:VAR=value,VAR=value ..." (an empty list after the colon: the defaults);
-  # one private daemon each; figures in decode-ab-<name>.json.
+  # one private daemon each; figures in decode-ab-<name>.json; AB_ARGS: more options
+  # (e.g. "--steps 40 --rounds 2").
   for v in ${AB_VARIANTS:-default: pin_start:SPARSEKV_PIN_POOL_AT_START=1 memfd:SPARSEKV_POOL_BACKING=memfd}; do
     name=${v%%:*}; vars=${v#*:}
     env ${vars//,/ } timeout "$(left 80)" python3 -m sparsekv.client.cli bench decode --batches ${AB_BATCHES:-16,64} \
-      --hits 90 --modes inproc,doorbell --json "$OUT/decode-ab-$name.json" 2>&1 | tee "$OUT/bench-decode-ab-$name.log" \
+      --hits 90 --modes inproc,doorbell ${AB_ARGS:-} --json "$OUT/decode-ab-$name.json" 2>&1 | tee "$OUT/bench-decode-ab-$name.log" \
       | grep -E "^ +(16|64|128) " | sed "s/^/$name /"
   done
 fi
