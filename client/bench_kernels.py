@@ -504,7 +504,7 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     # hits too (a fresh state would make every column a miss).
     other = "sort" if res.lookup == "hash" else "hash"
     variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
-    variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512, 768)]  # 768: 80 registers, not 64
+    variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512, 768, 1024) if t_ != res.threads]
     variants += [("tiles walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}}),
                  ("warp-segment lru walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2}}),
                  ("warp-segment lru walk phase 6", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2,
@@ -524,8 +524,7 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                  ("the plan's ranks one thread a miss", {"timing_defines": {"SKV_RANK_SPLIT": 0}}),
                  ("session 8's build but for the lru's seen marks (generic accesses, chunks entry by entry, "
                   "ranks one thread a miss)",
-                  {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_LRU_VEC": 0, "SKV_RANK_SPLIT": 0}}),
-                 ("768 threads, ranks one thread a miss", {"threads": 768, "timing_defines": {"SKV_RANK_SPLIT": 0}})]
+                  {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_LRU_VEC": 0, "SKV_RANK_SPLIT": 0}})]
     if res.lookup == "hash":
         variants += [("a miss's id from its key", {"timing_defines": {"SKV_ID_FROM_KEY": 1}})]
         o = 2 if res.hash_scale == 4 else 4

@@ -30,7 +30,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "signal.cu": ("skv_wait_word", "skv_set_word"),
 }
 
-RESOLVE_THREADS = 1024  # one block per batch row; 1024 threads keep the sort short
+# One block per batch row. 768 threads: 17.9 / 18.6 / 17.9 us against 1024's 19.2 / 20.0 /
+# 19.7 (batch 64, top-k 2048, region 4096, three H200 runs; docs/PERF.md, sessions 9-10).
+RESOLVE_THREADS = 768
 COPY_THREADS = 256
 COPY_LOAD = 1  # __ldg: the source of a copy is never written while it runs
 MERGE_THREADS = 1024  # skv_merge_plan: one block per batch row

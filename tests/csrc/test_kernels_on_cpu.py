@@ -102,7 +102,7 @@ def test_the_resolve_build_options_equal_the_numpy_engine(case, defines):
 
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
 def test_a_block_of_threads_not_a_power_of_two_equals_the_numpy_engine(lookup):
-    """SKV_RESOLVE_THREADS 96 (3 warps; the bench times 768): every scan and walk."""
+    """SKV_RESOLVE_THREADS 96 (3 warps, like the default 768 a multiple of 32 but not a power of two): every scan and walk."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = TRACES[4]  # odd
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     emu = cpu_kernels.Resolve(lay, lookup, threads=96, workspace=ws)
