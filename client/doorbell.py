@@ -77,6 +77,7 @@ log = logging.getLogger("sparsekv.client")
 # operations wait). docs/PERF.md has what each measured; a spinning kernel holds an SM slot.
 SIGNAL_ENV = "SPARSEKV_DB_ENGINE_SIGNAL"
 SIGNALS = ("ops", "kernel", "kernel-ring")
+KERNEL_RINGS = ("kernel", "kernel-ring")  # the signals whose top-k and step kernels ring their bells
 DEFAULT_SIGNAL = "ops"
 
 
@@ -238,8 +239,8 @@ class DeviceSwapIn:
         if not groups and not layers:
             return
         s = self._stream()
+        ctr = self._counter.data.ptr  # any valid address: a batch of 0 tokens reads nothing
         for g in groups:
-            ctr = self._counter.data.ptr  # any valid address: a batch of 0 tokens reads nothing
             self._launch(self._k_topk, 1, s, self._topk_args(g, 0, ctr, 0, 0, 0, 0, 0, ctr, self.layout.top_k, 1))
             self._rang(g, s)
             self._order.rang(g)
@@ -403,7 +404,6 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]
         self._readys = [ctl + 4 * i for i in db["ready"]]
-        self._rings = self.signal in ("kernel", "kernel-ring")  # the kernels ring their bells
         if self._rings:
             import cupy as cp  # noqa: PLC0415
 
@@ -415,6 +415,11 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
+
+    @property
+    def _rings(self) -> bool:
+        """Whether the kernels ring the bells themselves (else stream operations do)."""
+        return self.signal in KERNEL_RINGS
 
     def _step_bell(self) -> int:
         return self._bell_step if self._rings else 0

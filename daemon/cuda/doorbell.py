@@ -126,7 +126,7 @@ class DoorbellTransport(Transport):
             write32(stream.ptr, address, 0)
 
     def _set_ready(self, stream, address: int) -> None:
-        if self.signal == "kernel":  # "gather": a batch-order gather cannot set it, "ops" does
+        if self.signal == "kernel":  # else stream ops ("gather" too, when the gather cannot set it)
             with stream:
                 self._k_set((1,), (32,), (np.uint64(address),))
         else:

@@ -102,7 +102,8 @@ def test_the_resolve_build_options_equal_the_numpy_engine(case, defines):
 
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
 def test_a_block_of_threads_not_a_power_of_two_equals_the_numpy_engine(lookup):
-    """SKV_RESOLVE_THREADS 96 (3 warps, like the default 768 a multiple of 32 but not a power of two): every scan and walk."""
+    """SKV_RESOLVE_THREADS 96 (3 warps; like 768, a multiple of 32 but not a power of two):
+    every scan and walk."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = TRACES[4]  # odd
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     emu = cpu_kernels.Resolve(lay, lookup, threads=96, workspace=ws)
@@ -266,7 +267,7 @@ def test_the_handles_own_arguments_ring_the_groups_bell(grid, signal):
     arrivals = np.zeros(groups, np.uint32)
     bells = np.zeros(groups, np.uint32)
     h = object.__new__(DoorbellSwapIn)  # no GPU: only the argument builder is used
-    h.signal, h._rings = signal, True
+    h.signal = signal
     h.layout = SimpleNamespace(max_batch=max_batch)
     h._topk_blocks = [b.ctypes.data for b in blks]
     h._counter = SimpleNamespace(data=SimpleNamespace(ptr=counter.ctypes.data))
