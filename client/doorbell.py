@@ -21,11 +21,12 @@ What happens on the engine's stream (no host code of either process in between):
   attention indices.
 
 How bells are rung and ready words waited on (``signal``, default :data:`DEFAULT_SIGNAL`):
-``"kernel"``: the two kernels ring their bell themselves once their whole block is
-written, and a one-thread kernel (``csrc/signal.cu``) spins on the ready word; ``"ops"``:
-stream memory operations (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``) after and
-before the kernels; ``"kernel-ring"``: the kernels ring, stream operations wait. All
-capture into CUDA graphs; docs/PERF.md says what was measured.
+``"kernel-ring"`` (the default): the two kernels ring their bell themselves once their
+whole block is written, and stream memory operations (``cuStreamWaitValue32``) wait on the
+ready word; ``"ops"``: stream memory operations (``cuStreamWriteValue32`` /
+``cuStreamWaitValue32``) after and before the kernels; ``"kernel"``: the kernels ring and
+a one-thread kernel (``csrc/signal.cu``) spins on the ready word. All capture into CUDA
+graphs; docs/PERF.md says what was measured.
 
 **Indexing.** ``swap_in`` returns int32 ``[tokens, k]``: for column ``j`` of token ``t``,
 ``kv(layer)[idx[t, j]]`` is the KV row of that position (``kv(layer)`` = the layer's hot
@@ -70,15 +71,16 @@ from .step_order import StepOrder
 
 log = logging.getLogger("sparsekv.client")
 
-# How the engine's stream rings bells and waits on ready words: "kernel" (the top-k and
-# step kernels ring their bell themselves once their block is written; a one-thread
-# kernel spins on the ready word), "ops" (stream memory operations: cuStreamWriteValue32
-# / cuStreamWaitValue32, the default) or "kernel-ring" (the kernels ring, stream
-# operations wait). docs/PERF.md has what each measured; a spinning kernel holds an SM slot.
+# How the engine's stream rings bells and waits on ready words: "kernel-ring" (the default:
+# the top-k and step kernels ring their bell themselves once their block is written, stream
+# memory operations wait on the ready word), "ops" (stream memory operations for both:
+# cuStreamWriteValue32 / cuStreamWaitValue32) or "kernel" (the kernels ring; a one-thread
+# kernel spins on the ready word). docs/PERF.md has what each measured; a spinning kernel
+# holds an SM slot.
 SIGNAL_ENV = "SPARSEKV_DB_ENGINE_SIGNAL"
 SIGNALS = ("ops", "kernel", "kernel-ring")
 KERNEL_RINGS = ("kernel", "kernel-ring")  # the signals whose top-k and step kernels ring their bells
-DEFAULT_SIGNAL = "ops"
+DEFAULT_SIGNAL = "kernel-ring"
 
 
 def signal_mode(value: str | None = None) -> str:

@@ -30,11 +30,10 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "signal.cu": ("skv_wait_word", "skv_set_word"),
 }
 
-# One block per batch row. 768 threads timed faster in three H200 runs (17.9 / 18.6 / 17.9 us
-# against 19.2 / 20.0 / 19.7 at batch 64, top-k 2048, region 4096; docs/PERF.md, sessions
-# 9-10), and pass the emulator tests, but the cuda tests have not yet run at 768 (their
-# traces "big-768threads", "stride32k-768threads"): switch once they have.
-RESOLVE_THREADS = 1024
+# One block per batch row. 768 threads timed faster than 1024 in three H200 runs (17.9 / 18.6
+# / 17.9 us against 19.2 / 20.0 / 19.7 at batch 64, top-k 2048, region 4096; docs/PERF.md,
+# sessions 9-10); the cuda traces at 768 passed on the H200 in session 11.
+RESOLVE_THREADS = 768
 COPY_THREADS = 256
 COPY_LOAD = 1  # __ldg: the source of a copy is never written while it runs
 MERGE_THREADS = 1024  # skv_merge_plan: one block per batch row

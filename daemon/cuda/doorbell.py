@@ -55,13 +55,15 @@ log = logging.getLogger("sparsekv.cuda")
 
 DEPTH = 2  # step graphs launched ahead (a launch must never block: see _stock)
 DRAIN_TIMEOUT_S = 10.0
-# How the step graph waits on bells and sets ready words: "ops" (stream memory operations,
-# the default), "kernel" (csrc/signal.cu: a one-thread spin kernel, a one-thread store),
-# or "gather" (bells as "ops"; a layer's ready word set by the last block of its gather,
-# one graph node less per layer). docs/PERF.md has what each measured.
+# How the step graph waits on bells and sets ready words: "gather" (the default: bells waited
+# on with stream memory operations; a layer's ready word set by the last block of its
+# gather, one graph node less per layer), "ops" (stream memory operations for both; also
+# what "gather" falls back to where the gather cannot set the word: batch order) or
+# "kernel" (csrc/signal.cu: a one-thread spin kernel, a one-thread store). docs/PERF.md has
+# what each measured.
 SIGNAL_ENV = "SPARSEKV_DB_DAEMON_SIGNAL"
 SIGNALS = ("ops", "kernel", "gather")
-DEFAULT_SIGNAL = "ops"
+DEFAULT_SIGNAL = "gather"
 
 
 def signal_mode() -> str:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from sparsekv.client import BadRequest, Client
+from sparsekv.client.doorbell import DEFAULT_SIGNAL
 from sparsekv.client.errors import DaemonUnavailable
 from sparsekv.client.inproc import InprocClient
 from sparsekv.client.private_daemon import PrivateDaemon
@@ -129,7 +130,7 @@ def attach(run_dir, lay, fill=True, signal=None):
     if fill:
         fill_pool(c, lay)
     h = c.doorbell_handle(signal=signal)
-    assert h.signal == (signal or "ops")
+    assert h.signal == (signal or DEFAULT_SIGNAL)
     return c, h
 
 
