@@ -22,8 +22,8 @@ What happens on the engine's stream (no host code of either process in between):
 
 How bells are rung and ready words waited on (``signal``, default :data:`DEFAULT_SIGNAL`):
 ``"kernel-ring"`` (the default): the two kernels ring their bell themselves once their
-whole block is written, and stream memory operations (``cuStreamWaitValue32``) wait on the
-ready word; ``"ops"``: stream memory operations (``cuStreamWriteValue32`` /
+whole block is written, a stream memory operation (``cuStreamWaitValue32``) waits on the
+ready word and ``skv_db_indices`` clears it; ``"ops"``: stream memory operations (``cuStreamWriteValue32`` /
 ``cuStreamWaitValue32``) after and before the kernels; ``"kernel"``: the kernels ring and
 a one-thread kernel (``csrc/signal.cu``) spins on the ready word. All capture into CUDA
 graphs; docs/PERF.md says what was measured.
@@ -72,8 +72,8 @@ from .step_order import StepOrder
 log = logging.getLogger("sparsekv.client")
 
 # How the engine's stream rings bells and waits on ready words: "kernel-ring" (the default:
-# the top-k and step kernels ring their bell themselves once their block is written, stream
-# memory operations wait on the ready word), "ops" (stream memory operations for both:
+# the top-k and step kernels ring their bell themselves once their block is written, a
+# stream memory operation waits on the ready word, skv_db_indices clears it), "ops" (stream memory operations for both:
 # cuStreamWriteValue32 / cuStreamWaitValue32) or "kernel" (the kernels ring; a one-thread
 # kernel spins on the ready word). docs/PERF.md has what each measured; a spinning kernel
 # holds an SM slot.
@@ -320,7 +320,7 @@ class DeviceSwapIn:
                      (self._slots[g], i32(lay.top_k), req.data_ptr(), i32(tokens), topk.data_ptr(), i32(k),
                       res_ptr, i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))),
                       i32(lay.region_stride), i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr,
-                      out.data_ptr(), valid.data_ptr() if valid is not None else 0))
+                      out.data_ptr(), valid.data_ptr() if valid is not None else 0, self._cleared_by_indices(layer)))
         return (out, valid) if return_valid_counts else out
 
     def check(self) -> None:
@@ -349,6 +349,10 @@ class DeviceSwapIn:
         self._order.close()
 
     # -- internals ---------------------------------------------------------------------
+    def _cleared_by_indices(self, layer: int) -> int:
+        """The word ``skv_db_indices`` of ``layer`` sets to 0 (its ready word), or 0."""
+        return 0
+
     def _stream(self) -> int:
         return self._torch.cuda.current_stream(self.device).cuda_stream
 
@@ -444,7 +448,11 @@ class DoorbellSwapIn(DeviceSwapIn):
             self._launch(self._k_wait, 1, stream_ptr, (self._readys[layer],), threads=32)
             return
         wait32(stream_ptr, self._readys[layer], 1)
-        write32(stream_ptr, self._readys[layer], 0)
+        if self.signal != "kernel-ring":  # there skv_db_indices clears it (_cleared_by_indices)
+            write32(stream_ptr, self._readys[layer], 0)
+
+    def _cleared_by_indices(self, layer: int) -> int:
+        return self._readys[layer] if self.signal == "kernel-ring" else 0
 
     def close(self) -> None:
         """Stop the watcher and refuse every later call. ``Client.detach`` and

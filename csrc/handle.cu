@@ -109,6 +109,7 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
 //   otherwise -1 (and -1 everywhere once `dead[0]` is set: the daemon is gone; -1 for an
 //   index that would not fit int32: a resident block number far out of range).
 // `slots` is the group's [max_batch, ld] result. valid[t] (optional) = entries >= 0.
+// `clear` (optional): a word set to 0 first thing (the ready word the stream waited on).
 // Grid: one block per token (grid-stride); blockDim a multiple of 32, at most 1024.
 extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const int ld,
                                           const int* __restrict__ req_ids, const int tokens,
@@ -118,8 +119,13 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
                                           const int region_stride,
                                           const i64 hot_base, const i64 resident_base,
                                           const int* __restrict__ dead,
-                                          int* __restrict__ out, int* __restrict__ valid) {
+                                          int* __restrict__ out, int* __restrict__ valid,
+                                          u32* clear) {
     __shared__ int count;
+    // The layer's ready word (signal "kernel-ring"): the stream waited for it to be 1;
+    // clearing it here saves a stream operation between the wait and this kernel. The
+    // daemon sets it again only after the next bell, which this stream rings later.
+    if (clear && blockIdx.x == 0 && threadIdx.x == 0) *(volatile u32*)clear = 0u;
     const bool gone = dead && *(volatile const int*)dead != 0;
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
         if (threadIdx.x == 0) count = 0;

@@ -252,6 +252,7 @@ __device__ __forceinline__ void skv_bitonic_sort(u64* a, int n) {
 //
 // counters (u64, accumulated): hits, misses, out_of_range (ids < -1 or >= host_rows of
 // resolved rows), at counters + group * counters_per_group (0: one set for all groups).
+// `clear` (optional): a word set to 0 first thing (the doorbell bell the stream waited on).
 //
 // __launch_bounds__(..., 1): one block per SM is the plan (one block per batch row, and
 // rarely more rows than SMs). Without the 1, ptxas aims at two blocks per SM, caps the
@@ -274,9 +275,14 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const int counters_per_group,       // 0 or 4
     int* __restrict__ err,              // the error record
     unsigned char* __restrict__ ws_global,  // null: workspace in dynamic shared memory
-    const i64 ws_stride)                // bytes of one block's global workspace
+    const i64 ws_stride,                // bytes of one block's global workspace
+    u32* clear)                         // a doorbell word this launch consumes (set to 0), or null
 {
     __shared__ int sh_warp[SKV_RT / 32];
+    // The doorbell's group bell (daemon/cuda/doorbell.py): the stream waited for it to be
+    // 1; clearing it here saves a stream operation between the wait and this kernel. The
+    // engine rings it again only after this step's ready word, set after this kernel.
+    if (clear && blockIdx.x == 0 && threadIdx.x == 0) *(volatile u32*)clear = 0u;
     SKV_DYN_SMEM(skv_smem);
 
     __shared__ int sh_desc[SKV_DESC_INTS];

@@ -10,8 +10,8 @@ One step graph (captured once at attach)::
 
     wait bell_step == 1; bell_step = 0; skv_begin_step(db_step)
     for each index group g:
-        wait bell[g] == 1; bell[g] = 0
-        skv_resolve(db_topk[g]) -> db_slots[g], db_misses[g], the plan
+        wait bell[g] == 1; bell[g] = 0                        (signal "gather": cleared by
+        skv_resolve(db_topk[g]) -> db_slots[g], db_misses[g], the plan    the resolve)
         (last group: counters and error record -> the pinned mirror)
         for each layer l of g: skv_gather(l); ready[l] = 1   (signal "gather": set by the
                                                              gather's last block)
@@ -56,8 +56,8 @@ log = logging.getLogger("sparsekv.cuda")
 DEPTH = 2  # step graphs launched ahead (a launch must never block: see _stock)
 DRAIN_TIMEOUT_S = 10.0
 # How the step graph waits on bells and sets ready words: "gather" (the default: bells waited
-# on with stream memory operations; a layer's ready word set by the last block of its
-# gather, one graph node less per layer), "ops" (stream memory operations for both; also
+# on with stream memory operations and cleared by the group's resolve; a layer's ready word
+# set by the last block of its gather: two graph nodes less per group of one layer), "ops" (stream memory operations for both; also
 # what "gather" falls back to where the gather cannot set the word: batch order) or
 # "kernel" (csrc/signal.cu: a one-thread spin kernel, a one-thread store). docs/PERF.md has
 # what each measured.
@@ -119,13 +119,17 @@ class DoorbellTransport(Transport):
         self._thread.start()
 
     # -- the step graph ------------------------------------------------------------------
-    def _wait_bell(self, stream, address: int) -> None:
+    def _wait_bell(self, stream, address: int, cleared_by_kernel: bool = False) -> None:
+        """Wait until the word at ``address`` is 1 and set it to 0 again; with
+        ``cleared_by_kernel`` (signal "gather") the next kernel clears it (skv_resolve's
+        ``clear``)."""
         if self.signal == "kernel":  # "gather" waits on bells as "ops" does
             with stream:
                 self._k_wait((1,), (32,), (np.uint64(address),))
         else:
             wait32(stream.ptr, address, 1)
-            write32(stream.ptr, address, 0)
+            if not cleared_by_kernel:
+                write32(stream.ptr, address, 0)
 
     def _set_ready(self, stream, address: int) -> None:
         if self.signal == "kernel":  # else stream ops ("gather" too, when the gather cannot set it)
@@ -141,8 +145,10 @@ class DoorbellTransport(Transport):
                                       b.max_batch, stream)
         for g, layers in enumerate(self.layout.groups):
             t = b.db_topk[g]
-            self._wait_bell(stream, self._bells[g])
-            d.enqueue_resolve(t, b.db_slots[g], b.db_misses[g], stream)
+            # "gather": the resolve clears the group's bell (one stream operation less).
+            clear = self._bells[g] if self.signal == "gather" else 0
+            self._wait_bell(stream, self._bells[g], cleared_by_kernel=bool(clear))
+            d.enqueue_resolve(t, b.db_slots[g], b.db_misses[g], stream, clear=clear)
             if g == self.layout.num_groups - 1:
                 # Before the last ready word: once the engine's stream has passed a step,
                 # the step's counters and errors are in the pinned mirror (check()).

@@ -57,13 +57,14 @@ class DeviceStep:
         self.residency.launch_begin_step(b.desc, b.rows, b.aux, b.payload, self.buffers.err,
                                          self.buffers.max_batch, stream)
 
-    def enqueue_resolve(self, block, slots, misses, stream) -> None:
+    def enqueue_resolve(self, block, slots, misses, stream, clear: int = 0) -> None:
         """``skv_resolve`` of a top-k block into ``slots`` / ``misses`` and the per-row
-        plans, then (batch gather order) ``skv_merge_plan`` of those plans."""
+        plans, then (batch gather order) ``skv_merge_plan`` of those plans. ``clear``: a
+        doorbell word the resolve sets to 0 (device address), or 0."""
         bufs = self.buffers
         self.residency.launch_resolve(block.desc, block.rows, block.payload, slots, misses,
                                       bufs.plan_rows, bufs.plan_slots, bufs.counters, 4, bufs.err,
-                                      bufs.workspace, bufs.max_batch, stream)
+                                      bufs.workspace, bufs.max_batch, stream, clear=clear)
         if self.mover.order == "batch":
             self.mover.launch_merge_plan(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream)
 

@@ -375,11 +375,13 @@ class CudaResidency(Residency):
                             out.counters, 0, out.err, out.workspace, out.max_batch, stream)
 
     def launch_resolve(self, desc, state_rows, topk, slots, misses, plan_rows, plan_slots, counters,
-                       counters_per_group: int, err, workspace, max_batch: int, stream) -> None:
+                       counters_per_group: int, err, workspace, max_batch: int, stream, clear: int = 0) -> None:
         """Enqueue ``skv_resolve`` on ``stream``. Device arrays only; the batch, columns and
         group come from ``desc``; the grid (``max_batch`` blocks) and shared memory are
         fixed by the layout. ``slots`` and the plan are ``[max_batch, top_k]``; counters
-        are ``[groups, 4]`` with ``counters_per_group`` 4, or one ``[4]`` with 0."""
+        are ``[groups, 4]`` with ``counters_per_group`` 4, or one ``[4]`` with 0.
+        ``clear``: the device address of a u32 word the kernel sets to 0 first (a doorbell
+        bell the stream has just waited on), or 0."""
         lay = self.layout
         i32 = np.int32
         if self.workspace_global:
@@ -392,7 +394,8 @@ class CudaResidency(Residency):
                 (int(max_batch),), (self.threads,),
                 (desc, self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
                  i32(lay.host_rows), i32(lay.top_k), i32(max_batch), state_rows, topk, i32(lay.top_k),
-                 slots, misses, plan_rows, plan_slots, counters, i32(counters_per_group), err, ws, ws_stride),
+                 slots, misses, plan_rows, plan_slots, counters, i32(counters_per_group), err, ws, ws_stride,
+                 np.uint64(clear)),
                 shared_mem=self.resolve_smem,
             )
 

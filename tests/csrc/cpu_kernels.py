@@ -78,9 +78,9 @@ extern "C" void run_{entry}(int grid, int block, int smem, {params}) {{
 _RESOLVE_PARAMS = ("const int* desc, int* owner, int* lru, int groups, int max_reqs, int S, int host_rows, int top_k, "
                    "int max_batch, const int* state_rows, const int* topk, int out_k, int* slots, int* misses, "
                    "int* prow, int* pslot, unsigned long long* counters, int cpg, int* err, unsigned char* ws, "
-                   "long long ws_stride")
+                   "long long ws_stride, unsigned int* clear")
 _RESOLVE_ARGS = ("desc, owner, lru, groups, max_reqs, S, host_rows, top_k, max_batch, state_rows, topk, out_k, slots, "
-                 "misses, prow, pslot, counters, cpg, err, ws, ws_stride")
+                 "misses, prow, pslot, counters, cpg, err, ws, ws_stride, clear")
 
 
 def _ptr(a: np.ndarray):
@@ -182,7 +182,8 @@ class Resolve:
         """Error bits counted so far (this emulated rank's whole record)."""
         return error_bits(self.err)
 
-    def run(self, group: int, state_rows: np.ndarray, topk: np.ndarray):
+    def run(self, group: int, state_rows: np.ndarray, topk: np.ndarray, clear: np.ndarray | None = None):
+        """One launch; ``clear``: a uint32 word the kernel sets to 0 (a doorbell bell)."""
         lay = self.lay
         B, K = lay.max_batch, lay.top_k
         batch, k = topk.shape
@@ -203,7 +204,7 @@ class Resolve:
             i(B), i(self.threads), i(smem), _ptr(desc), _ptr(self.owner), _ptr(self.lru), i(lay.num_groups),
             i(lay.max_reqs), i(lay.region_stride), i(lay.host_rows), i(lay.top_k), i(B), _ptr(sr), _ptr(tk), i(K),
             _ptr(out.slots), _ptr(out.misses), _ptr(out.prow), _ptr(out.pslot), _ptr(out.counters), i(0),
-            _ptr(self.err), ws_ptr, ctypes.c_longlong(ws_stride))
+            _ptr(self.err), ws_ptr, ctypes.c_longlong(ws_stride), _opt(clear))
         return out
 
     def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray):
@@ -250,9 +251,10 @@ _TOPK_ARGS = ("blk, counter, req_ids, tokens, table, table_rows, max_blocks, res
               "group, max_batch, done, bell")
 _INDICES_PARAMS = ("const int* slots, int ld, const int* req_ids, int tokens, const int* topk, int k, "
                    "const int* resident, int res_blocks, int table_rows, int block_size, int region_stride, "
-                   "long long hot_base, long long resident_base, const int* dead, int* out, int* valid")
+                   "long long hot_base, long long resident_base, const int* dead, int* out, int* valid, "
+                   "unsigned int* clear")
 _INDICES_ARGS = ("slots, ld, req_ids, tokens, topk, k, resident, res_blocks, table_rows, block_size, region_stride, "
-                 "hot_base, resident_base, dead, out, valid")
+                 "hot_base, resident_base, dead, out, valid, clear")
 
 
 def _opt(a):
@@ -286,8 +288,9 @@ def db_topk_raw(grid: int, threads: int, args: tuple):
 
 
 def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_rows: int, block_size: int,
-               region_stride: int, hot_base: int, resident_base: int, dead, out, valid=None):
-    """``skv_db_indices`` (csrc/handle.cu) over NumPy arrays."""
+               region_stride: int, hot_base: int, resident_base: int, dead, out, valid=None, clear=None):
+    """``skv_db_indices`` (csrc/handle.cu) over NumPy arrays; ``clear``: a uint32 word it
+    sets to 0 (the layer's ready word)."""
     lib = build("handle.cu", "skv_db_indices", _INDICES_PARAMS, _INDICES_ARGS, {})
     i = ctypes.c_int
     tokens, k = topk.shape
@@ -295,7 +298,7 @@ def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_ro
     lib.run_skv_db_indices(i(grid), i(threads), i(0), _ptr(slots), i(slots.shape[1]), _ptr(req_ids), i(tokens),
                            _ptr(topk), i(k), _opt(resident), i(res_blocks), i(table_rows), i(block_size),
                            i(region_stride), ctypes.c_longlong(hot_base), ctypes.c_longlong(resident_base),
-                           _opt(dead), _ptr(out), _opt(valid))
+                           _opt(dead), _ptr(out), _opt(valid), _opt(clear))
 
 
 _GATHER_PARAMS = ("const int* desc, const unsigned char* pool, long long host_rows, int num_layers, "

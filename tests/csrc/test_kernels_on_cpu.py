@@ -17,6 +17,7 @@ machine with a C++ compiler.
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import numpy as np
@@ -312,6 +313,58 @@ def test_the_engine_side_indices_point_at_hot_or_resident_rows():
                     want[t, j] = hot + r * stride + slots[t, j]
         np.testing.assert_array_equal(out, want, err_msg=f"dead {dead_flag}")
         np.testing.assert_array_equal(valid, (want >= 0).sum(axis=1))
+
+
+@pytest.mark.parametrize("signal", ["ops", "kernel-ring"])
+def test_the_indices_clear_the_layers_ready_word_with_kernel_ring_only(signal):
+    """With "kernel-ring" the handle passes each layer's ready word to skv_db_indices, which
+    sets it to 0 (in place of a stream operation after the wait); with "ops" it passes
+    none and the word stays as it was. The indices are the same either way."""
+    from types import SimpleNamespace
+
+    from sparsekv.client.doorbell import DoorbellSwapIn
+
+    rng = np.random.default_rng(8)
+    req, table, resident, topk, bs = _positions_case(rng)
+    tokens, k = topk.shape
+    slots = rng.integers(-1, 64, size=(8, k)).astype(np.int32)
+    readys = np.ones(3, np.uint32)
+    h = object.__new__(DoorbellSwapIn)  # no GPU: only the argument choice is used
+    h.signal = signal
+    h._readys = [readys.ctypes.data + 4 * i for i in range(3)]
+    word = h._cleared_by_indices(1)
+    assert word == (h._readys[1] if signal == "kernel-ring" else 0)
+    outs = []
+    for clear in (None, word):
+        out = np.full((tokens, k), -9, np.int32)
+        cw = None
+        if clear:  # the emulator takes arrays: a view of the very word the handle named
+            cw = np.frombuffer((ctypes.c_uint32 * 1).from_address(clear), np.uint32)
+        cpu_kernels.db_indices(3, 32, slots, req, topk, resident, table.shape[0], bs, 64, 1000, 50_000,
+                               np.zeros(1, np.int32), out, clear=cw)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert readys.tolist() == ([1, 0, 1] if signal == "kernel-ring" else [1, 1, 1])
+
+
+def test_the_resolve_clears_the_word_it_is_given_and_resolves_the_same():
+    """skv_resolve's ``clear`` (the doorbell's group bell, signal "gather"): the word ends
+    at 0 and the slots, plan and state are those of a launch without it."""
+    lay = layout(64, 128, 2_000, 4, groups=1, max_batch=4)
+    rng = np.random.default_rng(3)
+    topk = np.stack([rng.choice(2_000, 64, replace=False) for _ in range(3)]).astype(np.int32)
+    rows = np.array([0, 2, 3], np.int32)
+    res = []
+    for clear in (None, np.ones(1, np.uint32)):
+        emu = cpu_kernels.Resolve(lay, "hash", threads=64, workspace="shared")
+        out = emu.run(0, rows, topk, clear=clear)
+        res.append((out, emu.state(), clear))
+    (a, sa, _), (b, sb, word) = res
+    assert word.tolist() == [0]
+    for name in ("slots", "misses", "prow", "pslot", "counters"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    for x, y in zip(sa, sb):
+        np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("geometry", ["daemon", "engine"])
