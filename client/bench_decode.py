@@ -90,6 +90,7 @@ class Options:
     steps: int = DEFAULT_STEPS
     warmup: int = 8
     rounds: int = 1  # every mode of a batch this many times over, alternating (run-to-run spread)
+    paired: bool = False  # inproc and doorbell timed step by step in turn (drift cancels out)
     modes: tuple[str, ...] = DEFAULT_MODES
     layer_overlap: float = 0.85
     gather_blocks: int | None = None
@@ -113,6 +114,9 @@ class Options:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+        if self.paired and not {"inproc", "doorbell"} <= set(self.modes):
+            raise ValueError(f"--paired times inproc and doorbell in turn: --modes must have both, got "
+                             f"{','.join(self.modes)}")
         if not 0 <= self.layer_overlap <= 1:
             raise ValueError(f"--layer-overlap must lie in [0, 1], got {self.layer_overlap}")
         if self.gather_blocks is not None and self.gather_blocks < 1:
@@ -358,6 +362,9 @@ class Result:
     skipped: str | None = None
     round: int = 0  # which of --rounds (combine_rounds() merges them)
     round_p50s: tuple[float, ...] = ()  # merged: each round's p50
+    # --paired: the median over steps of (this step - inproc's same step) / layers, us
+    paired_us_per_layer: float | None = None
+    round_paired: tuple[float, ...] = ()  # merged: each round's
     # derived by derive()
     gbps: float | None = None
     overhead_us_per_layer: float | None = None
@@ -394,6 +401,10 @@ def combine_rounds(results: list[Result], layers: int) -> list[Result]:
                         hit_rate=first.hit_rate, hit_measured=first.hit_measured,
                         misses_per_step=first.misses_per_step, fill_s=first.fill_s,
                         round_p50s=tuple(r.p50_us for r in ok))
+        paired = [r.paired_us_per_layer for r in ok if r.paired_us_per_layer is not None]
+        if paired:
+            merged.paired_us_per_layer = float(np.median(paired))
+            merged.round_paired = tuple(paired)
         if mode in ("doorbell", "zmq"):
             merged.round_overheads = tuple((r.p50_us - inproc[(batch, hits, r.round)].p50_us) / layers
                                            for r in ok if (batch, hits, r.round) in inproc)
@@ -451,6 +462,10 @@ def table(results: list[Result], opts: Options) -> str:
         notes.append("run eager: the CUDA graph capture failed, each step was launched from Python")
     notes.append("+us/layer = (mode p50 - inproc p50) / layers; x inproc = mode p50 / inproc p50")
     for r in results:
+        if r.paired_us_per_layer is not None:
+            per = f" (rounds {', '.join(f'{v:+.2f}' for v in r.round_paired)})" if len(r.round_paired) > 1 else ""
+            notes.append(f"batch {r.batch} {hkey(r.hits)}% {r.mode}: timed step by step in turn with inproc "
+                         f"(--paired); median of the per-step differences {r.paired_us_per_layer:+.2f} us/layer{per}")
         if len(r.round_overheads) > 1:
             notes.append(f"batch {r.batch} {hkey(r.hits)}% {r.mode}: {len(r.round_p50s)} rounds (medians above), "
                          f"+us/layer per round {', '.join(f'{v:+.2f}' for v in r.round_overheads)}")
@@ -466,7 +481,7 @@ def summary(results: list[Result], opts: Options) -> dict:
     out: dict = {"decode_layers": opts.layers, "decode_top_k": opts.top_k, "decode_row_bytes": opts.row_bytes,
                  "decode_context": opts.context, "decode_block_size": opts.block_size, "decode_steps": opts.steps,
                  "decode_warmup": opts.warmup, "decode_gather_blocks": _gather_blocks(opts),
-                 "decode_layer_overlap": opts.layer_overlap,
+                 "decode_layer_overlap": opts.layer_overlap, "decode_paired": opts.paired,
                  # how bells and ready words were signalled (client/doorbell.py, daemon/cuda/doorbell.py)
                  "decode_engine_signal": engine_signal(),
                  "decode_daemon_signal": daemon_signal()}
@@ -491,6 +506,8 @@ def summary(results: list[Result], opts: Options) -> dict:
         if r.overhead_us_per_layer is not None:
             out[f"{k}_overhead_us_per_layer"] = _round(r.overhead_us_per_layer, 2)
             out[f"{k}_vs_inproc"] = _round(r.vs_inproc, 3)
+        if r.paired_us_per_layer is not None:
+            out[f"{k}_paired_overhead_us_per_layer"] = _round(r.paired_us_per_layer, 2)
         if len(r.round_p50s) > 1:
             out[f"{k}_rounds"] = len(r.round_p50s)
         if len(r.round_overheads) > 1:
@@ -626,63 +643,104 @@ def _capture(torch, step, label: str):
     return graph.replay, "graph", graph
 
 
-def _timed(torch, run, inputs: _Inputs, st: _Static, opts: Options, counts):
-    """Step times (us) of the timed steps, and (hits, misses) over them or None."""
-    times = []
-    before = None
+def _timed(torch, runs, inputs: _Inputs, sts, opts: Options, counts):
+    """Step times (us) ``[len(runs), steps]`` of the timed steps, and per run (hits,
+    misses) over them or None. ``runs`` / ``sts`` / ``counts``: one per side; with several,
+    step ``t`` of every side runs before step ``t + 1`` of any, the order rotated by ``t``
+    (each side first as often), each timed alone between two synchronisations."""
+    n = len(runs)
+    times = np.zeros((n, opts.steps))
+    before: list = [None] * n
     for t in range(opts.warmup + opts.steps):
-        inputs.load(st, t)
+        for st in sts:
+            inputs.load(st, t)
         torch.cuda.synchronize()
-        if t == opts.warmup and counts is not None:
-            before = counts()
-        t0 = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if t >= opts.warmup:
-            times.append(dt * 1e6)
-    delta = None
-    if counts is not None:
-        after = counts()
-        if before is not None and after is not None:
-            delta = (after[0] - before[0], after[1] - before[1])
-    return np.array(times), delta
+        if t == opts.warmup:
+            before = [c() if c is not None else None for c in counts]
+        for j in range(n):
+            i = (t + j) % n
+            t0 = time.perf_counter()
+            runs[i]()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if t >= opts.warmup:
+                times[i, t - opts.warmup] = dt * 1e6
+    deltas: list = [None] * n
+    for i, c in enumerate(counts):
+        if c is None:
+            continue
+        after = c()
+        if before[i] is not None and after is not None:
+            deltas[i] = (after[0] - before[i][0], after[1] - before[i][1])
+    return times, deltas
+
+
+@dataclass
+class _Side:
+    """One mode's step in a timed run (:func:`_run_sides`)."""
+
+    mode: str
+    step: object  # () -> None: one decode step, enqueued on the current stream
+    st: _Static
+    counts: object = None  # () -> (hits, misses) or None
+    check: object = None  # () -> None, raises what went wrong
+    fill_s: float | None = None
+    handle: object = None  # what the owner closes after the run (inproc: the InprocSwapIn)
 
 
 def _run_configs(torch, mode: str, step, st: _Static, lay: Layout, workloads: dict, opts: Options, out: list,
                  counts=None, check=None, capture: bool = True, fill_s: float | None = None) -> None:
     """Every hit rate of one (mode, batch): capture once, then time each config."""
+    _run_sides(torch, [_Side(mode, step, st, counts, check, fill_s)], lay, workloads, opts, out, capture=capture)
+
+
+def _run_sides(torch, sides: list, lay: Layout, workloads: dict, opts: Options, out: list,
+               capture: bool = True) -> None:
+    """Every hit rate of one batch for one or several modes (``sides``): each side's step
+    captured once, then every config timed. Several sides are timed step by step in turn
+    (:func:`_timed`), so that drift of the machine lands on each alike; every side after
+    the first gets the median of its per-step differences to the first
+    (``paired_us_per_layer``; the first is inproc)."""
     batch = lay.max_batch
-    run, how, graph = step, "eager", None
+    runs = [(s.step, "eager", None) for s in sides]
     first = True
     for hits, wl in workloads.items():
         inputs = _Inputs(torch, wl)
-        st.table.copy_(inputs.table)
+        for s in sides:
+            s.st.table.copy_(inputs.table)
         if first and capture:
-            inputs.load(st, 0)
-            run, how, graph = _capture(torch, step, f"{mode} batch {batch}")
-        times, delta = _timed(torch, run, inputs, st, opts, counts)
-        r = Result(mode, batch, hits, run=how, p50_us=float(np.median(times)),
-                   p99_us=float(np.percentile(times, 99)), fill_s=fill_s if first else None)
+            for i, s in enumerate(sides):
+                inputs.load(s.st, 0)
+                runs[i] = _capture(torch, s.step, f"{s.mode} batch {batch}")
+        times, deltas = _timed(torch, [r[0] for r in runs], inputs, [s.st for s in sides], opts,
+                               [s.counts for s in sides])
+        for i, s in enumerate(sides):
+            r = Result(s.mode, batch, hits, run=runs[i][1], p50_us=float(np.median(times[i])),
+                       p99_us=float(np.percentile(times[i], 99)), fill_s=s.fill_s if first else None)
+            if i > 0:
+                r.paired_us_per_layer = float(np.median(times[i] - times[0])) / lay.num_layers
+            if s.mode != "gpu":
+                delta = deltas[i]
+                if delta is not None and sum(delta) > 0:
+                    r.hit_rate, r.hit_measured = delta[0] / sum(delta), True
+                    r.misses_per_step = delta[1] / opts.steps
+                else:
+                    r.hit_rate = wl.target_hit_rate
+                    r.misses_per_step = (1 - wl.target_hit_rate) * batch * opts.top_k * opts.layers
+            if s.check is not None:
+                try:
+                    s.check()
+                except Exception as e:  # noqa: BLE001 - a refused row makes the figure suspect: report it
+                    r.error = f"{type(e).__name__}: {e}"
+            out.append(r)
+            _say(f"batch {batch} hits {hkey(hits)}% {s.mode}: p50 {r.p50_us:.1f} us, p99 {r.p99_us:.1f} us "
+                 f"({runs[i][1]})" + (f"; {r.error}" if r.error else "")
+                 + (f"; paired with {sides[0].mode}: {r.paired_us_per_layer:+.2f} us/layer"
+                    if r.paired_us_per_layer is not None else ""))
         first = False
-        if mode != "gpu":
-            if delta is not None and sum(delta) > 0:
-                r.hit_rate, r.hit_measured = delta[0] / sum(delta), True
-                r.misses_per_step = delta[1] / opts.steps
-            else:
-                r.hit_rate = wl.target_hit_rate
-                r.misses_per_step = (1 - wl.target_hit_rate) * batch * opts.top_k * opts.layers
-        if check is not None:
-            try:
-                check()
-            except Exception as e:  # noqa: BLE001 - a refused row makes the figure suspect: report it
-                r.error = f"{type(e).__name__}: {e}"
-        out.append(r)
-        _say(f"batch {batch} hits {hkey(hits)}% {mode}: p50 {r.p50_us:.1f} us, p99 {r.p99_us:.1f} us ({how})"
-             + (f"; {r.error}" if r.error else ""))
         del inputs
     torch.cuda.synchronize()
-    del graph
+    del runs
 
 
 def _gpu_step(torch, kv32, st: _Static, lay: Layout, block_size: int):
@@ -739,8 +797,9 @@ def _handle_step(torch, h, st: _Static, lay: Layout, block_size: int):
     return step
 
 
-def run_inproc(torch, lay: Layout, workloads: dict, opts: Options, out: list) -> None:
-    """``InprocSwapIn``: the daemon's kernels inline, its own pinned pool."""
+def _open_inproc(torch, lay: Layout, opts: Options):
+    """``InprocSwapIn`` with its pool filled, and its side of a timed run; the caller
+    closes the handle (``side.handle``) once the GPU is done with it."""
     from .inproc_cuda import InprocSwapIn  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -757,11 +816,32 @@ def run_inproc(torch, lay: Layout, workloads: dict, opts: Options, out: list) ->
             c = h.counters()
             return c["hits"], c["misses"]
 
-        _run_configs(torch, "inproc", _handle_step(torch, h, st, lay, opts.block_size), st, lay, workloads, opts,
-                     out, counts=counts, check=h.check, fill_s=fill_s)
+        return _Side("inproc", _handle_step(torch, h, st, lay, opts.block_size), st, counts=counts, check=h.check,
+                     fill_s=fill_s, handle=h)
+    except BaseException:
+        h.close()
+        raise
+
+
+def run_inproc(torch, lay: Layout, workloads: dict, opts: Options, out: list) -> None:
+    """``InprocSwapIn``: the daemon's kernels inline, its own pinned pool."""
+    side = _open_inproc(torch, lay, opts)
+    try:
+        _run_sides(torch, [side], lay, workloads, opts, out)
     finally:
         torch.cuda.synchronize()
-        h.close()
+        side.handle.close()
+
+
+def run_paired(torch, lay: Layout, workloads: dict, opts: Options, out: list) -> None:
+    """``--paired``: the inproc handle and the doorbell rank side by side (each its own
+    pool), timed step by step in turn; then zmq, when asked, as without it."""
+    side = _open_inproc(torch, lay, opts)
+    try:
+        run_doorbell(torch, lay, workloads, opts, out, paired_with=side)
+    finally:
+        torch.cuda.synchronize()
+        side.handle.close()
 
 
 def _arena_bytes(lay: Layout, ranks: int) -> int:
@@ -788,9 +868,11 @@ def _host_swap_in():
     return HostSwapIn, None
 
 
-def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list) -> None:
+def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list, paired_with: _Side | None = None
+                 ) -> None:
     """A private cuda daemon for this batch: the doorbell rank (and the zmq rank, when
-    asked: a second rank of the same engine, so the pool is written once)."""
+    asked: a second rank of the same engine, so the pool is written once). ``paired_with``:
+    the inproc side, timed step by step in turn with the doorbell rank (its results too)."""
     from .client import Client  # noqa: PLC0415
     from .private_daemon import PrivateDaemon  # noqa: PLC0415
 
@@ -845,7 +927,7 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list) 
             if cz is not None:
                 c.attach(lay, engine=engine, transport="doorbell")  # joins: the pool is already written
             _guarded(out, "doorbell", batch, workloads,
-                     lambda: _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s))
+                     lambda: _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with))
             if cz is not None:
                 c.detach()
         if want_zmq:
@@ -853,12 +935,13 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list) 
                      lambda: _run_zmq_rank(torch, host_swap_in(cz), cz, lay, workloads, opts, out, fill_s))
 
 
-def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s) -> None:
+def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with: _Side | None = None) -> None:
     h = c.doorbell_handle()
     try:
         st = _Static(torch, lay, opts.blocks)
-        _run_configs(torch, "doorbell", _handle_step(torch, h, st, lay, opts.block_size), st, lay, workloads, opts,
-                     out, counts=lambda: _daemon_counts(c), check=h.check, fill_s=fill_s)
+        side = _Side("doorbell", _handle_step(torch, h, st, lay, opts.block_size), st,
+                     counts=lambda: _daemon_counts(c), check=h.check, fill_s=fill_s)
+        _run_sides(torch, [paired_with, side] if paired_with is not None else [side], lay, workloads, opts, out)
     finally:
         torch.cuda.synchronize()  # the stream must not wait on a ready word when the watcher stops
         h.close()
@@ -939,6 +1022,20 @@ def _run_batch_modes(torch, batch: int, lay: Layout, workloads: dict, opts: Opti
     if gpu and "gpu" in opts.modes:
         _guarded(results, "gpu", batch, workloads, lambda: run_gpu(torch, lay, workloads, opts, results))
         _free(torch)
+    if opts.paired:
+        modes = [m for m in ("inproc", "doorbell", "zmq") if m in opts.modes]
+        why = "not timed: the paired run with the doorbell failed first (see its row)"
+        try:
+            run_paired(torch, lay, workloads, opts, results)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 - inproc or the daemon did not start, attach or fill
+            why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+            _say(f"batch {batch} paired: {why}")
+        done = {(r.mode, r.hits) for r in results if r.batch == batch}
+        results.extend(Result(m, batch, h, error=why) for m in modes for h in workloads if (m, h) not in done)
+        _free(torch)
+        return
     if "inproc" in opts.modes:
         _guarded(results, "inproc", batch, workloads, lambda: run_inproc(torch, lay, workloads, opts, results))
         _free(torch)
@@ -989,6 +1086,9 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="run every mode of a batch N times, alternating, each daemon mode with a daemon of its "
                         "own; figures are the rounds' medians, the spread of the hand-off is reported")
+    p.add_argument("--paired", action="store_true",
+                   help="time inproc and doorbell step by step in turn, both set up at once (two pools), so that "
+                        "drift of the machine cancels out of the hand-off; adds the median per-step difference")
     p.add_argument("--context", type=int, default=8192, metavar="N", help="positions per request")
     p.add_argument("--block-size", type=int, default=64, metavar="N", help="positions per block of the block table")
     p.add_argument("--top-k", type=int, default=2048, metavar="N", help="columns per top-k row (= hot slots)")
@@ -1016,7 +1116,7 @@ def options_from_args(a) -> Options:
         hits=a.hits or (QUICK_HITS if quick else DEFAULT_HITS),
         layers=a.layers, top_k=a.top_k, row_bytes=a.row_bytes, context=a.context, block_size=a.block_size,
         steps=a.steps if a.steps is not None else (QUICK_STEPS if quick else DEFAULT_STEPS), warmup=a.warmup,
-        rounds=a.rounds,
+        rounds=a.rounds, paired=bool(getattr(a, "paired", False)),
         modes=tuple(dict.fromkeys(a.modes)) if a.modes else DEFAULT_MODES,
         layer_overlap=a.layer_overlap, gather_blocks=a.gather_blocks, seed=a.seed,
         json_path=a.json_path, plot_path=a.plot_path, daemon_log=a.daemon_log,

@@ -454,6 +454,85 @@ def test_run_configs_times_each_config_and_measures_the_hit_rate(cpu_torch):
     assert out2[0].hit_rate == workloads[90.0].target_hit_rate and not out2[0].hit_measured
 
 
+def test_paired_sides_run_in_turn_and_report_the_median_per_step_difference(cpu_torch, monkeypatch):
+    """--paired: step t of both sides before step t + 1 of either, the first side first on
+    even steps and second on odd ones; each side's p50 from its own steps, the doorbell's
+    paired figure the median of its per-step differences to inproc, per layer; counters
+    and checks per side."""
+    import types
+
+    torch = cpu_torch
+    opts, lay, _ = tiny()
+    workloads = {90.0: generate(3, 0.9, steps=opts.warmup + opts.steps, layers=3, context=256, top_k=64,
+                                block_size=16)}
+    clock = [0.0]
+    monkeypatch.setattr(bd, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    calls = []
+    inproc_us = [100.0, 400.0, 100.0, 300.0, 200.0]  # warm-up 2, then 3 timed
+    db_us = [130.0, 430.0, 160.0, 309.0, 221.0]  # timed differences: +60, +9, +21
+
+    def side(name, per_step):
+        def step():
+            calls.append(name)
+            clock[0] += per_step[sum(c == name for c in calls) - 1] * 1e-6
+        return step
+
+    sides = [bd._Side("inproc", side("i", inproc_us), bd._Static(torch, lay, opts.blocks),
+                      counts=lambda: (len(calls), 0)),
+             bd._Side("doorbell", side("d", db_us), bd._Static(torch, lay, opts.blocks),
+                      check=lambda: (_ for _ in ()).throw(RuntimeError("refused row")))]
+    out: list = []
+    bd._run_sides(torch, sides, lay, workloads, opts, out, capture=False)
+    assert calls == ["i", "d", "d", "i", "i", "d", "d", "i", "i", "d"]
+    inproc, db = out
+    assert (inproc.mode, db.mode) == ("inproc", "doorbell")
+    assert inproc.p50_us == pytest.approx(200.0) and db.p50_us == pytest.approx(221.0)
+    assert db.paired_us_per_layer == pytest.approx(21.0 / 3) and inproc.paired_us_per_layer is None
+    assert inproc.hit_measured and not db.hit_measured  # counters of the inproc side only
+    assert inproc.error is None and db.error == "RuntimeError: refused row"
+
+
+def test_paired_figures_merge_over_rounds_into_the_json_and_the_table():
+    rs = []
+    for rnd, pv in enumerate([1.5, -0.5, 4.0]):
+        rs.append(Result("inproc", 64, 90.0, run="graph", p50_us=1000.0, p99_us=1000.0, round=rnd))
+        rs.append(Result("doorbell", 64, 90.0, run="graph", p50_us=1100.0, p99_us=1100.0, round=rnd,
+                         paired_us_per_layer=pv))
+    merged = derive(combine_rounds(rs, 61), 61, 656)
+    db = next(r for r in merged if r.mode == "doorbell")
+    assert db.paired_us_per_layer == 1.5 and db.round_paired == (1.5, -0.5, 4.0)
+    opts = Options(gather_blocks=32, paired=True)
+    d = summary(merged, opts)
+    assert d["decode_b64_h90_doorbell_paired_overhead_us_per_layer"] == 1.5 and d["decode_paired"] is True
+    assert "decode_b64_h90_inproc_paired_overhead_us_per_layer" not in d
+    text = table(merged, opts)
+    assert "median of the per-step differences +1.50 us/layer (rounds +1.50, -0.50, +4.00)" in text
+
+
+def test_paired_needs_inproc_and_doorbell_and_a_failure_marks_every_mode_it_left(monkeypatch, capsys):
+    with pytest.raises(ValueError, match="--paired"):
+        Options(modes=("gpu", "doorbell"), paired=True, **SMALL).validate()
+    a = parse("--paired", "--modes", "inproc,doorbell,zmq", "--quick")
+    assert bd.options_from_args(a).paired is True
+    assert bd.options_from_args(parse("--quick")).paired is False
+    opts = Options(batches=(4,), hits=(80.0, 90.0), modes=("inproc", "doorbell", "zmq"), paired=True,
+                   **SMALL).validate()
+    monkeypatch.setattr(bd, "_free", lambda torch: None)
+
+    def half(torch, lay, workloads, opts, out):  # the doorbell timed one config, then the daemon went away
+        out.append(Result("inproc", 4, 80.0, run="graph", p50_us=1.0, p99_us=1.0))
+        out.append(Result("doorbell", 4, 80.0, run="graph", p50_us=2.0, p99_us=2.0))
+        raise RuntimeError("daemon\ngone")
+
+    monkeypatch.setattr(bd, "run_paired", half)
+    out: list = []
+    bd._run_batch_modes(None, 4, bd.make_layout(4, opts), {80.0: None, 90.0: None}, opts, out, gpu=False)
+    left = sorted((r.mode, r.hits, r.error) for r in out if r.error)
+    assert left == [("doorbell", 90.0, "RuntimeError: daemon gone"), ("inproc", 90.0, "RuntimeError: daemon gone"),
+                    ("zmq", 80.0, "RuntimeError: daemon gone"), ("zmq", 90.0, "RuntimeError: daemon gone")]
+    assert "batch 4 paired" in capsys.readouterr().err
+
+
 def test_a_failing_mode_becomes_error_rows_and_the_run_goes_on(capsys):
     out: list = [Result("inproc", 16, 80.0, run="graph", p50_us=1.0, p99_us=1.0)]
 
@@ -516,3 +595,22 @@ def test_a_tiny_run_on_the_gpu(tmp_path):
     assert d["decode_reference_config"] == "b2_h90_k64"
     assert d["decode_b4_h90_doorbell_p50_us"] > 0
     print(table(results, opts))
+
+
+@pytest.mark.cuda
+def test_a_tiny_paired_run_on_the_gpu(tmp_path):
+    """--paired on the GPU: the inproc handle and the doorbell rank set up at once, both
+    captured, timed in turn; the same hit rate on each side, and the paired figure."""
+    import torch
+
+    opts = Options(batches=(2,), hits=(90.0,), layers=2, top_k=64, row_bytes=656, context=256, block_size=16,
+                   steps=4, warmup=2, modes=("inproc", "doorbell"), paired=True,
+                   daemon_log=str(tmp_path / "sparsekvd.log")).validate()
+    by = {r.mode: r for r in bd.run(opts, torch)}
+    keep = round(0.9 * 64) / 64
+    for mode in ("inproc", "doorbell"):
+        r = by[mode]
+        assert r.ok, (mode, r.error, (tmp_path / "sparsekvd.log").read_text()[-2000:])
+        assert r.run == "graph" and r.hit_rate == pytest.approx(keep), mode
+    assert by["doorbell"].paired_us_per_layer is not None and by["inproc"].paired_us_per_layer is None
+    assert summary(list(by.values()), opts)["decode_b2_h90_doorbell_paired_overhead_us_per_layer"] is not None

@@ -320,8 +320,6 @@ def test_the_indices_clear_the_layers_ready_word_with_kernel_ring_only(signal):
     """With "kernel-ring" the handle passes each layer's ready word to skv_db_indices, which
     sets it to 0 (in place of a stream operation after the wait); with "ops" it passes
     none and the word stays as it was. The indices are the same either way."""
-    from types import SimpleNamespace
-
     from sparsekv.client.doorbell import DoorbellSwapIn
 
     rng = np.random.default_rng(8)

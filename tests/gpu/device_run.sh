@@ -40,7 +40,7 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 #       bench (the benchmarks) | kernels (sparsekv bench kernels) | decode (sparsekv bench decode
 #       --quick) | signals (bench decode at batch 64 for each doorbell signalling and gather order)
 #       | latest (perf_latest.py: the transport bench, and latest.json from every figure) | demo |
-#       (DECODE_ARGS: more options of the decode step, e.g. "--steps 60 --rounds 3") |
+#       (DECODE_ARGS: more options of the decode step, e.g. "--steps 60 --rounds 3 --paired") |
 #       ab (bench decode for each of AB_VARIANTS: the daemon's switches against each other) |
 #       profile (tests/gpu/profile_daemon.py: the daemon's host time per request) |
 #       ncu (Nsight Compute on skv_resolve and skv_gather, tests/gpu/ncu_kernels.py) |
