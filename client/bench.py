@@ -230,12 +230,17 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         stack.callback(rank.close)
         d = stack.enter_context(PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
                                               extra_args=["--device-arena-size", "4GiB"]))
-        c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0"))
+        c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False))
         c.attach(lay, engine="bench")
+        # The same steps through a second rank whose stream waits for the result on the GPU
+        # (device wait): the reply leaves the critical path.
+        cw = stack.enter_context(Client(d.run_dir, rank=1, name="bench-device-wait", device="cuda:0",
+                                        device_wait=True))
+        cw.attach(lay, engine="bench")
         bare_rt = _BareRoundTrip(stack)
         bare = np.zeros(steps)
         base = np.zeros(steps)
-        over, reply = np.zeros(steps), np.zeros(steps)
+        over, reply, dwait = np.zeros(steps), np.zeros(steps), np.zeros(steps)
         daemon_host, sock_in, sock_out = np.zeros(steps), np.zeros(steps), np.zeros(steps)
         for t in range(steps):
             with cp.cuda.Device(0):
@@ -256,7 +261,12 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             daemon_host[t] = k_tx - k_tr
             sock_in[t] = k_tr - k_ts
             sock_out[t] = k_rx - k_tx
+            t0 = time.perf_counter()
+            cw.step(t, tr.state_rows[t], tr.reset[t], tr.invalidate[t])
+            cw.topk(t, 0, tr.topk[t]).host()  # host() synchronises the stream: the done word
+            dwait[t] = time.perf_counter() - t0
             bare[t] = bare_rt.once()
+        cw.flush()  # every reply read: an error in any would be raised here
         daemon_us = c.stats()["topk_latency_us"]
     warm = slice(10, None)  # the first steps fault in state and caches
     b, z = base[warm] * 1e6, over[warm] * 1e6
@@ -273,6 +283,9 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             "topk_socket_in_p50_us": p50(sock_in, 1e-3), "topk_socket_out_p50_us": p50(sock_out, 1e-3),
             "daemon_topk_p50_us": round(daemon_us["p50"], 1),
             "zmq_handoff_p50_us": round(float(np.median(z) - np.median(b)), 1),
+            # Device wait (Client(device_wait=True)): no reply on the critical path.
+            "zmq_device_wait_p50_us": p50(dwait, 1e6),
+            "zmq_device_wait_handoff_p50_us": round(float(np.median(dwait[warm]) * 1e6 - np.median(b)), 1),
             # The floor measured in the same window: a bare ZeroMQ request/reply between
             # two Python processes plus a CUDA IPC event wait (DESIGN §2: 120 us).
             "bare_zmq_event_rtt_p50_us": p50(bare, 1e6),

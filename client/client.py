@@ -31,6 +31,7 @@ from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType,
 from sparsekv.proto.frames import send_copy
 
 from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError, error_for
+from .device_wait import DeviceWaitWatch
 from .results import TopkResult
 
 
@@ -91,13 +92,29 @@ class Pending:
         return self._result
 
 
+class Ready(Pending):
+    """A request whose result needs no reply (device wait): ``wait()`` returns it at once;
+    the reply is read later, and an error in it is raised by a later call."""
+
+    def __init__(self, result):
+        self._result, self._done = result, True
+
+
+DEVICE_WAIT_ENV = "SPARSEKV_CLIENT_DEVICE_WAIT"
+
+
 class Client:
     """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
-                 name: str = "", timeout_s: float = 30.0, spin_us: int | None = None):
+                 name: str = "", timeout_s: float = 30.0, spin_us: int | None = None,
+                 device_wait: bool | None = None):
         """``device``: ``"cpu"``, or ``"cuda:N"`` (this process's GPU numbering) for a rank
-        whose slab lives on a GPU of a cuda-backend daemon."""
+        whose slab lives on a GPU of a cuda-backend daemon. ``device_wait`` (cuda ranks;
+        None: ``$SPARSEKV_CLIENT_DEVICE_WAIT`` is ``1``): ``topk`` returns once the request
+        is sent, with the current stream waiting on the GPU for the result (the daemon
+        sets a word per ring entry); the reply is read later and an error in it raised by
+        a later call (the failed request's result is empty: slots -1)."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
         self.timeout_s = timeout_s
@@ -110,7 +127,11 @@ class Client:
         self._ctx = self._sock = None
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
-        self._deferred: list[int] = []  # requests sent without waiting (STEP)
+        self._deferred: list[int] = []  # requests sent without waiting (STEP; TOPK with device wait)
+        if device_wait is None:
+            device_wait = os.environ.get(DEVICE_WAIT_ENV, "") == "1"
+        self.device_wait = bool(device_wait)
+        self._device_waits: dict[int, tuple[int, int]] = {}  # request id -> (entry, done) until its reply
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
         self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
@@ -179,6 +200,7 @@ class Client:
         self._sent.clear()  # requests whose replies will never come
         self._replies.clear()
         self._deferred.clear()
+        self._device_waits.clear()
         self.info = {}
 
     def _goodbye(self) -> None:
@@ -356,6 +378,30 @@ class Client:
         self._handles.append(h)  # closed before the rank's memory is unmapped
         return h
 
+    def _watch_device_waits(self) -> None:
+        """Start (once per attachment) the thread that releases this rank's device waits
+        if the daemon dies: a stream waiting on a done word must never wait for ever."""
+        if any(isinstance(h, DeviceWaitWatch) for h in self._handles):
+            return
+        self._handles.append(DeviceWaitWatch(self._check_daemon, self._release_device_waits))
+
+    def _raise_if_watch_gone(self) -> None:
+        """The device-wait watcher found the daemon gone: this client is lost (raises)."""
+        for h in self._handles:
+            if isinstance(h, DeviceWaitWatch) and h.gone is not None:
+                self._lost(h.gone)
+
+    def _release_device_waits(self) -> None:
+        """The daemon is gone: empty the results of the TOPKs whose done words may never be
+        set, and set them (``CudaAttachment.release_done``)."""
+        waits = list(self._device_waits.values())
+        att = self.attachment
+        if waits and att is not None and hasattr(att, "release_done"):
+            try:
+                att.release_done(waits)
+            except Exception as e:  # noqa: BLE001 - nothing more can be done for them
+                log.error("could not release %d device waits of a lost daemon: %r", len(waits), e)
+
     def _close_handles(self) -> None:
         """Close the rank's device handles: their threads write into its memory."""
         handles, self._handles = self._handles, []
@@ -437,6 +483,11 @@ class Client:
             raise BadRequest(f"top-k for step {step} but the last STEP was {last}; send STEP first",
                              ErrorCode.BAD_ARGUMENT)
         _check_batch(att, rows, topk, begin)  # before anything is consumed or written
+        if self.device_wait:
+            self._raise_if_watch_gone()
+            # An error in an earlier request's reply is raised before this one is sent.
+            self._receive_arrived()
+            self._check_deferred()
         if begins:
             self._pending_step = None
             fields["begin"] = True
@@ -452,9 +503,17 @@ class Client:
         fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin, self._still_there,
                                            self.timeout_s)
         batch, k = topk.shape
+        if not (self.device_wait and att.has_done_words):
+            req = self._send(MsgType.TOPK, fields)
+            self._block_requests[e] = req
+            return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
+        fields["done"] = done = att.next_done(e)
         req = self._send(MsgType.TOPK, fields)
         self._block_requests[e] = req
-        return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
+        self._device_waits[req] = (e, done)
+        self._deferred.append(req)
+        self._watch_device_waits()
+        return Ready(att.result_after(e, batch, k, done))
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> TopkResult:
         """Resolve one index group's top-k batch; when this returns the rows are in the slab."""
@@ -507,6 +566,7 @@ class Client:
             if self._gone is not None:
                 raise DaemonUnavailable(self._gone)
             raise SparseKVError("client is not connected; call connect() or use it as a context manager")
+        self._raise_if_watch_gone()
         if self._pending_step is not None:
             self._send_pending_step()  # requests reach the daemon in the order they were made
         req = self._next_id
@@ -535,18 +595,27 @@ class Client:
         while req_id not in self._replies:
             if not self._spin() and not self._sock.poll(int(min(self.timeout_s, LIVENESS_SLICE_S) * 1000)):
                 self._wait_slices()
-            frames = self._sock.recv_multipart(copy=False)
-            t_recv = time.perf_counter_ns()
-            try:
-                header, arrays = decode(frames)
-            except ProtocolError as e:
-                raise SparseKVError(f"undecodable reply: {e}") from None
-            rid = header["id"]
-            sent = self._sent.pop(rid, None)
-            tr = header.get("tr")
-            if sent is not None and tr is not None:
-                self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
-            self._replies[rid] = (header, arrays)
+            self._receive_one()
+
+    def _receive_one(self) -> None:
+        frames = self._sock.recv_multipart(copy=False)
+        t_recv = time.perf_counter_ns()
+        try:
+            header, arrays = decode(frames)
+        except ProtocolError as e:
+            raise SparseKVError(f"undecodable reply: {e}") from None
+        rid = header["id"]
+        sent = self._sent.pop(rid, None)
+        tr = header.get("tr")
+        if sent is not None and tr is not None:
+            self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
+        self._device_waits.pop(rid, None)  # answered: the daemon has set (or released) its word
+        self._replies[rid] = (header, arrays)
+
+    def _receive_arrived(self) -> None:
+        """Take every reply already here, without waiting."""
+        while self._sock is not None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._receive_one()
 
     def _wait_slices(self) -> None:
         """No reply within the first slice: poll on in slices until ``timeout_s``,
@@ -611,7 +680,9 @@ class Client:
         """The daemon is gone: every request of this client fails from now on."""
         self._gone = (f"{why}; this client's session{' and attachment are' if self.attachment else ' is'} "
                       "gone: create a new Client (and attach again)")
-        self._sock.close(0)
+        self._release_device_waits()
+        if self._sock is not None:
+            self._sock.close(0)
         self._sock = None
         # Nothing in flight will be answered (connect() again starts clean).
         self._sent.clear()

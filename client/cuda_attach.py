@@ -110,6 +110,12 @@ class CudaAttachment:
         self._next = 0
         self._used = [False] * R
         self._seq = 0
+        # Device wait (Client(device_wait=True)): per ring entry, the daemon's done word
+        # (None from a daemon without them) and how many TOPKs this rank sent on it.
+        off = handles.get("done_offset")
+        self._done_base = None if off is None else self._arena.ptr + int(off)
+        self._done_sent = [0] * R
+        self._release_stream = None
         # The rank's pinned step blocks, shared with the daemon: a TOPK writes its block
         # here and sends only the entry number. Without them top-k batches go as arrays.
         fd = (fds or {}).get(handles.get("blocks_fd"))
@@ -139,6 +145,46 @@ class CudaAttachment:
     @property
     def has_blocks(self) -> bool:
         return self._blocks_mm is not None
+
+    @property
+    def has_done_words(self) -> bool:
+        """Whether the daemon sets a done word per ring entry (device wait is possible)."""
+        return self._done_base is not None and self._blocks_mm is not None
+
+    def next_done(self, entry: int) -> int:
+        """The done value of the next TOPK on ``entry`` (a per-entry count, mod 2**32)."""
+        n = self._done_sent[entry] = (self._done_sent[entry] + 1) & 0xFFFFFFFF
+        return n
+
+    def result_after(self, entry: int, batch: int, k: int, done: int):
+        """Like :meth:`result`, but the current stream waits (on the GPU) until the entry's
+        done word has reached ``done``: the daemon sets it after the TOPK's work, so the
+        reply is not needed first."""
+        from sparsekv.proto.stream_ops import wait32_geq  # noqa: PLC0415
+
+        wait32_geq(self._stream_ptr(), self._done_base + 4 * int(entry), done)
+        return self._views_of(entry, batch, k)
+
+    def release_done(self, waits) -> None:
+        """Once the daemon is gone: for each (entry, done) of ``waits`` (TOPKs whose done
+        word may never be set), empty the entry's result (slots -1, 0 misses) and then set
+        the word, in that order on a side stream, so that streams waiting on them go on and
+        read no row. Returns at once (nothing waits on the host)."""
+        if not waits or self._slots is None:
+            return
+        import cupy as cp  # noqa: PLC0415
+
+        from sparsekv.proto.stream_ops import write32  # noqa: PLC0415
+
+        with cp.cuda.Device(self.device):
+            if self._release_stream is None:
+                self._release_stream = cp.cuda.Stream(non_blocking=True)
+            s = self._release_stream.ptr
+            for entry, done in waits:
+                slots, misses = self._slots[entry], self._misses[entry]
+                cp.cuda.runtime.memsetAsync(slots.data_ptr(), 0xFF, slots.numel() * 4, s)
+                cp.cuda.runtime.memsetAsync(misses.data_ptr(), 0, misses.numel() * 4, s)
+                write32(s, self._done_base + 4 * int(entry), done)
 
     def next_entry(self) -> int:
         """The entry the next :meth:`write_blocks` should use (round robin)."""
@@ -224,6 +270,9 @@ class CudaAttachment:
         """Make the current stream wait for ring ``entry``; return its slots and misses
         (torch int32 views, valid until ``ring_depth`` more top-k requests)."""
         self._events.wait(entry, self._stream_ptr())
+        return self._views_of(entry, batch, k)
+
+    def _views_of(self, entry: int, batch: int, k: int) -> TopkResult:
         key = (entry, batch, k)
         views = self._views.get(key)
         if views is None:  # torch slicing costs ~10 us a view: make each shape once

@@ -360,6 +360,7 @@ class Daemon:
         engine (nothing of it ran), or its :class:`Job` when its handler reached a slow
         part (the reply comes from :meth:`_resume`)."""
         msg_type, req_id = 0, 0
+        header = None
         try:
             header, arrays = decode(frames)
             msg_type, req_id = header["t"], header["id"]
@@ -417,7 +418,24 @@ class Daemon:
                 return self._step(job) if defer else self._inline(job)
             return self._ok(kind, msg_type, req_id, out, tr)
         except Exception as e:  # noqa: BLE001 - answered with its code, never raised
+            if header is not None and header.get("done") is not None:
+                self._release_device_wait(identity, header)
             return self._failed(e, identity, msg_type, req_id, tr)
+
+    def _release_device_wait(self, identity: bytes, header: dict) -> None:
+        """A device-wait TOPK (``block`` + ``done``) that failed: its client's stream
+        waits on the entry's done word, so the result is emptied and the word set anyway
+        (``CudaRankState.release_topk_block``); the client raises the error from the reply."""
+        session = self.sessions.get(identity)
+        release = getattr(session.state, "release_topk_block", None) if session is not None else None
+        block, done = header.get("block"), header.get("done")
+        if release is None or header.get("t") != int(MsgType.TOPK) or type(block) is not int or type(done) is not int \
+                or not 0 <= done <= 0xFFFFFFFF:
+            return
+        try:
+            release(block, done)
+        except Exception as e:  # noqa: BLE001 - the reply still says what failed
+            log.warning("could not release a failed device-wait TOPK (block %d): %r", block, e)
 
     def _ok(self, kind: MsgType, msg_type: int, req_id: int, out: tuple, tr: int) -> list:
         """The reply to a request its handler answered with ``out`` (fields, arrays)."""
@@ -742,11 +760,15 @@ class Daemon:
             # array on the socket, nothing to copy (cuda ranks only).
             if type(block) is not int or a:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "block must be an entry number, sent without arrays")
+            done = h.get("done")  # device wait: the value of the entry's done word (client.py)
+            if done is not None and (type(done) is not int or not 0 <= done <= 0xFFFFFFFF):
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "done must be an integer in [0, 2**32)")
             serve = getattr(st, "serve_topk_block", None)
             if serve is None:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "this rank has no client-written step blocks (cuda only)")
             begin = h.get("begin") is True
-            fields, arrays, deltas = serve(step, _int(h, "group"), block, begin, fence)
+            fields, arrays, deltas = serve(step, _int(h, "group"), block, begin, fence,
+                                           **({"done": done} if done is not None else {}))
             c = self.stats.c
             c["steps"] += begin
             for k, v in deltas.items():

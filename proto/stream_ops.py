@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
+CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32)(*addr - value) >= 0: cyclic, wraps around
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
 
@@ -70,6 +71,15 @@ def wait32(stream_ptr: int, address: int, value: int) -> None:
     """Enqueue a wait until ``*(uint32*)address == value`` on the stream."""
     rc = _load()[1](ctypes.c_void_p(int(stream_ptr)), int(address), int(value) & 0xFFFFFFFF,
                     CU_STREAM_WAIT_VALUE_EQ)
+    _check(rc, "cuStreamWaitValue32")
+
+
+def wait32_geq(stream_ptr: int, address: int, value: int) -> None:
+    """Enqueue a wait until ``*(uint32*)address`` has reached ``value``, as a cyclic
+    comparison (``(int32)(word - value) >= 0``): for a counter that only grows, and may wrap
+    (a zmq client's per-entry done word, ``client/cuda_attach.py``)."""
+    rc = _load()[1](ctypes.c_void_p(int(stream_ptr)), int(address), int(value) & 0xFFFFFFFF,
+                    CU_STREAM_WAIT_VALUE_GEQ)
     _check(rc, "cuStreamWaitValue32")
 
 

@@ -19,6 +19,7 @@ Arena layout of one rank (each section a 256-byte aligned range of the arena):
 | ``db_step``, ``db_topk`` | int32 step block, ``[G]`` step blocks | doorbell: the engine's stream / the daemon's step graph |
 | ``db_slots``, ``db_misses`` | int32 ``[G, B, K]``, ``[G, B]`` | doorbell: resolve / the engine's ``skv_db_indices`` |
 | ``db_ctl`` | uint32 ``[1 + G + L]`` | doorbell words: the step bell, a bell per group, a ready word per layer |
+| ``done`` | uint32 ``[R]`` | zmq: per ring entry, the last device-wait TOPK whose result is in place |
 | ``db_layers`` | int32 ``[L, G, 2]`` | doorbell: per layer, a group table naming only that layer (one gather per layer) |
 
 Pinned host blocks (one memfd that the client maps too, registered; ``HostBlocks``): R STEP and R TOPK
@@ -153,6 +154,7 @@ class RankBuffers:
             "write_rows": (1 + lay.staging_rows) * 4, "drop_rows": (1 + lay.staging_rows) * 4,
             "layers": lay.num_layers * 4,
             "workspace": B * int(workspace_bytes),
+            "done": R * 4,
         }
         L = lay.num_layers
         self.doorbell = bool(doorbell)
@@ -186,6 +188,10 @@ class RankBuffers:
             self.drop_rows = v(o["drop_rows"], (1 + lay.staging_rows,), "int32")
             self.layers = v(o["layers"], (lay.num_layers,), "int32")
             self.workspace = v(o["workspace"], (max(B * int(workspace_bytes), 1),)) if workspace_bytes else None
+            # Per ring entry, the count of the client's zmq TOPKs whose result is in place
+            # (a device-wait client's stream waits on it: ZmqTransport.topk_block).
+            self.done = v(o["done"], (R,), "uint32")
+            self.done.fill(0)
             if self.doorbell:
                 self.db_step = BlockView(v(o["db_step"], (self.block_ints,), "int32"), B)
                 self.db_topk = [BlockView(v(o["db_topk"] + g * self.block_ints * 4, (self.block_ints,), "int32"), B)
@@ -265,6 +271,9 @@ class RankBuffers:
                 "client_topk_offsets": [self.host.offset_of(b.block) for b, _ in self.client_topk],
                 "ring_depth": self.ring_depth, "max_batch": self.max_batch, "top_k": lay.top_k,
                 "events": events,
+                # uint32 [ring_depth]: what a device-wait client's stream waits on (a TOPK
+                # naming "done": n sets its entry's word to n once the result is in place).
+                "done_offset": o["done"],
                 # The pinned mirror of the error record (a doorbell handle's check() reads it).
                 "err_offset": self.host.offset_of(self.host_err)}
         if self.doorbell:

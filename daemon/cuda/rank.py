@@ -130,18 +130,29 @@ class CudaRankState(RankState):
         batch, k = topk.shape
         return {"entry": entry, "batch": batch, "k": k}, None, {"topk_batches": 1}
 
-    def serve_topk_block(self, step: int, group: int, entry: int, begin: bool, fence=None):
+    def serve_topk_block(self, step: int, group: int, entry: int, begin: bool, fence=None, done: int | None = None):
         """A TOPK (with ``begin``: and its STEP) whose step blocks the client wrote into its
-        pinned block ``entry``; see ``ZmqTransport.topk_block``."""
-        wait = self._fence_wait(fence)
+        pinned block ``entry``; see ``ZmqTransport.topk_block``. ``done``: a device-wait
+        client's value for the entry's done word; set even when the request fails (its
+        result then empty), so that the client's stream never waits for ever."""
+        if self.device_driven:
+            raise ResidencyError("BAD_ARGUMENT", "this rank's steps come through its doorbell, not in TOPK messages")
         with self._cp.cuda.Device(self.worker.ordinal):
-            self.transport.topk_block(int(entry), bool(begin), wait)
+            self.transport.topk_block(int(entry), bool(begin), self._fence_wait(fence), done)
         if begin:
             # The step's state rows are in the client's block, not here: a later TOPK of
             # this step sent as arrays must carry its own (batch_rows says so).
             self.step = int(step)
             self.state_rows = None
         return {"entry": int(entry)}, None, {"topk_batches": 1}
+
+    def release_topk_block(self, entry: int, done: int) -> None:
+        """A device-wait TOPK on ``entry`` failed before its work was enqueued: empty the
+        entry's result and set its done word to ``done`` (``ZmqTransport.release_entry``)."""
+        if self.device_driven or not 0 <= int(entry) < self.buffers.ring_depth:
+            return
+        with self._cp.cuda.Device(self.worker.ordinal):
+            self.transport.release_entry(int(entry), int(done))
 
     def check_fence(self, fence) -> None:
         self._fence_wait(fence)

@@ -20,6 +20,7 @@ import abc
 import numpy as np
 
 from sparsekv.proto.step_block import write_step, write_topk
+from sparsekv.proto.stream_ops import write32
 
 from ..engine import as_ids
 from ..residency.base import ResidencyError
@@ -149,11 +150,13 @@ class ZmqTransport(Transport):
         self._topk_used[e] = True
         return e
 
-    def topk_block(self, entry: int, begin: bool, fence=None) -> int:
+    def topk_block(self, entry: int, begin: bool, fence=None, done: int | None = None) -> int:
         """A TOPK whose step block the client wrote into its pinned block ``entry`` (and,
         with ``begin``, its STEP into its step block ``entry``): nothing to check or copy
         on the host, the kernels check the descriptor. The client made sure the entry's
-        previous use is done (its event) before writing it."""
+        previous use is done (its event) before writing it. ``done``: the value the
+        entry's done word takes once the result is in place (a device-wait client's
+        stream waits on it instead of the reply)."""
         if not 0 <= entry < len(self._topk_used):
             raise ResidencyError("BAD_ARGUMENT", f"block {entry} outside the ring of {len(self._topk_used)}")
         stream = self.worker.stream
@@ -166,9 +169,27 @@ class ZmqTransport(Transport):
             if begin:
                 self.dstep.enqueue_step_request(b.client_step[entry][1], stream)
             self.dstep.enqueue_topk_request(entry, b.client_topk[entry][1], stream)
+        if done is not None:
+            write32(stream.ptr, self.done_address(entry), done)
         self.events.record(entry, stream)
         self._topk_used[entry] = True
         return entry
+
+    def done_address(self, entry: int) -> int:
+        return self.buffers.done.data.ptr + 4 * int(entry)
+
+    def release_entry(self, entry: int, done: int) -> None:
+        """A device-wait TOPK that failed before its work was enqueued: its entry's result
+        becomes empty (slots -1, 0 misses: nothing is read) and its done word ``done``,
+        in stream order, so that the client's stream goes on and reads no stale row."""
+        import cupy as cp
+
+        b = self.buffers
+        stream = self.worker.stream
+        slots, misses = b.slots[entry], b.misses[entry]
+        cp.cuda.runtime.memsetAsync(slots.data.ptr, 0xFF, slots.nbytes, stream.ptr)
+        cp.cuda.runtime.memsetAsync(misses.data.ptr, 0, misses.nbytes, stream.ptr)
+        write32(stream.ptr, self.done_address(entry), done)
 
     def close(self) -> None:
         self.worker.stream.synchronize()

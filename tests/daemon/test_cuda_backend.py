@@ -256,24 +256,99 @@ def test_rows_written_from_the_staging_buffer_reach_every_gpu(tmp_path):
                 np.testing.assert_array_equal(att.slab[layer, 0, s[0, 3:9]].cpu().numpy(), new[layer])
 
 
-def test_every_group_of_a_step_from_client_written_blocks_equals_cpu():
+@pytest.mark.parametrize("device_wait", [False, True], ids=["reply", "device-wait"])
+def test_every_group_of_a_step_from_client_written_blocks_equals_cpu(device_wait):
     """A cuda client writes each TOPK into its pinned step block (the STEP rides on the
-    first); later groups of the step reuse the step's state rows. Same as the cpu backend."""
+    first); later groups of the step reuse the step's state rows. Same as the cpu backend,
+    whether the stream waits for the result after the reply or on the entry's done word."""
+    from sparsekv.client.client import Ready
     from sparsekv.client.inproc import InprocClient
 
     trace = small_trace(steps=12)
     lay = trace.layout()
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
-                       log_path=DAEMON_LOG) as d, Client(d.run_dir, device="cuda:0") as c, \
+                       log_path=DAEMON_LOG) as d, Client(d.run_dir, device="cuda:0", device_wait=device_wait) as c, \
             InprocClient(backend="cpu") as ref:
         att = c.attach(lay, engine="groups")
-        assert att.has_blocks
+        assert att.has_blocks and att.has_done_words
         ref.attach(lay, engine="groups")
         for t in range(trace.steps):
             for cl in (c, ref):
                 cl.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
             for g in range(lay.num_groups):
-                s, m = c.topk(t, g, trace.topk[t]).host()
+                p = c.submit_topk(t, g, trace.topk[t])
+                assert isinstance(p, Ready) == device_wait
+                s, m = p.wait().host()
                 want = ref.topk(t, g, trace.topk[t])
                 np.testing.assert_array_equal(s, want.slots, err_msg=f"step {t} group {g}")
                 np.testing.assert_array_equal(m, want.misses, err_msg=f"step {t} group {g}")
+
+
+def test_a_failed_device_wait_topk_releases_the_stream_with_an_empty_result():
+    """Device wait: a TOPK the daemon refuses (a fence the client never exported) still
+    sets its done word, after emptying the entry's result (slots -1: nothing is read); the
+    error comes from the next call, and the rank serves on."""
+    trace = small_trace(steps=3)
+    lay = trace.layout()
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG) as d, Client(d.run_dir, device="cuda:0", device_wait=True) as c:
+        att = c.attach(lay, engine="dw-fail")
+        fill_pool(c, lay)
+        c.step(0, trace.state_rows[0], trace.reset[0], trace.invalidate[0])
+        ring = att.handles["ring_depth"]
+        for _ in range(ring):  # real results first: every entry's slots hold slots
+            s, m = c.topk(0, 0, trace.topk[0]).host()
+            assert (s >= 0).any()
+        c.flush()
+        att.record_fence = lambda: 99
+        for _ in range(ring):  # each entry once
+            s, m = c.topk(0, 0, trace.topk[0]).host()
+            with pytest.raises(BadRequest, match="fence 99"):
+                c.flush()
+            assert (s == -1).all() and (m == 0).all()
+        del att.record_fence
+        c.step(1, trace.state_rows[1], trace.reset[1], trace.invalidate[1])
+        c.topk(1, 0, trace.topk[1]).host()
+        c.flush()
+
+
+def test_a_killed_daemon_releases_a_device_wait_with_an_empty_result():
+    """Device wait: the daemon stopped, a TOPK sent that it never reads, then SIGKILLed.
+    The client's watcher empties the entry's result and sets its done word: the stream
+    goes on (no hang), reads no row, and the next call raises DaemonUnavailable."""
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    from sparsekv.client import DaemonUnavailable
+
+    trace = small_trace(steps=3)
+    lay = trace.layout()
+    d = PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA, log_path=DAEMON_LOG)
+    with d:
+        c = Client(d.run_dir, device="cuda:0", device_wait=True).connect()
+        c.attach(lay, engine="dw-kill")
+        fill_pool(c, lay)
+        c.step(0, trace.state_rows[0], trace.reset[0], trace.invalidate[0])
+        c.topk(0, 0, trace.topk[0]).host()
+        c.flush()
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        c.step(1, trace.state_rows[1], trace.reset[1], trace.invalidate[1])
+        r = c.topk(1, 0, trace.topk[1])  # sent; nobody reads it
+        time.sleep(0.2)
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait(10)
+        done = threading.Event()
+        t0 = time.monotonic()
+        threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
+        assert done.wait(20), "the stream still waits on the dead daemon's done word"
+        print(f"stream released {(time.monotonic() - t0) * 1e3:.0f} ms after the kill")
+        s, m = r.host()
+        assert (s == -1).all() and (m == 0).all()
+        with pytest.raises(DaemonUnavailable):
+            c.step(2, trace.state_rows[2])
+            c.topk(2, 0, trace.topk[2])
+        c._sock = None
+        c.close()

@@ -22,7 +22,7 @@ MiB = 1 << 20
 FUZZ_LAYOUT = helpers.layout(num_layers=2, row_bytes=8, top_k=4, region_stride=8, max_reqs=3, host_rows=32,
                              staging_rows=4, index_groups=((0,), (1,)))
 GOOD_LAYOUT = helpers.layout(num_layers=2, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
-OPTIONAL = ("fence", "block", "begin", "fence_events", "ts")
+OPTIONAL = ("fence", "block", "begin", "fence_events", "ts", "done")
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.integers(-3, 70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6) | st.binary(max_size=6))
@@ -36,6 +36,7 @@ plausible = {
     "engine": st.sampled_from(["fz", "good", ""]),
     "device": st.just("cpu"), "name": st.text(max_size=4), "pid": st.just(os.getpid()),
     "fence": st.none() | st.integers(0, 3), "begin": st.booleans(), "block": st.integers(0, 2),
+    "done": st.none() | st.integers(-1, 3) | st.sampled_from([2**32, True, 1.5, "1"]),
 }
 
 

@@ -160,7 +160,14 @@ def test_the_huge_page_count_is_the_pools_own():
     with HostPool(8 * MiB, threads=1) as p:
         got = anon_huge_bytes(p.address, p.size_bytes)
         assert 0 <= got <= p.size_bytes and got % (2 * MiB) == 0
-        assert anon_huge_bytes(p.address, p.size_bytes) <= anon_huge_bytes() or anon_huge_bytes() == 0
+        # The process's total, read around the range's: the kernel may split or collapse
+        # huge pages in between (khugepaged, DAMON), so a few tries.
+        for _ in range(5):
+            before, mine, after = anon_huge_bytes(), anon_huge_bytes(p.address, p.size_bytes), anon_huge_bytes()
+            if mine <= max(before, after) or after == 0:
+                break
+        else:
+            pytest.fail(f"the pool's huge pages ({mine}) exceed the process's ({before}, {after}) five times")
     assert anon_huge_bytes(4096, 4096) == 0  # page 1: never mapped
 
 

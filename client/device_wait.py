@@ -1,0 +1,56 @@
+"""The watcher of a zmq rank's device waits (``Client(device_wait=True)``).
+
+With device wait, a TOPK returns as soon as it is sent: the rank's stream waits on the
+GPU for the entry's done word, which the daemon sets after the request's work. Should
+the daemon die first, nothing would ever set it, and an engine synchronising its stream
+would hang. This thread checks that the daemon lives while the rank is attached and,
+once it is gone, has the waits released (their results emptied first: no stale row is
+read). The doorbell handle has the same duty for its ready words (``doorbell.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger("sparsekv.client")
+
+WATCH_INTERVAL_S = 0.02  # how often the daemon's liveness is checked
+
+
+class DeviceWaitWatch:
+    """Calls ``check()`` (why the daemon is gone, or None) every ``interval_s``; once it
+    says gone, calls ``release()`` every ``interval_s`` (a wait enqueued while the first
+    release ran is released by the next) until closed; ``gone`` says why. ``close()``
+    stops it (before the rank's memory is unmapped: ``release`` writes into it)."""
+
+    def __init__(self, check, release, interval_s: float = WATCH_INTERVAL_S):
+        self._check, self._release = check, release
+        self._interval_s = float(interval_s)
+        self._closed = threading.Event()
+        self.gone: str | None = None
+        self._thread = threading.Thread(target=self._run, name="sparsekv-device-wait-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self._interval_s):
+            try:
+                why = self._check()
+            except Exception as e:  # noqa: BLE001 - keep watching
+                log.debug("daemon check failed: %r", e)
+                continue
+            if why is not None:
+                self.gone = why
+                log.error("%s: releasing this rank's device waits (their results are empty)", why)
+                break
+        while not self._closed.is_set():
+            try:
+                self._release()
+            except Exception as e:  # noqa: BLE001 - try again
+                log.debug("release failed: %r", e)
+            self._closed.wait(self._interval_s)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)

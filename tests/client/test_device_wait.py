@@ -1,0 +1,181 @@
+"""Device wait (``Client(device_wait=True)``): a zmq TOPK returns once sent, the rank's
+stream waits on the GPU for the entry's done word, the reply is read later. The logic
+around it on the CPU (a fake cuda attachment: what is sent, what is kept, when errors
+surface, what is released when the daemon is gone); the GPU tests are in
+tests/daemon/test_cuda_backend.py."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.client import BadRequest, Client, DaemonUnavailable
+from sparsekv.client.client import Ready
+from sparsekv.client.device_wait import DeviceWaitWatch
+from sparsekv.proto import ErrorCode, MsgType
+
+LAYOUT = helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
+IDS = np.array([[0, 1, 2, 3]], np.int32)
+
+
+class FakeAttachment:
+    """What Client asks of a cuda attachment on the device-wait path; records the calls."""
+
+    layout = LAYOUT
+    has_blocks = True
+
+    def __init__(self, done_words=True):
+        self.has_done_words = done_words
+        self.calls, self.released = [], []
+        self._n = {}
+
+    def next_entry(self):
+        return 0
+
+    def record_fence(self):
+        return None
+
+    def write_blocks(self, e, step, group, rows, topk, begin, still_there, timeout_s):
+        self.calls.append(("write", e, step))
+        return e
+
+    def next_done(self, e):
+        self._n[e] = self._n.get(e, 0) + 1
+        return self._n[e]
+
+    def result_after(self, e, batch, k, done):
+        self.calls.append(("wait_on_device", e, done))
+        return ("result", e, done)
+
+    def result(self, e, batch, k):
+        return ("after_reply", e)
+
+    def release_done(self, waits):
+        self.released.extend(waits)
+
+
+def fake_client(done_words=True, device_wait=True):
+    c = Client("/nonexistent", device="cuda:0", device_wait=device_wait)
+    c.attachment = FakeAttachment(done_words)
+    c._step_rows = (0, np.array([0], np.int32))
+    sent = []
+
+    def send(msg_type, fields=None, arrays=None):
+        sent.append((msg_type, dict(fields or {})))
+        return len(sent)
+
+    c._send = send
+    c._receive_arrived = lambda: None
+    return c, sent
+
+
+def test_a_device_wait_topk_sends_its_done_value_and_returns_without_a_reply():
+    c, sent = fake_client()
+    try:
+        p = c.submit_topk(0, 0, IDS)
+        assert isinstance(p, Ready) and p.wait() == ("result", 0, 1)
+        assert sent[-1][0] == MsgType.TOPK and sent[-1][1]["done"] == 1 and sent[-1][1]["block"] == 0
+        assert c.attachment.calls[-1] == ("wait_on_device", 0, 1)
+        assert c._device_waits == {1: (0, 1)} and c._deferred == [1]
+        assert any(isinstance(h, DeviceWaitWatch) for h in c._handles)  # the watcher runs
+        c.submit_topk(0, 0, IDS)
+        assert sent[-1][1]["done"] == 2  # the entry's count grows
+        assert sum(isinstance(h, DeviceWaitWatch) for h in c._handles) == 1
+    finally:
+        c._close_handles()
+
+
+@pytest.mark.parametrize("device_wait,done_words", [(False, True), (True, False)])
+def test_without_device_wait_or_done_words_the_topk_waits_for_its_reply(device_wait, done_words):
+    c, sent = fake_client(done_words, device_wait)
+    p = c.submit_topk(0, 0, IDS)
+    assert not isinstance(p, Ready) and "done" not in sent[-1][1]
+    assert c._device_waits == {} and not c._handles
+
+
+def test_an_earlier_device_wait_error_is_raised_before_the_next_topk_is_sent():
+    c, sent = fake_client()
+    try:
+        c.submit_topk(0, 0, IDS)
+        c._replies[1] = ({"id": 1, "ok": False, "code": int(ErrorCode.BAD_ARGUMENT), "msg": "bad fence"}, {})
+        c._device_waits.pop(1)  # (as _receive_one does with a reply)
+        n = len(sent)
+        with pytest.raises(BadRequest, match="bad fence"):
+            c.submit_topk(0, 0, IDS)
+        assert len(sent) == n  # not sent
+    finally:
+        c._close_handles()
+
+
+def test_a_lost_daemon_releases_the_waits_that_no_reply_answered():
+    c, _ = fake_client()
+    try:
+        c.submit_topk(0, 0, IDS)
+        c.submit_topk(0, 0, IDS)
+        c._device_waits.pop(1)  # the first one was answered
+        c._sock = type("S", (), {"close": lambda self, linger=0: None})()
+        with pytest.raises(DaemonUnavailable):
+            c._lost("sparsekvd is gone (test)")
+        assert c.attachment.released == [(0, 2)]
+    finally:
+        c._close_handles()
+
+
+def test_the_watcher_releases_once_the_daemon_is_gone_until_closed():
+    answers = [None, None, "gone (test)"]
+    released = threading.Event()
+    calls = []
+
+    def check():
+        return answers.pop(0) if answers else "gone again"
+
+    def release():
+        calls.append(len(answers))
+        if len(calls) >= 3:
+            released.set()
+
+    w = DeviceWaitWatch(check, release, interval_s=0.001)
+    assert released.wait(5)  # again and again: a wait enqueued meanwhile is released too
+    w.close()
+    n = len(calls)
+    time.sleep(0.02)
+    assert len(calls) == n and set(calls) == {0} and w.gone == "gone (test)"  # only after "gone"; none after close
+    idle = DeviceWaitWatch(lambda: None, lambda: calls.append(-1), interval_s=0.001)
+    time.sleep(0.01)
+    idle.close()
+    assert not idle._thread.is_alive() and -1 not in calls and idle.gone is None
+
+
+def test_a_request_after_the_watcher_found_the_daemon_gone_raises_and_is_not_sent():
+    c, sent = fake_client()
+    c.submit_topk(0, 0, IDS)
+    watch = next(h for h in c._handles if isinstance(h, DeviceWaitWatch))
+    watch.close()
+    watch.gone = "sparsekvd is gone (test)"
+    c._sock = type("S", (), {"close": lambda self, linger=0: None})()
+    n = len(sent)
+    with pytest.raises(DaemonUnavailable, match="gone"):
+        c.submit_topk(0, 0, IDS)
+    assert len(sent) == n and c.attachment.released == [(0, 1)]
+
+
+def test_the_environment_turns_device_wait_on(monkeypatch):
+    monkeypatch.setenv("SPARSEKV_CLIENT_DEVICE_WAIT", "1")
+    assert Client("/nonexistent", device="cuda:0").device_wait is True
+    assert Client("/nonexistent", device="cuda:0", device_wait=False).device_wait is False
+    monkeypatch.delenv("SPARSEKV_CLIENT_DEVICE_WAIT")
+    assert Client("/nonexistent", device="cuda:0").device_wait is False
+
+
+def test_the_daemon_checks_done_before_anything_else_of_a_block_topk(daemon):
+    with Client(daemon.run_dir, timeout_s=10) as c:
+        c.attach(LAYOUT, engine="dw")
+        for bad in ("1", 2**32, -1, True, 1.5):
+            with pytest.raises(BadRequest, match="done must be an integer"):
+                c._call(MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": bad})
+        with pytest.raises(BadRequest, match="cuda only"):  # a cpu rank: no blocks, nothing to release
+            c._call(MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": 7})
+        c.step(0, [0])
+        assert int(c.topk(0, 0, IDS).misses[0]) == 4  # the session serves on
