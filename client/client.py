@@ -131,7 +131,6 @@ class Client:
         if device_wait is None:
             device_wait = os.environ.get(DEVICE_WAIT_ENV, "") == "1"
         self.device_wait = bool(device_wait)
-        self._device_waits: dict[int, tuple[int, int]] = {}  # request id -> (entry, done) until its reply
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
         self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
@@ -200,7 +199,6 @@ class Client:
         self._sent.clear()  # requests whose replies will never come
         self._replies.clear()
         self._deferred.clear()
-        self._device_waits.clear()
         self.info = {}
 
     def _goodbye(self) -> None:
@@ -383,7 +381,7 @@ class Client:
         if the daemon dies: a stream waiting on a done word must never wait for ever."""
         if any(isinstance(h, DeviceWaitWatch) for h in self._handles):
             return
-        self._handles.append(DeviceWaitWatch(self._check_daemon, self._release_device_waits))
+        self._handles.append(DeviceWaitWatch(self._daemon_dead, self._release_device_waits))
 
     def _raise_if_watch_gone(self) -> None:
         """The device-wait watcher found the daemon gone: this client is lost (raises)."""
@@ -391,16 +389,39 @@ class Client:
             if isinstance(h, DeviceWaitWatch) and h.gone is not None:
                 self._lost(h.gone)
 
+    def _daemon_dead(self) -> str | None:
+        """Why the daemon is gone, only once its process is (or cannot be seen): a daemon
+        whose socket went away but whose process lives may still run its GPU work, and a
+        release then would race with it."""
+        if self._process_alive() is True:
+            return None
+        return self._check_daemon()
+
+    def _process_alive(self) -> bool | None:
+        """Whether the daemon's process lives: None when this process cannot see it."""
+        pid = self._daemon_pid
+        if pid <= 0:
+            return None
+        try:
+            p = psutil.Process(pid)
+            return p.status() != psutil.STATUS_ZOMBIE and (self._daemon_started is None
+                                                            or p.create_time() == self._daemon_started)
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.Error:
+            return None
+
     def _release_device_waits(self) -> None:
-        """The daemon is gone: empty the results of the TOPKs whose done words may never be
-        set, and set them (``CudaAttachment.release_done``)."""
-        waits = list(self._device_waits.values())
+        """The daemon is gone: empty the results of this rank's device-wait entries and set
+        their done words (``CudaAttachment.release_done``), unless its process still
+        lives (then its own stream sets them)."""
         att = self.attachment
-        if waits and att is not None and hasattr(att, "release_done"):
-            try:
-                att.release_done(waits)
-            except Exception as e:  # noqa: BLE001 - nothing more can be done for them
-                log.error("could not release %d device waits of a lost daemon: %r", len(waits), e)
+        if att is None or not hasattr(att, "release_done") or self._process_alive() is True:
+            return
+        try:
+            att.release_done()
+        except Exception as e:  # noqa: BLE001 - nothing more can be done for them
+            log.error("could not release the device waits of a lost daemon: %r", e)
 
     def _close_handles(self) -> None:
         """Close the rank's device handles: their threads write into its memory."""
@@ -483,7 +504,7 @@ class Client:
             raise BadRequest(f"top-k for step {step} but the last STEP was {last}; send STEP first",
                              ErrorCode.BAD_ARGUMENT)
         _check_batch(att, rows, topk, begin)  # before anything is consumed or written
-        if self.device_wait:
+        if self.device_wait and att.has_done_words:
             self._raise_if_watch_gone()
             # An error in an earlier request's reply is raised before this one is sent.
             self._receive_arrived()
@@ -510,7 +531,6 @@ class Client:
         fields["done"] = done = att.next_done(e)
         req = self._send(MsgType.TOPK, fields)
         self._block_requests[e] = req
-        self._device_waits[req] = (e, done)
         self._deferred.append(req)
         self._watch_device_waits()
         return Ready(att.result_after(e, batch, k, done))
@@ -609,7 +629,6 @@ class Client:
         tr = header.get("tr")
         if sent is not None and tr is not None:
             self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
-        self._device_waits.pop(rid, None)  # answered: the daemon has set (or released) its word
         self._replies[rid] = (header, arrays)
 
     def _receive_arrived(self) -> None:

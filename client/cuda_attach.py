@@ -12,6 +12,7 @@ earlier step is still reading.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from sparsekv.proto.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
@@ -116,6 +117,7 @@ class CudaAttachment:
         self._done_base = None if off is None else self._arena.ptr + int(off)
         self._done_sent = [0] * R
         self._release_stream = None
+        self._release_lock = threading.Lock()  # the watcher's thread and the caller's
         # The rank's pinned step blocks, shared with the daemon: a TOPK writes its block
         # here and sends only the entry number. Without them top-k batches go as arrays.
         fd = (fds or {}).get(handles.get("blocks_fd"))
@@ -165,18 +167,20 @@ class CudaAttachment:
         wait32_geq(self._stream_ptr(), self._done_base + 4 * int(entry), done)
         return self._views_of(entry, batch, k)
 
-    def release_done(self, waits) -> None:
-        """Once the daemon is gone: for each (entry, done) of ``waits`` (TOPKs whose done
-        word may never be set), empty the entry's result (slots -1, 0 misses) and then set
-        the word, in that order on a side stream, so that streams waiting on them go on and
-        read no row. Returns at once (nothing waits on the host)."""
+    def release_done(self) -> int:
+        """Once the daemon is gone: for every entry a device-wait TOPK used, empty its
+        result (slots -1, 0 misses) and then set its done word to the entry's last value,
+        in that order on a side stream, so that a stream waiting on any of them goes on and
+        reads no row (a reply does not mean the work ran: the daemon may have died after
+        sending it). Returns at once (nothing waits on the host); the number of entries."""
+        waits = [(e, n) for e, n in enumerate(list(self._done_sent)) if n]
         if not waits or self._slots is None:
-            return
+            return 0
         import cupy as cp  # noqa: PLC0415
 
         from sparsekv.proto.stream_ops import write32  # noqa: PLC0415
 
-        with cp.cuda.Device(self.device):
+        with self._release_lock, cp.cuda.Device(self.device):
             if self._release_stream is None:
                 self._release_stream = cp.cuda.Stream(non_blocking=True)
             s = self._release_stream.ptr
@@ -185,6 +189,7 @@ class CudaAttachment:
                 cp.cuda.runtime.memsetAsync(slots.data_ptr(), 0xFF, slots.numel() * 4, s)
                 cp.cuda.runtime.memsetAsync(misses.data_ptr(), 0, misses.numel() * 4, s)
                 write32(s, self._done_base + 4 * int(entry), done)
+        return len(waits)
 
     def next_entry(self) -> int:
         """The entry the next :meth:`write_blocks` should use (round robin)."""

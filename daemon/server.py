@@ -360,7 +360,7 @@ class Daemon:
         engine (nothing of it ran), or its :class:`Job` when its handler reached a slow
         part (the reply comes from :meth:`_resume`)."""
         msg_type, req_id = 0, 0
-        header = None
+        release = None  # (session, header) of a device-wait TOPK from its own process, once known
         try:
             header, arrays = decode(frames)
             msg_type, req_id = header["t"], header["id"]
@@ -398,6 +398,8 @@ class Daemon:
                     if _peer_address(frames) not in (None, session.peer_address):
                         raise ProtocolError(ErrorCode.PERMISSION_DENIED,
                                             "this connection is not the process that said HELLO on it; send HELLO")
+                if header.get("done") is not None:
+                    release = (session, header)
                 session.requests += 1
                 session.last_request_at = time.monotonic()
                 if kind in _RANK_REQUESTS and session.state is not None \
@@ -418,24 +420,26 @@ class Daemon:
                 return self._step(job) if defer else self._inline(job)
             return self._ok(kind, msg_type, req_id, out, tr)
         except Exception as e:  # noqa: BLE001 - answered with its code, never raised
-            if header is not None and header.get("done") is not None:
-                self._release_device_wait(identity, header)
+            if release is not None:
+                self._release_device_wait(*release)
             return self._failed(e, identity, msg_type, req_id, tr)
 
-    def _release_device_wait(self, identity: bytes, header: dict) -> None:
-        """A device-wait TOPK (``block`` + ``done``) that failed: its client's stream
-        waits on the entry's done word, so the result is emptied and the word set anyway
-        (``CudaRankState.release_topk_block``); the client raises the error from the reply."""
-        session = self.sessions.get(identity)
-        release = getattr(session.state, "release_topk_block", None) if session is not None else None
-        block, done = header.get("block"), header.get("done")
-        if release is None or header.get("t") != int(MsgType.TOPK) or type(block) is not int or type(done) is not int \
-                or not 0 <= done <= 0xFFFFFFFF:
-            return
+    @staticmethod
+    def _release_device_wait(session, header: dict) -> None:
+        """A device-wait TOPK (``block`` + ``done``) of ``session``'s own process that
+        failed: its client's stream waits on the entry's done word, so the result is
+        emptied and the word set anyway, unless the request got as far as setting it
+        (``CudaRankState.release_topk_block``); the client raises the error from the
+        reply. Never raises."""
         try:
-            release(block, done)
+            release = getattr(session.state, "release_topk_block", None)
+            block, done, fence = header.get("block"), header.get("done"), header.get("fence")
+            if release is None or header.get("t") != int(MsgType.TOPK) or type(block) is not int \
+                    or type(done) is not int or not 0 <= done <= 0xFFFFFFFF:
+                return
+            release(block, done, fence if type(fence) is int else None)
         except Exception as e:  # noqa: BLE001 - the reply still says what failed
-            log.warning("could not release a failed device-wait TOPK (block %d): %r", block, e)
+            log.warning("could not release a failed device-wait TOPK: %r", e)
 
     def _ok(self, kind: MsgType, msg_type: int, req_id: int, out: tuple, tr: int) -> list:
         """The reply to a request its handler answered with ``out`` (fields, arrays)."""

@@ -146,13 +146,19 @@ class CudaRankState(RankState):
             self.state_rows = None
         return {"entry": int(entry)}, None, {"topk_batches": 1}
 
-    def release_topk_block(self, entry: int, done: int) -> None:
-        """A device-wait TOPK on ``entry`` failed before its work was enqueued: empty the
-        entry's result and set its done word to ``done`` (``ZmqTransport.release_entry``)."""
+    def release_topk_block(self, entry: int, done: int, fence: int | None = None) -> None:
+        """A device-wait TOPK on ``entry`` failed: unless it got as far as setting its done
+        word, empty the entry's result (after the client's ``fence``, when it names one
+        of its events: the engine may still read the entry's last result) and set the
+        word to ``done`` (``ZmqTransport.release_entry``)."""
         if self.device_driven or not 0 <= int(entry) < self.buffers.ring_depth:
             return
+        try:
+            wait = self._fence_wait(fence)
+        except ResidencyError:
+            wait = None  # (the request's own error, reported in its reply)
         with self._cp.cuda.Device(self.worker.ordinal):
-            self.transport.release_entry(int(entry), int(done))
+            self.transport.release_entry(int(entry), int(done), wait)
 
     def check_fence(self, fence) -> None:
         self._fence_wait(fence)

@@ -72,6 +72,7 @@ class ZmqTransport(Transport):
             self._step_done = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(b.ring_depth)]
         self._step_used = [False] * b.ring_depth
         self._topk_used = [False] * b.ring_depth
+        self._done_set = [None] * b.ring_depth  # per entry: the last done value enqueued
         self.graphs = bool(graphs)
         self._step_graphs, self._topk_graphs = [], []
         self._cboth_graphs, self._ctopk_graphs = [], []
@@ -171,6 +172,7 @@ class ZmqTransport(Transport):
             self.dstep.enqueue_topk_request(entry, b.client_topk[entry][1], stream)
         if done is not None:
             write32(stream.ptr, self.done_address(entry), done)
+            self._done_set[entry] = done
         self.events.record(entry, stream)
         self._topk_used[entry] = True
         return entry
@@ -178,18 +180,25 @@ class ZmqTransport(Transport):
     def done_address(self, entry: int) -> int:
         return self.buffers.done.data.ptr + 4 * int(entry)
 
-    def release_entry(self, entry: int, done: int) -> None:
-        """A device-wait TOPK that failed before its work was enqueued: its entry's result
-        becomes empty (slots -1, 0 misses: nothing is read) and its done word ``done``,
-        in stream order, so that the client's stream goes on and reads no stale row."""
+    def release_entry(self, entry: int, done: int, fence=None) -> None:
+        """A device-wait TOPK that failed: unless it got as far as setting its done word
+        (its result is then in place, or on its way), its entry's result becomes empty
+        (slots -1, 0 misses: nothing is read; after ``fence(stream)``, the client's fence)
+        and its done word ``done``, in stream order, so that the client's stream goes on
+        and reads no stale row."""
         import cupy as cp
 
+        if self._done_set[entry] == done:
+            return
         b = self.buffers
         stream = self.worker.stream
+        if fence is not None:
+            fence(stream)
         slots, misses = b.slots[entry], b.misses[entry]
         cp.cuda.runtime.memsetAsync(slots.data.ptr, 0xFF, slots.nbytes, stream.ptr)
         cp.cuda.runtime.memsetAsync(misses.data.ptr, 0, misses.nbytes, stream.ptr)
         write32(stream.ptr, self.done_address(entry), done)
+        self._done_set[entry] = done
 
     def close(self) -> None:
         self.worker.stream.synchronize()

@@ -52,8 +52,9 @@ class FakeAttachment:
     def result(self, e, batch, k):
         return ("after_reply", e)
 
-    def release_done(self, waits):
-        self.released.extend(waits)
+    def release_done(self):
+        self.released.append(dict(self._n))  # every entry used, at its last value
+        return len(self._n)
 
 
 def fake_client(done_words=True, device_wait=True):
@@ -78,7 +79,7 @@ def test_a_device_wait_topk_sends_its_done_value_and_returns_without_a_reply():
         assert isinstance(p, Ready) and p.wait() == ("result", 0, 1)
         assert sent[-1][0] == MsgType.TOPK and sent[-1][1]["done"] == 1 and sent[-1][1]["block"] == 0
         assert c.attachment.calls[-1] == ("wait_on_device", 0, 1)
-        assert c._device_waits == {1: (0, 1)} and c._deferred == [1]
+        assert c._deferred == [1]
         assert any(isinstance(h, DeviceWaitWatch) for h in c._handles)  # the watcher runs
         c.submit_topk(0, 0, IDS)
         assert sent[-1][1]["done"] == 2  # the entry's count grows
@@ -92,7 +93,12 @@ def test_without_device_wait_or_done_words_the_topk_waits_for_its_reply(device_w
     c, sent = fake_client(done_words, device_wait)
     p = c.submit_topk(0, 0, IDS)
     assert not isinstance(p, Ready) and "done" not in sent[-1][1]
-    assert c._device_waits == {} and not c._handles
+    assert c._deferred == [] and not c._handles
+    # An earlier request's error is not raised early on the reply path either.
+    c._replies[1] = ({"id": 1, "ok": False, "code": int(ErrorCode.BAD_ARGUMENT), "msg": "later"}, {})
+    c._deferred.append(1)
+    c.submit_topk(0, 0, IDS)
+    assert 1 in c._deferred
 
 
 def test_an_earlier_device_wait_error_is_raised_before_the_next_topk_is_sent():
@@ -100,7 +106,6 @@ def test_an_earlier_device_wait_error_is_raised_before_the_next_topk_is_sent():
     try:
         c.submit_topk(0, 0, IDS)
         c._replies[1] = ({"id": 1, "ok": False, "code": int(ErrorCode.BAD_ARGUMENT), "msg": "bad fence"}, {})
-        c._device_waits.pop(1)  # (as _receive_one does with a reply)
         n = len(sent)
         with pytest.raises(BadRequest, match="bad fence"):
             c.submit_topk(0, 0, IDS)
@@ -109,18 +114,48 @@ def test_an_earlier_device_wait_error_is_raised_before_the_next_topk_is_sent():
         c._close_handles()
 
 
-def test_a_lost_daemon_releases_the_waits_that_no_reply_answered():
+def test_a_lost_daemon_releases_every_entry_used_at_its_last_value_unless_its_process_lives():
+    """A reply does not mean the work ran (the daemon may die after sending it): every
+    entry a device-wait TOPK used is released, at its last value; but not while the
+    daemon's process lives (its stream would still set the words: a release would race)."""
     c, _ = fake_client()
     try:
         c.submit_topk(0, 0, IDS)
         c.submit_topk(0, 0, IDS)
-        c._device_waits.pop(1)  # the first one was answered
+        c._replies[1] = ({"id": 1, "ok": True}, {})  # the first one was answered
+        c._process_alive = lambda: True
+        c._release_device_waits()
+        assert c.attachment.released == []
+        assert c._daemon_dead() is None  # the watcher's check: alive is not gone
+        c._process_alive = lambda: None  # cannot see it: the socket decides
         c._sock = type("S", (), {"close": lambda self, linger=0: None})()
         with pytest.raises(DaemonUnavailable):
             c._lost("sparsekvd is gone (test)")
-        assert c.attachment.released == [(0, 2)]
+        assert c.attachment.released == [{0: 2}]
     finally:
         c._close_handles()
+
+
+def test_the_daemon_releases_a_failed_device_wait_of_its_own_process_only_with_an_int_block_and_done():
+    """Daemon._release_device_wait: the rank's release gets (block, done, fence) of a TOPK;
+    nothing for another type, a bad block or done, a rank without releases; never raises."""
+    from types import SimpleNamespace
+
+    from sparsekv.daemon.server import Daemon
+
+    calls = []
+    state = SimpleNamespace(release_topk_block=lambda *a: calls.append(a))
+    s = SimpleNamespace(state=state)
+    topk = int(MsgType.TOPK)
+    Daemon._release_device_wait(s, {"t": topk, "block": 2, "done": 9, "fence": 1})
+    Daemon._release_device_wait(s, {"t": topk, "block": 2, "done": 10, "fence": "x"})
+    for bad in ({"t": int(MsgType.STEP), "block": 2, "done": 9}, {"t": topk, "block": "2", "done": 9},
+                {"t": topk, "block": 2, "done": -1}, {"t": topk, "block": 2, "done": True}):
+        Daemon._release_device_wait(s, bad)
+    Daemon._release_device_wait(SimpleNamespace(state=None), {"t": topk, "block": 2, "done": 9})
+    state.release_topk_block = lambda *a: 1 / 0
+    Daemon._release_device_wait(s, {"t": topk, "block": 2, "done": 9})  # logged, not raised
+    assert calls == [(2, 9, 1), (2, 10, None)]
 
 
 def test_the_watcher_releases_once_the_daemon_is_gone_until_closed():
@@ -155,10 +190,11 @@ def test_a_request_after_the_watcher_found_the_daemon_gone_raises_and_is_not_sen
     watch.close()
     watch.gone = "sparsekvd is gone (test)"
     c._sock = type("S", (), {"close": lambda self, linger=0: None})()
+    c._process_alive = lambda: False
     n = len(sent)
     with pytest.raises(DaemonUnavailable, match="gone"):
         c.submit_topk(0, 0, IDS)
-    assert len(sent) == n and c.attachment.released == [(0, 1)]
+    assert len(sent) == n and c.attachment.released == [{0: 1}]
 
 
 def test_the_environment_turns_device_wait_on(monkeypatch):
