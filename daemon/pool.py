@@ -81,11 +81,12 @@ def thp_mode() -> str | None:
 
 def anon_huge_bytes(address: int | None = None, nbytes: int = 0) -> int:
     """Anonymous memory in transparent huge pages (``AnonHugePages``): of the mappings of
-    this process that overlap ``[address, address + nbytes)`` (/proc/self/smaps), or of
-    the whole process when ``address`` is None (/proc/self/smaps_rollup); 0 when it cannot
-    be read."""
+    this process that overlap ``[address, address + nbytes)`` (/proc/self/smaps), each
+    counted at most as far as it overlaps (the kernel may merge the pool's mapping with a
+    neighbour's, whose huge pages are not the pool's), or of the whole process when
+    ``address`` is None (/proc/self/smaps_rollup); 0 when it cannot be read."""
     path = "/proc/self/smaps_rollup" if address is None else "/proc/self/smaps"
-    total, inside = 0, address is None
+    total, inside, overlap = 0, address is None, None
     try:
         with open(path) as f:
             for line in f:
@@ -93,9 +94,11 @@ def anon_huge_bytes(address: int | None = None, nbytes: int = 0) -> int:
                 if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
                     if address is not None:
                         lo, hi = (int(x, 16) for x in head.split("-"))
-                        inside = lo < address + nbytes and address < hi
+                        overlap = min(hi, address + nbytes) - max(lo, address)
+                        inside = overlap > 0
                 elif inside and head == "AnonHugePages:":
-                    total += int(line.split()[1]) * 1024
+                    n = int(line.split()[1]) * 1024
+                    total += n if overlap is None else min(n, overlap)
     except (OSError, ValueError, IndexError):
         return 0
     return total

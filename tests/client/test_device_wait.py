@@ -205,13 +205,25 @@ def test_the_environment_turns_device_wait_on(monkeypatch):
     assert Client("/nonexistent", device="cuda:0").device_wait is False
 
 
-def test_the_daemon_checks_done_before_anything_else_of_a_block_topk(daemon):
-    with Client(daemon.run_dir, timeout_s=10) as c:
-        c.attach(LAYOUT, engine="dw")
+def test_the_daemon_checks_done_and_a_cpu_rank_refuses_block_topks_and_serves_on(tmp_path):
+    """A TOPK's ``done`` must be a uint32 (BAD_ARGUMENT naming it, never INTERNAL); a cpu
+    rank has no client-written blocks (BAD_ARGUMENT) and nothing to release; the session
+    serves on. (In process: Daemon.handle, as tests/daemon/test_fuzz_requests.py does.)"""
+    import os
+
+    from sparsekv.proto import decode, encode
+
+    def call(dm, kind, fields=None, arrays=None):
+        return decode([bytes(f) for f in dm.handle(b"D", [bytes(f) for f in encode(kind, 7, fields, arrays)])])
+
+    with helpers.inproc_daemon(tmp_path) as dm:
+        assert call(dm, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "dw"})[0]["ok"]
+        assert call(dm, MsgType.ATTACH, {"engine": "dw", "layout": LAYOUT.to_wire()})[0]["ok"]
         for bad in ("1", 2**32, -1, True, 1.5):
-            with pytest.raises(BadRequest, match="done must be an integer"):
-                c._call(MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": bad})
-        with pytest.raises(BadRequest, match="cuda only"):  # a cpu rank: no blocks, nothing to release
-            c._call(MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": 7})
-        c.step(0, [0])
-        assert int(c.topk(0, 0, IDS).misses[0]) == 4  # the session serves on
+            h, _ = call(dm, MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": bad})
+            assert not h["ok"] and h["code"] == ErrorCode.BAD_ARGUMENT and "done must be an integer" in h["msg"]
+        h, _ = call(dm, MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": 7})
+        assert not h["ok"] and h["code"] == ErrorCode.BAD_ARGUMENT and "cuda only" in h["msg"]
+        assert call(dm, MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
+        h, a = call(dm, MsgType.TOPK, {"step": 0, "group": 0}, {"topk": IDS})
+        assert h["ok"] and int(a["misses"][0]) == 4
