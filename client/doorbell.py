@@ -467,7 +467,9 @@ class DoorbellSwapIn(DeviceSwapIn):
         """Watch the daemon; once it is gone, release the engine's stream for ever."""
         while not self._closed.wait(WATCH_INTERVAL_S):
             try:
-                why = self.client._check_daemon()
+                # Only once its process is gone (or unseen): a live daemon may still run
+                # the step graphs, and releasing the words would race with them.
+                why = self.client._daemon_dead()
             except Exception as e:  # noqa: BLE001 - keep watching
                 log.debug("daemon check failed: %r", e)
                 continue
