@@ -398,7 +398,8 @@ class Client:
         return self._check_daemon()
 
     def _process_alive(self) -> bool | None:
-        """Whether the daemon's process lives: None when this process cannot see it."""
+        """Whether the daemon's process lives: None when this process cannot see it. A new
+        process under the same pid, or a zombie its parent has not reaped, is not it."""
         pid = self._daemon_pid
         if pid <= 0:
             return None
@@ -504,7 +505,8 @@ class Client:
             raise BadRequest(f"top-k for step {step} but the last STEP was {last}; send STEP first",
                              ErrorCode.BAD_ARGUMENT)
         _check_batch(att, rows, topk, begin)  # before anything is consumed or written
-        if self.device_wait and att.has_done_words:
+        device_wait = self.device_wait and att.has_done_words
+        if device_wait:
             self._raise_if_watch_gone()
             # An error in an earlier request's reply is raised before this one is sent.
             self._receive_arrived()
@@ -524,7 +526,7 @@ class Client:
         fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin, self._still_there,
                                            self.timeout_s)
         batch, k = topk.shape
-        if not (self.device_wait and att.has_done_words):
+        if not device_wait:
             req = self._send(MsgType.TOPK, fields)
             self._block_requests[e] = req
             return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
@@ -656,19 +658,9 @@ class Client:
         seems to be: its process (when this process can see it) and its socket file (a
         restarted daemon makes a new one)."""
         path = self.control_path
-        pid = self._daemon_pid
-        if pid > 0:
-            try:
-                p = psutil.Process(pid)
-                # A new process under the same pid, or a zombie its parent has not reaped.
-                if (self._daemon_started is not None and p.create_time() != self._daemon_started) \
-                        or p.status() == psutil.STATUS_ZOMBIE:
-                    return f"sparsekvd is gone (pid {pid} exited)"
-            except psutil.NoSuchProcess:
-                return f"sparsekvd is gone (pid {pid} exited)"
-            except psutil.Error:
-                pass  # cannot tell (permissions): the socket says more
-        st = None
+        if self._process_alive() is False:
+            return f"sparsekvd is gone (pid {self._daemon_pid} exited)"
+        st = None  # alive, or cannot tell (another pid namespace, permissions): the socket says more
         # The daemon renames control.sock <-> control.sock.busy while it holds off new
         # connections (daemon/connguard.py): both names can be missing between two stats.
         # Gone only when neither exists three times over.

@@ -771,8 +771,7 @@ class Daemon:
             if serve is None:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "this rank has no client-written step blocks (cuda only)")
             begin = h.get("begin") is True
-            fields, arrays, deltas = serve(step, _int(h, "group"), block, begin, fence,
-                                           **({"done": done} if done is not None else {}))
+            fields, arrays, deltas = serve(step, _int(h, "group"), block, begin, fence, done)
             c = self.stats.c
             c["steps"] += begin
             for k, v in deltas.items():

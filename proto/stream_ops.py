@@ -67,20 +67,21 @@ def write32(stream_ptr: int, address: int, value: int) -> None:
     _check(rc, "cuStreamWriteValue32")
 
 
+def _wait(stream_ptr: int, address: int, value: int, flags: int) -> None:
+    rc = _load()[1](ctypes.c_void_p(int(stream_ptr)), int(address), int(value) & 0xFFFFFFFF, flags)
+    _check(rc, "cuStreamWaitValue32")
+
+
 def wait32(stream_ptr: int, address: int, value: int) -> None:
     """Enqueue a wait until ``*(uint32*)address == value`` on the stream."""
-    rc = _load()[1](ctypes.c_void_p(int(stream_ptr)), int(address), int(value) & 0xFFFFFFFF,
-                    CU_STREAM_WAIT_VALUE_EQ)
-    _check(rc, "cuStreamWaitValue32")
+    _wait(stream_ptr, address, value, CU_STREAM_WAIT_VALUE_EQ)
 
 
 def wait32_geq(stream_ptr: int, address: int, value: int) -> None:
     """Enqueue a wait until ``*(uint32*)address`` has reached ``value``, as a cyclic
     comparison (``(int32)(word - value) >= 0``): for a counter that only grows, and may wrap
     (a zmq client's per-entry done word, ``client/cuda_attach.py``)."""
-    rc = _load()[1](ctypes.c_void_p(int(stream_ptr)), int(address), int(value) & 0xFFFFFFFF,
-                    CU_STREAM_WAIT_VALUE_GEQ)
-    _check(rc, "cuStreamWaitValue32")
+    _wait(stream_ptr, address, value, CU_STREAM_WAIT_VALUE_GEQ)
 
 
 def graph_launch(graph_exec: int, stream_ptr: int) -> None:
