@@ -43,6 +43,7 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 #       (DECODE_ARGS: more options of the decode step, e.g. "--steps 60 --rounds 3 --paired") |
 #       ab (bench decode for each of AB_VARIANTS: the daemon's switches against each other) |
 #       profile (tests/gpu/profile_daemon.py: the daemon's host time per request) |
+#       zmqprobe (tests/gpu/micro_zmq_affinity.py: a ZeroMQ hop's wake-ups) |
 #       ncu (Nsight Compute on skv_resolve and skv_gather, tests/gpu/ncu_kernels.py) |
 #       examples (the example model through the doorbell, its own KV and an engine-owned slab) |
 #       probes (tests/gpu/pool_first_touch.py and tests/gpu/probe_ipc_after_kill.py)
@@ -128,6 +129,11 @@ if has probes; then
   # handle whose holder was SIGKILLed (MPS is up): docs/PERF.md, session 8.
   timeout "$(left 90)" python3 tests/gpu/pool_first_touch.py ${POOL_GIB:-64} 2>&1 | tee "$OUT/pool-first-touch.log"
   timeout "$(left 90)" python3 tests/gpu/probe_ipc_after_kill.py 2>&1 | tee "$OUT/probe-ipc-after-kill.log"
+fi
+if has zmqprobe; then
+  # Where a ZeroMQ hop's time goes on this VM: I/O threads placed by default, pinned with
+  # their busy-polling thread, and a raw SOCK_SEQPACKET pair (tests/gpu/micro_zmq_affinity.py).
+  timeout "$(left 90)" python3 tests/gpu/micro_zmq_affinity.py 2000 2>&1 | tee "$OUT/micro-zmq-affinity.log"
 fi
 if has profile; then
   # Where the daemon's host time goes per STEP + TOPK (handlers in process, then cProfile).
