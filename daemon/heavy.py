@@ -40,6 +40,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
+from sparsekv.proto import affinity
+
 log = logging.getLogger("sparsekv.heavy")
 
 # Worker threads: a second one keeps one long pinning from holding up every other heavy
@@ -191,7 +193,8 @@ class HeavyRequests:
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="heavy")
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="heavy",
+                                                initializer=affinity.release_thread)
         return self._executor
 
     def close(self, wait: bool = True) -> list[Job]:
