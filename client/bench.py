@@ -110,19 +110,15 @@ def bench_transport(steps=100, batch=8, top_k=256) -> dict:
             "zmq_overhead_us": round(p50z - p50b, 1), "ratio_vs_inproc": round(p50z / p50b, 3)}
 
 
-def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000, cpu: int | None = None) -> None:
+def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000) -> None:
     """A bare ZeroMQ + CUDA IPC event echo (the floor of any cross-process hand-off):
     each request records an interprocess event on a stream and is answered at once.
-    Polls like sparsekvd: busy for ``busy_poll_us`` after a request, then sleeps.
-    ``cpu``: this thread and the I/O thread there (like sparsekvd's ``control_cpu``)."""
+    Polls like sparsekvd: busy for ``busy_poll_us`` after a request, then sleeps."""
     import cupy as cp  # noqa: PLC0415
     import zmq  # noqa: PLC0415
 
-    from sparsekv.proto import affinity  # noqa: PLC0415
     from sparsekv.proto.cuda_ipc import EventRing  # noqa: PLC0415
 
-    if cpu is not None:
-        affinity.pin_thread(cpu)
     ring = EventRing(0, 1)
     stream = cp.cuda.Stream(non_blocking=True)
     ctx = zmq.Context()
@@ -152,7 +148,7 @@ class _BareRoundTrip:
     """The client side of :func:`_bare_server`: send, spin for the reply like a cuda
     Client, make a stream wait on the event, synchronise it."""
 
-    def __init__(self, stack, spin_us: int = 500, cpu: int | None = None):
+    def __init__(self, stack, spin_us: int = 500):
         import multiprocessing as mp  # noqa: PLC0415
         import os  # noqa: PLC0415
         import tempfile  # noqa: PLC0415
@@ -165,7 +161,7 @@ class _BareRoundTrip:
         ctx = mp.get_context("spawn")
         path = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "bare.sock")
         ready, handles = ctx.Event(), ctx.Queue()
-        self.proc = ctx.Process(target=_bare_server, args=(path, ready, handles, 1000, cpu), daemon=True)
+        self.proc = ctx.Process(target=_bare_server, args=(path, ready, handles), daemon=True)
         self.proc.start()
         if not ready.wait(60):
             raise RuntimeError("bare zmq server did not start")
@@ -199,17 +195,8 @@ class _BareRoundTrip:
         self.events.close()
 
 
-def pinning_cpus() -> tuple[int, int, int] | None:
-    """Three CPUs for a pinned transport run (daemon, bench client, bare echo server): the
-    last three this process may use; None with fewer than four."""
-    from sparsekv.proto import affinity  # noqa: PLC0415
-
-    cpus = sorted(affinity.allowed_cpus())
-    return (cpus[-1], cpus[-2], cpus[-3]) if len(cpus) >= 4 else None
-
-
 def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, num_layers=1, seed=5,
-                         device_wait: bool = False, pinned: bool = False) -> dict:
+                         device_wait: bool = False) -> dict:
     """A decode step through a cuda daemon over zmq (STEP + TOPK, wait for the event,
     slots to the host) against the same device step run in this process on the same GPU
     (same kernels, same per-request CUDA graphs, same host-side block writes; no socket).
@@ -217,25 +204,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
     beside a bare ZeroMQ + IPC event round trip measured step by step in the same window.
     The header timestamps split the zmq step into client, socket and daemon time.
     ``device_wait``: also the same steps through a second rank with
-    ``Client(device_wait=True)`` (``zmq_device_wait_*`` keys). ``pinned``: the daemon's
-    ``control_cpu``, this thread (with its clients' I/O threads) and the bare echo server
-    each on a CPU of its own (:func:`pinning_cpus`; ``pinned_cpus`` key)."""
-    from sparsekv.proto import affinity  # noqa: PLC0415
-
-    cpus = pinning_cpus() if pinned else None
-    if pinned and cpus is None:
-        raise ValueError("a pinned transport run needs at least 4 CPUs")
-    try:
-        r = _bench_cuda_transport(steps, batch, top_k, region_stride, num_layers, seed, device_wait, cpus)
-    finally:
-        if cpus is not None:
-            affinity.release_thread()
-    if cpus is not None:
-        r["pinned_cpus"] = list(cpus)
-    return r
-
-
-def _bench_cuda_transport(steps, batch, top_k, region_stride, num_layers, seed, device_wait, cpus) -> dict:
+    ``Client(device_wait=True)`` (``zmq_device_wait_*`` keys)."""
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.cuda.backend import DeviceWorker  # noqa: PLC0415
@@ -262,25 +231,18 @@ def _bench_cuda_transport(steps, batch, top_k, region_stride, num_layers, seed, 
         space = EngineSpace("bench", lay, pool.view(0, (lay.num_layers, lay.host_rows, lay.row_bytes)), 0)
         rank = CudaRankState(0, worker, space, pinned, ring_depth=8, gather_blocks=32)
         stack.callback(rank.close)
-        pin = ["--control-cpu", str(cpus[0])] if cpus else []
         d = stack.enter_context(PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
-                                              extra_args=["--device-arena-size", "4GiB", *pin]))
-        cpu = cpus[1] if cpus else None
-        c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False, cpu=cpu))
+                                              extra_args=["--device-arena-size", "4GiB"]))
+        c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False))
         c.attach(lay, engine="bench")
         # With device_wait, the same steps through a second rank whose stream waits for the
         # result on the GPU: the reply leaves the critical path.
         cw = None
         if device_wait:
             cw = stack.enter_context(Client(d.run_dir, rank=1, name="bench-device-wait", device="cuda:0",
-                                            device_wait=True, cpu=cpu))
+                                            device_wait=True))
             cw.attach(lay, engine="bench")
-        bare_rt = _BareRoundTrip(stack, cpu=cpus[2] if cpus else None)
-        if cpus is not None:
-            # Only now: processes started from a pinned thread would inherit its CPU.
-            from sparsekv.proto import affinity  # noqa: PLC0415
-
-            affinity.pin_thread(cpus[1])
+        bare_rt = _BareRoundTrip(stack)
         bare = np.zeros(steps)
         base = np.zeros(steps)
         over, reply, dwait = np.zeros(steps), np.zeros(steps), np.zeros(steps)

@@ -28,7 +28,6 @@ import psutil
 import zmq
 
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
-from sparsekv.proto import affinity
 from sparsekv.proto.frames import send_copy
 
 from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError, error_for
@@ -102,28 +101,6 @@ class Ready(Pending):
 
 
 DEVICE_WAIT_ENV = "SPARSEKV_CLIENT_DEVICE_WAIT"
-CPU_ENV = "SPARSEKV_CLIENT_CPU"
-
-
-def _io_cpu(cpu: int | None, device: str) -> int | None:
-    """The CPU for this client's ZeroMQ I/O thread: ``cpu``, else ``$SPARSEKV_CLIENT_CPU``,
-    else (a cuda rank) the one CPU the calling thread is pinned to, if it is pinned to one;
-    None: wherever the kernel puts it (proto/affinity.py says why it matters)."""
-    if cpu is None:
-        env = os.environ.get(CPU_ENV, "").strip()
-        if env:
-            try:
-                cpu = int(env)
-            except ValueError:
-                raise BadRequest(f"{CPU_ENV} must be a CPU number, got {env!r}", ErrorCode.BAD_ARGUMENT) from None
-        elif device.startswith("cuda"):
-            return affinity.single_cpu()
-    if cpu is None:
-        return None
-    try:
-        return affinity.check_cpu(int(cpu), "the client's cpu")
-    except ValueError as e:
-        raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
 
 
 class Client:
@@ -131,23 +108,19 @@ class Client:
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
                  name: str = "", timeout_s: float = 30.0, spin_us: int | None = None,
-                 device_wait: bool | None = None, cpu: int | None = None):
+                 device_wait: bool | None = None):
         """``device``: ``"cpu"``, or ``"cuda:N"`` (this process's GPU numbering) for a rank
         whose slab lives on a GPU of a cuda-backend daemon. ``device_wait`` (cuda ranks;
         None: ``$SPARSEKV_CLIENT_DEVICE_WAIT`` is ``1``): ``topk`` returns once the request
         is sent, with the current stream waiting on the GPU for the result (the daemon
         sets a word per ring entry); the reply is read later and an error in it raised by
-        a later call (the failed request's result is empty: slots -1). ``cpu``: run this
-        client's ZeroMQ I/O thread on that CPU, the one the calling thread runs on (None:
-        ``$SPARSEKV_CLIENT_CPU``, else for a cuda rank the calling thread's CPU when it is
-        pinned to one): each request then wakes no idle CPU (proto/affinity.py)."""
+        a later call (the failed request's result is empty: slots -1)."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
         self.timeout_s = timeout_s
         # Poll for a reply this long before sleeping on the socket (a wake-up costs tens of
         # microseconds, in a VM more): default 500 for cuda ranks, 0 for cpu ones.
         self.spin_ns = (500 if device.startswith("cuda") else 0) * 1000 if spin_us is None else int(spin_us) * 1000
-        self.cpu = _io_cpu(cpu, device)
         self.info: dict = {}
         self.attachment: Attachment | None = None
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
@@ -186,11 +159,7 @@ class Client:
         self._daemon_pid, self._socket_id = probe_daemon(path, self.run_dir)
         self._daemon_started = _start_time(self._daemon_pid)
         self._gone = None
-        if self.cpu is None:
-            self._ctx = zmq.Context.instance()
-        else:  # a context of its own: its I/O thread starts on that CPU
-            self._ctx = zmq.Context()
-            affinity.place_io_threads(self._ctx, self.cpu)
+        self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # A routing id of our own: if the connection drops (the daemon's heartbeat timed
@@ -224,19 +193,13 @@ class Client:
         if self.attachment is not None:
             # Once the daemon is gone its events may never complete: wait a bounded time.
             self._close_attachment(wait_s=GONE_CLOSE_WAIT_S if self._gone is not None else None)
-        self._close_socket()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
         self._sent.clear()  # requests whose replies will never come
         self._replies.clear()
         self._deferred.clear()
         self.info = {}
-
-    def _close_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-        self._sock = None
-        if self._ctx is not None and self.cpu is not None:
-            self._ctx.term()  # its own (the shared instance stays for other clients)
-        self._ctx = None
 
     def _goodbye(self) -> None:
         timeout_s, self.timeout_s = self.timeout_s, min(self.timeout_s, BYE_TIMEOUT_S)
@@ -729,7 +692,9 @@ class Client:
         self._gone = (f"{why}; this client's session{' and attachment are' if self.attachment else ' is'} "
                       "gone: create a new Client (and attach again)")
         self._release_device_waits()
-        self._close_socket()
+        if self._sock is not None:
+            self._sock.close(0)
+        self._sock = None
         # Nothing in flight will be answered (connect() again starts clean).
         self._sent.clear()
         self._replies.clear()

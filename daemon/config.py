@@ -15,8 +15,6 @@ import re
 import tomllib
 from dataclasses import dataclass, fields
 
-from sparsekv.proto.affinity import check_cpu
-
 _UNITS = {
     "b": 1,
     "k": 1000, "kb": 1000, "kib": 1 << 10,
@@ -90,11 +88,6 @@ class Config:
     # request of a decode step then costs no wake-up (tens of microseconds in a VM).
     # -1: 1000 on the cuda backend, 0 (off) on the cpu backend.
     busy_poll_us: int = -1
-    # The CPU of the daemon's event-loop thread and its ZeroMQ I/O threads (-1: not pinned).
-    # On one CPU the I/O threads wake where the busy poll already runs (proto/affinity.py):
-    # a zmq round trip measured 104 -> 62-79 us on the H200 VM. Pick a CPU no engine thread
-    # uses; every other thread of the daemon keeps the whole CPU set.
-    control_cpu: int = -1
     # Prometheus text on http://127.0.0.1:<port>/metrics, served by the daemon's own loop;
     # 0: off (the stats socket's `prometheus` command serves the same text).
     metrics_port: int = 0
@@ -129,13 +122,6 @@ class Config:
             raise ConfigError(f"ring_depth must lie in [1, 1024], got {self.ring_depth}")
         if self.busy_poll_us < -1 or self.busy_poll_us > 1_000_000:
             raise ConfigError(f"busy_poll_us must lie in [-1, 1000000], got {self.busy_poll_us}")
-        if self.control_cpu < -1:
-            raise ConfigError(f"control_cpu must be a CPU number or -1 (not pinned), got {self.control_cpu}")
-        if self.control_cpu >= 0:
-            try:
-                check_cpu(self.control_cpu, "control_cpu")
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
         if self.gather_blocks < 1:
             raise ConfigError(f"gather_blocks must be >= 1, got {self.gather_blocks}")
         if self.max_clients < 1:
@@ -206,7 +192,6 @@ _HELP = {
     "device_arena_size": "cuda: one allocation per GPU for every rank's slab and rings, with a unit",
     "ring_depth": "cuda: top-k requests a rank may have in flight",
     "busy_poll_us": "poll the control socket this long after a request; -1: 1000 on cuda, 0 on cpu",
-    "control_cpu": "the CPU of the event-loop thread and its ZeroMQ I/O threads; -1: not pinned",
     "metrics_port": "serve Prometheus text on http://127.0.0.1:PORT/metrics; 0: off",
     "max_slab_bytes": "most memory one rank may take (hot slab + staging + residency state), with a unit",
     "admin_gid": "members of this group may join any user's engine; -1: nobody but root",
@@ -349,7 +334,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TOML file with settings (table [sparsekvd] or top level) (default: none; env SPARSEKV_CONFIG)")
     metavars = {"pool_size": "SIZE", "device_arena_size": "SIZE", "max_slab_bytes": "SIZE", "run_dir": "DIR",
                 "shm_dir": "DIR",
-                "kernel_cache_dir": "DIR", "devices": "all|0,1,..", "reap_interval_s": "S", "busy_poll_us": "US", "control_cpu": "CPU",
+                "kernel_cache_dir": "DIR", "devices": "all|0,1,..", "reap_interval_s": "S", "busy_poll_us": "US",
                 "metrics_port": "PORT"}
     choices = {"backend": ["auto", "cpu", "cuda"], "log_level": ["debug", "info", "warning", "error"]}
     types = {"int": int, "float": float}

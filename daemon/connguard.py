@@ -40,8 +40,6 @@ import time
 
 import zmq
 
-from sparsekv.proto import affinity
-
 from .connections import Connections
 
 log = logging.getLogger("sparsekv.server")
@@ -103,10 +101,10 @@ class ConnectionGuard:
         self._lock = threading.Lock()  # gate / ungate / close: one at a time
         self._closed = False
         self._monitor = router.get_monitor_socket(zmq.EVENT_ALL)  # the guard thread owns it from here
-        self._thread = threading.Thread(target=affinity.unpinned(self._run), name="sparsekv-connguard", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="sparsekv-connguard", daemon=True)
         self._table_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._table_thread = None if connections is None else \
-            threading.Thread(target=affinity.unpinned(self._run_table), name="sparsekv-conntable", daemon=True)
+            threading.Thread(target=self._run_table, name="sparsekv-conntable", daemon=True)
 
     def start(self) -> "ConnectionGuard":
         self._thread.start()

@@ -40,8 +40,6 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
-from sparsekv.proto import affinity
-
 log = logging.getLogger("sparsekv.heavy")
 
 # Worker threads: a second one keeps one long pinning from holding up every other heavy
@@ -193,8 +191,7 @@ class HeavyRequests:
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="heavy",
-                                                initializer=affinity.release_thread)
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="heavy")
         return self._executor
 
     def close(self, wait: bool = True) -> list[Job]:

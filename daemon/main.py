@@ -386,7 +386,6 @@ def main(argv=None) -> int:
                             busy_poll_us=cfg.busy_poll_us if cfg.busy_poll_us >= 0
                             else (1000 if backend.name == "cuda" else 0),
                             metrics_port=cfg.metrics_port,
-                            control_cpu=cfg.control_cpu if cfg.control_cpu >= 0 else None,
                             admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None,
                             max_clients_per_uid=cfg.max_clients_per_uid,
                             max_pool_bytes_per_uid=cfg.max_pool_bytes_per_uid,

@@ -34,8 +34,6 @@ from typing import Callable
 import numpy as np
 import psutil
 
-from sparsekv.proto import affinity
-
 from .config import format_size
 from .ranges import RangeAllocator, RangeFull
 
@@ -255,8 +253,7 @@ class HostPool:
             if now > touched[0]:
                 touched[0] = now
 
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="prefault",
-                                initializer=affinity.release_thread) as ex:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="prefault") as ex:
             for _ in ex.map(timed_touch, chunks):
                 done += 1
                 if on_faulted is not None:
@@ -319,8 +316,7 @@ class HostPool:
             self._ranges.release(offset)
             return
         if self._zeroer is None:
-            self._zeroer = ThreadPoolExecutor(max_workers=ZERO_THREADS, thread_name_prefix="pool-zero",
-                                              initializer=affinity.release_thread)
+            self._zeroer = ThreadPoolExecutor(max_workers=ZERO_THREADS, thread_name_prefix="pool-zero")
         chunks = [self._zeroer.submit(_zero, self.address + o, min(ZERO_CHUNK_BYTES, offset + length - o))
                   for o in range(offset, offset + length, ZERO_CHUNK_BYTES)]
         self._zeroing[offset] = (length, chunks)

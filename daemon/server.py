@@ -42,7 +42,7 @@ from sparsekv.proto import (
     reply_ok,
 )
 
-from sparsekv.proto import affinity, fd_socket
+from sparsekv.proto import fd_socket
 from sparsekv.proto.frames import send_copy
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 from sparsekv.proto.slab import SlabGeometry
@@ -114,7 +114,6 @@ class Daemon:
 
     def __init__(self, run_dir: str, backend, pool: HostPool, *, max_clients: int = 256,
                  reap_interval_s: float = 2.0, notifier: Notifier | None = None, busy_poll_us: int = 0,
-                 control_cpu: int | None = None,
                  metrics_port: int = 0, admin_gid: int | None = None, max_clients_per_uid: int = 0,
                  max_pool_bytes_per_uid: int = 0, max_connections_per_uid: int = 0, hello_timeout_s: float = 10.0,
                  idle_timeout_s: float = 600.0):
@@ -136,7 +135,6 @@ class Daemon:
         self._expired: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.reap_interval_s = reap_interval_s
         self.busy_poll_ns = int(busy_poll_us) * 1000
-        self.control_cpu = control_cpu  # this thread and the zmq I/O threads (proto/affinity.py)
         self.notifier = notifier or Notifier({})
         # The daemon's own registry (never prometheus_client's global one): the top-k
         # histogram, fed per request, and the snapshot's metrics, built at each scrape.
@@ -199,13 +197,6 @@ class Daemon:
             self.metrics_address = http_server.sockets[0].getsockname()[:2]
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
         ctx = zmq.Context(io_threads=ZMQ_IO_THREADS)
-        if self.control_cpu is not None:
-            # The loop's thread and the I/O threads on one CPU: a request wakes its I/O
-            # thread where the busy poll keeps the CPU awake. Threads started from here on
-            # take the whole CPU set back (affinity.unpinned / release_thread).
-            affinity.pin_thread(self.control_cpu)
-            affinity.place_io_threads(ctx, self.control_cpu)
-            log.info("event loop and ZeroMQ I/O threads on CPU %d", self.control_cpu)
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -312,8 +303,6 @@ class Daemon:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
-            if self.control_cpu is not None:
-                affinity.release_thread()  # a daemon served from a thread of a larger program
 
     def _drain(self, sock) -> None:
         """Receive, handle, reply until no request is queued: one at a time, in order

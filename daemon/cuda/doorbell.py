@@ -45,7 +45,6 @@ import time
 
 import numpy as np
 
-from sparsekv.proto import affinity
 from sparsekv.proto.stream_ops import graph_launch, wait32, write32
 
 from ..residency.base import ResidencyError
@@ -116,7 +115,7 @@ class DoorbellTransport(Transport):
         self._stop = threading.Event()
         self.steps_launched = 0
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=affinity.unpinned(self._stock), name=f"sparsekv-doorbell-{worker.ordinal}", daemon=True)
+        self._thread = threading.Thread(target=self._stock, name=f"sparsekv-doorbell-{worker.ordinal}", daemon=True)
         self._thread.start()
 
     # -- the step graph ------------------------------------------------------------------

@@ -56,20 +56,6 @@ def main() -> int:
         if isinstance(r.get(k), (int, float)):
             latest[f"cuda_transport_dw_run_{k}"] = r[k]
     write(out, latest)
-    # Then pinned (daemon control_cpu, the client's thread and I/O thread, the bare echo
-    # server each on a CPU of its own: proto/affinity.py), with device wait too.
-    try:
-        r = bench_cuda_transport(steps=400, device_wait=True, pinned=True)
-    except Exception as e:  # noqa: BLE001 - say it; the file has the rest
-        print(f"pinned transport bench failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(r))
-    for k in ("zmq_device_wait_p50_us", "zmq_device_wait_handoff_p50_us", "zmq_handoff_p50_us", "inproc_p50_us",
-              "bare_zmq_event_rtt_p50_us", "daemon_host_us_per_step", "topk_socket_in_p50_us",
-              "topk_socket_out_p50_us", "handoff_vs_bare_rtt"):
-        if isinstance(r.get(k), (int, float)):
-            latest[f"cuda_transport_pinned_run_{k}"] = r[k]
-    write(out, latest)
     return 0
 
 
