@@ -517,7 +517,13 @@ def summary(results: list[Result], opts: Options) -> dict:
             out[f"decode_b{r.batch}_h{hkey(r.hits)}_inproc_vs_gpu"] = _round(r.inproc_vs_gpu, 3)
     ref = _reference(results)
     out["decode_reference_config"] = None if ref is None else f"b{ref.batch}_h{hkey(ref.hits)}_k{opts.top_k}"
-    out["doorbell_overhead_us_per_layer"] = None if ref is None else _round(ref.overhead_us_per_layer, 2)
+    # The headline per-layer overhead: with --paired the median of the per-step differences
+    # (both sides timed in turn, so the machine's drift between two runs stays out), else
+    # the difference of the two p50s; the other figure stays under its config's keys.
+    paired = ref is not None and ref.paired_us_per_layer is not None
+    out["doorbell_overhead_us_per_layer"] = None if ref is None else _round(
+        ref.paired_us_per_layer if paired else ref.overhead_us_per_layer, 2)
+    out["doorbell_overhead_paired"] = paired
     out["decode_daemon_vs_inproc"] = None if ref is None else _round(ref.vs_inproc, 3)
     return out
 

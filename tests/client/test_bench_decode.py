@@ -237,6 +237,7 @@ def test_json_has_the_headline_keys_at_batch_64_and_90_percent():
     json.dumps(d)  # plain values only
     assert d["decode_reference_config"] == "b64_h90_k2048"
     assert d["doorbell_overhead_us_per_layer"] == pytest.approx(2.0, abs=0.01)
+    assert d["doorbell_overhead_paired"] is False  # no --paired: the difference of the p50s
     assert d["decode_daemon_vs_inproc"] == pytest.approx(round((4000 + 122) / 4000, 3))
     assert d["decode_b64_h90_doorbell_p50_us"] == 4122.0
     assert d["decode_b64_h90_inproc_p50_us"] == 4000.0
@@ -504,6 +505,9 @@ def test_paired_figures_merge_over_rounds_into_the_json_and_the_table():
     opts = Options(gather_blocks=32, paired=True)
     d = summary(merged, opts)
     assert d["decode_b64_h90_doorbell_paired_overhead_us_per_layer"] == 1.5 and d["decode_paired"] is True
+    # The headline takes the paired median (the p50s differ by 100 us / 61 layers = 1.64).
+    assert d["decode_b64_h90_doorbell_overhead_us_per_layer"] == pytest.approx(1.64, abs=0.01)
+    assert d["doorbell_overhead_us_per_layer"] == 1.5 and d["doorbell_overhead_paired"] is True
     assert "decode_b64_h90_inproc_paired_overhead_us_per_layer" not in d
     text = table(merged, opts)
     assert "median of the per-step differences +1.50 us/layer (rounds +1.50, -0.50, +4.00)" in text
