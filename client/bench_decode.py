@@ -95,6 +95,9 @@ class Options:
     layer_overlap: float = 0.85
     gather_blocks: int | None = None
     seed: int = 0
+    # Start no batch size (or round of one) after this many seconds: the rest is marked
+    # skipped, and what ran is written (a device call has a hard limit). None: no limit.
+    budget_s: float | None = None
     json_path: str | None = None
     plot_path: str | None = None
     daemon_log: str | None = None
@@ -121,6 +124,8 @@ class Options:
             raise ValueError(f"--layer-overlap must lie in [0, 1], got {self.layer_overlap}")
         if self.gather_blocks is not None and self.gather_blocks < 1:
             raise ValueError(f"--gather-blocks must be >= 1, got {self.gather_blocks}")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise ValueError(f"--budget-s must be a positive number of seconds, got {self.budget_s}")
         for h in self.hits:
             need = self.top_k + (self.top_k - _keep(self.top_k, h / 100))
             if self.context < need:
@@ -998,13 +1003,30 @@ def _free(torch) -> None:
         cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
-def run(opts: Options, torch=None) -> list[Result]:
-    """Every (batch, mode, hits) of ``opts``; results with derived figures."""
+def run(opts: Options, torch=None, on_batch=None) -> list[Result]:
+    """Every (batch, mode, hits) of ``opts``; results with derived figures. ``on_batch``:
+    called with the results so far (derived) after each batch size, e.g. to write them.
+    Past ``opts.budget_s`` no batch size or round starts: its configs are marked skipped."""
     if torch is None:
         import torch  # noqa: PLC0415
     torch.cuda.set_device(DEVICE)
+    start = time.monotonic()
     results: list[Result] = []
+
+    def over_budget(batch: int, rnd: int) -> bool:
+        if opts.budget_s is None or time.monotonic() - start < opts.budget_s:
+            return False
+        why = f"over --budget-s {opts.budget_s:g} before round {rnd + 1}" if rnd else \
+            f"over --budget-s {opts.budget_s:g}"
+        _say(f"batch {batch}: {why}: not run")
+        if rnd == 0:  # a later round's configs have rows of the first already
+            modes = [m for m in MODES if m in opts.modes]
+            results.extend(Result(m, batch, h, skipped=why) for m in modes for h in opts.hits)
+        return True
+
     for batch in opts.batches:
+        if over_budget(batch, 0):
+            continue
         lay = make_layout(batch, opts).validate()
         t0 = time.perf_counter()
         workloads = {h: generate(batch, h / 100, steps=opts.warmup + opts.steps, layers=opts.layers,
@@ -1013,11 +1035,15 @@ def run(opts: Options, torch=None) -> list[Result]:
         _say(f"batch {batch}: top-k sequences of {len(workloads)} hit rate(s) generated in "
              f"{time.perf_counter() - t0:.1f} s (host_rows {lay.host_rows}, pool {lay.pool_bytes / 1e9:.1f} GB)")
         for rnd in range(opts.rounds):
+            if rnd and over_budget(batch, rnd):
+                break
             here: list[Result] = []
             _run_batch_modes(torch, batch, lay, workloads, opts, here, gpu=rnd == 0)  # its own baseline: once
             for r in here:
                 r.round = rnd
             results.extend(here)
+        if on_batch is not None:
+            on_batch(derive(combine_rounds(results, opts.layers), opts.layers, opts.row_bytes))
     return derive(combine_rounds(results, opts.layers), opts.layers, opts.row_bytes)
 
 
@@ -1107,6 +1133,9 @@ def add_arguments(p) -> None:
                    help="blocks of the gather, inproc and daemon alike (default: the daemon's default)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed of the top-k sequences")
     p.add_argument("--quick", action="store_true", help="a short run: batch 16 and 64, 90 %% hits, 20 steps")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="start no batch size (or round) after S seconds; the rest is marked skipped "
+                        "(default: no limit). The JSON is written after each batch size either way")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="write the figures as one flat JSON dict (default: none)")
     p.add_argument("--plot", dest="plot_path", default=None, metavar="PATH.png",
@@ -1125,7 +1154,7 @@ def options_from_args(a) -> Options:
         rounds=a.rounds, paired=bool(getattr(a, "paired", False)),
         modes=tuple(dict.fromkeys(a.modes)) if a.modes else DEFAULT_MODES,
         layer_overlap=a.layer_overlap, gather_blocks=a.gather_blocks, seed=a.seed,
-        json_path=a.json_path, plot_path=a.plot_path, daemon_log=a.daemon_log,
+        budget_s=getattr(a, "budget_s", None), json_path=a.json_path, plot_path=a.plot_path, daemon_log=a.daemon_log,
     ).validate()
 
 
@@ -1145,11 +1174,19 @@ def run_args(a) -> int:
     if not torch.cuda.is_available():
         print("sparsekv bench decode: torch sees no CUDA device", file=sys.stderr)
         return 2
-    results = run(opts, torch)
+    def write(results, complete: bool) -> None:
+        if opts.json_path:
+            # Written after each batch size too: a run cut short still leaves what it measured.
+            out = {**summary(results, opts), "decode_complete": complete}
+            tmp = opts.json_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(out, f, indent=1)
+                f.write("\n")
+            os.replace(tmp, opts.json_path)
+
+    results = run(opts, torch, on_batch=lambda rs: write(rs, False))
+    write(results, True)
     if opts.json_path:
-        with open(opts.json_path, "w") as f:
-            json.dump(summary(results, opts), f, indent=1)
-            f.write("\n")
         _say(f"wrote {opts.json_path}")
     if opts.plot_path and plot(results, opts.plot_path):
         _say(f"wrote {opts.plot_path}")

@@ -618,3 +618,38 @@ def test_a_tiny_paired_run_on_the_gpu(tmp_path):
         assert r.run == "graph" and r.hit_rate == pytest.approx(keep), mode
     assert by["doorbell"].paired_us_per_layer is not None and by["inproc"].paired_us_per_layer is None
     assert summary(list(by.values()), opts)["decode_b2_h90_doorbell_paired_overhead_us_per_layer"] is not None
+
+
+def test_budget_skips_later_batches_and_rounds_and_each_batch_is_handed_over(monkeypatch):
+    """--budget-s: no batch size (or later round) starts once the budget is spent; its
+    configs are marked skipped. on_batch sees the results after each batch size."""
+    clock = [0.0]
+    monkeypatch.setattr(bd.time, "monotonic", lambda: clock[0])
+
+    def fake(mode):
+        def run_mode(torch, lay, workloads, opts, out):
+            clock[0] += 40.0  # each mode takes 40 s
+            for h in workloads:
+                out.append(Result(mode, lay.max_batch, h, run="graph", p50_us=1000.0, p99_us=1100.0))
+        return run_mode
+
+    for mode in ("gpu", "inproc", "doorbell"):
+        monkeypatch.setattr(bd, f"run_{mode}", fake(mode))
+    monkeypatch.setattr(bd, "_free", lambda torch: None)
+    monkeypatch.setattr(bd, "generate", lambda *a, **k: None)
+    torch = type("T", (), {"cuda": type("C", (), {"set_device": staticmethod(lambda d: None)})})
+    seen = []
+    opts = Options(batches=(4, 8), hits=(90.0,), rounds=2, budget_s=100.0, **SMALL).validate()
+    rs = bd.run(opts, torch, on_batch=lambda got: seen.append(sorted((r.batch, r.mode) for r in got)))
+    # batch 4: round 1 (gpu, inproc, doorbell: 120 s) ran, round 2 did not start; batch 8: skipped.
+    b4 = {r.mode: r for r in rs if r.batch == 4}
+    assert all(r.ok and len(r.round_p50s) == 1 for r in b4.values()) and set(b4) == {"gpu", "inproc", "doorbell"}
+    b8 = [r for r in rs if r.batch == 8]
+    assert sorted(r.mode for r in b8) == ["doorbell", "gpu", "inproc"]
+    assert all(r.skipped == "over --budget-s 100" and not r.ok for r in b8)
+    assert len(seen) == 1 and seen[0] == [(4, "doorbell"), (4, "gpu"), (4, "inproc")]
+    d = summary(rs, opts)
+    assert d["decode_b8_h90_inproc_skipped"] == "over --budget-s 100"
+    with pytest.raises(ValueError, match="--budget-s"):
+        Options(budget_s=0.0, **SMALL).validate()
+    assert bd.options_from_args(parse("--quick", "--budget-s", "300")).budget_s == 300.0
