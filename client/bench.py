@@ -247,6 +247,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         base = np.zeros(steps)
         over, reply, dwait = np.zeros(steps), np.zeros(steps), np.zeros(steps)
         daemon_host, sock_in, sock_out = np.zeros(steps), np.zeros(steps), np.zeros(steps)
+        enqueue, to_enqueue = np.full(steps, np.nan), np.full(steps, np.nan)
         for t in range(steps):
             with cp.cuda.Device(0):
                 t0 = time.perf_counter()
@@ -264,6 +265,9 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             # The STEP rides on the TOPK (client.step): one request does both.
             k_ts, k_tr, k_tx, k_rx = c.timings[MsgType.TOPK]
             daemon_host[t] = k_tx - k_tr
+            if c.enqueued_at is not None:  # the reply's "tl": the GPU work was enqueued
+                enqueue[t] = c.enqueued_at - k_tr
+                to_enqueue[t] = c.enqueued_at - k_ts
             sock_in[t] = k_tr - k_ts
             sock_out[t] = k_rx - k_tx
             if cw is not None:
@@ -293,6 +297,10 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             "zmq_p50_us": round(float(np.median(z)), 1), "zmq_p99_us": round(float(np.percentile(z, 99)), 1),
             "zmq_reply_p50_us": p50(reply, 1e6),
             "daemon_host_us_per_step": p50(daemon_host, 1e-3),
+            # Of it, until the GPU work is enqueued (what a device-wait client waits for),
+            # and from the client's send to that point.
+            "daemon_enqueue_p50_us": _nanp50(enqueue[warm], 1e-3),
+            "send_to_enqueue_p50_us": _nanp50(to_enqueue[warm], 1e-3),
             "topk_socket_in_p50_us": p50(sock_in, 1e-3), "topk_socket_out_p50_us": p50(sock_out, 1e-3),
             "daemon_topk_p50_us": round(daemon_us["p50"], 1),
             "zmq_handoff_p50_us": round(float(np.median(z) - np.median(b)), 1),
@@ -301,6 +309,12 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             "bare_zmq_event_rtt_p50_us": p50(bare, 1e6),
             "handoff_vs_bare_rtt": round(float((np.median(z) - np.median(b)) / (np.median(bare[warm]) * 1e6)), 3),
             "ratio_vs_inproc": round(float(np.median(z) / np.median(b)), 3)}
+
+
+def _nanp50(a, scale: float):
+    """Median of the measured entries of ``a`` (NaN: not measured), or None."""
+    a = a[~np.isnan(a)]
+    return round(float(np.median(a)) * scale, 1) if a.size else None
 
 
 def run_bench(which: list[str]) -> list[dict]:

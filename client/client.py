@@ -138,6 +138,8 @@ class Client:
         # Per request type, the last reply's (sent, daemon received, daemon replied,
         # received here) in perf_counter_ns: one clock (CLOCK_MONOTONIC) for the whole host.
         self.timings: dict[MsgType, tuple[int, int, int, int]] = {}
+        # cuda TOPK: when the daemon had enqueued the last one's GPU work ("tl", same clock).
+        self.enqueued_at: int | None = None
         # The daemon this client talks to, found at connect (see _check_daemon): its pid as
         # this process sees it (0: in another pid namespace), its start time, and the
         # identity of its socket file (_file_id). ``_gone``: why it is no longer there.
@@ -631,6 +633,8 @@ class Client:
         tr = header.get("tr")
         if sent is not None and tr is not None:
             self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
+            if "tl" in header:
+                self.enqueued_at = header["tl"]
         self._replies[rid] = (header, arrays)
 
     def _receive_arrived(self) -> None:

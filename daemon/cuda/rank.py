@@ -10,6 +10,7 @@ request; counters are read from their pinned mirror, never by synchronising.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -128,7 +129,8 @@ class CudaRankState(RankState):
         with self._cp.cuda.Device(self.worker.ordinal):
             entry = self.transport.topk(int(step), int(group), state_rows, topk, wait)
         batch, k = topk.shape
-        return {"entry": entry, "batch": batch, "k": k}, None, {"topk_batches": 1}
+        # "tl": the GPU work is enqueued (perf_counter_ns, like the envelope's tr and tx).
+        return {"entry": entry, "batch": batch, "k": k, "tl": time.perf_counter_ns()}, None, {"topk_batches": 1}
 
     def serve_topk_block(self, step: int, group: int, entry: int, begin: bool, fence=None, done: int | None = None):
         """A TOPK (with ``begin``: and its STEP) whose step blocks the client wrote into its
@@ -139,12 +141,13 @@ class CudaRankState(RankState):
             raise ResidencyError("BAD_ARGUMENT", "this rank's steps come through its doorbell, not in TOPK messages")
         with self._cp.cuda.Device(self.worker.ordinal):
             self.transport.topk_block(int(entry), bool(begin), self._fence_wait(fence), done)
+        tl = time.perf_counter_ns()  # the GPU work (and the done word) is enqueued
         if begin:
             # The step's state rows are in the client's block, not here: a later TOPK of
             # this step sent as arrays must carry its own (batch_rows says so).
             self.step = int(step)
             self.state_rows = None
-        return {"entry": int(entry)}, None, {"topk_batches": 1}
+        return {"entry": int(entry), "tl": tl}, None, {"topk_batches": 1}
 
     def release_topk_block(self, entry: int, done: int, fence: int | None = None) -> None:
         """A device-wait TOPK on ``entry`` failed: unless it got as far as setting its done

@@ -18,6 +18,7 @@ from sparsekv.client.private_daemon import PrivateDaemon
 from sparsekv.client.replay import replay
 from sparsekv.client.trace import synth
 from sparsekv.client.verify import count_mismatches, fill_pool, pattern
+from sparsekv.proto import MsgType
 
 pytestmark = pytest.mark.cuda
 
@@ -283,6 +284,10 @@ def test_every_group_of_a_step_from_client_written_blocks_equals_cpu(device_wait
                 np.testing.assert_array_equal(s, want.slots, err_msg=f"step {t} group {g}")
                 np.testing.assert_array_equal(m, want.misses, err_msg=f"step {t} group {g}")
         c.flush()  # every reply read: no error in any
+        # The replies say when the daemon had enqueued the GPU work ("tl"): after it got
+        # the request, before it answered.
+        ts, tr, tx, rx = c.timings[MsgType.TOPK]
+        assert c.enqueued_at is not None and tr <= c.enqueued_at <= tx
 
 
 def test_a_failed_device_wait_topk_releases_the_stream_with_an_empty_result():
