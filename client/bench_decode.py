@@ -521,6 +521,9 @@ def summary(results: list[Result], opts: Options) -> dict:
         if r.inproc_vs_gpu is not None:
             out[f"decode_b{r.batch}_h{hkey(r.hits)}_inproc_vs_gpu"] = _round(r.inproc_vs_gpu, 3)
     ref = _reference(results)
+    if ref is not None and (ref.batch, ref.hits) != REFERENCE and REFERENCE[0] in opts.batches \
+            and REFERENCE[1] in opts.hits:
+        ref = None  # the reference config was asked for but did not run (a budget, an error)
     out["decode_reference_config"] = None if ref is None else f"b{ref.batch}_h{hkey(ref.hits)}_k{opts.top_k}"
     # The headline per-layer overhead: with --paired the median of the per-step differences
     # (both sides timed in turn, so the machine's drift between two runs stays out), else
@@ -1177,7 +1180,8 @@ def run_args(a) -> int:
     def write(results, complete: bool) -> None:
         if opts.json_path:
             # Written after each batch size too: a run cut short still leaves what it measured.
-            out = {**summary(results, opts), "decode_complete": complete}
+            cut = any(r.skipped is not None and "budget" in r.skipped for r in results)
+            out = {**summary(results, opts), "decode_complete": complete and not cut}
             tmp = opts.json_path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(out, f, indent=1)

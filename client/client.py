@@ -633,8 +633,8 @@ class Client:
         tr = header.get("tr")
         if sent is not None and tr is not None:
             self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
-            if "tl" in header:
-                self.enqueued_at = header["tl"]
+            if sent[0] == MsgType.TOPK:
+                self.enqueued_at = header.get("tl")  # None from a cpu rank or an error reply
         self._replies[rid] = (header, arrays)
 
     def _receive_arrived(self) -> None:

@@ -253,7 +253,9 @@ def test_json_has_the_headline_keys_at_batch_64_and_90_percent():
 
 def test_json_falls_back_to_the_first_config_without_batch_64_at_90_percent():
     rs = [r for r in fake_results() if not (r.batch == 64 and r.hits == 90.0)]
-    d = summary(rs, Options(gather_blocks=32))
+    # Asked for (the default grid) but not run: no headline rather than another config's.
+    assert summary(rs, Options(gather_blocks=32))["doorbell_overhead_us_per_layer"] is None
+    d = summary(rs, Options(gather_blocks=32, batches=(16,)))
     assert d["decode_reference_config"] == "b16_h80_k2048"
     assert d["doorbell_overhead_us_per_layer"] == pytest.approx(2.0, abs=0.01)
     assert d["decode_daemon_vs_inproc"] == pytest.approx(round(1122 / 1000, 3))
