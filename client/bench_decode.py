@@ -64,6 +64,7 @@ QUICK_BATCHES = (16, 64)
 QUICK_HITS = (90.0,)
 QUICK_STEPS = 20
 REFERENCE = (64, 90.0)  # (batch, hits %) of the headline JSON figures
+OVER_BUDGET = "over --budget-s"  # how a config --budget-s kept from running is marked skipped
 DEVICE = 0  # the GPU this process and the private daemon use
 DAEMON_POOL_SLACK_BYTES = 64 << 20
 CLIENT_TIMEOUT_S = 600.0  # attach registers GBs of pool; a write of 256 MiB takes a while
@@ -1019,8 +1020,7 @@ def run(opts: Options, torch=None, on_batch=None) -> list[Result]:
     def over_budget(batch: int, rnd: int) -> bool:
         if opts.budget_s is None or time.monotonic() - start < opts.budget_s:
             return False
-        why = f"over --budget-s {opts.budget_s:g} before round {rnd + 1}" if rnd else \
-            f"over --budget-s {opts.budget_s:g}"
+        why = f"{OVER_BUDGET} {opts.budget_s:g}" + (f" before round {rnd + 1}" if rnd else "")
         _say(f"batch {batch}: {why}: not run")
         if rnd == 0:  # a later round's configs have rows of the first already
             modes = [m for m in MODES if m in opts.modes]
@@ -1180,7 +1180,7 @@ def run_args(a) -> int:
     def write(results, complete: bool) -> None:
         if opts.json_path:
             # Written after each batch size too: a run cut short still leaves what it measured.
-            cut = any(r.skipped is not None and "budget" in r.skipped for r in results)
+            cut = any(r.skipped is not None and r.skipped.startswith(OVER_BUDGET) for r in results)
             out = {**summary(results, opts), "decode_complete": complete and not cut}
             tmp = opts.json_path + ".tmp"
             with open(tmp, "w") as f:

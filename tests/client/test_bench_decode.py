@@ -550,23 +550,33 @@ def test_a_failing_mode_becomes_error_rows_and_the_run_goes_on(capsys):
     assert "batch 16 inproc failed" in capsys.readouterr().err
 
 
-def test_run_alternates_the_modes_for_each_round_and_the_gpu_baseline_once(monkeypatch):
-    """run() with --rounds 3: inproc and the daemon modes three times each, in turn, the
-    all-on-GPU mode once; what comes out is one merged row per config."""
-    calls = []
-
+def _fake_modes(monkeypatch, ran):
+    """run()'s gpu, inproc and doorbell modes faked: each calls ``ran(mode)`` and gives
+    every hit rate a graph row of that p50. Returns a stand-in for torch."""
     def fake(mode):
         def run_mode(torch, lay, workloads, opts, out):
-            calls.append(mode)
+            p50 = ran(mode)
             for h in workloads:
-                out.append(Result(mode, lay.max_batch, h, run="graph", p50_us=1000.0 + len(calls), p99_us=1100.0))
+                out.append(Result(mode, lay.max_batch, h, run="graph", p50_us=p50, p99_us=1100.0))
         return run_mode
 
     for mode in ("gpu", "inproc", "doorbell"):
         monkeypatch.setattr(bd, f"run_{mode}", fake(mode))
     monkeypatch.setattr(bd, "_free", lambda torch: None)
     monkeypatch.setattr(bd, "generate", lambda *a, **k: None)
-    torch = type("T", (), {"cuda": type("C", (), {"set_device": staticmethod(lambda d: None)})})
+    return type("T", (), {"cuda": type("C", (), {"set_device": staticmethod(lambda d: None)})})
+
+
+def test_run_alternates_the_modes_for_each_round_and_the_gpu_baseline_once(monkeypatch):
+    """run() with --rounds 3: inproc and the daemon modes three times each, in turn, the
+    all-on-GPU mode once; what comes out is one merged row per config."""
+    calls = []
+
+    def ran(mode):
+        calls.append(mode)
+        return 1000.0 + len(calls)
+
+    torch = _fake_modes(monkeypatch, ran)
     opts = Options(batches=(4,), hits=(90.0,), rounds=3, **SMALL).validate()
     rs = bd.run(opts, torch)
     assert calls == ["gpu", "inproc", "doorbell", "inproc", "doorbell", "inproc", "doorbell"]
@@ -628,18 +638,11 @@ def test_budget_skips_later_batches_and_rounds_and_each_batch_is_handed_over(mon
     clock = [0.0]
     monkeypatch.setattr(bd.time, "monotonic", lambda: clock[0])
 
-    def fake(mode):
-        def run_mode(torch, lay, workloads, opts, out):
-            clock[0] += 40.0  # each mode takes 40 s
-            for h in workloads:
-                out.append(Result(mode, lay.max_batch, h, run="graph", p50_us=1000.0, p99_us=1100.0))
-        return run_mode
+    def ran(mode):
+        clock[0] += 40.0  # each mode takes 40 s
+        return 1000.0
 
-    for mode in ("gpu", "inproc", "doorbell"):
-        monkeypatch.setattr(bd, f"run_{mode}", fake(mode))
-    monkeypatch.setattr(bd, "_free", lambda torch: None)
-    monkeypatch.setattr(bd, "generate", lambda *a, **k: None)
-    torch = type("T", (), {"cuda": type("C", (), {"set_device": staticmethod(lambda d: None)})})
+    torch = _fake_modes(monkeypatch, ran)
     seen = []
     opts = Options(batches=(4, 8), hits=(90.0,), rounds=2, budget_s=100.0, **SMALL).validate()
     rs = bd.run(opts, torch, on_batch=lambda got: seen.append(sorted((r.batch, r.mode) for r in got)))
