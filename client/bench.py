@@ -3,18 +3,22 @@
 * ``resolve``: time to resolve one top-k batch (residency only, no bytes moved).
 * ``gather``: rows per second of the plan gather against a bulk copy of the same bytes.
 * ``transport``: a decode step over the daemon (zmq) against the same step in process.
+* ``cuda_transport``: the same through a cuda daemon (``--warm-io``: with the I/O threads
+  placed on warm CPUs, deploy/README.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 
 import numpy as np
 
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import Layout
+from sparsekv.proto.cpus import keep_off, parse_cpu_list, pin_io_threads
 
 from .client import Client
 from .inproc import InprocClient
@@ -110,18 +114,21 @@ def bench_transport(steps=100, batch=8, top_k=256) -> dict:
             "zmq_overhead_us": round(p50z - p50b, 1), "ratio_vs_inproc": round(p50z / p50b, 3)}
 
 
-def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000) -> None:
+def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000, io_cpus=()) -> None:
     """A bare ZeroMQ + CUDA IPC event echo (the floor of any cross-process hand-off):
     each request records an interprocess event on a stream and is answered at once.
-    Polls like sparsekvd: busy for ``busy_poll_us`` after a request, then sleeps."""
+    Polls like sparsekvd: busy for ``busy_poll_us`` after a request, then sleeps; with
+    ``io_cpus``, placed like it too (I/O threads there, the rest off them)."""
     import cupy as cp  # noqa: PLC0415
     import zmq  # noqa: PLC0415
 
     from sparsekv.proto.cuda_ipc import EventRing  # noqa: PLC0415
 
+    keep_off(io_cpus)
     ring = EventRing(0, 1)
     stream = cp.cuda.Stream(non_blocking=True)
     ctx = zmq.Context()
+    pin_io_threads(ctx, io_cpus)
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(f"ipc://{path}")
     handles.put(ring.handles)
@@ -148,7 +155,7 @@ class _BareRoundTrip:
     """The client side of :func:`_bare_server`: send, spin for the reply like a cuda
     Client, make a stream wait on the event, synchronise it."""
 
-    def __init__(self, stack, spin_us: int = 500):
+    def __init__(self, stack, spin_us: int = 500, io_cpus=(), server_io_cpus=()):
         import multiprocessing as mp  # noqa: PLC0415
         import os  # noqa: PLC0415
         import tempfile  # noqa: PLC0415
@@ -161,13 +168,15 @@ class _BareRoundTrip:
         ctx = mp.get_context("spawn")
         path = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "bare.sock")
         ready, handles = ctx.Event(), ctx.Queue()
-        self.proc = ctx.Process(target=_bare_server, args=(path, ready, handles), daemon=True)
+        self.proc = ctx.Process(target=_bare_server, args=(path, ready, handles, 1000, tuple(server_io_cpus)),
+                                daemon=True)
         self.proc.start()
         if not ready.wait(60):
             raise RuntimeError("bare zmq server did not start")
         self.events = ImportedEvents(handles.get(timeout=10), 0)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.zctx = zmq.Context()
+        pin_io_threads(self.zctx, io_cpus)
         self.sock = self.zctx.socket(zmq.DEALER)
         self.sock.connect(f"ipc://{path}")
         self.spin_ns = spin_us * 1000
@@ -196,7 +205,7 @@ class _BareRoundTrip:
 
 
 def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, num_layers=1, seed=5,
-                         device_wait: bool = False) -> dict:
+                         device_wait: bool = False, warm_io: bool = False) -> dict:
     """A decode step through a cuda daemon over zmq (STEP + TOPK, wait for the event,
     slots to the host) against the same device step run in this process on the same GPU
     (same kernels, same per-request CUDA graphs, same host-side block writes; no socket).
@@ -204,7 +213,10 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
     beside a bare ZeroMQ + IPC event round trip measured step by step in the same window.
     The header timestamps split the zmq step into client, socket and daemon time.
     ``device_wait``: also the same steps through a second rank with
-    ``Client(device_wait=True)`` (``zmq_device_wait_*`` keys)."""
+    ``Client(device_wait=True)`` (``zmq_device_wait_*`` keys). ``warm_io``: placed as
+    deploy/README.md "Warm CPUs" says, the bare round trip included: the daemon's and the
+    client's ZeroMQ I/O threads on a CPU each (the last two this process may use), both
+    kept warm by the daemon, every other thread off them."""
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.cuda.backend import DeviceWorker  # noqa: PLC0415
@@ -222,7 +234,17 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
     # Both paths in one window, step by step (in process, then through the daemon), so
     # that drift of the machine between two long runs does not land in the difference.
     # In process: a rank of the daemon's own kind, driven directly.
+    daemon_args, client_io, daemon_io = ["--device-arena-size", "4GiB"], "", ()
+    if warm_io:
+        allowed = sorted(os.sched_getaffinity(0))
+        if len(allowed) < 4:
+            raise ValueError(f"warm_io needs 4 CPUs or more (two for I/O threads), this process may use {len(allowed)}")
+        daemon_io, client_io = (allowed[-1],), str(allowed[-2])
+        daemon_args += ["--io-cpus", str(allowed[-1]), "--warm-cpus", f"{allowed[-2]},{allowed[-1]}"]
     with contextlib.ExitStack() as stack:
+        if warm_io:
+            stack.callback(os.sched_setaffinity, 0, os.sched_getaffinity(0))
+            keep_off(allowed[-2:])
         pool = stack.enter_context(HostPool(lay.pool_bytes + (2 << 20)))
         pinned = PinnedRegion(pool.address, lay.pool_bytes, lay.row_bytes)
         stack.callback(pinned.close)
@@ -232,17 +254,18 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         rank = CudaRankState(0, worker, space, pinned, ring_depth=8, gather_blocks=32)
         stack.callback(rank.close)
         d = stack.enter_context(PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
-                                              extra_args=["--device-arena-size", "4GiB"]))
-        c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False))
+                                              extra_args=daemon_args))
+        c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False,
+                                       io_cpus=client_io))
         c.attach(lay, engine="bench")
         # With device_wait, the same steps through a second rank whose stream waits for the
         # result on the GPU: the reply leaves the critical path.
         cw = None
         if device_wait:
             cw = stack.enter_context(Client(d.run_dir, rank=1, name="bench-device-wait", device="cuda:0",
-                                            device_wait=True))
+                                            device_wait=True, io_cpus=client_io))
             cw.attach(lay, engine="bench")
-        bare_rt = _BareRoundTrip(stack)
+        bare_rt = _BareRoundTrip(stack, io_cpus=parse_cpu_list(client_io), server_io_cpus=daemon_io)
         bare = np.zeros(steps)
         base = np.zeros(steps)
         over, reply, dwait = np.zeros(steps), np.zeros(steps), np.zeros(steps)
@@ -278,7 +301,8 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             bare[t] = bare_rt.once()
         if cw is not None:
             cw.flush()  # every reply read: an error in any would be raised here
-        daemon_us = c.stats()["topk_latency_us"]
+        daemon_stats = c.stats()
+        daemon_us, warm_running = daemon_stats["topk_latency_us"], daemon_stats.get("warm_cpus_running", 0)
     warm = slice(10, None)  # the first steps fault in state and caches
     b, z = base[warm] * 1e6, over[warm] * 1e6
 
@@ -291,7 +315,9 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         # daemon's topk latency then counts both ranks' requests.)
         extra = {"zmq_device_wait_p50_us": p50(dwait, 1e6),
                  "zmq_device_wait_handoff_p50_us": round(float(np.median(dwait[warm]) * 1e6 - np.median(b)), 1)}
-    return {**extra, "bench": "cuda_transport", "steps": steps, "batch": batch, "top_k": top_k,
+    if warm_io:
+        extra.update(io_cpus=f"daemon {daemon_io[0]}, client {client_io}", warm_cpus_running=warm_running)
+    return {**extra, "bench": "cuda_transport", "warm_io": warm_io, "steps": steps, "batch": batch, "top_k": top_k,
             "region_stride": region_stride, "layers": num_layers,
             "inproc_p50_us": round(float(np.median(b)), 1), "inproc_p99_us": round(float(np.percentile(b, 99)), 1),
             "zmq_p50_us": round(float(np.median(z)), 1), "zmq_p99_us": round(float(np.percentile(z, 99)), 1),
@@ -317,9 +343,9 @@ def _nanp50(a, scale: float):
     return round(float(np.median(a)) * scale, 1) if a.size else None
 
 
-def run_bench(which: list[str]) -> list[dict]:
+def run_bench(which: list[str], warm_io: bool = False) -> list[dict]:
     table = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport,
-             "cuda_transport": bench_cuda_transport}
+             "cuda_transport": lambda: bench_cuda_transport(warm_io=warm_io)}
     return [table[w]() for w in which]
 
 

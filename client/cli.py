@@ -125,7 +125,10 @@ def cmd_bench(a) -> int:
     if unknown:
         print(f"sparsekv bench: unknown benchmark(s) {sorted(unknown)}", file=sys.stderr)
         return 2
-    sys.stdout.write(format_results(run_bench(which)))
+    if a.warm_io and "cuda_transport" not in which:
+        print("sparsekv bench: --warm-io is an option of cuda_transport", file=sys.stderr)
+        return 2
+    sys.stdout.write(format_results(run_bench(which, warm_io=a.warm_io)))
     return 0
 
 
@@ -230,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resolve, gather, transport (cpu; the default set), cuda_transport (needs a GPU), or alone: "
                         "decode (a whole decode step, offloaded against on the GPU) or kernels (gather, resolve "
                         "and pool start against the link; both need a GPU; options below)")
+    q.add_argument("--warm-io", action="store_true",
+                   help="cuda_transport: ZeroMQ I/O threads of daemon and client on warm CPUs (the last two this "
+                        "process may use; deploy/README.md \"Warm CPUs\")")
     from .bench_decode import add_arguments as add_decode_arguments  # noqa: PLC0415
     from .bench_kernels import add_arguments as add_kernels_arguments  # noqa: PLC0415
 

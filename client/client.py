@@ -28,6 +28,7 @@ import psutil
 import zmq
 
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
+from sparsekv.proto.cpus import check_cpus_allowed, parse_cpu_list, pin_io_threads
 from sparsekv.proto.frames import send_copy
 
 from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError, error_for
@@ -101,6 +102,7 @@ class Ready(Pending):
 
 
 DEVICE_WAIT_ENV = "SPARSEKV_CLIENT_DEVICE_WAIT"
+IO_CPUS_ENV = "SPARSEKV_CLIENT_IO_CPUS"
 
 
 class Client:
@@ -108,13 +110,17 @@ class Client:
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
                  name: str = "", timeout_s: float = 30.0, spin_us: int | None = None,
-                 device_wait: bool | None = None):
+                 device_wait: bool | None = None, io_cpus: str | None = None):
         """``device``: ``"cpu"``, or ``"cuda:N"`` (this process's GPU numbering) for a rank
         whose slab lives on a GPU of a cuda-backend daemon. ``device_wait`` (cuda ranks;
         None: ``$SPARSEKV_CLIENT_DEVICE_WAIT`` is ``1``): ``topk`` returns once the request
         is sent, with the current stream waiting on the GPU for the result (the daemon
         sets a word per ring entry); the reply is read later and an error in it raised by
-        a later call (the failed request's result is empty: slots -1)."""
+        a later call (the failed request's result is empty: slots -1). ``io_cpus`` (None:
+        ``$SPARSEKV_CLIENT_IO_CPUS``; "" : not pinned), e.g. ``"5"``: this client gets a
+        ZeroMQ context of its own whose I/O thread runs on those CPUs; keep the engine's
+        threads off them, and have the daemon keep them warm (its ``warm_cpus``;
+        deploy/README.md "Warm CPUs"). ValueError for a list this process cannot run on."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
         self.timeout_s = timeout_s
@@ -125,6 +131,11 @@ class Client:
         self.attachment: Attachment | None = None
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
         self._ctx = self._sock = None
+        what = "io_cpus"
+        if io_cpus is None:
+            io_cpus, what = os.environ.get(IO_CPUS_ENV, ""), f"${IO_CPUS_ENV}"
+        self.io_cpus = parse_cpu_list(io_cpus, what)
+        check_cpus_allowed(self.io_cpus, what)
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP; TOPK with device wait)
@@ -161,7 +172,13 @@ class Client:
         self._daemon_pid, self._socket_id = probe_daemon(path, self.run_dir)
         self._daemon_started = _start_time(self._daemon_pid)
         self._gone = None
-        self._ctx = zmq.Context.instance()
+        if self._ctx is None:
+            if self.io_cpus:
+                # A context of its own: the I/O thread's CPU is set before it starts.
+                self._ctx = zmq.Context(io_threads=1)
+                pin_io_threads(self._ctx, self.io_cpus)
+            else:
+                self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # A routing id of our own: if the connection drops (the daemon's heartbeat timed
@@ -198,6 +215,9 @@ class Client:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        if self._ctx is not None and self.io_cpus:
+            self._ctx.term()  # its own context (the shared instance stays)
+        self._ctx = None
         self._sent.clear()  # requests whose replies will never come
         self._replies.clear()
         self._deferred.clear()

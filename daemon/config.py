@@ -15,6 +15,8 @@ import re
 import tomllib
 from dataclasses import dataclass, fields
 
+from sparsekv.proto.cpus import parse_cpu_list
+
 _UNITS = {
     "b": 1,
     "k": 1000, "kb": 1000, "kib": 1 << 10,
@@ -88,6 +90,13 @@ class Config:
     # request of a decode step then costs no wake-up (tens of microseconds in a VM).
     # -1: 1000 on the cuda backend, 0 (off) on the cpu backend.
     busy_poll_us: int = -1
+    # Where the ZeroMQ hop runs (proto/cpus.py): the CPUs of the daemon's libzmq I/O
+    # threads (its other threads keep off them), and CPUs kept from halting by an
+    # idle-priority busy loop each. In a VM a halted vCPU takes tens of microseconds to
+    # wake, and a request/reply wakes up to four threads: give the daemon's and the
+    # engines' I/O threads (Client io_cpus) warm CPUs. "" (default): not pinned, none warm.
+    io_cpus: str = ""
+    warm_cpus: str = ""
     # Prometheus text on http://127.0.0.1:<port>/metrics, served by the daemon's own loop;
     # 0: off (the stats socket's `prometheus` command serves the same text).
     metrics_port: int = 0
@@ -151,6 +160,11 @@ class Config:
             raise ConfigError(f"metrics_port must lie in [0, 65535] (0: off), got {self.metrics_port}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        for name in ("io_cpus", "warm_cpus"):
+            try:
+                parse_cpu_list(getattr(self, name), name)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.devices != "all" and not re.fullmatch(r"\d+(,\d+)*", self.devices):
             raise ConfigError(f"devices must be 'all' or a comma list of ordinals, got {self.devices!r}")
         return self
@@ -192,6 +206,8 @@ _HELP = {
     "device_arena_size": "cuda: one allocation per GPU for every rank's slab and rings, with a unit",
     "ring_depth": "cuda: top-k requests a rank may have in flight",
     "busy_poll_us": "poll the control socket this long after a request; -1: 1000 on cuda, 0 on cpu",
+    "io_cpus": "CPUs for the daemon's ZeroMQ I/O threads (e.g. 3 or 2-3); '': not pinned",
+    "warm_cpus": "CPUs kept from halting by an idle-priority busy loop each (VMs: see docs); '': none",
     "metrics_port": "serve Prometheus text on http://127.0.0.1:PORT/metrics; 0: off",
     "max_slab_bytes": "most memory one rank may take (hot slab + staging + residency state), with a unit",
     "admin_gid": "members of this group may join any user's engine; -1: nobody but root",
@@ -335,7 +351,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     metavars = {"pool_size": "SIZE", "device_arena_size": "SIZE", "max_slab_bytes": "SIZE", "run_dir": "DIR",
                 "shm_dir": "DIR",
                 "kernel_cache_dir": "DIR", "devices": "all|0,1,..", "reap_interval_s": "S", "busy_poll_us": "US",
-                "metrics_port": "PORT"}
+                "metrics_port": "PORT", "io_cpus": "CPUS", "warm_cpus": "CPUS"}
     choices = {"backend": ["auto", "cpu", "cuda"], "log_level": ["debug", "info", "warning", "error"]}
     types = {"int": int, "float": float}
     for f in fields(Config):

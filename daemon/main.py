@@ -21,6 +21,8 @@ import signal
 import sys
 import time
 
+from sparsekv.proto.cpus import CpuWarmer, check_cpus_allowed, format_cpu_list, keep_off, parse_cpu_list
+
 from . import config as config_mod
 from .backends import cuda_unavailable, make_backend
 from .notify import Notifier
@@ -339,8 +341,9 @@ def main(argv=None) -> int:
         except (RuntimeError, OSError) as e:
             log.error("%s", e)
             return 1
-        pool = backend = pool_region = pinner = None
+        pool = backend = pool_region = pinner = warmer = None
         try:
+            warmer, io_cpus = place_io(cfg)
             size = config_mod.format_size(cfg.pool_size)
             log.info("sparsekvd %s (pid %d) on %s: pre-faulting host pool of %s", package_version(), os.getpid(),
                      cfg.run_dir, size)
@@ -376,6 +379,8 @@ def main(argv=None) -> int:
                 log.info("host pool of %s page-locked for the GPUs (%d chunks, %.2f s in cudaHostRegister; "
                          "%.2f s after the pre-fault)", size, len(pool_region.chunks), pool_region.register_s,
                          time.monotonic() - t0)
+            if io_cpus:
+                keep_off(io_cpus)  # the backend's threads and the loop's: off the I/O threads' CPUs
             notifier.extend_timeout(START_EXTEND_S, status="starting backend")
             backend = make_backend(cfg, pool, pool_region)
             signals.check()
@@ -390,7 +395,8 @@ def main(argv=None) -> int:
                             max_clients_per_uid=cfg.max_clients_per_uid,
                             max_pool_bytes_per_uid=cfg.max_pool_bytes_per_uid,
                             max_connections_per_uid=cfg.max_connections_per_uid,
-                            hello_timeout_s=cfg.hello_timeout_s, idle_timeout_s=cfg.idle_timeout_s)
+                            hello_timeout_s=cfg.hello_timeout_s, idle_timeout_s=cfg.idle_timeout_s,
+                            io_cpus=io_cpus, warmer=warmer)
             daemon.max_slab_bytes = cfg.max_slab_bytes  # ATTACH: check_layout_limits
             return _run(daemon, signals)
         except _Interrupted:
@@ -405,7 +411,8 @@ def main(argv=None) -> int:
             # and the exit code must still say why the daemon stopped, not this.
             if pool_region is None and pinner is not None:
                 pool_region = pinner.region  # a start stopped while the pool was registered
-            for what, part in (("backend", backend), ("pool's page-locking", pool_region), ("pool", pool)):
+            for what, part in (("backend", backend), ("pool's page-locking", pool_region), ("pool", pool),
+                               ("warm CPU loops", warmer)):
                 if part is not None:
                     try:
                         part.close()
@@ -413,6 +420,27 @@ def main(argv=None) -> int:
                         log.exception("closing the %s failed", what)
             lock.release()
             notifier.close()
+
+
+def place_io(cfg) -> tuple:
+    """The daemon's ``io_cpus`` (checked against the CPUs it may run on) and its warm CPU
+    loops, started (proto/cpus.py). ValueError or RuntimeError naming what is wrong."""
+    io_cpus = parse_cpu_list(cfg.io_cpus, "io_cpus")
+    warm = parse_cpu_list(cfg.warm_cpus, "warm_cpus")
+    check_cpus_allowed(io_cpus, "io_cpus")
+    if io_cpus and set(io_cpus) == os.sched_getaffinity(0):
+        raise ValueError(f"io_cpus {format_cpu_list(io_cpus)} are all the CPUs this process may run on: "
+                         "leave some for its other threads")
+    warmer = None
+    if warm:
+        warmer = CpuWarmer(warm).start()
+        log.info("CPU(s) %s kept warm: an idle-priority busy loop each (pids %s)", format_cpu_list(warm),
+                 " ".join(map(str, warmer.pids)))
+    if io_cpus:
+        cold = sorted(set(io_cpus) - set(warm))
+        log.info("ZeroMQ I/O threads on CPU(s) %s%s", format_cpu_list(io_cpus),
+                 f"; {format_cpu_list(cold)} not in warm_cpus (a halted CPU is slow to wake in a VM)" if cold else "")
+    return warmer, io_cpus
 
 
 GIL_SWITCH_S = 0.0005

@@ -44,6 +44,7 @@ from sparsekv.proto import (
 
 from sparsekv.proto import fd_socket
 from sparsekv.proto.frames import send_copy
+from sparsekv.proto.cpus import format_cpu_list, pin_io_threads
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 from sparsekv.proto.slab import SlabGeometry
 
@@ -116,8 +117,12 @@ class Daemon:
                  reap_interval_s: float = 2.0, notifier: Notifier | None = None, busy_poll_us: int = 0,
                  metrics_port: int = 0, admin_gid: int | None = None, max_clients_per_uid: int = 0,
                  max_pool_bytes_per_uid: int = 0, max_connections_per_uid: int = 0, hello_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 600.0):
+                 idle_timeout_s: float = 600.0, io_cpus: tuple[int, ...] = (), warmer=None):
         self.run_dir = run_dir
+        # The CPUs of the ZeroMQ I/O threads (() : not pinned) and the warm CPU loops
+        # (proto/cpus.py CpuWarmer, started and stopped by daemon/main.py), for STATS.
+        self.io_cpus = tuple(io_cpus)
+        self.warmer = warmer
         # Members of this group (primary or supplementary) may join any user's engine.
         self.admin_gid = admin_gid
         # The credentials of the HELLO being handled (set by handle() from its frames).
@@ -197,6 +202,8 @@ class Daemon:
             self.metrics_address = http_server.sockets[0].getsockname()[:2]
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
         ctx = zmq.Context(io_threads=ZMQ_IO_THREADS)
+        if self.io_cpus:
+            pin_io_threads(ctx, self.io_cpus)  # before the first socket starts them
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -964,6 +971,9 @@ class Daemon:
             "per_engine": self._per_engine(),
             "protocol_version": PROTOCOL_VERSION,
             "version": self.version,
+            "io_cpus": format_cpu_list(self.io_cpus),
+            "warm_cpus": format_cpu_list(self.warmer.cpus) if self.warmer is not None else "",
+            "warm_cpus_running": self.warmer.running() if self.warmer is not None else 0,
             "pid": os.getpid(),
         })
 

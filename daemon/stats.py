@@ -181,6 +181,8 @@ def metric_families(snap: dict) -> Iterator[Metric]:
     )
     for metric, key, help_text in gauges:
         yield GaugeMetricFamily(f"sparsekv_{metric}", help_text, value=snap.get(key, 0))
+    yield GaugeMetricFamily("sparsekv_warm_cpus_running", "idle-priority loops keeping CPUs from halting "
+                            "(warm_cpus), running", value=snap.get("warm_cpus_running", 0))
     if "mps" in snap:  # cuda backend only
         yield GaugeMetricFamily("sparsekv_mps", "1 when the NVIDIA MPS control daemon is running",
                                 value=int(bool(snap["mps"])))
@@ -244,6 +246,9 @@ def render_table(snap: dict) -> str:
         lines.append(f"fd refusals    {snap['fd_refusals']}")
     if snap.get("device_errors"):  # cuda: rows the kernels refused or mended, by kind
         lines.append("device errors  " + " ".join(f"{k}={v}" for k, v in sorted(snap["device_errors"].items())))
+    if snap.get("io_cpus") or snap.get("warm_cpus"):
+        lines.append(f"cpus           zmq I/O on {snap.get('io_cpus') or 'any'}; warm {snap.get('warm_cpus') or 'none'}"
+                     + (f" ({snap.get('warm_cpus_running', 0)} loops running)" if snap.get("warm_cpus") else ""))
     for engine, e in sorted(snap.get("per_engine", {}).items()):
         lines.append(f"engine {engine:<8}{e['ranks']} rank(s), pool {e['pool_bytes'] / 2**20:.1f} MiB, "
                      f"slabs {e['slab_bytes'] / 2**20:.1f} MiB")

@@ -272,9 +272,10 @@ class CudaResidency(Residency):
             runs are shorter; docs/PERF.md, session 8).
         lru_smem, owner_smem: the new lru row built in the workspace, then copied out
             whole; the owner row read into it with the lru row (csrc/resolve.cu
-            SKV_LRU_SMEM, SKV_OWNER_SMEM). Off by default: on the H200 neither moved the
-            reference resolve (20.6 us with both, 20.6 and 20.2 without one; session 8),
-            and each costs a region row of shared memory.
+            SKV_LRU_SMEM, SKV_OWNER_SMEM). ``None`` (the default): each where the
+            workspace (with the table chosen above) still fits in shared memory. Each
+            costs a region row of it; on the H200 both took batch 64 x top-k 2048 from
+            17.9 to 16.9 us (docs/PERF.md, session 14).
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
@@ -313,6 +314,16 @@ class CudaResidency(Residency):
         if workspace != "global" and hash_scale is None and self.lookup == "hash" and resolve_workspace_bytes(
                 layout.top_k, s, self.lookup, **dict(opts, hash_scale=4)) <= limit:
             opts["hash_scale"] = 4
+            defines, self._resolve = build(**opts, ws_smem=ws_smem)
+        # Then the owner row and the new lru row into the workspace, each one not given
+        # while the workspace still fits.
+        grown = False
+        for name, given in (("owner_smem", owner_smem), ("lru_smem", lru_smem)):
+            trial = dict(opts, **{name: True})
+            if (workspace != "global" and given is None and not opts[name]
+                    and resolve_workspace_bytes(layout.top_k, s, self.lookup, **trial) <= limit):
+                opts, grown = trial, True
+        if grown:
             defines, self._resolve = build(**opts, ws_smem=ws_smem)
         self.hash_scale, self.lru_smem, self.owner_smem = opts["hash_scale"], opts["lru_smem"], opts["owner_smem"]
         self.workspace_bytes = resolve_workspace_bytes(layout.top_k, s, self.lookup, **opts)

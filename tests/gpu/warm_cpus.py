@@ -1,5 +1,6 @@
 """Is the ZeroMQ hop's cost on this VM the wake-up of halted vCPUs? Runs ``bench
-cuda_transport`` (with device wait) A/B/A: as is, then with a SCHED_IDLE busy loop on
+cuda_transport`` (with device wait): as is, with the I/O threads placed on two warm CPUs
+(``warm_io``, what deploy/README.md recommends), with a SCHED_IDLE busy loop on
 every CPU (a vCPU that never halts is woken by a posted interrupt instead of the host's
 scheduler; any other thread preempts the loop at once), then as is again. Prints the
 guest's idle driver first.
@@ -48,8 +49,8 @@ def spinners() -> list:
     return procs
 
 
-def one(label: str, steps: int) -> dict:
-    r = bench_cuda_transport(steps=steps, device_wait=True)
+def one(label: str, steps: int, warm_io: bool = False) -> dict:
+    r = bench_cuda_transport(steps=steps, device_wait=True, warm_io=warm_io)
     row = {k: r.get(k) for k in KEYS}
     print(f"{label}: {json.dumps(row)}", flush=True)
     return row
@@ -59,6 +60,7 @@ def main() -> int:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 400
     idle_info()
     rows = {"idle_a": one("cpus as they are", steps)}
+    rows["warm_io"] = one("I/O threads on two warm CPUs (deploy/README.md)", steps, warm_io=True)
     procs = spinners()
     try:
         rows["warm"] = one("SCHED_IDLE loop on every cpu", steps)
@@ -66,7 +68,7 @@ def main() -> int:
         for p in procs:
             p.kill()
     rows["idle_b"] = one("cpus as they are, again", steps)
-    print(f"{'key':34s} {'idle':>8s} {'warm':>8s} {'idle':>8s}")
+    print(f"{'key':34s} {'idle':>8s} {'warm_io':>8s} {'all warm':>8s} {'idle':>8s}")
     for k in KEYS:
         print(f"{k:34s} " + " ".join(f"{rows[r][k] if rows[r][k] is not None else '-':>8}" for r in rows))
     return 0

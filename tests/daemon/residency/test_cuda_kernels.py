@@ -69,10 +69,11 @@ LOOKUPS = pytest.mark.parametrize("lookup", ["sort", "hash"])
 
 WORKSPACE_OPTS = [{"hash_scale": 2, "lru_smem": False, "owner_smem": False},
                   {"hash_scale": 4, "lru_smem": False, "owner_smem": False},
-                  {"hash_scale": 2, "lru_smem": True, "owner_smem": True}]
+                  {"hash_scale": 2, "lru_smem": True, "owner_smem": True},
+                  {"hash_scale": 4, "lru_smem": True, "owner_smem": True}]
 
 
-@pytest.mark.parametrize("opts", WORKSPACE_OPTS, ids=["x2", "x4", "x2-rows"])
+@pytest.mark.parametrize("opts", WORKSPACE_OPTS, ids=["x2", "x4", "x2-rows", "x4-rows"])
 @pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("tiles", "big", "big-global")], ids=lambda t: t[0])
 def test_resolve_with_each_workspace_option_matches_cpu(case, kc, opts):
     """The hash table's size (SKV_HASH_SCALE), the new lru and the owners in the workspace
@@ -88,17 +89,20 @@ def test_resolve_with_each_workspace_option_matches_cpu(case, kc, opts):
               overlap=overlap, state_every=1 if k < 1000 else 4)
 
 
-def test_the_default_workspace_takes_the_x4_table_where_it_fits_in_shared_memory(kc):
+def test_the_default_workspace_takes_the_x4_table_then_the_rows_where_they_fit_in_shared_memory(kc):
     """Batch 64 x top-k 2048 x region 4096 (the reference step): the x4 table fits in the
-    H200's 227 KiB, the rows stay in global memory (off unless asked); a global workspace
-    keeps the x2 table; with a region of 32768 the x4 workspace no longer fits."""
+    H200's 227 KiB, and then the owner and new lru rows too; a global workspace keeps the
+    x2 table and the rows in global memory; with a region of 32768 neither the x4 table
+    nor a row more fits."""
     cuda = cuda_mod()
     lay = layout(2048, 4096, 1 << 20, 64, max_batch=64)
     gpu = cuda.CudaResidency(lay, kernels=kc, lookup="hash")
-    assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem, gpu.workspace_global) == (4, False, False, False)
-    assert gpu.resolve_smem == cuda.resolve_workspace_bytes(2048, 4096, "hash", 4)
+    assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem, gpu.workspace_global) == (4, True, True, False)
+    assert gpu.resolve_smem == cuda.resolve_workspace_bytes(2048, 4096, "hash", 4, True, True)
+    asked = cuda.CudaResidency(lay, kernels=kc, lookup="hash", lru_smem=False)
+    assert (asked.hash_scale, asked.lru_smem, asked.owner_smem) == (4, False, True)
     wide = cuda.CudaResidency(layout(2048, 32768, 1 << 20, 4, max_batch=4), kernels=kc, lookup="hash")
-    assert wide.hash_scale == 2
+    assert (wide.hash_scale, wide.lru_smem, wide.owner_smem, wide.workspace_global) == (2, False, False, False)
     glob = cuda.CudaResidency(lay, kernels=kc, lookup="hash", workspace="global")
     assert (glob.hash_scale, glob.lru_smem, glob.owner_smem, glob.workspace_global) == (2, False, False, True)
 

@@ -1,0 +1,200 @@
+"""Where the ZeroMQ hop runs: CPU lists, I/O thread placement and warm CPUs, for both
+the daemon and the client.
+
+A request and its reply cross four threads: each side's libzmq I/O thread (which moves
+the bytes between the socket and the application) and application thread. sparsekv's
+application threads poll while a step is in flight, but the I/O threads sleep in
+``epoll_wait``, and their CPU halts when nothing else runs. Bare metal wakes a CPU from
+its shallow idle state in a microsecond or two; a VM whose guest halts (the guest runs
+HLT, the host deschedules the vCPU) takes the host's scheduler tens of microseconds per
+wake-up, and the hop pays it up to four times (measured on the lent H200 VM: docs/PERF.md,
+"warm CPUs").
+
+Two settings remove that cost without taking a CPU from anyone:
+
+- ``io_cpus``: the CPUs a process's libzmq I/O threads run on (``ZMQ_THREAD_AFFINITY_CPU_ADD``);
+  the process's other threads are kept off them, so a polling application thread never
+  sits on the CPU its I/O thread needs.
+- warm CPUs (:class:`CpuWarmer`, the daemon's ``warm_cpus``): one process per CPU runs a
+  busy loop under ``SCHED_IDLE``, the lowest policy there is: any other thread that wakes
+  on that CPU takes it at once, and the CPU never halts, so the wake-up costs an
+  interrupt, not a trip through the host. Each such CPU shows 100 % busy in ``top``, at
+  idle priority; the machine spends the power (in a VM: the host's CPU time).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+__all__ = ["parse_cpu_list", "format_cpu_list", "check_cpus_allowed", "pin_io_threads", "keep_off",
+           "CpuWarmer", "WARM_MARK"]
+
+# Seen in `ps`: what the warm CPU loops are.
+WARM_MARK = "sparsekv-warm-cpu"
+
+# The loop each warm CPU runs. It dies with the process that started it (PR_SET_PDEATHSIG;
+# checked once more after setting it, in case that process died in between).
+_LOOP = """
+import ctypes, os, signal, sys
+cpu, parent = int(sys.argv[1]), int(sys.argv[2])
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:
+    sys.exit(0)
+os.sched_setaffinity(0, {cpu})
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+sys.stdout.write("ok\\n")
+sys.stdout.flush()
+while True:
+    pass
+"""
+
+_ITEM = re.compile(r"(\d+)(?:-(\d+))?")
+MAX_CPU = 1 << 16
+
+
+def parse_cpu_list(text: str, what: str = "cpu list") -> tuple[int, ...]:
+    """``"3"``, ``"2,3"``, ``"4-7,12"`` (the kernel's cpulist format) → sorted CPU numbers;
+    ``""`` → ``()``. ValueError naming ``what`` and the bad part otherwise."""
+    text = text.strip()
+    if not text:
+        return ()
+    cpus: set[int] = set()
+    for part in text.split(","):
+        m = _ITEM.fullmatch(part.strip())
+        if m is None:
+            raise ValueError(f"{what}: {part.strip()!r} is not a CPU number or range (e.g. 3, 2,3 or 4-7)")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise ValueError(f"{what}: range {part.strip()!r} runs backwards")
+        if hi >= MAX_CPU:
+            raise ValueError(f"{what}: CPU {hi} is beyond any machine ({MAX_CPU} CPUs)")
+        cpus.update(range(lo, hi + 1))
+    return tuple(sorted(cpus))
+
+
+def format_cpu_list(cpus) -> str:
+    """The inverse of :func:`parse_cpu_list`, with ranges folded: ``(2, 3, 4, 7)`` → ``"2-4,7"``."""
+    out, run = [], []
+    for c in sorted(set(cpus)):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def check_cpus_allowed(cpus, what: str) -> None:
+    """ValueError unless every CPU of ``cpus`` is one this process may run on (its
+    affinity: taskset, systemd's CPUAffinity=, a container's cpuset)."""
+    allowed = os.sched_getaffinity(0)
+    outside = sorted(set(cpus) - allowed)
+    if outside:
+        raise ValueError(f"{what} names CPU(s) {format_cpu_list(outside)}, but this process may only run on "
+                         f"{format_cpu_list(allowed)}")
+
+
+def pin_io_threads(ctx, cpus) -> None:
+    """Put the libzmq I/O threads of ``ctx`` (a ``zmq.Context`` with no socket yet) on
+    ``cpus``. libzmq starts its I/O threads with the first socket and applies the
+    affinity then."""
+    import zmq  # noqa: PLC0415
+
+    for c in cpus:
+        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, int(c))
+
+
+def keep_off(cpus) -> None:
+    """Keep the calling thread, and every thread it starts from now on, off ``cpus``
+    (unless that would leave it no CPU)."""
+    allowed = os.sched_getaffinity(0)
+    rest = allowed - set(cpus)
+    if rest and rest != allowed:
+        os.sched_setaffinity(0, rest)
+
+
+class CpuWarmer:
+    """One ``SCHED_IDLE`` busy loop per CPU of ``cpus``, in child processes that die with
+    this one. ``start()`` returns once every loop runs (or raises, with none left)."""
+
+    def __init__(self, cpus, start_timeout_s: float = 30.0):
+        self.cpus = tuple(sorted(set(int(c) for c in cpus)))
+        self.start_timeout_s = start_timeout_s
+        self._procs: list[subprocess.Popen] = []
+
+    def start(self) -> "CpuWarmer":
+        check_cpus_allowed(self.cpus, "warm_cpus")
+        try:
+            for cpu in self.cpus:
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _LOOP, str(cpu), str(os.getpid()), WARM_MARK],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True))
+            for cpu, p in zip(self.cpus, self._procs):
+                line = _read_line(p, self.start_timeout_s)
+                if line != "ok":
+                    err = _stderr_tail(p)
+                    raise RuntimeError(f"the warm loop for CPU {cpu} did not start"
+                                       + (f": {err}" if err else f" within {self.start_timeout_s:g} s"))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def running(self) -> int:
+        """How many loops are still running."""
+        return sum(1 for p in self._procs if p.poll() is None)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def stop(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in self._procs:
+            p.wait()
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+        self._procs = []
+
+    close = stop
+
+    def __enter__(self) -> "CpuWarmer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _read_line(p: subprocess.Popen, timeout_s: float) -> str:
+    import selectors  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(min(0.5, max(0.0, deadline - time.monotonic()))):
+                return p.stdout.readline().decode(errors="replace").strip()
+            if p.poll() is not None:
+                return ""
+    return ""
+
+
+def _stderr_tail(p: subprocess.Popen) -> str:
+    if p.poll() is None:
+        return ""
+    try:
+        text = p.stderr.read().decode(errors="replace").strip()
+    except (OSError, ValueError):
+        return ""
+    return text.splitlines()[-1] if text else f"exit code {p.returncode}"

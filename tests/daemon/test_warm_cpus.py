@@ -1,0 +1,147 @@
+"""Where the ZeroMQ hop runs (proto/cpus.py): CPU lists, warm CPU loops (SCHED_IDLE, one
+per CPU, gone with their parent), and the daemon's and the client's I/O threads pinned."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import helpers
+from sparsekv.client import Client
+from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.daemon.config import Config, ConfigError
+from sparsekv.proto.cpus import CpuWarmer, check_cpus_allowed, format_cpu_list, parse_cpu_list
+
+LAYOUT = helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
+ALLOWED = sorted(os.sched_getaffinity(0))
+needs_two_cpus = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs (one for I/O, one for the rest)")
+
+
+def test_cpu_lists_parse_fold_and_name_what_is_wrong():
+    assert parse_cpu_list("") == ()
+    assert parse_cpu_list(" 3 ") == (3,)
+    assert parse_cpu_list("4-6,1,5") == (1, 4, 5, 6)
+    assert format_cpu_list((1, 4, 5, 6, 9)) == "1,4-6,9"
+    assert format_cpu_list(()) == ""
+    assert parse_cpu_list(format_cpu_list((0, 2, 3, 7, 8, 9))) == (0, 2, 3, 7, 8, 9)
+    for bad, says in (("x", "'x' is not a CPU number"), ("3-1", "runs backwards"), ("1,,2", "'' is not"),
+                      ("-1", "'-1' is not"), ("99999", "beyond any machine")):
+        with pytest.raises(ValueError, match=says):
+            parse_cpu_list(bad, "io_cpus")
+    with pytest.raises(ValueError, match="io_cpus names CPU"):
+        check_cpus_allowed((max(ALLOWED) + 1,), "io_cpus")
+
+
+def test_config_checks_the_cpu_settings():
+    for name in ("io_cpus", "warm_cpus"):
+        with pytest.raises(ConfigError, match=f"{name}: 'a' is not a CPU"):
+            Config(**{name: "a"}).validate()
+    assert Config(io_cpus="1", warm_cpus="0-1").validate().warm_cpus == "0-1"
+
+
+def _policy_and_cpus(pid: int) -> tuple[int, set]:
+    return os.sched_getscheduler(pid), os.sched_getaffinity(pid)
+
+
+def test_warm_loops_run_at_idle_priority_on_their_cpu_and_stop():
+    cpu = ALLOWED[-1]
+    with CpuWarmer([cpu]) as w:
+        assert w.running() == 1
+        (pid,) = w.pids
+        assert _policy_and_cpus(pid) == (os.SCHED_IDLE, {cpu})
+        # It spins: its CPU time grows while it runs.
+        t0 = psutil.Process(pid).cpu_times().user
+        time.sleep(0.3)
+        assert psutil.Process(pid).cpu_times().user > t0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_warm_loop_refuses_a_cpu_outside_the_affinity_before_starting_any():
+    with pytest.raises(ValueError, match="warm_cpus names CPU"):
+        CpuWarmer([ALLOWED[0], max(ALLOWED) + 1]).start()
+
+
+def test_warm_loops_die_with_the_process_that_started_them(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from sparsekv.proto.cpus import CpuWarmer
+        w = CpuWarmer([{ALLOWED[-1]}]).start()
+        print(w.pids[0], flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        loop = int(p.stdout.readline())
+        assert psutil.Process(loop).ppid() == p.pid
+        p.send_signal(signal.SIGKILL)  # no cleanup of its own: PR_SET_PDEATHSIG does it
+        p.wait()
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(loop) and psutil.Process(loop).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the warm loop outlived its parent"
+            time.sleep(0.05)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _zmq_io_threads(pid: int) -> dict[int, set]:
+    """tid -> CPUs of the libzmq I/O threads of ``pid`` (libzmq names them ZMQbg/IO/N)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith("ZMQbg/IO"):
+                out[int(tid)] = os.sched_getaffinity(int(tid))
+        except (OSError, ProcessLookupError):
+            pass
+    return out
+
+
+@needs_two_cpus
+def test_daemon_pins_its_io_threads_keeps_the_rest_off_and_warms_cpus(tmp_path):
+    io = ALLOWED[-1]
+    with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=["--io-cpus", str(io), "--warm-cpus", str(io)],
+                       log_path=str(tmp_path / "d.log")) as d, Client(d.run_dir, timeout_s=10, io_cpus=str(io)) as c:
+        c.attach(LAYOUT, engine="w")
+        c.step(0, [0])
+        assert int(c.topk(0, 0, np.array([[0, 1, 2, 3]], np.int32)).misses[0]) == 4
+        pid = d.proc.pid
+        threads = _zmq_io_threads(pid)
+        assert threads and all(cpus == {io} for cpus in threads.values()), threads
+        assert io not in os.sched_getaffinity(pid)  # its main thread (and what it started later)
+        s = c.stats()
+        assert (s["io_cpus"], s["warm_cpus"], s["warm_cpus_running"]) == (str(io), str(io), 1)
+        loops = [p for p in psutil.Process(pid).children() if "sparsekv-warm-cpu" in " ".join(p.cmdline())]
+        assert len(loops) == 1 and _policy_and_cpus(loops[0].pid) == (os.SCHED_IDLE, {io})
+        # The client's own context: its I/O thread on io as well, this thread untouched.
+        mine = _zmq_io_threads(os.getpid())
+        assert {io} in mine.values()
+        assert os.sched_getaffinity(0) == set(ALLOWED)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in loops)
+
+
+@needs_two_cpus
+def test_daemon_refuses_io_cpus_it_cannot_use(tmp_path):
+    for args, says in ((["--io-cpus", str(max(ALLOWED) + 1)], "io_cpus names CPU"),
+                       (["--io-cpus", format_cpu_list(ALLOWED)], "leave some for its other threads"),
+                       (["--warm-cpus", str(max(ALLOWED) + 1)], "warm_cpus names CPU")):
+        log = tmp_path / f"d{len(says)}.log"
+        with pytest.raises(Exception, match="exited with code 1"):
+            with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=args, log_path=str(log)):
+                pass
+        assert says in log.read_text()
+
+
+def test_client_checks_its_io_cpus(monkeypatch):
+    with pytest.raises(ValueError, match="io_cpus: 'x' is not"):
+        Client("/nonexistent", io_cpus="x")
+    monkeypatch.setenv("SPARSEKV_CLIENT_IO_CPUS", str(max(ALLOWED) + 1))
+    with pytest.raises(ValueError, match=r"\$SPARSEKV_CLIENT_IO_CPUS names CPU"):
+        Client("/nonexistent")
