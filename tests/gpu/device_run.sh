@@ -84,7 +84,7 @@ if has all || has bench || has e2e || has decode; then
     --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
 fi
 if has all || has bench || has e2e || has latest; then
-  timeout "$(left 120)" python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" "$OUT/decode.json" \
+  timeout "$(left ${LATEST_TIMEOUT_S:-200})" python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" "$OUT/decode.json" \
     "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-transport.log" | tail -5
 fi
 if has all || has test || has e2e || has demo; then
