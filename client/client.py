@@ -28,7 +28,7 @@ import psutil
 import zmq
 
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
-from sparsekv.proto.cpus import check_cpus_allowed, parse_cpu_list, pin_io_threads
+from sparsekv.proto.cpus import check_cpus_usable, parse_cpu_list, pin_io_threads
 from sparsekv.proto.frames import send_copy
 
 from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError, error_for
@@ -120,7 +120,8 @@ class Client:
         ``$SPARSEKV_CLIENT_IO_CPUS``; "" : not pinned), e.g. ``"5"``: this client gets a
         ZeroMQ context of its own whose I/O thread runs on those CPUs; keep the engine's
         threads off them, and have the daemon keep them warm (its ``warm_cpus``;
-        deploy/README.md "Warm CPUs"). ValueError for a list this process cannot run on."""
+        deploy/README.md "Warm CPUs"). ValueError for CPUs no thread of this process can
+        run on."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
         self.timeout_s = timeout_s
@@ -135,7 +136,7 @@ class Client:
         if io_cpus is None:
             io_cpus, what = os.environ.get(IO_CPUS_ENV, ""), f"${IO_CPUS_ENV}"
         self.io_cpus = parse_cpu_list(io_cpus, what)
-        check_cpus_allowed(self.io_cpus, what)
+        check_cpus_usable(self.io_cpus, what)
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP; TOPK with device wait)

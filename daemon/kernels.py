@@ -107,10 +107,11 @@ class KernelCache(build.KernelCache):
         names = []
         lookup = resolve_lookup()
         # The residency modules CudaResidency builds for that lookup: the workspace in
-        # shared memory with the x4 table (most layouts) or the x2 (wider regions), and
-        # in global memory (the widest).
-        variants = [{"hash_scale": 4, "ws_smem": True}, {"hash_scale": 2, "ws_smem": True}, {"hash_scale": 2}] \
-            if lookup == "hash" else [{"ws_smem": True}, {}]
+        # shared memory with the x4 table and the owner and lru rows (most layouts), the
+        # x4 table alone or the x2 (wider regions), and in global memory (the widest).
+        rows = {"ws_smem": True, "lru_smem": True, "owner_smem": True}
+        variants = [{"hash_scale": 4, **rows}, {"hash_scale": 4, "ws_smem": True}, {"hash_scale": 2, "ws_smem": True},
+                    {"hash_scale": 2}] if lookup == "hash" else [rows, {"ws_smem": True}, {}]
         for threads in resolve_threads or (RESOLVE_THREADS,):
             for v in variants:
                 for fn in SOURCES["resolve.cu"]:

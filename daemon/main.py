@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 
-from sparsekv.proto.cpus import CpuWarmer, check_cpus_allowed, format_cpu_list, keep_off, parse_cpu_list
+from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, format_cpu_list, keep_off, parse_cpu_list
 
 from . import config as config_mod
 from .backends import cuda_unavailable, make_backend
@@ -427,7 +427,7 @@ def place_io(cfg) -> tuple:
     loops, started (proto/cpus.py). ValueError or RuntimeError naming what is wrong."""
     io_cpus = parse_cpu_list(cfg.io_cpus, "io_cpus")
     warm = parse_cpu_list(cfg.warm_cpus, "warm_cpus")
-    check_cpus_allowed(io_cpus, "io_cpus")
+    check_cpus_usable(io_cpus, "io_cpus")
     if io_cpus and set(io_cpus) == os.sched_getaffinity(0):
         raise ValueError(f"io_cpus {format_cpu_list(io_cpus)} are all the CPUs this process may run on: "
                          "leave some for its other threads")

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["parse_cpu_list", "format_cpu_list", "check_cpus_allowed", "pin_io_threads", "keep_off",
+__all__ = ["parse_cpu_list", "format_cpu_list", "check_cpus_usable", "pin_io_threads", "keep_off",
            "CpuWarmer", "WARM_MARK"]
 
 # Seen in `ps`: what the warm CPU loops are.
@@ -92,14 +92,30 @@ def format_cpu_list(cpus) -> str:
     return ",".join(out)
 
 
-def check_cpus_allowed(cpus, what: str) -> None:
-    """ValueError unless every CPU of ``cpus`` is one this process may run on (its
-    affinity: taskset, systemd's CPUAffinity=, a container's cpuset)."""
-    allowed = os.sched_getaffinity(0)
-    outside = sorted(set(cpus) - allowed)
-    if outside:
-        raise ValueError(f"{what} names CPU(s) {format_cpu_list(outside)}, but this process may only run on "
-                         f"{format_cpu_list(allowed)}")
+def check_cpus_usable(cpus, what: str) -> None:
+    """ValueError unless a thread of this process can be put on every CPU of ``cpus``
+    (they exist, are online and in its cgroup's cpuset; the process's own affinity may
+    leave them out: an engine kept off its I/O CPU). libzmq aborts the process when it
+    cannot place an I/O thread, so this tries first, on a thread of its own."""
+    if not cpus:
+        return
+    import threading  # noqa: PLC0415
+
+    bad: list[str] = []
+
+    def attempt() -> None:
+        for c in sorted(set(cpus)):
+            try:
+                os.sched_setaffinity(0, {c})  # 0: the calling thread
+            except OSError:
+                bad.append(str(c))
+
+    t = threading.Thread(target=attempt, name="cpu-check")
+    t.start()
+    t.join()
+    if bad:
+        raise ValueError(f"{what} names CPU(s) {','.join(bad)}, which this process cannot run on "
+                         f"(not online, or outside its cpuset); it runs on {format_cpu_list(os.sched_getaffinity(0))}")
 
 
 def pin_io_threads(ctx, cpus) -> None:
@@ -131,7 +147,7 @@ class CpuWarmer:
         self._procs: list[subprocess.Popen] = []
 
     def start(self) -> "CpuWarmer":
-        check_cpus_allowed(self.cpus, "warm_cpus")
+        check_cpus_usable(self.cpus, "warm_cpus")
         try:
             for cpu in self.cpus:
                 self._procs.append(subprocess.Popen(

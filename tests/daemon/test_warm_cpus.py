@@ -16,10 +16,11 @@ import helpers
 from sparsekv.client import Client
 from sparsekv.client.private_daemon import PrivateDaemon
 from sparsekv.daemon.config import Config, ConfigError
-from sparsekv.proto.cpus import CpuWarmer, check_cpus_allowed, format_cpu_list, parse_cpu_list
+from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, format_cpu_list, parse_cpu_list
 
 LAYOUT = helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
 ALLOWED = sorted(os.sched_getaffinity(0))
+NOWHERE = (os.cpu_count() or 1) + 100  # a CPU this machine does not have
 needs_two_cpus = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs (one for I/O, one for the rest)")
 
 
@@ -34,8 +35,10 @@ def test_cpu_lists_parse_fold_and_name_what_is_wrong():
                       ("-1", "'-1' is not"), ("99999", "beyond any machine")):
         with pytest.raises(ValueError, match=says):
             parse_cpu_list(bad, "io_cpus")
-    with pytest.raises(ValueError, match="io_cpus names CPU"):
-        check_cpus_allowed((max(ALLOWED) + 1,), "io_cpus")
+    with pytest.raises(ValueError, match=f"io_cpus names CPU\\(s\\) {NOWHERE}, which this process cannot run on"):
+        check_cpus_usable((ALLOWED[0], NOWHERE), "io_cpus")
+    check_cpus_usable(ALLOWED, "io_cpus")
+    assert os.sched_getaffinity(0) == set(ALLOWED)  # tried on a thread of its own
 
 
 def test_config_checks_the_cpu_settings():
@@ -64,7 +67,7 @@ def test_warm_loops_run_at_idle_priority_on_their_cpu_and_stop():
 
 def test_warm_loop_refuses_a_cpu_outside_the_affinity_before_starting_any():
     with pytest.raises(ValueError, match="warm_cpus names CPU"):
-        CpuWarmer([ALLOWED[0], max(ALLOWED) + 1]).start()
+        CpuWarmer([ALLOWED[0], NOWHERE]).start()
 
 
 def test_warm_loops_die_with_the_process_that_started_them(tmp_path):
@@ -129,9 +132,9 @@ def test_daemon_pins_its_io_threads_keeps_the_rest_off_and_warms_cpus(tmp_path):
 
 @needs_two_cpus
 def test_daemon_refuses_io_cpus_it_cannot_use(tmp_path):
-    for args, says in ((["--io-cpus", str(max(ALLOWED) + 1)], "io_cpus names CPU"),
+    for args, says in ((["--io-cpus", str(NOWHERE)], "io_cpus names CPU"),
                        (["--io-cpus", format_cpu_list(ALLOWED)], "leave some for its other threads"),
-                       (["--warm-cpus", str(max(ALLOWED) + 1)], "warm_cpus names CPU")):
+                       (["--warm-cpus", str(NOWHERE)], "warm_cpus names CPU")):
         log = tmp_path / f"d{len(says)}.log"
         with pytest.raises(Exception, match="exited with code 1"):
             with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=args, log_path=str(log)):
@@ -142,6 +145,37 @@ def test_daemon_refuses_io_cpus_it_cannot_use(tmp_path):
 def test_client_checks_its_io_cpus(monkeypatch):
     with pytest.raises(ValueError, match="io_cpus: 'x' is not"):
         Client("/nonexistent", io_cpus="x")
-    monkeypatch.setenv("SPARSEKV_CLIENT_IO_CPUS", str(max(ALLOWED) + 1))
+    monkeypatch.setenv("SPARSEKV_CLIENT_IO_CPUS", str(NOWHERE))
     with pytest.raises(ValueError, match=r"\$SPARSEKV_CLIENT_IO_CPUS names CPU"):
         Client("/nonexistent")
+
+
+@needs_two_cpus
+def test_an_engine_kept_off_its_io_cpu_may_still_put_its_io_thread_there(tmp_path):
+    """What deploy/README.md recommends: the engine's threads off the I/O CPU (taskset),
+    its client's I/O thread on it."""
+    io = ALLOWED[-1]
+    with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", log_path=str(tmp_path / "d.log")) as d:
+        code = textwrap.dedent(f"""
+            import os
+            import numpy as np
+            from sparsekv.client import Client
+            import helpers
+            os.sched_setaffinity(0, {set(ALLOWED[:-1])!r})
+            with Client({d.run_dir!r}, timeout_s=10, io_cpus="{io}") as c:
+                c.attach(helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2,
+                                        host_rows=64), engine="k")
+                c.step(0, [0])
+                assert int(c.topk(0, 0, np.array([[0, 1, 2, 3]], np.int32)).misses[0]) == 4
+                ios = []
+                for tid in os.listdir("/proc/self/task"):
+                    with open(f"/proc/self/task/{{tid}}/comm") as f:
+                        if f.read().startswith("ZMQbg/IO"):
+                            ios.append(os.sched_getaffinity(int(tid)))
+                assert ios == [{{{io}}}], ios
+            print("ok")
+        """)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(helpers.__file__),
+                                                             os.environ.get("PYTHONPATH", "")]))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

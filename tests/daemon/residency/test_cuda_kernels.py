@@ -701,21 +701,24 @@ def test_kernel_cache_dir_and_warm(tmp_path, monkeypatch):
     names = kc.warm(row_bytes=(656, 32))
     assert "skv_resolve" in names and "skv_copy_rows" in names
     files = sorted(p.name for p in (tmp_path / "c").glob("*.cubin"))
-    # resolve: the x4 and x2 tables with the workspace in shared memory, x2 in global
-    # memory (the hash lookup); signal; copy for two row sizes
-    assert len(files) == 6, files
+    # resolve: the x4 table with and without the owner and lru rows and the x2 table,
+    # the workspace in shared memory, x2 in global memory (the hash lookup); signal; copy
+    # for two row sizes
+    assert len(files) == 7, files
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")}
     kc2 = kernels.KernelCache(tmp_path / "c")
     kc2.warm(row_bytes=(656, 32))  # a new process: from disk
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")} == mtimes
-    # What an attach takes is warm already (regions of 4096: the x4 table; 32768: x2).
+    # What an attach takes is warm already (regions of 4096: the x4 table and both rows;
+    # 32768: x2, no row).
     from sparsekv.daemon.residency.cuda import CudaResidency
 
     for stride in (4096, 32768):
         lay = Layout(num_layers=1, row_bytes=16, top_k=2048, region_stride=stride, max_reqs=2, host_rows=1 << 16,
                      max_batch=2).validate()
         res = CudaResidency(lay, kernels=kc2)
-        assert res.hash_scale == (4 if stride == 4096 else 2) and not res.workspace_global
+        assert (res.hash_scale, res.lru_smem, res.owner_smem) == ((4, True, True) if stride == 4096 else (2, False, False))
+        assert not res.workspace_global
     assert sorted(p.name for p in (tmp_path / "c").glob("*.cubin")) == files  # nothing new was built
 
 
