@@ -254,7 +254,8 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         rank = CudaRankState(0, worker, space, pinned, ring_depth=8, gather_blocks=32)
         stack.callback(rank.close)
         d = stack.enter_context(PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
-                                              extra_args=daemon_args))
+                                              extra_args=daemon_args,
+                                              log_path=os.environ.get("SPARSEKV_BENCH_DAEMON_LOG") or None))
         c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False,
                                        io_cpus=client_io))
         c.attach(lay, engine="bench")

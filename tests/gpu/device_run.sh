@@ -7,7 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/skv-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE_DIR=/tmp/skv-kernels SPARSEKV_TEST_DAEMON_LOG=$OUT/daemon.log SPARSEKV_GPU_MEMLOG=$OUT/gpu-mem.log \
+export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE_DIR=/tmp/skv-kernels SPARSEKV_TEST_DAEMON_LOG=$OUT/daemon.log SPARSEKV_BENCH_DAEMON_LOG=$OUT/bench-daemon.log SPARSEKV_GPU_MEMLOG=$OUT/gpu-mem.log \
   SPARSEKV_SOAK_SUMMARY_DIR=$OUT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
