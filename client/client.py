@@ -199,7 +199,9 @@ class Client:
             self.close()
             raise
         if self.info.get("version") != PROTOCOL_VERSION:
-            raise ProtocolMismatch(f"daemon speaks protocol {self.info.get('version')}, client {PROTOCOL_VERSION}")
+            theirs = self.info.get("version")
+            self.close()  # its socket and (with io_cpus) its own context and threads
+            raise ProtocolMismatch(f"daemon speaks protocol {theirs}, client {PROTOCOL_VERSION}")
         return self
 
     def close(self) -> None:
@@ -216,9 +218,7 @@ class Client:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
-        if self._ctx is not None and self.io_cpus:
-            self._ctx.term()  # its own context (the shared instance stays)
-        self._ctx = None
+        self._drop_context()
         self._sent.clear()  # requests whose replies will never come
         self._replies.clear()
         self._deferred.clear()
@@ -706,6 +706,13 @@ class Client:
             return f"sparsekvd restarted: {path} is a new daemon's socket"
         return None
 
+    def _drop_context(self) -> None:
+        """Terminate this client's own context (io_cpus: its I/O thread goes); the
+        process's shared instance stays. Its only socket is closed already."""
+        if self._ctx is not None and self.io_cpus:
+            self._ctx.term()
+        self._ctx = None
+
     def _still_there(self) -> None:
         """Raise DaemonUnavailable (and forget the session) if the daemon has gone."""
         why = self._check_daemon()
@@ -720,6 +727,7 @@ class Client:
         if self._sock is not None:
             self._sock.close(0)
         self._sock = None
+        self._drop_context()
         # Nothing in flight will be answered (connect() again starts clean).
         self._sent.clear()
         self._replies.clear()

@@ -428,7 +428,7 @@ def place_io(cfg) -> tuple:
     io_cpus = parse_cpu_list(cfg.io_cpus, "io_cpus")
     warm = parse_cpu_list(cfg.warm_cpus, "warm_cpus")
     check_cpus_usable(io_cpus, "io_cpus")
-    if io_cpus and set(io_cpus) == os.sched_getaffinity(0):
+    if io_cpus and os.sched_getaffinity(0) <= set(io_cpus):
         raise ValueError(f"io_cpus {format_cpu_list(io_cpus)} are all the CPUs this process may run on: "
                          "leave some for its other threads")
     warmer = None

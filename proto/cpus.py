@@ -41,7 +41,8 @@ WARM_MARK = "sparsekv-warm-cpu"
 _LOOP = """
 import ctypes, os, signal, sys
 cpu, parent = int(sys.argv[1]), int(sys.argv[2])
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+    sys.exit("prctl(PR_SET_PDEATHSIG) failed: errno %d" % ctypes.get_errno())
 if os.getppid() != parent:
     sys.exit(0)
 os.sched_setaffinity(0, {cpu})
@@ -53,7 +54,9 @@ while True:
 """
 
 _ITEM = re.compile(r"(\d+)(?:-(\d+))?")
-MAX_CPU = 1 << 16
+# libzmq places its threads with a fixed cpu_set_t (CPU_SETSIZE, 1024 CPUs): higher
+# numbers would be dropped without a word.
+MAX_CPU = 1024
 
 
 def parse_cpu_list(text: str, what: str = "cpu list") -> tuple[int, ...]:
@@ -72,7 +75,7 @@ def parse_cpu_list(text: str, what: str = "cpu list") -> tuple[int, ...]:
         if hi < lo:
             raise ValueError(f"{what}: range {part.strip()!r} runs backwards")
         if hi >= MAX_CPU:
-            raise ValueError(f"{what}: CPU {hi} is beyond any machine ({MAX_CPU} CPUs)")
+            raise ValueError(f"{what}: CPU {hi} is beyond the {MAX_CPU} CPUs libzmq can place threads on")
         cpus.update(range(lo, hi + 1))
     return tuple(sorted(cpus))
 
@@ -114,16 +117,18 @@ def check_cpus_usable(cpus, what: str) -> None:
     t.start()
     t.join()
     if bad:
-        raise ValueError(f"{what} names CPU(s) {','.join(bad)}, which this process cannot run on "
+        raise ValueError(f"{what} names CPU(s) {format_cpu_list(int(c) for c in bad)}, which this process cannot run on "
                          f"(not online, or outside its cpuset); it runs on {format_cpu_list(os.sched_getaffinity(0))}")
 
 
 def pin_io_threads(ctx, cpus) -> None:
     """Put the libzmq I/O threads of ``ctx`` (a ``zmq.Context`` with no socket yet) on
     ``cpus``. libzmq starts its I/O threads with the first socket and applies the
-    affinity then."""
+    affinity then, aborting the process if it cannot: the CPUs are checked (again) here,
+    ValueError if no thread of this process can run on one."""
     import zmq  # noqa: PLC0415
 
+    check_cpus_usable(cpus, "io_cpus")
     for c in cpus:
         ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, int(c))
 
@@ -139,7 +144,9 @@ def keep_off(cpus) -> None:
 
 class CpuWarmer:
     """One ``SCHED_IDLE`` busy loop per CPU of ``cpus``, in child processes that die with
-    this one. ``start()`` returns once every loop runs (or raises, with none left)."""
+    the thread that started them (PR_SET_PDEATHSIG: start it from the main thread, as the
+    daemon does, so that they live as long as the process). ``start()`` returns once
+    every loop runs (or raises, with none left)."""
 
     def __init__(self, cpus, start_timeout_s: float = 30.0):
         self.cpus = tuple(sorted(set(int(c) for c in cpus)))
@@ -147,6 +154,11 @@ class CpuWarmer:
         self._procs: list[subprocess.Popen] = []
 
     def start(self) -> "CpuWarmer":
+        import threading  # noqa: PLC0415
+
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("CpuWarmer.start() from a thread other than the main one: its loops would die "
+                               "with that thread")
         check_cpus_usable(self.cpus, "warm_cpus")
         try:
             for cpu in self.cpus:

@@ -14,13 +14,14 @@ import pytest
 
 import helpers
 from sparsekv.client import Client
+from sparsekv.client.errors import DaemonUnavailable
 from sparsekv.client.private_daemon import PrivateDaemon
 from sparsekv.daemon.config import Config, ConfigError
 from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, format_cpu_list, parse_cpu_list
 
 LAYOUT = helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
 ALLOWED = sorted(os.sched_getaffinity(0))
-NOWHERE = (os.cpu_count() or 1) + 100  # a CPU this machine does not have
+NOWHERE = min((os.cpu_count() or 1) + 100, 1023)  # a CPU this machine does not have
 needs_two_cpus = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs (one for I/O, one for the rest)")
 
 
@@ -32,7 +33,7 @@ def test_cpu_lists_parse_fold_and_name_what_is_wrong():
     assert format_cpu_list(()) == ""
     assert parse_cpu_list(format_cpu_list((0, 2, 3, 7, 8, 9))) == (0, 2, 3, 7, 8, 9)
     for bad, says in (("x", "'x' is not a CPU number"), ("3-1", "runs backwards"), ("1,,2", "'' is not"),
-                      ("-1", "'-1' is not"), ("99999", "beyond any machine")):
+                      ("-1", "'-1' is not"), ("1024", "beyond the 1024 CPUs libzmq")):
         with pytest.raises(ValueError, match=says):
             parse_cpu_list(bad, "io_cpus")
     with pytest.raises(ValueError, match=f"io_cpus names CPU\\(s\\) {NOWHERE}, which this process cannot run on"):
@@ -68,6 +69,16 @@ def test_warm_loops_run_at_idle_priority_on_their_cpu_and_stop():
 def test_warm_loop_refuses_a_cpu_outside_the_affinity_before_starting_any():
     with pytest.raises(ValueError, match="warm_cpus names CPU"):
         CpuWarmer([ALLOWED[0], NOWHERE]).start()
+
+
+def test_warm_loops_start_only_from_the_main_thread():
+    import threading
+
+    got = []
+    t = threading.Thread(target=lambda: got.append(pytest.raises(RuntimeError, CpuWarmer([ALLOWED[0]]).start)))
+    t.start()
+    t.join()
+    assert got and "main one" in str(got[0].value)
 
 
 def test_warm_loops_die_with_the_process_that_started_them(tmp_path):
@@ -140,6 +151,20 @@ def test_daemon_refuses_io_cpus_it_cannot_use(tmp_path):
             with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=args, log_path=str(log)):
                 pass
         assert says in log.read_text()
+
+
+@needs_two_cpus
+def test_a_client_that_lost_its_daemon_lets_its_own_io_thread_go(tmp_path):
+    io = ALLOWED[-1]
+    with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", log_path=str(tmp_path / "d.log")) as d:
+        c = Client(d.run_dir, timeout_s=5, io_cpus=str(io)).connect()
+        assert {io} in _zmq_io_threads(os.getpid()).values()
+        d.proc.kill()
+        d.proc.wait()
+        with pytest.raises(DaemonUnavailable):
+            c.stats()
+        assert {io} not in _zmq_io_threads(os.getpid()).values()
+        c.close()
 
 
 def test_client_checks_its_io_cpus(monkeypatch):
