@@ -44,7 +44,7 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 #       ab (bench decode for each of AB_VARIANTS: the daemon's switches against each other) |
 #       profile (tests/gpu/profile_daemon.py: the daemon's host time per request) |
 #       zmqprobe (tests/gpu/micro_zmq_affinity.py: a ZeroMQ hop's wake-ups) |
-#       warmcpus (tests/gpu/warm_cpus.py: the transport bench A/B/A with idle CPUs kept busy) |
+#       warmcpus (tests/gpu/warm_cpus.py: the transport bench as installed and with warm_io, ABBA) |
 #       ncu (Nsight Compute on skv_resolve and skv_gather, tests/gpu/ncu_kernels.py) |
 #       examples (the example model through the doorbell, its own KV and an engine-owned slab) |
 #       probes (tests/gpu/pool_first_touch.py and tests/gpu/probe_ipc_after_kill.py)
@@ -141,7 +141,7 @@ if has zmqprobe; then
 fi
 if has warmcpus; then
   # The zmq hop with halted vCPUs against vCPUs kept running by SCHED_IDLE busy loops.
-  timeout "$(left 240)" python3 tests/gpu/warm_cpus.py ${WARM_STEPS:-400} 2>&1 | tee "$OUT/warm-cpus.log" | grep -v "^{"
+  timeout "$(left 300)" python3 tests/gpu/warm_cpus.py ${WARM_STEPS:-200} 2>&1 | tee "$OUT/warm-cpus.log" | grep -v "^{"
 fi
 if has profile; then
   # Where the daemon's host time goes per STEP + TOPK (handlers in process, then cProfile).
