@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 
-from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, format_cpu_list, keep_off, parse_cpu_list
+from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, cpu_quota, format_cpu_list, keep_off, parse_cpu_list
 
 from . import config as config_mod
 from .backends import cuda_unavailable, make_backend
@@ -432,6 +432,16 @@ def place_io(cfg) -> tuple:
         raise ValueError(f"io_cpus {format_cpu_list(io_cpus)} are all the CPUs this process may run on: "
                          "leave some for its other threads")
     warmer = None
+    quota = cpu_quota() if warm else None
+    if quota is not None:
+        # Each loop spends a CPU of the cgroup's quota (k8s CPU limits, systemd CPUQuota=):
+        # the daemon's own threads would be throttled.
+        if len(warm) + 1 > quota:
+            raise ValueError(f"warm_cpus {format_cpu_list(warm)} would spend {len(warm)} of the {quota:g} CPUs of "
+                             "run time this cgroup's cpu.max allows (a loop spends it, idle priority or not), "
+                             "leaving the daemon less than one: raise the CPU limit by as many CPUs, or warm fewer")
+        log.warning("warm_cpus: the %d loops spend %d of the %g CPUs of run time this cgroup's cpu.max allows; "
+                    "raise the CPU limit by as many CPUs", len(warm), len(warm), quota)
     if warm:
         warmer = CpuWarmer(warm).start()
         log.info("CPU(s) %s kept warm: an idle-priority busy loop each (pids %s)", format_cpu_list(warm),

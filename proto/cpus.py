@@ -31,7 +31,7 @@ import sys
 import time
 
 __all__ = ["parse_cpu_list", "format_cpu_list", "check_cpus_usable", "pin_io_threads", "keep_off",
-           "CpuWarmer", "WARM_MARK"]
+           "cpu_quota", "CpuWarmer", "WARM_MARK"]
 
 # Seen in `ps`: what the warm CPU loops are.
 WARM_MARK = "sparsekv-warm-cpu"
@@ -140,6 +140,55 @@ def keep_off(cpus) -> None:
     rest = allowed - set(cpus)
     if rest and rest != allowed:
         os.sched_setaffinity(0, rest)
+
+
+def cpu_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs' worth of run time per period that this process's cgroup and its ancestors
+    allow (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``; the smallest), or None without a
+    quota. A busy loop spends it like any thread, ``SCHED_IDLE`` or not: each warm CPU
+    takes one CPU of it."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    quotas = []
+    for hier, controllers, path in lines:
+        names = controllers.split(",")
+        if hier == "0" and controllers == "":
+            base, read = cgroup_root, _quota_v2  # v2 (unified)
+        elif "cpu" in names:
+            base, read = os.path.join(cgroup_root, controllers), _quota_v1
+            if not os.path.isdir(base):
+                base = os.path.join(cgroup_root, "cpu")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for i in range(len(parts), -1, -1):
+            q = read(os.path.join(base, *parts[:i]))
+            if q is not None:
+                quotas.append(q)
+    return min(quotas) if quotas else None
+
+
+def _quota_v2(d: str) -> float | None:
+    try:
+        with open(os.path.join(d, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return int(quota) / int(period) if quota != "max" and int(period) > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def _quota_v1(d: str) -> float | None:
+    try:
+        with open(os.path.join(d, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(d, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 class CpuWarmer:
