@@ -100,8 +100,27 @@ THREADS = 256
 INT32_MAX = 2**31 - 1  # attention indices are int32
 
 
+class _StreamRef:
+    """A raw ``cudaStream_t`` offered through the CUDA stream protocol (``__cuda_stream__``:
+    version 0 and the handle)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 def _external(cp, stream_ptr: int):
-    """A CuPy stream object for a stream someone else owns (torch's current stream)."""
+    """A CuPy stream object for a stream someone else owns (torch's current stream):
+    ``Stream.from_external`` where CuPy has it (``ExternalStream`` is deprecated there),
+    ``ExternalStream`` for the special handles (0, 1, 2: legacy and per-thread default
+    streams) and older CuPy."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None and int(stream_ptr) > 2:
+        return from_external(_StreamRef(stream_ptr))
     return cp.cuda.ExternalStream(stream_ptr)
 
 

@@ -509,3 +509,20 @@ def test_replay_refuses_the_doorbell_without_the_cuda_backend():
     trace = synth(steps=2, batch=2, top_k=16, region_stride=32, max_reqs=4, host_rows=4 * 256, context=100)
     with pytest.raises(ValueError, match="--backend cuda"):
         replay(trace, transport="doorbell", backend="cpu")
+
+
+def test_an_engine_stream_is_wrapped_through_the_stream_protocol_where_cupy_has_it():
+    """CuPy's ExternalStream is deprecated: Stream.from_external with an object offering
+    ``__cuda_stream__`` (version 0, the handle), except for the special handles 0-2."""
+    import types
+
+    from sparsekv.client.doorbell import _external
+
+    seen = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Stream=types.SimpleNamespace(from_external=lambda obj: seen.append(("from", obj.__cuda_stream__())) or "s"),
+        ExternalStream=lambda ptr: seen.append(("ext", ptr)) or "e"))
+    assert _external(fake, 0x7F00AB) == "s" and _external(fake, 0) == "e" and _external(fake, 2) == "e"
+    assert seen == [("from", (0, 0x7F00AB)), ("ext", 0), ("ext", 2)]
+    del fake.cuda.Stream.from_external  # older CuPy
+    assert _external(fake, 0x7F00AB) == "e" and seen[-1] == ("ext", 0x7F00AB)
