@@ -51,7 +51,7 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 # Steps run in this order, the ones that can hurt the GPU (spin kernels) last.
 # BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
 # so that the logs are packed before the device tool's limit.
-# PYTEST_ARGS: more pytest options. SPARSEKV_STOP_TIMEOUT_S: how long a test's private
+# PYTEST_ARGS: more pytest options (split at spaces; PYTEST_K: a -k expression, kept whole). SPARSEKV_STOP_TIMEOUT_S: how long a test's private
 # daemon may take to stop on SIGTERM before its stacks are dumped and it is killed.
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-540}
@@ -64,7 +64,7 @@ per_test=""
 python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout ${PER_TEST_TIMEOUT_S:-90}"
 pytest_cuda() {  # pytest_cuda LOG MARKERS DEFAULT_TIMEOUT
   SPARSEKV_SOAK_S=${SPARSEKV_SOAK_S:-30} timeout "$(left "$3")" python3 -m pytest -q -rfE --tb=short --durations=10 \
-    --require-cuda -m "$2" -p no:cacheprovider $per_test ${PYTEST_ARGS:-} ${PYTEST_SELECT:-tests} 2>&1 \
+    --require-cuda -m "$2" -p no:cacheprovider $per_test ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} ${PYTEST_SELECT:-tests} 2>&1 \
     | tee -a "$OUT/$1" | tail -25
   return "${PIPESTATUS[0]}"
 }
