@@ -3,8 +3,8 @@
 * ``resolve``: time to resolve one top-k batch (residency only, no bytes moved).
 * ``gather``: rows per second of the plan gather against a bulk copy of the same bytes.
 * ``transport``: a decode step over the daemon (zmq) against the same step in process.
-* ``cuda_transport``: the same through a cuda daemon (``--warm-io``: with the I/O threads
-  placed on warm CPUs, deploy/README.md).
+* ``cuda_transport``: the same through a cuda daemon, as installed and then with the
+  ZeroMQ I/O threads on warm CPUs (``--io``; deploy/README.md "Warm CPUs").
 """
 
 from __future__ import annotations
@@ -344,10 +344,25 @@ def _nanp50(a, scale: float):
     return round(float(np.median(a)) * scale, 1) if a.size else None
 
 
-def run_bench(which: list[str], warm_io: bool = False) -> list[dict]:
-    table = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport,
-             "cuda_transport": lambda: bench_cuda_transport(warm_io=warm_io)}
-    return [table[w]() for w in which]
+IO_PLACEMENTS = ("both", "installed", "warm")
+
+
+def run_bench(which: list[str], io: str = "both") -> list[dict]:
+    """Each benchmark's result; ``cuda_transport`` once per I/O placement of ``io``:
+    ``installed`` (nothing placed), ``warm`` (deploy/README.md "Warm CPUs") or ``both``,
+    one after the other (warm only where 4 CPUs or more can be used)."""
+    if io not in IO_PLACEMENTS:
+        raise ValueError(f"io must be one of {', '.join(IO_PLACEMENTS)}, got {io!r}")
+    out = []
+    for w in which:
+        if w != "cuda_transport":
+            out.append({"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport}[w]())
+            continue
+        if io in ("both", "installed"):
+            out.append(bench_cuda_transport())
+        if io == "warm" or (io == "both" and len(os.sched_getaffinity(0)) >= 4):
+            out.append(bench_cuda_transport(warm_io=True))
+    return out
 
 
 def format_results(results: list[dict]) -> str:

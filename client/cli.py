@@ -125,10 +125,10 @@ def cmd_bench(a) -> int:
     if unknown:
         print(f"sparsekv bench: unknown benchmark(s) {sorted(unknown)}", file=sys.stderr)
         return 2
-    if a.warm_io and "cuda_transport" not in which:
-        print("sparsekv bench: --warm-io is an option of cuda_transport", file=sys.stderr)
+    if a.io != "both" and "cuda_transport" not in which:
+        print("sparsekv bench: --io is an option of cuda_transport", file=sys.stderr)
         return 2
-    sys.stdout.write(format_results(run_bench(which, warm_io=a.warm_io)))
+    sys.stdout.write(format_results(run_bench(which, io=a.io)))
     return 0
 
 
@@ -233,9 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resolve, gather, transport (cpu; the default set), cuda_transport (needs a GPU), or alone: "
                         "decode (a whole decode step, offloaded against on the GPU) or kernels (gather, resolve "
                         "and pool start against the link; both need a GPU; options below)")
-    q.add_argument("--warm-io", action="store_true",
-                   help="cuda_transport: ZeroMQ I/O threads of daemon and client on warm CPUs (the last two this "
-                        "process may use; deploy/README.md \"Warm CPUs\")")
+    q.add_argument("--io", choices=["both", "installed", "warm"], default="both",
+                   help="cuda_transport: the ZeroMQ I/O threads as installed (not placed), on warm CPUs (the last "
+                        "two this process may use, kept warm by the daemon; deploy/README.md \"Warm CPUs\"), or "
+                        "both, one run each (warm only with 4 CPUs or more)")
     from .bench_decode import add_arguments as add_decode_arguments  # noqa: PLC0415
     from .bench_kernels import add_arguments as add_kernels_arguments  # noqa: PLC0415
 
