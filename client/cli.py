@@ -55,6 +55,34 @@ def cmd_health(a) -> int:
     return code
 
 
+def cmd_warm_cpus(a) -> int:
+    """Keep CPUs from halting until SIGTERM or SIGINT (proto/cpus.py CpuWarmer): for the
+    client side of deploy/README.md "Warm CPUs" where the daemon cannot (another pod's
+    cpuset), or as a systemd unit of its own (deploy/sparsekv-warm-cpus@.service)."""
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list  # noqa: PLC0415
+
+    try:
+        cpus = parse_cpu_list(a.cpus, "CPUS")
+        if not cpus:
+            raise ValueError("CPUS: name at least one CPU (e.g. 62 or 62-63)")
+        stop = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.append(1))
+        with CpuWarmer(cpus) as w:
+            print(f"sparsekv warm-cpus: CPU(s) {format_cpu_list(cpus)} kept warm (pids "
+                  f"{' '.join(map(str, w.pids))}); SIGTERM or Ctrl-C stops", flush=True)
+            while not stop:
+                if w.running() < len(cpus):
+                    return _fail("sparsekv warm-cpus", f"a loop exited ({w.running()} of {len(cpus)} left)")
+                time.sleep(0.5)
+    except (ValueError, RuntimeError) as e:
+        return _fail("sparsekv warm-cpus", str(e))
+    return 0
+
+
 def cmd_replay(a) -> int:
     from .replay import replay, save_result, summary_line  # noqa: PLC0415
     from .trace import Trace, TraceError  # noqa: PLC0415
@@ -181,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="liveness: exit 0 also while the daemon starts (pre-faulting its pool)")
     q.add_argument("--quiet", action="store_true", help="print nothing; the exit code says it all")
     q.set_defaults(fn=cmd_health)
+
+    q = command("warm-cpus", "keep CPUs from halting (an idle-priority busy loop each) until stopped; "
+                             "deploy/README.md \"Warm CPUs\"")
+    q.add_argument("cpus", metavar="CPUS", help="CPU list, e.g. 62 or 62-63 or 2,5")
+    q.set_defaults(fn=cmd_warm_cpus)
 
     q = command("replay", "drive the stack with a recorded trace")
     q.add_argument("trace", metavar="TRACE.npz",

@@ -110,7 +110,7 @@ class Client:
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
                  name: str = "", timeout_s: float = 30.0, spin_us: int | None = None,
-                 device_wait: bool | None = None, io_cpus: str | None = None):
+                 device_wait: bool | None = None, io_cpus: str | int | None = None):
         """``device``: ``"cpu"``, or ``"cuda:N"`` (this process's GPU numbering) for a rank
         whose slab lives on a GPU of a cuda-backend daemon. ``device_wait`` (cuda ranks;
         None: ``$SPARSEKV_CLIENT_DEVICE_WAIT`` is ``1``): ``topk`` returns once the request
@@ -135,6 +135,10 @@ class Client:
         what = "io_cpus"
         if io_cpus is None:
             io_cpus, what = os.environ.get(IO_CPUS_ENV, ""), f"${IO_CPUS_ENV}"
+        if type(io_cpus) is int:
+            io_cpus = str(io_cpus)
+        if not isinstance(io_cpus, str):
+            raise ValueError(f"{what}: a CPU list is text such as \"62\" or \"2-3\" (or one int), got {io_cpus!r}")
         self.io_cpus = parse_cpu_list(io_cpus, what)
         check_cpus_usable(self.io_cpus, what)
         self._next_id = 1

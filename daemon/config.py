@@ -190,6 +190,7 @@ class Config:
 
 
 _SIZES = ("pool_size", "device_arena_size", "max_slab_bytes", "max_pool_bytes_per_uid")
+_CPU_LISTS = ("io_cpus", "warm_cpus")
 
 # What each setting means, for --help (its default and environment name are added).
 _HELP = {
@@ -238,6 +239,13 @@ def _coerce(name: str, value, source: str, *, unit_required: bool = True):
         raise ConfigError(f"{source}: unknown setting {name!r}")
     kind = kinds[name]
     try:
+        if name in _CPU_LISTS:
+            if type(value) is int:  # io_cpus = 63 in a TOML file
+                value = str(value)
+            if not isinstance(value, str):
+                raise ValueError(f"a CPU list is text such as \"62-63\", got {_toml_type(value)} {value!r}")
+            parse_cpu_list(value, "a CPU list")
+            return value
         if name in _SIZES:
             if not isinstance(value, (str, int)) or isinstance(value, bool):
                 raise ValueError(f"a size is text with a unit such as \"64GiB\", got {_toml_type(value)}")

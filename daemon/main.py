@@ -446,10 +446,14 @@ def place_io(cfg) -> tuple:
         warmer = CpuWarmer(warm).start()
         log.info("CPU(s) %s kept warm: an idle-priority busy loop each (pids %s)", format_cpu_list(warm),
                  " ".join(map(str, warmer.pids)))
+    if warm and os.sched_getaffinity(0) <= set(warm):
+        log.warning("warm_cpus %s covers every CPU this daemon may run on: every one of them spins",
+                    format_cpu_list(warm))
     if io_cpus:
         cold = sorted(set(io_cpus) - set(warm))
-        log.info("ZeroMQ I/O threads on CPU(s) %s%s", format_cpu_list(io_cpus),
-                 f"; {format_cpu_list(cold)} not in warm_cpus (a halted CPU is slow to wake in a VM)" if cold else "")
+        log.log(logging.WARNING if cold and warm else logging.INFO, "ZeroMQ I/O threads on CPU(s) %s%s",
+                format_cpu_list(io_cpus),
+                f"; {format_cpu_list(cold)} not in warm_cpus (a halted CPU is slow to wake in a VM)" if cold else "")
     return warmer, io_cpus
 
 

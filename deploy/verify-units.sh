@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # CI check of the systemd files in deploy/, offline (no running systemd needed):
-#   1. `systemd-analyze verify` of sparsekvd.service and nvidia-mps.service inside a
+#   1. `systemd-analyze verify` of sparsekvd.service, nvidia-mps.service and an instance of
+#      sparsekv-warm-cpus@.service inside a
 #      throw-away root that holds the units, stub targets and stub executables at the
 #      paths the units name (verify refuses an ExecStart= binary that does not exist);
 #      any warning about our units (unknown key, bad value, ...) is a failure;
 #   2. `systemd-sysusers --dry-run` of sparsekv.sysusers.conf;
-#   3. `systemd-analyze security --offline=true`: prints the exposure of both units and
-#      fails when one is above MAX_EXPOSURE (default 2.0; the units score 1.3 and 1.4);
+#   3. `systemd-analyze security --offline=true`: prints the exposure of each unit and
+#      fails when one is above MAX_EXPOSURE (default 2.0; the units score 1.3, 1.4 and 0.3);
 #   4. verify again with the metrics drop-in (sparsekvd.service.d/) and print its exposure.
 # Skips (exit 0) with a message when systemd-analyze is not installed or older than 250.
 # Usage: deploy/verify-units.sh            (from anywhere)
@@ -18,7 +19,9 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
 fi
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 here=${DEPLOY_DIR:-$here}
-units=(sparsekvd.service nvidia-mps.service)
+files=(sparsekvd.service nvidia-mps.service sparsekv-warm-cpus@.service)
+# What is verified: the units, the template as one instance.
+units=(sparsekvd.service nvidia-mps.service sparsekv-warm-cpus@62-63.service)
 max_exposure=${MAX_EXPOSURE:-2.0}
 version=$(systemd-analyze --version | awk 'NR == 1 { print $2 }')
 echo "verify-units: systemd $version"
@@ -31,7 +34,7 @@ fi
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
 mkdir -p "$root/etc/systemd/system"
-for u in "${units[@]}"; do
+for u in "${files[@]}"; do
   cp "$here/$u" "$root/etc/systemd/system/$u"
 done
 # Every service depends on these by default; empty stubs keep the root self-contained.
@@ -39,7 +42,7 @@ for t in sysinit.target basic.target shutdown.target multi-user.target; do
   printf '[Unit]\nDescription=stub %s\n' "$t" >"$root/etc/systemd/system/$t"
 done
 # Stub executables for every absolute command path in the units (ExecStart=, ExecStop=, ...).
-mapfile -t cmds < <(sed -nE 's/^Exec[A-Za-z]+=[-+@:!]*(\/[^ ]+).*/\1/p' "${units[@]/#/$here/}" | sort -u)
+mapfile -t cmds < <(sed -nE 's/^Exec[A-Za-z]+=[-+@:!]*(\/[^ ]+).*/\1/p' "${files[@]/#/$here/}" | sort -u)
 for c in "${cmds[@]}"; do
   mkdir -p "$root$(dirname "$c")"
   printf '#!/bin/sh\nexit 0\n' >"$root$c"
@@ -56,7 +59,7 @@ set -e
 if ((rc != 0)); then
   echo "verify-units: FAIL: systemd-analyze verify exited $rc"
   fail=1
-elif grep -qE "(sparsekvd|nvidia-mps)\.service" <<<"$out"; then
+elif grep -qE "(sparsekvd|nvidia-mps|sparsekv-warm-cpus@[^ ]*)\.service" <<<"$out"; then
   echo "verify-units: FAIL: systemd-analyze verify warned about our units (above)"
   fail=1
 else

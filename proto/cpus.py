@@ -40,11 +40,21 @@ WARM_MARK = "sparsekv-warm-cpu"
 # checked once more after setting it, in case that process died in between).
 _LOOP = """
 import ctypes, os, signal, sys
-cpu, parent = int(sys.argv[1]), int(sys.argv[2])
-if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+cpu, parent = int(sys.argv[2]), int(sys.argv[3])
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
     sys.exit("prctl(PR_SET_PDEATHSIG) failed: errno %d" % ctypes.get_errno())
 if os.getppid() != parent:
     sys.exit(0)
+libc.prctl(15, ("skv-warm-cpu%d" % cpu).encode()[:15])  # PR_SET_NAME: what top and pgrep show
+# A session of its own, its autogroup at nice 19: where the kernel groups tasks by session
+# (sched_autogroup_enabled), the loop's group then weighs next to nothing against others.
+try:
+    os.setsid()
+    with open("/proc/self/autogroup", "w") as f:
+        f.write("19")
+except OSError:
+    pass
 os.sched_setaffinity(0, {cpu})
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 sys.stdout.write("ok\\n")
@@ -212,7 +222,7 @@ class CpuWarmer:
         try:
             for cpu in self.cpus:
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", _LOOP, str(cpu), str(os.getpid()), WARM_MARK],
+                    [sys.executable, "-I", "-S", "-c", _LOOP, WARM_MARK, str(cpu), str(os.getpid())],
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True))
             for cpu, p in zip(self.cpus, self._procs):
                 line = _read_line(p, self.start_timeout_s)

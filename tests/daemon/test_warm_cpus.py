@@ -42,6 +42,21 @@ def test_cpu_lists_parse_fold_and_name_what_is_wrong():
     assert os.sched_getaffinity(0) == set(ALLOWED)  # tried on a thread of its own
 
 
+def test_cpu_settings_from_a_file_name_the_file_and_take_a_bare_number(tmp_path):
+    from sparsekv.daemon.config import load
+
+    f = tmp_path / "d.toml"
+    f.write_text('io_cpus = 63\nwarm_cpus = "62-63"\n')
+    cfg = load(environ={"SPARSEKV_CONFIG": str(f)})
+    assert (cfg.io_cpus, cfg.warm_cpus) == ("63", "62-63")
+    f.write_text('warm_cpus = "62-x"\n')
+    with pytest.raises(ConfigError, match=f"config file {f}: bad value for warm_cpus: .*'62-x' is not a CPU"):
+        load(environ={"SPARSEKV_CONFIG": str(f)})
+    f.write_text('warm_cpus = [62, 63]\n')
+    with pytest.raises(ConfigError, match="a CPU list is text such as"):
+        load(environ={"SPARSEKV_CONFIG": str(f)})
+
+
 def test_config_checks_the_cpu_settings():
     for name in ("io_cpus", "warm_cpus"):
         with pytest.raises(ConfigError, match=f"{name}: 'a' is not a CPU"):
@@ -137,6 +152,7 @@ def test_daemon_pins_its_io_threads_keeps_the_rest_off_and_warms_cpus(tmp_path):
         assert (s["io_cpus"], s["warm_cpus"], s["warm_cpus_running"]) == (str(io), str(io), 1)
         loops = [p for p in psutil.Process(pid).children() if "sparsekv-warm-cpu" in " ".join(p.cmdline())]
         assert len(loops) == 1 and _policy_and_cpus(loops[0].pid) == (os.SCHED_IDLE, {io})
+        assert loops[0].name() == f"skv-warm-cpu{io}"  # what top and pgrep show
         # The client's own context: its I/O thread on io as well, this thread untouched.
         mine = _zmq_io_threads(os.getpid())
         assert {io} in mine.values()
@@ -173,6 +189,9 @@ def test_a_client_that_lost_its_daemon_lets_its_own_io_thread_go(tmp_path):
 def test_client_checks_its_io_cpus(monkeypatch):
     with pytest.raises(ValueError, match="io_cpus: 'x' is not"):
         Client("/nonexistent", io_cpus="x")
+    with pytest.raises(ValueError, match="io_cpus: a CPU list is text"):
+        Client("/nonexistent", io_cpus=[1, 2])
+    assert Client("/nonexistent", io_cpus=ALLOWED[-1]).io_cpus == (ALLOWED[-1],)
     monkeypatch.setenv("SPARSEKV_CLIENT_IO_CPUS", str(NOWHERE))
     with pytest.raises(ValueError, match=r"\$SPARSEKV_CLIENT_IO_CPUS names CPU"):
         Client("/nonexistent")
@@ -261,3 +280,22 @@ def test_bench_io_placement_is_an_option_of_cuda_transport_only(capsys, monkeypa
     runs.clear()
     bench.run_bench(["cuda_transport"], io="warm")
     assert runs == [True]
+
+
+def test_the_warm_cpus_command_runs_until_sigterm_and_takes_its_loops_along():
+    cpu = ALLOWED[-1]
+    p = subprocess.Popen([sys.executable, "-m", "sparsekv.client.cli", "warm-cpus", str(cpu)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert f"CPU(s) {cpu} kept warm" in line, line + p.stderr.read()
+        (loop,) = [c for c in psutil.Process(p.pid).children() if c.name() == f"skv-warm-cpu{cpu}"]
+        assert _policy_and_cpus(loop.pid) == (os.SCHED_IDLE, {cpu})
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+        assert not psutil.pid_exists(loop.pid) or loop.status() == psutil.STATUS_ZOMBIE
+    finally:
+        p.kill()
+        p.wait()
+    r = subprocess.run([sys.executable, "-m", "sparsekv.client.cli", "warm-cpus", ""], capture_output=True, text=True)
+    assert r.returncode == 1 and "name at least one CPU" in r.stderr

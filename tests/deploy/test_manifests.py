@@ -255,12 +255,13 @@ def test_verify_units_passes_and_prints_the_exposure():
     r = run_verify()
     assert r.returncode == 0, r.stdout + r.stderr
     figures = re.findall(r"Overall exposure level for (\S+): (\d+\.\d+)", r.stdout)
-    assert {u for u, _ in figures} == {"sparsekvd.service", "nvidia-mps.service"}
+    assert {u for u, _ in figures} == {"sparsekvd.service", "nvidia-mps.service", "sparsekv-warm-cpus@62-63.service"}
     assert all(float(x) <= 5.0 for _, x in figures)
 
 
 @needs_analyze
 @pytest.mark.parametrize("edit", [
+    ("sparsekv-warm-cpus@.service", "\nCPUWeight=idle", "\nCPUWeight=idl"),  # the template's instance is checked
     ("sparsekvd.service", "ProtectHome=yes", "ProtectHome=yess"),  # a bad value
     ("nvidia-mps.service", "ProtectSystem=strict", "ProtectSytem=strict"),  # an unknown key
     ("sparsekvd.service", "ExecStart=/opt/sparsekv/bin/sparsekvd", "ExecStart=opt/sparsekvd"),  # not absolute
