@@ -75,7 +75,7 @@ def cmd_warm_cpus(a) -> int:
             print(f"sparsekv warm-cpus: CPU(s) {format_cpu_list(cpus)} kept warm (pids "
                   f"{' '.join(map(str, w.pids))}); SIGTERM or Ctrl-C stops", flush=True)
             while not stop:
-                if w.running() < len(cpus):
+                if w.running() < len(cpus) and not stop:  # (systemctl stop signals the loops too)
                     return _fail("sparsekv warm-cpus", f"a loop exited ({w.running()} of {len(cpus)} left)")
                 time.sleep(0.5)
     except (ValueError, RuntimeError) as e:

@@ -47,18 +47,24 @@ if libc.prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
 if os.getppid() != parent:
     sys.exit(0)
 libc.prctl(15, ("skv-warm-cpu%d" % cpu).encode()[:15])  # PR_SET_NAME: what top and pgrep show
-# A session of its own, its autogroup at nice 19: where the kernel groups tasks by session
-# (sched_autogroup_enabled), the loop's group then weighs next to nothing against others.
-try:
-    os.setsid()
-    with open("/proc/self/autogroup", "w") as f:
-        f.write("19")
-except OSError:
-    pass
+os.setsid()  # a session, so an autogroup, of its own (never fails: not a group leader)
 os.sched_setaffinity(0, {cpu})
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 sys.stdout.write("ok\\n")
 sys.stdout.flush()
+# Its autogroup at nice 19: where the kernel groups tasks by session (sched_autogroup_enabled)
+# the loop's group then weighs next to nothing against others. Without CAP_SYS_ADMIN the
+# kernel takes one such write per 100 ms on the whole machine (EAGAIN): try for a while.
+import time
+for _ in range(100):
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+        break
+    except BlockingIOError:
+        time.sleep(0.11)
+    except OSError:
+        break
 while True:
     pass
 """
