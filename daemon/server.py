@@ -974,6 +974,7 @@ class Daemon:
             "io_cpus": format_cpu_list(self.io_cpus),
             "warm_cpus": format_cpu_list(self.warmer.cpus) if self.warmer is not None else "",
             "warm_cpus_running": self.warmer.running() if self.warmer is not None else 0,
+            "warm_cpus_revived": self.warmer.revived if self.warmer is not None else 0,
             "pid": os.getpid(),
         })
 
@@ -1066,6 +1067,12 @@ class Daemon:
                 self.reap_dead()
             except Exception:  # noqa: BLE001
                 log.exception("reaper failed")
+            if self.warmer is not None:
+                try:
+                    for cpu, why in self.warmer.revive():
+                        log.warning("the warm loop of CPU %d had exited (%s): started again", cpu, why)
+                except OSError as e:
+                    log.error("cannot start a warm loop again: %s", e)
 
     async def _health(self) -> None:
         """Exit (70) once the backend cannot serve anyone: GPU work that runs without

@@ -183,6 +183,8 @@ def metric_families(snap: dict) -> Iterator[Metric]:
         yield GaugeMetricFamily(f"sparsekv_{metric}", help_text, value=snap.get(key, 0))
     yield GaugeMetricFamily("sparsekv_warm_cpus_running", "idle-priority loops keeping CPUs from halting "
                             "(warm_cpus), running", value=snap.get("warm_cpus_running", 0))
+    yield CounterMetricFamily("sparsekv_warm_cpus_revived", "warm CPU loops that had exited and were started again",
+                              value=snap.get("warm_cpus_revived", 0))
     if "mps" in snap:  # cuda backend only
         yield GaugeMetricFamily("sparsekv_mps", "1 when the NVIDIA MPS control daemon is running",
                                 value=int(bool(snap["mps"])))

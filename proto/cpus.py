@@ -23,6 +23,7 @@ Two settings remove that cost without taking a CPU from anyone:
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -217,6 +218,8 @@ class CpuWarmer:
         self.cpus = tuple(sorted(set(int(c) for c in cpus)))
         self.start_timeout_s = start_timeout_s
         self._procs: list[subprocess.Popen] = []
+        self._revived: dict[int, float] = {}  # cpu -> when its loop was last started again
+        self.revived = 0  # loops started again since start()
 
     def start(self) -> "CpuWarmer":
         import threading  # noqa: PLC0415
@@ -227,9 +230,7 @@ class CpuWarmer:
         check_cpus_usable(self.cpus, "warm_cpus")
         try:
             for cpu in self.cpus:
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", _LOOP, WARM_MARK, str(cpu), str(os.getpid())],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True))
+                self._procs.append(self._spawn(cpu))
             for cpu, p in zip(self.cpus, self._procs):
                 line = _read_line(p, self.start_timeout_s)
                 if line != "ok":
@@ -241,9 +242,34 @@ class CpuWarmer:
             raise
         return self
 
+    @staticmethod
+    def _spawn(cpu: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _LOOP, WARM_MARK, str(cpu), str(os.getpid())],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                close_fds=True)
+
     def running(self) -> int:
         """How many loops are still running."""
         return sum(1 for p in self._procs if p.poll() is None)
+
+    def revive(self, min_interval_s: float = 60.0) -> list[tuple[int, str]]:
+        """Start again each loop that has exited (someone killed it), at most once per
+        ``min_interval_s`` a CPU, without waiting for it (call from the main thread, as
+        start). Returns (cpu, why it had exited) of each one started again."""
+        now = time.monotonic()
+        out = []
+        for i, (cpu, p) in enumerate(zip(self.cpus, self._procs)):
+            if p.poll() is None or now - self._revived.get(cpu, -math.inf) < min_interval_s:
+                continue
+            why = _stderr_tail(p)
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+            self._procs[i] = self._spawn(cpu)
+            self._revived[cpu] = now
+            self.revived += 1
+            out.append((cpu, why))
+        return out
 
     @property
     def pids(self) -> list[int]:
@@ -290,4 +316,11 @@ def _stderr_tail(p: subprocess.Popen) -> str:
         text = p.stderr.read().decode(errors="replace").strip()
     except (OSError, ValueError):
         return ""
-    return text.splitlines()[-1] if text else f"exit code {p.returncode}"
+    if text:
+        return text.splitlines()[-1]
+    if p.returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-p.returncode).name}"
+        except ValueError:
+            pass
+    return f"exit code {p.returncode}"

@@ -303,3 +303,28 @@ def test_the_warm_cpus_command_runs_until_sigterm_and_takes_its_loops_along():
         p.wait()
     r = subprocess.run([sys.executable, "-m", "sparsekv.client.cli", "warm-cpus", ""], capture_output=True, text=True)
     assert r.returncode == 1 and "name at least one CPU" in r.stderr
+
+
+@needs_two_cpus
+def test_a_warm_loop_someone_killed_is_started_again(tmp_path):
+    io = ALLOWED[-1]
+    log = tmp_path / "d.log"
+    with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", log_path=str(log),
+                       extra_args=["--warm-cpus", str(io), "--reap-interval-s", "0.2"]) as d, \
+            Client(d.run_dir, timeout_s=10) as c:
+        (first,) = [p for p in psutil.Process(d.proc.pid).children() if p.name() == f"skv-warm-cpu{io}"]
+        first.kill()
+        deadline = time.monotonic() + 15
+        while c.stats()["warm_cpus_revived"] < 1:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        while True:  # the new loop names itself once its interpreter has started
+            loops = [p for p in psutil.Process(d.proc.pid).children() if p.name() == f"skv-warm-cpu{io}"
+                     and p.status() != psutil.STATUS_ZOMBIE]
+            if loops:
+                break
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert len(loops) == 1 and loops[0].pid != first.pid
+        assert c.stats()["warm_cpus_running"] == 1
+        assert f"the warm loop of CPU {io} had exited (killed by SIGKILL): started again" in log.read_text()
