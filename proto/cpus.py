@@ -7,19 +7,21 @@ application threads poll while a step is in flight, but the I/O threads sleep in
 ``epoll_wait``, and their CPU halts when nothing else runs. Bare metal wakes a CPU from
 its shallow idle state in a microsecond or two; a VM whose guest halts (the guest runs
 HLT, the host deschedules the vCPU) takes the host's scheduler tens of microseconds per
-wake-up, and the hop pays it up to four times (measured on the lent H200 VM: docs/PERF.md,
-"warm CPUs").
+wake-up, and the hop pays it up to four times (measured on the lent H200 VMs: docs/PERF.md,
+session 15).
 
-Two settings remove that cost without taking a CPU from anyone:
+Two settings remove most of that cost:
 
 - ``io_cpus``: the CPUs a process's libzmq I/O threads run on (``ZMQ_THREAD_AFFINITY_CPU_ADD``);
   the process's other threads are kept off them, so a polling application thread never
   sits on the CPU its I/O thread needs.
 - warm CPUs (:class:`CpuWarmer`, the daemon's ``warm_cpus``): one process per CPU runs a
-  busy loop under ``SCHED_IDLE``, the lowest policy there is: any other thread that wakes
-  on that CPU takes it at once, and the CPU never halts, so the wake-up costs an
-  interrupt, not a trip through the host. Each such CPU shows 100 % busy in ``top``, at
-  idle priority; the machine spends the power (in a VM: the host's CPU time).
+  busy loop under ``SCHED_IDLE`` at nice 19 in a session of its own: a thread that wakes
+  on that CPU preempts it, and the CPU never halts, so the wake-up costs an interrupt,
+  not a trip through the host. Against threads of its own cgroup a loop gets next to
+  nothing; against a busy thread of another cgroup it gets that cgroup's share (the
+  kernel shares a CPU by group weight: deploy/README.md "Warm CPUs"). Each such CPU shows
+  100 % busy in ``top``; the machine spends the power (in a VM: the host's CPU time).
 """
 from __future__ import annotations
 
