@@ -353,10 +353,11 @@ def run_bench(which: list[str], io: str = "both") -> list[dict]:
     one after the other (warm only where 4 CPUs or more can be used)."""
     if io not in IO_PLACEMENTS:
         raise ValueError(f"io must be one of {', '.join(IO_PLACEMENTS)}, got {io!r}")
+    cpu_benches = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport}
     out = []
     for w in which:
         if w != "cuda_transport":
-            out.append({"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport}[w]())
+            out.append(cpu_benches[w]())  # KeyError for a name that is none
             continue
         if io in ("both", "installed"):
             out.append(bench_cuda_transport())
