@@ -51,6 +51,8 @@ bench: install
 nvcc:
 	@for f in csrc/*.cu; do [ -f "$$f" ] || continue; echo "nvcc $$f"; \
 	  nvcc -arch=sm_90 -std=c++17 -c -o /dev/null "$$f" || exit 1; done
+	@# the non-default builds of the daemon's switches (daemon/kernels.py)
+	@echo "nvcc csrc/copy.cu -DSKV_COPY_TMA=1"; nvcc -arch=sm_90 -std=c++17 -c -o /dev/null -DSKV_COPY_TMA=1 csrc/copy.cu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

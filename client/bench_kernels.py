@@ -527,6 +527,9 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                  ("block sums by warp reductions", {"timing_defines": {"SKV_SUM_ATOMIC": 0}}),
                  ("the lru walk's chunks read entry by entry", {"timing_defines": {"SKV_LRU_VEC": 0}}),
                  ("the plan's ranks one thread a miss", {"timing_defines": {"SKV_RANK_SPLIT": 0}}),
+                 ("the lru's seen marks not read back (every slot's bit checked after)",
+                  {"timing_defines": {"SKV_SEEN_COVER": 1}}),
+                 ("seen marks not read back, phase 2", {"timing_defines": {"SKV_SEEN_COVER": 1, "SKV_RESOLVE_STOP": 2}}),
                  ("session 8's build but for the lru's seen marks (generic accesses, chunks entry by entry, "
                   "ranks one thread a miss)",
                   {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_LRU_VEC": 0, "SKV_RANK_SPLIT": 0}})]

@@ -129,6 +129,155 @@ __device__ __forceinline__ void skv_copy_body(
     }
 }
 
+// -- the gather by the Tensor Memory Accelerator (SKV_COPY_TMA 1) ------------------------------
+//
+// Each thread is a small pipeline of SKV_TMA_STAGES one-row buffers in shared memory: a
+// bulk asynchronous copy (cp.async.bulk, sm_90) brings a whole row from the pool into a
+// buffer (completion counted on the buffer's mbarrier), a second one writes it to the
+// slab, and the buffer takes the thread's next row once that write has read it. The SM
+// issues two instructions a row instead of 41 loads and 41 stores, and the rows travel as
+// whole-row requests (issue 8: what the copy engine's bulk reads reach, SM loads do not).
+// Same rows, same order of work and same results as skv_copy_body; every address is
+// 16-byte aligned (rows are a multiple of 16 bytes, the pool, slab and engine geometry are
+// checked on the host). Dynamic shared memory: skv_tma_smem_bytes(nb) bytes.
+#ifndef SKV_COPY_TMA
+#define SKV_COPY_TMA 0
+#endif
+#ifndef SKV_TMA_STAGES
+#define SKV_TMA_STAGES 2
+#endif
+#define SKV_ROW_BYTES (SKV_ROW_VECS * 16)
+#define SKV_TMA_HEAD(nb) ((((nb) + 1) * 8 + 127) / 128 * 128)  // the per-row prefix, 128-aligned
+
+#if SKV_COPY_TMA
+__device__ __forceinline__ u32 skv_smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void skv_tma_load(u32 dst, const void* src, u32 bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"((u32)SKV_ROW_BYTES)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"((u32)SKV_ROW_BYTES), "r"(bar)
+                 : "memory");
+}
+
+__device__ __forceinline__ void skv_mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    }
+}
+
+__device__ __forceinline__ void skv_tma_store(void* dst, u32 src) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                 "r"((u32)SKV_ROW_BYTES)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// The copy of skv_copy_body (same arguments and meaning) by bulk copies; `smem` is the
+// kernel's dynamic shared memory (prefix, then the stages, then their barriers).
+__device__ __forceinline__ void skv_copy_body_tma(
+    const unsigned char* __restrict__ src, const i64 src_layer_rows, const i64 src_rows,
+    const int src_layers,
+    unsigned char* __restrict__ dst, const i64 dst_layer_rows, const i64 dst_rows,
+    const int dst_layers,
+    const int* __restrict__ layers, const int n_layers, const int mode,
+    const int* __restrict__ src_idx, const int* __restrict__ dst_idx,
+    const int* __restrict__ counts, const int nb, const int ld, i64 total,
+    const SkvDstGeometry geo, unsigned char* smem)
+{
+    __shared__ int sh_scan[SKV_CT];
+    i64* pref = (i64*)smem;
+    unsigned char* stages = smem + SKV_TMA_HEAD(nb);
+    u64* bars = (u64*)(stages + (i64)SKV_CT * SKV_TMA_STAGES * SKV_ROW_BYTES);
+    const int tid = threadIdx.x;
+    if (counts) {
+        i64 carry = 0;
+        for (int base = 0; base < nb; base += SKV_CT) {
+            const int b = base + tid;
+            int c = b < nb ? counts[b] : 0;
+            c = c < 0 ? 0 : (c > ld ? ld : c);
+            int tile;
+            const int ex = skv_block_scan_sum<SKV_CT>(c, sh_scan, &tile);
+            if (b < nb) pref[b] = carry + ex;
+            carry += tile;
+        }
+        if (tid == 0) pref[nb] = carry;
+        total = carry;
+    }
+    u32 buf[SKV_TMA_STAGES], bar[SKV_TMA_STAGES];
+#pragma unroll
+    for (int st = 0; st < SKV_TMA_STAGES; ++st) {
+        buf[st] = skv_smem_u32(stages + ((i64)tid * SKV_TMA_STAGES + st) * SKV_ROW_BYTES);
+        bar[st] = skv_smem_u32(bars + tid * SKV_TMA_STAGES + st);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar[st]) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+
+    // Item it = li * total + r: entry r of listed layer li. Returns the slab address of the
+    // row whose load it issued into stage st, or null (nothing to copy for this item).
+    const i64 items = (i64)n_layers * total;
+    auto issue = [&](i64 it, int st) -> unsigned char* {
+        const int li = (int)(it / total);
+        const i64 r = it - (i64)li * total;
+        const int lay = layers[li];
+        const i64 sl = (mode & 1) ? lay : li;
+        const i64 dl = (mode & 2) ? lay : li;
+        if (sl < 0 || sl >= src_layers || dl < 0 || dl >= dst_layers) return nullptr;
+        i64 e;
+        if (counts) {
+            const int b = skv_upper_bound_i64(pref, nb + 1, r) - 1;
+            e = (i64)b * ld + (r - pref[b]);
+        } else {
+            e = r;
+        }
+        const i64 sr = src_idx ? (i64)src_idx[e] : e;
+        const i64 dr = dst_idx ? (i64)dst_idx[e] : e;
+        if (sr < 0 || sr >= src_rows || dr < 0 || dr >= dst_rows) return nullptr;
+        const unsigned char* s = src + (sl * src_layer_rows + sr) * SKV_ROW_BYTES;
+        unsigned char* d = geo.layer_off
+            ? dst + geo.layer_off[dl] + (dr / geo.block_rows) * geo.block_stride + (dr % geo.block_rows) * SKV_ROW_BYTES
+            : dst + (dl * dst_layer_rows + dr) * SKV_ROW_BYTES;
+        skv_tma_load(buf[st], s, bar[st]);
+        return d;
+    };
+    const i64 step = (i64)gridDim.x * SKV_CT;
+    i64 next = (i64)blockIdx.x * SKV_CT + tid;
+    unsigned char* out[SKV_TMA_STAGES];
+    int busy = 0;
+#pragma unroll
+    for (int st = 0; st < SKV_TMA_STAGES; ++st) {
+        out[st] = nullptr;
+        for (; next < items && !out[st]; next += step) out[st] = issue(next, st);
+        busy += out[st] ? 1 : 0;
+    }
+    u32 parity = 0;  // bit st: the phase the next wait on stage st waits for
+    while (busy) {
+#pragma unroll
+        for (int st = 0; st < SKV_TMA_STAGES; ++st) {
+            if (!out[st]) continue;
+            skv_mbar_wait(bar[st], (parity >> st) & 1u);
+            parity ^= 1u << st;
+            skv_tma_store(out[st], buf[st]);
+            out[st] = nullptr;
+            if (next < items) {
+                // The buffer is refilled only once the write just issued has read it.
+                asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                for (; next < items && !out[st]; next += step) out[st] = issue(next, st);
+            }
+            busy -= out[st] ? 0 : 1;
+        }
+    }
+    // Every write done (and visible to this thread) before the block may signal.
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+#endif
+
 // The general copy (staging, write mirror, host-driven gathers). count_dev, when given,
 // caps the entries at *count_dev read on the device (the write mirror: the grid is fixed,
 // the row count lives in device memory next to the rows).
@@ -188,8 +337,15 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
         int n_layers = g[0];
         n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
         const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
+#if SKV_COPY_TMA
+        SKV_DYN_SMEM(tma_smem);
+        skv_copy_body_tma(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
+                          num_layers, g + 1, n_layers, 3, plan_rows, plan_slots, misses, batch, ld, 0, geo,
+                          tma_smem);
+#else
         skv_copy_body(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
                       num_layers, g + 1, n_layers, 3, plan_rows, plan_slots, misses, batch, ld, 0, geo);
+#endif
     }
     skv_ring_when_done(arrivals, ready);
 }

@@ -68,6 +68,12 @@
 #ifndef SKV_LRU_VEC
 #define SKV_LRU_VEC 1
 #endif
+// How a repeated entry of the old lru is found: 1 each entry's bit set without reading the
+// word back (the atomics do not wait), then, all entries in range, the lru repeats one iff a
+// slot's bit is missing (S entries, S slots); 0 each atomicOr's old word tells at once.
+#ifndef SKV_SEEN_COVER
+#define SKV_SEEN_COVER 0
+#endif
 // The hash lookup's plan orders up to this many misses by counting (each miss's rank is
 // the number of smaller keys: no barriers); more are sorted (bitonic).
 #define SKV_RANK_MAX 512
@@ -425,7 +431,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 continue;
             }
             const u32 bit = 1u << (sl & 31);
-            if (atomicOr(&w.smask[sl >> 5], bit) & bit) lru_bad = 1;
+            if (SKV_SEEN_COVER) atomicOr(&w.smask[sl >> 5], bit);
+            else if (atomicOr(&w.smask[sl >> 5], bit) & bit) lru_bad = 1;
         }
 
 #if SKV_RESOLVE_LOOKUP == 1
@@ -474,6 +481,12 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         }
         SKV_STOP_AFTER(3)
 
+        if (SKV_SEEN_COVER) {  // the seen marks are complete (a barrier since)
+            for (int i = tid; i < mask_words; i += SKV_RT) {
+                const u32 full = (i == mask_words - 1 && (S & 31)) ? (1u << (S & 31)) - 1u : 0xffffffffu;
+                if (w.smask[i] != full) lru_bad = 1;
+            }
+        }
         // 2. the reversed hit lookup.
         for (int j = tid; j < S; j += SKV_RT) {
             const int o = SKV_OWNER_SMEM ? w.ocopy[j] : owner[j];

@@ -47,6 +47,7 @@ from sparsekv.daemon.kernels import (  # noqa: E402 - constants only; cupy stays
     RESOLVE_THREADS,
     copy_defines,
     resolve_defines,
+    tma_gather_smem,
 )
 
 DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
@@ -620,11 +621,14 @@ class CudaMover(Mover):
         engine_slab: ``(device address, SlabGeometry)`` of an engine-owned slab
             (``proto/slab.py``, checked): gathers write there, laid out by the geometry,
             instead of ``buffers.slab``.
+        tma_stages: > 0: the decode gather (``skv_gather``) moves each row by two bulk
+            asynchronous copies (sm_90's TMA) through that many one-row buffers a thread
+            (csrc/copy.cu ``SKV_COPY_TMA``); 0: by 16-byte loads and stores.
     """
 
     def __init__(self, layout: Layout, pool, *, pool_offset: int = 0, buffers: DeviceBuffers | None = None,
                  kernels=None, stream=None, blocks: int = DEFAULT_COPY_BLOCKS, threads: int = COPY_THREADS,
-                 load: int = COPY_LOAD, engine_slab=None, order: str | None = None):
+                 load: int = COPY_LOAD, engine_slab=None, order: str | None = None, tma_stages: int = 0):
         cp = _cp()
         self.layout = lay = layout.validate()
         if kernels is None:
@@ -663,14 +667,22 @@ class CudaMover(Mover):
         self.threads = int(threads)
         defines = copy_defines(lay.row_bytes, threads, load)
         self._copy = kernels.function("copy.cu", "skv_copy_rows", defines)
-        # The gather's per-row prefix lives in shared memory: (max_batch + 1) x 8 bytes.
+        # The gather's per-row prefix lives in shared memory: (max_batch + 1) x 8 bytes;
+        # with TMA, the threads' row buffers too.
+        self.tma_stages = int(tma_stages)
         gather_smem = (lay.max_batch + 1) * 8
+        gather_defines = defines
+        if self.tma_stages:
+            gather_defines = copy_defines(lay.row_bytes, threads, load, self.tma_stages)
+            gather_smem = tma_gather_smem(lay.row_bytes, threads, self.tma_stages, lay.max_batch)
         if gather_smem > DEFAULT_SMEM_BYTES:
             limit = _smem_limit(self._copy)
             if gather_smem > limit:
                 raise ResidencyError("TOO_LARGE", f"max_batch {lay.max_batch} needs {gather_smem} B of shared "
-                                     f"memory for one gather; this GPU allows {limit} B; lower max_batch")
-        self._gather = kernels.function("copy.cu", "skv_gather", defines, smem_bytes=gather_smem)
+                                     f"memory for one gather; this GPU allows {limit} B; lower max_batch"
+                                     + (" or the TMA buffers" if self.tma_stages else ""))
+        self.gather_smem = gather_smem
+        self._gather = kernels.function("copy.cu", "skv_gather", gather_defines, smem_bytes=gather_smem)
         self.order = gather_order(order)
         if self.order == "batch":
             self._init_merge(kernels, defines)
@@ -790,7 +802,7 @@ class CudaMover(Mover):
                  table, i32(table.shape[1]), i32(lay.num_groups),
                  plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo,
                  np.uint64(ready), np.uint64(arrivals)),
-                shared_mem=(int(max_batch) + 1) * 8,
+                shared_mem=self.gather_smem if self.tma_stages else (int(max_batch) + 1) * 8,
             )
 
     def launch_merge_plan(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream) -> None:

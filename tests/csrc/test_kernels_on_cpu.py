@@ -26,7 +26,7 @@ import pytest
 import cpu_kernels
 from kernel_traces import assert_same, gen_batch, layout, run_trace
 from sparsekv.daemon.residency.cpu import CpuResidency
-from sparsekv.daemon.residency.cuda import E_DUPLICATE_IDS, E_TOO_MANY_TOKENS
+from sparsekv.daemon.residency.cuda import E_CORRUPT_STATE, E_DUPLICATE_IDS, E_TOO_MANY_TOKENS
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 
@@ -138,6 +138,44 @@ def test_corrupt_owners_resolve_as_on_the_numpy_engine(lookup, opts):
         assert_same(cpu.resolve(0, sr, tk), emu.resolve(0, sr, tk), f"trial {trial}")
         np.testing.assert_array_equal(emu.owner, cpu.owner)
         np.testing.assert_array_equal(emu.lru, cpu.lru)
+
+
+@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
+@pytest.mark.parametrize("lookup", ["sort", "hash"])
+def test_a_repeated_lru_entry_is_corrupt_state_by_either_seen_check(lookup, chunked):
+    """SKV_SEEN_COVER 1 (seen marks set without reading them back, then every slot's bit
+    required) finds exactly the lru rows SKV_SEEN_COVER 0 (each atomicOr's old word) finds:
+    a shuffled permutation is sound, one entry repeated or outside [0, S) is corrupt; both
+    builds resolve every row the same, bit for bit."""
+    lay = layout(8, 40, 200, 3, max_batch=3)  # S = 40: the last seen word is partial
+    rng = np.random.default_rng(29)
+    emus = [cpu_kernels.Resolve(lay, lookup, threads=32, defines={"SKV_SEEN_COVER": c, "SKV_RESOLVE_CHUNKED": chunked})
+            for c in (0, 1)]
+    S = lay.region_stride
+    for trial in range(24):
+        lru = np.stack([np.stack([rng.permutation(S) for _ in range(lay.max_reqs)])
+                        for _ in range(lay.num_groups)]).astype(np.int32)
+        kind = trial % 3  # 0 sound, 1 a repeated entry, 2 an entry outside [0, S)
+        row = int(rng.integers(lay.max_reqs))
+        if kind == 1:
+            i, j = rng.choice(S, 2, replace=False)
+            lru[0, row, i] = lru[0, row, j]
+        elif kind == 2:
+            lru[0, row, int(rng.integers(S))] = S + int(rng.integers(3))
+        sr, tk = gen_batch(rng, lay, {}, 3, 0.0)
+        sr[:] = np.arange(3, dtype=np.int32)
+        got = []
+        for emu in emus:
+            emu.owner[...] = -1
+            emu.lru[...] = lru
+            before = int(emu.err[E_CORRUPT_STATE])
+            got.append(emu.resolve(0, sr, tk))
+            assert int(emu.err[E_CORRUPT_STATE]) - before == (1 if kind else 0), (trial, kind)
+            if kind:
+                assert emu.err[8 + E_CORRUPT_STATE] == row  # the batch row of state row `row`
+        assert_same(got[0], got[1], f"trial {trial}")
+        np.testing.assert_array_equal(emus[0].owner, emus[1].owner)
+        np.testing.assert_array_equal(emus[0].lru, emus[1].lru)
 
 
 @pytest.mark.parametrize("lookup", ["sort", "hash"])

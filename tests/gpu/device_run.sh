@@ -47,7 +47,9 @@ has() { [[ ",$what," == *",$1,"* ]]; }
 #       warmcpus (tests/gpu/warm_cpus.py: the transport bench as installed and with warm_io, ABBA) |
 #       ncu (Nsight Compute on skv_resolve and skv_gather, tests/gpu/ncu_kernels.py) |
 #       examples (the example model through the doorbell, its own KV and an engine-owned slab) |
-#       probes (tests/gpu/pool_first_touch.py and tests/gpu/probe_ipc_after_kill.py)
+#       probes (tests/gpu/pool_first_touch.py and tests/gpu/probe_ipc_after_kill.py) |
+#       tma (tests/gpu/probe_tma_gather.py: the gather by TMA against the SM gather; TMA_POOL_GIB)
+#       (NCU_SOURCE=1 with ncu: skv_resolve's stalls per SASS instruction, ncu-resolve-sass.csv)
 # Steps run in this order, the ones that can hurt the GPU (spin kernels) last.
 # BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
 # so that the logs are packed before the device tool's limit.
@@ -70,6 +72,11 @@ pytest_cuda() {  # pytest_cuda LOG MARKERS DEFAULT_TIMEOUT
 }
 if has all || has test || has e2e || has pytest; then
   pytest_cuda pytest-cuda.log "cuda and not spin" ${PYTEST_TIMEOUT_S:-300} || status=1
+fi
+if has tma; then
+  # The gather by the Tensor Memory Accelerator against the SM gather, in its own process
+  # (a TMA fault would end the CUDA context): tests/gpu/probe_tma_gather.py.
+  timeout "$(left 150)" python3 tests/gpu/probe_tma_gather.py ${TMA_POOL_GIB:-64} 2>&1 | tee "$OUT/probe-tma.log" | grep -v "^{"
 fi
 if has all || has bench || has kernels; then
   # Gather, resolve and pool start against the link (64 GiB pool): docs/PERF.md, issue 8's keys.
@@ -124,6 +131,14 @@ if has ncu; then
       # the stall reasons of the first profiled launch, largest first
       grep -E "issue_stalled" "$OUT/ncu-$k.txt" | awk '!seen[$1]++ {print $NF, $1}' | sort -rn | head -8
     done
+    if [[ "${NCU_SOURCE:-0}" == 1 ]]; then
+      # Where skv_resolve's warps stall, instruction by instruction (SASS; ncu-resolve-sass.csv).
+      CUDA_MPS_PIPE_DIRECTORY=/tmp/no-mps timeout "$(left 120)" "$NCU" --clock-control none -k skv_resolve \
+        --launch-skip 8 --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "$OUT/ncu-resolve" \
+        python3 tests/gpu/ncu_kernels.py >"$OUT/ncu-resolve-src.txt" 2>&1
+      "$NCU" -i "$OUT/ncu-resolve.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-resolve-sass.csv" 2>&1
+      wc -l "$OUT/ncu-resolve-sass.csv"; rm -f "$OUT/ncu-resolve.ncu-rep"
+    fi
   else
     echo "ncu: not found"
   fi

@@ -526,8 +526,10 @@ def test_gather_host_plan_matches_cpu_mover(kc):
         assert mover.gather(Plan(np.empty(0, np.int32), np.empty(0, np.int32)), (0,)) == 0
 
 
+@pytest.mark.parametrize("tma_stages", [0, 3], ids=["sm", "tma"])
 @pytest.mark.parametrize("block_stride_rows", [4, 7])  # rows back to back / a gap after each block
-def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_guards(kc, block_stride_rows):
+def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_guards(kc, block_stride_rows,
+                                                                                     tma_stages):
     """An engine-owned slab (proto/slab.py) inside a larger device buffer: the host plan,
     the device resolve + gather and the fixed-grid step gather write exactly what
     CpuMover writes into the same geometry; every other byte of the buffer (guards before
@@ -558,7 +560,7 @@ def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_
             dev = cp.asarray(start)
         gpu.stream.synchronize()
         mover = cuda.CudaMover(lay, region, kernels=kc, stream=gpu.stream, blocks=8, threads=64,
-                               engine_slab=(dev.data.ptr, geo))
+                               engine_slab=(dev.data.ptr, geo), tma_stages=tma_stages)
         host = start.copy()
         ref = CpuMover(lay, pool, host, None, geometry=geo)
         memory: dict = {}
@@ -610,6 +612,53 @@ def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_
                 off = int(geo.row_offsets(lay, layer, [h])[0])
                 touched[off: off + lay.row_bytes] = True
         np.testing.assert_array_equal(dev.get()[~touched], start[~touched])  # guards, gaps, resident blocks
+
+
+@pytest.mark.parametrize("blocks,threads,stages", [(8, 64, 1), (3, 32, 4), (40, 128, 2)])
+def test_tma_gather_writes_what_the_sm_gather_writes(kc, blocks, threads, stages):
+    """skv_gather built with SKV_COPY_TMA (a bulk asynchronous copy a row in, one out)
+    writes the daemon's slab byte for byte as the 16-byte SM gather does, for plans with
+    rows to skip (-1, past the pool, slots past the slab), batches smaller than max_batch,
+    grids with more and fewer threads than rows, and a group of several layers; every
+    other slab byte stays as it was."""
+    import cupy as cp
+
+    from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
+
+    cuda = cuda_mod()
+    lay = layout(64, 128, 3000, 6, groups=2, layers_per_group=3, row_bytes=656, max_batch=6)
+    m, pool_bytes = _pinned_pool(lay.pool_bytes)
+    rng = np.random.default_rng(blocks * 100 + stages)
+    slots_total = lay.max_reqs * lay.region_stride
+    with PinnedRegion(pool_bytes.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
+        s = cp.cuda.Stream(non_blocking=True)
+        sm = cuda.CudaMover(lay, region, kernels=kc, stream=s, blocks=8)
+        tma = cuda.CudaMover(lay, region, kernels=kc, stream=s, blocks=blocks, threads=threads, tma_stages=stages)
+        assert tma.gather_smem > (lay.max_batch + 1) * 8
+        for trial in range(6):
+            batch = int(rng.integers(1, lay.max_batch + 1))
+            misses = rng.integers(0, lay.top_k + 1, lay.max_batch).astype(np.int32)
+            misses[trial % lay.max_batch] = lay.top_k  # one full row each time
+            rows = rng.integers(0, lay.host_rows, (lay.max_batch, lay.top_k)).astype(np.int32)
+            # distinct slots: two entries writing one slot would race in either gather
+            slots = rng.permutation(slots_total)[: lay.max_batch * lay.top_k].reshape(lay.max_batch, lay.top_k)
+            slots = slots.astype(np.int32)
+            bad = rng.random(rows.shape) < 0.05
+            rows[bad] = rng.choice([-1, lay.host_rows, lay.host_rows + 7], int(bad.sum()))
+            slots[rng.random(slots.shape) < 0.03] = slots_total
+            desc = np.zeros(DESC_INTS, np.int32)
+            desc[D_BATCH], desc[D_GROUP], desc[D_K] = batch, trial % lay.num_groups, lay.top_k
+            start = rng.integers(0, 256, sm.slab.shape, dtype=np.uint8)
+            got = []
+            for mv in (sm, tma):
+                with s:
+                    mv.slab[...] = cp.asarray(start)
+                    mv.launch_gather(cp.asarray(desc), cp.asarray(rows), cp.asarray(slots), cp.asarray(misses),
+                                     lay.max_batch, s)
+                s.synchronize()
+                got.append(mv.slab.get())
+            assert (got[0] != start).any(), trial
+            np.testing.assert_array_equal(got[1], got[0], err_msg=f"trial {trial}")
 
 
 # -- pinned region --------------------------------------------------------------------
