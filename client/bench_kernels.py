@@ -529,7 +529,16 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                  ("the plan's ranks one thread a miss", {"timing_defines": {"SKV_RANK_SPLIT": 0}}),
                  ("the lru's seen marks not read back (every slot's bit checked after)",
                   {"timing_defines": {"SKV_SEEN_COVER": 1}}),
-                 ("seen marks not read back, phase 2", {"timing_defines": {"SKV_SEEN_COVER": 1, "SKV_RESOLVE_STOP": 2}}),
+                 ("phase 1's loads in waves of 6", {"timing_defines": {"SKV_P1_BATCH": 6}}),
+                 ("phase 1's loads in waves of 3", {"timing_defines": {"SKV_P1_BATCH": 3}}),
+                 ("phase 1's loads in waves of 6, phase 1", {"timing_defines": {"SKV_P1_BATCH": 6, "SKV_RESOLVE_STOP": 1}}),
+                 ("seen marks set in phase 1", {"timing_defines": {"SKV_SEEN_COVER": 2}}),
+                 ("seen marks set in phase 1, loads in waves of 6",
+                  {"timing_defines": {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 6}}),
+                 ("seen marks set in phase 1, loads in waves of 3",
+                  {"timing_defines": {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 3}}),
+                 ("seen marks set in phase 1, loads in waves of 6, phase 2",
+                  {"timing_defines": {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 6, "SKV_RESOLVE_STOP": 2}}),
                  ("session 8's build but for the lru's seen marks (generic accesses, chunks entry by entry, "
                   "ranks one thread a miss)",
                   {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_LRU_VEC": 0, "SKV_RANK_SPLIT": 0}})]

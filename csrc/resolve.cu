@@ -68,9 +68,17 @@
 #ifndef SKV_LRU_VEC
 #define SKV_LRU_VEC 1
 #endif
+// Phase 1's global loads: 0 a loop per row (top-k, then lru and owners); N > 0 waves of N
+// entries a thread with every load of a wave issued before its first shared store.
+#ifndef SKV_P1_BATCH
+#define SKV_P1_BATCH 0
+#endif
+#define SKV_P1_BATCH_N (SKV_P1_BATCH > 0 ? SKV_P1_BATCH : 1)
 // How a repeated entry of the old lru is found: 1 each entry's bit set without reading the
 // word back (the atomics do not wait), then, all entries in range, the lru repeats one iff a
-// slot's bit is missing (S entries, S slots); 0 each atomicOr's old word tells at once.
+// slot's bit is missing (S entries, S slots); 0 each atomicOr's old word tells at once;
+// 2 as 1, with the bits set in phase 1 as the lru row arrives (no second pass over it),
+// the masks cleared once the row no longer reads them (and at the start).
 #ifndef SKV_SEEN_COVER
 #define SKV_SEEN_COVER 0
 #endif
@@ -144,6 +152,14 @@ __device__ __forceinline__ SkvWs skv_ws(unsigned char* base, int kp, int k, int 
     w.htab = (int*)(base + off);  // only with SKV_RESOLVE_LOOKUP 1 (the workspace is sized for it)
     w.hcol = w.htab + SKV_HASH_SCALE * kp;
     return w;
+}
+
+// Every thread's share of the hit and seen masks set to 0.
+__device__ __forceinline__ void skv_clear_masks(const SkvWs& w, int mask_words) {
+    for (int i = threadIdx.x; i < mask_words; i += SKV_RT) {
+        w.hmask[i] = 0u;
+        w.smask[i] = 0u;
+    }
 }
 
 // The home slot of host row g in a table of (1 << bits) entries (Fibonacci hashing: a
@@ -338,6 +354,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     unsigned char* base = ws_global ? ws_global + (i64)b0 * ws_stride : skv_smem;
 #endif
     const SkvWs w = skv_ws(base, kp, k, S);
+    if (SKV_SEEN_COVER == 2) skv_clear_masks(w, (S + 31) / 32);  // ordered by the tile scan's barrier
     int* owner = owner_g + (i64)s * S;
     int* lru = lru_g + (i64)s * S;
     const int mask_words = (S + 31) / 32;
@@ -401,21 +418,62 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // row's keys and lru copy are there already with SKV_PREFETCH).
         const bool in_hand = SKV_PREFETCH && tile0 == b0 && li == 0;  // b == b0
         int oor = in_hand ? oor_first : 0;
-        if (!in_hand)
-            for (int i = tid; i < kp; i += SKV_RT) oor += column(i, i < k ? ids[i] : 0);
-        for (int i = tid; i < mask_words; i += SKV_RT) {
-            w.hmask[i] = 0u;
-            w.smask[i] = 0u;
-        }
+        int lru_bad = 0;
+        // SKV_SEEN_COVER 2: old lru entry v marked seen as it is copied.
+        auto seen = [&](int v) {
+            if (SKV_SEEN_COVER != 2) return;
+            if (v < 0 || v >= S) lru_bad = 1;
+            else atomicOr(&w.smask[v >> 5], 1u << (v & 31));
+        };
 #if SKV_RESOLVE_LOOKUP == 1
         int hbits = 1;
         while ((1 << hbits) < SKV_HASH_SCALE * kp) ++hbits;
         const int hsize = 1 << hbits;
-        for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
 #endif
-        for (int i = tid; i < S; i += SKV_RT) {
-            if (!in_hand) w.lcopy[i] = lru[i];
-            if (SKV_OWNER_SMEM) w.ocopy[i] = owner[i];
+        auto clear_tables = [&]() {
+            for (int i = tid; i < mask_words && SKV_SEEN_COVER != 2; i += SKV_RT) {
+                w.hmask[i] = 0u;
+                w.smask[i] = 0u;
+            }
+#if SKV_RESOLVE_LOOKUP == 1
+            for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
+#endif
+        };
+        if (SKV_P1_BATCH && !in_hand) {
+            // Waves of SKV_P1_BATCH entries a thread: the wave's loads of the top-k row, the
+            // lru row and the owner row all issued before its first shared store (one round
+            // trip a wave), the tables cleared while the first wave's loads are in flight.
+            const int span = kp > S ? kp : S;
+            for (int base = 0; base < span; base += SKV_RT * SKV_P1_BATCH_N) {
+                int vk[SKV_P1_BATCH_N], vl[SKV_P1_BATCH_N], vo[SKV_P1_BATCH_N];
+#pragma unroll
+                for (int u = 0; u < SKV_P1_BATCH_N; ++u) {
+                    const int i = base + u * SKV_RT + tid;
+                    vk[u] = i < k ? ids[i] : 0;
+                    vl[u] = i < S ? lru[i] : 0;
+                    vo[u] = (SKV_OWNER_SMEM && i < S) ? owner[i] : 0;
+                }
+                if (base == 0) clear_tables();
+#pragma unroll
+                for (int u = 0; u < SKV_P1_BATCH_N; ++u) {
+                    const int i = base + u * SKV_RT + tid;
+                    if (i < kp) oor += column(i, vk[u]);
+                    if (i < S) {
+                        w.lcopy[i] = vl[u];
+                        seen(vl[u]);
+                        if (SKV_OWNER_SMEM) w.ocopy[i] = vo[u];
+                    }
+                }
+            }
+        } else {
+            if (!in_hand)
+                for (int i = tid; i < kp; i += SKV_RT) oor += column(i, i < k ? ids[i] : 0);
+            clear_tables();
+            for (int i = tid; i < S; i += SKV_RT) {
+                if (!in_hand) w.lcopy[i] = lru[i];
+                seen(w.lcopy[i]);
+                if (SKV_OWNER_SMEM) w.ocopy[i] = owner[i];
+            }
         }
         const int n_oor = skv_block_sum<SKV_RT>(oor, sh_warp);  // also orders the writes above
         SKV_STOP_AFTER(1)
@@ -423,8 +481,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // The old lru's entries marked seen (smask): one outside [0, S) or seen before
         // makes the state corrupt (reported once the row is resolved). Here, beside the
         // inserts, rather than in the partition's first pass (its critical path).
-        int lru_bad = 0;
-        for (int i = tid; i < S; i += SKV_RT) {
+        for (int i = tid; i < S && SKV_SEEN_COVER != 2; i += SKV_RT) {
             const int sl = w.lcopy[i];
             if (sl < 0 || sl >= S) {
                 lru_bad = 1;
@@ -477,6 +534,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 misses_out[b] = 0;
                 skv_report(err, SKV_E_DUPLICATE_IDS, b, sh_desc);
             }
+            // (SKV_SEEN_COVER 2: the seen marks stay; the next row marks the same, unchanged
+            // lru, and no hit was marked yet.)
             continue;
         }
         SKV_STOP_AFTER(3)
@@ -679,6 +738,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 #endif
         for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
         if (__syncthreads_or(bad_slot)) corrupt = 1;
+        // Nothing reads the masks after that barrier: cleared for the next row of s (the
+        // row's last barrier orders it before that row's phase 1).
+        if (SKV_SEEN_COVER == 2) skv_clear_masks(w, mask_words);
         if (corrupt && tid == 0) skv_report(err, SKV_E_CORRUPT_STATE, b, sh_desc);
         SKV_STOP_AFTER(7)
 

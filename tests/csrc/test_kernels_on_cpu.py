@@ -87,13 +87,17 @@ def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, op
     assert not emu.err[:8].any()
 
 
-@pytest.mark.parametrize("defines", [{"SKV_PREFETCH": 1}, {"SKV_SUM_ATOMIC": 0}, {"SKV_RANK_SPLIT": 0}],
-                         ids=["prefetch", "warp-sums", "ranks-one-thread"])
+@pytest.mark.parametrize("defines", [{"SKV_PREFETCH": 1}, {"SKV_SUM_ATOMIC": 0}, {"SKV_RANK_SPLIT": 0},
+                                     {"SKV_P1_BATCH": 1}, {"SKV_P1_BATCH": 3}, {"SKV_SEEN_COVER": 1},
+                                     {"SKV_SEEN_COVER": 2}, {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 3}],
+                         ids=["prefetch", "warp-sums", "ranks-one-thread", "waves-of-1", "waves-of-3", "seen-cover",
+                              "seen-in-phase-1", "seen-in-waves"])
 @pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "wide")], ids=lambda t: t[0])
 def test_the_resolve_build_options_equal_the_numpy_engine(case, defines):
     """The other side of each timed switch (csrc/resolve.cu, csrc/common.cuh): the first
     row's columns loaded with the state rows, block sums by warp reductions, the plan's
-    ranks counted by one thread a miss; the hash lookup."""
+    ranks counted by one thread a miss, phase 1's loads in waves, the lru's seen marks
+    not read back; the hash lookup."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, defines=defines)
@@ -122,6 +126,19 @@ def test_a_miss_taking_its_id_from_its_key_equals_the_numpy_engine(case):
     assert not emu.err[:8].any()
 
 
+@pytest.mark.parametrize("waves", [1, 3])
+@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "wide")], ids=lambda t: t[0])
+def test_phase_1_in_waves_with_the_rows_in_the_workspace_equals_the_numpy_engine(case, waves):
+    """SKV_P1_BATCH with the owner and lru rows copied into the workspace (the daemon's
+    default where they fit): every load of a wave before its stores, bit for bit."""
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
+    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, lru_smem=True,
+                              owner_smem=True, defines={"SKV_P1_BATCH": waves})
+    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
+    assert not emu.err[:8].any()
+
+
 @pytest.mark.parametrize("opts", [{}, {"lru_smem": True, "owner_smem": True}], ids=["global-rows", "workspace-rows"])
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
 def test_corrupt_owners_resolve_as_on_the_numpy_engine(lookup, opts):
@@ -144,13 +161,14 @@ def test_corrupt_owners_resolve_as_on_the_numpy_engine(lookup, opts):
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
 def test_a_repeated_lru_entry_is_corrupt_state_by_either_seen_check(lookup, chunked):
     """SKV_SEEN_COVER 1 (seen marks set without reading them back, then every slot's bit
-    required) finds exactly the lru rows SKV_SEEN_COVER 0 (each atomicOr's old word) finds:
-    a shuffled permutation is sound, one entry repeated or outside [0, S) is corrupt; both
-    builds resolve every row the same, bit for bit."""
+    required) and 2 (the marks set in phase 1, here in waves) find exactly the lru rows
+    SKV_SEEN_COVER 0 (each atomicOr's old word) finds: a shuffled permutation is sound, one
+    entry repeated or outside [0, S) is corrupt; every build resolves every row the same,
+    bit for bit."""
     lay = layout(8, 40, 200, 3, max_batch=3)  # S = 40: the last seen word is partial
     rng = np.random.default_rng(29)
-    emus = [cpu_kernels.Resolve(lay, lookup, threads=32, defines={"SKV_SEEN_COVER": c, "SKV_RESOLVE_CHUNKED": chunked})
-            for c in (0, 1)]
+    emus = [cpu_kernels.Resolve(lay, lookup, threads=32, defines={"SKV_RESOLVE_CHUNKED": chunked, **d})
+            for d in ({"SKV_SEEN_COVER": 0}, {"SKV_SEEN_COVER": 1}, {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 2})]
     S = lay.region_stride
     for trial in range(24):
         lru = np.stack([np.stack([rng.permutation(S) for _ in range(lay.max_reqs)])
@@ -173,9 +191,10 @@ def test_a_repeated_lru_entry_is_corrupt_state_by_either_seen_check(lookup, chun
             assert int(emu.err[E_CORRUPT_STATE]) - before == (1 if kind else 0), (trial, kind)
             if kind:
                 assert emu.err[8 + E_CORRUPT_STATE] == row  # the batch row of state row `row`
-        assert_same(got[0], got[1], f"trial {trial}")
-        np.testing.assert_array_equal(emus[0].owner, emus[1].owner)
-        np.testing.assert_array_equal(emus[0].lru, emus[1].lru)
+        for e, g in zip(emus[1:], got[1:]):
+            assert_same(got[0], g, f"trial {trial}")
+            np.testing.assert_array_equal(emus[0].owner, e.owner)
+            np.testing.assert_array_equal(emus[0].lru, e.lru)
 
 
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
@@ -199,6 +218,29 @@ def test_a_row_with_duplicate_ids_is_refused_and_the_rest_resolves(lookup):
     np.testing.assert_array_equal(emu.owner[:, 0], before[0][:, 0])  # the refused row's state untouched
     np.testing.assert_array_equal(emu.lru[:, 0], before[1][:, 0])
     np.testing.assert_array_equal(emu.owner, cpu.owner)
+
+
+@pytest.mark.parametrize("lookup", ["sort", "hash"])
+def test_masks_set_in_phase_1_are_clear_for_the_next_token_after_a_refused_row(lookup):
+    """SKV_SEEN_COVER 2 marks the lru as phase 1 copies it and clears the masks when a row
+    is done: a row refused for duplicate ids (after its marks were set), then a sound
+    token of the same request, then another, resolve as the NumPy engine does, with no
+    CORRUPT_STATE."""
+    lay = layout(6, 18, 40, 2, max_batch=4)
+    cpu = CpuResidency(lay)
+    emu = cpu_kernels.Resolve(lay, lookup, threads=32, defines={"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 1})
+    warm = np.array([[1, 2, 3, 4, 5, 6]], np.int32)
+    cpu.resolve(0, np.array([0], np.int32), warm)
+    emu.resolve(0, np.array([0], np.int32), warm)
+    tk = np.array([[9, 3, 9, 7, 3, 9], [1, 2, 7, 8, -1, -1], [3, 4, 11, 12, 13, -1]], np.int32)
+    sr = np.array([0, 0, 0], np.int32)
+    want = cpu.resolve(0, sr[1:], tk[1:])
+    got = emu.resolve(0, sr, tk)
+    assert emu.err[E_DUPLICATE_IDS] == 1 and emu.err[E_CORRUPT_STATE] == 0
+    np.testing.assert_array_equal(got.slots[1:], want.slots)
+    np.testing.assert_array_equal(got.misses[1:], want.misses)
+    np.testing.assert_array_equal(emu.owner, cpu.owner)
+    np.testing.assert_array_equal(emu.lru, cpu.lru)
 
 
 @pytest.mark.parametrize("lookup", ["sort", "hash"])
