@@ -40,7 +40,8 @@ ROW_SIZES = (656, 672, 704, 768)
 # The gather's kernel switches timed against the default (threads per block, the load
 # flavour of csrc/copy.cu: 0 plain, 1 __ldg, the default, 2 __ldcs).
 GATHER_VARIANTS = (("512 threads", {"threads": 512}), ("128 threads", {"threads": 128}),
-                   ("plain loads", {"load": 0}), ("streaming loads", {"load": 2}))
+                   ("plain loads", {"load": 0}), ("streaming loads", {"load": 2}),
+                   ("loads with a 256-byte L2 fetch", {"load": 3}), ("loads with a 128-byte L2 fetch", {"load": 4}))
 
 
 def _say(msg: str) -> None:
@@ -197,7 +198,8 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
         blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool = True,
-        other_backing: bool = True, gather_variants=GATHER_VARIANTS, row_sizes=ROW_SIZES, seed: int = 0) -> dict:
+        other_backing: bool = True, gather_variants=GATHER_VARIANTS, row_sizes=ROW_SIZES, seed: int = 0,
+        resolve_only: bool = False) -> dict:
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
@@ -219,6 +221,10 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
     kc = get_cache()
     s = cp.cuda.Stream(non_blocking=True)
     timer = EventTimer(cp, s)
+    if resolve_only:  # no pool, no gather: the resolve and its variants alone
+        _resolve_section(out, row, cp, kc, s, timer, np.random.default_rng(seed), resolve_variants)
+        out["_rows"] = rows_out
+        return out
     with contextlib.ExitStack() as stack:
         # The daemon's way first: the first large pool of a run is the one that finds the
         # host's memory as it is (on the H200 a later one found huge pages ready and
@@ -621,13 +627,16 @@ def add_arguments(p) -> None:
                    help="kernels: the host pool the gather reads and the pool start times (GiB)")
     p.add_argument("--kernels-quick", action="store_true",
                    help="kernels: gathers on 32 and 64 blocks only, no pool in the other backing")
+    p.add_argument("--resolve-only", action="store_true",
+                   help="kernels: the resolve and its variants only (no pool, no gather)")
 
 
 def run_args(a) -> int:
     """``sparsekv bench kernels [--pool-gib N] [--kernels-quick] [--json PATH]``."""
     quick = getattr(a, "kernels_quick", False)
     r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132), other_backing=not quick,
-            gather_variants=() if quick else GATHER_VARIANTS, row_sizes=() if quick else ROW_SIZES)
+            gather_variants=() if quick else GATHER_VARIANTS, row_sizes=() if quick else ROW_SIZES,
+            resolve_only=getattr(a, "resolve_only", False))
     sys.stdout.write(table(r))
     path = getattr(a, "json_path", None)
     if path:

@@ -18,7 +18,8 @@
 #define SKV_COPY_UNROLL 4
 #endif
 // How a 16-byte source vector is read: 0 plain load, 1 __ldg (ld.global.nc: the source is
-// never written during the kernel), 2 __ldcs (streaming, evict-first).
+// never written during the kernel), 2 __ldcs (streaming, evict-first), 3 / 4 ld.global.nc
+// with the L2 told to fetch the 256 / 128 bytes around it (.L2::256B / .L2::128B).
 #ifndef SKV_COPY_LOAD
 #define SKV_COPY_LOAD 1
 #endif
@@ -28,6 +29,16 @@ __device__ __forceinline__ uint4 skv_load16(const uint4* p) {
     return __ldg(p);
 #elif SKV_COPY_LOAD == 2
     return __ldcs(p);
+#elif SKV_COPY_LOAD == 3 || SKV_COPY_LOAD == 4
+    uint4 v;
+#if SKV_COPY_LOAD == 3
+    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+#else
+    asm("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+#endif
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
 #else
     return *p;
 #endif

@@ -36,6 +36,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
 RESOLVE_THREADS = 768
 COPY_THREADS = 256
 COPY_LOAD = 1  # __ldg: the source of a copy is never written while it runs
+COPY_LOADS = (0, 1, 2, 3, 4)  # csrc/copy.cu SKV_COPY_LOAD
 MERGE_THREADS = 1024  # skv_merge_plan: one block per batch row
 TMA_MAX_STAGES = 8  # csrc/copy.cu SKV_TMA_STAGES: one-row buffers per thread of a TMA gather
 
@@ -78,15 +79,16 @@ def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort", hash_s
 
 def copy_defines(row_bytes: int, threads: int = COPY_THREADS, load: int = COPY_LOAD, tma_stages: int = 0) -> dict:
     """Constants of the copy module: 16-byte vectors per row, threads, load flavour
-    (0 plain, 1 ``__ldg``, 2 ``__ldcs``; csrc/copy.cu); ``tma_stages`` > 0: the decode
+    (0 plain, 1 ``__ldg``, 2 ``__ldcs``, 3 / 4 ``ld.global.nc`` with an L2 fetch of 256 /
+    128 bytes; csrc/copy.cu); ``tma_stages`` > 0: the decode
     gather moves rows by bulk asynchronous copies (sm_90's TMA), that many one-row buffers
     a thread (csrc/copy.cu ``SKV_COPY_TMA``)."""
     if row_bytes % 16 or row_bytes <= 0:
         raise ValueError(f"row_bytes {row_bytes} must be a positive multiple of 16")
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"copy threads must be a multiple of 32 in [32, 1024], got {threads}")
-    if load not in (0, 1, 2):
-        raise ValueError(f"load must be 0, 1 or 2, got {load}")
+    if load not in COPY_LOADS:
+        raise ValueError(f"load must be one of {COPY_LOADS}, got {load}")
     if not 0 <= tma_stages <= TMA_MAX_STAGES:
         raise ValueError(f"tma_stages must be in [0, {TMA_MAX_STAGES}], got {tma_stages}")
     out = {"SKV_ROW_VECS": row_bytes // 16, "SKV_COPY_THREADS": int(threads), "SKV_COPY_LOAD": int(load),
