@@ -545,6 +545,16 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                   {"timing_defines": {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 3}}),
                  ("seen marks set in phase 1, loads in waves of 6, phase 2",
                   {"timing_defines": {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 6, "SKV_RESOLVE_STOP": 2}}),
+                 ("fused passes", {"timing_defines": {"SKV_FUSE": 1}}),
+                 ("one barrier a collective", {"timing_defines": {"SKV_ONE_BARRIER": 1}}),
+                 ("fused passes, one barrier a collective", {"timing_defines": {"SKV_FUSE": 1, "SKV_ONE_BARRIER": 1}})]
+    fast = {"SKV_FUSE": 1, "SKV_ONE_BARRIER": 1, "SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 3}
+    variants += [("fast build (fused, one barrier, seen marks in phase 1, waves of 3)", {"timing_defines": fast}),
+                 ("fast build, waves of 6", {"timing_defines": {**fast, "SKV_P1_BATCH": 6}}),
+                 ("fast build, 512 threads", {"threads": 512, "timing_defines": fast}),
+                 ("fast build, 1024 threads", {"threads": 1024, "timing_defines": fast})]
+    variants += [(f"fast build, phase {p}", {"timing_defines": {**fast, "SKV_RESOLVE_STOP": p}}) for p in (1, 2, 4, 6, 7)]
+    variants += [
                  ("session 8's build but for the lru's seen marks (generic accesses, chunks entry by entry, "
                   "ranks one thread a miss)",
                   {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_LRU_VEC": 0, "SKV_RANK_SPLIT": 0}})]
@@ -568,7 +578,8 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
             continue
         key = label.replace(" ", "_")
         out[f"resolve_us_b64_{key}"] = round(tv, 1)
-        row(f"resolve variant: {label}" + (" (stops there)" if "phase" in label else ""),
+        stops = "SKV_RESOLVE_STOP" in kw.get("timing_defines", {})
+        row(f"resolve variant: {label}" + (" (stops there)" if stops else ""),
             f"{tv:.1f} us")
 
 

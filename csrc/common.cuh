@@ -95,6 +95,63 @@ __device__ __forceinline__ int skv_block_scan_count(int v, int bits, int* warp_t
     return skv_add_warps<NT>(in_warp, warp_sum, warp_tot, total);
 }
 
+// The same collectives with one barrier each (SkvRot): the per-warp partials go to one of
+// two slots in turn, so a slot is written again only two collectives later, after every
+// thread has passed the barrier of the one in between (and so has read it). `buf` is
+// __shared__ int[2 * NT / 32]; `slot` starts at 0 and stays block-uniform (every thread
+// runs the same collectives).
+struct SkvRot {
+    int* buf;
+    int slot;
+};
+
+template <int NT>
+__device__ __forceinline__ int skv_rot_add_warps(SkvRot& r, int in_warp, int warp_sum, int* total) {
+    int* wt = r.buf + r.slot * (NT / 32);
+    r.slot ^= 1;
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) wt[warp] = warp_sum;
+    __syncthreads();
+    int before = 0, sum = 0;
+#pragma unroll
+    for (int w = 0; w < NT / 32; ++w) {
+        const int v = wt[w];
+        before += (w < warp) ? v : 0;
+        sum += v;
+    }
+    *total = sum;
+    return before + in_warp;
+}
+
+template <int NT>
+__device__ __forceinline__ int skv_rot_scan_flag(SkvRot& r, bool flag, int* total) {
+    const int lane = threadIdx.x & 31;
+    const u32 mask = __ballot_sync(0xffffffffu, flag);
+    return skv_rot_add_warps<NT>(r, __popc(mask & ((1u << lane) - 1u)), __popc(mask), total);
+}
+
+template <int NT>
+__device__ __forceinline__ int skv_rot_scan_count(SkvRot& r, int v, int bits, int* total) {
+    const int lane = threadIdx.x & 31;
+    const u32 below = (1u << lane) - 1u;
+    int in_warp = 0, warp_sum = 0;
+    for (int p = 0; p < bits; ++p) {
+        const u32 m = __ballot_sync(0xffffffffu, (v >> p) & 1);
+        in_warp += __popc(m & below) << p;
+        warp_sum += __popc(m) << p;
+    }
+    return skv_rot_add_warps<NT>(r, in_warp, warp_sum, total);
+}
+
+// Sum of one value per thread (int, or u32 modulo 2^32 for packed counts).
+template <int NT, class T>
+__device__ __forceinline__ T skv_rot_sum(SkvRot& r, T v) {
+    const unsigned w = __reduce_add_sync(0xffffffffu, (unsigned)v);
+    int total;
+    skv_rot_add_warps<NT>(r, 0, (int)w, &total);
+    return (T)(unsigned)total;
+}
+
 // Bits that hold every count in [0, n].
 __device__ __forceinline__ int skv_bits_for(int n) {
     int b = 1;

@@ -68,6 +68,33 @@
 #ifndef SKV_LRU_VEC
 #define SKV_LRU_VEC 1
 #endif
+// Block-wide sums and scans: 0 the shared helpers (a scan two barriers, a sum three or
+// two); 1 one barrier each (common.cuh SkvRot: two slots of warp partials in turn).
+#ifndef SKV_ONE_BARRIER
+#define SKV_ONE_BARRIER 0
+#endif
+#if SKV_ONE_BARRIER
+#define SKV_SUM(T, v) skv_rot_sum<SKV_RT, T>(rot, (v))
+#define SKV_SCAN_FLAG(f, total) skv_rot_scan_flag<SKV_RT>(rot, (f), (total))
+#define SKV_SCAN_COUNT(v, bits, total) skv_rot_scan_count<SKV_RT>(rot, (v), (bits), (total))
+#define SKV_ADD_WARPS(a, b, total) skv_rot_add_warps<SKV_RT>(rot, (a), (b), (total))
+#else
+#define SKV_SUM(T, v) skv_block_sum<SKV_RT, T>((v), (T*)sh_warp)
+#define SKV_SCAN_FLAG(f, total) skv_block_scan_flag<SKV_RT>((f), sh_warp, (total))
+#define SKV_SCAN_COUNT(v, bits, total) skv_block_scan_count<SKV_RT>((v), (bits), sh_warp, (total))
+#define SKV_ADD_WARPS(a, b, total) skv_add_warps<SKV_RT>((a), (b), sh_warp, (total))
+#endif
+// 1 (the hash lookup with chunked walks only): fewer passes and barriers. The lookup marks
+// each hit in the hit mask and counts it as it finds it (the first slot found for a column;
+// a column found twice, a corrupt owner row, redoes the marks from the column states); the
+// misses are the valid columns (counted in phase 1) less the hits; the slots pass writes
+// each miss's key where the plan ranks it (its number among the misses, in column order);
+// a corrupt lru or a miss left without a slot raise flags in a shared word, read after
+// the slots pass's barrier (a miss without a slot redoes the plan's compaction).
+#ifndef SKV_FUSE
+#define SKV_FUSE 0
+#endif
+#define SKV_FUSED (SKV_FUSE && SKV_RESOLVE_LOOKUP == 1 && SKV_RESOLVE_CHUNKED == 1)
 // Phase 1's global loads: 0 a loop per row (top-k, then lru and owners); N > 0 waves of N
 // entries a thread with every load of a wave issued before its first shared store.
 #ifndef SKV_P1_BATCH
@@ -300,7 +327,12 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const i64 ws_stride,                // bytes of one block's global workspace
     u32* clear)                         // a doorbell word this launch consumes (set to 0), or null
 {
+#if SKV_ONE_BARRIER
+    __shared__ int sh_rot[2 * (SKV_RT / 32)];
+    SkvRot rot = {sh_rot, 0};
+#else
     __shared__ int sh_warp[SKV_RT / 32];
+#endif
     // The doorbell's group bell (daemon/cuda/doorbell.py): the stream waited for it to be
     // 1; clearing it here saves a stream operation between the wait and this kernel. The
     // engine rings it again only after this step's ready word, set after this kernel.
@@ -310,6 +342,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     __shared__ int sh_desc[SKV_DESC_INTS];
     __shared__ int sh_row[1];
     __shared__ int sh_list[SKV_RT];  // batch rows of this block's state row (one tile)
+    __shared__ int sh_bad[1];        // SKV_FUSED: 1 a miss left without a slot, 2 a corrupt lru
 
     const int tid = threadIdx.x;
     const int b0 = blockIdx.x;
@@ -361,17 +394,18 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 
     // Phase 1a's keys and column states of column i < kp (id g when i < k); returns
     // whether g is out of range (counted).
+    // Returns (out of range << 16) | valid: summed over the row, both counts fit 16 bits.
     auto column = [&](int i, int g) -> int {
         u64 key = SKV_NO_KEY;
-        int oor = 0;
+        int counts = 0;
         if (i < k) {
             const bool valid = g >= 0 && g < host_rows;
-            oor = (g < -1 || g >= host_rows) ? 1 : 0;
+            counts = ((g < -1 || g >= host_rows) ? 1 << 16 : 0) | (valid ? 1 : 0);
             if (valid) key = ((u64)(u32)g << 32) | (u64)(u32)i;
             w.colv[i] = valid ? SKV_PENDING : SKV_NONE;
         }
         w.keys[i] = key;
-        return oor;
+        return counts;
     };
     // The first tile's state rows, and (SKV_PREFETCH) b0's keys and the lru copy (b0 is
     // the first row this block resolves, if it works), loaded with the check below.
@@ -398,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const int bt = tile0 + tid;
     const bool of_s = bt == b0 || (bt < batch && (tile0 == b0 ? sr_first : state_rows[bt]) == s);
     int n_of_s;
-    const int at = skv_block_scan_flag<SKV_RT>(of_s, sh_warp, &n_of_s);
+    const int at = SKV_SCAN_FLAG(of_s, &n_of_s);
     if (of_s) sh_list[at] = bt;
     __syncthreads();
     for (int li = 0; li < n_of_s; ++li) {
@@ -475,7 +509,11 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 if (SKV_OWNER_SMEM) w.ocopy[i] = owner[i];
             }
         }
-        const int n_oor = skv_block_sum<SKV_RT>(oor, sh_warp);  // also orders the writes above
+        if (SKV_FUSED && tid == 0) sh_bad[0] = 0;
+        const u32 col_counts = SKV_SUM(u32, (u32)oor);  // also orders the writes above
+        const int n_oor = (int)(col_counts >> 16);
+        const int n_valid = (int)(col_counts & 0xffffu);
+        (void)n_valid;
         SKV_STOP_AFTER(1)
 
         // The old lru's entries marked seen (smask): one outside [0, S) or seen before
@@ -546,7 +584,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 if (w.smask[i] != full) lru_bad = 1;
             }
         }
+        if (SKV_FUSED && lru_bad) atomicOr(sh_bad, 2);  // read after the slots pass's barrier
         // 2. the reversed hit lookup.
+        int nh_found = 0, twice = 0;
         for (int j = tid; j < S; j += SKV_RT) {
             const int o = SKV_OWNER_SMEM ? w.ocopy[j] : owner[j];
             if (o >= 0 && o < host_rows) {
@@ -556,7 +596,15 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                     const int v = w.htab[h];
                     if (v == -1) break;
                     if (v == o) {
-                        atomicMin(&w.colv[w.hcol[h]], j);
+                        const int prev = atomicMin(&w.colv[w.hcol[h]], j);
+                        if (SKV_FUSED) {
+                            if (prev == SKV_PENDING) {
+                                atomicOr(&w.hmask[j >> 5], 1u << (j & 31));
+                                ++nh_found;
+                            } else {
+                                twice = 1;
+                            }
+                        }
                         break;
                     }
                     h = (h + 1) & (u32)(hsize - 1);
@@ -568,24 +616,41 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 #endif
             }
         }
-        __syncthreads();
-        SKV_STOP_AFTER(4)
-
         // Hit slots into the mask; count hits and misses.
-        int nh = 0, nm = 0;
-        for (int c = tid; c < k; c += SKV_RT) {
-            const int v = w.colv[c];
-            if (v >= 0 && v < S) {
-                atomicOr(&w.hmask[v >> 5], 1u << (v & 31));
-                ++nh;
-            } else if (v == SKV_PENDING) {
-                ++nm;
+        auto mark_hits = [&]() -> u32 {
+            int nh = 0, nm = 0;
+            for (int c = tid; c < k; c += SKV_RT) {
+                const int v = w.colv[c];
+                if (v >= 0 && v < S) {
+                    atomicOr(&w.hmask[v >> 5], 1u << (v & 31));
+                    ++nh;
+                } else if (v == SKV_PENDING) {
+                    ++nm;
+                }
             }
+            // One block sum for both (k <= 32768 columns: each count fits in 16 bits).
+            return SKV_SUM(u32, ((u32)nh << 16) | (u32)nm);
+        };
+        int n_hit, n_miss;
+        if (SKV_FUSED) {
+            const u32 found = SKV_SUM(u32, ((u32)nh_found << 16) | (u32)twice);  // the lookup's barrier
+            n_hit = (int)(found >> 16);
+            n_miss = n_valid - n_hit;
+            SKV_STOP_AFTER(4)
+            if (found & 0xffffu) {  // a host row owned twice: the marks from the column states
+                for (int i = tid; i < mask_words; i += SKV_RT) w.hmask[i] = 0u;
+                __syncthreads();
+                const u32 both = mark_hits();
+                n_hit = (int)(both >> 16);
+                n_miss = (int)(both & 0xffffu);
+            }
+        } else {
+            __syncthreads();
+            SKV_STOP_AFTER(4)
+            const u32 both = mark_hits();
+            n_hit = (int)(both >> 16);
+            n_miss = (int)(both & 0xffffu);
         }
-        // One block sum for both (k <= 32768 columns: each count fits in 16 bits).
-        const u32 both = skv_block_sum<SKV_RT, u32>(((u32)nh << 16) | (u32)nm, (u32*)sh_warp);
-        const int n_hit = (int)(both >> 16);
-        const int n_miss = (int)(both & 0xffffu);
         SKV_STOP_AFTER(5)
         int* const lru_out = SKV_LRU_SMEM ? w.lnew : lru;
 
@@ -606,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 const bool evictable = i < S && !skv_lru_hit(w, w.lcopy[i], S);
                 ev += __popc(__ballot_sync(0xffffffffu, evictable));
             }
-            int e = skv_add_warps<SKV_RT>(0, ev, sh_warp, &n_evict);
+            int e = SKV_ADD_WARPS(0, ev, &n_evict);
             corrupt = __syncthreads_or(bad);
             n_take = n_miss < n_evict ? n_miss : n_evict;
             if (n_take < n_miss) corrupt = 1;
@@ -648,8 +713,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             } else {
                 for (int i = i0; i < i1; ++i) ev += skv_lru_hit(w, w.lcopy[i], S) ? 0 : 1;
             }
-            int e = skv_block_scan_count<SKV_RT>(ev, skv_bits_for(per), sh_warp, &n_evict);
-            corrupt = __syncthreads_or(lru_bad);
+            int e = SKV_SCAN_COUNT(ev, skv_bits_for(per), &n_evict);
+            corrupt = SKV_FUSED ? 0 : __syncthreads_or(lru_bad);  // SKV_FUSED: sh_bad, after the slots
             n_take = n_miss < n_evict ? n_miss : n_evict;
             if (n_take < n_miss) corrupt = 1;
             if (vec) {
@@ -678,7 +743,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // outside [0, S) or a repeated one marks the state corrupt.
         int hl = 0, bad = lru_bad;
         for (int i = tid; i < S; i += SKV_RT) hl += skv_lru_hit(w, w.lcopy[i], S) ? 1 : 0;
-        const int n_hit_lru = skv_block_sum<SKV_RT>(hl, sh_warp);
+        const int n_hit_lru = SKV_SUM(int, hl);
         int corrupt = __syncthreads_or(bad);
         const int n_evict = S - n_hit_lru;
         const int n_take = n_miss < n_evict ? n_miss : n_evict;
@@ -695,7 +760,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 hit = skv_lru_hit(w, sl, S);
             }
             int tile;
-            const int e = skv_block_scan_flag<SKV_RT>(i < S && !hit, sh_warp, &tile) + carry;
+            const int e = SKV_SCAN_FLAG(i < S && !hit, &tile) + carry;
             if (i < S) lru_out[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
             carry += tile;
         }
@@ -710,6 +775,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 
         // 4. misses take evictables in column order; write the slot of every column.
         int bad_slot = 0;
+        int total_pending = 0;
 #if SKV_RESOLVE_CHUNKED
         {
             const int per = (k + SKV_RT - 1) / SKV_RT;
@@ -717,11 +783,14 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             const int c1 = c0 + per < k ? c0 + per : k;
             int pend = 0;
             for (int c = c0; c < c1; ++c) pend += w.colv[c] == SKV_PENDING ? 1 : 0;
-            int total_pending;
-            int m = skv_block_scan_count<SKV_RT>(pend, skv_bits_for(per), sh_warp, &total_pending);
+            int m = SKV_SCAN_COUNT(pend, skv_bits_for(per), &total_pending);
             for (int c = c0; c < c1; ++c) {
                 const bool pending = w.colv[c] == SKV_PENDING;
                 out_slots[c] = skv_slot_of(w, c, m, n_take, S, ids, owner, &bad_slot);
+                if (SKV_FUSED && pending) {  // the plan's m-th miss (the table is free now)
+                    ((u64*)w.htab)[m] = w.keys[c];
+                    w.hcol[m] = 0;
+                }
                 m += pending ? 1 : 0;
             }
         }
@@ -731,13 +800,22 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             const int c = base_c + tid;
             const int v = c < k ? w.colv[c] : SKV_NONE;
             int tile;
-            const int m = skv_block_scan_flag<SKV_RT>(v == SKV_PENDING, sh_warp, &tile) + carry;
+            const int m = SKV_SCAN_FLAG(v == SKV_PENDING, &tile) + carry;
             if (c < k) out_slots[c] = skv_slot_of(w, c, m, n_take, S, ids, owner, &bad_slot);
             carry += tile;
         }
 #endif
         for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
-        if (__syncthreads_or(bad_slot)) corrupt = 1;
+        int plan_ready = 0;  // SKV_FUSED: the misses' keys are in place, in column order
+        if (SKV_FUSED) {
+            if (bad_slot) atomicOr(sh_bad, 1);
+            __syncthreads();
+            const int bad = *(volatile int*)sh_bad;
+            if (bad) corrupt = 1;
+            plan_ready = !(bad & 1);
+        } else if (__syncthreads_or(bad_slot)) {
+            corrupt = 1;
+        }
         // Nothing reads the masks after that barrier: cleared for the next row of s (the
         // row's last barrier orders it before that row's phase 1).
         if (SKV_SEEN_COVER == 2) skv_clear_masks(w, mask_words);
@@ -754,20 +832,24 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         {
             u64* mkeys = (u64*)w.htab;
 #if SKV_RESOLVE_CHUNKED
-            const int per = (k + SKV_RT - 1) / SKV_RT;
-            const int c0 = tid * per < k ? tid * per : k;
-            const int c1 = c0 + per < k ? c0 + per : k;
-            int mine = 0;
-            for (int c = c0; c < c1; ++c) {
-                const int v = w.colv[c];
-                mine += (v >= SKV_MISS_TAG && v != SKV_PENDING) ? 1 : 0;
-            }
-            int q = skv_block_scan_count<SKV_RT>(mine, skv_bits_for(per), sh_warp, &carry);
-            for (int c = c0; c < c1; ++c) {
-                const int v = w.colv[c];
-                if (v >= SKV_MISS_TAG && v != SKV_PENDING) {
-                    w.hcol[q] = 0;  // the miss's rank, counted below (the table is free now)
-                    mkeys[q++] = w.keys[c];
+            if (plan_ready) {
+                carry = total_pending;  // every pending column took a slot
+            } else {
+                const int per = (k + SKV_RT - 1) / SKV_RT;
+                const int c0 = tid * per < k ? tid * per : k;
+                const int c1 = c0 + per < k ? c0 + per : k;
+                int mine = 0;
+                for (int c = c0; c < c1; ++c) {
+                    const int v = w.colv[c];
+                    mine += (v >= SKV_MISS_TAG && v != SKV_PENDING) ? 1 : 0;
+                }
+                int q = SKV_SCAN_COUNT(mine, skv_bits_for(per), &carry);
+                for (int c = c0; c < c1; ++c) {
+                    const int v = w.colv[c];
+                    if (v >= SKV_MISS_TAG && v != SKV_PENDING) {
+                        w.hcol[q] = 0;  // the miss's rank, counted below (the table is free now)
+                        mkeys[q++] = w.keys[c];
+                    }
                 }
             }
 #else
@@ -776,7 +858,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 const int v = c < k ? w.colv[c] : SKV_NONE;
                 const bool miss = v >= SKV_MISS_TAG && v != SKV_PENDING;
                 int tile;
-                const int q = skv_block_scan_flag<SKV_RT>(miss, sh_warp, &tile) + carry;
+                const int q = SKV_SCAN_FLAG(miss, &tile) + carry;
                 if (miss) mkeys[q] = w.keys[c];
                 carry += tile;
             }
@@ -789,7 +871,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 // Each miss's rank among the misses is the count of smaller keys (keys are
                 // distinct: the row has no duplicate ids): its G threads count over every
                 // G-th key each and add their counts into its rank (hcol, zeroed above).
-                __syncthreads();
+                if (!plan_ready) __syncthreads();  // (SKV_FUSED: the slots pass's barrier did)
                 const int q2 = tid >> lg, part = tid & ((1 << lg) - 1);
                 if (q2 < carry) {
                     const u64 key = mkeys[q2];
@@ -806,7 +888,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 }
             } else if (SKV_RESOLVE_CHUNKED && carry <= SKV_RANK_MAX) {
                 // The same, one thread a miss.
-                __syncthreads();
+                if (!plan_ready) __syncthreads();
                 for (int q2 = tid; q2 < carry; q2 += SKV_RT) {
                     const u64 key = mkeys[q2];
                     int r = 0;
@@ -834,7 +916,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             if (key != SKV_NO_KEY) v = w.colv[(u32)key];
             const bool miss = v >= SKV_MISS_TAG && v != SKV_PENDING;
             int tile;
-            const int q = skv_block_scan_flag<SKV_RT>(miss, sh_warp, &tile) + carry;
+            const int q = SKV_SCAN_FLAG(miss, &tile) + carry;
             if (miss) {
                 prow[q] = (int)(key >> 32);
                 pslot[q] = flat0 + (v & SKV_SLOT_MASK);

@@ -126,6 +126,71 @@ def test_a_miss_taking_its_id_from_its_key_equals_the_numpy_engine(case):
     assert not emu.err[:8].any()
 
 
+@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
+@pytest.mark.parametrize("lookup", ["sort", "hash"])
+@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "many-misses", "tiles-global")],
+                         ids=lambda t: t[0])
+def test_one_barrier_collectives_equal_the_numpy_engine(case, lookup, chunked):
+    """SKV_ONE_BARRIER (every block sum and scan with one barrier, two slots of warp
+    partials in turn), with phase 1 in waves and the seen marks set there: bit for bit."""
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
+    emu = cpu_kernels.Resolve(lay, lookup, threads=threads, workspace=ws, lru_smem=True, owner_smem=True,
+                              defines={"SKV_ONE_BARRIER": 1, "SKV_RESOLVE_CHUNKED": chunked, "SKV_P1_BATCH": 2,
+                                       "SKV_SEEN_COVER": 2})
+    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
+    assert not emu.err[:8].any()
+
+
+@pytest.mark.parametrize("one_barrier", [0, 1])
+@pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
+def test_fused_passes_equal_the_numpy_engine(case, one_barrier):
+    """SKV_FUSE (hits marked by the lookup, the plan's keys placed by the slots pass, the
+    corrupt flags in a shared word), alone and with every other switch of the fast build:
+    bit for bit on every trace, the hash lookup."""
+    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
+    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
+    more = {"SKV_ONE_BARRIER": 1, "SKV_P1_BATCH": 3, "SKV_SEEN_COVER": 2} if one_barrier else {}
+    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, lru_smem=True,
+                              owner_smem=True, defines={"SKV_FUSE": 1, **more})
+    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
+    assert not emu.err[:8].any()
+
+
+@pytest.mark.parametrize("fast", [0, 1], ids=["fuse", "fuse-and-the-rest"])
+def test_fused_passes_on_corrupt_state_equal_the_plain_build(fast):
+    """Corrupt owners (a host row owned twice: the marks redone from the column states) and
+    corrupt lru rows (repeated entries, entries outside [0, S), so few evictables that misses
+    go without a slot: the plan compacted again): the SKV_FUSE build's slots, misses, plan,
+    counters, error record and state equal the plain build's, trial by trial."""
+    lay = layout(16, 48, 60, 3, max_batch=6)
+    more = {"SKV_ONE_BARRIER": 1, "SKV_P1_BATCH": 3, "SKV_SEEN_COVER": 2} if fast else {}
+    plain = cpu_kernels.Resolve(lay, "hash", threads=32, hash_scale=4, lru_smem=True, owner_smem=True)
+    fused = cpu_kernels.Resolve(lay, "hash", threads=32, hash_scale=4, lru_smem=True, owner_smem=True,
+                                defines={"SKV_FUSE": 1, **more})
+    rng = np.random.default_rng(31)
+    S = lay.region_stride
+    for trial in range(30):
+        owner = rng.integers(-3, 80, size=plain.owner.shape).astype(np.int32)
+        lru = np.stack([np.stack([rng.permutation(S) for _ in range(lay.max_reqs)])
+                        for _ in range(lay.num_groups)]).astype(np.int32)
+        if trial % 3 == 1:
+            lru[...] = rng.integers(-5, S + 5, size=lru.shape)
+        elif trial % 3 == 2:
+            lru[...] = rng.integers(0, S)  # one slot everywhere: misses go without a slot
+        sr, tk = gen_batch(rng, lay, {}, 6, 0.0)
+        got = []
+        for emu in (plain, fused):
+            emu.owner[...] = owner
+            emu.lru[...] = lru
+            got.append(emu.resolve(0, sr, tk))
+        assert_same(got[0], got[1], f"trial {trial}")
+        np.testing.assert_array_equal(fused.owner, plain.owner)
+        np.testing.assert_array_equal(fused.lru, plain.lru)
+        np.testing.assert_array_equal(fused.err, plain.err)
+    assert plain.err[E_CORRUPT_STATE] > 0
+
+
 @pytest.mark.parametrize("waves", [1, 3])
 @pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "wide")], ids=lambda t: t[0])
 def test_phase_1_in_waves_with_the_rows_in_the_workspace_equals_the_numpy_engine(case, waves):
