@@ -37,6 +37,9 @@ PLANS = 16  # distinct plans per timing round
 # Pool row strides timed against the model's 656 B rows (bench only, the daemon lays rows
 # out at their own size): 672 B rows are whole 32-byte sectors, 768 B whole 128-byte lines.
 ROW_SIZES = (656, 672, 704, 768)
+# csrc/resolve.cu without session 16's defaults (fused passes, one barrier a collective,
+# phase 1 in waves, the lru's seen marks set in phase 1): timed against the default.
+PLAIN_RESOLVE = {"SKV_FUSE": 0, "SKV_ONE_BARRIER": 0, "SKV_P1_BATCH": 0, "SKV_SEEN_COVER": 0}
 # The gather's kernel switches timed against the default (threads per block, the load
 # flavour of csrc/copy.cu: 0 plain, 1 __ldg, the default, 2 __ldcs).
 GATHER_VARIANTS = (("512 threads", {"threads": 512}), ("128 threads", {"threads": 128}),
@@ -530,30 +533,20 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                  ("workspace decided per launch (generic accesses)",
                   {"timing_defines": {"SKV_WS_SMEM": 0}}),
                  ("the first row's columns loaded with the state rows (prefetch)", {"timing_defines": {"SKV_PREFETCH": 1}}),
-                 ("block sums by warp reductions", {"timing_defines": {"SKV_SUM_ATOMIC": 0}}),
+                 ("block sums by warp reductions", {"timing_defines": {"SKV_ONE_BARRIER": 0, "SKV_SUM_ATOMIC": 0}}),
                  ("the lru walk's chunks read entry by entry", {"timing_defines": {"SKV_LRU_VEC": 0}}),
                  ("the plan's ranks one thread a miss", {"timing_defines": {"SKV_RANK_SPLIT": 0}}),
-                 ("the lru's seen marks not read back (every slot's bit checked after)",
-                  {"timing_defines": {"SKV_SEEN_COVER": 1}}),
-                 ("phase 1's loads in waves of 6", {"timing_defines": {"SKV_P1_BATCH": 6}}),
-                 ("phase 1's loads in waves of 3", {"timing_defines": {"SKV_P1_BATCH": 3}}),
-                 ("phase 1's loads in waves of 6, phase 1", {"timing_defines": {"SKV_P1_BATCH": 6, "SKV_RESOLVE_STOP": 1}}),
-                 ("seen marks set in phase 1", {"timing_defines": {"SKV_SEEN_COVER": 2}}),
-                 ("seen marks set in phase 1, loads in waves of 6",
-                  {"timing_defines": {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 6}}),
-                 ("seen marks set in phase 1, loads in waves of 3",
-                  {"timing_defines": {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 3}}),
-                 ("seen marks set in phase 1, loads in waves of 6, phase 2",
-                  {"timing_defines": {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 6, "SKV_RESOLVE_STOP": 2}}),
-                 ("fused passes", {"timing_defines": {"SKV_FUSE": 1}}),
-                 ("one barrier a collective", {"timing_defines": {"SKV_ONE_BARRIER": 1}}),
-                 ("fused passes, one barrier a collective", {"timing_defines": {"SKV_FUSE": 1, "SKV_ONE_BARRIER": 1}})]
-    fast = {"SKV_FUSE": 1, "SKV_ONE_BARRIER": 1, "SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 3}
-    variants += [("fast build (fused, one barrier, seen marks in phase 1, waves of 3)", {"timing_defines": fast}),
-                 ("fast build, waves of 6", {"timing_defines": {**fast, "SKV_P1_BATCH": 6}}),
-                 ("fast build, 512 threads", {"threads": 512, "timing_defines": fast}),
-                 ("fast build, 1024 threads", {"threads": 1024, "timing_defines": fast})]
-    variants += [(f"fast build, phase {p}", {"timing_defines": {**fast, "SKV_RESOLVE_STOP": p}}) for p in (1, 2, 4, 6, 7)]
+                 # session 16's switches, each against the default (csrc/resolve.cu)
+                 ("passes unfused", {"timing_defines": {"SKV_FUSE": 0}}),
+                 ("collectives with the shared helpers (two or three barriers)", {"timing_defines": {"SKV_ONE_BARRIER": 0}}),
+                 ("phase 1 loop by loop", {"timing_defines": {"SKV_P1_BATCH": 0}}),
+                 ("phase 1 in waves of 6", {"timing_defines": {"SKV_P1_BATCH": 6}}),
+                 ("the lru's seen marks read back, in phase 2", {"timing_defines": {"SKV_SEEN_COVER": 0}}),
+                 ("the lru's seen marks not read back, in phase 2", {"timing_defines": {"SKV_SEEN_COVER": 1}}),
+                 ("plain build (session 15's default)", {"timing_defines": dict(PLAIN_RESOLVE)}),
+                 ("plain build, phase 1", {"timing_defines": {**PLAIN_RESOLVE, "SKV_RESOLVE_STOP": 1}}),
+                 ("plain build, phase 4", {"timing_defines": {**PLAIN_RESOLVE, "SKV_RESOLVE_STOP": 4}}),
+                 ("plain build, phase 7", {"timing_defines": {**PLAIN_RESOLVE, "SKV_RESOLVE_STOP": 7}})]
     variants += [
                  ("session 8's build but for the lru's seen marks (generic accesses, chunks entry by entry, "
                   "ranks one thread a miss)",

@@ -71,7 +71,7 @@
 // Block-wide sums and scans: 0 the shared helpers (a scan two barriers, a sum three or
 // two); 1 one barrier each (common.cuh SkvRot: two slots of warp partials in turn).
 #ifndef SKV_ONE_BARRIER
-#define SKV_ONE_BARRIER 0
+#define SKV_ONE_BARRIER 1
 #endif
 #if SKV_ONE_BARRIER
 #define SKV_SUM(T, v) skv_rot_sum<SKV_RT, T>(rot, (v))
@@ -92,13 +92,13 @@
 // a corrupt lru or a miss left without a slot raise flags in a shared word, read after
 // the slots pass's barrier (a miss without a slot redoes the plan's compaction).
 #ifndef SKV_FUSE
-#define SKV_FUSE 0
+#define SKV_FUSE 1
 #endif
 #define SKV_FUSED (SKV_FUSE && SKV_RESOLVE_LOOKUP == 1 && SKV_RESOLVE_CHUNKED == 1)
 // Phase 1's global loads: 0 a loop per row (top-k, then lru and owners); N > 0 waves of N
 // entries a thread with every load of a wave issued before its first shared store.
 #ifndef SKV_P1_BATCH
-#define SKV_P1_BATCH 0
+#define SKV_P1_BATCH 3
 #endif
 #define SKV_P1_BATCH_N (SKV_P1_BATCH > 0 ? SKV_P1_BATCH : 1)
 // How a repeated entry of the old lru is found: 1 each entry's bit set without reading the
@@ -107,7 +107,7 @@
 // 2 as 1, with the bits set in phase 1 as the lru row arrives (no second pass over it),
 // the masks cleared once the row no longer reads them (and at the start).
 #ifndef SKV_SEEN_COVER
-#define SKV_SEEN_COVER 0
+#define SKV_SEEN_COVER 2
 #endif
 // The hash lookup's plan orders up to this many misses by counting (each miss's rank is
 // the number of smaller keys: no barriers); more are sorted (bitonic).
@@ -807,6 +807,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 #endif
         for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
         int plan_ready = 0;  // SKV_FUSED: the misses' keys are in place, in column order
+        (void)plan_ready;    // (read by the hash lookup's plan only)
         if (SKV_FUSED) {
             if (bad_slot) atomicOr(sh_bad, 1);
             __syncthreads();

@@ -30,6 +30,9 @@ from sparsekv.daemon.residency.cuda import E_CORRUPT_STATE, E_DUPLICATE_IDS, E_T
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 
+# csrc/resolve.cu without session 16's defaults (client/bench_kernels.py times it).
+SKV_PLAIN = {"SKV_FUSE": 0, "SKV_ONE_BARRIER": 0, "SKV_P1_BATCH": 0, "SKV_SEEN_COVER": 0}
+
 
 # name, top_k, stride, host_rows, max_reqs, groups, batch, steps, overlap, threads, workspace
 TRACES = [
@@ -87,17 +90,18 @@ def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, op
     assert not emu.err[:8].any()
 
 
-@pytest.mark.parametrize("defines", [{"SKV_PREFETCH": 1}, {"SKV_SUM_ATOMIC": 0}, {"SKV_RANK_SPLIT": 0},
-                                     {"SKV_P1_BATCH": 1}, {"SKV_P1_BATCH": 3}, {"SKV_SEEN_COVER": 1},
-                                     {"SKV_SEEN_COVER": 2}, {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 3}],
-                         ids=["prefetch", "warp-sums", "ranks-one-thread", "waves-of-1", "waves-of-3", "seen-cover",
-                              "seen-in-phase-1", "seen-in-waves"])
+@pytest.mark.parametrize("defines", [{"SKV_PREFETCH": 1}, {"SKV_ONE_BARRIER": 0}, {"SKV_ONE_BARRIER": 0, "SKV_SUM_ATOMIC": 0},
+                                     {"SKV_RANK_SPLIT": 0}, {"SKV_P1_BATCH": 0}, {"SKV_P1_BATCH": 1},
+                                     {"SKV_SEEN_COVER": 0}, {"SKV_SEEN_COVER": 1}, {"SKV_FUSE": 0}],
+                         ids=["prefetch", "atomic-sums", "warp-sums", "ranks-one-thread", "loop-loads", "waves-of-1",
+                              "seen-read-back", "seen-cover", "unfused"])
 @pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "wide")], ids=lambda t: t[0])
 def test_the_resolve_build_options_equal_the_numpy_engine(case, defines):
     """The other side of each timed switch (csrc/resolve.cu, csrc/common.cuh): the first
-    row's columns loaded with the state rows, block sums by warp reductions, the plan's
-    ranks counted by one thread a miss, phase 1's loads in waves, the lru's seen marks
-    not read back; the hash lookup."""
+    row's columns loaded with the state rows, block sums with three barriers or by warp
+    reductions, the plan's ranks counted by one thread a miss, phase 1 loop by loop or in
+    waves of one, the lru's seen marks read back or set in phase 2, the passes unfused;
+    the hash lookup."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, defines=defines)
@@ -126,48 +130,31 @@ def test_a_miss_taking_its_id_from_its_key_equals_the_numpy_engine(case):
     assert not emu.err[:8].any()
 
 
-@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
-@pytest.mark.parametrize("lookup", ["sort", "hash"])
-@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "many-misses", "tiles-global")],
-                         ids=lambda t: t[0])
-def test_one_barrier_collectives_equal_the_numpy_engine(case, lookup, chunked):
-    """SKV_ONE_BARRIER (every block sum and scan with one barrier, two slots of warp
-    partials in turn), with phase 1 in waves and the seen marks set there: bit for bit."""
-    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
-    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=threads, workspace=ws, lru_smem=True, owner_smem=True,
-                              defines={"SKV_ONE_BARRIER": 1, "SKV_RESOLVE_CHUNKED": chunked, "SKV_P1_BATCH": 2,
-                                       "SKV_SEEN_COVER": 2})
-    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
-    assert not emu.err[:8].any()
-
-
-@pytest.mark.parametrize("one_barrier", [0, 1])
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
-def test_fused_passes_equal_the_numpy_engine(case, one_barrier):
-    """SKV_FUSE (hits marked by the lookup, the plan's keys placed by the slots pass, the
-    corrupt flags in a shared word), alone and with every other switch of the fast build:
-    bit for bit on every trace, the hash lookup."""
+def test_the_plain_build_equals_the_numpy_engine(case):
+    """The resolve without session 16's switches (SKV_PLAIN: every collective with the
+    shared helpers, phase 1 loop by loop, the seen marks read back, no fused passes; what
+    `sparsekv bench kernels` times the default against), the hash lookup, bit for bit."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    more = {"SKV_ONE_BARRIER": 1, "SKV_P1_BATCH": 3, "SKV_SEEN_COVER": 2} if one_barrier else {}
     emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, lru_smem=True,
-                              owner_smem=True, defines={"SKV_FUSE": 1, **more})
+                              owner_smem=True, defines=SKV_PLAIN)
     run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
     assert not emu.err[:8].any()
 
 
-@pytest.mark.parametrize("fast", [0, 1], ids=["fuse", "fuse-and-the-rest"])
+@pytest.mark.parametrize("fast", [{"SKV_FUSE": 1}, {}], ids=["fuse", "default"])
 def test_fused_passes_on_corrupt_state_equal_the_plain_build(fast):
     """Corrupt owners (a host row owned twice: the marks redone from the column states) and
     corrupt lru rows (repeated entries, entries outside [0, S), so few evictables that misses
-    go without a slot: the plan compacted again): the SKV_FUSE build's slots, misses, plan,
-    counters, error record and state equal the plain build's, trial by trial."""
+    go without a slot: the plan compacted again): the SKV_FUSE build's (alone, and the
+    default build) slots, misses, plan, counters, error record and state equal the plain
+    build's, trial by trial."""
     lay = layout(16, 48, 60, 3, max_batch=6)
-    more = {"SKV_ONE_BARRIER": 1, "SKV_P1_BATCH": 3, "SKV_SEEN_COVER": 2} if fast else {}
-    plain = cpu_kernels.Resolve(lay, "hash", threads=32, hash_scale=4, lru_smem=True, owner_smem=True)
+    plain = cpu_kernels.Resolve(lay, "hash", threads=32, hash_scale=4, lru_smem=True, owner_smem=True,
+                                defines=SKV_PLAIN)
     fused = cpu_kernels.Resolve(lay, "hash", threads=32, hash_scale=4, lru_smem=True, owner_smem=True,
-                                defines={"SKV_FUSE": 1, **more})
+                                defines={**SKV_PLAIN, **fast} if fast else {})
     rng = np.random.default_rng(31)
     S = lay.region_stride
     for trial in range(30):
@@ -189,19 +176,6 @@ def test_fused_passes_on_corrupt_state_equal_the_plain_build(fast):
         np.testing.assert_array_equal(fused.lru, plain.lru)
         np.testing.assert_array_equal(fused.err, plain.err)
     assert plain.err[E_CORRUPT_STATE] > 0
-
-
-@pytest.mark.parametrize("waves", [1, 3])
-@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "wide")], ids=lambda t: t[0])
-def test_phase_1_in_waves_with_the_rows_in_the_workspace_equals_the_numpy_engine(case, waves):
-    """SKV_P1_BATCH with the owner and lru rows copied into the workspace (the daemon's
-    default where they fit): every load of a wave before its stores, bit for bit."""
-    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
-    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, lru_smem=True,
-                              owner_smem=True, defines={"SKV_P1_BATCH": waves})
-    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
-    assert not emu.err[:8].any()
 
 
 @pytest.mark.parametrize("opts", [{}, {"lru_smem": True, "owner_smem": True}], ids=["global-rows", "workspace-rows"])
