@@ -806,8 +806,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         }
 #endif
         for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
-        int plan_ready = 0;  // SKV_FUSED: the misses' keys are in place, in column order
-        (void)plan_ready;    // (read by the hash lookup's plan only)
+        [[maybe_unused]] int plan_ready = 0;  // SKV_FUSED: the misses' keys are in place, in column order
         if (SKV_FUSED) {
             if (bad_slot) atomicOr(sh_bad, 1);
             __syncthreads();
