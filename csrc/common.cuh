@@ -51,9 +51,10 @@ __device__ __forceinline__ u64 skv_align16(u64 x) { return (x + 15ull) & ~15ull;
 
 // The block-wide exclusive prefix of a per-thread value from its warp-wide one: `in_warp`
 // (this thread's prefix within its warp) and `warp_sum` (its warp's total, the same in
-// every lane). `warp_tot` is __shared__ int[NT / 32]; `*total` receives the block's sum.
+// every lane), through `warp_tot` (__shared__ int[NT / 32]); `*total` receives the block's
+// sum. One barrier; `warp_tot` may be written again only after another barrier.
 template <int NT>
-__device__ __forceinline__ int skv_add_warps(int in_warp, int warp_sum, int* warp_tot, int* total) {
+__device__ __forceinline__ int skv_warp_totals(int in_warp, int warp_sum, int* warp_tot, int* total) {
     const int warp = threadIdx.x >> 5;
     if ((threadIdx.x & 31) == 0) warp_tot[warp] = warp_sum;
     __syncthreads();
@@ -64,18 +65,39 @@ __device__ __forceinline__ int skv_add_warps(int in_warp, int warp_sum, int* war
         before += (w < warp) ? v : 0;
         sum += v;
     }
-    __syncthreads();  // warp_tot is reused by the next call
     *total = sum;
     return before + in_warp;
+}
+
+// Ballots of a warp: this lane's exclusive prefix (*in_warp) and the warp's total
+// (*warp_sum) of a per-thread count v in [0, 2^bits), bit by bit.
+__device__ __forceinline__ void skv_warp_count(int v, int bits, int* in_warp, int* warp_sum) {
+    const u32 below = (1u << (threadIdx.x & 31)) - 1u;
+    int before = 0, sum = 0;
+    for (int p = 0; p < bits; ++p) {
+        const u32 m = __ballot_sync(0xffffffffu, (v >> p) & 1);
+        before += __popc(m & below) << p;
+        sum += __popc(m) << p;
+    }
+    *in_warp = before;
+    *warp_sum = sum;
+}
+
+// skv_warp_totals, then a barrier: `warp_tot` is free again when it returns.
+template <int NT>
+__device__ __forceinline__ int skv_add_warps(int in_warp, int warp_sum, int* warp_tot, int* total) {
+    const int r = skv_warp_totals<NT>(in_warp, warp_sum, warp_tot, total);
+    __syncthreads();  // warp_tot is reused by the next call
+    return r;
 }
 
 // Exclusive prefix count of a per-thread flag across the block, in thread order.
 // `warp_tot` is __shared__ int[NT / 32]; `*total` receives the block's count.
 template <int NT>
 __device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int* total) {
-    const int lane = threadIdx.x & 31;
-    const u32 mask = __ballot_sync(0xffffffffu, flag);
-    return skv_add_warps<NT>(__popc(mask & ((1u << lane) - 1u)), __popc(mask), warp_tot, total);
+    int in_warp, warp_sum;
+    skv_warp_count(flag ? 1 : 0, 1, &in_warp, &warp_sum);
+    return skv_add_warps<NT>(in_warp, warp_sum, warp_tot, total);
 }
 
 // Exclusive prefix sum, in thread order, of a per-thread count v in [0, 2^bits) (bits
@@ -84,14 +106,8 @@ __device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int
 // __shared__ int[NT / 32]; `*total` receives the block's sum.
 template <int NT>
 __device__ __forceinline__ int skv_block_scan_count(int v, int bits, int* warp_tot, int* total) {
-    const int lane = threadIdx.x & 31;
-    const u32 below = (1u << lane) - 1u;
-    int in_warp = 0, warp_sum = 0;
-    for (int p = 0; p < bits; ++p) {
-        const u32 m = __ballot_sync(0xffffffffu, (v >> p) & 1);
-        in_warp += __popc(m & below) << p;
-        warp_sum += __popc(m) << p;
-    }
+    int in_warp, warp_sum;
+    skv_warp_count(v, bits, &in_warp, &warp_sum);
     return skv_add_warps<NT>(in_warp, warp_sum, warp_tot, total);
 }
 
@@ -109,37 +125,20 @@ template <int NT>
 __device__ __forceinline__ int skv_rot_add_warps(SkvRot& r, int in_warp, int warp_sum, int* total) {
     int* wt = r.buf + r.slot * (NT / 32);
     r.slot ^= 1;
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) wt[warp] = warp_sum;
-    __syncthreads();
-    int before = 0, sum = 0;
-#pragma unroll
-    for (int w = 0; w < NT / 32; ++w) {
-        const int v = wt[w];
-        before += (w < warp) ? v : 0;
-        sum += v;
-    }
-    *total = sum;
-    return before + in_warp;
+    return skv_warp_totals<NT>(in_warp, warp_sum, wt, total);
 }
 
 template <int NT>
 __device__ __forceinline__ int skv_rot_scan_flag(SkvRot& r, bool flag, int* total) {
-    const int lane = threadIdx.x & 31;
-    const u32 mask = __ballot_sync(0xffffffffu, flag);
-    return skv_rot_add_warps<NT>(r, __popc(mask & ((1u << lane) - 1u)), __popc(mask), total);
+    int in_warp, warp_sum;
+    skv_warp_count(flag ? 1 : 0, 1, &in_warp, &warp_sum);
+    return skv_rot_add_warps<NT>(r, in_warp, warp_sum, total);
 }
 
 template <int NT>
 __device__ __forceinline__ int skv_rot_scan_count(SkvRot& r, int v, int bits, int* total) {
-    const int lane = threadIdx.x & 31;
-    const u32 below = (1u << lane) - 1u;
-    int in_warp = 0, warp_sum = 0;
-    for (int p = 0; p < bits; ++p) {
-        const u32 m = __ballot_sync(0xffffffffu, (v >> p) & 1);
-        in_warp += __popc(m & below) << p;
-        warp_sum += __popc(m) << p;
-    }
+    int in_warp, warp_sum;
+    skv_warp_count(v, bits, &in_warp, &warp_sum);
     return skv_rot_add_warps<NT>(r, in_warp, warp_sum, total);
 }
 

@@ -54,6 +54,34 @@ struct SkvDstGeometry {
     i64 block_stride;
 };
 
+// pref[b] = entries of the batch rows before b, each row's count clamped to [0, ld];
+// pref[nb] = the total, returned to every thread. The caller synchronises the block before
+// reading pref.
+__device__ __forceinline__ i64 skv_plan_prefix(const int* __restrict__ counts, const int nb, const int ld,
+                                               i64* pref) {
+    __shared__ int sh_scan[SKV_CT];
+    i64 carry = 0;
+    for (int base = 0; base < nb; base += SKV_CT) {
+        const int b = base + threadIdx.x;
+        int c = b < nb ? counts[b] : 0;
+        c = c < 0 ? 0 : (c > ld ? ld : c);
+        int tile;
+        const int ex = skv_block_scan_sum<SKV_CT>(c, sh_scan, &tile);
+        if (b < nb) pref[b] = carry + ex;
+        carry += tile;
+    }
+    if (threadIdx.x == 0) pref[nb] = carry;
+    return carry;
+}
+
+// The index-list entry of a layer's r-th copied row: with counts, row b's pref[b]-th onwards
+// are its first entries (e = b * ld + (r - pref[b])); without, e = r.
+__device__ __forceinline__ i64 skv_entry(i64 r, const int* counts, const i64* pref, int nb, int ld) {
+    if (!counts) return r;
+    const int b = skv_upper_bound_i64(pref, nb + 1, r) - 1;
+    return (i64)b * ld + (r - pref[b]);
+}
+
 // Copy, for each listed layer li in [0, n_layers), every entry e of a [nb, ld] index list:
 //   src row  = src_idx ? src_idx[e] : e     of source layer (mode & 1 ? layers[li] : li)
 //   dst row  = dst_idx ? dst_idx[e] : e     of dest layer   (mode & 2 ? layers[li] : li)
@@ -72,24 +100,12 @@ __device__ __forceinline__ void skv_copy_body(
     const int* __restrict__ counts, const int nb, const int ld, i64 total,
     const SkvDstGeometry geo)
 {
-    __shared__ int sh_scan[SKV_CT];
     SKV_DYN_SMEM(skv_smem);
     i64* pref = (i64*)skv_smem;  // pref[b] = entries of batch rows before b (counts mode)
 
     if (counts) {
-        i64 carry = 0;
-        for (int base = 0; base < nb; base += SKV_CT) {
-            const int b = base + threadIdx.x;
-            int c = b < nb ? counts[b] : 0;
-            c = c < 0 ? 0 : (c > ld ? ld : c);
-            int tile;
-            const int ex = skv_block_scan_sum<SKV_CT>(c, sh_scan, &tile);
-            if (b < nb) pref[b] = carry + ex;
-            carry += tile;
-        }
-        if (threadIdx.x == 0) pref[nb] = carry;
+        total = skv_plan_prefix(counts, nb, ld, pref);
         __syncthreads();
-        total = carry;
     }
     const i64 per_layer = total * SKV_ROW_VECS;
     const i64 step = (i64)gridDim.x * SKV_CT;
@@ -114,13 +130,7 @@ __device__ __forceinline__ void skv_copy_body(
                 if (v < per_layer) {
                     const i64 r = v / SKV_ROW_VECS;  // entry number within this layer
                     const int vec = (int)(v - r * SKV_ROW_VECS);
-                    i64 e;
-                    if (counts) {
-                        const int b = skv_upper_bound_i64(pref, nb + 1, r) - 1;
-                        e = (i64)b * ld + (r - pref[b]);
-                    } else {
-                        e = r;
-                    }
+                    const i64 e = skv_entry(r, counts, pref, nb, ld);
                     const i64 sr = src_idx ? (i64)src_idx[e] : e;
                     const i64 dr = dst_idx ? (i64)dst_idx[e] : e;
                     if (sr >= 0 && sr < src_rows && dr >= 0 && dr < dst_rows) {
@@ -201,25 +211,11 @@ __device__ __forceinline__ void skv_copy_body_tma(
     const int* __restrict__ counts, const int nb, const int ld, i64 total,
     const SkvDstGeometry geo, unsigned char* smem)
 {
-    __shared__ int sh_scan[SKV_CT];
     i64* pref = (i64*)smem;
     unsigned char* stages = smem + SKV_TMA_HEAD(nb);
     u64* bars = (u64*)(stages + (i64)SKV_CT * SKV_TMA_STAGES * SKV_ROW_BYTES);
     const int tid = threadIdx.x;
-    if (counts) {
-        i64 carry = 0;
-        for (int base = 0; base < nb; base += SKV_CT) {
-            const int b = base + tid;
-            int c = b < nb ? counts[b] : 0;
-            c = c < 0 ? 0 : (c > ld ? ld : c);
-            int tile;
-            const int ex = skv_block_scan_sum<SKV_CT>(c, sh_scan, &tile);
-            if (b < nb) pref[b] = carry + ex;
-            carry += tile;
-        }
-        if (tid == 0) pref[nb] = carry;
-        total = carry;
-    }
+    if (counts) total = skv_plan_prefix(counts, nb, ld, pref);  // (the barrier below orders pref)
     u32 buf[SKV_TMA_STAGES], bar[SKV_TMA_STAGES];
 #pragma unroll
     for (int st = 0; st < SKV_TMA_STAGES; ++st) {
@@ -240,13 +236,7 @@ __device__ __forceinline__ void skv_copy_body_tma(
         const i64 sl = (mode & 1) ? lay : li;
         const i64 dl = (mode & 2) ? lay : li;
         if (sl < 0 || sl >= src_layers || dl < 0 || dl >= dst_layers) return nullptr;
-        i64 e;
-        if (counts) {
-            const int b = skv_upper_bound_i64(pref, nb + 1, r) - 1;
-            e = (i64)b * ld + (r - pref[b]);
-        } else {
-            e = r;
-        }
+        const i64 e = skv_entry(r, counts, pref, nb, ld);
         const i64 sr = src_idx ? (i64)src_idx[e] : e;
         const i64 dr = dst_idx ? (i64)dst_idx[e] : e;
         if (sr < 0 || sr >= src_rows || dr < 0 || dr >= dst_rows) return nullptr;
