@@ -115,13 +115,19 @@ class _StreamRef:
 
 def _external(cp, stream_ptr: int):
     """A CuPy stream object for a stream someone else owns (torch's current stream):
-    ``Stream.from_external`` where CuPy has it (``ExternalStream`` is deprecated there),
-    ``ExternalStream`` for the special handles (0, 1, 2: legacy and per-thread default
-    streams) and older CuPy."""
+    ``Stream.from_external`` where CuPy has it (``ExternalStream`` is deprecated there);
+    CuPy's own objects for the default streams (0: ``Stream.null``, 2: ``Stream.ptds``,
+    the per-thread one); ``ExternalStream`` for handle 1 (``cudaStreamLegacy``) and older
+    CuPy."""
     from_external = getattr(cp.cuda.Stream, "from_external", None)
-    if from_external is not None and int(stream_ptr) > 2:
-        return from_external(_StreamRef(stream_ptr))
-    return cp.cuda.ExternalStream(stream_ptr)
+    ptr = int(stream_ptr)
+    if from_external is not None:
+        if ptr > 2:
+            return from_external(_StreamRef(ptr))
+        own = {0: getattr(cp.cuda.Stream, "null", None), 2: getattr(cp.cuda.Stream, "ptds", None)}.get(ptr)
+        if own is not None:
+            return own
+    return cp.cuda.ExternalStream(ptr)
 
 
 def _kernels():

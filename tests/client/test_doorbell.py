@@ -513,16 +513,23 @@ def test_replay_refuses_the_doorbell_without_the_cuda_backend():
 
 def test_an_engine_stream_is_wrapped_through_the_stream_protocol_where_cupy_has_it():
     """CuPy's ExternalStream is deprecated: Stream.from_external with an object offering
-    ``__cuda_stream__`` (version 0, the handle), except for the special handles 0-2."""
+    ``__cuda_stream__`` (version 0, the handle); CuPy's own null and per-thread default
+    stream objects for handles 0 and 2; ExternalStream only for handle 1 (legacy) and for
+    a CuPy without from_external."""
     import types
 
     from sparsekv.client.doorbell import _external
 
     seen = []
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        Stream=types.SimpleNamespace(from_external=lambda obj: seen.append(("from", obj.__cuda_stream__())) or "s"),
+        Stream=types.SimpleNamespace(from_external=lambda obj: seen.append(("from", obj.__cuda_stream__())) or "s",
+                                     null="null", ptds="ptds"),
         ExternalStream=lambda ptr: seen.append(("ext", ptr)) or "e"))
-    assert _external(fake, 0x7F00AB) == "s" and _external(fake, 0) == "e" and _external(fake, 2) == "e"
-    assert seen == [("from", (0, 0x7F00AB)), ("ext", 0), ("ext", 2)]
+    assert _external(fake, 0x7F00AB) == "s"
+    assert _external(fake, 0) == "null" and _external(fake, 2) == "ptds" and _external(fake, 1) == "e"
+    assert seen == [("from", (0, 0x7F00AB)), ("ext", 1)]
+    del fake.cuda.Stream.ptds  # a CuPy without the per-thread stream object
+    assert _external(fake, 2) == "e" and seen[-1] == ("ext", 2)
     del fake.cuda.Stream.from_external  # older CuPy
     assert _external(fake, 0x7F00AB) == "e" and seen[-1] == ("ext", 0x7F00AB)
+    assert _external(fake, 0) == "e" and seen[-1] == ("ext", 0)
