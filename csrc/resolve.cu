@@ -57,9 +57,6 @@
 // 1: the first batch row's keys and lru copy are written into the workspace while the
 // block checks whether it works (their global loads in the same round trip as the state
 // rows': one round trip less before phase 1); 0: in phase 1, as for every later row.
-// 2: the first wave of phase 1 (SKV_P1_BATCH entries a thread of the top-k, lru and owner
-// rows) loaded into registers with the state rows of that check, stored once the block
-// knows it works: the first row's data one round trip after the descriptor.
 #ifndef SKV_PREFETCH
 #define SKV_PREFETCH 0  // on the H200 (session 9, one run): 20.0 us with it, 19.4 without
 #endif
@@ -104,9 +101,6 @@
 #define SKV_P1_BATCH 3
 #endif
 #define SKV_P1_BATCH_N (SKV_P1_BATCH > 0 ? SKV_P1_BATCH : 1)
-#if SKV_PREFETCH == 2 && SKV_P1_BATCH == 0
-#error "SKV_PREFETCH 2 prefetches phase 1's first wave: it needs SKV_P1_BATCH > 0"
-#endif
 // How a repeated entry of the old lru is found: 1 each entry's bit set without reading the
 // word back (the atomics do not wait), then, all entries in range, the lru repeats one iff a
 // slot's bit is missing (S entries, S slots); 0 each atomicOr's old word tells at once;
@@ -417,16 +411,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     // the first row this block resolves, if it works), loaded with the check below.
     const int sr_first = b0 + tid < batch ? state_rows[b0 + tid] : -1;
     int oor_first = 0;
-    int pk[SKV_P1_BATCH_N], pl[SKV_P1_BATCH_N], po[SKV_P1_BATCH_N];  // SKV_PREFETCH 2
-    if (SKV_PREFETCH == 2) {
-#pragma unroll
-        for (int u = 0; u < SKV_P1_BATCH_N; ++u) {
-            const int i = u * SKV_RT + tid;
-            pk[u] = i < k ? topk[(i64)b0 * k + i] : 0;
-            pl[u] = i < S ? lru[i] : 0;
-            po[u] = (SKV_OWNER_SMEM && i < S) ? owner[i] : 0;
-        }
-    } else if (SKV_PREFETCH) {
+    if (SKV_PREFETCH) {
         for (int i = tid; i < kp; i += SKV_RT) oor_first += column(i, i < k ? topk[(i64)b0 * k + i] : 0);
         for (int i = tid; i < S; i += SKV_RT) w.lcopy[i] = lru[i];
     }
@@ -465,8 +450,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 
         // 1a. keys, column states, cleared hit mask, copy of the lru row (the first
         // row's keys and lru copy are there already with SKV_PREFETCH).
-        const bool in_hand = SKV_PREFETCH == 1 && tile0 == b0 && li == 0;  // b == b0
-        const bool wave0_in_hand = SKV_PREFETCH == 2 && tile0 == b0 && li == 0;
+        const bool in_hand = SKV_PREFETCH && tile0 == b0 && li == 0;  // b == b0
         int oor = in_hand ? oor_first : 0;
         int lru_bad = 0;
         // SKV_SEEN_COVER 2: old lru entry v marked seen as it is copied.
@@ -499,15 +483,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 #pragma unroll
                 for (int u = 0; u < SKV_P1_BATCH_N; ++u) {
                     const int i = base + u * SKV_RT + tid;
-                    if (wave0_in_hand && base == 0) {
-                        vk[u] = pk[u];
-                        vl[u] = pl[u];
-                        vo[u] = po[u];
-                    } else {
-                        vk[u] = i < k ? ids[i] : 0;
-                        vl[u] = i < S ? lru[i] : 0;
-                        vo[u] = (SKV_OWNER_SMEM && i < S) ? owner[i] : 0;
-                    }
+                    vk[u] = i < k ? ids[i] : 0;
+                    vl[u] = i < S ? lru[i] : 0;
+                    vo[u] = (SKV_OWNER_SMEM && i < S) ? owner[i] : 0;
                 }
                 if (base == 0) clear_tables();
 #pragma unroll
