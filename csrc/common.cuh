@@ -53,11 +53,25 @@ __device__ __forceinline__ u64 skv_align16(u64 x) { return (x + 15ull) & ~15ull;
 // (this thread's prefix within its warp) and `warp_sum` (its warp's total, the same in
 // every lane), through `warp_tot` (__shared__ int[NT / 32]); `*total` receives the block's
 // sum. One barrier; `warp_tot` may be written again only after another barrier.
+// SKV_WARP_TOTALS_REDUX 1: after the barrier, lane w reads warp w's total and two warp
+// reductions (__reduce_add_sync) give the block's sum and the sum before this warp (one
+// shared load and two reductions a thread); 0: every thread reads all NT / 32 totals
+// (NT / 32 loads and twice as many adds). Off until timed on the H200.
+#ifndef SKV_WARP_TOTALS_REDUX
+#define SKV_WARP_TOTALS_REDUX 0
+#endif
 template <int NT>
 __device__ __forceinline__ int skv_warp_totals(int in_warp, int warp_sum, int* warp_tot, int* total) {
+    static_assert(NT % 32 == 0 && NT <= 1024, "whole warps, at most 32 of them");
     const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) warp_tot[warp] = warp_sum;
+    const int lane = threadIdx.x & 31;
+    if (lane == 0) warp_tot[warp] = warp_sum;
     __syncthreads();
+#if SKV_WARP_TOTALS_REDUX
+    const unsigned v = lane < NT / 32 ? (unsigned)warp_tot[lane] : 0u;
+    *total = (int)__reduce_add_sync(0xffffffffu, v);
+    return (int)__reduce_add_sync(0xffffffffu, lane < warp ? v : 0u) + in_warp;
+#else
     int before = 0, sum = 0;
 #pragma unroll
     for (int w = 0; w < NT / 32; ++w) {
@@ -67,6 +81,7 @@ __device__ __forceinline__ int skv_warp_totals(int in_warp, int warp_sum, int* w
     }
     *total = sum;
     return before + in_warp;
+#endif
 }
 
 // Ballots of a warp: this lane's exclusive prefix (*in_warp) and the warp's total
