@@ -512,7 +512,7 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     # state (owners and lru after the cycle), so that a stopped kernel sees the cycle's
     # hits too (a fresh state would make every column a miss).
     other = "sort" if res.lookup == "hash" else "hash"
-    variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(1, 8)]
+    variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(0, 8)]
     variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512, 768, 1024) if t_ != res.threads]
     variants += [("tiles walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}}),
                  ("warp-segment lru walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2}}),

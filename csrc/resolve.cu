@@ -113,9 +113,10 @@
 // the number of smaller keys: no barriers); more are sorted (bitonic).
 #define SKV_RANK_MAX 512
 
-// Timing only (sparsekv bench kernels): stop each batch row after phase N (1 keys and
-// copies, 2 sort, 3 duplicates, 4 hit lookup, 5 counts, 6 new lru, 7 slots); the results
-// are then wrong. The daemon never defines it.
+// Timing only (sparsekv bench kernels): stop each batch row after phase N (0 nothing but
+// the launch, the descriptor and the state rows' check, 1 keys and copies, 2 sort, 3
+// duplicates, 4 hit lookup, 5 counts, 6 new lru, 7 slots); the results are then wrong. The
+// daemon never defines it.
 #ifndef SKV_RESOLVE_STOP
 #define SKV_RESOLVE_STOP 99
 #endif
@@ -448,6 +449,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             continue;
         }
 
+        SKV_STOP_AFTER(0)
         // 1a. keys, column states, cleared hit mask, copy of the lru row (the first
         // row's keys and lru copy are there already with SKV_PREFETCH).
         const bool in_hand = SKV_PREFETCH && tile0 == b0 && li == 0;  // b == b0
