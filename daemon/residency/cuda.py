@@ -676,7 +676,7 @@ class CudaMover(Mover):
             gather_defines = copy_defines(lay.row_bytes, threads, load, self.tma_stages)
             gather_smem = tma_gather_smem(lay.row_bytes, threads, self.tma_stages, lay.max_batch)
         if gather_smem > DEFAULT_SMEM_BYTES:
-            limit = _smem_limit(self._copy)
+            limit = _smem_limit(kernels.function("copy.cu", "skv_gather", gather_defines))  # its own static part
             if gather_smem > limit:
                 raise ResidencyError("TOO_LARGE", f"max_batch {lay.max_batch} needs {gather_smem} B of shared "
                                      f"memory for one gather; this GPU allows {limit} B; lower max_batch"
