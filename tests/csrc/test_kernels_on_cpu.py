@@ -93,16 +93,19 @@ def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, op
 @pytest.mark.parametrize("defines", [{"SKV_PREFETCH": 1}, {"SKV_ONE_BARRIER": 0}, {"SKV_ONE_BARRIER": 0, "SKV_SUM_ATOMIC": 0},
                                      {"SKV_RANK_SPLIT": 0}, {"SKV_P1_BATCH": 0}, {"SKV_P1_BATCH": 1},
                                      {"SKV_SEEN_COVER": 0}, {"SKV_SEEN_COVER": 1}, {"SKV_FUSE": 0},
-                                     {"SKV_WARP_TOTALS_REDUX": 1}, {"SKV_WARP_TOTALS_REDUX": 1, "SKV_ONE_BARRIER": 0}],
+                                     {"SKV_WARP_TOTALS_REDUX": 1}, {"SKV_WARP_TOTALS_REDUX": 1, "SKV_ONE_BARRIER": 0},
+                                     {"SKV_LRU_KEEP": 1}],
                          ids=["prefetch", "atomic-sums", "warp-sums", "ranks-one-thread", "loop-loads", "waves-of-1",
-                              "seen-read-back", "seen-cover", "unfused", "redux-totals", "redux-totals-two-barriers"])
+                              "seen-read-back", "seen-cover", "unfused", "redux-totals", "redux-totals-two-barriers",
+                              "lru-chunk-kept"])
 @pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "wide")], ids=lambda t: t[0])
 def test_the_resolve_build_options_equal_the_numpy_engine(case, defines):
     """The other side of each timed switch (csrc/resolve.cu, csrc/common.cuh): the first
     row's columns loaded with the state rows, block sums with three barriers or by warp
     reductions, the plan's ranks counted by one thread a miss, phase 1 loop by loop or in
     waves of one, the lru's seen marks read back or set in phase 2, the passes unfused,
-    the warp totals by warp reductions; the hash lookup."""
+    the warp totals by warp reductions, the partition's chunk kept in registers; the hash
+    lookup."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, defines=defines)

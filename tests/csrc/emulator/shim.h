@@ -50,5 +50,6 @@ template <class T> inline T atomicCAS(T* a, T c, T v) { T o = *a; if (o == c) *a
 // 16-byte vectors and the read-only / streaming loads of the copy kernels.
 struct uint4 { unsigned x, y, z, w; };
 struct int4 { int x, y, z, w; };
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcs(const T* p) { return *p; }
