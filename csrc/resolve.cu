@@ -400,8 +400,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const int mask_words = (S + 31) / 32;
 
     // Phase 1a's keys and column states of column i < kp (id g when i < k); returns
-    // whether g is out of range (counted).
-    // Returns (out of range << 16) | valid: summed over the row, both counts fit 16 bits.
+    // (g out of range << 16) | (g valid): summed over a row, each count fits 16 bits.
     auto column = [&](int i, int g) -> int {
         u64 key = SKV_NO_KEY;
         int counts = 0;
@@ -473,10 +472,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const int hsize = 1 << hbits;
 #endif
         auto clear_tables = [&]() {
-            for (int i = tid; i < mask_words && SKV_SEEN_COVER != 2; i += SKV_RT) {
-                w.hmask[i] = 0u;
-                w.smask[i] = 0u;
-            }
+            if (SKV_SEEN_COVER != 2) skv_clear_masks(w, mask_words);  // (2: cleared when a row is done)
 #if SKV_RESOLVE_LOOKUP == 1
             for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
 #endif
@@ -521,7 +517,6 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const u32 col_counts = SKV_SUM(u32, (u32)oor);  // also orders the writes above
         const int n_oor = (int)(col_counts >> 16);
         const int n_valid = (int)(col_counts & 0xffffu);
-        (void)n_valid;
         SKV_STOP_AFTER(1)
 
         // The old lru's entries marked seen (smask): one outside [0, S) or seen before
@@ -639,26 +634,23 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             // One block sum for both (k <= 32768 columns: each count fits in 16 bits).
             return SKV_SUM(u32, ((u32)nh << 16) | (u32)nm);
         };
-        int n_hit, n_miss;
+        u32 both;  // (hits << 16) | misses
         if (SKV_FUSED) {
             const u32 found = SKV_SUM(u32, ((u32)nh_found << 16) | (u32)twice);  // the lookup's barrier
-            n_hit = (int)(found >> 16);
-            n_miss = n_valid - n_hit;
+            both = (found & 0xffff0000u) | (u32)(n_valid - (int)(found >> 16));
             SKV_STOP_AFTER(4)
             if (found & 0xffffu) {  // a host row owned twice: the marks from the column states
                 for (int i = tid; i < mask_words; i += SKV_RT) w.hmask[i] = 0u;
                 __syncthreads();
-                const u32 both = mark_hits();
-                n_hit = (int)(both >> 16);
-                n_miss = (int)(both & 0xffffu);
+                both = mark_hits();
             }
         } else {
             __syncthreads();
             SKV_STOP_AFTER(4)
-            const u32 both = mark_hits();
-            n_hit = (int)(both >> 16);
-            n_miss = (int)(both & 0xffffu);
+            both = mark_hits();
         }
+        const int n_hit = (int)(both >> 16);
+        const int n_miss = (int)(both & 0xffffu);
         SKV_STOP_AFTER(5)
         int* const lru_out = SKV_LRU_SMEM ? w.lnew : lru;
 
