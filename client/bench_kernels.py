@@ -37,9 +37,6 @@ PLANS = 16  # distinct plans per timing round
 # Pool row strides timed against the model's 656 B rows (bench only, the daemon lays rows
 # out at their own size): 672 B rows are whole 32-byte sectors, 768 B whole 128-byte lines.
 ROW_SIZES = (656, 672, 704, 768)
-# csrc/resolve.cu without session 16's defaults (fused passes, one barrier a collective,
-# phase 1 in waves, the lru's seen marks set in phase 1): timed against the default.
-PLAIN_RESOLVE = {"SKV_FUSE": 0, "SKV_ONE_BARRIER": 0, "SKV_P1_BATCH": 0, "SKV_SEEN_COVER": 0}
 # The gather's kernel switches timed against the default (threads per block, the load
 # flavour of csrc/copy.cu: 0 plain, 1 __ldg, the default, 2 __ldcs).
 GATHER_VARIANTS = (("512 threads", {"threads": 512}), ("128 threads", {"threads": 128}),
@@ -469,6 +466,7 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     and once launched one by one from Python with the descriptor's upload (the host's
     floor); then (``resolve_variants``) stopped after each phase, other thread counts, the
     other lookup."""
+    from sparsekv.daemon.kernels import RESOLVE_PLAIN  # noqa: PLC0415
     from sparsekv.daemon.residency.cuda import CudaResidency, make_desc  # noqa: PLC0415
     from sparsekv.proto import Layout  # noqa: PLC0415
 
@@ -553,11 +551,10 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                                                                   "timing_defines": {"SKV_WARP_TOTALS_REDUX": 1}}),
                  ("the lru's seen marks read back, in phase 2", {"timing_defines": {"SKV_SEEN_COVER": 0}}),
                  ("the lru's seen marks not read back, in phase 2", {"timing_defines": {"SKV_SEEN_COVER": 1}}),
-                 ("plain build (session 15's default)", {"timing_defines": dict(PLAIN_RESOLVE)}),
-                 ("plain build, phase 1", {"timing_defines": {**PLAIN_RESOLVE, "SKV_RESOLVE_STOP": 1}}),
-                 ("plain build, phase 4", {"timing_defines": {**PLAIN_RESOLVE, "SKV_RESOLVE_STOP": 4}}),
-                 ("plain build, phase 7", {"timing_defines": {**PLAIN_RESOLVE, "SKV_RESOLVE_STOP": 7}})]
-    variants += [
+                 ("plain build (session 15's default)", {"timing_defines": dict(RESOLVE_PLAIN)}),
+                 ("plain build, phase 1", {"timing_defines": {**RESOLVE_PLAIN, "SKV_RESOLVE_STOP": 1}}),
+                 ("plain build, phase 4", {"timing_defines": {**RESOLVE_PLAIN, "SKV_RESOLVE_STOP": 4}}),
+                 ("plain build, phase 7", {"timing_defines": {**RESOLVE_PLAIN, "SKV_RESOLVE_STOP": 7}}),
                  ("session 8's build but for the lru's seen marks (generic accesses, chunks entry by entry, "
                   "ranks one thread a miss)",
                   {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_LRU_VEC": 0, "SKV_RANK_SPLIT": 0}})]

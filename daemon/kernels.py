@@ -42,6 +42,10 @@ TMA_MAX_STAGES = 8  # csrc/copy.cu SKV_TMA_STAGES: one-row buffers per thread of
 
 
 RESOLVE_LOOKUPS = {"sort": 0, "hash": 1}  # csrc/resolve.cu SKV_RESOLVE_LOOKUP
+# csrc/resolve.cu without session 16's defaults (fused passes, one barrier a collective,
+# phase 1 in waves, the lru's seen marks set in phase 1): what `sparsekv bench kernels`
+# times the default against, and what tests/csrc checks beside it.
+RESOLVE_PLAIN = {"SKV_FUSE": 0, "SKV_ONE_BARRIER": 0, "SKV_P1_BATCH": 0, "SKV_SEEN_COVER": 0}
 
 
 HASH_SCALES = (2, 4)  # csrc/resolve.cu SKV_HASH_SCALE: table entries per power-of-two column
@@ -80,9 +84,9 @@ def resolve_defines(threads: int = RESOLVE_THREADS, lookup: str = "sort", hash_s
 def copy_defines(row_bytes: int, threads: int = COPY_THREADS, load: int = COPY_LOAD, tma_stages: int = 0) -> dict:
     """Constants of the copy module: 16-byte vectors per row, threads, load flavour
     (0 plain, 1 ``__ldg``, 2 ``__ldcs``, 3 / 4 ``ld.global.nc`` with an L2 fetch of 256 /
-    128 bytes; csrc/copy.cu); ``tma_stages`` > 0: the decode
-    gather moves rows by bulk asynchronous copies (sm_90's TMA), that many one-row buffers
-    a thread (csrc/copy.cu ``SKV_COPY_TMA``)."""
+    128 bytes; csrc/copy.cu); ``tma_stages`` > 0: the decode gather moves rows by bulk
+    asynchronous copies (sm_90's TMA), that many one-row buffers a thread (csrc/copy.cu
+    ``SKV_COPY_TMA``)."""
     if row_bytes % 16 or row_bytes <= 0:
         raise ValueError(f"row_bytes {row_bytes} must be a positive multiple of 16")
     if threads % 32 or not 32 <= threads <= 1024:

@@ -25,13 +25,12 @@ import pytest
 
 import cpu_kernels
 from kernel_traces import assert_same, gen_batch, layout, run_trace
+from sparsekv.daemon.kernels import RESOLVE_PLAIN
 from sparsekv.daemon.residency.cpu import CpuResidency
 from sparsekv.daemon.residency.cuda import E_CORRUPT_STATE, E_DUPLICATE_IDS, E_TOO_MANY_TOKENS
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 
-# csrc/resolve.cu without session 16's defaults (client/bench_kernels.py times it).
-SKV_PLAIN = {"SKV_FUSE": 0, "SKV_ONE_BARRIER": 0, "SKV_P1_BATCH": 0, "SKV_SEEN_COVER": 0}
 
 
 # name, top_k, stride, host_rows, max_reqs, groups, batch, steps, overlap, threads, workspace
@@ -136,13 +135,13 @@ def test_a_miss_taking_its_id_from_its_key_equals_the_numpy_engine(case):
 
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
 def test_the_plain_build_equals_the_numpy_engine(case):
-    """The resolve without session 16's switches (SKV_PLAIN: every collective with the
+    """The resolve without session 16's switches (RESOLVE_PLAIN: every collective with the
     shared helpers, phase 1 loop by loop, the seen marks read back, no fused passes; what
     `sparsekv bench kernels` times the default against), the hash lookup, bit for bit."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, lru_smem=True,
-                              owner_smem=True, defines=SKV_PLAIN)
+                              owner_smem=True, defines=RESOLVE_PLAIN)
     run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
     assert not emu.err[:8].any()
 
@@ -156,9 +155,9 @@ def test_fused_passes_on_corrupt_state_equal_the_plain_build(fast):
     build's, trial by trial."""
     lay = layout(16, 48, 60, 3, max_batch=6)
     plain = cpu_kernels.Resolve(lay, "hash", threads=32, hash_scale=4, lru_smem=True, owner_smem=True,
-                                defines=SKV_PLAIN)
+                                defines=RESOLVE_PLAIN)
     fused = cpu_kernels.Resolve(lay, "hash", threads=32, hash_scale=4, lru_smem=True, owner_smem=True,
-                                defines={**SKV_PLAIN, **fast} if fast else {})
+                                defines={**RESOLVE_PLAIN, **fast} if fast else {})
     rng = np.random.default_rng(31)
     S = lay.region_stride
     for trial in range(30):
