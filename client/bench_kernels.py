@@ -466,7 +466,7 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     and once launched one by one from Python with the descriptor's upload (the host's
     floor); then (``resolve_variants``) stopped after each phase, other thread counts, the
     other lookup."""
-    from sparsekv.daemon.kernels import RESOLVE_PLAIN  # noqa: PLC0415
+    from sparsekv.daemon.kernels import RESOLVE_PLAIN, RESOLVE_PLAIN_THREADS  # noqa: PLC0415
     from sparsekv.daemon.residency.cuda import CudaResidency, make_desc  # noqa: PLC0415
     from sparsekv.proto import Layout  # noqa: PLC0415
 
@@ -539,22 +539,17 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
                  ("collectives with the shared helpers (two or three barriers)", {"timing_defines": {"SKV_ONE_BARRIER": 0}}),
                  ("phase 1 loop by loop", {"timing_defines": {"SKV_P1_BATCH": 0}}),
                  ("phase 1 in waves of 6", {"timing_defines": {"SKV_P1_BATCH": 6}}),
-                 ("warp totals by two warp reductions (common.cuh)", {"timing_defines": {"SKV_WARP_TOTALS_REDUX": 1}}),
-                 ("warp totals by warp reductions, phase 7", {"timing_defines": {"SKV_WARP_TOTALS_REDUX": 1,
-                                                                                 "SKV_RESOLVE_STOP": 7}}),
-                 ("the partition's chunk and hit bits kept in registers", {"timing_defines": {"SKV_LRU_KEEP": 1}}),
-                 ("warp totals by warp reductions, the chunk kept",
-                  {"timing_defines": {"SKV_WARP_TOTALS_REDUX": 1, "SKV_LRU_KEEP": 1}}),
-                 ("warp totals by warp reductions, 1024 threads", {"threads": 1024,
-                                                                   "timing_defines": {"SKV_WARP_TOTALS_REDUX": 1}}),
-                 ("warp totals by warp reductions, 512 threads", {"threads": 512,
-                                                                  "timing_defines": {"SKV_WARP_TOTALS_REDUX": 1}}),
+                 # session 17's: the warp totals (csrc/common.cuh), and the default's threads
+                 ("warp totals summed by every thread", {"timing_defines": {"SKV_WARP_TOTALS_REDUX": 0}}),
+                 ("warp totals summed by every thread, 768 threads",
+                  {"threads": 768, "timing_defines": {"SKV_WARP_TOTALS_REDUX": 0}}),
                  ("the lru's seen marks read back, in phase 2", {"timing_defines": {"SKV_SEEN_COVER": 0}}),
                  ("the lru's seen marks not read back, in phase 2", {"timing_defines": {"SKV_SEEN_COVER": 1}}),
-                 ("plain build (session 15's default)", {"timing_defines": dict(RESOLVE_PLAIN)}),
-                 ("plain build, phase 1", {"timing_defines": {**RESOLVE_PLAIN, "SKV_RESOLVE_STOP": 1}}),
-                 ("plain build, phase 4", {"timing_defines": {**RESOLVE_PLAIN, "SKV_RESOLVE_STOP": 4}}),
-                 ("plain build, phase 7", {"timing_defines": {**RESOLVE_PLAIN, "SKV_RESOLVE_STOP": 7}}),
+                 ("plain build (session 15's default)", {"threads": RESOLVE_PLAIN_THREADS,
+                                                          "timing_defines": dict(RESOLVE_PLAIN)}),
+                 *((f"plain build, phase {p}", {"threads": RESOLVE_PLAIN_THREADS,
+                                                "timing_defines": {**RESOLVE_PLAIN, "SKV_RESOLVE_STOP": p}})
+                   for p in (1, 4, 7)),
                  ("session 8's build but for the lru's seen marks (generic accesses, chunks entry by entry, "
                   "ranks one thread a miss)",
                   {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_LRU_VEC": 0, "SKV_RANK_SPLIT": 0}})]

@@ -56,9 +56,11 @@ __device__ __forceinline__ u64 skv_align16(u64 x) { return (x + 15ull) & ~15ull;
 // SKV_WARP_TOTALS_REDUX 1: after the barrier, lane w reads warp w's total and two warp
 // reductions (__reduce_add_sync) give the block's sum and the sum before this warp (one
 // shared load and two reductions a thread); 0: every thread reads all NT / 32 totals
-// (NT / 32 loads and twice as many adds). Off until timed on the H200.
+// (NT / 32 loads and twice as many adds). H200, session 17, one run: the resolve (batch 64,
+// top-k 2048) 14.3 us with 1 against 16.0 with 0 at 768 threads, 13.8 at 1024 (where 0
+// spills); docs/PERF.md.
 #ifndef SKV_WARP_TOTALS_REDUX
-#define SKV_WARP_TOTALS_REDUX 0
+#define SKV_WARP_TOTALS_REDUX 1
 #endif
 template <int NT>
 __device__ __forceinline__ int skv_warp_totals(int in_warp, int warp_sum, int* warp_tot, int* total) {

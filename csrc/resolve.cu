@@ -64,12 +64,6 @@
 #ifndef SKV_RANK_SPLIT
 #define SKV_RANK_SPLIT 1
 #endif
-// 1: the partition's second pass over a 4-entry chunk reuses the first pass's entries and
-// hit bits (registers) instead of reading the lru copy and the hit mask again; 0 reads them.
-// Off until timed on the H200.
-#ifndef SKV_LRU_KEEP
-#define SKV_LRU_KEEP 0
-#endif
 // 1: the chunked lru walk reads chunks of 4 entries as one 16-byte load; 0 one by one.
 #ifndef SKV_LRU_VEC
 #define SKV_LRU_VEC 1
@@ -706,13 +700,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             // (no bank conflicts; the scalar loads of lanes 16 bytes apart conflict 4 ways).
             const bool vec = SKV_LRU_VEC && per == 4 && i1 - i0 == 4;  // block-uniform but for the last chunks
             int ev = 0;
-            int4 q0 = make_int4(0, 0, 0, 0);  // SKV_LRU_KEEP: the chunk and its hit bits kept
-            u32 hit_bits = 0u;
             if (vec) {
-                q0 = *reinterpret_cast<const int4*>(w.lcopy + i0);
-                hit_bits = (skv_lru_hit(w, q0.x, S) ? 1u : 0u) | (skv_lru_hit(w, q0.y, S) ? 2u : 0u) |
-                           (skv_lru_hit(w, q0.z, S) ? 4u : 0u) | (skv_lru_hit(w, q0.w, S) ? 8u : 0u);
-                ev = 4 - __popc(hit_bits);
+                const int4 q = *reinterpret_cast<const int4*>(w.lcopy + i0);
+                ev = !skv_lru_hit(w, q.x, S) + !skv_lru_hit(w, q.y, S) + !skv_lru_hit(w, q.z, S) +
+                     !skv_lru_hit(w, q.w, S);
             } else {
                 for (int i = i0; i < i1; ++i) ev += skv_lru_hit(w, w.lcopy[i], S) ? 0 : 1;
             }
@@ -721,11 +712,11 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             n_take = n_miss < n_evict ? n_miss : n_evict;
             if (n_take < n_miss) corrupt = 1;
             if (vec) {
-                const int4 q = SKV_LRU_KEEP ? q0 : *reinterpret_cast<const int4*>(w.lcopy + i0);
+                const int4 q = *reinterpret_cast<const int4*>(w.lcopy + i0);
                 const int v[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    const bool hit = SKV_LRU_KEEP ? ((hit_bits >> r) & 1u) != 0u : skv_lru_hit(w, v[r], S);
+                    const bool hit = skv_lru_hit(w, v[r], S);
                     lru_out[skv_lru_pos(w, v[r], hit, i0 + r, e, n_evict, n_take)] = v[r];
                     e += hit ? 0 : 1;
                 }

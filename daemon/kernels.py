@@ -30,10 +30,12 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "signal.cu": ("skv_wait_word", "skv_set_word"),
 }
 
-# One block per batch row. 768 threads timed faster than 1024 in three H200 runs (17.9 / 18.6
-# / 17.9 us against 19.2 / 20.0 / 19.7 at batch 64, top-k 2048, region 4096; docs/PERF.md,
-# sessions 9-10); the cuda traces at 768 passed on the H200 in session 11.
-RESOLVE_THREADS = 768
+# One block per batch row. 1024 threads since session 17: with a collective's warp totals
+# summed by warp reductions (csrc/common.cuh SKV_WARP_TOTALS_REDUX) the resolve fits 64
+# registers a thread, and at batch 64, top-k 2048, region 4096 it timed 13.8 us against
+# 14.3 at 768 (one H200 run; docs/PERF.md). Before that, 768 was faster (sessions 9-10:
+# 17.9 / 18.6 / 17.9 us against 19.2 / 20.0 / 19.7 at 1024, which spilled).
+RESOLVE_THREADS = 1024
 COPY_THREADS = 256
 COPY_LOAD = 1  # __ldg: the source of a copy is never written while it runs
 COPY_LOADS = (0, 1, 2, 3, 4)  # csrc/copy.cu SKV_COPY_LOAD
@@ -42,10 +44,13 @@ TMA_MAX_STAGES = 8  # csrc/copy.cu SKV_TMA_STAGES: one-row buffers per thread of
 
 
 RESOLVE_LOOKUPS = {"sort": 0, "hash": 1}  # csrc/resolve.cu SKV_RESOLVE_LOOKUP
-# csrc/resolve.cu without session 16's defaults (fused passes, one barrier a collective,
-# phase 1 in waves, the lru's seen marks set in phase 1): what `sparsekv bench kernels`
-# times the default against, and what tests/csrc checks beside it.
-RESOLVE_PLAIN = {"SKV_FUSE": 0, "SKV_ONE_BARRIER": 0, "SKV_P1_BATCH": 0, "SKV_SEEN_COVER": 0}
+# csrc/resolve.cu without the defaults of sessions 16-17 (fused passes, one barrier a
+# collective, phase 1 in waves, the lru's seen marks set in phase 1, warp totals by warp
+# reductions): what `sparsekv bench kernels` times the default against (at session 15's
+# 768 threads), and what tests/csrc checks beside it.
+RESOLVE_PLAIN = {"SKV_FUSE": 0, "SKV_ONE_BARRIER": 0, "SKV_P1_BATCH": 0, "SKV_SEEN_COVER": 0,
+                 "SKV_WARP_TOTALS_REDUX": 0}
+RESOLVE_PLAIN_THREADS = 768
 
 
 HASH_SCALES = (2, 4)  # csrc/resolve.cu SKV_HASH_SCALE: table entries per power-of-two column

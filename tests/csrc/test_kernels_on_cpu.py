@@ -92,11 +92,9 @@ def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, op
 @pytest.mark.parametrize("defines", [{"SKV_PREFETCH": 1}, {"SKV_ONE_BARRIER": 0}, {"SKV_ONE_BARRIER": 0, "SKV_SUM_ATOMIC": 0},
                                      {"SKV_RANK_SPLIT": 0}, {"SKV_P1_BATCH": 0}, {"SKV_P1_BATCH": 1},
                                      {"SKV_SEEN_COVER": 0}, {"SKV_SEEN_COVER": 1}, {"SKV_FUSE": 0},
-                                     {"SKV_WARP_TOTALS_REDUX": 1}, {"SKV_WARP_TOTALS_REDUX": 1, "SKV_ONE_BARRIER": 0},
-                                     {"SKV_LRU_KEEP": 1}],
+                                     {"SKV_WARP_TOTALS_REDUX": 0}, {"SKV_WARP_TOTALS_REDUX": 0, "SKV_ONE_BARRIER": 0}],
                          ids=["prefetch", "atomic-sums", "warp-sums", "ranks-one-thread", "loop-loads", "waves-of-1",
-                              "seen-read-back", "seen-cover", "unfused", "redux-totals", "redux-totals-two-barriers",
-                              "lru-chunk-kept"])
+                              "seen-read-back", "seen-cover", "unfused", "summed-totals", "summed-totals-two-barriers"])
 @pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "wide")], ids=lambda t: t[0])
 def test_the_resolve_build_options_equal_the_numpy_engine(case, defines):
     """The other side of each timed switch (csrc/resolve.cu, csrc/common.cuh): the first
@@ -135,8 +133,9 @@ def test_a_miss_taking_its_id_from_its_key_equals_the_numpy_engine(case):
 
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
 def test_the_plain_build_equals_the_numpy_engine(case):
-    """The resolve without session 16's switches (RESOLVE_PLAIN: every collective with the
-    shared helpers, phase 1 loop by loop, the seen marks read back, no fused passes; what
+    """The resolve without the switches of sessions 16-17 (RESOLVE_PLAIN: every collective
+    with the shared helpers, warp totals summed by every thread, phase 1 loop by loop, the
+    seen marks read back, no fused passes; what
     `sparsekv bench kernels` times the default against), the hash lookup, bit for bit."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
