@@ -197,9 +197,13 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
-        blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool = True,
+        blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool | str = True,
         other_backing: bool = True, gather_variants=GATHER_VARIANTS, row_sizes=ROW_SIZES, seed: int = 0,
-        resolve_only: bool = False) -> dict:
+        resolve_only: bool = False, json_path: str | None = None) -> dict:
+    """Every figure into the returned dict (``_rows``: the table's rows). ``resolve_variants``:
+    True every variant, ``"quick"`` the phases, thread counts and the plain build, False
+    none. ``json_path``: the figures so far are written there after every row, so that a
+    run cut short (a device call's limit) keeps what it measured."""
     import cupy as cp  # noqa: PLC0415
 
     from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
@@ -217,6 +221,8 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
     def row(what, value, note=""):
         rows_out.append((what, value, note))
         _say(f"{what}: {value} {note}")
+        if json_path:
+            write_json(json_path, out)
 
     kc = get_cache()
     s = cp.cuda.Stream(non_blocking=True)
@@ -460,7 +466,19 @@ def _row_size_section(out, row, cp, kc, s, timer, rng, region, layers: int, size
             f"{useful:.1f} GB/s used", f"{misses * size / t / 1e3:.1f} GB/s read, {t:.0f} us")
 
 
-def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) -> None:
+# The resolve variants of a quick run (--kernels-quick): where the time goes (the phases),
+# the thread counts and the build the default is measured against.
+QUICK_VARIANT_PREFIXES = ("phase ", "plain build")
+
+
+def quick_variants(variants: list) -> list:
+    """The (label, options) of ``variants`` that a quick run times: the phases, the plain
+    build, and other thread counts of the default lookup."""
+    return [(label, kw) for label, kw in variants
+            if label.startswith(QUICK_VARIANT_PREFIXES) or (label.endswith(" threads") and "lookup" not in label)]
+
+
+def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool | str) -> None:
     """Resolve at the daemon's settings (batch 64, top-k 2048, region 4096, 90 % kept),
     replayed as a CUDA graph (the device's time; the daemon replays its step as a graph),
     and once launched one by one from Python with the descriptor's upload (the host's
@@ -561,6 +579,8 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool) ->
     variants += [(f"{other} lookup", {"lookup": other}), (f"{other} lookup 512 threads", {"lookup": other, "threads": 512})]
     variants += [(f"{other} lookup phase {p}", {"lookup": other, "timing_defines": {"SKV_RESOLVE_STOP": p}})
                  for p in (1, 2, 4, 7)]
+    if resolve_variants == "quick":
+        variants = quick_variants(variants)
     for label, kw in variants if resolve_variants else []:
         try:
             rv = CudaResidency(rlay, kernels=kc, stream=s, **kw)
@@ -632,7 +652,8 @@ def add_arguments(p) -> None:
     p.add_argument("--pool-gib", type=float, default=64.0,
                    help="kernels: the host pool the gather reads and the pool start times (GiB)")
     p.add_argument("--kernels-quick", action="store_true",
-                   help="kernels: gathers on 32 and 64 blocks only, no pool in the other backing")
+                   help="kernels: gathers on 32 and 64 blocks only, no pool in the other backing, the resolve's "
+                        "phases, thread counts and plain build only")
     p.add_argument("--resolve-only", action="store_true",
                    help="kernels: the resolve and its variants only (no pool, no gather)")
 
@@ -640,13 +661,22 @@ def add_arguments(p) -> None:
 def run_args(a) -> int:
     """``sparsekv bench kernels [--pool-gib N] [--kernels-quick] [--json PATH]``."""
     quick = getattr(a, "kernels_quick", False)
+    path = getattr(a, "json_path", None)
     r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132), other_backing=not quick,
             gather_variants=() if quick else GATHER_VARIANTS, row_sizes=() if quick else ROW_SIZES,
-            resolve_only=getattr(a, "resolve_only", False))
+            resolve_variants="quick" if quick else True, resolve_only=getattr(a, "resolve_only", False),
+            json_path=path)
     sys.stdout.write(table(r))
-    path = getattr(a, "json_path", None)
     if path:
-        with open(path, "w") as f:
-            json.dump({k: v for k, v in r.items() if not k.startswith("_")}, f, indent=1, sort_keys=True)
-            f.write("\n")
+        write_json(path, r)
     return 0
+
+
+def write_json(path: str, figures: dict) -> None:
+    """``figures`` but for the ``_``-prefixed entries, as JSON at ``path``, replaced whole
+    (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({k: v for k, v in figures.items() if not k.startswith("_")}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

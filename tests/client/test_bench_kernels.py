@@ -1,5 +1,7 @@
 """sparsekv bench kernels: the step plans it times, its table, and (cuda) a small run."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -53,6 +55,23 @@ def test_the_table_lists_every_row_and_the_headline_keys():
     text = bk.table(r)
     assert "| gather | 40.0 GB/s | 1 us |" in text
     assert "gather_vs_bulk 0.7" in text and "pool_ready_GiBps 25.0" in text
+
+
+def test_quick_runs_keep_the_phases_thread_counts_and_plain_build():
+    v = [("phase 0", {}), ("phase 7", {}), ("512 threads", {}), ("sort lookup 512 threads", {}),
+         ("tiles walk", {}), ("plain build (session 15's default)", {}), ("plain build, phase 4", {}),
+         ("hash table x2 phase 2", {}), ("warp totals summed by every thread, 768 threads", {})]
+    assert [label for label, _ in bk.quick_variants(v)] == [
+        "phase 0", "phase 7", "512 threads", "plain build (session 15's default)", "plain build, phase 4",
+        "warp totals summed by every thread, 768 threads"]
+
+
+def test_the_json_is_replaced_whole_and_leaves_out_the_rows(tmp_path):
+    path = tmp_path / "k.json"
+    bk.write_json(str(path), {"resolve_us_b64": 13.9, "_rows": [("a", "b", "c")]})
+    bk.write_json(str(path), {"resolve_us_b64": 13.8, "gather_vs_bulk": 0.8, "_rows": []})
+    assert json.loads(path.read_text()) == {"gather_vs_bulk": 0.8, "resolve_us_b64": 13.8}
+    assert [p.name for p in tmp_path.iterdir()] == ["k.json"]
 
 
 @pytest.mark.cuda
