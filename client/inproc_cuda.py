@@ -5,13 +5,13 @@
 where the doorbell hands off: ``skv_begin_step`` after the step block is written,
 ``skv_resolve`` after a group's top-k block, the layer's ``skv_gather`` before its
 indices. It owns a pinned host pool (``pool``, NumPy ``[L, host_rows, row_bytes]``, for
-the caller to fill) and a device arena. For baselines (``sparsekv bench decode``'s
+the caller to fill), made the daemon's way (``daemon/pool.py`` HostPool: the same backing,
+anonymous memory in 2 MiB pages by default, pre-faulted by several threads), and a
+device arena. For baselines (``sparsekv bench decode``'s
 in-process mode) and for users who want sparsekv as a library in one process.
 """
 
 from __future__ import annotations
-
-import mmap
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from sparsekv.proto import Layout
 from .doorbell import DeviceSwapIn
 
 GATHER_BLOCKS = 32  # the daemon's default gather_blocks (config.py)
+HUGE_PAGE = 2 << 20  # the pool is a whole number of 2 MiB pages
 
 
 class InprocSwapIn(DeviceSwapIn):
@@ -27,9 +28,13 @@ class InprocSwapIn(DeviceSwapIn):
         layout: the layout (as for ``Client.attach``).
         device: the GPU ordinal.
         gather_blocks: the most blocks a gather uses.
+        backing: the pool's backing (``anon_thp`` or ``memfd``; None: as the daemon's,
+            ``$SPARSEKV_POOL_BACKING`` or ``anon_thp``), so that a baseline reads host
+            memory laid out as the daemon's.
     """
 
-    def __init__(self, layout: Layout, device: int = 0, gather_blocks: int = GATHER_BLOCKS):
+    def __init__(self, layout: Layout, device: int = 0, gather_blocks: int = GATHER_BLOCKS,
+                 backing: str | None = None):
         import cupy as cp  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
@@ -38,15 +43,19 @@ class InprocSwapIn(DeviceSwapIn):
         from sparsekv.daemon.cuda.step import DeviceStep  # noqa: PLC0415
         from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
         from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
+        from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
         from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, DeviceBuffers  # noqa: PLC0415
 
         lay = layout.validate()
         kernels = get_cache()
-        nbytes = -(-lay.pool_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        self._pool_mm = mmap.mmap(-1, nbytes)
-        self.pool = np.frombuffer(self._pool_mm, dtype=np.uint8)[: lay.pool_bytes].reshape(
-            lay.num_layers, lay.host_rows, lay.row_bytes)
-        self._pinned = PinnedRegion(self.pool.ctypes.data, nbytes, lay.row_bytes)
+        nbytes = -(-lay.pool_bytes // HUGE_PAGE) * HUGE_PAGE
+        self._host = HostPool(nbytes, name="sparsekv-inproc-pool", backing=backing)
+        try:
+            self._pinned = PinnedRegion(self._host.address, nbytes, lay.row_bytes)
+        except BaseException:
+            self._host.close()
+            raise
+        self.pool = self._host.array[: lay.pool_bytes].reshape(lay.num_layers, lay.host_rows, lay.row_bytes)
         with cp.cuda.Device(device):
             stream = cp.cuda.Stream(non_blocking=True)
             residency = CudaResidency(lay, kernels=kernels, stream=stream)
@@ -115,3 +124,5 @@ class InprocSwapIn(DeviceSwapIn):
         self._arena.close()
         self._arena = None
         self._pinned.close()
+        self.pool = None
+        self._host.close()  # the mapping stays (with a warning) while a caller holds a view of it
