@@ -4,7 +4,7 @@ switched at barriers and warp votes), so that their logic is checked on machines
 a GPU, against the NumPy engine, bit for bit. Not a model of the GPU's memory ordering or
 speed: a check of what the kernels compute, the GPU run stays the final word.
 
-``build(source, entry, signature, defines)`` compiles one kernel with a C++ compiler
+``build(source, defines)`` compiles the kernels of one source with a C++ compiler
 (``g++``/``c++``; tests skip without one) into a cache directory; :class:`Resolve` runs
 ``skv_resolve`` over NumPy arrays laid out as ``daemon/residency/cuda.py`` lays them out.
 """
@@ -12,6 +12,8 @@ speed: a check of what the kernels compute, the GPU run stays the final word.
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -40,37 +42,78 @@ def compiler() -> str | None:
 
 
 _built: dict[str, ctypes.CDLL] = {}
+_FLAGS = ["-O1", "-std=c++17", "-fPIC", "-w"]
 
 
-def build(source: str, entry: str, params: str, args: str, defines: dict) -> ctypes.CDLL:
-    """A shared library with ``run_<entry>(grid, block, smem, <params>)`` that runs the
-    kernel ``entry`` of ``csrc/<source>`` (``defines`` prepended) on the emulator.
-    ``params`` is the C parameter list of the kernel, ``args`` the names passed on."""
+def _cache() -> Path:
+    cache = Path(os.environ.get("SPARSEKV_EMU_CACHE", Path(tempfile.gettempdir()) / f"sparsekv-emu-{os.getuid()}"))
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
+
+
+def _once(out: Path, cmd: list[str], src_text: str | None = None) -> None:
+    """``out`` made by ``cmd`` (``{out}``, ``{src}`` filled in) unless there; one process
+    at a time builds it (test workers share the cache), the others wait and reuse it."""
+    if out.exists():
+        return
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return
+        tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+        src = out.parent / f".{out.name}.{os.getpid()}.cpp"
+        if src_text is not None:
+            src.write_text(src_text)
+        try:
+            subprocess.run([a.format(out=tmp, src=src) for a in cmd], check=True, capture_output=True, timeout=300)
+            os.replace(tmp, out)
+        finally:
+            src.unlink(missing_ok=True)
+
+
+@functools.cache
+def _emulator(cxx: str) -> tuple[Path, list[str]]:
+    """``emu.cpp`` compiled once (an object every build links) and ``shim.h`` precompiled
+    once (GCC; what each build's first line includes), not again in every build."""
+    emu_src = (EMU / "emu.cpp").read_text() + (EMU / "shim.h").read_text()
+    key = hashlib.sha256((emu_src + cxx + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    cache = _cache()
+    obj = cache / f"emu-{key}.o"
+    _once(obj, [cxx, *_FLAGS, f"-I{EMU}", "-c", "-o", "{out}", str(EMU / "emu.cpp")])
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    if "clang" in version.lower():
+        return obj, []
+    pch = cache / f"pch-{key}"
+    pch.mkdir(exist_ok=True)
+    try:  # found before emulator/shim.h in the include path; a stale one GCC ignores
+        _once(pch / "shim.h.gch", [cxx, *_FLAGS, "-x", "c++-header", "-o", "{out}", str(EMU / "shim.h")])
+    except subprocess.CalledProcessError:
+        return obj, []
+    return obj, [f"-I{pch}"]
+
+
+def build(source: str, defines: dict) -> ctypes.CDLL:
+    """A shared library with ``run_<entry>(grid, block, smem, <params>)`` for every kernel
+    ``entry`` of ``csrc/<source>`` in ``KERNELS`` (``defines`` prepended), each running it
+    on the emulator. One build per source and set of defines: the kernels are plain
+    ``extern "C"`` functions, each compiled whichever is run."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++, clang++) on this machine")
-    text = "#include \"shim.h\"\n" + load_source(source, defines) + f"""
+    text = "#include \"shim.h\"\n" + load_source(source, defines) + """
 #include <functional>
 void emu_launch(int grid, int block, int smem, std::function<void()> body);
-extern "C" void run_{entry}(int grid, int block, int smem, {params}) {{
+""" + "".join(f"""extern "C" void run_{entry}(int grid, int block, int smem, {params}) {{
     emu_launch(grid, block, smem, [=] {{ {entry}({args}); }});
 }}
-"""
+""" for entry, (params, args) in KERNELS[source].items())
     emu_src = (EMU / "emu.cpp").read_text() + (EMU / "shim.h").read_text()
-    key = hashlib.sha256((text + emu_src + cxx).encode()).hexdigest()[:16]
+    key = hashlib.sha256((text + emu_src + cxx + " ".join(_FLAGS)).encode()).hexdigest()[:16]
     if key in _built:
         return _built[key]
-    cache = Path(os.environ.get("SPARSEKV_EMU_CACHE", Path(tempfile.gettempdir()) / f"sparsekv-emu-{os.getuid()}"))
-    cache.mkdir(parents=True, exist_ok=True)
-    lib = cache / f"{entry}-{key}.so"
-    if not lib.exists():
-        src = cache / f".{entry}-{key}.{os.getpid()}.cpp"  # per process: test workers build at once
-        src.write_text(text)
-        tmp = cache / f".{entry}-{key}.{os.getpid()}.so"
-        subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{EMU}", "-o", str(tmp), str(src),
-                        str(EMU / "emu.cpp")], check=True, capture_output=True, timeout=300)
-        os.replace(tmp, lib)
-        src.unlink(missing_ok=True)
+    obj, pch = _emulator(cxx)
+    lib = _cache() / f"{source.split('.')[0]}-{key}.so"
+    _once(lib, [cxx, *_FLAGS, "-shared", *pch, f"-I{EMU}", "-o", "{out}", "{src}", str(obj)], text)
     _built[key] = ctypes.CDLL(str(lib))
     return _built[key]
 
@@ -103,7 +146,8 @@ class Resolve:
         self.opts = {"hash_scale": int(hash_scale), "lru_smem": bool(lru_smem), "owner_smem": bool(owner_smem)}
         self.defines = dict(defines or {})  # more of csrc/resolve.cu's switches (SKV_RESOLVE_CHUNKED)
         self.workspace = workspace  # shared: built with SKV_WS_SMEM, as CudaResidency does
-        self.lib = self._lib("skv_resolve", _RESOLVE_PARAMS, _RESOLVE_ARGS)
+        self.lib = build("resolve.cu", dict(resolve_defines(self.threads, self.lookup, **self.opts,
+                                                            ws_smem=self.workspace == "shared"), **self.defines))
         g, r, s = lay.num_groups, lay.max_reqs, lay.region_stride
         self.owner = np.full((g, r, s), -1, np.int32)
         self.lru = np.empty((g, r, s), np.int32)
@@ -111,23 +155,17 @@ class Resolve:
         self.ws_bytes = resolve_workspace_bytes(lay.top_k, s, lookup, **self.opts)
         self.err = np.zeros(32, np.int32)
 
-    # -- the other residency kernels (skv_reset, skv_invalidate), as CudaResidency calls them
-    def _lib(self, entry: str, params: str, args: str):
-        return build("resolve.cu", entry, params, args,
-                     dict(resolve_defines(self.threads, self.lookup, **self.opts, ws_smem=self.workspace == "shared"),
-                          **self.defines))
-
+    # -- the other residency kernels (skv_reset, skv_invalidate, skv_begin_step), as CudaResidency
+    # calls them: in self.lib, built with the same defines
     def reset(self, state_rows) -> None:
         rows = np.asarray(state_rows, dtype=np.int32)
         rows = np.ascontiguousarray(rows[rows >= 0])
         if not rows.size:
             return
         lay = self.lay
-        lib = self._lib("skv_reset", "int* owner, int* lru, int groups, int max_reqs, int S, const int* state_rows, int n",
-                        "owner, lru, groups, max_reqs, S, state_rows, n")
         i = ctypes.c_int
-        lib.run_skv_reset(i(3), i(64), i(0), _ptr(self.owner), _ptr(self.lru), i(lay.num_groups), i(lay.max_reqs),
-                          i(lay.region_stride), _ptr(rows), i(rows.size))
+        self.lib.run_skv_reset(i(3), i(64), i(0), _ptr(self.owner), _ptr(self.lru), i(lay.num_groups),
+                               i(lay.max_reqs), i(lay.region_stride), _ptr(rows), i(rows.size))
 
     def _invalidate(self, rows, state_rows) -> int:
         from sparsekv.daemon.residency.cuda import rows_block  # noqa: PLC0415
@@ -136,15 +174,12 @@ class Resolve:
         if not block[0]:
             return 0
         lay = self.lay
-        lib = self._lib("skv_invalidate", "int* owner, int groups, int max_reqs, int S, const int* state_rows, "
-                        "int n_state, const int* rows, int rows_cap, unsigned long long* counter",
-                        "owner, groups, max_reqs, S, state_rows, n_state, rows, rows_cap, counter")
         counter = np.zeros(1, np.uint64)
         sr = None if state_rows is None else np.ascontiguousarray(state_rows, dtype=np.int32)
         i = ctypes.c_int
-        lib.run_skv_invalidate(i(3), i(64), i(0), _ptr(self.owner), i(lay.num_groups), i(lay.max_reqs),
-                               i(lay.region_stride), _opt(sr), i(0 if sr is None else sr.size), _ptr(block),
-                               i(int(block[0])), _ptr(counter))
+        self.lib.run_skv_invalidate(i(3), i(64), i(0), _ptr(self.owner), i(lay.num_groups), i(lay.max_reqs),
+                                    i(lay.region_stride), _opt(sr), i(0 if sr is None else sr.size), _ptr(block),
+                                    i(int(block[0])), _ptr(counter))
         return int(counter[0])
 
     def invalidate(self, state_row: int, rows) -> None:
@@ -160,9 +195,6 @@ class Resolve:
         inv = np.ascontiguousarray(invalidate, dtype=np.int32)
         n, m = inv.shape
         cap = max(1, lay.top_k)
-        lib = self._lib("skv_begin_step", "const int* desc, int* owner, int* lru, int groups, int max_reqs, int S, "
-                        "int max_batch, const int* state_rows, const int* reset, const int* inv, int inv_cap, int* err",
-                        "desc, owner, lru, groups, max_reqs, S, max_batch, state_rows, reset, inv, inv_cap, err")
         desc = make_desc(batch=n, inv_n=m)
         sr = np.full(lay.max_batch, -1, np.int32)
         sr[:n] = state_rows
@@ -170,9 +202,9 @@ class Resolve:
         rs[:n] = np.asarray(reset, dtype=np.int32)
         smem = 4 * (1 << max(0, (cap - 1).bit_length()))
         i = ctypes.c_int
-        lib.run_skv_begin_step(i(4), i(64), i(smem), _ptr(desc), _ptr(self.owner), _ptr(self.lru), i(lay.num_groups),
-                               i(lay.max_reqs), i(lay.region_stride), i(lay.max_batch), _ptr(sr), _ptr(rs), _ptr(inv),
-                               i(cap), _ptr(self.err))
+        self.lib.run_skv_begin_step(i(4), i(64), i(smem), _ptr(desc), _ptr(self.owner), _ptr(self.lru),
+                                    i(lay.num_groups), i(lay.max_reqs), i(lay.region_stride), i(lay.max_batch),
+                                    _ptr(sr), _ptr(rs), _ptr(inv), i(cap), _ptr(self.err))
 
     def state(self) -> tuple[np.ndarray, np.ndarray]:
         return self.owner.copy(), self.lru.copy()
@@ -229,7 +261,7 @@ def merge_plan(plan_rows: np.ndarray, plan_slots: np.ndarray, misses: np.ndarray
                smem_bytes: int, threads: int = 64):
     """``skv_merge_plan`` (csrc/copy.cu) of per-row plans ``[max_batch, ld]`` with
     ``smem_bytes`` of dynamic shared memory; returns (rows, slots, count)."""
-    lib = build("copy.cu", "skv_merge_plan", _MERGE_PARAMS, _MERGE_ARGS,
+    lib = build("copy.cu",
                 {"SKV_ROW_VECS": 2, "SKV_COPY_THREADS": 64, "SKV_COPY_LOAD": 1, "SKV_MERGE_THREADS": threads})
     B, ld = plan_rows.shape
     desc = make_desc(batch, ld, 0)
@@ -265,7 +297,7 @@ def db_topk(grid: int, threads: int, blk, counter, req_ids, table, resident, top
             max_batch: int, done=None, bell=None):
     """``skv_db_topk`` (csrc/handle.cu) over NumPy arrays; ``table`` / ``resident`` None
     for none."""
-    lib = build("handle.cu", "skv_db_topk", _TOPK_PARAMS, _TOPK_ARGS, {})
+    lib = build("handle.cu", {})
     i = ctypes.c_int
     tokens, k = topk.shape
     table_rows, max_blocks = table.shape if table is not None else (max_batch, 0)
@@ -279,7 +311,7 @@ def db_topk_raw(grid: int, threads: int, args: tuple):
     """``skv_db_topk`` with an argument tuple as a launcher passes it (addresses as ints,
     NumPy scalars), converted by the kernel's parameter types: to run a caller's own
     argument builder (client/doorbell.py) against the kernel's parameter order."""
-    lib = build("handle.cu", "skv_db_topk", _TOPK_PARAMS, _TOPK_ARGS, {})
+    lib = build("handle.cu", {})
     params = [p.strip() for p in _TOPK_PARAMS.split(",")]
     if len(args) != len(params):
         raise TypeError(f"skv_db_topk takes {len(params)} arguments, got {len(args)}")
@@ -291,7 +323,7 @@ def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_ro
                region_stride: int, hot_base: int, resident_base: int, dead, out, valid=None, clear=None):
     """``skv_db_indices`` (csrc/handle.cu) over NumPy arrays; ``clear``: a uint32 word it
     sets to 0 (the layer's ready word)."""
-    lib = build("handle.cu", "skv_db_indices", _INDICES_PARAMS, _INDICES_ARGS, {})
+    lib = build("handle.cu", {})
     i = ctypes.c_int
     tokens, k = topk.shape
     res_blocks = resident.shape[1] if resident is not None else 0
@@ -317,7 +349,7 @@ def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan
     (uint8) -> ``slab`` (uint8, laid out flat or by the engine-slab geometry); ``ready`` /
     ``arrivals``: uint32 [1] each, the word its last block sets and their counter."""
     L, host_rows, rb = pool.shape
-    lib = build("copy.cu", "skv_gather", _GATHER_PARAMS, _GATHER_ARGS,
+    lib = build("copy.cu",
                 {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads, "SKV_COPY_LOAD": 1, "SKV_MERGE_THREADS": 64})
     B, ld = plan_rows.shape
     i, q = ctypes.c_int, ctypes.c_longlong
@@ -325,3 +357,21 @@ def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan
                        q(slab_layer_rows), _ptr(group_layers), i(group_layers.shape[1]), i(group_layers.shape[0]),
                        _ptr(plan_rows), _ptr(plan_slots), _ptr(misses), i(B), i(ld), _opt(layer_off), q(block_rows),
                        q(block_stride), _opt(ready), _opt(arrivals))
+
+
+# The kernels of each source the tests run: the C parameter list, the names passed on.
+KERNELS = {
+    "resolve.cu": {
+        "skv_resolve": (_RESOLVE_PARAMS, _RESOLVE_ARGS),
+        "skv_reset": ("int* owner, int* lru, int groups, int max_reqs, int S, const int* state_rows, int n",
+                      "owner, lru, groups, max_reqs, S, state_rows, n"),
+        "skv_invalidate": ("int* owner, int groups, int max_reqs, int S, const int* state_rows, int n_state, "
+                           "const int* rows, int rows_cap, unsigned long long* counter",
+                           "owner, groups, max_reqs, S, state_rows, n_state, rows, rows_cap, counter"),
+        "skv_begin_step": ("const int* desc, int* owner, int* lru, int groups, int max_reqs, int S, int max_batch, "
+                           "const int* state_rows, const int* reset, const int* inv, int inv_cap, int* err",
+                           "desc, owner, lru, groups, max_reqs, S, max_batch, state_rows, reset, inv, inv_cap, err"),
+    },
+    "handle.cu": {"skv_db_topk": (_TOPK_PARAMS, _TOPK_ARGS), "skv_db_indices": (_INDICES_PARAMS, _INDICES_ARGS)},
+    "copy.cu": {"skv_merge_plan": (_MERGE_PARAMS, _MERGE_ARGS), "skv_gather": (_GATHER_PARAMS, _GATHER_ARGS)},
+}
