@@ -5,9 +5,10 @@
 where the doorbell hands off: ``skv_begin_step`` after the step block is written,
 ``skv_resolve`` after a group's top-k block, the layer's ``skv_gather`` before its
 indices. It owns a pinned host pool (``pool``, NumPy ``[L, host_rows, row_bytes]``, for
-the caller to fill), made the daemon's way (``daemon/pool.py`` HostPool: the same backing,
-anonymous memory in 2 MiB pages by default, pre-faulted by several threads), and a
-device arena. For baselines (``sparsekv bench decode``'s
+the caller to fill), made and page-locked the daemon's way (``daemon/pool.py`` HostPool:
+the same backing, anonymous memory in 2 MiB pages by default, pre-faulted by several
+threads; registered in the daemon's chunks, ``$SPARSEKV_PIN_CHUNK_GIB``), and a device
+arena. For baselines (``sparsekv bench decode``'s
 in-process mode) and for users who want sparsekv as a library in one process.
 """
 
@@ -42,7 +43,7 @@ class InprocSwapIn(DeviceSwapIn):
         from sparsekv.daemon.cuda.buffers import RankBuffers  # noqa: PLC0415
         from sparsekv.daemon.cuda.step import DeviceStep  # noqa: PLC0415
         from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
-        from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
+        from sparsekv.daemon.pinned import PinnedRegion, pin_chunk_bytes  # noqa: PLC0415
         from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
         from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, DeviceBuffers  # noqa: PLC0415
 
@@ -51,7 +52,9 @@ class InprocSwapIn(DeviceSwapIn):
         nbytes = -(-lay.pool_bytes // HUGE_PAGE) * HUGE_PAGE
         self._host = HostPool(nbytes, name="sparsekv-inproc-pool", backing=backing)
         try:
-            self._pinned = PinnedRegion(self._host.address, nbytes, lay.row_bytes)
+            # Chunks as the daemon registers its pool (row_bytes 16 like its pinner: only
+            # kernels read the pool, no DMA copy of rows that could cross a chunk).
+            self._pinned = PinnedRegion(self._host.address, nbytes, 16, pin_chunk_bytes())
         except BaseException:
             self._host.close()
             raise

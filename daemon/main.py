@@ -26,7 +26,7 @@ from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, cpu_quota, format_
 from . import config as config_mod
 from .backends import cuda_unavailable, make_backend
 from .notify import Notifier
-from .pinned import PinError, PoolPinner
+from .pinned import PinError, PoolPinner, pin_chunk_bytes
 from .pool import HostPool, PoolError
 from .stats import package_version
 
@@ -288,7 +288,7 @@ def pool_pinner(cfg):
         raise ValueError(f"{PIN_AT_START_ENV}={mode!r}: expected one of {', '.join(PIN_AT_START_MODES)}")
     if mode == "0" or cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
         return None
-    return PoolPinner(cfg.pool_size, while_faulting=mode == "1")
+    return PoolPinner(cfg.pool_size, max_chunk_bytes=pin_chunk_bytes(), while_faulting=mode == "1")
 
 
 def backend_refusal(cfg) -> str | None:

@@ -416,3 +416,7 @@ def test_the_pool_is_page_locked_at_start_unless_told_not_to_and_for_the_cuda_ba
     monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "yes")
     with pytest.raises(ValueError, match="SPARSEKV_PIN_POOL_AT_START='yes': expected one of 1, after, 0"):
         main_mod.pool_pinner(Config(backend="cuda"))
+    monkeypatch.delenv(main_mod.PIN_AT_START_ENV)
+    assert main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)).max_chunk_bytes == 4 << 30
+    monkeypatch.setenv("SPARSEKV_PIN_CHUNK_GIB", "16")
+    assert main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)).max_chunk_bytes == 16 << 30

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sparsekv.daemon.pinned import PinError, PinnedRegion, plan_chunks
+from sparsekv.daemon.pinned import PIN_CHUNK_ENV, POOL_PIN_CHUNK_BYTES, PinError, PinnedRegion, pin_chunk_bytes, plan_chunks
 
 PAGE = 4096
 GiB = 1 << 30
@@ -187,3 +187,16 @@ def test_a_pool_pinner_after_the_fault_registers_in_finish_with_progress():
         region.close()
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("value, want", [(None, POOL_PIN_CHUNK_BYTES), ("", POOL_PIN_CHUNK_BYTES), ("16", 16 << 30),
+                                         ("0.5", 512 << 20), ("0.001", 2 << 20), ("64", 64 << 30)])
+def test_the_pool_pin_chunk_is_4_gib_or_what_the_environment_says_in_whole_huge_pages(value, want):
+    env = {} if value is None else {PIN_CHUNK_ENV: value}
+    assert pin_chunk_bytes(env) == want
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "four", "nan", "inf"])
+def test_a_bad_pool_pin_chunk_is_refused_by_name(value):
+    with pytest.raises(ValueError, match=f"SPARSEKV_PIN_CHUNK_GIB={value!r}: expected a positive number of GiB"):
+        pin_chunk_bytes({PIN_CHUNK_ENV: value})
