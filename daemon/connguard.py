@@ -67,6 +67,20 @@ def open_fds() -> int:
         return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def _discard_events(mon) -> None:
+    """Read and drop a monitor's events until it is stopped (``close`` disables it) or its
+    context ends. libzmq sends monitor events from the context's I/O thread with a blocking
+    send: a monitor socket nobody reads (or closed while the monitor is on) would stop that
+    thread once its queue is full, and with it every socket of the daemon."""
+    try:
+        while True:
+            head = mon.recv_multipart()[0]
+            if len(head) >= 2 and int.from_bytes(head[:2], "little") == zmq.EVENT_MONITOR_STOPPED:
+                return
+    except (zmq.ZMQError, IndexError):
+        return
+
+
 class ConnectionGuard:
     """Renames ``path`` away while the process is short of descriptors (see above).
 
@@ -205,9 +219,11 @@ class ConnectionGuard:
                     net, last_scan = 0, now
         except zmq.ZMQError as e:  # the context is going away
             if e.errno not in (zmq.ETERM, zmq.ENOTSOCK):
-                log.exception("connection guard failed")
+                log.exception("connection guard failed; its monitor's events are dropped from now on")
+                _discard_events(mon)
         except Exception:  # noqa: BLE001 - a thread must not die silently
-            log.exception("connection guard failed")
+            log.exception("connection guard failed; its monitor's events are dropped from now on")
+            _discard_events(mon)
         finally:
             mon.close(0)
             self._table_queue.put(None)  # the table's thread ends too

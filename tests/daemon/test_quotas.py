@@ -242,6 +242,11 @@ def test_a_reconnect_under_the_same_routing_id_is_not_expired(tmp_path):
             assert call(second, MsgType.STATS)["ok"]
             assert helpers.stats_json(d.run_dir)["connections_expired"] == 0
         finally:
+            # Monitor off before its reader goes: libzmq sends monitor events blocking, from
+            # the I/O thread, so a DISCONNECTED (the daemon stopping before the reaper has
+            # closed `second`) sent to a closed `mon` would hang Context.instance()'s I/O
+            # thread, and every later Client of this worker would get no reply.
+            second.disable_monitor()
             mon.close(0)
             second.close(0)
 
