@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -208,5 +209,10 @@ def test_main_returns_the_daemons_exit_code():
         def stop(self):
             pass
 
-    with main_mod.StartSignals() as signals:
-        assert main_mod._run(Failing(), signals) == 70
+    switch = sys.getswitchinterval()  # _run sets the daemon's (a process-wide setting)
+    try:
+        with main_mod.StartSignals() as signals:
+            assert main_mod._run(Failing(), signals) == 70
+        assert sys.getswitchinterval() == pytest.approx(main_mod.GIL_SWITCH_S)
+    finally:
+        sys.setswitchinterval(switch)  # the rest of this test worker keeps its own
