@@ -50,32 +50,36 @@ class InprocSwapIn(DeviceSwapIn):
         lay = layout.validate()
         kernels = get_cache()
         nbytes = -(-lay.pool_bytes // HUGE_PAGE) * HUGE_PAGE
+        chunk = pin_chunk_bytes()  # a bad value named before minutes of pre-faulting
+        self._arena = self._pinned = self.buffers = None
         self._host = HostPool(nbytes, name="sparsekv-inproc-pool", backing=backing)
         try:
             # Chunks as the daemon registers its pool (row_bytes 16 like its pinner: only
             # kernels read the pool, no DMA copy of rows that could cross a chunk).
-            self._pinned = PinnedRegion(self._host.address, nbytes, 16, pin_chunk_bytes())
+            self._pinned = PinnedRegion(self._host.address, nbytes, 16, chunk)
+            self.pool = self._host.array[: lay.pool_bytes].reshape(lay.num_layers, lay.host_rows, lay.row_bytes)
+            with cp.cuda.Device(device):
+                stream = cp.cuda.Stream(non_blocking=True)
+                residency = CudaResidency(lay, kernels=kernels, stream=stream)
+                ws = residency.workspace_bytes if residency.workspace_global else 0
+                need = lay.slab_bytes + lay.staging_bytes + (64 << 20) + lay.max_batch * ws \
+                    + 8 * lay.num_groups * lay.max_batch * lay.top_k * 4
+                self._arena = DeviceArena(device, need)
+                self.buffers = b = RankBuffers(self._arena, lay, 1, ws, None, doorbell=True)
+                mover = CudaMover(lay, self._pinned, pool_offset=0, kernels=kernels, stream=stream,
+                                  buffers=DeviceBuffers(None, b.slab, b.staging, b.offsets["staging"]),
+                                  blocks=gather_blocks)
+                self.dstep = DeviceStep(residency, mover, b, kernels)
+            G = lay.num_groups
+            self._err_host = np.zeros(b.err.shape[0], np.int32)
+            self._bind(lay, device, torch.from_dlpack(b.slab), b.db_step.block.data.ptr,
+                       [blk.block.data.ptr for blk in b.db_topk], [b.db_slots[g].data.ptr for g in range(G)],
+                       self._err_host, misses=torch.from_dlpack(b.db_misses))
         except BaseException:
-            self._host.close()
+            if self.buffers is not None:
+                self.buffers.close()
+            self._free()  # no handle reaches the caller: nothing else would
             raise
-        self.pool = self._host.array[: lay.pool_bytes].reshape(lay.num_layers, lay.host_rows, lay.row_bytes)
-        with cp.cuda.Device(device):
-            stream = cp.cuda.Stream(non_blocking=True)
-            residency = CudaResidency(lay, kernels=kernels, stream=stream)
-            ws = residency.workspace_bytes if residency.workspace_global else 0
-            need = lay.slab_bytes + lay.staging_bytes + (64 << 20) + lay.max_batch * ws \
-                + 8 * lay.num_groups * lay.max_batch * lay.top_k * 4
-            self._arena = DeviceArena(device, need)
-            self.buffers = b = RankBuffers(self._arena, lay, 1, ws, None, doorbell=True)
-            mover = CudaMover(lay, self._pinned, pool_offset=0, kernels=kernels, stream=stream,
-                              buffers=DeviceBuffers(None, b.slab, b.staging, b.offsets["staging"]),
-                              blocks=gather_blocks)
-            self.dstep = DeviceStep(residency, mover, b, kernels)
-        G = lay.num_groups
-        self._err_host = np.zeros(b.err.shape[0], np.int32)
-        self._bind(lay, device, torch.from_dlpack(b.slab), b.db_step.block.data.ptr,
-                   [blk.block.data.ptr for blk in b.db_topk], [b.db_slots[g].data.ptr for g in range(G)],
-                   self._err_host, misses=torch.from_dlpack(b.db_misses))
 
     def _ext(self, stream_ptr: int):
         import cupy as cp  # noqa: PLC0415
@@ -124,8 +128,18 @@ class InprocSwapIn(DeviceSwapIn):
         with cp.cuda.Device(self.device):
             cp.cuda.runtime.deviceSynchronize()
         self.buffers.close()
-        self._arena.close()
-        self._arena = None
-        self._pinned.close()
-        self.pool = None
-        self._host.close()  # the mapping stays (with a warning) while a caller holds a view of it
+        self._free()
+
+    def _free(self) -> None:
+        """The device arena, then the pool's registration, then the pool (its mapping stays,
+        with a warning, while a caller holds a view of it)."""
+        try:
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+            if self._pinned is not None:
+                self._pinned.close()
+                self._pinned = None
+        finally:
+            self.pool = None
+            self._host.close()

@@ -51,6 +51,13 @@ def _cache() -> Path:
     return cache
 
 
+class BuildError(subprocess.CalledProcessError):
+    """A compile of the emulated kernels failed; says the compiler's last words."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{(self.stderr or '')[-3000:]}"
+
+
 def _once(out: Path, cmd: list[str], src_text: str | None = None) -> None:
     """``out`` made by ``cmd`` (``{out}``, ``{src}`` filled in) unless there; one process
     at a time builds it (test workers share the cache), the others wait and reuse it."""
@@ -65,7 +72,9 @@ def _once(out: Path, cmd: list[str], src_text: str | None = None) -> None:
         if src_text is not None:
             src.write_text(src_text)
         try:
-            subprocess.run([a.format(out=tmp, src=src) for a in cmd], check=True, capture_output=True, timeout=300)
+            r = subprocess.run([a.format(out=tmp, src=src) for a in cmd], capture_output=True, text=True, timeout=300)
+            if r.returncode:
+                raise BuildError(r.returncode, r.args, r.stdout, r.stderr)
             os.replace(tmp, out)
         finally:
             src.unlink(missing_ok=True)
