@@ -219,14 +219,22 @@ class ConnectionGuard:
                     net, last_scan = 0, now
         except zmq.ZMQError as e:  # the context is going away
             if e.errno not in (zmq.ETERM, zmq.ENOTSOCK):
-                log.exception("connection guard failed; its monitor's events are dropped from now on")
-                _discard_events(mon)
+                self._failed(mon)
         except Exception:  # noqa: BLE001 - a thread must not die silently
-            log.exception("connection guard failed; its monitor's events are dropped from now on")
-            _discard_events(mon)
+            self._failed(mon)
         finally:
             mon.close(0)
             self._table_queue.put(None)  # the table's thread ends too
+
+    def _failed(self, mon) -> None:
+        """The guard's loop failed (logged here): new connections are taken again (a
+        socket renamed away would stay so), and the monitor is read and dropped until the
+        guard is closed."""
+        log.exception("connection guard failed; new connections are no longer held off")
+        with self._lock:
+            if self.gated and not self._closed:
+                self._ungate()
+        _discard_events(mon)
 
     def _run_table(self) -> None:
         """The connection table's own thread: reading each new connection's credentials

@@ -120,7 +120,8 @@ def test_a_guard_that_failed_keeps_reading_its_monitor_and_the_router_serves_on(
     """libzmq sends monitor events blocking, from the context's I/O thread: a guard thread
     that died with its monitor on would stop that thread once the events filled the
     monitor's queue (1000), and with it every socket of the daemon. After a failure the
-    guard reads and drops the events until it is closed."""
+    guard takes new connections again (were they held off) and reads and drops the events
+    until it is closed."""
     from sparsekv.daemon import connguard
 
     ctx, peers = zmq.Context(), zmq.Context()
@@ -134,10 +135,13 @@ def test_a_guard_that_failed_keeps_reading_its_monitor_and_the_router_serves_on(
         raise RuntimeError("planted")
 
     monkeypatch.setattr(guard, "check", boom)  # the guard's first scan, after a second
+    guard.gate(guard.limit_fds)  # held off when it fails: it must take connections again
+    assert guard.gated and not os.path.exists(path)
     guard.start()
     served = False
     try:
         helpers.wait_for(lambda: "connection guard failed" in caplog.text, 10, what="the guard to fail")
+        helpers.wait_for(lambda: not guard.gated and os.path.exists(path), 5, what="the socket file back")
         for _ in range(3):  # 3 x 200 connections, each ~4 events: past the monitor's queue
             socks = []
             for _ in range(200):
