@@ -61,7 +61,7 @@ DEFAULT_BATCHES = (16, 64, 128)
 DEFAULT_HITS = (80.0, 90.0, 95.0)  # percent
 DEFAULT_STEPS = 40
 QUICK_BATCHES = (16, 64)
-QUICK_HITS = (90.0,)
+QUICK_HITS = (90.0, 100.0)  # 100: nothing to gather, the doorbell's hand-off alone
 QUICK_STEPS = 20
 REFERENCE = (64, 90.0)  # (batch, hits %) of the headline JSON figures
 OVER_BUDGET = "over --budget-s"  # how a config --budget-s kept from running is marked skipped
@@ -534,6 +534,12 @@ def summary(results: list[Result], opts: Options) -> dict:
         ref.paired_us_per_layer if paired else ref.overhead_us_per_layer, 2)
     out["doorbell_overhead_paired"] = paired
     out["decode_daemon_vs_inproc"] = None if ref is None else _round(ref.vs_inproc, 3)
+    # The hand-off alone: the same batch with nothing to gather (100 % hits), where the
+    # two sides differ by the signalling only (docs/PERF.md, session 17).
+    alone = None if ref is None else next((r for r in results if r.mode == "doorbell" and r.ok and r.batch == ref.batch
+                                           and r.hits == 100.0 and r.vs_inproc is not None), None)
+    out["doorbell_handoff_us_per_layer"] = None if alone is None else _round(
+        alone.paired_us_per_layer if alone.paired_us_per_layer is not None else alone.overhead_us_per_layer, 2)
     return out
 
 
@@ -1113,7 +1119,7 @@ def add_arguments(p) -> None:
                    help="batch sizes, comma list (default: 16,64,128; --quick: 16,64)")
     p.add_argument("--hits", type=_csv(_percent, "--hits"), default=None, metavar="LIST",
                    help="hit rates in percent: each request keeps this share of its previous top-k "
-                        "(default: 80,90,95; --quick: 90)")
+                        "(default: 80,90,95; --quick: 90,100)")
     p.add_argument("--layers", type=int, default=61, metavar="N", help="layers (one index group each)")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help=f"timed decode steps per config (default: {DEFAULT_STEPS}; --quick: {QUICK_STEPS})")
@@ -1135,7 +1141,7 @@ def add_arguments(p) -> None:
     p.add_argument("--gather-blocks", type=int, default=None, metavar="N",
                    help="blocks of the gather, inproc and daemon alike (default: the daemon's default)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed of the top-k sequences")
-    p.add_argument("--quick", action="store_true", help="a short run: batch 16 and 64, 90 %% hits, 20 steps")
+    p.add_argument("--quick", action="store_true", help="a short run: batch 16 and 64, 90 and 100 %% hits, 20 steps")
     p.add_argument("--budget-s", type=float, default=None, metavar="S",
                    help="start no batch size (or round) after S seconds; the rest is marked skipped "
                         "(default: no limit). The JSON is written after each batch size either way")

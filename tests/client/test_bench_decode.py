@@ -249,6 +249,21 @@ def test_json_has_the_headline_keys_at_batch_64_and_90_percent():
     assert d["decode_b16_h80_zmq_skipped"].startswith("unavailable")
     assert d["decode_b64_h90_zmq_error"].startswith("DaemonUnavailable")
     assert d["decode_gather_blocks"] == 32 and d["decode_layers"] == 61
+    assert d["doorbell_handoff_us_per_layer"] is None  # no 100 % config ran
+
+
+def test_the_handoff_alone_is_the_reference_batch_with_nothing_to_gather():
+    rs = fake_results()
+    rs += derive([Result("inproc", 64, 100.0, run="graph", p50_us=3000.0, p99_us=3010.0),
+                  Result("doorbell", 64, 100.0, run="graph", p50_us=3061.0, p99_us=3100.0),
+                  Result("inproc", 16, 100.0, run="graph", p50_us=900.0, p99_us=910.0),
+                  Result("doorbell", 16, 100.0, run="graph", p50_us=1022.0, p99_us=1100.0)], 61, 656)
+    d = summary(rs, Options(gather_blocks=32))
+    assert d["decode_reference_config"] == "b64_h90_k2048"
+    assert d["doorbell_handoff_us_per_layer"] == pytest.approx(1.0)  # b64's: 61 us over 61 layers
+    assert d["doorbell_overhead_us_per_layer"] == pytest.approx(2.0, abs=0.01)
+    rs[-1].paired_us_per_layer = rs[-3].paired_us_per_layer = 0.5  # --paired: the paired median
+    assert summary(rs, Options(gather_blocks=32))["doorbell_handoff_us_per_layer"] == pytest.approx(0.5)
 
 
 def test_json_falls_back_to_the_first_config_without_batch_64_at_90_percent():
@@ -312,7 +327,7 @@ def test_defaults_quick_and_explicit_options():
     assert (o.batches, o.hits, o.steps, o.modes, o.layers, o.top_k) == (
         (16, 64, 128), (80.0, 90.0, 95.0), 40, ("gpu", "inproc", "doorbell"), 61, 2048)
     q = bd.options_from_args(parse("--quick"))
-    assert (q.batches, q.hits, q.steps) == ((16, 64), (90.0,), 20)
+    assert (q.batches, q.hits, q.steps) == ((16, 64), (90.0, 100.0), 20)
     e = bd.options_from_args(parse("--quick", "--batches", "8,32", "--hits", "0.9,95", "--steps", "5",
                                    "--modes", "zmq,gpu,zmq", "--json", "x.json", "--plot", "p.png"))
     assert (e.batches, e.hits, e.steps, e.modes) == ((8, 32), (90.0, 95.0), 5, ("zmq", "gpu"))
