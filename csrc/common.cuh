@@ -108,15 +108,6 @@ __device__ __forceinline__ int skv_add_warps(int in_warp, int warp_sum, int* war
     return r;
 }
 
-// Exclusive prefix count of a per-thread flag across the block, in thread order.
-// `warp_tot` is __shared__ int[NT / 32]; `*total` receives the block's count.
-template <int NT>
-__device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int* total) {
-    int in_warp, warp_sum;
-    skv_warp_count(flag ? 1 : 0, 1, &in_warp, &warp_sum);
-    return skv_add_warps<NT>(in_warp, warp_sum, warp_tot, total);
-}
-
 // Exclusive prefix sum, in thread order, of a per-thread count v in [0, 2^bits) (bits
 // block-uniform, at most 31): bit-sliced warp ballots, then the warp totals, so one
 // call costs `bits` ballots and two barriers whatever the counts. `warp_tot` is
@@ -126,6 +117,13 @@ __device__ __forceinline__ int skv_block_scan_count(int v, int bits, int* warp_t
     int in_warp, warp_sum;
     skv_warp_count(v, bits, &in_warp, &warp_sum);
     return skv_add_warps<NT>(in_warp, warp_sum, warp_tot, total);
+}
+
+// Exclusive prefix count of a per-thread flag across the block, in thread order (a count
+// of one bit). `warp_tot` is __shared__ int[NT / 32]; `*total` receives the block's count.
+template <int NT>
+__device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int* total) {
+    return skv_block_scan_count<NT>(flag ? 1 : 0, 1, warp_tot, total);
 }
 
 // The same collectives with one barrier each (SkvRot): the per-warp partials go to one of
@@ -146,17 +144,15 @@ __device__ __forceinline__ int skv_rot_add_warps(SkvRot& r, int in_warp, int war
 }
 
 template <int NT>
-__device__ __forceinline__ int skv_rot_scan_flag(SkvRot& r, bool flag, int* total) {
-    int in_warp, warp_sum;
-    skv_warp_count(flag ? 1 : 0, 1, &in_warp, &warp_sum);
-    return skv_rot_add_warps<NT>(r, in_warp, warp_sum, total);
-}
-
-template <int NT>
 __device__ __forceinline__ int skv_rot_scan_count(SkvRot& r, int v, int bits, int* total) {
     int in_warp, warp_sum;
     skv_warp_count(v, bits, &in_warp, &warp_sum);
     return skv_rot_add_warps<NT>(r, in_warp, warp_sum, total);
+}
+
+template <int NT>
+__device__ __forceinline__ int skv_rot_scan_flag(SkvRot& r, bool flag, int* total) {
+    return skv_rot_scan_count<NT>(r, flag ? 1 : 0, 1, total);
 }
 
 // Sum of one value per thread (int, or u32 modulo 2^32 for packed counts).
