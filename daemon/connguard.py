@@ -77,7 +77,7 @@ def _discard_events(mon) -> None:
             head = mon.recv_multipart()[0]
             if len(head) >= 2 and int.from_bytes(head[:2], "little") == zmq.EVENT_MONITOR_STOPPED:
                 return
-    except (zmq.ZMQError, IndexError):
+    except zmq.ZMQError:
         return
 
 

@@ -22,6 +22,7 @@ import ctypes
 import logging
 import math
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -47,8 +48,6 @@ def pin_chunk_bytes(environ=None) -> int:
     (a positive number, whole 2 MiB pages), else :data:`POOL_PIN_CHUNK_BYTES`. The daemon's
     pool and ``InprocSwapIn``'s (the in-process baseline) are registered alike. Raises
     ValueError naming the variable for anything else."""
-    import os  # noqa: PLC0415
-
     value = (os.environ if environ is None else environ).get(PIN_CHUNK_ENV)
     if value is None or value == "":
         return POOL_PIN_CHUNK_BYTES

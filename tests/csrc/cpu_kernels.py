@@ -116,11 +116,10 @@ void emu_launch(int grid, int block, int smem, std::function<void()> body);
     emu_launch(grid, block, smem, [=] {{ {entry}({args}); }});
 }}
 """ for entry, (params, args) in KERNELS[source].items())
-    emu_src = (EMU / "emu.cpp").read_text() + (EMU / "shim.h").read_text()
-    key = hashlib.sha256((text + emu_src + cxx + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    obj, pch = _emulator(cxx)  # obj's name is the key of the emulator's sources, compiler and flags
+    key = hashlib.sha256((text + obj.name + " ".join(pch)).encode()).hexdigest()[:16]
     if key in _built:
         return _built[key]
-    obj, pch = _emulator(cxx)
     lib = _cache() / f"{source.split('.')[0]}-{key}.so"
     _once(lib, [cxx, *_FLAGS, "-shared", *pch, f"-I{EMU}", "-o", "{out}", "{src}", str(obj)], text)
     _built[key] = ctypes.CDLL(str(lib))
