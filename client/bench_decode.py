@@ -56,6 +56,12 @@ import numpy as np
 from sparsekv.proto import LIMITS, Layout
 
 MODES = ("gpu", "inproc", "doorbell", "zmq")  # also the order they run in
+# --control: a second in-process handle with a pool of its own, timed in turn with inproc
+# and the doorbell: what two pools alone differ by in the same run (the noise floor of the
+# hand-off figure: on these VMs one pool's gather can run a few % faster than another's).
+CONTROL = "inproc2"
+ORDER = ("gpu", "inproc", CONTROL, "doorbell", "zmq")  # the table's and the plot's
+COMPARED = (CONTROL, "doorbell", "zmq")  # the modes measured against the same config's inproc
 DEFAULT_MODES = ("gpu", "inproc", "doorbell")
 DEFAULT_BATCHES = (16, 64, 128)
 DEFAULT_HITS = (80.0, 90.0, 95.0)  # percent
@@ -92,6 +98,7 @@ class Options:
     warmup: int = 8
     rounds: int = 1  # every mode of a batch this many times over, alternating (run-to-run spread)
     paired: bool = False  # inproc and doorbell timed step by step in turn (drift cancels out)
+    control: bool = False  # with paired: a second inproc handle (CONTROL) timed in turn too
     modes: tuple[str, ...] = DEFAULT_MODES
     layer_overlap: float = 0.85
     gather_blocks: int | None = None
@@ -121,6 +128,8 @@ class Options:
         if self.paired and not {"inproc", "doorbell"} <= set(self.modes):
             raise ValueError(f"--paired times inproc and doorbell in turn: --modes must have both, got "
                              f"{','.join(self.modes)}")
+        if self.control and not self.paired:
+            raise ValueError("--control times a second in-process pool in turn with the others: it needs --paired")
         if not 0 <= self.layer_overlap <= 1:
             raise ValueError(f"--layer-overlap must lie in [0, 1], got {self.layer_overlap}")
         if self.gather_blocks is not None and self.gather_blocks < 1:
@@ -411,7 +420,7 @@ def combine_rounds(results: list[Result], layers: int) -> list[Result]:
         if paired:
             merged.paired_us_per_layer = float(np.median(paired))
             merged.round_paired = tuple(paired)
-        if mode in ("doorbell", "zmq"):
+        if mode in COMPARED:
             merged.round_overheads = tuple((r.p50_us - inproc[(batch, hits, r.round)].p50_us) / layers
                                            for r in ok if (batch, hits, r.round) in inproc)
         out.append(merged)
@@ -429,7 +438,7 @@ def derive(results: list[Result], layers: int, row_bytes: int) -> list[Result]:
         if r.misses_per_step is not None and r.p50_us:
             r.gbps = r.misses_per_step * row_bytes / (r.p50_us * 1e-6) / 1e9
         base = by.get((r.batch, r.hits, "inproc"))
-        if r.mode in ("doorbell", "zmq") and base is not None and base.ok:
+        if r.mode in COMPARED and base is not None and base.ok:
             r.overhead_us_per_layer = (r.p50_us - base.p50_us) / layers
             r.vs_inproc = r.p50_us / base.p50_us
         gpu = by.get((r.batch, r.hits, "gpu"))
@@ -450,7 +459,7 @@ def table(results: list[Result], opts: Options) -> str:
              f"gather_blocks {gb}",
              f"{'batch':>5} {'hits':>5} {'mode':<8} {'run':<5} {'p50 us':>9} {'p99 us':>9} {'hit %':>6} "
              f"{'GB/s':>6} {'+us/layer':>9} {'x inproc':>8} {'inproc/gpu':>10}"]
-    order = {m: i for i, m in enumerate(MODES)}
+    order = {m: i for i, m in enumerate(ORDER)}
     for r in sorted(results, key=lambda r: (r.batch, r.hits, order.get(r.mode, 99))):
         head = f"{r.batch:>5} {hkey(r.hits) + '%':>5} {r.mode:<8}"
         if r.skipped is not None or r.error is not None:
@@ -467,6 +476,9 @@ def table(results: list[Result], opts: Options) -> str:
     if any(r.ok and r.run == "eager" and r.mode != "zmq" for r in results):
         notes.append("run eager: the CUDA graph capture failed, each step was launched from Python")
     notes.append("+us/layer = (mode p50 - inproc p50) / layers; x inproc = mode p50 / inproc p50")
+    if any(r.mode == CONTROL for r in results):
+        notes.append(f"{CONTROL} (--control): the in-process handle again with a pool of its own, timed in turn "
+                     "with the others: its +us/layer is what two pools alone differ by")
     for r in results:
         if r.paired_us_per_layer is not None:
             per = f" (rounds {', '.join(f'{v:+.2f}' for v in r.round_paired)})" if len(r.round_paired) > 1 else ""
@@ -488,6 +500,7 @@ def summary(results: list[Result], opts: Options) -> dict:
                  "decode_context": opts.context, "decode_block_size": opts.block_size, "decode_steps": opts.steps,
                  "decode_warmup": opts.warmup, "decode_gather_blocks": _gather_blocks(opts),
                  "decode_layer_overlap": opts.layer_overlap, "decode_paired": opts.paired,
+                 "decode_control": opts.control,
                  # how bells and ready words were signalled (client/doorbell.py, daemon/cuda/doorbell.py)
                  "decode_engine_signal": engine_signal(),
                  "decode_daemon_signal": daemon_signal()}
@@ -540,6 +553,12 @@ def summary(results: list[Result], opts: Options) -> dict:
                                            and r.hits == 100.0 and r.vs_inproc is not None), None)
     out["doorbell_handoff_us_per_layer"] = None if alone is None else _round(
         alone.paired_us_per_layer if alone.paired_us_per_layer is not None else alone.overhead_us_per_layer, 2)
+    # --control: the second in-process pool against the first at the reference config.
+    ctl = None if ref is None else next((r for r in results if r.mode == CONTROL and r.ok and r.batch == ref.batch
+                                         and r.hits == ref.hits and r.vs_inproc is not None), None)
+    if ctl is not None:
+        out["decode_pool_control_us_per_layer"] = _round(
+            ctl.paired_us_per_layer if ctl.paired_us_per_layer is not None else ctl.overhead_us_per_layer, 2)
     return out
 
 
@@ -575,7 +594,7 @@ def plot(results: list[Result], path: str) -> bool:
     hits = sorted({r.hits for r in ok})
     fig, axes = plt.subplots(1, len(hits), figsize=(4.5 * len(hits), 3.8), squeeze=False, sharey=True)
     for ax, h in zip(axes[0], hits):
-        for mode in MODES:
+        for mode in ORDER:
             pts = sorted((r.batch, r.p50_us / 1e3) for r in ok if r.hits == h and r.mode == mode)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
@@ -818,9 +837,9 @@ def _handle_step(torch, h, st: _Static, lay: Layout, block_size: int):
     return step
 
 
-def _open_inproc(torch, lay: Layout, opts: Options):
-    """``InprocSwapIn`` with its pool filled, and its side of a timed run; the caller
-    closes the handle (``side.handle``) once the GPU is done with it."""
+def _open_inproc(torch, lay: Layout, opts: Options, mode: str = "inproc"):
+    """``InprocSwapIn`` with its pool filled, and its side of a timed run (named ``mode``);
+    the caller closes the handle (``side.handle``) once the GPU is done with it."""
     from .inproc_cuda import InprocSwapIn  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -829,7 +848,7 @@ def _open_inproc(torch, lay: Layout, opts: Options):
         t1 = time.perf_counter()
         fill_pattern(h.pool)
         fill_s = time.perf_counter() - t1
-        _say(f"batch {lay.max_batch} inproc: {lay.pool_bytes / 1e9:.1f} GB pinned pool registered in "
+        _say(f"batch {lay.max_batch} {mode}: {lay.pool_bytes / 1e9:.1f} GB pinned pool registered in "
              f"{t1 - t0:.1f} s, filled in {fill_s:.1f} s")
         st = _Static(torch, lay, opts.blocks)
 
@@ -837,7 +856,7 @@ def _open_inproc(torch, lay: Layout, opts: Options):
             c = h.counters()
             return c["hits"], c["misses"]
 
-        return _Side("inproc", _handle_step(torch, h, st, lay, opts.block_size), st, counts=counts, check=h.check,
+        return _Side(mode, _handle_step(torch, h, st, lay, opts.block_size), st, counts=counts, check=h.check,
                      fill_s=fill_s, handle=h)
     except BaseException:
         h.close()
@@ -856,13 +875,18 @@ def run_inproc(torch, lay: Layout, workloads: dict, opts: Options, out: list) ->
 
 def run_paired(torch, lay: Layout, workloads: dict, opts: Options, out: list) -> None:
     """``--paired``: the inproc handle and the doorbell rank side by side (each its own
-    pool), timed step by step in turn; then zmq, when asked, as without it."""
-    side = _open_inproc(torch, lay, opts)
+    pool), timed step by step in turn (with ``--control`` a second inproc handle too);
+    then zmq, when asked, as without it."""
+    sides: list[_Side] = []
     try:
-        run_doorbell(torch, lay, workloads, opts, out, paired_with=side)
+        sides.append(_open_inproc(torch, lay, opts))
+        if opts.control:
+            sides.append(_open_inproc(torch, lay, opts, CONTROL))
+        run_doorbell(torch, lay, workloads, opts, out, paired_with=sides)
     finally:
         torch.cuda.synchronize()
-        side.handle.close()
+        for side in sides:
+            side.handle.close()
 
 
 def _arena_bytes(lay: Layout, ranks: int) -> int:
@@ -889,11 +913,12 @@ def _host_swap_in():
     return HostSwapIn, None
 
 
-def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list, paired_with: _Side | None = None
-                 ) -> None:
+def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
+                 paired_with: list[_Side] | None = None) -> None:
     """A private cuda daemon for this batch: the doorbell rank (and the zmq rank, when
     asked: a second rank of the same engine, so the pool is written once). ``paired_with``:
-    the inproc side, timed step by step in turn with the doorbell rank (its results too)."""
+    the in-process sides (inproc first), timed step by step in turn with the doorbell rank
+    (their results too)."""
     from .client import Client  # noqa: PLC0415
     from .private_daemon import PrivateDaemon  # noqa: PLC0415
 
@@ -956,13 +981,13 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list, 
                      lambda: _run_zmq_rank(torch, host_swap_in(cz), cz, lay, workloads, opts, out, fill_s))
 
 
-def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with: _Side | None = None) -> None:
+def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with: list[_Side] | None = None) -> None:
     h = c.doorbell_handle()
     try:
         st = _Static(torch, lay, opts.blocks)
         side = _Side("doorbell", _handle_step(torch, h, st, lay, opts.block_size), st,
                      counts=lambda: _daemon_counts(c), check=h.check, fill_s=fill_s)
-        _run_sides(torch, [paired_with, side] if paired_with is not None else [side], lay, workloads, opts, out)
+        _run_sides(torch, [*(paired_with or ()), side], lay, workloads, opts, out)
     finally:
         torch.cuda.synchronize()  # the stream must not wait on a ready word when the watcher stops
         h.close()
@@ -1029,7 +1054,7 @@ def run(opts: Options, torch=None, on_batch=None) -> list[Result]:
         why = f"{OVER_BUDGET} {opts.budget_s:g}" + (f" before round {rnd + 1}" if rnd else "")
         _say(f"batch {batch}: {why}: not run")
         if rnd == 0:  # a later round's configs have rows of the first already
-            modes = [m for m in MODES if m in opts.modes]
+            modes = [m for m in MODES if m in opts.modes] + ([CONTROL] if opts.control else [])
             results.extend(Result(m, batch, h, skipped=why) for m in modes for h in opts.hits)
         return True
 
@@ -1064,7 +1089,7 @@ def _run_batch_modes(torch, batch: int, lay: Layout, workloads: dict, opts: Opti
         _guarded(results, "gpu", batch, workloads, lambda: run_gpu(torch, lay, workloads, opts, results))
         _free(torch)
     if opts.paired:
-        modes = [m for m in ("inproc", "doorbell", "zmq") if m in opts.modes]
+        modes = [m for m in ("inproc", "doorbell", "zmq") if m in opts.modes] + ([CONTROL] if opts.control else [])
         why = "not timed: the paired run with the doorbell failed first (see its row)"
         try:
             run_paired(torch, lay, workloads, opts, results)
@@ -1130,6 +1155,9 @@ def add_arguments(p) -> None:
     p.add_argument("--paired", action="store_true",
                    help="time inproc and doorbell step by step in turn, both set up at once (two pools), so that "
                         "drift of the machine cancels out of the hand-off; adds the median per-step difference")
+    p.add_argument("--control", action="store_true",
+                   help=f"with --paired: time a second in-process handle ({CONTROL}, a pool of its own) in turn too; "
+                        "its difference to inproc is what two pools alone differ by (a third pool in host memory)")
     p.add_argument("--context", type=int, default=8192, metavar="N", help="positions per request")
     p.add_argument("--block-size", type=int, default=64, metavar="N", help="positions per block of the block table")
     p.add_argument("--top-k", type=int, default=2048, metavar="N", help="columns per top-k row (= hot slots)")
@@ -1160,7 +1188,7 @@ def options_from_args(a) -> Options:
         hits=a.hits or (QUICK_HITS if quick else DEFAULT_HITS),
         layers=a.layers, top_k=a.top_k, row_bytes=a.row_bytes, context=a.context, block_size=a.block_size,
         steps=a.steps if a.steps is not None else (QUICK_STEPS if quick else DEFAULT_STEPS), warmup=a.warmup,
-        rounds=a.rounds, paired=bool(getattr(a, "paired", False)),
+        rounds=a.rounds, paired=bool(getattr(a, "paired", False)), control=bool(getattr(a, "control", False)),
         modes=tuple(dict.fromkeys(a.modes)) if a.modes else DEFAULT_MODES,
         layer_overlap=a.layer_overlap, gather_blocks=a.gather_blocks, seed=a.seed,
         budget_s=getattr(a, "budget_s", None), json_path=a.json_path, plot_path=a.plot_path, daemon_log=a.daemon_log,

@@ -554,6 +554,79 @@ def test_paired_needs_inproc_and_doorbell_and_a_failure_marks_every_mode_it_left
     assert "batch 4 paired" in capsys.readouterr().err
 
 
+def test_control_is_a_second_inproc_pool_compared_like_the_doorbell_and_needs_paired(monkeypatch):
+    """--control: inproc2 gets the paired figure, the ratios and the per-round spread
+    against inproc like a daemon mode; the JSON's decode_pool_control_us_per_layer is its
+    paired figure at the reference config; the table explains it; a failed paired run
+    marks it too."""
+    with pytest.raises(ValueError, match="--control .* needs --paired"):
+        Options(control=True, **SMALL).validate()
+    assert bd.options_from_args(parse("--quick", "--paired", "--control")).control is True
+    rs = []
+    for rnd, (pc, pd) in enumerate([(0.4, 2.0), (-0.2, 3.0)]):
+        rs.append(Result("inproc", 64, 90.0, run="graph", p50_us=1000.0, p99_us=1000.0, round=rnd))
+        rs.append(Result(bd.CONTROL, 64, 90.0, run="graph", p50_us=1061.0, p99_us=1070.0, round=rnd,
+                         paired_us_per_layer=pc))
+        rs.append(Result("doorbell", 64, 90.0, run="graph", p50_us=1122.0, p99_us=1130.0, round=rnd,
+                         paired_us_per_layer=pd))
+    merged = derive(combine_rounds(rs, 61), 61, 656)
+    ctl = next(r for r in merged if r.mode == bd.CONTROL)
+    assert ctl.vs_inproc == pytest.approx(1.061) and ctl.overhead_us_per_layer == pytest.approx(1.0)
+    assert ctl.round_overheads == pytest.approx((1.0, 1.0)) and ctl.paired_us_per_layer == pytest.approx(0.1)
+    opts = Options(gather_blocks=32, paired=True, control=True)
+    d = summary(merged, opts)
+    assert d["decode_pool_control_us_per_layer"] == pytest.approx(0.1) and d["decode_control"] is True
+    assert d["doorbell_overhead_us_per_layer"] == pytest.approx(2.5)  # the doorbell's, not the control's
+    assert "decode_pool_control_us_per_layer" not in summary(merged[:1] + merged[2:], opts)
+    text = table(merged, opts)
+    rows = [line.split()[2] for line in text.splitlines()[2:] if not line.startswith("note")]
+    assert rows == ["inproc", bd.CONTROL, "doorbell"]
+    assert "what two pools alone differ by" in text
+
+    monkeypatch.setattr(bd, "_free", lambda torch: None)
+    monkeypatch.setattr(bd, "run_paired", lambda *a: (_ for _ in ()).throw(RuntimeError("no memory")))
+    opts = Options(batches=(4,), hits=(90.0,), modes=("inproc", "doorbell"), paired=True, control=True,
+                   **SMALL).validate()
+    out: list = []
+    bd._run_batch_modes(None, 4, bd.make_layout(4, opts), {90.0: None}, opts, out, gpu=False)
+    assert sorted(r.mode for r in out if r.error == "RuntimeError: no memory") == ["doorbell", "inproc", bd.CONTROL]
+
+
+def test_paired_run_opens_the_control_pool_and_closes_every_handle(monkeypatch):
+    """run_paired with --control hands both in-process sides, inproc first, to the doorbell
+    run and closes both handles afterwards, also when the doorbell run fails; a failure
+    opening the second closes the first."""
+    import types
+
+    opened, closed = [], []
+
+    def fake_open(torch, lay, opts, mode="inproc"):
+        if mode in fail_open:
+            raise RuntimeError(f"cannot open {mode}")
+        opened.append(mode)
+        return bd._Side(mode, None, None, handle=types.SimpleNamespace(close=lambda: closed.append(mode)))
+
+    seen = []
+
+    def fake_doorbell(torch, lay, workloads, opts, out, paired_with=None):
+        seen.append([s.mode for s in paired_with])
+        raise RuntimeError("daemon gone")
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(bd, "_open_inproc", fake_open)
+    monkeypatch.setattr(bd, "run_doorbell", fake_doorbell)
+    opts = Options(modes=("inproc", "doorbell"), paired=True, control=True, **SMALL)
+    fail_open: tuple = ()
+    with pytest.raises(RuntimeError, match="daemon gone"):
+        bd.run_paired(torch, None, {}, opts, [])
+    assert seen == [["inproc", bd.CONTROL]] and sorted(closed) == sorted(opened) == ["inproc", bd.CONTROL]
+    opened.clear(), closed.clear()
+    fail_open = (bd.CONTROL,)
+    with pytest.raises(RuntimeError, match="cannot open"):
+        bd.run_paired(torch, None, {}, opts, [])
+    assert opened == closed == ["inproc"]
+
+
 def test_a_failing_mode_becomes_error_rows_and_the_run_goes_on(capsys):
     out: list = [Result("inproc", 16, 80.0, run="graph", p50_us=1.0, p99_us=1.0)]
 
@@ -630,21 +703,25 @@ def test_a_tiny_run_on_the_gpu(tmp_path):
 
 @pytest.mark.cuda
 def test_a_tiny_paired_run_on_the_gpu(tmp_path):
-    """--paired on the GPU: the inproc handle and the doorbell rank set up at once, both
-    captured, timed in turn; the same hit rate on each side, and the paired figure."""
+    """--paired --control on the GPU: two inproc handles and the doorbell rank set up at
+    once, all captured, timed in turn; the same hit rate on each side, and the paired
+    figures."""
     import torch
 
     opts = Options(batches=(2,), hits=(90.0,), layers=2, top_k=64, row_bytes=656, context=256, block_size=16,
-                   steps=4, warmup=2, modes=("inproc", "doorbell"), paired=True,
+                   steps=4, warmup=2, modes=("inproc", "doorbell"), paired=True, control=True,
                    daemon_log=str(tmp_path / "sparsekvd.log")).validate()
     by = {r.mode: r for r in bd.run(opts, torch)}
     keep = round(0.9 * 64) / 64
-    for mode in ("inproc", "doorbell"):
+    for mode in ("inproc", bd.CONTROL, "doorbell"):
         r = by[mode]
         assert r.ok, (mode, r.error, (tmp_path / "sparsekvd.log").read_text()[-2000:])
         assert r.run == "graph" and r.hit_rate == pytest.approx(keep), mode
     assert by["doorbell"].paired_us_per_layer is not None and by["inproc"].paired_us_per_layer is None
-    assert summary(list(by.values()), opts)["decode_b2_h90_doorbell_paired_overhead_us_per_layer"] is not None
+    assert by[bd.CONTROL].paired_us_per_layer is not None
+    d = summary(list(by.values()), opts)
+    assert d["decode_b2_h90_doorbell_paired_overhead_us_per_layer"] is not None
+    assert d["decode_pool_control_us_per_layer"] is not None
 
 
 def test_budget_skips_later_batches_and_rounds_and_each_batch_is_handed_over(monkeypatch):
