@@ -282,13 +282,15 @@ def pool_pinner(cfg):
     serve it (``cuda``, or ``auto`` on a machine whose GPU CuPy sees), as
     ``$SPARSEKV_PIN_POOL_AT_START`` says: ``1`` (default) chunk by chunk while it is
     pre-faulted, ``after`` the whole pool once it is; ``0``: None (each engine's range is
-    page-locked at its attach)."""
+    page-locked at its attach). Either way in chunks of ``$SPARSEKV_PIN_CHUNK_GIB``, which
+    is checked here (ValueError naming it)."""
     mode = os.environ.get(PIN_AT_START_ENV, "1")
     if mode not in PIN_AT_START_MODES:
         raise ValueError(f"{PIN_AT_START_ENV}={mode!r}: expected one of {', '.join(PIN_AT_START_MODES)}")
+    chunk = pin_chunk_bytes()  # checked whatever the mode: a registration at attach uses it too
     if mode == "0" or cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
         return None
-    return PoolPinner(cfg.pool_size, max_chunk_bytes=pin_chunk_bytes(), while_faulting=mode == "1")
+    return PoolPinner(cfg.pool_size, max_chunk_bytes=chunk, while_faulting=mode == "1")
 
 
 def backend_refusal(cfg) -> str | None:

@@ -11,6 +11,7 @@ in chunks that never split a row.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 
@@ -18,7 +19,7 @@ from sparsekv.proto.cuda_ipc import mps_running
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 
 from ..engine import EngineSpace
-from ..pinned import PinnedRegion, PinnedView
+from ..pinned import PinnedRegion, PinnedView, pin_chunk_bytes
 from ..residency.base import ResidencyError
 from .arena import DeviceArena
 from .rank import CudaRankState
@@ -136,7 +137,11 @@ class CudaBackend:
             if self.pool_region is not None:
                 self._pinned[space.name] = PinnedView(self.pool_region, space.pool_offset, nbytes)
             else:
-                self._pinned[space.name] = PinnedRegion(self.pool.address + space.pool_offset, nbytes, lay.row_bytes)
+                # In the pool's chunks ($SPARSEKV_PIN_CHUNK_GIB, checked at start), each at
+                # least one whole row and page (a chunk never splits either).
+                chunk = max(pin_chunk_bytes(), math.lcm(lay.row_bytes, mmap.PAGESIZE))
+                self._pinned[space.name] = PinnedRegion(self.pool.address + space.pool_offset, nbytes, lay.row_bytes,
+                                                        chunk)
         return worker
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,

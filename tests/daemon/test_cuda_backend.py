@@ -81,14 +81,16 @@ def filled():
         yield lay, c, att
 
 
-@pytest.mark.parametrize("at_start", ["1", "0"])
-def test_the_pool_is_page_locked_at_start_and_an_attach_serves_from_it(tmp_path, at_start):
+@pytest.mark.parametrize("at_start, chunk_gib", [("1", ""), ("0", ""), ("1", "0.002"), ("0", "0.002")])
+def test_the_pool_is_page_locked_at_start_and_an_attach_serves_from_it(tmp_path, at_start, chunk_gib):
     """By default (SPARSEKV_PIN_POOL_AT_START=1) the daemon registers the whole pool while
     pre-faulting it (not inside an attach), and an engine's range is a view of it; with 0
-    the attach registers the engine's range. Either way its rows are served exactly."""
+    the attach registers the engine's range. Either way its rows are served exactly, also
+    from many small registrations (SPARSEKV_PIN_CHUNK_GIB 0.002: 2 MiB chunks)."""
     lay = small_trace(steps=1).layout()
+    assert lay.pool_bytes > 8 * (2 << 20)  # several chunks of 2 MiB
     log = tmp_path / "sparsekvd.log"
-    env = dict(os.environ, SPARSEKV_PIN_POOL_AT_START=at_start)
+    env = dict(os.environ, SPARSEKV_PIN_POOL_AT_START=at_start, SPARSEKV_PIN_CHUNK_GIB=chunk_gib)
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
                        log_path=str(log), env=env) as d, Client(d.run_dir, device="cuda:0") as c:
         att = c.attach(lay, engine="pinned-at-start")

@@ -402,6 +402,10 @@ def test_the_pool_is_page_locked_at_start_unless_told_not_to_and_for_the_cuda_ba
     monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: None)
     monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "0")
     assert main_mod.pool_pinner(Config(backend="cuda")) is None  # registration at attach
+    monkeypatch.setenv("SPARSEKV_PIN_CHUNK_GIB", "-1")  # ... in these chunks: checked all the same
+    with pytest.raises(ValueError, match="SPARSEKV_PIN_CHUNK_GIB='-1'"):
+        main_mod.pool_pinner(Config(backend="cuda"))
+    monkeypatch.delenv("SPARSEKV_PIN_CHUNK_GIB")
     monkeypatch.delenv(main_mod.PIN_AT_START_ENV, raising=False)
     assert isinstance(main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)), PoolPinner)
     assert main_mod.pool_pinner(Config(backend="cpu")) is None
