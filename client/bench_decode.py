@@ -48,6 +48,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -873,16 +874,22 @@ def run_inproc(torch, lay: Layout, workloads: dict, opts: Options, out: list) ->
         side.handle.close()
 
 
-def run_paired(torch, lay: Layout, workloads: dict, opts: Options, out: list) -> None:
+def run_paired(torch, lay: Layout, workloads: dict, opts: Options, out: list, daemon_first: bool = False) -> None:
     """``--paired``: the inproc handle and the doorbell rank side by side (each its own
     pool), timed step by step in turn (with ``--control`` a second inproc handle too);
-    then zmq, when asked, as without it."""
+    then zmq, when asked, as without it. The in-process pools are made before the daemon
+    starts, or with ``daemon_first`` once its pool is made and filled (host memory a VM
+    hands out later can be slower to gather from: rounds alternate, see :func:`run`)."""
     sides: list[_Side] = []
-    try:
+
+    def open_sides() -> list[_Side]:
         sides.append(_open_inproc(torch, lay, opts))
         if opts.control:
             sides.append(_open_inproc(torch, lay, opts, CONTROL))
-        run_doorbell(torch, lay, workloads, opts, out, paired_with=sides)
+        return sides
+
+    try:
+        run_doorbell(torch, lay, workloads, opts, out, paired_with=open_sides if daemon_first else open_sides())
     finally:
         torch.cuda.synchronize()
         for side in sides:
@@ -914,11 +921,11 @@ def _host_swap_in():
 
 
 def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
-                 paired_with: list[_Side] | None = None) -> None:
+                 paired_with: list[_Side] | Callable[[], list[_Side]] | None = None) -> None:
     """A private cuda daemon for this batch: the doorbell rank (and the zmq rank, when
     asked: a second rank of the same engine, so the pool is written once). ``paired_with``:
-    the in-process sides (inproc first), timed step by step in turn with the doorbell rank
-    (their results too)."""
+    the in-process sides (inproc first), or what opens them once the daemon's pool is
+    filled, timed step by step in turn with the doorbell rank (their results too)."""
     from .client import Client  # noqa: PLC0415
     from .private_daemon import PrivateDaemon  # noqa: PLC0415
 
@@ -981,7 +988,9 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
                      lambda: _run_zmq_rank(torch, host_swap_in(cz), cz, lay, workloads, opts, out, fill_s))
 
 
-def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with: list[_Side] | None = None) -> None:
+def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with=None) -> None:
+    if callable(paired_with):
+        paired_with = paired_with()
     h = c.doorbell_handle()
     try:
         st = _Static(torch, lay, opts.blocks)
@@ -1072,7 +1081,8 @@ def run(opts: Options, torch=None, on_batch=None) -> list[Result]:
             if rnd and over_budget(batch, rnd):
                 break
             here: list[Result] = []
-            _run_batch_modes(torch, batch, lay, workloads, opts, here, gpu=rnd == 0)  # its own baseline: once
+            # its own baseline once; with --paired odd rounds make the daemon's pool first
+            _run_batch_modes(torch, batch, lay, workloads, opts, here, gpu=rnd == 0, daemon_first=rnd % 2 == 1)
             for r in here:
                 r.round = rnd
             results.extend(here)
@@ -1082,7 +1092,7 @@ def run(opts: Options, torch=None, on_batch=None) -> list[Result]:
 
 
 def _run_batch_modes(torch, batch: int, lay: Layout, workloads: dict, opts: Options, results: list,
-                     gpu: bool = True) -> None:
+                     gpu: bool = True, daemon_first: bool = False) -> None:
     """Every mode of ``opts`` once for one batch size (one round), in MODES order; the
     all-on-GPU mode only with ``gpu`` (it involves no offload: one round of it is enough)."""
     if gpu and "gpu" in opts.modes:
@@ -1092,7 +1102,7 @@ def _run_batch_modes(torch, batch: int, lay: Layout, workloads: dict, opts: Opti
         modes = [m for m in ("inproc", "doorbell", "zmq") if m in opts.modes] + ([CONTROL] if opts.control else [])
         why = "not timed: the paired run with the doorbell failed first (see its row)"
         try:
-            run_paired(torch, lay, workloads, opts, results)
+            run_paired(torch, lay, workloads, opts, results, daemon_first=daemon_first)
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - inproc or the daemon did not start, attach or fill
@@ -1154,7 +1164,8 @@ def add_arguments(p) -> None:
                         "own; figures are the rounds' medians, the spread of the hand-off is reported")
     p.add_argument("--paired", action="store_true",
                    help="time inproc and doorbell step by step in turn, both set up at once (two pools), so that "
-                        "drift of the machine cancels out of the hand-off; adds the median per-step difference")
+                        "drift of the machine cancels out of the hand-off; adds the median per-step difference. "
+                        "Odd rounds make the in-process pools first, even ones the daemon's")
     p.add_argument("--control", action="store_true",
                    help=f"with --paired: time a second in-process handle ({CONTROL}, a pool of its own) in turn too; "
                         "its difference to inproc is what two pools alone differ by (a third pool in host memory)")

@@ -540,7 +540,7 @@ def test_paired_needs_inproc_and_doorbell_and_a_failure_marks_every_mode_it_left
                    **SMALL).validate()
     monkeypatch.setattr(bd, "_free", lambda torch: None)
 
-    def half(torch, lay, workloads, opts, out):  # the doorbell timed one config, then the daemon went away
+    def half(torch, lay, workloads, opts, out, daemon_first=False):  # one config timed, then the daemon went away
         out.append(Result("inproc", 4, 80.0, run="graph", p50_us=1.0, p99_us=1.0))
         out.append(Result("doorbell", 4, 80.0, run="graph", p50_us=2.0, p99_us=2.0))
         raise RuntimeError("daemon\ngone")
@@ -584,7 +584,7 @@ def test_control_is_a_second_inproc_pool_compared_like_the_doorbell_and_needs_pa
     assert "what two pools alone differ by" in text
 
     monkeypatch.setattr(bd, "_free", lambda torch: None)
-    monkeypatch.setattr(bd, "run_paired", lambda *a: (_ for _ in ()).throw(RuntimeError("no memory")))
+    monkeypatch.setattr(bd, "run_paired", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no memory")))
     opts = Options(batches=(4,), hits=(90.0,), modes=("inproc", "doorbell"), paired=True, control=True,
                    **SMALL).validate()
     out: list = []
@@ -625,6 +625,35 @@ def test_paired_run_opens_the_control_pool_and_closes_every_handle(monkeypatch):
     with pytest.raises(RuntimeError, match="cannot open"):
         bd.run_paired(torch, None, {}, opts, [])
     assert opened == closed == ["inproc"]
+    # daemon_first: the sides are opened by the doorbell run (once the daemon's pool is
+    # made), through what it is handed; they are closed all the same.
+    opened.clear(), closed.clear()
+    fail_open = ()
+
+    def late_doorbell(torch, lay, workloads, opts, out, paired_with=None):
+        assert callable(paired_with) and opened == []
+        seen.append([s.mode for s in paired_with()])
+
+    monkeypatch.setattr(bd, "run_doorbell", late_doorbell)
+    bd.run_paired(torch, None, {}, opts, [], daemon_first=True)
+    assert seen[-1] == ["inproc", bd.CONTROL] and sorted(closed) == ["inproc", bd.CONTROL]
+
+
+def test_paired_rounds_alternate_which_pool_is_made_first(monkeypatch):
+    """--paired --rounds 4: rounds 2 and 4 make the daemon's pool before the in-process
+    ones (host memory handed out later can be slower), rounds 1 and 3 after."""
+    firsts = []
+
+    def fake_paired(torch, lay, workloads, opts, out, daemon_first=False):
+        firsts.append(daemon_first)
+        for h in workloads:
+            out += [Result(m, lay.max_batch, h, run="graph", p50_us=1000.0, p99_us=1000.0) for m in ("inproc", "doorbell")]
+
+    torch = _fake_modes(monkeypatch, lambda mode: 1000.0)
+    monkeypatch.setattr(bd, "run_paired", fake_paired)
+    opts = Options(batches=(4,), hits=(90.0,), rounds=4, paired=True, modes=("inproc", "doorbell"), **SMALL).validate()
+    bd.run(opts, torch)
+    assert firsts == [False, True, False, True]
 
 
 def test_a_failing_mode_becomes_error_rows_and_the_run_goes_on(capsys):
