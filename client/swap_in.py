@@ -97,6 +97,8 @@ class HostSwapIn:
                              ErrorCode.BAD_ARGUMENT)
         self.hot_base = int(hot_base)
         self.resident_base = int(resident_base)
+        # Every hot index fits int32 (hot_base + max_reqs * region_stride): 32-bit arithmetic.
+        self._hot_int32 = 0 <= self.hot_base and self.hot_base + lay.max_reqs * lay.region_stride <= np.iinfo(np.int32).max
         # layer -> (its group, the group's leader layer)
         self._group_of = {layer: (g, layers[0]) for g, layers in enumerate(lay.groups) for layer in layers}
         # One view per layer of the attachment's slab [L, max_reqs, region_stride, row_bytes]:
@@ -190,12 +192,16 @@ class HostSwapIn:
         self._order.ready(int(layer))
         # Region of state row r, slot s: row r * region_stride + s (fits int32: the layout
         # keeps max_reqs * region_stride <= 2**31), from hot_base.
-        idx = np.where(slots >= 0, self.hot_base + reqs[:, None].astype(np.int64) * self._stride + slots, -1)
-        if resident is not None:
-            idx = np.where(resident >= 0, self.resident_base + resident, idx)
-        if (idx > np.iinfo(np.int32).max).any():
-            raise BadRequest("an index passes int32: lower hot_base or resident_base", ErrorCode.BAD_ARGUMENT)
-        idx = idx.astype(np.int32)
+        if resident is None and self._hot_int32:  # the common case: 32-bit, two passes
+            base = self.hot_base + reqs.astype(np.int32, copy=False) * np.int32(self._stride)  # reqs < max_reqs
+            idx = np.where(slots >= 0, slots + base[:, None], np.int32(-1))
+        else:
+            idx = np.where(slots >= 0, self.hot_base + reqs[:, None].astype(np.int64) * self._stride + slots, -1)
+            if resident is not None:
+                idx = np.where(resident >= 0, self.resident_base + resident, idx)
+            if (idx > np.iinfo(np.int32).max).any():
+                raise BadRequest("an index passes int32: lower hot_base or resident_base", ErrorCode.BAD_ARGUMENT)
+            idx = idx.astype(np.int32)
         counts = (idx >= 0).sum(axis=1, dtype=np.int32)
         idx = _deliver(idx, attention_indices_out, like)
         if not return_valid_counts:
@@ -264,12 +270,10 @@ class HostSwapIn:
             t = int(np.flatnonzero(stray)[0])
             raise BadRequest(f"token {t} belongs to request {int(reqs[t])}, which is not among this step's state rows; "
                              "pass every request of the step to begin_step", ErrorCode.BAD_STATE_ROW)
-        # The per-token table: its request's row of the block table; a padding token gets
-        # a row of -1, so each of its positions maps to nothing.
-        per_token = np.full((reqs.shape[0], table.shape[1]), -1, dtype=table.dtype)
-        per_token[live] = table[reqs[live]]
+        # Each token reads its request's row of the block table; a padding token (-1)
+        # none, so each of its positions maps to nothing.
         try:
-            rows = host_rows(topk, per_token, block_size)
+            rows = host_rows(topk, table, block_size, table_rows=reqs)
         except (TypeError, ValueError) as e:  # e.g. block_size not a positive integer
             raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
         resident = None

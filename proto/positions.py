@@ -21,36 +21,70 @@ from __future__ import annotations
 import numpy as np
 
 UNMAPPED = -2  # an id the residency counts as out of range (< -1), never a miss
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-def host_rows(positions, block_table, block_size: int) -> np.ndarray:
-    """Map ``positions`` int [batch, k] through ``block_table`` int [batch, max_blocks]
-    (row ``b`` of the table serves row ``b`` of the positions) with ``block_size`` tokens
-    per block; returns int32 [batch, k] host rows, :data:`UNMAPPED` where a position does
-    not map (negative, past the table, on a -1 block, or a row beyond int32).
+def host_rows(positions, block_table, block_size: int, table_rows=None) -> np.ndarray:
+    """Map ``positions`` int [batch, k] through ``block_table`` int [rows, max_blocks]
+    with ``block_size`` tokens per block; returns int32 [batch, k] host rows,
+    :data:`UNMAPPED` where a position does not map (negative, past the table, on a -1
+    block, or a row beyond int32). Row ``b`` of the positions uses table row
+    ``table_rows[b]`` (int [batch]; -1: none, every position unmapped), or row ``b`` when
+    ``table_rows`` is None (the table then has ``batch`` rows).
 
     Raises ValueError naming the argument whose shape or value is wrong."""
     pos = np.asarray(positions)
     table = np.asarray(block_table)
     if pos.ndim != 2:
         raise ValueError(f"positions must be [batch, k], got shape {pos.shape}")
-    if table.ndim != 2 or table.shape[0] != pos.shape[0]:
-        raise ValueError(f"block_table must be [batch, max_blocks] with batch {pos.shape[0]}, got {table.shape}")
+    if table_rows is None:
+        if table.ndim != 2 or table.shape[0] != pos.shape[0]:
+            raise ValueError(f"block_table must be [batch, max_blocks] with batch {pos.shape[0]}, got {table.shape}")
+    else:
+        table_rows = np.asarray(table_rows)
+        if table.ndim != 2:
+            raise ValueError(f"block_table must be [rows, max_blocks], got {table.shape}")
+        if table_rows.shape != pos.shape[:1] or not np.issubdtype(table_rows.dtype, np.integer):
+            raise ValueError(f"table_rows must be integers [batch={pos.shape[0]}], got {table_rows.dtype} "
+                             f"{table_rows.shape}")
+        if table_rows.size and (int(table_rows.min()) < -1 or int(table_rows.max()) >= table.shape[0]):
+            raise ValueError(f"table_rows must lie in [-1, {table.shape[0]}) (the block table's rows)")
     if not np.issubdtype(pos.dtype, np.integer) or not np.issubdtype(table.dtype, np.integer):
         raise ValueError(f"positions and block_table must be integer arrays, got {pos.dtype} and {table.dtype}")
     bs = int(block_size)
     if bs <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    pos = pos.astype(np.int64, copy=False)
-    max_blocks = table.shape[1]
-    blk = np.where(pos >= 0, pos // bs, -1)
-    ok = (pos >= 0) & (blk < max_blocks)
-    safe_blk = np.where(ok, blk, 0)
-    if max_blocks:
-        hb = np.take_along_axis(table.astype(np.int64, copy=False), safe_blk, axis=1)
+    batch, max_blocks = pos.shape[0], table.shape[1]
+    if max_blocks == 0 or pos.size == 0 or table.size == 0:
+        return np.full(pos.shape, UNMAPPED, dtype=np.int32)
+    # A decode step maps batch x top-k positions per index group on the portable path, so
+    # this makes few passes, 32-bit where the values allow (docs/PERF.md, session 18): the
+    # table gets a column of -1 (where every position outside it goes) and a row of -1
+    # (table row -1's), so one look-up and one test leave only real blocks.
+    rows_n = table.shape[0]
+    top = int(table.max())
+    narrow = (pos.dtype.itemsize < 4 or pos.dtype == np.int32) and table.dtype.itemsize <= 4 \
+        and top <= (INT32_MAX - (bs - 1)) // bs  # hb * bs + off never passes int32
+    wide = np.int32 if narrow else np.int64
+    padded = np.full((rows_n + 1, max_blocks + 1), -1, dtype=wide)
+    padded[:rows_n, :max_blocks] = table
+    pos = pos.astype(wide, copy=False)
+    if bs & (bs - 1) == 0:
+        blk, off = pos >> (bs.bit_length() - 1), pos & (bs - 1)
     else:
-        hb = np.full(pos.shape, -1, dtype=np.int64)
-    ok &= hb >= 0
-    rows = hb * bs + np.where(ok, pos % bs, 0)
-    ok &= rows <= np.iinfo(np.int32).max
-    return np.where(ok, rows, UNMAPPED).astype(np.int32)
+        blk, off = np.divmod(pos, bs)
+    # A negative block (a negative position) is huge unsigned: one clip sends both it and
+    # a block past the table to the column of -1.
+    ublk = blk.view(np.uint32 if narrow else np.uint64)
+    np.minimum(ublk, max_blocks, out=ublk)
+    trow = np.arange(batch, dtype=np.intp) if table_rows is None else \
+        np.where(table_rows < 0, rows_n, table_rows).astype(np.intp)
+    flat = ublk.astype(np.intp)
+    flat += (trow * (max_blocks + 1))[:, None]
+    hb = padded.reshape(-1).take(flat)
+    ok = hb >= 0
+    hb *= bs
+    hb += off
+    if not narrow:
+        ok &= hb <= INT32_MAX
+    return np.where(ok, hb, UNMAPPED).astype(np.int32, copy=False)

@@ -92,14 +92,46 @@ def test_wrong_shapes_and_values_raise_naming_the_argument(pos, table, bs, words
     assert words in str(ei.value)
 
 
-def test_agrees_with_the_rule_written_out_on_random_tables():
-    rng = np.random.default_rng(5)
-    bs, batch, max_blocks, k = 8, 5, 6, 40
-    table = rng.integers(-1, 50, (batch, max_blocks)).astype(np.int32)
-    pos = rng.integers(-10, max_blocks * bs + 10, (batch, k)).astype(np.int32)
-    want = np.full((batch, k), U)
-    for b in range(batch):
+def rule(pos, table, bs, table_rows):
+    """The rule of DESIGN §6 written out, one position at a time."""
+    want = np.full(pos.shape, U)
+    for b in range(pos.shape[0]):
+        r = table_rows[b]
         for j, p in enumerate(pos[b]):
-            if 0 <= p < max_blocks * bs and table[b, p // bs] >= 0:
-                want[b, j] = table[b, p // bs] * bs + p % bs
-    np.testing.assert_array_equal(host_rows(pos, table, bs), want)
+            if r >= 0 and 0 <= p < table.shape[1] * bs and table[r, p // bs] >= 0:
+                row = int(table[r, p // bs]) * bs + int(p) % bs
+                want[b, j] = row if row <= I32_MAX else U
+    return want
+
+
+@pytest.mark.parametrize("bs", [8, 6, 1, 64])
+@pytest.mark.parametrize("pos_dtype, table_dtype", [(np.int32, np.int32), (np.int64, np.int32), (np.int32, np.int64),
+                                                    (np.int16, np.int16), (np.uint32, np.int32)])
+def test_agrees_with_the_rule_written_out_on_random_tables(bs, pos_dtype, table_dtype):
+    """Power-of-two block sizes and others, 16- to 64-bit arrays, and tables whose blocks
+    reach past int32 rows: the fast paths agree with the rule."""
+    rng = np.random.default_rng(5 + bs)
+    batch, max_blocks, k = 5, 6, 40
+    top = 50 if np.dtype(table_dtype).itemsize < 4 else min(I32_MAX // bs + 3, np.iinfo(table_dtype).max)  # past int32
+    table = rng.integers(-1, 50, (batch, max_blocks)).astype(table_dtype)
+    table[0, :2] = [top, top - 5]
+    lo = 0 if np.dtype(pos_dtype).kind == "u" else -10
+    pos = rng.integers(lo, max_blocks * bs + 10, (batch, k)).astype(pos_dtype)
+    np.testing.assert_array_equal(host_rows(pos, table, bs), rule(pos, table, bs, range(batch)))
+
+
+def test_table_rows_pick_each_tokens_row_and_minus_one_maps_nothing():
+    """table_rows: several tokens of one request share its row of the table (speculative
+    decoding), a padding token (-1) maps nothing; rows outside the table are refused."""
+    rng = np.random.default_rng(9)
+    bs, reqs, max_blocks, k = 16, 4, 5, 30
+    table = rng.integers(-1, 40, (reqs, max_blocks)).astype(np.int32)
+    which = np.array([2, 2, -1, 0, 3, 2], np.int32)
+    pos = rng.integers(-5, max_blocks * bs + 5, (len(which), k)).astype(np.int32)
+    got = host_rows(pos, table, bs, table_rows=which)
+    np.testing.assert_array_equal(got, rule(pos, table, bs, which))
+    assert (got[2] == U).all()
+    with pytest.raises(ValueError, match=r"table_rows must lie in \[-1, 4\)"):
+        host_rows(pos, table, bs, table_rows=np.array([0, 1, 4, 0, 0, 0]))
+    with pytest.raises(ValueError, match="table_rows must be integers"):
+        host_rows(pos, table, bs, table_rows=np.zeros(3, np.int32))
