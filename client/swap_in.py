@@ -49,8 +49,9 @@ Tokens: several tokens of one request (speculative decoding) may share a step, u
 ``region_stride // top_k`` of them; ``Layout.max_batch`` bounds the tokens of a step.
 Every request a token names must be among the step's ``state_rows``.
 
-Arrays: NumPy or torch tensors (any device: they are copied to the host, so this is no
-fast path for a GPU). Results are torch tensors on the device of
+Arrays: NumPy or torch tensors (any device: the inputs are copied to the host, where the
+positions are mapped, so this is no fast path for a GPU; on the cuda backend the indices
+are made on the GPU from the reply's device slots, on the current stream). Results are torch tensors on the device of
 ``logical_topk_indices`` (else of ``req_id_per_token``) when either is one, else NumPy;
 or the ``*_out`` arrays (int32, exact shape) when given, filled and returned. Errors are the client's
 typed exceptions (:mod:`sparsekv.client.errors`), raised by the call that caused them, or
@@ -118,7 +119,8 @@ class HostSwapIn:
         self._order = StepOrder(lay.groups)
         # Totals over the handle's life, from the top-k replies (the cuda backend leaves
         # hits and out_of_range to its stats: then they stay 0). Not part of the device API.
-        self.counts = {"batches": 0, "hits": 0, "misses": 0, "out_of_range": 0}
+        self._counts = {"batches": 0, "hits": 0, "misses": 0, "out_of_range": 0}
+        self._device_misses = None  # cuda: the misses summed on the device (read at .counts)
         self._closed = False
 
     # -- the API ---------------------------------------------------------------------
@@ -192,6 +194,9 @@ class HostSwapIn:
         self._order.ready(int(layer))
         # Region of state row r, slot s: row r * region_stride + s (fits int32: the layout
         # keeps max_reqs * region_stride <= 2**31), from hot_base.
+        if _is_torch(slots):  # cuda: the slots stay on the GPU, so do the indices
+            return self._on_device(slots, reqs, req_id_per_token, like, return_valid_counts, attention_indices_out,
+                                   valid_counts_out)
         if resident is None and self._hot_int32:  # the common case: 32-bit, two passes
             base = self.hot_base + reqs.astype(np.int32, copy=False) * np.int32(self._stride)  # reqs < max_reqs
             idx = np.where(slots >= 0, slots + base[:, None], np.int32(-1))
@@ -207,6 +212,33 @@ class HostSwapIn:
         if not return_valid_counts:
             return idx
         return idx, _deliver(counts, valid_counts_out, like)
+
+    @property
+    def counts(self) -> dict:
+        """Totals over the handle's life: top-k batches sent, hits, misses, out_of_range
+        (from the replies; the cuda backend leaves hits and out_of_range to its stats).
+        On the cuda backend reading it waits for the misses summed on the GPU."""
+        out = dict(self._counts)
+        if self._device_misses is not None:
+            out["misses"] += int(self._device_misses.item())
+        return out
+
+    def _on_device(self, slots, reqs: np.ndarray, req_arg, like, return_valid_counts, out, counts_out):
+        """The indices from device slots on the current stream (no copy to the host and
+        back, no wait): the cuda backend's replies are views of the rank's result ring."""
+        import torch  # noqa: PLC0415 - slots are a tensor, so torch is there
+
+        dev = slots.device
+        if _is_torch(req_arg) and req_arg.device == dev:
+            r = req_arg.to(torch.int32)
+        else:  # a few bytes from the host, staged at once (no wait on the stream)
+            r = torch.from_numpy(reqs.astype(np.int32)).to(dev, non_blocking=True)
+        idx = torch.where(slots >= 0, slots + (r * self._stride + self.hot_base)[:, None], -1)
+        counts = (idx >= 0).sum(dim=1, dtype=torch.int32)
+        idx = _deliver_tensor(idx, out, like)
+        if not return_valid_counts:
+            return idx
+        return idx, _deliver_tensor(counts, counts_out, like)
 
     def kv(self, layer: int):
         """The layer's hot slab, ``[max_reqs * region_stride, row_bytes]`` uint8 (NumPy for
@@ -294,12 +326,22 @@ class HostSwapIn:
             slots = np.empty((0, topk.shape[1]), np.int32)
         else:
             res = self._client.topk(self._step, group, rows, state_rows=reqs)
-            slots, misses = res.host()  # NumPy (cuda: waits for the current stream)
-            slots = np.asarray(slots, dtype=np.int32)
-            self.counts["batches"] += 1
-            self.counts["hits"] += res.hits or 0
-            self.counts["misses"] += int(np.asarray(misses).sum())
-            self.counts["out_of_range"] += res.out_of_range or 0
+            self._counts["batches"] += 1
+            self._counts["hits"] += res.hits or 0
+            self._counts["out_of_range"] += res.out_of_range or 0
+            if _is_torch(res.slots) and resident is None and self._hot_int32:
+                import torch  # noqa: PLC0415 - the reply holds tensors, so torch is there
+
+                # cuda: views of the rank's result ring, ordered after the gather on the
+                # current stream; the indices are made there too. A group's followers
+                # use them later in the step: they get a copy of their own.
+                slots = res.slots.clone() if len(lay.groups[group]) > 1 else res.slots
+                total = res.misses.sum(dtype=torch.int64)
+                self._device_misses = total if self._device_misses is None else self._device_misses + total
+            else:
+                slots, misses = res.host()  # NumPy (cuda: waits for the current stream)
+                slots = np.asarray(slots, dtype=np.int32)
+                self._counts["misses"] += int(np.asarray(misses).sum())
         self._slots[group] = (reqs, slots, resident)
         return slots, resident
 
@@ -352,6 +394,18 @@ def _check_out(name: str, out, shape: tuple) -> None:
                          f"{getattr(out, 'dtype', '')}", ErrorCode.BAD_ARGUMENT)
     if tuple(out.shape) != shape:
         raise BadRequest(f"{name} must have shape {shape}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
+
+
+def _deliver_tensor(result, out, like):
+    """A torch ``result`` on the GPU written into ``out`` (returned), or as ``like``'s kind:
+    a tensor on its device, NumPy when the caller passed NumPy (``like`` None)."""
+    if out is None:
+        return result.cpu().numpy() if like is None else result.to(like.device)
+    if _is_torch(out):
+        out.copy_(result)
+        return out
+    out[...] = result.cpu().numpy()
+    return out
 
 
 def _deliver(result: np.ndarray, out, like):

@@ -317,7 +317,10 @@ class EngineKV:
 
     def __init__(self, h, resident: ResidentBlocks):
         self.h, self.resident = h, resident
-        self.counts = getattr(h, "counts", None)
+
+    @property
+    def counts(self):
+        return getattr(self.h, "counts", None)
 
     def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
         self.h.begin_step(state_rows, reset=reset, invalidate=invalidate)

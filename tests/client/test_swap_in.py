@@ -217,6 +217,58 @@ def test_torch_in_torch_out_and_torch_out_arrays():
         assert torch.equal(kv[idx[ok].long()], torch.from_numpy(pattern(1, HOST[ok.numpy()], 16)))
 
 
+class TensorReplies:
+    """A client whose top-k replies hold torch tensors, as the cuda backend's do (views of
+    the rank's result ring; here on the CPU): the handle makes the indices from them with
+    torch, on the tensors' device, and never reads them back."""
+
+    def __init__(self, client, torch):
+        self._c, self._torch, self.replies = client, torch, []
+        self.attachment = client.attachment
+
+    def step(self, *a, **k):
+        return self._c.step(*a, **k)
+
+    def topk(self, *a, **k):
+        from sparsekv.client.results import TopkResult
+
+        res = self._c.topk(*a, **k)
+        slots, misses = res.host()
+        t = self._torch.from_numpy
+        self.replies.append(t(np.array(slots, np.int32)))
+        return TopkResult(self.replies[-1], t(np.array(misses, np.int32)), res.hits, res.out_of_range)
+
+
+def test_tensor_replies_give_the_same_indices_counts_and_rows_made_with_torch():
+    """cuda's replies (tensors): the indices, valid counts, the follower's copy and the
+    misses summed on the device equal the hand-worked case; every out and input kind."""
+    torch = pytest.importorskip("torch")
+    with InprocClient() as c:
+        c.attach(LAYOUT)
+        fill_pool(c, LAYOUT)
+        proxy = TensorReplies(c, torch)
+        h = HostSwapIn(proxy)
+        h.begin_step([0, 1, -1], reset=[True, True, False])
+        idx, vc = h.swap_in(torch.from_numpy(REQS), TABLE, POS, layer=0, block_size=BS, return_valid_counts=True)
+        assert isinstance(idx, torch.Tensor) and idx.dtype == torch.int32 and vc.dtype == torch.int32
+        assert idx.tolist() == WANT.tolist() and vc.tolist() == WANT_COUNTS.tolist()
+        assert rows_match(h, 0, idx.numpy(), HOST)
+        proxy.replies[0].fill_(-7)  # the ring entry is reused later: the follower has a copy of its own
+        out = torch.full((4, 4), 5, dtype=torch.int32)
+        assert h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS, attention_indices_out=out) is out
+        assert out.tolist() == WANT.tolist()
+        idx = h.swap_in(REQS, TABLE, POS, layer=2, block_size=BS)  # NumPy in: NumPy out
+        assert isinstance(idx, np.ndarray) and idx.dtype == np.int32 and idx.tolist() == WANT.tolist()
+        assert rows_match(h, 2, idx, HOST)
+        assert h.counts == {"batches": 2, "hits": 2, "misses": 14, "out_of_range": 8}
+        h.begin_step([0, 1, -1])
+        npout, npvc = np.zeros((4, 4), np.int32), np.zeros(4, np.int32)
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS, attention_indices_out=npout, return_valid_counts=True,
+                  valid_counts_out=npvc)
+        assert npout.tolist() == WANT.tolist() and npvc.tolist() == WANT_COUNTS.tolist()
+        assert h.counts["misses"] == 14  # all hit the second time
+
+
 def test_the_handle_imports_and_runs_without_torch(tmp_path):
     code = textwrap.dedent("""
         import importlib.abc, sys
