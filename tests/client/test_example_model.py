@@ -143,6 +143,17 @@ def test_local_and_sparsekv_outputs_are_bit_identical_through_the_doorbell():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("slab", ["daemon", "engine"])
+def test_local_and_sparsekv_outputs_are_bit_identical_through_zmq_on_the_gpu(slab):
+    """The portable handle (HostSwapIn) over a cuda daemon: its indices made on the GPU
+    from the reply's device slots (with the engine's resident blocks: on the host)."""
+    cfg = run.Config(num_layers=4, top_k=16, layers_per_indexer=2, device="cuda:0")
+    res = run.run(cfg, RC, kv="both", transport="zmq", out=lambda s: None, slab=slab)
+    assert res.reused_blocks > 0 and res.counts["misses"] > 0
+    assert res.equal is True and res.max_abs_diff == 0.0
+
+
+@pytest.mark.cuda
 def test_the_hot_region_inside_the_engines_kv_tensor_on_the_gpu():
     """--slab engine through the doorbell: the engine's KV cache is a torch tensor on the
     GPU, exported to the daemon, its hot blocks gathered into in place."""
