@@ -374,6 +374,7 @@ class Result:
     hit_measured: bool = False
     misses_per_step: float | None = None  # top-k columns gathered per step, all layers
     fill_s: float | None = None  # seconds to fill this mode's pool (first config of a batch)
+    huge_pct: int | None = None  # its pool's share in transparent huge pages (likewise)
     error: str | None = None
     skipped: str | None = None
     round: int = 0  # which of --rounds (combine_rounds() merges them)
@@ -415,7 +416,7 @@ def combine_rounds(results: list[Result], layers: int) -> list[Result]:
                         p50_us=float(np.median([r.p50_us for r in ok])),
                         p99_us=float(np.median(p99s)) if p99s else None,
                         hit_rate=first.hit_rate, hit_measured=first.hit_measured,
-                        misses_per_step=first.misses_per_step, fill_s=first.fill_s,
+                        misses_per_step=first.misses_per_step, fill_s=first.fill_s, huge_pct=first.huge_pct,
                         round_p50s=tuple(r.p50_us for r in ok))
         paired = [r.paired_us_per_layer for r in ok if r.paired_us_per_layer is not None]
         if paired:
@@ -515,6 +516,8 @@ def summary(results: list[Result], opts: Options) -> dict:
             continue
         if r.fill_s is not None:
             out[f"decode_b{r.batch}_{r.mode}_fill_s"] = round(r.fill_s, 2)
+        if r.huge_pct is not None:
+            out[f"decode_b{r.batch}_{r.mode}_pool_huge_pct"] = r.huge_pct
         out[f"{k}_p50_us"] = _round(r.p50_us, 1)
         out[f"{k}_p99_us"] = _round(r.p99_us, 1)
         out[f"{k}_graph"] = r.run == "graph"
@@ -727,6 +730,7 @@ class _Side:
     check: object = None  # () -> None, raises what went wrong
     fill_s: float | None = None
     handle: object = None  # what the owner closes after the run (inproc: the InprocSwapIn)
+    huge_pct: int | None = None  # share of its host pool in transparent huge pages
 
 
 def _run_configs(torch, mode: str, step, st: _Static, lay: Layout, workloads: dict, opts: Options, out: list,
@@ -757,7 +761,8 @@ def _run_sides(torch, sides: list, lay: Layout, workloads: dict, opts: Options, 
                                [s.counts for s in sides])
         for i, s in enumerate(sides):
             r = Result(s.mode, batch, hits, run=runs[i][1], p50_us=float(np.median(times[i])),
-                       p99_us=float(np.percentile(times[i], 99)), fill_s=s.fill_s if first else None)
+                       p99_us=float(np.percentile(times[i], 99)), fill_s=s.fill_s if first else None,
+                       huge_pct=s.huge_pct if first else None)
             if i > 0:
                 r.paired_us_per_layer = float(np.median(times[i] - times[0])) / lay.num_layers
             if s.mode != "gpu":
@@ -849,8 +854,9 @@ def _open_inproc(torch, lay: Layout, opts: Options, mode: str = "inproc"):
         t1 = time.perf_counter()
         fill_pattern(h.pool)
         fill_s = time.perf_counter() - t1
+        huge = _pct(h.pool_huge_bytes, lay.pool_bytes)
         _say(f"batch {lay.max_batch} {mode}: {lay.pool_bytes / 1e9:.1f} GB pinned pool registered in "
-             f"{t1 - t0:.1f} s, filled in {fill_s:.1f} s")
+             f"{t1 - t0:.1f} s ({huge} % in huge pages), filled in {fill_s:.1f} s")
         st = _Static(torch, lay, opts.blocks)
 
         def counts():
@@ -858,7 +864,7 @@ def _open_inproc(torch, lay: Layout, opts: Options, mode: str = "inproc"):
             return c["hits"], c["misses"]
 
         return _Side(mode, _handle_step(torch, h, st, lay, opts.block_size), st, counts=counts, check=h.check,
-                     fill_s=fill_s, handle=h)
+                     fill_s=fill_s, handle=h, huge_pct=huge)
     except BaseException:
         h.close()
         raise
@@ -902,6 +908,10 @@ def _arena_bytes(lay: Layout, ranks: int) -> int:
     whole GiB."""
     per_rank = lay.slab_bytes + lay.staging_bytes + 8 * lay.num_groups * lay.max_batch * lay.top_k * 4
     return -(-(ranks * per_rank + GIB) // GIB) * GIB
+
+
+def _pct(part: int, whole: int) -> int:
+    return int(part) * 100 // max(1, int(whole))
 
 
 def _daemon_counts(client):
@@ -974,13 +984,15 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
             fill_s, how = fill_through_staging(filler, lay, torch), "WRITE_STAGED"
         else:
             fill_s, how = fill_through_client(filler, lay), "client.write"
-        _say(f"batch {batch}: wrote {lay.pool_bytes / 1e9:.1f} GB into the daemon's pool through {how} in "
-             f"{fill_s:.1f} s ({lay.pool_bytes / 1e9 / max(fill_s, 1e-9):.2f} GB/s)")
+        snap = filler.stats()
+        huge = _pct(snap.get("pool_huge_bytes", 0), snap.get("pool_bytes", 0))
+        _say(f"batch {batch}: wrote {lay.pool_bytes / 1e9:.1f} GB into the daemon's pool ({huge} % in huge pages) "
+             f"through {how} in {fill_s:.1f} s ({lay.pool_bytes / 1e9 / max(fill_s, 1e-9):.2f} GB/s)")
         if want_db:
             if cz is not None:
                 c.attach(lay, engine=engine, transport="doorbell")  # joins: the pool is already written
             _guarded(out, "doorbell", batch, workloads,
-                     lambda: _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with))
+                     lambda: _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with, huge))
             if cz is not None:
                 c.detach()
         if want_zmq:
@@ -988,14 +1000,14 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
                      lambda: _run_zmq_rank(torch, host_swap_in(cz), cz, lay, workloads, opts, out, fill_s))
 
 
-def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with=None) -> None:
+def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with=None, huge_pct=None) -> None:
     if callable(paired_with):
         paired_with = paired_with()
     h = c.doorbell_handle()
     try:
         st = _Static(torch, lay, opts.blocks)
         side = _Side("doorbell", _handle_step(torch, h, st, lay, opts.block_size), st,
-                     counts=lambda: _daemon_counts(c), check=h.check, fill_s=fill_s)
+                     counts=lambda: _daemon_counts(c), check=h.check, fill_s=fill_s, huge_pct=huge_pct)
         _run_sides(torch, [*(paired_with or ()), side], lay, workloads, opts, out)
     finally:
         torch.cuda.synchronize()  # the stream must not wait on a ready word when the watcher stops

@@ -81,6 +81,12 @@ class InprocSwapIn(DeviceSwapIn):
             self._free()  # no handle reaches the caller: nothing else would
             raise
 
+    @property
+    def pool_huge_bytes(self) -> int:
+        """Bytes of the pool in transparent huge pages (0 for a memfd), as the daemon's
+        ``pool_huge_bytes``."""
+        return self._host.huge_bytes or 0
+
     def _ext(self, stream_ptr: int):
         import cupy as cp  # noqa: PLC0415
 

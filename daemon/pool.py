@@ -180,6 +180,10 @@ class HostPool:
         self._zeroer: ThreadPoolExecutor | None = None
         self._mm = None
         self.backing = pool_backing(backing)
+        # Bytes of the pool the kernel gave in transparent huge pages, read once it is
+        # pre-faulted (0 for a memfd, None before): the GPU reads a pool in small pages
+        # slower, and registers it slower (docs/PERF.md).
+        self.huge_bytes: int | None = None
         self._fd = -1
         self._map(name)
         try:
@@ -266,9 +270,10 @@ class HostPool:
         dt = time.monotonic() - t0
         self.fault_s, self.faulted_s = dt, touched[0] - t0
         huge = ""
+        self.huge_bytes = 0
         if self.backing == "anon_thp":
             # How much of it the kernel gave in huge pages (the fault rate depends on it).
-            got = anon_huge_bytes(self.address, self.size_bytes)
+            self.huge_bytes = got = anon_huge_bytes(self.address, self.size_bytes)
             huge = f", {got * 100 // max(1, self.size_bytes)} % in huge pages"
         log.info(
             "pool %s pre-faulted in %.2f s with %d threads (%.1f GiB/s%s)",

@@ -178,6 +178,7 @@ def metric_families(snap: dict) -> Iterator[Metric]:
         ("engines", "engines", "engines with a pool range"),
         ("pool_bytes", "pool_bytes", "bytes of the host pool"),
         ("pool_used_bytes", "pool_used_bytes", "bytes of the host pool given to engines (2 MiB aligned ranges)"),
+        ("pool_huge_bytes", "pool_huge_bytes", "bytes of the host pool in transparent huge pages (read at start)"),
     )
     for metric, key, help_text in gauges:
         yield GaugeMetricFamily(f"sparsekv_{metric}", help_text, value=snap.get(key, 0))
@@ -230,7 +231,8 @@ def render_table(snap: dict) -> str:
         + ("" if "mps" not in snap else f"  MPS {'on' if snap['mps'] else 'OFF (every GPU hand-off costs ~300 us)'}"),
         f"uptime         {snap['uptime_s']:.0f} s",
         f"clients        {snap.get('clients', 0)}  engines {snap.get('engines', 0)}",
-        f"pool           {snap.get('pool_used_bytes', 0) / 2**20:.1f} / {snap.get('pool_bytes', 0) / 2**20:.1f} MiB used",
+        f"pool           {snap.get('pool_used_bytes', 0) / 2**20:.1f} / {snap.get('pool_bytes', 0) / 2**20:.1f} MiB used, "
+        f"{snap.get('pool_huge_bytes', 0) * 100 // max(1, snap.get('pool_bytes', 0))} % in huge pages",
         f"hit rate       {snap['hit_rate'] * 100:.2f} %  ({snap['hits']} hits, {snap['misses']} misses)",
         f"moved          {snap['rows_moved']} rows, {snap['bytes_moved'] / 2**20:.1f} MiB",
         f"written        {snap['rows_written']} rows, {snap['bytes_written'] / 2**20:.1f} MiB",

@@ -496,7 +496,7 @@ def test_paired_sides_run_in_turn_and_report_the_median_per_step_difference(cpu_
         return step
 
     sides = [bd._Side("inproc", side("i", inproc_us), bd._Static(torch, lay, opts.blocks),
-                      counts=lambda: (len(calls), 0)),
+                      counts=lambda: (len(calls), 0), huge_pct=97),
              bd._Side("doorbell", side("d", db_us), bd._Static(torch, lay, opts.blocks),
                       check=lambda: (_ for _ in ()).throw(RuntimeError("refused row")))]
     out: list = []
@@ -508,6 +508,9 @@ def test_paired_sides_run_in_turn_and_report_the_median_per_step_difference(cpu_
     assert db.paired_us_per_layer == pytest.approx(21.0 / 3) and inproc.paired_us_per_layer is None
     assert inproc.hit_measured and not db.hit_measured  # counters of the inproc side only
     assert inproc.error is None and db.error == "RuntimeError: refused row"
+    assert (inproc.huge_pct, db.huge_pct) == (97, None)  # each side's pool, with its first config
+    d = summary(derive(combine_rounds(out, 3), 3, 656), Options(gather_blocks=32, paired=True))
+    assert d["decode_b3_inproc_pool_huge_pct"] == 97 and "decode_b3_doorbell_pool_huge_pct" not in d
 
 
 def test_paired_figures_merge_over_rounds_into_the_json_and_the_table():

@@ -53,7 +53,7 @@ def cuda_snapshot() -> dict:
         "device_errors": {"duplicate_ids": 2, "bad_state_row": 0},
         "arenas": {"cuda:0": {"bytes": 16 << 30, "used_bytes": 1 << 30}, "cuda:1": {"bytes": 16 << 30, "used_bytes": 0}},
         "clients": 4, "attached": 4, "engines": 2, "pool_bytes": 64 << 30, "pool_used_bytes": 10 << 30,
-        "per_engine": {"a": {"ranks": 2, "pool_bytes": 6 << 30, "slab_bytes": 1 << 29},
+        "pool_huge_bytes": 63 << 30, "per_engine": {"a": {"ranks": 2, "pool_bytes": 6 << 30, "slab_bytes": 1 << 29},
                        'b "quoted"\\': {"ranks": 2, "pool_bytes": 4 << 30, "slab_bytes": 1 << 29}},
     })
 
@@ -69,7 +69,7 @@ def test_cuda_families_device_errors_arenas_and_labels():
     assert v['sparsekv_device_arena_bytes{device="cuda:1"}'] == 16 << 30
     assert v['sparsekv_engine_ranks{engine="a"}'] == 2
     assert v['sparsekv_build_info{backend="cuda",protocol="3",version="9.9"}'] == 1
-    assert v["sparsekv_mps"] == 1
+    assert v["sparsekv_mps"] == 1 and v["sparsekv_pool_huge_bytes"] == 63 << 30
     # an engine name with quotes and a backslash is escaped, and parses back
     assert any(k.startswith("sparsekv_engine_pool_bytes{engine=") and 'quoted' in k for k in v)
     assert fams["sparsekv_device_errors"].type == "counter"

@@ -43,7 +43,9 @@ def test_first_rank_creates_the_engine_with_its_pool_range(reg, pool, tmp_path):
     assert pool.used_bytes >= lay.pool_bytes
     assert space.pool.shape == (lay.num_layers, lay.host_rows, lay.row_bytes)
     assert handles["kind"] == "shm" and len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 1
-    assert reg.gauges() == {"engines": 1, "pool_bytes": pool.size_bytes, "pool_used_bytes": pool.used_bytes}
+    assert reg.gauges() == {"engines": 1, "pool_bytes": pool.size_bytes, "pool_used_bytes": pool.used_bytes,
+                            "pool_huge_bytes": pool.huge_bytes}
+    assert 0 <= pool.huge_bytes <= pool.size_bytes
 
 
 def test_second_rank_joins_the_same_engine_and_pool_range(reg, pool):

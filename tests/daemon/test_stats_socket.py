@@ -42,6 +42,7 @@ def test_json_has_every_counter_and_gauge(busy):
     assert s["errors_by_code"] == {"DUPLICATE_IDS": 1} and s["errors"] == 1
     assert s["clients"] == 2 and s["attached"] == 2 and s["engines"] == 1
     assert s["pool_bytes"] == 64 << 20 and s["pool_used_bytes"] >= LAYOUT.pool_bytes
+    assert 0 <= s["pool_huge_bytes"] <= s["pool_bytes"] and s["pool_huge_bytes"] % (2 << 20) == 0
     assert s["hit_rate"] == pytest.approx(2 / 6)
     assert s["backend"] == "cpu" and s["pid"] == daemon.proc.pid
     assert s["topk_latency_us"]["n"] >= 2 and s["topk_latency_us"]["p99"] >= s["topk_latency_us"]["p50"] > 0
@@ -53,6 +54,8 @@ def test_stats_table_is_human_readable(busy):
     assert "hit rate       33.33 %  (2 hits, 4 misses)" in out
     assert "out of range   1" in out
     assert "errors         1  DUPLICATE_IDS=1" in out
+    s = json.loads(helpers.stats_query(daemon.run_dir, "json"))
+    assert f"MiB used, {s['pool_huge_bytes'] * 100 // s['pool_bytes']} % in huge pages" in out
 
 
 def test_empty_command_means_stats(busy):

@@ -88,7 +88,7 @@ if has all || has bench || has e2e || has decode; then
   # written after each batch size, so a cut run still leaves what it measured.
   dt=$(left ${DECODE_TIMEOUT_S:-150})
   timeout "$dt" python3 -m sparsekv.client.cli bench decode --quick --budget-s $(( dt * 2 / 3 + 1 )) ${DECODE_ARGS:-} \
-    --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
+    --daemon-log "$OUT/decode-daemon.log" --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
 fi
 if has all || has bench || has e2e || has latest; then
   timeout "$(left ${LATEST_TIMEOUT_S:-200})" python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" "$OUT/decode.json" \
