@@ -1093,7 +1093,7 @@ def run(opts: Options, torch=None, on_batch=None) -> list[Result]:
             if rnd and over_budget(batch, rnd):
                 break
             here: list[Result] = []
-            # its own baseline once; with --paired odd rounds make the daemon's pool first
+            # its own baseline once; with --paired rounds 2, 4, ... make the daemon's pool first
             _run_batch_modes(torch, batch, lay, workloads, opts, here, gpu=rnd == 0, daemon_first=rnd % 2 == 1)
             for r in here:
                 r.round = rnd

@@ -26,5 +26,6 @@ class TopkResult:
             return self.slots, self.misses
         import torch  # noqa: PLC0415
 
-        torch.cuda.current_stream(self.slots.device).synchronize()
+        if self.slots.is_cuda:
+            torch.cuda.current_stream(self.slots.device).synchronize()
         return self.slots.cpu().numpy(), self.misses.cpu().numpy()

@@ -50,8 +50,9 @@ Tokens: several tokens of one request (speculative decoding) may share a step, u
 Every request a token names must be among the step's ``state_rows``.
 
 Arrays: NumPy or torch tensors (any device: the inputs are copied to the host, where the
-positions are mapped, so this is no fast path for a GPU; on the cuda backend the indices
-are made on the GPU from the reply's device slots, on the current stream). Results are torch tensors on the device of
+positions are mapped, so this is no fast path for a GPU; on the cuda backend, with an
+input on the GPU, the indices are made there from the reply's device slots, on the
+current stream, without a wait of their own). Results are torch tensors on the device of
 ``logical_topk_indices`` (else of ``req_id_per_token``) when either is one, else NumPy;
 or the ``*_out`` arrays (int32, exact shape) when given, filled and returned. Errors are the client's
 typed exceptions (:mod:`sparsekv.client.errors`), raised by the call that caused them, or
@@ -187,7 +188,12 @@ class HostSwapIn:
             _check_out("valid_counts_out", valid_counts_out, topk.shape[:1])
         self._order.check_layer(int(layer))
         if layer == leader:
-            slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table)
+            # With an input on the GPU, each call's copy of it to the host waits for the
+            # stream, so the reply's device slots are read before the next request can
+            # reuse their ring entry (and the earlier layers' reads of the slab are done):
+            # only then are the indices made on the GPU without a wait of their own.
+            on_gpu = any(_copy_waits(a) for a in (req_id_per_token, block_table, logical_topk_indices))
+            slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, on_gpu)
             self._order.rang(group)
         else:
             slots, resident = self._follow(group, layer, leader, reqs, topk)
@@ -217,7 +223,8 @@ class HostSwapIn:
     def counts(self) -> dict:
         """Totals over the handle's life: top-k batches sent, hits, misses, out_of_range
         (from the replies; the cuda backend leaves hits and out_of_range to its stats).
-        On the cuda backend reading it waits for the misses summed on the GPU."""
+        On the cuda backend reading it waits for the misses summed on the GPU (so not
+        while the stream may wait on a daemon that is gone: check() first)."""
         out = dict(self._counts)
         if self._device_misses is not None:
             out["misses"] += int(self._device_misses.item())
@@ -284,7 +291,8 @@ class HostSwapIn:
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
         return self._group_of[int(layer)]
 
-    def _lead(self, group: int, reqs: np.ndarray, topk: np.ndarray, block_table, block_size, resident_table):
+    def _lead(self, group: int, reqs: np.ndarray, topk: np.ndarray, block_table, block_size, resident_table,
+              on_gpu: bool = False):
         """The group's leader: positions -> host rows, one top-k batch, keep the slots
         (and the resident rows: ``[tokens, k]`` row of the engine's storage, -1 = none)."""
         lay = self.layout
@@ -329,7 +337,7 @@ class HostSwapIn:
             self._counts["batches"] += 1
             self._counts["hits"] += res.hits or 0
             self._counts["out_of_range"] += res.out_of_range or 0
-            if _is_torch(res.slots) and resident is None and self._hot_int32:
+            if on_gpu and _is_torch(res.slots) and resident is None and self._hot_int32:
                 import torch  # noqa: PLC0415 - the reply holds tensors, so torch is there
 
                 # cuda: views of the rank's result ring, ordered after the gather on the
@@ -362,6 +370,11 @@ class HostSwapIn:
 def _is_torch(a) -> bool:
     torch = sys.modules.get("torch")  # a tensor implies torch is imported: never import it here
     return torch is not None and isinstance(a, torch.Tensor)
+
+
+def _copy_waits(a) -> bool:
+    """Whether copying ``a`` to the host waits for the current stream (a CUDA tensor)."""
+    return _is_torch(a) and a.is_cuda
 
 
 def _host(a) -> np.ndarray:

@@ -63,7 +63,7 @@ def host_rows(positions, block_table, block_size: int, table_rows=None) -> np.nd
     # (table row -1's), so one look-up and one test leave only real blocks.
     rows_n = table.shape[0]
     top = int(table.max())
-    narrow = (pos.dtype.itemsize < 4 or pos.dtype == np.int32) and table.dtype.itemsize <= 4 \
+    narrow = (pos.dtype.itemsize < 4 or pos.dtype == np.int32) and table.dtype.itemsize <= 4 and bs <= INT32_MAX \
         and top <= (INT32_MAX - (bs - 1)) // bs  # hb * bs + off never passes int32
     wide = np.int32 if narrow else np.int64
     padded = np.full((rows_n + 1, max_blocks + 1), -1, dtype=wide)
@@ -83,6 +83,8 @@ def host_rows(positions, block_table, block_size: int, table_rows=None) -> np.nd
     flat += (trow * (max_blocks + 1))[:, None]
     hb = padded.reshape(-1).take(flat)
     ok = hb >= 0
+    if not narrow:  # a block whose rows are all past int32 stays past it (no wrap-around)
+        np.minimum(hb, INT32_MAX // bs + 1, out=hb)
     hb *= bs
     hb += off
     if not narrow:

@@ -135,3 +135,13 @@ def test_table_rows_pick_each_tokens_row_and_minus_one_maps_nothing():
         host_rows(pos, table, bs, table_rows=np.array([0, 1, 4, 0, 0, 0]))
     with pytest.raises(ValueError, match="table_rows must be integers"):
         host_rows(pos, table, bs, table_rows=np.zeros(3, np.int32))
+
+
+def test_block_sizes_and_table_values_past_int32_never_wrap():
+    """A block size beyond int32 (the 32-bit path must not take it), and int64 or uint64
+    table values whose rows are past int32 (their product must not wrap into range)."""
+    assert host_rows(np.array([[5, -1]], np.int32), np.array([[0]], np.int32), 2**31).tolist() == [[5, U]]
+    assert host_rows(np.array([[127]], np.int8), np.array([[-3]], np.int32), 3 * 2**31).tolist() == [[U]]
+    for dtype in (np.int64, np.uint64):
+        table = np.array([[2**62, 2**62 + 3, 1]], dtype)
+        assert host_rows(np.array([[1, 5, 9]]), table, 4).tolist() == [[U, U, 5]]

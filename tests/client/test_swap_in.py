@@ -239,10 +239,15 @@ class TensorReplies:
         return TopkResult(self.replies[-1], t(np.array(misses, np.int32)), res.hits, res.out_of_range)
 
 
-def test_tensor_replies_give_the_same_indices_counts_and_rows_made_with_torch():
-    """cuda's replies (tensors): the indices, valid counts, the follower's copy and the
-    misses summed on the device equal the hand-worked case; every out and input kind."""
+def test_tensor_replies_give_the_same_indices_counts_and_rows_made_with_torch(monkeypatch):
+    """cuda's replies (tensors): with an input on the GPU (here: any tensor, on the CPU)
+    the indices, valid counts, the follower's copy and the misses summed on the device
+    equal the hand-worked case; with NumPy inputs the slots come to the host first (the
+    host path), with the same results; every out kind."""
     torch = pytest.importorskip("torch")
+    from sparsekv.client import swap_in as swap_in_mod
+
+    monkeypatch.setattr(swap_in_mod, "_copy_waits", swap_in_mod._is_torch)
     with InprocClient() as c:
         c.attach(LAYOUT)
         fill_pool(c, LAYOUT)
@@ -257,7 +262,7 @@ def test_tensor_replies_give_the_same_indices_counts_and_rows_made_with_torch():
         out = torch.full((4, 4), 5, dtype=torch.int32)
         assert h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS, attention_indices_out=out) is out
         assert out.tolist() == WANT.tolist()
-        idx = h.swap_in(REQS, TABLE, POS, layer=2, block_size=BS)  # NumPy in: NumPy out
+        idx = h.swap_in(REQS, TABLE, POS, layer=2, block_size=BS)  # NumPy in: the host path, NumPy out
         assert isinstance(idx, np.ndarray) and idx.dtype == np.int32 and idx.tolist() == WANT.tolist()
         assert rows_match(h, 2, idx, HOST)
         assert h.counts == {"batches": 2, "hits": 2, "misses": 14, "out_of_range": 8}
