@@ -181,8 +181,8 @@ class HostPool:
         self._mm = None
         self.backing = pool_backing(backing)
         # Bytes of the pool the kernel gave in transparent huge pages, read once it is
-        # pre-faulted (0 for a memfd, None before): the GPU reads a pool in small pages
-        # slower, and registers it slower (docs/PERF.md).
+        # pre-faulted (0 for a memfd, None before): a pool in small pages is faulted and
+        # registered several times slower (a gather from it measured no slower; docs/PERF.md).
         self.huge_bytes: int | None = None
         self._fd = -1
         self._map(name)
