@@ -989,6 +989,8 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
         _say(f"batch {batch}: wrote {lay.pool_bytes / 1e9:.1f} GB into the daemon's pool ({huge} % in huge pages) "
              f"through {how} in {fill_s:.1f} s ({lay.pool_bytes / 1e9 / max(fill_s, 1e-9):.2f} GB/s)")
         if want_db:
+            if callable(paired_with):  # the in-process pools after the daemon's (a failure: every mode's)
+                paired_with = paired_with()
             if cz is not None:
                 c.attach(lay, engine=engine, transport="doorbell")  # joins: the pool is already written
             _guarded(out, "doorbell", batch, workloads,
@@ -1001,8 +1003,6 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
 
 
 def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with=None, huge_pct=None) -> None:
-    if callable(paired_with):
-        paired_with = paired_with()
     h = c.doorbell_handle()
     try:
         st = _Static(torch, lay, opts.blocks)
