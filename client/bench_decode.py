@@ -543,27 +543,36 @@ def summary(results: list[Result], opts: Options) -> dict:
             and REFERENCE[1] in opts.hits:
         ref = None  # the reference config was asked for but did not run (a budget, an error)
     out["decode_reference_config"] = None if ref is None else f"b{ref.batch}_h{hkey(ref.hits)}_k{opts.top_k}"
-    # The headline per-layer overhead: with --paired the median of the per-step differences
-    # (both sides timed in turn, so the machine's drift between two runs stays out), else
-    # the difference of the two p50s; the other figure stays under its config's keys.
-    paired = ref is not None and ref.paired_us_per_layer is not None
-    out["doorbell_overhead_us_per_layer"] = None if ref is None else _round(
-        ref.paired_us_per_layer if paired else ref.overhead_us_per_layer, 2)
-    out["doorbell_overhead_paired"] = paired
+    # The headline per-layer overhead (_per_layer: paired when --paired ran).
+    out["doorbell_overhead_us_per_layer"] = _per_layer(ref)
+    out["doorbell_overhead_paired"] = ref is not None and ref.paired_us_per_layer is not None
     out["decode_daemon_vs_inproc"] = None if ref is None else _round(ref.vs_inproc, 3)
-    # The hand-off alone: the same batch with nothing to gather (100 % hits), where the
-    # two sides differ by the signalling only (docs/PERF.md, session 17).
-    alone = None if ref is None else next((r for r in results if r.mode == "doorbell" and r.ok and r.batch == ref.batch
-                                           and r.hits == 100.0 and r.vs_inproc is not None), None)
-    out["doorbell_handoff_us_per_layer"] = None if alone is None else _round(
-        alone.paired_us_per_layer if alone.paired_us_per_layer is not None else alone.overhead_us_per_layer, 2)
-    # --control: the second in-process pool against the first at the reference config.
-    ctl = None if ref is None else next((r for r in results if r.mode == CONTROL and r.ok and r.batch == ref.batch
-                                         and r.hits == ref.hits and r.vs_inproc is not None), None)
-    if ctl is not None:
-        out["decode_pool_control_us_per_layer"] = _round(
-            ctl.paired_us_per_layer if ctl.paired_us_per_layer is not None else ctl.overhead_us_per_layer, 2)
+    if ref is not None:
+        # The hand-off alone: the same batch with nothing to gather (100 % hits), where
+        # the two sides differ by the signalling only (docs/PERF.md, session 17).
+        out["doorbell_handoff_us_per_layer"] = _per_layer(_compared(results, "doorbell", ref.batch, 100.0))
+        # --control: the second in-process pool against the first at the reference config.
+        ctl = _compared(results, CONTROL, ref.batch, ref.hits)
+        if ctl is not None:
+            out["decode_pool_control_us_per_layer"] = _per_layer(ctl)
+    else:
+        out["doorbell_handoff_us_per_layer"] = None
     return out
+
+
+def _compared(results: list[Result], mode: str, batch: int, hits: float) -> Result | None:
+    """The row of ``mode`` at (batch, hits) that ran and was compared with inproc, or None."""
+    return next((r for r in results if r.mode == mode and r.ok and r.batch == batch and r.hits == hits
+                 and r.vs_inproc is not None), None)
+
+
+def _per_layer(r: Result | None):
+    """``r``'s microseconds a layer over inproc: the paired median when --paired ran
+    (both sides timed in turn, the machine's drift left out), else the difference of the
+    p50s (the other figure stays under its config's keys); None without a row."""
+    if r is None:
+        return None
+    return _round(r.paired_us_per_layer if r.paired_us_per_layer is not None else r.overhead_us_per_layer, 2)
 
 
 def _reference(results: list[Result]) -> Result | None:

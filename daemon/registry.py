@@ -223,7 +223,7 @@ class EngineRegistry:
             "engines": len(self._engines),
             "pool_bytes": self.pool.size_bytes,
             "pool_used_bytes": self.pool.used_bytes,
-            "pool_huge_bytes": getattr(self.pool, "huge_bytes", None) or 0,
+            "pool_huge_bytes": self.pool.huge_bytes or 0,
         }
 
     def __len__(self) -> int:
