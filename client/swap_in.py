@@ -49,10 +49,12 @@ Tokens: several tokens of one request (speculative decoding) may share a step, u
 ``region_stride // top_k`` of them; ``Layout.max_batch`` bounds the tokens of a step.
 Every request a token names must be among the step's ``state_rows``.
 
-Arrays: NumPy or torch tensors (any device: the inputs are copied to the host, where the
-positions are mapped, so this is no fast path for a GPU; on the cuda backend, with an
-input on the GPU, the indices are made there from the reply's device slots, on the
-current stream, without a wait of their own). Results are torch tensors on the device of
+Arrays: NumPy or torch tensors, on any device. A top-k on the host is mapped to host rows
+there. A top-k on a GPU is mapped on that GPU (``client/torch_positions.py``; the block
+table is copied there when it is not), and only the rows come to the host, a copy that
+waits for the current stream, so this is a portable path, not the device handle's. On the
+cuda backend, with an input on the GPU, the indices are then made there from the reply's
+device slots, on the current stream, without a wait of their own. Results are torch tensors on the device of
 ``logical_topk_indices`` (else of ``req_id_per_token``) when either is one, else NumPy;
 or the ``*_out`` arrays (int32, exact shape) when given, filled and returned. Errors are the client's
 typed exceptions (:mod:`sparsekv.client.errors`), raised by the call that caused them, or
@@ -67,7 +69,7 @@ import sys
 import numpy as np
 
 from sparsekv.proto import ErrorCode
-from sparsekv.proto.positions import host_rows
+from sparsekv.proto.positions import INT32_MAX, host_rows
 
 from .errors import BadRequest, NotAttached, SparseKVError
 from .step_order import StepOrder
@@ -175,9 +177,11 @@ class HostSwapIn:
             raise BadRequest(f"{why}: call begin_step(state_rows, ...) once per decode step before its first swap_in",
                              ErrorCode.BAD_ARGUMENT)
         reqs = _ints("req_id_per_token", req_id_per_token, 1)
-        topk = _ints("logical_topk_indices", logical_topk_indices, 2)
+        # A top-k on the GPU stays there (its shape and type checked in place): the leader
+        # maps it there, a follower only compares shapes.
+        topk = _ints("logical_topk_indices", logical_topk_indices, 2, keep_cuda=True)
         if topk.shape[0] != reqs.shape[0]:
-            raise BadRequest(f"logical_topk_indices must be [tokens={reqs.shape[0]}, k], got {topk.shape}",
+            raise BadRequest(f"logical_topk_indices must be [tokens={reqs.shape[0]}, k], got {tuple(topk.shape)}",
                              ErrorCode.BAD_ARGUMENT)
         if topk.shape[1] > self.layout.top_k:
             raise BadRequest(f"logical_topk_indices has {topk.shape[1]} columns, layout top_k is {self.layout.top_k}",
@@ -193,7 +197,8 @@ class HostSwapIn:
             # reuse their ring entry (and the earlier layers' reads of the slab are done):
             # only then are the indices made on the GPU without a wait of their own.
             on_gpu = any(_copy_waits(a) for a in (req_id_per_token, block_table, logical_topk_indices))
-            slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, on_gpu)
+            slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, on_gpu,
+                                         req_id_per_token)
             self._order.rang(group)
         else:
             slots, resident = self._follow(group, layer, leader, reqs, topk)
@@ -291,12 +296,13 @@ class HostSwapIn:
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
         return self._group_of[int(layer)]
 
-    def _lead(self, group: int, reqs: np.ndarray, topk: np.ndarray, block_table, block_size, resident_table,
-              on_gpu: bool = False):
+    def _lead(self, group: int, reqs: np.ndarray, topk, block_table, block_size, resident_table,
+              on_gpu: bool = False, req_arg=None):
         """The group's leader: positions -> host rows, one top-k batch, keep the slots
         (and the resident rows: ``[tokens, k]`` row of the engine's storage, -1 = none)."""
         lay = self.layout
-        table = _ints("block_table", block_table, 2)
+        device_map = _copy_waits(topk) and resident_table is None and _block_size_ok(block_size)
+        table = _ints("block_table", block_table, 2, keep_cuda=device_map)
         bad = (reqs < -1) | (reqs >= lay.max_reqs)
         if bad.any():
             raise BadRequest(f"req_id_per_token holds {int(reqs[bad][0])}, outside [-1, max_reqs={lay.max_reqs})",
@@ -313,7 +319,11 @@ class HostSwapIn:
         # Each token reads its request's row of the block table; a padding token (-1)
         # none, so each of its positions maps to nothing.
         try:
-            rows = host_rows(topk, table, block_size, table_rows=reqs)
+            if device_map:  # on the top-k's GPU; only the rows come to the host
+                rows = _device_rows(topk, table, int(block_size), reqs, req_arg)
+            else:
+                topk = _host(topk)
+                rows = host_rows(topk, table, block_size, table_rows=reqs)
         except (TypeError, ValueError) as e:  # e.g. block_size not a positive integer
             raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
         resident = None
@@ -362,7 +372,7 @@ class HostSwapIn:
         lead_reqs, slots, resident = got
         if reqs.shape != lead_reqs.shape or not np.array_equal(reqs, lead_reqs) or topk.shape != slots.shape:
             raise BadRequest(f"layer {layer} reuses the top-k of its leader layer {leader}, so it must pass the same "
-                             f"tokens: req_id_per_token {reqs.shape} and logical_topk_indices {topk.shape} differ from "
+                             f"tokens: req_id_per_token {reqs.shape} and logical_topk_indices {tuple(topk.shape)} differ from "
                              f"the leader's {lead_reqs.shape} and {slots.shape}", ErrorCode.BAD_ARGUMENT)
         return slots, resident
 
@@ -383,8 +393,39 @@ def _host(a) -> np.ndarray:
     return np.asarray(a)
 
 
-def _ints(name: str, a, ndim: int) -> np.ndarray:
-    """An integer array of ``ndim`` dims on the host, or BadRequest naming it."""
+def _block_size_ok(bs) -> bool:
+    """A block size the mapping on the GPU takes (an int in [1, 2**31)); any other goes
+    the host's way, which maps the rest or names what is wrong."""
+    return isinstance(bs, (int, np.integer)) and not isinstance(bs, bool) and 0 < bs <= INT32_MAX
+
+
+def _device_rows(topk, table, block_size: int, reqs: np.ndarray, req_arg) -> np.ndarray:
+    """Host rows of a top-k on the GPU, mapped there; the copy to the host waits for the
+    current stream. ``reqs``: the host copy of ``req_arg`` (already checked)."""
+    import torch  # noqa: PLC0415 - the top-k is a tensor, so torch is there
+
+    from .torch_positions import torch_host_rows  # noqa: PLC0415 - needs torch
+
+    dev = topk.device
+    if _is_torch(req_arg) and req_arg.device == dev:
+        trow = req_arg
+    else:
+        trow = torch.from_numpy(np.ascontiguousarray(reqs)).to(dev, non_blocking=True)
+    if not _is_torch(table):
+        table = torch.from_numpy(np.ascontiguousarray(table))
+    return torch_host_rows(topk, table, block_size, table_rows=trow).cpu().numpy()
+
+
+def _ints(name: str, a, ndim: int, keep_cuda: bool = False):
+    """An integer array of ``ndim`` dims on the host, or BadRequest naming it; with
+    ``keep_cuda`` a tensor on the GPU is checked in place and returned as it is."""
+    if keep_cuda and _copy_waits(a):
+        if a.dim() != ndim:
+            raise BadRequest(f"{name} must have {ndim} dimension(s), got shape {tuple(a.shape)}",
+                             ErrorCode.BAD_ARGUMENT)
+        if a.dtype.is_floating_point or a.dtype.is_complex or str(a.dtype) == "torch.bool":
+            raise BadRequest(f"{name} must hold integers, got {a.dtype}", ErrorCode.BAD_ARGUMENT)
+        return a
     arr = _host(a)
     if arr.ndim != ndim:
         raise BadRequest(f"{name} must have {ndim} dimension(s), got shape {arr.shape}", ErrorCode.BAD_ARGUMENT)
@@ -406,7 +447,7 @@ def _check_out(name: str, out, shape: tuple) -> None:
         raise BadRequest(f"{name} must be an int32 NumPy array or torch tensor, got {type(out).__name__} "
                          f"{getattr(out, 'dtype', '')}", ErrorCode.BAD_ARGUMENT)
     if tuple(out.shape) != shape:
-        raise BadRequest(f"{name} must have shape {shape}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
+        raise BadRequest(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
 
 
 def _deliver_tensor(result, out, like):

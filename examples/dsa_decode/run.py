@@ -358,21 +358,20 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
     with contextlib.ExitStack() as stack:
         if slab == "engine" and transport == "inproc":
             raise SystemExit("--slab engine gives the engine's memory to a daemon: use --transport zmq or doorbell")
+        on_gpu = str(model.cfg.device).startswith("cuda")
+        if transport == "doorbell" and not on_gpu:
+            raise SystemExit("--transport doorbell runs the model on the GPU: add --device cuda:0")
         if transport == "inproc":
             client = stack.enter_context(InprocClient(backend="cpu"))
-        elif transport == "zmq":
+        else:  # zmq (HostSwapIn) or doorbell (the device handle, on the model's own CUDA stream)
+            # A model on the GPU gets a cuda daemon: its hot rows on the model's GPU.
             if run_dir is None:
-                run_dir = stack.enter_context(PrivateDaemon(pool_bytes=max(64 << 20, 2 * layout.pool_bytes),
-                                                            backend="cpu")).run_dir
-            client = stack.enter_context(Client(run_dir, name="dsa-example"))
-        else:  # doorbell: the device handle, on the model's own CUDA stream
-            if not str(model.cfg.device).startswith("cuda"):
-                raise SystemExit("--transport doorbell runs the model on the GPU: add --device cuda:0")
-            if run_dir is None:
+                extra = ["--device-arena-size", "1GiB"] if on_gpu else []
                 run_dir = stack.enter_context(PrivateDaemon(
-                    pool_bytes=max(64 << 20, 2 * layout.pool_bytes), backend="cuda",
-                    extra_args=["--device-arena-size", "1GiB"])).run_dir
-            client = stack.enter_context(Client(run_dir, name="dsa-example", device=str(model.cfg.device)))
+                    pool_bytes=max(64 << 20, 2 * layout.pool_bytes), backend="cuda" if on_gpu else "cpu",
+                    extra_args=extra)).run_dir
+            client = stack.enter_context(Client(run_dir, name="dsa-example",
+                                                device=str(model.cfg.device) if on_gpu else "cpu"))
         resident = None
         if slab == "engine":
             resident = ResidentBlocks(layout, rc, max_blocks, model.cfg.device)
@@ -480,11 +479,12 @@ def main(argv=None) -> int:
     ap.add_argument("--transport", choices=["inproc", "zmq", "doorbell"], default="inproc",
                     help="sparsekv in this process, through a daemon (a private one unless --run-dir), "
                          "or the device handle")
-    ap.add_argument("--run-dir", help="an existing sparsekvd's run dir (--transport zmq)")
+    ap.add_argument("--run-dir", help="an existing sparsekvd's run dir (--transport zmq or doorbell; a cuda one for a model on the GPU)")
     ap.add_argument("--slab", choices=["daemon", "engine"], default="daemon",
                     help="engine: the hot region inside the engine's own KV cache, beside the resident blocks "
                          "it keeps itself (--transport zmq or doorbell)")
-    ap.add_argument("--device", default="cpu", help="where the model runs (cuda:0 with --transport doorbell)")
+    ap.add_argument("--device", default="cpu", help="where the model runs (cuda:0 with --transport doorbell; zmq takes either, "
+                         "a private daemon of the matching backend)")
     ap.add_argument("--steps", type=int, default=RunConfig.steps)
     ap.add_argument("--requests", type=int, default=RunConfig.requests)
     ap.add_argument("--layers", type=int, default=Config.num_layers)

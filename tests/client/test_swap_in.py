@@ -274,6 +274,49 @@ def test_tensor_replies_give_the_same_indices_counts_and_rows_made_with_torch(mo
         assert h.counts["misses"] == 14  # all hit the second time
 
 
+def test_a_top_k_on_the_gpu_is_mapped_there_and_only_the_rows_come_to_the_host(monkeypatch):
+    """A top-k tensor on the GPU (here: any tensor, on the CPU) is mapped with torch on its
+    device (torch_positions), never copied to the host nor mapped by host_rows, with a
+    block table either on the host or a tensor; the same indices as the hand-worked case.
+    Its shape and type are checked in place, with the host path's errors. A resident
+    block table takes the host path."""
+    torch = pytest.importorskip("torch")
+    from sparsekv.client import swap_in as swap_in_mod
+
+    monkeypatch.setattr(swap_in_mod, "_copy_waits", swap_in_mod._is_torch)
+    mapped, hosted = [], []
+    real_device_rows, real_host_rows = swap_in_mod._device_rows, swap_in_mod.host_rows
+    monkeypatch.setattr(swap_in_mod, "_device_rows", lambda *a: mapped.append(1) or real_device_rows(*a))
+    monkeypatch.setattr(swap_in_mod, "host_rows", lambda *a, **k: hosted.append(1) or real_host_rows(*a, **k))
+    pos = torch.from_numpy(POS)
+    with InprocClient() as c:
+        c.attach(LAYOUT)
+        fill_pool(c, LAYOUT)
+        h = HostSwapIn(c)
+        h.begin_step([0, 1, -1], reset=[True, True, False])
+        idx = h.swap_in(REQS, TABLE, pos, layer=0, block_size=BS)
+        assert mapped == [1] and hosted == [] and idx.tolist() == WANT.tolist()
+        assert rows_match(h, 0, idx.numpy(), HOST)
+        with pytest.raises(BadRequest, match=r"logical_topk_indices \(4, 3\) differ"):  # a follower's
+            h.swap_in(REQS, TABLE, pos[:, :3], layer=1, block_size=BS)
+        assert h.swap_in(torch.from_numpy(REQS), TABLE, pos, layer=1, block_size=BS).tolist() == WANT.tolist()
+        idx = h.swap_in(torch.from_numpy(REQS), torch.from_numpy(TABLE), pos, layer=2, block_size=BS)
+        assert mapped == [1, 1] and hosted == [] and idx.tolist() == WANT.tolist()
+        h.begin_step([0, 1, -1])
+        with pytest.raises(BadRequest, match="logical_topk_indices must have 2 dimension"):
+            h.swap_in(REQS, TABLE, pos[None], layer=0, block_size=BS)
+        with pytest.raises(BadRequest, match="logical_topk_indices must hold integers"):
+            h.swap_in(REQS, TABLE, pos.float(), layer=0, block_size=BS)
+        with pytest.raises(BadRequest, match="block_table must hold integers"):
+            h.swap_in(REQS, torch.from_numpy(TABLE).float(), pos, layer=0, block_size=BS)
+        assert mapped == [1, 1] and hosted == []
+        with pytest.raises(BadRequest, match="block_size must be positive"):  # the host path names it
+            h.swap_in(REQS, TABLE, pos, layer=0, block_size=np.int64(0))
+        assert mapped == [1, 1] and hosted == [1]
+        h.swap_in(REQS, TABLE, pos, layer=0, block_size=BS, resident_block_table=np.full((3, 2), -1, np.int32))
+        assert mapped == [1, 1] and hosted == [1, 1]
+
+
 def test_the_handle_imports_and_runs_without_torch(tmp_path):
     code = textwrap.dedent("""
         import importlib.abc, sys
