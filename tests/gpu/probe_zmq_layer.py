@@ -63,8 +63,8 @@ def run(batch: int, layers: int, steps: int, device_wait: bool, top_k: int = 204
             table = torch.arange(batch * blocks, dtype=torch.int32, device=dev).view(batch, blocks)
             req = torch.arange(batch, dtype=torch.int32, device=dev)
             gen = torch.Generator(device=dev).manual_seed(1)
-            topks = [torch.randint(0, context, (batch, top_k), generator=gen, device=dev, dtype=torch.int32)
-                     for _ in range(4)]
+            topks = [torch.rand(batch, context, generator=gen, device=dev).argsort(dim=1)[:, :top_k].to(torch.int32)
+                     for _ in range(4)]  # distinct positions per row
             kv32 = [h.kv(i).view(torch.int32) for i in range(layers)]
             out = torch.empty(batch, dtype=torch.int32, device=dev)
             state = np.arange(batch, dtype=np.int32)
