@@ -13,7 +13,10 @@ Modes (each over the same top-k sequence of a (batch, hits) config):
 * ``doorbell``: a private cuda ``sparsekvd``, the rank attached with
   ``transport="doorbell"``, ``Client.doorbell_handle()``, the same engine code as inproc.
 * ``zmq`` (only when ``--modes`` names it): ``HostSwapIn`` over a rank attached with the
-  default transport (host arrays, a socket round trip per layer), eager.
+  default transport and fence events, with device wait (``Client(device_wait=True)``):
+  per layer the positions are mapped on the GPU and copied into the rank's step block on
+  the stream, one TOPK message goes, the stream waits on the GPU for the entry's done
+  word; the host waits for nothing. Eager (host code on the path).
 
 The step of gpu, inproc and doorbell is captured once per (mode, batch) as a
 ``torch.cuda.CUDAGraph`` over static input tensors and replayed each step after the
@@ -978,10 +981,12 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
         # behind its parked stream (docs/PERF.md, "Doorbell"), so the two never overlap.
         c = cz = None
         if want_zmq:
+            # The portable path at its best: fence events (the top-k goes from the GPU into
+            # the step block, no wait on the host) and device wait (no reply waited for).
             cz = Client(d.run_dir, rank=1 if want_db else 0, device=f"cuda:{DEVICE}", name="bench-decode-zmq",
-                        timeout_s=CLIENT_TIMEOUT_S).connect()
+                        timeout_s=CLIENT_TIMEOUT_S, device_wait=True).connect()
             stack.callback(cz.close)
-            cz.attach(lay, engine=engine)
+            cz.attach(lay, engine=engine, fence=True)
         if want_db:
             c = Client(d.run_dir, rank=0, device=f"cuda:{DEVICE}", name="bench-decode-doorbell",
                        timeout_s=CLIENT_TIMEOUT_S).connect()

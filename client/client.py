@@ -20,6 +20,7 @@ import os
 import socket
 import stat
 import struct
+import sys
 import time
 from dataclasses import dataclass
 
@@ -492,11 +493,20 @@ class Client:
             self._deferred.append(self._send(MsgType.STEP, {"step": pending[0]}, pending[1]))
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:
-        arrays = {"topk": np.asarray(topk, dtype=np.int32)}
+        """``topk`` ids int [batch, k]: a host array, or on a cuda rank a torch tensor on
+        the rank's GPU. Such a tensor is copied into the rank's step block on the current
+        stream, which nothing waits for on the host (the daemon's kernels read it after
+        the fence recorded behind the copy); on a rank that cannot take it so (no step
+        blocks or no fence events) it is copied to the host first."""
         fields = {"step": int(step), "group": int(group)}
         att = self.attachment
         pending = self._pending_step
         begins = pending is not None and pending[0] == fields["step"] and state_rows is None
+        if _on_gpu(topk):
+            if getattr(att, "takes_device_topk", False):
+                return self._submit_topk_block(att, fields, _device_ids(att, topk), state_rows, begins)
+            topk = topk.cpu()
+        arrays = {"topk": np.asarray(topk, dtype=np.int32)}
         if att is not None and getattr(att, "has_blocks", False):
             return self._submit_topk_block(att, fields, arrays["topk"], state_rows, begins)
         if begins:
@@ -547,11 +557,11 @@ class Client:
             # The daemon has not answered the entry's last request yet, so its graph may
             # not even be launched: its pinned block must not be rewritten before.
             self._receive_until(prev)
-        fence = att.record_fence()
-        if fence is not None:
-            fields["fence"] = fence
         fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin, self._still_there,
                                            self.timeout_s)
+        fence = att.record_fence()  # after write_blocks: behind a top-k's copy from the GPU
+        if fence is not None:
+            fields["fence"] = fence
         batch, k = topk.shape
         if not device_wait:
             req = self._send(MsgType.TOPK, fields)
@@ -851,6 +861,24 @@ def _start_time(pid: int) -> float | None:
         return psutil.Process(pid).create_time()
     except psutil.Error:
         return None
+
+
+def _on_gpu(a) -> bool:
+    torch = sys.modules.get("torch")  # a tensor implies torch is imported: never import it here
+    return torch is not None and isinstance(a, torch.Tensor) and a.is_cuda
+
+
+def _device_ids(att, topk):
+    """A top-k tensor on the GPU as the step block takes it: 2-D, int32, contiguous, on
+    the rank's device (else BadRequest)."""
+    import torch  # noqa: PLC0415 - a tensor was passed
+
+    if topk.device != att.torch_device:
+        raise BadRequest(f"topk is on {topk.device}, this rank's GPU is {att.torch_device}", ErrorCode.BAD_ARGUMENT)
+    if topk.dim() != 2 or topk.dtype.is_floating_point or topk.dtype.is_complex or topk.dtype == torch.bool:
+        raise BadRequest(f"topk must be integers [batch, top_k], got {topk.dtype} {tuple(topk.shape)}",
+                         ErrorCode.BAD_ARGUMENT)
+    return topk.to(torch.int32).contiguous()
 
 
 def _check_batch(att, rows: np.ndarray, topk: np.ndarray, begin) -> None:

@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from sparsekv.proto.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
 from sparsekv.proto import Layout
 
@@ -52,15 +54,16 @@ def bus_id_of(ordinal: int) -> str:
     return cp.cuda.runtime.deviceGetPCIBusId(ordinal).lower()
 
 
-# Arenas of lost daemons that stayed mapped because work on the stream still waited on
-# them at close, with an event marking that work's end: (ImportedArena, event).
+# Memory of lost daemons that stayed mapped because work on the stream still waited on
+# them at close, with an event marking that work's end: (its arena or registered step
+# blocks: anything with close(), event).
 _left_mapped: list = []
 
 
 def sweep_left_mapped() -> int:
-    """Unmap each left-mapped arena whose marked work has ended; return how many stay. A
-    new attach sweeps first, so that a process that outlives many daemons does not keep
-    their device memory mapped."""
+    """Unmap each left-mapped arena (or step blocks) whose marked work has ended; return
+    how many stay. A new attach sweeps first, so that a process that outlives many daemons
+    does not keep their memory mapped."""
     keep = []
     for arena, mark in _left_mapped:
         if mark.query():
@@ -69,6 +72,31 @@ def sweep_left_mapped() -> int:
             keep.append((arena, mark))
     _left_mapped[:] = keep
     return len(keep)
+
+
+class _RegisteredBlocks:
+    """The rank's step blocks page-locked in this process too, so that a copy from the GPU
+    (a top-k made there) lands in them on the stream, without a wait."""
+
+    def __init__(self, mm, device: int):
+        import cupy as cp  # noqa: PLC0415
+
+        self._mm, self.device = mm, device
+        self._buf = np.frombuffer(mm, dtype=np.uint8)
+        self.ptr, self.nbytes = int(self._buf.ctypes.data), int(self._buf.nbytes)
+        with cp.cuda.Device(device):
+            cp.cuda.runtime.hostRegister(self.ptr, self.nbytes, 1)  # cudaHostRegisterPortable
+
+    def close(self) -> None:
+        import cupy as cp  # noqa: PLC0415
+
+        with cp.cuda.Device(self.device):
+            cp.cuda.runtime.hostUnregister(self.ptr)
+        self._buf = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
 
 
 class CudaAttachment:
@@ -107,6 +135,7 @@ class CudaAttachment:
         self._fence = fence
         self._views: dict[tuple[int, int, int], tuple] = {}
         self._blocks_mm = None
+        self._registered = None  # _RegisteredBlocks, at the first top-k copied from the GPU
         self.error_mirror = None  # the rank's pinned error record (in the blocks file)
         self._next = 0
         self._used = [False] * R
@@ -125,8 +154,6 @@ class CudaAttachment:
             log.warning("the daemon's step blocks did not come; sending top-k batches on the socket")
         if fd is not None:
             import mmap  # noqa: PLC0415
-
-            import numpy as np  # noqa: PLC0415
 
             from sparsekv.proto.step_block import BlockView  # noqa: PLC0415
 
@@ -147,6 +174,22 @@ class CudaAttachment:
     @property
     def has_blocks(self) -> bool:
         return self._blocks_mm is not None
+
+    @property
+    def fenced(self) -> bool:
+        """Whether this rank records fence events that the daemon's stream waits on (see
+        the module docstring) before each top-k's work."""
+        return self._fence is not None
+
+    @property
+    def takes_device_topk(self) -> bool:
+        """Whether a top-k on the GPU can go as it is (:meth:`write_blocks`): step blocks to
+        copy it into, and fence events that order the daemon's reading after the copy, at
+        least one per ring entry: the host then never records a fence again before the
+        daemon's stream has taken the wait on its last record (the entry of the request
+        that used it is done before the entry is written again), however far the host runs
+        ahead of the GPU."""
+        return self._blocks_mm is not None and self._fence is not None and len(self._fence) >= len(self._used)
 
     @property
     def has_done_words(self) -> bool:
@@ -206,7 +249,7 @@ class CudaAttachment:
         ``still_there``: called every ``EVENT_CHECK_S`` while waiting; it raises when
         the daemon is gone (a dead daemon's event may never complete: the wait is never
         one unbounded ``cudaEventSynchronize``); ``timeout_s``: at most this long in all."""
-        from sparsekv.proto.step_block import write_step, write_topk  # noqa: PLC0415
+        from sparsekv.proto.step_block import write_step, write_topk, write_topk_head  # noqa: PLC0415
 
         if self._used[e] and not self._events.done(e):
             self._wait_event(e, still_there, timeout_s)
@@ -214,8 +257,27 @@ class CudaAttachment:
         self._seq += 1
         if begin is not None:
             write_step(self._step_blocks[e], self._seq, step, state_rows, begin[0], begin[1])
-        write_topk(self._topk_blocks[e], self._seq, step, group, state_rows, topk)
+        blk = self._topk_blocks[e]
+        if isinstance(topk, np.ndarray):
+            write_topk(blk, self._seq, step, group, state_rows, topk)
+        else:
+            write_topk_head(blk, self._seq, step, group, state_rows, *topk.shape)
+            self._copy_from_device(blk.payload, topk)
         return e
+
+    def _copy_from_device(self, dst, topk) -> None:
+        """Enqueue the copy of ``topk`` (torch int32, contiguous, on this rank's GPU) into
+        the front of ``dst`` (a view of the step blocks) on the current stream; the caller
+        records the fence after it, and the daemon's kernels read the block only after
+        that fence."""
+        import cupy as cp  # noqa: PLC0415
+
+        if self._registered is None:
+            self._registered = _RegisteredBlocks(self._blocks_mm, self.device)
+        n = int(topk.numel()) * 4
+        with cp.cuda.Device(self.device):
+            cp.cuda.runtime.memcpyAsync(int(dst.ctypes.data), int(topk.data_ptr()), n, 2,  # device to host
+                                        self._stream_ptr())
 
     def _wait_event(self, e: int, still_there, timeout_s: float | None = None) -> None:
         """Poll entry ``e``'s event until it is done: short sleeps, growing to 1 ms, and
@@ -300,6 +362,16 @@ class CudaAttachment:
         self.slab = self.staging = self._slots = self._misses = None
         self._views = {}
         self._step_blocks = self._topk_blocks = self.error_mirror = None
+        if self._registered is not None:  # copies from the GPU may still be queued into them
+            if self._arena is None:  # work on the stream still waits: closed by a later sweep
+                _left_mapped.append((self._registered, _left_mapped[-1][1]))
+            else:  # (with wait_s: the current stream's work has ended, above)
+                if wait_s is None:
+                    import torch  # noqa: PLC0415
+
+                    torch.cuda.synchronize(self.torch_device)
+                self._registered.close()
+            self._registered = self._blocks_mm = None
         if self._blocks_mm is not None:
             try:
                 self._blocks_mm.close()

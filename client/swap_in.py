@@ -124,6 +124,7 @@ class HostSwapIn:
         # hits and out_of_range to its stats: then they stay 0). Not part of the device API.
         self._counts = {"batches": 0, "hits": 0, "misses": 0, "out_of_range": 0}
         self._device_misses = None  # cuda: the misses summed on the device (read at .counts)
+        self._req_cache = None  # (tensor, key, host copy): a GPU req_id_per_token, this step
         self._closed = False
 
     # -- the API ---------------------------------------------------------------------
@@ -137,6 +138,7 @@ class HostSwapIn:
         self._order.check_begin()
         self._step, self._failed = None, True  # until it has begun, swap_in refuses to run
         self._slots.clear()
+        self._req_cache = None
         rows = _ints("state_rows", state_rows, 1)
         reset = None if reset is None else _host(reset).astype(bool)
         invalidate = None if invalidate is None else _ints("invalidate", invalidate, 2)
@@ -176,7 +178,7 @@ class HostSwapIn:
             why = "the last begin_step failed" if self._failed else "swap_in before begin_step"
             raise BadRequest(f"{why}: call begin_step(state_rows, ...) once per decode step before its first swap_in",
                              ErrorCode.BAD_ARGUMENT)
-        reqs = _ints("req_id_per_token", req_id_per_token, 1)
+        reqs, waited = self._reqs(req_id_per_token)
         # A top-k on the GPU stays there (its shape and type checked in place): the leader
         # maps it there, a follower only compares shapes.
         topk = _ints("logical_topk_indices", logical_topk_indices, 2, keep_cuda=True)
@@ -192,12 +194,13 @@ class HostSwapIn:
             _check_out("valid_counts_out", valid_counts_out, topk.shape[:1])
         self._order.check_layer(int(layer))
         if layer == leader:
-            # With an input on the GPU, each call's copy of it to the host waits for the
-            # stream, so the reply's device slots are read before the next request can
-            # reuse their ring entry (and the earlier layers' reads of the slab are done):
-            # only then are the indices made on the GPU without a wait of their own.
-            on_gpu = any(_copy_waits(a) for a in (req_id_per_token, block_table, logical_topk_indices))
-            slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, on_gpu,
+            # The indices are made on the GPU from the reply's device slots (no wait of
+            # their own) only when the daemon cannot reuse the slots' ring entry (or
+            # gather into a slab) before the GPU has read them: either a copy to the host
+            # of an input on the GPU waited for the stream at each leader, or the rank
+            # has fence events (the daemon's stream waits for this one's at each request),
+            # which a top-k copied to the daemon from the GPU requires.
+            slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, waited,
                                          req_id_per_token)
             self._order.rang(group)
         else:
@@ -291,18 +294,34 @@ class HostSwapIn:
         if self._closed:
             raise SparseKVError("this HostSwapIn is closed; make a new one")
 
+    def _reqs(self, req_id_per_token) -> tuple[np.ndarray, bool]:
+        """``req_id_per_token`` on the host, and whether getting it waited for the stream.
+        A tensor on the GPU is copied (a wait) once per step: the same tensor, not
+        modified in place since (its version counter), gives the same copy at the step's
+        later layers."""
+        if not _copy_waits(req_id_per_token):
+            return _ints("req_id_per_token", req_id_per_token, 1), False
+        t = req_id_per_token
+        key = (t._version, t.data_ptr(), tuple(t.shape), t.dtype)
+        if self._req_cache is not None and self._req_cache[0] is t and self._req_cache[1] == key:
+            return self._req_cache[2], False
+        reqs = _ints("req_id_per_token", t, 1)
+        self._req_cache = (t, key, reqs)  # the tensor held: its id is not reused meanwhile
+        return reqs, True
+
     def _group(self, layer) -> tuple[int, int]:
         if not isinstance(layer, (int, np.integer)) or int(layer) not in self._group_of:
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
         return self._group_of[int(layer)]
 
     def _lead(self, group: int, reqs: np.ndarray, topk, block_table, block_size, resident_table,
-              on_gpu: bool = False, req_arg=None):
+              waited: bool = False, req_arg=None):
         """The group's leader: positions -> host rows, one top-k batch, keep the slots
         (and the resident rows: ``[tokens, k]`` row of the engine's storage, -1 = none)."""
         lay = self.layout
         device_map = _copy_waits(topk) and resident_table is None and _block_size_ok(block_size)
         table = _ints("block_table", block_table, 2, keep_cuda=device_map)
+        waited |= _copy_waits(block_table) and not device_map
         bad = (reqs < -1) | (reqs >= lay.max_reqs)
         if bad.any():
             raise BadRequest(f"req_id_per_token holds {int(reqs[bad][0])}, outside [-1, max_reqs={lay.max_reqs})",
@@ -319,9 +338,12 @@ class HostSwapIn:
         # Each token reads its request's row of the block table; a padding token (-1)
         # none, so each of its positions maps to nothing.
         try:
-            if device_map:  # on the top-k's GPU; only the rows come to the host
+            if device_map:  # on the top-k's GPU
                 rows = _device_rows(topk, table, int(block_size), reqs, req_arg)
+                if not getattr(self._client.attachment, "takes_device_topk", False):
+                    rows, waited = rows.cpu().numpy(), True
             else:
+                waited |= _copy_waits(topk)
                 topk = _host(topk)
                 rows = host_rows(topk, table, block_size, table_rows=reqs)
         except (TypeError, ValueError) as e:  # e.g. block_size not a positive integer
@@ -347,7 +369,8 @@ class HostSwapIn:
             self._counts["batches"] += 1
             self._counts["hits"] += res.hits or 0
             self._counts["out_of_range"] += res.out_of_range or 0
-            if on_gpu and _is_torch(res.slots) and resident is None and self._hot_int32:
+            ordered = waited or getattr(self._client.attachment, "fenced", False)
+            if ordered and _is_torch(res.slots) and resident is None and self._hot_int32:
                 import torch  # noqa: PLC0415 - the reply holds tensors, so torch is there
 
                 # cuda: views of the rank's result ring, ordered after the gather on the
@@ -399,9 +422,9 @@ def _block_size_ok(bs) -> bool:
     return isinstance(bs, (int, np.integer)) and not isinstance(bs, bool) and 0 < bs <= INT32_MAX
 
 
-def _device_rows(topk, table, block_size: int, reqs: np.ndarray, req_arg) -> np.ndarray:
-    """Host rows of a top-k on the GPU, mapped there; the copy to the host waits for the
-    current stream. ``reqs``: the host copy of ``req_arg`` (already checked)."""
+def _device_rows(topk, table, block_size: int, reqs: np.ndarray, req_arg):
+    """Host rows (int32 tensor) of a top-k on the GPU, mapped there on the current stream,
+    without a wait. ``reqs``: the host copy of ``req_arg`` (already checked)."""
     import torch  # noqa: PLC0415 - the top-k is a tensor, so torch is there
 
     from .torch_positions import torch_host_rows  # noqa: PLC0415 - needs torch
@@ -411,9 +434,9 @@ def _device_rows(topk, table, block_size: int, reqs: np.ndarray, req_arg) -> np.
         trow = req_arg
     else:
         trow = torch.from_numpy(np.ascontiguousarray(reqs)).to(dev, non_blocking=True)
-    if not _is_torch(table):
-        table = torch.from_numpy(np.ascontiguousarray(table))
-    return torch_host_rows(topk, table, block_size, table_rows=trow).cpu().numpy()
+    if not _is_torch(table):  # staged at once: no wait for the stream
+        table = torch.from_numpy(np.ascontiguousarray(table)).to(dev, non_blocking=True)
+    return torch_host_rows(topk, table, block_size, table_rows=trow)
 
 
 def _ints(name: str, a, ndim: int, keep_cuda: bool = False):

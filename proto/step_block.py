@@ -46,10 +46,16 @@ def write_desc(d, *, seq: int = 0, step: int = 0, batch: int = 0, k: int = 0, gr
 
 def write_topk(blk: BlockView, seq: int, step: int, group: int, state_rows: np.ndarray, topk: np.ndarray) -> None:
     """Fill a TOPK block (host memory)."""
-    batch, k = topk.shape
+    write_topk_head(blk, seq, step, group, state_rows, *topk.shape)
+    blk.payload[: topk.size] = topk.reshape(-1)
+
+
+def write_topk_head(blk: BlockView, seq: int, step: int, group: int, state_rows: np.ndarray, batch: int,
+                    k: int) -> None:
+    """A TOPK block's descriptor and state rows; its payload (``batch * k`` ids from the
+    start of ``blk.payload``) is the caller's to write (a copy from the GPU)."""
     write_desc(blk.desc, seq=seq, step=step, batch=batch, k=k, group=group)
     blk.rows[:batch] = state_rows
-    blk.payload[: batch * k] = topk.reshape(-1)
 
 
 def write_step(blk: BlockView, seq: int, step: int, state_rows: np.ndarray, reset, invalidate) -> None:

@@ -96,9 +96,10 @@ class Mark:
         return self.done
 
 
-def stub_attachment(finishes: bool, mark=None):
-    """The parts of a CudaAttachment that close() touches, the GPU wait stood in for."""
-    return SimpleNamespace(_arena=Arena(), _blocks_mm=None, _events=None, device=0,
+def stub_attachment(finishes: bool, mark=None, registered=None):
+    """The parts of a CudaAttachment that close() touches, the GPU wait stood in for.
+    ``registered``: its step blocks page-locked here (a top-k went from the GPU)."""
+    return SimpleNamespace(_arena=Arena(), _blocks_mm=None, _events=None, device=0, _registered=registered,
                            _stream_done_within=lambda wait_s: finishes, _stream_mark=lambda: mark)
 
 
@@ -119,6 +120,22 @@ def test_a_gone_daemons_arena_is_unmapped_only_once_the_stream_is_done(finishes,
     mark.done = True
     assert cuda_attach.sweep_left_mapped() == 0
     assert arena.closed == 1  # once, either way
+
+
+@pytest.mark.parametrize("finishes", [True, False])
+def test_step_blocks_a_copy_from_the_gpu_may_still_write_stay_until_the_stream_is_done(finishes, monkeypatch):
+    """Step blocks page-locked for top-k copies from the GPU: unregistered at close when
+    the stream's work has ended, else kept (registered, mapped) with the arena until the
+    sweep finds that work done."""
+    monkeypatch.setattr(cuda_attach, "_left_mapped", [])
+    mark, blocks = Mark(), Arena()  # (anything with close())
+    att = stub_attachment(finishes, mark, registered=blocks)
+    cuda_attach.CudaAttachment.close(att, wait_s=0.1)
+    assert blocks.closed == (1 if finishes else 0) and att._registered is None
+    assert cuda_attach.sweep_left_mapped() == (0 if finishes else 2)  # the arena and the blocks
+    mark.done = True
+    assert cuda_attach.sweep_left_mapped() == 0
+    assert blocks.closed == 1 and att._arena is None
 
 
 def _refused_attach(monkeypatch, daemon_gone_at: str | None):

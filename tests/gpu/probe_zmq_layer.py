@@ -5,7 +5,9 @@ layers (one index group each, as ``bench decode``), a top-k of random positions 
 GPU and a tiny attention per layer; per leader ``swap_in`` it records the handle's parts
 (positions mapped on the GPU and copied to the host, the TOPK request) and the reply's
 timestamps (client sent, daemon received, GPU work enqueued, daemon replied, reply read:
-one clock for the host). Prints the medians, in microseconds, per ``--device-wait``.
+one clock for the host). Prints the medians, in microseconds, with and without device
+wait and fence events (with fences the top-k goes from the GPU into the step block and
+"map" is the mapping on the GPU, enqueued; without, the copy to the host follows it).
 
     python3 tests/gpu/probe_zmq_layer.py --batch 64 --steps 20
 """
@@ -18,8 +20,8 @@ import time
 import numpy as np
 
 
-def run(batch: int, layers: int, steps: int, device_wait: bool, top_k: int = 2048, block: int = 64,
-        context: int = 8192) -> dict:
+def run(batch: int, layers: int, steps: int, device_wait: bool, fence: bool = True, top_k: int = 2048,
+        block: int = 64, context: int = 8192) -> dict:
     import torch
 
     from sparsekv.client import swap_in as swap_in_mod
@@ -32,14 +34,14 @@ def run(batch: int, layers: int, steps: int, device_wait: bool, top_k: int = 204
     lay = Layout(num_layers=layers, row_bytes=656, top_k=top_k, region_stride=top_k, max_reqs=batch,
                  host_rows=batch * blocks * block, index_groups=tuple((i,) for i in range(layers)),
                  max_batch=batch).validate()
-    parts: dict[str, list] = {k: [] for k in ("swap_in", "map+d2h", "topk", "sock_in", "daemon_enqueue",
+    parts: dict[str, list] = {k: [] for k in ("swap_in", "map", "topk", "sock_in", "daemon_enqueue",
                                              "daemon_reply", "sock_out")}
     real_rows = swap_in_mod._device_rows
 
     def timed_rows(*a):
         t0 = time.perf_counter_ns()
         r = real_rows(*a)
-        parts["map+d2h"].append(time.perf_counter_ns() - t0)
+        parts["map"].append(time.perf_counter_ns() - t0)
         return r
 
     swap_in_mod._device_rows = timed_rows
@@ -48,7 +50,7 @@ def run(batch: int, layers: int, steps: int, device_wait: bool, top_k: int = 204
         with PrivateDaemon(pool_bytes=lay.pool_bytes + (256 << 20), backend="cuda",
                            extra_args=["--device-arena-size", size, "--max-slab-bytes", size]) as d, \
                 Client(d.run_dir, device="cuda:0", name="probe-zmq", device_wait=device_wait) as c:
-            c.attach(lay)
+            c.attach(lay, fence=fence)
             real_topk = c.topk
 
             def timed_topk(*a, **k):
@@ -107,12 +109,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args()
-    rows = {dw: run(a.batch, a.layers, a.steps, dw) for dw in (False, True)}
-    keys = list(rows[False])
+    rows = {(dw, f): run(a.batch, a.layers, a.steps, dw, f) for f in (False, True) for dw in (False, True)}
+    keys = list(dict.fromkeys(k for r in rows.values() for k in r))
     print(f"batch {a.batch}, {a.layers} layers, {a.steps} steps: medians, us per layer (leader call)")
-    print(f"{'part':<16}" + "".join(f"{'device_wait=' + str(int(dw)):>16}" for dw in rows))
+    print(f"{'part':<16}" + "".join(f"{f'wait={int(dw)} fence={int(f)}':>18}" for dw, f in rows))
     for k in keys:
-        print(f"{k:<16}" + "".join(f"{rows[dw].get(k, float('nan')):>16.1f}" for dw in rows))
+        print(f"{k:<16}" + "".join(f"{r.get(k, float('nan')):>18.1f}" for r in rows.values()))
     return 0
 
 
