@@ -381,8 +381,10 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
                           slab=engine_slab)
         elif transport == "doorbell":
             client.attach(layout, engine="dsa-example", transport="doorbell")
-        else:  # on the GPU with fence events: the top-k goes from the GPU, no wait on the host
-            client.attach(layout, engine="dsa-example", fence=on_gpu)
+        elif on_gpu:  # zmq with fence events: the top-k goes from the GPU, no wait on the host
+            client.attach(layout, engine="dsa-example", fence=True)
+        else:
+            client.attach(layout, engine="dsa-example")
         hot_base = resident.hot_base if resident is not None else 0
         if transport == "doorbell":
             handle = DeviceHandle(client.doorbell_handle(hot_base=hot_base))
