@@ -125,6 +125,9 @@ class HostSwapIn:
         self._counts = {"batches": 0, "hits": 0, "misses": 0, "out_of_range": 0}
         self._device_misses = None  # cuda: the misses summed on the device (read at .counts)
         self._req_cache = None  # (tensor, key, host copy): a GPU req_id_per_token, this step
+        self._req_dev = None  # (its host copy, device, int32 tensor there), this step
+        # A cuda rank's kernels (csrc/handle.cu through CuPy) for a top-k on the GPU.
+        self._kernels = hasattr(att, "record_fence")
         self._closed = False
 
     # -- the API ---------------------------------------------------------------------
@@ -138,7 +141,7 @@ class HostSwapIn:
         self._order.check_begin()
         self._step, self._failed = None, True  # until it has begun, swap_in refuses to run
         self._slots.clear()
-        self._req_cache = None
+        self._req_cache = self._req_dev = None
         rows = _ints("state_rows", state_rows, 1)
         reset = None if reset is None else _host(reset).astype(bool)
         invalidate = None if invalidate is None else _ints("invalidate", invalidate, 2)
@@ -244,16 +247,37 @@ class HostSwapIn:
         import torch  # noqa: PLC0415 - slots are a tensor, so torch is there
 
         dev = slots.device
-        if _is_torch(req_arg) and req_arg.device == dev:
-            r = req_arg.to(torch.int32)
-        else:  # a few bytes from the host, staged at once (no wait on the stream)
-            r = torch.from_numpy(reqs.astype(np.int32)).to(dev, non_blocking=True)
-        idx = torch.where(slots >= 0, slots + (r * self._stride + self.hot_base)[:, None], -1)
-        counts = (idx >= 0).sum(dim=1, dtype=torch.int32)
-        idx = _deliver_tensor(idx, out, like)
+        r = self._reqs_on(dev, reqs, req_arg)
+        if self._kernels and slots.stride(-1) == 1:  # one launch (csrc/handle.cu)
+            from .swap_in_kernels import indices  # noqa: PLC0415 - a cuda rank: CuPy is there
+
+            idx = _own_or_new(out, tuple(slots.shape), dev)
+            counts = _own_or_new(counts_out, tuple(slots.shape[:1]), dev) if return_valid_counts else None
+            indices(slots, r, self._stride, self.hot_base, self.layout.max_reqs, idx, counts)
+        else:
+            idx = torch.where(slots >= 0, slots + (r * self._stride + self.hot_base)[:, None], -1)
+            counts = (idx >= 0).sum(dim=1, dtype=torch.int32)
+        idx = idx if idx is out else _deliver_tensor(idx, out, like)
         if not return_valid_counts:
             return idx
-        return idx, _deliver_tensor(counts, counts_out, like)
+        return idx, counts if counts is counts_out else _deliver_tensor(counts, counts_out, like)
+
+    def _reqs_on(self, dev, reqs: np.ndarray, req_arg):
+        """``req_id_per_token`` as a contiguous int32 tensor on ``dev``, without a wait: a
+        tensor there converted (once per step for the same one, as :meth:`_reqs`), else
+        the host copy staged at once."""
+        import torch  # noqa: PLC0415 - only reached with tensors
+
+        cached = self._req_dev
+        if cached is not None and cached[0] is reqs and cached[1] == dev:
+            return cached[2]
+        if _is_torch(req_arg) and req_arg.device == dev:
+            r = req_arg.to(torch.int32).contiguous()
+        else:  # a few bytes from the host, staged at once (no wait on the stream)
+            r = torch.from_numpy(reqs.astype(np.int32)).to(dev, non_blocking=True)
+        if self._req_cache is not None and self._req_cache[2] is reqs:  # this step's copy of a GPU tensor
+            self._req_dev = (reqs, dev, r)
+        return r
 
     def kv(self, layer: int):
         """The layer's hot slab, ``[max_reqs * region_stride, row_bytes]`` uint8 (NumPy for
@@ -339,7 +363,8 @@ class HostSwapIn:
         # none, so each of its positions maps to nothing.
         try:
             if device_map:  # on the top-k's GPU
-                rows = _device_rows(topk, table, int(block_size), reqs, req_arg)
+                rows = _device_rows(topk, table, int(block_size), self._reqs_on(topk.device, reqs, req_arg),
+                                    self._kernels)
                 if not getattr(self._client.attachment, "takes_device_topk", False):
                     rows, waited = rows.cpu().numpy(), True
             else:
@@ -422,21 +447,36 @@ def _block_size_ok(bs) -> bool:
     return isinstance(bs, (int, np.integer)) and not isinstance(bs, bool) and 0 < bs <= INT32_MAX
 
 
-def _device_rows(topk, table, block_size: int, reqs: np.ndarray, req_arg):
+def _device_rows(topk, table, block_size: int, reqs, kernels: bool):
     """Host rows (int32 tensor) of a top-k on the GPU, mapped there on the current stream,
-    without a wait. ``reqs``: the host copy of ``req_arg`` (already checked)."""
+    without a wait: one kernel on a cuda rank (int32 or int64 inputs), else torch.
+    ``reqs``: int32 on the top-k's GPU (checked on the host)."""
     import torch  # noqa: PLC0415 - the top-k is a tensor, so torch is there
 
-    from .torch_positions import torch_host_rows  # noqa: PLC0415 - needs torch
-
     dev = topk.device
-    if _is_torch(req_arg) and req_arg.device == dev:
-        trow = req_arg
-    else:
-        trow = torch.from_numpy(np.ascontiguousarray(reqs)).to(dev, non_blocking=True)
     if not _is_torch(table):  # staged at once: no wait for the stream
         table = torch.from_numpy(np.ascontiguousarray(table)).to(dev, non_blocking=True)
-    return torch_host_rows(topk, table, block_size, table_rows=trow)
+    if kernels and table.device == dev:
+        from .swap_in_kernels import map_positions  # noqa: PLC0415 - a cuda rank: CuPy is there
+
+        if table.dim() != 2:
+            raise ValueError(f"block_table must be [rows, max_blocks], got {tuple(table.shape)}")
+        rows = map_positions(topk, table, block_size, reqs)
+        if rows is not None:
+            return rows
+    from .torch_positions import torch_host_rows  # noqa: PLC0415 - needs torch
+
+    return torch_host_rows(topk, table, block_size, table_rows=reqs)
+
+
+def _own_or_new(out, shape: tuple, dev):
+    """``out`` when a kernel can write the int32 result of ``shape`` into it in place (a
+    contiguous tensor on ``dev``; _check_out checked the rest), else a new tensor."""
+    import torch  # noqa: PLC0415
+
+    if _is_torch(out) and out.device == dev and out.is_contiguous():
+        return out
+    return torch.empty(shape, dtype=torch.int32, device=dev)
 
 
 def _ints(name: str, a, ndim: int, keep_cuda: bool = False):

@@ -6,6 +6,8 @@
 //   skv_db_begin    engine tensors (state rows, reset, invalidate) -> the daemon's STEP block
 //   skv_db_topk     logical positions + block table -> host rows in the group's TOPK block
 //   skv_db_indices  the group's slots -> attention indices [tokens, k] (+ valid counts)
+//   skv_map_positions_*  logical positions + block table -> host rows [tokens, k], for a
+//                   top-k that goes to the daemon in a TOPK message (client/swap_in.py)
 //
 // With a `bell` (signalling by kernels, client/doorbell.py), skv_db_begin and skv_db_topk
 // ring it themselves once the whole block is written (skv_ring_when_done; `done` is the
@@ -137,7 +139,7 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
         for (int j = threadIdx.x; j < k; j += blockDim.x) {
             int o = -1;
             if (live) {
-                const int p = topk[(i64)t * k + j];
+                const int p = rrow ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
                 const int blkno = p >= 0 ? p / block_size : -1;
                 const int rb = (rrow && p >= 0 && blkno < res_blocks) ? rrow[blkno] : -1;
                 i64 v = -1;
@@ -160,3 +162,48 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
         __syncthreads();
     }
 }
+
+// Host rows of logical positions into out[t, j] (int32 [tokens, k]): the rule of
+// skv_db_topk without resident blocks, for positions P and a block table T of either
+// int32 or int64 (what a torch engine holds): p < 0, p / bs past the table, a -1 block or
+// a row beyond int32 -> SKV_UNMAPPED; a token whose req_ids[t] is outside [0, table_rows)
+// maps nothing. client/swap_in.py copies `out` into the rank's pinned TOPK block on the
+// same stream. Grid: one block per token (grid-stride), any block size.
+template <typename P, typename T>
+__device__ __forceinline__ void skv_map_positions(int* __restrict__ out, const int* __restrict__ req_ids,
+                                                  const int tokens, const T* __restrict__ table,
+                                                  const int table_rows, const int max_blocks,
+                                                  const P* __restrict__ topk, const int k, const i64 block_size) {
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        const int req = req_ids[t];
+        const bool live = req >= 0 && req < table_rows;
+        const T* trow = table + (i64)(live ? req : 0) * max_blocks;
+        for (int j = threadIdx.x; j < k; j += blockDim.x) {
+            const i64 p = (i64)topk[(i64)t * k + j];
+            int o = SKV_UNMAPPED;
+            if (live && p >= 0) {
+                const i64 blkno = p / block_size;
+                if (blkno < max_blocks) {
+                    const i64 hb = (i64)trow[blkno];
+                    if (hb >= 0 && hb <= 0x7fffffffll) {  // beyond: every row of it passes int32
+                        const i64 row = hb * block_size + p % block_size;
+                        if (row <= 0x7fffffffll) o = (int)row;
+                    }
+                }
+            }
+            out[(i64)t * k + j] = o;
+        }
+    }
+}
+
+#define SKV_MAP_POSITIONS(NAME, P, T)                                                                  \
+    extern "C" __global__ void NAME(int* __restrict__ out, const int* __restrict__ req_ids,            \
+                                    const int tokens, const T* __restrict__ table, const int table_rows, \
+                                    const int max_blocks, const P* __restrict__ topk, const int k,     \
+                                    const i64 block_size) {                                            \
+        skv_map_positions<P, T>(out, req_ids, tokens, table, table_rows, max_blocks, topk, k, block_size); \
+    }
+SKV_MAP_POSITIONS(skv_map_positions_i32_i32, int, int)
+SKV_MAP_POSITIONS(skv_map_positions_i64_i32, i64, int)
+SKV_MAP_POSITIONS(skv_map_positions_i32_i64, int, i64)
+SKV_MAP_POSITIONS(skv_map_positions_i64_i64, i64, i64)

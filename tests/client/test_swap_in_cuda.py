@@ -25,9 +25,13 @@ LAYOUT = Layout(num_layers=4, row_bytes=64, top_k=K, region_stride=2 * K, max_re
                 index_groups=((0, 1), (2,), (3,)), max_batch=2 * REQS).validate()
 
 
-@pytest.mark.parametrize("fence", [False, True])
-@pytest.mark.parametrize("device_wait", [False, True])
-def test_rows_through_gpu_inputs_are_the_mapped_host_rows(fence, device_wait, monkeypatch):
+@pytest.mark.parametrize("fence, device_wait, pos_dtype, table_dtype",
+                         [(False, False, "int64", "int32"), (True, False, "int64", "int32"),
+                          (False, True, "int64", "int32"), (True, True, "int64", "int32"),
+                          (True, True, "int32", "int64"), (True, False, "int16", "int32")])
+def test_rows_through_gpu_inputs_are_the_mapped_host_rows(fence, device_wait, pos_dtype, table_dtype, monkeypatch):
+    """Positions int64 or int32 with tables of int32 or int64 (one kernel each), int16 (the
+    torch mapping); indices into an out tensor at one layer of each step."""
     torch = pytest.importorskip("torch")
     from sparsekv.client import cuda_attach
 
@@ -38,7 +42,7 @@ def test_rows_through_gpu_inputs_are_the_mapped_host_rows(fence, device_wait, mo
     rng = np.random.default_rng(3)
     dev = torch.device("cuda:0")
     # Each request's blocks: a shuffled slice of the pool, some null, the rest past the table.
-    table = rng.permutation(REQS * BLOCKS).reshape(REQS, BLOCKS).astype(np.int32)
+    table = rng.permutation(REQS * BLOCKS).reshape(REQS, BLOCKS).astype(table_dtype)
     table[rng.random(table.shape) < 0.1] = -1
     with PrivateDaemon(pool_bytes=LAYOUT.pool_bytes + (8 << 20), backend="cuda",
                        extra_args=["--device-arena-size", "1GiB"]) as d, \
@@ -53,13 +57,14 @@ def test_rows_through_gpu_inputs_are_the_mapped_host_rows(fence, device_wait, mo
             live = rng.permutation(REQS)[: rng.integers(2, REQS + 1)].astype(np.int32)
             # Two tokens for some requests (speculative decoding), a padding token.
             reqs = np.concatenate([live, live[:2], [-1]]).astype(np.int32)
-            pos = np.stack([rng.permutation(BLOCKS * BS + 8)[:K] - 4 for _ in reqs]).astype(np.int64)
+            pos = np.stack([rng.permutation(BLOCKS * BS + 8)[:K] - 4 for _ in reqs]).astype(pos_dtype)
             reqs_t, pos_t = torch.from_numpy(reqs).to(dev), torch.from_numpy(pos).to(dev)
             h.begin_step(torch.from_numpy(live).to(dev), reset=np.full(live.shape, step == 0))
             want_rows = host_rows(pos, table, BS, table_rows=reqs)
             for layer in range(LAYOUT.num_layers):
-                idx = h.swap_in(reqs_t, table_t, pos_t, layer=layer, block_size=BS)
-                assert idx.is_cuda and idx.dtype == torch.int32
+                out = torch.full(pos.shape, 7, dtype=torch.int32, device=dev) if layer == 2 else None
+                idx = h.swap_in(reqs_t, table_t, pos_t, layer=layer, block_size=BS, attention_indices_out=out)
+                assert idx.is_cuda and idx.dtype == torch.int32 and (out is None or idx is out)
                 kv = h.kv(layer)
                 got = kv[idx.clamp(min=0).long()].cpu().numpy()  # [tokens, K, row_bytes]
                 i = idx.cpu().numpy()

@@ -1,0 +1,88 @@
+"""The portable handle's kernels on a cuda rank (``csrc/handle.cu``), one launch each on
+the current torch stream, nothing waited for:
+
+* :func:`map_positions`: logical positions + block table -> host rows (``skv_map_positions_*``,
+  the rule of ``proto/positions.py``) for int32 or int64 tensors; None for other dtypes
+  (the caller then maps with torch, ``torch_positions.py``);
+* :func:`indices`: a reply's device slots -> attention indices and valid counts
+  (``skv_db_indices``, the device handle's kernel, without resident blocks).
+
+Used by ``swap_in.py`` for a top-k on the GPU; a dozen torch operations each would cost
+more host time per layer than the layer's GPU work (docs/PERF.md, session 19).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparsekv.proto.positions import UNMAPPED
+
+from .doorbell import THREADS, _external
+
+_functions: dict = {}  # (kernel name, device) -> CuPy function
+_TYPES = {"torch.int32": "i32", "torch.int64": "i64"}
+_GRID_MAX = 65535  # blocks (grid-stride over tokens beyond)
+
+
+def _function(name: str, device: int):
+    fn = _functions.get((name, device))
+    if fn is None:
+        import cupy as cp  # noqa: PLC0415
+
+        from sparsekv.csrc.build import get_cache  # noqa: PLC0415
+
+        with cp.cuda.Device(device):
+            fn = _functions[(name, device)] = get_cache().module("handle.cu").get_function(name)
+    return fn
+
+
+def _launch(name: str, device: int, grid: int, args) -> None:
+    import cupy as cp  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    stream = torch.cuda.current_stream(device).cuda_stream
+    fn = _function(name, device)
+    with cp.cuda.Device(device), _external(cp, stream):
+        fn((max(1, min(grid, _GRID_MAX)),), (THREADS,),
+           tuple(np.uint64(a) if isinstance(a, int) else a for a in args))
+
+
+def map_positions(topk, table, block_size: int, reqs):
+    """Host rows int32 ``[tokens, k]`` of ``topk`` (positions, ``[tokens, k]`` on a GPU)
+    through ``table`` (``[rows, max_blocks]``, same GPU), token ``t`` reading table row
+    ``reqs[t]`` (int32 ``[tokens]``, same GPU; outside ``[0, rows)``: maps nothing);
+    ``block_size`` in ``[1, 2**31)``. None when a dtype is neither int32 nor int64."""
+    import torch  # noqa: PLC0415
+
+    pt, tt = _TYPES.get(str(topk.dtype)), _TYPES.get(str(table.dtype))
+    if pt is None or tt is None:
+        return None
+    topk, table = topk.contiguous(), table.contiguous()
+    tokens, k = topk.shape
+    rows_n, max_blocks = table.shape
+    out = torch.empty((tokens, k), dtype=torch.int32, device=topk.device)
+    if not tokens or not k:
+        return out
+    if not rows_n or not max_blocks:
+        return out.fill_(UNMAPPED)
+    i32 = np.int32
+    _launch(f"skv_map_positions_{pt}_{tt}", topk.device.index, tokens,
+            (out.data_ptr(), reqs.data_ptr(), i32(tokens), table.data_ptr(), i32(rows_n), i32(max_blocks),
+             topk.data_ptr(), i32(k), np.int64(block_size)))
+    return out
+
+
+def indices(slots, reqs, region_stride: int, hot_base: int, max_reqs: int, out, valid) -> None:
+    """``out[t, j]`` (int32 ``[tokens, k]``, contiguous) = ``hot_base + reqs[t] *
+    region_stride + slots[t, j]`` where the slot is >= 0, else -1 (and -1 for a token
+    whose ``reqs[t]`` is outside ``[0, max_reqs)``); ``valid`` (int32 ``[tokens]`` or
+    None): the count of indices >= 0 per token. ``slots``: ``[tokens, k]`` rows of a
+    ``[.., ld]`` array; all on one GPU."""
+    tokens, k = slots.shape
+    if not tokens:
+        return
+    i32 = np.int32
+    _launch("skv_db_indices", slots.device.index, tokens,
+            (slots.data_ptr(), i32(slots.stride(0)), reqs.data_ptr(), i32(tokens), 0, i32(k), 0, i32(0),
+             i32(max_reqs), i32(1), i32(region_stride), np.int64(hot_base), np.int64(0), 0,
+             out.data_ptr(), valid.data_ptr() if valid is not None else 0, 0))
