@@ -50,11 +50,17 @@ Tokens: several tokens of one request (speculative decoding) may share a step, u
 Every request a token names must be among the step's ``state_rows``.
 
 Arrays: NumPy or torch tensors, on any device. A top-k on the host is mapped to host rows
-there. A top-k on a GPU is mapped on that GPU (``client/torch_positions.py``; the block
-table is copied there when it is not), and only the rows come to the host, a copy that
-waits for the current stream, so this is a portable path, not the device handle's. On the
-cuda backend, with an input on the GPU, the indices are then made there from the reply's
-device slots, on the current stream, without a wait of their own. Results are torch tensors on the device of
+there. A top-k on a GPU is mapped on that GPU (one kernel on a cuda rank,
+``swap_in_kernels.py``; else ``torch_positions.py``; the block table is copied there when
+it is not). On a cuda rank attached with ``fence=True`` the rows go from the GPU into the
+rank's step block on the current stream and the daemon reads them after the fence: the
+host waits for the GPU only once a step, to read a ``req_id_per_token`` tensor on the GPU
+(pass it as NumPy and it never does), and with ``Client(device_wait=True)`` not for the
+reply either. Without fences the rows are copied to the host, a wait for the stream at
+each leader. On the cuda backend, with an input on the GPU, the indices are made there
+from the reply's device slots, on the current stream, without a wait of their own. A
+``req_id_per_token`` tensor on the GPU is read once per step: modify it only between
+steps (in place is fine: its version counter says so), never between two layers of one. Results are torch tensors on the device of
 ``logical_topk_indices`` (else of ``req_id_per_token``) when either is one, else NumPy;
 or the ``*_out`` arrays (int32, exact shape) when given, filled and returned. Errors are the client's
 typed exceptions (:mod:`sparsekv.client.errors`), raised by the call that caused them, or
