@@ -70,6 +70,7 @@ such deferred replies.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import numpy as np
@@ -79,6 +80,8 @@ from sparsekv.proto.positions import INT32_MAX, host_rows
 
 from .errors import BadRequest, NotAttached, SparseKVError
 from .step_order import StepOrder
+
+log = logging.getLogger("sparsekv.client")
 
 
 class HostSwapIn:
@@ -134,6 +137,9 @@ class HostSwapIn:
         self._req_dev = None  # (its host copy, device, int32 tensor there), this step
         # A cuda rank's kernels (csrc/handle.cu through CuPy) for a top-k on the GPU.
         self._kernels = hasattr(att, "record_fence")
+        if self._kernels and not getattr(att, "takes_device_topk", False):
+            log.info("HostSwapIn on a cuda rank without fence events: a top-k on the GPU is copied to the host "
+                     "at each index group's leader, a wait for the stream (attach with fence=True to avoid it)")
         self._closed = False
 
     # -- the API ---------------------------------------------------------------------
