@@ -151,6 +151,7 @@ class Client:
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
         self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
+        self._fence_requests: dict[int, int] = {}  # cuda: fence event -> the last request that carried it
         self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
         # Per request type, the last reply's (sent, daemon received, daemon replied,
         # received here) in perf_counter_ns: one clock (CLOCK_MONOTONIC) for the whole host.
@@ -496,15 +497,15 @@ class Client:
         """``topk`` ids int [batch, k]: a host array, or on a cuda rank a torch tensor on
         the rank's GPU. Such a tensor is copied into the rank's step block on the current
         stream, which nothing waits for on the host (the daemon's kernels read it after
-        the fence recorded behind the copy); on a rank that cannot take it so (no step
-        blocks or no fence events) it is copied to the host first."""
+        the fence recorded behind the copy); a tensor on another GPU, or on a rank that
+        cannot take it so (no step blocks or no fence events), is copied to the host first."""
         fields = {"step": int(step), "group": int(group)}
         att = self.attachment
         pending = self._pending_step
         begins = pending is not None and pending[0] == fields["step"] and state_rows is None
         if _on_gpu(topk):
-            if getattr(att, "takes_device_topk", False):
-                return self._submit_topk_block(att, fields, _device_ids(att, topk), state_rows, begins)
+            if getattr(att, "takes_device_topk", False) and topk.device == att.torch_device:
+                return self._submit_topk_block(att, fields, _device_ids(topk), state_rows, begins)
             topk = topk.cpu()
         arrays = {"topk": np.asarray(topk, dtype=np.int32)}
         if att is not None and getattr(att, "has_blocks", False):
@@ -516,10 +517,11 @@ class Client:
         elif state_rows is not None:
             arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
         if att is not None and hasattr(att, "record_fence"):
-            fence = att.record_fence()
+            fence = self._record_fence(att)
             if fence is not None:
                 fields["fence"] = fence
             req = self._send(MsgType.TOPK, fields, arrays)
+            self._fenced(fence, req)
             return Pending(self, req, lambda h, a: att.result(h["entry"], h["batch"], h["k"]))
         req = self._send(MsgType.TOPK, fields, arrays)
         return Pending(self, req, lambda h, a: TopkResult(a["slots"], a["misses"], h["hits"], h["out_of_range"]))
@@ -559,17 +561,19 @@ class Client:
             self._receive_until(prev)
         fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin, self._still_there,
                                            self.timeout_s)
-        fence = att.record_fence()  # after write_blocks: behind a top-k's copy from the GPU
+        fence = self._record_fence(att)  # after write_blocks: behind a top-k's copy from the GPU
         if fence is not None:
             fields["fence"] = fence
         batch, k = topk.shape
         if not device_wait:
             req = self._send(MsgType.TOPK, fields)
             self._block_requests[e] = req
+            self._fenced(fence, req)
             return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
         fields["done"] = done = att.next_done(e)
         req = self._send(MsgType.TOPK, fields)
         self._block_requests[e] = req
+        self._fenced(fence, req)
         self._deferred.append(req)
         self._watch_device_waits()
         return Ready(att.result_after(e, batch, k, done))
@@ -605,7 +609,7 @@ class Client:
         fields = {"layers": None if layers is None else [int(x) for x in layers]}
         att = self.attachment
         if att is not None and hasattr(att, "record_fence"):
-            fence = att.record_fence()
+            fence = self._record_fence(att)
             if fence is not None:
                 fields["fence"] = fence
         return self._call(MsgType.WRITE_STAGED, fields, {"rows": np.asarray(rows, dtype=np.int32)})[0]
@@ -618,6 +622,24 @@ class Client:
 
     def stats(self) -> dict:
         return self._call(MsgType.STATS)[0]["stats"]
+
+    def _record_fence(self, att) -> int | None:
+        """Record the rank's next fence event on the current stream; its index (None: the
+        rank has none). The request that carried that event last must have its reply
+        first: the daemon's stream has then taken its wait on that record. (A wait taken
+        after a newer record would wait for work behind it, and that work may wait on
+        the daemon: with device wait the host can run that far ahead.)"""
+        k = att.next_fence()
+        if k is None:
+            return None
+        prev = self._fence_requests.pop(k, None)
+        if prev is not None and prev in self._sent:
+            self._receive_until(prev)
+        return att.record_fence()
+
+    def _fenced(self, fence: int | None, req: int) -> None:
+        if fence is not None:
+            self._fence_requests[fence] = req
 
     # -- plumbing ----------------------------------------------------------------
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
@@ -747,6 +769,7 @@ class Client:
         self._replies.clear()
         self._deferred.clear()
         self._block_requests.clear()
+        self._fence_requests.clear()
         self._pending_step = None
         raise DaemonUnavailable(self._gone)
 
@@ -868,13 +891,11 @@ def _on_gpu(a) -> bool:
     return torch is not None and isinstance(a, torch.Tensor) and a.is_cuda
 
 
-def _device_ids(att, topk):
-    """A top-k tensor on the GPU as the step block takes it: 2-D, int32, contiguous, on
-    the rank's device (else BadRequest)."""
+def _device_ids(topk):
+    """A top-k tensor on the rank's GPU as the step block takes it: 2-D, int32, contiguous
+    (else BadRequest)."""
     import torch  # noqa: PLC0415 - a tensor was passed
 
-    if topk.device != att.torch_device:
-        raise BadRequest(f"topk is on {topk.device}, this rank's GPU is {att.torch_device}", ErrorCode.BAD_ARGUMENT)
     if topk.dim() != 2 or topk.dtype.is_floating_point or topk.dtype.is_complex or topk.dtype == torch.bool:
         raise BadRequest(f"topk must be integers [batch, top_k], got {topk.dtype} {tuple(topk.shape)}",
                          ErrorCode.BAD_ARGUMENT)

@@ -67,7 +67,10 @@ def sweep_left_mapped() -> int:
     keep = []
     for arena, mark in _left_mapped:
         if mark.query():
-            arena.close()
+            try:
+                arena.close()
+            except Exception as e:  # noqa: BLE001 - never let an old daemon's memory stop a new attach
+                log.warning("could not unmap a lost daemon's memory: %s", e)
         else:
             keep.append((arena, mark))
     _left_mapped[:] = keep
@@ -90,8 +93,11 @@ class _RegisteredBlocks:
     def close(self) -> None:
         import cupy as cp  # noqa: PLC0415
 
-        with cp.cuda.Device(self.device):
-            cp.cuda.runtime.hostUnregister(self.ptr)
+        try:
+            with cp.cuda.Device(self.device):
+                cp.cuda.runtime.hostUnregister(self.ptr)
+        except Exception as e:  # noqa: BLE001 - a broken context: the mapping goes with the process
+            log.warning("cuda:%d: could not unregister the step blocks: %s", self.device, e)
         self._buf = None
         try:
             self._mm.close()
@@ -136,6 +142,7 @@ class CudaAttachment:
         self._views: dict[tuple[int, int, int], tuple] = {}
         self._blocks_mm = None
         self._registered = None  # _RegisteredBlocks, at the first top-k copied from the GPU
+        self._register_failed = False
         self.error_mirror = None  # the rank's pinned error record (in the blocks file)
         self._next = 0
         self._used = [False] * R
@@ -178,18 +185,26 @@ class CudaAttachment:
     @property
     def fenced(self) -> bool:
         """Whether this rank records fence events that the daemon's stream waits on (see
-        the module docstring) before each top-k's work."""
+        the module docstring) before each request's work."""
         return self._fence is not None
 
     @property
     def takes_device_topk(self) -> bool:
         """Whether a top-k on the GPU can go as it is (:meth:`write_blocks`): step blocks to
-        copy it into, and fence events that order the daemon's reading after the copy, at
-        least one per ring entry: the host then never records a fence again before the
-        daemon's stream has taken the wait on its last record (the entry of the request
-        that used it is done before the entry is written again), however far the host runs
-        ahead of the GPU."""
-        return self._blocks_mm is not None and self._fence is not None and len(self._fence) >= len(self._used)
+        copy it into, fence events that order the daemon's reading after the copy, and
+        the blocks page-locked in this process (tried at the first call; a failure is
+        logged once and the top-k then goes through the host)."""
+        if self._blocks_mm is None or self._fence is None or self._register_failed:
+            return False
+        if self._registered is None:
+            try:
+                self._registered = _RegisteredBlocks(self._blocks_mm, self.device)
+            except Exception as e:  # noqa: BLE001 - any CUDA error: the host path still works
+                self._register_failed = True
+                log.warning("cuda:%d: could not page-lock the step blocks in this process (%s); top-k tensors "
+                            "on the GPU go through the host", self.device, e)
+                return False
+        return True
 
     @property
     def has_done_words(self) -> bool:
@@ -272,9 +287,7 @@ class CudaAttachment:
         that fence."""
         import cupy as cp  # noqa: PLC0415
 
-        if self._registered is None:
-            self._registered = _RegisteredBlocks(self._blocks_mm, self.device)
-        n = int(topk.numel()) * 4
+        n = int(topk.numel()) * 4  # (takes_device_topk page-locked the blocks)
         with cp.cuda.Device(self.device):
             cp.cuda.runtime.memcpyAsync(int(dst.ctypes.data), int(topk.data_ptr()), n, 2,  # device to host
                                         self._stream_ptr())
@@ -321,6 +334,10 @@ class CudaAttachment:
         import torch  # noqa: PLC0415
 
         return torch.cuda.current_stream(self.device).cuda_stream
+
+    def next_fence(self) -> int | None:
+        """The index :meth:`record_fence` records next (None: no fence events)."""
+        return None if self._fence is None else self._fence.next
 
     def record_fence(self) -> int | None:
         """Record the next fence event on the current stream; its index goes with TOPK."""

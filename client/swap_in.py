@@ -137,9 +137,10 @@ class HostSwapIn:
         self._req_dev = None  # (its host copy, device, int32 tensor there), this step
         # A cuda rank's kernels (csrc/handle.cu through CuPy) for a top-k on the GPU.
         self._kernels = hasattr(att, "record_fence")
-        if self._kernels and not getattr(att, "takes_device_topk", False):
-            log.info("HostSwapIn on a cuda rank without fence events: a top-k on the GPU is copied to the host "
-                     "at each index group's leader, a wait for the stream (attach with fence=True to avoid it)")
+        self._fenced = bool(getattr(att, "fenced", False))
+        if self._kernels and not self._fenced:
+            log.info("HostSwapIn on a cuda rank without fence events: each index group's leader waits for the "
+                     "stream when an input is on the GPU (attach with fence=True to avoid it)")
         self._closed = False
 
     # -- the API ---------------------------------------------------------------------
@@ -338,7 +339,10 @@ class HostSwapIn:
         if not _copy_waits(req_id_per_token):
             return _ints("req_id_per_token", req_id_per_token, 1), False
         t = req_id_per_token
-        key = (t._version, t.data_ptr(), tuple(t.shape), t.dtype)
+        if not self._fenced:  # each leader's wait is what orders the daemon's reuse of a ring entry
+            return _ints("req_id_per_token", t, 1), True
+        # (An inference-mode tensor has no version counter: the rule of the docstring.)
+        key = (None if t.is_inference() else t._version, t.data_ptr(), tuple(t.shape), t.dtype)
         if self._req_cache is not None and self._req_cache[0] is t and self._req_cache[1] == key:
             return self._req_cache[2], False
         reqs = _ints("req_id_per_token", t, 1)
@@ -377,8 +381,9 @@ class HostSwapIn:
             if device_map:  # on the top-k's GPU
                 rows = _device_rows(topk, table, int(block_size), self._reqs_on(topk.device, reqs, req_arg),
                                     self._kernels)
-                if not getattr(self._client.attachment, "takes_device_topk", False):
-                    rows, waited = rows.cpu().numpy(), True
+                att = self._client.attachment
+                if not (getattr(att, "takes_device_topk", False) and topk.device == att.torch_device):
+                    rows, waited = rows.cpu().numpy(), True  # (the client would copy it so)
             else:
                 waited |= _copy_waits(topk)
                 topk = _host(topk)
@@ -406,7 +411,7 @@ class HostSwapIn:
             self._counts["batches"] += 1
             self._counts["hits"] += res.hits or 0
             self._counts["out_of_range"] += res.out_of_range or 0
-            ordered = waited or getattr(self._client.attachment, "fenced", False)
+            ordered = waited or self._fenced
             if ordered and _is_torch(res.slots) and resident is None and self._hot_int32:
                 import torch  # noqa: PLC0415 - the reply holds tensors, so torch is there
 

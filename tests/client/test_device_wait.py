@@ -34,6 +34,9 @@ class FakeAttachment:
     def next_entry(self):
         return 0
 
+    def next_fence(self):
+        return None
+
     def record_fence(self):
         return None
 
@@ -99,6 +102,57 @@ def test_without_device_wait_or_done_words_the_topk_waits_for_its_reply(device_w
     c._deferred.append(1)
     c.submit_topk(0, 0, IDS)
     assert 1 in c._deferred
+
+
+class FencedAttachment(FakeAttachment):
+    """Two fence events, taken in turn; eight ring entries."""
+
+    def __init__(self):
+        super().__init__()
+        self.next, self.recorded, self.entries = 0, [], 0
+
+    def next_entry(self):
+        self.entries += 1
+        return (self.entries - 1) % 8
+
+    def next_fence(self):
+        return self.next
+
+    def record_fence(self):
+        k, self.next = self.next, (self.next + 1) % 2
+        self.recorded.append(k)
+        return k
+
+
+def test_a_fence_event_is_recorded_again_only_after_the_reply_of_the_request_that_carried_it():
+    """With device wait the host does not wait for replies, so it could record a fence
+    event again before the daemon's stream took its wait on the last record (a wait on the
+    newer record would wait for the engine's work, which waits for the daemon): first
+    the reply of the request that carried it."""
+    c, sent = fake_client()
+    c.attachment = FencedAttachment()
+    real_send, waited = c._send, []
+
+    def send(msg_type, fields=None, arrays=None):
+        req = real_send(msg_type, fields, arrays)
+        c._sent[req] = (msg_type, 0)  # unanswered until _receive_until
+        return req
+
+    def receive_until(req):
+        waited.append(req)
+        c._sent.pop(req, None)
+
+    c._send, c._receive_until = send, receive_until
+    try:
+        for _ in range(5):
+            c.submit_topk(0, 0, IDS)
+        assert [f["fence"] for _, f in sent] == [0, 1, 0, 1, 0]
+        assert waited == [1, 2, 3]  # request 3 reuses request 1's event, 4 request 2's, 5 request 3's
+        c._sent.pop(4)  # answered meanwhile: no wait
+        c.submit_topk(0, 0, IDS)
+        assert waited == [1, 2, 3]
+    finally:
+        c._close_handles()
 
 
 def test_an_earlier_device_wait_error_is_raised_before_the_next_topk_is_sent():

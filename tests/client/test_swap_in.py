@@ -317,6 +317,44 @@ def test_a_top_k_on_the_gpu_is_mapped_there_and_only_the_rows_come_to_the_host(m
         assert mapped == [1, 1] and hosted == [1, 1]
 
 
+def test_a_gpu_req_id_tensor_is_read_once_a_step_on_a_fenced_rank_even_in_inference_mode(monkeypatch):
+    """On a rank with fence events a req_id_per_token tensor on the GPU (here: any tensor)
+    is copied to the host at its first use in a step, again only when modified in place
+    (its version counter) or in the next step; inference-mode tensors (no version
+    counter, what serving engines run decode under) work alike. Without fences every
+    leader copies it (that wait orders the daemon's reuse of a ring entry)."""
+    torch = pytest.importorskip("torch")
+    from sparsekv.client import swap_in as swap_in_mod
+
+    monkeypatch.setattr(swap_in_mod, "_copy_waits", swap_in_mod._is_torch)
+    copied = []
+    real_ints = swap_in_mod._ints
+    monkeypatch.setattr(swap_in_mod, "_ints", lambda name, *a, **k: (copied.append(name) if name == "req_id_per_token"
+                                                                     else None) or real_ints(name, *a, **k))
+    with InprocClient() as c:
+        c.attach(LAYOUT)
+        fill_pool(c, LAYOUT)
+        h = HostSwapIn(c)
+        for fenced in (False, True):
+            h._fenced = fenced  # (an in-process client has no fences: as a fenced cuda rank would)
+            for mode in (torch.no_grad, torch.inference_mode):
+                with mode():
+                    reqs = torch.from_numpy(REQS.copy())
+                    copied.clear()
+                    h.begin_step([0, 1, -1], reset=[True, True, False])
+                    for layer in range(LAYOUT.num_layers):
+                        assert h.swap_in(reqs, TABLE, POS, layer=layer, block_size=BS).tolist() == WANT.tolist()
+                    assert len(copied) == (1 if fenced else 3), (fenced, mode)
+        h._fenced = True
+        reqs = torch.from_numpy(REQS.copy())
+        copied.clear()
+        h.begin_step([0, 1, -1])
+        h.swap_in(reqs, TABLE, POS, layer=0, block_size=BS)
+        reqs.add_(0)  # in place: the version moves on
+        h.swap_in(reqs, TABLE, POS, layer=1, block_size=BS)
+        assert len(copied) == 2
+
+
 def test_the_handle_imports_and_runs_without_torch(tmp_path):
     code = textwrap.dedent("""
         import importlib.abc, sys
