@@ -308,13 +308,13 @@ def test_a_failed_device_wait_topk_releases_the_stream_with_an_empty_result():
             s, m = c.topk(0, 0, trace.topk[0]).host()
             assert (s >= 0).any()
         c.flush()
-        att.record_fence = lambda: 99
+        att.next_fence = att.record_fence = lambda: 99
         for _ in range(ring):  # each entry once
             s, m = c.topk(0, 0, trace.topk[0]).host()
             with pytest.raises(BadRequest, match="fence 99"):
                 c.flush()
             assert (s == -1).all() and (m == 0).all()
-        del att.record_fence
+        del att.next_fence, att.record_fence
         c.step(1, trace.state_rows[1], trace.reset[1], trace.invalidate[1])
         c.topk(1, 0, trace.topk[1]).host()
         c.flush()
