@@ -6,7 +6,12 @@ reply names a ring entry, and the rank's current torch stream waits (on the GPU)
 daemon's event of that entry before anything reads the rows. Optionally the rank exports
 its own "fence" events: it records one on its stream before each top-k request, and the
 daemon's copy stream waits on it, so a gather never overwrites slots that attention of an
-earlier step is still reading.
+earlier step is still reading. (The client records an event again only once the request
+that carried it has its reply, so the daemon's wait is always on the record meant.)
+
+With fences and step blocks a top-k tensor on the GPU goes as it is: its copy into the
+rank's pinned step block (page-locked in this process too, at the first such top-k) is
+enqueued on the stream before the fence, and the daemon's kernels read the block after.
 """
 
 from __future__ import annotations

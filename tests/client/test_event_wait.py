@@ -199,3 +199,26 @@ def test_an_attach_whose_daemon_died_before_the_ipc_open_says_daemon_unavailable
     assert "pid 4242 exited" in str(e) and "could not map its device memory" in str(e)
     assert sent == (["ATTACH"] if gone_at == "check" else ["ATTACH", "DETACH"])
     assert c._sock is None and c._gone is not None  # every later request says so too
+
+
+def test_a_failure_to_page_lock_the_step_blocks_sends_gpu_top_ks_through_the_host(monkeypatch, caplog):
+    """The step blocks are page-locked in the client at the first top-k from the GPU; if
+    that fails the rank says so once and takes top-ks through the host from then on
+    (nothing was written yet: the check comes before any block is touched)."""
+    tries = []
+
+    def refuse(mm, device):
+        tries.append(device)
+        raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+
+    monkeypatch.setattr(cuda_attach, "_RegisteredBlocks", refuse)
+    att = SimpleNamespace(_blocks_mm=object(), _fence=[0] * 16, _registered=None, _register_failed=False, device=0)
+    takes = cuda_attach.CudaAttachment.takes_device_topk.fget
+    with caplog.at_level("WARNING", logger="sparsekv.client"):
+        assert takes(att) is False and takes(att) is False
+    assert tries == [0]  # tried once
+    assert sum("could not page-lock the step blocks" in r.message for r in caplog.records) == 1
+    ok = SimpleNamespace(_blocks_mm=object(), _fence=[0] * 16, _registered=None, _register_failed=False, device=0)
+    monkeypatch.setattr(cuda_attach, "_RegisteredBlocks", lambda mm, device: ("registered", device))
+    assert takes(ok) is True and ok._registered == ("registered", 0)
+    assert takes(SimpleNamespace(_blocks_mm=object(), _fence=None, _register_failed=False)) is False  # no fences
