@@ -3,13 +3,15 @@
 A diagnostic, not a test: a private cuda daemon, one rank, a decode step of ``--layers``
 layers (one index group each, as ``bench decode``), a top-k of random positions on the
 GPU and a tiny attention per layer; per leader ``swap_in`` it records the handle's parts
-(positions mapped on the GPU and copied to the host, the TOPK request) and the reply's
+(positions mapped on the GPU, the TOPK request, and of the call the host's time blocked
+on replies and on ring entries' events) and the reply's
 timestamps (client sent, daemon received, GPU work enqueued, daemon replied, reply read:
 one clock for the host). Prints the medians, in microseconds, with and without device
 wait and fence events (with fences the top-k goes from the GPU into the step block and
 "map" is the mapping on the GPU, enqueued; without, the copy to the host follows it).
 
-    python3 tests/gpu/probe_zmq_layer.py --batch 64 --steps 20
+    python3 tests/gpu/probe_zmq_layer.py --batch 16 --steps 20            # all hits: the host's costs
+    python3 tests/gpu/probe_zmq_layer.py --batch 64 --steps 20 --rotate   # misses: the gathers' too
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import time
 import numpy as np
 
 
-def run(batch: int, layers: int, steps: int, device_wait: bool, fence: bool = True, top_k: int = 2048,
-        block: int = 64, context: int = 8192) -> dict:
+def run(batch: int, layers: int, steps: int, device_wait: bool, fence: bool = True, rotate: bool = False,
+        top_k: int = 2048, block: int = 64, context: int = 8192) -> dict:
+    """``rotate``: each layer's top-k changes every step (many misses: the GPU's gathers
+    dominate); else the same each step (all hits after the first: the host's costs show)."""
     import torch
 
     from sparsekv.client import swap_in as swap_in_mod
@@ -34,8 +38,9 @@ def run(batch: int, layers: int, steps: int, device_wait: bool, fence: bool = Tr
     lay = Layout(num_layers=layers, row_bytes=656, top_k=top_k, region_stride=top_k, max_reqs=batch,
                  host_rows=batch * blocks * block, index_groups=tuple((i,) for i in range(layers)),
                  max_batch=batch).validate()
-    parts: dict[str, list] = {k: [] for k in ("swap_in", "map", "topk", "sock_in", "daemon_enqueue",
-                                             "daemon_reply", "sock_out")}
+    parts: dict[str, list] = {k: [] for k in ("swap_in", "map", "topk", "reply_waits", "entry_waits", "sock_in",
+                                             "daemon_enqueue", "daemon_reply", "sock_out")}
+    waits = {"reply_waits": 0, "entry_waits": 0}  # host time blocked in this leader call
     real_rows = swap_in_mod._device_rows
 
     def timed_rows(*a):
@@ -60,6 +65,18 @@ def run(batch: int, layers: int, steps: int, device_wait: bool, fence: bool = Tr
                 return r
 
             c.topk = timed_topk
+
+            def blocking(name, fn):
+                def timed(*a, **k):
+                    t0 = time.perf_counter_ns()
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        waits[name] += time.perf_counter_ns() - t0
+                return timed
+
+            c._receive_until = blocking("reply_waits", c._receive_until)
+            c.attachment._wait_event = blocking("entry_waits", c.attachment._wait_event)
             h = swap_in_mod.HostSwapIn(c)
             dev = torch.device("cuda:0")
             table = torch.arange(batch * blocks, dtype=torch.int32, device=dev).view(batch, blocks)
@@ -76,9 +93,13 @@ def run(batch: int, layers: int, steps: int, device_wait: bool, fence: bool = Tr
                 t_step = time.perf_counter_ns()
                 h.begin_step(state, np.full(batch, s == 0), None)
                 for layer in range(layers):
+                    waits["reply_waits"] = waits["entry_waits"] = 0
                     t0 = time.perf_counter_ns()
-                    idx = h.swap_in(req, table, topks[(s + layer) % 4], layer=layer, block_size=block)
+                    idx = h.swap_in(req, table, topks[((s if rotate else 0) + layer) % 4], layer=layer,
+                                    block_size=block)
                     parts["swap_in"].append(time.perf_counter_ns() - t0)
+                    parts["reply_waits"].append(waits["reply_waits"])
+                    parts["entry_waits"].append(waits["entry_waits"])
                     got = c.timings.get(MsgType.TOPK)  # device wait: an earlier reply's, read later
                     if got is not None and got != last:
                         last = got
@@ -108,8 +129,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rotate", action="store_true", help="a new top-k every step (misses) instead of the same")
     a = ap.parse_args()
-    rows = {(dw, f): run(a.batch, a.layers, a.steps, dw, f) for f in (False, True) for dw in (False, True)}
+    rows = {(dw, f): run(a.batch, a.layers, a.steps, dw, f, a.rotate) for f in (False, True) for dw in (False, True)}
     keys = list(dict.fromkeys(k for r in rows.values() for k in r))
     print(f"batch {a.batch}, {a.layers} layers, {a.steps} steps: medians, us per layer (leader call)")
     print(f"{'part':<16}" + "".join(f"{f'wait={int(dw)} fence={int(f)}':>18}" for dw, f in rows))
