@@ -124,7 +124,8 @@ class HostSwapIn:
         self._next_step = 0
         self._step: int | None = None  # the step begun, None before the first / after a failed one
         self._failed = False  # the last begin_step raised
-        self._state_rows = np.empty(0, np.int32)
+        # Which state rows the step named: [max_reqs] bool (a look-up, not a search, per leader).
+        self._in_step = np.zeros(lay.max_reqs, dtype=bool)
         self._slots: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (req ids, slots) of this step
         # The device handle's step order (client/step_order.py), kept here too, so that
         # model code that runs on this handle runs unchanged on the device one.
@@ -160,7 +161,9 @@ class HostSwapIn:
         invalidate = None if invalidate is None else _ints("invalidate", invalidate, 2)
         step, self._next_step = self._next_step, self._next_step + 1
         self._client.step(step, rows, reset=reset, invalidate=invalidate)
-        self._step, self._state_rows, self._failed = step, rows, False
+        in_step = np.zeros(self.layout.max_reqs, dtype=bool)
+        in_step[rows[(rows >= 0) & (rows < self.layout.max_reqs)]] = True  # (the daemon refuses the others)
+        self._step, self._in_step, self._failed = step, in_step, False
         self._order.began()
 
     def finish_step(self) -> None:
@@ -370,7 +373,7 @@ class HostSwapIn:
         if live.any() and int(reqs.max()) >= table.shape[0]:
             raise BadRequest(f"block_table has {table.shape[0]} row(s); request {int(reqs.max())} has none "
                              "(it is indexed by request state row)", ErrorCode.BAD_ARGUMENT)
-        stray = live & ~np.isin(reqs, self._state_rows)
+        stray = live & ~self._in_step[np.maximum(reqs, 0)]  # reqs < max_reqs: checked above
         if stray.any():
             t = int(np.flatnonzero(stray)[0])
             raise BadRequest(f"token {t} belongs to request {int(reqs[t])}, which is not among this step's state rows; "
