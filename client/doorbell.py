@@ -66,6 +66,7 @@ from sparsekv.proto import ErrorCode
 from sparsekv.proto.device_errors import ErrorRecord
 from sparsekv.proto.stream_ops import wait32, write32
 
+from .cuda_stream import external_stream
 from .errors import BadRequest, DaemonUnavailable, error_for
 from .step_order import StepOrder
 
@@ -100,34 +101,6 @@ THREADS = 256
 INT32_MAX = 2**31 - 1  # attention indices are int32
 
 
-class _StreamRef:
-    """A raw ``cudaStream_t`` offered through the CUDA stream protocol (``__cuda_stream__``:
-    version 0 and the handle)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = int(ptr)
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-def _external(cp, stream_ptr: int):
-    """A CuPy stream object for a stream someone else owns (torch's current stream):
-    ``Stream.from_external`` where CuPy has it (``ExternalStream`` is deprecated there);
-    CuPy's own objects for the default streams (0: ``Stream.null``, 2: ``Stream.ptds``,
-    the per-thread one); ``ExternalStream`` for handle 1 (``cudaStreamLegacy``) and older
-    CuPy."""
-    from_external = getattr(cp.cuda.Stream, "from_external", None)
-    ptr = int(stream_ptr)
-    if from_external is not None:
-        if ptr > 2:
-            return from_external(_StreamRef(ptr))
-        own = {0: getattr(cp.cuda.Stream, "null", None), 2: getattr(cp.cuda.Stream, "ptds", None)}.get(ptr)
-        if own is not None:
-            return own
-    return cp.cuda.ExternalStream(ptr)
 
 
 def _kernels():
@@ -405,7 +378,7 @@ class DeviceSwapIn:
     def _launch(self, fn, grid: int, stream_ptr: int, args, threads: int = THREADS) -> None:
         import cupy as cp  # noqa: PLC0415
 
-        with cp.cuda.Device(self.device), _external(cp, stream_ptr):
+        with cp.cuda.Device(self.device), external_stream(cp, stream_ptr):
             fn((grid,), (threads,), tuple(np.uint64(a) if isinstance(a, int) else a for a in args))
 
 

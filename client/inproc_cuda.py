@@ -90,9 +90,9 @@ class InprocSwapIn(DeviceSwapIn):
     def _ext(self, stream_ptr: int):
         import cupy as cp  # noqa: PLC0415
 
-        from .doorbell import _external  # noqa: PLC0415
+        from .cuda_stream import external_stream  # noqa: PLC0415
 
-        return _external(cp, stream_ptr)
+        return external_stream(cp, stream_ptr)
 
     def _begun(self, stream_ptr: int) -> None:
         b, d = self.buffers, self.dstep

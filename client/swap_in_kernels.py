@@ -17,11 +17,12 @@ import numpy as np
 
 from sparsekv.proto.positions import UNMAPPED
 
-from .doorbell import THREADS, _external
+from .cuda_stream import external_stream
 
 _functions: dict = {}  # (kernel name, device) -> CuPy function
 _TYPES = {"torch.int32": "i32", "torch.int64": "i64"}
 _GRID_MAX = 65535  # blocks (grid-stride over tokens beyond)
+THREADS = 256  # per block (skv_db_indices: a multiple of 32, at most 1024)
 
 
 def _function(name: str, device: int):
@@ -42,7 +43,7 @@ def _launch(name: str, device: int, grid: int, args) -> None:
 
     stream = torch.cuda.current_stream(device).cuda_stream
     fn = _function(name, device)
-    with cp.cuda.Device(device), _external(cp, stream):
+    with cp.cuda.Device(device), external_stream(cp, stream):
         fn((max(1, min(grid, _GRID_MAX)),), (THREADS,),
            tuple(np.uint64(a) if isinstance(a, int) else a for a in args))
 

@@ -518,18 +518,18 @@ def test_an_engine_stream_is_wrapped_through_the_stream_protocol_where_cupy_has_
     a CuPy without from_external."""
     import types
 
-    from sparsekv.client.doorbell import _external
+    from sparsekv.client.cuda_stream import external_stream
 
     seen = []
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Stream=types.SimpleNamespace(from_external=lambda obj: seen.append(("from", obj.__cuda_stream__())) or "s",
                                      null="null", ptds="ptds"),
         ExternalStream=lambda ptr: seen.append(("ext", ptr)) or "e"))
-    assert _external(fake, 0x7F00AB) == "s"
-    assert _external(fake, 0) == "null" and _external(fake, 2) == "ptds" and _external(fake, 1) == "e"
+    assert external_stream(fake, 0x7F00AB) == "s"
+    assert external_stream(fake, 0) == "null" and external_stream(fake, 2) == "ptds" and external_stream(fake, 1) == "e"
     assert seen == [("from", (0, 0x7F00AB)), ("ext", 1)]
     del fake.cuda.Stream.ptds  # a CuPy without the per-thread stream object
-    assert _external(fake, 2) == "e" and seen[-1] == ("ext", 2)
+    assert external_stream(fake, 2) == "e" and seen[-1] == ("ext", 2)
     del fake.cuda.Stream.from_external  # older CuPy
-    assert _external(fake, 0x7F00AB) == "e" and seen[-1] == ("ext", 0x7F00AB)
-    assert _external(fake, 0) == "e" and seen[-1] == ("ext", 0)
+    assert external_stream(fake, 0x7F00AB) == "e" and seen[-1] == ("ext", 0x7F00AB)
+    assert external_stream(fake, 0) == "e" and seen[-1] == ("ext", 0)
