@@ -467,6 +467,8 @@ class Client:
 
     def _close_attachment(self, wait_s: float | None = None) -> None:
         att, self.attachment = self.attachment, None
+        self._block_requests.clear()  # (entries and fence events of this attachment)
+        self._fence_requests.clear()
         if wait_s is not None and hasattr(att, "_stream_done_within"):  # cuda: bounded
             att.close(wait_s=wait_s)
         else:
@@ -501,6 +503,8 @@ class Client:
         cannot take it so (no step blocks or no fence events), is copied to the host first."""
         fields = {"step": int(step), "group": int(group)}
         att = self.attachment
+        if att is not None and hasattr(att, "next_fence"):
+            self._await_fence_free(att)
         pending = self._pending_step
         begins = pending is not None and pending[0] == fields["step"] and state_rows is None
         if _on_gpu(topk):
@@ -517,7 +521,7 @@ class Client:
         elif state_rows is not None:
             arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
         if att is not None and hasattr(att, "record_fence"):
-            fence = self._record_fence(att)
+            fence = att.record_fence()
             if fence is not None:
                 fields["fence"] = fence
             req = self._send(MsgType.TOPK, fields, arrays)
@@ -561,7 +565,7 @@ class Client:
             self._receive_until(prev)
         fields["block"] = att.write_blocks(e, step, fields["group"], rows, topk, begin, self._still_there,
                                            self.timeout_s)
-        fence = self._record_fence(att)  # after write_blocks: behind a top-k's copy from the GPU
+        fence = att.record_fence()  # after write_blocks: behind a top-k's copy from the GPU
         if fence is not None:
             fields["fence"] = fence
         batch, k = topk.shape
@@ -609,7 +613,8 @@ class Client:
         fields = {"layers": None if layers is None else [int(x) for x in layers]}
         att = self.attachment
         if att is not None and hasattr(att, "record_fence"):
-            fence = self._record_fence(att)
+            self._await_fence_free(att)
+            fence = att.record_fence()
             if fence is not None:
                 fields["fence"] = fence
         return self._call(MsgType.WRITE_STAGED, fields, {"rows": np.asarray(rows, dtype=np.int32)})[0]
@@ -623,19 +628,16 @@ class Client:
     def stats(self) -> dict:
         return self._call(MsgType.STATS)[0]["stats"]
 
-    def _record_fence(self, att) -> int | None:
-        """Record the rank's next fence event on the current stream; its index (None: the
-        rank has none). The request that carried that event last must have its reply
-        first: the daemon's stream has then taken its wait on that record. (A wait taken
-        after a newer record would wait for work behind it, and that work may wait on
-        the daemon: with device wait the host can run that far ahead.)"""
+    def _await_fence_free(self, att) -> None:
+        """Before the rank's next fence event is recorded again: the reply of the request
+        that carried it last, so that the daemon's stream has taken its wait on that
+        record. (A wait taken after a newer record would wait for work behind it, and
+        that work may wait on the daemon: with device wait the host can run that far
+        ahead.) Called before a request consumes or writes anything."""
         k = att.next_fence()
-        if k is None:
-            return None
-        prev = self._fence_requests.pop(k, None)
+        prev = None if k is None else self._fence_requests.get(k)
         if prev is not None and prev in self._sent:
             self._receive_until(prev)
-        return att.record_fence()
 
     def _fenced(self, fence: int | None, req: int) -> None:
         if fence is not None:

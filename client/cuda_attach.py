@@ -25,6 +25,7 @@ import numpy as np
 from sparsekv.proto.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
 from sparsekv.proto import Layout
 
+from .errors import SparseKVError
 from .results import TopkResult
 
 # While waiting for a daemon's event on the host, ask whether the daemon is still there
@@ -292,7 +293,9 @@ class CudaAttachment:
         that fence."""
         import cupy as cp  # noqa: PLC0415
 
-        n = int(topk.numel()) * 4  # (takes_device_topk page-locked the blocks)
+        if not self.takes_device_topk:  # (it page-locks the blocks: a caller asked it first)
+            raise SparseKVError(f"cuda:{self.device}: this rank cannot take a top-k from the GPU; copy it to the host")
+        n = int(topk.numel()) * 4
         with cp.cuda.Device(self.device):
             cp.cuda.runtime.memcpyAsync(int(dst.ctypes.data), int(topk.data_ptr()), n, 2,  # device to host
                                         self._stream_ptr())

@@ -101,8 +101,6 @@ THREADS = 256
 INT32_MAX = 2**31 - 1  # attention indices are int32
 
 
-
-
 def _kernels():
     from sparsekv.csrc.build import get_cache  # noqa: PLC0415
 

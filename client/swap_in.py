@@ -136,6 +136,7 @@ class HostSwapIn:
         self._device_misses = None  # cuda: the misses summed on the device (read at .counts)
         self._req_cache = None  # (tensor, key, host copy): a GPU req_id_per_token, this step
         self._req_dev = None  # (its host copy, device, int32 tensor there), this step
+        self._reads_on = None  # no fences: the device whose stream reads a reply's slots
         # A cuda rank's kernels (csrc/handle.cu through CuPy) for a top-k on the GPU.
         self._kernels = hasattr(att, "record_fence")
         self._fenced = bool(getattr(att, "fenced", False))
@@ -197,7 +198,7 @@ class HostSwapIn:
             why = "the last begin_step failed" if self._failed else "swap_in before begin_step"
             raise BadRequest(f"{why}: call begin_step(state_rows, ...) once per decode step before its first swap_in",
                              ErrorCode.BAD_ARGUMENT)
-        reqs, waited = self._reqs(req_id_per_token)
+        reqs = self._reqs(req_id_per_token)
         # A top-k on the GPU stays there (its shape and type checked in place): the leader
         # maps it there, a follower only compares shapes.
         topk = _ints("logical_topk_indices", logical_topk_indices, 2, keep_cuda=True)
@@ -213,13 +214,13 @@ class HostSwapIn:
             _check_out("valid_counts_out", valid_counts_out, topk.shape[:1])
         self._order.check_layer(int(layer))
         if layer == leader:
-            # The indices are made on the GPU from the reply's device slots (no wait of
-            # their own) only when the daemon cannot reuse the slots' ring entry (or
-            # gather into a slab) before the GPU has read them: either a copy to the host
-            # of an input on the GPU waited for the stream at each leader, or the rank
-            # has fence events (the daemon's stream waits for this one's at each request),
-            # which a top-k copied to the daemon from the GPU requires.
-            slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, waited,
+            # With an input on the GPU (or on a fenced rank) the indices are made on the
+            # GPU from the reply's device slots, without a wait of their own: the daemon
+            # must not reuse the slots' ring entry (or gather into a slab) before the GPU
+            # has read them. A fenced rank's daemon stream waits for this one's at each
+            # request; without fences, the next request first waits for the stream.
+            gpu = self._fenced or any(_copy_waits(a) for a in (req_id_per_token, block_table, logical_topk_indices))
+            slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, gpu,
                                          req_id_per_token)
             self._order.rang(group)
         else:
@@ -334,23 +335,20 @@ class HostSwapIn:
         if self._closed:
             raise SparseKVError("this HostSwapIn is closed; make a new one")
 
-    def _reqs(self, req_id_per_token) -> tuple[np.ndarray, bool]:
-        """``req_id_per_token`` on the host, and whether getting it waited for the stream.
-        A tensor on the GPU is copied (a wait) once per step: the same tensor, not
-        modified in place since (its version counter), gives the same copy at the step's
-        later layers."""
-        if not _copy_waits(req_id_per_token):
-            return _ints("req_id_per_token", req_id_per_token, 1), False
+    def _reqs(self, req_id_per_token) -> np.ndarray:
+        """``req_id_per_token`` on the host. On a fenced rank a tensor on the GPU is copied
+        (a wait) once per step: the same tensor, not modified in place since (its version
+        counter), gives the same copy at the step's later layers."""
+        if not (self._fenced and _copy_waits(req_id_per_token)):
+            return _ints("req_id_per_token", req_id_per_token, 1)
         t = req_id_per_token
-        if not self._fenced:  # each leader's wait is what orders the daemon's reuse of a ring entry
-            return _ints("req_id_per_token", t, 1), True
         # (An inference-mode tensor has no version counter: the rule of the docstring.)
         key = (None if t.is_inference() else t._version, t.data_ptr(), tuple(t.shape), t.dtype)
         if self._req_cache is not None and self._req_cache[0] is t and self._req_cache[1] == key:
-            return self._req_cache[2], False
+            return self._req_cache[2]
         reqs = _ints("req_id_per_token", t, 1)
         self._req_cache = (t, key, reqs)  # the tensor held: its id is not reused meanwhile
-        return reqs, True
+        return reqs
 
     def _group(self, layer) -> tuple[int, int]:
         if not isinstance(layer, (int, np.integer)) or int(layer) not in self._group_of:
@@ -358,13 +356,12 @@ class HostSwapIn:
         return self._group_of[int(layer)]
 
     def _lead(self, group: int, reqs: np.ndarray, topk, block_table, block_size, resident_table,
-              waited: bool = False, req_arg=None):
+              gpu: bool = False, req_arg=None):
         """The group's leader: positions -> host rows, one top-k batch, keep the slots
         (and the resident rows: ``[tokens, k]`` row of the engine's storage, -1 = none)."""
         lay = self.layout
         device_map = _copy_waits(topk) and resident_table is None and _block_size_ok(block_size)
         table = _ints("block_table", block_table, 2, keep_cuda=device_map)
-        waited |= _copy_waits(block_table) and not device_map
         bad = (reqs < -1) | (reqs >= lay.max_reqs)
         if bad.any():
             raise BadRequest(f"req_id_per_token holds {int(reqs[bad][0])}, outside [-1, max_reqs={lay.max_reqs})",
@@ -386,9 +383,8 @@ class HostSwapIn:
                                     self._kernels)
                 att = self._client.attachment
                 if not (getattr(att, "takes_device_topk", False) and topk.device == att.torch_device):
-                    rows, waited = rows.cpu().numpy(), True  # (the client would copy it so)
+                    rows = rows.cpu().numpy()  # (the client would copy it so; a wait)
             else:
-                waited |= _copy_waits(topk)
                 topk = _host(topk)
                 rows = host_rows(topk, table, block_size, table_rows=reqs)
         except (TypeError, ValueError) as e:  # e.g. block_size not a positive integer
@@ -410,12 +406,16 @@ class HostSwapIn:
         if reqs.shape[0] == 0:
             slots = np.empty((0, topk.shape[1]), np.int32)
         else:
+            if self._reads_on is not None:  # no fences: the GPU's reads of earlier slots come first
+                import torch  # noqa: PLC0415 - slots on a GPU were read: torch is there
+
+                torch.cuda.current_stream(self._reads_on).synchronize()
+                self._reads_on = None
             res = self._client.topk(self._step, group, rows, state_rows=reqs)
             self._counts["batches"] += 1
             self._counts["hits"] += res.hits or 0
             self._counts["out_of_range"] += res.out_of_range or 0
-            ordered = waited or self._fenced
-            if ordered and _is_torch(res.slots) and resident is None and self._hot_int32:
+            if gpu and _is_torch(res.slots) and resident is None and self._hot_int32:
                 import torch  # noqa: PLC0415 - the reply holds tensors, so torch is there
 
                 # cuda: views of the rank's result ring, ordered after the gather on the
@@ -424,6 +424,8 @@ class HostSwapIn:
                 slots = res.slots.clone() if len(lay.groups[group]) > 1 else res.slots
                 total = res.misses.sum(dtype=torch.int64)
                 self._device_misses = total if self._device_misses is None else self._device_misses + total
+                if not self._fenced and res.slots.is_cuda:  # the daemon may reuse the entry at the next request
+                    self._reads_on = res.slots.device
             else:
                 slots, misses = res.host()  # NumPy (cuda: waits for the current stream)
                 slots = np.asarray(slots, dtype=np.int32)

@@ -72,6 +72,7 @@ def fake_client(done_words=True, device_wait=True):
 
     c._send = send
     c._receive_arrived = lambda: None
+    c._daemon_dead = lambda: None  # (the watcher would find no daemon at /nonexistent)
     return c, sent
 
 
@@ -105,10 +106,12 @@ def test_without_device_wait_or_done_words_the_topk_waits_for_its_reply(device_w
 
 
 class FencedAttachment(FakeAttachment):
-    """Two fence events, taken in turn; eight ring entries."""
+    """Two fence events, taken in turn; eight ring entries. Recording an event asserts
+    that the request that carried it last has its reply."""
 
-    def __init__(self):
+    def __init__(self, client, blocks=True):
         super().__init__()
+        self.client, self.has_blocks = client, blocks
         self.next, self.recorded, self.entries = 0, [], 0
 
     def next_entry(self):
@@ -120,17 +123,20 @@ class FencedAttachment(FakeAttachment):
 
     def record_fence(self):
         k, self.next = self.next, (self.next + 1) % 2
+        assert self.client._fence_requests.get(k) not in self.client._sent, f"event {k} recorded under a wait"
         self.recorded.append(k)
         return k
 
 
-def test_a_fence_event_is_recorded_again_only_after_the_reply_of_the_request_that_carried_it():
+@pytest.mark.parametrize("blocks", [True, False])
+def test_a_fence_event_is_recorded_again_only_after_the_reply_of_the_request_that_carried_it(blocks):
     """With device wait the host does not wait for replies, so it could record a fence
     event again before the daemon's stream took its wait on the last record (a wait on the
     newer record would wait for the engine's work, which waits for the daemon): first
-    the reply of the request that carried it."""
+    the reply of the request that carried it, before the request consumes anything. Top-k
+    batches in step blocks and as arrays alike."""
     c, sent = fake_client()
-    c.attachment = FencedAttachment()
+    c.attachment = FencedAttachment(c, blocks)
     real_send, waited = c._send, []
 
     def send(msg_type, fields=None, arrays=None):

@@ -201,10 +201,11 @@ def test_an_attach_whose_daemon_died_before_the_ipc_open_says_daemon_unavailable
     assert c._sock is None and c._gone is not None  # every later request says so too
 
 
-def test_a_failure_to_page_lock_the_step_blocks_sends_gpu_top_ks_through_the_host(monkeypatch, caplog):
+def test_after_a_failure_to_page_lock_the_step_blocks_the_rank_takes_no_gpu_top_k(monkeypatch, caplog):
     """The step blocks are page-locked in the client at the first top-k from the GPU; if
-    that fails the rank says so once and takes top-ks through the host from then on
-    (nothing was written yet: the check comes before any block is touched)."""
+    that fails the rank says so once and says it takes no top-k from the GPU from then on
+    (the client then copies such a top-k to the host: Client.submit_topk asks this before
+    any block is touched)."""
     tries = []
 
     def refuse(mm, device):

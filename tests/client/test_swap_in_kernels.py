@@ -76,8 +76,12 @@ def test_map_positions_launches_the_instance_of_its_dtypes_with_its_declared_arg
     assert out.shape == (3, 5) and out.dtype == torch.int32
     (name, grid, args), = launches
     assert name == f"skv_map_positions_{str(pos_dtype)[-5:].replace('int', 'i')}_{str(table_dtype)[-5:].replace('int', 'i')}"
-    assert grid == 3 and args[0] == out.data_ptr()
+    assert grid == 3
     check_against_declaration(name, args)
+    by_name = {p.split()[-1].lstrip("*"): a for p, a in zip(declared(name), args)}
+    assert by_name["out"] == out.data_ptr() and by_name["topk"] == topk.data_ptr()
+    assert by_name["table"] == table.data_ptr() and by_name["tokens"] == 3 and by_name["k"] == 5
+    assert by_name["table_rows"] == 4 and by_name["max_blocks"] == 2 and by_name["block_size"] == 16
 
 
 def test_map_positions_answers_without_a_launch_where_it_can(launches):
