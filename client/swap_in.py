@@ -56,11 +56,13 @@ it is not). On a cuda rank attached with ``fence=True`` the rows go from the GPU
 rank's step block on the current stream and the daemon reads them after the fence: the
 host waits for the GPU only once a step, to read a ``req_id_per_token`` tensor on the GPU
 (pass it as NumPy and it never does), and with ``Client(device_wait=True)`` not for the
-reply either. Without fences the rows are copied to the host, a wait for the stream at
-each leader. On the cuda backend, with an input on the GPU, the indices are made there
-from the reply's device slots, on the current stream, without a wait of their own. A
-``req_id_per_token`` tensor on the GPU is read once per step: modify it only between
-steps (in place is fine: its version counter says so), never between two layers of one. Results are torch tensors on the device of
+reply either; a ``req_id_per_token`` tensor on the GPU is then read once per step:
+modify it only between steps (in place is fine: its version counter says so), never
+between two layers of one. Without fences every leader waits for the stream: the top-k
+(or its rows) comes to the host, and before each request the GPU's reads of the last
+reply's slots must be done. On the cuda backend, with an input on the GPU, the indices
+are made there from the reply's device slots, on the current stream, without a wait of
+their own. Results are torch tensors on the device of
 ``logical_topk_indices`` (else of ``req_id_per_token``) when either is one, else NumPy;
 or the ``*_out`` arrays (int32, exact shape) when given, filled and returned. Errors are the client's
 typed exceptions (:mod:`sparsekv.client.errors`), raised by the call that caused them, or
