@@ -481,6 +481,9 @@ def table(results: list[Result], opts: Options) -> str:
     if any(r.ok and r.run == "eager" and r.mode != "zmq" for r in results):
         notes.append("run eager: the CUDA graph capture failed, each step was launched from Python")
     notes.append("+us/layer = (mode p50 - inproc p50) / layers; x inproc = mode p50 / inproc p50")
+    if any(r.mode == "zmq" and r.ok for r in results):
+        notes.append("zmq: HostSwapIn over the socket, the rank with fence events and device wait (the top-k "
+                     "mapped on the GPU, nothing waited for on the host within a step; eager)")
     if any(r.mode == CONTROL for r in results):
         notes.append(f"{CONTROL} (--control): the in-process handle again with a pool of its own, timed in turn "
                      "with the others: its +us/layer is what two pools alone differ by")

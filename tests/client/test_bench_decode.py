@@ -296,6 +296,10 @@ def test_table_lists_every_config_in_order_with_notes():
     assert "4122.0" in db and "+2.00" in db and " 1.03" in db and "90.0~" in db
     assert "skipped: unavailable" in text and "error: DaemonUnavailable" in text
     assert "generator's target" in text and "capture failed" in text
+    assert "zmq: HostSwapIn" not in text  # no zmq row ran: nothing to say how it ran
+    rs.append(Result("zmq", 16, 90.0, run="eager", p50_us=5000.0, p99_us=5100.0))
+    assert "zmq: HostSwapIn over the socket, the rank with fence events and device wait" in \
+        table(rs, Options(gather_blocks=32))
 
 
 def test_hits_keys_are_names():
