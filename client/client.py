@@ -898,7 +898,9 @@ def _device_ids(topk):
     (else BadRequest)."""
     import torch  # noqa: PLC0415 - a tensor was passed
 
-    if topk.dim() != 2 or topk.dtype.is_floating_point or topk.dtype.is_complex or topk.dtype == torch.bool:
+    from .torch_positions import is_int_dtype  # noqa: PLC0415
+
+    if topk.dim() != 2 or not is_int_dtype(topk.dtype):
         raise BadRequest(f"topk must be integers [batch, top_k], got {topk.dtype} {tuple(topk.shape)}",
                          ErrorCode.BAD_ARGUMENT)
     return topk.to(torch.int32).contiguous()

@@ -82,6 +82,7 @@ from sparsekv.proto.positions import INT32_MAX, host_rows
 
 from .errors import BadRequest, NotAttached, SparseKVError
 from .step_order import StepOrder
+from .torch_positions import is_int_dtype
 
 log = logging.getLogger("sparsekv.client")
 
@@ -483,8 +484,6 @@ def _device_rows(topk, table, block_size: int, reqs, kernels: bool):
     if kernels and table.device == dev:
         from .swap_in_kernels import map_positions  # noqa: PLC0415 - a cuda rank: CuPy is there
 
-        if table.dim() != 2:
-            raise ValueError(f"block_table must be [rows, max_blocks], got {tuple(table.shape)}")
         rows = map_positions(topk, table, block_size, reqs)
         if rows is not None:
             return rows
@@ -510,7 +509,7 @@ def _ints(name: str, a, ndim: int, keep_cuda: bool = False):
         if a.dim() != ndim:
             raise BadRequest(f"{name} must have {ndim} dimension(s), got shape {tuple(a.shape)}",
                              ErrorCode.BAD_ARGUMENT)
-        if a.dtype.is_floating_point or a.dtype.is_complex or str(a.dtype) == "torch.bool":
+        if not is_int_dtype(a.dtype):
             raise BadRequest(f"{name} must hold integers, got {a.dtype}", ErrorCode.BAD_ARGUMENT)
         return a
     arr = _host(a)

@@ -16,6 +16,12 @@ from __future__ import annotations
 from sparsekv.proto.positions import INT32_MAX, UNMAPPED
 
 
+def is_int_dtype(dtype) -> bool:
+    """Whether a torch dtype holds integers (not floating, complex or bool): what a
+    top-k, a block table or request ids must be."""
+    return not (dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool")
+
+
 def torch_host_rows(positions, block_table, block_size: int, table_rows=None):
     """``host_rows`` on torch tensors: ``positions`` int [batch, k] (any device),
     ``block_table`` int [rows, max_blocks] (moved to the positions' device when it is not
@@ -33,8 +39,7 @@ def torch_host_rows(positions, block_table, block_size: int, table_rows=None):
         raise ValueError(f"positions must be [batch, k], got shape {tuple(positions.shape)}")
     if block_table.dim() != 2:
         raise ValueError(f"block_table must be [rows, max_blocks], got {tuple(block_table.shape)}")
-    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool \
-            or block_table.dtype.is_floating_point or block_table.dtype.is_complex or block_table.dtype == torch.bool:
+    if not (is_int_dtype(positions.dtype) and is_int_dtype(block_table.dtype)):
         raise ValueError(f"positions and block_table must be integer tensors, got {positions.dtype} and "
                          f"{block_table.dtype}")
     bs = int(block_size)
