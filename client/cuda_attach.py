@@ -407,9 +407,9 @@ class CudaAttachment:
             self._events.close()
             self._events = None
         if self._arena is not None:
-            import torch  # noqa: PLC0415
+            if wait_s is None:  # (with wait_s: the current stream's work has ended, above)
+                import torch  # noqa: PLC0415
 
-            if wait_s is None:
                 torch.cuda.synchronize(self.torch_device)
             self._arena.close()
             self._arena = None

@@ -64,7 +64,7 @@ POOL_BYTES = 64 << 20  # small: the daemon starts in a fraction of a second
 def daemon(tmp_path):
     """A private sparsekvd (cpu backend, 64 MiB pool) in its own process, stopped after
     the test. Dead clients are reaped every 0.1 s. Its log is ``tmp_path/sparsekvd.log``."""
-    from sparsekv.client.private_daemon import PrivateDaemon
+    from sparsekv.bench.private_daemon import PrivateDaemon
 
     log_path = tmp_path / "sparsekvd.log"
     d = PrivateDaemon(pool_bytes=POOL_BYTES, backend="cpu", extra_args=["--reap-interval-s", "0.1"],

@@ -200,7 +200,7 @@ def slab_memfds(run_dir: str, pid: int | None = None) -> list[str]:
 def gen_pattern(layer: int, rows, row_bytes: int, gen=None) -> np.ndarray:
     """The bytes of host ``rows`` of ``layer``: the ``--verify`` pattern for generation 0,
     a different pattern for each later generation (rows rewritten by a test)."""
-    from sparsekv.client.verify import pattern
+    from sparsekv.bench.verify import pattern
 
     rows = np.asarray(rows, dtype=np.int64)
     g = np.zeros(rows.shape[0], np.int64) if gen is None else np.asarray(gen, np.int64)[rows]
@@ -292,7 +292,7 @@ def _rank_server(conn, run_dir: str, rank: int, name: str) -> None:
     """Child process: one Client, driven by commands from the test over ``conn``. Every
     byte check happens here, on this process's own mapping of its hot slab."""
     from sparsekv.client import Client, SparseKVError
-    from sparsekv.client.verify import count_mismatches
+    from sparsekv.bench.verify import count_mismatches
 
     client = Client(run_dir, rank=rank, name=name, timeout_s=20)
     att = None
@@ -433,7 +433,7 @@ def stats_json(run_dir: str) -> dict:
     return json.loads(stats_query(run_dir, "json"))
 
 
-def run_cli(*args, env=None, timeout_s: float = 60.0, module: str = "sparsekv.client.cli") -> subprocess.CompletedProcess:
+def run_cli(*args, env=None, timeout_s: float = 60.0, module: str = "sparsekv.cli.main") -> subprocess.CompletedProcess:
     """Run ``python -m MODULE ARGS`` and capture its output."""
     return subprocess.run([PY, "-m", module, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout_s, env=env)

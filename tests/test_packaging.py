@@ -32,10 +32,10 @@ def test_cpu_paths_import_and_run_without_torch_or_cupy(tmp_path):
         for m in ["sparsekv.proto", "sparsekv.proto.cuda_ipc", "sparsekv.proto.step_block",
                   "sparsekv.daemon.main", "sparsekv.daemon.server", "sparsekv.daemon.backends",
                   "sparsekv.daemon.registry", "sparsekv.daemon.stats", "sparsekv.daemon.residency.cpu",
-                  "sparsekv.client", "sparsekv.client.cli", "sparsekv.client.replay", "sparsekv.client.demo",
-                  "sparsekv.client.bench", "sparsekv.client.inproc", "sparsekv.client.cuda_attach"]:
+                  "sparsekv.client", "sparsekv.cli.main", "sparsekv.bench.replay", "sparsekv.cli.demo",
+                  "sparsekv.bench.bench", "sparsekv.embedded.inproc", "sparsekv.client.cuda_attach"]:
             importlib.import_module(m)
-        from sparsekv.client.cli import main
+        from sparsekv.cli.main import main
         from sparsekv.daemon.backends import make_backend
         from sparsekv.daemon.config import Config
         assert main(["trace", "synth", "--out", "t.npz", "--steps", "5"]) == 0

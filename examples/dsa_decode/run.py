@@ -35,8 +35,8 @@ from model import Batch, Config, DsaModel, LocalKV  # noqa: E402
 
 from sparsekv.client import Client  # noqa: E402
 from sparsekv.client.engine_slab import EngineSlab  # noqa: E402
-from sparsekv.client.inproc import InprocClient  # noqa: E402
-from sparsekv.client.private_daemon import PrivateDaemon  # noqa: E402
+from sparsekv.embedded.inproc import InprocClient  # noqa: E402
+from sparsekv.bench.private_daemon import PrivateDaemon  # noqa: E402
 from sparsekv.client.swap_in import HostSwapIn  # noqa: E402
 from sparsekv.proto import Layout  # noqa: E402
 from sparsekv.proto.slab import SlabGeometry  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 from sparsekv.client import BadRequest, Client
 from sparsekv.client.engine_slab import EngineSlab
 from sparsekv.client.swap_in import HostSwapIn
-from sparsekv.client.verify import fill_pool, pattern
+from sparsekv.bench.verify import fill_pool, pattern
 from sparsekv.proto import ErrorCode, Layout
 from sparsekv.proto.slab import SlabGeometry
 

@@ -107,7 +107,7 @@ def test_engine_slab_needs_a_daemon():
 
 def test_a_wrong_byte_in_the_pool_shows_as_different_outputs(monkeypatch):
     """The comparison is live: one flipped byte in one written row changes the outputs."""
-    from sparsekv.client.inproc import InprocClient
+    from sparsekv.embedded.inproc import InprocClient
 
     real, calls = InprocClient.write, []
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import helpers
-from sparsekv.client.replay import replay
-from sparsekv.client.trace import synth
+from sparsekv.bench.replay import replay
+from sparsekv.bench.trace import synth
 
 pytestmark = pytest.mark.soak
 

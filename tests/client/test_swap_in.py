@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from sparsekv.client import BadRequest, Client, NotAttached, SparseKVError
-from sparsekv.client.inproc import InprocClient
+from sparsekv.embedded.inproc import InprocClient
 from sparsekv.client.swap_in import HostSwapIn
-from sparsekv.client.verify import fill_pool, pattern
+from sparsekv.bench.verify import fill_pool, pattern
 from sparsekv.proto import ErrorCode, Layout
 
 # Layers 0 and 1 share one index group (leader 0); layer 2 is a group of its own.
@@ -364,7 +364,7 @@ def test_the_handle_imports_and_runs_without_torch(tmp_path):
                     raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
         sys.meta_path.insert(0, Block())
         import numpy as np
-        from sparsekv.client.inproc import InprocClient
+        from sparsekv.embedded.inproc import InprocClient
         from sparsekv.client.swap_in import HostSwapIn
         from sparsekv.proto import Layout
         with InprocClient() as c:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from sparsekv.client import Client
-from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.client.swap_in import HostSwapIn
-from sparsekv.client.verify import fill_pool, pattern
+from sparsekv.bench.verify import fill_pool, pattern
 from sparsekv.proto import Layout
 from sparsekv.proto.positions import host_rows
 

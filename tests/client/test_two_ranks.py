@@ -7,7 +7,7 @@ import pytest
 
 import helpers
 from helpers import RankError
-from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon
 
 # Two index groups of two layers (leader + follower), a staging buffer of one 8-row block.
 LAYOUT = helpers.layout(num_layers=4, row_bytes=64, top_k=8, region_stride=16, max_reqs=4, host_rows=256,

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from sparsekv.client import BadRequest, Client
-from sparsekv.client.inproc import InprocClient
-from sparsekv.client.private_daemon import PrivateDaemon
-from sparsekv.client.verify import fill_pool, pattern
+from sparsekv.embedded.inproc import InprocClient
+from sparsekv.bench.private_daemon import PrivateDaemon
+from sparsekv.bench.verify import fill_pool, pattern
 from sparsekv.proto import Layout
 
 LAY = Layout(num_layers=3, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64,

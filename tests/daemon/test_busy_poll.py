@@ -11,7 +11,7 @@ import pytest
 
 import helpers
 from sparsekv.client import Client
-from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon.config import Config, ConfigError
 
 LAYOUT = helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)

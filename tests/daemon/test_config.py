@@ -67,7 +67,7 @@ def test_a_size_without_a_unit_in_a_file_or_env_names_the_key(tmp_path, toml, en
 
 
 def test_a_size_on_the_command_line_needs_a_unit_too():
-    # client/private_daemon.py passes exact byte counts with a "B"
+    # bench/private_daemon.py passes exact byte counts with a "B"
     assert load(build_parser().parse_args(["--pool-size", "67108864B"]), environ={}).pool_size == 64 << 20
     with pytest.raises(ConfigError, match="pool_size"):
         load(build_parser().parse_args(["--pool-size", "67108864"]), environ={})

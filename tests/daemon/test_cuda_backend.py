@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from sparsekv.client import BadRequest, Client
-from sparsekv.client.private_daemon import PrivateDaemon
-from sparsekv.client.replay import replay
-from sparsekv.client.trace import synth
-from sparsekv.client.verify import count_mismatches, fill_pool, pattern
+from sparsekv.bench.private_daemon import PrivateDaemon
+from sparsekv.bench.replay import replay
+from sparsekv.bench.trace import synth
+from sparsekv.bench.verify import count_mismatches, fill_pool, pattern
 from sparsekv.proto import MsgType
 
 pytestmark = pytest.mark.cuda
@@ -265,7 +265,7 @@ def test_every_group_of_a_step_from_client_written_blocks_equals_cpu(device_wait
     first); later groups of the step reuse the step's state rows. Same as the cpu backend,
     whether the stream waits for the result after the reply or on the entry's done word."""
     from sparsekv.client.client import Ready
-    from sparsekv.client.inproc import InprocClient
+    from sparsekv.embedded.inproc import InprocClient
 
     trace = small_trace(steps=12)
     lay = trace.layout()

@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from sparsekv.client.replay import replay
-from sparsekv.client.trace import synth
-from sparsekv.client.verify import pattern
+from sparsekv.bench.replay import replay
+from sparsekv.bench.trace import synth
+from sparsekv.bench.verify import pattern
 from sparsekv.daemon.engine import EngineSpace
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuResidency

@@ -17,7 +17,7 @@ import pytest
 
 import helpers
 from sparsekv.client import Client
-from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.proto import ErrorCode, MsgType, ProtocolError, decode, encode
 from sparsekv.proto.fd_socket import FD_SOCKET, fetch_fds
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import helpers
-from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon import peers as peers_mod
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.peers import Peer, PidWatch, parse_peer_address, peer_creds

@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 import helpers
 import promcheck
 from sparsekv.client import Client
-from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon.stats import LATENCY_BUCKETS_S, Stats, registry_for, render_prometheus
 
 

@@ -18,7 +18,7 @@ import zmq
 
 import helpers
 from sparsekv.client import Client, NotAttached, QuotaExceeded
-from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.connections import Connections
 from sparsekv.daemon.engine import Owner

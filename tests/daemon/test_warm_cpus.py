@@ -15,7 +15,7 @@ import pytest
 import helpers
 from sparsekv.client import Client
 from sparsekv.client.errors import DaemonUnavailable
-from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon.config import Config, ConfigError
 from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, format_cpu_list, parse_cpu_list
 
@@ -269,8 +269,8 @@ def test_daemon_refuses_warm_loops_that_would_eat_its_cpu_quota(monkeypatch):
 
 
 def test_bench_io_placement_is_an_option_of_cuda_transport_only(capsys, monkeypatch):
-    from sparsekv.client import bench
-    from sparsekv.client.cli import main
+    from sparsekv.bench import bench
+    from sparsekv.cli.main import main
 
     assert main(["bench", "resolve", "--io", "warm"]) == 2
     assert "--io is an option of cuda_transport" in capsys.readouterr().err
@@ -288,7 +288,7 @@ def test_bench_io_placement_is_an_option_of_cuda_transport_only(capsys, monkeypa
 
 def test_the_warm_cpus_command_runs_until_sigterm_and_takes_its_loops_along():
     cpu = ALLOWED[-1]
-    p = subprocess.Popen([sys.executable, "-m", "sparsekv.client.cli", "warm-cpus", str(cpu)], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "sparsekv.cli.main", "warm-cpus", str(cpu)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()
@@ -301,7 +301,7 @@ def test_the_warm_cpus_command_runs_until_sigterm_and_takes_its_loops_along():
     finally:
         p.kill()
         p.wait()
-    r = subprocess.run([sys.executable, "-m", "sparsekv.client.cli", "warm-cpus", ""], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "sparsekv.cli.main", "warm-cpus", ""], capture_output=True, text=True)
     assert r.returncode == 1 and "name at least one CPU" in r.stderr
 
 

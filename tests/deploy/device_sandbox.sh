@@ -64,7 +64,7 @@ as_user /bin/sh -c 'echo get_server_list | nvidia-cuda-mps-control'; echo "probe
 status=0
 echo "== cuda demo (daemon + 2 ranks) as sparsekv, sandboxed like sparsekvd.service"
 cd /tmp/src
-timeout 200 bash -c "$(declare -f as_user); allowed=$allowed allowed_py=$allowed_py; as_user python3 -m sparsekv.client.cli demo --quiet --backend cuda" 2>&1 | tee "$OUT/demo.log" | tail -15
+timeout 200 bash -c "$(declare -f as_user); allowed=$allowed allowed_py=$allowed_py; as_user python3 -m sparsekv.cli.main demo --quiet --backend cuda" 2>&1 | tee "$OUT/demo.log" | tail -15
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 echo "== MPS servers and clients after the demo"
 as_user /bin/sh -c 'echo get_server_list | nvidia-cuda-mps-control'

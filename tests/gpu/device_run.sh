@@ -80,14 +80,14 @@ if has tma; then
 fi
 if has all || has bench || has kernels; then
   # Gather, resolve and pool start against the link (64 GiB pool): docs/PERF.md, issue 8's keys.
-  timeout "$(left ${KERNELS_TIMEOUT_S:-150})" python3 -m sparsekv.client.cli bench kernels --pool-gib ${POOL_GIB:-64} ${KERNELS_ARGS:-} \
+  timeout "$(left ${KERNELS_TIMEOUT_S:-150})" python3 -m sparsekv.cli.main bench kernels --pool-gib ${POOL_GIB:-64} ${KERNELS_ARGS:-} \
     --json "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | tail -40
 fi
 if has all || has bench || has e2e || has decode; then
   # No batch size starts in the last third of its time (--budget-s); decode.json is
   # written after each batch size, so a cut run still leaves what it measured.
   dt=$(left ${DECODE_TIMEOUT_S:-150})
-  timeout "$dt" python3 -m sparsekv.client.cli bench decode --quick --budget-s $(( dt * 2 / 3 + 1 )) ${DECODE_ARGS:-} \
+  timeout "$dt" python3 -m sparsekv.cli.main bench decode --quick --budget-s $(( dt * 2 / 3 + 1 )) ${DECODE_ARGS:-} \
     --daemon-log "$OUT/decode-daemon.log" --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
 fi
 if has all || has bench || has e2e || has latest; then
@@ -95,7 +95,7 @@ if has all || has bench || has e2e || has latest; then
     "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-transport.log" | tail -5
 fi
 if has all || has test || has e2e || has demo; then
-  timeout "$(left 100)" python3 -m sparsekv.client.cli demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
+  timeout "$(left 100)" python3 -m sparsekv.cli.main demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
 fi
 if has all || has test || has e2e || has examples; then
   # The example model through the engine's handle on the GPU (doorbell), as a user runs it.
@@ -111,7 +111,7 @@ if has signals; then
   for v in ${SIGNAL_VARIANTS:-kernel:ops ops:kernel kernel:kernel ops:ops:batch}; do
     IFS=: read -r eng dmn order <<<"$v"
     SPARSEKV_DB_ENGINE_SIGNAL=$eng SPARSEKV_DB_DAEMON_SIGNAL=$dmn SPARSEKV_GATHER_ORDER=${order:-request} \
-      timeout "$(left 80)" python3 -m sparsekv.client.cli bench decode --batches 64 --hits 90 \
+      timeout "$(left 80)" python3 -m sparsekv.cli.main bench decode --batches 64 --hits 90 \
       --modes gpu,inproc,doorbell --json "$OUT/decode-${v//:/-}.json" 2>&1 | tee "$OUT/bench-decode-${v//:/-}.log" \
       | grep -E "^ +64 " | sed "s/^/$v /"
   done
@@ -170,7 +170,7 @@ if has ab; then
   # (e.g. "--steps 40 --rounds 2").
   for v in ${AB_VARIANTS:-default: pin_start:SPARSEKV_PIN_POOL_AT_START=1 memfd:SPARSEKV_POOL_BACKING=memfd}; do
     name=${v%%:*}; vars=${v#*:}
-    env ${vars//,/ } timeout "$(left 80)" python3 -m sparsekv.client.cli bench decode --batches ${AB_BATCHES:-16,64} \
+    env ${vars//,/ } timeout "$(left 80)" python3 -m sparsekv.cli.main bench decode --batches ${AB_BATCHES:-16,64} \
       --hits 90 --modes inproc,doorbell ${AB_ARGS:-} --json "$OUT/decode-ab-$name.json" 2>&1 | tee "$OUT/bench-decode-ab-$name.log" \
       | grep -E "^ +(16|64|128) " | sed "s/^/$name /"
   done

@@ -21,7 +21,7 @@ import numpy as np
 def main(pool_gib: float = 8.0) -> int:
     import cupy as cp
 
-    from sparsekv.client.bench_kernels import BATCH, PLANS, ROW_BYTES, STRIDE, TOP_K, resolve_sequence, step_plans
+    from sparsekv.bench.kernels import BATCH, PLANS, ROW_BYTES, STRIDE, TOP_K, resolve_sequence, step_plans
     from sparsekv.daemon.kernels import get_cache
     from sparsekv.daemon.pinned import PinnedRegion
     from sparsekv.daemon.pool import HostPool

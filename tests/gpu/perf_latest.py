@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 
-from sparsekv.client.bench import bench_cuda_transport
+from sparsekv.bench.bench import bench_cuda_transport
 
 
 def machine() -> str:

@@ -33,7 +33,7 @@ SM_VARIANTS = ((32, 1), (32, 3), (32, 4), (64, 3), (16, 3))
 def main(gib: float) -> dict:
     import cupy as cp
 
-    from sparsekv.client.bench_kernels import BATCH, PLANS, ROW_BYTES, TOP_K, STRIDE, EventTimer, _device_plans, \
+    from sparsekv.bench.kernels import BATCH, PLANS, ROW_BYTES, TOP_K, STRIDE, EventTimer, _device_plans, \
         step_plans
     from sparsekv.daemon.kernels import get_cache
     from sparsekv.daemon.pinned import PinnedRegion

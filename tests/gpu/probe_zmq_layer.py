@@ -29,9 +29,9 @@ def run(batch: int, layers: int, steps: int, device_wait: bool, fence: bool = Tr
     import torch
 
     from sparsekv.client import swap_in as swap_in_mod
-    from sparsekv.client.bench_decode import _arena_bytes
+    from sparsekv.bench.decode import _arena_bytes
     from sparsekv.client.client import Client
-    from sparsekv.client.private_daemon import PrivateDaemon
+    from sparsekv.bench.private_daemon import PrivateDaemon
     from sparsekv.proto import Layout, MsgType
 
     blocks = context // block

@@ -11,8 +11,8 @@ import time
 import numpy as np
 
 from sparsekv.client import Client
-from sparsekv.client.private_daemon import PrivateDaemon
-from sparsekv.client.trace import synth
+from sparsekv.bench.private_daemon import PrivateDaemon
+from sparsekv.bench.trace import synth
 from sparsekv.proto import MsgType
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 300

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from sparsekv.client.trace import synth
+from sparsekv.bench.trace import synth
 from sparsekv.daemon.config import Config
 from sparsekv.daemon.cuda.backend import CudaBackend
 from sparsekv.daemon.pool import HostPool

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from sparsekv.client.bench import bench_cuda_transport
+from sparsekv.bench.bench import bench_cuda_transport
 
 KEYS = ("zmq_handoff_p50_us", "zmq_device_wait_handoff_p50_us", "bare_zmq_event_rtt_p50_us", "topk_socket_in_p50_us",
         "topk_socket_out_p50_us", "daemon_host_us_per_step", "daemon_enqueue_p50_us", "send_to_enqueue_p50_us",

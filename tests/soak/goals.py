@@ -44,7 +44,7 @@ import psutil
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import helpers  # noqa: E402
-from sparsekv.client.private_daemon import PrivateDaemon  # noqa: E402
+from sparsekv.bench.private_daemon import PrivateDaemon  # noqa: E402
 
 MiB = 1 << 20
 

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import helpers  # noqa: E402
 from sparsekv.client import Client  # noqa: E402
-from sparsekv.client.private_daemon import PrivateDaemon  # noqa: E402
+from sparsekv.bench.private_daemon import PrivateDaemon  # noqa: E402
 from sparsekv.proto import LIMITS, Layout, MsgType  # noqa: E402
 
 GiB = 1 << 30

@@ -8,7 +8,7 @@ One private daemon (``--reap-interval-s 0.2``) serves, all at once:
 - ``CLIENTS`` verifying client processes (``chaos_worker.py``), each alone on its own
   engine. The correctness check is exact because each engine has a single process that
   both rewrites and reads: it fills every (layer, row) with generation 0 of the
-  ``--verify`` pattern (client/verify.py), every 5 steps rewrites 4 rows (2 of them hot)
+  ``--verify`` pattern (bench/verify.py), every 5 steps rewrites 4 rows (2 of them hot)
   with the next generation through WRITE, and after each STEP + TOPK compares every
   delivered hot row with the pattern of that row's *current* generation. Its WRITE reply
   arrives before its next STEP is sent (program order in one process), so no row may show
@@ -45,7 +45,7 @@ import psutil
 import pytest
 
 import helpers
-from sparsekv.client.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon
 
 pytestmark = pytest.mark.soak
 

@@ -796,7 +796,7 @@ def test_bench_table(kc, capsys):
             failures.append(label)
             row(label, "FAILED", f"{type(e).__name__}: {e}")
 
-    from sparsekv.client.bench_kernels import EventTimer
+    from sparsekv.bench.kernels import EventTimer
 
     timer = EventTimer(cp, s)
 

@@ -3,7 +3,7 @@ and count_mismatches catches one wrong byte, a missing slot, and a row in the wr
 
 import numpy as np
 
-from sparsekv.client.verify import count_mismatches, pattern
+from sparsekv.bench.verify import count_mismatches, pattern
 
 
 def test_pattern_is_deterministic_and_differs_by_layer_and_row():

@@ -1,5 +1,5 @@
 """``sparsekv replay --slab engine``: the hot rows in a buffer the replaying process owns
-(client/replay.py ``EngineRows``, an engine-owned slab with guard rows around the hot
+(bench/replay.py ``EngineRows``, an engine-owned slab with guard rows around the hot
 blocks). The result equals the in-process replay, every hot row verifies, and no byte
 outside the hot rows changes."""
 
@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from sparsekv.client.replay import EngineRows, replay
-from sparsekv.client.trace import synth
+from sparsekv.bench.replay import EngineRows, replay
+from sparsekv.bench.trace import synth
 
 BASE = dict(steps=30, batch=6, top_k=128, region_stride=256, max_reqs=10, host_rows=10 * 2048, num_layers=2,
             context=1200, lifetime=12, overlap=0.7, invalidate=0.2, out_of_range=0.01, seed=4)
@@ -57,7 +57,7 @@ def test_the_command_line_replays_into_an_engine_slab(tmp_path):
     trace = synth(**{**BASE, "steps": 8})
     path = tmp_path / "t.npz"
     trace.save(str(path))
-    r = subprocess.run([sys.executable, "-m", "sparsekv.client.cli", "replay", str(path), "--out", str(tmp_path / "r.npz"),
+    r = subprocess.run([sys.executable, "-m", "sparsekv.cli.main", "replay", str(path), "--out", str(tmp_path / "r.npz"),
                         "--transport", "zmq", "--slab", "engine", "--verify"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.splitlines()[-1])

@@ -18,7 +18,7 @@ import numpy as np
 
 from sparsekv.proto import Layout
 
-from .doorbell import DeviceSwapIn
+from sparsekv.client.doorbell import DeviceSwapIn
 
 GATHER_BLOCKS = 32  # the daemon's default gather_blocks (config.py)
 HUGE_PAGE = 2 << 20  # the pool is a whole number of 2 MiB pages
@@ -90,7 +90,7 @@ class InprocSwapIn(DeviceSwapIn):
     def _ext(self, stream_ptr: int):
         import cupy as cp  # noqa: PLC0415
 
-        from .cuda_stream import external_stream  # noqa: PLC0415
+        from sparsekv.client.cuda_stream import external_stream  # noqa: PLC0415
 
         return external_stream(cp, stream_ptr)
 

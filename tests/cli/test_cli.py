@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import helpers
-from sparsekv.client.trace import Trace, synth
+from sparsekv.bench.trace import Trace, synth
 
 SYNTH = ["--steps", 30, "--batch", 4, "--top-k", 16, "--region-stride", 32, "--max-reqs", 8, "--host-rows", 2048,
          "--row-bytes", 32, "--num-layers", 2, "--context", 150, "--lifetime", 12, "--invalidate", 0.2,

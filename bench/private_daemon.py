@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-from .errors import DaemonUnavailable
+from sparsekv.client.errors import DaemonUnavailable
 
 
 class PrivateDaemon:

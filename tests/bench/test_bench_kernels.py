@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from sparsekv.client import bench_kernels as bk
+from sparsekv.bench import kernels as bk
 
 
 def test_step_plans_look_like_a_decode_steps_misses():

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import helpers
-from sparsekv.client import replay as replay_mod
-from sparsekv.client.inproc import InprocClient
-from sparsekv.client.replay import DRIVERS, InprocDriver, replay
+from sparsekv.bench import replay as replay_mod
+from sparsekv.embedded.inproc import InprocClient
+from sparsekv.bench.replay import DRIVERS, InprocDriver, replay
 from sparsekv.client.results import TopkResult
-from sparsekv.client.trace import Trace, TraceError, synth
+from sparsekv.bench.trace import Trace, TraceError, synth
 from sparsekv.proto.positions import UNMAPPED
 
 # A small position trace with every feature: shared prefixes, null blocks, stray

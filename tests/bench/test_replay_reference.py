@@ -1,4 +1,4 @@
-"""Synthetic traces (client/trace.py ``synth``) replayed in process must give exactly the
+"""Synthetic traces (bench/trace.py ``synth``) replayed in process must give exactly the
 slots and misses of the same trace driven through the reference model."""
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import helpers
-from sparsekv.client.replay import replay
-from sparsekv.client.trace import Trace, TraceError, synth
+from sparsekv.bench.replay import replay
+from sparsekv.bench.trace import Trace, TraceError, synth
 
 
 def assert_matches_reference(trace: Trace, verify: bool = False) -> dict:
@@ -82,8 +82,8 @@ def test_synth_rejects_impossible_parameters(kw, words):
 
 def test_cpu_backend_takes_rows_of_any_size_through_both_transports():
     """Only the cuda backend needs 16-byte multiples; the cpu backend serves a 100-byte row."""
-    from sparsekv.client.replay import replay
-    from sparsekv.client.trace import synth
+    from sparsekv.bench.replay import replay
+    from sparsekv.bench.trace import synth
 
     tr = synth(steps=20, batch=4, top_k=16, region_stride=32, max_reqs=8, host_rows=8 * 512,
                row_bytes=100, num_layers=2, context=300, seed=3)

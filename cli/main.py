@@ -13,8 +13,8 @@ import json
 import sys
 from importlib import metadata
 
-from .client import default_run_dir
-from .errors import DaemonUnavailable, SparseKVError
+from sparsekv.client.client import default_run_dir
+from sparsekv.client.errors import DaemonUnavailable, SparseKVError
 from .health import StatsSocketError, stats_query
 
 
@@ -84,15 +84,15 @@ def cmd_warm_cpus(a) -> int:
 
 
 def cmd_replay(a) -> int:
-    from .replay import replay, save_result, summary_line  # noqa: PLC0415
-    from .trace import Trace, TraceError  # noqa: PLC0415
+    from sparsekv.bench.replay import replay, save_result, summary_line  # noqa: PLC0415
+    from sparsekv.bench.trace import Trace, TraceError  # noqa: PLC0415
 
     try:
         trace = Trace.load(a.trace)
     except TraceError as e:
         print(f"sparsekv replay: {e}", file=sys.stderr)
         return 2
-    from .errors import BadRequest  # noqa: PLC0415
+    from sparsekv.client.errors import BadRequest  # noqa: PLC0415
 
     try:
         summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify,
@@ -108,7 +108,7 @@ def cmd_replay(a) -> int:
 
 
 def cmd_trace_synth(a) -> int:
-    from .trace import TraceError, synth  # noqa: PLC0415
+    from sparsekv.bench.trace import TraceError, synth  # noqa: PLC0415
 
     keys = ("steps", "batch", "top_k", "region_stride", "max_reqs", "host_rows", "row_bytes", "num_layers",
             "overlap", "context", "lifetime", "arrive", "pad", "invalidate", "out_of_range", "share_prefix",
@@ -143,11 +143,11 @@ def cmd_bench(a) -> int:
                       file=sys.stderr)
                 return 2
             if alone == "decode":
-                from .bench_decode import run_args  # noqa: PLC0415
+                from sparsekv.bench.decode import run_args  # noqa: PLC0415
             else:
-                from .bench_kernels import run_args  # noqa: PLC0415
+                from sparsekv.bench.kernels import run_args  # noqa: PLC0415
             return run_args(a)
-    from .bench import format_results, run_bench  # noqa: PLC0415
+    from sparsekv.bench.bench import format_results, run_bench  # noqa: PLC0415
 
     unknown = set(which) - {"resolve", "gather", "transport", "cuda_transport"}
     if unknown:
@@ -270,8 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda_transport: the ZeroMQ I/O threads as installed (not placed), on warm CPUs (the last "
                         "two this process may use, kept warm by the daemon; deploy/README.md \"Warm CPUs\"), or "
                         "both, one run each (warm only with 4 CPUs or more)")
-    from .bench_decode import add_arguments as add_decode_arguments  # noqa: PLC0415
-    from .bench_kernels import add_arguments as add_kernels_arguments  # noqa: PLC0415
+    from sparsekv.bench.decode import add_arguments as add_decode_arguments  # noqa: PLC0415
+    from sparsekv.bench.kernels import add_arguments as add_kernels_arguments  # noqa: PLC0415
 
     add_decode_arguments(q.add_argument_group("decode options (sparsekv bench decode ...)"))
     add_kernels_arguments(q.add_argument_group("kernels options (sparsekv bench kernels ...)"))

@@ -17,10 +17,10 @@ import numpy as np
 from sparsekv.proto.layout import Layout
 from sparsekv.proto.slab import SlabGeometry
 
-from .client import Client
-from .engine_slab import EngineSlab
-from .errors import BadRequest
-from .inproc import InprocClient
+from sparsekv.client.client import Client
+from sparsekv.client.engine_slab import EngineSlab
+from sparsekv.client.errors import BadRequest
+from sparsekv.embedded.inproc import InprocClient
 from .private_daemon import PrivateDaemon
 from .trace import Trace
 from .verify import count_mismatches, fill_pool

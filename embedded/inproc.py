@@ -13,9 +13,9 @@ from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import ErrorCode, Layout
 
-from .client import Attachment
-from .results import TopkResult
-from .errors import error_for
+from sparsekv.client.client import Attachment
+from sparsekv.client.results import TopkResult
+from sparsekv.client.errors import error_for
 
 
 class InprocClient:

@@ -1,4 +1,4 @@
-"""``sparsekv bench decode`` (client/bench_decode.py): the top-k generator keeps the
+"""``sparsekv bench decode`` (bench/decode.py): the top-k generator keeps the
 tuned share of each row from step to step and about ``layer_overlap`` between adjacent
 layers; the fill helpers; the table and the JSON keys; options and the command line.
 The engine-side step code runs on torch's CPU device where torch is installed; the whole
@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from sparsekv.client import bench_decode as bd
-from sparsekv.client.bench_decode import Options, Result, combine_rounds, derive, generate, summary, table
+from sparsekv.bench import decode as bd
+from sparsekv.bench.decode import Options, Result, combine_rounds, derive, generate, summary, table
 
 SMALL = dict(steps=6, layers=6, context=1024, top_k=256, block_size=16)
 
@@ -321,7 +321,7 @@ def test_plot_writes_a_png_when_matplotlib_is_there(tmp_path):
 
 # -- options and the command line -------------------------------------------------------------
 def parse(*argv):
-    from sparsekv.client.cli import build_parser
+    from sparsekv.cli.main import build_parser
 
     return build_parser().parse_args(["bench", "decode", *argv])
 
@@ -347,7 +347,7 @@ def test_defaults_quick_and_explicit_options():
     (["--context", "2100"], "--context"),
 ])
 def test_bad_options_end_in_one_line_and_exit_2(argv, msg, capsys):
-    from sparsekv.client.cli import main
+    from sparsekv.cli.main import main
 
     assert main(["bench", "decode", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -355,7 +355,7 @@ def test_bad_options_end_in_one_line_and_exit_2(argv, msg, capsys):
 
 
 def test_decode_runs_alone(capsys):
-    from sparsekv.client.cli import main
+    from sparsekv.cli.main import main
 
     assert main(["bench", "decode", "gather"]) == 2
     assert "decode runs alone" in capsys.readouterr().err

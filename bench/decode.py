@@ -502,7 +502,7 @@ def summary(results: list[Result], opts: Options) -> dict:
     """The flat dict ``--json`` writes (call :func:`derive` first)."""
     from sparsekv.daemon.cuda.doorbell import signal_mode as daemon_signal  # noqa: PLC0415
 
-    from .doorbell import signal_mode as engine_signal  # noqa: PLC0415
+    from sparsekv.client.doorbell import signal_mode as engine_signal  # noqa: PLC0415
 
     out: dict = {"decode_layers": opts.layers, "decode_top_k": opts.top_k, "decode_row_bytes": opts.row_bytes,
                  "decode_context": opts.context, "decode_block_size": opts.block_size, "decode_steps": opts.steps,
@@ -861,7 +861,7 @@ def _handle_step(torch, h, st: _Static, lay: Layout, block_size: int):
 def _open_inproc(torch, lay: Layout, opts: Options, mode: str = "inproc"):
     """``InprocSwapIn`` with its pool filled, and its side of a timed run (named ``mode``);
     the caller closes the handle (``side.handle``) once the GPU is done with it."""
-    from .inproc_cuda import InprocSwapIn  # noqa: PLC0415
+    from sparsekv.embedded.inproc_cuda import InprocSwapIn  # noqa: PLC0415
 
     t0 = time.perf_counter()
     h = InprocSwapIn(lay, device=DEVICE, gather_blocks=_gather_blocks(opts))
@@ -939,7 +939,7 @@ def _daemon_counts(client):
 def _host_swap_in():
     """(HostSwapIn, None), or (None, why) when the portable handle is not there."""
     try:
-        from .swap_in import HostSwapIn  # noqa: PLC0415
+        from sparsekv.client.swap_in import HostSwapIn  # noqa: PLC0415
     except ImportError as e:
         return None, f"sparsekv.client.swap_in.HostSwapIn does not import ({e})"
     return HostSwapIn, None
@@ -951,7 +951,7 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
     asked: a second rank of the same engine, so the pool is written once). ``paired_with``:
     the in-process sides (inproc first), or what opens them once the daemon's pool is
     filled, timed step by step in turn with the doorbell rank (their results too)."""
-    from .client import Client  # noqa: PLC0415
+    from sparsekv.client.client import Client  # noqa: PLC0415
     from .private_daemon import PrivateDaemon  # noqa: PLC0415
 
     batch = lay.max_batch

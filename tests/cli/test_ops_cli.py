@@ -15,9 +15,10 @@ import time
 import pytest
 
 import helpers
-from sparsekv.client import Client, cli
-from sparsekv.client import health as health_mod
-from sparsekv.client import top as top_mod
+from sparsekv.cli import main as cli
+from sparsekv.client import Client
+from sparsekv.cli import health as health_mod
+from sparsekv.cli import top as top_mod
 
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=128)
 
@@ -234,7 +235,7 @@ def test_top_once_against_a_daemon_under_load(daemon):
     t = threading.Thread(target=load)
     t.start()
     try:
-        p = subprocess.run([helpers.PY, "-m", "sparsekv.client.cli", "top", "--once", "--run-dir", daemon.run_dir],
+        p = subprocess.run([helpers.PY, "-m", "sparsekv.cli.main", "top", "--once", "--run-dir", daemon.run_dir],
                            capture_output=True, text=True, timeout=60)
     finally:
         stop.set()

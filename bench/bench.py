@@ -20,8 +20,8 @@ from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import Layout
 from sparsekv.proto.cpus import keep_off, parse_cpu_list, pin_io_threads
 
-from .client import Client
-from .inproc import InprocClient
+from sparsekv.client.client import Client
+from sparsekv.embedded.inproc import InprocClient
 from .private_daemon import PrivateDaemon
 from .trace import synth
 

@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from .client import Client
-from .private_daemon import PrivateDaemon
-from .trace import synth
-from .verify import count_mismatches, fill_pool
+from sparsekv.client.client import Client
+from sparsekv.bench.private_daemon import PrivateDaemon
+from sparsekv.bench.trace import synth
+from sparsekv.bench.verify import count_mismatches, fill_pool
 
 DEFAULTS = dict(steps=300, batch=8, top_k=256, region_stride=512, max_reqs=16, host_rows=65536,
                 row_bytes=656, num_layers=4, overlap=0.8, context=2048, lifetime=64, seed=7)

@@ -6,7 +6,7 @@ import pytest
 
 import helpers
 from sparsekv.client import BadRequest, NotAttached
-from sparsekv.client.inproc import InprocClient
+from sparsekv.embedded.inproc import InprocClient
 from sparsekv.proto import ErrorCode
 
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
@@ -49,7 +49,7 @@ def test_stage_of_rows_outside_the_pool_is_a_typed_error_as_through_the_daemon()
     import pytest
 
     from sparsekv.client import BadRequest
-    from sparsekv.client.inproc import InprocClient
+    from sparsekv.embedded.inproc import InprocClient
     from sparsekv.proto import Layout
 
     lay = Layout(num_layers=1, row_bytes=16, top_k=2, region_stride=2, max_reqs=1, host_rows=8, staging_rows=4)

@@ -1,0 +1,2 @@
+"""The operator's command line, ``sparsekv``: stats, clients, top, health, replay, trace,
+demo and bench (``main.py`` parses; one module a command that needs more than a screen)."""
