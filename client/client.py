@@ -34,7 +34,7 @@ from sparsekv.proto.frames import send_copy
 
 from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError, error_for
 from .device_wait import DeviceWaitWatch
-from .results import TopkResult
+from .results import AttachmentCaps, TopkResult
 
 
 log = logging.getLogger("sparsekv.client")
@@ -58,7 +58,7 @@ def default_run_dir() -> str:
 
 @dataclass
 class Attachment:
-    """What attach gives a rank: its layout and the hot slab it reads rows from."""
+    """What attach gives a cpu rank: its layout and the hot slab it reads rows from."""
 
     layout: Layout
     engine: str
@@ -67,8 +67,10 @@ class Attachment:
     _mm: mmap.mmap | None = None
     # An engine-owned slab (client/engine_slab.py): the hot rows live there; ``slab`` is None.
     engine_slab: object = None
+    caps = AttachmentCaps()
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
+        """Unmap the slab. ``wait_s``: as CudaAttachment's (nothing here runs on a device)."""
         self.slab = self.staging = None
         if self._mm is not None:
             try:
@@ -446,7 +448,7 @@ class Client:
         their done words (``CudaAttachment.release_done``), unless its process still
         lives (then its own stream sets them)."""
         att = self.attachment
-        if att is None or not hasattr(att, "release_done") or self._process_alive() is True:
+        if att is None or not att.caps.device or self._process_alive() is True:
             return
         try:
             att.release_done()
@@ -469,10 +471,7 @@ class Client:
         att, self.attachment = self.attachment, None
         self._block_requests.clear()  # (entries and fence events of this attachment)
         self._fence_requests.clear()
-        if wait_s is not None and hasattr(att, "_stream_done_within"):  # cuda: bounded
-            att.close(wait_s=wait_s)
-        else:
-            att.close()
+        att.close(wait_s=wait_s)
 
     def step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         """Begin decode step ``step``: the batch's state rows (-1 = padding), which of them
@@ -503,16 +502,17 @@ class Client:
         cannot take it so (no step blocks or no fence events), is copied to the host first."""
         fields = {"step": int(step), "group": int(group)}
         att = self.attachment
-        if att is not None and hasattr(att, "next_fence"):
+        device = att is not None and att.caps.device
+        if device:
             self._await_fence_free(att)
         pending = self._pending_step
         begins = pending is not None and pending[0] == fields["step"] and state_rows is None
         if _on_gpu(topk):
-            if getattr(att, "takes_device_topk", False) and topk.device == att.torch_device:
+            if device and att.takes_device_topk and topk.device == att.torch_device:
                 return self._submit_topk_block(att, fields, _device_ids(topk), state_rows, begins)
             topk = topk.cpu()
         arrays = {"topk": np.asarray(topk, dtype=np.int32)}
-        if att is not None and getattr(att, "has_blocks", False):
+        if device and att.caps.step_blocks:
             return self._submit_topk_block(att, fields, arrays["topk"], state_rows, begins)
         if begins:
             self._pending_step = None
@@ -520,7 +520,7 @@ class Client:
             fields["begin"] = True
         elif state_rows is not None:
             arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
-        if att is not None and hasattr(att, "record_fence"):
+        if device:
             fence = att.record_fence()
             if fence is not None:
                 fields["fence"] = fence
@@ -548,7 +548,7 @@ class Client:
             raise BadRequest(f"top-k for step {step} but the last STEP was {last}; send STEP first",
                              ErrorCode.BAD_ARGUMENT)
         _check_batch(att, rows, topk, begin)  # before anything is consumed or written
-        device_wait = self.device_wait and att.has_done_words
+        device_wait = self.device_wait and att.caps.done_words
         if device_wait:
             self._raise_if_watch_gone()
             # An error in an earlier request's reply is raised before this one is sent.
@@ -612,7 +612,7 @@ class Client:
         enqueued: reuse the staging buffer only after a later request's reply."""
         fields = {"layers": None if layers is None else [int(x) for x in layers]}
         att = self.attachment
-        if att is not None and hasattr(att, "record_fence"):
+        if att is not None and att.caps.device:
             self._await_fence_free(att)
             fence = att.record_fence()
             if fence is not None:

@@ -401,7 +401,7 @@ class DoorbellSwapIn(DeviceSwapIn):
                    [arena.ptr + db["slots_offset"] + g * B * K * 4 for g in range(G)],
                    att.error_mirror, resident_base, hot_base,
                    misses=arena.torch(db["misses_offset"], (G, B), "int32"), inv_cap=db.get("inv_cap"),
-                   engine_slab=getattr(att, "engine_slab", None))
+                   engine_slab=att.engine_slab)
         ctl = arena.ptr + db["ctl_offset"]
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]

@@ -59,9 +59,6 @@ class FakeCudaAttachment:
     def __init__(self):
         self.closed_with = []
 
-    def _stream_done_within(self, wait_s):  # the cuda attachment's bounded wait (not called here)
-        raise AssertionError("close decides")
-
     def close(self, wait_s=None):
         self.closed_with.append(wait_s)
 

@@ -1,0 +1,23 @@
+"""What an argument is when it may be a torch tensor, asked without importing torch: a
+tensor implies torch is imported already, so ``sys.modules`` answers (the cpu client and
+the CLI run without torch)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def is_torch(a) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(a, torch.Tensor)
+
+
+def on_gpu(a) -> bool:
+    """A CUDA tensor: copying it to the host waits for the current stream."""
+    return is_torch(a) and a.is_cuda
+
+
+def is_int_dtype(dtype) -> bool:
+    """Whether a torch dtype holds integers (not floating, complex or bool): what a
+    top-k, a block table or request ids must be."""
+    return not (dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool")
