@@ -337,17 +337,17 @@ def test_a_top_k_on_the_gpu_is_mapped_there_and_only_the_rows_come_to_the_host(m
         h.swap_in(REQS, TABLE, pos, layer=0, block_size=BS, resident_block_table=np.full((3, 2), -1, np.int32))
         assert mapped == [1, 1] and hosted == [1, 1]
         h.swap_in(REQS, TABLE, pos.to(torch.int16), layer=1, block_size=BS)  # a follower: nothing mapped
-        h.swap_in(REQS, TABLE, pos, layer=2, block_size=BS)
+        h.swap_in(REQS, TABLE, pos, layer=2, block_size=BS)  # a leader
         h.begin_step([0, 1, -1])
         idx = h.swap_in(REQS, TABLE, pos.to(torch.int16), layer=0, block_size=BS)  # no int16 kernel
-        assert mapped == [1, 1] and hosted == [1, 1, 1] and idx.tolist() == WANT.tolist()
+        assert mapped == [1, 1, 1] and hosted == [1, 1, 1] and idx.tolist() == WANT.tolist()
         h.swap_in(REQS, TABLE, pos, layer=1, block_size=BS)
         h.swap_in(REQS, TABLE, pos, layer=2, block_size=BS)
         monkeypatch.setattr(swap_in_mod.swap_in_kernels, "available", lambda: False)
         h = HostSwapIn(c)  # no CuPy
         h.begin_step([0, 1, -1])
         assert h.swap_in(REQS, TABLE, pos, layer=0, block_size=BS).tolist() == WANT.tolist()
-        assert mapped == [1, 1] and hosted == [1, 1, 1, 1]
+        assert mapped == [1, 1, 1, 1] and hosted == [1, 1, 1, 1]
 
 
 def test_a_gpu_req_id_tensor_is_read_once_a_step_on_a_fenced_rank_even_in_inference_mode(monkeypatch):
