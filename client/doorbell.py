@@ -62,6 +62,7 @@ import time
 
 import numpy as np
 
+from sparsekv.csrc.build import get_cache
 from sparsekv.proto import ErrorCode
 from sparsekv.proto.device_errors import ErrorRecord
 from sparsekv.proto.stream_ops import wait32, write32
@@ -102,8 +103,6 @@ INT32_MAX = 2**31 - 1  # attention indices are int32
 
 
 def _kernels():
-    from sparsekv.csrc.build import get_cache  # noqa: PLC0415
-
     return get_cache()
 
 

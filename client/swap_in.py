@@ -73,10 +73,11 @@ such deferred replies.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import numpy as np
 
-from sparsekv.proto import ErrorCode
+from sparsekv.proto import ErrorCode, Layout
 from sparsekv.proto.positions import INT32_MAX, host_rows
 
 from . import swap_in_kernels
@@ -85,6 +86,28 @@ from .step_order import StepOrder
 from .tensors import is_int_dtype, is_torch, on_gpu
 
 log = logging.getLogger("sparsekv.client")
+
+
+class SwapInHandle(Protocol):
+    """The engine's handle, whichever implements it: :class:`HostSwapIn` (here),
+    ``DoorbellSwapIn`` (``doorbell.py``) and ``InprocSwapIn`` (``embedded/inproc_cuda.py``).
+    Model code typed with this and calling only these runs unchanged on each."""
+
+    layout: Layout
+
+    def begin_step(self, state_rows, reset=None, invalidate=None) -> None: ...
+
+    def finish_step(self) -> None: ...
+
+    def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int,
+                return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
+                resident_block_table=None): ...
+
+    def kv(self, layer: int): ...
+
+    def check(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class HostSwapIn:

@@ -2,6 +2,7 @@
 on a case worked out by hand (DESIGN §4 residency, §6 position rule), through the
 in-process client and through a private daemon."""
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -9,10 +10,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from sparsekv.client import BadRequest, Client, NotAttached, SparseKVError
-from sparsekv.embedded.inproc import InprocClient
-from sparsekv.client.swap_in import HostSwapIn
 from sparsekv.bench.verify import fill_pool, pattern
+from sparsekv.client import BadRequest, Client, NotAttached, SparseKVError
+from sparsekv.client.doorbell import DoorbellSwapIn
+from sparsekv.client.swap_in import HostSwapIn, SwapInHandle
+from sparsekv.embedded.inproc import InprocClient
+from sparsekv.embedded.inproc_cuda import InprocSwapIn
 from sparsekv.proto import ErrorCode, Layout
 
 # Layers 0 and 1 share one index group (leader 0); layer 2 is a group of its own.
@@ -426,3 +429,14 @@ def test_a_failed_begin_step_leaves_no_step_to_swap_into():
         h.begin_step([0, 1, -1])
         with pytest.raises(BadRequest, match="block_size must be positive"):
             h.swap_in(REQS, TABLE, POS, layer=0, block_size=0)
+
+
+def test_every_handle_has_the_methods_of_the_swap_in_protocol():
+    """HostSwapIn, the doorbell handle and the in-process one take the same arguments for
+    every method of SwapInHandle: model code written against it runs on each."""
+    want = {n: list(inspect.signature(f).parameters) for n, f in vars(SwapInHandle).items()
+            if inspect.isfunction(f) and not n.startswith("_")}
+    assert set(want) == {"begin_step", "finish_step", "swap_in", "kv", "check", "close"}
+    for cls in (HostSwapIn, DoorbellSwapIn, InprocSwapIn):
+        for name, params in want.items():
+            assert list(inspect.signature(getattr(cls, name)).parameters) == params, (cls.__name__, name)
