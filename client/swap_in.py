@@ -531,8 +531,8 @@ def _check_out(name: str, out, shape: tuple) -> None:
         if out.dtype != torch.int32:
             raise BadRequest(f"{name} must be int32, got {out.dtype}", ErrorCode.BAD_ARGUMENT)
     elif not isinstance(out, np.ndarray) or out.dtype != np.int32:
-        raise BadRequest(f"{name} must be an int32 NumPy array or torch tensor, got {type(out).__name__} "
-                         f"{getattr(out, 'dtype', '')}", ErrorCode.BAD_ARGUMENT)
+        got = out.dtype if isinstance(out, np.ndarray) else type(out).__name__
+        raise BadRequest(f"{name} must be an int32 NumPy array or torch tensor, got {got}", ErrorCode.BAD_ARGUMENT)
     if tuple(out.shape) != shape:
         raise BadRequest(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
 
