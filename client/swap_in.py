@@ -489,8 +489,10 @@ def _device_rows(topk, table, block_size: int, reqs):
 
     dev = topk.device
     if not is_torch(table):  # staged at once: no wait for the stream
-        table = torch.from_numpy(np.ascontiguousarray(table))
-    return swap_in_kernels.map_positions(topk, table.to(dev, non_blocking=True), block_size, reqs)
+        table = torch.from_numpy(np.ascontiguousarray(table)).to(dev, non_blocking=True)
+    elif table.device != dev:
+        table = table.to(dev, non_blocking=True)
+    return swap_in_kernels.map_positions(topk, table, block_size, reqs)
 
 
 def _own_or_new(out, shape: tuple, dev):
