@@ -997,7 +997,7 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
             if cz is None:
                 c.attach(lay, engine=engine, transport="doorbell")
         filler = cz or c
-        if lay.staging_rows and getattr(filler.attachment, "staging", None) is not None:
+        if lay.staging_rows and filler.attachment.staging is not None:
             fill_s, how = fill_through_staging(filler, lay, torch), "WRITE_STAGED"
         else:
             fill_s, how = fill_through_client(filler, lay), "client.write"

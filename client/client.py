@@ -17,38 +17,29 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import socket
-import stat
-import struct
-import sys
-import time
 from dataclasses import dataclass
 
 import numpy as np
-import psutil
 import zmq
 
-from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
+from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType
 from sparsekv.proto.cpus import check_cpus_usable, parse_cpu_list, pin_io_threads
-from sparsekv.proto.frames import send_copy
+from sparsekv.proto.cuda_ipc import EventRing, mps_running
 
-from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError, error_for
+from .connection import Connection, probe_daemon, start_time
+from .cuda_attach import CudaAttachment, bus_id_of, local_device
 from .device_wait import DeviceWaitWatch
-from .results import TopkResult
-
+from .doorbell import DoorbellSwapIn
+from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError
+from .rank_memory import fetch_fds, map_shared, offer_slab
+from .results import AttachmentCaps, TopkResult
+from .tensors import device_ids, on_gpu
 
 log = logging.getLogger("sparsekv.client")
-_ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
-# While waiting for a reply, check this often that the daemon still lives: a client
-# learns within about this long that its daemon died or was restarted, not at timeout_s.
-LIVENESS_SLICE_S = 0.25
 # Closing a cuda rank whose daemon is gone: how long the GPU may take to finish the work
 # that read the rank's memory before the memory is left mapped instead (cuda_attach.py).
 GONE_CLOSE_WAIT_S = 5.0
 BYE_TIMEOUT_S = 0.5  # close() waits this long for the daemon's goodbye
-# The daemon renames its socket to this while it is short of file descriptors
-# (daemon/connguard.py): no new connection, the existing ones go on.
-BUSY_SUFFIX = ".busy"
 
 
 def default_run_dir() -> str:
@@ -58,7 +49,7 @@ def default_run_dir() -> str:
 
 @dataclass
 class Attachment:
-    """What attach gives a rank: its layout and the hot slab it reads rows from."""
+    """What attach gives a cpu rank: its layout and the hot slab it reads rows from."""
 
     layout: Layout
     engine: str
@@ -67,8 +58,10 @@ class Attachment:
     _mm: mmap.mmap | None = None
     # An engine-owned slab (client/engine_slab.py): the hot rows live there; ``slab`` is None.
     engine_slab: object = None
+    caps = AttachmentCaps()
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
+        """Unmap the slab. ``wait_s``: as CudaAttachment's (nothing here runs on a device)."""
         self.slab = self.staging = None
         if self._mm is not None:
             try:
@@ -106,7 +99,7 @@ DEVICE_WAIT_ENV = "SPARSEKV_CLIENT_DEVICE_WAIT"
 IO_CPUS_ENV = "SPARSEKV_CLIENT_IO_CPUS"
 
 
-class Client:
+class Client(Connection):
     """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
@@ -160,24 +153,20 @@ class Client:
         self.enqueued_at: int | None = None
         # The daemon this client talks to, found at connect (see _check_daemon): its pid as
         # this process sees it (0: in another pid namespace), its start time, and the
-        # identity of its socket file (_file_id). ``_gone``: why it is no longer there.
+        # identity of its socket file (connection.file_id). ``_gone``: why it is no longer there.
         self._daemon_pid = 0
         self._daemon_started: float | None = None
         self._socket_id: tuple[int, int, int] | None = None
         self._gone: str | None = None
 
     # -- connection --------------------------------------------------------------
-    @property
-    def control_path(self) -> str:
-        return os.path.join(self.run_dir, "control.sock")
-
     def connect(self) -> "Client":
         path = self.control_path
         # Connect once by hand first: libzmq retries a refused or forbidden connection
         # silently (the HELLO would only time out), this says at once what is wrong,
         # and the kernel names the daemon's process (SO_PEERCRED, in our pid namespace).
         self._daemon_pid, self._socket_id = probe_daemon(path, self.run_dir)
-        self._daemon_started = _start_time(self._daemon_pid)
+        self._daemon_started = start_time(self._daemon_pid)
         self._gone = None
         if self._ctx is None:
             if self.io_cpus:
@@ -196,8 +185,6 @@ class Client:
         try:
             device = self.device
             if device.startswith("cuda:"):
-                from .cuda_attach import bus_id_of, local_device  # noqa: PLC0415
-
                 device = bus_id_of(local_device(device))  # numbering differs between processes
             self.info = self._call(MsgType.HELLO, {"pid": os.getpid(), "rank": self.rank,
                                                    "device": device, "name": self.name})[0]
@@ -265,24 +252,18 @@ class Client:
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
         if slab is not None:
-            fields["slab"] = self._offer_slab(layout, slab)
+            fields["slab"] = offer_slab(self.run_dir, self.device, layout, slab)
         if transport != "zmq":
             if transport != "doorbell":
                 raise BadRequest(f"transport must be 'zmq' or 'doorbell', got {transport!r}", ErrorCode.BAD_ARGUMENT)
             if not self.device.startswith("cuda"):
                 raise BadRequest("the doorbell transport needs a cuda rank (device='cuda:N')", ErrorCode.BAD_ARGUMENT)
-            from sparsekv.proto.cuda_ipc import mps_running  # noqa: PLC0415
-
             if not mps_running():
                 log.warning("NVIDIA MPS is not running: each doorbell hand-off between this engine and sparsekvd "
                             "costs ~300 us instead of a few (DESIGN §2; start nvidia-cuda-mps-control -d)")
             fields["transport"] = transport
         fence_ring = None
         if fence and self.device.startswith("cuda"):
-            from sparsekv.proto.cuda_ipc import EventRing  # noqa: PLC0415
-
-            from .cuda_attach import local_device  # noqa: PLC0415
-
             fence_ring = EventRing(local_device(self.device), 16)
             fields["fence_events"] = fence_ring.handles
         reply, _ = self._call(MsgType.ATTACH, fields)
@@ -291,7 +272,7 @@ class Client:
             raise SparseKVError(f"unknown slab kind {h.get('kind')!r} from the daemon; upgrade the client")
         cuda = h["kind"] == "cuda_ipc"
         try:
-            fds = self._fetch_fds(h)
+            fds = fetch_fds(self.run_dir, h, self.timeout_s)
         except SparseKVError as e:
             if not cuda:  # no slab to read: give the rank back
                 self._detach_quietly()
@@ -301,8 +282,6 @@ class Client:
             fds = {}
         try:  # the mappings keep the memory; the descriptors are not needed past this
             if cuda:
-                from .cuda_attach import CudaAttachment  # noqa: PLC0415
-
                 try:
                     self.attachment = CudaAttachment(layout, engine, h, fence_ring, fds=fds, engine_slab=slab)
                 except SparseKVError:
@@ -311,13 +290,11 @@ class Client:
                 except Exception as e:  # a CUDA call of this process: give the rank back, say what failed
                     self._mapping_failed(e, h)
                 return self.attachment
-            mm = None
-            if h.get("fd") is not None or not h.get("engine_slab"):
-                if h.get("fd") not in fds:
-                    self._detach_quietly()
-                    raise SparseKVError(f"the daemon sent no descriptor {h.get('fd')!r} for the slab; check the "
-                                        "client and daemon versions")
-                mm = mmap.mmap(fds[h["fd"]], max(h["bytes"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mm = map_shared(h, fds)
+            except SparseKVError:
+                self._detach_quietly()
+                raise
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -329,49 +306,6 @@ class Client:
         slab, staging = layout.split_buffer(np.frombuffer(mm, dtype=np.uint8))
         self.attachment = Attachment(layout, engine, slab, staging, mm)
         return self.attachment
-
-    def _offer_slab(self, layout: Layout, slab) -> dict:
-        """The ATTACH field of an engine-owned slab: its geometry, and (cpu) the id of its
-        descriptor deposited on the daemon's fd socket."""
-        from sparsekv.proto import fd_socket  # noqa: PLC0415
-
-        geo = slab.check(layout)
-        if self.device.startswith("cuda") != slab.cuda:
-            raise BadRequest("a cuda rank's engine slab is a GPU tensor (EngineSlab.from_tensor), a cpu rank's "
-                             "shared memory (EngineSlab.shared_memory)", ErrorCode.BAD_ARGUMENT)
-        if slab.cuda:
-            from .cuda_attach import local_device  # noqa: PLC0415
-
-            if slab.device != local_device(self.device):
-                raise BadRequest(f"the engine slab is on cuda:{slab.device}, this rank on {self.device}",
-                                 ErrorCode.BAD_ARGUMENT)
-            ex = slab.export()
-            return {"geometry": geo.to_wire(), "ipc_handle": ex["ipc_handle"], "ipc_offset": ex["ipc_offset"]}
-        try:
-            dep = fd_socket.deposit_fd(os.path.join(self.run_dir, fd_socket.FD_SOCKET), slab.fd)
-        except ProtocolError as e:
-            raise error_for(e.code, f"the daemon refused the engine's slab: {e.args[0]}") from None
-        except OSError as e:
-            raise DaemonUnavailable(f"cannot give the engine's slab to sparsekvd at {self.run_dir}: {e}") from None
-        return {"deposit": dep, "geometry": geo.to_wire()}
-
-    def _fetch_fds(self, handles: dict) -> dict[str, int]:
-        """The descriptors of the rank's shared memory, by name, from the daemon's fd socket
-        (``proto/fd_socket.py``): a one-time token for this process only. Empty when the
-        handles offer none. The caller closes them."""
-        token = handles.get("fd_token")
-        if token is None:
-            return {}
-        from sparsekv.proto.fd_socket import fetch_fds  # noqa: PLC0415
-
-        path = os.path.join(self.run_dir, os.path.basename(str(handles.get("fd_socket"))))
-        try:
-            return fetch_fds(path, str(token), min(self.timeout_s, 10.0))
-        except ProtocolError as e:
-            raise error_for(e.code, f"the fd socket {path} refused this process: {e.args[0]}") from None
-        except OSError as e:
-            raise DaemonUnavailable(f"cannot get the rank's memory from {path}: "
-                                    f"{e.strerror or type(e).__name__}") from None
 
     def _mapping_failed(self, e: Exception, handles: dict):
         """The daemon's device memory could not be mapped: DaemonUnavailable if the daemon
@@ -399,8 +333,6 @@ class Client:
         """The engine's handle of a rank attached with ``transport="doorbell"``:
         :class:`~sparsekv.client.doorbell.DoorbellSwapIn` (``begin_step``, ``swap_in``,
         ``kv``, ``check``)."""
-        from .doorbell import DoorbellSwapIn  # noqa: PLC0415
-
         h = DoorbellSwapIn(self, **kw)
         self._handles.append(h)  # closed before the rank's memory is unmapped
         return h
@@ -418,35 +350,12 @@ class Client:
             if isinstance(h, DeviceWaitWatch) and h.gone is not None:
                 self._lost(h.gone)
 
-    def _daemon_dead(self) -> str | None:
-        """Why the daemon is gone, only once its process is (or cannot be seen): a daemon
-        whose socket went away but whose process lives may still run its GPU work, and a
-        release then would race with it."""
-        if self._process_alive() is True:
-            return None
-        return self._check_daemon()
-
-    def _process_alive(self) -> bool | None:
-        """Whether the daemon's process lives: None when this process cannot see it. A new
-        process under the same pid, or a zombie its parent has not reaped, is not it."""
-        pid = self._daemon_pid
-        if pid <= 0:
-            return None
-        try:
-            p = psutil.Process(pid)
-            return p.status() != psutil.STATUS_ZOMBIE and (self._daemon_started is None
-                                                            or p.create_time() == self._daemon_started)
-        except psutil.NoSuchProcess:
-            return False
-        except psutil.Error:
-            return None
-
     def _release_device_waits(self) -> None:
         """The daemon is gone: empty the results of this rank's device-wait entries and set
         their done words (``CudaAttachment.release_done``), unless its process still
         lives (then its own stream sets them)."""
         att = self.attachment
-        if att is None or not hasattr(att, "release_done") or self._process_alive() is True:
+        if att is None or not att.caps.device or self._process_alive() is True:
             return
         try:
             att.release_done()
@@ -469,10 +378,7 @@ class Client:
         att, self.attachment = self.attachment, None
         self._block_requests.clear()  # (entries and fence events of this attachment)
         self._fence_requests.clear()
-        if wait_s is not None and hasattr(att, "_stream_done_within"):  # cuda: bounded
-            att.close(wait_s=wait_s)
-        else:
-            att.close()
+        att.close(wait_s=wait_s)
 
     def step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         """Begin decode step ``step``: the batch's state rows (-1 = padding), which of them
@@ -491,9 +397,27 @@ class Client:
         self._step_rows = (int(step), arrays["state_rows"])
 
     def _send_pending_step(self) -> None:
+        """Send the STEP not sent yet alone (not waited for)."""
         pending, self._pending_step = self._pending_step, None
         if pending is not None:
             self._deferred.append(self._send(MsgType.STEP, {"step": pending[0]}, pending[1]))
+
+    def _riding_step(self, step: int, state_rows) -> dict | None:
+        """The arrays (state_rows, reset, invalidate) of the STEP not sent yet when the
+        TOPK of ``step`` about to be sent carries it: a TOPK of that step without state
+        rows of its own. That TOPK says ``begin``; :meth:`_send` then sends no STEP."""
+        pending = self._pending_step
+        return pending[1] if pending is not None and pending[0] == step and state_rows is None else None
+
+    def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
+        """Send a request (``Connection._send``). The STEP not sent yet goes first, alone,
+        so that requests reach the daemon in the order they were made, unless this is the
+        TOPK it rides on (``begin``)."""
+        self._raise_if_watch_gone()
+        if msg_type == MsgType.TOPK and fields.get("begin"):
+            self._pending_step = None  # the TOPK carries it
+        self._send_pending_step()
+        return super()._send(msg_type, fields, arrays)
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:
         """``topk`` ids int [batch, k]: a host array, or on a cuda rank a torch tensor on
@@ -503,24 +427,23 @@ class Client:
         cannot take it so (no step blocks or no fence events), is copied to the host first."""
         fields = {"step": int(step), "group": int(group)}
         att = self.attachment
-        if att is not None and hasattr(att, "next_fence"):
+        device = att is not None and att.caps.device
+        if device:
             self._await_fence_free(att)
-        pending = self._pending_step
-        begins = pending is not None and pending[0] == fields["step"] and state_rows is None
-        if _on_gpu(topk):
-            if getattr(att, "takes_device_topk", False) and topk.device == att.torch_device:
-                return self._submit_topk_block(att, fields, _device_ids(topk), state_rows, begins)
+        begin = self._riding_step(fields["step"], state_rows)
+        if on_gpu(topk):
+            if device and att.takes_device_topk and topk.device == att.torch_device:
+                return self._submit_topk_block(att, fields, device_ids(topk), state_rows, begin)
             topk = topk.cpu()
         arrays = {"topk": np.asarray(topk, dtype=np.int32)}
-        if att is not None and getattr(att, "has_blocks", False):
-            return self._submit_topk_block(att, fields, arrays["topk"], state_rows, begins)
-        if begins:
-            self._pending_step = None
-            arrays.update(pending[1])  # state_rows, reset, invalidate of the step
+        if device and att.caps.step_blocks:
+            return self._submit_topk_block(att, fields, arrays["topk"], state_rows, begin)
+        if begin is not None:
+            arrays.update(begin)  # state_rows, reset, invalidate of the step
             fields["begin"] = True
         elif state_rows is not None:
             arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
-        if att is not None and hasattr(att, "record_fence"):
+        if device:
             fence = att.record_fence()
             if fence is not None:
                 fields["fence"] = fence
@@ -530,15 +453,15 @@ class Client:
         req = self._send(MsgType.TOPK, fields, arrays)
         return Pending(self, req, lambda h, a: TopkResult(a["slots"], a["misses"], h["hits"], h["out_of_range"]))
 
-    def _submit_topk_block(self, att, fields, topk, state_rows, begins) -> Pending:
+    def _submit_topk_block(self, att, fields, topk, state_rows, begin: dict | None) -> Pending:
         """cuda: the batch goes into this rank's pinned step block (shared with the
-        daemon), the message carries only the entry number."""
+        daemon), the message carries only the entry number. ``begin``: the arrays of
+        the STEP that rides on it (:meth:`_riding_step`), written into the entry's step
+        block."""
         step = fields["step"]
-        begin = None
-        if begins:
-            arrays = self._pending_step[1]
-            rows = arrays["state_rows"]
-            begin = (arrays.get("reset"), arrays.get("invalidate"))
+        if begin is not None:
+            rows = begin["state_rows"]
+            begin = (begin.get("reset"), begin.get("invalidate"))
         elif state_rows is not None:
             rows = np.asarray(state_rows, dtype=np.int32)
         elif self._step_rows is not None and self._step_rows[0] == step:
@@ -548,14 +471,13 @@ class Client:
             raise BadRequest(f"top-k for step {step} but the last STEP was {last}; send STEP first",
                              ErrorCode.BAD_ARGUMENT)
         _check_batch(att, rows, topk, begin)  # before anything is consumed or written
-        device_wait = self.device_wait and att.has_done_words
+        device_wait = self.device_wait and att.caps.done_words
         if device_wait:
             self._raise_if_watch_gone()
             # An error in an earlier request's reply is raised before this one is sent.
             self._receive_arrived()
             self._check_deferred()
-        if begins:
-            self._pending_step = None
+        if begin is not None:
             fields["begin"] = True
         e = att.next_entry()
         prev = self._block_requests.get(e)
@@ -612,7 +534,7 @@ class Client:
         enqueued: reuse the staging buffer only after a later request's reply."""
         fields = {"layers": None if layers is None else [int(x) for x in layers]}
         att = self.attachment
-        if att is not None and hasattr(att, "record_fence"):
+        if att is not None and att.caps.device:
             self._await_fence_free(att)
             fence = att.record_fence()
             if fence is not None:
@@ -644,172 +566,14 @@ class Client:
             self._fence_requests[fence] = req
 
     # -- plumbing ----------------------------------------------------------------
-    def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
-        if self._sock is None:
-            if self._gone is not None:
-                raise DaemonUnavailable(self._gone)
-            raise SparseKVError("client is not connected; call connect() or use it as a context manager")
-        self._raise_if_watch_gone()
-        if self._pending_step is not None:
-            self._send_pending_step()  # requests reach the daemon in the order they were made
-        req = self._next_id
-        self._next_id += 1
-        ts = time.perf_counter_ns()
-        # ``fields`` is always a dict this client built for this one request: extend it.
-        if fields is None:
-            fields = {"ts": ts}
-        else:
-            fields["ts"] = ts
-        frames = encode(msg_type, req, fields, arrays)
-        if arrays:
-            for f in frames[1:]:
-                # The daemon would drop the connection unread (ZMQ_MAXMSGSIZE) and this
-                # client would wait for a reply that never comes: refuse it here.
-                if len(f) > LIMITS.max_frame_bytes:
-                    raise BadRequest(f"an array of {len(f)} bytes exceeds the frame limit of "
-                                     f"{LIMITS.max_frame_bytes} bytes; split the request", ErrorCode.TOO_LARGE)
-        self._sock.send_multipart(frames, copy=send_copy(frames))
-        self._sent[req] = (msg_type, ts)
-        return req
-
-    def _receive_until(self, req_id: int) -> None:
-        if self._sock is None and req_id not in self._replies:
-            raise DaemonUnavailable(self._gone or "client is not connected")
-        while req_id not in self._replies:
-            if not self._spin() and not self._sock.poll(int(min(self.timeout_s, LIVENESS_SLICE_S) * 1000)):
-                self._wait_slices()
-            self._receive_one()
-
-    def _receive_one(self) -> None:
-        frames = self._sock.recv_multipart(copy=False)
-        t_recv = time.perf_counter_ns()
-        try:
-            header, arrays = decode(frames)
-        except ProtocolError as e:
-            raise SparseKVError(f"undecodable reply: {e}") from None
-        rid = header["id"]
-        sent = self._sent.pop(rid, None)
-        tr = header.get("tr")
-        if sent is not None and tr is not None:
-            self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
-            if sent[0] == MsgType.TOPK:
-                self.enqueued_at = header.get("tl")  # None from a cpu rank or an error reply
-        self._replies[rid] = (header, arrays)
-
-    def _receive_arrived(self) -> None:
-        """Take every reply already here, without waiting."""
-        while self._sock is not None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._receive_one()
-
-    def _wait_slices(self) -> None:
-        """No reply within the first slice: poll on in slices until ``timeout_s``,
-        checking between slices that the daemon still lives (it may have died or been
-        restarted: then no reply will ever come)."""
-        deadline = time.monotonic() + self.timeout_s - min(self.timeout_s, LIVENESS_SLICE_S)
-        while True:
-            why = self._check_daemon()
-            if why is not None:
-                self._lost(why)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s")
-            if self._sock.poll(max(1, int(min(left, LIVENESS_SLICE_S) * 1000))):
-                return
-
-    def _check_daemon(self) -> str | None:
-        """Why the daemon this client connected to is no longer there, or None while it
-        seems to be: its process (when this process can see it) and its socket file (a
-        restarted daemon makes a new one)."""
-        path = self.control_path
-        if self._process_alive() is False:
-            return f"sparsekvd is gone (pid {self._daemon_pid} exited)"
-        st = None  # alive, or cannot tell (another pid namespace, permissions): the socket says more
-        # The daemon renames control.sock <-> control.sock.busy while it holds off new
-        # connections (daemon/connguard.py): both names can be missing between two stats.
-        # Gone only when neither exists three times over.
-        for _ in range(3):
-            for p in (path, path + BUSY_SUFFIX):
-                try:
-                    st = os.stat(p)
-                    break
-                except FileNotFoundError:
-                    continue
-                except OSError:
-                    return None  # cannot tell
-            if st is not None:
-                break
-        if st is None:
-            return f"sparsekvd is gone: its socket {path} was removed"
-        if self._socket_id is not None and _file_id(st) != self._socket_id:
-            return f"sparsekvd restarted: {path} is a new daemon's socket"
-        return None
-
-    def _drop_context(self) -> None:
-        """Terminate this client's own context (io_cpus: its I/O thread goes); the
-        process's shared instance stays. Its only socket is closed already."""
-        if self._ctx is not None and self.io_cpus:
-            self._ctx.term()
-        self._ctx = None
-
-    def _still_there(self) -> None:
-        """Raise DaemonUnavailable (and forget the session) if the daemon has gone."""
-        why = self._check_daemon()
-        if why is not None:
-            self._lost(why)
-
     def _lost(self, why: str):
-        """The daemon is gone: every request of this client fails from now on."""
-        self._gone = (f"{why}; this client's session{' and attachment are' if self.attachment else ' is'} "
-                      "gone: create a new Client (and attach again)")
+        """The daemon is gone: release the rank's device waits, forget what was in flight
+        and raise DaemonUnavailable (``Connection._lost``)."""
         self._release_device_waits()
-        if self._sock is not None:
-            self._sock.close(0)
-        self._sock = None
-        self._drop_context()
-        # Nothing in flight will be answered (connect() again starts clean).
-        self._sent.clear()
-        self._replies.clear()
-        self._deferred.clear()
         self._block_requests.clear()
         self._fence_requests.clear()
         self._pending_step = None
-        raise DaemonUnavailable(self._gone)
-
-    def _spin(self) -> bool:
-        """Poll without sleeping for up to ``spin_us``; True once a reply is waiting."""
-        if not self.spin_ns:
-            return False
-        # ZMQ_EVENTS, not poll(): a poll builds a Poller each call (microseconds).
-        get, now = self._sock.getsockopt, time.perf_counter_ns
-        end = now() + self.spin_ns
-        while now() < end:
-            if get(zmq.EVENTS) & zmq.POLLIN:
-                return True
-        return False
-
-    def _await_reply(self, req_id: int):
-        self._receive_until(req_id)
-        self._check_deferred()
-        header, arrays = self._replies.pop(req_id)
-        if not header.get("ok"):
-            code = header.get("code", int(ErrorCode.INTERNAL))
-            if code == ErrorCode.NOT_HELLO and self.info and self._sock is not None:
-                # This connection said HELLO, yet the daemon does not know it: a new
-                # daemon answers (libzmq reconnected to it by itself) if the socket changed.
-                why = self._check_daemon()
-                if why is not None:
-                    self._lost(why)
-            raise error_for(code, header.get("msg", "no message"))
-        return header, arrays
-
-
-    def _check_deferred(self) -> None:
-        """Raise the first error among deferred requests whose replies have arrived."""
-        for r in [r for r in self._deferred if r in self._replies]:
-            self._deferred.remove(r)
-            header, _ = self._replies.pop(r)
-            if not header.get("ok"):
-                raise error_for(header.get("code", int(ErrorCode.INTERNAL)), header.get("msg", "no message"))
+        super()._lost(why, "session and attachment are" if self.attachment else "session is")
 
     def flush(self) -> None:
         """Wait for every deferred request (e.g. the last STEP); raise the first error."""
@@ -817,94 +581,6 @@ class Client:
         while self._deferred:
             self._receive_until(self._deferred[0])
             self._check_deferred()
-
-    def _call(self, msg_type: MsgType, fields=None, arrays=None):
-        """Send and wait; return (reply fields without the envelope, reply arrays)."""
-        header, arrays = self._await_reply(self._send(msg_type, fields, arrays))
-        return {k: v for k, v in header.items() if k not in _ENVELOPE}, arrays
-
-
-def probe_daemon(path: str, run_dir: str) -> tuple[int, tuple[int, int]]:
-    """Connect to the daemon's socket ``path`` once, as a plain UNIX socket, and hang up.
-    Returns (the daemon's pid as this process sees it, 0 when it runs in another pid
-    namespace; the socket file's identity, _file_id). Raises :class:`DaemonUnavailable`
-    saying what is wrong: no socket, permission denied, connection refused (a daemon that
-    died left it behind), or a daemon holding off new connections."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        if os.path.exists(path + BUSY_SUFFIX):
-            raise DaemonUnavailable(f"sparsekvd at {run_dir} refuses new connections for now: it is short of file "
-                                    "descriptors (too many open connections; see its log); retry later") from None
-        raise DaemonUnavailable(f"no daemon socket at {path}; is sparsekvd running with --run-dir {run_dir}?") from None
-    except PermissionError:
-        raise DaemonUnavailable(f"permission denied on {run_dir}: this user may not enter sparsekvd's run dir "
-                                "(engines need the daemon's group, see deploy/README.md)") from None
-    except OSError as e:
-        raise DaemonUnavailable(f"cannot reach {path}: {e.strerror}") from None
-    if not stat.S_ISSOCK(st.st_mode):
-        raise DaemonUnavailable(f"{path} is not a socket; is --run-dir {run_dir} sparsekvd's run dir?")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        s.settimeout(2.0)
-        try:
-            s.connect(path)
-        except PermissionError:
-            raise DaemonUnavailable(f"permission denied on {path}: this user may not connect to sparsekvd (connecting "
-                                    "needs write permission on the socket: the daemon's group, see deploy/README.md)"
-                                    ) from None
-        except ConnectionRefusedError:
-            raise DaemonUnavailable(f"connection refused on {path}: no sparsekvd listens there (it exited and left "
-                                    "its socket behind, or it is starting)") from None
-        except FileNotFoundError:
-            return probe_daemon(path, run_dir)  # renamed away just now: say why
-        except (BlockingIOError, TimeoutError):
-            raise DaemonUnavailable(f"sparsekvd at {run_dir} does not accept connections: its queue is full "
-                                    "(is it stuck?)") from None
-        except OSError as e:
-            raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror}") from None
-        try:
-            pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-        except OSError:
-            pid = 0
-    finally:
-        s.close()
-    return max(pid, 0), _file_id(st)
-
-
-def _file_id(st: os.stat_result) -> tuple[int, int, int]:
-    """What tells one socket file from the next at the same path: a file system may give
-    a new file the inode number of one just deleted (ext4 does), but not its mtime too
-    (set when the daemon binds it; chmod and rename leave it)."""
-    return st.st_dev, st.st_ino, st.st_mtime_ns
-
-
-def _start_time(pid: int) -> float | None:
-    if pid <= 0:
-        return None
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
-def _on_gpu(a) -> bool:
-    torch = sys.modules.get("torch")  # a tensor implies torch is imported: never import it here
-    return torch is not None and isinstance(a, torch.Tensor) and a.is_cuda
-
-
-def _device_ids(topk):
-    """A top-k tensor on the rank's GPU as the step block takes it: 2-D, int32, contiguous
-    (else BadRequest)."""
-    import torch  # noqa: PLC0415 - a tensor was passed
-
-    from .torch_positions import is_int_dtype  # noqa: PLC0415
-
-    if topk.dim() != 2 or not is_int_dtype(topk.dtype):
-        raise BadRequest(f"topk must be integers [batch, top_k], got {topk.dtype} {tuple(topk.shape)}",
-                         ErrorCode.BAD_ARGUMENT)
-    return topk.to(torch.int32).contiguous()
-
 
 def _check_batch(att, rows: np.ndarray, topk: np.ndarray, begin) -> None:
     """Shapes only (the daemon's kernels check every value), before a block is written."""

@@ -16,17 +16,21 @@ enqueued on the stream before the fence, and the daemon's kernels read the block
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import mmap
 import threading
 import time
 
 import numpy as np
 
-from sparsekv.proto.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
 from sparsekv.proto import Layout
+from sparsekv.proto.cuda_ipc import EventRing, ImportedArena, ImportedEvents, device_for_bus_id
+from sparsekv.proto.step_block import BlockView, write_step, write_topk, write_topk_head
+from sparsekv.proto.stream_ops import wait32_geq, write32
 
-from .errors import SparseKVError
-from .results import TopkResult
+from .errors import DaemonUnavailable, SparseKVError
+from .results import AttachmentCaps, TopkResult
 
 # While waiting for a daemon's event on the host, ask whether the daemon is still there
 # this often (client.py's liveness slice is the same).
@@ -46,8 +50,6 @@ def require_cuda_extra() -> None:
     """A cuda rank needs CuPy (IPC handles, events) and torch (its tensors); both come with
     the ``cuda`` extra and are imported only here, on the cuda path: the cpu client and
     the CLI run without them. Raises ImportError saying what to install."""
-    import importlib.util  # noqa: PLC0415
-
     missing = [m for m in ("cupy", "torch") if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(f"a cuda rank needs {' and '.join(missing)}: pip install 'sparsekv[cuda]'")
@@ -166,10 +168,6 @@ class CudaAttachment:
         if fd is None and fds and handles.get("blocks_fd"):  # (Client.attach says why when none came)
             log.warning("the daemon's step blocks did not come; sending top-k batches on the socket")
         if fd is not None:
-            import mmap  # noqa: PLC0415
-
-            from sparsekv.proto.step_block import BlockView  # noqa: PLC0415
-
             self._blocks_mm = mmap.mmap(fd, handles["blocks_bytes"], mmap.MAP_SHARED,
                                         mmap.PROT_READ | mmap.PROT_WRITE)
             buf = np.frombuffer(self._blocks_mm, dtype=np.uint8)
@@ -183,16 +181,9 @@ class CudaAttachment:
                 self.error_mirror = buf[off: off + 128].view(np.int32)
             self._step_blocks = [view(o) for o in handles["client_step_offsets"]]
             self._topk_blocks = [view(o) for o in handles["client_topk_offsets"]]
-
-    @property
-    def has_blocks(self) -> bool:
-        return self._blocks_mm is not None
-
-    @property
-    def fenced(self) -> bool:
-        """Whether this rank records fence events that the daemon's stream waits on (see
-        the module docstring) before each request's work."""
-        return self._fence is not None
+        blocks = self._blocks_mm is not None
+        self.caps = AttachmentCaps(device=True, fenced=fence is not None, step_blocks=blocks,
+                                   done_words=blocks and self._done_base is not None)
 
     @property
     def takes_device_topk(self) -> bool:
@@ -212,11 +203,6 @@ class CudaAttachment:
                 return False
         return True
 
-    @property
-    def has_done_words(self) -> bool:
-        """Whether the daemon sets a done word per ring entry (device wait is possible)."""
-        return self._done_base is not None and self._blocks_mm is not None
-
     def next_done(self, entry: int) -> int:
         """The done value of the next TOPK on ``entry`` (a per-entry count, mod 2**32)."""
         n = self._done_sent[entry] = (self._done_sent[entry] + 1) & 0xFFFFFFFF
@@ -226,8 +212,6 @@ class CudaAttachment:
         """Like :meth:`result`, but the current stream waits (on the GPU) until the entry's
         done word has reached ``done``: the daemon sets it after the TOPK's work, so the
         reply is not needed first."""
-        from sparsekv.proto.stream_ops import wait32_geq  # noqa: PLC0415
-
         wait32_geq(self._stream_ptr(), self._done_base + 4 * int(entry), done)
         return self._views_of(entry, batch, k)
 
@@ -241,8 +225,6 @@ class CudaAttachment:
         if not waits or self._slots is None:
             return 0
         import cupy as cp  # noqa: PLC0415
-
-        from sparsekv.proto.stream_ops import write32  # noqa: PLC0415
 
         with self._release_lock, cp.cuda.Device(self.device):
             if self._release_stream is None:
@@ -270,8 +252,6 @@ class CudaAttachment:
         ``still_there``: called every ``EVENT_CHECK_S`` while waiting; it raises when
         the daemon is gone (a dead daemon's event may never complete: the wait is never
         one unbounded ``cudaEventSynchronize``); ``timeout_s``: at most this long in all."""
-        from sparsekv.proto.step_block import write_step, write_topk, write_topk_head  # noqa: PLC0415
-
         if self._used[e] and not self._events.done(e):
             self._wait_event(e, still_there, timeout_s)
         self._used[e] = True
@@ -304,8 +284,6 @@ class CudaAttachment:
         """Poll entry ``e``'s event until it is done: short sleeps, growing to 1 ms, and
         ``still_there()`` every ``EVENT_CHECK_S``; DaemonUnavailable after ``timeout_s``
         (the daemon is there but its GPU work does not end)."""
-        from .errors import DaemonUnavailable  # noqa: PLC0415
-
         t0 = time.monotonic()
         nap, next_check = 20e-6, t0 + EVENT_CHECK_S
         while not self._events.done(e):

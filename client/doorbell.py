@@ -62,6 +62,7 @@ import time
 
 import numpy as np
 
+from sparsekv.csrc.build import get_cache
 from sparsekv.proto import ErrorCode
 from sparsekv.proto.device_errors import ErrorRecord
 from sparsekv.proto.stream_ops import wait32, write32
@@ -102,8 +103,6 @@ INT32_MAX = 2**31 - 1  # attention indices are int32
 
 
 def _kernels():
-    from sparsekv.csrc.build import get_cache  # noqa: PLC0415
-
     return get_cache()
 
 
@@ -401,7 +400,7 @@ class DoorbellSwapIn(DeviceSwapIn):
                    [arena.ptr + db["slots_offset"] + g * B * K * 4 for g in range(G)],
                    att.error_mirror, resident_base, hot_base,
                    misses=arena.torch(db["misses_offset"], (G, B), "int32"), inv_cap=db.get("inv_cap"),
-                   engine_slab=getattr(att, "engine_slab", None))
+                   engine_slab=att.engine_slab)
         ctl = arena.ptr + db["ctl_offset"]
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]

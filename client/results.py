@@ -1,5 +1,6 @@
-"""What a top-k request returns; shared by the zmq client, the cuda attachment and the
-in-process transport (a module of its own so that none of them imports another)."""
+"""What a top-k request returns and what an attachment can do; shared by the zmq client,
+the cuda attachment and the in-process transport (a module of its own so that none of
+them imports another)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,16 @@ class TopkResult:
         if self.slots.is_cuda:
             torch.cuda.current_stream(self.slots.device).synchronize()
         return self.slots.cpu().numpy(), self.misses.cpu().numpy()
+
+
+@dataclass(frozen=True)
+class AttachmentCaps:
+    """What an attachment can do, fixed when it is made: the client and the handles read
+    this instead of probing the object."""
+
+    # A cuda rank (CudaAttachment): results are views of the daemon's result ring on the
+    # GPU (result, next_entry, write_blocks, next_fence, record_fence, release_done).
+    device: bool = False
+    fenced: bool = False  # it records fence events the daemon's stream waits on
+    step_blocks: bool = False  # pinned step blocks shared with the daemon take the TOPK batches
+    done_words: bool = False  # a done word per ring entry: device wait is possible

@@ -50,11 +50,11 @@ Tokens: several tokens of one request (speculative decoding) may share a step, u
 Every request a token names must be among the step's ``state_rows``.
 
 Arrays: NumPy or torch tensors, on any device. A top-k on the host is mapped to host rows
-there. A top-k on a GPU is mapped on that GPU (one kernel on a cuda rank,
-``swap_in_kernels.py``; else ``torch_positions.py``; the block table is copied there when
-it is not). On a cuda rank attached with ``fence=True`` the rows go from the GPU into the
-rank's step block on the current stream and the daemon reads them after the fence: the
-host waits for the GPU only once a step, to read a ``req_id_per_token`` tensor on the GPU
+there. A top-k on a GPU is mapped on that GPU by one kernel (``swap_in_kernels.py``) where
+CuPy is installed and the top-k and block table are int32 or int64 (the block table is
+copied there when it is not), else on the host. On a cuda rank attached with
+``fence=True`` the rows go from the GPU into the rank's step block on the current stream
+and the daemon reads them after the fence: the host waits for the GPU only once a step, to read a ``req_id_per_token`` tensor on the GPU
 (pass it as NumPy and it never does), and with ``Client(device_wait=True)`` not for the
 reply either; a ``req_id_per_token`` tensor on the GPU is then read once per step:
 modify it only between steps (in place is fine: its version counter says so), never
@@ -73,18 +73,41 @@ such deferred replies.
 from __future__ import annotations
 
 import logging
-import sys
+from typing import Protocol
 
 import numpy as np
 
-from sparsekv.proto import ErrorCode
+from sparsekv.proto import ErrorCode, Layout
 from sparsekv.proto.positions import INT32_MAX, host_rows
 
+from . import swap_in_kernels
 from .errors import BadRequest, NotAttached, SparseKVError
 from .step_order import StepOrder
-from .torch_positions import is_int_dtype
+from .tensors import is_int_dtype, is_torch, on_gpu
 
 log = logging.getLogger("sparsekv.client")
+
+
+class SwapInHandle(Protocol):
+    """The engine's handle, whichever implements it: :class:`HostSwapIn` (here),
+    ``DoorbellSwapIn`` (``doorbell.py``) and ``InprocSwapIn`` (``embedded/inproc_cuda.py``).
+    Model code typed with this and calling only these runs unchanged on each."""
+
+    layout: Layout
+
+    def begin_step(self, state_rows, reset=None, invalidate=None) -> None: ...
+
+    def finish_step(self) -> None: ...
+
+    def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int,
+                return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
+                resident_block_table=None): ...
+
+    def kv(self, layer: int): ...
+
+    def check(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class HostSwapIn:
@@ -100,14 +123,14 @@ class HostSwapIn:
         region_stride + slot``; ``kv(layer)`` is then the engine's rows of the layer).
         ``resident_base``: added to the index of a resident row (``swap_in``'s
         ``resident_block_table``), as the device handle's."""
-        att = getattr(client, "attachment", None)
+        att = client.attachment
         if att is None:
             raise NotAttached("HostSwapIn needs an attached client: call client.attach(layout) first")
         self._client = client
         self.layout = att.layout
         lay = self.layout
         self._stride = lay.region_stride
-        engine_slab = getattr(att, "engine_slab", None)
+        engine_slab = att.engine_slab
         if hot_base and engine_slab is None:
             raise BadRequest("hot_base needs an engine-owned slab (attach with slab=EngineSlab...)",
                              ErrorCode.BAD_ARGUMENT)
@@ -140,10 +163,8 @@ class HostSwapIn:
         self._req_cache = None  # (tensor, key, host copy): a GPU req_id_per_token, this step
         self._req_dev = None  # (its host copy, device, int32 tensor there), this step
         self._reads_on = None  # no fences: the device whose stream reads a reply's slots
-        # A cuda rank's kernels (csrc/handle.cu through CuPy) for a top-k on the GPU.
-        self._kernels = hasattr(att, "record_fence")
-        self._fenced = bool(getattr(att, "fenced", False))
-        if self._kernels and not self._fenced:
+        self._fenced = att.caps.fenced
+        if att.caps.device and not self._fenced:
             log.info("HostSwapIn on a cuda rank without fence events: each index group's leader waits for the "
                      "stream when an input is on the GPU (attach with fence=True to avoid it)")
         self._closed = False
@@ -195,7 +216,7 @@ class HostSwapIn:
         block_size + pos % block_size``, not fetched (as the device handle). See the module
         docstring."""
         self._open()
-        like = next((a for a in (logical_topk_indices, req_id_per_token) if _is_torch(a)), None)
+        like = next((a for a in (logical_topk_indices, req_id_per_token) if is_torch(a)), None)
         group, leader = self._group(layer)
         if self._step is None:
             why = "the last begin_step failed" if self._failed else "swap_in before begin_step"
@@ -222,7 +243,7 @@ class HostSwapIn:
             # must not reuse the slots' ring entry (or gather into a slab) before the GPU
             # has read them. A fenced rank's daemon stream waits for this one's at each
             # request; without fences, the next request first waits for the stream.
-            gpu = self._fenced or any(_copy_waits(a) for a in (req_id_per_token, block_table, logical_topk_indices))
+            gpu = self._fenced or any(on_gpu(a) for a in (req_id_per_token, block_table, logical_topk_indices))
             slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, gpu,
                                          req_id_per_token)
             self._order.rang(group)
@@ -231,7 +252,7 @@ class HostSwapIn:
         self._order.ready(int(layer))
         # Region of state row r, slot s: row r * region_stride + s (fits int32: the layout
         # keeps max_reqs * region_stride <= 2**31), from hot_base.
-        if _is_torch(slots):  # cuda: the slots stay on the GPU, so do the indices
+        if is_torch(slots):  # cuda: the slots stay on the GPU, so do the indices
             return self._on_device(slots, reqs, req_id_per_token, like, return_valid_counts, attention_indices_out,
                                    valid_counts_out)
         if resident is None and self._hot_int32:  # the common case: 32-bit, two passes
@@ -268,12 +289,10 @@ class HostSwapIn:
 
         dev = slots.device
         r = self._reqs_on(dev, reqs, req_arg)
-        if self._kernels and slots.stride(-1) == 1:  # one launch (csrc/handle.cu)
-            from .swap_in_kernels import indices  # noqa: PLC0415 - a cuda rank: CuPy is there
-
+        if slots.stride(-1) == 1 and swap_in_kernels.available():  # one launch (csrc/handle.cu)
             idx = _own_or_new(out, tuple(slots.shape), dev)
             counts = _own_or_new(counts_out, tuple(slots.shape[:1]), dev) if return_valid_counts else None
-            indices(slots, r, self._stride, self.hot_base, self.layout.max_reqs, idx, counts)
+            swap_in_kernels.indices(slots, r, self._stride, self.hot_base, self.layout.max_reqs, idx, counts)
         else:
             idx = torch.where(slots >= 0, slots + (r * self._stride + self.hot_base)[:, None], -1)
             counts = (idx >= 0).sum(dim=1, dtype=torch.int32)
@@ -291,7 +310,7 @@ class HostSwapIn:
         cached = self._req_dev
         if cached is not None and cached[0] is reqs and cached[1] == dev:
             return cached[2]
-        if _is_torch(req_arg) and req_arg.device == dev:
+        if is_torch(req_arg) and req_arg.device == dev:
             r = req_arg.to(torch.int32).contiguous()
         else:  # a few bytes from the host, staged at once (no wait on the stream)
             r = torch.from_numpy(reqs.astype(np.int32)).to(dev, non_blocking=True)
@@ -315,9 +334,7 @@ class HostSwapIn:
         a STEP the zmq client sent without waiting (its error surfaces at the next reply):
         this waits for those. The in-process client has nothing deferred."""
         self._open()
-        flush = getattr(self._client, "flush", None)
-        if flush is not None:
-            flush()
+        self._client.flush()
 
     def close(self) -> None:
         """Forget the slab views and the step's slots (idempotent). The client stays open:
@@ -342,7 +359,7 @@ class HostSwapIn:
         """``req_id_per_token`` on the host. On a fenced rank a tensor on the GPU is copied
         (a wait) once per step: the same tensor, not modified in place since (its version
         counter), gives the same copy at the step's later layers."""
-        if not (self._fenced and _copy_waits(req_id_per_token)):
+        if not (self._fenced and on_gpu(req_id_per_token)):
             return _ints("req_id_per_token", req_id_per_token, 1)
         t = req_id_per_token
         # (An inference-mode tensor has no version counter: the rule of the docstring.)
@@ -363,7 +380,8 @@ class HostSwapIn:
         """The group's leader: positions -> host rows, one top-k batch, keep the slots
         (and the resident rows: ``[tokens, k]`` row of the engine's storage, -1 = none)."""
         lay = self.layout
-        device_map = _copy_waits(topk) and resident_table is None and _block_size_ok(block_size)
+        device_map = on_gpu(topk) and resident_table is None and _block_size_ok(block_size) \
+            and swap_in_kernels.available()
         table = _ints("block_table", block_table, 2, keep_cuda=device_map)
         bad = (reqs < -1) | (reqs >= lay.max_reqs)
         if bad.any():
@@ -381,15 +399,16 @@ class HostSwapIn:
         # Each token reads its request's row of the block table; a padding token (-1)
         # none, so each of its positions maps to nothing.
         try:
-            if device_map:  # on the top-k's GPU
-                rows = _device_rows(topk, table, int(block_size), self._reqs_on(topk.device, reqs, req_arg),
-                                    self._kernels)
-                att = self._client.attachment
-                if not (getattr(att, "takes_device_topk", False) and topk.device == att.torch_device):
-                    rows = rows.cpu().numpy()  # (the client would copy it so; a wait)
-            else:
+            rows = None
+            if device_map:  # on the top-k's GPU (None: dtypes the kernel does not take)
+                rows = _device_rows(topk, table, int(block_size), self._reqs_on(topk.device, reqs, req_arg))
+            if rows is None:
                 topk = _host(topk)
-                rows = host_rows(topk, table, block_size, table_rows=reqs)
+                rows = host_rows(topk, _host(table), block_size, table_rows=reqs)
+            else:
+                att = self._client.attachment
+                if not (att.caps.device and att.takes_device_topk and topk.device == att.torch_device):
+                    rows = rows.cpu().numpy()  # (the client would copy it so; a wait)
         except (TypeError, ValueError) as e:  # e.g. block_size not a positive integer
             raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
         resident = None
@@ -418,7 +437,7 @@ class HostSwapIn:
             self._counts["batches"] += 1
             self._counts["hits"] += res.hits or 0
             self._counts["out_of_range"] += res.out_of_range or 0
-            if gpu and _is_torch(res.slots) and resident is None and self._hot_int32:
+            if gpu and is_torch(res.slots) and resident is None and self._hot_int32:
                 import torch  # noqa: PLC0415 - the reply holds tensors, so torch is there
 
                 # cuda: views of the rank's result ring, ordered after the gather on the
@@ -450,18 +469,8 @@ class HostSwapIn:
         return slots, resident
 
 
-def _is_torch(a) -> bool:
-    torch = sys.modules.get("torch")  # a tensor implies torch is imported: never import it here
-    return torch is not None and isinstance(a, torch.Tensor)
-
-
-def _copy_waits(a) -> bool:
-    """Whether copying ``a`` to the host waits for the current stream (a CUDA tensor)."""
-    return _is_torch(a) and a.is_cuda
-
-
 def _host(a) -> np.ndarray:
-    if _is_torch(a):
+    if is_torch(a):
         return a.detach().cpu().numpy()
     return np.asarray(a)
 
@@ -472,24 +481,18 @@ def _block_size_ok(bs) -> bool:
     return isinstance(bs, (int, np.integer)) and not isinstance(bs, bool) and 0 < bs <= INT32_MAX
 
 
-def _device_rows(topk, table, block_size: int, reqs, kernels: bool):
-    """Host rows (int32 tensor) of a top-k on the GPU, mapped there on the current stream,
-    without a wait: one kernel on a cuda rank (int32 or int64 inputs), else torch.
+def _device_rows(topk, table, block_size: int, reqs):
+    """Host rows (int32 tensor) of a top-k on the GPU, mapped there by one kernel on the
+    current stream, without a wait; None when a dtype is neither int32 nor int64.
     ``reqs``: int32 on the top-k's GPU (checked on the host)."""
     import torch  # noqa: PLC0415 - the top-k is a tensor, so torch is there
 
     dev = topk.device
-    if not _is_torch(table):  # staged at once: no wait for the stream
+    if not is_torch(table):  # staged at once: no wait for the stream
         table = torch.from_numpy(np.ascontiguousarray(table)).to(dev, non_blocking=True)
-    if kernels and table.device == dev:
-        from .swap_in_kernels import map_positions  # noqa: PLC0415 - a cuda rank: CuPy is there
-
-        rows = map_positions(topk, table, block_size, reqs)
-        if rows is not None:
-            return rows
-    from .torch_positions import torch_host_rows  # noqa: PLC0415 - needs torch
-
-    return torch_host_rows(topk, table, block_size, table_rows=reqs)
+    elif table.device != dev:
+        table = table.to(dev, non_blocking=True)
+    return swap_in_kernels.map_positions(topk, table, block_size, reqs)
 
 
 def _own_or_new(out, shape: tuple, dev):
@@ -497,7 +500,7 @@ def _own_or_new(out, shape: tuple, dev):
     contiguous tensor on ``dev``; _check_out checked the rest), else a new tensor."""
     import torch  # noqa: PLC0415
 
-    if _is_torch(out) and out.device == dev and out.is_contiguous():
+    if is_torch(out) and out.device == dev and out.is_contiguous():
         return out
     return torch.empty(shape, dtype=torch.int32, device=dev)
 
@@ -505,7 +508,7 @@ def _own_or_new(out, shape: tuple, dev):
 def _ints(name: str, a, ndim: int, keep_cuda: bool = False):
     """An integer array of ``ndim`` dims on the host, or BadRequest naming it; with
     ``keep_cuda`` a tensor on the GPU is checked in place and returned as it is."""
-    if keep_cuda and _copy_waits(a):
+    if keep_cuda and on_gpu(a):
         if a.dim() != ndim:
             raise BadRequest(f"{name} must have {ndim} dimension(s), got shape {tuple(a.shape)}",
                              ErrorCode.BAD_ARGUMENT)
@@ -524,14 +527,14 @@ def _check_out(name: str, out, shape: tuple) -> None:
     """Raise unless ``out`` (None: none given) can take an int32 result of ``shape``."""
     if out is None:
         return
-    if _is_torch(out):
+    if is_torch(out):
         import torch  # noqa: PLC0415
 
         if out.dtype != torch.int32:
             raise BadRequest(f"{name} must be int32, got {out.dtype}", ErrorCode.BAD_ARGUMENT)
     elif not isinstance(out, np.ndarray) or out.dtype != np.int32:
-        raise BadRequest(f"{name} must be an int32 NumPy array or torch tensor, got {type(out).__name__} "
-                         f"{getattr(out, 'dtype', '')}", ErrorCode.BAD_ARGUMENT)
+        got = out.dtype if isinstance(out, np.ndarray) else type(out).__name__
+        raise BadRequest(f"{name} must be an int32 NumPy array or torch tensor, got {got}", ErrorCode.BAD_ARGUMENT)
     if tuple(out.shape) != shape:
         raise BadRequest(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
 
@@ -541,7 +544,7 @@ def _deliver_tensor(result, out, like):
     a tensor on its device, NumPy when the caller passed NumPy (``like`` None)."""
     if out is None:
         return result.cpu().numpy() if like is None else result.to(like.device)
-    if _is_torch(out):
+    if is_torch(out):
         out.copy_(result)
         return out
     out[...] = result.cpu().numpy()
@@ -557,7 +560,7 @@ def _deliver(result: np.ndarray, out, like):
         import torch  # noqa: PLC0415 - only reached with a tensor argument, so torch is there
 
         return torch.from_numpy(result).to(like.device)
-    if _is_torch(out):
+    if is_torch(out):
         import torch  # noqa: PLC0415
 
         out.copy_(torch.from_numpy(result))

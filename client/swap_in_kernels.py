@@ -3,17 +3,23 @@ the current torch stream, nothing waited for:
 
 * :func:`map_positions`: logical positions + block table -> host rows (``skv_map_positions_*``,
   the rule of ``proto/positions.py``) for int32 or int64 tensors; None for other dtypes
-  (the caller then maps with torch, ``torch_positions.py``);
+  (the caller then maps on the host);
 * :func:`indices`: a reply's device slots -> attention indices and valid counts
   (``skv_db_indices``, the device handle's kernel, without resident blocks).
 
-Used by ``swap_in.py`` for a top-k on the GPU; a dozen torch operations each would cost
-more host time per layer than the layer's GPU work (docs/PERF.md, session 19).
+Used by ``swap_in.py`` for inputs on the GPU, where CuPy is installed (:func:`available`);
+a dozen torch operations each would cost more host time per layer than the layer's GPU
+work (docs/PERF.md).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import numpy as np
+
+from sparsekv.csrc.build import get_cache
 
 from sparsekv.proto.positions import UNMAPPED
 
@@ -25,12 +31,16 @@ _GRID_MAX = 65535  # blocks (grid-stride over tokens beyond)
 THREADS = 256  # per block (skv_db_indices: a multiple of 32, at most 1024)
 
 
+@functools.cache
+def available() -> bool:
+    """Whether CuPy, which launches these kernels, is installed (not imported here)."""
+    return importlib.util.find_spec("cupy") is not None
+
+
 def _function(name: str, device: int):
     fn = _functions.get((name, device))
     if fn is None:
         import cupy as cp  # noqa: PLC0415
-
-        from sparsekv.csrc.build import get_cache  # noqa: PLC0415
 
         with cp.cuda.Device(device):
             fn = _functions[(name, device)] = get_cache().module("handle.cu").get_function(name)

@@ -9,6 +9,9 @@
 //   skv_map_positions_*  logical positions + block table -> host rows [tokens, k], for a
 //                   top-k that goes to the daemon in a TOPK message (client/swap_in.py)
 //
+// Each maps a position through positions.cuh (skv_position_row, skv_host_row): the device
+// copy of proto/positions.py's rule, the only one.
+//
 // With a `bell` (signalling by kernels, client/doorbell.py), skv_db_begin and skv_db_topk
 // ring it themselves once the whole block is written (skv_ring_when_done; `done` is the
 // topk's arrival counter, one per group); null: the caller rings with a stream operation.
@@ -16,9 +19,7 @@
 // Launch shapes come from the engine's tensor shapes (fixed in its graph); every value is
 // checked again by the daemon's kernels. Step numbers come from a device counter the
 // engine's stream bumps in skv_db_begin, so a replayed graph describes each step right.
-#include "common.cuh"
-
-#define SKV_UNMAPPED (-2)  // a position that maps to no host row: counted as out of range
+#include "positions.cuh"
 
 // The STEP block: desc, rows = state_rows, aux = reset (0/1), payload = invalidate [n, inv_n].
 // counter[0] is the engine's step number (bumped here, once per step).
@@ -51,9 +52,8 @@ extern "C" __global__ void skv_db_begin(int* __restrict__ blk, int* __restrict__
 }
 
 // The TOPK block of a group, from the leader layer's logical top-k. Column j of token t
-// holds position p; its host row is block_table[req, p / bs] * bs + p % bs with req =
-// req_ids[t] (a row of the table per request). p < 0, p / bs past the table, a -1 block,
-// or a row beyond int32 -> SKV_UNMAPPED. A position whose block the engine still holds
+// holds position p; its host row is skv_host_row (positions.cuh) through the table row of
+// req = req_ids[t] (a row of the table per request; a req outside it -> SKV_UNMAPPED). A position whose block the engine still holds
 // on its GPU (resident[req, p / bs] >= 0, when `resident` is given) -> -1: no host row,
 // not a miss, not counted; skv_db_indices points it at the resident copy.
 // Without a table (null), the top-k holds host rows and is copied as it is.
@@ -84,20 +84,11 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
         const int* rrow = resident ? resident + (i64)(live ? req : 0) * res_blocks : nullptr;
         for (int j = threadIdx.x; j < k; j += blockDim.x) {
             const int p = topk[(i64)t * k + j];
-            int out = SKV_UNMAPPED;
-            if (!trow) {
-                out = p;  // no table: the top-k holds host rows already
-            } else if (live && p >= 0) {
-                const int blkno = p / block_size;
-                if (rrow && blkno < res_blocks && rrow[blkno] >= 0) {
-                    out = -1;
-                } else if (blkno < max_blocks) {
-                    const int hb = trow[blkno];
-                    if (hb >= 0) {
-                        const i64 row = (i64)hb * block_size + p % block_size;
-                        if (row <= 0x7fffffffll) out = (int)row;
-                    }
-                }
+            int out = p;  // no table: the top-k holds host rows already
+            if (trow) {
+                if (!live) out = SKV_UNMAPPED;
+                else if (skv_position_row(rrow, res_blocks, p, block_size) >= 0) out = -1;
+                else out = skv_host_row(trow, max_blocks, p, block_size);
             }
             payload[(i64)t * k + j] = out;
         }
@@ -140,11 +131,10 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
             int o = -1;
             if (live) {
                 const int p = rrow ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
-                const int blkno = p >= 0 ? p / block_size : -1;
-                const int rb = (rrow && p >= 0 && blkno < res_blocks) ? rrow[blkno] : -1;
+                const i64 r = skv_position_row(rrow, res_blocks, p, block_size);
                 i64 v = -1;
-                if (rb >= 0) {
-                    v = resident_base + (i64)rb * block_size + p % block_size;
+                if (r >= 0) {
+                    v = resident_base + r;
                 } else {
                     const int s = slots[(i64)t * ld + j];
                     if (s >= 0) v = hot_base + (i64)req * region_stride + s;
@@ -163,11 +153,9 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
     }
 }
 
-// Host rows of logical positions into out[t, j] (int32 [tokens, k]): the rule of
-// skv_db_topk without resident blocks, for positions P and a block table T of either
-// int32 or int64 (what a torch engine holds): p < 0, p / bs past the table, a -1 block or
-// a row beyond int32 -> SKV_UNMAPPED; a token whose req_ids[t] is outside [0, table_rows)
-// maps nothing. client/swap_in.py copies `out` into the rank's pinned TOPK block on the
+// Host rows of logical positions into out[t, j] (int32 [tokens, k]): skv_host_row
+// (positions.cuh) for positions P and a block table T of either int32 or int64 (what a
+// torch engine holds); a token whose req_ids[t] is outside [0, table_rows) maps nothing. client/swap_in.py copies `out` into the rank's pinned TOPK block on the
 // same stream. Grid: one block per token (grid-stride), any block size.
 template <typename P, typename T>
 __device__ __forceinline__ void skv_map_positions(int* __restrict__ out, const int* __restrict__ req_ids,
@@ -177,22 +165,9 @@ __device__ __forceinline__ void skv_map_positions(int* __restrict__ out, const i
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
         const int req = req_ids[t];
         const bool live = req >= 0 && req < table_rows;
-        const T* trow = table + (i64)(live ? req : 0) * max_blocks;
-        for (int j = threadIdx.x; j < k; j += blockDim.x) {
-            const i64 p = (i64)topk[(i64)t * k + j];
-            int o = SKV_UNMAPPED;
-            if (live && p >= 0) {
-                const i64 blkno = p / block_size;
-                if (blkno < max_blocks) {
-                    const i64 hb = (i64)trow[blkno];
-                    if (hb >= 0 && hb <= 0x7fffffffll) {  // beyond: every row of it passes int32
-                        const i64 row = hb * block_size + p % block_size;
-                        if (row <= 0x7fffffffll) o = (int)row;
-                    }
-                }
-            }
-            out[(i64)t * k + j] = o;
-        }
+        const T* trow = live ? table + (i64)req * max_blocks : nullptr;
+        for (int j = threadIdx.x; j < k; j += blockDim.x)
+            out[(i64)t * k + j] = skv_host_row(trow, max_blocks, (i64)topk[(i64)t * k + j], block_size);
     }
 }
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsekv.daemon.engine import EngineSpace
+from sparsekv.daemon.engine import EngineSpace, RankState
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import ErrorCode, Layout
 
 from sparsekv.client.client import Attachment
-from sparsekv.client.results import TopkResult
 from sparsekv.client.errors import error_for
+from sparsekv.client.results import TopkResult
 
 
 class InprocClient:
@@ -49,8 +49,6 @@ class InprocClient:
         slab = np.zeros((layout.num_layers, layout.max_reqs, layout.region_stride, layout.row_bytes), np.uint8)
         staging = np.zeros((layout.num_layers, layout.staging_rows, layout.row_bytes), np.uint8) if layout.staging_rows else None
         self._space = EngineSpace(engine, layout, pool)
-        from sparsekv.daemon.engine import RankState  # noqa: PLC0415
-
         self._state = RankState(self.rank, "cpu", CpuResidency(layout), CpuMover(layout, pool, slab, staging), slab, staging)
         self._space.ranks[0] = self._state
         self.attachment = Attachment(layout, engine, slab, staging)
@@ -67,6 +65,9 @@ class InprocClient:
         with _errors():
             res, _ = self._need().topk(step, group, topk, state_rows)
         return TopkResult(res.slots, res.misses, res.hits, res.out_of_range)
+
+    def flush(self) -> None:
+        """Nothing is deferred here: every call raises its own error (as ``Client.flush``)."""
 
     def write(self, rows, data, layers=None) -> dict:
         with _errors():

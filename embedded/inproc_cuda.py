@@ -16,9 +16,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsekv.proto import Layout
-
+from sparsekv.client.cuda_stream import external_stream
 from sparsekv.client.doorbell import DeviceSwapIn
+from sparsekv.daemon.cuda.arena import DeviceArena
+from sparsekv.daemon.cuda.buffers import RankBuffers
+from sparsekv.daemon.cuda.step import DeviceStep
+from sparsekv.daemon.kernels import get_cache
+from sparsekv.daemon.pinned import PinnedRegion, pin_chunk_bytes
+from sparsekv.daemon.pool import HostPool
+from sparsekv.daemon.residency.cuda import HITS, MISSES, OUT_OF_RANGE, CudaMover, CudaResidency, DeviceBuffers
+from sparsekv.proto import Layout
 
 GATHER_BLOCKS = 32  # the daemon's default gather_blocks (config.py)
 HUGE_PAGE = 2 << 20  # the pool is a whole number of 2 MiB pages
@@ -38,14 +45,6 @@ class InprocSwapIn(DeviceSwapIn):
                  backing: str | None = None):
         import cupy as cp  # noqa: PLC0415
         import torch  # noqa: PLC0415
-
-        from sparsekv.daemon.cuda.arena import DeviceArena  # noqa: PLC0415
-        from sparsekv.daemon.cuda.buffers import RankBuffers  # noqa: PLC0415
-        from sparsekv.daemon.cuda.step import DeviceStep  # noqa: PLC0415
-        from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
-        from sparsekv.daemon.pinned import PinnedRegion, pin_chunk_bytes  # noqa: PLC0415
-        from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
-        from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, DeviceBuffers  # noqa: PLC0415
 
         lay = layout.validate()
         kernels = get_cache()
@@ -90,8 +89,6 @@ class InprocSwapIn(DeviceSwapIn):
     def _ext(self, stream_ptr: int):
         import cupy as cp  # noqa: PLC0415
 
-        from sparsekv.client.cuda_stream import external_stream  # noqa: PLC0415
-
         return external_stream(cp, stream_ptr)
 
     def _begun(self, stream_ptr: int) -> None:
@@ -119,8 +116,6 @@ class InprocSwapIn(DeviceSwapIn):
 
     def counters(self) -> dict:
         """hits, misses, out_of_range over every group (waits for the device)."""
-        from sparsekv.daemon.residency.cuda import HITS, MISSES, OUT_OF_RANGE  # noqa: PLC0415
-
         c = self.buffers.counters.get()
         return {"hits": int(c[:, HITS].sum()), "misses": int(c[:, MISSES].sum()),
                 "out_of_range": int(c[:, OUT_OF_RANGE].sum())}

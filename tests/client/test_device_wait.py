@@ -14,6 +14,7 @@ import helpers
 from sparsekv.client import BadRequest, Client, DaemonUnavailable
 from sparsekv.client.client import Ready
 from sparsekv.client.device_wait import DeviceWaitWatch
+from sparsekv.client.results import AttachmentCaps
 from sparsekv.proto import ErrorCode, MsgType
 
 LAYOUT = helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
@@ -24,10 +25,9 @@ class FakeAttachment:
     """What Client asks of a cuda attachment on the device-wait path; records the calls."""
 
     layout = LAYOUT
-    has_blocks = True
 
-    def __init__(self, done_words=True):
-        self.has_done_words = done_words
+    def __init__(self, done_words=True, blocks=True):
+        self.caps = AttachmentCaps(device=True, step_blocks=blocks, done_words=done_words)
         self.calls, self.released = [], []
         self._n = {}
 
@@ -110,8 +110,8 @@ class FencedAttachment(FakeAttachment):
     that the request that carried it last has its reply."""
 
     def __init__(self, client, blocks=True):
-        super().__init__()
-        self.client, self.has_blocks = client, blocks
+        super().__init__(blocks=blocks)
+        self.client = client
         self.next, self.recorded, self.entries = 0, [], 0
 
     def next_entry(self):

@@ -59,9 +59,6 @@ class FakeCudaAttachment:
     def __init__(self):
         self.closed_with = []
 
-    def _stream_done_within(self, wait_s):  # the cuda attachment's bounded wait (not called here)
-        raise AssertionError("close decides")
-
     def close(self, wait_s=None):
         self.closed_with.append(wait_s)
 
@@ -153,7 +150,7 @@ def _refused_attach(monkeypatch, daemon_gone_at: str | None):
     def refuse(*a, **kw):
         raise CudaError("cudaErrorInvalidResourceHandle: invalid resource handle")
 
-    monkeypatch.setattr(cuda_attach, "CudaAttachment", refuse)
+    monkeypatch.setattr(client_mod, "CudaAttachment", refuse)
     c = client_mod.Client("/nonexistent", device="cuda:0")
     c._sock = SimpleNamespace(close=lambda linger=0: None)
     sent = []
@@ -165,7 +162,7 @@ def _refused_attach(monkeypatch, daemon_gone_at: str | None):
         return {"handles": {"kind": "cuda_ipc", "bus_id": "0000:00:06.0"}}, None
 
     monkeypatch.setattr(c, "_call", call)
-    monkeypatch.setattr(c, "_fetch_fds", lambda h: {})
+    monkeypatch.setattr(client_mod, "fetch_fds", lambda run_dir, h, timeout_s: {})
     monkeypatch.setattr(c, "_check_daemon",
                         lambda: "sparsekvd is gone (pid 4242 exited)" if daemon_gone_at == "check" else None)
     lay = Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64)

@@ -17,6 +17,7 @@ import pytest
 import helpers
 from sparsekv.client import Client, DaemonUnavailable
 from sparsekv.client import client as client_mod
+from sparsekv.client import connection as connection_mod
 from sparsekv.proto import LIMITS
 
 
@@ -113,7 +114,7 @@ def test_a_socket_renamed_to_busy_and_back_between_two_looks_is_not_a_dead_daemo
                 raise FileNotFoundError(path)
             return real_stat(path, *a, **kw)
 
-        monkeypatch.setattr(client_mod.os, "stat", racing_stat)
+        monkeypatch.setattr(connection_mod.os, "stat", racing_stat)
         assert c._check_daemon() is None
         assert misses["n"] == 0
         misses["n"] = 10**6  # really gone: every look misses
@@ -147,7 +148,7 @@ def test_a_socket_this_user_may_not_use_is_permission_denied(run_dir):
             try:
                 os.setgid(65534)
                 os.setuid(65534)
-                client_mod.probe_daemon(path, run_dir)
+                connection_mod.probe_daemon(path, run_dir)
                 msg = "connected"
             except DaemonUnavailable as e:
                 msg = str(e)
@@ -214,7 +215,7 @@ def test_a_write_larger_than_one_frame_is_split(run_dir, monkeypatch):
             slab = c.attachment.slab
             assert helpers.bad_rows(slab, (0,), np.array([0]), np.array([[3, 40, 63, 11]]), r.slots, 64) == 0
             # An array no split can shrink is refused here, not dropped by the daemon.
-            monkeypatch.setattr(client_mod, "LIMITS", LIMITS.__class__(max_frame_bytes=8))
+            monkeypatch.setattr(connection_mod, "LIMITS", LIMITS.__class__(max_frame_bytes=8))
             with pytest.raises(Exception, match="exceeds the frame limit"):
                 c.step(1, [0, 1, 2])
                 c.flush()

@@ -2,6 +2,7 @@
 on a case worked out by hand (DESIGN §4 residency, §6 position rule), through the
 in-process client and through a private daemon."""
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -9,10 +10,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from sparsekv.client import BadRequest, Client, NotAttached, SparseKVError
-from sparsekv.embedded.inproc import InprocClient
-from sparsekv.client.swap_in import HostSwapIn
 from sparsekv.bench.verify import fill_pool, pattern
+from sparsekv.client import BadRequest, Client, NotAttached, SparseKVError
+from sparsekv.client.doorbell import DoorbellSwapIn
+from sparsekv.client.swap_in import HostSwapIn, SwapInHandle
+from sparsekv.embedded.inproc import InprocClient
+from sparsekv.embedded.inproc_cuda import InprocSwapIn
 from sparsekv.proto import ErrorCode, Layout
 
 # Layers 0 and 1 share one index group (leader 0); layer 2 is a group of its own.
@@ -247,7 +250,7 @@ def test_tensor_replies_give_the_same_indices_counts_and_rows_made_with_torch(mo
     torch = pytest.importorskip("torch")
     from sparsekv.client import swap_in as swap_in_mod
 
-    monkeypatch.setattr(swap_in_mod, "_copy_waits", swap_in_mod._is_torch)
+    monkeypatch.setattr(swap_in_mod, "on_gpu", swap_in_mod.is_torch)
     with InprocClient() as c:
         c.attach(LAYOUT)
         fill_pool(c, LAYOUT)
@@ -274,19 +277,40 @@ def test_tensor_replies_give_the_same_indices_counts_and_rows_made_with_torch(mo
         assert h.counts["misses"] == 14  # all hit the second time
 
 
+def fake_map_positions(mapped):
+    """A stand-in for swap_in_kernels.map_positions (the kernel needs a GPU): checks what
+    the kernel is given, maps by the host rule, records the call."""
+    from sparsekv.proto.positions import UNMAPPED, host_rows
+
+    torch = pytest.importorskip("torch")
+
+    def map_positions(topk, table, block_size, reqs):
+        assert all(isinstance(a, torch.Tensor) for a in (topk, table, reqs)) and reqs.dtype == torch.int32
+        if topk.dtype not in (torch.int32, torch.int64) or table.dtype not in (torch.int32, torch.int64):
+            return None
+        mapped.append(1)
+        r = reqs.numpy()
+        inside = (r >= 0) & (r < table.shape[0])
+        rows = host_rows(topk.numpy(), table.numpy(), block_size, table_rows=np.where(inside, r, -1))
+        return torch.from_numpy(np.where(inside[:, None], rows, UNMAPPED).astype(np.int32))
+
+    return map_positions
+
+
 def test_a_top_k_on_the_gpu_is_mapped_there_and_only_the_rows_come_to_the_host(monkeypatch):
-    """A top-k tensor on the GPU (here: any tensor, on the CPU) is mapped with torch on its
-    device (torch_positions), never copied to the host nor mapped by host_rows, with a
-    block table either on the host or a tensor; the same indices as the hand-worked case.
-    Its shape and type are checked in place, with the host path's errors. A resident
-    block table takes the host path."""
+    """A top-k tensor on the GPU (here: any tensor) is mapped by the kernel on its device
+    where CuPy is installed (here a stand-in), never by host_rows, with a block table
+    either on the host or a tensor; the same indices as the hand-worked case. Its shape
+    and type are checked in place, with the host path's errors. A resident block table,
+    a dtype the kernel does not take, or no CuPy: the host path (host_rows)."""
     torch = pytest.importorskip("torch")
     from sparsekv.client import swap_in as swap_in_mod
 
-    monkeypatch.setattr(swap_in_mod, "_copy_waits", swap_in_mod._is_torch)
+    monkeypatch.setattr(swap_in_mod, "on_gpu", swap_in_mod.is_torch)
+    monkeypatch.setattr(swap_in_mod.swap_in_kernels, "available", lambda: True)
     mapped, hosted = [], []
-    real_device_rows, real_host_rows = swap_in_mod._device_rows, swap_in_mod.host_rows
-    monkeypatch.setattr(swap_in_mod, "_device_rows", lambda *a: mapped.append(1) or real_device_rows(*a))
+    real_host_rows = swap_in_mod.host_rows
+    monkeypatch.setattr(swap_in_mod.swap_in_kernels, "map_positions", fake_map_positions(mapped))
     monkeypatch.setattr(swap_in_mod, "host_rows", lambda *a, **k: hosted.append(1) or real_host_rows(*a, **k))
     pos = torch.from_numpy(POS)
     with InprocClient() as c:
@@ -315,6 +339,18 @@ def test_a_top_k_on_the_gpu_is_mapped_there_and_only_the_rows_come_to_the_host(m
         assert mapped == [1, 1] and hosted == [1]
         h.swap_in(REQS, TABLE, pos, layer=0, block_size=BS, resident_block_table=np.full((3, 2), -1, np.int32))
         assert mapped == [1, 1] and hosted == [1, 1]
+        h.swap_in(REQS, TABLE, pos.to(torch.int16), layer=1, block_size=BS)  # a follower: nothing mapped
+        h.swap_in(REQS, TABLE, pos, layer=2, block_size=BS)  # a leader
+        h.begin_step([0, 1, -1])
+        idx = h.swap_in(REQS, TABLE, pos.to(torch.int16), layer=0, block_size=BS)  # no int16 kernel
+        assert mapped == [1, 1, 1] and hosted == [1, 1, 1] and idx.tolist() == WANT.tolist()
+        h.swap_in(REQS, TABLE, pos, layer=1, block_size=BS)
+        h.swap_in(REQS, TABLE, pos, layer=2, block_size=BS)
+        monkeypatch.setattr(swap_in_mod.swap_in_kernels, "available", lambda: False)
+        h = HostSwapIn(c)  # no CuPy
+        h.begin_step([0, 1, -1])
+        assert h.swap_in(REQS, TABLE, pos, layer=0, block_size=BS).tolist() == WANT.tolist()
+        assert mapped == [1, 1, 1, 1] and hosted == [1, 1, 1, 1]
 
 
 def test_a_gpu_req_id_tensor_is_read_once_a_step_on_a_fenced_rank_even_in_inference_mode(monkeypatch):
@@ -326,7 +362,7 @@ def test_a_gpu_req_id_tensor_is_read_once_a_step_on_a_fenced_rank_even_in_infere
     torch = pytest.importorskip("torch")
     from sparsekv.client import swap_in as swap_in_mod
 
-    monkeypatch.setattr(swap_in_mod, "_copy_waits", swap_in_mod._is_torch)
+    monkeypatch.setattr(swap_in_mod, "on_gpu", swap_in_mod.is_torch)
     copied = []
     real_ints = swap_in_mod._ints
     monkeypatch.setattr(swap_in_mod, "_ints", lambda name, *a, **k: (copied.append(name) if name == "req_id_per_token"
@@ -393,3 +429,14 @@ def test_a_failed_begin_step_leaves_no_step_to_swap_into():
         h.begin_step([0, 1, -1])
         with pytest.raises(BadRequest, match="block_size must be positive"):
             h.swap_in(REQS, TABLE, POS, layer=0, block_size=0)
+
+
+def test_every_handle_has_the_methods_of_the_swap_in_protocol():
+    """HostSwapIn, the doorbell handle and the in-process one take the same arguments for
+    every method of SwapInHandle: model code written against it runs on each."""
+    want = {n: list(inspect.signature(f).parameters) for n, f in vars(SwapInHandle).items()
+            if inspect.isfunction(f) and not n.startswith("_")}
+    assert set(want) == {"begin_step", "finish_step", "swap_in", "kv", "check", "close"}
+    for cls in (HostSwapIn, DoorbellSwapIn, InprocSwapIn):
+        for name, params in want.items():
+            assert list(inspect.signature(getattr(cls, name)).parameters) == params, (cls.__name__, name)

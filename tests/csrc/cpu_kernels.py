@@ -367,6 +367,30 @@ def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan
                        q(block_stride), _opt(ready), _opt(arrivals))
 
 
+_INTS = {"i32": "int", "i64": "long long"}
+_MAP_ARGS = "out, req_ids, tokens, table, table_rows, max_blocks, topk, k, block_size"
+
+
+def _map_params(p: str, t: str) -> str:
+    return (f"int* out, const int* req_ids, int tokens, const {_INTS[t]}* table, int table_rows, int max_blocks, "
+            f"const {_INTS[p]}* topk, int k, long long block_size")
+
+
+def map_positions(grid: int, threads: int, topk, table, block_size: int, req_ids):
+    """``skv_map_positions_<P>_<T>`` (csrc/handle.cu) over NumPy arrays (int32 or int64
+    positions and table); returns the int32 host rows."""
+    lib = build("handle.cu", {})
+    width = {4: "i32", 8: "i64"}
+    name = f"skv_map_positions_{width[topk.dtype.itemsize]}_{width[table.dtype.itemsize]}"
+    tokens, k = topk.shape
+    out = np.full((tokens, k), -9, np.int32)
+    getattr(lib, f"run_{name}")(ctypes.c_int(grid), ctypes.c_int(threads), ctypes.c_int(0), _ptr(out), _ptr(req_ids),
+                                ctypes.c_int(tokens), _ptr(table), ctypes.c_int(table.shape[0]),
+                                ctypes.c_int(table.shape[1]), _ptr(topk), ctypes.c_int(k),
+                                ctypes.c_longlong(block_size))
+    return out
+
+
 # The kernels of each source the tests run: the C parameter list, the names passed on.
 KERNELS = {
     "resolve.cu": {
@@ -380,6 +404,7 @@ KERNELS = {
                            "const int* state_rows, const int* reset, const int* inv, int inv_cap, int* err",
                            "desc, owner, lru, groups, max_reqs, S, max_batch, state_rows, reset, inv, inv_cap, err"),
     },
-    "handle.cu": {"skv_db_topk": (_TOPK_PARAMS, _TOPK_ARGS), "skv_db_indices": (_INDICES_PARAMS, _INDICES_ARGS)},
+    "handle.cu": {"skv_db_topk": (_TOPK_PARAMS, _TOPK_ARGS), "skv_db_indices": (_INDICES_PARAMS, _INDICES_ARGS),
+                  **{f"skv_map_positions_{p}_{t}": (_map_params(p, t), _MAP_ARGS) for p in _INTS for t in _INTS}},
     "copy.cu": {"skv_merge_plan": (_MERGE_PARAMS, _MERGE_ARGS), "skv_gather": (_GATHER_PARAMS, _GATHER_ARGS)},
 }

@@ -273,7 +273,7 @@ def test_every_group_of_a_step_from_client_written_blocks_equals_cpu(device_wait
                        log_path=DAEMON_LOG) as d, Client(d.run_dir, device="cuda:0", device_wait=device_wait) as c, \
             InprocClient(backend="cpu") as ref:
         att = c.attach(lay, engine="groups")
-        assert att.has_blocks and att.has_done_words
+        assert att.caps.step_blocks and att.caps.done_words
         ref.attach(lay, engine="groups")
         for t in range(trace.steps):
             for cl in (c, ref):

@@ -1,0 +1,293 @@
+"""The rank's connection to sparsekvd: requests out and replies in on one ZeroMQ socket,
+and the daemon's liveness.
+
+:class:`Connection` is the wire half of :class:`~sparsekv.client.Client`: it sends a
+request and collects its reply (spinning first, then sleeping on the socket in slices),
+keeps the replies of requests sent without waiting (``_deferred``), and between slices
+checks that the daemon it connected to still lives: its process and the identity of its
+socket file. A daemon found gone ends the session (``_lost``). The state it uses is set up
+by ``Client.__init__`` and ``Client.connect``; ``Client`` adds what is sent.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import time
+
+import psutil
+import zmq
+
+from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError, decode, encode
+from sparsekv.proto.frames import send_copy
+
+from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
+
+_ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
+# While waiting for a reply, check this often that the daemon still lives: a client
+# learns within about this long that its daemon died or was restarted, not at timeout_s.
+LIVENESS_SLICE_S = 0.25
+# The daemon renames its socket to this while it is short of file descriptors
+# (daemon/connguard.py): no new connection, the existing ones go on.
+BUSY_SUFFIX = ".busy"
+
+
+class Connection:
+    """Requests and replies on the rank's socket, and the daemon's liveness. Not
+    thread-safe: one thread per client."""
+
+    @property
+    def control_path(self) -> str:
+        return os.path.join(self.run_dir, "control.sock")
+
+    def _lost(self, why: str, what: str = "session is"):
+        """The daemon is gone: every request of this client fails from now on."""
+        self._gone = f"{why}; this client's {what} gone: create a new Client (and attach again)"
+        if self._sock is not None:
+            self._sock.close(0)
+        self._sock = None
+        self._drop_context()
+        # Nothing in flight will be answered (connect() again starts clean).
+        self._sent.clear()
+        self._replies.clear()
+        self._deferred.clear()
+        raise DaemonUnavailable(self._gone)
+
+    def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
+        if self._sock is None:
+            if self._gone is not None:
+                raise DaemonUnavailable(self._gone)
+            raise SparseKVError("client is not connected; call connect() or use it as a context manager")
+        req = self._next_id
+        self._next_id += 1
+        ts = time.perf_counter_ns()
+        # ``fields`` is always a dict this client built for this one request: extend it.
+        if fields is None:
+            fields = {"ts": ts}
+        else:
+            fields["ts"] = ts
+        frames = encode(msg_type, req, fields, arrays)
+        if arrays:
+            for f in frames[1:]:
+                # The daemon would drop the connection unread (ZMQ_MAXMSGSIZE) and this
+                # client would wait for a reply that never comes: refuse it here.
+                if len(f) > LIMITS.max_frame_bytes:
+                    raise BadRequest(f"an array of {len(f)} bytes exceeds the frame limit of "
+                                     f"{LIMITS.max_frame_bytes} bytes; split the request", ErrorCode.TOO_LARGE)
+        self._sock.send_multipart(frames, copy=send_copy(frames))
+        self._sent[req] = (msg_type, ts)
+        return req
+
+    def _receive_until(self, req_id: int) -> None:
+        if self._sock is None and req_id not in self._replies:
+            raise DaemonUnavailable(self._gone or "client is not connected")
+        while req_id not in self._replies:
+            if not self._spin() and not self._sock.poll(int(min(self.timeout_s, LIVENESS_SLICE_S) * 1000)):
+                self._wait_slices()
+            self._receive_one()
+
+    def _receive_one(self) -> None:
+        frames = self._sock.recv_multipart(copy=False)
+        t_recv = time.perf_counter_ns()
+        try:
+            header, arrays = decode(frames)
+        except ProtocolError as e:
+            raise SparseKVError(f"undecodable reply: {e}") from None
+        rid = header["id"]
+        sent = self._sent.pop(rid, None)
+        tr = header.get("tr")
+        if sent is not None and tr is not None:
+            self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
+            if sent[0] == MsgType.TOPK:
+                self.enqueued_at = header.get("tl")  # None from a cpu rank or an error reply
+        self._replies[rid] = (header, arrays)
+
+    def _receive_arrived(self) -> None:
+        """Take every reply already here, without waiting."""
+        while self._sock is not None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._receive_one()
+
+    def _spin(self) -> bool:
+        """Poll without sleeping for up to ``spin_us``; True once a reply is waiting."""
+        if not self.spin_ns:
+            return False
+        # ZMQ_EVENTS, not poll(): a poll builds a Poller each call (microseconds).
+        get, now = self._sock.getsockopt, time.perf_counter_ns
+        end = now() + self.spin_ns
+        while now() < end:
+            if get(zmq.EVENTS) & zmq.POLLIN:
+                return True
+        return False
+
+    def _wait_slices(self) -> None:
+        """No reply within the first slice: poll on in slices until ``timeout_s``,
+        checking between slices that the daemon still lives (it may have died or been
+        restarted: then no reply will ever come)."""
+        deadline = time.monotonic() + self.timeout_s - min(self.timeout_s, LIVENESS_SLICE_S)
+        while True:
+            why = self._check_daemon()
+            if why is not None:
+                self._lost(why)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s")
+            if self._sock.poll(max(1, int(min(left, LIVENESS_SLICE_S) * 1000))):
+                return
+
+    def _await_reply(self, req_id: int):
+        self._receive_until(req_id)
+        self._check_deferred()
+        header, arrays = self._replies.pop(req_id)
+        if not header.get("ok"):
+            code = header.get("code", int(ErrorCode.INTERNAL))
+            if code == ErrorCode.NOT_HELLO and self.info and self._sock is not None:
+                # This connection said HELLO, yet the daemon does not know it: a new
+                # daemon answers (libzmq reconnected to it by itself) if the socket changed.
+                why = self._check_daemon()
+                if why is not None:
+                    self._lost(why)
+            raise error_for(code, header.get("msg", "no message"))
+        return header, arrays
+
+    def _check_deferred(self) -> None:
+        """Raise the first error among deferred requests whose replies have arrived."""
+        for r in [r for r in self._deferred if r in self._replies]:
+            self._deferred.remove(r)
+            header, _ = self._replies.pop(r)
+            if not header.get("ok"):
+                raise error_for(header.get("code", int(ErrorCode.INTERNAL)), header.get("msg", "no message"))
+
+    def _call(self, msg_type: MsgType, fields=None, arrays=None):
+        """Send and wait; return (reply fields without the envelope, reply arrays)."""
+        header, arrays = self._await_reply(self._send(msg_type, fields, arrays))
+        return {k: v for k, v in header.items() if k not in _ENVELOPE}, arrays
+
+    def _check_daemon(self) -> str | None:
+        """Why the daemon this client connected to is no longer there, or None while it
+        seems to be: its process (when this process can see it) and its socket file (a
+        restarted daemon makes a new one)."""
+        path = self.control_path
+        if self._process_alive() is False:
+            return f"sparsekvd is gone (pid {self._daemon_pid} exited)"
+        st = None  # alive, or cannot tell (another pid namespace, permissions): the socket says more
+        # The daemon renames control.sock <-> control.sock.busy while it holds off new
+        # connections (daemon/connguard.py): both names can be missing between two stats.
+        # Gone only when neither exists three times over.
+        for _ in range(3):
+            for p in (path, path + BUSY_SUFFIX):
+                try:
+                    st = os.stat(p)
+                    break
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    return None  # cannot tell
+            if st is not None:
+                break
+        if st is None:
+            return f"sparsekvd is gone: its socket {path} was removed"
+        if self._socket_id is not None and file_id(st) != self._socket_id:
+            return f"sparsekvd restarted: {path} is a new daemon's socket"
+        return None
+
+    def _process_alive(self) -> bool | None:
+        """Whether the daemon's process lives: None when this process cannot see it. A new
+        process under the same pid, or a zombie its parent has not reaped, is not it."""
+        pid = self._daemon_pid
+        if pid <= 0:
+            return None
+        try:
+            p = psutil.Process(pid)
+            return p.status() != psutil.STATUS_ZOMBIE and (self._daemon_started is None
+                                                            or p.create_time() == self._daemon_started)
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.Error:
+            return None
+
+    def _daemon_dead(self) -> str | None:
+        """Why the daemon is gone, only once its process is (or cannot be seen): a daemon
+        whose socket went away but whose process lives may still run its GPU work, and a
+        release then would race with it."""
+        if self._process_alive() is True:
+            return None
+        return self._check_daemon()
+
+    def _still_there(self) -> None:
+        """Raise DaemonUnavailable (and forget the session) if the daemon has gone."""
+        why = self._check_daemon()
+        if why is not None:
+            self._lost(why)
+
+    def _drop_context(self) -> None:
+        """Terminate this client's own context (io_cpus: its I/O thread goes); the
+        process's shared instance stays. Its only socket is closed already."""
+        if self._ctx is not None and self.io_cpus:
+            self._ctx.term()
+        self._ctx = None
+
+
+def probe_daemon(path: str, run_dir: str) -> tuple[int, tuple[int, int]]:
+    """Connect to the daemon's socket ``path`` once, as a plain UNIX socket, and hang up.
+    Returns (the daemon's pid as this process sees it, 0 when it runs in another pid
+    namespace; the socket file's identity, file_id). Raises :class:`DaemonUnavailable`
+    saying what is wrong: no socket, permission denied, connection refused (a daemon that
+    died left it behind), or a daemon holding off new connections."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.exists(path + BUSY_SUFFIX):
+            raise DaemonUnavailable(f"sparsekvd at {run_dir} refuses new connections for now: it is short of file "
+                                    "descriptors (too many open connections; see its log); retry later") from None
+        raise DaemonUnavailable(f"no daemon socket at {path}; is sparsekvd running with --run-dir {run_dir}?") from None
+    except PermissionError:
+        raise DaemonUnavailable(f"permission denied on {run_dir}: this user may not enter sparsekvd's run dir "
+                                "(engines need the daemon's group, see deploy/README.md)") from None
+    except OSError as e:
+        raise DaemonUnavailable(f"cannot reach {path}: {e.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise DaemonUnavailable(f"{path} is not a socket; is --run-dir {run_dir} sparsekvd's run dir?")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(2.0)
+        try:
+            s.connect(path)
+        except PermissionError:
+            raise DaemonUnavailable(f"permission denied on {path}: this user may not connect to sparsekvd (connecting "
+                                    "needs write permission on the socket: the daemon's group, see deploy/README.md)"
+                                    ) from None
+        except ConnectionRefusedError:
+            raise DaemonUnavailable(f"connection refused on {path}: no sparsekvd listens there (it exited and left "
+                                    "its socket behind, or it is starting)") from None
+        except FileNotFoundError:
+            return probe_daemon(path, run_dir)  # renamed away just now: say why
+        except (BlockingIOError, TimeoutError):
+            raise DaemonUnavailable(f"sparsekvd at {run_dir} does not accept connections: its queue is full "
+                                    "(is it stuck?)") from None
+        except OSError as e:
+            raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror}") from None
+        try:
+            pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        except OSError:
+            pid = 0
+    finally:
+        s.close()
+    return max(pid, 0), file_id(st)
+
+
+def file_id(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells one socket file from the next at the same path: a file system may give
+    a new file the inode number of one just deleted (ext4 does), but not its mtime too
+    (set when the daemon binds it; chmod and rename leave it)."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def start_time(pid: int) -> float | None:
+    if pid <= 0:
+        return None
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
