@@ -315,9 +315,6 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     skv_clear_masks(w, mask_words);  // ordered by the tile scan's barrier
     int* owner = owner_g + (i64)s * S;
     int* lru = lru_g + (i64)s * S;
-    int hbits = 1;
-    while ((1 << hbits) < SKV_HASH_SCALE * kp) ++hbits;
-    const int hsize = 1 << hbits;
 
     // Phase 1's keys and column states of column i < kp (id g when i < k); returns
     // (g out of range << 16) | (g valid): summed over a row, each count fits 16 bits.
@@ -374,6 +371,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // old lru entry is marked seen as it is copied, without reading the word back: with
         // every entry in range, the lru repeats an entry iff a slot's bit is missing (S
         // entries, S slots), checked after the next barrier.
+        int hbits = 1;
+        while ((1 << hbits) < SKV_HASH_SCALE * kp) ++hbits;
+        const int hsize = 1 << hbits;
         int oor = 0;
         int lru_bad = 0;
         const int span = kp > S ? kp : S;
