@@ -1,7 +1,7 @@
 // Shared helpers for the sparsekv kernels.
 //
 // Plain CUDA C++ that both nvcc and NVRTC accept: no includes at all (NVRTC has no host
-// headers), only built-in types. daemon/kernels.py inlines this file into each .cu before
+// headers), only built-in types. csrc/build.py inlines this file into each .cu before
 // compiling, so the source it hashes for the cache key is the whole program.
 //
 // Every block-wide helper here must be called by all threads of the block (block-uniform
