@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import ctypes
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import cpu_kernels
 from kernel_traces import assert_same, gen_batch, layout, run_trace
+from sparsekv.client.doorbell import DoorbellSwapIn
 from sparsekv.daemon.residency.cpu import CpuResidency
-from sparsekv.daemon.residency.cuda import E_CORRUPT_STATE, E_DUPLICATE_IDS, E_TOO_MANY_TOKENS
+from sparsekv.daemon.residency.cuda import E_CORRUPT_STATE, E_DUPLICATE_IDS, E_TOO_MANY_TOKENS, make_desc
+from sparsekv.proto import positions
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 
@@ -259,8 +262,6 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
     """skv_db_topk: position -> host row by the request's block table (proto/positions.py's
     rule), resident blocks -> -1 (no host row), unmapped -> -2; the step block's head; and
     the bell rung once every block is done, its arrival counter back at 0."""
-    from sparsekv.proto.positions import UNMAPPED, host_rows
-
     rng = np.random.default_rng(grid)
     for trial in range(8):
         req, table, resident, topk, bs = _positions_case(rng)
@@ -273,12 +274,12 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
                             done=done, bell=bell)
         live = (req >= 0) & (req < table.shape[0])
         rows_tab = np.where(live[:, None], table[np.clip(req, 0, table.shape[0] - 1)], -1)
-        want = host_rows(topk, rows_tab, bs)
+        want = positions.host_rows(topk, rows_tab, bs)
         blkno = np.where(topk >= 0, topk // bs, -1)
         res_tab = np.where(live[:, None], resident[np.clip(req, 0, resident.shape[0] - 1)], -1)
         in_res = (blkno >= 0) & (blkno < resident.shape[1])
         is_res = in_res & (np.take_along_axis(res_tab, np.clip(blkno, 0, resident.shape[1] - 1), axis=1) >= 0)
-        want = np.where(is_res, -1, np.where(live[:, None], want, UNMAPPED))
+        want = np.where(is_res, -1, np.where(live[:, None], want, positions.UNMAPPED))
         payload = blk[16 + 2 * max_batch:16 + 2 * max_batch + tokens * k].reshape(tokens, k)
         np.testing.assert_array_equal(payload, want, err_msg=f"trial {trial}")
         np.testing.assert_array_equal(blk[16:16 + tokens], np.where(req < 0, -1, req))
@@ -293,10 +294,6 @@ def test_the_handles_own_arguments_ring_the_groups_bell(grid):
     1 and its arrival counter at 0. (The handle once passed the
     two the other way round: the kernel counted arrivals on the bell, which the daemon's
     stream then never saw settle at 1, and the engine waited for ever.)"""
-    from types import SimpleNamespace
-
-    from sparsekv.client.doorbell import DoorbellSwapIn
-
     tokens, k, max_batch, groups = 4, 8, 8, 2
     blks = [np.full(16 + 2 * max_batch + max_batch * k, -9, np.int32) for _ in range(groups)]
     counter = np.array([7], np.int32)
@@ -353,8 +350,6 @@ def test_the_indices_clear_the_layers_ready_word():
     """The handle passes each layer's ready word to skv_db_indices, which sets it to 0 (in
     place of a stream operation after the wait); the indices are those of a launch without
     it."""
-    from sparsekv.client.doorbell import DoorbellSwapIn
-
     rng = np.random.default_rng(8)
     req, table, resident, topk, bs = _positions_case(rng)
     tokens, k = topk.shape
@@ -403,8 +398,6 @@ def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_els
     to slot plan_slots[b, i] of the slab (i < misses[b]), into the daemon's flat slab or an
     engine's paged buffer (blocks of block_rows rows at block_stride bytes, a gap after
     each); every other byte stays as it was; an entry outside the pool is skipped."""
-    from sparsekv.daemon.residency.cuda import make_desc
-
     rng = np.random.default_rng(11)
     L, host_rows, rb = 4, 300, 48
     B, ld, slots_n = 5, 12, 40  # slab rows per layer (max_reqs x region_stride)
@@ -456,8 +449,6 @@ def test_the_gather_sets_its_ready_word_once_every_block_is_done(grid):
     copied as without it, the word is 1 afterwards and the arrival counter back at 0;
     also when the descriptor is out of range (nothing copied, the engine still released);
     without a word nothing is signalled."""
-    from sparsekv.daemon.residency.cuda import make_desc
-
     rng = np.random.default_rng(3)
     L, host_rows, rb, B, ld, slots_n = 2, 50, 32, 3, 4, 12
     pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)

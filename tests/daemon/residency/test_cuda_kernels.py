@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 
 from sparsekv.daemon import kernels
-from sparsekv.daemon.pinned import PinError, PinnedRegion, plan_chunks
+from sparsekv.daemon.pinned import CudaHostRuntime, PinError, PinnedRegion, plan_chunks
 from sparsekv.daemon.residency.base import Plan, ResidencyError
 from sparsekv.daemon.residency.contract import RegionModel
+from sparsekv.daemon.residency import cuda
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto.layout import Layout
+from sparsekv.proto.slab import SlabGeometry
+from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
 
 from kernel_traces import assert_same, assert_state, gen_batch, gen_row, junk_values, layout, run_trace  # noqa: F401,E501 - shared with tests/csrc
 
@@ -29,12 +32,6 @@ pytestmark = pytest.mark.cuda
 @pytest.fixture(scope="session")
 def kc(tmp_path_factory):
     return kernels.KernelCache(tmp_path_factory.mktemp("kernel-cache"))
-
-
-def cuda_mod():
-    from sparsekv.daemon.residency import cuda
-
-    return cuda
 
 
 def device_sync():
@@ -75,7 +72,6 @@ def test_resolve_with_each_workspace_option_matches_cpu(case, kc, opts):
     (SKV_LRU_SMEM, SKV_OWNER_SMEM), given explicitly (the default takes every one that
     fits): the workspace grows with them, the results stay the cpu backend's."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
-    cuda = cuda_mod()
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, **opts)
     assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem) == tuple(opts.values())
@@ -89,7 +85,6 @@ def test_the_default_workspace_takes_the_x4_table_then_the_rows_where_they_fit_i
     H200's 227 KiB, and then the owner and new lru rows too; a global workspace keeps the
     x2 table and the rows in global memory; with a region of 32768 neither the x4 table
     nor a row more fits."""
-    cuda = cuda_mod()
     lay = layout(2048, 4096, 1 << 20, 64, max_batch=64)
     gpu = cuda.CudaResidency(lay, kernels=kc)
     assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem, gpu.workspace_global) == (4, True, True, False)
@@ -105,7 +100,6 @@ def test_the_default_workspace_takes_the_x4_table_then_the_rows_where_they_fit_i
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
 def test_resolve_matches_cpu(case, kc):
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
-    cuda = cuda_mod()
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     cpu = CpuResidency(lay)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws)
@@ -117,7 +111,6 @@ def test_resolve_matches_cpu(case, kc):
 
 def test_matches_reference_model(kc):
     """One state row, long random sequence, against contract.RegionModel directly."""
-    cuda = cuda_mod()
     lay = layout(6, 12, 30, 1)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     model = RegionModel(lay.region_stride)
@@ -145,7 +138,6 @@ def test_matches_reference_model(kc):
 
 def test_eviction_order_small(kc):
     """A hand-checked LRU sequence: oldest evictable first, hits move to the back."""
-    cuda = cuda_mod()
     lay = layout(2, 4, 10, 1)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     cpu = CpuResidency(lay)
@@ -169,7 +161,6 @@ def test_eviction_order_small(kc):
 def test_device_path_counters_padding_and_short_rows(kc):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(8, 16, 100, 4, groups=2)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     cpu = CpuResidency(lay)
@@ -210,7 +201,6 @@ def test_device_path_counters_padding_and_short_rows(kc):
 def test_device_path_bad_state_row_is_padding(kc):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(4, 8, 50, 2)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     out = gpu.new_output(3)
@@ -232,7 +222,6 @@ def test_device_path_bad_state_row_is_padding(kc):
 def test_duplicates_host_raises_device_refuses_the_row(kc):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(6, 12, 40, 2)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     cpu = CpuResidency(lay)
@@ -268,7 +257,6 @@ def test_duplicates_host_raises_device_refuses_the_row(kc):
 def test_garbage_owner_matches_cpu(kc):
     """Owner rows holding junk (repeats, out-of-range values) still resolve exactly as the
     NumPy engine does (a repeated owner: the lowest slot is the hit)."""
-    cuda = cuda_mod()
     lay = layout(16, 48, 60, 3, groups=2)
     cpu = CpuResidency(lay)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
@@ -299,7 +287,6 @@ def _intact(big, canary, guard, n):
 def test_corrupt_state_never_writes_out_of_bounds(kc):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(32, 64, 500, 3, groups=2, layers_per_group=2, row_bytes=48)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     shape = gpu.owner.shape
@@ -369,7 +356,6 @@ def _pinned_pool(nbytes):
 def test_gather_stage_write_bytes(kc, row_bytes):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(64, 128, 3000, 4, groups=2, layers_per_group=3, row_bytes=row_bytes, staging_rows=200)
     cpu = CpuResidency(lay)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=64)
@@ -441,7 +427,6 @@ def test_gather_stage_write_bytes(kc, row_bytes):
 
 
 def test_gather_host_plan_matches_cpu_mover(kc):
-    cuda = cuda_mod()
     lay = layout(32, 64, 5000, 2, groups=1, layers_per_group=4, row_bytes=656)
     m, pool_bytes = _pinned_pool(lay.pool_bytes)
     with PinnedRegion(pool_bytes.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
@@ -468,9 +453,6 @@ def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_
     and after, the gaps between blocks, the engine's other blocks) is untouched."""
     import cupy as cp
 
-    from sparsekv.proto.slab import SlabGeometry
-
-    cuda = cuda_mod()
     lay = layout(32, 64, 3000, 2, groups=2, layers_per_group=2, row_bytes=656)
     br = 4
     stride = block_stride_rows * lay.row_bytes
@@ -526,7 +508,6 @@ def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_
                     plan_rows[i, :n] = got.plan.rows[part]
                     plan_slots[i, :n] = got.plan.slots[part]
                     misses[i] = n
-                from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
 
                 desc = np.zeros(DESC_INTS, np.int32)
 
@@ -567,8 +548,6 @@ class _FailingRuntime:
     """The real runtime, failing the n-th registration."""
 
     def __init__(self, fail_at):
-        from sparsekv.daemon.pinned import CudaHostRuntime
-
         self.rt = CudaHostRuntime()
         self.fail_at = fail_at
         self.calls = 0
@@ -589,8 +568,6 @@ class _FailingRuntime:
 
 
 def test_pinned_region_chunks_close_and_rollback():
-    from sparsekv.daemon.pinned import CudaHostRuntime
-
     nbytes = 8 << 20
     m = mmap.mmap(-1, nbytes)
     a = np.frombuffer(m, dtype=np.uint8)
@@ -644,12 +621,11 @@ def test_kernel_cache_dir_and_warm(tmp_path, monkeypatch):
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")} == mtimes
     # What an attach takes is warm already (regions of 4096: the x4 table and both rows;
     # 32768: x2, no row).
-    from sparsekv.daemon.residency.cuda import CudaResidency
 
     for stride in (4096, 32768):
         lay = Layout(num_layers=1, row_bytes=16, top_k=2048, region_stride=stride, max_reqs=2, host_rows=1 << 16,
                      max_batch=2).validate()
-        res = CudaResidency(lay, kernels=kc2)
+        res = cuda.CudaResidency(lay, kernels=kc2)
         assert (res.hash_scale, res.lru_smem, res.owner_smem) == ((4, True, True) if stride == 4096 else (2, False, False))
         assert not res.workspace_global
     assert sorted(p.name for p in (tmp_path / "c").glob("*.cubin")) == files  # nothing new was built
@@ -665,7 +641,6 @@ def test_bench_table(kc, capsys):
     Rows print as they are measured; a failing row prints its error and the rest go on."""
     import cupy as cp
 
-    cuda = cuda_mod()
     s = cp.cuda.Stream(non_blocking=True)
     failures = []
 
