@@ -51,8 +51,9 @@ bench: install
 nvcc:
 	@for f in csrc/*.cu; do [ -f "$$f" ] || continue; echo "nvcc $$f"; \
 	  nvcc -arch=sm_90 -std=c++17 -c -o /dev/null "$$f" || exit 1; done
-	@# the non-default builds of the daemon's switches (daemon/kernels.py)
-	@echo "nvcc csrc/copy.cu -DSKV_COPY_TMA=1"; nvcc -arch=sm_90 -std=c++17 -c -o /dev/null -DSKV_COPY_TMA=1 csrc/copy.cu
+	@# the resolve's specialisations the daemon builds (daemon/kernels.py resolve_defines)
+	@d="-DSKV_HASH_SCALE=4 -DSKV_WS_SMEM=1 -DSKV_LRU_SMEM=1 -DSKV_OWNER_SMEM=1"; echo "nvcc csrc/resolve.cu $$d"; \
+	  nvcc -arch=sm_90 -std=c++17 -c -o /dev/null $$d csrc/resolve.cu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,13 +20,11 @@ What happens on the engine's stream (no host code of either process in between):
   layer's ready word and reset it, then ``skv_db_indices`` turns the group's slots into
   attention indices.
 
-How bells are rung and ready words waited on (``signal``, default :data:`DEFAULT_SIGNAL`):
-``"kernel-ring"`` (the default): the two kernels ring their bell themselves once their
-whole block is written, a stream memory operation (``cuStreamWaitValue32``) waits on the
-ready word and ``skv_db_indices`` clears it; ``"ops"``: stream memory operations (``cuStreamWriteValue32`` /
-``cuStreamWaitValue32``) after and before the kernels; ``"kernel"``: the kernels ring and
-a one-thread kernel (``csrc/signal.cu``) spins on the ready word. All capture into CUDA
-graphs; docs/PERF.md says what was measured.
+How bells are rung and ready words waited on: the two kernels ring their bell themselves
+once their whole block is written, a stream memory operation (``cuStreamWaitValue32``)
+waits on the ready word and ``skv_db_indices`` clears it. All of it captures into CUDA
+graphs. Stream operations on both sides, and one-thread spin kernels, measured slower
+(docs/DESIGN.md, "Rejected designs").
 
 **Indexing.** ``swap_in`` returns int32 ``[tokens, k]``: for column ``j`` of token ``t``,
 ``kv(layer)[idx[t, j]]`` is the KV row of that position (``kv(layer)`` = the layer's hot
@@ -48,7 +46,7 @@ and keeps setting every ready word, so the engine's stream never hangs; ``check(
 raises :class:`~sparsekv.client.errors.DaemonUnavailable`. The watcher releases the words
 with stream memory operations only: loading a CUDA module (a CuPy kernel's first use, a
 lazily loaded torch kernel) can wait until the context's running work is done, a stream
-parked on a ready word or a spinning wait kernel included. An engine that loads modules
+parked on a ready word included. An engine that loads modules
 lazily while a step may be waiting on a dead daemon may stall there (whether the release
 still gets through then is not measured); ``CUDA_MODULE_LOADING=EAGER`` in the engine
 removes that window (the daemon sets it for itself).
@@ -72,29 +70,6 @@ from .errors import BadRequest, DaemonUnavailable, error_for
 from .step_order import StepOrder
 
 log = logging.getLogger("sparsekv.client")
-
-# How the engine's stream rings bells and waits on ready words: "kernel-ring" (the default:
-# the top-k and step kernels ring their bell themselves once their block is written, a
-# stream memory operation waits on the ready word, skv_db_indices clears it), "ops" (stream memory operations for both:
-# cuStreamWriteValue32 / cuStreamWaitValue32) or "kernel" (the kernels ring; a one-thread
-# kernel spins on the ready word). docs/PERF.md has what each measured; a spinning kernel
-# holds an SM slot.
-SIGNAL_ENV = "SPARSEKV_DB_ENGINE_SIGNAL"
-SIGNALS = ("ops", "kernel", "kernel-ring")
-KERNEL_RINGS = ("kernel", "kernel-ring")  # the signals whose top-k and step kernels ring their bells
-DEFAULT_SIGNAL = "kernel-ring"
-
-
-def signal_mode(value: str | None = None) -> str:
-    """The engine side's signalling: ``value``, else ``$SPARSEKV_DB_ENGINE_SIGNAL``, else
-    the default."""
-    import os  # noqa: PLC0415
-
-    mode = value or os.environ.get(SIGNAL_ENV) or DEFAULT_SIGNAL
-    if mode not in SIGNALS:
-        raise BadRequest(f"doorbell signal must be one of {', '.join(SIGNALS)}, got {mode!r}", ErrorCode.BAD_ARGUMENT)
-    return mode
-
 
 WATCH_INTERVAL_S = 0.02  # how often the watcher checks that the daemon lives
 RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is set again
@@ -384,8 +359,7 @@ class DoorbellSwapIn(DeviceSwapIn):
     ``transport="doorbell"``; one per rank, used from the thread that drives the rank's
     stream."""
 
-    def __init__(self, client, resident_base: int = 0, hot_base: int = 0, signal: str | None = None):
-        self.signal = signal_mode(signal)
+    def __init__(self, client, resident_base: int = 0, hot_base: int = 0):
         att = client.attachment
         db = (att.handles or {}).get("doorbell") if att is not None else None
         if db is None:
@@ -405,49 +379,34 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]
         self._readys = [ctl + 4 * i for i in db["ready"]]
-        if self._rings:
-            import cupy as cp  # noqa: PLC0415
+        import cupy as cp  # noqa: PLC0415
 
-            with cp.cuda.Device(self.device):
-                if self.signal == "kernel":
-                    self._k_wait = _kernels().module("signal.cu").get_function("skv_wait_word")
-                self._arrivals = cp.zeros(G, dtype=cp.uint32)  # skv_db_topk's arrival counter per group
-                cp.cuda.runtime.deviceSynchronize()
+        with cp.cuda.Device(self.device):
+            self._arrivals = cp.zeros(G, dtype=cp.uint32)  # skv_db_topk's arrival counter per group
+            cp.cuda.runtime.deviceSynchronize()
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
 
-    @property
-    def _rings(self) -> bool:
-        """Whether the kernels ring the bells themselves (else stream operations do)."""
-        return self.signal in KERNEL_RINGS
-
+    # The kernels ring the bells themselves (skv_db_begin, skv_db_topk), a stream operation
+    # waits on a layer's ready word and skv_db_indices clears it.
     def _step_bell(self) -> int:
-        return self._bell_step if self._rings else 0
+        return self._bell_step
 
     def _group_ring(self, group: int) -> tuple[int, int]:
-        if self._rings:
-            return self._arrivals.data.ptr + 4 * group, self._bells[group]
-        return 0, 0
+        return self._arrivals.data.ptr + 4 * group, self._bells[group]
 
     def _begun(self, stream_ptr: int) -> None:
-        if not self._rings:
-            write32(stream_ptr, self._bell_step, 1)
+        pass  # skv_db_begin rang the step bell
 
     def _rang(self, group: int, stream_ptr: int) -> None:
-        if not self._rings:
-            write32(stream_ptr, self._bells[group], 1)
+        pass  # skv_db_topk rang the group's bell
 
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
-        if self.signal == "kernel":
-            self._launch(self._k_wait, 1, stream_ptr, (self._readys[layer],), threads=32)
-            return
         wait32(stream_ptr, self._readys[layer], 1)
-        if self.signal != "kernel-ring":  # there skv_db_indices clears it (_cleared_by_indices)
-            write32(stream_ptr, self._readys[layer], 0)
 
     def _cleared_by_indices(self, layer: int) -> int:
-        return self._readys[layer] if self.signal == "kernel-ring" else 0
+        return self._readys[layer]
 
     def close(self) -> None:
         """Stop the watcher and refuse every later call. ``Client.detach`` and

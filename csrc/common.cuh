@@ -1,7 +1,7 @@
 // Shared helpers for the sparsekv kernels.
 //
 // Plain CUDA C++ that both nvcc and NVRTC accept: no includes at all (NVRTC has no host
-// headers), only built-in types. daemon/kernels.py inlines this file into each .cu before
+// headers), only built-in types. csrc/build.py inlines this file into each .cu before
 // compiling, so the source it hashes for the cache key is the whole program.
 //
 // Every block-wide helper here must be called by all threads of the block (block-uniform
@@ -53,15 +53,9 @@ __device__ __forceinline__ u64 skv_align16(u64 x) { return (x + 15ull) & ~15ull;
 // (this thread's prefix within its warp) and `warp_sum` (its warp's total, the same in
 // every lane), through `warp_tot` (__shared__ int[NT / 32]); `*total` receives the block's
 // sum. One barrier; `warp_tot` may be written again only after another barrier.
-// SKV_WARP_TOTALS_REDUX 1: after the barrier, lane w reads warp w's total and two warp
-// reductions (__reduce_add_sync) give the block's sum and the sum before this warp (one
-// shared load and two reductions a thread); 0: every thread reads all NT / 32 totals
-// (NT / 32 loads and twice as many adds). H200, session 17, one run: the resolve (batch 64,
-// top-k 2048) 14.3 us with 1 against 16.0 with 0 at 768 threads, 13.8 at 1024 (where 0
-// spills); docs/PERF.md.
-#ifndef SKV_WARP_TOTALS_REDUX
-#define SKV_WARP_TOTALS_REDUX 1
-#endif
+// After the barrier, lane w reads warp w's total and two warp reductions (__reduce_add_sync)
+// give the block's sum and the sum before this warp: one shared load and two reductions a
+// thread.
 template <int NT>
 __device__ __forceinline__ int skv_warp_totals(int in_warp, int warp_sum, int* warp_tot, int* total) {
     static_assert(NT % 32 == 0 && NT <= 1024, "whole warps, at most 32 of them");
@@ -69,21 +63,9 @@ __device__ __forceinline__ int skv_warp_totals(int in_warp, int warp_sum, int* w
     const int lane = threadIdx.x & 31;
     if (lane == 0) warp_tot[warp] = warp_sum;
     __syncthreads();
-#if SKV_WARP_TOTALS_REDUX
     const unsigned v = lane < NT / 32 ? (unsigned)warp_tot[lane] : 0u;
     *total = (int)__reduce_add_sync(0xffffffffu, v);
     return (int)__reduce_add_sync(0xffffffffu, lane < warp ? v : 0u) + in_warp;
-#else
-    int before = 0, sum = 0;
-#pragma unroll
-    for (int w = 0; w < NT / 32; ++w) {
-        const int v = warp_tot[w];
-        before += (w < warp) ? v : 0;
-        sum += v;
-    }
-    *total = sum;
-    return before + in_warp;
-#endif
 }
 
 // Ballots of a warp: this lane's exclusive prefix (*in_warp) and the warp's total
@@ -100,33 +82,7 @@ __device__ __forceinline__ void skv_warp_count(int v, int bits, int* in_warp, in
     *warp_sum = sum;
 }
 
-// skv_warp_totals, then a barrier: `warp_tot` is free again when it returns.
-template <int NT>
-__device__ __forceinline__ int skv_add_warps(int in_warp, int warp_sum, int* warp_tot, int* total) {
-    const int r = skv_warp_totals<NT>(in_warp, warp_sum, warp_tot, total);
-    __syncthreads();  // warp_tot is reused by the next call
-    return r;
-}
-
-// Exclusive prefix sum, in thread order, of a per-thread count v in [0, 2^bits) (bits
-// block-uniform, at most 31): bit-sliced warp ballots, then the warp totals, so one
-// call costs `bits` ballots and two barriers whatever the counts. `warp_tot` is
-// __shared__ int[NT / 32]; `*total` receives the block's sum.
-template <int NT>
-__device__ __forceinline__ int skv_block_scan_count(int v, int bits, int* warp_tot, int* total) {
-    int in_warp, warp_sum;
-    skv_warp_count(v, bits, &in_warp, &warp_sum);
-    return skv_add_warps<NT>(in_warp, warp_sum, warp_tot, total);
-}
-
-// Exclusive prefix count of a per-thread flag across the block, in thread order (a count
-// of one bit). `warp_tot` is __shared__ int[NT / 32]; `*total` receives the block's count.
-template <int NT>
-__device__ __forceinline__ int skv_block_scan_flag(bool flag, int* warp_tot, int* total) {
-    return skv_block_scan_count<NT>(flag ? 1 : 0, 1, warp_tot, total);
-}
-
-// The same collectives with one barrier each (SkvRot): the per-warp partials go to one of
+// Block-wide collectives with one barrier each (SkvRot): the per-warp partials go to one of
 // two slots in turn, so a slot is written again only two collectives later, after every
 // thread has passed the barrier of the one in between (and so has read it). `buf` is
 // __shared__ int[2 * NT / 32]; `slot` starts at 0 and stays block-uniform (every thread
@@ -171,36 +127,6 @@ __device__ __forceinline__ int skv_bits_for(int n) {
     return b;
 }
 
-// Sum of one value per thread across the block (int, or u32 modulo 2^32 for packed
-// counts), through `parts` (__shared__ T[NT / 32]).
-// SKV_SUM_ATOMIC 1 (the default): every thread's value added into parts[0], three
-// barriers; on the H200 the resolve took 19.2 us against 20.0 with the warp reductions
-// (session 9, one run: more registers spilled?). 0: warp reductions.
-#ifndef SKV_SUM_ATOMIC
-#define SKV_SUM_ATOMIC 1
-#endif
-template <int NT, class T>
-__device__ __forceinline__ T skv_block_sum(T v, T* parts) {
-#if SKV_SUM_ATOMIC
-    if (threadIdx.x == 0) *parts = 0;
-    __syncthreads();
-    if (v) atomicAdd(parts, v);
-    __syncthreads();
-    const T r = *parts;
-    __syncthreads();
-    return r;
-#else
-    const T w = (T)__reduce_add_sync(0xffffffffu, (unsigned)v);
-    if ((threadIdx.x & 31) == 0) parts[threadIdx.x >> 5] = w;
-    __syncthreads();
-    T r = 0;
-#pragma unroll
-    for (int i = 0; i < NT / 32; ++i) r += parts[i];
-    __syncthreads();  // parts is reused by the next call
-    return r;
-#endif
-}
-
 // Exclusive prefix sum of one int per thread (any values), Hillis-Steele in shared memory.
 // `tmp` is __shared__ int[NT]. Used once per launch, so simplicity beats speed here.
 template <int NT>
@@ -218,16 +144,6 @@ __device__ __forceinline__ int skv_block_scan_sum(int v, int* tmp, int* total) {
     *total = tmp[NT - 1];
     __syncthreads();
     return inclusive - v;
-}
-
-// First index in sorted a[0, n) whose value is >= key.
-__device__ __forceinline__ int skv_lower_bound_u64(const u64* a, int n, u64 key) {
-    int lo = 0, hi = n;
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (a[mid] < key) lo = mid + 1; else hi = mid;
-    }
-    return lo;
 }
 
 // First index in sorted a[0, n) whose value is > key.
@@ -297,17 +213,5 @@ __device__ __forceinline__ void skv_ring_when_done(u32* done, u32* bell) {
             __threadfence_system();
             atomicExch(bell, 1u);
         }
-    }
-}
-
-// Spin until `word` is 1, then reset it to 0 (the consuming side of a flip-flop). One
-// thread; the rest of the block passes straight through.
-__device__ __forceinline__ void skv_wait_and_clear(u32* word) {
-    if (threadIdx.x == 0) {
-        volatile u32* w = word;
-        while (*w != 1u) {
-        }
-        atomicExch(word, 0u);
-        __threadfence_system();
     }
 }

@@ -2,33 +2,18 @@
 //
 // State: owner and lru are int32 [groups, max_reqs, region_stride]; the host passes the
 // group's [max_reqs, region_stride] view. See csrc/README.md for the algorithm and the
-// error word; daemon/residency/cuda.py for the launch code.
+// error word; daemon/residency/cuda_residency.py for the launch code.
 #include "common.cuh"
 
 #ifndef SKV_RESOLVE_THREADS
 #define SKV_RESOLVE_THREADS 1024
 #endif
 #define SKV_RT SKV_RESOLVE_THREADS
-// How a row's columns are found from the region's owners: 0 sort the keys (bitonic) and
-// binary-search each owner; 1 a hash table of the columns' host rows in the workspace
-// (open addressing, SKV_HASH_SCALE x pow2(k) entries), then only the misses are sorted for the plan.
-// Both give the same results (tests/daemon/residency/test_cuda_kernels.py runs both).
-#ifndef SKV_RESOLVE_LOOKUP
-#define SKV_RESOLVE_LOOKUP 0
-#endif
 // The hash table's entries per power-of-two column: 2 (load at most 1/2) or 4 (1/4:
 // shorter probe runs, twice the shared memory). The workspace size follows it
-// (resolve_workspace_bytes in daemon/residency/cuda.py).
+// (resolve_workspace_bytes in daemon/residency/cuda_residency.py).
 #ifndef SKV_HASH_SCALE
 #define SKV_HASH_SCALE 2
-#endif
-// How the lru partition, the misses' slots and the hash lookup's plan walk their arrays:
-// 1 each thread a contiguous chunk, one block-wide count scan per pass (few barriers);
-// 2 as 1, but the lru partition by warp segments (lanes on consecutive entries: no bank
-// conflicts); 0 tiles of SKV_RT entries, a flag scan per tile. All give the same results
-// (the kernel tests run them); 1 is the default, 0 and 2 are timed by `sparsekv bench kernels`.
-#ifndef SKV_RESOLVE_CHUNKED
-#define SKV_RESOLVE_CHUNKED 1
 #endif
 // Where the lru partition writes the new lru: 1 into the workspace (lnew: scattered writes
 // to shared memory), then one coalesced copy to global memory; 0 scattered to global
@@ -41,90 +26,19 @@
 #ifndef SKV_OWNER_SMEM
 #define SKV_OWNER_SMEM 0
 #endif
-// Where a miss's id comes from when it takes its slot: 0 the top-k row (a global load),
-// 1 (hash lookup only) its key in the workspace, which the hash lookup keeps in column
-// order (session 7: 52 more bytes of spills; timed by `sparsekv bench kernels`).
-#ifndef SKV_ID_FROM_KEY
-#define SKV_ID_FROM_KEY 0
-#endif
 // Where the workspace is, known when the module is built: 1 dynamic shared memory (the
 // kernel's ws_global must be null), so every workspace access compiles to a shared-memory
 // instruction (LDS, STS, ATOMS); 0 decided per launch (ws_global null or not), which makes
-// them generic loads, stores and atomics (session 9's SASS: 129 LD.E, 0 ATOMS).
+// them generic loads, stores and atomics.
 #ifndef SKV_WS_SMEM
 #define SKV_WS_SMEM 0
 #endif
-// 1: the first batch row's keys and lru copy are written into the workspace while the
-// block checks whether it works (their global loads in the same round trip as the state
-// rows': one round trip less before phase 1); 0: in phase 1, as for every later row.
-#ifndef SKV_PREFETCH
-#define SKV_PREFETCH 0  // on the H200 (session 9, one run): 20.0 us with it, 19.4 without
-#endif
-// 1: the hash plan's ranks counted by several threads a miss (see there); 0 one each.
-#ifndef SKV_RANK_SPLIT
-#define SKV_RANK_SPLIT 1
-#endif
-// 1: the chunked lru walk reads chunks of 4 entries as one 16-byte load; 0 one by one.
-#ifndef SKV_LRU_VEC
-#define SKV_LRU_VEC 1
-#endif
-// Block-wide sums and scans: 0 the shared helpers (a scan two barriers, a sum three or
-// two); 1 one barrier each (common.cuh SkvRot: two slots of warp partials in turn).
-#ifndef SKV_ONE_BARRIER
-#define SKV_ONE_BARRIER 1
-#endif
-#if SKV_ONE_BARRIER
-#define SKV_SUM(T, v) skv_rot_sum<SKV_RT, T>(rot, (v))
-#define SKV_SCAN_FLAG(f, total) skv_rot_scan_flag<SKV_RT>(rot, (f), (total))
-#define SKV_SCAN_COUNT(v, bits, total) skv_rot_scan_count<SKV_RT>(rot, (v), (bits), (total))
-#define SKV_ADD_WARPS(a, b, total) skv_rot_add_warps<SKV_RT>(rot, (a), (b), (total))
-#else
-#define SKV_SUM(T, v) skv_block_sum<SKV_RT, T>((v), (T*)sh_warp)
-#define SKV_SCAN_FLAG(f, total) skv_block_scan_flag<SKV_RT>((f), sh_warp, (total))
-#define SKV_SCAN_COUNT(v, bits, total) skv_block_scan_count<SKV_RT>((v), (bits), sh_warp, (total))
-#define SKV_ADD_WARPS(a, b, total) skv_add_warps<SKV_RT>((a), (b), sh_warp, (total))
-#endif
-// 1 (the hash lookup with chunked walks only): fewer passes and barriers. The lookup marks
-// each hit in the hit mask and counts it as it finds it (the first slot found for a column;
-// a column found twice, a corrupt owner row, redoes the marks from the column states); the
-// misses are the valid columns (counted in phase 1) less the hits; the slots pass writes
-// each miss's key where the plan ranks it (its number among the misses, in column order);
-// a corrupt lru or a miss left without a slot raise flags in a shared word, read after
-// the slots pass's barrier (a miss without a slot redoes the plan's compaction).
-#ifndef SKV_FUSE
-#define SKV_FUSE 1
-#endif
-#define SKV_FUSED (SKV_FUSE && SKV_RESOLVE_LOOKUP == 1 && SKV_RESOLVE_CHUNKED == 1)
-// Phase 1's global loads: 0 a loop per row (top-k, then lru and owners); N > 0 waves of N
-// entries a thread with every load of a wave issued before its first shared store.
-#ifndef SKV_P1_BATCH
-#define SKV_P1_BATCH 3
-#endif
-#define SKV_P1_BATCH_N (SKV_P1_BATCH > 0 ? SKV_P1_BATCH : 1)
-// How a repeated entry of the old lru is found: 1 each entry's bit set without reading the
-// word back (the atomics do not wait), then, all entries in range, the lru repeats one iff a
-// slot's bit is missing (S entries, S slots); 0 each atomicOr's old word tells at once;
-// 2 as 1, with the bits set in phase 1 as the lru row arrives (no second pass over it),
-// the masks cleared once the row no longer reads them (and at the start).
-#ifndef SKV_SEEN_COVER
-#define SKV_SEEN_COVER 2
-#endif
-// The hash lookup's plan orders up to this many misses by counting (each miss's rank is
-// the number of smaller keys: no barriers); more are sorted (bitonic).
+// Phase 1 loads in waves of this many entries a thread, every load of a wave issued before
+// its first shared store.
+#define SKV_P1_WAVE 3
+// The plan orders up to this many misses by counting (each miss's rank is the number of
+// smaller keys: no barriers); more are sorted (bitonic).
 #define SKV_RANK_MAX 512
-
-// Timing only (sparsekv bench kernels): stop each batch row after phase N (0 nothing but
-// the launch, the descriptor and the state rows' check, 1 keys and copies, 2 sort, 3
-// duplicates, 4 hit lookup, 5 counts, 6 new lru, 7 slots); the results are then wrong. The
-// daemon never defines it.
-#ifndef SKV_RESOLVE_STOP
-#define SKV_RESOLVE_STOP 99
-#endif
-#define SKV_STOP_AFTER(n) \
-    if (SKV_RESOLVE_STOP <= (n)) {  \
-        __syncthreads();            \
-        continue;                   \
-    }
 
 #define SKV_NONE (-1)
 #define SKV_PENDING 0x7fffffff       // a valid column not (yet) known to hit
@@ -134,8 +48,8 @@
 
 // Per-row workspace, in dynamic shared memory when it fits, else in a global scratch slice
 // per block. Byte layout (each part 16-aligned), mirrored by resolve_workspace_bytes() in
-// daemon/residency/cuda.py:
-//   keys  u64[kp]          (host row << 32 | column), sorted; kp = pow2 >= k
+// daemon/residency/cuda_residency.py:
+//   keys  u64[kp]          (host row << 32 | column) in column order; kp = pow2 >= k
 //   colv  int[k]           per column: NONE, PENDING, hit slot, or MISS_TAG | slot
 //   evict int[k]           the oldest evictable slots, in LRU order (miss m takes evict[m])
 //   hmask u32[ceil(S/32)]  bit per slot: a hit this step
@@ -143,8 +57,8 @@
 //   lcopy int[S]           the lru row as it was before this resolve
 //   lnew  int[S]           only with SKV_LRU_SMEM 1: the new lru row, copied out whole
 //   ocopy int[S]           only with SKV_OWNER_SMEM 1: the owner row as it was
-//   htab  int[H kp], hcol int[H kp]  (SKV_RESOLVE_LOOKUP 1; H = SKV_HASH_SCALE) host row
-//                          -> column table; reused as u64[kp] for the misses' keys of the plan
+//   htab  int[H kp], hcol int[H kp]  (H = SKV_HASH_SCALE) host row -> column table;
+//                          reused as u64[kp] for the misses' keys of the plan
 struct SkvWs {
     u64* keys;
     int* colv;
@@ -177,7 +91,7 @@ __device__ __forceinline__ SkvWs skv_ws(unsigned char* base, int kp, int k, int 
     off += SKV_LRU_SMEM ? skv_align16((u64)S * 4ull) : 0;
     w.ocopy = (int*)(base + off);
     off += SKV_OWNER_SMEM ? skv_align16((u64)S * 4ull) : 0;
-    w.htab = (int*)(base + off);  // only with SKV_RESOLVE_LOOKUP 1 (the workspace is sized for it)
+    w.htab = (int*)(base + off);
     w.hcol = w.htab + SKV_HASH_SCALE * kp;
     return w;
 }
@@ -197,7 +111,7 @@ __device__ __forceinline__ u32 skv_hash_slot(int g, int bits) {
 }
 
 // Whether old lru entry sl (a slot) is a hit of this step: in [0, S) and in the hit mask.
-// (Entries outside [0, S) or repeated were marked corrupt beside the inserts.)
+// (Entries outside [0, S) or repeated were marked corrupt in phase 1.)
 __device__ __forceinline__ bool skv_lru_hit(const SkvWs& w, int sl, int S) {
     return sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
 }
@@ -227,17 +141,20 @@ __device__ __forceinline__ int skv_slot_of(const SkvWs& w, int c, int m, int n_t
     if (v != SKV_PENDING) return SKV_NONE;
     const int sl = m < n_take ? w.evict[m] : -1;
     if (sl >= 0 && sl < S) {
-#if SKV_RESOLVE_LOOKUP == 1 && SKV_ID_FROM_KEY
-        owner[sl] = (int)(w.keys[c] >> 32);  // the hash lookup keeps keys in column order
-#else
         owner[sl] = ids[c];
-#endif
         w.colv[c] = SKV_MISS_TAG | sl;
         return sl;
     }
     w.colv[c] = SKV_NONE;
     *bad_slot = 1;
     return SKV_NONE;
+}
+
+// [c0, c1): thread tid's contiguous chunk of n entries, `per` entries a thread.
+__device__ __forceinline__ void skv_chunk(int n, int* per, int* c0, int* c1) {
+    *per = (n + SKV_RT - 1) / SKV_RT;
+    *c0 = threadIdx.x * *per < n ? threadIdx.x * *per : n;
+    *c1 = *c0 + *per < n ? *c0 + *per : n;
 }
 
 // Ascending bitonic sort of a[0, n), n a power of two, by the whole block. The caller
@@ -272,6 +189,7 @@ __device__ __forceinline__ void skv_bitonic_sort(u64* a, int n) {
     __syncthreads();
 }
 
+
 // Resolve one top-k batch of one index group, as the step descriptor says.
 //
 // Grid: max_batch blocks, fixed; blocks at or past the descriptor's batch exit. One
@@ -283,16 +201,24 @@ __device__ __forceinline__ void skv_bitonic_sort(u64* a, int n) {
 // Per batch row b (state row s, ids = topk[b, 0:k]):
 //   0. The t-th row of s (t from 1) with t > S / top_k is refused (TOO_MANY_TOKENS): a
 //      later token could evict an earlier token's slots.
-//   1. keys = (id << 32 | column) for ids in [0, host_rows), NO_KEY otherwise; sort.
-//      Equal neighbours are duplicate ids: the row is refused (DUPLICATE_IDS).
-//   2. Hit lookup, reversed: every slot j binary-searches owner[j] among the sorted keys;
-//      a match records the smallest such j for that column (atomicMin), which is what the
-//      NumPy engine's stable argsort + searchsorted picks when the owner row is corrupt.
-//   3. Partition the old lru by "hit slot": evictables keep their order, rotated by the
-//      miss count, then the hits; the first n_miss evictables go to evict[].
-//   4. Miss m (column order) takes evict[m]; owner[slot] = id.
-//   5. Plan: the misses in key order (host row ascending), compacted to the front of
-//      plan_rows[b] / plan_slots[b] (flat slot s * S + slot); misses[b] = their count.
+//   1. Phase 1, in waves: keys = (id << 32 | column) for ids in [0, host_rows), NO_KEY
+//      otherwise; the column states; the lru row copied (each entry marked seen) and,
+//      with SKV_OWNER_SMEM, the owner row. Then every valid column's host row into the
+//      hash table: one found there already is a duplicate id, and the row is refused
+//      (DUPLICATE_IDS). An lru entry outside [0, S) or a slot not seen makes the state
+//      corrupt.
+//   2. Hit lookup, reversed: every slot j looks owner[j] up in the table; a match records
+//      the smallest such j for that column (atomicMin), which is what the NumPy engine's
+//      stable argsort + searchsorted picks when the owner row is corrupt; the first match
+//      of a column marks the slot a hit and counts it.
+//   3. Partition the old lru by "hit slot" (each thread a contiguous chunk, one count
+//      scan): evictables keep their order, rotated by the miss count, then the hits; the
+//      first n_miss evictables go to evict[].
+//   4. Miss m (column order) takes evict[m]; owner[slot] = id; its key goes where the
+//      plan ranks it.
+//   5. Plan: the misses in key order (host row ascending; ranked by counting, or sorted
+//      past SKV_RANK_MAX), compacted to the front of plan_rows[b] / plan_slots[b] (flat
+//      slot s * S + slot); misses[b] = their count.
 // A refused row gets slots -1 and 0 misses, changes no state and counts nothing; the
 // error record says which row (csrc/common.cuh).
 // Corrupt state (an lru entry outside [0, S) or repeated, or fewer evictable entries than
@@ -328,12 +254,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const i64 ws_stride,                // bytes of one block's global workspace
     u32* clear)                         // a doorbell word this launch consumes (set to 0), or null
 {
-#if SKV_ONE_BARRIER
+    // Block-wide sums and scans with one barrier each (common.cuh SkvRot).
     __shared__ int sh_rot[2 * (SKV_RT / 32)];
     SkvRot rot = {sh_rot, 0};
-#else
-    __shared__ int sh_warp[SKV_RT / 32];
-#endif
     // The doorbell's group bell (daemon/cuda/doorbell.py): the stream waited for it to be
     // 1; clearing it here saves a stream operation between the wait and this kernel. The
     // engine rings it again only after this step's ready word, set after this kernel.
@@ -343,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     __shared__ int sh_desc[SKV_DESC_INTS];
     __shared__ int sh_row[1];
     __shared__ int sh_list[SKV_RT];  // batch rows of this block's state row (one tile)
-    __shared__ int sh_bad[1];        // SKV_FUSED: 1 a miss left without a slot, 2 a corrupt lru
+    __shared__ int sh_bad[1];        // 1 a miss left without a slot, 2 a corrupt lru
 
     const int tid = threadIdx.x;
     const int b0 = blockIdx.x;
@@ -388,12 +311,12 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     unsigned char* base = ws_global ? ws_global + (i64)b0 * ws_stride : skv_smem;
 #endif
     const SkvWs w = skv_ws(base, kp, k, S);
-    if (SKV_SEEN_COVER == 2) skv_clear_masks(w, (S + 31) / 32);  // ordered by the tile scan's barrier
+    const int mask_words = (S + 31) / 32;
+    skv_clear_masks(w, mask_words);  // ordered by the tile scan's barrier
     int* owner = owner_g + (i64)s * S;
     int* lru = lru_g + (i64)s * S;
-    const int mask_words = (S + 31) / 32;
 
-    // Phase 1a's keys and column states of column i < kp (id g when i < k); returns
+    // Phase 1's keys and column states of column i < kp (id g when i < k); returns
     // (g out of range << 16) | (g valid): summed over a row, each count fits 16 bits.
     auto column = [&](int i, int g) -> int {
         u64 key = SKV_NO_KEY;
@@ -407,14 +330,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         w.keys[i] = key;
         return counts;
     };
-    // The first tile's state rows, and (SKV_PREFETCH) b0's keys and the lru copy (b0 is
-    // the first row this block resolves, if it works), loaded with the check below.
+    // The first tile's state rows, loaded with the check below.
     const int sr_first = b0 + tid < batch ? state_rows[b0 + tid] : -1;
-    int oor_first = 0;
-    if (SKV_PREFETCH) {
-        for (int i = tid; i < kp; i += SKV_RT) oor_first += column(i, i < k ? topk[(i64)b0 * k + i] : 0);
-        for (int i = tid; i < S; i += SKV_RT) w.lcopy[i] = lru[i];
-    }
     // Only the first batch row naming s works; it walks the later ones in order.
     int earlier = 0;
     for (int j = tid; j < b0; j += SKV_RT) earlier |= (state_rows[j] == s);
@@ -432,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const int bt = tile0 + tid;
     const bool of_s = bt == b0 || (bt < batch && (tile0 == b0 ? sr_first : state_rows[bt]) == s);
     int n_of_s;
-    const int at = SKV_SCAN_FLAG(of_s, &n_of_s);
+    const int at = skv_rot_scan_flag<SKV_RT>(rot, of_s, &n_of_s);
     if (of_s) sh_list[at] = bt;
     __syncthreads();
     for (int li = 0; li < n_of_s; ++li) {
@@ -448,86 +365,47 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             continue;
         }
 
-        SKV_STOP_AFTER(0)
-        // 1a. keys, column states, cleared hit mask, copy of the lru row (the first
-        // row's keys and lru copy are there already with SKV_PREFETCH).
-        const bool in_hand = SKV_PREFETCH && tile0 == b0 && li == 0;  // b == b0
-        int oor = in_hand ? oor_first : 0;
-        int lru_bad = 0;
-        // SKV_SEEN_COVER 2: old lru entry v marked seen as it is copied.
-        auto seen = [&](int v) {
-            if (SKV_SEEN_COVER != 2) return;
-            if (v < 0 || v >= S) lru_bad = 1;
-            else atomicOr(&w.smask[v >> 5], 1u << (v & 31));
-        };
-#if SKV_RESOLVE_LOOKUP == 1
+        // 1a. Waves of SKV_P1_WAVE entries a thread: the wave's loads of the top-k row, the
+        // lru row and the owner row all issued before its first shared store (one round
+        // trip a wave), the table cleared while the first wave's loads are in flight. Each
+        // old lru entry is marked seen as it is copied, without reading the word back: with
+        // every entry in range, the lru repeats an entry iff a slot's bit is missing (S
+        // entries, S slots), checked after the next barrier.
         int hbits = 1;
         while ((1 << hbits) < SKV_HASH_SCALE * kp) ++hbits;
         const int hsize = 1 << hbits;
-#endif
-        auto clear_tables = [&]() {
-            if (SKV_SEEN_COVER != 2) skv_clear_masks(w, mask_words);  // (2: cleared when a row is done)
-#if SKV_RESOLVE_LOOKUP == 1
-            for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
-#endif
-        };
-        if (SKV_P1_BATCH && !in_hand) {
-            // Waves of SKV_P1_BATCH entries a thread: the wave's loads of the top-k row, the
-            // lru row and the owner row all issued before its first shared store (one round
-            // trip a wave), the tables cleared while the first wave's loads are in flight.
-            const int span = kp > S ? kp : S;
-            for (int base = 0; base < span; base += SKV_RT * SKV_P1_BATCH_N) {
-                int vk[SKV_P1_BATCH_N], vl[SKV_P1_BATCH_N], vo[SKV_P1_BATCH_N];
+        int oor = 0;
+        int lru_bad = 0;
+        const int span = kp > S ? kp : S;
+        for (int base_i = 0; base_i < span; base_i += SKV_RT * SKV_P1_WAVE) {
+            int vk[SKV_P1_WAVE], vl[SKV_P1_WAVE], vo[SKV_P1_WAVE];
 #pragma unroll
-                for (int u = 0; u < SKV_P1_BATCH_N; ++u) {
-                    const int i = base + u * SKV_RT + tid;
-                    vk[u] = i < k ? ids[i] : 0;
-                    vl[u] = i < S ? lru[i] : 0;
-                    vo[u] = (SKV_OWNER_SMEM && i < S) ? owner[i] : 0;
-                }
-                if (base == 0) clear_tables();
-#pragma unroll
-                for (int u = 0; u < SKV_P1_BATCH_N; ++u) {
-                    const int i = base + u * SKV_RT + tid;
-                    if (i < kp) oor += column(i, vk[u]);
-                    if (i < S) {
-                        w.lcopy[i] = vl[u];
-                        seen(vl[u]);
-                        if (SKV_OWNER_SMEM) w.ocopy[i] = vo[u];
-                    }
-                }
+            for (int u = 0; u < SKV_P1_WAVE; ++u) {
+                const int i = base_i + u * SKV_RT + tid;
+                vk[u] = i < k ? ids[i] : 0;
+                vl[u] = i < S ? lru[i] : 0;
+                vo[u] = (SKV_OWNER_SMEM && i < S) ? owner[i] : 0;
             }
-        } else {
-            if (!in_hand)
-                for (int i = tid; i < kp; i += SKV_RT) oor += column(i, i < k ? ids[i] : 0);
-            clear_tables();
-            for (int i = tid; i < S; i += SKV_RT) {
-                if (!in_hand) w.lcopy[i] = lru[i];
-                seen(w.lcopy[i]);
-                if (SKV_OWNER_SMEM) w.ocopy[i] = owner[i];
+            if (base_i == 0)
+                for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
+#pragma unroll
+            for (int u = 0; u < SKV_P1_WAVE; ++u) {
+                const int i = base_i + u * SKV_RT + tid;
+                if (i < kp) oor += column(i, vk[u]);
+                if (i < S) {
+                    const int v = vl[u];
+                    w.lcopy[i] = v;
+                    if (v < 0 || v >= S) lru_bad = 1;
+                    else atomicOr(&w.smask[v >> 5], 1u << (v & 31));
+                    if (SKV_OWNER_SMEM) w.ocopy[i] = vo[u];
+                }
             }
         }
-        if (SKV_FUSED && tid == 0) sh_bad[0] = 0;
-        const u32 col_counts = SKV_SUM(u32, (u32)oor);  // also orders the writes above
+        if (tid == 0) sh_bad[0] = 0;
+        const u32 col_counts = skv_rot_sum<SKV_RT, u32>(rot, (u32)oor);  // also orders the writes above
         const int n_oor = (int)(col_counts >> 16);
         const int n_valid = (int)(col_counts & 0xffffu);
-        SKV_STOP_AFTER(1)
 
-        // The old lru's entries marked seen (smask): one outside [0, S) or seen before
-        // makes the state corrupt (reported once the row is resolved). Here, beside the
-        // inserts, rather than in the partition's first pass (its critical path).
-        for (int i = tid; i < S && SKV_SEEN_COVER != 2; i += SKV_RT) {
-            const int sl = w.lcopy[i];
-            if (sl < 0 || sl >= S) {
-                lru_bad = 1;
-                continue;
-            }
-            const u32 bit = 1u << (sl & 31);
-            if (SKV_SEEN_COVER) atomicOr(&w.smask[sl >> 5], bit);
-            else if (atomicOr(&w.smask[sl >> 5], bit) & bit) lru_bad = 1;
-        }
-
-#if SKV_RESOLVE_LOOKUP == 1
         // 1b. every valid column into the table; a host row found there already is a
         // duplicate. The table has 2 or 4 times the entries of the columns: a free one is always
         // found, and two threads inserting one host row meet at the same entry.
@@ -550,71 +428,53 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 h = (h + 1) & (u32)(hsize - 1);
             }
         }
-        SKV_STOP_AFTER(2)
-#else
-        // 1b. sort by (host row, column).
-        skv_bitonic_sort(w.keys, kp);
-        SKV_STOP_AFTER(2)
-
-        // 1c. duplicates: the row is refused before any state changes.
-        int dup = 0;
-        for (int p = 1 + tid; p < kp; p += SKV_RT) {
-            const u64 cur = w.keys[p];
-            if (cur != SKV_NO_KEY && (w.keys[p - 1] >> 32) == (cur >> 32)) dup = 1;
-        }
-#endif
         if (__syncthreads_or(dup)) {  // a barrier: nobody reads the workspace after it
             for (int c = tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
             if (tid == 0) {
                 misses_out[b] = 0;
                 skv_report(err, SKV_E_DUPLICATE_IDS, b, sh_desc);
             }
-            // (SKV_SEEN_COVER 2: the seen marks stay; the next row marks the same, unchanged
-            // lru, and no hit was marked yet.)
+            // (The seen marks stay; the next row marks the same, unchanged lru, and no hit
+            // was marked yet.)
             continue;
         }
-        SKV_STOP_AFTER(3)
 
-        if (SKV_SEEN_COVER) {  // the seen marks are complete (a barrier since)
-            for (int i = tid; i < mask_words; i += SKV_RT) {
-                const u32 full = (i == mask_words - 1 && (S & 31)) ? (1u << (S & 31)) - 1u : 0xffffffffu;
-                if (w.smask[i] != full) lru_bad = 1;
-            }
+        // The seen marks are complete (a barrier since): every slot's bit must be set.
+        for (int i = tid; i < mask_words; i += SKV_RT) {
+            const u32 full = (i == mask_words - 1 && (S & 31)) ? (1u << (S & 31)) - 1u : 0xffffffffu;
+            if (w.smask[i] != full) lru_bad = 1;
         }
-        if (SKV_FUSED && lru_bad) atomicOr(sh_bad, 2);  // read after the slots pass's barrier
-        // 2. the reversed hit lookup.
+        if (lru_bad) atomicOr(sh_bad, 2);  // read after the slots pass's barrier
+        // 2. the reversed hit lookup: each hit marked and counted as it is found (a column
+        // found twice, a corrupt owner row, redoes the marks from the column states below).
         int nh_found = 0, twice = 0;
         for (int j = tid; j < S; j += SKV_RT) {
             const int o = SKV_OWNER_SMEM ? w.ocopy[j] : owner[j];
-            if (o >= 0 && o < host_rows) {
-#if SKV_RESOLVE_LOOKUP == 1
-                u32 h = skv_hash_slot(o, hbits);
-                while (true) {
-                    const int v = w.htab[h];
-                    if (v == -1) break;
-                    if (v == o) {
-                        const int prev = atomicMin(&w.colv[w.hcol[h]], j);
-                        if (SKV_FUSED) {
-                            if (prev == SKV_PENDING) {
-                                atomicOr(&w.hmask[j >> 5], 1u << (j & 31));
-                                ++nh_found;
-                            } else {
-                                twice = 1;
-                            }
-                        }
-                        break;
+            if (o < 0 || o >= host_rows) continue;
+            u32 h = skv_hash_slot(o, hbits);
+            while (true) {
+                const int v = w.htab[h];
+                if (v == -1) break;
+                if (v == o) {
+                    const int prev = atomicMin(&w.colv[w.hcol[h]], j);
+                    if (prev == SKV_PENDING) {
+                        atomicOr(&w.hmask[j >> 5], 1u << (j & 31));
+                        ++nh_found;
+                    } else {
+                        twice = 1;
                     }
-                    h = (h + 1) & (u32)(hsize - 1);
+                    break;
                 }
-#else
-                const u64 want = (u64)(u32)o << 32;
-                const int p = skv_lower_bound_u64(w.keys, kp, want);
-                if (p < kp && (w.keys[p] >> 32) == (u64)(u32)o) atomicMin(&w.colv[(u32)w.keys[p]], j);
-#endif
+                h = (h + 1) & (u32)(hsize - 1);
             }
         }
-        // Hit slots into the mask; count hits and misses.
-        auto mark_hits = [&]() -> u32 {
+        // One block sum for both (k <= 32768 columns: each count fits in 16 bits); the
+        // misses are the valid columns less the hits.
+        const u32 found = skv_rot_sum<SKV_RT, u32>(rot, ((u32)nh_found << 16) | (u32)twice);
+        u32 both = (found & 0xffff0000u) | (u32)(n_valid - (int)(found >> 16));  // (hits << 16) | misses
+        if (found & 0xffffu) {  // a host row owned twice: the marks from the column states
+            for (int i = tid; i < mask_words; i += SKV_RT) w.hmask[i] = 0u;
+            __syncthreads();
             int nh = 0, nm = 0;
             for (int c = tid; c < k; c += SKV_RT) {
                 const int v = w.colv[c];
@@ -625,304 +485,149 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                     ++nm;
                 }
             }
-            // One block sum for both (k <= 32768 columns: each count fits in 16 bits).
-            return SKV_SUM(u32, ((u32)nh << 16) | (u32)nm);
-        };
-        u32 both;  // (hits << 16) | misses
-        if (SKV_FUSED) {
-            const u32 found = SKV_SUM(u32, ((u32)nh_found << 16) | (u32)twice);  // the lookup's barrier
-            both = (found & 0xffff0000u) | (u32)(n_valid - (int)(found >> 16));
-            SKV_STOP_AFTER(4)
-            if (found & 0xffffu) {  // a host row owned twice: the marks from the column states
-                for (int i = tid; i < mask_words; i += SKV_RT) w.hmask[i] = 0u;
-                __syncthreads();
-                both = mark_hits();
-            }
-        } else {
-            __syncthreads();
-            SKV_STOP_AFTER(4)
-            both = mark_hits();
+            both = skv_rot_sum<SKV_RT, u32>(rot, ((u32)nh << 16) | (u32)nm);
         }
         const int n_hit = (int)(both >> 16);
         const int n_miss = (int)(both & 0xffffu);
-        SKV_STOP_AFTER(5)
         int* const lru_out = SKV_LRU_SMEM ? w.lnew : lru;
 
-#if SKV_RESOLVE_CHUNKED == 2
-        // 3. as below, each warp a contiguous segment of the old lru, its lanes on
-        // consecutive entries (shared memory read without bank conflicts), a ballot per
-        // round of 32; the warps' counts placed by one block prefix.
-        int corrupt;
-        int n_evict, n_take;
-        {
-            const int lane = tid & 31;
-            const int seg = ((S + SKV_RT / 32 - 1) / (SKV_RT / 32) + 31) & ~31;  // whole rounds
-            const int i0 = (tid >> 5) * seg;
-            const u32 below = (1u << lane) - 1u;
-            int ev = 0, bad = lru_bad;
-            for (int j = 0; j < seg; j += 32) {
-                const int i = i0 + j + lane;
-                const bool evictable = i < S && !skv_lru_hit(w, w.lcopy[i], S);
-                ev += __popc(__ballot_sync(0xffffffffu, evictable));
-            }
-            int e = SKV_ADD_WARPS(0, ev, &n_evict);
-            corrupt = __syncthreads_or(bad);
-            n_take = n_miss < n_evict ? n_miss : n_evict;
-            if (n_take < n_miss) corrupt = 1;
-            for (int j = 0; j < seg; j += 32) {
-                const int i = i0 + j + lane;
-                int sl = -1;
-                bool hit = false;
-                if (i < S) {
-                    sl = w.lcopy[i];
-                    hit = skv_lru_hit(w, sl, S);
-                }
-                const u32 m = __ballot_sync(0xffffffffu, i < S && !hit);
-                if (i < S) lru_out[skv_lru_pos(w, sl, hit, i, e + __popc(m & below), n_evict, n_take)] = sl;
-                e += __popc(m);
-            }
+        // 3. one pass over the old lru, each thread a chunk of it: new lru =
+        // evictables[n_take:] + evictables[:n_take] + hits (stable), the first n_take
+        // evictables into evict[]. Counting the evictables (rather than S - n_hit) keeps
+        // the new lru a permutation of the old entries even when the state is corrupt.
+        int per, i0, i1;
+        skv_chunk(S, &per, &i0, &i1);
+        // Chunks of 4 (S = 4 x threads, the default shapes): one 16-byte load a pass
+        // (no bank conflicts; the scalar loads of lanes 16 bytes apart conflict 4 ways).
+        const bool vec = per == 4 && i1 - i0 == 4;  // block-uniform but for the last chunks
+        int ev = 0;
+        if (vec) {
+            const int4 q = *reinterpret_cast<const int4*>(w.lcopy + i0);
+            ev = !skv_lru_hit(w, q.x, S) + !skv_lru_hit(w, q.y, S) + !skv_lru_hit(w, q.z, S) +
+                 !skv_lru_hit(w, q.w, S);
+        } else {
+            for (int i = i0; i < i1; ++i) ev += skv_lru_hit(w, w.lcopy[i], S) ? 0 : 1;
         }
-        int carry = 0;
-        __syncthreads();
-#elif SKV_RESOLVE_CHUNKED
-        // 3. one pass over the old lru, each thread a chunk of it: hit entries (in a sound
-        // state there are n_hit; counting them keeps the new lru a permutation of [0, S)
-        // even when the state is not), entries outside [0, S) or repeated (corrupt), then
-        // new lru = evictables[n_take:] + evictables[:n_take] + hits (stable), the first
-        // n_take evictables into evict[].
-        int corrupt;
-        int n_evict, n_take;
-        {
-            const int per = (S + SKV_RT - 1) / SKV_RT;
-            const int i0 = tid * per < S ? tid * per : S;
-            const int i1 = i0 + per < S ? i0 + per : S;
-            // Chunks of 4 (S = 4 x threads, the default shapes): one 16-byte load a pass
-            // (no bank conflicts; the scalar loads of lanes 16 bytes apart conflict 4 ways).
-            const bool vec = SKV_LRU_VEC && per == 4 && i1 - i0 == 4;  // block-uniform but for the last chunks
-            int ev = 0;
-            if (vec) {
-                const int4 q = *reinterpret_cast<const int4*>(w.lcopy + i0);
-                ev = !skv_lru_hit(w, q.x, S) + !skv_lru_hit(w, q.y, S) + !skv_lru_hit(w, q.z, S) +
-                     !skv_lru_hit(w, q.w, S);
-            } else {
-                for (int i = i0; i < i1; ++i) ev += skv_lru_hit(w, w.lcopy[i], S) ? 0 : 1;
-            }
-            int e = SKV_SCAN_COUNT(ev, skv_bits_for(per), &n_evict);
-            corrupt = SKV_FUSED ? 0 : __syncthreads_or(lru_bad);  // SKV_FUSED: sh_bad, after the slots
-            n_take = n_miss < n_evict ? n_miss : n_evict;
-            if (n_take < n_miss) corrupt = 1;
-            if (vec) {
-                const int4 q = *reinterpret_cast<const int4*>(w.lcopy + i0);
-                const int v[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const bool hit = skv_lru_hit(w, v[r], S);
-                    lru_out[skv_lru_pos(w, v[r], hit, i0 + r, e, n_evict, n_take)] = v[r];
-                    e += hit ? 0 : 1;
-                }
-            } else {
-                for (int i = i0; i < i1; ++i) {
-                    const int sl = w.lcopy[i];
-                    const bool hit = skv_lru_hit(w, sl, S);
-                    lru_out[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
-                    e += hit ? 0 : 1;
-                }
-            }
-        }
-        int carry = 0;
-        __syncthreads();
-#else
-        // 3a. hit entries of the old lru. In a sound state this equals n_hit; counting them
-        // keeps the new lru a permutation of positions [0, S) even when it is not. An entry
-        // outside [0, S) or a repeated one marks the state corrupt.
-        int hl = 0, bad = lru_bad;
-        for (int i = tid; i < S; i += SKV_RT) hl += skv_lru_hit(w, w.lcopy[i], S) ? 1 : 0;
-        const int n_hit_lru = SKV_SUM(int, hl);
-        int corrupt = __syncthreads_or(bad);
-        const int n_evict = S - n_hit_lru;
+        int n_evict;
+        int e = skv_rot_scan_count<SKV_RT>(rot, ev, skv_bits_for(per), &n_evict);
         const int n_take = n_miss < n_evict ? n_miss : n_evict;
-        if (n_take < n_miss) corrupt = 1;
-
-        // 3b. new lru = evictables[n_take:] + evictables[:n_take] + hits (stable).
-        int carry = 0;
-        for (int base_i = 0; base_i < S; base_i += SKV_RT) {
-            const int i = base_i + tid;
-            int sl = -1;
-            bool hit = false;
-            if (i < S) {
-                sl = w.lcopy[i];
-                hit = skv_lru_hit(w, sl, S);
+        int corrupt = n_take < n_miss;
+        if (vec) {
+            const int4 q = *reinterpret_cast<const int4*>(w.lcopy + i0);
+            const int v[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const bool hit = skv_lru_hit(w, v[r], S);
+                lru_out[skv_lru_pos(w, v[r], hit, i0 + r, e, n_evict, n_take)] = v[r];
+                e += hit ? 0 : 1;
             }
-            int tile;
-            const int e = SKV_SCAN_FLAG(i < S && !hit, &tile) + carry;
-            if (i < S) lru_out[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
-            carry += tile;
+        } else {
+            for (int i = i0; i < i1; ++i) {
+                const int sl = w.lcopy[i];
+                const bool hit = skv_lru_hit(w, sl, S);
+                lru_out[skv_lru_pos(w, sl, hit, i, e, n_evict, n_take)] = sl;
+                e += hit ? 0 : 1;
+            }
         }
         __syncthreads();
-#endif
 #if SKV_LRU_SMEM
         // The partition ended with a barrier; nothing reads lru again in this row (the next
         // row of s, after the row's last barrier, copies it into lcopy).
         for (int i = tid; i < S; i += SKV_RT) lru[i] = w.lnew[i];
 #endif
-        SKV_STOP_AFTER(6)
 
-        // 4. misses take evictables in column order; write the slot of every column.
+        // 4. misses take evictables in column order; write the slot of every column; each
+        // miss's key goes where the plan ranks it (its number among the misses, in column
+        // order: the table is free now).
+        u64* mkeys = (u64*)w.htab;
         int bad_slot = 0;
         int total_pending = 0;
-#if SKV_RESOLVE_CHUNKED
         {
-            const int per = (k + SKV_RT - 1) / SKV_RT;
-            const int c0 = tid * per < k ? tid * per : k;
-            const int c1 = c0 + per < k ? c0 + per : k;
+            int c0, c1;
+            skv_chunk(k, &per, &c0, &c1);
             int pend = 0;
             for (int c = c0; c < c1; ++c) pend += w.colv[c] == SKV_PENDING ? 1 : 0;
-            int m = SKV_SCAN_COUNT(pend, skv_bits_for(per), &total_pending);
+            int m = skv_rot_scan_count<SKV_RT>(rot, pend, skv_bits_for(per), &total_pending);
             for (int c = c0; c < c1; ++c) {
                 const bool pending = w.colv[c] == SKV_PENDING;
                 out_slots[c] = skv_slot_of(w, c, m, n_take, S, ids, owner, &bad_slot);
-                if (SKV_FUSED && pending) {  // the plan's m-th miss (the table is free now)
-                    ((u64*)w.htab)[m] = w.keys[c];
-                    w.hcol[m] = 0;
+                if (pending) {
+                    mkeys[m] = w.keys[c];
+                    w.hcol[m] = 0;  // the miss's rank, counted below
                 }
                 m += pending ? 1 : 0;
             }
         }
-#else
-        carry = 0;
-        for (int base_c = 0; base_c < k; base_c += SKV_RT) {
-            const int c = base_c + tid;
-            const int v = c < k ? w.colv[c] : SKV_NONE;
-            int tile;
-            const int m = SKV_SCAN_FLAG(v == SKV_PENDING, &tile) + carry;
-            if (c < k) out_slots[c] = skv_slot_of(w, c, m, n_take, S, ids, owner, &bad_slot);
-            carry += tile;
-        }
-#endif
         for (int c = k + tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
-        [[maybe_unused]] int plan_ready = 0;  // SKV_FUSED: the misses' keys are in place, in column order
-        if (SKV_FUSED) {
-            if (bad_slot) atomicOr(sh_bad, 1);
-            __syncthreads();
-            const int bad = *(volatile int*)sh_bad;
-            if (bad) corrupt = 1;
-            plan_ready = !(bad & 1);
-        } else if (__syncthreads_or(bad_slot)) {
-            corrupt = 1;
-        }
+        if (bad_slot) atomicOr(sh_bad, 1);
+        __syncthreads();
+        const int bad = *(volatile int*)sh_bad;
+        if (bad) corrupt = 1;
+        // The misses' keys are in place unless a miss went without a slot.
+        const bool plan_ready = !(bad & 1);
         // Nothing reads the masks after that barrier: cleared for the next row of s (the
         // row's last barrier orders it before that row's phase 1).
-        if (SKV_SEEN_COVER == 2) skv_clear_masks(w, mask_words);
+        skv_clear_masks(w, mask_words);
         if (corrupt && tid == 0) skv_report(err, SKV_E_CORRUPT_STATE, b, sh_desc);
-        SKV_STOP_AFTER(7)
 
         // 5. plan: misses in host-row order, compacted.
         int* prow = plan_rows + (i64)b * out_k;
         int* pslot = plan_slots + (i64)b * out_k;
         const int flat0 = s * S;
-        carry = 0;
-#if SKV_RESOLVE_LOOKUP == 1
-        // The misses' keys (column order), then in key order: the table's memory is free now.
-        {
-            u64* mkeys = (u64*)w.htab;
-#if SKV_RESOLVE_CHUNKED
-            if (plan_ready) {
-                carry = total_pending;  // every pending column took a slot
-            } else {
-                const int per = (k + SKV_RT - 1) / SKV_RT;
-                const int c0 = tid * per < k ? tid * per : k;
-                const int c1 = c0 + per < k ? c0 + per : k;
-                int mine = 0;
-                for (int c = c0; c < c1; ++c) {
-                    const int v = w.colv[c];
-                    mine += (v >= SKV_MISS_TAG && v != SKV_PENDING) ? 1 : 0;
-                }
-                int q = SKV_SCAN_COUNT(mine, skv_bits_for(per), &carry);
-                for (int c = c0; c < c1; ++c) {
-                    const int v = w.colv[c];
-                    if (v >= SKV_MISS_TAG && v != SKV_PENDING) {
-                        w.hcol[q] = 0;  // the miss's rank, counted below (the table is free now)
-                        mkeys[q++] = w.keys[c];
-                    }
+        int n_plan = total_pending;  // every pending column took a slot
+        if (!plan_ready) {  // the misses that took a slot, compacted again
+            int c0, c1;
+            skv_chunk(k, &per, &c0, &c1);
+            int mine = 0;
+            for (int c = c0; c < c1; ++c) {
+                const int v = w.colv[c];
+                mine += (v >= SKV_MISS_TAG && v != SKV_PENDING) ? 1 : 0;
+            }
+            int q = skv_rot_scan_count<SKV_RT>(rot, mine, skv_bits_for(per), &n_plan);
+            for (int c = c0; c < c1; ++c) {
+                const int v = w.colv[c];
+                if (v >= SKV_MISS_TAG && v != SKV_PENDING) {
+                    w.hcol[q] = 0;
+                    mkeys[q++] = w.keys[c];
                 }
             }
-#else
-            for (int base_c = 0; base_c < k; base_c += SKV_RT) {
-                const int c = base_c + tid;
-                const int v = c < k ? w.colv[c] : SKV_NONE;
-                const bool miss = v >= SKV_MISS_TAG && v != SKV_PENDING;
-                int tile;
-                const int q = SKV_SCAN_FLAG(miss, &tile) + carry;
-                if (miss) mkeys[q] = w.keys[c];
-                carry += tile;
-            }
-#endif
-            // G threads a miss (a power of two, at most 32: as many as the block has for
-            // the misses; block-uniform) when there are fewer misses than half the threads.
+            __syncthreads();
+        }
+        if (n_plan <= SKV_RANK_MAX) {
+            // Each miss's rank among the misses is the count of smaller keys (keys are
+            // distinct: the row has no duplicate ids). G threads a miss (a power of two, at
+            // most 32: as many as the block has for the misses; block-uniform) count over
+            // every G-th key each and add their counts into its rank (hcol, zeroed above).
             int lg = 0;
-            while (SKV_RANK_SPLIT && lg < 5 && (carry << (lg + 1)) <= SKV_RT) ++lg;
-            if (SKV_RESOLVE_CHUNKED && carry <= SKV_RANK_MAX && lg > 0) {
-                // Each miss's rank among the misses is the count of smaller keys (keys are
-                // distinct: the row has no duplicate ids): its G threads count over every
-                // G-th key each and add their counts into its rank (hcol, zeroed above).
-                if (!plan_ready) __syncthreads();  // (SKV_FUSED: the slots pass's barrier did)
-                const int q2 = tid >> lg, part = tid & ((1 << lg) - 1);
-                if (q2 < carry) {
-                    const u64 key = mkeys[q2];
-                    int r = 0;
-                    for (int j = part; j < carry; j += 1 << lg) r += mkeys[j] < key ? 1 : 0;
-                    atomicAdd(&w.hcol[q2], r);
-                }
-                __syncthreads();
-                if (q2 < carry && part == 0) {
-                    const u64 key = mkeys[q2];
-                    const int r = w.hcol[q2];
-                    prow[r] = (int)(key >> 32);
-                    pslot[r] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
-                }
-            } else if (SKV_RESOLVE_CHUNKED && carry <= SKV_RANK_MAX) {
-                // The same, one thread a miss.
-                if (!plan_ready) __syncthreads();
-                for (int q2 = tid; q2 < carry; q2 += SKV_RT) {
-                    const u64 key = mkeys[q2];
-                    int r = 0;
-                    for (int j = 0; j < carry; ++j) r += mkeys[j] < key ? 1 : 0;
-                    prow[r] = (int)(key >> 32);
-                    pslot[r] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
-                }
-            } else {
-                const int np2 = skv_pow2(carry > 0 ? carry : 1);
-                for (int i = carry + tid; i < np2; i += SKV_RT) mkeys[i] = SKV_NO_KEY;
-                __syncthreads();
-                skv_bitonic_sort(mkeys, np2);
-                for (int q2 = tid; q2 < carry; q2 += SKV_RT) {
-                    const u64 key = mkeys[q2];
-                    prow[q2] = (int)(key >> 32);
-                    pslot[q2] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
-                }
+            while (lg < 5 && (n_plan << (lg + 1)) <= SKV_RT) ++lg;
+            const int part = tid & ((1 << lg) - 1);
+            for (int q2 = tid >> lg; q2 < n_plan; q2 += SKV_RT >> lg) {
+                const u64 key = mkeys[q2];
+                int r = 0;
+                for (int j = part; j < n_plan; j += 1 << lg) r += mkeys[j] < key ? 1 : 0;
+                atomicAdd(&w.hcol[q2], r);
+            }
+            __syncthreads();
+            for (int q2 = tid >> lg; q2 < n_plan && part == 0; q2 += SKV_RT >> lg) {
+                const u64 key = mkeys[q2];
+                const int r = w.hcol[q2];
+                prow[r] = (int)(key >> 32);
+                pslot[r] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
+            }
+        } else {
+            const int np2 = skv_pow2(n_plan);
+            for (int i = n_plan + tid; i < np2; i += SKV_RT) mkeys[i] = SKV_NO_KEY;
+            __syncthreads();
+            skv_bitonic_sort(mkeys, np2);
+            for (int q2 = tid; q2 < n_plan; q2 += SKV_RT) {
+                const u64 key = mkeys[q2];
+                prow[q2] = (int)(key >> 32);
+                pslot[q2] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
             }
         }
-#else
-        for (int base_p = 0; base_p < kp; base_p += SKV_RT) {
-            const int p = base_p + tid;
-            const u64 key = p < kp ? w.keys[p] : SKV_NO_KEY;
-            int v = SKV_NONE;
-            if (key != SKV_NO_KEY) v = w.colv[(u32)key];
-            const bool miss = v >= SKV_MISS_TAG && v != SKV_PENDING;
-            int tile;
-            const int q = SKV_SCAN_FLAG(miss, &tile) + carry;
-            if (miss) {
-                prow[q] = (int)(key >> 32);
-                pslot[q] = flat0 + (v & SKV_SLOT_MASK);
-            }
-            carry += tile;
-            // keys are sorted: once a tile ends in NO_KEY the rest are NO_KEY too.
-            if (__syncthreads_or(p == base_p + SKV_RT - 1 && key == SKV_NO_KEY)) break;
-        }
-#endif
-        if (tid == 0) misses_out[b] = carry;
+        if (tid == 0) misses_out[b] = n_plan;
         sum_hits += (u64)n_hit;
-        sum_misses += (u64)carry;
+        sum_misses += (u64)n_plan;
         sum_oor += (u64)n_oor;
         __syncthreads();  // the next batch row of s reuses the workspace
     }

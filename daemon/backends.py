@@ -3,7 +3,7 @@
 ``cpu``: slabs are anonymous shared memory (memfds) that the client maps, having got the
 descriptor over the fd socket (``proto/fd_socket.py``); NumPy residency and mover.
 ``cuda``: slabs are ``cudaMalloc`` allocations exported through CUDA IPC handles;
-residency and mover are the kernels of ``csrc/`` (see ``residency/cuda.py``).
+residency and mover are the kernels of ``csrc/`` (see ``residency/cuda/``).
 """
 
 from __future__ import annotations

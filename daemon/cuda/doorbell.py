@@ -10,11 +10,10 @@ One step graph (captured once at attach)::
 
     wait bell_step == 1; bell_step = 0; skv_begin_step(db_step)
     for each index group g:
-        wait bell[g] == 1; bell[g] = 0                        (signal "gather": cleared by
-        skv_resolve(db_topk[g]) -> db_slots[g], db_misses[g], the plan    the resolve)
+        wait bell[g] == 1
+        skv_resolve(db_topk[g]) -> db_slots[g], db_misses[g], the plan; bell[g] = 0
         (last group: counters and error record -> the pinned mirror)
-        for each layer l of g: skv_gather(l); ready[l] = 1   (signal "gather": set by the
-                                                             gather's last block)
+        for each layer l of g: skv_gather(l); ready[l] = 1 (by the gather's last block)
 
 A stocking thread keeps ``depth`` step graphs launched ahead on the rank's own stream
 (never the GPU worker's shared stream: it spends its life waiting on this engine's
@@ -39,11 +38,8 @@ rank's work on the same GPU can be held up by an idle doorbell rank is not yet m
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-
-import numpy as np
 
 from sparsekv.proto.stream_ops import graph_launch, wait32, write32
 
@@ -55,23 +51,10 @@ log = logging.getLogger("sparsekv.cuda")
 
 DEPTH = 2  # step graphs launched ahead (a launch must never block: see _stock)
 DRAIN_TIMEOUT_S = 10.0
-# How the step graph waits on bells and sets ready words: "gather" (the default: bells waited
-# on with stream memory operations and cleared by the group's resolve; a layer's ready word
-# set by the last block of its gather: two graph nodes less per group of one layer), "ops" (stream memory operations for both; also
-# what "gather" falls back to where the gather cannot set the word: batch order) or
-# "kernel" (csrc/signal.cu: a one-thread spin kernel, a one-thread store). docs/PERF.md has
-# what each measured.
-SIGNAL_ENV = "SPARSEKV_DB_DAEMON_SIGNAL"
-SIGNALS = ("ops", "kernel", "gather")
-DEFAULT_SIGNAL = "gather"
-
-
-def signal_mode() -> str:
-    """The daemon side's signalling: ``$SPARSEKV_DB_DAEMON_SIGNAL``, else the default."""
-    mode = os.environ.get(SIGNAL_ENV) or DEFAULT_SIGNAL
-    if mode not in SIGNALS:
-        raise ValueError(f"{SIGNAL_ENV} must be one of {', '.join(SIGNALS)}, got {mode!r}")
-    return mode
+# How the step graph waits on bells and sets ready words: bells are waited on with stream
+# memory operations and cleared by the group's resolve; a layer's ready word is set by the
+# last block of its gather (two graph nodes less per group of one layer). Stream operations
+# for both, and one-thread spin kernels, measured slower (docs/DESIGN.md, "Rejected designs").
 
 
 class DoorbellTransport(Transport):
@@ -98,19 +81,12 @@ class DoorbellTransport(Transport):
         self._bell_step = ctl
         self._bells = [ctl + 4 * (1 + g) for g in range(G)]
         self._ready = [ctl + 4 * (1 + G + layer) for layer in range(L)]
-        self.signal = signal_mode()
         with cp.cuda.Device(worker.ordinal):
             self.stream = cp.cuda.Stream(non_blocking=True)
-            # The gathers' arrival counters, one per layer ("gather" signalling): zeroed
-            # here, back at 0 after each gather; they live as long as the stream may run.
-            self._arrivals = cp.zeros(L, dtype=cp.uint32) if self.signal == "gather" else None
-            if self._arrivals is not None:
-                cp.cuda.runtime.deviceSynchronize()
-            if self.signal == "kernel":
-                from ..kernels import get_cache  # noqa: PLC0415
-
-                mod = get_cache().module("signal.cu")
-                self._k_wait, self._k_set = mod.get_function("skv_wait_word"), mod.get_function("skv_set_word")
+            # The gathers' arrival counters, one per layer: zeroed here, back at 0 after
+            # each gather; they live as long as the stream may run.
+            self._arrivals = cp.zeros(L, dtype=cp.uint32)
+            cp.cuda.runtime.deviceSynchronize()
         self.graph = capture(self._enqueue_step, worker.ordinal)
         self._stop = threading.Event()
         self.steps_launched = 0
@@ -121,22 +97,10 @@ class DoorbellTransport(Transport):
     # -- the step graph ------------------------------------------------------------------
     def _wait_bell(self, stream, address: int, cleared_by_kernel: bool = False) -> None:
         """Wait until the word at ``address`` is 1 and set it to 0 again; with
-        ``cleared_by_kernel`` (signal "gather") the next kernel clears it (skv_resolve's
-        ``clear``)."""
-        if self.signal == "kernel":  # "gather" waits on bells as "ops" does
-            with stream:
-                self._k_wait((1,), (32,), (np.uint64(address),))
-        else:
-            wait32(stream.ptr, address, 1)
-            if not cleared_by_kernel:
-                write32(stream.ptr, address, 0)
-
-    def _set_ready(self, stream, address: int) -> None:
-        if self.signal == "kernel":  # else stream ops ("gather" too, when the gather cannot set it)
-            with stream:
-                self._k_set((1,), (32,), (np.uint64(address),))
-        else:
-            write32(stream.ptr, address, 1)
+        ``cleared_by_kernel`` the next kernel clears it (skv_resolve's ``clear``)."""
+        wait32(stream.ptr, address, 1)
+        if not cleared_by_kernel:
+            write32(stream.ptr, address, 0)
 
     def _enqueue_step(self, stream) -> None:
         b, d = self.buffers, self.dstep
@@ -145,26 +109,16 @@ class DoorbellTransport(Transport):
                                       b.max_batch, stream)
         for g, layers in enumerate(self.layout.groups):
             t = b.db_topk[g]
-            # "gather": the resolve clears the group's bell (one stream operation less).
-            clear = self._bells[g] if self.signal == "gather" else 0
-            self._wait_bell(stream, self._bells[g], cleared_by_kernel=bool(clear))
-            d.enqueue_resolve(t, b.db_slots[g], b.db_misses[g], stream, clear=clear)
+            # The resolve clears the group's bell (one stream operation less).
+            self._wait_bell(stream, self._bells[g], cleared_by_kernel=True)
+            d.enqueue_resolve(t, b.db_slots[g], b.db_misses[g], stream, clear=self._bells[g])
             if g == self.layout.num_groups - 1:
                 # Before the last ready word: once the engine's stream has passed a step,
                 # the step's counters and errors are in the pinned mirror (check()).
                 d.enqueue_stats_out(stream)
             for layer in layers:
-                signalled = d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer],
-                                             **self._gather_signal(layer))
-                if not signalled:
-                    self._set_ready(stream, self._ready[layer])
-
-    def _gather_signal(self, layer: int) -> dict:
-        """The layer's ready word and arrival counter for its gather to set ("gather"), or
-        nothing."""
-        if self._arrivals is None:
-            return {}
-        return {"ready": self._ready[layer], "arrivals": self._arrivals.data.ptr + 4 * layer}
+                d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer],
+                                 ready=self._ready[layer], arrivals=self._arrivals.data.ptr + 4 * layer)
 
     # -- stocking ------------------------------------------------------------------------
     def _stock(self) -> None:

@@ -3,9 +3,8 @@
 :class:`DeviceStep` turns a rank's step blocks (``buffers.py``) into kernel launches:
 
 * ``enqueue_begin``: ``skv_begin_step`` (the step's resets and invalidations);
-* ``enqueue_topk(entry)``: ``skv_resolve`` into ring entry ``entry`` and the plan (merged
-  over the batch by ``skv_merge_plan`` in the batch gather order), then the gather of the
-  plan for every layer of the group;
+* ``enqueue_topk(entry)``: ``skv_resolve`` into ring entry ``entry`` and the per-row
+  plans, then the gather of the plans for every layer of the group;
 * ``enqueue_stats_out``: the rank's counters and error record, device -> pinned host
   mirror (a copy, no wait: a stats scrape reads the mirror).
 
@@ -59,28 +58,19 @@ class DeviceStep:
 
     def enqueue_resolve(self, block, slots, misses, stream, clear: int = 0) -> None:
         """``skv_resolve`` of a top-k block into ``slots`` / ``misses`` and the per-row
-        plans, then (batch gather order) ``skv_merge_plan`` of those plans. ``clear``: a
-        doorbell word the resolve sets to 0 (device address), or 0."""
+        plans. ``clear``: a doorbell word the resolve sets to 0 (device address), or 0."""
         bufs = self.buffers
         self.residency.launch_resolve(block.desc, block.rows, block.payload, slots, misses,
                                       bufs.plan_rows, bufs.plan_slots, bufs.counters, 4, bufs.err,
                                       bufs.workspace, bufs.max_batch, stream, clear=clear)
-        if self.mover.order == "batch":
-            self.mover.launch_merge_plan(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream)
 
-    def enqueue_gather(self, block, misses, stream, group_layers=None, ready: int = 0, arrivals: int = 0) -> bool:
+    def enqueue_gather(self, block, misses, stream, group_layers=None, ready: int = 0, arrivals: int = 0) -> None:
         """The gather of the last :meth:`enqueue_resolve`, for the group's layers (or the
         ones ``group_layers`` names). ``ready`` / ``arrivals``: a word the gather's last
-        block sets to 1 and its zeroed arrival counter (device addresses). Returns whether
-        the gather sets ``ready`` (the request-order gather does; the caller sets it
-        otherwise)."""
+        block sets to 1 and its zeroed arrival counter (device addresses)."""
         bufs = self.buffers
-        if self.mover.order == "batch":
-            self.mover.launch_gather_merged(block.desc, stream, group_layers=group_layers)
-            return False
         self.mover.launch_gather(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream,
                                  group_layers=group_layers, ready=ready, arrivals=arrivals)
-        return bool(ready)
 
     def enqueue_topk(self, entry: int, stream) -> None:
         bufs = self.buffers

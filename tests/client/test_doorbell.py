@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from sparsekv.client import BadRequest, Client
-from sparsekv.client.doorbell import DEFAULT_SIGNAL
 from sparsekv.client.errors import DaemonUnavailable
 from sparsekv.embedded.inproc import InprocClient
 from sparsekv.bench.private_daemon import PrivateDaemon
@@ -119,18 +118,12 @@ def cuda_daemon():
         yield d
 
 
-# Signalling by spin kernels (csrc/signal.cu): marked ``spin`` so that a device run can
-# take them last (a kernel that spins for ever under MPS can take the MPS server with it).
-SPIN = pytest.param("kernel", marks=pytest.mark.spin)
-
-
-def attach(run_dir, lay, fill=True, signal=None):
+def attach(run_dir, lay, fill=True):
     c = Client(run_dir, name="doorbell-test", device="cuda:0").connect()
     c.attach(lay, engine="db", transport="doorbell")
     if fill:
         fill_pool(c, lay)
-    h = c.doorbell_handle(signal=signal)
-    assert h.signal == (signal or DEFAULT_SIGNAL)
+    h = c.doorbell_handle()
     return c, h
 
 
@@ -157,15 +150,14 @@ def check_bytes(h, lay, idx, ids, layer, torch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("signal", ["ops", "kernel-ring", SPIN])
 @pytest.mark.parametrize("positions,spec", [(False, False), (True, False), (True, True)])
-def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, positions, spec, signal):
+def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, positions, spec):
     import torch
 
     lay = layout()
     plan = steps(lay, 12, seed=3, positions=positions, spec=spec)
     want = reference(lay, plan, positions)
-    c, h = attach(cuda_daemon.run_dir, lay, signal=signal)
+    c, h = attach(cuda_daemon.run_dir, lay)
     try:
         for t, (state, reset, inval, req, per_group, table) in enumerate(plan):
             h.begin_step(dev(state, torch), dev(reset, torch), dev(inval, torch))
@@ -184,31 +176,21 @@ def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, p
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("engine_signal,daemon_signal", [
-    ("ops", "ops"),
-    pytest.param("kernel", "ops", marks=pytest.mark.spin),
-    pytest.param("ops", "kernel", marks=pytest.mark.spin),
-    pytest.param("kernel", "kernel", marks=pytest.mark.spin),
-    ("ops", "gather"),
-    ("kernel-ring", "ops"),
-    ("kernel-ring", "gather"),
-])
-def test_a_whole_decode_step_captures_into_one_cuda_graph(engine_signal, daemon_signal):
-    """Every signalling of either side (bells and ready words by stream operations or by
-    kernels) captures and replays exactly."""
+def test_a_whole_decode_step_captures_into_one_cuda_graph():
+    """The engine's whole step (its kernels ringing the bells, stream operations waiting on
+    the ready words the daemon's gathers set) captures and replays exactly."""
     import torch
 
     lay = layout()
     plan = steps(lay, 10, seed=5, positions=True)
     want = reference(lay, plan, True)
-    env = dict(os.environ, SPARSEKV_DB_DAEMON_SIGNAL=daemon_signal)
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
-                       log_path=DAEMON_LOG, env=env) as d:
-        _capture_and_replay(d, lay, plan, want, engine_signal, torch)
+                       log_path=DAEMON_LOG) as d:
+        _capture_and_replay(d, lay, plan, want, torch)
 
 
-def _capture_and_replay(d, lay, plan, want, engine_signal, torch):
-    c, h = attach(d.run_dir, lay, signal=engine_signal)
+def _capture_and_replay(d, lay, plan, want, torch):
+    c, h = attach(d.run_dir, lay)
     state, reset, inval, req, per_group, table = plan[0]
     s_state, s_reset, s_inval, s_req = (dev(x, torch) for x in (state, reset, inval, req))
     s_table = dev(table, torch)
@@ -267,14 +249,13 @@ def test_duplicate_positions_are_refused_and_check_raises_them():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("engine_signal", ["ops", "kernel-ring", SPIN])
-def test_a_killed_daemon_releases_the_engine_stream_and_check_says_so(engine_signal):
+def test_a_killed_daemon_releases_the_engine_stream_and_check_says_so():
     import torch
 
     lay = layout()
     d = PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA, log_path=DAEMON_LOG)
     with d:
-        c, h = attach(d.run_dir, lay, fill=False, signal=engine_signal)
+        c, h = attach(d.run_dir, lay, fill=False)
         plan = steps(lay, 2, seed=1)
         state, reset, inval, req, per_group, _ = plan[0]
         h.begin_step(dev(state, torch), dev(reset, torch))

@@ -26,7 +26,7 @@ import numpy as np
 
 from sparsekv.csrc.build import load_source
 from sparsekv.daemon.kernels import resolve_defines
-from sparsekv.daemon.residency.cuda import error_bits, make_desc, resolve_workspace_bytes
+from sparsekv.daemon.residency.cuda import error_bits, make_desc, resolve_workspace_bytes, rows_block
 
 HERE = Path(__file__).resolve().parent
 EMU = HERE / "emulator"
@@ -146,21 +146,18 @@ class Resolve:
     (slots, misses, hits, out_of_range, the plan concatenated and stable-sorted) plus
     ``misses_counted`` and the raw per-row outputs; ``err`` is the error record."""
 
-    def __init__(self, lay, lookup: str = "sort", threads: int = 64, workspace: str = "shared",
-                 defines: dict | None = None, hash_scale: int = 2, lru_smem: bool = False,
-                 owner_smem: bool = False):
-        self.lay, self.lookup, self.threads = lay, lookup, int(threads)
+    def __init__(self, lay, threads: int = 64, workspace: str = "shared", hash_scale: int = 2,
+                 lru_smem: bool = False, owner_smem: bool = False):
+        self.lay, self.threads = lay, int(threads)
         # the workspace's options (CudaResidency picks them), in the defines and its size
         self.opts = {"hash_scale": int(hash_scale), "lru_smem": bool(lru_smem), "owner_smem": bool(owner_smem)}
-        self.defines = dict(defines or {})  # more of csrc/resolve.cu's switches (SKV_RESOLVE_CHUNKED)
         self.workspace = workspace  # shared: built with SKV_WS_SMEM, as CudaResidency does
-        self.lib = build("resolve.cu", dict(resolve_defines(self.threads, self.lookup, **self.opts,
-                                                            ws_smem=self.workspace == "shared"), **self.defines))
+        self.lib = build("resolve.cu", resolve_defines(self.threads, **self.opts, ws_smem=self.workspace == "shared"))
         g, r, s = lay.num_groups, lay.max_reqs, lay.region_stride
         self.owner = np.full((g, r, s), -1, np.int32)
         self.lru = np.empty((g, r, s), np.int32)
         self.lru[...] = np.arange(s, dtype=np.int32)
-        self.ws_bytes = resolve_workspace_bytes(lay.top_k, s, lookup, **self.opts)
+        self.ws_bytes = resolve_workspace_bytes(lay.top_k, s, **self.opts)
         self.err = np.zeros(32, np.int32)
 
     # -- the other residency kernels (skv_reset, skv_invalidate, skv_begin_step), as CudaResidency
@@ -176,8 +173,6 @@ class Resolve:
                                i(lay.max_reqs), i(lay.region_stride), _ptr(rows), i(rows.size))
 
     def _invalidate(self, rows, state_rows) -> int:
-        from sparsekv.daemon.residency.cuda import rows_block  # noqa: PLC0415
-
         block = np.ascontiguousarray(rows_block(rows))
         if not block[0]:
             return 0
@@ -260,30 +255,6 @@ class Resolve:
                                raw=out)
 
 
-_MERGE_PARAMS = ("const int* desc, const int* plan_rows, const int* plan_slots, const int* misses, int max_batch, "
-                 "int ld, int* out_rows, int* out_slots, int* out_count, int smem_bytes")
-_MERGE_ARGS = "desc, plan_rows, plan_slots, misses, max_batch, ld, out_rows, out_slots, out_count, smem_bytes"
-
-
-def merge_plan(plan_rows: np.ndarray, plan_slots: np.ndarray, misses: np.ndarray, batch: int,
-               smem_bytes: int, threads: int = 64):
-    """``skv_merge_plan`` (csrc/copy.cu) of per-row plans ``[max_batch, ld]`` with
-    ``smem_bytes`` of dynamic shared memory; returns (rows, slots, count)."""
-    lib = build("copy.cu",
-                {"SKV_ROW_VECS": 2, "SKV_COPY_THREADS": 64, "SKV_COPY_LOAD": 1, "SKV_MERGE_THREADS": threads})
-    B, ld = plan_rows.shape
-    desc = make_desc(batch, ld, 0)
-    rows = np.full(B * ld, -7, np.int32)
-    slots = np.full(B * ld, -7, np.int32)
-    count = np.full(1, -7, np.int32)
-    i = ctypes.c_int
-    lib.run_skv_merge_plan(i(B), i(threads), i(smem_bytes), _ptr(desc), _ptr(np.ascontiguousarray(plan_rows)),
-                           _ptr(np.ascontiguousarray(plan_slots)), _ptr(np.ascontiguousarray(misses)), i(B), i(ld),
-                           _ptr(rows), _ptr(slots), _ptr(count), i(smem_bytes))
-    n = int(count[0])
-    return rows[:n], slots[:n], n
-
-
 _TOPK_PARAMS = ("int* blk, const int* counter, const int* req_ids, int tokens, const int* table, int table_rows, "
                 "int max_blocks, const int* resident, int res_blocks, const int* topk, int k, int block_size, "
                 "int group, int max_batch, unsigned* done, unsigned* bell")
@@ -358,7 +329,7 @@ def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan
     ``arrivals``: uint32 [1] each, the word its last block sets and their counter."""
     L, host_rows, rb = pool.shape
     lib = build("copy.cu",
-                {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads, "SKV_COPY_LOAD": 1, "SKV_MERGE_THREADS": 64})
+                {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads})
     B, ld = plan_rows.shape
     i, q = ctypes.c_int, ctypes.c_longlong
     lib.run_skv_gather(i(grid), i(threads), i((B + 1) * 8), _ptr(desc), _ptr(pool), q(host_rows), i(L), _ptr(slab),
@@ -406,5 +377,5 @@ KERNELS = {
     },
     "handle.cu": {"skv_db_topk": (_TOPK_PARAMS, _TOPK_ARGS), "skv_db_indices": (_INDICES_PARAMS, _INDICES_ARGS),
                   **{f"skv_map_positions_{p}_{t}": (_map_params(p, t), _MAP_ARGS) for p in _INTS for t in _INTS}},
-    "copy.cu": {"skv_merge_plan": (_MERGE_PARAMS, _MERGE_ARGS), "skv_gather": (_GATHER_PARAMS, _GATHER_ARGS)},
+    "copy.cu": {"skv_gather": (_GATHER_PARAMS, _GATHER_ARGS)},
 }

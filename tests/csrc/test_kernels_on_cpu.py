@@ -2,11 +2,10 @@
 (``cpu_kernels.py``), against the NumPy engine, bit for bit:
 
 * ``skv_resolve`` (``skv_reset`` and ``skv_invalidate`` in its traces): slots, misses,
-  counters, the plan and the owner/lru state after every step, for both lookups (sort,
-  hash), several thread counts, shared and global workspaces; rows refused for duplicates
-  and for too many tokens; corrupt owners;
+  counters, the plan and the owner/lru state after every step, for several thread counts,
+  both hash table sizes, shared and global workspaces; rows refused for duplicates and for
+  too many tokens; corrupt owners and lru rows;
 * ``skv_begin_step``: resets, then invalidations;
-* ``skv_merge_plan``: the stable host-row order;
 * ``skv_db_topk`` / ``skv_db_indices`` (the engine side): positions to host rows as
   ``proto/positions.py`` maps them, the bell rung once, indices into hot and resident rows;
 * ``skv_gather``: the planned rows of the group's layers, flat or into a paged engine slab.
@@ -19,15 +18,17 @@ from __future__ import annotations
 
 import ctypes
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import cpu_kernels
 from kernel_traces import assert_same, gen_batch, layout, run_trace
-from sparsekv.daemon.kernels import RESOLVE_PLAIN
+from sparsekv.client.doorbell import DoorbellSwapIn
 from sparsekv.daemon.residency.cpu import CpuResidency
-from sparsekv.daemon.residency.cuda import E_CORRUPT_STATE, E_DUPLICATE_IDS, E_TOO_MANY_TOKENS
+from sparsekv.daemon.residency.cuda import E_CORRUPT_STATE, E_DUPLICATE_IDS, E_TOO_MANY_TOKENS, make_desc
+from sparsekv.proto import positions
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 
@@ -46,16 +47,11 @@ TRACES = [
 ]
 
 
-@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
-@pytest.mark.parametrize("lookup", ["sort", "hash"])
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
-def test_resolve_on_cpu_equals_the_numpy_engine(case, lookup, chunked):
-    """Every walk of the lru, the slots and the plan (SKV_RESOLVE_CHUNKED): chunks per
-    thread with one count scan (the default), tiles with a flag scan each, warp segments
-    for the lru."""
+def test_resolve_on_cpu_equals_the_numpy_engine(case):
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=threads, workspace=ws, defines={"SKV_RESOLVE_CHUNKED": chunked})
+    emu = cpu_kernels.Resolve(lay, threads=threads, workspace=ws)
     # resets, invalidations, repeated batches; the state compared after every step
     run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
     assert not emu.err[:8].any()  # nothing refused or mended on a sound trace
@@ -66,101 +62,49 @@ def test_the_hash_lookup_with_a_table_four_times_the_columns_equals_the_numpy_en
     """SKV_HASH_SCALE 4 (hash_scale=4): the same results from a table of 4 x pow2(k)."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4)
+    emu = cpu_kernels.Resolve(lay, threads=threads, workspace=ws, hash_scale=4)
     run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
     assert not emu.err[:8].any()
 
 
-# Both rows with every walk; each row alone with the default walk (each set of defines is
-# one more C++ build of the kernel).
-@pytest.mark.parametrize("opts, chunked", [({"lru_smem": True, "owner_smem": True}, c) for c in (1, 0, 2)]
-                         + [({"lru_smem": True}, 1), ({"owner_smem": True}, 1)],
-                         ids=["both-chunks", "both-tiles", "both-segments", "lru-chunks", "owner-chunks"])
+@pytest.mark.parametrize("opts", [{"lru_smem": True, "owner_smem": True}, {"lru_smem": True}, {"owner_smem": True}],
+                         ids=["both", "lru", "owner"])
 @pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("tiny", "tiles-global", "odd", "many-misses")],
                          ids=lambda t: t[0])
-def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, opts, chunked):
+def test_the_lru_and_owner_rows_in_the_workspace_equal_the_numpy_engine(case, opts):
     """SKV_LRU_SMEM (the new lru built in the workspace, copied out whole) and
-    SKV_OWNER_SMEM (the owners read into it first), with every walk, the hash lookup."""
+    SKV_OWNER_SMEM (the owners read into it first)."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4,
-                              defines={"SKV_RESOLVE_CHUNKED": chunked}, **opts)
+    emu = cpu_kernels.Resolve(lay, threads=threads, workspace=ws, hash_scale=4, **opts)
     run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
     assert not emu.err[:8].any()
 
 
-@pytest.mark.parametrize("defines", [{"SKV_PREFETCH": 1}, {"SKV_ONE_BARRIER": 0}, {"SKV_ONE_BARRIER": 0, "SKV_SUM_ATOMIC": 0},
-                                     {"SKV_RANK_SPLIT": 0}, {"SKV_P1_BATCH": 0}, {"SKV_P1_BATCH": 1},
-                                     {"SKV_SEEN_COVER": 0}, {"SKV_SEEN_COVER": 1}, {"SKV_FUSE": 0},
-                                     {"SKV_WARP_TOTALS_REDUX": 0}, {"SKV_WARP_TOTALS_REDUX": 0, "SKV_ONE_BARRIER": 0}],
-                         ids=["prefetch", "atomic-sums", "warp-sums", "ranks-one-thread", "loop-loads", "waves-of-1",
-                              "seen-read-back", "seen-cover", "unfused", "summed-totals", "summed-totals-two-barriers"])
-@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("odd", "wide")], ids=lambda t: t[0])
-def test_the_resolve_build_options_equal_the_numpy_engine(case, defines):
-    """The other side of each timed switch (csrc/resolve.cu, csrc/common.cuh): the first
-    row's columns loaded with the state rows, block sums with three barriers or by warp
-    reductions, the plan's ranks counted by one thread a miss, phase 1 loop by loop or in
-    waves of one, the lru's seen marks read back or set in phase 2, the passes unfused,
-    the warp totals by warp reductions, the partition's chunk kept in registers; the hash
-    lookup."""
-    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
-    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, defines=defines)
-    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
-    assert not emu.err[:8].any()
-
-
-@pytest.mark.parametrize("lookup", ["sort", "hash"])
-def test_a_block_of_threads_not_a_power_of_two_equals_the_numpy_engine(lookup):
+def test_a_block_of_threads_not_a_power_of_two_equals_the_numpy_engine():
     """SKV_RESOLVE_THREADS 96 (3 warps; like 768, a multiple of 32 but not a power of two):
     every scan and walk."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = TRACES[4]  # odd
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=96, workspace=ws)
+    emu = cpu_kernels.Resolve(lay, threads=96, workspace=ws)
     run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
     assert not emu.err[:8].any()
 
 
-@pytest.mark.parametrize("case", [t for t in TRACES if t[0] in ("tiny", "odd", "many-misses")], ids=lambda t: t[0])
-def test_a_miss_taking_its_id_from_its_key_equals_the_numpy_engine(case):
-    """SKV_ID_FROM_KEY 1 (hash lookup): the owner a miss writes comes from its key."""
-    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
-    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, defines={"SKV_ID_FROM_KEY": 1})
-    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
-    assert not emu.err[:8].any()
-
-
-@pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
-def test_the_plain_build_equals_the_numpy_engine(case):
-    """The resolve without the switches of sessions 16-17 (RESOLVE_PLAIN: every collective
-    with the shared helpers, warp totals summed by every thread, phase 1 loop by loop, the
-    seen marks read back, no fused passes; what
-    `sparsekv bench kernels` times the default against), the hash lookup, bit for bit."""
-    name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
-    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, "hash", threads=threads, workspace=ws, hash_scale=4, lru_smem=True,
-                              owner_smem=True, defines=RESOLVE_PLAIN)
-    run_trace(CpuResidency(lay), emu, lay, zlib.crc32(name.encode()) % 1000, steps, batch, overlap)
-    assert not emu.err[:8].any()
-
-
-@pytest.mark.parametrize("fast", [{"SKV_FUSE": 1}, {}], ids=["fuse", "default"])
-def test_fused_passes_on_corrupt_state_equal_the_plain_build(fast):
-    """Corrupt owners (a host row owned twice: the marks redone from the column states) and
-    corrupt lru rows (repeated entries, entries outside [0, S), so few evictables that misses
-    go without a slot: the plan compacted again): the SKV_FUSE build's (alone, and the
-    default build) slots, misses, plan, counters, error record and state equal the plain
-    build's, trial by trial."""
+@pytest.mark.parametrize("opts", [{}, {"lru_smem": True, "owner_smem": True}], ids=["global-rows", "workspace-rows"])
+def test_corrupt_lru_rows_stay_in_bounds_and_are_reported(opts):
+    """Corrupt lru rows (repeated entries, entries outside [0, S), one slot everywhere so
+    that misses go without a slot and the plan is compacted again), with corrupt owners
+    (a host row owned twice: the hit marks redone from the column states): every slot in
+    [-1, S), each new lru row a permutation of the old one, each plan entry a miss of its
+    row in host-row order, CORRUPT_STATE reported; blocks of 32 and of 96 threads (other
+    chunks, other scans) resolve every row the same."""
     lay = layout(16, 48, 60, 3, max_batch=6)
-    plain = cpu_kernels.Resolve(lay, "hash", threads=32, hash_scale=4, lru_smem=True, owner_smem=True,
-                                defines=RESOLVE_PLAIN)
-    fused = cpu_kernels.Resolve(lay, "hash", threads=32, hash_scale=4, lru_smem=True, owner_smem=True,
-                                defines={**RESOLVE_PLAIN, **fast} if fast else {})
+    emus = [cpu_kernels.Resolve(lay, threads=n, hash_scale=4, **opts) for n in (32, 96)]
     rng = np.random.default_rng(31)
     S = lay.region_stride
     for trial in range(30):
-        owner = rng.integers(-3, 80, size=plain.owner.shape).astype(np.int32)
+        owner = rng.integers(-3, 80, size=emus[0].owner.shape).astype(np.int32)
         lru = np.stack([np.stack([rng.permutation(S) for _ in range(lay.max_reqs)])
                         for _ in range(lay.num_groups)]).astype(np.int32)
         if trial % 3 == 1:
@@ -169,24 +113,33 @@ def test_fused_passes_on_corrupt_state_equal_the_plain_build(fast):
             lru[...] = rng.integers(0, S)  # one slot everywhere: misses go without a slot
         sr, tk = gen_batch(rng, lay, {}, 6, 0.0)
         got = []
-        for emu in (plain, fused):
+        for emu in emus:
             emu.owner[...] = owner
             emu.lru[...] = lru
-            got.append(emu.resolve(0, sr, tk))
+            before = int(emu.err[E_CORRUPT_STATE])
+            res = emu.resolve(0, sr, tk)
+            got.append(res)
+            assert ((res.slots >= -1) & (res.slots < S)).all(), f"trial {trial}"
+            for s in range(lay.max_reqs):
+                np.testing.assert_array_equal(np.sort(emu.lru[0, s]), np.sort(lru[0, s]), err_msg=f"trial {trial}")
+            for b in range(len(sr)):
+                m = int(res.raw.misses[b])
+                rows, flat = res.raw.prow[b, :m], res.raw.pslot[b, :m]
+                assert (np.diff(rows) > 0).all(), f"trial {trial}"
+                cols = {(int(g), int(sr[b]) * S + int(sl)) for g, sl in zip(tk[b], res.slots[b]) if sl >= 0}
+                assert set(zip(rows.tolist(), flat.tolist())) <= cols, f"trial {trial}"
+            if trial % 3:
+                assert int(emu.err[E_CORRUPT_STATE]) > before, f"trial {trial}"
         assert_same(got[0], got[1], f"trial {trial}")
-        np.testing.assert_array_equal(fused.owner, plain.owner)
-        np.testing.assert_array_equal(fused.lru, plain.lru)
-        np.testing.assert_array_equal(fused.err, plain.err)
-    assert plain.err[E_CORRUPT_STATE] > 0
+        np.testing.assert_array_equal(emus[0].lru, emus[1].lru)
 
 
 @pytest.mark.parametrize("opts", [{}, {"lru_smem": True, "owner_smem": True}], ids=["global-rows", "workspace-rows"])
-@pytest.mark.parametrize("lookup", ["sort", "hash"])
-def test_corrupt_owners_resolve_as_on_the_numpy_engine(lookup, opts):
+def test_corrupt_owners_resolve_as_on_the_numpy_engine(opts):
     """Owners outside the host rows or owning one row twice (the lowest slot wins)."""
     lay = layout(16, 48, 60, 3, max_batch=6)
     cpu = CpuResidency(lay)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=32, **opts)
+    emu = cpu_kernels.Resolve(lay, threads=32, **opts)
     rng = np.random.default_rng(7)
     for trial in range(20):
         bad = rng.integers(-3, 80, size=cpu.owner.shape).astype(np.int32)
@@ -198,18 +151,14 @@ def test_corrupt_owners_resolve_as_on_the_numpy_engine(lookup, opts):
         np.testing.assert_array_equal(emu.lru, cpu.lru)
 
 
-@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
-@pytest.mark.parametrize("lookup", ["sort", "hash"])
-def test_a_repeated_lru_entry_is_corrupt_state_by_either_seen_check(lookup, chunked):
-    """SKV_SEEN_COVER 1 (seen marks set without reading them back, then every slot's bit
-    required) and 2 (the marks set in phase 1, here in waves) find exactly the lru rows
-    SKV_SEEN_COVER 0 (each atomicOr's old word) finds: a shuffled permutation is sound, one
-    entry repeated or outside [0, S) is corrupt; every build resolves every row the same,
-    bit for bit."""
+def test_a_repeated_lru_entry_is_corrupt_state():
+    """The seen marks (set as phase 1 copies the lru, then every slot's bit required) find
+    exactly the corrupt lru rows: a shuffled permutation is sound, one entry repeated or
+    outside [0, S) is corrupt (reported with its batch row); blocks of 32 and of 96 threads
+    resolve every row the same, bit for bit."""
     lay = layout(8, 40, 200, 3, max_batch=3)  # S = 40: the last seen word is partial
     rng = np.random.default_rng(29)
-    emus = [cpu_kernels.Resolve(lay, lookup, threads=32, defines={"SKV_RESOLVE_CHUNKED": chunked, **d})
-            for d in ({"SKV_SEEN_COVER": 0}, {"SKV_SEEN_COVER": 1}, {"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 2})]
+    emus = [cpu_kernels.Resolve(lay, threads=n) for n in (32, 96)]
     S = lay.region_stride
     for trial in range(24):
         lru = np.stack([np.stack([rng.permutation(S) for _ in range(lay.max_reqs)])
@@ -238,11 +187,10 @@ def test_a_repeated_lru_entry_is_corrupt_state_by_either_seen_check(lookup, chun
             np.testing.assert_array_equal(emus[0].lru, e.lru)
 
 
-@pytest.mark.parametrize("lookup", ["sort", "hash"])
-def test_a_row_with_duplicate_ids_is_refused_and_the_rest_resolves(lookup):
+def test_a_row_with_duplicate_ids_is_refused_and_the_rest_resolves():
     lay = layout(6, 12, 40, 2)
     cpu = CpuResidency(lay)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=32)
+    emu = cpu_kernels.Resolve(lay, threads=32)
     warm = np.array([[1, 2, 3, 4, 5, 6]], np.int32)
     cpu.resolve(0, np.array([0], np.int32), warm)
     emu.resolve(0, np.array([0], np.int32), warm)
@@ -261,15 +209,13 @@ def test_a_row_with_duplicate_ids_is_refused_and_the_rest_resolves(lookup):
     np.testing.assert_array_equal(emu.owner, cpu.owner)
 
 
-@pytest.mark.parametrize("lookup", ["sort", "hash"])
-def test_masks_set_in_phase_1_are_clear_for_the_next_token_after_a_refused_row(lookup):
-    """SKV_SEEN_COVER 2 marks the lru as phase 1 copies it and clears the masks when a row
-    is done: a row refused for duplicate ids (after its marks were set), then a sound
+def test_masks_set_in_phase_1_are_clear_for_the_next_token_after_a_refused_row():
+    """Phase 1 marks the lru as it copies it, and the masks are cleared when a row is done: a row refused for duplicate ids (after its marks were set), then a sound
     token of the same request, then another, resolve as the NumPy engine does, with no
     CORRUPT_STATE."""
     lay = layout(6, 18, 40, 2, max_batch=4)
     cpu = CpuResidency(lay)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=32, defines={"SKV_SEEN_COVER": 2, "SKV_P1_BATCH": 1})
+    emu = cpu_kernels.Resolve(lay, threads=32)
     warm = np.array([[1, 2, 3, 4, 5, 6]], np.int32)
     cpu.resolve(0, np.array([0], np.int32), warm)
     emu.resolve(0, np.array([0], np.int32), warm)
@@ -284,13 +230,12 @@ def test_masks_set_in_phase_1_are_clear_for_the_next_token_after_a_refused_row(l
     np.testing.assert_array_equal(emu.lru, cpu.lru)
 
 
-@pytest.mark.parametrize("lookup", ["sort", "hash"])
-def test_a_token_beyond_region_stride_over_top_k_is_refused(lookup):
+def test_a_token_beyond_region_stride_over_top_k_is_refused():
     """Three tokens of one request where the region holds two top-k rows: the first two
     resolve in batch order, the third is refused (TOO_MANY_TOKENS), whichever block
     finds them."""
     lay = layout(4, 8, 40, 2, max_batch=4)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=32)
+    emu = cpu_kernels.Resolve(lay, threads=32)
     cpu = CpuResidency(lay)
     topk = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]], np.int32)
     sr = np.array([1, 0, 1, 1], np.int32)  # state row 1 three times: rows 0, 2, 3
@@ -301,33 +246,6 @@ def test_a_token_beyond_region_stride_over_top_k_is_refused(lookup):
     assert emu.err[E_TOO_MANY_TOKENS] == 1 and emu.err[8 + E_TOO_MANY_TOKENS] == 3
     np.testing.assert_array_equal(emu.owner, cpu.owner)
     np.testing.assert_array_equal(emu.lru, cpu.lru)
-
-
-@pytest.mark.parametrize("in_shared", [True, False])
-def test_the_batch_wide_plan_is_the_stable_host_row_order(in_shared):
-    """skv_merge_plan: every row's plan (sorted by host row, as skv_resolve leaves it)
-    merged into one list in host-row order, ties in batch order (the cpu backend's
-    stable sort), the lists in shared memory or searched in global memory."""
-    rng = np.random.default_rng(3)
-    B, ld = 8, 40
-    for trial in range(10):
-        batch = int(rng.integers(1, B + 1))
-        misses = rng.integers(0, ld + 1, size=B).astype(np.int32)
-        rows = np.full((B, ld), -1, np.int32)
-        slots = np.full((B, ld), -1, np.int32)
-        for b in range(B):
-            m = misses[b]
-            rows[b, :m] = np.sort(rng.choice(60, m, replace=m > 60))  # rows shared by several batch rows
-            slots[b, :m] = b * 1000 + np.arange(m)
-        head = (B + 1 + ld) * 4
-        smem = head + B * ld * 4 if in_shared else head  # room for the lists, or none
-        got_rows, got_slots, n = cpu_kernels.merge_plan(rows, slots, misses, batch, smem)
-        take = np.arange(ld)[None, :] < misses[:batch, None]
-        want_rows, want_slots = rows[:batch][take], slots[:batch][take]
-        order = np.argsort(want_rows, kind="stable")
-        assert n == want_rows.size, trial
-        np.testing.assert_array_equal(got_rows, want_rows[order], err_msg=f"trial {trial}")
-        np.testing.assert_array_equal(got_slots, want_slots[order], err_msg=f"trial {trial}")
 
 
 def _positions_case(rng, tokens=7, k=24, reqs=5, max_blocks=6, bs=4):
@@ -344,8 +262,6 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
     """skv_db_topk: position -> host row by the request's block table (proto/positions.py's
     rule), resident blocks -> -1 (no host row), unmapped -> -2; the step block's head; and
     the bell rung once every block is done, its arrival counter back at 0."""
-    from sparsekv.proto.positions import UNMAPPED, host_rows
-
     rng = np.random.default_rng(grid)
     for trial in range(8):
         req, table, resident, topk, bs = _positions_case(rng)
@@ -358,12 +274,12 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
                             done=done, bell=bell)
         live = (req >= 0) & (req < table.shape[0])
         rows_tab = np.where(live[:, None], table[np.clip(req, 0, table.shape[0] - 1)], -1)
-        want = host_rows(topk, rows_tab, bs)
+        want = positions.host_rows(topk, rows_tab, bs)
         blkno = np.where(topk >= 0, topk // bs, -1)
         res_tab = np.where(live[:, None], resident[np.clip(req, 0, resident.shape[0] - 1)], -1)
         in_res = (blkno >= 0) & (blkno < resident.shape[1])
         is_res = in_res & (np.take_along_axis(res_tab, np.clip(blkno, 0, resident.shape[1] - 1), axis=1) >= 0)
-        want = np.where(is_res, -1, np.where(live[:, None], want, UNMAPPED))
+        want = np.where(is_res, -1, np.where(live[:, None], want, positions.UNMAPPED))
         payload = blk[16 + 2 * max_batch:16 + 2 * max_batch + tokens * k].reshape(tokens, k)
         np.testing.assert_array_equal(payload, want, err_msg=f"trial {trial}")
         np.testing.assert_array_equal(blk[16:16 + tokens], np.where(req < 0, -1, req))
@@ -371,25 +287,19 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
         assert bell[0] == 1 and done[0] == 0
 
 
-@pytest.mark.parametrize("signal", ["kernel", "kernel-ring"])
 @pytest.mark.parametrize("grid", [1, 3])
-def test_the_handles_own_arguments_ring_the_groups_bell(grid, signal):
+def test_the_handles_own_arguments_ring_the_groups_bell(grid):
     """The doorbell handle's argument tuple for skv_db_topk (the one swap_in and
-    finish_step launch), run against the kernel's parameter order: with kernel signalling
-    the group's bell ends at 1 and its arrival counter at 0. (The handle once passed the
+    finish_step launch), run against the kernel's parameter order: the group's bell ends at
+    1 and its arrival counter at 0. (The handle once passed the
     two the other way round: the kernel counted arrivals on the bell, which the daemon's
     stream then never saw settle at 1, and the engine waited for ever.)"""
-    from types import SimpleNamespace
-
-    from sparsekv.client.doorbell import DoorbellSwapIn
-
     tokens, k, max_batch, groups = 4, 8, 8, 2
     blks = [np.full(16 + 2 * max_batch + max_batch * k, -9, np.int32) for _ in range(groups)]
     counter = np.array([7], np.int32)
     arrivals = np.zeros(groups, np.uint32)
     bells = np.zeros(groups, np.uint32)
     h = object.__new__(DoorbellSwapIn)  # no GPU: only the argument builder is used
-    h.signal = signal
     h.layout = SimpleNamespace(max_batch=max_batch)
     h._topk_blocks = [b.ctypes.data for b in blks]
     h._counter = SimpleNamespace(data=SimpleNamespace(ptr=counter.ctypes.data))
@@ -436,23 +346,19 @@ def test_the_engine_side_indices_point_at_hot_or_resident_rows():
         np.testing.assert_array_equal(valid, (want >= 0).sum(axis=1))
 
 
-@pytest.mark.parametrize("signal", ["ops", "kernel-ring"])
-def test_the_indices_clear_the_layers_ready_word_with_kernel_ring_only(signal):
-    """With "kernel-ring" the handle passes each layer's ready word to skv_db_indices, which
-    sets it to 0 (in place of a stream operation after the wait); with "ops" it passes
-    none and the word stays as it was. The indices are the same either way."""
-    from sparsekv.client.doorbell import DoorbellSwapIn
-
+def test_the_indices_clear_the_layers_ready_word():
+    """The handle passes each layer's ready word to skv_db_indices, which sets it to 0 (in
+    place of a stream operation after the wait); the indices are those of a launch without
+    it."""
     rng = np.random.default_rng(8)
     req, table, resident, topk, bs = _positions_case(rng)
     tokens, k = topk.shape
     slots = rng.integers(-1, 64, size=(8, k)).astype(np.int32)
     readys = np.ones(3, np.uint32)
     h = object.__new__(DoorbellSwapIn)  # no GPU: only the argument choice is used
-    h.signal = signal
     h._readys = [readys.ctypes.data + 4 * i for i in range(3)]
     word = h._cleared_by_indices(1)
-    assert word == (h._readys[1] if signal == "kernel-ring" else 0)
+    assert word == h._readys[1]
     outs = []
     for clear in (None, word):
         out = np.full((tokens, k), -9, np.int32)
@@ -463,11 +369,11 @@ def test_the_indices_clear_the_layers_ready_word_with_kernel_ring_only(signal):
                                np.zeros(1, np.int32), out, clear=cw)
         outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])
-    assert readys.tolist() == ([1, 0, 1] if signal == "kernel-ring" else [1, 1, 1])
+    assert readys.tolist() == [1, 0, 1]
 
 
 def test_the_resolve_clears_the_word_it_is_given_and_resolves_the_same():
-    """skv_resolve's ``clear`` (the doorbell's group bell, signal "gather"): the word ends
+    """skv_resolve's ``clear`` (the doorbell's group bell): the word ends
     at 0 and the slots, plan and state are those of a launch without it."""
     lay = layout(64, 128, 2_000, 4, groups=1, max_batch=4)
     rng = np.random.default_rng(3)
@@ -475,7 +381,7 @@ def test_the_resolve_clears_the_word_it_is_given_and_resolves_the_same():
     rows = np.array([0, 2, 3], np.int32)
     res = []
     for clear in (None, np.ones(1, np.uint32)):
-        emu = cpu_kernels.Resolve(lay, "hash", threads=64, workspace="shared")
+        emu = cpu_kernels.Resolve(lay, threads=64, workspace="shared")
         out = emu.run(0, rows, topk, clear=clear)
         res.append((out, emu.state(), clear))
     (a, sa, _), (b, sb, word) = res
@@ -492,8 +398,6 @@ def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_els
     to slot plan_slots[b, i] of the slab (i < misses[b]), into the daemon's flat slab or an
     engine's paged buffer (blocks of block_rows rows at block_stride bytes, a gap after
     each); every other byte stays as it was; an entry outside the pool is skipped."""
-    from sparsekv.daemon.residency.cuda import make_desc
-
     rng = np.random.default_rng(11)
     L, host_rows, rb = 4, 300, 48
     B, ld, slots_n = 5, 12, 40  # slab rows per layer (max_reqs x region_stride)
@@ -541,12 +445,10 @@ def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_els
 
 @pytest.mark.parametrize("grid", [1, 4])
 def test_the_gather_sets_its_ready_word_once_every_block_is_done(grid):
-    """skv_gather with a ready word (the doorbell's "gather" signalling): the rows are
+    """skv_gather with a ready word (the doorbell's signalling): the rows are
     copied as without it, the word is 1 afterwards and the arrival counter back at 0;
     also when the descriptor is out of range (nothing copied, the engine still released);
     without a word nothing is signalled."""
-    from sparsekv.daemon.residency.cuda import make_desc
-
     rng = np.random.default_rng(3)
     L, host_rows, rb, B, ld, slots_n = 2, 50, 32, 3, 4, 12
     pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)
@@ -568,15 +470,14 @@ def test_the_gather_sets_its_ready_word_once_every_block_is_done(grid):
     assert slab.any()  # no word: copied, nothing else to check (a null word is never written)
 
 
-@pytest.mark.parametrize("lookup", ["sort", "hash"])
-def test_begin_step_resets_then_invalidates_as_the_numpy_engine(lookup):
+def test_begin_step_resets_then_invalidates_as_the_numpy_engine():
     """skv_begin_step (one launch for the whole STEP block): rows with reset empty their
     regions, the others lose the slots owning one of their invalidate ids; the result is
     the NumPy engine's (resets first, then invalidations), the lru untouched by the
     invalidations; then resolving goes on equal."""
     lay = layout(8, 16, 60, 4, groups=2, max_batch=6)
     cpu = CpuResidency(lay)
-    emu = cpu_kernels.Resolve(lay, lookup, threads=32)
+    emu = cpu_kernels.Resolve(lay, threads=32)
     rng = np.random.default_rng(13)
     memory: dict = {}
     for step in range(25):

@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 
 from sparsekv.daemon import kernels
-from sparsekv.daemon.pinned import PinError, PinnedRegion, plan_chunks
+from sparsekv.daemon.pinned import CudaHostRuntime, PinError, PinnedRegion, plan_chunks
 from sparsekv.daemon.residency.base import Plan, ResidencyError
 from sparsekv.daemon.residency.contract import RegionModel
+from sparsekv.daemon.residency import cuda
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto.layout import Layout
+from sparsekv.proto.slab import SlabGeometry
+from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
 
 from kernel_traces import assert_same, assert_state, gen_batch, gen_row, junk_values, layout, run_trace  # noqa: F401,E501 - shared with tests/csrc
 
@@ -29,12 +32,6 @@ pytestmark = pytest.mark.cuda
 @pytest.fixture(scope="session")
 def kc(tmp_path_factory):
     return kernels.KernelCache(tmp_path_factory.mktemp("kernel-cache"))
-
-
-def cuda_mod():
-    from sparsekv.daemon.residency import cuda
-
-    return cuda
 
 
 def device_sync():
@@ -62,11 +59,6 @@ TRACES = [
 ]
 
 
-# Both ways resolve finds a row's columns (csrc/resolve.cu SKV_RESOLVE_LOOKUP) must give
-# the cpu backend's results.
-LOOKUPS = pytest.mark.parametrize("lookup", ["sort", "hash"])
-
-
 WORKSPACE_OPTS = [{"hash_scale": 2, "lru_smem": False, "owner_smem": False},
                   {"hash_scale": 4, "lru_smem": False, "owner_smem": False},
                   {"hash_scale": 2, "lru_smem": True, "owner_smem": True},
@@ -80,9 +72,8 @@ def test_resolve_with_each_workspace_option_matches_cpu(case, kc, opts):
     (SKV_LRU_SMEM, SKV_OWNER_SMEM), given explicitly (the default takes every one that
     fits): the workspace grows with them, the results stay the cpu backend's."""
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
-    cuda = cuda_mod()
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, lookup="hash", **opts)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, **opts)
     assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem) == tuple(opts.values())
     assert gpu.workspace_bytes == cuda.resolve_workspace_bytes(k, stride, "hash", **opts)
     run_trace(CpuResidency(lay), gpu, lay, seed=zlib.crc32(name.encode()) % 1000, steps=steps, batch=batch,
@@ -94,44 +85,34 @@ def test_the_default_workspace_takes_the_x4_table_then_the_rows_where_they_fit_i
     H200's 227 KiB, and then the owner and new lru rows too; a global workspace keeps the
     x2 table and the rows in global memory; with a region of 32768 neither the x4 table
     nor a row more fits."""
-    cuda = cuda_mod()
     lay = layout(2048, 4096, 1 << 20, 64, max_batch=64)
-    gpu = cuda.CudaResidency(lay, kernels=kc, lookup="hash")
+    gpu = cuda.CudaResidency(lay, kernels=kc)
     assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem, gpu.workspace_global) == (4, True, True, False)
     assert gpu.resolve_smem == cuda.resolve_workspace_bytes(2048, 4096, "hash", 4, True, True)
-    asked = cuda.CudaResidency(lay, kernels=kc, lookup="hash", lru_smem=False)
+    asked = cuda.CudaResidency(lay, kernels=kc, lru_smem=False)
     assert (asked.hash_scale, asked.lru_smem, asked.owner_smem) == (4, False, True)
-    wide = cuda.CudaResidency(layout(2048, 32768, 1 << 20, 4, max_batch=4), kernels=kc, lookup="hash")
+    wide = cuda.CudaResidency(layout(2048, 32768, 1 << 20, 4, max_batch=4), kernels=kc)
     assert (wide.hash_scale, wide.lru_smem, wide.owner_smem, wide.workspace_global) == (2, False, False, False)
-    glob = cuda.CudaResidency(lay, kernels=kc, lookup="hash", workspace="global")
+    glob = cuda.CudaResidency(lay, kernels=kc, workspace="global")
     assert (glob.hash_scale, glob.lru_smem, glob.owner_smem, glob.workspace_global) == (2, False, False, True)
 
 
-@pytest.mark.parametrize("chunked", [1, 0, 2], ids=["chunks", "tiles", "segments"])
-@LOOKUPS
 @pytest.mark.parametrize("case", TRACES, ids=[t[0] for t in TRACES])
-def test_resolve_matches_cpu(case, kc, lookup, chunked):
-    """Both lookups, and every walk of the lru, slots and plan (SKV_RESOLVE_CHUNKED: chunks
-    per thread, the default; tiles; warp segments for the lru)."""
+def test_resolve_matches_cpu(case, kc):
     name, k, stride, host_rows, reqs, groups, batch, steps, overlap, threads, ws = case
-    cuda = cuda_mod()
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     cpu = CpuResidency(lay)
-    extra = {} if chunked == 1 else {"timing_defines": {"SKV_RESOLVE_CHUNKED": chunked}}
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, lookup=lookup, **extra)
-    assert gpu.lookup == lookup
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws)
     if name == "topk32k":
         assert gpu.workspace_global  # 644 KiB per block cannot live in shared memory
     run_trace(cpu, gpu, lay, seed=zlib.crc32(name.encode()) % 1000, steps=steps, batch=batch, overlap=overlap,
               state_every=1 if k < 1000 else 4)
 
 
-@LOOKUPS
-def test_matches_reference_model(kc, lookup):
+def test_matches_reference_model(kc):
     """One state row, long random sequence, against contract.RegionModel directly."""
-    cuda = cuda_mod()
     lay = layout(6, 12, 30, 1)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     model = RegionModel(lay.region_stride)
     rng = np.random.default_rng(7)
     memory: dict[int, np.ndarray] = {}
@@ -155,12 +136,10 @@ def test_matches_reference_model(kc, lookup):
         assert owner[0, 0].tolist() == model.owner and lru[0, 0].tolist() == model.lru, step
 
 
-@LOOKUPS
-def test_eviction_order_small(kc, lookup):
+def test_eviction_order_small(kc):
     """A hand-checked LRU sequence: oldest evictable first, hits move to the back."""
-    cuda = cuda_mod()
     lay = layout(2, 4, 10, 1)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     cpu = CpuResidency(lay)
     # (ids, slots): e.g. step 2: 1 hits slot 0; evictables in LRU order are 2, 3, 1, so the
     # miss 3 takes slot 2 and the new lru is [3, 1] + [2] + [0].
@@ -179,13 +158,11 @@ def test_eviction_order_small(kc, lookup):
 # -- device path ----------------------------------------------------------------------
 
 
-@LOOKUPS
-def test_device_path_counters_padding_and_short_rows(kc, lookup):
+def test_device_path_counters_padding_and_short_rows(kc):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(8, 16, 100, 4, groups=2)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     cpu = CpuResidency(lay)
     out = gpu.new_output(6)
     rng = np.random.default_rng(3)
@@ -221,13 +198,11 @@ def test_device_path_counters_padding_and_short_rows(kc, lookup):
     assert out.read_counters(gpu.stream)["hits"] == 0
 
 
-@LOOKUPS
-def test_device_path_bad_state_row_is_padding(kc, lookup):
+def test_device_path_bad_state_row_is_padding(kc):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(4, 8, 50, 2)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     out = gpu.new_output(3)
     before = gpu.state()
     with gpu.stream:
@@ -244,13 +219,11 @@ def test_device_path_bad_state_row_is_padding(kc, lookup):
     assert e.value.code == "BAD_STATE_ROW"
 
 
-@LOOKUPS
-def test_duplicates_host_raises_device_refuses_the_row(kc, lookup):
+def test_duplicates_host_raises_device_refuses_the_row(kc):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(6, 12, 40, 2)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     cpu = CpuResidency(lay)
     warm = np.array([[1, 2, 3, 4, 5, 6]], np.int32)
     cpu.resolve(0, np.array([0], np.int32), warm)
@@ -281,14 +254,12 @@ def test_duplicates_host_raises_device_refuses_the_row(kc, lookup):
     assert_state(cpu, gpu)
 
 
-@LOOKUPS
-def test_garbage_owner_matches_cpu(kc, lookup):
+def test_garbage_owner_matches_cpu(kc):
     """Owner rows holding junk (repeats, out-of-range values) still resolve exactly as the
     NumPy engine does (a repeated owner: the lowest slot is the hit)."""
-    cuda = cuda_mod()
     lay = layout(16, 48, 60, 3, groups=2)
     cpu = CpuResidency(lay)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     rng = np.random.default_rng(11)
     owner = rng.integers(-5, 70, size=cpu.owner.shape).astype(np.int32)
     lru = np.stack([[rng.permutation(lay.region_stride) for _ in range(3)] for _ in range(2)]).astype(np.int32)
@@ -313,13 +284,11 @@ def _intact(big, canary, guard, n):
     return (h[:guard] == canary).all() and (h[guard + n:] == canary).all()
 
 
-@LOOKUPS
-def test_corrupt_state_never_writes_out_of_bounds(kc, lookup):
+def test_corrupt_state_never_writes_out_of_bounds(kc):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(32, 64, 500, 3, groups=2, layers_per_group=2, row_bytes=48)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, lookup=lookup)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32)
     shape = gpu.owner.shape
     rng = np.random.default_rng(13)
     guards = []
@@ -387,7 +356,6 @@ def _pinned_pool(nbytes):
 def test_gather_stage_write_bytes(kc, row_bytes):
     import cupy as cp
 
-    cuda = cuda_mod()
     lay = layout(64, 128, 3000, 4, groups=2, layers_per_group=3, row_bytes=row_bytes, staging_rows=200)
     cpu = CpuResidency(lay)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=64)
@@ -458,56 +426,7 @@ def test_gather_stage_write_bytes(kc, row_bytes):
         assert_state(cpu, gpu)
 
 
-@pytest.mark.parametrize("top_k,stride,host_rows,max_reqs,max_batch", [
-    (64, 128, 500, 8, 16),          # few host rows: many rows shared by several requests
-    (2048, 2048, 300_000, 64, 64),  # ~115k misses: more than shared memory holds (global lists)
-])
-def test_batch_wide_plan_is_the_cpu_plan_order_and_gathers_the_same_bytes(kc, top_k, stride, host_rows, max_reqs,
-                                                                          max_batch):
-    """skv_merge_plan merges the per-row plans into the cpu backend's order (host row,
-    ties in batch order), with the count on the device; skv_gather_merged then writes the
-    same slab bytes as the per-request gather."""
-    import cupy as cp
-
-    cuda = cuda_mod()
-    lay = layout(top_k, stride, host_rows, max_reqs, row_bytes=32, max_batch=max_batch)
-    cpu = CpuResidency(lay)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=256)
-    m, pool = _pinned_pool(lay.pool_bytes)
-    rng = np.random.default_rng(top_k)
-    memory: dict = {}
-    with PinnedRegion(pool.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
-        movers = [cuda.CudaMover(lay, region, kernels=kc, stream=gpu.stream, blocks=8, threads=64, order=o)
-                  for o in ("batch", "request")]
-        assert [mv.order for mv in movers] == ["batch", "request"]
-        big = lay.max_batch * lay.top_k * 4 > movers[0].merge_smem
-        for trial in range(6):
-            batch = int(rng.integers(1, lay.max_batch + 1)) if trial else lay.max_batch
-            sr, tk = gen_batch(rng, lay, memory, batch, 0.5 if trial % 2 else 0.0, fresh=trial == 0)
-            want = cpu.resolve(0, sr, tk)
-            got = gpu.resolve(0, sr, tk)  # the host API: per-row plans in gpu._host_out
-            assert_same(want, got, f"trial {trial}")
-            out = gpu._host_out
-            for mv in movers:
-                mv.slab.fill(0)
-            with gpu.stream:
-                movers[0].launch_merge_plan(out.desc, out.plan_rows, out.plan_slots, out.misses, lay.max_batch,
-                                            gpu.stream)
-                movers[0].launch_gather_merged(out.desc, gpu.stream)
-                movers[1].launch_gather(out.desc, out.plan_rows, out.plan_slots, out.misses, lay.max_batch,
-                                        gpu.stream)
-            gpu.stream.synchronize()
-            n = int(movers[0].merged_count.get()[0])
-            assert n == len(want.plan), f"trial {trial}"
-            np.testing.assert_array_equal(movers[0].merged_rows.get()[:n], want.plan.rows, err_msg=f"trial {trial}")
-            np.testing.assert_array_equal(movers[0].merged_slots.get()[:n], want.plan.slots, err_msg=f"trial {trial}")
-            np.testing.assert_array_equal(movers[0].slab.get(), movers[1].slab.get(), err_msg=f"trial {trial}")
-            if trial == 0 and top_k == 2048:
-                assert big and n > movers[0].merge_smem // 4  # the global-memory path ran
-
-
 def test_gather_host_plan_matches_cpu_mover(kc):
-    cuda = cuda_mod()
     lay = layout(32, 64, 5000, 2, groups=1, layers_per_group=4, row_bytes=656)
     m, pool_bytes = _pinned_pool(lay.pool_bytes)
     with PinnedRegion(pool_bytes.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
@@ -526,19 +445,14 @@ def test_gather_host_plan_matches_cpu_mover(kc):
         assert mover.gather(Plan(np.empty(0, np.int32), np.empty(0, np.int32)), (0,)) == 0
 
 
-@pytest.mark.parametrize("tma_stages", [0, 3], ids=["sm", "tma"])
 @pytest.mark.parametrize("block_stride_rows", [4, 7])  # rows back to back / a gap after each block
-def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_guards(kc, block_stride_rows,
-                                                                                     tma_stages):
+def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_guards(kc, block_stride_rows):
     """An engine-owned slab (proto/slab.py) inside a larger device buffer: the host plan,
     the device resolve + gather and the fixed-grid step gather write exactly what
     CpuMover writes into the same geometry; every other byte of the buffer (guards before
     and after, the gaps between blocks, the engine's other blocks) is untouched."""
     import cupy as cp
 
-    from sparsekv.proto.slab import SlabGeometry
-
-    cuda = cuda_mod()
     lay = layout(32, 64, 3000, 2, groups=2, layers_per_group=2, row_bytes=656)
     br = 4
     stride = block_stride_rows * lay.row_bytes
@@ -560,7 +474,7 @@ def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_
             dev = cp.asarray(start)
         gpu.stream.synchronize()
         mover = cuda.CudaMover(lay, region, kernels=kc, stream=gpu.stream, blocks=8, threads=64,
-                               engine_slab=(dev.data.ptr, geo), tma_stages=tma_stages)
+                               engine_slab=(dev.data.ptr, geo))
         host = start.copy()
         ref = CpuMover(lay, pool, host, None, geometry=geo)
         memory: dict = {}
@@ -594,7 +508,6 @@ def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_
                     plan_rows[i, :n] = got.plan.rows[part]
                     plan_slots[i, :n] = got.plan.slots[part]
                     misses[i] = n
-                from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
 
                 desc = np.zeros(DESC_INTS, np.int32)
 
@@ -612,53 +525,6 @@ def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_
                 off = int(geo.row_offsets(lay, layer, [h])[0])
                 touched[off: off + lay.row_bytes] = True
         np.testing.assert_array_equal(dev.get()[~touched], start[~touched])  # guards, gaps, resident blocks
-
-
-@pytest.mark.parametrize("blocks,threads,stages", [(8, 64, 1), (3, 32, 4), (40, 128, 2)])
-def test_tma_gather_writes_what_the_sm_gather_writes(kc, blocks, threads, stages):
-    """skv_gather built with SKV_COPY_TMA (a bulk asynchronous copy a row in, one out)
-    writes the daemon's slab byte for byte as the 16-byte SM gather does, for plans with
-    rows to skip (-1, past the pool, slots past the slab), batches smaller than max_batch,
-    grids with more and fewer threads than rows, and a group of several layers; every
-    other slab byte stays as it was."""
-    import cupy as cp
-
-    from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
-
-    cuda = cuda_mod()
-    lay = layout(64, 128, 3000, 6, groups=2, layers_per_group=3, row_bytes=656, max_batch=6)
-    m, pool_bytes = _pinned_pool(lay.pool_bytes)
-    rng = np.random.default_rng(blocks * 100 + stages)
-    slots_total = lay.max_reqs * lay.region_stride
-    with PinnedRegion(pool_bytes.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
-        s = cp.cuda.Stream(non_blocking=True)
-        sm = cuda.CudaMover(lay, region, kernels=kc, stream=s, blocks=8)
-        tma = cuda.CudaMover(lay, region, kernels=kc, stream=s, blocks=blocks, threads=threads, tma_stages=stages)
-        assert tma.gather_smem > (lay.max_batch + 1) * 8
-        for trial in range(6):
-            batch = int(rng.integers(1, lay.max_batch + 1))
-            misses = rng.integers(0, lay.top_k + 1, lay.max_batch).astype(np.int32)
-            misses[trial % lay.max_batch] = lay.top_k  # one full row each time
-            rows = rng.integers(0, lay.host_rows, (lay.max_batch, lay.top_k)).astype(np.int32)
-            # distinct slots: two entries writing one slot would race in either gather
-            slots = rng.permutation(slots_total)[: lay.max_batch * lay.top_k].reshape(lay.max_batch, lay.top_k)
-            slots = slots.astype(np.int32)
-            bad = rng.random(rows.shape) < 0.05
-            rows[bad] = rng.choice([-1, lay.host_rows, lay.host_rows + 7], int(bad.sum()))
-            slots[rng.random(slots.shape) < 0.03] = slots_total
-            desc = np.zeros(DESC_INTS, np.int32)
-            desc[D_BATCH], desc[D_GROUP], desc[D_K] = batch, trial % lay.num_groups, lay.top_k
-            start = rng.integers(0, 256, sm.slab.shape, dtype=np.uint8)
-            got = []
-            for mv in (sm, tma):
-                with s:
-                    mv.slab[...] = cp.asarray(start)
-                    mv.launch_gather(cp.asarray(desc), cp.asarray(rows), cp.asarray(slots), cp.asarray(misses),
-                                     lay.max_batch, s)
-                s.synchronize()
-                got.append(mv.slab.get())
-            assert (got[0] != start).any(), trial
-            np.testing.assert_array_equal(got[1], got[0], err_msg=f"trial {trial}")
 
 
 # -- pinned region --------------------------------------------------------------------
@@ -682,8 +548,6 @@ class _FailingRuntime:
     """The real runtime, failing the n-th registration."""
 
     def __init__(self, fail_at):
-        from sparsekv.daemon.pinned import CudaHostRuntime
-
         self.rt = CudaHostRuntime()
         self.fail_at = fail_at
         self.calls = 0
@@ -704,8 +568,6 @@ class _FailingRuntime:
 
 
 def test_pinned_region_chunks_close_and_rollback():
-    from sparsekv.daemon.pinned import CudaHostRuntime
-
     nbytes = 8 << 20
     m = mmap.mmap(-1, nbytes)
     a = np.frombuffer(m, dtype=np.uint8)
@@ -751,21 +613,19 @@ def test_kernel_cache_dir_and_warm(tmp_path, monkeypatch):
     assert "skv_resolve" in names and "skv_copy_rows" in names
     files = sorted(p.name for p in (tmp_path / "c").glob("*.cubin"))
     # resolve: the x4 table with and without the owner and lru rows and the x2 table,
-    # the workspace in shared memory, x2 in global memory (the hash lookup); signal; copy
-    # for two row sizes
-    assert len(files) == 7, files
+    # the workspace in shared memory, x2 in global memory; copy for two row sizes
+    assert len(files) == 6, files
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")}
     kc2 = kernels.KernelCache(tmp_path / "c")
     kc2.warm(row_bytes=(656, 32))  # a new process: from disk
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")} == mtimes
     # What an attach takes is warm already (regions of 4096: the x4 table and both rows;
     # 32768: x2, no row).
-    from sparsekv.daemon.residency.cuda import CudaResidency
 
     for stride in (4096, 32768):
         lay = Layout(num_layers=1, row_bytes=16, top_k=2048, region_stride=stride, max_reqs=2, host_rows=1 << 16,
                      max_batch=2).validate()
-        res = CudaResidency(lay, kernels=kc2)
+        res = cuda.CudaResidency(lay, kernels=kc2)
         assert (res.hash_scale, res.lru_smem, res.owner_smem) == ((4, True, True) if stride == 4096 else (2, False, False))
         assert not res.workspace_global
     assert sorted(p.name for p in (tmp_path / "c").glob("*.cubin")) == files  # nothing new was built
@@ -781,7 +641,6 @@ def test_bench_table(kc, capsys):
     Rows print as they are measured; a failing row prints its error and the rest go on."""
     import cupy as cp
 
-    cuda = cuda_mod()
     s = cp.cuda.Stream(non_blocking=True)
     failures = []
 
@@ -859,16 +718,14 @@ def test_bench_table(kc, capsys):
         gpu.resolve_async(0, sr, fresh[1], out, stream=s)  # all miss: 131072 rows, sorted per request
         assert out.read_counters(s)["misses"] == batch * k
 
-        def gather_rows(blocks_list, threads=256, load=1):
-            mover = cuda.CudaMover(lay, region, kernels=kc, stream=s, threads=threads, load=load)
+        def gather_rows(blocks_list, threads=256):
+            mover = cuda.CudaMover(lay, region, kernels=kc, stream=s, threads=threads)
             for blocks in blocks_list:
                 t = timed(lambda: mover.gather_async(out, (0,), stream=s, blocks=blocks), per=4, rounds=5)
-                row(f"gather 2048 x 64 rows of 656 B (sorted per request), {blocks} blocks x {threads} threads, "
-                    f"load {load}", f"{nbytes / t[0] / 1e3:.1f} GB/s", f"{t[0]:.0f} us")
+                row(f"gather 2048 x 64 rows of 656 B (sorted per request), {blocks} blocks x {threads} threads",
+                    f"{nbytes / t[0] / 1e3:.1f} GB/s", f"{t[0]:.0f} us")
 
         section("gather default", lambda: gather_rows((16, 32, 66, 132, 264)))
-        section("gather load 0", lambda: gather_rows((32, 132), load=0))
-        section("gather load 2", lambda: gather_rows((32, 132), load=2))
         section("gather 512 threads", lambda: gather_rows((32,), threads=512))
 
         def gather_order():

@@ -1,0 +1,307 @@
+"""CUDA mover: moves rows between the pinned host pool and one GPU with the copy kernels
+(``csrc/copy.cu``); the hot slab and staging buffer of a rank (:class:`DeviceBuffers`).
+
+Same interface and results as ``cpu.py``'s mover. The device-resident entry points
+(``gather_async``, ``stage_async``, ``write_async`` and the ``launch_*`` methods) take
+device arrays, run on a given CuPy stream and never read back; the host-convenience ones
+(``gather``, ``stage``, ``write``) take NumPy and synchronise. A decode step's gather reads
+each batch row's plan in turn, sorted by host row (docs/DESIGN.md, "Rejected designs":
+the batch-wide merge measured slower).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparsekv.daemon.kernels import COPY_THREADS, DEFAULT_SMEM_BYTES, copy_defines, get_cache
+from sparsekv.proto.layout import Layout
+
+from ..base import Mover, Plan, ResidencyError
+from .device import ResolveOutput, cp_module, device_i32, grid_blocks, null_ptr, smem_limit
+
+DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
+
+
+@dataclass
+class DeviceBuffers:
+    """The hot slab and the staging buffer of one rank: one ``cudaMalloc`` (``memory``;
+    exportable as one CUDA IPC handle), each a view at a 256-byte-aligned offset."""
+
+    memory: object  # cupy.cuda.memory.Memory
+    slab: object  # cupy uint8 [num_layers, max_reqs, region_stride, row_bytes], offset 0
+    staging: object | None  # cupy uint8 [num_layers, staging_rows, row_bytes] or None
+    staging_offset: int
+
+
+def allocate_device_buffers(layout: Layout) -> DeviceBuffers:
+    cp = cp_module()
+    lay = layout.validate()
+    staging_offset = (lay.slab_bytes + 255) & ~255
+    total = staging_offset + lay.staging_bytes
+    mem = cp.cuda.memory.Memory(total)  # plain cudaMalloc, outside CuPy's pool
+    slab = cp.ndarray(
+        (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes), dtype=cp.uint8,
+        memptr=cp.cuda.memory.MemoryPointer(mem, 0),
+    )
+    staging = None
+    if lay.staging_rows:
+        staging = cp.ndarray(
+            (lay.num_layers, lay.staging_rows, lay.row_bytes), dtype=cp.uint8,
+            memptr=cp.cuda.memory.MemoryPointer(mem, staging_offset),
+        )
+    return DeviceBuffers(mem, slab, staging, staging_offset)
+
+
+class CudaMover(Mover):
+    """Moves rows between the pinned host pool ``[L, host_rows, row_bytes]`` and one GPU.
+
+    Args:
+        layout: the attached layout.
+        pool: a :class:`sparsekv.daemon.pinned.PinnedRegion` holding the pool, or the
+            device address (int) of any registered / pinned host buffer (tests).
+        pool_offset: byte offset of this engine's pool inside ``pool`` (16-aligned).
+        buffers: slab and staging (default: :func:`allocate_device_buffers`).
+        kernels, stream: as for :class:`CudaResidency`.
+        blocks: most blocks a copy kernel uses (SMs are shared with attention).
+        threads: threads per copy block.
+        engine_slab: ``(device address, SlabGeometry)`` of an engine-owned slab
+            (``proto/slab.py``, checked): gathers write there, laid out by the geometry,
+            instead of ``buffers.slab``.
+    """
+
+    def __init__(self, layout: Layout, pool, *, pool_offset: int = 0, buffers: DeviceBuffers | None = None,
+                 kernels=None, stream=None, blocks: int = DEFAULT_COPY_BLOCKS, threads: int = COPY_THREADS,
+                 engine_slab=None):
+        cp = cp_module()
+        self.layout = lay = layout.validate()
+        kernels = kernels if kernels is not None else get_cache()
+        self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
+        if hasattr(pool, "device_address"):
+            self.pool_address = int(pool.device_address(pool_offset, lay.pool_bytes))
+        else:
+            self.pool_address = int(pool) + int(pool_offset)
+        if self.pool_address % 16:
+            raise ValueError(f"pool device address {self.pool_address:#x} must be 16-byte aligned")
+        self.buffers = buffers if buffers is not None else allocate_device_buffers(lay)
+        self.staging = self.buffers.staging
+        # Where gathers write: the daemon's slab (no geometry), or an engine's buffer laid
+        # out by its geometry (per-layer byte offsets on the device, block rows, stride).
+        self._geo = (null_ptr(), np.int64(1), np.int64(0))
+        if engine_slab is not None:
+            address, geo = engine_slab
+            if int(address) % 16:
+                raise ValueError(f"engine slab address {int(address):#x} must be 16-byte aligned")
+            self.slab = np.uint64(int(address))
+            with self.stream:
+                self._slab_offsets = cp.asarray(np.asarray(geo.layer_offsets, dtype=np.int64))
+            self.stream.synchronize()
+            self._geo = (self._slab_offsets, np.int64(geo.block_rows), np.int64(geo.block_stride))
+        else:
+            self.slab = self.buffers.slab
+            want = (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes)
+            if tuple(self.slab.shape) != want or self.slab.dtype != cp.uint8 or not self.slab.flags.c_contiguous:
+                raise ValueError(f"slab must be a contiguous uint8 array {want}")
+        if blocks <= 0:
+            raise ValueError(f"blocks must be positive, got {blocks}")
+        self.blocks = int(blocks)
+        self.threads = int(threads)
+        defines = copy_defines(lay.row_bytes, threads)
+        self._copy = kernels.function("copy.cu", "skv_copy_rows", defines)
+        # The gather's per-row prefix lives in shared memory: (max_batch + 1) x 8 bytes.
+        self.gather_smem = (lay.max_batch + 1) * 8
+        if self.gather_smem > DEFAULT_SMEM_BYTES:
+            limit = smem_limit(kernels.function("copy.cu", "skv_gather", defines))  # its own static part
+            if self.gather_smem > limit:
+                raise ResidencyError("TOO_LARGE", f"max_batch {lay.max_batch} needs {self.gather_smem} B of shared "
+                                     f"memory for one gather; this GPU allows {limit} B; lower max_batch")
+        self._gather = kernels.function("copy.cu", "skv_gather", defines, smem_bytes=self.gather_smem)
+        # Each group's layers on the device, [groups, 1 + most layers of a group]: count, layers.
+        width = 1 + max(len(g) for g in lay.groups)
+        table = np.full((lay.num_groups, width), -1, np.int32)
+        for gi, g in enumerate(lay.groups):
+            table[gi, 0] = len(g)
+            table[gi, 1 : 1 + len(g)] = g
+        with self.stream:
+            self.group_layers = cp.asarray(table)
+        self.stream.synchronize()
+        self._layers: dict[tuple[int, ...], object] = {}
+
+    def _layers_dev(self, layers) -> tuple[object, int]:
+        cp = cp_module()
+        key = tuple(int(x) for x in layers)
+        arr = self._layers.get(key)
+        if arr is None:
+            bad = [x for x in key if not 0 <= x < self.layout.num_layers]
+            if bad:
+                raise ResidencyError("BAD_ARGUMENT", f"layers {bad} outside [0, {self.layout.num_layers})")
+            with self.stream:
+                arr = cp.asarray(np.array(key, dtype=np.int32))
+            self.stream.synchronize()  # once per distinct tuple: the upload is done for good
+            self._layers[key] = arr
+        return arr, len(key)
+
+    def _launch(self, stream, blocks, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows,
+                dst_rows, dst_layers, layers, mode, src_idx, dst_idx, counts, nb, ld, count_dev=None,
+                layers_dev=None, dst_geo=None) -> None:
+        """One ``skv_copy_rows``; ``dst_geo``: the destination's (layer offsets, block
+        rows, block stride) when it is an engine's slab (``self._geo``)."""
+        if nb == 0 or ld == 0:
+            return
+        if layers_dev is None:
+            layers_dev, n_layers = self._layers_dev(layers)
+        else:  # already on the device: (array, count)
+            layers_dev, n_layers = layers_dev
+        if n_layers == 0:
+            return
+        i32, i64 = np.int32, np.int64
+        smem = (nb + 1) * 8 if counts is not None else 0
+        if smem > DEFAULT_SMEM_BYTES:
+            raise ResidencyError("TOO_LARGE", f"batch {nb} too large for one gather launch")
+        with (stream if stream is not None else self.stream):
+            self._copy(
+                (int(blocks),), (self.threads,),
+                (src, i64(src_layer_rows), i64(src_rows), i32(src_layers),
+                 dst, i64(dst_layer_rows), i64(dst_rows), i32(dst_layers),
+                 layers_dev, i32(n_layers), i32(mode),
+                 src_idx if src_idx is not None else null_ptr(), dst_idx if dst_idx is not None else null_ptr(),
+                 counts if counts is not None else null_ptr(), i32(nb), i32(ld),
+                 count_dev if count_dev is not None else null_ptr(),
+                 *(dst_geo if dst_geo is not None else (null_ptr(), np.int64(1), np.int64(0)))),
+                shared_mem=smem,
+            )
+
+    def _pool(self) -> np.uint64:
+        return np.uint64(self.pool_address)
+
+    def _blocks_for(self, rows: int, layers: int) -> int:
+        vecs = rows * layers * (self.layout.row_bytes // 16)
+        return grid_blocks(vecs, self.threads, self.blocks)
+
+    # -- device-resident entry points ------------------------------------------------
+
+    def gather_async(self, out: ResolveOutput, layers, stream=None, blocks: int | None = None) -> None:
+        """Copy the plan of the last resolve into ``out`` for each of ``layers`` (the index
+        group's layers), pool -> slab, on ``stream``. Order after the resolve on one stream."""
+        lay = self.layout
+        slots = lay.max_reqs * lay.region_stride
+        self._launch(stream, blocks or self.blocks, self._pool(), lay.host_rows, lay.host_rows, lay.num_layers,
+                     self.slab, slots, slots, lay.num_layers, layers, 3, out.plan_rows, out.plan_slots,
+                     out.misses, out.batch, out.top_k, dst_geo=self._geo)
+
+    def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream,
+                      group_layers=None, ready: int = 0, arrivals: int = 0) -> None:
+        """Enqueue ``skv_gather``: the plan of the last :meth:`CudaResidency.launch_resolve`
+        (per-row counts ``misses``), pool -> slab, for every layer of the descriptor's
+        group. Device arrays only; fixed grid (``blocks``) and shared memory.
+        ``group_layers``: another int32 ``[groups, stride]`` table (count, then layers) in
+        place of the layout's, e.g. one naming a single layer of the group (doorbell: a
+        ready word per layer). ``ready`` / ``arrivals``: device addresses of a word the
+        kernel's last block sets to 1 once every row is written, and of its arrival
+        counter (zeroed; 0: no signal)."""
+        lay = self.layout
+        i32, i64 = np.int32, np.int64
+        slots = lay.max_reqs * lay.region_stride
+        table = self.group_layers if group_layers is None else group_layers
+        with stream:
+            self._gather(
+                (self.blocks,), (self.threads,),
+                (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
+                 table, i32(table.shape[1]), i32(lay.num_groups),
+                 plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo,
+                 np.uint64(ready), np.uint64(arrivals)),
+                shared_mem=(int(max_batch) + 1) * 8,
+            )
+
+    def launch_write_staged(self, layers, n_layers: int, rows, stream) -> None:
+        """Write mirror in place: row i of the staging buffer, for each listed layer ->
+        host row ``rows[1 + i]`` of that layer, for i < ``rows[0]`` (device int32
+        ``[1 + staging_rows]``: the count, then the rows in staging order). ``layers`` is
+        a device int32 array of ``n_layers`` layer numbers. Fixed grid; the count is read
+        on the device; rows outside [0, host_rows) are skipped."""
+        lay = self.layout
+        if self.staging is None:
+            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
+        self._launch(stream, self.blocks, self.staging, lay.staging_rows, lay.staging_rows, lay.num_layers,
+                     self._pool(), lay.host_rows, lay.host_rows, lay.num_layers, None, 3, None,
+                     rows[1:], None, 1, lay.staging_rows, count_dev=rows, layers_dev=(layers, int(n_layers)))
+
+    def stage_async(self, rows, layers, stream=None, blocks: int | None = None) -> None:
+        """Copy host ``rows`` (int32 [n], device) of each of ``layers`` to the front of the
+        staging buffer; rows outside [0, host_rows) are skipped."""
+        lay = self.layout
+        if self.staging is None:
+            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
+        with (stream if stream is not None else self.stream):
+            rows = device_i32(rows, "rows", 1)
+        n = rows.shape[0]
+        if n > lay.staging_rows:
+            raise ResidencyError("TOO_LARGE", f"{n} rows do not fit the staging buffer of {lay.staging_rows}")
+        self._launch(stream, blocks or self._blocks_for(n, len(layers)), self._pool(), lay.host_rows,
+                     lay.host_rows, lay.num_layers, self.staging, lay.staging_rows, lay.staging_rows,
+                     lay.num_layers, layers, 3, rows, None, None, 1, n)
+
+    def write_async(self, layers, rows, src, stream=None, blocks: int | None = None) -> None:
+        """Write mirror: ``src`` (uint8 [len(layers), n, row_bytes], device) row i of layer
+        li -> host row ``rows[i]`` (int32 [n], device) of layer ``layers[li]``. Rows
+        outside [0, host_rows) (e.g. -1 padding) are skipped. Invalidate hot copies
+        separately (``CudaResidency.invalidate_async``)."""
+        cp = cp_module()
+        lay = self.layout
+        n = rows.shape[0]
+        want = (len(layers), n, lay.row_bytes)
+        if tuple(src.shape) != want or src.dtype != cp.uint8:
+            raise ResidencyError("BAD_ARGUMENT", f"src must be uint8 {want}, got {src.dtype} {src.shape}")
+        with (stream if stream is not None else self.stream):
+            rows = device_i32(rows, "rows", 1)
+            src = cp.ascontiguousarray(src)
+        self._launch(stream, blocks or self._blocks_for(n, len(layers)), src, n, n, len(layers),
+                     self._pool(), lay.host_rows, lay.host_rows, lay.num_layers, layers, 2, None, rows,
+                     None, 1, n)
+
+    # -- host convenience (same results as CpuMover) ---------------------------------
+
+    def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
+        cp = cp_module()
+        n = len(plan)
+        if not n:
+            return 0
+        lay = self.layout
+        slots = lay.max_reqs * lay.region_stride
+        with self.stream:
+            rows = cp.asarray(np.ascontiguousarray(plan.rows, dtype=np.int32))
+            flat = cp.asarray(np.ascontiguousarray(plan.slots, dtype=np.int32))
+            self._launch(None, self._blocks_for(n, len(layers)), self._pool(), lay.host_rows, lay.host_rows,
+                         lay.num_layers, self.slab, slots, slots, lay.num_layers, layers, 3, rows, flat, None, 1, n,
+                         dst_geo=self._geo)
+        self.stream.synchronize()
+        return n * len(layers) * lay.row_bytes
+
+    def stage(self, rows: np.ndarray, layers: tuple[int, ...]) -> int:
+        cp = cp_module()
+        lay = self.layout
+        if self.staging is None:
+            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
+        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        n = int(rows.shape[0])
+        if n > lay.staging_rows:
+            raise ResidencyError("TOO_LARGE", f"{n} rows do not fit the staging buffer of {lay.staging_rows}")
+        if n and (rows.min() < 0 or rows.max() >= lay.host_rows):
+            raise ResidencyError("BAD_ARGUMENT", f"stage rows must lie in [0, {lay.host_rows})")
+        if n:
+            with self.stream:
+                self.stage_async(cp.asarray(rows), layers)
+            self.stream.synchronize()
+        return n * len(layers) * lay.row_bytes
+
+    def write(self, layers: tuple[int, ...], rows: np.ndarray, src) -> int:
+        """Host convenience of :meth:`write_async` (``src`` NumPy or CuPy); returns bytes."""
+        cp = cp_module()
+        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        live = int(((rows >= 0) & (rows < self.layout.host_rows)).sum())
+        if rows.size:
+            with self.stream:
+                self.write_async(layers, cp.asarray(rows), cp.asarray(src))
+            self.stream.synchronize()
+        return live * len(layers) * self.layout.row_bytes
