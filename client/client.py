@@ -31,6 +31,7 @@ import zmq
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType, ProtocolError, decode, encode
 from sparsekv.proto.cpus import check_cpus_usable, parse_cpu_list, pin_io_threads
 from sparsekv.proto.frames import send_copy
+from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, CLIENT_IO_CPUS, RUN_DIR
 
 from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError, error_for
 from .device_wait import DeviceWaitWatch
@@ -52,8 +53,7 @@ BUSY_SUFFIX = ".busy"
 
 
 def default_run_dir() -> str:
-    runtime = os.environ.get("SPARSEKV_RUN_DIR") or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    return runtime or "/run/sparsekv"
+    return RUN_DIR.get()
 
 
 @dataclass
@@ -102,10 +102,6 @@ class Ready(Pending):
         self._result, self._done = result, True
 
 
-DEVICE_WAIT_ENV = "SPARSEKV_CLIENT_DEVICE_WAIT"
-IO_CPUS_ENV = "SPARSEKV_CLIENT_IO_CPUS"
-
-
 class Client:
     """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
 
@@ -135,7 +131,7 @@ class Client:
         self._ctx = self._sock = None
         what = "io_cpus"
         if io_cpus is None:
-            io_cpus, what = os.environ.get(IO_CPUS_ENV, ""), f"${IO_CPUS_ENV}"
+            io_cpus, what = CLIENT_IO_CPUS.get(), f"${CLIENT_IO_CPUS.env}"
         if type(io_cpus) is int:
             io_cpus = str(io_cpus)
         if not isinstance(io_cpus, str):
@@ -146,7 +142,7 @@ class Client:
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP; TOPK with device wait)
         if device_wait is None:
-            device_wait = os.environ.get(DEVICE_WAIT_ENV, "") == "1"
+            device_wait = CLIENT_DEVICE_WAIT.get()
         self.device_wait = bool(device_wait)
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
