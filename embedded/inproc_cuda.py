@@ -19,6 +19,7 @@ import numpy as np
 from sparsekv.proto import Layout
 
 from sparsekv.client.doorbell import DeviceSwapIn
+from sparsekv.daemon.config import load as daemon_settings
 
 GATHER_BLOCKS = 32  # the daemon's default gather_blocks (config.py)
 HUGE_PAGE = 2 << 20  # the pool is a whole number of 2 MiB pages
@@ -43,7 +44,6 @@ class InprocSwapIn(DeviceSwapIn):
         from sparsekv.daemon.cuda.buffers import RankBuffers  # noqa: PLC0415
         from sparsekv.daemon.cuda.step import DeviceStep  # noqa: PLC0415
         from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
-        from sparsekv.daemon.config import load as daemon_settings  # noqa: PLC0415
         from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
         from sparsekv.daemon.pool import HostPool  # noqa: PLC0415
         from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, DeviceBuffers  # noqa: PLC0415
