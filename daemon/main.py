@@ -24,6 +24,7 @@ import time
 import uvloop
 
 from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, cpu_quota, format_cpu_list, keep_off, parse_cpu_list
+from sparsekv.proto.settings import format_size
 
 from . import config as config_mod
 from .backends import cuda_unavailable, make_backend
@@ -334,7 +335,7 @@ def main(argv=None) -> int:
         pool = backend = pool_region = pinner = warmer = None
         try:
             warmer, io_cpus = place_io(cfg)
-            size = config_mod.format_size(cfg.pool_size)
+            size = format_size(cfg.pool_size)
             log.info("sparsekvd %s (pid %d) on %s: pre-faulting host pool of %s", package_version(), os.getpid(),
                      cfg.run_dir, size)
             notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")
