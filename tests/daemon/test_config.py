@@ -208,13 +208,11 @@ def test_to_toml_round_trips_through_load(tmp_path):
     assert load(build_parser().parse_args(["--config", str(path)]), environ={}) == c
 
 
-def test_the_sample_file_shows_each_default_it_comments_out():
+def test_the_sample_file_shows_each_default_it_comments_out(tmp_path):
     text = (Path(__file__).parents[2] / "deploy" / "sparsekvd.toml").read_text()
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    shown = dict(re.findall(r"^# (\w+) = (\S+)", text, re.M))
-    assert {"pool_backing", "pin_pool_at_start", "pin_chunk_gib", "cuda_graphs"} <= set(shown)
-    for name, value in shown.items():
-        default = tomllib.loads(f"v = {value}")["v"]
-        assert load(None, environ={env_name(name): str(default).lower() if isinstance(default, bool) else
-                                   str(default)}) == load(None, environ={}), name
-        assert name in fields
+    shown = re.findall(r"^# (\w+ = \S+)", text, re.M)
+    assert {line.split(" ")[0] for line in shown} >= {"pool_backing", "pin_pool_at_start", "pin_chunk_gib", "cuda_graphs"}
+    path = tmp_path / "one.toml"
+    for line in shown:
+        path.write_text(line + "\n")
+        assert load(build_parser().parse_args(["--config", str(path)]), environ={}) == load(None, environ={}), line
