@@ -412,5 +412,7 @@ def test_the_pool_is_page_locked_at_start_unless_told_not_to_and_for_the_cuda_ba
     monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: "no CUDA device")
     assert main_mod.pool_pinner(Config(backend="auto")) is None
     monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: None)
-    assert not main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20, pin_pool_at_start="after")).while_faulting
-    assert main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20, pin_chunk_gib=16)).max_chunk_bytes == 16 << 30
+    after = main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20, pin_pool_at_start="after"))
+    assert not after.while_faulting
+    big = main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20, pin_chunk_gib=16))
+    assert big.max_chunk_bytes == 16 << 30
