@@ -19,6 +19,7 @@ import numpy as np
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import Layout
 from sparsekv.proto.cpus import keep_off, parse_cpu_list, pin_io_threads
+from sparsekv.proto.settings import BENCH_DAEMON_LOG
 
 from sparsekv.client.client import Client
 from sparsekv.embedded.inproc import InprocClient
@@ -255,7 +256,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         stack.callback(rank.close)
         d = stack.enter_context(PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
                                               extra_args=daemon_args,
-                                              log_path=os.environ.get("SPARSEKV_BENCH_DAEMON_LOG") or None))
+                                              log_path=BENCH_DAEMON_LOG.get() or None))
         c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False,
                                        io_cpus=client_io))
         c.attach(lay, engine="bench")

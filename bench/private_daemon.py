@@ -11,6 +11,7 @@ import tempfile
 import time
 
 from sparsekv.client.errors import DaemonUnavailable
+from sparsekv.proto.settings import STOP_TIMEOUT_S
 
 
 class PrivateDaemon:
@@ -24,7 +25,7 @@ class PrivateDaemon:
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
         if stop_timeout_s is None:
-            stop_timeout_s = float(os.environ.get("SPARSEKV_STOP_TIMEOUT_S", "20"))
+            stop_timeout_s = STOP_TIMEOUT_S.get()
         self.stop_timeout_s = stop_timeout_s
         self.env = env
         self.run_dir = ""

@@ -25,6 +25,7 @@ import zmq
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType
 from sparsekv.proto.cpus import check_cpus_usable, parse_cpu_list, pin_io_threads
 from sparsekv.proto.cuda_ipc import EventRing, mps_running
+from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, CLIENT_IO_CPUS, RUN_DIR
 
 from .connection import Connection, probe_daemon, start_time
 from .cuda_attach import CudaAttachment, bus_id_of, local_device
@@ -43,8 +44,7 @@ BYE_TIMEOUT_S = 0.5  # close() waits this long for the daemon's goodbye
 
 
 def default_run_dir() -> str:
-    runtime = os.environ.get("SPARSEKV_RUN_DIR") or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    return runtime or "/run/sparsekv"
+    return RUN_DIR.get()
 
 
 @dataclass
@@ -95,10 +95,6 @@ class Ready(Pending):
         self._result, self._done = result, True
 
 
-DEVICE_WAIT_ENV = "SPARSEKV_CLIENT_DEVICE_WAIT"
-IO_CPUS_ENV = "SPARSEKV_CLIENT_IO_CPUS"
-
-
 class Client(Connection):
     """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
 
@@ -128,7 +124,7 @@ class Client(Connection):
         self._ctx = self._sock = None
         what = "io_cpus"
         if io_cpus is None:
-            io_cpus, what = os.environ.get(IO_CPUS_ENV, ""), f"${IO_CPUS_ENV}"
+            io_cpus, what = CLIENT_IO_CPUS.get(), f"${CLIENT_IO_CPUS.env}"
         if type(io_cpus) is int:
             io_cpus = str(io_cpus)
         if not isinstance(io_cpus, str):
@@ -139,7 +135,7 @@ class Client(Connection):
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP; TOPK with device wait)
         if device_wait is None:
-            device_wait = os.environ.get(DEVICE_WAIT_ENV, "") == "1"
+            device_wait = CLIENT_DEVICE_WAIT.get()
         self.device_wait = bool(device_wait)
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows

@@ -33,10 +33,12 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from sparsekv.proto.settings import KERNEL_CACHE_DIR
+
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "SPARSEKV_KERNEL_CACHE_DIR"  # the same name as the daemon setting kernel_cache_dir
-DEFAULT_CACHE_DIR = "~/.cache/sparsekv/kernels"
+CACHE_ENV = KERNEL_CACHE_DIR.env  # the same name as the daemon setting kernel_cache_dir
+DEFAULT_CACHE_DIR = KERNEL_CACHE_DIR.default
 OPTIONS: tuple[str, ...] = ("-std=c++17",)
 # Bump when the way sources are assembled changes (it is part of every cache key).
 _SCHEMA = "sparsekv-kernels-2"
@@ -52,8 +54,7 @@ def csrc_dir() -> Path:
 
 def cache_dir(path: str | os.PathLike | None = None) -> Path:
     """Resolve the cache directory: argument, else ``$SPARSEKV_KERNEL_CACHE_DIR``, else default."""
-    chosen = path if path is not None else os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR
-    return Path(chosen).expanduser()
+    return Path(path if path is not None else KERNEL_CACHE_DIR.get()).expanduser()
 
 
 def load_source(name: str, defines: Mapping[str, int | str] | None = None, root: Path | None = None) -> str:

@@ -13,21 +13,25 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import faulthandler
 import logging
 import os
-import faulthandler
 import resource
 import signal
 import sys
 import time
 
+import uvloop
+
 from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, cpu_quota, format_cpu_list, keep_off, parse_cpu_list
+from sparsekv.proto.settings import format_size
 
 from . import config as config_mod
 from .backends import cuda_unavailable, make_backend
 from .notify import Notifier
-from .pinned import PinError, PoolPinner, pin_chunk_bytes
+from .pinned import PinError, PoolPinner
 from .pool import HostPool, PoolError
+from .server import Daemon
 from .stats import package_version
 
 log = logging.getLogger("sparsekv")
@@ -267,30 +271,15 @@ def log_sighup() -> None:
                 "logs go to stderr, nothing to reopen")
 
 
-# Page-lock the whole pool at start, chunk by chunk while it is pre-faulted (the default,
-# "1"), or each engine's range at its attach ("0"). Measured on the H200 (docs/PERF.md,
-# 2026-12-02): a 64 GiB pool in huge pages was ready (faulted and registered) at 28 GiB/s
-# this way, and a decode step's gathers were no slower from it than from one registration
-# of the engine's range (bench kernels: 41.0-42.3 against 41.8-42.1 GB/s; bench decode at
-# batch 64: within the run-to-run spread). An attach then never waits for a registration.
-PIN_AT_START_ENV = "SPARSEKV_PIN_POOL_AT_START"
-PIN_AT_START_MODES = ("1", "after", "0")
-
-
 def pool_pinner(cfg):
     """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool when the cuda backend will
-    serve it (``cuda``, or ``auto`` on a machine whose GPU CuPy sees), as
-    ``$SPARSEKV_PIN_POOL_AT_START`` says: ``1`` (default) chunk by chunk while it is
-    pre-faulted, ``after`` the whole pool once it is; ``0``: None (each engine's range is
-    page-locked at its attach). Either way in chunks of ``$SPARSEKV_PIN_CHUNK_GIB``, which
-    is checked here (ValueError naming it)."""
-    mode = os.environ.get(PIN_AT_START_ENV, "1")
-    if mode not in PIN_AT_START_MODES:
-        raise ValueError(f"{PIN_AT_START_ENV}={mode!r}: expected one of {', '.join(PIN_AT_START_MODES)}")
-    chunk = pin_chunk_bytes()  # checked whatever the mode: a registration at attach uses it too
-    if mode == "0" or cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
+    serve it (``cuda``, or ``auto`` on a machine whose GPU CuPy sees), as its
+    ``pin_pool_at_start`` says: ``1`` chunk by chunk while it is pre-faulted, ``after`` the
+    whole pool once it is; ``0``: None (each engine's range is page-locked at its attach).
+    Either way in chunks of ``pin_chunk_gib``."""
+    if cfg.pin_pool_at_start == "0" or cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
         return None
-    return PoolPinner(cfg.pool_size, max_chunk_bytes=chunk, while_faulting=mode == "1")
+    return PoolPinner(cfg.pool_size, max_chunk_bytes=cfg.pin_chunk_bytes, while_faulting=cfg.pin_pool_at_start == "1")
 
 
 def backend_refusal(cfg) -> str | None:
@@ -346,14 +335,14 @@ def main(argv=None) -> int:
         pool = backend = pool_region = pinner = warmer = None
         try:
             warmer, io_cpus = place_io(cfg)
-            size = config_mod.format_size(cfg.pool_size)
+            size = format_size(cfg.pool_size)
             log.info("sparsekvd %s (pid %d) on %s: pre-faulting host pool of %s", package_version(), os.getpid(),
                      cfg.run_dir, size)
             notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")
             last_log = [time.monotonic()]
 
             # The cuda backend page-locks the whole pool here, chunk by chunk as the pre-fault
-            # goes (SPARSEKV_PIN_POOL_AT_START=after: once it is done; =0: at each attach).
+            # goes (pin_pool_at_start "after": once it is done; "0": at each attach).
             pinner = pool_pinner(cfg)
             doing = "pre-faulting and page-locking" if pinner is not None and pinner.while_faulting else "pre-faulting"
 
@@ -366,7 +355,8 @@ def main(argv=None) -> int:
                     log.info("%s", msg)
 
             with signals.interruptible():
-                pool = HostPool(cfg.pool_size, cfg.prefault_threads, progress, on_faulted=pinner)
+                pool = HostPool(cfg.pool_size, cfg.prefault_threads, progress, on_faulted=pinner,
+                                backing=cfg.pool_backing)
             signals.check()
             if pinner is not None:
                 t0 = time.monotonic()
@@ -386,8 +376,6 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status="starting backend")
             backend = make_backend(cfg, pool, pool_region)
             signals.check()
-            from .server import Daemon  # noqa: PLC0415 - imports zmq only when serving
-
             daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
                             reap_interval_s=cfg.reap_interval_s, notifier=notifier,
                             busy_poll_us=cfg.busy_poll_us if cfg.busy_poll_us >= 0
@@ -463,13 +451,6 @@ GIL_SWITCH_S = 0.0005
 
 
 def _run(daemon, signals: StartSignals) -> int:
-    try:
-        import uvloop  # noqa: PLC0415
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
-        runner = asyncio.run
-
     def stop(sig: signal.Signals) -> None:
         log.info("%s: stopping", sig.name)
         daemon.stop()
@@ -490,7 +471,7 @@ def _run(daemon, signals: StartSignals) -> int:
             daemon.stop()
         await daemon.serve()
 
-    runner(go())
+    uvloop.run(go())
     if daemon.exit_code:
         log.critical("stopped: exit code %d", daemon.exit_code)
         return daemon.exit_code

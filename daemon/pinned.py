@@ -33,31 +33,10 @@ log = logging.getLogger(__name__)
 HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every context
 HOST_REGISTER_MAPPED = 0x02  # cudaHostRegisterMapped: kernels may address it
 DEFAULT_MAX_CHUNK_BYTES = 64 << 30
-# The daemon's pool is registered in chunks of this size while it is pre-faulted (chunk n
-# registered while the chunks after it are faulted); $SPARSEKV_PIN_CHUNK_GIB changes it.
-POOL_PIN_CHUNK_BYTES = 4 << 30
-PIN_CHUNK_ENV = "SPARSEKV_PIN_CHUNK_GIB"
 
 
 class PinError(RuntimeError):
     """Registering the host mapping failed; nothing stays registered."""
-
-
-def pin_chunk_bytes(environ=None) -> int:
-    """The largest ``cudaHostRegister`` call for a pool: ``$SPARSEKV_PIN_CHUNK_GIB`` GiB
-    (a positive number, whole 2 MiB pages), else :data:`POOL_PIN_CHUNK_BYTES`. The daemon's
-    pool and ``InprocSwapIn``'s (the in-process baseline) are registered alike. Raises
-    ValueError naming the variable for anything else."""
-    value = (os.environ if environ is None else environ).get(PIN_CHUNK_ENV)
-    if value is None or value == "":
-        return POOL_PIN_CHUNK_BYTES
-    try:
-        gib = float(value)
-    except ValueError:
-        gib = math.nan
-    if not (math.isfinite(gib) and gib > 0):
-        raise ValueError(f"{PIN_CHUNK_ENV}={value!r}: expected a positive number of GiB (e.g. 4 or 0.5)")
-    return max(1, round(gib * (1 << 30) / (2 << 20))) * (2 << 20)
 
 
 class CudaHostRuntime:
@@ -288,14 +267,13 @@ class PoolPinner:
     chunks of ``max_chunk_bytes`` that the faulted prefix now covers (chunk *n* registered
     while the chunks after it are faulted); without it nothing is registered until
     :meth:`finish`. On the H200 a 64 GiB pool was ready at 25.5-28.7 GiB/s with the
-    overlap, 17.2-21.3 without (docs/PERF.md, session 8). :meth:`finish` registers the rest and returns the
+    overlap, 17.2-21.3 without (docs/PERF.md). :meth:`finish` registers the rest and returns the
     :class:`PinnedRegion` of the whole pool. The pool's rows belong to engines of any row
     size, so chunk boundaries fall on pages only (``row_bytes`` 16): kernels read across
     them freely, a single bulk DMA copy must not cross one (none of the daemon's copies of
     pool rows is one)."""
 
-    def __init__(self, size_bytes: int, max_chunk_bytes: int = POOL_PIN_CHUNK_BYTES, runtime=None,
-                 while_faulting: bool = True):
+    def __init__(self, size_bytes: int, max_chunk_bytes: int, runtime=None, while_faulting: bool = True):
         self.size_bytes = int(size_bytes)
         self.max_chunk_bytes = int(max_chunk_bytes)
         self.while_faulting = bool(while_faulting)

@@ -1,8 +1,8 @@
 """The host pool: one pre-faulted mapping that holds every engine's KV rows.
 
 The pool is an anonymous private mapping in transparent huge pages that children do not
-inherit (``MADV_DONTFORK``, ``MADV_HUGEPAGE``; the default) or, with
-``SPARSEKV_POOL_BACKING=memfd``, a memfd in small pages. Neither has a name in any file
+inherit (``MADV_DONTFORK``, ``MADV_HUGEPAGE``; the default) or, with the daemon's
+``pool_backing = "memfd"``, a memfd in small pages. Neither has a name in any file
 system, so a crashed daemon can never leave it behind to break the next start. Only the
 daemon maps it (engines get their rows through the GPU, or the cpu backend's slabs).
 On the H200 (docs/PERF.md, 2026-12-02) 64 GiB was faulted at 45.7 GiB/s in huge pages
@@ -34,7 +34,8 @@ from typing import Callable
 import numpy as np
 import psutil
 
-from .config import format_size
+from sparsekv.proto.settings import format_size
+
 from .ranges import RangeAllocator, RangeFull
 
 log = logging.getLogger("sparsekv.pool")
@@ -47,21 +48,9 @@ INLINE_ZERO_BYTES = 8 << 20  # ~0.1 ms (dev VM): zeroed in release() itself
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _MADV_DONTFORK = 10
 _MADV_HUGEPAGE = 14
-# What backs the pool: "anon_thp" (an anonymous private mapping, not inherited by children,
-# asking for transparent huge pages: ten times fewer faults at start and a faster
-# registration, if the kernel grants them; the default) or "memfd" (shared memory in small
-# pages). A measured switch: `sparsekv bench kernels` times both (docs/PERF.md).
-BACKING_ENV = "SPARSEKV_POOL_BACKING"
+# What may back the pool (the daemon's pool_backing setting): an anonymous private mapping
+# in transparent huge pages, or a memfd in small pages.
 BACKINGS = ("anon_thp", "memfd")
-DEFAULT_BACKING = "anon_thp"
-
-
-def pool_backing(value: str | None = None) -> str:
-    """``value``, else ``$SPARSEKV_POOL_BACKING``, else ``anon_thp``."""
-    backing = value or os.environ.get(BACKING_ENV) or DEFAULT_BACKING
-    if backing not in BACKINGS:
-        raise PoolError(f"pool backing must be one of {', '.join(BACKINGS)}, got {backing!r}")
-    return backing
 
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -144,8 +133,8 @@ class PoolError(RuntimeError):
 
 
 class HostPool:
-    """A mapping of ``size_bytes`` (``backing``: see :func:`pool_backing`), pre-faulted by
-    several threads.
+    """A mapping of ``size_bytes`` backed as ``backing`` says (one of :data:`BACKINGS`),
+    pre-faulted by several threads.
 
     Attributes:
         size_bytes: bytes of the mapping.
@@ -162,8 +151,10 @@ class HostPool:
         progress: Callable[[float], None] | None = None,
         name: str = "sparsekv-pool",
         on_faulted: Callable[[int, int], None] | None = None,
-        backing: str | None = None,
+        backing: str = "anon_thp",
     ):
+        if backing not in BACKINGS:
+            raise PoolError(f"pool backing must be one of {', '.join(BACKINGS)}, got {backing!r}")
         avail = psutil.virtual_memory().available
         if size_bytes > avail:
             raise PoolError(
@@ -179,7 +170,7 @@ class HostPool:
         self._zeroing: dict[int, tuple[int, list]] = {}
         self._zeroer: ThreadPoolExecutor | None = None
         self._mm = None
-        self.backing = pool_backing(backing)
+        self.backing = backing
         # Bytes of the pool the kernel gave in transparent huge pages, read once it is
         # pre-faulted (0 for a memfd, None before): a pool in small pages is faulted and
         # registered several times slower (a gather from it measured no slower; docs/PERF.md).

@@ -7,7 +7,7 @@ where the doorbell hands off: ``skv_begin_step`` after the step block is written
 indices. It owns a pinned host pool (``pool``, NumPy ``[L, host_rows, row_bytes]``, for
 the caller to fill), made and page-locked the daemon's way (``daemon/pool.py`` HostPool:
 the same backing, anonymous memory in 2 MiB pages by default, pre-faulted by several
-threads; registered in the daemon's chunks, ``$SPARSEKV_PIN_CHUNK_GIB``), and a device
+threads; registered in the daemon's chunks, its ``pin_chunk_gib``), and a device
 arena. For baselines (``sparsekv bench decode``'s
 in-process mode) and for users who want sparsekv as a library in one process.
 """
@@ -18,11 +18,12 @@ import numpy as np
 
 from sparsekv.client.cuda_stream import external_stream
 from sparsekv.client.doorbell import DeviceSwapIn
+from sparsekv.daemon.config import load as daemon_settings
 from sparsekv.daemon.cuda.arena import DeviceArena
 from sparsekv.daemon.cuda.buffers import RankBuffers
 from sparsekv.daemon.cuda.step import DeviceStep
 from sparsekv.daemon.kernels import get_cache
-from sparsekv.daemon.pinned import PinnedRegion, pin_chunk_bytes
+from sparsekv.daemon.pinned import PinnedRegion
 from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.residency.cuda import HITS, MISSES, OUT_OF_RANGE, CudaMover, CudaResidency, DeviceBuffers
 from sparsekv.proto import Layout
@@ -36,9 +37,9 @@ class InprocSwapIn(DeviceSwapIn):
         layout: the layout (as for ``Client.attach``).
         device: the GPU ordinal.
         gather_blocks: the most blocks a gather uses.
-        backing: the pool's backing (``anon_thp`` or ``memfd``; None: as the daemon's,
-            ``$SPARSEKV_POOL_BACKING`` or ``anon_thp``), so that a baseline reads host
-            memory laid out as the daemon's.
+        backing: the pool's backing (``anon_thp`` or ``memfd``; None: the daemon's
+            ``pool_backing`` setting), so that a baseline reads host memory laid out as
+            the daemon's.
     """
 
     def __init__(self, layout: Layout, device: int = 0, gather_blocks: int = GATHER_BLOCKS,
@@ -49,9 +50,10 @@ class InprocSwapIn(DeviceSwapIn):
         lay = layout.validate()
         kernels = get_cache()
         nbytes = -(-lay.pool_bytes // HUGE_PAGE) * HUGE_PAGE
-        chunk = pin_chunk_bytes()  # a bad value named before minutes of pre-faulting
+        settings = daemon_settings()  # a bad value named before minutes of pre-faulting
+        chunk = settings.pin_chunk_bytes
         self._arena = self._pinned = self.buffers = None
-        self._host = HostPool(nbytes, name="sparsekv-inproc-pool", backing=backing)
+        self._host = HostPool(nbytes, name="sparsekv-inproc-pool", backing=backing or settings.pool_backing)
         try:
             # Chunks as the daemon registers its pool (row_bytes 16 like its pinner: only
             # kernels read the pool, no DMA copy of rows that could cross a chunk).

@@ -19,14 +19,10 @@ from sparsekv.proto.cuda_ipc import mps_running
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 
 from ..engine import EngineSpace
-from ..pinned import PinnedRegion, PinnedView, pin_chunk_bytes
+from ..pinned import PinnedRegion, PinnedView
 from ..residency.base import ResidencyError
 from .arena import DeviceArena
 from .rank import CudaRankState
-
-# Replay one captured CUDA graph per request (the default) or launch kernel by kernel
-# (SPARSEKV_CUDA_GRAPHS=0: for debugging a kernel with compute-sanitizer, say).
-GRAPHS = os.environ.get("SPARSEKV_CUDA_GRAPHS", "1") != "0"
 
 log = logging.getLogger("sparsekv.cuda")
 
@@ -137,9 +133,9 @@ class CudaBackend:
             if self.pool_region is not None:
                 self._pinned[space.name] = PinnedView(self.pool_region, space.pool_offset, nbytes)
             else:
-                # In the pool's chunks ($SPARSEKV_PIN_CHUNK_GIB, checked at start), each at
-                # least one whole row and page (a chunk never splits either).
-                chunk = max(pin_chunk_bytes(), math.lcm(lay.row_bytes, mmap.PAGESIZE))
+                # In the pool's chunks (pin_chunk_gib), each at least one whole row and
+                # page (a chunk never splits either).
+                chunk = max(self.cfg.pin_chunk_bytes, math.lcm(lay.row_bytes, mmap.PAGESIZE))
                 self._pinned[space.name] = PinnedRegion(self.pool.address + space.pool_offset, nbytes, lay.row_bytes,
                                                         chunk)
         return worker
@@ -151,7 +147,8 @@ class CudaBackend:
         pinned = self._pinned[space.name]
         try:
             state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
-                                  graphs=GRAPHS, blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
+                                  graphs=self.cfg.cuda_graphs,
+                                  blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
                                   transport=transport, engine_slab=engine_slab)
             if fence_events:
                 from sparsekv.proto.cuda_ipc import ImportedEvents  # noqa: PLC0415

@@ -1,50 +1,17 @@
-"""Configuration: sizes with units, and the precedence defaults < TOML < SPARSEKV_* env <
-command line, where each value came from, and the flags' help (the subprocess check of
-``--print-config`` is in test_main.py)."""
+"""Configuration: the precedence defaults < TOML < SPARSEKV_* env < command line, where
+each value came from, debug switches, and the flags' help (sizes' units are checked in
+tests/proto/test_settings.py; the subprocess check of ``--print-config`` is in
+test_main.py)."""
 
 import dataclasses
+import re
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from sparsekv.daemon.config import (
-    Config,
-    ConfigError,
-    env_name,
-    format_size,
-    load,
-    load_with_sources,
-    parse_size,
-)
+from sparsekv.daemon.config import Config, ConfigError, env_name, load, load_with_sources
 from sparsekv.daemon.main import build_parser
-
-
-@pytest.mark.parametrize(
-    "text, nbytes",
-    [("256MiB", 256 << 20), ("64GiB", 64 << 30), ("1.5GiB", 3 << 29), ("2g", 2 * 10**9), ("4096B", 4096),
-     (" 8 KiB ", 8192), ("1TiB", 1 << 40), ("10b", 10)],
-)
-def test_parse_size_units(text, nbytes):
-    assert parse_size(text) == nbytes
-
-
-@pytest.mark.parametrize("text", ["", "12XB", "-5MiB", "MiB", "1.2.3GiB", "5 Mi B", True])
-def test_parse_size_rejects_bad_text_with_an_example(text):
-    with pytest.raises(ValueError, match="256MiB"):
-        parse_size(text)
-
-
-@pytest.mark.parametrize("text", ["1073741824", 1073741824, " 64 ", 0])
-def test_a_size_without_a_unit_is_an_error(text):
-    with pytest.raises(ValueError, match="has no unit"):
-        parse_size(text)
-
-
-@pytest.mark.parametrize("text, nbytes", [("4096", 4096), (77, 77)])
-def test_a_bare_byte_count_is_allowed_where_asked(text, nbytes):
-    assert parse_size(text, unit_required=False) == nbytes
-    with pytest.raises(ValueError, match="whole number"):
-        parse_size("1.5", unit_required=False)
 
 
 @pytest.mark.parametrize(
@@ -73,10 +40,6 @@ def test_a_size_on_the_command_line_needs_a_unit_too():
         load(build_parser().parse_args(["--pool-size", "67108864"]), environ={})
 
 
-def test_format_size():
-    assert [format_size(n) for n in (1 << 30, 3 << 20, 1536, 100)] == ["1GiB", "3MiB", "1.5KiB", "100B"]
-
-
 def test_defaults(monkeypatch):
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     c = load(build_parser().parse_args([]), environ={})
@@ -84,9 +47,9 @@ def test_defaults(monkeypatch):
     assert c.pool_size == 1 << 30 and c.backend == "auto"
 
 
-def test_run_dir_default_comes_from_runtime_directory(monkeypatch):
-    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/a:/run/b")  # systemd: colon-separated
-    assert load(None, environ={}).run_dir == "/run/a"
+def test_run_dir_default_comes_from_runtime_directory():
+    assert load(None, environ={"RUNTIME_DIRECTORY": "/run/a:/run/b"}).run_dir == "/run/a"  # systemd: colon-separated
+    assert load(None, environ={"RUNTIME_DIRECTORY": "/run/a", "SPARSEKV_RUN_DIR": "/x"}).run_dir == "/x"
 
 
 def test_precedence_defaults_toml_env_command_line(tmp_path):
@@ -117,7 +80,17 @@ def test_toml_top_level_table_and_env_config_file(tmp_path):
         ("pool_size = [", {}, "not valid TOML"),
         ("", {"SPARSEKV_MAX_CLIENTS": "many"}, "environment SPARSEKV_MAX_CLIENTS"),
         ("", {"SPARSEKV_BACKEND": "tpu"}, "backend must be auto, cpu or cuda"),
-        ("", {"SPARSEKV_POOL_SIZE": "0B"}, "pool_size must be positive"),
+        ("", {"SPARSEKV_POOL_SIZE": "0B"}, "environment SPARSEKV_POOL_SIZE: pool_size must be positive, got 0B"),
+        ("", {"SPARSEKV_POOL_SIZE": "1G"}, "environment SPARSEKV_POOL_SIZE: bad value for pool_size: size '1G' is "
+         "ambiguous"),
+        ("", {"SPARSEKV_MAX_CLIENTS": "abc"}, "environment SPARSEKV_MAX_CLIENTS: bad value for max_clients: an "
+         "integer is needed, got 'abc'"),
+        ("", {"SPARSEKV_POOL_BACKING": "hugetlbfs"}, "pool_backing must be anon_thp or memfd, got 'hugetlbfs'"),
+        ("", {"SPARSEKV_PIN_POOL_AT_START": "yes"}, "pin_pool_at_start must be 1, after or 0, got 'yes'"),
+        ("", {"SPARSEKV_PIN_CHUNK_GIB": "-1"}, "environment SPARSEKV_PIN_CHUNK_GIB: pin_chunk_gib must be in"),
+        ("", {"SPARSEKV_PIN_CHUNK_GIB": "x"}, "SPARSEKV_PIN_CHUNK_GIB: bad value for pin_chunk_gib: a number"),
+        ("", {"SPARSEKV_CUDA_GRAPHS": "maybe"}, "SPARSEKV_CUDA_GRAPHS: bad value for cuda_graphs: 1 or 0"),
+        ("cuda_graphs = 0", {}, "bad value for cuda_graphs: true or false is needed, got an integer 0"),
         ("", {"SPARSEKV_DEVICES": "0,x"}, "devices must be"),
         ("", {"SPARSEKV_REAP_INTERVAL_S": "0"}, "reap_interval_s"),
     ],
@@ -127,7 +100,7 @@ def test_bad_settings_name_the_setting_and_its_source(tmp_path, toml, env, words
     path.write_text(toml)
     with pytest.raises(ConfigError) as ei:
         load(build_parser().parse_args(["--config", str(path)]), environ=env)
-    assert words in str(ei.value)
+    assert words in str(ei.value) and "\n" not in str(ei.value)
 
 
 def test_missing_config_file_is_a_config_error(tmp_path):
@@ -155,10 +128,56 @@ def test_sources_say_where_each_value_came_from(tmp_path, monkeypatch):
     assert line["shm_dir"].endswith("# default")
 
 
-def test_run_dir_from_runtime_directory_says_so(monkeypatch):
-    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/a")
-    cfg, src = load_with_sources(None, environ={})
+def test_run_dir_from_runtime_directory_says_so():
+    cfg, src = load_with_sources(None, environ={"RUNTIME_DIRECTORY": "/run/a"})
     assert cfg.run_dir == "/run/a" and "RUNTIME_DIRECTORY" in src["run_dir"]
+
+
+def test_an_empty_variable_is_an_unset_one():
+    cfg, src = load_with_sources(None, environ={"SPARSEKV_MAX_CLIENTS": "", "SPARSEKV_KERNEL_CACHE_DIR": ""})
+    assert cfg.max_clients == 256 and src["max_clients"] == "default"
+    assert cfg.kernel_cache_dir == "~/.cache/sparsekv/kernels"
+
+
+def test_the_pool_and_page_lock_settings():
+    cfg = load(None, environ={"SPARSEKV_POOL_BACKING": "memfd", "SPARSEKV_PIN_POOL_AT_START": "after",
+                              "SPARSEKV_PIN_CHUNK_GIB": "0.002"})
+    assert (cfg.pool_backing, cfg.pin_pool_at_start, cfg.pin_chunk_bytes) == ("memfd", "after", 2 << 20)
+    assert Config().pin_chunk_bytes == 4 << 30
+    assert Config(pin_chunk_gib=0.0001).pin_chunk_bytes == 2 << 20  # at least one 2 MiB page
+    assert Config(pin_chunk_gib=16).pin_chunk_bytes == 16 << 30
+
+
+def test_cuda_graphs_is_a_debug_switch_marked_in_help_and_print_config(tmp_path):
+    assert Config().cuda_graphs is True
+    for env, flag, want in (({"SPARSEKV_CUDA_GRAPHS": "0"}, [], False), ({}, ["--cuda-graphs", "off"], False),
+                            ({"SPARSEKV_CUDA_GRAPHS": "0"}, ["--cuda-graphs", "1"], True)):
+        assert load(build_parser().parse_args(flag), environ=env).cuda_graphs is want
+    path = tmp_path / "d.toml"
+    path.write_text("cuda_graphs = false\n")
+    cfg, src = load_with_sources(build_parser().parse_args(["--config", str(path)]), environ={})
+    assert cfg.cuda_graphs is False
+    line = next(ln for ln in cfg.to_toml(src).splitlines() if ln.startswith("cuda_graphs"))
+    assert line.startswith("cuda_graphs = false") and line.endswith(f"# file {path} (debug switch)")
+    debug = [a for a in build_parser()._actions if a.help and a.help.startswith("debug switch: ")]
+    assert [a.dest for a in debug] == ["cuda_graphs"]
+
+
+def test_a_flag_is_parsed_as_its_variable_is():
+    with pytest.raises(ConfigError, match="flag --max-clients: bad value for max_clients: an integer is needed"):
+        load(build_parser().parse_args(["--max-clients", "abc"]), environ={})
+    with pytest.raises(ConfigError, match="--ring-depth: ring_depth must be in \\[1, 1024\\], got 0"):
+        load(build_parser().parse_args(["--ring-depth", "0"]), environ={})
+
+
+def test_sizes_print_in_the_largest_unit_and_read_back_exactly(tmp_path):
+    c = Config(pool_size=64 * 10**9, device_arena_size=3 << 30, max_slab_bytes=(1 << 30) + 1)
+    text = c.to_toml()
+    assert 'pool_size = "64GB"' in text and 'device_arena_size = "3GiB"' in text
+    assert f'max_slab_bytes = "{(1 << 30) + 1}B"' in text  # no unit holds it whole: exact bytes
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load(build_parser().parse_args(["--config", str(path)]), environ={}) == c
 
 
 def test_every_setting_has_one_flag_with_help_its_default_and_its_env_name():
@@ -182,7 +201,19 @@ def test_metrics_port_is_off_by_default_and_checked():
 
 
 def test_to_toml_round_trips_through_load(tmp_path):
-    c = Config(backend="cpu", run_dir="/r", pool_size=3 << 20, max_clients=7, reap_interval_s=0.5)
+    c = Config(backend="cpu", run_dir="/r", pool_size=3 << 20, max_clients=7, reap_interval_s=0.5,
+               pool_backing="memfd", pin_pool_at_start="after", pin_chunk_gib=0.5, cuda_graphs=False)
     path = tmp_path / "c.toml"
     path.write_text(c.to_toml())
     assert load(build_parser().parse_args(["--config", str(path)]), environ={}) == c
+
+
+def test_the_sample_file_shows_each_default_it_comments_out(tmp_path):
+    text = (Path(__file__).parents[2] / "deploy" / "sparsekvd.toml").read_text()
+    shown = re.findall(r"^# (\w+ = \S+)", text, re.M)
+    names = {line.split(" ")[0] for line in shown}
+    assert names >= {"pool_backing", "pin_pool_at_start", "pin_chunk_gib", "cuda_graphs"}
+    path = tmp_path / "one.toml"
+    for line in shown:
+        path.write_text(line + "\n")
+        assert load(build_parser().parse_args(["--config", str(path)]), environ={}) == load(None, environ={}), line

@@ -24,7 +24,11 @@ import pytest
 
 import helpers
 from sparsekv.client import Client
-from sparsekv.daemon.backends import run_dir_tag
+from sparsekv.daemon import main as main_mod
+from sparsekv.daemon.backends import cuda_unavailable, run_dir_tag
+from sparsekv.daemon.config import Config
+from sparsekv.daemon.main import JournalFormatter, UtcFormatter, log_handler, on_journald
+from sparsekv.daemon.pinned import PoolPinner
 
 DAEMON = [helpers.PY, "-m", "sparsekv.daemon.main"]
 
@@ -171,6 +175,8 @@ def test_print_config_shows_defaults_toml_env_command_line_precedence(tmp_path):
     source = {ln.split(" ")[0]: ln.rsplit("# ", 1)[1] for ln in r.stdout.splitlines() if not ln.startswith("#")}
     assert source["pool_size"] == f"file {toml}" and source["max_clients"] == "env SPARSEKV_MAX_CLIENTS"
     assert source["reap_interval_s"] == "flag --reap-interval-s" and source["gather_blocks"] == "default"
+    assert source["cuda_graphs"] == "default (debug switch)" and cfg["cuda_graphs"] is True
+    assert cfg["pool_backing"] == "anon_thp" and cfg["pin_pool_at_start"] == "1" and cfg["pin_chunk_gib"] == 4.0
 
 
 @pytest.mark.parametrize(
@@ -179,12 +185,18 @@ def test_print_config_shows_defaults_toml_env_command_line_precedence(tmp_path):
         (["--pool-size", "12XB"], {}, "--pool-size: bad value for pool_size: bad size '12XB'"),
         (["--pool-size", "0B"], {}, "pool_size must be positive"),
         ([], {"SPARSEKV_POOL_SIZE": "lots"}, "environment SPARSEKV_POOL_SIZE: bad value for pool_size"),
+        ([], {"SPARSEKV_POOL_SIZE": "1G"}, "size '1G' is ambiguous: write 1GiB (powers of 1024) or 1GB"),
+        ([], {"SPARSEKV_MAX_CLIENTS": "abc"}, "environment SPARSEKV_MAX_CLIENTS: bad value for max_clients: an "
+         "integer is needed, got 'abc'"),
+        ([], {"SPARSEKV_PIN_CHUNK_GIB": "-1"}, "environment SPARSEKV_PIN_CHUNK_GIB: pin_chunk_gib must be in"),
+        (["--max-clients", "abc"], {}, "flag --max-clients: bad value for max_clients"),
     ],
 )
-def test_bad_size_is_a_clear_error_with_exit_2(run_dir, args, env, words):
+def test_bad_settings_are_one_line_naming_them_with_exit_2(run_dir, args, env, words):
     r = subprocess.run([*DAEMON, "--backend", "cpu", "--run-dir", run_dir, *args], capture_output=True, text=True,
                        timeout=30, env=clean_env(**env))
     assert r.returncode == 2
+    assert r.stderr.splitlines() == [f"sparsekvd: {r.stderr.strip().removeprefix('sparsekvd: ')}"]
     assert words in r.stderr
     assert not os.path.exists(run_dir)  # refused before touching anything
 
@@ -228,8 +240,6 @@ def test_version():
 
 
 def test_backend_cuda_without_a_gpu_fails_before_the_pool_is_prefaulted(run_dir):
-    from sparsekv.daemon.backends import cuda_unavailable
-
     if cuda_unavailable() is None:
         pytest.skip("a GPU is usable here")
     # 64 TiB: had the pool come first, the error would be "does not fit in available RAM"
@@ -293,10 +303,8 @@ def test_sigterm_during_prefault_stops_cleanly(run_dir):
 
 def test_sigterm_during_prefault_in_process(monkeypatch, tmp_path):
     """The same, deterministic: a pool whose pre-fault never ends unless interrupted."""
-    import sparsekv.daemon.main as main_mod
-
     class EndlessPool:
-        def __init__(self, size_bytes, threads, progress, on_faulted=None):
+        def __init__(self, size_bytes, threads, progress, on_faulted=None, backing="anon_thp"):
             progress(0.01)
             os.kill(os.getpid(), signal.SIGTERM)  # the handler is ours by now
             deadline = time.monotonic() + 20
@@ -358,7 +366,6 @@ def test_other_lines_carry_a_utc_iso_time(run_dir):
 
 
 def test_journald_detection_and_formats(tmp_path):
-    from sparsekv.daemon.main import JournalFormatter, UtcFormatter, log_handler, on_journald
 
     with open(tmp_path / "err", "w") as f:
         st = os.fstat(f.fileno())
@@ -392,35 +399,20 @@ def test_importing_the_daemon_leaves_the_cuda_environment_alone():
 
 
 def test_the_pool_is_page_locked_at_start_unless_told_not_to_and_for_the_cuda_backend(monkeypatch):
-    """pool_pinner: a PoolPinner (the pool registered while it is faulted; =after: once
-    it is) by default when cuda will serve it; None with SPARSEKV_PIN_POOL_AT_START=0, for
-    the cpu backend and where CuPy sees no GPU; another value is refused by name."""
-    from sparsekv.daemon import main as main_mod
-    from sparsekv.daemon.config import Config
-    from sparsekv.daemon.pinned import PoolPinner
-
+    """pool_pinner: a PoolPinner (the pool registered while it is faulted; "after": once
+    it is) by default when cuda will serve it, in chunks of pin_chunk_gib; None with
+    pin_pool_at_start "0", for the cpu backend and where CuPy sees no GPU."""
     monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: None)
-    monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "0")
-    assert main_mod.pool_pinner(Config(backend="cuda")) is None  # registration at attach
-    monkeypatch.setenv("SPARSEKV_PIN_CHUNK_GIB", "-1")  # ... in these chunks: checked all the same
-    with pytest.raises(ValueError, match="SPARSEKV_PIN_CHUNK_GIB='-1'"):
-        main_mod.pool_pinner(Config(backend="cuda"))
-    monkeypatch.delenv("SPARSEKV_PIN_CHUNK_GIB")
-    monkeypatch.delenv(main_mod.PIN_AT_START_ENV, raising=False)
-    assert isinstance(main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)), PoolPinner)
+    assert main_mod.pool_pinner(Config(backend="cuda", pin_pool_at_start="0")) is None  # registration at attach
+    p = main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20))
+    assert isinstance(p, PoolPinner) and p.region is None  # nothing registered before the fault
+    assert p.while_faulting and p.max_chunk_bytes == 4 << 30  # the default: chunk by chunk while faulted
     assert main_mod.pool_pinner(Config(backend="cpu")) is None
+    assert isinstance(main_mod.pool_pinner(Config(backend="auto", pool_size=64 << 20)), PoolPinner)
     monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: "no CUDA device")
     assert main_mod.pool_pinner(Config(backend="auto")) is None
     monkeypatch.setattr(main_mod, "cuda_unavailable", lambda: None)
-    p = main_mod.pool_pinner(Config(backend="auto", pool_size=64 << 20))
-    assert isinstance(p, PoolPinner) and p.region is None  # nothing registered before the fault
-    assert p.while_faulting  # the default: chunk by chunk while the pool is faulted
-    monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "after")
-    assert not main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)).while_faulting
-    monkeypatch.setenv(main_mod.PIN_AT_START_ENV, "yes")
-    with pytest.raises(ValueError, match="SPARSEKV_PIN_POOL_AT_START='yes': expected one of 1, after, 0"):
-        main_mod.pool_pinner(Config(backend="cuda"))
-    monkeypatch.delenv(main_mod.PIN_AT_START_ENV)
-    assert main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)).max_chunk_bytes == 4 << 30
-    monkeypatch.setenv("SPARSEKV_PIN_CHUNK_GIB", "16")
-    assert main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20)).max_chunk_bytes == 16 << 30
+    after = main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20, pin_pool_at_start="after"))
+    assert not after.while_faulting
+    big = main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20, pin_chunk_gib=16))
+    assert big.max_chunk_bytes == 16 << 30

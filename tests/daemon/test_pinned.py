@@ -1,8 +1,11 @@
 """PinnedRegion's chunking and lifetime on the CPU, with a fake at the CUDA boundary."""
 
+import time
+
 import pytest
 
-from sparsekv.daemon.pinned import PIN_CHUNK_ENV, POOL_PIN_CHUNK_BYTES, PinError, PinnedRegion, pin_chunk_bytes, plan_chunks
+from sparsekv.daemon.pinned import PinError, PinnedRegion, PinnedView, PoolPinner, plan_chunks
+from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
 
 PAGE = 4096
 GiB = 1 << 30
@@ -105,7 +108,6 @@ def test_a_deferred_region_that_fails_part_way_rolls_back_and_closes():
 def test_the_pool_reports_its_faulted_prefix_in_order(tmp_path):
     """HostPool's on_faulted gets the faulted prefix, growing to the whole pool: a caller
     can page-lock it while the rest is still being faulted."""
-    from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
 
     seen = []
     pool = HostPool(3 * PREFAULT_CHUNK_BYTES + 4096, threads=2, on_faulted=lambda a, n: seen.append((a, n)))
@@ -119,8 +121,6 @@ def test_the_pool_reports_its_faulted_prefix_in_order(tmp_path):
 
 
 def test_a_pool_pinner_while_faulting_registers_the_pool_as_it_is_faulted_and_views_share_it():
-    from sparsekv.daemon.pinned import PinnedView, PoolPinner
-    from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
 
     rt = FakeRuntime()
     size = 5 * PREFAULT_CHUNK_BYTES
@@ -155,7 +155,6 @@ def test_a_pool_pinner_while_faulting_registers_the_pool_as_it_is_faulted_and_vi
 
 def test_time_in_the_register_calls_is_summed():
     """register_s: what the pool start reports as its page-locking time."""
-    import time
 
     class SlowRuntime(FakeRuntime):
         def register(self, address, nbytes, flags):
@@ -170,8 +169,6 @@ def test_time_in_the_register_calls_is_summed():
 def test_a_pool_pinner_after_the_fault_registers_in_finish_with_progress():
     """SPARSEKV_PIN_POOL_AT_START=after: nothing registered while the pool is faulted; finish()
     registers it chunk by chunk, saying how much is done after each."""
-    from sparsekv.daemon.pinned import PoolPinner
-    from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
 
     rt = FakeRuntime()
     size = 5 * PREFAULT_CHUNK_BYTES
@@ -187,16 +184,3 @@ def test_a_pool_pinner_after_the_fault_registers_in_finish_with_progress():
         region.close()
     finally:
         pool.close()
-
-
-@pytest.mark.parametrize("value, want", [(None, POOL_PIN_CHUNK_BYTES), ("", POOL_PIN_CHUNK_BYTES), ("16", 16 << 30),
-                                         ("0.5", 512 << 20), ("0.001", 2 << 20), ("64", 64 << 30)])
-def test_the_pool_pin_chunk_is_4_gib_or_what_the_environment_says_in_whole_huge_pages(value, want):
-    env = {} if value is None else {PIN_CHUNK_ENV: value}
-    assert pin_chunk_bytes(env) == want
-
-
-@pytest.mark.parametrize("value", ["0", "-4", "four", "nan", "inf"])
-def test_a_bad_pool_pin_chunk_is_refused_by_name(value):
-    with pytest.raises(ValueError, match=f"SPARSEKV_PIN_CHUNK_GIB={value!r}: expected a positive number of GiB"):
-        pin_chunk_bytes({PIN_CHUNK_ENV: value})

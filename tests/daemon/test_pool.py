@@ -1,14 +1,16 @@
 """HostPool: refused when it would not fit in RAM, first-fit ranges on 2 MiB boundaries
 that coalesce when released, an idempotent close, nothing left in the file system."""
 
+import ctypes
 import os
+import signal
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from sparsekv.daemon import pool as pool_mod
-from sparsekv.daemon.pool import ALIGN_BYTES, HostPool, PoolError
+from sparsekv.daemon.pool import ALIGN_BYTES, HostPool, PoolError, anon_huge_bytes
 
 MiB = 1 << 20
 
@@ -91,16 +93,10 @@ def test_close_with_a_live_view_does_not_raise():
     assert v.shape == (2, MiB)
 
 
-def test_an_anonymous_huge_page_pool_serves_like_the_memfd_one(monkeypatch):
-    """The default backing (SPARSEKV_POOL_BACKING unset): an anonymous mapping (no fd), not
+def test_an_anonymous_huge_page_pool_serves_like_the_memfd_one():
+    """The default backing: an anonymous mapping (no fd), not
     inherited by a child (MADV_DONTFORK: a forked child touching it faults), pre-faulted
     and zeroed on release like the memfd pool; a bad value is a clear error."""
-    import ctypes
-    import signal
-
-    from sparsekv.daemon.pool import BACKING_ENV
-
-    monkeypatch.delenv(BACKING_ENV, raising=False)
     pool = HostPool(8 << 20, threads=2)
     try:
         assert pool.backing == "anon_thp" and pool._fd == -1
@@ -123,15 +119,13 @@ def test_an_anonymous_huge_page_pool_serves_like_the_memfd_one(monkeypatch):
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
     finally:
         pool.close()
-    monkeypatch.setenv(BACKING_ENV, "hugetlbfs")
-    with pytest.raises(PoolError, match="pool backing must be one of"):
-        HostPool(8 << 20, threads=1)
+    with pytest.raises(PoolError, match="pool backing must be one of anon_thp, memfd, got 'hugetlbfs'"):
+        HostPool(8 << 20, threads=1, backing="hugetlbfs")
 
 
 def test_an_anonymous_pool_the_kernel_will_not_keep_from_children_gives_way_to_a_memfd(monkeypatch, caplog):
     """MADV_DONTFORK refused (a sandboxed kernel): the daemon still gets a pool, a memfd,
     and says so; other advice failing changes nothing."""
-    from sparsekv.daemon import pool as pool_mod
 
     real = pool_mod._madvise
 
@@ -141,7 +135,6 @@ def test_an_anonymous_pool_the_kernel_will_not_keep_from_children_gives_way_to_a
         return real(address, nbytes, advice, what, required)
 
     monkeypatch.setattr(pool_mod, "_madvise", refuse_dontfork)
-    monkeypatch.delenv(pool_mod.BACKING_ENV, raising=False)
     with caplog.at_level("WARNING", logger="sparsekv.pool"), HostPool(4 * MiB, threads=1) as p:
         assert p.backing == "memfd" and p._fd >= 0
         assert os.readlink(f"/proc/self/fd/{p._fd}").startswith("/memfd:sparsekv-pool")
@@ -155,7 +148,6 @@ def test_the_huge_page_count_is_the_pools_own():
     """anon_huge_bytes(address, nbytes): only the mappings over that range (the pool's
     share in huge pages, whatever else the process holds), at most its size; nothing
     for a range nothing is mapped at."""
-    from sparsekv.daemon.pool import anon_huge_bytes
 
     with HostPool(8 * MiB, threads=1) as p:
         got = anon_huge_bytes(p.address, p.size_bytes)

@@ -1,0 +1,157 @@
+"""Settings from the environment: one typed registry, and the parsers of setting text.
+
+Every variable sparsekv reads is ``SPARSEKV_<NAME>``, NAME being its setting's name in
+capitals. The daemon's settings are the fields of ``daemon/config.py``'s ``Config``
+(a TOML file, the environment, flags; ``sparsekvd --print-config``), which reads its
+variables through :class:`Setting` too. The settings below belong to processes without a
+``Config``: the engine library (``client/``), the kernel cache (``csrc/build.py``) and
+the benchmarks' private daemons. Each is the default of an argument, read only where the
+argument is not given. An empty variable is the same as an unset one; a bad value raises
+:class:`SettingError`, one line naming the variable.
+
+Sizes (:func:`parse_size`) are a number and a unit: ``B``; ``KiB``, ``MiB``, ``GiB``,
+``TiB`` (powers of 1024); ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000). A bare
+``K``/``M``/``G``/``T`` is refused: tools disagree on what it means. Sizes are printed in
+the largest unit that holds them whole (:func:`format_size`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+_BINARY = {"TiB": 1 << 40, "GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}
+_DECIMAL = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+_UNITS = {u.lower(): n for u, n in (*_BINARY.items(), *_DECIMAL.items(), ("B", 1))}
+
+
+class SettingError(ValueError):
+    """A setting has a bad value; the message names it and where it came from."""
+
+
+def parse_size(text: str | int, *, unit_required: bool = True) -> int:
+    """``'64GiB'`` -> bytes (units: see the module's docstring; case does not matter). A
+    number without a unit is an error unless ``unit_required`` is False: in a config file
+    ``pool_size = 64`` meant as GiB would silently be 64 bytes."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ValueError(f"bad size {text!r}; use e.g. 256MiB or 64GiB")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must be >= 0, got {text}")
+        if unit_required:
+            raise ValueError(f"size {text} has no unit; write e.g. \"{text}B\", 256MiB or 64GiB")
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    number, unit = (m.group(1), m.group(2).lower()) if m else ("", "")
+    if unit in ("k", "m", "g", "t"):
+        u = unit.upper()
+        raise ValueError(f"size {text.strip()!r} is ambiguous: write {number}{u}iB (powers of 1024) "
+                         f"or {number}{u}B (powers of 1000)")
+    if not m or (unit and unit not in _UNITS):
+        raise ValueError(f"bad size {text!r}; use e.g. 256MiB, 64GiB or 4096B")
+    if not unit:
+        if unit_required:
+            raise ValueError(f"size {number!r} has no unit; write e.g. \"{number}B\", 256MiB or 64GiB")
+        if "." in number:
+            raise ValueError(f"bad size {text!r}: a byte count is a whole number")
+        return int(number)
+    return round(float(number) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that holds it whole (``64GiB``), else the
+    largest decimal one (``64GB``), else the largest binary unit it fills, to one decimal
+    (``1.5KiB``; rounded where that is not exact)."""
+    for units in (_BINARY, _DECIMAL):
+        for unit, scale in units.items():
+            if n >= scale:
+                if n % scale == 0:
+                    return f"{n // scale}{unit}"
+                break
+    for unit, scale in _BINARY.items():
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"an integer is needed, got {text!r}") from None
+
+
+def parse_float(text: str) -> float:
+    try:
+        v = float(text.strip())
+    except ValueError:
+        raise ValueError(f"a number is needed, got {text!r}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{text.strip()} is not a finite number")
+    return v
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"1 or 0 (true or false) is needed, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One variable, ``SPARSEKV_<NAME>``: ``parse`` turns its text into a value (or raises
+    ValueError saying what is wrong); ``default`` applies when it is unset or empty (a
+    callable is called with the environment)."""
+
+    name: str
+    parse: Callable[[str], T]
+    default: T | Callable[[Mapping[str, str]], T]
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "SPARSEKV_" + self.name.upper()
+
+    def lookup(self, environ: Mapping[str, str] | None = None) -> T | None:
+        """The value the environment sets; None where it sets none."""
+        text = (os.environ if environ is None else environ).get(self.env, "")
+        if not text:
+            return None
+        try:
+            return self.parse(text)
+        except ValueError as e:
+            raise SettingError(f"environment {self.env}: bad value for {self.name}: {e}") from None
+
+    def get(self, environ: Mapping[str, str] | None = None) -> T:
+        value = self.lookup(environ)
+        if value is not None:
+            return value
+        return self.default(os.environ if environ is None else environ) if callable(self.default) else self.default
+
+
+def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Where a daemon's run dir is when no setting names one: systemd's
+    ``RuntimeDirectory=`` (``$RUNTIME_DIRECTORY``, colon-separated when several), else
+    ``/run/sparsekv``."""
+    runtime = (os.environ if environ is None else environ).get("RUNTIME_DIRECTORY", "")
+    return runtime.split(":")[0] or "/run/sparsekv"
+
+
+RUN_DIR = Setting("run_dir", str, default_run_dir, "the daemon's run dir (its sockets), for clients and the CLI")
+KERNEL_CACHE_DIR = Setting("kernel_cache_dir", str, "~/.cache/sparsekv/kernels",
+                           "compiled kernels (csrc/build.py), for every process that launches them")
+CLIENT_IO_CPUS = Setting("client_io_cpus", str, "", "Client(io_cpus=): CPUs of a client's ZeroMQ I/O thread")
+CLIENT_DEVICE_WAIT = Setting("client_device_wait", parse_bool, False,
+                             "Client(device_wait=): a cuda rank's stream waits for its top-k on the GPU")
+STOP_TIMEOUT_S = Setting("stop_timeout_s", parse_float, 20.0,
+                         "bench's private daemons: seconds a daemon may take to stop before it is killed")
+BENCH_DAEMON_LOG = Setting("bench_daemon_log", str, "", "bench: the file a benchmark's private daemon logs to")
