@@ -149,8 +149,6 @@ class CpuBackend(Backend):
         return state, handles
 
     def share_fds(self, client_id: int) -> dict[str, int]:
-        """The descriptors the client of rank ``client_id`` maps, by the names its handles
-        give them (still owned by the backend)."""
         shm = self._slabs.get(client_id)
         return {} if shm is None or shm.fd < 0 else {"slab": shm.fd}
 

@@ -165,8 +165,7 @@ class CudaBackend(Backend):
         return state, state.export()
 
     def share_fds(self, client_id: int) -> dict[str, int]:
-        """The descriptors the client of rank ``client_id`` maps, by the names its handles
-        give them (``blocks_fd``): its pinned step blocks (still owned by the rank)."""
+        """Its pinned step blocks (``blocks_fd``; still owned by the rank)."""
         state = self._ranks.get(client_id)
         fd = None if state is None else state.buffers.host.fd
         return {} if fd is None else {"blocks": fd}
@@ -188,8 +187,7 @@ class CudaBackend(Backend):
         self._unpin(space.name)
 
     def failure(self) -> str | None:
-        """Why this backend cannot serve anyone any more (the server exits 70), or None:
-        a rank's stream that stopped or did not drain."""
+        """A rank's stream that stopped or did not drain."""
         if self._failure:
             return self._failure
         for st in self._ranks.values():

@@ -105,7 +105,6 @@ class CudaRankState(RankState):
                 raise
         self._write_uploads: list = []  # events after the last staged write's uploads
         self._errors = ErrorRecord(bufs.host_err)  # counts already turned into replies
-        self._retired: dict[str, int] = {}
         super().__init__(rank=rank, device=f"cuda:{worker.ordinal}", residency=residency, mover=mover,
                          slab=bufs.slab, staging=bufs.staging)
 
