@@ -1,6 +1,8 @@
-"""The control plane: a ZeroMQ ROUTER served on (uv)asyncio, plus the stats socket, the fd
-socket (a rank's shared-memory descriptors for the process that attached it) and the
-optional loopback HTTP ``/metrics`` endpoint (same loop, same thread).
+"""The control plane's loop and dispatch: a ZeroMQ ROUTER served on (uv)asyncio, plus the
+stats socket, the fd socket (a rank's shared-memory descriptors for the process that
+attached it) and the optional loopback HTTP ``/metrics`` endpoint (same loop, same
+thread). The handlers are grouped by who sends the request (``engine_requests.py``,
+``operator_requests.py``); the clients' sessions live in ``sessions.py``.
 
 One thread owns the ROUTER socket and every worker's state (STYLE 5): requests are
 handled one at a time in arrival order, so no lock guards the residency state. On the
