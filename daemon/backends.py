@@ -9,8 +9,6 @@ residency and mover are the kernels of ``csrc/`` (see ``residency/cuda/``).
 from __future__ import annotations
 
 import fcntl
-import glob
-import hashlib
 import logging
 import mmap
 import os
@@ -21,49 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from .engine import EngineSpace, RankState
+from .cuda.backend import CudaBackend
+from .engine import Backend, EngineSpace, RankState
+from .memfd import new_memfd, remove_stale, run_dir_tag
 from .residency.base import ResidencyError
 from .residency.cpu import CpuMover, CpuResidency
 
 log = logging.getLogger("sparsekv.backend")
-
-
-def run_dir_tag(run_dir: str) -> str:
-    """Short stable tag of a run dir, so two daemons never touch each other's files."""
-    return hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:10]
-
-
-def remove_stale(prefix: str) -> None:
-    """Remove files ``prefix*`` left by a daemon of this run dir that died (an older
-    version: slabs and step blocks are memfds now, which leave nothing); nobody can be
-    using them (the caller made sure no daemon serves this run dir)."""
-    for stale in glob.glob(prefix + "*"):
-        log.warning("removing stale shared-memory file %s", stale)
-        try:
-            os.unlink(stale)
-        except OSError:
-            pass
-
-
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-def new_memfd(name: str, nbytes: int) -> int:
-    """A memfd of ``nbytes`` (close-on-exec) whose pages are reserved now, and sealed
-    against any change of size. It has no name in any file system: nobody can open it, a
-    client gets it only as a descriptor (the fd socket, ``proto/fd_socket.py``); ``name``
-    only shows in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``. Reserving (``fallocate``)
-    fails here, with ``OSError``, where a sparse file would let a later access die of
-    SIGBUS; the seals keep a client that holds the descriptor from shrinking it under the
-    daemon's mapping (SIGBUS again)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 @dataclass
@@ -93,7 +55,7 @@ def map_engine_slab(fd: int, geometry) -> mmap.mmap:
     return mmap.mmap(fd, geometry.buffer_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-class CpuBackend:
+class CpuBackend(Backend):
     """NumPy backend: same semantics as cuda, real shared memory between processes."""
 
     name = "cpu"
@@ -109,9 +71,7 @@ class CpuBackend:
         return {"backend": self.name, "devices": self.devices}
 
     def failure(self) -> str | None:
-        """Why the backend cannot serve anyone any more (the server then exits 70), or
-        None. Nothing of the cpu backend fails on its own."""
-        return None
+        return None  # nothing of the cpu backend fails on its own
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str,
                  fence_events=None, engine_slab=None) -> tuple[RankState, dict]:
@@ -189,8 +149,6 @@ class CpuBackend:
         return state, handles
 
     def share_fds(self, client_id: int) -> dict[str, int]:
-        """The descriptors the client of rank ``client_id`` maps, by the names its handles
-        give them (still owned by the backend)."""
         shm = self._slabs.get(client_id)
         return {} if shm is None or shm.fd < 0 else {"slab": shm.fd}
 
@@ -205,11 +163,10 @@ class CpuBackend:
         # last view; clients keep theirs until they unmap, which is safe with shared memory.
 
     def release_engine(self, space: EngineSpace) -> None:
-        """The engine's last rank left (nothing is pinned on the cpu backend)."""
+        pass  # nothing is pinned on the cpu backend
 
     def device_counters(self) -> dict:
-        """Counters kept on devices (none: the cpu ranks report through each reply)."""
-        return {}
+        return {}  # none: the cpu ranks report through each reply
 
     def close(self) -> None:
         for cid in list(self._slabs):
@@ -232,8 +189,6 @@ def make_backend(cfg, pool, pool_region=None):
     if cfg.backend in ("auto", "cuda"):
         reason, missing = _cuda_probe()
         if reason is None:
-            from .cuda.backend import CudaBackend  # noqa: PLC0415 - needs cupy
-
             return CudaBackend(cfg, pool, pool_region)
         fix = f"install the cuda extra: {CUDA_INSTALL_HINT}" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
         if cfg.backend == "cuda":

@@ -9,6 +9,8 @@ Ordering rules kept here:
 
 from __future__ import annotations
 
+import abc
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,8 +54,6 @@ class EngineSlabImport:
 
     def close(self) -> None:
         if self._fd >= 0:
-            import os  # noqa: PLC0415
-
             os.close(self._fd)
             self._fd = -1
 
@@ -166,6 +166,16 @@ class RankState:
         buffer; return the bytes once they are there."""
         lay = self.residency.layout
         return self.mover.stage(host_rows_arg(lay, rows, "stage"), check_layers(lay, layers))
+
+    def serve_topk_block(self, step: int, group: int, entry: int, begin: bool, fence=None,
+                         done: int | None = None) -> tuple[dict, dict | None, dict]:
+        """A TOPK (with ``begin``: and its STEP) whose step blocks the client wrote into its
+        pinned block ``entry`` (cuda); the cpu rank has none."""
+        raise ResidencyError("BAD_ARGUMENT", "this rank has no client-written step blocks (cuda only)")
+
+    def release_topk_block(self, entry: int, done: int, fence: int | None = None) -> None:
+        """A device-wait TOPK on ``entry`` failed: release its client's stream (cuda); the
+        cpu rank has no done words."""
 
     def check_fence(self, fence) -> None:
         """Raise if ``fence`` names no event the client exported (cuda); cpu: nothing."""
@@ -289,3 +299,62 @@ def check_layers(layout: Layout, layers) -> tuple[int, ...]:
     if any(not 0 <= x < layout.num_layers for x in out):
         raise ResidencyError("BAD_ARGUMENT", f"layers must lie in [0, {layout.num_layers}), got {list(out)}")
     return out
+
+
+class Backend(abc.ABC):
+    """Where ranks' slabs live and which residency and mover a rank gets: one per daemon
+    (``backends.CpuBackend``, ``cuda/backend.CudaBackend``). The registry calls
+    ``prepare_rank`` and ``new_rank`` (same arguments) during an attach, on a worker
+    thread unless ``new_rank_on_loop`` keeps ``new_rank`` on the loop's thread; the rest
+    runs on the loop's thread."""
+
+    name: str  # "cpu" or "cuda"
+    devices: list[str]
+    new_rank_on_loop = False
+
+    @abc.abstractmethod
+    def describe(self) -> dict:
+        """What HELLO's reply and STATS say of the backend (``backend``, ``devices``, ...)."""
+
+    def prepare_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
+                     **kw) -> None:
+        """``new_rank``'s checks and slow part, run before it (cuda: pinning the pool)."""
+
+    @abc.abstractmethod
+    def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
+                 **kw) -> tuple[RankState, dict]:
+        """A rank's state and the handles its client opens (``transport``, ``engine_slab``
+        in ``kw`` when the ATTACH names them)."""
+
+    @abc.abstractmethod
+    def share_fds(self, client_id: int) -> dict[str, int]:
+        """The descriptors the client of rank ``client_id`` maps, by the names its handles
+        give them (still owned by the backend)."""
+
+    @abc.abstractmethod
+    def release_rank(self, client_id: int) -> None:
+        """Free what rank ``client_id`` holds (after its work is done)."""
+
+    @abc.abstractmethod
+    def release_engine(self, space: EngineSpace) -> None:
+        """The engine's last rank left: free what the backend holds for it."""
+
+    @abc.abstractmethod
+    def failure(self) -> str | None:
+        """Why the backend cannot serve anyone any more (the server then exits 70), or None."""
+
+    @abc.abstractmethod
+    def device_counters(self) -> dict:
+        """Counters kept on devices, summed over every rank ever attached."""
+
+    def device_errors(self) -> dict | None:
+        """Rows the kernels refused or mended, by kind (None: no device checks input)."""
+        return None
+
+    def arenas(self) -> dict | None:
+        """Each device's arena: ``bytes`` and ``used_bytes`` (None: no device memory)."""
+        return None
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every rank and everything the backend holds."""

@@ -45,13 +45,11 @@ class EngineRegistry:
 
     Arguments:
         pool: the daemon's :class:`HostPool`; engine ranges are allocated from it.
-        backend: a backend (``new_rank``, ``release_rank``, ``release_engine``); it makes
-            each rank's state and owns what an engine holds beyond its pool range. An
-            attach's slow part (:meth:`prepare`) may run on a worker thread: ``new_rank``
-            runs there unless the backend sets ``new_rank_on_loop`` (cuda: a rank's
-            device buffers and graphs belong to the loop's thread), and so does the
-            backend's optional ``prepare_rank`` (``new_rank``'s arguments; cuda: checks
-            and pinning).
+        backend: an ``engine.Backend``; it makes each rank's state and owns what an
+            engine holds beyond its pool range. An attach's slow part (:meth:`prepare`)
+            may run on a worker thread: the backend's ``prepare_rank`` (cuda: checks and
+            pinning), and ``new_rank`` unless the backend sets ``new_rank_on_loop``
+            (cuda: a rank's device buffers and graphs belong to the loop's thread).
 
         max_pool_bytes_per_uid: pool bytes the engines one uid created may hold together
             (their ranges, ``Layout.pool_bytes`` rounded up to 2 MiB); a new engine beyond it is QUOTA_EXCEEDED before
@@ -151,15 +149,13 @@ class EngineRegistry:
             )
 
     def prepare(self, p: PendingAttach) -> None:
-        """The slow part of an attach, on any thread: the backend's ``prepare_rank`` if it
-        has one (cuda: page-locks a new engine's pool range) and, unless the backend makes
+        """The slow part of an attach, on any thread: the backend's ``prepare_rank``
+        (cuda: page-locks a new engine's pool range) and, unless the backend makes
         its ranks on the owner's thread (``new_rank_on_loop``: cuda), the rank itself
         (cpu: its slab). It touches only ``p``, its engine's pool range and what the
         backend makes for it."""
-        prepare_rank = getattr(self.backend, "prepare_rank", None)
-        if prepare_rank is not None:
-            prepare_rank(*p.new_rank_args, **p.new_rank_kw)
-        if not getattr(self.backend, "new_rank_on_loop", False):
+        self.backend.prepare_rank(*p.new_rank_args, **p.new_rank_kw)
+        if not self.backend.new_rank_on_loop:
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
 
     def commit(self, p: PendingAttach) -> tuple[RankState, dict]:

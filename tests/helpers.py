@@ -455,7 +455,7 @@ def inproc_daemon(path, max_clients: int = 3, pool_bytes: int = 8 << 20):
         yield d
     finally:
         for s in list(d.sessions.values()):
-            d._detach(s)
+            d.sessions.detach(s)
         backend.close()
         pool.close()
 

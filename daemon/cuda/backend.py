@@ -15,10 +15,12 @@ import math
 import mmap
 import os
 
-from sparsekv.proto.cuda_ipc import mps_running
+from sparsekv.proto.cuda_ipc import ImportedEvents, mps_running
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 
-from ..engine import EngineSpace
+from ..engine import Backend, EngineSpace
+from ..kernels import get_cache
+from ..memfd import remove_stale, run_dir_tag
 from ..pinned import PinnedRegion, PinnedView
 from ..residency.base import ResidencyError
 from .arena import DeviceArena
@@ -52,13 +54,11 @@ class DeviceWorker:
         self.arena.close()
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, cfg, pool, pool_region=None):
         import cupy as cp  # noqa: PLC0415
-
-        from ..kernels import get_cache  # noqa: PLC0415
 
         count = cp.cuda.runtime.getDeviceCount()
         ordinals = list(range(count)) if cfg.devices == "all" else [int(x) for x in cfg.devices.split(",")]
@@ -87,8 +87,6 @@ class CudaBackend:
         self.devices = [f"cuda:{w.ordinal}" for w in self.workers]
         # Each rank's pinned step blocks live in a memfd its client maps (the server hands
         # the descriptor over the fd socket); an older sparsekvd left files in shm_dir.
-        from ..backends import remove_stale, run_dir_tag  # noqa: PLC0415
-
         self._blocks_name = f"sparsekv-{run_dir_tag(cfg.run_dir)}-blocks-"
         remove_stale(os.path.join(cfg.shm_dir, self._blocks_name))
         self._retired: dict[str, int] = {}
@@ -151,8 +149,6 @@ class CudaBackend:
                                   blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
                                   transport=transport, engine_slab=engine_slab)
             if fence_events:
-                from sparsekv.proto.cuda_ipc import ImportedEvents  # noqa: PLC0415
-
                 try:
                     state.fence_events = ImportedEvents(list(fence_events), worker.ordinal)
                 except Exception:
@@ -166,8 +162,7 @@ class CudaBackend:
         return state, state.export()
 
     def share_fds(self, client_id: int) -> dict[str, int]:
-        """The descriptors the client of rank ``client_id`` maps, by the names its handles
-        give them (``blocks_fd``): its pinned step blocks (still owned by the rank)."""
+        """Its pinned step blocks (``blocks_fd``; still owned by the rank)."""
         state = self._ranks.get(client_id)
         fd = None if state is None else state.buffers.host.fd
         return {} if fd is None else {"blocks": fd}
@@ -189,8 +184,7 @@ class CudaBackend:
         self._unpin(space.name)
 
     def failure(self) -> str | None:
-        """Why this backend cannot serve anyone any more (the server exits 70), or None:
-        a rank's stream that stopped or did not drain."""
+        """A rank's stream that stopped or did not drain."""
         if self._failure:
             return self._failure
         for st in self._ranks.values():
@@ -207,12 +201,16 @@ class CudaBackend:
             pinned.close()
 
     def device_counters(self) -> dict:
-        """Counters the GPUs keep, from each rank's pinned mirror (no synchronisation)."""
+        """From each rank's pinned mirror (no synchronisation)."""
         return _summed(self._retired, (st.counters() for st in self._ranks.values()))
 
     def device_errors(self) -> dict:
-        """Rows the kernels refused or mended, by kind, over every rank ever attached."""
         return _summed(self._retired_errors, (st.error_counts() for st in self._ranks.values()))
+
+    def arenas(self) -> dict | None:
+        """Each GPU's arena (one allocation for every rank's slab and rings)."""
+        return {f"cuda:{w.ordinal}": {"bytes": int(w.arena.nbytes), "used_bytes": int(w.arena.used_bytes)}
+                for w in self.workers} or None
 
     def close(self) -> None:
         for cid in list(self._ranks):

@@ -39,12 +39,15 @@ B = ``layout.max_batch``, K = ``layout.top_k``, R = ``ring_depth``, G = index gr
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 
-from ..residency.base import ResidencyError
 from sparsekv.proto.step_block import BlockView, block_ints
 
+from ..memfd import new_memfd
+from ..pinned import PinnedRegion
+from ..residency.base import ResidencyError
 from ..residency.cuda import COUNTERS_PER_GROUP, ERR_INTS
 from .arena import ArenaFull
 
@@ -56,15 +59,10 @@ class HostBlocks:
     copy engine writes it. Owns the descriptor (``fd``, kept until :meth:`close`), the
     mapping and the registration; :meth:`close` is idempotent.
 
-    ``name``: the memfd's name (``backends.new_memfd``: pages reserved, size sealed);
+    ``name``: the memfd's name (``memfd.new_memfd``: pages reserved, size sealed);
     None: an anonymous mapping (in-process use), ``fd`` None."""
 
     def __init__(self, nbytes: int, name: str | None = None):
-        import os
-
-        from ..backends import new_memfd
-        from ..pinned import PinnedRegion
-
         self.nbytes = max(mmap.PAGESIZE, -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
         self.fd = None
         if name is None:
@@ -102,8 +100,6 @@ class HostBlocks:
         return a.ctypes.data - self.address
 
     def _close_fd(self) -> None:
-        import os
-
         if self.fd is not None:
             fd, self.fd = self.fd, None
             os.close(fd)

@@ -43,9 +43,8 @@ import time
 
 from sparsekv.proto.stream_ops import graph_launch, wait32, write32
 
-from ..residency.base import ResidencyError
 from .step import capture
-from .transport import Transport
+from .transport import DeviceTransport
 
 log = logging.getLogger("sparsekv.cuda")
 
@@ -57,15 +56,13 @@ DRAIN_TIMEOUT_S = 10.0
 # for both, and one-thread spin kernels, measured slower (docs/DESIGN.md, "Rejected designs").
 
 
-class DoorbellTransport(Transport):
+class DoorbellTransport(DeviceTransport):
     """Args:
         dstep: the rank's :class:`~sparsekv.daemon.cuda.step.DeviceStep` (its buffers have
             the ``db_*`` sections).
         worker: the GPU's worker (``ordinal``).
         depth: step graphs kept launched ahead.
     """
-
-    device_driven = True
 
     def __init__(self, dstep, worker, depth: int = DEPTH):
         import cupy as cp
@@ -154,20 +151,6 @@ class DoorbellTransport(Transport):
         if self._error is not None:
             return f"the doorbell stream of GPU {self.worker.ordinal} stopped: {self._error!r}"
         return None
-
-    # -- Transport -----------------------------------------------------------------------
-    def _refuse(self):
-        raise ResidencyError("BAD_ARGUMENT", "this rank attached with the doorbell transport: its steps come "
-                             "from its engine's stream (client/doorbell.py), not as STEP/TOPK messages")
-
-    def step(self, step, state_rows, reset, invalidate) -> None:
-        self._refuse()
-
-    def topk(self, step, group, state_rows, topk, fence=None) -> int:
-        self._refuse()
-
-    def topk_block(self, entry, begin, fence=None) -> int:
-        self._refuse()
 
     def close(self) -> bool:
         """Stop stocking; ring the bells until the stocked steps have drained. Returns

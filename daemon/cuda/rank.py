@@ -14,6 +14,9 @@ import time
 
 import numpy as np
 
+from sparsekv.proto.cuda_ipc import EventRing, ImportedBuffer
+from sparsekv.proto.device_errors import ErrorRecord
+
 from ..engine import RankState, as_ids
 from ..residency.base import ResidencyError
 from ..residency.cuda import (
@@ -25,11 +28,10 @@ from ..residency.cuda import (
     DeviceBuffers,
     rows_block,
 )
-from sparsekv.proto.device_errors import ErrorRecord
-
 from .buffers import RankBuffers
+from .doorbell import DoorbellTransport
 from .step import DeviceStep
-from .transport import ZmqTransport
+from .transport import DeviceTransport, MessageTransport, ZmqTransport
 
 log = logging.getLogger("sparsekv.cuda")
 
@@ -58,16 +60,12 @@ class CudaRankState(RankState):
                  engine_slab=None):
         import cupy as cp
 
-        from sparsekv.proto.cuda_ipc import EventRing
-
         lay = space.layout
         self.space_name = space.name
         self.worker, self._cp = worker, cp
         self.fence_events = None
         self.engine_slab = None  # the imported engine-owned slab (ImportedBuffer)
         if engine_slab is not None:
-            from sparsekv.proto.cuda_ipc import ImportedBuffer  # noqa: PLC0415
-
             handle, offset = engine_slab.ipc
             try:
                 self.engine_slab = ImportedBuffer(handle, offset, engine_slab.geometry.buffer_bytes, worker.ordinal)
@@ -97,12 +95,9 @@ class CudaRankState(RankState):
                                   else (self.engine_slab.ptr, engine_slab.geometry))
                 self.dstep = DeviceStep(residency, mover, bufs, worker.kernels)
                 self.events = EventRing(worker.ordinal, ring_depth)
-                if transport == "doorbell":
-                    from .doorbell import DoorbellTransport  # noqa: PLC0415
-
-                    self.transport = DoorbellTransport(self.dstep, worker)
-                else:
-                    self.transport = ZmqTransport(self.dstep, worker, self.events, graphs=graphs)
+                self.transport: MessageTransport | DeviceTransport = (
+                    DoorbellTransport(self.dstep, worker) if transport == "doorbell"
+                    else ZmqTransport(self.dstep, worker, self.events, graphs=graphs))
             except Exception:
                 bufs.close()
                 if self.engine_slab is not None:
@@ -110,15 +105,22 @@ class CudaRankState(RankState):
                 raise
         self._write_uploads: list = []  # events after the last staged write's uploads
         self._errors = ErrorRecord(bufs.host_err)  # counts already turned into replies
-        self._retired: dict[str, int] = {}
         super().__init__(rank=rank, device=f"cuda:{worker.ordinal}", residency=residency, mover=mover,
                          slab=bufs.slab, staging=bufs.staging)
 
     # -- decode path -------------------------------------------------------------------
+    def _fed(self) -> MessageTransport:
+        """The transport a STEP or TOPK message is enqueued on."""
+        if self.device_driven:
+            raise ResidencyError("BAD_ARGUMENT", "this rank attached with the doorbell transport: its steps come "
+                                 "from its engine's stream (client/doorbell.py), not as STEP/TOPK messages")
+        return self.transport
+
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         state_rows = as_ids("state_rows", state_rows, 1)
+        transport = self._fed()
         with self._cp.cuda.Device(self.worker.ordinal):
-            self.transport.step(int(step), state_rows, reset, invalidate)
+            transport.step(int(step), state_rows, reset, invalidate)
         self.step = int(step)
         self.state_rows = state_rows
 
@@ -126,8 +128,9 @@ class CudaRankState(RankState):
         state_rows = self.batch_rows(step, state_rows)
         topk = as_ids("topk", topk, 2)
         wait = self._fence_wait(fence)
+        transport = self._fed()
         with self._cp.cuda.Device(self.worker.ordinal):
-            entry = self.transport.topk(int(step), int(group), state_rows, topk, wait)
+            entry = transport.topk(int(step), int(group), state_rows, topk, wait)
         batch, k = topk.shape
         # "tl": the GPU work is enqueued (perf_counter_ns, like the envelope's tr and tx).
         return {"entry": entry, "batch": batch, "k": k, "tl": time.perf_counter_ns()}, None, {"topk_batches": 1}
@@ -137,10 +140,9 @@ class CudaRankState(RankState):
         pinned block ``entry``; see ``ZmqTransport.topk_block``. ``done``: a device-wait
         client's value for the entry's done word; set even when the request fails (its
         result then empty), so that the client's stream never waits for ever."""
-        if self.device_driven:
-            raise ResidencyError("BAD_ARGUMENT", "this rank's steps come through its doorbell, not in TOPK messages")
+        transport = self._fed()
         with self._cp.cuda.Device(self.worker.ordinal):
-            self.transport.topk_block(int(entry), bool(begin), self._fence_wait(fence), done)
+            transport.topk_block(int(entry), bool(begin), self._fence_wait(fence), done)
         tl = time.perf_counter_ns()  # the GPU work (and the done word) is enqueued
         if begin:
             # The step's state rows are in the client's block, not here: a later TOPK of
@@ -181,7 +183,10 @@ class CudaRankState(RankState):
     def take_error(self) -> ResidencyError | None:
         """The first error the kernels recorded since the last call, as the cpu backend's
         typed error (read from the pinned mirror of the error record: no wait). Every kind
-        counted meanwhile is marked reported; the others are logged."""
+        counted meanwhile is marked reported; the others are logged. A doorbell rank's
+        errors are its engine's to read (its handle's ``check()``), never a request's."""
+        if self.device_driven:
+            return None
         found = self._errors.take()
         for code, msg in found[1:]:
             log.warning("rank %d: also %s: %s", self.rank, code, msg)
@@ -288,18 +293,17 @@ class CudaRankState(RankState):
     @property
     def device_driven(self) -> bool:
         """True when the engine's stream drives this rank (doorbell transport)."""
-        return getattr(self.transport, "device_driven", False)
+        return isinstance(self.transport, DeviceTransport)
 
     def failure(self) -> str | None:
         """Why this rank's GPU work can no longer be served (its transport), or None."""
-        f = getattr(self.transport, "failure", None)
-        return f() if f is not None else None
+        return self.transport.failure()
 
     def close(self) -> bool:
         """Wait for this rank's work, then free its graphs, events, host blocks and ranges.
         Returns False (and frees nothing) if the rank's stream did not drain: it may still
         touch every one of them."""
-        if self.transport.close() is False:
+        if not self.transport.close():
             return False
         if self.fence_events is not None:
             self.fence_events.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels import copy_defines
 from ..residency.cuda import CudaMover, CudaResidency
 
 FETCH_BLOCKS = 16
@@ -35,8 +36,6 @@ class DeviceStep:
     """
 
     def __init__(self, residency: CudaResidency, mover: CudaMover, buffers, kernels):
-        from ..kernels import copy_defines
-
         self.residency, self.mover, self.buffers = residency, mover, buffers
         self.layout = residency.layout
         self._fetch = kernels.function("copy.cu", "skv_fetch", copy_defines(self.layout.row_bytes))

@@ -1,16 +1,14 @@
-"""How a step reaches a cuda rank's device step: the transports.
+"""How a step reaches a cuda rank's device step: the transports, of two kinds.
 
-A transport takes a STEP or TOPK as the client sent it, gets its step block into the
-rank's device memory, and enqueues the :class:`~sparsekv.daemon.cuda.step.DeviceStep`
-for it. One small interface (:class:`Transport`), one class per transport:
-
-* :class:`ZmqTransport` (here): the request arrived in a ZeroMQ message. The host checks
+* Fed by messages (:class:`MessageTransport`): each STEP or TOPK the daemon receives is
+  enqueued on the GPU worker's stream. :class:`ZmqTransport` (here): the host checks
   shapes only (values are checked by the kernels), writes the block into a pinned host
-  ring entry, and replays that entry's CUDA graph (fetch -> kernels -> stats out), then
-  records the entry's IPC event for the client. No sort, no readback, no size from the
-  host reaches a launch.
-* ``doorbell`` (next): the engine's stream writes the block and rings a word; the daemon's
-  stream, stocked ahead, runs the same device step.
+  ring entry (or the client wrote it there), and replays that entry's CUDA graph (fetch
+  -> kernels -> stats out), then records the entry's IPC event for the client. No sort,
+  no readback, no size from the host reaches a launch.
+* Driven by the device (:class:`DeviceTransport`): no message carries a step. The
+  engine's stream writes the blocks and rings words; the rank's own stream, stocked
+  ahead, runs the same device step (``doorbell.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +29,20 @@ class Transport(abc.ABC):
     """Moves a rank's steps onto its device step; owns whatever staging that takes."""
 
     @abc.abstractmethod
+    def failure(self) -> str | None:
+        """Why the rank's GPU work can no longer be served (the daemon then exits), or None."""
+
+    @abc.abstractmethod
+    def close(self) -> bool:
+        """Wait for work in flight and free what the transport holds. False when that
+        work did not drain: then nothing it may touch can be freed or reused."""
+
+
+class MessageTransport(Transport):
+    """Fed by messages: the daemon enqueues each STEP and TOPK it receives. ``fence``: a
+    callable that makes a stream wait for the client's fence event, or None."""
+
+    @abc.abstractmethod
     def step(self, step: int, state_rows: np.ndarray, reset, invalidate) -> None:
         """Enqueue a STEP (its resets and invalidations)."""
 
@@ -39,11 +51,23 @@ class Transport(abc.ABC):
         """Enqueue a TOPK; return the result ring entry whose event the client waits on."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Wait for work in flight and free what the transport holds."""
+    def topk_block(self, entry: int, begin: bool, fence=None, done: int | None = None) -> int:
+        """Enqueue a TOPK (with ``begin``: and its STEP) the client wrote into its pinned
+        block ``entry``; ``done``: the value its done word takes once the result is in
+        place. Returns ``entry``."""
+
+    @abc.abstractmethod
+    def release_entry(self, entry: int, done: int, fence=None) -> None:
+        """A device-wait TOPK on ``entry`` failed: set its done word to ``done`` anyway."""
 
 
-class ZmqTransport(Transport):
+class DeviceTransport(Transport):
+    """Driven by the device: the engine's stream writes the step blocks and rings the
+    rank's words; no message carries a step, and writes are not ordered against the
+    rank's stream (its engine passes rewritten rows to its next step)."""
+
+
+class ZmqTransport(MessageTransport):
     """Steps that arrived as ZeroMQ messages, replayed as one CUDA graph each.
 
     Per ring entry ``e`` there is a pinned STEP block and a pinned TOPK block, and a graph
@@ -200,7 +224,11 @@ class ZmqTransport(Transport):
         write32(stream.ptr, self.done_address(entry), done)
         self._done_set[entry] = done
 
-    def close(self) -> None:
+    def failure(self) -> str | None:
+        return None  # a failed request says so in its reply
+
+    def close(self) -> bool:
         self.worker.stream.synchronize()
         self._step_graphs, self._topk_graphs = [], []
         self._cboth_graphs, self._ctopk_graphs = [], []
+        return True

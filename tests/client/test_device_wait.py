@@ -197,24 +197,24 @@ def test_a_lost_daemon_releases_every_entry_used_at_its_last_value_unless_its_pr
 
 
 def test_the_daemon_releases_a_failed_device_wait_of_its_own_process_only_with_an_int_block_and_done():
-    """Daemon._release_device_wait: the rank's release gets (block, done, fence) of a TOPK;
+    """release_device_wait: the rank's release gets (block, done, fence) of a TOPK;
     nothing for another type, a bad block or done, a rank without releases; never raises."""
     from types import SimpleNamespace
 
-    from sparsekv.daemon.server import Daemon
+    from sparsekv.daemon.engine_requests import release_device_wait
 
     calls = []
     state = SimpleNamespace(release_topk_block=lambda *a: calls.append(a))
     s = SimpleNamespace(state=state)
     topk = int(MsgType.TOPK)
-    Daemon._release_device_wait(s, {"t": topk, "block": 2, "done": 9, "fence": 1})
-    Daemon._release_device_wait(s, {"t": topk, "block": 2, "done": 10, "fence": "x"})
+    release_device_wait(s, {"t": topk, "block": 2, "done": 9, "fence": 1})
+    release_device_wait(s, {"t": topk, "block": 2, "done": 10, "fence": "x"})
     for bad in ({"t": int(MsgType.STEP), "block": 2, "done": 9}, {"t": topk, "block": "2", "done": 9},
                 {"t": topk, "block": 2, "done": -1}, {"t": topk, "block": 2, "done": True}):
-        Daemon._release_device_wait(s, bad)
-    Daemon._release_device_wait(SimpleNamespace(state=None), {"t": topk, "block": 2, "done": 9})
+        release_device_wait(s, bad)
+    release_device_wait(SimpleNamespace(state=None), {"t": topk, "block": 2, "done": 9})
     state.release_topk_block = lambda *a: 1 / 0
-    Daemon._release_device_wait(s, {"t": topk, "block": 2, "done": 9})  # logged, not raised
+    release_device_wait(s, {"t": topk, "block": 2, "done": 9})  # logged, not raised
     assert calls == [(2, 9, 1), (2, 10, None)]
 
 

@@ -265,7 +265,7 @@ def test_cuda_host_blocks_are_a_sealed_memfd_closed_with_them(monkeypatch):
     """The cuda backend's pinned step blocks (no GPU here: registration stubbed)."""
     import fcntl
 
-    from sparsekv.daemon import pinned
+    from sparsekv.daemon.cuda import buffers
     from sparsekv.daemon.cuda.buffers import HostBlocks
 
     class Unpinned:
@@ -275,7 +275,7 @@ def test_cuda_host_blocks_are_a_sealed_memfd_closed_with_them(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(pinned, "PinnedRegion", Unpinned)
+    monkeypatch.setattr(buffers, "PinnedRegion", Unpinned)
     h = HostBlocks(10_000, "sparsekv-0123456789-blocks-3")
     fd = h.fd
     assert os.readlink(f"/proc/self/fd/{fd}") == "/memfd:sparsekv-0123456789-blocks-3 (deleted)"

@@ -223,6 +223,6 @@ def test_client_mistakes_are_typed_errors(tmp_path, kind, fields, arrays, code, 
         assert words in h["msg"], h["msg"]
     finally:
         for s in list(d.sessions.values()):
-            d._detach(s)
+            d.sessions.detach(s)
         backend.close()
         pool.close()

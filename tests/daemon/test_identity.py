@@ -149,7 +149,7 @@ def test_in_process_hello_is_the_daemons_own_user_unverified_and_never_reaped(dm
     assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=os.getpid()), peer=False)["ok"]
     s = dm.sessions[b"A"]
     assert (s.pid, s.uid, s.gid, s.verified, s.watch) == (0, os.getuid(), os.getgid(), False, None)
-    assert dm.reap_dead() == 0 and b"A" in dm.sessions
+    assert dm.sessions.reap_dead() == 0 and b"A" in dm.sessions
 
 
 def test_kernel_pid_0_is_outside_our_pid_namespace_warned_and_not_reaped(dm, caplog):
@@ -158,13 +158,13 @@ def test_kernel_pid_0_is_outside_our_pid_namespace_warned_and_not_reaped(dm, cap
     s = dm.sessions[b"A"]
     assert (s.pid, s.uid, s.verified, s.watch) == (0, 1000, True, None)
     assert any(r.levelno == logging.WARNING and "pid namespace" in r.getMessage() for r in caplog.records)
-    assert dm.reap_dead() == 0
+    assert dm.sessions.reap_dead() == 0
 
 
 def test_clients_listing_shows_the_kernels_pid_and_uid(dm, sleeper):
     child = sleeper()
     call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid, 1234, 99))
-    header, row = dm.client_lines().splitlines()
+    header, row = dm.sessions.client_lines().splitlines()
     cols = dict(zip(header.split("\t"), row.split("\t")))
     assert cols["pid"] == str(child.pid) and cols["uid"] == "1234"
     assert header.split("\t")[:3] == ["id", "pid", "rank"] and header.split("\t")[-1] == "name"
@@ -186,10 +186,10 @@ def test_client_claiming_pid_1_is_reaped_when_its_real_process_dies(dm, sleeper,
     assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid))["ok"]
     assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
     assert dm.sessions[b"A"].watch is not None
-    assert dm.reap_dead() == 0
+    assert dm.sessions.reap_dead() == 0
     child.kill()
     child.wait()
-    assert dm.reap_dead() == 1
+    assert dm.sessions.reap_dead() == 1
     assert not dm.sessions and not dm.engines and dm.pool.used_bytes == 0
     assert helpers.shm_slabs(str(tmp_path), str(tmp_path)) == []
 
@@ -199,7 +199,7 @@ def test_zombie_is_dead_to_the_pidfd(dm, sleeper):
     assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(child.pid))["ok"]
     child.kill()  # not waited for: a zombie
     helpers.wait_for(lambda: dm.sessions[b"A"].watch.exited(), what="the pidfd to turn readable")
-    assert dm.reap_dead() == 1
+    assert dm.sessions.reap_dead() == 1
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
@@ -224,7 +224,7 @@ def test_dead_client_is_reclaimed_by_the_event_loop_at_once(tmp_path, sleeper, l
             assert not dm.engines and pool.used_bytes == 0
         finally:
             for s in list(dm.sessions.values()):
-                dm._detach(s)
+                dm.sessions.detach(s)
             backend.close()
             pool.close()
 
@@ -244,12 +244,12 @@ def test_pidfd_is_closed_on_detach_and_opened_again_on_attach(dm, sleeper):
     assert is_pidfd(fd)
     assert call(dm, b"A", MsgType.DETACH)["ok"]
     assert dm.sessions[b"A"].watch is None and not is_pidfd(fd)
-    assert dm.reap_dead() == 0  # detached and alive: the periodic check keeps it
+    assert dm.sessions.reap_dead() == 0  # detached and alive: the periodic check keeps it
     assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})["ok"]
     assert dm.sessions[b"A"].watch is not None  # attached again: watched again
     child.kill()
     child.wait()
-    assert dm.reap_dead() == 1 and not dm.engines
+    assert dm.sessions.reap_dead() == 1 and not dm.engines
 
 
 def test_detached_client_is_still_reaped_by_the_periodic_check(dm, sleeper):
@@ -258,7 +258,7 @@ def test_detached_client_is_still_reaped_by_the_periodic_check(dm, sleeper):
     assert call(dm, b"A", MsgType.DETACH)["ok"]
     child.kill()
     child.wait()
-    assert dm.reap_dead() == 1 and not dm.sessions
+    assert dm.sessions.reap_dead() == 1 and not dm.sessions
 
 
 def test_without_pidfd_open_the_periodic_check_reaps_the_kernels_pid(dm, sleeper, monkeypatch):
@@ -270,10 +270,10 @@ def test_without_pidfd_open_the_periodic_check_reaps_the_kernels_pid(dm, sleeper
     assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid))["ok"]
     assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
     assert dm.sessions[b"A"].watch is None
-    assert dm.reap_dead() == 0
+    assert dm.sessions.reap_dead() == 0
     child.kill()
     child.wait()
-    assert dm.reap_dead() == 1 and not dm.engines
+    assert dm.sessions.reap_dead() == 1 and not dm.engines
 
 
 def is_pidfd(fd: int) -> bool:

@@ -81,7 +81,7 @@ def test_backend_failing_33_times_leaves_nothing_and_then_an_attach_fits(tmp_pat
         assert len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 1
     finally:
         for s in list(dm.sessions.values()):
-            dm._detach(s)
+            dm.sessions.detach(s)
         backend.close()
 
 
@@ -107,7 +107,7 @@ def test_slab_reservation_failing_33_times_leaves_no_file(tmp_path, one_engine_p
         assert attach(dm)["ok"]
     finally:
         for s in list(dm.sessions.values()):
-            dm._detach(s)
+            dm.sessions.detach(s)
         backend.close()
 
 
@@ -123,7 +123,7 @@ def test_attach_detach_cycles_reuse_the_same_range(tmp_path, one_engine_pool):
         assert_clean(dm, tmp_path)
     finally:
         for s in list(dm.sessions.values()):
-            dm._detach(s)
+            dm.sessions.detach(s)
         backend.close()
 
 
@@ -142,7 +142,7 @@ def test_repeated_hello_never_piles_up_sessions(tmp_path):
         assert hello(dm, b"B")["ok"]  # a second client still fits under max_clients=2
     finally:
         for s in list(dm.sessions.values()):
-            dm._detach(s)
+            dm.sessions.detach(s)
         backend.close()
         pool.close()
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import helpers
-from sparsekv.daemon import server as server_mod
+from sparsekv.daemon import sessions as sessions_mod
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.engine import Owner
 from sparsekv.daemon.peers import process_groups
@@ -40,7 +40,7 @@ def make_dm(tmp_path):
     yield make
     for d in made:
         for s in list(d.sessions.values()):
-            d._detach(s)
+            d.sessions.detach(s)
         d.backend.close()
         d.pool.close()
 
@@ -142,7 +142,7 @@ def test_admin_group_as_supplementary_group_joins(dm, proc, monkeypatch):
         seen.append(pid)
         return frozenset({7, ADMIN}) if pid == proc.pid else frozenset()
 
-    monkeypatch.setattr(server_mod, "process_groups", groups)
+    monkeypatch.setattr(sessions_mod, "process_groups", groups)
     connect(dm, b"A", proc.pid, 1000)
     assert attach(dm, b"A")["ok"]
     connect(dm, b"M", proc.pid, 3000, 3000)
@@ -168,7 +168,7 @@ def test_supplementary_groups_are_not_trusted_once_the_process_is_gone(dm, monke
         p.kill()
         p.wait()
         # /proc would now describe whatever process took the pid: never trusted
-        monkeypatch.setattr(server_mod, "process_groups", lambda pid: frozenset({ADMIN}))
+        monkeypatch.setattr(sessions_mod, "process_groups", lambda pid: frozenset({ADMIN}))
         assert dm.sessions[b"M"].watch.exited()
         assert_denied(attach(dm, b"M"))
     finally:

@@ -151,7 +151,7 @@ def test_next_engine_on_a_freed_range_reads_zeros(tmp_path, host_rows):
         assert detach_s < 1.0
     finally:
         for s in list(dm.sessions.values()):
-            dm._detach(s)
+            dm.sessions.detach(s)
         backend.close()
         pool.close()
 
@@ -175,6 +175,6 @@ def test_detach_does_not_wait_for_zeroing(tmp_path, gate):
     finally:
         gate.set()
         for s in list(dm.sessions.values()):
-            dm._detach(s)
+            dm.sessions.detach(s)
         backend.close()
         pool.close()

@@ -20,6 +20,7 @@ import pytest
 import helpers
 from sparsekv.client import Client, SparseKVError
 from sparsekv.daemon import main as main_mod
+from sparsekv.daemon import control_socket
 from sparsekv.daemon import server as server_mod
 from sparsekv.daemon.notify import Notifier
 from sparsekv.proto import LIMITS, MsgType
@@ -63,7 +64,7 @@ def closed_within(s: socket.socket, timeout_s: float) -> float | None:
 
 
 def test_a_frame_larger_than_any_request_drops_its_connection_unread():
-    assert server_mod.MAX_MESSAGE_BYTES == LIMITS.max_frame_bytes < 1 << 30
+    assert control_socket.MAX_MESSAGE_BYTES == LIMITS.max_frame_bytes < 1 << 30
     with serving() as d:
         s = zmtp_peer(d.control_path)
         # A long frame header announcing 1 GiB, then only a few bytes of it.
@@ -103,9 +104,9 @@ def test_zmtp_1_0_peers_are_refused_at_once_and_cost_no_memory():
 
 
 def test_silent_peers_and_handshakes_that_never_end_are_dropped(monkeypatch):
-    monkeypatch.setattr(server_mod, "HEARTBEAT_IVL_MS", 100)
-    monkeypatch.setattr(server_mod, "HEARTBEAT_TIMEOUT_MS", 300)
-    monkeypatch.setattr(server_mod, "HANDSHAKE_IVL_MS", 300)
+    monkeypatch.setattr(control_socket, "HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(control_socket, "HEARTBEAT_TIMEOUT_MS", 300)
+    monkeypatch.setattr(control_socket, "HANDSHAKE_IVL_MS", 300)
     with serving() as d:
         silent = zmtp_peer(d.control_path)  # never answers the daemon's PINGs
         mute = socket.socket(socket.AF_UNIX)  # connects and never says anything

@@ -106,7 +106,7 @@ def test_hello_pid_field_is_ignored_even_when_impossible(dm, pid):
     h, _ = call(dm, b"A", MsgType.HELLO, {"pid": pid, "rank": 0, "device": "cpu", "name": ""})
     assert h["ok"], h
     assert dm.sessions[b"A"].pid == 0 and dm.sessions[b"A"].verified is False
-    assert dm.reap_dead() == 0
+    assert dm.sessions.reap_dead() == 0
 
 
 def test_requests_before_attach_are_not_attached(dm):
@@ -258,11 +258,11 @@ def test_reap_dead_detaches_clients_whose_process_is_gone(dm, tmp_path, reap):
             proc.wait()
         else:
             helpers.wait_for(lambda: psutil.Process(proc.pid).status() == "zombie", what="zombie")
-        assert dm.reap_dead() == 1
+        assert dm.sessions.reap_dead() == 1
         assert set(dm.sessions) == {b"live"} and set(dm.engines) == {"keep"}
         assert dm.pool.used_bytes < used
         assert len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 1
-        assert dm.reap_dead() == 0
+        assert dm.sessions.reap_dead() == 0
         proc.wait()
     finally:
         live.kill()

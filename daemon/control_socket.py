@@ -1,0 +1,83 @@
+"""The control socket: the daemon's ZeroMQ ROUTER, what one peer may cost it, and what
+libzmq says of a received message's connection (its credentials, its descriptor)."""
+
+from __future__ import annotations
+
+import zmq
+
+from sparsekv.proto import LIMITS
+
+# What one peer may cost the ROUTER (libzmq enforces these in its I/O thread):
+# - the largest frame of a legal request; a peer announcing a larger one is disconnected
+#   before the frame is read (ZMQ_MAXMSGSIZE applies to each frame of a multipart);
+MAX_MESSAGE_BYTES = max(LIMITS.max_frame_bytes, LIMITS.max_header_bytes)
+# - a PING every HEARTBEAT_IVL_MS; a connection silent for HEARTBEAT_TIMEOUT_MS (a frozen
+#   or vanished peer: nothing answers the PINGs) is closed;
+HEARTBEAT_IVL_MS = 5_000
+HEARTBEAT_TIMEOUT_MS = 30_000
+# - a connection that has not finished the ZMTP handshake within this is closed (a raw
+#   socket that connects and says nothing holds a descriptor only this long).
+HANDSHAKE_IVL_MS = 5_000
+LISTEN_BACKLOG = 32
+# - libzmq reads a large frame in one read() while its sender keeps up (256 MiB: 0.1-0.3 s
+#   on the 2-core dev VM), and every connection served by the same I/O thread waits
+#   meanwhile. A new connection goes to the least loaded thread: with several, one
+#   client's large WRITE stalls only those that share its thread. Measured, another
+#   client's top-k during a 256 MiB WRITE: 1 thread 250-370 ms, 2: 27 ms, 4: 17-57 ms
+#   (tests/soak/stall.py; what is left there is both cores copying the frame).
+ZMQ_IO_THREADS = 4
+
+
+def router(ctx: zmq.Context) -> zmq.Socket:
+    """The control socket (not yet bound), with every limit on what a peer may cost."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    # A client's libzmq reconnects under its own (random, 13-byte) routing id. If the
+    # daemon still holds that id's old pipe (its end of the dead connection not yet
+    # torn down), libzmq would refuse the new connection, and the client would get no
+    # reply until its next reconnect: the new connection takes the id over instead.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # Bound what one peer can cost (MAX_MESSAGE_BYTES and the heartbeats above): a frame
+    # larger than any legal request drops its connection before it is read, a silent
+    # peer is dropped after HEARTBEAT_TIMEOUT_MS.
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    # Connections the kernel queues for libzmq to accept: after the connection guard
+    # renames control.sock away, those still get accepted (each a descriptor). A
+    # client that finds the queue full is retried by libzmq.
+    sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
+    # A ZAP domain turns on libzmq's ZAP path, whose one effect here (no handler is
+    # bound, so NULL-mechanism peers pass) is that it refuses ZMTP/1.0 and 2.0 peers
+    # (libzmq 2.x; every client of ours speaks 3.x): libzmq 4.3.5 leaks ~16 KiB for
+    # every connection that speaks ZMTP/1.0 and then fails (any first byte other than
+    # 0xff opens it), 1.5 GiB in 40 s of random bytes.
+    sock.setsockopt(zmq.ZAP_DOMAIN, b"sparsekv")
+    return sock
+
+
+def _frame_property(frames, name, unreadable):
+    """libzmq's property ``name`` of received frames (``unreadable`` if libzmq has none);
+    None for plain bytes (an in-process call)."""
+    get = getattr(frames[0], "get", None) if frames else None
+    if get is None:
+        return None
+    try:
+        return get(name)
+    except Exception:  # noqa: BLE001 - zmq.ZMQError: no such property (an older or newer libzmq)
+        return unreadable
+
+
+def peer_address(frames) -> str | None:
+    """libzmq's ``Peer-Address`` of received frames ("" if unreadable); None for plain
+    bytes (an in-process call)."""
+    return _frame_property(frames, "Peer-Address", "")
+
+
+def src_fd(frames) -> int | None:
+    """The descriptor of the connection received frames came on (libzmq's ``ZMQ_SRCFD``
+    property: deprecated, present in 4.3); None for plain bytes or when unreadable."""
+    fd = _frame_property(frames, zmq.SRCFD, None)
+    return fd if type(fd) is int and fd >= 0 else None

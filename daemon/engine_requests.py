@@ -1,0 +1,376 @@
+"""What an engine rank asks the daemon: HELLO, ATTACH, the decode path (STEP, TOPK), the
+write path (WRITE, STAGE, WRITE_STAGED), DETACH and BYE.
+
+Each handler takes (session, identity, header, arrays) and returns the reply's (fields,
+arrays); a heavy one is a generator that yields ``Slow(fn)`` for each slow part and
+returns them (daemon/heavy.py). Errors are raised, typed; the dispatcher
+(``server.py``) turns them into replies.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from concurrent.futures import wait as wait_futures
+
+from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, LayoutError, MsgType, ProtocolError
+from sparsekv.proto import fd_socket
+from sparsekv.proto.layout import ROW_ALIGN_BYTES
+from sparsekv.proto.slab import SlabGeometry
+
+from .engine import EngineSlabImport, Owner, RankState
+from .heavy import Slow
+from .peers import Peer
+from .pool import PoolError
+from .residency.base import ResidencyError, check_layout_limits
+from .sessions import Session
+
+log = logging.getLogger("sparsekv.server")
+
+TRANSPORTS = ("zmq", "doorbell")
+
+
+class EngineRequests:
+    """Args:
+        sessions: the daemon's :class:`~sparsekv.daemon.sessions.Sessions`.
+        engines: the :class:`~sparsekv.daemon.registry.EngineRegistry`.
+        backend: the daemon's backend (``backends.Backend``).
+        pool: the :class:`~sparsekv.daemon.pool.HostPool`.
+        stats: the daemon's :class:`~sparsekv.daemon.stats.Stats`.
+        fd_server: the :class:`~sparsekv.daemon.fd_server.FdServer` (tokens, deposits).
+    """
+
+    # Most bytes one rank's slab + staging + residency state may take (config
+    # max_slab_bytes): ATTACH checks it with check_layout_limits.
+    max_slab_bytes = 16 << 30
+    # WRITE, WRITE_STAGED and STAGE (cpu) copies of at least this many bytes run on a
+    # worker thread (about a millisecond of copying here); smaller ones cost less than
+    # the hop and run inline. An ATTACH's slow part always runs there.
+    heavy_bytes = 4 << 20
+
+    def __init__(self, sessions, engines, backend, pool, stats, fd_server):
+        self.sessions, self.engines, self.backend = sessions, engines, backend
+        self.pool, self.stats, self.fd_server = pool, stats, fd_server
+        # The credentials of the HELLO being handled (the dispatcher reads them from its
+        # frames: SO_PEERCRED); None for an in-process call.
+        self.peer: Peer | None = None
+
+    def handlers(self) -> dict:
+        """This role's handlers by message type."""
+        return {MsgType.HELLO: self.on_hello, MsgType.ATTACH: self.on_attach, MsgType.STEP: self.on_step,
+                MsgType.TOPK: self.on_topk, MsgType.WRITE: self.on_write, MsgType.STAGE: self.on_stage,
+                MsgType.DETACH: self.on_detach, MsgType.WRITE_STAGED: self.on_write_staged,
+                MsgType.BYE: self.on_bye}
+
+    # -- sessions ------------------------------------------------------------------------
+    def on_hello(self, session, identity, h, arrays):
+        # Who the client is comes from the kernel: SO_PEERCRED of its connection (libzmq's
+        # "Peer-Address"). The "pid" field is still required (older daemons need it) but
+        # only compared with the kernel's.
+        peer, self.peer = self.peer, None
+        s = self.sessions.open(identity, peer or Peer.unverified(), h, _int(h, "rank"))
+        return {"client_id": s.client_id, "daemon_pid": os.getpid(), "version": PROTOCOL_VERSION,
+                **self.backend.describe()}, None
+
+    def on_attach(self, s: Session, identity, h, arrays):
+        if s.state is not None:
+            raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"client {s.client_id} is attached to engine {s.engine!r}")
+        engine = str(h["engine"])
+        if not engine or len(engine) > 128:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "engine must be a name of 1..128 characters")
+        try:
+            layout = Layout.from_wire(h["layout"])
+        except (LayoutError, TypeError) as e:
+            raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
+        created = engine not in self.engines
+        self.sessions.rewatch(s)
+        slab_field = h.get("slab")
+        check_layout_limits(layout, self.max_slab_bytes, engine_slab=slab_field is not None)  # before allocating
+        transport = h.get("transport", "zmq")
+        if transport not in TRANSPORTS:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"transport must be 'zmq' or 'doorbell', got {transport!r}")
+        if transport == "doorbell" and self.backend.name != "cuda":
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "the doorbell transport needs the cuda backend (device rings "
+                                f"and stream memory operations); this daemon runs {self.backend.name}: use zmq")
+        engine_slab = self._engine_slab(s, layout, slab_field) if slab_field is not None else None
+        admin = not created and self.sessions.is_admin(s)  # only joining needs it (a /proc read)
+        try:
+            if created and (zeroing := self.pool.zeroing_to_wait_for(layout.pool_bytes)):
+                # Only released ranges, once zeroed, make room: wait for them off the loop.
+                yield Slow(functools.partial(wait_futures, zeroing), engine=engine)
+            pending = self.engines.begin_attach(s.client_id, s.rank, s.device, engine, layout,
+                                                h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
+                                                transport=transport, engine_slab=engine_slab)
+            try:
+                # The slow part on a worker thread: the rank's slab (cpu), the pinning of
+                # a new engine's pool range (cuda). ATTACHes to a new engine wait for it.
+                yield Slow(functools.partial(self.engines.prepare, pending), engine=engine if pending.created else None)
+                state, handles = self.engines.commit(pending)
+            except BaseException:  # an error, or Gone: nothing of this attach stays
+                self.engines.abort(pending)
+                raise
+        except (PoolError, ProtocolError, ResidencyError) as e:
+            # An engine that cannot attach (no room in the pool, another layout, no room
+            # for its slab) is the operator's business, not only the client's: warn.
+            # The log may name the owner (the operator's view); the client's reply does not.
+            owner = self.engines.space(engine).owner if engine in self.engines else None
+            log.warning("client %d (pid %d uid %d rank %d) refused: attach to engine %r%s: %s: %s", s.client_id,
+                        s.pid, s.uid, s.rank, engine, f" (owner uid {owner.uid})" if owner else "",
+                        code_of(e).name, e.args[0] if e.args else e)
+            raise
+        finally:
+            if engine_slab is not None:
+                engine_slab.close()  # its descriptor, unless the backend took it
+        s.engine, s.state = engine, state
+        log.info("client %d attached to engine %r (%s)", s.client_id, engine,
+                 f"new, owner uid {s.uid}" if created else "joined")
+        if self.backend.share_fds(s.client_id):
+            # The rank's shared memory has no name to open: its descriptors go to this
+            # process only, over the fd socket, for this one-time token.
+            s.fd_token = self.fd_server.offer(s)
+            handles = {**handles, "fd_socket": fd_socket.FD_SOCKET, "fd_token": s.fd_token}
+        return {"handles": handles, "layout": layout.to_wire()}, None
+
+    def _engine_slab(self, s: Session, layout: Layout, field) -> EngineSlabImport:
+        """ATTACH's ``slab`` (an engine-owned slab, proto/slab.py): its geometry, checked
+        against the layout, and its memory: on cpu the memfd this session's process
+        deposited on the fd socket, on cuda a CUDA IPC handle and offset."""
+        if not isinstance(field, dict) or "geometry" not in field:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "slab must be a map with a geometry (and, on the cpu "
+                                "backend, the deposit id of the slab's descriptor)")
+        try:
+            geo = SlabGeometry.from_wire(field["geometry"]).check(layout, align=1 if self.backend.name == "cpu"
+                                                                   else ROW_ALIGN_BYTES)
+        except (LayoutError, TypeError) as e:
+            raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
+        if self.backend.name != "cpu":  # device memory, exported by the engine through CUDA IPC
+            handle, offset = field.get("ipc_handle"), field.get("ipc_offset")
+            if not isinstance(handle, bytes) or len(handle) != 64 or type(offset) is not int or offset < 0:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a cuda rank's slab needs ipc_handle (the 64-byte CUDA "
+                                    "IPC handle of the allocation) and ipc_offset (an int >= 0)")
+            return EngineSlabImport(geo, ipc=(handle, offset))
+        fd = self.fd_server.take_deposit(field.get("deposit"), s.pid, s.uid, s.gid)
+        return EngineSlabImport(geo, fd)
+
+    def on_detach(self, s: Session, identity, h, a):
+        attached = s.state is not None
+        engine = s.engine
+        self.sessions.detach(s)
+        # A clean exit: the client said goodbye (the reaper's "gone" is the unclean one).
+        log.info("client %d (pid %d rank %d) detached%s", s.client_id, s.pid, s.rank,
+                 f" from engine {engine!r}" if attached else " (was not attached)")
+        return {"was_attached": attached}, None
+
+    def on_bye(self, s: Session, identity, h, a):
+        # Client.close(): the client leaves for good. Detach (if attached) and forget the
+        # session, so short-lived clients of a long-lived process never fill max_clients
+        # (the reaper only frees sessions of processes that have exited).
+        attached = s.state is not None
+        engine = s.engine
+        self.sessions.detach(s)
+        self.sessions.pop(identity, None)
+        log.info("client %d (pid %d rank %d) said goodbye%s", s.client_id, s.pid, s.rank,
+                 f", detached from engine {engine!r}" if attached else "")
+        return {"was_attached": attached}, None
+
+    # -- the decode path -----------------------------------------------------------------
+    def _rank(self, s: Session, kind: MsgType, began: bool = False) -> RankState:
+        """``s``'s rank, for a request that runs on it. Like CUDA's, an error the rank
+        found after the fact (bad input seen on the GPU) fails the next request on it,
+        which does not run (``began``: nor the STEP riding on it)."""
+        st = s.state
+        if st is None:
+            raise ProtocolError(ErrorCode.NOT_ATTACHED, f"client {s.client_id} has not attached a layout")
+        err = st.take_error()
+        if err is not None:
+            self.stats.add(async_errors=1)
+            what = "nor the STEP it began " if began else ""
+            err.args = (f"{err.args[0]}; this {kind.name} request {what}was not run",)
+            raise err
+        return st
+
+    def on_step(self, s: Session, identity, h, a):
+        st = self._rank(s, MsgType.STEP)
+        if "state_rows" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STEP needs the state_rows array")
+        # .size, not .shape[0]: a 0-d array must reach begin_step's BAD_ARGUMENT, not IndexError.
+        _batch_fits(st, a["state_rows"].size)
+        st.begin_step(_int(h, "step"), a["state_rows"], a.get("reset"), a.get("invalidate"))
+        self.stats.add(steps=1)
+        return {}, None
+
+    def on_topk(self, s: Session, identity, h, a):
+        """A TOPK, which may carry its step's STEP (``begin``: one message, one wake-up),
+        as arrays or (cuda) in the step block the client wrote beside the TOPK's. All or
+        nothing: the STEP does not run if the TOPK cannot. A device-wait TOPK (``done``)
+        that fails still releases its client's stream (:func:`release_device_wait`)."""
+        try:
+            return self._topk(s, h, a)
+        except Exception:
+            if h.get("done") is not None:
+                release_device_wait(s, h)
+            raise
+
+    def _topk(self, s: Session, h, a):
+        begin = h.get("begin") is True
+        st = self._rank(s, MsgType.TOPK, began=begin)
+        fence, step, group = _fence(h), _int(h, "step"), _int(h, "group")
+        block = h.get("block")
+        if block is not None:
+            # The client wrote the step block(s) into its pinned ring entry `block`: no
+            # array on the socket, nothing to copy (cuda ranks only).
+            if type(block) is not int or a:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "block must be an entry number, sent without arrays")
+            done = h.get("done")  # device wait: the value of the entry's done word (client.py)
+            if done is not None and (type(done) is not int or not 0 <= done <= 0xFFFFFFFF):
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "done must be an integer in [0, 2**32)")
+            fields, arrays, deltas = st.serve_topk_block(step, group, block, begin, fence, done)
+            self.stats.c["steps"] += begin
+        else:
+            if "topk" not in a:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
+            state_rows = a.get("state_rows")
+            if begin:
+                if state_rows is None:
+                    raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TOPK that begins a step needs the state_rows array")
+                _batch_fits(st, state_rows.size)
+                st.check_fence(fence)
+                st.begin_step(step, state_rows, a.get("reset"), a.get("invalidate"))
+                self.stats.c["steps"] += 1
+                state_rows = None  # the step has begun: resolve against its state rows
+            elif "reset" in a or "invalidate" in a:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT,
+                                    "reset and invalidate go with a TOPK only when it begins a step")
+            topk = a["topk"]
+            if topk.ndim:  # before any work: rows of padding cost as much as live ones
+                _batch_fits(st, topk.shape[0])
+            fields, arrays, deltas = st.serve_topk(step, group, topk, state_rows, fence)
+        c = self.stats.c
+        for k, v in deltas.items():
+            c[k] += v
+        return fields, arrays
+
+    # -- the write path ------------------------------------------------------------------
+    def on_write(self, s: Session, identity, h, a):
+        self._rank(s, MsgType.WRITE)
+        if "rows" not in a or "data" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE needs the rows and data arrays")
+        if a["rows"].size > LIMITS.max_write_rows:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"a write of {a['rows'].size} rows exceeds {LIMITS.max_write_rows}")
+        space = self.engines.space(s.engine)
+        layers, rows, data = space.check_write(_layers(h), a["rows"], a["data"])
+        nbytes, dropped = yield from self._write_rows(s, space, layers, rows, data)
+        self.stats.add(rows_written=rows.shape[0] * len(layers), bytes_written=nbytes, hot_invalidated=dropped)
+        return {"bytes": nbytes, "invalidated": dropped}, None
+
+    def on_write_staged(self, s: Session, identity, h, a):
+        st = self._rank(s, MsgType.WRITE_STAGED)
+        if "rows" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE_STAGED needs the rows array")
+        fence = _fence(h)
+        space = self.engines.space(s.engine)
+        if st.host_memory:  # cpu: a host copy out of the staging buffer, maybe a large one
+            layers, rows = space.check_staged(st, _layers(h), a["rows"])
+            src = st.staged_rows(layers, rows.shape[0])
+            nbytes, dropped = yield from self._write_rows(s, space, layers, rows, src)
+        else:  # cuda: enqueued on the device, never waited for
+            nbytes, dropped = space.write_staged(st, _layers(h), a["rows"], fence)
+        self.stats.add(rows_written=nbytes // st.residency.layout.row_bytes, bytes_written=nbytes, hot_invalidated=dropped)
+        return {"bytes": nbytes, "invalidated": dropped}, None
+
+    def _write_rows(self, s: Session, space, layers, rows, src):
+        """A write's bulk, for ``yield from``: every rank of the engine quiesced, ``src``
+        copied into the pool rows (on a worker thread when large: requests on the engine
+        wait meanwhile), then every hot copy of the rows dropped, whatever happened (the
+        rows may have changed). Returns (bytes, slots dropped)."""
+        nbytes = len(layers) * rows.shape[0] * space.layout.row_bytes
+        space.quiesce()
+        try:
+            if nbytes >= self.heavy_bytes:
+                yield Slow(functools.partial(space.copy_rows, layers, rows, src), engine=s.engine)
+            else:
+                space.copy_rows(layers, rows, src)
+        finally:
+            dropped = space.drop_rewritten(rows)
+        return nbytes, dropped
+
+    def on_stage(self, s: Session, identity, h, a):
+        st = self._rank(s, MsgType.STAGE)
+        if "rows" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STAGE needs the rows array")
+        layers, lay = _layers(h), st.residency.layout
+        if st.host_memory and a["rows"].size * len(layers or range(lay.num_layers)) * lay.row_bytes >= self.heavy_bytes:
+            # cpu: pool rows to the staging buffer on a worker thread (checked there);
+            # writes to the engine wait meanwhile
+            nbytes = yield Slow(functools.partial(st.stage, a["rows"], layers), engine=s.engine)
+        else:
+            nbytes = st.stage(a["rows"], layers)
+        self.stats.add(rows_staged=nbytes // st.residency.layout.row_bytes)
+        return {"bytes": nbytes}, None
+
+
+def release_device_wait(session, header: dict) -> None:
+    """A device-wait TOPK (``block`` + ``done``) of ``session``'s own process that failed:
+    its client's stream waits on the entry's done word, so the result is emptied and the
+    word set anyway, unless the request got as far as setting it
+    (``RankState.release_topk_block``); the client raises the error from the reply.
+    Never raises."""
+    try:
+        block, done, fence = header.get("block"), header.get("done"), header.get("fence")
+        if session.state is None or header.get("t") != int(MsgType.TOPK) or type(block) is not int \
+                or type(done) is not int or not 0 <= done <= 0xFFFFFFFF:
+            return
+        session.state.release_topk_block(block, done, fence if type(fence) is int else None)
+    except Exception as e:  # noqa: BLE001 - the reply still says what failed
+        log.warning("could not release a failed device-wait TOPK: %r", e)
+
+
+def code_of(e: Exception) -> ErrorCode:
+    """The error code a handler's exception is answered with."""
+    if isinstance(e, ProtocolError):
+        return e.code
+    if isinstance(e, ResidencyError):
+        return ErrorCode[e.code]
+    if isinstance(e, LayoutError):
+        return ErrorCode.BAD_LAYOUT
+    if isinstance(e, PoolError):
+        return ErrorCode.POOL_FULL
+    return ErrorCode.INTERNAL
+
+
+def _int(h: dict, name: str) -> int:
+    v = h.get(name)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"field {name!r} must be an integer, got {type(v).__name__}")
+    return v
+
+
+def _batch_fits(st: RankState, rows: int) -> None:
+    """TOO_LARGE unless a batch of ``rows`` rows fits the protocol and the rank's layout
+    (its ``max_batch``: device buffers are sized by it, and a cpu resolve is as slow for
+    padding rows as for live ones)."""
+    limit = st.residency.layout.max_batch
+    if rows > LIMITS.max_batch or rows > limit:
+        raise ProtocolError(ErrorCode.TOO_LARGE,
+                            f"batch of {rows} rows exceeds max_batch {min(limit, LIMITS.max_batch)}")
+
+
+def _layers(h: dict) -> list[int] | None:
+    """The ``layers`` field: null (every layer) or a non-empty list of integers (their
+    range is the layout's to check)."""
+    v = h["layers"]
+    if v is None:
+        return None
+    if type(v) is not list or not v or not all(type(x) is int for x in v):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT,
+                            f"layers must be null (every layer) or a non-empty list of layer numbers, got {str(v)[:60]}")
+    return v
+
+
+def _fence(h: dict) -> int | None:
+    """The optional ``fence`` field: an entry of the client's exported event ring."""
+    fence = h.get("fence")
+    if fence is not None and (not isinstance(fence, int) or isinstance(fence, bool)):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "fence must be an integer entry of the client's event ring")
+    return fence

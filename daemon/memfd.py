@@ -1,0 +1,50 @@
+"""Host shared memory with no name: memfds (a rank's cpu slab, a cuda rank's pinned step
+blocks), and the files an older daemon of the same run dir left in ``shm_dir``."""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import hashlib
+import logging
+import os
+
+log = logging.getLogger("sparsekv.backend")
+
+
+def run_dir_tag(run_dir: str) -> str:
+    """Short stable tag of a run dir, so two daemons never touch each other's files."""
+    return hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:10]
+
+
+def remove_stale(prefix: str) -> None:
+    """Remove files ``prefix*`` left by a daemon of this run dir that died (an older
+    version: slabs and step blocks are memfds now, which leave nothing); nobody can be
+    using them (the caller made sure no daemon serves this run dir)."""
+    for stale in glob.glob(prefix + "*"):
+        log.warning("removing stale shared-memory file %s", stale)
+        try:
+            os.unlink(stale)
+        except OSError:
+            pass
+
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def new_memfd(name: str, nbytes: int) -> int:
+    """A memfd of ``nbytes`` (close-on-exec) whose pages are reserved now, and sealed
+    against any change of size. It has no name in any file system: nobody can open it, a
+    client gets it only as a descriptor (the fd socket, ``proto/fd_socket.py``); ``name``
+    only shows in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``. Reserving (``fallocate``)
+    fails here, with ``OSError``, where a sparse file would let a later access die of
+    SIGBUS; the seals keep a client that holds the descriptor from shrinking it under the
+    daemon's mapping (SIGBUS again)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -1,0 +1,84 @@
+"""What the operator asks the daemon: STATS on the control socket, the stats socket's
+commands (``stats``, ``json``, ``prometheus``, ``clients``, ``health``) and the loopback
+HTTP ``/metrics`` endpoint. All answered on the event loop from the snapshot
+(``snapshot.py``) and the daemon's own Prometheus registry; none changes any state."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from sparsekv.proto import MsgType
+
+from . import stats as stats_mod
+
+# What generate_latest() writes (prometheus_client's CONTENT_TYPE_LATEST names 1.0.0 in
+# recent releases, which this text is not).
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class OperatorRequests:
+    """Args:
+        snapshot: returns the stats snapshot (a :class:`~sparsekv.daemon.snapshot.Snapshot`).
+        registry: the daemon's own ``prometheus_client`` registry (never the global one).
+        sessions: the daemon's :class:`~sparsekv.daemon.sessions.Sessions`.
+    """
+
+    def __init__(self, snapshot, registry, sessions):
+        self.snapshot, self.registry, self.sessions = snapshot, registry, sessions
+
+    def handlers(self) -> dict:
+        """This role's control-socket handlers by message type."""
+        return {MsgType.STATS: self.on_stats}
+
+    def on_stats(self, s, identity, h, a):
+        return {"stats": self.snapshot()}, None
+
+    async def stats_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection of the stats socket: one command line, one answer."""
+        try:
+            line = await asyncio.wait_for(reader.readline(), timeout=5.0)
+            cmd = line.decode(errors="replace").strip().lower() or "stats"
+            if cmd == "stats":
+                out = stats_mod.render_table(self.snapshot())
+            elif cmd == "json":
+                out = stats_mod.render_json(self.snapshot())
+            elif cmd == "prometheus":
+                out = stats_mod.render_prometheus(self.registry)
+            elif cmd == "clients":
+                out = self.sessions.client_lines()
+            elif cmd == "health":
+                # The socket exists only once the daemon serves (READY=1 sent): answering is ready.
+                out = f"ready pid={os.getpid()} clients={len(self.sessions)}\n"
+            else:
+                out = f"error: unknown command {cmd[:40]!r}; try stats, json, prometheus, clients, health\n"
+            writer.write(out.encode())
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def http_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A minimal HTTP/1.0 responder: ``GET /metrics`` (Prometheus text), one request
+        per connection. Runs on the daemon's loop: a scrape costs one snapshot, no thread."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5.0)
+            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+            body, ctype, extra = b"", "text/plain; charset=utf-8", ""
+            if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+                status, body = "400 Bad Request", b"bad request line\n"
+            elif parts[0] not in ("GET", "HEAD"):
+                status, body, extra = "405 Method Not Allowed", b"only GET\n", "Allow: GET, HEAD\r\n"
+            elif parts[1].split("?", 1)[0] != "/metrics":
+                status, body = "404 Not Found", b"not found; metrics are at /metrics\n"
+            else:
+                status, body, ctype = "200 OK", stats_mod.render_prometheus(self.registry).encode(), PROMETHEUS_TEXT
+            head_out = (f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                        f"{extra}Connection: close\r\n\r\n").encode()
+            writer.write(head_out if parts and parts[0] == "HEAD" else head_out + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()

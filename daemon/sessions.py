@@ -1,0 +1,311 @@
+"""The daemon's clients: one session per control connection that said HELLO, who it is
+(the kernel's credentials), what it may join (ownership) and when it ends (DETACH, BYE,
+its process's exit, idleness).
+
+Used from the event loop's thread only, like everything a request touches.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from sparsekv.proto import ErrorCode, ProtocolError
+
+from .engine import RankState
+from .peers import Peer, PidWatch, process_groups
+
+log = logging.getLogger("sparsekv.server")
+
+EXPIRED_KEPT = 1024  # identities of expired sessions remembered, to tell their next request why
+
+
+@dataclass
+class Session:
+    """One connected client (one engine rank), keyed by its ZeroMQ identity.
+
+    ``pid``, ``uid``, ``gid``: what the kernel says of the connection (``SO_PEERCRED``),
+    never what the client claims; ``verified`` False (pid 0, the daemon's own uid and gid)
+    for in-process calls, which carry no credentials. ``watch``: a pidfd of the process,
+    open from HELLO to DETACH and again from a later ATTACH, so a client that dies holding
+    an engine is reclaimed at once (None: pid 0, or no pidfd; the reaper's periodic check
+    covers those)."""
+
+    identity: bytes
+    client_id: int
+    pid: int
+    rank: int
+    device: str
+    name: str
+    proc_started: float | None
+    connected_at: float = field(default_factory=time.time)
+    engine: str | None = None
+    state: RankState | None = None
+    requests: int = 0
+    errors: int = 0
+    uid: int = -1
+    gid: int = -1
+    verified: bool = False
+    watch: PidWatch | None = None
+    peer_address: str = ""  # the HELLO's Peer-Address, as libzmq gave it ("": unverified)
+    fd_token: str | None = None  # the fd socket's token of its attached rank, until used
+    last_request_at: float = field(default_factory=time.monotonic)  # idle_timeout_s counts from here
+
+
+class Sessions(dict):
+    """The sessions by ZeroMQ identity, and their lifetimes.
+
+    Args:
+        engines: the :class:`~sparsekv.daemon.registry.EngineRegistry` a rank detaches from.
+        heavy: the :class:`~sparsekv.daemon.heavy.HeavyRequests` (a session's request in
+            flight keeps its rank; a detached cpu rank's memory is unmapped there).
+        fd_server: the :class:`~sparsekv.daemon.fd_server.FdServer` (a rank's token is
+            withdrawn with it).
+        stats: the daemon's :class:`~sparsekv.daemon.stats.Stats`.
+        max_clients: sessions at once (TOO_MANY_CLIENTS at HELLO).
+        max_clients_per_uid: sessions of one uid (QUOTA_EXCEEDED at HELLO); 0: no cap.
+        idle_timeout_s: a session not attached, without a request this long, is dropped.
+        admin_gid: members of this group (primary or supplementary) may join any user's
+            engine; None: nobody but the owner and root.
+    """
+
+    def __init__(self, engines, heavy, fd_server, stats, *, max_clients: int = 256, max_clients_per_uid: int = 0,
+                 idle_timeout_s: float = 600.0, admin_gid: int | None = None):
+        super().__init__()
+        self.engines, self.heavy, self.fd_server, self.stats = engines, heavy, fd_server, stats
+        self.max_clients = max_clients
+        self.max_clients_per_uid = max_clients_per_uid
+        self.idle_timeout_s = idle_timeout_s
+        self.admin_gid = admin_gid
+        self._next_client_id = 1
+        # Identities of sessions dropped for idleness (the latest EXPIRED_KEPT) -> what their
+        # next request is told: a client keeps its routing id across reconnects.
+        self._expired: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+
+    def expired(self, identity: bytes) -> str | None:
+        """Why ``identity`` has no session any more, if it was dropped for idleness."""
+        return self._expired.get(identity)
+
+    # -- HELLO -----------------------------------------------------------------------
+    def open(self, identity: bytes, peer: Peer, h: dict, rank: int) -> Session:
+        """The session a HELLO (header ``h``) of ``peer`` on ``identity`` opens, replacing
+        the connection's detached one; refused when attached, over a cap, or another
+        process's."""
+        old = self.get(identity)
+        if old is not None:
+            # The same connection says hello again. Only its own process may (a ROUTER
+            # identity names one connection; another process could reuse it only once
+            # that connection is gone), and never while attached: a second HELLO must not
+            # silently throw away the rank it holds. Once detached it is a reconnect.
+            if old.verified and (peer.uid, peer.pid) != (old.uid, old.pid):
+                raise ProtocolError(ErrorCode.PERMISSION_DENIED,
+                                    f"this connection is client {old.client_id} of another process")
+            if old.state is not None:
+                raise ProtocolError(ErrorCode.ALREADY_ATTACHED,
+                                    f"client {old.client_id} is attached to engine {old.engine!r}; "
+                                    "send DETACH before HELLO again")
+            self.detach(old)
+            del self[identity]
+        if len(self) >= self.max_clients:
+            raise ProtocolError(ErrorCode.TOO_MANY_CLIENTS, f"{len(self)} clients connected (max {self.max_clients})")
+        if self.max_clients_per_uid:
+            mine = sum(1 for other in self.values() if other.uid == peer.uid)
+            if mine >= self.max_clients_per_uid:
+                raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, f"uid {peer.uid} has {mine} clients connected "
+                                    f"(max_clients_per_uid {self.max_clients_per_uid})")
+        pid = peer.pid
+        claimed = h.get("pid")
+        if peer.verified and claimed != pid:
+            # Another pid namespace (a container) numbers the process differently, or the
+            # client lies: either way the kernel's number is the one to watch.
+            log.info("client hello claims pid %s; the kernel says %d (another pid namespace?): using %d",
+                     str(claimed)[:24], pid, pid)
+        s = Session(identity, self._next_client_id, pid, rank, str(h["device"]), str(h["name"])[:128],
+                    started(pid) if pid > 0 else None, uid=peer.uid, gid=peer.gid, verified=peer.verified,
+                    peer_address=peer.address)
+        self._next_client_id += 1
+        s.watch = self.watch(s)
+        self._expired.pop(identity, None)
+        self[identity] = s
+        log.info("client %d hello: pid %d uid %d rank %d device %s %s", s.client_id, pid, s.uid, rank, s.device, s.name)
+        if peer.verified and pid == 0:
+            log.warning("client %d (uid %d) runs outside the daemon's pid namespace: if it dies attached, its rank "
+                        "is not reclaimed until the daemon stops (run engines with the host's pid namespace)",
+                        s.client_id, s.uid)
+        return s
+
+    # -- ownership -------------------------------------------------------------------
+    def rewatch(self, s: Session) -> None:
+        """ATTACH: watch ``s``'s process again (DETACH closed its watch); PERMISSION_DENIED
+        when its pid is another process's now."""
+        if s.watch is not None or s.pid <= 0:
+            return
+        s.watch = self.watch(s)
+        if s.watch is not None and s.proc_started is not None and started(s.pid) != s.proc_started:
+            # Whoever holds this connection is not the process that said HELLO. The
+            # reaper's periodic check reclaims it.
+            s.watch.close()
+            s.watch = None
+            raise ProtocolError(ErrorCode.PERMISSION_DENIED,
+                                f"the process that said HELLO as client {s.client_id} has exited; connect again")
+
+    def is_admin(self, s: Session) -> bool:
+        """Whether ``s``'s process is in the admin group (primary or supplementary gid).
+        Supplementary groups come from ``/proc``, trusted only while the pidfd shows the
+        process that said HELLO still running (the pid cannot have been reused)."""
+        if self.admin_gid is None:
+            return False
+        if s.verified and s.gid == self.admin_gid:
+            return True
+        if not s.verified or s.watch is None:
+            return False
+        groups = process_groups(s.pid)
+        return self.admin_gid in groups and not s.watch.exited()
+
+    # -- ends ------------------------------------------------------------------------
+    def detach(self, s: Session) -> None:
+        """Release ``s``'s rank, if any, and stop watching its process: on DETACH (a
+        later ATTACH watches it again), when it is reaped or replaced, and at stop."""
+        if s.watch is not None:
+            s.watch.close()
+            s.watch = None
+        if s.fd_token is not None:  # withdrawn with the rank
+            self.fd_server.withdraw(s.fd_token)
+            s.fd_token = None
+        if s.state is None:
+            return
+        if self.heavy.running(s.identity):
+            return  # (reaped) its heavy request still uses the rank: the request's end releases it
+        self.engines.detach(s.client_id, s.engine)
+        log.debug("client %d released its rank of engine %r", s.client_id, s.engine)
+        # The last reference to a cpu rank's memory is dropped on a worker thread: the
+        # unmapping of a large slab (the pages go with the last mapping) takes ~0.1 s a GiB.
+        box = [s.state] if s.state.host_memory else []
+        s.state, s.engine = None, None
+        self.heavy.release(box)
+
+    def watch(self, s: Session) -> PidWatch | None:
+        """A pidfd of ``s``'s process whose exit reaps ``s`` at once (None: pid 0, or no
+        pidfd here; then the reaper's periodic check is all there is)."""
+        if s.pid <= 0:
+            return None
+        try:
+            return PidWatch(s.pid, functools.partial(self._pid_exited, s.identity, s.client_id))
+        except (OSError, AttributeError) as e:
+            log.debug("client %d: no pidfd for pid %d (%s); the periodic check watches it", s.client_id, s.pid, e)
+            return None
+
+    def _pid_exited(self, identity: bytes, client_id: int) -> None:
+        """The event loop saw a client's pidfd become readable: its process has exited."""
+        s = self.get(identity)
+        if s is None or s.client_id != client_id:
+            return  # already gone (its watch was closed with it)
+        try:
+            self.reap(s)
+        except Exception:  # noqa: BLE001 - a callback of the loop: log, never raise
+            log.exception("reaping client %d failed", client_id)
+
+    def reap(self, s: Session) -> None:
+        """Forget session ``s`` whose process is gone, and release what it held."""
+        self.pop(s.identity, None)
+        self.heavy.forget(s.identity)  # its requests waiting behind a heavy one
+        if s.state is not None:  # died attached: it never said goodbye
+            log.warning("client %d (pid %d rank %d) is gone; detaching it from engine %r",
+                        s.client_id, s.pid, s.rank, s.engine)
+        else:  # had detached (or never attached): a normal exit
+            log.info("client %d (pid %d) exited", s.client_id, s.pid)
+        self.detach(s)
+
+    def reap_dead(self) -> int:
+        """Detach clients whose process is gone (ZeroMQ does not say when a peer leaves).
+
+        A watched client (pidfd) is normally reaped the moment it exits, by the event
+        loop; this periodic pass is the fallback for clients without a pidfd (DETACHed,
+        or no ``pidfd_open``), checked by pid and start time. A session of pid 0 (an
+        in-process call, or a process outside the daemon's pid namespace) is never
+        reaped: nothing says whether it lives."""
+        dead = [s for s in self.values() if not _alive(s)]
+        for s in dead:
+            self.reap(s)
+        self.fd_server.expire()  # engine slabs deposited and never attached with
+        self.expire_idle()
+        return len(dead)
+
+    def expire_idle(self) -> int:
+        """Drop the sessions that are not attached (never, or no more) and sent no request
+        for ``idle_timeout_s``: such a client holds a place in ``max_clients`` and in its
+        uid's quota. Its connection stays (its libzmq would only reconnect); its next
+        request is told why. An attached rank may idle as long as its process lives.
+        Returns how many were dropped."""
+        limit = time.monotonic() - self.idle_timeout_s
+        idle = [s for s in self.values()
+                if s.state is None and s.last_request_at <= limit and not self.heavy.busy(s.identity)]
+        for s in idle:
+            log.info("client %d (pid %d uid %d) dropped: no request for %g s and not attached", s.client_id, s.pid,
+                     s.uid, self.idle_timeout_s)
+            self.pop(s.identity, None)
+            self.detach(s)
+            self._expired[s.identity] = (f"client {s.client_id}'s session expired: no request for "
+                                         f"{self.idle_timeout_s:g} s and not attached (idle_timeout_s); connect again")
+            while len(self._expired) > EXPIRED_KEPT:
+                self._expired.popitem(last=False)
+        self.stats.add(sessions_expired=len(idle))
+        return len(idle)
+
+    # -- the operator's view ---------------------------------------------------------
+    def client_lines(self) -> str:
+        """One tab-separated line per client under a header line; columns may be added
+        (``sparsekv top`` and tests read them by header name), ``name`` stays last."""
+        now = time.time()
+        # pid and uid are the kernel's (SO_PEERCRED); pid 0: unknown (another pid namespace).
+        lines = ["id\tpid\trank\tdevice\tengine\tattached\trequests\terrors\tage_s\tuid\tname"]
+        for s in sorted(self.values(), key=lambda s: s.client_id):
+            name = (s.name or "-").replace("\t", " ").replace("\n", " ")
+            lines.append(
+                f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
+                f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t{s.uid}\t{name}"
+            )
+        return "\n".join(lines) + "\n"
+
+
+def is_attacher(s: Session, pid: int, uid: int, gid: int) -> bool:
+    """Whether process ``pid`` (uid, gid: SO_PEERCRED of the fd socket) is the one that
+    said HELLO as ``s`` (SO_PEERCRED of control.sock) and still runs; an in-process
+    session (no credentials) is the daemon's own process."""
+    if not s.verified:
+        return pid == os.getpid()
+    if (pid, uid, gid) != (s.pid, s.uid, s.gid):
+        return False
+    return s.watch is None or not s.watch.exited()  # exited: the pid may be another's now
+
+
+def started(pid: int) -> float | None:
+    """Process ``pid``'s start time (psutil), None when it cannot be read."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError, OverflowError, OSError):  # OSError: EMFILE, say
+        return None
+
+
+def _alive(s: Session) -> bool:
+    """Whether session ``s``'s process still runs, for the reaper's periodic pass."""
+    if s.pid <= 0:
+        return True  # unknown (in process, or outside our pid namespace): never reaped
+    if s.watch is not None:
+        return not s.watch.exited()
+    try:
+        p = psutil.Process(s.pid)
+        alive = p.create_time() == s.proc_started if s.proc_started else True
+        # A killed client that its parent has not waited for yet is a zombie: it still
+        # has a create time, but it will never send again.
+        return alive and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True  # cannot tell (permissions): keep it
