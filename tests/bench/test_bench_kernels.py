@@ -1,6 +1,7 @@
 """sparsekv bench kernels: the step plans it times, its table, and (cuda) a small run."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -57,13 +58,16 @@ def test_the_table_lists_every_row_and_the_headline_keys():
     assert "gather_vs_bulk 0.7" in text and "pool_ready_GiBps 25.0" in text
 
 
-def test_quick_runs_keep_the_phases_thread_counts_and_plain_build():
-    v = [("phase 0", {}), ("phase 7", {}), ("512 threads", {}), ("sort lookup 512 threads", {}),
-         ("tiles walk", {}), ("plain build (session 15's default)", {}), ("plain build, phase 4", {}),
-         ("hash table x2 phase 2", {}), ("warp totals summed by every thread, 768 threads", {})]
-    assert [label for label, _ in bk.quick_variants(v)] == [
-        "phase 0", "phase 7", "512 threads", "plain build (session 15's default)", "plain build, phase 4",
-        "warp totals summed by every thread, 768 threads"]
+def test_variants_differ_from_the_default_and_a_quick_run_times_the_thread_counts():
+    default = SimpleNamespace(threads=1024, hash_scale=4, lru_smem=True, owner_smem=True)
+    quick = bk.variant_options(default, quick=True)
+    assert quick == [("256 threads", {"threads": 256}), ("512 threads", {"threads": 512}),
+                     ("768 threads", {"threads": 768})]
+    full = dict(bk.variant_options(default))
+    assert full["new lru scattered to global memory"] == {"lru_smem": False}
+    assert full["owners read from global memory"] == {"owner_smem": False}
+    assert full["hash table x2"] == {"hash_scale": 2}
+    assert len(full) == len(bk.variant_options(default)) and set(dict(quick)) < set(full)
 
 
 def test_the_json_is_replaced_whole_and_leaves_out_the_rows(tmp_path):
@@ -78,10 +82,10 @@ def test_the_json_is_replaced_whole_and_leaves_out_the_rows(tmp_path):
 def test_a_small_run_on_the_gpu():
     r = bk.run(pool_gib=1.0, layers=4, blocks=(32,), both_pool_modes=True, resolve_variants=False)
     for k in ("gather_vs_bulk", "resolve_us_b64", "pool_ready_GiBps", "pool_ready_again_GiBps", "pool_ready_after_fault_GiBps",
-              "merge_plan_us_b64", "gather_request_order_GBps", "gather_batch_order_GBps",
+              "gather_request_order_GBps",
               "gather_request_order_32blocks_one_registration_GBps", "gather_request_order_32blocks_memfd_GBps",
               "pool_ready_memfd_GiBps", "resolve_us_b64_eager", "gather_rows_672B_useful_GBps",
               "gather_rows_768B_read_GBps", "gather_request_order_32blocks_512_threads_GBps", "gather_adjacent_rows_GBps"):
         assert r[k] > 0, k
-    assert r["pool_backing"] == "anon_thp" and r["resolve_lookup"] == "hash"
+    assert r["pool_backing"] == "anon_thp"
     assert r["kernels_step_bytes"] == 64 * round(0.1 * 2048) * 656
