@@ -1,12 +1,15 @@
-"""sparsekv bench kernels: the step plans it times, its table, and (cuda) a small run."""
+"""sparsekv bench kernels: the step plans it times, its table, and (cuda) a small run; the GPU
+benches refused in one line where they cannot run."""
 
 import json
+import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from sparsekv.bench import kernels as bk
+from sparsekv.cli.main import main
 
 
 def test_step_plans_look_like_a_decode_steps_misses():
@@ -89,3 +92,18 @@ def test_a_small_run_on_the_gpu():
         assert r[k] > 0, k
     assert r["pool_backing"] == "anon_thp"
     assert r["kernels_step_bytes"] == 64 * round(0.1 * 2048) * 656
+
+
+@pytest.mark.parametrize("argv", [["kernels"], ["kernels", "--kernels-quick"], ["cuda_transport"],
+                                  ["latest", "--json", "latest.json"]])
+def test_gpu_benches_without_cupy_end_in_one_line_and_a_non_zero_exit(argv, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError, as on a machine without it
+    assert main(["bench", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"sparsekv bench {argv[0]}: needs CuPy and an NVIDIA GPU (pip install 'sparsekv[cuda]')\n"
+
+
+def test_an_output_in_a_missing_directory_is_refused_before_any_work(tmp_path, capsys):
+    assert main(["bench", "kernels", "--json", str(tmp_path / "no" / "k.json")]) == 2
+    assert capsys.readouterr().err == f"sparsekv bench kernels: --json {tmp_path}/no/k.json: {tmp_path}/no is not a " \
+                                      "writable directory\n"
