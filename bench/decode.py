@@ -57,7 +57,7 @@ import time
 from sparsekv.proto import Layout
 
 from .decode_modes import DEVICE, guarded, run_doorbell, run_gpu, run_inproc, run_paired
-from .decode_report import Result, combine_rounds, derive, plot, table, summary
+from .decode_report import Result, combine_rounds, derive, plot, summary, table
 from .decode_workload import (CONTROL, DEFAULT_BATCHES, DEFAULT_HITS, DEFAULT_MODES, DEFAULT_STEPS, MODES, Options,
                               generate, make_layout, say)
 
@@ -237,7 +237,7 @@ def options_from_args(a) -> Options:
 
 
 def run_args(a) -> int:
-    """Run from parsed arguments (``sparsekv bench decode`` and :func:`main`); exit code:
+    """Run from parsed arguments (``sparsekv bench decode``); exit code:
     0, 1 when a mode failed, 2 for bad options or no GPU."""
     try:
         opts = options_from_args(a)
@@ -273,12 +273,3 @@ def run_args(a) -> int:
     sys.stdout.write(table(results, opts))
     return 1 if any(r.error is not None for r in results) else 0
 
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="sparsekv bench decode", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run_args(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

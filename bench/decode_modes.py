@@ -18,8 +18,8 @@ from sparsekv.embedded.inproc_cuda import InprocSwapIn
 from sparsekv.proto import Layout
 
 from .decode_report import Result
-from .decode_workload import (CONTROL, PATTERN_ROWS, Options, Workload, fill_pattern, fill_through_client,
-                              fill_through_staging, gather_blocks, hkey, pattern_tile, say)
+from .decode_workload import (CONTROL, PATTERN_ROWS, Options, Workload, fill_pattern, fill_through_staging,
+                              gather_blocks, hkey, pattern_tile, say)
 from .private_daemon import PrivateDaemon
 
 DEVICE = 0  # the GPU this process and the private daemon use
@@ -368,14 +368,11 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
             if cz is None:
                 c.attach(lay, engine=engine, transport="doorbell")
         filler = cz or c
-        if lay.staging_rows and filler.attachment.staging is not None:
-            fill_s, how = fill_through_staging(filler, lay, torch), "WRITE_STAGED"
-        else:
-            fill_s, how = fill_through_client(filler, lay), "client.write"
+        fill_s = fill_through_staging(filler, lay, torch)
         snap = filler.stats()
         huge = _pct(snap.get("pool_huge_bytes", 0), snap.get("pool_bytes", 0))
         say(f"batch {batch}: wrote {lay.pool_bytes / 1e9:.1f} GB into the daemon's pool ({huge} % in huge pages) "
-             f"through {how} in {fill_s:.1f} s ({lay.pool_bytes / 1e9 / max(fill_s, 1e-9):.2f} GB/s)")
+             f"through WRITE_STAGED in {fill_s:.1f} s ({lay.pool_bytes / 1e9 / max(fill_s, 1e-9):.2f} GB/s)")
         if want_db:
             if callable(paired_with):  # the in-process pools after the daemon's (a failure: every mode's)
                 paired_with = paired_with()

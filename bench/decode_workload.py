@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsekv.daemon.config import Config
-from sparsekv.proto import LIMITS, Layout
+from sparsekv.proto import Layout
 
 MODES = ("gpu", "inproc", "doorbell", "zmq")  # also the order they run in
 # --control: a second in-process handle with a pool of its own, timed in turn with inproc
@@ -288,20 +288,6 @@ def fill_through_staging(client, lay: Layout, torch) -> float:
         client.write_staged(np.arange(start, min(start + n, lay.host_rows), dtype=np.int32))
     last = lay.host_rows - 1
     client.write(np.array([last], np.int32), block[:, (last % n):(last % n) + 1])
-    return time.perf_counter() - t0
-
-
-def fill_through_client(client, lay: Layout) -> float:
-    """Write every host row of every layer through ``client.write`` (all layers per
-    request, as many rows as one frame carries); return the seconds it took."""
-    per_row = lay.num_layers * lay.row_bytes
-    chunk = max(1, min(LIMITS.max_frame_bytes // per_row, LIMITS.max_write_rows, lay.host_rows))
-    block = np.empty((lay.num_layers, chunk, lay.row_bytes), np.uint8)
-    fill_pattern(block)
-    t0 = time.perf_counter()
-    for start in range(0, lay.host_rows, chunk):
-        n = min(chunk, lay.host_rows - start)
-        client.write(np.arange(start, start + n, dtype=np.int32), block if n == chunk else block[:, :n])
     return time.perf_counter() - t0
 
 

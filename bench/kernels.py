@@ -20,13 +20,10 @@ within a round, so nothing is served from L2). Needs a GPU; prints a table and, 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
-import mmap
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -43,9 +40,6 @@ BATCH, TOP_K, STRIDE = 64, 2048, 4096
 MISS_RATE = 0.10
 BLOCK_ROWS = 64
 PLANS = 16  # distinct plans per timing round
-# Pool row strides timed against the model's 656 B rows (bench only, the daemon lays rows
-# out at their own size): 672 B rows are whole 32-byte sectors, 768 B whole 128-byte lines.
-ROW_SIZES = (656, 672, 704, 768)
 # The gather's threads per block timed against the default.
 GATHER_VARIANTS = (("512 threads", {"threads": 512}), ("128 threads", {"threads": 128}))
 
@@ -129,49 +123,6 @@ def pool_ready(nbytes: int, threads: int, pipelined: bool, max_chunk_bytes: int)
     return pool, region, secs, note
 
 
-def fault_rates(nbytes: int, threads: int) -> dict:
-    """First-touch rate (GiB/s) of ``nbytes`` faulted by ``threads`` with
-    MADV_POPULATE_WRITE, for the ways a pool could be mapped: a memfd (what HostPool
-    maps), a memfd asking for transparent huge pages, an anonymous private mapping asking
-    for them: where the pool start's pre-fault meets its wall."""
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
-    chunk = 64 << 20
-    out = {}
-    for name, shared, huge in (("memfd", True, False), ("memfd_thp", True, True), ("anon_thp", False, True)):
-        fd = os.memfd_create("sparsekv-bench", os.MFD_CLOEXEC) if shared else -1
-        try:
-            if shared:
-                os.ftruncate(fd, nbytes)
-                mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            else:
-                mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-            if huge:
-                libc.madvise(addr, nbytes, MADV_HUGEPAGE)
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as ex:
-                rcs = list(ex.map(lambda off: libc.madvise(addr + off, min(chunk, nbytes - off), MADV_POPULATE_WRITE),
-                                  range(0, nbytes, chunk)))
-            dt = time.perf_counter() - t0
-            out[f"fault_{name}_GiBps"] = round(nbytes / GIB / dt, 2) if not any(rcs) else None
-            mm.close()
-        except (OSError, ValueError, BufferError) as e:
-            out[f"fault_{name}_error"] = f"{type(e).__name__}: {e}"
-        finally:
-            if fd >= 0:
-                os.close(fd)
-    for knob in ("enabled", "shmem_enabled"):
-        try:
-            with open(f"/sys/kernel/mm/transparent_hugepage/{knob}") as f:
-                out[f"thp_{knob}"] = f.read().strip()
-        except OSError:
-            pass
-    return out
-
-
 # -- a realistic step's plan -------------------------------------------------------------------
 def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP_K, miss_rate: float = MISS_RATE):
     """``n`` plans of one layer: per request ~``miss_rate * top_k`` rows, each request's
@@ -199,7 +150,7 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
         blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool | str = True,
-        other_backing: bool = True, gather_variants=GATHER_VARIANTS, row_sizes=ROW_SIZES, seed: int = 0,
+        other_backing: bool = True, gather_variants=GATHER_VARIANTS, seed: int = 0,
         resolve_only: bool = False, json_path: str | None = None) -> dict:
     """Every figure into the returned dict (``_rows``: the table's rows). ``resolve_variants``:
     True every variant, ``"quick"`` the thread counts, False none. ``json_path``: the figures so far are written there after every row, so that a
@@ -256,12 +207,6 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 note)
         stack.callback(pool.close)
         stack.callback(region.close)
-        # First touch of each backing alone (8 GiB), after the pool: fault rates only.
-        rates = fault_rates(min(nbytes, 8 * GIB), threads)
-        out.update({k: v for k, v in rates.items() if isinstance(v, (int, float))})
-        row(f"first touch of {min(nbytes, 8 * GIB) / GIB:.0f} GiB, {threads} threads (MADV_POPULATE_WRITE)",
-            ", ".join(f"{k[6:-6]} {v} GiB/s" for k, v in rates.items() if k.endswith("_GiBps")),
-            "; ".join(f"{k}: {v}" for k, v in rates.items() if not k.endswith("_GiBps")))
 
         host_rows = nbytes // (layers * ROW_BYTES)
         lay = Layout(num_layers=layers, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
@@ -353,8 +298,6 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         out["gather_vs_bulk"] = round(best / bulk_GBps, 3)  # the headline
         out["gather_vs_bulk_same_bytes"] = round(best / same_GBps, 3)
 
-        if row_sizes:
-            _row_size_section(out, row, cp, kc, s, timer, rng, whole, layers, row_sizes)
         _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants)
         # The same gather from a pool in the other backing (SPARSEKV_POOL_BACKING).
         if other_backing:
@@ -397,39 +340,6 @@ def _device_plans(cp, s, prow, pslot, pmiss, layer: int) -> tuple:
         d_desc = cp.asarray(desc)
     s.synchronize()
     return d_desc, d_rows, d_slots, d_miss
-
-
-def _row_size_section(out, row, cp, kc, s, timer, rng, region, layers: int, sizes) -> None:
-    """The request-order gather of one set of step plans (32 blocks) from pools laid out
-    with rows of each of ``sizes`` bytes (the same host rows, so the same rows of each
-    block; every layout fits the pinned ``region``): whether padding the model's 656 B
-    rows to whole sectors or lines would bring the gather closer to the link. GB/s of the
-    656 bytes a row carries, and of the bytes read."""
-
-    host_rows = region.nbytes // (layers * max(sizes))
-    prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
-    layer = layers // 2
-    d_desc, d_rows, d_slots, d_miss = _device_plans(cp, s, prow, pslot, pmiss, layer)
-    misses = int(pmiss[0].sum())
-    for size in sizes:
-        try:
-            lay = Layout(num_layers=layers, row_bytes=size, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
-                         host_rows=host_rows, max_batch=BATCH).validate()
-            bufs = allocate_device_buffers(lay)
-            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32)
-            t, _ = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
-                                                                    BATCH, s), PLANS)
-        except Exception as e:  # noqa: BLE001 - a size failing must not lose the rest
-            row(f"gather of {size} B rows", "FAILED", f"{type(e).__name__}: {e}")
-            continue
-        finally:
-            bufs = mv = None
-            cp.get_default_memory_pool().free_all_blocks()
-        useful = misses * ROW_BYTES / t / 1e3
-        out[f"gather_rows_{size}B_useful_GBps"] = round(useful, 2)
-        out[f"gather_rows_{size}B_read_GBps"] = round(misses * size / t / 1e3, 2)
-        row(f"gather, 32 blocks, pool rows of {size} B ({ROW_BYTES} B used)",
-            f"{useful:.1f} GB/s used", f"{misses * size / t / 1e3:.1f} GB/s read, {t:.0f} us")
 
 
 def variant_options(res, quick: bool = False) -> list[tuple[str, dict]]:
@@ -562,7 +472,7 @@ def run_args(a) -> int:
     """``sparsekv bench kernels [--pool-gib N] [--kernels-quick] [--json PATH]``."""
     quick = a.kernels_quick
     r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132), other_backing=not quick,
-            gather_variants=() if quick else GATHER_VARIANTS, row_sizes=() if quick else ROW_SIZES,
+            gather_variants=() if quick else GATHER_VARIANTS,
             resolve_variants="quick" if quick else True, resolve_only=a.resolve_only, json_path=a.json_path)
     sys.stdout.write(table(r))
     if a.json_path:

@@ -42,35 +42,31 @@ def run_args(a) -> int:
     return run(a.json_path, latest)
 
 
+# (run, its keys' prefix, the keys it also gives unprefixed): as installed; with the I/O
+# threads on warm CPUs (the headline hand-off: the hop as deployed on a VM); with device wait.
+RUNS = (({}, "cuda_transport_", {"zmq_handoff_p50_us": "zmq_handoff_cold_p50_us",
+                                  "daemon_host_us_per_step": "daemon_host_us_per_step_cold"}),
+        ({"warm_io": True}, "cuda_transport_warm_io_", {"zmq_handoff_p50_us": "zmq_handoff_p50_us",
+                                                         "daemon_host_us_per_step": "daemon_host_us_per_step"}),
+        ({"device_wait": True}, "cuda_transport_dw_run_", {}))
+DW_KEYS = ("zmq_device_wait_p50_us", "zmq_device_wait_handoff_p50_us", "zmq_handoff_p50_us", "inproc_p50_us",
+           "bare_zmq_event_rtt_p50_us")  # of the device-wait run, the keys kept
+
+
 def run(out: str, latest: dict) -> int:
-    """The three transport runs into ``latest``, written to ``out`` after each."""
-    cold = bench_cuda_transport(steps=STEPS)
-    print(json.dumps(cold))
-    latest.update({f"cuda_transport_{k}": v for k, v in numbers(cold).items()})
-    latest["zmq_handoff_cold_p50_us"] = cold["zmq_handoff_p50_us"]
-    latest["daemon_host_us_per_step_cold"] = cold["daemon_host_us_per_step"]
-    write(out, latest)
-    try:
-        warm = bench_cuda_transport(steps=STEPS, warm_io=True)
-    except Exception as e:  # noqa: BLE001 - say it; the file has the rest (no headline transport keys)
-        print(f"sparsekv bench latest: warm-io transport bench failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(warm))
-    latest.update({f"cuda_transport_warm_io_{k}": v for k, v in numbers(warm).items()})
-    latest["zmq_handoff_p50_us"] = warm["zmq_handoff_p50_us"]
-    latest["daemon_host_us_per_step"] = warm["daemon_host_us_per_step"]
-    write(out, latest)
-    try:
-        dw = bench_cuda_transport(steps=STEPS, device_wait=True)
-    except Exception as e:  # noqa: BLE001 - say it; the file has the rest
-        print(f"sparsekv bench latest: device-wait transport bench failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(dw))
-    for k in ("zmq_device_wait_p50_us", "zmq_device_wait_handoff_p50_us", "zmq_handoff_p50_us", "inproc_p50_us",
-              "bare_zmq_event_rtt_p50_us"):
-        if k in numbers(dw):
-            latest[f"cuda_transport_dw_run_{k}"] = dw[k]
-    write(out, latest)
+    """The transport runs of RUNS into ``latest``, written to ``out`` after each; a run that
+    fails ends it (exit 1) with what came before written."""
+    for kw, prefix, plain in RUNS:
+        try:
+            r = bench_cuda_transport(steps=STEPS, **kw)
+        except Exception as e:  # noqa: BLE001 - say it; the file has the runs before
+            print(f"sparsekv bench latest: transport bench {kw} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(r))
+        got = numbers(r)
+        latest.update({prefix + k: v for k, v in got.items() if "device_wait" not in kw or k in DW_KEYS})
+        latest.update({name: got[k] for k, name in plain.items()})
+        write(out, latest)
     return 0
 
 

@@ -106,33 +106,6 @@ def test_fill_pattern_fills_every_layer_alike_from_a_repeating_tile():
     assert pool[0, 1, 0] == 7 and pool[0, 1, 3] == 10
 
 
-def test_fill_through_client_writes_every_row_of_every_layer_in_whole_frames(monkeypatch):
-    from types import SimpleNamespace
-
-    frame = 3 * 32 * 40  # 40 rows of 3 layers a write
-    monkeypatch.setattr(dw, "LIMITS", SimpleNamespace(max_frame_bytes=frame, max_write_rows=1 << 20))
-
-    class FakeClient:
-        def __init__(self):
-            self.pool = np.zeros((3, 100, 32), np.uint8)
-            self.writes = []
-
-        def write(self, rows, data, layers=None):
-            assert layers is None and data.shape == (3, len(rows), 32) and data.nbytes <= frame
-            assert rows.dtype == np.int32
-            self.pool[:, rows] = data
-            self.writes.append((int(rows[0]), len(rows)))
-
-    lay = dw.Layout(num_layers=3, row_bytes=32, top_k=4, region_stride=4, max_reqs=1, host_rows=100)
-    c = FakeClient()
-    assert dw.fill_through_client(c, lay) >= 0
-    assert c.writes == [(0, 40), (40, 40), (80, 20)]
-    block = np.zeros((3, 40, 32), np.uint8)
-    dw.fill_pattern(block)
-    for start, n in c.writes:
-        np.testing.assert_array_equal(c.pool[:, start:start + n], block[:, :n])
-
-
 def test_fill_through_staging_covers_every_row_once_and_ends_with_a_plain_write():
     """The pattern goes to the staging buffer once; WRITE_STAGED then covers the host rows
     in staging-sized pieces; a last one-row WRITE (which quiesces the engine's copies)

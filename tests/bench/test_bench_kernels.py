@@ -1,5 +1,5 @@
 """sparsekv bench kernels: the step plans it times, its table, and (cuda) a small run; the GPU
-benches refused in one line where they cannot run."""
+benches refused in one line where they cannot run; what ``sparsekv bench latest`` writes."""
 
 import json
 import sys
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sparsekv.bench import kernels as bk
+from sparsekv.bench import latest
 from sparsekv.cli.main import main
 
 
@@ -87,8 +88,8 @@ def test_a_small_run_on_the_gpu():
     for k in ("gather_vs_bulk", "resolve_us_b64", "pool_ready_GiBps", "pool_ready_again_GiBps", "pool_ready_after_fault_GiBps",
               "gather_request_order_GBps",
               "gather_request_order_32blocks_one_registration_GBps", "gather_request_order_32blocks_memfd_GBps",
-              "pool_ready_memfd_GiBps", "resolve_us_b64_eager", "gather_rows_672B_useful_GBps",
-              "gather_rows_768B_read_GBps", "gather_request_order_32blocks_512_threads_GBps", "gather_adjacent_rows_GBps"):
+              "pool_ready_memfd_GiBps", "resolve_us_b64_eager",
+              "gather_request_order_32blocks_512_threads_GBps", "gather_adjacent_rows_GBps"):
         assert r[k] > 0, k
     assert r["pool_backing"] == "anon_thp"
     assert r["kernels_step_bytes"] == 64 * round(0.1 * 2048) * 656
@@ -107,3 +108,28 @@ def test_an_output_in_a_missing_directory_is_refused_before_any_work(tmp_path, c
     assert main(["bench", "kernels", "--json", str(tmp_path / "no" / "k.json")]) == 2
     assert capsys.readouterr().err == f"sparsekv bench kernels: --json {tmp_path}/no/k.json: {tmp_path}/no is not a " \
                                       "writable directory\n"
+
+
+def test_latest_merges_the_figures_and_keeps_what_ran_before_a_failure(tmp_path, monkeypatch):
+    """sparsekv bench latest: each transport run's numbers under its prefix, the headline
+    hand-off from the warm-io run, the merged files' numbers, written after each run."""
+    runs = []
+
+    def fake(steps, warm_io=False, device_wait=False):
+        runs.append((warm_io, device_wait))
+        if device_wait:
+            raise RuntimeError("no second rank")
+        return {"bench": "cuda_transport", "warm_io": warm_io, "zmq_handoff_p50_us": 200.0 - 50 * warm_io,
+                "daemon_host_us_per_step": 40.0, "io_cpus": "daemon 3, client 2"}
+
+    monkeypatch.setattr(latest, "bench_cuda_transport", fake)
+    (tmp_path / "decode.json").write_text(json.dumps({"doorbell_overhead_us_per_layer": 1.2, "decode_paired": True}))
+    out = tmp_path / "latest.json"
+    a = SimpleNamespace(json_path=str(out), merge=[str(tmp_path / "decode.json"), str(tmp_path / "none.json")],
+                        commit="abc1234")
+    assert latest.run_args(a) == 1 and runs == [(False, False), (True, False), (False, True)]
+    d = json.loads(out.read_text())
+    assert d["commit"] == "abc1234" and d["doorbell_overhead_us_per_layer"] == 1.2 and "decode_paired" not in d
+    assert d["zmq_handoff_cold_p50_us"] == 200.0 and d["zmq_handoff_p50_us"] == 150.0
+    assert d["cuda_transport_zmq_handoff_p50_us"] == 200.0 and d["cuda_transport_warm_io_zmq_handoff_p50_us"] == 150.0
+    assert not any(k.startswith("cuda_transport_dw_run_") for k in d) and "cuda_transport_io_cpus" not in d
