@@ -153,8 +153,9 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         other_backing: bool = True, gather_variants=GATHER_VARIANTS, seed: int = 0,
         resolve_only: bool = False, json_path: str | None = None) -> dict:
     """Every figure into the returned dict (``_rows``: the table's rows). ``resolve_variants``:
-    True every variant, ``"quick"`` the thread counts, False none. ``json_path``: the figures so far are written there after every row, so that a
-    run cut short (a device call's limit) keeps what it measured."""
+    True every variant, ``"quick"`` the thread counts, False none. ``json_path``: the
+    figures so far are written there after every row, so that a run cut short (a device
+    call's limit) keeps what it measured."""
     import cupy as cp  # noqa: PLC0415
 
     threads = threads or min(16, os.cpu_count() or 1)
@@ -219,7 +220,6 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
              f"{host_rows} rows a layer)")
         d_desc, d_rows, d_slots, d_miss = _device_plans(cp, s, prow, pslot, pmiss, layer)
         bufs = allocate_device_buffers(lay)
-        pool_off = 0
         step_bytes = int(pmiss[0].sum()) * ROW_BYTES
 
         # The link: bulk copies from the pinned pool (inside one registered chunk).
@@ -246,7 +246,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
 
         best = 0.0
         for nb in blocks:
-            mv = CudaMover(lay, region, pool_offset=pool_off, buffers=bufs, kernels=kc, stream=s, blocks=nb)
+            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=nb)
             t, tmin = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
                                                                        BATCH, s), PLANS)
             gbps = step_bytes / t / 1e3
@@ -257,7 +257,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         # The copy kernel's threads per block, on 32 blocks.
         for label, kw in (gather_variants or ()):
             try:
-                mv = CudaMover(lay, region, pool_offset=pool_off, buffers=bufs, kernels=kc, stream=s, blocks=32, **kw)
+                mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32, **kw)
                 t, _ = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
                                                                         BATCH, s), PLANS)
             except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
@@ -275,7 +275,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 crow[i, b, :m] = np.arange(m, dtype=np.int32) + (i * BATCH + b) * m
         if int(crow.max()) < lay.host_rows:
             c_desc, c_rows, c_slots, c_miss = _device_plans(cp, s, crow, pslot, pmiss, layer)
-            mv = CudaMover(lay, region, pool_offset=pool_off, buffers=bufs, kernels=kc, stream=s, blocks=32)
+            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32)
             t, _ = timer.median_us(lambda i: mv.launch_gather(c_desc, c_rows[i], c_slots[i], c_miss[i], BATCH, s),
                                    PLANS)
             out["gather_adjacent_rows_GBps"] = round(step_bytes / t / 1e3, 2)
