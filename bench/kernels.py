@@ -1,16 +1,15 @@
 """``sparsekv bench kernels``: the daemon's kernels on one GPU against the link's own speed,
-in one run (issue "Kernels at the limit"; docs/PERF.md records what it printed).
+in one run (docs/PERF.md records what it printed).
 
 * **Pool ready**: a host pool of ``--pool-gib`` pre-faulted by every core and page-locked
   for the GPU, twice: page-locking chunk by chunk while the rest is still being faulted
   (the daemon's start), and fault-then-register one after the other. GiB/s of the pool.
 * **Gather** of a realistic decode step's misses from that pool (batch 64, top-k 2048,
   656 B rows, ~10 % misses, each request's rows in its own 64-row blocks scattered over
-  one layer of the pool), in the per-request order and in the batch-wide order
-  (``skv_merge_plan``), for several grid sizes; against a bulk ``cudaMemcpyAsync`` of the
-  same bytes and of 4 GiB from the same pinned pool.
+  one layer of the pool), for several grid sizes; against a bulk ``cudaMemcpyAsync`` of
+  the same bytes and of 4 GiB from the same pinned pool.
 * **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept from its last
-  step, at the daemon's thread count.
+  step, at the daemon's thread count, then at other thread counts and workspace options.
 
 Every figure is the median of CUDA-event timings over different inputs (no input repeats
 within a round, so nothing is served from L2). Needs a GPU; prints a table and, with
@@ -28,20 +27,21 @@ import time
 
 import numpy as np
 
+from sparsekv.daemon.kernels import get_cache
+from sparsekv.daemon.pinned import PinnedRegion, PoolPinner
+from sparsekv.daemon.pool import BACKINGS, HostPool, anon_huge_bytes, vmstat, vmstat_delta
+from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, allocate_device_buffers, make_desc
+from sparsekv.proto import Layout
+from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
+
 GIB = 1 << 30
 ROW_BYTES = 656
 BATCH, TOP_K, STRIDE = 64, 2048, 4096
 MISS_RATE = 0.10
 BLOCK_ROWS = 64
 PLANS = 16  # distinct plans per timing round
-# Pool row strides timed against the model's 656 B rows (bench only, the daemon lays rows
-# out at their own size): 672 B rows are whole 32-byte sectors, 768 B whole 128-byte lines.
-ROW_SIZES = (656, 672, 704, 768)
-# The gather's kernel switches timed against the default (threads per block, the load
-# flavour of csrc/copy.cu: 0 plain, 1 __ldg, the default, 2 __ldcs).
-GATHER_VARIANTS = (("512 threads", {"threads": 512}), ("128 threads", {"threads": 128}),
-                   ("plain loads", {"load": 0}), ("streaming loads", {"load": 2}),
-                   ("loads with a 256-byte L2 fetch", {"load": 3}), ("loads with a 128-byte L2 fetch", {"load": 4}))
+# The gather's threads per block timed against the default.
+GATHER_VARIANTS = (("512 threads", {"threads": 512}), ("128 threads", {"threads": 128}))
 
 
 def _say(msg: str) -> None:
@@ -100,8 +100,6 @@ def pool_ready(nbytes: int, threads: int, pipelined: bool, max_chunk_bytes: int)
     """(HostPool, PinnedRegion, seconds, note): a pool of ``nbytes`` faulted by ``threads``
     and page-locked in chunks of ``max_chunk_bytes``: during the fault (``pipelined``, the
     daemon's start) or after it."""
-    from sparsekv.daemon.pinned import PinnedRegion, PoolPinner  # noqa: PLC0415
-    from sparsekv.daemon.pool import HostPool, vmstat, vmstat_delta  # noqa: PLC0415
 
     before = vmstat()
     t0 = time.perf_counter()
@@ -123,52 +121,6 @@ def pool_ready(nbytes: int, threads: int, pipelined: bool, max_chunk_bytes: int)
     if moved:
         note += "; vmstat " + " ".join(f"{k}={v}" for k, v in moved.items())
     return pool, region, secs, note
-
-
-def fault_rates(nbytes: int, threads: int) -> dict:
-    """First-touch rate (GiB/s) of ``nbytes`` faulted by ``threads`` with
-    MADV_POPULATE_WRITE, for the ways a pool could be mapped: a memfd (what HostPool
-    maps), a memfd asking for transparent huge pages, an anonymous private mapping asking
-    for them. Where the pre-fault's wall is, for the pool start (issue 8)."""
-    import ctypes  # noqa: PLC0415
-    import mmap  # noqa: PLC0415
-    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
-    chunk = 64 << 20
-    out = {}
-    for name, shared, huge in (("memfd", True, False), ("memfd_thp", True, True), ("anon_thp", False, True)):
-        fd = os.memfd_create("sparsekv-bench", os.MFD_CLOEXEC) if shared else -1
-        try:
-            if shared:
-                os.ftruncate(fd, nbytes)
-                mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            else:
-                mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-            if huge:
-                libc.madvise(addr, nbytes, MADV_HUGEPAGE)
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as ex:
-                rcs = list(ex.map(lambda off: libc.madvise(addr + off, min(chunk, nbytes - off), MADV_POPULATE_WRITE),
-                                  range(0, nbytes, chunk)))
-            dt = time.perf_counter() - t0
-            out[f"fault_{name}_GiBps"] = round(nbytes / GIB / dt, 2) if not any(rcs) else None
-            mm.close()
-        except (OSError, ValueError, BufferError) as e:
-            out[f"fault_{name}_error"] = f"{type(e).__name__}: {e}"
-        finally:
-            if fd >= 0:
-                os.close(fd)
-    for knob in ("enabled", "shmem_enabled"):
-        try:
-            with open(f"/sys/kernel/mm/transparent_hugepage/{knob}") as f:
-                out[f"thp_{knob}"] = f.read().strip()
-        except OSError:
-            pass
-    return out
 
 
 # -- a realistic step's plan -------------------------------------------------------------------
@@ -198,18 +150,13 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
         blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool | str = True,
-        other_backing: bool = True, gather_variants=GATHER_VARIANTS, row_sizes=ROW_SIZES, seed: int = 0,
+        other_backing: bool = True, gather_variants=GATHER_VARIANTS, seed: int = 0,
         resolve_only: bool = False, json_path: str | None = None) -> dict:
     """Every figure into the returned dict (``_rows``: the table's rows). ``resolve_variants``:
-    True every variant, ``"quick"`` the phases, thread counts and the plain build, False
-    none. ``json_path``: the figures so far are written there after every row, so that a
-    run cut short (a device call's limit) keeps what it measured."""
+    True every variant, ``"quick"`` the thread counts, False none. ``json_path``: the
+    figures so far are written there after every row, so that a run cut short (a device
+    call's limit) keeps what it measured."""
     import cupy as cp  # noqa: PLC0415
-
-    from sparsekv.daemon.kernels import get_cache  # noqa: PLC0415
-    from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
-    from sparsekv.daemon.residency.cuda import DEFAULT_GATHER_ORDER, CudaMover, allocate_device_buffers  # noqa: PLC0415
-    from sparsekv.proto import Layout  # noqa: PLC0415
 
     threads = threads or min(16, os.cpu_count() or 1)
     nbytes = int(pool_gib * GIB) // (1 << 21) * (1 << 21)
@@ -234,9 +181,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
     with contextlib.ExitStack() as stack:
         # The daemon's way first: the first large pool of a run is the one that finds the
         # host's memory as it is (on the H200 a later one found huge pages ready and
-        # faulted three times faster: docs/PERF.md, session 7).
-        from sparsekv.daemon.pool import anon_huge_bytes  # noqa: PLC0415
-
+        # faulted three times faster).
         pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
         huge = anon_huge_bytes(pool.address, pool.size_bytes) / nbytes
         out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
@@ -248,9 +193,9 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting ({threads} threads; "
             "the daemon's way), the run's first pool", f"{nbytes / GIB / secs:.1f} GiB/s",
             f"{secs:.2f} s, {huge:.0%} in huge pages; {note}")
-        # The same way again (the run's first pool finds memory the host has never backed:
-        # a VM's first touch, tests/gpu/pool_first_touch.py; this one does not), then the
-        # other way (SPARSEKV_PIN_POOL_AT_START=after).
+        # The same way again (the run's first pool finds memory the host has never backed,
+        # a VM's first touch; this one does not), then the other way
+        # (SPARSEKV_PIN_POOL_AT_START=after).
         for pipelined, key, label in ((True, "again", "registered while faulting, the second pool"),
                                       (False, "after_fault", "fault then register (=after; the third pool)")):
             if not both_pool_modes:
@@ -263,12 +208,6 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 note)
         stack.callback(pool.close)
         stack.callback(region.close)
-        # First touch of each backing alone (8 GiB), after the pool: fault rates only.
-        rates = fault_rates(min(nbytes, 8 * GIB), threads)
-        out.update({k: v for k, v in rates.items() if isinstance(v, (int, float))})
-        row(f"first touch of {min(nbytes, 8 * GIB) / GIB:.0f} GiB, {threads} threads (MADV_POPULATE_WRITE)",
-            ", ".join(f"{k[6:-6]} {v} GiB/s" for k, v in rates.items() if k.endswith("_GiBps")),
-            "; ".join(f"{k}: {v}" for k, v in rates.items() if not k.endswith("_GiBps")))
 
         host_rows = nbytes // (layers * ROW_BYTES)
         lay = Layout(num_layers=layers, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
@@ -281,7 +220,6 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
              f"{host_rows} rows a layer)")
         d_desc, d_rows, d_slots, d_miss = _device_plans(cp, s, prow, pslot, pmiss, layer)
         bufs = allocate_device_buffers(lay)
-        pool_off = 0
         step_bytes = int(pmiss[0].sum()) * ROW_BYTES
 
         # The link: bulk copies from the pinned pool (inside one registered chunk).
@@ -306,45 +244,27 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         bulk = None
         cp.get_default_memory_pool().free_all_blocks()
 
-        best = {"request": 0.0, "batch": 0.0}
-        merge_us = None
+        best = 0.0
         for nb in blocks:
-            for order in ("request", "batch"):
-                mv = CudaMover(lay, region, pool_offset=pool_off, buffers=bufs, kernels=kc, stream=s, blocks=nb,
-                               order=order)
-                if order == "request":
-                    def go(i, mv=mv):
-                        mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s)
-                else:
-                    def go(i, mv=mv):
-                        mv.launch_merge_plan(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s)
-                        mv.launch_gather_merged(d_desc, s)
-                    if merge_us is None:
-                        merge_us, _ = timer.median_us(
-                            lambda i, mv=mv: mv.launch_merge_plan(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s),
-                            PLANS)
-                        out["merge_plan_us_b64"] = round(merge_us, 1)
-                        row("merge of the batch's plans (skv_merge_plan), batch 64", f"{merge_us:.1f} us")
-                t, tmin = timer.median_us(go, PLANS)
-                gbps = step_bytes / t / 1e3
-                best[order] = max(best[order], gbps)
-                out[f"gather_{order}_order_{nb}blocks_GBps"] = round(gbps, 2)
-                extra = " (merge included)" if order == "batch" else ""
-                row(f"gather of the step's misses, {order} order, {nb} blocks x 256 threads{extra}",
-                    f"{gbps:.1f} GB/s", f"{t:.0f} us (min {tmin:.0f})")
-        # The copy kernel's own switches, request order on 32 blocks: threads per block and
-        # how a 16-byte vector is read (csrc/copy.cu SKV_COPY_LOAD).
+            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=nb)
+            t, tmin = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
+                                                                       BATCH, s), PLANS)
+            gbps = step_bytes / t / 1e3
+            best = max(best, gbps)
+            out[f"gather_request_order_{nb}blocks_GBps"] = round(gbps, 2)
+            row(f"gather of the step's misses, {nb} blocks x 256 threads", f"{gbps:.1f} GB/s",
+                f"{t:.0f} us (min {tmin:.0f})")
+        # The copy kernel's threads per block, on 32 blocks.
         for label, kw in (gather_variants or ()):
             try:
-                mv = CudaMover(lay, region, pool_offset=pool_off, buffers=bufs, kernels=kc, stream=s, blocks=32,
-                               order="request", **kw)
+                mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32, **kw)
                 t, _ = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
                                                                         BATCH, s), PLANS)
             except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
                 row(f"gather variant {label}", "FAILED", f"{type(e).__name__}: {e}")
                 continue
             out[f"gather_request_order_32blocks_{label.replace(' ', '_')}_GBps"] = round(step_bytes / t / 1e3, 2)
-            row(f"gather, request order, 32 blocks, {label}", f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us")
+            row(f"gather, 32 blocks, {label}", f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us")
         # The same kernel on adjacent rows (each request's misses one run of consecutive
         # rows): what SM loads of pinned memory reach with no scatter at all, the ceiling
         # of any gather by the SMs (the link's bulk figure is the copy engine's).
@@ -355,17 +275,16 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 crow[i, b, :m] = np.arange(m, dtype=np.int32) + (i * BATCH + b) * m
         if int(crow.max()) < lay.host_rows:
             c_desc, c_rows, c_slots, c_miss = _device_plans(cp, s, crow, pslot, pmiss, layer)
-            mv = CudaMover(lay, region, pool_offset=pool_off, buffers=bufs, kernels=kc, stream=s, blocks=32,
-                           order="request")
+            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32)
             t, _ = timer.median_us(lambda i: mv.launch_gather(c_desc, c_rows[i], c_slots[i], c_miss[i], BATCH, s),
                                    PLANS)
             out["gather_adjacent_rows_GBps"] = round(step_bytes / t / 1e3, 2)
-            out["gather_vs_adjacent_rows"] = round(best["request"] / (step_bytes / t / 1e3), 3)
-            row("gather, request order, 32 blocks, each request's misses adjacent rows (the SMs' ceiling)",
+            out["gather_vs_adjacent_rows"] = round(best / (step_bytes / t / 1e3), 3)
+            row("gather, 32 blocks, each request's misses adjacent rows (the SMs' ceiling)",
                 f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us; the scattered gather reaches "
                 f"{out['gather_vs_adjacent_rows']:.2f} of it")
-        # The same request-order gather from the engine's range registered in one piece
-        # (what an attach does), against the pool registered in chunks as it was faulted.
+        # The same gather from the engine's range registered in one piece (what an attach
+        # does), against the pool registered in chunks as it was faulted.
         region.close()
         whole = PinnedRegion(pool.address, -(-lay.pool_bytes // 4096) * 4096, ROW_BYTES,
                              max_chunk_bytes=1 << 40)
@@ -373,18 +292,12 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         for nb in (32, 64):
             gbps, t = _request_gather(lay, whole, bufs, kc, s, timer, (d_desc, d_rows, d_slots, d_miss), step_bytes, nb)
             out[f"gather_request_order_{nb}blocks_one_registration_GBps"] = round(gbps, 2)
-            row(f"gather, request order, {nb} blocks, the engine's range registered in one piece",
+            row(f"gather, {nb} blocks, the engine's range registered in one piece",
                 f"{gbps:.1f} GB/s", f"{t:.0f} us")
-        out["gather_request_order_GBps"] = round(best["request"], 2)
-        out["gather_batch_order_GBps"] = round(best["batch"], 2)
-        # The headline: the daemon's default order (request; issue 8's gather_vs_bulk).
-        out["gather_vs_bulk"] = round(best[DEFAULT_GATHER_ORDER] / bulk_GBps, 3)
-        out["gather_vs_bulk_same_bytes"] = round(best[DEFAULT_GATHER_ORDER] / same_GBps, 3)
-        out["gather_batch_vs_bulk"] = round(best["batch"] / bulk_GBps, 3)
-        out["gather_request_vs_bulk"] = round(best["request"] / bulk_GBps, 3)
+        out["gather_request_order_GBps"] = round(best, 2)
+        out["gather_vs_bulk"] = round(best / bulk_GBps, 3)  # the headline
+        out["gather_vs_bulk_same_bytes"] = round(best / same_GBps, 3)
 
-        if row_sizes:
-            _row_size_section(out, row, cp, kc, s, timer, rng, whole, layers, row_sizes)
         _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants)
         # The same gather from a pool in the other backing (SPARSEKV_POOL_BACKING).
         if other_backing:
@@ -418,8 +331,6 @@ def resolve_sequence(rng, steps: int = PLANS, batch: int = BATCH, top_k: int = T
 def _device_plans(cp, s, prow, pslot, pmiss, layer: int) -> tuple:
     """The step plans on the device, and a descriptor of batch 64, top-k 2048 naming
     ``layer`` (one layer a group): (desc, rows, slots, misses), lists of PLANS arrays."""
-    from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS  # noqa: PLC0415
-
     with s:
         d_rows = [cp.asarray(prow[i]) for i in range(PLANS)]
         d_slots = [cp.asarray(pslot[i]) for i in range(PLANS)]
@@ -431,63 +342,29 @@ def _device_plans(cp, s, prow, pslot, pmiss, layer: int) -> tuple:
     return d_desc, d_rows, d_slots, d_miss
 
 
-def _row_size_section(out, row, cp, kc, s, timer, rng, region, layers: int, sizes) -> None:
-    """The request-order gather of one set of step plans (32 blocks) from pools laid out
-    with rows of each of ``sizes`` bytes (the same host rows, so the same rows of each
-    block; every layout fits the pinned ``region``): whether padding the model's 656 B
-    rows to whole sectors or lines would bring the gather closer to the link. GB/s of the
-    656 bytes a row carries, and of the bytes read."""
-    from sparsekv.daemon.residency.cuda import CudaMover, allocate_device_buffers  # noqa: PLC0415
-    from sparsekv.proto import Layout  # noqa: PLC0415
-
-    host_rows = region.nbytes // (layers * max(sizes))
-    prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
-    layer = layers // 2
-    d_desc, d_rows, d_slots, d_miss = _device_plans(cp, s, prow, pslot, pmiss, layer)
-    misses = int(pmiss[0].sum())
-    for size in sizes:
-        try:
-            lay = Layout(num_layers=layers, row_bytes=size, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
-                         host_rows=host_rows, max_batch=BATCH).validate()
-            bufs = allocate_device_buffers(lay)
-            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32, order="request")
-            t, _ = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
-                                                                    BATCH, s), PLANS)
-        except Exception as e:  # noqa: BLE001 - a size failing must not lose the rest
-            row(f"gather of {size} B rows", "FAILED", f"{type(e).__name__}: {e}")
-            continue
-        finally:
-            bufs = mv = None
-            cp.get_default_memory_pool().free_all_blocks()
-        useful = misses * ROW_BYTES / t / 1e3
-        out[f"gather_rows_{size}B_useful_GBps"] = round(useful, 2)
-        out[f"gather_rows_{size}B_read_GBps"] = round(misses * size / t / 1e3, 2)
-        row(f"gather, request order, 32 blocks, pool rows of {size} B ({ROW_BYTES} B used)",
-            f"{useful:.1f} GB/s used", f"{misses * size / t / 1e3:.1f} GB/s read, {t:.0f} us")
+def variant_options(res, quick: bool = False) -> list[tuple[str, dict]]:
+    """(label, CudaResidency options) of the resolve variants timed against ``res`` (the
+    default): other thread counts, then (unless ``quick``) the workspace's options."""
+    variants = [(f"{n} threads", {"threads": n}) for n in (256, 512, 768, 1024) if n != res.threads]
+    if quick:
+        return variants
+    other_scale = 2 if res.hash_scale == 4 else 4
+    return variants + [
+        (f"new lru {'scattered to global memory' if res.lru_smem else 'in the workspace'}",
+         {"lru_smem": not res.lru_smem}),
+        (f"owners read {'from global memory' if res.owner_smem else 'into the workspace'}",
+         {"owner_smem": not res.owner_smem}),
+        ("owners and the new lru in the workspace", {"lru_smem": True, "owner_smem": True}),
+        ("table x2, rows in global memory", {"hash_scale": 2, "lru_smem": False, "owner_smem": False}),
+        (f"hash table x{other_scale}", {"hash_scale": other_scale})]
 
 
-# The resolve variants of a quick run (--kernels-quick): where the time goes (the phases),
-# the thread counts and the build the default is measured against.
-QUICK_VARIANT_PREFIXES = ("phase ", "plain build")
-
-
-def quick_variants(variants: list) -> list:
-    """The (label, options) of ``variants`` that a quick run times: the phases, the plain
-    build, and other thread counts of the default lookup."""
-    return [(label, kw) for label, kw in variants
-            if label.startswith(QUICK_VARIANT_PREFIXES) or (label.endswith(" threads") and "lookup" not in label)]
-
-
-def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool | str) -> None:
+def _resolve_section(out, row, cp, kc, s, timer, rng, variants: bool | str) -> None:
     """Resolve at the daemon's settings (batch 64, top-k 2048, region 4096, 90 % kept),
     replayed as a CUDA graph (the device's time; the daemon replays its step as a graph),
     and once launched one by one from Python with the descriptor's upload (the host's
-    floor); then (``resolve_variants``) stopped after each phase, other thread counts, the
-    other lookup."""
-    from sparsekv.daemon.kernels import RESOLVE_PLAIN, RESOLVE_PLAIN_THREADS  # noqa: PLC0415
-    from sparsekv.daemon.residency.cuda import CudaResidency, make_desc  # noqa: PLC0415
-    from sparsekv.proto import Layout  # noqa: PLC0415
-
+    floor); then the variants (:func:`variant_options`; ``variants``: True all of them,
+    ``"quick"`` the thread counts, False none)."""
     rlay = Layout(num_layers=1, row_bytes=16, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
                   host_rows=BATCH * 65536, max_batch=BATCH).validate()
     with s:
@@ -511,77 +388,18 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool | s
     res = CudaResidency(rlay, kernels=kc, stream=s)
     t = graph_time(res)
     out["resolve_us_b64"] = round(t, 1)
-    out["resolve_lookup"] = res.lookup
     out["resolve_hash_scale"] = res.hash_scale
     out["resolve_lru_smem"], out["resolve_owner_smem"] = int(res.lru_smem), int(res.owner_smem)
-    row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads, {res.lookup} lookup "
-        f"(table x{res.hash_scale}, lru {'in' if res.lru_smem else 'out of'} the workspace, owners "
-        f"{'in' if res.owner_smem else 'out of'} it; graph)", f"{t:.1f} us")
+    row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads (table x{res.hash_scale}, "
+        f"lru {'in' if res.lru_smem else 'out of'} the workspace, owners {'in' if res.owner_smem else 'out of'} it; "
+        "graph)", f"{t:.1f} us")
     ro = res.new_output(BATCH)
     te, _ = timer.median_us(lambda i: res.resolve_async(0, sr, d_seq[i], ro, stream=s), len(d_seq))
     out["resolve_us_b64_eager"] = round(te, 1)
     row("resolve, the same, each launched from Python after its descriptor's upload", f"{te:.1f} us",
         "the host's floor when it is above the kernel")
-    # Where the time goes: the kernel stopped after each phase (csrc/resolve.cu,
-    # SKV_RESOLVE_STOP; the state then never changes, the results are wrong), other
-    # thread counts, the other lookup. Each variant starts from the default's steady
-    # state (owners and lru after the cycle), so that a stopped kernel sees the cycle's
-    # hits too (a fresh state would make every column a miss).
-    other = "sort" if res.lookup == "hash" else "hash"
-    variants = [(f"phase {p}", {"timing_defines": {"SKV_RESOLVE_STOP": p}}) for p in range(0, 8)]
-    variants += [(f"{t_} threads", {"threads": t_}) for t_ in (256, 512, 768, 1024) if t_ != res.threads]
-    variants += [("tiles walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 0}}),
-                 ("warp-segment lru walk", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2}}),
-                 ("warp-segment lru walk phase 6", {"timing_defines": {"SKV_RESOLVE_CHUNKED": 2,
-                                                                        "SKV_RESOLVE_STOP": 6}})]
-    # The workspace's options against the default (which takes each one that fits).
-    variants += [(f"new lru {'scattered to global memory' if res.lru_smem else 'in the workspace'}",
-                  {"lru_smem": not res.lru_smem}),
-                 (f"owners read {'from global memory' if res.owner_smem else 'into the workspace'}",
-                  {"owner_smem": not res.owner_smem}),
-                 ("owners and the new lru in the workspace", {"lru_smem": True, "owner_smem": True}),
-                 ("owners in the workspace, warp-segment lru walk",
-                  {"owner_smem": True, "timing_defines": {"SKV_RESOLVE_CHUNKED": 2}}),
-                 ("owners and the new lru in the workspace, warp-segment lru walk",
-                  {"lru_smem": True, "owner_smem": True, "timing_defines": {"SKV_RESOLVE_CHUNKED": 2}}),
-                 ("session 7's workspace (table x2, rows in global memory)",
-                  {"hash_scale": 2, "lru_smem": False, "owner_smem": False}),
-                 ("workspace decided per launch (generic accesses)",
-                  {"timing_defines": {"SKV_WS_SMEM": 0}}),
-                 ("the first row's columns loaded with the state rows (prefetch)", {"timing_defines": {"SKV_PREFETCH": 1}}),
-                 ("block sums by warp reductions", {"timing_defines": {"SKV_ONE_BARRIER": 0, "SKV_SUM_ATOMIC": 0}}),
-                 ("the lru walk's chunks read entry by entry", {"timing_defines": {"SKV_LRU_VEC": 0}}),
-                 ("the plan's ranks one thread a miss", {"timing_defines": {"SKV_RANK_SPLIT": 0}}),
-                 # session 16's switches, each against the default (csrc/resolve.cu)
-                 ("passes unfused", {"timing_defines": {"SKV_FUSE": 0}}),
-                 ("collectives with the shared helpers (two or three barriers)", {"timing_defines": {"SKV_ONE_BARRIER": 0}}),
-                 ("phase 1 loop by loop", {"timing_defines": {"SKV_P1_BATCH": 0}}),
-                 ("phase 1 in waves of 6", {"timing_defines": {"SKV_P1_BATCH": 6}}),
-                 # session 17's: the warp totals (csrc/common.cuh), and the default's threads
-                 ("warp totals summed by every thread", {"timing_defines": {"SKV_WARP_TOTALS_REDUX": 0}}),
-                 ("warp totals summed by every thread, 768 threads",
-                  {"threads": 768, "timing_defines": {"SKV_WARP_TOTALS_REDUX": 0}}),
-                 ("the lru's seen marks read back, in phase 2", {"timing_defines": {"SKV_SEEN_COVER": 0}}),
-                 ("the lru's seen marks not read back, in phase 2", {"timing_defines": {"SKV_SEEN_COVER": 1}}),
-                 ("plain build (session 15's default)", {"threads": RESOLVE_PLAIN_THREADS,
-                                                          "timing_defines": dict(RESOLVE_PLAIN)}),
-                 *((f"plain build, phase {p}", {"threads": RESOLVE_PLAIN_THREADS,
-                                                "timing_defines": {**RESOLVE_PLAIN, "SKV_RESOLVE_STOP": p}})
-                   for p in (1, 4, 7)),
-                 ("session 8's build but for the lru's seen marks (generic accesses, chunks entry by entry, "
-                  "ranks one thread a miss)",
-                  {"timing_defines": {"SKV_WS_SMEM": 0, "SKV_LRU_VEC": 0, "SKV_RANK_SPLIT": 0}})]
-    if res.lookup == "hash":
-        variants += [("a miss's id from its key", {"timing_defines": {"SKV_ID_FROM_KEY": 1}})]
-        o = 2 if res.hash_scale == 4 else 4
-        variants += [(f"hash table x{o}", {"hash_scale": o}),
-                     (f"hash table x{o} phase 2", {"hash_scale": o, "timing_defines": {"SKV_RESOLVE_STOP": 2}})]
-    variants += [(f"{other} lookup", {"lookup": other}), (f"{other} lookup 512 threads", {"lookup": other, "threads": 512})]
-    variants += [(f"{other} lookup phase {p}", {"lookup": other, "timing_defines": {"SKV_RESOLVE_STOP": p}})
-                 for p in (1, 2, 4, 7)]
-    if resolve_variants == "quick":
-        variants = quick_variants(variants)
-    for label, kw in variants if resolve_variants else []:
+    # Each variant starts from the default's steady state (owners and lru after the cycle).
+    for label, kw in variant_options(res, quick=variants == "quick") if variants else []:
         try:
             rv = CudaResidency(rlay, kernels=kc, stream=s, **kw)
             with s:
@@ -591,20 +409,15 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants: bool | s
         except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
             row(f"resolve variant {label}", "FAILED", f"{type(e).__name__}: {e}")
             continue
-        key = label.replace(" ", "_")
-        out[f"resolve_us_b64_{key}"] = round(tv, 1)
-        stops = "SKV_RESOLVE_STOP" in kw.get("timing_defines", {})
-        row(f"resolve variant: {label}" + (" (stops there)" if stops else ""),
-            f"{tv:.1f} us")
+        out[f"resolve_us_b64_{label.replace(' ', '_')}"] = round(tv, 1)
+        row(f"resolve variant: {label}", f"{tv:.1f} us")
 
 
 def _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes: int, blocks: int) -> tuple[float, float]:
     """(GB/s, us) of the request-order gather of the step plans from ``region`` (the
     daemon's path: skv_gather of each batch row's sorted plan) with ``blocks`` blocks."""
-    from sparsekv.daemon.residency.cuda import CudaMover  # noqa: PLC0415
-
     d_desc, d_rows, d_slots, d_miss = plans
-    mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=blocks, order="request")
+    mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=blocks)
     t, _ = timer.median_us(lambda i: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s), PLANS)
     return step_bytes / t / 1e3, t
 
@@ -613,9 +426,6 @@ def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, t
                           step_bytes):
     """Pool ready and the request-order gather again, the pool in the other backing
     (memfd when the default is anonymous huge pages, and the other way round)."""
-    from sparsekv.daemon.pinned import PinnedRegion  # noqa: PLC0415
-    from sparsekv.daemon.pool import BACKINGS, HostPool, anon_huge_bytes  # noqa: PLC0415
-
     whole.close()
     region.close()
     pool.close()
@@ -636,7 +446,7 @@ def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, t
     for nb in (32, 64):
         gbps, t = _request_gather(lay, hreg, bufs, kc, s, timer, plans, step_bytes, nb)
         out[f"gather_request_order_{nb}blocks_{other}_GBps"] = round(gbps, 2)
-        row(f"gather, request order, {nb} blocks, pool {other}", f"{gbps:.1f} GB/s",
+        row(f"gather, {nb} blocks, pool {other}", f"{gbps:.1f} GB/s",
             f"{t:.0f} us")
 
 
@@ -653,22 +463,20 @@ def add_arguments(p) -> None:
                    help="kernels: the host pool the gather reads and the pool start times (GiB)")
     p.add_argument("--kernels-quick", action="store_true",
                    help="kernels: gathers on 32 and 64 blocks only, no pool in the other backing, the resolve's "
-                        "phases, thread counts and plain build only")
+                        "thread counts only")
     p.add_argument("--resolve-only", action="store_true",
                    help="kernels: the resolve and its variants only (no pool, no gather)")
 
 
 def run_args(a) -> int:
     """``sparsekv bench kernels [--pool-gib N] [--kernels-quick] [--json PATH]``."""
-    quick = getattr(a, "kernels_quick", False)
-    path = getattr(a, "json_path", None)
+    quick = a.kernels_quick
     r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132), other_backing=not quick,
-            gather_variants=() if quick else GATHER_VARIANTS, row_sizes=() if quick else ROW_SIZES,
-            resolve_variants="quick" if quick else True, resolve_only=getattr(a, "resolve_only", False),
-            json_path=path)
+            gather_variants=() if quick else GATHER_VARIANTS,
+            resolve_variants="quick" if quick else True, resolve_only=a.resolve_only, json_path=a.json_path)
     sys.stdout.write(table(r))
-    if path:
-        write_json(path, r)
+    if a.json_path:
+        write_json(a.json_path, r)
     return 0
 
 

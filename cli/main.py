@@ -13,6 +13,8 @@ import json
 import sys
 from importlib import metadata
 
+from sparsekv.bench.bench import add_arguments as add_bench_arguments
+from sparsekv.bench.bench import run_args as run_bench_args
 from sparsekv.client.client import default_run_dir
 from sparsekv.client.errors import DaemonUnavailable, SparseKVError
 from .health import StatsSocketError, stats_query
@@ -134,32 +136,6 @@ def cmd_demo(a) -> int:
     return 1 if s["mismatched_rows"] else 0
 
 
-def cmd_bench(a) -> int:
-    which = a.which or ["resolve", "gather", "transport"]
-    for alone in ("decode", "kernels"):
-        if alone in which:
-            if len(which) != 1:
-                print(f"sparsekv bench: {alone} runs alone (sparsekv bench {alone} [options]; it needs a GPU)",
-                      file=sys.stderr)
-                return 2
-            if alone == "decode":
-                from sparsekv.bench.decode import run_args  # noqa: PLC0415
-            else:
-                from sparsekv.bench.kernels import run_args  # noqa: PLC0415
-            return run_args(a)
-    from sparsekv.bench.bench import format_results, run_bench  # noqa: PLC0415
-
-    unknown = set(which) - {"resolve", "gather", "transport", "cuda_transport"}
-    if unknown:
-        print(f"sparsekv bench: unknown benchmark(s) {sorted(unknown)}", file=sys.stderr)
-        return 2
-    if a.io != "both" and "cuda_transport" not in which:
-        print("sparsekv bench: --io is an option of cuda_transport", file=sys.stderr)
-        return 2
-    sys.stdout.write(format_results(run_bench(which, io=a.io)))
-    return 0
-
-
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows each option's default after its help (unless the help already says it, or
     the option is required, a switch, or has no default)."""
@@ -262,20 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_trace_synth)
 
     q = command("bench", "speed figures, each against a baseline measured in the same run")
-    q.add_argument("which", nargs="*", metavar="NAME",
-                   help="resolve, gather, transport (cpu; the default set), cuda_transport (needs a GPU), or alone: "
-                        "decode (a whole decode step, offloaded against on the GPU) or kernels (gather, resolve "
-                        "and pool start against the link; both need a GPU; options below)")
-    q.add_argument("--io", choices=["both", "installed", "warm"], default="both",
-                   help="cuda_transport: the ZeroMQ I/O threads as installed (not placed), on warm CPUs (the last "
-                        "two this process may use, kept warm by the daemon; deploy/README.md \"Warm CPUs\"), or "
-                        "both, one run each (warm only with 4 CPUs or more)")
-    from sparsekv.bench.decode import add_arguments as add_decode_arguments  # noqa: PLC0415
-    from sparsekv.bench.kernels import add_arguments as add_kernels_arguments  # noqa: PLC0415
-
-    add_decode_arguments(q.add_argument_group("decode options (sparsekv bench decode ...)"))
-    add_kernels_arguments(q.add_argument_group("kernels options (sparsekv bench kernels ...)"))
-    q.set_defaults(fn=cmd_bench)
+    add_bench_arguments(q)
+    q.set_defaults(fn=run_bench_args)
 
     q = command("demo", "two TP ranks against a private daemon on a synthetic decode")
     q.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto", help="backend of the private daemon")

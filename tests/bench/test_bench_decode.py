@@ -1,4 +1,4 @@
-"""``sparsekv bench decode`` (bench/decode.py): the top-k generator keeps the
+"""``sparsekv bench decode`` (bench/decode*.py): the top-k generator keeps the
 tuned share of each row from step to step and about ``layer_overlap`` between adjacent
 layers; the fill helpers; the table and the JSON keys; options and the command line.
 The engine-side step code runs on torch's CPU device where torch is installed; the whole
@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from sparsekv.bench import decode as bd
+from sparsekv.bench import decode_modes as dm
+from sparsekv.bench import decode_workload as dw
 from sparsekv.bench.decode import Options, Result, combine_rounds, derive, generate, summary, table
 
 SMALL = dict(steps=6, layers=6, context=1024, top_k=256, block_size=16)
@@ -94,41 +96,14 @@ def test_a_context_too_short_for_the_new_positions_is_refused():
 
 # -- fill -------------------------------------------------------------------------------------
 def test_fill_pattern_fills_every_layer_alike_from_a_repeating_tile():
-    pool = np.zeros((4, bd.PATTERN_ROWS + 100, 32), np.uint8)
-    bd.fill_pattern(pool, threads=2)
-    tile = bd.pattern_tile(bd.PATTERN_ROWS, 32)
-    np.testing.assert_array_equal(pool[0, : bd.PATTERN_ROWS], tile)
-    np.testing.assert_array_equal(pool[0, bd.PATTERN_ROWS:], tile[:100])
+    pool = np.zeros((4, dw.PATTERN_ROWS + 100, 32), np.uint8)
+    dw.fill_pattern(pool, threads=2)
+    tile = dw.pattern_tile(dw.PATTERN_ROWS, 32)
+    np.testing.assert_array_equal(pool[0, : dw.PATTERN_ROWS], tile)
+    np.testing.assert_array_equal(pool[0, dw.PATTERN_ROWS:], tile[:100])
     for layer in range(1, 4):
         np.testing.assert_array_equal(pool[layer], pool[0])
     assert pool[0, 1, 0] == 7 and pool[0, 1, 3] == 10
-
-
-def test_fill_through_client_writes_every_row_of_every_layer_in_whole_frames(monkeypatch):
-    from types import SimpleNamespace
-
-    frame = 3 * 32 * 40  # 40 rows of 3 layers a write
-    monkeypatch.setattr(bd, "LIMITS", SimpleNamespace(max_frame_bytes=frame, max_write_rows=1 << 20))
-
-    class FakeClient:
-        def __init__(self):
-            self.pool = np.zeros((3, 100, 32), np.uint8)
-            self.writes = []
-
-        def write(self, rows, data, layers=None):
-            assert layers is None and data.shape == (3, len(rows), 32) and data.nbytes <= frame
-            assert rows.dtype == np.int32
-            self.pool[:, rows] = data
-            self.writes.append((int(rows[0]), len(rows)))
-
-    lay = bd.Layout(num_layers=3, row_bytes=32, top_k=4, region_stride=4, max_reqs=1, host_rows=100)
-    c = FakeClient()
-    assert bd.fill_through_client(c, lay) >= 0
-    assert c.writes == [(0, 40), (40, 40), (80, 20)]
-    block = np.zeros((3, 40, 32), np.uint8)
-    bd.fill_pattern(block)
-    for start, n in c.writes:
-        np.testing.assert_array_equal(c.pool[:, start:start + n], block[:, :n])
 
 
 def test_fill_through_staging_covers_every_row_once_and_ends_with_a_plain_write():
@@ -137,7 +112,7 @@ def test_fill_through_staging_covers_every_row_once_and_ends_with_a_plain_write(
     leaves the pool as a fill through client.write of the same pattern would."""
     from types import SimpleNamespace
 
-    lay = bd.Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=4, max_reqs=1, host_rows=100,
+    lay = dw.Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=4, max_reqs=1, host_rows=100,
                     staging_rows=30)
 
     class FakeTorch:
@@ -167,11 +142,11 @@ def test_fill_through_staging_covers_every_row_once_and_ends_with_a_plain_write(
             self.calls.append(("write", int(rows[0]), len(rows)))
 
     c = FakeClient()
-    assert bd.fill_through_staging(c, lay, FakeTorch) >= 0
+    assert dw.fill_through_staging(c, lay, FakeTorch) >= 0
     assert c.calls == [("staged", 0, 30), ("staged", 30, 30), ("staged", 60, 30), ("staged", 90, 10),
                        ("write", 99, 1)]
     block = np.zeros((2, 30, 32), np.uint8)
-    bd.fill_pattern(block)
+    dw.fill_pattern(block)
     for r in range(100):
         np.testing.assert_array_equal(c.pool[:, r], block[:, r % 30])
 
@@ -188,7 +163,7 @@ def fake_results() -> list[Result]:
             out.append(Result("doorbell", batch, hits, run="graph", p50_us=base + 122.0, p99_us=base + 200,
                               hit_rate=hits / 100, hit_measured=False,
                               misses_per_step=(1 - hits / 100) * batch * 2048 * 61))
-    out.append(Result("zmq", 16, 80.0, skipped="unavailable: no HostSwapIn"))
+    out.append(Result("zmq", 16, 80.0, skipped="over --budget-s 10"))
     out.append(Result("zmq", 64, 90.0, error="DaemonUnavailable: sparsekvd is gone"))
     return derive(out, 61, 656)
 
@@ -246,7 +221,7 @@ def test_json_has_the_headline_keys_at_batch_64_and_90_percent():
     assert d["decode_b64_h90_doorbell_overhead_us_per_layer"] == 2.0
     assert d["decode_b64_h90_doorbell_hit_rate_measured"] is False
     assert d["decode_b64_inproc_fill_s"] == 1.5
-    assert d["decode_b16_h80_zmq_skipped"].startswith("unavailable")
+    assert d["decode_b16_h80_zmq_skipped"] == "over --budget-s 10"
     assert d["decode_b64_h90_zmq_error"].startswith("DaemonUnavailable")
     assert d["decode_gather_blocks"] == 32 and d["decode_layers"] == 61
     assert d["doorbell_handoff_us_per_layer"] is None  # no 100 % config ran
@@ -294,7 +269,7 @@ def test_table_lists_every_config_in_order_with_notes():
     assert [ln.split()[0] for ln in rows].index("64") == 7  # batch 16 first (with its zmq row)
     db = next(ln for ln in rows if ln.split()[:3] == ["64", "90%", "doorbell"])
     assert "4122.0" in db and "+2.00" in db and " 1.03" in db and "90.0~" in db
-    assert "skipped: unavailable" in text and "error: DaemonUnavailable" in text
+    assert "skipped: over --budget-s 10" in text and "error: DaemonUnavailable" in text
     assert "generator's target" in text and "capture failed" in text
     assert "zmq: HostSwapIn" not in text  # no zmq row ran: nothing to say how it ran
     rs.append(Result("zmq", 16, 90.0, run="eager", p50_us=5000.0, p99_us=5100.0))
@@ -303,7 +278,7 @@ def test_table_lists_every_config_in_order_with_notes():
 
 
 def test_hits_keys_are_names():
-    assert bd.hkey(90.0) == "90" and bd.hkey(92.5) == "92p5"
+    assert dw.hkey(90.0) == "90" and dw.hkey(92.5) == "92p5"
 
 
 def test_plot_without_matplotlib_says_so_and_skips(monkeypatch, capsys, tmp_path):
@@ -370,7 +345,7 @@ def test_a_list_that_is_not_one_is_an_argparse_error():
 @pytest.fixture
 def cpu_torch(monkeypatch):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(bd, "_device", lambda torch: torch.device("cpu"))
+    monkeypatch.setattr(dm, "_device", lambda torch: torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     return torch
 
@@ -378,7 +353,7 @@ def cpu_torch(monkeypatch):
 def tiny():
     opts = Options(batches=(3,), hits=(90.0,), layers=3, top_k=64, row_bytes=32, context=256, block_size=16,
                    steps=3, warmup=2, gather_blocks=32).validate()
-    lay = bd.make_layout(3, opts)
+    lay = dw.make_layout(3, opts)
     wl = generate(3, 0.9, steps=5, layers=3, context=256, top_k=64, block_size=16, seed=5)
     return opts, lay, wl
 
@@ -400,10 +375,10 @@ def test_the_gpu_step_maps_positions_through_the_block_table_and_reads_those_row
     pool = np.zeros((3, lay.host_rows, 32), np.uint8)
     pool[:] = np.random.default_rng(0).integers(0, 256, pool.shape, dtype=np.uint8)
     kv32 = torch.from_numpy(pool).view(torch.int32)
-    st = bd._Static(torch, lay, opts.blocks)
-    inputs = bd._Inputs(torch, wl)
+    st = dm._Static(torch, lay, opts.blocks)
+    inputs = dm._Inputs(torch, wl)
     st.table.copy_(inputs.table)
-    step = bd._gpu_step(torch, kv32, st, lay, opts.block_size)
+    step = dm._gpu_step(torch, kv32, st, lay, opts.block_size)
     for t in (0, 3):
         inputs.load(st, t)
         np.testing.assert_array_equal(st.topk.numpy(), wl.topk(t))
@@ -442,11 +417,11 @@ def test_the_handle_step_calls_begin_once_and_every_layer_in_order_and_masks_min
     opts, lay, wl = tiny()
     pool = np.random.default_rng(1).integers(0, 256, (3, lay.host_rows, 32), dtype=np.uint8)
     h = FakeHandle(torch, pool)
-    st = bd._Static(torch, lay, opts.blocks)
-    inputs = bd._Inputs(torch, wl)
+    st = dm._Static(torch, lay, opts.blocks)
+    inputs = dm._Inputs(torch, wl)
     st.table.copy_(inputs.table)
     inputs.load(st, 1)
-    bd._handle_step(torch, h, st, lay, opts.block_size)()
+    dm._handle_step(torch, h, st, lay, opts.block_size)()
     assert h.begun == 1 and h.layers == [0, 1, 2]
     mask = np.ones((3, 3, 64), np.int64)
     mask[:, :, 0] = 0
@@ -458,11 +433,11 @@ def test_run_configs_times_each_config_and_measures_the_hit_rate(cpu_torch):
     opts, lay, _ = tiny()
     workloads = {h: generate(3, h / 100, steps=opts.warmup + opts.steps, layers=3, context=256, top_k=64,
                              block_size=16) for h in (80.0, 90.0)}
-    st = bd._Static(torch, lay, opts.blocks)
+    st = dm._Static(torch, lay, opts.blocks)
     calls = []
     counter = iter([(0, 0), (90, 10), (100, 10), (180, 30)])
     out: list = []
-    bd._run_configs(torch, "inproc", lambda: calls.append(1), st, lay, workloads, opts, out,
+    dm._run_configs(torch, "inproc", lambda: calls.append(1), st, lay, workloads, opts, out,
                     counts=lambda: next(counter), capture=False, fill_s=2.0)
     assert len(calls) == 2 * (opts.warmup + opts.steps)
     assert [(r.mode, r.hits, r.run) for r in out] == [("inproc", 80.0, "eager"), ("inproc", 90.0, "eager")]
@@ -471,7 +446,7 @@ def test_run_configs_times_each_config_and_measures_the_hit_rate(cpu_torch):
     assert all(r.p50_us >= 0 and r.p99_us >= r.p50_us for r in out)
     # No counters: the generator's target, marked as such.
     out2: list = []
-    bd._run_configs(torch, "doorbell", lambda: None, st, lay, {90.0: workloads[90.0]}, opts, out2,
+    dm._run_configs(torch, "doorbell", lambda: None, st, lay, {90.0: workloads[90.0]}, opts, out2,
                     counts=lambda: None, capture=False)
     assert out2[0].hit_rate == workloads[90.0].target_hit_rate and not out2[0].hit_measured
 
@@ -488,7 +463,7 @@ def test_paired_sides_run_in_turn_and_report_the_median_per_step_difference(cpu_
     workloads = {90.0: generate(3, 0.9, steps=opts.warmup + opts.steps, layers=3, context=256, top_k=64,
                                 block_size=16)}
     clock = [0.0]
-    monkeypatch.setattr(bd, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(dm, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     calls = []
     inproc_us = [100.0, 400.0, 100.0, 300.0, 200.0]  # warm-up 2, then 3 timed
     db_us = [130.0, 430.0, 160.0, 309.0, 221.0]  # timed differences: +60, +9, +21
@@ -499,12 +474,12 @@ def test_paired_sides_run_in_turn_and_report_the_median_per_step_difference(cpu_
             clock[0] += per_step[sum(c == name for c in calls) - 1] * 1e-6
         return step
 
-    sides = [bd._Side("inproc", side("i", inproc_us), bd._Static(torch, lay, opts.blocks),
+    sides = [dm._Side("inproc", side("i", inproc_us), dm._Static(torch, lay, opts.blocks),
                       counts=lambda: (len(calls), 0), huge_pct=97),
-             bd._Side("doorbell", side("d", db_us), bd._Static(torch, lay, opts.blocks),
+             dm._Side("doorbell", side("d", db_us), dm._Static(torch, lay, opts.blocks),
                       check=lambda: (_ for _ in ()).throw(RuntimeError("refused row")))]
     out: list = []
-    bd._run_sides(torch, sides, lay, workloads, opts, out, capture=False)
+    dm._run_sides(torch, sides, lay, workloads, opts, out, capture=False)
     assert calls == ["i", "d", "d", "i", "i", "d", "d", "i", "i", "d"]
     inproc, db = out
     assert (inproc.mode, db.mode) == ("inproc", "doorbell")
@@ -554,7 +529,7 @@ def test_paired_needs_inproc_and_doorbell_and_a_failure_marks_every_mode_it_left
 
     monkeypatch.setattr(bd, "run_paired", half)
     out: list = []
-    bd._run_batch_modes(None, 4, bd.make_layout(4, opts), {80.0: None, 90.0: None}, opts, out, gpu=False)
+    bd._run_batch_modes(None, 4, dw.make_layout(4, opts), {80.0: None, 90.0: None}, opts, out, gpu=False)
     left = sorted((r.mode, r.hits, r.error) for r in out if r.error)
     assert left == [("doorbell", 90.0, "RuntimeError: daemon gone"), ("inproc", 90.0, "RuntimeError: daemon gone"),
                     ("zmq", 80.0, "RuntimeError: daemon gone"), ("zmq", 90.0, "RuntimeError: daemon gone")]
@@ -572,12 +547,12 @@ def test_control_is_a_second_inproc_pool_compared_like_the_doorbell_and_needs_pa
     rs = []
     for rnd, (pc, pd) in enumerate([(0.4, 2.0), (-0.2, 3.0)]):
         rs.append(Result("inproc", 64, 90.0, run="graph", p50_us=1000.0, p99_us=1000.0, round=rnd))
-        rs.append(Result(bd.CONTROL, 64, 90.0, run="graph", p50_us=1061.0, p99_us=1070.0, round=rnd,
+        rs.append(Result(dw.CONTROL, 64, 90.0, run="graph", p50_us=1061.0, p99_us=1070.0, round=rnd,
                          paired_us_per_layer=pc))
         rs.append(Result("doorbell", 64, 90.0, run="graph", p50_us=1122.0, p99_us=1130.0, round=rnd,
                          paired_us_per_layer=pd))
     merged = derive(combine_rounds(rs, 61), 61, 656)
-    ctl = next(r for r in merged if r.mode == bd.CONTROL)
+    ctl = next(r for r in merged if r.mode == dw.CONTROL)
     assert ctl.vs_inproc == pytest.approx(1.061) and ctl.overhead_us_per_layer == pytest.approx(1.0)
     assert ctl.round_overheads == pytest.approx((1.0, 1.0)) and ctl.paired_us_per_layer == pytest.approx(0.1)
     opts = Options(gather_blocks=32, paired=True, control=True)
@@ -587,7 +562,7 @@ def test_control_is_a_second_inproc_pool_compared_like_the_doorbell_and_needs_pa
     assert "decode_pool_control_us_per_layer" not in summary(merged[:1] + merged[2:], opts)
     text = table(merged, opts)
     rows = [line.split()[2] for line in text.splitlines()[2:] if not line.startswith("note")]
-    assert rows == ["inproc", bd.CONTROL, "doorbell"]
+    assert rows == ["inproc", dw.CONTROL, "doorbell"]
     assert "what two pools alone differ by" in text
 
     monkeypatch.setattr(bd, "_free", lambda torch: None)
@@ -595,8 +570,8 @@ def test_control_is_a_second_inproc_pool_compared_like_the_doorbell_and_needs_pa
     opts = Options(batches=(4,), hits=(90.0,), modes=("inproc", "doorbell"), paired=True, control=True,
                    **SMALL).validate()
     out: list = []
-    bd._run_batch_modes(None, 4, bd.make_layout(4, opts), {90.0: None}, opts, out, gpu=False)
-    assert sorted(r.mode for r in out if r.error == "RuntimeError: no memory") == ["doorbell", "inproc", bd.CONTROL]
+    bd._run_batch_modes(None, 4, dw.make_layout(4, opts), {90.0: None}, opts, out, gpu=False)
+    assert sorted(r.mode for r in out if r.error == "RuntimeError: no memory") == ["doorbell", "inproc", dw.CONTROL]
 
 
 def test_paired_run_opens_the_control_pool_and_closes_every_handle(monkeypatch):
@@ -611,7 +586,7 @@ def test_paired_run_opens_the_control_pool_and_closes_every_handle(monkeypatch):
         if mode in fail_open:
             raise RuntimeError(f"cannot open {mode}")
         opened.append(mode)
-        return bd._Side(mode, None, None, handle=types.SimpleNamespace(close=lambda: closed.append(mode)))
+        return dm._Side(mode, None, None, handle=types.SimpleNamespace(close=lambda: closed.append(mode)))
 
     seen = []
 
@@ -620,17 +595,17 @@ def test_paired_run_opens_the_control_pool_and_closes_every_handle(monkeypatch):
         raise RuntimeError("daemon gone")
 
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
-    monkeypatch.setattr(bd, "_open_inproc", fake_open)
-    monkeypatch.setattr(bd, "run_doorbell", fake_doorbell)
+    monkeypatch.setattr(dm, "_open_inproc", fake_open)
+    monkeypatch.setattr(dm, "run_doorbell", fake_doorbell)
     opts = Options(modes=("inproc", "doorbell"), paired=True, control=True, **SMALL)
     fail_open: tuple = ()
     with pytest.raises(RuntimeError, match="daemon gone"):
-        bd.run_paired(torch, None, {}, opts, [])
-    assert seen == [["inproc", bd.CONTROL]] and sorted(closed) == sorted(opened) == ["inproc", bd.CONTROL]
+        dm.run_paired(torch, None, {}, opts, [])
+    assert seen == [["inproc", dw.CONTROL]] and sorted(closed) == sorted(opened) == ["inproc", dw.CONTROL]
     opened.clear(), closed.clear()
-    fail_open = (bd.CONTROL,)
+    fail_open = (dw.CONTROL,)
     with pytest.raises(RuntimeError, match="cannot open"):
-        bd.run_paired(torch, None, {}, opts, [])
+        dm.run_paired(torch, None, {}, opts, [])
     assert opened == closed == ["inproc"]
     # daemon_first: the sides are opened by the doorbell run (once the daemon's pool is
     # made), through what it is handed; they are closed all the same.
@@ -641,9 +616,9 @@ def test_paired_run_opens_the_control_pool_and_closes_every_handle(monkeypatch):
         assert callable(paired_with) and opened == []
         seen.append([s.mode for s in paired_with()])
 
-    monkeypatch.setattr(bd, "run_doorbell", late_doorbell)
-    bd.run_paired(torch, None, {}, opts, [], daemon_first=True)
-    assert seen[-1] == ["inproc", bd.CONTROL] and sorted(closed) == ["inproc", bd.CONTROL]
+    monkeypatch.setattr(dm, "run_doorbell", late_doorbell)
+    dm.run_paired(torch, None, {}, opts, [], daemon_first=True)
+    assert seen[-1] == ["inproc", dw.CONTROL] and sorted(closed) == ["inproc", dw.CONTROL]
 
 
 def test_paired_rounds_alternate_which_pool_is_made_first(monkeypatch):
@@ -669,7 +644,7 @@ def test_a_failing_mode_becomes_error_rows_and_the_run_goes_on(capsys):
     def boom():
         raise RuntimeError("arena\ntoo small")
 
-    bd._guarded(out, "inproc", 16, {80.0: None, 90.0: None}, boom)
+    dm.guarded(out, "inproc", 16, {80.0: None, 90.0: None}, boom)
     assert [(r.hits, r.error) for r in out[1:]] == [(90.0, "RuntimeError: arena too small")]
     assert "batch 16 inproc failed" in capsys.readouterr().err
 
@@ -728,8 +703,7 @@ def test_a_tiny_run_on_the_gpu(tmp_path):
             assert r.run == "graph", mode
         assert by[(batch, "inproc")].hit_rate == pytest.approx(keep) and by[(batch, "inproc")].hit_measured
         assert by[(batch, "doorbell")].hit_rate == pytest.approx(keep)
-        z = by[(batch, "zmq")]
-        assert z.ok or z.skipped, z.error
+        assert by[(batch, "zmq")].ok, by[(batch, "zmq")].error
     d = summary(results, opts)
     json.dumps(d)
     assert d["decode_reference_config"] == "b2_h90_k64"
@@ -749,12 +723,12 @@ def test_a_tiny_paired_run_on_the_gpu(tmp_path):
                    daemon_log=str(tmp_path / "sparsekvd.log")).validate()
     by = {r.mode: r for r in bd.run(opts, torch)}
     keep = round(0.9 * 64) / 64
-    for mode in ("inproc", bd.CONTROL, "doorbell"):
+    for mode in ("inproc", dw.CONTROL, "doorbell"):
         r = by[mode]
         assert r.ok, (mode, r.error, (tmp_path / "sparsekvd.log").read_text()[-2000:])
         assert r.run == "graph" and r.hit_rate == pytest.approx(keep), mode
     assert by["doorbell"].paired_us_per_layer is not None and by["inproc"].paired_us_per_layer is None
-    assert by[bd.CONTROL].paired_us_per_layer is not None
+    assert by[dw.CONTROL].paired_us_per_layer is not None
     d = summary(list(by.values()), opts)
     assert d["decode_b2_h90_doorbell_paired_overhead_us_per_layer"] is not None
     assert d["decode_pool_control_us_per_layer"] is not None

@@ -1,11 +1,16 @@
-"""sparsekv bench kernels: the step plans it times, its table, and (cuda) a small run."""
+"""sparsekv bench kernels: the step plans it times, its table, and (cuda) a small run; the GPU
+benches refused in one line where they cannot run; what ``sparsekv bench latest`` writes."""
 
 import json
+import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from sparsekv.bench import kernels as bk
+from sparsekv.bench import latest
+from sparsekv.cli.main import main
 
 
 def test_step_plans_look_like_a_decode_steps_misses():
@@ -57,13 +62,16 @@ def test_the_table_lists_every_row_and_the_headline_keys():
     assert "gather_vs_bulk 0.7" in text and "pool_ready_GiBps 25.0" in text
 
 
-def test_quick_runs_keep_the_phases_thread_counts_and_plain_build():
-    v = [("phase 0", {}), ("phase 7", {}), ("512 threads", {}), ("sort lookup 512 threads", {}),
-         ("tiles walk", {}), ("plain build (session 15's default)", {}), ("plain build, phase 4", {}),
-         ("hash table x2 phase 2", {}), ("warp totals summed by every thread, 768 threads", {})]
-    assert [label for label, _ in bk.quick_variants(v)] == [
-        "phase 0", "phase 7", "512 threads", "plain build (session 15's default)", "plain build, phase 4",
-        "warp totals summed by every thread, 768 threads"]
+def test_variants_differ_from_the_default_and_a_quick_run_times_the_thread_counts():
+    default = SimpleNamespace(threads=1024, hash_scale=4, lru_smem=True, owner_smem=True)
+    quick = bk.variant_options(default, quick=True)
+    assert quick == [("256 threads", {"threads": 256}), ("512 threads", {"threads": 512}),
+                     ("768 threads", {"threads": 768})]
+    full = dict(bk.variant_options(default))
+    assert full["new lru scattered to global memory"] == {"lru_smem": False}
+    assert full["owners read from global memory"] == {"owner_smem": False}
+    assert full["hash table x2"] == {"hash_scale": 2}
+    assert len(full) == len(bk.variant_options(default)) and set(dict(quick)) < set(full)
 
 
 def test_the_json_is_replaced_whole_and_leaves_out_the_rows(tmp_path):
@@ -78,10 +86,51 @@ def test_the_json_is_replaced_whole_and_leaves_out_the_rows(tmp_path):
 def test_a_small_run_on_the_gpu():
     r = bk.run(pool_gib=1.0, layers=4, blocks=(32,), both_pool_modes=True, resolve_variants=False)
     for k in ("gather_vs_bulk", "resolve_us_b64", "pool_ready_GiBps", "pool_ready_again_GiBps", "pool_ready_after_fault_GiBps",
-              "merge_plan_us_b64", "gather_request_order_GBps", "gather_batch_order_GBps",
+              "gather_request_order_GBps",
               "gather_request_order_32blocks_one_registration_GBps", "gather_request_order_32blocks_memfd_GBps",
-              "pool_ready_memfd_GiBps", "resolve_us_b64_eager", "gather_rows_672B_useful_GBps",
-              "gather_rows_768B_read_GBps", "gather_request_order_32blocks_512_threads_GBps", "gather_adjacent_rows_GBps"):
+              "pool_ready_memfd_GiBps", "resolve_us_b64_eager",
+              "gather_request_order_32blocks_512_threads_GBps", "gather_adjacent_rows_GBps"):
         assert r[k] > 0, k
-    assert r["pool_backing"] == "anon_thp" and r["resolve_lookup"] == "hash"
+    assert r["pool_backing"] == "anon_thp"
     assert r["kernels_step_bytes"] == 64 * round(0.1 * 2048) * 656
+
+
+@pytest.mark.parametrize("argv", [["kernels"], ["kernels", "--kernels-quick"], ["cuda_transport"],
+                                  ["latest", "--json", "latest.json"]])
+def test_gpu_benches_without_cupy_end_in_one_line_and_a_non_zero_exit(argv, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError, as on a machine without it
+    assert main(["bench", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"sparsekv bench {argv[0]}: needs CuPy and an NVIDIA GPU (pip install 'sparsekv[cuda]')\n"
+
+
+def test_an_output_in_a_missing_directory_is_refused_before_any_work(tmp_path, capsys):
+    assert main(["bench", "kernels", "--json", str(tmp_path / "no" / "k.json")]) == 2
+    assert capsys.readouterr().err == f"sparsekv bench kernels: --json {tmp_path}/no/k.json: {tmp_path}/no is not a " \
+                                      "writable directory\n"
+
+
+def test_latest_merges_the_figures_and_keeps_what_ran_before_a_failure(tmp_path, monkeypatch):
+    """sparsekv bench latest: each transport run's numbers under its prefix, the headline
+    hand-off from the warm-io run, the merged files' numbers, written after each run."""
+    runs = []
+
+    def fake(steps, warm_io=False, device_wait=False):
+        runs.append((warm_io, device_wait))
+        if device_wait:
+            raise RuntimeError("no second rank")
+        return {"bench": "cuda_transport", "warm_io": warm_io, "zmq_handoff_p50_us": 200.0 - 50 * warm_io,
+                "daemon_host_us_per_step": 40.0, "io_cpus": "daemon 3, client 2"}
+
+    monkeypatch.setattr(latest, "bench_cuda_transport", fake)
+    (tmp_path / "decode.json").write_text(json.dumps({"doorbell_overhead_us_per_layer": 1.2, "decode_paired": True}))
+    out = tmp_path / "latest.json"
+    a = SimpleNamespace(json_path=str(out), merge=[str(tmp_path / "decode.json"), str(tmp_path / "none.json")],
+                        commit="abc1234")
+    assert latest.run_args(a) == 1 and runs == [(False, False), (True, False), (False, True)]
+    d = json.loads(out.read_text())
+    assert d["commit"] == "abc1234" and d["doorbell_overhead_us_per_layer"] == 1.2 and "decode_paired" not in d
+    assert d["zmq_handoff_cold_p50_us"] == 200.0 and d["zmq_handoff_p50_us"] == 150.0
+    assert d["cuda_transport_zmq_handoff_p50_us"] == 200.0 and d["cuda_transport_warm_io_zmq_handoff_p50_us"] == 150.0
+    assert not any(k.startswith("cuda_transport_dw_run_") for k in d) and "cuda_transport_io_cpus" not in d

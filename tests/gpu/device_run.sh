@@ -1,14 +1,36 @@
 #!/usr/bin/env bash
-# One batched run on the GPU machine (see docs/PERF.md): install, test, time.
-#   run from the repo root there; carries .whl: pyzmq (python 3.12) and setuptools>=77 (the
-#   build needs it for the SPDX licence fields; the image may have an older one).
-#   COMMIT=<hash from the developer machine> (the device has no .git) goes into latest.json.
-# Writes logs under $OUT and prints a short table last.
+# One batched run on the GPU machine (docs/PERF.md): install, test, replay, time. Run from
+# the repository root there:   [VAR=...] bash tests/gpu/device_run.sh [WHAT]
+#   .whl/*.whl: wheels carried along (pyzmq for the machine's python, setuptools>=77 for
+#   the build's SPDX licence fields); installed into /tmp/site.
+#   COMMIT=<hash> goes into latest.json (the machine has no .git).
+# Logs go under $OUT; a short table of every step's result comes last.
+#
+# WHAT: one or several, comma-separated (default all):
+#   all       every step below but ab
+#   test      pytest, demo, examples, replay        e2e    test, decode, latest
+#   bench     kernels, decode, latest
+#   pytest    the tests marked cuda (PYTEST_ARGS: more options; PYTEST_K: a -k expression;
+#             PYTEST_SELECT: paths, default tests; PYTEST_TIMEOUT_S)
+#   kernels   sparsekv bench kernels (POOL_GIB, default 64; KERNELS_ARGS, e.g. --kernels-quick)
+#   decode    sparsekv bench decode --quick (DECODE_ARGS, e.g. "--steps 60 --rounds 3 --paired")
+#   latest    sparsekv bench latest: latest.json from the transport runs and the figures above
+#   demo      sparsekv demo                          examples  the example model on the doorbell
+#   replay    synthesized traces replayed on the cuda backend with --verify through zmq and
+#             the doorbell: each must be exact and equal to the in-process reference
+#   ab        with BASE_DIR, an older checkout copied into the tree (git archive BASE
+#             --prefix=base/ | tar -x; BASE_DIR=base): bench decode --quick and bench kernels
+#             from the base and from this tree in turn, A B A B (AB_ROUNDS, default 2;
+#             AB_DECODE_ARGS, default --batches 64; AB_KERNELS_ARGS, default "--kernels-quick
+#             --pool-gib 16"), then each figure of both side by side
+# BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
+# so that the logs are packed before the device tool's limit. SPARSEKV_STOP_TIMEOUT_S: how
+# long a test's private daemon may take to stop on SIGTERM before it is killed.
 set -uo pipefail
 OUT=${OUT:-/tmp/skv-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE_DIR=/tmp/skv-kernels SPARSEKV_TEST_DAEMON_LOG=$OUT/daemon.log SPARSEKV_BENCH_DAEMON_LOG=$OUT/bench-daemon.log SPARSEKV_GPU_MEMLOG=$OUT/gpu-mem.log \
-  SPARSEKV_SOAK_SUMMARY_DIR=$OUT
+export PYTHONUNBUFFERED=1 SPARSEKV_KERNEL_CACHE_DIR=/tmp/skv-kernels SPARSEKV_TEST_DAEMON_LOG=$OUT/daemon.log \
+  SPARSEKV_BENCH_DAEMON_LOG=$OUT/bench-daemon.log SPARSEKV_GPU_MEMLOG=$OUT/gpu-mem.log SPARSEKV_SOAK_SUMMARY_DIR=$OUT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
@@ -33,28 +55,8 @@ finish() {
 trap finish EXIT
 
 status=0
-what=${1:-all}  # one or several, comma-separated (e.g. test,kernels,signals)
+what=${1:-all}
 has() { [[ ",$what," == *",$1,"* ]]; }
-# what: all (tests, demo, examples, kernel, decode and transport benchmarks) | pytest (the cuda
-#       tests) | test (tests, demo, examples) | e2e (tests, demo, examples, decode, transport) |
-#       bench (the benchmarks) | kernels (sparsekv bench kernels) | decode (sparsekv bench decode
-#       --quick) | signals (bench decode at batch 64 for each doorbell signalling and gather order)
-#       | latest (perf_latest.py: the transport bench, and latest.json from every figure) | demo |
-#       (DECODE_ARGS: more options of the decode step, e.g. "--steps 60 --rounds 3 --paired") |
-#       ab (bench decode for each of AB_VARIANTS: the daemon's switches against each other) |
-#       profile (tests/gpu/profile_daemon.py: the daemon's host time per request) |
-#       zmqprobe (tests/gpu/micro_zmq_affinity.py: a ZeroMQ hop's wake-ups) |
-#       warmcpus (tests/gpu/warm_cpus.py: the transport bench as installed and with warm_io, ABBA) |
-#       ncu (Nsight Compute on skv_resolve and skv_gather, tests/gpu/ncu_kernels.py) |
-#       examples (the example model through the doorbell, its own KV and an engine-owned slab) |
-#       probes (tests/gpu/pool_first_touch.py and tests/gpu/probe_ipc_after_kill.py) |
-#       tma (tests/gpu/probe_tma_gather.py: the gather by TMA against the SM gather; TMA_POOL_GIB)
-#       (NCU_SOURCE=1 with ncu: skv_resolve's stalls per SASS instruction, ncu-resolve-sass.csv)
-# Steps run in this order, the ones that can hurt the GPU (spin kernels) last.
-# BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
-# so that the logs are packed before the device tool's limit.
-# PYTEST_ARGS: more pytest options (split at spaces; PYTEST_K: a -k expression, kept whole). SPARSEKV_STOP_TIMEOUT_S: how long a test's private
-# daemon may take to stop on SIGTERM before its stacks are dumped and it is killed.
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-540}
 left() {  # left DEFAULT: DEFAULT, or what is left of the budget less 15 s, if that is less
@@ -62,123 +64,138 @@ left() {  # left DEFAULT: DEFAULT, or what is left of the budget less 15 s, if t
   (( l < 1 )) && l=1
   (( $1 < l )) && echo "$1" || echo "$l"
 }
+results=()
+result() { results+=("$(printf '%-9s %s' "$1" "$2")"); }  # result STEP TEXT: a row of the last table
+figures() {  # figures FILE KEY...: "KEY VALUE" of each KEY that the JSON FILE has
+  python3 - "$@" 2>/dev/null <<'EOF' || echo "no figures ($1)"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("  ".join(f"{k} {d[k]}" for k in sys.argv[2:] if k in d) or "none of the keys")
+EOF
+}
+KERNEL_KEYS="gather_vs_bulk gather_request_order_GBps bulk_h2d_GBps resolve_us_b64 pool_ready_GiBps"
+DECODE_KEYS="doorbell_overhead_us_per_layer doorbell_handoff_us_per_layer decode_daemon_vs_inproc \
+decode_b64_h90_inproc_p50_us decode_b64_h90_doorbell_p50_us"
+
 per_test=""
 python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout ${PER_TEST_TIMEOUT_S:-90}"
-pytest_cuda() {  # pytest_cuda LOG MARKERS DEFAULT_TIMEOUT
-  SPARSEKV_SOAK_S=${SPARSEKV_SOAK_S:-30} timeout "$(left "$3")" python3 -m pytest -q -rfE --tb=short --durations=10 \
-    --require-cuda -m "$2" -p no:cacheprovider $per_test ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} ${PYTEST_SELECT:-tests} 2>&1 \
-    | tee -a "$OUT/$1" | tail -25
-  return "${PIPESTATUS[0]}"
-}
 if has all || has test || has e2e || has pytest; then
-  pytest_cuda pytest-cuda.log "cuda and not spin" ${PYTEST_TIMEOUT_S:-300} || status=1
-fi
-if has tma; then
-  # The gather by the Tensor Memory Accelerator against the SM gather, in its own process
-  # (a TMA fault would end the CUDA context): tests/gpu/probe_tma_gather.py.
-  timeout "$(left 150)" python3 tests/gpu/probe_tma_gather.py ${TMA_POOL_GIB:-64} 2>&1 | tee "$OUT/probe-tma.log" | grep -v "^{"
+  SPARSEKV_SOAK_S=${SPARSEKV_SOAK_S:-30} timeout "$(left "${PYTEST_TIMEOUT_S:-300}")" python3 -m pytest -q -rfE \
+    --tb=short --durations=10 --require-cuda -m cuda -p no:cacheprovider $per_test ${PYTEST_K:+-k "$PYTEST_K"} \
+    ${PYTEST_ARGS:-} ${PYTEST_SELECT:-tests} 2>&1 | tee -a "$OUT/pytest-cuda.log" | tail -25
+  rc=${PIPESTATUS[0]}
+  (( rc == 0 )) || status=1
+  result pytest "rc $rc: $(grep -E '(passed|failed|error)' "$OUT/pytest-cuda.log" | tail -1 | tr -d '=')"
 fi
 if has all || has bench || has kernels; then
-  # Gather, resolve and pool start against the link (64 GiB pool): docs/PERF.md, issue 8's keys.
-  timeout "$(left ${KERNELS_TIMEOUT_S:-150})" python3 -m sparsekv.cli.main bench kernels --pool-gib ${POOL_GIB:-64} ${KERNELS_ARGS:-} \
-    --json "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | tail -40
+  # Gather, resolve and pool start against the link (a 64 GiB pool).
+  timeout "$(left "${KERNELS_TIMEOUT_S:-150}")" python3 -m sparsekv.cli.main bench kernels --pool-gib "${POOL_GIB:-64}" \
+    ${KERNELS_ARGS:-} --json "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | tail -40
+  result kernels "$(figures "$OUT/bench-kernels.json" $KERNEL_KEYS)"
 fi
 if has all || has bench || has e2e || has decode; then
   # No batch size starts in the last third of its time (--budget-s); decode.json is
   # written after each batch size, so a cut run still leaves what it measured.
-  dt=$(left ${DECODE_TIMEOUT_S:-150})
+  dt=$(left "${DECODE_TIMEOUT_S:-150}")
   timeout "$dt" python3 -m sparsekv.cli.main bench decode --quick --budget-s $(( dt * 2 / 3 + 1 )) ${DECODE_ARGS:-} \
-    --daemon-log "$OUT/decode-daemon.log" --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/bench-decode.log" | tail -12
+    --daemon-log "$OUT/decode-daemon.log" --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 \
+    | tee "$OUT/bench-decode.log" | tail -12
+  result decode "$(figures "$OUT/decode.json" $DECODE_KEYS)"
 fi
 if has all || has bench || has e2e || has latest; then
-  timeout "$(left ${LATEST_TIMEOUT_S:-200})" python3 tests/gpu/perf_latest.py "$OUT/latest.json" "${COMMIT:-unknown}" "$OUT/decode.json" \
-    "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-transport.log" | tail -5
+  timeout "$(left "${LATEST_TIMEOUT_S:-200}")" python3 -m sparsekv.cli.main bench latest --json "$OUT/latest.json" \
+    --commit "${COMMIT:-unknown}" --merge "$OUT/decode.json" "$OUT/bench-kernels.json" 2>&1 \
+    | tee "$OUT/bench-transport.log" | tail -5
+  result latest "$(figures "$OUT/latest.json" zmq_handoff_p50_us zmq_handoff_cold_p50_us daemon_host_us_per_step)"
 fi
 if has all || has test || has e2e || has demo; then
   timeout "$(left 100)" python3 -m sparsekv.cli.main demo --quiet 2>&1 | tee "$OUT/demo.log" | tail -14
+  rc=${PIPESTATUS[0]}
+  (( rc == 0 )) || status=1
+  result demo "rc $rc"
 fi
 if has all || has test || has e2e || has examples; then
-  # The example model through the engine's handle on the GPU (doorbell), as a user runs it.
-  timeout "$(left 100)" python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 2>&1 \
-    | tee "$OUT/example-doorbell.log" | tail -3
-  # ... with its hot region inside its own KV-cache tensor (issue 12).
-  timeout "$(left 100)" python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 --slab engine 2>&1 \
-    | tee "$OUT/example-engine-slab.log" | tail -3
-fi
-if has signals; then
-  # Batch 64, 90 % hits: the doorbell's signalling on each side (engine:daemon) and the
-  # gather order; one private daemon each; figures in decode-<variant>.json.
-  for v in ${SIGNAL_VARIANTS:-kernel:ops ops:kernel kernel:kernel ops:ops:batch}; do
-    IFS=: read -r eng dmn order <<<"$v"
-    SPARSEKV_DB_ENGINE_SIGNAL=$eng SPARSEKV_DB_DAEMON_SIGNAL=$dmn SPARSEKV_GATHER_ORDER=${order:-request} \
-      timeout "$(left 80)" python3 -m sparsekv.cli.main bench decode --batches 64 --hits 90 \
-      --modes gpu,inproc,doorbell --json "$OUT/decode-${v//:/-}.json" 2>&1 | tee "$OUT/bench-decode-${v//:/-}.log" \
-      | grep -E "^ +64 " | sed "s/^/$v /"
+  # The example model through the engine's handle on the GPU (doorbell), as a user runs it,
+  # then with its hot region inside its own KV-cache tensor.
+  for slab in daemon engine; do
+    timeout "$(left 100)" python3 -m examples.dsa_decode.run --transport doorbell --device cuda:0 --slab $slab 2>&1 \
+      | tee "$OUT/example-$slab-slab.log" | tail -3
+    rc=${PIPESTATUS[0]}
+    (( rc == 0 )) || status=1
+    result example "--slab $slab: rc $rc"
   done
 fi
-if has ncu; then
-  # Nsight Compute on skv_resolve and skv_gather (tests/gpu/ncu_kernels.py), outside MPS
-  # (ncu does not profile MPS clients); text reports in ncu-<kernel>.txt (logs.tgz).
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  if [[ -n "$NCU" ]]; then
-    for k in skv_resolve skv_gather; do
-      CUDA_MPS_PIPE_DIRECTORY=/tmp/no-mps timeout "$(left 120)" "$NCU" --clock-control none -k "$k" \
-        --launch-skip 8 --launch-count 2 --section SpeedOfLight --section WarpStateStats \
-        --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-        --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-        python3 tests/gpu/ncu_kernels.py >"$OUT/ncu-$k.txt" 2>&1
-      grep -E "Duration|Warp Cycles Per Issued|Eligible Warps|Achieved Occupancy|Registers Per" "$OUT/ncu-$k.txt" | head -6
-      # the stall reasons of the first profiled launch, largest first
-      grep -E "issue_stalled" "$OUT/ncu-$k.txt" | awk '!seen[$1]++ {print $NF, $1}' | sort -rn | head -8
+if has all || has test || has e2e || has replay; then
+  # A trace of host rows and one of positions (block tables, speculative rows), replayed on
+  # the cuda backend with --verify through zmq and the doorbell; exact: every hot row
+  # verified, and the slots and misses those of the in-process engine (the reference).
+  R=$OUT/replay
+  mkdir -p "$R"
+  python3 -m sparsekv.cli.main trace synth --out "$R/rows.npz" --seed 7 >/dev/null
+  python3 -m sparsekv.cli.main trace synth --out "$R/positions.npz" --block-size 16 --spec 0.1 --seed 8 >/dev/null
+  for tr in rows positions; do
+    timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" --out "$R/$tr-inproc.npz" >/dev/null 2>&1
+    for t in zmq doorbell; do
+      timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" --backend cuda --transport $t --verify \
+        --out "$R/$tr-$t.npz" --daemon-log "$R/$tr-$t-daemon.log" >"$R/$tr-$t.json" 2>&1
+      rc=$?
+      same=$(python3 - "$R/$tr-inproc.npz" "$R/$tr-$t.npz" 2>&1 <<'EOF'
+import sys
+import numpy as np
+a, b = (np.load(p) for p in sys.argv[1:])
+print("equal to inproc" if all(np.array_equal(a[k], b[k]) for k in ("slots", "misses")) else "DIFFERS from inproc")
+EOF
+)
+      if (( rc == 0 )) && [[ "$same" == "equal to inproc" ]]; then
+        result replay "$tr $t: exact ($(grep -o '"mismatched_rows": [0-9]*' "$R/$tr-$t.json"), $same)"
+      else
+        status=1
+        result replay "$tr $t: NOT EXACT (rc $rc, $same): $(tail -c 300 "$R/$tr-$t.json" | tr '\n' ' ')"
+      fi
     done
-    if [[ "${NCU_SOURCE:-0}" == 1 ]]; then
-      # Where skv_resolve's warps stall, instruction by instruction (SASS; ncu-resolve-sass.csv).
-      CUDA_MPS_PIPE_DIRECTORY=/tmp/no-mps timeout "$(left 120)" "$NCU" --clock-control none -k skv_resolve \
-        --launch-skip 8 --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "$OUT/ncu-resolve" \
-        python3 tests/gpu/ncu_kernels.py >"$OUT/ncu-resolve-src.txt" 2>&1
-      "$NCU" -i "$OUT/ncu-resolve.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-resolve-sass.csv" 2>&1
-      wc -l "$OUT/ncu-resolve-sass.csv"; rm -f "$OUT/ncu-resolve.ncu-rep"
-    fi
+  done
+fi
+if has ab && [[ -z "${BASE_DIR:-}" ]]; then
+  result ab "not run: BASE_DIR is not set"
+elif has ab; then
+  # The base tree installed on its own (/tmp/base-site first on PYTHONPATH), then the same
+  # benches from the base (A) and from this tree (B) in turn, so that the machine's drift
+  # lands on both alike. A failed base run costs its figures, nothing else.
+  AB=$OUT/ab
+  mkdir -p "$AB"
+  if python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/base-site "$BASE_DIR" \
+      >"$AB/install-base.log" 2>&1; then
+    for i in $(seq "${AB_ROUNDS:-2}"); do
+      for side in A B; do
+        if [[ $side == A ]]; then cmd=(env PYTHONPATH=/tmp/base-site:/tmp/site python3 /tmp/base-site/bin/sparsekv)
+        else cmd=(python3 -m sparsekv.cli.main); fi
+        timeout "$(left 200)" "${cmd[@]}" bench decode --quick ${AB_DECODE_ARGS:---batches 64} --json "$AB/decode-$side$i.json" \
+          >"$AB/decode-$side$i.log" 2>&1
+        timeout "$(left 200)" "${cmd[@]}" bench kernels ${AB_KERNELS_ARGS:---kernels-quick --pool-gib 16} \
+          --json "$AB/kernels-$side$i.json" >"$AB/kernels-$side$i.log" 2>&1
+      done
+    done
+    python3 - "$AB" $DECODE_KEYS $KERNEL_KEYS <<'EOF' | tee "$AB/table.txt"
+import glob, json, os, statistics, sys
+ab, keys = sys.argv[1], sys.argv[2:]
+runs = {"A": [], "B": []}
+for path in sorted(glob.glob(os.path.join(ab, "*-[AB]*.json"))):
+    try:
+        with open(path) as f:
+            runs[os.path.basename(path).split("-")[1][0]].append(json.load(f))
+    except ValueError as e:  # a run that wrote nothing usable: its figures are missing
+        print(f"{path}: {e}")
+print(f"{'figure':<36} {'base (A) runs':>24} {'tree (B) runs':>24} {'B/A':>6}")
+for k in keys:
+    a, b = ([r[k] for r in runs[s] if isinstance(r.get(k), (int, float))] for s in "AB")
+    ratio = f"{statistics.median(b) / statistics.median(a):.3f}" if a and b and statistics.median(a) else "-"
+    print(f"{k:<36} {' '.join(map(str, a)) or '-':>24} {' '.join(map(str, b)) or '-':>24} {ratio:>6}")
+EOF
+    result ab "$AB/table.txt (above)"
   else
-    echo "ncu: not found"
+    result ab "the base tree did not install (ab/install-base.log)"
   fi
 fi
-if has probes; then
-  # The host's first touch against the pool code's (64 GiB, no CUDA), and an IPC open of a
-  # handle whose holder was SIGKILLed (MPS is up): docs/PERF.md, session 8.
-  timeout "$(left 90)" python3 tests/gpu/pool_first_touch.py ${POOL_GIB:-64} 2>&1 | tee "$OUT/pool-first-touch.log"
-  timeout "$(left 90)" python3 tests/gpu/probe_ipc_after_kill.py 2>&1 | tee "$OUT/probe-ipc-after-kill.log"
-fi
-if has zmqprobe; then
-  # Where a ZeroMQ hop's time goes on this VM: I/O threads placed by default, pinned with
-  # their busy-polling thread, and a raw SOCK_SEQPACKET pair (tests/gpu/micro_zmq_affinity.py).
-  timeout "$(left 90)" python3 tests/gpu/micro_zmq_affinity.py 2000 2>&1 | tee "$OUT/micro-zmq-affinity.log"
-fi
-if has warmcpus; then
-  # The zmq hop with halted vCPUs against vCPUs kept running by SCHED_IDLE busy loops.
-  timeout "$(left 300)" python3 tests/gpu/warm_cpus.py ${WARM_STEPS:-200} 2>&1 | tee "$OUT/warm-cpus.log" | grep -v "^{"
-fi
-if has profile; then
-  # Where the daemon's host time goes per STEP + TOPK (handlers in process, then cProfile).
-  timeout "$(left 90)" python3 tests/gpu/profile_daemon.py 300 >"$OUT/profile-daemon.log" 2>&1
-  head -30 "$OUT/profile-daemon.log"
-fi
-if has ab; then
-  # A/B of the daemon's measured switches on a decode step (batch 16 and 64, 90 % hits):
-  # AB_VARIANTS "name:VAR=value,VAR=value ..." (an empty list after the colon: the defaults);
-  # one private daemon each; figures in decode-ab-<name>.json; AB_ARGS: more options
-  # (e.g. "--steps 40 --rounds 2").
-  for v in ${AB_VARIANTS:-default: pin_start:SPARSEKV_PIN_POOL_AT_START=1 memfd:SPARSEKV_POOL_BACKING=memfd}; do
-    name=${v%%:*}; vars=${v#*:}
-    env ${vars//,/ } timeout "$(left 80)" python3 -m sparsekv.cli.main bench decode --batches ${AB_BATCHES:-16,64} \
-      --hits 90 --modes inproc,doorbell ${AB_ARGS:-} --json "$OUT/decode-ab-$name.json" 2>&1 | tee "$OUT/bench-decode-ab-$name.log" \
-      | grep -E "^ +(16|64|128) " | sed "s/^/$name /"
-  done
-fi
-# Spin kernels last, and only when asked (SPIN=1): on the H200 under MPS they have hung and
-# taken the MPS server down (docs/PERF.md, session 6 and 7).
-if [[ "${SPIN:-0}" == 1 ]] && (has all || has test || has e2e || has pytest); then
-  pytest_cuda pytest-cuda.log "cuda and spin" 120 || status=1
-fi
-echo "device_run: $(( $(date +%s) - T0 )) s"
+echo "== device_run: $(( $(date +%s) - T0 )) s"
+for line in "${results[@]}"; do echo "$line"; done
 exit $status
