@@ -8,7 +8,7 @@ application threads poll while a step is in flight, but the I/O threads sleep in
 its shallow idle state in a microsecond or two; a VM whose guest halts (the guest runs
 HLT, the host deschedules the vCPU) takes the host's scheduler tens of microseconds per
 wake-up, and the hop pays it up to four times (measured on the lent H200 VMs: docs/PERF.md,
-session 15).
+"Transport hand-off").
 
 Two settings remove most of that cost:
 

@@ -101,8 +101,7 @@ def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
 def open_mem_handle(handle: bytes) -> int:
     """``cudaIpcOpenMemHandle`` (lazy peer access) on the current device. A handle whose
     exporter has exited cannot be opened, for good, even while other processes still map
-    its memory: cudaErrorInvalidResourceHandle (tests/gpu/probe_ipc_after_kill.py on the
-    H200 under MPS, docs/PERF.md session 9). So a retry never helps; the caller asks
+    its memory: cudaErrorInvalidResourceHandle (seen on the H200 under MPS). So a retry never helps; the caller asks
     whether the exporter is still there."""
     cp = _cp()
     return cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
