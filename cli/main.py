@@ -10,12 +10,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import time
 from importlib import metadata
 
+from sparsekv.bench import decode as bench_decode
+from sparsekv.bench import kernels as bench_kernels
+from sparsekv.bench.bench import format_results, run_bench
+from sparsekv.bench.replay import replay, save_result, summary_line
+from sparsekv.bench.trace import Trace, TraceError, synth
 from sparsekv.client.client import default_run_dir
-from sparsekv.client.errors import DaemonUnavailable, SparseKVError
-from .health import StatsSocketError, stats_query
+from sparsekv.client.errors import BadRequest, DaemonUnavailable, SparseKVError
+from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list
+from .demo import format_table, run_demo
+from .health import StatsSocketError, exit_code, probe, stats_query
+from .progress import Progress
+from .top import parse_clients, run_top
+
+
+class UsageError(ValueError):
+    """A bad argument: the command exits 2 with this message."""
+
+
+class Terminated(BaseException):
+    """SIGTERM: unwinds like Ctrl-C, so a private daemon and demo ranks are stopped."""
 
 
 def _version() -> str:
@@ -25,6 +45,18 @@ def _version() -> str:
         return "unknown"
 
 
+def check_output(path: str, what: str = "--out") -> None:
+    """Refuse, before any work, an output path that cannot be written: its directory
+    missing or not writable, or the path a directory."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{what} {path} is a directory; name a file")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{what} {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{what} {path}: not writable by this user")
+
+
 def cmd_stats(a) -> int:
     what = "json" if a.json else "prometheus" if a.prometheus else "stats"
     sys.stdout.write(stats_query(a.run_dir, what, a.timeout_s))
@@ -32,22 +64,21 @@ def cmd_stats(a) -> int:
 
 
 def cmd_clients(a) -> int:
-    sys.stdout.write(stats_query(a.run_dir, "clients", a.timeout_s))
+    text = stats_query(a.run_dir, "clients", a.timeout_s)
+    if a.json:
+        clients = [{k: int(v) if v.lstrip("-").isdigit() else v for k, v in c.items()} for c in parse_clients(text)]
+        text = json.dumps(clients) + "\n"
+    sys.stdout.write(text)
     return 0
 
 
 def cmd_top(a) -> int:
-    from .top import run_top  # noqa: PLC0415
-
     if a.interval_s <= 0:
-        print("sparsekv top: --interval-s must be > 0", file=sys.stderr)
-        return 2
+        raise UsageError("--interval-s must be > 0")
     return run_top(a.run_dir, a.interval_s, once=a.once)
 
 
 def cmd_health(a) -> int:
-    from .health import exit_code, probe  # noqa: PLC0415
-
     h = probe(a.run_dir, a.timeout_s)
     code = exit_code(h, a.live)
     if not a.quiet:
@@ -59,65 +90,48 @@ def cmd_warm_cpus(a) -> int:
     """Keep CPUs from halting until SIGTERM or SIGINT (proto/cpus.py CpuWarmer): for the
     client side of deploy/README.md "Warm CPUs" where the daemon cannot (another pod's
     cpuset), or as a systemd unit of its own (deploy/sparsekv-warm-cpus@.service)."""
-    import signal  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list  # noqa: PLC0415
-
-    try:
-        cpus = parse_cpu_list(a.cpus, "CPUS")
-        if not cpus:
-            raise ValueError("CPUS: name at least one CPU (e.g. 62 or 62-63)")
-        stop = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.append(1))
-        with CpuWarmer(cpus) as w:
-            print(f"sparsekv warm-cpus: CPU(s) {format_cpu_list(cpus)} kept warm (pids "
-                  f"{' '.join(map(str, w.pids))}); SIGTERM or Ctrl-C stops", flush=True)
-            while not stop:
-                if w.running() < len(cpus) and not stop:  # (systemctl stop signals the loops too)
-                    return _fail("sparsekv warm-cpus", f"a loop exited ({w.running()} of {len(cpus)} left)")
-                time.sleep(0.5)
-    except (ValueError, RuntimeError) as e:
-        return _fail("sparsekv warm-cpus", str(e))
+    cpus = parse_cpu_list(a.cpus, "CPUS")
+    if not cpus:
+        raise UsageError("CPUS: name at least one CPU (e.g. 62 or 62-63)")
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(1))
+    with CpuWarmer(cpus) as w:
+        print(f"sparsekv warm-cpus: CPU(s) {format_cpu_list(cpus)} kept warm (pids "
+              f"{' '.join(map(str, w.pids))}); SIGTERM or Ctrl-C stops", flush=True)
+        while not stop:
+            if w.running() < len(cpus) and not stop:  # (systemctl stop signals the loops too)
+                raise RuntimeError(f"a loop exited ({w.running()} of {len(cpus)} left)")
+            time.sleep(0.5)
     return 0
 
 
 def cmd_replay(a) -> int:
-    from sparsekv.bench.replay import replay, save_result, summary_line  # noqa: PLC0415
-    from sparsekv.bench.trace import Trace, TraceError  # noqa: PLC0415
-
-    try:
-        trace = Trace.load(a.trace)
-    except TraceError as e:
-        print(f"sparsekv replay: {e}", file=sys.stderr)
-        return 2
-    from sparsekv.client.errors import BadRequest  # noqa: PLC0415
-
-    try:
-        summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify,
-                                 connect=a.connect, daemon_log=a.daemon_log, slab=a.slab)
-    except (ValueError, BadRequest) as e:
-        # BadRequest: the trace's content breaks the contract (duplicate ids in a row,
-        # state rows outside max_reqs, too many tokens per state row): a bad trace file.
-        print(f"sparsekv replay: {e}", file=sys.stderr)
-        return 2
+    check_output(a.out)
+    if a.daemon_log:
+        check_output(a.daemon_log, "--daemon-log")
+    trace = Trace.load(a.trace)
+    bar = None if a.quiet else Progress("replay", trace.steps)
+    summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify, connect=a.connect,
+                             daemon_log=a.daemon_log, slab=a.slab, progress=bar and bar.update)
+    if bar:
+        bar.close()
     save_result(a.out, result)
     print(summary_line(summary))
     return 1 if (a.verify and summary["mismatched_rows"]) or summary["guard_bytes_changed"] else 0
 
 
-def cmd_trace_synth(a) -> int:
-    from sparsekv.bench.trace import TraceError, synth  # noqa: PLC0415
+SYNTH_KEYS = ("steps", "batch", "top_k", "region_stride", "max_reqs", "host_rows", "row_bytes", "num_layers",
+              "overlap", "context", "lifetime", "arrive", "pad", "invalidate", "out_of_range", "share_prefix",
+              "block_size", "spec", "seed")
 
-    keys = ("steps", "batch", "top_k", "region_stride", "max_reqs", "host_rows", "row_bytes", "num_layers",
-            "overlap", "context", "lifetime", "arrive", "pad", "invalidate", "out_of_range", "share_prefix",
-            "block_size", "spec", "seed")
-    try:
-        tr = synth(**{k: getattr(a, k) for k in keys})
-    except (TraceError, ValueError) as e:
-        print(f"sparsekv trace synth: {e}", file=sys.stderr)
-        return 2
+
+def cmd_trace_synth(a) -> int:
+    check_output(a.out)
+    bar = None if a.quiet else Progress("trace synth", a.steps)
+    tr = synth(**{k: getattr(a, k) for k in SYNTH_KEYS}, progress=bar and bar.update)
+    if bar:
+        bar.close()
     tr.save(a.out)
     live = tr.state_rows >= 0
     print(json.dumps({"out": a.out, "steps": tr.steps, "batch": tr.batch, "top_k": tr.top_k,
@@ -127,8 +141,8 @@ def cmd_trace_synth(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    from .demo import format_table, run_demo  # noqa: PLC0415
-
+    if a.steps is not None and a.steps < 1:
+        raise UsageError("--steps must be >= 1")
     s = run_demo(backend=a.backend, steps=a.steps, progress=not a.quiet)
     sys.stdout.write(format_table(s))
     return 1 if s["mismatched_rows"] else 0
@@ -136,28 +150,25 @@ def cmd_demo(a) -> int:
 
 def cmd_bench(a) -> int:
     which = a.which or ["resolve", "gather", "transport"]
-    for alone in ("decode", "kernels"):
+    for alone, module in (("decode", bench_decode), ("kernels", bench_kernels)):
         if alone in which:
             if len(which) != 1:
-                print(f"sparsekv bench: {alone} runs alone (sparsekv bench {alone} [options]; it needs a GPU)",
-                      file=sys.stderr)
-                return 2
-            if alone == "decode":
-                from sparsekv.bench.decode import run_args  # noqa: PLC0415
-            else:
-                from sparsekv.bench.kernels import run_args  # noqa: PLC0415
-            return run_args(a)
-    from sparsekv.bench.bench import format_results, run_bench  # noqa: PLC0415
-
+                raise UsageError(f"{alone} runs alone (sparsekv bench {alone} [options]; it needs a GPU)")
+            return module.run_args(a)
     unknown = set(which) - {"resolve", "gather", "transport", "cuda_transport"}
     if unknown:
-        print(f"sparsekv bench: unknown benchmark(s) {sorted(unknown)}", file=sys.stderr)
-        return 2
+        raise UsageError(f"unknown benchmark(s) {sorted(unknown)}")
     if a.io != "both" and "cuda_transport" not in which:
-        print("sparsekv bench: --io is an option of cuda_transport", file=sys.stderr)
-        return 2
+        raise UsageError("--io is an option of cuda_transport")
     sys.stdout.write(format_results(run_bench(which, io=a.io)))
     return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr (and exit 2), without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -173,7 +184,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparsekv", description="sparsekv user commands", formatter_class=_HelpFormatter)
+    p = _Parser(prog="sparsekv", description="sparsekv user commands", formatter_class=_HelpFormatter)
     p.add_argument("--version", action="version", version=f"sparsekv {_version()}", help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
@@ -195,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = command("clients", "one line per connected client")
     run_dir_arg(q)
+    q.add_argument("--json", action="store_true", help="a JSON list of clients (one object each) instead of the table")
     q.set_defaults(fn=cmd_clients)
 
     q = command("top", "a live view of a running daemon: rates per second, latency, pool, clients")
@@ -220,15 +232,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a trace file, host rows or positions (sparsekv trace synth, DESIGN §6, docs/TRACES.md)")
     q.add_argument("--out", required=True, metavar="RESULT.npz", help="where to write the slots and misses")
     q.add_argument("--transport", choices=["inproc", "zmq", "doorbell"], default="inproc",
-                   help="inproc: the engine in this process; zmq: a daemon over its socket; doorbell: designed, not built")
-    q.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend of the private daemon")
+                   help="inproc: the engine in this process (cpu); zmq: a daemon over its socket; doorbell: a "
+                        "daemon driven from the GPU through the engine's handle (needs --backend cuda)")
+    q.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend of the private daemon (inproc: cpu only)")
     q.add_argument("--verify", action="store_true", help="fill the pool with a known pattern and check every hot row")
     q.add_argument("--slab", choices=["daemon", "engine"], default="daemon",
                    help="engine: the hot rows in a buffer this process owns, as an engine's KV cache would "
                         "(zmq or doorbell), with guard bytes around them checked unchanged")
     q.add_argument("--connect", metavar="RUN_DIR",
                    help="use this running daemon instead of a private one (default: a private daemon)")
-    q.add_argument("--daemon-log", metavar="FILE", help="log of the private daemon (default: discarded)")
+    q.add_argument("--daemon-log", metavar="FILE",
+                   help="log of the private daemon (default: discarded; a failed start shows its last lines)")
+    q.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     q.set_defaults(fn=cmd_replay)
 
     q = command("trace", "trace tools")
@@ -259,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("seed", int, 0, "random seed"),
     ):
         s.add_argument(f"--{name}", type=typ, default=default, help=help_text)
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     s.set_defaults(fn=cmd_trace_synth)
 
     q = command("bench", "speed figures, each against a baseline measured in the same run")
@@ -270,11 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda_transport: the ZeroMQ I/O threads as installed (not placed), on warm CPUs (the last "
                         "two this process may use, kept warm by the daemon; deploy/README.md \"Warm CPUs\"), or "
                         "both, one run each (warm only with 4 CPUs or more)")
-    from sparsekv.bench.decode import add_arguments as add_decode_arguments  # noqa: PLC0415
-    from sparsekv.bench.kernels import add_arguments as add_kernels_arguments  # noqa: PLC0415
-
-    add_decode_arguments(q.add_argument_group("decode options (sparsekv bench decode ...)"))
-    add_kernels_arguments(q.add_argument_group("kernels options (sparsekv bench kernels ...)"))
+    bench_decode.add_arguments(q.add_argument_group("decode options (sparsekv bench decode ...)"))
+    bench_kernels.add_arguments(q.add_argument_group("kernels options (sparsekv bench kernels ...)"))
     q.set_defaults(fn=cmd_bench)
 
     q = command("demo", "two TP ranks against a private daemon on a synthetic decode")
@@ -288,8 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     what = f"sparsekv {a.cmd}" + (f" {a.trace_cmd}" if a.cmd == "trace" else "")
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return a.fn(a)
+    except (ValueError, BadRequest) as e:
+        # A bad argument or trace (TraceError), or a trace whose content breaks the
+        # contract (BadRequest: duplicate ids in a row, a state row beyond max_reqs).
+        return _fail(what, str(e), 2)
     except StatsSocketError as e:
         return _fail(what, str(e))
     except DaemonUnavailable as e:
@@ -301,13 +319,23 @@ def main(argv=None) -> int:
         return _fail(what, f"permission denied: {e.filename or e}")
     except OSError as e:
         return _fail(what, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+    except RuntimeError as e:  # a demo rank or a warm-cpus loop failed, a GPU refused
+        return _fail(what, str(e))
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        return 128 + signal.SIGTERM
+    except Exception as e:  # noqa: BLE001 - a bug: still one line, with the error's type to report
+        return _fail(what, f"unexpected {type(e).__name__}: {e}")
 
 
-def _fail(what: str, message: str) -> int:
+def _terminate(*_) -> None:
+    raise Terminated()
+
+
+def _fail(what: str, message: str, code: int = 1) -> int:
     print(f"{what}: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the message holds
-    return 1
+    return code
 
 
 if __name__ == "__main__":
