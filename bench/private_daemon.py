@@ -77,18 +77,23 @@ class PrivateDaemon:
         if not self.log_path:
             self._reader = threading.Thread(target=self._read_stderr, name="private-sparsekvd-stderr", daemon=True)
             self._reader.start()
+        try:
+            self._wait_ready()
+        except BaseException:  # a failed start, or Ctrl-C / SIGTERM while waiting: stop it, remove the run dir
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         sock = os.path.join(self.run_dir, "control.sock")
         deadline = time.monotonic() + self.start_timeout_s
         while not os.path.exists(sock):
             if self.proc.poll() is not None:
-                self.__exit__(None, None, None)
                 raise DaemonUnavailable(f"private sparsekvd exited with code {self.proc.returncode}: "
                                         + self.stderr_tail())
             if time.monotonic() > deadline:
-                self.__exit__(None, None, None)
                 raise DaemonUnavailable(f"private sparsekvd did not start within {self.start_timeout_s} s")
             time.sleep(0.02)
-        return self
 
     def _read_stderr(self) -> None:
         for line in self.proc.stderr:

@@ -147,6 +147,27 @@ def test_the_cli_refuses_a_bad_position_trace_in_one_line(tmp_path):
     assert "names host block 16" in r.stderr
 
 
+def _one_request_on_two_rows(second_table):
+    """Step 1 has state row 2 on batch rows 0 and 1 (a speculative row), row 1 with ``second_table``."""
+    table = np.zeros((2, 2, 3), np.int32)
+    table[1, 1] = second_table
+    return _arrays(topk=np.zeros((2, 2, 4), np.int32), state_rows=np.array([[2, -1], [2, 2]], np.int32),
+                   reset=np.array([[True, False], [False, False]]), invalidate=np.full((2, 2, 1), -1, np.int32),
+                   block_table=table)
+
+
+def test_the_rows_of_one_request_must_share_its_block_table(tmp_path):
+    path = tmp_path / "t.npz"
+    np.savez(path, **_one_request_on_two_rows([0, 0, 0]))
+    assert Trace.load(str(path)).steps == 2  # the same table on both rows: fine
+    np.savez(path, **_one_request_on_two_rows([0, 5, 0]))
+    with pytest.raises(TraceError, match=r"step 1: batch rows 0 and 1 are one request \(state row 2\) but carry "
+                                         r"different block tables; a request's rows share its table"):
+        Trace.load(str(path))
+    r = helpers.run_cli("replay", path, "--out", tmp_path / "r.npz")
+    assert r.returncode == 2 and "step 1: batch rows 0 and 1" in r.stderr and "Traceback" not in r.stderr
+
+
 # -- the generator --------------------------------------------------------------------------
 def _digest(tr: Trace) -> str:
     h = hashlib.sha256()
