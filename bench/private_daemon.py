@@ -75,7 +75,8 @@ class PrivateDaemon:
                                      env=env, start_new_session=True,
                                      preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))
         if not self.log_path:
-            self._reader = threading.Thread(target=self._read_stderr, name="private-sparsekvd-stderr", daemon=True)
+            self._reader = threading.Thread(target=self._read_stderr, args=(self.proc.stderr,), daemon=True,
+                                            name="private-sparsekvd-stderr")
             self._reader.start()
         try:
             self._wait_ready()
@@ -95,9 +96,10 @@ class PrivateDaemon:
                 raise DaemonUnavailable(f"private sparsekvd did not start within {self.start_timeout_s} s")
             time.sleep(0.02)
 
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self._tail.append(line.decode(errors="replace").rstrip())
+    def _read_stderr(self, stream) -> None:
+        with stream:
+            for line in stream:
+                self._tail.append(line.decode(errors="replace").rstrip())
 
     def stderr_tail(self) -> str:
         """The daemon's last lines on stderr, joined by " | " (read from ``log_path`` when
@@ -131,7 +133,6 @@ class PrivateDaemon:
                 self.proc.wait()
         if self._reader is not None:
             self._reader.join(timeout=2)
-            self.proc.stderr.close()
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
             self._log = None

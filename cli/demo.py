@@ -72,8 +72,11 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
     if steps is not None:
         params["steps"] = steps
     pool_bytes = params["num_layers"] * params["host_rows"] * params["row_bytes"] + (16 << 20)
+    reason = cuda_unavailable() if backend != "cpu" else None
     if backend == "auto":
-        backend = "cpu" if cuda_unavailable() else "cuda"
+        backend = "cpu" if reason else "cuda"
+    elif reason:
+        raise RuntimeError(f"--backend cuda: {reason}")
     devices = ["cpu", "cpu"]
     if backend == "cuda":
         import cupy as cp  # noqa: PLC0415

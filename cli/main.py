@@ -24,7 +24,7 @@ from sparsekv.bench.trace import Trace, TraceError, synth
 from sparsekv.client.client import default_run_dir
 from sparsekv.client.errors import BadRequest, DaemonUnavailable, SparseKVError
 from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list
-from .demo import format_table, run_demo
+from .demo import DEFAULTS as DEMO_DEFAULTS, format_table, run_demo
 from .health import StatsSocketError, exit_code, probe, stats_query
 from .progress import Progress
 from .top import parse_clients, run_top
@@ -141,7 +141,7 @@ def cmd_trace_synth(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    if a.steps is not None and a.steps < 1:
+    if a.steps < 1:
         raise UsageError("--steps must be >= 1")
     s = run_demo(backend=a.backend, steps=a.steps, progress=not a.quiet)
     sys.stdout.write(format_table(s))
@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = command("trace", "trace tools")
     tsub = q.add_subparsers(dest="trace_cmd", required=True, metavar="TOOL")
-    s = tsub.add_parser("synth", help="generate a synthetic decode trace", formatter_class=_HelpFormatter)
+    s = tsub.add_parser("synth", help="generate a synthetic decode trace", formatter_class=_HelpFormatter,
+                        description="generate a synthetic decode trace (docs/TRACES.md \"Generating traces\")")
     s.add_argument("--out", required=True, metavar="TRACE.npz", help="where to write the trace")
     for name, typ, default, help_text in (
         ("steps", int, 200, "decode steps"),
@@ -291,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_bench)
 
     q = command("demo", "two TP ranks against a private daemon on a synthetic decode")
-    q.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto", help="backend of the private daemon")
-    q.add_argument("--steps", type=int, default=None, help="decode steps (default: the demo's own number)")
+    q.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="backend of the private daemon; auto: cuda when a GPU is usable, else cpu")
+    q.add_argument("--steps", type=int, default=DEMO_DEFAULTS["steps"], help="decode steps")
     q.add_argument("--quiet", action="store_true", help="no progress output")
     q.set_defaults(fn=cmd_demo)
     return p

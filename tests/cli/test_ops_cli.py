@@ -9,6 +9,7 @@ import importlib.metadata
 import io
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -98,8 +99,6 @@ def test_health_while_starting_is_1_and_alive(starting_daemon):
     r = helpers.run_cli("health", "--live", "--run-dir", starting_daemon)
     assert r.returncode == 0 and "starting" in r.stdout
     # a stale socket of a killed daemon (nobody listens) does not change that
-    import socket
-
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(starting_daemon / "stats.sock"))  # bound, never listening: connect is refused
         assert helpers.run_cli("health", "--run-dir", starting_daemon).returncode == 1
@@ -129,8 +128,6 @@ def test_health_never_takes_the_lock(starting_daemon):
 
 
 def test_health_of_a_daemon_that_does_not_answer_is_2_within_the_timeout(tmp_path):
-    import socket
-
     run = tmp_path / "run"
     run.mkdir()
     with socket.socket(socket.AF_UNIX) as s:
@@ -144,8 +141,6 @@ def test_health_of_a_daemon_that_does_not_answer_is_2_within_the_timeout(tmp_pat
 
 # -- common mistakes: one line, no traceback -----------------------------------------------
 def test_permission_denied_on_the_socket_is_one_line(monkeypatch, capsys, daemon):
-    import socket
-
     def refuse(self, address):
         raise PermissionError(13, "Permission denied")
 
