@@ -102,8 +102,9 @@ class PrivateDaemon:
                 self._tail.append(line.decode(errors="replace").rstrip())
 
     def stderr_tail(self) -> str:
-        """The daemon's last lines on stderr, joined by " | " (read from ``log_path`` when
-        the output goes there). Call it once the daemon has exited."""
+        """The daemon's last lines on stderr (its warnings and errors, when it logged any),
+        joined by " | "; read from ``log_path`` when the output goes there. Call it once
+        the daemon has exited."""
         if self._reader is not None:
             self._reader.join(timeout=2)
             lines = list(self._tail)
@@ -115,6 +116,7 @@ class PrivateDaemon:
             except OSError:
                 lines = []
         lines = [line for line in lines if line.strip()]
+        lines = [line for line in lines if " INFO " not in line and " DEBUG " not in line] or lines
         return " | ".join(lines) if lines else "it wrote nothing on stderr"
 
     def __exit__(self, *exc) -> None:
