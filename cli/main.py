@@ -90,9 +90,12 @@ def cmd_warm_cpus(a) -> int:
     """Keep CPUs from halting until SIGTERM or SIGINT (proto/cpus.py CpuWarmer): for the
     client side of deploy/README.md "Warm CPUs" where the daemon cannot (another pod's
     cpuset), or as a systemd unit of its own (deploy/sparsekv-warm-cpus@.service)."""
-    cpus = parse_cpu_list(a.cpus, "CPUS")
+    try:  # exit 1, as for a CPU the loops cannot run on
+        cpus = parse_cpu_list(a.cpus, "CPUS")
+    except ValueError as e:
+        return _fail("sparsekv warm-cpus", str(e))
     if not cpus:
-        raise UsageError("CPUS: name at least one CPU (e.g. 62 or 62-63)")
+        return _fail("sparsekv warm-cpus", "CPUS: name at least one CPU (e.g. 62 or 62-63)")
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(1))
