@@ -9,7 +9,6 @@ the mapped rows.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable
 
@@ -323,7 +322,3 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
 
 def save_result(path: str, result: dict) -> None:
     np.savez_compressed(path, slots=result["slots"], misses=result["misses"])
-
-
-def summary_line(summary: dict) -> str:
-    return json.dumps(summary, sort_keys=False)

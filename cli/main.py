@@ -19,7 +19,7 @@ from importlib import metadata
 from sparsekv.bench import decode as bench_decode
 from sparsekv.bench import kernels as bench_kernels
 from sparsekv.bench.bench import format_results, run_bench
-from sparsekv.bench.replay import replay, save_result, summary_line
+from sparsekv.bench.replay import replay, save_result
 from sparsekv.bench.trace import Trace, TraceError, synth
 from sparsekv.client.client import default_run_dir
 from sparsekv.client.errors import BadRequest, DaemonUnavailable, SparseKVError
@@ -120,7 +120,7 @@ def cmd_replay(a) -> int:
     if bar:
         bar.close()
     save_result(a.out, result)
-    print(summary_line(summary))
+    print(json.dumps(summary))  # the last line: the summary
     return 1 if (a.verify and summary["mismatched_rows"]) or summary["guard_bytes_changed"] else 0
 
 
