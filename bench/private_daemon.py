@@ -1,21 +1,51 @@
-"""Start a private sparsekvd for one command (replay, demo, tests) and stop it after."""
+"""Start a private sparsekvd for one command (replay, demo, tests) and stop it after.
+
+The daemon dies with the process that started it, even one killed by SIGKILL
+(:func:`die_with_parent`), and a daemon that fails to start says why: the last lines it
+wrote to stderr end the :class:`DaemonUnavailable` message.
+"""
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from sparsekv.client.errors import DaemonUnavailable
 from sparsekv.proto.settings import STOP_TIMEOUT_S
 
+PR_SET_PDEATHSIG = 1
+TAIL_LINES = 5  # of the daemon's stderr, in the message of a failed start
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (``parent``: the
+    parent's pid, to catch a death before the call). Call it in the child: in a Popen
+    ``preexec_fn`` or first thing in a multiprocessing target. The kernel sends the
+    signal when the *thread* that forked the child exits, so fork from a thread that
+    outlives the child (the main thread, or the one inside the ``with`` that stops it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the prctl
+        os.kill(os.getpid(), sig)
+
 
 class PrivateDaemon:
-    """``with PrivateDaemon(pool_bytes=..., backend="cpu") as d: Client(d.run_dir)``."""
+    """``with PrivateDaemon(pool_bytes=..., backend="cpu") as d: Client(d.run_dir)``.
+
+    The daemon gets SIGTERM (a clean stop) when this process dies; enter the ``with``
+    from a thread that stays in it until the daemon is stopped (see
+    :func:`die_with_parent`). Its output goes to ``log_path`` when given; otherwise its
+    stderr is read here and only the last lines are kept (for a failed start's message).
+    """
 
     def __init__(self, *, pool_bytes: int, backend: str = "cpu", extra_args=(), log_path: str | None = None,
                  start_timeout_s: float = 60.0, stop_timeout_s: float | None = None, env: dict | None = None):
@@ -31,6 +61,8 @@ class PrivateDaemon:
         self.run_dir = ""
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._reader: threading.Thread | None = None
 
     def __enter__(self) -> "PrivateDaemon":
         self.run_dir = tempfile.mkdtemp(prefix="sparsekv-run-")
@@ -39,19 +71,54 @@ class PrivateDaemon:
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ if self.env is None else self.env)
         env.pop("NOTIFY_SOCKET", None)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=self._log, env=env, start_new_session=True)
+        parent = os.getpid()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=self._log if self.log_path else subprocess.PIPE,
+                                     env=env, start_new_session=True,
+                                     preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))
+        if not self.log_path:
+            self._reader = threading.Thread(target=self._read_stderr, args=(self.proc.stderr,), daemon=True,
+                                            name="private-sparsekvd-stderr")
+            self._reader.start()
+        try:
+            self._wait_ready()
+        except BaseException:  # a failed start, or Ctrl-C / SIGTERM while waiting: stop it, remove the run dir
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         sock = os.path.join(self.run_dir, "control.sock")
         deadline = time.monotonic() + self.start_timeout_s
         while not os.path.exists(sock):
             if self.proc.poll() is not None:
-                self.__exit__(None, None, None)
-                raise DaemonUnavailable(f"private sparsekvd exited with code {self.proc.returncode}"
-                                        + (f"; see {self.log_path}" if self.log_path else ""))
+                raise DaemonUnavailable(f"private sparsekvd exited with code {self.proc.returncode}: "
+                                        + self.stderr_tail())
             if time.monotonic() > deadline:
-                self.__exit__(None, None, None)
                 raise DaemonUnavailable(f"private sparsekvd did not start within {self.start_timeout_s} s")
             time.sleep(0.02)
-        return self
+
+    def _read_stderr(self, stream) -> None:
+        with stream:
+            for line in stream:
+                self._tail.append(line.decode(errors="replace").rstrip())
+
+    def stderr_tail(self) -> str:
+        """The daemon's last lines on stderr (its warnings and errors, when it logged any),
+        joined by " | "; read from ``log_path`` when the output goes there. Call it once
+        the daemon has exited."""
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+            lines = list(self._tail)
+        else:
+            try:
+                with open(self.log_path, "rb") as fh:
+                    fh.seek(max(0, os.fstat(fh.fileno()).st_size - 4096))
+                    lines = fh.read().decode(errors="replace").splitlines()[-TAIL_LINES:]
+            except OSError:
+                lines = []
+        lines = [line for line in lines if line.strip()]
+        lines = [line for line in lines if " INFO " not in line and " DEBUG " not in line] or lines
+        return " | ".join(lines) if lines else "it wrote nothing on stderr"
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -67,6 +134,8 @@ class PrivateDaemon:
                 time.sleep(0.5)
                 self.proc.kill()
                 self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=2)
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
             self._log = None

@@ -9,8 +9,8 @@ the mapped rows.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -212,7 +212,7 @@ class DoorbellDriver(ZmqDriver):
     def __init__(self, trace, stack, *, backend, engine, connect=None, daemon_log=None, slab="daemon"):
         if backend != "cuda":
             raise ValueError("the doorbell transport needs --backend cuda")
-        import torch  # noqa: PLC0415
+        import torch  # noqa: PLC0415 - torch only where a GPU is driven
 
         self.torch = torch
         super().__init__(trace, stack, backend=backend, engine=engine, connect=connect, daemon_log=daemon_log,
@@ -232,7 +232,7 @@ class DoorbellDriver(ZmqDriver):
         if tr.positional:
             rows = np.full((lay.max_reqs, tr.block_table.shape[2]), -1, np.int32)
             live = state >= 0
-            rows[state[live]] = tr.block_table[t][live]  # a request's rows share its table
+            rows[state[live]] = tr.block_table[t][live]  # a request's rows share its table (Trace.check)
             table, block_size = dev(rows), tr.block_size
         req, topk = dev(state), dev(tr.topk[t])
         first = None
@@ -253,10 +253,11 @@ DRIVERS: dict[str, type[Driver]] = {"inproc": InprocDriver, "zmq": ZmqDriver, "d
 
 def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", verify: bool = False,
            connect: str | None = None, engine: str = "replay", daemon_log: str | None = None,
-           slab: str = "daemon") -> tuple[dict, dict]:
+           slab: str = "daemon", progress: Callable[[int], None] | None = None) -> tuple[dict, dict]:
     """Run ``trace``; return (summary, result arrays ``slots`` and ``misses``).
     ``slab="engine"``: the hot rows in a buffer the replay owns (:class:`EngineRows`),
-    with guard bytes around them that must stay unchanged (``guard_bytes_changed``)."""
+    with guard bytes around them that must stay unchanged (``guard_bytes_changed``).
+    ``progress(steps_done)`` is called after each step."""
     layout = trace.layout()
     if transport not in DRIVERS:
         raise ValueError(f"unknown transport {transport!r}; use {' or '.join(DRIVERS)}")
@@ -291,6 +292,8 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
             out_of_range += step_oob
             if verify:
                 mismatched += count_mismatches(hot, layers, trace.state_rows[t], rows, slots[t], layout.host_rows)
+            if progress is not None:
+                progress(t + 1)
         elapsed = time.perf_counter() - t_start
         driver.close()
         guard = driver.engine_rows.guard_changed() if driver.engine_rows is not None else None
@@ -319,7 +322,3 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
 
 def save_result(path: str, result: dict) -> None:
     np.savez_compressed(path, slots=result["slots"], misses=result["misses"])
-
-
-def summary_line(summary: dict) -> str:
-    return json.dumps(summary, sort_keys=False)

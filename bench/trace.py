@@ -15,6 +15,7 @@ stays in host rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -120,6 +121,21 @@ class Trace:
             if hi >= whole:
                 raise TraceError(f"block_table names host block {hi}, but host_rows {self.host_rows} holds "
                                  f"{whole} whole blocks of block_size {bs}")
+        self._check_shared_tables()
+
+    def _check_shared_tables(self) -> None:
+        """The batch rows of one request in a step (one state row: speculative rows) carry
+        one block table: an engine keeps one per request (the doorbell maps by state row)."""
+        t, b = np.nonzero(self.state_rows >= 0)
+        state = self.state_rows[t, b]
+        order = np.lexsort((b, state, t))
+        t, b, state = t[order], b[order], state[order]
+        pairs = np.flatnonzero((t[1:] == t[:-1]) & (state[1:] == state[:-1]))  # row i and i + 1: one request
+        differ = (self.block_table[t[pairs], b[pairs]] != self.block_table[t[pairs + 1], b[pairs + 1]]).any(axis=1)
+        if differ.any():
+            i = pairs[np.flatnonzero(differ)[0]]
+            raise TraceError(f"step {t[i]}: batch rows {b[i]} and {b[i + 1]} are one request (state row {state[i]}) "
+                             "but carry different block tables; a request's rows share its table (docs/TRACES.md)")
 
     def save(self, path: str) -> None:
         extra = {}
@@ -307,6 +323,7 @@ def synth(
     block_size: int = 0,
     spec: float = 0.0,
     seed: int = 0,
+    progress: Callable[[int], None] | None = None,
 ) -> Trace:
     """Generate a decode trace.
 
@@ -324,16 +341,30 @@ def synth(
     positions, and a bad column is a negative position, one past the table or one on a
     null block. ``spec`` is the chance that a live request also takes a free batch row for
     a step (speculative decoding: the same state row, the same block table, another
-    top-k); it needs ``region_stride >= 2 * top_k``. With both 0 the output is that of
-    earlier versions for the same seed.
+    top-k); it needs ``region_stride >= 2 * top_k``. With both 0 they draw no random
+    numbers: a seed's host-row trace does not depend on them. ``progress(steps_done)`` is called after each step.
     """
+    for name, v in dict(steps=steps, batch=batch, top_k=top_k, region_stride=region_stride, max_reqs=max_reqs,
+                        host_rows=host_rows, row_bytes=row_bytes, num_layers=num_layers, context=context,
+                        lifetime=lifetime).items():
+        if v < 1:
+            raise TraceError(f"{name} must be >= 1, got {v}")
+    for name, v in dict(overlap=overlap, arrive=arrive, pad=pad, invalidate=invalidate, out_of_range=out_of_range,
+                        share_prefix=share_prefix, spec=spec).items():
+        if not 0.0 <= v <= 1.0:
+            raise TraceError(f"{name} is a probability in [0, 1], got {v}")
+    if seed < 0:
+        raise TraceError(f"seed must be >= 0, got {seed}")
+    try:
+        Layout(num_layers=num_layers, row_bytes=row_bytes, top_k=top_k, region_stride=region_stride,
+               max_reqs=max_reqs, host_rows=host_rows, index_groups=(tuple(range(num_layers)),)).validate()
+    except ValueError as e:
+        raise TraceError(f"these parameters do not make a valid layout: {e}") from None
     rng = np.random.default_rng(seed)
     if batch > max_reqs:
         raise TraceError(f"batch {batch} exceeds max_reqs {max_reqs}")
     if block_size < 0:
         raise TraceError(f"block_size must be >= 0 (0: a host-row trace), got {block_size}")
-    if not 0.0 <= spec <= 1.0:
-        raise TraceError(f"spec is a probability in [0, 1], got {spec}")
     if spec > 0 and region_stride < 2 * top_k:
         raise TraceError(f"spec needs region_stride >= 2 * top_k (a state row on two batch rows of a step); "
                          f"got region_stride {region_stride}, top_k {top_k}")
@@ -395,5 +426,7 @@ def synth(
                     t_topk[t, c] = _with_strays(rng, row, out_of_range, req.strays(host_rows, block_size, max_blocks))
                     if t_table is not None:
                         t_table[t, c] = t_table[t, b]
+        if progress is not None:
+            progress(t + 1)
     return Trace(t_topk, t_rows, t_reset, t_inval, region_stride, host_rows, max_reqs, row_bytes, num_layers,
                  block_table=t_table, block_size=block_size).check()

@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
-import sys
+import os
 import time
 
 import numpy as np
 
-from sparsekv.client.client import Client
-from sparsekv.bench.private_daemon import PrivateDaemon
+from sparsekv.bench.private_daemon import PrivateDaemon, die_with_parent
 from sparsekv.bench.trace import synth
 from sparsekv.bench.verify import count_mismatches, fill_pool
+from sparsekv.client.client import Client
+from sparsekv.daemon.backends import cuda_unavailable
+from .progress import Progress
 
 DEFAULTS = dict(steps=300, batch=8, top_k=256, region_stride=512, max_reqs=16, host_rows=65536,
                 row_bytes=656, num_layers=4, overlap=0.8, context=2048, lifetime=64, seed=7)
 GROUPS = ((0, 1), (2, 3))  # two index groups of two layers (leader + follower)
 
 
-def _rank_main(run_dir: str, rank: int, device: str, params: dict, barrier, results, show_progress: bool) -> None:
+def _rank_main(parent: int, run_dir: str, rank: int, device: str, params: dict, barrier, results,
+               show_progress: bool) -> None:
+    die_with_parent(parent)  # a demo killed by SIGKILL takes its ranks along
     try:
         _rank_body(run_dir, rank, device, params, barrier, results, show_progress)
     except BaseException as e:  # tell the parent, and free the other rank from the barrier
@@ -44,7 +48,7 @@ def _rank_body(run_dir, rank, device, params, barrier, results, show_progress) -
         if rank == 0:
             fill_pool(c, layout)  # the "prefill": every host row gets known bytes
         barrier.wait(timeout=300)
-        bar = _Progress(trace.steps) if show_progress else None
+        bar = Progress("decode", trace.steps) if show_progress else None
         for t in range(trace.steps):
             t0 = time.perf_counter()
             c.step(t, trace.state_rows[t], trace.reset[t], trace.invalidate[t])
@@ -63,37 +67,16 @@ def _rank_body(run_dir, rank, device, params, barrier, results, show_progress) -
     results.put({"rank": rank, "lat": lat, "mismatched": bad, "stats": stats, "bytes_per_row": layout.row_bytes})
 
 
-class _Progress:
-    """A progress bar on a terminal; plain log lines every 10 % otherwise (journald-safe)."""
-
-    def __init__(self, total: int):
-        self.total, self.tty, self.last = total, sys.stderr.isatty(), -1
-
-    def update(self, n: int) -> None:
-        pct = n * 100 // self.total
-        if self.tty:
-            width = 40
-            fill = width * n // self.total
-            sys.stderr.write(f"\rdecode [{'#' * fill}{'.' * (width - fill)}] {n}/{self.total}")
-            sys.stderr.flush()
-        elif pct // 10 != self.last // 10:
-            sys.stderr.write(f"decode {pct}% ({n}/{self.total} steps)\n")
-        self.last = pct
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-
-
 def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = True) -> dict:
     params = dict(DEFAULTS)
     if steps is not None:
         params["steps"] = steps
     pool_bytes = params["num_layers"] * params["host_rows"] * params["row_bytes"] + (16 << 20)
+    reason = cuda_unavailable() if backend != "cpu" else None
     if backend == "auto":
-        from sparsekv.daemon.backends import cuda_unavailable  # noqa: PLC0415
-
-        backend = "cpu" if cuda_unavailable() else "cuda"
+        backend = "cpu" if reason else "cuda"
+    elif reason:
+        raise RuntimeError(f"--backend cuda: {reason}")
     devices = ["cpu", "cpu"]
     if backend == "cuda":
         import cupy as cp  # noqa: PLC0415
@@ -105,19 +88,27 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
     t0 = time.perf_counter()
     extra = ["--device-arena-size", "1GiB"] if backend == "cuda" else []
     with PrivateDaemon(pool_bytes=pool_bytes, backend=backend, extra_args=extra) as d:
-        procs = [ctx.Process(target=_rank_main, args=(d.run_dir, r, devices[r], params, barrier, results, progress and r == 0))
-                 for r in range(2)]
+        # daemon=True: ranks still running when the demo stops (an error, SIGTERM) are
+        # terminated at its exit instead of joined.
+        procs = [ctx.Process(target=_rank_main, daemon=True, args=(
+            os.getpid(), d.run_dir, r, devices[r], params, barrier, results, progress and r == 0)) for r in range(2)]
         for p in procs:
             p.start()
-        out = [results.get(timeout=600) for _ in procs]
-        errors = [r["error"] for r in out if "error" in r]
-        if errors:
-            raise RuntimeError(f"a demo rank failed: {errors[0]}")
-        for p in procs:
-            p.join(timeout=60)
-        failed = [p.exitcode for p in procs if p.exitcode != 0]
-        if failed:
-            raise RuntimeError(f"a demo rank failed with exit code {failed[0]}")
+        try:
+            out = [results.get(timeout=600) for _ in procs]
+            errors = [r["error"] for r in out if "error" in r]
+            if errors:
+                raise RuntimeError(f"a demo rank failed: {errors[0]}")
+            for p in procs:
+                p.join(timeout=60)
+            failed = [p.exitcode for p in procs if p.exitcode != 0]
+            if failed:
+                raise RuntimeError(f"a demo rank failed with exit code {failed[0]}")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=10)
     wall = time.perf_counter() - t0
     out.sort(key=lambda r: r["rank"])
     stats = out[0]["stats"]

@@ -28,7 +28,8 @@ LOCK_FILE = "sparsekvd.lock"  # daemon/main.py RunDirLock: flock held for the da
 
 class StatsSocketError(Exception):
     """The stats socket could not be asked. ``kind``: ``missing`` (no socket, or nobody
-    listens on it), ``timeout``, ``permission`` or ``error``."""
+    listens on it), ``starting`` (no socket yet, but a live daemon holds the run dir's
+    lock: it pre-faults its pool), ``timeout``, ``permission`` or ``error``."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)
@@ -48,6 +49,10 @@ def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
             chunks.append(b)
         return b"".join(chunks).decode()
     except (FileNotFoundError, ConnectionRefusedError) as e:
+        pid = lock_holder(run_dir)
+        if pid is not None:
+            raise StatsSocketError(f"starting: sparsekvd (pid {pid or '?'}) holds {run_dir}/{LOCK_FILE} but does not "
+                                   "serve yet (pre-faulting the pool or starting the backend)", "starting") from None
         where = (f"{run_dir} does not exist" if not os.path.isdir(run_dir)
                  else "nothing listens on it" if isinstance(e, ConnectionRefusedError) else "no socket")
         raise StatsSocketError(f"no daemon at {path} ({where}; is sparsekvd running with --run-dir {run_dir}?)",
@@ -135,12 +140,7 @@ def probe(run_dir: str, timeout_s: float = 1.0) -> Health:
     try:
         answer = stats_query(run_dir, "health", timeout_s).strip()
     except StatsSocketError as e:
-        if e.kind == "missing":
-            pid = lock_holder(run_dir)
-            if pid is not None:
-                return Health(NOT_READY, f"starting: sparsekvd (pid {pid or '?'}) holds {run_dir}/{LOCK_FILE} but "
-                                         "does not serve yet (pre-faulting the pool or starting the backend)")
-        return Health(UNREACHABLE, str(e))
+        return Health(NOT_READY if e.kind == "starting" else UNREACHABLE, str(e))
     # Any answer means the loop serves (a daemon without the `health` command says so in
     # an error line, and is ready all the same).
     return Health(READY, answer.splitlines()[0] if answer else "ready")

@@ -10,14 +10,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import time
 from importlib import metadata
 
 from sparsekv.bench.bench import add_arguments as add_bench_arguments
 from sparsekv.bench.bench import run_args as run_bench_args
+from sparsekv.bench.replay import replay, save_result
+from sparsekv.bench.trace import Trace, synth
 from sparsekv.client.client import default_run_dir
-from sparsekv.client.errors import DaemonUnavailable, SparseKVError
-from .health import StatsSocketError, stats_query
+from sparsekv.client.errors import BadRequest, DaemonUnavailable, SparseKVError
+from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list
+from .demo import DEFAULTS as DEMO_DEFAULTS, format_table, run_demo
+from .health import StatsSocketError, exit_code, probe, stats_query
+from .progress import Progress
+from .top import parse_clients, run_top
+
+
+class UsageError(ValueError):
+    """A bad argument: the command exits 2 with this message."""
+
+
+class Terminated(BaseException):
+    """SIGTERM: unwinds like Ctrl-C, so a private daemon and demo ranks are stopped."""
 
 
 def _version() -> str:
@@ -27,6 +44,18 @@ def _version() -> str:
         return "unknown"
 
 
+def check_output(path: str, what: str = "--out") -> None:
+    """Refuse, before any work, an output path that cannot be written: its directory
+    missing or not writable, or the path a directory."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{what} {path} is a directory; name a file")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{what} {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{what} {path}: not writable by this user")
+
+
 def cmd_stats(a) -> int:
     what = "json" if a.json else "prometheus" if a.prometheus else "stats"
     sys.stdout.write(stats_query(a.run_dir, what, a.timeout_s))
@@ -34,22 +63,21 @@ def cmd_stats(a) -> int:
 
 
 def cmd_clients(a) -> int:
-    sys.stdout.write(stats_query(a.run_dir, "clients", a.timeout_s))
+    text = stats_query(a.run_dir, "clients", a.timeout_s)
+    if a.json:
+        clients = [{k: int(v) if v.lstrip("-").isdigit() else v for k, v in c.items()} for c in parse_clients(text)]
+        text = json.dumps(clients) + "\n"
+    sys.stdout.write(text)
     return 0
 
 
 def cmd_top(a) -> int:
-    from .top import run_top  # noqa: PLC0415
-
     if a.interval_s <= 0:
-        print("sparsekv top: --interval-s must be > 0", file=sys.stderr)
-        return 2
+        raise UsageError("--interval-s must be > 0")
     return run_top(a.run_dir, a.interval_s, once=a.once)
 
 
 def cmd_health(a) -> int:
-    from .health import exit_code, probe  # noqa: PLC0415
-
     h = probe(a.run_dir, a.timeout_s)
     code = exit_code(h, a.live)
     if not a.quiet:
@@ -61,65 +89,51 @@ def cmd_warm_cpus(a) -> int:
     """Keep CPUs from halting until SIGTERM or SIGINT (proto/cpus.py CpuWarmer): for the
     client side of deploy/README.md "Warm CPUs" where the daemon cannot (another pod's
     cpuset), or as a systemd unit of its own (deploy/sparsekv-warm-cpus@.service)."""
-    import signal  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list  # noqa: PLC0415
-
-    try:
+    try:  # exit 1, as for a CPU the loops cannot run on
         cpus = parse_cpu_list(a.cpus, "CPUS")
-        if not cpus:
-            raise ValueError("CPUS: name at least one CPU (e.g. 62 or 62-63)")
-        stop = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.append(1))
-        with CpuWarmer(cpus) as w:
-            print(f"sparsekv warm-cpus: CPU(s) {format_cpu_list(cpus)} kept warm (pids "
-                  f"{' '.join(map(str, w.pids))}); SIGTERM or Ctrl-C stops", flush=True)
-            while not stop:
-                if w.running() < len(cpus) and not stop:  # (systemctl stop signals the loops too)
-                    return _fail("sparsekv warm-cpus", f"a loop exited ({w.running()} of {len(cpus)} left)")
-                time.sleep(0.5)
-    except (ValueError, RuntimeError) as e:
+    except ValueError as e:
         return _fail("sparsekv warm-cpus", str(e))
+    if not cpus:
+        return _fail("sparsekv warm-cpus", "CPUS: name at least one CPU (e.g. 62 or 62-63)")
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(1))
+    with CpuWarmer(cpus) as w:
+        print(f"sparsekv warm-cpus: CPU(s) {format_cpu_list(cpus)} kept warm (pids "
+              f"{' '.join(map(str, w.pids))}); SIGTERM or Ctrl-C stops", flush=True)
+        while not stop:
+            if w.running() < len(cpus) and not stop:  # (systemctl stop signals the loops too)
+                raise RuntimeError(f"a loop exited ({w.running()} of {len(cpus)} left)")
+            time.sleep(0.5)
     return 0
 
 
 def cmd_replay(a) -> int:
-    from sparsekv.bench.replay import replay, save_result, summary_line  # noqa: PLC0415
-    from sparsekv.bench.trace import Trace, TraceError  # noqa: PLC0415
-
-    try:
-        trace = Trace.load(a.trace)
-    except TraceError as e:
-        print(f"sparsekv replay: {e}", file=sys.stderr)
-        return 2
-    from sparsekv.client.errors import BadRequest  # noqa: PLC0415
-
-    try:
-        summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify,
-                                 connect=a.connect, daemon_log=a.daemon_log, slab=a.slab)
-    except (ValueError, BadRequest) as e:
-        # BadRequest: the trace's content breaks the contract (duplicate ids in a row,
-        # state rows outside max_reqs, too many tokens per state row): a bad trace file.
-        print(f"sparsekv replay: {e}", file=sys.stderr)
-        return 2
+    check_output(a.out)
+    if a.daemon_log:
+        check_output(a.daemon_log, "--daemon-log")
+    trace = Trace.load(a.trace)
+    bar = None if a.quiet else Progress("replay", trace.steps)
+    summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify, connect=a.connect,
+                             daemon_log=a.daemon_log, slab=a.slab, progress=bar and bar.update)
+    if bar:
+        bar.close()
     save_result(a.out, result)
-    print(summary_line(summary))
+    print(json.dumps(summary))  # the last line: the summary
     return 1 if (a.verify and summary["mismatched_rows"]) or summary["guard_bytes_changed"] else 0
 
 
-def cmd_trace_synth(a) -> int:
-    from sparsekv.bench.trace import TraceError, synth  # noqa: PLC0415
+SYNTH_KEYS = ("steps", "batch", "top_k", "region_stride", "max_reqs", "host_rows", "row_bytes", "num_layers",
+              "overlap", "context", "lifetime", "arrive", "pad", "invalidate", "out_of_range", "share_prefix",
+              "block_size", "spec", "seed")
 
-    keys = ("steps", "batch", "top_k", "region_stride", "max_reqs", "host_rows", "row_bytes", "num_layers",
-            "overlap", "context", "lifetime", "arrive", "pad", "invalidate", "out_of_range", "share_prefix",
-            "block_size", "spec", "seed")
-    try:
-        tr = synth(**{k: getattr(a, k) for k in keys})
-    except (TraceError, ValueError) as e:
-        print(f"sparsekv trace synth: {e}", file=sys.stderr)
-        return 2
+
+def cmd_trace_synth(a) -> int:
+    check_output(a.out)
+    bar = None if a.quiet else Progress("trace synth", a.steps)
+    tr = synth(**{k: getattr(a, k) for k in SYNTH_KEYS}, progress=bar and bar.update)
+    if bar:
+        bar.close()
     tr.save(a.out)
     live = tr.state_rows >= 0
     print(json.dumps({"out": a.out, "steps": tr.steps, "batch": tr.batch, "top_k": tr.top_k,
@@ -129,11 +143,18 @@ def cmd_trace_synth(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    from .demo import format_table, run_demo  # noqa: PLC0415
-
+    if a.steps < 1:
+        raise UsageError("--steps must be >= 1")
     s = run_demo(backend=a.backend, steps=a.steps, progress=not a.quiet)
     sys.stdout.write(format_table(s))
     return 1 if s["mismatched_rows"] else 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr (and exit 2), without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -149,7 +170,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparsekv", description="sparsekv user commands", formatter_class=_HelpFormatter)
+    p = _Parser(prog="sparsekv", description="sparsekv user commands", formatter_class=_HelpFormatter)
     p.add_argument("--version", action="version", version=f"sparsekv {_version()}", help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
@@ -171,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = command("clients", "one line per connected client")
     run_dir_arg(q)
+    q.add_argument("--json", action="store_true", help="a JSON list of clients (one object each) instead of the table")
     q.set_defaults(fn=cmd_clients)
 
     q = command("top", "a live view of a running daemon: rates per second, latency, pool, clients")
@@ -196,20 +218,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a trace file, host rows or positions (sparsekv trace synth, DESIGN §6, docs/TRACES.md)")
     q.add_argument("--out", required=True, metavar="RESULT.npz", help="where to write the slots and misses")
     q.add_argument("--transport", choices=["inproc", "zmq", "doorbell"], default="inproc",
-                   help="inproc: the engine in this process; zmq: a daemon over its socket; doorbell: designed, not built")
-    q.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend of the private daemon")
+                   help="inproc: the engine in this process (cpu); zmq: a daemon over its socket; doorbell: a "
+                        "daemon driven from the GPU through the engine's handle (needs --backend cuda)")
+    q.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend of the private daemon (inproc: cpu only)")
     q.add_argument("--verify", action="store_true", help="fill the pool with a known pattern and check every hot row")
     q.add_argument("--slab", choices=["daemon", "engine"], default="daemon",
                    help="engine: the hot rows in a buffer this process owns, as an engine's KV cache would "
                         "(zmq or doorbell), with guard bytes around them checked unchanged")
     q.add_argument("--connect", metavar="RUN_DIR",
                    help="use this running daemon instead of a private one (default: a private daemon)")
-    q.add_argument("--daemon-log", metavar="FILE", help="log of the private daemon (default: discarded)")
+    q.add_argument("--daemon-log", metavar="FILE",
+                   help="log of the private daemon (default: discarded; a failed start shows its last lines)")
+    q.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     q.set_defaults(fn=cmd_replay)
 
     q = command("trace", "trace tools")
     tsub = q.add_subparsers(dest="trace_cmd", required=True, metavar="TOOL")
-    s = tsub.add_parser("synth", help="generate a synthetic decode trace", formatter_class=_HelpFormatter)
+    s = tsub.add_parser("synth", help="generate a synthetic decode trace", formatter_class=_HelpFormatter,
+                        description="generate a synthetic decode trace (docs/TRACES.md \"Generating traces\")")
     s.add_argument("--out", required=True, metavar="TRACE.npz", help="where to write the trace")
     for name, typ, default, help_text in (
         ("steps", int, 200, "decode steps"),
@@ -235,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("seed", int, 0, "random seed"),
     ):
         s.add_argument(f"--{name}", type=typ, default=default, help=help_text)
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     s.set_defaults(fn=cmd_trace_synth)
 
     q = command("bench", "speed figures, each against a baseline measured in the same run")
@@ -242,8 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=run_bench_args)
 
     q = command("demo", "two TP ranks against a private daemon on a synthetic decode")
-    q.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto", help="backend of the private daemon")
-    q.add_argument("--steps", type=int, default=None, help="decode steps (default: the demo's own number)")
+    q.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="backend of the private daemon; auto: cuda when a GPU is usable, else cpu")
+    q.add_argument("--steps", type=int, default=DEMO_DEFAULTS["steps"], help="decode steps")
     q.add_argument("--quiet", action="store_true", help="no progress output")
     q.set_defaults(fn=cmd_demo)
     return p
@@ -252,8 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     what = f"sparsekv {a.cmd}" + (f" {a.trace_cmd}" if a.cmd == "trace" else "")
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return a.fn(a)
+    except (ValueError, BadRequest) as e:
+        # A bad argument or trace (TraceError), or a trace whose content breaks the
+        # contract (BadRequest: duplicate ids in a row, a state row beyond max_reqs).
+        return _fail(what, str(e), 2)
     except StatsSocketError as e:
         return _fail(what, str(e))
     except DaemonUnavailable as e:
@@ -265,13 +298,23 @@ def main(argv=None) -> int:
         return _fail(what, f"permission denied: {e.filename or e}")
     except OSError as e:
         return _fail(what, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+    except RuntimeError as e:  # a demo rank or a warm-cpus loop failed, a GPU refused
+        return _fail(what, str(e))
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        return 128 + signal.SIGTERM
+    except Exception as e:  # noqa: BLE001 - a bug: still one line, with the error's type to report
+        return _fail(what, f"unexpected {type(e).__name__}: {e}")
 
 
-def _fail(what: str, message: str) -> int:
+def _terminate(*_) -> None:
+    raise Terminated()
+
+
+def _fail(what: str, message: str, code: int = 1) -> int:
     print(f"{what}: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the message holds
-    return 1
+    return code
 
 
 if __name__ == "__main__":

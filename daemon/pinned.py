@@ -22,7 +22,6 @@ import ctypes
 import logging
 import math
 import mmap
-import os
 import threading
 import time
 from collections.abc import Callable

@@ -82,9 +82,6 @@ def test_synth_rejects_impossible_parameters(kw, words):
 
 def test_cpu_backend_takes_rows_of_any_size_through_both_transports():
     """Only the cuda backend needs 16-byte multiples; the cpu backend serves a 100-byte row."""
-    from sparsekv.bench.replay import replay
-    from sparsekv.bench.trace import synth
-
     tr = synth(steps=20, batch=4, top_k=16, region_stride=32, max_reqs=8, host_rows=8 * 512,
                row_bytes=100, num_layers=2, context=300, seed=3)
     a, ra = replay(tr, transport="inproc", verify=True)

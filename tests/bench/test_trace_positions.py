@@ -1,5 +1,5 @@
 """Position traces (DESIGN §6, docs/TRACES.md): ``block_table`` + ``block_size`` make
-``topk`` logical positions. Saving and loading them, old traces unchanged, the
+``topk`` logical positions. Saving and loading them, host-row traces unchanged, the
 generator's position and speculative rows, and replay on every transport mapping the
 positions to host rows before the residency (counts and ``--verify`` on the mapped rows)."""
 
@@ -70,16 +70,16 @@ def test_host_row_trace_round_trips_without_block_table(tmp_path):
     assert not tr.positional and tr.block_table is None and tr.block_size == 0
     path = str(tmp_path / "h.npz")
     tr.save(path)
-    assert not {"block_table", "block_size"} & set(np.load(path).files)  # the old format, exactly
+    assert not {"block_table", "block_size"} & set(np.load(path).files)  # a host-row trace has neither entry
     back = Trace.load(path)
     assert back.block_table is None and back.block_size == 0
     np.testing.assert_array_equal(back.host_topk(2), tr.topk[2])
 
 
-def test_an_old_trace_file_loads_as_host_rows(tmp_path):
+def test_a_trace_file_without_a_block_table_loads_as_host_rows(tmp_path):
     rng = np.random.default_rng(0)
     topk = np.stack([rng.permutation(64)[:4] for _ in range(6)]).reshape(3, 2, 4).astype(np.int32)
-    path = tmp_path / "old.npz"
+    path = tmp_path / "rows.npz"
     np.savez(path, topk=topk, state_rows=np.array([[0, 1]] * 3, np.int32), reset=np.zeros((3, 2), bool),
              invalidate=np.full((3, 2, 1), -1, np.int32), region_stride=8, host_rows=64, max_reqs=4, row_bytes=16,
              num_layers=1)
@@ -147,6 +147,27 @@ def test_the_cli_refuses_a_bad_position_trace_in_one_line(tmp_path):
     assert "names host block 16" in r.stderr
 
 
+def _one_request_on_two_rows(second_table):
+    """Step 1 has state row 2 on batch rows 0 and 1 (a speculative row), row 1 with ``second_table``."""
+    table = np.zeros((2, 2, 3), np.int32)
+    table[1, 1] = second_table
+    return _arrays(topk=np.zeros((2, 2, 4), np.int32), state_rows=np.array([[2, -1], [2, 2]], np.int32),
+                   reset=np.array([[True, False], [False, False]]), invalidate=np.full((2, 2, 1), -1, np.int32),
+                   block_table=table)
+
+
+def test_the_rows_of_one_request_must_share_its_block_table(tmp_path):
+    path = tmp_path / "t.npz"
+    np.savez(path, **_one_request_on_two_rows([0, 0, 0]))
+    assert Trace.load(str(path)).steps == 2  # the same table on both rows: fine
+    np.savez(path, **_one_request_on_two_rows([0, 5, 0]))
+    with pytest.raises(TraceError, match=r"step 1: batch rows 0 and 1 are one request \(state row 2\) but carry "
+                                         r"different block tables; a request's rows share its table"):
+        Trace.load(str(path))
+    r = helpers.run_cli("replay", path, "--out", tmp_path / "r.npz")
+    assert r.returncode == 2 and "step 1: batch rows 0 and 1" in r.stderr and "Traceback" not in r.stderr
+
+
 # -- the generator --------------------------------------------------------------------------
 def _digest(tr: Trace) -> str:
     h = hashlib.sha256()
@@ -156,9 +177,9 @@ def _digest(tr: Trace) -> str:
     return h.hexdigest()
 
 
-def test_host_row_synth_output_is_unchanged_for_a_seed():
-    """block_size 0, spec 0: the random stream of the generator before position traces
-    (the digest was taken from that version)."""
+def test_host_row_synth_output_is_fixed_for_a_seed():
+    """block_size 0, spec 0: position and speculative options draw no random numbers, so a
+    seed's host-row trace stays the same (a pinned digest)."""
     tr = synth(steps=40, batch=3, top_k=5, region_stride=20, max_reqs=4, host_rows=512, context=40, lifetime=8,
                arrive=0.7, pad=0.2, invalidate=0.3, out_of_range=0.05, share_prefix=0.5, overlap=0.0, seed=0)
     assert tr.block_table is None

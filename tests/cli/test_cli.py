@@ -1,14 +1,18 @@
 """``sparsekv trace synth`` and ``sparsekv replay`` as commands (DESIGN §6): the one-line
 JSON summary printed last, the result file's arrays, identical results through both
-transports (and equal to the reference model), clear exit-2 errors for bad traces."""
+transports (and equal to the reference model), clear exit-2 errors for bad traces and
+arguments (checked before any work), progress on stderr."""
 
+import io
 import json
+import time
 
 import numpy as np
 import pytest
 
 import helpers
 from sparsekv.bench.trace import Trace, synth
+from sparsekv.cli.progress import Progress
 
 SYNTH = ["--steps", 30, "--batch", 4, "--top-k", 16, "--region-stride", 32, "--max-reqs", 8, "--host-rows", 2048,
          "--row-bytes", 32, "--num-layers", 2, "--context", 150, "--lifetime", 12, "--invalidate", 0.2,
@@ -157,3 +161,67 @@ def test_trace_synth_with_impossible_parameters_exits_2(tmp_path):
     r = helpers.run_cli("trace", "synth", "--out", tmp_path / "t.npz", "--batch", 9, "--max-reqs", 4)
     assert r.returncode == 2 and "batch 9 exceeds max_reqs 4" in r.stderr
     assert not (tmp_path / "t.npz").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--overlap", 1.5], "overlap is a probability in [0, 1], got 1.5"),
+    (["--pad", -0.1], "pad is a probability in [0, 1], got -0.1"),
+    (["--steps", 0], "steps must be >= 1, got 0"),
+    (["--context", -5], "context must be >= 1, got -5"),
+    (["--seed", -1], "seed must be >= 0, got -1"),
+    (["--region-stride", 8, "--top-k", 16], "do not make a valid layout"),
+    (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+])
+def test_trace_synth_refuses_a_bad_argument_in_one_line(tmp_path, args, words):
+    r = helpers.run_cli("trace", "synth", "--out", tmp_path / "t.npz", *args)
+    assert r.returncode == 2 and r.stderr.startswith("sparsekv trace synth: ") and words in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert not (tmp_path / "t.npz").exists()
+
+
+def test_output_paths_are_checked_before_any_work(trace_path, tmp_path):
+    t0 = time.monotonic()  # 10**7 steps would run for hours: the refusal comes first
+    r = helpers.run_cli("trace", "synth", "--steps", 10**7, "--out", tmp_path / "nope" / "t.npz")
+    assert r.returncode == 2 and "directory" in r.stderr and "does not exist" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30
+    r = helpers.run_cli("replay", trace_path, "--out", tmp_path, "--transport", "zmq")
+    assert r.returncode == 2 and r.stderr == f"sparsekv replay: --out {tmp_path} is a directory; name a file\n"
+    r = helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz", "--daemon-log", tmp_path / "no" / "d.log")
+    assert r.returncode == 2 and "--daemon-log" in r.stderr and not (tmp_path / "r.npz").exists()
+
+
+def test_replay_and_synth_print_progress_on_stderr_without_carriage_returns(trace_path, tmp_path):
+    r = helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz")
+    assert r.returncode == 0 and "\r" not in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("replay: 30/30 steps (100 %")
+    r = helpers.run_cli("trace", "synth", "--out", tmp_path / "t.npz", *SYNTH)
+    assert r.returncode == 0 and r.stderr.splitlines()[-1].startswith("trace synth: 30/30 steps (100 %")
+    r = helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz", "--quiet")
+    assert r.returncode == 0 and r.stderr == ""
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere():
+    out = io.StringIO()
+    p = Progress("replay", 4, every_s=0.0, stream=out)
+    for n in range(1, 5):
+        p.update(n)
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and lines[0].startswith("replay: 1/4 steps (25 %")
+    assert len(lines) == 5 and lines[-1].startswith("replay: 4/4 steps (100 %")
+    tty = _Tty()
+    p = Progress("replay", 4, stream=tty)
+    p.update(4)
+    p.close()
+    assert tty.getvalue() == "\rreplay [" + "#" * 30 + "] 4/4\n"
+
+
+def test_replay_help_says_what_each_transport_is():
+    r = helpers.run_cli("replay", "--help")
+    assert r.returncode == 0 and "designed, not built" not in r.stdout
+    assert "doorbell: a daemon driven from the GPU" in " ".join(r.stdout.split())

@@ -7,7 +7,9 @@ import argparse
 import fcntl
 import importlib.metadata
 import io
+import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -97,8 +99,6 @@ def test_health_while_starting_is_1_and_alive(starting_daemon):
     r = helpers.run_cli("health", "--live", "--run-dir", starting_daemon)
     assert r.returncode == 0 and "starting" in r.stdout
     # a stale socket of a killed daemon (nobody listens) does not change that
-    import socket
-
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(starting_daemon / "stats.sock"))  # bound, never listening: connect is refused
         assert helpers.run_cli("health", "--run-dir", starting_daemon).returncode == 1
@@ -113,6 +113,13 @@ def test_health_after_a_killed_daemon_is_2(tmp_path):
     assert helpers.run_cli("health", "--live", "--run-dir", run).returncode == 2
 
 
+@pytest.mark.parametrize("command", [["stats"], ["stats", "--json"], ["clients"], ["top", "--once"]])
+def test_the_stats_commands_say_a_starting_daemon_is_starting(starting_daemon, command):
+    err = one_line_error(helpers.run_cli(*command, "--run-dir", starting_daemon))
+    assert err.startswith(f"sparsekv {command[0]}: starting: sparsekvd (pid {os.getpid()})"), err
+    assert "no daemon" not in err
+
+
 def test_health_never_takes_the_lock(starting_daemon):
     """Probing while a daemon starts must not make it lose its own run dir."""
     before = open("/proc/locks").read().count("FLOCK")
@@ -121,8 +128,6 @@ def test_health_never_takes_the_lock(starting_daemon):
 
 
 def test_health_of_a_daemon_that_does_not_answer_is_2_within_the_timeout(tmp_path):
-    import socket
-
     run = tmp_path / "run"
     run.mkdir()
     with socket.socket(socket.AF_UNIX) as s:
@@ -136,8 +141,6 @@ def test_health_of_a_daemon_that_does_not_answer_is_2_within_the_timeout(tmp_pat
 
 # -- common mistakes: one line, no traceback -----------------------------------------------
 def test_permission_denied_on_the_socket_is_one_line(monkeypatch, capsys, daemon):
-    import socket
-
     def refuse(self, address):
         raise PermissionError(13, "Permission denied")
 
@@ -178,6 +181,32 @@ def test_replay_to_a_wrong_run_dir_is_one_line_and_not_internal(big_trace, tmp_p
 def test_stats_with_a_wrong_run_dir_is_one_line(tmp_path):
     err = one_line_error(helpers.run_cli("clients", "--run-dir", tmp_path / "nope"))
     assert err.startswith("sparsekv clients: no daemon at ") and "does not exist" in err
+
+
+def test_clients_json_is_a_list_of_clients(daemon):
+    with Client(daemon.run_dir, rank=1, name="json-reader", timeout_s=10) as c:
+        c.attach(LAYOUT, engine="e")
+        r = helpers.run_cli("clients", "--json", "--run-dir", daemon.run_dir)
+    assert r.returncode == 0, r.stderr
+    clients = json.loads(r.stdout)
+    me = next(x for x in clients if x["name"] == "json-reader")
+    assert me["pid"] == os.getpid() and me["rank"] == 1 and me["engine"] == "e" and me["attached"] == "yes"
+
+
+def test_an_unexpected_error_is_one_line_with_its_type(monkeypatch, capsys, tmp_path):
+    def broken(*args):
+        raise TypeError("boom")
+
+    monkeypatch.setattr(cli, "stats_query", broken)
+    assert cli.main(["stats", "--run-dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == "sparsekv stats: unexpected TypeError: boom\n"
+
+
+def test_a_bad_argument_is_one_line_without_the_usage_block():
+    err = one_line_error(helpers.run_cli("top", "--interval-s", "x"), 2)
+    assert err == "sparsekv top: argument --interval-s: invalid float value: 'x' (see sparsekv top --help)\n"
+    err = one_line_error(helpers.run_cli("top", "--interval-s", "0"), 2)
+    assert err == "sparsekv top: --interval-s must be > 0\n"
 
 
 # -- top -----------------------------------------------------------------------------------
