@@ -51,7 +51,7 @@ Every request a token names must be among the step's ``state_rows``.
 
 Arrays: NumPy or torch tensors, on any device. A top-k on the host is mapped to host rows
 there. A top-k on a GPU is mapped on that GPU by one kernel (``swap_in_kernels.py``) where
-CuPy is installed and the top-k and block table are int32 or int64 (the block table is
+CuPy is installed (integers narrower than 32 bits widened there first; the block table is
 copied there when it is not), else on the host. On a cuda rank attached with
 ``fence=True`` the rows go from the GPU into the rank's step block on the current stream
 and the daemon reads them after the fence: the host waits for the GPU only once a step, to read a ``req_id_per_token`` tensor on the GPU
@@ -483,7 +483,7 @@ def _block_size_ok(bs) -> bool:
 
 def _device_rows(topk, table, block_size: int, reqs):
     """Host rows (int32 tensor) of a top-k on the GPU, mapped there by one kernel on the
-    current stream, without a wait; None when a dtype is neither int32 nor int64.
+    current stream, without a wait; None for a dtype the kernel cannot take (uint64).
     ``reqs``: int32 on the top-k's GPU (checked on the host)."""
     import torch  # noqa: PLC0415 - the top-k is a tensor, so torch is there
 

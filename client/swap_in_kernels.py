@@ -62,9 +62,11 @@ def map_positions(topk, table, block_size: int, reqs):
     """Host rows int32 ``[tokens, k]`` of ``topk`` (positions, ``[tokens, k]`` on a GPU)
     through ``table`` (``[rows, max_blocks]``, same GPU), token ``t`` reading table row
     ``reqs[t]`` (int32 ``[tokens]``, same GPU; outside ``[0, rows)``: maps nothing);
-    ``block_size`` in ``[1, 2**31)``. None when a dtype is neither int32 nor int64."""
+    ``block_size`` in ``[1, 2**31)``. Narrower integers are widened to int32 on the GPU
+    first (lossless); None for a dtype that int64 cannot hold losslessly (uint64)."""
     import torch  # noqa: PLC0415
 
+    topk, table = _widened(torch, topk), _widened(torch, table)
     pt, tt = _TYPES.get(str(topk.dtype)), _TYPES.get(str(table.dtype))
     if pt is None or tt is None:
         return None
@@ -81,6 +83,15 @@ def map_positions(topk, table, block_size: int, reqs):
             (out.data_ptr(), reqs.data_ptr(), i32(tokens), table.data_ptr(), i32(rows_n), i32(max_blocks),
              topk.data_ptr(), i32(k), np.int64(block_size)))
     return out
+
+
+def _widened(torch, t):
+    """``t`` as int32 (8- and 16-bit integers) or int64 (uint32), on its GPU; else as is."""
+    if t.dtype in (torch.int8, torch.uint8, torch.int16) or str(t.dtype) == "torch.uint16":
+        return t.to(torch.int32)
+    if str(t.dtype) == "torch.uint32":
+        return t.to(torch.int64)
+    return t
 
 
 def indices(slots, reqs, region_stride: int, hot_base: int, max_reqs: int, out, valid) -> None:

@@ -84,10 +84,17 @@ def test_map_positions_launches_the_instance_of_its_dtypes_with_its_declared_arg
     assert by_name["table_rows"] == 4 and by_name["max_blocks"] == 2 and by_name["block_size"] == 16
 
 
+@pytest.mark.parametrize("dtype, kernel", [(torch.int8, "i32"), (torch.uint8, "i32"), (torch.int16, "i32")])
+def test_narrow_integers_are_widened_on_the_gpu_and_mapped_by_the_kernel(launches, dtype, kernel):
+    topk = torch.arange(15, dtype=dtype).reshape(3, 5)
+    out = swap_in_kernels.map_positions(topk, torch.zeros((4, 2), dtype=dtype), 16, torch.zeros(3, dtype=torch.int32))
+    assert out is not None and [name for name, _, _ in launches] == [f"skv_map_positions_{kernel}_{kernel}"]
+
+
 def test_map_positions_answers_without_a_launch_where_it_can(launches):
     reqs = torch.zeros(3, dtype=torch.int32)
-    assert swap_in_kernels.map_positions(torch.zeros((3, 5), dtype=torch.int16), torch.zeros((4, 2), dtype=torch.int32),
-                                         16, reqs) is None  # torch maps other dtypes
+    assert swap_in_kernels.map_positions(torch.zeros((3, 5), dtype=torch.uint64), torch.zeros((4, 2), dtype=torch.int32),
+                                         16, reqs) is None  # int64 cannot hold it: the host maps it
     assert swap_in_kernels.map_positions(torch.zeros((0, 5), dtype=torch.int32), torch.zeros((4, 2), dtype=torch.int32),
                                          16, reqs[:0]).shape == (0, 5)
     empty = swap_in_kernels.map_positions(torch.zeros((3, 5), dtype=torch.int32), torch.zeros((4, 0), dtype=torch.int32),

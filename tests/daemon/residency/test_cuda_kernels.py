@@ -75,7 +75,7 @@ def test_resolve_with_each_workspace_option_matches_cpu(case, kc, opts):
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, workspace=ws, **opts)
     assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem) == tuple(opts.values())
-    assert gpu.workspace_bytes == cuda.resolve_workspace_bytes(k, stride, "hash", **opts)
+    assert gpu.workspace_bytes == cuda.resolve_workspace_bytes(k, stride, **opts)
     run_trace(CpuResidency(lay), gpu, lay, seed=zlib.crc32(name.encode()) % 1000, steps=steps, batch=batch,
               overlap=overlap, state_every=1 if k < 1000 else 4)
 
@@ -88,7 +88,7 @@ def test_the_default_workspace_takes_the_x4_table_then_the_rows_where_they_fit_i
     lay = layout(2048, 4096, 1 << 20, 64, max_batch=64)
     gpu = cuda.CudaResidency(lay, kernels=kc)
     assert (gpu.hash_scale, gpu.lru_smem, gpu.owner_smem, gpu.workspace_global) == (4, True, True, False)
-    assert gpu.resolve_smem == cuda.resolve_workspace_bytes(2048, 4096, "hash", 4, True, True)
+    assert gpu.resolve_smem == cuda.resolve_workspace_bytes(2048, 4096, 4, True, True)
     asked = cuda.CudaResidency(lay, kernels=kc, lru_smem=False)
     assert (asked.hash_scale, asked.lru_smem, asked.owner_smem) == (4, False, True)
     wide = cuda.CudaResidency(layout(2048, 32768, 1 << 20, 4, max_batch=4), kernels=kc)
