@@ -421,14 +421,21 @@ def _run_zmq_rank(torch, hz, cz, lay, workloads, opts, out, fill_s) -> None:
         hz.close()
 
 
-def guarded(out: list, mode: str, batch: int, workloads: dict, fn) -> None:
-    """Run one (mode, batch); a failure becomes an error row for each config it left out."""
+def guarded(out: list, modes, batch: int, workloads: dict, fn, label: str = "") -> None:
+    """Run ``fn`` for one batch; a failure becomes an error row for each config of
+    ``modes`` (a mode or a list) it left out; ``label`` in the message (default: the mode)."""
+    modes = [modes] if isinstance(modes, str) else modes
     try:
         fn()
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - one mode failing must not lose the others' figures
         why = f"{type(e).__name__}: {' '.join(str(e).split())}"
-        say(f"batch {batch} {mode} failed: {why}")
-        done = {r.hits for r in out if r.mode == mode and r.batch == batch}
-        out.extend(Result(mode, batch, h, error=why) for h in workloads if h not in done)
+        say(f"batch {batch} {label or modes[0] + ' failed'}: {why}")
+        error_rows(out, modes, batch, workloads, why)
+
+
+def error_rows(out: list, modes, batch: int, workloads: dict, why: str) -> None:
+    """An error row ``why`` for each (mode of ``modes``, hits) of ``batch`` not in ``out``."""
+    done = {(r.mode, r.hits) for r in out if r.batch == batch}
+    out.extend(Result(m, batch, h, error=why) for m in modes for h in workloads if (m, h) not in done)

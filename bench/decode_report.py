@@ -4,6 +4,8 @@ plotted."""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -271,3 +273,13 @@ def plot(results: list[Result], path: str) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def write_json(path: str, figures: dict) -> None:
+    """``figures`` but for the ``_``-prefixed entries, as JSON at ``path``, replaced whole
+    (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({k: v for k, v in figures.items() if not k.startswith("_")}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -17,8 +17,7 @@ from sparsekv.proto import Layout
 
 MODES = ("gpu", "inproc", "doorbell", "zmq")  # also the order they run in
 # --control: a second in-process handle with a pool of its own, timed in turn with inproc
-# and the doorbell: what two pools alone differ by in the same run (the noise floor of the
-# hand-off figure: on these VMs one pool's gather can run a few % faster than another's).
+# and the doorbell: what two pools alone differ by (the noise floor of the hand-off figure).
 CONTROL = "inproc2"
 DEFAULT_MODES = ("gpu", "inproc", "doorbell")
 DEFAULT_BATCHES = (16, 64, 128)
@@ -50,8 +49,6 @@ class Options:
     layer_overlap: float = 0.85
     gather_blocks: int | None = None
     seed: int = 0
-    # Start no batch size (or round of one) after this many seconds: the rest is marked
-    # skipped, and what ran is written (a device call has a hard limit). None: no limit.
     budget_s: float | None = None
     json_path: str | None = None
     plot_path: str | None = None
@@ -147,16 +144,8 @@ class Workload:
         return self.base.shape[1]
 
     @property
-    def top_k(self) -> int:
-        return self.base.shape[2]
-
-    @property
     def layers(self) -> int:
         return self.perms.shape[0]
-
-    @property
-    def context(self) -> int:
-        return self.perms.shape[1]
 
     def topk(self, t: int) -> np.ndarray:
         """int32 [layers, batch, top_k]: every layer's top-k positions of step ``t``."""
@@ -254,8 +243,7 @@ def pattern_tile(rows: int, row_bytes: int) -> np.ndarray:
 def fill_pattern(pool: np.ndarray, threads: int | None = None) -> None:
     """Fill ``pool`` uint8 [layers, rows, row_bytes] cheaply: layer 0 from a repeating
     tile (row r holds the tile's row r mod PATTERN_ROWS), copied to the other layers on
-    several threads (NumPy copies release the GIL). The bytes do not matter for timing;
-    this only makes every row hold something."""
+    several threads (NumPy copies release the GIL)."""
     layers, rows, row_bytes = pool.shape
     tile = pattern_tile(min(rows, PATTERN_ROWS), row_bytes)
     first = pool[0]

@@ -20,7 +20,6 @@ within a round, so nothing is served from L2). Needs a GPU; prints a table and, 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -33,6 +32,8 @@ from sparsekv.daemon.pool import BACKINGS, HostPool, anon_huge_bytes, vmstat, vm
 from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, allocate_device_buffers, make_desc
 from sparsekv.proto import Layout
 from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
+
+from .decode_report import write_json
 
 GIB = 1 << 30
 ROW_BYTES = 656
@@ -179,9 +180,8 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         out["_rows"] = rows_out
         return out
     with contextlib.ExitStack() as stack:
-        # The daemon's way first: the first large pool of a run is the one that finds the
-        # host's memory as it is (on the H200 a later one found huge pages ready and
-        # faulted three times faster).
+        # The daemon's way first: the first large pool of a run finds the host's memory as
+        # it is (a later one may find huge pages ready).
         pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
         huge = anon_huge_bytes(pool.address, pool.size_bytes) / nbytes
         out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
@@ -218,7 +218,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
         _say(f"{PLANS} step plans in {time.perf_counter() - t0:.1f} s ({int(pmiss[0].sum())} misses each, "
              f"{host_rows} rows a layer)")
-        d_desc, d_rows, d_slots, d_miss = _device_plans(cp, s, prow, pslot, pmiss, layer)
+        plans = _device_plans(cp, s, prow, pslot, pmiss, layer)
         bufs = allocate_device_buffers(lay)
         step_bytes = int(pmiss[0].sum()) * ROW_BYTES
 
@@ -246,10 +246,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
 
         best = 0.0
         for nb in blocks:
-            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=nb)
-            t, tmin = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
-                                                                       BATCH, s), PLANS)
-            gbps = step_bytes / t / 1e3
+            gbps, t, tmin = _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes, nb)
             best = max(best, gbps)
             out[f"gather_request_order_{nb}blocks_GBps"] = round(gbps, 2)
             row(f"gather of the step's misses, {nb} blocks x 256 threads", f"{gbps:.1f} GB/s",
@@ -257,14 +254,12 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         # The copy kernel's threads per block, on 32 blocks.
         for label, kw in (gather_variants or ()):
             try:
-                mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32, **kw)
-                t, _ = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
-                                                                        BATCH, s), PLANS)
+                gbps, t, _ = _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes, 32, **kw)
             except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
                 row(f"gather variant {label}", "FAILED", f"{type(e).__name__}: {e}")
                 continue
-            out[f"gather_request_order_32blocks_{label.replace(' ', '_')}_GBps"] = round(step_bytes / t / 1e3, 2)
-            row(f"gather, 32 blocks, {label}", f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us")
+            out[f"gather_request_order_32blocks_{label.replace(' ', '_')}_GBps"] = round(gbps, 2)
+            row(f"gather, 32 blocks, {label}", f"{gbps:.1f} GB/s", f"{t:.0f} us")
         # The same kernel on adjacent rows (each request's misses one run of consecutive
         # rows): what SM loads of pinned memory reach with no scatter at all, the ceiling
         # of any gather by the SMs (the link's bulk figure is the copy engine's).
@@ -274,14 +269,12 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 m = int(pmiss[i, b])
                 crow[i, b, :m] = np.arange(m, dtype=np.int32) + (i * BATCH + b) * m
         if int(crow.max()) < lay.host_rows:
-            c_desc, c_rows, c_slots, c_miss = _device_plans(cp, s, crow, pslot, pmiss, layer)
-            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32)
-            t, _ = timer.median_us(lambda i: mv.launch_gather(c_desc, c_rows[i], c_slots[i], c_miss[i], BATCH, s),
-                                   PLANS)
-            out["gather_adjacent_rows_GBps"] = round(step_bytes / t / 1e3, 2)
-            out["gather_vs_adjacent_rows"] = round(best / (step_bytes / t / 1e3), 3)
+            gbps, t, _ = _request_gather(lay, region, bufs, kc, s, timer,
+                                         _device_plans(cp, s, crow, pslot, pmiss, layer), step_bytes, 32)
+            out["gather_adjacent_rows_GBps"] = round(gbps, 2)
+            out["gather_vs_adjacent_rows"] = round(best / gbps, 3)
             row("gather, 32 blocks, each request's misses adjacent rows (the SMs' ceiling)",
-                f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us; the scattered gather reaches "
+                f"{gbps:.1f} GB/s", f"{t:.0f} us; the scattered gather reaches "
                 f"{out['gather_vs_adjacent_rows']:.2f} of it")
         # The same gather from the engine's range registered in one piece (what an attach
         # does), against the pool registered in chunks as it was faulted.
@@ -290,7 +283,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                              max_chunk_bytes=1 << 40)
         stack.callback(whole.close)
         for nb in (32, 64):
-            gbps, t = _request_gather(lay, whole, bufs, kc, s, timer, (d_desc, d_rows, d_slots, d_miss), step_bytes, nb)
+            gbps, t, _ = _request_gather(lay, whole, bufs, kc, s, timer, plans, step_bytes, nb)
             out[f"gather_request_order_{nb}blocks_one_registration_GBps"] = round(gbps, 2)
             row(f"gather, {nb} blocks, the engine's range registered in one piece",
                 f"{gbps:.1f} GB/s", f"{t:.0f} us")
@@ -303,7 +296,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         if other_backing:
             try:
                 _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s,
-                            (d_desc, d_rows, d_slots, d_miss), step_bytes)
+                                      plans, step_bytes)
             except Exception as e:  # noqa: BLE001 - the figures above must still be written
                 row("pool in the other backing", "FAILED", f"{type(e).__name__}: {e}")
     out["_rows"] = rows_out
@@ -413,13 +406,15 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, variants: bool | str) -> N
         row(f"resolve variant: {label}", f"{tv:.1f} us")
 
 
-def _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes: int, blocks: int) -> tuple[float, float]:
-    """(GB/s, us) of the request-order gather of the step plans from ``region`` (the
-    daemon's path: skv_gather of each batch row's sorted plan) with ``blocks`` blocks."""
+def _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes: int, blocks: int,
+                    **kw) -> tuple[float, float, float]:
+    """(GB/s, us, min us) of the request-order gather of the step plans from ``region``
+    (the daemon's path: skv_gather of each batch row's sorted plan) with ``blocks``
+    blocks; ``kw``: more CudaMover options."""
     d_desc, d_rows, d_slots, d_miss = plans
-    mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=blocks)
-    t, _ = timer.median_us(lambda i: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s), PLANS)
-    return step_bytes / t / 1e3, t
+    mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=blocks, **kw)
+    t, tmin = timer.median_us(lambda i: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s), PLANS)
+    return step_bytes / t / 1e3, t, tmin
 
 
 def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s, plans,
@@ -444,10 +439,9 @@ def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, t
         f"fault {nbytes / GIB / (t1 - t0):.1f} GiB/s, register {lay.pool_bytes / GIB / (t2 - t1):.1f} GiB/s; "
         f"AnonHugePages {anon_huge_bytes(hp.address, hp.size_bytes) >> 30} GiB")
     for nb in (32, 64):
-        gbps, t = _request_gather(lay, hreg, bufs, kc, s, timer, plans, step_bytes, nb)
+        gbps, t, _ = _request_gather(lay, hreg, bufs, kc, s, timer, plans, step_bytes, nb)
         out[f"gather_request_order_{nb}blocks_{other}_GBps"] = round(gbps, 2)
-        row(f"gather, {nb} blocks, pool {other}", f"{gbps:.1f} GB/s",
-            f"{t:.0f} us")
+        row(f"gather, {nb} blocks, pool {other}", f"{gbps:.1f} GB/s", f"{t:.0f} us")
 
 
 def table(result: dict) -> str:
@@ -478,13 +472,3 @@ def run_args(a) -> int:
     if a.json_path:
         write_json(a.json_path, r)
     return 0
-
-
-def write_json(path: str, figures: dict) -> None:
-    """``figures`` but for the ``_``-prefixed entries, as JSON at ``path``, replaced whole
-    (a reader never sees half a file)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({k: v for k, v in figures.items() if not k.startswith("_")}, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 
+from .decode_report import write_json
 from .transport import bench_cuda_transport
 
 STEPS = 400
@@ -66,18 +67,12 @@ def run(out: str, latest: dict) -> int:
         got = numbers(r)
         latest.update({prefix + k: v for k, v in got.items() if "device_wait" not in kw or k in DW_KEYS})
         latest.update({name: got[k] for k, name in plain.items()})
-        write(out, latest)
+        write_json(out, latest)
     return 0
 
 
 def numbers(r: dict) -> dict:
     return {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def write(out: str, latest: dict) -> None:
-    with open(out, "w") as f:
-        json.dump(latest, f, indent=1, sort_keys=True)
-        f.write("\n")
 
 
 def machine() -> str:

@@ -224,11 +224,8 @@ class DeviceHandle:
                               logical_topk_indices.int().contiguous(), layer=layer, block_size=block_size,
                               resident_block_table=res)
 
-    def kv(self, layer: int):
-        return self.h.kv(layer)
-
-    def check(self) -> None:
-        self.h.check()
+    def __getattr__(self, name):  # kv, check
+        return getattr(self.h, name)
 
     def close(self) -> None:
         torch.cuda.synchronize()  # nothing may wait on a ready word once the watcher stops
@@ -318,12 +315,8 @@ class EngineKV:
     def __init__(self, h, resident: ResidentBlocks):
         self.h, self.resident = h, resident
 
-    @property
-    def counts(self):
-        return getattr(self.h, "counts", None)
-
-    def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
-        self.h.begin_step(state_rows, reset=reset, invalidate=invalidate)
+    def __getattr__(self, name):  # begin_step, kv, check, close, counts
+        return getattr(self.h, name)
 
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer, block_size):
         idx = self.h.swap_in(req_id_per_token, block_table, logical_topk_indices, layer=layer,
@@ -333,15 +326,6 @@ class EngineKV:
         i = torch.as_tensor(idx)
         self.resident.reads += int(((i >= 0) & (i < self.resident.hot_base)).sum())
         return idx
-
-    def kv(self, layer: int):
-        return self.h.kv(layer)
-
-    def check(self) -> None:
-        self.h.check()
-
-    def close(self) -> None:
-        self.h.close()
 
 
 def layout_for(cfg: Config, rc: RunConfig) -> Layout:
