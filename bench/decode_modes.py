@@ -140,12 +140,6 @@ class _Side:
     huge_pct: int | None = None  # share of its host pool in transparent huge pages
 
 
-def _run_configs(torch, mode: str, step, st: _Static, lay: Layout, workloads: dict, opts: Options, out: list,
-                 counts=None, check=None, capture: bool = True, fill_s: float | None = None) -> None:
-    """Every hit rate of one (mode, batch): capture once, then time each config."""
-    _run_sides(torch, [_Side(mode, step, st, counts, check, fill_s)], lay, workloads, opts, out, capture=capture)
-
-
 def _run_sides(torch, sides: list, lay: Layout, workloads: dict, opts: Options, out: list,
                capture: bool = True) -> None:
     """Every hit rate of one batch for one or several modes (``sides``): each side's step
@@ -230,8 +224,8 @@ def run_gpu(torch, lay: Layout, workloads: dict, opts: Options, out: list, captu
     kv32 = kv.view(torch.int32)  # [L, R, RB / 4]
     st = _Static(torch, lay, opts.blocks)
     try:
-        _run_configs(torch, "gpu", _gpu_step(torch, kv32, st, lay, opts.block_size), st, lay, workloads, opts, out,
-                     capture=capture, fill_s=fill_s)
+        side = _Side("gpu", _gpu_step(torch, kv32, st, lay, opts.block_size), st, fill_s=fill_s)
+        _run_sides(torch, [side], lay, workloads, opts, out, capture=capture)
     finally:
         del kv, kv32, tile, st
 
@@ -354,9 +348,7 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
         # waits on its engine's bells, other work of the daemon on that GPU may wait
         # behind its parked stream (docs/PERF.md, "Doorbell"), so the two never overlap.
         c = cz = None
-        if want_zmq:
-            # The portable path at its best: fence events (the top-k goes from the GPU into
-            # the step block, no wait on the host) and device wait (no reply waited for).
+        if want_zmq:  # the portable path at its best: fence events and device wait
             cz = Client(d.run_dir, rank=1 if want_db else 0, device=f"cuda:{DEVICE}", name="bench-decode-zmq",
                         timeout_s=CLIENT_TIMEOUT_S, device_wait=True).connect()
             stack.callback(cz.close)
@@ -414,8 +406,8 @@ def _run_zmq_rank(torch, hz, cz, lay, workloads, opts, out, fill_s) -> None:
                                  attention_indices_out=st.idx[layer])
                 _attend(torch, kv32[layer], idx, st.out[layer])
 
-        _run_configs(torch, "zmq", step, st, lay, workloads, opts, out, counts=lambda: _daemon_counts(cz),
-                     check=hz.check, capture=False, fill_s=fill_s)
+        side = _Side("zmq", step, st, counts=lambda: _daemon_counts(cz), check=hz.check, fill_s=fill_s)
+        _run_sides(torch, [side], lay, workloads, opts, out, capture=False)
     finally:
         torch.cuda.synchronize()
         hz.close()

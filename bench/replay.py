@@ -209,14 +209,13 @@ class DoorbellDriver(ZmqDriver):
 
     attach_kw = {"transport": "doorbell"}
 
-    def __init__(self, trace, stack, *, backend, engine, connect=None, daemon_log=None, slab="daemon"):
+    def __init__(self, trace, stack, *, backend, **kw):
         if backend != "cuda":
             raise ValueError("the doorbell transport needs --backend cuda")
         import torch  # noqa: PLC0415 - torch only where a GPU is driven
 
         self.torch = torch
-        super().__init__(trace, stack, backend=backend, engine=engine, connect=connect, daemon_log=daemon_log,
-                         slab=slab)
+        super().__init__(trace, stack, backend=backend, **kw)
         self.handle = self.client.doorbell_handle(hot_base=self.hot_base)
         stack.callback(self.handle.close)
 
@@ -281,12 +280,10 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
                 raise BadRequest(f"step {t}: {e.args[0]}", e.code) from None
             lat[t] = time.perf_counter() - t0
             rows = trace.host_topk(t)  # what the step asked for, in host rows
-            live = trace.state_rows[t] >= 0
+            ids = rows[trace.state_rows[t] >= 0]
             if step_hits is None:  # cuda: counted on the GPU; derive them from the result
-                ids = rows[live]
                 step_hits = int(((ids >= 0) & (ids < layout.host_rows)).sum()) - int(misses[t].sum())
             if step_oob is None:
-                ids = rows[live]
                 step_oob = int(((ids < -1) | (ids >= layout.host_rows)).sum())
             hits += step_hits
             out_of_range += step_oob
