@@ -1,20 +1,16 @@
-"""``sparsekv bench kernels``: the daemon's kernels on one GPU against the link's own speed,
-in one run (docs/PERF.md records what it printed).
+"""``sparsekv bench kernels``: the daemon's kernels on one GPU against the link's own speed
+(docs/PERF.md records what it printed).
 
-* **Pool ready**: a host pool of ``--pool-gib`` pre-faulted by every core and page-locked
-  for the GPU, twice: page-locking chunk by chunk while the rest is still being faulted
-  (the daemon's start), and fault-then-register one after the other. GiB/s of the pool.
-* **Gather** of a realistic decode step's misses from that pool (batch 64, top-k 2048,
-  656 B rows, ~10 % misses, each request's rows in its own 64-row blocks scattered over
-  one layer of the pool), for several grid sizes; against a bulk ``cudaMemcpyAsync`` of
-  the same bytes and of 4 GiB from the same pinned pool.
-* **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept from its last
-  step, at the daemon's thread count, then at other thread counts and workspace options.
+* **Pool ready**: a host pool of ``--pool-gib`` pre-faulted and page-locked, registered
+  chunk by chunk while faulting (the daemon's start) and after the fault. GiB/s.
+* **Gather** of a decode step's misses (batch 64, top-k 2048, 656 B rows, ~10 % misses in
+  64-row blocks scattered over one layer) on several grid sizes, against a bulk
+  ``cudaMemcpyAsync`` of the same bytes and of 4 GiB from the same pinned pool.
+* **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept, at the
+  daemon's thread count, then at other thread counts and workspace options.
 
-Every figure is the median of CUDA-event timings over different inputs (no input repeats
-within a round, so nothing is served from L2). Needs a GPU; prints a table and, with
-``--json``, writes the flat figures (``gather_vs_bulk``, ``resolve_us_b64``,
-``pool_ready_GiBps`` and the rest).
+Every figure is the median of CUDA-event timings over distinct inputs (nothing served
+from L2). ``--json``: the flat figures (``gather_vs_bulk``, ``resolve_us_b64``, ...).
 """
 
 from __future__ import annotations
@@ -64,9 +60,8 @@ class EventTimer:
         return self._rounds(run_round, n, rounds, warmup)
 
     def graph_us(self, fn, n: int, rounds: int = 5, warmup: int = 2) -> tuple[float, float]:
-        """Median and min over ``rounds`` of the mean time of ``fn(i)`` for i in range(n),
-        captured once into a CUDA graph and replayed: the device's time, without the
-        host's launch cost between calls (the daemon replays its step as a graph too)."""
+        """As :meth:`median_us`, the calls captured once into a CUDA graph and replayed:
+        the device's time, without the host's launch cost between calls."""
         cp, s = self.cp, self.stream
         s.synchronize()
         s.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
@@ -79,8 +74,7 @@ class EventTimer:
         return self._rounds(lambda: graph.launch(s), n, rounds, warmup)
 
     def _rounds(self, run_round, n: int, rounds: int, warmup: int) -> tuple[float, float]:
-        """``run_round()`` ``warmup`` times, then timed ``rounds`` times between two events:
-        median and min of each round's time divided by ``n`` (microseconds)."""
+        """Median and min (us) of ``rounds`` timed rounds divided by ``n``, after ``warmup``."""
         cp, s = self.cp, self.stream
         for _ in range(warmup):
             run_round()
@@ -155,8 +149,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         resolve_only: bool = False, json_path: str | None = None) -> dict:
     """Every figure into the returned dict (``_rows``: the table's rows). ``resolve_variants``:
     True every variant, ``"quick"`` the thread counts, False none. ``json_path``: the
-    figures so far are written there after every row, so that a run cut short (a device
-    call's limit) keeps what it measured."""
+    figures so far are written there after every row (a run cut short keeps them)."""
     import cupy as cp  # noqa: PLC0415
 
     threads = threads or min(16, os.cpu_count() or 1)
@@ -193,8 +186,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting ({threads} threads; "
             "the daemon's way), the run's first pool", f"{nbytes / GIB / secs:.1f} GiB/s",
             f"{secs:.2f} s, {huge:.0%} in huge pages; {note}")
-        # The same way again (the run's first pool finds memory the host has never backed,
-        # a VM's first touch; this one does not), then the other way
+        # The same way again (memory the host has backed before), then the other way
         # (SPARSEKV_PIN_POOL_AT_START=after).
         for pipelined, key, label in ((True, "again", "registered while faulting, the second pool"),
                                       (False, "after_fault", "fault then register (=after; the third pool)")):
@@ -222,8 +214,8 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         bufs = allocate_device_buffers(lay)
         step_bytes = int(pmiss[0].sum()) * ROW_BYTES
 
-        # The link: bulk copies from the pinned pool (inside one registered chunk).
-        big = min(4 * GIB, region.chunks[0].nbytes)  # one DMA copy stays inside one registration
+        # The link: bulk copies from the pinned pool (one DMA copy stays inside one registration).
+        big = min(4 * GIB, region.chunks[0].nbytes)
         bulk = cp.empty(big, dtype=cp.uint8)
         src = region.device_address(0, big)
 
@@ -261,8 +253,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
             out[f"gather_request_order_32blocks_{label.replace(' ', '_')}_GBps"] = round(gbps, 2)
             row(f"gather, 32 blocks, {label}", f"{gbps:.1f} GB/s", f"{t:.0f} us")
         # The same kernel on adjacent rows (each request's misses one run of consecutive
-        # rows): what SM loads of pinned memory reach with no scatter at all, the ceiling
-        # of any gather by the SMs (the link's bulk figure is the copy engine's).
+        # rows): the ceiling of any gather by the SMs (the bulk figure is the copy engine's).
         crow = prow.copy()
         for i in range(PLANS):
             for b in range(BATCH):
@@ -276,8 +267,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
             row("gather, 32 blocks, each request's misses adjacent rows (the SMs' ceiling)",
                 f"{gbps:.1f} GB/s", f"{t:.0f} us; the scattered gather reaches "
                 f"{out['gather_vs_adjacent_rows']:.2f} of it")
-        # The same gather from the engine's range registered in one piece (what an attach
-        # does), against the pool registered in chunks as it was faulted.
+        # The same gather from the engine's range registered in one piece (as an attach does).
         region.close()
         whole = PinnedRegion(pool.address, -(-lay.pool_bytes // 4096) * 4096, ROW_BYTES,
                              max_chunk_bytes=1 << 40)
@@ -305,10 +295,9 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
 
 def resolve_sequence(rng, steps: int = PLANS, batch: int = BATCH, top_k: int = TOP_K, kept: float = 0.9,
                      span: int = 65536) -> list[np.ndarray]:
-    """``steps`` top-k batches (int32 [batch, top_k]) that form a cycle: each keeps
-    ``kept`` of its predecessor's ids, the first of the last's. Row b's ids are a window
-    sliding over a ring of ``steps * fresh`` distinct ids of its own range (b * span ...),
-    in random column order; a graph replaying them in order stays in the steady state."""
+    """``steps`` top-k batches (int32 [batch, top_k]) that form a cycle (each keeps ``kept``
+    of its predecessor's ids, the first of the last's): row b's ids a window sliding over
+    a ring of distinct ids of its own range (b * span ...), in random column order."""
     fresh = top_k - int(kept * top_k)
     ring = steps * fresh
     if ring < top_k + fresh or ring > span:
@@ -353,11 +342,9 @@ def variant_options(res, quick: bool = False) -> list[tuple[str, dict]]:
 
 
 def _resolve_section(out, row, cp, kc, s, timer, rng, variants: bool | str) -> None:
-    """Resolve at the daemon's settings (batch 64, top-k 2048, region 4096, 90 % kept),
-    replayed as a CUDA graph (the device's time; the daemon replays its step as a graph),
-    and once launched one by one from Python with the descriptor's upload (the host's
-    floor); then the variants (:func:`variant_options`; ``variants``: True all of them,
-    ``"quick"`` the thread counts, False none)."""
+    """Resolve at the daemon's settings replayed as a CUDA graph (the device's time), and
+    launched one by one from Python with the descriptor's upload (the host's floor); then
+    the variants (:func:`variant_options`; ``variants`` as :func:`run`'s)."""
     rlay = Layout(num_layers=1, row_bytes=16, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
                   host_rows=BATCH * 65536, max_batch=BATCH).validate()
     with s:
@@ -419,8 +406,7 @@ def _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes: int, blo
 
 def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s, plans,
                           step_bytes):
-    """Pool ready and the request-order gather again, the pool in the other backing
-    (memfd when the default is anonymous huge pages, and the other way round)."""
+    """Pool ready and the request-order gather again, the pool in the other backing."""
     whole.close()
     region.close()
     pool.close()
