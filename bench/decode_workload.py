@@ -120,13 +120,10 @@ def hkey(hits: float) -> str:
 # -- the top-k sequence --------------------------------------------------------------------
 @dataclass
 class Workload:
-    """One config's decode steps (warm-up included).
-
-    ``base`` int32 [steps, batch, top_k]: each request's positions of the step (layer 0);
-    layer ``l``'s top-k is ``perms[l][base[t]]`` (:meth:`topk`). ``block_table`` int32
-    [batch, blocks]: host block of each logical block of each request (a permutation of
-    every host block). ``reset`` bool [steps, batch]: True at step 0 only.
-    """
+    """One config's decode steps (warm-up included). ``base`` int32 [steps, batch, top_k]:
+    each request's positions (layer 0; layer ``l``'s are ``perms[l][base[t]]``).
+    ``block_table`` int32 [batch, blocks]: host block of each request's logical block.
+    ``reset`` bool [steps, batch]: True at step 0 only."""
 
     base: np.ndarray
     perms: np.ndarray
@@ -165,13 +162,10 @@ def generate(batch: int, hit_rate: float, *, steps: int, layers: int, context: i
     top_k)`` columns of each request's previous step, in every layer, and whose adjacent
     layers share about ``layer_overlap`` of their columns.
 
-    How: a base top-k per step and request (kept columns: a random subset of the previous
-    base; new columns: random positions outside it); layer ``l`` applies a fixed bijection
-    ``perms[l]`` of the positions to the base. A bijection keeps each layer's step-to-step
-    overlap exact. ``perms[l] = perms[l-1] o sigma_l`` where ``sigma_l`` shuffles a random
-    fraction ``m`` of the positions among themselves, so adjacent layers share ``(1 - m)
-    + m * top_k / context`` of their columns in expectation; ``m`` is chosen for
-    ``layer_overlap``. Positions lie in [0, context), unique within each row."""
+    Layer ``l`` applies a fixed bijection ``perms[l]`` of the positions to a base top-k
+    (which keeps each layer's step-to-step overlap exact); ``perms[l] = perms[l-1] o
+    sigma_l``, ``sigma_l`` shuffling a fraction ``m`` of the positions, so adjacent layers
+    share ``(1 - m) + m * top_k / context`` of their columns in expectation."""
     if not 0 <= hit_rate <= 1:
         raise ValueError(f"hit_rate must lie in [0, 1], got {hit_rate}")
     keep = _keep(top_k, hit_rate)
@@ -260,10 +254,9 @@ FILL_STAGING_ROWS = 4096  # rows per layer of the staging buffer the pool is fil
 
 
 def fill_through_staging(client, lay: Layout, torch) -> float:
-    """Fill every host row of every layer from the rank's staging buffer: the pattern
-    block is put there once, and each ``WRITE_STAGED`` copies it to the next
-    ``staging_rows`` host rows (the daemon's write mirror, device to host). A last plain
-    ``write`` of one row waits for them: a WRITE quiesces the engine's copies first.
+    """Fill every host row of every layer from the rank's staging buffer (the pattern put
+    there once, each ``WRITE_STAGED`` copying it to the next ``staging_rows`` host rows);
+    a last plain ``write`` waits for them (a WRITE quiesces the engine's copies first).
     Returns the seconds it took."""
     att = client.attachment
     n = lay.staging_rows
