@@ -1,10 +1,8 @@
 """``sparsekv bench latest``: the figures docs/perf/latest.json holds, in one flat JSON
-object (key -> number, plus date, commit and machine). Runs ``cuda_transport`` as
-installed, then with its I/O threads on warm CPUs (the headline keys: the hop as deployed
-on a VM, deploy/README.md "Warm CPUs"), then with device wait; merges in the figures that
-``sparsekv bench decode --json`` and ``sparsekv bench kernels --json`` wrote in the same
-run (``--merge``). The file is rewritten after each run, so that a run cut short keeps
-what it measured. Needs a GPU (run it under MPS).
+object (key -> number, plus date, commit and machine): ``cuda_transport`` as installed,
+with its I/O threads on warm CPUs, and with device wait (:data:`RUNS`), and what ``bench
+decode``/``kernels --json`` wrote in the same run (``--merge``). Rewritten after each run
+(a run cut short keeps what it measured). Needs a GPU (run it under MPS).
 """
 
 from __future__ import annotations
