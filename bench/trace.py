@@ -85,10 +85,9 @@ class Trace:
         s, b = self.topk.shape[:2] if self.topk.ndim == 3 else (None, None)
         if self.topk.ndim != 3:
             raise TraceError(f"topk must be [steps, batch, top_k], got shape {self.topk.shape}")
-        if self.state_rows.shape != (s, b):
-            raise TraceError(f"state_rows must be [{s}, {b}], got {self.state_rows.shape}")
-        if self.reset.shape != (s, b):
-            raise TraceError(f"reset must be [{s}, {b}], got {self.reset.shape}")
+        for name in ("state_rows", "reset"):
+            if getattr(self, name).shape != (s, b):
+                raise TraceError(f"{name} must be [{s}, {b}], got {getattr(self, name).shape}")
         if self.invalidate.ndim != 3 or self.invalidate.shape[:2] != (s, b):
             raise TraceError(f"invalidate must be [{s}, {b}, n], got {self.invalidate.shape}")
         try:

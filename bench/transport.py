@@ -190,10 +190,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
                                             device_wait=True, io_cpus=client_io))
             cw.attach(lay, engine="bench")
         bare_rt = _BareRoundTrip(stack, io_cpus=parse_cpu_list(client_io), server_io_cpus=daemon_io)
-        bare = np.zeros(steps)
-        base = np.zeros(steps)
-        over, reply, dwait = np.zeros(steps), np.zeros(steps), np.zeros(steps)
-        daemon_host, sock_in, sock_out = np.zeros(steps), np.zeros(steps), np.zeros(steps)
+        bare, base, over, reply, dwait, daemon_host, sock_in, sock_out = np.zeros((8, steps))
         enqueue, to_enqueue = np.full(steps, np.nan), np.full(steps, np.nan)
         for t in range(steps):
             with cp.cuda.Device(0):
