@@ -47,7 +47,7 @@ def bench_resolve(batch=16, top_k=2048, region_stride=4096, overlap=0.8, reps=20
     eng = CpuResidency(lay)
     state_rows = np.arange(batch, dtype=np.int32)
     base = (np.arange(batch) * 65536)[:, None]
-    cur = [base + rng.choice(65536, top_k, replace=False)[None, :] for _ in range(1)][0].astype(np.int32)
+    cur = (base + rng.choice(65536, top_k, replace=False)[None, :]).astype(np.int32)
 
     def next_topk():
         nonlocal cur
@@ -93,9 +93,8 @@ IO_PLACEMENTS = ("both", "installed", "warm")
 
 
 def run_bench(which: list[str], io: str = "both") -> list[dict]:
-    """Each benchmark's result; ``cuda_transport`` once per I/O placement of ``io``:
-    ``installed`` (nothing placed), ``warm`` (deploy/README.md "Warm CPUs") or ``both``,
-    one after the other (warm only where 4 CPUs or more can be used)."""
+    """Each benchmark's result; ``cuda_transport`` once per I/O placement of ``io``
+    (``both``: installed, then warm where 4 CPUs or more can be used)."""
     if io not in IO_PLACEMENTS:
         raise ValueError(f"io must be one of {', '.join(IO_PLACEMENTS)}, got {io!r}")
     cpu_benches = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport}

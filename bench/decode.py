@@ -2,62 +2,42 @@
 attention over the selected rows) with the KV cache offloaded, against the same step with
 every row already on the GPU, over one generated top-k sequence.
 
-Modes (each over the same top-k sequence of a (batch, hits) config):
+Modes (each over the same top-k sequence of a (batch, hits) config), in this order:
 
-* ``gpu``: no offload. Every layer's rows sit in one GPU tensor ``[layers, host_rows,
-  row_bytes]``; per layer, positions map to rows through the block table with torch ops,
-  then the tiny attention reads the rows.
-* ``inproc``: ``InprocSwapIn`` (the daemon's kernels inline on this stream, its own pinned
-  pool): ``begin_step`` once, ``swap_in`` per layer, the same tiny attention over
-  ``kv(layer)``.
+* ``gpu``: no offload: every layer's rows in one GPU tensor, positions mapped to rows
+  through the block table with torch ops.
+* ``inproc``: ``InprocSwapIn`` (the daemon's kernels inline on this stream, its own pool).
 * ``doorbell``: a private cuda ``sparsekvd``, the rank attached with
   ``transport="doorbell"``, ``Client.doorbell_handle()``, the same engine code as inproc.
-* ``zmq`` (only when ``--modes`` names it): ``HostSwapIn`` over a rank attached with the
-  default transport and fence events, with device wait (``Client(device_wait=True)``):
-  per layer the positions are mapped on the GPU and copied into the rank's step block on
-  the stream, one TOPK message goes, the stream waits on the GPU for the entry's done
-  word; the host waits for nothing. Eager (host code on the path).
+* ``zmq`` (only when ``--modes`` names it): ``HostSwapIn`` with fence events and device
+  wait (``Client(device_wait=True)``); eager.
 
-The step of gpu, inproc and doorbell is captured once per (mode, batch) as a
-``torch.cuda.CUDAGraph`` over static input tensors and replayed each step after the
-step's inputs were copied in (not timed); the time is ``replay()`` plus
-``torch.cuda.synchronize()``. When the capture fails the step runs eagerly and the table
-says so (``run`` column).
+The step of gpu, inproc and doorbell is captured once per (mode, batch) as a CUDA graph
+and replayed each step (the time: ``replay()`` plus a synchronize); when the capture
+fails the step runs eagerly and the table's ``run`` column says so.
 
-The top-k sequence (:func:`generate`): each request's top-k over its ``context``
-positions keeps exactly ``hits`` of its columns from the previous step (with a hot region
-of ``top_k`` slots, that is the hit rate), and each layer's top-k is a fixed bijection of
-the step's base top-k, chosen so that adjacent layers share ~``layer_overlap`` of their
-columns (published: 70-100 %; DESIGN §3) while each layer keeps the exact step-to-step
-overlap.
+What a phase holds is big (batch 128, 61 layers, context 8192: 42 GB of KV rows), so
+the run goes by batch, and within a batch by mode, each mode over every hit rate: one
+allocation and one pool fill per (mode, batch), freed before the next. The daemon's
+engine stays attached over the hit rates of a batch; every state row is reset at the
+first step of each config, which empties its hot region as a new attach would.
 
-What a phase holds is big (batch 128, 61 layers, context 8192: 42 GB of KV rows, on the
-GPU for ``gpu``, pinned on the host for ``inproc`` and the daemon), so the run goes by
-batch, and within a batch by mode (gpu, inproc, doorbell, zmq), each mode over every hit
-rate: one allocation and one pool fill per (mode, batch), freed before the next. The
-daemon's engine stays attached over the hit rates of a batch (a detach releases its pool
-range, and a new engine would need its pool written again); every state row is reset at
-the first step of each config, which empties its hot region as a new attach would.
-
-The run is in four modules: this one (the run over batch sizes and rounds, the command
-line), ``decode_workload`` (options, the top-k sequence, the pool fill),
-``decode_modes`` (each mode's step and its timed run on the GPU) and ``decode_report``
-(results, table, JSON, plot). Only the GPU side needs torch and CuPy.
+The other modules: ``decode_workload`` (options, the top-k sequence, the pool fill),
+``decode_modes`` (each mode's step and timed run) and ``decode_report`` (results, table,
+JSON, plot).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import time
 
 from sparsekv.proto import Layout
 
-from .decode_modes import DEVICE, guarded, run_doorbell, run_gpu, run_inproc, run_paired
-from .decode_report import Result, combine_rounds, derive, plot, summary, table
+from .decode_modes import DEVICE, error_rows, guarded, run_doorbell, run_gpu, run_inproc, run_paired
+from .decode_report import Result, combine_rounds, derive, plot, summary, table, write_json
 from .decode_workload import (CONTROL, DEFAULT_BATCHES, DEFAULT_HITS, DEFAULT_MODES, DEFAULT_STEPS, MODES, Options,
                               generate, make_layout, say)
 
@@ -130,16 +110,10 @@ def _run_batch_modes(torch, batch: int, lay: Layout, workloads: dict, opts: Opti
         _free(torch)
     if opts.paired:
         modes = [m for m in ("inproc", "doorbell", "zmq") if m in opts.modes] + ([CONTROL] if opts.control else [])
-        why = "not timed: the paired run with the doorbell failed first (see its row)"
-        try:
-            run_paired(torch, lay, workloads, opts, results, daemon_first=daemon_first)
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # noqa: BLE001 - inproc or the daemon did not start, attach or fill
-            why = f"{type(e).__name__}: {' '.join(str(e).split())}"
-            say(f"batch {batch} paired: {why}")
-        done = {(r.mode, r.hits) for r in results if r.batch == batch}
-        results.extend(Result(m, batch, h, error=why) for m in modes for h in workloads if (m, h) not in done)
+        guarded(results, modes, batch, workloads, label="paired",
+                fn=lambda: run_paired(torch, lay, workloads, opts, results, daemon_first=daemon_first))
+        error_rows(results, modes, batch, workloads,
+                   "not timed: the paired run with the doorbell failed first (see its row)")
         _free(torch)
         return
     if "inproc" in opts.modes:
@@ -147,16 +121,8 @@ def _run_batch_modes(torch, batch: int, lay: Layout, workloads: dict, opts: Opti
         _free(torch)
     if "doorbell" in opts.modes or "zmq" in opts.modes:
         daemon_modes = [m for m in ("doorbell", "zmq") if m in opts.modes]
-        try:
-            run_doorbell(torch, lay, workloads, opts, results)
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # noqa: BLE001 - the daemon did not start, attach or fill
-            why = f"{type(e).__name__}: {' '.join(str(e).split())}"
-            say(f"batch {batch} daemon: {why}")
-            done = {(r.mode, r.hits) for r in results if r.batch == batch}
-            results.extend(Result(m, batch, h, error=why) for m in daemon_modes for h in workloads
-                           if (m, h) not in done)
+        guarded(results, daemon_modes, batch, workloads, label="daemon",
+                fn=lambda: run_doorbell(torch, lay, workloads, opts, results))
         _free(torch)
 
 
@@ -257,12 +223,7 @@ def run_args(a) -> int:
         if opts.json_path:
             # Written after each batch size too: a run cut short still leaves what it measured.
             cut = any(r.skipped is not None and r.skipped.startswith(OVER_BUDGET) for r in results)
-            out = {**summary(results, opts), "decode_complete": complete and not cut}
-            tmp = opts.json_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(out, f, indent=1)
-                f.write("\n")
-            os.replace(tmp, opts.json_path)
+            write_json(opts.json_path, {**summary(results, opts), "decode_complete": complete and not cut})
 
     results = run(opts, torch, on_batch=lambda rs: write(rs, False))
     write(results, True)

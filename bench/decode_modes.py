@@ -1,7 +1,6 @@
-"""The GPU side of ``sparsekv bench decode``: each mode's decode step (gpu, inproc,
-doorbell, zmq), captured as a CUDA graph where it can be, and the timed runs of one batch
-size over its hit rates, alone or several modes step by step in turn (``--paired``).
-torch comes in as an argument (the caller imports it)."""
+"""The GPU side of ``sparsekv bench decode``: each mode's decode step, captured as a CUDA
+graph where it can be, and the timed runs of one batch size over its hit rates, alone or
+several modes in turn (``--paired``). torch comes in as an argument."""
 
 from __future__ import annotations
 
@@ -95,10 +94,9 @@ def _capture(torch, step, label: str):
 
 
 def _timed(torch, runs, inputs: _Inputs, sts, opts: Options, counts):
-    """Step times (us) ``[len(runs), steps]`` of the timed steps, and per run (hits,
-    misses) over them or None. ``runs`` / ``sts`` / ``counts``: one per side; with several,
-    step ``t`` of every side runs before step ``t + 1`` of any, the order rotated by ``t``
-    (each side first as often), each timed alone between two synchronisations."""
+    """Step times (us) ``[len(runs), steps]``, and per run (hits, misses) over them or None.
+    With several sides, step ``t`` of every side runs before step ``t + 1`` of any, the
+    order rotated by ``t``, each timed alone between two synchronisations."""
     n = len(runs)
     times = np.zeros((n, opts.steps))
     before: list = [None] * n
@@ -140,19 +138,12 @@ class _Side:
     huge_pct: int | None = None  # share of its host pool in transparent huge pages
 
 
-def _run_configs(torch, mode: str, step, st: _Static, lay: Layout, workloads: dict, opts: Options, out: list,
-                 counts=None, check=None, capture: bool = True, fill_s: float | None = None) -> None:
-    """Every hit rate of one (mode, batch): capture once, then time each config."""
-    _run_sides(torch, [_Side(mode, step, st, counts, check, fill_s)], lay, workloads, opts, out, capture=capture)
-
-
 def _run_sides(torch, sides: list, lay: Layout, workloads: dict, opts: Options, out: list,
                capture: bool = True) -> None:
     """Every hit rate of one batch for one or several modes (``sides``): each side's step
-    captured once, then every config timed. Several sides are timed step by step in turn
-    (:func:`_timed`), so that drift of the machine lands on each alike; every side after
-    the first gets the median of its per-step differences to the first
-    (``paired_us_per_layer``; the first is inproc)."""
+    captured once, then every config timed, several sides step by step in turn
+    (:func:`_timed`); every side after the first gets the median of its per-step
+    differences to the first (``paired_us_per_layer``)."""
     batch = lay.max_batch
     runs = [(s.step, "eager", None) for s in sides]
     first = True
@@ -230,8 +221,8 @@ def run_gpu(torch, lay: Layout, workloads: dict, opts: Options, out: list, captu
     kv32 = kv.view(torch.int32)  # [L, R, RB / 4]
     st = _Static(torch, lay, opts.blocks)
     try:
-        _run_configs(torch, "gpu", _gpu_step(torch, kv32, st, lay, opts.block_size), st, lay, workloads, opts, out,
-                     capture=capture, fill_s=fill_s)
+        side = _Side("gpu", _gpu_step(torch, kv32, st, lay, opts.block_size), st, fill_s=fill_s)
+        _run_sides(torch, [side], lay, workloads, opts, out, capture=capture)
     finally:
         del kv, kv32, tile, st
 
@@ -251,8 +242,8 @@ def _handle_step(torch, h, st: _Static, lay: Layout, block_size: int):
 
 
 def _open_inproc(torch, lay: Layout, opts: Options, mode: str = "inproc"):
-    """``InprocSwapIn`` with its pool filled, and its side of a timed run (named ``mode``);
-    the caller closes the handle (``side.handle``) once the GPU is done with it."""
+    """``InprocSwapIn`` with its pool filled, as a side named ``mode``; the caller closes
+    ``side.handle`` once the GPU is done with it."""
     t0 = time.perf_counter()
     h = InprocSwapIn(lay, device=DEVICE, gather_blocks=gather_blocks(opts))
     try:
@@ -286,11 +277,10 @@ def run_inproc(torch, lay: Layout, workloads: dict, opts: Options, out: list) ->
 
 
 def run_paired(torch, lay: Layout, workloads: dict, opts: Options, out: list, daemon_first: bool = False) -> None:
-    """``--paired``: the inproc handle and the doorbell rank side by side (each its own
-    pool), timed step by step in turn (with ``--control`` a second inproc handle too);
-    then zmq, when asked, as without it. The in-process pools are made before the daemon
-    starts, or with ``daemon_first`` once its pool is made and filled (host memory a VM
-    hands out later can be slower to gather from: rounds alternate, see :func:`run`)."""
+    """``--paired``: the inproc handle (with ``--control`` a second one) and the doorbell
+    rank, each with its own pool, timed step by step in turn; then zmq, when asked. The
+    in-process pools are made before the daemon starts, or with ``daemon_first`` once its
+    pool is filled (memory handed out later can be slower to gather from)."""
     sides: list[_Side] = []
 
     def open_sides() -> list[_Side]:
@@ -308,9 +298,8 @@ def run_paired(torch, lay: Layout, workloads: dict, opts: Options, out: list, da
 
 
 def _arena_bytes(lay: Layout, ranks: int) -> int:
-    """A device arena for ``ranks`` ranks: each a slab plus its per-group step buffers
-    (slots, misses, plan: a few [groups, max_batch, top_k] int32 arrays), 1 GiB spare,
-    whole GiB."""
+    """A device arena for ``ranks`` ranks (each a slab and its step buffers), 1 GiB spare,
+    in whole GiB."""
     per_rank = lay.slab_bytes + lay.staging_bytes + 8 * lay.num_groups * lay.max_batch * lay.top_k * 4
     return -(-(ranks * per_rank + GIB) // GIB) * GIB
 
@@ -329,9 +318,8 @@ def _daemon_counts(client):
 def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
                  paired_with: list[_Side] | Callable[[], list[_Side]] | None = None) -> None:
     """A private cuda daemon for this batch: the doorbell rank (and the zmq rank, when
-    asked: a second rank of the same engine, so the pool is written once). ``paired_with``:
-    the in-process sides (inproc first), or what opens them once the daemon's pool is
-    filled, timed step by step in turn with the doorbell rank (their results too)."""
+    asked: a second rank of the same engine). ``paired_with``: the in-process sides, or
+    what opens them once the daemon's pool is filled, timed in turn with the doorbell."""
     batch = lay.max_batch
     want_db = "doorbell" in opts.modes
     want_zmq = "zmq" in opts.modes
@@ -354,9 +342,7 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
         # waits on its engine's bells, other work of the daemon on that GPU may wait
         # behind its parked stream (docs/PERF.md, "Doorbell"), so the two never overlap.
         c = cz = None
-        if want_zmq:
-            # The portable path at its best: fence events (the top-k goes from the GPU into
-            # the step block, no wait on the host) and device wait (no reply waited for).
+        if want_zmq:  # the portable path at its best: fence events and device wait
             cz = Client(d.run_dir, rank=1 if want_db else 0, device=f"cuda:{DEVICE}", name="bench-decode-zmq",
                         timeout_s=CLIENT_TIMEOUT_S, device_wait=True).connect()
             stack.callback(cz.close)
@@ -400,8 +386,7 @@ def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with=
 
 
 def _run_zmq_rank(torch, hz, cz, lay, workloads, opts, out, fill_s) -> None:
-    """The portable handle: every swap_in converts the device tensors to host arrays,
-    sends one top-k batch, waits for its slots. Eager (host code on the path)."""
+    """The portable handle (HostSwapIn), eager."""
     try:
         st = _Static(torch, lay, opts.blocks)
         state = np.arange(lay.max_batch, dtype=np.int32)
@@ -414,21 +399,28 @@ def _run_zmq_rank(torch, hz, cz, lay, workloads, opts, out, fill_s) -> None:
                                  attention_indices_out=st.idx[layer])
                 _attend(torch, kv32[layer], idx, st.out[layer])
 
-        _run_configs(torch, "zmq", step, st, lay, workloads, opts, out, counts=lambda: _daemon_counts(cz),
-                     check=hz.check, capture=False, fill_s=fill_s)
+        side = _Side("zmq", step, st, counts=lambda: _daemon_counts(cz), check=hz.check, fill_s=fill_s)
+        _run_sides(torch, [side], lay, workloads, opts, out, capture=False)
     finally:
         torch.cuda.synchronize()
         hz.close()
 
 
-def guarded(out: list, mode: str, batch: int, workloads: dict, fn) -> None:
-    """Run one (mode, batch); a failure becomes an error row for each config it left out."""
+def guarded(out: list, modes, batch: int, workloads: dict, fn, label: str = "") -> None:
+    """Run ``fn`` for one batch; a failure becomes an error row for each config of
+    ``modes`` (a mode or a list) it left out; ``label`` in the message (default: the mode)."""
+    modes = [modes] if isinstance(modes, str) else modes
     try:
         fn()
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - one mode failing must not lose the others' figures
         why = f"{type(e).__name__}: {' '.join(str(e).split())}"
-        say(f"batch {batch} {mode} failed: {why}")
-        done = {r.hits for r in out if r.mode == mode and r.batch == batch}
-        out.extend(Result(mode, batch, h, error=why) for h in workloads if h not in done)
+        say(f"batch {batch} {label or modes[0] + ' failed'}: {why}")
+        error_rows(out, modes, batch, workloads, why)
+
+
+def error_rows(out: list, modes, batch: int, workloads: dict, why: str) -> None:
+    """An error row ``why`` for each (mode of ``modes``, hits) of ``batch`` not in ``out``."""
+    done = {(r.mode, r.hits) for r in out if r.batch == batch}
+    out.extend(Result(m, batch, h, error=why) for m in modes for h in workloads if (m, h) not in done)

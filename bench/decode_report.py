@@ -4,6 +4,8 @@ plotted."""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,10 +53,9 @@ class Result:
 
 def combine_rounds(results: list[Result], layers: int) -> list[Result]:
     """One result per (batch, hits, mode) from the rounds of ``--rounds``: p50 and p99 the
-    median of the rounds' (the rounds' p50s kept), the hit rate and misses of the first,
-    and for a daemon mode each round's overhead against the same round's inproc
-    (``round_overheads``, microseconds a layer). A config whose every round failed keeps
-    its first failure; a failed round is left out of the others."""
+    median of the rounds' (their p50s kept), the hit rate and misses of the first, and for
+    a daemon mode each round's overhead against that round's inproc (``round_overheads``,
+    us a layer). A failed round is left out; a config whose every round failed keeps its first."""
     groups: dict[tuple, list[Result]] = {}
     for r in results:
         groups.setdefault((r.batch, r.hits, r.mode), []).append(r)
@@ -218,9 +219,8 @@ def _compared(results: list[Result], mode: str, batch: int, hits: float) -> Resu
 
 
 def _per_layer(r: Result | None):
-    """``r``'s microseconds a layer over inproc: the paired median when --paired ran
-    (both sides timed in turn, the machine's drift left out), else the difference of the
-    p50s (the other figure stays under its config's keys); None without a row."""
+    """``r``'s microseconds a layer over inproc: the paired median when --paired ran, else
+    the difference of the p50s (the other figure stays under its config's keys)."""
     if r is None:
         return None
     return _round(r.paired_us_per_layer if r.paired_us_per_layer is not None else r.overhead_us_per_layer, 2)
@@ -230,10 +230,7 @@ def _reference(results: list[Result]) -> Result | None:
     """The doorbell figure at batch 64, 90 % hits when run, else the first config run
     with both doorbell and inproc."""
     rows = [r for r in results if r.mode == "doorbell" and r.ok and r.vs_inproc is not None]
-    for r in rows:
-        if (r.batch, r.hits) == REFERENCE:
-            return r
-    return rows[0] if rows else None
+    return next((r for r in rows if (r.batch, r.hits) == REFERENCE), rows[0] if rows else None)
 
 
 def _round(v, nd: int):
@@ -271,3 +268,13 @@ def plot(results: list[Result], path: str) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def write_json(path: str, figures: dict) -> None:
+    """``figures`` but for the ``_``-prefixed entries, as JSON at ``path``, replaced whole
+    (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({k: v for k, v in figures.items() if not k.startswith("_")}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

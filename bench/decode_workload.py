@@ -17,8 +17,7 @@ from sparsekv.proto import Layout
 
 MODES = ("gpu", "inproc", "doorbell", "zmq")  # also the order they run in
 # --control: a second in-process handle with a pool of its own, timed in turn with inproc
-# and the doorbell: what two pools alone differ by in the same run (the noise floor of the
-# hand-off figure: on these VMs one pool's gather can run a few % faster than another's).
+# and the doorbell: what two pools alone differ by (the noise floor of the hand-off figure).
 CONTROL = "inproc2"
 DEFAULT_MODES = ("gpu", "inproc", "doorbell")
 DEFAULT_BATCHES = (16, 64, 128)
@@ -50,8 +49,6 @@ class Options:
     layer_overlap: float = 0.85
     gather_blocks: int | None = None
     seed: int = 0
-    # Start no batch size (or round of one) after this many seconds: the rest is marked
-    # skipped, and what ran is written (a device call has a hard limit). None: no limit.
     budget_s: float | None = None
     json_path: str | None = None
     plot_path: str | None = None
@@ -123,13 +120,10 @@ def hkey(hits: float) -> str:
 # -- the top-k sequence --------------------------------------------------------------------
 @dataclass
 class Workload:
-    """One config's decode steps (warm-up included).
-
-    ``base`` int32 [steps, batch, top_k]: each request's positions of the step (layer 0);
-    layer ``l``'s top-k is ``perms[l][base[t]]`` (:meth:`topk`). ``block_table`` int32
-    [batch, blocks]: host block of each logical block of each request (a permutation of
-    every host block). ``reset`` bool [steps, batch]: True at step 0 only.
-    """
+    """One config's decode steps (warm-up included). ``base`` int32 [steps, batch, top_k]:
+    each request's positions (layer 0; layer ``l``'s are ``perms[l][base[t]]``).
+    ``block_table`` int32 [batch, blocks]: host block of each request's logical block.
+    ``reset`` bool [steps, batch]: True at step 0 only."""
 
     base: np.ndarray
     perms: np.ndarray
@@ -147,16 +141,8 @@ class Workload:
         return self.base.shape[1]
 
     @property
-    def top_k(self) -> int:
-        return self.base.shape[2]
-
-    @property
     def layers(self) -> int:
         return self.perms.shape[0]
-
-    @property
-    def context(self) -> int:
-        return self.perms.shape[1]
 
     def topk(self, t: int) -> np.ndarray:
         """int32 [layers, batch, top_k]: every layer's top-k positions of step ``t``."""
@@ -176,13 +162,10 @@ def generate(batch: int, hit_rate: float, *, steps: int, layers: int, context: i
     top_k)`` columns of each request's previous step, in every layer, and whose adjacent
     layers share about ``layer_overlap`` of their columns.
 
-    How: a base top-k per step and request (kept columns: a random subset of the previous
-    base; new columns: random positions outside it); layer ``l`` applies a fixed bijection
-    ``perms[l]`` of the positions to the base. A bijection keeps each layer's step-to-step
-    overlap exact. ``perms[l] = perms[l-1] o sigma_l`` where ``sigma_l`` shuffles a random
-    fraction ``m`` of the positions among themselves, so adjacent layers share ``(1 - m)
-    + m * top_k / context`` of their columns in expectation; ``m`` is chosen for
-    ``layer_overlap``. Positions lie in [0, context), unique within each row."""
+    Layer ``l`` applies a fixed bijection ``perms[l]`` of the positions to a base top-k
+    (which keeps each layer's step-to-step overlap exact); ``perms[l] = perms[l-1] o
+    sigma_l``, ``sigma_l`` shuffling a fraction ``m`` of the positions, so adjacent layers
+    share ``(1 - m) + m * top_k / context`` of their columns in expectation."""
     if not 0 <= hit_rate <= 1:
         raise ValueError(f"hit_rate must lie in [0, 1], got {hit_rate}")
     keep = _keep(top_k, hit_rate)
@@ -254,8 +237,7 @@ def pattern_tile(rows: int, row_bytes: int) -> np.ndarray:
 def fill_pattern(pool: np.ndarray, threads: int | None = None) -> None:
     """Fill ``pool`` uint8 [layers, rows, row_bytes] cheaply: layer 0 from a repeating
     tile (row r holds the tile's row r mod PATTERN_ROWS), copied to the other layers on
-    several threads (NumPy copies release the GIL). The bytes do not matter for timing;
-    this only makes every row hold something."""
+    several threads (NumPy copies release the GIL)."""
     layers, rows, row_bytes = pool.shape
     tile = pattern_tile(min(rows, PATTERN_ROWS), row_bytes)
     first = pool[0]
@@ -272,10 +254,9 @@ FILL_STAGING_ROWS = 4096  # rows per layer of the staging buffer the pool is fil
 
 
 def fill_through_staging(client, lay: Layout, torch) -> float:
-    """Fill every host row of every layer from the rank's staging buffer: the pattern
-    block is put there once, and each ``WRITE_STAGED`` copies it to the next
-    ``staging_rows`` host rows (the daemon's write mirror, device to host). A last plain
-    ``write`` of one row waits for them: a WRITE quiesces the engine's copies first.
+    """Fill every host row of every layer from the rank's staging buffer (the pattern put
+    there once, each ``WRITE_STAGED`` copying it to the next ``staging_rows`` host rows);
+    a last plain ``write`` waits for them (a WRITE quiesces the engine's copies first).
     Returns the seconds it took."""
     att = client.attachment
     n = lay.staging_rows

@@ -1,26 +1,21 @@
-"""``sparsekv bench kernels``: the daemon's kernels on one GPU against the link's own speed,
-in one run (docs/PERF.md records what it printed).
+"""``sparsekv bench kernels``: the daemon's kernels on one GPU against the link's own speed
+(docs/PERF.md records what it printed).
 
-* **Pool ready**: a host pool of ``--pool-gib`` pre-faulted by every core and page-locked
-  for the GPU, twice: page-locking chunk by chunk while the rest is still being faulted
-  (the daemon's start), and fault-then-register one after the other. GiB/s of the pool.
-* **Gather** of a realistic decode step's misses from that pool (batch 64, top-k 2048,
-  656 B rows, ~10 % misses, each request's rows in its own 64-row blocks scattered over
-  one layer of the pool), for several grid sizes; against a bulk ``cudaMemcpyAsync`` of
-  the same bytes and of 4 GiB from the same pinned pool.
-* **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept from its last
-  step, at the daemon's thread count, then at other thread counts and workspace options.
+* **Pool ready**: a host pool of ``--pool-gib`` pre-faulted and page-locked, registered
+  chunk by chunk while faulting (the daemon's start) and after the fault. GiB/s.
+* **Gather** of a decode step's misses (batch 64, top-k 2048, 656 B rows, ~10 % misses in
+  64-row blocks scattered over one layer) on several grid sizes, against a bulk
+  ``cudaMemcpyAsync`` of the same bytes and of 4 GiB from the same pinned pool.
+* **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept, at the
+  daemon's thread count, then at other thread counts and workspace options.
 
-Every figure is the median of CUDA-event timings over different inputs (no input repeats
-within a round, so nothing is served from L2). Needs a GPU; prints a table and, with
-``--json``, writes the flat figures (``gather_vs_bulk``, ``resolve_us_b64``,
-``pool_ready_GiBps`` and the rest).
+Every figure is the median of CUDA-event timings over distinct inputs (nothing served
+from L2). ``--json``: the flat figures (``gather_vs_bulk``, ``resolve_us_b64``, ...).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -33,6 +28,8 @@ from sparsekv.daemon.pool import BACKINGS, HostPool, anon_huge_bytes, vmstat, vm
 from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, allocate_device_buffers, make_desc
 from sparsekv.proto import Layout
 from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
+
+from .decode_report import write_json
 
 GIB = 1 << 30
 ROW_BYTES = 656
@@ -63,9 +60,8 @@ class EventTimer:
         return self._rounds(run_round, n, rounds, warmup)
 
     def graph_us(self, fn, n: int, rounds: int = 5, warmup: int = 2) -> tuple[float, float]:
-        """Median and min over ``rounds`` of the mean time of ``fn(i)`` for i in range(n),
-        captured once into a CUDA graph and replayed: the device's time, without the
-        host's launch cost between calls (the daemon replays its step as a graph too)."""
+        """As :meth:`median_us`, the calls captured once into a CUDA graph and replayed:
+        the device's time, without the host's launch cost between calls."""
         cp, s = self.cp, self.stream
         s.synchronize()
         s.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
@@ -78,8 +74,7 @@ class EventTimer:
         return self._rounds(lambda: graph.launch(s), n, rounds, warmup)
 
     def _rounds(self, run_round, n: int, rounds: int, warmup: int) -> tuple[float, float]:
-        """``run_round()`` ``warmup`` times, then timed ``rounds`` times between two events:
-        median and min of each round's time divided by ``n`` (microseconds)."""
+        """Median and min (us) of ``rounds`` timed rounds divided by ``n``, after ``warmup``."""
         cp, s = self.cp, self.stream
         for _ in range(warmup):
             run_round()
@@ -154,8 +149,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         resolve_only: bool = False, json_path: str | None = None) -> dict:
     """Every figure into the returned dict (``_rows``: the table's rows). ``resolve_variants``:
     True every variant, ``"quick"`` the thread counts, False none. ``json_path``: the
-    figures so far are written there after every row, so that a run cut short (a device
-    call's limit) keeps what it measured."""
+    figures so far are written there after every row (a run cut short keeps them)."""
     import cupy as cp  # noqa: PLC0415
 
     threads = threads or min(16, os.cpu_count() or 1)
@@ -179,9 +173,8 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         out["_rows"] = rows_out
         return out
     with contextlib.ExitStack() as stack:
-        # The daemon's way first: the first large pool of a run is the one that finds the
-        # host's memory as it is (on the H200 a later one found huge pages ready and
-        # faulted three times faster).
+        # The daemon's way first: the first large pool of a run finds the host's memory as
+        # it is (a later one may find huge pages ready).
         pool, region, secs, note = pool_ready(nbytes, threads, pipelined=True, max_chunk_bytes=chunk)
         huge = anon_huge_bytes(pool.address, pool.size_bytes) / nbytes
         out["pool_ready_GiBps"] = round(nbytes / GIB / secs, 2)
@@ -193,8 +186,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         row(f"pool ready, {nbytes / GIB:.0f} GiB, {pool.backing}, registered while faulting ({threads} threads; "
             "the daemon's way), the run's first pool", f"{nbytes / GIB / secs:.1f} GiB/s",
             f"{secs:.2f} s, {huge:.0%} in huge pages; {note}")
-        # The same way again (the run's first pool finds memory the host has never backed,
-        # a VM's first touch; this one does not), then the other way
+        # The same way again (memory the host has backed before), then the other way
         # (SPARSEKV_PIN_POOL_AT_START=after).
         for pipelined, key, label in ((True, "again", "registered while faulting, the second pool"),
                                       (False, "after_fault", "fault then register (=after; the third pool)")):
@@ -218,12 +210,12 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
         _say(f"{PLANS} step plans in {time.perf_counter() - t0:.1f} s ({int(pmiss[0].sum())} misses each, "
              f"{host_rows} rows a layer)")
-        d_desc, d_rows, d_slots, d_miss = _device_plans(cp, s, prow, pslot, pmiss, layer)
+        plans = _device_plans(cp, s, prow, pslot, pmiss, layer)
         bufs = allocate_device_buffers(lay)
         step_bytes = int(pmiss[0].sum()) * ROW_BYTES
 
-        # The link: bulk copies from the pinned pool (inside one registered chunk).
-        big = min(4 * GIB, region.chunks[0].nbytes)  # one DMA copy stays inside one registration
+        # The link: bulk copies from the pinned pool (one DMA copy stays inside one registration).
+        big = min(4 * GIB, region.chunks[0].nbytes)
         bulk = cp.empty(big, dtype=cp.uint8)
         src = region.device_address(0, big)
 
@@ -246,10 +238,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
 
         best = 0.0
         for nb in blocks:
-            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=nb)
-            t, tmin = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
-                                                                       BATCH, s), PLANS)
-            gbps = step_bytes / t / 1e3
+            gbps, t, tmin = _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes, nb)
             best = max(best, gbps)
             out[f"gather_request_order_{nb}blocks_GBps"] = round(gbps, 2)
             row(f"gather of the step's misses, {nb} blocks x 256 threads", f"{gbps:.1f} GB/s",
@@ -257,40 +246,34 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         # The copy kernel's threads per block, on 32 blocks.
         for label, kw in (gather_variants or ()):
             try:
-                mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32, **kw)
-                t, _ = timer.median_us(lambda i, mv=mv: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i],
-                                                                        BATCH, s), PLANS)
+                gbps, t, _ = _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes, 32, **kw)
             except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
                 row(f"gather variant {label}", "FAILED", f"{type(e).__name__}: {e}")
                 continue
-            out[f"gather_request_order_32blocks_{label.replace(' ', '_')}_GBps"] = round(step_bytes / t / 1e3, 2)
-            row(f"gather, 32 blocks, {label}", f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us")
+            out[f"gather_request_order_32blocks_{label.replace(' ', '_')}_GBps"] = round(gbps, 2)
+            row(f"gather, 32 blocks, {label}", f"{gbps:.1f} GB/s", f"{t:.0f} us")
         # The same kernel on adjacent rows (each request's misses one run of consecutive
-        # rows): what SM loads of pinned memory reach with no scatter at all, the ceiling
-        # of any gather by the SMs (the link's bulk figure is the copy engine's).
+        # rows): the ceiling of any gather by the SMs (the bulk figure is the copy engine's).
         crow = prow.copy()
         for i in range(PLANS):
             for b in range(BATCH):
                 m = int(pmiss[i, b])
                 crow[i, b, :m] = np.arange(m, dtype=np.int32) + (i * BATCH + b) * m
         if int(crow.max()) < lay.host_rows:
-            c_desc, c_rows, c_slots, c_miss = _device_plans(cp, s, crow, pslot, pmiss, layer)
-            mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=32)
-            t, _ = timer.median_us(lambda i: mv.launch_gather(c_desc, c_rows[i], c_slots[i], c_miss[i], BATCH, s),
-                                   PLANS)
-            out["gather_adjacent_rows_GBps"] = round(step_bytes / t / 1e3, 2)
-            out["gather_vs_adjacent_rows"] = round(best / (step_bytes / t / 1e3), 3)
+            gbps, t, _ = _request_gather(lay, region, bufs, kc, s, timer,
+                                         _device_plans(cp, s, crow, pslot, pmiss, layer), step_bytes, 32)
+            out["gather_adjacent_rows_GBps"] = round(gbps, 2)
+            out["gather_vs_adjacent_rows"] = round(best / gbps, 3)
             row("gather, 32 blocks, each request's misses adjacent rows (the SMs' ceiling)",
-                f"{step_bytes / t / 1e3:.1f} GB/s", f"{t:.0f} us; the scattered gather reaches "
+                f"{gbps:.1f} GB/s", f"{t:.0f} us; the scattered gather reaches "
                 f"{out['gather_vs_adjacent_rows']:.2f} of it")
-        # The same gather from the engine's range registered in one piece (what an attach
-        # does), against the pool registered in chunks as it was faulted.
+        # The same gather from the engine's range registered in one piece (as an attach does).
         region.close()
         whole = PinnedRegion(pool.address, -(-lay.pool_bytes // 4096) * 4096, ROW_BYTES,
                              max_chunk_bytes=1 << 40)
         stack.callback(whole.close)
         for nb in (32, 64):
-            gbps, t = _request_gather(lay, whole, bufs, kc, s, timer, (d_desc, d_rows, d_slots, d_miss), step_bytes, nb)
+            gbps, t, _ = _request_gather(lay, whole, bufs, kc, s, timer, plans, step_bytes, nb)
             out[f"gather_request_order_{nb}blocks_one_registration_GBps"] = round(gbps, 2)
             row(f"gather, {nb} blocks, the engine's range registered in one piece",
                 f"{gbps:.1f} GB/s", f"{t:.0f} us")
@@ -303,7 +286,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         if other_backing:
             try:
                 _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s,
-                            (d_desc, d_rows, d_slots, d_miss), step_bytes)
+                                      plans, step_bytes)
             except Exception as e:  # noqa: BLE001 - the figures above must still be written
                 row("pool in the other backing", "FAILED", f"{type(e).__name__}: {e}")
     out["_rows"] = rows_out
@@ -312,10 +295,9 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
 
 def resolve_sequence(rng, steps: int = PLANS, batch: int = BATCH, top_k: int = TOP_K, kept: float = 0.9,
                      span: int = 65536) -> list[np.ndarray]:
-    """``steps`` top-k batches (int32 [batch, top_k]) that form a cycle: each keeps
-    ``kept`` of its predecessor's ids, the first of the last's. Row b's ids are a window
-    sliding over a ring of ``steps * fresh`` distinct ids of its own range (b * span ...),
-    in random column order; a graph replaying them in order stays in the steady state."""
+    """``steps`` top-k batches (int32 [batch, top_k]) that form a cycle (each keeps ``kept``
+    of its predecessor's ids, the first of the last's): row b's ids a window sliding over
+    a ring of distinct ids of its own range (b * span ...), in random column order."""
     fresh = top_k - int(kept * top_k)
     ring = steps * fresh
     if ring < top_k + fresh or ring > span:
@@ -360,11 +342,9 @@ def variant_options(res, quick: bool = False) -> list[tuple[str, dict]]:
 
 
 def _resolve_section(out, row, cp, kc, s, timer, rng, variants: bool | str) -> None:
-    """Resolve at the daemon's settings (batch 64, top-k 2048, region 4096, 90 % kept),
-    replayed as a CUDA graph (the device's time; the daemon replays its step as a graph),
-    and once launched one by one from Python with the descriptor's upload (the host's
-    floor); then the variants (:func:`variant_options`; ``variants``: True all of them,
-    ``"quick"`` the thread counts, False none)."""
+    """Resolve at the daemon's settings replayed as a CUDA graph (the device's time), and
+    launched one by one from Python with the descriptor's upload (the host's floor); then
+    the variants (:func:`variant_options`; ``variants`` as :func:`run`'s)."""
     rlay = Layout(num_layers=1, row_bytes=16, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
                   host_rows=BATCH * 65536, max_batch=BATCH).validate()
     with s:
@@ -413,19 +393,20 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, variants: bool | str) -> N
         row(f"resolve variant: {label}", f"{tv:.1f} us")
 
 
-def _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes: int, blocks: int) -> tuple[float, float]:
-    """(GB/s, us) of the request-order gather of the step plans from ``region`` (the
-    daemon's path: skv_gather of each batch row's sorted plan) with ``blocks`` blocks."""
+def _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes: int, blocks: int,
+                    **kw) -> tuple[float, float, float]:
+    """(GB/s, us, min us) of the request-order gather of the step plans from ``region``
+    (the daemon's path: skv_gather of each batch row's sorted plan) with ``blocks``
+    blocks; ``kw``: more CudaMover options."""
     d_desc, d_rows, d_slots, d_miss = plans
-    mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=blocks)
-    t, _ = timer.median_us(lambda i: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s), PLANS)
-    return step_bytes / t / 1e3, t
+    mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=blocks, **kw)
+    t, tmin = timer.median_us(lambda i: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s), PLANS)
+    return step_bytes / t / 1e3, t, tmin
 
 
 def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s, plans,
                           step_bytes):
-    """Pool ready and the request-order gather again, the pool in the other backing
-    (memfd when the default is anonymous huge pages, and the other way round)."""
+    """Pool ready and the request-order gather again, the pool in the other backing."""
     whole.close()
     region.close()
     pool.close()
@@ -444,10 +425,9 @@ def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, t
         f"fault {nbytes / GIB / (t1 - t0):.1f} GiB/s, register {lay.pool_bytes / GIB / (t2 - t1):.1f} GiB/s; "
         f"AnonHugePages {anon_huge_bytes(hp.address, hp.size_bytes) >> 30} GiB")
     for nb in (32, 64):
-        gbps, t = _request_gather(lay, hreg, bufs, kc, s, timer, plans, step_bytes, nb)
+        gbps, t, _ = _request_gather(lay, hreg, bufs, kc, s, timer, plans, step_bytes, nb)
         out[f"gather_request_order_{nb}blocks_{other}_GBps"] = round(gbps, 2)
-        row(f"gather, {nb} blocks, pool {other}", f"{gbps:.1f} GB/s",
-            f"{t:.0f} us")
+        row(f"gather, {nb} blocks, pool {other}", f"{gbps:.1f} GB/s", f"{t:.0f} us")
 
 
 def table(result: dict) -> str:
@@ -478,13 +458,3 @@ def run_args(a) -> int:
     if a.json_path:
         write_json(a.json_path, r)
     return 0
-
-
-def write_json(path: str, figures: dict) -> None:
-    """``figures`` but for the ``_``-prefixed entries, as JSON at ``path``, replaced whole
-    (a reader never sees half a file)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({k: v for k, v in figures.items() if not k.startswith("_")}, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)

@@ -1,10 +1,8 @@
 """``sparsekv bench latest``: the figures docs/perf/latest.json holds, in one flat JSON
-object (key -> number, plus date, commit and machine). Runs ``cuda_transport`` as
-installed, then with its I/O threads on warm CPUs (the headline keys: the hop as deployed
-on a VM, deploy/README.md "Warm CPUs"), then with device wait; merges in the figures that
-``sparsekv bench decode --json`` and ``sparsekv bench kernels --json`` wrote in the same
-run (``--merge``). The file is rewritten after each run, so that a run cut short keeps
-what it measured. Needs a GPU (run it under MPS).
+object (key -> number, plus date, commit and machine): ``cuda_transport`` as installed,
+with its I/O threads on warm CPUs, and with device wait (:data:`RUNS`), and what ``bench
+decode``/``kernels --json`` wrote in the same run (``--merge``). Rewritten after each run
+(a run cut short keeps what it measured). Needs a GPU (run it under MPS).
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import json
 import subprocess
 import sys
 
+from .decode_report import write_json
 from .transport import bench_cuda_transport
 
 STEPS = 400
@@ -66,18 +65,12 @@ def run(out: str, latest: dict) -> int:
         got = numbers(r)
         latest.update({prefix + k: v for k, v in got.items() if "device_wait" not in kw or k in DW_KEYS})
         latest.update({name: got[k] for k, name in plain.items()})
-        write(out, latest)
+        write_json(out, latest)
     return 0
 
 
 def numbers(r: dict) -> dict:
     return {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def write(out: str, latest: dict) -> None:
-    with open(out, "w") as f:
-        json.dump(latest, f, indent=1, sort_keys=True)
-        f.write("\n")
 
 
 def machine() -> str:

@@ -27,10 +27,9 @@ TAIL_LINES = 5  # of the daemon's stderr, in the message of a failed start
 
 def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
     """Have the kernel send ``sig`` to this process when its parent dies (``parent``: the
-    parent's pid, to catch a death before the call). Call it in the child: in a Popen
-    ``preexec_fn`` or first thing in a multiprocessing target. The kernel sends the
-    signal when the *thread* that forked the child exits, so fork from a thread that
-    outlives the child (the main thread, or the one inside the ``with`` that stops it)."""
+    parent's pid, to catch a death before the call). Call it in the child (a Popen
+    ``preexec_fn``, or first thing in a multiprocessing target). The kernel sends the
+    signal when the *thread* that forked the child exits: fork from one that outlives it."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(sig)) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
@@ -41,11 +40,9 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
 class PrivateDaemon:
     """``with PrivateDaemon(pool_bytes=..., backend="cpu") as d: Client(d.run_dir)``.
 
-    The daemon gets SIGTERM (a clean stop) when this process dies; enter the ``with``
-    from a thread that stays in it until the daemon is stopped (see
-    :func:`die_with_parent`). Its output goes to ``log_path`` when given; otherwise its
-    stderr is read here and only the last lines are kept (for a failed start's message).
-    """
+    The daemon gets SIGTERM when this process dies (enter the ``with`` from a thread that
+    stays in it: :func:`die_with_parent`). Its output goes to ``log_path`` when given, else
+    only the last lines of its stderr are kept (for a failed start's message)."""
 
     def __init__(self, *, pool_bytes: int, backend: str = "cpu", extra_args=(), log_path: str | None = None,
                  start_timeout_s: float = 60.0, stop_timeout_s: float | None = None, env: dict | None = None):
@@ -54,9 +51,7 @@ class PrivateDaemon:
         self.extra_args = list(extra_args)
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
-        if stop_timeout_s is None:
-            stop_timeout_s = STOP_TIMEOUT_S.get()
-        self.stop_timeout_s = stop_timeout_s
+        self.stop_timeout_s = STOP_TIMEOUT_S.get() if stop_timeout_s is None else stop_timeout_s
         self.env = env
         self.run_dir = ""
         self.proc: subprocess.Popen | None = None
@@ -104,8 +99,7 @@ class PrivateDaemon:
 
     def stderr_tail(self) -> str:
         """The daemon's last lines on stderr (its warnings and errors, when it logged any),
-        joined by " | "; read from ``log_path`` when the output goes there. Call it once
-        the daemon has exited."""
+        joined by " | ", from ``log_path`` when given. Call it once the daemon has exited."""
         if self._reader is not None:
             self._reader.join(timeout=2)
             lines = list(self._tail)

@@ -1,9 +1,7 @@
 """``sparsekv replay``: drive the whole stack with a recorded trace (DESIGN §6, docs/TRACES.md).
 
-The loop (:func:`replay`) is the same for every transport; what one step costs on a
-transport is a :class:`Driver`'s :meth:`~Driver.run_step`. Position traces are mapped to
-host rows (``Trace.host_topk``) before they reach a client; counts and ``--verify`` use
-the mapped rows.
+The loop (:func:`replay`) is the same for every transport; one step on a transport is a
+:class:`Driver`'s :meth:`~Driver.run_step`. Counts and ``--verify`` use host rows.
 """
 
 from __future__ import annotations
@@ -38,14 +36,10 @@ GUARD_TAIL_BYTES = 4096  # and bytes after the last layer
 
 class EngineRows:
     """``--slab engine``: the hot region inside a buffer the replay owns, as an engine's
-    paged KV cache would hold it (``client/engine_slab.py``). Per layer: ``GUARD_BLOCKS``
-    blocks of rows the daemon must not touch (an engine's resident blocks), then the hot
-    blocks, every block followed by ``GAP_ROWS`` rows of other data (the geometry's block
-    stride is wider than a block); ``GUARD_TAIL_BYTES`` after the last layer. Every byte
-    starts as noise; the bytes outside the hot rows are checked unchanged at the end
-    (:meth:`guard_changed`). On a GPU (``device`` ``"cuda:N"``) the buffer is a torch
-    tensor, else shared memory; a copy of its first bytes stays beside it (twice the
-    buffer in all)."""
+    paged KV cache would hold it (``client/engine_slab.py``), laid out as the GUARD_*
+    and GAP_ROWS constants say. Every byte starts as noise; the bytes outside the hot
+    rows are checked unchanged at the end (:meth:`guard_changed`). A torch tensor on a
+    GPU (``device`` ``"cuda:N"``), else shared memory; a copy of its start beside it."""
 
     def __init__(self, layout: Layout, device: str):
         hot = layout.max_reqs * layout.region_stride
@@ -126,13 +120,9 @@ class HotRows:
 
 class Driver:
     """One transport's side of a replay: opens a client (its resources on ``stack``),
-    attaches the trace's layout, and runs one step at a time.
-
-    A subclass provides :meth:`open`; the default :meth:`run_step` sends the step (state
-    rows, resets, invalidations) and the step's top-k batch of index group 0 in host rows,
-    and waits for the result. The loop needs ``client`` (for ``--verify``'s pool fill:
-    ``client.write``), ``att.slab`` (for ``--verify``'s check) and :meth:`close`.
-    """
+    attaches the trace's layout, and runs one step at a time. A subclass provides
+    :meth:`open`; the default :meth:`run_step` sends the step and its top-k batch of
+    index group 0 in host rows, and waits for the result."""
 
     attach_kw: dict = {}  # extra arguments of Client.attach (the transport)
 
@@ -202,21 +192,19 @@ class ZmqDriver(Driver):
 
 
 class DoorbellDriver(ZmqDriver):
-    """The engine's handle on the doorbell transport (cuda only): each step's arrays go
-    to the GPU as tensors, ``begin_step`` and every layer of group 0's ``swap_in`` run on
-    the current stream, positions are mapped on the GPU (the block table indexed by state
-    row). Slots come back from the indices, misses from the group's device counts."""
+    """The engine's handle on the doorbell transport (cuda only): ``begin_step`` and every
+    layer of group 0's ``swap_in`` on the current stream, positions mapped on the GPU.
+    Slots come back from the indices, misses from the group's device counts."""
 
     attach_kw = {"transport": "doorbell"}
 
-    def __init__(self, trace, stack, *, backend, engine, connect=None, daemon_log=None, slab="daemon"):
+    def __init__(self, trace, stack, *, backend, **kw):
         if backend != "cuda":
             raise ValueError("the doorbell transport needs --backend cuda")
         import torch  # noqa: PLC0415 - torch only where a GPU is driven
 
         self.torch = torch
-        super().__init__(trace, stack, backend=backend, engine=engine, connect=connect, daemon_log=daemon_log,
-                         slab=slab)
+        super().__init__(trace, stack, backend=backend, **kw)
         self.handle = self.client.doorbell_handle(hot_base=self.hot_base)
         stack.callback(self.handle.close)
 
@@ -281,12 +269,10 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
                 raise BadRequest(f"step {t}: {e.args[0]}", e.code) from None
             lat[t] = time.perf_counter() - t0
             rows = trace.host_topk(t)  # what the step asked for, in host rows
-            live = trace.state_rows[t] >= 0
+            ids = rows[trace.state_rows[t] >= 0]
             if step_hits is None:  # cuda: counted on the GPU; derive them from the result
-                ids = rows[live]
                 step_hits = int(((ids >= 0) & (ids < layout.host_rows)).sum()) - int(misses[t].sum())
             if step_oob is None:
-                ids = rows[live]
                 step_oob = int(((ids < -1) | (ids >= layout.host_rows)).sum())
             hits += step_hits
             out_of_range += step_oob

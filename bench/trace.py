@@ -62,9 +62,8 @@ class Trace:
         return self.block_table is not None
 
     def host_topk(self, t: int) -> np.ndarray:
-        """int32 [batch, top_k]: the host rows step ``t``'s top-k names. A position trace's
-        positions go through its block table; one that does not map becomes
-        ``proto.positions.UNMAPPED`` (-2), which the residency counts as out of range."""
+        """int32 [batch, top_k]: the host rows step ``t``'s top-k names (a position that
+        does not map: ``proto.positions.UNMAPPED``, counted as out of range)."""
         if self.block_table is None:
             return self.topk[t]
         return map_positions(self.topk[t], self.block_table[t], self.block_size)
@@ -86,10 +85,9 @@ class Trace:
         s, b = self.topk.shape[:2] if self.topk.ndim == 3 else (None, None)
         if self.topk.ndim != 3:
             raise TraceError(f"topk must be [steps, batch, top_k], got shape {self.topk.shape}")
-        if self.state_rows.shape != (s, b):
-            raise TraceError(f"state_rows must be [{s}, {b}], got {self.state_rows.shape}")
-        if self.reset.shape != (s, b):
-            raise TraceError(f"reset must be [{s}, {b}], got {self.reset.shape}")
+        for name in ("state_rows", "reset"):
+            if getattr(self, name).shape != (s, b):
+                raise TraceError(f"{name} must be [{s}, {b}], got {getattr(self, name).shape}")
         if self.invalidate.ndim != 3 or self.invalidate.shape[:2] != (s, b):
             raise TraceError(f"invalidate must be [{s}, {b}, n], got {self.invalidate.shape}")
         try:
@@ -188,9 +186,8 @@ NULL_BLOCK = 0.05  # position traces: chance a logical block of a new request's 
 
 @dataclass
 class _Request:
-    """One request of the generator. Host-row traces: its context is host rows
-    ``base .. base + length``. Position traces: positions ``0 .. length`` through
-    ``table`` (host block of each logical block, -1 = null), less those on null blocks."""
+    """One request of the generator: its context is host rows ``base .. base + length``, or
+    (position traces) positions ``0 .. length`` not on a null block of ``table``."""
 
     state: int  # its state row
     base: int  # host-row traces: first host row of its context (a donor's when it shares a prefix)
@@ -256,9 +253,8 @@ def _arrive(rng, state: int, live: list, *, span: int, context: int, lifetime: i
 
 def _give_blocks(rng, req: _Request, donor: _Request | None, others: list, block_size: int, max_blocks: int) -> None:
     """A position request's block table: a shared prefix's whole blocks from the donor's
-    table, the rest from the request's own host blocks (``max_blocks`` of them from
-    ``state * max_blocks``) in random order, skipping any a live request still holds. A few
-    blocks of its own context are null (-1), never its last."""
+    table, the rest from its own host blocks (``max_blocks`` from ``state * max_blocks``)
+    in random order, skipping any a live request holds; a few are null (-1), never its last."""
     held = {blk for r in others for blk in r.table if blk >= 0}
     first = req.state * max_blocks
     req.free = [int(blk) for blk in rng.permutation(np.arange(first, first + max_blocks)) if blk not in held]
@@ -325,15 +321,13 @@ def synth(
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> Trace:
-    """Generate a decode trace.
-
-    Requests arrive (with probability ``arrive`` per free batch row and step), each with a
-    context of about ``context`` host rows, decode one row per step for about ``lifetime``
-    steps, then leave. Each step keeps a fraction ``overlap`` of the previous top-k and
-    draws the rest from the request's rows. A fraction ``pad`` of live rows are padding
-    for a step (state row -1, junk ids). ``invalidate`` is the chance per request and step
-    that one of its rows is rewritten; ``out_of_range`` the chance per column of a bad id;
-    ``share_prefix`` the chance a new request shares the first rows of a live one.
+    """Generate a decode trace. Requests arrive (with probability ``arrive`` per free batch
+    row and step), each with a context of about ``context`` host rows, decode one row per
+    step for about ``lifetime`` steps, then leave. Each step keeps a fraction ``overlap``
+    of the previous top-k and draws the rest from the request's rows. A fraction ``pad``
+    of live rows are padding for a step (state row -1, junk ids). ``invalidate``: the
+    chance per request and step that one of its rows is rewritten; ``out_of_range``: per
+    column of a bad id; ``share_prefix``: that a new request shares a live one's prefix.
 
     ``block_size`` > 0 writes a position trace: each request's context is whole host
     blocks of its own range (in random order; shared prefix blocks are the donor's) in a
@@ -342,8 +336,7 @@ def synth(
     null block. ``spec`` is the chance that a live request also takes a free batch row for
     a step (speculative decoding: the same state row, the same block table, another
     top-k); it needs ``region_stride >= 2 * top_k``. With both 0 they draw no random
-    numbers: a seed's host-row trace does not depend on them. ``progress(steps_done)`` is called after each step.
-    """
+    numbers. ``progress(steps_done)`` is called after each step."""
     for name, v in dict(steps=steps, batch=batch, top_k=top_k, region_stride=region_stride, max_reqs=max_reqs,
                         host_rows=host_rows, row_bytes=row_bytes, num_layers=num_layers, context=context,
                         lifetime=lifetime).items():
@@ -397,12 +390,9 @@ def synth(
                 req = live[b] = _arrive(rng, int(free_state.pop(0)), live, span=span, context=context,
                                         lifetime=lifetime, share_prefix=share_prefix, block_size=block_size,
                                         max_blocks=max_blocks)
-            if req is None:
+            if req is None or (not req.new and rng.random() < pad):  # padding (a request stays)
                 t_topk[t, b] = rng.integers(-1, host_rows, top_k)  # padding rows carry junk
                 continue
-            if not req.new and rng.random() < pad:
-                t_topk[t, b] = rng.integers(-1, host_rows, top_k)
-                continue  # padding this step; the request stays
             t_rows[t, b] = req.state
             t_reset[t, b] = req.new
             req.new = False

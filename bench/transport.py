@@ -144,25 +144,21 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
                          device_wait: bool = False, warm_io: bool = False) -> dict:
     """A decode step through a cuda daemon over zmq (STEP + TOPK, wait for the event,
     slots to the host) against the same device step run in this process on the same GPU
-    (same kernels, same per-request CUDA graphs, same host-side block writes; no socket).
-    The difference is the cross-process hand-off (run it under MPS: DESIGN §2), set
-    beside a bare ZeroMQ + IPC event round trip measured step by step in the same window.
-    The header timestamps split the zmq step into client, socket and daemon time.
-    ``device_wait``: also the same steps through a second rank with
-    ``Client(device_wait=True)`` (``zmq_device_wait_*`` keys). ``warm_io``: placed as
-    deploy/README.md "Warm CPUs" says, the bare round trip included: the daemon's and the
-    client's ZeroMQ I/O threads on a CPU each (the last two this process may use), both
-    kept warm by the daemon, every other thread off them."""
+    (no socket): the difference is the cross-process hand-off (run it under MPS), beside a
+    bare ZeroMQ + IPC event round trip timed step by step in the same window. The header
+    timestamps split the zmq step into client, socket and daemon time. ``device_wait``:
+    the same steps through a second rank with ``Client(device_wait=True)``
+    (``zmq_device_wait_*`` keys). ``warm_io``: the daemon's and the client's ZeroMQ I/O
+    threads on a warm CPU each (the last two this process may use; deploy/README.md "Warm
+    CPUs"), the bare round trip too, every other thread off them."""
     import cupy as cp  # noqa: PLC0415
-
 
     tr = synth(steps=steps, batch=batch, top_k=top_k, region_stride=region_stride, max_reqs=2 * batch,
                host_rows=2 * batch * 16384, num_layers=num_layers, context=12000, lifetime=steps,
                arrive=1.0, pad=0.0, invalidate=0.0, out_of_range=0.0, share_prefix=0.0, overlap=0.8, seed=seed)
     lay = tr.layout()
-    # Both paths in one window, step by step (in process, then through the daemon), so
-    # that drift of the machine between two long runs does not land in the difference.
-    # In process: a rank of the daemon's own kind, driven directly.
+    # Both paths in one window, step by step, so that drift of the machine does not land
+    # in the difference. In process: a rank of the daemon's own kind, driven directly.
     daemon_args, client_io, daemon_io = ["--device-arena-size", "4GiB"], "", ()
     if warm_io:
         allowed = sorted(os.sched_getaffinity(0))
@@ -188,18 +184,13 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False,
                                        io_cpus=client_io))
         c.attach(lay, engine="bench")
-        # With device_wait, the same steps through a second rank whose stream waits for the
-        # result on the GPU: the reply leaves the critical path.
         cw = None
         if device_wait:
             cw = stack.enter_context(Client(d.run_dir, rank=1, name="bench-device-wait", device="cuda:0",
                                             device_wait=True, io_cpus=client_io))
             cw.attach(lay, engine="bench")
         bare_rt = _BareRoundTrip(stack, io_cpus=parse_cpu_list(client_io), server_io_cpus=daemon_io)
-        bare = np.zeros(steps)
-        base = np.zeros(steps)
-        over, reply, dwait = np.zeros(steps), np.zeros(steps), np.zeros(steps)
-        daemon_host, sock_in, sock_out = np.zeros(steps), np.zeros(steps), np.zeros(steps)
+        bare, base, over, reply, dwait, daemon_host, sock_in, sock_out = np.zeros((8, steps))
         enqueue, to_enqueue = np.full(steps, np.nan), np.full(steps, np.nan)
         for t in range(steps):
             with cp.cuda.Device(0):
@@ -241,8 +232,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
 
     extra = {}
     if device_wait:
-        # Device wait (Client(device_wait=True)): no reply on the critical path. (The
-        # daemon's topk latency then counts both ranks' requests.)
+        # (The daemon's topk latency then counts both ranks' requests.)
         extra = {"zmq_device_wait_p50_us": p50(dwait, 1e6),
                  "zmq_device_wait_handoff_p50_us": round(float(np.median(dwait[warm]) * 1e6 - np.median(b)), 1)}
     if warm_io:
@@ -260,8 +250,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             "topk_socket_in_p50_us": p50(sock_in, 1e-3), "topk_socket_out_p50_us": p50(sock_out, 1e-3),
             "daemon_topk_p50_us": round(daemon_us["p50"], 1),
             "zmq_handoff_p50_us": round(float(np.median(z) - np.median(b)), 1),
-            # The floor measured in the same window: a bare ZeroMQ request/reply between
-            # two Python processes plus a CUDA IPC event wait (DESIGN §2: 120 us).
+            # The floor in the same window: a bare ZeroMQ request/reply plus a CUDA IPC event wait.
             "bare_zmq_event_rtt_p50_us": p50(bare, 1e6),
             "handoff_vs_bare_rtt": round(float((np.median(z) - np.median(b)) / (np.median(bare[warm]) * 1e6)), 3),
             "ratio_vs_inproc": round(float(np.median(z) / np.median(b)), 3)}

@@ -10,14 +10,11 @@ def pattern(layer: int, rows: np.ndarray, row_bytes: int) -> np.ndarray:
     rows = np.asarray(rows, dtype=np.uint64)[:, None]
     col = np.arange(row_bytes, dtype=np.uint64)[None, :]
     with np.errstate(over="ignore"):  # wrap-around multiplication is the point of the mix
-        return _mix(rows, col, layer)
-
-
-def _mix(rows: np.ndarray, col: np.ndarray, layer: int) -> np.ndarray:
-    x = rows * np.uint64(0x9E3779B97F4A7C15) + np.uint64(layer + 1) * np.uint64(0xBF58476D1CE4E5B9) + col * np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    x *= np.uint64(0xD6E8FEB86659FD93)
-    x ^= x >> np.uint64(29)
+        x = (rows * np.uint64(0x9E3779B97F4A7C15) + np.uint64(layer + 1) * np.uint64(0xBF58476D1CE4E5B9)
+             + col * np.uint64(0x94D049BB133111EB))
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0xD6E8FEB86659FD93)
+        x ^= x >> np.uint64(29)
     return (x & np.uint64(0xFF)).astype(np.uint8)
 
 

@@ -1,16 +1,11 @@
-"""``sparsekv health``: a fast probe of one daemon, for systemd, scripts and Kubernetes.
+"""``sparsekv health``: a fast probe of one daemon, for systemd, scripts and Kubernetes;
+and the stats socket's client for ``sparsekv stats``/``clients``/``top`` (:func:`stats_query`).
 
-Exit codes: 0 ready (the daemon answers on its stats socket, which it binds only once it
-serves and has sent READY=1), 1 alive but not ready (no answering socket yet, but the
-run dir's lock is held by a live process: the daemon is pre-faulting its pool or starting
-its backend, which can take minutes), 2 unreachable or dead. ``--live`` asks only "is it
-alive": 0 for ready or starting.
-
-The lock is never taken, only looked at (``/proc/locks``): a probe that took it, even
-briefly, could make a daemon that starts at that moment refuse its own run dir.
-
-This module is also the stats socket's client for ``sparsekv stats``/``clients``/``top``
-(:func:`stats_query`), with errors a person can act on instead of tracebacks.
+Exit codes: 0 ready (the daemon answers on its stats socket, bound once it serves), 1
+alive but not ready (no socket yet, but a live process holds the run dir's lock: the
+daemon pre-faults its pool or starts its backend), 2 unreachable or dead. ``--live``: 0
+for ready or starting. The lock is only looked at (``/proc/locks``), never taken: a probe
+that took it could make a daemon starting at that moment refuse its own run dir.
 """
 
 from __future__ import annotations
@@ -98,8 +93,7 @@ def lock_holder(run_dir: str) -> int | None:
 
 def _flock_held(st: os.stat_result) -> bool | None:
     """Whether /proc/locks lists a flock on the file ``st`` describes (None: cannot tell).
-    Lines look like ``1: FLOCK  ADVISORY  WRITE 1234 fe:00:2247208 0 EOF``; waiters carry
-    ``->`` and do not hold the lock."""
+    Lines look like ``1: FLOCK  ADVISORY  WRITE 1234 fe:00:2247208 0 EOF``."""
     want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
     try:
         with open("/proc/locks") as fh:
@@ -108,7 +102,7 @@ def _flock_held(st: os.stat_result) -> bool | None:
         return None
     for line in lines:
         f = line.split()
-        if len(f) < 6 or f[1] == "->" or f[1] != "FLOCK":
+        if len(f) < 6 or f[1] != "FLOCK":  # waiters: "->" there
             continue
         try:
             major, minor, ino = f[5].split(":")
@@ -141,8 +135,7 @@ def probe(run_dir: str, timeout_s: float = 1.0) -> Health:
         answer = stats_query(run_dir, "health", timeout_s).strip()
     except StatsSocketError as e:
         return Health(NOT_READY if e.kind == "starting" else UNREACHABLE, str(e))
-    # Any answer means the loop serves (a daemon without the `health` command says so in
-    # an error line, and is ready all the same).
+    # Any answer means the loop serves (even an error line for an unknown `health`).
     return Health(READY, answer.splitlines()[0] if answer else "ready")
 
 

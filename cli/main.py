@@ -21,7 +21,7 @@ from sparsekv.bench.bench import run_args as run_bench_args
 from sparsekv.bench.replay import replay, save_result
 from sparsekv.bench.trace import Trace, synth
 from sparsekv.client.client import default_run_dir
-from sparsekv.client.errors import BadRequest, DaemonUnavailable, SparseKVError
+from sparsekv.client.errors import BadRequest, SparseKVError
 from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list
 from .demo import DEFAULTS as DEMO_DEFAULTS, format_table, run_demo
 from .health import StatsSocketError, exit_code, probe, stats_query
@@ -287,19 +287,14 @@ def main(argv=None) -> int:
         # A bad argument or trace (TraceError), or a trace whose content breaks the
         # contract (BadRequest: duplicate ids in a row, a state row beyond max_reqs).
         return _fail(what, str(e), 2)
-    except StatsSocketError as e:
-        return _fail(what, str(e))
-    except DaemonUnavailable as e:
-        # Not "INTERNAL: ...": nothing went wrong inside a daemon, there is none to ask.
-        return _fail(what, e.args[0])
-    except SparseKVError as e:  # the daemon refused (POOL_FULL, LAYOUT_MISMATCH, ...): its code and message
+    except (StatsSocketError, SparseKVError, RuntimeError) as e:
+        # The daemon refused (its code and message; DaemonUnavailable: none to ask), a demo
+        # rank or a warm-cpus loop failed, a GPU refused.
         return _fail(what, str(e))
     except PermissionError as e:
         return _fail(what, f"permission denied: {e.filename or e}")
     except OSError as e:
         return _fail(what, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
-    except RuntimeError as e:  # a demo rank or a warm-cpus loop failed, a GPU refused
-        return _fail(what, str(e))
     except KeyboardInterrupt:
         return 130
     except Terminated:

@@ -1,10 +1,9 @@
 """``sparsekv top``: a live view of one daemon, refreshed each interval, as rates.
 
 Each frame compares two samples of the stats socket (``json`` and ``clients``) taken one
-interval apart: requests/s, top-k batches/s, hit rate and GB/s moved *in that interval*
-(never totals since start), the recent top-k p50/p99, pool and slab use, and each
-client's requests/s. Plain text; on a terminal each frame first clears the screen with
-ANSI codes (no curses needed), elsewhere frames follow each other.
+interval apart: rates *in that interval* (never totals since start), the recent top-k
+p50/p99, pool and slab use, each client's requests/s. On a terminal each frame first
+clears the screen (ANSI codes), elsewhere frames follow each other.
 """
 
 from __future__ import annotations

@@ -1,30 +1,23 @@
 """A tiny decode-only model shaped like DeepSeek-V3.2's sparse attention (DSA).
 
-Each layer has its own small *indexer* (the "lightning indexer": a few heads, ReLU, head
-weights) that scores every past position of the token's request and keeps the top-k;
-the layer then attends over the KV rows of those positions only, plus the token's own
-row. A KV row is 656 bytes, like ``fp8_ds_mla`` (512 B latent + 16 B scales + 128 B
-rope); here it is 328 bfloat16 values: a 256-value latent, a 64-value rope part and 8
-unused values. Attention is MLA-shaped with the projections absorbed: the score of a row
-is ``q_latent . latent + q_rope . rope``, its value is the latent.
+Each layer's small *indexer* (a few heads, ReLU, head weights) scores every past position
+of the token's request and keeps the top-k; the layer attends over those positions' KV
+rows plus the token's own. A KV row is 656 bytes like ``fp8_ds_mla``: here 328 bfloat16
+values, a 256-value latent, a 64-value rope part and 8 unused. Attention is MLA-shaped
+with the projections absorbed: a row's score is ``q_latent . latent + q_rope . rope``, its
+value the latent. With ``layers_per_indexer > 1`` consecutive layers form an index group
+(GLM-5 style): the group's first layer runs the indexer, the others reuse its top-k.
 
-With ``layers_per_indexer > 1`` consecutive layers form an index group (GLM-5 style):
-the group's first layer runs the indexer, the others reuse its top-k.
-
-The model reads KV rows only through a *handle* with three methods, so it runs unchanged
-on any of them:
+The model reads KV rows only through a *handle*, so it runs unchanged on any of them:
 
 * ``swap_in(req_id_per_token, block_table, positions, layer=, block_size=)`` -> int32
   ``idx [tokens, k]``: where each selected row is in ``kv(layer)``, -1 for none;
 * ``kv(layer)`` -> uint8 ``[rows, 656]`` (NumPy or torch);
 * ``begin_step(...)``, called by the engine loop (``run.py``), not by the model.
 
-:class:`LocalKV` is the handle of an engine that keeps every KV row itself (a tensor
-indexed by host row, gathered by the model); ``sparsekv.client.swap_in.HostSwapIn`` (or
-the device handle) is the handle over sparsekv's host pool and hot slab.
-
-The indexer's own keys (DSA keeps them in a small cache of their own) stay with the
-engine in both modes: ``index_keys [layers, host_rows, index_dim]``.
+:class:`LocalKV` keeps every KV row in the engine; ``sparsekv.client.swap_in.HostSwapIn``
+(or the device handle) reads sparsekv's host pool and hot slab. The indexer's own keys
+stay with the engine in both: ``index_keys [layers, host_rows, index_dim]``.
 """
 
 from __future__ import annotations

@@ -4,18 +4,16 @@
     python examples/dsa_decode/run.py --transport zmq   # sparsekv through a private daemon
     python examples/dsa_decode/run.py --kv sparsekv     # one mode: prints output digests
 
-Requests of different lengths arrive and leave; each gets a request state row and host
-blocks from a shuffled free list (a request's blocks are not contiguous, and freed blocks
-go to the next request). Every step: admit (a stand-in prefill writes the prompt's rows),
-``begin_step``, the model's layers (each calls ``swap_in`` and reads ``kv(layer)``), then
-each token's new KV rows are written, before the next step reads them.
+Requests of different lengths arrive and leave, each with a state row and host blocks
+from a shuffled free list. Every step: admit (a stand-in prefill writes the prompt's
+rows), ``begin_step``, the model's layers (each ``swap_in`` and ``kv(layer)``), then each
+token's new KV rows are written before the next step reads them.
 
-``--kv local``: every KV row in a torch tensor indexed by host row (model.LocalKV).
-``--kv sparsekv``: rows written into sparsekv's host pool (``client.write``), read
-through ``HostSwapIn.swap_in`` from the hot slab. ``--kv both`` runs the two side by side
-on one schedule and compares their logits every step: they must be bit-identical.
+``--kv local``: every KV row in a torch tensor (model.LocalKV); ``--kv sparsekv``: rows
+in sparsekv's host pool, read through ``swap_in`` from the hot slab; ``--kv both``: the
+two on one schedule, their logits compared every step (they must be bit-identical).
 ``--slab engine``: sparsekv's hot region inside the engine's own KV-cache tensor, beside
-the blocks the engine keeps itself (ResidentBlocks); one index array reads both.
+the blocks the engine keeps itself (ResidentBlocks).
 """
 
 from __future__ import annotations
@@ -224,11 +222,8 @@ class DeviceHandle:
                               logical_topk_indices.int().contiguous(), layer=layer, block_size=block_size,
                               resident_block_table=res)
 
-    def kv(self, layer: int):
-        return self.h.kv(layer)
-
-    def check(self) -> None:
-        self.h.check()
+    def __getattr__(self, name):  # kv, check
+        return getattr(self.h, name)
 
     def close(self) -> None:
         torch.cuda.synchronize()  # nothing may wait on a ready word once the watcher stops
@@ -236,16 +231,13 @@ class DeviceHandle:
 
 
 class ResidentBlocks:
-    """``--slab engine``: the engine's own KV cache, one tensor, that sparsekv's hot region
-    lives inside, as a paged engine lays it out. Per layer: ``max_reqs`` resident blocks
-    (state row ``s``'s is block ``s``: the request's newest logical block, whose rows the
-    engine writes itself each step), then the hot blocks the daemon gathers into. One
-    index space for both: the model reads ``kv(layer)[idx]`` whichever holds the row.
-
-    The resident block table says which logical block each request still holds; its
-    positions resolve to ``block * block_size + pos % block_size`` and are not fetched.
-    Every row still goes to the host pool too (``client.write``): once the request moves
-    on to its next block, the older one is read through the hot region."""
+    """``--slab engine``: the engine's own KV cache, one tensor with sparsekv's hot region
+    inside. Per layer: ``max_reqs`` resident blocks (state row ``s``'s is block ``s``: the
+    request's newest logical block, written by the engine itself), then the hot blocks
+    the daemon gathers into; the model reads ``kv(layer)[idx]`` whichever holds the row.
+    The resident block table names the logical block each request holds (not fetched);
+    every row goes to the host pool too, read through the hot region once the request
+    moves on to its next block."""
 
     def __init__(self, layout: Layout, rc: RunConfig, max_blocks: int, device):
         self.bs, self.R = rc.block_size, rc.max_reqs
@@ -318,30 +310,16 @@ class EngineKV:
     def __init__(self, h, resident: ResidentBlocks):
         self.h, self.resident = h, resident
 
-    @property
-    def counts(self):
-        return getattr(self.h, "counts", None)
-
-    def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
-        self.h.begin_step(state_rows, reset=reset, invalidate=invalidate)
+    def __getattr__(self, name):  # begin_step, kv, check, close, counts
+        return getattr(self.h, name)
 
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer, block_size):
         idx = self.h.swap_in(req_id_per_token, block_table, logical_topk_indices, layer=layer,
                              block_size=block_size, resident_block_table=self.resident.table)
-        # Rows read in place, for this example's report (on a GPU the count waits for the
-        # stream: an engine would not count here).
+        # Rows read in place, for the report (on a GPU this waits for the stream).
         i = torch.as_tensor(idx)
         self.resident.reads += int(((i >= 0) & (i < self.resident.hot_base)).sum())
         return idx
-
-    def kv(self, layer: int):
-        return self.h.kv(layer)
-
-    def check(self) -> None:
-        self.h.check()
-
-    def close(self) -> None:
-        self.h.close()
 
 
 def layout_for(cfg: Config, rc: RunConfig) -> Layout:

@@ -428,7 +428,7 @@ def test_the_handle_step_calls_begin_once_and_every_layer_in_order_and_masks_min
     np.testing.assert_array_equal(st.out.numpy(), expected_out(pool, wl.host_rows_of(1), mask))
 
 
-def test_run_configs_times_each_config_and_measures_the_hit_rate(cpu_torch):
+def test_run_sides_times_each_config_and_measures_the_hit_rate(cpu_torch):
     torch = cpu_torch
     opts, lay, _ = tiny()
     workloads = {h: generate(3, h / 100, steps=opts.warmup + opts.steps, layers=3, context=256, top_k=64,
@@ -437,8 +437,8 @@ def test_run_configs_times_each_config_and_measures_the_hit_rate(cpu_torch):
     calls = []
     counter = iter([(0, 0), (90, 10), (100, 10), (180, 30)])
     out: list = []
-    dm._run_configs(torch, "inproc", lambda: calls.append(1), st, lay, workloads, opts, out,
-                    counts=lambda: next(counter), capture=False, fill_s=2.0)
+    dm._run_sides(torch, [dm._Side("inproc", lambda: calls.append(1), st, counts=lambda: next(counter), fill_s=2.0)],
+                  lay, workloads, opts, out, capture=False)
     assert len(calls) == 2 * (opts.warmup + opts.steps)
     assert [(r.mode, r.hits, r.run) for r in out] == [("inproc", 80.0, "eager"), ("inproc", 90.0, "eager")]
     assert out[0].hit_rate == 0.9 and out[0].hit_measured and out[0].misses_per_step == 10 / 3
@@ -446,8 +446,8 @@ def test_run_configs_times_each_config_and_measures_the_hit_rate(cpu_torch):
     assert all(r.p50_us >= 0 and r.p99_us >= r.p50_us for r in out)
     # No counters: the generator's target, marked as such.
     out2: list = []
-    dm._run_configs(torch, "doorbell", lambda: None, st, lay, {90.0: workloads[90.0]}, opts, out2,
-                    counts=lambda: None, capture=False)
+    dm._run_sides(torch, [dm._Side("doorbell", lambda: None, st, counts=lambda: None)], lay, {90.0: workloads[90.0]},
+                  opts, out2, capture=False)
     assert out2[0].hit_rate == workloads[90.0].target_hit_rate and not out2[0].hit_measured
 
 
