@@ -1,27 +1,17 @@
 """Where the ZeroMQ hop runs: CPU lists, I/O thread placement and warm CPUs, for both
 the daemon and the client.
 
-A request and its reply cross four threads: each side's libzmq I/O thread (which moves
-the bytes between the socket and the application) and application thread. sparsekv's
-application threads poll while a step is in flight, but the I/O threads sleep in
-``epoll_wait``, and their CPU halts when nothing else runs. Bare metal wakes a CPU from
-its shallow idle state in a microsecond or two; a VM whose guest halts (the guest runs
-HLT, the host deschedules the vCPU) takes the host's scheduler tens of microseconds per
-wake-up, and the hop pays it up to four times (measured on the lent H200 VMs: docs/PERF.md,
-"Transport hand-off").
-
-Two settings remove most of that cost:
+A request and its reply cross each side's libzmq I/O thread, which sleeps in
+``epoll_wait``; in a VM whose guest halts, waking its CPU costs tens of microseconds, up to
+four times a hop (docs/PERF.md, "Transport hand-off"). Two settings remove most of that:
 
 - ``io_cpus``: the CPUs a process's libzmq I/O threads run on (``ZMQ_THREAD_AFFINITY_CPU_ADD``);
   the process's other threads are kept off them, so a polling application thread never
   sits on the CPU its I/O thread needs.
-- warm CPUs (:class:`CpuWarmer`, the daemon's ``warm_cpus``): one process per CPU runs a
-  busy loop under ``SCHED_IDLE`` at nice 19 in a session of its own: a thread that wakes
-  on that CPU preempts it, and the CPU never halts, so the wake-up costs an interrupt,
-  not a trip through the host. Against threads of its own cgroup a loop gets next to
-  nothing; against a busy thread of another cgroup it gets that cgroup's share (the
-  kernel shares a CPU by group weight: deploy/README.md "Warm CPUs"). Each such CPU shows
-  100 % busy in ``top``; the machine spends the power (in a VM: the host's CPU time).
+- warm CPUs (:class:`CpuWarmer`, the daemon's ``warm_cpus``): one busy loop per CPU under
+  ``SCHED_IDLE`` at nice 19 in a session of its own: a thread that wakes there preempts it,
+  and the CPU never halts. Each such CPU shows 100 % busy in ``top`` and spends the power;
+  how the kernel shares it between cgroups: deploy/README.md "Warm CPUs".
 """
 from __future__ import annotations
 
@@ -101,17 +91,13 @@ def parse_cpu_list(text: str, what: str = "cpu list") -> tuple[int, ...]:
 
 def format_cpu_list(cpus) -> str:
     """The inverse of :func:`parse_cpu_list`, with ranges folded: ``(2, 3, 4, 7)`` → ``"2-4,7"``."""
-    out, run = [], []
+    runs: list[list[int]] = []
     for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def check_cpus_usable(cpus, what: str) -> None:
@@ -264,9 +250,7 @@ class CpuWarmer:
             if p.poll() is None or now - self._revived.get(cpu, -math.inf) < min_interval_s:
                 continue
             why = _stderr_tail(p)
-            for f in (p.stdout, p.stderr):
-                if f is not None:
-                    f.close()
+            _close_pipes(p)
             self._procs[i] = self._spawn(cpu)
             self._revived[cpu] = now
             self.revived += 1
@@ -283,9 +267,7 @@ class CpuWarmer:
                 p.send_signal(signal.SIGKILL)
         for p in self._procs:
             p.wait()
-            for f in (p.stdout, p.stderr):
-                if f is not None:
-                    f.close()
+            _close_pipes(p)
         self._procs = []
 
     close = stop
@@ -309,6 +291,12 @@ def _read_line(p: subprocess.Popen, timeout_s: float) -> str:
             if p.poll() is not None:
                 return ""
     return ""
+
+
+def _close_pipes(p: subprocess.Popen) -> None:
+    for f in (p.stdout, p.stderr):
+        if f is not None:
+            f.close()
 
 
 def _stderr_tail(p: subprocess.Popen) -> str:
