@@ -1,27 +1,21 @@
 """CUDA IPC objects both sides of the protocol open: interprocess events and imported
-device memory. The daemon exports them (its arena, its per-rank event rings), clients
-import them; a client exports fence events the daemon imports. Handles travel in the
-ATTACH reply and request as bytes.
-
-* :class:`EventRing`: interprocess events, one per in-flight request of a rank. The daemon
-  records entry ``k`` on its copy stream after request ``k``'s gather; the client's stream
-  waits on it before attention reads the rows.
-* :class:`ImportedArena`, :class:`ImportedEvents`: the importing side.
-
-``cupy`` is imported lazily: importing this module needs no GPU.
+device memory. The daemon exports its arena and per-rank event rings, clients import them;
+a client exports fence events the daemon imports. Handles travel in the ATTACH reply and
+request as bytes. ``cupy`` is imported lazily: importing this module needs no GPU.
 """
 
 from __future__ import annotations
 
 
 class EventRing:
-    """``n`` interprocess events on one device (``cudaEventInterprocess`` needs
-    ``cudaEventDisableTiming``)."""
+    """``n`` interprocess events on one device, one per in-flight request of a rank: the
+    daemon records entry ``k`` after request ``k``'s gather, the client's stream waits on
+    it before attention reads the rows."""
 
     def __init__(self, device: int, n: int):
         import cupy as cp  # noqa: PLC0415
 
-        with cp.cuda.Device(device):
+        with cp.cuda.Device(device):  # cudaEventInterprocess needs cudaEventDisableTiming
             self.events = [cp.cuda.Event(block=False, disable_timing=True, interprocess=True) for _ in range(n)]
             self.handles = [bytes(cp.cuda.runtime.ipcGetEventHandle(e.ptr)) for e in self.events]
         self.device = device
@@ -39,8 +33,6 @@ class EventRing:
     def __len__(self) -> int:
         return len(self.events)
 
-
-# -- importing side ---------------------------------------------------------------
 
 def _cp():
     import cupy as cp  # noqa: PLC0415
@@ -101,7 +93,7 @@ def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
 def open_mem_handle(handle: bytes) -> int:
     """``cudaIpcOpenMemHandle`` (lazy peer access) on the current device. A handle whose
     exporter has exited cannot be opened, for good, even while other processes still map
-    its memory: cudaErrorInvalidResourceHandle (seen on the H200 under MPS). So a retry never helps; the caller asks
+    its memory (cudaErrorInvalidResourceHandle): a retry never helps; the caller asks
     whether the exporter is still there."""
     cp = _cp()
     return cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
@@ -137,12 +129,14 @@ class ImportedBuffer:
                 cp.cuda.runtime.ipcCloseMemHandle(self._base)
 
 
-class ImportedArena:
+class ImportedArena(ImportedBuffer):
+    """The daemon's whole arena (its own allocation), with array views into it."""
+
     def __init__(self, handle: bytes, nbytes: int, device: int):
         cp = _cp()
         self.device, self.nbytes = device, nbytes
         with cp.cuda.Device(device):
-            self.ptr = open_mem_handle(handle)
+            self._base = self.ptr = open_mem_handle(handle)
         self._mem = cp.cuda.UnownedMemory(self.ptr, nbytes, self, device)
         self._closed = False
 
@@ -154,13 +148,6 @@ class ImportedArena:
         import torch  # noqa: PLC0415
 
         return torch.from_dlpack(self.cupy(offset, shape, dtype))
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            cp = _cp()
-            with cp.cuda.Device(self.device):
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
 class ImportedEvents:
@@ -176,9 +163,6 @@ class ImportedEvents:
         cp = _cp()
         with cp.cuda.Device(self.device):
             cp.cuda.runtime.streamWaitEvent(stream_ptr, self.ptrs[k], 0)
-
-    def synchronize(self, k: int) -> None:
-        _cp().cuda.runtime.eventSynchronize(self.ptrs[k])
 
     def done(self, k: int) -> bool:
         """Whether entry ``k``'s last recorded work is done (never waits)."""
