@@ -59,13 +59,7 @@ def deposit_fd(path: str, fd: int, timeout_s: float = TIMEOUT_S) -> str:
         s.settimeout(timeout_s)
         s.connect(path)
         socket.send_fds(s, [DEPOSIT.encode() + b"\n"], [fd])
-        data = b""
-        while not data.endswith(b"\n") and len(data) < MAX_ANSWER_BYTES:
-            more = s.recv(MAX_ANSWER_BYTES - len(data))
-            if not more:
-                break
-            data += more
-        head = _parse(data)
+        head = _read_answer(s, b"")
         dep = head.get("deposit")
         if not isinstance(dep, str):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket answered a deposit with {head!r}")
@@ -74,8 +68,14 @@ def deposit_fd(path: str, fd: int, timeout_s: float = TIMEOUT_S) -> str:
         s.close()
 
 
-def _parse(data: bytes) -> dict:
-    """The answer line as a dict; raises ``ProtocolError`` for a refusal or garbage."""
+def _read_answer(s: socket.socket, data: bytes) -> dict:
+    """The rest of the answer line after ``data`` as a dict; raises ``ProtocolError`` for a
+    refusal or garbage."""
+    while not data.endswith(b"\n") and len(data) < MAX_ANSWER_BYTES:
+        more = s.recv(MAX_ANSWER_BYTES - len(data))
+        if not more:
+            break
+        data += more
     if not data:
         raise ProtocolError(ErrorCode.INTERNAL, "the daemon closed the fd socket without an answer (busy, or "
                             "stopping: see its log)")
@@ -101,16 +101,12 @@ def fetch_fds(path: str, token: str, timeout_s: float = TIMEOUT_S) -> dict[str, 
         s.settimeout(timeout_s)
         s.connect(path)
         s.sendall(token.encode("ascii") + b"\n")
+        # The descriptors come with the first bytes of the answer.
         data, fds, flags, _ = socket.recv_fds(s, MAX_ANSWER_BYTES, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
-        while data and not data.endswith(b"\n") and len(data) < MAX_ANSWER_BYTES:
-            more = s.recv(MAX_ANSWER_BYTES - len(data))  # the descriptors came with the first bytes
-            if not more:
-                break
-            data += more
         if flags & socket.MSG_CTRUNC:
             raise ProtocolError(ErrorCode.INTERNAL, "the daemon's descriptors were cut off (more than "
                                 f"{MAX_FDS}, or this process is out of descriptors)")
-        head = _parse(data)
+        head = _read_answer(s, data)
         names = head.get("fds")
         if not isinstance(names, list) or len(names) != len(fds):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket named {names!r} but sent {len(fds)} descriptor(s)")
