@@ -10,12 +10,8 @@ import numpy as np
 from .messages import LIMITS, PROTOCOL_VERSION, WIRE_DTYPES, ErrorCode, Limits, MsgType, ProtocolError
 
 
-def encode(
-    msg_type: MsgType | int,
-    req_id: int,
-    fields: dict[str, Any] | None = None,
-    arrays: dict[str, np.ndarray] | None = None,
-) -> list:
+def encode(msg_type: MsgType | int, req_id: int, fields: dict[str, Any] | None = None,
+           arrays: dict[str, np.ndarray] | None = None) -> list:
     """Return the frames of one message. Arrays are sent without a copy when contiguous."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": int(msg_type), "id": int(req_id)}
     if fields:
@@ -34,10 +30,8 @@ def encode(
 
 
 def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, np.ndarray]]:
-    """Parse ``frames`` into ``(header, arrays)``; raise :class:`ProtocolError` on any flaw.
-
-    The arrays are read-only views of the received frames (no copy).
-    """
+    """Parse ``frames`` into ``(header, arrays)``, the arrays read-only views of the
+    received frames (no copy); raise :class:`ProtocolError` on any flaw."""
     if not frames:
         raise ProtocolError(ErrorCode.BAD_FRAME, "empty message")
     if len(frames) > limits.max_frames:
@@ -56,10 +50,8 @@ def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, n
             raise ProtocolError(ErrorCode.BAD_FRAME, f"header field {key!r} must be an integer")
     desc = header.pop("arrays", [])
     if not isinstance(desc, list) or len(desc) != len(frames) - 1:
-        raise ProtocolError(
-            ErrorCode.BAD_FRAME,
-            f"header describes {len(desc) if isinstance(desc, list) else '?'} arrays but {len(frames) - 1} frames follow",
-        )
+        n = len(desc) if isinstance(desc, list) else "?"
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"header describes {n} arrays but {len(frames) - 1} frames follow")
     arrays: dict[str, np.ndarray] = {}
     for item, frame in zip(desc, frames[1:]):
         name, array = _array(item, frame, limits)
@@ -112,9 +104,8 @@ def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
     dt = _DTYPES[dtype]
     want = count * dt.itemsize
     if want != nbytes:
-        raise ProtocolError(
-            ErrorCode.BAD_FRAME, f"array {name!r}: shape {shape} of {dtype} needs {want} bytes, frame has {nbytes}"
-        )
+        raise ProtocolError(ErrorCode.BAD_FRAME,
+                            f"array {name!r}: shape {shape} of {dtype} needs {want} bytes, frame has {nbytes}")
     a = np.frombuffer(buf, dtype=dt) if nbytes else np.empty(0, dt)
     return name, a.reshape(shape)
 
