@@ -1,24 +1,17 @@
 """Where a rank's hot rows live in a buffer the engine allocated (an engine-owned slab).
 
-By default the daemon allocates a rank's hot slab: ``[num_layers, max_reqs,
-region_stride, row_bytes]``, contiguous. An engine that keeps its hot region inside its
-own KV cache (one storage with its resident blocks, so that one attention call reads both
-through one index array, and its memory profiler counts it) brings the buffer instead,
-and describes where each layer's hot rows are with a :class:`SlabGeometry`:
+By default the daemon allocates a rank's hot slab (``Layout.slab_shape``, contiguous). An
+engine that keeps its hot region inside its own KV cache (so that one attention call reads
+hot and resident rows through one index array) brings the buffer instead, and describes
+it with a :class:`SlabGeometry`: the hot rows of one layer, ``h = req * region_stride +
+slot``, are cut into blocks of ``block_rows`` rows, so hot row ``h`` of layer ``l`` is at
+byte ``layer_offsets[l] + (h // block_rows) * block_stride + (h % block_rows) * row_bytes``.
 
-* the hot rows of one layer are ``max_reqs * region_stride`` rows, numbered ``h = req *
-  region_stride + slot`` (as in the daemon's own slab);
-* they are cut into blocks of ``block_rows`` rows (the engine's block size: a paged KV
-  cache's layout), block ``h // block_rows`` starting ``block_stride`` bytes after the
-  previous one, row ``h % block_rows`` of it ``row_bytes`` after the previous row;
-* block 0 of layer ``l`` starts ``layer_offsets[l]`` bytes into the buffer.
-
-So hot row ``h`` of layer ``l`` is at byte ``layer_offsets[l] + (h // block_rows) *
-block_stride + (h % block_rows) * row_bytes``. A cache ``[num_blocks, block_size, row]``
-per layer whose hot region is the blocks from ``first`` on gives ``layer_offsets[l] =
-base_l + first * block_stride`` and ``block_stride = block_size * row_bytes``; the engine
-then indexes the hot row ``h`` as ``first * block_size + h`` (``swap_in``'s ``hot_base``).
-A cache with a layer (or K and V) inside each block has a larger ``block_stride``.
+A cache ``[num_blocks, block_size, row]`` per layer whose hot region is the blocks from
+``first`` on gives ``layer_offsets[l] = base_l + first * block_stride`` and ``block_stride
+= block_size * row_bytes`` (:meth:`SlabGeometry.paged`); the engine then indexes hot row
+``h`` as ``first * block_size + h`` (``swap_in``'s ``hot_base``). A cache with a layer (or
+K and V) inside each block has a larger ``block_stride``.
 
 :meth:`SlabGeometry.check` refuses a geometry whose rows leave the buffer, overlap one
 another, or break the 16-byte alignment the GPU's copies need: the daemon writes exactly
