@@ -12,10 +12,8 @@ residency treats it like any out-of-range id (slot -1, not a miss, counted in
 position batches have no such value: every negative position is counted.
 
 On the GPU the same rule is ``skv_host_row`` (``csrc/positions.cuh``), which every kernel
-that maps positions calls (the doorbell handle's ``skv_db_topk`` and ``skv_db_indices``,
-``skv_map_positions_*`` for the portable handle with a top-k on the GPU); the host paths
-(replay, the portable handle with a top-k on the host or without CuPy) call
-:func:`host_rows`.
+that maps positions calls; the host paths (replay, the portable handle with a top-k on the
+host or without CuPy) call :func:`host_rows`.
 """
 
 from __future__ import annotations

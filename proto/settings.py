@@ -1,13 +1,10 @@
 """Settings from the environment: one typed registry, and the parsers of setting text.
 
-Every variable sparsekv reads is ``SPARSEKV_<NAME>``, NAME being its setting's name in
-capitals. The daemon's settings are the fields of ``daemon/config.py``'s ``Config``
-(a TOML file, the environment, flags; ``sparsekvd --print-config``), which reads its
-variables through :class:`Setting` too. The settings below belong to processes without a
-``Config``: the engine library (``client/``), the kernel cache (``csrc/build.py``) and
-the benchmarks' private daemons. Each is the default of an argument, read only where the
-argument is not given. An empty variable is the same as an unset one; a bad value raises
-:class:`SettingError`, one line naming the variable.
+Every variable sparsekv reads is ``SPARSEKV_<NAME>``. The daemon's settings are the fields
+of ``daemon/config.py``'s ``Config``, which reads them through :class:`Setting` too; those
+below belong to processes without a ``Config`` (``client/``, ``csrc/build.py``, the
+benchmarks' private daemons), each the default of an argument not given. An empty variable
+is the same as an unset one; a bad value raises :class:`SettingError` naming the variable.
 
 Sizes (:func:`parse_size`) are a number and a unit: ``B``; ``KiB``, ``MiB``, ``GiB``,
 ``TiB`` (powers of 1024); ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000). A bare

@@ -64,9 +64,6 @@ def write_step(blk: BlockView, seq: int, step: int, state_rows: np.ndarray, rese
     n = 0 if invalidate is None else invalidate.shape[1]
     write_desc(blk.desc, seq=seq, step=step, batch=batch, inv_n=n)
     blk.rows[:batch] = state_rows
-    if reset is None:
-        blk.aux[:batch] = 0
-    else:
-        blk.aux[:batch] = reset
+    blk.aux[:batch] = 0 if reset is None else reset
     if n:
         blk.payload[: batch * n] = invalidate.reshape(-1)

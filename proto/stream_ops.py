@@ -1,17 +1,14 @@
 """Stream memory operations (CUDA driver API), the doorbell transport's only primitives.
 
-``write32(stream, address, value)`` enqueues a 32-bit store and ``wait32(stream, address,
-value)`` a wait until the word equals ``value``; both run on the GPU's front end in stream
-order, need no kernel and no CPU, and can be captured into CUDA graphs. Both sides of the
-doorbell use them: the engine rings a group's bell and waits on a layer's ready word, the
-daemon waits on bells and sets ready words. Each word is a flip-flop: one side sets it to
-1, the other waits for 1 and resets it to 0, so every value is a constant and a captured
+A 32-bit store or wait on the GPU's front end, in stream order: no kernel, no CPU, and
+capturable into CUDA graphs. The engine rings a group's bell and waits on a layer's ready
+word, the daemon waits on bells and sets ready words. Each word is a flip-flop (one side
+sets 1, the other waits for 1 and resets 0), so every value is a constant and a captured
 graph replays every step unchanged.
 
-Called through ``ctypes`` on ``libcuda.so.1``, which every CUDA machine has (the driver
-itself): no extra package. ``cuda-python`` would do the same, but is not a dependency of
-CuPy or torch and is not on every machine; these two calls do not justify it. The ``_v2``
-entry points (CUDA 11.7+) are used: they need no device attribute to be enabled.
+Called through ``ctypes`` on ``libcuda.so.1`` (the driver itself): ``cuda-python`` is no
+dependency of CuPy or torch. The ``_v2`` entry points (CUDA 11.7+) need no device
+attribute to be enabled.
 """
 
 from __future__ import annotations
