@@ -101,9 +101,8 @@ def format_cpu_list(cpus) -> str:
 
 
 def check_cpus_usable(cpus, what: str) -> None:
-    """ValueError unless a thread of this process can be put on every CPU of ``cpus``
-    (they exist, are online and in its cgroup's cpuset; the process's own affinity may
-    leave them out: an engine kept off its I/O CPU). libzmq aborts the process when it
+    """ValueError unless a thread of this process can be put on every CPU of ``cpus`` (online,
+    in its cpuset; its own affinity may leave them out). libzmq aborts the process when it
     cannot place an I/O thread, so this tries first, on a thread of its own."""
     if not cpus:
         return
@@ -128,9 +127,8 @@ def check_cpus_usable(cpus, what: str) -> None:
 
 def pin_io_threads(ctx, cpus) -> None:
     """Put the libzmq I/O threads of ``ctx`` (a ``zmq.Context`` with no socket yet) on
-    ``cpus``. libzmq starts its I/O threads with the first socket and applies the
-    affinity then, aborting the process if it cannot: the CPUs are checked (again) here,
-    ValueError if no thread of this process can run on one."""
+    ``cpus``; ValueError if no thread of this process can run on one (libzmq would abort
+    the process at the first socket)."""
     import zmq  # noqa: PLC0415
 
     check_cpus_usable(cpus, "io_cpus")
@@ -150,8 +148,7 @@ def keep_off(cpus) -> None:
 def cpu_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
     """CPUs' worth of run time per period that this process's cgroup and its ancestors
     allow (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``; the smallest), or None without a
-    quota. A busy loop spends it like any thread, ``SCHED_IDLE`` or not: each warm CPU
-    takes one CPU of it."""
+    quota. Each warm CPU's loop spends one CPU of it, ``SCHED_IDLE`` or not."""
     try:
         with open(proc_cgroup) as f:
             lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
@@ -198,9 +195,8 @@ def _quota_v1(d: str) -> float | None:
 
 class CpuWarmer:
     """One ``SCHED_IDLE`` busy loop per CPU of ``cpus``, in child processes that die with
-    the thread that started them (PR_SET_PDEATHSIG: start it from the main thread, as the
-    daemon does, so that they live as long as the process). ``start()`` returns once
-    every loop runs (or raises, with none left)."""
+    the thread that started them (PR_SET_PDEATHSIG: hence the main thread). ``start()``
+    returns once every loop runs (or raises, with none left)."""
 
     def __init__(self, cpus, start_timeout_s: float = 30.0):
         self.cpus = tuple(sorted(set(int(c) for c in cpus)))
