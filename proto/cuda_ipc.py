@@ -6,6 +6,8 @@ request as bytes. ``cupy`` is imported lazily: importing this module needs no GP
 
 from __future__ import annotations
 
+import os
+
 
 class EventRing:
     """``n`` interprocess events on one device, one per in-flight request of a rank: the
@@ -42,8 +44,6 @@ def _cp():
 
 def mps_running() -> bool:
     """Whether an NVIDIA MPS control daemon listens where this process's CUDA looks."""
-    import os
-
     pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
     return os.path.exists(os.path.join(pipe, "control"))
 
