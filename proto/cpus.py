@@ -23,9 +23,6 @@ import subprocess
 import sys
 import time
 
-__all__ = ["parse_cpu_list", "format_cpu_list", "check_cpus_usable", "pin_io_threads", "keep_off",
-           "cpu_quota", "CpuWarmer", "WARM_MARK"]
-
 # Seen in `ps`: what the warm CPU loops are.
 WARM_MARK = "sparsekv-warm-cpu"
 

@@ -1,21 +1,17 @@
 """The fd socket: how a client gets the descriptors of its rank's shared memory.
 
 A rank's host memory that both sides map (the cpu backend's slab + staging buffer, the
-cuda backend's pinned step blocks) is an anonymous memfd: it has no name in any file
-system, so no other process can open it, whatever its user or group. The ATTACH reply's
-handles name the descriptors a rank gets (``fd``: cpu, ``blocks_fd``: cuda) and carry
-
-- ``fd_socket``: a file name in the run dir (:data:`FD_SOCKET`), a plain UNIX stream
-  socket (mode 0660, like ``control.sock``);
-- ``fd_token``: random (:data:`TOKEN_BYTES`), good for one connection, withdrawn when the
-  rank detaches.
+cuda backend's pinned step blocks) is an anonymous memfd, which no other process can open.
+The ATTACH reply's handles name the descriptors a rank gets (``fd``: cpu, ``blocks_fd``:
+cuda) and carry ``fd_socket``, a UNIX stream socket in the run dir (:data:`FD_SOCKET`,
+mode 0660), and ``fd_token`` (:data:`TOKEN_BYTES` random bytes, good for one connection,
+withdrawn when the rank detaches).
 
 The client connects, sends the token and a newline (at most :data:`MAX_REQUEST_BYTES`),
 and reads one answer: a JSON line ``{"ok": true, "fds": [names]}`` with the descriptors,
 in that order, as ``SCM_RIGHTS``; or ``{"ok": false, "code": "<ErrorCode name>", "msg":
-...}`` without any. The daemon hands them only to the process that attached (the
-connection's ``SO_PEERCRED`` pid and uid equal the session's, as ``control.sock`` gave
-them at HELLO); anything else is refused and counted (``fd_refusals``).
+...}`` without any. Only the process that attached (``SO_PEERCRED`` pid and uid) gets
+them; anything else is refused and counted (``fd_refusals``).
 """
 
 from __future__ import annotations

@@ -12,10 +12,6 @@ A cache ``[num_blocks, block_size, row]`` per layer whose hot region is the bloc
 = block_size * row_bytes`` (:meth:`SlabGeometry.paged`); the engine then indexes hot row
 ``h`` as ``first * block_size + h`` (``swap_in``'s ``hot_base``). A cache with a layer (or
 K and V) inside each block has a larger ``block_stride``.
-
-:meth:`SlabGeometry.check` refuses a geometry whose rows leave the buffer, overlap one
-another, or break the 16-byte alignment the GPU's copies need: the daemon writes exactly
-these rows and nothing else of the engine's memory.
 """
 
 from __future__ import annotations
@@ -60,8 +56,7 @@ class SlabGeometry:
               buffer_bytes: int = 0) -> "SlabGeometry":
         """A paged cache: layer ``l``'s blocks start at byte ``layer_bases[l]``, block ``b``
         at ``+ b * block_stride`` (default ``block_size * row_bytes``); the hot region is
-        the blocks from ``first_block`` on (its hot rows are then indexed from
-        ``first_block * block_size``)."""
+        the blocks from ``first_block`` on."""
         stride = block_size * layout.row_bytes if block_stride is None else int(block_stride)
         return cls(tuple(int(b) + first_block * stride for b in layer_bases), int(block_size), stride,
                    int(buffer_bytes))
@@ -84,7 +79,8 @@ class SlabGeometry:
     def check(self, layout: Layout, align: int = ROW_ALIGN_BYTES) -> "SlabGeometry":
         """Raise :class:`LayoutError` naming the fault unless every hot row of every layer
         lies inside the buffer, no two overlap, and (``align`` > 1) every row starts on an
-        ``align``-byte boundary. Returns self."""
+        ``align``-byte boundary (the GPU's copies need 16). Returns self: the daemon then
+        writes exactly these rows and nothing else of the engine's memory."""
         L, rb = layout.num_layers, layout.row_bytes
         rows = layout.max_reqs * layout.region_stride
 
