@@ -18,9 +18,11 @@ from __future__ import annotations
 import math
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 # Seen in `ps`: what the warm CPU loops are.
@@ -103,8 +105,6 @@ def check_cpus_usable(cpus, what: str) -> None:
     cannot place an I/O thread, so this tries first, on a thread of its own."""
     if not cpus:
         return
-    import threading  # noqa: PLC0415
-
     bad: list[str] = []
 
     def attempt() -> None:
@@ -203,8 +203,6 @@ class CpuWarmer:
         self.revived = 0  # loops started again since start()
 
     def start(self) -> "CpuWarmer":
-        import threading  # noqa: PLC0415
-
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("CpuWarmer.start() from a thread other than the main one: its loops would die "
                                "with that thread")
@@ -273,8 +271,6 @@ class CpuWarmer:
 
 
 def _read_line(p: subprocess.Popen, timeout_s: float) -> str:
-    import selectors  # noqa: PLC0415
-
     deadline = time.monotonic() + timeout_s
     with selectors.DefaultSelector() as sel:
         sel.register(p.stdout, selectors.EVENT_READ)

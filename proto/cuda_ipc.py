@@ -9,14 +9,19 @@ from __future__ import annotations
 import os
 
 
+def _cp():
+    import cupy as cp  # noqa: PLC0415
+
+    return cp
+
+
 class EventRing:
     """``n`` interprocess events on one device, one per in-flight request of a rank: the
     daemon records entry ``k`` after request ``k``'s gather, the client's stream waits on
     it before attention reads the rows."""
 
     def __init__(self, device: int, n: int):
-        import cupy as cp  # noqa: PLC0415
-
+        cp = _cp()
         with cp.cuda.Device(device):  # cudaEventInterprocess needs cudaEventDisableTiming
             self.events = [cp.cuda.Event(block=False, disable_timing=True, interprocess=True) for _ in range(n)]
             self.handles = [bytes(cp.cuda.runtime.ipcGetEventHandle(e.ptr)) for e in self.events]
@@ -31,15 +36,6 @@ class EventRing:
 
     def record(self, k: int, stream) -> None:
         self.events[k].record(stream)
-
-    def __len__(self) -> int:
-        return len(self.events)
-
-
-def _cp():
-    import cupy as cp  # noqa: PLC0415
-
-    return cp
 
 
 def mps_running() -> bool:

@@ -8,8 +8,7 @@ is the same as an unset one; a bad value raises :class:`SettingError` naming the
 
 Sizes (:func:`parse_size`) are a number and a unit: ``B``; ``KiB``, ``MiB``, ``GiB``,
 ``TiB`` (powers of 1024); ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000). A bare
-``K``/``M``/``G``/``T`` is refused: tools disagree on what it means. Sizes are printed in
-the largest unit that holds them whole (:func:`format_size`).
+``K``/``M``/``G``/``T`` is refused: tools disagree on what it means.
 """
 
 from __future__ import annotations

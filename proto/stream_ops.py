@@ -14,42 +14,36 @@ attribute to be enabled.
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32)(*addr - value) >= 0: cyclic, wraps around
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
-
-_lock = threading.Lock()
-_fns: tuple | None = None
 
 
 class StreamOpError(RuntimeError):
     pass
 
 
-def _load():
-    global _fns
-    with _lock:
-        if _fns is None:
-            try:
-                lib = ctypes.CDLL("libcuda.so.1")
-            except OSError as e:
-                raise StreamOpError(f"cannot load the CUDA driver (libcuda.so.1): {e}") from None
-            fns = []
-            for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2", "cuGraphLaunch"):
-                try:
-                    f = getattr(lib, name)
-                except AttributeError:
-                    raise StreamOpError(f"the CUDA driver lacks {name} (needs CUDA 11.7 or newer)") from None
-                f.restype = ctypes.c_int
-                if name == "cuGraphLaunch":
-                    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-                else:
-                    f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-                fns.append(f)
-            _fns = tuple(fns)
-    return _fns
+@functools.cache
+def _load() -> tuple:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise StreamOpError(f"cannot load the CUDA driver (libcuda.so.1): {e}") from None
+    fns = []
+    for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2", "cuGraphLaunch"):
+        try:
+            f = getattr(lib, name)
+        except AttributeError:
+            raise StreamOpError(f"the CUDA driver lacks {name} (needs CUDA 11.7 or newer)") from None
+        f.restype = ctypes.c_int
+        if name == "cuGraphLaunch":
+            f.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        else:
+            f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fns.append(f)
+    return tuple(fns)
 
 
 def _check(rc: int, what: str) -> None:
