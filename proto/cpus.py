@@ -31,7 +31,7 @@ WARM_MARK = "sparsekv-warm-cpu"
 # The loop each warm CPU runs. It dies with the process that started it (PR_SET_PDEATHSIG;
 # checked once more after setting it, in case that process died in between).
 _LOOP = """
-import ctypes, os, signal, sys
+import ctypes, os, signal, sys, time
 cpu, parent = int(sys.argv[2]), int(sys.argv[3])
 libc = ctypes.CDLL(None, use_errno=True)
 if libc.prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
@@ -42,12 +42,10 @@ libc.prctl(15, ("skv-warm-cpu%d" % cpu).encode()[:15])  # PR_SET_NAME: what top 
 os.setsid()  # a session, so an autogroup, of its own (never fails: not a group leader)
 os.sched_setaffinity(0, {cpu})
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-sys.stdout.write("ok\\n")
-sys.stdout.flush()
+print("ok", flush=True)
 # Its autogroup at nice 19: where the kernel groups tasks by session (sched_autogroup_enabled)
 # the loop's group then weighs next to nothing against others. Without CAP_SYS_ADMIN the
 # kernel takes one such write per 100 ms on the whole machine (EAGAIN): try for a while.
-import time
 for _ in range(100):
     try:
         with open("/proc/self/autogroup", "w") as f:

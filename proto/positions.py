@@ -6,10 +6,9 @@ position ``p`` names host row::
 
     block_table[b, p // block_size] * block_size + p % block_size
 
-A position < 0, past the table, or on a -1 block becomes :data:`UNMAPPED` (-2): the
-residency treats it like any out-of-range id (slot -1, not a miss, counted in
-``out_of_range``, never read). Host-row top-k batches use -1 for "no id" (not counted);
-position batches have no such value: every negative position is counted.
+A position < 0, past the table, or on a -1 block becomes :data:`UNMAPPED` (-2), an
+out-of-range id (slot -1, not a miss, counted in ``out_of_range``). Host-row top-k batches
+use -1 for "no id" (not counted); position batches have none: every negative position counts.
 
 On the GPU the same rule is ``skv_host_row`` (``csrc/positions.cuh``), which every kernel
 that maps positions calls; the host paths (replay, the portable handle with a top-k on the
