@@ -31,18 +31,16 @@ class SettingError(ValueError):
     """A setting has a bad value; the message names it and where it came from."""
 
 
-def parse_size(text: str | int, *, unit_required: bool = True) -> int:
+def parse_size(text: str | int) -> int:
     """``'64GiB'`` -> bytes (units: see the module's docstring; case does not matter). A
-    number without a unit is an error unless ``unit_required`` is False: in a config file
-    ``pool_size = 64`` meant as GiB would silently be 64 bytes."""
+    number without a unit is an error: in a config file ``pool_size = 64`` meant as GiB
+    would silently be 64 bytes."""
     if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise ValueError(f"bad size {text!r}; use e.g. 256MiB or 64GiB")
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must be >= 0, got {text}")
-        if unit_required:
-            raise ValueError(f"size {text} has no unit; write e.g. \"{text}B\", 256MiB or 64GiB")
-        return text
+        raise ValueError(f"size {text} has no unit; write e.g. \"{text}B\", 256MiB or 64GiB")
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     number, unit = (m.group(1), m.group(2).lower()) if m else ("", "")
     if unit in ("k", "m", "g", "t"):
@@ -52,11 +50,7 @@ def parse_size(text: str | int, *, unit_required: bool = True) -> int:
     if not m or (unit and unit not in _UNITS):
         raise ValueError(f"bad size {text!r}; use e.g. 256MiB, 64GiB or 4096B")
     if not unit:
-        if unit_required:
-            raise ValueError(f"size {number!r} has no unit; write e.g. \"{number}B\", 256MiB or 64GiB")
-        if "." in number:
-            raise ValueError(f"bad size {text!r}: a byte count is a whole number")
-        return int(number)
+        raise ValueError(f"size {number!r} has no unit; write e.g. \"{number}B\", 256MiB or 64GiB")
     return round(float(number) * _UNITS[unit])
 
 
