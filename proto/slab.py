@@ -43,15 +43,6 @@ class SlabGeometry:
         object.__setattr__(self, "layer_offsets", tuple(self.layer_offsets))
 
     @classmethod
-    def contiguous(cls, layout: Layout, offset: int = 0, buffer_bytes: int | None = None) -> "SlabGeometry":
-        """The daemon's own slab layout (``Layout.slab_shape``), ``offset`` bytes into a
-        buffer: one block per layer."""
-        rows = layout.max_reqs * layout.region_stride
-        stride = rows * layout.row_bytes
-        return cls(tuple(offset + layer * stride for layer in range(layout.num_layers)), rows, stride,
-                   offset + layout.slab_bytes if buffer_bytes is None else int(buffer_bytes))
-
-    @classmethod
     def paged(cls, layout: Layout, layer_bases, first_block: int, block_size: int, block_stride: int | None = None,
               buffer_bytes: int = 0) -> "SlabGeometry":
         """A paged cache: layer ``l``'s blocks start at byte ``layer_bases[l]``, block ``b``
