@@ -1,5 +1,4 @@
-"""The step block: how a decode step is described to the daemon's kernels (both sides
-write it; the kernels check every value). int32 entries:
+"""The step block: a decode step as the daemon's kernels read it (checking every value). int32 entries:
 
     [desc: DESC_INTS] [rows: max_batch] [aux: max_batch] [payload: max_batch * top_k]
 

@@ -70,8 +70,7 @@ def wait32(stream_ptr: int, address: int, value: int) -> None:
 
 def wait32_geq(stream_ptr: int, address: int, value: int) -> None:
     """Enqueue a wait until ``*(uint32*)address`` has reached ``value``, as a cyclic
-    comparison (``(int32)(word - value) >= 0``): for a counter that only grows, and may wrap
-    (a zmq client's per-entry done word, ``client/cuda_attach.py``)."""
+    comparison (``(int32)(word - value) >= 0``): for a counter that only grows, and may wrap."""
     _wait(stream_ptr, address, value, CU_STREAM_WAIT_VALUE_GEQ)
 
 
