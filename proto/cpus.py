@@ -1,5 +1,4 @@
-"""Where the ZeroMQ hop runs: CPU lists, I/O thread placement and warm CPUs, for both
-the daemon and the client.
+"""Where the ZeroMQ hop runs (daemon and client): CPU lists, I/O thread placement, warm CPUs.
 
 A request and its reply cross each side's libzmq I/O thread, which sleeps in
 ``epoll_wait``; in a VM whose guest halts, waking its CPU costs tens of microseconds, up to
@@ -76,8 +75,7 @@ def parse_cpu_list(text: str, what: str = "cpu list") -> tuple[int, ...]:
         m = _ITEM.fullmatch(part.strip())
         if m is None:
             raise ValueError(f"{what}: {part.strip()!r} is not a CPU number or range (e.g. 3, 2,3 or 4-7)")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) is not None else lo
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise ValueError(f"{what}: range {part.strip()!r} runs backwards")
         if hi >= MAX_CPU:
@@ -151,10 +149,9 @@ def cpu_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/sel
         return None
     quotas = []
     for hier, controllers, path in lines:
-        names = controllers.split(",")
         if hier == "0" and controllers == "":
             base, read = cgroup_root, _quota_v2  # v2 (unified)
-        elif "cpu" in names:
+        elif "cpu" in controllers.split(","):
             base, read = os.path.join(cgroup_root, controllers), _quota_v1
             if not os.path.isdir(base):
                 base = os.path.join(cgroup_root, "cpu")

@@ -73,9 +73,8 @@ def allocation_range(ptr: int) -> tuple[int, int]:
 
 def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
     """What another process needs to map ``nbytes`` of device memory at ``ptr`` (on GPU
-    ``device``): the IPC handle of the allocation that holds it and the offset in it.
-    Memory from ``cudaMalloc`` (torch's default allocator) exports; memory of the
-    virtual-memory API (torch's ``expandable_segments``) does not."""
+    ``device``): its allocation's IPC handle and the offset in it. ``cudaMalloc`` memory (torch's
+    default allocator) exports; virtual-memory API memory (``expandable_segments``) does not."""
     cp = _cp()
     with cp.cuda.Device(device):
         base, size = allocation_range(ptr)
@@ -88,9 +87,8 @@ def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
 
 def open_mem_handle(handle: bytes) -> int:
     """``cudaIpcOpenMemHandle`` (lazy peer access) on the current device. A handle whose
-    exporter has exited cannot be opened, for good, even while other processes still map
-    its memory (cudaErrorInvalidResourceHandle): a retry never helps; the caller asks
-    whether the exporter is still there."""
+    exporter has exited can never be opened (cudaErrorInvalidResourceHandle), even while
+    others still map its memory: the caller asks whether the exporter is still there."""
     cp = _cp()
     return cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
 

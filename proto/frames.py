@@ -115,8 +115,7 @@ _NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
 def reply_ok(msg_type: int, req_id: int, fields=None, arrays=None, tr: int | None = None, tx: int | None = None) -> list:
-    """A successful reply. ``tr`` / ``tx``: the daemon's receive and reply times
-    (``time.perf_counter_ns()``), sent as header fields of those names when given."""
+    """A successful reply; ``tr`` / ``tx`` (messages.py's timestamps) sent when given."""
     head = {"ok": True, **fields} if fields else {"ok": True}
     if tr is not None:
         head["tr"], head["tx"] = tr, tx
@@ -125,8 +124,7 @@ def reply_ok(msg_type: int, req_id: int, fields=None, arrays=None, tr: int | Non
 
 def reply_error(msg_type: int, req_id: int, code: ErrorCode, message: str,
                 tr: int | None = None, tx: int | None = None) -> list:
-    """A failed reply: ``code``, its name as ``error``, ``msg``; ``tr`` / ``tx`` as in
-    :func:`reply_ok`."""
+    """A failed reply: ``code``, its name as ``error``, ``msg``; ``tr`` / ``tx`` as in :func:`reply_ok`."""
     head = {"ok": False, "code": int(code), "error": ErrorCode(code).name, "msg": message}
     if tr is not None:
         head["tr"], head["tx"] = tr, tx

@@ -117,9 +117,7 @@ class Layout:
         return self
 
     def to_wire(self) -> dict:
-        d = asdict(self)
-        d["index_groups"] = [list(g) for g in self.index_groups]
-        return d
+        return {**asdict(self), "index_groups": [list(g) for g in self.index_groups]}
 
     @classmethod
     def from_wire(cls, d: dict) -> "Layout":

@@ -56,10 +56,9 @@ def host_rows(positions, block_table, block_size: int, table_rows=None) -> np.nd
     batch, max_blocks = pos.shape[0], table.shape[1]
     if max_blocks == 0 or pos.size == 0 or table.size == 0:
         return np.full(pos.shape, UNMAPPED, dtype=np.int32)
-    # A decode step maps batch x top-k positions per index group on the portable path, so
-    # this makes few passes, 32-bit where the values allow (docs/PERF.md): the
-    # table gets a column of -1 (where every position outside it goes) and a row of -1
-    # (table row -1's), so one look-up and one test leave only real blocks.
+    # Few passes, 32-bit where the values allow (this runs per index group each step:
+    # docs/PERF.md). The table gets a column of -1 (where every position outside it goes)
+    # and a row of -1 (table row -1's), so one look-up and one test leave only real blocks.
     rows_n = table.shape[0]
     top = int(table.max())
     narrow = (pos.dtype.itemsize < 4 or pos.dtype == np.int32) and table.dtype.itemsize <= 4 and bs <= INT32_MAX \

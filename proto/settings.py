@@ -129,9 +129,8 @@ class Setting(Generic[T]):
 
 
 def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
-    """Where a daemon's run dir is when no setting names one: systemd's
-    ``RuntimeDirectory=`` (``$RUNTIME_DIRECTORY``, colon-separated when several), else
-    ``/run/sparsekv``."""
+    """Where a daemon's run dir is when no setting names one: systemd's ``RuntimeDirectory=``
+    (``$RUNTIME_DIRECTORY``, colon-separated when several), else ``/run/sparsekv``."""
     runtime = (os.environ if environ is None else environ).get("RUNTIME_DIRECTORY", "")
     return runtime.split(":")[0] or "/run/sparsekv"
 

@@ -27,12 +27,9 @@ MAX_SLAB_BLOCKS = 1 << 22  # layers * blocks a geometry may describe (the overla
 
 @dataclass(frozen=True)
 class SlabGeometry:
-    """Attributes:
-        layer_offsets: byte offset of hot block 0 of each layer in the buffer.
-        block_rows: rows per block; ``max_reqs * region_stride`` must be a multiple.
-        block_stride: bytes from one block of a layer to its next.
-        buffer_bytes: the size of the buffer the offsets are in.
-    """
+    """Where an engine-owned slab's hot rows are (the formula: module docstring).
+    ``block_rows`` must divide ``max_reqs * region_stride``; ``buffer_bytes`` is the size of
+    the buffer the ``layer_offsets`` are in."""
 
     layer_offsets: tuple[int, ...]
     block_rows: int

@@ -1,10 +1,9 @@
 """Stream memory operations (CUDA driver API), the doorbell transport's only primitives.
 
 A 32-bit store or wait on the GPU's front end, in stream order: no kernel, no CPU, and
-capturable into CUDA graphs. The engine rings a group's bell and waits on a layer's ready
-word, the daemon waits on bells and sets ready words. Each word is a flip-flop (one side
-sets 1, the other waits for 1 and resets 0), so every value is a constant and a captured
-graph replays every step unchanged.
+capturable into CUDA graphs. Each doorbell word (a group's bell, a layer's ready word) is a
+flip-flop: one side sets 1, the other waits for 1 and resets 0, so every value is a
+constant and a captured graph replays every step unchanged.
 
 Called through ``ctypes`` on ``libcuda.so.1`` (the driver itself): ``cuda-python`` is no
 dependency of CuPy or torch. The ``_v2`` entry points (CUDA 11.7+) need no device
@@ -75,9 +74,8 @@ def wait32_geq(stream_ptr: int, address: int, value: int) -> None:
 
 
 def graph_launch(graph_exec: int, stream_ptr: int) -> None:
-    """Launch an instantiated graph (``cudaGraphExec_t``, e.g. CuPy's ``Graph.graphExec``)
-    on a stream. Through ctypes, so the GIL is released for the call: a launch onto a
-    stream whose queue is full blocks until it has room, and must not stop the daemon's
-    other threads meanwhile."""
+    """Launch an instantiated graph (``cudaGraphExec_t``, e.g. CuPy's ``Graph.graphExec``) on a
+    stream. Through ctypes, so the GIL is released: a launch onto a full stream queue blocks
+    until it has room, and must not stop the daemon's other threads meanwhile."""
     rc = _load()[2](ctypes.c_void_p(int(graph_exec)), ctypes.c_void_p(int(stream_ptr)))
     _check(rc, "cuGraphLaunch")
