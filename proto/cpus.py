@@ -228,8 +228,8 @@ class CpuWarmer:
 
     def revive(self, min_interval_s: float = 60.0) -> list[tuple[int, str]]:
         """Start again each loop that has exited (someone killed it), at most once per
-        ``min_interval_s`` a CPU, without waiting for it (call from the main thread, as
-        start). Returns (cpu, why it had exited) of each one started again."""
+        ``min_interval_s`` a CPU, without waiting (main thread only, as start). Returns
+        (cpu, why it had exited) of each one started again."""
         now = time.monotonic()
         out = []
         for i, (cpu, p) in enumerate(zip(self.cpus, self._procs)):

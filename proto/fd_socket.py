@@ -65,8 +65,7 @@ def deposit_fd(path: str, fd: int, timeout_s: float = TIMEOUT_S) -> str:
 
 
 def _read_answer(s: socket.socket, data: bytes) -> dict:
-    """The rest of the answer line after ``data`` as a dict; raises ``ProtocolError`` for a
-    refusal or garbage."""
+    """The answer line (``data`` and the rest) as a dict; ``ProtocolError`` for a refusal or garbage."""
     while not data.endswith(b"\n") and len(data) < MAX_ANSWER_BYTES:
         more = s.recv(MAX_ANSWER_BYTES - len(data))
         if not more:

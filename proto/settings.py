@@ -32,9 +32,8 @@ class SettingError(ValueError):
 
 
 def parse_size(text: str | int) -> int:
-    """``'64GiB'`` -> bytes (units: see the module's docstring; case does not matter). A
-    number without a unit is an error: in a config file ``pool_size = 64`` meant as GiB
-    would silently be 64 bytes."""
+    """``'64GiB'`` -> bytes (units: see the module's docstring; case does not matter). A number
+    without a unit is an error: ``pool_size = 64`` meant as GiB would silently be 64 bytes."""
     if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise ValueError(f"bad size {text!r}; use e.g. 256MiB or 64GiB")
     if isinstance(text, int):
