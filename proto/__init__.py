@@ -3,16 +3,7 @@ limits, the layout value object and frame encoding. Imports nothing from the res
 
 from .frames import decode, encode, reply_error, reply_ok
 from .layout import Layout, LayoutError
-from .messages import (
-    ERROR_HINTS,
-    LIMITS,
-    PROTOCOL_VERSION,
-    REQUESTS,
-    ErrorCode,
-    Limits,
-    MsgType,
-    ProtocolError,
-)
+from .messages import ERROR_HINTS, LIMITS, PROTOCOL_VERSION, REQUESTS, ErrorCode, Limits, MsgType, ProtocolError
 
 __all__ = [
     "ERROR_HINTS", "LIMITS", "PROTOCOL_VERSION", "REQUESTS", "ErrorCode", "Layout", "LayoutError",

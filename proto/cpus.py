@@ -1,40 +1,28 @@
-"""Where the ZeroMQ hop runs: CPU lists, I/O thread placement and warm CPUs, for both
-the daemon and the client.
+"""Where the ZeroMQ hop runs (daemon and client): CPU lists, I/O thread placement, warm CPUs.
 
-A request and its reply cross four threads: each side's libzmq I/O thread (which moves
-the bytes between the socket and the application) and application thread. sparsekv's
-application threads poll while a step is in flight, but the I/O threads sleep in
-``epoll_wait``, and their CPU halts when nothing else runs. Bare metal wakes a CPU from
-its shallow idle state in a microsecond or two; a VM whose guest halts (the guest runs
-HLT, the host deschedules the vCPU) takes the host's scheduler tens of microseconds per
-wake-up, and the hop pays it up to four times (measured on the lent H200 VMs: docs/PERF.md,
-"Transport hand-off").
-
-Two settings remove most of that cost:
+A request and its reply cross each side's libzmq I/O thread, which sleeps in
+``epoll_wait``; in a VM whose guest halts, waking its CPU costs tens of microseconds, up to
+four times a hop (docs/PERF.md, "Transport hand-off"). Two settings remove most of that:
 
 - ``io_cpus``: the CPUs a process's libzmq I/O threads run on (``ZMQ_THREAD_AFFINITY_CPU_ADD``);
   the process's other threads are kept off them, so a polling application thread never
   sits on the CPU its I/O thread needs.
-- warm CPUs (:class:`CpuWarmer`, the daemon's ``warm_cpus``): one process per CPU runs a
-  busy loop under ``SCHED_IDLE`` at nice 19 in a session of its own: a thread that wakes
-  on that CPU preempts it, and the CPU never halts, so the wake-up costs an interrupt,
-  not a trip through the host. Against threads of its own cgroup a loop gets next to
-  nothing; against a busy thread of another cgroup it gets that cgroup's share (the
-  kernel shares a CPU by group weight: deploy/README.md "Warm CPUs"). Each such CPU shows
-  100 % busy in ``top``; the machine spends the power (in a VM: the host's CPU time).
+- warm CPUs (:class:`CpuWarmer`, the daemon's ``warm_cpus``): one busy loop per CPU under
+  ``SCHED_IDLE`` at nice 19 in a session of its own: a thread that wakes there preempts it,
+  and the CPU never halts. Each such CPU shows 100 % busy in ``top`` and spends the power;
+  how the kernel shares it between cgroups: deploy/README.md "Warm CPUs".
 """
 from __future__ import annotations
 
 import math
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
-
-__all__ = ["parse_cpu_list", "format_cpu_list", "check_cpus_usable", "pin_io_threads", "keep_off",
-           "cpu_quota", "CpuWarmer", "WARM_MARK"]
 
 # Seen in `ps`: what the warm CPU loops are.
 WARM_MARK = "sparsekv-warm-cpu"
@@ -42,7 +30,7 @@ WARM_MARK = "sparsekv-warm-cpu"
 # The loop each warm CPU runs. It dies with the process that started it (PR_SET_PDEATHSIG;
 # checked once more after setting it, in case that process died in between).
 _LOOP = """
-import ctypes, os, signal, sys
+import ctypes, os, signal, sys, time
 cpu, parent = int(sys.argv[2]), int(sys.argv[3])
 libc = ctypes.CDLL(None, use_errno=True)
 if libc.prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
@@ -53,12 +41,10 @@ libc.prctl(15, ("skv-warm-cpu%d" % cpu).encode()[:15])  # PR_SET_NAME: what top 
 os.setsid()  # a session, so an autogroup, of its own (never fails: not a group leader)
 os.sched_setaffinity(0, {cpu})
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-sys.stdout.write("ok\\n")
-sys.stdout.flush()
+print("ok", flush=True)
 # Its autogroup at nice 19: where the kernel groups tasks by session (sched_autogroup_enabled)
 # the loop's group then weighs next to nothing against others. Without CAP_SYS_ADMIN the
 # kernel takes one such write per 100 ms on the whole machine (EAGAIN): try for a while.
-import time
 for _ in range(100):
     try:
         with open("/proc/self/autogroup", "w") as f:
@@ -89,8 +75,7 @@ def parse_cpu_list(text: str, what: str = "cpu list") -> tuple[int, ...]:
         m = _ITEM.fullmatch(part.strip())
         if m is None:
             raise ValueError(f"{what}: {part.strip()!r} is not a CPU number or range (e.g. 3, 2,3 or 4-7)")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) is not None else lo
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise ValueError(f"{what}: range {part.strip()!r} runs backwards")
         if hi >= MAX_CPU:
@@ -101,28 +86,21 @@ def parse_cpu_list(text: str, what: str = "cpu list") -> tuple[int, ...]:
 
 def format_cpu_list(cpus) -> str:
     """The inverse of :func:`parse_cpu_list`, with ranges folded: ``(2, 3, 4, 7)`` → ``"2-4,7"``."""
-    out, run = [], []
+    runs: list[list[int]] = []
     for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def check_cpus_usable(cpus, what: str) -> None:
-    """ValueError unless a thread of this process can be put on every CPU of ``cpus``
-    (they exist, are online and in its cgroup's cpuset; the process's own affinity may
-    leave them out: an engine kept off its I/O CPU). libzmq aborts the process when it
+    """ValueError unless a thread of this process can be put on every CPU of ``cpus`` (online,
+    in its cpuset; its own affinity may leave them out). libzmq aborts the process when it
     cannot place an I/O thread, so this tries first, on a thread of its own."""
     if not cpus:
         return
-    import threading  # noqa: PLC0415
-
     bad: list[str] = []
 
     def attempt() -> None:
@@ -142,9 +120,8 @@ def check_cpus_usable(cpus, what: str) -> None:
 
 def pin_io_threads(ctx, cpus) -> None:
     """Put the libzmq I/O threads of ``ctx`` (a ``zmq.Context`` with no socket yet) on
-    ``cpus``. libzmq starts its I/O threads with the first socket and applies the
-    affinity then, aborting the process if it cannot: the CPUs are checked (again) here,
-    ValueError if no thread of this process can run on one."""
+    ``cpus``; ValueError if no thread of this process can run on one (libzmq would abort
+    the process at the first socket)."""
     import zmq  # noqa: PLC0415
 
     check_cpus_usable(cpus, "io_cpus")
@@ -164,8 +141,7 @@ def keep_off(cpus) -> None:
 def cpu_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
     """CPUs' worth of run time per period that this process's cgroup and its ancestors
     allow (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``; the smallest), or None without a
-    quota. A busy loop spends it like any thread, ``SCHED_IDLE`` or not: each warm CPU
-    takes one CPU of it."""
+    quota. Each warm CPU's loop spends one CPU of it, ``SCHED_IDLE`` or not."""
     try:
         with open(proc_cgroup) as f:
             lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
@@ -173,10 +149,9 @@ def cpu_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/sel
         return None
     quotas = []
     for hier, controllers, path in lines:
-        names = controllers.split(",")
         if hier == "0" and controllers == "":
             base, read = cgroup_root, _quota_v2  # v2 (unified)
-        elif "cpu" in names:
+        elif "cpu" in controllers.split(","):
             base, read = os.path.join(cgroup_root, controllers), _quota_v1
             if not os.path.isdir(base):
                 base = os.path.join(cgroup_root, "cpu")
@@ -212,9 +187,8 @@ def _quota_v1(d: str) -> float | None:
 
 class CpuWarmer:
     """One ``SCHED_IDLE`` busy loop per CPU of ``cpus``, in child processes that die with
-    the thread that started them (PR_SET_PDEATHSIG: start it from the main thread, as the
-    daemon does, so that they live as long as the process). ``start()`` returns once
-    every loop runs (or raises, with none left)."""
+    the thread that started them (PR_SET_PDEATHSIG: hence the main thread). ``start()``
+    returns once every loop runs (or raises, with none left)."""
 
     def __init__(self, cpus, start_timeout_s: float = 30.0):
         self.cpus = tuple(sorted(set(int(c) for c in cpus)))
@@ -224,8 +198,6 @@ class CpuWarmer:
         self.revived = 0  # loops started again since start()
 
     def start(self) -> "CpuWarmer":
-        import threading  # noqa: PLC0415
-
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("CpuWarmer.start() from a thread other than the main one: its loops would die "
                                "with that thread")
@@ -256,17 +228,15 @@ class CpuWarmer:
 
     def revive(self, min_interval_s: float = 60.0) -> list[tuple[int, str]]:
         """Start again each loop that has exited (someone killed it), at most once per
-        ``min_interval_s`` a CPU, without waiting for it (call from the main thread, as
-        start). Returns (cpu, why it had exited) of each one started again."""
+        ``min_interval_s`` a CPU, without waiting (main thread only, as start). Returns
+        (cpu, why it had exited) of each one started again."""
         now = time.monotonic()
         out = []
         for i, (cpu, p) in enumerate(zip(self.cpus, self._procs)):
             if p.poll() is None or now - self._revived.get(cpu, -math.inf) < min_interval_s:
                 continue
             why = _stderr_tail(p)
-            for f in (p.stdout, p.stderr):
-                if f is not None:
-                    f.close()
+            _close_pipes(p)
             self._procs[i] = self._spawn(cpu)
             self._revived[cpu] = now
             self.revived += 1
@@ -283,9 +253,7 @@ class CpuWarmer:
                 p.send_signal(signal.SIGKILL)
         for p in self._procs:
             p.wait()
-            for f in (p.stdout, p.stderr):
-                if f is not None:
-                    f.close()
+            _close_pipes(p)
         self._procs = []
 
     close = stop
@@ -298,8 +266,6 @@ class CpuWarmer:
 
 
 def _read_line(p: subprocess.Popen, timeout_s: float) -> str:
-    import selectors  # noqa: PLC0415
-
     deadline = time.monotonic() + timeout_s
     with selectors.DefaultSelector() as sel:
         sel.register(p.stdout, selectors.EVENT_READ)
@@ -309,6 +275,12 @@ def _read_line(p: subprocess.Popen, timeout_s: float) -> str:
             if p.poll() is not None:
                 return ""
     return ""
+
+
+def _close_pipes(p: subprocess.Popen) -> None:
+    for f in (p.stdout, p.stderr):
+        if f is not None:
+            f.close()
 
 
 def _stderr_tail(p: subprocess.Popen) -> str:

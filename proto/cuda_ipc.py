@@ -1,27 +1,28 @@
 """CUDA IPC objects both sides of the protocol open: interprocess events and imported
-device memory. The daemon exports them (its arena, its per-rank event rings), clients
-import them; a client exports fence events the daemon imports. Handles travel in the
-ATTACH reply and request as bytes.
-
-* :class:`EventRing`: interprocess events, one per in-flight request of a rank. The daemon
-  records entry ``k`` on its copy stream after request ``k``'s gather; the client's stream
-  waits on it before attention reads the rows.
-* :class:`ImportedArena`, :class:`ImportedEvents`: the importing side.
-
-``cupy`` is imported lazily: importing this module needs no GPU.
+device memory. The daemon exports its arena and per-rank event rings, clients import them;
+a client exports fence events the daemon imports. Handles travel in the ATTACH reply and
+request as bytes. ``cupy`` is imported lazily: importing this module needs no GPU.
 """
 
 from __future__ import annotations
 
+import os
+
+
+def _cp():
+    import cupy as cp  # noqa: PLC0415
+
+    return cp
+
 
 class EventRing:
-    """``n`` interprocess events on one device (``cudaEventInterprocess`` needs
-    ``cudaEventDisableTiming``)."""
+    """``n`` interprocess events on one device, one per in-flight request of a rank: the
+    daemon records entry ``k`` after request ``k``'s gather, the client's stream waits on
+    it before attention reads the rows."""
 
     def __init__(self, device: int, n: int):
-        import cupy as cp  # noqa: PLC0415
-
-        with cp.cuda.Device(device):
+        cp = _cp()
+        with cp.cuda.Device(device):  # cudaEventInterprocess needs cudaEventDisableTiming
             self.events = [cp.cuda.Event(block=False, disable_timing=True, interprocess=True) for _ in range(n)]
             self.handles = [bytes(cp.cuda.runtime.ipcGetEventHandle(e.ptr)) for e in self.events]
         self.device = device
@@ -36,22 +37,9 @@ class EventRing:
     def record(self, k: int, stream) -> None:
         self.events[k].record(stream)
 
-    def __len__(self) -> int:
-        return len(self.events)
-
-
-# -- importing side ---------------------------------------------------------------
-
-def _cp():
-    import cupy as cp  # noqa: PLC0415
-
-    return cp
-
 
 def mps_running() -> bool:
     """Whether an NVIDIA MPS control daemon listens where this process's CUDA looks."""
-    import os
-
     pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
     return os.path.exists(os.path.join(pipe, "control"))
 
@@ -85,9 +73,8 @@ def allocation_range(ptr: int) -> tuple[int, int]:
 
 def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
     """What another process needs to map ``nbytes`` of device memory at ``ptr`` (on GPU
-    ``device``): the IPC handle of the allocation that holds it and the offset in it.
-    Memory from ``cudaMalloc`` (torch's default allocator) exports; memory of the
-    virtual-memory API (torch's ``expandable_segments``) does not."""
+    ``device``): its allocation's IPC handle and the offset in it. ``cudaMalloc`` memory (torch's
+    default allocator) exports; virtual-memory API memory (``expandable_segments``) does not."""
     cp = _cp()
     with cp.cuda.Device(device):
         base, size = allocation_range(ptr)
@@ -100,9 +87,8 @@ def export_buffer(ptr: int, nbytes: int, device: int) -> dict:
 
 def open_mem_handle(handle: bytes) -> int:
     """``cudaIpcOpenMemHandle`` (lazy peer access) on the current device. A handle whose
-    exporter has exited cannot be opened, for good, even while other processes still map
-    its memory: cudaErrorInvalidResourceHandle (seen on the H200 under MPS). So a retry never helps; the caller asks
-    whether the exporter is still there."""
+    exporter has exited can never be opened (cudaErrorInvalidResourceHandle), even while
+    others still map its memory: the caller asks whether the exporter is still there."""
     cp = _cp()
     return cp.cuda.runtime.ipcOpenMemHandle(handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
 
@@ -137,12 +123,14 @@ class ImportedBuffer:
                 cp.cuda.runtime.ipcCloseMemHandle(self._base)
 
 
-class ImportedArena:
+class ImportedArena(ImportedBuffer):
+    """The daemon's whole arena (its own allocation), with array views into it."""
+
     def __init__(self, handle: bytes, nbytes: int, device: int):
         cp = _cp()
         self.device, self.nbytes = device, nbytes
         with cp.cuda.Device(device):
-            self.ptr = open_mem_handle(handle)
+            self._base = self.ptr = open_mem_handle(handle)
         self._mem = cp.cuda.UnownedMemory(self.ptr, nbytes, self, device)
         self._closed = False
 
@@ -154,13 +142,6 @@ class ImportedArena:
         import torch  # noqa: PLC0415
 
         return torch.from_dlpack(self.cupy(offset, shape, dtype))
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            cp = _cp()
-            with cp.cuda.Device(self.device):
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
 class ImportedEvents:
@@ -176,9 +157,6 @@ class ImportedEvents:
         cp = _cp()
         with cp.cuda.Device(self.device):
             cp.cuda.runtime.streamWaitEvent(stream_ptr, self.ptrs[k], 0)
-
-    def synchronize(self, k: int) -> None:
-        _cp().cuda.runtime.eventSynchronize(self.ptrs[k])
 
     def done(self, k: int) -> bool:
         """Whether entry ``k``'s last recorded work is done (never waits)."""

@@ -1,10 +1,9 @@
 """The per-rank device error record (``csrc/common.cuh``) read on the host, by both sides.
 
-The daemon's kernels count rows they refused or mended in an int32 record that the
-device step copies to a pinned mirror after each request (zmq) or step (doorbell). The
-daemon turns new counts into the typed error of the rank's next reply; a doorbell
-handle's ``check()`` reads the same mirror (it maps the rank's blocks file) and raises
-the same error. :class:`ErrorRecord` is that reading, once.
+The daemon's kernels count rows they refused or mended in an int32 record, copied to a
+pinned mirror after each request (zmq) or step (doorbell). :class:`ErrorRecord` turns new
+counts into typed errors: for the daemon's next reply, and for a doorbell handle's
+``check()``, which maps the same mirror.
 """
 
 from __future__ import annotations

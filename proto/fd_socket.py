@@ -1,21 +1,17 @@
 """The fd socket: how a client gets the descriptors of its rank's shared memory.
 
 A rank's host memory that both sides map (the cpu backend's slab + staging buffer, the
-cuda backend's pinned step blocks) is an anonymous memfd: it has no name in any file
-system, so no other process can open it, whatever its user or group. The ATTACH reply's
-handles name the descriptors a rank gets (``fd``: cpu, ``blocks_fd``: cuda) and carry
-
-- ``fd_socket``: a file name in the run dir (:data:`FD_SOCKET`), a plain UNIX stream
-  socket (mode 0660, like ``control.sock``);
-- ``fd_token``: random (:data:`TOKEN_BYTES`), good for one connection, withdrawn when the
-  rank detaches.
+cuda backend's pinned step blocks) is an anonymous memfd, which no other process can open.
+The ATTACH reply's handles name the descriptors a rank gets (``fd``: cpu, ``blocks_fd``:
+cuda) and carry ``fd_socket``, a UNIX stream socket in the run dir (:data:`FD_SOCKET`,
+mode 0660), and ``fd_token`` (:data:`TOKEN_BYTES` random bytes, good for one connection,
+withdrawn when the rank detaches).
 
 The client connects, sends the token and a newline (at most :data:`MAX_REQUEST_BYTES`),
 and reads one answer: a JSON line ``{"ok": true, "fds": [names]}`` with the descriptors,
 in that order, as ``SCM_RIGHTS``; or ``{"ok": false, "code": "<ErrorCode name>", "msg":
-...}`` without any. The daemon hands them only to the process that attached (the
-connection's ``SO_PEERCRED`` pid and uid equal the session's, as ``control.sock`` gave
-them at HELLO); anything else is refused and counted (``fd_refusals``).
+...}`` without any. Only the process that attached (``SO_PEERCRED`` pid and uid) gets
+them; anything else is refused and counted (``fd_refusals``).
 """
 
 from __future__ import annotations
@@ -59,13 +55,7 @@ def deposit_fd(path: str, fd: int, timeout_s: float = TIMEOUT_S) -> str:
         s.settimeout(timeout_s)
         s.connect(path)
         socket.send_fds(s, [DEPOSIT.encode() + b"\n"], [fd])
-        data = b""
-        while not data.endswith(b"\n") and len(data) < MAX_ANSWER_BYTES:
-            more = s.recv(MAX_ANSWER_BYTES - len(data))
-            if not more:
-                break
-            data += more
-        head = _parse(data)
+        head = _read_answer(s, b"")
         dep = head.get("deposit")
         if not isinstance(dep, str):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket answered a deposit with {head!r}")
@@ -74,8 +64,13 @@ def deposit_fd(path: str, fd: int, timeout_s: float = TIMEOUT_S) -> str:
         s.close()
 
 
-def _parse(data: bytes) -> dict:
-    """The answer line as a dict; raises ``ProtocolError`` for a refusal or garbage."""
+def _read_answer(s: socket.socket, data: bytes) -> dict:
+    """The answer line (``data`` and the rest) as a dict; ``ProtocolError`` for a refusal or garbage."""
+    while not data.endswith(b"\n") and len(data) < MAX_ANSWER_BYTES:
+        more = s.recv(MAX_ANSWER_BYTES - len(data))
+        if not more:
+            break
+        data += more
     if not data:
         raise ProtocolError(ErrorCode.INTERNAL, "the daemon closed the fd socket without an answer (busy, or "
                             "stopping: see its log)")
@@ -101,16 +96,12 @@ def fetch_fds(path: str, token: str, timeout_s: float = TIMEOUT_S) -> dict[str, 
         s.settimeout(timeout_s)
         s.connect(path)
         s.sendall(token.encode("ascii") + b"\n")
+        # The descriptors come with the first bytes of the answer.
         data, fds, flags, _ = socket.recv_fds(s, MAX_ANSWER_BYTES, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
-        while data and not data.endswith(b"\n") and len(data) < MAX_ANSWER_BYTES:
-            more = s.recv(MAX_ANSWER_BYTES - len(data))  # the descriptors came with the first bytes
-            if not more:
-                break
-            data += more
         if flags & socket.MSG_CTRUNC:
             raise ProtocolError(ErrorCode.INTERNAL, "the daemon's descriptors were cut off (more than "
                                 f"{MAX_FDS}, or this process is out of descriptors)")
-        head = _parse(data)
+        head = _read_answer(s, data)
         names = head.get("fds")
         if not isinstance(names, list) or len(names) != len(fds):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"the fd socket named {names!r} but sent {len(fds)} descriptor(s)")

@@ -10,12 +10,8 @@ import numpy as np
 from .messages import LIMITS, PROTOCOL_VERSION, WIRE_DTYPES, ErrorCode, Limits, MsgType, ProtocolError
 
 
-def encode(
-    msg_type: MsgType | int,
-    req_id: int,
-    fields: dict[str, Any] | None = None,
-    arrays: dict[str, np.ndarray] | None = None,
-) -> list:
+def encode(msg_type: MsgType | int, req_id: int, fields: dict[str, Any] | None = None,
+           arrays: dict[str, np.ndarray] | None = None) -> list:
     """Return the frames of one message. Arrays are sent without a copy when contiguous."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": int(msg_type), "id": int(req_id)}
     if fields:
@@ -34,10 +30,8 @@ def encode(
 
 
 def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, np.ndarray]]:
-    """Parse ``frames`` into ``(header, arrays)``; raise :class:`ProtocolError` on any flaw.
-
-    The arrays are read-only views of the received frames (no copy).
-    """
+    """Parse ``frames`` into ``(header, arrays)``, the arrays read-only views of the
+    received frames (no copy); raise :class:`ProtocolError` on any flaw."""
     if not frames:
         raise ProtocolError(ErrorCode.BAD_FRAME, "empty message")
     if len(frames) > limits.max_frames:
@@ -56,10 +50,8 @@ def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, n
             raise ProtocolError(ErrorCode.BAD_FRAME, f"header field {key!r} must be an integer")
     desc = header.pop("arrays", [])
     if not isinstance(desc, list) or len(desc) != len(frames) - 1:
-        raise ProtocolError(
-            ErrorCode.BAD_FRAME,
-            f"header describes {len(desc) if isinstance(desc, list) else '?'} arrays but {len(frames) - 1} frames follow",
-        )
+        n = len(desc) if isinstance(desc, list) else "?"
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"header describes {n} arrays but {len(frames) - 1} frames follow")
     arrays: dict[str, np.ndarray] = {}
     for item, frame in zip(desc, frames[1:]):
         name, array = _array(item, frame, limits)
@@ -112,9 +104,8 @@ def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
     dt = _DTYPES[dtype]
     want = count * dt.itemsize
     if want != nbytes:
-        raise ProtocolError(
-            ErrorCode.BAD_FRAME, f"array {name!r}: shape {shape} of {dtype} needs {want} bytes, frame has {nbytes}"
-        )
+        raise ProtocolError(ErrorCode.BAD_FRAME,
+                            f"array {name!r}: shape {shape} of {dtype} needs {want} bytes, frame has {nbytes}")
     a = np.frombuffer(buf, dtype=dt) if nbytes else np.empty(0, dt)
     return name, a.reshape(shape)
 
@@ -124,8 +115,7 @@ _NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
 def reply_ok(msg_type: int, req_id: int, fields=None, arrays=None, tr: int | None = None, tx: int | None = None) -> list:
-    """A successful reply. ``tr`` / ``tx``: the daemon's receive and reply times
-    (``time.perf_counter_ns()``), sent as header fields of those names when given."""
+    """A successful reply; ``tr`` / ``tx`` (messages.py's timestamps) sent when given."""
     head = {"ok": True, **fields} if fields else {"ok": True}
     if tr is not None:
         head["tr"], head["tx"] = tr, tx
@@ -134,8 +124,7 @@ def reply_ok(msg_type: int, req_id: int, fields=None, arrays=None, tr: int | Non
 
 def reply_error(msg_type: int, req_id: int, code: ErrorCode, message: str,
                 tr: int | None = None, tx: int | None = None) -> list:
-    """A failed reply: ``code``, its name as ``error``, ``msg``; ``tr`` / ``tx`` as in
-    :func:`reply_ok`."""
+    """A failed reply: ``code``, its name as ``error``, ``msg``; ``tr`` / ``tx`` as in :func:`reply_ok`."""
     head = {"ok": False, "code": int(code), "error": ErrorCode(code).name, "msg": message}
     if tr is not None:
         head["tr"], head["tx"] = tr, tx

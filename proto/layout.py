@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 MAX_REGION_STRIDE = 32768
 MAX_LAYERS = 1024
@@ -44,9 +44,7 @@ class Layout:
     max_batch: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "index_groups", tuple(tuple(int(x) for x in g) for g in self.index_groups)
-        )
+        object.__setattr__(self, "index_groups", tuple(tuple(int(x) for x in g) for g in self.index_groups))
         if self.max_batch == 0 and isinstance(self.max_reqs, int):
             object.__setattr__(self, "max_batch", self.max_reqs)
 
@@ -104,41 +102,28 @@ class Layout:
             need(type(value) is int and value > 0, f"{name} must be a positive integer, got {value!r}")
         need(self.row_bytes < 2**31, f"row_bytes {self.row_bytes} must fit in int32")
         need(self.num_layers <= MAX_LAYERS, f"num_layers {self.num_layers} exceeds {MAX_LAYERS}")
-        need(
-            self.top_k <= self.region_stride <= MAX_REGION_STRIDE,
-            f"region_stride {self.region_stride} must lie in [top_k={self.top_k}, {MAX_REGION_STRIDE}]",
-        )
+        need(self.top_k <= self.region_stride <= MAX_REGION_STRIDE,
+             f"region_stride {self.region_stride} must lie in [top_k={self.top_k}, {MAX_REGION_STRIDE}]")
         need(self.max_reqs <= MAX_REQS, f"max_reqs {self.max_reqs} exceeds {MAX_REQS}")
         need(self.host_rows < 2**31 - 1, f"host_rows {self.host_rows} must fit in int32")
-        need(
-            type(self.staging_rows) is int and 0 <= self.staging_rows < 2**31 - 1,
-            f"staging_rows must be an integer in [0, 2**31 - 1), got {self.staging_rows!r}",
-        )
-        need(
-            type(self.max_batch) is int and 0 < self.max_batch <= 65536,
-            f"max_batch must lie in [1, 65536], got {self.max_batch!r}",
-        )
+        need(type(self.staging_rows) is int and 0 <= self.staging_rows < 2**31 - 1,
+             f"staging_rows must be an integer in [0, 2**31 - 1), got {self.staging_rows!r}")
+        need(type(self.max_batch) is int and 0 < self.max_batch <= 65536,
+             f"max_batch must lie in [1, 65536], got {self.max_batch!r}")
         seen = sorted(layer for g in self.groups for layer in g)
         need(all(len(g) > 0 for g in self.groups), "index_groups has an empty group")
-        need(
-            seen == list(range(self.num_layers)),
-            f"index_groups must name every layer 0..{self.num_layers - 1} exactly once",
-        )
+        need(seen == list(range(self.num_layers)),
+             f"index_groups must name every layer 0..{self.num_layers - 1} exactly once")
         return self
 
     def to_wire(self) -> dict:
-        d = asdict(self)
-        d["index_groups"] = [list(g) for g in self.index_groups]
-        return d
+        return {**asdict(self), "index_groups": [list(g) for g in self.index_groups]}
 
     @classmethod
     def from_wire(cls, d: dict) -> "Layout":
         if not isinstance(d, dict):
             raise LayoutError("layout must be a map")
-        known = {
-            "num_layers", "row_bytes", "top_k", "region_stride", "max_reqs",
-            "host_rows", "index_groups", "staging_rows", "max_batch",
-        }
+        known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise LayoutError(f"unknown layout fields: {sorted(unknown)}")

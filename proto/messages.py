@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-# 2: the ATTACH reply hands shared memory over the fd socket (fd_socket.py), no file path.
 PROTOCOL_VERSION = 2
 
 
@@ -105,9 +104,8 @@ LIMITS = Limits()
 # Array dtypes allowed on the wire (NumPy names).
 WIRE_DTYPES = frozenset({"int32", "int64", "uint8", "bool", "float32", "float64"})
 
-# The fields each request must carry besides v/t/id/arrays (optional ones, such as ``ts``
-# or ``fence``, are not listed), and the arrays it may send:
-# the daemon checks every handler against this table at start (see daemon/server.py).
+# The fields each request must carry besides v/t/id/arrays (optional ones, such as ``ts`` or
+# ``fence``, are not listed), and the arrays it may send; checked against the daemon's handlers at start.
 REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
     MsgType.HELLO: (frozenset({"pid", "rank", "device", "name"}), frozenset()),
     MsgType.ATTACH: (frozenset({"engine", "layout"}), frozenset()),

@@ -6,16 +6,13 @@ position ``p`` names host row::
 
     block_table[b, p // block_size] * block_size + p % block_size
 
-A position < 0, past the table, or on a -1 block becomes :data:`UNMAPPED` (-2): the
-residency treats it like any out-of-range id (slot -1, not a miss, counted in
-``out_of_range``, never read). Host-row top-k batches use -1 for "no id" (not counted);
-position batches have no such value: every negative position is counted.
+A position < 0, past the table, or on a -1 block becomes :data:`UNMAPPED` (-2), an
+out-of-range id (slot -1, not a miss, counted in ``out_of_range``). Host-row top-k batches
+use -1 for "no id" (not counted); position batches have none: every negative position counts.
 
 On the GPU the same rule is ``skv_host_row`` (``csrc/positions.cuh``), which every kernel
-that maps positions calls (the doorbell handle's ``skv_db_topk`` and ``skv_db_indices``,
-``skv_map_positions_*`` for the portable handle with a top-k on the GPU); the host paths
-(replay, the portable handle with a top-k on the host or without CuPy) call
-:func:`host_rows`.
+that maps positions calls; the host paths (replay, the portable handle with a top-k on the
+host or without CuPy) call :func:`host_rows`.
 """
 
 from __future__ import annotations
@@ -59,10 +56,9 @@ def host_rows(positions, block_table, block_size: int, table_rows=None) -> np.nd
     batch, max_blocks = pos.shape[0], table.shape[1]
     if max_blocks == 0 or pos.size == 0 or table.size == 0:
         return np.full(pos.shape, UNMAPPED, dtype=np.int32)
-    # A decode step maps batch x top-k positions per index group on the portable path, so
-    # this makes few passes, 32-bit where the values allow (docs/PERF.md): the
-    # table gets a column of -1 (where every position outside it goes) and a row of -1
-    # (table row -1's), so one look-up and one test leave only real blocks.
+    # Few passes, 32-bit where the values allow (this runs per index group each step:
+    # docs/PERF.md). The table gets a column of -1 (where every position outside it goes)
+    # and a row of -1 (table row -1's), so one look-up and one test leave only real blocks.
     rows_n = table.shape[0]
     top = int(table.max())
     narrow = (pos.dtype.itemsize < 4 or pos.dtype == np.int32) and table.dtype.itemsize <= 4 and bs <= INT32_MAX \

@@ -1,18 +1,14 @@
 """Settings from the environment: one typed registry, and the parsers of setting text.
 
-Every variable sparsekv reads is ``SPARSEKV_<NAME>``, NAME being its setting's name in
-capitals. The daemon's settings are the fields of ``daemon/config.py``'s ``Config``
-(a TOML file, the environment, flags; ``sparsekvd --print-config``), which reads its
-variables through :class:`Setting` too. The settings below belong to processes without a
-``Config``: the engine library (``client/``), the kernel cache (``csrc/build.py``) and
-the benchmarks' private daemons. Each is the default of an argument, read only where the
-argument is not given. An empty variable is the same as an unset one; a bad value raises
-:class:`SettingError`, one line naming the variable.
+Every variable sparsekv reads is ``SPARSEKV_<NAME>``. The daemon's settings are the fields
+of ``daemon/config.py``'s ``Config``, which reads them through :class:`Setting` too; those
+below belong to processes without a ``Config`` (``client/``, ``csrc/build.py``, the
+benchmarks' private daemons), each the default of an argument not given. An empty variable
+is the same as an unset one; a bad value raises :class:`SettingError` naming the variable.
 
 Sizes (:func:`parse_size`) are a number and a unit: ``B``; ``KiB``, ``MiB``, ``GiB``,
 ``TiB`` (powers of 1024); ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000). A bare
-``K``/``M``/``G``/``T`` is refused: tools disagree on what it means. Sizes are printed in
-the largest unit that holds them whole (:func:`format_size`).
+``K``/``M``/``G``/``T`` is refused: tools disagree on what it means.
 """
 
 from __future__ import annotations
@@ -35,18 +31,15 @@ class SettingError(ValueError):
     """A setting has a bad value; the message names it and where it came from."""
 
 
-def parse_size(text: str | int, *, unit_required: bool = True) -> int:
-    """``'64GiB'`` -> bytes (units: see the module's docstring; case does not matter). A
-    number without a unit is an error unless ``unit_required`` is False: in a config file
-    ``pool_size = 64`` meant as GiB would silently be 64 bytes."""
+def parse_size(text: str | int) -> int:
+    """``'64GiB'`` -> bytes (units: see the module's docstring; case does not matter). A number
+    without a unit is an error: ``pool_size = 64`` meant as GiB would silently be 64 bytes."""
     if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise ValueError(f"bad size {text!r}; use e.g. 256MiB or 64GiB")
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must be >= 0, got {text}")
-        if unit_required:
-            raise ValueError(f"size {text} has no unit; write e.g. \"{text}B\", 256MiB or 64GiB")
-        return text
+        raise ValueError(f"size {text} has no unit; write e.g. \"{text}B\", 256MiB or 64GiB")
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     number, unit = (m.group(1), m.group(2).lower()) if m else ("", "")
     if unit in ("k", "m", "g", "t"):
@@ -56,11 +49,7 @@ def parse_size(text: str | int, *, unit_required: bool = True) -> int:
     if not m or (unit and unit not in _UNITS):
         raise ValueError(f"bad size {text!r}; use e.g. 256MiB, 64GiB or 4096B")
     if not unit:
-        if unit_required:
-            raise ValueError(f"size {number!r} has no unit; write e.g. \"{number}B\", 256MiB or 64GiB")
-        if "." in number:
-            raise ValueError(f"bad size {text!r}: a byte count is a whole number")
-        return int(number)
+        raise ValueError(f"size {number!r} has no unit; write e.g. \"{number}B\", 256MiB or 64GiB")
     return round(float(number) * _UNITS[unit])
 
 
@@ -139,9 +128,8 @@ class Setting(Generic[T]):
 
 
 def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
-    """Where a daemon's run dir is when no setting names one: systemd's
-    ``RuntimeDirectory=`` (``$RUNTIME_DIRECTORY``, colon-separated when several), else
-    ``/run/sparsekv``."""
+    """Where a daemon's run dir is when no setting names one: systemd's ``RuntimeDirectory=``
+    (``$RUNTIME_DIRECTORY``, colon-separated when several), else ``/run/sparsekv``."""
     runtime = (os.environ if environ is None else environ).get("RUNTIME_DIRECTORY", "")
     return runtime.split(":")[0] or "/run/sparsekv"
 

@@ -1,28 +1,17 @@
 """Where a rank's hot rows live in a buffer the engine allocated (an engine-owned slab).
 
-By default the daemon allocates a rank's hot slab: ``[num_layers, max_reqs,
-region_stride, row_bytes]``, contiguous. An engine that keeps its hot region inside its
-own KV cache (one storage with its resident blocks, so that one attention call reads both
-through one index array, and its memory profiler counts it) brings the buffer instead,
-and describes where each layer's hot rows are with a :class:`SlabGeometry`:
+By default the daemon allocates a rank's hot slab (``Layout.slab_shape``, contiguous). An
+engine that keeps its hot region inside its own KV cache (so that one attention call reads
+hot and resident rows through one index array) brings the buffer instead, and describes
+it with a :class:`SlabGeometry`: the hot rows of one layer, ``h = req * region_stride +
+slot``, are cut into blocks of ``block_rows`` rows, so hot row ``h`` of layer ``l`` is at
+byte ``layer_offsets[l] + (h // block_rows) * block_stride + (h % block_rows) * row_bytes``.
 
-* the hot rows of one layer are ``max_reqs * region_stride`` rows, numbered ``h = req *
-  region_stride + slot`` (as in the daemon's own slab);
-* they are cut into blocks of ``block_rows`` rows (the engine's block size: a paged KV
-  cache's layout), block ``h // block_rows`` starting ``block_stride`` bytes after the
-  previous one, row ``h % block_rows`` of it ``row_bytes`` after the previous row;
-* block 0 of layer ``l`` starts ``layer_offsets[l]`` bytes into the buffer.
-
-So hot row ``h`` of layer ``l`` is at byte ``layer_offsets[l] + (h // block_rows) *
-block_stride + (h % block_rows) * row_bytes``. A cache ``[num_blocks, block_size, row]``
-per layer whose hot region is the blocks from ``first`` on gives ``layer_offsets[l] =
-base_l + first * block_stride`` and ``block_stride = block_size * row_bytes``; the engine
-then indexes the hot row ``h`` as ``first * block_size + h`` (``swap_in``'s ``hot_base``).
-A cache with a layer (or K and V) inside each block has a larger ``block_stride``.
-
-:meth:`SlabGeometry.check` refuses a geometry whose rows leave the buffer, overlap one
-another, or break the 16-byte alignment the GPU's copies need: the daemon writes exactly
-these rows and nothing else of the engine's memory.
+A cache ``[num_blocks, block_size, row]`` per layer whose hot region is the blocks from
+``first`` on gives ``layer_offsets[l] = base_l + first * block_stride`` and ``block_stride
+= block_size * row_bytes`` (:meth:`SlabGeometry.paged`); the engine then indexes hot row
+``h`` as ``first * block_size + h`` (``swap_in``'s ``hot_base``). A cache with a layer (or
+K and V) inside each block has a larger ``block_stride``.
 """
 
 from __future__ import annotations
@@ -38,12 +27,9 @@ MAX_SLAB_BLOCKS = 1 << 22  # layers * blocks a geometry may describe (the overla
 
 @dataclass(frozen=True)
 class SlabGeometry:
-    """Attributes:
-        layer_offsets: byte offset of hot block 0 of each layer in the buffer.
-        block_rows: rows per block; ``max_reqs * region_stride`` must be a multiple.
-        block_stride: bytes from one block of a layer to its next.
-        buffer_bytes: the size of the buffer the offsets are in.
-    """
+    """Where an engine-owned slab's hot rows are (the formula: module docstring).
+    ``block_rows`` must divide ``max_reqs * region_stride``; ``buffer_bytes`` is the size of
+    the buffer the ``layer_offsets`` are in."""
 
     layer_offsets: tuple[int, ...]
     block_rows: int
@@ -54,21 +40,11 @@ class SlabGeometry:
         object.__setattr__(self, "layer_offsets", tuple(self.layer_offsets))
 
     @classmethod
-    def contiguous(cls, layout: Layout, offset: int = 0, buffer_bytes: int | None = None) -> "SlabGeometry":
-        """The daemon's own slab layout (``Layout.slab_shape``), ``offset`` bytes into a
-        buffer: one block per layer."""
-        rows = layout.max_reqs * layout.region_stride
-        stride = rows * layout.row_bytes
-        return cls(tuple(offset + layer * stride for layer in range(layout.num_layers)), rows, stride,
-                   offset + layout.slab_bytes if buffer_bytes is None else int(buffer_bytes))
-
-    @classmethod
     def paged(cls, layout: Layout, layer_bases, first_block: int, block_size: int, block_stride: int | None = None,
               buffer_bytes: int = 0) -> "SlabGeometry":
         """A paged cache: layer ``l``'s blocks start at byte ``layer_bases[l]``, block ``b``
         at ``+ b * block_stride`` (default ``block_size * row_bytes``); the hot region is
-        the blocks from ``first_block`` on (its hot rows are then indexed from
-        ``first_block * block_size``)."""
+        the blocks from ``first_block`` on."""
         stride = block_size * layout.row_bytes if block_stride is None else int(block_stride)
         return cls(tuple(int(b) + first_block * stride for b in layer_bases), int(block_size), stride,
                    int(buffer_bytes))
@@ -91,7 +67,8 @@ class SlabGeometry:
     def check(self, layout: Layout, align: int = ROW_ALIGN_BYTES) -> "SlabGeometry":
         """Raise :class:`LayoutError` naming the fault unless every hot row of every layer
         lies inside the buffer, no two overlap, and (``align`` > 1) every row starts on an
-        ``align``-byte boundary. Returns self."""
+        ``align``-byte boundary (the GPU's copies need 16). Returns self: the daemon then
+        writes exactly these rows and nothing else of the engine's memory."""
         L, rb = layout.num_layers, layout.row_bytes
         rows = layout.max_reqs * layout.region_stride
 

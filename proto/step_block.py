@@ -1,5 +1,4 @@
-"""The step block: how a decode step is described to the daemon's kernels (both sides
-write it; the kernels check every value). int32 entries:
+"""The step block: a decode step as the daemon's kernels read it (checking every value). int32 entries:
 
     [desc: DESC_INTS] [rows: max_batch] [aux: max_batch] [payload: max_batch * top_k]
 
@@ -64,9 +63,6 @@ def write_step(blk: BlockView, seq: int, step: int, state_rows: np.ndarray, rese
     n = 0 if invalidate is None else invalidate.shape[1]
     write_desc(blk.desc, seq=seq, step=step, batch=batch, inv_n=n)
     blk.rows[:batch] = state_rows
-    if reset is None:
-        blk.aux[:batch] = 0
-    else:
-        blk.aux[:batch] = reset
+    blk.aux[:batch] = 0 if reset is None else reset
     if n:
         blk.payload[: batch * n] = invalidate.reshape(-1)

@@ -1,58 +1,48 @@
 """Stream memory operations (CUDA driver API), the doorbell transport's only primitives.
 
-``write32(stream, address, value)`` enqueues a 32-bit store and ``wait32(stream, address,
-value)`` a wait until the word equals ``value``; both run on the GPU's front end in stream
-order, need no kernel and no CPU, and can be captured into CUDA graphs. Both sides of the
-doorbell use them: the engine rings a group's bell and waits on a layer's ready word, the
-daemon waits on bells and sets ready words. Each word is a flip-flop: one side sets it to
-1, the other waits for 1 and resets it to 0, so every value is a constant and a captured
-graph replays every step unchanged.
+A 32-bit store or wait on the GPU's front end, in stream order: no kernel, no CPU, and
+capturable into CUDA graphs. Each doorbell word (a group's bell, a layer's ready word) is a
+flip-flop: one side sets 1, the other waits for 1 and resets 0, so every value is a
+constant and a captured graph replays every step unchanged.
 
-Called through ``ctypes`` on ``libcuda.so.1``, which every CUDA machine has (the driver
-itself): no extra package. ``cuda-python`` would do the same, but is not a dependency of
-CuPy or torch and is not on every machine; these two calls do not justify it. The ``_v2``
-entry points (CUDA 11.7+) are used: they need no device attribute to be enabled.
+Called through ``ctypes`` on ``libcuda.so.1`` (the driver itself): ``cuda-python`` is no
+dependency of CuPy or torch. The ``_v2`` entry points (CUDA 11.7+) need no device
+attribute to be enabled.
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32)(*addr - value) >= 0: cyclic, wraps around
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
-
-_lock = threading.Lock()
-_fns: tuple | None = None
 
 
 class StreamOpError(RuntimeError):
     pass
 
 
-def _load():
-    global _fns
-    with _lock:
-        if _fns is None:
-            try:
-                lib = ctypes.CDLL("libcuda.so.1")
-            except OSError as e:
-                raise StreamOpError(f"cannot load the CUDA driver (libcuda.so.1): {e}") from None
-            fns = []
-            for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2", "cuGraphLaunch"):
-                try:
-                    f = getattr(lib, name)
-                except AttributeError:
-                    raise StreamOpError(f"the CUDA driver lacks {name} (needs CUDA 11.7 or newer)") from None
-                f.restype = ctypes.c_int
-                if name == "cuGraphLaunch":
-                    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-                else:
-                    f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-                fns.append(f)
-            _fns = tuple(fns)
-    return _fns
+@functools.cache
+def _load() -> tuple:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise StreamOpError(f"cannot load the CUDA driver (libcuda.so.1): {e}") from None
+    fns = []
+    for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2", "cuGraphLaunch"):
+        try:
+            f = getattr(lib, name)
+        except AttributeError:
+            raise StreamOpError(f"the CUDA driver lacks {name} (needs CUDA 11.7 or newer)") from None
+        f.restype = ctypes.c_int
+        if name == "cuGraphLaunch":
+            f.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        else:
+            f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fns.append(f)
+    return tuple(fns)
 
 
 def _check(rc: int, what: str) -> None:
@@ -79,15 +69,13 @@ def wait32(stream_ptr: int, address: int, value: int) -> None:
 
 def wait32_geq(stream_ptr: int, address: int, value: int) -> None:
     """Enqueue a wait until ``*(uint32*)address`` has reached ``value``, as a cyclic
-    comparison (``(int32)(word - value) >= 0``): for a counter that only grows, and may wrap
-    (a zmq client's per-entry done word, ``client/cuda_attach.py``)."""
+    comparison (``(int32)(word - value) >= 0``): for a counter that only grows, and may wrap."""
     _wait(stream_ptr, address, value, CU_STREAM_WAIT_VALUE_GEQ)
 
 
 def graph_launch(graph_exec: int, stream_ptr: int) -> None:
-    """Launch an instantiated graph (``cudaGraphExec_t``, e.g. CuPy's ``Graph.graphExec``)
-    on a stream. Through ctypes, so the GIL is released for the call: a launch onto a
-    stream whose queue is full blocks until it has room, and must not stop the daemon's
-    other threads meanwhile."""
+    """Launch an instantiated graph (``cudaGraphExec_t``, e.g. CuPy's ``Graph.graphExec``) on a
+    stream. Through ctypes, so the GIL is released: a launch onto a full stream queue blocks
+    until it has room, and must not stop the daemon's other threads meanwhile."""
     rc = _load()[2](ctypes.c_void_p(int(graph_exec)), ctypes.c_void_p(int(stream_ptr)))
     _check(rc, "cuGraphLaunch")

@@ -45,7 +45,7 @@ def test_a_deposit_without_a_descriptor_and_a_token_with_one_are_refused(daemon)
         s.settimeout(5)
         s.connect(sock_path(daemon))
         s.sendall(b"deposit\n")
-        fd_socket._parse(s.recv(4096))
+        fd_socket._read_answer(s, b"")
     fd = memfd()
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -53,7 +53,7 @@ def test_a_deposit_without_a_descriptor_and_a_token_with_one_are_refused(daemon)
         s.connect(sock_path(daemon))
         socket.send_fds(s, [b"00112233445566778899aabbccddeeff\n"], [fd])
         with pytest.raises(ProtocolError, match="only with a deposit request"):
-            fd_socket._parse(s.recv(4096))
+            fd_socket._read_answer(s, b"")
     finally:
         os.close(fd)
 

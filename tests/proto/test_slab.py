@@ -1,7 +1,6 @@
 """SlabGeometry (proto/slab.py): where an engine-owned slab's hot rows are, and the check
 that keeps the daemon's writes inside the engine's buffer and off each other."""
 
-import numpy as np
 import pytest
 
 import helpers
@@ -9,16 +8,6 @@ from sparsekv.proto.layout import LayoutError
 from sparsekv.proto.slab import SlabGeometry
 
 LAY = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=4)  # 32 hot rows per layer
-
-
-def test_contiguous_is_the_daemons_own_slab_layout():
-    g = SlabGeometry.contiguous(LAY).check(LAY)
-    assert g.is_linear(LAY) and g.buffer_bytes == LAY.slab_bytes
-    slab = np.arange(LAY.slab_bytes, dtype=np.int64).reshape(LAY.slab_shape[:3] + (-1,))
-    # hot row h = req * region_stride + slot of layer l sits where slab[l, req, slot] does
-    for layer, req, slot in [(0, 0, 0), (1, 3, 7), (0, 2, 5)]:
-        h = req * LAY.region_stride + slot
-        assert g.row_offsets(LAY, layer, [h])[0] == slab[layer, req, slot, 0]
 
 
 def test_a_paged_cache_with_gaps_maps_rows_block_by_block():
