@@ -387,7 +387,7 @@ def main(argv=None) -> int:
                             max_connections_per_uid=cfg.max_connections_per_uid,
                             hello_timeout_s=cfg.hello_timeout_s, idle_timeout_s=cfg.idle_timeout_s,
                             io_cpus=io_cpus, warmer=warmer)
-            daemon.max_slab_bytes = cfg.max_slab_bytes  # ATTACH: check_layout_limits
+            daemon.engine_requests.max_slab_bytes = cfg.max_slab_bytes
             return _run(daemon, signals)
         except _Interrupted:
             notifier.stopping()

@@ -1,16 +1,11 @@
 """The control plane's loop and dispatch: a ZeroMQ ROUTER served on (uv)asyncio, plus the
-stats socket, the fd socket (a rank's shared-memory descriptors for the process that
-attached it) and the optional loopback HTTP ``/metrics`` endpoint (same loop, same
-thread). The handlers are grouped by who sends the request (``engine_requests.py``,
-``operator_requests.py``); the clients' sessions live in ``sessions.py``.
+stats socket, the fd socket and the optional loopback HTTP ``/metrics`` endpoint (same
+loop, same thread).
 
 One thread owns the ROUTER socket and every worker's state (STYLE 5): requests are
-handled one at a time in arrival order, so no lock guards the residency state. On the
-cpu backend the gather runs inline; on cuda the handlers only enqueue work on the
-device's copy stream, so the loop never waits on the GPU. The slow part of a heavy
-request (ATTACH, a large WRITE, ...) runs on a worker thread and its reply comes later;
-its session's later requests, and those on an engine it holds, wait for it in order
-(daemon/heavy.py).
+handled one at a time in arrival order, so no lock guards the residency state; on cuda
+the handlers only enqueue GPU work. The slow part of a heavy request runs on a worker
+thread and its reply comes later (daemon/heavy.py).
 """
 
 from __future__ import annotations
@@ -60,9 +55,7 @@ log = logging.getLogger("sparsekv.server")
 
 
 class Daemon:
-    """The serving loop and the dispatch of requests to their role's handlers
-    (``engine_requests.py``, ``operator_requests.py``), over the sessions
-    (``sessions.py``) and the engines (``registry.py``)."""
+    """The serving loop and the dispatch of requests to their role's handlers."""
 
     # 0, or EXIT_FATAL once a request hit an error no one can be served after (_fatal):
     # serve() then returns and main() exits with it.
@@ -75,30 +68,23 @@ class Daemon:
                  max_pool_bytes_per_uid: int = 0, max_connections_per_uid: int = 0, hello_timeout_s: float = 10.0,
                  idle_timeout_s: float = 600.0, io_cpus: tuple[int, ...] = (), warmer=None):
         self.run_dir = run_dir
-        # The CPUs of the ZeroMQ I/O threads (() : not pinned) and the warm CPU loops
-        # (proto/cpus.py CpuWarmer, started and stopped by daemon/main.py).
+        # The ZeroMQ I/O threads' CPUs (() : not pinned); the warm CPU loops (main.py owns them).
         self.io_cpus = tuple(io_cpus)
         self.warmer = warmer
         self.backend = backend
         self.pool = pool
-        # The control socket's connections: credentials, HELLO deadline, per-uid cap
-        # (daemon/connections.py), fed by the connection guard's thread while serving.
         self.connections = Connections(max_per_uid=max_connections_per_uid, hello_timeout_s=hello_timeout_s)
         self.reap_interval_s = reap_interval_s
         self.busy_poll_ns = int(busy_poll_us) * 1000
         self.notifier = notifier or Notifier({})
-        # The daemon's own registry (never prometheus_client's global one): the top-k
-        # histogram, fed per request, and the snapshot's metrics, built at each scrape.
+        # The daemon's own registry, never prometheus_client's global one.
         self.registry = CollectorRegistry()
         self.stats = stats_mod.Stats(registry=self.registry)
         self.metrics_port = int(metrics_port)  # 0: no HTTP endpoint
         self.metrics_address: tuple[str, int] | None = None  # once bound
-        # engine lifetimes and pool ranges (and the per-uid pool quota)
         self.engines = EngineRegistry(pool, backend, max_pool_bytes_per_uid=max_pool_bytes_per_uid)
-        # Heavy requests' slow parts on worker threads, and the requests waiting for them.
         self.heavy = HeavyRequests()
         self._sock = None  # the ROUTER socket, while serving
-        # The fd socket: rank memory to its own process, engine slabs from it (fd_server.py).
         self.fd_server = FdServer(self.stats, lambda cid: self.backend.share_fds(cid), is_attacher)
         self.sessions = Sessions(self.engines, self.heavy, self.fd_server, self.stats, max_clients=max_clients,
                                  max_clients_per_uid=max_clients_per_uid, idle_timeout_s=idle_timeout_s,
@@ -113,24 +99,6 @@ class Daemon:
         missing = set(REQUESTS) - set(self.handlers)
         if missing or set(self.handlers) - set(REQUESTS):
             raise RuntimeError(f"handlers do not match proto.REQUESTS: {sorted(m.name for m in missing)}")
-
-    # ATTACH's limit on a rank's memory and the size from which a copy runs on a worker
-    # thread (EngineRequests; main.py sets the first from the config).
-    @property
-    def max_slab_bytes(self) -> int:
-        return self.engine_requests.max_slab_bytes
-
-    @max_slab_bytes.setter
-    def max_slab_bytes(self, nbytes: int) -> None:
-        self.engine_requests.max_slab_bytes = nbytes
-
-    @property
-    def heavy_bytes(self) -> int:
-        return self.engine_requests.heavy_bytes
-
-    @heavy_bytes.setter
-    def heavy_bytes(self, nbytes: int) -> None:
-        self.engine_requests.heavy_bytes = nbytes
 
     @property
     def control_path(self) -> str:
@@ -152,8 +120,7 @@ class Daemon:
         http_server = None
         if self.metrics_port:
             # First: a port in use fails the start before any socket of the run dir exists.
-            # Loopback only: the endpoint has no authentication (a node's Prometheus agent
-            # or a sidecar scrapes it; expose it further through them, not from here).
+            # Loopback only: the endpoint has no authentication.
             http_server = await asyncio.start_server(self.operator_requests.http_client, host="127.0.0.1",
                                                      port=self.metrics_port)
             self.metrics_address = http_server.sockets[0].getsockname()[:2]
@@ -171,7 +138,7 @@ class Daemon:
         # probes) finds them there too.
         stats_server = await asyncio.start_unix_server(self.operator_requests.stats_client, path=self.stats_path)
         os.chmod(self.stats_path, 0o660)
-        try:  # listening, mode set, then renamed into place (as control.sock below)
+        try:
             await self.fd_server.start(self.fd_path)
         except BaseException:
             stats_server.close()
@@ -186,10 +153,9 @@ class Daemon:
         # hold off new connections while few are left (daemon/connguard.py).
         self.connections.bound_path = new_path  # what getsockname() says of every connection it accepts
         guard = ConnectionGuard(sock, self.control_path, connections=self.connections.open()).start()
-        self.connection_guard = guard
         loop = asyncio.get_running_loop()
         self._sock = sock
-        self.heavy.open(loop)  # slow parts of heavy requests on worker threads from now on
+        self.heavy.open(loop)
         fd = sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain, sock)
         tasks = [asyncio.create_task(self._reaper(), name="reaper"),
@@ -221,9 +187,7 @@ class Daemon:
             # each rolls back (Gone), before the sessions are detached.
             for job in self.heavy.close(wait=not self.exit_code):
                 self._resume(job, None, Gone("the daemon stops"))
-            if self.exit_code:
-                # The GPU context is lost: releasing device memory would only fail (or
-                # hang); the process exit frees everything.
+            if self.exit_code:  # the GPU context is lost: the process exit frees everything
                 log.info("not detaching %d client(s): the daemon is failing", len(self.sessions))
             else:
                 for s in list(self.sessions.values()):
@@ -285,13 +249,9 @@ class Daemon:
         """Answer one request; never raises. Errors are replies with a code and message.
 
         ``tr``: ``time.perf_counter_ns()`` when the request was received (now if None).
-        Every reply carries it as ``tr`` and the time just before it is encoded as ``tx``,
-        so a client can split a request's time into its own, the socket's and the daemon's
-        (CLOCK_MONOTONIC: one clock for every process of the host).
-
-        A heavy request runs whole here, its slow part on the caller's thread; the
-        serving loop goes through :meth:`_serve` instead, which runs that part on a
-        worker thread and replies later (daemon/heavy.py)."""
+        Every reply carries it as ``tr`` and the time just before it is encoded as ``tx``
+        (CLOCK_MONOTONIC: one clock for every process of the host). A heavy request runs
+        whole here, its slow part on the caller's thread (the loop uses :meth:`_serve`)."""
         return self._handle(identity, frames, time.perf_counter_ns() if tr is None else tr, defer=False)
 
     def _handle(self, identity: bytes, frames, tr: int, defer: bool):
@@ -312,10 +272,9 @@ class Daemon:
             if kind is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
             need_fields, allowed_arrays = REQUESTS[kind]
-            for f in need_fields:
-                if f not in header:
-                    absent = [f for f in need_fields if f not in header]
-                    raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} needs field(s) {sorted(absent)}")
+            absent = [f for f in need_fields if f not in header]
+            if absent:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} needs field(s) {sorted(absent)}")
             if not allowed_arrays.issuperset(arrays):
                 extra = set(arrays) - allowed_arrays
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} takes no array(s) {sorted(extra)}")
@@ -371,10 +330,8 @@ class Daemon:
         # Anything else is a bug, which must not take the daemon down.
         sticky = sticky_cuda_error(e)
         if sticky is not None:
-            # The GPU context is lost for good (CUDA's sticky errors): every later
-            # call on it fails too. Exit non-zero now, so systemd restarts the daemon
-            # and every client learns at once that it is gone, instead of failing
-            # request after request.
+            # The GPU context is lost for good: exit non-zero now, so systemd restarts the
+            # daemon and every client learns at once, instead of failing request after request.
             self._fatal(f"sticky CUDA error {sticky} on request type {msg_type}: {type(e).__name__}: {e}")
         else:
             log.error("internal error on request type %s", msg_type, exc_info=e)
