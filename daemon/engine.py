@@ -37,9 +37,8 @@ def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
 
 class EngineSlabImport:
     """An engine-owned hot slab on its way to a backend (``proto/slab.py``): its checked
-    geometry and its memory (cpu: a deposited memfd; cuda: an IPC handle). The backend that maps it calls
-    :meth:`take_fd` and owns the descriptor from then on; whoever made the import calls
-    :meth:`close` when the attach is over, which closes a descriptor nobody took."""
+    geometry and its memory (cpu: a deposited memfd; cuda: an IPC handle). The backend that
+    maps it owns the descriptor from :meth:`take_fd` on; :meth:`close` closes one nobody took."""
 
     def __init__(self, geometry, fd: int = -1, ipc: tuple[bytes, int] | None = None):
         self.geometry = geometry
@@ -152,9 +151,8 @@ class RankState:
     @property
     def host_memory(self) -> bool:
         """Whether this rank's slab and staging buffer are host memory that NumPy copies
-        (the cpu mover): its stage / write_staged copies, and the unmapping of its memory,
-        may then run on a worker thread. False on the cuda backend (device work stays on
-        the loop's thread)."""
+        (the cpu mover): its copies, and the unmapping of its memory, may then run on a
+        worker thread. False on cuda (device work stays on the loop's thread)."""
         return isinstance(self.mover, CpuMover)
 
     def drop_rewritten(self, rows: np.ndarray) -> int:
@@ -182,9 +180,8 @@ class RankState:
 
     def take_error(self) -> "ResidencyError | None":
         """An error this rank found after the fact (the cuda backend checks some input on
-        the GPU), returned once and forgotten; None when there is none. The daemon asks
-        before each request that runs on the rank and answers it with this error instead
-        of running it. The cpu rank finds every error while handling the request: None."""
+        the GPU), returned once and forgotten; None when there is none (always on cpu). The
+        daemon answers the next request on the rank with it instead of running it."""
         return None
 
     def quiesce(self) -> None:
@@ -227,8 +224,7 @@ class EngineSpace:
         self.copy_rows(layers, rows, data)
         return data.nbytes, self.drop_rewritten(rows)
 
-    # A write in steps, for the daemon to run its bulk on a worker thread (daemon/heavy.py):
-    # check_write, quiesce, copy_rows (any thread), drop_rewritten.
+    # The daemon runs a write in steps: check_write, quiesce, copy_rows (any thread), drop_rewritten.
     def check_write(self, layers, rows, data) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
         """A write's arguments checked (BAD_ARGUMENT, nothing changed) and normalised."""
         lay = self.layout

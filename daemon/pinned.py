@@ -1,19 +1,13 @@
 """Page-lock an existing host mapping for the GPU, in chunks, with a lifetime object.
 
 :class:`PinnedRegion` registers ``[address, address + nbytes)`` with
-``cudaHostRegister(portable | mapped)`` in chunks of at most ``max_chunk_bytes``
-(registering a 100+ GiB pool in one call is slow and all-or-nothing; DESIGN.md §2 measured
-22-34 GiB/s with 4 GiB chunks). Chunk boundaries fall on multiples of
-``lcm(row_bytes, page size)`` from the start, so a row never straddles two chunks and no
-page is registered twice. A failure part-way unregisters the chunks already registered,
-then raises. :meth:`PinnedRegion.close` unregisters every chunk exactly once and is
-idempotent.
+``cudaHostRegister(portable | mapped)`` in chunks of at most ``max_chunk_bytes`` (one
+call for a 100+ GiB pool is slow and all-or-nothing; DESIGN.md §2). A failure part-way
+unregisters the chunks already registered, then raises.
 
-The region does not own the mapping (the pool does: ``daemon/pool.py`` maps, pre-faults and
-unmaps it); it must be closed before the mapping goes away.
-
-The CUDA runtime is reached through a small adapter (:class:`CudaHostRuntime`) so tests can
-put a fake at this boundary; ``cupy`` is imported only when the real one is used.
+The region does not own the mapping (``daemon/pool.py`` does); it must be closed before
+the mapping goes away. The CUDA runtime is reached through :class:`CudaHostRuntime`, so
+tests can put a fake at this boundary.
 """
 
 from __future__ import annotations
@@ -47,8 +41,8 @@ class CudaHostRuntime:
         runtime = cupy.cuda.runtime
         self._rt = runtime
         dev = runtime.getDevice()
-        # With this attribute set (x86-64 Linux, every GPU we target) the device address of
-        # registered memory equals its host address; else ask the driver per chunk.
+        # With this attribute set the device address of registered memory equals its host
+        # address; else ask the driver per chunk.
         self._same_address = bool(
             runtime.deviceGetAttribute(runtime.cudaDevAttrCanUseHostPointerForRegisteredMem, dev)
         )
@@ -262,15 +256,12 @@ class PinnedRegion:
 
 class PoolPinner:
     """Page-lock a host pool at the daemon's start: pass it as ``HostPool``'s
-    ``on_faulted``. With ``while_faulting`` (the daemon's default) each call registers the
-    chunks of ``max_chunk_bytes`` that the faulted prefix now covers (chunk *n* registered
-    while the chunks after it are faulted); without it nothing is registered until
-    :meth:`finish`. On the H200 a 64 GiB pool was ready at 25.5-28.7 GiB/s with the
-    overlap, 17.2-21.3 without (docs/PERF.md). :meth:`finish` registers the rest and returns the
-    :class:`PinnedRegion` of the whole pool. The pool's rows belong to engines of any row
-    size, so chunk boundaries fall on pages only (``row_bytes`` 16): kernels read across
-    them freely, a single bulk DMA copy must not cross one (none of the daemon's copies of
-    pool rows is one)."""
+    ``on_faulted``. With ``while_faulting`` each call registers the chunks that the faulted
+    prefix now covers; without it nothing is registered until :meth:`finish`, which
+    registers the rest and returns the :class:`PinnedRegion` of the whole pool. The pool's
+    rows belong to engines of any row size, so chunk boundaries fall on pages only
+    (``row_bytes`` 16): kernels read across them freely, a single bulk DMA copy must not
+    cross one (none of the daemon's copies of pool rows is one)."""
 
     def __init__(self, size_bytes: int, max_chunk_bytes: int, runtime=None, while_faulting: bool = True):
         self.size_bytes = int(size_bytes)
@@ -308,8 +299,6 @@ class PinnedView:
         if offset < 0 or nbytes <= 0 or offset + nbytes > region.nbytes:
             raise ValueError(f"view [{offset}, {offset + nbytes}) outside the region of {region.nbytes} B")
         self.region, self.offset, self.nbytes = region, int(offset), int(nbytes)
-        self.address = region.address + self.offset
-        self.row_bytes = region.row_bytes
         self._closed = False
 
     @property
@@ -322,10 +311,6 @@ class PinnedView:
         if nbytes < 1 or offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"span [{offset}, {offset + nbytes}) outside the view of {self.nbytes} B")
         return self.region.device_address(self.offset + offset, nbytes)
-
-    @property
-    def device_base(self) -> int:
-        return self.device_address(0, self.nbytes)
 
     def close(self) -> None:
         self._closed = True

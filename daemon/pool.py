@@ -1,24 +1,16 @@
 """The host pool: one pre-faulted mapping that holds every engine's KV rows.
 
 The pool is an anonymous private mapping in transparent huge pages that children do not
-inherit (``MADV_DONTFORK``, ``MADV_HUGEPAGE``; the default) or, with the daemon's
-``pool_backing = "memfd"``, a memfd in small pages. Neither has a name in any file
-system, so a crashed daemon can never leave it behind to break the next start. Only the
-daemon maps it (engines get their rows through the GPU, or the cpu backend's slabs).
-On the H200 (docs/PERF.md, 2026-12-02) 64 GiB was faulted at 45.7 GiB/s in huge pages
-against the memfd's 4.4, and registered for the GPU at 36.7 GiB/s against 13.6; a
-gather read it no slower. Engines get byte ranges of it (``allocate``);
-an engine's range is laid out ``[num_layers, host_rows, row_bytes]`` so one request's rows
-of one layer stay close (the GPU gather slows when ids scatter; DESIGN §2).
+inherit (``MADV_DONTFORK``, ``MADV_HUGEPAGE``; the default) or, with ``pool_backing =
+"memfd"``, a memfd in small pages. Neither has a name in any file system, so a crashed
+daemon never leaves it behind. Engines get byte ranges of it (``allocate``), laid out
+``[num_layers, host_rows, row_bytes]`` so one request's rows of one layer stay close
+(DESIGN §2).
 
 A released range is zeroed before it is handed out again, so an engine never sees the rows
-of the one before it. The zeroing runs on the pool's own threads, off the request path
-(``memset``: about 12 ms per GiB on one thread on the 2-core dev VM, where
-``madvise(MADV_REMOVE)`` took ~230 ms per GiB and would also hand the pre-faulted pages
-back to the kernel); the loop thread hands the range back to the allocator once it is
-done. Only an ``allocate`` that finds no room waits for pending zeroing. Ranges up to
-``INLINE_ZERO_BYTES`` are zeroed at once (a fraction of a millisecond: less than the hop
-to a thread).
+of the one before it: on the pool's own threads, off the request path (``memset``;
+``madvise(MADV_REMOVE)`` is far slower and would hand the pre-faulted pages back), or at
+once up to ``INLINE_ZERO_BYTES``. Only an ``allocate`` that finds no room waits for it.
 """
 
 from __future__ import annotations
@@ -42,14 +34,12 @@ log = logging.getLogger("sparsekv.pool")
 
 ALIGN_BYTES = 2 << 20  # engine ranges start on 2 MiB boundaries (huge-page friendly)
 PREFAULT_CHUNK_BYTES = 64 << 20
-ZERO_CHUNK_BYTES = 256 << 20  # one memset of a released range: ~3 ms (dev VM)
+ZERO_CHUNK_BYTES = 256 << 20  # one memset of a released range
 ZERO_THREADS = 2  # memory-bound: more threads mostly take cores from the engines
-INLINE_ZERO_BYTES = 8 << 20  # ~0.1 ms (dev VM): zeroed in release() itself
+INLINE_ZERO_BYTES = 8 << 20  # zeroed in release() itself: less than the hop to a thread
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _MADV_DONTFORK = 10
 _MADV_HUGEPAGE = 14
-# What may back the pool (the daemon's pool_backing setting): an anonymous private mapping
-# in transparent huge pages, or a memfd in small pages.
 BACKINGS = ("anon_thp", "memfd")
 
 
@@ -171,9 +161,8 @@ class HostPool:
         self._zeroer: ThreadPoolExecutor | None = None
         self._mm = None
         self.backing = backing
-        # Bytes of the pool the kernel gave in transparent huge pages, read once it is
-        # pre-faulted (0 for a memfd, None before): a pool in small pages is faulted and
-        # registered several times slower (a gather from it measured no slower; docs/PERF.md).
+        # Bytes of the pool the kernel gave in transparent huge pages, once it is
+        # pre-faulted (0 for a memfd, None before).
         self.huge_bytes: int | None = None
         self._fd = -1
         self._map(name)
@@ -218,12 +207,10 @@ class HostPool:
         self.address = self.array.ctypes.data
 
     def _prefault(self, threads: int, progress, on_faulted=None) -> None:
-        """Touch every page once, in parallel: first touch of fresh shared memory runs at
-        ~1.5 GiB/s on one thread (DESIGN §2), far too slow for a large pool.
+        """Touch every page once, in parallel (one thread is far too slow for a large pool).
         ``on_faulted(address, nbytes)`` (the pool's first byte, the bytes faulted from there),
-        called on this thread as the faulted prefix
-        grows (in order), lets the caller page-lock that prefix while the other threads
-        fault the rest (the cuda backend registers the pool this way)."""
+        called on this thread as the faulted prefix grows, lets the caller page-lock that
+        prefix while the other threads fault the rest."""
         t0 = time.monotonic()
         chunks = [(o, min(PREFAULT_CHUNK_BYTES, self.size_bytes - o)) for o in range(0, self.size_bytes, PREFAULT_CHUNK_BYTES)]
         libc = ctypes.CDLL(None, use_errno=True)
@@ -263,7 +250,6 @@ class HostPool:
         huge = ""
         self.huge_bytes = 0
         if self.backing == "anon_thp":
-            # How much of it the kernel gave in huge pages (the fault rate depends on it).
             self.huge_bytes = got = anon_huge_bytes(self.address, self.size_bytes)
             huge = f", {got * 100 // max(1, self.size_bytes)} % in huge pages"
         log.info(
@@ -275,7 +261,7 @@ class HostPool:
     def allocate(self, nbytes: int) -> int:
         """Reserve ``nbytes`` (rounded up to 2 MiB); return the offset. First fit. The
         range holds zeros. When no free range fits but released ones are still being
-        zeroed, waits for them (tens of ms per GiB) and tries again."""
+        zeroed, waits for them and tries again."""
         self._collect()
         try:
             offset = self._ranges.allocate(nbytes)
@@ -303,8 +289,8 @@ class HostPool:
         """Give back the range at ``offset``. With ``zero`` (the default) its bytes are
         zeroed first (on the pool's threads when larger than ``INLINE_ZERO_BYTES``); until
         that is done the range is neither used nor free (``zeroing_bytes``) and is not
-        handed out. ``zero=False`` only for a range nothing wrote to (an
-        attach rolled back before any rank existed): free ranges always hold zeros."""
+        handed out. ``zero=False`` only for a range nothing wrote to: free ranges always
+        hold zeros."""
         length = self._lengths.pop(offset)
         if not zero or length <= INLINE_ZERO_BYTES:
             if zero:
@@ -403,9 +389,5 @@ class HostPool:
 
 
 def _zero(address: int, nbytes: int) -> None:
-    """Write zeros over ``nbytes`` at ``address`` (ctypes drops the GIL for the call).
-    Measured on a 1 GiB range of a pre-faulted memfd mapping (2-core dev VM): memset
-    11.4-11.8 ms on one thread (12.3-12.6 ms on four: bandwidth-bound);
-    ``madvise(MADV_REMOVE)`` 219-248 ms, and 780-800 ms with the re-fault
-    (``MADV_POPULATE_WRITE``) that keeps the pool's pages committed."""
+    """Write zeros over ``nbytes`` at ``address`` (ctypes drops the GIL for the call)."""
     ctypes.memset(address, 0, nbytes)
