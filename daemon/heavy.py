@@ -1,18 +1,15 @@
 """Heavy requests: their slow parts on worker threads, their replies deferred, every
 session's replies still in order.
 
-Most requests take microseconds and run on the event loop as they arrive (server.py). A
-few legal ones take long: ATTACH of a large engine (the rank's slab on the cpu backend;
-``cudaHostRegister`` of the engine's pool range on cuda, ~20 s for 500 GiB), waiting for
-a released pool range to be zeroed, a WRITE of up to 256 MiB, a large STAGE or
-WRITE_STAGED (cpu). Inline they would stall every other client's top-k and the watchdog.
+A few legal requests take long: ATTACH of a large engine (a cpu rank's slab, the pinning
+of the engine's pool range on cuda), waiting for a released pool range to be zeroed, a
+large WRITE, STAGE or WRITE_STAGED (cpu). Inline they would stall every other client.
 Their handlers are generators instead: ``value = yield Slow(fn)`` runs ``fn()`` on a
 worker thread and resumes the handler on the loop with its result (or with its exception
 raised at the ``yield``); what the generator returns is the reply. Everything between
-two yields runs on the loop like any other handler, so the loop alone still touches
-sessions, ranks' residency, the registry and the pool's allocator; ``fn`` touches only
-what its handler set aside for it (a new rank's memory, an engine's pool rows) and
-releases the GIL (NumPy copies, ``posix_fallocate``, ``cudaHostRegister``).
+two yields runs on the loop, so the loop alone still touches sessions, residency, the
+registry and the pool's allocator; ``fn`` touches only what its handler set aside for it
+and releases the GIL.
 
 Order and exclusion. A request in flight holds its session: that session's later
 requests wait in a queue and run, in order, once it has replied (other sessions are
@@ -21,13 +18,10 @@ it copies) it holds that engine too: requests of every session attached to it, a
 ATTACHes naming it, wait as well, so no rank reads a row half written and no rank joins
 an engine half made.
 
-Lifetimes. When the session of a request in flight is gone (its process died: reaped)
-or the daemon stops, its handler is resumed with :class:`Gone` raised at its ``yield``
-once ``fn`` has returned (a running ``fn`` is never interrupted): it rolls back what it
-took, re-raises, and nothing is replied. A reaped session keeps its rank until then.
-
-Without a serving loop (``Daemon.handle`` called directly: tests) the same generators
-run inline, ``fn()`` on the caller's thread.
+Lifetimes. When the session of a request in flight is gone (reaped) or the daemon stops,
+its handler is resumed with :class:`Gone` raised at its ``yield`` once ``fn`` has returned
+(a running ``fn`` is never interrupted): it rolls back what it took, re-raises, and
+nothing is replied. Without a serving loop (``Daemon.handle``) the generators run inline.
 """
 
 from __future__ import annotations
@@ -46,8 +40,7 @@ log = logging.getLogger("sparsekv.heavy")
 # request; more would mostly take cores from the engines (the copies are memory-bound).
 THREADS = 2
 # Requests one session may have waiting behind a request in flight; more are dropped
-# unanswered (as libzmq drops messages past its high-water mark). A well-behaved client
-# has a few (a pipelined step, a ring of top-k requests).
+# unanswered (as libzmq drops messages past its high-water mark).
 MAX_WAITING = 1024
 
 
@@ -108,9 +101,6 @@ class HeavyRequests:
     def engine_busy(self, engine: str | None) -> bool:
         return engine is not None and engine in self._engines
 
-    def __len__(self) -> int:
-        return len(self._jobs)
-
     # -- running -------------------------------------------------------------------
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -136,9 +126,8 @@ class HeavyRequests:
         try:
             resume(job, value, error)
         finally:
-            # The error's traceback reaches this frame (through the handler's frames'
-            # callers): keep no reference cycle through it, which would keep whatever
-            # the handler held (a rank's memory) until the cycle collector runs.
+            # The error's traceback reaches this frame: keep no reference cycle through it,
+            # which would keep what the handler held (a rank's memory) until collected.
             del value, error
 
     def finish(self, job: Job) -> None:
@@ -182,8 +171,8 @@ class HeavyRequests:
     # -- lifetimes -------------------------------------------------------------------
     def release(self, box: list) -> None:
         """Empty ``box`` on a worker thread (now, without a serving loop): the caller puts
-        the last reference to something slow to free in it (a large rank's host memory is
-        unmapped then: ~0.1 s per GiB) and keeps none itself."""
+        the last reference to something slow to free in it (a large rank's host memory)
+        and keeps none itself."""
         if self._loop is None:
             box.clear()
         else:

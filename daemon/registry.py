@@ -2,14 +2,10 @@
 
 An engine (one model served by one or several TP ranks) is created by its first rank's
 ATTACH, which reserves its host pool range; every later rank of the same name joins it
-(with the same layout, or LAYOUT_MISMATCH) if it may: an engine belongs to the uid of the
-client that created it, and only that uid, root, or a member of the daemon's admin group
-joins it (anyone else gets PERMISSION_DENIED, which names neither the owner nor the
-layout); when its last rank detaches, the backend's per-engine resources and the pool
-range are released (the pool zeroes the range before it is reused). The server keeps sessions and
-maps each attached session to (engine name, rank state); everything per engine lives
-here and in :class:`~.engine.EngineSpace`, so a feature that acts once for all ranks of
-one engine is a change in these two places only.
+(with the same layout, or LAYOUT_MISMATCH) if it may: only the creator's uid, root, or a
+member of the daemon's admin group. When its last rank detaches, the backend's per-engine
+resources and the pool range are released. Everything per engine lives here and in
+:class:`~.engine.EngineSpace`.
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ class EngineRegistry:
             (cuda: a rank's device buffers and graphs belong to the loop's thread).
 
         max_pool_bytes_per_uid: pool bytes the engines one uid created may hold together
-            (their ranges, ``Layout.pool_bytes`` rounded up to 2 MiB); a new engine beyond it is QUOTA_EXCEEDED before
-            anything is allocated. 0: no quota.
+            (their ranges); a new engine beyond it is QUOTA_EXCEEDED. 0: no quota.
 
     Iterating yields engine names; ``len()`` is the number of engines.
     """
@@ -61,7 +56,7 @@ class EngineRegistry:
     def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0):
         self.pool = pool
         self.backend = backend
-        self.max_pool_bytes_per_uid = max_pool_bytes_per_uid  # 0: no quota
+        self.max_pool_bytes_per_uid = max_pool_bytes_per_uid
         self._engines: dict[str, EngineSpace] = {}
         self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
 
@@ -78,12 +73,9 @@ class EngineRegistry:
         engines that have none.
 
         Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED (another
-        user's engine: checked first, and the message names neither its owner nor its
-        layout), LAYOUT_MISMATCH (the engine exists with another layout) or whatever the
-        backend raises; on any error nothing is left allocated for a new engine.
-
-        The steps of :meth:`begin_attach`, in one call (the daemon runs :meth:`prepare`
-        on a worker thread)."""
+        user's engine: checked first, naming neither its owner nor its layout),
+        LAYOUT_MISMATCH or whatever the backend raises; on any error nothing is left
+        allocated for a new engine. The steps of :meth:`begin_attach`, in one call."""
         p = self.begin_attach(client_id, rank, device, engine_name, layout, fence_events, owner=owner,
                               privileged=privileged, transport=transport, engine_slab=engine_slab)
         try:
@@ -113,9 +105,7 @@ class EngineRegistry:
                 self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
             self._engines[engine_name] = space
-        elif not _may_join(space.owner, owner, privileged):
-            # The same answer whatever the layout: another user learns nothing of the
-            # engine beyond its name being taken.
+        elif not _may_join(space.owner, owner, privileged):  # the same answer whatever the layout
             raise ProtocolError(
                 ErrorCode.PERMISSION_DENIED,
                 f"engine {engine_name!r} belongs to another user; attach as its owner, or choose another name",
@@ -149,11 +139,9 @@ class EngineRegistry:
             )
 
     def prepare(self, p: PendingAttach) -> None:
-        """The slow part of an attach, on any thread: the backend's ``prepare_rank``
-        (cuda: page-locks a new engine's pool range) and, unless the backend makes
-        its ranks on the owner's thread (``new_rank_on_loop``: cuda), the rank itself
-        (cpu: its slab). It touches only ``p``, its engine's pool range and what the
-        backend makes for it."""
+        """The slow part of an attach, on any thread: the backend's ``prepare_rank`` and,
+        unless ``new_rank_on_loop``, the rank itself. It touches only ``p``, its engine's
+        pool range and what the backend makes for it."""
         self.backend.prepare_rank(*p.new_rank_args, **p.new_rank_kw)
         if not self.backend.new_rank_on_loop:
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
@@ -175,8 +163,7 @@ class EngineRegistry:
             p.state = None
             self.backend.release_rank(p.client_id)
         self._settle(p)
-        # An engine this attach created never had a rank: nothing wrote to its range,
-        # which is still zero.
+        # An engine this attach created never had a rank: its range is still zero.
         self._release_if_unused(p.space, zero=not p.created)
 
     def _settle(self, p: PendingAttach) -> None:
@@ -202,9 +189,8 @@ class EngineRegistry:
         and no attach pending; return whether it did."""
         if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space:
             return False
-        del self._engines[space.name]  # the engine's rows go with it
-        # Unpinned first (cuda): the pool zeroes the range, in the background, only
-        # once no device mapping of it is left.
+        del self._engines[space.name]
+        # Unpinned first (cuda): the pool zeroes the range only once no device mapping is left.
         self.backend.release_engine(space)
         self.pool.release(space.pool_offset, zero=zero)
         return True
