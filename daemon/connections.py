@@ -9,28 +9,21 @@ it came from (the ``ZMQ_SRCFD`` property). That is enough to
 * read each connection's ``SO_PEERCRED`` when it is accepted, and refuse (close at once)
   connections of a uid beyond ``max_per_uid`` (0: no cap), counted in ``refused``;
 * close a connection that sent no HELLO within ``hello_timeout_s``, counted in
-  ``expired``: a peer that connects and stays silent would otherwise hold a descriptor
-  for ever (ZeroMQ heartbeats only prove that the peer's libzmq is alive). A connection
-  of a process that has said HELLO (in the last ``HELLO_MEMORY_S``) needs none: a
-  client's libzmq reconnects under the same routing id without saying HELLO again, and
-  nothing on the hot path has to look at connections.
+  ``expired`` (a silent peer would otherwise hold a descriptor for ever). A connection of
+  a process that has said HELLO (in the last ``HELLO_MEMORY_S``) needs none: a client's
+  libzmq reconnects under the same routing id without saying HELLO again.
 
-A connection is closed with ``shutdown(2)``: libzmq sees the end of the stream, as if the
-peer had hung up, and cleans up its pipe and descriptor itself. The descriptor belongs to
-libzmq, and its number may be closed and reused at any moment by libzmq's I/O threads, so
-it is never used directly: ``dup2`` pins the file it names onto a spare descriptor held
-for this (no new descriptor is taken: near the open-files limit libzmq's next accept
-would fail with EMFILE, which aborts it, daemon/connguard.py), and every check (the
-socket's inode, that it is a connection accepted by the control socket's listener, its
-credentials) and the ``shutdown`` act on that pinned file; the spare is then pointed back
-at ``/dev/null``, so no socket outlives libzmq's own close.
+A connection is closed with ``shutdown(2)``: libzmq sees the end of the stream and cleans
+up itself. The descriptor belongs to libzmq, whose I/O threads may close and reuse its
+number at any moment, so it is never used directly: ``dup2`` pins the file it names onto
+a spare descriptor held for this (no new descriptor is taken near the open-files limit:
+daemon/connguard.py), every check and the ``shutdown`` act on that pinned file, and the
+spare is then pointed back at ``/dev/null``.
 
 Thread use: :meth:`accepted`, :meth:`disconnected` and :meth:`expire` run on the
-connection table's thread (fed by the connection guard's, which owns the monitor socket),
-:meth:`hello` and :meth:`counters` on the event loop; one lock guards the table, another
-the spare. Whichever thread sees a connection first (its ACCEPTED event, or a HELLO on
-it) reads its credentials and applies the cap, so no HELLO is answered on a connection
-beyond it.
+connection table's thread, :meth:`hello` and :meth:`counters` on the event loop; one lock
+guards the table, another the spare. Whichever thread sees a connection first reads its
+credentials and applies the cap, so no HELLO is answered on a connection beyond it.
 """
 
 from __future__ import annotations
@@ -239,8 +232,7 @@ class Connections:
         """A HELLO came on ``fd`` (the message's ``ZMQ_SRCFD``; None: an in-process call):
         its connection, and the next ones of its process, are a client's, with no HELLO
         deadline. Returns whether to answer it: False when the connection is beyond its
-        uid's cap (closed now). The guard's thread may not have seen this connection
-        accepted yet: then this thread reads its credentials and applies the cap first."""
+        uid's cap (closed now)."""
         if fd is None:
             return True
         return self._admit(fd, greeted=True)

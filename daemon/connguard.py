@@ -1,32 +1,19 @@
 """Keep the control socket from costing the daemon its last file descriptor.
 
-libzmq (4.3.5 and earlier) aborts the whole process when ``accept()`` on an ``ipc://``
-listener fails with EMFILE (``Too many open files (src/ipc_listener.cpp:...)``: only
-ENFILE is tolerated there), and every connection it accepts costs a descriptor, handshake
-or not. There is no libzmq option that caps connections, and unbinding the endpoint would
-drop every connection it accepted. So, when the open descriptors come within
-``reserve_fds`` of ``RLIMIT_NOFILE``, the guard renames ``control.sock`` to
+libzmq aborts the whole process when ``accept()`` on an ``ipc://`` listener fails with
+EMFILE, and every connection it accepts costs a descriptor; no libzmq option caps
+connections, and unbinding would drop every connection. So, when the open descriptors
+come within ``reserve_fds`` of ``RLIMIT_NOFILE``, the guard renames ``control.sock`` to
 ``control.sock.busy``: nobody can start a new connection (connect() by path fails with
-ENOENT, for root too), the connections already made keep working, and the listener
-itself is untouched. When enough descriptors are free again it renames it back.
+ENOENT, for root too), the connections already made keep working. When enough
+descriptors are free again it renames it back.
 
 Accepts come faster than any reaction, so the guard reacts from its own thread, woken by
-libzmq's monitor events (accepted, disconnected, ...) and once a second. It gates on an
-estimate (the last count of ``/proc/self/fd`` plus the accepts minus the disconnects
-since), read 64 events at a time, and scans ``/proc/self/fd`` only to correct it. What
-remains: connections started before the rename (at most the listen backlog, 32, plus
-those racing with the guard's wake-up) are still accepted; the reserve (half of a limit
-up to 4096, a quarter of a larger one; 128 .. 4096) absorbs them. On the 2-core dev VM,
-10 processes opening 10,000 raw connections as fast as they can against a limit of 1024
-no longer abort it (``tests/soak/goals.py``). Give the daemon a large ``LimitNOFILE=``
-all the same (the unit sets 65536; sparsekvd raises its soft limit to the hard one).
-
-The same thread feeds the connection table (``daemon/connections.py``: credentials of
-each connection, the per-uid cap, the HELLO deadline) after the gate.
-
-Clients see a missing ``control.sock`` beside a ``control.sock.busy`` and say so
-(``Client.connect``); a connected client treats either name holding its socket file as
-its daemon.
+libzmq's monitor events and once a second. It gates on an estimate (the last count of
+``/proc/self/fd`` plus the accepts minus the disconnects since) and scans
+``/proc/self/fd`` only to correct it. Connections started before the rename (the listen
+backlog, those racing with the guard's wake-up) are still accepted: the reserve absorbs
+them. The same thread feeds the connection table (``daemon/connections.py``).
 """
 
 from __future__ import annotations
@@ -53,8 +40,7 @@ HOLD_MIN_S, HOLD_MAX_S = 1.0, 8.0  # how long a gate stays shut at least: the fi
 
 def reserve_for(limit_fds: int) -> int:
     """Descriptors kept free below the soft limit: half of a small limit (a flood is
-    accepted faster than the guard can react: about a thousand in a few milliseconds
-    here), a quarter of a larger one, 128 .. 4096."""
+    accepted faster than the guard can react), a quarter of a larger one, 128 .. 4096."""
     return min(max(128, limit_fds // 2 if limit_fds <= 4096 else limit_fds // 4), 4096)
 
 
@@ -110,7 +96,6 @@ class ConnectionGuard:
         self._hold_s = HOLD_MIN_S / 2  # doubled at the first gate
         self._hold_until = 0.0
         self._ungated_at = float("-inf")
-        self.gated_count = 0  # times the socket was renamed away (tests, logs)
         self.last_fds = open_fds()  # at the last scan
         self._lock = threading.Lock()  # gate / ungate / close: one at a time
         self._closed = False
@@ -166,7 +151,6 @@ class ConnectionGuard:
             now = time.monotonic()
             self._hold_s = min(2 * self._hold_s, HOLD_MAX_S) if now - self._ungated_at < 60 else HOLD_MIN_S
             self._hold_until = now + self._hold_s
-            self.gated_count += 1
         log.warning("%d of %d file descriptors in use: refusing new connections until fewer than %d are open "
                     "(%s renamed to %s); raise LimitNOFILE= or find the client that leaks connections "
                     "(sparsekv clients)", n, self.limit_fds, self.ungate_at, self.path, self.busy_path)
@@ -183,18 +167,14 @@ class ConnectionGuard:
     def _run(self) -> None:
         mon = self._monitor
         gate_at = self.limit_fds - self.reserve_fds
-        # The open descriptors, estimated between scans from the monitor's events: a
-        # flood must be gated on the estimate, at once; the scan of /proc/self/fd (a
-        # millisecond with a thousand open) only corrects it, once a second, or near the
-        # limit, gated, or in the second after reopening (when every connect that waited
-        # lands at once).
+        # The open descriptors, estimated between scans from the monitor's events: a flood
+        # is gated on the estimate, at once; the scan of /proc/self/fd only corrects it (once
+        # a second, or near the limit, gated, or in the second after reopening).
         net, last_scan = 0, time.monotonic()
         table = self._table_queue  # (event, fd) for the table's thread
         try:
             while True:
                 if mon.poll(1000):
-                    # Counting is cheap (a few us an event), so read everything queued, up
-                    # to _DRAIN_MAX, looking at the gate every _EVENTS_PER_PASS events.
                     for i in range(_DRAIN_MAX):
                         try:
                             frames = mon.recv_multipart(zmq.NOBLOCK)

@@ -6,14 +6,11 @@ Two requests, one per connection, each checked against the connection's kernel i
 * ``<token>``: the descriptors of the rank the token was offered for (its slab, its
   pinned step blocks), to the process that attached that rank and to no other;
 * ``deposit``, with one descriptor beside it: an engine-owned slab (``proto/slab.py``)
-  the process brings to its next ATTACH. The daemon keeps it under a random id, bound to
-  the depositing process, for :data:`DEPOSIT_TTL_S`; an ATTACH of that same process names
-  the id to use it. At most :data:`DEPOSITS_PER_PID` per process and
-  :data:`MAX_DEPOSITS` in all, so that no client can make the daemon hoard descriptors.
+  the process brings to its next ATTACH, kept under a random id, bound to the depositing
+  process, for :data:`DEPOSIT_TTL_S` (at most :data:`DEPOSITS_PER_PID` per process and
+  :data:`MAX_DEPOSITS` in all).
 
-Bounded like the stats socket: a request line of at most ``MAX_REQUEST_BYTES``,
-``TIMEOUT_S`` to send it, :data:`MAX_CONNECTIONS` served at once (more are closed
-unanswered and counted). Every refusal is counted in ``fd_refusals``.
+Bounded like the stats socket; every refusal is counted in ``fd_refusals``.
 """
 
 from __future__ import annotations
@@ -193,9 +190,7 @@ class FdServer:
         elif s is None:
             why = ("unknown or already used token: a token serves one connection, from the process that attached, "
                    "until it detaches")
-        elif not self._is_attacher(s, pid, uid, gid):
-            # The token came back from another process: leaked, or stolen. Kept for the
-            # rank's own process.
+        elif not self._is_attacher(s, pid, uid, gid):  # leaked or stolen: kept for the rank's process
             log.warning("fd socket: pid %d (uid %d gid %d) presented the token of client %d (pid %d uid %d)",
                         pid, uid, gid, s.client_id, s.pid, s.uid)
             why = (f"this process (pid {pid}, uid {uid}) did not attach this rank: only the process that attached "
