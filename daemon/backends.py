@@ -76,17 +76,14 @@ class CpuBackend(Backend):
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str,
                  fence_events=None, engine_slab=None) -> tuple[RankState, dict]:
         """A rank's state and what its client needs to map the slab. ``fence_events`` is
-        for the cuda backend (the cpu client reads only after each reply).
-        ``engine_slab``: an engine-owned slab (``engine.EngineSlabImport``: a checked
-        geometry and a memfd this backend takes): gathers go there, and the daemon's
-        shared memory holds only the staging buffer."""
+        for the cuda backend. ``engine_slab``: an engine-owned slab (a memfd this backend
+        takes): gathers go there, and the daemon's memory holds only the staging buffer."""
         lay = space.layout
         if engine_slab is not None:
             return self._engine_rank(space, client_id, rank, device, engine_slab)
         nbytes = lay.slab_bytes + lay.staging_bytes
-        # Anonymous shared memory (new_memfd): only the process that attached the rank
-        # gets the descriptor (the server's fd socket). Its pages are reserved now, so
-        # running out of memory fails this attach, not a later gather (SIGBUS).
+        # Its pages are reserved now (new_memfd), so running out of memory fails this
+        # attach, not a later gather (SIGBUS).
         avail = psutil.virtual_memory().available
         fix = "lower max_reqs, region_stride or num_layers"
         if nbytes > avail:
@@ -112,8 +109,7 @@ class CpuBackend(Backend):
             slab=slab,
             staging=staging,
         )
-        # "fd": the name of the slab's descriptor on the fd socket (the server adds the
-        # socket's name and the token).
+        # "fd": the slab's name on the fd socket (the server adds the socket and the token).
         handles = {"kind": "shm", "fd": "slab", "bytes": nbytes, "slab_bytes": lay.slab_bytes}
         return state, handles
 
@@ -180,10 +176,7 @@ def make_backend(cfg, pool, pool_region=None):
     """The backend ``cfg.backend`` names.
 
     ``auto`` picks cuda when CuPy sees a GPU, and cpu when the machine has no NVIDIA GPU
-    at all. A machine that has a GPU (``gpu_present``) but where CuPy cannot use it is an
-    error, not a quiet fall back to the cpu backend: an operator who installed the daemon
-    on a GPU node without the ``cuda`` extra would otherwise serve every engine from host
-    memory without knowing. ``backend = "cpu"`` runs the cpu backend on purpose.
+    at all; a GPU that CuPy cannot use is an error, not a quiet fall back to cpu.
     ``pool_region``: the pool's :class:`~sparsekv.daemon.pinned.PinnedRegion` when it was
     page-locked at start (cuda; the caller keeps and closes it)."""
     if cfg.backend in ("auto", "cuda"):

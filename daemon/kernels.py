@@ -1,10 +1,6 @@
 """The daemon's CUDA kernel modules: their entry points, their constants, and ``warm``
 (compile every module at start, before READY). Compiling and the on-disk cubin cache are
-``sparsekv.csrc.build`` (shared with the client's handle kernels); its names are
-re-exported here.
-
-This module imports ``cupy`` only when a kernel is first needed: importing it on a machine
-without CUDA works.
+``sparsekv.csrc.build``; ``cupy`` is imported only when a kernel is first needed.
 """
 
 from __future__ import annotations
@@ -17,9 +13,7 @@ from sparsekv.csrc.build import (  # noqa: F401 - re-exported
     CACHE_ENV,
     DEFAULT_CACHE_DIR,
     DEFAULT_SMEM_BYTES,
-    OPTIONS,
     cache_dir,
-    csrc_dir,
     load_source,
 )
 
@@ -29,9 +23,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "copy.cu": ("skv_copy_rows", "skv_gather", "skv_fetch"),
 }
 
-# One block per batch row. With a collective's warp totals summed by warp reductions
-# (csrc/common.cuh) the resolve fits 64 registers a thread, and at batch 64, top-k 2048,
-# region 4096 it timed 13.8 us against 14.3 at 768 (H200; docs/PERF.md).
+# One block per batch row (docs/PERF.md: faster than 768).
 RESOLVE_THREADS = 1024
 COPY_THREADS = 256
 
@@ -73,12 +65,7 @@ def copy_defines(row_bytes: int, threads: int = COPY_THREADS) -> dict:
 class KernelCache(build.KernelCache):
     """:class:`sparsekv.csrc.build.KernelCache` plus :meth:`warm` for the daemon's modules."""
 
-    def warm(
-        self,
-        row_bytes: Iterable[int] = (656,),
-        resolve_threads: Iterable[int] | None = None,
-        copy_threads: Iterable[int] | None = None,
-    ) -> list[str]:
+    def warm(self, row_bytes: Iterable[int] = (656,)) -> list[str]:
         """Compile every module up front (at daemon start, not on the first decode step).
 
         Returns the function names loaded. ``row_bytes`` lists the row sizes of the
@@ -91,24 +78,17 @@ class KernelCache(build.KernelCache):
         rows = {"ws_smem": True, "lru_smem": True, "owner_smem": True}
         shapes = [{"hash_scale": 4, **rows}, {"hash_scale": 4, "ws_smem": True}, {"hash_scale": 2, "ws_smem": True},
                   {"hash_scale": 2}]
-        for threads in resolve_threads or (RESOLVE_THREADS,):
-            for shape in shapes:
-                for fn in SOURCES["resolve.cu"]:
-                    self.function("resolve.cu", fn, resolve_defines(threads, **shape))
-                    names.append(fn)
+        for shape in shapes:
+            for fn in SOURCES["resolve.cu"]:
+                self.function("resolve.cu", fn, resolve_defines(**shape))
+                names.append(fn)
         for rb in row_bytes:
-            for threads in copy_threads or (COPY_THREADS,):
-                for fn in SOURCES["copy.cu"]:
-                    self.function("copy.cu", fn, copy_defines(rb, threads))
-                    names.append(fn)
+            for fn in SOURCES["copy.cu"]:
+                self.function("copy.cu", fn, copy_defines(rb))
+                names.append(fn)
         return names
 
 
 def get_cache(cache_dir_: str | os.PathLike | None = None) -> KernelCache:
     """The process-wide daemon :class:`KernelCache` for a cache directory."""
     return build.get_cache(cache_dir_, KernelCache)
-
-
-def warm(cache_dir_: str | os.PathLike | None = None, row_bytes: Iterable[int] = (656,)) -> list[str]:
-    """Compile every kernel module into the cache (see :meth:`KernelCache.warm`)."""
-    return get_cache(cache_dir_).warm(row_bytes=row_bytes)

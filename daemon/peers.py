@@ -3,14 +3,11 @@
 The kernel, not the client, says who a peer is. libzmq reads ``SO_PEERCRED`` of an
 ``ipc://`` connection when it is accepted and attaches it to every message received on it
 as the property ``Peer-Address`` (``"<host>:<uid>:<gid>:<pid>"``); the pid is translated
-into the daemon's pid namespace, 0 when the peer's process is not visible there. A HELLO's
-own ``pid`` field is kept for compatibility and only compared with the kernel's.
+into the daemon's pid namespace, 0 when the peer's process is not visible there.
 
-A peer's process is watched through a pidfd (``pidfd_open``, Linux >= 5.3): it names
-one process, not a number that may be reused, and becomes readable when that process
-exits (a zombie counts as exited). The server registers it with its event loop, so a dead
-client is reclaimed at once, not on the next reaper tick; where ``pidfd_open`` fails the
-reaper's periodic ``psutil`` check is the fallback.
+A peer's process is watched through a pidfd: it names one process, not a number that may
+be reused, and becomes readable when that process exits, so a dead client is reclaimed at
+once; where ``pidfd_open`` fails the reaper's periodic ``psutil`` check is the fallback.
 """
 
 from __future__ import annotations
@@ -39,10 +36,9 @@ class Peer:
         pid: its pid in the daemon's pid namespace; 0 when unknown (a process outside
             that namespace, or ``verified`` is False).
         verified: whether the kernel said so. False only for requests handed to
-            ``Daemon.handle`` in process as plain bytes (tests, profilers): they carry
-            no credentials and are taken as the daemon's own uid and gid, pid 0.
-        address: the ``Peer-Address`` string itself ("" when not verified): what a later
-            request's frames can be compared with for the price of one property read.
+            ``Daemon.handle`` in process as plain bytes: taken as the daemon's own uid
+            and gid, pid 0.
+        address: the ``Peer-Address`` string itself ("" when not verified).
     """
 
     uid: int
@@ -122,10 +118,8 @@ class PidWatch:
             pidfd becomes readable); without a running loop (in-process tests) nothing is
             registered and callers poll :meth:`exited`.
 
-    Raises ``OSError`` when the pidfd cannot be opened (ESRCH: the process is already
-    gone; ENOSYS / EPERM: kernel or seccomp without ``pidfd_open``) and
-    ``AttributeError`` on Pythons without ``os.pidfd_open``: callers fall back to
-    polling the pid.
+    Raises ``OSError`` when the pidfd cannot be opened (the process is gone, or no
+    ``pidfd_open``) and ``AttributeError`` on Pythons without ``os.pidfd_open``.
     """
 
     def __init__(self, pid: int, on_exit: Callable[[], None] | None = None):
