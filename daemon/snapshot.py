@@ -24,8 +24,6 @@ class Snapshot:
         self.version = package_version()
 
     def __call__(self) -> dict:
-        # cuda: hits, misses and bytes are counted on the GPUs; this reads their pinned
-        # host mirrors (no synchronisation), and the rows the kernels refused, by kind.
         device_errors, arenas = self.backend.device_errors(), self.backend.arenas()
         warmer = self.warmer
         return self.stats.snapshot(self.backend.device_counters(), {
