@@ -3,8 +3,7 @@ write path (WRITE, STAGE, WRITE_STAGED), DETACH and BYE.
 
 Each handler takes (session, identity, header, arrays) and returns the reply's (fields,
 arrays); a heavy one is a generator that yields ``Slow(fn)`` for each slow part and
-returns them (daemon/heavy.py). Errors are raised, typed; the dispatcher
-(``server.py``) turns them into replies.
+returns them (daemon/heavy.py). Errors are raised, typed.
 """
 
 from __future__ import annotations
@@ -32,28 +31,19 @@ TRANSPORTS = ("zmq", "doorbell")
 
 
 class EngineRequests:
-    """Args:
-        sessions: the daemon's :class:`~sparsekv.daemon.sessions.Sessions`.
-        engines: the :class:`~sparsekv.daemon.registry.EngineRegistry`.
-        backend: the daemon's backend (``backends.Backend``).
-        pool: the :class:`~sparsekv.daemon.pool.HostPool`.
-        stats: the daemon's :class:`~sparsekv.daemon.stats.Stats`.
-        fd_server: the :class:`~sparsekv.daemon.fd_server.FdServer` (tokens, deposits).
-    """
+    """The handlers of an engine rank's requests, over the daemon's sessions, engine
+    registry, backend, pool, stats and fd server."""
 
-    # Most bytes one rank's slab + staging + residency state may take (config
-    # max_slab_bytes): ATTACH checks it with check_layout_limits.
+    # Most bytes one rank's slab + staging + residency state may take (config max_slab_bytes).
     max_slab_bytes = 16 << 30
-    # WRITE, WRITE_STAGED and STAGE (cpu) copies of at least this many bytes run on a
-    # worker thread (about a millisecond of copying here); smaller ones cost less than
-    # the hop and run inline. An ATTACH's slow part always runs there.
+    # Copies of at least this many bytes run on a worker thread; smaller ones cost less
+    # than the hop. An ATTACH's slow part always runs there.
     heavy_bytes = 4 << 20
 
     def __init__(self, sessions, engines, backend, pool, stats, fd_server):
         self.sessions, self.engines, self.backend = sessions, engines, backend
         self.pool, self.stats, self.fd_server = pool, stats, fd_server
-        # The credentials of the HELLO being handled (the dispatcher reads them from its
-        # frames: SO_PEERCRED); None for an in-process call.
+        # The credentials of the HELLO being handled (set by the dispatcher); None in process.
         self.peer: Peer | None = None
 
     def handlers(self) -> dict:
@@ -65,9 +55,8 @@ class EngineRequests:
 
     # -- sessions ------------------------------------------------------------------------
     def on_hello(self, session, identity, h, arrays):
-        # Who the client is comes from the kernel: SO_PEERCRED of its connection (libzmq's
-        # "Peer-Address"). The "pid" field is still required (older daemons need it) but
-        # only compared with the kernel's.
+        # Who the client is comes from the kernel (SO_PEERCRED); the "pid" field is only
+        # compared with the kernel's.
         peer, self.peer = self.peer, None
         s = self.sessions.open(identity, peer or Peer.unverified(), h, _int(h, "rank"))
         return {"client_id": s.client_id, "daemon_pid": os.getpid(), "version": PROTOCOL_VERSION,
@@ -111,9 +100,7 @@ class EngineRequests:
                 self.engines.abort(pending)
                 raise
         except (PoolError, ProtocolError, ResidencyError) as e:
-            # An engine that cannot attach (no room in the pool, another layout, no room
-            # for its slab) is the operator's business, not only the client's: warn.
-            # The log may name the owner (the operator's view); the client's reply does not.
+            # The operator's business too: warn. The log may name the owner; the reply does not.
             owner = self.engines.space(engine).owner if engine in self.engines else None
             log.warning("client %d (pid %d uid %d rank %d) refused: attach to engine %r%s: %s: %s", s.client_id,
                         s.pid, s.uid, s.rank, engine, f" (owner uid {owner.uid})" if owner else "",
@@ -125,9 +112,7 @@ class EngineRequests:
         s.engine, s.state = engine, state
         log.info("client %d attached to engine %r (%s)", s.client_id, engine,
                  f"new, owner uid {s.uid}" if created else "joined")
-        if self.backend.share_fds(s.client_id):
-            # The rank's shared memory has no name to open: its descriptors go to this
-            # process only, over the fd socket, for this one-time token.
+        if self.backend.share_fds(s.client_id):  # to this process only, over the fd socket
             s.fd_token = self.fd_server.offer(s)
             handles = {**handles, "fd_socket": fd_socket.FD_SOCKET, "fd_token": s.fd_token}
         return {"handles": handles, "layout": layout.to_wire()}, None
@@ -157,15 +142,13 @@ class EngineRequests:
         attached = s.state is not None
         engine = s.engine
         self.sessions.detach(s)
-        # A clean exit: the client said goodbye (the reaper's "gone" is the unclean one).
         log.info("client %d (pid %d rank %d) detached%s", s.client_id, s.pid, s.rank,
                  f" from engine {engine!r}" if attached else " (was not attached)")
         return {"was_attached": attached}, None
 
     def on_bye(self, s: Session, identity, h, a):
-        # Client.close(): the client leaves for good. Detach (if attached) and forget the
-        # session, so short-lived clients of a long-lived process never fill max_clients
-        # (the reaper only frees sessions of processes that have exited).
+        # Client.close(): the session is forgotten, so short-lived clients of a long-lived
+        # process never fill max_clients.
         attached = s.state is not None
         engine = s.engine
         self.sessions.detach(s)
@@ -217,9 +200,7 @@ class EngineRequests:
         st = self._rank(s, MsgType.TOPK, began=begin)
         fence, step, group = _fence(h), _int(h, "step"), _int(h, "group")
         block = h.get("block")
-        if block is not None:
-            # The client wrote the step block(s) into its pinned ring entry `block`: no
-            # array on the socket, nothing to copy (cuda ranks only).
+        if block is not None:  # the client wrote the step block(s) into ring entry `block` (cuda)
             if type(block) is not int or a:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "block must be an entry number, sent without arrays")
             done = h.get("done")  # device wait: the value of the entry's done word (client.py)
