@@ -57,8 +57,7 @@ log = logging.getLogger("sparsekv.server")
 class Daemon:
     """The serving loop and the dispatch of requests to their role's handlers."""
 
-    # 0, or EXIT_FATAL once a request hit an error no one can be served after (_fatal):
-    # serve() then returns and main() exits with it.
+    # 0, or EXIT_FATAL once an error no one can be served after was hit (_fatal).
     exit_code = 0
     fatal_reason = ""
 
@@ -114,9 +113,8 @@ class Daemon:
 
     # -- serving ------------------------------------------------------------------
     async def serve(self, on_ready=None) -> None:
-        # A plain ZeroMQ socket whose file descriptor the (uv)loop watches: on each wake-up
-        # the loop drains every queued request (a pipelined STEP + TOPK costs one wake-up).
-        # The descriptor is edge-triggered, so ZMQ_EVENTS is re-read until no input is left.
+        # The loop watches the ZeroMQ socket's (edge-triggered) descriptor: each wake-up
+        # drains every queued request, re-reading ZMQ_EVENTS until no input is left.
         http_server = None
         if self.metrics_port:
             # First: a port in use fails the start before any socket of the run dir exists.
@@ -134,8 +132,7 @@ class Daemon:
         for p in (self.control_path, busy_path, new_path, self.stats_path):
             if os.path.lexists(p):
                 os.unlink(p)
-        # The stats and fd sockets first: whoever sees control.sock (clients, PrivateDaemon,
-        # probes) finds them there too.
+        # The stats and fd sockets first: whoever sees control.sock finds them there too.
         stats_server = await asyncio.start_unix_server(self.operator_requests.stats_client, path=self.stats_path)
         os.chmod(self.stats_path, 0o660)
         try:
@@ -143,14 +140,11 @@ class Daemon:
         except BaseException:
             stats_server.close()
             raise
-        # Bound under a private name and renamed into place once it listens (with its
-        # mode set): the file exists between bind() and listen(), and a client that
-        # connected in that gap was refused as if no daemon were there.
+        # Bound under a private name and renamed into place once it listens (with its mode
+        # set): a client that connected between bind() and listen() would be refused.
         sock.bind(f"ipc://{new_path}")
         os.chmod(new_path, 0o660)
         os.rename(new_path, self.control_path)
-        # libzmq aborts the process if accepting a connection finds no free descriptor:
-        # hold off new connections while few are left (daemon/connguard.py).
         self.connections.bound_path = new_path  # what getsockname() says of every connection it accepts
         guard = ConnectionGuard(sock, self.control_path, connections=self.connections.open()).start()
         loop = asyncio.get_running_loop()
@@ -183,8 +177,7 @@ class Daemon:
             self.fd_server.close()
             if http_server is not None:
                 http_server.close()
-            # Heavy requests in flight: their slow parts finish (never interrupted), then
-            # each rolls back (Gone), before the sessions are detached.
+            # Heavy requests in flight finish their slow parts, then roll back (Gone).
             for job in self.heavy.close(wait=not self.exit_code):
                 self._resume(job, None, Gone("the daemon stops"))
             if self.exit_code:  # the GPU context is lost: the process exit frees everything
@@ -282,9 +275,7 @@ class Daemon:
             if kind != MsgType.HELLO and session is None:
                 why = self.sessions.expired(identity)
                 raise ProtocolError(ErrorCode.NOT_HELLO, why or "no HELLO from this connection")
-            # A HELLO makes its connection (and its process's next ones: a reconnect under
-            # the same routing id says none) a client's, with no HELLO deadline; on a
-            # connection beyond its uid's cap it is not answered (daemon/connections.py).
+            # A HELLO on a connection beyond its uid's cap is not answered (daemon/connections.py).
             if kind == MsgType.HELLO and not self.connections.hello(src_fd(frames)):
                 return None
             if defer and self._must_wait(session, kind, header):
@@ -292,7 +283,7 @@ class Daemon:
             if session is not None:
                 if session.peer_address and kind != MsgType.HELLO:
                     # A peer may choose its routing id: the process behind a session's
-                    # identity must be the one that said HELLO (SO_PEERCRED, ~0.2 us).
+                    # identity must be the one that said HELLO.
                     if peer_address(frames) not in (None, session.peer_address):
                         raise ProtocolError(ErrorCode.PERMISSION_DENIED,
                                             "this connection is not the process that said HELLO on it; send HELLO")
@@ -408,8 +399,8 @@ class Daemon:
         except Exception as e:  # noqa: BLE001 - answered with its code
             return self._failed(e, job.identity, job.msg_type, job.req_id, job.tr)
         finally:
-            # The error's traceback holds this frame: keep no cycle through it (the frames
-            # of a failed attach may hold a rank's memory until the cycle is collected).
+            # The error's traceback holds this frame: keep no cycle through it (a failed
+            # attach's frames may hold a rank's memory until the cycle is collected).
             gone, error = isinstance(error, Gone), None
         if gone:  # a handler must re-raise Gone, not go on
             job.gen.close()
