@@ -101,14 +101,8 @@ class CpuBackend(Backend):
             raise
         slab, staging = lay.split_buffer(np.frombuffer(mm, dtype=np.uint8))
         self._slabs[client_id] = _ShmSlab(fd, mm)
-        state = RankState(
-            rank=rank,
-            device=device,
-            residency=CpuResidency(lay),
-            mover=CpuMover(lay, space.pool, slab, staging),
-            slab=slab,
-            staging=staging,
-        )
+        state = RankState(rank=rank, device=device, residency=CpuResidency(lay),
+                          mover=CpuMover(lay, space.pool, slab, staging), slab=slab, staging=staging)
         # "fd": the slab's name on the fd socket (the server adds the socket and the token).
         handles = {"kind": "shm", "fd": "slab", "bytes": nbytes, "slab_bytes": lay.slab_bytes}
         return state, handles

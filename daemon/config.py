@@ -16,17 +16,8 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 
 from sparsekv.proto.cpus import parse_cpu_list
-from sparsekv.proto.settings import (
-    KERNEL_CACHE_DIR,
-    Setting,
-    SettingError,
-    default_run_dir,
-    format_size,
-    parse_bool,
-    parse_float,
-    parse_int,
-    parse_size,
-)
+from sparsekv.proto.settings import (KERNEL_CACHE_DIR, Setting, SettingError, default_run_dir, format_size, parse_bool,
+                                     parse_float, parse_int, parse_size)
 
 ConfigError = SettingError  # a bad setting; the message names it and where it came from
 

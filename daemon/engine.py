@@ -97,9 +97,8 @@ class RankState:
         if invalidate is not None:
             invalidate = as_ids("invalidate", invalidate, 2)
             if invalidate.shape[0] != state_rows.shape[0]:
-                raise ResidencyError(
-                    "BAD_ARGUMENT", f"invalidate must be [batch, n] with batch {state_rows.shape[0]}, got {invalidate.shape}"
-                )
+                raise ResidencyError("BAD_ARGUMENT", f"invalidate must be [batch, n] with batch {state_rows.shape[0]}, "
+                                     f"got {invalidate.shape}")
         return state_rows, None if reset is None else reset.astype(bool), invalidate
 
     def batch_rows(self, step: int, state_rows) -> np.ndarray:
@@ -107,13 +106,11 @@ class RankState:
         if state_rows is not None:
             return as_ids("state_rows", state_rows, 1)
         if step != self.step:
-            raise ResidencyError(
-                "BAD_ARGUMENT", f"top-k for step {step} but the last STEP was {self.step}; send STEP first"
-            )
+            raise ResidencyError("BAD_ARGUMENT",
+                                 f"top-k for step {step} but the last STEP was {self.step}; send STEP first")
         if self.state_rows is None:
-            raise ResidencyError(
-                "BAD_ARGUMENT", f"step {step} began in a client-written block; send state_rows with this top-k"
-            )
+            raise ResidencyError("BAD_ARGUMENT",
+                                 f"step {step} began in a client-written block; send state_rows with this top-k")
         return self.state_rows
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> tuple[Resolved, int]:

@@ -9,13 +9,7 @@ import os
 from collections.abc import Iterable
 
 from sparsekv.csrc import build
-from sparsekv.csrc.build import (  # noqa: F401 - re-exported
-    CACHE_ENV,
-    DEFAULT_CACHE_DIR,
-    DEFAULT_SMEM_BYTES,
-    cache_dir,
-    load_source,
-)
+from sparsekv.csrc.build import CACHE_ENV, DEFAULT_CACHE_DIR, DEFAULT_SMEM_BYTES, cache_dir, load_source  # noqa: F401
 
 # Kernel entry points by source file; warm() compiles every module listed here.
 SOURCES: dict[str, tuple[str, ...]] = {

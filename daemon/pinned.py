@@ -43,9 +43,8 @@ class CudaHostRuntime:
         dev = runtime.getDevice()
         # With this attribute set the device address of registered memory equals its host
         # address; else ask the driver per chunk.
-        self._same_address = bool(
-            runtime.deviceGetAttribute(runtime.cudaDevAttrCanUseHostPointerForRegisteredMem, dev)
-        )
+        attr = runtime.cudaDevAttrCanUseHostPointerForRegisteredMem
+        self._same_address = bool(runtime.deviceGetAttribute(attr, dev))
         self._cuda = None
 
     def register(self, address: int, nbytes: int, flags: int) -> None:
@@ -87,15 +86,13 @@ def plan_chunks(address: int, nbytes: int, row_bytes: int, max_chunk_bytes: int,
     if nbytes <= max_chunk_bytes:
         return [(0, nbytes)]
     if address % page_bytes:
-        raise ValueError(
-            f"address {address:#x} is not page-aligned ({page_bytes} B): chunk boundaries would split pages"
-        )
+        raise ValueError(f"address {address:#x} is not page-aligned ({page_bytes} B): "
+                         "chunk boundaries would split pages")
     unit = math.lcm(row_bytes, page_bytes)
     chunk = max_chunk_bytes // unit * unit
     if chunk == 0:
-        raise ValueError(
-            f"max_chunk_bytes {max_chunk_bytes} is below lcm(row_bytes, page) = {unit}: no chunk can hold whole rows"
-        )
+        raise ValueError(f"max_chunk_bytes {max_chunk_bytes} is below lcm(row_bytes, page) = {unit}: "
+                         "no chunk can hold whole rows")
     return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
 
 
@@ -111,17 +108,8 @@ class PinnedRegion:
         page_bytes: page size (default: the system's).
     """
 
-    def __init__(
-        self,
-        address: int,
-        nbytes: int,
-        row_bytes: int,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-        *,
-        runtime=None,
-        page_bytes: int | None = None,
-        deferred: bool = False,
-    ):
+    def __init__(self, address: int, nbytes: int, row_bytes: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, *,
+                 runtime=None, page_bytes: int | None = None, deferred: bool = False):
         self.address = int(address)
         self.nbytes = int(nbytes)
         self.row_bytes = int(row_bytes)
@@ -218,9 +206,8 @@ class PinnedRegion:
             raise ValueError(f"span [{offset}, {offset + nbytes}) outside the region of {self.nbytes} B")
         c = self.chunk_of(offset)
         if not self.contiguous and offset + nbytes > c.offset + c.nbytes:
-            raise ValueError(
-                f"span [{offset}, {offset + nbytes}) crosses chunks whose device addresses are not contiguous"
-            )
+            raise ValueError(f"span [{offset}, {offset + nbytes}) crosses chunks whose device addresses "
+                             "are not contiguous")
         return c.device_address + (offset - c.offset)
 
     @property

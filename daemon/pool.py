@@ -134,28 +134,19 @@ class HostPool:
         faulted_s: seconds until every page was faulted (the last chunk's touch done).
     """
 
-    def __init__(
-        self,
-        size_bytes: int,
-        threads: int = 0,
-        progress: Callable[[float], None] | None = None,
-        name: str = "sparsekv-pool",
-        on_faulted: Callable[[int, int], None] | None = None,
-        backing: str = "anon_thp",
-    ):
+    def __init__(self, size_bytes: int, threads: int = 0, progress: Callable[[float], None] | None = None,
+                 name: str = "sparsekv-pool", on_faulted: Callable[[int, int], None] | None = None,
+                 backing: str = "anon_thp"):
         if backing not in BACKINGS:
             raise PoolError(f"pool backing must be one of {', '.join(BACKINGS)}, got {backing!r}")
         avail = psutil.virtual_memory().available
         if size_bytes > avail:
-            raise PoolError(
-                f"pool of {format_size(size_bytes)} does not fit in available RAM "
-                f"({format_size(avail)}); lower --pool-size"
-            )
+            raise PoolError(f"pool of {format_size(size_bytes)} does not fit in available RAM "
+                            f"({format_size(avail)}); lower --pool-size")
         self.size_bytes = int(size_bytes)
         self._ranges = RangeAllocator(self.size_bytes, ALIGN_BYTES)
         # Released ranges waiting to be zeroed: offset -> (length, chunk futures). Only the
-        # owner thread (the daemon's loop) touches ``_ranges``; zeroing threads only write
-        # the bytes, and ``_collect`` hands finished ranges back to the allocator.
+        # owner thread touches ``_ranges``; zeroing threads only write the bytes.
         self._lengths: dict[int, int] = {}
         self._zeroing: dict[int, tuple[int, list]] = {}
         self._zeroer: ThreadPoolExecutor | None = None
@@ -252,10 +243,8 @@ class HostPool:
         if self.backing == "anon_thp":
             self.huge_bytes = got = anon_huge_bytes(self.address, self.size_bytes)
             huge = f", {got * 100 // max(1, self.size_bytes)} % in huge pages"
-        log.info(
-            "pool %s pre-faulted in %.2f s with %d threads (%.1f GiB/s%s)",
-            format_size(self.size_bytes), dt, threads, self.size_bytes / max(dt, 1e-9) / (1 << 30), huge,
-        )
+        log.info("pool %s pre-faulted in %.2f s with %d threads (%.1f GiB/s%s)", format_size(self.size_bytes), dt,
+                 threads, self.size_bytes / max(dt, 1e-9) / (1 << 30), huge)
 
     # -- allocation of engine ranges -------------------------------------------------
     def allocate(self, nbytes: int) -> int:

@@ -106,15 +106,11 @@ class EngineRegistry:
                 raise
             self._engines[engine_name] = space
         elif not _may_join(space.owner, owner, privileged):  # the same answer whatever the layout
-            raise ProtocolError(
-                ErrorCode.PERMISSION_DENIED,
-                f"engine {engine_name!r} belongs to another user; attach as its owner, or choose another name",
-            )
+            raise ProtocolError(ErrorCode.PERMISSION_DENIED, f"engine {engine_name!r} belongs to another user; "
+                                "attach as its owner, or choose another name")
         elif space.layout != layout:
-            raise ProtocolError(
-                ErrorCode.LAYOUT_MISMATCH,
-                f"engine {engine_name!r} is attached with {space.layout.to_wire()}, this rank sent {layout.to_wire()}",
-            )
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} is attached with "
+                                f"{space.layout.to_wire()}, this rank sent {layout.to_wire()}")
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
             kw["engine_slab"] = engine_slab
@@ -132,11 +128,10 @@ class EngineRegistry:
         pool_bytes = self.pool.range_bytes(pool_bytes)
         held = self.pool_bytes_of(owner.uid)
         if held + pool_bytes > self.max_pool_bytes_per_uid:
-            raise ProtocolError(
-                ErrorCode.QUOTA_EXCEEDED,
-                f"a new engine of {pool_bytes} pool bytes would bring uid {owner.uid} to {held + pool_bytes} "
-                f"(max_pool_bytes_per_uid {self.max_pool_bytes_per_uid}; its engines hold {held})",
-            )
+            raise ProtocolError(ErrorCode.QUOTA_EXCEEDED,
+                                f"a new engine of {pool_bytes} pool bytes would bring uid {owner.uid} to "
+                                f"{held + pool_bytes} "
+                                f"(max_pool_bytes_per_uid {self.max_pool_bytes_per_uid}; its engines hold {held})")
 
     def prepare(self, p: PendingAttach) -> None:
         """The slow part of an attach, on any thread: the backend's ``prepare_rank`` and,

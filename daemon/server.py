@@ -19,18 +19,8 @@ import types
 import zmq
 from prometheus_client import CollectorRegistry
 
-from sparsekv.proto import (
-    ERROR_HINTS,
-    PROTOCOL_VERSION,
-    REQUESTS,
-    ErrorCode,
-    LayoutError,
-    MsgType,
-    ProtocolError,
-    decode,
-    reply_error,
-    reply_ok,
-)
+from sparsekv.proto import (ERROR_HINTS, PROTOCOL_VERSION, REQUESTS, ErrorCode, LayoutError, MsgType, ProtocolError,
+                            decode, reply_error, reply_ok)
 from sparsekv.proto import fd_socket
 from sparsekv.proto.cpus import pin_io_threads
 from sparsekv.proto.frames import send_copy
@@ -257,10 +247,8 @@ class Daemon:
             header, arrays = decode(frames)
             msg_type, req_id = header["t"], header["id"]
             if header["v"] != PROTOCOL_VERSION:
-                raise ProtocolError(
-                    ErrorCode.BAD_VERSION,
-                    f"client speaks protocol version {header['v']}, this daemon speaks {PROTOCOL_VERSION}",
-                )
+                raise ProtocolError(ErrorCode.BAD_VERSION, f"client speaks protocol version {header['v']}, "
+                                    f"this daemon speaks {PROTOCOL_VERSION}")
             kind = _KINDS.get(msg_type)
             if kind is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")

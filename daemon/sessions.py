@@ -247,10 +247,9 @@ class Sessions(dict):
         lines = ["id\tpid\trank\tdevice\tengine\tattached\trequests\terrors\tage_s\tuid\tname"]
         for s in sorted(self.values(), key=lambda s: s.client_id):
             name = (s.name or "-").replace("\t", " ").replace("\n", " ")
-            lines.append(
-                f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
-                f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t{s.uid}\t{name}"
-            )
+            lines.append(f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
+                         f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t"
+                         f"{s.uid}\t{name}")
         return "\n".join(lines) + "\n"
 
 
