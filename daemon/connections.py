@@ -59,18 +59,13 @@ class Connections:
     """The table of open control connections (see the module).
 
     Arguments:
-        max_per_uid: connections of one uid at most (0: no cap); one more is closed when
-            accepted and counted in ``refused``.
-        hello_timeout_s: a connection without a HELLO after this long is closed and
-            counted in ``expired`` (unless its process said HELLO lately).
-        own_pid: connections from this process (in-process clients, the daemon's own
-            probes) are never capped or expired.
+        max_per_uid, hello_timeout_s: as in the module docstring (0: no cap).
+        own_pid: connections from this process are never capped or expired.
         bound_path: the path the listener was bound under (``getsockname()`` of every
             connection it accepted): nothing else is ever inspected or shut down. None:
-            not checked (tests).
+            not checked.
 
-    :meth:`open` takes the two spare descriptors (``/dev/null``) before use, :meth:`close`
-    gives them back.
+    :meth:`open` takes the two spare descriptors before use, :meth:`close` gives them back.
     """
 
     def __init__(self, *, max_per_uid: int = 0, hello_timeout_s: float = 10.0, own_pid: int | None = None,
@@ -105,9 +100,8 @@ class Connections:
     # -- the pinned file -----------------------------------------------------------------
     @contextlib.contextmanager
     def _pinned(self, fd: int):
-        """The socket that descriptor ``fd`` names now, on the spare descriptor (a socket
-        object that must not be closed), or None when it is not a socket accepted by the
-        control socket's listener."""
+        """The socket that ``fd`` names now, on the spare descriptor (not to be closed), or
+        None when it is not a socket accepted by the control socket's listener."""
         with self._pin_lock:
             if self._spare < 0:
                 yield None
@@ -157,9 +151,8 @@ class Connections:
 
     # -- admission (either thread) ----------------------------------------------------
     def _admit(self, fd: int, greeted: bool) -> bool:
-        """Note connection ``fd`` (whoever sees it first: the guard's thread at its
-        ACCEPTED event, or the loop at a HELLO on it), or close it if its uid has its
-        cap. Returns whether it may be served."""
+        """Note connection ``fd`` (whichever thread sees it first), or close it if its uid
+        has its cap. Returns whether it may be served."""
         info = self.inspect(fd)
         if info is None:
             return False  # gone already (its DISCONNECTED event follows), or not a connection

@@ -54,10 +54,9 @@ def open_fds() -> int:
 
 
 def _discard_events(mon) -> None:
-    """Read and drop a monitor's events until it is stopped (``close`` disables it) or its
-    context ends. libzmq sends monitor events from the context's I/O thread with a blocking
-    send: a monitor socket nobody reads (or closed while the monitor is on) would stop that
-    thread once its queue is full, and with it every socket of the daemon."""
+    """Read and drop a monitor's events until it is stopped or its context ends: libzmq
+    sends them with a blocking send, so a monitor nobody reads would stop the I/O thread,
+    and with it every socket of the daemon."""
     try:
         while True:
             head = mon.recv_multipart()[0]
@@ -71,14 +70,12 @@ class ConnectionGuard:
     """Renames ``path`` away while the process is short of descriptors (see above).
 
     Arguments:
-        router: the bound ROUTER socket (owned by the caller's thread; only
-            ``get_monitor_socket`` / ``disable_monitor`` are called on it, from there).
+        router: the bound ROUTER socket (only ``get_monitor_socket`` / ``disable_monitor``
+            are called on it, from its owner's thread).
         path: the endpoint's socket file.
         limit_fds: the soft ``RLIMIT_NOFILE`` (read now when None).
         reserve_fds: descriptors to keep free (:func:`reserve_for` the limit when None).
-        connections: the table of connections (``daemon/connections.py``) this thread
-            feeds with the monitor's accepted / disconnected events and expires once a
-            second; None: no table.
+        connections: the table of connections this thread feeds; None: no table.
     """
 
     def __init__(self, router, path: str, *, limit_fds: int | None = None, reserve_fds: int | None = None,
@@ -207,9 +204,8 @@ class ConnectionGuard:
             self._table_queue.put(None)  # the table's thread ends too
 
     def _failed(self, mon) -> None:
-        """The guard's loop failed (logged here): new connections are taken again (a
-        socket renamed away would stay so), and the monitor is read and dropped until the
-        guard is closed."""
+        """The guard's loop failed: new connections are taken again, and the monitor is
+        read and dropped until the guard is closed."""
         log.exception("connection guard failed; new connections are no longer held off")
         with self._lock:
             if self.gated and not self._closed:
@@ -217,9 +213,8 @@ class ConnectionGuard:
         _discard_events(mon)
 
     def _run_table(self) -> None:
-        """The connection table's own thread: reading each new connection's credentials
-        (and closing those beyond their uid's cap, or late) takes several microseconds,
-        which must never delay the gate."""
+        """The connection table's own thread: its microseconds per connection must never
+        delay the gate."""
         q, last_expire = self._table_queue, time.monotonic()
         try:
             while True:

@@ -191,8 +191,7 @@ class RankState:
 @dataclass(frozen=True)
 class Owner:
     """Who created an engine: the uid and gid the kernel reported for its first rank's
-    connection (``SO_PEERCRED``). Later ranks join only as the same uid, as root, or as a
-    member of the daemon's admin group (``EngineRegistry.attach``)."""
+    connection (``SO_PEERCRED``; see ``EngineRegistry.attach``)."""
 
     uid: int
     gid: int
@@ -201,8 +200,7 @@ class Owner:
 class EngineSpace:
     """One engine's share of the daemon: layout, pool range, and its ranks' states.
 
-    ``owner``: the creator's credentials (None: an engine of the in-process transport,
-    which has no daemon and no other users)."""
+    ``owner``: the creator's credentials (None: the in-process transport's engine)."""
 
     def __init__(self, name: str, layout: Layout, pool: np.ndarray, pool_offset: int = 0,
                  owner: Owner | None = None):
@@ -241,8 +239,7 @@ class EngineSpace:
 
     def copy_rows(self, layers, rows: np.ndarray, src) -> None:
         """Copy ``src[i]`` (uint8 [len(rows), row_bytes]) into host ``rows`` of
-        ``layers[i]``: a write's bulk. It touches this engine's pool rows only, so a worker
-        thread may run it while no request on this engine runs (the daemon holds them)."""
+        ``layers[i]``: a write's bulk, which any thread may run (it touches these rows only)."""
         for layer, part in zip(layers, src):
             self.pool[layer, rows] = part
 
@@ -251,9 +248,8 @@ class EngineSpace:
         return sum(r.drop_rewritten(rows) for r in self.ranks.values())
 
     def write_staged(self, rank: RankState, layers, rows, fence=None) -> tuple[int, int]:
-        """The write path for rows the client produced itself (on the GPU, for the cuda
-        backend): it put them at the front of its staging buffer, layer by layer; they go
-        to host ``rows`` and every hot copy of those rows is dropped in every rank."""
+        """Write the rows the client put at the front of its staging buffer (each of
+        ``layers``) into host ``rows``, dropping every hot copy of them in every rank."""
         layers, rows = self.check_staged(rank, layers, rows)
         return rank.write_staged(self, layers, rows, fence)
 
@@ -295,11 +291,9 @@ def check_layers(layout: Layout, layers) -> tuple[int, ...]:
 
 
 class Backend(abc.ABC):
-    """Where ranks' slabs live and which residency and mover a rank gets: one per daemon
-    (``backends.CpuBackend``, ``cuda/backend.CudaBackend``). The registry calls
-    ``prepare_rank`` and ``new_rank`` (same arguments) during an attach, on a worker
-    thread unless ``new_rank_on_loop`` keeps ``new_rank`` on the loop's thread; the rest
-    runs on the loop's thread."""
+    """Where ranks' slabs live and which residency and mover a rank gets: one per daemon.
+    The registry calls ``prepare_rank`` and ``new_rank`` on a worker thread (``new_rank``
+    on the loop's with ``new_rank_on_loop``); the rest runs on the loop's thread."""
 
     name: str  # "cpu" or "cuda"
     devices: list[str]

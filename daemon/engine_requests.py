@@ -159,9 +159,8 @@ class EngineRequests:
 
     # -- the decode path -----------------------------------------------------------------
     def _rank(self, s: Session, kind: MsgType, began: bool = False) -> RankState:
-        """``s``'s rank, for a request that runs on it. Like CUDA's, an error the rank
-        found after the fact (bad input seen on the GPU) fails the next request on it,
-        which does not run (``began``: nor the STEP riding on it)."""
+        """``s``'s rank, for a request that runs on it. An error the rank found after the
+        fact fails the next request on it, which does not run (``began``: nor its STEP)."""
         st = s.state
         if st is None:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, f"client {s.client_id} has not attached a layout")
@@ -184,10 +183,9 @@ class EngineRequests:
         return {}, None
 
     def on_topk(self, s: Session, identity, h, a):
-        """A TOPK, which may carry its step's STEP (``begin``: one message, one wake-up),
-        as arrays or (cuda) in the step block the client wrote beside the TOPK's. All or
-        nothing: the STEP does not run if the TOPK cannot. A device-wait TOPK (``done``)
-        that fails still releases its client's stream (:func:`release_device_wait`)."""
+        """A TOPK, which may carry its step's STEP (``begin``), as arrays or (cuda) in the
+        step block the client wrote. All or nothing: the STEP does not run if the TOPK
+        cannot. A failed device-wait TOPK still releases its client's stream."""
         try:
             return self._topk(s, h, a)
         except Exception:
@@ -261,10 +259,9 @@ class EngineRequests:
         return {"bytes": nbytes, "invalidated": dropped}, None
 
     def _write_rows(self, s: Session, space, layers, rows, src):
-        """A write's bulk, for ``yield from``: every rank of the engine quiesced, ``src``
-        copied into the pool rows (on a worker thread when large: requests on the engine
-        wait meanwhile), then every hot copy of the rows dropped, whatever happened (the
-        rows may have changed). Returns (bytes, slots dropped)."""
+        """A write's bulk, for ``yield from``: the engine quiesced, ``src`` copied into the
+        pool rows (on a worker thread when large), then every hot copy of the rows
+        dropped, whatever happened. Returns (bytes, slots dropped)."""
         nbytes = len(layers) * rows.shape[0] * space.layout.row_bytes
         space.quiesce()
         try:
@@ -292,11 +289,9 @@ class EngineRequests:
 
 
 def release_device_wait(session, header: dict) -> None:
-    """A device-wait TOPK (``block`` + ``done``) of ``session``'s own process that failed:
-    its client's stream waits on the entry's done word, so the result is emptied and the
-    word set anyway, unless the request got as far as setting it
-    (``RankState.release_topk_block``); the client raises the error from the reply.
-    Never raises."""
+    """A device-wait TOPK (``block`` + ``done``) failed: its client's stream waits on the
+    entry's done word, so the word is set anyway (``RankState.release_topk_block``); the
+    client raises the error from the reply. Never raises."""
     try:
         block, done, fence = header.get("block"), header.get("done"), header.get("fence")
         if session.state is None or header.get("t") != int(MsgType.TOPK) or type(block) is not int \
@@ -328,9 +323,8 @@ def _int(h: dict, name: str) -> int:
 
 
 def _batch_fits(st: RankState, rows: int) -> None:
-    """TOO_LARGE unless a batch of ``rows`` rows fits the protocol and the rank's layout
-    (its ``max_batch``: device buffers are sized by it, and a cpu resolve is as slow for
-    padding rows as for live ones)."""
+    """TOO_LARGE unless a batch of ``rows`` rows fits the protocol and the layout's
+    ``max_batch`` (device buffers are sized by it)."""
     limit = st.residency.layout.max_batch
     if rows > LIMITS.max_batch or rows > limit:
         raise ProtocolError(ErrorCode.TOO_LARGE,

@@ -46,11 +46,10 @@ class Deposit:
 
 class FdServer:
     """Args:
-        stats: the daemon's counters (``add(fd_refusals=1)``).
-        share_fds: ``client_id -> {name: fd}``, the descriptors of a client's rank (the
-            backend's ``share_fds``; still owned by the backend).
-        is_attacher: ``(session, pid, uid, gid) -> bool``: whether that process is the
-            one that attached the session's rank.
+        stats: the daemon's counters.
+        share_fds: ``client_id -> {name: fd}``, the backend's descriptors of a client's rank.
+        is_attacher: ``(session, pid, uid, gid) -> bool``: whether that process attached
+            the session's rank.
     """
 
     def __init__(self, stats, share_fds, is_attacher):
@@ -176,9 +175,8 @@ class FdServer:
 
     def _answer(self, line: bytes | None, received: list[int], pid: int, uid: int,
                 gid: int) -> tuple[bytes, list[int]]:
-        """The answer to ``line`` (None: nothing came in time; ``received``: descriptors
-        that came with it: a deposit takes its own out of the list, the caller closes the
-        rest) and the descriptors to send."""
+        """The answer to ``line`` (None: nothing came in time) and the descriptors to send;
+        a deposit takes its own out of ``received``, the caller closes the rest."""
         text = (line or b"").strip().decode("ascii", "replace")
         if text == fd_socket.DEPOSIT:
             return self._deposit(received, pid, uid, gid)

@@ -28,11 +28,9 @@ DEFAULT_HASH_SCALE = 2
 def resolve_defines(threads: int = RESOLVE_THREADS, hash_scale: int = DEFAULT_HASH_SCALE,
                     lru_smem: bool = False, owner_smem: bool = False, ws_smem: bool = False) -> dict:
     """Constants of the residency module (csrc/resolve.cu): threads per block, the hash
-    table's size (``hash_scale`` entries per power-of-two column), and whether the new lru
-    row and the owner row live in the workspace (``lru_smem``, ``owner_smem``);
-    ``ws_smem``: the workspace is in shared memory, known when the module is built (its
-    accesses then compile to shared-memory instructions; the launch passes no global
-    workspace)."""
+    table's size (``hash_scale`` entries per power-of-two column), whether the new lru row
+    and the owner row live in the workspace (``lru_smem``, ``owner_smem``), and whether
+    the workspace is in shared memory (``ws_smem``: the launch passes no global one)."""
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"resolve threads must be a multiple of 32 in [32, 1024], got {threads}")
     if hash_scale not in HASH_SCALES:

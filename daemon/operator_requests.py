@@ -15,11 +15,8 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class OperatorRequests:
-    """Args:
-        snapshot: returns the stats snapshot (a :class:`~sparsekv.daemon.snapshot.Snapshot`).
-        registry: the daemon's own ``prometheus_client`` registry (never the global one).
-        sessions: the daemon's :class:`~sparsekv.daemon.sessions.Sessions`.
-    """
+    """Over the daemon's :class:`~sparsekv.daemon.snapshot.Snapshot`, its own
+    ``prometheus_client`` registry and its sessions."""
 
     def __init__(self, snapshot, registry, sessions):
         self.snapshot, self.registry, self.sessions = snapshot, registry, sessions

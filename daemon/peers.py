@@ -53,10 +53,9 @@ class Peer:
 
 
 def peer_creds(frames) -> Peer | None:
-    """The credentials of the connection ``frames`` arrived on (``zmq.Frame`` objects
-    received with ``copy=False``), or None when the frames carry none (plain bytes: an
-    in-process call). Raises ``ProtocolError`` PERMISSION_DENIED when a received frame's
-    credentials are missing or unreadable: a peer the daemon cannot name gets nothing."""
+    """The credentials of the connection ``frames`` (received with ``copy=False``) arrived
+    on, or None for plain bytes (an in-process call). Raises ``ProtocolError``
+    PERMISSION_DENIED when a received frame's credentials are missing or unreadable."""
     get = getattr(frames[0], "get", None) if frames else None
     if get is None:
         return None
@@ -76,9 +75,8 @@ def peer_creds(frames) -> Peer | None:
 
 def parse_peer_address(value) -> Peer | None:
     """``"<host>:<uid>:<gid>:<pid>"`` as a verified :class:`Peer`, or None if it is not
-    exactly that (a tcp peer's bare address, an out-of-range number, not a string). The
-    host part (``localhost`` for a UNIX socket) may hold no colon: an IPv6 peer's
-    address (``fe80::1:2:3:4``) must never read as credentials."""
+    exactly that. The host part may hold no colon: an IPv6 peer's address
+    (``fe80::1:2:3:4``) must never read as credentials."""
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
     if not isinstance(value, str):
@@ -94,9 +92,8 @@ def parse_peer_address(value) -> Peer | None:
 
 def process_groups(pid: int) -> frozenset[int]:
     """The supplementary groups of process ``pid`` (``/proc/<pid>/status``), empty when
-    they cannot be read (the process is gone, or ``/proc`` hides it). ``SO_PEERCRED``
-    carries only the primary gid; callers check that the process they asked about is
-    still the one they watch (its pidfd not readable) before trusting the answer."""
+    they cannot be read. Callers check that the process is still the one they watch
+    before trusting the answer."""
     if pid <= 0:
         return frozenset()
     try:
@@ -114,9 +111,8 @@ class PidWatch:
 
     Arguments:
         pid: the process (in the daemon's pid namespace, > 0).
-        on_exit: called once from the running event loop when the process exits (the
-            pidfd becomes readable); without a running loop (in-process tests) nothing is
-            registered and callers poll :meth:`exited`.
+        on_exit: called once from the running event loop when the process exits; without
+            a running loop callers poll :meth:`exited`.
 
     Raises ``OSError`` when the pidfd cannot be opened (the process is gone, or no
     ``pidfd_open``) and ``AttributeError`` on Pythons without ``os.pidfd_open``.

@@ -128,9 +128,9 @@ class PinnedRegion:
 
     # -- registering (at once, or as the pool's pre-fault goes: ``deferred=True``) ------
     def register_through(self, nbytes_ready: int) -> None:
-        """Register every planned chunk that ends within the first ``nbytes_ready`` bytes
-        (the part already pre-faulted, say). On a failure everything registered so far is
-        unregistered, the region is closed, and :class:`PinError` says where it failed."""
+        """Register every planned chunk that ends within the first ``nbytes_ready`` bytes.
+        On a failure everything registered so far is unregistered, the region is closed,
+        and :class:`PinError` says where it failed."""
         if self._closed:
             raise PinError("the pinned region is closed")
         while len(self._done) < len(self._plan):
@@ -278,8 +278,7 @@ class PoolPinner:
 
 
 class PinnedView:
-    """A range of a :class:`PinnedRegion` (an engine's part of a pool registered as a
-    whole), with the region's ``device_address`` and a ``close`` that leaves the region
+    """An engine's range of a :class:`PinnedRegion`; its ``close`` leaves the region
     registered (the pool's owner closes it)."""
 
     def __init__(self, region: PinnedRegion, offset: int, nbytes: int):

@@ -60,10 +60,9 @@ def thp_mode() -> str | None:
 
 def anon_huge_bytes(address: int | None = None, nbytes: int = 0) -> int:
     """Anonymous memory in transparent huge pages (``AnonHugePages``): of the mappings of
-    this process that overlap ``[address, address + nbytes)`` (/proc/self/smaps), each
-    counted at most as far as it overlaps (the kernel may merge the pool's mapping with a
-    neighbour's, whose huge pages are not the pool's), or of the whole process when
-    ``address`` is None (/proc/self/smaps_rollup); 0 when it cannot be read."""
+    this process that overlap ``[address, address + nbytes)``, each counted at most as far
+    as it overlaps (the kernel may merge the pool's mapping with a neighbour's), or of the
+    whole process when ``address`` is None; 0 when it cannot be read."""
     path = "/proc/self/smaps_rollup" if address is None else "/proc/self/smaps"
     total, inside, overlap = 0, address is None, None
     try:
@@ -99,8 +98,7 @@ VMSTAT_KEYS = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "compac
 
 def vmstat(keys=VMSTAT_KEYS, path: str = "/proc/vmstat") -> dict[str, int]:
     """The kernel's counters ``keys`` from /proc/vmstat (those it has; {} where it cannot be
-    read): huge pages given or refused at faults, compaction and reclaim stalls, for the
-    pool's pre-fault figures."""
+    read), for the pool's pre-fault figures."""
     out: dict[str, int] = {}
     try:
         with open(path) as f:
@@ -165,8 +163,7 @@ class HostPool:
 
     def _map(self, name: str) -> None:
         """Create the mapping (``_mm``, ``array``, ``address``). An anonymous one that
-        cannot be kept out of children (``MADV_DONTFORK`` refused, e.g. by a sandboxed
-        kernel) gives way to a memfd, with a warning: the daemon starts either way."""
+        cannot be kept out of children gives way to a memfd, with a warning."""
         if self.backing == "anon_thp":
             mm = mmap.mmap(-1, self.size_bytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
             arr = np.frombuffer(mm, dtype=np.uint8)
@@ -313,9 +310,8 @@ class HostPool:
 
     def zeroing_to_wait_for(self, nbytes: int) -> list:
         """What ``allocate(nbytes)`` would wait for now: the futures of every pending
-        zeroing when no free range fits (empty when it would not wait). Any thread may
-        wait for them (``concurrent.futures.wait``); the daemon does so on a worker thread
-        before an ATTACH allocates, so its loop never waits for zeroing."""
+        zeroing when no free range fits (empty when it would not wait), for a worker
+        thread to wait on before an ATTACH allocates."""
         self._collect()
         if not self._zeroing or self._ranges.fits(nbytes):
             return []

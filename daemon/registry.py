@@ -42,11 +42,7 @@ class EngineRegistry:
     Arguments:
         pool: the daemon's :class:`HostPool`; engine ranges are allocated from it.
         backend: an ``engine.Backend``; it makes each rank's state and owns what an
-            engine holds beyond its pool range. An attach's slow part (:meth:`prepare`)
-            may run on a worker thread: the backend's ``prepare_rank`` (cuda: checks and
-            pinning), and ``new_rank`` unless the backend sets ``new_rank_on_loop``
-            (cuda: a rank's device buffers and graphs belong to the loop's thread).
-
+            engine holds beyond its pool range.
         max_pool_bytes_per_uid: pool bytes the engines one uid created may hold together
             (their ranges); a new engine beyond it is QUOTA_EXCEEDED. 0: no quota.
 
@@ -168,9 +164,8 @@ class EngineRegistry:
             self._attaching[p.space.name] = left
 
     def detach(self, client_id: int, engine_name: str) -> None:
-        """Release client ``client_id``'s rank of ``engine_name``; when it was the
-        engine's last rank (and no attach to it is pending), release the engine and its
-        pool range too."""
+        """Release client ``client_id``'s rank of ``engine_name``, and the engine with its
+        pool range once it has no rank and no attach pending."""
         space = self._engines.get(engine_name)
         if space is not None:
             space.ranks.pop(client_id, None)

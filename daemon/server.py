@@ -192,13 +192,11 @@ class Daemon:
                     pass
 
     def _drain(self, sock) -> None:
-        """Receive, handle, reply until no request is queued: one at a time, in order
-        (a heavy request's slow part runs on a worker thread: daemon/heavy.py).
+        """Receive, handle, reply until no request is queued: one at a time, in order.
 
-        With ``busy_poll_us``, keep polling that long after the last request before
-        going back to sleep: the next request of a decode step then needs no wake-up.
-        A wake-up's work is bounded (``_DRAIN_SLICE_NS``); past it the rest is picked up
-        on the loop's next turn, so the stats socket, reaper and watchdog still run."""
+        With ``busy_poll_us``, keep polling that long after the last request before going
+        back to sleep. A wake-up's work is bounded (``_DRAIN_SLICE_NS``); the rest is
+        picked up on the loop's next turn, so the stats socket, reaper and watchdog run."""
         now = time.perf_counter_ns
         start = last = now()
         while True:

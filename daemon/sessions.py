@@ -57,12 +57,8 @@ class Sessions(dict):
     """The sessions by ZeroMQ identity, and their lifetimes.
 
     Args:
-        engines: the :class:`~sparsekv.daemon.registry.EngineRegistry` a rank detaches from.
-        heavy: the :class:`~sparsekv.daemon.heavy.HeavyRequests` (a session's request in
-            flight keeps its rank; a detached cpu rank's memory is unmapped there).
-        fd_server: the :class:`~sparsekv.daemon.fd_server.FdServer` (a rank's token is
-            withdrawn with it).
-        stats: the daemon's :class:`~sparsekv.daemon.stats.Stats`.
+        engines, heavy, fd_server, stats: the daemon's registry, heavy requests, fd server
+            and stats.
         max_clients: sessions at once (TOO_MANY_CLIENTS at HELLO).
         max_clients_per_uid: sessions of one uid (QUOTA_EXCEEDED at HELLO); 0: no cap.
         idle_timeout_s: a session not attached, without a request this long, is dropped.
@@ -144,9 +140,8 @@ class Sessions(dict):
                                 f"the process that said HELLO as client {s.client_id} has exited; connect again")
 
     def is_admin(self, s: Session) -> bool:
-        """Whether ``s``'s process is in the admin group (primary or supplementary gid).
-        Supplementary groups come from ``/proc``, trusted only while the pidfd shows the
-        process that said HELLO still running (the pid cannot have been reused)."""
+        """Whether ``s``'s process is in the admin group (primary or supplementary gid,
+        the latter trusted only while the pidfd shows the process still running)."""
         if self.admin_gid is None:
             return False
         if s.verified and s.gid == self.admin_gid:

@@ -62,8 +62,7 @@ class Stats:
 
     Arguments:
         window: how many recent top-k latencies p50/p99 are computed over.
-        registry: where the latency histogram is registered (a new one if None); the
-            daemon adds its :class:`SnapshotCollector` to the same registry.
+        registry: where the latency histogram is registered (a new one if None).
     """
 
     def __init__(self, window: int = 8192, registry: CollectorRegistry | None = None):
