@@ -138,24 +138,20 @@ class EngineRequests:
         fd = self.fd_server.take_deposit(field.get("deposit"), s.pid, s.uid, s.gid)
         return EngineSlabImport(geo, fd)
 
-    def on_detach(self, s: Session, identity, h, a):
-        attached = s.state is not None
-        engine = s.engine
+    def on_detach(self, s: Session, identity, h, a, bye: bool = False):
+        attached, engine = s.state is not None, s.engine
         self.sessions.detach(s)
-        log.info("client %d (pid %d rank %d) detached%s", s.client_id, s.pid, s.rank,
-                 f" from engine {engine!r}" if attached else " (was not attached)")
+        if bye:  # Client.close(): forgotten, so short-lived clients never fill max_clients
+            self.sessions.pop(identity, None)
+            log.info("client %d (pid %d rank %d) said goodbye%s", s.client_id, s.pid, s.rank,
+                     f", detached from engine {engine!r}" if attached else "")
+        else:
+            log.info("client %d (pid %d rank %d) detached%s", s.client_id, s.pid, s.rank,
+                     f" from engine {engine!r}" if attached else " (was not attached)")
         return {"was_attached": attached}, None
 
     def on_bye(self, s: Session, identity, h, a):
-        # Client.close(): the session is forgotten, so short-lived clients of a long-lived
-        # process never fill max_clients.
-        attached = s.state is not None
-        engine = s.engine
-        self.sessions.detach(s)
-        self.sessions.pop(identity, None)
-        log.info("client %d (pid %d rank %d) said goodbye%s", s.client_id, s.pid, s.rank,
-                 f", detached from engine {engine!r}" if attached else "")
-        return {"was_attached": attached}, None
+        return self.on_detach(s, identity, h, a, bye=True)
 
     # -- the decode path -----------------------------------------------------------------
     def _rank(self, s: Session, kind: MsgType, began: bool = False) -> RankState:

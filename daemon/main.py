@@ -89,16 +89,11 @@ def log_open_files_limit() -> None:
 
 
 # -- logging ------------------------------------------------------------------------------
+_SYSLOG_PRIORITIES = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
+
+
 def _syslog_priority(levelno: int) -> int:
-    if levelno >= logging.CRITICAL:
-        return 2
-    if levelno >= logging.ERROR:
-        return 3
-    if levelno >= logging.WARNING:
-        return 4
-    if levelno >= logging.INFO:
-        return 6
-    return 7
+    return next((prio for level, prio in _SYSLOG_PRIORITIES if levelno >= level), 7)
 
 
 class JournalFormatter(logging.Formatter):

@@ -296,34 +296,24 @@ class Daemon:
 
     def _failed(self, e: Exception, identity: bytes, msg_type: int, req_id: int, tr: int) -> list:
         """The error reply to a request that raised ``e``, counted."""
+        code = code_of(e)
         if isinstance(e, (ProtocolError, ResidencyError, LayoutError, PoolError)):
-            code = code_of(e)
-            self.stats.add(requests=1)
-            self.stats.error(code.name)
-            self._count_client_error(identity)
             log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
             msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
-            return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns())
-        # Anything else is a bug, which must not take the daemon down.
-        sticky = sticky_cuda_error(e)
-        if sticky is not None:
+        elif (sticky := sticky_cuda_error(e)) is not None:
             # The GPU context is lost for good: exit non-zero now, so systemd restarts the
             # daemon and every client learns at once, instead of failing request after request.
             self._fatal(f"sticky CUDA error {sticky} on request type {msg_type}: {type(e).__name__}: {e}")
-        else:
-            log.error("internal error on request type %s", msg_type, exc_info=e)
-        self.stats.add(requests=1)
-        self.stats.error(ErrorCode.INTERNAL.name)
-        self._count_client_error(identity)
-        msg = f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})"
-        if sticky is not None:
             msg = f"{type(e).__name__}: {e}: the GPU context is lost; sparsekvd exits and must be restarted"
-        return reply_error(msg_type, req_id, ErrorCode.INTERNAL, msg, tr, time.perf_counter_ns())
-
-    def _count_client_error(self, identity: bytes) -> None:
+        else:  # a bug, which must not take the daemon down
+            log.error("internal error on request type %s", msg_type, exc_info=e)
+            msg = f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})"
+        self.stats.add(requests=1)
+        self.stats.error(code.name)
         s = self.sessions.get(identity)  # error path only: the hot path does not pay for it
         if s is not None:
             s.errors += 1
+        return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns())
 
     def _fatal(self, why: str) -> None:
         """Stop serving and make the process exit with :data:`EXIT_FATAL` (main returns
