@@ -191,7 +191,7 @@ class RankState:
 @dataclass(frozen=True)
 class Owner:
     """Who created an engine: the uid and gid the kernel reported for its first rank's
-    connection (``SO_PEERCRED``; see ``EngineRegistry.attach``)."""
+    connection (``SO_PEERCRED``; see ``EngineRegistry.begin_attach``)."""
 
     uid: int
     gid: int

@@ -56,39 +56,21 @@ class EngineRegistry:
         self._engines: dict[str, EngineSpace] = {}
         self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
 
-    def attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
-               fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
-               transport: str = "zmq", engine_slab=None) -> tuple[RankState, dict]:
-        """Add rank ``rank`` (client ``client_id``, on ``device``) to ``engine_name``,
-        creating the engine (and its pool range) if it is new. Returns the rank's state and
-        the handles its client maps.
+    def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
+                     fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
+                     transport: str = "zmq", engine_slab=None) -> PendingAttach:
+        """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
+        to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
+        pool range (the engine is listed from now on, with no rank). Then :meth:`prepare`
+        (the slow part: any thread), then :meth:`commit`; :meth:`abort` on any error or when
+        the attach is given up. While an attach is pending its engine is not released.
 
         ``owner``: the client's credentials; a new engine belongs to them. An existing
         engine with an owner is joined only with the same uid, as uid 0, or when
         ``privileged`` (the caller's admin-group check); ``owner`` None joins only
-        engines that have none.
-
-        Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED (another
-        user's engine: checked first, naming neither its owner nor its layout),
-        LAYOUT_MISMATCH or whatever the backend raises; on any error nothing is left
-        allocated for a new engine. The steps of :meth:`begin_attach`, in one call."""
-        p = self.begin_attach(client_id, rank, device, engine_name, layout, fence_events, owner=owner,
-                              privileged=privileged, transport=transport, engine_slab=engine_slab)
-        try:
-            self.prepare(p)
-            return self.commit(p)
-        except BaseException:
-            self.abort(p)
-            raise
-
-    def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
-                     fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
-                     transport: str = "zmq", engine_slab=None) -> PendingAttach:
-        """The first step of :meth:`attach` (same arguments, same errors), on the owner's
-        thread: the checks, and a new engine's name and pool range (the engine is listed
-        from now on, with no rank). Then :meth:`prepare` (the slow part: any thread), then
-        :meth:`commit`; :meth:`abort` on any error or when the attach is given up. While
-        an attach is pending its engine is not released, even if every other rank leaves."""
+        engines that have none. Raises ``PoolError`` (no room), ``ProtocolError``
+        PERMISSION_DENIED (another user's engine: checked first, naming neither its owner
+        nor its layout) or LAYOUT_MISMATCH."""
         space = self._engines.get(engine_name)
         created = space is None
         if created:
