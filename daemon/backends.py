@@ -149,8 +149,7 @@ class CpuBackend(Backend):
         for fd in (shm.fd, shm.engine_fd):
             if fd >= 0:
                 os.close(fd)
-        # The memory itself goes away with the last mapping: the daemon's goes with the
-        # last view; clients keep theirs until they unmap, which is safe with shared memory.
+        # The memory goes with the last mapping: clients keep theirs until they unmap.
 
     def release_engine(self, space: EngineSpace) -> None:
         pass  # nothing is pinned on the cpu backend

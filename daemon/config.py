@@ -49,8 +49,6 @@ class Config:
     pool_backing: str = _s("anon_thp", "anon_thp: anonymous memory in transparent huge pages; memfd: shared "
                            "memory in small pages (ten times slower to pre-fault)", choices=("anon_thp", "memfd"))
     prefault_threads: int = _s(0, "threads that pre-fault the pool; 0: one per core, at most 16", bounds=(0, 1024))
-    # docs/PERF.md: gathers are no slower from it than from a registration of the
-    # engine's range, and an attach never waits for one.
     pin_pool_at_start: str = _s("1", "cuda: page-lock the pool chunk by chunk while it is pre-faulted (1), once "
                                 "it is (after), or each engine's range at its attach (0)", choices=("1", "after", "0"))
     pin_chunk_gib: float = _s(4.0, "cuda: the largest cudaHostRegister call on the pool, at start or at attach, "
@@ -83,14 +81,12 @@ class Config:
                              "state, 8 bytes per slot and index group), with a unit", kind="size", bounds=(1, None))
     admin_gid: int = _s(-1, "members of this group may join any user's engine (operators' tools); -1: nobody "
                         "but root", bounds=(-1, 2**32 - 2))
-    # Per-uid quotas, 0: none beyond the daemon-wide limits; QUOTA_EXCEEDED beyond, checked
-    # before anything is allocated. Root is counted like anyone else.
+    # Per-uid quotas (0: none), checked before anything is allocated; root counts like anyone.
     max_clients_per_uid: int = _s(0, "sessions (HELLO) of one uid at most; 0: no cap beyond max_clients",
                                   bounds=(0, 1_000_000))
     max_pool_bytes_per_uid: int = _s(0, "pool bytes of the engines one uid created, with a unit; 0B: no quota",
                                      kind="size", bounds=(0, None))
-    # Each connection to control.sock costs the daemon a file descriptor; a process that
-    # said HELLO lately is not counted on its next connections (libzmq's reconnects).
+    # Each connection costs a file descriptor; a process that said HELLO lately has no deadline.
     max_connections_per_uid: int = _s(0, "open control connections of one uid at most (more are closed at once "
                                       "and counted); 0: no cap", bounds=(0, 1_000_000))
     hello_timeout_s: float = _s(10.0, "a control connection that sends no HELLO within this is closed",

@@ -119,10 +119,8 @@ class ConnectionGuard:
                 return
             if not (self.gated and n < self.ungate_at and time.monotonic() >= self._hold_until):
                 return
-            # Reopen for a moment first: if a flood is waiting, every connect it retries
-            # lands at once, faster than the monitor's events can say so. Whatever comes
-            # in within PROBE_S (plus the listen backlog) fits in the margin; count, and
-            # close again if it was a flood.
+            # Reopen for PROBE_S first: a waiting flood lands at once, faster than the
+            # monitor's events say so, and fits in the margin; count, and close again if so.
             self._ungate()
         time.sleep(PROBE_S)
         m = self.last_fds = open_fds()
@@ -142,9 +140,8 @@ class ConnectionGuard:
                 log.error("cannot hold off new connections (rename %s: %s)", self.path, e.strerror)
                 return
             self.gated = True
-            # Reopening into a flood is the dangerous moment (every waiting connect lands
-            # at once): a gate soon after the last reopening holds twice as long, up to
-            # HOLD_MAX_S; a quiet minute starts again from HOLD_MIN_S.
+            # A gate soon after the last reopening holds twice as long, up to HOLD_MAX_S; a
+            # quiet minute starts again from HOLD_MIN_S.
             now = time.monotonic()
             self._hold_s = min(2 * self._hold_s, HOLD_MAX_S) if now - self._ungated_at < 60 else HOLD_MIN_S
             self._hold_until = now + self._hold_s

@@ -92,8 +92,7 @@ class EngineRequests:
                                                 h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
                                                 transport=transport, engine_slab=engine_slab)
             try:
-                # The slow part on a worker thread: the rank's slab (cpu), the pinning of
-                # a new engine's pool range (cuda). ATTACHes to a new engine wait for it.
+                # The slow part on a worker thread; ATTACHes to a new engine wait for it.
                 yield Slow(functools.partial(self.engines.prepare, pending), engine=engine if pending.created else None)
                 state, handles = self.engines.commit(pending)
             except BaseException:  # an error, or Gone: nothing of this attach stays
@@ -275,8 +274,7 @@ class EngineRequests:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STAGE needs the rows array")
         layers, lay = _layers(h), st.residency.layout
         if st.host_memory and a["rows"].size * len(layers or range(lay.num_layers)) * lay.row_bytes >= self.heavy_bytes:
-            # cpu: pool rows to the staging buffer on a worker thread (checked there);
-            # writes to the engine wait meanwhile
+            # cpu: on a worker thread (checked there); writes to the engine wait meanwhile
             nbytes = yield Slow(functools.partial(st.stage, a["rows"], layers), engine=s.engine)
         else:
             nbytes = st.stage(a["rows"], layers)

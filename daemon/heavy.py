@@ -36,8 +36,7 @@ from typing import Any, Callable, Generator
 
 log = logging.getLogger("sparsekv.heavy")
 
-# Worker threads: a second one keeps one long pinning from holding up every other heavy
-# request; more would mostly take cores from the engines (the copies are memory-bound).
+# Worker threads: a second keeps one long pinning from holding up the rest; more would take cores.
 THREADS = 2
 # Requests one session may have waiting behind a request in flight; more are dropped
 # unanswered (as libzmq drops messages past its high-water mark).
@@ -144,10 +143,7 @@ class HeavyRequests:
         q = self._waiting.setdefault(identity, deque())
         if len(q) >= MAX_WAITING and not first:
             return False
-        if first:
-            q.appendleft(request)
-        else:
-            q.append(request)
+        (q.appendleft if first else q.append)(request)
         return True
 
     def waiting_sessions(self) -> list[bytes]:

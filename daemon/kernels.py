@@ -64,9 +64,7 @@ class KernelCache(build.KernelCache):
         layouts to serve (the copy kernel is specialised on ``row_bytes / 16``).
         """
         names = []
-        # The residency modules CudaResidency builds: the workspace in shared memory with
-        # the x4 table and the owner and lru rows (most layouts), the x4 table alone or the
-        # x2 (wider regions), and in global memory (the widest).
+        # The residency modules CudaResidency builds, from the narrowest regions to the widest.
         rows = {"ws_smem": True, "lru_smem": True, "owner_smem": True}
         shapes = [{"hash_scale": 4, **rows}, {"hash_scale": 4, "ws_smem": True}, {"hash_scale": 2, "ws_smem": True},
                   {"hash_scale": 2}]

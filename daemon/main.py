@@ -38,10 +38,9 @@ log = logging.getLogger("sparsekv")
 # The daemon's CUDA environment, set by main() before CUDA starts (never at import: it
 # would pass to every CUDA process an importer starts). The environment's own setting wins.
 CUDA_ENV = {
-    # Hardware work queues (8 by default, 32 at most): a doorbell rank's stream sits in a
-    # stream wait while its engine computes, and a stream sharing its queue would wait
-    # behind it. Under MPS every client shares one pool of queues: deploy/README.md says
-    # when to lower it.
+    # Hardware work queues (8 by default, 32 at most): a doorbell rank's stream waits while
+    # its engine computes, and a stream sharing its queue would wait behind it (under MPS:
+    # deploy/README.md).
     "CUDA_DEVICE_MAX_CONNECTIONS": "32",
     # Kernels load with their module, not at first launch: lazy loading is documented to
     # wait for work in flight, such as a doorbell stream parked on its bell.
@@ -58,9 +57,7 @@ def set_cuda_environment() -> None:
 # second: a start that keeps moving is never killed by TimeoutStartSec=, a stuck one is.
 START_EXTEND_S = 60.0
 PROGRESS_LOG_INTERVAL_S = 5.0  # pre-fault progress lines in the log (STATUS= gets every one)
-# Below this many open files the daemon warns: every client connection takes one
-# (daemon/connguard.py). systemd's default soft limit is 1024.
-MIN_OPEN_FILES = 4096
+MIN_OPEN_FILES = 4096  # below this the daemon warns: every client connection takes one
 
 
 def raise_open_files_limit() -> tuple[int, int, int]:

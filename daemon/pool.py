@@ -168,8 +168,7 @@ class HostPool:
             mm = mmap.mmap(-1, self.size_bytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
             arr = np.frombuffer(mm, dtype=np.uint8)
             try:
-                # Never in a child (no copy-on-write of pages the GPU reads), and in 2 MiB
-                # pages where the kernel allows them (transparent_hugepage madvise/always).
+                # Never in a child (no copy-on-write of pages the GPU reads), and in 2 MiB pages.
                 _madvise(arr.ctypes.data, self.size_bytes, _MADV_DONTFORK, "MADV_DONTFORK", required=True)
             except PoolError as e:
                 del arr

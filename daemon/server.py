@@ -301,8 +301,7 @@ class Daemon:
             log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
             msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
         elif (sticky := sticky_cuda_error(e)) is not None:
-            # The GPU context is lost for good: exit non-zero now, so systemd restarts the
-            # daemon and every client learns at once, instead of failing request after request.
+            # The GPU context is lost: exit now, so systemd restarts the daemon and every client learns at once.
             self._fatal(f"sticky CUDA error {sticky} on request type {msg_type}: {type(e).__name__}: {e}")
             msg = f"{type(e).__name__}: {e}: the GPU context is lost; sparsekvd exits and must be restarted"
         else:  # a bug, which must not take the daemon down
