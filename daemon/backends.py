@@ -118,16 +118,13 @@ class CpuBackend(Backend):
                 shm = new_memfd(f"{self._name}{client_id}", nbytes)
                 mm = mmap.mmap(shm, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 staging = np.frombuffer(mm, dtype=np.uint8).reshape(lay.staging_shape)
-        except OSError as e:
+        except BaseException as e:
             for f in (fd, shm):
                 if f is not None:
                     os.close(f)
-            raise ResidencyError("TOO_LARGE", f"cannot map the engine's slab or a staging buffer: {e.strerror}") \
-                from None
-        except BaseException:
-            for f in (fd, shm):
-                if f is not None:
-                    os.close(f)
+            if isinstance(e, OSError):
+                raise ResidencyError("TOO_LARGE", f"cannot map the engine's slab or a staging buffer: {e.strerror}") \
+                    from None
             raise
         buf = np.frombuffer(engine_mm, dtype=np.uint8)
         self._slabs[client_id] = _ShmSlab(-1 if shm is None else shm, mm, fd, engine_mm)

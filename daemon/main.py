@@ -347,17 +347,14 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status="starting backend")
             backend = make_backend(cfg, pool, pool_region)
             signals.check()
+            busy_poll_us = cfg.busy_poll_us if cfg.busy_poll_us >= 0 else (1000 if backend.name == "cuda" else 0)
             daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
-                            reap_interval_s=cfg.reap_interval_s, notifier=notifier,
-                            busy_poll_us=cfg.busy_poll_us if cfg.busy_poll_us >= 0
-                            else (1000 if backend.name == "cuda" else 0),
-                            metrics_port=cfg.metrics_port,
-                            admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None,
+                            reap_interval_s=cfg.reap_interval_s, notifier=notifier, busy_poll_us=busy_poll_us,
+                            metrics_port=cfg.metrics_port, admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None,
                             max_clients_per_uid=cfg.max_clients_per_uid,
                             max_pool_bytes_per_uid=cfg.max_pool_bytes_per_uid,
-                            max_connections_per_uid=cfg.max_connections_per_uid,
-                            hello_timeout_s=cfg.hello_timeout_s, idle_timeout_s=cfg.idle_timeout_s,
-                            io_cpus=io_cpus, warmer=warmer)
+                            max_connections_per_uid=cfg.max_connections_per_uid, hello_timeout_s=cfg.hello_timeout_s,
+                            idle_timeout_s=cfg.idle_timeout_s, io_cpus=io_cpus, warmer=warmer)
             daemon.engine_requests.max_slab_bytes = cfg.max_slab_bytes
             return _run(daemon, signals)
         except _Interrupted:

@@ -173,12 +173,8 @@ class EngineRegistry:
 
     def gauges(self) -> dict:
         """What the stats snapshot shows of engines and the pool."""
-        return {
-            "engines": len(self._engines),
-            "pool_bytes": self.pool.size_bytes,
-            "pool_used_bytes": self.pool.used_bytes,
-            "pool_huge_bytes": self.pool.huge_bytes or 0,
-        }
+        return {"engines": len(self._engines), "pool_bytes": self.pool.size_bytes,
+                "pool_used_bytes": self.pool.used_bytes, "pool_huge_bytes": self.pool.huge_bytes or 0}
 
     def __len__(self) -> int:
         return len(self._engines)

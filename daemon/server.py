@@ -57,6 +57,9 @@ class Daemon:
                  max_pool_bytes_per_uid: int = 0, max_connections_per_uid: int = 0, hello_timeout_s: float = 10.0,
                  idle_timeout_s: float = 600.0, io_cpus: tuple[int, ...] = (), warmer=None):
         self.run_dir = run_dir
+        self.control_path = os.path.join(run_dir, "control.sock")
+        self.stats_path = os.path.join(run_dir, "stats.sock")
+        self.fd_path = os.path.join(run_dir, fd_socket.FD_SOCKET)
         # The ZeroMQ I/O threads' CPUs (() : not pinned); the warm CPU loops (main.py owns them).
         self.io_cpus = tuple(io_cpus)
         self.warmer = warmer
@@ -88,18 +91,6 @@ class Daemon:
         missing = set(REQUESTS) - set(self.handlers)
         if missing or set(self.handlers) - set(REQUESTS):
             raise RuntimeError(f"handlers do not match proto.REQUESTS: {sorted(m.name for m in missing)}")
-
-    @property
-    def control_path(self) -> str:
-        return os.path.join(self.run_dir, "control.sock")
-
-    @property
-    def stats_path(self) -> str:
-        return os.path.join(self.run_dir, "stats.sock")
-
-    @property
-    def fd_path(self) -> str:
-        return os.path.join(self.run_dir, fd_socket.FD_SOCKET)
 
     # -- serving ------------------------------------------------------------------
     async def serve(self, on_ready=None) -> None:
