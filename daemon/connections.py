@@ -1,10 +1,8 @@
 """The control socket's connections, one by one: who opened each, and when to close one.
 
-libzmq hides a ROUTER's connections from the application: it accepts them, reads from
-them and drops them by itself. Two things it tells: its monitor reports each accepted
-and each closed connection with its file descriptor (``EVENT_ACCEPTED`` /
-``EVENT_DISCONNECTED``, value = fd), and every message received carries the descriptor
-it came from (the ``ZMQ_SRCFD`` property). That is enough to
+libzmq hides a ROUTER's connections, but its monitor reports each accepted and closed
+connection with its file descriptor, and every message carries the descriptor it came
+from (``ZMQ_SRCFD``). That is enough to
 
 * read each connection's ``SO_PEERCRED`` when it is accepted, and refuse (close at once)
   connections of a uid beyond ``max_per_uid`` (0: no cap), counted in ``refused``;

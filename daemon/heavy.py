@@ -1,22 +1,17 @@
 """Heavy requests: their slow parts on worker threads, their replies deferred, every
 session's replies still in order.
 
-A few legal requests take long: ATTACH of a large engine (a cpu rank's slab, the pinning
-of the engine's pool range on cuda), waiting for a released pool range to be zeroed, a
-large WRITE, STAGE or WRITE_STAGED (cpu). Inline they would stall every other client.
-Their handlers are generators instead: ``value = yield Slow(fn)`` runs ``fn()`` on a
-worker thread and resumes the handler on the loop with its result (or with its exception
-raised at the ``yield``); what the generator returns is the reply. Everything between
-two yields runs on the loop, so the loop alone still touches sessions, residency, the
-registry and the pool's allocator; ``fn`` touches only what its handler set aside for it
-and releases the GIL.
+A few requests take long (a large ATTACH, WRITE, STAGE or WRITE_STAGED). Their handlers
+are generators: ``value = yield Slow(fn)`` runs ``fn()`` on a worker thread and resumes
+the handler on the loop with its result (or its exception raised at the ``yield``); what
+the generator returns is the reply. Everything between two yields runs on the loop, so
+the loop alone still touches sessions, residency, the registry and the pool's allocator;
+``fn`` touches only what its handler set aside for it.
 
 Order and exclusion. A request in flight holds its session: that session's later
-requests wait in a queue and run, in order, once it has replied (other sessions are
-served meanwhile). When its ``Slow`` names an engine (one it creates, or whose pool rows
-it copies) it holds that engine too: requests of every session attached to it, and
-ATTACHes naming it, wait as well, so no rank reads a row half written and no rank joins
-an engine half made.
+requests wait, in order, until it has replied. When its ``Slow`` names an engine it holds
+that engine too: requests of every session attached to it, and ATTACHes naming it, wait
+as well, so no rank reads a row half written or joins an engine half made.
 
 Lifetimes. When the session of a request in flight is gone (reaped) or the daemon stops,
 its handler is resumed with :class:`Gone` raised at its ``yield`` once ``fn`` has returned

@@ -32,12 +32,9 @@ class Peer:
     """A connection's credentials.
 
     Attributes:
-        uid, gid: the peer process's effective uid and gid when it connected.
-        pid: its pid in the daemon's pid namespace; 0 when unknown (a process outside
-            that namespace, or ``verified`` is False).
+        uid, gid, pid: the peer process's, pid in the daemon's pid namespace (0: unknown).
         verified: whether the kernel said so. False only for requests handed to
-            ``Daemon.handle`` in process as plain bytes: taken as the daemon's own uid
-            and gid, pid 0.
+            ``Daemon.handle`` as plain bytes: taken as the daemon's own uid and gid, pid 0.
         address: the ``Peer-Address`` string itself ("" when not verified).
     """
 

@@ -100,12 +100,11 @@ class PinnedRegion:
     """A host mapping registered with CUDA (portable, mapped), chunk by chunk.
 
     Args:
-        address: host address of the first byte (an mmap: page-aligned).
-        nbytes: bytes to register.
+        address, nbytes: the bytes to register (an mmap's: page-aligned).
         row_bytes: the row size whose rows must not straddle chunks.
         max_chunk_bytes: the largest single ``cudaHostRegister`` call.
-        runtime: the CUDA boundary (default :class:`CudaHostRuntime`).
-        page_bytes: page size (default: the system's).
+        runtime: the CUDA boundary (default :class:`CudaHostRuntime`); page_bytes: the system's.
+        deferred: register nothing yet (:meth:`register_through`, then :meth:`finish`).
     """
 
     def __init__(self, address: int, nbytes: int, row_bytes: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, *,

@@ -61,9 +61,8 @@ class EngineRegistry:
                      transport: str = "zmq", engine_slab=None) -> PendingAttach:
         """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
         to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
-        pool range (the engine is listed from now on, with no rank). Then :meth:`prepare`
-        (the slow part: any thread), then :meth:`commit`; :meth:`abort` on any error or when
-        the attach is given up. While an attach is pending its engine is not released.
+        pool range. Then :meth:`prepare` (any thread), then :meth:`commit`; :meth:`abort` on
+        any error. While an attach is pending its engine is not released.
 
         ``owner``: the client's credentials; a new engine belongs to them. An existing
         engine with an owner is joined only with the same uid, as uid 0, or when
