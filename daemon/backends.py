@@ -64,7 +64,6 @@ class CpuBackend(Backend):
         self.devices = ["cpu"]
         self._name = f"sparsekv-{run_dir_tag(run_dir)}-"  # memfd names: <name><client id>
         self._slabs: dict[int, _ShmSlab] = {}
-        # Slab files an older sparsekvd of this run dir left in shm_dir (it crashed).
         remove_stale(os.path.join(shm_dir, self._name))
 
     def describe(self) -> dict:

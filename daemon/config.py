@@ -45,7 +45,6 @@ class Config:
                       shown="$RUNTIME_DIRECTORY or /run/sparsekv")
     pool_size: int = _s(1 << 30, "host pool for every engine's KV rows (all layers), with a unit: 256MiB, 64GiB",
                         kind="size", bounds=(1, None))
-    # docs/PERF.md: huge pages fault and register several times faster; gathers no slower.
     pool_backing: str = _s("anon_thp", "anon_thp: anonymous memory in transparent huge pages; memfd: shared "
                            "memory in small pages (ten times slower to pre-fault)", choices=("anon_thp", "memfd"))
     prefault_threads: int = _s(0, "threads that pre-fault the pool; 0: one per core, at most 16", bounds=(0, 1024))
@@ -76,7 +75,6 @@ class Config:
                         "'': none", kind="cpus", metavar="CPUS")
     metrics_port: int = _s(0, "serve Prometheus text on http://127.0.0.1:PORT/metrics from the daemon's loop; "
                            "0: off (the stats socket serves the same)", bounds=(0, 65535), metavar="PORT")
-    # Checked before anything is allocated (residency/base.py check_layout_limits).
     max_slab_bytes: int = _s(16 << 30, "most memory one rank's attach may take (hot slab + staging + residency "
                              "state, 8 bytes per slot and index group), with a unit", kind="size", bounds=(1, None))
     admin_gid: int = _s(-1, "members of this group may join any user's engine (operators' tools); -1: nobody "
@@ -137,7 +135,6 @@ def _cpu_text(text: str) -> str:
 
 
 _PARSERS = {"int": parse_int, "float": parse_float, "bool": parse_bool, "size": parse_size, "cpus": _cpu_text}
-# The environment variable of each setting, read through the one registry of proto/settings.py.
 _SETTINGS = {f.name: Setting(f.name, _PARSERS.get(_kind(f), str.strip),
                              f.default if f.default is not MISSING else f.default_factory, f.metadata["help"])
              for f in fields(Config)}

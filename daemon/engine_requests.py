@@ -34,7 +34,6 @@ class EngineRequests:
     """The handlers of an engine rank's requests, over the daemon's sessions, engine
     registry, backend, pool, stats and fd server."""
 
-    # Most bytes one rank's slab + staging + residency state may take (config max_slab_bytes).
     max_slab_bytes = 16 << 30
     # Copies of at least this many bytes run on a worker thread; smaller ones cost less
     # than the hop. An ATTACH's slow part always runs there.

@@ -17,7 +17,6 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "copy.cu": ("skv_copy_rows", "skv_gather", "skv_fetch"),
 }
 
-# One block per batch row (docs/PERF.md: faster than 768).
 RESOLVE_THREADS = 1024
 COPY_THREADS = 256
 

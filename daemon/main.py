@@ -60,23 +60,19 @@ PROGRESS_LOG_INTERVAL_S = 5.0  # pre-fault progress lines in the log (STATUS= ge
 MIN_OPEN_FILES = 4096  # below this the daemon warns: every client connection takes one
 
 
-def raise_open_files_limit() -> tuple[int, int, int]:
-    """Raise the soft RLIMIT_NOFILE to the hard one; return (before, now, hard)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft == resource.RLIM_INFINITY or soft >= want:
-        return soft, soft, hard
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ValueError, OSError):  # a hard limit above fs.nr_open: keep what we have
-        return soft, soft, hard
-    return soft, want, hard
-
-
 def log_open_files_limit() -> None:
-    before, now, hard = raise_open_files_limit()
-    if now != before:
-        log.info("open files: soft limit raised from %d to %d (the hard limit)", before, now)
+    """Raise the soft RLIMIT_NOFILE to the hard one, and log the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    now = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= now:
+        now = soft
+    else:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (now, hard))
+        except (ValueError, OSError):  # a hard limit above fs.nr_open: keep what we have
+            now = soft
+    if now != soft:
+        log.info("open files: soft limit raised from %d to %d (the hard limit)", soft, now)
     else:
         log.info("open files: soft limit %d (hard %d)", now, hard)
     if now < MIN_OPEN_FILES:

@@ -60,7 +60,6 @@ class Daemon:
         self.control_path = os.path.join(run_dir, "control.sock")
         self.stats_path = os.path.join(run_dir, "stats.sock")
         self.fd_path = os.path.join(run_dir, fd_socket.FD_SOCKET)
-        # The ZeroMQ I/O threads' CPUs (() : not pinned); the warm CPU loops (main.py owns them).
         self.io_cpus = tuple(io_cpus)
         self.warmer = warmer
         self.backend = backend
@@ -158,7 +157,6 @@ class Daemon:
             self.fd_server.close()
             if http_server is not None:
                 http_server.close()
-            # Heavy requests in flight finish their slow parts, then roll back (Gone).
             for job in self.heavy.close(wait=not self.exit_code):
                 self._resume(job, None, Gone("the daemon stops"))
             if self.exit_code:  # the GPU context is lost: the process exit frees everything

@@ -37,7 +37,6 @@ COUNTERS = (
     ("errors", "requests answered with an error"),
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
     ("fd_refusals", "fd socket connections refused (a bad, used or withdrawn token, or not the attaching process)"),
-    # These two are counted on the connection guard's thread (daemon/connections.py).
     ("connections_refused", "control connections closed when accepted: their uid had max_connections_per_uid open"),
     ("connections_expired", "control connections closed because no HELLO came within hello_timeout_s"),
     ("sessions_expired", "sessions not attached, dropped after idle_timeout_s without a request"),
