@@ -158,9 +158,6 @@ class CpuBackend(Backend):
             self.release_rank(cid)
 
 
-CUDA_INSTALL_HINT = "pip install 'sparsekv[cuda]'"
-
-
 def make_backend(cfg, pool, pool_region=None):
     """The backend ``cfg.backend`` names.
 
@@ -172,7 +169,7 @@ def make_backend(cfg, pool, pool_region=None):
         reason, missing = _cuda_probe()
         if reason is None:
             return CudaBackend(cfg, pool, pool_region)
-        fix = f"install the cuda extra: {CUDA_INSTALL_HINT}" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
+        fix = "install the cuda extra: pip install 'sparsekv[cuda]'" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
         if cfg.backend == "cuda":
             raise RuntimeError(f"--backend cuda: {reason}; {fix}")
         gpu = gpu_present()

@@ -27,10 +27,8 @@ PIN_PAGE_BYTES = 2 << 20  # pool registrations are whole huge pages
 def _s(default, help: str, *, kind: str = "", choices: tuple = (), bounds: tuple = (), debug: bool = False,
        metavar: str = "", shown: str = "", factory=None):
     """A setting's field: its default and help line; ``kind`` where the annotation does
-    not say it (``size``: bytes, written with a unit; ``cpus``: a CPU list); ``choices``;
-    ``bounds`` ``(lo, hi)`` (``hi`` None: none; a float's ``lo`` itself is excluded);
-    ``debug``: a switch for debugging, not for production; ``shown``: the default as
-    ``--help`` says it."""
+    not say it (``size``: bytes with a unit; ``cpus``: a CPU list); ``bounds`` ``(lo, hi)``
+    (``hi`` None: none; a float's ``lo`` is excluded); ``shown``: the default in ``--help``."""
     meta = {"help": help, "kind": kind, "choices": choices, "bounds": bounds, "debug": debug, "metavar": metavar,
             "shown": shown}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)

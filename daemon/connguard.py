@@ -115,9 +115,7 @@ class ConnectionGuard:
             self.gate(n)
             return
         with self._lock:
-            if self._closed:
-                return
-            if not (self.gated and n < self.ungate_at and time.monotonic() >= self._hold_until):
+            if self._closed or not (self.gated and n < self.ungate_at and time.monotonic() >= self._hold_until):
                 return
             # Reopen for PROBE_S first: a waiting flood lands at once, faster than the
             # monitor's events say so, and fits in the margin; count, and close again if so.

@@ -139,8 +139,6 @@ class FdServer:
         while True:
             try:
                 conn, _ = await loop.sock_accept(self._listener)
-            except asyncio.CancelledError:
-                raise
             except OSError as e:  # EMFILE and the like: keep serving
                 log.warning("fd socket: accept failed: %s", e)
                 await asyncio.sleep(0.05)
