@@ -37,9 +37,8 @@ class _ShmSlab:
 
 
 def map_engine_slab(fd: int, geometry) -> mmap.mmap:
-    """Map an engine-owned slab the client deposited (``proto/slab.py``): a memfd sealed
-    against shrinking (else the client could cut it under the daemon's writes: SIGBUS)
-    of at least ``geometry.buffer_bytes``. Raises ResidencyError naming what is wrong."""
+    """Map an engine-owned slab the client deposited: a memfd of at least ``buffer_bytes``,
+    sealed against shrinking (SIGBUS). Raises ResidencyError naming what is wrong."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
@@ -201,8 +200,7 @@ def _cuda_probe() -> tuple[str | None, bool]:
 
 
 def gpu_present() -> str | None:
-    """What shows that this machine has an NVIDIA GPU, or None. Asks the driver, not CuPy
-    (so that "no GPU" and "a GPU but no CuPy" differ): the driver's control device
+    """What shows that this machine has an NVIDIA GPU, or None. Asks the driver, not CuPy:
     ``/dev/nvidiactl``, or ``nvidia-smi -L`` listing a GPU."""
     if os.path.exists("/dev/nvidiactl"):
         return "/dev/nvidiactl exists"

@@ -295,9 +295,8 @@ def _default_text(f) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Command-line flags for every setting. Each defaults to None ('not given', so the
-    file and the environment apply) and is parsed as its environment variable is; its
-    help shows the built-in default and its one environment name."""
+    """Command-line flags for every setting, each None when not given and parsed as its
+    environment variable is; its help shows the built-in default and the variable."""
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with settings (table [sparsekvd] or top level) "
                    f"(default: none; env {CONFIG_FILE.env})")
     for f in fields(Config):

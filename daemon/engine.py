@@ -36,9 +36,8 @@ def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
 
 
 class EngineSlabImport:
-    """An engine-owned hot slab on its way to a backend (``proto/slab.py``): its checked
-    geometry and its memory (cpu: a deposited memfd; cuda: an IPC handle). The backend that
-    maps it owns the descriptor from :meth:`take_fd` on; :meth:`close` closes one nobody took."""
+    """An engine-owned hot slab on its way to a backend: its checked geometry and its memory
+    (cpu: a deposited memfd, owned from :meth:`take_fd` on; cuda: an IPC handle)."""
 
     def __init__(self, geometry, fd: int = -1, ipc: tuple[bytes, int] | None = None):
         self.geometry = geometry
@@ -141,15 +140,13 @@ class RankState:
         return len(layers) * rows.shape[0] * space.layout.row_bytes, space.drop_rewritten(rows)
 
     def staged_rows(self, layers: tuple[int, ...], n: int) -> list[np.ndarray]:
-        """The first ``n`` rows of the staging buffer of each of ``layers`` (views; host
-        memory only)."""
+        """The first ``n`` rows of the staging buffer of each of ``layers`` (host views)."""
         return [self.staging[layer, :n] for layer in layers]
 
     @property
     def host_memory(self) -> bool:
-        """Whether this rank's slab and staging buffer are host memory that NumPy copies
-        (the cpu mover): its copies, and the unmapping of its memory, may then run on a
-        worker thread. False on cuda (device work stays on the loop's thread)."""
+        """Whether this rank's slab and staging buffer are host memory (the cpu mover): its
+        copies, and the unmapping of its memory, may then run on a worker thread."""
         return isinstance(self.mover, CpuMover)
 
     def drop_rewritten(self, rows: np.ndarray) -> int:

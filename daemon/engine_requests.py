@@ -116,9 +116,8 @@ class EngineRequests:
         return {"handles": handles, "layout": layout.to_wire()}, None
 
     def _engine_slab(self, s: Session, layout: Layout, field) -> EngineSlabImport:
-        """ATTACH's ``slab`` (an engine-owned slab, proto/slab.py): its geometry, checked
-        against the layout, and its memory: on cpu the memfd this session's process
-        deposited on the fd socket, on cuda a CUDA IPC handle and offset."""
+        """ATTACH's ``slab`` (proto/slab.py): its geometry, checked against the layout, and
+        its memory (cpu: this process's deposit on the fd socket; cuda: an IPC handle)."""
         if not isinstance(field, dict) or "geometry" not in field:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "slab must be a map with a geometry (and, on the cpu "
                                 "backend, the deposit id of the slab's descriptor)")

@@ -162,8 +162,7 @@ class HeavyRequests:
     # -- lifetimes -------------------------------------------------------------------
     def release(self, box: list) -> None:
         """Empty ``box`` on a worker thread (now, without a serving loop): the caller puts
-        the last reference to something slow to free in it (a large rank's host memory)
-        and keeps none itself."""
+        the last reference to something slow to free in it and keeps none."""
         if self._loop is None:
             box.clear()
         else:

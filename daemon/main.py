@@ -193,11 +193,9 @@ class _Interrupted(BaseException):
 
 
 class StartSignals:
-    """Signal handling until the event loop takes over (a context manager).
-
-    SIGTERM/SIGINT record a stop; inside :meth:`interruptible` (the pool's pre-fault)
-    they also raise :class:`_Interrupted` at once, elsewhere :meth:`check` raises it at
-    the next step of the start. SIGHUP is logged and ignored."""
+    """Signal handling until the event loop takes over (a context manager). SIGTERM/SIGINT
+    raise :class:`_Interrupted` at once inside :meth:`interruptible` (the pool's
+    pre-fault), elsewhere at the next :meth:`check`. SIGHUP is logged and ignored."""
 
     def __init__(self):
         self.requested: int | None = None

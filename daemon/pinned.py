@@ -76,11 +76,8 @@ class Chunk:
 
 
 def plan_chunks(address: int, nbytes: int, row_bytes: int, max_chunk_bytes: int, page_bytes: int) -> list[tuple[int, int]]:
-    """Return ``(offset, nbytes)`` of each chunk (pure function, no CUDA).
-
-    Every boundary is a multiple of ``lcm(row_bytes, page_bytes)`` from the start: rows
-    never straddle chunks, and with a page-aligned ``address`` no page is in two chunks.
-    """
+    """``(offset, nbytes)`` of each chunk: every boundary is a multiple of
+    ``lcm(row_bytes, page_bytes)`` from the start, so no row or page is in two chunks."""
     if nbytes <= 0 or row_bytes <= 0 or max_chunk_bytes <= 0:
         raise ValueError(f"nbytes {nbytes}, row_bytes {row_bytes} and max_chunk_bytes {max_chunk_bytes} must be positive")
     if nbytes <= max_chunk_bytes:

@@ -271,11 +271,9 @@ class HostPool:
         return offset
 
     def release(self, offset: int, *, zero: bool = True) -> None:
-        """Give back the range at ``offset``. With ``zero`` (the default) its bytes are
-        zeroed first (on the pool's threads when larger than ``INLINE_ZERO_BYTES``); until
-        that is done the range is neither used nor free (``zeroing_bytes``) and is not
-        handed out. ``zero=False`` only for a range nothing wrote to: free ranges always
-        hold zeros."""
+        """Give back the range at ``offset``. With ``zero`` its bytes are zeroed first; until
+        that is done the range is neither used nor free (``zeroing_bytes``). ``zero=False``
+        only for a range nothing wrote to: free ranges always hold zeros."""
         length = self._lengths.pop(offset)
         if not zero or length <= INLINE_ZERO_BYTES:
             if zero:

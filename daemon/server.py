@@ -410,9 +410,8 @@ class Daemon:
         self._drain(self._sock)
 
     def _serve_waiting(self, last: bytes) -> None:
-        """The requests that waited, each session's in order, until one waits again;
-        session ``last`` (whose request just ended) after the others: it cannot keep
-        an engine from them with request after request."""
+        """The requests that waited, each session's in order, until one waits again; session
+        ``last`` after the others, so it cannot keep an engine from them."""
         for identity in sorted(self.heavy.waiting_sessions(), key=lambda i: i == last):
             while (request := self.heavy.next_waiting(identity)) is not None:
                 out = self._handle(identity, *request, defer=True)
@@ -481,9 +480,8 @@ _CUDA_ERROR_CLASSES = frozenset({"CUDARuntimeError", "CUDADriverError"})
 
 
 def sticky_cuda_error(e: BaseException) -> str | None:
-    """``"700 (illegal address)"`` when ``e`` (or an exception it was raised from) is
-    CuPy's ``CUDARuntimeError`` / ``CUDADriverError`` with a sticky status; else None.
-    Matched by class name and ``.status``: the cpu backend never imports CuPy."""
+    """``"700 (illegal address)"`` when ``e`` (or its cause) is CuPy's ``CUDARuntimeError`` /
+    ``CUDADriverError`` with a sticky status, matched by class name (no CuPy import); else None."""
     seen = 0
     while e is not None and seen < 8:
         if type(e).__name__ in _CUDA_ERROR_CLASSES:

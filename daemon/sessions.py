@@ -84,9 +84,8 @@ class Sessions(dict):
 
     # -- HELLO -----------------------------------------------------------------------
     def open(self, identity: bytes, peer: Peer, h: dict, rank: int) -> Session:
-        """The session a HELLO (header ``h``) of ``peer`` on ``identity`` opens, replacing
-        the connection's detached one; refused when attached, over a cap, or another
-        process's."""
+        """The session a HELLO (header ``h``) of ``peer`` on ``identity`` opens, replacing the
+        connection's detached one; refused when attached, over a cap, or another process's."""
         old = self.get(identity)
         if old is not None:
             # The same connection says hello again: only its own process may, and never
@@ -205,9 +204,8 @@ class Sessions(dict):
         self.detach(s)
 
     def reap_dead(self) -> int:
-        """Detach clients whose process is gone (ZeroMQ does not say when a peer leaves):
-        the fallback for clients without a pidfd, checked by pid and start time. A session
-        of pid 0 is never reaped: nothing says whether it lives."""
+        """Detach clients whose process is gone (the fallback for those without a pidfd); a
+        session of pid 0 is never reaped: nothing says whether it lives."""
         dead = [s for s in self.values() if not _alive(s)]
         for s in dead:
             self.reap(s)
@@ -216,9 +214,8 @@ class Sessions(dict):
         return len(dead)
 
     def expire_idle(self) -> int:
-        """Drop the sessions that are not attached and sent no request for
-        ``idle_timeout_s`` (they hold a place in ``max_clients``). Its connection stays;
-        its next request is told why. Returns how many were dropped."""
+        """Drop the sessions not attached and without a request for ``idle_timeout_s`` (their
+        connections stay; their next request is told why). Returns how many."""
         limit = time.monotonic() - self.idle_timeout_s
         idle = [s for s in self.values()
                 if s.state is None and s.last_request_at <= limit and not self.heavy.busy(s.identity)]

@@ -14,8 +14,7 @@ from .stats import package_version
 
 class Snapshot:
     """Callable: the snapshot of a daemon's parts (see ``Daemon.__init__``), read on the
-    loop's thread. ``warmer``: the warm CPU loops (proto/cpus.py ``CpuWarmer``) or None;
-    ``io_cpus``: the CPUs of the ZeroMQ I/O threads (() : not pinned)."""
+    loop's thread."""
 
     def __init__(self, stats, backend, sessions, connections, engines, io_cpus=(), warmer=None):
         self.stats, self.backend, self.sessions = stats, backend, sessions
