@@ -73,9 +73,8 @@ class CpuBackend(Backend):
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str,
                  fence_events=None, engine_slab=None) -> tuple[RankState, dict]:
-        """A rank's state and what its client needs to map the slab. ``fence_events`` is
-        for the cuda backend. ``engine_slab``: an engine-owned slab (a memfd this backend
-        takes): gathers go there, and the daemon's memory holds only the staging buffer."""
+        """A rank's state and what its client needs to map the slab. ``engine_slab``: an
+        engine-owned slab (a memfd this backend takes); the daemon then holds only staging."""
         lay = space.layout
         if engine_slab is not None:
             return self._engine_rank(space, client_id, rank, device, engine_slab)

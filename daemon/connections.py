@@ -220,10 +220,9 @@ class Connections:
 
     # -- the event loop ----------------------------------------------------------------
     def hello(self, fd: int | None) -> bool:
-        """A HELLO came on ``fd`` (the message's ``ZMQ_SRCFD``; None: an in-process call):
-        its connection, and the next ones of its process, are a client's, with no HELLO
-        deadline. Returns whether to answer it: False when the connection is beyond its
-        uid's cap (closed now)."""
+        """A HELLO came on ``fd`` (None: an in-process call): its connection, and the next
+        ones of its process, have no HELLO deadline. Returns whether to answer it: False
+        when the connection is beyond its uid's cap (closed now)."""
         if fd is None:
             return True
         return self._admit(fd, greeted=True)

@@ -1,19 +1,16 @@
 """Keep the control socket from costing the daemon its last file descriptor.
 
 libzmq aborts the whole process when ``accept()`` on an ``ipc://`` listener fails with
-EMFILE, and every connection it accepts costs a descriptor; no libzmq option caps
-connections, and unbinding would drop every connection. So, when the open descriptors
-come within ``reserve_fds`` of ``RLIMIT_NOFILE``, the guard renames ``control.sock`` to
+EMFILE, and no libzmq option caps connections. So, when the open descriptors come within
+``reserve_fds`` of ``RLIMIT_NOFILE``, the guard renames ``control.sock`` to
 ``control.sock.busy``: nobody can start a new connection (connect() by path fails with
 ENOENT, for root too), the connections already made keep working. When enough
 descriptors are free again it renames it back.
 
-Accepts come faster than any reaction, so the guard reacts from its own thread, woken by
-libzmq's monitor events and once a second. It gates on an estimate (the last count of
-``/proc/self/fd`` plus the accepts minus the disconnects since) and scans
-``/proc/self/fd`` only to correct it. Connections started before the rename (the listen
-backlog, those racing with the guard's wake-up) are still accepted: the reserve absorbs
-them. The same thread feeds the connection table (``daemon/connections.py``).
+The guard reacts from its own thread, woken by libzmq's monitor events and once a second,
+on an estimate (the last count of ``/proc/self/fd`` plus the accepts minus the
+disconnects since); the reserve absorbs the connections that race with it. The same
+thread feeds the connection table (``daemon/connections.py``).
 """
 
 from __future__ import annotations

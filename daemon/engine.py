@@ -173,9 +173,8 @@ class RankState:
         """Raise if ``fence`` names no event the client exported (cuda); cpu: nothing."""
 
     def take_error(self) -> "ResidencyError | None":
-        """An error this rank found after the fact (the cuda backend checks some input on
-        the GPU), returned once and forgotten; None when there is none (always on cpu). The
-        daemon answers the next request on the rank with it instead of running it."""
+        """An error this rank found after the fact (on the GPU), returned once; None when there
+        is none. The daemon answers the next request on the rank with it, not running it."""
         return None
 
     def quiesce(self) -> None:

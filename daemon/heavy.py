@@ -174,9 +174,9 @@ class HeavyRequests:
         return self._executor
 
     def close(self, wait: bool = True) -> list[Job]:
-        """Stop serving: wait for every running ``fn`` (never interrupted) and return the
-        jobs in flight, for the server to resume with :class:`Gone`. Waiting requests are
-        dropped. ``wait`` False (the daemon is failing): do not wait, return nothing."""
+        """Stop serving: wait for every running ``fn`` and return the jobs in flight, for the
+        server to resume with :class:`Gone`; waiting requests are dropped. ``wait`` False
+        (the daemon is failing): do not wait, return nothing."""
         self._loop = None
         self._waiting.clear()
         jobs = list(self._jobs.values())

@@ -32,10 +32,8 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def new_memfd(name: str, nbytes: int) -> int:
-    """A memfd of ``nbytes`` (close-on-exec) whose pages are reserved now, and sealed
-    against any change of size; a client gets it only as a descriptor (the fd socket).
-    Reserving fails here, with ``OSError``, where a sparse file would let a later access
-    die of SIGBUS; the seals keep a client from shrinking it under the daemon's mapping."""
+    """A memfd of ``nbytes`` (close-on-exec) whose pages are reserved now (``OSError`` here,
+    not SIGBUS later), sealed against any change of size (a client cannot shrink it)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.posix_fallocate(fd, 0, nbytes)

@@ -50,9 +50,8 @@ class Peer:
 
 
 def peer_creds(frames) -> Peer | None:
-    """The credentials of the connection ``frames`` (received with ``copy=False``) arrived
-    on, or None for plain bytes (an in-process call). Raises ``ProtocolError``
-    PERMISSION_DENIED when a received frame's credentials are missing or unreadable."""
+    """The credentials of the connection ``frames`` arrived on, or None for plain bytes (in
+    process); ``ProtocolError`` PERMISSION_DENIED when they are missing or unreadable."""
     get = getattr(frames[0], "get", None) if frames else None
     if get is None:
         return None

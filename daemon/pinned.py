@@ -240,11 +240,9 @@ class PinnedRegion:
 class PoolPinner:
     """Page-lock a host pool at the daemon's start: pass it as ``HostPool``'s
     ``on_faulted``. With ``while_faulting`` each call registers the chunks that the faulted
-    prefix now covers; without it nothing is registered until :meth:`finish`, which
-    registers the rest and returns the :class:`PinnedRegion` of the whole pool. The pool's
-    rows belong to engines of any row size, so chunk boundaries fall on pages only
-    (``row_bytes`` 16): kernels read across them freely, a single bulk DMA copy must not
-    cross one (none of the daemon's copies of pool rows is one)."""
+    prefix now covers; :meth:`finish` registers the rest and returns the whole pool's
+    :class:`PinnedRegion`. Chunk boundaries fall on pages only (engines of any row size
+    share the pool): no single bulk DMA copy of pool rows may cross one."""
 
     def __init__(self, size_bytes: int, max_chunk_bytes: int, runtime=None, while_faulting: bool = True):
         self.size_bytes = int(size_bytes)

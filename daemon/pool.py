@@ -194,10 +194,9 @@ class HostPool:
         self.address = self.array.ctypes.data
 
     def _prefault(self, threads: int, progress, on_faulted=None) -> None:
-        """Touch every page once, in parallel (one thread is far too slow for a large pool).
-        ``on_faulted(address, nbytes)`` (the pool's first byte, the bytes faulted from there),
-        called on this thread as the faulted prefix grows, lets the caller page-lock that
-        prefix while the other threads fault the rest."""
+        """Touch every page once, in parallel. ``on_faulted(address, nbytes)``, called on
+        this thread as the faulted prefix grows, lets the caller page-lock that prefix
+        while the other threads fault the rest."""
         t0 = time.monotonic()
         chunks = [(o, min(PREFAULT_CHUNK_BYTES, self.size_bytes - o)) for o in range(0, self.size_bytes, PREFAULT_CHUNK_BYTES)]
         libc = ctypes.CDLL(None, use_errno=True)
@@ -244,9 +243,8 @@ class HostPool:
 
     # -- allocation of engine ranges -------------------------------------------------
     def allocate(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` (rounded up to 2 MiB); return the offset. First fit. The
-        range holds zeros. When no free range fits but released ones are still being
-        zeroed, waits for them and tries again."""
+        """Reserve ``nbytes`` (rounded up to 2 MiB, first fit, all zeros); return the offset.
+        When no free range fits, waits for released ones being zeroed and tries again."""
         self._collect()
         try:
             offset = self._ranges.allocate(nbytes)
@@ -306,9 +304,8 @@ class HostPool:
         return self._ranges.rounded(nbytes)
 
     def zeroing_to_wait_for(self, nbytes: int) -> list:
-        """What ``allocate(nbytes)`` would wait for now: the futures of every pending
-        zeroing when no free range fits (empty when it would not wait), for a worker
-        thread to wait on before an ATTACH allocates."""
+        """The futures ``allocate(nbytes)`` would wait for now (empty when it would not), for
+        a worker thread to wait on before an ATTACH allocates."""
         self._collect()
         if not self._zeroing or self._ranges.fits(nbytes):
             return []

@@ -66,10 +66,8 @@ class EngineRegistry:
 
         ``owner``: the client's credentials; a new engine belongs to them. An existing
         engine with an owner is joined only with the same uid, as uid 0, or when
-        ``privileged`` (the caller's admin-group check); ``owner`` None joins only
-        engines that have none. Raises ``PoolError`` (no room), ``ProtocolError``
-        PERMISSION_DENIED (another user's engine: checked first, naming neither its owner
-        nor its layout) or LAYOUT_MISMATCH."""
+        ``privileged``. Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED
+        (checked first, naming neither the owner nor the layout) or LAYOUT_MISMATCH."""
         space = self._engines.get(engine_name)
         created = space is None
         if created:

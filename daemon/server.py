@@ -225,10 +225,9 @@ class Daemon:
         return self._handle(identity, frames, time.perf_counter_ns() if tr is None else tr, defer=False)
 
     def _handle(self, identity: bytes, frames, tr: int, defer: bool):
-        """The reply to one request (never raises). ``defer`` (serving): instead
-        ``_WAIT`` when the request must wait for a heavy request in flight on its
-        engine (nothing of it ran), or its :class:`Job` when its handler reached a slow
-        part (the reply comes from :meth:`_resume`)."""
+        """The reply to one request (never raises). ``defer`` (serving): ``_WAIT`` instead when
+        it must wait for a heavy request on its engine, or its :class:`Job` when its handler
+        reached a slow part (the reply comes from :meth:`_resume`)."""
         msg_type, req_id = 0, 0
         try:
             header, arrays = decode(frames)

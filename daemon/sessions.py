@@ -27,10 +27,9 @@ EXPIRED_KEPT = 1024  # identities of expired sessions remembered, to tell their 
 class Session:
     """One connected client (one engine rank), keyed by its ZeroMQ identity.
 
-    ``pid``, ``uid``, ``gid``: what the kernel says of the connection (``SO_PEERCRED``);
-    ``verified`` False (pid 0, the daemon's own uid and gid) for in-process calls.
-    ``watch``: a pidfd of the process, open from HELLO to DETACH and again from a later
-    ATTACH (None: pid 0, or no pidfd; the reaper's periodic check covers those)."""
+    ``pid``, ``uid``, ``gid``: the kernel's (``SO_PEERCRED``); ``verified`` False for
+    in-process calls. ``watch``: a pidfd of the process while not detached (None: pid 0,
+    or no pidfd; the reaper's periodic check covers those)."""
 
     identity: bytes
     client_id: int

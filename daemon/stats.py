@@ -137,7 +137,7 @@ class SnapshotCollector(Collector):
 
 def metric_families(snap: dict) -> Iterator[Metric]:
     """The metric families of one snapshot: counters ``*_total`` in base units, gauges,
-    per-engine and per-device labels where the figure is per engine or device."""
+    with engine and device labels where the figure is per engine or device."""
     for name, help_text in COUNTERS:
         if name == "errors":
             continue  # one family with a code label, below
