@@ -37,9 +37,8 @@ class _ShmSlab:
 
 
 def map_engine_slab(fd: int, geometry) -> mmap.mmap:
-    """Map an engine-owned slab the client deposited (``proto/slab.py``): a memfd sealed
-    against shrinking (else the client could cut it under the daemon's writes: SIGBUS)
-    of at least ``geometry.buffer_bytes``. Raises ResidencyError naming what is wrong."""
+    """Map an engine-owned slab the client deposited: a memfd of at least ``buffer_bytes``,
+    sealed against shrinking (SIGBUS). Raises ResidencyError naming what is wrong."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
@@ -64,7 +63,6 @@ class CpuBackend(Backend):
         self.devices = ["cpu"]
         self._name = f"sparsekv-{run_dir_tag(run_dir)}-"  # memfd names: <name><client id>
         self._slabs: dict[int, _ShmSlab] = {}
-        # Slab files an older sparsekvd of this run dir left in shm_dir (it crashed).
         remove_stale(os.path.join(shm_dir, self._name))
 
     def describe(self) -> dict:
@@ -75,18 +73,14 @@ class CpuBackend(Backend):
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str,
                  fence_events=None, engine_slab=None) -> tuple[RankState, dict]:
-        """A rank's state and what its client needs to map the slab. ``fence_events`` is
-        for the cuda backend (the cpu client reads only after each reply).
-        ``engine_slab``: an engine-owned slab (``engine.EngineSlabImport``: a checked
-        geometry and a memfd this backend takes): gathers go there, and the daemon's
-        shared memory holds only the staging buffer."""
+        """A rank's state and what its client needs to map the slab. ``engine_slab``: an
+        engine-owned slab (a memfd this backend takes); the daemon then holds only staging."""
         lay = space.layout
         if engine_slab is not None:
             return self._engine_rank(space, client_id, rank, device, engine_slab)
         nbytes = lay.slab_bytes + lay.staging_bytes
-        # Anonymous shared memory (new_memfd): only the process that attached the rank
-        # gets the descriptor (the server's fd socket). Its pages are reserved now, so
-        # running out of memory fails this attach, not a later gather (SIGBUS).
+        # Its pages are reserved now (new_memfd), so running out of memory fails this
+        # attach, not a later gather (SIGBUS).
         avail = psutil.virtual_memory().available
         fix = "lower max_reqs, region_stride or num_layers"
         if nbytes > avail:
@@ -104,16 +98,9 @@ class CpuBackend(Backend):
             raise
         slab, staging = lay.split_buffer(np.frombuffer(mm, dtype=np.uint8))
         self._slabs[client_id] = _ShmSlab(fd, mm)
-        state = RankState(
-            rank=rank,
-            device=device,
-            residency=CpuResidency(lay),
-            mover=CpuMover(lay, space.pool, slab, staging),
-            slab=slab,
-            staging=staging,
-        )
-        # "fd": the name of the slab's descriptor on the fd socket (the server adds the
-        # socket's name and the token).
+        state = RankState(rank=rank, device=device, residency=CpuResidency(lay),
+                          mover=CpuMover(lay, space.pool, slab, staging), slab=slab, staging=staging)
+        # "fd": the slab's name on the fd socket (the server adds the socket and the token).
         handles = {"kind": "shm", "fd": "slab", "bytes": nbytes, "slab_bytes": lay.slab_bytes}
         return state, handles
 
@@ -128,16 +115,13 @@ class CpuBackend(Backend):
                 shm = new_memfd(f"{self._name}{client_id}", nbytes)
                 mm = mmap.mmap(shm, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 staging = np.frombuffer(mm, dtype=np.uint8).reshape(lay.staging_shape)
-        except OSError as e:
+        except BaseException as e:
             for f in (fd, shm):
                 if f is not None:
                     os.close(f)
-            raise ResidencyError("TOO_LARGE", f"cannot map the engine's slab or a staging buffer: {e.strerror}") \
-                from None
-        except BaseException:
-            for f in (fd, shm):
-                if f is not None:
-                    os.close(f)
+            if isinstance(e, OSError):
+                raise ResidencyError("TOO_LARGE", f"cannot map the engine's slab or a staging buffer: {e.strerror}") \
+                    from None
             raise
         buf = np.frombuffer(engine_mm, dtype=np.uint8)
         self._slabs[client_id] = _ShmSlab(-1 if shm is None else shm, mm, fd, engine_mm)
@@ -159,8 +143,7 @@ class CpuBackend(Backend):
         for fd in (shm.fd, shm.engine_fd):
             if fd >= 0:
                 os.close(fd)
-        # The memory itself goes away with the last mapping: the daemon's goes with the
-        # last view; clients keep theirs until they unmap, which is safe with shared memory.
+        # The memory goes with the last mapping: clients keep theirs until they unmap.
 
     def release_engine(self, space: EngineSpace) -> None:
         pass  # nothing is pinned on the cpu backend
@@ -173,24 +156,18 @@ class CpuBackend(Backend):
             self.release_rank(cid)
 
 
-CUDA_INSTALL_HINT = "pip install 'sparsekv[cuda]'"
-
-
 def make_backend(cfg, pool, pool_region=None):
     """The backend ``cfg.backend`` names.
 
     ``auto`` picks cuda when CuPy sees a GPU, and cpu when the machine has no NVIDIA GPU
-    at all. A machine that has a GPU (``gpu_present``) but where CuPy cannot use it is an
-    error, not a quiet fall back to the cpu backend: an operator who installed the daemon
-    on a GPU node without the ``cuda`` extra would otherwise serve every engine from host
-    memory without knowing. ``backend = "cpu"`` runs the cpu backend on purpose.
+    at all; a GPU that CuPy cannot use is an error, not a quiet fall back to cpu.
     ``pool_region``: the pool's :class:`~sparsekv.daemon.pinned.PinnedRegion` when it was
     page-locked at start (cuda; the caller keeps and closes it)."""
     if cfg.backend in ("auto", "cuda"):
         reason, missing = _cuda_probe()
         if reason is None:
             return CudaBackend(cfg, pool, pool_region)
-        fix = f"install the cuda extra: {CUDA_INSTALL_HINT}" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
+        fix = "install the cuda extra: pip install 'sparsekv[cuda]'" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
         if cfg.backend == "cuda":
             raise RuntimeError(f"--backend cuda: {reason}; {fix}")
         gpu = gpu_present()
@@ -222,8 +199,7 @@ def _cuda_probe() -> tuple[str | None, bool]:
 
 
 def gpu_present() -> str | None:
-    """What shows that this machine has an NVIDIA GPU, or None. Asks the driver, not CuPy
-    (so that "no GPU" and "a GPU but no CuPy" differ): the driver's control device
+    """What shows that this machine has an NVIDIA GPU, or None. Asks the driver, not CuPy:
     ``/dev/nvidiactl``, or ``nvidia-smi -L`` listing a GPU."""
     if os.path.exists("/dev/nvidiactl"):
         return "/dev/nvidiactl exists"

@@ -1,12 +1,9 @@
 """Daemon configuration: one frozen dataclass, every setting a field.
 
 Precedence: defaults < TOML file (``--config``) < ``SPARSEKV_*`` environment < command line.
-Each setting has one environment name, ``SPARSEKV_<NAME>`` (``SPARSEKV_POOL_SIZE``, ...),
-read through ``proto/settings.py`` (an empty variable counts as unset), and one flag,
-``--<name>``. ``sparsekvd --print-config`` shows the result as TOML, each value with where
-it came from; debug switches (not for production) say so there and in ``--help``. Sizes
-take a unit (``proto/settings.py``: ``GiB`` binary, ``GB`` decimal, a bare ``G`` refused).
-A bad value is one :class:`ConfigError` line naming the setting and its source.
+Each setting has one environment name, ``SPARSEKV_<NAME>``, read through
+``proto/settings.py``, and one flag, ``--<name>``. A bad value is one :class:`ConfigError`
+line naming the setting and its source.
 """
 
 from __future__ import annotations
@@ -19,17 +16,8 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 
 from sparsekv.proto.cpus import parse_cpu_list
-from sparsekv.proto.settings import (
-    KERNEL_CACHE_DIR,
-    Setting,
-    SettingError,
-    default_run_dir,
-    format_size,
-    parse_bool,
-    parse_float,
-    parse_int,
-    parse_size,
-)
+from sparsekv.proto.settings import (KERNEL_CACHE_DIR, Setting, SettingError, default_run_dir, format_size, parse_bool,
+                                     parse_float, parse_int, parse_size)
 
 ConfigError = SettingError  # a bad setting; the message names it and where it came from
 
@@ -39,10 +27,8 @@ PIN_PAGE_BYTES = 2 << 20  # pool registrations are whole huge pages
 def _s(default, help: str, *, kind: str = "", choices: tuple = (), bounds: tuple = (), debug: bool = False,
        metavar: str = "", shown: str = "", factory=None):
     """A setting's field: its default and help line; ``kind`` where the annotation does
-    not say it (``size``: bytes, written with a unit; ``cpus``: a CPU list); ``choices``;
-    ``bounds`` ``(lo, hi)`` (``hi`` None: none; a float's ``lo`` itself is excluded);
-    ``debug``: a switch for debugging, not for production; ``shown``: the default as
-    ``--help`` says it."""
+    not say it (``size``: bytes with a unit; ``cpus``: a CPU list); ``bounds`` ``(lo, hi)``
+    (``hi`` None: none; a float's ``lo`` is excluded); ``shown``: the default in ``--help``."""
     meta = {"help": help, "kind": kind, "choices": choices, "bounds": bounds, "debug": debug, "metavar": metavar,
             "shown": shown}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
@@ -57,15 +43,9 @@ class Config:
                       shown="$RUNTIME_DIRECTORY or /run/sparsekv")
     pool_size: int = _s(1 << 30, "host pool for every engine's KV rows (all layers), with a unit: 256MiB, 64GiB",
                         kind="size", bounds=(1, None))
-    # Measured on the H200 (docs/PERF.md): 64 GiB faulted at 45.7 GiB/s in huge pages
-    # against the memfd's 4.4, registered at 36.7 against 13.6; gathers no slower.
     pool_backing: str = _s("anon_thp", "anon_thp: anonymous memory in transparent huge pages; memfd: shared "
                            "memory in small pages (ten times slower to pre-fault)", choices=("anon_thp", "memfd"))
     prefault_threads: int = _s(0, "threads that pre-fault the pool; 0: one per core, at most 16", bounds=(0, 1024))
-    # Measured on the H200 (docs/PERF.md, 2026-12-02): a 64 GiB pool in huge pages was
-    # ready (faulted and registered) at 28 GiB/s with the default, and a decode step's
-    # gathers were no slower from it than from one registration of the engine's range
-    # (bench kernels: 41.0-42.3 against 41.8-42.1 GB/s); an attach never waits for one.
     pin_pool_at_start: str = _s("1", "cuda: page-lock the pool chunk by chunk while it is pre-faulted (1), once "
                                 "it is (after), or each engine's range at its attach (0)", choices=("1", "after", "0"))
     pin_chunk_gib: float = _s(4.0, "cuda: the largest cudaHostRegister call on the pool, at start or at attach, "
@@ -85,29 +65,24 @@ class Config:
     # The next request of a decode step then costs no wake-up (tens of microseconds in a VM).
     busy_poll_us: int = _s(-1, "poll the control socket this long after a request before sleeping; -1: 1000 on "
                            "cuda, 0 on cpu", bounds=(-1, 1_000_000), metavar="US")
-    # Where the ZeroMQ hop runs (proto/cpus.py). In a VM a halted vCPU takes tens of
-    # microseconds to wake, and a request/reply wakes up to four threads: give the
-    # daemon's and the engines' I/O threads (Client io_cpus) warm CPUs.
+    # In a VM a halted vCPU takes tens of microseconds to wake: give the daemon's and the
+    # engines' I/O threads (Client io_cpus) warm CPUs (proto/cpus.py).
     io_cpus: str = _s("", "CPUs of the daemon's ZeroMQ I/O threads (its other threads keep off them), e.g. 3 or "
                       "2-3; '': not pinned", kind="cpus", metavar="CPUS")
     warm_cpus: str = _s("", "CPUs kept from halting by an idle-priority busy loop each (VMs: deploy/README.md); "
                         "'': none", kind="cpus", metavar="CPUS")
     metrics_port: int = _s(0, "serve Prometheus text on http://127.0.0.1:PORT/metrics from the daemon's loop; "
                            "0: off (the stats socket serves the same)", bounds=(0, 65535), metavar="PORT")
-    # Checked before anything is allocated (residency/base.py check_layout_limits).
     max_slab_bytes: int = _s(16 << 30, "most memory one rank's attach may take (hot slab + staging + residency "
                              "state, 8 bytes per slot and index group), with a unit", kind="size", bounds=(1, None))
     admin_gid: int = _s(-1, "members of this group may join any user's engine (operators' tools); -1: nobody "
                         "but root", bounds=(-1, 2**32 - 2))
-    # Per-uid quotas, 0: none beyond the daemon-wide limits; QUOTA_EXCEEDED beyond, checked
-    # before anything is allocated. Root is counted like anyone else.
+    # Per-uid quotas (0: none), checked before anything is allocated; root counts like anyone.
     max_clients_per_uid: int = _s(0, "sessions (HELLO) of one uid at most; 0: no cap beyond max_clients",
                                   bounds=(0, 1_000_000))
     max_pool_bytes_per_uid: int = _s(0, "pool bytes of the engines one uid created, with a unit; 0B: no quota",
                                      kind="size", bounds=(0, None))
-    # Each connection to control.sock costs the daemon a file descriptor. A process that
-    # said HELLO lately needs none on its next connections (libzmq's reconnects); an
-    # attached rank may idle as long as its process lives.
+    # Each connection costs a file descriptor; a process that said HELLO lately has no deadline.
     max_connections_per_uid: int = _s(0, "open control connections of one uid at most (more are closed at once "
                                       "and counted); 0: no cap", bounds=(0, 1_000_000))
     hello_timeout_s: float = _s(10.0, "a control connection that sends no HELLO within this is closed",
@@ -158,7 +133,6 @@ def _cpu_text(text: str) -> str:
 
 
 _PARSERS = {"int": parse_int, "float": parse_float, "bool": parse_bool, "size": parse_size, "cpus": _cpu_text}
-# The environment variable of each setting, read through the one registry of proto/settings.py.
 _SETTINGS = {f.name: Setting(f.name, _PARSERS.get(_kind(f), str.strip),
                              f.default if f.default is not MISSING else f.default_factory, f.metadata["help"])
              for f in fields(Config)}
@@ -212,10 +186,6 @@ def _from_toml(f, value):
     if isinstance(value, str):
         return _SETTINGS[f.name].parse(value)
     return float(value) if kind == "float" else value
-
-
-def _from_text(f, text: str):
-    return _SETTINGS[f.name].parse(text)
 
 
 def _coerce(name: str, value, where: str, convert):
@@ -278,7 +248,7 @@ def load_with_sources(args: argparse.Namespace | None = None, environ=None) -> t
         text = getattr(args, name, None)  # args None: no flags
         if text is not None:
             flag = f"--{name.replace('_', '-')}"
-            values[name] = _coerce(name, text, f"flag {flag}", _from_text)
+            values[name] = _coerce(name, text, f"flag {flag}", lambda f, v: _SETTINGS[f.name].parse(v))
             sources[name] = f"flag {flag}"
     return Config(**values), sources
 
@@ -296,9 +266,7 @@ def _read_file(cfg_file: str) -> dict:
 
 def _settings_table(data: dict, cfg_file: str) -> dict:
     """The settings of a parsed TOML file: the table ``[sparsekvd]``, or the top level
-    when there is none. Anything else (another table, an array of tables, settings both
-    inside and outside ``[sparsekvd]``) is a one-line error, not a traceback or a setting
-    silently ignored."""
+    when there is none. Anything else is a one-line error, never a setting ignored."""
     where = f"config file {cfg_file}"
     if "sparsekvd" in data:
         section = data["sparsekvd"]
@@ -327,9 +295,8 @@ def _default_text(f) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Command-line flags for every setting. Each defaults to None ('not given', so the
-    file and the environment apply) and is parsed as its environment variable is; its
-    help shows the built-in default and its one environment name."""
+    """Command-line flags for every setting, each None when not given and parsed as its
+    environment variable is; its help shows the built-in default and the variable."""
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with settings (table [sparsekvd] or top level) "
                    f"(default: none; env {CONFIG_FILE.env})")
     for f in fields(Config):

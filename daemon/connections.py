@@ -1,36 +1,27 @@
 """The control socket's connections, one by one: who opened each, and when to close one.
 
-libzmq hides a ROUTER's connections from the application: it accepts them, reads from
-them and drops them by itself. Two things it tells: its monitor reports each accepted
-and each closed connection with its file descriptor (``EVENT_ACCEPTED`` /
-``EVENT_DISCONNECTED``, value = fd), and every message received carries the descriptor
-it came from (the ``ZMQ_SRCFD`` property). That is enough to
+libzmq hides a ROUTER's connections, but its monitor reports each accepted and closed
+connection with its file descriptor, and every message carries the descriptor it came
+from (``ZMQ_SRCFD``). That is enough to
 
 * read each connection's ``SO_PEERCRED`` when it is accepted, and refuse (close at once)
   connections of a uid beyond ``max_per_uid`` (0: no cap), counted in ``refused``;
 * close a connection that sent no HELLO within ``hello_timeout_s``, counted in
-  ``expired``: a peer that connects and stays silent would otherwise hold a descriptor
-  for ever (ZeroMQ heartbeats only prove that the peer's libzmq is alive). A connection
-  of a process that has said HELLO (in the last ``HELLO_MEMORY_S``) needs none: a
-  client's libzmq reconnects under the same routing id without saying HELLO again, and
-  nothing on the hot path has to look at connections.
+  ``expired`` (a silent peer would otherwise hold a descriptor for ever). A connection of
+  a process that has said HELLO (in the last ``HELLO_MEMORY_S``) needs none: a client's
+  libzmq reconnects under the same routing id without saying HELLO again.
 
-A connection is closed with ``shutdown(2)``: libzmq sees the end of the stream, as if the
-peer had hung up, and cleans up its pipe and descriptor itself. The descriptor belongs to
-libzmq, and its number may be closed and reused at any moment by libzmq's I/O threads, so
-it is never used directly: ``dup2`` pins the file it names onto a spare descriptor held
-for this (no new descriptor is taken: near the open-files limit libzmq's next accept
-would fail with EMFILE, which aborts it, daemon/connguard.py), and every check (the
-socket's inode, that it is a connection accepted by the control socket's listener, its
-credentials) and the ``shutdown`` act on that pinned file; the spare is then pointed back
-at ``/dev/null``, so no socket outlives libzmq's own close.
+A connection is closed with ``shutdown(2)``: libzmq sees the end of the stream and cleans
+up itself. The descriptor belongs to libzmq, whose I/O threads may close and reuse its
+number at any moment, so it is never used directly: ``dup2`` pins the file it names onto
+a spare descriptor held for this (no new descriptor is taken near the open-files limit:
+daemon/connguard.py), every check and the ``shutdown`` act on that pinned file, and the
+spare is then pointed back at ``/dev/null``.
 
 Thread use: :meth:`accepted`, :meth:`disconnected` and :meth:`expire` run on the
-connection table's thread (fed by the connection guard's, which owns the monitor socket),
-:meth:`hello` and :meth:`counters` on the event loop; one lock guards the table, another
-the spare. Whichever thread sees a connection first (its ACCEPTED event, or a HELLO on
-it) reads its credentials and applies the cap, so no HELLO is answered on a connection
-beyond it.
+connection table's thread, :meth:`hello` and :meth:`counters` on the event loop; one lock
+guards the table, another the spare. Whichever thread sees a connection first reads its
+credentials and applies the cap, so no HELLO is answered on a connection beyond it.
 """
 
 from __future__ import annotations
@@ -66,18 +57,13 @@ class Connections:
     """The table of open control connections (see the module).
 
     Arguments:
-        max_per_uid: connections of one uid at most (0: no cap); one more is closed when
-            accepted and counted in ``refused``.
-        hello_timeout_s: a connection without a HELLO after this long is closed and
-            counted in ``expired`` (unless its process said HELLO lately).
-        own_pid: connections from this process (in-process clients, the daemon's own
-            probes) are never capped or expired.
+        max_per_uid, hello_timeout_s: as in the module docstring (0: no cap).
+        own_pid: connections from this process are never capped or expired.
         bound_path: the path the listener was bound under (``getsockname()`` of every
             connection it accepted): nothing else is ever inspected or shut down. None:
-            not checked (tests).
+            not checked.
 
-    :meth:`open` takes the two spare descriptors (``/dev/null``) before use, :meth:`close`
-    gives them back.
+    :meth:`open` takes the two spare descriptors before use, :meth:`close` gives them back.
     """
 
     def __init__(self, *, max_per_uid: int = 0, hello_timeout_s: float = 10.0, own_pid: int | None = None,
@@ -112,9 +98,8 @@ class Connections:
     # -- the pinned file -----------------------------------------------------------------
     @contextlib.contextmanager
     def _pinned(self, fd: int):
-        """The socket that descriptor ``fd`` names now, on the spare descriptor (a socket
-        object that must not be closed), or None when it is not a socket accepted by the
-        control socket's listener."""
+        """The socket that ``fd`` names now, on the spare descriptor (not to be closed), or
+        None when it is not a socket accepted by the control socket's listener."""
         with self._pin_lock:
             if self._spare < 0:
                 yield None
@@ -164,9 +149,8 @@ class Connections:
 
     # -- admission (either thread) ----------------------------------------------------
     def _admit(self, fd: int, greeted: bool) -> bool:
-        """Note connection ``fd`` (whoever sees it first: the guard's thread at its
-        ACCEPTED event, or the loop at a HELLO on it), or close it if its uid has its
-        cap. Returns whether it may be served."""
+        """Note connection ``fd`` (whichever thread sees it first), or close it if its uid
+        has its cap. Returns whether it may be served."""
         info = self.inspect(fd)
         if info is None:
             return False  # gone already (its DISCONNECTED event follows), or not a connection
@@ -236,11 +220,9 @@ class Connections:
 
     # -- the event loop ----------------------------------------------------------------
     def hello(self, fd: int | None) -> bool:
-        """A HELLO came on ``fd`` (the message's ``ZMQ_SRCFD``; None: an in-process call):
-        its connection, and the next ones of its process, are a client's, with no HELLO
-        deadline. Returns whether to answer it: False when the connection is beyond its
-        uid's cap (closed now). The guard's thread may not have seen this connection
-        accepted yet: then this thread reads its credentials and applies the cap first."""
+        """A HELLO came on ``fd`` (None: an in-process call): its connection, and the next
+        ones of its process, have no HELLO deadline. Returns whether to answer it: False
+        when the connection is beyond its uid's cap (closed now)."""
         if fd is None:
             return True
         return self._admit(fd, greeted=True)

@@ -1,32 +1,16 @@
 """Keep the control socket from costing the daemon its last file descriptor.
 
-libzmq (4.3.5 and earlier) aborts the whole process when ``accept()`` on an ``ipc://``
-listener fails with EMFILE (``Too many open files (src/ipc_listener.cpp:...)``: only
-ENFILE is tolerated there), and every connection it accepts costs a descriptor, handshake
-or not. There is no libzmq option that caps connections, and unbinding the endpoint would
-drop every connection it accepted. So, when the open descriptors come within
+libzmq aborts the whole process when ``accept()`` on an ``ipc://`` listener fails with
+EMFILE, and no libzmq option caps connections. So, when the open descriptors come within
 ``reserve_fds`` of ``RLIMIT_NOFILE``, the guard renames ``control.sock`` to
 ``control.sock.busy``: nobody can start a new connection (connect() by path fails with
-ENOENT, for root too), the connections already made keep working, and the listener
-itself is untouched. When enough descriptors are free again it renames it back.
+ENOENT, for root too), the connections already made keep working. When enough
+descriptors are free again it renames it back.
 
-Accepts come faster than any reaction, so the guard reacts from its own thread, woken by
-libzmq's monitor events (accepted, disconnected, ...) and once a second. It gates on an
-estimate (the last count of ``/proc/self/fd`` plus the accepts minus the disconnects
-since), read 64 events at a time, and scans ``/proc/self/fd`` only to correct it. What
-remains: connections started before the rename (at most the listen backlog, 32, plus
-those racing with the guard's wake-up) are still accepted; the reserve (half of a limit
-up to 4096, a quarter of a larger one; 128 .. 4096) absorbs them. On the 2-core dev VM,
-10 processes opening 10,000 raw connections as fast as they can against a limit of 1024
-no longer abort it (``tests/soak/goals.py``). Give the daemon a large ``LimitNOFILE=``
-all the same (the unit sets 65536; sparsekvd raises its soft limit to the hard one).
-
-The same thread feeds the connection table (``daemon/connections.py``: credentials of
-each connection, the per-uid cap, the HELLO deadline) after the gate.
-
-Clients see a missing ``control.sock`` beside a ``control.sock.busy`` and say so
-(``Client.connect``); a connected client treats either name holding its socket file as
-its daemon.
+The guard reacts from its own thread, woken by libzmq's monitor events and once a second,
+on an estimate (the last count of ``/proc/self/fd`` plus the accepts minus the
+disconnects since); the reserve absorbs the connections that race with it. The same
+thread feeds the connection table (``daemon/connections.py``).
 """
 
 from __future__ import annotations
@@ -53,8 +37,7 @@ HOLD_MIN_S, HOLD_MAX_S = 1.0, 8.0  # how long a gate stays shut at least: the fi
 
 def reserve_for(limit_fds: int) -> int:
     """Descriptors kept free below the soft limit: half of a small limit (a flood is
-    accepted faster than the guard can react: about a thousand in a few milliseconds
-    here), a quarter of a larger one, 128 .. 4096."""
+    accepted faster than the guard can react), a quarter of a larger one, 128 .. 4096."""
     return min(max(128, limit_fds // 2 if limit_fds <= 4096 else limit_fds // 4), 4096)
 
 
@@ -68,10 +51,9 @@ def open_fds() -> int:
 
 
 def _discard_events(mon) -> None:
-    """Read and drop a monitor's events until it is stopped (``close`` disables it) or its
-    context ends. libzmq sends monitor events from the context's I/O thread with a blocking
-    send: a monitor socket nobody reads (or closed while the monitor is on) would stop that
-    thread once its queue is full, and with it every socket of the daemon."""
+    """Read and drop a monitor's events until it is stopped or its context ends: libzmq
+    sends them with a blocking send, so a monitor nobody reads would stop the I/O thread,
+    and with it every socket of the daemon."""
     try:
         while True:
             head = mon.recv_multipart()[0]
@@ -85,14 +67,12 @@ class ConnectionGuard:
     """Renames ``path`` away while the process is short of descriptors (see above).
 
     Arguments:
-        router: the bound ROUTER socket (owned by the caller's thread; only
-            ``get_monitor_socket`` / ``disable_monitor`` are called on it, from there).
+        router: the bound ROUTER socket (only ``get_monitor_socket`` / ``disable_monitor``
+            are called on it, from its owner's thread).
         path: the endpoint's socket file.
         limit_fds: the soft ``RLIMIT_NOFILE`` (read now when None).
         reserve_fds: descriptors to keep free (:func:`reserve_for` the limit when None).
-        connections: the table of connections (``daemon/connections.py``) this thread
-            feeds with the monitor's accepted / disconnected events and expires once a
-            second; None: no table.
+        connections: the table of connections this thread feeds; None: no table.
     """
 
     def __init__(self, router, path: str, *, limit_fds: int | None = None, reserve_fds: int | None = None,
@@ -110,7 +90,6 @@ class ConnectionGuard:
         self._hold_s = HOLD_MIN_S / 2  # doubled at the first gate
         self._hold_until = 0.0
         self._ungated_at = float("-inf")
-        self.gated_count = 0  # times the socket was renamed away (tests, logs)
         self.last_fds = open_fds()  # at the last scan
         self._lock = threading.Lock()  # gate / ungate / close: one at a time
         self._closed = False
@@ -133,14 +112,10 @@ class ConnectionGuard:
             self.gate(n)
             return
         with self._lock:
-            if self._closed:
+            if self._closed or not (self.gated and n < self.ungate_at and time.monotonic() >= self._hold_until):
                 return
-            if not (self.gated and n < self.ungate_at and time.monotonic() >= self._hold_until):
-                return
-            # Reopen for a moment first: if a flood is waiting, every connect it retries
-            # lands at once, faster than the monitor's events can say so. Whatever comes
-            # in within PROBE_S (plus the listen backlog) fits in the margin; count, and
-            # close again if it was a flood.
+            # Reopen for PROBE_S first: a waiting flood lands at once, faster than the
+            # monitor's events say so, and fits in the margin; count, and close again if so.
             self._ungate()
         time.sleep(PROBE_S)
         m = self.last_fds = open_fds()
@@ -160,13 +135,11 @@ class ConnectionGuard:
                 log.error("cannot hold off new connections (rename %s: %s)", self.path, e.strerror)
                 return
             self.gated = True
-            # Reopening into a flood is the dangerous moment (every waiting connect lands
-            # at once): a gate soon after the last reopening holds twice as long, up to
-            # HOLD_MAX_S; a quiet minute starts again from HOLD_MIN_S.
+            # A gate soon after the last reopening holds twice as long, up to HOLD_MAX_S; a
+            # quiet minute starts again from HOLD_MIN_S.
             now = time.monotonic()
             self._hold_s = min(2 * self._hold_s, HOLD_MAX_S) if now - self._ungated_at < 60 else HOLD_MIN_S
             self._hold_until = now + self._hold_s
-            self.gated_count += 1
         log.warning("%d of %d file descriptors in use: refusing new connections until fewer than %d are open "
                     "(%s renamed to %s); raise LimitNOFILE= or find the client that leaks connections "
                     "(sparsekv clients)", n, self.limit_fds, self.ungate_at, self.path, self.busy_path)
@@ -183,18 +156,14 @@ class ConnectionGuard:
     def _run(self) -> None:
         mon = self._monitor
         gate_at = self.limit_fds - self.reserve_fds
-        # The open descriptors, estimated between scans from the monitor's events: a
-        # flood must be gated on the estimate, at once; the scan of /proc/self/fd (a
-        # millisecond with a thousand open) only corrects it, once a second, or near the
-        # limit, gated, or in the second after reopening (when every connect that waited
-        # lands at once).
+        # The open descriptors, estimated between scans from the monitor's events: a flood
+        # is gated on the estimate, at once; the scan of /proc/self/fd only corrects it (once
+        # a second, or near the limit, gated, or in the second after reopening).
         net, last_scan = 0, time.monotonic()
         table = self._table_queue  # (event, fd) for the table's thread
         try:
             while True:
                 if mon.poll(1000):
-                    # Counting is cheap (a few us an event), so read everything queued, up
-                    # to _DRAIN_MAX, looking at the gate every _EVENTS_PER_PASS events.
                     for i in range(_DRAIN_MAX):
                         try:
                             frames = mon.recv_multipart(zmq.NOBLOCK)
@@ -227,9 +196,8 @@ class ConnectionGuard:
             self._table_queue.put(None)  # the table's thread ends too
 
     def _failed(self, mon) -> None:
-        """The guard's loop failed (logged here): new connections are taken again (a
-        socket renamed away would stay so), and the monitor is read and dropped until the
-        guard is closed."""
+        """The guard's loop failed: new connections are taken again, and the monitor is
+        read and dropped until the guard is closed."""
         log.exception("connection guard failed; new connections are no longer held off")
         with self._lock:
             if self.gated and not self._closed:
@@ -237,9 +205,8 @@ class ConnectionGuard:
         _discard_events(mon)
 
     def _run_table(self) -> None:
-        """The connection table's own thread: reading each new connection's credentials
-        (and closing those beyond their uid's cap, or late) takes several microseconds,
-        which must never delay the gate."""
+        """The connection table's own thread: its microseconds per connection must never
+        delay the gate."""
         q, last_expire = self._table_queue, time.monotonic()
         try:
             while True:

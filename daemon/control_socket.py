@@ -19,12 +19,9 @@ HEARTBEAT_TIMEOUT_MS = 30_000
 #   socket that connects and says nothing holds a descriptor only this long).
 HANDSHAKE_IVL_MS = 5_000
 LISTEN_BACKLOG = 32
-# - libzmq reads a large frame in one read() while its sender keeps up (256 MiB: 0.1-0.3 s
-#   on the 2-core dev VM), and every connection served by the same I/O thread waits
-#   meanwhile. A new connection goes to the least loaded thread: with several, one
-#   client's large WRITE stalls only those that share its thread. Measured, another
-#   client's top-k during a 256 MiB WRITE: 1 thread 250-370 ms, 2: 27 ms, 4: 17-57 ms
-#   (tests/soak/stall.py; what is left there is both cores copying the frame).
+# - libzmq reads a large frame in one read() while its sender keeps up, and every
+#   connection served by the same I/O thread waits meanwhile: with several threads, one
+#   client's large WRITE stalls only those that share its thread (tests/soak/stall.py).
 ZMQ_IO_THREADS = 4
 
 
@@ -33,27 +30,18 @@ def router(ctx: zmq.Context) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-    # A client's libzmq reconnects under its own (random, 13-byte) routing id. If the
-    # daemon still holds that id's old pipe (its end of the dead connection not yet
-    # torn down), libzmq would refuse the new connection, and the client would get no
-    # reply until its next reconnect: the new connection takes the id over instead.
+    # A client's libzmq reconnects under its own routing id: if the daemon still holds
+    # that id's old pipe, the new connection takes the id over instead of being refused.
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    # Bound what one peer can cost (MAX_MESSAGE_BYTES and the heartbeats above): a frame
-    # larger than any legal request drops its connection before it is read, a silent
-    # peer is dropped after HEARTBEAT_TIMEOUT_MS.
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-    # Connections the kernel queues for libzmq to accept: after the connection guard
-    # renames control.sock away, those still get accepted (each a descriptor). A
-    # client that finds the queue full is retried by libzmq.
+    # Queued connections are still accepted after the connection guard renames control.sock away.
     sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
-    # A ZAP domain turns on libzmq's ZAP path, whose one effect here (no handler is
-    # bound, so NULL-mechanism peers pass) is that it refuses ZMTP/1.0 and 2.0 peers
-    # (libzmq 2.x; every client of ours speaks 3.x): libzmq 4.3.5 leaks ~16 KiB for
-    # every connection that speaks ZMTP/1.0 and then fails (any first byte other than
-    # 0xff opens it), 1.5 GiB in 40 s of random bytes.
+    # A ZAP domain (no handler bound: NULL-mechanism peers pass) makes libzmq refuse
+    # ZMTP/1.0 and 2.0 peers: libzmq 4.3.5 leaks memory for every ZMTP/1.0 connection
+    # that fails (any first byte other than 0xff opens one).
     sock.setsockopt(zmq.ZAP_DOMAIN, b"sparsekv")
     return sock
 

@@ -36,10 +36,8 @@ def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
 
 
 class EngineSlabImport:
-    """An engine-owned hot slab on its way to a backend (``proto/slab.py``): its checked
-    geometry and its memory (cpu: a deposited memfd; cuda: an IPC handle). The backend that maps it calls
-    :meth:`take_fd` and owns the descriptor from then on; whoever made the import calls
-    :meth:`close` when the attach is over, which closes a descriptor nobody took."""
+    """An engine-owned hot slab on its way to a backend: its checked geometry and its memory
+    (cpu: a deposited memfd, owned from :meth:`take_fd` on; cuda: an IPC handle)."""
 
     def __init__(self, geometry, fd: int = -1, ipc: tuple[bytes, int] | None = None):
         self.geometry = geometry
@@ -98,9 +96,8 @@ class RankState:
         if invalidate is not None:
             invalidate = as_ids("invalidate", invalidate, 2)
             if invalidate.shape[0] != state_rows.shape[0]:
-                raise ResidencyError(
-                    "BAD_ARGUMENT", f"invalidate must be [batch, n] with batch {state_rows.shape[0]}, got {invalidate.shape}"
-                )
+                raise ResidencyError("BAD_ARGUMENT", f"invalidate must be [batch, n] with batch {state_rows.shape[0]}, "
+                                     f"got {invalidate.shape}")
         return state_rows, None if reset is None else reset.astype(bool), invalidate
 
     def batch_rows(self, step: int, state_rows) -> np.ndarray:
@@ -108,13 +105,11 @@ class RankState:
         if state_rows is not None:
             return as_ids("state_rows", state_rows, 1)
         if step != self.step:
-            raise ResidencyError(
-                "BAD_ARGUMENT", f"top-k for step {step} but the last STEP was {self.step}; send STEP first"
-            )
+            raise ResidencyError("BAD_ARGUMENT",
+                                 f"top-k for step {step} but the last STEP was {self.step}; send STEP first")
         if self.state_rows is None:
-            raise ResidencyError(
-                "BAD_ARGUMENT", f"step {step} began in a client-written block; send state_rows with this top-k"
-            )
+            raise ResidencyError("BAD_ARGUMENT",
+                                 f"step {step} began in a client-written block; send state_rows with this top-k")
         return self.state_rows
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> tuple[Resolved, int]:
@@ -145,16 +140,13 @@ class RankState:
         return len(layers) * rows.shape[0] * space.layout.row_bytes, space.drop_rewritten(rows)
 
     def staged_rows(self, layers: tuple[int, ...], n: int) -> list[np.ndarray]:
-        """The first ``n`` rows of the staging buffer of each of ``layers`` (views; host
-        memory only)."""
+        """The first ``n`` rows of the staging buffer of each of ``layers`` (host views)."""
         return [self.staging[layer, :n] for layer in layers]
 
     @property
     def host_memory(self) -> bool:
-        """Whether this rank's slab and staging buffer are host memory that NumPy copies
-        (the cpu mover): its stage / write_staged copies, and the unmapping of its memory,
-        may then run on a worker thread. False on the cuda backend (device work stays on
-        the loop's thread)."""
+        """Whether this rank's slab and staging buffer are host memory (the cpu mover): its
+        copies, and the unmapping of its memory, may then run on a worker thread."""
         return isinstance(self.mover, CpuMover)
 
     def drop_rewritten(self, rows: np.ndarray) -> int:
@@ -181,10 +173,8 @@ class RankState:
         """Raise if ``fence`` names no event the client exported (cuda); cpu: nothing."""
 
     def take_error(self) -> "ResidencyError | None":
-        """An error this rank found after the fact (the cuda backend checks some input on
-        the GPU), returned once and forgotten; None when there is none. The daemon asks
-        before each request that runs on the rank and answers it with this error instead
-        of running it. The cpu rank finds every error while handling the request: None."""
+        """An error this rank found after the fact (on the GPU), returned once; None when there
+        is none. The daemon answers the next request on the rank with it, not running it."""
         return None
 
     def quiesce(self) -> None:
@@ -197,8 +187,7 @@ class RankState:
 @dataclass(frozen=True)
 class Owner:
     """Who created an engine: the uid and gid the kernel reported for its first rank's
-    connection (``SO_PEERCRED``). Later ranks join only as the same uid, as root, or as a
-    member of the daemon's admin group (``EngineRegistry.attach``)."""
+    connection (``SO_PEERCRED``; see ``EngineRegistry.begin_attach``)."""
 
     uid: int
     gid: int
@@ -207,8 +196,7 @@ class Owner:
 class EngineSpace:
     """One engine's share of the daemon: layout, pool range, and its ranks' states.
 
-    ``owner``: the creator's credentials (None: an engine of the in-process transport,
-    which has no daemon and no other users)."""
+    ``owner``: the creator's credentials (None: the in-process transport's engine)."""
 
     def __init__(self, name: str, layout: Layout, pool: np.ndarray, pool_offset: int = 0,
                  owner: Owner | None = None):
@@ -227,8 +215,7 @@ class EngineSpace:
         self.copy_rows(layers, rows, data)
         return data.nbytes, self.drop_rewritten(rows)
 
-    # A write in steps, for the daemon to run its bulk on a worker thread (daemon/heavy.py):
-    # check_write, quiesce, copy_rows (any thread), drop_rewritten.
+    # The daemon runs a write in steps: check_write, quiesce, copy_rows (any thread), drop_rewritten.
     def check_write(self, layers, rows, data) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
         """A write's arguments checked (BAD_ARGUMENT, nothing changed) and normalised."""
         lay = self.layout
@@ -248,8 +235,7 @@ class EngineSpace:
 
     def copy_rows(self, layers, rows: np.ndarray, src) -> None:
         """Copy ``src[i]`` (uint8 [len(rows), row_bytes]) into host ``rows`` of
-        ``layers[i]``: a write's bulk. It touches this engine's pool rows only, so a worker
-        thread may run it while no request on this engine runs (the daemon holds them)."""
+        ``layers[i]``: a write's bulk, which any thread may run (it touches these rows only)."""
         for layer, part in zip(layers, src):
             self.pool[layer, rows] = part
 
@@ -258,9 +244,8 @@ class EngineSpace:
         return sum(r.drop_rewritten(rows) for r in self.ranks.values())
 
     def write_staged(self, rank: RankState, layers, rows, fence=None) -> tuple[int, int]:
-        """The write path for rows the client produced itself (on the GPU, for the cuda
-        backend): it put them at the front of its staging buffer, layer by layer; they go
-        to host ``rows`` and every hot copy of those rows is dropped in every rank."""
+        """Write the rows the client put at the front of its staging buffer (each of
+        ``layers``) into host ``rows``, dropping every hot copy of them in every rank."""
         layers, rows = self.check_staged(rank, layers, rows)
         return rank.write_staged(self, layers, rows, fence)
 
@@ -302,11 +287,9 @@ def check_layers(layout: Layout, layers) -> tuple[int, ...]:
 
 
 class Backend(abc.ABC):
-    """Where ranks' slabs live and which residency and mover a rank gets: one per daemon
-    (``backends.CpuBackend``, ``cuda/backend.CudaBackend``). The registry calls
-    ``prepare_rank`` and ``new_rank`` (same arguments) during an attach, on a worker
-    thread unless ``new_rank_on_loop`` keeps ``new_rank`` on the loop's thread; the rest
-    runs on the loop's thread."""
+    """Where ranks' slabs live and which residency and mover a rank gets: one per daemon.
+    The registry calls ``prepare_rank`` and ``new_rank`` on a worker thread (``new_rank``
+    on the loop's with ``new_rank_on_loop``); the rest runs on the loop's thread."""
 
     name: str  # "cpu" or "cuda"
     devices: list[str]

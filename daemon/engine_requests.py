@@ -3,8 +3,7 @@ write path (WRITE, STAGE, WRITE_STAGED), DETACH and BYE.
 
 Each handler takes (session, identity, header, arrays) and returns the reply's (fields,
 arrays); a heavy one is a generator that yields ``Slow(fn)`` for each slow part and
-returns them (daemon/heavy.py). Errors are raised, typed; the dispatcher
-(``server.py``) turns them into replies.
+returns them (daemon/heavy.py). Errors are raised, typed.
 """
 
 from __future__ import annotations
@@ -32,28 +31,18 @@ TRANSPORTS = ("zmq", "doorbell")
 
 
 class EngineRequests:
-    """Args:
-        sessions: the daemon's :class:`~sparsekv.daemon.sessions.Sessions`.
-        engines: the :class:`~sparsekv.daemon.registry.EngineRegistry`.
-        backend: the daemon's backend (``backends.Backend``).
-        pool: the :class:`~sparsekv.daemon.pool.HostPool`.
-        stats: the daemon's :class:`~sparsekv.daemon.stats.Stats`.
-        fd_server: the :class:`~sparsekv.daemon.fd_server.FdServer` (tokens, deposits).
-    """
+    """The handlers of an engine rank's requests, over the daemon's sessions, engine
+    registry, backend, pool, stats and fd server."""
 
-    # Most bytes one rank's slab + staging + residency state may take (config
-    # max_slab_bytes): ATTACH checks it with check_layout_limits.
     max_slab_bytes = 16 << 30
-    # WRITE, WRITE_STAGED and STAGE (cpu) copies of at least this many bytes run on a
-    # worker thread (about a millisecond of copying here); smaller ones cost less than
-    # the hop and run inline. An ATTACH's slow part always runs there.
+    # Copies of at least this many bytes run on a worker thread; smaller ones cost less
+    # than the hop. An ATTACH's slow part always runs there.
     heavy_bytes = 4 << 20
 
     def __init__(self, sessions, engines, backend, pool, stats, fd_server):
         self.sessions, self.engines, self.backend = sessions, engines, backend
         self.pool, self.stats, self.fd_server = pool, stats, fd_server
-        # The credentials of the HELLO being handled (the dispatcher reads them from its
-        # frames: SO_PEERCRED); None for an in-process call.
+        # The credentials of the HELLO being handled (set by the dispatcher); None in process.
         self.peer: Peer | None = None
 
     def handlers(self) -> dict:
@@ -65,9 +54,8 @@ class EngineRequests:
 
     # -- sessions ------------------------------------------------------------------------
     def on_hello(self, session, identity, h, arrays):
-        # Who the client is comes from the kernel: SO_PEERCRED of its connection (libzmq's
-        # "Peer-Address"). The "pid" field is still required (older daemons need it) but
-        # only compared with the kernel's.
+        # Who the client is comes from the kernel (SO_PEERCRED); the "pid" field is only
+        # compared with the kernel's.
         peer, self.peer = self.peer, None
         s = self.sessions.open(identity, peer or Peer.unverified(), h, _int(h, "rank"))
         return {"client_id": s.client_id, "daemon_pid": os.getpid(), "version": PROTOCOL_VERSION,
@@ -103,17 +91,14 @@ class EngineRequests:
                                                 h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
                                                 transport=transport, engine_slab=engine_slab)
             try:
-                # The slow part on a worker thread: the rank's slab (cpu), the pinning of
-                # a new engine's pool range (cuda). ATTACHes to a new engine wait for it.
+                # The slow part on a worker thread; ATTACHes to a new engine wait for it.
                 yield Slow(functools.partial(self.engines.prepare, pending), engine=engine if pending.created else None)
                 state, handles = self.engines.commit(pending)
             except BaseException:  # an error, or Gone: nothing of this attach stays
                 self.engines.abort(pending)
                 raise
         except (PoolError, ProtocolError, ResidencyError) as e:
-            # An engine that cannot attach (no room in the pool, another layout, no room
-            # for its slab) is the operator's business, not only the client's: warn.
-            # The log may name the owner (the operator's view); the client's reply does not.
+            # The operator's business too: warn. The log may name the owner; the reply does not.
             owner = self.engines.space(engine).owner if engine in self.engines else None
             log.warning("client %d (pid %d uid %d rank %d) refused: attach to engine %r%s: %s: %s", s.client_id,
                         s.pid, s.uid, s.rank, engine, f" (owner uid {owner.uid})" if owner else "",
@@ -125,17 +110,14 @@ class EngineRequests:
         s.engine, s.state = engine, state
         log.info("client %d attached to engine %r (%s)", s.client_id, engine,
                  f"new, owner uid {s.uid}" if created else "joined")
-        if self.backend.share_fds(s.client_id):
-            # The rank's shared memory has no name to open: its descriptors go to this
-            # process only, over the fd socket, for this one-time token.
+        if self.backend.share_fds(s.client_id):  # to this process only, over the fd socket
             s.fd_token = self.fd_server.offer(s)
             handles = {**handles, "fd_socket": fd_socket.FD_SOCKET, "fd_token": s.fd_token}
         return {"handles": handles, "layout": layout.to_wire()}, None
 
     def _engine_slab(self, s: Session, layout: Layout, field) -> EngineSlabImport:
-        """ATTACH's ``slab`` (an engine-owned slab, proto/slab.py): its geometry, checked
-        against the layout, and its memory: on cpu the memfd this session's process
-        deposited on the fd socket, on cuda a CUDA IPC handle and offset."""
+        """ATTACH's ``slab`` (proto/slab.py): its geometry, checked against the layout, and
+        its memory (cpu: this process's deposit on the fd socket; cuda: an IPC handle)."""
         if not isinstance(field, dict) or "geometry" not in field:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "slab must be a map with a geometry (and, on the cpu "
                                 "backend, the deposit id of the slab's descriptor)")
@@ -153,32 +135,25 @@ class EngineRequests:
         fd = self.fd_server.take_deposit(field.get("deposit"), s.pid, s.uid, s.gid)
         return EngineSlabImport(geo, fd)
 
-    def on_detach(self, s: Session, identity, h, a):
-        attached = s.state is not None
-        engine = s.engine
+    def on_detach(self, s: Session, identity, h, a, bye: bool = False):
+        attached, engine = s.state is not None, s.engine
         self.sessions.detach(s)
-        # A clean exit: the client said goodbye (the reaper's "gone" is the unclean one).
-        log.info("client %d (pid %d rank %d) detached%s", s.client_id, s.pid, s.rank,
-                 f" from engine {engine!r}" if attached else " (was not attached)")
+        if bye:  # Client.close(): forgotten, so short-lived clients never fill max_clients
+            self.sessions.pop(identity, None)
+            log.info("client %d (pid %d rank %d) said goodbye%s", s.client_id, s.pid, s.rank,
+                     f", detached from engine {engine!r}" if attached else "")
+        else:
+            log.info("client %d (pid %d rank %d) detached%s", s.client_id, s.pid, s.rank,
+                     f" from engine {engine!r}" if attached else " (was not attached)")
         return {"was_attached": attached}, None
 
     def on_bye(self, s: Session, identity, h, a):
-        # Client.close(): the client leaves for good. Detach (if attached) and forget the
-        # session, so short-lived clients of a long-lived process never fill max_clients
-        # (the reaper only frees sessions of processes that have exited).
-        attached = s.state is not None
-        engine = s.engine
-        self.sessions.detach(s)
-        self.sessions.pop(identity, None)
-        log.info("client %d (pid %d rank %d) said goodbye%s", s.client_id, s.pid, s.rank,
-                 f", detached from engine {engine!r}" if attached else "")
-        return {"was_attached": attached}, None
+        return self.on_detach(s, identity, h, a, bye=True)
 
     # -- the decode path -----------------------------------------------------------------
     def _rank(self, s: Session, kind: MsgType, began: bool = False) -> RankState:
-        """``s``'s rank, for a request that runs on it. Like CUDA's, an error the rank
-        found after the fact (bad input seen on the GPU) fails the next request on it,
-        which does not run (``began``: nor the STEP riding on it)."""
+        """``s``'s rank, for a request that runs on it. An error the rank found after the
+        fact fails the next request on it, which does not run (``began``: nor its STEP)."""
         st = s.state
         if st is None:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, f"client {s.client_id} has not attached a layout")
@@ -201,10 +176,9 @@ class EngineRequests:
         return {}, None
 
     def on_topk(self, s: Session, identity, h, a):
-        """A TOPK, which may carry its step's STEP (``begin``: one message, one wake-up),
-        as arrays or (cuda) in the step block the client wrote beside the TOPK's. All or
-        nothing: the STEP does not run if the TOPK cannot. A device-wait TOPK (``done``)
-        that fails still releases its client's stream (:func:`release_device_wait`)."""
+        """A TOPK, which may carry its step's STEP (``begin``), as arrays or (cuda) in the
+        step block the client wrote. All or nothing: the STEP does not run if the TOPK
+        cannot. A failed device-wait TOPK still releases its client's stream."""
         try:
             return self._topk(s, h, a)
         except Exception:
@@ -217,9 +191,7 @@ class EngineRequests:
         st = self._rank(s, MsgType.TOPK, began=begin)
         fence, step, group = _fence(h), _int(h, "step"), _int(h, "group")
         block = h.get("block")
-        if block is not None:
-            # The client wrote the step block(s) into its pinned ring entry `block`: no
-            # array on the socket, nothing to copy (cuda ranks only).
+        if block is not None:  # the client wrote the step block(s) into ring entry `block` (cuda)
             if type(block) is not int or a:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "block must be an entry number, sent without arrays")
             done = h.get("done")  # device wait: the value of the entry's done word (client.py)
@@ -280,10 +252,9 @@ class EngineRequests:
         return {"bytes": nbytes, "invalidated": dropped}, None
 
     def _write_rows(self, s: Session, space, layers, rows, src):
-        """A write's bulk, for ``yield from``: every rank of the engine quiesced, ``src``
-        copied into the pool rows (on a worker thread when large: requests on the engine
-        wait meanwhile), then every hot copy of the rows dropped, whatever happened (the
-        rows may have changed). Returns (bytes, slots dropped)."""
+        """A write's bulk, for ``yield from``: the engine quiesced, ``src`` copied into the
+        pool rows (on a worker thread when large), then every hot copy of the rows
+        dropped, whatever happened. Returns (bytes, slots dropped)."""
         nbytes = len(layers) * rows.shape[0] * space.layout.row_bytes
         space.quiesce()
         try:
@@ -301,8 +272,7 @@ class EngineRequests:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STAGE needs the rows array")
         layers, lay = _layers(h), st.residency.layout
         if st.host_memory and a["rows"].size * len(layers or range(lay.num_layers)) * lay.row_bytes >= self.heavy_bytes:
-            # cpu: pool rows to the staging buffer on a worker thread (checked there);
-            # writes to the engine wait meanwhile
+            # cpu: on a worker thread (checked there); writes to the engine wait meanwhile
             nbytes = yield Slow(functools.partial(st.stage, a["rows"], layers), engine=s.engine)
         else:
             nbytes = st.stage(a["rows"], layers)
@@ -311,11 +281,9 @@ class EngineRequests:
 
 
 def release_device_wait(session, header: dict) -> None:
-    """A device-wait TOPK (``block`` + ``done``) of ``session``'s own process that failed:
-    its client's stream waits on the entry's done word, so the result is emptied and the
-    word set anyway, unless the request got as far as setting it
-    (``RankState.release_topk_block``); the client raises the error from the reply.
-    Never raises."""
+    """A device-wait TOPK (``block`` + ``done``) failed: its client's stream waits on the
+    entry's done word, so the word is set anyway (``RankState.release_topk_block``); the
+    client raises the error from the reply. Never raises."""
     try:
         block, done, fence = header.get("block"), header.get("done"), header.get("fence")
         if session.state is None or header.get("t") != int(MsgType.TOPK) or type(block) is not int \
@@ -347,9 +315,8 @@ def _int(h: dict, name: str) -> int:
 
 
 def _batch_fits(st: RankState, rows: int) -> None:
-    """TOO_LARGE unless a batch of ``rows`` rows fits the protocol and the rank's layout
-    (its ``max_batch``: device buffers are sized by it, and a cpu resolve is as slow for
-    padding rows as for live ones)."""
+    """TOO_LARGE unless a batch of ``rows`` rows fits the protocol and the layout's
+    ``max_batch`` (device buffers are sized by it)."""
     limit = st.residency.layout.max_batch
     if rows > LIMITS.max_batch or rows > limit:
         raise ProtocolError(ErrorCode.TOO_LARGE,

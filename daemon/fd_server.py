@@ -6,14 +6,11 @@ Two requests, one per connection, each checked against the connection's kernel i
 * ``<token>``: the descriptors of the rank the token was offered for (its slab, its
   pinned step blocks), to the process that attached that rank and to no other;
 * ``deposit``, with one descriptor beside it: an engine-owned slab (``proto/slab.py``)
-  the process brings to its next ATTACH. The daemon keeps it under a random id, bound to
-  the depositing process, for :data:`DEPOSIT_TTL_S`; an ATTACH of that same process names
-  the id to use it. At most :data:`DEPOSITS_PER_PID` per process and
-  :data:`MAX_DEPOSITS` in all, so that no client can make the daemon hoard descriptors.
+  the process brings to its next ATTACH, kept under a random id, bound to the depositing
+  process, for :data:`DEPOSIT_TTL_S` (at most :data:`DEPOSITS_PER_PID` per process and
+  :data:`MAX_DEPOSITS` in all).
 
-Bounded like the stats socket: a request line of at most ``MAX_REQUEST_BYTES``,
-``TIMEOUT_S`` to send it, :data:`MAX_CONNECTIONS` served at once (more are closed
-unanswered and counted). Every refusal is counted in ``fd_refusals``.
+Bounded like the stats socket; every refusal is counted in ``fd_refusals``.
 """
 
 from __future__ import annotations
@@ -49,11 +46,10 @@ class Deposit:
 
 class FdServer:
     """Args:
-        stats: the daemon's counters (``add(fd_refusals=1)``).
-        share_fds: ``client_id -> {name: fd}``, the descriptors of a client's rank (the
-            backend's ``share_fds``; still owned by the backend).
-        is_attacher: ``(session, pid, uid, gid) -> bool``: whether that process is the
-            one that attached the session's rank.
+        stats: the daemon's counters.
+        share_fds: ``client_id -> {name: fd}``, the backend's descriptors of a client's rank.
+        is_attacher: ``(session, pid, uid, gid) -> bool``: whether that process attached
+            the session's rank.
     """
 
     def __init__(self, stats, share_fds, is_attacher):
@@ -143,8 +139,6 @@ class FdServer:
         while True:
             try:
                 conn, _ = await loop.sock_accept(self._listener)
-            except asyncio.CancelledError:
-                raise
             except OSError as e:  # EMFILE and the like: keep serving
                 log.warning("fd socket: accept failed: %s", e)
                 await asyncio.sleep(0.05)
@@ -179,9 +173,8 @@ class FdServer:
 
     def _answer(self, line: bytes | None, received: list[int], pid: int, uid: int,
                 gid: int) -> tuple[bytes, list[int]]:
-        """The answer to ``line`` (None: nothing came in time; ``received``: descriptors
-        that came with it: a deposit takes its own out of the list, the caller closes the
-        rest) and the descriptors to send."""
+        """The answer to ``line`` (None: nothing came in time) and the descriptors to send;
+        a deposit takes its own out of ``received``, the caller closes the rest."""
         text = (line or b"").strip().decode("ascii", "replace")
         if text == fd_socket.DEPOSIT:
             return self._deposit(received, pid, uid, gid)
@@ -193,9 +186,7 @@ class FdServer:
         elif s is None:
             why = ("unknown or already used token: a token serves one connection, from the process that attached, "
                    "until it detaches")
-        elif not self._is_attacher(s, pid, uid, gid):
-            # The token came back from another process: leaked, or stolen. Kept for the
-            # rank's own process.
+        elif not self._is_attacher(s, pid, uid, gid):  # leaked or stolen: kept for the rank's process
             log.warning("fd socket: pid %d (uid %d gid %d) presented the token of client %d (pid %d uid %d)",
                         pid, uid, gid, s.client_id, s.pid, s.uid)
             why = (f"this process (pid {pid}, uid {uid}) did not attach this rank: only the process that attached "

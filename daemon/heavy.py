@@ -1,33 +1,22 @@
 """Heavy requests: their slow parts on worker threads, their replies deferred, every
 session's replies still in order.
 
-Most requests take microseconds and run on the event loop as they arrive (server.py). A
-few legal ones take long: ATTACH of a large engine (the rank's slab on the cpu backend;
-``cudaHostRegister`` of the engine's pool range on cuda, ~20 s for 500 GiB), waiting for
-a released pool range to be zeroed, a WRITE of up to 256 MiB, a large STAGE or
-WRITE_STAGED (cpu). Inline they would stall every other client's top-k and the watchdog.
-Their handlers are generators instead: ``value = yield Slow(fn)`` runs ``fn()`` on a
-worker thread and resumes the handler on the loop with its result (or with its exception
-raised at the ``yield``); what the generator returns is the reply. Everything between
-two yields runs on the loop like any other handler, so the loop alone still touches
-sessions, ranks' residency, the registry and the pool's allocator; ``fn`` touches only
-what its handler set aside for it (a new rank's memory, an engine's pool rows) and
-releases the GIL (NumPy copies, ``posix_fallocate``, ``cudaHostRegister``).
+A few requests take long (a large ATTACH, WRITE, STAGE or WRITE_STAGED). Their handlers
+are generators: ``value = yield Slow(fn)`` runs ``fn()`` on a worker thread and resumes
+the handler on the loop with its result (or its exception raised at the ``yield``); what
+the generator returns is the reply. Everything between two yields runs on the loop, so
+the loop alone still touches sessions, residency, the registry and the pool's allocator;
+``fn`` touches only what its handler set aside for it.
 
 Order and exclusion. A request in flight holds its session: that session's later
-requests wait in a queue and run, in order, once it has replied (other sessions are
-served meanwhile). When its ``Slow`` names an engine (one it creates, or whose pool rows
-it copies) it holds that engine too: requests of every session attached to it, and
-ATTACHes naming it, wait as well, so no rank reads a row half written and no rank joins
-an engine half made.
+requests wait, in order, until it has replied. When its ``Slow`` names an engine it holds
+that engine too: requests of every session attached to it, and ATTACHes naming it, wait
+as well, so no rank reads a row half written or joins an engine half made.
 
-Lifetimes. When the session of a request in flight is gone (its process died: reaped)
-or the daemon stops, its handler is resumed with :class:`Gone` raised at its ``yield``
-once ``fn`` has returned (a running ``fn`` is never interrupted): it rolls back what it
-took, re-raises, and nothing is replied. A reaped session keeps its rank until then.
-
-Without a serving loop (``Daemon.handle`` called directly: tests) the same generators
-run inline, ``fn()`` on the caller's thread.
+Lifetimes. When the session of a request in flight is gone (reaped) or the daemon stops,
+its handler is resumed with :class:`Gone` raised at its ``yield`` once ``fn`` has returned
+(a running ``fn`` is never interrupted): it rolls back what it took, re-raises, and
+nothing is replied. Without a serving loop (``Daemon.handle``) the generators run inline.
 """
 
 from __future__ import annotations
@@ -42,12 +31,10 @@ from typing import Any, Callable, Generator
 
 log = logging.getLogger("sparsekv.heavy")
 
-# Worker threads: a second one keeps one long pinning from holding up every other heavy
-# request; more would mostly take cores from the engines (the copies are memory-bound).
+# Worker threads: a second keeps one long pinning from holding up the rest; more would take cores.
 THREADS = 2
 # Requests one session may have waiting behind a request in flight; more are dropped
-# unanswered (as libzmq drops messages past its high-water mark). A well-behaved client
-# has a few (a pipelined step, a ring of top-k requests).
+# unanswered (as libzmq drops messages past its high-water mark).
 MAX_WAITING = 1024
 
 
@@ -108,9 +95,6 @@ class HeavyRequests:
     def engine_busy(self, engine: str | None) -> bool:
         return engine is not None and engine in self._engines
 
-    def __len__(self) -> int:
-        return len(self._jobs)
-
     # -- running -------------------------------------------------------------------
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -136,9 +120,8 @@ class HeavyRequests:
         try:
             resume(job, value, error)
         finally:
-            # The error's traceback reaches this frame (through the handler's frames'
-            # callers): keep no reference cycle through it, which would keep whatever
-            # the handler held (a rank's memory) until the cycle collector runs.
+            # The error's traceback reaches this frame: keep no reference cycle through it,
+            # which would keep what the handler held (a rank's memory) until collected.
             del value, error
 
     def finish(self, job: Job) -> None:
@@ -155,10 +138,7 @@ class HeavyRequests:
         q = self._waiting.setdefault(identity, deque())
         if len(q) >= MAX_WAITING and not first:
             return False
-        if first:
-            q.appendleft(request)
-        else:
-            q.append(request)
+        (q.appendleft if first else q.append)(request)
         return True
 
     def waiting_sessions(self) -> list[bytes]:
@@ -182,8 +162,7 @@ class HeavyRequests:
     # -- lifetimes -------------------------------------------------------------------
     def release(self, box: list) -> None:
         """Empty ``box`` on a worker thread (now, without a serving loop): the caller puts
-        the last reference to something slow to free in it (a large rank's host memory is
-        unmapped then: ~0.1 s per GiB) and keeps none itself."""
+        the last reference to something slow to free in it and keeps none."""
         if self._loop is None:
             box.clear()
         else:
@@ -195,9 +174,9 @@ class HeavyRequests:
         return self._executor
 
     def close(self, wait: bool = True) -> list[Job]:
-        """Stop serving: wait for every running ``fn`` (never interrupted) and return the
-        jobs in flight, for the server to resume with :class:`Gone`. Waiting requests are
-        dropped. ``wait`` False (the daemon is failing): do not wait, return nothing."""
+        """Stop serving: wait for every running ``fn`` and return the jobs in flight, for the
+        server to resume with :class:`Gone`; waiting requests are dropped. ``wait`` False
+        (the daemon is failing): do not wait, return nothing."""
         self._loop = None
         self._waiting.clear()
         jobs = list(self._jobs.values())

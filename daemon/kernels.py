@@ -1,10 +1,6 @@
 """The daemon's CUDA kernel modules: their entry points, their constants, and ``warm``
 (compile every module at start, before READY). Compiling and the on-disk cubin cache are
-``sparsekv.csrc.build`` (shared with the client's handle kernels); its names are
-re-exported here.
-
-This module imports ``cupy`` only when a kernel is first needed: importing it on a machine
-without CUDA works.
+``sparsekv.csrc.build``; ``cupy`` is imported only when a kernel is first needed.
 """
 
 from __future__ import annotations
@@ -13,15 +9,7 @@ import os
 from collections.abc import Iterable
 
 from sparsekv.csrc import build
-from sparsekv.csrc.build import (  # noqa: F401 - re-exported
-    CACHE_ENV,
-    DEFAULT_CACHE_DIR,
-    DEFAULT_SMEM_BYTES,
-    OPTIONS,
-    cache_dir,
-    csrc_dir,
-    load_source,
-)
+from sparsekv.csrc.build import CACHE_ENV, DEFAULT_CACHE_DIR, DEFAULT_SMEM_BYTES, cache_dir, load_source  # noqa: F401
 
 # Kernel entry points by source file; warm() compiles every module listed here.
 SOURCES: dict[str, tuple[str, ...]] = {
@@ -29,9 +17,6 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "copy.cu": ("skv_copy_rows", "skv_gather", "skv_fetch"),
 }
 
-# One block per batch row. With a collective's warp totals summed by warp reductions
-# (csrc/common.cuh) the resolve fits 64 registers a thread, and at batch 64, top-k 2048,
-# region 4096 it timed 13.8 us against 14.3 at 768 (H200; docs/PERF.md).
 RESOLVE_THREADS = 1024
 COPY_THREADS = 256
 
@@ -42,11 +27,9 @@ DEFAULT_HASH_SCALE = 2
 def resolve_defines(threads: int = RESOLVE_THREADS, hash_scale: int = DEFAULT_HASH_SCALE,
                     lru_smem: bool = False, owner_smem: bool = False, ws_smem: bool = False) -> dict:
     """Constants of the residency module (csrc/resolve.cu): threads per block, the hash
-    table's size (``hash_scale`` entries per power-of-two column), and whether the new lru
-    row and the owner row live in the workspace (``lru_smem``, ``owner_smem``);
-    ``ws_smem``: the workspace is in shared memory, known when the module is built (its
-    accesses then compile to shared-memory instructions; the launch passes no global
-    workspace)."""
+    table's size (``hash_scale`` entries per power-of-two column), whether the new lru row
+    and the owner row live in the workspace (``lru_smem``, ``owner_smem``), and whether
+    the workspace is in shared memory (``ws_smem``: the launch passes no global one)."""
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"resolve threads must be a multiple of 32 in [32, 1024], got {threads}")
     if hash_scale not in HASH_SCALES:
@@ -73,42 +56,28 @@ def copy_defines(row_bytes: int, threads: int = COPY_THREADS) -> dict:
 class KernelCache(build.KernelCache):
     """:class:`sparsekv.csrc.build.KernelCache` plus :meth:`warm` for the daemon's modules."""
 
-    def warm(
-        self,
-        row_bytes: Iterable[int] = (656,),
-        resolve_threads: Iterable[int] | None = None,
-        copy_threads: Iterable[int] | None = None,
-    ) -> list[str]:
+    def warm(self, row_bytes: Iterable[int] = (656,)) -> list[str]:
         """Compile every module up front (at daemon start, not on the first decode step).
 
         Returns the function names loaded. ``row_bytes`` lists the row sizes of the
         layouts to serve (the copy kernel is specialised on ``row_bytes / 16``).
         """
         names = []
-        # The residency modules CudaResidency builds: the workspace in shared memory with
-        # the x4 table and the owner and lru rows (most layouts), the x4 table alone or the
-        # x2 (wider regions), and in global memory (the widest).
+        # The residency modules CudaResidency builds, from the narrowest regions to the widest.
         rows = {"ws_smem": True, "lru_smem": True, "owner_smem": True}
         shapes = [{"hash_scale": 4, **rows}, {"hash_scale": 4, "ws_smem": True}, {"hash_scale": 2, "ws_smem": True},
                   {"hash_scale": 2}]
-        for threads in resolve_threads or (RESOLVE_THREADS,):
-            for shape in shapes:
-                for fn in SOURCES["resolve.cu"]:
-                    self.function("resolve.cu", fn, resolve_defines(threads, **shape))
-                    names.append(fn)
+        for shape in shapes:
+            for fn in SOURCES["resolve.cu"]:
+                self.function("resolve.cu", fn, resolve_defines(**shape))
+                names.append(fn)
         for rb in row_bytes:
-            for threads in copy_threads or (COPY_THREADS,):
-                for fn in SOURCES["copy.cu"]:
-                    self.function("copy.cu", fn, copy_defines(rb, threads))
-                    names.append(fn)
+            for fn in SOURCES["copy.cu"]:
+                self.function("copy.cu", fn, copy_defines(rb))
+                names.append(fn)
         return names
 
 
 def get_cache(cache_dir_: str | os.PathLike | None = None) -> KernelCache:
     """The process-wide daemon :class:`KernelCache` for a cache directory."""
     return build.get_cache(cache_dir_, KernelCache)
-
-
-def warm(cache_dir_: str | os.PathLike | None = None, row_bytes: Iterable[int] = (656,)) -> list[str]:
-    """Compile every kernel module into the cache (see :meth:`KernelCache.warm`)."""
-    return get_cache(cache_dir_).warm(row_bytes=row_bytes)

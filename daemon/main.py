@@ -1,10 +1,9 @@
 """``sparsekvd``: the per-node daemon's entry point.
 
 Start: configuration, run-dir lock, a check that the backend can start at all (before
-minutes of pre-faulting), the pool, the backend, then serving. Signals: SIGTERM/SIGINT
-stop cleanly at any point (during the pre-fault too: STOPPING=1, pool freed, lock
-released); SIGHUP is logged and ignored (there is nothing to reload: settings are read
-at start), so it never kills the daemon and leaves stale sockets behind.
+minutes of pre-faulting), the pool, the backend, then serving. SIGTERM/SIGINT stop
+cleanly at any point (during the pre-fault too); SIGHUP is logged and ignored (settings
+are read at start only).
 """
 
 from __future__ import annotations
@@ -36,22 +35,15 @@ from .stats import package_version
 
 log = logging.getLogger("sparsekv")
 
-# The daemon's CUDA environment, set by main() before CUDA starts (never at import: a
-# process that imports this module, a test run say, would pass it to every CUDA process it
-# starts). A setting already in the environment (the unit's Environment=) wins.
+# The daemon's CUDA environment, set by main() before CUDA starts (never at import: it
+# would pass to every CUDA process an importer starts). The environment's own setting wins.
 CUDA_ENV = {
-    # Hardware work queues of the daemon's context (8 by default, 32 at most). A doorbell
-    # rank's stream sits in a stream wait while its engine computes; a stream sharing its
-    # queue would wait behind it. Under MPS the queues come from one pool that every
-    # client of the GPU shares (NVIDIA's MPS guide, CUDA_DEVICE_MAX_CONNECTIONS): measured
-    # on the H200, a test run whose every process asked for 32 had spawned ranks fail to
-    # create contexts (cudaErrorMemoryAllocation); the daemon alone at 32 beside clients
-    # at the default did not. deploy/README.md says when to lower it.
+    # Hardware work queues (8 by default, 32 at most): a doorbell rank's stream waits while
+    # its engine computes, and a stream sharing its queue would wait behind it (under MPS:
+    # deploy/README.md).
     "CUDA_DEVICE_MAX_CONNECTIONS": "32",
-    # Kernels are loaded when their module is (not at first launch): the H200 run had the
-    # daemon hang inside CuPy's compile-and-load of a kernel launched while a doorbell
-    # stream was parked on its bell, and lazy loading is documented to wait for work in
-    # flight. (That launch is gone: doorbell.py rings with stream memory operations.)
+    # Kernels load with their module, not at first launch: lazy loading is documented to
+    # wait for work in flight, such as a doorbell stream parked on its bell.
     "CUDA_MODULE_LOADING": "EAGER",
 }
 
@@ -65,31 +57,22 @@ def set_cuda_environment() -> None:
 # second: a start that keeps moving is never killed by TimeoutStartSec=, a stuck one is.
 START_EXTEND_S = 60.0
 PROGRESS_LOG_INTERVAL_S = 5.0  # pre-fault progress lines in the log (STATUS= gets every one)
-# Below this many open files the daemon warns: every client connection takes one (and
-# libzmq aborts the process if an accept finds none: daemon/connguard.py holds off new
-# connections near the limit). systemd's default soft limit is 1024.
-MIN_OPEN_FILES = 4096
-
-
-def raise_open_files_limit() -> tuple[int, int, int]:
-    """Raise the soft RLIMIT_NOFILE to the hard one; return (before, now, hard). An
-    unprivileged process may always do this; systemd's default is 1024 soft, 524288
-    hard (the unit sets LimitNOFILE=65536)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft == resource.RLIM_INFINITY or soft >= want:
-        return soft, soft, hard
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ValueError, OSError):  # a hard limit above fs.nr_open: keep what we have
-        return soft, soft, hard
-    return soft, want, hard
+MIN_OPEN_FILES = 4096  # below this the daemon warns: every client connection takes one
 
 
 def log_open_files_limit() -> None:
-    before, now, hard = raise_open_files_limit()
-    if now != before:
-        log.info("open files: soft limit raised from %d to %d (the hard limit)", before, now)
+    """Raise the soft RLIMIT_NOFILE to the hard one, and log the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    now = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= now:
+        now = soft
+    else:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (now, hard))
+        except (ValueError, OSError):  # a hard limit above fs.nr_open: keep what we have
+            now = soft
+    if now != soft:
+        log.info("open files: soft limit raised from %d to %d (the hard limit)", soft, now)
     else:
         log.info("open files: soft limit %d (hard %d)", now, hard)
     if now < MIN_OPEN_FILES:
@@ -99,23 +82,16 @@ def log_open_files_limit() -> None:
 
 
 # -- logging ------------------------------------------------------------------------------
+_SYSLOG_PRIORITIES = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
+
+
 def _syslog_priority(levelno: int) -> int:
-    if levelno >= logging.CRITICAL:
-        return 2
-    if levelno >= logging.ERROR:
-        return 3
-    if levelno >= logging.WARNING:
-        return 4
-    if levelno >= logging.INFO:
-        return 6
-    return 7
+    return next((prio for level, prio in _SYSLOG_PRIORITIES if levelno >= level), 7)
 
 
 class JournalFormatter(logging.Formatter):
-    """sd-daemon(3) style for journald: each line starts with ``<N>``, its syslog priority
-    (journald stores it as the entry's PRIORITY), and carries no time (journald adds it).
-    Every line of a multi-line record (a traceback) gets the prefix: journald makes one
-    entry per line."""
+    """sd-daemon(3) style for journald: every line (journald makes one entry per line)
+    starts with ``<N>``, its syslog priority, and carries no time (journald adds it)."""
 
     def __init__(self):
         super().__init__("%(levelname)s %(name)s: %(message)s")
@@ -136,9 +112,8 @@ class UtcFormatter(logging.Formatter):
 
 
 def on_journald(stream, environ=None) -> bool:
-    """True when ``stream`` is systemd's journal stream: ``$JOURNAL_STREAM`` ("dev:inode")
-    names the very file ``stream`` writes to. A child whose stderr was redirected
-    elsewhere inherits the variable but not the stream, hence the comparison."""
+    """True when ``$JOURNAL_STREAM`` ("dev:inode") names the very file ``stream`` writes
+    to (a child whose stderr was redirected inherits the variable, not the stream)."""
     environ = os.environ if environ is None else environ
     dev, _, ino = environ.get("JOURNAL_STREAM", "").partition(":")
     if not (dev.isdigit() and ino.isdigit()):
@@ -218,13 +193,9 @@ class _Interrupted(BaseException):
 
 
 class StartSignals:
-    """Signal handling until the event loop takes over (a context manager; the previous
-    handlers come back at exit).
-
-    SIGTERM/SIGINT record a stop; inside :meth:`interruptible` (the pool's pre-fault,
-    which may take minutes) they also raise :class:`_Interrupted` at once, elsewhere
-    :meth:`check` raises it at the next step of the start. SIGHUP is logged and ignored.
-    """
+    """Signal handling until the event loop takes over (a context manager). SIGTERM/SIGINT
+    raise :class:`_Interrupted` at once inside :meth:`interruptible` (the pool's
+    pre-fault), elsewhere at the next :meth:`check`. SIGHUP is logged and ignored."""
 
     def __init__(self):
         self.requested: int | None = None
@@ -273,19 +244,16 @@ def log_sighup() -> None:
 
 def pool_pinner(cfg):
     """A :class:`~sparsekv.daemon.pinned.PoolPinner` for the pool when the cuda backend will
-    serve it (``cuda``, or ``auto`` on a machine whose GPU CuPy sees), as its
-    ``pin_pool_at_start`` says: ``1`` chunk by chunk while it is pre-faulted, ``after`` the
-    whole pool once it is; ``0``: None (each engine's range is page-locked at its attach).
-    Either way in chunks of ``pin_chunk_gib``."""
+    serve it, as ``pin_pool_at_start`` says: ``1`` chunk by chunk while it is pre-faulted,
+    ``after`` once it is; ``0``: None (each engine's range is page-locked at its attach)."""
     if cfg.pin_pool_at_start == "0" or cfg.backend not in ("auto", "cuda") or cuda_unavailable() is not None:
         return None
     return PoolPinner(cfg.pool_size, max_chunk_bytes=cfg.pin_chunk_bytes, while_faulting=cfg.pin_pool_at_start == "1")
 
 
 def backend_refusal(cfg) -> str | None:
-    """Why the configured backend cannot start, found before the pool is pre-faulted (a
-    large pool takes minutes); None when it may. Only an explicit cuda backend is checked:
-    ``auto`` falls back to cpu, and make_backend decides that once the pool exists."""
+    """Why the configured backend cannot start, found before the pool is pre-faulted; None
+    when it may. Only an explicit cuda backend is checked (``auto`` falls back to cpu)."""
     if cfg.backend != "cuda":
         return None
     reason = cuda_unavailable()
@@ -340,9 +308,6 @@ def main(argv=None) -> int:
                      cfg.run_dir, size)
             notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")
             last_log = [time.monotonic()]
-
-            # The cuda backend page-locks the whole pool here, chunk by chunk as the pre-fault
-            # goes (pin_pool_at_start "after": once it is done; "0": at each attach).
             pinner = pool_pinner(cfg)
             doing = "pre-faulting and page-locking" if pinner is not None and pinner.while_faulting else "pre-faulting"
 
@@ -376,18 +341,15 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status="starting backend")
             backend = make_backend(cfg, pool, pool_region)
             signals.check()
+            busy_poll_us = cfg.busy_poll_us if cfg.busy_poll_us >= 0 else (1000 if backend.name == "cuda" else 0)
             daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
-                            reap_interval_s=cfg.reap_interval_s, notifier=notifier,
-                            busy_poll_us=cfg.busy_poll_us if cfg.busy_poll_us >= 0
-                            else (1000 if backend.name == "cuda" else 0),
-                            metrics_port=cfg.metrics_port,
-                            admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None,
+                            reap_interval_s=cfg.reap_interval_s, notifier=notifier, busy_poll_us=busy_poll_us,
+                            metrics_port=cfg.metrics_port, admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None,
                             max_clients_per_uid=cfg.max_clients_per_uid,
                             max_pool_bytes_per_uid=cfg.max_pool_bytes_per_uid,
-                            max_connections_per_uid=cfg.max_connections_per_uid,
-                            hello_timeout_s=cfg.hello_timeout_s, idle_timeout_s=cfg.idle_timeout_s,
-                            io_cpus=io_cpus, warmer=warmer)
-            daemon.max_slab_bytes = cfg.max_slab_bytes  # ATTACH: check_layout_limits
+                            max_connections_per_uid=cfg.max_connections_per_uid, hello_timeout_s=cfg.hello_timeout_s,
+                            idle_timeout_s=cfg.idle_timeout_s, io_cpus=io_cpus, warmer=warmer)
+            daemon.engine_requests.max_slab_bytes = cfg.max_slab_bytes
             return _run(daemon, signals)
         except _Interrupted:
             notifier.stopping()
@@ -456,8 +418,7 @@ def _run(daemon, signals: StartSignals) -> int:
         daemon.stop()
 
     # The connection guard's thread must react within milliseconds to a flood of
-    # connections (daemon/connguard.py): it waits for the GIL at most this long, not the
-    # default 5 ms. Only threads that want the GIL at once pay for the switches.
+    # connections (daemon/connguard.py): it waits for the GIL at most this long, not 5 ms.
     sys.setswitchinterval(GIL_SWITCH_S)
 
     async def go():

@@ -19,8 +19,7 @@ def run_dir_tag(run_dir: str) -> str:
 
 def remove_stale(prefix: str) -> None:
     """Remove files ``prefix*`` left by a daemon of this run dir that died (an older
-    version: slabs and step blocks are memfds now, which leave nothing); nobody can be
-    using them (the caller made sure no daemon serves this run dir)."""
+    version); the caller made sure no daemon serves this run dir."""
     for stale in glob.glob(prefix + "*"):
         log.warning("removing stale shared-memory file %s", stale)
         try:
@@ -33,13 +32,8 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def new_memfd(name: str, nbytes: int) -> int:
-    """A memfd of ``nbytes`` (close-on-exec) whose pages are reserved now, and sealed
-    against any change of size. It has no name in any file system: nobody can open it, a
-    client gets it only as a descriptor (the fd socket, ``proto/fd_socket.py``); ``name``
-    only shows in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``. Reserving (``fallocate``)
-    fails here, with ``OSError``, where a sparse file would let a later access die of
-    SIGBUS; the seals keep a client that holds the descriptor from shrinking it under the
-    daemon's mapping (SIGBUS again)."""
+    """A memfd of ``nbytes`` (close-on-exec) whose pages are reserved now (``OSError`` here,
+    not SIGBUS later), sealed against any change of size (a client cannot shrink it)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.posix_fallocate(fd, 0, nbytes)

@@ -50,8 +50,7 @@ class Notifier:
 
     def extend_timeout(self, seconds: float, status: str | None = None) -> bool:
         """Ask systemd (>= 236) for ``seconds`` more before it gives up on the current
-        start (or stop): sent while a large pool pre-faults, so ``TimeoutStartSec=`` bounds
-        a stall, not a slow but moving start. It never shortens the unit's own timeout."""
+        start (or stop), so ``TimeoutStartSec=`` bounds a stall, not a slow moving start."""
         fields: dict[str, str | int] = {} if status is None else {"STATUS": status}
         fields["EXTEND_TIMEOUT_USEC"] = max(1, int(seconds * 1e6))
         return self.send(**fields)

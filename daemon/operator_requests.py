@@ -1,7 +1,5 @@
 """What the operator asks the daemon: STATS on the control socket, the stats socket's
-commands (``stats``, ``json``, ``prometheus``, ``clients``, ``health``) and the loopback
-HTTP ``/metrics`` endpoint. All answered on the event loop from the snapshot
-(``snapshot.py``) and the daemon's own Prometheus registry; none changes any state."""
+commands and the loopback HTTP ``/metrics`` endpoint; none changes any state."""
 
 from __future__ import annotations
 
@@ -12,17 +10,13 @@ from sparsekv.proto import MsgType
 
 from . import stats as stats_mod
 
-# What generate_latest() writes (prometheus_client's CONTENT_TYPE_LATEST names 1.0.0 in
-# recent releases, which this text is not).
+# What generate_latest() writes (CONTENT_TYPE_LATEST names 1.0.0 in recent releases).
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class OperatorRequests:
-    """Args:
-        snapshot: returns the stats snapshot (a :class:`~sparsekv.daemon.snapshot.Snapshot`).
-        registry: the daemon's own ``prometheus_client`` registry (never the global one).
-        sessions: the daemon's :class:`~sparsekv.daemon.sessions.Sessions`.
-    """
+    """Over the daemon's :class:`~sparsekv.daemon.snapshot.Snapshot`, its own
+    ``prometheus_client`` registry and its sessions."""
 
     def __init__(self, snapshot, registry, sessions):
         self.snapshot, self.registry, self.sessions = snapshot, registry, sessions

@@ -3,14 +3,11 @@
 The kernel, not the client, says who a peer is. libzmq reads ``SO_PEERCRED`` of an
 ``ipc://`` connection when it is accepted and attaches it to every message received on it
 as the property ``Peer-Address`` (``"<host>:<uid>:<gid>:<pid>"``); the pid is translated
-into the daemon's pid namespace, 0 when the peer's process is not visible there. A HELLO's
-own ``pid`` field is kept for compatibility and only compared with the kernel's.
+into the daemon's pid namespace, 0 when the peer's process is not visible there.
 
-A peer's process is watched through a pidfd (``pidfd_open``, Linux >= 5.3): it names
-one process, not a number that may be reused, and becomes readable when that process
-exits (a zombie counts as exited). The server registers it with its event loop, so a dead
-client is reclaimed at once, not on the next reaper tick; where ``pidfd_open`` fails the
-reaper's periodic ``psutil`` check is the fallback.
+A peer's process is watched through a pidfd: it names one process, not a number that may
+be reused, and becomes readable when that process exits, so a dead client is reclaimed at
+once; where ``pidfd_open`` fails the reaper's periodic ``psutil`` check is the fallback.
 """
 
 from __future__ import annotations
@@ -35,14 +32,10 @@ class Peer:
     """A connection's credentials.
 
     Attributes:
-        uid, gid: the peer process's effective uid and gid when it connected.
-        pid: its pid in the daemon's pid namespace; 0 when unknown (a process outside
-            that namespace, or ``verified`` is False).
+        uid, gid, pid: the peer process's, pid in the daemon's pid namespace (0: unknown).
         verified: whether the kernel said so. False only for requests handed to
-            ``Daemon.handle`` in process as plain bytes (tests, profilers): they carry
-            no credentials and are taken as the daemon's own uid and gid, pid 0.
-        address: the ``Peer-Address`` string itself ("" when not verified): what a later
-            request's frames can be compared with for the price of one property read.
+            ``Daemon.handle`` as plain bytes: taken as the daemon's own uid and gid, pid 0.
+        address: the ``Peer-Address`` string itself ("" when not verified).
     """
 
     uid: int
@@ -57,10 +50,8 @@ class Peer:
 
 
 def peer_creds(frames) -> Peer | None:
-    """The credentials of the connection ``frames`` arrived on (``zmq.Frame`` objects
-    received with ``copy=False``), or None when the frames carry none (plain bytes: an
-    in-process call). Raises ``ProtocolError`` PERMISSION_DENIED when a received frame's
-    credentials are missing or unreadable: a peer the daemon cannot name gets nothing."""
+    """The credentials of the connection ``frames`` arrived on, or None for plain bytes (in
+    process); ``ProtocolError`` PERMISSION_DENIED when they are missing or unreadable."""
     get = getattr(frames[0], "get", None) if frames else None
     if get is None:
         return None
@@ -80,9 +71,8 @@ def peer_creds(frames) -> Peer | None:
 
 def parse_peer_address(value) -> Peer | None:
     """``"<host>:<uid>:<gid>:<pid>"`` as a verified :class:`Peer`, or None if it is not
-    exactly that (a tcp peer's bare address, an out-of-range number, not a string). The
-    host part (``localhost`` for a UNIX socket) may hold no colon: an IPv6 peer's
-    address (``fe80::1:2:3:4``) must never read as credentials."""
+    exactly that. The host part may hold no colon: an IPv6 peer's address
+    (``fe80::1:2:3:4``) must never read as credentials."""
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
     if not isinstance(value, str):
@@ -98,9 +88,8 @@ def parse_peer_address(value) -> Peer | None:
 
 def process_groups(pid: int) -> frozenset[int]:
     """The supplementary groups of process ``pid`` (``/proc/<pid>/status``), empty when
-    they cannot be read (the process is gone, or ``/proc`` hides it). ``SO_PEERCRED``
-    carries only the primary gid; callers check that the process they asked about is
-    still the one they watch (its pidfd not readable) before trusting the answer."""
+    they cannot be read. Callers check that the process is still the one they watch
+    before trusting the answer."""
     if pid <= 0:
         return frozenset()
     try:
@@ -118,14 +107,11 @@ class PidWatch:
 
     Arguments:
         pid: the process (in the daemon's pid namespace, > 0).
-        on_exit: called once from the running event loop when the process exits (the
-            pidfd becomes readable); without a running loop (in-process tests) nothing is
-            registered and callers poll :meth:`exited`.
+        on_exit: called once from the running event loop when the process exits; without
+            a running loop callers poll :meth:`exited`.
 
-    Raises ``OSError`` when the pidfd cannot be opened (ESRCH: the process is already
-    gone; ENOSYS / EPERM: kernel or seccomp without ``pidfd_open``) and
-    ``AttributeError`` on Pythons without ``os.pidfd_open``: callers fall back to
-    polling the pid.
+    Raises ``OSError`` when the pidfd cannot be opened (the process is gone, or no
+    ``pidfd_open``) and ``AttributeError`` on Pythons without ``os.pidfd_open``.
     """
 
     def __init__(self, pid: int, on_exit: Callable[[], None] | None = None):

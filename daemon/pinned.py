@@ -1,19 +1,13 @@
 """Page-lock an existing host mapping for the GPU, in chunks, with a lifetime object.
 
 :class:`PinnedRegion` registers ``[address, address + nbytes)`` with
-``cudaHostRegister(portable | mapped)`` in chunks of at most ``max_chunk_bytes``
-(registering a 100+ GiB pool in one call is slow and all-or-nothing; DESIGN.md §2 measured
-22-34 GiB/s with 4 GiB chunks). Chunk boundaries fall on multiples of
-``lcm(row_bytes, page size)`` from the start, so a row never straddles two chunks and no
-page is registered twice. A failure part-way unregisters the chunks already registered,
-then raises. :meth:`PinnedRegion.close` unregisters every chunk exactly once and is
-idempotent.
+``cudaHostRegister(portable | mapped)`` in chunks of at most ``max_chunk_bytes`` (one
+call for a 100+ GiB pool is slow and all-or-nothing; DESIGN.md §2). A failure part-way
+unregisters the chunks already registered, then raises.
 
-The region does not own the mapping (the pool does: ``daemon/pool.py`` maps, pre-faults and
-unmaps it); it must be closed before the mapping goes away.
-
-The CUDA runtime is reached through a small adapter (:class:`CudaHostRuntime`) so tests can
-put a fake at this boundary; ``cupy`` is imported only when the real one is used.
+The region does not own the mapping (``daemon/pool.py`` does); it must be closed before
+the mapping goes away. The CUDA runtime is reached through :class:`CudaHostRuntime`, so
+tests can put a fake at this boundary.
 """
 
 from __future__ import annotations
@@ -47,11 +41,10 @@ class CudaHostRuntime:
         runtime = cupy.cuda.runtime
         self._rt = runtime
         dev = runtime.getDevice()
-        # With this attribute set (x86-64 Linux, every GPU we target) the device address of
-        # registered memory equals its host address; else ask the driver per chunk.
-        self._same_address = bool(
-            runtime.deviceGetAttribute(runtime.cudaDevAttrCanUseHostPointerForRegisteredMem, dev)
-        )
+        # With this attribute set the device address of registered memory equals its host
+        # address; else ask the driver per chunk.
+        attr = runtime.cudaDevAttrCanUseHostPointerForRegisteredMem
+        self._same_address = bool(runtime.deviceGetAttribute(attr, dev))
         self._cuda = None
 
     def register(self, address: int, nbytes: int, flags: int) -> None:
@@ -83,25 +76,20 @@ class Chunk:
 
 
 def plan_chunks(address: int, nbytes: int, row_bytes: int, max_chunk_bytes: int, page_bytes: int) -> list[tuple[int, int]]:
-    """Return ``(offset, nbytes)`` of each chunk (pure function, no CUDA).
-
-    Every boundary is a multiple of ``lcm(row_bytes, page_bytes)`` from the start: rows
-    never straddle chunks, and with a page-aligned ``address`` no page is in two chunks.
-    """
+    """``(offset, nbytes)`` of each chunk: every boundary is a multiple of
+    ``lcm(row_bytes, page_bytes)`` from the start, so no row or page is in two chunks."""
     if nbytes <= 0 or row_bytes <= 0 or max_chunk_bytes <= 0:
         raise ValueError(f"nbytes {nbytes}, row_bytes {row_bytes} and max_chunk_bytes {max_chunk_bytes} must be positive")
     if nbytes <= max_chunk_bytes:
         return [(0, nbytes)]
     if address % page_bytes:
-        raise ValueError(
-            f"address {address:#x} is not page-aligned ({page_bytes} B): chunk boundaries would split pages"
-        )
+        raise ValueError(f"address {address:#x} is not page-aligned ({page_bytes} B): "
+                         "chunk boundaries would split pages")
     unit = math.lcm(row_bytes, page_bytes)
     chunk = max_chunk_bytes // unit * unit
     if chunk == 0:
-        raise ValueError(
-            f"max_chunk_bytes {max_chunk_bytes} is below lcm(row_bytes, page) = {unit}: no chunk can hold whole rows"
-        )
+        raise ValueError(f"max_chunk_bytes {max_chunk_bytes} is below lcm(row_bytes, page) = {unit}: "
+                         "no chunk can hold whole rows")
     return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
 
 
@@ -109,25 +97,15 @@ class PinnedRegion:
     """A host mapping registered with CUDA (portable, mapped), chunk by chunk.
 
     Args:
-        address: host address of the first byte (an mmap: page-aligned).
-        nbytes: bytes to register.
+        address, nbytes: the bytes to register (an mmap's: page-aligned).
         row_bytes: the row size whose rows must not straddle chunks.
         max_chunk_bytes: the largest single ``cudaHostRegister`` call.
-        runtime: the CUDA boundary (default :class:`CudaHostRuntime`).
-        page_bytes: page size (default: the system's).
+        runtime: the CUDA boundary (default :class:`CudaHostRuntime`); page_bytes: the system's.
+        deferred: register nothing yet (:meth:`register_through`, then :meth:`finish`).
     """
 
-    def __init__(
-        self,
-        address: int,
-        nbytes: int,
-        row_bytes: int,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-        *,
-        runtime=None,
-        page_bytes: int | None = None,
-        deferred: bool = False,
-    ):
+    def __init__(self, address: int, nbytes: int, row_bytes: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, *,
+                 runtime=None, page_bytes: int | None = None, deferred: bool = False):
         self.address = int(address)
         self.nbytes = int(nbytes)
         self.row_bytes = int(row_bytes)
@@ -146,9 +124,9 @@ class PinnedRegion:
 
     # -- registering (at once, or as the pool's pre-fault goes: ``deferred=True``) ------
     def register_through(self, nbytes_ready: int) -> None:
-        """Register every planned chunk that ends within the first ``nbytes_ready`` bytes
-        (the part already pre-faulted, say). On a failure everything registered so far is
-        unregistered, the region is closed, and :class:`PinError` says where it failed."""
+        """Register every planned chunk that ends within the first ``nbytes_ready`` bytes.
+        On a failure everything registered so far is unregistered, the region is closed,
+        and :class:`PinError` says where it failed."""
         if self._closed:
             raise PinError("the pinned region is closed")
         while len(self._done) < len(self._plan):
@@ -224,9 +202,8 @@ class PinnedRegion:
             raise ValueError(f"span [{offset}, {offset + nbytes}) outside the region of {self.nbytes} B")
         c = self.chunk_of(offset)
         if not self.contiguous and offset + nbytes > c.offset + c.nbytes:
-            raise ValueError(
-                f"span [{offset}, {offset + nbytes}) crosses chunks whose device addresses are not contiguous"
-            )
+            raise ValueError(f"span [{offset}, {offset + nbytes}) crosses chunks whose device addresses "
+                             "are not contiguous")
         return c.device_address + (offset - c.offset)
 
     @property
@@ -262,15 +239,10 @@ class PinnedRegion:
 
 class PoolPinner:
     """Page-lock a host pool at the daemon's start: pass it as ``HostPool``'s
-    ``on_faulted``. With ``while_faulting`` (the daemon's default) each call registers the
-    chunks of ``max_chunk_bytes`` that the faulted prefix now covers (chunk *n* registered
-    while the chunks after it are faulted); without it nothing is registered until
-    :meth:`finish`. On the H200 a 64 GiB pool was ready at 25.5-28.7 GiB/s with the
-    overlap, 17.2-21.3 without (docs/PERF.md). :meth:`finish` registers the rest and returns the
-    :class:`PinnedRegion` of the whole pool. The pool's rows belong to engines of any row
-    size, so chunk boundaries fall on pages only (``row_bytes`` 16): kernels read across
-    them freely, a single bulk DMA copy must not cross one (none of the daemon's copies of
-    pool rows is one)."""
+    ``on_faulted``. With ``while_faulting`` each call registers the chunks that the faulted
+    prefix now covers; :meth:`finish` registers the rest and returns the whole pool's
+    :class:`PinnedRegion`. Chunk boundaries fall on pages only (engines of any row size
+    share the pool): no single bulk DMA copy of pool rows may cross one."""
 
     def __init__(self, size_bytes: int, max_chunk_bytes: int, runtime=None, while_faulting: bool = True):
         self.size_bytes = int(size_bytes)
@@ -300,16 +272,13 @@ class PoolPinner:
 
 
 class PinnedView:
-    """A range of a :class:`PinnedRegion` (an engine's part of a pool registered as a
-    whole), with the region's ``device_address`` and a ``close`` that leaves the region
+    """An engine's range of a :class:`PinnedRegion`; its ``close`` leaves the region
     registered (the pool's owner closes it)."""
 
     def __init__(self, region: PinnedRegion, offset: int, nbytes: int):
         if offset < 0 or nbytes <= 0 or offset + nbytes > region.nbytes:
             raise ValueError(f"view [{offset}, {offset + nbytes}) outside the region of {region.nbytes} B")
         self.region, self.offset, self.nbytes = region, int(offset), int(nbytes)
-        self.address = region.address + self.offset
-        self.row_bytes = region.row_bytes
         self._closed = False
 
     @property
@@ -322,10 +291,6 @@ class PinnedView:
         if nbytes < 1 or offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"span [{offset}, {offset + nbytes}) outside the view of {self.nbytes} B")
         return self.region.device_address(self.offset + offset, nbytes)
-
-    @property
-    def device_base(self) -> int:
-        return self.device_address(0, self.nbytes)
 
     def close(self) -> None:
         self._closed = True

@@ -1,24 +1,16 @@
 """The host pool: one pre-faulted mapping that holds every engine's KV rows.
 
 The pool is an anonymous private mapping in transparent huge pages that children do not
-inherit (``MADV_DONTFORK``, ``MADV_HUGEPAGE``; the default) or, with the daemon's
-``pool_backing = "memfd"``, a memfd in small pages. Neither has a name in any file
-system, so a crashed daemon can never leave it behind to break the next start. Only the
-daemon maps it (engines get their rows through the GPU, or the cpu backend's slabs).
-On the H200 (docs/PERF.md, 2026-12-02) 64 GiB was faulted at 45.7 GiB/s in huge pages
-against the memfd's 4.4, and registered for the GPU at 36.7 GiB/s against 13.6; a
-gather read it no slower. Engines get byte ranges of it (``allocate``);
-an engine's range is laid out ``[num_layers, host_rows, row_bytes]`` so one request's rows
-of one layer stay close (the GPU gather slows when ids scatter; DESIGN §2).
+inherit (``MADV_DONTFORK``, ``MADV_HUGEPAGE``; the default) or, with ``pool_backing =
+"memfd"``, a memfd in small pages. Neither has a name in any file system, so a crashed
+daemon never leaves it behind. Engines get byte ranges of it (``allocate``), laid out
+``[num_layers, host_rows, row_bytes]`` so one request's rows of one layer stay close
+(DESIGN §2).
 
 A released range is zeroed before it is handed out again, so an engine never sees the rows
-of the one before it. The zeroing runs on the pool's own threads, off the request path
-(``memset``: about 12 ms per GiB on one thread on the 2-core dev VM, where
-``madvise(MADV_REMOVE)`` took ~230 ms per GiB and would also hand the pre-faulted pages
-back to the kernel); the loop thread hands the range back to the allocator once it is
-done. Only an ``allocate`` that finds no room waits for pending zeroing. Ranges up to
-``INLINE_ZERO_BYTES`` are zeroed at once (a fraction of a millisecond: less than the hop
-to a thread).
+of the one before it: on the pool's own threads, off the request path (``memset``;
+``madvise(MADV_REMOVE)`` is far slower and would hand the pre-faulted pages back), or at
+once up to ``INLINE_ZERO_BYTES``. Only an ``allocate`` that finds no room waits for it.
 """
 
 from __future__ import annotations
@@ -42,14 +34,12 @@ log = logging.getLogger("sparsekv.pool")
 
 ALIGN_BYTES = 2 << 20  # engine ranges start on 2 MiB boundaries (huge-page friendly)
 PREFAULT_CHUNK_BYTES = 64 << 20
-ZERO_CHUNK_BYTES = 256 << 20  # one memset of a released range: ~3 ms (dev VM)
+ZERO_CHUNK_BYTES = 256 << 20  # one memset of a released range
 ZERO_THREADS = 2  # memory-bound: more threads mostly take cores from the engines
-INLINE_ZERO_BYTES = 8 << 20  # ~0.1 ms (dev VM): zeroed in release() itself
+INLINE_ZERO_BYTES = 8 << 20  # zeroed in release() itself: less than the hop to a thread
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _MADV_DONTFORK = 10
 _MADV_HUGEPAGE = 14
-# What may back the pool (the daemon's pool_backing setting): an anonymous private mapping
-# in transparent huge pages, or a memfd in small pages.
 BACKINGS = ("anon_thp", "memfd")
 
 
@@ -70,10 +60,9 @@ def thp_mode() -> str | None:
 
 def anon_huge_bytes(address: int | None = None, nbytes: int = 0) -> int:
     """Anonymous memory in transparent huge pages (``AnonHugePages``): of the mappings of
-    this process that overlap ``[address, address + nbytes)`` (/proc/self/smaps), each
-    counted at most as far as it overlaps (the kernel may merge the pool's mapping with a
-    neighbour's, whose huge pages are not the pool's), or of the whole process when
-    ``address`` is None (/proc/self/smaps_rollup); 0 when it cannot be read."""
+    this process that overlap ``[address, address + nbytes)``, each counted at most as far
+    as it overlaps (the kernel may merge the pool's mapping with a neighbour's), or of the
+    whole process when ``address`` is None; 0 when it cannot be read."""
     path = "/proc/self/smaps_rollup" if address is None else "/proc/self/smaps"
     total, inside, overlap = 0, address is None, None
     try:
@@ -109,8 +98,7 @@ VMSTAT_KEYS = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall", "compac
 
 def vmstat(keys=VMSTAT_KEYS, path: str = "/proc/vmstat") -> dict[str, int]:
     """The kernel's counters ``keys`` from /proc/vmstat (those it has; {} where it cannot be
-    read): huge pages given or refused at faults, compaction and reclaim stalls, for the
-    pool's pre-fault figures."""
+    read), for the pool's pre-fault figures."""
     out: dict[str, int] = {}
     try:
         with open(path) as f:
@@ -144,36 +132,26 @@ class HostPool:
         faulted_s: seconds until every page was faulted (the last chunk's touch done).
     """
 
-    def __init__(
-        self,
-        size_bytes: int,
-        threads: int = 0,
-        progress: Callable[[float], None] | None = None,
-        name: str = "sparsekv-pool",
-        on_faulted: Callable[[int, int], None] | None = None,
-        backing: str = "anon_thp",
-    ):
+    def __init__(self, size_bytes: int, threads: int = 0, progress: Callable[[float], None] | None = None,
+                 name: str = "sparsekv-pool", on_faulted: Callable[[int, int], None] | None = None,
+                 backing: str = "anon_thp"):
         if backing not in BACKINGS:
             raise PoolError(f"pool backing must be one of {', '.join(BACKINGS)}, got {backing!r}")
         avail = psutil.virtual_memory().available
         if size_bytes > avail:
-            raise PoolError(
-                f"pool of {format_size(size_bytes)} does not fit in available RAM "
-                f"({format_size(avail)}); lower --pool-size"
-            )
+            raise PoolError(f"pool of {format_size(size_bytes)} does not fit in available RAM "
+                            f"({format_size(avail)}); lower --pool-size")
         self.size_bytes = int(size_bytes)
         self._ranges = RangeAllocator(self.size_bytes, ALIGN_BYTES)
         # Released ranges waiting to be zeroed: offset -> (length, chunk futures). Only the
-        # owner thread (the daemon's loop) touches ``_ranges``; zeroing threads only write
-        # the bytes, and ``_collect`` hands finished ranges back to the allocator.
+        # owner thread touches ``_ranges``; zeroing threads only write the bytes.
         self._lengths: dict[int, int] = {}
         self._zeroing: dict[int, tuple[int, list]] = {}
         self._zeroer: ThreadPoolExecutor | None = None
         self._mm = None
         self.backing = backing
-        # Bytes of the pool the kernel gave in transparent huge pages, read once it is
-        # pre-faulted (0 for a memfd, None before): a pool in small pages is faulted and
-        # registered several times slower (a gather from it measured no slower; docs/PERF.md).
+        # Bytes of the pool the kernel gave in transparent huge pages, once it is
+        # pre-faulted (0 for a memfd, None before).
         self.huge_bytes: int | None = None
         self._fd = -1
         self._map(name)
@@ -185,14 +163,12 @@ class HostPool:
 
     def _map(self, name: str) -> None:
         """Create the mapping (``_mm``, ``array``, ``address``). An anonymous one that
-        cannot be kept out of children (``MADV_DONTFORK`` refused, e.g. by a sandboxed
-        kernel) gives way to a memfd, with a warning: the daemon starts either way."""
+        cannot be kept out of children gives way to a memfd, with a warning."""
         if self.backing == "anon_thp":
             mm = mmap.mmap(-1, self.size_bytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
             arr = np.frombuffer(mm, dtype=np.uint8)
             try:
-                # Never in a child (no copy-on-write of pages the GPU reads), and in 2 MiB
-                # pages where the kernel allows them (transparent_hugepage madvise/always).
+                # Never in a child (no copy-on-write of pages the GPU reads), and in 2 MiB pages.
                 _madvise(arr.ctypes.data, self.size_bytes, _MADV_DONTFORK, "MADV_DONTFORK", required=True)
             except PoolError as e:
                 del arr
@@ -218,12 +194,9 @@ class HostPool:
         self.address = self.array.ctypes.data
 
     def _prefault(self, threads: int, progress, on_faulted=None) -> None:
-        """Touch every page once, in parallel: first touch of fresh shared memory runs at
-        ~1.5 GiB/s on one thread (DESIGN §2), far too slow for a large pool.
-        ``on_faulted(address, nbytes)`` (the pool's first byte, the bytes faulted from there),
-        called on this thread as the faulted prefix
-        grows (in order), lets the caller page-lock that prefix while the other threads
-        fault the rest (the cuda backend registers the pool this way)."""
+        """Touch every page once, in parallel. ``on_faulted(address, nbytes)``, called on
+        this thread as the faulted prefix grows, lets the caller page-lock that prefix
+        while the other threads fault the rest."""
         t0 = time.monotonic()
         chunks = [(o, min(PREFAULT_CHUNK_BYTES, self.size_bytes - o)) for o in range(0, self.size_bytes, PREFAULT_CHUNK_BYTES)]
         libc = ctypes.CDLL(None, use_errno=True)
@@ -263,19 +236,15 @@ class HostPool:
         huge = ""
         self.huge_bytes = 0
         if self.backing == "anon_thp":
-            # How much of it the kernel gave in huge pages (the fault rate depends on it).
             self.huge_bytes = got = anon_huge_bytes(self.address, self.size_bytes)
             huge = f", {got * 100 // max(1, self.size_bytes)} % in huge pages"
-        log.info(
-            "pool %s pre-faulted in %.2f s with %d threads (%.1f GiB/s%s)",
-            format_size(self.size_bytes), dt, threads, self.size_bytes / max(dt, 1e-9) / (1 << 30), huge,
-        )
+        log.info("pool %s pre-faulted in %.2f s with %d threads (%.1f GiB/s%s)", format_size(self.size_bytes), dt,
+                 threads, self.size_bytes / max(dt, 1e-9) / (1 << 30), huge)
 
     # -- allocation of engine ranges -------------------------------------------------
     def allocate(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` (rounded up to 2 MiB); return the offset. First fit. The
-        range holds zeros. When no free range fits but released ones are still being
-        zeroed, waits for them (tens of ms per GiB) and tries again."""
+        """Reserve ``nbytes`` (rounded up to 2 MiB, first fit, all zeros); return the offset.
+        When no free range fits, waits for released ones being zeroed and tries again."""
         self._collect()
         try:
             offset = self._ranges.allocate(nbytes)
@@ -300,11 +269,9 @@ class HostPool:
         return offset
 
     def release(self, offset: int, *, zero: bool = True) -> None:
-        """Give back the range at ``offset``. With ``zero`` (the default) its bytes are
-        zeroed first (on the pool's threads when larger than ``INLINE_ZERO_BYTES``); until
-        that is done the range is neither used nor free (``zeroing_bytes``) and is not
-        handed out. ``zero=False`` only for a range nothing wrote to (an
-        attach rolled back before any rank existed): free ranges always hold zeros."""
+        """Give back the range at ``offset``. With ``zero`` its bytes are zeroed first; until
+        that is done the range is neither used nor free (``zeroing_bytes``). ``zero=False``
+        only for a range nothing wrote to: free ranges always hold zeros."""
         length = self._lengths.pop(offset)
         if not zero or length <= INLINE_ZERO_BYTES:
             if zero:
@@ -337,10 +304,8 @@ class HostPool:
         return self._ranges.rounded(nbytes)
 
     def zeroing_to_wait_for(self, nbytes: int) -> list:
-        """What ``allocate(nbytes)`` would wait for now: the futures of every pending
-        zeroing when no free range fits (empty when it would not wait). Any thread may
-        wait for them (``concurrent.futures.wait``); the daemon does so on a worker thread
-        before an ATTACH allocates, so its loop never waits for zeroing."""
+        """The futures ``allocate(nbytes)`` would wait for now (empty when it would not), for
+        a worker thread to wait on before an ATTACH allocates."""
         self._collect()
         if not self._zeroing or self._ranges.fits(nbytes):
             return []
@@ -403,9 +368,5 @@ class HostPool:
 
 
 def _zero(address: int, nbytes: int) -> None:
-    """Write zeros over ``nbytes`` at ``address`` (ctypes drops the GIL for the call).
-    Measured on a 1 GiB range of a pre-faulted memfd mapping (2-core dev VM): memset
-    11.4-11.8 ms on one thread (12.3-12.6 ms on four: bandwidth-bound);
-    ``madvise(MADV_REMOVE)`` 219-248 ms, and 780-800 ms with the re-fault
-    (``MADV_POPULATE_WRITE``) that keeps the pool's pages committed."""
+    """Write zeros over ``nbytes`` at ``address`` (ctypes drops the GIL for the call)."""
     ctypes.memset(address, 0, nbytes)

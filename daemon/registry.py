@@ -2,14 +2,10 @@
 
 An engine (one model served by one or several TP ranks) is created by its first rank's
 ATTACH, which reserves its host pool range; every later rank of the same name joins it
-(with the same layout, or LAYOUT_MISMATCH) if it may: an engine belongs to the uid of the
-client that created it, and only that uid, root, or a member of the daemon's admin group
-joins it (anyone else gets PERMISSION_DENIED, which names neither the owner nor the
-layout); when its last rank detaches, the backend's per-engine resources and the pool
-range are released (the pool zeroes the range before it is reused). The server keeps sessions and
-maps each attached session to (engine name, rank state); everything per engine lives
-here and in :class:`~.engine.EngineSpace`, so a feature that acts once for all ranks of
-one engine is a change in these two places only.
+(with the same layout, or LAYOUT_MISMATCH) if it may: only the creator's uid, root, or a
+member of the daemon's admin group. When its last rank detaches, the backend's per-engine
+resources and the pool range are released. Everything per engine lives here and in
+:class:`~.engine.EngineSpace`.
 """
 
 from __future__ import annotations
@@ -46,14 +42,9 @@ class EngineRegistry:
     Arguments:
         pool: the daemon's :class:`HostPool`; engine ranges are allocated from it.
         backend: an ``engine.Backend``; it makes each rank's state and owns what an
-            engine holds beyond its pool range. An attach's slow part (:meth:`prepare`)
-            may run on a worker thread: the backend's ``prepare_rank`` (cuda: checks and
-            pinning), and ``new_rank`` unless the backend sets ``new_rank_on_loop``
-            (cuda: a rank's device buffers and graphs belong to the loop's thread).
-
+            engine holds beyond its pool range.
         max_pool_bytes_per_uid: pool bytes the engines one uid created may hold together
-            (their ranges, ``Layout.pool_bytes`` rounded up to 2 MiB); a new engine beyond it is QUOTA_EXCEEDED before
-            anything is allocated. 0: no quota.
+            (their ranges); a new engine beyond it is QUOTA_EXCEEDED. 0: no quota.
 
     Iterating yields engine names; ``len()`` is the number of engines.
     """
@@ -61,46 +52,22 @@ class EngineRegistry:
     def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0):
         self.pool = pool
         self.backend = backend
-        self.max_pool_bytes_per_uid = max_pool_bytes_per_uid  # 0: no quota
+        self.max_pool_bytes_per_uid = max_pool_bytes_per_uid
         self._engines: dict[str, EngineSpace] = {}
         self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
-
-    def attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
-               fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
-               transport: str = "zmq", engine_slab=None) -> tuple[RankState, dict]:
-        """Add rank ``rank`` (client ``client_id``, on ``device``) to ``engine_name``,
-        creating the engine (and its pool range) if it is new. Returns the rank's state and
-        the handles its client maps.
-
-        ``owner``: the client's credentials; a new engine belongs to them. An existing
-        engine with an owner is joined only with the same uid, as uid 0, or when
-        ``privileged`` (the caller's admin-group check); ``owner`` None joins only
-        engines that have none.
-
-        Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED (another
-        user's engine: checked first, and the message names neither its owner nor its
-        layout), LAYOUT_MISMATCH (the engine exists with another layout) or whatever the
-        backend raises; on any error nothing is left allocated for a new engine.
-
-        The steps of :meth:`begin_attach`, in one call (the daemon runs :meth:`prepare`
-        on a worker thread)."""
-        p = self.begin_attach(client_id, rank, device, engine_name, layout, fence_events, owner=owner,
-                              privileged=privileged, transport=transport, engine_slab=engine_slab)
-        try:
-            self.prepare(p)
-            return self.commit(p)
-        except BaseException:
-            self.abort(p)
-            raise
 
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
                      transport: str = "zmq", engine_slab=None) -> PendingAttach:
-        """The first step of :meth:`attach` (same arguments, same errors), on the owner's
-        thread: the checks, and a new engine's name and pool range (the engine is listed
-        from now on, with no rank). Then :meth:`prepare` (the slow part: any thread), then
-        :meth:`commit`; :meth:`abort` on any error or when the attach is given up. While
-        an attach is pending its engine is not released, even if every other rank leaves."""
+        """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
+        to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
+        pool range. Then :meth:`prepare` (any thread), then :meth:`commit`; :meth:`abort` on
+        any error. While an attach is pending its engine is not released.
+
+        ``owner``: the client's credentials; a new engine belongs to them. An existing
+        engine with an owner is joined only with the same uid, as uid 0, or when
+        ``privileged``. Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED
+        (checked first, naming neither the owner nor the layout) or LAYOUT_MISMATCH."""
         space = self._engines.get(engine_name)
         created = space is None
         if created:
@@ -113,18 +80,12 @@ class EngineRegistry:
                 self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
             self._engines[engine_name] = space
-        elif not _may_join(space.owner, owner, privileged):
-            # The same answer whatever the layout: another user learns nothing of the
-            # engine beyond its name being taken.
-            raise ProtocolError(
-                ErrorCode.PERMISSION_DENIED,
-                f"engine {engine_name!r} belongs to another user; attach as its owner, or choose another name",
-            )
+        elif not _may_join(space.owner, owner, privileged):  # the same answer whatever the layout
+            raise ProtocolError(ErrorCode.PERMISSION_DENIED, f"engine {engine_name!r} belongs to another user; "
+                                "attach as its owner, or choose another name")
         elif space.layout != layout:
-            raise ProtocolError(
-                ErrorCode.LAYOUT_MISMATCH,
-                f"engine {engine_name!r} is attached with {space.layout.to_wire()}, this rank sent {layout.to_wire()}",
-            )
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} is attached with "
+                                f"{space.layout.to_wire()}, this rank sent {layout.to_wire()}")
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
             kw["engine_slab"] = engine_slab
@@ -142,18 +103,15 @@ class EngineRegistry:
         pool_bytes = self.pool.range_bytes(pool_bytes)
         held = self.pool_bytes_of(owner.uid)
         if held + pool_bytes > self.max_pool_bytes_per_uid:
-            raise ProtocolError(
-                ErrorCode.QUOTA_EXCEEDED,
-                f"a new engine of {pool_bytes} pool bytes would bring uid {owner.uid} to {held + pool_bytes} "
-                f"(max_pool_bytes_per_uid {self.max_pool_bytes_per_uid}; its engines hold {held})",
-            )
+            raise ProtocolError(ErrorCode.QUOTA_EXCEEDED,
+                                f"a new engine of {pool_bytes} pool bytes would bring uid {owner.uid} to "
+                                f"{held + pool_bytes} "
+                                f"(max_pool_bytes_per_uid {self.max_pool_bytes_per_uid}; its engines hold {held})")
 
     def prepare(self, p: PendingAttach) -> None:
-        """The slow part of an attach, on any thread: the backend's ``prepare_rank``
-        (cuda: page-locks a new engine's pool range) and, unless the backend makes
-        its ranks on the owner's thread (``new_rank_on_loop``: cuda), the rank itself
-        (cpu: its slab). It touches only ``p``, its engine's pool range and what the
-        backend makes for it."""
+        """The slow part of an attach, on any thread: the backend's ``prepare_rank`` and,
+        unless ``new_rank_on_loop``, the rank itself. It touches only ``p``, its engine's
+        pool range and what the backend makes for it."""
         self.backend.prepare_rank(*p.new_rank_args, **p.new_rank_kw)
         if not self.backend.new_rank_on_loop:
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
@@ -175,8 +133,7 @@ class EngineRegistry:
             p.state = None
             self.backend.release_rank(p.client_id)
         self._settle(p)
-        # An engine this attach created never had a rank: nothing wrote to its range,
-        # which is still zero.
+        # An engine this attach created never had a rank: its range is still zero.
         self._release_if_unused(p.space, zero=not p.created)
 
     def _settle(self, p: PendingAttach) -> None:
@@ -186,9 +143,8 @@ class EngineRegistry:
             self._attaching[p.space.name] = left
 
     def detach(self, client_id: int, engine_name: str) -> None:
-        """Release client ``client_id``'s rank of ``engine_name``; when it was the
-        engine's last rank (and no attach to it is pending), release the engine and its
-        pool range too."""
+        """Release client ``client_id``'s rank of ``engine_name``, and the engine with its
+        pool range once it has no rank and no attach pending."""
         space = self._engines.get(engine_name)
         if space is not None:
             space.ranks.pop(client_id, None)
@@ -202,9 +158,8 @@ class EngineRegistry:
         and no attach pending; return whether it did."""
         if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space:
             return False
-        del self._engines[space.name]  # the engine's rows go with it
-        # Unpinned first (cuda): the pool zeroes the range, in the background, only
-        # once no device mapping of it is left.
+        del self._engines[space.name]
+        # Unpinned first (cuda): the pool zeroes the range only once no device mapping is left.
         self.backend.release_engine(space)
         self.pool.release(space.pool_offset, zero=zero)
         return True
@@ -215,12 +170,8 @@ class EngineRegistry:
 
     def gauges(self) -> dict:
         """What the stats snapshot shows of engines and the pool."""
-        return {
-            "engines": len(self._engines),
-            "pool_bytes": self.pool.size_bytes,
-            "pool_used_bytes": self.pool.used_bytes,
-            "pool_huge_bytes": self.pool.huge_bytes or 0,
-        }
+        return {"engines": len(self._engines), "pool_bytes": self.pool.size_bytes,
+                "pool_used_bytes": self.pool.used_bytes, "pool_huge_bytes": self.pool.huge_bytes or 0}
 
     def __len__(self) -> int:
         return len(self._engines)

@@ -1,16 +1,11 @@
 """The control plane's loop and dispatch: a ZeroMQ ROUTER served on (uv)asyncio, plus the
-stats socket, the fd socket (a rank's shared-memory descriptors for the process that
-attached it) and the optional loopback HTTP ``/metrics`` endpoint (same loop, same
-thread). The handlers are grouped by who sends the request (``engine_requests.py``,
-``operator_requests.py``); the clients' sessions live in ``sessions.py``.
+stats socket, the fd socket and the optional loopback HTTP ``/metrics`` endpoint (same
+loop, same thread).
 
 One thread owns the ROUTER socket and every worker's state (STYLE 5): requests are
-handled one at a time in arrival order, so no lock guards the residency state. On the
-cpu backend the gather runs inline; on cuda the handlers only enqueue work on the
-device's copy stream, so the loop never waits on the GPU. The slow part of a heavy
-request (ATTACH, a large WRITE, ...) runs on a worker thread and its reply comes later;
-its session's later requests, and those on an engine it holds, wait for it in order
-(daemon/heavy.py).
+handled one at a time in arrival order, so no lock guards the residency state; on cuda
+the handlers only enqueue GPU work. The slow part of a heavy request runs on a worker
+thread and its reply comes later (daemon/heavy.py).
 """
 
 from __future__ import annotations
@@ -24,18 +19,8 @@ import types
 import zmq
 from prometheus_client import CollectorRegistry
 
-from sparsekv.proto import (
-    ERROR_HINTS,
-    PROTOCOL_VERSION,
-    REQUESTS,
-    ErrorCode,
-    LayoutError,
-    MsgType,
-    ProtocolError,
-    decode,
-    reply_error,
-    reply_ok,
-)
+from sparsekv.proto import (ERROR_HINTS, PROTOCOL_VERSION, REQUESTS, ErrorCode, LayoutError, MsgType, ProtocolError,
+                            decode, reply_error, reply_ok)
 from sparsekv.proto import fd_socket
 from sparsekv.proto.cpus import pin_io_threads
 from sparsekv.proto.frames import send_copy
@@ -60,12 +45,9 @@ log = logging.getLogger("sparsekv.server")
 
 
 class Daemon:
-    """The serving loop and the dispatch of requests to their role's handlers
-    (``engine_requests.py``, ``operator_requests.py``), over the sessions
-    (``sessions.py``) and the engines (``registry.py``)."""
+    """The serving loop and the dispatch of requests to their role's handlers."""
 
-    # 0, or EXIT_FATAL once a request hit an error no one can be served after (_fatal):
-    # serve() then returns and main() exits with it.
+    # 0, or EXIT_FATAL once an error no one can be served after was hit (_fatal).
     exit_code = 0
     fatal_reason = ""
 
@@ -75,30 +57,25 @@ class Daemon:
                  max_pool_bytes_per_uid: int = 0, max_connections_per_uid: int = 0, hello_timeout_s: float = 10.0,
                  idle_timeout_s: float = 600.0, io_cpus: tuple[int, ...] = (), warmer=None):
         self.run_dir = run_dir
-        # The CPUs of the ZeroMQ I/O threads (() : not pinned) and the warm CPU loops
-        # (proto/cpus.py CpuWarmer, started and stopped by daemon/main.py).
+        self.control_path = os.path.join(run_dir, "control.sock")
+        self.stats_path = os.path.join(run_dir, "stats.sock")
+        self.fd_path = os.path.join(run_dir, fd_socket.FD_SOCKET)
         self.io_cpus = tuple(io_cpus)
         self.warmer = warmer
         self.backend = backend
         self.pool = pool
-        # The control socket's connections: credentials, HELLO deadline, per-uid cap
-        # (daemon/connections.py), fed by the connection guard's thread while serving.
         self.connections = Connections(max_per_uid=max_connections_per_uid, hello_timeout_s=hello_timeout_s)
         self.reap_interval_s = reap_interval_s
         self.busy_poll_ns = int(busy_poll_us) * 1000
         self.notifier = notifier or Notifier({})
-        # The daemon's own registry (never prometheus_client's global one): the top-k
-        # histogram, fed per request, and the snapshot's metrics, built at each scrape.
+        # The daemon's own registry, never prometheus_client's global one.
         self.registry = CollectorRegistry()
         self.stats = stats_mod.Stats(registry=self.registry)
         self.metrics_port = int(metrics_port)  # 0: no HTTP endpoint
         self.metrics_address: tuple[str, int] | None = None  # once bound
-        # engine lifetimes and pool ranges (and the per-uid pool quota)
         self.engines = EngineRegistry(pool, backend, max_pool_bytes_per_uid=max_pool_bytes_per_uid)
-        # Heavy requests' slow parts on worker threads, and the requests waiting for them.
         self.heavy = HeavyRequests()
         self._sock = None  # the ROUTER socket, while serving
-        # The fd socket: rank memory to its own process, engine slabs from it (fd_server.py).
         self.fd_server = FdServer(self.stats, lambda cid: self.backend.share_fds(cid), is_attacher)
         self.sessions = Sessions(self.engines, self.heavy, self.fd_server, self.stats, max_clients=max_clients,
                                  max_clients_per_uid=max_clients_per_uid, idle_timeout_s=idle_timeout_s,
@@ -114,46 +91,14 @@ class Daemon:
         if missing or set(self.handlers) - set(REQUESTS):
             raise RuntimeError(f"handlers do not match proto.REQUESTS: {sorted(m.name for m in missing)}")
 
-    # ATTACH's limit on a rank's memory and the size from which a copy runs on a worker
-    # thread (EngineRequests; main.py sets the first from the config).
-    @property
-    def max_slab_bytes(self) -> int:
-        return self.engine_requests.max_slab_bytes
-
-    @max_slab_bytes.setter
-    def max_slab_bytes(self, nbytes: int) -> None:
-        self.engine_requests.max_slab_bytes = nbytes
-
-    @property
-    def heavy_bytes(self) -> int:
-        return self.engine_requests.heavy_bytes
-
-    @heavy_bytes.setter
-    def heavy_bytes(self, nbytes: int) -> None:
-        self.engine_requests.heavy_bytes = nbytes
-
-    @property
-    def control_path(self) -> str:
-        return os.path.join(self.run_dir, "control.sock")
-
-    @property
-    def stats_path(self) -> str:
-        return os.path.join(self.run_dir, "stats.sock")
-
-    @property
-    def fd_path(self) -> str:
-        return os.path.join(self.run_dir, fd_socket.FD_SOCKET)
-
     # -- serving ------------------------------------------------------------------
     async def serve(self, on_ready=None) -> None:
-        # A plain ZeroMQ socket whose file descriptor the (uv)loop watches: on each wake-up
-        # the loop drains every queued request (a pipelined STEP + TOPK costs one wake-up).
-        # The descriptor is edge-triggered, so ZMQ_EVENTS is re-read until no input is left.
+        # The loop watches the ZeroMQ socket's (edge-triggered) descriptor: each wake-up
+        # drains every queued request, re-reading ZMQ_EVENTS until no input is left.
         http_server = None
         if self.metrics_port:
             # First: a port in use fails the start before any socket of the run dir exists.
-            # Loopback only: the endpoint has no authentication (a node's Prometheus agent
-            # or a sidecar scrapes it; expose it further through them, not from here).
+            # Loopback only: the endpoint has no authentication.
             http_server = await asyncio.start_server(self.operator_requests.http_client, host="127.0.0.1",
                                                      port=self.metrics_port)
             self.metrics_address = http_server.sockets[0].getsockname()[:2]
@@ -167,29 +112,24 @@ class Daemon:
         for p in (self.control_path, busy_path, new_path, self.stats_path):
             if os.path.lexists(p):
                 os.unlink(p)
-        # The stats and fd sockets first: whoever sees control.sock (clients, PrivateDaemon,
-        # probes) finds them there too.
+        # The stats and fd sockets first: whoever sees control.sock finds them there too.
         stats_server = await asyncio.start_unix_server(self.operator_requests.stats_client, path=self.stats_path)
         os.chmod(self.stats_path, 0o660)
-        try:  # listening, mode set, then renamed into place (as control.sock below)
+        try:
             await self.fd_server.start(self.fd_path)
         except BaseException:
             stats_server.close()
             raise
-        # Bound under a private name and renamed into place once it listens (with its
-        # mode set): the file exists between bind() and listen(), and a client that
-        # connected in that gap was refused as if no daemon were there.
+        # Bound under a private name and renamed into place once it listens (with its mode
+        # set): a client that connected between bind() and listen() would be refused.
         sock.bind(f"ipc://{new_path}")
         os.chmod(new_path, 0o660)
         os.rename(new_path, self.control_path)
-        # libzmq aborts the process if accepting a connection finds no free descriptor:
-        # hold off new connections while few are left (daemon/connguard.py).
         self.connections.bound_path = new_path  # what getsockname() says of every connection it accepts
         guard = ConnectionGuard(sock, self.control_path, connections=self.connections.open()).start()
-        self.connection_guard = guard
         loop = asyncio.get_running_loop()
         self._sock = sock
-        self.heavy.open(loop)  # slow parts of heavy requests on worker threads from now on
+        self.heavy.open(loop)
         fd = sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain, sock)
         tasks = [asyncio.create_task(self._reaper(), name="reaper"),
@@ -217,13 +157,9 @@ class Daemon:
             self.fd_server.close()
             if http_server is not None:
                 http_server.close()
-            # Heavy requests in flight: their slow parts finish (never interrupted), then
-            # each rolls back (Gone), before the sessions are detached.
             for job in self.heavy.close(wait=not self.exit_code):
                 self._resume(job, None, Gone("the daemon stops"))
-            if self.exit_code:
-                # The GPU context is lost: releasing device memory would only fail (or
-                # hang); the process exit frees everything.
+            if self.exit_code:  # the GPU context is lost: the process exit frees everything
                 log.info("not detaching %d client(s): the daemon is failing", len(self.sessions))
             else:
                 for s in list(self.sessions.values()):
@@ -245,13 +181,11 @@ class Daemon:
                     pass
 
     def _drain(self, sock) -> None:
-        """Receive, handle, reply until no request is queued: one at a time, in order
-        (a heavy request's slow part runs on a worker thread: daemon/heavy.py).
+        """Receive, handle, reply until no request is queued: one at a time, in order.
 
-        With ``busy_poll_us``, keep polling that long after the last request before
-        going back to sleep: the next request of a decode step then needs no wake-up.
-        A wake-up's work is bounded (``_DRAIN_SLICE_NS``); past it the rest is picked up
-        on the loop's next turn, so the stats socket, reaper and watchdog still run."""
+        With ``busy_poll_us``, keep polling that long after the last request before going
+        back to sleep. A wake-up's work is bounded (``_DRAIN_SLICE_NS``); the rest is
+        picked up on the loop's next turn, so the stats socket, reaper and watchdog run."""
         now = time.perf_counter_ns
         start = last = now()
         while True:
@@ -285,37 +219,29 @@ class Daemon:
         """Answer one request; never raises. Errors are replies with a code and message.
 
         ``tr``: ``time.perf_counter_ns()`` when the request was received (now if None).
-        Every reply carries it as ``tr`` and the time just before it is encoded as ``tx``,
-        so a client can split a request's time into its own, the socket's and the daemon's
-        (CLOCK_MONOTONIC: one clock for every process of the host).
-
-        A heavy request runs whole here, its slow part on the caller's thread; the
-        serving loop goes through :meth:`_serve` instead, which runs that part on a
-        worker thread and replies later (daemon/heavy.py)."""
+        Every reply carries it as ``tr`` and the time just before it is encoded as ``tx``
+        (CLOCK_MONOTONIC: one clock for every process of the host). A heavy request runs
+        whole here, its slow part on the caller's thread (the loop uses :meth:`_serve`)."""
         return self._handle(identity, frames, time.perf_counter_ns() if tr is None else tr, defer=False)
 
     def _handle(self, identity: bytes, frames, tr: int, defer: bool):
-        """The reply to one request (never raises). ``defer`` (serving): instead
-        ``_WAIT`` when the request must wait for a heavy request in flight on its
-        engine (nothing of it ran), or its :class:`Job` when its handler reached a slow
-        part (the reply comes from :meth:`_resume`)."""
+        """The reply to one request (never raises). ``defer`` (serving): ``_WAIT`` instead when
+        it must wait for a heavy request on its engine, or its :class:`Job` when its handler
+        reached a slow part (the reply comes from :meth:`_resume`)."""
         msg_type, req_id = 0, 0
         try:
             header, arrays = decode(frames)
             msg_type, req_id = header["t"], header["id"]
             if header["v"] != PROTOCOL_VERSION:
-                raise ProtocolError(
-                    ErrorCode.BAD_VERSION,
-                    f"client speaks protocol version {header['v']}, this daemon speaks {PROTOCOL_VERSION}",
-                )
+                raise ProtocolError(ErrorCode.BAD_VERSION, f"client speaks protocol version {header['v']}, "
+                                    f"this daemon speaks {PROTOCOL_VERSION}")
             kind = _KINDS.get(msg_type)
             if kind is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg_type}")
             need_fields, allowed_arrays = REQUESTS[kind]
-            for f in need_fields:
-                if f not in header:
-                    absent = [f for f in need_fields if f not in header]
-                    raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} needs field(s) {sorted(absent)}")
+            absent = [f for f in need_fields if f not in header]
+            if absent:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} needs field(s) {sorted(absent)}")
             if not allowed_arrays.issuperset(arrays):
                 extra = set(arrays) - allowed_arrays
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{kind.name} takes no array(s) {sorted(extra)}")
@@ -323,9 +249,7 @@ class Daemon:
             if kind != MsgType.HELLO and session is None:
                 why = self.sessions.expired(identity)
                 raise ProtocolError(ErrorCode.NOT_HELLO, why or "no HELLO from this connection")
-            # A HELLO makes its connection (and its process's next ones: a reconnect under
-            # the same routing id says none) a client's, with no HELLO deadline; on a
-            # connection beyond its uid's cap it is not answered (daemon/connections.py).
+            # A HELLO on a connection beyond its uid's cap is not answered (daemon/connections.py).
             if kind == MsgType.HELLO and not self.connections.hello(src_fd(frames)):
                 return None
             if defer and self._must_wait(session, kind, header):
@@ -333,7 +257,7 @@ class Daemon:
             if session is not None:
                 if session.peer_address and kind != MsgType.HELLO:
                     # A peer may choose its routing id: the process behind a session's
-                    # identity must be the one that said HELLO (SO_PEERCRED, ~0.2 us).
+                    # identity must be the one that said HELLO.
                     if peer_address(frames) not in (None, session.peer_address):
                         raise ProtocolError(ErrorCode.PERMISSION_DENIED,
                                             "this connection is not the process that said HELLO on it; send HELLO")
@@ -360,36 +284,23 @@ class Daemon:
 
     def _failed(self, e: Exception, identity: bytes, msg_type: int, req_id: int, tr: int) -> list:
         """The error reply to a request that raised ``e``, counted."""
+        code = code_of(e)
         if isinstance(e, (ProtocolError, ResidencyError, LayoutError, PoolError)):
-            code = code_of(e)
-            self.stats.add(requests=1)
-            self.stats.error(code.name)
-            self._count_client_error(identity)
             log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
             msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
-            return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns())
-        # Anything else is a bug, which must not take the daemon down.
-        sticky = sticky_cuda_error(e)
-        if sticky is not None:
-            # The GPU context is lost for good (CUDA's sticky errors): every later
-            # call on it fails too. Exit non-zero now, so systemd restarts the daemon
-            # and every client learns at once that it is gone, instead of failing
-            # request after request.
+        elif (sticky := sticky_cuda_error(e)) is not None:
+            # The GPU context is lost: exit now, so systemd restarts the daemon and every client learns at once.
             self._fatal(f"sticky CUDA error {sticky} on request type {msg_type}: {type(e).__name__}: {e}")
-        else:
-            log.error("internal error on request type %s", msg_type, exc_info=e)
-        self.stats.add(requests=1)
-        self.stats.error(ErrorCode.INTERNAL.name)
-        self._count_client_error(identity)
-        msg = f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})"
-        if sticky is not None:
             msg = f"{type(e).__name__}: {e}: the GPU context is lost; sparsekvd exits and must be restarted"
-        return reply_error(msg_type, req_id, ErrorCode.INTERNAL, msg, tr, time.perf_counter_ns())
-
-    def _count_client_error(self, identity: bytes) -> None:
+        else:  # a bug, which must not take the daemon down
+            log.error("internal error on request type %s", msg_type, exc_info=e)
+            msg = f"{type(e).__name__}: {e} ({ERROR_HINTS[ErrorCode.INTERNAL]})"
+        self.stats.add(requests=1)
+        self.stats.error(code.name)
         s = self.sessions.get(identity)  # error path only: the hot path does not pay for it
         if s is not None:
             s.errors += 1
+        return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns())
 
     def _fatal(self, why: str) -> None:
         """Stop serving and make the process exit with :data:`EXIT_FATAL` (main returns
@@ -451,8 +362,8 @@ class Daemon:
         except Exception as e:  # noqa: BLE001 - answered with its code
             return self._failed(e, job.identity, job.msg_type, job.req_id, job.tr)
         finally:
-            # The error's traceback holds this frame: keep no cycle through it (the frames
-            # of a failed attach may hold a rank's memory until the cycle is collected).
+            # The error's traceback holds this frame: keep no cycle through it (a failed
+            # attach's frames may hold a rank's memory until the cycle is collected).
             gone, error = isinstance(error, Gone), None
         if gone:  # a handler must re-raise Gone, not go on
             job.gen.close()
@@ -498,9 +409,8 @@ class Daemon:
         self._drain(self._sock)
 
     def _serve_waiting(self, last: bytes) -> None:
-        """The requests that waited, each session's in order, until one waits again;
-        session ``last`` (whose request just ended) after the others: it cannot keep
-        an engine from them with request after request."""
+        """The requests that waited, each session's in order, until one waits again; session
+        ``last`` after the others, so it cannot keep an engine from them."""
         for identity in sorted(self.heavy.waiting_sessions(), key=lambda i: i == last):
             while (request := self.heavy.next_waiting(identity)) is not None:
                 out = self._handle(identity, *request, defer=True)
@@ -569,9 +479,8 @@ _CUDA_ERROR_CLASSES = frozenset({"CUDARuntimeError", "CUDADriverError"})
 
 
 def sticky_cuda_error(e: BaseException) -> str | None:
-    """``"700 (illegal address)"`` when ``e`` (or an exception it was raised from) is
-    CuPy's ``CUDARuntimeError`` / ``CUDADriverError`` with a sticky status; else None.
-    Matched by class name and ``.status``: the cpu backend never imports CuPy."""
+    """``"700 (illegal address)"`` when ``e`` (or its cause) is CuPy's ``CUDARuntimeError`` /
+    ``CUDADriverError`` with a sticky status, matched by class name (no CuPy import); else None."""
     seen = 0
     while e is not None and seen < 8:
         if type(e).__name__ in _CUDA_ERROR_CLASSES:

@@ -1,8 +1,5 @@
 """The daemon's clients: one session per control connection that said HELLO, who it is
-(the kernel's credentials), what it may join (ownership) and when it ends (DETACH, BYE,
-its process's exit, idleness).
-
-Used from the event loop's thread only, like everything a request touches.
+(the kernel's credentials), what it may join and when it ends. Event loop's thread only.
 """
 
 from __future__ import annotations
@@ -30,12 +27,9 @@ EXPIRED_KEPT = 1024  # identities of expired sessions remembered, to tell their 
 class Session:
     """One connected client (one engine rank), keyed by its ZeroMQ identity.
 
-    ``pid``, ``uid``, ``gid``: what the kernel says of the connection (``SO_PEERCRED``),
-    never what the client claims; ``verified`` False (pid 0, the daemon's own uid and gid)
-    for in-process calls, which carry no credentials. ``watch``: a pidfd of the process,
-    open from HELLO to DETACH and again from a later ATTACH, so a client that dies holding
-    an engine is reclaimed at once (None: pid 0, or no pidfd; the reaper's periodic check
-    covers those)."""
+    ``pid``, ``uid``, ``gid``: the kernel's (``SO_PEERCRED``); ``verified`` False for
+    in-process calls. ``watch``: a pidfd of the process while not detached (None: pid 0,
+    or no pidfd; the reaper's periodic check covers those)."""
 
     identity: bytes
     client_id: int
@@ -62,12 +56,8 @@ class Sessions(dict):
     """The sessions by ZeroMQ identity, and their lifetimes.
 
     Args:
-        engines: the :class:`~sparsekv.daemon.registry.EngineRegistry` a rank detaches from.
-        heavy: the :class:`~sparsekv.daemon.heavy.HeavyRequests` (a session's request in
-            flight keeps its rank; a detached cpu rank's memory is unmapped there).
-        fd_server: the :class:`~sparsekv.daemon.fd_server.FdServer` (a rank's token is
-            withdrawn with it).
-        stats: the daemon's :class:`~sparsekv.daemon.stats.Stats`.
+        engines, heavy, fd_server, stats: the daemon's registry, heavy requests, fd server
+            and stats.
         max_clients: sessions at once (TOO_MANY_CLIENTS at HELLO).
         max_clients_per_uid: sessions of one uid (QUOTA_EXCEEDED at HELLO); 0: no cap.
         idle_timeout_s: a session not attached, without a request this long, is dropped.
@@ -84,8 +74,7 @@ class Sessions(dict):
         self.idle_timeout_s = idle_timeout_s
         self.admin_gid = admin_gid
         self._next_client_id = 1
-        # Identities of sessions dropped for idleness (the latest EXPIRED_KEPT) -> what their
-        # next request is told: a client keeps its routing id across reconnects.
+        # Identities of sessions dropped for idleness -> what their next request is told.
         self._expired: collections.OrderedDict[bytes, str] = collections.OrderedDict()
 
     def expired(self, identity: bytes) -> str | None:
@@ -94,15 +83,12 @@ class Sessions(dict):
 
     # -- HELLO -----------------------------------------------------------------------
     def open(self, identity: bytes, peer: Peer, h: dict, rank: int) -> Session:
-        """The session a HELLO (header ``h``) of ``peer`` on ``identity`` opens, replacing
-        the connection's detached one; refused when attached, over a cap, or another
-        process's."""
+        """The session a HELLO (header ``h``) of ``peer`` on ``identity`` opens, replacing the
+        connection's detached one; refused when attached, over a cap, or another process's."""
         old = self.get(identity)
         if old is not None:
-            # The same connection says hello again. Only its own process may (a ROUTER
-            # identity names one connection; another process could reuse it only once
-            # that connection is gone), and never while attached: a second HELLO must not
-            # silently throw away the rank it holds. Once detached it is a reconnect.
+            # The same connection says hello again: only its own process may, and never
+            # while attached (that would throw away the rank it holds).
             if old.verified and (peer.uid, peer.pid) != (old.uid, old.pid):
                 raise ProtocolError(ErrorCode.PERMISSION_DENIED,
                                     f"this connection is client {old.client_id} of another process")
@@ -121,9 +107,7 @@ class Sessions(dict):
                                     f"(max_clients_per_uid {self.max_clients_per_uid})")
         pid = peer.pid
         claimed = h.get("pid")
-        if peer.verified and claimed != pid:
-            # Another pid namespace (a container) numbers the process differently, or the
-            # client lies: either way the kernel's number is the one to watch.
+        if peer.verified and claimed != pid:  # another pid namespace, or a lie: the kernel's wins
             log.info("client hello claims pid %s; the kernel says %d (another pid namespace?): using %d",
                      str(claimed)[:24], pid, pid)
         s = Session(identity, self._next_client_id, pid, rank, str(h["device"]), str(h["name"])[:128],
@@ -148,17 +132,14 @@ class Sessions(dict):
             return
         s.watch = self.watch(s)
         if s.watch is not None and s.proc_started is not None and started(s.pid) != s.proc_started:
-            # Whoever holds this connection is not the process that said HELLO. The
-            # reaper's periodic check reclaims it.
-            s.watch.close()
+            s.watch.close()  # not the process that said HELLO: the reaper reclaims it
             s.watch = None
             raise ProtocolError(ErrorCode.PERMISSION_DENIED,
                                 f"the process that said HELLO as client {s.client_id} has exited; connect again")
 
     def is_admin(self, s: Session) -> bool:
-        """Whether ``s``'s process is in the admin group (primary or supplementary gid).
-        Supplementary groups come from ``/proc``, trusted only while the pidfd shows the
-        process that said HELLO still running (the pid cannot have been reused)."""
+        """Whether ``s``'s process is in the admin group (primary or supplementary gid,
+        the latter trusted only while the pidfd shows the process still running)."""
         if self.admin_gid is None:
             return False
         if s.verified and s.gid == self.admin_gid:
@@ -184,8 +165,7 @@ class Sessions(dict):
             return  # (reaped) its heavy request still uses the rank: the request's end releases it
         self.engines.detach(s.client_id, s.engine)
         log.debug("client %d released its rank of engine %r", s.client_id, s.engine)
-        # The last reference to a cpu rank's memory is dropped on a worker thread: the
-        # unmapping of a large slab (the pages go with the last mapping) takes ~0.1 s a GiB.
+        # The last reference to a cpu rank's memory is dropped on a worker thread (a slow unmap).
         box = [s.state] if s.state.host_memory else []
         s.state, s.engine = None, None
         self.heavy.release(box)
@@ -223,13 +203,8 @@ class Sessions(dict):
         self.detach(s)
 
     def reap_dead(self) -> int:
-        """Detach clients whose process is gone (ZeroMQ does not say when a peer leaves).
-
-        A watched client (pidfd) is normally reaped the moment it exits, by the event
-        loop; this periodic pass is the fallback for clients without a pidfd (DETACHed,
-        or no ``pidfd_open``), checked by pid and start time. A session of pid 0 (an
-        in-process call, or a process outside the daemon's pid namespace) is never
-        reaped: nothing says whether it lives."""
+        """Detach clients whose process is gone (the fallback for those without a pidfd); a
+        session of pid 0 is never reaped: nothing says whether it lives."""
         dead = [s for s in self.values() if not _alive(s)]
         for s in dead:
             self.reap(s)
@@ -238,11 +213,8 @@ class Sessions(dict):
         return len(dead)
 
     def expire_idle(self) -> int:
-        """Drop the sessions that are not attached (never, or no more) and sent no request
-        for ``idle_timeout_s``: such a client holds a place in ``max_clients`` and in its
-        uid's quota. Its connection stays (its libzmq would only reconnect); its next
-        request is told why. An attached rank may idle as long as its process lives.
-        Returns how many were dropped."""
+        """Drop the sessions not attached and without a request for ``idle_timeout_s`` (their
+        connections stay; their next request is told why). Returns how many."""
         limit = time.monotonic() - self.idle_timeout_s
         idle = [s for s in self.values()
                 if s.state is None and s.last_request_at <= limit and not self.heavy.busy(s.identity)]
@@ -263,14 +235,12 @@ class Sessions(dict):
         """One tab-separated line per client under a header line; columns may be added
         (``sparsekv top`` and tests read them by header name), ``name`` stays last."""
         now = time.time()
-        # pid and uid are the kernel's (SO_PEERCRED); pid 0: unknown (another pid namespace).
         lines = ["id\tpid\trank\tdevice\tengine\tattached\trequests\terrors\tage_s\tuid\tname"]
         for s in sorted(self.values(), key=lambda s: s.client_id):
             name = (s.name or "-").replace("\t", " ").replace("\n", " ")
-            lines.append(
-                f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
-                f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t{s.uid}\t{name}"
-            )
+            lines.append(f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
+                         f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t"
+                         f"{s.uid}\t{name}")
         return "\n".join(lines) + "\n"
 
 
@@ -302,8 +272,6 @@ def _alive(s: Session) -> bool:
     try:
         p = psutil.Process(s.pid)
         alive = p.create_time() == s.proc_started if s.proc_started else True
-        # A killed client that its parent has not waited for yet is a zombie: it still
-        # has a create time, but it will never send again.
         return alive and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False

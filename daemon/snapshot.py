@@ -14,8 +14,7 @@ from .stats import package_version
 
 class Snapshot:
     """Callable: the snapshot of a daemon's parts (see ``Daemon.__init__``), read on the
-    loop's thread. ``warmer``: the warm CPU loops (proto/cpus.py ``CpuWarmer``) or None;
-    ``io_cpus``: the CPUs of the ZeroMQ I/O threads (() : not pinned)."""
+    loop's thread."""
 
     def __init__(self, stats, backend, sessions, connections, engines, io_cpus=(), warmer=None):
         self.stats, self.backend, self.sessions = stats, backend, sessions
@@ -24,8 +23,6 @@ class Snapshot:
         self.version = package_version()
 
     def __call__(self) -> dict:
-        # cuda: hits, misses and bytes are counted on the GPUs; this reads their pinned
-        # host mirrors (no synchronisation), and the rows the kernels refused, by kind.
         device_errors, arenas = self.backend.device_errors(), self.backend.arenas()
         warmer = self.warmer
         return self.stats.snapshot(self.backend.device_counters(), {

@@ -1,11 +1,8 @@
 """Counters the daemon keeps, and their renderings: a table, JSON, and Prometheus metrics.
 
 Hot path: handlers bump plain ints in ``Stats.c``; a TOPK also appends its handling time
-to a window (p50/p99 for the table and JSON) and observes it in a Prometheus histogram
-(``prometheus_client.Histogram.observe``: ~0.6 us measured, under the 2 us budget of a
-request; a NumPy percentile at each request would not be). Everything else is read at
-scrape time: :class:`SnapshotCollector` turns the daemon's snapshot into metric families
-of a ``CollectorRegistry`` the daemon owns (never the process-global one).
+to a window (p50/p99) and observes it in a Prometheus histogram. Everything else is read
+at scrape time (:class:`SnapshotCollector`).
 """
 
 from __future__ import annotations
@@ -40,15 +37,12 @@ COUNTERS = (
     ("errors", "requests answered with an error"),
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
     ("fd_refusals", "fd socket connections refused (a bad, used or withdrawn token, or not the attaching process)"),
-    # These two are counted by the connection guard's thread (daemon/connections.py) and
-    # reach the snapshot through the server's gauges.
     ("connections_refused", "control connections closed when accepted: their uid had max_connections_per_uid open"),
     ("connections_expired", "control connections closed because no HELLO came within hello_timeout_s"),
     ("sessions_expired", "sessions not attached, dropped after idle_timeout_s without a request"),
 )
 
-# Top-k handling time in the daemon runs from ~10 us (cpu, small batch; cuda: enqueue
-# only) to tens of ms (a cold cpu gather of a large batch): 1-2-5 steps over that range.
+# Top-k handling time: from ~10 us (cuda: enqueue only) to tens of ms (a cold cpu gather).
 LATENCY_BUCKETS_S = (10e-6, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6,
                      1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 100e-3)
 TOPK_HISTOGRAM = "sparsekv_topk_duration_seconds"
@@ -67,8 +61,7 @@ class Stats:
 
     Arguments:
         window: how many recent top-k latencies p50/p99 are computed over.
-        registry: where the latency histogram is registered (a new one if None); the
-            daemon adds its :class:`SnapshotCollector` to the same registry.
+        registry: where the latency histogram is registered (a new one if None).
     """
 
     def __init__(self, window: int = 8192, registry: CollectorRegistry | None = None):
@@ -122,8 +115,7 @@ class Stats:
             "hit_rate": c["hits"] / looked if looked else 0.0,
             "errors_by_code": dict(self.errors_by_code),
             "topk_latency_us": self.latency_us(),
-            # every top-k since start (the histogram's count and sum): rates and means
-            # over any interval, as `sparsekv top` shows them
+            # every top-k since start: rates and means over any interval (`sparsekv top`)
             "topk_seconds_count": count,
             "topk_seconds_sum": total,
             "start_time_s": self.started,
@@ -145,7 +137,7 @@ class SnapshotCollector(Collector):
 
 def metric_families(snap: dict) -> Iterator[Metric]:
     """The metric families of one snapshot: counters ``*_total`` in base units, gauges,
-    per-engine and per-device labels where the figure is per engine or device."""
+    with engine and device labels where the figure is per engine or device."""
     for name, help_text in COUNTERS:
         if name == "errors":
             continue  # one family with a code label, below

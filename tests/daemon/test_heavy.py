@@ -220,7 +220,7 @@ def test_requests_on_an_engine_wait_for_its_write_and_other_engines_are_served(r
 
     monkeypatch.setattr(engine_mod.EngineSpace, "copy_rows", held_copy)
     with serving() as d:
-        d.heavy_bytes = 0  # every write runs on the worker thread
+        d.engine_requests.heavy_bytes = 0  # every write runs on the worker thread
         a = attached_client(d.run_dir)
         b, c = raw(d.run_dir), raw(d.run_dir)
         for r in (b, c):
@@ -267,7 +267,7 @@ def test_a_client_killed_mid_write_keeps_its_engine_until_the_copy_is_done(spawn
 
     monkeypatch.setattr(engine_mod.EngineSpace, "copy_rows", held_copy)
     with serving() as d:
-        d.heavy_bytes = 0
+        d.engine_requests.heavy_bytes = 0
         p = spawn_rank(d.run_dir, 0)
         p.call("connect")
         p.call("attach", layout=LAYOUT.to_wire(), engine="w")

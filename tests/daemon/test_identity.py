@@ -351,13 +351,13 @@ def test_another_users_engine_is_permission_denied_over_the_socket(tmp_path):
 def test_attach_beyond_the_rank_memory_limit_is_refused_before_allocating(dm):
     """max_slab_bytes (config) bounds one rank's slab + staging + residency state: a
     layout past it is TOO_LARGE, and no pool range is taken."""
-    dm.max_slab_bytes = 1 * MiB
+    dm.engine_requests.max_slab_bytes = 1 * MiB
     assert call(dm, b"a", MsgType.HELLO, hello_fields())["ok"]
     lay = helpers.layout(num_layers=4, row_bytes=64, top_k=64, region_stride=128, max_reqs=64, host_rows=256)
     h = call(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})
     assert_error(h, ErrorCode.TOO_LARGE)
     assert dm.pool.used_bytes == 0 and len(dm.engines) == 0
-    dm.max_slab_bytes = 64 * MiB
+    dm.engine_requests.max_slab_bytes = 64 * MiB
     assert call(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})["ok"]
 
 

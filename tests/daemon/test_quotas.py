@@ -26,6 +26,18 @@ from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.registry import EngineRegistry
 from sparsekv.proto import ErrorCode, ProtocolError
 
+
+def attach(reg, *args, **kw):
+    """An attach in one call, as the daemon runs it: begin_attach, prepare, commit (abort on error)."""
+    p = reg.begin_attach(*args, **kw)
+    try:
+        reg.prepare(p)
+        return reg.commit(p)
+    except BaseException:
+        reg.abort(p)
+        raise
+
+
 MiB = 1 << 20
 OTHERS = pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
 
@@ -75,18 +87,18 @@ def test_a_new_engine_beyond_the_uids_pool_quota_is_refused_before_allocating(tm
                          max_pool_bytes_per_uid=lay.pool_bytes * 2)
     try:
         alice, bob = Owner(1000, 1000), Owner(1001, 1001)
-        reg.attach(1, 0, "cpu", "a1", lay, owner=alice)
-        reg.attach(2, 1, "cpu", "a1", lay, owner=alice)  # joining costs nothing
-        reg.attach(3, 0, "cpu", "a2", lay, owner=alice)
+        attach(reg, 1, 0, "cpu", "a1", lay, owner=alice)
+        attach(reg, 2, 1, "cpu", "a1", lay, owner=alice)  # joining costs nothing
+        attach(reg, 3, 0, "cpu", "a2", lay, owner=alice)
         used = pool.used_bytes
         with pytest.raises(ProtocolError) as e:
-            reg.attach(4, 0, "cpu", "a3", lay, owner=alice)
+            attach(reg, 4, 0, "cpu", "a3", lay, owner=alice)
         assert e.value.code == ErrorCode.QUOTA_EXCEEDED and "uid 1000" in str(e.value)
         assert pool.used_bytes == used and "a3" not in reg  # nothing allocated, nothing listed
-        reg.attach(5, 0, "cpu", "b1", lay, owner=bob)  # another uid has its own quota
+        attach(reg, 5, 0, "cpu", "b1", lay, owner=bob)  # another uid has its own quota
         assert reg.pool_bytes_of(1000) == 2 * lay.pool_bytes and reg.pool_bytes_of(1001) == lay.pool_bytes
         reg.detach(3, "a2")
-        reg.attach(6, 0, "cpu", "a3", lay, owner=alice)  # room again
+        attach(reg, 6, 0, "cpu", "a3", lay, owner=alice)  # room again
     finally:
         for cid, name in ((1, "a1"), (2, "a1"), (5, "b1"), (6, "a3")):
             if name in reg:
@@ -99,10 +111,10 @@ def test_the_pool_quota_charges_whole_ranges(tmp_path):
     small = helpers.layout()  # 1 KiB of rows, but a 2 MiB range of the pool
     reg = EngineRegistry(pool, CpuBackend(str(tmp_path), shm_dir=str(tmp_path)), max_pool_bytes_per_uid=3 * MiB)
     try:
-        reg.attach(1, 0, "cpu", "one", small, owner=Owner(1000, 1000))
+        attach(reg, 1, 0, "cpu", "one", small, owner=Owner(1000, 1000))
         assert reg.pool_bytes_of(1000) == 2 * MiB
         with pytest.raises(ProtocolError) as e:
-            reg.attach(2, 0, "cpu", "two", small, owner=Owner(1000, 1000))
+            attach(reg, 2, 0, "cpu", "two", small, owner=Owner(1000, 1000))
         assert e.value.code == ErrorCode.QUOTA_EXCEEDED
     finally:
         reg.detach(1, "one")

@@ -15,6 +15,17 @@ from sparsekv.proto import ErrorCode, ProtocolError
 MiB = 1 << 20
 
 
+def attach(reg, *args, **kw):
+    """An attach in one call, as the daemon runs it: begin_attach, prepare, commit (abort on error)."""
+    p = reg.begin_attach(*args, **kw)
+    try:
+        reg.prepare(p)
+        return reg.commit(p)
+    except BaseException:
+        reg.abort(p)
+        raise
+
+
 @pytest.fixture
 def pool():
     p = HostPool(8 * MiB, threads=1)
@@ -36,7 +47,7 @@ def reg(pool, backend):
 
 def test_first_rank_creates_the_engine_with_its_pool_range(reg, pool, tmp_path):
     lay = helpers.layout()
-    state, handles = reg.attach(1, 0, "cpu", "e", lay)
+    state, handles = attach(reg, 1, 0, "cpu", "e", lay)
     assert len(reg) == 1 and "e" in reg and list(reg) == ["e"]
     space = reg.space("e")
     assert space.layout == lay and space.ranks == {1: state}
@@ -50,9 +61,9 @@ def test_first_rank_creates_the_engine_with_its_pool_range(reg, pool, tmp_path):
 
 def test_second_rank_joins_the_same_engine_and_pool_range(reg, pool):
     lay = helpers.layout()
-    s1, _ = reg.attach(1, 0, "cpu", "e", lay)
+    s1, _ = attach(reg, 1, 0, "cpu", "e", lay)
     used = pool.used_bytes
-    s2, _ = reg.attach(2, 1, "cpu", "e", lay)
+    s2, _ = attach(reg, 2, 1, "cpu", "e", lay)
     assert len(reg) == 1 and pool.used_bytes == used
     assert reg.space("e").ranks == {1: s1, 2: s2}
     # one engine, one pool: a write reaches the rows both ranks gather from
@@ -61,20 +72,20 @@ def test_second_rank_joins_the_same_engine_and_pool_range(reg, pool):
 
 
 def test_another_layout_for_an_existing_engine_is_layout_mismatch(reg, pool, tmp_path):
-    reg.attach(1, 0, "cpu", "e", helpers.layout())
+    attach(reg, 1, 0, "cpu", "e", helpers.layout())
     used = pool.used_bytes
     with pytest.raises(ProtocolError) as ei:
-        reg.attach(2, 1, "cpu", "e", helpers.layout(top_k=2))
+        attach(reg, 2, 1, "cpu", "e", helpers.layout(top_k=2))
     assert ei.value.code == ErrorCode.LAYOUT_MISMATCH and "engine 'e' is attached with" in str(ei.value)
     assert pool.used_bytes == used and list(reg.space("e").ranks) == [1]
     assert len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 1  # no slab for the refused rank
-    reg.attach(2, 1, "cpu", "other", helpers.layout(top_k=2))  # another engine may differ
+    attach(reg, 2, 1, "cpu", "other", helpers.layout(top_k=2))  # another engine may differ
     assert len(reg) == 2
 
 
 def test_layout_larger_than_the_pool_is_pool_full_and_allocates_nothing(reg, pool):
     with pytest.raises(PoolError, match="no free range"):
-        reg.attach(1, 0, "cpu", "e", helpers.layout(host_rows=2**20, row_bytes=16, num_layers=1))
+        attach(reg, 1, 0, "cpu", "e", helpers.layout(host_rows=2**20, row_bytes=16, num_layers=1))
     assert pool.used_bytes == 0 and len(reg) == 0
 
 
@@ -96,14 +107,14 @@ def test_failed_new_rank_of_a_new_engine_leaves_no_pool_range(pool, tmp_path):
     backend = FailingBackend(str(tmp_path), shm_dir=str(tmp_path))
     reg = EngineRegistry(pool, backend)
     with pytest.raises(ResidencyError, match="no room"):
-        reg.attach(1, 0, "cpu", "e", helpers.layout())
+        attach(reg, 1, 0, "cpu", "e", helpers.layout())
     assert pool.used_bytes == 0 and len(reg) == 0 and "e" not in reg
     assert backend.released == ["e"]  # the backend's per-engine resources are let go too
     pool.release(pool.allocate(pool.size_bytes))  # the whole pool is free again
 
 
 def test_failed_new_rank_joining_an_engine_keeps_the_engine(reg, pool, backend, monkeypatch):
-    s1, _ = reg.attach(1, 0, "cpu", "e", helpers.layout())
+    s1, _ = attach(reg, 1, 0, "cpu", "e", helpers.layout())
     used = pool.used_bytes
 
     def fail(*a, **kw):
@@ -111,14 +122,14 @@ def test_failed_new_rank_joining_an_engine_keeps_the_engine(reg, pool, backend, 
 
     monkeypatch.setattr(backend, "new_rank", fail)
     with pytest.raises(ResidencyError):
-        reg.attach(2, 1, "cpu", "e", helpers.layout())
+        attach(reg, 2, 1, "cpu", "e", helpers.layout())
     assert pool.used_bytes == used and reg.space("e").ranks == {1: s1}
 
 
 def test_last_rank_detaching_frees_the_engine_and_its_range(reg, pool, tmp_path):
     lay = helpers.layout()
-    reg.attach(1, 0, "cpu", "e", lay)
-    reg.attach(2, 1, "cpu", "e", lay)
+    attach(reg, 1, 0, "cpu", "e", lay)
+    attach(reg, 2, 1, "cpu", "e", lay)
     used = pool.used_bytes
     reg.detach(1, "e")
     assert "e" in reg and pool.used_bytes == used and list(reg.space("e").ranks) == [2]
@@ -130,13 +141,13 @@ def test_last_rank_detaching_frees_the_engine_and_its_range(reg, pool, tmp_path)
         reg.space("e")
     reg.detach(2, "e")  # detaching twice is harmless
     # a new first rank of the name gets a fresh engine
-    reg.attach(3, 0, "cpu", "e", helpers.layout(top_k=2))
+    attach(reg, 3, 0, "cpu", "e", helpers.layout(top_k=2))
     assert reg.space("e").layout.top_k == 2
 
 
 def test_detaching_one_engine_leaves_the_others(reg, pool):
-    reg.attach(1, 0, "cpu", "a", helpers.layout())
-    reg.attach(2, 0, "cpu", "b", helpers.layout())
+    attach(reg, 1, 0, "cpu", "a", helpers.layout())
+    attach(reg, 2, 0, "cpu", "b", helpers.layout())
     reg.detach(1, "a")
     assert list(reg) == ["b"] and pool.used_bytes > 0
 
@@ -144,7 +155,7 @@ def test_detaching_one_engine_leaves_the_others(reg, pool):
 # -- an attach in steps (the daemon runs prepare on a worker thread) --------------------------
 def test_an_engine_with_an_attach_pending_outlives_its_last_rank(reg, pool):
     lay = helpers.layout()
-    reg.attach(1, 0, "cpu", "e", lay)
+    attach(reg, 1, 0, "cpu", "e", lay)
     p = reg.begin_attach(2, 1, "cpu", "e", lay)
     reg.prepare(p)
     reg.detach(1, "e")  # the last rank leaves while rank 2's attach is pending
@@ -170,7 +181,7 @@ def test_an_aborted_attach_releases_its_rank_and_the_engine_it_made(reg, pool, t
 
 def test_an_aborted_join_keeps_the_engine_and_a_committed_attach_cannot_be_aborted(reg, pool):
     lay = helpers.layout()
-    s1, _ = reg.attach(1, 0, "cpu", "e", lay)
+    s1, _ = attach(reg, 1, 0, "cpu", "e", lay)
     p = reg.begin_attach(2, 1, "cpu", "e", lay)
     reg.prepare(p)
     reg.abort(p)
