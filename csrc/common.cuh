@@ -1,26 +1,20 @@
-// Shared helpers for the sparsekv kernels.
-//
-// Plain CUDA C++ that both nvcc and NVRTC accept: no includes at all (NVRTC has no host
-// headers), only built-in types. csrc/build.py inlines this file into each .cu before
-// compiling, so the source it hashes for the cache key is the whole program.
-//
-// Every block-wide helper here must be called by all threads of the block (block-uniform
-// control flow): they contain __syncthreads().
+// Shared helpers for the sparsekv kernels: plain CUDA C++ that both nvcc and NVRTC accept
+// (no includes: NVRTC has no host headers). csrc/build.py inlines it into each .cu.
+// Every block-wide helper here must be called by all threads of the block: they contain
+// __syncthreads().
 #pragma once
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-// Dynamic shared memory. Overridable so the kernels can be compiled on the host by a test
-// harness that emulates blocks with threads (it predefines this macro).
+// Dynamic shared memory; the CPU emulator of tests/csrc predefines its own.
 #ifndef SKV_DYN_SMEM
 #define SKV_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
 // The step descriptor: int32[SKV_DESC_INTS] in device memory, the head of a step block
-// (csrc/README.md, "Step blocks"). Everything a decode step's kernels need that varies
-// from step to step is read from it; launch shapes never depend on it.
+// (csrc/README.md). Launch shapes never depend on it.
 #define SKV_D_SEQ 0      // request sequence number (for error reports)
 #define SKV_D_STEP 1     // the engine's step number (for error reports)
 #define SKV_D_BATCH 2    // batch rows, in [0, max_batch]
@@ -37,7 +31,6 @@ typedef long long i64;
 #define SKV_E_BAD_STATE_ROW 2   // a state row outside [-1, max_reqs): the row was padding
 #define SKV_E_TOO_MANY_TOKENS 3 // more rows of one state row than region_stride / top_k: refused
 #define SKV_E_BAD_STEP 4        // the descriptor is out of range: the launch did nothing
-#define SKV_E_KINDS 5
 #define SKV_ERR_INTS 32
 
 __device__ __forceinline__ void skv_report(int* err, int kind, int row, const int* desc) {
@@ -53,9 +46,6 @@ __device__ __forceinline__ u64 skv_align16(u64 x) { return (x + 15ull) & ~15ull;
 // (this thread's prefix within its warp) and `warp_sum` (its warp's total, the same in
 // every lane), through `warp_tot` (__shared__ int[NT / 32]); `*total` receives the block's
 // sum. One barrier; `warp_tot` may be written again only after another barrier.
-// After the barrier, lane w reads warp w's total and two warp reductions (__reduce_add_sync)
-// give the block's sum and the sum before this warp: one shared load and two reductions a
-// thread.
 template <int NT>
 __device__ __forceinline__ int skv_warp_totals(int in_warp, int warp_sum, int* warp_tot, int* total) {
     static_assert(NT % 32 == 0 && NT <= 1024, "whole warps, at most 32 of them");
@@ -128,7 +118,7 @@ __device__ __forceinline__ int skv_bits_for(int n) {
 }
 
 // Exclusive prefix sum of one int per thread (any values), Hillis-Steele in shared memory.
-// `tmp` is __shared__ int[NT]. Used once per launch, so simplicity beats speed here.
+// `tmp` is __shared__ int[NT].
 template <int NT>
 __device__ __forceinline__ int skv_block_scan_sum(int v, int* tmp, int* total) {
     const int t = threadIdx.x;

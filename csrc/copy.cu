@@ -1,11 +1,10 @@
 // Row mover: one kernel for the gather (host pool -> hot slab), the prefill staging
 // (host pool -> staging buffer) and the write mirror (device rows -> host pool).
 //
-// Rows are SKV_ROW_VECS * 16 bytes (row_bytes is a multiple of 16) and move with 16-byte
-// loads and stores, SKV_COPY_UNROLL independent loads in flight per thread before the
-// first store (host memory sits behind PCIe: latency is hidden by loads in flight, not by
-// occupancy). The grid is sized by the caller (a bounded number of blocks: SMs and copy
-// bandwidth are shared with attention) and strides over the work.
+// Rows are SKV_ROW_VECS * 16 bytes and move with 16-byte loads and stores,
+// SKV_COPY_UNROLL loads in flight per thread before the first store (host memory sits
+// behind PCIe: loads in flight, not occupancy, hide its latency). The caller bounds the
+// grid (SMs and the link are shared with attention); it strides over the work.
 #include "common.cuh"
 
 #ifndef SKV_ROW_VECS
@@ -29,8 +28,7 @@ struct SkvDstGeometry {
 };
 
 // pref[b] = entries of the batch rows before b, each row's count clamped to [0, ld];
-// pref[nb] = the total, returned to every thread. The caller synchronises the block before
-// reading pref.
+// pref[nb] = the total, returned to every thread. Synchronise before reading pref.
 __device__ __forceinline__ i64 skv_plan_prefix(const int* __restrict__ counts, const int nb, const int ld,
                                                i64* pref) {
     __shared__ int sh_scan[SKV_CT];
@@ -75,7 +73,7 @@ __device__ __forceinline__ void skv_copy_body(
     const SkvDstGeometry geo)
 {
     SKV_DYN_SMEM(skv_smem);
-    i64* pref = (i64*)skv_smem;  // pref[b] = entries of batch rows before b (counts mode)
+    i64* pref = (i64*)skv_smem;  // counts mode: see skv_plan_prefix
 
     if (counts) {
         total = skv_plan_prefix(counts, nb, ld, pref);
@@ -151,15 +149,13 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
 }
 
 // The decode-step gather: the plan of the last skv_resolve (per batch row, misses[b]
-// entries), pool -> slab, for every layer of the descriptor's group; the slab laid out
-// by slab_layer_off / slab_block_rows / slab_block_stride when an engine owns it
-// (SkvDstGeometry; null: the daemon's own [layers, slab_layer_rows] slab). The batch and the
-// group come from the descriptor; the group's layers from `group_layers` ([groups,
-// layers_stride]: count, then layer numbers). Grid: fixed. Dynamic shared memory:
-// (max_batch + 1) * 8 bytes. A descriptor out of range copies nothing (skv_resolve
-// reports it). With a `ready` word (the doorbell transport, daemon/cuda/doorbell.py), the
-// last block to finish sets it to 1 once every block's rows are visible (`arrivals`: its
-// counter, 0 before and after); null: nothing is signalled.
+// entries), pool -> slab, for every layer of the descriptor's group; an engine's slab is
+// laid out by slab_layer_off / _block_rows / _block_stride (SkvDstGeometry; null: the
+// daemon's [layers, slab_layer_rows] slab). The group's layers come from `group_layers`
+// ([groups, layers_stride]: count, then layer numbers). Grid: fixed. Dynamic shared
+// memory: (max_batch + 1) * 8 bytes. A descriptor out of range copies nothing. `ready`
+// (or null): set to 1 by the last block once every block's rows are visible
+// (skv_ring_when_done; `arrivals`: its counter, 0 before and after).
 extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int* __restrict__ desc,
     const unsigned char* __restrict__ pool, const i64 host_rows, const int num_layers,
