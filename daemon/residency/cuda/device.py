@@ -1,8 +1,6 @@
-"""What the CUDA residency and mover share: the step descriptor and the error record of
-``csrc/common.cuh``, the resolve's output buffers (:class:`ResolveOutput`), the workspace
-size, and small launch helpers.
-
-``cupy`` is imported lazily (:func:`cp_module`): importing this module needs no GPU.
+"""What the CUDA residency and mover share: the error record of ``csrc/common.cuh``, the
+resolve's output buffers (:class:`ResolveOutput`), the workspace size, launch helpers.
+``cupy`` is imported lazily (:func:`cp_module`).
 """
 
 from __future__ import annotations
@@ -11,9 +9,7 @@ import numpy as np
 
 from sparsekv.proto.device_errors import ERROR_KINDS  # the record's kinds, shared with clients
 from sparsekv.proto.layout import Layout
-# The step descriptor (csrc/common.cuh, proto/step_block.py): int32[DESC_INTS].
-from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_INV_N, D_K, D_SEQ, D_STEP, DESC_INTS  # noqa: F401
-from sparsekv.proto.step_block import write_desc
+from sparsekv.proto.step_block import DESC_INTS, write_desc
 
 from ..base import ResidencyError
 
@@ -28,8 +24,6 @@ E_DUPLICATE_IDS, E_CORRUPT_STATE, E_BAD_STATE_ROW, E_TOO_MANY_TOKENS, E_BAD_STEP
 ERR_DUPLICATE_IDS = 1 << E_DUPLICATE_IDS
 ERR_CORRUPT_STATE = 1 << E_CORRUPT_STATE
 ERR_BAD_STATE_ROW = 1 << E_BAD_STATE_ROW
-ERR_TOO_MANY_TOKENS = 1 << E_TOO_MANY_TOKENS
-ERR_BAD_STEP = 1 << E_BAD_STEP
 # Indices into the per-group counters (u64 [3] used of 4).
 HITS, MISSES, OUT_OF_RANGE = range(3)
 COUNTERS_PER_GROUP = 4
@@ -84,7 +78,6 @@ def resolve_workspace_bytes(k: int, region_stride: int, hash_scale: int = 2, lru
     rows = 1 + int(bool(lru_smem)) + int(bool(owner_smem))
     base = _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + rows * _a16(region_stride * 4)
     return base + _a16(2 * hash_scale * kp * 4)
-
 
 
 def null_ptr():
@@ -177,8 +170,6 @@ def device_i32(a, name: str, ndim: int):
     if a.dtype != cp.int32:
         a = a.astype(cp.int32)
     return cp.ascontiguousarray(a)
-
-
 
 
 def smem_limit(kernel) -> int:

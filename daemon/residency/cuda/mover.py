@@ -1,12 +1,7 @@
-"""CUDA mover: moves rows between the pinned host pool and one GPU with the copy kernels
-(``csrc/copy.cu``); the hot slab and staging buffer of a rank (:class:`DeviceBuffers`).
-
-Same interface and results as ``cpu.py``'s mover. The device-resident entry points
-(``gather_async``, ``stage_async``, ``write_async`` and the ``launch_*`` methods) take
-device arrays, run on a given CuPy stream and never read back; the host-convenience ones
-(``gather``, ``stage``, ``write``) take NumPy and synchronise. A decode step's gather reads
-each batch row's plan in turn, sorted by host row (docs/DESIGN.md, "Rejected designs":
-the batch-wide merge measured slower).
+"""CUDA mover: rows between the pinned host pool and one GPU with the copy kernels
+(``csrc/copy.cu``), with the interface and results of ``cpu.py``'s mover. The
+device-resident entry points (``*_async``, ``launch_*``) take device arrays, run on a given
+stream and never read back; ``gather``, ``stage``, ``write`` take NumPy and synchronise.
 """
 
 from __future__ import annotations
@@ -86,8 +81,7 @@ class CudaMover(Mover):
             raise ValueError(f"pool device address {self.pool_address:#x} must be 16-byte aligned")
         self.buffers = buffers if buffers is not None else allocate_device_buffers(lay)
         self.staging = self.buffers.staging
-        # Where gathers write: the daemon's slab (no geometry), or an engine's buffer laid
-        # out by its geometry (per-layer byte offsets on the device, block rows, stride).
+        # An engine's slab: (per-layer byte offsets on the device, block rows, stride).
         self._geo = (null_ptr(), np.int64(1), np.int64(0))
         if engine_slab is not None:
             address, geo = engine_slab
@@ -109,7 +103,6 @@ class CudaMover(Mover):
         self.threads = int(threads)
         defines = copy_defines(lay.row_bytes, threads)
         self._copy = kernels.function("copy.cu", "skv_copy_rows", defines)
-        # The gather's per-row prefix lives in shared memory: (max_batch + 1) x 8 bytes.
         self.gather_smem = (lay.max_batch + 1) * 8
         if self.gather_smem > DEFAULT_SMEM_BYTES:
             limit = smem_limit(kernels.function("copy.cu", "skv_gather", defines))  # its own static part
@@ -145,8 +138,7 @@ class CudaMover(Mover):
     def _launch(self, stream, blocks, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows,
                 dst_rows, dst_layers, layers, mode, src_idx, dst_idx, counts, nb, ld, count_dev=None,
                 layers_dev=None, dst_geo=None) -> None:
-        """One ``skv_copy_rows``; ``dst_geo``: the destination's (layer offsets, block
-        rows, block stride) when it is an engine's slab (``self._geo``)."""
+        """One ``skv_copy_rows``; ``dst_geo``: ``self._geo`` when writing the slab."""
         if nb == 0 or ld == 0:
             return
         if layers_dev is None:
@@ -194,12 +186,10 @@ class CudaMover(Mover):
                       group_layers=None, ready: int = 0, arrivals: int = 0) -> None:
         """Enqueue ``skv_gather``: the plan of the last :meth:`CudaResidency.launch_resolve`
         (per-row counts ``misses``), pool -> slab, for every layer of the descriptor's
-        group. Device arrays only; fixed grid (``blocks``) and shared memory.
-        ``group_layers``: another int32 ``[groups, stride]`` table (count, then layers) in
-        place of the layout's, e.g. one naming a single layer of the group (doorbell: a
-        ready word per layer). ``ready`` / ``arrivals``: device addresses of a word the
-        kernel's last block sets to 1 once every row is written, and of its arrival
-        counter (zeroed; 0: no signal)."""
+        group. Device arrays only; fixed grid and shared memory. ``group_layers``: an int32
+        ``[groups, stride]`` table (count, then layers) in place of the layout's.
+        ``ready`` / ``arrivals``: device addresses of a word the last block sets to 1 once
+        every row is written, and of its zeroed arrival counter (0: no signal)."""
         lay = self.layout
         i32, i64 = np.int32, np.int64
         slots = lay.max_reqs * lay.region_stride
@@ -215,11 +205,10 @@ class CudaMover(Mover):
             )
 
     def launch_write_staged(self, layers, n_layers: int, rows, stream) -> None:
-        """Write mirror in place: row i of the staging buffer, for each listed layer ->
-        host row ``rows[1 + i]`` of that layer, for i < ``rows[0]`` (device int32
-        ``[1 + staging_rows]``: the count, then the rows in staging order). ``layers`` is
-        a device int32 array of ``n_layers`` layer numbers. Fixed grid; the count is read
-        on the device; rows outside [0, host_rows) are skipped."""
+        """Write mirror in place: staging row i of each of the ``n_layers`` ``layers``
+        (device int32) -> host row ``rows[1 + i]`` for i < ``rows[0]`` (device int32
+        ``[1 + staging_rows]``, the count read on the device). Fixed grid; rows outside
+        [0, host_rows) are skipped."""
         lay = self.layout
         if self.staging is None:
             raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")

@@ -1,28 +1,15 @@
-"""CUDA residency: the residency contract as kernels (``csrc/resolve.cu``).
-
-Same interface and exact semantics as ``cpu.py``; the state lives on the device as CuPy
-int32 arrays ``owner`` / ``lru`` of shape ``[groups, max_reqs, region_stride]``.
-
-Two kinds of entry points:
+"""CUDA residency: the residency contract as kernels (``csrc/resolve.cu``), with the
+interface and exact semantics of ``cpu.py``; ``owner`` / ``lru`` are CuPy int32 arrays
+``[groups, max_reqs, region_stride]``.
 
 * **device-resident** (the decode path): ``resolve_async``, ``reset_async``,
   ``invalidate_async`` and the ``launch_*`` methods take device arrays, write into
-  preallocated fixed-shape buffers (:class:`ResolveOutput`), run on a given CuPy stream and
-  never read anything back to the host.
-* **host convenience** (tests, ``replay --verify``, the CPU-backend-shaped interface):
-  ``resolve``, ``reset``, ``invalidate``, ``invalidate_everywhere`` take and return NumPy,
-  validate on the host exactly like ``cpu.py`` (the same :class:`ResidencyError` codes,
-  raised before any state changes) and synchronise.
-
-Bad input: the host ``resolve`` raises before touching state, like the cpu backend. The
-device path cannot raise; it stays memory-safe and deterministic: a top-k row naming a
-host row twice, or a state row's row beyond ``region_stride / top_k`` tokens, is refused
-(slots -1, no misses, no state change), a bad state row is padding, and the kernels count
-each such event in the error record ``out.err`` (kind, batch row, step, group; see
-``csrc/common.cuh``). The daemon turns those records into typed errors.
-
-Every size the kernels use comes from a step descriptor in device memory (``make_desc``),
-so a launch never depends on what the host knows about the step.
+  fixed-shape buffers (:class:`ResolveOutput`), run on a given stream, never read back.
+  They cannot raise on bad values: the kernels refuse the row (csrc/README.md) and count
+  it in the error record ``out.err``, which the daemon turns into typed errors.
+* **host convenience** (tests, ``replay --verify``): ``resolve``, ``reset``,
+  ``invalidate``, ``invalidate_everywhere`` take and return NumPy, raise the cpu
+  backend's :class:`ResidencyError` codes before any state changes, and synchronise.
 """
 
 from __future__ import annotations
@@ -64,15 +51,11 @@ class CudaResidency(Residency):
         workspace: ``"auto"`` (shared memory when it fits, else global scratch),
             ``"shared"`` or ``"global"``.
         hash_scale: the hash table's entries per power-of-two column, 2 or 4; ``None``
-            (the default): 4 when that workspace fits in shared memory, else 2 (on the
-            H200 the x4 table took batch 64 x top-k 2048 from 25.5 to 19.8 us: its probe
-            runs are shorter; docs/PERF.md).
+            (the default): 4 when that workspace fits in shared memory, else 2.
         lru_smem, owner_smem: the new lru row built in the workspace, then copied out
             whole; the owner row read into it with the lru row (csrc/resolve.cu
-            SKV_LRU_SMEM, SKV_OWNER_SMEM). ``None`` (the default): each where the
-            workspace (with the table chosen above) still fits in shared memory. Each
-            costs a region row of it; on the H200 both took batch 64 x top-k 2048 from
-            17.9 to 16.9 us (docs/PERF.md).
+            SKV_LRU_SMEM, SKV_OWNER_SMEM; a region row of workspace each). ``None`` (the
+            default): each where the workspace (with the table above) still fits.
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
@@ -87,10 +70,8 @@ class CudaResidency(Residency):
             self.lru = cp.empty((g, r, s), dtype=cp.int32)
             self.lru[...] = cp.arange(s, dtype=cp.int32)
         self.threads = int(threads)
-        # The workspace's options: those given, else the smallest, then (with workspace
-        # auto or shared) the x4 table if the workspace still fits in shared memory.
-        # Built for a shared-memory workspace unless it must be global (rebuilt if it
-        # turns out not to fit).
+        # Options not given: the smallest, then each that still fits in shared memory.
+        # Built for a shared-memory workspace unless it must be global (rebuilt if not).
         if workspace not in ("auto", "shared", "global"):
             raise ValueError(f"workspace must be auto, shared or global, got {workspace!r}")
         opts = {"hash_scale": DEFAULT_HASH_SCALE if hash_scale is None else int(hash_scale),
@@ -107,8 +88,6 @@ class CudaResidency(Residency):
                 layout.top_k, s, **dict(opts, hash_scale=4)) <= limit:
             opts["hash_scale"] = 4
             defines, self._resolve = build(**opts, ws_smem=ws_smem)
-        # Then the owner row and the new lru row into the workspace, each one not given
-        # while the workspace still fits.
         grown = False
         for name, given in (("owner_smem", owner_smem), ("lru_smem", lru_smem)):
             trial = dict(opts, **{name: True})
@@ -151,9 +130,8 @@ class CudaResidency(Residency):
 
     def resolve_async(self, group: int, state_rows, topk, out: ResolveOutput, stream=None) -> None:
         """Resolve ``topk`` (int32 [B, k], device) for ``state_rows`` (int32 [B], device)
-        into ``out`` on ``stream``: writes ``out.desc`` from the shapes (a small upload),
-        then :meth:`launch_resolve`. Host-side checks look at shapes only (no readback):
-        bad ids and state rows are handled on the device (see the module docstring)."""
+        into ``out`` on ``stream``: writes ``out.desc`` from the shapes, then
+        :meth:`launch_resolve`. Checks shapes only (bad values: the module docstring)."""
         lay = self.layout
         stream = stream if stream is not None else self.stream
         if not 0 <= group < lay.num_groups:
@@ -307,9 +285,8 @@ class CudaResidency(Residency):
             out.zero_counters()
             self.resolve_async(group, cp.asarray(state_rows), cp.asarray(np.ascontiguousarray(topk)), out)
         self.stream.synchronize()
-        # Read back on our stream (with it current, so that CuPy's contiguous copy of a
-        # slice runs there too): never on the legacy stream, which can wait behind a
-        # doorbell rank's parked stream.
+        # Read back with our stream current (CuPy's contiguous copy of a slice too): the
+        # legacy stream can wait behind a doorbell rank's parked stream.
         with self.stream:
             slots = out.slots[:batch, :k].get()
             misses = out.misses[:batch].get()
