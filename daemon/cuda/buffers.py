@@ -53,11 +53,10 @@ from .arena import ArenaFull
 
 
 class HostBlocks:
-    """Pinned, mapped host memory for a rank's transport: a memfd (the client maps it too,
-    having got the descriptor over the fd socket, and writes its step blocks there)
-    registered with ``cudaHostRegister`` (portable, mapped), so kernels read it and the
-    copy engine writes it. Owns the descriptor (``fd``, kept until :meth:`close`), the
-    mapping and the registration; :meth:`close` is idempotent.
+    """Pinned, mapped host memory for a rank's transport: a memfd (the client maps it too
+    and writes its step blocks there) registered with ``cudaHostRegister`` (portable,
+    mapped). Owns the descriptor (``fd``, kept until :meth:`close`), the mapping and the
+    registration; :meth:`close` is idempotent.
 
     ``name``: the memfd's name (``memfd.new_memfd``: pages reserved, size sealed);
     None: an anonymous mapping (in-process use), ``fd`` None."""
@@ -184,8 +183,6 @@ class RankBuffers:
             self.drop_rows = v(o["drop_rows"], (1 + lay.staging_rows,), "int32")
             self.layers = v(o["layers"], (lay.num_layers,), "int32")
             self.workspace = v(o["workspace"], (max(B * int(workspace_bytes), 1),)) if workspace_bytes else None
-            # Per ring entry, the count of the client's zmq TOPKs whose result is in place
-            # (a device-wait client's stream waits on it: ZmqTransport.topk_block).
             self.done = v(o["done"], (R,), "uint32")
             self.done.fill(0)
             if self.doorbell:
@@ -259,17 +256,12 @@ class RankBuffers:
                 "slots_offset": o["slots"], "misses_offset": o["misses"],
                 "step_block_offset": o["step_block"], "topk_block_offset": o["topk_block"],
                 "block_ints": self.block_ints,
-                # The pinned host step blocks, which the client may write itself (one
-                # small TOPK message then names the entry; no array on the socket): the
-                # name of their descriptor on the fd socket (None: none to map).
+                # The pinned host step blocks' descriptor on the fd socket (None: none to map).
                 "blocks_fd": "blocks" if self.host.fd is not None else None, "blocks_bytes": self.host.nbytes,
                 "client_step_offsets": [self.host.offset_of(b.block) for b, _ in self.client_step],
                 "client_topk_offsets": [self.host.offset_of(b.block) for b, _ in self.client_topk],
                 "ring_depth": self.ring_depth, "max_batch": self.max_batch, "top_k": lay.top_k,
-                "events": events,
-                # uint32 [ring_depth]: what a device-wait client's stream waits on (a TOPK
-                # naming "done": n sets its entry's word to n once the result is in place).
-                "done_offset": o["done"],
+                "events": events, "done_offset": o["done"],
                 # The pinned mirror of the error record (a doorbell handle's check() reads it).
                 "err_offset": self.host.offset_of(self.host_err)}
         if self.doorbell:
