@@ -1,23 +1,14 @@
 """Compile and cache the CUDA kernels of ``csrc/`` (CuPy ``RawModule``; no torch extension).
 
 Each module is one ``csrc/*.cu`` file with its local ``#include "x.cuh"`` files inlined and
-its constants (``SKV_ROW_VECS``, ``SKV_RESOLVE_THREADS``, ...) prepended as ``#define``
-lines, so the text that is hashed is exactly the program that is compiled. The cache key
-is that text, the compiler options, the NVRTC version and the GPU architecture; the cubin
-lands in the cache directory:
+its constants prepended as ``#define`` lines, so the text that is hashed is exactly the
+program that is compiled. The cache key is that text, the compiler options, the NVRTC
+version and the GPU architecture; the cubin lands in :func:`cache_dir`. Builds are
+serialised across processes (daemon workers and TP ranks start at once) by an ``flock`` on
+``<cache_dir>/.lock``; a cubin is written to a temporary file and renamed.
 
-1. the ``cache_dir`` argument, else
-2. ``$SPARSEKV_KERNEL_CACHE_DIR`` (also the daemon's ``kernel_cache_dir`` setting), else
-3. ``~/.cache/sparsekv/kernels``.
-
-Builds are serialised across processes (several daemon workers and TP ranks start at
-once) by an ``flock`` on ``<cache_dir>/.lock``; the cubin is written to a temporary file
-and renamed, so a reader never sees half a file.
-
-Both sides use it: the daemon (``daemon/kernels.py`` adds its modules' constants and
-``warm``) and a cuda rank's handle (``client/doorbell.py``: the engine-side kernels of
-``handle.cu``). This module imports ``cupy`` only when a kernel is first needed: importing
-it on a machine without CUDA works.
+Used by the daemon (``daemon/kernels.py``) and a cuda rank's handle (``client/doorbell.py``).
+``cupy`` is imported only when a kernel is first needed.
 """
 
 from __future__ import annotations
@@ -53,7 +44,8 @@ def csrc_dir() -> Path:
 
 
 def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """Resolve the cache directory: argument, else ``$SPARSEKV_KERNEL_CACHE_DIR``, else default."""
+    """The cache directory: argument, else ``$SPARSEKV_KERNEL_CACHE_DIR`` (the daemon's
+    ``kernel_cache_dir``), else ``~/.cache/sparsekv/kernels``."""
     return Path(path if path is not None else KERNEL_CACHE_DIR.get()).expanduser()
 
 
@@ -98,8 +90,6 @@ class KernelCache:
         self._smem: dict[tuple, int] = {}  # highest dynamic shared memory opted in, per function
         self._lock = threading.Lock()
 
-    # -- public -----------------------------------------------------------------------
-
     def function(self, source: str, name: str, defines: Mapping[str, int | str] | None = None,
                  smem_bytes: int = 0):
         """The kernel ``name`` of ``csrc/<source>`` built with ``defines``, allowed at least
@@ -131,8 +121,6 @@ class KernelCache:
                 mod = self._build(source, dict(defines or {}))
                 self._modules[key] = mod
             return mod
-
-    # -- building ---------------------------------------------------------------------
 
     def _build(self, source: str, defines: dict):
         import cupy

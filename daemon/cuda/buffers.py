@@ -27,11 +27,8 @@ blocks the daemon writes (requests whose arrays came on the socket), R STEP and 
 blocks the client writes (it then sends a TOPK naming the entry: no array on the
 socket), the stats mirror, the write path's blocks.
 
-A **step block** is int32 ``[DESC_INTS + 2 B + B K]``: the descriptor, ``rows`` (state row
-per batch row), ``aux`` (STEP: reset flag per batch row), ``payload`` (TOPK: the top-k ids
-``[batch, k]``; STEP: the invalidate rows ``[batch, n]``), each contiguous from its start.
-The zmq transport writes one into pinned host memory and ``skv_fetch`` copies it to the
-arena; a device transport writes the arena's block directly.
+A **step block** (``proto/step_block.py``): the zmq transport writes one into pinned host
+memory and ``skv_fetch`` copies it to the arena; a device transport writes the arena's.
 
 B = ``layout.max_batch``, K = ``layout.top_k``, R = ``ring_depth``, G = index groups.
 """

@@ -9,9 +9,7 @@
   mirror (a copy, no wait: a stats scrape reads the mirror).
 
 Every size comes from the descriptor in the block, every launch has a fixed grid and
-fixed shared memory, and nothing reads back or waits: the sequence captures into a CUDA
-graph (``tests/daemon/test_cuda_step.py`` captures it in global mode), and a transport
-either replays such graphs (zmq) or has the engine's own stream drive them (doorbell).
+shared memory, and nothing reads back or waits: the sequence captures into a CUDA graph.
 """
 
 from __future__ import annotations

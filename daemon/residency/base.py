@@ -1,12 +1,7 @@
-"""The two small interfaces every backend implements, and the values they share.
-
-* :class:`Residency` decides (control): which hot slot holds which host row, exact LRU,
-  per (index group, request state row). It never moves bytes.
-* :class:`Mover` moves bytes (data): gathers a plan from the host pool into a hot slab,
-  mirrors written rows into the pool, stages whole blocks for prefill.
-
-They meet only through the frozen values below. One implementation per backend: ``cpu``
-(NumPy, in this package) and ``cuda`` (kernels from ``csrc/``).
+"""The two small interfaces every backend (``cpu``, ``cuda``) implements, the values they
+share, and the checks both make. :class:`Residency` decides which hot slot holds which
+host row (exact LRU, per index group and request state row) and never moves bytes;
+:class:`Mover` moves them (gather, write mirror, staging).
 """
 
 from __future__ import annotations

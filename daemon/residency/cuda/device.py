@@ -5,6 +5,8 @@ resolve's output buffers (:class:`ResolveOutput`), the workspace size, launch he
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from sparsekv.proto.device_errors import ERROR_KINDS  # the record's kinds, shared with clients
@@ -109,7 +111,7 @@ class ResolveOutput:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.max_batch = int(max_batch)
         self.top_k = layout.top_k
-        with on_stream(stream):
+        with stream if stream is not None else contextlib.nullcontext():
             self.slots = cp.full((max_batch, layout.top_k), -1, dtype=cp.int32)
             self.misses = cp.zeros(max_batch, dtype=cp.int32)
             self.plan_rows = cp.full((max_batch, layout.top_k), -1, dtype=cp.int32)
@@ -125,7 +127,7 @@ class ResolveOutput:
         self.group = -1
 
     def zero_counters(self, stream=None) -> None:
-        with on_stream(stream):
+        with stream if stream is not None else contextlib.nullcontext():
             self.counters.fill(0)
             self.err.fill(0)
 
@@ -136,22 +138,6 @@ class ResolveOutput:
         c = self.counters.get()
         return {"hits": int(c[HITS]), "misses": int(c[MISSES]), "out_of_range": int(c[OUT_OF_RANGE]),
                 "errors": error_bits(self.err.get())}
-
-
-class on_stream:
-    """``with on_stream(stream):`` makes ``stream`` current (no-op for None)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def __enter__(self):
-        if self.stream is not None:
-            self.stream.__enter__()
-        return self.stream
-
-    def __exit__(self, *exc):
-        if self.stream is not None:
-            self.stream.__exit__(*exc)
 
 
 def grid_blocks(total: int, threads: int, cap: int) -> int:
