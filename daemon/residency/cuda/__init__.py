@@ -21,7 +21,6 @@ from .device import (  # noqa: F401 - the backend's public names
     HITS,
     MISSES,
     OUT_OF_RANGE,
-    ResolveOutput,
     error_bits,
     make_desc,
     resolve_workspace_bytes,

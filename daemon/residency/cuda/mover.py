@@ -1,7 +1,7 @@
 """CUDA mover: rows between the pinned host pool and one GPU with the copy kernels
 (``csrc/copy.cu``), with the interface and results of ``cpu.py``'s mover. The
 device-resident entry points (``*_async``, ``launch_*``) take device arrays, run on a given
-stream and never read back; ``gather``, ``stage``, ``write`` take NumPy and synchronise.
+stream and never read back; ``gather`` and ``stage`` take NumPy and synchronise.
 """
 
 from __future__ import annotations
@@ -231,24 +231,6 @@ class CudaMover(Mover):
                      lay.host_rows, lay.num_layers, self.staging, lay.staging_rows, lay.staging_rows,
                      lay.num_layers, layers, 3, rows, None, None, 1, n)
 
-    def write_async(self, layers, rows, src, stream=None, blocks: int | None = None) -> None:
-        """Write mirror: ``src`` (uint8 [len(layers), n, row_bytes], device) row i of layer
-        li -> host row ``rows[i]`` (int32 [n], device) of layer ``layers[li]``. Rows
-        outside [0, host_rows) (e.g. -1 padding) are skipped. Invalidate hot copies
-        separately (``CudaResidency.invalidate_async``)."""
-        cp = cp_module()
-        lay = self.layout
-        n = rows.shape[0]
-        want = (len(layers), n, lay.row_bytes)
-        if tuple(src.shape) != want or src.dtype != cp.uint8:
-            raise ResidencyError("BAD_ARGUMENT", f"src must be uint8 {want}, got {src.dtype} {src.shape}")
-        with (stream if stream is not None else self.stream):
-            rows = device_i32(rows, "rows", 1)
-            src = cp.ascontiguousarray(src)
-        self._launch(stream, blocks or self._blocks_for(n, len(layers)), src, n, n, len(layers),
-                     self._pool(), lay.host_rows, lay.host_rows, lay.num_layers, layers, 2, None, rows,
-                     None, 1, n)
-
     # -- host convenience (same results as CpuMover) ---------------------------------
 
     def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
@@ -283,14 +265,3 @@ class CudaMover(Mover):
                 self.stage_async(cp.asarray(rows), layers)
             self.stream.synchronize()
         return n * len(layers) * lay.row_bytes
-
-    def write(self, layers: tuple[int, ...], rows: np.ndarray, src) -> int:
-        """Host convenience of :meth:`write_async` (``src`` NumPy or CuPy); returns bytes."""
-        cp = cp_module()
-        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
-        live = int(((rows >= 0) & (rows < self.layout.host_rows)).sum())
-        if rows.size:
-            with self.stream:
-                self.write_async(layers, cp.asarray(rows), cp.asarray(src))
-            self.stream.synchronize()
-        return live * len(layers) * self.layout.row_bytes
