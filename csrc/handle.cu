@@ -1,13 +1,9 @@
 // The engine side of the doorbell transport: kernels that run on the ENGINE's stream
 // (client/doorbell.py), between its own kernels, inside its CUDA graph. They write the
 // step blocks the daemon's stream reads (through CUDA IPC, in the daemon's arena) and
-// turn the daemon's slots into the indices the engine's sparse attention reads.
-//
-//   skv_db_begin    engine tensors (state rows, reset, invalidate) -> the daemon's STEP block
-//   skv_db_topk     logical positions + block table -> host rows in the group's TOPK block
-//   skv_db_indices  the group's slots -> attention indices [tokens, k] (+ valid counts)
-//   skv_map_positions_*  logical positions + block table -> host rows [tokens, k], for a
-//                   top-k that goes to the daemon in a TOPK message (client/swap_in.py)
+// turn the daemon's slots into the indices the engine's sparse attention reads; and
+// skv_map_positions_*, for a top-k that goes to the daemon in a TOPK message
+// (client/swap_in.py).
 //
 // With a `bell` (signalling by kernels, client/doorbell.py), skv_db_begin and skv_db_topk
 // ring it themselves once the whole block is written (skv_ring_when_done; `done` is the

@@ -182,7 +182,7 @@ __device__ __forceinline__ void skv_bitonic_sort(u64* a, int n) {
 // of the first batch row naming a state row resolves every batch row naming it, in batch
 // order (several query tokens of one request); the other blocks of that state row exit.
 // Padding rows (state row -1) get slots -1 and 0 misses and touch no state.
-// Per batch row b: slots_out[b] (a slot per column, -1 none), misses[b], and the misses
+// Per batch row b: slots_out[b] (a slot per column; -1: none, past k), misses[b], the misses
 // in host-row order at the front of plan_rows[b] / plan_slots[b] (flat slot s * S + slot).
 // A refused row (DUPLICATE_IDS; TOO_MANY_TOKENS: the t-th row of s with t > S / top_k,
 // which could evict an earlier token's slots) gets slots -1 and 0 misses, changes no state

@@ -26,9 +26,8 @@ and do not drop its hot copies (its residency belongs to its stream): its engine
 rewritten rows to the next ``begin_step`` as ``invalidate``, and rewrites only rows no
 step in flight reads (new KV rows).
 
-Hazard: while the stream waits on a bell, other work of this process on the GPU may wait
-behind it: readbacks run on the residency's stream, never the legacy one, and bells are
-rung with stream memory operations, never a kernel (see ``close``).
+While the stream waits on a bell, other work of this process on the GPU may wait behind
+it: readbacks run on the residency's stream, never the legacy one (see also ``close``).
 """
 
 from __future__ import annotations

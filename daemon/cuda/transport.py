@@ -55,8 +55,7 @@ class MessageTransport(Transport):
 
 class DeviceTransport(Transport):
     """Driven by the device: the engine's stream writes the step blocks and rings the
-    rank's words; no message carries a step, and writes are not ordered against the
-    rank's stream (its engine passes rewritten rows to its next step)."""
+    rank's words; no message carries a step (``doorbell.py``)."""
 
 
 class ZmqTransport(MessageTransport):

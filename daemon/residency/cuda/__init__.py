@@ -1,12 +1,6 @@
-"""CUDA backend: the residency contract and the byte mover as kernels (``csrc/``), with
-the same interfaces and exact semantics as ``cpu.py``.
-
-* ``device.py``: the error record and counters, the resolve's output buffers, the
-  workspace size, launch helpers;
-* ``residency.py``: :class:`CudaResidency` (resolve, reset, invalidate, begin step);
-* ``mover.py``: :class:`CudaMover` (gather, staging, write mirror).
-
-``cupy`` is imported lazily: importing this package needs no GPU.
+"""CUDA backend: the residency contract (``residency.py``) and the byte mover
+(``mover.py``) as kernels of ``csrc/``, with the interfaces and exact semantics of
+``cpu.py``; ``device.py``: what they share. Importing this package needs no GPU.
 """
 
 from .device import (  # noqa: F401 - the backend's public names

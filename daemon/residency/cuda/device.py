@@ -87,22 +87,12 @@ def null_ptr():
 
 
 class ResolveOutput:
-    """Device buffers of one resolve, fixed shapes ``[max_batch, top_k]``.
-
-    After ``resolve_async(group, state_rows, topk, out)`` of a batch of ``B`` rows and
-    ``k`` columns (on the stream, not yet on the host):
-
-    * ``slots[b, c]``: slot within the region for column ``c`` of row ``b`` (-1 if none;
-      columns ``k..top_k`` are -1);
-    * ``misses[b]``: misses of row ``b``; padding rows 0;
-    * ``plan_rows[b, :misses[b]]`` / ``plan_slots[b, :misses[b]]``: the compact plan of
-      row ``b`` sorted by host row; a slot is flat ``state_row * region_stride + slot``;
-      entries past ``misses[b]`` are stale;
-    * ``counters`` (uint64 [4]): hits, misses, out-of-range ids, **accumulated** across
-      resolves until :meth:`zero_counters`; ``err`` (int32 [ERR_INTS]) the error record;
-      ``desc`` (int32 [DESC_INTS]) the descriptor of the last resolve.
-
-    ``batch``, ``k`` and ``group`` (host ints) record the last resolve for ``gather_async``.
+    """Device buffers of one resolve, fixed shapes ``[max_batch, top_k]``: ``slots``,
+    ``misses`` and the per-row plans ``plan_rows`` / ``plan_slots`` as ``skv_resolve``
+    writes them (csrc/resolve.cu); ``counters`` (uint64 [4]: hits, misses, out-of-range
+    ids, **accumulated** until :meth:`zero_counters`); ``err``, the error record; ``desc``,
+    the last resolve's descriptor. ``batch``, ``k`` and ``group`` (host ints) record the
+    last resolve for ``gather_async``.
     """
 
     def __init__(self, layout: Layout, max_batch: int, workspace_bytes: int = 0, stream=None):
