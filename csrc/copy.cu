@@ -186,11 +186,10 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     skv_ring_when_done(arrivals, ready);
 }
 
-// A step block from pinned host memory (mapped) to its device copy: the descriptor, then
-// the used part of each section. Block layout (int32): [desc: SKV_DESC_INTS]
-// [rows: max_batch] [aux: max_batch] [payload: payload_cap]; payload entries used:
-// batch * desc[SKV_D_K] (a TOPK block) or batch * desc[SKV_D_INV_N] (a STEP block, `step`
-// != 0). Sizes come from the descriptor, clamped to the sections: the launch is fixed.
+// A step block ([desc] [rows: max_batch] [aux: max_batch] [payload: payload_cap], int32)
+// from pinned host memory (mapped) to its device copy: the descriptor, then the used part
+// of each section, clamped to it: payload batch * desc[SKV_D_K] (TOPK) or, with `step`,
+// batch * desc[SKV_D_INV_N] (STEP).
 extern "C" __global__ void skv_fetch(const int* __restrict__ src, int* __restrict__ dst,
                                      const int max_batch, const int payload_cap, const int step) {
     __shared__ int sh_desc[SKV_DESC_INTS];

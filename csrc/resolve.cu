@@ -100,7 +100,6 @@ __device__ __forceinline__ u32 skv_hash_slot(int g, int bits) {
 }
 
 // Whether old lru entry sl (a slot) is a hit of this step: in [0, S) and in the hit mask.
-// (Entries outside [0, S) or repeated were marked corrupt in phase 1.)
 __device__ __forceinline__ bool skv_lru_hit(const SkvWs& w, int sl, int S) {
     return sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
 }

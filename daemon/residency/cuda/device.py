@@ -18,9 +18,7 @@ from ..base import ResidencyError
 SETUP_BLOCKS = 1024  # cap for the grid-stride reset/invalidate kernels
 STEP_BLOCKS = 128  # fixed grid of skv_begin_step (blocks stride over batch rows x groups)
 
-# The error record (csrc/common.cuh): int32[ERR_INTS]; err[e] counts kind e, err[8 + e],
-# err[16 + e], err[24 + e] hold the batch row, step and group of the latest.
-ERR_INTS = 32
+ERR_INTS = 32  # the error record (csrc/common.cuh): int32[ERR_INTS]
 E_DUPLICATE_IDS, E_CORRUPT_STATE, E_BAD_STATE_ROW, E_TOO_MANY_TOKENS, E_BAD_STEP = range(5)
 # Bits of ResolveOutput.read_counters()["errors"]: 1 << kind.
 ERR_DUPLICATE_IDS = 1 << E_DUPLICATE_IDS
@@ -72,10 +70,8 @@ def _a16(n: int) -> int:
 
 def resolve_workspace_bytes(k: int, region_stride: int, hash_scale: int = 2, lru_smem: bool = False,
                             owner_smem: bool = False) -> int:
-    """Bytes of one resolve block's workspace for ``k`` columns (mirrors ``skv_ws``): with
-    the hash table (host rows and columns, ``hash_scale`` x pow2(k) entries each);
-    ``lru_smem`` and ``owner_smem`` add a region row each (csrc/resolve.cu SKV_LRU_SMEM,
-    SKV_OWNER_SMEM)."""
+    """Bytes of one resolve block's workspace for ``k`` columns (mirrors ``skv_ws`` of
+    csrc/resolve.cu, built with ``hash_scale``, ``lru_smem``, ``owner_smem``)."""
     kp = pow2(k)
     rows = 1 + int(bool(lru_smem)) + int(bool(owner_smem))
     base = _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + rows * _a16(region_stride * 4)

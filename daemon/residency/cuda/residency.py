@@ -123,10 +123,8 @@ class CudaResidency(Residency):
     def new_output(self, max_batch: int | None = None) -> ResolveOutput:
         """A :class:`ResolveOutput` for batches of up to ``max_batch`` rows (default: the
         layout's ``max_batch``)."""
-        if max_batch is None:
-            max_batch = getattr(self.layout, "max_batch", 0) or self.layout.max_reqs
         ws = self.workspace_bytes if self.workspace_global else 0
-        return ResolveOutput(self.layout, max_batch, ws, self.stream)
+        return ResolveOutput(self.layout, self.layout.max_batch if max_batch is None else max_batch, ws, self.stream)
 
     def resolve_async(self, group: int, state_rows, topk, out: ResolveOutput, stream=None) -> None:
         """Resolve ``topk`` (int32 [B, k], device) for ``state_rows`` (int32 [B], device)
