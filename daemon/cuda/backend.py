@@ -80,8 +80,7 @@ class CudaBackend(Backend):
             self.close()
             raise
         self.devices = [f"cuda:{w.ordinal}" for w in self.workers]
-        # Each rank's pinned step blocks live in a memfd its client maps (the server hands
-        # the descriptor over the fd socket); an older sparsekvd left files in shm_dir.
+        # Each rank's pinned step blocks live in a memfd; files an older sparsekvd left go.
         self._blocks_name = f"sparsekv-{run_dir_tag(cfg.run_dir)}-blocks-"
         remove_stale(os.path.join(cfg.shm_dir, self._blocks_name))
         self._retired: dict[str, int] = {}

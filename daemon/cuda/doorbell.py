@@ -4,16 +4,8 @@ The engine's stream writes the step blocks straight into this rank's ``db_*`` se
 the arena (CUDA IPC) and rings words there with stream memory operations
 (``proto/stream_ops.py``); the daemon's stream, stocked ahead with one CUDA graph per
 step, waits on those words, runs the same device step as the zmq transport, and sets a
-ready word per layer. No host code of either process sits between a top-k and its rows.
-
-One step graph (captured once at attach)::
-
-    wait bell_step == 1; bell_step = 0; skv_begin_step(db_step)
-    for each index group g:
-        wait bell[g] == 1
-        skv_resolve(db_topk[g]) -> db_slots[g], db_misses[g], the plan; bell[g] = 0
-        (last group: counters and error record -> the pinned mirror)
-        for each layer l of g: skv_gather(l); ready[l] = 1 (by the gather's last block)
+ready word per layer (``_enqueue_step``: one step graph, captured once at attach). No host
+code of either process sits between a top-k and its rows.
 
 A stocking thread keeps ``depth`` step graphs launched ahead on the rank's own stream
 (never the GPU worker's shared stream: it spends its life waiting on this engine's
