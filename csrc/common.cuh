@@ -73,10 +73,9 @@ __device__ __forceinline__ void skv_warp_count(int v, int bits, int* in_warp, in
 }
 
 // Block-wide collectives with one barrier each (SkvRot): the per-warp partials go to one of
-// two slots in turn, so a slot is written again only two collectives later, after every
-// thread has passed the barrier of the one in between (and so has read it). `buf` is
-// __shared__ int[2 * NT / 32]; `slot` starts at 0 and stays block-uniform (every thread
-// runs the same collectives).
+// two slots in turn, so a slot is written again only after every thread has passed the
+// barrier of the collective in between (and so has read it). `buf` is __shared__
+// int[2 * NT / 32]; `slot` starts at 0 and stays block-uniform.
 struct SkvRot {
     int* buf;
     int slot;
@@ -185,10 +184,9 @@ __device__ __forceinline__ int skv_pow2(int n) {
 // -- doorbell words (flip-flops: one side sets 1, the other waits for 1 and resets 0) --------
 
 // Set `bell` to 1 once every block of the grid has passed this point, with all of their
-// earlier global writes visible before it (a device-wide fence per block, then a counter;
-// the last block to arrive resets the counter and rings). `done` is a u32 counter that
-// starts at 0 and is 0 again when the kernel ends; with one block it may be null.
-// Must be reached by every thread of every block (no early return before it).
+// earlier global writes visible before it (a fence per block, then the counter `done`,
+// 0 before and after, reset by the last block, which rings; null with one block). Must be
+// reached by every thread of every block (no early return before it).
 __device__ __forceinline__ void skv_ring_when_done(u32* done, u32* bell) {
     if (!bell) return;
     __syncthreads();

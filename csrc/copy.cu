@@ -54,14 +54,13 @@ __device__ __forceinline__ i64 skv_entry(i64 r, const int* counts, const i64* pr
     return (i64)b * ld + (r - pref[b]);
 }
 
-// Copy, for each listed layer li in [0, n_layers), every entry e of a [nb, ld] index list:
+// Copy, for each listed layer li in [0, n_layers), every entry e = b * ld + i of a
+// [nb, ld] index list (the destination laid out by `geo`):
 //   src row  = src_idx ? src_idx[e] : e     of source layer (mode & 1 ? layers[li] : li)
 //   dst row  = dst_idx ? dst_idx[e] : e     of dest layer   (mode & 2 ? layers[li] : li)
-// (the destination laid out by `geo`, see SkvDstGeometry)
-// With counts (int[nb]) only the first counts[b] entries of batch row b are copied (the
-// compact per-row plan of skv_resolve); without, the first `total` of all nb * ld. Entries
-// are numbered e = b * ld + i. A row or layer outside its buffer is skipped, never read or
-// written. Dynamic shared memory: (nb + 1) * 8 bytes when counts is given, else 0.
+// With counts (int[nb]) only the first counts[b] entries of batch row b (skv_resolve's
+// plan); without, the first `total` of all nb * ld. A row or layer outside its buffer is
+// skipped. Dynamic shared memory: (nb + 1) * 8 bytes when counts is given, else 0.
 __device__ __forceinline__ void skv_copy_body(
     const unsigned char* __restrict__ src, const i64 src_layer_rows, const i64 src_rows,
     const int src_layers,

@@ -117,10 +117,9 @@ __device__ __forceinline__ int skv_lru_pos(const SkvWs& w, int sl, bool hit, int
     return e - n_take;
 }
 
-// Column c's slot once the lru is partitioned: its hit slot, or for a miss (the m-th in
-// column order) the m-th evictable, which it now owns (owner[slot] = its id, colv marks
-// it MISS_TAG | slot); -1 for an invalid column, and for a miss left without a valid
-// evictable (corrupt state: *bad_slot = 1, the column is dropped from the plan).
+// Column c's slot once the lru is partitioned: its hit slot, or for the m-th miss the
+// m-th evictable, which it now owns (owner, colv = MISS_TAG | slot); -1 for an invalid
+// column and for a miss without a valid evictable (corrupt: *bad_slot = 1, not planned).
 __device__ __forceinline__ int skv_slot_of(const SkvWs& w, int c, int m, int n_take, int S,
                                            const int* __restrict__ ids, int* __restrict__ owner,
                                            int* bad_slot) {
@@ -608,10 +607,9 @@ extern "C" __global__ void skv_reset(int* __restrict__ owner, int* __restrict__ 
     }
 }
 
-// Empty every slot whose owner is one of the rows of `rows` = [n, r_0 .. r_{n-1}], the
-// r ascending (negative entries never match), n read on the device and clamped to
-// [0, rows_cap]. With state_rows null, scan every (group, state row); else only the
-// listed state rows (entries outside [0, max_reqs) skipped). The lru is unchanged.
+// Empty every slot whose owner is one of `rows` = [n, r_0 .. r_{n-1}] (r ascending, n read
+// on the device, clamped to [0, rows_cap]): in every (group, state row), or with
+// state_rows only in those (entries outside [0, max_reqs) skipped). The lru is unchanged.
 // counter (u64, may be null) accumulates how many slots were emptied. Grid: fixed,
 // strides over the regions (the write path: rows written on one rank, dropped in all).
 extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int groups,
