@@ -607,9 +607,10 @@ extern "C" __global__ void skv_reset(int* __restrict__ owner, int* __restrict__ 
     }
 }
 
-// Empty every slot whose owner is one of `rows` = [n, r_0 .. r_{n-1}] (r ascending, n read
-// on the device, clamped to [0, rows_cap]): in every (group, state row), or with
-// state_rows only in those (entries outside [0, max_reqs) skipped). The lru is unchanged.
+// Empty every slot whose owner is one of `rows` = [n, r_0 .. r_{n-1}] (r ascending, a
+// negative r never matches; n read on the device, clamped to [0, rows_cap]): in every
+// (group, state row), or with state_rows only in those (entries outside [0, max_reqs)
+// skipped). The lru is unchanged.
 // counter (u64, may be null) accumulates how many slots were emptied. Grid: fixed,
 // strides over the regions (the write path: rows written on one rank, dropped in all).
 extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int groups,
