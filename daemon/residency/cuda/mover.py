@@ -1,7 +1,7 @@
 """CUDA mover: rows between the pinned host pool and one GPU with the copy kernels
 (``csrc/copy.cu``), with the interface and results of ``cpu.py``'s mover. The
-device-resident entry points (``*_async``, ``launch_*``) take device arrays, run on a given
-stream and never read back; ``gather`` and ``stage`` take NumPy and synchronise.
+device-resident entry points (``gather_async``, ``launch_*``) take device arrays, run on a
+given stream and never read back; ``gather`` and ``stage`` take NumPy and synchronise.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from sparsekv.daemon.kernels import COPY_THREADS, DEFAULT_SMEM_BYTES, copy_defin
 from sparsekv.proto.layout import Layout
 
 from ..base import Mover, Plan, ResidencyError
-from .device import ResolveOutput, cp_module, device_i32, grid_blocks, null_ptr, smem_limit
+from .device import ResolveOutput, cp_module, grid_blocks, null_ptr, smem_limit
 
 DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
 
@@ -216,21 +216,6 @@ class CudaMover(Mover):
                      self._pool(), lay.host_rows, lay.host_rows, lay.num_layers, None, 3, None,
                      rows[1:], None, 1, lay.staging_rows, count_dev=rows, layers_dev=(layers, int(n_layers)))
 
-    def stage_async(self, rows, layers, stream=None, blocks: int | None = None) -> None:
-        """Copy host ``rows`` (int32 [n], device) of each of ``layers`` to the front of the
-        staging buffer; rows outside [0, host_rows) are skipped."""
-        lay = self.layout
-        if self.staging is None:
-            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
-        with (stream if stream is not None else self.stream):
-            rows = device_i32(rows, "rows", 1)
-        n = rows.shape[0]
-        if n > lay.staging_rows:
-            raise ResidencyError("TOO_LARGE", f"{n} rows do not fit the staging buffer of {lay.staging_rows}")
-        self._launch(stream, blocks or self._blocks_for(n, len(layers)), self._pool(), lay.host_rows,
-                     lay.host_rows, lay.num_layers, self.staging, lay.staging_rows, lay.staging_rows,
-                     lay.num_layers, layers, 3, rows, None, None, 1, n)
-
     # -- host convenience (same results as CpuMover) ---------------------------------
 
     def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
@@ -262,6 +247,8 @@ class CudaMover(Mover):
             raise ResidencyError("BAD_ARGUMENT", f"stage rows must lie in [0, {lay.host_rows})")
         if n:
             with self.stream:
-                self.stage_async(cp.asarray(rows), layers)
+                self._launch(None, self._blocks_for(n, len(layers)), self._pool(), lay.host_rows, lay.host_rows,
+                             lay.num_layers, self.staging, lay.staging_rows, lay.staging_rows, lay.num_layers,
+                             layers, 3, cp.asarray(rows), None, None, 1, n)
             self.stream.synchronize()
         return n * len(layers) * lay.row_bytes
