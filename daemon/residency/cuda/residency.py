@@ -2,9 +2,9 @@
 interface and exact semantics of ``cpu.py``; ``owner`` / ``lru`` are CuPy int32 arrays
 ``[groups, max_reqs, region_stride]``.
 
-* **device-resident** (the decode path): ``resolve_async``, ``reset_async``,
-  ``invalidate_async`` and the ``launch_*`` methods take device arrays, write into
-  fixed-shape buffers (:class:`ResolveOutput`), run on a given stream, never read back.
+* **device-resident** (the decode path): ``resolve_async``, ``invalidate_async`` and the
+  ``launch_*`` methods take device arrays, write into fixed-shape buffers
+  (:class:`ResolveOutput`), run on a given stream, never read back.
   They cannot raise on bad values: the kernels refuse the row (csrc/README.md) and count
   it in the error record ``out.err``, which the daemon turns into typed errors.
 * **host convenience** (tests, ``replay --verify``): ``resolve``, ``reset``,
@@ -192,22 +192,6 @@ class CudaResidency(Residency):
                 shared_mem=self.step_smem,
             )
 
-    def reset_async(self, state_rows, stream=None) -> None:
-        """Empty every group's region of each state row (int32 [n], device; -1 skipped)."""
-        lay = self.layout
-        i32 = np.int32
-        with (stream if stream is not None else self.stream):
-            state_rows = device_i32(state_rows, "state_rows", 1)
-            n = state_rows.shape[0]
-            if n == 0:
-                return
-            total = n * lay.num_groups * lay.region_stride
-            self._reset(
-                (grid_blocks(total, 256, SETUP_BLOCKS),), (256,),
-                (self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
-                 state_rows, i32(n)),
-            )
-
     def invalidate_async(self, rows, rows_cap: int, state_rows=None, counter=None, stream=None) -> None:
         """Empty the slots owning one of the rows of ``rows`` (device int32 ``[1 + cap]``:
         ``[n, sorted rows...]``, see :func:`rows_block`): in every region, or only in
@@ -243,8 +227,12 @@ class CudaResidency(Residency):
             raise ResidencyError("BAD_STATE_ROW", f"state row {int(rows.max())} >= max_reqs")
         if not rows.size:
             return
+        lay, i32 = self.layout, np.int32
+        total = rows.size * lay.num_groups * lay.region_stride
         with self.stream:
-            self.reset_async(cp.asarray(rows.astype(np.int32)))
+            self._reset((grid_blocks(total, 256, SETUP_BLOCKS),), (256,),
+                        (self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
+                         cp.asarray(rows.astype(np.int32)), i32(rows.size)))
         self.stream.synchronize()
 
     def invalidate(self, state_row: int, rows: np.ndarray) -> None:
