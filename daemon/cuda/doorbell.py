@@ -73,7 +73,6 @@ class DoorbellTransport(DeviceTransport):
         self._thread = threading.Thread(target=self._stock, name=f"sparsekv-doorbell-{worker.ordinal}", daemon=True)
         self._thread.start()
 
-    # -- the step graph ------------------------------------------------------------------
     def _wait_bell(self, stream, address: int, cleared_by_kernel: bool = False) -> None:
         """Wait until the word at ``address`` is 1 and set it to 0 again; with
         ``cleared_by_kernel`` the next kernel clears it (skv_resolve's ``clear``)."""
@@ -98,7 +97,6 @@ class DoorbellTransport(DeviceTransport):
                 d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer],
                                  ready=self._ready[layer], arrivals=self._arrivals.data.ptr + 4 * layer)
 
-    # -- stocking ------------------------------------------------------------------------
     def _stock(self) -> None:
         import cupy as cp
 

@@ -106,7 +106,6 @@ class CudaRankState(RankState):
         super().__init__(rank=rank, device=f"cuda:{worker.ordinal}", residency=residency, mover=mover,
                          slab=bufs.slab, staging=bufs.staging)
 
-    # -- decode path -------------------------------------------------------------------
     def _fed(self) -> MessageTransport:
         """The transport a STEP or TOPK message is enqueued on."""
         if self.device_driven:
@@ -190,7 +189,6 @@ class CudaRankState(RankState):
         """Rows refused or mended on this rank by kind (from the pinned mirror)."""
         return self._errors.counts()
 
-    # -- write path --------------------------------------------------------------------
     def write_staged(self, space, layers, rows, fence=None):
         """Staging buffer -> host pool on this GPU's stream (the write-mirror kernel), after
         the client's fence. Every other rank's stream then waits for it, and every rank
@@ -261,7 +259,6 @@ class CudaRankState(RankState):
     def quiesce(self) -> None:
         self.worker.stream.synchronize()
 
-    # -- stats -------------------------------------------------------------------------
     def counters(self) -> dict:
         """Counters from the pinned mirror the device step copies out after each request:
         no synchronisation (a scrape never stalls the copy stream; it may lag by the

@@ -35,7 +35,6 @@ class DeviceStep:
         self.layout = residency.layout
         self._fetch = kernels.function("copy.cu", "skv_fetch", copy_defines(self.layout.row_bytes))
 
-    # -- pieces -----------------------------------------------------------------------
     def enqueue_fetch(self, host_address: int, block, stream, step: bool) -> None:
         """``skv_fetch``: a pinned host step block (device address) -> ``block`` (device)."""
         b = self.buffers
@@ -68,7 +67,6 @@ class DeviceStep:
         cp.cuda.runtime.memcpyAsync(bufs.host_stats_address, bufs.stats.data.ptr, bufs.stats_bytes,
                                     MEMCPY_DEVICE_TO_HOST, stream.ptr)
 
-    # -- whole requests ------------------------------------------------------------------
     def enqueue_step_request(self, host_address: int | None, stream) -> None:
         """A STEP: [fetch its block from pinned memory] -> begin -> stats out."""
         if host_address is not None:

@@ -171,8 +171,6 @@ class CudaMover(Mover):
         vecs = rows * layers * (self.layout.row_bytes // 16)
         return grid_blocks(vecs, self.threads, self.blocks)
 
-    # -- device-resident entry points ------------------------------------------------
-
     def gather_async(self, out: ResolveOutput, layers, stream=None, blocks: int | None = None) -> None:
         """Copy the plan of the last resolve into ``out`` for each of ``layers`` (the index
         group's layers), pool -> slab, on ``stream``. Order after the resolve on one stream."""
@@ -215,8 +213,6 @@ class CudaMover(Mover):
         self._launch(stream, self.blocks, self.staging, lay.staging_rows, lay.staging_rows, lay.num_layers,
                      self._pool(), lay.host_rows, lay.host_rows, lay.num_layers, None, 3, None,
                      rows[1:], None, 1, lay.staging_rows, count_dev=rows, layers_dev=(layers, int(n_layers)))
-
-    # -- host convenience (same results as CpuMover) ---------------------------------
 
     def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
         cp = cp_module()

@@ -118,8 +118,6 @@ class CudaResidency(Residency):
         self._host_out: ResolveOutput | None = None
         self.last_errors = 0  # error bits of the last host-convenience resolve
 
-    # -- device-resident entry points ------------------------------------------------
-
     def new_output(self, max_batch: int | None = None) -> ResolveOutput:
         """A :class:`ResolveOutput` for batches of up to ``max_batch`` rows (default: the
         layout's ``max_batch``)."""
@@ -217,8 +215,6 @@ class CudaResidency(Residency):
                  i32(n_state), rows, i32(rows_cap), counter if counter is not None else null_ptr()),
             )
 
-    # -- host convenience (same checks and results as CpuResidency) ------------------
-
     def reset(self, state_rows: np.ndarray) -> None:
         cp = cp_module()
         rows = np.asarray(state_rows, dtype=np.int64)
@@ -297,8 +293,6 @@ class CudaResidency(Residency):
         if self._host_out is None or self._host_out.max_batch < batch:
             self._host_out = self.new_output(max(batch, 2 * (self._host_out.max_batch if self._host_out else 0)))
         return self._host_out
-
-    # -- state transfer (tests, checkpoints) -----------------------------------------
 
     def state(self) -> tuple[np.ndarray, np.ndarray]:
         """``(owner, lru)`` copied to the host (synchronises the stream)."""
