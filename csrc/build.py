@@ -50,11 +50,8 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
 
 
 def load_source(name: str, defines: Mapping[str, int | str] | None = None, root: Path | None = None) -> str:
-    """Return the self-contained text of ``csrc/<name>``: defines first, includes inlined.
-
-    Each local header is inlined once (the headers use ``#pragma once``; inlining removes
-    the need for NVRTC to find them and puts their text in the cache key).
-    """
+    """Return the self-contained text of ``csrc/<name>``: defines first, each local header
+    inlined once (NVRTC then needs to find none, and their text is part of the cache key)."""
     root = root or csrc_dir()
     seen: set[str] = set()
 
@@ -78,11 +75,8 @@ def load_source(name: str, defines: Mapping[str, int | str] | None = None, root:
 
 
 class KernelCache:
-    """Compiled modules of one process, backed by the on-disk cubin cache.
-
-    ``function(source, name, defines)`` returns a CuPy ``RawKernel`` ready to launch;
-    modules are compiled (or loaded from disk) once per (source, defines, device).
-    """
+    """Compiled modules of one process, backed by the on-disk cubin cache: each compiled
+    (or loaded from disk) once per (source, defines, device)."""
 
     def __init__(self, cache_dir_: str | os.PathLike | None = None):
         self.cache_dir = cache_dir(cache_dir_)
