@@ -51,12 +51,9 @@ from .arena import ArenaFull
 
 class HostBlocks:
     """Pinned, mapped host memory for a rank's transport: a memfd (the client maps it too
-    and writes its step blocks there) registered with ``cudaHostRegister`` (portable,
-    mapped). Owns the descriptor (``fd``, kept until :meth:`close`), the mapping and the
-    registration; :meth:`close` is idempotent.
-
-    ``name``: the memfd's name (``memfd.new_memfd``: pages reserved, size sealed);
-    None: an anonymous mapping (in-process use), ``fd`` None."""
+    and writes its step blocks there) registered with ``cudaHostRegister``. Owns the
+    descriptor (``fd``), the mapping and the registration; :meth:`close` is idempotent.
+    ``name``: the memfd's name (``memfd.new_memfd``); None: an anonymous mapping."""
 
     def __init__(self, nbytes: int, name: str | None = None):
         self.nbytes = max(mmap.PAGESIZE, -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)

@@ -122,10 +122,8 @@ class DoorbellTransport(DeviceTransport):
             log.critical("doorbell stocking thread of GPU %d failed: %r", self.worker.ordinal, e)
 
     def failure(self) -> str | None:
-        """Why this rank's stream can no longer serve its engine, or None. A stocking
-        thread that died leaves the engine's stream waiting on a ready word for ever: the
-        daemon exits (its engines' watchers then release their streams), and systemd
-        restarts it."""
+        """Why this rank's stream can no longer serve its engine (a stocking thread that died
+        leaves the engine's stream waiting on a ready word for ever: the daemon exits), or None."""
         if self._error is not None:
             return f"the doorbell stream of GPU {self.worker.ordinal} stopped: {self._error!r}"
         return None

@@ -153,12 +153,9 @@ class CudaResidency(Residency):
 
     def launch_resolve(self, desc, state_rows, topk, slots, misses, plan_rows, plan_slots, counters,
                        counters_per_group: int, err, workspace, max_batch: int, stream, clear: int = 0) -> None:
-        """Enqueue ``skv_resolve`` on ``stream``. Device arrays only; the batch, columns and
-        group come from ``desc``; the grid (``max_batch`` blocks) and shared memory are
-        fixed by the layout. ``slots`` and the plan are ``[max_batch, top_k]``; counters
-        are ``[groups, 4]`` with ``counters_per_group`` 4, or one ``[4]`` with 0.
-        ``clear``: the device address of a u32 word the kernel sets to 0 first (a doorbell
-        bell the stream has just waited on), or 0."""
+        """Enqueue ``skv_resolve`` on ``stream`` (its arguments: csrc/resolve.cu). Device
+        arrays only; batch, columns and group come from ``desc``; grid and shared memory
+        are fixed by the layout. ``clear``: a device address, or 0."""
         lay = self.layout
         i32 = np.int32
         if self.workspace_global:
@@ -191,11 +188,9 @@ class CudaResidency(Residency):
             )
 
     def invalidate_async(self, rows, rows_cap: int, state_rows=None, counter=None, stream=None) -> None:
-        """Empty the slots owning one of the rows of ``rows`` (device int32 ``[1 + cap]``:
-        ``[n, sorted rows...]``, see :func:`rows_block`): in every region, or only in
-        ``state_rows`` (int32 [m], device). ``counter`` (uint64 [1], device) accumulates
-        how many slots were emptied (counted once per slot only when ``state_rows`` is
-        None or has no repeats). Fixed grid; the count is read on the device."""
+        """Enqueue ``skv_invalidate`` (csrc/resolve.cu): ``rows`` device int32 ``[1 + cap]``
+        (:func:`rows_block`), ``state_rows`` int32 [m] or None, ``counter`` uint64 [1] or
+        None (a slot counted once only when ``state_rows`` is None or has no repeats)."""
         lay = self.layout
         stream = stream if stream is not None else self.stream
         i32 = np.int32
