@@ -117,11 +117,9 @@ class RankBuffers:
         layout: the attached layout.
         ring_depth: result ring entries (requests a client may have in flight).
         workspace_bytes: per-batch-row global resolve workspace (0: shared memory).
-        blocks_name: the memfd name of the pinned host blocks (the client maps them and
-            may write its step blocks there); None: anonymous (in process).
+        blocks_name: the memfd name of the pinned host blocks; None: anonymous (in process).
         doorbell: also the doorbell transport's rings and words (``db_*`` sections).
-        own_slab: allocate the hot slab (False: the engine brings it, ``proto/slab.py``;
-            ``slab`` is then None and the export says ``engine_slab``).
+        own_slab: allocate the hot slab (False: the engine brings it; ``slab`` is None).
     """
 
     def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_name: str | None = None,

@@ -44,13 +44,10 @@ class CudaRankState(RankState):
         ring_depth: result ring entries.
         gather_blocks: the most blocks a gather uses (SMs are shared with attention).
         graphs: replay a CUDA graph per request (True) or launch kernel by kernel.
-        blocks_path: the shared-memory file of the rank's pinned step blocks (None:
-            anonymous, for in-process use).
-        transport: ``"zmq"`` (steps arrive as messages) or ``"doorbell"`` (the engine's
-            stream drives them; ``doorbell.py``).
-        engine_slab: an engine-owned slab (``engine.EngineSlabImport`` with ``ipc``:
-            handle, offset): imported through CUDA IPC, gathered into by its geometry; the
-            import is closed when the rank closes.
+        blocks_path: the memfd name of the rank's pinned step blocks (None: anonymous).
+        transport: ``"zmq"`` (steps arrive as messages) or ``"doorbell"`` (``doorbell.py``).
+        engine_slab: an engine-owned slab (``engine.EngineSlabImport``): imported through
+            CUDA IPC (closed with the rank), gathered into by its geometry.
     """
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,

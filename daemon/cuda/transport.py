@@ -59,14 +59,10 @@ class DeviceTransport(Transport):
 
 
 class ZmqTransport(MessageTransport):
-    """Steps that arrived as ZeroMQ messages, replayed as one CUDA graph each. The host
-    checks shapes only (the kernels check values): no sort, no readback, no size from the
-    host reaches a launch.
-
-    Per ring entry ``e`` there is a pinned STEP block and a pinned TOPK block, and a graph
-    for each, captured once at attach. A request writes its entry's block and launches
-    the graph; the entry's event (TOPK: the client's IPC event) guards the block's reuse
-    ``ring_depth`` requests later.
+    """Steps that arrived as ZeroMQ messages, replayed as one CUDA graph each; the host
+    checks shapes only (the kernels check values). Per ring entry ``e``, a pinned STEP
+    block and a pinned TOPK block, each with a graph captured at attach; the entry's event
+    (TOPK: the client's IPC event) guards the block's reuse ``ring_depth`` requests later.
 
     Args:
         dstep: the rank's :class:`~sparsekv.daemon.cuda.step.DeviceStep`.

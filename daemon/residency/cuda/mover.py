@@ -61,9 +61,8 @@ class CudaMover(Mover):
         kernels, stream: as for :class:`CudaResidency`.
         blocks: most blocks a copy kernel uses (SMs are shared with attention).
         threads: threads per copy block.
-        engine_slab: ``(device address, SlabGeometry)`` of an engine-owned slab
-            (``proto/slab.py``, checked): gathers write there, laid out by the geometry,
-            instead of ``buffers.slab``.
+        engine_slab: ``(device address, SlabGeometry)`` of an engine-owned slab, which
+            gathers write instead of ``buffers.slab``.
     """
 
     def __init__(self, layout: Layout, pool, *, pool_offset: int = 0, buffers: DeviceBuffers | None = None,
