@@ -215,7 +215,6 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const i64 ws_stride,                // bytes of one block's global workspace
     u32* clear)                         // a doorbell word this launch consumes (set to 0), or null
 {
-    // Block-wide sums and scans with one barrier each (common.cuh SkvRot).
     __shared__ int sh_rot[2 * (SKV_RT / 32)];
     SkvRot rot = {sh_rot, 0};
     // The doorbell's group bell: clearing it here saves a stream operation. The engine

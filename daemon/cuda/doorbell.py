@@ -129,10 +129,9 @@ class DoorbellTransport(DeviceTransport):
         return None
 
     def close(self) -> bool:
-        """Stop stocking; ring the bells until the stocked steps have drained. Returns
-        False if the stream did not drain: then it may still read and write the rank's
-        memory and the engine's pinned pool, nothing of it may be freed or reused, and
-        the daemon exits (``CudaBackend.failure``)."""
+        """Stop stocking; ring the bells until the stocked steps have drained. False if the
+        stream did not drain: it may still touch the rank's memory and the engine's pinned
+        pool, so nothing of it may be freed or reused (the daemon exits)."""
         import cupy as cp
 
         self._stop.set()
