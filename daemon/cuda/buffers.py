@@ -253,7 +253,8 @@ class RankBuffers:
                 "client_step_offsets": [self.host.offset_of(b.block) for b, _ in self.client_step],
                 "client_topk_offsets": [self.host.offset_of(b.block) for b, _ in self.client_topk],
                 "ring_depth": self.ring_depth, "max_batch": self.max_batch, "top_k": lay.top_k,
-                "events": events, "done_offset": o["done"],
+                "events": events,
+                "done_offset": o["done"],
                 # The pinned mirror of the error record (a doorbell handle's check() reads it).
                 "err_offset": self.host.offset_of(self.host_err)}
         if self.doorbell:

@@ -262,8 +262,7 @@ class CudaResidency(Residency):
             out.zero_counters()
             self.resolve_async(group, cp.asarray(state_rows), cp.asarray(np.ascontiguousarray(topk)), out)
         self.stream.synchronize()
-        # Read back with our stream current (CuPy's contiguous copy of a slice too): the
-        # legacy stream can wait behind a doorbell rank's parked stream.
+        # Read back with our stream current (CuPy's slice copies too), never the legacy one.
         with self.stream:
             slots = out.slots[:batch, :k].get()
             misses = out.misses[:batch].get()
