@@ -1,23 +1,14 @@
 """Compile and cache the CUDA kernels of ``csrc/`` (CuPy ``RawModule``; no torch extension).
 
 Each module is one ``csrc/*.cu`` file with its local ``#include "x.cuh"`` files inlined and
-its constants (``SKV_ROW_VECS``, ``SKV_RESOLVE_THREADS``, ...) prepended as ``#define``
-lines, so the text that is hashed is exactly the program that is compiled. The cache key
-is that text, the compiler options, the NVRTC version and the GPU architecture; the cubin
-lands in the cache directory:
+its constants prepended as ``#define`` lines, so the text that is hashed is exactly the
+program that is compiled. The cache key is that text, the compiler options, the NVRTC
+version and the GPU architecture; the cubin lands in :func:`cache_dir`. Builds are
+serialised across processes (daemon workers and TP ranks start at once) by an ``flock`` on
+``<cache_dir>/.lock``; a cubin is written to a temporary file and renamed.
 
-1. the ``cache_dir`` argument, else
-2. ``$SPARSEKV_KERNEL_CACHE_DIR`` (also the daemon's ``kernel_cache_dir`` setting), else
-3. ``~/.cache/sparsekv/kernels``.
-
-Builds are serialised across processes (several daemon workers and TP ranks start at
-once) by an ``flock`` on ``<cache_dir>/.lock``; the cubin is written to a temporary file
-and renamed, so a reader never sees half a file.
-
-Both sides use it: the daemon (``daemon/kernels.py`` adds its modules' constants and
-``warm``) and a cuda rank's handle (``client/doorbell.py``: the engine-side kernels of
-``handle.cu``). This module imports ``cupy`` only when a kernel is first needed: importing
-it on a machine without CUDA works.
+Used by the daemon (``daemon/kernels.py``) and a cuda rank's handle (``client/doorbell.py``).
+``cupy`` is imported only when a kernel is first needed.
 """
 
 from __future__ import annotations
@@ -53,16 +44,14 @@ def csrc_dir() -> Path:
 
 
 def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """Resolve the cache directory: argument, else ``$SPARSEKV_KERNEL_CACHE_DIR``, else default."""
+    """The cache directory: argument, else ``$SPARSEKV_KERNEL_CACHE_DIR`` (the daemon's
+    ``kernel_cache_dir``), else ``~/.cache/sparsekv/kernels``."""
     return Path(path if path is not None else KERNEL_CACHE_DIR.get()).expanduser()
 
 
 def load_source(name: str, defines: Mapping[str, int | str] | None = None, root: Path | None = None) -> str:
-    """Return the self-contained text of ``csrc/<name>``: defines first, includes inlined.
-
-    Each local header is inlined once (the headers use ``#pragma once``; inlining removes
-    the need for NVRTC to find them and puts their text in the cache key).
-    """
+    """Return the self-contained text of ``csrc/<name>``: defines first, each local header
+    inlined once (NVRTC then needs to find none, and their text is part of the cache key)."""
     root = root or csrc_dir()
     seen: set[str] = set()
 
@@ -86,19 +75,14 @@ def load_source(name: str, defines: Mapping[str, int | str] | None = None, root:
 
 
 class KernelCache:
-    """Compiled modules of one process, backed by the on-disk cubin cache.
-
-    ``function(source, name, defines)`` returns a CuPy ``RawKernel`` ready to launch;
-    modules are compiled (or loaded from disk) once per (source, defines, device).
-    """
+    """Compiled modules of one process, backed by the on-disk cubin cache: each compiled
+    (or loaded from disk) once per (source, defines, device)."""
 
     def __init__(self, cache_dir_: str | os.PathLike | None = None):
         self.cache_dir = cache_dir(cache_dir_)
         self._modules: dict[tuple, object] = {}
         self._smem: dict[tuple, int] = {}  # highest dynamic shared memory opted in, per function
         self._lock = threading.Lock()
-
-    # -- public -----------------------------------------------------------------------
 
     def function(self, source: str, name: str, defines: Mapping[str, int | str] | None = None,
                  smem_bytes: int = 0):
@@ -131,8 +115,6 @@ class KernelCache:
                 mod = self._build(source, dict(defines or {}))
                 self._modules[key] = mod
             return mod
-
-    # -- building ---------------------------------------------------------------------
 
     def _build(self, source: str, defines: dict):
         import cupy

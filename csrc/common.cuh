@@ -1,26 +1,20 @@
-// Shared helpers for the sparsekv kernels.
-//
-// Plain CUDA C++ that both nvcc and NVRTC accept: no includes at all (NVRTC has no host
-// headers), only built-in types. csrc/build.py inlines this file into each .cu before
-// compiling, so the source it hashes for the cache key is the whole program.
-//
-// Every block-wide helper here must be called by all threads of the block (block-uniform
-// control flow): they contain __syncthreads().
+// Shared helpers for the sparsekv kernels: plain CUDA C++ that both nvcc and NVRTC accept
+// (no includes: NVRTC has no host headers). csrc/build.py inlines it into each .cu.
+// Every block-wide helper here must be called by all threads of the block: they contain
+// __syncthreads().
 #pragma once
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-// Dynamic shared memory. Overridable so the kernels can be compiled on the host by a test
-// harness that emulates blocks with threads (it predefines this macro).
+// Dynamic shared memory; the CPU emulator of tests/csrc predefines its own.
 #ifndef SKV_DYN_SMEM
 #define SKV_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
 // The step descriptor: int32[SKV_DESC_INTS] in device memory, the head of a step block
-// (csrc/README.md, "Step blocks"). Everything a decode step's kernels need that varies
-// from step to step is read from it; launch shapes never depend on it.
+// (csrc/README.md). Launch shapes never depend on it.
 #define SKV_D_SEQ 0      // request sequence number (for error reports)
 #define SKV_D_STEP 1     // the engine's step number (for error reports)
 #define SKV_D_BATCH 2    // batch rows, in [0, max_batch]
@@ -37,7 +31,6 @@ typedef long long i64;
 #define SKV_E_BAD_STATE_ROW 2   // a state row outside [-1, max_reqs): the row was padding
 #define SKV_E_TOO_MANY_TOKENS 3 // more rows of one state row than region_stride / top_k: refused
 #define SKV_E_BAD_STEP 4        // the descriptor is out of range: the launch did nothing
-#define SKV_E_KINDS 5
 #define SKV_ERR_INTS 32
 
 __device__ __forceinline__ void skv_report(int* err, int kind, int row, const int* desc) {
@@ -53,9 +46,6 @@ __device__ __forceinline__ u64 skv_align16(u64 x) { return (x + 15ull) & ~15ull;
 // (this thread's prefix within its warp) and `warp_sum` (its warp's total, the same in
 // every lane), through `warp_tot` (__shared__ int[NT / 32]); `*total` receives the block's
 // sum. One barrier; `warp_tot` may be written again only after another barrier.
-// After the barrier, lane w reads warp w's total and two warp reductions (__reduce_add_sync)
-// give the block's sum and the sum before this warp: one shared load and two reductions a
-// thread.
 template <int NT>
 __device__ __forceinline__ int skv_warp_totals(int in_warp, int warp_sum, int* warp_tot, int* total) {
     static_assert(NT % 32 == 0 && NT <= 1024, "whole warps, at most 32 of them");
@@ -83,10 +73,9 @@ __device__ __forceinline__ void skv_warp_count(int v, int bits, int* in_warp, in
 }
 
 // Block-wide collectives with one barrier each (SkvRot): the per-warp partials go to one of
-// two slots in turn, so a slot is written again only two collectives later, after every
-// thread has passed the barrier of the one in between (and so has read it). `buf` is
-// __shared__ int[2 * NT / 32]; `slot` starts at 0 and stays block-uniform (every thread
-// runs the same collectives).
+// two slots in turn, so a slot is written again only after every thread has passed the
+// barrier of the collective in between (and so has read it). `buf` is __shared__
+// int[2 * NT / 32]; `slot` starts at 0 and stays block-uniform.
 struct SkvRot {
     int* buf;
     int slot;
@@ -128,7 +117,7 @@ __device__ __forceinline__ int skv_bits_for(int n) {
 }
 
 // Exclusive prefix sum of one int per thread (any values), Hillis-Steele in shared memory.
-// `tmp` is __shared__ int[NT]. Used once per launch, so simplicity beats speed here.
+// `tmp` is __shared__ int[NT].
 template <int NT>
 __device__ __forceinline__ int skv_block_scan_sum(int v, int* tmp, int* total) {
     const int t = threadIdx.x;
@@ -195,10 +184,9 @@ __device__ __forceinline__ int skv_pow2(int n) {
 // -- doorbell words (flip-flops: one side sets 1, the other waits for 1 and resets 0) --------
 
 // Set `bell` to 1 once every block of the grid has passed this point, with all of their
-// earlier global writes visible before it (a device-wide fence per block, then a counter;
-// the last block to arrive resets the counter and rings). `done` is a u32 counter that
-// starts at 0 and is 0 again when the kernel ends; with one block it may be null.
-// Must be reached by every thread of every block (no early return before it).
+// earlier global writes visible before it (a fence per block, then the counter `done`,
+// 0 before and after, reset by the last block, which rings; null with one block). Must be
+// reached by every thread of every block (no early return before it).
 __device__ __forceinline__ void skv_ring_when_done(u32* done, u32* bell) {
     if (!bell) return;
     __syncthreads();

@@ -1,11 +1,10 @@
 // Row mover: one kernel for the gather (host pool -> hot slab), the prefill staging
 // (host pool -> staging buffer) and the write mirror (device rows -> host pool).
 //
-// Rows are SKV_ROW_VECS * 16 bytes (row_bytes is a multiple of 16) and move with 16-byte
-// loads and stores, SKV_COPY_UNROLL independent loads in flight per thread before the
-// first store (host memory sits behind PCIe: latency is hidden by loads in flight, not by
-// occupancy). The grid is sized by the caller (a bounded number of blocks: SMs and copy
-// bandwidth are shared with attention) and strides over the work.
+// Rows are SKV_ROW_VECS * 16 bytes and move with 16-byte loads and stores,
+// SKV_COPY_UNROLL loads in flight per thread before the first store (host memory sits
+// behind PCIe: loads in flight, not occupancy, hide its latency). The caller bounds the
+// grid (SMs and the link are shared with attention); it strides over the work.
 #include "common.cuh"
 
 #ifndef SKV_ROW_VECS
@@ -29,8 +28,7 @@ struct SkvDstGeometry {
 };
 
 // pref[b] = entries of the batch rows before b, each row's count clamped to [0, ld];
-// pref[nb] = the total, returned to every thread. The caller synchronises the block before
-// reading pref.
+// pref[nb] = the total, returned to every thread. Synchronise before reading pref.
 __device__ __forceinline__ i64 skv_plan_prefix(const int* __restrict__ counts, const int nb, const int ld,
                                                i64* pref) {
     __shared__ int sh_scan[SKV_CT];
@@ -56,14 +54,13 @@ __device__ __forceinline__ i64 skv_entry(i64 r, const int* counts, const i64* pr
     return (i64)b * ld + (r - pref[b]);
 }
 
-// Copy, for each listed layer li in [0, n_layers), every entry e of a [nb, ld] index list:
+// Copy, for each listed layer li in [0, n_layers), every entry e = b * ld + i of a
+// [nb, ld] index list (the destination laid out by `geo`):
 //   src row  = src_idx ? src_idx[e] : e     of source layer (mode & 1 ? layers[li] : li)
 //   dst row  = dst_idx ? dst_idx[e] : e     of dest layer   (mode & 2 ? layers[li] : li)
-// (the destination laid out by `geo`, see SkvDstGeometry)
-// With counts (int[nb]) only the first counts[b] entries of batch row b are copied (the
-// compact per-row plan of skv_resolve); without, the first `total` of all nb * ld. Entries
-// are numbered e = b * ld + i. A row or layer outside its buffer is skipped, never read or
-// written. Dynamic shared memory: (nb + 1) * 8 bytes when counts is given, else 0.
+// With counts (int[nb]) only the first counts[b] entries of batch row b (skv_resolve's
+// plan); without, the first `total` of all nb * ld. A row or layer outside its buffer is
+// skipped. Dynamic shared memory: (nb + 1) * 8 bytes when counts is given, else 0.
 __device__ __forceinline__ void skv_copy_body(
     const unsigned char* __restrict__ src, const i64 src_layer_rows, const i64 src_rows,
     const int src_layers,
@@ -75,7 +72,7 @@ __device__ __forceinline__ void skv_copy_body(
     const SkvDstGeometry geo)
 {
     SKV_DYN_SMEM(skv_smem);
-    i64* pref = (i64*)skv_smem;  // pref[b] = entries of batch rows before b (counts mode)
+    i64* pref = (i64*)skv_smem;  // counts mode: see skv_plan_prefix
 
     if (counts) {
         total = skv_plan_prefix(counts, nb, ld, pref);
@@ -151,15 +148,13 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
 }
 
 // The decode-step gather: the plan of the last skv_resolve (per batch row, misses[b]
-// entries), pool -> slab, for every layer of the descriptor's group; the slab laid out
-// by slab_layer_off / slab_block_rows / slab_block_stride when an engine owns it
-// (SkvDstGeometry; null: the daemon's own [layers, slab_layer_rows] slab). The batch and the
-// group come from the descriptor; the group's layers from `group_layers` ([groups,
-// layers_stride]: count, then layer numbers). Grid: fixed. Dynamic shared memory:
-// (max_batch + 1) * 8 bytes. A descriptor out of range copies nothing (skv_resolve
-// reports it). With a `ready` word (the doorbell transport, daemon/cuda/doorbell.py), the
-// last block to finish sets it to 1 once every block's rows are visible (`arrivals`: its
-// counter, 0 before and after); null: nothing is signalled.
+// entries), pool -> slab, for every layer of the descriptor's group; an engine's slab is
+// laid out by slab_layer_off / _block_rows / _block_stride (SkvDstGeometry; null: the
+// daemon's [layers, slab_layer_rows] slab). The group's layers come from `group_layers`
+// ([groups, layers_stride]: count, then layer numbers). Grid: fixed. Dynamic shared
+// memory: (max_batch + 1) * 8 bytes. A descriptor out of range copies nothing. `ready`
+// (or null): set to 1 by the last block once every block's rows are visible
+// (skv_ring_when_done; `arrivals`: its counter, 0 before and after).
 extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int* __restrict__ desc,
     const unsigned char* __restrict__ pool, const i64 host_rows, const int num_layers,
@@ -190,11 +185,10 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     skv_ring_when_done(arrivals, ready);
 }
 
-// A step block from pinned host memory (mapped) to its device copy: the descriptor, then
-// the used part of each section. Block layout (int32): [desc: SKV_DESC_INTS]
-// [rows: max_batch] [aux: max_batch] [payload: payload_cap]; payload entries used:
-// batch * desc[SKV_D_K] (a TOPK block) or batch * desc[SKV_D_INV_N] (a STEP block, `step`
-// != 0). Sizes come from the descriptor, clamped to the sections: the launch is fixed.
+// A step block ([desc] [rows: max_batch] [aux: max_batch] [payload: payload_cap], int32)
+// from pinned host memory (mapped) to its device copy: the descriptor, then the used part
+// of each section, clamped to it: payload batch * desc[SKV_D_K] (TOPK) or, with `step`,
+// batch * desc[SKV_D_INV_N] (STEP).
 extern "C" __global__ void skv_fetch(const int* __restrict__ src, int* __restrict__ dst,
                                      const int max_batch, const int payload_cap, const int step) {
     __shared__ int sh_desc[SKV_DESC_INTS];

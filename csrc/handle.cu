@@ -1,16 +1,9 @@
 // The engine side of the doorbell transport: kernels that run on the ENGINE's stream
 // (client/doorbell.py), between its own kernels, inside its CUDA graph. They write the
 // step blocks the daemon's stream reads (through CUDA IPC, in the daemon's arena) and
-// turn the daemon's slots into the indices the engine's sparse attention reads.
-//
-//   skv_db_begin    engine tensors (state rows, reset, invalidate) -> the daemon's STEP block
-//   skv_db_topk     logical positions + block table -> host rows in the group's TOPK block
-//   skv_db_indices  the group's slots -> attention indices [tokens, k] (+ valid counts)
-//   skv_map_positions_*  logical positions + block table -> host rows [tokens, k], for a
-//                   top-k that goes to the daemon in a TOPK message (client/swap_in.py)
-//
-// Each maps a position through positions.cuh (skv_position_row, skv_host_row): the device
-// copy of proto/positions.py's rule, the only one.
+// turn the daemon's slots into the indices the engine's sparse attention reads; and
+// skv_map_positions_*, for a top-k that goes to the daemon in a TOPK message
+// (client/swap_in.py).
 //
 // With a `bell` (signalling by kernels, client/doorbell.py), skv_db_begin and skv_db_topk
 // ring it themselves once the whole block is written (skv_ring_when_done; `done` is the
@@ -52,8 +45,8 @@ extern "C" __global__ void skv_db_begin(int* __restrict__ blk, int* __restrict__
 }
 
 // The TOPK block of a group, from the leader layer's logical top-k. Column j of token t
-// holds position p; its host row is skv_host_row (positions.cuh) through the table row of
-// req = req_ids[t] (a row of the table per request; a req outside it -> SKV_UNMAPPED). A position whose block the engine still holds
+// holds position p; its host row is skv_host_row through the table row of req = req_ids[t]
+// (a req outside the table -> SKV_UNMAPPED). A position whose block the engine still holds
 // on its GPU (resident[req, p / bs] >= 0, when `resident` is given) -> -1: no host row,
 // not a miss, not counted; skv_db_indices points it at the resident copy.
 // Without a table (null), the top-k holds host rows and is copied as it is.
@@ -115,9 +108,8 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
                                           int* __restrict__ out, int* __restrict__ valid,
                                           u32* clear) {
     __shared__ int count;
-    // The layer's ready word (signal "kernel-ring"): the stream waited for it to be 1;
-    // clearing it here saves a stream operation between the wait and this kernel. The
-    // daemon sets it again only after the next bell, which this stream rings later.
+    // The layer's ready word: clearing it here saves a stream operation. The daemon sets
+    // it again only after the next bell, which this stream rings later.
     if (clear && blockIdx.x == 0 && threadIdx.x == 0) *(volatile u32*)clear = 0u;
     const bool gone = dead && *(volatile const int*)dead != 0;
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
@@ -153,10 +145,10 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
     }
 }
 
-// Host rows of logical positions into out[t, j] (int32 [tokens, k]): skv_host_row
-// (positions.cuh) for positions P and a block table T of either int32 or int64 (what a
-// torch engine holds); a token whose req_ids[t] is outside [0, table_rows) maps nothing. client/swap_in.py copies `out` into the rank's pinned TOPK block on the
-// same stream. Grid: one block per token (grid-stride), any block size.
+// Host rows of logical positions into out[t, j] (int32 [tokens, k]): skv_host_row for
+// positions P and a block table T of int32 or int64 (what a torch engine holds); a token
+// whose req_ids[t] is outside [0, table_rows) maps nothing. Grid: one block per token
+// (grid-stride), any block size.
 template <typename P, typename T>
 __device__ __forceinline__ void skv_map_positions(int* __restrict__ out, const int* __restrict__ req_ids,
                                                   const int tokens, const T* __restrict__ table,

@@ -1,7 +1,5 @@
 // Logical token positions -> rows through a per-request block table: the device side of
-// proto/positions.py's rule (DESIGN §6), the one function every kernel that maps a
-// position calls (csrc/handle.cu: the doorbell's top-k and indices kernels and
-// skv_map_positions_*).
+// proto/positions.py's rule (DESIGN §6), used by every kernel of csrc/handle.cu.
 #pragma once
 #include "common.cuh"
 

@@ -1,8 +1,6 @@
-// Residency kernels: resolve (the exact contract of DESIGN.md §4), reset, invalidate.
-//
-// State: owner and lru are int32 [groups, max_reqs, region_stride]; the host passes the
-// group's [max_reqs, region_stride] view. See csrc/README.md for the algorithm and the
-// error word; daemon/residency/cuda_residency.py for the launch code.
+// Residency kernels: resolve (the exact contract of DESIGN.md §4), begin step, reset,
+// invalidate. State: owner and lru are int32 [groups, max_reqs, region_stride]. The
+// algorithm: csrc/README.md; the launch code: daemon/residency/cuda/residency.py.
 #include "common.cuh"
 
 #ifndef SKV_RESOLVE_THREADS
@@ -10,14 +8,12 @@
 #endif
 #define SKV_RT SKV_RESOLVE_THREADS
 // The hash table's entries per power-of-two column: 2 (load at most 1/2) or 4 (1/4:
-// shorter probe runs, twice the shared memory). The workspace size follows it
-// (resolve_workspace_bytes in daemon/residency/cuda_residency.py).
+// shorter probe runs, twice the shared memory).
 #ifndef SKV_HASH_SCALE
 #define SKV_HASH_SCALE 2
 #endif
-// Where the lru partition writes the new lru: 1 into the workspace (lnew: scattered writes
-// to shared memory), then one coalesced copy to global memory; 0 scattered to global
-// memory at once (each warp store up to 32 sectors). Both give the same results.
+// Where the lru partition writes the new lru: 1 into the workspace (lnew), then one
+// coalesced copy to global memory; 0 scattered to global memory at once.
 #ifndef SKV_LRU_SMEM
 #define SKV_LRU_SMEM 0
 #endif
@@ -26,19 +22,13 @@
 #ifndef SKV_OWNER_SMEM
 #define SKV_OWNER_SMEM 0
 #endif
-// Where the workspace is, known when the module is built: 1 dynamic shared memory (the
-// kernel's ws_global must be null), so every workspace access compiles to a shared-memory
-// instruction (LDS, STS, ATOMS); 0 decided per launch (ws_global null or not), which makes
-// them generic loads, stores and atomics.
+// Where the workspace is: 1 dynamic shared memory (ws_global must be null), so its
+// accesses compile to shared-memory instructions; 0 decided per launch (generic accesses).
 #ifndef SKV_WS_SMEM
 #define SKV_WS_SMEM 0
 #endif
-// Phase 1 loads in waves of this many entries a thread, every load of a wave issued before
-// its first shared store.
-#define SKV_P1_WAVE 3
-// The plan orders up to this many misses by counting (each miss's rank is the number of
-// smaller keys: no barriers); more are sorted (bitonic).
-#define SKV_RANK_MAX 512
+#define SKV_P1_WAVE 3     // phase 1 loads this many entries a thread per wave
+#define SKV_RANK_MAX 512  // the plan ranks up to this many misses by counting, sorts more
 
 #define SKV_NONE (-1)
 #define SKV_PENDING 0x7fffffff       // a valid column not (yet) known to hit
@@ -47,8 +37,8 @@
 #define SKV_NO_KEY 0xffffffffffffffffull
 
 // Per-row workspace, in dynamic shared memory when it fits, else in a global scratch slice
-// per block. Byte layout (each part 16-aligned), mirrored by resolve_workspace_bytes() in
-// daemon/residency/cuda_residency.py:
+// per block. Byte layout (each part 16-aligned), mirrored by resolve_workspace_bytes()
+// (daemon/residency/cuda/device.py):
 //   keys  u64[kp]          (host row << 32 | column) in column order; kp = pow2 >= k
 //   colv  int[k]           per column: NONE, PENDING, hit slot, or MISS_TAG | slot
 //   evict int[k]           the oldest evictable slots, in LRU order (miss m takes evict[m])
@@ -96,7 +86,6 @@ __device__ __forceinline__ SkvWs skv_ws(unsigned char* base, int kp, int k, int 
     return w;
 }
 
-// Every thread's share of the hit and seen masks set to 0.
 __device__ __forceinline__ void skv_clear_masks(const SkvWs& w, int mask_words) {
     for (int i = threadIdx.x; i < mask_words; i += SKV_RT) {
         w.hmask[i] = 0u;
@@ -111,7 +100,6 @@ __device__ __forceinline__ u32 skv_hash_slot(int g, int bits) {
 }
 
 // Whether old lru entry sl (a slot) is a hit of this step: in [0, S) and in the hit mask.
-// (Entries outside [0, S) or repeated were marked corrupt in phase 1.)
 __device__ __forceinline__ bool skv_lru_hit(const SkvWs& w, int sl, int S) {
     return sl >= 0 && sl < S && ((w.hmask[sl >> 5] >> (sl & 31)) & 1u);
 }
@@ -129,10 +117,9 @@ __device__ __forceinline__ int skv_lru_pos(const SkvWs& w, int sl, bool hit, int
     return e - n_take;
 }
 
-// Column c's slot once the lru is partitioned: its hit slot, or for a miss (the m-th in
-// column order) the m-th evictable, which it now owns (owner[slot] = its id, colv marks
-// it MISS_TAG | slot); -1 for an invalid column, and for a miss left without a valid
-// evictable (corrupt state: *bad_slot = 1, the column is dropped from the plan).
+// Column c's slot once the lru is partitioned: its hit slot, or for the m-th miss the
+// m-th evictable, which it now owns (owner, colv = MISS_TAG | slot); -1 for an invalid
+// column and for a miss without a valid evictable (corrupt: *bad_slot = 1, not planned).
 __device__ __forceinline__ int skv_slot_of(const SkvWs& w, int c, int m, int n_take, int S,
                                            const int* __restrict__ ids, int* __restrict__ owner,
                                            int* bad_slot) {
@@ -157,14 +144,11 @@ __device__ __forceinline__ void skv_chunk(int n, int* per, int* c0, int* c1) {
     *c1 = *c0 + *per < n ? *c0 + *per : n;
 }
 
-// Ascending bitonic sort of a[0, n), n a power of two, by the whole block. The caller
-// has synchronised the block after writing a[]; the sort ends with __syncthreads().
-//
-// Pair t compares a[i] and a[i + stride] with i = 2t - (t & (stride - 1)). For strides up
-// to 32 the 32 pairs of one warp (t = 32w .. 32w + 31, also on later loop rounds since
-// SKV_RT is a multiple of 32) stay inside elements 64w .. 64w + 63, so two such stages in a
-// row only need __syncwarp(); a stage with a larger stride, and the stage after it, need
-// the whole block. For n = 2048 that is 20 block barriers instead of 66.
+// Ascending bitonic sort of a[0, n), n a power of two, by the whole block (the caller
+// synchronised after writing a[]; ends with __syncthreads()). Pair t compares a[i] and
+// a[i + stride], i = 2t - (t & (stride - 1)): for strides up to 32 a warp's pairs stay
+// inside its 64 elements (SKV_RT is a multiple of 32), so two such stages in a row only
+// need __syncwarp(); a larger stride, and the stage after it, need the whole block.
 __device__ __forceinline__ void skv_bitonic_sort(u64* a, int n) {
     const int half = n >> 1;
     int prev_stride = 1;
@@ -192,47 +176,24 @@ __device__ __forceinline__ void skv_bitonic_sort(u64* a, int n) {
 
 // Resolve one top-k batch of one index group, as the step descriptor says.
 //
-// Grid: max_batch blocks, fixed; blocks at or past the descriptor's batch exit. One
-// block per batch row: the block of the first batch row naming a state row resolves
-// every batch row naming it, one after another in batch order (several query tokens of
-// one request); the other blocks of that state row exit at once. Padding rows (state row
-// -1) get slots -1 and 0 misses and touch no state.
-//
-// Per batch row b (state row s, ids = topk[b, 0:k]):
-//   0. The t-th row of s (t from 1) with t > S / top_k is refused (TOO_MANY_TOKENS): a
-//      later token could evict an earlier token's slots.
-//   1. Phase 1, in waves: keys = (id << 32 | column) for ids in [0, host_rows), NO_KEY
-//      otherwise; the column states; the lru row copied (each entry marked seen) and,
-//      with SKV_OWNER_SMEM, the owner row. Then every valid column's host row into the
-//      hash table: one found there already is a duplicate id, and the row is refused
-//      (DUPLICATE_IDS). An lru entry outside [0, S) or a slot not seen makes the state
-//      corrupt.
-//   2. Hit lookup, reversed: every slot j looks owner[j] up in the table; a match records
-//      the smallest such j for that column (atomicMin), which is what the NumPy engine's
-//      stable argsort + searchsorted picks when the owner row is corrupt; the first match
-//      of a column marks the slot a hit and counts it.
-//   3. Partition the old lru by "hit slot" (each thread a contiguous chunk, one count
-//      scan): evictables keep their order, rotated by the miss count, then the hits; the
-//      first n_miss evictables go to evict[].
-//   4. Miss m (column order) takes evict[m]; owner[slot] = id; its key goes where the
-//      plan ranks it.
-//   5. Plan: the misses in key order (host row ascending; ranked by counting, or sorted
-//      past SKV_RANK_MAX), compacted to the front of plan_rows[b] / plan_slots[b] (flat
-//      slot s * S + slot); misses[b] = their count.
-// A refused row gets slots -1 and 0 misses, changes no state and counts nothing; the
-// error record says which row (csrc/common.cuh).
-// Corrupt state (an lru entry outside [0, S) or repeated, or fewer evictable entries than
-// misses) never writes out of bounds: a miss whose evictable entry is outside [0, S) or
-// missing resolves to -1, is not counted and is not in the plan; a repeated entry may be
-// handed to two misses (both in range). CORRUPT_STATE reports it.
+// Grid: max_batch blocks, fixed; blocks at or past the descriptor's batch exit. The block
+// of the first batch row naming a state row resolves every batch row naming it, in batch
+// order (several query tokens of one request); the other blocks of that state row exit.
+// Padding rows (state row -1) get slots -1 and 0 misses and touch no state.
+// Per batch row b: slots_out[b] (a slot per column; -1: none, past k), misses[b], the misses
+// in host-row order at the front of plan_rows[b] / plan_slots[b] (flat slot s * S + slot).
+// A refused row (DUPLICATE_IDS; TOO_MANY_TOKENS: the t-th row of s with t > S / top_k,
+// which could evict an earlier token's slots) gets slots -1 and 0 misses, changes no state
+// and counts nothing. Corrupt state (an lru entry outside [0, S) or repeated, or fewer
+// evictables than misses) never writes out of bounds: a miss without a valid evictable
+// resolves to -1 and is not counted or planned. The error record says which row.
 //
 // counters (u64, accumulated): hits, misses, out_of_range (ids < -1 or >= host_rows of
 // resolved rows), at counters + group * counters_per_group (0: one set for all groups).
 // `clear` (optional): a word set to 0 first thing (the doorbell bell the stream waited on).
 //
-// __launch_bounds__(..., 1): one block per SM is the plan (one block per batch row, and
-// rarely more rows than SMs). Without the 1, ptxas aims at two blocks per SM, caps the
-// registers at 32 and spills.
+// __launch_bounds__(..., 1): one block per SM (one block per batch row, rarely more rows
+// than SMs). Without the 1, ptxas caps the registers at 32 and spills.
 extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const int* __restrict__ desc,       // step descriptor (batch, k, group, step)
     int* __restrict__ owner_all,        // [groups, max_reqs, S]
@@ -254,12 +215,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     const i64 ws_stride,                // bytes of one block's global workspace
     u32* clear)                         // a doorbell word this launch consumes (set to 0), or null
 {
-    // Block-wide sums and scans with one barrier each (common.cuh SkvRot).
     __shared__ int sh_rot[2 * (SKV_RT / 32)];
     SkvRot rot = {sh_rot, 0};
-    // The doorbell's group bell (daemon/cuda/doorbell.py): the stream waited for it to be
-    // 1; clearing it here saves a stream operation between the wait and this kernel. The
-    // engine rings it again only after this step's ready word, set after this kernel.
+    // The doorbell's group bell: clearing it here saves a stream operation. The engine
+    // rings it again only after this step's ready word, set after this kernel.
     if (clear && blockIdx.x == 0 && threadIdx.x == 0) *(volatile u32*)clear = 0u;
     SKV_DYN_SMEM(skv_smem);
 
@@ -342,9 +301,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     int tokens = 0;
 
     // The batch rows of s, found by the whole block at once (a tile of SKV_RT rows per
-    // pass, in batch order, into sh_list), then resolved one after another. Reading them
-    // one by one, a global load and a barrier per batch row, cost block 0 of a batch of
-    // 64 about 25 us (docs/PERF.md, resolve phases).
+    // pass, in batch order, into sh_list), then resolved one after another.
     for (int tile0 = b0; tile0 < batch; tile0 += SKV_RT) {
     const int bt = tile0 + tid;
     const bool of_s = bt == b0 || (bt < batch && (tile0 == b0 ? sr_first : state_rows[bt]) == s);
@@ -365,12 +322,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             continue;
         }
 
-        // 1a. Waves of SKV_P1_WAVE entries a thread: the wave's loads of the top-k row, the
-        // lru row and the owner row all issued before its first shared store (one round
-        // trip a wave), the table cleared while the first wave's loads are in flight. Each
-        // old lru entry is marked seen as it is copied, without reading the word back: with
-        // every entry in range, the lru repeats an entry iff a slot's bit is missing (S
-        // entries, S slots), checked after the next barrier.
+        // 1a. Waves: the wave's loads of the top-k, lru and owner rows all issued before
+        // its first shared store (one round trip a wave). Each lru entry is marked seen as
+        // it is copied: with every entry in range, the lru repeats an entry iff a slot's
+        // bit is missing (S entries, S slots), checked after the next barrier.
         int hbits = 1;
         while ((1 << hbits) < SKV_HASH_SCALE * kp) ++hbits;
         const int hsize = 1 << hbits;
@@ -407,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const int n_valid = (int)(col_counts & 0xffffu);
 
         // 1b. every valid column into the table; a host row found there already is a
-        // duplicate. The table has 2 or 4 times the entries of the columns: a free one is always
+        // duplicate. With 2 or 4 times the entries of the columns a free one is always
         // found, and two threads inserting one host row meet at the same entry.
         int dup = 0;
         for (int i = tid; i < k; i += SKV_RT) {
@@ -434,9 +389,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 misses_out[b] = 0;
                 skv_report(err, SKV_E_DUPLICATE_IDS, b, sh_desc);
             }
-            // (The seen marks stay; the next row marks the same, unchanged lru, and no hit
-            // was marked yet.)
-            continue;
+            continue;  // the seen marks stay: the next row marks the same, unchanged lru
         }
 
         // The seen marks are complete (a barrier since): every slot's bit must be set.
@@ -445,8 +398,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             if (w.smask[i] != full) lru_bad = 1;
         }
         if (lru_bad) atomicOr(sh_bad, 2);  // read after the slots pass's barrier
-        // 2. the reversed hit lookup: each hit marked and counted as it is found (a column
-        // found twice, a corrupt owner row, redoes the marks from the column states below).
+        // 2. the reversed hit lookup: slot j looks owner[j] up; the lowest j wins a column
+        // (atomicMin: the NumPy engine's stable argsort + searchsorted on a corrupt owner
+        // row, whose marks are then redone from the column states below).
         int nh_found = 0, twice = 0;
         for (int j = tid; j < S; j += SKV_RT) {
             const int o = SKV_OWNER_SMEM ? w.ocopy[j] : owner[j];
@@ -492,13 +446,11 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         int* const lru_out = SKV_LRU_SMEM ? w.lnew : lru;
 
         // 3. one pass over the old lru, each thread a chunk of it: new lru =
-        // evictables[n_take:] + evictables[:n_take] + hits (stable), the first n_take
-        // evictables into evict[]. Counting the evictables (rather than S - n_hit) keeps
-        // the new lru a permutation of the old entries even when the state is corrupt.
+        // evictables[n_take:] + evictables[:n_take] + hits (stable). Counting the
+        // evictables (not S - n_hit) keeps it a permutation even when the state is corrupt.
         int per, i0, i1;
         skv_chunk(S, &per, &i0, &i1);
-        // Chunks of 4 (S = 4 x threads, the default shapes): one 16-byte load a pass
-        // (no bank conflicts; the scalar loads of lanes 16 bytes apart conflict 4 ways).
+        // Chunks of 4 (the default shapes): one 16-byte load, no bank conflicts.
         const bool vec = per == 4 && i1 - i0 == 4;  // block-uniform but for the last chunks
         int ev = 0;
         if (vec) {
@@ -531,14 +483,12 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         }
         __syncthreads();
 #if SKV_LRU_SMEM
-        // The partition ended with a barrier; nothing reads lru again in this row (the next
-        // row of s, after the row's last barrier, copies it into lcopy).
+        // After the partition's barrier; the next row of s reads lru after this row's last.
         for (int i = tid; i < S; i += SKV_RT) lru[i] = w.lnew[i];
 #endif
 
-        // 4. misses take evictables in column order; write the slot of every column; each
-        // miss's key goes where the plan ranks it (its number among the misses, in column
-        // order: the table is free now).
+        // 4. miss m (column order) takes evict[m]; every column's slot written; each miss's
+        // key into the (now free) table at its number among the misses.
         u64* mkeys = (u64*)w.htab;
         int bad_slot = 0;
         int total_pending = 0;
@@ -563,10 +513,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         __syncthreads();
         const int bad = *(volatile int*)sh_bad;
         if (bad) corrupt = 1;
-        // The misses' keys are in place unless a miss went without a slot.
-        const bool plan_ready = !(bad & 1);
-        // Nothing reads the masks after that barrier: cleared for the next row of s (the
-        // row's last barrier orders it before that row's phase 1).
+        const bool plan_ready = !(bad & 1);  // unless a miss went without a slot
+        // Nothing reads the masks after that barrier: cleared for the next row of s.
         skv_clear_masks(w, mask_words);
         if (corrupt && tid == 0) skv_report(err, SKV_E_CORRUPT_STATE, b, sh_desc);
 
@@ -594,10 +542,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             __syncthreads();
         }
         if (n_plan <= SKV_RANK_MAX) {
-            // Each miss's rank among the misses is the count of smaller keys (keys are
-            // distinct: the row has no duplicate ids). G threads a miss (a power of two, at
-            // most 32: as many as the block has for the misses; block-uniform) count over
-            // every G-th key each and add their counts into its rank (hcol, zeroed above).
+            // A miss's rank is the count of smaller keys (distinct: no duplicate ids). G
+            // threads a miss (a power of two <= 32, block-uniform) each count every G-th key
+            // into its rank (hcol, zeroed above).
             int lg = 0;
             while (lg < 5 && (n_plan << (lg + 1)) <= SKV_RT) ++lg;
             const int part = tid & ((1 << lg) - 1);
@@ -659,10 +606,10 @@ extern "C" __global__ void skv_reset(int* __restrict__ owner, int* __restrict__ 
     }
 }
 
-// Empty every slot whose owner is one of the rows of `rows` = [n, r_0 .. r_{n-1}], the
-// r ascending (negative entries never match), n read on the device and clamped to
-// [0, rows_cap]. With state_rows null, scan every (group, state row); else only the
-// listed state rows (entries outside [0, max_reqs) skipped). The lru is unchanged.
+// Empty every slot whose owner is one of `rows` = [n, r_0 .. r_{n-1}] (r ascending, a
+// negative r never matches; n read on the device, clamped to [0, rows_cap]): in every
+// (group, state row), or with state_rows only in those (entries outside [0, max_reqs)
+// skipped). The lru is unchanged.
 // counter (u64, may be null) accumulates how many slots were emptied. Grid: fixed,
 // strides over the regions (the write path: rows written on one rank, dropped in all).
 extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int groups,
@@ -698,11 +645,9 @@ extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int gro
 
 // The start of a decode step, from a STEP block: for each batch row b (state row s =
 // state_rows[b], every group), reset[b] != 0 empties the region and sets lru = 0..S-1;
-// else the slots owning one of inv[b, 0:n] (n = desc[INV_N]; negative entries never
-// match) become empty, lru unchanged. Reset and invalidate only ever write -1 to owners,
-// so rows of one state row handled by different blocks commute: the result is the NumPy
-// engine's (resets first, then invalidations).
-//
+// else the slots owning one of inv[b, 0:n] (n = desc[INV_N]) become empty, lru unchanged.
+// Both only write -1 to owners, so items of one state row in different blocks commute:
+// the result is the NumPy engine's (resets first, then invalidations).
 // Grid: fixed; blocks stride over the (batch row, group) items. Dynamic shared memory:
 // inv_cap_p2 ints (the sorted invalidate row). A state row outside [-1, max_reqs) is
 // skipped and reported (BAD_STATE_ROW); a descriptor out of range does nothing (BAD_STEP).

@@ -1,13 +1,9 @@
 """The daemon's device memory on one GPU, shared with client processes through CUDA IPC.
 
-:class:`DeviceArena`: one plain ``cudaMalloc`` per GPU (not a caching allocator: an IPC
-handle names a whole allocation, and a caching pool could hand the same memory to two
-owners). Hot slabs, staging buffers, result rings and step buffers are views at 256-byte
-aligned offsets; clients open the arena's handle once and address it by offset.
-
-Lifetimes: ranges stay reserved until their rank detaches or its process is reaped; only
-then can another rank reuse them. The arena itself is freed at daemon stop, after every
-client was detached.
+:class:`DeviceArena`: one plain ``cudaMalloc`` per GPU (an IPC handle names a whole
+allocation, and a caching pool could hand the same memory to two owners). Ranks' buffers
+are views at 256-byte aligned offsets, reserved until their rank detaches; clients open
+the arena's handle once and address it by offset.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The cuda backend: one worker per GPU (its copy stream, its arena, its kernels) and the
 ranks it serves (``rank.py``), hot slabs in the arena exported through CUDA IPC.
 
-The daemon page-locks the whole host pool at start (``cudaHostRegister``, portable,
-mapped), chunk by chunk while it is pre-faulted (``daemon/main.py``, ``pinned.PoolPinner``),
-and an engine's range is a view of it; one registration serves every GPU. With
-``SPARSEKV_PIN_POOL_AT_START=0`` each engine's range is registered at its attach instead,
-in chunks that never split a row.
+The daemon page-locks the whole host pool at start (``daemon/main.py``,
+``pinned.PoolPinner``) and an engine's range is a view of it (``pool_region``); with
+``SPARSEKV_PIN_POOL_AT_START=0`` each engine's range is registered at its attach instead.
 """
 
 from __future__ import annotations
@@ -69,10 +67,7 @@ class CudaBackend(Backend):
             log.warning("NVIDIA MPS is not running: every cross-process GPU hand-off will cost ~300 us "
                         "instead of ~26 us (start nvidia-cuda-mps-control -d; see deploy/)")
         self.pool = pool
-        # The whole pool page-locked at start (the default, daemon/main.py): each engine's
-        # range is a view of it. None (SPARSEKV_PIN_POOL_AT_START=0): each engine's range
-        # is registered at its attach.
-        self.pool_region = pool_region
+        self.pool_region = pool_region  # None: each engine's range registered at attach
         self.cfg = cfg
         kernels = get_cache(cfg.kernel_cache_dir or None)
         self.workers: list[DeviceWorker] = []
@@ -85,8 +80,7 @@ class CudaBackend(Backend):
             self.close()
             raise
         self.devices = [f"cuda:{w.ordinal}" for w in self.workers]
-        # Each rank's pinned step blocks live in a memfd its client maps (the server hands
-        # the descriptor over the fd socket); an older sparsekvd left files in shm_dir.
+        # Each rank's pinned step blocks live in a memfd; files an older sparsekvd left go.
         self._blocks_name = f"sparsekv-{run_dir_tag(cfg.run_dir)}-blocks-"
         remove_stale(os.path.join(cfg.shm_dir, self._blocks_name))
         self._retired: dict[str, int] = {}
@@ -114,11 +108,9 @@ class CudaBackend(Backend):
                      transport: str = "zmq", engine_slab=None) -> DeviceWorker:
         """``new_rank``'s checks and its slow part, with its arguments; returns the rank's
         device worker. The slow part, when the pool was not page-locked at start:
-        page-locking the engine's pool range for the GPUs (``cudaHostRegister``, ~20 s
-        for 500 GiB), once per engine; ``release_engine``
-        undoes it. The registry runs this on a worker thread before ``new_rank`` (the CUDA
-        runtime is thread-safe; until the engine's first rank is made only this attach
-        uses it), so the loop never waits for it; ``new_rank`` then finds it done."""
+        page-locking the engine's pool range (once per engine; ``release_engine`` undoes
+        it). The registry runs this on a worker thread before ``new_rank`` (the CUDA
+        runtime is thread-safe), so the loop never waits for it."""
         if space.layout.row_bytes % ROW_ALIGN_BYTES:
             raise ResidencyError("BAD_LAYOUT", f"row_bytes {space.layout.row_bytes} must be a multiple of "
                                  f"{ROW_ALIGN_BYTES} on the cuda backend (rows move with 16-byte loads)")

@@ -27,11 +27,8 @@ blocks the daemon writes (requests whose arrays came on the socket), R STEP and 
 blocks the client writes (it then sends a TOPK naming the entry: no array on the
 socket), the stats mirror, the write path's blocks.
 
-A **step block** is int32 ``[DESC_INTS + 2 B + B K]``: the descriptor, ``rows`` (state row
-per batch row), ``aux`` (STEP: reset flag per batch row), ``payload`` (TOPK: the top-k ids
-``[batch, k]``; STEP: the invalidate rows ``[batch, n]``), each contiguous from its start.
-The zmq transport writes one into pinned host memory and ``skv_fetch`` copies it to the
-arena; a device transport writes the arena's block directly.
+A **step block** (``proto/step_block.py``): the zmq transport writes one into pinned host
+memory and ``skv_fetch`` copies it to the arena; a device transport writes the arena's.
 
 B = ``layout.max_batch``, K = ``layout.top_k``, R = ``ring_depth``, G = index groups.
 """
@@ -53,14 +50,10 @@ from .arena import ArenaFull
 
 
 class HostBlocks:
-    """Pinned, mapped host memory for a rank's transport: a memfd (the client maps it too,
-    having got the descriptor over the fd socket, and writes its step blocks there)
-    registered with ``cudaHostRegister`` (portable, mapped), so kernels read it and the
-    copy engine writes it. Owns the descriptor (``fd``, kept until :meth:`close`), the
-    mapping and the registration; :meth:`close` is idempotent.
-
-    ``name``: the memfd's name (``memfd.new_memfd``: pages reserved, size sealed);
-    None: an anonymous mapping (in-process use), ``fd`` None."""
+    """Pinned, mapped host memory for a rank's transport: a memfd (the client maps it too
+    and writes its step blocks there) registered with ``cudaHostRegister``. Owns the
+    descriptor (``fd``), the mapping and the registration; :meth:`close` is idempotent.
+    ``name``: the memfd's name (``memfd.new_memfd``); None: an anonymous mapping."""
 
     def __init__(self, nbytes: int, name: str | None = None):
         self.nbytes = max(mmap.PAGESIZE, -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
@@ -124,11 +117,9 @@ class RankBuffers:
         layout: the attached layout.
         ring_depth: result ring entries (requests a client may have in flight).
         workspace_bytes: per-batch-row global resolve workspace (0: shared memory).
-        blocks_name: the memfd name of the pinned host blocks (the client maps them and
-            may write its step blocks there); None: anonymous (in process).
+        blocks_name: the memfd name of the pinned host blocks; None: anonymous (in process).
         doorbell: also the doorbell transport's rings and words (``db_*`` sections).
-        own_slab: allocate the hot slab (False: the engine brings it, ``proto/slab.py``;
-            ``slab`` is then None and the export says ``engine_slab``).
+        own_slab: allocate the hot slab (False: the engine brings it; ``slab`` is None).
     """
 
     def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_name: str | None = None,
@@ -184,8 +175,6 @@ class RankBuffers:
             self.drop_rows = v(o["drop_rows"], (1 + lay.staging_rows,), "int32")
             self.layers = v(o["layers"], (lay.num_layers,), "int32")
             self.workspace = v(o["workspace"], (max(B * int(workspace_bytes), 1),)) if workspace_bytes else None
-            # Per ring entry, the count of the client's zmq TOPKs whose result is in place
-            # (a device-wait client's stream waits on it: ZmqTransport.topk_block).
             self.done = v(o["done"], (R,), "uint32")
             self.done.fill(0)
             if self.doorbell:
@@ -259,16 +248,12 @@ class RankBuffers:
                 "slots_offset": o["slots"], "misses_offset": o["misses"],
                 "step_block_offset": o["step_block"], "topk_block_offset": o["topk_block"],
                 "block_ints": self.block_ints,
-                # The pinned host step blocks, which the client may write itself (one
-                # small TOPK message then names the entry; no array on the socket): the
-                # name of their descriptor on the fd socket (None: none to map).
+                # The pinned host step blocks' descriptor on the fd socket (None: none to map).
                 "blocks_fd": "blocks" if self.host.fd is not None else None, "blocks_bytes": self.host.nbytes,
                 "client_step_offsets": [self.host.offset_of(b.block) for b, _ in self.client_step],
                 "client_topk_offsets": [self.host.offset_of(b.block) for b, _ in self.client_topk],
                 "ring_depth": self.ring_depth, "max_batch": self.max_batch, "top_k": lay.top_k,
                 "events": events,
-                # uint32 [ring_depth]: what a device-wait client's stream waits on (a TOPK
-                # naming "done": n sets its entry's word to n once the result is in place).
                 "done_offset": o["done"],
                 # The pinned mirror of the error record (a doorbell handle's check() reads it).
                 "err_offset": self.host.offset_of(self.host_err)}

@@ -4,35 +4,22 @@ The engine's stream writes the step blocks straight into this rank's ``db_*`` se
 the arena (CUDA IPC) and rings words there with stream memory operations
 (``proto/stream_ops.py``); the daemon's stream, stocked ahead with one CUDA graph per
 step, waits on those words, runs the same device step as the zmq transport, and sets a
-ready word per layer. No host code of either process sits between a top-k and its rows.
-
-One step graph (captured once at attach)::
-
-    wait bell_step == 1; bell_step = 0; skv_begin_step(db_step)
-    for each index group g:
-        wait bell[g] == 1
-        skv_resolve(db_topk[g]) -> db_slots[g], db_misses[g], the plan; bell[g] = 0
-        (last group: counters and error record -> the pinned mirror)
-        for each layer l of g: skv_gather(l); ready[l] = 1 (by the gather's last block)
+ready word per layer (``_enqueue_step``: one step graph, captured once at attach). No host
+code of either process sits between a top-k and its rows.
 
 A stocking thread keeps ``depth`` step graphs launched ahead on the rank's own stream
 (never the GPU worker's shared stream: it spends its life waiting on this engine's
 bells). Closing stops the thread, then rings every bell from the host until the stocked
-graphs have run out (they resolve the last step's blocks again: harmless, the rank is
-going away), so the stream drains and the rank's memory can be given back.
+graphs have run out (they resolve the last step's blocks again: harmless), so the stream
+drains and the rank's memory can be given back.
 
 Writes (``WRITE``, ``WRITE_STAGED``) are not ordered against a doorbell rank's stream,
 and do not drop its hot copies (its residency belongs to its stream): its engine passes
 rewritten rows to the next ``begin_step`` as ``invalidate``, and rewrites only rows no
 step in flight reads (new KV rows).
 
-Known hazard (measured on the H200, docs/PERF.md): while the stream waits on a bell,
-other work of this process on the GPU may wait behind it. A readback on the legacy
-default stream did (fixed: readbacks run on the residency's stream), and so did a CuPy
-kernel's first compile-and-load at close (fixed: bells are rung with stream memory
-operations). The daemon asks for the most hardware queues and eager module loading
-(``CUDA_ENV``, main.py). Whether a zmq
-rank's work on the same GPU can be held up by an idle doorbell rank is not yet measured.
+While the stream waits on a bell, other work of this process on the GPU may wait behind
+it: readbacks run on the residency's stream, never the legacy one (see also ``close``).
 """
 
 from __future__ import annotations
@@ -50,10 +37,6 @@ log = logging.getLogger("sparsekv.cuda")
 
 DEPTH = 2  # step graphs launched ahead (a launch must never block: see _stock)
 DRAIN_TIMEOUT_S = 10.0
-# How the step graph waits on bells and sets ready words: bells are waited on with stream
-# memory operations and cleared by the group's resolve; a layer's ready word is set by the
-# last block of its gather (two graph nodes less per group of one layer). Stream operations
-# for both, and one-thread spin kernels, measured slower (docs/DESIGN.md, "Rejected designs").
 
 
 class DoorbellTransport(DeviceTransport):
@@ -86,12 +69,10 @@ class DoorbellTransport(DeviceTransport):
             cp.cuda.runtime.deviceSynchronize()
         self.graph = capture(self._enqueue_step, worker.ordinal)
         self._stop = threading.Event()
-        self.steps_launched = 0
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._stock, name=f"sparsekv-doorbell-{worker.ordinal}", daemon=True)
         self._thread.start()
 
-    # -- the step graph ------------------------------------------------------------------
     def _wait_bell(self, stream, address: int, cleared_by_kernel: bool = False) -> None:
         """Wait until the word at ``address`` is 1 and set it to 0 again; with
         ``cleared_by_kernel`` the next kernel clears it (skv_resolve's ``clear``)."""
@@ -106,7 +87,6 @@ class DoorbellTransport(DeviceTransport):
                                       b.max_batch, stream)
         for g, layers in enumerate(self.layout.groups):
             t = b.db_topk[g]
-            # The resolve clears the group's bell (one stream operation less).
             self._wait_bell(stream, self._bells[g], cleared_by_kernel=True)
             d.enqueue_resolve(t, b.db_slots[g], b.db_misses[g], stream, clear=self._bells[g])
             if g == self.layout.num_groups - 1:
@@ -117,7 +97,6 @@ class DoorbellTransport(DeviceTransport):
                 d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer],
                                  ready=self._ready[layer], arrivals=self._arrivals.data.ptr + 4 * layer)
 
-    # -- stocking ------------------------------------------------------------------------
     def _stock(self) -> None:
         import cupy as cp
 
@@ -138,25 +117,21 @@ class DoorbellTransport(DeviceTransport):
                     ev = cp.cuda.Event(block=False, disable_timing=True)
                     ev.record(self.stream)
                     inflight.append(ev)
-                    self.steps_launched += 1
         except BaseException as e:  # noqa: BLE001 - the daemon exits (failure())
             self._error = e
             log.critical("doorbell stocking thread of GPU %d failed: %r", self.worker.ordinal, e)
 
     def failure(self) -> str | None:
-        """Why this rank's stream can no longer serve its engine, or None. A stocking
-        thread that died leaves the engine's stream waiting on a ready word for ever: the
-        daemon exits (its engines' watchers then release their streams), and systemd
-        restarts it."""
+        """Why this rank's stream can no longer serve its engine (a stocking thread that died
+        leaves the engine's stream waiting on a ready word for ever: the daemon exits), or None."""
         if self._error is not None:
             return f"the doorbell stream of GPU {self.worker.ordinal} stopped: {self._error!r}"
         return None
 
     def close(self) -> bool:
-        """Stop stocking; ring the bells until the stocked steps have drained. Returns
-        False if the stream did not drain: then it may still read and write the rank's
-        memory and the engine's pinned pool, nothing of it may be freed or reused, and
-        the daemon exits (``CudaBackend.failure``)."""
+        """Stop stocking; ring the bells until the stocked steps have drained. False if the
+        stream did not drain: it may still touch the rank's memory and the engine's pinned
+        pool, so nothing of it may be freed or reused (the daemon exits)."""
         import cupy as cp
 
         self._stop.set()
@@ -174,10 +149,8 @@ class DoorbellTransport(DeviceTransport):
                     log.error("doorbell stream of GPU %d did not drain in %.0f s; its memory stays allocated",
                               self.worker.ordinal, DRAIN_TIMEOUT_S)
                     return False
-                # Every bell rung with stream memory operations, never a kernel: the first
-                # launch of a CuPy kernel loads a module, and a module load waits for the
-                # context's streams, this parked one included (measured on the H200: the
-                # daemon hung here until killed).
+                # Stream memory operations, never a kernel: a CuPy kernel's first launch
+                # loads a module, which waits for the context's streams, this parked one too.
                 for address in bells:
                     write32(side.ptr, address, 1)
                 rung.record(side)

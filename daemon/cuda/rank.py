@@ -1,10 +1,8 @@
 """One rank on one GPU: the orchestration of its buffers, device step and transport.
 
-:class:`CudaRankState` keeps the cpu rank's contract (``engine.RankState``): a STEP,
-then TOPK batches, writes, staging. What differs: the work is enqueued, never waited on;
-bad values are found by the kernels and come back through the error record, which
-:meth:`CudaRankState.take_error` turns into the cpu backend's typed errors at the next
-request; counters are read from their pinned mirror, never by synchronising.
+:class:`CudaRankState` keeps the cpu rank's contract (``engine.RankState``), but its work
+is enqueued, never waited on: bad values come back through the error record
+(:meth:`CudaRankState.take_error`), counters from their pinned mirror.
 """
 
 from __future__ import annotations
@@ -46,13 +44,10 @@ class CudaRankState(RankState):
         ring_depth: result ring entries.
         gather_blocks: the most blocks a gather uses (SMs are shared with attention).
         graphs: replay a CUDA graph per request (True) or launch kernel by kernel.
-        blocks_path: the shared-memory file of the rank's pinned step blocks (None:
-            anonymous, for in-process use).
-        transport: ``"zmq"`` (steps arrive as messages) or ``"doorbell"`` (the engine's
-            stream drives them; ``doorbell.py``).
-        engine_slab: an engine-owned slab (``engine.EngineSlabImport`` with ``ipc``:
-            handle, offset): imported through CUDA IPC, gathered into by its geometry; the
-            import is closed when the rank closes.
+        blocks_path: the memfd name of the rank's pinned step blocks (None: anonymous).
+        transport: ``"zmq"`` (steps arrive as messages) or ``"doorbell"`` (``doorbell.py``).
+        engine_slab: an engine-owned slab (``engine.EngineSlabImport``): imported through
+            CUDA IPC (closed with the rank), gathered into by its geometry.
     """
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
@@ -108,7 +103,6 @@ class CudaRankState(RankState):
         super().__init__(rank=rank, device=f"cuda:{worker.ordinal}", residency=residency, mover=mover,
                          slab=bufs.slab, staging=bufs.staging)
 
-    # -- decode path -------------------------------------------------------------------
     def _fed(self) -> MessageTransport:
         """The transport a STEP or TOPK message is enqueued on."""
         if self.device_driven:
@@ -132,14 +126,12 @@ class CudaRankState(RankState):
         with self._cp.cuda.Device(self.worker.ordinal):
             entry = transport.topk(int(step), int(group), state_rows, topk, wait)
         batch, k = topk.shape
-        # "tl": the GPU work is enqueued (perf_counter_ns, like the envelope's tr and tx).
+        # "tl": when the GPU work was enqueued (perf_counter_ns, like the envelope's tr, tx).
         return {"entry": entry, "batch": batch, "k": k, "tl": time.perf_counter_ns()}, None, {"topk_batches": 1}
 
     def serve_topk_block(self, step: int, group: int, entry: int, begin: bool, fence=None, done: int | None = None):
-        """A TOPK (with ``begin``: and its STEP) whose step blocks the client wrote into its
-        pinned block ``entry``; see ``ZmqTransport.topk_block``. ``done``: a device-wait
-        client's value for the entry's done word; set even when the request fails (its
-        result then empty), so that the client's stream never waits for ever."""
+        """A TOPK (with ``begin``: and its STEP) the client wrote into its pinned block
+        ``entry`` (``MessageTransport.topk_block``)."""
         transport = self._fed()
         with self._cp.cuda.Device(self.worker.ordinal):
             transport.topk_block(int(entry), bool(begin), self._fence_wait(fence), done)
@@ -152,10 +144,8 @@ class CudaRankState(RankState):
         return {"entry": int(entry), "tl": tl}, None, {"topk_batches": 1}
 
     def release_topk_block(self, entry: int, done: int, fence: int | None = None) -> None:
-        """A device-wait TOPK on ``entry`` failed: unless it got as far as setting its done
-        word, empty the entry's result (after the client's ``fence``, when it names one
-        of its events: the engine may still read the entry's last result) and set the
-        word to ``done`` (``ZmqTransport.release_entry``)."""
+        """A device-wait TOPK on ``entry`` failed: ``ZmqTransport.release_entry``, after the
+        client's ``fence`` when it names one of its events."""
         if self.device_driven or not 0 <= int(entry) < self.buffers.ring_depth:
             return
         try:
@@ -196,13 +186,11 @@ class CudaRankState(RankState):
         """Rows refused or mended on this rank by kind (from the pinned mirror)."""
         return self._errors.counts()
 
-    # -- write path --------------------------------------------------------------------
     def write_staged(self, space, layers, rows, fence=None):
-        """Staging buffer -> host pool on this GPU's stream, read in place by the
-        write-mirror kernel (fixed grid; the row count is read on the device), after the
-        client's fence. Every other rank's stream then waits for it, and every rank drops
-        its hot copies of ``rows`` in stream order. Returns when enqueued; slots dropped
-        are not counted (that would need a readback)."""
+        """Staging buffer -> host pool on this GPU's stream (the write-mirror kernel), after
+        the client's fence. Every other rank's stream then waits for it, and every rank
+        drops its hot copies of ``rows`` in stream order. Returns when enqueued; slots
+        dropped are not counted (that would need a readback)."""
         cp = self._cp
         wait = self._fence_wait(fence)  # checks the fence before anything is written
         bufs = self.buffers
@@ -256,9 +244,7 @@ class CudaRankState(RankState):
         return n * len(layers) * space.layout.row_bytes, 0
 
     def drop_rewritten(self, rows):
-        if self.device_driven:
-            # Its residency belongs to its stream (doorbell.py): the engine passes rewritten
-            # rows to begin_step. Touching it here would race with that stream's resolve.
+        if self.device_driven:  # its engine passes rewritten rows to begin_step (doorbell.py)
             return 0
         with self._cp.cuda.Device(self.worker.ordinal):
             return self.residency.invalidate_everywhere(rows)
@@ -270,7 +256,6 @@ class CudaRankState(RankState):
     def quiesce(self) -> None:
         self.worker.stream.synchronize()
 
-    # -- stats -------------------------------------------------------------------------
     def counters(self) -> dict:
         """Counters from the pinned mirror the device step copies out after each request:
         no synchronisation (a scrape never stalls the copy stream; it may lag by the

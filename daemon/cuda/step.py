@@ -1,17 +1,12 @@
 """The decode step on one GPU, enqueued from device memory only.
 
-:class:`DeviceStep` turns a rank's step blocks (``buffers.py``) into kernel launches:
-
-* ``enqueue_begin``: ``skv_begin_step`` (the step's resets and invalidations);
-* ``enqueue_topk(entry)``: ``skv_resolve`` into ring entry ``entry`` and the per-row
-  plans, then the gather of the plans for every layer of the group;
-* ``enqueue_stats_out``: the rank's counters and error record, device -> pinned host
-  mirror (a copy, no wait: a stats scrape reads the mirror).
+:class:`DeviceStep` turns a rank's step blocks (``buffers.py``) into kernel launches: a
+STEP is ``skv_begin_step``; a TOPK is ``skv_resolve`` into a ring entry and the per-row
+plans, then their gather for every layer of the group; each is followed by
+``enqueue_stats_out`` (counters and error record -> the pinned host mirror, no wait).
 
 Every size comes from the descriptor in the block, every launch has a fixed grid and
-fixed shared memory, and nothing reads back or waits: the sequence captures into a CUDA
-graph (``tests/daemon/test_cuda_step.py`` captures it in global mode), and a transport
-either replays such graphs (zmq) or has the engine's own stream drive them (doorbell).
+shared memory, and nothing reads back or waits: the sequence captures into a CUDA graph.
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ class DeviceStep:
         self.layout = residency.layout
         self._fetch = kernels.function("copy.cu", "skv_fetch", copy_defines(self.layout.row_bytes))
 
-    # -- pieces -----------------------------------------------------------------------
     def enqueue_fetch(self, host_address: int, block, stream, step: bool) -> None:
         """``skv_fetch``: a pinned host step block (device address) -> ``block`` (device)."""
         b = self.buffers
@@ -49,11 +43,6 @@ class DeviceStep:
             self._fetch((FETCH_BLOCKS,), (256,),
                         (np.uint64(host_address), block, i32(b.max_batch), i32(b.max_batch * self.layout.top_k),
                          i32(1 if step else 0)))
-
-    def enqueue_begin(self, stream) -> None:
-        b = self.buffers.step
-        self.residency.launch_begin_step(b.desc, b.rows, b.aux, b.payload, self.buffers.err,
-                                         self.buffers.max_batch, stream)
 
     def enqueue_resolve(self, block, slots, misses, stream, clear: int = 0) -> None:
         """``skv_resolve`` of a top-k block into ``slots`` / ``misses`` and the per-row
@@ -71,11 +60,6 @@ class DeviceStep:
         self.mover.launch_gather(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream,
                                  group_layers=group_layers, ready=ready, arrivals=arrivals)
 
-    def enqueue_topk(self, entry: int, stream) -> None:
-        bufs = self.buffers
-        self.enqueue_resolve(bufs.topk, bufs.slots[entry], bufs.misses[entry], stream)
-        self.enqueue_gather(bufs.topk, bufs.misses[entry], stream)
-
     def enqueue_stats_out(self, stream) -> None:
         import cupy as cp
 
@@ -83,19 +67,22 @@ class DeviceStep:
         cp.cuda.runtime.memcpyAsync(bufs.host_stats_address, bufs.stats.data.ptr, bufs.stats_bytes,
                                     MEMCPY_DEVICE_TO_HOST, stream.ptr)
 
-    # -- whole requests ------------------------------------------------------------------
     def enqueue_step_request(self, host_address: int | None, stream) -> None:
         """A STEP: [fetch its block from pinned memory] -> begin -> stats out."""
         if host_address is not None:
             self.enqueue_fetch(host_address, self.buffers.step.block, stream, step=True)
-        self.enqueue_begin(stream)
+        b = self.buffers
+        self.residency.launch_begin_step(b.step.desc, b.step.rows, b.step.aux, b.step.payload, b.err, b.max_batch,
+                                         stream)
         self.enqueue_stats_out(stream)
 
     def enqueue_topk_request(self, entry: int, host_address: int | None, stream) -> None:
         """A TOPK into ring entry ``entry``: [fetch] -> resolve -> gather -> stats out."""
         if host_address is not None:
             self.enqueue_fetch(host_address, self.buffers.topk.block, stream, step=False)
-        self.enqueue_topk(entry, stream)
+        b = self.buffers
+        self.enqueue_resolve(b.topk, b.slots[entry], b.misses[entry], stream)
+        self.enqueue_gather(b.topk, b.misses[entry], stream)
         self.enqueue_stats_out(stream)
 
 

@@ -1,14 +1,6 @@
-"""How a step reaches a cuda rank's device step: the transports, of two kinds.
-
-* Fed by messages (:class:`MessageTransport`): each STEP or TOPK the daemon receives is
-  enqueued on the GPU worker's stream. :class:`ZmqTransport` (here): the host checks
-  shapes only (values are checked by the kernels), writes the block into a pinned host
-  ring entry (or the client wrote it there), and replays that entry's CUDA graph (fetch
-  -> kernels -> stats out), then records the entry's IPC event for the client. No sort,
-  no readback, no size from the host reaches a launch.
-* Driven by the device (:class:`DeviceTransport`): no message carries a step. The
-  engine's stream writes the blocks and rings words; the rank's own stream, stocked
-  ahead, runs the same device step (``doorbell.py``).
+"""How a step reaches a cuda rank's device step: fed by messages
+(:class:`MessageTransport`, :class:`ZmqTransport` here) or driven by the engine's stream
+(:class:`DeviceTransport`, ``doorbell.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ class MessageTransport(Transport):
     def topk_block(self, entry: int, begin: bool, fence=None, done: int | None = None) -> int:
         """Enqueue a TOPK (with ``begin``: and its STEP) the client wrote into its pinned
         block ``entry``; ``done``: the value its done word takes once the result is in
-        place. Returns ``entry``."""
+        place (a device-wait client's stream waits on it). Returns ``entry``."""
 
     @abc.abstractmethod
     def release_entry(self, entry: int, done: int, fence=None) -> None:
@@ -63,17 +55,14 @@ class MessageTransport(Transport):
 
 class DeviceTransport(Transport):
     """Driven by the device: the engine's stream writes the step blocks and rings the
-    rank's words; no message carries a step, and writes are not ordered against the
-    rank's stream (its engine passes rewritten rows to its next step)."""
+    rank's words; no message carries a step (``doorbell.py``)."""
 
 
 class ZmqTransport(MessageTransport):
-    """Steps that arrived as ZeroMQ messages, replayed as one CUDA graph each.
-
-    Per ring entry ``e`` there is a pinned STEP block and a pinned TOPK block, and a graph
-    for each, captured once at attach. A request writes its entry's block and launches
-    the graph; the entry's event (TOPK: the client's IPC event) guards the block's reuse
-    ``ring_depth`` requests later.
+    """Steps that arrived as ZeroMQ messages, replayed as one CUDA graph each; the host
+    checks shapes only (the kernels check values). Per ring entry ``e``, a pinned STEP
+    block and a pinned TOPK block, each with a graph captured at attach; the entry's event
+    (TOPK: the client's IPC event) guards the block's reuse ``ring_depth`` requests later.
 
     Args:
         dstep: the rank's :class:`~sparsekv.daemon.cuda.step.DeviceStep`.
@@ -176,12 +165,8 @@ class ZmqTransport(MessageTransport):
         return e
 
     def topk_block(self, entry: int, begin: bool, fence=None, done: int | None = None) -> int:
-        """A TOPK whose step block the client wrote into its pinned block ``entry`` (and,
-        with ``begin``, its STEP into its step block ``entry``): nothing to check or copy
-        on the host, the kernels check the descriptor. The client made sure the entry's
-        previous use is done (its event) before writing it. ``done``: the value the
-        entry's done word takes once the result is in place (a device-wait client's
-        stream waits on it instead of the reply)."""
+        """The kernels check the descriptor; the client made sure the entry's previous use
+        is done (its event) before writing it."""
         if not 0 <= entry < len(self._topk_used):
             raise ResidencyError("BAD_ARGUMENT", f"block {entry} outside the ring of {len(self._topk_used)}")
         stream = self.worker.stream
@@ -205,11 +190,9 @@ class ZmqTransport(MessageTransport):
         return self.buffers.done.data.ptr + 4 * int(entry)
 
     def release_entry(self, entry: int, done: int, fence=None) -> None:
-        """A device-wait TOPK that failed: unless it got as far as setting its done word
-        (its result is then in place, or on its way), its entry's result becomes empty
-        (slots -1, 0 misses: nothing is read; after ``fence(stream)``, the client's fence)
-        and its done word ``done``, in stream order, so that the client's stream goes on
-        and reads no stale row."""
+        """Unless the TOPK got as far as setting its done word, its entry's result becomes
+        empty (slots -1, 0 misses; after ``fence(stream)``) and its done word ``done``, in
+        stream order: the client's stream goes on and reads no stale row."""
         import cupy as cp
 
         if self._done_set[entry] == done:

@@ -1,12 +1,7 @@
-"""The two small interfaces every backend implements, and the values they share.
-
-* :class:`Residency` decides (control): which hot slot holds which host row, exact LRU,
-  per (index group, request state row). It never moves bytes.
-* :class:`Mover` moves bytes (data): gathers a plan from the host pool into a hot slab,
-  mirrors written rows into the pool, stages whole blocks for prefill.
-
-They meet only through the frozen values below. One implementation per backend: ``cpu``
-(NumPy, in this package) and ``cuda`` (kernels from ``csrc/``).
+"""The two small interfaces every backend (``cpu``, ``cuda``) implements, the values they
+share, and the checks both make. :class:`Residency` decides which hot slot holds which
+host row (exact LRU, per index group and request state row) and never moves bytes;
+:class:`Mover` moves them (gather, write mirror, staging).
 """
 
 from __future__ import annotations
@@ -133,16 +128,13 @@ def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarra
     return state_rows, topk
 
 
-# Bytes of residency state per (index group, state row, slot): owner and lru, int32 each
-# (both backends keep these arrays, on the host or on the GPU).
-STATE_BYTES_PER_SLOT = 8
+STATE_BYTES_PER_SLOT = 8  # per (index group, state row, slot): owner and lru, int32 each
 
 
 def rank_bytes(layout: Layout) -> dict[str, int]:
     """What one rank of ``layout`` costs the daemon, by part: ``slab`` (every layer's hot
-    regions), ``staging``, ``state`` (owner and lru of every group's regions: 8 bytes a
-    slot and group, so a layout of tiny rows costs far more in state than in slab: 256 MiB
-    of one-byte rows, one group per layer, is 2 GiB of state) and ``total``."""
+    regions), ``staging``, ``state`` (8 bytes a slot and group: tiny rows cost far more in
+    state than in slab) and ``total``."""
     slab, staging = layout.slab_bytes, layout.staging_bytes
     state = layout.num_groups * layout.max_reqs * layout.region_stride * STATE_BYTES_PER_SLOT
     return {"slab": slab, "staging": staging, "state": state, "total": slab + staging + state}
@@ -150,10 +142,8 @@ def rank_bytes(layout: Layout) -> dict[str, int]:
 
 def check_layout_limits(layout: Layout, max_rank_bytes: int, engine_slab: bool = False) -> dict[str, int]:
     """Refuse (``ResidencyError`` TOO_LARGE, before anything is allocated) a layout whose
-    rank would take more than ``max_rank_bytes`` of the daemon's memory: hot slab, staging
-    buffer and residency state together (:func:`rank_bytes`). Returns the parts. The
-    caller is ATTACH, with the daemon's ``max_slab_bytes`` setting. With ``engine_slab``
-    the engine brings the slab: it costs the daemon nothing."""
+    rank would take more than ``max_rank_bytes`` (ATTACH: the daemon's ``max_slab_bytes``)
+    by :func:`rank_bytes`, whose parts it returns; an ``engine_slab`` costs nothing."""
     parts = rank_bytes(layout)
     if engine_slab:
         parts["total"] -= parts["slab"]

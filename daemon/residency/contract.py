@@ -1,12 +1,8 @@
 """Reference model of the residency contract (DESIGN.md §4), written for clarity, not speed.
 
-Every backend (the NumPy engine in ``cpu.py``, the CUDA kernels in ``csrc/``) is checked
-against this file. It keeps one hot region as two plain Python lists:
-
-* ``owner[slot]``: the host row the slot holds, or -1 when empty;
-* ``lru``: a permutation of the slots, oldest first.
-
-Nothing here is vectorised on purpose: each clause of the contract is one visible step.
+Every backend (``cpu.py``, the CUDA kernels of ``csrc/``) is checked against it. One hot
+region is two plain lists: ``owner[slot]`` (the host row the slot holds, or -1) and
+``lru`` (a permutation of the slots, oldest first); each clause is one visible step.
 """
 
 from __future__ import annotations

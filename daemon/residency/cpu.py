@@ -1,8 +1,6 @@
-"""NumPy backend: the residency contract and the byte mover on host arrays.
-
-The state arrays have the shapes the GPU holds: ``owner`` and ``lru`` are int32
-``[groups, max_reqs, region_stride]``. The hot slab is a byte array
-``[num_layers, max_reqs, region_stride, row_bytes]`` in shared memory that clients map.
+"""NumPy backend: the residency contract and the byte mover on host arrays, shaped as on
+the GPU: ``owner`` and ``lru`` int32 ``[groups, max_reqs, region_stride]``; the hot slab
+``[num_layers, max_reqs, region_stride, row_bytes]`` bytes in shared memory clients map.
 """
 
 from __future__ import annotations

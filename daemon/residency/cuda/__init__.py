@@ -1,45 +1,24 @@
-"""CUDA backend: the residency contract and the byte mover as kernels (``csrc/``), with
-the same interfaces and exact semantics as ``cpu.py``.
-
-* ``device.py``: the step descriptor and error record the kernels share, the resolve's
-  output buffers, the workspace size, launch helpers;
-* ``residency.py``: :class:`CudaResidency` (resolve, reset, invalidate, begin step);
-* ``mover.py``: :class:`CudaMover` (gather, staging, write mirror) and the rank's device
-  buffers.
-
-``cupy`` is imported lazily: importing this package needs no GPU.
+"""CUDA backend: the residency contract (``residency.py``) and the byte mover
+(``mover.py``) as kernels of ``csrc/``, with the interfaces and exact semantics of
+``cpu.py``; ``device.py``: what they share. Importing this package needs no GPU.
 """
 
 from .device import (  # noqa: F401 - the backend's public names
     COUNTERS_PER_GROUP,
-    D_BATCH,
-    D_GROUP,
-    D_INV_N,
-    D_K,
-    D_SEQ,
-    D_STEP,
-    DESC_INTS,
-    E_BAD_STATE_ROW,
-    E_BAD_STEP,
     E_CORRUPT_STATE,
     E_DUPLICATE_IDS,
     E_TOO_MANY_TOKENS,
     ERR_BAD_STATE_ROW,
-    ERR_BAD_STEP,
     ERR_CORRUPT_STATE,
     ERR_DUPLICATE_IDS,
     ERR_INTS,
-    ERR_TOO_MANY_TOKENS,
     HITS,
     MISSES,
     OUT_OF_RANGE,
-    SETUP_BLOCKS,
-    STEP_BLOCKS,
-    ResolveOutput,
     error_bits,
     make_desc,
     resolve_workspace_bytes,
     rows_block,
 )
-from .mover import DEFAULT_COPY_BLOCKS, CudaMover, DeviceBuffers, allocate_device_buffers  # noqa: F401
+from .mover import CudaMover, DeviceBuffers, allocate_device_buffers  # noqa: F401
 from .residency import CudaResidency  # noqa: F401

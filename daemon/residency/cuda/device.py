@@ -1,35 +1,29 @@
-"""What the CUDA residency and mover share: the step descriptor and the error record of
-``csrc/common.cuh``, the resolve's output buffers (:class:`ResolveOutput`), the workspace
-size, and small launch helpers.
-
-``cupy`` is imported lazily (:func:`cp_module`): importing this module needs no GPU.
+"""What the CUDA residency and mover share: the error record of ``csrc/common.cuh``, the
+resolve's output buffers (:class:`ResolveOutput`), the workspace size, launch helpers.
+``cupy`` is imported lazily (:func:`cp_module`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
 from sparsekv.proto.device_errors import ERROR_KINDS  # the record's kinds, shared with clients
 from sparsekv.proto.layout import Layout
-# The step descriptor (csrc/common.cuh, proto/step_block.py): int32[DESC_INTS].
-from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_INV_N, D_K, D_SEQ, D_STEP, DESC_INTS  # noqa: F401
-from sparsekv.proto.step_block import write_desc
+from sparsekv.proto.step_block import DESC_INTS, write_desc
 
 from ..base import ResidencyError
 
 SETUP_BLOCKS = 1024  # cap for the grid-stride reset/invalidate kernels
 STEP_BLOCKS = 128  # fixed grid of skv_begin_step (blocks stride over batch rows x groups)
 
-# The error record (csrc/common.cuh): int32[ERR_INTS]; err[e] counts kind e, err[8 + e],
-# err[16 + e], err[24 + e] hold the batch row, step and group of the latest.
-ERR_INTS = 32
+ERR_INTS = 32  # the error record (csrc/common.cuh): int32[ERR_INTS]
 E_DUPLICATE_IDS, E_CORRUPT_STATE, E_BAD_STATE_ROW, E_TOO_MANY_TOKENS, E_BAD_STEP = range(5)
 # Bits of ResolveOutput.read_counters()["errors"]: 1 << kind.
 ERR_DUPLICATE_IDS = 1 << E_DUPLICATE_IDS
 ERR_CORRUPT_STATE = 1 << E_CORRUPT_STATE
 ERR_BAD_STATE_ROW = 1 << E_BAD_STATE_ROW
-ERR_TOO_MANY_TOKENS = 1 << E_TOO_MANY_TOKENS
-ERR_BAD_STEP = 1 << E_BAD_STEP
 # Indices into the per-group counters (u64 [3] used of 4).
 HITS, MISSES, OUT_OF_RANGE = range(3)
 COUNTERS_PER_GROUP = 4
@@ -76,15 +70,12 @@ def _a16(n: int) -> int:
 
 def resolve_workspace_bytes(k: int, region_stride: int, hash_scale: int = 2, lru_smem: bool = False,
                             owner_smem: bool = False) -> int:
-    """Bytes of one resolve block's workspace for ``k`` columns (mirrors ``skv_ws``): with
-    the hash table (host rows and columns, ``hash_scale`` x pow2(k) entries each);
-    ``lru_smem`` and ``owner_smem`` add a region row each (csrc/resolve.cu SKV_LRU_SMEM,
-    SKV_OWNER_SMEM)."""
+    """Bytes of one resolve block's workspace for ``k`` columns (mirrors ``skv_ws`` of
+    csrc/resolve.cu, built with ``hash_scale``, ``lru_smem``, ``owner_smem``)."""
     kp = pow2(k)
     rows = 1 + int(bool(lru_smem)) + int(bool(owner_smem))
     base = _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + rows * _a16(region_stride * 4)
     return base + _a16(2 * hash_scale * kp * 4)
-
 
 
 def null_ptr():
@@ -92,22 +83,12 @@ def null_ptr():
 
 
 class ResolveOutput:
-    """Device buffers of one resolve, fixed shapes ``[max_batch, top_k]``.
-
-    After ``resolve_async(group, state_rows, topk, out)`` of a batch of ``B`` rows and
-    ``k`` columns (on the stream, not yet on the host):
-
-    * ``slots[b, c]``: slot within the region for column ``c`` of row ``b`` (-1 if none;
-      columns ``k..top_k`` are -1);
-    * ``misses[b]``: misses of row ``b``; padding rows 0;
-    * ``plan_rows[b, :misses[b]]`` / ``plan_slots[b, :misses[b]]``: the compact plan of
-      row ``b`` sorted by host row; a slot is flat ``state_row * region_stride + slot``;
-      entries past ``misses[b]`` are stale;
-    * ``counters`` (uint64 [4]): hits, misses, out-of-range ids, **accumulated** across
-      resolves until :meth:`zero_counters`; ``err`` (int32 [ERR_INTS]) the error record;
-      ``desc`` (int32 [DESC_INTS]) the descriptor of the last resolve.
-
-    ``batch``, ``k`` and ``group`` (host ints) record the last resolve for ``gather_async``.
+    """Device buffers of one resolve, fixed shapes ``[max_batch, top_k]``: ``slots``,
+    ``misses`` and the per-row plans ``plan_rows`` / ``plan_slots`` as ``skv_resolve``
+    writes them (csrc/resolve.cu); ``counters`` (uint64 [4]: hits, misses, out-of-range
+    ids, **accumulated** until :meth:`zero_counters`); ``err``, the error record; ``desc``,
+    the last resolve's descriptor. ``batch``, ``k`` and ``group`` (host ints) record the
+    last resolve for ``gather_async``.
     """
 
     def __init__(self, layout: Layout, max_batch: int, workspace_bytes: int = 0, stream=None):
@@ -116,7 +97,7 @@ class ResolveOutput:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.max_batch = int(max_batch)
         self.top_k = layout.top_k
-        with on_stream(stream):
+        with stream if stream is not None else contextlib.nullcontext():
             self.slots = cp.full((max_batch, layout.top_k), -1, dtype=cp.int32)
             self.misses = cp.zeros(max_batch, dtype=cp.int32)
             self.plan_rows = cp.full((max_batch, layout.top_k), -1, dtype=cp.int32)
@@ -132,7 +113,7 @@ class ResolveOutput:
         self.group = -1
 
     def zero_counters(self, stream=None) -> None:
-        with on_stream(stream):
+        with stream if stream is not None else contextlib.nullcontext():
             self.counters.fill(0)
             self.err.fill(0)
 
@@ -143,22 +124,6 @@ class ResolveOutput:
         c = self.counters.get()
         return {"hits": int(c[HITS]), "misses": int(c[MISSES]), "out_of_range": int(c[OUT_OF_RANGE]),
                 "errors": error_bits(self.err.get())}
-
-
-class on_stream:
-    """``with on_stream(stream):`` makes ``stream`` current (no-op for None)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def __enter__(self):
-        if self.stream is not None:
-            self.stream.__enter__()
-        return self.stream
-
-    def __exit__(self, *exc):
-        if self.stream is not None:
-            self.stream.__exit__(*exc)
 
 
 def grid_blocks(total: int, threads: int, cap: int) -> int:
@@ -177,8 +142,6 @@ def device_i32(a, name: str, ndim: int):
     if a.dtype != cp.int32:
         a = a.astype(cp.int32)
     return cp.ascontiguousarray(a)
-
-
 
 
 def smem_limit(kernel) -> int:

@@ -1,12 +1,7 @@
-"""CUDA mover: moves rows between the pinned host pool and one GPU with the copy kernels
-(``csrc/copy.cu``); the hot slab and staging buffer of a rank (:class:`DeviceBuffers`).
-
-Same interface and results as ``cpu.py``'s mover. The device-resident entry points
-(``gather_async``, ``stage_async``, ``write_async`` and the ``launch_*`` methods) take
-device arrays, run on a given CuPy stream and never read back; the host-convenience ones
-(``gather``, ``stage``, ``write``) take NumPy and synchronise. A decode step's gather reads
-each batch row's plan in turn, sorted by host row (docs/DESIGN.md, "Rejected designs":
-the batch-wide merge measured slower).
+"""CUDA mover: rows between the pinned host pool and one GPU with the copy kernels
+(``csrc/copy.cu``), with the interface and results of ``cpu.py``'s mover. The
+device-resident entry points (``gather_async``, ``launch_*``) take device arrays, run on a
+given stream and never read back; ``gather`` and ``stage`` take NumPy and synchronise.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ from sparsekv.daemon.kernels import COPY_THREADS, DEFAULT_SMEM_BYTES, copy_defin
 from sparsekv.proto.layout import Layout
 
 from ..base import Mover, Plan, ResidencyError
-from .device import ResolveOutput, cp_module, device_i32, grid_blocks, null_ptr, smem_limit
+from .device import ResolveOutput, cp_module, grid_blocks, null_ptr, smem_limit
 
 DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
 
@@ -66,9 +61,8 @@ class CudaMover(Mover):
         kernels, stream: as for :class:`CudaResidency`.
         blocks: most blocks a copy kernel uses (SMs are shared with attention).
         threads: threads per copy block.
-        engine_slab: ``(device address, SlabGeometry)`` of an engine-owned slab
-            (``proto/slab.py``, checked): gathers write there, laid out by the geometry,
-            instead of ``buffers.slab``.
+        engine_slab: ``(device address, SlabGeometry)`` of an engine-owned slab, which
+            gathers write instead of ``buffers.slab``.
     """
 
     def __init__(self, layout: Layout, pool, *, pool_offset: int = 0, buffers: DeviceBuffers | None = None,
@@ -86,8 +80,7 @@ class CudaMover(Mover):
             raise ValueError(f"pool device address {self.pool_address:#x} must be 16-byte aligned")
         self.buffers = buffers if buffers is not None else allocate_device_buffers(lay)
         self.staging = self.buffers.staging
-        # Where gathers write: the daemon's slab (no geometry), or an engine's buffer laid
-        # out by its geometry (per-layer byte offsets on the device, block rows, stride).
+        # An engine's slab: (per-layer byte offsets on the device, block rows, stride).
         self._geo = (null_ptr(), np.int64(1), np.int64(0))
         if engine_slab is not None:
             address, geo = engine_slab
@@ -109,7 +102,6 @@ class CudaMover(Mover):
         self.threads = int(threads)
         defines = copy_defines(lay.row_bytes, threads)
         self._copy = kernels.function("copy.cu", "skv_copy_rows", defines)
-        # The gather's per-row prefix lives in shared memory: (max_batch + 1) x 8 bytes.
         self.gather_smem = (lay.max_batch + 1) * 8
         if self.gather_smem > DEFAULT_SMEM_BYTES:
             limit = smem_limit(kernels.function("copy.cu", "skv_gather", defines))  # its own static part
@@ -145,8 +137,7 @@ class CudaMover(Mover):
     def _launch(self, stream, blocks, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows,
                 dst_rows, dst_layers, layers, mode, src_idx, dst_idx, counts, nb, ld, count_dev=None,
                 layers_dev=None, dst_geo=None) -> None:
-        """One ``skv_copy_rows``; ``dst_geo``: the destination's (layer offsets, block
-        rows, block stride) when it is an engine's slab (``self._geo``)."""
+        """One ``skv_copy_rows``; ``dst_geo``: ``self._geo`` when writing the slab."""
         if nb == 0 or ld == 0:
             return
         if layers_dev is None:
@@ -179,8 +170,6 @@ class CudaMover(Mover):
         vecs = rows * layers * (self.layout.row_bytes // 16)
         return grid_blocks(vecs, self.threads, self.blocks)
 
-    # -- device-resident entry points ------------------------------------------------
-
     def gather_async(self, out: ResolveOutput, layers, stream=None, blocks: int | None = None) -> None:
         """Copy the plan of the last resolve into ``out`` for each of ``layers`` (the index
         group's layers), pool -> slab, on ``stream``. Order after the resolve on one stream."""
@@ -194,12 +183,10 @@ class CudaMover(Mover):
                       group_layers=None, ready: int = 0, arrivals: int = 0) -> None:
         """Enqueue ``skv_gather``: the plan of the last :meth:`CudaResidency.launch_resolve`
         (per-row counts ``misses``), pool -> slab, for every layer of the descriptor's
-        group. Device arrays only; fixed grid (``blocks``) and shared memory.
-        ``group_layers``: another int32 ``[groups, stride]`` table (count, then layers) in
-        place of the layout's, e.g. one naming a single layer of the group (doorbell: a
-        ready word per layer). ``ready`` / ``arrivals``: device addresses of a word the
-        kernel's last block sets to 1 once every row is written, and of its arrival
-        counter (zeroed; 0: no signal)."""
+        group. Device arrays only; fixed grid and shared memory. ``group_layers``: an int32
+        ``[groups, stride]`` table (count, then layers) in place of the layout's.
+        ``ready`` / ``arrivals``: device addresses of a word the last block sets to 1 once
+        every row is written, and of its zeroed arrival counter (0: no signal)."""
         lay = self.layout
         i32, i64 = np.int32, np.int64
         slots = lay.max_reqs * lay.region_stride
@@ -215,52 +202,16 @@ class CudaMover(Mover):
             )
 
     def launch_write_staged(self, layers, n_layers: int, rows, stream) -> None:
-        """Write mirror in place: row i of the staging buffer, for each listed layer ->
-        host row ``rows[1 + i]`` of that layer, for i < ``rows[0]`` (device int32
-        ``[1 + staging_rows]``: the count, then the rows in staging order). ``layers`` is
-        a device int32 array of ``n_layers`` layer numbers. Fixed grid; the count is read
-        on the device; rows outside [0, host_rows) are skipped."""
+        """Write mirror in place: staging row i of each of the ``n_layers`` ``layers``
+        (device int32) -> host row ``rows[1 + i]`` for i < ``rows[0]`` (device int32
+        ``[1 + staging_rows]``, the count read on the device). Fixed grid; rows outside
+        [0, host_rows) are skipped."""
         lay = self.layout
         if self.staging is None:
             raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
         self._launch(stream, self.blocks, self.staging, lay.staging_rows, lay.staging_rows, lay.num_layers,
                      self._pool(), lay.host_rows, lay.host_rows, lay.num_layers, None, 3, None,
                      rows[1:], None, 1, lay.staging_rows, count_dev=rows, layers_dev=(layers, int(n_layers)))
-
-    def stage_async(self, rows, layers, stream=None, blocks: int | None = None) -> None:
-        """Copy host ``rows`` (int32 [n], device) of each of ``layers`` to the front of the
-        staging buffer; rows outside [0, host_rows) are skipped."""
-        lay = self.layout
-        if self.staging is None:
-            raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0)")
-        with (stream if stream is not None else self.stream):
-            rows = device_i32(rows, "rows", 1)
-        n = rows.shape[0]
-        if n > lay.staging_rows:
-            raise ResidencyError("TOO_LARGE", f"{n} rows do not fit the staging buffer of {lay.staging_rows}")
-        self._launch(stream, blocks or self._blocks_for(n, len(layers)), self._pool(), lay.host_rows,
-                     lay.host_rows, lay.num_layers, self.staging, lay.staging_rows, lay.staging_rows,
-                     lay.num_layers, layers, 3, rows, None, None, 1, n)
-
-    def write_async(self, layers, rows, src, stream=None, blocks: int | None = None) -> None:
-        """Write mirror: ``src`` (uint8 [len(layers), n, row_bytes], device) row i of layer
-        li -> host row ``rows[i]`` (int32 [n], device) of layer ``layers[li]``. Rows
-        outside [0, host_rows) (e.g. -1 padding) are skipped. Invalidate hot copies
-        separately (``CudaResidency.invalidate_async``)."""
-        cp = cp_module()
-        lay = self.layout
-        n = rows.shape[0]
-        want = (len(layers), n, lay.row_bytes)
-        if tuple(src.shape) != want or src.dtype != cp.uint8:
-            raise ResidencyError("BAD_ARGUMENT", f"src must be uint8 {want}, got {src.dtype} {src.shape}")
-        with (stream if stream is not None else self.stream):
-            rows = device_i32(rows, "rows", 1)
-            src = cp.ascontiguousarray(src)
-        self._launch(stream, blocks or self._blocks_for(n, len(layers)), src, n, n, len(layers),
-                     self._pool(), lay.host_rows, lay.host_rows, lay.num_layers, layers, 2, None, rows,
-                     None, 1, n)
-
-    # -- host convenience (same results as CpuMover) ---------------------------------
 
     def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
         cp = cp_module()
@@ -291,17 +242,8 @@ class CudaMover(Mover):
             raise ResidencyError("BAD_ARGUMENT", f"stage rows must lie in [0, {lay.host_rows})")
         if n:
             with self.stream:
-                self.stage_async(cp.asarray(rows), layers)
+                self._launch(None, self._blocks_for(n, len(layers)), self._pool(), lay.host_rows, lay.host_rows,
+                             lay.num_layers, self.staging, lay.staging_rows, lay.staging_rows, lay.num_layers,
+                             layers, 3, cp.asarray(rows), None, None, 1, n)
             self.stream.synchronize()
         return n * len(layers) * lay.row_bytes
-
-    def write(self, layers: tuple[int, ...], rows: np.ndarray, src) -> int:
-        """Host convenience of :meth:`write_async` (``src`` NumPy or CuPy); returns bytes."""
-        cp = cp_module()
-        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
-        live = int(((rows >= 0) & (rows < self.layout.host_rows)).sum())
-        if rows.size:
-            with self.stream:
-                self.write_async(layers, cp.asarray(rows), cp.asarray(src))
-            self.stream.synchronize()
-        return live * len(layers) * self.layout.row_bytes

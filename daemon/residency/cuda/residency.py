@@ -1,28 +1,15 @@
-"""CUDA residency: the residency contract as kernels (``csrc/resolve.cu``).
+"""CUDA residency: the residency contract as kernels (``csrc/resolve.cu``), with the
+interface and exact semantics of ``cpu.py``; ``owner`` / ``lru`` are CuPy int32 arrays
+``[groups, max_reqs, region_stride]``.
 
-Same interface and exact semantics as ``cpu.py``; the state lives on the device as CuPy
-int32 arrays ``owner`` / ``lru`` of shape ``[groups, max_reqs, region_stride]``.
-
-Two kinds of entry points:
-
-* **device-resident** (the decode path): ``resolve_async``, ``reset_async``,
-  ``invalidate_async`` and the ``launch_*`` methods take device arrays, write into
-  preallocated fixed-shape buffers (:class:`ResolveOutput`), run on a given CuPy stream and
-  never read anything back to the host.
-* **host convenience** (tests, ``replay --verify``, the CPU-backend-shaped interface):
-  ``resolve``, ``reset``, ``invalidate``, ``invalidate_everywhere`` take and return NumPy,
-  validate on the host exactly like ``cpu.py`` (the same :class:`ResidencyError` codes,
-  raised before any state changes) and synchronise.
-
-Bad input: the host ``resolve`` raises before touching state, like the cpu backend. The
-device path cannot raise; it stays memory-safe and deterministic: a top-k row naming a
-host row twice, or a state row's row beyond ``region_stride / top_k`` tokens, is refused
-(slots -1, no misses, no state change), a bad state row is padding, and the kernels count
-each such event in the error record ``out.err`` (kind, batch row, step, group; see
-``csrc/common.cuh``). The daemon turns those records into typed errors.
-
-Every size the kernels use comes from a step descriptor in device memory (``make_desc``),
-so a launch never depends on what the host knows about the step.
+* **device-resident** (the decode path): ``resolve_async``, ``invalidate_async`` and the
+  ``launch_*`` methods take device arrays, write into fixed-shape buffers
+  (:class:`ResolveOutput`), run on a given stream, never read back.
+  They cannot raise on bad values: the kernels refuse the row (csrc/README.md) and count
+  it in the error record ``out.err``, which the daemon turns into typed errors.
+* **host convenience** (tests, ``replay --verify``): ``resolve``, ``reset``,
+  ``invalidate``, ``invalidate_everywhere`` take and return NumPy, raise the cpu
+  backend's :class:`ResidencyError` codes before any state changes, and synchronise.
 """
 
 from __future__ import annotations
@@ -64,15 +51,11 @@ class CudaResidency(Residency):
         workspace: ``"auto"`` (shared memory when it fits, else global scratch),
             ``"shared"`` or ``"global"``.
         hash_scale: the hash table's entries per power-of-two column, 2 or 4; ``None``
-            (the default): 4 when that workspace fits in shared memory, else 2 (on the
-            H200 the x4 table took batch 64 x top-k 2048 from 25.5 to 19.8 us: its probe
-            runs are shorter; docs/PERF.md).
+            (the default): 4 when that workspace fits in shared memory, else 2.
         lru_smem, owner_smem: the new lru row built in the workspace, then copied out
             whole; the owner row read into it with the lru row (csrc/resolve.cu
-            SKV_LRU_SMEM, SKV_OWNER_SMEM). ``None`` (the default): each where the
-            workspace (with the table chosen above) still fits in shared memory. Each
-            costs a region row of it; on the H200 both took batch 64 x top-k 2048 from
-            17.9 to 16.9 us (docs/PERF.md).
+            SKV_LRU_SMEM, SKV_OWNER_SMEM; a region row of workspace each). ``None`` (the
+            default): each where the workspace (with the table above) still fits.
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
@@ -87,10 +70,8 @@ class CudaResidency(Residency):
             self.lru = cp.empty((g, r, s), dtype=cp.int32)
             self.lru[...] = cp.arange(s, dtype=cp.int32)
         self.threads = int(threads)
-        # The workspace's options: those given, else the smallest, then (with workspace
-        # auto or shared) the x4 table if the workspace still fits in shared memory.
-        # Built for a shared-memory workspace unless it must be global (rebuilt if it
-        # turns out not to fit).
+        # Options not given: the smallest, then each that still fits in shared memory.
+        # Built for a shared-memory workspace unless it must be global (rebuilt if not).
         if workspace not in ("auto", "shared", "global"):
             raise ValueError(f"workspace must be auto, shared or global, got {workspace!r}")
         opts = {"hash_scale": DEFAULT_HASH_SCALE if hash_scale is None else int(hash_scale),
@@ -107,8 +88,6 @@ class CudaResidency(Residency):
                 layout.top_k, s, **dict(opts, hash_scale=4)) <= limit:
             opts["hash_scale"] = 4
             defines, self._resolve = build(**opts, ws_smem=ws_smem)
-        # Then the owner row and the new lru row into the workspace, each one not given
-        # while the workspace still fits.
         grown = False
         for name, given in (("owner_smem", owner_smem), ("lru_smem", lru_smem)):
             trial = dict(opts, **{name: True})
@@ -139,21 +118,16 @@ class CudaResidency(Residency):
         self._host_out: ResolveOutput | None = None
         self.last_errors = 0  # error bits of the last host-convenience resolve
 
-    # -- device-resident entry points ------------------------------------------------
-
     def new_output(self, max_batch: int | None = None) -> ResolveOutput:
         """A :class:`ResolveOutput` for batches of up to ``max_batch`` rows (default: the
         layout's ``max_batch``)."""
-        if max_batch is None:
-            max_batch = getattr(self.layout, "max_batch", 0) or self.layout.max_reqs
         ws = self.workspace_bytes if self.workspace_global else 0
-        return ResolveOutput(self.layout, max_batch, ws, self.stream)
+        return ResolveOutput(self.layout, self.layout.max_batch if max_batch is None else max_batch, ws, self.stream)
 
     def resolve_async(self, group: int, state_rows, topk, out: ResolveOutput, stream=None) -> None:
         """Resolve ``topk`` (int32 [B, k], device) for ``state_rows`` (int32 [B], device)
-        into ``out`` on ``stream``: writes ``out.desc`` from the shapes (a small upload),
-        then :meth:`launch_resolve`. Host-side checks look at shapes only (no readback):
-        bad ids and state rows are handled on the device (see the module docstring)."""
+        into ``out`` on ``stream``: writes ``out.desc`` from the shapes, then
+        :meth:`launch_resolve`. Checks shapes only (bad values: the module docstring)."""
         lay = self.layout
         stream = stream if stream is not None else self.stream
         if not 0 <= group < lay.num_groups:
@@ -179,12 +153,9 @@ class CudaResidency(Residency):
 
     def launch_resolve(self, desc, state_rows, topk, slots, misses, plan_rows, plan_slots, counters,
                        counters_per_group: int, err, workspace, max_batch: int, stream, clear: int = 0) -> None:
-        """Enqueue ``skv_resolve`` on ``stream``. Device arrays only; the batch, columns and
-        group come from ``desc``; the grid (``max_batch`` blocks) and shared memory are
-        fixed by the layout. ``slots`` and the plan are ``[max_batch, top_k]``; counters
-        are ``[groups, 4]`` with ``counters_per_group`` 4, or one ``[4]`` with 0.
-        ``clear``: the device address of a u32 word the kernel sets to 0 first (a doorbell
-        bell the stream has just waited on), or 0."""
+        """Enqueue ``skv_resolve`` on ``stream`` (its arguments: csrc/resolve.cu). Device
+        arrays only; batch, columns and group come from ``desc``; grid and shared memory
+        are fixed by the layout. ``clear``: a device address, or 0."""
         lay = self.layout
         i32 = np.int32
         if self.workspace_global:
@@ -216,28 +187,10 @@ class CudaResidency(Residency):
                 shared_mem=self.step_smem,
             )
 
-    def reset_async(self, state_rows, stream=None) -> None:
-        """Empty every group's region of each state row (int32 [n], device; -1 skipped)."""
-        lay = self.layout
-        i32 = np.int32
-        with (stream if stream is not None else self.stream):
-            state_rows = device_i32(state_rows, "state_rows", 1)
-            n = state_rows.shape[0]
-            if n == 0:
-                return
-            total = n * lay.num_groups * lay.region_stride
-            self._reset(
-                (grid_blocks(total, 256, SETUP_BLOCKS),), (256,),
-                (self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
-                 state_rows, i32(n)),
-            )
-
     def invalidate_async(self, rows, rows_cap: int, state_rows=None, counter=None, stream=None) -> None:
-        """Empty the slots owning one of the rows of ``rows`` (device int32 ``[1 + cap]``:
-        ``[n, sorted rows...]``, see :func:`rows_block`): in every region, or only in
-        ``state_rows`` (int32 [m], device). ``counter`` (uint64 [1], device) accumulates
-        how many slots were emptied (counted once per slot only when ``state_rows`` is
-        None or has no repeats). Fixed grid; the count is read on the device."""
+        """Enqueue ``skv_invalidate`` (csrc/resolve.cu): ``rows`` device int32 ``[1 + cap]``
+        (:func:`rows_block`), ``state_rows`` int32 [m] or None, ``counter`` uint64 [1] or
+        None (a slot counted once only when ``state_rows`` is None or has no repeats)."""
         lay = self.layout
         stream = stream if stream is not None else self.stream
         i32 = np.int32
@@ -257,8 +210,6 @@ class CudaResidency(Residency):
                  i32(n_state), rows, i32(rows_cap), counter if counter is not None else null_ptr()),
             )
 
-    # -- host convenience (same checks and results as CpuResidency) ------------------
-
     def reset(self, state_rows: np.ndarray) -> None:
         cp = cp_module()
         rows = np.asarray(state_rows, dtype=np.int64)
@@ -267,8 +218,12 @@ class CudaResidency(Residency):
             raise ResidencyError("BAD_STATE_ROW", f"state row {int(rows.max())} >= max_reqs")
         if not rows.size:
             return
+        lay, i32 = self.layout, np.int32
+        total = rows.size * lay.num_groups * lay.region_stride
         with self.stream:
-            self.reset_async(cp.asarray(rows.astype(np.int32)))
+            self._reset((grid_blocks(total, 256, SETUP_BLOCKS),), (256,),
+                        (self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
+                         cp.asarray(rows.astype(np.int32)), i32(rows.size)))
         self.stream.synchronize()
 
     def invalidate(self, state_row: int, rows: np.ndarray) -> None:
@@ -307,9 +262,7 @@ class CudaResidency(Residency):
             out.zero_counters()
             self.resolve_async(group, cp.asarray(state_rows), cp.asarray(np.ascontiguousarray(topk)), out)
         self.stream.synchronize()
-        # Read back on our stream (with it current, so that CuPy's contiguous copy of a
-        # slice runs there too): never on the legacy stream, which can wait behind a
-        # doorbell rank's parked stream.
+        # Read back with our stream current (CuPy's slice copies too), never the legacy one.
         with self.stream:
             slots = out.slots[:batch, :k].get()
             misses = out.misses[:batch].get()
@@ -334,8 +287,6 @@ class CudaResidency(Residency):
         if self._host_out is None or self._host_out.max_batch < batch:
             self._host_out = self.new_output(max(batch, 2 * (self._host_out.max_batch if self._host_out else 0)))
         return self._host_out
-
-    # -- state transfer (tests, checkpoints) -----------------------------------------
 
     def state(self) -> tuple[np.ndarray, np.ndarray]:
         """``(owner, lru)`` copied to the host (synchronises the stream)."""

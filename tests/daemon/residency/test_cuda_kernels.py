@@ -353,7 +353,7 @@ def _pinned_pool(nbytes):
 
 
 @pytest.mark.parametrize("row_bytes", [16, 656])
-def test_gather_stage_write_bytes(kc, row_bytes):
+def test_gather_stage_bytes(kc, row_bytes):
     import cupy as cp
 
     lay = layout(64, 128, 3000, 4, groups=2, layers_per_group=3, row_bytes=row_bytes, staging_rows=200)
@@ -409,19 +409,9 @@ def test_gather_stage_write_bytes(kc, row_bytes):
         with pytest.raises(ResidencyError) as e:
             mover.stage(np.arange(201, dtype=np.int32), (0,))
         assert e.value.code == "TOO_LARGE"
-        # Write mirror: device rows -> host rows (padding -1 skipped), then invalidate.
+        # Rewritten rows (padding -1 skipped) dropped everywhere.
         wrows = rng.choice(lay.host_rows, size=40, replace=False).astype(np.int32)
         wrows[::7] = -1
-        layers = (1, 2, 5)
-        src = rng.integers(0, 256, size=(3, 40, row_bytes), dtype=np.uint8)
-        before = pool.copy()
-        nbytes = mover.write(layers, wrows, src)
-        assert nbytes == int((wrows >= 0).sum()) * 3 * row_bytes
-        expect = before.copy()
-        for li, layer in enumerate(layers):
-            live = wrows >= 0
-            expect[layer, wrows[live]] = src[li, live]
-        np.testing.assert_array_equal(pool, expect)
         assert gpu.invalidate_everywhere(wrows) == cpu.invalidate_everywhere(wrows)
         assert_state(cpu, gpu)
 
