@@ -104,19 +104,15 @@ class Client(Connection):
         """``device``: ``"cpu"``, or ``"cuda:N"`` (this process's GPU numbering) for a rank
         whose slab lives on a GPU of a cuda-backend daemon. ``device_wait`` (cuda ranks;
         None: ``$SPARSEKV_CLIENT_DEVICE_WAIT`` is ``1``): ``topk`` returns once the request
-        is sent, with the current stream waiting on the GPU for the result (the daemon
-        sets a word per ring entry); the reply is read later and an error in it raised by
-        a later call (the failed request's result is empty: slots -1). ``io_cpus`` (None:
-        ``$SPARSEKV_CLIENT_IO_CPUS``; "" : not pinned), e.g. ``"5"``: this client gets a
-        ZeroMQ context of its own whose I/O thread runs on those CPUs; keep the engine's
-        threads off them, and have the daemon keep them warm (its ``warm_cpus``;
-        deploy/README.md "Warm CPUs"). ValueError for CPUs no thread of this process can
-        run on."""
+        is sent, with the current stream waiting on the GPU for the result; an error in
+        the reply is raised by a later call (the failed request's slots are -1).
+        ``io_cpus`` (None: ``$SPARSEKV_CLIENT_IO_CPUS``; "" : not pinned), e.g. ``"5"``:
+        this client's own ZeroMQ I/O thread runs on those CPUs (deploy/README.md "Warm
+        CPUs"). ValueError for CPUs no thread of this process can run on."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
         self.timeout_s = timeout_s
-        # Poll for a reply this long before sleeping on the socket (a wake-up costs tens of
-        # microseconds, in a VM more): default 500 for cuda ranks, 0 for cpu ones.
+        # Poll for a reply this long before sleeping on the socket (a wake-up costs more).
         self.spin_ns = (500 if device.startswith("cuda") else 0) * 1000 if spin_us is None else int(spin_us) * 1000
         self.info: dict = {}
         self.attachment: Attachment | None = None
@@ -143,13 +139,12 @@ class Client(Connection):
         self._fence_requests: dict[int, int] = {}  # cuda: fence event -> the last request that carried it
         self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
         # Per request type, the last reply's (sent, daemon received, daemon replied,
-        # received here) in perf_counter_ns: one clock (CLOCK_MONOTONIC) for the whole host.
+        # received here) in perf_counter_ns (client/README.md).
         self.timings: dict[MsgType, tuple[int, int, int, int]] = {}
         # cuda TOPK: when the daemon had enqueued the last one's GPU work ("tl", same clock).
         self.enqueued_at: int | None = None
-        # The daemon this client talks to, found at connect (see _check_daemon): its pid as
-        # this process sees it (0: in another pid namespace), its start time, and the
-        # identity of its socket file (connection.file_id). ``_gone``: why it is no longer there.
+        # The daemon found at connect (_check_daemon): its pid here (0: another pid
+        # namespace), start time, socket file's identity; ``_gone``: why it is no longer there.
         self._daemon_pid = 0
         self._daemon_started: float | None = None
         self._socket_id: tuple[int, int, int] | None = None
@@ -159,8 +154,7 @@ class Client(Connection):
     def connect(self) -> "Client":
         path = self.control_path
         # Connect once by hand first: libzmq retries a refused or forbidden connection
-        # silently (the HELLO would only time out), this says at once what is wrong,
-        # and the kernel names the daemon's process (SO_PEERCRED, in our pid namespace).
+        # silently (the HELLO would only time out); this says at once what is wrong.
         self._daemon_pid, self._socket_id = probe_daemon(path, self.run_dir)
         self._daemon_started = start_time(self._daemon_pid)
         self._gone = None
@@ -173,8 +167,7 @@ class Client(Connection):
                 self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # A routing id of our own: if the connection drops (the daemon's heartbeat timed
-        # out while this process was stopped), libzmq reconnects under the same name and
+        # A routing id of our own: libzmq reconnects under the same name after a drop and
         # the daemon still knows this client.
         self._sock.setsockopt(zmq.ROUTING_ID, b"skv" + os.urandom(13))
         self._sock.connect(f"ipc://{path}")
@@ -233,7 +226,6 @@ class Client(Connection):
 
     def __exit__(self, *exc) -> None:
         self.close()  # BYE detaches too
-
 
     # -- requests ----------------------------------------------------------------
     def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq",
@@ -385,9 +377,8 @@ class Client(Connection):
             arrays["reset"] = np.asarray(reset, dtype=bool)
         if invalidate is not None:
             arrays["invalidate"] = np.asarray(invalidate, dtype=np.int32)
-        # Not sent yet: it rides on this step's first TOPK (one message and one daemon
-        # wake-up instead of two), or goes alone before any other request. Not waited
-        # for either way: its error (if any) is raised by the next wait.
+        # Not sent yet: it rides on this step's first TOPK, or goes alone before any
+        # other request (client/README.md). Its error is raised by the next wait.
         self._send_pending_step()
         self._pending_step = (int(step), arrays)
         self._step_rows = (int(step), arrays["state_rows"])
@@ -487,15 +478,13 @@ class Client(Connection):
         if fence is not None:
             fields["fence"] = fence
         batch, k = topk.shape
-        if not device_wait:
-            req = self._send(MsgType.TOPK, fields)
-            self._block_requests[e] = req
-            self._fenced(fence, req)
-            return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
-        fields["done"] = done = att.next_done(e)
+        if device_wait:
+            fields["done"] = done = att.next_done(e)
         req = self._send(MsgType.TOPK, fields)
         self._block_requests[e] = req
         self._fenced(fence, req)
+        if not device_wait:
+            return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
         self._deferred.append(req)
         self._watch_device_waits()
         return Ready(att.result_after(e, batch, k, done))
@@ -520,7 +509,6 @@ class Client(Connection):
             for k, v in part.items():
                 total[k] = total.get(k, 0) + v if isinstance(v, int) else v
         return total
-
 
     def write_staged(self, rows, layers=None) -> dict:
         """Write rows this rank put at the front of its staging buffer (``att.staging[layer,
@@ -549,9 +537,8 @@ class Client(Connection):
     def _await_fence_free(self, att) -> None:
         """Before the rank's next fence event is recorded again: the reply of the request
         that carried it last, so that the daemon's stream has taken its wait on that
-        record. (A wait taken after a newer record would wait for work behind it, and
-        that work may wait on the daemon: with device wait the host can run that far
-        ahead.) Called before a request consumes or writes anything."""
+        record (a wait taken after a newer record would wait for work behind it, which
+        may wait on the daemon). Called before a request consumes or writes anything."""
         k = att.next_fence()
         prev = None if k is None else self._fence_requests.get(k)
         if prev is not None and prev in self._sent:

@@ -1,12 +1,10 @@
 """The rank's connection to sparsekvd: requests out and replies in on one ZeroMQ socket,
 and the daemon's liveness.
 
-:class:`Connection` is the wire half of :class:`~sparsekv.client.Client`: it sends a
-request and collects its reply (spinning first, then sleeping on the socket in slices),
-keeps the replies of requests sent without waiting (``_deferred``), and between slices
-checks that the daemon it connected to still lives: its process and the identity of its
-socket file. A daemon found gone ends the session (``_lost``). The state it uses is set up
-by ``Client.__init__`` and ``Client.connect``; ``Client`` adds what is sent.
+:class:`Connection` is the wire half of :class:`~sparsekv.client.Client` (which sets up
+its state): replies are awaited spinning first, then in slices between which it checks
+that the daemon still lives (its process, its socket file's identity); a daemon found
+gone ends the session (``_lost``).
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ class Connection:
             self._sock.close(0)
         self._sock = None
         self._drop_context()
-        # Nothing in flight will be answered (connect() again starts clean).
-        self._sent.clear()
+        self._sent.clear()  # nothing in flight will be answered
         self._replies.clear()
         self._deferred.clear()
         raise DaemonUnavailable(self._gone)
@@ -63,7 +60,6 @@ class Connection:
         req = self._next_id
         self._next_id += 1
         ts = time.perf_counter_ns()
-        # ``fields`` is always a dict this client built for this one request: extend it.
         if fields is None:
             fields = {"ts": ts}
         else:
@@ -127,9 +123,7 @@ class Connection:
         restarted: then no reply will ever come)."""
         deadline = time.monotonic() + self.timeout_s - min(self.timeout_s, LIVENESS_SLICE_S)
         while True:
-            why = self._check_daemon()
-            if why is not None:
-                self._lost(why)
+            self._still_there()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s")
@@ -145,9 +139,7 @@ class Connection:
             if code == ErrorCode.NOT_HELLO and self.info and self._sock is not None:
                 # This connection said HELLO, yet the daemon does not know it: a new
                 # daemon answers (libzmq reconnected to it by itself) if the socket changed.
-                why = self._check_daemon()
-                if why is not None:
-                    self._lost(why)
+                self._still_there()
             raise error_for(code, header.get("msg", "no message"))
         return header, arrays
 

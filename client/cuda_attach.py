@@ -3,15 +3,12 @@
 The slab, staging buffer and result ring live in the daemon's per-GPU arena, opened once
 with ``cudaIpcOpenMemHandle``; nothing is copied. Readiness is stream-ordered: a top-k
 reply names a ring entry, and the rank's current torch stream waits (on the GPU) for the
-daemon's event of that entry before anything reads the rows. Optionally the rank exports
-its own "fence" events: it records one on its stream before each top-k request, and the
-daemon's copy stream waits on it, so a gather never overwrites slots that attention of an
-earlier step is still reading. (The client records an event again only once the request
-that carried it has its reply, so the daemon's wait is always on the record meant.)
-
-With fences and step blocks a top-k tensor on the GPU goes as it is: its copy into the
-rank's pinned step block (page-locked in this process too, at the first such top-k) is
-enqueued on the stream before the fence, and the daemon's kernels read the block after.
+daemon's event of that entry before anything reads the rows. Optional "fence" events go
+the other way: the rank records one before each top-k request and the daemon's copy
+stream waits on it, so a gather never overwrites slots that earlier attention still reads
+(``Client._await_fence_free`` keeps each wait on the record meant). With fences and step
+blocks a top-k tensor on the GPU is copied into the pinned step block on the stream
+before the fence.
 """
 
 from __future__ import annotations
@@ -32,9 +29,7 @@ from sparsekv.proto.stream_ops import wait32_geq, write32
 from .errors import DaemonUnavailable, SparseKVError
 from .results import AttachmentCaps, TopkResult
 
-# While waiting for a daemon's event on the host, ask whether the daemon is still there
-# this often (client.py's liveness slice is the same).
-EVENT_CHECK_S = 0.25
+EVENT_CHECK_S = 0.25  # while waiting for a daemon's event on the host: liveness checks
 
 log = logging.getLogger("sparsekv.client")
 
@@ -155,15 +150,15 @@ class CudaAttachment:
         self._next = 0
         self._used = [False] * R
         self._seq = 0
-        # Device wait (Client(device_wait=True)): per ring entry, the daemon's done word
-        # (None from a daemon without them) and how many TOPKs this rank sent on it.
+        # Device wait: per ring entry, the daemon's done word (None from a daemon without
+        # them) and how many TOPKs this rank sent on it.
         off = handles.get("done_offset")
         self._done_base = None if off is None else self._arena.ptr + int(off)
         self._done_sent = [0] * R
         self._release_stream = None
         self._release_lock = threading.Lock()  # the watcher's thread and the caller's
-        # The rank's pinned step blocks, shared with the daemon: a TOPK writes its block
-        # here and sends only the entry number. Without them top-k batches go as arrays.
+        # The rank's pinned step blocks: a TOPK writes its block here and sends only the
+        # entry number. Without them top-k batches go as arrays.
         fd = (fds or {}).get(handles.get("blocks_fd"))
         if fd is None and fds and handles.get("blocks_fd"):  # (Client.attach says why when none came)
             log.warning("the daemon's step blocks did not come; sending top-k batches on the socket")
@@ -305,10 +300,7 @@ class CudaAttachment:
 
     def _stream_done_within(self, wait_s: float) -> bool:
         """Whether the current stream's work so far ends within ``wait_s`` seconds (polled)."""
-        import torch  # noqa: PLC0415
-
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.torch_device))
+        done = self._stream_mark()
         deadline = time.monotonic() + wait_s
         while not done.query():
             if time.monotonic() > deadline:

@@ -2,72 +2,26 @@
 
 An engine's sparse-attention layer asks, per decode step and layer, "where are the KV rows
 my indexer selected?" and reads them from a small hot slab. :class:`HostSwapIn` answers
-over any client (cpu or cuda backend, zmq or in process) with host arrays; the device
-handle (``client.doorbell_handle()``, CUDA, ``client/doorbell.py``) has the same methods
-on device tensors. Model code that calls only ``begin_step`` / ``swap_in`` / ``kv`` runs
-unchanged on either::
+over any client (cpu or cuda backend, zmq or in process); the device handle
+(``client.doorbell_handle()``, ``client/doorbell.py``) has the same methods on device
+tensors, so model code that calls only those runs unchanged on either (:class:`SwapInHandle`).
+The contract (indexing into ``kv(layer)``, ``valid_counts``, index groups and their
+leaders, tokens per request, argument shapes) is client/README.md, "The engine's handle".
 
-    h = HostSwapIn(client)                       # client connected and attached
-    for each decode step:
-        h.begin_step(state_rows, reset=new, invalidate=rewritten)
-        for each layer:
-            idx = h.swap_in(req_id_per_token, block_table, topk_positions,
-                            layer=layer, block_size=16)
-            kv = torch.as_tensor(h.kv(layer))     # shares the slab's memory
-            rows = kv[idx.clamp(min=0).long()]    # mask idx < 0 in the attention
-
-Indexing (what an attention kernel reads)
------------------------------------------
-``kv(layer)`` is the layer's hot slab as one 2-D array ``[max_reqs * region_stride,
-row_bytes]`` uint8: request state row ``r`` owns rows ``r * region_stride`` to
-``(r + 1) * region_stride - 1`` (its hot region; slot ``s`` is row ``r * region_stride +
-s``). ``swap_in`` returns ``idx`` int32 ``[tokens, k]``, column for column of
-``logical_topk_indices``:
-
-* ``idx[t, j] >= 0``: the KV row of logical position ``logical_topk_indices[t, j]`` of
-  request ``req_id_per_token[t]`` is ``kv(layer)[idx[t, j]]`` (all ``row_bytes``), and
-  stays there until the next ``swap_in`` of the group's leader layer;
-* ``idx[t, j] == -1``: nothing to read; the attention must mask the column. This is the
-  case for a padding token (request -1), a negative position, a position past the block
-  table or on a -1 (null) block.
-
-``valid_counts[t]`` is the number of columns of token ``t`` with ``idx >= 0``. The valid
-columns keep the caller's column order: they are a prefix of the row only when the
-caller's invalid positions are at the end of the row (as an indexer that pads with -1
-produces). A kernel that takes "the first ``n`` columns" needs that ordering.
-
-Index groups: ``layout.groups`` is a tuple of tuples of layers; a group's first layer is
-its *leader*. The leader's ``swap_in`` maps positions to host rows
-(:func:`sparsekv.proto.positions.host_rows`) and sends one top-k batch for the whole
-group, which gathers the rows into every layer of the group. A follower's ``swap_in``
-sends nothing: it returns the same indices (into its own layer's slab) and reads neither
-``block_table`` nor ``logical_topk_indices`` (only their shapes and the request ids are
-checked against the leader's). A follower called before its leader in a step raises
-:class:`~sparsekv.client.errors.BadRequest`.
-
-Tokens: several tokens of one request (speculative decoding) may share a step, up to
-``region_stride // top_k`` of them; ``Layout.max_batch`` bounds the tokens of a step.
-Every request a token names must be among the step's ``state_rows``.
-
-Arrays: NumPy or torch tensors, on any device. A top-k on the host is mapped to host rows
-there. A top-k on a GPU is mapped on that GPU by one kernel (``swap_in_kernels.py``) where
-CuPy is installed and the top-k and block table are int32 or int64 (the block table is
-copied there when it is not), else on the host. On a cuda rank attached with
-``fence=True`` the rows go from the GPU into the rank's step block on the current stream
-and the daemon reads them after the fence: the host waits for the GPU only once a step, to read a ``req_id_per_token`` tensor on the GPU
-(pass it as NumPy and it never does), and with ``Client(device_wait=True)`` not for the
-reply either; a ``req_id_per_token`` tensor on the GPU is then read once per step:
-modify it only between steps (in place is fine: its version counter says so), never
-between two layers of one. Without fences every leader waits for the stream: the top-k
-(or its rows) comes to the host, and before each request the GPU's reads of the last
-reply's slots must be done. On the cuda backend, with an input on the GPU, the indices
-are made there from the reply's device slots, on the current stream, without a wait of
-their own. Results are torch tensors on the device of
-``logical_topk_indices`` (else of ``req_id_per_token``) when either is one, else NumPy;
-or the ``*_out`` arrays (int32, exact shape) when given, filled and returned. Errors are the client's
-typed exceptions (:mod:`sparsekv.client.errors`), raised by the call that caused them, or
-by the next one for a STEP the zmq client sent without waiting; :meth:`check` waits for
-such deferred replies.
+A top-k on a GPU is mapped to host rows on that GPU by one kernel (``swap_in_kernels.py``)
+where CuPy is installed and the top-k and block table are int32 or int64, else on the
+host. On a cuda rank attached with ``fence=True`` the rows go from the GPU into the rank's
+step block on the current stream and the daemon reads them after the fence: the host
+waits for the GPU only to read a ``req_id_per_token`` tensor on the GPU, once a step (pass
+it as NumPy and it never does; modify it only between steps, never between two layers of
+one), and with ``Client(device_wait=True)`` not for the reply either. Without fences every
+leader waits for the stream: the top-k comes to the host, and before each request the
+GPU's reads of the last reply's slots must be done. With an input on the GPU the indices
+are made there from the reply's device slots, on the current stream. Results are torch
+tensors on the device of ``logical_topk_indices`` (else of ``req_id_per_token``) when
+either is one, else NumPy; or the ``*_out`` arrays (int32, exact shape), filled and
+returned. Errors are the client's typed exceptions, raised by the call that caused them,
+or by the next one for a STEP the zmq client sent without waiting (:meth:`check`).
 """
 
 from __future__ import annotations
@@ -119,10 +73,8 @@ class HostSwapIn:
 
     def __init__(self, client, hot_base: int = 0, resident_base: int = 0):
         """``hot_base``: with an engine-owned slab (``client/engine_slab.py``), the index
-        of hot row 0 in the engine's own rows (indices are ``hot_base + req *
-        region_stride + slot``; ``kv(layer)`` is then the engine's rows of the layer).
-        ``resident_base``: added to the index of a resident row (``swap_in``'s
-        ``resident_block_table``), as the device handle's."""
+        of hot row 0 in the engine's own rows (``kv(layer)`` is then the engine's rows of
+        the layer). ``resident_base``: added to the index of a resident row."""
         att = client.attachment
         if att is None:
             raise NotAttached("HostSwapIn needs an attached client: call client.attach(layout) first")
@@ -136,12 +88,9 @@ class HostSwapIn:
                              ErrorCode.BAD_ARGUMENT)
         self.hot_base = int(hot_base)
         self.resident_base = int(resident_base)
-        # Every hot index fits int32 (hot_base + max_reqs * region_stride): 32-bit arithmetic.
         self._hot_int32 = 0 <= self.hot_base and self.hot_base + lay.max_reqs * lay.region_stride <= np.iinfo(np.int32).max
         # layer -> (its group, the group's leader layer)
         self._group_of = {layer: (g, layers[0]) for g, layers in enumerate(lay.groups) for layer in layers}
-        # One view per layer of the attachment's slab [L, max_reqs, region_stride, row_bytes]:
-        # a reshape of a contiguous array, so the rows are the slab's own memory.
         if engine_slab is not None:
             self._kv = [engine_slab.layer_rows(lay, layer, self.hot_base) for layer in range(lay.num_layers)]
         else:
@@ -150,14 +99,9 @@ class HostSwapIn:
         self._next_step = 0
         self._step: int | None = None  # the step begun, None before the first / after a failed one
         self._failed = False  # the last begin_step raised
-        # Which state rows the step named: [max_reqs] bool (a look-up, not a search, per leader).
         self._in_step = np.zeros(lay.max_reqs, dtype=bool)
         self._slots: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (req ids, slots) of this step
-        # The device handle's step order (client/step_order.py), kept here too, so that
-        # model code that runs on this handle runs unchanged on the device one.
         self._order = StepOrder(lay.groups)
-        # Totals over the handle's life, from the top-k replies (the cuda backend leaves
-        # hits and out_of_range to its stats: then they stay 0). Not part of the device API.
         self._counts = {"batches": 0, "hits": 0, "misses": 0, "out_of_range": 0}
         self._device_misses = None  # cuda: the misses summed on the device (read at .counts)
         self._req_cache = None  # (tensor, key, host copy): a GPU req_id_per_token, this step
@@ -171,11 +115,9 @@ class HostSwapIn:
 
     # -- the API ---------------------------------------------------------------------
     def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
-        """Begin the next decode step (this handle numbers them 0, 1, ...): ``state_rows``
-        int [n], the request state rows of the step (-1 = padding); ``reset`` bool [n],
-        rows that start a new request; ``invalidate`` int [n, m], host rows rewritten
-        since the last step that row ``i``'s region may hold (-1 = none). The previous
-        step must be complete: every layer's swap_in called once (or :meth:`finish_step`)."""
+        """Begin the next decode step (numbered 0, 1, ... here); arguments as the README's.
+        The previous step must be complete: every layer's swap_in called once (or
+        :meth:`finish_step`)."""
         self._open()
         self._order.check_begin()
         self._step, self._failed = None, True  # until it has begun, swap_in refuses to run
@@ -204,17 +146,13 @@ class HostSwapIn:
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int,
                 return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
                 resident_block_table=None):
-        """Make the rows of ``logical_topk_indices`` int [tokens, k] (positions of each
-        token's request, k <= layout.top_k) readable in ``kv(layer)``; return the indices
-        int32 [tokens, k] into it (-1: none), and with ``return_valid_counts`` also the
-        count of indices >= 0 per token, int32 [tokens]. ``req_id_per_token`` int
-        [tokens]: the state row of each token (-1 = padding token); ``block_table`` int
-        [>= max req id + 1, max_blocks]: host block of each logical block of each request
-        (-1 = none), ``block_size`` tokens per block. ``resident_block_table`` int [like
-        block_table's rows, n]: the block of the engine's own storage that still holds a
-        logical block (-1 = none): such a position is index ``resident_base + block *
-        block_size + pos % block_size``, not fetched (as the device handle). See the module
-        docstring."""
+        """Make the rows of ``logical_topk_indices`` int [tokens, k] readable in
+        ``kv(layer)``; return the indices int32 [tokens, k] into it (-1: none), and with
+        ``return_valid_counts`` also the count of indices >= 0 per token (client/README.md,
+        "The engine's handle"). ``resident_block_table`` int [like block_table's rows, n]:
+        the block of the engine's own storage that still holds a logical block (-1 =
+        none): such a position is index ``resident_base + block * block_size + pos %
+        block_size``, not fetched."""
         self._open()
         like = next((a for a in (logical_topk_indices, req_id_per_token) if is_torch(a)), None)
         group, leader = self._group(layer)
@@ -223,8 +161,6 @@ class HostSwapIn:
             raise BadRequest(f"{why}: call begin_step(state_rows, ...) once per decode step before its first swap_in",
                              ErrorCode.BAD_ARGUMENT)
         reqs = self._reqs(req_id_per_token)
-        # A top-k on the GPU stays there (its shape and type checked in place): the leader
-        # maps it there, a follower only compares shapes.
         topk = _ints("logical_topk_indices", logical_topk_indices, 2, keep_cuda=True)
         if topk.shape[0] != reqs.shape[0]:
             raise BadRequest(f"logical_topk_indices must be [tokens={reqs.shape[0]}, k], got {tuple(topk.shape)}",

@@ -7,9 +7,8 @@ the current torch stream, nothing waited for:
 * :func:`indices`: a reply's device slots -> attention indices and valid counts
   (``skv_db_indices``, the device handle's kernel, without resident blocks).
 
-Used by ``swap_in.py`` for inputs on the GPU, where CuPy is installed (:func:`available`);
-a dozen torch operations each would cost more host time per layer than the layer's GPU
-work (docs/PERF.md).
+Used by ``swap_in.py`` for inputs on the GPU, where CuPy is installed (:func:`available`):
+a dozen torch operations each would cost more host time per layer (docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from sparsekv.proto.positions import UNMAPPED
 
 from .cuda_stream import external_stream
 
-_functions: dict = {}  # (kernel name, device) -> CuPy function
 _TYPES = {"torch.int32": "i32", "torch.int64": "i64"}
 _GRID_MAX = 65535  # blocks (grid-stride over tokens beyond)
 THREADS = 256  # per block (skv_db_indices: a multiple of 32, at most 1024)
@@ -37,14 +35,12 @@ def available() -> bool:
     return importlib.util.find_spec("cupy") is not None
 
 
+@functools.cache
 def _function(name: str, device: int):
-    fn = _functions.get((name, device))
-    if fn is None:
-        import cupy as cp  # noqa: PLC0415
+    import cupy as cp  # noqa: PLC0415
 
-        with cp.cuda.Device(device):
-            fn = _functions[(name, device)] = get_cache().module("handle.cu").get_function(name)
-    return fn
+    with cp.cuda.Device(device):
+        return get_cache().module("handle.cu").get_function(name)
 
 
 def _launch(name: str, device: int, grid: int, args) -> None:

@@ -6,6 +6,8 @@ baselines, tests, and users who want sparsekv as a library.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from sparsekv.daemon.engine import EngineSpace, RankState
@@ -92,13 +94,10 @@ class InprocClient:
         return self._state
 
 
-class _errors:
+@contextlib.contextmanager
+def _errors():
     """Raise the same typed exceptions as the daemon client."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, e, tb):
-        if isinstance(e, ResidencyError):
-            raise error_for(int(ErrorCode[e.code]), str(e)) from None
-        return False
+    try:
+        yield
+    except ResidencyError as e:
+        raise error_for(int(ErrorCode[e.code]), str(e)) from None
