@@ -1,11 +1,4 @@
-"""Client library for one engine rank.
-
-    from sparsekv.client import Client
-    with Client("/run/sparsekv", rank=0) as c:
-        att = c.attach(layout, engine="llama-70b")
-        c.step(step=0, state_rows=rows, reset=new)
-        r = c.topk(step=0, group=0, topk=ids)   # rows are in att.slab when it returns
-        att.slab[layer, state_row, r.slots[b, col]]  # the KV row of column col
+"""Client library for one engine rank (a rank's loop: client/README.md).
 
 On the cpu backend the hot slab and staging buffer are shared-memory NumPy arrays; the
 reply to a top-k batch arrives once the gather is done. Requests can be pipelined:

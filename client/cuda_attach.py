@@ -182,10 +182,9 @@ class CudaAttachment:
 
     @property
     def takes_device_topk(self) -> bool:
-        """Whether a top-k on the GPU can go as it is (:meth:`write_blocks`): step blocks to
-        copy it into, fence events that order the daemon's reading after the copy, and
-        the blocks page-locked in this process (tried at the first call; a failure is
-        logged once and the top-k then goes through the host)."""
+        """Whether a top-k on the GPU can go as it is (:meth:`write_blocks`): step blocks,
+        fence events, and the blocks page-locked in this process (tried at the first call;
+        a failure is logged once and the top-k then goes through the host)."""
         if self._blocks_mm is None or self._fence is None or self._register_failed:
             return False
         if self._registered is None:
@@ -200,8 +199,8 @@ class CudaAttachment:
 
     def next_done(self, entry: int) -> int:
         """The done value of the next TOPK on ``entry`` (a per-entry count, mod 2**32)."""
-        n = self._done_sent[entry] = (self._done_sent[entry] + 1) & 0xFFFFFFFF
-        return n
+        self._done_sent[entry] = (self._done_sent[entry] + 1) & 0xFFFFFFFF
+        return self._done_sent[entry]
 
     def result_after(self, entry: int, batch: int, k: int, done: int):
         """Like :meth:`result`, but the current stream waits (on the GPU) until the entry's
@@ -212,10 +211,9 @@ class CudaAttachment:
 
     def release_done(self) -> int:
         """Once the daemon is gone: for every entry a device-wait TOPK used, empty its
-        result (slots -1, 0 misses) and then set its done word to the entry's last value,
-        in that order on a side stream, so that a stream waiting on any of them goes on and
-        reads no row (a reply does not mean the work ran: the daemon may have died after
-        sending it). Returns at once (nothing waits on the host); the number of entries."""
+        result (slots -1, 0 misses), then set its done word to the entry's last value, in
+        that order on a side stream, so that a waiting stream goes on and reads no row (a
+        reply does not mean the work ran). Returns at once; the number of entries."""
         waits = [(e, n) for e, n in enumerate(list(self._done_sent)) if n]
         if not waits or self._slots is None:
             return 0
@@ -242,11 +240,8 @@ class CudaAttachment:
                      timeout_s: float | None = None) -> int:
         """Write a TOPK (and, with ``begin`` = (reset, invalidate), its STEP) into entry
         ``e``'s pinned blocks; return ``e``. The caller has the reply of the entry's last
-        request (so its graph is launched); here its GPU work must be done too before the
-        blocks are rewritten (its event; ring_depth requests ago: this rarely waits).
-        ``still_there``: called every ``EVENT_CHECK_S`` while waiting; it raises when
-        the daemon is gone (a dead daemon's event may never complete: the wait is never
-        one unbounded ``cudaEventSynchronize``); ``timeout_s``: at most this long in all."""
+        request (so its graph is launched); its GPU work must be done too (its event,
+        polled by :meth:`_wait_event`: a dead daemon's event may never complete)."""
         if self._used[e] and not self._events.done(e):
             self._wait_event(e, still_there, timeout_s)
         self._used[e] = True
@@ -264,8 +259,7 @@ class CudaAttachment:
     def _copy_from_device(self, dst, topk) -> None:
         """Enqueue the copy of ``topk`` (torch int32, contiguous, on this rank's GPU) into
         the front of ``dst`` (a view of the step blocks) on the current stream; the caller
-        records the fence after it, and the daemon's kernels read the block only after
-        that fence."""
+        records the fence after it."""
         import cupy as cp  # noqa: PLC0415
 
         if not self.takes_device_topk:  # (it page-locks the blocks: a caller asked it first)
@@ -276,9 +270,8 @@ class CudaAttachment:
                                         self._stream_ptr())
 
     def _wait_event(self, e: int, still_there, timeout_s: float | None = None) -> None:
-        """Poll entry ``e``'s event until it is done: short sleeps, growing to 1 ms, and
-        ``still_there()`` every ``EVENT_CHECK_S``; DaemonUnavailable after ``timeout_s``
-        (the daemon is there but its GPU work does not end)."""
+        """Poll entry ``e``'s event until it is done, with ``still_there()`` (raises once
+        the daemon is gone) every ``EVENT_CHECK_S``; DaemonUnavailable after ``timeout_s``."""
         t0 = time.monotonic()
         nap, next_check = 20e-6, t0 + EVENT_CHECK_S
         while not self._events.done(e):
@@ -341,30 +334,29 @@ class CudaAttachment:
             if len(self._views) > 4096:
                 self._views.clear()
             views = self._views[key] = (self._slots[entry, :batch, :k], self._misses[entry, :batch])
-        return TopkResult(views[0], views[1], None, None, entry)
+        return TopkResult(views[0], views[1], None, None)
 
     def close(self, wait_s: float | None = None) -> None:
-        """Forget the rank's memory. First the GPU must be done with it: all of this
-        device's work (``wait_s`` None), or, once the daemon is gone (``wait_s``), the
-        current stream's work for at most ``wait_s`` seconds: a stream may wait on a dead
-        daemon's event for ever. If it does not finish, the daemon's arena stays mapped
-        (a warning says so) rather than the process hanging or a late kernel faulting."""
+        """Forget the rank's memory once the GPU is done with it: all of this device's work
+        (``wait_s`` None), or, once the daemon is gone, the current stream's work for at
+        most ``wait_s`` seconds (it may wait on a dead daemon's event for ever); else the
+        arena stays mapped (a warning says so) rather than a late kernel faulting."""
         if self._arena is not None and wait_s is not None and not self._stream_done_within(wait_s):
             log.warning("cuda:%d: work on the current stream still waits on sparsekvd (gone) after %.0f s; "
                         "its memory stays mapped in this process until that work ends", self.device, wait_s)
             _left_mapped.append((self._arena, self._stream_mark()))  # unmapped by a later sweep
             self._arena = None  # never unmapped under work that may still run
+        if self._arena is not None and wait_s is None:  # (with wait_s: the stream's work has ended, above)
+            import torch  # noqa: PLC0415
+
+            torch.cuda.synchronize(self.torch_device)
         self.slab = self.staging = self._slots = self._misses = None
         self._views = {}
         self._step_blocks = self._topk_blocks = self.error_mirror = None
         if self._registered is not None:  # copies from the GPU may still be queued into them
             if self._arena is None:  # work on the stream still waits: closed by a later sweep
                 _left_mapped.append((self._registered, _left_mapped[-1][1]))
-            else:  # (with wait_s: the current stream's work has ended, above)
-                if wait_s is None:
-                    import torch  # noqa: PLC0415
-
-                    torch.cuda.synchronize(self.torch_device)
+            else:
                 self._registered.close()
             self._registered = self._blocks_mm = None
         if self._blocks_mm is not None:
@@ -377,9 +369,5 @@ class CudaAttachment:
             self._events.close()
             self._events = None
         if self._arena is not None:
-            if wait_s is None:  # (with wait_s: the current stream's work has ended, above)
-                import torch  # noqa: PLC0415
-
-                torch.cuda.synchronize(self.torch_device)
             self._arena.close()
             self._arena = None

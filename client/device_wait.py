@@ -1,11 +1,9 @@
 """The watcher of a zmq rank's device waits (``Client(device_wait=True)``).
 
-With device wait, a TOPK returns as soon as it is sent: the rank's stream waits on the
-GPU for the entry's done word, which the daemon sets after the request's work. Should
-the daemon die first, nothing would ever set it, and an engine synchronising its stream
-would hang. This thread checks that the daemon lives while the rank is attached and,
-once it is gone, has the waits released (their results emptied first: no stale row is
-read). The doorbell handle has the same duty for its ready words (``doorbell.py``).
+With device wait the rank's stream waits on the GPU for an entry's done word, which the
+daemon sets after the request's work; should the daemon die first, an engine
+synchronising its stream would hang. This thread watches the daemon while the rank is
+attached and, once it is gone, has the waits released (their results emptied first).
 """
 
 from __future__ import annotations

@@ -273,11 +273,6 @@ class DeviceSwapIn:
             code, msg = found[0]
             raise error_for(int(ErrorCode[code]), msg)
 
-    @property
-    def gone(self) -> str | None:
-        """Why the daemon is gone, or None while it serves this handle."""
-        return self._gone
-
     def close(self) -> None:
         """Refuse every later call (a closed handle's memory may be gone)."""
         self._order.close()

@@ -19,7 +19,6 @@ class TopkResult:
     misses: object  # int32 [batch]
     hits: int | None
     out_of_range: int | None
-    entry: int | None = None  # cuda: the ring entry
 
     def host(self) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, misses)`` as NumPy (cuda: waits for the current stream)."""

@@ -5,23 +5,16 @@ my indexer selected?" and reads them from a small hot slab. :class:`HostSwapIn` 
 over any client (cpu or cuda backend, zmq or in process); the device handle
 (``client.doorbell_handle()``, ``client/doorbell.py``) has the same methods on device
 tensors, so model code that calls only those runs unchanged on either (:class:`SwapInHandle`).
-The contract (indexing into ``kv(layer)``, ``valid_counts``, index groups and their
-leaders, tokens per request, argument shapes) is client/README.md, "The engine's handle".
-
-A top-k on a GPU is mapped to host rows on that GPU by one kernel (``swap_in_kernels.py``)
-where CuPy is installed and the top-k and block table are int32 or int64, else on the
-host. On a cuda rank attached with ``fence=True`` the rows go from the GPU into the rank's
-step block on the current stream and the daemon reads them after the fence: the host
-waits for the GPU only to read a ``req_id_per_token`` tensor on the GPU, once a step (pass
-it as NumPy and it never does; modify it only between steps, never between two layers of
-one), and with ``Client(device_wait=True)`` not for the reply either. Without fences every
-leader waits for the stream: the top-k comes to the host, and before each request the
-GPU's reads of the last reply's slots must be done. With an input on the GPU the indices
-are made there from the reply's device slots, on the current stream. Results are torch
-tensors on the device of ``logical_topk_indices`` (else of ``req_id_per_token``) when
-either is one, else NumPy; or the ``*_out`` arrays (int32, exact shape), filled and
-returned. Errors are the client's typed exceptions, raised by the call that caused them,
-or by the next one for a STEP the zmq client sent without waiting (:meth:`check`).
+The contract (indexing into ``kv(layer)``, ``valid_counts``, index groups, tokens per
+request, arguments, where a top-k is mapped, results, errors) is client/README.md, "The
+engine's handle". Tensors on the GPU: a top-k there is mapped there by one kernel
+(``swap_in_kernels.py``) where it and the block table are int32 or int64. On a fenced cuda
+rank the host waits for the GPU only to read a ``req_id_per_token`` tensor there, once a
+step (pass it as NumPy and it never does; modify it only between steps, never between two
+layers of one). Without fences every leader waits for the stream: the top-k comes to the
+host, and before each request the GPU's reads of the last reply's slots must be done.
+Results are tensors on the device of ``logical_topk_indices`` (else of
+``req_id_per_token``) when either is one.
 """
 
 from __future__ import annotations
