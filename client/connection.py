@@ -223,10 +223,8 @@ class Connection:
 
 def probe_daemon(path: str, run_dir: str) -> tuple[int, tuple[int, int]]:
     """Connect to the daemon's socket ``path`` once, as a plain UNIX socket, and hang up.
-    Returns (the daemon's pid as this process sees it, 0 when it runs in another pid
-    namespace; the socket file's identity, file_id). Raises :class:`DaemonUnavailable`
-    saying what is wrong: no socket, permission denied, connection refused (a daemon that
-    died left it behind), or a daemon holding off new connections."""
+    Returns (the daemon's pid here, 0 in another pid namespace; the socket's file_id).
+    Raises :class:`DaemonUnavailable` saying what is wrong."""
     try:
         st = os.stat(path)
     except FileNotFoundError:

@@ -3,12 +3,8 @@ caller's current stream, capturable into the engine's CUDA graph.
 
     c = Client(run_dir, rank=r, device="cuda:0").connect()
     c.attach(layout, engine="glm", transport="doorbell")
-    h = c.doorbell_handle()
-    # per decode step (all of it can be captured into one torch.cuda.CUDAGraph):
-    h.begin_step(state_rows, reset, invalidate)
-    for layer in range(L):
-        idx = h.swap_in(req_id_per_token, block_table, topk_positions, layer=layer, block_size=64)
-        rows = h.kv(layer)[idx.clamp(min=0)]   # [tokens, k, row_bytes]; mask idx < 0
+    h = c.doorbell_handle()   # then begin_step, swap_in and kv as HostSwapIn's, on tensors;
+    # a whole decode step can be captured into one torch.cuda.CUDAGraph
     h.check()   # now and then: raises what the daemon refused, or DaemonUnavailable
 
 On the engine's stream, no host code of either process in between: ``begin_step``'s
@@ -127,9 +123,8 @@ class DeviceSwapIn:
     # -- the engine's calls ------------------------------------------------------------
     def kv(self, layer: int):
         """The layer's hot slab as ``[max_reqs * region_stride, row_bytes]`` uint8 (a view
-        of the daemon's memory, through CUDA IPC). With an engine-owned slab: the
-        engine's own rows of the layer in its index space (``EngineSlab.layer_rows``:
-        hot rows from ``hot_base``, resident rows where the engine keeps them)."""
+        of the daemon's memory, through CUDA IPC); with an engine-owned slab the engine's
+        own rows of the layer in its index space (``EngineSlab.layer_rows``)."""
         lay = self.layout
         if self._engine_slab is not None:
             return self._engine_slab.layer_rows(lay, layer, self.hot_base)
@@ -176,10 +171,9 @@ class DeviceSwapIn:
         self._order.began()
 
     def finish_step(self) -> None:
-        """End the current step on the current stream when it was interrupted (an
-        exception between layers, a layer the engine skipped): the groups not yet rung
-        are rung with an empty batch, the layers not yet consumed are waited for. Their
-        rows are not used. A no-op on a complete step."""
+        """End an interrupted step (an exception between layers, a layer skipped) on the
+        current stream: the groups not yet rung are rung with an empty batch, the layers
+        not yet consumed are waited for (their rows unused). A no-op on a complete step."""
         groups, layers = self._order.pending()
         if not groups and not layers:
             return
@@ -197,7 +191,7 @@ class DeviceSwapIn:
                 return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
                 resident_block_table=None):
         """Indices of the rows of ``layer`` that ``logical_topk_indices`` names
-        (client/README.md). ``req_id_per_token int32 [tokens] (state row of each token, -1 =
+        (client/README.md). ``req_id_per_token`` int32 [tokens] (state row of each token, -1 =
         padding); ``block_table`` int32 [requests, max_blocks] indexed by request, or None
         when the top-k holds host rows; ``logical_topk_indices`` int32 [tokens, k]."""
         lay = self.layout

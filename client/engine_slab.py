@@ -9,17 +9,12 @@ The engine allocates the memory, describes where each layer's hot rows are
     h = HostSwapIn(c, hot_base=F * B)                # indices into the engine's own rows
 
 The daemon gathers into exactly the geometry's rows; the engine's other rows (its
-resident blocks) stay its own, and one index array addresses both (hot row ``h`` is
-index ``hot_base + h``, a resident block's row ``block * block_size + offset``).
-
-cpu: a memfd sealed against resizing, deposited over the fd socket right before ATTACH
-and mapped by the daemon; a daemon crash leaves the engine's memory as it was. cuda: a
-contiguous torch tensor on the rank's GPU (:meth:`EngineSlab.from_tensor`), exported
-through CUDA IPC (memory of ``cudaMalloc``, torch's default allocator; not
-``expandable_segments``); the daemon checks that the geometry lies inside the allocation.
-The slab keeps a reference to the tensor while the rank is attached, so torch cannot hand
-its memory to something else; imported memory outlives its exporter, so either process
-may die without faulting the other.
+resident blocks) stay its own, and one index array addresses both. cpu: a memfd sealed
+against resizing, deposited over the fd socket right before ATTACH. cuda: a contiguous
+torch tensor on the rank's GPU (:meth:`EngineSlab.from_tensor`; memory of ``cudaMalloc``,
+not ``expandable_segments``), exported through CUDA IPC and referenced here while the
+rank is attached, so torch cannot hand its memory to something else. Either process may
+die without faulting the other.
 """
 
 from __future__ import annotations

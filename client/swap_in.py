@@ -203,17 +203,16 @@ class HostSwapIn:
     @property
     def counts(self) -> dict:
         """Totals over the handle's life: top-k batches sent, hits, misses, out_of_range
-        (from the replies; the cuda backend leaves hits and out_of_range to its stats).
-        On the cuda backend reading it waits for the misses summed on the GPU (so not
-        while the stream may wait on a daemon that is gone: check() first)."""
+        (the cuda backend leaves hits and out_of_range to its stats, and reading this
+        waits for the misses summed on the GPU: check() first)."""
         out = dict(self._counts)
         if self._device_misses is not None:
             out["misses"] += int(self._device_misses.item())
         return out
 
     def _on_device(self, slots, reqs: np.ndarray, req_arg, like, return_valid_counts, out, counts_out):
-        """The indices from device slots on the current stream (no copy to the host and
-        back, no wait): the cuda backend's replies are views of the rank's result ring."""
+        """The indices from device slots (views of the rank's result ring) on the current
+        stream, no wait."""
         import torch  # noqa: PLC0415 - slots are a tensor, so torch is there
 
         dev = slots.device
@@ -225,10 +224,10 @@ class HostSwapIn:
         else:
             idx = torch.where(slots >= 0, slots + (r * self._stride + self.hot_base)[:, None], -1)
             counts = (idx >= 0).sum(dim=1, dtype=torch.int32)
-        idx = idx if idx is out else _deliver_tensor(idx, out, like)
+        idx = idx if idx is out else _deliver(idx, out, like)
         if not return_valid_counts:
             return idx
-        return idx, counts if counts is counts_out else _deliver_tensor(counts, counts_out, like)
+        return idx, counts if counts is counts_out else _deliver(counts, counts_out, like)
 
     def _reqs_on(self, dev, reqs: np.ndarray, req_arg):
         """``req_id_per_token`` as a contiguous int32 tensor on ``dev``, without a wait: a
@@ -248,20 +247,18 @@ class HostSwapIn:
         return r
 
     def kv(self, layer: int):
-        """The layer's hot slab, ``[max_reqs * region_stride, row_bytes]`` uint8 (NumPy for
-        a cpu attachment, a torch tensor on the GPU for a cuda one); a view, not a copy.
-        With an engine-owned slab: the engine's rows of the layer in its index space
-        (``EngineSlab.layer_rows``), resident and hot alike."""
+        """The layer's hot slab, ``[max_reqs * region_stride, row_bytes]`` uint8, a view
+        (NumPy, or a torch tensor on a cuda rank's GPU); with an engine-owned slab the
+        engine's rows of the layer in its index space (``EngineSlab.layer_rows``)."""
         self._open()
         if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.layout.num_layers):
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
         return self._kv[int(layer)]
 
     def check(self) -> None:
-        """Raise the typed error of a request the daemon refused and nobody has seen yet.
-        On this host path every request's error is raised by the call that made it, except
-        a STEP the zmq client sent without waiting (its error surfaces at the next reply):
-        this waits for those. The in-process client has nothing deferred."""
+        """Raise the typed error of a request the daemon refused and nobody has seen yet:
+        a STEP the zmq client sent without waiting (every other error is raised by the
+        call that made it). Waits for those replies."""
         self._open()
         self._client.flush()
 
@@ -468,31 +465,20 @@ def _check_out(name: str, out, shape: tuple) -> None:
         raise BadRequest(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
 
 
-def _deliver_tensor(result, out, like):
-    """A torch ``result`` on the GPU written into ``out`` (returned), or as ``like``'s kind:
-    a tensor on its device, NumPy when the caller passed NumPy (``like`` None)."""
-    if out is None:
-        return result.cpu().numpy() if like is None else result.to(like.device)
-    if is_torch(out):
-        out.copy_(result)
-        return out
-    out[...] = result.cpu().numpy()
-    return out
-
-
-def _deliver(result: np.ndarray, out, like):
-    """``result`` written into ``out`` (checked by _check_out; returned), or as a new
-    array of ``like``'s kind."""
-    if out is None:
-        if like is None:
-            return result
+def _deliver(result, out, like):
+    """``result`` (NumPy, or a torch tensor) written into ``out`` (checked by _check_out;
+    returned), or as ``like``'s kind: a tensor on its device, NumPy when the caller passed
+    NumPy (``like`` None)."""
+    if is_torch(out) or (out is None and like is not None):
         import torch  # noqa: PLC0415 - only reached with a tensor argument, so torch is there
 
-        return torch.from_numpy(result).to(like.device)
-    if is_torch(out):
-        import torch  # noqa: PLC0415
-
-        out.copy_(torch.from_numpy(result))
+        result = result if is_torch(result) else torch.from_numpy(result)
+        if out is None:
+            return result.to(like.device)
+        out.copy_(result)
         return out
+    result = result.cpu().numpy() if is_torch(result) else result
+    if out is None:
+        return result
     out[...] = result
     return out

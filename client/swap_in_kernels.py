@@ -1,11 +1,7 @@
 """The portable handle's kernels on a cuda rank (``csrc/handle.cu``), one launch each on
-the current torch stream, nothing waited for:
-
-* :func:`map_positions`: logical positions + block table -> host rows (``skv_map_positions_*``,
-  the rule of ``proto/positions.py``) for int32 or int64 tensors; None for other dtypes
-  (the caller then maps on the host);
-* :func:`indices`: a reply's device slots -> attention indices and valid counts
-  (``skv_db_indices``, the device handle's kernel, without resident blocks).
+the current torch stream, nothing waited for: :func:`map_positions` (positions -> host
+rows, the rule of ``proto/positions.py``) and :func:`indices` (a reply's device slots ->
+attention indices, ``skv_db_indices`` without resident blocks).
 
 Used by ``swap_in.py`` for inputs on the GPU, where CuPy is installed (:func:`available`):
 a dozen torch operations each would cost more host time per layer (docs/PERF.md).
