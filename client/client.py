@@ -180,10 +180,9 @@ class Client(Connection):
         return self
 
     def close(self) -> None:
-        """Say goodbye (BYE: the daemon detaches this rank and forgets the connection,
-        so a process may open and close clients for ever), then close. Waits at most
-        ``BYE_TIMEOUT_S`` and ignores every failure: the daemon's reaper frees what a
-        client that could not say goodbye held once its process exits."""
+        """Say goodbye (BYE: the daemon detaches this rank and forgets the connection),
+        then close. Waits at most ``BYE_TIMEOUT_S`` and ignores every failure: the daemon's
+        reaper frees what the client held once its process exits."""
         self._close_handles()  # before the daemon lets the rank's memory go
         if self._sock is not None and self.info:
             self._goodbye()
@@ -290,9 +289,8 @@ class Client(Connection):
 
     def _mapping_failed(self, e: Exception, handles: dict):
         """The daemon's device memory could not be mapped: DaemonUnavailable if the daemon
-        went meanwhile (the handle of an exited exporter never opens again: a daemon
-        killed between its ATTACH reply and this process's IPC open), else give the rank
-        back and raise DeviceMappingFailed, naming the GPU and CUDA's error."""
+        went meanwhile (an exited exporter's handle never opens), else give the rank back
+        and raise DeviceMappingFailed, naming the GPU and CUDA's error."""
         why = self._check_daemon()
         if why is not None:
             self._lost(f"{why} (the attach could not map its device memory: {e})")
@@ -311,9 +309,8 @@ class Client(Connection):
             pass
 
     def doorbell_handle(self, **kw):
-        """The engine's handle of a rank attached with ``transport="doorbell"``:
-        :class:`~sparsekv.client.doorbell.DoorbellSwapIn` (``begin_step``, ``swap_in``,
-        ``kv``, ``check``)."""
+        """The engine's handle of a rank attached with ``transport="doorbell"``
+        (:class:`~sparsekv.client.doorbell.DoorbellSwapIn`)."""
         h = DoorbellSwapIn(self, **kw)
         self._handles.append(h)  # closed before the rank's memory is unmapped
         return h
@@ -332,9 +329,8 @@ class Client(Connection):
                 self._lost(h.gone)
 
     def _release_device_waits(self) -> None:
-        """The daemon is gone: empty the results of this rank's device-wait entries and set
-        their done words (``CudaAttachment.release_done``), unless its process still
-        lives (then its own stream sets them)."""
+        """The daemon is gone: release this rank's device waits (``CudaAttachment.release_done``),
+        unless its process still lives (then its own stream sets the words)."""
         att = self.attachment
         if att is None or not att.caps.device or self._process_alive() is True:
             return
@@ -390,9 +386,8 @@ class Client(Connection):
         return pending[1] if pending is not None and pending[0] == step and state_rows is None else None
 
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
-        """Send a request (``Connection._send``). The STEP not sent yet goes first, alone,
-        so that requests reach the daemon in the order they were made, unless this is the
-        TOPK it rides on (``begin``)."""
+        """Send a request, after the STEP not sent yet (requests reach the daemon in the
+        order they were made) unless this is the TOPK it rides on (``begin``)."""
         self._raise_if_watch_gone()
         if msg_type == MsgType.TOPK and fields.get("begin"):
             self._pending_step = None  # the TOPK carries it
@@ -401,10 +396,9 @@ class Client(Connection):
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:
         """``topk`` ids int [batch, k]: a host array, or on a cuda rank a torch tensor on
-        the rank's GPU. Such a tensor is copied into the rank's step block on the current
-        stream, which nothing waits for on the host (the daemon's kernels read it after
-        the fence recorded behind the copy); a tensor on another GPU, or on a rank that
-        cannot take it so (no step blocks or no fence events), is copied to the host first."""
+        the rank's GPU, copied into the rank's step block on the current stream without a
+        wait (the daemon reads it after the fence behind the copy); a tensor on another
+        GPU, or on a rank without step blocks or fence events, is copied to the host first."""
         fields = {"step": int(step), "group": int(group)}
         att = self.attachment
         device = att is not None and att.caps.device
@@ -434,10 +428,8 @@ class Client(Connection):
         return Pending(self, req, lambda h, a: TopkResult(a["slots"], a["misses"], h["hits"], h["out_of_range"]))
 
     def _submit_topk_block(self, att, fields, topk, state_rows, begin: dict | None) -> Pending:
-        """cuda: the batch goes into this rank's pinned step block (shared with the
-        daemon), the message carries only the entry number. ``begin``: the arrays of
-        the STEP that rides on it (:meth:`_riding_step`), written into the entry's step
-        block."""
+        """cuda: the batch (and ``begin``, the STEP riding on it) goes into this rank's
+        pinned step block; the message carries only the entry number."""
         step = fields["step"]
         if begin is not None:
             rows = begin["state_rows"]
@@ -506,9 +498,8 @@ class Client(Connection):
     def write_staged(self, rows, layers=None) -> dict:
         """Write rows this rank put at the front of its staging buffer (``att.staging[layer,
         :len(rows)]`` for each of ``layers``, all when None) into host ``rows``; hot copies
-        of those rows are dropped in every rank. On the cuda backend the copy is ordered
-        after this rank's current stream (fence events) and the call returns once it is
-        enqueued: reuse the staging buffer only after a later request's reply."""
+        of those rows are dropped in every rank. cuda: ordered after the current stream
+        (fence events); reuse the staging buffer only after a later request's reply."""
         fields = {"layers": None if layers is None else [int(x) for x in layers]}
         att = self.attachment
         if att is not None and att.caps.device:

@@ -119,8 +119,7 @@ class Connection:
 
     def _wait_slices(self) -> None:
         """No reply within the first slice: poll on in slices until ``timeout_s``,
-        checking between slices that the daemon still lives (it may have died or been
-        restarted: then no reply will ever come)."""
+        checking between slices that the daemon still lives."""
         deadline = time.monotonic() + self.timeout_s - min(self.timeout_s, LIVENESS_SLICE_S)
         while True:
             self._still_there()
@@ -158,8 +157,7 @@ class Connection:
 
     def _check_daemon(self) -> str | None:
         """Why the daemon this client connected to is no longer there, or None while it
-        seems to be: its process (when this process can see it) and its socket file (a
-        restarted daemon makes a new one)."""
+        seems to be: its process (when visible) and its socket file (a restart makes a new one)."""
         path = self.control_path
         if self._process_alive() is False:
             return f"sparsekvd is gone (pid {self._daemon_pid} exited)"
