@@ -5,10 +5,7 @@ with ``cudaIpcOpenMemHandle``; nothing is copied. Readiness is stream-ordered: a
 reply names a ring entry, and the rank's current torch stream waits (on the GPU) for the
 daemon's event of that entry before anything reads the rows. Optional "fence" events go
 the other way: the rank records one before each top-k request and the daemon's copy
-stream waits on it, so a gather never overwrites slots that earlier attention still reads
-(``Client._await_fence_free`` keeps each wait on the record meant). With fences and step
-blocks a top-k tensor on the GPU is copied into the pinned step block on the stream
-before the fence.
+stream waits on it, so a gather never overwrites slots that earlier attention still reads.
 """
 
 from __future__ import annotations
@@ -42,9 +39,8 @@ def local_device(device: str) -> int:
 
 
 def require_cuda_extra() -> None:
-    """A cuda rank needs CuPy (IPC handles, events) and torch (its tensors); both come with
-    the ``cuda`` extra and are imported only here, on the cuda path: the cpu client and
-    the CLI run without them. Raises ImportError saying what to install."""
+    """A cuda rank needs CuPy and torch (the ``cuda`` extra; the cpu client and the CLI
+    run without them). Raises ImportError saying what to install."""
     missing = [m for m in ("cupy", "torch") if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(f"a cuda rank needs {' and '.join(missing)}: pip install 'sparsekv[cuda]'")
@@ -112,9 +108,8 @@ class CudaAttachment:
     def __init__(self, layout: Layout, engine: str, handles: dict, fence: EventRing | None,
                  fds: dict[str, int] | None = None, engine_slab=None):
         """``fds``: descriptors from the daemon's fd socket by name (the caller closes
-        them): ``handles["blocks_fd"]`` names the rank's pinned step blocks.
-        ``engine_slab``: the engine-owned slab this rank attached with (then ``slab`` is
-        None: the hot rows are in the engine's tensor)."""
+        them). ``engine_slab``: the engine-owned slab this rank attached with (then
+        ``slab`` is None)."""
         import torch  # noqa: PLC0415
 
         self.layout, self.engine, self.handles = layout, engine, handles
@@ -203,9 +198,8 @@ class CudaAttachment:
         return self._done_sent[entry]
 
     def result_after(self, entry: int, batch: int, k: int, done: int):
-        """Like :meth:`result`, but the current stream waits (on the GPU) until the entry's
-        done word has reached ``done``: the daemon sets it after the TOPK's work, so the
-        reply is not needed first."""
+        """Like :meth:`result`, but the current stream waits until the entry's done word
+        (set by the daemon after the TOPK's work) has reached ``done``: no reply needed."""
         wait32_geq(self._stream_ptr(), self._done_base + 4 * int(entry), done)
         return self._views_of(entry, batch, k)
 

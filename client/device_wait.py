@@ -18,9 +18,8 @@ WATCH_INTERVAL_S = 0.02  # how often the daemon's liveness is checked
 
 class DeviceWaitWatch:
     """Calls ``check()`` (why the daemon is gone, or None) every ``interval_s``; once it
-    says gone, calls ``release()`` every ``interval_s`` (a wait enqueued while the first
-    release ran is released by the next) until closed; ``gone`` says why. ``close()``
-    stops it (before the rank's memory is unmapped: ``release`` writes into it)."""
+    says gone (``gone``), calls ``release()`` every ``interval_s`` (a wait enqueued during
+    one release is released by the next) until ``close()``."""
 
     def __init__(self, check, release, interval_s: float = WATCH_INTERVAL_S):
         self._check, self._release = check, release

@@ -254,8 +254,7 @@ class DeviceSwapIn:
     def check(self) -> None:
         """Raise what went wrong since the last check: :class:`DaemonUnavailable` once the
         daemon is gone, else the typed error of the first kind of row the daemon's kernels
-        refused (read from the rank's pinned error mirror, written at the end of each
-        step's last resolve: after the stream has passed a step, its errors are there)."""
+        refused (the rank's error mirror: complete once the stream has passed a step)."""
         if self._gone is not None:
             raise DaemonUnavailable(self._gone)
         if self._errors is None:
@@ -312,9 +311,8 @@ class DeviceSwapIn:
 
 
 class DoorbellSwapIn(DeviceSwapIn):
-    """A rank's doorbell handle. Made by ``Client.doorbell_handle()`` after an attach with
-    ``transport="doorbell"``; one per rank, used from the thread that drives the rank's
-    stream."""
+    """A rank's doorbell handle (``Client.doorbell_handle()``); one per rank, used from the
+    thread that drives the rank's stream."""
 
     def __init__(self, client, resident_base: int = 0, hot_base: int = 0):
         att = client.attachment
@@ -366,9 +364,8 @@ class DoorbellSwapIn(DeviceSwapIn):
         return self._readys[layer]
 
     def close(self) -> None:
-        """Stop the watcher and refuse every later call. ``Client.detach`` and
-        ``Client.close`` call it before the rank's memory is unmapped (the watcher writes
-        into it); the engine's stream must not be waiting on a ready word any more."""
+        """Stop the watcher and refuse every later call; called before the rank's memory is
+        unmapped (the watcher writes into it)."""
         super().close()
         self._closed.set()
         if self._watcher.is_alive() and threading.current_thread() is not self._watcher:

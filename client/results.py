@@ -1,6 +1,5 @@
-"""What a top-k request returns and what an attachment can do; shared by the zmq client,
-the cuda attachment and the in-process transport (a module of its own so that none of
-them imports another)."""
+"""What a top-k request returns and what an attachment can do: shared by the zmq client,
+the cuda attachment and the in-process transport, none of which imports another."""
 
 from __future__ import annotations
 

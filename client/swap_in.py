@@ -1,20 +1,16 @@
 """The engine's handle, portable: ``swap_in`` over an ordinary ``Client`` or ``InprocClient``.
 
-An engine's sparse-attention layer asks, per decode step and layer, "where are the KV rows
-my indexer selected?" and reads them from a small hot slab. :class:`HostSwapIn` answers
-over any client (cpu or cuda backend, zmq or in process); the device handle
-(``client.doorbell_handle()``, ``client/doorbell.py``) has the same methods on device
-tensors, so model code that calls only those runs unchanged on either (:class:`SwapInHandle`).
-The contract (indexing into ``kv(layer)``, ``valid_counts``, index groups, tokens per
-request, arguments, where a top-k is mapped, results, errors) is client/README.md, "The
-engine's handle". Tensors on the GPU: a top-k there is mapped there by one kernel
-(``swap_in_kernels.py``) where it and the block table are int32 or int64. On a fenced cuda
-rank the host waits for the GPU only to read a ``req_id_per_token`` tensor there, once a
-step (pass it as NumPy and it never does; modify it only between steps, never between two
-layers of one). Without fences every leader waits for the stream: the top-k comes to the
-host, and before each request the GPU's reads of the last reply's slots must be done.
-Results are tensors on the device of ``logical_topk_indices`` (else of
-``req_id_per_token``) when either is one.
+:class:`HostSwapIn` works over any client (cpu or cuda backend, zmq or in process); the
+device handle (``client/doorbell.py``) has the same methods on device tensors
+(:class:`SwapInHandle`). The contract (indexing into ``kv(layer)``, index groups,
+arguments, results, errors) is client/README.md, "The engine's handle".
+
+A top-k on the GPU is mapped there by one kernel (``swap_in_kernels.py``) where it and the
+block table are int32 or int64. On a fenced cuda rank the host waits for the GPU only to
+read a ``req_id_per_token`` tensor there, once a step (pass it as NumPy and it never
+does; modify it only between steps, never between two layers of one). Without fences
+every leader waits for the stream: the top-k comes to the host, and before each request
+the GPU's reads of the last reply's slots must be done.
 """
 
 from __future__ import annotations
@@ -58,11 +54,8 @@ class SwapInHandle(Protocol):
 
 
 class HostSwapIn:
-    """The portable ``swap_in`` handle over a connected, attached client.
-
-    The handle does not own the client: :meth:`close` forgets the slab views and the
-    step's slots, and leaves the client open. Not thread-safe, like the client.
-    """
+    """The portable ``swap_in`` handle over a connected, attached client, which it does
+    not own (:meth:`close` leaves it open). Not thread-safe, like the client."""
 
     def __init__(self, client, hot_base: int = 0, resident_base: int = 0):
         """``hot_base``: with an engine-owned slab (``client/engine_slab.py``), the index
@@ -108,9 +101,8 @@ class HostSwapIn:
 
     # -- the API ---------------------------------------------------------------------
     def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
-        """Begin the next decode step (numbered 0, 1, ... here); arguments as the README's.
-        The previous step must be complete: every layer's swap_in called once (or
-        :meth:`finish_step`)."""
+        """Begin the next decode step (numbered 0, 1, ... here; arguments: client/README.md).
+        The previous step must be complete (or ended by :meth:`finish_step`)."""
         self._open()
         self._order.check_begin()
         self._step, self._failed = None, True  # until it has begun, swap_in refuses to run
@@ -230,9 +222,8 @@ class HostSwapIn:
         return idx, counts if counts is counts_out else _deliver(counts, counts_out, like)
 
     def _reqs_on(self, dev, reqs: np.ndarray, req_arg):
-        """``req_id_per_token`` as a contiguous int32 tensor on ``dev``, without a wait: a
-        tensor there converted (once per step for the same one, as :meth:`_reqs`), else
-        the host copy staged at once."""
+        """``req_id_per_token`` as a contiguous int32 tensor on ``dev``, without a wait
+        (once per step for the same tensor, as :meth:`_reqs`)."""
         import torch  # noqa: PLC0415 - only reached with tensors
 
         cached = self._req_dev
@@ -466,9 +457,8 @@ def _check_out(name: str, out, shape: tuple) -> None:
 
 
 def _deliver(result, out, like):
-    """``result`` (NumPy, or a torch tensor) written into ``out`` (checked by _check_out;
-    returned), or as ``like``'s kind: a tensor on its device, NumPy when the caller passed
-    NumPy (``like`` None)."""
+    """``result`` (NumPy or a tensor) written into ``out`` (checked by _check_out; returned),
+    or as ``like``'s kind: a tensor on its device, NumPy when ``like`` is None."""
     if is_torch(out) or (out is None and like is not None):
         import torch  # noqa: PLC0415 - only reached with a tensor argument, so torch is there
 
