@@ -282,9 +282,9 @@ class Client(Connection):
             staging = np.frombuffer(mm, dtype=np.uint8)[: layout.staging_bytes].reshape(layout.staging_shape) \
                 if mm is not None and layout.staging_bytes else None
             self.attachment = Attachment(layout, engine, None, staging, mm, engine_slab=slab)
-            return self.attachment
-        slab, staging = layout.split_buffer(np.frombuffer(mm, dtype=np.uint8))
-        self.attachment = Attachment(layout, engine, slab, staging, mm)
+        else:
+            hot, staging = layout.split_buffer(np.frombuffer(mm, dtype=np.uint8))
+            self.attachment = Attachment(layout, engine, hot, staging, mm)
         return self.attachment
 
     def _mapping_failed(self, e: Exception, handles: dict):

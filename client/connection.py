@@ -1,10 +1,7 @@
-"""The rank's connection to sparsekvd: requests out and replies in on one ZeroMQ socket,
-and the daemon's liveness.
-
-:class:`Connection` is the wire half of :class:`~sparsekv.client.Client` (which sets up
-its state): replies are awaited spinning first, then in slices between which it checks
-that the daemon still lives (its process, its socket file's identity); a daemon found
-gone ends the session (``_lost``).
+"""The rank's connection to sparsekvd, the wire half of :class:`~sparsekv.client.Client`
+(which sets up its state): requests out and replies in on one ZeroMQ socket, awaited in
+slices between which it checks that the daemon still lives (its process, its socket
+file's identity); a daemon found gone ends the session (``_lost``).
 """
 
 from __future__ import annotations

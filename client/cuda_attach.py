@@ -127,9 +127,8 @@ class CudaAttachment:
             self._arena.close()  # nothing of it is in use yet
             raise
 
-    def _open_rest(self, layout, handles, fence, fds, engine_slab, R, B, K) -> None:
+    def _open_rest(self, lay, handles, fence, fds, engine_slab, R, B, K) -> None:
         """Everything of __init__ after the arena is mapped (which it unmaps on a failure here)."""
-        lay = layout
         self.engine_slab = engine_slab if handles.get("engine_slab") else None
         self.slab = None if self.engine_slab is not None else self._arena.torch(handles["slab_offset"], lay.slab_shape)
         self.staging = self._arena.torch(handles["staging_offset"], lay.staging_shape) if lay.staging_rows else None

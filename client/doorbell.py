@@ -54,10 +54,8 @@ THREADS = 256
 class DeviceSwapIn:
     """The engine-side handle on device tensors: argument checks, the engine-side kernels
     (``csrc/handle.cu``) and the indices. Where the rows come from is a subclass's three
-    hand-off points: after the step block is written (:meth:`_begun`), after a group's
-    top-k block is written (:meth:`_rang`), before a layer's indices are made
-    (:meth:`_ready`). :class:`DoorbellSwapIn` rings the daemon there;
-    ``embedded/inproc_cuda.py`` runs the daemon's kernels inline."""
+    hand-off points, :meth:`_begun`, :meth:`_rang` and :meth:`_ready`: :class:`DoorbellSwapIn`
+    rings the daemon there, ``embedded/inproc_cuda.py`` runs the daemon's kernels inline."""
 
     def _bind(self, layout, device: int, slab, step_block: int, topk_blocks: list[int], slots: list[int],
               error_mirror=None, resident_base: int = 0, hot_base: int = 0, misses=None,
@@ -343,8 +341,6 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
 
-    # The kernels ring the bells themselves (skv_db_begin, skv_db_topk), a stream operation
-    # waits on a layer's ready word and skv_db_indices clears it.
     def _step_bell(self) -> int:
         return self._bell_step
 
@@ -375,9 +371,7 @@ class DoorbellSwapIn(DeviceSwapIn):
         """Watch the daemon; once it is gone, release the engine's stream for ever."""
         while not self._closed.wait(WATCH_INTERVAL_S):
             try:
-                # Only once its process is gone (or unseen): a live daemon may still run
-                # the step graphs, and releasing the words would race with them.
-                why = self.client._daemon_dead()
+                why = self.client._daemon_dead()  # (only once its process is gone)
             except Exception as e:  # noqa: BLE001 - keep watching
                 log.debug("daemon check failed: %r", e)
                 continue

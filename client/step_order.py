@@ -25,8 +25,7 @@ from .errors import BadRequest, NotAttached
 
 
 class StepOrder:
-    """Args: ``groups``: the layout's index groups (lists of layers; the first is the
-    leader)."""
+    """Args: ``groups``: the layout's index groups (lists of layers; the first leads)."""
 
     def __init__(self, groups):
         self.groups = [list(g) for g in groups]

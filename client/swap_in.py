@@ -75,8 +75,6 @@ class HostSwapIn:
         self.hot_base = int(hot_base)
         self.resident_base = int(resident_base)
         self._hot_int32 = 0 <= self.hot_base and self.hot_base + lay.max_reqs * lay.region_stride <= np.iinfo(np.int32).max
-        # layer -> (its group, the group's leader layer)
-        self._group_of = {layer: (g, layers[0]) for g, layers in enumerate(lay.groups) for layer in layers}
         if engine_slab is not None:
             self._kv = [engine_slab.layer_rows(lay, layer, self.hot_base) for layer in range(lay.num_layers)]
         else:
@@ -242,8 +240,7 @@ class HostSwapIn:
         (NumPy, or a torch tensor on a cuda rank's GPU); with an engine-owned slab the
         engine's rows of the layer in its index space (``EngineSlab.layer_rows``)."""
         self._open()
-        if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.layout.num_layers):
-            raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
+        self._group(layer)  # (checks it)
         return self._kv[int(layer)]
 
     def check(self) -> None:
@@ -288,9 +285,11 @@ class HostSwapIn:
         return reqs
 
     def _group(self, layer) -> tuple[int, int]:
-        if not isinstance(layer, (int, np.integer)) or int(layer) not in self._group_of:
+        """(its index group, the group's leader layer) of a valid ``layer``, else BadRequest."""
+        g = self._order.group_of.get(int(layer)) if isinstance(layer, (int, np.integer)) else None
+        if g is None:
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
-        return self._group_of[int(layer)]
+        return g, self._order.groups[g][0]
 
     def _lead(self, group: int, reqs: np.ndarray, topk, block_table, block_size, resident_table,
               gpu: bool = False, req_arg=None):

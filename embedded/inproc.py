@@ -1,7 +1,5 @@
-"""In-process transport: the daemon's residency engine and mover in the caller's process.
-
-Same methods and results as :class:`~sparsekv.client.Client`, no daemon, no sockets: for
-baselines, tests, and users who want sparsekv as a library.
+"""In-process transport: the daemon's residency engine and mover in the caller's process,
+with the methods and results of :class:`~sparsekv.client.Client` (baselines, tests, a library).
 """
 
 from __future__ import annotations
