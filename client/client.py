@@ -131,8 +131,7 @@ class Client(Connection):
         self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
         self._fence_requests: dict[int, int] = {}  # cuda: fence event -> the last request that carried it
         self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
-        # Per request type, the last reply's (sent, daemon received, daemon replied,
-        # received here) in perf_counter_ns (client/README.md).
+        # Per request type, the last reply's four times in perf_counter_ns (client/README.md).
         self.timings: dict[MsgType, tuple[int, int, int, int]] = {}
         # cuda TOPK: when the daemon had enqueued the last one's GPU work ("tl", same clock).
         self.enqueued_at: int | None = None
@@ -366,8 +365,7 @@ class Client(Connection):
             arrays["reset"] = np.asarray(reset, dtype=bool)
         if invalidate is not None:
             arrays["invalidate"] = np.asarray(invalidate, dtype=np.int32)
-        # Not sent yet: it rides on this step's first TOPK, or goes alone before any
-        # other request (client/README.md). Its error is raised by the next wait.
+        # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
         self._pending_step = (int(step), arrays)
         self._step_rows = (int(step), arrays["state_rows"])

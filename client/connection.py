@@ -21,12 +21,8 @@ from sparsekv.proto.frames import send_copy
 from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
 
 _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
-# While waiting for a reply, check this often that the daemon still lives: a client
-# learns within about this long that its daemon died or was restarted, not at timeout_s.
-LIVENESS_SLICE_S = 0.25
-# The daemon renames its socket to this while it is short of file descriptors
-# (daemon/connguard.py): no new connection, the existing ones go on.
-BUSY_SUFFIX = ".busy"
+LIVENESS_SLICE_S = 0.25  # how often a client waiting for a reply checks that the daemon lives
+BUSY_SUFFIX = ".busy"  # the socket's name while the daemon is short of descriptors (daemon/connguard.py)
 
 
 class Connection:
@@ -159,9 +155,8 @@ class Connection:
         if self._process_alive() is False:
             return f"sparsekvd is gone (pid {self._daemon_pid} exited)"
         st = None  # alive, or cannot tell (another pid namespace, permissions): the socket says more
-        # The daemon renames control.sock <-> control.sock.busy while it holds off new
-        # connections (daemon/connguard.py): both names can be missing between two stats.
-        # Gone only when neither exists three times over.
+        # The daemon renames control.sock <-> control.sock.busy (BUSY_SUFFIX): both names can
+        # be missing between two stats. Gone only when neither exists three times over.
         for _ in range(3):
             for p in (path, path + BUSY_SUFFIX):
                 try:

@@ -53,16 +53,14 @@ def bus_id_of(ordinal: int) -> str:
     return cp.cuda.runtime.deviceGetPCIBusId(ordinal).lower()
 
 
-# Memory of lost daemons that stayed mapped because work on the stream still waited on
-# them at close, with an event marking that work's end: (its arena or registered step
-# blocks: anything with close(), event).
+# Memory of lost daemons that work on the stream still waited on at close (anything with
+# close()), each with an event marking that work's end.
 _left_mapped: list = []
 
 
 def sweep_left_mapped() -> int:
     """Unmap each left-mapped arena (or step blocks) whose marked work has ended; return
-    how many stay. A new attach sweeps first, so that a process that outlives many daemons
-    does not keep their memory mapped."""
+    how many stay. Each new attach sweeps first."""
     keep = []
     for arena, mark in _left_mapped:
         if mark.query():

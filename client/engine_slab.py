@@ -35,9 +35,8 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class EngineSlab:
-    """An engine-owned buffer and (once given) the geometry of its hot rows.
-
-    ``array``: the buffer as uint8 ``[nbytes]`` (NumPy, this process's mapping)."""
+    """An engine-owned buffer (``array``: its bytes, uint8 ``[nbytes]``, NumPy or a view of
+    the tensor) and, once given, the geometry of its hot rows."""
 
     def __init__(self, fd: int, mm: mmap.mmap | None, geometry: SlabGeometry | None = None, tensor=None):
         self.fd, self._mm = fd, mm

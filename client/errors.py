@@ -69,8 +69,7 @@ class NotAttached(SparseKVError):
 class PermissionDenied(SparseKVError):
     """The engine belongs to another user (attach as its owner, as root or as a member of
     the daemon's admin group, or pick another engine name), or the daemon could not read
-    this connection's credentials. The message never names the other engine's owner or
-    layout."""
+    this connection's credentials. The message never names the other engine's owner."""
 
     code = ErrorCode.PERMISSION_DENIED
 

@@ -35,9 +35,7 @@ class AttachmentCaps:
     """What an attachment can do, fixed when it is made: the client and the handles read
     this instead of probing the object."""
 
-    # A cuda rank (CudaAttachment): results are views of the daemon's result ring on the
-    # GPU (result, next_entry, write_blocks, next_fence, record_fence, release_done).
-    device: bool = False
+    device: bool = False  # a cuda rank (CudaAttachment): results are views of its GPU result ring
     fenced: bool = False  # it records fence events the daemon's stream waits on
     step_blocks: bool = False  # pinned step blocks shared with the daemon take the TOPK batches
     done_words: bool = False  # a done word per ring entry: device wait is possible

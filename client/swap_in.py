@@ -157,11 +157,9 @@ class HostSwapIn:
             _check_out("valid_counts_out", valid_counts_out, topk.shape[:1])
         self._order.check_layer(int(layer))
         if layer == leader:
-            # With an input on the GPU (or on a fenced rank) the indices are made on the
-            # GPU from the reply's device slots, without a wait of their own: the daemon
-            # must not reuse the slots' ring entry (or gather into a slab) before the GPU
-            # has read them. A fenced rank's daemon stream waits for this one's at each
-            # request; without fences, the next request first waits for the stream.
+            # With an input on the GPU (or on a fenced rank) the indices are made on the GPU
+            # from the reply's device slots, without a wait: the daemon must not reuse the
+            # slots before the GPU has read them (fences, or the next request waits).
             gpu = self._fenced or any(on_gpu(a) for a in (req_id_per_token, block_table, logical_topk_indices))
             slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, gpu,
                                          req_id_per_token)
@@ -169,8 +167,6 @@ class HostSwapIn:
         else:
             slots, resident = self._follow(group, layer, leader, reqs, topk)
         self._order.ready(int(layer))
-        # Region of state row r, slot s: row r * region_stride + s (fits int32: the layout
-        # keeps max_reqs * region_stride <= 2**31), from hot_base.
         if is_torch(slots):  # cuda: the slots stay on the GPU, so do the indices
             return self._on_device(slots, reqs, req_id_per_token, like, return_valid_counts, attention_indices_out,
                                    valid_counts_out)
@@ -312,8 +308,6 @@ class HostSwapIn:
             t = int(np.flatnonzero(stray)[0])
             raise BadRequest(f"token {t} belongs to request {int(reqs[t])}, which is not among this step's state rows; "
                              "pass every request of the step to begin_step", ErrorCode.BAD_STATE_ROW)
-        # Each token reads its request's row of the block table; a padding token (-1)
-        # none, so each of its positions maps to nothing.
         try:
             rows = None
             if device_map:  # on the top-k's GPU (None: dtypes the kernel does not take)
@@ -356,9 +350,8 @@ class HostSwapIn:
             if gpu and is_torch(res.slots) and resident is None and self._hot_int32:
                 import torch  # noqa: PLC0415 - the reply holds tensors, so torch is there
 
-                # cuda: views of the rank's result ring, ordered after the gather on the
-                # current stream; the indices are made there too. A group's followers
-                # use them later in the step: they get a copy of their own.
+                # cuda: views of the rank's result ring, ordered after the gather on the current
+                # stream. A group's followers use them later in the step: a copy of their own.
                 slots = res.slots.clone() if len(lay.groups[group]) > 1 else res.slots
                 total = res.misses.sum(dtype=torch.int64)
                 self._device_misses = total if self._device_misses is None else self._device_misses + total

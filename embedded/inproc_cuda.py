@@ -35,8 +35,7 @@ class InprocSwapIn(DeviceSwapIn):
         device: the GPU ordinal.
         gather_blocks: the most blocks a gather uses.
         backing: the pool's backing (``anon_thp`` or ``memfd``; None: the daemon's
-            ``pool_backing`` setting), so that a baseline reads host memory laid out as
-            the daemon's.
+            ``pool_backing`` setting, so that a baseline reads memory laid out as its).
     """
 
     def __init__(self, layout: Layout, device: int = 0, gather_blocks: int = GATHER_BLOCKS,
