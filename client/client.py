@@ -30,9 +30,7 @@ from .results import AttachmentCaps, TopkResult
 from .tensors import device_ids, on_gpu
 
 log = logging.getLogger("sparsekv.client")
-# Closing a cuda rank whose daemon is gone: how long the GPU may take to finish the work
-# that read the rank's memory before the memory is left mapped instead (cuda_attach.py).
-GONE_CLOSE_WAIT_S = 5.0
+GONE_CLOSE_WAIT_S = 5.0  # closing a rank whose daemon is gone: the GPU's time (CudaAttachment.close)
 BYE_TIMEOUT_S = 0.5  # close() waits this long for the daemon's goodbye
 
 
@@ -135,8 +133,7 @@ class Client(Connection):
         self.timings: dict[MsgType, tuple[int, int, int, int]] = {}
         # cuda TOPK: when the daemon had enqueued the last one's GPU work ("tl", same clock).
         self.enqueued_at: int | None = None
-        # The daemon found at connect (_check_daemon): its pid here (0: another pid
-        # namespace), start time, socket file's identity; ``_gone``: why it is no longer there.
+        # The daemon found at connect (_check_daemon); ``_gone``: why it is no longer there.
         self._daemon_pid = 0
         self._daemon_started: float | None = None
         self._socket_id: tuple[int, int, int] | None = None
@@ -224,10 +221,9 @@ class Client(Connection):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
         before each gather, so attention still reading earlier rows is never overwritten.
-        ``transport``: ``"zmq"`` (steps as messages: ``step``/``topk``) or ``"doorbell"``
-        (cuda: the engine's stream drives the steps through :meth:`doorbell_handle`).
-        ``slab``: an engine-owned hot slab (:class:`~sparsekv.client.engine_slab.EngineSlab`
-        with its geometry): the daemon gathers into it instead of a slab of its own."""
+        ``transport``: ``"zmq"`` (``step``/``topk`` messages) or ``"doorbell"`` (cuda:
+        :meth:`doorbell_handle`). ``slab``: an engine-owned hot slab (``EngineSlab`` with its
+        geometry) the daemon gathers into instead of a slab of its own."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
         if slab is not None:
@@ -377,9 +373,8 @@ class Client(Connection):
             self._deferred.append(self._send(MsgType.STEP, {"step": pending[0]}, pending[1]))
 
     def _riding_step(self, step: int, state_rows) -> dict | None:
-        """The arrays (state_rows, reset, invalidate) of the STEP not sent yet when the
-        TOPK of ``step`` about to be sent carries it: a TOPK of that step without state
-        rows of its own. That TOPK says ``begin``; :meth:`_send` then sends no STEP."""
+        """The arrays of the STEP not sent yet when the TOPK of ``step`` about to be sent
+        carries it (it has no state rows of its own; it says ``begin``, and no STEP is sent)."""
         pending = self._pending_step
         return pending[1] if pending is not None and pending[0] == step and state_rows is None else None
 

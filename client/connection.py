@@ -190,9 +190,8 @@ class Connection:
             return None
 
     def _daemon_dead(self) -> str | None:
-        """Why the daemon is gone, only once its process is (or cannot be seen): a daemon
-        whose socket went away but whose process lives may still run its GPU work, and a
-        release then would race with it."""
+        """Why the daemon is gone, only once its process is (or cannot be seen): a live
+        process may still run its GPU work, and a release then would race with it."""
         if self._process_alive() is True:
             return None
         return self._check_daemon()

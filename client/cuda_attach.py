@@ -142,15 +142,13 @@ class CudaAttachment:
         self._next = 0
         self._used = [False] * R
         self._seq = 0
-        # Device wait: per ring entry, the daemon's done word (None from a daemon without
-        # them) and how many TOPKs this rank sent on it.
+        # Device wait: per ring entry, the daemon's done word and how many TOPKs went on it.
         off = handles.get("done_offset")
         self._done_base = None if off is None else self._arena.ptr + int(off)
         self._done_sent = [0] * R
         self._release_stream = None
         self._release_lock = threading.Lock()  # the watcher's thread and the caller's
-        # The rank's pinned step blocks: a TOPK writes its block here and sends only the
-        # entry number. Without them top-k batches go as arrays.
+        # The rank's pinned step blocks (without them top-k batches go as arrays).
         fd = (fds or {}).get(handles.get("blocks_fd"))
         if fd is None and fds and handles.get("blocks_fd"):  # (Client.attach says why when none came)
             log.warning("the daemon's step blocks did not come; sending top-k batches on the socket")
@@ -201,10 +199,9 @@ class CudaAttachment:
         return self._views_of(entry, batch, k)
 
     def release_done(self) -> int:
-        """Once the daemon is gone: for every entry a device-wait TOPK used, empty its
-        result (slots -1, 0 misses), then set its done word to the entry's last value, in
-        that order on a side stream, so that a waiting stream goes on and reads no row (a
-        reply does not mean the work ran). Returns at once; the number of entries."""
+        """Once the daemon is gone (a reply does not mean the work ran): for every entry a
+        device-wait TOPK used, empty its result, then set its done word to its last value on
+        a side stream, so that a waiting stream goes on and reads no row. Returns their count."""
         waits = [(e, n) for e, n in enumerate(list(self._done_sent)) if n]
         if not waits or self._slots is None:
             return 0
@@ -230,9 +227,8 @@ class CudaAttachment:
     def write_blocks(self, e: int, step: int, group: int, state_rows, topk, begin=None, still_there=None,
                      timeout_s: float | None = None) -> int:
         """Write a TOPK (and, with ``begin`` = (reset, invalidate), its STEP) into entry
-        ``e``'s pinned blocks; return ``e``. The caller has the reply of the entry's last
-        request (so its graph is launched); its GPU work must be done too (its event,
-        polled by :meth:`_wait_event`: a dead daemon's event may never complete)."""
+        ``e``'s pinned blocks; return ``e``. The caller has the entry's last reply; its GPU
+        work must be done too (:meth:`_wait_event`: a dead daemon's event may never end)."""
         if self._used[e] and not self._events.done(e):
             self._wait_event(e, still_there, timeout_s)
         self._used[e] = True
@@ -329,9 +325,8 @@ class CudaAttachment:
 
     def close(self, wait_s: float | None = None) -> None:
         """Forget the rank's memory once the GPU is done with it: all of this device's work
-        (``wait_s`` None), or, once the daemon is gone, the current stream's work for at
-        most ``wait_s`` seconds (it may wait on a dead daemon's event for ever); else the
-        arena stays mapped (a warning says so) rather than a late kernel faulting."""
+        (``wait_s`` None), or the current stream's for at most ``wait_s`` seconds once the
+        daemon is gone; else the arena stays mapped (warned) rather than a late kernel faulting."""
         if self._arena is not None and wait_s is not None and not self._stream_done_within(wait_s):
             log.warning("cuda:%d: work on the current stream still waits on sparsekvd (gone) after %.0f s; "
                         "its memory stays mapped in this process until that work ends", self.device, wait_s)

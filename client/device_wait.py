@@ -1,9 +1,8 @@
 """The watcher of a zmq rank's device waits (``Client(device_wait=True)``).
 
 With device wait the rank's stream waits on the GPU for an entry's done word, which the
-daemon sets after the request's work; should the daemon die first, an engine
-synchronising its stream would hang. This thread watches the daemon while the rank is
-attached and, once it is gone, has the waits released (their results emptied first).
+daemon sets after the request's work; should the daemon die first, the stream would hang.
+This thread watches the daemon and, once it is gone, has the waits released.
 """
 
 from __future__ import annotations

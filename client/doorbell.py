@@ -16,14 +16,12 @@ turns the group's slots into attention indices (alternatives: docs/DESIGN.md, "R
 designs"). Indexing is the portable handle's (client/README.md, "The engine's handle"), a
 refused row also -1; the step's order is ``step_order.py``'s.
 
-**Failure.** A thread watches the daemon (its process and its socket file). If the daemon
-dies, the handle sets its own "dead" word (``skv_db_indices`` then returns -1 everywhere)
-and keeps setting every ready word, so the engine's stream never hangs; ``check()`` then
-raises :class:`~sparsekv.client.errors.DaemonUnavailable`. The watcher releases the words
+**Failure.** A thread watches the daemon. If it dies, the handle sets its own "dead" word
+(``skv_db_indices`` then returns -1 everywhere) and keeps setting every ready word, so the
+engine's stream never hangs; ``check()`` then raises ``DaemonUnavailable``. It does so
 with stream memory operations only: loading a CUDA module (a CuPy kernel's first use, a
-lazily loaded torch kernel) can wait until the context's running work is done, a stream
-parked on a ready word included: ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that
-window (the daemon sets it for itself).
+lazy torch kernel) can wait for the context's running work, a stream parked on a ready
+word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window.
 """
 
 from __future__ import annotations
@@ -61,8 +59,7 @@ class DeviceSwapIn:
               error_mirror=None, resident_base: int = 0, hot_base: int = 0, misses=None,
               inv_cap: int | None = None, engine_slab=None) -> None:
         """Device addresses of the rank's step block, per-group top-k blocks and slots.
-        ``inv_cap``: the most invalidate columns a step block takes (the layout's top_k
-        unless the daemon says fewer)."""
+        ``inv_cap``: the most invalidate columns a step block takes (None: top_k)."""
         import cupy as cp  # noqa: PLC0415
         import torch  # noqa: PLC0415
 

@@ -112,10 +112,9 @@ class EngineSlab:
             raise BadRequest(str(e), ErrorCode.BAD_LAYOUT) from None
 
     def layer_rows(self, layout: Layout, layer: int, hot_base: int = 0) -> np.ndarray:
-        """``layer``'s rows of this buffer in the engine's index space (index ``hot_base +
-        h`` is hot row ``h``): ``[rows, row_bytes]`` uint8 when a layer's rows follow each
-        other, else ``[blocks, block_rows, row_bytes]`` (index ``i`` is ``[i // block_rows,
-        i % block_rows]``). A view, not a copy."""
+        """A view of ``layer``'s rows in the engine's index space (index ``hot_base + h`` is
+        hot row ``h``): ``[rows, row_bytes]`` uint8 when a layer's rows follow each other,
+        else ``[blocks, block_rows, row_bytes]`` (index ``i`` is ``[i // block_rows, i % block_rows]``)."""
         geo, rb = self.check(layout), layout.row_bytes
         br, stride = geo.block_rows, geo.block_stride
         if hot_base % br:

@@ -1,9 +1,8 @@
 """The engine's handle, portable: ``swap_in`` over an ordinary ``Client`` or ``InprocClient``.
 
 :class:`HostSwapIn` works over any client (cpu or cuda backend, zmq or in process); the
-device handle (``client/doorbell.py``) has the same methods on device tensors
-(:class:`SwapInHandle`). The contract (indexing into ``kv(layer)``, index groups,
-arguments, results, errors) is client/README.md, "The engine's handle".
+device handle (``client/doorbell.py``) has the same methods (:class:`SwapInHandle`). The
+contract is client/README.md, "The engine's handle".
 
 A top-k on the GPU is mapped there by one kernel (``swap_in_kernels.py``) where it and the
 block table are int32 or int64. On a fenced cuda rank the host waits for the GPU only to
@@ -129,13 +128,11 @@ class HostSwapIn:
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int,
                 return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
                 resident_block_table=None):
-        """Make the rows of ``logical_topk_indices`` int [tokens, k] readable in
-        ``kv(layer)``; return the indices int32 [tokens, k] into it (-1: none), and with
-        ``return_valid_counts`` also the count of indices >= 0 per token (client/README.md,
-        "The engine's handle"). ``resident_block_table`` int [like block_table's rows, n]:
-        the block of the engine's own storage that still holds a logical block (-1 =
-        none): such a position is index ``resident_base + block * block_size + pos %
-        block_size``, not fetched."""
+        """Make the rows of ``logical_topk_indices`` int [tokens, k] readable in ``kv(layer)``;
+        return the indices int32 [tokens, k] into it (-1: none), and with ``return_valid_counts``
+        the count of indices >= 0 per token (client/README.md). ``resident_block_table`` int
+        [like block_table's rows, n]: the block of the engine's own storage that still holds a
+        logical block (-1 = none): index ``resident_base + block * block_size + pos % block_size``."""
         self._open()
         like = next((a for a in (logical_topk_indices, req_id_per_token) if is_torch(a)), None)
         group, leader = self._group(layer)
@@ -240,9 +237,8 @@ class HostSwapIn:
         return self._kv[int(layer)]
 
     def check(self) -> None:
-        """Raise the typed error of a request the daemon refused and nobody has seen yet:
-        a STEP the zmq client sent without waiting (every other error is raised by the
-        call that made it). Waits for those replies."""
+        """Wait for the STEPs the zmq client sent without waiting and raise the typed error
+        of one the daemon refused (every other error is raised by the call that made it)."""
         self._open()
         self._client.flush()
 

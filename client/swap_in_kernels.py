@@ -76,11 +76,10 @@ def map_positions(topk, table, block_size: int, reqs):
 
 
 def indices(slots, reqs, region_stride: int, hot_base: int, max_reqs: int, out, valid) -> None:
-    """``out[t, j]`` (int32 ``[tokens, k]``, contiguous) = ``hot_base + reqs[t] *
-    region_stride + slots[t, j]`` where the slot is >= 0, else -1 (and -1 for a token
-    whose ``reqs[t]`` is outside ``[0, max_reqs)``); ``valid`` (int32 ``[tokens]`` or
-    None): the count of indices >= 0 per token. ``slots``: ``[tokens, k]`` rows of a
-    ``[.., ld]`` array; all on one GPU."""
+    """``out[t, j]`` (int32 ``[tokens, k]``, contiguous) = ``hot_base + reqs[t] * region_stride
+    + slots[t, j]`` where the slot is >= 0, else -1 (and -1 for a token whose ``reqs[t]`` is
+    outside ``[0, max_reqs)``); ``valid`` (int32 ``[tokens]`` or None): the count of indices
+    >= 0 per token. ``slots``: ``[tokens, k]`` rows of a ``[.., ld]`` array; all on one GPU."""
     tokens, k = slots.shape
     if not tokens:
         return
