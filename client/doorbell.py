@@ -18,8 +18,8 @@ refused row also -1; the step's order is ``step_order.py``'s.
 
 **Failure.** A thread watches the daemon. If it dies, the handle sets its own "dead" word
 (``skv_db_indices`` then returns -1 everywhere) and keeps setting every ready word, so the
-engine's stream never hangs; ``check()`` then raises ``DaemonUnavailable``. It does so
-with stream memory operations only: loading a CUDA module (a CuPy kernel's first use, a
+engine's stream never hangs; ``check()`` then raises ``DaemonUnavailable``. The release
+uses stream memory operations only: loading a CUDA module (a CuPy kernel's first use, a
 lazy torch kernel) can wait for the context's running work, a stream parked on a ready
 word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window.
 """
