@@ -1,5 +1,4 @@
-"""Client side of sparsekv: the per-rank client library, the in-process transport and the
-``sparsekv`` command line."""
+"""The per-rank client library of sparsekv."""
 
 from .client import Attachment, Client, Pending, TopkResult
 from .errors import (

@@ -1,11 +1,4 @@
-"""Client library for one engine rank.
-
-    from sparsekv.client import Client
-    with Client("/run/sparsekv", rank=0) as c:
-        att = c.attach(layout, engine="llama-70b")
-        c.step(step=0, state_rows=rows, reset=new)
-        r = c.topk(step=0, group=0, topk=ids)   # rows are in att.slab when it returns
-        att.slab[layer, state_row, r.slots[b, col]]  # the KV row of column col
+"""Client library for one engine rank (a rank's loop: client/README.md).
 
 On the cpu backend the hot slab and staging buffer are shared-memory NumPy arrays; the
 reply to a top-k batch arrives once the gather is done. Requests can be pipelined:
@@ -37,9 +30,7 @@ from .results import AttachmentCaps, TopkResult
 from .tensors import device_ids, on_gpu
 
 log = logging.getLogger("sparsekv.client")
-# Closing a cuda rank whose daemon is gone: how long the GPU may take to finish the work
-# that read the rank's memory before the memory is left mapped instead (cuda_attach.py).
-GONE_CLOSE_WAIT_S = 5.0
+GONE_CLOSE_WAIT_S = 5.0  # closing a rank whose daemon is gone: the GPU's time (CudaAttachment.close)
 BYE_TIMEOUT_S = 0.5  # close() waits this long for the daemon's goodbye
 
 
@@ -104,19 +95,15 @@ class Client(Connection):
         """``device``: ``"cpu"``, or ``"cuda:N"`` (this process's GPU numbering) for a rank
         whose slab lives on a GPU of a cuda-backend daemon. ``device_wait`` (cuda ranks;
         None: ``$SPARSEKV_CLIENT_DEVICE_WAIT`` is ``1``): ``topk`` returns once the request
-        is sent, with the current stream waiting on the GPU for the result (the daemon
-        sets a word per ring entry); the reply is read later and an error in it raised by
-        a later call (the failed request's result is empty: slots -1). ``io_cpus`` (None:
-        ``$SPARSEKV_CLIENT_IO_CPUS``; "" : not pinned), e.g. ``"5"``: this client gets a
-        ZeroMQ context of its own whose I/O thread runs on those CPUs; keep the engine's
-        threads off them, and have the daemon keep them warm (its ``warm_cpus``;
-        deploy/README.md "Warm CPUs"). ValueError for CPUs no thread of this process can
-        run on."""
+        is sent, with the current stream waiting on the GPU for the result; an error in
+        the reply is raised by a later call (the failed request's slots are -1).
+        ``io_cpus`` (None: ``$SPARSEKV_CLIENT_IO_CPUS``; "" : not pinned), e.g. ``"5"``:
+        this client's own ZeroMQ I/O thread runs on those CPUs (deploy/README.md "Warm
+        CPUs"). ValueError for CPUs no thread of this process can run on."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
         self.timeout_s = timeout_s
-        # Poll for a reply this long before sleeping on the socket (a wake-up costs tens of
-        # microseconds, in a VM more): default 500 for cuda ranks, 0 for cpu ones.
+        # Poll for a reply this long before sleeping on the socket (a wake-up costs more).
         self.spin_ns = (500 if device.startswith("cuda") else 0) * 1000 if spin_us is None else int(spin_us) * 1000
         self.info: dict = {}
         self.attachment: Attachment | None = None
@@ -142,14 +129,11 @@ class Client(Connection):
         self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
         self._fence_requests: dict[int, int] = {}  # cuda: fence event -> the last request that carried it
         self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
-        # Per request type, the last reply's (sent, daemon received, daemon replied,
-        # received here) in perf_counter_ns: one clock (CLOCK_MONOTONIC) for the whole host.
+        # Per request type, the last reply's four times in perf_counter_ns (client/README.md).
         self.timings: dict[MsgType, tuple[int, int, int, int]] = {}
         # cuda TOPK: when the daemon had enqueued the last one's GPU work ("tl", same clock).
         self.enqueued_at: int | None = None
-        # The daemon this client talks to, found at connect (see _check_daemon): its pid as
-        # this process sees it (0: in another pid namespace), its start time, and the
-        # identity of its socket file (connection.file_id). ``_gone``: why it is no longer there.
+        # The daemon found at connect (_check_daemon); ``_gone``: why it is no longer there.
         self._daemon_pid = 0
         self._daemon_started: float | None = None
         self._socket_id: tuple[int, int, int] | None = None
@@ -159,8 +143,7 @@ class Client(Connection):
     def connect(self) -> "Client":
         path = self.control_path
         # Connect once by hand first: libzmq retries a refused or forbidden connection
-        # silently (the HELLO would only time out), this says at once what is wrong,
-        # and the kernel names the daemon's process (SO_PEERCRED, in our pid namespace).
+        # silently (the HELLO would only time out); this says at once what is wrong.
         self._daemon_pid, self._socket_id = probe_daemon(path, self.run_dir)
         self._daemon_started = start_time(self._daemon_pid)
         self._gone = None
@@ -173,8 +156,7 @@ class Client(Connection):
                 self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # A routing id of our own: if the connection drops (the daemon's heartbeat timed
-        # out while this process was stopped), libzmq reconnects under the same name and
+        # A routing id of our own: libzmq reconnects under the same name after a drop and
         # the daemon still knows this client.
         self._sock.setsockopt(zmq.ROUTING_ID, b"skv" + os.urandom(13))
         self._sock.connect(f"ipc://{path}")
@@ -194,10 +176,9 @@ class Client(Connection):
         return self
 
     def close(self) -> None:
-        """Say goodbye (BYE: the daemon detaches this rank and forgets the connection,
-        so a process may open and close clients for ever), then close. Waits at most
-        ``BYE_TIMEOUT_S`` and ignores every failure: the daemon's reaper frees what a
-        client that could not say goodbye held once its process exits."""
+        """Say goodbye (BYE: the daemon detaches this rank and forgets the connection),
+        then close. Waits at most ``BYE_TIMEOUT_S`` and ignores every failure: the daemon's
+        reaper frees what the client held once its process exits."""
         self._close_handles()  # before the daemon lets the rank's memory go
         if self._sock is not None and self.info:
             self._goodbye()
@@ -234,17 +215,15 @@ class Client(Connection):
     def __exit__(self, *exc) -> None:
         self.close()  # BYE detaches too
 
-
     # -- requests ----------------------------------------------------------------
     def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq",
                slab=None):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
         before each gather, so attention still reading earlier rows is never overwritten.
-        ``transport``: ``"zmq"`` (steps as messages: ``step``/``topk``) or ``"doorbell"``
-        (cuda: the engine's stream drives the steps through :meth:`doorbell_handle`).
-        ``slab``: an engine-owned hot slab (:class:`~sparsekv.client.engine_slab.EngineSlab`
-        with its geometry): the daemon gathers into it instead of a slab of its own."""
+        ``transport``: ``"zmq"`` (``step``/``topk`` messages) or ``"doorbell"`` (cuda:
+        :meth:`doorbell_handle`). ``slab``: an engine-owned hot slab (``EngineSlab`` with its
+        geometry) the daemon gathers into instead of a slab of its own."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
         if slab is not None:
@@ -298,16 +277,15 @@ class Client(Connection):
             staging = np.frombuffer(mm, dtype=np.uint8)[: layout.staging_bytes].reshape(layout.staging_shape) \
                 if mm is not None and layout.staging_bytes else None
             self.attachment = Attachment(layout, engine, None, staging, mm, engine_slab=slab)
-            return self.attachment
-        slab, staging = layout.split_buffer(np.frombuffer(mm, dtype=np.uint8))
-        self.attachment = Attachment(layout, engine, slab, staging, mm)
+        else:
+            hot, staging = layout.split_buffer(np.frombuffer(mm, dtype=np.uint8))
+            self.attachment = Attachment(layout, engine, hot, staging, mm)
         return self.attachment
 
     def _mapping_failed(self, e: Exception, handles: dict):
         """The daemon's device memory could not be mapped: DaemonUnavailable if the daemon
-        went meanwhile (the handle of an exited exporter never opens again: a daemon
-        killed between its ATTACH reply and this process's IPC open), else give the rank
-        back and raise DeviceMappingFailed, naming the GPU and CUDA's error."""
+        went meanwhile (an exited exporter's handle never opens), else give the rank back
+        and raise DeviceMappingFailed, naming the GPU and CUDA's error."""
         why = self._check_daemon()
         if why is not None:
             self._lost(f"{why} (the attach could not map its device memory: {e})")
@@ -326,9 +304,8 @@ class Client(Connection):
             pass
 
     def doorbell_handle(self, **kw):
-        """The engine's handle of a rank attached with ``transport="doorbell"``:
-        :class:`~sparsekv.client.doorbell.DoorbellSwapIn` (``begin_step``, ``swap_in``,
-        ``kv``, ``check``)."""
+        """The engine's handle of a rank attached with ``transport="doorbell"``
+        (:class:`~sparsekv.client.doorbell.DoorbellSwapIn`)."""
         h = DoorbellSwapIn(self, **kw)
         self._handles.append(h)  # closed before the rank's memory is unmapped
         return h
@@ -347,9 +324,8 @@ class Client(Connection):
                 self._lost(h.gone)
 
     def _release_device_waits(self) -> None:
-        """The daemon is gone: empty the results of this rank's device-wait entries and set
-        their done words (``CudaAttachment.release_done``), unless its process still
-        lives (then its own stream sets them)."""
+        """The daemon is gone: release this rank's device waits (``CudaAttachment.release_done``),
+        unless its process still lives (then its own stream sets the words)."""
         att = self.attachment
         if att is None or not att.caps.device or self._process_alive() is True:
             return
@@ -385,9 +361,7 @@ class Client(Connection):
             arrays["reset"] = np.asarray(reset, dtype=bool)
         if invalidate is not None:
             arrays["invalidate"] = np.asarray(invalidate, dtype=np.int32)
-        # Not sent yet: it rides on this step's first TOPK (one message and one daemon
-        # wake-up instead of two), or goes alone before any other request. Not waited
-        # for either way: its error (if any) is raised by the next wait.
+        # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
         self._pending_step = (int(step), arrays)
         self._step_rows = (int(step), arrays["state_rows"])
@@ -399,16 +373,14 @@ class Client(Connection):
             self._deferred.append(self._send(MsgType.STEP, {"step": pending[0]}, pending[1]))
 
     def _riding_step(self, step: int, state_rows) -> dict | None:
-        """The arrays (state_rows, reset, invalidate) of the STEP not sent yet when the
-        TOPK of ``step`` about to be sent carries it: a TOPK of that step without state
-        rows of its own. That TOPK says ``begin``; :meth:`_send` then sends no STEP."""
+        """The arrays of the STEP not sent yet when the TOPK of ``step`` about to be sent
+        carries it (it has no state rows of its own; it says ``begin``, and no STEP is sent)."""
         pending = self._pending_step
         return pending[1] if pending is not None and pending[0] == step and state_rows is None else None
 
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
-        """Send a request (``Connection._send``). The STEP not sent yet goes first, alone,
-        so that requests reach the daemon in the order they were made, unless this is the
-        TOPK it rides on (``begin``)."""
+        """Send a request, after the STEP not sent yet (requests reach the daemon in the
+        order they were made) unless this is the TOPK it rides on (``begin``)."""
         self._raise_if_watch_gone()
         if msg_type == MsgType.TOPK and fields.get("begin"):
             self._pending_step = None  # the TOPK carries it
@@ -417,10 +389,9 @@ class Client(Connection):
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:
         """``topk`` ids int [batch, k]: a host array, or on a cuda rank a torch tensor on
-        the rank's GPU. Such a tensor is copied into the rank's step block on the current
-        stream, which nothing waits for on the host (the daemon's kernels read it after
-        the fence recorded behind the copy); a tensor on another GPU, or on a rank that
-        cannot take it so (no step blocks or no fence events), is copied to the host first."""
+        the rank's GPU, copied into the rank's step block on the current stream without a
+        wait (the daemon reads it after the fence behind the copy); a tensor on another
+        GPU, or on a rank without step blocks or fence events, is copied to the host first."""
         fields = {"step": int(step), "group": int(group)}
         att = self.attachment
         device = att is not None and att.caps.device
@@ -450,10 +421,8 @@ class Client(Connection):
         return Pending(self, req, lambda h, a: TopkResult(a["slots"], a["misses"], h["hits"], h["out_of_range"]))
 
     def _submit_topk_block(self, att, fields, topk, state_rows, begin: dict | None) -> Pending:
-        """cuda: the batch goes into this rank's pinned step block (shared with the
-        daemon), the message carries only the entry number. ``begin``: the arrays of
-        the STEP that rides on it (:meth:`_riding_step`), written into the entry's step
-        block."""
+        """cuda: the batch (and ``begin``, the STEP riding on it) goes into this rank's
+        pinned step block; the message carries only the entry number."""
         step = fields["step"]
         if begin is not None:
             rows = begin["state_rows"]
@@ -487,15 +456,13 @@ class Client(Connection):
         if fence is not None:
             fields["fence"] = fence
         batch, k = topk.shape
-        if not device_wait:
-            req = self._send(MsgType.TOPK, fields)
-            self._block_requests[e] = req
-            self._fenced(fence, req)
-            return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
-        fields["done"] = done = att.next_done(e)
+        if device_wait:
+            fields["done"] = done = att.next_done(e)
         req = self._send(MsgType.TOPK, fields)
         self._block_requests[e] = req
         self._fenced(fence, req)
+        if not device_wait:
+            return Pending(self, req, lambda h, a: att.result(h["entry"], batch, k))
         self._deferred.append(req)
         self._watch_device_waits()
         return Ready(att.result_after(e, batch, k, done))
@@ -521,13 +488,11 @@ class Client(Connection):
                 total[k] = total.get(k, 0) + v if isinstance(v, int) else v
         return total
 
-
     def write_staged(self, rows, layers=None) -> dict:
         """Write rows this rank put at the front of its staging buffer (``att.staging[layer,
         :len(rows)]`` for each of ``layers``, all when None) into host ``rows``; hot copies
-        of those rows are dropped in every rank. On the cuda backend the copy is ordered
-        after this rank's current stream (fence events) and the call returns once it is
-        enqueued: reuse the staging buffer only after a later request's reply."""
+        of those rows are dropped in every rank. cuda: ordered after the current stream
+        (fence events); reuse the staging buffer only after a later request's reply."""
         fields = {"layers": None if layers is None else [int(x) for x in layers]}
         att = self.attachment
         if att is not None and att.caps.device:
@@ -549,9 +514,8 @@ class Client(Connection):
     def _await_fence_free(self, att) -> None:
         """Before the rank's next fence event is recorded again: the reply of the request
         that carried it last, so that the daemon's stream has taken its wait on that
-        record. (A wait taken after a newer record would wait for work behind it, and
-        that work may wait on the daemon: with device wait the host can run that far
-        ahead.) Called before a request consumes or writes anything."""
+        record (a wait taken after a newer record would wait for work behind it, which
+        may wait on the daemon). Called before a request consumes or writes anything."""
         k = att.next_fence()
         prev = None if k is None else self._fence_requests.get(k)
         if prev is not None and prev in self._sent:

@@ -1,12 +1,7 @@
-"""The rank's connection to sparsekvd: requests out and replies in on one ZeroMQ socket,
-and the daemon's liveness.
-
-:class:`Connection` is the wire half of :class:`~sparsekv.client.Client`: it sends a
-request and collects its reply (spinning first, then sleeping on the socket in slices),
-keeps the replies of requests sent without waiting (``_deferred``), and between slices
-checks that the daemon it connected to still lives: its process and the identity of its
-socket file. A daemon found gone ends the session (``_lost``). The state it uses is set up
-by ``Client.__init__`` and ``Client.connect``; ``Client`` adds what is sent.
+"""The rank's connection to sparsekvd, the wire half of :class:`~sparsekv.client.Client`
+(which sets up its state): requests out and replies in on one ZeroMQ socket, awaited in
+slices between which it checks that the daemon still lives (its process, its socket
+file's identity); a daemon found gone ends the session (``_lost``).
 """
 
 from __future__ import annotations
@@ -26,12 +21,8 @@ from sparsekv.proto.frames import send_copy
 from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
 
 _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
-# While waiting for a reply, check this often that the daemon still lives: a client
-# learns within about this long that its daemon died or was restarted, not at timeout_s.
-LIVENESS_SLICE_S = 0.25
-# The daemon renames its socket to this while it is short of file descriptors
-# (daemon/connguard.py): no new connection, the existing ones go on.
-BUSY_SUFFIX = ".busy"
+LIVENESS_SLICE_S = 0.25  # how often a client waiting for a reply checks that the daemon lives
+BUSY_SUFFIX = ".busy"  # the socket's name while the daemon is short of descriptors (daemon/connguard.py)
 
 
 class Connection:
@@ -49,8 +40,7 @@ class Connection:
             self._sock.close(0)
         self._sock = None
         self._drop_context()
-        # Nothing in flight will be answered (connect() again starts clean).
-        self._sent.clear()
+        self._sent.clear()  # nothing in flight will be answered
         self._replies.clear()
         self._deferred.clear()
         raise DaemonUnavailable(self._gone)
@@ -63,7 +53,6 @@ class Connection:
         req = self._next_id
         self._next_id += 1
         ts = time.perf_counter_ns()
-        # ``fields`` is always a dict this client built for this one request: extend it.
         if fields is None:
             fields = {"ts": ts}
         else:
@@ -123,13 +112,10 @@ class Connection:
 
     def _wait_slices(self) -> None:
         """No reply within the first slice: poll on in slices until ``timeout_s``,
-        checking between slices that the daemon still lives (it may have died or been
-        restarted: then no reply will ever come)."""
+        checking between slices that the daemon still lives."""
         deadline = time.monotonic() + self.timeout_s - min(self.timeout_s, LIVENESS_SLICE_S)
         while True:
-            why = self._check_daemon()
-            if why is not None:
-                self._lost(why)
+            self._still_there()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s")
@@ -145,9 +131,7 @@ class Connection:
             if code == ErrorCode.NOT_HELLO and self.info and self._sock is not None:
                 # This connection said HELLO, yet the daemon does not know it: a new
                 # daemon answers (libzmq reconnected to it by itself) if the socket changed.
-                why = self._check_daemon()
-                if why is not None:
-                    self._lost(why)
+                self._still_there()
             raise error_for(code, header.get("msg", "no message"))
         return header, arrays
 
@@ -166,15 +150,13 @@ class Connection:
 
     def _check_daemon(self) -> str | None:
         """Why the daemon this client connected to is no longer there, or None while it
-        seems to be: its process (when this process can see it) and its socket file (a
-        restarted daemon makes a new one)."""
+        seems to be: its process (when visible) and its socket file (a restart makes a new one)."""
         path = self.control_path
         if self._process_alive() is False:
             return f"sparsekvd is gone (pid {self._daemon_pid} exited)"
         st = None  # alive, or cannot tell (another pid namespace, permissions): the socket says more
-        # The daemon renames control.sock <-> control.sock.busy while it holds off new
-        # connections (daemon/connguard.py): both names can be missing between two stats.
-        # Gone only when neither exists three times over.
+        # The daemon renames control.sock <-> control.sock.busy (BUSY_SUFFIX): both names can
+        # be missing between two stats. Gone only when neither exists three times over.
         for _ in range(3):
             for p in (path, path + BUSY_SUFFIX):
                 try:
@@ -208,9 +190,8 @@ class Connection:
             return None
 
     def _daemon_dead(self) -> str | None:
-        """Why the daemon is gone, only once its process is (or cannot be seen): a daemon
-        whose socket went away but whose process lives may still run its GPU work, and a
-        release then would race with it."""
+        """Why the daemon is gone, only once its process is (or cannot be seen): a live
+        process may still run its GPU work, and a release then would race with it."""
         if self._process_alive() is True:
             return None
         return self._check_daemon()
@@ -231,10 +212,8 @@ class Connection:
 
 def probe_daemon(path: str, run_dir: str) -> tuple[int, tuple[int, int]]:
     """Connect to the daemon's socket ``path`` once, as a plain UNIX socket, and hang up.
-    Returns (the daemon's pid as this process sees it, 0 when it runs in another pid
-    namespace; the socket file's identity, file_id). Raises :class:`DaemonUnavailable`
-    saying what is wrong: no socket, permission denied, connection refused (a daemon that
-    died left it behind), or a daemon holding off new connections."""
+    Returns (the daemon's pid here, 0 in another pid namespace; the socket's file_id).
+    Raises :class:`DaemonUnavailable` saying what is wrong."""
     try:
         st = os.stat(path)
     except FileNotFoundError:

@@ -3,15 +3,9 @@
 The slab, staging buffer and result ring live in the daemon's per-GPU arena, opened once
 with ``cudaIpcOpenMemHandle``; nothing is copied. Readiness is stream-ordered: a top-k
 reply names a ring entry, and the rank's current torch stream waits (on the GPU) for the
-daemon's event of that entry before anything reads the rows. Optionally the rank exports
-its own "fence" events: it records one on its stream before each top-k request, and the
-daemon's copy stream waits on it, so a gather never overwrites slots that attention of an
-earlier step is still reading. (The client records an event again only once the request
-that carried it has its reply, so the daemon's wait is always on the record meant.)
-
-With fences and step blocks a top-k tensor on the GPU goes as it is: its copy into the
-rank's pinned step block (page-locked in this process too, at the first such top-k) is
-enqueued on the stream before the fence, and the daemon's kernels read the block after.
+daemon's event of that entry before anything reads the rows. Optional "fence" events go
+the other way: the rank records one before each top-k request and the daemon's copy
+stream waits on it, so a gather never overwrites slots that earlier attention still reads.
 """
 
 from __future__ import annotations
@@ -32,9 +26,7 @@ from sparsekv.proto.stream_ops import wait32_geq, write32
 from .errors import DaemonUnavailable, SparseKVError
 from .results import AttachmentCaps, TopkResult
 
-# While waiting for a daemon's event on the host, ask whether the daemon is still there
-# this often (client.py's liveness slice is the same).
-EVENT_CHECK_S = 0.25
+EVENT_CHECK_S = 0.25  # while waiting for a daemon's event on the host: liveness checks
 
 log = logging.getLogger("sparsekv.client")
 
@@ -47,9 +39,8 @@ def local_device(device: str) -> int:
 
 
 def require_cuda_extra() -> None:
-    """A cuda rank needs CuPy (IPC handles, events) and torch (its tensors); both come with
-    the ``cuda`` extra and are imported only here, on the cuda path: the cpu client and
-    the CLI run without them. Raises ImportError saying what to install."""
+    """A cuda rank needs CuPy and torch (the ``cuda`` extra; the cpu client and the CLI
+    run without them). Raises ImportError saying what to install."""
     missing = [m for m in ("cupy", "torch") if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(f"a cuda rank needs {' and '.join(missing)}: pip install 'sparsekv[cuda]'")
@@ -62,16 +53,14 @@ def bus_id_of(ordinal: int) -> str:
     return cp.cuda.runtime.deviceGetPCIBusId(ordinal).lower()
 
 
-# Memory of lost daemons that stayed mapped because work on the stream still waited on
-# them at close, with an event marking that work's end: (its arena or registered step
-# blocks: anything with close(), event).
+# Memory of lost daemons that work on the stream still waited on at close (anything with
+# close()), each with an event marking that work's end.
 _left_mapped: list = []
 
 
 def sweep_left_mapped() -> int:
     """Unmap each left-mapped arena (or step blocks) whose marked work has ended; return
-    how many stay. A new attach sweeps first, so that a process that outlives many daemons
-    does not keep their memory mapped."""
+    how many stay. Each new attach sweeps first."""
     keep = []
     for arena, mark in _left_mapped:
         if mark.query():
@@ -117,9 +106,8 @@ class CudaAttachment:
     def __init__(self, layout: Layout, engine: str, handles: dict, fence: EventRing | None,
                  fds: dict[str, int] | None = None, engine_slab=None):
         """``fds``: descriptors from the daemon's fd socket by name (the caller closes
-        them): ``handles["blocks_fd"]`` names the rank's pinned step blocks.
-        ``engine_slab``: the engine-owned slab this rank attached with (then ``slab`` is
-        None: the hot rows are in the engine's tensor)."""
+        them). ``engine_slab``: the engine-owned slab this rank attached with (then
+        ``slab`` is None)."""
         import torch  # noqa: PLC0415
 
         self.layout, self.engine, self.handles = layout, engine, handles
@@ -137,9 +125,8 @@ class CudaAttachment:
             self._arena.close()  # nothing of it is in use yet
             raise
 
-    def _open_rest(self, layout, handles, fence, fds, engine_slab, R, B, K) -> None:
+    def _open_rest(self, lay, handles, fence, fds, engine_slab, R, B, K) -> None:
         """Everything of __init__ after the arena is mapped (which it unmaps on a failure here)."""
-        lay = layout
         self.engine_slab = engine_slab if handles.get("engine_slab") else None
         self.slab = None if self.engine_slab is not None else self._arena.torch(handles["slab_offset"], lay.slab_shape)
         self.staging = self._arena.torch(handles["staging_offset"], lay.staging_shape) if lay.staging_rows else None
@@ -155,15 +142,13 @@ class CudaAttachment:
         self._next = 0
         self._used = [False] * R
         self._seq = 0
-        # Device wait (Client(device_wait=True)): per ring entry, the daemon's done word
-        # (None from a daemon without them) and how many TOPKs this rank sent on it.
+        # Device wait: per ring entry, the daemon's done word and how many TOPKs went on it.
         off = handles.get("done_offset")
         self._done_base = None if off is None else self._arena.ptr + int(off)
         self._done_sent = [0] * R
         self._release_stream = None
         self._release_lock = threading.Lock()  # the watcher's thread and the caller's
-        # The rank's pinned step blocks, shared with the daemon: a TOPK writes its block
-        # here and sends only the entry number. Without them top-k batches go as arrays.
+        # The rank's pinned step blocks (without them top-k batches go as arrays).
         fd = (fds or {}).get(handles.get("blocks_fd"))
         if fd is None and fds and handles.get("blocks_fd"):  # (Client.attach says why when none came)
             log.warning("the daemon's step blocks did not come; sending top-k batches on the socket")
@@ -187,10 +172,9 @@ class CudaAttachment:
 
     @property
     def takes_device_topk(self) -> bool:
-        """Whether a top-k on the GPU can go as it is (:meth:`write_blocks`): step blocks to
-        copy it into, fence events that order the daemon's reading after the copy, and
-        the blocks page-locked in this process (tried at the first call; a failure is
-        logged once and the top-k then goes through the host)."""
+        """Whether a top-k on the GPU can go as it is (:meth:`write_blocks`): step blocks,
+        fence events, and the blocks page-locked in this process (tried at the first call;
+        a failure is logged once and the top-k then goes through the host)."""
         if self._blocks_mm is None or self._fence is None or self._register_failed:
             return False
         if self._registered is None:
@@ -205,22 +189,19 @@ class CudaAttachment:
 
     def next_done(self, entry: int) -> int:
         """The done value of the next TOPK on ``entry`` (a per-entry count, mod 2**32)."""
-        n = self._done_sent[entry] = (self._done_sent[entry] + 1) & 0xFFFFFFFF
-        return n
+        self._done_sent[entry] = (self._done_sent[entry] + 1) & 0xFFFFFFFF
+        return self._done_sent[entry]
 
     def result_after(self, entry: int, batch: int, k: int, done: int):
-        """Like :meth:`result`, but the current stream waits (on the GPU) until the entry's
-        done word has reached ``done``: the daemon sets it after the TOPK's work, so the
-        reply is not needed first."""
+        """Like :meth:`result`, but the current stream waits until the entry's done word
+        (set by the daemon after the TOPK's work) has reached ``done``: no reply needed."""
         wait32_geq(self._stream_ptr(), self._done_base + 4 * int(entry), done)
         return self._views_of(entry, batch, k)
 
     def release_done(self) -> int:
-        """Once the daemon is gone: for every entry a device-wait TOPK used, empty its
-        result (slots -1, 0 misses) and then set its done word to the entry's last value,
-        in that order on a side stream, so that a stream waiting on any of them goes on and
-        reads no row (a reply does not mean the work ran: the daemon may have died after
-        sending it). Returns at once (nothing waits on the host); the number of entries."""
+        """Once the daemon is gone (a reply does not mean the work ran): for every entry a
+        device-wait TOPK used, empty its result, then set its done word to its last value on
+        a side stream, so that a waiting stream goes on and reads no row. Returns their count."""
         waits = [(e, n) for e, n in enumerate(list(self._done_sent)) if n]
         if not waits or self._slots is None:
             return 0
@@ -246,12 +227,8 @@ class CudaAttachment:
     def write_blocks(self, e: int, step: int, group: int, state_rows, topk, begin=None, still_there=None,
                      timeout_s: float | None = None) -> int:
         """Write a TOPK (and, with ``begin`` = (reset, invalidate), its STEP) into entry
-        ``e``'s pinned blocks; return ``e``. The caller has the reply of the entry's last
-        request (so its graph is launched); here its GPU work must be done too before the
-        blocks are rewritten (its event; ring_depth requests ago: this rarely waits).
-        ``still_there``: called every ``EVENT_CHECK_S`` while waiting; it raises when
-        the daemon is gone (a dead daemon's event may never complete: the wait is never
-        one unbounded ``cudaEventSynchronize``); ``timeout_s``: at most this long in all."""
+        ``e``'s pinned blocks; return ``e``. The caller has the entry's last reply; its GPU
+        work must be done too (:meth:`_wait_event`: a dead daemon's event may never end)."""
         if self._used[e] and not self._events.done(e):
             self._wait_event(e, still_there, timeout_s)
         self._used[e] = True
@@ -269,8 +246,7 @@ class CudaAttachment:
     def _copy_from_device(self, dst, topk) -> None:
         """Enqueue the copy of ``topk`` (torch int32, contiguous, on this rank's GPU) into
         the front of ``dst`` (a view of the step blocks) on the current stream; the caller
-        records the fence after it, and the daemon's kernels read the block only after
-        that fence."""
+        records the fence after it."""
         import cupy as cp  # noqa: PLC0415
 
         if not self.takes_device_topk:  # (it page-locks the blocks: a caller asked it first)
@@ -281,9 +257,8 @@ class CudaAttachment:
                                         self._stream_ptr())
 
     def _wait_event(self, e: int, still_there, timeout_s: float | None = None) -> None:
-        """Poll entry ``e``'s event until it is done: short sleeps, growing to 1 ms, and
-        ``still_there()`` every ``EVENT_CHECK_S``; DaemonUnavailable after ``timeout_s``
-        (the daemon is there but its GPU work does not end)."""
+        """Poll entry ``e``'s event until it is done, with ``still_there()`` (raises once
+        the daemon is gone) every ``EVENT_CHECK_S``; DaemonUnavailable after ``timeout_s``."""
         t0 = time.monotonic()
         nap, next_check = 20e-6, t0 + EVENT_CHECK_S
         while not self._events.done(e):
@@ -305,10 +280,7 @@ class CudaAttachment:
 
     def _stream_done_within(self, wait_s: float) -> bool:
         """Whether the current stream's work so far ends within ``wait_s`` seconds (polled)."""
-        import torch  # noqa: PLC0415
-
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.torch_device))
+        done = self._stream_mark()
         deadline = time.monotonic() + wait_s
         while not done.query():
             if time.monotonic() > deadline:
@@ -349,30 +321,28 @@ class CudaAttachment:
             if len(self._views) > 4096:
                 self._views.clear()
             views = self._views[key] = (self._slots[entry, :batch, :k], self._misses[entry, :batch])
-        return TopkResult(views[0], views[1], None, None, entry)
+        return TopkResult(views[0], views[1], None, None)
 
     def close(self, wait_s: float | None = None) -> None:
-        """Forget the rank's memory. First the GPU must be done with it: all of this
-        device's work (``wait_s`` None), or, once the daemon is gone (``wait_s``), the
-        current stream's work for at most ``wait_s`` seconds: a stream may wait on a dead
-        daemon's event for ever. If it does not finish, the daemon's arena stays mapped
-        (a warning says so) rather than the process hanging or a late kernel faulting."""
+        """Forget the rank's memory once the GPU is done with it: all of this device's work
+        (``wait_s`` None), or the current stream's for at most ``wait_s`` seconds once the
+        daemon is gone; else the arena stays mapped (warned) rather than a late kernel faulting."""
         if self._arena is not None and wait_s is not None and not self._stream_done_within(wait_s):
             log.warning("cuda:%d: work on the current stream still waits on sparsekvd (gone) after %.0f s; "
                         "its memory stays mapped in this process until that work ends", self.device, wait_s)
             _left_mapped.append((self._arena, self._stream_mark()))  # unmapped by a later sweep
             self._arena = None  # never unmapped under work that may still run
+        if self._arena is not None and wait_s is None:  # (with wait_s: the stream's work has ended, above)
+            import torch  # noqa: PLC0415
+
+            torch.cuda.synchronize(self.torch_device)
         self.slab = self.staging = self._slots = self._misses = None
         self._views = {}
         self._step_blocks = self._topk_blocks = self.error_mirror = None
         if self._registered is not None:  # copies from the GPU may still be queued into them
             if self._arena is None:  # work on the stream still waits: closed by a later sweep
                 _left_mapped.append((self._registered, _left_mapped[-1][1]))
-            else:  # (with wait_s: the current stream's work has ended, above)
-                if wait_s is None:
-                    import torch  # noqa: PLC0415
-
-                    torch.cuda.synchronize(self.torch_device)
+            else:
                 self._registered.close()
             self._registered = self._blocks_mm = None
         if self._blocks_mm is not None:
@@ -385,9 +355,5 @@ class CudaAttachment:
             self._events.close()
             self._events = None
         if self._arena is not None:
-            if wait_s is None:  # (with wait_s: the current stream's work has ended, above)
-                import torch  # noqa: PLC0415
-
-                torch.cuda.synchronize(self.torch_device)
             self._arena.close()
             self._arena = None

@@ -19,11 +19,9 @@ class StreamRef:
 
 
 def external_stream(cp, stream_ptr: int):
-    """A CuPy stream object for a stream someone else owns (torch's current stream):
-    ``Stream.from_external`` where CuPy has it (``ExternalStream`` is deprecated there);
-    CuPy's own objects for the default streams (0: ``Stream.null``, 2: ``Stream.ptds``,
-    the per-thread one); ``ExternalStream`` for handle 1 (``cudaStreamLegacy``) and older
-    CuPy."""
+    """``Stream.from_external`` where CuPy has it (``ExternalStream`` is deprecated there),
+    CuPy's own objects for the default streams 0 and 2 (``null``, ``ptds``), else
+    ``ExternalStream`` (handle 1, ``cudaStreamLegacy``, and older CuPy)."""
     from_external = getattr(cp.cuda.Stream, "from_external", None)
     ptr = int(stream_ptr)
     if from_external is not None:

@@ -1,11 +1,8 @@
 """The watcher of a zmq rank's device waits (``Client(device_wait=True)``).
 
-With device wait, a TOPK returns as soon as it is sent: the rank's stream waits on the
-GPU for the entry's done word, which the daemon sets after the request's work. Should
-the daemon die first, nothing would ever set it, and an engine synchronising its stream
-would hang. This thread checks that the daemon lives while the rank is attached and,
-once it is gone, has the waits released (their results emptied first: no stale row is
-read). The doorbell handle has the same duty for its ready words (``doorbell.py``).
+With device wait the rank's stream waits on the GPU for an entry's done word, which the
+daemon sets after the request's work; should the daemon die first, the stream would hang.
+This thread watches the daemon and, once it is gone, has the waits released.
 """
 
 from __future__ import annotations
@@ -20,9 +17,8 @@ WATCH_INTERVAL_S = 0.02  # how often the daemon's liveness is checked
 
 class DeviceWaitWatch:
     """Calls ``check()`` (why the daemon is gone, or None) every ``interval_s``; once it
-    says gone, calls ``release()`` every ``interval_s`` (a wait enqueued while the first
-    release ran is released by the next) until closed; ``gone`` says why. ``close()``
-    stops it (before the rank's memory is unmapped: ``release`` writes into it)."""
+    says gone (``gone``), calls ``release()`` every ``interval_s`` (a wait enqueued during
+    one release is released by the next) until ``close()``."""
 
     def __init__(self, check, release, interval_s: float = WATCH_INTERVAL_S):
         self._check, self._release = check, release

@@ -3,53 +3,25 @@ caller's current stream, capturable into the engine's CUDA graph.
 
     c = Client(run_dir, rank=r, device="cuda:0").connect()
     c.attach(layout, engine="glm", transport="doorbell")
-    h = c.doorbell_handle()
-    # per decode step (all of it can be captured into one torch.cuda.CUDAGraph):
-    h.begin_step(state_rows, reset, invalidate)
-    for layer in range(L):
-        idx = h.swap_in(req_id_per_token, block_table, topk_positions, layer=layer, block_size=64)
-        rows = h.kv(layer)[idx.clamp(min=0)]   # [tokens, k, row_bytes]; mask idx < 0
+    h = c.doorbell_handle()   # then begin_step, swap_in and kv as HostSwapIn's, on tensors;
+    # a whole decode step can be captured into one torch.cuda.CUDAGraph
     h.check()   # now and then: raises what the daemon refused, or DaemonUnavailable
 
-What happens on the engine's stream (no host code of either process in between):
+On the engine's stream, no host code of either process in between: ``begin_step``'s
+``skv_db_begin`` writes the step block into the daemon's ring and rings the step bell; a
+group leader's ``swap_in`` runs ``skv_db_topk``, which maps positions to host rows into
+the group's top-k block and rings the group's bell; every layer's ``swap_in`` waits for
+the layer's ready word (``cuStreamWaitValue32``), then ``skv_db_indices`` clears it and
+turns the group's slots into attention indices (alternatives: docs/DESIGN.md, "Rejected
+designs"). Indexing is the portable handle's (client/README.md, "The engine's handle"), a
+refused row also -1; the step's order is ``step_order.py``'s.
 
-* ``begin_step``: ``skv_db_begin`` writes the step block into the daemon's ring and rings
-  the step bell.
-* ``swap_in`` on a group's leader layer: ``skv_db_topk`` maps positions to host rows into
-  the group's top-k block and rings the group's bell. On every layer: wait for the
-  layer's ready word and reset it, then ``skv_db_indices`` turns the group's slots into
-  attention indices.
-
-How bells are rung and ready words waited on: the two kernels ring their bell themselves
-once their whole block is written, a stream memory operation (``cuStreamWaitValue32``)
-waits on the ready word and ``skv_db_indices`` clears it. All of it captures into CUDA
-graphs. Stream operations on both sides, and one-thread spin kernels, measured slower
-(docs/DESIGN.md, "Rejected designs").
-
-**Indexing.** ``swap_in`` returns int32 ``[tokens, k]``: for column ``j`` of token ``t``,
-``kv(layer)[idx[t, j]]`` is the KV row of that position (``kv(layer)`` = the layer's hot
-slab as ``[max_reqs * region_stride, row_bytes]``, index ``req * region_stride + slot``),
-and ``-1`` means masked: no row (padding token, a position that maps to no host row, a
-refused row). With ``resident_block_table`` (blocks the engine still holds on its GPU),
-such a position resolves to ``resident_base + block * block_size + pos % block_size``
-instead (an index into the engine's own storage; see ``resident_base``), without touching
-the residency.
-
-Several tokens of one request (speculative decoding) follow the residency contract:
-``region_stride // top_k`` tokens of a request per step. Every layer's ``swap_in`` must be
-called every step, in layer order within a group (the daemon sets every layer's ready
-word; a word left set would release that layer one step early).
-
-**Failure.** A thread watches the daemon (its process and its socket file). If the daemon
-dies, the handle sets its own "dead" word (``skv_db_indices`` then returns -1 everywhere)
-and keeps setting every ready word, so the engine's stream never hangs; ``check()`` then
-raises :class:`~sparsekv.client.errors.DaemonUnavailable`. The watcher releases the words
-with stream memory operations only: loading a CUDA module (a CuPy kernel's first use, a
-lazily loaded torch kernel) can wait until the context's running work is done, a stream
-parked on a ready word included. An engine that loads modules
-lazily while a step may be waiting on a dead daemon may stall there (whether the release
-still gets through then is not measured); ``CUDA_MODULE_LOADING=EAGER`` in the engine
-removes that window (the daemon sets it for itself).
+**Failure.** A thread watches the daemon. If it dies, the handle sets its own "dead" word
+(``skv_db_indices`` then returns -1 everywhere) and keeps setting every ready word, so the
+engine's stream never hangs; ``check()`` then raises ``DaemonUnavailable``. The release
+uses stream memory operations only: loading a CUDA module (a CuPy kernel's first use, a
+lazy torch kernel) can wait for the context's running work, a stream parked on a ready
+word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window.
 """
 
 from __future__ import annotations
@@ -63,38 +35,31 @@ import numpy as np
 from sparsekv.csrc.build import get_cache
 from sparsekv.proto import ErrorCode
 from sparsekv.proto.device_errors import ErrorRecord
+from sparsekv.proto.positions import INT32_MAX
 from sparsekv.proto.stream_ops import wait32, write32
 
 from .cuda_stream import external_stream
+from .device_wait import WATCH_INTERVAL_S
 from .errors import BadRequest, DaemonUnavailable, error_for
 from .step_order import StepOrder
 
 log = logging.getLogger("sparsekv.client")
 
-WATCH_INTERVAL_S = 0.02  # how often the watcher checks that the daemon lives
 RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is set again
 THREADS = 256
-INT32_MAX = 2**31 - 1  # attention indices are int32
-
-
-def _kernels():
-    return get_cache()
 
 
 class DeviceSwapIn:
     """The engine-side handle on device tensors: argument checks, the engine-side kernels
     (``csrc/handle.cu``) and the indices. Where the rows come from is a subclass's three
-    hand-off points: after the step block is written (:meth:`_begun`), after a group's
-    top-k block is written (:meth:`_rang`), before a layer's indices are made
-    (:meth:`_ready`). :class:`DoorbellSwapIn` rings the daemon there;
-    ``client.inproc_cuda.InprocSwapIn`` runs the daemon's kernels inline."""
+    hand-off points, :meth:`_begun`, :meth:`_rang` and :meth:`_ready`: :class:`DoorbellSwapIn`
+    rings the daemon there, ``embedded/inproc_cuda.py`` runs the daemon's kernels inline."""
 
     def _bind(self, layout, device: int, slab, step_block: int, topk_blocks: list[int], slots: list[int],
               error_mirror=None, resident_base: int = 0, hot_base: int = 0, misses=None,
               inv_cap: int | None = None, engine_slab=None) -> None:
         """Device addresses of the rank's step block, per-group top-k blocks and slots.
-        ``inv_cap``: the most invalidate columns a step block takes (the layout's top_k
-        unless the daemon says fewer)."""
+        ``inv_cap``: the most invalidate columns a step block takes (None: top_k)."""
         import cupy as cp  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
@@ -109,7 +74,7 @@ class DeviceSwapIn:
         self._step_block, self._topk_blocks, self._slots = step_block, topk_blocks, slots
         self._order = StepOrder(lay.groups)
         with cp.cuda.Device(device):
-            mod = _kernels().module("handle.cu")
+            mod = get_cache().module("handle.cu")
             self._k_begin = mod.get_function("skv_db_begin")
             self._k_topk = mod.get_function("skv_db_topk")
             self._k_indices = mod.get_function("skv_db_indices")
@@ -153,9 +118,8 @@ class DeviceSwapIn:
     # -- the engine's calls ------------------------------------------------------------
     def kv(self, layer: int):
         """The layer's hot slab as ``[max_reqs * region_stride, row_bytes]`` uint8 (a view
-        of the daemon's memory, through CUDA IPC). With an engine-owned slab: the
-        engine's own rows of the layer in its index space (``EngineSlab.layer_rows``:
-        hot rows from ``hot_base``, resident rows where the engine keeps them)."""
+        of the daemon's memory, through CUDA IPC); with an engine-owned slab the engine's
+        own rows of the layer in its index space (``EngineSlab.layer_rows``)."""
         lay = self.layout
         if self._engine_slab is not None:
             return self._engine_slab.layer_rows(lay, layer, self.hot_base)
@@ -167,9 +131,8 @@ class DeviceSwapIn:
         return self._misses[group]
 
     def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
-        """Begin a decode step on the current stream: ``state_rows`` int32 [n] (the step's
-        requests, -1 = padding), ``reset`` bool [n] (a row that starts a new request),
-        ``invalidate`` int32 [n, m] (host rows rewritten since the last step, -1 = none).
+        """Begin a decode step on the current stream: ``state_rows`` int32 [n], ``reset``
+        bool [n], ``invalidate`` int32 [n, m] on the rank's GPU (meanings: client/README.md).
         The previous step must be complete (``client/step_order.py``)."""
         lay = self.layout
         self._order.check_begin()
@@ -203,10 +166,9 @@ class DeviceSwapIn:
         self._order.began()
 
     def finish_step(self) -> None:
-        """End the current step on the current stream when it was interrupted (an
-        exception between layers, a layer the engine skipped): the groups not yet rung
-        are rung with an empty batch, the layers not yet consumed are waited for. Their
-        rows are not used. A no-op on a complete step."""
+        """End an interrupted step (an exception between layers, a layer skipped) on the
+        current stream: the groups not yet rung are rung with an empty batch, the layers
+        not yet consumed are waited for (their rows unused). A no-op on a complete step."""
         groups, layers = self._order.pending()
         if not groups and not layers:
             return
@@ -223,8 +185,8 @@ class DeviceSwapIn:
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int = 1,
                 return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
                 resident_block_table=None):
-        """Indices of the rows of ``layer`` that ``logical_topk_indices`` names (module
-        docstring). ``req_id_per_token`` int32 [tokens] (state row of each token, -1 =
+        """Indices of the rows of ``layer`` that ``logical_topk_indices`` names
+        (client/README.md). ``req_id_per_token`` int32 [tokens] (state row of each token, -1 =
         padding); ``block_table`` int32 [requests, max_blocks] indexed by request, or None
         when the top-k holds host rows; ``logical_topk_indices`` int32 [tokens, k]."""
         lay = self.layout
@@ -256,19 +218,10 @@ class DeviceSwapIn:
                 raise BadRequest(f"resident_block_table must have {table_rows} rows like block_table, got "
                                  f"{tuple(resident_block_table.shape)}", ErrorCode.BAD_ARGUMENT)
             res_blocks = resident_block_table.shape[1]
-        torch = self._torch
-        out = attention_indices_out
-        if out is None:
-            out = torch.empty((tokens, k), dtype=torch.int32, device=topk.device)
-        else:
-            self._out("attention_indices_out", out, (tokens, k))
+        out = self._out("attention_indices_out", attention_indices_out, (tokens, k))
         valid = None
         if return_valid_counts or valid_counts_out is not None:
-            valid = valid_counts_out
-            if valid is None:
-                valid = torch.empty((tokens,), dtype=torch.int32, device=topk.device)
-            else:
-                self._out("valid_counts_out", valid, (tokens,))
+            valid = self._out("valid_counts_out", valid_counts_out, (tokens,))
         i32, i64 = np.int32, np.int64
         s = self._stream()
         grid = max(1, min(tokens, 1024))
@@ -296,8 +249,7 @@ class DeviceSwapIn:
     def check(self) -> None:
         """Raise what went wrong since the last check: :class:`DaemonUnavailable` once the
         daemon is gone, else the typed error of the first kind of row the daemon's kernels
-        refused (read from the rank's pinned error mirror, written at the end of each
-        step's last resolve: after the stream has passed a step, its errors are there)."""
+        refused (the rank's error mirror: complete once the stream has passed a step)."""
         if self._gone is not None:
             raise DaemonUnavailable(self._gone)
         if self._errors is None:
@@ -308,11 +260,6 @@ class DeviceSwapIn:
         if found:
             code, msg = found[0]
             raise error_for(int(ErrorCode[code]), msg)
-
-    @property
-    def gone(self) -> str | None:
-        """Why the daemon is gone, or None while it serves this handle."""
-        return self._gone
 
     def close(self) -> None:
         """Refuse every later call (a closed handle's memory may be gone)."""
@@ -338,14 +285,18 @@ class DeviceSwapIn:
             raise BadRequest(f"{name} must be contiguous", ErrorCode.BAD_ARGUMENT)
         return t
 
-    def _out(self, name: str, t, shape: tuple) -> None:
-        """An output tensor the kernels write: int32, ``shape``, contiguous, on the rank's GPU."""
+    def _out(self, name: str, t, shape: tuple):
+        """An output tensor the kernels write: ``t`` checked (int32, ``shape``, contiguous,
+        on the rank's GPU), or a new one when None."""
         torch = self._torch
+        if t is None:
+            return torch.empty(shape, dtype=torch.int32, device=torch.device("cuda", self.device))
         if not isinstance(t, torch.Tensor) or not t.is_cuda or t.device.index != self.device \
                 or t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise BadRequest(f"{name} must be a contiguous int32 {list(shape)} tensor on cuda:{self.device}, got "
                              f"{got}", ErrorCode.BAD_ARGUMENT)
+        return t
 
     def _launch(self, fn, grid: int, stream_ptr: int, args, threads: int = THREADS) -> None:
         import cupy as cp  # noqa: PLC0415
@@ -355,9 +306,8 @@ class DeviceSwapIn:
 
 
 class DoorbellSwapIn(DeviceSwapIn):
-    """A rank's doorbell handle. Made by ``Client.doorbell_handle()`` after an attach with
-    ``transport="doorbell"``; one per rank, used from the thread that drives the rank's
-    stream."""
+    """A rank's doorbell handle (``Client.doorbell_handle()``); one per rank, used from the
+    thread that drives the rank's stream."""
 
     def __init__(self, client, resident_base: int = 0, hot_base: int = 0):
         att = client.attachment
@@ -388,8 +338,6 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
 
-    # The kernels ring the bells themselves (skv_db_begin, skv_db_topk), a stream operation
-    # waits on a layer's ready word and skv_db_indices clears it.
     def _step_bell(self) -> int:
         return self._bell_step
 
@@ -409,9 +357,8 @@ class DoorbellSwapIn(DeviceSwapIn):
         return self._readys[layer]
 
     def close(self) -> None:
-        """Stop the watcher and refuse every later call. ``Client.detach`` and
-        ``Client.close`` call it before the rank's memory is unmapped (the watcher writes
-        into it); the engine's stream must not be waiting on a ready word any more."""
+        """Stop the watcher and refuse every later call; called before the rank's memory is
+        unmapped (the watcher writes into it)."""
         super().close()
         self._closed.set()
         if self._watcher.is_alive() and threading.current_thread() is not self._watcher:
@@ -421,9 +368,7 @@ class DoorbellSwapIn(DeviceSwapIn):
         """Watch the daemon; once it is gone, release the engine's stream for ever."""
         while not self._closed.wait(WATCH_INTERVAL_S):
             try:
-                # Only once its process is gone (or unseen): a live daemon may still run
-                # the step graphs, and releasing the words would race with them.
-                why = self.client._daemon_dead()
+                why = self.client._daemon_dead()  # (only once its process is gone)
             except Exception as e:  # noqa: BLE001 - keep watching
                 log.debug("daemon check failed: %r", e)
                 continue
@@ -436,9 +381,7 @@ class DoorbellSwapIn(DeviceSwapIn):
 
     def _release(self) -> None:
         """Set the dead word, then every ready word again and again, from a side stream,
-        with stream memory operations only: a CuPy kernel's first use loads a module, and
-        a module load can wait for the context's running kernels, the engine's spin on a
-        ready word included (a deadlock: the same hazard as the daemon's close)."""
+        with stream memory operations only (no module load: module docstring)."""
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(self.device):

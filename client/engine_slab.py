@@ -8,24 +8,13 @@ The engine allocates the memory, describes where each layer's hot rows are
     c.attach(layout, engine="glm", slab=kv.with_geometry(geo))
     h = HostSwapIn(c, hot_base=F * B)                # indices into the engine's own rows
 
-The daemon gathers into exactly the geometry's rows and nothing else; the engine's other
-rows (its resident blocks) stay its own, and one index array addresses both: hot row
-``h`` of a request is index ``hot_base + h``; a resident block's row is ``block *
-block_size + offset``, as the engine's block table says.
-
-cpu: the buffer is a memfd this process created and sealed against shrinking; it is
-deposited with the daemon over the fd socket (``proto/fd_socket.py``) right before
-ATTACH, and the daemon maps it. The engine keeps its mapping; the daemon's lives until
-the rank detaches or dies, and a daemon crash leaves the engine's memory as it was.
-
-cuda: the buffer is a contiguous torch tensor on the rank's GPU (any dtype; e.g. a slice
-of the engine's KV-cache allocation): :meth:`EngineSlab.from_tensor`. Its allocation is
-exported through CUDA IPC (``proto/cuda_ipc.export_buffer``: memory of ``cudaMalloc``,
-torch's default allocator; not ``expandable_segments``); the daemon imports it, checks
-that the geometry's bytes lie inside the allocation, and its kernels write only the
-geometry's rows. The handle keeps a reference to the tensor while the rank is attached,
-so torch cannot hand its memory to something else; imported memory outlives its exporter,
-so either process may die without faulting the other.
+The daemon gathers into exactly the geometry's rows; the engine's other rows (its
+resident blocks) stay its own, and one index array addresses both. cpu: a memfd sealed
+against resizing, deposited over the fd socket right before ATTACH. cuda: a contiguous
+torch tensor on the rank's GPU (:meth:`EngineSlab.from_tensor`; memory of ``cudaMalloc``,
+not ``expandable_segments``), exported through CUDA IPC and referenced here while the
+rank is attached, so torch cannot hand its memory to something else. Either process may
+die without faulting the other.
 """
 
 from __future__ import annotations
@@ -46,9 +35,8 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class EngineSlab:
-    """An engine-owned buffer and (once given) the geometry of its hot rows.
-
-    ``array``: the buffer as uint8 ``[nbytes]`` (NumPy, this process's mapping)."""
+    """An engine-owned buffer (``array``: its bytes, uint8 ``[nbytes]``, NumPy or a view of
+    the tensor) and, once given, the geometry of its hot rows."""
 
     def __init__(self, fd: int, mm: mmap.mmap | None, geometry: SlabGeometry | None = None, tensor=None):
         self.fd, self._mm = fd, mm
@@ -112,23 +100,22 @@ class EngineSlab:
         self.geometry = geometry
         return self
 
-    def check(self, layout: Layout, align: int | None = None) -> SlabGeometry:
+    def check(self, layout: Layout) -> SlabGeometry:
         """The geometry, checked against ``layout`` (BadRequest naming the fault); rows
         16-byte aligned for a GPU slab."""
         if self.geometry is None:
             raise BadRequest("this engine slab has no geometry: call with_geometry(SlabGeometry(...)) first",
                              ErrorCode.BAD_ARGUMENT)
         try:
-            return self.geometry.check(layout, align=(16 if self.tensor is not None else 1) if align is None else align)
+            return self.geometry.check(layout, align=16 if self.tensor is not None else 1)
         except LayoutError as e:
             raise BadRequest(str(e), ErrorCode.BAD_LAYOUT) from None
 
     def layer_rows(self, layout: Layout, layer: int, hot_base: int = 0) -> np.ndarray:
-        """``layer``'s rows of this buffer in the engine's index space (index ``hot_base +
-        h`` is hot row ``h``): ``[rows, row_bytes]`` uint8 when a layer's rows follow each
-        other, else ``[blocks, block_rows, row_bytes]`` (index ``i`` is ``[i // block_rows,
-        i % block_rows]``). A view, not a copy."""
-        geo, rb = self.check(layout, align=16 if self.tensor is not None else 1), layout.row_bytes
+        """A view of ``layer``'s rows in the engine's index space (index ``hot_base + h`` is
+        hot row ``h``): ``[rows, row_bytes]`` uint8 when a layer's rows follow each other,
+        else ``[blocks, block_rows, row_bytes]`` (index ``i`` is ``[i // block_rows, i % block_rows]``)."""
+        geo, rb = self.check(layout), layout.row_bytes
         br, stride = geo.block_rows, geo.block_stride
         if hot_base % br:
             raise BadRequest(f"hot_base {hot_base} must be a multiple of block_rows {br} (whole blocks)",

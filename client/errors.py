@@ -29,9 +29,8 @@ class DaemonUnavailable(SparseKVError):
 
 class DeviceMappingFailed(SparseKVError):
     """An attach got its rank but this process could not map the daemon's device memory
-    (a CUDA IPC open failed); the rank was given back. Not a code the daemon sent: the
-    message says what CUDA said and what to do. ``status``: the CUDA error's code, where
-    there was one."""
+    (a CUDA IPC open failed); the rank was given back. Not a code the daemon sent.
+    ``status``: the CUDA error's code, where there was one."""
 
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
@@ -70,8 +69,7 @@ class NotAttached(SparseKVError):
 class PermissionDenied(SparseKVError):
     """The engine belongs to another user (attach as its owner, as root or as a member of
     the daemon's admin group, or pick another engine name), or the daemon could not read
-    this connection's credentials. The message never names the other engine's owner or
-    layout."""
+    this connection's credentials. The message never names the other engine's owner."""
 
     code = ErrorCode.PERMISSION_DENIED
 

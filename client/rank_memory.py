@@ -1,6 +1,5 @@
-"""A rank's shared memory at attach: what the client offers the daemon (an engine-owned
-slab) and what it takes from it (descriptors from the daemon's fd socket, the mapping of a
-cpu rank's slab and staging buffer). The cuda side maps in ``cuda_attach.py``."""
+"""A rank's shared memory at attach: the engine-owned slab it offers, the descriptors and
+the cpu mapping it takes (the cuda side maps in ``cuda_attach.py``)."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def offer_slab(run_dir: str, device: str, layout: Layout, slab) -> dict:
 
 def fetch_fds(run_dir: str, handles: dict, timeout_s: float) -> dict[str, int]:
     """The descriptors of the rank's shared memory, by name, from the daemon's fd socket
-    (``proto/fd_socket.py``): a one-time token for this process only. Empty when the
-    handles offer none. The caller closes them."""
+    for the handles' one-time token (empty without one). The caller closes them."""
     token = handles.get("fd_token")
     if token is None:
         return {}

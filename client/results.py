@@ -1,6 +1,5 @@
-"""What a top-k request returns and what an attachment can do; shared by the zmq client,
-the cuda attachment and the in-process transport (a module of its own so that none of
-them imports another)."""
+"""What a top-k request returns and what an attachment can do: shared by the zmq client,
+the cuda attachment and the in-process transport, none of which imports another."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ class TopkResult:
     misses: object  # int32 [batch]
     hits: int | None
     out_of_range: int | None
-    entry: int | None = None  # cuda: the ring entry
 
     def host(self) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, misses)`` as NumPy (cuda: waits for the current stream)."""
@@ -37,9 +35,7 @@ class AttachmentCaps:
     """What an attachment can do, fixed when it is made: the client and the handles read
     this instead of probing the object."""
 
-    # A cuda rank (CudaAttachment): results are views of the daemon's result ring on the
-    # GPU (result, next_entry, write_blocks, next_fence, record_fence, release_done).
-    device: bool = False
+    device: bool = False  # a cuda rank (CudaAttachment): results are views of its GPU result ring
     fenced: bool = False  # it records fence events the daemon's stream waits on
     step_blocks: bool = False  # pinned step blocks shared with the daemon take the TOPK batches
     done_words: bool = False  # a done word per ring entry: device wait is possible

@@ -6,17 +6,15 @@ word. The engine's stream must follow the same order or one of them waits for ev
 
 * a group's leader layer rings its bell, so groups are rung in order (ringing group 1
   while the daemon waits for group 0 deadlocks both streams);
-* every layer's ready word is set once per step and consumed once by its ``swap_in``:
-  a second ``swap_in`` of a layer in one step waits for a word already consumed (a hang),
-  and a layer with no ``swap_in`` leaves its word set, so the next step's ``swap_in``
-  of that layer would pass before the daemon gathered (rows of the previous step);
-* so a step must be complete (every group rung, every layer consumed) before the next
-  ``begin_step``. ``finish_step`` completes an interrupted one.
+* every layer's ready word is consumed once per step by its ``swap_in``: a second one
+  waits for ever, and a missing one leaves the word set, so the next step's ``swap_in``
+  of that layer would pass before the daemon gathered;
+* so a step must be complete before the next ``begin_step`` (``finish_step`` completes
+  an interrupted one).
 
-:class:`StepOrder` checks these rules before anything is launched: a call that breaks
-them raises :class:`~sparsekv.client.errors.BadRequest` and leaves the streams as they
-were. It tracks what was *enqueued* (a CUDA graph captured from a complete step replays a
-complete step; the host state after the capture is the same as after an eager step).
+:class:`StepOrder` checks these rules before anything is launched (BadRequest; the
+streams are left as they were). It tracks what was *enqueued*: a CUDA graph captured
+from a complete step replays a complete step.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from .errors import BadRequest, NotAttached
 
 
 class StepOrder:
-    """Args: ``groups``: the layout's index groups (lists of layers; the first is the
-    leader)."""
+    """Args: ``groups``: the layout's index groups (lists of layers; the first leads)."""
 
     def __init__(self, groups):
         self.groups = [list(g) for g in groups]

@@ -1,73 +1,15 @@
 """The engine's handle, portable: ``swap_in`` over an ordinary ``Client`` or ``InprocClient``.
 
-An engine's sparse-attention layer asks, per decode step and layer, "where are the KV rows
-my indexer selected?" and reads them from a small hot slab. :class:`HostSwapIn` answers
-over any client (cpu or cuda backend, zmq or in process) with host arrays; the device
-handle (``client.doorbell_handle()``, CUDA, ``client/doorbell.py``) has the same methods
-on device tensors. Model code that calls only ``begin_step`` / ``swap_in`` / ``kv`` runs
-unchanged on either::
+:class:`HostSwapIn` works over any client (cpu or cuda backend, zmq or in process); the
+device handle (``client/doorbell.py``) has the same methods (:class:`SwapInHandle`). The
+contract is client/README.md, "The engine's handle".
 
-    h = HostSwapIn(client)                       # client connected and attached
-    for each decode step:
-        h.begin_step(state_rows, reset=new, invalidate=rewritten)
-        for each layer:
-            idx = h.swap_in(req_id_per_token, block_table, topk_positions,
-                            layer=layer, block_size=16)
-            kv = torch.as_tensor(h.kv(layer))     # shares the slab's memory
-            rows = kv[idx.clamp(min=0).long()]    # mask idx < 0 in the attention
-
-Indexing (what an attention kernel reads)
------------------------------------------
-``kv(layer)`` is the layer's hot slab as one 2-D array ``[max_reqs * region_stride,
-row_bytes]`` uint8: request state row ``r`` owns rows ``r * region_stride`` to
-``(r + 1) * region_stride - 1`` (its hot region; slot ``s`` is row ``r * region_stride +
-s``). ``swap_in`` returns ``idx`` int32 ``[tokens, k]``, column for column of
-``logical_topk_indices``:
-
-* ``idx[t, j] >= 0``: the KV row of logical position ``logical_topk_indices[t, j]`` of
-  request ``req_id_per_token[t]`` is ``kv(layer)[idx[t, j]]`` (all ``row_bytes``), and
-  stays there until the next ``swap_in`` of the group's leader layer;
-* ``idx[t, j] == -1``: nothing to read; the attention must mask the column. This is the
-  case for a padding token (request -1), a negative position, a position past the block
-  table or on a -1 (null) block.
-
-``valid_counts[t]`` is the number of columns of token ``t`` with ``idx >= 0``. The valid
-columns keep the caller's column order: they are a prefix of the row only when the
-caller's invalid positions are at the end of the row (as an indexer that pads with -1
-produces). A kernel that takes "the first ``n`` columns" needs that ordering.
-
-Index groups: ``layout.groups`` is a tuple of tuples of layers; a group's first layer is
-its *leader*. The leader's ``swap_in`` maps positions to host rows
-(:func:`sparsekv.proto.positions.host_rows`) and sends one top-k batch for the whole
-group, which gathers the rows into every layer of the group. A follower's ``swap_in``
-sends nothing: it returns the same indices (into its own layer's slab) and reads neither
-``block_table`` nor ``logical_topk_indices`` (only their shapes and the request ids are
-checked against the leader's). A follower called before its leader in a step raises
-:class:`~sparsekv.client.errors.BadRequest`.
-
-Tokens: several tokens of one request (speculative decoding) may share a step, up to
-``region_stride // top_k`` of them; ``Layout.max_batch`` bounds the tokens of a step.
-Every request a token names must be among the step's ``state_rows``.
-
-Arrays: NumPy or torch tensors, on any device. A top-k on the host is mapped to host rows
-there. A top-k on a GPU is mapped on that GPU by one kernel (``swap_in_kernels.py``) where
-CuPy is installed (integers narrower than 32 bits widened there first; the block table is
-copied there when it is not), else on the host. On a cuda rank attached with
-``fence=True`` the rows go from the GPU into the rank's step block on the current stream
-and the daemon reads them after the fence: the host waits for the GPU only once a step, to read a ``req_id_per_token`` tensor on the GPU
-(pass it as NumPy and it never does), and with ``Client(device_wait=True)`` not for the
-reply either; a ``req_id_per_token`` tensor on the GPU is then read once per step:
-modify it only between steps (in place is fine: its version counter says so), never
-between two layers of one. Without fences every leader waits for the stream: the top-k
-(or its rows) comes to the host, and before each request the GPU's reads of the last
-reply's slots must be done. On the cuda backend, with an input on the GPU, the indices
-are made there from the reply's device slots, on the current stream, without a wait of
-their own. Results are torch tensors on the device of
-``logical_topk_indices`` (else of ``req_id_per_token``) when either is one, else NumPy;
-or the ``*_out`` arrays (int32, exact shape) when given, filled and returned. Errors are the client's
-typed exceptions (:mod:`sparsekv.client.errors`), raised by the call that caused them, or
-by the next one for a STEP the zmq client sent without waiting; :meth:`check` waits for
-such deferred replies.
+A top-k on the GPU is mapped there by one kernel (``swap_in_kernels.py``) where CuPy is
+installed (integers narrower than 32 bits are widened there first). On a fenced cuda rank the host waits for the GPU only to
+read a ``req_id_per_token`` tensor there, once a step (pass it as NumPy and it never
+does; modify it only between steps, never between two layers of one). Without fences
+every leader waits for the stream: the top-k comes to the host, and before each request
+the GPU's reads of the last reply's slots must be done.
 """
 
 from __future__ import annotations
@@ -111,18 +53,13 @@ class SwapInHandle(Protocol):
 
 
 class HostSwapIn:
-    """The portable ``swap_in`` handle over a connected, attached client.
-
-    The handle does not own the client: :meth:`close` forgets the slab views and the
-    step's slots, and leaves the client open. Not thread-safe, like the client.
-    """
+    """The portable ``swap_in`` handle over a connected, attached client, which it does
+    not own (:meth:`close` leaves it open). Not thread-safe, like the client."""
 
     def __init__(self, client, hot_base: int = 0, resident_base: int = 0):
         """``hot_base``: with an engine-owned slab (``client/engine_slab.py``), the index
-        of hot row 0 in the engine's own rows (indices are ``hot_base + req *
-        region_stride + slot``; ``kv(layer)`` is then the engine's rows of the layer).
-        ``resident_base``: added to the index of a resident row (``swap_in``'s
-        ``resident_block_table``), as the device handle's."""
+        of hot row 0 in the engine's own rows (``kv(layer)`` is then the engine's rows of
+        the layer). ``resident_base``: added to the index of a resident row."""
         att = client.attachment
         if att is None:
             raise NotAttached("HostSwapIn needs an attached client: call client.attach(layout) first")
@@ -136,12 +73,7 @@ class HostSwapIn:
                              ErrorCode.BAD_ARGUMENT)
         self.hot_base = int(hot_base)
         self.resident_base = int(resident_base)
-        # Every hot index fits int32 (hot_base + max_reqs * region_stride): 32-bit arithmetic.
         self._hot_int32 = 0 <= self.hot_base and self.hot_base + lay.max_reqs * lay.region_stride <= np.iinfo(np.int32).max
-        # layer -> (its group, the group's leader layer)
-        self._group_of = {layer: (g, layers[0]) for g, layers in enumerate(lay.groups) for layer in layers}
-        # One view per layer of the attachment's slab [L, max_reqs, region_stride, row_bytes]:
-        # a reshape of a contiguous array, so the rows are the slab's own memory.
         if engine_slab is not None:
             self._kv = [engine_slab.layer_rows(lay, layer, self.hot_base) for layer in range(lay.num_layers)]
         else:
@@ -150,14 +82,9 @@ class HostSwapIn:
         self._next_step = 0
         self._step: int | None = None  # the step begun, None before the first / after a failed one
         self._failed = False  # the last begin_step raised
-        # Which state rows the step named: [max_reqs] bool (a look-up, not a search, per leader).
         self._in_step = np.zeros(lay.max_reqs, dtype=bool)
         self._slots: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (req ids, slots) of this step
-        # The device handle's step order (client/step_order.py), kept here too, so that
-        # model code that runs on this handle runs unchanged on the device one.
         self._order = StepOrder(lay.groups)
-        # Totals over the handle's life, from the top-k replies (the cuda backend leaves
-        # hits and out_of_range to its stats: then they stay 0). Not part of the device API.
         self._counts = {"batches": 0, "hits": 0, "misses": 0, "out_of_range": 0}
         self._device_misses = None  # cuda: the misses summed on the device (read at .counts)
         self._req_cache = None  # (tensor, key, host copy): a GPU req_id_per_token, this step
@@ -171,11 +98,8 @@ class HostSwapIn:
 
     # -- the API ---------------------------------------------------------------------
     def begin_step(self, state_rows, reset=None, invalidate=None) -> None:
-        """Begin the next decode step (this handle numbers them 0, 1, ...): ``state_rows``
-        int [n], the request state rows of the step (-1 = padding); ``reset`` bool [n],
-        rows that start a new request; ``invalidate`` int [n, m], host rows rewritten
-        since the last step that row ``i``'s region may hold (-1 = none). The previous
-        step must be complete: every layer's swap_in called once (or :meth:`finish_step`)."""
+        """Begin the next decode step (numbered 0, 1, ... here; arguments: client/README.md).
+        The previous step must be complete (or ended by :meth:`finish_step`)."""
         self._open()
         self._order.check_begin()
         self._step, self._failed = None, True  # until it has begun, swap_in refuses to run
@@ -204,17 +128,11 @@ class HostSwapIn:
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int,
                 return_valid_counts: bool = False, attention_indices_out=None, valid_counts_out=None,
                 resident_block_table=None):
-        """Make the rows of ``logical_topk_indices`` int [tokens, k] (positions of each
-        token's request, k <= layout.top_k) readable in ``kv(layer)``; return the indices
-        int32 [tokens, k] into it (-1: none), and with ``return_valid_counts`` also the
-        count of indices >= 0 per token, int32 [tokens]. ``req_id_per_token`` int
-        [tokens]: the state row of each token (-1 = padding token); ``block_table`` int
-        [>= max req id + 1, max_blocks]: host block of each logical block of each request
-        (-1 = none), ``block_size`` tokens per block. ``resident_block_table`` int [like
-        block_table's rows, n]: the block of the engine's own storage that still holds a
-        logical block (-1 = none): such a position is index ``resident_base + block *
-        block_size + pos % block_size``, not fetched (as the device handle). See the module
-        docstring."""
+        """Make the rows of ``logical_topk_indices`` int [tokens, k] readable in ``kv(layer)``;
+        return the indices int32 [tokens, k] into it (-1: none), and with ``return_valid_counts``
+        the count of indices >= 0 per token (client/README.md). ``resident_block_table`` int
+        [like block_table's rows, n]: the block of the engine's own storage that still holds a
+        logical block (-1 = none): index ``resident_base + block * block_size + pos % block_size``."""
         self._open()
         like = next((a for a in (logical_topk_indices, req_id_per_token) if is_torch(a)), None)
         group, leader = self._group(layer)
@@ -223,8 +141,6 @@ class HostSwapIn:
             raise BadRequest(f"{why}: call begin_step(state_rows, ...) once per decode step before its first swap_in",
                              ErrorCode.BAD_ARGUMENT)
         reqs = self._reqs(req_id_per_token)
-        # A top-k on the GPU stays there (its shape and type checked in place): the leader
-        # maps it there, a follower only compares shapes.
         topk = _ints("logical_topk_indices", logical_topk_indices, 2, keep_cuda=True)
         if topk.shape[0] != reqs.shape[0]:
             raise BadRequest(f"logical_topk_indices must be [tokens={reqs.shape[0]}, k], got {tuple(topk.shape)}",
@@ -238,11 +154,9 @@ class HostSwapIn:
             _check_out("valid_counts_out", valid_counts_out, topk.shape[:1])
         self._order.check_layer(int(layer))
         if layer == leader:
-            # With an input on the GPU (or on a fenced rank) the indices are made on the
-            # GPU from the reply's device slots, without a wait of their own: the daemon
-            # must not reuse the slots' ring entry (or gather into a slab) before the GPU
-            # has read them. A fenced rank's daemon stream waits for this one's at each
-            # request; without fences, the next request first waits for the stream.
+            # With an input on the GPU (or on a fenced rank) the indices are made on the GPU
+            # from the reply's device slots, without a wait: the daemon must not reuse the
+            # slots before the GPU has read them (fences, or the next request waits).
             gpu = self._fenced or any(on_gpu(a) for a in (req_id_per_token, block_table, logical_topk_indices))
             slots, resident = self._lead(group, reqs, topk, block_table, block_size, resident_block_table, gpu,
                                          req_id_per_token)
@@ -250,8 +164,6 @@ class HostSwapIn:
         else:
             slots, resident = self._follow(group, layer, leader, reqs, topk)
         self._order.ready(int(layer))
-        # Region of state row r, slot s: row r * region_stride + s (fits int32: the layout
-        # keeps max_reqs * region_stride <= 2**31), from hot_base.
         if is_torch(slots):  # cuda: the slots stay on the GPU, so do the indices
             return self._on_device(slots, reqs, req_id_per_token, like, return_valid_counts, attention_indices_out,
                                    valid_counts_out)
@@ -274,17 +186,16 @@ class HostSwapIn:
     @property
     def counts(self) -> dict:
         """Totals over the handle's life: top-k batches sent, hits, misses, out_of_range
-        (from the replies; the cuda backend leaves hits and out_of_range to its stats).
-        On the cuda backend reading it waits for the misses summed on the GPU (so not
-        while the stream may wait on a daemon that is gone: check() first)."""
+        (the cuda backend leaves hits and out_of_range to its stats, and reading this
+        waits for the misses summed on the GPU: check() first)."""
         out = dict(self._counts)
         if self._device_misses is not None:
             out["misses"] += int(self._device_misses.item())
         return out
 
     def _on_device(self, slots, reqs: np.ndarray, req_arg, like, return_valid_counts, out, counts_out):
-        """The indices from device slots on the current stream (no copy to the host and
-        back, no wait): the cuda backend's replies are views of the rank's result ring."""
+        """The indices from device slots (views of the rank's result ring) on the current
+        stream, no wait."""
         import torch  # noqa: PLC0415 - slots are a tensor, so torch is there
 
         dev = slots.device
@@ -296,15 +207,14 @@ class HostSwapIn:
         else:
             idx = torch.where(slots >= 0, slots + (r * self._stride + self.hot_base)[:, None], -1)
             counts = (idx >= 0).sum(dim=1, dtype=torch.int32)
-        idx = idx if idx is out else _deliver_tensor(idx, out, like)
+        idx = idx if idx is out else _deliver(idx, out, like)
         if not return_valid_counts:
             return idx
-        return idx, counts if counts is counts_out else _deliver_tensor(counts, counts_out, like)
+        return idx, counts if counts is counts_out else _deliver(counts, counts_out, like)
 
     def _reqs_on(self, dev, reqs: np.ndarray, req_arg):
-        """``req_id_per_token`` as a contiguous int32 tensor on ``dev``, without a wait: a
-        tensor there converted (once per step for the same one, as :meth:`_reqs`), else
-        the host copy staged at once."""
+        """``req_id_per_token`` as a contiguous int32 tensor on ``dev``, without a wait
+        (once per step for the same tensor, as :meth:`_reqs`)."""
         import torch  # noqa: PLC0415 - only reached with tensors
 
         cached = self._req_dev
@@ -319,20 +229,16 @@ class HostSwapIn:
         return r
 
     def kv(self, layer: int):
-        """The layer's hot slab, ``[max_reqs * region_stride, row_bytes]`` uint8 (NumPy for
-        a cpu attachment, a torch tensor on the GPU for a cuda one); a view, not a copy.
-        With an engine-owned slab: the engine's rows of the layer in its index space
-        (``EngineSlab.layer_rows``), resident and hot alike."""
+        """The layer's hot slab, ``[max_reqs * region_stride, row_bytes]`` uint8, a view
+        (NumPy, or a torch tensor on a cuda rank's GPU); with an engine-owned slab the
+        engine's rows of the layer in its index space (``EngineSlab.layer_rows``)."""
         self._open()
-        if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.layout.num_layers):
-            raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
+        self._group(layer)  # (checks it)
         return self._kv[int(layer)]
 
     def check(self) -> None:
-        """Raise the typed error of a request the daemon refused and nobody has seen yet.
-        On this host path every request's error is raised by the call that made it, except
-        a STEP the zmq client sent without waiting (its error surfaces at the next reply):
-        this waits for those. The in-process client has nothing deferred."""
+        """Wait for the STEPs the zmq client sent without waiting and raise the typed error
+        of one the daemon refused (every other error is raised by the call that made it)."""
         self._open()
         self._client.flush()
 
@@ -371,9 +277,11 @@ class HostSwapIn:
         return reqs
 
     def _group(self, layer) -> tuple[int, int]:
-        if not isinstance(layer, (int, np.integer)) or int(layer) not in self._group_of:
+        """(its index group, the group's leader layer) of a valid ``layer``, else BadRequest."""
+        g = self._order.group_of.get(int(layer)) if isinstance(layer, (int, np.integer)) else None
+        if g is None:
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
-        return self._group_of[int(layer)]
+        return g, self._order.groups[g][0]
 
     def _lead(self, group: int, reqs: np.ndarray, topk, block_table, block_size, resident_table,
               gpu: bool = False, req_arg=None):
@@ -396,8 +304,6 @@ class HostSwapIn:
             t = int(np.flatnonzero(stray)[0])
             raise BadRequest(f"token {t} belongs to request {int(reqs[t])}, which is not among this step's state rows; "
                              "pass every request of the step to begin_step", ErrorCode.BAD_STATE_ROW)
-        # Each token reads its request's row of the block table; a padding token (-1)
-        # none, so each of its positions maps to nothing.
         try:
             rows = None
             if device_map:  # on the top-k's GPU (None: dtypes the kernel does not take)
@@ -440,9 +346,8 @@ class HostSwapIn:
             if gpu and is_torch(res.slots) and resident is None and self._hot_int32:
                 import torch  # noqa: PLC0415 - the reply holds tensors, so torch is there
 
-                # cuda: views of the rank's result ring, ordered after the gather on the
-                # current stream; the indices are made there too. A group's followers
-                # use them later in the step: they get a copy of their own.
+                # cuda: views of the rank's result ring, ordered after the gather on the current
+                # stream. A group's followers use them later in the step: a copy of their own.
                 slots = res.slots.clone() if len(lay.groups[group]) > 1 else res.slots
                 total = res.misses.sum(dtype=torch.int64)
                 self._device_misses = total if self._device_misses is None else self._device_misses + total
@@ -539,31 +444,19 @@ def _check_out(name: str, out, shape: tuple) -> None:
         raise BadRequest(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
 
 
-def _deliver_tensor(result, out, like):
-    """A torch ``result`` on the GPU written into ``out`` (returned), or as ``like``'s kind:
-    a tensor on its device, NumPy when the caller passed NumPy (``like`` None)."""
-    if out is None:
-        return result.cpu().numpy() if like is None else result.to(like.device)
-    if is_torch(out):
-        out.copy_(result)
-        return out
-    out[...] = result.cpu().numpy()
-    return out
-
-
-def _deliver(result: np.ndarray, out, like):
-    """``result`` written into ``out`` (checked by _check_out; returned), or as a new
-    array of ``like``'s kind."""
-    if out is None:
-        if like is None:
-            return result
+def _deliver(result, out, like):
+    """``result`` (NumPy or a tensor) written into ``out`` (checked by _check_out; returned),
+    or as ``like``'s kind: a tensor on its device, NumPy when ``like`` is None."""
+    if is_torch(out) or (out is None and like is not None):
         import torch  # noqa: PLC0415 - only reached with a tensor argument, so torch is there
 
-        return torch.from_numpy(result).to(like.device)
-    if is_torch(out):
-        import torch  # noqa: PLC0415
-
-        out.copy_(torch.from_numpy(result))
+        result = result if is_torch(result) else torch.from_numpy(result)
+        if out is None:
+            return result.to(like.device)
+        out.copy_(result)
         return out
+    result = result.cpu().numpy() if is_torch(result) else result
+    if out is None:
+        return result
     out[...] = result
     return out

@@ -1,15 +1,10 @@
 """The portable handle's kernels on a cuda rank (``csrc/handle.cu``), one launch each on
-the current torch stream, nothing waited for:
+the current torch stream, nothing waited for: :func:`map_positions` (positions -> host
+rows, the rule of ``proto/positions.py``) and :func:`indices` (a reply's device slots ->
+attention indices, ``skv_db_indices`` without resident blocks).
 
-* :func:`map_positions`: logical positions + block table -> host rows (``skv_map_positions_*``,
-  the rule of ``proto/positions.py``) for int32 or int64 tensors; None for other dtypes
-  (the caller then maps on the host);
-* :func:`indices`: a reply's device slots -> attention indices and valid counts
-  (``skv_db_indices``, the device handle's kernel, without resident blocks).
-
-Used by ``swap_in.py`` for inputs on the GPU, where CuPy is installed (:func:`available`);
-a dozen torch operations each would cost more host time per layer than the layer's GPU
-work (docs/PERF.md).
+Used by ``swap_in.py`` for inputs on the GPU, where CuPy is installed (:func:`available`):
+a dozen torch operations each would cost more host time per layer (docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ from sparsekv.proto.positions import UNMAPPED
 
 from .cuda_stream import external_stream
 
-_functions: dict = {}  # (kernel name, device) -> CuPy function
 _TYPES = {"torch.int32": "i32", "torch.int64": "i64"}
 _GRID_MAX = 65535  # blocks (grid-stride over tokens beyond)
 THREADS = 256  # per block (skv_db_indices: a multiple of 32, at most 1024)
@@ -37,14 +31,12 @@ def available() -> bool:
     return importlib.util.find_spec("cupy") is not None
 
 
+@functools.cache
 def _function(name: str, device: int):
-    fn = _functions.get((name, device))
-    if fn is None:
-        import cupy as cp  # noqa: PLC0415
+    import cupy as cp  # noqa: PLC0415
 
-        with cp.cuda.Device(device):
-            fn = _functions[(name, device)] = get_cache().module("handle.cu").get_function(name)
-    return fn
+    with cp.cuda.Device(device):
+        return get_cache().module("handle.cu").get_function(name)
 
 
 def _launch(name: str, device: int, grid: int, args) -> None:
@@ -95,11 +87,10 @@ def _widened(torch, t):
 
 
 def indices(slots, reqs, region_stride: int, hot_base: int, max_reqs: int, out, valid) -> None:
-    """``out[t, j]`` (int32 ``[tokens, k]``, contiguous) = ``hot_base + reqs[t] *
-    region_stride + slots[t, j]`` where the slot is >= 0, else -1 (and -1 for a token
-    whose ``reqs[t]`` is outside ``[0, max_reqs)``); ``valid`` (int32 ``[tokens]`` or
-    None): the count of indices >= 0 per token. ``slots``: ``[tokens, k]`` rows of a
-    ``[.., ld]`` array; all on one GPU."""
+    """``out[t, j]`` (int32 ``[tokens, k]``, contiguous) = ``hot_base + reqs[t] * region_stride
+    + slots[t, j]`` where the slot is >= 0, else -1 (and -1 for a token whose ``reqs[t]`` is
+    outside ``[0, max_reqs)``); ``valid`` (int32 ``[tokens]`` or None): the count of indices
+    >= 0 per token. ``slots``: ``[tokens, k]`` rows of a ``[.., ld]`` array; all on one GPU."""
     tokens, k = slots.shape
     if not tokens:
         return

@@ -1,6 +1,5 @@
-"""What an argument is when it may be a torch tensor, asked without importing torch: a
-tensor implies torch is imported already, so ``sys.modules`` answers (the cpu client and
-the CLI run without torch)."""
+"""What an argument is when it may be a torch tensor, asked without importing torch (a
+tensor implies torch is imported already: ``sys.modules`` answers)."""
 
 from __future__ import annotations
 

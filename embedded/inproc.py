@@ -1,10 +1,10 @@
-"""In-process transport: the daemon's residency engine and mover in the caller's process.
-
-Same methods and results as :class:`~sparsekv.client.Client`, no daemon, no sockets: for
-baselines, tests, and users who want sparsekv as a library.
+"""In-process transport: the daemon's residency engine and mover in the caller's process,
+with the methods and results of :class:`~sparsekv.client.Client` (baselines, tests, a library).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -92,13 +92,10 @@ class InprocClient:
         return self._state
 
 
-class _errors:
+@contextlib.contextmanager
+def _errors():
     """Raise the same typed exceptions as the daemon client."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, e, tb):
-        if isinstance(e, ResidencyError):
-            raise error_for(int(ErrorCode[e.code]), str(e)) from None
-        return False
+    try:
+        yield
+    except ResidencyError as e:
+        raise error_for(int(ErrorCode[e.code]), str(e)) from None

@@ -1,15 +1,12 @@
 """The engine's handle with no daemon: the daemon's kernels inline on the caller's stream.
 
-:class:`InprocSwapIn` has the API of the doorbell handle (``begin_step``, ``swap_in``,
-``kv``, ``check``; ``client/doorbell.py``) and runs the same kernels, in the same order,
-where the doorbell hands off: ``skv_begin_step`` after the step block is written,
-``skv_resolve`` after a group's top-k block, the layer's ``skv_gather`` before its
-indices. It owns a pinned host pool (``pool``, NumPy ``[L, host_rows, row_bytes]``, for
-the caller to fill), made and page-locked the daemon's way (``daemon/pool.py`` HostPool:
-the same backing, anonymous memory in 2 MiB pages by default, pre-faulted by several
-threads; registered in the daemon's chunks, its ``pin_chunk_gib``), and a device
-arena. For baselines (``sparsekv bench decode``'s
-in-process mode) and for users who want sparsekv as a library in one process.
+:class:`InprocSwapIn` has the API of the doorbell handle (``client/doorbell.py``) and runs
+the daemon's kernels, in the same order, where the doorbell hands off: ``skv_begin_step``
+after the step block is written, ``skv_resolve`` after a group's top-k block, the layer's
+``skv_gather`` before its indices. It owns a pinned host pool (``pool``, NumPy ``[L,
+host_rows, row_bytes]``, for the caller to fill), made and page-locked as the daemon's
+(``daemon/pool.py``, its ``pool_backing`` and ``pin_chunk_gib``), and a device arena. For
+baselines (``sparsekv bench decode``) and for sparsekv as a library in one process.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ class InprocSwapIn(DeviceSwapIn):
         device: the GPU ordinal.
         gather_blocks: the most blocks a gather uses.
         backing: the pool's backing (``anon_thp`` or ``memfd``; None: the daemon's
-            ``pool_backing`` setting), so that a baseline reads host memory laid out as
-            the daemon's.
+            ``pool_backing`` setting, so that a baseline reads memory laid out as its).
     """
 
     def __init__(self, layout: Layout, device: int = 0, gather_blocks: int = GATHER_BLOCKS,
