@@ -5,9 +5,10 @@ device handle (``client/doorbell.py``) has the same methods (:class:`SwapInHandl
 contract is client/README.md, "The engine's handle".
 
 A top-k on the GPU is mapped there by one kernel (``swap_in_kernels.py``) where CuPy is
-installed (integers narrower than 32 bits are widened there first). On a fenced cuda rank the host waits for the GPU only to
-read a ``req_id_per_token`` tensor there, once a step (pass it as NumPy and it never
-does; modify it only between steps, never between two layers of one). Without fences
+installed (integers narrower than 32 bits are widened there first). On a fenced cuda rank
+the host waits for the GPU only to read a ``req_id_per_token`` tensor there, once a step
+(pass it as NumPy and it never does; modify it only between steps, never between two
+layers of one). Without fences
 every leader waits for the stream: the top-k comes to the host, and before each request
 the GPU's reads of the last reply's slots must be done.
 """
