@@ -24,7 +24,7 @@ import numpy as np
 
 from sparsekv.daemon.kernels import get_cache
 from sparsekv.daemon.pinned import PinnedRegion, PoolPinner
-from sparsekv.daemon.pool import BACKINGS, HostPool, anon_huge_bytes, vmstat, vmstat_delta
+from sparsekv.daemon.pool import HostPool, anon_huge_bytes, vmstat, vmstat_delta
 from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, allocate_device_buffers, make_desc
 from sparsekv.proto import Layout
 from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
@@ -145,7 +145,7 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
         blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool | str = True,
-        other_backing: bool = True, gather_variants=GATHER_VARIANTS, seed: int = 0,
+        gather_variants=GATHER_VARIANTS, seed: int = 0,
         resolve_only: bool = False, json_path: str | None = None) -> dict:
     """Every figure into the returned dict (``_rows``: the table's rows). ``resolve_variants``:
     True every variant, ``"quick"`` the thread counts, False none. ``json_path``: the
@@ -282,13 +282,6 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         out["gather_vs_bulk_same_bytes"] = round(best / same_GBps, 3)
 
         _resolve_section(out, row, cp, kc, s, timer, rng, resolve_variants)
-        # The same gather from a pool in the other backing (SPARSEKV_POOL_BACKING).
-        if other_backing:
-            try:
-                _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s,
-                                      plans, step_bytes)
-            except Exception as e:  # noqa: BLE001 - the figures above must still be written
-                row("pool in the other backing", "FAILED", f"{type(e).__name__}: {e}")
     out["_rows"] = rows_out
     return out
 
@@ -404,32 +397,6 @@ def _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes: int, blo
     return step_bytes / t / 1e3, t, tmin
 
 
-def _other_backing_gather(out, row, stack, timer, whole, region, pool, nbytes, threads, lay, bufs, kc, s, plans,
-                          step_bytes):
-    """Pool ready and the request-order gather again, the pool in the other backing."""
-    whole.close()
-    region.close()
-    pool.close()
-    other = next(b for b in BACKINGS if b != pool.backing)
-
-    t0 = time.perf_counter()
-    hp = HostPool(nbytes, threads, backing=other)
-    stack.callback(hp.close)
-    t1 = time.perf_counter()
-    hreg = PinnedRegion(hp.address, -(-lay.pool_bytes // 4096) * 4096, ROW_BYTES, max_chunk_bytes=1 << 40)
-    stack.callback(hreg.close)
-    t2 = time.perf_counter()
-    out[f"pool_ready_{other}_GiBps"] = round(nbytes / GIB / (t2 - t0), 2)
-    row(f"pool ready, {nbytes / GIB:.0f} GiB, {other}, fault then register",
-        f"{nbytes / GIB / (t2 - t0):.1f} GiB/s",
-        f"fault {nbytes / GIB / (t1 - t0):.1f} GiB/s, register {lay.pool_bytes / GIB / (t2 - t1):.1f} GiB/s; "
-        f"AnonHugePages {anon_huge_bytes(hp.address, hp.size_bytes) >> 30} GiB")
-    for nb in (32, 64):
-        gbps, t, _ = _request_gather(lay, hreg, bufs, kc, s, timer, plans, step_bytes, nb)
-        out[f"gather_request_order_{nb}blocks_{other}_GBps"] = round(gbps, 2)
-        row(f"gather, {nb} blocks, pool {other}", f"{gbps:.1f} GB/s", f"{t:.0f} us")
-
-
 def table(result: dict) -> str:
     lines = ["| what | value | note |", "| --- | --- | --- |"]
     lines += [f"| {w} | {v} | {n} |" for w, v, n in result.get("_rows", [])]
@@ -442,8 +409,7 @@ def add_arguments(p) -> None:
     p.add_argument("--pool-gib", type=float, default=64.0,
                    help="kernels: the host pool the gather reads and the pool start times (GiB)")
     p.add_argument("--kernels-quick", action="store_true",
-                   help="kernels: gathers on 32 and 64 blocks only, no pool in the other backing, the resolve's "
-                        "thread counts only")
+                   help="kernels: gathers on 32 and 64 blocks only, the resolve's thread counts only")
     p.add_argument("--resolve-only", action="store_true",
                    help="kernels: the resolve and its variants only (no pool, no gather)")
 
@@ -451,7 +417,7 @@ def add_arguments(p) -> None:
 def run_args(a) -> int:
     """``sparsekv bench kernels [--pool-gib N] [--kernels-quick] [--json PATH]``."""
     quick = a.kernels_quick
-    r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132), other_backing=not quick,
+    r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132),
             gather_variants=() if quick else GATHER_VARIANTS,
             resolve_variants="quick" if quick else True, resolve_only=a.resolve_only, json_path=a.json_path)
     sys.stdout.write(table(r))
