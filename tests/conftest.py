@@ -74,6 +74,16 @@ def daemon(tmp_path):
 
 
 @pytest.fixture
+def dm(tmp_path):
+    """A ``Daemon`` (cpu backend, 8 MiB pool, at most 3 clients) driven in this process:
+    ``helpers.request(dm, ident, ...)`` sends it one request (helpers.inproc_daemon)."""
+    import helpers
+
+    with helpers.inproc_daemon(tmp_path) as d:
+        yield d
+
+
+@pytest.fixture
 def spawn_rank():
     """Factory ``spawn_rank(run_dir, rank)`` of rank processes (tests/helpers.RankProc);
     every one is stopped after the test, killed if it does not exit."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from sparsekv.daemon.backends import run_dir_tag
 from sparsekv.daemon.residency.contract import RegionModel
-from sparsekv.proto import Layout
+from sparsekv.proto import Layout, decode, encode
 
 PY = sys.executable
 SPAWN = mp.get_context("spawn")
@@ -133,6 +133,24 @@ def wait_for(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: str 
         time.sleep(interval_s)
 
 
+def request(dm, ident: bytes, msg_type, fields=None, arrays=None, *, req_id: int = 1, peer=False):
+    """One request through ``dm.handle`` (a ``Daemon`` driven in this process, no sockets)
+    from the connection whose routing id is ``ident``; returns the reply's (header,
+    arrays). ``peer``: the connection's ``Peer-Address`` (``peer_address(pid)``; None: one
+    that cannot be read), as if the request came over a real socket; False: no credentials
+    (a request from the daemon's own process)."""
+    frames = [bytes(f) for f in encode(msg_type, req_id, fields, arrays)]
+    if peer is not False:
+        frames = [PeerFrame(f, peer) for f in frames]
+    return decode([bytes(f) for f in dm.handle(ident, frames)])
+
+
+def peer_address(pid: int, uid: int | None = None, gid: int | None = None) -> str:
+    """libzmq's ``Peer-Address`` of a connection from process ``pid`` running as ``uid`` /
+    ``gid`` (this process's when None)."""
+    return f"localhost:{os.getuid() if uid is None else uid}:{os.getgid() if gid is None else gid}:{pid}"
+
+
 class PeerFrame(bytes):
     """A frame as ``Daemon.handle`` gets it from a real connection: its bytes plus the
     connection's credentials, libzmq's ``Peer-Address`` property (``get``).
@@ -149,13 +167,6 @@ class PeerFrame(bytes):
         if prop != "Peer-Address" or self.peer_address is None:
             raise zmq.ZMQError(22)  # EINVAL, as libzmq answers for a missing property
         return self.peer_address
-
-
-def peer_frames(frames, pid: int, uid: int | None = None, gid: int | None = None) -> list:
-    """``frames`` as received from process ``pid`` running as ``uid`` / ``gid`` (this
-    process's when None)."""
-    addr = f"localhost:{os.getuid() if uid is None else uid}:{os.getgid() if gid is None else gid}:{pid}"
-    return [PeerFrame(f, addr) for f in frames]
 
 
 def shm_slabs(run_dir: str, shm_dir: str = "/dev/shm") -> list[str]:
@@ -440,17 +451,17 @@ def run_cli(*args, env=None, timeout_s: float = 60.0, module: str = "sparsekv.cl
 
 
 @contextlib.contextmanager
-def inproc_daemon(path, max_clients: int = 3, pool_bytes: int = 8 << 20):
+def inproc_daemon(path, max_clients: int = 3, pool_bytes: int = 8 << 20, **daemon_kw):
     """A ``Daemon`` on the cpu backend driven in this process through ``handle()`` (no
-    sockets), with its run dir and shared-memory files under ``path``; every session
-    detached and everything closed afterwards."""
+    sockets; ``request`` sends it one), with its run dir and shared-memory files under
+    ``path``; every session detached and everything closed afterwards."""
     from sparsekv.daemon.backends import CpuBackend
     from sparsekv.daemon.pool import HostPool
     from sparsekv.daemon.server import Daemon
 
     pool = HostPool(pool_bytes, threads=1)
     backend = CpuBackend(str(path), shm_dir=str(path))
-    d = Daemon(str(path), backend, pool, max_clients=max_clients)
+    d = Daemon(str(path), backend, pool, max_clients=max_clients, **daemon_kw)
     try:
         yield d
     finally:
