@@ -70,3 +70,14 @@ def test_torch_and_cupy_come_only_with_the_cuda_extra():
     assert not {"torch", "cupy-cuda13x"} & base and "prometheus-client" in base
     assert {"torch", "cupy-cuda13x"} <= names(project["optional-dependencies"]["cuda"])
     assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_every_folder_of_modules_is_in_the_distribution():
+    """A folder of modules under a room (daemon/, client/, ...) that pyproject's
+    ``packages`` does not list is left out of ``pip install .`` and ``make wheel``."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {"sparsekv"}
+    for name, folder in tool["package-dir"].items():
+        if folder != ".":  # the root holds only the package's __init__.py; the rooms are mapped
+            found |= {".".join([name, *p.parent.relative_to(ROOT / folder).parts]) for p in (ROOT / folder).rglob("*.py")}
+    assert found == set(tool["packages"])
