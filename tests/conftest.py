@@ -9,8 +9,19 @@ runs ``-m torch``, so an unmarked test that skips for want of torch fails instea
 
 import functools
 import os
+import sys
+import tempfile
 
 import pytest
+
+# The suite starts a few hundred interpreters (daemons, CLI commands, ranks); where
+# PYTHONDONTWRITEBYTECODE keeps bytecode out of the tree, each compiles the package anew
+# (about 15 s of CPU over the suite). Cache it outside the tree instead, for this process
+# and every one it starts.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"sparsekv-pycache-{os.getuid()}"))
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+    sys.dont_write_bytecode = False
 
 
 def pytest_addoption(parser):

@@ -9,6 +9,7 @@ can be the target of ``multiprocessing`` ``spawn`` children.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import multiprocessing as mp
@@ -530,8 +531,10 @@ def as_user(uid: int | None, groups=()) -> list[str]:
             f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"]
 
 
+@functools.cache
 def why_not_other_users() -> str | None:
-    """Why clients cannot be run as other users here, or None (then they can)."""
+    """Why clients cannot be run as other users here, or None (then they can). Asked once
+    a process: the answer takes a process of its own."""
     if os.geteuid() != 0:
         return "needs root to run clients as other users"
     if shutil.which("setpriv") is None:
