@@ -14,6 +14,8 @@ import tempfile
 
 import pytest
 
+from sparsekv.bench.private_daemon import PrivateDaemon
+
 # The suite starts a few hundred interpreters (daemons, CLI commands, ranks); where
 # PYTHONDONTWRITEBYTECODE keeps bytecode out of the tree, each compiles the package anew
 # (about 15 s of CPU over the suite). Cache it outside the tree instead, for this process
@@ -95,16 +97,25 @@ def pytest_runtest_teardown(item):
 POOL_BYTES = 64 << 20  # small: the daemon starts in a fraction of a second
 
 
+def private_daemon(log_dir) -> PrivateDaemon:
+    return PrivateDaemon(pool_bytes=POOL_BYTES, backend="cpu", extra_args=["--reap-interval-s", "0.1"],
+                         log_path=str(log_dir / "sparsekvd.log"), start_timeout_s=30)
+
+
 @pytest.fixture
 def daemon(tmp_path):
     """A private sparsekvd (cpu backend, 64 MiB pool) in its own process, stopped after
     the test. Dead clients are reaped every 0.1 s. Its log is ``tmp_path/sparsekvd.log``."""
-    from sparsekv.bench.private_daemon import PrivateDaemon
+    with private_daemon(tmp_path) as d:
+        yield d
 
-    log_path = tmp_path / "sparsekvd.log"
-    d = PrivateDaemon(pool_bytes=POOL_BYTES, backend="cpu", extra_args=["--reap-interval-s", "0.1"],
-                      log_path=str(log_path), start_timeout_s=30)
-    with d:
+
+@pytest.fixture(scope="module")
+def module_daemon(tmp_path_factory):
+    """The ``daemon`` fixture's daemon, shared by the tests of one module (a test worker
+    starts it once for the module's tests it runs): for tests that only read it, or that
+    leave it as they found it."""
+    with private_daemon(tmp_path_factory.mktemp("daemon")) as d:
         yield d
 
 
