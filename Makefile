@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 JOBS    ?= 2
 XDIST   := $(if $(filter-out 0 1,$(JOBS)),-n $(JOBS),)
 
-.PHONY: install test test-torch test-cuda soak demo bench nvcc wheel clean
+.PHONY: install test test-cuda soak demo bench nvcc wheel clean
 
 install: $(STAMP)
 
@@ -30,12 +30,6 @@ $(STAMP): pyproject.toml
 # addopts deselect `-m soak`).
 test: install
 	$(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
-
-# The tests marked `torch` (the example model, the handle on torch tensors), which `make
-# test` skips without torch. torch's CPU build is enough: `.venv/bin/pip install torch`.
-test-torch: install
-	@$(VPY) -c "import torch" 2>/dev/null || { echo "make test-torch: no torch in $(VENV) (its CPU build is enough)"; exit 1; }
-	$(VPY) -m pytest -q $(XDIST) -m torch $(PYTEST_ARGS)
 
 # On the GPU machine: run everything and fail (not skip) the tests marked `cuda`.
 test-cuda: install

@@ -1,10 +1,8 @@
 """Test options and shared fixtures.
 
 GPU tests are marked ``cuda``; ``--require-cuda`` makes their skip a failure. Tests that
-need torch (its CPU build is enough) are marked ``torch``: those of a module that imports
-it at the top (``torch = pytest.importorskip("torch")``) here, the others by hand. A plain
-``make test`` skips them where torch is missing; ``.ci/run`` installs torch afterwards and
-runs ``-m torch``, so an unmarked test that skips for want of torch fails instead.
+need torch (its CPU build is enough) skip without it (``pytest.importorskip("torch")``);
+``--torch-skips FILE`` lists them, for ``.ci/run`` to run once it has installed torch.
 """
 
 import functools
@@ -32,6 +30,20 @@ def pytest_addoption(parser):
         action="store_true",
         help="fail (instead of skip) tests marked cuda when no usable GPU is found",
     )
+    parser.addoption(
+        "--torch-skips",
+        metavar="FILE",
+        help="write the ids of the tests (or modules) skipped because torch is not installed to FILE, one a line",
+    )
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    path = config.getoption("--torch-skips")
+    if path and not hasattr(config, "workerinput"):  # the controller: it sees every worker's reports
+        skipped = terminalreporter.stats.get("skipped", [])
+        ids = sorted({r.nodeid for r in skipped if "could not import 'torch'" in str(r.longrepr)})
+        with open(path, "w") as f:
+            f.writelines(f"{i}\n" for i in ids)
 
 
 @functools.cache
@@ -44,23 +56,6 @@ def cuda_unavailable_reason():
     except Exception as e:  # noqa: BLE001 - any import/driver failure means no GPU here
         return f"CUDA unavailable: {type(e).__name__}: {e}"
     return None
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if getattr(getattr(item.module, "torch", None), "__name__", None) == "torch":
-            item.add_marker(pytest.mark.torch)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """A test that skips because torch is missing must be marked ``torch``: otherwise
-    ``.ci/run``'s run with torch (``-m torch``) would never run it."""
-    report = (yield).get_result()
-    if (report.skipped and call.excinfo is not None and "torch" not in item.keywords
-            and "could not import 'torch'" in str(call.excinfo.value)):
-        report.outcome = "failed"
-        report.longrepr = f"{item.nodeid} needs torch but is not marked torch (@pytest.mark.torch)"
 
 
 def pytest_runtest_setup(item):

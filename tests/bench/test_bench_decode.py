@@ -394,7 +394,6 @@ def expected_out(pool: np.ndarray, rows: np.ndarray, mask=None) -> np.ndarray:
     return per.sum(axis=2)
 
 
-@pytest.mark.torch
 def test_the_gpu_step_maps_positions_through_the_block_table_and_reads_those_rows(cpu_torch):
     torch = cpu_torch
     opts, lay, wl = tiny()
@@ -438,7 +437,6 @@ class FakeHandle:
         return attention_indices_out
 
 
-@pytest.mark.torch
 def test_the_handle_step_calls_begin_once_and_every_layer_in_order_and_masks_minus_one(cpu_torch):
     torch = cpu_torch
     opts, lay, wl = tiny()
@@ -455,7 +453,6 @@ def test_the_handle_step_calls_begin_once_and_every_layer_in_order_and_masks_min
     np.testing.assert_array_equal(st.out.numpy(), expected_out(pool, wl.host_rows_of(1), mask))
 
 
-@pytest.mark.torch
 def test_run_configs_times_each_config_and_measures_the_hit_rate(cpu_torch):
     torch = cpu_torch
     opts, lay, _ = tiny()
@@ -479,7 +476,6 @@ def test_run_configs_times_each_config_and_measures_the_hit_rate(cpu_torch):
     assert out2[0].hit_rate == workloads[90.0].target_hit_rate and not out2[0].hit_measured
 
 
-@pytest.mark.torch
 def test_paired_sides_run_in_turn_and_report_the_median_per_step_difference(cpu_torch, monkeypatch):
     """--paired: step t of both sides before step t + 1 of either, the first side first on
     even steps and second on odd ones; each side's p50 from its own steps, the doorbell's

@@ -193,7 +193,6 @@ def test_kv_is_a_view_of_the_attached_slab(client):
         assert (slab[layer, 2, 5] == 200 + layer).all()
 
 
-@pytest.mark.torch
 def test_torch_in_torch_out_and_torch_out_arrays():
     torch = pytest.importorskip("torch")
     with InprocClient() as c:
@@ -240,7 +239,6 @@ class TensorReplies:
         return TopkResult(self.replies[-1], t(np.array(misses, np.int32)), res.hits, res.out_of_range)
 
 
-@pytest.mark.torch
 def test_tensor_replies_give_the_same_indices_counts_and_rows_made_with_torch(monkeypatch):
     """cuda's replies (tensors): with an input on the GPU (here: any tensor, on the CPU)
     the indices, valid counts, the follower's copy and the misses summed on the device
@@ -276,7 +274,6 @@ def test_tensor_replies_give_the_same_indices_counts_and_rows_made_with_torch(mo
         assert h.counts["misses"] == 14  # all hit the second time
 
 
-@pytest.mark.torch
 def test_a_top_k_on_the_gpu_is_mapped_there_and_only_the_rows_come_to_the_host(monkeypatch):
     """A top-k tensor on the GPU (here: any tensor, on the CPU) is mapped with torch on its
     device (torch_positions), never copied to the host nor mapped by host_rows, with a
@@ -320,7 +317,6 @@ def test_a_top_k_on_the_gpu_is_mapped_there_and_only_the_rows_come_to_the_host(m
         assert mapped == [1, 1] and hosted == [1, 1]
 
 
-@pytest.mark.torch
 def test_a_gpu_req_id_tensor_is_read_once_a_step_on_a_fenced_rank_even_in_inference_mode(monkeypatch):
     """On a rank with fence events a req_id_per_token tensor on the GPU (here: any tensor)
     is copied to the host at its first use in a step, again only when modified in place
