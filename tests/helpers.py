@@ -178,7 +178,7 @@ class PeerFrame(bytes):
 def shm_slabs(run_dir: str, shm_dir: str = "/dev/shm") -> list[str]:
     """The cpu backend's slabs of the daemon serving ``run_dir``: the memfds it holds
     (``memfd:sparsekv-<tag>-<client id>``) and any file of the run dir's prefix in
-    ``shm_dir`` (paths: an older daemon's slabs; none are made now)."""
+    ``shm_dir`` (the daemon makes none there: one would be a slab that outlives it)."""
     return sorted(shm_files(run_dir, shm_dir) + slab_memfds(run_dir))
 
 
