@@ -12,11 +12,12 @@ import tempfile
 
 import pytest
 
+import helpers
 from sparsekv.bench.private_daemon import PrivateDaemon
 
-# The suite starts a few hundred interpreters (daemons, CLI commands, ranks); where
+# The suite starts a few hundred interpreters (daemons, CLI commands); where
 # PYTHONDONTWRITEBYTECODE keeps bytecode out of the tree, each compiles the package anew
-# (about 15 s of CPU over the suite). Cache it outside the tree instead, for this process
+# (a tenth of the suite's CPU time). Cache it outside the tree instead, for this process
 # and every one it starts.
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
     os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"sparsekv-pycache-{os.getuid()}"))
@@ -76,8 +77,6 @@ def pytest_runtest_teardown(item):
     path = os.environ.get("SPARSEKV_GPU_MEMLOG")
     if not path or "cuda" not in item.keywords or cuda_unavailable_reason() is not None:
         return
-    import sys
-
     cp = sys.modules["cupy"]
     free, total = cp.cuda.runtime.memGetInfo()
     torch = sys.modules.get("torch")
@@ -118,8 +117,6 @@ def module_daemon(tmp_path_factory):
 def dm(tmp_path):
     """A ``Daemon`` (cpu backend, 8 MiB pool, at most 3 clients) driven in this process:
     ``helpers.request(dm, ident, ...)`` sends it one request (helpers.inproc_daemon)."""
-    import helpers
-
     with helpers.inproc_daemon(tmp_path) as d:
         yield d
 
@@ -128,8 +125,6 @@ def dm(tmp_path):
 def spawn_rank():
     """Factory ``spawn_rank(run_dir, rank)`` of rank processes (tests/helpers.RankProc);
     every one is stopped after the test, killed if it does not exit."""
-    import helpers
-
     procs = []
 
     def make(run_dir, rank, name=""):

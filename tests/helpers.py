@@ -8,24 +8,33 @@ with that path.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import faulthandler
 import functools
 import glob
 import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 import numpy as np
+import zmq
 
-from sparsekv.daemon.backends import run_dir_tag
+from sparsekv.bench.verify import count_mismatches, pattern
+from sparsekv.client import Client, DaemonUnavailable, SparseKVError
+from sparsekv.daemon.backends import CpuBackend, run_dir_tag
+from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.residency.contract import RegionModel
+from sparsekv.daemon.server import Daemon
 from sparsekv.proto import Layout, decode, encode
 
 PY = sys.executable
@@ -34,7 +43,7 @@ PY = sys.executable
 # instead of the ~0.3 s of CPU of a new interpreter, and inherits none of a test's threads
 # or sockets.
 RANKS = mp.get_context("forkserver")
-RANKS.set_forkserver_preload(["helpers", "sparsekv.client", "sparsekv.bench.verify"])
+RANKS.set_forkserver_preload(["helpers"])
 # SPARSEKV_LONG=1 (`make soak`): property tests draw many more examples.
 LONG = os.environ.get("SPARSEKV_LONG", "") not in ("", "0")
 
@@ -73,8 +82,6 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
     att)`` until something fails. A lost daemon is reported once per loss ("lost", with
     ``counts``' checks, rows and bad), any other failure as "error"; the client is closed
     and the loop begins again."""
-    from sparsekv.client import DaemonUnavailable
-
     lost_at = None
     attaches = 0  # this process's attaches so far (an error event says which one failed)
     while True:
@@ -91,8 +98,6 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
                 lost_at = time.time()
                 ev("lost", msg=str(e)[:200], checks=counts["checks"], rows=counts["rows"], bad=counts["bad"])
         except Exception as e:  # noqa: BLE001 - a failure of the run: record it, carry on
-            import traceback
-
             where = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
             extra = {"status": e.status} if hasattr(e, "status") else {}  # a CUDA error's code
             attach_mod = sys.modules.get("sparsekv.client.cuda_attach")  # loaded by a cuda rank only
@@ -119,9 +124,6 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
 
 def stacks_on_sigusr2(path: str) -> None:
     """A test worker process: ``kill -USR2`` writes its threads' stacks to ``path``."""
-    import faulthandler
-    import signal
-
     f = open(path, "a")  # noqa: SIM115 - open for the process's life
     _KEEP_OPEN.append(f)
     faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)
@@ -168,8 +170,6 @@ class PeerFrame(bytes):
         return self
 
     def get(self, prop: str):
-        import zmq  # noqa: PLC0415
-
         if prop != "Peer-Address" or self.peer_address is None:
             raise zmq.ZMQError(22)  # EINVAL, as libzmq answers for a missing property
         return self.peer_address
@@ -217,8 +217,6 @@ def slab_memfds(run_dir: str, pid: int | None = None) -> list[str]:
 def gen_pattern(layer: int, rows, row_bytes: int, gen=None) -> np.ndarray:
     """The bytes of host ``rows`` of ``layer``: the ``--verify`` pattern for generation 0,
     a different pattern for each later generation (rows rewritten by a test)."""
-    from sparsekv.bench.verify import pattern
-
     rows = np.asarray(rows, dtype=np.int64)
     g = np.zeros(rows.shape[0], np.int64) if gen is None else np.asarray(gen, np.int64)[rows]
     out = np.empty((rows.shape[0], row_bytes), np.uint8)
@@ -308,9 +306,6 @@ def reference_replay(trace) -> tuple[np.ndarray, np.ndarray]:
 def _rank_server(conn, run_dir: str, rank: int, name: str) -> None:
     """Child process: one Client, driven by commands from the test over ``conn``. Every
     byte check happens here, on this process's own mapping of its hot slab."""
-    from sparsekv.client import Client, SparseKVError
-    from sparsekv.bench.verify import count_mismatches
-
     client = Client(run_dir, rank=rank, name=name, timeout_s=20)
     att = None
     gen = None
@@ -461,10 +456,6 @@ def inproc_daemon(path, max_clients: int = 3, pool_bytes: int = 8 << 20, **daemo
     """A ``Daemon`` on the cpu backend driven in this process through ``handle()`` (no
     sockets; ``request`` sends it one), with its run dir and shared-memory files under
     ``path``; every session detached and everything closed afterwards."""
-    from sparsekv.daemon.backends import CpuBackend
-    from sparsekv.daemon.pool import HostPool
-    from sparsekv.daemon.server import Daemon
-
     pool = HostPool(pool_bytes, threads=1)
     backend = CpuBackend(str(path), shm_dir=str(path))
     d = Daemon(str(path), backend, pool, max_clients=max_clients, **daemon_kw)
@@ -484,13 +475,6 @@ def serving_daemon(pool_bytes: int = 8 << 20, backend_cls=None, before_stop=None
     ``thread``, ``box`` (``loop``, and ``error`` if serving failed) and ``call_soon(fn)``
     (run ``fn`` on its loop). Stopped after (``before_stop()`` first, if given), then its
     backend and pool closed."""
-    import asyncio
-    import threading
-
-    from sparsekv.daemon.backends import CpuBackend
-    from sparsekv.daemon.pool import HostPool
-    from sparsekv.daemon.server import Daemon
-
     with short_tmpdir() as run_dir:
         pool = HostPool(pool_bytes, threads=1)
         backend = (backend_cls or CpuBackend)(run_dir, shm_dir=run_dir)

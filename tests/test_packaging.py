@@ -2,11 +2,16 @@
 client, the daemon and the CLI import and run without them (every ``import torch`` /
 ``import cupy`` is lazy, on a cuda path only)."""
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
 import tomllib
 from pathlib import Path
+
+import pytest
+
+from sparsekv.client.cuda_attach import bus_id_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,12 +56,6 @@ def test_cpu_paths_import_and_run_without_torch_or_cupy(tmp_path):
 
 
 def test_a_cuda_rank_without_the_cuda_extra_is_told_what_to_install(monkeypatch):
-    import importlib.util
-
-    import pytest
-
-    from sparsekv.client.cuda_attach import bus_id_of
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("torch", "cupy") else real(n, *a))
     with pytest.raises(ImportError, match=r"a cuda rank needs cupy and torch: pip install 'sparsekv\[cuda\]'"):
