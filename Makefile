@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 JOBS    ?= 2
 XDIST   := $(if $(filter-out 0 1,$(JOBS)),-n $(JOBS),)
 
-.PHONY: install test test-cuda soak demo bench nvcc clean
+.PHONY: install test test-cuda soak demo bench nvcc wheel clean
 
 install: $(STAMP)
 
@@ -55,5 +55,9 @@ nvcc:
 	@d="-DSKV_HASH_SCALE=4 -DSKV_WS_SMEM=1 -DSKV_LRU_SMEM=1 -DSKV_OWNER_SMEM=1"; echo "nvcc csrc/resolve.cu $$d"; \
 	  nvcc -arch=sm_90 -std=c++17 -c -o /dev/null $$d csrc/resolve.cu
 
+# A wheel of the package (no dependencies) in dist/: `pip install dist/sparsekv-*.whl`.
+wheel:
+	$(PY) -m pip wheel -q --no-deps -w dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

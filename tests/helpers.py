@@ -2,33 +2,48 @@
 running in its own process, raw socket helpers and polling.
 
 Imported by test modules as ``helpers`` (pytest puts ``tests/`` on ``sys.path`` through
-``tests/conftest.py``); spawned rank processes inherit that path, so the functions below
-can be the target of ``multiprocessing`` ``spawn`` children.
+``tests/conftest.py``); rank processes start from a forkserver that imported this module
+with that path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import faulthandler
+import functools
 import glob
 import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 import numpy as np
+import zmq
 
-from sparsekv.daemon.backends import run_dir_tag
+from sparsekv.bench.verify import count_mismatches, pattern
+from sparsekv.client import Client, DaemonUnavailable, SparseKVError
+from sparsekv.daemon.backends import CpuBackend, run_dir_tag
+from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.residency.contract import RegionModel
-from sparsekv.proto import Layout
+from sparsekv.daemon.server import Daemon
+from sparsekv.proto import Layout, decode, encode
 
 PY = sys.executable
-SPAWN = mp.get_context("spawn")
+# Rank processes fork from a server process (one per test process, started at the first
+# rank) that has imported this module and the client once: a rank starts in milliseconds
+# instead of the ~0.3 s of CPU of a new interpreter, and inherits none of a test's threads
+# or sockets.
+RANKS = mp.get_context("forkserver")
+RANKS.set_forkserver_preload(["helpers"])
 # SPARSEKV_LONG=1 (`make soak`): property tests draw many more examples.
 LONG = os.environ.get("SPARSEKV_LONG", "") not in ("", "0")
 
@@ -67,8 +82,6 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
     att)`` until something fails. A lost daemon is reported once per loss ("lost", with
     ``counts``' checks, rows and bad), any other failure as "error"; the client is closed
     and the loop begins again."""
-    from sparsekv.client import DaemonUnavailable
-
     lost_at = None
     attaches = 0  # this process's attaches so far (an error event says which one failed)
     while True:
@@ -85,8 +98,6 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
                 lost_at = time.time()
                 ev("lost", msg=str(e)[:200], checks=counts["checks"], rows=counts["rows"], bad=counts["bad"])
         except Exception as e:  # noqa: BLE001 - a failure of the run: record it, carry on
-            import traceback
-
             where = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
             extra = {"status": e.status} if hasattr(e, "status") else {}  # a CUDA error's code
             attach_mod = sys.modules.get("sparsekv.client.cuda_attach")  # loaded by a cuda rank only
@@ -113,9 +124,6 @@ def soak_worker_loop(open_client, start, work, ev, counts: dict) -> None:
 
 def stacks_on_sigusr2(path: str) -> None:
     """A test worker process: ``kill -USR2`` writes its threads' stacks to ``path``."""
-    import faulthandler
-    import signal
-
     f = open(path, "a")  # noqa: SIM115 - open for the process's life
     _KEEP_OPEN.append(f)
     faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)
@@ -133,6 +141,24 @@ def wait_for(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: str 
         time.sleep(interval_s)
 
 
+def request(dm, ident: bytes, msg_type, fields=None, arrays=None, *, req_id: int = 1, peer=False):
+    """One request through ``dm.handle`` (a ``Daemon`` driven in this process, no sockets)
+    from the connection whose routing id is ``ident``; returns the reply's (header,
+    arrays). ``peer``: the connection's ``Peer-Address`` (``peer_address(pid)``; None: one
+    that cannot be read), as if the request came over a real socket; False: no credentials
+    (a request from the daemon's own process)."""
+    frames = [bytes(f) for f in encode(msg_type, req_id, fields, arrays)]
+    if peer is not False:
+        frames = [PeerFrame(f, peer) for f in frames]
+    return decode([bytes(f) for f in dm.handle(ident, frames)])
+
+
+def peer_address(pid: int, uid: int | None = None, gid: int | None = None) -> str:
+    """libzmq's ``Peer-Address`` of a connection from process ``pid`` running as ``uid`` /
+    ``gid`` (this process's when None)."""
+    return f"localhost:{os.getuid() if uid is None else uid}:{os.getgid() if gid is None else gid}:{pid}"
+
+
 class PeerFrame(bytes):
     """A frame as ``Daemon.handle`` gets it from a real connection: its bytes plus the
     connection's credentials, libzmq's ``Peer-Address`` property (``get``).
@@ -144,24 +170,15 @@ class PeerFrame(bytes):
         return self
 
     def get(self, prop: str):
-        import zmq  # noqa: PLC0415
-
         if prop != "Peer-Address" or self.peer_address is None:
             raise zmq.ZMQError(22)  # EINVAL, as libzmq answers for a missing property
         return self.peer_address
 
 
-def peer_frames(frames, pid: int, uid: int | None = None, gid: int | None = None) -> list:
-    """``frames`` as received from process ``pid`` running as ``uid`` / ``gid`` (this
-    process's when None)."""
-    addr = f"localhost:{os.getuid() if uid is None else uid}:{os.getgid() if gid is None else gid}:{pid}"
-    return [PeerFrame(f, addr) for f in frames]
-
-
 def shm_slabs(run_dir: str, shm_dir: str = "/dev/shm") -> list[str]:
     """The cpu backend's slabs of the daemon serving ``run_dir``: the memfds it holds
     (``memfd:sparsekv-<tag>-<client id>``) and any file of the run dir's prefix in
-    ``shm_dir`` (paths: an older daemon's slabs; none are made now)."""
+    ``shm_dir`` (the daemon makes none there: one would be a slab that outlives it)."""
     return sorted(shm_files(run_dir, shm_dir) + slab_memfds(run_dir))
 
 
@@ -200,8 +217,6 @@ def slab_memfds(run_dir: str, pid: int | None = None) -> list[str]:
 def gen_pattern(layer: int, rows, row_bytes: int, gen=None) -> np.ndarray:
     """The bytes of host ``rows`` of ``layer``: the ``--verify`` pattern for generation 0,
     a different pattern for each later generation (rows rewritten by a test)."""
-    from sparsekv.bench.verify import pattern
-
     rows = np.asarray(rows, dtype=np.int64)
     g = np.zeros(rows.shape[0], np.int64) if gen is None else np.asarray(gen, np.int64)[rows]
     out = np.empty((rows.shape[0], row_bytes), np.uint8)
@@ -291,9 +306,6 @@ def reference_replay(trace) -> tuple[np.ndarray, np.ndarray]:
 def _rank_server(conn, run_dir: str, rank: int, name: str) -> None:
     """Child process: one Client, driven by commands from the test over ``conn``. Every
     byte check happens here, on this process's own mapping of its hot slab."""
-    from sparsekv.client import Client, SparseKVError
-    from sparsekv.bench.verify import count_mismatches
-
     client = Client(run_dir, rank=rank, name=name, timeout_s=20)
     att = None
     gen = None
@@ -374,12 +386,12 @@ class RankError(Exception):
 
 
 class RankProc:
-    """A TP rank in a spawned process; ``call`` runs one command there and returns its
+    """A TP rank in a process of its own; ``call`` runs one command there and returns its
     result, raises :class:`RankError` for a typed client error."""
 
     def __init__(self, run_dir: str, rank: int, name: str = ""):
-        self.conn, child = SPAWN.Pipe()
-        self.proc = SPAWN.Process(target=_rank_server, args=(child, run_dir, rank, name or f"rank{rank}"),
+        self.conn, child = RANKS.Pipe()
+        self.proc = RANKS.Process(target=_rank_server, args=(child, run_dir, rank, name or f"rank{rank}"),
                                   daemon=True)
         self.proc.start()
         child.close()
@@ -440,17 +452,13 @@ def run_cli(*args, env=None, timeout_s: float = 60.0, module: str = "sparsekv.cl
 
 
 @contextlib.contextmanager
-def inproc_daemon(path, max_clients: int = 3, pool_bytes: int = 8 << 20):
+def inproc_daemon(path, max_clients: int = 3, pool_bytes: int = 8 << 20, **daemon_kw):
     """A ``Daemon`` on the cpu backend driven in this process through ``handle()`` (no
-    sockets), with its run dir and shared-memory files under ``path``; every session
-    detached and everything closed afterwards."""
-    from sparsekv.daemon.backends import CpuBackend
-    from sparsekv.daemon.pool import HostPool
-    from sparsekv.daemon.server import Daemon
-
+    sockets; ``request`` sends it one), with its run dir and shared-memory files under
+    ``path``; every session detached and everything closed afterwards."""
     pool = HostPool(pool_bytes, threads=1)
     backend = CpuBackend(str(path), shm_dir=str(path))
-    d = Daemon(str(path), backend, pool, max_clients=max_clients)
+    d = Daemon(str(path), backend, pool, max_clients=max_clients, **daemon_kw)
     try:
         yield d
     finally:
@@ -467,13 +475,6 @@ def serving_daemon(pool_bytes: int = 8 << 20, backend_cls=None, before_stop=None
     ``thread``, ``box`` (``loop``, and ``error`` if serving failed) and ``call_soon(fn)``
     (run ``fn`` on its loop). Stopped after (``before_stop()`` first, if given), then its
     backend and pool closed."""
-    import asyncio
-    import threading
-
-    from sparsekv.daemon.backends import CpuBackend
-    from sparsekv.daemon.pool import HostPool
-    from sparsekv.daemon.server import Daemon
-
     with short_tmpdir() as run_dir:
         pool = HostPool(pool_bytes, threads=1)
         backend = (backend_cls or CpuBackend)(run_dir, shm_dir=run_dir)
@@ -519,8 +520,10 @@ def as_user(uid: int | None, groups=()) -> list[str]:
             f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"]
 
 
+@functools.cache
 def why_not_other_users() -> str | None:
-    """Why clients cannot be run as other users here, or None (then they can)."""
+    """Why clients cannot be run as other users here, or None (then they can). Asked once
+    a process: the answer takes a process of its own."""
     if os.geteuid() != 0:
         return "needs root to run clients as other users"
     if shutil.which("setpriv") is None:

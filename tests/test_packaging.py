@@ -2,11 +2,16 @@
 client, the daemon and the CLI import and run without them (every ``import torch`` /
 ``import cupy`` is lazy, on a cuda path only)."""
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
 import tomllib
 from pathlib import Path
+
+import pytest
+
+from sparsekv.client.cuda_attach import bus_id_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,12 +56,6 @@ def test_cpu_paths_import_and_run_without_torch_or_cupy(tmp_path):
 
 
 def test_a_cuda_rank_without_the_cuda_extra_is_told_what_to_install(monkeypatch):
-    import importlib.util
-
-    import pytest
-
-    from sparsekv.client.cuda_attach import bus_id_of
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("torch", "cupy") else real(n, *a))
     with pytest.raises(ImportError, match=r"a cuda rank needs cupy and torch: pip install 'sparsekv\[cuda\]'"):
@@ -70,3 +69,14 @@ def test_torch_and_cupy_come_only_with_the_cuda_extra():
     assert not {"torch", "cupy-cuda13x"} & base and "prometheus-client" in base
     assert {"torch", "cupy-cuda13x"} <= names(project["optional-dependencies"]["cuda"])
     assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_every_folder_of_modules_is_in_the_distribution():
+    """A folder of modules under a room (daemon/, client/, ...) that pyproject's
+    ``packages`` does not list is left out of ``pip install .`` and ``make wheel``."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {"sparsekv"}
+    for name, folder in tool["package-dir"].items():
+        if folder != ".":  # the root holds only the package's __init__.py; the rooms are mapped
+            found |= {".".join([name, *p.parent.relative_to(ROOT / folder).parts]) for p in (ROOT / folder).rglob("*.py")}
+    assert found == set(tool["packages"])

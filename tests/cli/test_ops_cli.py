@@ -264,7 +264,8 @@ def test_top_once_against_a_daemon_under_load(daemon):
     t = threading.Thread(target=load)
     t.start()
     try:
-        p = subprocess.run([helpers.PY, "-m", "sparsekv.cli.main", "top", "--once", "--run-dir", daemon.run_dir],
+        p = subprocess.run([helpers.PY, "-m", "sparsekv.cli.main", "top", "--once", "--interval-s", "0.3",
+                            "--run-dir", daemon.run_dir],
                            capture_output=True, text=True, timeout=60)
     finally:
         stop.set()

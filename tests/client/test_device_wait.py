@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import helpers
+from helpers import request
 from sparsekv.client import BadRequest, Client, DaemonUnavailable
 from sparsekv.client.client import Ready
 from sparsekv.client.device_wait import DeviceWaitWatch
@@ -271,19 +272,14 @@ def test_the_daemon_checks_done_and_a_cpu_rank_refuses_block_topks_and_serves_on
     serves on. (In process: Daemon.handle, as tests/daemon/test_fuzz_requests.py does.)"""
     import os
 
-    from sparsekv.proto import decode, encode
-
-    def call(dm, kind, fields=None, arrays=None):
-        return decode([bytes(f) for f in dm.handle(b"D", [bytes(f) for f in encode(kind, 7, fields, arrays)])])
-
     with helpers.inproc_daemon(tmp_path) as dm:
-        assert call(dm, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "dw"})[0]["ok"]
-        assert call(dm, MsgType.ATTACH, {"engine": "dw", "layout": LAYOUT.to_wire()})[0]["ok"]
+        assert request(dm, b"D", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "dw"})[0]["ok"]
+        assert request(dm, b"D", MsgType.ATTACH, {"engine": "dw", "layout": LAYOUT.to_wire()})[0]["ok"]
         for bad in ("1", 2**32, -1, True, 1.5):
-            h, _ = call(dm, MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": bad})
+            h, _ = request(dm, b"D", MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": bad})
             assert not h["ok"] and h["code"] == ErrorCode.BAD_ARGUMENT and "done must be an integer" in h["msg"]
-        h, _ = call(dm, MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": 7})
+        h, _ = request(dm, b"D", MsgType.TOPK, {"step": 0, "group": 0, "block": 0, "done": 7})
         assert not h["ok"] and h["code"] == ErrorCode.BAD_ARGUMENT and "cuda only" in h["msg"]
-        assert call(dm, MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
-        h, a = call(dm, MsgType.TOPK, {"step": 0, "group": 0}, {"topk": IDS})
+        assert request(dm, b"D", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
+        h, a = request(dm, b"D", MsgType.TOPK, {"step": 0, "group": 0}, {"topk": IDS})
         assert h["ok"] and int(a["misses"][0]) == 4

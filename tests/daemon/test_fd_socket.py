@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import helpers
+from helpers import request
 from sparsekv.client import Client
 from sparsekv.bench.private_daemon import PrivateDaemon
-from sparsekv.proto import ErrorCode, MsgType, ProtocolError, decode, encode
+from sparsekv.proto import ErrorCode, MsgType, ProtocolError
 from sparsekv.proto.fd_socket import FD_SOCKET, fetch_fds
 
 MiB = 1 << 20
@@ -198,14 +199,10 @@ def test_another_user_cannot_get_the_fds_of_a_users_rank(tmp_path):
 
 
 # -- in process: the decision itself -------------------------------------------------------
-def _call(d, ident, msg_type, fields=None):
-    return decode([bytes(f) for f in d.handle(ident, [bytes(f) for f in encode(msg_type, 1, fields)])])[0]
-
-
 def test_the_fd_answer_in_process(tmp_path):
     with helpers.inproc_daemon(tmp_path) as d:
-        assert _call(d, b"a", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})["ok"]
-        h = _call(d, b"a", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["handles"]
+        assert request(d, b"a", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})[0]["ok"]
+        h = request(d, b"a", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})[0]["handles"]
         line = h["fd_token"].encode() + b"\n"
         uid, gid = os.getuid(), os.getgid()
         # nothing in time; another process (an in-process session is the daemon's own process)

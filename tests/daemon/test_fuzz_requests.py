@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import helpers
+from helpers import request
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.server import Daemon
-from sparsekv.proto import LIMITS, REQUESTS, ErrorCode, MsgType, decode, encode
+from sparsekv.proto import LIMITS, REQUESTS, ErrorCode, MsgType
 from sparsekv.proto.messages import WIRE_DTYPES
 
 MiB = 1 << 20
@@ -126,13 +127,8 @@ def dm(tmp_path_factory):
         yield d
 
 
-def call(dm, ident, kind, fields=None, arrays=None):
-    reply = dm.handle(ident, [bytes(f) for f in encode(kind, 7, fields, arrays)])
-    return decode([bytes(f) for f in reply])
-
-
 def ok(dm, ident, kind, fields=None, arrays=None):
-    h, a = call(dm, ident, kind, fields, arrays)
+    h, a = request(dm, ident, kind, fields, arrays)
     assert h["ok"], h
     return h, a
 
@@ -166,7 +162,7 @@ def test_garbage_requests_get_typed_errors_and_others_go_on(dm, reqs, attached):
         ok(dm, b"F", MsgType.ATTACH, {"engine": "fz", "layout": FUZZ_LAYOUT.to_wire()})
         ok(dm, b"F", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0, 1, -1], np.int32)})
     for kind, fields, arrs in reqs:
-        h, _ = call(dm, b"F", kind, fields, arrs)
+        h, _ = request(dm, b"F", kind, fields, arrs)
         assert h.get("code") != ErrorCode.INTERNAL, (kind.name, fields, {k: (v.dtype, v.shape) for k, v in arrs.items()}, h)
     good_step(dm, 1 + dm.stats.c["requests"] % 1000)
     assert set(dm.sessions) <= {b"F", b"G"}
@@ -218,7 +214,7 @@ def test_client_mistakes_are_typed_errors(tmp_path, kind, fields, arrays, code, 
         ok(d, b"A", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
         if kind != MsgType.ATTACH:
             ok(d, b"A", MsgType.ATTACH, {"engine": "fz", "layout": FUZZ_LAYOUT.to_wire()})
-        h, _ = call(d, b"A", kind, fields, arrays)
+        h, _ = request(d, b"A", kind, fields, arrays)
         assert (h["ok"], h.get("error")) == (False, code.name), h
         assert words in h["msg"], h["msg"]
     finally:

@@ -14,21 +14,16 @@ import time
 import pytest
 
 import helpers
+from helpers import peer_address, request
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon import peers as peers_mod
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.peers import Peer, PidWatch, parse_peer_address, peer_creds
 from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.server import Daemon
-from sparsekv.proto import ERROR_HINTS, ErrorCode, MsgType, ProtocolError, decode, encode
+from sparsekv.proto import ERROR_HINTS, ErrorCode, MsgType, ProtocolError
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def dm(tmp_path):
-    with helpers.inproc_daemon(tmp_path, max_clients=8) as d:
-        yield d
 
 
 @pytest.fixture
@@ -47,21 +42,8 @@ def sleeper():
         p.wait()
 
 
-def call(dm, ident, msg_type, fields=None, arrays=None, *, peer=False):
-    """One request through ``dm.handle``; ``peer``: a ``Peer-Address`` string (or None for
-    an unreadable one) as if received on a real connection; False: an in-process call."""
-    frames = [bytes(f) for f in encode(msg_type, 1, fields, arrays)]
-    if peer is not False:
-        frames = [helpers.PeerFrame(f, peer) for f in frames]
-    return decode([bytes(f) for f in dm.handle(ident, frames)])[0]
-
-
 def hello_fields(pid=1):
     return {"pid": pid, "rank": 0, "device": "cpu", "name": "t"}
-
-
-def addr(pid, uid=None, gid=None):
-    return f"localhost:{os.getuid() if uid is None else uid}:{os.getgid() if gid is None else gid}:{pid}"
 
 
 def assert_error(h, code, words=""):
@@ -93,7 +75,7 @@ def test_peer_address_parsing(value, want):
 
 def test_peer_creds_of_frames():
     assert peer_creds([b"header"]) is None  # plain bytes: an in-process call
-    assert peer_creds([helpers.PeerFrame(b"h", addr(9, 5, 6))]) == Peer(5, 6, 9, True)
+    assert peer_creds([helpers.PeerFrame(b"h", peer_address(9, 5, 6))]) == Peer(5, 6, 9, True)
     for bad in (None, "localhost", "x:y:z:w"):
         with pytest.raises(ProtocolError) as ei:
             peer_creds([helpers.PeerFrame(b"h", bad)])
@@ -121,32 +103,32 @@ def test_real_zmq_frames_carry_this_process_as_peer(tmp_path):
 def test_session_identity_comes_from_the_kernel_not_the_hello(dm, sleeper, caplog):
     child = sleeper()
     with caplog.at_level(logging.INFO, logger="sparsekv.server"):
-        h = call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid, 1234, 99))
+        h = request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid, 1234, 99))[0]
     assert h["ok"], h
     s = dm.sessions[b"A"]
     assert (s.pid, s.uid, s.gid, s.verified) == (child.pid, 1234, 99, True)
-    assert s.peer_address == addr(child.pid, 1234, 99)  # for a later request's frames to match
+    assert s.peer_address == peer_address(child.pid, 1234, 99)  # for a later request's frames to match
     assert s.proc_started is not None  # of the kernel's pid: pid reuse is told apart
     claim = [r for r in caplog.records if "claims pid 1" in r.getMessage()]
     assert claim and claim[0].levelno == logging.INFO and f"the kernel says {child.pid}" in claim[0].getMessage()
     # The same claim as the kernel's says nothing
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="sparsekv.server"):
-        assert call(dm, b"B", MsgType.HELLO, hello_fields(pid=child.pid), peer=addr(child.pid))["ok"]
+        assert request(dm, b"B", MsgType.HELLO, hello_fields(pid=child.pid), peer=peer_address(child.pid))[0]["ok"]
     assert not [r for r in caplog.records if "claims pid" in r.getMessage()]
 
 
 @pytest.mark.parametrize("peer", [None, "localhost", "127.0.0.1", "localhost:a:b:c"],
                          ids=["unreadable", "no-peercred", "tcp", "garbage"])
 def test_hello_whose_credentials_cannot_be_read_is_permission_denied(dm, peer):
-    h = call(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer)
+    h = request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer)[0]
     assert_error(h, ErrorCode.PERMISSION_DENIED, "credentials")
     assert not dm.sessions
     assert dm.snapshot()["errors_by_code"] == {"PERMISSION_DENIED": 1}
 
 
 def test_in_process_hello_is_the_daemons_own_user_unverified_and_never_reaped(dm):
-    assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=os.getpid()), peer=False)["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=os.getpid()), peer=False)[0]["ok"]
     s = dm.sessions[b"A"]
     assert (s.pid, s.uid, s.gid, s.verified, s.watch) == (0, os.getuid(), os.getgid(), False, None)
     assert dm.sessions.reap_dead() == 0 and b"A" in dm.sessions
@@ -154,7 +136,7 @@ def test_in_process_hello_is_the_daemons_own_user_unverified_and_never_reaped(dm
 
 def test_kernel_pid_0_is_outside_our_pid_namespace_warned_and_not_reaped(dm, caplog):
     with caplog.at_level(logging.INFO, logger="sparsekv.server"):
-        assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=77), peer=addr(0, 1000, 1000))["ok"]
+        assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=77), peer=peer_address(0, 1000, 1000))[0]["ok"]
     s = dm.sessions[b"A"]
     assert (s.pid, s.uid, s.verified, s.watch) == (0, 1000, True, None)
     assert any(r.levelno == logging.WARNING and "pid namespace" in r.getMessage() for r in caplog.records)
@@ -163,7 +145,7 @@ def test_kernel_pid_0_is_outside_our_pid_namespace_warned_and_not_reaped(dm, cap
 
 def test_clients_listing_shows_the_kernels_pid_and_uid(dm, sleeper):
     child = sleeper()
-    call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid, 1234, 99))
+    request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid, 1234, 99))[0]
     header, row = dm.sessions.client_lines().splitlines()
     cols = dict(zip(header.split("\t"), row.split("\t")))
     assert cols["pid"] == str(child.pid) and cols["uid"] == "1234"
@@ -172,19 +154,19 @@ def test_clients_listing_shows_the_kernels_pid_and_uid(dm, sleeper):
 
 def test_hello_again_from_another_process_cannot_take_over_the_connection(dm, sleeper):
     a, b = sleeper(), sleeper()
-    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(a.pid))["ok"]
-    h = call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(b.pid))
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(a.pid))[0]["ok"]
+    h = request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(b.pid))[0]
     assert_error(h, ErrorCode.PERMISSION_DENIED, "another process")
     assert dm.sessions[b"A"].pid == a.pid and dm.sessions[b"A"].client_id == 1
     # the connection's own process may start over (not attached)
-    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(a.pid))["client_id"] == 2
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(a.pid))[0]["client_id"] == 2
 
 
 # -- liveness: the pidfd -------------------------------------------------------------------
 def test_client_claiming_pid_1_is_reaped_when_its_real_process_dies(dm, sleeper, tmp_path):
     child = sleeper()
-    assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid))["ok"]
-    assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid))[0]["ok"]
+    assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})[0]["ok"]
     assert dm.sessions[b"A"].watch is not None
     assert dm.sessions.reap_dead() == 0
     child.kill()
@@ -196,7 +178,7 @@ def test_client_claiming_pid_1_is_reaped_when_its_real_process_dies(dm, sleeper,
 
 def test_zombie_is_dead_to_the_pidfd(dm, sleeper):
     child = sleeper()
-    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(child.pid))["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(child.pid))[0]["ok"]
     child.kill()  # not waited for: a zombie
     helpers.wait_for(lambda: dm.sessions[b"A"].watch.exited(), what="the pidfd to turn readable")
     assert dm.sessions.reap_dead() == 1
@@ -211,8 +193,8 @@ def test_dead_client_is_reclaimed_by_the_event_loop_at_once(tmp_path, sleeper, l
         dm = Daemon(str(tmp_path), backend, pool, reap_interval_s=3600)
         try:
             child = sleeper()
-            assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid))["ok"]
-            assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
+            assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid))[0]["ok"]
+            assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})[0]["ok"]
             await asyncio.sleep(0.05)
             assert b"A" in dm.sessions  # alive: nothing happens
             t0 = time.monotonic()
@@ -237,15 +219,15 @@ def test_dead_client_is_reclaimed_by_the_event_loop_at_once(tmp_path, sleeper, l
 
 def test_pidfd_is_closed_on_detach_and_opened_again_on_attach(dm, sleeper):
     child = sleeper()
-    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(child.pid))["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(child.pid))[0]["ok"]
     wire = helpers.layout().to_wire()
-    assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})["ok"]
+    assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})[0]["ok"]
     fd = dm.sessions[b"A"].watch.fd
     assert is_pidfd(fd)
-    assert call(dm, b"A", MsgType.DETACH)["ok"]
+    assert request(dm, b"A", MsgType.DETACH)[0]["ok"]
     assert dm.sessions[b"A"].watch is None and not is_pidfd(fd)
     assert dm.sessions.reap_dead() == 0  # detached and alive: the periodic check keeps it
-    assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})["ok"]
+    assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})[0]["ok"]
     assert dm.sessions[b"A"].watch is not None  # attached again: watched again
     child.kill()
     child.wait()
@@ -254,8 +236,8 @@ def test_pidfd_is_closed_on_detach_and_opened_again_on_attach(dm, sleeper):
 
 def test_detached_client_is_still_reaped_by_the_periodic_check(dm, sleeper):
     child = sleeper()
-    assert call(dm, b"A", MsgType.HELLO, hello_fields(), peer=addr(child.pid))["ok"]
-    assert call(dm, b"A", MsgType.DETACH)["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(child.pid))[0]["ok"]
+    assert request(dm, b"A", MsgType.DETACH)[0]["ok"]
     child.kill()
     child.wait()
     assert dm.sessions.reap_dead() == 1 and not dm.sessions
@@ -267,8 +249,8 @@ def test_without_pidfd_open_the_periodic_check_reaps_the_kernels_pid(dm, sleeper
 
     monkeypatch.setattr(peers_mod.os, "pidfd_open", no_pidfd)
     child = sleeper()
-    assert call(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=addr(child.pid))["ok"]
-    assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid))[0]["ok"]
+    assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})[0]["ok"]
     assert dm.sessions[b"A"].watch is None
     assert dm.sessions.reap_dead() == 0
     child.kill()
@@ -352,21 +334,21 @@ def test_attach_beyond_the_rank_memory_limit_is_refused_before_allocating(dm):
     """max_slab_bytes (config) bounds one rank's slab + staging + residency state: a
     layout past it is TOO_LARGE, and no pool range is taken."""
     dm.engine_requests.max_slab_bytes = 1 * MiB
-    assert call(dm, b"a", MsgType.HELLO, hello_fields())["ok"]
+    assert request(dm, b"a", MsgType.HELLO, hello_fields())[0]["ok"]
     lay = helpers.layout(num_layers=4, row_bytes=64, top_k=64, region_stride=128, max_reqs=64, host_rows=256)
-    h = call(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})
+    h = request(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})[0]
     assert_error(h, ErrorCode.TOO_LARGE)
     assert dm.pool.used_bytes == 0 and len(dm.engines) == 0
     dm.engine_requests.max_slab_bytes = 64 * MiB
-    assert call(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})["ok"]
+    assert request(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})[0]["ok"]
 
 
 def test_a_session_answers_only_the_process_that_said_hello(dm, sleeper):
     """A peer can choose its routing id: a request under a session's identity from
     another process (other SO_PEERCRED) is refused, the session itself is untouched."""
     me = sleeper()
-    assert call(dm, b"s", MsgType.HELLO, hello_fields(), peer=addr(me.pid))["ok"]
+    assert request(dm, b"s", MsgType.HELLO, hello_fields(), peer=peer_address(me.pid))[0]["ok"]
     other = sleeper()
-    h = call(dm, b"s", MsgType.STATS, peer=addr(other.pid))
+    h = request(dm, b"s", MsgType.STATS, peer=peer_address(other.pid))[0]
     assert_error(h, ErrorCode.PERMISSION_DENIED, "said HELLO")
-    assert call(dm, b"s", MsgType.STATS, peer=addr(me.pid))["ok"]
+    assert request(dm, b"s", MsgType.STATS, peer=peer_address(me.pid))[0]["ok"]

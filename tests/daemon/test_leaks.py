@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 import helpers
+from helpers import request
 from sparsekv.daemon import backends as backends_mod
 from sparsekv.daemon.backends import CpuBackend, run_dir_tag
 from sparsekv.daemon.pool import ALIGN_BYTES, HostPool
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.server import Daemon
-from sparsekv.proto import ErrorCode, MsgType, decode, encode
+from sparsekv.proto import ErrorCode, MsgType
 
 MiB = 1 << 20
 FAILURES = 33
@@ -37,12 +38,8 @@ class FlakyBackend(CpuBackend):
         return state, handles
 
 
-def call(dm, ident, t, fields=None, arrays=None):
-    return decode([bytes(f) for f in dm.handle(ident, [bytes(f) for f in encode(t, 1, fields, arrays)])])[0]
-
-
 def hello(dm, ident=b"A"):
-    return call(dm, ident, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
+    return request(dm, ident, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})[0]
 
 
 @pytest.fixture
@@ -58,7 +55,7 @@ LAYOUT = helpers.layout(row_bytes=4096, host_rows=2048)  # 16 MiB: zeroed in the
 
 
 def attach(dm, ident=b"A", engine="e"):
-    return call(dm, ident, MsgType.ATTACH, {"engine": engine, "layout": LAYOUT.to_wire()})
+    return request(dm, ident, MsgType.ATTACH, {"engine": engine, "layout": LAYOUT.to_wire()})[0]
 
 
 def assert_clean(dm, tmp_path):
@@ -118,7 +115,7 @@ def test_attach_detach_cycles_reuse_the_same_range(tmp_path, one_engine_pool):
         assert hello(dm)["ok"]
         for i in range(FAILURES):
             assert attach(dm, engine=f"e{i}")["ok"]  # waits for the previous range's zeroing
-            assert call(dm, b"A", MsgType.DETACH)["was_attached"]
+            assert request(dm, b"A", MsgType.DETACH)[0]["was_attached"]
         dm.pool.wait_zeroed()
         assert_clean(dm, tmp_path)
     finally:
@@ -135,7 +132,7 @@ def test_repeated_hello_never_piles_up_sessions(tmp_path):
         for _ in range(FAILURES):
             assert hello(dm)["ok"]
         assert len(dm.sessions) == 1
-        assert call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
+        assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})[0]["ok"]
         for _ in range(FAILURES):
             assert hello(dm)["code"] == int(ErrorCode.ALREADY_ATTACHED)
         assert len(dm.sessions) == 1 and dm.sessions[b"A"].state is not None

@@ -72,7 +72,8 @@ def test_1100_idle_connections_with_a_soft_limit_of_1024():
         p = start(run_dir, log, 1024, 8192)
         ctx, socks = idle_dealers(run_dir, IDLE)
         try:
-            time.sleep(1.0)  # every connection accepted by now
+            helpers.wait_for(lambda: p.poll() is not None or helpers.stats_json(run_dir)["connections_open"] == IDLE,
+                             10, what="every connection accepted")
             assert p.poll() is None, log_of(run_dir)
             with Client(run_dir, timeout_s=10) as c:
                 c.attach(helpers.layout())

@@ -5,6 +5,7 @@ whatever layout it sends, and the message names neither the owner nor the layout
 owner (and root) still get LAYOUT_MISMATCH with the layout. Requests that act on an engine
 (STEP, TOPK, WRITE, STAGE) reach only the sender's own attachment."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -14,35 +15,20 @@ import numpy as np
 import pytest
 
 import helpers
+from helpers import request
 from sparsekv.daemon import sessions as sessions_mod
-from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.engine import Owner
 from sparsekv.daemon.peers import process_groups
-from sparsekv.daemon.pool import HostPool
-from sparsekv.daemon.server import Daemon
-from sparsekv.proto import ERROR_HINTS, ErrorCode, MsgType, decode, encode
+from sparsekv.proto import ERROR_HINTS, ErrorCode, MsgType
 
-MiB = 1 << 20
 ADMIN = 4242
 
 
 @pytest.fixture
 def make_dm(tmp_path):
-    made = []
-
-    def make(admin_gid=None):
-        pool = HostPool(8 * MiB, threads=1)
-        backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
-        d = Daemon(str(tmp_path), backend, pool, admin_gid=admin_gid)
-        made.append(d)
-        return d
-
-    yield make
-    for d in made:
-        for s in list(d.sessions.values()):
-            d.sessions.detach(s)
-        d.backend.close()
-        d.pool.close()
+    """``make_dm(admin_gid)``: an in-process daemon (helpers.inproc_daemon), closed after."""
+    with contextlib.ExitStack() as stack:
+        yield lambda admin_gid=None: stack.enter_context(helpers.inproc_daemon(tmp_path, admin_gid=admin_gid))
 
 
 @pytest.fixture
@@ -59,24 +45,17 @@ def proc():
     p.wait()
 
 
-def call(dm, ident, msg_type, fields=None, arrays=None, peer=None):
-    frames = [bytes(f) for f in encode(msg_type, 1, fields, arrays)]
-    if peer is not None:
-        frames = [helpers.PeerFrame(f, peer) for f in frames]
-    return decode([bytes(f) for f in dm.handle(ident, frames)])
-
-
 def connect(dm, ident, pid, uid, gid=None):
     """HELLO from process ``pid`` running as ``uid`` / ``gid`` (gid = uid when None)."""
     gid = uid if gid is None else gid
-    h, _ = call(dm, ident, MsgType.HELLO, {"pid": pid, "rank": 0, "device": "cpu", "name": ""},
-                peer=f"localhost:{uid}:{gid}:{pid}")
+    h, _ = request(dm, ident, MsgType.HELLO, {"pid": pid, "rank": 0, "device": "cpu", "name": ""},
+                   peer=helpers.peer_address(pid, uid, gid))
     assert h["ok"], h
     return dm.sessions[ident]
 
 
 def attach(dm, ident, engine="e", **kw):
-    return call(dm, ident, MsgType.ATTACH, {"engine": engine, "layout": helpers.layout(**kw).to_wire()})[0]
+    return request(dm, ident, MsgType.ATTACH, {"engine": engine, "layout": helpers.layout(**kw).to_wire()})[0]
 
 
 def assert_denied(h):
@@ -198,7 +177,7 @@ def test_requests_reach_only_the_senders_own_attachment(dm, proc):
     a_pool = dm.engines.space("a").pool
     rows = np.arange(4, dtype=np.int32)
     data = np.full((lay.num_layers, 4, lay.row_bytes), 0xAB, np.uint8)
-    assert call(dm, b"A", MsgType.WRITE, {"layers": None}, {"rows": rows, "data": data})[0]["ok"]
+    assert request(dm, b"A", MsgType.WRITE, {"layers": None}, {"rows": rows, "data": data})[0]["ok"]
     connect(dm, b"B", proc.pid, 2000)
     # not attached: nothing of anyone else's engine is reachable
     for t, fields, arrays in (
@@ -207,14 +186,14 @@ def test_requests_reach_only_the_senders_own_attachment(dm, proc):
         (MsgType.TOPK, {"step": 0, "group": 0}, {"topk": rows[None, :]}),
         (MsgType.STAGE, {"layers": None}, {"rows": rows}),
     ):
-        h, _ = call(dm, b"B", t, fields, arrays)
+        h, _ = request(dm, b"B", t, fields, arrays)
         assert h["code"] == int(ErrorCode.NOT_ATTACHED), h
     # attached to its own engine: it reads and writes only that engine's rows
     assert attach(dm, b"B", engine="b")["ok"]
-    assert call(dm, b"B", MsgType.WRITE, {"layers": None}, {"rows": rows, "data": np.zeros_like(data)})[0]["ok"]
+    assert request(dm, b"B", MsgType.WRITE, {"layers": None}, {"rows": rows, "data": np.zeros_like(data)})[0]["ok"]
     assert (a_pool[:, :4] == 0xAB).all()
-    assert call(dm, b"B", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
-    h, arrays = call(dm, b"B", MsgType.TOPK, {"step": 0, "group": 0}, {"topk": rows[None, :]})
+    assert request(dm, b"B", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
+    h, arrays = request(dm, b"B", MsgType.TOPK, {"step": 0, "group": 0}, {"topk": rows[None, :]})
     assert h["ok"] and arrays["misses"][0] == 4
     b_slab = dm.sessions[b"B"].state.slab
     assert not (b_slab == 0xAB).any()

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 import helpers
+from helpers import request
 from sparsekv.daemon import pool as pool_mod
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.pool import ALIGN_BYTES, INLINE_ZERO_BYTES, HostPool, PoolError
 from sparsekv.daemon.server import Daemon
-from sparsekv.proto import MsgType, decode, encode
+from sparsekv.proto import MsgType
 
 MiB = 1 << 20
 BIG = 2 * INLINE_ZERO_BYTES  # zeroed in the background
@@ -117,10 +118,6 @@ def test_release_without_zeroing_for_a_range_nothing_wrote_to(gate):
 
 
 # -- through the daemon: engine A's bytes never reach engine B ------------------------------
-def call(dm, ident, t, fields=None, arrays=None):
-    return decode([bytes(f) for f in dm.handle(ident, [bytes(f) for f in encode(t, 1, fields, arrays)])])
-
-
 @pytest.mark.parametrize("host_rows", [64, 2048], ids=["inline", "background"])
 def test_next_engine_on_a_freed_range_reads_zeros(tmp_path, host_rows):
     lay = helpers.layout(row_bytes=4096, host_rows=host_rows, top_k=4)
@@ -131,21 +128,22 @@ def test_next_engine_on_a_freed_range_reads_zeros(tmp_path, host_rows):
     dm = Daemon(str(tmp_path), backend, pool)
     try:
         for ident in (b"A", b"B"):
-            assert call(dm, ident, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})[0]["ok"]
-        assert call(dm, b"A", MsgType.ATTACH, {"engine": "a", "layout": lay.to_wire()})[0]["ok"]
+            hello = {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""}
+            assert request(dm, ident, MsgType.HELLO, hello)[0]["ok"]
+        assert request(dm, b"A", MsgType.ATTACH, {"engine": "a", "layout": lay.to_wire()})[0]["ok"]
         rows = np.arange(lay.host_rows, dtype=np.int32)
         data = np.full((lay.num_layers, lay.host_rows, lay.row_bytes), 0x5A, np.uint8)
-        assert call(dm, b"A", MsgType.WRITE, {"layers": None}, {"rows": rows, "data": data})[0]["ok"]
+        assert request(dm, b"A", MsgType.WRITE, {"layers": None}, {"rows": rows, "data": data})[0]["ok"]
         t0 = time.monotonic()
-        assert call(dm, b"A", MsgType.DETACH)[0]["was_attached"]
+        assert request(dm, b"A", MsgType.DETACH)[0]["was_attached"]
         detach_s = time.monotonic() - t0
-        assert call(dm, b"B", MsgType.ATTACH, {"engine": "b", "layout": lay.to_wire()})[0]["ok"]
+        assert request(dm, b"B", MsgType.ATTACH, {"engine": "b", "layout": lay.to_wire()})[0]["ok"]
         space = dm.engines.space("b")
         assert space.pool_offset == 0  # the very range engine A had
         assert not space.pool.any()
         # and what B's rank gathers from it
-        assert call(dm, b"B", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
-        h, a = call(dm, b"B", MsgType.TOPK, {"step": 0, "group": 0}, {"topk": np.array([[0, 1, 2, 3]], np.int32)})
+        assert request(dm, b"B", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
+        h, a = request(dm, b"B", MsgType.TOPK, {"step": 0, "group": 0}, {"topk": np.array([[0, 1, 2, 3]], np.int32)})
         assert h["ok"] and a["misses"][0] == 4
         assert not dm.sessions[b"B"].state.slab.any()
         assert detach_s < 1.0
@@ -162,12 +160,12 @@ def test_detach_does_not_wait_for_zeroing(tmp_path, gate):
     backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
     dm = Daemon(str(tmp_path), backend, pool)
     try:
-        call(dm, b"A", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
-        assert call(dm, b"A", MsgType.ATTACH, {"engine": "a", "layout": lay.to_wire()})[0]["ok"]
-        assert call(dm, b"A", MsgType.DETACH)[0]["ok"]  # answered while the zeroing is held
+        request(dm, b"A", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
+        assert request(dm, b"A", MsgType.ATTACH, {"engine": "a", "layout": lay.to_wire()})[0]["ok"]
+        assert request(dm, b"A", MsgType.DETACH)[0]["ok"]  # answered while the zeroing is held
         assert pool.zeroing_bytes > 0 and dm.snapshot()["pool_used_bytes"] == 0
         # another engine attaches meanwhile, elsewhere in the pool
-        assert call(dm, b"A", MsgType.ATTACH, {"engine": "b", "layout": lay.to_wire()})[0]["ok"]
+        assert request(dm, b"A", MsgType.ATTACH, {"engine": "b", "layout": lay.to_wire()})[0]["ok"]
         assert dm.engines.space("b").pool_offset != 0
         gate.set()
         pool.wait_zeroed()

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 import helpers
+from helpers import request
 from sparsekv.daemon import server as server_mod
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.server import Daemon
@@ -22,32 +23,16 @@ from sparsekv.proto import ERROR_HINTS, PROTOCOL_VERSION, ErrorCode, MsgType, de
 MiB = 1 << 20
 
 
-@pytest.fixture
-def dm(tmp_path):
-    with helpers.inproc_daemon(tmp_path, max_clients=3) as d:
-        yield d
-
-
-def call(dm, ident, msg_type, fields=None, arrays=None, req_id=11, peer_pid=None):
-    """One request through ``dm.handle``; ``peer_pid``: as if received over a connection
-    of process ``peer_pid`` (this process's uid and gid), else with no credentials."""
-    frames = [bytes(f) for f in encode(msg_type, req_id, fields, arrays)]
-    if peer_pid is not None:
-        frames = helpers.peer_frames(frames, peer_pid)
-    h, a = decode([bytes(f) for f in dm.handle(ident, frames)])
-    return h, a
-
-
 def hello(dm, ident=b"A", pid=None, rank=0):
     """HELLO; with ``pid``, from a connection the kernel says is process ``pid``'s."""
-    h, _ = call(dm, ident, MsgType.HELLO, {"pid": pid or os.getpid(), "rank": rank, "device": "cpu", "name": "t"},
-                peer_pid=pid)
+    h, _ = request(dm, ident, MsgType.HELLO, {"pid": pid or os.getpid(), "rank": rank, "device": "cpu", "name": "t"},
+                   req_id=11, peer=False if pid is None else helpers.peer_address(pid))
     assert h["ok"], h
     return h
 
 
 def attach(dm, ident=b"A", engine="e", **kw):
-    return call(dm, ident, MsgType.ATTACH, {"engine": engine, "layout": helpers.layout(**kw).to_wire()})[0]
+    return request(dm, ident, MsgType.ATTACH, {"engine": engine, "layout": helpers.layout(**kw).to_wire()})[0]
 
 
 def assert_error(h, code: ErrorCode, words: str = ""):
@@ -64,7 +49,7 @@ def test_hello_replies_with_daemon_facts(dm):
 
 
 def test_any_request_before_hello_is_not_hello(dm):
-    assert_error(call(dm, b"A", MsgType.STATS)[0], ErrorCode.NOT_HELLO)
+    assert_error(request(dm, b"A", MsgType.STATS)[0], ErrorCode.NOT_HELLO)
 
 
 def test_wrong_protocol_version_is_bad_version_naming_both(dm):
@@ -79,7 +64,7 @@ def test_wrong_protocol_version_is_bad_version_naming_both(dm):
 
 def test_unknown_message_type(dm):
     hello(dm)
-    assert_error(call(dm, b"A", 99)[0], ErrorCode.UNKNOWN_TYPE, "unknown message type 99")
+    assert_error(request(dm, b"A", 99)[0], ErrorCode.UNKNOWN_TYPE, "unknown message type 99")
 
 
 def test_undecodable_request_is_bad_frame(dm):
@@ -89,13 +74,13 @@ def test_undecodable_request_is_bad_frame(dm):
 
 
 def test_missing_fields_and_unexpected_arrays_are_bad_argument(dm):
-    assert_error(call(dm, b"A", MsgType.HELLO, {"pid": 1})[0], ErrorCode.BAD_ARGUMENT, "'device'")
+    assert_error(request(dm, b"A", MsgType.HELLO, {"pid": 1})[0], ErrorCode.BAD_ARGUMENT, "'device'")
     hello(dm)
     attach(dm)
-    h, _ = call(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.zeros(1, np.int32), "junk": np.zeros(1)})
+    h, _ = request(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.zeros(1, np.int32), "junk": np.zeros(1)})
     assert_error(h, ErrorCode.BAD_ARGUMENT, "takes no array(s) ['junk']")
-    assert_error(call(dm, b"A", MsgType.STEP, {"step": 0})[0], ErrorCode.BAD_ARGUMENT, "needs the state_rows array")
-    h, _ = call(dm, b"A", MsgType.STEP, {"step": "0"}, {"state_rows": np.zeros(1, np.int32)})
+    assert_error(request(dm, b"A", MsgType.STEP, {"step": 0})[0], ErrorCode.BAD_ARGUMENT, "needs the state_rows array")
+    h, _ = request(dm, b"A", MsgType.STEP, {"step": "0"}, {"state_rows": np.zeros(1, np.int32)})
     assert_error(h, ErrorCode.BAD_ARGUMENT, "field 'step' must be an integer")
 
 
@@ -103,7 +88,7 @@ def test_missing_fields_and_unexpected_arrays_are_bad_argument(dm):
 def test_hello_pid_field_is_ignored_even_when_impossible(dm, pid):
     # The session's pid is the kernel's (none here: an in-process call, so pid 0, never
     # reaped); what the client claims changes nothing, and cannot break the reaper.
-    h, _ = call(dm, b"A", MsgType.HELLO, {"pid": pid, "rank": 0, "device": "cpu", "name": ""})
+    h, _ = request(dm, b"A", MsgType.HELLO, {"pid": pid, "rank": 0, "device": "cpu", "name": ""})
     assert h["ok"], h
     assert dm.sessions[b"A"].pid == 0 and dm.sessions[b"A"].verified is False
     assert dm.sessions.reap_dead() == 0
@@ -115,7 +100,7 @@ def test_requests_before_attach_are_not_attached(dm):
                       (MsgType.TOPK, {"topk": np.zeros((1, 4), np.int32)}),
                       (MsgType.WRITE, {"rows": np.zeros(1, np.int32), "data": np.zeros((2, 1, 32), np.uint8)}),
                       (MsgType.STAGE, {"rows": np.zeros(1, np.int32)})):
-        h, _ = call(dm, b"A", t, {"step": 0, "group": 0, "layers": None}, arrays)
+        h, _ = request(dm, b"A", t, {"step": 0, "group": 0, "layers": None}, arrays)
         assert_error(h, ErrorCode.NOT_ATTACHED, "has not attached")
 
 
@@ -129,10 +114,10 @@ def test_bad_layout_names_the_field(dm):
     hello(dm)
     wire = helpers.layout().to_wire()
     wire["row_bytes"] = 0
-    h, _ = call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})
+    h, _ = request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})
     assert_error(h, ErrorCode.BAD_LAYOUT, "row_bytes must be a positive integer")
-    assert_error(call(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": 7})[0], ErrorCode.BAD_LAYOUT, "map")
-    assert_error(call(dm, b"A", MsgType.ATTACH, {"engine": "", "layout": wire})[0], ErrorCode.BAD_ARGUMENT, "engine")
+    assert_error(request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": 7})[0], ErrorCode.BAD_LAYOUT, "map")
+    assert_error(request(dm, b"A", MsgType.ATTACH, {"engine": "", "layout": wire})[0], ErrorCode.BAD_ARGUMENT, "engine")
     assert dm.pool.used_bytes == 0
 
 
@@ -156,7 +141,7 @@ def test_layout_that_does_not_fit_the_pool_is_pool_full(dm):
 def test_too_many_clients(dm):
     for i in range(3):
         hello(dm, bytes([65 + i]))
-    h, _ = call(dm, b"Z", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
+    h, _ = request(dm, b"Z", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
     assert_error(h, ErrorCode.TOO_MANY_CLIENTS, "max 3")
 
 
@@ -171,25 +156,25 @@ def test_zero_dimensional_state_rows_is_bad_argument_not_internal(dm):
 def test_batch_larger_than_the_limit_is_too_large(dm):
     hello(dm)
     attach(dm)
-    h, _ = call(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.full(4097, -1, np.int32)})
+    h, _ = request(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.full(4097, -1, np.int32)})
     assert_error(h, ErrorCode.TOO_LARGE, "4097")
 
 
 def test_duplicate_ids_over_the_wire(dm):
     hello(dm)
     attach(dm)
-    assert call(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
-    h, _ = call(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0}, {"topk": np.array([[3, 4, 3, -1]], np.int32)})
+    assert request(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
+    h, _ = request(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0}, {"topk": np.array([[3, 4, 3, -1]], np.int32)})
     assert_error(h, ErrorCode.DUPLICATE_IDS, "same host row twice")
     assert (dm.sessions[b"A"].state.residency.owner == -1).all()
 
 
 def test_errors_and_requests_are_counted_by_code(dm):
-    call(dm, b"A", MsgType.STATS)
+    request(dm, b"A", MsgType.STATS)
     dm.handle(b"A", [b"\xc1"])
     dm.handle(b"A", [b"\xc1"])
     hello(dm)
-    snap = call(dm, b"A", MsgType.STATS)[0]["stats"]
+    snap = request(dm, b"A", MsgType.STATS)[0]["stats"]
     assert snap["errors_by_code"] == {"NOT_HELLO": 1, "BAD_FRAME": 2}
     assert snap["errors"] == 3
     assert snap["requests"] == 4  # the STATS being answered is counted after its snapshot
@@ -202,8 +187,8 @@ def test_handler_bug_is_internal_and_the_daemon_keeps_serving(dm, monkeypatch):
         raise KeyError("oops")
 
     monkeypatch.setitem(dm.handlers, MsgType.DETACH, boom)
-    assert_error(call(dm, b"A", MsgType.DETACH)[0], ErrorCode.INTERNAL, "KeyError")
-    assert call(dm, b"A", MsgType.STATS)[0]["ok"]
+    assert_error(request(dm, b"A", MsgType.DETACH)[0], ErrorCode.INTERNAL, "KeyError")
+    assert request(dm, b"A", MsgType.STATS)[0]["ok"]
 
 
 def test_handlers_must_match_the_declared_protocol(tmp_path, monkeypatch):
@@ -219,12 +204,12 @@ def test_last_rank_detaching_frees_the_engine_and_its_slab(dm, tmp_path):
     attach(dm, b"A")
     attach(dm, b"B")
     assert dm.pool.used_bytes > 0 and len(helpers.shm_slabs(str(tmp_path), str(tmp_path))) == 2
-    assert call(dm, b"A", MsgType.DETACH)[0]["was_attached"] is True
+    assert request(dm, b"A", MsgType.DETACH)[0]["was_attached"] is True
     assert "e" in dm.engines and dm.pool.used_bytes > 0
-    call(dm, b"B", MsgType.DETACH)
+    request(dm, b"B", MsgType.DETACH)
     assert not dm.engines and dm.pool.used_bytes == 0
     assert helpers.shm_slabs(str(tmp_path), str(tmp_path)) == []
-    assert call(dm, b"B", MsgType.DETACH)[0]["was_attached"] is False
+    assert request(dm, b"B", MsgType.DETACH)[0]["was_attached"] is False
 
 
 def test_hello_again_on_one_connection_is_already_attached_until_detached(dm):
@@ -232,12 +217,12 @@ def test_hello_again_on_one_connection_is_already_attached_until_detached(dm):
     attach(dm)
     used = dm.pool.used_bytes
     # A second HELLO must not silently throw the attached rank away.
-    h, _ = call(dm, b"A", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "t"})
+    h, _ = request(dm, b"A", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "t"})
     assert_error(h, ErrorCode.ALREADY_ATTACHED, "attached to engine 'e'; send DETACH before HELLO again")
     assert dm.sessions[b"A"].client_id == 1 and dm.sessions[b"A"].state is not None
     assert "e" in dm.engines and dm.pool.used_bytes == used
     # Once detached, HELLO again is a reconnect: a new session, a new client id.
-    assert call(dm, b"A", MsgType.DETACH)[0]["was_attached"] is True
+    assert request(dm, b"A", MsgType.DETACH)[0]["was_attached"] is True
     h = hello(dm)
     assert h["client_id"] == 2 and len(dm.sessions) == 1
     assert not dm.engines and dm.pool.used_bytes == 0
@@ -272,18 +257,19 @@ def test_reap_dead_detaches_clients_whose_process_is_gone(dm, tmp_path, reap):
 def test_async_error_of_a_rank_answers_the_next_rank_request_which_does_not_run(dm, monkeypatch):
     hello(dm)
     attach(dm)
-    assert call(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
+    assert request(dm, b"A", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0], np.int32)})[0]["ok"]
     st = dm.sessions[b"A"].state
     pending = [ResidencyError("BAD_ARGUMENT", "top-k id 99 of an earlier batch was out of range (seen on the GPU)")]
     monkeypatch.setattr(st, "take_error", lambda: pending.pop() if pending else None)
     topk = {"topk": np.array([[1, 2, 3, 4]], np.int32)}
-    assert call(dm, b"A", MsgType.STATS)[0]["ok"]  # not a rank request: the error waits
+    assert request(dm, b"A", MsgType.STATS)[0]["ok"]  # not a rank request: the error waits
     assert pending
-    assert_error(call(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0}, topk)[0], ErrorCode.BAD_ARGUMENT, "top-k id 99")
+    h, _ = request(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0}, topk)
+    assert_error(h, ErrorCode.BAD_ARGUMENT, "top-k id 99")
     assert (st.residency.owner == -1).all()  # the TOPK did not run
     snap = dm.snapshot()
     assert snap["async_errors"] == 1 and snap["errors_by_code"] == {"BAD_ARGUMENT": 1} and snap["topk_batches"] == 0
-    h, a = call(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0}, topk)  # the error was taken once
+    h, a = request(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0}, topk)  # the error was taken once
     assert h["ok"] and h["hits"] == 0 and (a["slots"] >= 0).all()
     snap = dm.snapshot()
     assert snap["async_errors"] == 1 and snap["errors"] == 1 and snap["topk_batches"] == 1
@@ -312,5 +298,5 @@ def test_every_reply_carries_daemon_receive_and_reply_times(dm):
                                     "ts": time.perf_counter_ns(), "later_field": [1, 2]})
     assert h["ok"]
     assert times(b"A", MsgType.STATS)["ok"]
-    h = call(dm, b"A", MsgType.STATS)[0]  # handle() without a receive time takes its own
+    h = request(dm, b"A", MsgType.STATS)[0]  # handle() without a receive time takes its own
     assert h["tr"] <= h["tx"]

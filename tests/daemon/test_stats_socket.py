@@ -15,23 +15,28 @@ from sparsekv.client import BadRequest, Client
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=128)
 
 
-@pytest.fixture
-def busy(daemon, spawn_rank):
+@pytest.fixture(scope="module")
+def busy(module_daemon):
     """Two clients (this process as rank 0, a spawned process as rank 3) on one engine,
-    after one step with hits, misses, an out-of-range id and one error."""
+    after one step with hits, misses, an out-of-range id and one error. Shared by the
+    tests of this module, which only read the daemon's figures."""
+    daemon = module_daemon
     c = Client(daemon.run_dir, rank=0, name="main", timeout_s=10).connect()
-    c.attach(LAYOUT, engine="e")
-    other = spawn_rank(daemon.run_dir, 3, name="other")
-    other.call("connect")
-    other.call("attach", layout=LAYOUT.to_wire(), engine="e")
-    c.step(0, [0])
-    c.topk(0, 0, [[1, 2, 3, 999]])  # 3 misses, 1 out of range
-    c.step(1, [0])
-    c.topk(1, 0, [[1, 2, 5, -1]])  # 2 hits, 1 miss
-    with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
-        c.topk(1, 0, [[1, 1, -1, -1]])
-    yield daemon, c, other
-    c.close()
+    other = helpers.RankProc(daemon.run_dir, 3, name="other")
+    try:
+        c.attach(LAYOUT, engine="e")
+        other.call("connect")
+        other.call("attach", layout=LAYOUT.to_wire(), engine="e")
+        c.step(0, [0])
+        c.topk(0, 0, [[1, 2, 3, 999]])  # 3 misses, 1 out of range
+        c.step(1, [0])
+        c.topk(1, 0, [[1, 2, 5, -1]])  # 2 hits, 1 miss
+        with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
+            c.topk(1, 0, [[1, 1, -1, -1]])
+        yield daemon, c, other
+    finally:
+        other.close()
+        c.close()
 
 
 def test_json_has_every_counter_and_gauge(busy):
