@@ -4,7 +4,7 @@ code (setting names, environment variables, paths).
 
 CPU only, no network, no new dependency: the units are read by a small systemd-style
 parser, the manifest by a small YAML subset parser (cross-checked against PyYAML when it
-happens to be installed). `deploy/verify-units.sh` is run when systemd-analyze exists.
+happens to be installed). `tests/deploy/verify-units.sh` is run when systemd-analyze exists.
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def run_verify(env_extra=None, path=None):
     env = dict(os.environ, **(env_extra or {}))
     if path is not None:
         env["PATH"] = path
-    return subprocess.run(["bash", str(DEPLOY / "verify-units.sh")], capture_output=True, text=True, env=env,
+    return subprocess.run(["bash", str(Path(__file__).parent / "verify-units.sh")], capture_output=True, text=True, env=env,
                           timeout=120)
 
 

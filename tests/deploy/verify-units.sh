@@ -9,14 +9,14 @@
 #      fails when one is above MAX_EXPOSURE (default 2.0);
 #   4. verify again with the metrics drop-in (sparsekvd.service.d/) and print its exposure.
 # Skips (exit 0) with a message when systemd-analyze is not installed or older than 250.
-# Usage: deploy/verify-units.sh            (from anywhere)
+# Usage: tests/deploy/verify-units.sh      (from anywhere)
 #   DEPLOY_DIR=DIR checks the files in DIR instead (the tests use it on broken copies).
 set -euo pipefail
 if ! command -v systemd-analyze >/dev/null 2>&1; then
   echo "verify-units: systemd-analyze not found; skipped (apt-get install systemd to run it)"
   exit 0
 fi
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../deploy" && pwd)
 here=${DEPLOY_DIR:-$here}
 files=(sparsekvd.service nvidia-mps.service sparsekv-warm-cpus@.service)
 # What is verified: the units, the template as one instance.
