@@ -286,6 +286,7 @@ def test_sigterm_during_prefault_stops_cleanly(run_dir):
         with sparsekvd(run_dir, "--prefault-threads", "1", pool="4GiB", env=clean_env(NOTIFY_SOCKET=notify)) as p:
             got = wait_datagram(s, lambda m: b"pre-faulting host pool of 4GiB: " in m or b"READY=1" in m)
             p.send_signal(signal.SIGHUP)
+            time.sleep(0.3)  # two signals at once may be handled in either order
             p.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
             got += wait_datagram(s, lambda m: b"STOPPING=1" in m)
