@@ -28,6 +28,7 @@ from .transport import bench_cuda_transport, bench_transport
 CPU_BENCHES = ("resolve", "gather", "transport")  # the default set
 GPU_BENCHES = ("cuda_transport", "kernels", "latest")  # need CuPy and a GPU (decode checks for torch itself)
 ALONE = {"decode": decode.run_args, "kernels": kernels.run_args, "latest": latest.run_args}
+FILE_OPTIONS = {"decode": ("--json", "--plot", "--daemon-log"), "kernels": ("--json",), "latest": ("--json", "--merge")}
 
 
 def _median_s(fn, reps: int) -> float:
@@ -157,10 +158,14 @@ def run_args(a) -> int:
         return _refuse("sparsekv bench", f"{alone[0]} runs alone (sparsekv bench {alone[0]} [options])")
     if a.io != "both" and "cuda_transport" not in which:
         return _refuse("sparsekv bench", "--io is an option of cuda_transport")
+    for flag, path in (("--json", a.json_path), ("--plot", a.plot_path), ("--daemon-log", a.daemon_log),
+                       ("--merge", a.merge)):
+        if path and not (alone and flag in FILE_OPTIONS[alone[0]]):
+            return _refuse(what, f"{flag} is an option of {' or '.join(n for n, o in FILE_OPTIONS.items() if flag in o)}")
     for flag, path in (("--json", a.json_path), ("--plot", a.plot_path), ("--daemon-log", a.daemon_log)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            return _refuse(what, f"{flag} {path}: {folder} is not a writable directory")
+        if folder and (os.path.isdir(path) or not (os.path.isdir(folder) and os.access(folder, os.W_OK))):
+            return _refuse(what, f"{flag} {path}: not a file in a writable directory")
     why = cuda_unavailable() if set(which) & set(GPU_BENCHES) else None
     if why:
         return _refuse(what, why)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -56,6 +57,17 @@ def check_output(path: str, what: str = "--out") -> None:
         raise UsageError(f"{what} {path}: not writable by this user")
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds is needed, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"a finite number of seconds > 0 is needed, got {text!r}")
+    return value
+
+
 def cmd_stats(a) -> int:
     what = "json" if a.json else "prometheus" if a.prometheus else "stats"
     sys.stdout.write(stats_query(a.run_dir, what, a.timeout_s))
@@ -72,8 +84,6 @@ def cmd_clients(a) -> int:
 
 
 def cmd_top(a) -> int:
-    if a.interval_s <= 0:
-        raise UsageError("--interval-s must be > 0")
     return run_top(a.run_dir, a.interval_s, once=a.once)
 
 
@@ -109,6 +119,8 @@ def cmd_warm_cpus(a) -> int:
 
 
 def cmd_replay(a) -> int:
+    if a.transport == "inproc" and (a.connect or a.daemon_log):
+        raise UsageError(f"{'--connect' if a.connect else '--daemon-log'} needs a daemon: add --transport zmq or doorbell")
     check_output(a.out)
     if a.daemon_log:
         check_output(a.daemon_log, "--daemon-log")
@@ -180,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     def run_dir_arg(q, timeout_s: float = 5.0):
         q.add_argument("--run-dir", default=default_run_dir(),
                        help="the daemon's run dir ($SPARSEKV_RUN_DIR, else $RUNTIME_DIRECTORY, else /run/sparsekv)")
-        q.add_argument("--timeout-s", type=float, default=timeout_s, metavar="S",
+        q.add_argument("--timeout-s", type=seconds, default=timeout_s, metavar="S",
                        help="give up when the daemon has not answered after this many seconds")
 
     q = command("stats", "counters of a running daemon")
@@ -197,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = command("top", "a live view of a running daemon: rates per second, latency, pool, clients")
     run_dir_arg(q)
-    q.add_argument("--interval-s", type=float, default=1.0, metavar="S", help="seconds between frames")
+    q.add_argument("--interval-s", type=seconds, default=1.0, metavar="S", help="seconds between frames")
     q.add_argument("--once", action="store_true", help="print one frame (after one interval) and exit")
     q.set_defaults(fn=cmd_top)
 

@@ -26,6 +26,7 @@ word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window.
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 import time
@@ -49,7 +50,7 @@ RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is se
 THREADS = 256
 
 
-class DeviceSwapIn:
+class DeviceSwapIn(abc.ABC):
     """The engine-side handle on device tensors: argument checks, the engine-side kernels
     (``csrc/handle.cu``) and the indices. Where the rows come from is a subclass's three
     hand-off points, :meth:`_begun`, :meth:`_rang` and :meth:`_ready`: :class:`DoorbellSwapIn`
@@ -106,14 +107,17 @@ class DeviceSwapIn:
                 i32(max_blocks), res_ptr, i32(res_blocks), topk_ptr, i32(k), i32(max(1, int(block_size))),
                 i32(group), i32(self.layout.max_batch), *self._group_ring(group))
 
+    @abc.abstractmethod
     def _begun(self, stream_ptr: int) -> None:
-        raise NotImplementedError
+        """On the engine's stream: the step block is written: hand the step off."""
 
+    @abc.abstractmethod
     def _rang(self, group: int, stream_ptr: int) -> None:
-        raise NotImplementedError
+        """On the engine's stream: the group's TOPK block is written: hand it off."""
 
+    @abc.abstractmethod
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
-        raise NotImplementedError
+        """On the engine's stream: make the stream wait until the layer's rows are in its slab."""
 
     # -- the engine's calls ------------------------------------------------------------
     def kv(self, layer: int):

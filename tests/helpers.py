@@ -229,7 +229,7 @@ def gen_pattern(layer: int, rows, row_bytes: int, gen=None) -> np.ndarray:
 
 def bad_rows(slab, layers, state_rows, topk, slots, host_rows: int, gen=None) -> int:
     """Hot rows (per layer and valid column) whose bytes differ from ``gen_pattern``, plus
-    valid columns that got no slot. Like ``client.verify.count_mismatches``, with
+    valid columns that got no slot. Like ``bench.verify.count_mismatches``, with
     generations of rewritten rows."""
     bad = 0
     row_bytes = slab.shape[-1]

@@ -121,9 +121,11 @@ def test_few_imports_of_the_package_inside_functions():
     assert len(lazy) <= MAX_LAZY_IMPORTS, f"{len(lazy)} imports inside functions:\n" + "\n".join(lazy)
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_files_stay_readable(module):
-    path = MODULES[module]
+OTHER_PY = sorted(p for r in ("tests", "examples") for p in (ROOT / r).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", sorted(MODULES.values()) + OTHER_PY, ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_stay_readable(path):
     text = path.read_text()
     lines = text.count("\n")
     if lines > MAX_LINES:

@@ -26,7 +26,11 @@ import sys
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError:  # one line, not a traceback, for a newcomer without it
+    sys.exit("examples/dsa_decode needs torch (pip install torch, or make install CUDA=1)")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model import Batch, Config, DsaModel, LocalKV  # noqa: E402
@@ -322,6 +326,14 @@ class EngineKV:
         return idx
 
 
+def _counts(handle) -> dict | None:
+    """The hits and misses so far where the handle counts them (the portable handle's;
+    the doorbell handle and the local KV keep none)."""
+    while isinstance(handle, (DeviceHandle, EngineKV)):
+        handle = handle.h
+    return dict(handle.counts) if isinstance(handle, HostSwapIn) else None
+
+
 def layout_for(cfg: Config, rc: RunConfig) -> Layout:
     return Layout(num_layers=cfg.num_layers, row_bytes=656, top_k=cfg.top_k, region_stride=2 * cfg.top_k,
                   max_reqs=rc.max_reqs, host_rows=rc.host_blocks * rc.block_size, index_groups=cfg.groups).validate()
@@ -412,12 +424,12 @@ def run(cfg: Config, rc: RunConfig, kv: str = "both", transport: str = "inproc",
                 rows = sched.prompt_rows(r)
                 for e in engines:
                     e.prefill(r, rows)
-            before = dict(getattr(engines[-1].handle, "counts", None) or {})
+            before = _counts(engines[-1].handle) or {}
             for e in engines:
                 logits[e.name].append(e.step(p, rc.block_size))
             left = sched.finish(p)
             line = f"step {step:3d}  running {len(p.running)} (+{len(p.admitted)} new, -{len(left)} left)"
-            counts = getattr(engines[-1].handle, "counts", None)
+            counts = _counts(engines[-1].handle)
             if counts:
                 line += f"  hits {counts['hits'] - before['hits']:4d} misses {counts['misses'] - before['misses']:4d}"
             if len(engines) == 2:
@@ -430,8 +442,7 @@ def run(cfg: Config, rc: RunConfig, kv: str = "both", transport: str = "inproc",
             else:
                 line += f"  digest {_digest(logits[modes[0]][-1])}"
             out(line)
-        counts = getattr(engines[-1].handle, "counts", None)
-        counts = dict(counts) if counts is not None else None
+        counts = _counts(engines[-1].handle)
         resident = engines[-1].resident
         resident_reads = resident.reads if resident is not None else None
     out(f"requests: {rc.requests - len(sched.waiting)} admitted, {len(sched.running)} still running; "

@@ -106,8 +106,17 @@ def test_gpu_benches_without_cupy_end_in_one_line_and_a_non_zero_exit(argv, monk
 
 def test_an_output_in_a_missing_directory_is_refused_before_any_work(tmp_path, capsys):
     assert main(["bench", "kernels", "--json", str(tmp_path / "no" / "k.json")]) == 2
-    assert capsys.readouterr().err == f"sparsekv bench kernels: --json {tmp_path}/no/k.json: {tmp_path}/no is not a " \
+    assert capsys.readouterr().err == f"sparsekv bench kernels: --json {tmp_path}/no/k.json: not a file in a " \
                                       "writable directory\n"
+    assert main(["bench", "kernels", "--json", str(tmp_path)]) == 2  # a directory
+    assert capsys.readouterr().err == f"sparsekv bench kernels: --json {tmp_path}: not a file in a writable directory\n"
+
+
+def test_file_options_of_other_benches_are_refused(capsys):
+    assert main(["bench", "resolve", "--json", "r.json"]) == 2
+    assert capsys.readouterr().err == "sparsekv bench resolve: --json is an option of decode or kernels or latest\n"
+    assert main(["bench", "kernels", "--merge", "x.json"]) == 2
+    assert capsys.readouterr().err == "sparsekv bench kernels: --merge is an option of latest\n"
 
 
 def test_latest_merges_the_figures_and_keeps_what_ran_before_a_failure(tmp_path, monkeypatch):

@@ -95,6 +95,13 @@ def test_replay_connects_to_a_running_daemon(trace_path, inproc_result, daemon, 
     assert stats["engines"] == 0  # the replay detached
 
 
+@pytest.mark.parametrize("option", ["--connect", "--daemon-log"])
+def test_daemon_options_without_a_daemon_transport_are_refused(trace_path, tmp_path, option):
+    r = helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz", option, tmp_path / "x")
+    assert r.returncode == 2 and not (tmp_path / "r.npz").exists()
+    assert r.stderr == f"sparsekv replay: {option} needs a daemon: add --transport zmq or doorbell\n"
+
+
 def test_replay_without_verify_reports_no_mismatch_count(trace_path, tmp_path):
     s = summary_of(helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz"))
     assert s["verified"] is False and s["mismatched_rows"] is None

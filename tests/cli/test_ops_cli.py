@@ -204,9 +204,11 @@ def test_an_unexpected_error_is_one_line_with_its_type(monkeypatch, capsys, tmp_
 
 def test_a_bad_argument_is_one_line_without_the_usage_block():
     err = one_line_error(helpers.run_cli("top", "--interval-s", "x"), 2)
-    assert err == "sparsekv top: argument --interval-s: invalid float value: 'x' (see sparsekv top --help)\n"
-    err = one_line_error(helpers.run_cli("top", "--interval-s", "0"), 2)
-    assert err == "sparsekv top: --interval-s must be > 0\n"
+    assert err == "sparsekv top: argument --interval-s: a number of seconds is needed, got 'x' (see sparsekv top --help)\n"
+    for bad in ("0", "-1", "inf", "nan"):
+        err = one_line_error(helpers.run_cli("top", "--interval-s", bad), 2)
+        assert err == (f"sparsekv top: argument --interval-s: a finite number of seconds > 0 is needed, got {bad!r} "
+                       "(see sparsekv top --help)\n")
 
 
 # -- top -----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ speed: a check of what the kernels compute, the GPU run stays the final word.
 
 ``build(source, defines)`` compiles the kernels of one source with a C++ compiler
 (``g++``/``c++``; tests skip without one) into a cache directory; :class:`Resolve` runs
-``skv_resolve`` over NumPy arrays laid out as ``daemon/residency/cuda.py`` lays them out.
+``skv_resolve`` over NumPy arrays laid out as ``daemon/residency/cuda/`` lays them out.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ code (setting names, environment variables, paths).
 CPU only, no network, no new dependency: the units are read by a small systemd-style
 parser, the manifest by a small YAML subset parser (cross-checked against PyYAML when it
 happens to be installed). `tests/deploy/verify-units.sh` is run when systemd-analyze exists.
+
+Longer than 600 lines: every deploy file is checked against the others (units, sysusers,
+Dockerfile, manifest, config): one module, so each cross-check reads the files once.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ class CudaMover(Mover):
 
     Args:
         layout: the attached layout.
-        pool: a :class:`sparsekv.daemon.pinned.PinnedRegion` holding the pool, or the
-            device address (int) of any registered / pinned host buffer (tests).
+        pool: the :class:`sparsekv.daemon.pinned.PinnedRegion` (or ``PinnedView``) holding
+            the pool.
         pool_offset: byte offset of this engine's pool inside ``pool`` (16-aligned).
         buffers: slab and staging (default: :func:`allocate_device_buffers`).
         kernels, stream: as for :class:`CudaResidency`.
@@ -72,10 +72,7 @@ class CudaMover(Mover):
         self.layout = lay = layout.validate()
         kernels = kernels if kernels is not None else get_cache()
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
-        if hasattr(pool, "device_address"):
-            self.pool_address = int(pool.device_address(pool_offset, lay.pool_bytes))
-        else:
-            self.pool_address = int(pool) + int(pool_offset)
+        self.pool_address = int(pool.device_address(pool_offset, lay.pool_bytes))
         if self.pool_address % 16:
             raise ValueError(f"pool device address {self.pool_address:#x} must be 16-byte aligned")
         self.buffers = buffers if buffers is not None else allocate_device_buffers(lay)

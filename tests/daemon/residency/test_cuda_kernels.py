@@ -3,6 +3,9 @@ the mover; memory safety on corrupt state; the pinned region; the kernel cache.
 
 Every test needs a GPU (marked ``cuda``; skipped on CPU machines unless ``--require-cuda``).
 ``SPARSEKV_CUDA_BENCH=1`` also runs the timing table (resolve, gather, bulk H2D copy).
+
+Longer than 600 lines: one module a kernel family's GPU checks share (the traces, the fixtures
+that compile and the pinned pool they gather from); split, each part would repeat them.
 """
 
 from __future__ import annotations
