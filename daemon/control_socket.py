@@ -30,9 +30,14 @@ def router(ctx: zmq.Context) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-    # A client's libzmq reconnects under its own routing id: if the daemon still holds
-    # that id's old pipe, the new connection takes the id over instead of being refused.
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # No handover: a connection under a routing id that a live connection holds is never
+    # read (libzmq leaves its pipe anonymous; the HELLO deadline closes it), so no peer can
+    # take a session's pipe. With handover on, another process under a client's id took
+    # its pipe (the client hung) and libzmq 4.3.5 aborted when the client closed
+    # (`!_io_error`, stream_engine_base.cpp:310). tests/daemon/test_routing_ids.py guards
+    # both. A client's reconnect under its own id works once the daemon has seen its old
+    # connection close; Client.connect() takes a fresh random id each time.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
