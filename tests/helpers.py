@@ -581,3 +581,14 @@ def raw_client(run_dir, claimed_pid, steps, uid=None, groups=()):
         assert line, f"raw client exited with {p.wait()}"
         replies.append(json.loads(line))
     return p, replies
+
+
+def registry_attach(reg, *args, **kw):
+    """An attach in one call, as the daemon runs it: begin_attach, prepare, commit (abort on error)."""
+    p = reg.begin_attach(*args, **kw)
+    try:
+        reg.prepare(p)
+        return reg.commit(p)
+    except BaseException:
+        reg.abort(p)
+        raise

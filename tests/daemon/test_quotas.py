@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 import helpers
+from helpers import registry_attach as attach
 from sparsekv.client import Client, NotAttached, QuotaExceeded
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon.backends import CpuBackend
@@ -25,17 +26,6 @@ from sparsekv.daemon.engine import Owner
 from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.registry import EngineRegistry
 from sparsekv.proto import ErrorCode, ProtocolError
-
-
-def attach(reg, *args, **kw):
-    """An attach in one call, as the daemon runs it: begin_attach, prepare, commit (abort on error)."""
-    p = reg.begin_attach(*args, **kw)
-    try:
-        reg.prepare(p)
-        return reg.commit(p)
-    except BaseException:
-        reg.abort(p)
-        raise
 
 
 MiB = 1 << 20

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import helpers
+from helpers import registry_attach as attach
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.pool import HostPool, PoolError
 from sparsekv.daemon.registry import EngineRegistry
@@ -13,17 +14,6 @@ from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.proto import ErrorCode, ProtocolError
 
 MiB = 1 << 20
-
-
-def attach(reg, *args, **kw):
-    """An attach in one call, as the daemon runs it: begin_attach, prepare, commit (abort on error)."""
-    p = reg.begin_attach(*args, **kw)
-    try:
-        reg.prepare(p)
-        return reg.commit(p)
-    except BaseException:
-        reg.abort(p)
-        raise
 
 
 @pytest.fixture
