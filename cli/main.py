@@ -74,10 +74,20 @@ def cmd_stats(a) -> int:
     return 0
 
 
+def _json_value(key: str, text: str):
+    """A cell of the clients table as JSON: numbers as numbers, ``attached`` as a boolean,
+    ``-`` (none) as null except in the free-text ``name``."""
+    if key == "attached":
+        return text == "yes"
+    if text == "-" and key != "name":
+        return None
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def cmd_clients(a) -> int:
     text = stats_query(a.run_dir, "clients", a.timeout_s)
     if a.json:
-        clients = [{k: int(v) if v.lstrip("-").isdigit() else v for k, v in c.items()} for c in parse_clients(text)]
+        clients = [{k: _json_value(k, v) for k, v in c.items()} for c in parse_clients(text)]
         text = json.dumps(clients) + "\n"
     sys.stdout.write(text)
     return 0

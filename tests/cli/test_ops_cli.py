@@ -190,7 +190,12 @@ def test_clients_json_is_a_list_of_clients(daemon):
     assert r.returncode == 0, r.stderr
     clients = json.loads(r.stdout)
     me = next(x for x in clients if x["name"] == "json-reader")
-    assert me["pid"] == os.getpid() and me["rank"] == 1 and me["engine"] == "e" and me["attached"] == "yes"
+    assert me["pid"] == os.getpid() and me["rank"] == 1 and me["engine"] == "e" and me["attached"] is True
+
+
+def test_clients_json_cells_have_json_types():
+    assert [cli._json_value(k, v) for k, v in (("attached", "no"), ("engine", "-"), ("pid", "12"), ("name", "-"),
+                                               ("device", "cpu"))] == [False, None, 12, "-", "cpu"]
 
 
 def test_an_unexpected_error_is_one_line_with_its_type(monkeypatch, capsys, tmp_path):
