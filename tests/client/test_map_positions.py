@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsekv.proto.positions import INT32_MAX, UNMAPPED, host_rows
+import position_cases
+from sparsekv.proto.positions import INT32_MAX, UNMAPPED
 
 pytestmark = pytest.mark.cuda
 torch = pytest.importorskip("torch")
@@ -22,28 +23,11 @@ def _on_gpu(pos, table, bs, reqs):
     return got.cpu().numpy()
 
 
-def _expected(pos, table, bs, reqs):
-    inside = (reqs >= 0) & (reqs < table.shape[0])  # outside the table: maps nothing
-    want = host_rows(pos, table, bs, table_rows=np.where(inside, reqs, -1))
-    return np.where(inside[:, None], want, UNMAPPED)
-
-
 def test_agrees_with_host_rows_on_random_batches():
-    """Random tables (null blocks, blocks whose rows pass int32), positions (negative, past
-    the table), block sizes (powers of two and not), request rows (padding, past the
-    table, several tokens on one row), int32 and int64 inputs."""
-    rng = np.random.default_rng(11)
-    for case in range(400):
-        bs = int(rng.choice([1, 2, 3, 6, 16, 64, 1000, 2**20]))
-        rows_n, max_blocks, k, tokens = (int(rng.integers(1, 6)), int(rng.integers(1, 9)), int(rng.integers(1, 12)),
-                                         int(rng.integers(1, 7)))
-        tdt, pdt = rng.choice([np.int32, np.int64]), rng.choice([np.int32, np.int64])
-        hi = min(np.iinfo(tdt).max, (INT32_MAX // bs + 3) if case % 3 == 0 else 40)
-        table = rng.integers(-1, hi, (rows_n, max_blocks), endpoint=True).astype(tdt)
-        pos = rng.integers(-2 * bs, max_blocks * bs + 2 * bs, (tokens, k)).astype(pdt)
-        reqs = rng.integers(-1, rows_n + 1, tokens).astype(np.int32)
-        np.testing.assert_array_equal(_on_gpu(pos, table, bs, reqs), _expected(pos, table, bs, reqs),
-                                      err_msg=f"case {case}: bs {bs} {pdt} {tdt}")
+    """position_cases.cases, powers of two and other block sizes."""
+    for case, bs, pos, table, reqs in position_cases.cases(400, [1, 2, 3, 6, 16, 64, 1000, 2**20]):
+        np.testing.assert_array_equal(_on_gpu(pos, table, bs, reqs), position_cases.expected(pos, table, bs, reqs),
+                                      err_msg=f"case {case}: bs {bs} {pos.dtype} {table.dtype}")
 
 
 def test_rows_past_int32_never_wrap_and_the_last_int32_row_maps():
