@@ -27,10 +27,8 @@ from sparsekv.proto import ErrorCode, MsgType, decode, encode
 
 MiB = 1 << 20
 
-# The attacker: a DEALER under the routing id given in argv, from another process. It says
-# HELLO, reports whether anything answered, then (on a line from the test) asks STATS and
-# reports again, then waits for stdin to close.
-ATTACKER = r"""
+# Both scripts below: a DEALER of another process under the routing id given in argv.
+DEALER_UNDER_ID = r"""
 import json, sys
 import zmq
 from sparsekv.proto import MsgType, decode, encode
@@ -39,6 +37,11 @@ s = zmq.Context().socket(zmq.DEALER)
 s.setsockopt(zmq.LINGER, 0)
 s.setsockopt(zmq.ROUTING_ID, ident)
 s.connect(f"ipc://{path}")
+"""
+
+# The attacker says HELLO, reports whether anything answered, then (on a line from the
+# test) asks STATS and reports again, then waits for stdin to close.
+ATTACKER = DEALER_UNDER_ID + r"""
 def ask(t, fields, wait_ms):
     s.send_multipart(encode(t, 7, fields))
     if not s.poll(wait_ms):
@@ -51,16 +54,8 @@ print(json.dumps({"stats": ask(MsgType.STATS, None, 1000)}), flush=True)
 sys.stdin.read()
 """
 
-# Another process that asks STATS under the routing id given in argv and prints the reply.
-THIEF = r"""
-import json, sys
-import zmq
-from sparsekv.proto import MsgType, decode, encode
-path, ident = sys.argv[1], bytes.fromhex(sys.argv[2])
-s = zmq.Context().socket(zmq.DEALER)
-s.setsockopt(zmq.LINGER, 0)
-s.setsockopt(zmq.ROUTING_ID, ident)
-s.connect(f"ipc://{path}")
+# Another process that asks STATS under the routing id and prints the reply.
+THIEF = DEALER_UNDER_ID + r"""
 s.send_multipart(encode(MsgType.STATS, 1, None))
 print(json.dumps(decode(s.recv_multipart())[0] if s.poll(5000) else None), flush=True)
 """
