@@ -185,13 +185,7 @@ class Client(Connection):
         if self.attachment is not None:
             # Once the daemon is gone its events may never complete: wait a bounded time.
             self._close_attachment(wait_s=GONE_CLOSE_WAIT_S if self._gone is not None else None)
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-        self._drop_context()
-        self._sent.clear()  # requests whose replies will never come
-        self._replies.clear()
-        self._deferred.clear()
+        self._drop_socket()
         self.info = {}
 
     def _goodbye(self) -> None:

@@ -36,14 +36,19 @@ class Connection:
     def _lost(self, why: str, what: str = "session is"):
         """The daemon is gone: every request of this client fails from now on."""
         self._gone = f"{why}; this client's {what} gone: create a new Client (and attach again)"
+        self._drop_socket()
+        raise DaemonUnavailable(self._gone)
+
+    def _drop_socket(self) -> None:
+        """Close the socket and its context; forget every request in flight (no reply will
+        come for any)."""
         if self._sock is not None:
             self._sock.close(0)
         self._sock = None
         self._drop_context()
-        self._sent.clear()  # nothing in flight will be answered
+        self._sent.clear()
         self._replies.clear()
         self._deferred.clear()
-        raise DaemonUnavailable(self._gone)
 
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
         if self._sock is None:
