@@ -163,9 +163,9 @@ def run_args(a) -> int:
         if path and not (alone and flag in FILE_OPTIONS[alone[0]]):
             return _refuse(what, f"{flag} is an option of {' or '.join(n for n, o in FILE_OPTIONS.items() if flag in o)}")
     for flag, path in (("--json", a.json_path), ("--plot", a.plot_path), ("--daemon-log", a.daemon_log)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and (os.path.isdir(path) or not (os.path.isdir(folder) and os.access(folder, os.W_OK))):
-            return _refuse(what, f"{flag} {path}: not a file in a writable directory")
+        why = output_problem(path, flag) if path else None
+        if why:
+            return _refuse(what, why)
     why = cuda_unavailable() if set(which) & set(GPU_BENCHES) else None
     if why:
         return _refuse(what, why)
@@ -173,6 +173,19 @@ def run_args(a) -> int:
         return ALONE[alone[0]](a)
     sys.stdout.write(format_results(run_bench(which, io=a.io)))
     return 0
+
+
+def output_problem(path: str, what: str = "--out") -> str | None:
+    """Why an output path cannot be written (its directory missing or not writable, or the
+    path a directory), found before any work; None when it can."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{what} {path} is a directory; name a file"
+    if not os.path.isdir(folder):
+        return f"{what} {path}: directory {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{what} {path}: not writable by this user"
+    return None
 
 
 def _refuse(what: str, why: str) -> int:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import time
 from importlib import metadata
 
 from sparsekv.bench.bench import add_arguments as add_bench_arguments
+from sparsekv.bench.bench import output_problem
 from sparsekv.bench.bench import run_args as run_bench_args
 from sparsekv.bench.replay import replay, save_result
 from sparsekv.bench.trace import Trace, synth
@@ -46,15 +46,10 @@ def _version() -> str:
 
 
 def check_output(path: str, what: str = "--out") -> None:
-    """Refuse, before any work, an output path that cannot be written: its directory
-    missing or not writable, or the path a directory."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise UsageError(f"{what} {path} is a directory; name a file")
-    if not os.path.isdir(folder):
-        raise UsageError(f"{what} {path}: directory {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise UsageError(f"{what} {path}: not writable by this user")
+    """Refuse, before any work, an output path that cannot be written."""
+    why = output_problem(path, what)
+    if why:
+        raise UsageError(why)
 
 
 def seconds(text: str) -> float:
