@@ -77,14 +77,17 @@ class Config:
                              "state, 8 bytes per slot and index group), with a unit", kind="size", bounds=(1, None))
     admin_gid: int = _s(-1, "members of this group may join any user's engine (operators' tools); -1: nobody "
                         "but root", bounds=(-1, 2**32 - 2))
-    # Per-uid quotas (0: none), checked before anything is allocated; root counts like anyone.
-    max_clients_per_uid: int = _s(0, "sessions (HELLO) of one uid at most; 0: no cap beyond max_clients",
-                                  bounds=(0, 1_000_000))
+    # Per-uid quotas, checked before anything is allocated; root counts like anyone. The
+    # client and connection caps are on by default (-1: sized from max_clients, see
+    # uid_client_cap / uid_connection_cap) so that one uid cannot lock out the others.
+    max_clients_per_uid: int = _s(-1, "sessions (HELLO) of one uid at most; -1: max_clients // 4 (at least 1); "
+                                  "0: no cap beyond max_clients", bounds=(-1, 1_000_000))
     max_pool_bytes_per_uid: int = _s(0, "pool bytes of the engines one uid created, with a unit; 0B: no quota",
                                      kind="size", bounds=(0, None))
     # Each connection costs a file descriptor; a process that said HELLO lately has no deadline.
-    max_connections_per_uid: int = _s(0, "open control connections of one uid at most (more are closed at once "
-                                      "and counted); 0: no cap", bounds=(0, 1_000_000))
+    max_connections_per_uid: int = _s(-1, "open control connections of one uid at most (more are closed at once "
+                                      "and counted); -1: twice the per-uid client cap, at least 16; 0: no cap",
+                                      bounds=(-1, 1_000_000))
     hello_timeout_s: float = _s(10.0, "a control connection that sends no HELLO within this is closed",
                                 bounds=(0, 86400), metavar="S")
     idle_timeout_s: float = _s(600.0, "a session not attached is dropped after this long without a request",
@@ -97,6 +100,23 @@ class Config:
     def pin_chunk_bytes(self) -> int:
         """``pin_chunk_gib`` in bytes: whole 2 MiB pages, at least one."""
         return max(1, round(self.pin_chunk_gib * (1 << 30) / PIN_PAGE_BYTES)) * PIN_PAGE_BYTES
+
+    @property
+    def uid_client_cap(self) -> int:
+        """Sessions one uid may hold (0: no cap): ``max_clients_per_uid``, or for -1 a
+        quarter of ``max_clients`` (at least 1), so one uid leaves three quarters to others."""
+        if self.max_clients_per_uid >= 0:
+            return self.max_clients_per_uid
+        return max(1, self.max_clients // 4)
+
+    @property
+    def uid_connection_cap(self) -> int:
+        """Control connections one uid may hold open (0: no cap): ``max_connections_per_uid``,
+        or for -1 twice the per-uid client cap (a client's connection plus a reconnect or a
+        probe each), at least 16."""
+        if self.max_connections_per_uid >= 0:
+            return self.max_connections_per_uid
+        return max(16, 2 * (self.uid_client_cap or self.max_clients))
 
     def validate(self) -> "Config":
         """Self, when every value lies in its range; else ConfigError naming the first that does not."""

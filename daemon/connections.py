@@ -36,6 +36,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .ratelog import RateLimitedLog
+
 log = logging.getLogger("sparsekv.server")
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -78,9 +80,12 @@ class Connections:
         self._hello_pids: dict[int, float] = {}  # pid -> when it last said HELLO
         self._pin_lock = threading.Lock()
         self._null = self._spare = -1
+        # Called (on the table's thread) with the descriptor of a closed connection that
+        # said HELLO, or whose process had: the server drops the sessions it carried.
+        self.on_closed = None
         self.refused = 0  # closed when accepted: the uid's cap
         self.expired = 0  # closed: no HELLO in time
-        self._last_refusal_log = float("-inf")
+        self.rlog = RateLimitedLog(log, clock=clock)  # a line per closed connection, limited per cause
 
     def open(self) -> "Connections":
         if self._spare < 0:
@@ -177,12 +182,9 @@ class Connections:
             self._conns.pop(fd, None)
             self.refused += 1
         self.shutdown(fd, ino)
-        now = self._clock()
-        if now - self._last_refusal_log >= 10.0:  # a flood must not flood the journal too
-            self._last_refusal_log = now
-            log.warning("control connection of pid %d uid %d closed: uid %d has %d open (max_connections_per_uid "
-                        "%d); %d refused so far (this is logged at most every 10 s)", pid, uid, uid, n,
-                        self.max_per_uid, self.refused)
+        self.rlog.log("connection over its uid's cap", logging.WARNING, "control connection of pid %d uid %d closed: "
+                      "uid %d has %d open (max_connections_per_uid %d); %d refused so far", pid, uid, uid, n,
+                      self.max_per_uid, self.refused)
         return False
 
     def _count(self, uid: int, fd: int) -> int:
@@ -195,7 +197,9 @@ class Connections:
 
     def disconnected(self, fd: int) -> None:
         with self._lock:
-            self._conns.pop(fd, None)
+            c = self._conns.pop(fd, None)
+        if c is not None and c.greeted and self.on_closed is not None:
+            self.on_closed(fd)  # a flood's connections, never greeted, cost the loop nothing
 
     def expire(self) -> int:
         """Close the connections without a HELLO within ``hello_timeout_s``; how many."""
@@ -212,10 +216,11 @@ class Connections:
         for c in late:
             if self.shutdown(c.fd, c.ino):
                 n += 1
-                log.info("control connection of pid %d uid %d closed: no HELLO within %g s", c.pid, c.uid,
-                         self.hello_timeout_s)
+                self.rlog.log("connection without HELLO", logging.INFO, "control connection of pid %d uid %d "
+                              "closed: no HELLO within %g s", c.pid, c.uid, self.hello_timeout_s)
         with self._lock:
             self.expired += n
+        self.rlog.flush()  # the summaries of windows that are over (this runs every second)
         return n
 
     # -- the event loop ----------------------------------------------------------------
@@ -226,6 +231,15 @@ class Connections:
         if fd is None:
             return True
         return self._admit(fd, greeted=True)
+
+    def key(self, fd: int | None) -> tuple[int, int] | None:
+        """(descriptor, socket inode) of open connection ``fd`` in the table, or None: what a
+        session remembers of the connection its HELLO came on."""
+        if fd is None:
+            return None
+        with self._lock:
+            c = self._conns.get(fd)
+            return (c.fd, c.ino) if c is not None else None
 
     def by_uid(self) -> dict[int, int]:
         """Open connections per uid (stats)."""
@@ -241,7 +255,13 @@ class Connections:
 def _names(c: Conn) -> bool:
     """Whether descriptor ``c.fd`` still names ``c``'s socket (an inode check, no pin:
     only used to forget stale entries)."""
+    return names(c.fd, c.ino)
+
+
+def names(fd: int, ino: int) -> bool:
+    """Whether descriptor ``fd`` names the socket of inode ``ino`` now (an ``fstat``: it
+    never uses the descriptor, which is libzmq's)."""
     try:
-        return os.fstat(c.fd).st_ino == c.ino
+        return os.fstat(fd).st_ino == ino
     except OSError:
         return False

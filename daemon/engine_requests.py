@@ -140,8 +140,8 @@ class EngineRequests:
         self.sessions.detach(s)
         if bye:  # Client.close(): forgotten, so short-lived clients never fill max_clients
             self.sessions.pop(identity, None)
-            log.info("client %d (pid %d rank %d) said goodbye%s", s.client_id, s.pid, s.rank,
-                     f", detached from engine {engine!r}" if attached else "")
+            self.sessions.rlog.log("bye", logging.INFO, "client %d (pid %d rank %d) said goodbye%s", s.client_id, s.pid,
+                                   s.rank, f", detached from engine {engine!r}" if attached else "")
         else:
             log.info("client %d (pid %d rank %d) detached%s", s.client_id, s.pid, s.rank,
                      f" from engine {engine!r}" if attached else " (was not attached)")

@@ -345,9 +345,9 @@ def main(argv=None) -> int:
             daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
                             reap_interval_s=cfg.reap_interval_s, notifier=notifier, busy_poll_us=busy_poll_us,
                             metrics_port=cfg.metrics_port, admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None,
-                            max_clients_per_uid=cfg.max_clients_per_uid,
+                            max_clients_per_uid=cfg.uid_client_cap,
                             max_pool_bytes_per_uid=cfg.max_pool_bytes_per_uid,
-                            max_connections_per_uid=cfg.max_connections_per_uid, hello_timeout_s=cfg.hello_timeout_s,
+                            max_connections_per_uid=cfg.uid_connection_cap, hello_timeout_s=cfg.hello_timeout_s,
                             idle_timeout_s=cfg.idle_timeout_s, io_cpus=io_cpus, warmer=warmer)
             daemon.engine_requests.max_slab_bytes = cfg.max_slab_bytes
             return _run(daemon, signals)

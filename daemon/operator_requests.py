@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import struct
 
 from sparsekv.proto import MsgType
 
 from . import stats as stats_mod
+from .peers import Peer
 
 # What generate_latest() writes (CONTENT_TYPE_LATEST names 1.0.0 in recent releases).
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -39,8 +42,8 @@ class OperatorRequests:
                 out = stats_mod.render_json(self.snapshot())
             elif cmd == "prometheus":
                 out = stats_mod.render_prometheus(self.registry)
-            elif cmd == "clients":
-                out = self.sessions.client_lines()
+            elif cmd == "clients":  # other uids' clients to root and the admin group only
+                out = self.sessions.client_lines(_viewer(writer))
             elif cmd == "health":
                 # The socket exists only once the daemon serves (READY=1 sent): answering is ready.
                 out = f"ready pid={os.getpid()} clients={len(self.sessions)}\n"
@@ -76,3 +79,17 @@ class OperatorRequests:
             pass
         finally:
             writer.close()
+
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _viewer(writer: asyncio.StreamWriter) -> Peer:
+    """The kernel's credentials of a stats socket connection (SO_PEERCRED); a viewer
+    whose credentials cannot be read is nobody (uid -1: sees no client)."""
+    sock = writer.get_extra_info("socket")
+    try:
+        pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    except (OSError, AttributeError, struct.error):
+        return Peer(-1, -1, 0, False)
+    return Peer(uid, gid, pid, True)

@@ -11,6 +11,7 @@ thread and its reply comes later (daemon/heavy.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -26,7 +27,7 @@ from sparsekv.proto.cpus import pin_io_threads
 from sparsekv.proto.frames import send_copy
 
 from . import stats as stats_mod
-from .connections import Connections
+from .connections import Connections, names
 from .connguard import BUSY_SUFFIX, ConnectionGuard
 from .control_socket import ZMQ_IO_THREADS, peer_address, router, src_fd
 from .engine_requests import EngineRequests, code_of
@@ -126,8 +127,9 @@ class Daemon:
         os.chmod(new_path, 0o660)
         os.rename(new_path, self.control_path)
         self.connections.bound_path = new_path  # what getsockname() says of every connection it accepts
-        guard = ConnectionGuard(sock, self.control_path, connections=self.connections.open()).start()
         loop = asyncio.get_running_loop()
+        self.connections.on_closed = functools.partial(_call_soon, loop, self._connection_closed)
+        guard = ConnectionGuard(sock, self.control_path, connections=self.connections.open()).start()
         self._sock = sock
         self.heavy.open(loop)
         fd = sock.getsockopt(zmq.FD)
@@ -215,6 +217,19 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
 
+    def _connection_closed(self, fd: int, tries: int = 0) -> None:
+        """(loop) libzmq closed control connection ``fd``: its sessions not attached go. Its
+        event may come before libzmq has closed the descriptor: asked again a few times."""
+        if self._sock is None:
+            return
+        try:
+            pending = self.sessions.closed(fd, names)
+        except Exception:  # noqa: BLE001 - a callback of the loop: log, never raise
+            log.exception("dropping the sessions of a closed connection failed")
+            return
+        if pending and tries < _CLOSE_TRIES:
+            asyncio.get_running_loop().call_later(_CLOSE_RETRY_S, self._connection_closed, fd, tries + 1)
+
     def handle(self, identity: bytes, frames, tr: int | None = None) -> list:
         """Answer one request; never raises. Errors are replies with a code and message.
 
@@ -266,6 +281,8 @@ class Daemon:
             if kind == MsgType.HELLO:
                 self.engine_requests.peer = peer_creds(frames)  # SO_PEERCRED, read for a HELLO only
             out = self.handlers[kind](session, identity, header, arrays)
+            if kind == MsgType.HELLO:  # its session ends with this connection unless attached
+                self.sessions[identity].conn = self.connections.key(src_fd(frames))
             if isinstance(out, types.GeneratorType):  # a heavy request's handler
                 job = Job(out, identity, session, kind, msg_type, req_id, tr)
                 return self._step(job) if defer else self._inline(job)
@@ -456,6 +473,15 @@ _WAIT = object()  # _handle: the request waits for a heavy request in flight on 
 
 
 _DRAIN_SLICE_NS = 20_000_000  # most time one loop wake-up spends on requests
+_CLOSE_TRIES, _CLOSE_RETRY_S = 5, 0.02  # a closed connection's descriptor, looked at again this often
+
+
+def _call_soon(loop, fn, *args) -> None:
+    """``fn(*args)`` on ``loop`` from another thread; nothing once the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: the daemon has stopped
+        pass
 
 
 HEALTH_INTERVAL_S = 0.25  # how often the backend's own failures are looked for

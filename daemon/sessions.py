@@ -17,6 +17,7 @@ from sparsekv.proto import ErrorCode, ProtocolError
 
 from .engine import RankState
 from .peers import Peer, PidWatch, process_groups
+from .ratelog import RateLimitedLog
 
 log = logging.getLogger("sparsekv.server")
 
@@ -50,6 +51,7 @@ class Session:
     peer_address: str = ""  # the HELLO's Peer-Address, as libzmq gave it ("": unverified)
     fd_token: str | None = None  # the fd socket's token of its attached rank, until used
     last_request_at: float = field(default_factory=time.monotonic)  # idle_timeout_s counts from here
+    conn: tuple[int, int] | None = None  # (descriptor, socket inode) of its HELLO's connection; None: unknown
 
 
 class Sessions(dict):
@@ -74,6 +76,7 @@ class Sessions(dict):
         self.idle_timeout_s = idle_timeout_s
         self.admin_gid = admin_gid
         self._next_client_id = 1
+        self.rlog = RateLimitedLog(log)  # lines a client can cause at will, limited per cause
         # Identities of sessions dropped for idleness -> what their next request is told.
         self._expired: collections.OrderedDict[bytes, str] = collections.OrderedDict()
 
@@ -108,8 +111,8 @@ class Sessions(dict):
         pid = peer.pid
         claimed = h.get("pid")
         if peer.verified and claimed != pid:  # another pid namespace, or a lie: the kernel's wins
-            log.info("client hello claims pid %s; the kernel says %d (another pid namespace?): using %d",
-                     str(claimed)[:24], pid, pid)
+            self.rlog.log("hello's pid", logging.INFO, "client hello claims pid %s; the kernel says %d (another pid "
+                          "namespace?): using %d", str(claimed)[:24], pid, pid)
         s = Session(identity, self._next_client_id, pid, rank, str(h["device"]), str(h["name"])[:128],
                     started(pid) if pid > 0 else None, uid=peer.uid, gid=peer.gid, verified=peer.verified,
                     peer_address=peer.address)
@@ -117,7 +120,8 @@ class Sessions(dict):
         s.watch = self.watch(s)
         self._expired.pop(identity, None)
         self[identity] = s
-        log.info("client %d hello: pid %d uid %d rank %d device %s %s", s.client_id, pid, s.uid, rank, s.device, s.name)
+        self.rlog.log("hello", logging.INFO, "client %d hello: pid %d uid %d rank %d device %s %s", s.client_id, pid,
+                      s.uid, rank, s.device, s.name)
         if peer.verified and pid == 0:
             log.warning("client %d (uid %d) runs outside the daemon's pid namespace: if it dies attached, its rank "
                         "is not reclaimed until the daemon stops (run engines with the host's pid namespace)",
@@ -199,7 +203,7 @@ class Sessions(dict):
             log.warning("client %d (pid %d rank %d) is gone; detaching it from engine %r",
                         s.client_id, s.pid, s.rank, s.engine)
         else:  # had detached (or never attached): a normal exit
-            log.info("client %d (pid %d) exited", s.client_id, s.pid)
+            self.rlog.log("exit", logging.INFO, "client %d (pid %d) exited", s.client_id, s.pid)
         self.detach(s)
 
     def reap_dead(self) -> int:
@@ -210,6 +214,7 @@ class Sessions(dict):
             self.reap(s)
         self.fd_server.expire()  # engine slabs deposited and never attached with
         self.expire_idle()
+        self.rlog.flush()  # the summaries of windows that are over
         return len(dead)
 
     def expire_idle(self) -> int:
@@ -219,8 +224,8 @@ class Sessions(dict):
         idle = [s for s in self.values()
                 if s.state is None and s.last_request_at <= limit and not self.heavy.busy(s.identity)]
         for s in idle:
-            log.info("client %d (pid %d uid %d) dropped: no request for %g s and not attached", s.client_id, s.pid,
-                     s.uid, self.idle_timeout_s)
+            self.rlog.log("idle session", logging.INFO, "client %d (pid %d uid %d) dropped: no request for %g s and "
+                          "not attached", s.client_id, s.pid, s.uid, self.idle_timeout_s)
             self.pop(s.identity, None)
             self.detach(s)
             self._expired[s.identity] = (f"client {s.client_id}'s session expired: no request for "
@@ -230,13 +235,52 @@ class Sessions(dict):
         self.stats.add(sessions_expired=len(idle))
         return len(idle)
 
+    def closed(self, fd: int, still_open) -> bool:
+        """Connection ``fd`` closed: drop the sessions not attached whose HELLO came on it
+        (a client that closed without BYE must not hold a place until ``idle_timeout_s``).
+        An attached session stays: its process's libzmq may reconnect under its id, and
+        its pidfd reclaims it when the process exits. ``still_open(fd, ino)``: whether the
+        descriptor still names the session's socket (then it is not this session's
+        connection that closed, or not yet); returns True when one did, to be asked again."""
+        pending = False
+        for s in [s for s in self.values() if s.conn is not None and s.conn[0] == fd]:
+            if still_open(*s.conn):
+                pending = True
+                continue
+            if s.state is not None or self.heavy.busy(s.identity):
+                continue
+            self.rlog.log("closed without BYE", logging.INFO, "client %d (pid %d uid %d) dropped: its connection "
+                          "closed without BYE", s.client_id, s.pid, s.uid)
+            self.pop(s.identity, None)
+            self.detach(s)
+            self._expired[s.identity] = (f"client {s.client_id}'s connection closed without BYE and its session "
+                                         "was dropped; connect again")
+            while len(self._expired) > EXPIRED_KEPT:
+                self._expired.popitem(last=False)
+            self.stats.add(sessions_closed=1)
+        return pending
+
     # -- the operator's view ---------------------------------------------------------
-    def client_lines(self) -> str:
+    def sees_all(self, viewer: Peer | None) -> bool:
+        """Whether ``viewer`` (SO_PEERCRED of a stats socket connection; None: in process)
+        may see every uid's clients: root, the daemon's own uid, and the admin group
+        (primary, or supplementary as ``/proc`` says while the query is answered)."""
+        if viewer is None or viewer.uid in (0, os.getuid()):
+            return True
+        if self.admin_gid is None:
+            return False
+        return viewer.gid == self.admin_gid or self.admin_gid in process_groups(viewer.pid)
+
+    def client_lines(self, viewer: Peer | None = None) -> str:
         """One tab-separated line per client under a header line; columns may be added
-        (``sparsekv top`` and tests read them by header name), ``name`` stays last."""
+        (``sparsekv top`` and tests read them by header name), ``name`` stays last. A
+        ``viewer`` that may not see every uid's clients (:meth:`sees_all`) sees its own."""
         now = time.time()
         lines = ["id\tpid\trank\tdevice\tengine\tattached\trequests\terrors\tage_s\tuid\tname"]
+        everyone = self.sees_all(viewer)
         for s in sorted(self.values(), key=lambda s: s.client_id):
+            if not everyone and s.uid != viewer.uid:
+                continue
             name = (s.name or "-").replace("\t", " ").replace("\n", " ")
             lines.append(f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
                          f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t"

@@ -40,6 +40,7 @@ COUNTERS = (
     ("connections_refused", "control connections closed when accepted: their uid had max_connections_per_uid open"),
     ("connections_expired", "control connections closed because no HELLO came within hello_timeout_s"),
     ("sessions_expired", "sessions not attached, dropped after idle_timeout_s without a request"),
+    ("sessions_closed", "sessions not attached, dropped when their connection closed without BYE"),
 )
 
 # Top-k handling time: from ~10 us (cuda: enqueue only) to tens of ms (a cold cpu gather).

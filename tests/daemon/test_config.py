@@ -217,3 +217,20 @@ def test_the_sample_file_shows_each_default_it_comments_out(tmp_path):
     for line in shown:
         path.write_text(line + "\n")
         assert load(build_parser().parse_args(["--config", str(path)]), environ={}) == load(None, environ={}), line
+
+
+def test_per_uid_client_and_connection_caps_are_on_by_default_and_sized_from_max_clients():
+    """One uid must not lock out the others out of the box: a quarter of the client places
+    (at least 1), twice that in connections (at least 16); 0 turns a cap off, a number sets it."""
+    c = load(build_parser().parse_args([]), environ={})
+    assert (c.max_clients_per_uid, c.max_connections_per_uid) == (-1, -1)
+    assert (c.uid_client_cap, c.uid_connection_cap) == (64, 128)
+    small = load(build_parser().parse_args(["--max-clients", "3"]), environ={})
+    assert (small.uid_client_cap, small.uid_connection_cap) == (1, 16)
+    off = load(build_parser().parse_args(["--max-clients-per-uid", "0", "--max-connections-per-uid", "0"]),
+               environ={})
+    assert (off.uid_client_cap, off.uid_connection_cap) == (0, 0)
+    assert load(build_parser().parse_args(["--max-clients-per-uid", "0"]), environ={}).uid_connection_cap == 512
+    set_ = load(build_parser().parse_args(["--max-clients-per-uid", "5", "--max-connections-per-uid", "7"]),
+                environ={})
+    assert (set_.uid_client_cap, set_.uid_connection_cap) == (5, 7)

@@ -36,7 +36,9 @@ def start(run_dir, log, soft: int, hard: int) -> subprocess.Popen:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     p = subprocess.Popen([helpers.PY, "-m", "sparsekv.daemon.main", "--backend", "cpu", "--run-dir", run_dir,
-                          "--pool-size", "16MiB", "--shm-dir", run_dir], stdout=log, stderr=log, preexec_fn=limit)
+                          "--pool-size", "16MiB", "--shm-dir", run_dir,
+                          # the process's open-files limit, met by one uid: no per-uid cap (on by default)
+                          "--max-connections-per-uid", "0"], stdout=log, stderr=log, preexec_fn=limit)
     helpers.wait_for(lambda: p.poll() is not None or os.path.exists(os.path.join(run_dir, "control.sock")), 30,
                      what="the daemon to serve")
     return p

@@ -212,7 +212,8 @@ def test_a_connection_without_hello_is_closed_after_the_timeout_and_clients_are_
 
 def test_a_reconnect_under_the_same_routing_id_is_not_expired(tmp_path):
     """A client's libzmq reconnects under its own routing id without a new HELLO (after a
-    heartbeat timeout, say): its process said HELLO, so its new connection needs none."""
+    heartbeat timeout, say): its process said HELLO, so its new connection needs none, and
+    its session, attached, outlives the connection it said HELLO on."""
     from sparsekv.proto import MsgType, decode, encode
 
     with daemon(tmp_path, "--hello-timeout-s", "0.3") as d:
@@ -234,6 +235,7 @@ def test_a_reconnect_under_the_same_routing_id_is_not_expired(tmp_path):
 
         first = dealer()
         assert call(first, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "r"})["ok"]
+        assert call(first, MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
         first.close(0)
         helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["connections_open"] == 0, timeout_s=3,
                          what="the first connection gone")

@@ -85,6 +85,8 @@ def test_a_second_process_under_a_live_clients_routing_id_neither_hangs_it_nor_a
         ident = b"skv" + os.urandom(13)
         victim = _dealer(ctx, f"ipc://{path}", ident, RECONNECT_IVL=-1)
         assert _call(victim, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "v"})["ok"]
+        # attached: its session outlives its connection (an unattached one goes with it)
+        assert _call(victim, MsgType.ATTACH, {"engine": "v", "layout": helpers.layout().to_wire()})["ok"]
         attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, path, ident.hex()], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True, cwd="/tmp")
         try:
@@ -102,7 +104,7 @@ def test_a_second_process_under_a_live_clients_routing_id_neither_hangs_it_nor_a
             assert got["stats"] is None, got  # its connection was never identified: still nothing read
             assert d.proc.poll() is None
             # The id is free now: a new connection under it from another process reaches
-            # the victim's session only to be refused (the session is the victim process's).
+            # the victim's attached session only to be refused (it is the victim process's).
             thief = subprocess.run([sys.executable, "-c", THIEF, path, ident.hex()], capture_output=True, text=True,
                                    timeout=30, cwd="/tmp")
             h = json.loads(thief.stdout)

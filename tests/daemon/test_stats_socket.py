@@ -171,3 +171,45 @@ def test_mps_state_is_shown_for_the_cuda_backend():
     assert "sparsekv_mps 0.0" in render_prometheus(registry_for(snap)).splitlines()
     cpu = Stats().snapshot({}, {"backend": "cpu", "devices": ["cpu"]})
     assert "MPS" not in render_table(cpu) and "sparsekv_mps" not in render_prometheus(registry_for(cpu))
+
+
+# The stats socket's `clients` answer, asked by this script's user.
+CLIENTS_QUERY = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+s.connect(sys.argv[1] + "/stats.sock")
+s.sendall(b"clients\n")
+out = b""
+while b := s.recv(65536):
+    out += b
+sys.stdout.write(out.decode())
+"""
+
+
+@pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
+def test_the_clients_listing_shows_other_uids_clients_only_to_root_and_the_admin_group(tmp_path):
+    from sparsekv.bench.private_daemon import PrivateDaemon
+
+    admin = 4242
+    with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--admin-gid", str(admin)],
+                       log_path=str(tmp_path / "d.log"), start_timeout_s=30) as d, Client(d.run_dir, name="rootc"):
+        helpers.open_to_other_users(d.run_dir, "control.sock", "stats.sock")
+        nobody, (hello,) = helpers.raw_client(d.run_dir, 1, [], uid=65534)
+        try:
+            assert hello["ok"], hello
+
+            def seen(uid=None, groups=()):
+                r = subprocess.run([*helpers.as_user(uid, groups), sys.executable, "-c", CLIENTS_QUERY, d.run_dir],
+                                   capture_output=True, text=True, timeout=30, cwd="/tmp")
+                assert r.returncode == 0, r.stderr
+                return sorted((row["uid"], row["name"]) for row in parse_clients(r.stdout))
+
+            both = [("0", "rootc"), ("65534", "raw")]
+            assert seen() == both  # root
+            assert seen(65534) == [("65534", "raw")]  # its own only
+            assert seen(65533) == []  # a member of the daemon's group, no client of its own
+            assert seen(65533, groups=(admin,)) == both  # the admin group
+        finally:
+            nobody.kill()
+            nobody.wait()
