@@ -65,10 +65,10 @@ class Config:
     # The next request of a decode step then costs no wake-up (tens of microseconds in a VM).
     busy_poll_us: int = _s(-1, "poll the control socket this long after a request before sleeping; -1: 1000 on "
                            "cuda, 0 on cpu", bounds=(-1, 1_000_000), metavar="US")
-    # In a VM a halted vCPU takes tens of microseconds to wake: give the daemon's and the
-    # engines' I/O threads (Client io_cpus) warm CPUs (proto/cpus.py).
-    io_cpus: str = _s("", "CPUs of the daemon's ZeroMQ I/O threads (its other threads keep off them), e.g. 3 or "
-                      "2-3; '': not pinned", kind="cpus", metavar="CPUS")
+    # In a VM a halted vCPU takes tens of microseconds to wake: give the daemon's loop and
+    # the engines' I/O threads (Client io_cpus) warm CPUs (proto/cpus.py).
+    io_cpus: str = _s("", "CPUs of the daemon's loop thread, which reads and writes the control socket (its other "
+                      "threads keep off them), e.g. 3 or 2-3; '': not pinned", kind="cpus", metavar="CPUS")
     warm_cpus: str = _s("", "CPUs kept from halting by an idle-priority busy loop each (VMs: deploy/README.md); "
                         "'': none", kind="cpus", metavar="CPUS")
     metrics_port: int = _s(0, "serve Prometheus text on http://127.0.0.1:PORT/metrics from the daemon's loop; "
@@ -88,6 +88,11 @@ class Config:
     max_connections_per_uid: int = _s(-1, "open control connections of one uid at most (more are closed at once "
                                       "and counted); -1: twice the per-uid client cap, at least 16; 0: no cap",
                                       bounds=(-1, 1_000_000))
+    # Frames over 4 KiB are read into this budget; a connection waits (unread) while it is
+    # spent, so the daemon's memory for requests stays bounded (daemon/control_socket.py).
+    inflight_bytes: int = _s(256 << 20, "bytes of requests being read or waiting to be served, all connections "
+                             "together (a quarter per uid), with a unit; at least 64MiB", kind="size",
+                             bounds=(64 << 20, None))
     hello_timeout_s: float = _s(10.0, "a control connection that sends no HELLO within this is closed",
                                 bounds=(0, 86400), metavar="S")
     idle_timeout_s: float = _s(600.0, "a session not attached is dropped after this long without a request",

@@ -1,76 +1,559 @@
-"""The control socket: the daemon's ZeroMQ ROUTER, what one peer may cost it, and what
-libzmq says of a received message's connection (its credentials, its descriptor)."""
+"""The control socket: a Unix stream socket speaking ZMTP (``daemon/zmtp.py``), read by the
+daemon's event loop, and what each peer may cost it.
+
+Clients connect their libzmq DEALER to ``control.sock``; the daemon accepts, reads and
+writes each connection itself, so every limit holds before anything is read:
+
+* **Who.** ``SO_PEERCRED`` is read when a connection is accepted: the session a HELLO
+  opens is bound to that connection (its identity is the connection's, never a routing id
+  a peer chose), and a connection of a uid with ``max_per_uid`` open is closed at once.
+* **How much.** A frame's size is known before its bytes are read. Before its HELLO is
+  answered a connection may send messages of ``LIMITS.max_header_bytes`` at most; after,
+  ``LIMITS.max_message_bytes``, frames of ``max_frame_bytes`` (the header frame
+  ``max_header_bytes``), ``max_frames`` of them. A larger one is refused with a typed
+  TOO_LARGE reply and the connection closed, before its bytes are read.
+* **How much in all.** Frames over ``SMALL_FRAME`` bytes are read into buffers taken from
+  one budget (``inflight_bytes``, and a quarter of it per uid) and given back when the
+  daemon drops the last reference to them (the request answered, or dropped). A frame
+  the budget cannot take yet pauses that connection's reads until it can: the kernel's
+  socket buffer and the client wait, the daemon's memory does not grow.
+* **How long.** No HELLO within ``hello_timeout_s``, or a message begun and not finished
+  within ``MESSAGE_TIMEOUT_S`` (a peer that stops half way would hold its budget): closed.
+* **Descriptors.** Within ``reserve_fds`` of ``RLIMIT_NOFILE`` the daemon stops accepting
+  and renames ``control.sock`` to ``control.sock.busy`` (a client says the daemon refuses
+  new connections) until descriptors are free again; connections made keep working.
+
+Replies that a peer does not read are queued up to ``MAX_OUT_BYTES``; past that its
+connection is closed (it is not reading).
+"""
 
 from __future__ import annotations
 
-import zmq
+import collections
+import errno
+import logging
+import os
+import resource
+import select
+import socket
+import struct
+import time
+import weakref
+from dataclasses import dataclass, field
 
-from sparsekv.proto import LIMITS
+from sparsekv.proto import LIMITS, ErrorCode
 
-# What one peer may cost the ROUTER (libzmq enforces these in its I/O thread):
-# - the largest frame of a legal request; a peer announcing a larger one is disconnected
-#   before the frame is read (ZMQ_MAXMSGSIZE applies to each frame of a multipart);
-MAX_MESSAGE_BYTES = max(LIMITS.max_frame_bytes, LIMITS.max_header_bytes)
-# - a PING every HEARTBEAT_IVL_MS; a connection silent for HEARTBEAT_TIMEOUT_MS (a frozen
-#   or vanished peer: nothing answers the PINGs) is closed;
-HEARTBEAT_IVL_MS = 5_000
-HEARTBEAT_TIMEOUT_MS = 30_000
-# - a connection that has not finished the ZMTP handshake within this is closed (a raw
-#   socket that connects and says nothing holds a descriptor only this long).
-HANDSHAKE_IVL_MS = 5_000
-LISTEN_BACKLOG = 32
-# - libzmq reads a large frame in one read() while its sender keeps up, and every
-#   connection served by the same I/O thread waits meanwhile: with several threads, one
-#   client's large WRITE stalls only those that share its thread (tests/soak/stall.py).
-ZMQ_IO_THREADS = 4
+from .inflight import Budget, FrameBuffer, Refused, declared
+from .peers import Peer
+from .ratelog import RateLimitedLog
+from .zmtp import Decoder, ZmtpError, encode_message
 
+log = logging.getLogger("sparsekv.server")
 
-def router(ctx: zmq.Context) -> zmq.Socket:
-    """The control socket (not yet bound), with every limit on what a peer may cost."""
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-    # No handover: a connection under a routing id that a live connection holds is never
-    # read (libzmq leaves its pipe anonymous; the HELLO deadline closes it), so no peer can
-    # take a session's pipe. With handover on, another process under a client's id took
-    # its pipe (the client hung) and libzmq 4.3.5 aborted when the client closed
-    # (`!_io_error`, stream_engine_base.cpp:310). tests/daemon/test_routing_ids.py guards
-    # both. A client's reconnect under its own id works once the daemon has seen its old
-    # connection close; Client.connect() takes a fresh random id each time.
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-    # Queued connections are still accepted after the connection guard renames control.sock away.
-    sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
-    # A ZAP domain (no handler bound: NULL-mechanism peers pass) makes libzmq refuse
-    # ZMTP/1.0 and 2.0 peers: libzmq 4.3.5 leaks memory for every ZMTP/1.0 connection
-    # that fails (any first byte other than 0xff opens one).
-    sock.setsockopt(zmq.ZAP_DOMAIN, b"sparsekv")
-    return sock
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+SMALL_FRAME = 4096  # frames up to this are plain bytes, outside the budget
+READ_SLICE = 4 << 20  # bytes read from one connection before the others get their turn
+SCRATCH_BYTES = 256 << 10
+MESSAGE_TIMEOUT_S = 10.0
+MAX_OUT_BYTES = 64 << 20
+LISTEN_BACKLOG = 128
+BUSY_SUFFIX = ".busy"  # control.sock's name while no connection is accepted
+ACCEPT_BATCH = 64
+MAX_EVENTS = 256
+IOV_MAX = 512
 
 
-def _frame_property(frames, name, unreadable):
-    """libzmq's property ``name`` of received frames (``unreadable`` if libzmq has none);
-    None for plain bytes (an in-process call)."""
-    get = getattr(frames[0], "get", None) if frames else None
-    if get is None:
-        return None
+def reserve_for(limit_fds: int) -> int:
+    """Descriptors kept free below the soft limit: half of a small limit, a quarter of a
+    larger one, 128 .. 4096."""
+    return min(max(128, limit_fds // 2 if limit_fds <= 4096 else limit_fds // 4), 4096)
+
+
+def open_fds() -> int:
+    """Descriptors this process has open now (the limit when they cannot be counted)."""
     try:
-        return get(name)
-    except Exception:  # noqa: BLE001 - zmq.ZMQError: no such property (an older or newer libzmq)
-        return unreadable
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def peer_address(frames) -> str | None:
-    """libzmq's ``Peer-Address`` of received frames ("" if unreadable); None for plain
-    bytes (an in-process call)."""
-    return _frame_property(frames, "Peer-Address", "")
+@dataclass(eq=False)
+class Conn:
+    sock: socket.socket
+    ident: bytes
+    peer: Peer
+    at: float  # time.monotonic() when accepted
+    decoder: Decoder | None = None
+    greeted: bool = False  # its HELLO was answered
+    message_at: float = 0.0  # when its message in progress began (or was last resumed)
+    out: collections.deque = field(default_factory=collections.deque)
+    out_bytes: int = 0
+    closing: bool = False  # refused: closed once its last reply is out
+    plan: list | None = None  # the array frames' sizes its message's header declares
+    refusal: tuple | None = None  # (code, message) its message in progress is refused with
+    reserved: int = 0  # budget taken for those and not yet read into a buffer
+    events: int = 0  # registered with epoll
 
 
-def src_fd(frames) -> int | None:
-    """The descriptor of the connection received frames came on (libzmq's ``ZMQ_SRCFD``
-    property: deprecated, present in 4.3); None for plain bytes or when unreadable."""
-    fd = _frame_property(frames, zmq.SRCFD, None)
-    return fd if type(fd) is int and fd >= 0 else None
+class ControlSocket:
+    """The listener and its connections (see the module). Used from the loop's thread only,
+    except :class:`Budget`'s give-backs.
+
+    Arguments:
+        path: where ``control.sock`` goes (bound under a private name, renamed into place).
+        on_message: ``(ident, frames, tr, refusal)`` for every complete message; ``refusal``:
+            None, or (code, message) of a limit it broke (its frames were dropped: answer
+            it with that error).
+        on_closed: ``(ident)`` when a connection whose HELLO was answered closes.
+        inflight_bytes: the budget of large frames held (a quarter of it per uid).
+        max_per_uid: connections of one uid at most (0: no cap; this process is never capped).
+        hello_timeout_s: how long a connection may stay without an answered HELLO.
+        limit_fds, reserve_fds: the descriptor limit and how many to keep free.
+    """
+
+    def __init__(self, path: str, *, on_message, on_closed, inflight_bytes: int = 256 << 20, max_per_uid: int = 0,
+                 hello_timeout_s: float = 10.0, limit_fds: int | None = None, reserve_fds: int | None = None,
+                 clock=time.monotonic):
+        self.path = path
+        self.on_message, self.on_closed = on_message, on_closed
+        self.budget = Budget(inflight_bytes, max(inflight_bytes // 4, LIMITS.max_message_bytes))
+        self.max_per_uid = max_per_uid
+        self.hello_timeout_s = hello_timeout_s
+        self.limit_fds = limit_fds or resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.reserve_fds = reserve_for(self.limit_fds) if reserve_fds is None else reserve_fds
+        self._clock = clock
+        self.exempt_pid = os.getpid()
+        self._listener: socket.socket | None = None
+        self._ep = select.epoll()
+        self._conns: dict[int, Conn] = {}  # by descriptor
+        self._by_ident: dict[bytes, Conn] = {}
+        self._paused: collections.deque[Conn] = collections.deque()
+        self._next = 0
+        self._scratch = bytearray(SCRATCH_BYTES)
+        self._accepting = False
+        self._base_fds = 0  # descriptors open besides the connections, at the last count
+        self._loop = None  # the event loop, to wake it when a give-back unpauses someone
+        self.rlog = RateLimitedLog(log, clock=clock)
+        self.counts = collections.Counter()  # refused, expired, broken, too_large, paused, stalled, not_reading
+
+    # -- life --------------------------------------------------------------------------
+    def open(self, loop=None) -> "ControlSocket":
+        """Bind and listen; the path appears once the socket listens (with mode 0660)."""
+        new_path = self.path + ".new"
+        for p in (self.path, new_path, self.path + BUSY_SUFFIX):
+            if os.path.lexists(p):
+                os.unlink(p)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        s.bind(new_path)
+        s.listen(LISTEN_BACKLOG)
+        os.chmod(new_path, 0o660)
+        os.rename(new_path, self.path)
+        self._listener = s
+        self._loop = loop
+        self._base_fds = open_fds()
+        self._accept_on()
+        return self
+
+    def fileno(self) -> int:
+        """A descriptor readable whenever there is something to do (:meth:`poll`)."""
+        return self._ep.fileno()
+
+    def close(self) -> None:
+        for c in list(self._conns.values()):
+            self._drop(c, notify=False)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._ep.close()
+        for p in (self.path, self.path + BUSY_SUFFIX):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    # -- what the server asks ------------------------------------------------------------
+    def peer(self, ident: bytes) -> Peer | None:
+        """The credentials of connection ``ident`` (None: not a connection, e.g. in process)."""
+        c = self._by_ident.get(ident)
+        return c.peer if c is not None else None
+
+    def greet(self, ident: bytes) -> None:
+        """Connection ``ident``'s HELLO was answered: full-size messages, no HELLO deadline."""
+        c = self._by_ident.get(ident)
+        if c is not None:
+            c.greeted = True
+
+    def send(self, ident: bytes, frames) -> bool:
+        """Queue one message to connection ``ident``; False when it is gone."""
+        c = self._by_ident.get(ident)
+        if c is None:
+            return False
+        bufs = encode_message(frames)
+        if not c.out:
+            try:
+                sent = c.sock.sendmsg(bufs[:IOV_MAX])
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self._drop(c)
+                return False
+            bufs = _after(bufs, sent)
+            if not bufs:
+                return True
+        for b in bufs:
+            c.out.append(b)
+            c.out_bytes += len(b)
+        if c.out_bytes > MAX_OUT_BYTES:
+            self.counts["not_reading"] += 1
+            self.rlog.log("not reading", logging.WARNING, "control connection of pid %d uid %d closed: %d bytes of "
+                          "replies it does not read", c.peer.pid, c.peer.uid, c.out_bytes)
+            self._drop(c)
+            return False
+        self._watch(c)
+        return True
+
+    def counters(self) -> dict[str, int]:
+        n = self.counts
+        return {"connections_open": len(self._conns), "connections_refused": n["refused"],
+                "connections_expired": n["expired"] + n["stalled"], "connections_broken": n["broken"] + n["too_large"],
+                "messages_refused": n["refused_messages"] + n["too_large"], "reads_paused": n["paused"],
+                "inflight_bytes": self.budget.held, "inflight_bytes_peak": self.budget.peak}
+
+    def by_uid(self) -> dict[int, int]:
+        return dict(collections.Counter(c.peer.uid for c in self._conns.values()))
+
+    # -- the loop's work ---------------------------------------------------------------
+    def poll(self) -> int:
+        """Do what is ready now (accept, read, write) without blocking; returns how many
+        events there were."""
+        self._unpause()
+        events = self._ep.poll(0, MAX_EVENTS)
+        listener = self._listener.fileno() if self._listener is not None else -1
+        for fd, ev in events:
+            if fd == listener:
+                self._accept()
+                continue
+            c = self._conns.get(fd)
+            if c is None:
+                continue
+            try:
+                if ev & select.EPOLLOUT:
+                    self._flush(c)
+                if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and fd in self._conns:
+                    self._read(c)
+            except Exception:  # noqa: BLE001 - a fault of ours with one connection: drop it, serve the rest
+                log.exception("control connection of pid %d uid %d failed", c.peer.pid, c.peer.uid)
+                self._drop(c)
+        return len(events)
+
+    def expire(self) -> None:
+        """Once a second: connections without HELLO in time, messages begun and not
+        finished in time, and accepting again once descriptors are free."""
+        now = self._clock()
+        for c in list(self._conns.values()):
+            if c.peer.pid == self.exempt_pid:
+                continue
+            if not c.greeted and now - c.at > self.hello_timeout_s:
+                self.counts["expired"] += 1
+                self.rlog.log("connection without HELLO", logging.INFO, "control connection of pid %d uid %d closed: "
+                              "no HELLO within %g s", c.peer.pid, c.peer.uid, self.hello_timeout_s)
+                self._drop(c)
+            elif c.decoder.in_message and not c.decoder.paused and now - c.message_at > MESSAGE_TIMEOUT_S:
+                self.counts["stalled"] += 1
+                self.rlog.log("message not finished", logging.WARNING, "control connection of pid %d uid %d closed: "
+                              "a message begun %g s ago is not finished", c.peer.pid, c.peer.uid, MESSAGE_TIMEOUT_S)
+                self._drop(c)
+        self._base_fds = open_fds() - len(self._conns)
+        if not self._accepting and self._fds_left() > self.reserve_fds + min(self.reserve_fds // 2, 64):
+            try:
+                os.rename(self.path + BUSY_SUFFIX, self.path)
+            except OSError as e:
+                log.error("cannot accept new connections again (rename %s: %s)", self.path + BUSY_SUFFIX, e.strerror)
+                return
+            log.warning("accepting new control connections again (%d descriptors free)", self._fds_left())
+            self._accept_on()
+        self.rlog.flush()
+
+    # -- accepting ---------------------------------------------------------------------
+    def _fds_left(self) -> int:
+        return self.limit_fds - self._base_fds - len(self._conns)
+
+    def _accept_on(self) -> None:
+        if self._listener is not None and not self._accepting:
+            self._ep.register(self._listener.fileno(), select.EPOLLIN)
+            self._accepting = True
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            if self._fds_left() <= self.reserve_fds:
+                self._ep.unregister(self._listener.fileno())
+                self._accepting = False
+                try:
+                    os.rename(self.path, self.path + BUSY_SUFFIX)
+                except OSError as e:
+                    log.error("cannot hold off new connections (rename %s: %s)", self.path, e.strerror)
+                log.warning("%d of %d file descriptors in use: refusing new connections (%s renamed to %s); raise "
+                            "LimitNOFILE= or find the client that leaks connections (sparsekv clients)",
+                            self.limit_fds - self._fds_left(), self.limit_fds, self.path, self.path + BUSY_SUFFIX)
+                return
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE / ENFILE / ENOBUFS: try again on the next round
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    self._base_fds = open_fds() - len(self._conns)
+                log.warning("accept on the control socket failed: %s", e.strerror)
+                return
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        try:
+            pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        except OSError:
+            sock.close()
+            return
+        if self.max_per_uid and pid != self.exempt_pid:
+            n = sum(1 for c in self._conns.values() if c.peer.uid == uid)
+            if n >= self.max_per_uid:
+                sock.close()
+                self.counts["refused"] += 1
+                self.rlog.log("connection over its uid's cap", logging.WARNING, "control connection of pid %d uid %d "
+                              "closed: uid %d has %d open (max_connections_per_uid %d); %d refused so far", pid, uid,
+                              uid, n, self.max_per_uid, self.counts["refused"])
+                return
+        self._next += 1
+        c = Conn(sock, b"c" + self._next.to_bytes(8, "little"), Peer(uid, gid, pid, True), self._clock())
+        ref = weakref.ref(c)
+        c.decoder = Decoder(on_message=lambda frames: self._message(ref(), frames),
+                            send=lambda data: self._raw_send(ref(), data),
+                            admit=lambda *a: self._frame(ref(), *a))
+        self._conns[sock.fileno()] = c
+        self._by_ident[c.ident] = c
+        self._watch(c)
+
+    # -- reading -----------------------------------------------------------------------
+    def _read(self, c: Conn) -> None:
+        got = 0
+        dec = c.decoder
+        try:
+            while got < READ_SLICE and not dec.paused and not c.closing:
+                view = dec.body_view()
+                if view is not None:
+                    n = c.sock.recv_into(view, min(len(view), READ_SLICE))
+                    if n:
+                        dec.body_filled(n)
+                else:
+                    n = c.sock.recv_into(self._scratch)
+                    if n:
+                        dec.feed(memoryview(self._scratch)[:n])
+                if not n:
+                    self._drop(c)
+                    return
+                got += n
+        except (BlockingIOError, InterruptedError):
+            pass
+        except Refused as e:
+            self.counts["too_large"] += 1
+            self.rlog.log("message too large", logging.WARNING, "control connection of pid %d uid %d closed: %s",
+                          c.peer.pid, c.peer.uid, e)
+            self._refuse(c, e)
+        except ZmtpError as e:
+            self.counts["broken"] += 1
+            self.rlog.log("protocol error", logging.INFO, "control connection of pid %d uid %d closed: %s",
+                          c.peer.pid, c.peer.uid, e)
+            self._drop(c)
+        except OSError:  # reset by the peer
+            self._drop(c)
+        else:
+            if dec.paused and c.sock.fileno() in self._conns:
+                self._watch(c)
+
+    def _frame(self, c: Conn, size: int, frames: list, count: int, total: int):
+        """The decoder's question before a frame is read (see :class:`zmtp.Decoder`).
+
+        A message over ``max_message_bytes`` is refused and its connection closed. Any other
+        limit broken (frames, header size, size before HELLO, a frame its header does not
+        declare) is answered with its typed error once the message ends; its frames are
+        read and dropped meanwhile. The header (frame 0) declares the arrays that follow:
+        the first array frame reserves the budget of all of them at once, so a message
+        begun never waits half read."""
+        limits = LIMITS
+        if count == 0:
+            c.message_at = self._clock()
+            c.refusal, c.plan = None, None
+        if total + size > limits.max_message_bytes:
+            raise Refused(ErrorCode.TOO_LARGE, f"a message of more than {limits.max_message_bytes} bytes")
+        if count == 1 and c.refusal is None:
+            c.plan = declared(frames[0])
+        if c.refusal is None:
+            c.refusal = self._check(c, size, count, total)
+        if c.refusal is not None:
+            return Decoder.DISCARD
+        if count == 0:
+            return None
+        if count == 1:
+            big = sum(x for x in c.plan or () if x > SMALL_FRAME)
+            if big and not self.budget.take(c.peer.uid, big):
+                if c not in self._paused:
+                    self._paused.append(c)
+                    self.counts["paused"] += 1
+                return Decoder.PAUSE
+            c.reserved = big
+        if size <= SMALL_FRAME:
+            return None
+        c.reserved -= size
+        buf = FrameBuffer(size)
+        weakref.finalize(buf, self._give, c.peer.uid, size)
+        return buf
+
+    def _check(self, c: Conn, size: int, count: int, total: int) -> tuple | None:
+        """(code, message) of the limit frame ``count`` of ``size`` bytes breaks, or None."""
+        limits = LIMITS
+        if count >= limits.max_frames:
+            return ErrorCode.TOO_LARGE, f"a message of more than {limits.max_frames} frames"
+        if count == 0 and size > limits.max_header_bytes:
+            return ErrorCode.TOO_LARGE, f"a header of {size} bytes exceeds {limits.max_header_bytes}"
+        if not c.greeted and total + size > limits.max_header_bytes:
+            return ErrorCode.TOO_LARGE, f"a message of more than {limits.max_header_bytes} bytes before HELLO"
+        if count >= 1 and size > SMALL_FRAME and (c.plan is None or count > len(c.plan) or size != c.plan[count - 1]):
+            return ErrorCode.BAD_FRAME, f"frame {count} of {size} bytes is not what its header describes"
+        return None
+
+    def _give(self, uid: int, n: int) -> None:
+        self.budget.give(uid, n)
+        if self._paused and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._unpause)
+            except RuntimeError:  # the loop is closed: the daemon stops
+                pass
+
+    def _unpause(self) -> None:
+        while self._paused:
+            c = self._paused[0]
+            if c.sock.fileno() not in self._conns or c.closing:
+                self._paused.popleft()
+                continue
+            try:
+                c.decoder.resume()
+            except Refused as e:
+                self._paused.popleft()
+                self._refuse(c, e)
+                continue
+            except ZmtpError:
+                self._paused.popleft()
+                self._drop(c)
+                continue
+            if c.decoder.paused:
+                return  # still no room: the first in line keeps its place
+            self._paused.popleft()
+            c.message_at = self._clock()
+            self._watch(c)
+
+    def _message(self, c: Conn, frames: list) -> None:
+        refusal, c.refusal = c.refusal, None
+        if refusal is not None:
+            self.counts["refused_messages"] += 1
+        self.on_message(c.ident, frames, time.perf_counter_ns(), refusal)
+
+    def _refuse(self, c: Conn, e: Refused) -> None:
+        """Answer the message over a limit with its typed error, then close."""
+        c.closing = True  # nothing more is read from it
+        self.on_message(c.ident, list(c.decoder.frames), time.perf_counter_ns(), (e.code, str(e)))
+        if c.ident in self._by_ident and not c.out:
+            self._drop(c)
+
+    # -- writing -----------------------------------------------------------------------
+    def _raw_send(self, c: Conn, data: bytes) -> None:
+        """The protocol's own bytes (greeting, READY, PONG)."""
+        if not c.out:
+            try:
+                sent = c.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                return  # the read that follows sees it closed
+            data = data[sent:]
+            if not data:
+                return
+        c.out.append(data)
+        c.out_bytes += len(data)
+        self._watch(c)
+
+    def _flush(self, c: Conn) -> None:
+        while c.out:
+            bufs = list(c.out)[:IOV_MAX]
+            try:
+                sent = c.sock.sendmsg(bufs)
+            except BlockingIOError:
+                break
+            except OSError:
+                self._drop(c)
+                return
+            c.out_bytes -= sent
+            while sent:
+                b = c.out[0]
+                if len(b) <= sent:
+                    sent -= len(b)
+                    c.out.popleft()
+                else:
+                    c.out[0] = memoryview(b)[sent:]
+                    sent = 0
+        if not c.out and c.closing:
+            self._drop(c)
+            return
+        self._watch(c)
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def _watch(self, c: Conn) -> None:
+        """Register what ``c`` waits for: input unless paused or closing, output while queued."""
+        want = (0 if c.decoder.paused or c.closing else select.EPOLLIN) | (select.EPOLLOUT if c.out else 0)
+        if want == c.events:
+            return
+        fd = c.sock.fileno()
+        if c.events == 0:
+            self._ep.register(fd, want)
+        elif want == 0:
+            self._ep.unregister(fd)
+        else:
+            self._ep.modify(fd, want)
+        c.events = want
+
+    def _drop(self, c: Conn, notify: bool = True) -> None:
+        fd = c.sock.fileno()
+        if self._conns.get(fd) is not c:
+            return
+        del self._conns[fd]
+        del self._by_ident[c.ident]
+        if c.events:
+            self._ep.unregister(fd)
+            c.events = 0
+        c.sock.close()
+        c.out.clear()
+        c.decoder = _CLOSED  # its buffers (and their budget) go now
+        if c.reserved:
+            self.budget.give(c.peer.uid, c.reserved)
+            c.reserved = 0
+        if c in self._paused:
+            self._paused.remove(c)
+        if notify and c.greeted:
+            self.on_closed(c.ident)
+
+
+def _after(bufs: list, sent: int) -> list:
+    """What of ``bufs`` remains once ``sent`` bytes of them went out."""
+    for i, b in enumerate(bufs):
+        if sent < len(b):
+            return ([memoryview(b)[sent:]] if sent else [b]) + bufs[i + 1:]
+        sent -= len(b)
+    return []
+
+
+class _Closed:
+    paused = True
+    in_message = False
+    frames: list = []
+
+
+_CLOSED = _Closed()

@@ -22,7 +22,9 @@ nothing is replied. Without a serving loop (``Daemon.handle``) the generators ru
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -78,6 +80,7 @@ class HeavyRequests:
         self._jobs: dict[bytes, Job] = {}  # in flight, by session identity
         self._engines: dict[str, Job] = {}  # engines held, by name
         self._waiting: dict[bytes, deque] = {}  # requests waiting, by session identity
+        self._cpus = None
 
     # -- state ---------------------------------------------------------------------
     @property
@@ -96,8 +99,10 @@ class HeavyRequests:
         return engine is not None and engine in self._engines
 
     # -- running -------------------------------------------------------------------
-    def open(self, loop: asyncio.AbstractEventLoop) -> None:
+    def open(self, loop: asyncio.AbstractEventLoop, cpus=None) -> None:
+        """Serve on ``loop``; ``cpus``: where the worker threads run (None: where the loop does)."""
         self._loop = loop
+        self._cpus = cpus
 
     def start(self, job: Job, resume: Callable[[Job, Any, BaseException | None], None]) -> None:
         """Run ``job.slow.fn`` on a worker thread, holding the job's session (and its
@@ -170,7 +175,8 @@ class HeavyRequests:
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="heavy")
+            init = None if self._cpus is None else functools.partial(os.sched_setaffinity, 0, self._cpus)
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="heavy", initializer=init)
         return self._executor
 
     def close(self, wait: bool = True) -> list[Job]:

@@ -337,7 +337,7 @@ def main(argv=None) -> int:
                          "%.2f s after the pre-fault)", size, len(pool_region.chunks), pool_region.register_s,
                          time.monotonic() - t0)
             if io_cpus:
-                keep_off(io_cpus)  # the backend's threads and the loop's: off the I/O threads' CPUs
+                keep_off(io_cpus)  # the backend's threads: off the loop's CPUs (serve() moves the loop there)
             notifier.extend_timeout(START_EXTEND_S, status="starting backend")
             backend = make_backend(cfg, pool, pool_region)
             signals.check()
@@ -348,7 +348,8 @@ def main(argv=None) -> int:
                             max_clients_per_uid=cfg.uid_client_cap,
                             max_pool_bytes_per_uid=cfg.max_pool_bytes_per_uid,
                             max_connections_per_uid=cfg.uid_connection_cap, hello_timeout_s=cfg.hello_timeout_s,
-                            idle_timeout_s=cfg.idle_timeout_s, io_cpus=io_cpus, warmer=warmer)
+                            idle_timeout_s=cfg.idle_timeout_s, inflight_bytes=cfg.inflight_bytes,
+                            io_cpus=io_cpus, warmer=warmer)
             daemon.engine_requests.max_slab_bytes = cfg.max_slab_bytes
             return _run(daemon, signals)
         except _Interrupted:
@@ -403,7 +404,7 @@ def place_io(cfg) -> tuple:
                     format_cpu_list(warm))
     if io_cpus:
         cold = sorted(set(io_cpus) - set(warm))
-        log.log(logging.WARNING if cold and warm else logging.INFO, "ZeroMQ I/O threads on CPU(s) %s%s",
+        log.log(logging.WARNING if cold and warm else logging.INFO, "the loop thread (control socket) on CPU(s) %s%s",
                 format_cpu_list(io_cpus),
                 f"; {format_cpu_list(cold)} not in warm_cpus (a halted CPU is slow to wake in a VM)" if cold else "")
     return warmer, io_cpus
@@ -417,8 +418,8 @@ def _run(daemon, signals: StartSignals) -> int:
         log.info("%s: stopping", sig.name)
         daemon.stop()
 
-    # The connection guard's thread must react within milliseconds to a flood of
-    # connections (daemon/connguard.py): it waits for the GIL at most this long, not 5 ms.
+    # The loop serves every client: while a worker thread runs Python (a heavy request) the
+    # loop waits for the GIL at most this long, not 5 ms.
     sys.setswitchinterval(GIL_SWITCH_S)
 
     async def go():

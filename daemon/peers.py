@@ -1,8 +1,7 @@
 """Who is at the other end of a control connection, and whether its process still lives.
 
-The kernel, not the client, says who a peer is. libzmq reads ``SO_PEERCRED`` of an
-``ipc://`` connection when it is accepted and attaches it to every message received on it
-as the property ``Peer-Address`` (``"<host>:<uid>:<gid>:<pid>"``); the pid is translated
+The kernel, not the client, says who a peer is: the control socket reads ``SO_PEERCRED``
+of each connection when it accepts it (daemon/control_socket.py); the pid is translated
 into the daemon's pid namespace, 0 when the peer's process is not visible there.
 
 A peer's process is watched through a pidfd: it names one process, not a number that may
@@ -16,15 +15,11 @@ import asyncio
 import logging
 import os
 import select
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
-
-from sparsekv.proto import ErrorCode, ProtocolError
 
 log = logging.getLogger("sparsekv.peers")
 
-_UID_LIMIT = 2**32 - 1  # (uid_t) -1 is "no uid", never a peer's
-_PID_LIMIT = 2**22 + 1  # PID_MAX_LIMIT (4 Mi) on 64-bit Linux; 0 = not in our pid namespace
 
 
 @dataclass(frozen=True)
@@ -35,55 +30,16 @@ class Peer:
         uid, gid, pid: the peer process's, pid in the daemon's pid namespace (0: unknown).
         verified: whether the kernel said so. False only for requests handed to
             ``Daemon.handle`` as plain bytes: taken as the daemon's own uid and gid, pid 0.
-        address: the ``Peer-Address`` string itself ("" when not verified).
     """
 
     uid: int
     gid: int
     pid: int
     verified: bool
-    address: str = field(default="", compare=False)
 
     @classmethod
     def unverified(cls) -> "Peer":
         return cls(os.getuid(), os.getgid(), 0, False)
-
-
-def peer_creds(frames) -> Peer | None:
-    """The credentials of the connection ``frames`` arrived on, or None for plain bytes (in
-    process); ``ProtocolError`` PERMISSION_DENIED when they are missing or unreadable."""
-    get = getattr(frames[0], "get", None) if frames else None
-    if get is None:
-        return None
-    try:
-        value = get("Peer-Address")
-    except Exception as e:  # noqa: BLE001 - zmq.ZMQError (no such property), anything else alike
-        raise ProtocolError(ErrorCode.PERMISSION_DENIED,
-                            f"the daemon cannot read this connection's credentials ({type(e).__name__}: {e}); "
-                            "connect over the ipc:// control socket") from None
-    peer = parse_peer_address(value)
-    if peer is None:
-        raise ProtocolError(ErrorCode.PERMISSION_DENIED,
-                            f"this connection's credentials {str(value)[:64]!r} are not <host>:<uid>:<gid>:<pid>; "
-                            "connect over the ipc:// control socket")
-    return peer
-
-
-def parse_peer_address(value) -> Peer | None:
-    """``"<host>:<uid>:<gid>:<pid>"`` as a verified :class:`Peer`, or None if it is not
-    exactly that. The host part may hold no colon: an IPv6 peer's address
-    (``fe80::1:2:3:4``) must never read as credentials."""
-    if isinstance(value, bytes):
-        value = value.decode("ascii", "replace")
-    if not isinstance(value, str):
-        return None
-    parts = value.split(":")
-    if len(parts) != 4 or not all(p.isdecimal() and p.isascii() for p in parts[1:]):
-        return None
-    uid, gid, pid = (int(p) for p in parts[1:])
-    if uid >= _UID_LIMIT or gid >= _UID_LIMIT or pid >= _PID_LIMIT:
-        return None
-    return Peer(uid, gid, pid, True, value)
 
 
 def process_groups(pid: int) -> frozenset[int]:

@@ -1,8 +1,8 @@
-"""The control plane's loop and dispatch: a ZeroMQ ROUTER served on (uv)asyncio, plus the
-stats socket, the fd socket and the optional loopback HTTP ``/metrics`` endpoint (same
-loop, same thread).
+"""The control plane's loop and dispatch: the control socket (ZMTP, daemon/control_socket.py)
+served on (uv)asyncio, plus the stats socket, the fd socket and the optional loopback HTTP
+``/metrics`` endpoint (same loop, same thread).
 
-One thread owns the ROUTER socket and every worker's state (STYLE 5): requests are
+One thread owns the control socket and every worker's state (STYLE 5): requests are
 handled one at a time in arrival order, so no lock guards the residency state; on cuda
 the handlers only enqueue GPU work. The slow part of a heavy request runs on a worker
 thread and its reply comes later (daemon/heavy.py).
@@ -11,31 +11,25 @@ thread and its reply comes later (daemon/heavy.py).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
 import types
 
-import zmq
 from prometheus_client import CollectorRegistry
 
 from sparsekv.proto import (ERROR_HINTS, PROTOCOL_VERSION, REQUESTS, ErrorCode, LayoutError, MsgType, ProtocolError,
                             decode, reply_error, reply_ok)
 from sparsekv.proto import fd_socket
-from sparsekv.proto.cpus import pin_io_threads
-from sparsekv.proto.frames import send_copy
 
 from . import stats as stats_mod
-from .connections import Connections, names
-from .connguard import BUSY_SUFFIX, ConnectionGuard
-from .control_socket import ZMQ_IO_THREADS, peer_address, router, src_fd
+from .control_socket import ControlSocket
+from .inflight import message_ids
 from .engine_requests import EngineRequests, code_of
 from .fd_server import FdServer
 from .heavy import MAX_WAITING, Gone, HeavyRequests, Job
 from .notify import Notifier
 from .operator_requests import OperatorRequests
-from .peers import peer_creds
 from .pool import HostPool, PoolError
 from .registry import EngineRegistry
 from .residency.base import ResidencyError
@@ -56,7 +50,8 @@ class Daemon:
                  reap_interval_s: float = 2.0, notifier: Notifier | None = None, busy_poll_us: int = 0,
                  metrics_port: int = 0, admin_gid: int | None = None, max_clients_per_uid: int = 0,
                  max_pool_bytes_per_uid: int = 0, max_connections_per_uid: int = 0, hello_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 600.0, io_cpus: tuple[int, ...] = (), warmer=None):
+                 idle_timeout_s: float = 600.0, inflight_bytes: int = 256 << 20, io_cpus: tuple[int, ...] = (),
+                 warmer=None):
         self.run_dir = run_dir
         self.control_path = os.path.join(run_dir, "control.sock")
         self.stats_path = os.path.join(run_dir, "stats.sock")
@@ -65,7 +60,9 @@ class Daemon:
         self.warmer = warmer
         self.backend = backend
         self.pool = pool
-        self.connections = Connections(max_per_uid=max_connections_per_uid, hello_timeout_s=hello_timeout_s)
+        self.control = ControlSocket(self.control_path, on_message=self._received, on_closed=self._connection_closed,
+                                     inflight_bytes=inflight_bytes, max_per_uid=max_connections_per_uid,
+                                     hello_timeout_s=hello_timeout_s)
         self.reap_interval_s = reap_interval_s
         self.busy_poll_ns = int(busy_poll_us) * 1000
         self.notifier = notifier or Notifier({})
@@ -76,12 +73,12 @@ class Daemon:
         self.metrics_address: tuple[str, int] | None = None  # once bound
         self.engines = EngineRegistry(pool, backend, max_pool_bytes_per_uid=max_pool_bytes_per_uid)
         self.heavy = HeavyRequests()
-        self._sock = None  # the ROUTER socket, while serving
+        self._serving = False
         self.fd_server = FdServer(self.stats, lambda cid: self.backend.share_fds(cid), is_attacher)
         self.sessions = Sessions(self.engines, self.heavy, self.fd_server, self.stats, max_clients=max_clients,
                                  max_clients_per_uid=max_clients_per_uid, idle_timeout_s=idle_timeout_s,
                                  admin_gid=admin_gid)
-        self.snapshot = Snapshot(self.stats, backend, self.sessions, self.connections, self.engines, io_cpus, warmer)
+        self.snapshot = Snapshot(self.stats, backend, self.sessions, self.control, self.engines, io_cpus, warmer)
         self.registry.register(stats_mod.SnapshotCollector(self.snapshot))
         self.engine_requests = EngineRequests(self.sessions, self.engines, backend, pool, self.stats, self.fd_server)
         self.operator_requests = OperatorRequests(self.snapshot, self.registry, self.sessions)
@@ -104,15 +101,11 @@ class Daemon:
                                                      port=self.metrics_port)
             self.metrics_address = http_server.sockets[0].getsockname()[:2]
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
-        ctx = zmq.Context(io_threads=ZMQ_IO_THREADS)
-        if self.io_cpus:
-            pin_io_threads(ctx, self.io_cpus)  # before the first socket starts them
-        sock = router(ctx)
-        busy_path = self.control_path + BUSY_SUFFIX
-        new_path = self.control_path + ".new"
-        for p in (self.control_path, busy_path, new_path, self.stats_path):
-            if os.path.lexists(p):
-                os.unlink(p)
+        others = os.sched_getaffinity(0)
+        if self.io_cpus:  # this thread reads the control socket; the workers keep off its CPUs
+            os.sched_setaffinity(0, self.io_cpus)
+        if os.path.lexists(self.stats_path):
+            os.unlink(self.stats_path)
         # The stats and fd sockets first: whoever sees control.sock finds them there too.
         stats_server = await asyncio.start_unix_server(self.operator_requests.stats_client, path=self.stats_path)
         os.chmod(self.stats_path, 0o660)
@@ -121,21 +114,14 @@ class Daemon:
         except BaseException:
             stats_server.close()
             raise
-        # Bound under a private name and renamed into place once it listens (with its mode
-        # set): a client that connected between bind() and listen() would be refused.
-        sock.bind(f"ipc://{new_path}")
-        os.chmod(new_path, 0o660)
-        os.rename(new_path, self.control_path)
-        self.connections.bound_path = new_path  # what getsockname() says of every connection it accepts
         loop = asyncio.get_running_loop()
-        self.connections.on_closed = functools.partial(_call_soon, loop, self._connection_closed)
-        guard = ConnectionGuard(sock, self.control_path, connections=self.connections.open()).start()
-        self._sock = sock
-        self.heavy.open(loop)
-        fd = sock.getsockopt(zmq.FD)
-        loop.add_reader(fd, self._drain, sock)
+        self.control.open(loop)
+        self._serving = True
+        self.heavy.open(loop, others if self.io_cpus else None)
+        loop.add_reader(self.control.fileno(), self._drain)
         tasks = [asyncio.create_task(self._reaper(), name="reaper"),
-                 asyncio.create_task(self._health(), name="health")]
+                 asyncio.create_task(self._health(), name="health"),
+                 asyncio.create_task(self._connections(), name="connections")]
         if self.notifier.watchdog_interval_s:
             tasks.append(asyncio.create_task(self._watchdog(), name="watchdog"))
         status = f"serving {len(self.backend.devices)} device(s), pool {self.pool.size_bytes >> 20} MiB"
@@ -144,7 +130,7 @@ class Daemon:
         if on_ready:
             on_ready()
         try:
-            self._drain(sock)  # anything that arrived before the reader was registered
+            self._drain()  # anything that arrived before the reader was registered
             await self._stop.wait()
         finally:
             if self.exit_code:  # keep saying why in `systemctl status`
@@ -152,7 +138,7 @@ class Daemon:
             else:
                 self.notifier.stopping()
             log.info("stopping: detaching %d client(s)", len(self.sessions))
-            loop.remove_reader(fd)
+            loop.remove_reader(self.control.fileno())
             for t in tasks:
                 t.cancel()
             stats_server.close()
@@ -171,75 +157,69 @@ class Daemon:
                         log.exception("detaching client %d at stop failed", s.client_id)
             self.sessions.clear()
             self.heavy.shutdown(wait=not self.exit_code)  # memory being released on its threads
-            self._sock = None
-            guard.close()
-            self.connections.close()  # its spare descriptors (the guard has stopped)
-            sock.close(0)
-            ctx.term()
-            for p in (self.control_path, busy_path, self.stats_path, self.fd_path):
+            self._serving = False
+            self.control.close()
+            for p in (self.stats_path, self.fd_path):
                 try:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
 
-    def _drain(self, sock) -> None:
-        """Receive, handle, reply until no request is queued: one at a time, in order.
+    def _drain(self) -> None:
+        """Read, handle, reply until nothing is ready: each connection's requests one at a
+        time, in order.
 
-        With ``busy_poll_us``, keep polling that long after the last request before going
+        With ``busy_poll_us``, keep polling that long after the last event before going
         back to sleep. A wake-up's work is bounded (``_DRAIN_SLICE_NS``); the rest is
         picked up on the loop's next turn, so the stats socket, reaper and watchdog run."""
+        if not self._serving:
+            return
         now = time.perf_counter_ns
         start = last = now()
         while True:
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                t = now()
-                if t - last >= self.busy_poll_ns:
+            if self.control.poll():
+                if self.exit_code:  # a fatal error: run nothing more (serve() is stopping)
                     return
-                if t - start >= _DRAIN_SLICE_NS:
-                    asyncio.get_running_loop().call_soon(self._drain, sock)
-                    return
-                continue
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                continue
-            tr = now()  # the reply's "tr": the request is here, not yet decoded
-            if len(frames) < 2:
-                continue  # an empty message carries no request to answer
-            self._serve(frames[0].bytes, (frames[1:], tr))
-            if self.exit_code:  # a fatal error: run nothing more (serve() is stopping)
+                last = now()
+            elif now() - last >= self.busy_poll_ns:
                 return
-            last = now()
-            if last - start >= _DRAIN_SLICE_NS:
-                asyncio.get_running_loop().call_soon(self._drain, sock)
+            if now() - start >= _DRAIN_SLICE_NS:
+                asyncio.get_running_loop().call_soon(self._drain)
                 return
+
+    def _received(self, identity: bytes, frames: list, tr: int, refusal: tuple | None) -> None:
+        """(control socket) A whole request of connection ``identity``, or one refused
+        unread (``refusal``: its code and message)."""
+        if self.exit_code:
+            return
+        if refusal is not None:
+            self._send(identity, self._failed(ProtocolError(*refusal), identity, *message_ids(frames), tr))
+            return
+        self._serve(identity, (frames, tr))
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _connection_closed(self, fd: int, tries: int = 0) -> None:
-        """(loop) libzmq closed control connection ``fd``: its sessions not attached go. Its
-        event may come before libzmq has closed the descriptor: asked again a few times."""
-        if self._sock is None:
-            return
+    def _connection_closed(self, identity: bytes) -> None:
+        """(control socket) Connection ``identity``, whose HELLO was answered, closed: its
+        session goes with it."""
         try:
-            pending = self.sessions.closed(fd, names)
+            self.sessions.closed(identity)
         except Exception:  # noqa: BLE001 - a callback of the loop: log, never raise
-            log.exception("dropping the sessions of a closed connection failed")
-            return
-        if pending and tries < _CLOSE_TRIES:
-            asyncio.get_running_loop().call_later(_CLOSE_RETRY_S, self._connection_closed, fd, tries + 1)
+            log.exception("dropping the session of a closed connection failed")
 
-    def handle(self, identity: bytes, frames, tr: int | None = None) -> list:
+    def handle(self, identity: bytes, frames, tr: int | None = None, peer=None) -> list:
         """Answer one request; never raises. Errors are replies with a code and message.
+        ``peer``: the credentials of the connection ``identity`` names, for a request handed
+        over in this process (None: the control socket's, or the daemon's own).
 
         ``tr``: ``time.perf_counter_ns()`` when the request was received (now if None).
         Every reply carries it as ``tr`` and the time just before it is encoded as ``tx``
         (CLOCK_MONOTONIC: one clock for every process of the host). A heavy request runs
         whole here, its slow part on the caller's thread (the loop uses :meth:`_serve`)."""
-        return self._handle(identity, frames, time.perf_counter_ns() if tr is None else tr, defer=False)
+        return self._handle(identity, frames, time.perf_counter_ns() if tr is None else tr, defer=False, peer=peer)
 
-    def _handle(self, identity: bytes, frames, tr: int, defer: bool):
+    def _handle(self, identity: bytes, frames, tr: int, defer: bool, peer=None):
         """The reply to one request (never raises). ``defer`` (serving): ``_WAIT`` instead when
         it must wait for a heavy request on its engine, or its :class:`Job` when its handler
         reached a slow part (the reply comes from :meth:`_resume`)."""
@@ -264,25 +244,16 @@ class Daemon:
             if kind != MsgType.HELLO and session is None:
                 why = self.sessions.expired(identity)
                 raise ProtocolError(ErrorCode.NOT_HELLO, why or "no HELLO from this connection")
-            # A HELLO on a connection beyond its uid's cap is not answered (daemon/connections.py).
-            if kind == MsgType.HELLO and not self.connections.hello(src_fd(frames)):
-                return None
             if defer and self._must_wait(session, kind, header):
                 return _WAIT
             if session is not None:
-                if session.peer_address and kind != MsgType.HELLO:
-                    # A peer may choose its routing id: the process behind a session's
-                    # identity must be the one that said HELLO.
-                    if peer_address(frames) not in (None, session.peer_address):
-                        raise ProtocolError(ErrorCode.PERMISSION_DENIED,
-                                            "this connection is not the process that said HELLO on it; send HELLO")
                 session.requests += 1
                 session.last_request_at = time.monotonic()
             if kind == MsgType.HELLO:
-                self.engine_requests.peer = peer_creds(frames)  # SO_PEERCRED, read for a HELLO only
+                self.engine_requests.peer = peer or self.control.peer(identity)  # SO_PEERCRED (None: in process)
             out = self.handlers[kind](session, identity, header, arrays)
-            if kind == MsgType.HELLO:  # its session ends with this connection unless attached
-                self.sessions[identity].conn = self.connections.key(src_fd(frames))
+            if kind == MsgType.HELLO:  # full-size requests from now on
+                self.control.greet(identity)
             if isinstance(out, types.GeneratorType):  # a heavy request's handler
                 job = Job(out, identity, session, kind, msg_type, req_id, tr)
                 return self._step(job) if defer else self._inline(job)
@@ -352,10 +323,7 @@ class Daemon:
             self._send(identity, out)
 
     def _send(self, identity: bytes, reply: list) -> None:
-        try:
-            self._sock.send_multipart([identity, *reply], zmq.NOBLOCK, copy=send_copy(reply))
-        except zmq.Again:  # the client stopped reading and its queue is full
-            log.warning("reply to a client dropped: its queue is full")
+        self.control.send(identity, reply)
 
     def _must_wait(self, session, kind: MsgType, header: dict) -> bool:
         """Whether a request must wait for a heavy request in flight on an engine: the
@@ -421,9 +389,6 @@ class Daemon:
         if self.exit_code:  # a fatal error: run nothing more (serve() is stopping)
             return
         self._serve_waiting(last=job.identity)
-        # A send may take the socket's edge-triggered wake-up for requests that came in
-        # meanwhile (libzmq: check ZMQ_EVENTS after every send): drain them now.
-        self._drain(self._sock)
 
     def _serve_waiting(self, last: bytes) -> None:
         """The requests that waited, each session's in order, until one waits again; session
@@ -462,6 +427,14 @@ class Daemon:
                 self._fatal(why)
                 return
 
+    async def _connections(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.control.expire()
+            except Exception:  # noqa: BLE001
+                log.exception("expiring control connections failed")
+
     async def _watchdog(self) -> None:
         while True:
             self.notifier.watchdog()
@@ -473,15 +446,6 @@ _WAIT = object()  # _handle: the request waits for a heavy request in flight on 
 
 
 _DRAIN_SLICE_NS = 20_000_000  # most time one loop wake-up spends on requests
-_CLOSE_TRIES, _CLOSE_RETRY_S = 5, 0.02  # a closed connection's descriptor, looked at again this often
-
-
-def _call_soon(loop, fn, *args) -> None:
-    """``fn(*args)`` on ``loop`` from another thread; nothing once the loop is closed."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: the daemon has stopped
-        pass
 
 
 HEALTH_INTERVAL_S = 0.25  # how often the backend's own failures are looked for

@@ -48,10 +48,8 @@ class Session:
     gid: int = -1
     verified: bool = False
     watch: PidWatch | None = None
-    peer_address: str = ""  # the HELLO's Peer-Address, as libzmq gave it ("": unverified)
     fd_token: str | None = None  # the fd socket's token of its attached rank, until used
     last_request_at: float = field(default_factory=time.monotonic)  # idle_timeout_s counts from here
-    conn: tuple[int, int] | None = None  # (descriptor, socket inode) of its HELLO's connection; None: unknown
 
 
 class Sessions(dict):
@@ -114,8 +112,7 @@ class Sessions(dict):
             self.rlog.log("hello's pid", logging.INFO, "client hello claims pid %s; the kernel says %d (another pid "
                           "namespace?): using %d", str(claimed)[:24], pid, pid)
         s = Session(identity, self._next_client_id, pid, rank, str(h["device"]), str(h["name"])[:128],
-                    started(pid) if pid > 0 else None, uid=peer.uid, gid=peer.gid, verified=peer.verified,
-                    peer_address=peer.address)
+                    started(pid) if pid > 0 else None, uid=peer.uid, gid=peer.gid, verified=peer.verified)
         self._next_client_id += 1
         s.watch = self.watch(s)
         self._expired.pop(identity, None)
@@ -235,30 +232,16 @@ class Sessions(dict):
         self.stats.add(sessions_expired=len(idle))
         return len(idle)
 
-    def closed(self, fd: int, still_open) -> bool:
-        """Connection ``fd`` closed: drop the sessions not attached whose HELLO came on it
-        (a client that closed without BYE must not hold a place until ``idle_timeout_s``).
-        An attached session stays: its process's libzmq may reconnect under its id, and
-        its pidfd reclaims it when the process exits. ``still_open(fd, ino)``: whether the
-        descriptor still names the session's socket (then it is not this session's
-        connection that closed, or not yet); returns True when one did, to be asked again."""
-        pending = False
-        for s in [s for s in self.values() if s.conn is not None and s.conn[0] == fd]:
-            if still_open(*s.conn):
-                pending = True
-                continue
-            if s.state is not None or self.heavy.busy(s.identity):
-                continue
-            self.rlog.log("closed without BYE", logging.INFO, "client %d (pid %d uid %d) dropped: its connection "
-                          "closed without BYE", s.client_id, s.pid, s.uid)
-            self.pop(s.identity, None)
-            self.detach(s)
-            self._expired[s.identity] = (f"client {s.client_id}'s connection closed without BYE and its session "
-                                         "was dropped; connect again")
-            while len(self._expired) > EXPIRED_KEPT:
-                self._expired.popitem(last=False)
-            self.stats.add(sessions_closed=1)
-        return pending
+    def closed(self, identity: bytes) -> None:
+        """Connection ``identity`` closed: its session goes (a client that closed without BYE
+        must not hold a place, nor an attached rank, until its process exits)."""
+        s = self.get(identity)
+        if s is None:
+            return
+        self.rlog.log("closed without BYE", logging.INFO, "client %d (pid %d uid %d) dropped: its connection "
+                      "closed without BYE", s.client_id, s.pid, s.uid)
+        self.reap(s)
+        self.stats.add(sessions_closed=1)
 
     # -- the operator's view ---------------------------------------------------------
     def sees_all(self, viewer: Peer | None) -> bool:

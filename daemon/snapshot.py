@@ -16,9 +16,9 @@ class Snapshot:
     """Callable: the snapshot of a daemon's parts (see ``Daemon.__init__``), read on the
     loop's thread."""
 
-    def __init__(self, stats, backend, sessions, connections, engines, io_cpus=(), warmer=None):
+    def __init__(self, stats, backend, sessions, control, engines, io_cpus=(), warmer=None):
         self.stats, self.backend, self.sessions = stats, backend, sessions
-        self.connections, self.engines = connections, engines
+        self.control, self.engines = control, engines
         self.io_cpus, self.warmer = tuple(io_cpus), warmer
         self.version = package_version()
 
@@ -30,7 +30,7 @@ class Snapshot:
             **({"device_errors": device_errors} if device_errors is not None else {}),
             **({"arenas": arenas} if arenas is not None else {}),
             "clients": len(self.sessions),
-            **self.connections.counters(),  # counted on the connection guard's thread
+            **self.control.counters(),
             "attached": sum(1 for s in self.sessions.values() if s.state is not None),
             **self.engines.gauges(),
             "per_engine": self._per_engine(),

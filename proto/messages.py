@@ -91,9 +91,10 @@ class Limits:
 
     max_frames: int = 16
     max_header_bytes: int = 64 * 1024
-    # One raw array frame. The daemon's ROUTER drops a connection that announces a larger
-    # frame (ZMQ_MAXMSGSIZE) before reading it: a client splits bigger writes.
-    max_frame_bytes: int = 256 << 20
+    # One raw array frame, and a message's arrays together. The daemon refuses a larger
+    # one before reading it (daemon/control_socket.py): a client splits bigger writes.
+    max_frame_bytes: int = 32 << 20
+    max_message_bytes: int = 64 << 20
     max_array_dims: int = 4
     max_batch: int = 4096
     max_write_rows: int = 1 << 20

@@ -27,7 +27,6 @@ import time
 import traceback
 
 import numpy as np
-import zmq
 
 from sparsekv.bench.verify import count_mismatches, pattern
 from sparsekv.client import Client, DaemonUnavailable, SparseKVError
@@ -141,38 +140,20 @@ def wait_for(pred, timeout_s: float = 10.0, interval_s: float = 0.02, what: str 
         time.sleep(interval_s)
 
 
-def request(dm, ident: bytes, msg_type, fields=None, arrays=None, *, req_id: int = 1, peer=False):
+def request(dm, ident: bytes, msg_type, fields=None, arrays=None, *, req_id: int = 1, peer=None):
     """One request through ``dm.handle`` (a ``Daemon`` driven in this process, no sockets)
-    from the connection whose routing id is ``ident``; returns the reply's (header,
-    arrays). ``peer``: the connection's ``Peer-Address`` (``peer_address(pid)``; None: one
-    that cannot be read), as if the request came over a real socket; False: no credentials
-    (a request from the daemon's own process)."""
+    from the connection ``ident``; returns the reply's (header, arrays). ``peer``: the
+    connection's credentials (``helpers.peer(pid)``), as the control socket reads them
+    when it accepts a connection; None: none (a request from the daemon's own process)."""
     frames = [bytes(f) for f in encode(msg_type, req_id, fields, arrays)]
-    if peer is not False:
-        frames = [PeerFrame(f, peer) for f in frames]
-    return decode([bytes(f) for f in dm.handle(ident, frames)])
+    return decode([bytes(f) for f in dm.handle(ident, frames, peer=peer)])
 
 
-def peer_address(pid: int, uid: int | None = None, gid: int | None = None) -> str:
-    """libzmq's ``Peer-Address`` of a connection from process ``pid`` running as ``uid`` /
-    ``gid`` (this process's when None)."""
-    return f"localhost:{os.getuid() if uid is None else uid}:{os.getgid() if gid is None else gid}:{pid}"
-
-
-class PeerFrame(bytes):
-    """A frame as ``Daemon.handle`` gets it from a real connection: its bytes plus the
-    connection's credentials, libzmq's ``Peer-Address`` property (``get``).
-    ``peer_address`` None: a frame whose property cannot be read (``ZMQError``)."""
-
-    def __new__(cls, data, peer_address):
-        self = super().__new__(cls, bytes(data))
-        self.peer_address = peer_address
-        return self
-
-    def get(self, prop: str):
-        if prop != "Peer-Address" or self.peer_address is None:
-            raise zmq.ZMQError(22)  # EINVAL, as libzmq answers for a missing property
-        return self.peer_address
+def peer(pid: int, uid: int | None = None, gid: int | None = None):
+    """The credentials of a connection from process ``pid`` running as ``uid`` / ``gid``
+    (this process's when None)."""
+    from sparsekv.daemon.peers import Peer
+    return Peer(os.getuid() if uid is None else uid, os.getgid() if gid is None else gid, pid, True)
 
 
 def shm_slabs(run_dir: str, shm_dir: str = "/dev/shm") -> list[str]:

@@ -1,5 +1,5 @@
 """Who a client is comes from the kernel, not from its HELLO: the session's pid, uid and
-gid are the connection's SO_PEERCRED (libzmq's ``Peer-Address``); a client is watched
+gid are the connection's SO_PEERCRED, read when the daemon accepts it; a client is watched
 through a pidfd of that pid, so one that lies about its pid is still reclaimed the moment
 it dies, without waiting for the reaper's tick; a second HELLO never throws an attached
 rank away."""
@@ -14,14 +14,14 @@ import time
 import pytest
 
 import helpers
-from helpers import peer_address, request
+from helpers import request
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon import peers as peers_mod
 from sparsekv.daemon.backends import CpuBackend
-from sparsekv.daemon.peers import Peer, PidWatch, parse_peer_address, peer_creds
+from sparsekv.daemon.peers import PidWatch
 from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.server import Daemon
-from sparsekv.proto import ERROR_HINTS, ErrorCode, MsgType, ProtocolError
+from sparsekv.proto import ERROR_HINTS, ErrorCode, MsgType
 
 MiB = 1 << 20
 
@@ -53,82 +53,26 @@ def assert_error(h, code, words=""):
     assert ERROR_HINTS[code] in h["msg"]
 
 
-# -- credentials ---------------------------------------------------------------------------
-@pytest.mark.parametrize("value, want", [
-    ("localhost:1000:100:4242", Peer(1000, 100, 4242, True)),
-    (b"localhost:0:0:1", Peer(0, 0, 1, True)),
-    ("localhost:65534:65534:0", Peer(65534, 65534, 0, True)),  # outside our pid namespace
-    ("localhost", None),  # a UNIX peer whose SO_PEERCRED could not be read
-    ("127.0.0.1", None),  # a tcp peer
-    ("fe80::1:2:3:4", None),  # an IPv6 peer's address must never read as uid 2, gid 3, pid 4
-    ("localhost:4294967295:0:1", None),  # (uid_t) -1
-    ("localhost:1:2:-3", None),
-    ("localhost:1:2:3:4", None),
-    ("localhost:１:2:3", None),  # non-ASCII digits
-    ("", None),
-    (None, None),
-    (17, None),
-])
-def test_peer_address_parsing(value, want):
-    assert parse_peer_address(value) == want
-
-
-def test_peer_creds_of_frames():
-    assert peer_creds([b"header"]) is None  # plain bytes: an in-process call
-    assert peer_creds([helpers.PeerFrame(b"h", peer_address(9, 5, 6))]) == Peer(5, 6, 9, True)
-    for bad in (None, "localhost", "x:y:z:w"):
-        with pytest.raises(ProtocolError) as ei:
-            peer_creds([helpers.PeerFrame(b"h", bad)])
-        assert ei.value.code == ErrorCode.PERMISSION_DENIED
-
-
-def test_real_zmq_frames_carry_this_process_as_peer(tmp_path):
-    zmq = pytest.importorskip("zmq")
-    ctx = zmq.Context()
-    with helpers.short_tmpdir() as d:
-        r = ctx.socket(zmq.ROUTER)
-        r.bind(f"ipc://{d}/s")
-        c = ctx.socket(zmq.DEALER)
-        c.connect(f"ipc://{d}/s")
-        c.send(b"x")
-        assert r.poll(5000)
-        frames = r.recv_multipart(copy=False)
-        assert peer_creds(frames[1:]) == Peer(os.getuid(), os.getgid(), os.getpid(), True)
-        r.close(0)
-        c.close(0)
-    ctx.term()
-
-
 # -- HELLO ---------------------------------------------------------------------------------
 def test_session_identity_comes_from_the_kernel_not_the_hello(dm, sleeper, caplog):
     child = sleeper()
     with caplog.at_level(logging.INFO, logger="sparsekv.server"):
-        h = request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid, 1234, 99))[0]
+        h = request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=helpers.peer(child.pid, 1234, 99))[0]
     assert h["ok"], h
     s = dm.sessions[b"A"]
     assert (s.pid, s.uid, s.gid, s.verified) == (child.pid, 1234, 99, True)
-    assert s.peer_address == peer_address(child.pid, 1234, 99)  # for a later request's frames to match
     assert s.proc_started is not None  # of the kernel's pid: pid reuse is told apart
     claim = [r for r in caplog.records if "claims pid 1" in r.getMessage()]
     assert claim and claim[0].levelno == logging.INFO and f"the kernel says {child.pid}" in claim[0].getMessage()
     # The same claim as the kernel's says nothing
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="sparsekv.server"):
-        assert request(dm, b"B", MsgType.HELLO, hello_fields(pid=child.pid), peer=peer_address(child.pid))[0]["ok"]
+        assert request(dm, b"B", MsgType.HELLO, hello_fields(pid=child.pid), peer=helpers.peer(child.pid))[0]["ok"]
     assert not [r for r in caplog.records if "claims pid" in r.getMessage()]
 
 
-@pytest.mark.parametrize("peer", [None, "localhost", "127.0.0.1", "localhost:a:b:c"],
-                         ids=["unreadable", "no-peercred", "tcp", "garbage"])
-def test_hello_whose_credentials_cannot_be_read_is_permission_denied(dm, peer):
-    h = request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer)[0]
-    assert_error(h, ErrorCode.PERMISSION_DENIED, "credentials")
-    assert not dm.sessions
-    assert dm.snapshot()["errors_by_code"] == {"PERMISSION_DENIED": 1}
-
-
 def test_in_process_hello_is_the_daemons_own_user_unverified_and_never_reaped(dm):
-    assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=os.getpid()), peer=False)[0]["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=os.getpid()), peer=None)[0]["ok"]
     s = dm.sessions[b"A"]
     assert (s.pid, s.uid, s.gid, s.verified, s.watch) == (0, os.getuid(), os.getgid(), False, None)
     assert dm.sessions.reap_dead() == 0 and b"A" in dm.sessions
@@ -136,7 +80,7 @@ def test_in_process_hello_is_the_daemons_own_user_unverified_and_never_reaped(dm
 
 def test_kernel_pid_0_is_outside_our_pid_namespace_warned_and_not_reaped(dm, caplog):
     with caplog.at_level(logging.INFO, logger="sparsekv.server"):
-        assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=77), peer=peer_address(0, 1000, 1000))[0]["ok"]
+        assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=77), peer=helpers.peer(0, 1000, 1000))[0]["ok"]
     s = dm.sessions[b"A"]
     assert (s.pid, s.uid, s.verified, s.watch) == (0, 1000, True, None)
     assert any(r.levelno == logging.WARNING and "pid namespace" in r.getMessage() for r in caplog.records)
@@ -145,7 +89,7 @@ def test_kernel_pid_0_is_outside_our_pid_namespace_warned_and_not_reaped(dm, cap
 
 def test_clients_listing_shows_the_kernels_pid_and_uid(dm, sleeper):
     child = sleeper()
-    request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid, 1234, 99))[0]
+    request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=helpers.peer(child.pid, 1234, 99))[0]
     header, row = dm.sessions.client_lines().splitlines()
     cols = dict(zip(header.split("\t"), row.split("\t")))
     assert cols["pid"] == str(child.pid) and cols["uid"] == "1234"
@@ -154,18 +98,18 @@ def test_clients_listing_shows_the_kernels_pid_and_uid(dm, sleeper):
 
 def test_hello_again_from_another_process_cannot_take_over_the_connection(dm, sleeper):
     a, b = sleeper(), sleeper()
-    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(a.pid))[0]["ok"]
-    h = request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(b.pid))[0]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=helpers.peer(a.pid))[0]["ok"]
+    h = request(dm, b"A", MsgType.HELLO, hello_fields(), peer=helpers.peer(b.pid))[0]
     assert_error(h, ErrorCode.PERMISSION_DENIED, "another process")
     assert dm.sessions[b"A"].pid == a.pid and dm.sessions[b"A"].client_id == 1
     # the connection's own process may start over (not attached)
-    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(a.pid))[0]["client_id"] == 2
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=helpers.peer(a.pid))[0]["client_id"] == 2
 
 
 # -- liveness: the pidfd -------------------------------------------------------------------
 def test_client_claiming_pid_1_is_reaped_when_its_real_process_dies(dm, sleeper, tmp_path):
     child = sleeper()
-    assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid))[0]["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=helpers.peer(child.pid))[0]["ok"]
     assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})[0]["ok"]
     assert dm.sessions[b"A"].watch is not None
     assert dm.sessions.reap_dead() == 0
@@ -178,7 +122,7 @@ def test_client_claiming_pid_1_is_reaped_when_its_real_process_dies(dm, sleeper,
 
 def test_zombie_is_dead_to_the_pidfd(dm, sleeper):
     child = sleeper()
-    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(child.pid))[0]["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=helpers.peer(child.pid))[0]["ok"]
     child.kill()  # not waited for: a zombie
     helpers.wait_for(lambda: dm.sessions[b"A"].watch.exited(), what="the pidfd to turn readable")
     assert dm.sessions.reap_dead() == 1
@@ -193,7 +137,7 @@ def test_dead_client_is_reclaimed_by_the_event_loop_at_once(tmp_path, sleeper, l
         dm = Daemon(str(tmp_path), backend, pool, reap_interval_s=3600)
         try:
             child = sleeper()
-            assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid))[0]["ok"]
+            assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=helpers.peer(child.pid))[0]["ok"]
             assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})[0]["ok"]
             await asyncio.sleep(0.05)
             assert b"A" in dm.sessions  # alive: nothing happens
@@ -219,7 +163,7 @@ def test_dead_client_is_reclaimed_by_the_event_loop_at_once(tmp_path, sleeper, l
 
 def test_pidfd_is_closed_on_detach_and_opened_again_on_attach(dm, sleeper):
     child = sleeper()
-    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(child.pid))[0]["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=helpers.peer(child.pid))[0]["ok"]
     wire = helpers.layout().to_wire()
     assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": wire})[0]["ok"]
     fd = dm.sessions[b"A"].watch.fd
@@ -236,7 +180,7 @@ def test_pidfd_is_closed_on_detach_and_opened_again_on_attach(dm, sleeper):
 
 def test_detached_client_is_still_reaped_by_the_periodic_check(dm, sleeper):
     child = sleeper()
-    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=peer_address(child.pid))[0]["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(), peer=helpers.peer(child.pid))[0]["ok"]
     assert request(dm, b"A", MsgType.DETACH)[0]["ok"]
     child.kill()
     child.wait()
@@ -249,7 +193,7 @@ def test_without_pidfd_open_the_periodic_check_reaps_the_kernels_pid(dm, sleeper
 
     monkeypatch.setattr(peers_mod.os, "pidfd_open", no_pidfd)
     child = sleeper()
-    assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=peer_address(child.pid))[0]["ok"]
+    assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=1), peer=helpers.peer(child.pid))[0]["ok"]
     assert request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})[0]["ok"]
     assert dm.sessions[b"A"].watch is None
     assert dm.sessions.reap_dead() == 0
@@ -343,12 +287,3 @@ def test_attach_beyond_the_rank_memory_limit_is_refused_before_allocating(dm):
     assert request(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})[0]["ok"]
 
 
-def test_a_session_answers_only_the_process_that_said_hello(dm, sleeper):
-    """A peer can choose its routing id: a request under a session's identity from
-    another process (other SO_PEERCRED) is refused, the session itself is untouched."""
-    me = sleeper()
-    assert request(dm, b"s", MsgType.HELLO, hello_fields(), peer=peer_address(me.pid))[0]["ok"]
-    other = sleeper()
-    h = request(dm, b"s", MsgType.STATS, peer=peer_address(other.pid))[0]
-    assert_error(h, ErrorCode.PERMISSION_DENIED, "said HELLO")
-    assert request(dm, b"s", MsgType.STATS, peer=peer_address(me.pid))[0]["ok"]

@@ -49,7 +49,7 @@ def connect(dm, ident, pid, uid, gid=None):
     """HELLO from process ``pid`` running as ``uid`` / ``gid`` (gid = uid when None)."""
     gid = uid if gid is None else gid
     h, _ = request(dm, ident, MsgType.HELLO, {"pid": pid, "rank": 0, "device": "cpu", "name": ""},
-                   peer=helpers.peer_address(pid, uid, gid))
+                   peer=helpers.peer(pid, uid, gid))
     assert h["ok"], h
     return dm.sessions[ident]
 

@@ -1,4 +1,4 @@
-"""Per-uid quotas and the control socket's connections (daemon/connections.py).
+"""Per-uid quotas and the control socket's connections (daemon/control_socket.py).
 
 - ``max_clients_per_uid``: a HELLO beyond it is QUOTA_EXCEEDED; other uids are served.
 - ``max_pool_bytes_per_uid``: a new engine that would bring its creator's engines over it
@@ -21,7 +21,6 @@ from helpers import registry_attach as attach
 from sparsekv.client import Client, NotAttached, QuotaExceeded
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon.backends import CpuBackend
-from sparsekv.daemon.connections import Connections
 from sparsekv.daemon.engine import Owner
 from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.registry import EngineRegistry
@@ -210,13 +209,13 @@ def test_a_connection_without_hello_is_closed_after_the_timeout_and_clients_are_
         assert c.stats()["clients"] == 1
 
 
-def test_a_reconnect_under_the_same_routing_id_is_not_expired(tmp_path):
-    """A client's libzmq reconnects under its own routing id without a new HELLO (after a
-    heartbeat timeout, say): its process said HELLO, so its new connection needs none, and
-    its session, attached, outlives the connection it said HELLO on."""
+def test_a_session_goes_with_its_connection_even_attached_and_a_reconnect_needs_hello(tmp_path):
+    """A session is its connection's: once that closes (here without BYE, attached) the rank
+    is released at once, and a new connection, under the same routing id or not, must say
+    HELLO: nothing a peer chooses (its routing id) reaches another connection's session."""
     from sparsekv.proto import MsgType, decode, encode
 
-    with daemon(tmp_path, "--hello-timeout-s", "0.3") as d:
+    with daemon(tmp_path) as d:
         ctx = zmq.Context.instance()
         path = f"ipc://{os.path.join(d.run_dir, 'control.sock')}"
 
@@ -224,7 +223,6 @@ def test_a_reconnect_under_the_same_routing_id_is_not_expired(tmp_path):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.ROUTING_ID, b"skv-reconnect-test")
-            s.setsockopt(zmq.RECONNECT_IVL, 60_000)
             s.connect(path)
             return s
 
@@ -236,24 +234,17 @@ def test_a_reconnect_under_the_same_routing_id_is_not_expired(tmp_path):
         first = dealer()
         assert call(first, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "r"})["ok"]
         assert call(first, MsgType.ATTACH, {"engine": "e", "layout": helpers.layout().to_wire()})["ok"]
+        assert helpers.stats_json(d.run_dir)["clients"] == 1
         first.close(0)
-        helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["connections_open"] == 0, timeout_s=3,
-                         what="the first connection gone")
-        second = dealer()  # the same session, a new connection, no HELLO
-        mon = second.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["clients"] == 0, timeout_s=3,
+                         what="the attached session dropped with its connection")
+        snap = helpers.stats_json(d.run_dir)
+        assert snap["sessions_closed"] == 1 and snap["attached"] == 0, snap
+        second = dealer()
         try:
-            assert call(second, MsgType.STATS)["ok"]
-            # the timeout, and a pass of the expiry (each second), with a margin
-            assert not mon.poll(1800), "the reconnected session's connection was closed"
-            assert call(second, MsgType.STATS)["ok"]
-            assert helpers.stats_json(d.run_dir)["connections_expired"] == 0
+            h = call(second, MsgType.STATS)
+            assert h["ok"] is False and h["error"] == "NOT_HELLO", h
         finally:
-            # Monitor off before its reader goes: libzmq sends monitor events blocking, from
-            # the I/O thread, so a DISCONNECTED (the daemon stopping before the reaper has
-            # closed `second`) sent to a closed `mon` would hang Context.instance()'s I/O
-            # thread, and every later Client of this worker would get no reply.
-            second.disable_monitor()
-            mon.close(0)
             second.close(0)
 
 
@@ -275,108 +266,3 @@ def test_an_idle_session_not_attached_expires_and_an_attached_one_stays(tmp_path
         attached.close()
 
 
-# -- the table itself ------------------------------------------------------------------------
-def _pairs(n):
-    """A listener under a short path and ``n`` (client, accepted) socket pairs."""
-    d = helpers.short_tmpdir()
-    path = os.path.join(d.__enter__(), "s")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(8)
-    pairs = []
-    for _ in range(n):
-        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        c.connect(path)
-        pairs.append((c, listener.accept()[0]))
-    return d, path, listener, pairs
-
-
-def test_inspect_and_shutdown_act_only_on_the_connection_they_noted():
-    d, path, listener, [(client, conn), (other, other_conn)] = _pairs(2)
-    table = Connections(bound_path=path).open()
-    fds_before = len(os.listdir("/proc/self/fd"))
-    try:
-        assert table.inspect(listener.fileno()) is None  # a listening socket is never a connection
-        with open(path + ".f", "w") as f:
-            assert table.inspect(f.fileno()) is None  # not a socket
-        assert table.inspect(other.fileno()) is None  # a socket, but not one the listener accepted
-        ino, pid, uid, gid = table.inspect(conn.fileno())
-        assert (pid, uid, gid) == (os.getpid(), os.getuid(), os.getgid())
-        assert not table.shutdown(conn.fileno(), ino + 1)  # another socket by now: untouched
-        assert not table.shutdown(listener.fileno(), os.fstat(listener.fileno()).st_ino)
-        client.settimeout(0.1)
-        with pytest.raises(socket.timeout):
-            client.recv(1)
-        assert table.shutdown(conn.fileno(), ino)
-        assert client.recv(1) == b""  # the peer sees the end of the stream
-        assert len(os.listdir("/proc/self/fd")) == fds_before  # no descriptor taken or left
-        conn.close()  # as libzmq closes its own: the spare holds nothing of it
-        other.settimeout(0.1)
-        with pytest.raises(socket.timeout):  # the other connection is untouched
-            other.recv(1)
-    finally:
-        table.close()
-        for s_ in (client, conn, other, other_conn, listener):
-            s_.close()
-        d.__exit__(None, None, None)
-
-
-def test_the_table_caps_expires_and_spares_its_own_process():
-    now = [100.0]
-    d, path, listener, pairs = _pairs(3)
-    peers, conns = [p for p, _ in pairs], [c for _, c in pairs]
-    tables = []
-
-    def table(**kw):
-        t = Connections(bound_path=path, clock=lambda: now[0], **kw).open()
-        tables.append(t)
-        return t
-
-    try:
-        t = table(max_per_uid=2, hello_timeout_s=5, own_pid=-1)
-        for c in conns:
-            t.accepted(c.fileno())
-        assert t.counters() == {"connections_refused": 1, "connections_expired": 0, "connections_open": 2}
-        assert t.by_uid() == {os.getuid(): 2}
-        t.hello(conns[0].fileno())  # a HELLO came on it
-        now[0] += 5
-        assert t.expire() == 1  # conns[1]: nothing came on it
-        assert t.counters()["connections_open"] == 1
-        for p in peers[1:]:
-            p.settimeout(1)
-            assert p.recv(1) == b""  # conns[1] expired, conns[2] refused
-        peers[0].settimeout(0.1)
-        with pytest.raises(socket.timeout):
-            peers[0].recv(1)
-        # Its process said HELLO: its next connection needs none (a reconnect says none).
-        d2, path2, listener2, [(later_peer, later)] = _pairs(1)
-        t.bound_path = path2
-        t.accepted(later.fileno())
-        now[0] += 10
-        assert t.expire() == 0 and t.counters()["connections_open"] == 2
-        later_peer.close(), later.close(), listener2.close()
-        d2.__exit__(None, None, None)
-        t.bound_path = path
-        # A HELLO handled before the guard's thread saw its connection accepted.
-        early = table(hello_timeout_s=5, own_pid=-1)
-        early.hello(conns[0].fileno())
-        early.accepted(conns[0].fileno())
-        now[0] += 10
-        assert early.expire() == 0 and early.counters()["connections_open"] == 1
-        # An entry whose DISCONNECTED has not come yet does not count against the cap.
-        capped = table(max_per_uid=1, hello_timeout_s=5, own_pid=-1)
-        capped.accepted(conns[1].fileno())
-        conns[1].close()
-        capped.accepted(conns[0].fileno())
-        assert capped.counters()["connections_refused"] == 0 and capped.by_uid() == {os.getuid(): 1}
-        mine = table(max_per_uid=1, hello_timeout_s=5)  # own_pid: this process, never capped nor expired
-        for c in (conns[0], conns[2]):
-            mine.accepted(c.fileno())
-        now[0] += 10
-        assert mine.expire() == 0 and mine.counters()["connections_refused"] == 0
-    finally:
-        for t_ in tables:
-            t_.close()
-        for s_ in peers + conns + [listener]:
-            s_.close()
-        d.__exit__(None, None, None)

@@ -1,10 +1,10 @@
 """What one peer of the control socket can cost a serving daemon (``Daemon.serve`` in a
 thread of this process, cpu backend), and the daemon's exit on a sticky CUDA error.
 
-A raw ``AF_UNIX`` peer speaking just enough ZMTP 3 shows what libzmq does with the
-ROUTER's options: a frame announced larger than any request (1 GiB) drops the connection
-at once, unread (``ZMQ_MAXMSGSIZE``); a peer that goes silent is dropped after the
-heartbeat timeout, one that never finishes its handshake after the handshake interval.
+A raw ``AF_UNIX`` peer speaking just enough ZMTP 3 shows what the control socket allows: a
+frame announced larger than any request (1 GiB) is refused and its connection closed at
+once, unread; a peer that is not ZMTP 3 is closed at its first byte; one that says no
+HELLO (or never finishes its handshake) is closed after ``hello_timeout_s``.
 A handler raising CuPy's ``CUDARuntimeError`` with a sticky status (a fake class of that
 name here) makes the daemon log CRITICAL, set ``STATUS=`` and stop with exit code 70."""
 
@@ -20,7 +20,6 @@ import pytest
 import helpers
 from sparsekv.client import Client, SparseKVError
 from sparsekv.daemon import main as main_mod
-from sparsekv.daemon import control_socket
 from sparsekv.daemon import server as server_mod
 from sparsekv.daemon.notify import Notifier
 from sparsekv.proto import LIMITS, MsgType
@@ -28,9 +27,9 @@ from sparsekv.proto import LIMITS, MsgType
 MiB = 1 << 20
 
 
-def serving(notifier=None):
+def serving(notifier=None, **kw):
     """A daemon serving a short run dir from a thread; stopped (if still serving) after."""
-    return helpers.serving_daemon(8 * MiB, notifier=notifier)
+    return helpers.serving_daemon(8 * MiB, notifier=notifier, **kw)
 
 
 def zmtp_peer(path: str, minor: int = 1) -> socket.socket:
@@ -64,7 +63,7 @@ def closed_within(s: socket.socket, timeout_s: float) -> float | None:
 
 
 def test_a_frame_larger_than_any_request_drops_its_connection_unread():
-    assert control_socket.MAX_MESSAGE_BYTES == LIMITS.max_frame_bytes < 1 << 30
+    assert LIMITS.max_frame_bytes < LIMITS.max_message_bytes < 1 << 30
     with serving() as d:
         s = zmtp_peer(d.control_path)
         # A long frame header announcing 1 GiB, then only a few bytes of it.
@@ -76,8 +75,7 @@ def test_a_frame_larger_than_any_request_drops_its_connection_unread():
 
 
 def test_zmtp_1_0_peers_are_refused_at_once_and_cost_no_memory():
-    """libzmq 4.3.5 leaks ~16 KiB for each connection that opens ZMTP/1.0 (a first byte
-    other than 0xff) and then fails; the daemon's ZAP domain makes it refuse them."""
+    """A ZMTP/1.0 or 2.0 peer (a first byte other than 0xff) is closed at its first byte."""
     import psutil
 
     with serving() as d:
@@ -103,21 +101,19 @@ def test_zmtp_1_0_peers_are_refused_at_once_and_cost_no_memory():
             assert c.stats()["clients"] == 1
 
 
-def test_silent_peers_and_handshakes_that_never_end_are_dropped(monkeypatch):
-    monkeypatch.setattr(control_socket, "HEARTBEAT_IVL_MS", 100)
-    monkeypatch.setattr(control_socket, "HEARTBEAT_TIMEOUT_MS", 300)
-    monkeypatch.setattr(control_socket, "HANDSHAKE_IVL_MS", 300)
-    with serving() as d:
-        silent = zmtp_peer(d.control_path)  # never answers the daemon's PINGs
+def test_peers_without_hello_and_handshakes_that_never_end_are_dropped():
+    with serving(hello_timeout_s=0.3) as d:
+        d.control.exempt_pid = -1  # the peers are this process's, as is the daemon
+        silent = zmtp_peer(d.control_path)  # a handshake, then nothing
         mute = socket.socket(socket.AF_UNIX)  # connects and never says anything
         mute.connect(d.control_path)
-        took = closed_within(silent, 5)
-        assert took is not None and took < 2.0
-        took = closed_within(mute, 5)
-        assert took is not None and took < 2.0
-        with Client(d.run_dir, timeout_s=5) as c:  # a live client answers PINGs: kept
-            time.sleep(0.6)  # twice the heartbeat timeout
+        for s in (silent, mute):  # the deadline, and a pass of the expiry (each second)
+            took = closed_within(s, 5)
+            assert took is not None and took < 2.5
+        with Client(d.run_dir, timeout_s=5) as c:  # a client that said HELLO: kept
+            time.sleep(1.5)
             assert c.stats()["clients"] == 1
+        assert d.control.counters()["connections_expired"] == 2
 
 
 class CUDARuntimeError(RuntimeError):

@@ -26,7 +26,7 @@ MiB = 1 << 20
 def hello(dm, ident=b"A", pid=None, rank=0):
     """HELLO; with ``pid``, from a connection the kernel says is process ``pid``'s."""
     h, _ = request(dm, ident, MsgType.HELLO, {"pid": pid or os.getpid(), "rank": rank, "device": "cpu", "name": "t"},
-                   req_id=11, peer=False if pid is None else helpers.peer_address(pid))
+                   req_id=11, peer=None if pid is None else helpers.peer(pid))
     assert h["ok"], h
     return h
 

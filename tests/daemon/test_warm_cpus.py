@@ -141,7 +141,7 @@ def _zmq_io_threads(pid: int) -> dict[int, set]:
 
 
 @needs_two_cpus
-def test_daemon_pins_its_io_threads_keeps_the_rest_off_and_warms_cpus(tmp_path):
+def test_daemon_pins_its_loop_thread_and_warms_cpus(tmp_path):
     io = ALLOWED[-1]
     with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=["--io-cpus", str(io), "--warm-cpus", str(io)],
                        log_path=str(tmp_path / "d.log")) as d, Client(d.run_dir, timeout_s=10, io_cpus=str(io)) as c:
@@ -149,9 +149,7 @@ def test_daemon_pins_its_io_threads_keeps_the_rest_off_and_warms_cpus(tmp_path):
         c.step(0, [0])
         assert int(c.topk(0, 0, np.array([[0, 1, 2, 3]], np.int32)).misses[0]) == 4
         pid = d.proc.pid
-        threads = _zmq_io_threads(pid)
-        assert threads and all(cpus == {io} for cpus in threads.values()), threads
-        assert io not in os.sched_getaffinity(pid)  # its main thread (and what it started later)
+        assert os.sched_getaffinity(pid) == {io}  # the loop's thread reads the control socket
         s = c.stats()
         assert (s["io_cpus"], s["warm_cpus"], s["warm_cpus_running"]) == (str(io), str(io), 1)
         loops = [p for p in psutil.Process(pid).children() if "sparsekv-warm-cpu" in " ".join(p.cmdline())]
