@@ -37,7 +37,7 @@ test-cuda: install
 	$(VPY) -m pytest -q --require-cuda $(PYTEST_ARGS)
 
 # Long runs: the tests marked `soak` (tests/client/test_soak.py; tests/soak/test_chaos.py,
-# the chaos soak, runs SPARSEKV_SOAK_S seconds, default 60) and every hypothesis property
+# the chaos soak, and tests/soak/test_attack_soak.py, each SPARSEKV_SOAK_S seconds, default 60) and every hypothesis property
 # test with many more examples (SPARSEKV_LONG=1; tests/helpers.py `examples`). Minutes.
 soak: install
 	SPARSEKV_LONG=1 $(VPY) -m pytest -q $(XDIST) -m "soak or hypothesis" $(PYTEST_ARGS)

@@ -64,12 +64,14 @@ class Connection:
             fields["ts"] = ts
         frames = encode(msg_type, req, fields, arrays)
         if arrays:
+            # The daemon would refuse it unread and close the connection: refuse it here.
             for f in frames[1:]:
-                # The daemon would drop the connection unread (ZMQ_MAXMSGSIZE) and this
-                # client would wait for a reply that never comes: refuse it here.
                 if len(f) > LIMITS.max_frame_bytes:
                     raise BadRequest(f"an array of {len(f)} bytes exceeds the frame limit of "
                                      f"{LIMITS.max_frame_bytes} bytes; split the request", ErrorCode.TOO_LARGE)
+            if sum(len(f) for f in frames[1:]) > LIMITS.max_message_bytes:
+                raise BadRequest(f"arrays of more than {LIMITS.max_message_bytes} bytes in one request; split it",
+                                 ErrorCode.TOO_LARGE)
         self._sock.send_multipart(frames, copy=send_copy(frames))
         self._sent[req] = (msg_type, ts)
         return req

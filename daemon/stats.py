@@ -38,9 +38,14 @@ COUNTERS = (
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
     ("fd_refusals", "fd socket connections refused (a bad, used or withdrawn token, or not the attaching process)"),
     ("connections_refused", "control connections closed when accepted: their uid had max_connections_per_uid open"),
-    ("connections_expired", "control connections closed because no HELLO came within hello_timeout_s"),
+    ("connections_expired", "control connections closed because no HELLO came within hello_timeout_s, or a "
+     "message stayed unfinished"),
+    ("connections_broken", "control connections closed for breaking the protocol or a message over "
+     "max_message_bytes"),
+    ("messages_refused", "requests refused before their frames were read (a size or frame limit)"),
+    ("reads_paused", "times a connection's reads waited for the inflight_bytes budget"),
     ("sessions_expired", "sessions not attached, dropped after idle_timeout_s without a request"),
-    ("sessions_closed", "sessions not attached, dropped when their connection closed without BYE"),
+    ("sessions_closed", "sessions dropped when their connection closed without BYE"),
 )
 
 # Top-k handling time: from ~10 us (cuda: enqueue only) to tens of ms (a cold cpu gather).
@@ -167,6 +172,8 @@ def metric_families(snap: dict) -> Iterator[Metric]:
         ("start_time_seconds", "start_time_s", "when the daemon started, seconds since the Unix epoch"),
         ("clients", "clients", "connected clients"),
         ("connections", "connections_open", "open control connections (with or without a HELLO)"),
+        ("inflight_bytes", "inflight_bytes", "bytes of requests being read or waiting, in the inflight_bytes budget"),
+        ("inflight_bytes_peak", "inflight_bytes_peak", "the most inflight_bytes held at once since the start"),
         ("attached_clients", "attached", "clients attached to an engine"),
         ("engines", "engines", "engines with a pool range"),
         ("pool_bytes", "pool_bytes", "bytes of the host pool"),

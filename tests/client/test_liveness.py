@@ -219,5 +219,9 @@ def test_a_write_larger_than_one_frame_is_split(run_dir, monkeypatch):
             with pytest.raises(Exception, match="exceeds the frame limit"):
                 c.step(1, [0, 1, 2])
                 c.flush()
+            monkeypatch.setattr(connection_mod, "LIMITS", LIMITS.__class__(max_message_bytes=8))
+            with pytest.raises(Exception, match="in one request; split it"):
+                c.step(1, [0, 1, 2])
+                c.flush()
     finally:
         stop(p)

@@ -22,16 +22,13 @@ import numpy as np
 import zmq
 
 import helpers
+from zmtp_peer import GREETING, READY, hello, raw_peer, read_reply, send_message
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.client import Client
 from sparsekv.daemon import zmtp
-from sparsekv.proto import LIMITS, MsgType, decode, encode
+from sparsekv.proto import LIMITS, MsgType, encode
 
 MiB = 1 << 20
-GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\x00") + bytes(32)
-READY = zmtp.command(b"READY", zmtp.properties(Socket_Type=b"DEALER"))
-
-
 def vm(pid: int, key: str) -> int:
     """``VmRSS`` / ``VmHWM`` of ``pid`` in bytes."""
     with open(f"/proc/{pid}/status") as f:
@@ -48,46 +45,6 @@ def daemon(*args):
         with Client(d.run_dir, timeout_s=10, name="warm") as c:  # the serving path, warmed
             c.stats()
         yield d
-
-
-def raw_peer(path: str) -> socket.socket:
-    """A connection past the ZMTP handshake (the daemon's greeting and READY read)."""
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(path)
-    s.settimeout(10)
-    s.sendall(GREETING + READY)
-    got = b""
-    while len(got) < len(zmtp.GREETING) + len(zmtp.READY):
-        got += s.recv(4096)
-    return s
-
-
-def send_message(s: socket.socket, *frames) -> None:
-    s.sendall(b"".join(bytes(b) for b in zmtp.encode_message(list(frames))))
-
-
-def read_reply(s: socket.socket) -> dict:
-    """The header of the next message on ``s`` (frames: flags, size, body)."""
-    buf = b""
-    frames = []
-    while True:
-        while len(buf) < 9:
-            chunk = s.recv(65536)
-            assert chunk, "closed before a reply"
-            buf += chunk
-        flags = buf[0]
-        size, at = (int.from_bytes(buf[1:9], "big"), 9) if flags & zmtp.LONG else (buf[1], 2)
-        while len(buf) < at + size:
-            buf += s.recv(65536)
-        frames.append(buf[at:at + size])
-        buf = buf[at + size:]
-        if not flags & zmtp.MORE:
-            return decode(frames)[0]
-
-
-def hello(s: socket.socket, name: str = "attacker") -> dict:
-    send_message(s, encode(MsgType.HELLO, 1, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": name})[0])
-    return read_reply(s)
 
 
 def closed(s: socket.socket, timeout_s: float = 5) -> bool:

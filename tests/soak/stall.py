@@ -9,7 +9,7 @@ one case at a time, ``--rounds`` times each:
 
 - ``attach``: ATTACH of a large engine (a pool range of ``--engine-gib`` and a rank of
   ``--slab-gib``: hot slab, staging and residency state), then its DETACH (``detach``);
-- ``write``: a WRITE of one 256 MiB data frame (``LIMITS.max_frame_bytes``);
+- ``write``: a WRITE of one data frame of ``LIMITS.max_frame_bytes``;
 - ``stage`` / ``write_staged``: STAGE of the whole staging buffer, WRITE_STAGED of it.
 
 For each case it prints A's largest latency among the top-k requests in flight during B's
