@@ -1,0 +1,75 @@
+"""``model.generate`` through sparsekv gives transformers' own eager outputs: greedy token
+ids identical and every step's logits within 1e-4 (float32; the two sum the same terms in
+a different order), both DSA models, batch 4 of mixed prompt lengths, in process and
+through a daemon; sampling with one seed; rows given back; what is refused."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_models import KINDS, prompts, tiny  # noqa: E402
+
+from sparsekv import hf  # noqa: E402
+from sparsekv.client import Client  # noqa: E402
+from sparsekv.embedded.inproc import InprocClient  # noqa: E402
+
+NEW_TOKENS = 64
+LOGITS_TOL = 1e-4
+HOST_ROWS = 4 * 96  # 4 sequences of 20 + 64 positions, in blocks of 16 (96 rows each)
+
+
+def generate(model, **kw):
+    ids, mask = prompts()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, output_logits=True,
+                         return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def reference(request):
+    """(kind, eager greedy sequences, their logits) from transformers' DynamicCache."""
+    model = tiny(request.param)
+    return (request.param, *generate(model, do_sample=False))
+
+
+def check_same(ref, got):
+    (seq, logits), (seq2, logits2) = ref, got
+    assert torch.equal(seq, seq2), f"token ids differ at {(seq != seq2).nonzero()[:4].tolist()}"
+    assert float((logits - logits2).abs().max()) <= LOGITS_TOL
+
+
+def test_greedy_in_process_matches_eager_and_gives_rows_back(reference):
+    kind, seq, logits = reference
+    model = tiny(kind)
+    with InprocClient() as c:
+        rt = hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        check_same((seq, logits), generate(model, do_sample=False))
+        assert rt.free_rows == HOST_ROWS  # the generation's rows came back
+        counts = rt.handle.counts
+        steps = NEW_TOKENS - 1  # decode forwards; the first token comes from the prefill
+        assert counts["batches"] == steps * len(rt.geometry.groups)  # one request per index group and step
+        assert counts["hits"] > 0 and counts["misses"] > 0
+        check_same((seq, logits), generate(model, do_sample=False))  # again, on the reused rows
+        hf.disable(model)
+    assert model.config._attn_implementation == "eager"
+    check_same((seq, logits), generate(model, do_sample=False))
+
+
+def test_greedy_through_a_daemon_matches_eager(reference, daemon):
+    kind, seq, logits = reference
+    model = tiny(kind)
+    with Client(daemon.run_dir, name="hf-test") as c:
+        hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        check_same((seq, logits), generate(model, do_sample=False))
+
+
+@pytest.mark.parametrize("kind", KINDS[:1])
+def test_sampling_with_one_seed_matches_eager(kind):
+    model = tiny(kind)
+    torch.manual_seed(7)
+    ref = generate(model, do_sample=True, top_k=0, temperature=1.0)
+    with InprocClient() as c:
+        hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        torch.manual_seed(7)
+        check_same(ref, generate(model, do_sample=True, top_k=0, temperature=1.0))
