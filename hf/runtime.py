@@ -97,4 +97,6 @@ class Runtime:
         self.client.write(host_rows.astype(np.int32), data)
 
     def close(self) -> None:
+        if self.doorbell:  # the stream must not wait on a ready word once the handle's watcher stops
+            torch.cuda.synchronize(self.device)
         self.handle.close()

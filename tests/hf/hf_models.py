@@ -3,9 +3,13 @@ classes, and a batch of left-padded prompts of mixed lengths, for the integratio
 The top-k (8) is far below the positions a sequence reaches (up to ~84), so the indexer's
 selection decides what each step reads."""
 
+import pytest
 import torch
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
+NEW_TOKENS = 64
+LOGITS_TOL = 1e-4  # float32: the integration and the eager path sum the same terms in another order
+HOST_ROWS = 4 * 96  # 4 sequences of 20 + 64 positions, in blocks of 16 (96 rows each)
 VOCAB = 128
 PROMPT_LENGTHS = (20, 13, 7, 16)  # batch 4, left-padded to 20
 COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_attention_heads=4,
@@ -39,3 +43,30 @@ def prompts(lengths=PROMPT_LENGTHS, seed: int = 1):
         ids[b, : width - n] = 0
         mask[b, : width - n] = 0
     return ids, mask
+
+
+def generate(model, device="cpu", **kw):
+    """Greedy or sampled ``NEW_TOKENS`` tokens of the prompts: (sequences, logits [steps,
+    batch, vocab]) on the CPU."""
+    ids, mask = prompts()
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=NEW_TOKENS,
+                         output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences.cpu(), torch.stack(out.logits).cpu()
+
+
+def check_same(ref, got):
+    """Token ids identical, logits within LOGITS_TOL."""
+    (seq, logits), (seq2, logits2) = ref, got
+    assert torch.equal(seq, seq2), f"token ids differ at {(seq != seq2).nonzero()[:4].tolist()}"
+    diff = float((logits - logits2).abs().max())
+    assert diff <= LOGITS_TOL, f"logits differ by {diff}"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The models are tiny: with pytest-xdist's workers on few cores, torch's thread pools
+    would fight over them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,35 +8,17 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import KINDS, prompts, tiny  # noqa: E402
+from hf_models import HOST_ROWS, KINDS, NEW_TOKENS, check_same, generate, one_torch_thread, tiny  # noqa: E402,F401
 
 from sparsekv import hf  # noqa: E402
 from sparsekv.client import Client  # noqa: E402
 from sparsekv.embedded.inproc import InprocClient  # noqa: E402
-
-NEW_TOKENS = 64
-LOGITS_TOL = 1e-4
-HOST_ROWS = 4 * 96  # 4 sequences of 20 + 64 positions, in blocks of 16 (96 rows each)
-
-
-def generate(model, **kw):
-    ids, mask = prompts()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, output_logits=True,
-                         return_dict_in_generate=True, **kw)
-    return out.sequences, torch.stack(out.logits)
-
 
 @pytest.fixture(scope="module", params=KINDS)
 def reference(request):
     """(kind, eager greedy sequences, their logits) from transformers' DynamicCache."""
     model = tiny(request.param)
     return (request.param, *generate(model, do_sample=False))
-
-
-def check_same(ref, got):
-    (seq, logits), (seq2, logits2) = ref, got
-    assert torch.equal(seq, seq2), f"token ids differ at {(seq != seq2).nonzero()[:4].tolist()}"
-    assert float((logits - logits2).abs().max()) <= LOGITS_TOL
 
 
 def test_greedy_in_process_matches_eager_and_gives_rows_back(reference):

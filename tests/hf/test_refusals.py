@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import prompts, tiny  # noqa: E402
+from hf_models import one_torch_thread, prompts, tiny  # noqa: E402,F401
 
 from sparsekv import hf  # noqa: E402
 from sparsekv.embedded.inproc import InprocClient  # noqa: E402
