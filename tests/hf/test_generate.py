@@ -55,3 +55,14 @@ def test_sampling_with_one_seed_matches_eager(kind):
         hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
         torch.manual_seed(7)
         check_same(ref, generate(model, do_sample=True, top_k=0, temperature=1.0))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_matches_eager_chunked(kind):
+    """A prompt prefilled in chunks (``prefill_chunk_size``): later chunks read the earlier
+    ones' rows from the device, then decode reads them from the pool."""
+    model = tiny(kind)
+    ref = generate(model, do_sample=False, prefill_chunk_size=6)
+    with InprocClient() as c:
+        hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        check_same(ref, generate(model, do_sample=False, prefill_chunk_size=6))
