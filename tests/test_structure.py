@@ -21,7 +21,7 @@ ALLOWED = {
     # the transformers integration: an engine, so the engine's library only (and torch,
     # transformers); an in-process engine is the caller's to pass in.
     "hf": {"hf", "client", "proto"},
-    "bench": {"bench", "embedded", "client", "daemon", "proto", "csrc"},
+    "bench": {"bench", "embedded", "hf", "client", "daemon", "proto", "csrc"},
     "cli": {"cli", "bench", "embedded", "client", "daemon", "proto", "csrc"},
 }
 # Imports of the package's own modules inside functions: lazy only where a cycle or a
