@@ -3,11 +3,13 @@ is ``"sparsekv"`` (registered through ``AttentionInterface``), and the mask it i
 (transformers' eager mask, registered through ``AttentionMaskInterface``: the indexer
 then scores exactly as on the eager path).
 
-transformers passes the indexer's top-k as ``indices`` [batch, q, k]; this reads only
-those rows (``SparseKVCache.rows``: the device's prompt rows in prefill, ``swap_in``'s hot
-rows in decode), expands their latents through the module's own ``kv_b_proj`` into
-per-head keys and values, and attends over them. A selected position the mask forbids
-(padding, a future position) is not read, as the eager path masks it.
+transformers passes the indexer's top-k as ``indices`` [batch, q, k]. A decode step reads
+only those rows (``SparseKVCache.decode_rows``: ``swap_in``'s hot rows, and the token's
+own new row), expands their latents through the module's own ``kv_b_proj`` into per-head
+keys and values, and attends over them. A prefill forward (many queries of one sequence)
+expands the prompt's rows on the device once and attends over the selected ones. A
+selected position the mask forbids (padding, a future position) is not read, as the eager
+path masks it; the softmax is the eager path's (float32, then the model's dtype).
 """
 
 from __future__ import annotations
@@ -32,25 +34,44 @@ def sparse_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     cache = runtime.active
     if cache is None or cache.released:
         raise UnsupportedGeneration("no sparsekv cache is running this forward: generate through the enabled "
-                                    "model's generate(), or pass runtime.new_cache(...) as past_key_values")
+                                    "model's generate(), or pass a SparseKVCache as past_key_values")
     if module.training and dropout:
         raise UnsupportedGeneration("sparsekv attention is for inference: put the model in eval()")
     pos = indices.long()  # [batch, q, k]
-    mask = attention_mask[:, 0]  # [batch, q, positions]
-    allowed = mask.gather(-1, pos)
-    valid = allowed if mask.dtype == torch.bool else allowed == 0
-    rows, ok = cache.rows(module.layer_idx, pos, valid)  # [batch, q, k, row_dim], [batch, q, k]
-    geo = runtime.geometry
+    mask = attention_mask[:, 0]  # [batch, q, positions]: the causal and padding mask
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    layer = module.layer_idx
+    if cache.in_prefill(layer):
+        # Many queries of one sequence: expand the prompt's rows once, attend over the
+        # selected ones (the eager path's shape, without its per-head cache).
+        rows = cache.prompt_rows(layer, mask.shape[-1])[:, None]  # [batch, 1, positions, row_dim]
+        ok = torch.zeros_like(allowed).scatter_(-1, pos, True) & allowed  # [batch, q, positions]
+        keys, values = _expand(module, runtime.geometry, rows, query.dtype)
+        scores = torch.einsum("bhqd,bkhd->bhqk", query, keys[:, 0])
+        return _attend(scores * scaling, ok, values[:, 0], "bhqk,bkhv->bqhv", query.dtype)
+    # One query per sequence: only the selected rows, from the hot slab (and its own row).
+    rows, ok = cache.decode_rows(layer, pos[:, 0], allowed.gather(-1, pos)[:, 0])  # [batch, k, row_dim], [batch, k]
+    keys, values = _expand(module, runtime.geometry, rows, query.dtype)
+    scores = torch.einsum("bhd,bkhd->bhk", query[:, :, 0], keys)[:, :, None]
+    return _attend(scores * scaling, ok[:, None], values, "bhqk,bkhv->bqhv", query.dtype)
+
+
+def _expand(module, geo, rows: torch.Tensor, dtype):
+    """Per-head keys [..., heads, nope + rope] and values [..., heads, v] of latent rows
+    [..., row_dim], through the module's own ``kv_b_proj``."""
     latent, rope = rows.split([geo.kv_lora_rank, geo.rope_dim], dim=-1)
-    b, q, k, _ = rows.shape
-    kv = F.linear(latent.to(query.dtype), module.kv_b_proj.weight).view(b, q, k, geo.num_heads, -1)
-    k_nope, v = kv.split([geo.nope_dim, geo.v_dim], dim=-1)
-    keys = torch.cat([k_nope, rope.to(query.dtype)[:, :, :, None, :].expand(-1, -1, -1, geo.num_heads, -1)], -1)
-    scores = torch.einsum("bhqd,bqkhd->bhqk", query, keys) * scaling
+    kv = F.linear(latent.to(dtype), module.kv_b_proj.weight).unflatten(-1, (geo.num_heads, -1))
+    k_nope, values = kv.split([geo.nope_dim, geo.v_dim], dim=-1)
+    rope = rope.to(dtype).unsqueeze(-2).expand(*k_nope.shape[:-1], -1)
+    return torch.cat([k_nope, rope], dim=-1), values
+
+
+def _attend(scores, ok, values, spec: str, dtype):
+    """Softmax over the allowed keys (as the eager path: float32, the rest at the
+    dtype's min), then the values."""
     scores = scores.masked_fill(~ok[:, None], torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.einsum("bhqk,bqkhv->bqhv", probs, v)
-    return out.contiguous(), None
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    return torch.einsum(spec, probs, values).contiguous(), None
 
 
 def register() -> None:

@@ -143,31 +143,30 @@ class SparseKVCache(Cache):
         return self.layers[layer_idx].update_indexer(indexer_key_states)
 
     # -- what the attention calls --------------------------------------------------------
-    def rows(self, layer_idx: int, positions: torch.Tensor, valid: torch.Tensor):
-        """The rows of ``positions`` int [batch, q, k] (the indexer's top-k) of layer
-        ``layer_idx`` and where they may be read: ``(rows [batch, q, k, row_dim], ok
-        [batch, q, k])``. ``valid``: the positions the causal and padding mask allows."""
-        past = self.layers[layer_idx].length - positions.shape[1]
-        if past < self.prompt_length:  # prefill: the prompt's rows are on the device
-            src = self._prompt[layer_idx]
-            b, q, k = positions.shape
-            flat = positions.clamp(min=0).long().reshape(b, q * k, 1).expand(-1, -1, src.shape[-1])
-            return src.gather(1, flat).view(b, q, k, -1), valid
-        return self._decode_rows(layer_idx, positions[:, 0], valid[:, 0], past)
+    def in_prefill(self, layer_idx: int) -> bool:
+        """The forward running now is (part of) the prompt's prefill."""
+        return self.layers[layer_idx].length <= self.prompt_length and self._prompt[layer_idx] is not None
 
-    def _decode_rows(self, layer_idx: int, pos: torch.Tensor, valid: torch.Tensor, past: int):
+    def prompt_rows(self, layer_idx: int, positions: int) -> torch.Tensor:
+        """The prompt's rows of positions 0..positions-1 [batch, positions, row_dim]."""
+        return self._prompt[layer_idx][:, :positions]
+
+    def decode_rows(self, layer_idx: int, pos: torch.Tensor, allowed: torch.Tensor):
+        """The rows of the indexer's top-k ``pos`` int [batch, k] of layer ``layer_idx``
+        in a decode step, and where they may be read: ``(rows [batch, k, row_dim], ok
+        [batch, k])``. ``allowed``: what the padding mask allows. Past positions come
+        through ``swap_in`` from the hot slab; the token's own row from this forward."""
         rt = self.runtime
+        past = self.layers[layer_idx].length - 1
         if layer_idx == 0:
-            rt.begin_step(self.batch, reset=self._decode_steps == 0)  # new requests: their regions start empty
+            rt.begin_step(self.batch, reset=self._decode_steps == 0)  # new sequences: their regions start empty
             self._decode_steps += 1
-        own = valid & (pos == past)  # the token's own row: made by this forward, not in the pool yet
-        fetch = torch.where(valid & ~own, pos, -1).to(torch.int32)
+        own = allowed & (pos == past)  # made by this forward: not in the pool yet
+        fetch = torch.where(allowed & ~own, pos, -1).to(torch.int32)
         idx = rt.swap_in(fetch, self.table, layer_idx)  # int32 [batch, k] into kv(layer)
         hot = rt.kv(layer_idx)[idx.clamp(min=0).long()]  # [batch, k, row_dim]
-        mine = self._new[layer_idx]  # [batch, 1, row_dim]
-        rows = torch.where(own[..., None], mine, hot)
-        ok = (idx >= 0) | own
-        return rows[:, None], ok[:, None]
+        rows = torch.where(own[..., None], self._new[layer_idx], hot)
+        return rows, (idx >= 0) | own
 
     # -- the write path and the end ------------------------------------------------------
     def _write(self, past: int, n: int) -> None:
@@ -184,6 +183,8 @@ class SparseKVCache(Cache):
         if self.released:
             return
         self.released = True
+        if self._decode_steps:
+            self.runtime.handle.finish_step()  # a step an exception cut short: the next one may begin
         self.runtime.release(self._blocks)
         self.runtime.in_use = False
         if self.runtime.active is self:
