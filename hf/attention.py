@@ -6,8 +6,9 @@ then scores exactly as on the eager path).
 transformers passes the indexer's top-k as ``indices`` [batch, q, k]. A decode step reads
 only those rows (``SparseKVCache.decode_rows``: ``swap_in``'s hot rows, and the token's
 own new row), expands their latents through the module's own ``kv_b_proj`` into per-head
-keys and values, and attends over them. A prefill forward (many queries of one sequence)
-expands the prompt's rows on the device once and attends over the selected ones. A
+keys and values, and attends over them. A prefill forward (many queries of a sequence,
+each with its own top-k) reads the selected rows of the prompt's rows on the device and
+applies ``kv_b_proj`` to the queries and outputs instead (MLA's absorbed form). A
 selected position the mask forbids (padding, a future position) is not read, as the eager
 path masks it; the softmax is the eager path's (float32, then the model's dtype).
 """
@@ -42,18 +43,28 @@ def sparse_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     allowed = mask if mask.dtype == torch.bool else mask == 0
     layer = module.layer_idx
     if cache.in_prefill(layer):
-        # Many queries of one sequence: expand the prompt's rows once, attend over the
-        # selected ones (the eager path's shape, without its per-head cache).
-        rows = cache.prompt_rows(layer, mask.shape[-1])[:, None]  # [batch, 1, positions, row_dim]
-        ok = torch.zeros_like(allowed).scatter_(-1, pos, True) & allowed  # [batch, q, positions]
-        keys, values = _expand(module, runtime.geometry, rows, query.dtype)
-        scores = torch.einsum("bhqd,bkhd->bhqk", query, keys[:, 0])
-        return _attend(scores * scaling, ok, values[:, 0], "bhqk,bkhv->bqhv", query.dtype)
+        rows = cache.prompt_rows(layer, pos)  # [batch, q, k, row_dim]
+        return _absorbed(module, runtime.geometry, query, rows, allowed.gather(-1, pos), scaling)
     # One query per sequence: only the selected rows, from the hot slab (and its own row).
     rows, ok = cache.decode_rows(layer, pos[:, 0], allowed.gather(-1, pos)[:, 0])  # [batch, k, row_dim], [batch, k]
     keys, values = _expand(module, runtime.geometry, rows, query.dtype)
     scores = torch.einsum("bhd,bkhd->bhk", query[:, :, 0], keys)[:, :, None]
     return _attend(scores * scaling, ok[:, None], values, "bhqk,bkhv->bqhv", query.dtype)
+
+
+def _absorbed(module, geo, query, rows, ok, scaling: float):
+    """Prefill: many queries of a sequence, each with its own top-k. Expanding every
+    query's selected latents would take k x heads x (nope + v) values per query, so the
+    module's ``kv_b_proj`` is applied to the queries and outputs instead (MLA's absorbed
+    form: the same products, grouped the other way)."""
+    w = module.kv_b_proj.weight.view(geo.num_heads, geo.nope_dim + geo.v_dim, geo.kv_lora_rank)
+    w_k, w_v = w.split([geo.nope_dim, geo.v_dim], dim=1)  # [heads, nope, rank], [heads, v, rank]
+    q_nope, q_rope = query.split([geo.nope_dim, geo.rope_dim], dim=-1)  # [batch, heads, q, .]
+    q_lat = torch.einsum("bhqn,hnr->bhqr", q_nope, w_k)
+    latent, rope = rows.to(query.dtype).split([geo.kv_lora_rank, geo.rope_dim], dim=-1)  # [batch, q, k, .]
+    scores = torch.einsum("bhqr,bqkr->bhqk", q_lat, latent) + torch.einsum("bhqd,bqkd->bhqk", q_rope, rope)
+    out_lat, _ = _attend(scores * scaling, ok, latent, "bhqk,bqkr->bqhr", query.dtype)
+    return torch.einsum("bqhr,hvr->bqhv", out_lat, w_v).contiguous(), None
 
 
 def _expand(module, geo, rows: torch.Tensor, dtype):

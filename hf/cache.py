@@ -147,9 +147,13 @@ class SparseKVCache(Cache):
         """The forward running now is (part of) the prompt's prefill."""
         return self.layers[layer_idx].length <= self.prompt_length and self._prompt[layer_idx] is not None
 
-    def prompt_rows(self, layer_idx: int, positions: int) -> torch.Tensor:
-        """The prompt's rows of positions 0..positions-1 [batch, positions, row_dim]."""
-        return self._prompt[layer_idx][:, :positions]
+    def prompt_rows(self, layer_idx: int, pos: torch.Tensor) -> torch.Tensor:
+        """The prompt's rows (on the device during prefill) of positions ``pos`` int
+        [batch, q, k]: [batch, q, k, row_dim]."""
+        src = self._prompt[layer_idx]
+        b, q, k = pos.shape
+        flat = pos.clamp(min=0).reshape(b, q * k, 1).expand(-1, -1, src.shape[-1])
+        return src.gather(1, flat).view(b, q, k, -1)
 
     def decode_rows(self, layer_idx: int, pos: torch.Tensor, allowed: torch.Tensor):
         """The rows of the indexer's top-k ``pos`` int [batch, k] of layer ``layer_idx``
