@@ -239,7 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=None, help="decode steps per generation (default 32)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--chunk-gib", type=float, default=12.0,
-                   help="prefill chunks sized so that eager attention's and the indexer's score tensors take about this (GiB)")
+                   help="prefill chunks sized so that eager attention's and the indexer's score tensors "
+                        "take about this (GiB)")
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a smoke test (with --dims tiny)")
     p.add_argument("--dims", choices=["real", "tiny"], default="real")
     p.add_argument("--json", dest="json_path", help="write the figures here (JSON), after each config")
