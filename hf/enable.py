@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from sparsekv.proto import Layout
 
 from . import attention
@@ -17,8 +19,8 @@ ENGINE = "transformers"
 # generate() options the cache cannot serve, and why (each raises UnsupportedGeneration).
 REFUSED = {
     "num_beams": (lambda v: v is not None and v > 1, "beam search (num_beams > 1)"),
-    "num_return_sequences": (lambda v: v is not None and v > 1,
-                             "several sequences per prompt (num_return_sequences > 1): repeat the prompts in the batch"),
+    "num_return_sequences": (lambda v: v is not None and v > 1, "several sequences per prompt "
+                             "(num_return_sequences > 1): repeat the prompts in the batch"),
     "cache_implementation": (lambda v: v is not None, "another cache (cache_implementation, e.g. 'static')"),
     "prompt_lookup_num_tokens": (lambda v: v is not None, "prompt lookup decoding"),
     "use_cache": (lambda v: v is False, "use_cache=False (the rows are only kept in the cache)"),
@@ -49,6 +51,14 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
         raise ValueError(f"transport must be 'zmq' or 'doorbell', got {transport!r}")
     if getattr(model, "sparsekv", None) is not None:
         raise UnsupportedModel("sparsekv is already enabled on this model: disable(model) first")
+    model_device = torch.device(model.device)
+    client_device = torch.device(getattr(client, "device", "cpu"))  # InprocClient: the cpu backend
+    if model_device.type != client_device.type or (model_device.type == "cuda" and
+                                                   (model_device.index or 0) != (client_device.index or 0)):
+        raise UnsupportedModel(f"the model is on {model_device} but the client's hot rows are on {client_device}: "
+                               "a model on a GPU needs Client(run_dir, device='cuda:N') of a cuda daemon, on its GPU")
+    if transport == "doorbell" and model_device.type != "cuda":
+        raise UnsupportedModel("transport='doorbell' is the device handle: the model and client on a GPU")
     if getattr(client, "attachment", None) is None:
         if max_batch is None or host_rows is None:
             raise ValueError("the client is not attached: pass max_batch and host_rows (or attach it yourself)")

@@ -42,7 +42,6 @@ class Runtime:
         self.latents: dict[int, torch.Tensor] = {}  # layer -> kv_a_layernorm's output of this forward
         self.active = None  # the cache of the forward running now (set by its update)
         self.in_use = False  # a generation holds the state rows
-        self.counts = {"steps": 0, "hits": 0, "misses": 0}
 
     def _typed(self, kv) -> torch.Tensor:
         t = kv if isinstance(kv, torch.Tensor) else torch.from_numpy(kv)  # NumPy: a shared view, no copy
@@ -78,7 +77,6 @@ class Runtime:
             self.handle.begin_step(torch.from_numpy(rows).to(self.device), torch.from_numpy(flags).to(self.device))
         else:
             self.handle.begin_step(rows, reset=flags)
-        self.counts["steps"] += 1
 
     def swap_in(self, positions: torch.Tensor, table, layer: int) -> torch.Tensor:
         """Indices int32 [batch, k] into :meth:`kv` of ``positions`` int32 [batch, k]

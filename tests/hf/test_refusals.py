@@ -55,6 +55,9 @@ def test_only_dsa_models_and_fitting_layouts_are_taken():
     model = tiny("glm_moe_dsa")
     with InprocClient() as c:
         c.attach(Layout(num_layers=4, row_bytes=192, top_k=8, region_stride=16, max_reqs=2, host_rows=64))
-        with pytest.raises(hf.UnsupportedModel, match=r"groups \(\(0,\), \(1,\), \(2,\), \(3,\)\) \(model: \(\(0, 1\), \(2, 3\)\)\)"):
+        with pytest.raises(hf.UnsupportedModel, match=r"groups \(\(0,\), \(1,\), \(2,\), \(3,\)\) "
+                                                      r"\(model: \(\(0, 1\), \(2, 3\)\)\)"):
             hf.enable(model, c)
+        with pytest.raises(hf.UnsupportedModel, match="transport='doorbell' is the device handle"):
+            hf.enable(model, c, transport="doorbell")
     assert getattr(model, "sparsekv", None) is None
