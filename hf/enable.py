@@ -63,7 +63,7 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
         if max_batch is None or host_rows is None:
             raise ValueError("the client is not attached: pass max_batch and host_rows (or attach it yourself)")
         layout = geo.layout(max_batch, host_rows, region_stride)
-        _attach(client, layout, engine, transport)
+        _attach(client, layout, engine, transport, on_gpu=model_device.type == "cuda")
     runtime = Runtime(client, geo, block_size, doorbell=transport == "doorbell")
     attention.register()
     hooks = []
@@ -126,9 +126,11 @@ def disable(model) -> None:
     runtime.undo()
 
 
-def _attach(client, layout: Layout, engine: str, transport: str) -> None:
+def _attach(client, layout: Layout, engine: str, transport: str, on_gpu: bool) -> None:
     if transport == "doorbell":
         client.attach(layout, engine=engine, transport="doorbell")
+    elif on_gpu:  # the portable handle on a cuda rank: fence events, so no leader waits for the stream
+        client.attach(layout, engine=engine, fence=True)
     else:
         client.attach(layout, engine=engine)
 
