@@ -1,0 +1,262 @@
+"""DeepSeek-V3.2 under Hugging Face transformers at long context: ``model.generate`` with
+its rows in sparsekv (``sparsekv.hf``, the doorbell transport) against transformers' own
+eager path with its ``DynamicCache``, in one run.
+
+    python -m sparsekv.bench.hf_long --quick --json hf.json       # 32K, batch 1 (~2 min)
+    python -m sparsekv.bench.hf_long --json hf.json               # 32K and 128K, batch 1, 2, 4, 8
+
+The model has DeepSeek-V3.2's attention dims (kv_lora 512, rope 64, 128 heads, indexer
+64 x 128, top-k 2048), ``--layers`` layers, a small dense MLP and vocabulary (they are not
+what is measured) and random bf16 weights. Each config (context, batch) runs both paths
+on the same random prompt: a chunked prefill of ``context`` tokens (``prefill_chunk_size``,
+sized to keep the indexer's and eager attention's score tensors under ``--chunk-gib``),
+then ``--new-tokens`` greedy decode steps. Per path: decode tokens/s (batch x steps / time
+between the first and last step, each step synchronised), the HBM the cache holds for KV
+at the end (eager: the DynamicCache's expanded keys, values and indexer keys; sparsekv:
+the indexer keys it keeps on the GPU plus the hot slab's bytes in the daemon's arena),
+peak HBM allocated by torch during the generation, and for sparsekv the daemon's hits and
+misses per step. A path that runs out of memory says so (``oom``). The figures the docs
+track are ``hf_dsv32_kv_hbm_ratio_32k`` (sparsekv's KV HBM / eager's, 32K, batch 1) and
+``hf_dsv32_tokens_per_s_ratio_32k`` (sparsekv's tokens/s / eager's, 32K, batch 1).
+
+``--device cpu --dims tiny`` runs the same on the CPU through a cpu daemon (zmq): a smoke
+test of the bench itself, not a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+
+try:
+    import torch
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, LogitsProcessor, LogitsProcessorList
+except ImportError:  # one line, not a traceback
+    sys.exit("sparsekv.bench.hf_long needs torch and transformers: pip install 'sparsekv[transformers]'")
+
+from sparsekv import hf
+from sparsekv.hf.geometry import Geometry
+from sparsekv.client import Client
+
+from .bench import output_problem
+from .private_daemon import PrivateDaemon
+
+REAL = dict(hidden_size=7168, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+            v_head_dim=128, num_attention_heads=128, num_key_value_heads=128, index_n_heads=64, index_head_dim=128,
+            index_topk=2048, intermediate_size=2048, vocab_size=1024)
+TINY = dict(hidden_size=64, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+            num_attention_heads=4, num_key_value_heads=4, index_n_heads=2, index_head_dim=32, index_topk=16,
+            intermediate_size=64, vocab_size=128)
+BLOCK_SIZE = 64
+GIB = 1 << 30
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class StepClock(LogitsProcessor):
+    """The time after each forward of a generation (the stream synchronised first)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+    def tokens_per_s(self, batch: int) -> float:
+        steps = len(self.times) - 1  # the decode steps after the prefill's token
+        return batch * steps / (self.times[-1] - self.times[0]) if steps > 0 else 0.0
+
+
+def build_model(dims: dict, layers: int, max_positions: int, device: torch.device, dtype: torch.dtype):
+    cfg = DeepseekV32Config(**dims, num_hidden_layers=layers, first_k_dense_replace=layers,
+                            mlp_layer_types=["dense"] * layers, max_position_embeddings=max_positions,
+                            pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV32ForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def chunk_for(context: int, batch: int, dims: dict, budget_bytes: int) -> int:
+    """A prefill chunk whose score tensors (eager attention's [batch, heads, chunk,
+    context] in bf16 and fp32, the indexer's [batch, chunk, index_heads, context] fp32)
+    stay under ``budget_bytes``."""
+    per_token = batch * context * (dims["num_attention_heads"] * 8 + dims["index_n_heads"] * 4)
+    return max(16, min(context, budget_bytes // per_token))
+
+
+def run_path(model, ids, new_tokens: int, chunk: int, kv_bytes, counts=None, **kw) -> dict:
+    """One generation; ``kv_bytes(result)``: the KV bytes held at its end; ``counts()``:
+    the daemon's (hits, misses) so far; ``kw``: more arguments of ``generate``."""
+    dev = ids.device
+    clock = StepClock(dev)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    before = counts() if counts else None
+    out = {}
+    try:
+        with torch.no_grad():
+            res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                                 prefill_chunk_size=chunk, logits_processor=LogitsProcessorList([clock]),
+                                 return_dict_in_generate=True, **kw)
+        out["tokens_per_s"] = round(clock.tokens_per_s(ids.shape[0]), 2)
+        out["kv_hbm_bytes"] = int(kv_bytes(res))
+        out["tokens"] = res.sequences[:, ids.shape[1]:].cpu()
+        del res
+    except torch.OutOfMemoryError as e:
+        out["oom"] = True
+        out["error"] = " ".join(str(e).split())[:200]
+    if dev.type == "cuda":
+        out["peak_hbm_bytes"] = int(torch.cuda.max_memory_allocated(dev))
+    if counts and "oom" not in out:
+        after = counts()
+        steps = max(1, new_tokens - 1)  # the prefill reads nothing from the pool
+        out["hits_per_step"] = round((after[0] - before[0]) / steps, 1)
+        out["misses_per_step"] = round((after[1] - before[1]) / steps, 1)
+    return out
+
+
+def eager_kv_need(dims: dict, layers: int, batch: int, positions: int) -> int:
+    """Bytes of transformers' DynamicCache (bf16) at ``positions``: expanded keys and
+    values per head, and the indexer keys."""
+    heads = dims["num_attention_heads"]
+    per = heads * (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"] + dims["v_head_dim"]) + dims["index_head_dim"]
+    return 2 * per * positions * batch * layers
+
+
+def eager_kv_bytes(res) -> int:
+    total = 0
+    for layer in res.past_key_values.layers:
+        for t in (layer.keys, layer.values, getattr(layer, "indexer_keys", None)):
+            total += t.numel() * t.element_size() if t is not None else 0
+    return total
+
+
+def run(a) -> dict:
+    dev = torch.device(a.device)
+    dims = TINY if a.dims == "tiny" else REAL
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    contexts, batches = a.contexts, a.batches
+    max_len = max(contexts) + a.new_tokens
+    model = build_model(dims, a.layers, max_len, dev, dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    say(f"model: {a.layers} layers, {weights / GIB:.1f} GiB of weights on {dev}")
+    blocks_per_seq = -(-max_len // BLOCK_SIZE)
+    host_rows = max(batches) * blocks_per_seq * BLOCK_SIZE
+    geo = Geometry.of(model)
+    layout = geo.layout(max(batches), host_rows)
+    rows: list[dict] = []
+    summary: dict = {"bench": "hf_dsv32", "device": str(dev), "layers": a.layers, "dims": a.dims,
+                     "new_tokens": a.new_tokens, "weights_bytes": weights, "configs": rows}
+    cuda = dev.type == "cuda"
+    extra = ["--device-arena-size", f"{-(-(2 * layout.slab_bytes + GIB) // GIB)}GiB", "--devices",
+             str(dev.index or 0)] if cuda else []
+    with contextlib.ExitStack() as stack:
+        d = stack.enter_context(PrivateDaemon(pool_bytes=layout.pool_bytes + (64 << 20),
+                                              backend="cuda" if cuda else "cpu", extra_args=extra,
+                                              start_timeout_s=600))
+        c = stack.enter_context(Client(d.run_dir, name="bench-hf", device=str(dev) if cuda else "cpu",
+                                       timeout_s=600))
+
+        def counts():
+            s = c.stats()
+            return int(s.get("hits", 0)), int(s.get("misses", 0))
+
+        for context in contexts:
+            for batch in batches:
+                ids = torch.randint(0, dims["vocab_size"], (batch, context), device=dev,
+                                    generator=torch.Generator(dev).manual_seed(context + batch))
+                chunk = chunk_for(context, batch, dims, int(a.chunk_gib * GIB))
+                row = {"context": context, "batch": batch, "prefill_chunk": chunk}
+                say(f"context {context} batch {batch}: sparsekv ...")
+                transport = "doorbell" if cuda else "zmq"
+                if c.attachment is None:
+                    hf.enable(model, c, max_batch=max(batches), host_rows=host_rows, block_size=BLOCK_SIZE,
+                              transport=transport)
+                else:
+                    hf.enable(model, c, block_size=BLOCK_SIZE, transport=transport)
+                cache = hf.SparseKVCache(model.sparsekv, batch, context, context + a.new_tokens)
+                try:
+                    row["sparsekv"] = run_path(model, ids, a.new_tokens, chunk,
+                                               lambda res: cache.kv_bytes() + layout.slab_bytes, counts,
+                                               past_key_values=cache)
+                finally:
+                    cache.release()
+                    hf.disable(model)
+                model.set_attn_implementation("eager")
+                need = eager_kv_need(dims, a.layers, batch, context + a.new_tokens)
+                free = torch.cuda.mem_get_info(dev)[0] if cuda else None
+                if free is not None and need > free:  # minutes of prefill to learn what the sizes say
+                    say(f"context {context} batch {batch}: eager skipped: its cache needs {need / GIB:.1f} GiB, "
+                        f"{free / GIB:.1f} GiB free")
+                    row["eager"] = {"oom": "predicted", "kv_hbm_bytes_needed": need, "hbm_free_bytes": int(free)}
+                else:
+                    say(f"context {context} batch {batch}: eager (DynamicCache) ...")
+                    row["eager"] = run_path(model, ids, a.new_tokens, chunk, eager_kv_bytes)
+                s, e = row["sparsekv"], row["eager"]
+                if "tokens" in s and "tokens" in e:
+                    row["same_tokens"] = round(float((s.pop("tokens") == e.pop("tokens")).float().mean()), 3)
+                s.pop("tokens", None)
+                e.pop("tokens", None)
+                if "oom" not in s and "oom" not in e:
+                    row["kv_hbm_ratio"] = round(s["kv_hbm_bytes"] / e["kv_hbm_bytes"], 4)
+                    row["tokens_per_s_ratio"] = round(s["tokens_per_s"] / e["tokens_per_s"], 3)
+                say(json.dumps(row))
+                rows.append(row)
+                if context == 32768 and batch == 1 and "kv_hbm_ratio" in row:
+                    summary["hf_dsv32_kv_hbm_ratio_32k"] = row["kv_hbm_ratio"]
+                    summary["hf_dsv32_tokens_per_s_ratio_32k"] = row["tokens_per_s_ratio"]
+                if a.json_path:  # after each config: a run cut short keeps what it measured
+                    with open(a.json_path, "w") as f:
+                        json.dump(summary, f, indent=1)
+    return summary
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sparsekv.bench.hf_long", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="32K context, batch 1, 16 new tokens (the tracked figures)")
+    p.add_argument("--contexts", type=_ints, default=None, help="comma list (default 32768,131072)")
+    p.add_argument("--batches", type=_ints, default=None, help="comma list (default 1,2,4,8)")
+    p.add_argument("--new-tokens", type=int, default=None, help="decode steps per generation (default 32)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--chunk-gib", type=float, default=12.0,
+                   help="prefill chunks sized so that eager attention's and the indexer's score tensors "
+                        "take about this (GiB)")
+    p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a smoke test (with --dims tiny)")
+    p.add_argument("--dims", choices=["real", "tiny"], default="real")
+    p.add_argument("--json", dest="json_path", help="write the figures here (JSON), after each config")
+    a = p.parse_args(argv)
+    a.contexts = a.contexts or ([32768] if a.quick else [32768, 131072])
+    a.batches = a.batches or ([1] if a.quick else [1, 2, 4, 8])
+    a.new_tokens = a.new_tokens or (16 if a.quick else 32)
+    why = output_problem(a.json_path, "--json") if a.json_path else None
+    if why:
+        p.error(why)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("torch sees no CUDA device (use --device cpu --dims tiny for a smoke test)")
+    summary = run(a)
+    print(json.dumps({k: v for k, v in summary.items() if k != "configs"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

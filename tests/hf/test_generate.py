@@ -1,0 +1,68 @@
+"""``model.generate`` through sparsekv gives transformers' own eager outputs: greedy token
+ids identical and every step's logits within 1e-4 (float32; the two sum the same terms in
+a different order), both DSA models, batch 4 of mixed prompt lengths, in process and
+through a daemon; sampling with one seed; rows given back; what is refused."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_models import HOST_ROWS, KINDS, NEW_TOKENS, check_same, generate, one_torch_thread, tiny  # noqa: E402,F401
+
+from sparsekv import hf  # noqa: E402
+from sparsekv.client import Client  # noqa: E402
+from sparsekv.embedded.inproc import InprocClient  # noqa: E402
+
+@pytest.fixture(scope="module", params=KINDS)
+def reference(request):
+    """(kind, eager greedy sequences, their logits) from transformers' DynamicCache."""
+    model = tiny(request.param)
+    return (request.param, *generate(model, do_sample=False))
+
+
+def test_greedy_in_process_matches_eager_and_gives_rows_back(reference):
+    kind, seq, logits = reference
+    model = tiny(kind)
+    with InprocClient() as c:
+        rt = hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        check_same((seq, logits), generate(model, do_sample=False))
+        assert rt.free_rows == HOST_ROWS  # the generation's rows came back
+        counts = rt.handle.counts
+        steps = NEW_TOKENS - 1  # decode forwards; the first token comes from the prefill
+        assert counts["batches"] == steps * len(rt.geometry.groups)  # one request per index group and step
+        assert counts["hits"] > 0 and counts["misses"] > 0
+        check_same((seq, logits), generate(model, do_sample=False))  # again, on the reused rows
+        hf.disable(model)
+    assert model.config._attn_implementation == "eager"
+    check_same((seq, logits), generate(model, do_sample=False))
+
+
+def test_greedy_through_a_daemon_matches_eager(reference, daemon):
+    kind, seq, logits = reference
+    model = tiny(kind)
+    with Client(daemon.run_dir, name="hf-test") as c:
+        hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        check_same((seq, logits), generate(model, do_sample=False))
+
+
+@pytest.mark.parametrize("kind", KINDS[:1])
+def test_sampling_with_one_seed_matches_eager(kind):
+    model = tiny(kind)
+    torch.manual_seed(7)
+    ref = generate(model, do_sample=True, top_k=0, temperature=1.0)
+    with InprocClient() as c:
+        hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        torch.manual_seed(7)
+        check_same(ref, generate(model, do_sample=True, top_k=0, temperature=1.0))
+
+
+@pytest.mark.parametrize("kind", KINDS[:1])
+def test_chunked_prefill_matches_eager_chunked(kind):
+    """A prompt prefilled in chunks (``prefill_chunk_size``): later chunks read the earlier
+    ones' rows from the device, then decode reads them from the pool."""
+    model = tiny(kind)
+    ref = generate(model, do_sample=False, prefill_chunk_size=6)
+    with InprocClient() as c:
+        hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        check_same(ref, generate(model, do_sample=False, prefill_chunk_size=6))

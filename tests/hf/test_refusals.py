@@ -1,0 +1,63 @@
+"""What the integration does not do is refused with a typed error naming it, before a
+row is allocated: other models, beam search, other caches, several sequences per prompt,
+a batch or a length the pool cannot hold."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_models import one_torch_thread, prompts, tiny  # noqa: E402,F401
+
+from sparsekv import hf  # noqa: E402
+from sparsekv.embedded.inproc import InprocClient  # noqa: E402
+from sparsekv.proto import Layout  # noqa: E402
+
+
+@pytest.fixture
+def enabled():
+    model = tiny("deepseek_v32")
+    with InprocClient() as c:
+        rt = hf.enable(model, c, max_batch=4, host_rows=256, block_size=16)
+        yield model, rt
+
+
+@pytest.mark.parametrize("kw, what", [
+    ({"num_beams": 2}, "beam search"),
+    ({"num_return_sequences": 2, "do_sample": True}, "several sequences per prompt"),
+    ({"cache_implementation": "static"}, "another cache"),
+    ({"use_cache": False}, "use_cache=False"),
+    ({"past_key_values": "not a cache"}, "must be a SparseKVCache"),
+])
+def test_generation_options_it_cannot_serve_are_refused(enabled, kw, what):
+    model, rt = enabled
+    ids, mask = prompts()
+    with pytest.raises(hf.UnsupportedGeneration, match=what):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, **kw)
+    assert rt.free_rows == 256 and not rt.in_use
+
+
+def test_a_generation_the_pool_cannot_hold_is_refused_before_any_row_is_taken(enabled):
+    model, rt = enabled
+    ids, mask = prompts()
+    with pytest.raises(hf.OutOfRows, match=r"need 384 host rows per layer; the pool has 256 free of 256"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=70)
+    ids5, mask5 = prompts((3, 4, 5, 6, 7))
+    with pytest.raises(hf.OutOfRows, match="batch 5 exceeds the layout's max_reqs 4"):
+        model.generate(ids5, attention_mask=mask5, max_new_tokens=2)
+    assert rt.free_rows == 256
+    model.generate(ids, attention_mask=mask, max_new_tokens=4)  # and it still generates
+
+
+def test_only_dsa_models_and_fitting_layouts_are_taken():
+    with InprocClient() as c, pytest.raises(hf.UnsupportedModel, match="not Linear"):
+        hf.enable(torch.nn.Linear(2, 2), c, max_batch=1, host_rows=64)
+    model = tiny("glm_moe_dsa")
+    with InprocClient() as c:
+        c.attach(Layout(num_layers=4, row_bytes=192, top_k=8, region_stride=16, max_reqs=2, host_rows=64))
+        with pytest.raises(hf.UnsupportedModel, match=r"groups \(\(0,\), \(1,\), \(2,\), \(3,\)\) "
+                                                      r"\(model: \(\(0, 1\), \(2, 3\)\)\)"):
+            hf.enable(model, c)
+        with pytest.raises(hf.UnsupportedModel, match="transport='doorbell' is the device handle"):
+            hf.enable(model, c, transport="doorbell")
+    assert getattr(model, "sparsekv", None) is None
