@@ -194,6 +194,8 @@ def run(a) -> dict:
                     hf.disable(model)
                 model.set_attn_implementation("eager")
                 need = eager_kv_need(dims, a.layers, batch, context + a.new_tokens)
+                if cuda:  # what the sparsekv run left in torch's cache is free for eager
+                    torch.cuda.empty_cache()
                 free = torch.cuda.mem_get_info(dev)[0] if cuda else None
                 if free is not None and need > free:  # minutes of prefill to learn what the sizes say
                     say(f"context {context} batch {batch}: eager skipped: its cache needs {need / GIB:.1f} GiB, "
