@@ -87,8 +87,9 @@ class Shapes:
 
 PRESETS = {
     "v32": Shapes(),
-    # CPU tests; row_bytes 336 (a multiple of 16, as the cuda backend moves rows)
-    "tiny": Shapes(hidden=256, q_lora=64, kv_lora=256, rope=36, nope=32, v_dim=32, heads=4, idx_heads=4, idx_dim=32,
+    # tests: row_bytes 560 (a multiple of 16, as the cuda backend moves rows), every FP8
+    # matmul's dimensions multiples of 16 (torch._scaled_mm), the indexer's Triton shapes
+    "tiny": Shapes(hidden=256, q_lora=64, kv_lora=512, rope=16, nope=32, v_dim=32, heads=4, idx_heads=16, idx_dim=32,
                    top_k=16, experts=4, ep=2, top_experts=2, expert_inter=64, dense_inter=128, layers=4,
                    dense_layers=1, vocab=512),
 }
