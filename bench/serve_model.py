@@ -244,7 +244,7 @@ class Ops:
         """Logits [B, T] float32 (:func:`indexer_reference`'s); ``q`` [B, H, D] in the compute
         dtype (cast to fp8 for the Triton kernel), ``keys`` fp8 [B, T, D]."""
         if self.triton:
-            return serve_triton.indexer_logits(q.to(FP8), w.float().contiguous(), keys, kscale, out)
+            return serve_triton.indexer_logits(q.to(FP8).contiguous(), w.float().contiguous(), keys, kscale, out)
         s = torch.bmm(q.to(self.dtype), keys.to(self.dtype).transpose(1, 2))
         return (s.relu() * w.to(s.dtype).unsqueeze(-1)).sum(1, dtype=torch.float32) * kscale
 

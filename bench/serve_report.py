@@ -16,8 +16,11 @@ PENALTY_BATCHES = (1, 4, 16, 64)
 
 
 def ctx_key(context: int) -> str:
-    """32768 -> "32k", 1048576 -> "1m"."""
-    return f"{context >> 20}m" if context >= 1 << 20 and context % (1 << 20) == 0 else f"{context >> 10}k"
+    """32768 -> "32k", 1048576 -> "1m", 1000 -> "1000"."""
+    for unit, shift in (("m", 20), ("k", 10)):
+        if context >= 1 << shift and context % (1 << shift) == 0:
+            return f"{context >> shift}{unit}"
+    return str(context)
 
 
 @dataclass
@@ -37,7 +40,7 @@ class Result:
     bounds: dict = field(default_factory=dict)
     flagged: list = field(default_factory=list)
     p50_at_bound_us: float | None = None  # p50 with each flagged part at its bound
-    paired_diff_us: float | None = None  # median per-step difference to the config's first mode, in turn
+    paired_diff_us: float | None = None  # median per-step difference, timed in turn: to gpu (the daemon: to inproc)
     error: str | None = None
     skipped: str | None = None
 

@@ -6,6 +6,7 @@ written after each config."""
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import numpy as np
@@ -46,16 +47,20 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def run_config(model, off, tile, opts, context: int, batch: int, modes, host_rows: int, mirror) -> list[Result]:
+def run_config(model, off, tile, opts, context: int, batch: int, modes, host_rows: int, mirror,
+               device=None) -> list[Result]:
+    """One config's results: its modes (``off``: the offloaded handles) timed in turn over
+    one top-k sequence, then one un-captured step each for the parts."""
     sh = model.sh
-    L, K, d = sh.layers, sh.top_k, torch.device("cuda", DEVICE)
+    L, K, d = sh.layers, sh.top_k, device or torch.device("cuda", DEVICE)
     t0 = time.perf_counter()
     wl = generate(batch, opts.hits / 100, steps=opts.warmup + opts.steps + 1, layers=L, context=context, top_k=K,
                   block_size=opts.block_size, layer_overlap=opts.layer_overlap, seed=opts.seed)
     st = Static(model, batch, block_table(batch, context, opts.block_size, host_rows, opts.seed), wl, d)
     state = BatchState(sh, batch, context, d)
-    say(f"context {context} batch {batch}: top-k sequence and {state.keys.numel() * 1.03 / 1e9:.1f} GB of indexer "
-        f"keys ready in {time.perf_counter() - t0:.1f} s")
+    key_bytes = state.keys.numel() + 4 * state.kscale.numel()
+    say(f"context {context} batch {batch}: top-k sequence and {key_bytes / 1e9:.1f} GB of indexer keys ready in "
+        f"{time.perf_counter() - t0:.1f} s")
     out, sides = [], []
     if "gpu" in modes:
         need = L * (batch * context + batch) * sh.row_bytes
@@ -71,11 +76,13 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
             for m, src in sides]
     counts = [off.counts.get(m) if off else None for m, _ in sides]
     times, deltas = timed([r[0] for r in runs], st, opts.warmup, opts.steps, counts)
+    names = [m for m, _ in sides]
     for i, (m, src) in enumerate(sides):
         r = Result(m, context, batch, run=runs[i][1], p50_us=float(np.median(times[i])),
                    p99_us=float(np.percentile(times[i], 99)))
-        if i:
-            r.paired_diff_us = float(np.median(times[i] - times[0]))
+        ref = names.index("inproc") if m == "daemon" and "inproc" in names else 0  # the daemon against inproc
+        if i != ref:
+            r.paired_diff_us = float(np.median(times[i] - times[ref]))
         if m in OFFLOADED:
             if deltas[i] and sum(deltas[i]):
                 r.hit_rate = deltas[i][0] / sum(deltas[i])
@@ -96,7 +103,16 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
 
 
 def main(opts) -> int:
+    """The whole run; exit 0, 1 when a config failed, 2 when the host pool cannot hold
+    one request of the longest context."""
     sh = PRESETS[opts.preset]
+    row_set = sh.layers * sh.row_bytes
+    host_rows = int(opts.host_pool_gib * 2**30 // row_set) // TILE_ROWS * TILE_ROWS
+    if set(opts.modes) & set(OFFLOADED) and host_rows < max(opts.contexts):
+        print(f"sparsekv bench serve: --host-pool-gib {opts.host_pool_gib:g} holds {host_rows} rows a layer, fewer "
+              f"than one request of context {max(opts.contexts)}: give it >= "
+              f"{max(opts.contexts) * row_set / 2**30 + 1:.0f}", file=sys.stderr)
+        return 2
     dep = Deployment(hbm_bytes=opts.hbm_gb * 1e9, host_bytes=opts.host_gib * 2**30,
                      activation_bytes=opts.activations_gb * 1e9)
     caps = {c: capacity(sh, c, dep) for c in opts.contexts}
@@ -113,21 +129,26 @@ def main(opts) -> int:
     say(f"weights of one layer and the head built in {time.perf_counter() - t0:.1f} s; " + "; ".join(
         f"{k}: {v}" for k, v in ops.impl.items()))
     tile = row_tile(model, opts.seed)
-    row_set = sh.layers * sh.row_bytes
-    host_rows = int(opts.host_pool_gib * 2**30 // row_set) // TILE_ROWS * TILE_ROWS
     off_batches = [b for _, b, m in plan if set(m) & set(OFFLOADED)]
     off = mirror = None
     results: list[Result] = []
     figures: dict = {}
+    failed: dict[str, str] = {}  # offloaded mode -> why it could not start
     try:
         if off_batches:
             lay = offload_layout(sh, max(off_batches), host_rows)
             say(f"host pools: {host_rows} rows a layer ({lay.pool_bytes / 1e9:.1f} GB each); requests beyond "
                 f"{host_rows // max(opts.contexts)} of the longest context share host blocks (this machine's memory; "
                 "the bytes a miss moves are the same)")
-            off = Offload(lay, tile, opts.modes, gather_blocks(opts), opts.daemon_log)
+            try:
+                off = Offload(lay, tile, opts.modes, gather_blocks(opts), opts.daemon_log)
+            except Exception as e:  # noqa: BLE001 - the all-on-GPU figures still come
+                failed = dict.fromkeys(OFFLOADED, f"{type(e).__name__}: {' '.join(str(e).split())[:400]}")
+                say(f"the offloaded modes did not start: {failed['inproc']}")
             mirror = torch.empty((sh.layers, max(off_batches), sh.row_bytes), dtype=torch.uint8, pin_memory=True)
         for context, batch, modes in plan:
+            results += [Result(m, context, batch, error=failed[m]) for m in modes if m in failed]
+            modes = tuple(m for m in modes if m not in failed)
             try:
                 results += run_config(model, off, tile, opts, context, batch, modes, host_rows, mirror)
             except Exception as e:  # noqa: BLE001 - one config failing must not lose the others' figures

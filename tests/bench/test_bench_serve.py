@@ -4,6 +4,7 @@ arithmetic and headline keys; on a GPU (``cuda``) the FP8 / Triton paths against
 torch ones and the same attention output all on the GPU and through ``swap_in``."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -237,3 +238,45 @@ def test_all_on_the_gpu_and_through_swap_in_give_the_same_step_output():
     finally:
         torch.cuda.synchronize()
         h.close()
+
+
+class _ClockMarks(serve_modes.Marks):
+    """Marks on torch's CPU device: the host's clock instead of CUDA events."""
+
+    def __call__(self, part) -> None:
+        self.events.append((part, time.perf_counter()))
+
+    def totals(self) -> dict:
+        out = {}
+        for (part, a), (_, b) in zip(self.events, self.events[1:]):
+            out[part] = out.get(part, 0.0) + (b - a) * 1e6
+        return out
+
+
+def test_a_config_of_the_all_on_gpu_mode_runs_on_the_cpu_and_reports_its_parts(cpu_ops, monkeypatch):
+    from sparsekv.bench import serve, serve_run
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
+    monkeypatch.setattr(serve_run, "capture", lambda step, label: (step, "eager", None))
+    monkeypatch.setattr(serve_modes, "Marks", _ClockMarks)
+    m = sm.Model.build(TINY, cpu_ops)
+    opts = serve.Options(preset="tiny", contexts=(256,), batches=(2,), modes=("gpu",), steps=3, warmup=1,
+                         block_size=16).validate(sm.PRESETS)
+    [r] = serve_run.run_config(m, None, serve_modes.row_tile(m), opts, 256, 2, ("gpu",), 4096, None, device="cpu")
+    assert (r.mode, r.context, r.batch, r.run, r.error) == ("gpu", 256, 2, "eager", None)
+    assert r.p50_us > 0 and r.tok_s == pytest.approx(2 / r.p50_us * 1e6)
+    assert set(r.parts) == {"proj", "write", "indexer", "swap_in", "attention", "dense_ffn", "moe", "head"}
+    assert r.bounds["swap_in"] is None and r.bounds["attention"] > 0
+    f = summary([r], {256: {"gpu": 2, "offload": 0}}, 256, cpu_ops.impl)
+    assert f["serve_max_batch_gpu_256"] == 2 and f["serve_configs"][0]["tok_s"] == r.tok_s
+
+
+def test_configs_are_the_equal_batches_at_the_first_context_and_each_modes_largest_batch():
+    from sparsekv.bench import serve, serve_run
+
+    opts = serve.Options(contexts=(32768, 131072), batches=(1, 64))
+    caps = {32768: {"gpu": 21, "offload": 96}, 131072: {"gpu": 5, "offload": 29}}
+    assert serve_run.configs(opts, caps) == [
+        (32768, 1, ("gpu", "inproc", "daemon")), (32768, 21, ("gpu",)), (32768, 64, ("gpu", "inproc", "daemon")),
+        (32768, 96, ("inproc", "daemon")), (131072, 5, ("gpu",)), (131072, 29, ("inproc", "daemon"))]
