@@ -91,8 +91,9 @@ def bounds(sh, batch: int, context: int, misses_per_layer: float | None = None) 
     out = {
         "proj": bound(fp8_proj + 2 * bf16_proj, 2 * B * fp8_proj, 2 * B * bf16_proj),
         "write": None,
-        # keys and scales read once; the logits written and read by the top-k
-        "indexer": bound(B * context * (sh.idx_key_bytes + 8), 2 * B * context * sh.idx_heads * sh.idx_dim),
+        # keys and scales read once, the logits written; the top-k reads them
+        "indexer": bound(B * context * (sh.idx_key_bytes + 4), 2 * B * context * sh.idx_heads * sh.idx_dim),
+        "topk": bound(B * context * 4),
         "swap_in": None if misses_per_layer is None else 1e6 * misses_per_layer * sh.row_bytes / LINK_BPS,
         "attention": bound(B * K * sh.row_bytes, 0.0, 2 * B * H * K * (2 * sh.kv_lora + sh.rope)),
         "dense_ffn": bound(3 * sh.hidden * sh.dense_inter, 2 * B * 3 * sh.hidden * sh.dense_inter),

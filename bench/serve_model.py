@@ -165,17 +165,18 @@ def _close(got, want, tol: float = 3e-2) -> bool:
 
 
 class Ops:
-    """The step's matmuls and indexer on ``device``; ``impl``: part -> how it runs.
+    """The step's matmuls, indexer and attention on ``device``; ``impl``: part -> how it runs.
 
-    ``fp8``: try the FP8 paths (``torch._scaled_mm``, ``torch._scaled_grouped_mm``) and the
-    Triton indexer; each is checked against the plain torch path on small inputs first."""
+    ``fast``: try the FP8 paths (``torch._scaled_mm``, ``torch._scaled_grouped_mm``) and the
+    Triton kernels (indexer, sparse MLA); each is checked against the plain torch path on
+    small inputs first."""
 
-    def __init__(self, device, dtype, fp8: bool):
+    def __init__(self, device, dtype, fast: bool):
         self.device, self.dtype = torch.device(device), dtype
         self.impl: dict[str, str] = {}
         self.one = torch.ones((), dtype=torch.float32, device=self.device)
         gen = torch.Generator(self.device).manual_seed(1)
-        self.fp8_mm = fp8 and self._check("mm", "fp8 torch._scaled_mm", self._try_mm, gen)
+        self.fp8_mm = fast and self._check("mm", "fp8 torch._scaled_mm", self._try_mm, gen)
         if not self.fp8_mm:
             self.impl["mm"] = f"{dtype} torch.mm"
         self.grouped_kind = "loop"
@@ -185,11 +186,16 @@ class Ops:
                 break
         else:
             self.impl["experts"] += f"; a loop over the experts ({self.impl['mm']})"
-        self.triton = fp8 and self._check("indexer", "triton fp8 logits + relu + weights + head sum",
-                                          self._try_indexer, gen)
-        if not self.triton:
+        self.triton_indexer = fast and self._check("indexer", "triton fp8 logits + relu + weights + head sum",
+                                                  self._try_indexer, gen)
+        if not self.triton_indexer:
             tried = self.impl.get("indexer")
             self.impl["indexer"] = (f"{tried}; " if tried else "") + f"{dtype} torch.bmm + relu + sum"
+        self.triton_mla = fast and self._check("attention", "triton gather + dequant + sparse MLA (split, lse-combined)",
+                                               self._try_mla, gen)
+        if not self.triton_mla:
+            tried = self.impl.get("attention")
+            self.impl["attention"] = (f"{tried}; " if tried else "") + f"index_select + dequant + {dtype} torch.bmm"
 
     def _check(self, part: str, label: str, fn, gen) -> bool:
         try:
@@ -243,10 +249,18 @@ class Ops:
     def indexer(self, q, w, keys, kscale, out=None):
         """Logits [B, T] float32 (:func:`indexer_reference`'s); ``q`` [B, H, D] in the compute
         dtype (cast to fp8 for the Triton kernel), ``keys`` fp8 [B, T, D]."""
-        if self.triton:
+        if self.triton_indexer:
             return serve_triton.indexer_logits(q.to(FP8).contiguous(), w.float().contiguous(), keys, kscale, out)
         s = torch.bmm(q.to(self.dtype), keys.to(self.dtype).transpose(1, 2))
         return (s.relu() * w.to(s.dtype).unsqueeze(-1)).sum(1, dtype=torch.float32) * kscale
+
+    def attention(self, q, kv, idx, sh: Shapes):
+        """Sparse MLA of ``q`` [B, H, kv_lora + rope] over rows ``idx`` [B, K] (-1: masked) of
+        ``kv`` uint8 [rows, row_bytes] -> [B, H, kv_lora] (:func:`sparse_mla`'s)."""
+        if self.triton_mla and serve_triton.mla_supported(sh.heads, sh.kv_lora, sh.rope, idx.shape[1], LATENT_TILE):
+            return serve_triton.sparse_mla(q, kv, idx, sh.kv_lora, LATENT_TILE, 1.0 / math.sqrt(sh.nope + sh.rope))
+        rows = kv.index_select(0, idx.reshape(-1).clamp(min=0).long()).view(*idx.shape, sh.row_bytes)
+        return sparse_mla(q, rows, idx >= 0, sh, self.dtype)
 
     # -- the checks (small inputs against the plain torch path) -------------------------
     def _try_mm(self, gen) -> bool:
@@ -278,6 +292,16 @@ class Ops:
         w = torch.rand(2, 64, generator=gen, device=self.device)
         ks = torch.rand(2, 300, generator=gen, device=self.device)
         return _close(serve_triton.indexer_logits(q, w, keys, ks), indexer_reference(q, w, keys, ks))
+
+    def _try_mla(self, gen) -> bool:
+        sh = PRESETS["v32"]
+        kv = pack_rows(torch.randn(512, sh.kv_lora + sh.rope, generator=gen, device=self.device), sh)
+        q = torch.randn(3, sh.heads, sh.kv_lora + sh.rope, generator=gen, device=self.device).to(torch.bfloat16)
+        idx = torch.randint(0, 512, (3, 256), generator=gen, device=self.device, dtype=torch.int32)
+        idx[0, 100:] = -1
+        got = serve_triton.sparse_mla(q, kv, idx, sh.kv_lora, LATENT_TILE, 1.0 / math.sqrt(sh.nope + sh.rope))
+        rows = kv.index_select(0, idx.reshape(-1).clamp(min=0).long()).view(3, 256, sh.row_bytes)
+        return _close(got, sparse_mla(q.float(), rows, idx >= 0, sh, torch.float32))
 
 
 # -- the model ----------------------------------------------------------------------------
@@ -342,12 +366,12 @@ class Model:
         mark("indexer")
         logits = ops.indexer(b[:, sh.q_dim:].view(B, sh.idx_heads, sh.idx_dim), w_idx,
                              state.keys[layer], state.kscale[layer])
+        mark("topk")
         torch.topk(logits, min(sh.top_k, logits.shape[1]), dim=-1, sorted=False)
         mark("swap_in")
         kv, idx = src.rows(layer)
         mark("attention")
-        rows = kv.index_select(0, idx.reshape(-1).clamp(min=0).long()).view(B, idx.shape[1], sh.row_bytes)
-        o = sparse_mla(q, rows, idx >= 0, sh, ops.dtype)
+        o = ops.attention(q, kv, idx, sh)
         mark("proj")
         o = torch.bmm(o.transpose(0, 1), w["w_uv"]).transpose(0, 1).reshape(B, H * sh.v_dim)
         x = x + ops.mm(o, w["wo"])

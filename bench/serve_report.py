@@ -10,7 +10,7 @@ from .serve_capacity import bounds
 
 MODES = ("gpu", "inproc", "daemon")  # also the order they run in
 OFFLOADED = ("daemon", "inproc")  # the first of these that ran is "offloaded" in the headline
-PARTS = ("proj", "write", "indexer", "swap_in", "attention", "dense_ffn", "moe", "head")
+PARTS = ("proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe", "head")
 SLACK = 2.0  # a part slower than this many times its bound is flagged
 PENALTY_BATCHES = (1, 4, 16, 64)
 

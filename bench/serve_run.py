@@ -124,7 +124,7 @@ def main(opts) -> int:
         f"{opts.layer_overlap:g} layer-to-layer overlap)")
     torch.cuda.set_device(DEVICE)
     t0 = time.perf_counter()
-    ops = Ops(torch.device("cuda", DEVICE), torch.bfloat16, fp8=True)
+    ops = Ops(torch.device("cuda", DEVICE), torch.bfloat16, fast=True)
     model = Model.build(sh, ops, opts.seed)
     say(f"weights of one layer and the head built in {time.perf_counter() - t0:.1f} s; " + "; ".join(
         f"{k}: {v}" for k, v in ops.impl.items()))

@@ -23,7 +23,7 @@ TINY = sm.PRESETS["tiny"]
 
 @pytest.fixture
 def cpu_ops():
-    return sm.Ops("cpu", torch.float32, fp8=False)
+    return sm.Ops("cpu", torch.float32, fast=False)
 
 
 def test_fp8_ds_mla_rows_are_656_bytes_and_unpack_to_what_was_packed():
@@ -165,7 +165,8 @@ def test_bounds_are_bytes_at_the_hbm_rate_or_flops_at_the_peaks():
     sh = sm.PRESETS["v32"]
     b = bounds(sh, 64, 32768, misses_per_layer=1000)
     assert b["moe"] == pytest.approx(1e6 * 33 * 3 * 7168 * 2048 / 4.8e12 + 1e6 * 7168 * 256 * 2 / 4.8e12)  # router: bf16
-    assert b["indexer"] == pytest.approx(1e6 * 64 * 32768 * (132 + 8) / 4.8e12)
+    assert b["indexer"] == pytest.approx(1e6 * 64 * 32768 * (132 + 4) / 4.8e12)
+    assert b["topk"] == pytest.approx(1e6 * 64 * 32768 * 4 / 4.8e12)
     assert b["swap_in"] == pytest.approx(1e6 * 1000 * 656 / 55e9)
     assert bounds(sh, 1, 32768)["swap_in"] is None
     assert len(sh.expert_counts(1)) == 8  # batch 1: 8 pairs, 8 experts read
@@ -199,8 +200,8 @@ def test_serve_refuses_more_than_one_hit_rate(capsys):
 # -- on a GPU --------------------------------------------------------------------------------
 @pytest.mark.cuda
 def test_the_fp8_and_triton_paths_pass_their_checks_on_the_gpu():
-    ops = sm.Ops("cuda", torch.bfloat16, fp8=True)
-    assert ops.fp8_mm and ops.grouped_kind == "scaled" and ops.triton, ops.impl
+    ops = sm.Ops("cuda", torch.bfloat16, fast=True)
+    assert ops.fp8_mm and ops.grouped_kind == "scaled" and ops.triton_indexer and ops.triton_mla, ops.impl
     gen = torch.Generator("cuda").manual_seed(5)
     q = torch.randn(3, 64, 128, generator=gen, device="cuda").to(sm.FP8)
     keys, ks = sm.quant_keys(torch.randn(3, 1000, 128, generator=gen, device="cuda"))
@@ -214,7 +215,7 @@ def test_the_fp8_and_triton_paths_pass_their_checks_on_the_gpu():
 def test_all_on_the_gpu_and_through_swap_in_give_the_same_step_output():
     from sparsekv.embedded.inproc_cuda import InprocSwapIn
 
-    ops = sm.Ops("cuda", torch.bfloat16, fp8=False)
+    ops = sm.Ops("cuda", torch.bfloat16, fast=False)
     m = sm.Model.build(TINY, ops)
     B, C, bs, host_rows = 4, 1024, 16, 4096
     tile = serve_modes.row_tile(m)
@@ -266,7 +267,7 @@ def test_a_config_of_the_all_on_gpu_mode_runs_on_the_cpu_and_reports_its_parts(c
     [r] = serve_run.run_config(m, None, serve_modes.row_tile(m), opts, 256, 2, ("gpu",), 4096, None, device="cpu")
     assert (r.mode, r.context, r.batch, r.run, r.error) == ("gpu", 256, 2, "eager", None)
     assert r.p50_us > 0 and r.tok_s == pytest.approx(2 / r.p50_us * 1e6)
-    assert set(r.parts) == {"proj", "write", "indexer", "swap_in", "attention", "dense_ffn", "moe", "head"}
+    assert set(r.parts) == {"proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe", "head"}
     assert r.bounds["swap_in"] is None and r.bounds["attention"] > 0
     f = summary([r], {256: {"gpu": 2, "offload": 0}}, 256, cpu_ops.impl)
     assert f["serve_max_batch_gpu_256"] == 2 and f["serve_configs"][0]["tok_s"] == r.tok_s
@@ -280,3 +281,20 @@ def test_configs_are_the_equal_batches_at_the_first_context_and_each_modes_large
     assert serve_run.configs(opts, caps) == [
         (32768, 1, ("gpu", "inproc", "daemon")), (32768, 21, ("gpu",)), (32768, 64, ("gpu", "inproc", "daemon")),
         (32768, 96, ("inproc", "daemon")), (131072, 5, ("gpu",)), (131072, 29, ("inproc", "daemon"))]
+
+
+@pytest.mark.cuda
+def test_the_fused_sparse_mla_kernel_equals_the_torch_path_with_masked_rows():
+    from sparsekv.bench import serve_triton
+
+    sh = sm.PRESETS["v32"]
+    gen = torch.Generator("cuda").manual_seed(6)
+    kv = sm.pack_rows(torch.randn(4096, sh.kv_lora + sh.rope, generator=gen, device="cuda"), sh)
+    for B in (1, 7, 64):  # 16, 8 and 1 splits of the top-k
+        q = torch.randn(B, sh.heads, sh.kv_lora + sh.rope, generator=gen, device="cuda").to(torch.bfloat16)
+        idx = torch.randint(0, 4096, (B, sh.top_k), generator=gen, device="cuda", dtype=torch.int32)
+        idx[0, 1000:] = -1
+        got = serve_triton.sparse_mla(q, kv, idx, sh.kv_lora, sm.LATENT_TILE, 1 / math.sqrt(sh.nope + sh.rope))
+        rows = kv.index_select(0, idx.reshape(-1).clamp(min=0).long()).view(B, sh.top_k, sh.row_bytes)
+        want = sm.sparse_mla(q.float(), rows, idx >= 0, sh, torch.float32)
+        assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), B
