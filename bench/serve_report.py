@@ -103,6 +103,7 @@ def summary(results: list[Result], caps: dict, penalty_context: int, impl: dict)
         g, o = _find(results, "gpu", penalty_context, b), _offloaded(results, penalty_context, b)
         if g and o:
             out[f"serve_offload_vs_gpu_tpot_b{b}_{pk}"] = round(o.p50_us / g.p50_us, 4)
+            out[f"serve_offload_vs_gpu_tpot_b{b}_{pk}_at_bound"] = round(o.p50_at_bound_us / g.p50_at_bound_us, 4)
     if f"serve_offload_vs_gpu_tpot_b1_{pk}" in out and pk == "32k":
         out["serve_offload_vs_gpu_tpot_b1"] = out["serve_offload_vs_gpu_tpot_b1_32k"]
     d, i = _find(results, "daemon", penalty_context, 64), _find(results, "inproc", penalty_context, 64)

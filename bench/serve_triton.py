@@ -73,8 +73,8 @@ if AVAILABLE:
             row = tl.maximum(ids, 0).to(tl.int64)
             # one row: LAT fp8 | LAT / TILE fp32 scales | ROPE bf16 (three views of the same bytes)
             lat = tl.load(lat_ptr + row[:, None] * RB + dl[None, :]).to(tl.float32)
-            sc = tl.load(sc_ptr + row[:, None] * (RB // 4) + LAT // 4 + dl[None, :] // TILE)
-            lat = (lat * sc).to(tl.bfloat16)  # [BN, LAT]
+            sc = tl.load(sc_ptr + row[:, None] * (RB // 4) + LAT // 4 + tl.arange(0, LAT // TILE)[None, :])
+            lat = tl.reshape(tl.reshape(lat, (BN, LAT // TILE, TILE)) * sc[:, :, None], (BN, LAT)).to(tl.bfloat16)
             rope = tl.load(rope_ptr + row[:, None] * (RB // 2) + (LAT + 4 * (LAT // TILE)) // 2 + dr[None, :])
             sco = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))  # [BH, BN] fp32
             sco = tl.where((ids >= 0)[None, :], sco * sm_scale, float("-inf"))
@@ -95,7 +95,7 @@ MLA_PROGRAMS = 264  # at least this many programs (2 per SM of an H200) where sp
 
 
 def mla_supported(heads: int, kv_lora: int, rope: int, top_k: int, tile: int) -> bool:
-    pow2 = all(v & (v - 1) == 0 for v in (kv_lora, rope))
+    pow2 = all(v & (v - 1) == 0 for v in (kv_lora, rope, kv_lora // tile))
     return AVAILABLE and heads % MLA_HEADS == 0 and kv_lora % tile == 0 and pow2 and rope >= 16 \
         and top_k % MLA_ROWS == 0
 
