@@ -123,7 +123,7 @@ def table(results: list[Result], sh) -> str:
         if r.p50_us is None:
             lines.append(head + (r.error or r.skipped or "no figure"))
             continue
-        parts = "  ".join(f"{p} {t:.0f}" + (f" ({r.bounds[p]:.0f}{'!' if p in r.flagged else ''})"
+        parts = "  ".join(f"{p} {t:.1f}" + (f" ({r.bounds[p]:.1f}{'!' if p in r.flagged else ''})"
                                              if r.bounds.get(p) else "") for p, t in r.parts.items())
         hits = f"{r.hit_rate * 100:.0f}%" if r.hit_rate is not None else "-"
         lines.append(head + f"{r.run:<5} {r.p50_us / 1e3:>11.2f} {r.p99_us / 1e3:>8.2f} {r.tok_s:>9.1f} {hits:>5}  "
@@ -135,7 +135,7 @@ def table(results: list[Result], sh) -> str:
 def headline(figures: dict) -> str:
     keys = [k for k in sorted(figures) if k.startswith(("serve_throughput_gain", "serve_offload_vs_gpu",
                                                           "serve_daemon_vs_inproc"))]
-    return "\n".join(f"{k}: {figures[k]}" for k in keys) + "\n"
+    return "".join(f"{k}: {figures[k]}\n" for k in keys)
 
 
 def plot(results: list[Result], path: str) -> str | None:

@@ -102,9 +102,12 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
     return out
 
 
-def main(opts) -> int:
+def main(opts, device=None) -> int:
     """The whole run; exit 0, 1 when a config failed, 2 when the host pool cannot hold
-    one request of the longest context."""
+    one request of the longest context. ``device``: default the GPU (FP8 and Triton
+    paths where they pass their checks); torch's CPU device runs the all-on-GPU mode in
+    float32 (the tests)."""
+    t_start = time.perf_counter()
     sh = PRESETS[opts.preset]
     row_set = sh.layers * sh.row_bytes
     host_rows = int(opts.host_pool_gib * 2**30 // row_set) // TILE_ROWS * TILE_ROWS
@@ -122,9 +125,12 @@ def main(opts) -> int:
     say(f"the expert-parallel all-to-all is left out of every mode (one GPU); the indexer's own top-k is computed "
         f"and dropped: the rows read follow the bench's sequence ({opts.hits:g} % step-to-step hits, "
         f"{opts.layer_overlap:g} layer-to-layer overlap)")
-    torch.cuda.set_device(DEVICE)
+    d = torch.device(device or f"cuda:{DEVICE}")
+    cuda = d.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(d)
     t0 = time.perf_counter()
-    ops = Ops(torch.device("cuda", DEVICE), torch.bfloat16, fast=True)
+    ops = Ops(d, torch.bfloat16 if cuda else torch.float32, fast=cuda)
     model = Model.build(sh, ops, opts.seed)
     say(f"weights of one layer and the head built in {time.perf_counter() - t0:.1f} s; " + "; ".join(
         f"{k}: {v}" for k, v in ops.impl.items()))
@@ -150,7 +156,7 @@ def main(opts) -> int:
             results += [Result(m, context, batch, error=failed[m]) for m in modes if m in failed]
             modes = tuple(m for m in modes if m not in failed)
             try:
-                results += run_config(model, off, tile, opts, context, batch, modes, host_rows, mirror)
+                results += run_config(model, off, tile, opts, context, batch, modes, host_rows, mirror, d)
             except Exception as e:  # noqa: BLE001 - one config failing must not lose the others' figures
                 why = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
                 say(f"context {context} batch {batch} failed: {why}")
@@ -162,7 +168,12 @@ def main(opts) -> int:
     finally:
         if off is not None:
             off.close()
+    over = [f"{b} > {caps[c]['gpu']}" for c, b, m in plan if "gpu" in m and c == opts.contexts[0] and b > caps[c]["gpu"]]
     print(table(results, sh) + headline(figures), end="")
+    if over:
+        print(f"note: equal-batch configs past the all-on-GPU capacity at context {opts.contexts[0]} ({', '.join(over)}) "
+              "fit this GPU only because one layer's weights serve every layer here")
+    say(f"done in {time.perf_counter() - t_start:.0f} s")
     if opts.json_path:
         say(f"wrote {opts.json_path}")
     if opts.plot_path:

@@ -298,3 +298,29 @@ def test_the_fused_sparse_mla_kernel_equals_the_torch_path_with_masked_rows():
         rows = kv.index_select(0, idx.reshape(-1).clamp(min=0).long()).view(B, sh.top_k, sh.row_bytes)
         want = sm.sparse_mla(q.float(), rows, idx >= 0, sh, torch.float32)
         assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), B
+
+
+def test_the_whole_run_of_the_all_on_gpu_mode_on_the_cpu_writes_its_figures(cpu_ops, monkeypatch, tmp_path, capsys):
+    import json
+
+    from sparsekv.bench import serve, serve_run
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
+    monkeypatch.setattr(serve_run, "capture", lambda step, label: (step, "eager", None))
+    monkeypatch.setattr(serve_modes, "Marks", _ClockMarks)
+    # a deployment of 6 MB of HBM: the tiny model's weights (3.4 MB) leave room for 4 requests at 256
+    opts = serve.Options(preset="tiny", contexts=(256, 512), batches=(1, 2), modes=("gpu",), steps=2, warmup=1,
+                         block_size=16, hbm_gb=0.006, activations_gb=0.0, json_path=str(tmp_path / "s.json"),
+                         plot_path=str(tmp_path / "s.png")).validate(sm.PRESETS)
+    assert serve_run.main(opts, device="cpu") == 0
+    out = capsys.readouterr()
+    assert "context 256: all on GPU 0.001 GB a request -> batch 4" in out.err
+    f = json.loads((tmp_path / "s.json").read_text())
+    ran = {(c["context"], c["batch"]) for c in f["serve_configs"]}
+    assert ran == {(256, 1), (256, 2), (256, 4), (512, 2)}  # equal batches at the first context, then each largest
+    assert f["serve_max_batch_gpu_256"] == 4 and f["serve_max_batch_gpu_512"] == 2
+    assert f["serve_impl"]["mm"] == "torch.float32 torch.mm"
+    assert all(c["p50_us"] > 0 and c["run"] == "eager" for c in f["serve_configs"])
+    assert "TPOT p50 ms" in out.out
