@@ -264,11 +264,14 @@ class Ops:
 
     # -- the checks (small inputs against the plain torch path) -------------------------
     def _try_mm(self, gen) -> bool:
-        x = torch.randn(8, 64, generator=gen, device=self.device)
         w = torch.randn(48, 64, generator=gen, device=self.device).to(FP8)
         s = torch.full((), 0.125, device=self.device)
-        got = torch._scaled_mm(x.to(FP8), w.t(), scale_a=self.one, scale_b=s, out_dtype=torch.bfloat16)
-        return _close(got, x.to(FP8).float() @ w.float().t() * 0.125)
+        ok = True
+        for m in (1, 8):  # batch 1 too: a single row
+            x = torch.randn(m, 64, generator=gen, device=self.device)
+            got = torch._scaled_mm(x.to(FP8), w.t(), scale_a=self.one, scale_b=s, out_dtype=torch.bfloat16)
+            ok = ok and _close(got, x.to(FP8).float() @ w.float().t() * 0.125)
+        return ok
 
     def _try_grouped(self, kind: str, gen) -> bool:
         counts = [3, 5, 1]
