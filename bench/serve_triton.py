@@ -50,9 +50,10 @@ def indexer_logits(q, w, keys, kscale, out=None):
 
 if AVAILABLE:
     @triton.jit
-    def _sparse_mla(q_ptr, lat_ptr, sc_ptr, rope_ptr, idx_ptr, o_ptr, lse_ptr, K, sm_scale, H: tl.constexpr,
+    def _sparse_mla(q_ptr, lat_ptr, sc_ptr, rope_ptr, idx_ptr, o_ptr, lse_ptr, K, SPLITS, sm_scale, H: tl.constexpr,
                     BH: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, RB: tl.constexpr,
-                    BN: tl.constexpr, SPLITS: tl.constexpr):
+                    BN: tl.constexpr):
+        # SPLITS at run time: one compiled kernel for every batch (the start-up check's too)
         pid = tl.program_id(0)
         b = tl.program_id(1)
         hb = pid % (H // BH)  # the head blocks of a token run side by side: its rows read from HBM once
@@ -113,7 +114,6 @@ def sparse_mla(q, kv, idx, kv_lora: int, tile: int, sm_scale: float):
     o = torch.empty((B, splits, H, kv_lora), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, splits, H), dtype=torch.float32, device=q.device)
     _sparse_mla[((H // MLA_HEADS) * splits, B)](
-        q, kv.view(torch.float8_e4m3fn), kv.view(torch.float32), kv.view(torch.bfloat16), idx, o, lse, K, sm_scale,
-        H=H, BH=MLA_HEADS, LAT=kv_lora, ROPE=D - kv_lora, TILE=tile, RB=RB, BN=MLA_ROWS, SPLITS=splits,
-        num_warps=8)
+        q, kv.view(torch.float8_e4m3fn), kv.view(torch.float32), kv.view(torch.bfloat16), idx, o, lse, K, splits,
+        sm_scale, H=H, BH=MLA_HEADS, LAT=kv_lora, ROPE=D - kv_lora, TILE=tile, RB=RB, BN=MLA_ROWS, num_warps=8)
     return (o * torch.softmax(lse, 1).unsqueeze(-1)).sum(1).to(torch.bfloat16)
