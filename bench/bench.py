@@ -5,7 +5,8 @@
 * ``transport``, ``cuda_transport``: a decode step through a daemon against the same step
   in process (bench/transport.py).
 * alone, with options of their own: ``decode`` (a whole decode step offloaded against
-  on the GPU, bench/decode.py), ``kernels`` (gather, resolve and pool start against the
+  on the GPU, bench/decode.py), ``serve`` (decode throughput of a DeepSeek-V3.2-shaped
+  model at long context, offloaded against all on the GPU, bench/serve.py), ``kernels`` (gather, resolve and pool start against the
   link, bench/kernels.py) and ``latest`` (docs/perf/latest.json's figures, bench/latest.py).
 """
 
@@ -22,13 +23,14 @@ from sparsekv.daemon.residency.base import Plan
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import Layout
 
-from . import decode, kernels, latest
+from . import decode, kernels, latest, serve
 from .transport import bench_cuda_transport, bench_transport
 
 CPU_BENCHES = ("resolve", "gather", "transport")  # the default set
 GPU_BENCHES = ("cuda_transport", "kernels", "latest")  # need CuPy and a GPU (decode checks for torch itself)
-ALONE = {"decode": decode.run_args, "kernels": kernels.run_args, "latest": latest.run_args}
-FILE_OPTIONS = {"decode": ("--json", "--plot", "--daemon-log"), "kernels": ("--json",), "latest": ("--json", "--merge")}
+ALONE = {"decode": decode.run_args, "serve": serve.run_args, "kernels": kernels.run_args, "latest": latest.run_args}
+FILE_OPTIONS = {"decode": ("--json", "--plot", "--daemon-log"), "serve": ("--json", "--plot", "--daemon-log"),
+                "kernels": ("--json",), "latest": ("--json", "--merge")}
 
 
 def _median_s(fn, reps: int) -> float:
@@ -132,14 +134,19 @@ def add_arguments(p) -> None:
     """The options of ``sparsekv bench`` (decode's, kernels' and latest's in groups)."""
     p.add_argument("which", nargs="*", metavar="NAME",
                    help="resolve, gather, transport (cpu; the default set), cuda_transport (needs a GPU), or alone: "
-                        "decode (a whole decode step, offloaded against on the GPU), kernels (gather, resolve "
-                        "and pool start against the link) or latest (docs/perf/latest.json's figures); all three "
+                        "decode (a whole decode step, offloaded against on the GPU), serve (decode throughput of a "
+                        "DeepSeek-V3.2-shaped model, offloaded against on the GPU), kernels (gather, resolve "
+                        "and pool start against the link) or latest (docs/perf/latest.json's figures); all four "
                         "need a GPU; options below")
     p.add_argument("--io", choices=IO_PLACEMENTS, default="both",
                    help="cuda_transport: the ZeroMQ I/O threads as installed (not placed), on warm CPUs (the last "
                         "two this process may use, kept warm by the daemon; deploy/README.md \"Warm CPUs\"), or "
                         "both, one run each (warm only with 4 CPUs or more)")
     decode.add_arguments(p.add_argument_group("decode options (sparsekv bench decode ...)"))
+    serve.add_arguments(p.add_argument_group(
+        "serve options (sparsekv bench serve ...; it also reads --batches, --modes, --steps, --hits, --quick, "
+        "--block-size, --layer-overlap, --gather-blocks, --seed, --json, --plot, --daemon-log above, with its own "
+        "defaults)"))
     kernels.add_arguments(p.add_argument_group("kernels options (sparsekv bench kernels ...)"))
     latest.add_arguments(p.add_argument_group("latest options (sparsekv bench latest ...)"))
 
@@ -153,7 +160,7 @@ def run_args(a) -> int:
     unknown = sorted(set(which) - set(CPU_BENCHES) - set(GPU_BENCHES) - set(ALONE))
     if unknown:
         return _refuse("sparsekv bench", f"unknown benchmark(s) {', '.join(unknown)}; choose from "
-                       f"{', '.join(CPU_BENCHES + GPU_BENCHES + ('decode',))}")
+                       f"{', '.join(CPU_BENCHES + GPU_BENCHES + ('decode', 'serve'))}")
     if alone and len(which) != 1:
         return _refuse("sparsekv bench", f"{alone[0]} runs alone (sparsekv bench {alone[0]} [options])")
     if a.io != "both" and "cuda_transport" not in which:

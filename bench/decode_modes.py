@@ -297,7 +297,7 @@ def run_paired(torch, lay: Layout, workloads: dict, opts: Options, out: list, da
             side.handle.close()
 
 
-def _arena_bytes(lay: Layout, ranks: int) -> int:
+def arena_bytes(lay: Layout, ranks: int) -> int:
     """A device arena for ``ranks`` ranks (each a slab and its step buffers), 1 GiB spare,
     in whole GiB."""
     per_rank = lay.slab_bytes + lay.staging_bytes + 8 * lay.num_groups * lay.max_batch * lay.top_k * 4
@@ -325,7 +325,7 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
     want_zmq = "zmq" in opts.modes
     if not (want_db or want_zmq):
         return
-    arena = _arena_bytes(lay, int(want_db) + int(want_zmq))
+    arena = arena_bytes(lay, int(want_db) + int(want_zmq))
     size = f"{arena // GIB}GiB"
     extra = ["--device-arena-size", size, "--max-slab-bytes", size, "--gather-blocks", str(gather_blocks(opts)),
              "--devices", str(DEVICE)]

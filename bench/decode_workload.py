@@ -234,12 +234,12 @@ def pattern_tile(rows: int, row_bytes: int) -> np.ndarray:
     return ((7 * r + j) & 0xFF).astype(np.uint8)
 
 
-def fill_pattern(pool: np.ndarray, threads: int | None = None) -> None:
+def fill_pattern(pool: np.ndarray, threads: int | None = None, tile: np.ndarray | None = None) -> None:
     """Fill ``pool`` uint8 [layers, rows, row_bytes] cheaply: layer 0 from a repeating
-    tile (row r holds the tile's row r mod PATTERN_ROWS), copied to the other layers on
-    several threads (NumPy copies release the GIL)."""
+    tile (row r holds the tile's row r mod its rows; default :func:`pattern_tile`), copied
+    to the other layers on several threads (NumPy copies release the GIL)."""
     layers, rows, row_bytes = pool.shape
-    tile = pattern_tile(min(rows, PATTERN_ROWS), row_bytes)
+    tile = pattern_tile(min(rows, PATTERN_ROWS), row_bytes) if tile is None else tile
     first = pool[0]
     for start in range(0, rows, tile.shape[0]):
         n = min(tile.shape[0], rows - start)
@@ -253,15 +253,16 @@ def fill_pattern(pool: np.ndarray, threads: int | None = None) -> None:
 FILL_STAGING_ROWS = 4096  # rows per layer of the staging buffer the pool is filled through
 
 
-def fill_through_staging(client, lay: Layout, torch) -> float:
+def fill_through_staging(client, lay: Layout, torch, tile: np.ndarray | None = None) -> float:
     """Fill every host row of every layer from the rank's staging buffer (the pattern put
-    there once, each ``WRITE_STAGED`` copying it to the next ``staging_rows`` host rows);
+    there once, each ``WRITE_STAGED`` copying it to the next ``staging_rows`` host rows;
+    ``tile``: as :func:`fill_pattern`'s, with ``staging_rows`` a multiple of its rows);
     a last plain ``write`` waits for them (a WRITE quiesces the engine's copies first).
     Returns the seconds it took."""
     att = client.attachment
     n = lay.staging_rows
     block = np.empty((lay.num_layers, n, lay.row_bytes), np.uint8)
-    fill_pattern(block)
+    fill_pattern(block, tile=tile)
     t0 = time.perf_counter()
     att.staging.copy_(torch.from_numpy(block))
     torch.cuda.synchronize()

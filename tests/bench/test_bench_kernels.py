@@ -114,7 +114,7 @@ def test_an_output_in_a_missing_directory_is_refused_before_any_work(tmp_path, c
 
 def test_file_options_of_other_benches_are_refused(capsys):
     assert main(["bench", "resolve", "--json", "r.json"]) == 2
-    assert capsys.readouterr().err == "sparsekv bench resolve: --json is an option of decode or kernels or latest\n"
+    assert capsys.readouterr().err == "sparsekv bench resolve: --json is an option of decode or serve or kernels or latest\n"
     assert main(["bench", "kernels", "--merge", "x.json"]) == 2
     assert capsys.readouterr().err == "sparsekv bench kernels: --merge is an option of latest\n"
 

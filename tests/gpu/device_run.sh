@@ -14,6 +14,7 @@
 #             PYTEST_SELECT: paths, default tests; PYTEST_TIMEOUT_S)
 #   kernels   sparsekv bench kernels (POOL_GIB, default 64; KERNELS_ARGS, e.g. --kernels-quick)
 #   decode    sparsekv bench decode --quick (DECODE_ARGS, e.g. "--steps 60 --rounds 3 --paired")
+#   serve     sparsekv bench serve --quick (SERVE_ARGS; SERVE_TIMEOUT_S, default 240); only when named
 #   latest    sparsekv bench latest: latest.json from the transport runs and the figures above
 #   demo      sparsekv demo                          examples  the example model on the doorbell
 #   replay    synthesized traces replayed on the cuda backend with --verify through zmq and
@@ -42,7 +43,7 @@ nvidia-cuda-mps-control -d && echo "MPS started"
 # At most 8 files come back from $OUT: the figures and the pytest log stay as they are,
 # every other log goes into logs.tgz.
 pack_logs() {
-  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|decode.png|pytest-cuda.log|bench-kernels.json|logs.tgz' \
+  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|decode.png|serve.json|serve.png|pytest-cuda.log|bench-kernels.json|logs.tgz' \
      | tar czf logs.tgz --remove-files -T - 2>/dev/null)
 }
 # Logs first: stopping MPS waits for its clients (a daemon a test left behind, say), and
@@ -102,9 +103,21 @@ if has all || has bench || has e2e || has decode; then
     | tee "$OUT/bench-decode.log" | tail -12
   result decode "$(figures "$OUT/decode.json" $DECODE_KEYS)"
 fi
+SERVE_KEYS="serve_throughput_gain_128k serve_throughput_gain_128k_at_bound serve_offload_vs_gpu_tpot_b1 \
+serve_daemon_vs_inproc serve_offload_vs_gpu_tpot_b64_32k"
+if has serve; then
+  # The serve figures go into latest.json when latest runs after it (serve,latest).
+  timeout "$(left "${SERVE_TIMEOUT_S:-240}")" python3 -m sparsekv.cli.main bench serve --quick ${SERVE_ARGS:-} \
+    --daemon-log "$OUT/serve-daemon.log" --json "$OUT/serve.json" --plot "$OUT/serve.png" 2>&1 \
+    | tee "$OUT/bench-serve.log" | tail -30
+  rc=${PIPESTATUS[0]}
+  (( rc == 0 )) || status=1
+  result serve "rc $rc: $(figures "$OUT/serve.json" $SERVE_KEYS)"
+fi
 if has all || has bench || has e2e || has latest; then
   timeout "$(left "${LATEST_TIMEOUT_S:-200}")" python3 -m sparsekv.cli.main bench latest --json "$OUT/latest.json" \
-    --commit "${COMMIT:-unknown}" --merge "$OUT/decode.json" "$OUT/bench-kernels.json" 2>&1 \
+    --commit "${COMMIT:-unknown}" --merge "$OUT/decode.json" "$OUT/bench-kernels.json" \
+    $( [[ -f "$OUT/serve.json" ]] && echo "$OUT/serve.json" ) 2>&1 \
     | tee "$OUT/bench-transport.log" | tail -5
   result latest "$(figures "$OUT/latest.json" zmq_handoff_p50_us zmq_handoff_cold_p50_us daemon_host_us_per_step)"
 fi

@@ -1,0 +1,103 @@
+"""The arithmetic of ``sparsekv bench serve``, without torch: how many requests each mode
+fits on one GPU of the deployment (:func:`capacity`), and each part's lower bound
+(:func:`bounds`: bytes at the HBM rate, FLOPs at the H200's peaks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HBM_BPS = 4.8e12  # H200 HBM3e
+BF16_FLOPS = 989e12  # H200 dense peaks
+FP8_FLOPS = 1979e12
+LINK_BPS = 55e9  # pinned host -> GPU, the bulk copy's rate measured on the H200 VM (docs/PERF.md)
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One GPU of the deployment: its HBM, its share of the node's host memory, and what
+    activations, CUDA graphs and workspaces keep besides weights and KV."""
+
+    hbm_bytes: float = 141e9
+    host_bytes: float = 2 * 2**40 / 8  # 2 TiB a node, 8 GPUs
+    activation_bytes: float = 5e9
+
+
+def weight_bytes(sh) -> dict[str, float]:
+    """Per-GPU weights of the whole model: matmul weights in FP8, W_UK / W_UV, the router,
+    embedding and LM head in bf16; every GPU its own attention (data-parallel), 1/ep of
+    the routed experts."""
+    moe_layers = sh.layers - sh.dense_layers
+    attn = (sh.a_out * sh.hidden + (sh.q_dim + sh.idx_heads * sh.idx_dim) * sh.q_lora + sh.hidden * sh.heads * sh.v_dim
+            + 2 * sh.heads * sh.kv_lora * (sh.nope + sh.v_dim))
+    expert = 3 * sh.hidden * sh.expert_inter
+    return {"attention": sh.layers * attn, "dense_ffn": sh.dense_layers * 3 * sh.hidden * sh.dense_inter,
+            "routed_experts": moe_layers * sh.experts * expert,
+            "shared_expert_and_router": moe_layers * (expert + 2 * sh.hidden * sh.experts * sh.ep),
+            "embedding_and_head": 2 * 2 * sh.vocab * sh.hidden}
+
+
+def per_request(sh, context: int) -> dict[str, float]:
+    """Bytes one request of ``context`` tokens holds: all on the GPU (MLA rows and indexer
+    keys in HBM), offloaded (indexer keys and a hot region of top_k rows a layer in HBM,
+    the MLA rows in host memory)."""
+    L = sh.layers
+    return {"gpu_hbm": context * L * (sh.row_bytes + sh.idx_key_bytes),
+            "offload_hbm": context * L * sh.idx_key_bytes + L * sh.top_k * sh.row_bytes,
+            "offload_host": context * L * sh.row_bytes}
+
+
+def capacity(sh, context: int, dep: Deployment = Deployment()) -> dict:
+    """The largest batch of each mode at ``context`` and the arithmetic behind it."""
+    w = sum(weight_bytes(sh).values())
+    free = dep.hbm_bytes - w - dep.activation_bytes
+    req = per_request(sh, context)
+    by_hbm = max(0, int(free // req["offload_hbm"]))
+    by_host = int(dep.host_bytes // req["offload_host"])
+    return {"context": context, "weights_bytes": w, "free_hbm_bytes": free, **req,
+            "gpu": max(0, int(free // req["gpu_hbm"])), "offload": min(by_hbm, by_host),
+            "offload_limited_by": "HBM (indexer keys, hot regions)" if by_hbm <= by_host else "host memory"}
+
+
+def capacity_text(sh, contexts, dep: Deployment = Deployment()) -> str:
+    """The capacity arithmetic, printed."""
+    w = weight_bytes(sh)
+    lines = [f"capacity per GPU: HBM {dep.hbm_bytes / GB:.0f} GB - weights {sum(w.values()) / GB:.1f} GB ("
+             + ", ".join(f"{k} {v / GB:.1f}" for k, v in w.items())
+             + f") - activations {dep.activation_bytes / GB:.0f} GB; host {dep.host_bytes / 2**30:.0f} GiB"]
+    for c in contexts:
+        cap = capacity(sh, c, dep)
+        lines.append(f"  context {c}: all on GPU {cap['gpu_hbm'] / GB:.3f} GB a request -> batch {cap['gpu']}; "
+                     f"offloaded {cap['offload_hbm'] / GB:.3f} GB HBM + {cap['offload_host'] / GB:.3f} GB host a "
+                     f"request -> batch {cap['offload']} (limited by {cap['offload_limited_by']})")
+    return "\n".join(lines)
+
+
+def bounds(sh, batch: int, context: int, misses_per_layer: float | None = None) -> dict[str, float | None]:
+    """Each part's lower bound in microseconds a layer it runs in (``head``: a step), the
+    larger of its bytes at HBM_BPS and its FLOPs at the peaks (FP8 matmuls at FP8_FLOPS,
+    bf16 ones at BF16_FLOPS), FP8 byte counts whatever dtype ran; ``swap_in``: the missed
+    rows over the link (None without misses: all on the GPU); ``write``: None (bytes)."""
+    B, H, K = batch, sh.heads, min(sh.top_k, context)
+    fp8_proj = sh.a_out * sh.hidden + (sh.q_dim + sh.idx_heads * sh.idx_dim) * sh.q_lora + sh.hidden * H * sh.v_dim
+    bf16_proj = H * sh.kv_lora * (sh.nope + sh.v_dim)
+    expert = 3 * sh.hidden * sh.expert_inter
+    active = len(sh.expert_counts(B))
+    router = sh.hidden * sh.experts * sh.ep
+
+    def bound(nbytes, fp8_flops=0.0, bf16_flops=0.0) -> float:
+        return 1e6 * max(nbytes / HBM_BPS, fp8_flops / FP8_FLOPS + bf16_flops / BF16_FLOPS)
+
+    out = {
+        "proj": bound(fp8_proj + 2 * bf16_proj, 2 * B * fp8_proj, 2 * B * bf16_proj),
+        "write": None,
+        # keys and scales read once, the logits written; the top-k reads them
+        "indexer": bound(B * context * (sh.idx_key_bytes + 4), 2 * B * context * sh.idx_heads * sh.idx_dim),
+        "topk": bound(B * context * 4),
+        "swap_in": None if misses_per_layer is None else 1e6 * misses_per_layer * sh.row_bytes / LINK_BPS,
+        "attention": bound(B * K * sh.row_bytes, 0.0, 2 * B * H * K * (2 * sh.kv_lora + sh.rope)),
+        "dense_ffn": bound(3 * sh.hidden * sh.dense_inter, 2 * B * 3 * sh.hidden * sh.dense_inter),
+        "moe": bound((active + 1) * expert + 2 * router, 2 * (sh.moe_rows(B) + B) * expert, 2 * B * router),
+        "head": bound(2 * sh.vocab * sh.hidden, 0.0, 2 * B * sh.vocab * sh.hidden),
+    }
+    return out

@@ -1,0 +1,276 @@
+"""The GPU side of ``sparsekv bench serve``: where each mode's KV rows come from (:class:`HbmRows`:
+every row in HBM; :class:`SwappedRows`: ``swap_in`` of an in-process handle or a private
+daemon's doorbell handle), the host pools, the steps captured as CUDA graphs, timed in
+turn, and the per-part breakdown from CUDA events of an un-captured step.
+
+Rows' content: host row ``r`` holds row ``r mod TILE_ROWS`` of one tile of valid
+fp8_ds_mla rows in every layer; the all-on-GPU rows of (request, position) hold what the
+host row of the same position holds, so every mode reads the same rows. The host pool is
+smaller than the requests' rows when their contexts do not fit this machine's memory:
+block tables then share host blocks between requests (each request's blocks distinct),
+which moves as many bytes per miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import numpy as np
+import torch
+
+from sparsekv.client.client import Client
+from sparsekv.embedded.inproc_cuda import InprocSwapIn
+from sparsekv.proto import Layout
+
+from .decode_modes import CLIENT_TIMEOUT_S, DAEMON_POOL_SLACK_BYTES, DAEMON_START_TIMEOUT_S, DEVICE, GIB, arena_bytes
+from .decode_workload import FILL_STAGING_ROWS, fill_pattern, fill_through_staging
+from .private_daemon import PrivateDaemon
+from .serve_model import Model, pack_rows
+
+TILE_ROWS = 4096  # the rows' content repeats every this many host rows (a multiple of staging rows)
+
+
+def say(msg: str) -> None:
+    print(f"bench serve: {msg}", file=sys.stderr, flush=True)
+
+
+def row_tile(model: Model, seed: int = 0) -> np.ndarray:
+    """uint8 [TILE_ROWS, row_bytes]: valid fp8_ds_mla rows of random latents."""
+    sh = model.sh
+    gen = torch.Generator(model.ops.device).manual_seed(seed)
+    kv = torch.randn((TILE_ROWS, sh.kv_lora + sh.rope), generator=gen, device=model.ops.device)
+    return pack_rows(kv, sh).cpu().numpy()
+
+
+def block_table(batch: int, context: int, block_size: int, host_rows: int, seed: int = 0) -> np.ndarray:
+    """int32 [batch, blocks]: request ``b``'s logical block ``j`` -> host block ``(b * blocks
+    + perm[j]) mod host_blocks`` (``perm`` a fixed shuffle): distinct within a request,
+    shared between requests once they outgrow the pool."""
+    blocks = -(-context // block_size)
+    host_blocks = host_rows // block_size
+    if blocks > host_blocks:
+        raise ValueError(f"a request of context {context} needs {blocks * block_size} host rows, the pool has "
+                         f"{host_rows}: give --host-pool-gib more")
+    perm = np.random.default_rng([seed, context]).permutation(blocks)
+    return ((np.arange(batch)[:, None] * blocks + perm[None, :]) % host_blocks).astype(np.int32)
+
+
+def offload_layout(sh, max_batch: int, host_rows: int) -> Layout:
+    """One index group a layer, one token a request (a hot region of top_k rows)."""
+    return Layout(num_layers=sh.layers, row_bytes=sh.row_bytes, top_k=sh.top_k, region_stride=sh.top_k,
+                  max_reqs=max_batch, host_rows=host_rows, index_groups=tuple((i,) for i in range(sh.layers)),
+                  max_batch=max_batch, staging_rows=min(FILL_STAGING_ROWS, host_rows)).validate()
+
+
+class Static:
+    """One config's device inputs, shared by its modes: the step's input, each layer's
+    top-k positions (loaded before each step), state rows, reset, block table."""
+
+    def __init__(self, model: Model, batch: int, table: np.ndarray, workload, device):
+        sh = model.sh
+        self.batch, self.context = batch, workload.perms.shape[1]
+        self.x = torch.randn((batch, sh.hidden), device=device, dtype=model.ops.dtype)
+        self.req = torch.arange(batch, dtype=torch.int32, device=device)
+        self.state = self.req.clone()
+        self.reset = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.table = torch.from_numpy(table).to(device)
+        self.topk = torch.zeros((sh.layers, batch, workload.base.shape[2]), dtype=torch.int32, device=device)
+        self.idx = torch.zeros_like(self.topk)
+        self._base = torch.from_numpy(workload.base.reshape(workload.steps, -1)).to(device=device, dtype=torch.int64)
+        self._perms = torch.from_numpy(workload.perms).to(device)
+        self._reset = torch.from_numpy(workload.reset).to(device)
+
+    def load(self, t: int) -> None:
+        """Step ``t``'s top-k and reset (step 0 resets every request: empty hot regions)."""
+        self.reset.copy_(self._reset[t])
+        self.topk.view(self.topk.shape[0], -1).copy_(self._perms.index_select(1, self._base[t]))
+
+
+class HbmRows:
+    """All on the GPU: ``kv`` uint8 [layers, batch * context + batch, row_bytes], request
+    ``b``'s position ``p`` at row ``b * context + p``, its new row at ``batch * context + b``."""
+
+    def __init__(self, kv, st: Static):
+        self.kv, self.st = kv, st
+        B, C = st.batch, st.context
+        self.base = (torch.arange(B, dtype=torch.int32, device=kv.device) * C).unsqueeze(1)
+        self.new = torch.arange(B * C, B * C + B, device=kv.device)
+
+    @classmethod
+    def filled(cls, tile, st: Static, layers: int, block_size: int) -> "HbmRows":
+        """Rows holding what the host rows of the same positions hold (through ``st.table``)."""
+        B, C = st.batch, st.context
+        kv = torch.empty((layers, B * C + B, tile.shape[1]), dtype=torch.uint8, device=st.table.device)
+        pos = torch.arange(C, device=kv.device)
+        host = st.table[:, pos // block_size].long() * block_size + pos % block_size
+        torch.index_select(torch.from_numpy(tile).to(kv.device), 0, (host % tile.shape[0]).reshape(-1),
+                           out=kv[0, :B * C])
+        kv[1:].copy_(kv[0].expand(layers - 1, -1, -1))
+        return cls(kv, st)
+
+    def begin(self) -> None:
+        pass
+
+    def rows(self, layer: int):
+        return self.kv[layer], self.st.topk[layer] + self.base
+
+    def write(self, layer: int, rows) -> None:
+        self.kv[layer].index_copy_(0, self.new, rows)
+
+
+class SwappedRows:
+    """Offloaded: the rows through ``h.swap_in`` (positions through the block table), the
+    new rows copied to pinned host memory (``mirror`` [layers, max_batch, row_bytes]:
+    the bytes of the mirror; an engine would hand them to ``write_staged`` after the step)."""
+
+    def __init__(self, h, st: Static, block_size: int, mirror):
+        self.h, self.st, self.block_size, self.mirror = h, st, block_size, mirror
+
+    def begin(self) -> None:
+        self.h.begin_step(self.st.state, self.st.reset, None)
+
+    def rows(self, layer: int):
+        st = self.st
+        return self.h.kv(layer), self.h.swap_in(st.req, st.table, st.topk[layer], layer=layer,
+                                                block_size=self.block_size, attention_indices_out=st.idx[layer])
+
+    def write(self, layer: int, rows) -> None:
+        self.mirror[layer, :rows.shape[0]].copy_(rows, non_blocking=True)
+
+
+# -- the offloaded handles -----------------------------------------------------------------
+class Offload:
+    """The in-process handle and the private daemon's doorbell handle, each over a pool of
+    ``lay`` filled with ``tile``; made once for the run (every batch up to ``max_batch``)."""
+
+    def __init__(self, lay: Layout, tile: np.ndarray, modes, gather_blocks: int, daemon_log: str | None):
+        self.lay, self.handles, self.counts = lay, {}, {}
+        self._stack = contextlib.ExitStack()
+        try:
+            if "inproc" in modes:
+                t0 = time.perf_counter()
+                h = InprocSwapIn(lay, device=DEVICE, gather_blocks=gather_blocks)
+                self._stack.callback(h.close)
+                fill_pattern(h.pool, tile=tile)
+                self.handles["inproc"] = h
+                self.counts["inproc"] = lambda: tuple(h.counters()[k] for k in ("hits", "misses"))
+                say(f"inproc: {lay.pool_bytes / 1e9:.1f} GB pinned pool made and filled in "
+                    f"{time.perf_counter() - t0:.1f} s")
+            if "daemon" in modes:
+                self._open_daemon(tile, gather_blocks, daemon_log)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_daemon(self, tile, gather_blocks: int, daemon_log) -> None:
+        lay = self.lay
+        size = f"{arena_bytes(lay, 1) // GIB}GiB"
+        t0 = time.perf_counter()
+        d = self._stack.enter_context(PrivateDaemon(
+            pool_bytes=lay.pool_bytes + DAEMON_POOL_SLACK_BYTES, backend="cuda", log_path=daemon_log,
+            extra_args=["--device-arena-size", size, "--max-slab-bytes", size, "--gather-blocks", str(gather_blocks),
+                        "--devices", str(DEVICE)], start_timeout_s=DAEMON_START_TIMEOUT_S))
+        c = Client(d.run_dir, rank=0, device=f"cuda:{DEVICE}", name="bench-serve", timeout_s=CLIENT_TIMEOUT_S).connect()
+        self._stack.callback(c.close)
+        c.attach(lay, engine="bench-serve", transport="doorbell")
+        fill_through_staging(c, lay, torch, tile=tile)
+        h = c.doorbell_handle()
+        self._stack.callback(h.close)
+        self._stack.callback(torch.cuda.synchronize)  # no stream left waiting on a bell when the handle closes
+        self.handles["daemon"] = h
+
+        def counts():
+            s = c.stats()
+            return (int(s["hits"]), int(s["misses"])) if "hits" in s and "misses" in s else None
+
+        self.counts["daemon"] = counts
+        say(f"daemon: private sparsekvd up, {lay.pool_bytes / 1e9:.1f} GB pool written in "
+            f"{time.perf_counter() - t0:.1f} s (arena {size})")
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+# -- capture, timing, breakdown ------------------------------------------------------------
+def capture(step, label: str):
+    """(run, "graph" | "eager"): one eager step on a side stream, then the capture; on a
+    failure the eager step, and the run says so."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception as e:  # noqa: BLE001 - say it, time the step eagerly
+        say(f"{label}: CUDA graph capture failed ({type(e).__name__}: {' '.join(str(e).split())[:300]}); eager")
+        torch.cuda.synchronize()
+        return step, "eager", None
+    return graph.replay, "graph", graph
+
+
+def timed(runs: list, st: Static, warmup: int, steps: int, counts: list):
+    """Step times (us) [len(runs), steps], the sides in turn each step (the order rotated),
+    each timed alone between two synchronisations; per side (hits, misses) over the
+    timed steps or None."""
+    n = len(runs)
+    times = np.zeros((n, steps))
+    before = [None] * n
+    for t in range(warmup + steps):
+        st.load(t)
+        torch.cuda.synchronize()
+        if t == warmup:
+            before = [c() if c else None for c in counts]
+        for j in range(n):
+            i = (t + j) % n
+            t0 = time.perf_counter()
+            runs[i]()
+            torch.cuda.synchronize()
+            if t >= warmup:
+                times[i, t - warmup] = (time.perf_counter() - t0) * 1e6
+    after = [c() if c else None for c in counts]
+    deltas = [(a[0] - b[0], a[1] - b[1]) if a and b else None for a, b in zip(after, before)]
+    return times, deltas
+
+
+class Marks:
+    """``mark(part)`` records a CUDA event; :meth:`totals`: us per part over the step."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def __call__(self, part) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self.events.append((part, e))
+
+    def totals(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for (part, a), (_, b) in zip(self.events, self.events[1:]):
+            out[part] = out.get(part, 0.0) + a.elapsed_time(b) * 1e3
+        return out
+
+
+def breakdown(model: Model, st: Static, state, src, t: int) -> dict[str, float]:
+    """The parts of one un-captured step ``t`` (us over the step; ``ffn`` split into
+    ``dense_ffn`` and ``moe``)."""
+    st.load(t)
+    marks = Marks()
+    dense = model.sh.dense_layers
+    layer = [0]
+
+    def mark(part):
+        if part == "ffn":
+            part = "dense_ffn" if layer[0] < dense else "moe"
+            layer[0] += 1
+        marks(part)
+
+    torch.cuda.synchronize()
+    model.step(st.x, state, src, mark)
+    return marks.totals()

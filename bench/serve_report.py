@@ -1,0 +1,169 @@
+"""The figures of ``sparsekv bench serve``, without torch: one :class:`Result` per (mode,
+context, batch), each part's time beside its lower bound, the headline ratios under the
+keys ``docs/perf/latest.json`` holds (:func:`summary`), the table and the plot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .serve_capacity import bounds
+
+MODES = ("gpu", "inproc", "daemon")  # also the order they run in
+OFFLOADED = ("daemon", "inproc")  # the first of these that ran is "offloaded" in the headline
+PARTS = ("proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe", "head")
+SLACK = 2.0  # a part slower than this many times its bound is flagged
+PENALTY_BATCHES = (1, 4, 16, 64)
+
+
+def ctx_key(context: int) -> str:
+    """32768 -> "32k", 1048576 -> "1m", 1000 -> "1000"."""
+    for unit, shift in (("m", 20), ("k", 10)):
+        if context >= 1 << shift and context % (1 << shift) == 0:
+            return f"{context >> shift}{unit}"
+    return str(context)
+
+
+@dataclass
+class Result:
+    """One (mode, context, batch). Times in microseconds; ``parts`` / ``bounds``: per layer
+    a part runs in (``head``: per step), from the un-captured step."""
+
+    mode: str
+    context: int
+    batch: int
+    run: str = ""  # "graph" or "eager"
+    p50_us: float | None = None
+    p99_us: float | None = None
+    hit_rate: float | None = None  # measured over the timed steps (offloaded modes)
+    misses_per_layer: float | None = None
+    parts: dict = field(default_factory=dict)
+    bounds: dict = field(default_factory=dict)
+    flagged: list = field(default_factory=list)
+    p50_at_bound_us: float | None = None  # p50 with each flagged part at its bound
+    paired_diff_us: float | None = None  # median per-step difference, timed in turn: to gpu (the daemon: to inproc)
+    error: str | None = None
+    skipped: str | None = None
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.batch / self.p50_us * 1e6 if self.p50_us else None
+
+    @property
+    def tok_s_at_bound(self) -> float | None:
+        return self.batch / self.p50_at_bound_us * 1e6 if self.p50_at_bound_us else None
+
+
+def layers_of(sh, part: str) -> int:
+    """How many times a part runs a step."""
+    return {"dense_ffn": sh.dense_layers, "moe": sh.layers - sh.dense_layers, "head": 1}.get(part, sh.layers)
+
+
+def set_parts(r: Result, sh, totals_us: dict) -> None:
+    """``r.parts`` from a step's totals, ``r.bounds``, the flags and ``p50_at_bound_us``."""
+    r.parts = {p: totals_us[p] / layers_of(sh, p) for p in PARTS if p in totals_us and layers_of(sh, p)}
+    r.bounds = bounds(sh, r.batch, r.context, r.misses_per_layer)
+    r.flagged = [p for p, t in r.parts.items() if r.bounds.get(p) and t > SLACK * r.bounds[p]]
+    if r.p50_us is not None:
+        excess = sum((r.parts[p] - r.bounds[p]) * layers_of(sh, p) for p in r.flagged)
+        r.p50_at_bound_us = max(r.p50_us - excess, 1.0)
+
+
+def _find(results, mode, context, batch) -> Result | None:
+    for r in results:
+        if (r.mode, r.context, r.batch) == (mode, context, batch) and r.p50_us:
+            return r
+    return None
+
+
+def _offloaded(results, context, batch) -> Result | None:
+    for m in OFFLOADED:
+        r = _find(results, m, context, batch)
+        if r is not None:
+            return r
+    return None
+
+
+def summary(results: list[Result], caps: dict, penalty_context: int, impl: dict) -> dict:
+    """Flat figures (the headline keys of docs/perf/latest.json among them), the configs
+    as a list and the capacity arithmetic; ``caps``: context -> serve_capacity.capacity."""
+    out: dict = {"serve_offloaded_mode": next((m for m in OFFLOADED if any(r.mode == m and r.p50_us
+                                                                              for r in results)), None),
+                 "serve_impl": impl, "serve_configs": [{**asdict(r), "tok_s": r.tok_s} for r in results],
+                 "serve_capacity": {ctx_key(c): cap for c, cap in caps.items()}}
+    for c, cap in caps.items():
+        k = ctx_key(c)
+        out[f"serve_max_batch_gpu_{k}"], out[f"serve_max_batch_offload_{k}"] = cap["gpu"], cap["offload"]
+        g, o = _find(results, "gpu", c, cap["gpu"]), _offloaded(results, c, cap["offload"])
+        if g and o:
+            out[f"serve_throughput_gain_{k}"] = round(o.tok_s / g.tok_s, 3)
+            out[f"serve_throughput_gain_{k}_at_bound"] = round(o.tok_s_at_bound / g.tok_s_at_bound, 3)
+            out[f"serve_gpu_tok_s_{k}"], out[f"serve_offload_tok_s_{k}"] = round(g.tok_s, 1), round(o.tok_s, 1)
+    pk = ctx_key(penalty_context)
+    for b in PENALTY_BATCHES:
+        g, o = _find(results, "gpu", penalty_context, b), _offloaded(results, penalty_context, b)
+        if g and o:
+            out[f"serve_offload_vs_gpu_tpot_b{b}_{pk}"] = round(o.p50_us / g.p50_us, 4)
+            out[f"serve_offload_vs_gpu_tpot_b{b}_{pk}_at_bound"] = round(o.p50_at_bound_us / g.p50_at_bound_us, 4)
+    if f"serve_offload_vs_gpu_tpot_b1_{pk}" in out and pk == "32k":
+        out["serve_offload_vs_gpu_tpot_b1"] = out["serve_offload_vs_gpu_tpot_b1_32k"]
+    d, i = _find(results, "daemon", penalty_context, 64), _find(results, "inproc", penalty_context, 64)
+    if d and i and pk == "32k":
+        out["serve_daemon_vs_inproc"] = round(d.p50_us / i.p50_us, 4)
+        if d.paired_diff_us is not None:
+            out["serve_daemon_vs_inproc_paired_us"] = round(d.paired_diff_us, 1)
+    return out
+
+
+def table(results: list[Result], sh) -> str:
+    """Per config: TPOT, tokens/s, and each part against its bound (us a layer)."""
+    lines = [f"{'mode':<7} {'context':>8} {'batch':>5} {'run':<5} {'TPOT p50 ms':>11} {'p99 ms':>8} {'tok/s':>9} "
+             f"{'hits':>5}  parts: us a layer (bound; ! = over {SLACK:g}x)"]
+    for r in results:
+        head = f"{r.mode:<7} {r.context:>8} {r.batch:>5} "
+        if r.p50_us is None:
+            lines.append(head + (r.error or r.skipped or "no figure"))
+            continue
+        parts = "  ".join(f"{p} {t:.1f}" + (f" ({r.bounds[p]:.1f}{'!' if p in r.flagged else ''})"
+                                             if r.bounds.get(p) else "") for p, t in r.parts.items())
+        hits = f"{r.hit_rate * 100:.0f}%" if r.hit_rate is not None else "-"
+        lines.append(head + f"{r.run:<5} {r.p50_us / 1e3:>11.2f} {r.p99_us / 1e3:>8.2f} {r.tok_s:>9.1f} {hits:>5}  "
+                     + parts + (f"  [at bound: {r.p50_at_bound_us / 1e3:.2f} ms]" if r.flagged else "")
+                     + (f"  ERROR {r.error}" if r.error else ""))
+    return "\n".join(lines) + "\n"
+
+
+def headline(figures: dict) -> str:
+    keys = [k for k in sorted(figures) if k.startswith(("serve_throughput_gain", "serve_offload_vs_gpu",
+                                                          "serve_daemon_vs_inproc"))]
+    return "".join(f"{k}: {figures[k]}\n" for k in keys)
+
+
+def plot(results: list[Result], path: str) -> str | None:
+    """Tokens/s against batch, one panel per context, a line per mode; None when written,
+    else why not (no matplotlib, no figures)."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional: only the plot needs it
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    ok = [r for r in results if r.p50_us]
+    contexts = sorted({r.context for r in ok})
+    if not contexts:
+        return "no figures to plot"
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.5 * len(contexts), 3.8), squeeze=False)
+    for ax, c in zip(axes[0], contexts):
+        for mode in MODES:
+            pts = sorted((r.batch, r.tok_s) for r in ok if r.context == c and r.mode == mode)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set_title(f"context {ctx_key(c)}")
+        ax.set_xlabel("batch")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("decode tokens/s (one GPU)")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

@@ -1,0 +1,182 @@
+"""The run of ``sparsekv bench serve`` (imports torch): the model, the offloaded handles
+once, then each config (context, batch, modes): its top-k sequence, its rows, each mode's
+step captured and timed in turn, one un-captured step per mode for the parts; figures
+written after each config."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import numpy as np
+import torch
+
+from .decode_modes import DEVICE
+from .decode_report import write_json
+from .decode_workload import gather_blocks, generate
+from .serve_capacity import Deployment, capacity, capacity_text
+from .serve_model import PRESETS, BatchState, Model, Ops
+from .serve_modes import (HbmRows, Offload, Static, SwappedRows, TILE_ROWS, block_table, breakdown, capture,
+                          offload_layout, row_tile, say, timed)
+from .serve_report import OFFLOADED, Result, headline, plot, set_parts, summary, table
+
+__all__ = ["PRESETS", "main"]
+HBM_MARGIN_BYTES = 6 << 30  # left free on this GPU besides a config's own tensors (graphs, activations)
+
+
+def configs(opts, caps: dict) -> list[tuple[int, int, tuple[str, ...]]]:
+    """(context, batch, modes): the equal-batch configs at the first context, then each
+    mode at its largest batch per context; one config per (context, batch)."""
+    off = tuple(m for m in opts.modes if m in OFFLOADED)
+    want: dict[tuple[int, int], set] = {}
+    for b in opts.batches:
+        want.setdefault((opts.contexts[0], b), set()).update(opts.modes)
+    for c, cap in caps.items():
+        if "gpu" in opts.modes and cap["gpu"] > 0:
+            want.setdefault((c, cap["gpu"]), set()).add("gpu")
+        if off and cap["offload"] > 0:
+            want.setdefault((c, cap["offload"]), set()).update(off)
+    order = {m: i for i, m in enumerate(("gpu", "inproc", "daemon"))}
+    return [(c, b, tuple(sorted(ms, key=order.get))) for (c, b), ms in sorted(want.items())]
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def run_config(model, off, tile, opts, context: int, batch: int, modes, host_rows: int, mirror,
+               device=None) -> list[Result]:
+    """One config's results: its modes (``off``: the offloaded handles) timed in turn over
+    one top-k sequence, then one un-captured step each for the parts."""
+    sh = model.sh
+    L, K, d = sh.layers, sh.top_k, device or torch.device("cuda", DEVICE)
+    t0 = time.perf_counter()
+    wl = generate(batch, opts.hits / 100, steps=opts.warmup + opts.steps + 1, layers=L, context=context, top_k=K,
+                  block_size=opts.block_size, layer_overlap=opts.layer_overlap, seed=opts.seed)
+    st = Static(model, batch, block_table(batch, context, opts.block_size, host_rows, opts.seed), wl, d)
+    state = BatchState(sh, batch, context, d)
+    key_bytes = state.keys.numel() + 4 * state.kscale.numel()
+    say(f"context {context} batch {batch}: top-k sequence and {key_bytes / 1e9:.1f} GB of indexer keys ready in "
+        f"{time.perf_counter() - t0:.1f} s")
+    out, sides = [], []
+    if "gpu" in modes:
+        need = L * (batch * context + batch) * sh.row_bytes
+        if need + HBM_MARGIN_BYTES > torch.cuda.mem_get_info()[0]:
+            out.append(Result("gpu", context, batch, skipped=f"{need / 1e9:.1f} GB of rows do not fit this GPU"))
+        else:
+            sides.append(("gpu", HbmRows.filled(tile, st, L, opts.block_size)))
+    sides += [(m, SwappedRows(off.handles[m], st, opts.block_size, mirror)) for m in modes if m in OFFLOADED]
+    if not sides:
+        return out
+    st.load(0)
+    runs = [capture(lambda src=src: model.step(st.x, state, src), f"{m} context {context} batch {batch}")
+            for m, src in sides]
+    counts = [off.counts.get(m) if off else None for m, _ in sides]
+    times, deltas = timed([r[0] for r in runs], st, opts.warmup, opts.steps, counts)
+    names = [m for m, _ in sides]
+    for i, (m, src) in enumerate(sides):
+        r = Result(m, context, batch, run=runs[i][1], p50_us=float(np.median(times[i])),
+                   p99_us=float(np.percentile(times[i], 99)))
+        ref = names.index("inproc") if m == "daemon" and "inproc" in names else 0  # the daemon against inproc
+        if i != ref:
+            r.paired_diff_us = float(np.median(times[i] - times[ref]))
+        if m in OFFLOADED:
+            if deltas[i] and sum(deltas[i]):
+                r.hit_rate = deltas[i][0] / sum(deltas[i])
+                r.misses_per_layer = deltas[i][1] / opts.steps / L
+            else:
+                r.hit_rate = wl.target_hit_rate
+                r.misses_per_layer = (1 - wl.target_hit_rate) * batch * K
+            try:
+                off.handles[m].check()
+            except Exception as e:  # noqa: BLE001 - a refused row makes the figure suspect: report it
+                r.error = f"{type(e).__name__}: {e}"
+        set_parts(r, sh, breakdown(model, st, state, src, opts.warmup + opts.steps))
+        out.append(r)
+        say(f"context {context} batch {batch} {m}: TPOT p50 {r.p50_us / 1e3:.2f} ms, {r.tok_s:.0f} tok/s ({r.run})"
+            + (f", flagged {','.join(r.flagged)}" if r.flagged else "") + (f"; {r.error}" if r.error else ""))
+    del runs, sides
+    return out
+
+
+def main(opts, device=None) -> int:
+    """The whole run; exit 0, 1 when a config failed, 2 when the host pool cannot hold
+    one request of the longest context. ``device``: default the GPU (FP8 and Triton
+    paths where they pass their checks); torch's CPU device runs the all-on-GPU mode in
+    float32 (the tests)."""
+    t_start = time.perf_counter()
+    sh = PRESETS[opts.preset]
+    row_set = sh.layers * sh.row_bytes
+    host_rows = int(opts.host_pool_gib * 2**30 // row_set) // TILE_ROWS * TILE_ROWS
+    if set(opts.modes) & set(OFFLOADED) and host_rows < max(opts.contexts):
+        print(f"sparsekv bench serve: --host-pool-gib {opts.host_pool_gib:g} holds {host_rows} rows a layer, fewer "
+              f"than one request of context {max(opts.contexts)}: give it >= "
+              f"{max(opts.contexts) * row_set / 2**30 + 1:.0f}", file=sys.stderr)
+        return 2
+    dep = Deployment(hbm_bytes=opts.hbm_gb * 1e9, host_bytes=opts.host_gib * 2**30,
+                     activation_bytes=opts.activations_gb * 1e9)
+    caps = {c: capacity(sh, c, dep) for c in opts.contexts}
+    say(capacity_text(sh, opts.contexts, dep))
+    plan = configs(opts, caps)
+    say("configs: " + "; ".join(f"context {c} batch {b} {','.join(m)}" for c, b, m in plan))
+    say(f"the expert-parallel all-to-all is left out of every mode (one GPU); the indexer's own top-k is computed "
+        f"and dropped: the rows read follow the bench's sequence ({opts.hits:g} % step-to-step hits, "
+        f"{opts.layer_overlap:g} layer-to-layer overlap)")
+    d = torch.device(device or f"cuda:{DEVICE}")
+    cuda = d.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(d)
+    t0 = time.perf_counter()
+    ops = Ops(d, torch.bfloat16 if cuda else torch.float32, fast=cuda)
+    model = Model.build(sh, ops, opts.seed)
+    say(f"weights of one layer and the head built in {time.perf_counter() - t0:.1f} s; " + "; ".join(
+        f"{k}: {v}" for k, v in ops.impl.items()))
+    tile = row_tile(model, opts.seed)
+    off_batches = [b for _, b, m in plan if set(m) & set(OFFLOADED)]
+    off = mirror = None
+    results: list[Result] = []
+    figures: dict = {}
+    failed: dict[str, str] = {}  # offloaded mode -> why it could not start
+    try:
+        if off_batches:
+            lay = offload_layout(sh, max(off_batches), host_rows)
+            say(f"host pools: {host_rows} rows a layer ({lay.pool_bytes / 1e9:.1f} GB each); requests beyond "
+                f"{host_rows // max(opts.contexts)} of the longest context share host blocks (this machine's memory; "
+                "the bytes a miss moves are the same)")
+            try:
+                off = Offload(lay, tile, opts.modes, gather_blocks(opts), opts.daemon_log)
+            except Exception as e:  # noqa: BLE001 - the all-on-GPU figures still come
+                failed = dict.fromkeys(OFFLOADED, f"{type(e).__name__}: {' '.join(str(e).split())[:400]}")
+                say(f"the offloaded modes did not start: {failed['inproc']}")
+            mirror = torch.empty((sh.layers, max(off_batches), sh.row_bytes), dtype=torch.uint8, pin_memory=True)
+        for context, batch, modes in plan:
+            results += [Result(m, context, batch, error=failed[m]) for m in modes if m in failed]
+            modes = tuple(m for m in modes if m not in failed)
+            try:
+                results += run_config(model, off, tile, opts, context, batch, modes, host_rows, mirror, d)
+            except Exception as e:  # noqa: BLE001 - one config failing must not lose the others' figures
+                why = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+                say(f"context {context} batch {batch} failed: {why}")
+                results += [Result(m, context, batch, error=why) for m in modes]
+            _free()
+            figures = summary(results, caps, opts.contexts[0], ops.impl)
+            if opts.json_path:
+                write_json(opts.json_path, figures)
+    finally:
+        if off is not None:
+            off.close()
+    over = [f"{b} > {caps[c]['gpu']}" for c, b, m in plan if "gpu" in m and c == opts.contexts[0] and b > caps[c]["gpu"]]
+    print(table(results, sh) + headline(figures), end="")
+    if over:
+        print(f"note: equal-batch configs past the all-on-GPU capacity at context {opts.contexts[0]} ({', '.join(over)}) "
+              "fit this GPU only because one layer's weights serve every layer here")
+    say(f"done in {time.perf_counter() - t_start:.0f} s")
+    if opts.json_path:
+        say(f"wrote {opts.json_path}")
+    if opts.plot_path:
+        why = plot(results, opts.plot_path)
+        say(why or f"wrote {opts.plot_path}")
+    return 1 if any(r.error for r in results) else 0

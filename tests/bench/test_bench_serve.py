@@ -1,0 +1,326 @@
+"""``sparsekv bench serve``: the parts of its step at the tiny preset on torch's CPU device
+(rows, sparse MLA, the grouped MoE, the indexer, the all-on-GPU rows), its capacity
+arithmetic and headline keys; on a GPU (``cuda``) the FP8 / Triton paths against the
+torch ones and the same attention output all on the GPU and through ``swap_in``."""
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from sparsekv.bench.decode_workload import fill_pattern, generate
+from sparsekv.bench.serve_report import Result, summary
+
+torch = pytest.importorskip("torch")
+
+from sparsekv.bench import serve_model as sm  # noqa: E402
+from sparsekv.bench import serve_modes  # noqa: E402
+from sparsekv.bench.serve_capacity import Deployment, bounds, capacity  # noqa: E402
+
+TINY = sm.PRESETS["tiny"]
+
+
+@pytest.fixture
+def cpu_ops():
+    return sm.Ops("cpu", torch.float32, fast=False)
+
+
+def test_fp8_ds_mla_rows_are_656_bytes_and_unpack_to_what_was_packed():
+    assert sm.PRESETS["v32"].row_bytes == 656
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(5, 7, TINY.kv_lora + TINY.rope, generator=gen)
+    rows = sm.pack_rows(kv, TINY)
+    assert rows.dtype == torch.uint8 and rows.shape == (5, 7, TINY.row_bytes)
+    back = sm.unpack_rows(rows, TINY, torch.float32)
+    lat_err = (back[..., :TINY.kv_lora] - kv[..., :TINY.kv_lora]).abs().max() / kv[..., :TINY.kv_lora].abs().max()
+    assert lat_err < 0.07  # e4m3: 3 mantissa bits
+    assert torch.allclose(back[..., TINY.kv_lora:], kv[..., TINY.kv_lora:], rtol=1e-2, atol=1e-2)  # bf16
+
+
+def test_sparse_mla_over_dequantised_rows_equals_dense_attention_restricted_to_the_top_k():
+    gen = torch.Generator().manual_seed(1)
+    B, C, H, K = 3, 40, TINY.heads, TINY.top_k
+    rows = sm.pack_rows(torch.randn(B, C, TINY.kv_lora + TINY.rope, generator=gen), TINY)
+    q = torch.randn(B, H, TINY.kv_lora + TINY.rope, generator=gen)
+    topk = torch.stack([torch.randperm(C, generator=gen)[:K] for _ in range(B)])
+    topk[0, -3:] = -1  # masked columns
+    picked = torch.stack([rows[b, topk[b].clamp(min=0)] for b in range(B)])
+    got = sm.sparse_mla(q, picked, topk >= 0, TINY, torch.float32)
+    # dense reference in float64 over every position, those outside the top-k masked
+    kv = sm.unpack_rows(rows, TINY, torch.float64)
+    s = torch.einsum("bhd,bcd->bhc", q.double(), kv) / math.sqrt(TINY.nope + TINY.rope)
+    keep = torch.zeros(B, C, dtype=torch.bool)
+    for b in range(B):
+        keep[b, topk[b][topk[b] >= 0]] = True
+    p = torch.softmax(s.masked_fill(~keep[:, None, :], float("-inf")), -1)
+    want = torch.einsum("bhc,bcd->bhd", p, kv[..., :TINY.kv_lora])
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_experts_equal_a_loop_over_the_experts(cpu_ops):
+    gen = torch.Generator().manual_seed(2)
+    lin = cpu_ops.lin((4, 24, 32), gen)
+    counts = [5, 1, 3]  # the fourth expert gets none
+    x = torch.randn(sum(counts), 32, generator=gen)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = cpu_ops.grouped(x, lin, offs, counts)
+    starts = [0, 5, 6]
+    want = torch.cat([x[s:s + n] @ lin.w[g].t() for g, (s, n) in enumerate(zip(starts, counts))]) * lin.scale
+    assert cpu_ops.grouped_kind == "grouped"
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_is_the_shared_expert_plus_the_mean_of_each_tokens_routed_experts(cpu_ops):
+    m = sm.Model.build(TINY, cpu_ops)
+    B = 3
+    state = sm.BatchState(TINY, B, 32, "cpu")
+    assert state.counts == TINY.expert_counts(B) == [2, 2, 1, 1]  # 6 pairs over 4 experts, balanced
+    h = torch.randn(B, TINY.hidden, generator=torch.Generator().manual_seed(3))
+    got = m.moe(h, state.offs, state.counts)
+
+    def ffn(x, up, down):  # one expert, as a plain matmul chain
+        g, u = (x @ up.t() / math.sqrt(up.shape[1])).chunk(2, -1)
+        return (torch.nn.functional.silu(g) * u) @ down.t() / math.sqrt(down.shape[1])
+
+    expert_of = np.repeat(np.arange(4), state.counts)  # pair r = (replica r // B, token r % B)
+    want = ffn(h, m.w["shared_up"].w, m.w["shared_down"].w)
+    for b in range(B):
+        routed = [ffn(h[b:b + 1], m.w["experts_up"].w[e], m.w["experts_down"].w[e])
+                  for e in expert_of[b::B]]
+        want[b] += torch.cat(routed).mean(0)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_indexer_is_relu_of_each_heads_dot_product_weighted_summed_and_scaled(cpu_ops):
+    gen = torch.Generator().manual_seed(4)
+    B, T, Hi, D = 2, 50, TINY.idx_heads, TINY.idx_dim
+    q, w = torch.randn(B, Hi, D, generator=gen), torch.rand(B, Hi, generator=gen)
+    keys, ks = sm.quant_keys(torch.randn(B, T, D, generator=gen))
+    got = cpu_ops.indexer(q, w, keys, ks)
+    want = torch.zeros(B, T)
+    for b in range(B):
+        for t in range(T):
+            want[b, t] = ks[b, t] * sum(w[b, h] * max(0.0, float(q[b, h] @ keys[b, t].float())) for h in range(Hi))
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(sm.indexer_reference(q, w, keys, ks), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_all_on_gpu_rows_hold_what_the_host_rows_of_the_same_positions_hold(cpu_ops):
+    m = sm.Model.build(TINY, cpu_ops)
+    tile = serve_modes.row_tile(m)[:64]  # any tile: row r of the pool holds tile[r % its rows]
+    B, C, bs, host_rows = 3, 256, 16, 512  # requests share host blocks: 3 x 256 > 512
+    table = serve_modes.block_table(B, C, bs, host_rows)
+    assert all(len(set(r)) == len(r) for r in table)  # distinct within a request
+    wl = generate(B, 0.9, steps=2, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
+    st = serve_modes.Static(m, B, table, wl, "cpu")
+    src = serve_modes.HbmRows.filled(tile, st, TINY.layers, bs)
+    st.load(1)
+    for layer in (0, TINY.layers - 1):
+        kv, idx = src.rows(layer)
+        pos = st.topk[layer].long()
+        host = torch.from_numpy(table).long().gather(1, pos // bs) * bs + pos % bs
+        assert torch.equal(kv[idx.long()], torch.from_numpy(tile)[host % tile.shape[0]])
+    src.write(0, torch.full((B, TINY.row_bytes), 7, dtype=torch.uint8))
+    assert bool((src.kv[0, B * C:] == 7).all()) and not bool((src.kv[0, :B * C] == 7).all(1).any())
+
+
+def test_a_whole_step_runs_and_marks_every_part(cpu_ops):
+    m = sm.Model.build(TINY, cpu_ops)
+    B, C, bs = 2, 128, 16
+    wl = generate(B, 0.9, steps=2, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
+    st = serve_modes.Static(m, B, serve_modes.block_table(B, C, bs, 4096), wl, "cpu")
+    src = serve_modes.HbmRows.filled(serve_modes.row_tile(m), st, TINY.layers, bs)
+    state = sm.BatchState(TINY, B, C, "cpu")
+    st.load(0)
+    seen = []
+    out = m.step(st.x, state, src, seen.append)
+    assert out.shape == (B, TINY.vocab) and bool(torch.isfinite(out).all())
+    assert seen.count("attention") == seen.count("swap_in") == seen.count("indexer") == TINY.layers
+    assert seen.count("ffn") == TINY.layers and seen[-2:] == ["head", None]
+
+
+def test_capacity_matches_the_arithmetic_by_hand():
+    sh = sm.PRESETS["v32"]
+    # weights per GPU: attention a layer = fused x-proj 2304 x 7168 + fused q-proj 32768 x 1536 + o_proj
+    # 7168 x 16384 (FP8) + W_UK and W_UV 2 x 128 x 512 x 256 bytes (bf16); routed 58 layers x 32 experts x
+    # 3 x 7168 x 2048; shared + router 58 x (3 x 7168 x 2048 + 2 x 7168 x 256); dense 3 x 3 x 7168 x 18432;
+    # embedding and head 2 x 2 x 129280 x 7168
+    attn = 2304 * 7168 + 32768 * 1536 + 7168 * 16384 + 2 * 128 * 512 * 256
+    weights = (61 * attn + 58 * 32 * 3 * 7168 * 2048 + 58 * (3 * 7168 * 2048 + 2 * 7168 * 256)
+               + 3 * 3 * 7168 * 18432 + 2 * 2 * 129280 * 7168)
+    free = 141e9 - weights - 5e9
+    cap = capacity(sh, 131072, Deployment())
+    assert cap["weights_bytes"] == weights == 102_689_931_264
+    assert cap["gpu_hbm"] == 131072 * 61 * (656 + 132)
+    assert cap["offload_hbm"] == 131072 * 61 * 132 + 61 * 2048 * 656
+    assert cap["gpu"] == int(free // (131072 * 61 * 788)) == 5
+    assert cap["offload"] == min(int(free // cap["offload_hbm"]), int(256 * 2**30 // (131072 * 61 * 656))) == 29
+    small_host = capacity(sh, 131072, Deployment(host_bytes=64 * 2**30))
+    assert small_host["offload"] == 64 * 2**30 // (131072 * 61 * 656) == 13
+    assert small_host["offload_limited_by"] == "host memory"
+
+
+def test_bounds_are_bytes_at_the_hbm_rate_or_flops_at_the_peaks():
+    sh = sm.PRESETS["v32"]
+    b = bounds(sh, 64, 32768, misses_per_layer=1000)
+    assert b["moe"] == pytest.approx(1e6 * 33 * 3 * 7168 * 2048 / 4.8e12 + 1e6 * 7168 * 256 * 2 / 4.8e12)  # router: bf16
+    assert b["indexer"] == pytest.approx(1e6 * 64 * 32768 * (132 + 4) / 4.8e12)
+    assert b["topk"] == pytest.approx(1e6 * 64 * 32768 * 4 / 4.8e12)
+    assert b["swap_in"] == pytest.approx(1e6 * 1000 * 656 / 55e9)
+    assert bounds(sh, 1, 32768)["swap_in"] is None
+    assert len(sh.expert_counts(1)) == 8  # batch 1: 8 pairs, 8 experts read
+
+
+def test_headline_keys_are_the_ratios_of_the_right_configs():
+    caps = {32768: {"gpu": 21, "offload": 96}, 131072: {"gpu": 5, "offload": 29}}
+
+    def r(mode, ctx, batch, p50):
+        return Result(mode, ctx, batch, p50_us=p50, p50_at_bound_us=p50 / 2)
+
+    results = [r("gpu", 32768, 1, 20000.0), r("inproc", 32768, 1, 20500.0), r("daemon", 32768, 1, 21000.0),
+               r("gpu", 32768, 64, 30000.0), r("inproc", 32768, 64, 40000.0), r("daemon", 32768, 64, 40400.0),
+               r("gpu", 131072, 5, 22000.0), r("daemon", 131072, 29, 29000.0), r("inproc", 131072, 29, 28000.0)]
+    f = summary(results, caps, 32768, {})
+    assert f["serve_offload_vs_gpu_tpot_b1"] == f["serve_offload_vs_gpu_tpot_b1_32k"] == 1.05  # the daemon's
+    assert f["serve_offload_vs_gpu_tpot_b64_32k"] == round(40400 / 30000, 4)
+    assert f["serve_daemon_vs_inproc"] == 1.01
+    assert f["serve_throughput_gain_128k"] == round((29 / 29000) / (5 / 22000), 3)
+    assert "serve_throughput_gain_32k" not in f  # neither ran at its largest batch
+    assert f["serve_max_batch_offload_128k"] == 29
+
+
+def test_serve_refuses_more_than_one_hit_rate(capsys):
+    from sparsekv.cli.main import main
+
+    assert main(["bench", "serve", "--hits", "80,90"]) == 2
+    assert "--hits" in capsys.readouterr().err
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_the_fp8_and_triton_paths_pass_their_checks_on_the_gpu():
+    ops = sm.Ops("cuda", torch.bfloat16, fast=True)
+    assert ops.fp8_mm and ops.grouped_kind == "scaled" and ops.triton_indexer and ops.triton_mla, ops.impl
+    gen = torch.Generator("cuda").manual_seed(5)
+    q = torch.randn(3, 64, 128, generator=gen, device="cuda").to(sm.FP8)
+    keys, ks = sm.quant_keys(torch.randn(3, 1000, 128, generator=gen, device="cuda"))
+    w = torch.rand(3, 64, generator=gen, device="cuda")
+    got = ops.indexer(q.to(torch.bfloat16), w, keys, ks)
+    want = sm.indexer_reference(q, w, keys, ks)
+    assert torch.allclose(got, want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
+
+
+@pytest.mark.cuda
+def test_all_on_the_gpu_and_through_swap_in_give_the_same_step_output():
+    from sparsekv.embedded.inproc_cuda import InprocSwapIn
+
+    ops = sm.Ops("cuda", torch.bfloat16, fast=False)
+    m = sm.Model.build(TINY, ops)
+    B, C, bs, host_rows = 4, 1024, 16, 4096
+    tile = serve_modes.row_tile(m)
+    table = serve_modes.block_table(B, C, bs, host_rows)
+    wl = generate(B, 0.9, steps=3, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
+    st = serve_modes.Static(m, B, table, wl, "cuda")
+    state = sm.BatchState(TINY, B, C, "cuda")
+    h = InprocSwapIn(serve_modes.offload_layout(TINY, B, host_rows))
+    try:
+        fill_pattern(h.pool, tile=tile)
+        mirror = torch.empty((TINY.layers, B, TINY.row_bytes), dtype=torch.uint8, pin_memory=True)
+        hbm = serve_modes.HbmRows.filled(tile, st, TINY.layers, bs)
+        swapped = serve_modes.SwappedRows(h, st, bs, mirror)
+        for t in range(3):
+            st.load(t)
+            a = m.step(st.x, state, hbm)
+            b = m.step(st.x, state, swapped)
+            torch.cuda.synchronize()
+            assert torch.equal(a, b), f"step {t}"
+        h.check()
+    finally:
+        torch.cuda.synchronize()
+        h.close()
+
+
+class _ClockMarks(serve_modes.Marks):
+    """Marks on torch's CPU device: the host's clock instead of CUDA events."""
+
+    def __call__(self, part) -> None:
+        self.events.append((part, time.perf_counter()))
+
+    def totals(self) -> dict:
+        out = {}
+        for (part, a), (_, b) in zip(self.events, self.events[1:]):
+            out[part] = out.get(part, 0.0) + (b - a) * 1e6
+        return out
+
+
+def test_a_config_of_the_all_on_gpu_mode_runs_on_the_cpu_and_reports_its_parts(cpu_ops, monkeypatch):
+    from sparsekv.bench import serve, serve_run
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
+    monkeypatch.setattr(serve_run, "capture", lambda step, label: (step, "eager", None))
+    monkeypatch.setattr(serve_modes, "Marks", _ClockMarks)
+    m = sm.Model.build(TINY, cpu_ops)
+    opts = serve.Options(preset="tiny", contexts=(256,), batches=(2,), modes=("gpu",), steps=3, warmup=1,
+                         block_size=16).validate(sm.PRESETS)
+    [r] = serve_run.run_config(m, None, serve_modes.row_tile(m), opts, 256, 2, ("gpu",), 4096, None, device="cpu")
+    assert (r.mode, r.context, r.batch, r.run, r.error) == ("gpu", 256, 2, "eager", None)
+    assert r.p50_us > 0 and r.tok_s == pytest.approx(2 / r.p50_us * 1e6)
+    assert set(r.parts) == {"proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe", "head"}
+    assert r.bounds["swap_in"] is None and r.bounds["attention"] > 0
+    f = summary([r], {256: {"gpu": 2, "offload": 0}}, 256, cpu_ops.impl)
+    assert f["serve_max_batch_gpu_256"] == 2 and f["serve_configs"][0]["tok_s"] == r.tok_s
+
+
+def test_configs_are_the_equal_batches_at_the_first_context_and_each_modes_largest_batch():
+    from sparsekv.bench import serve, serve_run
+
+    opts = serve.Options(contexts=(32768, 131072), batches=(1, 64))
+    caps = {32768: {"gpu": 21, "offload": 96}, 131072: {"gpu": 5, "offload": 29}}
+    assert serve_run.configs(opts, caps) == [
+        (32768, 1, ("gpu", "inproc", "daemon")), (32768, 21, ("gpu",)), (32768, 64, ("gpu", "inproc", "daemon")),
+        (32768, 96, ("inproc", "daemon")), (131072, 5, ("gpu",)), (131072, 29, ("inproc", "daemon"))]
+
+
+@pytest.mark.cuda
+def test_the_fused_sparse_mla_kernel_equals_the_torch_path_with_masked_rows():
+    from sparsekv.bench import serve_triton
+
+    sh = sm.PRESETS["v32"]
+    gen = torch.Generator("cuda").manual_seed(6)
+    kv = sm.pack_rows(torch.randn(4096, sh.kv_lora + sh.rope, generator=gen, device="cuda"), sh)
+    for B in (1, 7, 64):  # 16, 8 and 1 splits of the top-k
+        q = torch.randn(B, sh.heads, sh.kv_lora + sh.rope, generator=gen, device="cuda").to(torch.bfloat16)
+        idx = torch.randint(0, 4096, (B, sh.top_k), generator=gen, device="cuda", dtype=torch.int32)
+        idx[0, 1000:] = -1
+        got = serve_triton.sparse_mla(q, kv, idx, sh.kv_lora, sm.LATENT_TILE, 1 / math.sqrt(sh.nope + sh.rope))
+        rows = kv.index_select(0, idx.reshape(-1).clamp(min=0).long()).view(B, sh.top_k, sh.row_bytes)
+        want = sm.sparse_mla(q.float(), rows, idx >= 0, sh, torch.float32)
+        assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), B
+
+
+def test_the_whole_run_of_the_all_on_gpu_mode_on_the_cpu_writes_its_figures(cpu_ops, monkeypatch, tmp_path, capsys):
+    import json
+
+    from sparsekv.bench import serve, serve_run
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
+    monkeypatch.setattr(serve_run, "capture", lambda step, label: (step, "eager", None))
+    monkeypatch.setattr(serve_modes, "Marks", _ClockMarks)
+    # a deployment of 6 MB of HBM: the tiny model's weights (3.4 MB) leave room for 4 requests at 256
+    opts = serve.Options(preset="tiny", contexts=(256, 512), batches=(1, 2), modes=("gpu",), steps=2, warmup=1,
+                         block_size=16, hbm_gb=0.006, activations_gb=0.0, json_path=str(tmp_path / "s.json"),
+                         plot_path=str(tmp_path / "s.png")).validate(sm.PRESETS)
+    assert serve_run.main(opts, device="cpu") == 0
+    out = capsys.readouterr()
+    assert "context 256: all on GPU 0.001 GB a request -> batch 4" in out.err
+    f = json.loads((tmp_path / "s.json").read_text())
+    ran = {(c["context"], c["batch"]) for c in f["serve_configs"]}
+    assert ran == {(256, 1), (256, 2), (256, 4), (512, 2)}  # equal batches at the first context, then each largest
+    assert f["serve_max_batch_gpu_256"] == 4 and f["serve_max_batch_gpu_512"] == 2
+    assert f["serve_impl"]["mm"] == "torch.float32 torch.mm"
+    assert all(c["p50_us"] > 0 and c["run"] == "eager" for c in f["serve_configs"])
+    assert "TPOT p50 ms" in out.out
