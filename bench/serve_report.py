@@ -36,7 +36,8 @@ class Result:
     p99_us: float | None = None
     hit_rate: float | None = None  # measured over the timed steps (offloaded modes)
     misses_per_layer: float | None = None
-    parts: dict = field(default_factory=dict)
+    parts: dict = field(default_factory=dict)  # us a layer, the un-captured run's shares of the graph's step
+    parts_scale: float = 1.0  # the graph's step / the un-captured step (launch gaps left out)
     bounds: dict = field(default_factory=dict)
     flagged: list = field(default_factory=list)
     p50_at_bound_us: float | None = None  # p50 with each flagged part at its bound
@@ -59,8 +60,14 @@ def layers_of(sh, part: str) -> int:
 
 
 def set_parts(r: Result, sh, totals_us: dict) -> None:
-    """``r.parts`` from a step's totals, ``r.bounds``, the flags and ``p50_at_bound_us``."""
-    r.parts = {p: totals_us[p] / layers_of(sh, p) for p in PARTS if p in totals_us and layers_of(sh, p)}
+    """``r.parts`` from an un-captured step's totals, ``r.bounds``, the flags and
+    ``p50_at_bound_us``. The un-captured step also pays each launch, which the graph does
+    not: its parts are scaled by the graph's step over its own, so that they sum to the
+    step the graph runs (never scaled up)."""
+    total = sum(totals_us.get(p, 0.0) for p in PARTS)
+    r.parts_scale = min(1.0, r.p50_us / total) if r.p50_us and total else 1.0
+    r.parts = {p: totals_us[p] * r.parts_scale / layers_of(sh, p) for p in PARTS
+               if p in totals_us and layers_of(sh, p)}
     r.bounds = bounds(sh, r.batch, r.context, r.misses_per_layer)
     r.flagged = [p for p, t in r.parts.items() if r.bounds.get(p) and t > SLACK * r.bounds[p]]
     if r.p50_us is not None:
@@ -117,7 +124,7 @@ def summary(results: list[Result], caps: dict, penalty_context: int, impl: dict)
 def table(results: list[Result], sh) -> str:
     """Per config: TPOT, tokens/s, and each part against its bound (us a layer)."""
     lines = [f"{'mode':<7} {'context':>8} {'batch':>5} {'run':<5} {'TPOT p50 ms':>11} {'p99 ms':>8} {'tok/s':>9} "
-             f"{'hits':>5}  parts: us a layer (bound; ! = over {SLACK:g}x)"]
+             f"{'hits':>5}  parts: us a layer, the un-captured step's shares of the graph's (bound; ! = over {SLACK:g}x)"]
     for r in results:
         head = f"{r.mode:<7} {r.context:>8} {r.batch:>5} "
         if r.p50_us is None:
