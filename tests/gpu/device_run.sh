@@ -15,6 +15,7 @@
 #   kernels   sparsekv bench kernels (POOL_GIB, default 64; KERNELS_ARGS, e.g. --kernels-quick)
 #   decode    sparsekv bench decode --quick (DECODE_ARGS, e.g. "--steps 60 --rounds 3 --paired")
 #   serve     sparsekv bench serve --quick (SERVE_ARGS; SERVE_TIMEOUT_S, default 240); only when named
+#   hf        python -m sparsekv.bench.hf_long --quick (HF_ARGS; HF_TIMEOUT_S, default 200); only when named
 #   latest    sparsekv bench latest: latest.json from the transport runs and the figures above
 #   demo      sparsekv demo                          examples  the example model on the doorbell
 #   replay    synthesized traces replayed on the cuda backend with --verify through zmq and
@@ -43,7 +44,7 @@ nvidia-cuda-mps-control -d && echo "MPS started"
 # At most 8 files come back from $OUT: the figures and the pytest log stay as they are,
 # every other log goes into logs.tgz.
 pack_logs() {
-  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|decode.png|serve.json|serve.png|pytest-cuda.log|bench-kernels.json|logs.tgz' \
+  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|serve.json|serve.png|hf.json|pytest-cuda.log|bench-kernels.json|logs.tgz' \
      | tar czf logs.tgz --remove-files -T - 2>/dev/null)
 }
 # Logs first: stopping MPS waits for its clients (a daemon a test left behind, say), and
@@ -114,10 +115,20 @@ if has serve; then
   (( rc == 0 )) || status=1
   result serve "rc $rc: $(figures "$OUT/serve.json" $SERVE_KEYS)"
 fi
+HF_KEYS="hf_dsv32_kv_hbm_ratio_32k hf_dsv32_tokens_per_s_ratio_32k"
+if has hf; then
+  # transformers' DeepSeek-V3.2 (real attention dims, 4 layers) at 32K through sparsekv
+  # against its own eager DynamicCache; into latest.json when latest runs after it.
+  timeout "$(left "${HF_TIMEOUT_S:-200}")" python3 -m sparsekv.bench.hf_long --quick ${HF_ARGS:-} --json "$OUT/hf.json" \
+    2>&1 | tee "$OUT/bench-hf.log" | tail -4
+  rc=${PIPESTATUS[0]}
+  (( rc == 0 )) || status=1
+  result hf "rc $rc: $(figures "$OUT/hf.json" $HF_KEYS)"
+fi
 if has all || has bench || has e2e || has latest; then
   timeout "$(left "${LATEST_TIMEOUT_S:-200}")" python3 -m sparsekv.cli.main bench latest --json "$OUT/latest.json" \
     --commit "${COMMIT:-unknown}" --merge "$OUT/decode.json" "$OUT/bench-kernels.json" \
-    $( [[ -f "$OUT/serve.json" ]] && echo "$OUT/serve.json" ) 2>&1 \
+    $( for f in serve hf; do [[ -f "$OUT/$f.json" ]] && echo "$OUT/$f.json"; done ) 2>&1 \
     | tee "$OUT/bench-transport.log" | tail -5
   result latest "$(figures "$OUT/latest.json" zmq_handoff_p50_us zmq_handoff_cold_p50_us daemon_host_us_per_step)"
 fi
