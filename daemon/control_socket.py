@@ -23,14 +23,23 @@ writes each connection itself, so every limit holds before anything is read:
   and renames ``control.sock`` to ``control.sock.busy`` (a client says the daemon refuses
   new connections) until descriptors are free again; connections made keep working.
 
-Replies that a peer does not read are queued up to ``MAX_OUT_BYTES``; past that its
-connection is closed (it is not reading).
+* **Turns.** A connection's reads stop after ``MAX_BURST`` frames or PINGs until every
+  other ready connection has had its turn: a flood of tiny frames delays no one for long.
+* **Replies.** What a peer does not read is queued up to ``MAX_OUT_BYTES`` a connection
+  and ``MAX_OUT_TOTAL`` in all (small pieces coalesced, so the count is the memory); past
+  either the connection is closed. A connection dropped while its bytes are being decoded
+  serves nothing more (its credentials are gone with it: a HELLO there is refused).
+
+Longer than 600 lines: every decision about a control connection (accept, each frame
+admitted or refused, the budget's pauses and the turns, what is queued back) is made
+here, in one class, so that each limit has one place.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import logging
 import os
 import resource
@@ -55,7 +64,9 @@ SMALL_FRAME = 4096  # frames up to this are plain bytes, outside the budget
 READ_SLICE = 4 << 20  # bytes read from one connection before the others get their turn
 SCRATCH_BYTES = 256 << 10
 MESSAGE_TIMEOUT_S = 10.0
-MAX_OUT_BYTES = 64 << 20
+MAX_OUT_BYTES = 64 << 20  # replies queued to one connection
+MAX_OUT_TOTAL = 128 << 20  # and to all of them: past either, the connection being sent to is closed
+MAX_BURST = 256  # frames and PINGs of one connection read before the others get their turn
 LISTEN_BACKLOG = 128
 BUSY_SUFFIX = ".busy"  # control.sock's name while no connection is accepted
 ACCEPT_BATCH = 64
@@ -89,6 +100,8 @@ class Conn:
     out: collections.deque = field(default_factory=collections.deque)
     out_bytes: int = 0
     closing: bool = False  # refused: closed once its last reply is out
+    burst: int = 0  # frames and PINGs read since its turn began
+    yielded: bool = False  # its reads wait for the next turn (MAX_BURST reached)
     plan: list | None = None  # the array frames' sizes its message's header declares
     refusal: tuple | None = None  # (code, message) its message in progress is refused with
     reserved: int = 0  # budget taken for those and not yet read into a buffer
@@ -127,7 +140,10 @@ class ControlSocket:
         self._ep = select.epoll()
         self._conns: dict[int, Conn] = {}  # by descriptor
         self._by_ident: dict[bytes, Conn] = {}
-        self._paused: collections.deque[Conn] = collections.deque()
+        self._paused: collections.deque[Conn] = collections.deque()  # waiting for the budget, in order
+        self._yielded: list[Conn] = []  # waiting for their next turn
+        self._resuming: Conn | None = None  # the paused connection being resumed
+        self.out_total = 0  # bytes of replies queued, all connections
         self._next = 0
         self._scratch = bytearray(SCRATCH_BYTES)
         self._accepting = False
@@ -200,15 +216,27 @@ class ControlSocket:
             bufs = _after(bufs, sent)
             if not bufs:
                 return True
-        for b in bufs:
-            c.out.append(b)
-            c.out_bytes += len(b)
-        if c.out_bytes > MAX_OUT_BYTES:
+        return self._queue(c, bufs)
+
+    def _queue(self, c: Conn, bufs) -> bool:
+        """Queue what could not be sent now; a peer that does not read is closed."""
+        n = sum(len(b) for b in bufs)
+        if c.out_bytes + n > MAX_OUT_BYTES or self.out_total + n > MAX_OUT_TOTAL:
             self.counts["not_reading"] += 1
             self.rlog.log("not reading", logging.WARNING, "control connection of pid %d uid %d closed: %d bytes of "
-                          "replies it does not read", c.peer.pid, c.peer.uid, c.out_bytes)
+                          "replies it does not read (%d queued in all)", c.peer.pid, c.peer.uid, c.out_bytes + n,
+                          self.out_total + n)
             self._drop(c)
             return False
+        for b in bufs:  # small pieces into one bytearray: a Python object each would cost more than its bytes
+            if len(b) < 4096 and c.out and type(c.out[-1]) is bytearray and len(c.out[-1]) < (1 << 20):
+                c.out[-1] += b
+            elif len(b) < 4096:
+                c.out.append(bytearray(b))
+            else:
+                c.out.append(b)
+        c.out_bytes += n
+        self.out_total += n
         self._watch(c)
         return True
 
@@ -227,6 +255,7 @@ class ControlSocket:
         """Do what is ready now (accept, read, write) without blocking; returns how many
         events there were."""
         self._unpause()
+        turns = self._next_turn()
         events = self._ep.poll(0, MAX_EVENTS)
         listener = self._listener.fileno() if self._listener is not None else -1
         for fd, ev in events:
@@ -244,7 +273,26 @@ class ControlSocket:
             except Exception:  # noqa: BLE001 - a fault of ours with one connection: drop it, serve the rest
                 log.exception("control connection of pid %d uid %d failed", c.peer.pid, c.peer.uid)
                 self._drop(c)
-        return len(events)
+        return len(events) + turns
+
+    def _next_turn(self) -> int:
+        """Go on with the connections that yielded their turn (what they sent is read
+        already); how many."""
+        yielded, self._yielded = self._yielded, []
+        for c in yielded:
+            c.yielded, c.burst = False, 0
+            if self._conns.get(c.sock.fileno()) is not c or c.closing:
+                continue
+            try:
+                c.decoder.resume()
+            except Refused as e:
+                self._refuse(c, e)
+                continue
+            except ZmtpError:
+                self._drop(c)
+                continue
+            self._watch(c)
+        return len(yielded)
 
     def expire(self) -> None:
         """Once a second: connections without HELLO in time, messages begun and not
@@ -326,11 +374,11 @@ class ControlSocket:
         self._next += 1
         c = Conn(sock, b"c" + self._next.to_bytes(8, "little"), Peer(uid, gid, pid, True), self._clock())
         ref = weakref.ref(c)
-        c.decoder = Decoder(on_message=lambda frames: self._message(ref(), frames),
-                            send=lambda data: self._raw_send(ref(), data),
-                            admit=lambda *a: self._frame(ref(), *a))
         self._conns[sock.fileno()] = c
         self._by_ident[c.ident] = c
+        c.decoder = Decoder(on_message=lambda frames: self._message(ref(), frames),
+                            send=lambda data: self._raw_send(ref(), data),
+                            admit=lambda *a: self._frame(ref(), *a))  # sends the greeting
         self._watch(c)
 
     # -- reading -----------------------------------------------------------------------
@@ -380,6 +428,10 @@ class ControlSocket:
         the first array frame reserves the budget of all of them at once, so a message
         begun never waits half read."""
         limits = LIMITS
+        c.burst += 1
+        if c.burst > MAX_BURST:  # this frame is asked again on its next turn
+            self._yield(c)
+            return Decoder.PAUSE
         if count == 0:
             c.message_at = self._clock()
             c.refusal, c.plan = None, None
@@ -394,11 +446,15 @@ class ControlSocket:
         if count == 0:
             return None
         if count == 1:
+            if c.plan and sum(c.plan) > limits.max_message_bytes:
+                raise Refused(ErrorCode.TOO_LARGE, f"arrays of {sum(c.plan)} bytes declared, more than "
+                              f"{limits.max_message_bytes}")
             big = sum(x for x in c.plan or () if x > SMALL_FRAME)
             if big and not self.budget.take(c.peer.uid, big):
-                if c not in self._paused:
+                if c is not self._resuming:
                     self._paused.append(c)
                     self.counts["paused"] += 1
+                c.burst -= 1  # asked again when resumed
                 return Decoder.PAUSE
             c.reserved = big
         if size <= SMALL_FRAME:
@@ -430,32 +486,45 @@ class ControlSocket:
                 pass
 
     def _unpause(self) -> None:
+        """Resume the connections waiting for the budget, first come first served, until
+        one still does not fit (it keeps its place)."""
         while self._paused:
-            c = self._paused[0]
-            if c.sock.fileno() not in self._conns or c.closing:
-                self._paused.popleft()
+            c = self._paused.popleft()
+            if self._conns.get(c.sock.fileno()) is not c or c.closing:
                 continue
+            self._resuming = c
             try:
                 c.decoder.resume()
             except Refused as e:
-                self._paused.popleft()
                 self._refuse(c, e)
                 continue
             except ZmtpError:
-                self._paused.popleft()
                 self._drop(c)
                 continue
-            if c.decoder.paused:
-                return  # still no room: the first in line keeps its place
-            self._paused.popleft()
+            finally:
+                self._resuming = None
+            if c.decoder.paused and not c.yielded and self._conns.get(c.sock.fileno()) is c:
+                self._paused.appendleft(c)
+                return  # still no room
             c.message_at = self._clock()
             self._watch(c)
 
     def _message(self, c: Conn, frames: list) -> None:
+        if self._by_ident.get(c.ident) is not c:
+            return  # dropped while its bytes were being decoded: nothing more of it is served
+        if c.reserved:  # declared frames that never came
+            self.budget.give(c.peer.uid, c.reserved)
+            c.reserved = 0
         refusal, c.refusal = c.refusal, None
         if refusal is not None:
             self.counts["refused_messages"] += 1
         self.on_message(c.ident, frames, time.perf_counter_ns(), refusal)
+
+    def _yield(self, c: Conn) -> None:
+        """``c`` has had its turn: its reads wait until the others have had theirs."""
+        if not c.yielded:
+            c.yielded = True
+            self._yielded.append(c)
 
     def _refuse(self, c: Conn, e: Refused) -> None:
         """Answer the message over a limit with its typed error, then close."""
@@ -466,24 +535,28 @@ class ControlSocket:
 
     # -- writing -----------------------------------------------------------------------
     def _raw_send(self, c: Conn, data: bytes) -> None:
-        """The protocol's own bytes (greeting, READY, PONG)."""
+        """The protocol's own bytes (greeting, READY, PONG), queued as replies are; each
+        counts as a message of the connection's turn."""
+        if self._conns.get(c.sock.fileno()) is not c:
+            return
+        if c.decoder is not None:  # a PONG: a PING counts as a frame of its turn
+            c.burst += 1
+            if c.burst > MAX_BURST and not c.closing:
+                c.decoder.paused = True  # the decoder keeps what it has not parsed
+                self._yield(c)
         if not c.out:
             try:
-                sent = c.sock.send(data)
+                data = data[c.sock.send(data):]
             except BlockingIOError:
-                sent = 0
+                pass
             except OSError:
                 return  # the read that follows sees it closed
-            data = data[sent:]
-            if not data:
-                return
-        c.out.append(data)
-        c.out_bytes += len(data)
-        self._watch(c)
+        if data:
+            self._queue(c, [data])
 
     def _flush(self, c: Conn) -> None:
         while c.out:
-            bufs = list(c.out)[:IOV_MAX]
+            bufs = list(itertools.islice(c.out, IOV_MAX))  # never a copy of a long queue
             try:
                 sent = c.sock.sendmsg(bufs)
             except BlockingIOError:
@@ -492,6 +565,7 @@ class ControlSocket:
                 self._drop(c)
                 return
             c.out_bytes -= sent
+            self.out_total -= sent
             while sent:
                 b = c.out[0]
                 if len(b) <= sent:
@@ -508,6 +582,8 @@ class ControlSocket:
     # -- bookkeeping -------------------------------------------------------------------
     def _watch(self, c: Conn) -> None:
         """Register what ``c`` waits for: input unless paused or closing, output while queued."""
+        if c.decoder is None:  # being made (its greeting queued): registered once made
+            return
         want = (0 if c.decoder.paused or c.closing else select.EPOLLIN) | (select.EPOLLOUT if c.out else 0)
         if want == c.events:
             return
@@ -530,7 +606,9 @@ class ControlSocket:
             self._ep.unregister(fd)
             c.events = 0
         c.sock.close()
+        self.out_total -= c.out_bytes
         c.out.clear()
+        c.out_bytes = 0
         c.decoder = _CLOSED  # its buffers (and their budget) go now
         if c.reserved:
             self.budget.give(c.peer.uid, c.reserved)
@@ -554,6 +632,9 @@ class _Closed:
     paused = True
     in_message = False
     frames: list = []
+
+    def resume(self) -> None:
+        pass
 
 
 _CLOSED = _Closed()

@@ -8,7 +8,7 @@ Two requests, one per connection, each checked against the connection's kernel i
 * ``deposit``, with one descriptor beside it: an engine-owned slab (``proto/slab.py``)
   the process brings to its next ATTACH, kept under a random id, bound to the depositing
   process, for :data:`DEPOSIT_TTL_S` (at most :data:`DEPOSITS_PER_PID` per process and
-  :data:`MAX_DEPOSITS` in all).
+  :data:`DEPOSITS_PER_UID` per uid, so one user's processes cannot refuse another's).
 
 Bounded like the stats socket; every refusal is counted in ``fd_refusals``.
 """
@@ -32,7 +32,7 @@ log = logging.getLogger("sparsekv.server")
 MAX_CONNECTIONS = 64  # fd socket connections served at once; more are closed unanswered
 DEPOSIT_TTL_S = 60.0  # a deposited slab descriptor not used by an ATTACH is closed after this
 DEPOSITS_PER_PID = 4
-MAX_DEPOSITS = 256
+DEPOSITS_PER_UID = 64
 
 
 @dataclass
@@ -204,9 +204,10 @@ class FdServer:
             return self._refuse(pid, uid, f"a deposit brings exactly one descriptor, this one {len(received)}")
         self.expire()
         mine = sum(1 for d in self.deposits.values() if d.pid == pid)
-        if mine >= DEPOSITS_PER_PID or len(self.deposits) >= MAX_DEPOSITS:
+        users = sum(1 for d in self.deposits.values() if d.uid == uid)
+        if mine >= DEPOSITS_PER_PID or users >= DEPOSITS_PER_UID:
             return self._refuse(pid, uid, f"too many slab deposits not yet used by an ATTACH ({mine} of this "
-                                f"process, {len(self.deposits)} in all); attach with them or wait "
+                                f"process, {users} of its uid); attach with them or wait "
                                 f"{DEPOSIT_TTL_S:g} s", ErrorCode.TOO_LARGE)
         dep_id = secrets.token_hex(fd_socket.TOKEN_BYTES)
         self.deposits[dep_id] = Deposit(received.pop(), pid, uid, gid, time.monotonic())

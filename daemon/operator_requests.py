@@ -15,6 +15,10 @@ from .peers import Peer
 
 # What generate_latest() writes (CONTENT_TYPE_LATEST names 1.0.0 in recent releases).
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+# Connections of the stats socket (and of the HTTP endpoint) open at once; more are closed
+# as soon as they are accepted, so that a flood of them cannot take the descriptors the
+# control socket needs. A command takes a millisecond: operators' tools never need more.
+MAX_OPEN = 32
 
 
 class OperatorRequests:
@@ -23,6 +27,8 @@ class OperatorRequests:
 
     def __init__(self, snapshot, registry, sessions):
         self.snapshot, self.registry, self.sessions = snapshot, registry, sessions
+        self.open = 0  # stats and HTTP connections being answered
+        self.refused = 0  # closed when accepted: MAX_OPEN were open
 
     def handlers(self) -> dict:
         """This role's control-socket handlers by message type."""
@@ -33,6 +39,11 @@ class OperatorRequests:
 
     async def stats_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection of the stats socket: one command line, one answer."""
+        if self.open >= MAX_OPEN:
+            self.refused += 1
+            writer.close()
+            return
+        self.open += 1
         try:
             line = await asyncio.wait_for(reader.readline(), timeout=5.0)
             cmd = line.decode(errors="replace").strip().lower() or "stats"
@@ -54,11 +65,17 @@ class OperatorRequests:
         except (asyncio.TimeoutError, ConnectionError):
             pass
         finally:
+            self.open -= 1
             writer.close()
 
     async def http_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A minimal HTTP/1.0 responder: ``GET /metrics`` (Prometheus text), one request
         per connection. Runs on the daemon's loop: a scrape costs one snapshot, no thread."""
+        if self.open >= MAX_OPEN:
+            self.refused += 1
+            writer.close()
+            return
+        self.open += 1
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5.0)
             parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
@@ -78,6 +95,7 @@ class OperatorRequests:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         finally:
+            self.open -= 1
             writer.close()
 
 

@@ -250,7 +250,10 @@ class Daemon:
                 session.requests += 1
                 session.last_request_at = time.monotonic()
             if kind == MsgType.HELLO:
-                self.engine_requests.peer = peer or self.control.peer(identity)  # SO_PEERCRED (None: in process)
+                peer = peer or self.control.peer(identity)  # SO_PEERCRED (None: in process)
+                if peer is None and self._serving:  # its connection closed while it waited
+                    raise ProtocolError(ErrorCode.PERMISSION_DENIED, "this connection is closed")
+                self.engine_requests.peer = peer
             out = self.handlers[kind](session, identity, header, arrays)
             if kind == MsgType.HELLO:  # full-size requests from now on
                 self.control.greet(identity)

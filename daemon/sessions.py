@@ -264,10 +264,9 @@ class Sessions(dict):
         for s in sorted(self.values(), key=lambda s: s.client_id):
             if not everyone and s.uid != viewer.uid:
                 continue
-            name = (s.name or "-").replace("\t", " ").replace("\n", " ")
-            lines.append(f"{s.client_id}\t{s.pid}\t{s.rank}\t{s.device}\t{s.engine or '-'}\t"
+            lines.append(f"{s.client_id}\t{s.pid}\t{s.rank}\t{_cell(s.device)}\t{_cell(s.engine)}\t"
                          f"{'yes' if s.state else 'no'}\t{s.requests}\t{s.errors}\t{now - s.connected_at:.0f}\t"
-                         f"{s.uid}\t{name}")
+                         f"{s.uid}\t{_cell(s.name)}")
         return "\n".join(lines) + "\n"
 
 
@@ -304,3 +303,9 @@ def _alive(s: Session) -> bool:
         return False
     except psutil.Error:
         return True  # cannot tell (permissions): keep it
+
+
+def _cell(text) -> str:
+    """A client's string as one cell of a tab-separated line: control characters (tabs,
+    newlines: a forged line) become spaces; empty is "-"."""
+    return "".join(" " if ord(ch) < 32 or ord(ch) == 127 else ch for ch in str(text or "")) or "-"
