@@ -4,8 +4,9 @@ An engine (one model served by one or several TP ranks) is created by its first 
 ATTACH, which reserves its host pool range; every later rank of the same name joins it
 (with the same layout, or LAYOUT_MISMATCH) if it may: only the creator's uid, root, or a
 member of the daemon's admin group. When its last rank detaches, the backend's per-engine
-resources and the pool range are released. Everything per engine lives here and in
-:class:`~.engine.EngineSpace`.
+resources and the pool range are released, unless the engine has a block store holding
+cached blocks (DESIGN §10): then it stays, for the next process that attaches to it. Everything
+per engine lives here and in :class:`~.engine.EngineSpace`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Iterator
 
 from sparsekv.proto import ErrorCode, Layout, ProtocolError
 
+from .blocks.contract import UidLedger
+from .blocks.store import BlockStore
 from .engine import EngineSpace, Owner, RankState
 from .pool import HostPool
 
@@ -45,24 +48,30 @@ class EngineRegistry:
             engine holds beyond its pool range.
         max_pool_bytes_per_uid: pool bytes the engines one uid created may hold together
             (their ranges); a new engine beyond it is QUOTA_EXCEEDED. 0: no quota.
+        max_blocks_per_uid: private + reserved blocks of one uid's sessions over every
+            block store (QUOTA_EXCEEDED beyond it); 0: no quota.
 
     Iterating yields engine names; ``len()`` is the number of engines.
     """
 
-    def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0):
+    def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0, max_blocks_per_uid: int = 0):
         self.pool = pool
         self.backend = backend
         self.max_pool_bytes_per_uid = max_pool_bytes_per_uid
+        self.block_ledger = UidLedger(max_blocks_per_uid)
         self._engines: dict[str, EngineSpace] = {}
         self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
 
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
-                     transport: str = "zmq", engine_slab=None) -> PendingAttach:
+                     transport: str = "zmq", engine_slab=None, block_size: int = 0) -> PendingAttach:
         """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
         to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
         pool range. Then :meth:`prepare` (any thread), then :meth:`commit`; :meth:`abort` on
         any error. While an attach is pending its engine is not released.
+
+        ``block_size`` > 0: the engine has a block store of ``host_rows // block_size``
+        blocks (a new engine gets one; an existing one must have the same block size).
 
         ``owner``: the client's credentials; a new engine belongs to them. An existing
         engine with an owner is joined only with the same uid, as uid 0, or when
@@ -76,6 +85,9 @@ class EngineRegistry:
             try:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
                 space = EngineSpace(engine_name, layout, view, offset, owner)
+                if block_size:
+                    space.block_size = block_size
+                    space.blocks = BlockStore(layout.host_rows // block_size, space.zero_blocks, self.block_ledger)
             except BaseException:
                 self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
@@ -86,6 +98,10 @@ class EngineRegistry:
         elif space.layout != layout:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} is attached with "
                                 f"{space.layout.to_wire()}, this rank sent {layout.to_wire()}")
+        elif space.block_size != block_size:
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} has "
+                                f"{f'blocks of {space.block_size} rows' if space.block_size else 'no block store'}, "
+                                f"this rank asked for {f'blocks of {block_size}' if block_size else 'none'}")
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
             kw["engine_slab"] = engine_slab
@@ -148,6 +164,8 @@ class EngineRegistry:
         space = self._engines.get(engine_name)
         if space is not None:
             space.ranks.pop(client_id, None)
+            if space.blocks is not None:  # its pins and private blocks (zeroed) go with it
+                space.blocks.close(client_id)
         # The rank first: it may hold resources that refer to the engine's (pinned) pool.
         self.backend.release_rank(client_id)
         if space is not None and self._release_if_unused(space):
@@ -158,6 +176,8 @@ class EngineRegistry:
         and no attach pending; return whether it did."""
         if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space:
             return False
+        if space.blocks is not None and space.blocks.cached_blocks:
+            return False  # kept for the next process of this namespace (DESIGN §10)
         del self._engines[space.name]
         # Unpinned first (cuda): the pool zeroes the range only once no device mapping is left.
         self.backend.release_engine(space)

@@ -1,0 +1,187 @@
+"""The block store through a serving daemon (cpu backend, real sockets), with engines in
+processes of their own (tests/block_engine.py) where processes matter: two engines of one
+uid share blocks and read them in place through their block tables; an engine killed and
+started again finds its blocks; another uid cannot attach the namespace. Then eviction
+order, zeroing, read-only cached blocks and admission (reserve, POOL_EXHAUSTED, the
+per-uid quota) from a client in the test's process."""
+
+import json
+import os
+import select
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolExhausted, QuotaExceeded
+
+ENGINE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "block_engine.py")
+LAY = helpers.layout(host_rows=64, index_groups=((0, 1),))  # 16 blocks of 4 rows
+BS = 4
+
+
+class Engine:
+    """An engine process attached to ``engine`` with a block store; ``(op, **args)`` runs
+    one command there and returns its answer."""
+
+    def __init__(self, run_dir: str, engine: str = "m", uid: int | None = None):
+        self.p = subprocess.Popen([*helpers.as_user(uid), sys.executable, ENGINE, run_dir, engine,
+                                   json.dumps(LAY.to_wire()), str(BS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd="/tmp")
+        self.hello = self._read()
+
+    def __call__(self, op: str, **args):
+        self.p.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def _read(self):
+        if not select.select([self.p.stdout], [], [], 30)[0]:
+            raise AssertionError("the engine process did not answer within 30 s")
+        line = self.p.stdout.readline()
+        if not line:
+            raise AssertionError(f"the engine process ended: {self.p.stderr.read()}")
+        return json.loads(line)
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.stdin.close()
+            self.p.wait(10)
+
+
+def tokens(seed: int, n_blocks: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 50_000, n_blocks * BS).tolist()
+
+
+@pytest.fixture
+def daemon():
+    with helpers.serving_daemon(4 << 20) as d:
+        yield d
+
+
+def test_two_engines_of_one_uid_share_blocks_and_read_them_in_place(daemon):
+    a, b = Engine(daemon.run_dir), Engine(daemon.run_dir)
+    try:
+        prompt = tokens(1, 6)
+        first = a("prefill", tokens=prompt)
+        assert first["hit"] == 0 and len(first["table"]) == 6
+        written = helpers.stats_json(daemon.run_dir)["rows_written"]
+        second = b("prefill", tokens=prompt + tokens(2, 2))  # the shared prompt, then its own
+        assert second["hit"] == 6 and second["table"][:6] == first["table"]
+        assert b("verify", tokens=prompt + tokens(2, 2), table=second["table"]) == {"bad": 0}
+        stats = helpers.stats_json(daemon.run_dir)
+        assert stats["rows_written"] - written == 2 * BS * LAY.num_layers  # only b's own two blocks
+        assert stats["block_hits"] == 6 and stats["block_hit_tokens"] == 6 * BS
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_engine_killed_and_started_again_finds_its_blocks(daemon):
+    prompt = tokens(3, 8)
+    a = Engine(daemon.run_dir)
+    table = a("prefill", tokens=prompt)["table"]
+    a.kill()  # pins and all: released when the daemon sees the process gone
+    helpers.wait_for(lambda: not daemon.engines.space("m").ranks, what="the killed engine's rank released")
+    assert "m" in daemon.engines  # kept: it caches blocks
+    again = Engine(daemon.run_dir)
+    try:
+        got = again("prefill", tokens=prompt)
+        assert got == {"hit": 8, "table": table}
+        assert again("verify", tokens=prompt, table=table) == {"bad": 0}
+    finally:
+        again.close()
+
+
+def test_an_engine_without_cached_blocks_gives_its_range_back(daemon):
+    a = Engine(daemon.run_dir)
+    a("alloc", n=3)
+    a.close()
+    helpers.wait_for(lambda: "m" not in daemon.engines, what="the engine released")
+    assert daemon.pool.used_bytes == 0
+
+
+@pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
+def test_another_uid_cannot_attach_the_namespace(daemon):
+    helpers.open_to_other_users(daemon.run_dir)
+    a = Engine(daemon.run_dir)
+    try:
+        a("prefill", tokens=tokens(4, 2))
+        other = Engine(daemon.run_dir, uid=4321)
+        assert other.hello["err"] == "PERMISSION_DENIED"
+        other.close()
+    finally:
+        a.close()
+
+
+def commit(c: Client, seed: int, n: int):
+    keys = c.blocks.hashes(tokens(seed, n))
+    blocks = c.blocks.alloc(n)
+    c.write(c.blocks.rows(blocks), np.full((LAY.num_layers, n * BS, LAY.row_bytes), seed, np.uint8))
+    assert (c.blocks.commit(blocks, keys) == blocks).all()
+    return keys, blocks
+
+
+def test_eviction_is_lru_of_unpinned_blocks_zeroed_and_cached_blocks_are_read_only(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        prompts = [commit(c, seed, 4) for seed in (10, 11, 12, 13)]  # every block cached, pinned
+        for i in (2, 0, 3):
+            c.blocks.release(prompts[i][1])
+        with pytest.raises(PoolExhausted):
+            c.blocks.alloc(13)  # prompt 1 is pinned: never evicted
+        got = c.blocks.alloc(8)
+        assert got.tolist() == [*prompts[2][1], *prompts[0][1]]  # least recently unpinned first
+        pool = daemon.engines.space("m").pool
+        assert not pool[:, c.blocks.rows(got)].any()  # zeroed before reuse
+        assert c.blocks.lookup(prompts[2][0]).size == 0
+        assert c.blocks.lookup(prompts[3][0]).tolist() == prompts[3][1].tolist()
+        with pytest.raises(BadRequest, match="not in a block this client allocated"):
+            c.write(c.blocks.rows(prompts[1][1][:1]), np.zeros((LAY.num_layers, BS, LAY.row_bytes), np.uint8))
+        assert (pool[:, c.blocks.rows(prompts[1][1])] == 11).all()
+        assert helpers.stats_json(daemon.run_dir)["block_evictions"] == 8
+
+
+def test_reserve_is_granted_or_pool_exhausted_with_the_figures(daemon):
+    with Client(daemon.run_dir) as a, Client(daemon.run_dir) as b:
+        a.attach(LAY, engine="m", block_size=BS)
+        b.attach(LAY, engine="m", block_size=BS)
+        keys, blocks = commit(a, 20, 10)
+        a.blocks.release(blocks[:2])  # two evictable
+        assert b.blocks.reserve(7)["reserved"] == 7
+        with pytest.raises(PoolExhausted) as e:
+            a.blocks.reserve(2)
+        assert (e.value.wanted, e.value.free, e.value.evictable, e.value.reserved) == (2, 6, 2, 7)
+        assert a.blocks.lookup(keys[:2]).size == 1  # the second would take a promised block
+        assert b.blocks.alloc(7).size == 7  # the promise holds
+        assert b.blocks.reserve(0)["reserved"] == 0
+
+
+def test_the_per_uid_block_quota():
+    with helpers.serving_daemon(4 << 20, max_blocks_per_uid=6) as d, Client(d.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        c.blocks.alloc(4)
+        with pytest.raises(QuotaExceeded, match="max_blocks_per_uid 6"):
+            c.blocks.reserve(3)
+        assert c.blocks.reserve(2)["reserved"] == 2
+
+
+def test_block_requests_need_a_store_and_valid_arguments(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="plain")
+        assert c.blocks is None
+        with Client(daemon.run_dir) as other:
+            with pytest.raises(LayoutMismatch, match="no block store"):
+                other.attach(LAY, engine="plain", block_size=BS)
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        with pytest.raises(BadRequest, match="blocks must lie in"):
+            c.blocks.release([99])
+        with pytest.raises(BadRequest, match="hashes must be int64"):
+            c.blocks.lookup(np.zeros((2, 3), np.int64))
