@@ -100,7 +100,7 @@ def test_alloc_takes_free_blocks_lowest_first_then_evicts_in_lru_order(one):
 
 
 def test_a_pinned_block_is_never_evicted(one):
-    cache(one, 1, 0)  # block 0, pinned by session 1
+    cache(one, 1, 0)  # block 0, pinned by its committer
     b = cache(one, 1, 1)
     one.release(1, [b])
     one.alloc(2, 2)  # two free ones
@@ -136,7 +136,7 @@ def test_lookup_pins_the_longest_cached_prefix(one):
     assert one.lookup(2, [h(10), h(11), h(99), h(12)]) == blocks[:2]
     assert one.alloc(2, 2) == [3, blocks[2]]  # the pinned prefix stays
     with pytest.raises(BlockError):
-        one.release(1, blocks[:1])  # session 1 unpinned it already
+        one.release(1, blocks[:1])  # its committer unpinned it already
 
 
 def test_lookup_stops_before_a_block_a_reservation_needs(one):
