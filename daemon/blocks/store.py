@@ -10,7 +10,7 @@ becomes free or is evicted, so a block handed out again holds zeros.
 from __future__ import annotations
 
 import collections
-import heapq
+import itertools
 from typing import Callable
 
 import numpy as np
@@ -33,6 +33,12 @@ def hash_keys(hashes) -> list[bytes]:
 class BlockStore:
     """``n_blocks`` blocks of one namespace (see the module and ``contract.py``).
 
+    Per block: ``state`` (FREE, CACHED or the owning session), ``pins`` (of a cached
+    block, by every session) and ``stamp`` (when it was last unpinned: the LRU order of
+    evictable blocks is their stamps'); per session, its pins of each block. A lookup or a
+    release is a few array operations whatever its length; only ``alloc`` (which evictable
+    blocks are oldest) and ``close`` scan every block.
+
     Args:
         n_blocks: blocks in the store.
         zero: called with a list of blocks to zero (their rows in every layer, and hot copies dropped).
@@ -44,34 +50,34 @@ class BlockStore:
         self._zero = zero
         self.ledger = ledger if ledger is not None else UidLedger()
         self.state = np.full(n_blocks, FREE, dtype=np.int64)
-        self.pins = np.zeros(n_blocks, dtype=np.int64)  # of a cached block, by every session
-        self._free = list(range(n_blocks))  # a heap: the lowest free block first
+        self.pins = np.zeros(n_blocks, dtype=np.int64)
+        self.stamp = np.zeros(n_blocks, dtype=np.int64)
+        self._mark = np.zeros(n_blocks, dtype=np.int64)  # scratch: finds blocks named twice in a lookup
+        self._clock = 0
+        self.free_blocks = n_blocks
+        self.evictable_blocks = 0  # cached, pinned by nobody
         self.block_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
-        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unpinned cached blocks
         self.reserved: dict[int, int] = {}
         self.reserved_total = 0
         self._uid: dict[int, int] = {}
-        self._private: dict[int, set[int]] = {}  # session -> its private blocks
-        self._pinned: dict[int, collections.Counter] = {}  # session -> {cached block: pins}
+        self._pinned: dict[int, np.ndarray] = {}  # session -> its pins of each block
         self.counts = collections.Counter()  # lookups, hit_blocks, commits, evictions
 
     # -- what the store has ------------------------------------------------------------
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def evictable_blocks(self) -> int:
-        return len(self.lru)
-
     @property
     def cached_blocks(self) -> int:
         return len(self.hash_of)
 
     @property
     def referenced_blocks(self) -> int:
-        return len(self.hash_of) - len(self.lru)
+        return len(self.hash_of) - self.evictable_blocks
+
+    @property
+    def lru(self) -> list[int]:
+        """The evictable blocks, least recently unpinned first."""
+        cand = np.flatnonzero((self.state == CACHED) & (self.pins == 0))
+        return cand[np.argsort(self.stamp[cand], kind="stable")].tolist()
 
     def gauges(self) -> dict:
         return {"blocks": self.n_blocks, "free": self.free_blocks, "cached": self.cached_blocks,
@@ -84,8 +90,8 @@ class BlockStore:
     def open(self, session: int, uid: int) -> None:
         """``session`` (of ``uid``) may use the store from now on."""
         self._uid[session] = uid
-        self._private.setdefault(session, set())
-        self._pinned.setdefault(session, collections.Counter())
+        if session not in self._pinned:
+            self._pinned[session] = np.zeros(self.n_blocks, dtype=np.int32)
 
     def _uid_of(self, session: int) -> int:
         try:
@@ -125,20 +131,18 @@ class BlockStore:
         self.reserved[session] = self.reserved.get(session, 0) - mine
         self.reserved_total -= mine
         take = min(n, self.free_blocks)
-        out = [heapq.heappop(self._free) for _ in range(take)]
-        evicted = []
-        for _ in range(n - take):
-            b, _ = self.lru.popitem(last=False)
-            del self.block_of[self.hash_of.pop(b)]
-            evicted.append(b)
-        if evicted:
+        out = np.flatnonzero(self.state == FREE)[:take] if take else np.empty(0, np.int64)
+        if n > take:
+            evicted = self.lru[: n - take]
+            for b in evicted:
+                del self.block_of[self.hash_of.pop(b)]
+            self.evictable_blocks -= len(evicted)
             self.counts["evictions"] += len(evicted)
             self._zero(evicted)
-        out += evicted
-        arr = np.asarray(out, dtype=np.int32)
-        self.state[arr] = session
-        self._private[session].update(out)
-        return arr
+            out = np.concatenate([out, np.asarray(evicted, dtype=np.int64)])
+        self.state[out] = session
+        self.free_blocks -= take
+        return out.astype(np.int32)
 
     def commit(self, session: int, blocks, hashes) -> np.ndarray:
         """Cache private ``blocks`` (int [n]) under ``hashes`` (int64 [n, 2]), each pinned
@@ -155,19 +159,17 @@ class BlockStore:
             raise BlockError("BAD_ARGUMENT", f"block {bad} is not private to this session (allocate it, write it, "
                              "then commit it; a cached block is read-only)")
         out = np.empty(blocks.size, dtype=np.int32)
-        mine, pinned = self._private[session], self._pinned[session]
         for i, (b, h) in enumerate(zip(blocks.tolist(), keys)):
             held = self.block_of.setdefault(h, b)
             out[i] = held
             if held == b:
                 self.hash_of[b] = h
-                mine.discard(b)
-                pinned[b] += 1
-        done = out == blocks
-        self.state[blocks[done]] = CACHED
-        self.pins[blocks[done]] = 1
-        self.ledger.add(uid, -int(done.sum()))
-        self.counts["commits"] += int(done.sum())
+        done = blocks[out == blocks]
+        self.state[done] = CACHED
+        self.pins[done] = 1
+        self._pinned[session][done] += 1
+        self.ledger.add(uid, -done.size)
+        self.counts["commits"] += done.size
         return out
 
     def lookup(self, session: int, hashes) -> np.ndarray:
@@ -176,14 +178,14 @@ class BlockStore:
         reservations need."""
         self._uid_of(session)
         keys = hash_keys(hashes)
-        found = list(map(self.block_of.get, keys))
-        try:
-            found = found[: found.index(None)]
-        except ValueError:
-            pass
-        arr = np.asarray(found, dtype=np.int32)
+        arr = np.fromiter(map(self.block_of.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(keys))
+        missing = np.flatnonzero(arr < 0)
+        if missing.size:
+            arr = arr[: missing[0]]
         unpinned = self.pins[arr] == 0
-        if arr.size and np.unique(arr).size != arr.size:  # a block named twice costs one evictable block
+        self._mark[arr] = np.arange(arr.size)  # a block named twice keeps only its last position here
+        twice = bool((self._mark[arr] != np.arange(arr.size)).any())  # (np.unique costs 10x more)
+        if twice:  # a block named twice takes one evictable block
             first = np.zeros(arr.size, dtype=bool)
             first[np.unique(arr, return_index=True)[1]] = True
             unpinned &= first
@@ -191,54 +193,62 @@ class BlockStore:
         over = np.flatnonzero(np.cumsum(unpinned) > slack)
         if over.size:
             arr, unpinned = arr[: over[0]], unpinned[: over[0]]
-        for b in arr[unpinned].tolist():
-            del self.lru[b]
-        np.add.at(self.pins, arr, 1)
-        self._pinned[session].update(arr.tolist())
+        self.evictable_blocks -= int(np.count_nonzero(unpinned))
+        if twice:
+            np.add.at(self.pins, arr, 1)
+            np.add.at(self._pinned[session], arr, 1)
+        else:
+            self.pins[arr] += 1
+            self._pinned[session][arr] += 1
         self.counts["lookups"] += 1
         self.counts["hit_blocks"] += arr.size
-        return arr
+        return arr.astype(np.int32)
 
     def release(self, session: int, blocks) -> None:
         """Unpin cached ``blocks`` (int [n]; named twice: unpinned twice) and free private
-        ones (zeroed); all or nothing."""
+        ones (zeroed); all or nothing. The blocks whose last pin goes become evictable in
+        the order of their last mention."""
         uid = self._uid_of(session)
         blocks = self._block_ids(blocks)
-        want = collections.Counter(blocks.tolist())
-        mine, pinned = self._private[session], self._pinned[session]
-        for b, k in want.items():
-            if k > (1 if b in mine else pinned.get(b, 0)):
-                raise BlockError("BAD_ARGUMENT", f"block {b} is not held by this session {k} time(s)")
-        freed = [b for b in want if b in mine]
-        for b in freed:
-            mine.discard(b)
-            want.pop(b)
-        if want:
-            pinned.subtract(want)
-            ub = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
-            self.pins[ub] -= np.fromiter(want.values(), dtype=np.int64, count=len(want))
-            for b in ub[self.pins[ub] == 0].tolist():
-                self.lru[b] = None
-            for b in want:
-                if not pinned[b]:
-                    del pinned[b]
-        if freed:
-            self.ledger.add(uid, -len(freed))
-            self._zero(freed)
+        pinned = self._pinned[session]
+        if len(set(blocks.tolist())) == blocks.size:  # the common case, without np.unique's cost
+            uniq, last, count = blocks, np.arange(blocks.size), np.ones(blocks.size, np.int64)
+        else:
+            uniq, first_rev, count = np.unique(blocks[::-1], return_index=True, return_counts=True)
+            last = blocks.size - 1 - first_rev  # where each block is named last
+        private = self.state[uniq] == session
+        held = np.where(private, 1, pinned[uniq])
+        if (count > held).any():
+            i = int(np.flatnonzero(count > held)[0])
+            raise BlockError("BAD_ARGUMENT", f"block {int(uniq[i])} is not held by this session {int(count[i])} time(s)")
+        u, c = uniq[~private], count[~private]
+        pinned[u] -= c.astype(np.int32)
+        self.pins[u] -= c
+        gone = self.pins[u] == 0
+        if gone.any():  # stamped in the order of each block's last mention
+            order = np.argsort(last[~private][gone], kind="stable")
+            self.stamp[u[gone][order]] = self._clock + np.arange(order.size)
+            self._clock += order.size
+            self.evictable_blocks += order.size
+        freed = uniq[private]
+        if freed.size:
+            freed = freed[np.argsort(last[private], kind="stable")]
+            self.ledger.add(uid, -freed.size)
+            self._zero(freed.tolist())
             self.state[freed] = FREE
-            for b in freed:
-                heapq.heappush(self._free, b)
+            self.free_blocks += freed.size
 
     def close(self, session: int) -> None:
         """``session`` is gone: its pins released, its private blocks freed, its
         reservation dropped."""
         if session not in self._uid:
             return
-        held = list(self._private[session]) + list(self._pinned[session].elements())
-        self.release(session, np.asarray(sorted(held), dtype=np.int64))
+        pinned = self._pinned[session]
+        held = np.concatenate([np.flatnonzero(self.state == session), np.repeat(np.arange(self.n_blocks), pinned)])
+        self.release(session, np.sort(held))
         self.reserve(session, -self.reserved.get(session, 0))
         self.reserved.pop(session, None)
-        del self._uid[session], self._private[session], self._pinned[session]
+        del self._uid[session], self._pinned[session]
 
     def writable(self, session: int, rows: np.ndarray, block_size: int) -> None:
         """BAD_ARGUMENT unless every host row of ``rows`` lies in a block private to
