@@ -1,4 +1,4 @@
-"""The engine's view of its engine's block store (DESIGN §10): ``Client.blocks`` after an
+"""The engine's view of its engine's block store (DESIGN §9): ``Client.blocks`` after an
 ``attach(..., block_size=n)``.
 
 A block is ``block_size`` host rows, ``[b * block_size, (b + 1) * block_size)``, of every
@@ -50,7 +50,8 @@ class Blocks:
     def reserve(self, n: int) -> dict:
         """Promise ``n`` more blocks to this client (``n < 0`` gives some back); returns
         ``reserved`` (this client's now) and the store's ``blocks``, ``free``, ``cached``,
-        ``referenced``, ``private`` and ``reserved`` counts. ``PoolExhausted`` when it cannot."""
+        ``referenced``, ``evictable``, ``private`` and ``reserved_total`` counts.
+        ``PoolExhausted`` when it cannot."""
         return self._call(MsgType.BLOCK_RESERVE, {"n": int(n)})[0]
 
     def alloc(self, n: int) -> np.ndarray:

@@ -221,7 +221,7 @@ class Client(Connection):
         :meth:`doorbell_handle`). ``slab``: an engine-owned hot slab (``EngineSlab`` with its
         geometry) the daemon gathers into instead of a slab of its own. ``block_size``: the
         engine has a block store of ``host_rows // block_size`` blocks (``self.blocks``;
-        DESIGN §10), kept while it caches blocks, for the next process that attaches."""
+        DESIGN §9), kept while it caches blocks, for the next process that attaches."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
         if block_size:

@@ -1,4 +1,4 @@
-"""What an engine asks of its block store (DESIGN §10): BLOCK_RESERVE, BLOCK_ALLOC,
+"""What an engine asks of its block store (DESIGN §9): BLOCK_RESERVE, BLOCK_ALLOC,
 BLOCK_COMMIT, BLOCK_LOOKUP, BLOCK_RELEASE.
 
 The store is the one of the engine the session is attached to (an ATTACH with
@@ -44,7 +44,7 @@ class BlockRequests:
     def on_reserve(self, s: Session, identity, h, a):
         store = self._store(s)
         reserved = store.reserve(s.client_id, _count(h, signed=True))
-        return {"reserved": reserved, **store.gauges()}, None
+        return {**store.gauges(), "reserved": reserved}, None
 
     def on_alloc(self, s: Session, identity, h, a):
         store = self._store(s)

@@ -206,7 +206,7 @@ class EngineSpace:
         self.pool_offset = pool_offset
         self.owner = owner
         self.ranks: dict[int, RankState] = {}  # by client id
-        # The engine's block store (DESIGN §10), when its first rank attached with a block
+        # The engine's block store (DESIGN §9), when its first rank attached with a block
         # size: block b is host rows [b * block_size, (b + 1) * block_size) of every layer.
         self.blocks = None
         self.block_size = 0

@@ -325,7 +325,7 @@ def _block_size(field, layout: Layout) -> int:
 
 def _own_blocks(s: Session, space, rows) -> None:
     """A write into an engine with a block store: only into blocks the writer allocated
-    (a cached block is read-only, DESIGN §10)."""
+    (a cached block is read-only, DESIGN §9)."""
     if space.blocks is not None:
         space.blocks.writable(s.client_id, rows, space.block_size)
 

@@ -5,7 +5,7 @@ ATTACH, which reserves its host pool range; every later rank of the same name jo
 (with the same layout, or LAYOUT_MISMATCH) if it may: only the creator's uid, root, or a
 member of the daemon's admin group. When its last rank detaches, the backend's per-engine
 resources and the pool range are released, unless the engine has a block store holding
-cached blocks (DESIGN §10): then it stays, for the next process that attaches to it. Everything
+cached blocks (DESIGN §9): then it stays, for the next process that attaches to it. Everything
 per engine lives here and in :class:`~.engine.EngineSpace`.
 """
 
@@ -177,7 +177,7 @@ class EngineRegistry:
         if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space:
             return False
         if space.blocks is not None and space.blocks.cached_blocks:
-            return False  # kept for the next process of this namespace (DESIGN §10)
+            return False  # kept for the next process of this namespace (DESIGN §9)
         del self._engines[space.name]
         # Unpinned first (cuda): the pool zeroes the range only once no device mapping is left.
         self.backend.release_engine(space)

@@ -1,4 +1,4 @@
-"""The block store's hash rule (DESIGN §10): how an engine names a full block of positions.
+"""The block store's hash rule (DESIGN §9): how an engine names a full block of positions.
 
 A block's key is a 16-byte chain hash, as engines' prefix caches compute theirs: the
 BLAKE2b-128 of its parent's key followed by the block's token ids (little-endian int32).

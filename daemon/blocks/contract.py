@@ -1,4 +1,4 @@
-"""Reference model of the block store contract (DESIGN §10), written for clarity, not speed.
+"""Reference model of the block store contract (DESIGN §9), written for clarity, not speed.
 
 The daemon's :class:`~.store.BlockStore` is checked against it. One namespace's store has
 ``n_blocks`` blocks of ``block_size`` host rows; each block is in one of three states:

@@ -1,4 +1,4 @@
-"""The daemon's block store of one namespace: the contract of ``contract.py`` (DESIGN §10)
+"""The daemon's block store of one namespace: the contract of ``contract.py`` (DESIGN §9)
 kept in arrays and C-speed containers, so a lookup of a 2,048-block chain costs tens of
 microseconds. The event loop's thread only.
 
@@ -80,9 +80,11 @@ class BlockStore:
         return cand[np.argsort(self.stamp[cand], kind="stable")].tolist()
 
     def gauges(self) -> dict:
+        """The store's counts of blocks: all, free, cached, referenced (cached and pinned),
+        evictable (cached, unpinned), private, and reserved_total (promised to sessions)."""
         return {"blocks": self.n_blocks, "free": self.free_blocks, "cached": self.cached_blocks,
-                "referenced": self.referenced_blocks, "private": self.n_blocks - self.free_blocks - self.cached_blocks,
-                "reserved": self.reserved_total}
+                "referenced": self.referenced_blocks, "evictable": self.evictable_blocks,
+                "private": self.n_blocks - self.free_blocks - self.cached_blocks, "reserved_total": self.reserved_total}
 
     def _exhausted(self, wanted: int) -> PoolExhausted:
         return PoolExhausted(wanted, self.free_blocks, self.evictable_blocks, self.reserved_total)

@@ -154,7 +154,11 @@ def test_reserve_is_granted_or_pool_exhausted_with_the_figures(daemon):
         b.attach(LAY, engine="m", block_size=BS)
         keys, blocks = commit(a, 20, 10)
         a.blocks.release(blocks[:2])  # two evictable
-        assert b.blocks.reserve(7)["reserved"] == 7
+        assert a.blocks.reserve(1)["reserved"] == 1
+        got = b.blocks.reserve(6)
+        assert (got["reserved"], got["reserved_total"], got["free"], got["evictable"]) == (6, 7, 6, 2)
+        a.blocks.reserve(-1)
+        assert b.blocks.reserve(1)["reserved"] == 7
         with pytest.raises(PoolExhausted) as e:
             a.blocks.reserve(2)
         assert (e.value.wanted, e.value.free, e.value.evictable, e.value.reserved) == (2, 6, 2, 7)

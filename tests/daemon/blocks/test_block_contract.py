@@ -1,4 +1,4 @@
-"""The block store contract (DESIGN §10): each clause on a small hand-made example, run on
+"""The block store contract (DESIGN §9): each clause on a small hand-made example, run on
 the reference model and on the daemon's ``BlockStore``; then both on random sequences of
 requests from several sessions and uids (hypothesis), step for step equal, with the
 model's invariants (zeroed free blocks, pinned blocks never evicted nor rewritten,
