@@ -171,14 +171,21 @@ class EngineRegistry:
         if space is not None and self._release_if_unused(space):
             log.info("engine %r released its pool range", engine_name)
 
-    def _release_if_unused(self, space: EngineSpace, zero: bool = True) -> bool:
+    def drop_kept(self) -> list[str]:
+        """Release every engine kept only for its cached blocks (no rank, no attach
+        pending), cached blocks and all: at stop. Returns their names."""
+        kept = [space for space in self._engines.values() if not space.ranks and not self._attaching.get(space.name)]
+        return [space.name for space in kept if self._release_if_unused(space, keep_cached=False)]
+
+    def _release_if_unused(self, space: EngineSpace, zero: bool = True, keep_cached: bool = True) -> bool:
         """Release ``space`` (the backend's part, then its pool range) if it has no rank
-        and no attach pending; return whether it did."""
+        and no attach pending (and, with ``keep_cached``, no cached block); return whether it did."""
         if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space:
             return False
-        if space.blocks is not None and space.blocks.cached_blocks:
+        if keep_cached and space.blocks is not None and space.blocks.cached_blocks:
             return False  # kept for the next process of this namespace (DESIGN §9)
         del self._engines[space.name]
+        space.blocks = None  # (the store's zeroing refers back to the space: no cycle keeps the pool's view)
         # Unpinned first (cuda): the pool zeroes the range only once no device mapping is left.
         self.backend.release_engine(space)
         self.pool.release(space.pool_offset, zero=zero)

@@ -160,6 +160,9 @@ class Daemon:
                         self.sessions.detach(s)
                     except Exception:  # noqa: BLE001 - stop the others cleanly all the same
                         log.exception("detaching client %d at stop failed", s.client_id)
+                dropped = self.engines.drop_kept()
+                if dropped:
+                    log.info("released %d engine(s) kept for their cached blocks: %s", len(dropped), ", ".join(dropped))
             self.sessions.clear()
             self.heavy.shutdown(wait=not self.exit_code)  # memory being released on its threads
             self._serving = False
