@@ -195,6 +195,19 @@ class EngineRegistry:
         """The engine named ``engine_name`` (KeyError if none is attached)."""
         return self._engines[engine_name]
 
+    def block_lines(self, uid: int | None = None) -> str:
+        """One tab-separated line per engine with a block store (of owner ``uid`` only,
+        unless None) under a header line: what ``sparsekv blocks`` shows."""
+        cols = ("blocks", "free", "cached", "referenced", "evictable", "private", "reserved_total")
+        lines = ["engine\towner_uid\tblock_size\tranks\t" + "\t".join(cols)]
+        for name, space in sorted(self._engines.items()):
+            owner = space.owner.uid if space.owner is not None else -1
+            if space.blocks is None or (uid is not None and owner != uid):
+                continue
+            g = space.blocks.gauges()
+            lines.append(f"{name}\t{owner}\t{space.block_size}\t{len(space.ranks)}\t" + "\t".join(str(g[c]) for c in cols))
+        return "\n".join(lines) + "\n"
+
     def gauges(self) -> dict:
         """What the stats snapshot shows of engines and the pool."""
         return {"engines": len(self._engines), "pool_bytes": self.pool.size_bytes,

@@ -189,3 +189,16 @@ def test_block_requests_need_a_store_and_valid_arguments(daemon):
             c.blocks.release([99])
         with pytest.raises(BadRequest, match="hashes must be int64"):
             c.blocks.lookup(np.zeros((2, 3), np.int64))
+
+
+def test_sparsekv_blocks_lists_the_stores_by_engine(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        commit(c, 30, 3)
+        c.blocks.alloc(2)
+        c.blocks.reserve(4)
+        r = helpers.run_cli("blocks", "--json", "--run-dir", daemon.run_dir)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [{"engine": "m", "owner_uid": os.getuid(), "block_size": BS, "ranks": 1,
+                                     "blocks": 16, "free": 11, "cached": 3, "referenced": 3, "evictable": 0,
+                                     "private": 2, "reserved_total": 4}]
