@@ -202,3 +202,17 @@ def test_sparsekv_blocks_lists_the_stores_by_engine(daemon):
     assert json.loads(r.stdout) == [{"engine": "m", "owner_uid": os.getuid(), "block_size": BS, "ranks": 1,
                                      "blocks": 16, "free": 11, "cached": 3, "referenced": 3, "evictable": 0,
                                      "private": 2, "reserved_total": 4}]
+
+
+def test_block_counters_and_gauges_in_the_metrics(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        keys, blocks = commit(c, 40, 2)
+        c.blocks.release(blocks)
+        c.blocks.lookup(keys)
+        text = helpers.stats_query(daemon.run_dir, "prometheus")
+        table = helpers.stats_query(daemon.run_dir, "stats")
+    assert 'sparsekv_engine_blocks{engine="m",state="cached"} 2.0' in text
+    assert 'sparsekv_engine_blocks{engine="m",state="referenced"} 2.0' in text
+    assert "sparsekv_block_commits_total 2.0" in text and "sparsekv_block_hits_total 2.0" in text
+    assert "2 cached (2 referenced), 14 free, 0 private, 0 reserved of 16" in table
