@@ -1,5 +1,6 @@
 """An engine process that uses its engine's block store, driven by a test one JSON line at
 a time on stdin (one JSON answer a line on stdout): the block store tests' real process.
+Tests start it through :class:`Engine`:
 
     python tests/block_engine.py RUN_DIR ENGINE LAYOUT_JSON BLOCK_SIZE
 
@@ -8,18 +9,24 @@ The first line out is ``{"pid": ..., "client_id": ...}`` once attached (or the a
 
 * ``prefill`` (tokens): look the prompt's chain up, allocate the blocks it misses, write
   their rows (the bytes of :func:`block_bytes`, a function of the block's key alone, as KV
-  is of its prefix), commit them; answers ``hit`` (blocks found) and ``table`` (the
-  request's block table: hits, then its own blocks);
+  is of its prefix), commit them; answers ``hit`` (blocks found), ``table`` (the
+  request's block table: hits, then its own blocks) and ``duplicates`` (blocks another
+  engine committed first: this one keeps its own);
+* ``request`` (tokens, release): a whole request as a scheduler runs it: ``reserve`` the
+  prompt's blocks (``{"refused": ...}`` on POOL_EXHAUSTED), ``prefill`` (hits on evictable
+  blocks and allocations use the promise), give back what is left of it, ``verify``, and
+  ``release`` the table if asked;
 * ``verify`` (tokens, table): read every position of the prompt through ``step`` /
   ``topk`` with the block table mapped by ``proto.positions.host_rows`` (the engine's
   block table pointing at the shared blocks), and count hot rows whose bytes are wrong;
-* ``reserve`` (n), ``alloc`` (n), ``release`` (blocks), ``write`` (blocks): the store's
-  requests as they are; ``stats``.
+* ``alloc`` (n), ``release`` (blocks): the store's requests as they are.
 A typed error answers ``{"err": CODE, "detail": ...}``.
 """
 
 import json
 import os
+import select
+import subprocess
 import sys
 
 import numpy as np
@@ -29,10 +36,86 @@ from sparsekv.proto import Layout
 from sparsekv.proto.positions import host_rows
 
 
+LAY = Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=4, host_rows=64,
+             index_groups=((0, 1),)).validate()  # the tests' store: 16 blocks of 4 rows
+BS = 4
+
+
+def tokens(seed: int, n_blocks: int) -> list[int]:
+    """``n_blocks`` blocks of token ids, the same for the same seed."""
+    return np.random.default_rng(seed).integers(0, 50_000, n_blocks * BS).tolist()
+
+
+class Engine:
+    """This script in a process of its own (run by ``as_user``, a command prefix, when
+    given), attached to ``engine`` with :data:`LAY` and :data:`BS`; ``(op, **args)`` runs
+    one command there and returns its answer; ``hello`` is its first line."""
+
+    def __init__(self, run_dir: str, engine: str = "m", as_user=()):
+        self.p = subprocess.Popen([*as_user, sys.executable, os.path.abspath(__file__), run_dir, engine,
+                                   json.dumps(LAY.to_wire()), str(BS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd="/tmp")
+        self.hello = self._read()
+
+    def __call__(self, op: str, **args):
+        self.p.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def _read(self):
+        if not select.select([self.p.stdout], [], [], 30)[0]:
+            raise AssertionError("the engine process did not answer within 30 s")
+        line = self.p.stdout.readline()
+        if not line:
+            raise AssertionError(f"the engine process ended: {self.p.stderr.read()}")
+        return json.loads(line)
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.stdin.close()
+            self.p.wait(10)
+
+
 def block_bytes(key: np.ndarray, num_layers: int, block_size: int, row_bytes: int) -> np.ndarray:
     """What a block under ``key`` (int64 [2]) holds: uint8 [num_layers, block_size, row_bytes]."""
     rng = np.random.default_rng([int(k) & (2**63 - 1) for k in key])
     return rng.integers(0, 256, (num_layers, block_size, row_bytes), dtype=np.uint8)
+
+
+def prefill(c: Client, tokens) -> dict:
+    """Look ``tokens``' chain up, then allocate, write and commit the blocks it misses."""
+    blocks, lay, bs = c.blocks, c.attachment.layout, c.blocks.block_size
+    keys = blocks.hashes(np.asarray(tokens))
+    hit = blocks.lookup(keys)
+    new = blocks.alloc(len(keys) - hit.size)
+    dup = 0
+    if new.size:
+        data = np.concatenate([block_bytes(k, lay.num_layers, bs, lay.row_bytes) for k in keys[hit.size:]], axis=1)
+        c.write(blocks.rows(new), data)
+        dup = int((blocks.commit(new, keys[hit.size:]) != new).sum())  # another engine's came first: ours stays
+    return {"hit": int(hit.size), "table": [*hit.tolist(), *new.tolist()], "duplicates": dup}
+
+
+def verify(c: Client, att, tokens, table, step: int) -> int:
+    """Hot rows with wrong bytes when every position of ``tokens`` is read through
+    ``table`` (top_k positions a step from ``step`` on, state row 0 reset each step)."""
+    lay, bs = att.layout, c.blocks.block_size
+    keys = c.blocks.hashes(np.asarray(tokens))
+    table = np.asarray(table, dtype=np.int32)[None, :]
+    want = np.concatenate([block_bytes(k, lay.num_layers, bs, lay.row_bytes) for k in keys], axis=1)
+    bad = 0
+    for p0 in range(0, keys.shape[0] * bs, lay.top_k):
+        pos = np.arange(p0, p0 + lay.top_k)[None, :]
+        c.step(step, np.array([0], np.int32), reset=np.array([True]))
+        r = c.topk(step, 0, host_rows(pos, table, bs))
+        step += 1
+        for layer in lay.groups[0]:
+            bad += int((att.slab[layer, 0, r.slots[0]] != want[layer, pos[0]]).any(axis=1).sum())
+    return bad
 
 
 def serve(run_dir: str, engine: str, layout: Layout, block_size: int) -> None:
@@ -42,7 +125,7 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int) -> None:
     except SparseKVError as e:
         print(json.dumps({"err": e.code.name, "msg": e.args[0]}), flush=True)
         return
-    blocks, lay, bs = c.blocks, layout, block_size
+    blocks, lay = c.blocks, layout
     print(json.dumps({"pid": os.getpid(), "client_id": c.info["client_id"]}), flush=True)
     step = 0
     for line in sys.stdin:
@@ -50,43 +133,29 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int) -> None:
         op = cmd["op"]
         try:
             if op == "prefill":
-                keys = blocks.hashes(np.asarray(cmd["tokens"]))
-                hit = blocks.lookup(keys)
-                new = blocks.alloc(len(keys) - hit.size)
-                if new.size:
-                    data = np.concatenate([block_bytes(k, lay.num_layers, bs, lay.row_bytes) for k in keys[hit.size:]],
-                                          axis=1)
-                    c.write(blocks.rows(new), data)
-                    held = blocks.commit(new, keys[hit.size:])
-                    assert (held == new).all(), "another engine committed the same blocks meanwhile"
-                out = {"hit": int(hit.size), "table": [*hit.tolist(), *new.tolist()]}
+                out = prefill(c, cmd["tokens"])
             elif op == "verify":
+                out = {"bad": verify(c, att, cmd["tokens"], cmd["table"], step)}
+                step += len(cmd["table"]) * block_size // lay.top_k
+            elif op == "request":
                 keys = blocks.hashes(np.asarray(cmd["tokens"]))
-                table = np.asarray(cmd["table"], dtype=np.int32)[None, :]
-                want = np.concatenate([block_bytes(k, lay.num_layers, bs, lay.row_bytes) for k in keys], axis=1)
-                bad = 0
-                for p0 in range(0, keys.shape[0] * bs, lay.top_k):
-                    pos = np.arange(p0, p0 + lay.top_k)[None, :]
-                    rows = host_rows(pos, table, bs)
-                    c.step(step, np.array([0], np.int32), reset=np.array([True]))
-                    r = c.topk(step, 0, rows)
-                    step += 1
-                    for layer in lay.groups[0]:
-                        got = att.slab[layer, 0, r.slots[0]]
-                        bad += int((got != want[layer, pos[0]]).any(axis=1).sum())
-                out = {"bad": bad}
-            elif op == "reserve":
-                out = blocks.reserve(cmd["n"])
+                try:
+                    blocks.reserve(len(keys))
+                except PoolExhausted as e:
+                    print(json.dumps({"refused": {"free": e.free, "evictable": e.evictable,
+                                                  "reserved": e.reserved}}), flush=True)
+                    continue
+                out = prefill(c, cmd["tokens"])
+                blocks.reserve(-len(keys))  # what hits on pinned blocks left of the promise
+                out["bad"] = verify(c, att, cmd["tokens"], out["table"], step)
+                step += len(out["table"]) * block_size // lay.top_k
+                if cmd.get("release"):
+                    blocks.release(out["table"])
             elif op == "alloc":
                 out = {"blocks": blocks.alloc(cmd["n"]).tolist()}
             elif op == "release":
                 blocks.release(cmd["blocks"])
                 out = {}
-            elif op == "write":
-                rows = blocks.rows(cmd["blocks"])
-                out = c.write(rows, np.full((lay.num_layers, rows.size, lay.row_bytes), 0x5A, np.uint8))
-            elif op == "stats":
-                out = c.stats()
             else:
                 raise ValueError(f"unknown op {op}")
         except PoolExhausted as e:

@@ -17,8 +17,10 @@ Clauses, each one visible step below:
    written again until it is evicted.
 3. ``commit`` caches a private block under a hash and pins it for its committer; a hash
    already cached keeps its block (the committed one stays private: first commit wins).
-4. ``lookup`` pins the longest prefix of a hash chain that is cached, and stops early
-   rather than pin an evictable block that a reservation needs.
+4. ``lookup`` pins the longest prefix of a hash chain that is cached. Pinning an
+   evictable block uses one block of the caller's reservation if it has one (a hit
+   stands for a block it would have allocated); without, the lookup stops early rather
+   than pin an evictable block that others' reservations need.
 5. ``release`` unpins cached blocks (the last unpin appends the block to ``lru``) and
    frees private ones (zeroed); all or nothing.
 6. ``reserve(n)`` promises ``n`` more blocks to a session, or raises
@@ -180,7 +182,10 @@ class BlockStoreModel:
             if b is None:
                 break
             if b in self.lru:
-                if len(self.free()) + len(self.lru) - 1 < self.total_reserved():
+                if self.reserved.get(session, 0):  # the caller's own promise pays for it
+                    self.reserved[session] -= 1
+                    self.ledger.add(self.uid[session], -1)
+                elif len(self.free()) + len(self.lru) - 1 < self.total_reserved():
                     break  # pinning it would break a promise (clause 6)
                 self.lru.remove(b)
             self.pins[b][session] = self.pins[b].get(session, 0) + 1

@@ -176,9 +176,10 @@ class BlockStore:
 
     def lookup(self, session: int, hashes) -> np.ndarray:
         """Pin and return (int32 [m]) the blocks of the longest cached prefix of the chain
-        ``hashes`` (int64 [n, 2]); it stops before an evictable block that the
-        reservations need."""
-        self._uid_of(session)
+        ``hashes`` (int64 [n, 2]). An evictable block it pins takes one block of
+        ``session``'s reservation while it has one; past that, it stops before an evictable
+        block that the reservations need."""
+        uid = self._uid_of(session)
         keys = hash_keys(hashes)
         arr = np.fromiter(map(self.block_of.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(keys))
         missing = np.flatnonzero(arr < 0)
@@ -191,11 +192,18 @@ class BlockStore:
             first = np.zeros(arr.size, dtype=bool)
             first[np.unique(arr, return_index=True)[1]] = True
             unpinned &= first
+        own = self.reserved.get(session, 0)
         slack = self.free_blocks + self.evictable_blocks - self.reserved_total
-        over = np.flatnonzero(np.cumsum(unpinned) > slack)
+        over = np.flatnonzero(np.cumsum(unpinned) > own + slack)
         if over.size:
             arr, unpinned = arr[: over[0]], unpinned[: over[0]]
-        self.evictable_blocks -= int(np.count_nonzero(unpinned))
+        taken = int(np.count_nonzero(unpinned))
+        self.evictable_blocks -= taken
+        if own and taken:  # the caller's promise pays first
+            paid = min(own, taken)
+            self.reserved[session] = own - paid
+            self.reserved_total -= paid
+            self.ledger.add(uid, -paid)
         if twice:
             np.add.at(self.pins, arr, 1)
             np.add.at(self._pinned[session], arr, 1)

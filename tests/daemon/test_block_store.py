@@ -7,57 +7,13 @@ per-uid quota) from a client in the test's process."""
 
 import json
 import os
-import select
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import helpers
+from block_engine import BS, LAY, Engine, tokens
 from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolExhausted, QuotaExceeded
-
-ENGINE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "block_engine.py")
-LAY = helpers.layout(host_rows=64, index_groups=((0, 1),))  # 16 blocks of 4 rows
-BS = 4
-
-
-class Engine:
-    """An engine process attached to ``engine`` with a block store; ``(op, **args)`` runs
-    one command there and returns its answer."""
-
-    def __init__(self, run_dir: str, engine: str = "m", uid: int | None = None):
-        self.p = subprocess.Popen([*helpers.as_user(uid), sys.executable, ENGINE, run_dir, engine,
-                                   json.dumps(LAY.to_wire()), str(BS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, cwd="/tmp")
-        self.hello = self._read()
-
-    def __call__(self, op: str, **args):
-        self.p.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.p.stdin.flush()
-        return self._read()
-
-    def _read(self):
-        if not select.select([self.p.stdout], [], [], 30)[0]:
-            raise AssertionError("the engine process did not answer within 30 s")
-        line = self.p.stdout.readline()
-        if not line:
-            raise AssertionError(f"the engine process ended: {self.p.stderr.read()}")
-        return json.loads(line)
-
-    def kill(self):
-        self.p.kill()
-        self.p.wait()
-
-    def close(self):
-        if self.p.poll() is None:
-            self.p.stdin.close()
-            self.p.wait(10)
-
-
-def tokens(seed: int, n_blocks: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 50_000, n_blocks * BS).tolist()
-
 
 @pytest.fixture
 def daemon():
@@ -93,7 +49,7 @@ def test_an_engine_killed_and_started_again_finds_its_blocks(daemon):
     again = Engine(daemon.run_dir)
     try:
         got = again("prefill", tokens=prompt)
-        assert got == {"hit": 8, "table": table}
+        assert (got["hit"], got["table"]) == (8, table)
         assert again("verify", tokens=prompt, table=table) == {"bad": 0}
     finally:
         again.close()
@@ -113,7 +69,7 @@ def test_another_uid_cannot_attach_the_namespace(daemon):
     a = Engine(daemon.run_dir)
     try:
         a("prefill", tokens=tokens(4, 2))
-        other = Engine(daemon.run_dir, uid=4321)
+        other = Engine(daemon.run_dir, as_user=helpers.as_user(4321))
         assert other.hello["err"] == "PERMISSION_DENIED"
         other.close()
     finally:

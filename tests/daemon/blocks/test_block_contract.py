@@ -147,6 +147,15 @@ def test_lookup_stops_before_a_block_a_reservation_needs(one):
     assert one.alloc(2, 3) == blocks[1:]  # the promise holds
 
 
+def test_lookup_pins_evictable_blocks_out_of_the_callers_own_reservation(one):
+    blocks = [cache(one, 1, k) for k in range(4)]
+    one.release(1, blocks)
+    assert one.reserve(2, 4) == 4  # everything
+    assert one.lookup(2, [h(k) for k in range(3)]) == blocks[:3]  # paid by its own promise
+    assert one.reserve(2, 0) == 1
+    assert one.alloc(2, 1) == blocks[3:]
+
+
 def test_reserve_refuses_with_free_evictable_and_reserved(one):
     a = cache(one, 1, 1)
     cache(one, 1, 2)
