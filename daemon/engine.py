@@ -210,6 +210,7 @@ class EngineSpace:
         # size: block b is host rows [b * block_size, (b + 1) * block_size) of every layer.
         self.blocks = None
         self.block_size = 0
+        self.idle_since: float | None = None  # monotonic time since it is kept with no rank
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Write zeros over every row of ``blocks`` in every layer and drop their hot copies

@@ -86,6 +86,8 @@ class EngineRequests:
         engine_slab = self._engine_slab(s, layout, slab_field) if slab_field is not None else None
         admin = not created and self.sessions.is_admin(s)  # only joining needs it (a /proc read)
         try:
+            if created:  # engines kept only for their cached blocks yield to a new one
+                self.engines.make_room(layout.pool_bytes)
             if created and (zeroing := self.pool.zeroing_to_wait_for(layout.pool_bytes)):
                 # Only released ranges, once zeroed, make room: wait for them off the loop.
                 yield Slow(functools.partial(wait_futures, zeroing), engine=engine)

@@ -12,6 +12,7 @@ per engine lives here and in :class:`~.engine.EngineSpace`.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -137,6 +138,7 @@ class EngineRegistry:
         if p.state is None:  # the backend makes it here (new_rank_on_loop)
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
         p.space.ranks[p.client_id] = p.state
+        p.space.idle_since = None
         self._settle(p)
         return p.state, p.handles
 
@@ -171,6 +173,25 @@ class EngineRegistry:
         if space is not None and self._release_if_unused(space):
             log.info("engine %r released its pool range", engine_name)
 
+    def make_room(self, nbytes: int) -> list[str]:
+        """Before a new engine of ``nbytes`` pool bytes is allocated: while the pool's free
+        bytes and those being zeroed cannot hold its range, release the engine kept longest
+        for its cached blocks alone (no rank, no attach pending). Idle namespaces yield to
+        engines that come to work. Returns the names released."""
+        need = self.pool.range_bytes(nbytes)
+        kept = sorted((space for space in self._engines.values() if space.idle_since is not None
+                       and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
+        out = []
+        for space in kept:
+            if self.pool.free_bytes + self.pool.zeroing_bytes >= need:
+                break
+            cached = space.blocks.cached_blocks
+            if self._release_if_unused(space, keep_cached=False):
+                log.info("engine %r, kept for its %d cached blocks with no rank, released to make room",
+                         space.name, cached)
+                out.append(space.name)
+        return out
+
     def drop_kept(self) -> list[str]:
         """Release every engine kept only for its cached blocks (no rank, no attach
         pending), cached blocks and all: at stop. Returns their names."""
@@ -183,6 +204,8 @@ class EngineRegistry:
         if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space:
             return False
         if keep_cached and space.blocks is not None and space.blocks.cached_blocks:
+            if space.idle_since is None:
+                space.idle_since = time.monotonic()
             return False  # kept for the next process of this namespace (DESIGN §9)
         del self._engines[space.name]
         space.blocks = None  # (the store's zeroing refers back to the space: no cycle keeps the pool's view)

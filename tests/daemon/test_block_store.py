@@ -172,3 +172,17 @@ def test_block_counters_and_gauges_in_the_metrics(daemon):
     assert 'sparsekv_engine_blocks{engine="m",state="referenced"} 2.0' in text
     assert "sparsekv_block_commits_total 2.0" in text and "sparsekv_block_hits_total 2.0" in text
     assert "2 cached (2 referenced), 14 free, 0 private, 0 reserved of 16" in table
+
+
+def test_a_namespace_kept_with_no_engine_yields_its_range_to_a_new_engine(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        commit(c, 50, 2)
+    assert "m" in daemon.engines  # kept for its blocks: the pool (4 MiB) has room for one more range
+    with Client(daemon.run_dir) as x, Client(daemon.run_dir) as y:
+        x.attach(LAY, engine="x")
+        y.attach(LAY, engine="y")  # no room but the kept namespace's
+        assert "m" not in daemon.engines
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        assert c.blocks.lookup(c.blocks.hashes(tokens(50, 2))).size == 0  # a new, empty store

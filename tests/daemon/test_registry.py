@@ -228,3 +228,19 @@ def test_an_engine_caching_blocks_outlives_its_ranks_until_dropped(reg, pool):
     assert e.value.code == ErrorCode.LAYOUT_MISMATCH
     assert reg.drop_kept() == ["e"]
     assert "e" not in reg and pool.used_bytes == 0
+
+
+def test_engines_kept_for_their_blocks_yield_to_a_new_engine_oldest_first(reg, pool):
+    lay = helpers.layout(host_rows=(2 * MiB) // 64)  # one 2 MiB range each (2 layers of 32-byte rows)
+    for i, name in enumerate(("old", "newer")):
+        attach(reg, i, 0, "cpu", name, lay, block_size=4)
+        store = reg.space(name).blocks
+        store.open(i, 0)
+        store.commit(i, store.alloc(i, 1), np.full((1, 2), i, dtype=np.int64))
+        reg.detach(i, name)
+    attach(reg, 9, 0, "cpu", "busy", lay)
+    free = pool.free_bytes + pool.zeroing_bytes
+    assert reg.make_room(free) == []  # it fits as it is
+    assert reg.make_room(free + 1) == ["old"]
+    assert "newer" in reg and "busy" in reg
+    assert reg.make_room(8 * MiB) == ["newer"]  # never an engine with a rank
