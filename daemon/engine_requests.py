@@ -87,7 +87,7 @@ class EngineRequests:
         admin = not created and self.sessions.is_admin(s)  # only joining needs it (a /proc read)
         try:
             if created:  # engines kept only for their cached blocks yield to a new one
-                self.engines.make_room(layout.pool_bytes)
+                self.engines.make_room(layout.pool_bytes, Owner(s.uid, s.gid))
             if created and (zeroing := self.pool.zeroing_to_wait_for(layout.pool_bytes)):
                 # Only released ranges, once zeroed, make room: wait for them off the loop.
                 yield Slow(functools.partial(wait_futures, zeroing), engine=engine)

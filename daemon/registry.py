@@ -173,11 +173,13 @@ class EngineRegistry:
         if space is not None and self._release_if_unused(space):
             log.info("engine %r released its pool range", engine_name)
 
-    def make_room(self, nbytes: int) -> list[str]:
-        """Before a new engine of ``nbytes`` pool bytes is allocated: while the pool's free
-        bytes and those being zeroed cannot hold its range, release the engine kept longest
-        for its cached blocks alone (no rank, no attach pending). Idle namespaces yield to
-        engines that come to work. Returns the names released."""
+    def make_room(self, nbytes: int, owner: Owner | None = None) -> list[str]:
+        """Before a new engine of ``nbytes`` pool bytes (created by ``owner``) is allocated:
+        its uid's quota checked first (QUOTA_EXCEEDED, nothing released), then, while the
+        pool's free bytes and those being zeroed cannot hold its range, the engine kept
+        longest for its cached blocks alone (no rank, no attach pending) released. Idle
+        namespaces yield to engines that come to work. Returns the names released."""
+        self._check_quota(owner, nbytes)
         need = self.pool.range_bytes(nbytes)
         kept = sorted((space for space in self._engines.values() if space.idle_since is not None
                        and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)

@@ -1,6 +1,7 @@
 """The daemon's block store of one namespace: the contract of ``contract.py`` (DESIGN §9)
-kept in arrays and C-speed containers, so a lookup of a 2,048-block chain costs tens of
-microseconds. The event loop's thread only.
+kept in arrays and C-speed containers, so that a lookup or release costs one dictionary
+probe a block and a few array operations whatever its length (DESIGN §9 has the figures).
+The event loop's thread only.
 
 The store knows blocks, not bytes: ``zero(blocks)``, given by its engine, writes zeros
 over a block's rows in every layer and drops their hot copies; it runs whenever a block
