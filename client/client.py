@@ -299,6 +299,7 @@ class Client(Connection):
             "MPS server (CUDA_MPS_PIPE_DIRECTORY)", getattr(e, "status", None)) from e
 
     def _detach_quietly(self) -> None:
+        self.blocks = None
         try:
             self._call(MsgType.DETACH)
         except (SparseKVError, zmq.ZMQError):

@@ -16,9 +16,9 @@ The first line out is ``{"pid": ..., "client_id": ...}`` once attached (or the a
   prompt's blocks (``{"refused": ...}`` on POOL_EXHAUSTED), ``prefill`` (hits on evictable
   blocks and allocations use the promise), give back what is left of it, ``verify``, and
   ``release`` the table if asked;
-* ``verify`` (tokens, table): read every position of the prompt through ``step`` /
-  ``topk`` with the block table mapped by ``proto.positions.host_rows`` (the engine's
-  block table pointing at the shared blocks), and count hot rows whose bytes are wrong;
+* ``verify`` (tokens, table): read every position of the prompt through the engine's
+  handle (``HostSwapIn.swap_in`` with the request's block table, which points at the
+  shared blocks: no copy), and count rows whose bytes are wrong;
 * ``alloc`` (n), ``release`` (blocks): the store's requests as they are.
 A typed error answers ``{"err": CODE, "detail": ...}``.
 """
@@ -32,8 +32,8 @@ import sys
 import numpy as np
 
 from sparsekv.client import Client, PoolExhausted, SparseKVError
+from sparsekv.client.swap_in import HostSwapIn
 from sparsekv.proto import Layout
-from sparsekv.proto.positions import host_rows
 
 
 LAY = Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=4, host_rows=64,
@@ -100,34 +100,32 @@ def prefill(c: Client, tokens) -> dict:
     return {"hit": int(hit.size), "table": [*hit.tolist(), *new.tolist()], "duplicates": dup}
 
 
-def verify(c: Client, att, tokens, table, step: int) -> int:
-    """Hot rows with wrong bytes when every position of ``tokens`` is read through
-    ``table`` (top_k positions a step from ``step`` on, state row 0 reset each step)."""
-    lay, bs = att.layout, c.blocks.block_size
+def verify(c: Client, handle: HostSwapIn, tokens, table) -> int:
+    """Rows with wrong bytes when the engine's handle reads every position of ``tokens``
+    (top_k a step, state row 0 reset each step) through the request's block ``table``."""
+    lay, bs = handle.layout, c.blocks.block_size
     keys = c.blocks.hashes(np.asarray(tokens))
-    table = np.asarray(table, dtype=np.int32)[None, :]
+    table = np.asarray(table, dtype=np.int32)[None, :]  # state row 0's
     want = np.concatenate([block_bytes(k, lay.num_layers, bs, lay.row_bytes) for k in keys], axis=1)
     bad = 0
     for p0 in range(0, keys.shape[0] * bs, lay.top_k):
         pos = np.arange(p0, p0 + lay.top_k)[None, :]
-        c.step(step, np.array([0], np.int32), reset=np.array([True]))
-        r = c.topk(step, 0, host_rows(pos, table, bs))
-        step += 1
-        for layer in lay.groups[0]:
-            bad += int((att.slab[layer, 0, r.slots[0]] != want[layer, pos[0]]).any(axis=1).sum())
+        handle.begin_step(np.array([0], np.int32), reset=np.array([True]))
+        for layer in range(lay.num_layers):
+            idx = handle.swap_in(np.array([0], np.int32), table, pos, layer=layer, block_size=bs)
+            bad += int((handle.kv(layer)[idx[0]] != want[layer, pos[0]]).any(axis=1).sum())
     return bad
 
 
 def serve(run_dir: str, engine: str, layout: Layout, block_size: int) -> None:
     c = Client(run_dir, name="block-engine", timeout_s=20).connect()
     try:
-        att = c.attach(layout, engine=engine, block_size=block_size)
+        c.attach(layout, engine=engine, block_size=block_size)
     except SparseKVError as e:
         print(json.dumps({"err": e.code.name, "msg": e.args[0]}), flush=True)
         return
-    blocks, lay = c.blocks, layout
+    blocks, handle = c.blocks, HostSwapIn(c)
     print(json.dumps({"pid": os.getpid(), "client_id": c.info["client_id"]}), flush=True)
-    step = 0
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -135,8 +133,7 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int) -> None:
             if op == "prefill":
                 out = prefill(c, cmd["tokens"])
             elif op == "verify":
-                out = {"bad": verify(c, att, cmd["tokens"], cmd["table"], step)}
-                step += len(cmd["table"]) * block_size // lay.top_k
+                out = {"bad": verify(c, handle, cmd["tokens"], cmd["table"])}
             elif op == "request":
                 keys = blocks.hashes(np.asarray(cmd["tokens"]))
                 try:
@@ -147,8 +144,7 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int) -> None:
                     continue
                 out = prefill(c, cmd["tokens"])
                 blocks.reserve(-len(keys))  # what hits on pinned blocks left of the promise
-                out["bad"] = verify(c, att, cmd["tokens"], out["table"], step)
-                step += len(out["table"]) * block_size // lay.top_k
+                out["bad"] = verify(c, handle, cmd["tokens"], out["table"])
                 if cmd.get("release"):
                     blocks.release(out["table"])
             elif op == "alloc":
