@@ -1,7 +1,7 @@
 """The daemon's block store of one namespace: the contract of ``contract.py`` (DESIGN §9)
-kept in arrays and C-speed containers, so that a lookup or release costs one dictionary
-probe a block and a few array operations whatever its length (DESIGN §9 has the figures).
-The event loop's thread only.
+kept in arrays (keys in ``index.py``'s table), so that a lookup or a release is a few
+array operations whatever its length (DESIGN §9 has the figures). The event loop's
+thread only.
 
 The store knows blocks, not bytes: ``zero(blocks)``, given by its engine, writes zeros
 over a block's rows in every layer and drops their hot copies; it runs whenever a block
@@ -11,24 +11,23 @@ becomes free or is evicted, so a block handed out again holds zeros.
 from __future__ import annotations
 
 import collections
-import itertools
 from typing import Callable
 
 import numpy as np
 
 from .contract import BlockError, PoolExhausted, UidLedger
+from .index import KeyIndex
 
 FREE, CACHED = -1, -2  # ``state`` of a block that is not private (else: the owning session)
-HASH_BYTES = 16
 
 
-def hash_keys(hashes) -> list[bytes]:
-    """Chain hashes as the wire carries them (int64 [n, 2]) -> 16-byte keys; BAD_ARGUMENT
-    for another shape or dtype."""
+def key_words(hashes) -> tuple[np.ndarray, np.ndarray]:
+    """Chain hashes as the wire carries them (int64 [n, 2]: 16 bytes each) -> their two
+    words (int64 [n] each); BAD_ARGUMENT for another shape or dtype."""
     a = np.asarray(hashes)
     if a.ndim != 2 or a.shape[1] != 2 or a.dtype != np.int64:
         raise BlockError("BAD_ARGUMENT", f"hashes must be int64 [n, 2] (16 bytes each), got {a.dtype} {list(a.shape)}")
-    return np.ascontiguousarray(a).view(np.dtype((np.void, HASH_BYTES))).ravel().tolist()
+    return np.ascontiguousarray(a[:, 0]), np.ascontiguousarray(a[:, 1])
 
 
 class BlockStore:
@@ -57,8 +56,10 @@ class BlockStore:
         self._clock = 0
         self.free_blocks = n_blocks
         self.evictable_blocks = 0  # cached, pinned by nobody
-        self.block_of: dict[bytes, int] = {}
-        self.hash_of: dict[int, bytes] = {}
+        self.index = KeyIndex(n_blocks)  # key -> cached block
+        self.key_lo = np.zeros(n_blocks, dtype=np.int64)  # a cached block's key, its two words
+        self.key_hi = np.zeros(n_blocks, dtype=np.int64)
+        self.cached_blocks = 0
         self.reserved: dict[int, int] = {}
         self.reserved_total = 0
         self._uid: dict[int, int] = {}
@@ -67,12 +68,8 @@ class BlockStore:
 
     # -- what the store has ------------------------------------------------------------
     @property
-    def cached_blocks(self) -> int:
-        return len(self.hash_of)
-
-    @property
     def referenced_blocks(self) -> int:
-        return len(self.hash_of) - self.evictable_blocks
+        return self.cached_blocks - self.evictable_blocks
 
     @property
     def lru(self) -> list[int]:
@@ -137,8 +134,8 @@ class BlockStore:
         out = np.flatnonzero(self.state == FREE)[:take] if take else np.empty(0, np.int64)
         if n > take:
             evicted = self.lru[: n - take]
-            for b in evicted:
-                del self.block_of[self.hash_of.pop(b)]
+            self.index.delete(self.key_lo[evicted], self.key_hi[evicted])
+            self.cached_blocks -= len(evicted)
             self.evictable_blocks -= len(evicted)
             self.counts["evictions"] += len(evicted)
             self._zero(evicted)
@@ -153,27 +150,30 @@ class BlockStore:
         itself, or the one cached under that hash before (the given one stays private)."""
         uid = self._uid_of(session)
         blocks = self._block_ids(blocks)
-        keys = hash_keys(hashes)
-        if len(keys) != blocks.size or np.unique(blocks).size != blocks.size:
+        lo, hi = key_words(hashes)
+        if lo.size != blocks.size or np.unique(blocks).size != blocks.size:
             raise BlockError("BAD_ARGUMENT", f"commit needs distinct blocks and one hash each, got {blocks.size} "
-                             f"blocks and {len(keys)} hashes")
+                             f"blocks and {lo.size} hashes")
         if blocks.size and (self.state[blocks] != session).any():
             bad = int(blocks[self.state[blocks] != session][0])
             raise BlockError("BAD_ARGUMENT", f"block {bad} is not private to this session (allocate it, write it, "
                              "then commit it; a cached block is read-only)")
-        out = np.empty(blocks.size, dtype=np.int32)
-        for i, (b, h) in enumerate(zip(blocks.tolist(), keys)):
-            held = self.block_of.setdefault(h, b)
-            out[i] = held
-            if held == b:
-                self.hash_of[b] = h
+        out = self.index.find(lo, hi)
+        first: dict[tuple[int, int], int] = {}  # a key twice in this commit: its first block
+        for i in np.flatnonzero(out < 0).tolist():
+            key, b = (int(lo[i]), int(hi[i])), int(blocks[i])
+            out[i] = first.setdefault(key, b)
+            if out[i] == b:
+                self.index.insert(key[0], key[1], b)
         done = blocks[out == blocks]
+        self.key_lo[done], self.key_hi[done] = lo[out == blocks], hi[out == blocks]
+        self.cached_blocks += done.size
         self.state[done] = CACHED
         self.pins[done] = 1
         self._pinned[session][done] += 1
         self.ledger.add(uid, -done.size)
         self.counts["commits"] += done.size
-        return out
+        return out.astype(np.int32)
 
     def lookup(self, session: int, hashes) -> np.ndarray:
         """Pin and return (int32 [m]) the blocks of the longest cached prefix of the chain
@@ -181,8 +181,7 @@ class BlockStore:
         ``session``'s reservation while it has one; past that, it stops before an evictable
         block that the reservations need."""
         uid = self._uid_of(session)
-        keys = hash_keys(hashes)
-        arr = np.fromiter(map(self.block_of.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(keys))
+        arr = self.index.find(*key_words(hashes))
         missing = np.flatnonzero(arr < 0)
         if missing.size:
             arr = arr[: missing[0]]
