@@ -74,8 +74,15 @@ class BlockStore:
     @property
     def lru(self) -> list[int]:
         """The evictable blocks, least recently unpinned first."""
+        return self._oldest(self.evictable_blocks)
+
+    def _oldest(self, k: int) -> list[int]:
+        """The ``k`` least recently unpinned evictable blocks, oldest first (a partition,
+        then a sort of ``k``: an eviction does not sort every evictable block)."""
         cand = np.flatnonzero((self.state == CACHED) & (self.pins == 0))
-        return cand[np.argsort(self.stamp[cand], kind="stable")].tolist()
+        if k < cand.size:
+            cand = cand[np.argpartition(self.stamp[cand], k)[:k]]
+        return cand[np.argsort(self.stamp[cand])].tolist()
 
     def gauges(self) -> dict:
         """The store's counts of blocks: all, free, cached, referenced (cached and pinned),
@@ -133,7 +140,7 @@ class BlockStore:
         take = min(n, self.free_blocks)
         out = np.flatnonzero(self.state == FREE)[:take] if take else np.empty(0, np.int64)
         if n > take:
-            evicted = self.lru[: n - take]
+            evicted = self._oldest(n - take)
             self.index.delete(self.key_lo[evicted], self.key_hi[evicted])
             self.cached_blocks -= len(evicted)
             self.evictable_blocks -= len(evicted)
