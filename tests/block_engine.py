@@ -2,7 +2,7 @@
 a time on stdin (one JSON answer a line on stdout): the block store tests' real process.
 Tests start it through :class:`Engine`:
 
-    python tests/block_engine.py RUN_DIR ENGINE LAYOUT_JSON BLOCK_SIZE
+    python tests/block_engine.py RUN_DIR ENGINE LAYOUT_JSON BLOCK_SIZE DEVICE
 
 The first line out is ``{"pid": ..., "client_id": ...}`` once attached (or the attach's
 ``{"err": CODE, "msg": ...}``, and the process ends). Commands (``op``):
@@ -48,13 +48,14 @@ def tokens(seed: int, n_blocks: int) -> list[int]:
 
 class Engine:
     """This script in a process of its own (run by ``as_user``, a command prefix, when
-    given), attached to ``engine`` with :data:`LAY` and :data:`BS`; ``(op, **args)`` runs
-    one command there and returns its answer; ``hello`` is its first line."""
+    given), a rank on ``device`` attached to ``engine`` with :data:`LAY` and :data:`BS`;
+    ``(op, **args)`` runs one command there and returns its answer; ``hello`` is its
+    first line."""
 
-    def __init__(self, run_dir: str, engine: str = "m", as_user=()):
+    def __init__(self, run_dir: str, engine: str = "m", as_user=(), device: str = "cpu"):
         self.p = subprocess.Popen([*as_user, sys.executable, os.path.abspath(__file__), run_dir, engine,
-                                   json.dumps(LAY.to_wire()), str(BS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, cwd="/tmp")
+                                   json.dumps(LAY.to_wire()), str(BS), device], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/tmp")
         self.hello = self._read()
 
     def __call__(self, op: str, **args):
@@ -113,12 +114,14 @@ def verify(c: Client, handle: HostSwapIn, tokens, table) -> int:
         handle.begin_step(np.array([0], np.int32), reset=np.array([True]))
         for layer in range(lay.num_layers):
             idx = handle.swap_in(np.array([0], np.int32), table, pos, layer=layer, block_size=bs)
-            bad += int((handle.kv(layer)[idx[0]] != want[layer, pos[0]]).any(axis=1).sum())
+            kv = handle.kv(layer)
+            kv = kv if isinstance(kv, np.ndarray) else kv.cpu().numpy()  # a cuda rank's: a torch tensor
+            bad += int((kv[idx[0]] != want[layer, pos[0]]).any(axis=1).sum())
     return bad
 
 
-def serve(run_dir: str, engine: str, layout: Layout, block_size: int) -> None:
-    c = Client(run_dir, name="block-engine", timeout_s=20).connect()
+def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: str) -> None:
+    c = Client(run_dir, name="block-engine", device=device, timeout_s=20).connect()
     try:
         c.attach(layout, engine=engine, block_size=block_size)
     except SparseKVError as e:
@@ -164,4 +167,4 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2], Layout.from_wire(json.loads(sys.argv[3])), int(sys.argv[4]))
+    serve(sys.argv[1], sys.argv[2], Layout.from_wire(json.loads(sys.argv[3])), int(sys.argv[4]), sys.argv[5])

@@ -1,4 +1,5 @@
-"""The block store through a serving daemon (cpu backend, real sockets), with engines in
+"""The block store through a serving daemon (cpu backend, real sockets; one test on the
+cuda backend, marked ``cuda``), with engines in
 processes of their own (tests/block_engine.py) where processes matter: two engines of one
 uid share blocks and read them in place through their block tables; an engine killed and
 started again finds its blocks; another uid cannot attach the namespace. Then eviction
@@ -13,6 +14,7 @@ import pytest
 
 import helpers
 from block_engine import BS, LAY, Engine, tokens
+from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolExhausted, QuotaExceeded
 
 @pytest.fixture
@@ -186,3 +188,27 @@ def test_a_namespace_kept_with_no_engine_yields_its_range_to_a_new_engine(daemon
     with Client(daemon.run_dir) as c:
         c.attach(LAY, engine="m", block_size=BS)
         assert c.blocks.lookup(c.blocks.hashes(tokens(50, 2))).size == 0  # a new, empty store
+
+
+@pytest.mark.cuda
+def test_engines_on_the_gpu_share_blocks_and_a_restarted_one_finds_them():
+    """The cuda backend: ranks on cuda:0, the daemon's slabs in its device arena; zeroing
+    and the hot copies dropped go through the cuda ranks."""
+    with PrivateDaemon(pool_bytes=8 << 20, backend="cuda", extra_args=["--device-arena-size", "2GiB"]) as d:
+        a = Engine(d.run_dir, device="cuda:0")
+        prompt = tokens(5, 6)
+        first = a("prefill", tokens=prompt)
+        assert a("verify", tokens=prompt, table=first["table"]) == {"bad": 0}
+        a.kill()
+        b = Engine(d.run_dir, device="cuda:0")
+        try:
+            longer = prompt + tokens(6, 2)
+            got = b("prefill", tokens=longer)
+            assert got["hit"] == 6 and got["table"][:6] == first["table"]
+            assert b("verify", tokens=longer, table=got["table"]) == {"bad": 0}
+            b("release", blocks=got["table"])
+            # Every block, once the killed engine's pins are gone: the cached ones evicted, zeroed.
+            got = helpers.wait_for(lambda: (r := b("alloc", n=16)).get("blocks") and r, what="the killed rank reaped")
+            assert sorted(got["blocks"]) == list(range(16))
+        finally:
+            b.close()
