@@ -8,6 +8,8 @@ per-uid quota) from a client in the test's process."""
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -212,3 +214,32 @@ def test_engines_on_the_gpu_share_blocks_and_a_restarted_one_finds_them():
             assert sorted(got["blocks"]) == list(range(16))
         finally:
             b.close()
+
+
+BLOCKS_QUERY = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+s.connect(sys.argv[1] + "/stats.sock")
+s.sendall(b"blocks\n")
+out = b""
+while b := s.recv(65536):
+    out += b
+sys.stdout.write(out.decode())
+"""
+
+
+@pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
+def test_the_blocks_listing_shows_another_uids_stores_to_root_only(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        helpers.open_to_other_users(daemon.run_dir, "stats.sock")
+
+        def seen(uid=None):
+            r = subprocess.run([*helpers.as_user(uid), sys.executable, "-c", BLOCKS_QUERY, daemon.run_dir],
+                               capture_output=True, text=True, timeout=30, cwd="/tmp")
+            assert r.returncode == 0, r.stderr
+            return [line.split("\t")[0] for line in r.stdout.splitlines()[1:]]
+
+        assert seen() == ["m"]  # root
+        assert seen(4321) == []  # not its own
