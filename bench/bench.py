@@ -4,6 +4,8 @@
 * ``gather``: rows per second of the plan gather against a bulk copy of the same bytes.
 * ``transport``, ``cuda_transport``: a decode step through a daemon against the same step
   in process (bench/transport.py).
+* ``prefix``: the block store's lookup of a cached 128K-token prefix through a daemon, and
+  a restarted engine's time to it (bench/prefix.py; cpu, not in the default set).
 * alone, with options of their own: ``decode`` (a whole decode step offloaded against
   on the GPU, bench/decode.py), ``serve`` (decode throughput of a DeepSeek-V3.2-shaped
   model at long context, offloaded against all on the GPU, bench/serve.py), ``kernels`` (gather, resolve and pool start against the
@@ -24,9 +26,11 @@ from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import Layout
 
 from . import decode, kernels, latest, serve
+from .prefix import bench_prefix
 from .transport import bench_cuda_transport, bench_transport
 
 CPU_BENCHES = ("resolve", "gather", "transport")  # the default set
+MORE_CPU_BENCHES = ("prefix",)  # cpu, named to run
 GPU_BENCHES = ("cuda_transport", "kernels", "latest")  # need CuPy and a GPU (decode checks for torch itself)
 ALONE = {"decode": decode.run_args, "serve": serve.run_args, "kernels": kernels.run_args, "latest": latest.run_args}
 FILE_OPTIONS = {"decode": ("--json", "--plot", "--daemon-log"), "serve": ("--json", "--plot", "--daemon-log"),
@@ -100,7 +104,8 @@ def run_bench(which: list[str], io: str = "both") -> list[dict]:
     (``both``: installed, then warm where 4 CPUs or more can be used)."""
     if io not in IO_PLACEMENTS:
         raise ValueError(f"io must be one of {', '.join(IO_PLACEMENTS)}, got {io!r}")
-    cpu_benches = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport}
+    cpu_benches = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport,
+                   "prefix": bench_prefix}
     out = []
     for w in which:
         if w != "cuda_transport":
@@ -133,7 +138,9 @@ def cuda_unavailable() -> str | None:
 def add_arguments(p) -> None:
     """The options of ``sparsekv bench`` (decode's, kernels' and latest's in groups)."""
     p.add_argument("which", nargs="*", metavar="NAME",
-                   help="resolve, gather, transport (cpu; the default set), cuda_transport (needs a GPU), or alone: "
+                   help="resolve, gather, transport (cpu; the default set), prefix (cpu: the block store's lookup of "
+                        "a cached 128K-token prefix, and a restarted engine's time to it), cuda_transport (needs a "
+                        "GPU), or alone: "
                         "decode (a whole decode step, offloaded against on the GPU), serve (decode throughput of a "
                         "DeepSeek-V3.2-shaped model, offloaded against on the GPU), kernels (gather, resolve "
                         "and pool start against the link) or latest (docs/perf/latest.json's figures); all four "
@@ -157,10 +164,10 @@ def run_args(a) -> int:
     which = a.which or list(CPU_BENCHES)
     what = f"sparsekv bench {' '.join(which)}"
     alone = [w for w in which if w in ALONE]
-    unknown = sorted(set(which) - set(CPU_BENCHES) - set(GPU_BENCHES) - set(ALONE))
+    unknown = sorted(set(which) - set(CPU_BENCHES) - set(MORE_CPU_BENCHES) - set(GPU_BENCHES) - set(ALONE))
     if unknown:
         return _refuse("sparsekv bench", f"unknown benchmark(s) {', '.join(unknown)}; choose from "
-                       f"{', '.join(CPU_BENCHES + GPU_BENCHES + ('decode', 'serve'))}")
+                       f"{', '.join(CPU_BENCHES + MORE_CPU_BENCHES + GPU_BENCHES + ('decode', 'serve'))}")
     if alone and len(which) != 1:
         return _refuse("sparsekv bench", f"{alone[0]} runs alone (sparsekv bench {alone[0]} [options])")
     if a.io != "both" and "cuda_transport" not in which:

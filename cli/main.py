@@ -1,4 +1,4 @@
-"""``sparsekv``: the user command line (stats, clients, top, health, replay, trace synth,
+"""``sparsekv``: the user command line (stats, clients, blocks, top, health, replay, trace synth,
 demo, bench).
 
 A common mistake (no daemon, a wrong run dir, a pool too small for a layout, no
@@ -80,7 +80,8 @@ def _json_value(key: str, text: str):
 
 
 def cmd_clients(a) -> int:
-    text = stats_query(a.run_dir, "clients", a.timeout_s)
+    """``clients`` and ``blocks``: the stats socket's table, or a JSON list of its lines."""
+    text = stats_query(a.run_dir, a.table, a.timeout_s)
     if a.json:
         clients = [{k: _json_value(k, v) for k, v in c.items()} for c in parse_clients(text)]
         text = json.dumps(clients) + "\n"
@@ -210,7 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     q = command("clients", "one line per connected client")
     run_dir_arg(q)
     q.add_argument("--json", action="store_true", help="a JSON list of clients (one object each) instead of the table")
-    q.set_defaults(fn=cmd_clients)
+    q.set_defaults(fn=cmd_clients, table="clients")
+
+    q = command("blocks", "one line per engine with a block store: its blocks free, cached, referenced, evictable, "
+                "private and reserved (DESIGN §9)")
+    run_dir_arg(q)
+    q.add_argument("--json", action="store_true", help="a JSON list of engines (one object each) instead of the table")
+    q.set_defaults(fn=cmd_clients, table="blocks")
 
     q = command("top", "a live view of a running daemon: rates per second, latency, pool, clients")
     run_dir_arg(q)

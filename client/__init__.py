@@ -1,5 +1,6 @@
 """The per-rank client library of sparsekv."""
 
+from .blocks import Blocks
 from .client import Attachment, Client, Pending, TopkResult
 from .errors import (
     BadRequest,
@@ -8,6 +9,7 @@ from .errors import (
     LayoutMismatch,
     NotAttached,
     PermissionDenied,
+    PoolExhausted,
     PoolFull,
     ProtocolMismatch,
     QuotaExceeded,
@@ -15,7 +17,7 @@ from .errors import (
 )
 
 __all__ = [
-    "Attachment", "BadRequest", "Client", "DaemonUnavailable", "DeviceMappingFailed", "LayoutMismatch", "NotAttached",
-    "Pending", "PermissionDenied", "PoolFull", "ProtocolMismatch", "QuotaExceeded", "SparseKVError",
+    "Attachment", "BadRequest", "Blocks", "Client", "DaemonUnavailable", "DeviceMappingFailed", "LayoutMismatch", "NotAttached",
+    "Pending", "PermissionDenied", "PoolExhausted", "PoolFull", "ProtocolMismatch", "QuotaExceeded", "SparseKVError",
     "TopkResult",
 ]

@@ -20,6 +20,7 @@ from sparsekv.proto.cpus import check_cpus_usable, parse_cpu_list, pin_io_thread
 from sparsekv.proto.cuda_ipc import EventRing, mps_running
 from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, CLIENT_IO_CPUS, RUN_DIR
 
+from .blocks import Blocks
 from .connection import Connection, probe_daemon, start_time
 from .cuda_attach import CudaAttachment, bus_id_of, local_device
 from .device_wait import DeviceWaitWatch
@@ -107,6 +108,7 @@ class Client(Connection):
         self.spin_ns = (500 if device.startswith("cuda") else 0) * 1000 if spin_us is None else int(spin_us) * 1000
         self.info: dict = {}
         self.attachment: Attachment | None = None
+        self.blocks: Blocks | None = None  # the attached engine's block store (attach's block_size)
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
         self._ctx = self._sock = None
         what = "io_cpus"
@@ -211,15 +213,19 @@ class Client(Connection):
 
     # -- requests ----------------------------------------------------------------
     def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq",
-               slab=None):
+               slab=None, block_size: int = 0):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
         before each gather, so attention still reading earlier rows is never overwritten.
         ``transport``: ``"zmq"`` (``step``/``topk`` messages) or ``"doorbell"`` (cuda:
         :meth:`doorbell_handle`). ``slab``: an engine-owned hot slab (``EngineSlab`` with its
-        geometry) the daemon gathers into instead of a slab of its own."""
+        geometry) the daemon gathers into instead of a slab of its own. ``block_size``: the
+        engine has a block store of ``host_rows // block_size`` blocks (``self.blocks``;
+        DESIGN §9), kept while it caches blocks, for the next process that attaches."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
+        if block_size:
+            fields["blocks"] = {"block_size": int(block_size)}
         if slab is not None:
             fields["slab"] = offer_slab(self.run_dir, self.device, layout, slab)
         if transport != "zmq":
@@ -236,6 +242,7 @@ class Client(Connection):
             fence_ring = EventRing(local_device(self.device), 16)
             fields["fence_events"] = fence_ring.handles
         reply, _ = self._call(MsgType.ATTACH, fields)
+        self.blocks = Blocks(self._call, engine, int(block_size)) if block_size else None
         h = reply["handles"]
         if h.get("kind") not in ("cuda_ipc", "shm"):
             raise SparseKVError(f"unknown slab kind {h.get('kind')!r} from the daemon; upgrade the client")
@@ -292,6 +299,7 @@ class Client(Connection):
             "MPS server (CUDA_MPS_PIPE_DIRECTORY)", getattr(e, "status", None)) from e
 
     def _detach_quietly(self) -> None:
+        self.blocks = None
         try:
             self._call(MsgType.DETACH)
         except (SparseKVError, zmq.ZMQError):
@@ -342,6 +350,7 @@ class Client(Connection):
 
     def _close_attachment(self, wait_s: float | None = None) -> None:
         att, self.attachment = self.attachment, None
+        self.blocks = None
         self._block_requests.clear()  # (entries and fence events of this attachment)
         self._fence_requests.clear()
         att.close(wait_s=wait_s)

@@ -139,7 +139,7 @@ class Connection:
                 # This connection said HELLO, yet the daemon does not know it: a new
                 # daemon answers (libzmq reconnected to it by itself) if the socket changed.
                 self._still_there()
-            raise error_for(code, header.get("msg", "no message"))
+            raise error_for(code, header.get("msg", "no message"), header.get("detail"))
         return header, arrays
 
     def _check_deferred(self) -> None:

@@ -58,6 +58,20 @@ class QuotaExceeded(SparseKVError):
     code = ErrorCode.QUOTA_EXCEEDED
 
 
+class PoolExhausted(SparseKVError):
+    """The engine's block store cannot promise the blocks asked for now. ``wanted``,
+    ``free``, ``evictable`` (cached, pinned by nobody) and ``reserved`` (promised to
+    clients already) are the store's figures at that moment, for a scheduler to admit by."""
+
+    code = ErrorCode.POOL_EXHAUSTED
+
+    def __init__(self, message: str, code: ErrorCode | None = None, detail: dict | None = None):
+        super().__init__(message, code)
+        detail = detail or {}
+        self.wanted, self.free = detail.get("wanted", 0), detail.get("free", 0)
+        self.evictable, self.reserved = detail.get("evictable", 0), detail.get("reserved", 0)
+
+
 class BadRequest(SparseKVError):
     """The request was malformed or out of range (BAD_* , DUPLICATE_IDS, TOO_LARGE...)."""
 
@@ -85,10 +99,13 @@ _BY_CODE = {
 }
 
 
-def error_for(code: int, message: str) -> SparseKVError:
+def error_for(code: int, message: str, detail: dict | None = None) -> SparseKVError:
+    """The typed error of a failed reply (``detail``: its figures, POOL_EXHAUSTED's)."""
     try:
         code = ErrorCode(code)
     except ValueError:
         return SparseKVError(f"unknown error code {code}: {message}")
+    if code == ErrorCode.POOL_EXHAUSTED:
+        return PoolExhausted(message, code, detail if isinstance(detail, dict) else None)
     cls = _BY_CODE.get(code, BadRequest if code != ErrorCode.INTERNAL else SparseKVError)
     return cls(message, code)

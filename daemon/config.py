@@ -84,6 +84,8 @@ class Config:
                                   "0: no cap beyond max_clients", bounds=(-1, 1_000_000))
     max_pool_bytes_per_uid: int = _s(0, "pool bytes of the engines one uid created, with a unit; 0B: no quota",
                                      kind="size", bounds=(0, None))
+    max_blocks_per_uid: int = _s(0, "block store blocks one uid's sessions hold private or reserved, over every "
+                                 "engine's store (DESIGN §9); 0: no quota", bounds=(0, 2**40))
     # Each connection costs a file descriptor; a process that said HELLO lately has no deadline.
     max_connections_per_uid: int = _s(-1, "open control connections of one uid at most (more are closed at once "
                                       "and counted); -1: twice the per-uid client cap, at least 16; 0: no cap",

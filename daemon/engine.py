@@ -206,6 +206,21 @@ class EngineSpace:
         self.pool_offset = pool_offset
         self.owner = owner
         self.ranks: dict[int, RankState] = {}  # by client id
+        # The engine's block store (DESIGN §9), when its first rank attached with a block
+        # size: block b is host rows [b * block_size, (b + 1) * block_size) of every layer.
+        self.blocks = None
+        self.block_size = 0
+        self.idle_since: float | None = None  # monotonic time since it is kept with no rank
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Write zeros over every row of ``blocks`` in every layer and drop their hot copies
+        in every rank: the block store frees or evicts them."""
+        bs = self.block_size
+        self.quiesce()
+        for b in blocks:
+            self.pool[:, b * bs:(b + 1) * bs] = 0
+        rows = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
+        self.drop_rewritten(rows)
 
     def write(self, layers, rows, data) -> tuple[int, int]:
         """Copy ``data`` [len(layers), n, row_bytes] into host ``rows`` of ``layers`` and drop

@@ -18,7 +18,8 @@ from sparsekv.proto import fd_socket
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 from sparsekv.proto.slab import SlabGeometry
 
-from .engine import EngineSlabImport, Owner, RankState
+from .blocks.contract import BlockError
+from .engine import EngineSlabImport, Owner, RankState, host_rows_arg
 from .heavy import Slow
 from .peers import Peer
 from .pool import PoolError
@@ -71,6 +72,7 @@ class EngineRequests:
             layout = Layout.from_wire(h["layout"])
         except (LayoutError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
+        block_size = _block_size(h.get("blocks"), layout)
         created = engine not in self.engines
         self.sessions.rewatch(s)
         slab_field = h.get("slab")
@@ -84,12 +86,14 @@ class EngineRequests:
         engine_slab = self._engine_slab(s, layout, slab_field) if slab_field is not None else None
         admin = not created and self.sessions.is_admin(s)  # only joining needs it (a /proc read)
         try:
+            if created:  # engines kept only for their cached blocks yield to a new one
+                self.engines.make_room(layout.pool_bytes, Owner(s.uid, s.gid))
             if created and (zeroing := self.pool.zeroing_to_wait_for(layout.pool_bytes)):
                 # Only released ranges, once zeroed, make room: wait for them off the loop.
                 yield Slow(functools.partial(wait_futures, zeroing), engine=engine)
             pending = self.engines.begin_attach(s.client_id, s.rank, s.device, engine, layout,
                                                 h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
-                                                transport=transport, engine_slab=engine_slab)
+                                                transport=transport, engine_slab=engine_slab, block_size=block_size)
             try:
                 # The slow part on a worker thread; ATTACHes to a new engine wait for it.
                 yield Slow(functools.partial(self.engines.prepare, pending), engine=engine if pending.created else None)
@@ -232,6 +236,7 @@ class EngineRequests:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"a write of {a['rows'].size} rows exceeds {LIMITS.max_write_rows}")
         space = self.engines.space(s.engine)
         layers, rows, data = space.check_write(_layers(h), a["rows"], a["data"])
+        _own_blocks(s, space, rows)
         nbytes, dropped = yield from self._write_rows(s, space, layers, rows, data)
         self.stats.add(rows_written=rows.shape[0] * len(layers), bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
@@ -242,6 +247,7 @@ class EngineRequests:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE_STAGED needs the rows array")
         fence = _fence(h)
         space = self.engines.space(s.engine)
+        _own_blocks(s, space, host_rows_arg(space.layout, a["rows"], "write"))
         if st.host_memory:  # cpu: a host copy out of the staging buffer, maybe a large one
             layers, rows = space.check_staged(st, _layers(h), a["rows"])
             src = st.staged_rows(layers, rows.shape[0])
@@ -298,13 +304,32 @@ def code_of(e: Exception) -> ErrorCode:
     """The error code a handler's exception is answered with."""
     if isinstance(e, ProtocolError):
         return e.code
-    if isinstance(e, ResidencyError):
+    if isinstance(e, (ResidencyError, BlockError)):
         return ErrorCode[e.code]
     if isinstance(e, LayoutError):
         return ErrorCode.BAD_LAYOUT
     if isinstance(e, PoolError):
         return ErrorCode.POOL_FULL
     return ErrorCode.INTERNAL
+
+
+def _block_size(field, layout: Layout) -> int:
+    """ATTACH's optional ``blocks`` field (``{"block_size": n}``): the engine's block size,
+    0 for none; BAD_ARGUMENT unless 1 <= n <= host_rows."""
+    if field is None:
+        return 0
+    n = field.get("block_size") if isinstance(field, dict) else None
+    if type(n) is not int or not 1 <= n <= layout.host_rows:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"blocks must be {{'block_size': n}} with 1 <= n <= host_rows "
+                            f"({layout.host_rows}), got {str(field)[:60]}")
+    return n
+
+
+def _own_blocks(s: Session, space, rows) -> None:
+    """A write into an engine with a block store: only into blocks the writer allocated
+    (a cached block is read-only, DESIGN §9)."""
+    if space.blocks is not None:
+        space.blocks.writable(s.client_id, rows, space.block_size)
 
 
 def _int(h: dict, name: str) -> int:

@@ -55,11 +55,14 @@ class OperatorRequests:
                 out = stats_mod.render_prometheus(self.registry)
             elif cmd == "clients":  # other uids' clients to root and the admin group only
                 out = self.sessions.client_lines(_viewer(writer))
+            elif cmd == "blocks":  # block stores by engine; other uids' to root and the admin group only
+                viewer = _viewer(writer)
+                out = self.sessions.engines.block_lines(None if self.sessions.sees_all(viewer) else viewer.uid)
             elif cmd == "health":
                 # The socket exists only once the daemon serves (READY=1 sent): answering is ready.
                 out = f"ready pid={os.getpid()} clients={len(self.sessions)}\n"
             else:
-                out = f"error: unknown command {cmd[:40]!r}; try stats, json, prometheus, clients, health\n"
+                out = f"error: unknown command {cmd[:40]!r}; try stats, json, prometheus, clients, blocks, health\n"
             writer.write(out.encode())
             await writer.drain()
         except (asyncio.TimeoutError, ConnectionError):

@@ -4,18 +4,22 @@ An engine (one model served by one or several TP ranks) is created by its first 
 ATTACH, which reserves its host pool range; every later rank of the same name joins it
 (with the same layout, or LAYOUT_MISMATCH) if it may: only the creator's uid, root, or a
 member of the daemon's admin group. When its last rank detaches, the backend's per-engine
-resources and the pool range are released. Everything per engine lives here and in
-:class:`~.engine.EngineSpace`.
+resources and the pool range are released, unless the engine has a block store holding
+cached blocks (DESIGN §9): then it stays, for the next process that attaches to it. Everything
+per engine lives here and in :class:`~.engine.EngineSpace`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
 from sparsekv.proto import ErrorCode, Layout, ProtocolError
 
+from .blocks.contract import UidLedger
+from .blocks.store import BlockStore
 from .engine import EngineSpace, Owner, RankState
 from .pool import HostPool
 
@@ -45,24 +49,30 @@ class EngineRegistry:
             engine holds beyond its pool range.
         max_pool_bytes_per_uid: pool bytes the engines one uid created may hold together
             (their ranges); a new engine beyond it is QUOTA_EXCEEDED. 0: no quota.
+        max_blocks_per_uid: private + reserved blocks of one uid's sessions over every
+            block store (QUOTA_EXCEEDED beyond it); 0: no quota.
 
     Iterating yields engine names; ``len()`` is the number of engines.
     """
 
-    def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0):
+    def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0, max_blocks_per_uid: int = 0):
         self.pool = pool
         self.backend = backend
         self.max_pool_bytes_per_uid = max_pool_bytes_per_uid
+        self.block_ledger = UidLedger(max_blocks_per_uid)
         self._engines: dict[str, EngineSpace] = {}
         self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
 
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
-                     transport: str = "zmq", engine_slab=None) -> PendingAttach:
+                     transport: str = "zmq", engine_slab=None, block_size: int = 0) -> PendingAttach:
         """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
         to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
         pool range. Then :meth:`prepare` (any thread), then :meth:`commit`; :meth:`abort` on
         any error. While an attach is pending its engine is not released.
+
+        ``block_size`` > 0: the engine has a block store of ``host_rows // block_size``
+        blocks (a new engine gets one; an existing one must have the same block size).
 
         ``owner``: the client's credentials; a new engine belongs to them. An existing
         engine with an owner is joined only with the same uid, as uid 0, or when
@@ -76,6 +86,9 @@ class EngineRegistry:
             try:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
                 space = EngineSpace(engine_name, layout, view, offset, owner)
+                if block_size:
+                    space.block_size = block_size
+                    space.blocks = BlockStore(layout.host_rows // block_size, space.zero_blocks, self.block_ledger)
             except BaseException:
                 self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
@@ -86,6 +99,10 @@ class EngineRegistry:
         elif space.layout != layout:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} is attached with "
                                 f"{space.layout.to_wire()}, this rank sent {layout.to_wire()}")
+        elif space.block_size != block_size:
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} has "
+                                f"{f'blocks of {space.block_size} rows' if space.block_size else 'no block store'}, "
+                                f"this rank asked for {f'blocks of {block_size}' if block_size else 'none'}")
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
             kw["engine_slab"] = engine_slab
@@ -121,6 +138,7 @@ class EngineRegistry:
         if p.state is None:  # the backend makes it here (new_rank_on_loop)
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
         p.space.ranks[p.client_id] = p.state
+        p.space.idle_since = None
         self._settle(p)
         return p.state, p.handles
 
@@ -148,17 +166,51 @@ class EngineRegistry:
         space = self._engines.get(engine_name)
         if space is not None:
             space.ranks.pop(client_id, None)
+            if space.blocks is not None:  # its pins and private blocks (zeroed) go with it
+                space.blocks.close(client_id)
         # The rank first: it may hold resources that refer to the engine's (pinned) pool.
         self.backend.release_rank(client_id)
         if space is not None and self._release_if_unused(space):
             log.info("engine %r released its pool range", engine_name)
 
-    def _release_if_unused(self, space: EngineSpace, zero: bool = True) -> bool:
+    def make_room(self, nbytes: int, owner: Owner | None = None) -> list[str]:
+        """Before a new engine of ``nbytes`` pool bytes (created by ``owner``) is allocated:
+        its uid's quota checked first (QUOTA_EXCEEDED, nothing released), then, while the
+        pool's free bytes and those being zeroed cannot hold its range, the engine kept
+        longest for its cached blocks alone (no rank, no attach pending) released. Idle
+        namespaces yield to engines that come to work. Returns the names released."""
+        self._check_quota(owner, nbytes)
+        need = self.pool.range_bytes(nbytes)
+        kept = sorted((space for space in self._engines.values() if space.idle_since is not None
+                       and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
+        out = []
+        for space in kept:
+            if self.pool.free_bytes + self.pool.zeroing_bytes >= need:
+                break
+            cached = space.blocks.cached_blocks
+            if self._release_if_unused(space, keep_cached=False):
+                log.info("engine %r, kept for its %d cached blocks with no rank, released to make room",
+                         space.name, cached)
+                out.append(space.name)
+        return out
+
+    def drop_kept(self) -> list[str]:
+        """Release every engine kept only for its cached blocks (no rank, no attach
+        pending), cached blocks and all: at stop. Returns their names."""
+        kept = [space for space in self._engines.values() if not space.ranks and not self._attaching.get(space.name)]
+        return [space.name for space in kept if self._release_if_unused(space, keep_cached=False)]
+
+    def _release_if_unused(self, space: EngineSpace, zero: bool = True, keep_cached: bool = True) -> bool:
         """Release ``space`` (the backend's part, then its pool range) if it has no rank
-        and no attach pending; return whether it did."""
+        and no attach pending (and, with ``keep_cached``, no cached block); return whether it did."""
         if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space:
             return False
+        if keep_cached and space.blocks is not None and space.blocks.cached_blocks:
+            if space.idle_since is None:
+                space.idle_since = time.monotonic()
+            return False  # kept for the next process of this namespace (DESIGN §9)
         del self._engines[space.name]
+        space.blocks = None  # (the store's zeroing refers back to the space: no cycle keeps the pool's view)
         # Unpinned first (cuda): the pool zeroes the range only once no device mapping is left.
         self.backend.release_engine(space)
         self.pool.release(space.pool_offset, zero=zero)
@@ -167,6 +219,19 @@ class EngineRegistry:
     def space(self, engine_name: str) -> EngineSpace:
         """The engine named ``engine_name`` (KeyError if none is attached)."""
         return self._engines[engine_name]
+
+    def block_lines(self, uid: int | None = None) -> str:
+        """One tab-separated line per engine with a block store (of owner ``uid`` only,
+        unless None) under a header line: what ``sparsekv blocks`` shows."""
+        cols = ("blocks", "free", "cached", "referenced", "evictable", "private", "reserved_total")
+        lines = ["engine\towner_uid\tblock_size\tranks\t" + "\t".join(cols)]
+        for name, space in sorted(self._engines.items()):
+            owner = space.owner.uid if space.owner is not None else -1
+            if space.blocks is None or (uid is not None and owner != uid):
+                continue
+            g = space.blocks.gauges()
+            lines.append(f"{name}\t{owner}\t{space.block_size}\t{len(space.ranks)}\t" + "\t".join(str(g[c]) for c in cols))
+        return "\n".join(lines) + "\n"
 
     def gauges(self) -> dict:
         """What the stats snapshot shows of engines and the pool."""

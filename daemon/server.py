@@ -25,6 +25,8 @@ from sparsekv.proto import fd_socket
 from . import stats as stats_mod
 from .control_socket import ControlSocket
 from .inflight import message_ids
+from .block_requests import BlockRequests
+from .blocks.contract import BlockError
 from .engine_requests import EngineRequests, code_of
 from .fd_server import FdServer
 from .heavy import MAX_WAITING, Gone, HeavyRequests, Job
@@ -51,7 +53,7 @@ class Daemon:
                  metrics_port: int = 0, admin_gid: int | None = None, max_clients_per_uid: int = 0,
                  max_pool_bytes_per_uid: int = 0, max_connections_per_uid: int = 0, hello_timeout_s: float = 10.0,
                  idle_timeout_s: float = 600.0, inflight_bytes: int = 256 << 20, io_cpus: tuple[int, ...] = (),
-                 warmer=None):
+                 warmer=None, max_blocks_per_uid: int = 0):
         self.run_dir = run_dir
         self.control_path = os.path.join(run_dir, "control.sock")
         self.stats_path = os.path.join(run_dir, "stats.sock")
@@ -71,7 +73,8 @@ class Daemon:
         self.stats = stats_mod.Stats(registry=self.registry)
         self.metrics_port = int(metrics_port)  # 0: no HTTP endpoint
         self.metrics_address: tuple[str, int] | None = None  # once bound
-        self.engines = EngineRegistry(pool, backend, max_pool_bytes_per_uid=max_pool_bytes_per_uid)
+        self.engines = EngineRegistry(pool, backend, max_pool_bytes_per_uid=max_pool_bytes_per_uid,
+                                      max_blocks_per_uid=max_blocks_per_uid)
         self.heavy = HeavyRequests()
         self._serving = False
         self.fd_server = FdServer(self.stats, lambda cid: self.backend.share_fds(cid), is_attacher)
@@ -83,7 +86,9 @@ class Daemon:
         self.engine_requests = EngineRequests(self.sessions, self.engines, backend, pool, self.stats, self.fd_server)
         self.operator_requests = OperatorRequests(self.snapshot, self.registry, self.sessions)
         self._stop = asyncio.Event()
-        self.handlers = {**self.engine_requests.handlers(), **self.operator_requests.handlers()}
+        self.block_requests = BlockRequests(self.engines, self.stats)
+        self.handlers = {**self.engine_requests.handlers(), **self.operator_requests.handlers(),
+                         **self.block_requests.handlers()}
         # The protocol is declared once in proto/; refuse to start if it and the handlers drift.
         missing = set(REQUESTS) - set(self.handlers)
         if missing or set(self.handlers) - set(REQUESTS):
@@ -155,6 +160,9 @@ class Daemon:
                         self.sessions.detach(s)
                     except Exception:  # noqa: BLE001 - stop the others cleanly all the same
                         log.exception("detaching client %d at stop failed", s.client_id)
+                dropped = self.engines.drop_kept()
+                if dropped:
+                    log.info("released %d engine(s) kept for their cached blocks: %s", len(dropped), ", ".join(dropped))
             self.sessions.clear()
             self.heavy.shutdown(wait=not self.exit_code)  # memory being released on its threads
             self._serving = False
@@ -276,7 +284,7 @@ class Daemon:
     def _failed(self, e: Exception, identity: bytes, msg_type: int, req_id: int, tr: int) -> list:
         """The error reply to a request that raised ``e``, counted."""
         code = code_of(e)
-        if isinstance(e, (ProtocolError, ResidencyError, LayoutError, PoolError)):
+        if isinstance(e, (ProtocolError, ResidencyError, LayoutError, PoolError, BlockError)):
             log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
             msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
         elif (sticky := sticky_cuda_error(e)) is not None:
@@ -291,7 +299,7 @@ class Daemon:
         s = self.sessions.get(identity)  # error path only: the hot path does not pay for it
         if s is not None:
             s.errors += 1
-        return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns())
+        return reply_error(msg_type, req_id, code, msg, tr, time.perf_counter_ns(), getattr(e, "detail", None))
 
     def _fatal(self, why: str) -> None:
         """Stop serving and make the process exit with :data:`EXIT_FATAL` (main returns

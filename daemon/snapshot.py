@@ -50,4 +50,6 @@ class Snapshot:
             lay = space.layout
             out[name] = {"ranks": len(space.ranks), "pool_bytes": lay.pool_bytes,
                          "slab_bytes": len(space.ranks) * lay.slab_bytes}
+            if space.blocks is not None:
+                out[name]["blocks"] = space.blocks.gauges()
         return out

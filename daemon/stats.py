@@ -33,6 +33,12 @@ COUNTERS = (
     ("bytes_written", "bytes written into the host pool"),
     ("hot_invalidated", "hot slots dropped because their row was rewritten"),
     ("rows_staged", "rows copied to prefill staging buffers"),
+    ("block_lookups", "block store lookups (BLOCK_LOOKUP)"),
+    ("block_hits", "blocks found and pinned by lookups"),
+    ("block_hit_tokens", "positions of the blocks found by lookups (not prefilled again)"),
+    ("block_hit_bytes", "pool bytes of the blocks found by lookups (every layer's rows)"),
+    ("block_commits", "blocks cached under a hash (BLOCK_COMMIT)"),
+    ("block_evictions", "cached blocks evicted (least recently unpinned first) to allocate"),
     ("requests", "requests handled"),
     ("errors", "requests answered with an error"),
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
@@ -200,6 +206,13 @@ def metric_families(snap: dict) -> Iterator[Metric]:
         for engine, e in sorted(per_engine.items()):
             fam.add_metric([engine], e.get(key, 0))
         yield fam
+    blocks = GaugeMetricFamily("sparsekv_engine_blocks", "blocks of this engine's block store by state (DESIGN §9): "
+                               "blocks (all), free, cached, referenced (cached, pinned), evictable (cached, unpinned), "
+                               "private, reserved_total", labels=["engine", "state"])
+    for engine, e in sorted(per_engine.items()):
+        for state, n in sorted(e.get("blocks", {}).items()):
+            blocks.add_metric([engine, state], n)
+    yield blocks
     if "arenas" in snap:  # cuda: one allocation per GPU for slabs and rings
         size = GaugeMetricFamily("sparsekv_device_arena_bytes", "bytes of the GPU's arena", labels=["device"])
         used = GaugeMetricFamily("sparsekv_device_arena_used_bytes", "bytes of the GPU's arena given to ranks",
@@ -256,6 +269,10 @@ def render_table(snap: dict) -> str:
     for engine, e in sorted(snap.get("per_engine", {}).items()):
         lines.append(f"engine {engine:<8}{e['ranks']} rank(s), pool {e['pool_bytes'] / 2**20:.1f} MiB, "
                      f"slabs {e['slab_bytes'] / 2**20:.1f} MiB")
+        if "blocks" in e:
+            b = e["blocks"]
+            lines.append(f"  blocks       {b['cached']} cached ({b['referenced']} referenced), {b['free']} free, "
+                         f"{b['private']} private, {b['reserved_total']} reserved of {b['blocks']}")
     for device, a in sorted(snap.get("arenas", {}).items()):
         lines.append(f"arena {device:<9}{a['used_bytes'] / 2**20:.1f} / {a['bytes'] / 2**20:.1f} MiB used")
     return "\n".join(lines) + "\n"

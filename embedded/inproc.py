@@ -1,18 +1,24 @@
 """In-process transport: the daemon's residency engine and mover in the caller's process,
 with the methods and results of :class:`~sparsekv.client.Client` (baselines, tests, a library).
+With ``attach(..., block_size=n)`` its ``blocks`` is a block store (DESIGN §9) of this
+process alone: prefix reuse within it, nothing shared, nothing kept past ``close``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 
-from sparsekv.daemon.engine import EngineSpace, RankState
+from sparsekv.daemon.blocks.contract import BlockError
+from sparsekv.daemon.blocks.store import BlockStore
+from sparsekv.daemon.engine import EngineSpace, RankState, host_rows_arg
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
-from sparsekv.proto import ErrorCode, Layout
+from sparsekv.proto import ErrorCode, Layout, MsgType
 
+from sparsekv.client.blocks import Blocks
 from sparsekv.client.client import Attachment
 from sparsekv.client.errors import error_for
 from sparsekv.client.results import TopkResult
@@ -27,6 +33,7 @@ class InprocClient:
         self.rank = rank
         self.info = {"backend": backend, "devices": ["cpu"]}
         self.attachment: Attachment | None = None
+        self.blocks: Blocks | None = None
         self._space: EngineSpace | None = None
         self._state = None
 
@@ -40,19 +47,47 @@ class InprocClient:
         return self
 
     def close(self) -> None:
-        self.attachment = None
+        self.attachment = self.blocks = None
         self._space = self._state = None
 
-    def attach(self, layout: Layout, engine: str = "default") -> Attachment:
+    def attach(self, layout: Layout, engine: str = "default", block_size: int = 0) -> Attachment:
         layout.validate()
+        if not 0 <= block_size <= layout.host_rows:
+            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"block_size must lie in [0, host_rows={layout.host_rows}]")
         pool = np.zeros((layout.num_layers, layout.host_rows, layout.row_bytes), dtype=np.uint8)
         slab = np.zeros((layout.num_layers, layout.max_reqs, layout.region_stride, layout.row_bytes), np.uint8)
         staging = np.zeros((layout.num_layers, layout.staging_rows, layout.row_bytes), np.uint8) if layout.staging_rows else None
         self._space = EngineSpace(engine, layout, pool)
         self._state = RankState(self.rank, "cpu", CpuResidency(layout), CpuMover(layout, pool, slab, staging), slab, staging)
         self._space.ranks[0] = self._state
+        if block_size:
+            self._space.block_size = block_size
+            self._space.blocks = BlockStore(layout.host_rows // block_size, self._space.zero_blocks)
+            self._space.blocks.open(0, os.getuid())
+            self.blocks = Blocks(self._block_call, engine, block_size)
         self.attachment = Attachment(layout, engine, slab, staging)
         return self.attachment
+
+    def _block_call(self, kind: MsgType, fields=None, arrays=None):
+        """A BLOCK_* request on this process's store, answered as the daemon would (``Blocks`` calls it)."""
+        store, a = self._space.blocks, arrays or {}
+        with _errors():
+            if kind == MsgType.BLOCK_RESERVE:
+                n = store.reserve(0, fields["n"])
+                return {**store.gauges(), "reserved": n}, {}
+            if kind == MsgType.BLOCK_ALLOC:
+                return {}, {"blocks": store.alloc(0, fields["n"])}
+            if kind == MsgType.BLOCK_COMMIT:
+                return {}, {"held": store.commit(0, a["blocks"], a["hashes"])}
+            if kind == MsgType.BLOCK_LOOKUP:
+                return {}, {"blocks": store.lookup(0, a["hashes"])}
+            store.release(0, a["blocks"])
+            return {}, {}
+
+    def _own_blocks(self, rows) -> None:
+        """With a block store, a write names rows of this process's own blocks only."""
+        if self._space.blocks is not None:
+            self._space.blocks.writable(0, host_rows_arg(self._space.layout, rows, "write"), self._space.block_size)
 
     def detach(self) -> None:
         self.close()
@@ -72,12 +107,14 @@ class InprocClient:
     def write(self, rows, data, layers=None) -> dict:
         with _errors():
             self._need()
+            self._own_blocks(rows)
             nbytes, dropped = self._space.write(layers, rows, data)
         return {"bytes": nbytes, "invalidated": dropped}
 
     def write_staged(self, rows, layers=None) -> dict:
         with _errors():
             st = self._need()
+            self._own_blocks(rows)
             nbytes, dropped = self._space.write_staged(st, layers, rows)
         return {"bytes": nbytes, "invalidated": dropped}
 
@@ -99,3 +136,5 @@ def _errors():
         yield
     except ResidencyError as e:
         raise error_for(int(ErrorCode[e.code]), str(e)) from None
+    except BlockError as e:
+        raise error_for(int(ErrorCode[e.code]), str(e), e.detail) from None

@@ -123,9 +123,12 @@ def reply_ok(msg_type: int, req_id: int, fields=None, arrays=None, tr: int | Non
 
 
 def reply_error(msg_type: int, req_id: int, code: ErrorCode, message: str,
-                tr: int | None = None, tx: int | None = None) -> list:
-    """A failed reply: ``code``, its name as ``error``, ``msg``; ``tr`` / ``tx`` as in :func:`reply_ok`."""
+                tr: int | None = None, tx: int | None = None, detail: dict | None = None) -> list:
+    """A failed reply: ``code``, its name as ``error``, ``msg``, and ``detail`` (a map of
+    figures, POOL_EXHAUSTED's) when given; ``tr`` / ``tx`` as in :func:`reply_ok`."""
     head = {"ok": False, "code": int(code), "error": ErrorCode(code).name, "msg": message}
+    if detail:
+        head["detail"] = detail
     if tr is not None:
         head["tr"], head["tx"] = tr, tx
     return encode(msg_type, req_id, head)

@@ -35,6 +35,11 @@ class MsgType(enum.IntEnum):
     STATS = 8  # -> counters
     WRITE_STAGED = 9  # layers, rows [+ fence] -> ack (rows the client put in its staging buffer -> pool)
     BYE = 10  # -> ack (detach if attached, and the daemon forgets this connection: Client.close)
+    BLOCK_RESERVE = 11  # n -> reserved (+ the store's gauges), or POOL_EXHAUSTED
+    BLOCK_ALLOC = 12  # n -> blocks [n] (zeroed, private to the caller)
+    BLOCK_COMMIT = 13  # blocks [n], hashes [n, 2] -> held [n] (the block cached under each hash)
+    BLOCK_LOOKUP = 14  # hashes [n, 2] -> blocks [m] (the longest cached prefix, pinned)
+    BLOCK_RELEASE = 15  # blocks [n] -> ack (pins dropped, private blocks freed)
 
 
 class ErrorCode(enum.IntEnum):
@@ -59,6 +64,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 16
     PERMISSION_DENIED = 17
     QUOTA_EXCEEDED = 18
+    POOL_EXHAUSTED = 19
 
 
 ERROR_HINTS: dict[ErrorCode, str] = {
@@ -82,6 +88,8 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     "attach as the engine's owner, as root or as a member of the daemon's admin group, or pick another engine name",
     ErrorCode.QUOTA_EXCEEDED: "this user holds its share of the daemon (max_clients_per_uid, max_pool_bytes_per_uid "
     "in the daemon's config): close or detach other clients of this user, or ask the operator to raise it",
+    ErrorCode.POOL_EXHAUSTED: "the engine's block store cannot promise that many blocks now (the reply's detail "
+    "names free, cached-evictable and reserved blocks): admit the request later, or release blocks",
 }
 
 
@@ -98,6 +106,7 @@ class Limits:
     max_array_dims: int = 4
     max_batch: int = 4096
     max_write_rows: int = 1 << 20
+    max_blocks: int = 1 << 16  # blocks or hashes in one block store request (a 4M-token chain of 64)
 
 
 LIMITS = Limits()
@@ -119,15 +128,21 @@ REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
     MsgType.STATS: (frozenset(), frozenset()),
     MsgType.WRITE_STAGED: (frozenset({"layers"}), frozenset({"rows"})),
     MsgType.BYE: (frozenset(), frozenset()),
+    MsgType.BLOCK_RESERVE: (frozenset({"n"}), frozenset()),
+    MsgType.BLOCK_ALLOC: (frozenset({"n"}), frozenset()),
+    MsgType.BLOCK_COMMIT: (frozenset(), frozenset({"blocks", "hashes"})),
+    MsgType.BLOCK_LOOKUP: (frozenset(), frozenset({"hashes"})),
+    MsgType.BLOCK_RELEASE: (frozenset(), frozenset({"blocks"})),
 }
 
 
 class ProtocolError(Exception):
     """A request or reply that breaks the protocol, with the code to answer it."""
 
-    def __init__(self, code: ErrorCode, message: str):
+    def __init__(self, code: ErrorCode, message: str, detail: dict | None = None):
         super().__init__(message)
         self.code = ErrorCode(code)
+        self.detail = detail or {}  # figures a program acts on (POOL_EXHAUSTED's), in the reply's "detail"
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.args[0]}"

@@ -23,7 +23,7 @@ MiB = 1 << 20
 FUZZ_LAYOUT = helpers.layout(num_layers=2, row_bytes=8, top_k=4, region_stride=8, max_reqs=3, host_rows=32,
                              staging_rows=4, index_groups=((0,), (1,)))
 GOOD_LAYOUT = helpers.layout(num_layers=2, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
-OPTIONAL = ("fence", "block", "begin", "fence_events", "ts", "done")
+OPTIONAL = ("fence", "block", "begin", "fence_events", "ts", "done", "blocks")
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.integers(-3, 70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6) | st.binary(max_size=6))
@@ -38,6 +38,8 @@ plausible = {
     "device": st.just("cpu"), "name": st.text(max_size=4), "pid": st.just(os.getpid()),
     "fence": st.none() | st.integers(0, 3), "begin": st.booleans(), "block": st.integers(0, 2),
     "done": st.none() | st.integers(-1, 3) | st.sampled_from([2**32, True, 1.5, "1"]),
+    "blocks": st.fixed_dictionaries({"block_size": st.integers(-1, 40) | st.sampled_from([True, 2.0, 2**63])}),
+    "n": st.integers(-40, 40) | st.sampled_from([True, 2**63, -(2**63), 1.5, 2**17]),
 }
 
 
@@ -81,6 +83,11 @@ def plausible_arrays(draw, kind):
     if kind == MsgType.WRITE:
         out["data"] = ints(draw, (draw(st.integers(0, 3)), n if draw(st.integers(0, 5)) else n + 1,
                                   8 if draw(st.integers(0, 5)) else 7), 0, 255, np.uint8)
+    if kind in (MsgType.BLOCK_COMMIT, MsgType.BLOCK_RELEASE):
+        out["blocks"] = ints(draw, (n,), -2, 34)
+    if kind in (MsgType.BLOCK_COMMIT, MsgType.BLOCK_LOOKUP):  # keys from a small set: hits and duplicates
+        out["hashes"] = ints(draw, (n if draw(st.integers(0, 5)) else n + 1, 2 if draw(st.integers(0, 9)) else 3),
+                             0, 3, np.int64)
     return out
 
 
@@ -144,10 +151,10 @@ def good_step(dm, t):
         assert helpers.bad_rows(s.slab, GOOD_LAYOUT.groups[g], np.array([0, 1]), topk, a["slots"], 64) == 0
 
 
-@given(st.lists(requests(), min_size=1, max_size=3), st.booleans())
+@given(st.lists(requests(), min_size=1, max_size=3), st.booleans(), st.booleans())
 @settings(max_examples=helpers.examples(300, 5000), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-def test_garbage_requests_get_typed_errors_and_others_go_on(dm, reqs, attached):
+def test_garbage_requests_get_typed_errors_and_others_go_on(dm, reqs, attached, store):
     if b"G" not in dm.sessions:
         ok(dm, b"G", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "good"})
         ok(dm, b"G", MsgType.ATTACH, {"engine": "good", "layout": GOOD_LAYOUT.to_wire()})
@@ -158,8 +165,9 @@ def test_garbage_requests_get_typed_errors_and_others_go_on(dm, reqs, attached):
     if s is None:
         ok(dm, b"F", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "fuzz"})
         s = dm.sessions[b"F"]
-    if attached and s.state is None:
-        ok(dm, b"F", MsgType.ATTACH, {"engine": "fz", "layout": FUZZ_LAYOUT.to_wire()})
+    if attached and s.state is None:  # to a plain engine, or to one with a block store (kept while it caches)
+        ok(dm, b"F", MsgType.ATTACH, {"engine": "fzb", "layout": FUZZ_LAYOUT.to_wire(), "blocks": {"block_size": 4}}
+           if store else {"engine": "fz", "layout": FUZZ_LAYOUT.to_wire()})
         ok(dm, b"F", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0, 1, -1], np.int32)})
     for kind, fields, arrs in reqs:
         h, _ = request(dm, b"F", kind, fields, arrs)
@@ -205,6 +213,9 @@ ROWS = np.zeros(1, np.int32)
      "index_groups"),
     (MsgType.ATTACH, {"engine": "x", "layout": _with(staging_rows=2**63)}, {}, ErrorCode.BAD_LAYOUT, "staging_rows"),
     (MsgType.ATTACH, {"engine": "x", "layout": _with(row_bytes=2**62)}, {}, ErrorCode.BAD_LAYOUT, "row_bytes"),
+    (MsgType.ATTACH, {"engine": "x", "layout": FUZZ_LAYOUT.to_wire(), "blocks": {"block_size": 0}}, {},
+     ErrorCode.BAD_ARGUMENT, "blocks must be {'block_size': n} with 1 <= n <= host_rows (32)"),
+    (MsgType.BLOCK_ALLOC, {"n": 1}, {}, ErrorCode.BAD_ARGUMENT, "engine 'fz' has no block store"),
 ])
 def test_client_mistakes_are_typed_errors(tmp_path, kind, fields, arrays, code, words):
     pool = HostPool(8 * MiB, threads=1)

@@ -211,3 +211,36 @@ def test_prepare_runs_only_prepare_rank_when_ranks_are_made_on_the_owners_thread
         assert backend.calls[1:] == [("new_rank", "e", 1)] and list(reg.space("e").ranks) == [1]
     finally:
         backend.close()
+
+
+def test_an_engine_caching_blocks_outlives_its_ranks_until_dropped(reg, pool):
+    lay = helpers.layout()
+    attach(reg, 1, 0, "cpu", "e", lay, block_size=4)
+    store = reg.space("e").blocks
+    store.open(1, 0)
+    [b] = store.alloc(1, 1)
+    reg.space("e").pool[:, b * 4:(b + 1) * 4] = 9
+    store.commit(1, [b], np.arange(2, dtype=np.int64).reshape(1, 2))
+    reg.detach(1, "e")
+    assert "e" in reg and store.cached_blocks == 1 and store.pins[b] == 0  # unpinned, kept
+    with pytest.raises(ProtocolError) as e:
+        attach(reg, 2, 0, "cpu", "e", lay)  # the same name without the block store
+    assert e.value.code == ErrorCode.LAYOUT_MISMATCH
+    assert reg.drop_kept() == ["e"]
+    assert "e" not in reg and pool.used_bytes == 0
+
+
+def test_engines_kept_for_their_blocks_yield_to_a_new_engine_oldest_first(reg, pool):
+    lay = helpers.layout(host_rows=(2 * MiB) // 64)  # one 2 MiB range each (2 layers of 32-byte rows)
+    for i, name in enumerate(("old", "newer")):
+        attach(reg, i, 0, "cpu", name, lay, block_size=4)
+        store = reg.space(name).blocks
+        store.open(i, 0)
+        store.commit(i, store.alloc(i, 1), np.full((1, 2), i, dtype=np.int64))
+        reg.detach(i, name)
+    attach(reg, 9, 0, "cpu", "busy", lay)
+    free = pool.free_bytes + pool.zeroing_bytes
+    assert reg.make_room(free) == []  # it fits as it is
+    assert reg.make_room(free + 1) == ["old"]
+    assert "newer" in reg and "busy" in reg
+    assert reg.make_room(8 * MiB) == ["newer"]  # never an engine with a rank

@@ -132,7 +132,7 @@ def test_json_has_per_engine_use_and_the_histogram_totals(busy):
 def test_unknown_command_gives_an_error_line(daemon):
     out = helpers.stats_query(daemon.run_dir, "bogus")
     assert out.startswith("error: unknown command 'bogus'") and out.endswith("\n") and out.count("\n") == 1
-    assert "stats, json, prometheus, clients, health" in out
+    assert "stats, json, prometheus, clients, blocks, health" in out
     # the socket keeps serving
     assert json.loads(helpers.stats_query(daemon.run_dir, "json"))["clients"] == 0
 

@@ -1,13 +1,15 @@
 """The in-process transport: same results and the same typed exceptions as the daemon
-client, no daemon."""
+client, no daemon; its block store answers an engine's prefix requests as the daemon's."""
 
 import numpy as np
 import pytest
 
 import helpers
-from sparsekv.client import BadRequest, NotAttached
+from helpers import gen_pattern
+from sparsekv.client import BadRequest, Client, NotAttached
 from sparsekv.embedded.inproc import InprocClient
 from sparsekv.proto import ErrorCode
+from sparsekv.proto.positions import host_rows
 
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
                         staging_rows=4)
@@ -57,3 +59,37 @@ def test_stage_of_rows_outside_the_pool_is_a_typed_error_as_through_the_daemon()
         c.attach(lay)
         with pytest.raises(BadRequest, match=r"stage rows must lie in \[0, 8\)"):
             c.stage([8])
+
+
+def _two_requests_sharing_a_prefix(c) -> tuple[int, int]:
+    """The same engine code on any client: two requests whose prompts share 3 blocks;
+    returns the second's hits and the wrong rows read through its block table."""
+    lay = helpers.layout(host_rows=64, index_groups=((0, 1),))
+    c.attach(lay, engine="m", block_size=4)
+    prompts = [list(range(12)) + [100 + i] * 8 for i in range(2)]
+    for prompt in prompts:
+        keys = c.blocks.hashes(prompt)
+        c.blocks.reserve(len(keys))
+        hit = c.blocks.lookup(keys)
+        new = c.blocks.alloc(len(keys) - hit.size)
+        rows = c.blocks.rows(new)
+        c.write(rows, np.stack([gen_pattern(layer, rows, lay.row_bytes) for layer in range(lay.num_layers)]))
+        c.blocks.commit(new, keys[hit.size:])
+    table = np.concatenate([hit, new])[None, :].astype(np.int32)
+    bad = 0
+    for step, p0 in enumerate(range(0, 20, 4)):  # every position, through the block table
+        ids = host_rows(np.arange(p0, p0 + 4)[None, :], table, 4)
+        c.step(step, np.array([0], np.int32), reset=np.array([True]))
+        r = c.topk(step, 0, ids)
+        bad += helpers.bad_rows(c.attachment.slab, (0, 1), [0], ids, r.slots, lay.host_rows)
+    with pytest.raises(BadRequest, match="not in a block this client allocated"):
+        c.write(c.blocks.rows(hit[:1]), np.zeros((lay.num_layers, 4, lay.row_bytes), np.uint8))
+    return int(hit.size), bad
+
+
+def test_inproc_block_store_answers_as_the_daemons():
+    with InprocClient() as c:
+        inproc = _two_requests_sharing_a_prefix(c)
+    with helpers.serving_daemon(4 << 20) as d, Client(d.run_dir) as c:
+        daemon = _two_requests_sharing_a_prefix(c)
+    assert inproc == daemon == (3, 0)

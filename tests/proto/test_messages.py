@@ -8,14 +8,14 @@ def test_message_type_numbers_are_pinned():
     # Append-only: a reorder or reuse breaks every deployed peer. Extend, never edit.
     assert {m.name: int(m) for m in MsgType} == {
         "HELLO": 1, "ATTACH": 2, "STEP": 3, "TOPK": 4, "WRITE": 5, "STAGE": 6, "DETACH": 7, "STATS": 8, "WRITE_STAGED": 9,
-        "BYE": 10,
+        "BYE": 10, "BLOCK_RESERVE": 11, "BLOCK_ALLOC": 12, "BLOCK_COMMIT": 13, "BLOCK_LOOKUP": 14, "BLOCK_RELEASE": 15,
     }
 
 
 def test_error_code_numbers_are_pinned():
     want = ["OK", "BAD_FRAME", "BAD_VERSION", "UNKNOWN_TYPE", "NOT_HELLO", "NOT_ATTACHED", "BAD_LAYOUT",
             "LAYOUT_MISMATCH", "POOL_FULL", "BAD_ARGUMENT", "BAD_STATE_ROW", "DUPLICATE_IDS", "TOO_LARGE",
-            "ALREADY_ATTACHED", "TOO_MANY_CLIENTS", "INTERNAL", "SHUTTING_DOWN", "PERMISSION_DENIED"]
+            "ALREADY_ATTACHED", "TOO_MANY_CLIENTS", "INTERNAL", "SHUTTING_DOWN", "PERMISSION_DENIED", "QUOTA_EXCEEDED", "POOL_EXHAUSTED"]
     assert [(c.name, int(c)) for c in ErrorCode][: len(want)] == [(n, i) for i, n in enumerate(want)]
 
 

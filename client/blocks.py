@@ -1,0 +1,91 @@
+"""The engine's view of its engine's block store (DESIGN §9): ``Client.blocks`` after an
+``attach(..., block_size=n)``.
+
+A block is ``block_size`` host rows, ``[b * block_size, (b + 1) * block_size)``, of every
+layer, so block ids go straight into the block table of ``swap_in`` / ``topk`` with the
+same ``block_size`` (proto/positions.py): a looked-up prefix is read where it lies, no
+copy. The life of a request's blocks:
+
+1. ``reserve(n)`` at admission: ``n`` blocks promised, or ``PoolExhausted`` at once
+   (``free``, ``evictable``, ``reserved``), never a failure later in the request;
+2. ``lookup(hashes)``: the longest cached prefix of the prompt's chain, pinned;
+3. ``alloc(k)`` for the rest (zeroed, private), written with ``Client.write`` (rows:
+   ``rows(blocks)``), then ``commit(blocks, hashes)`` for the full ones;
+4. ``release(blocks)`` when the request ends: cached blocks stay cached (evictable once
+   nobody pins them), private ones are freed.
+A client that detaches or dies releases everything it held.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from sparsekv.proto import LIMITS, ErrorCode, MsgType
+from sparsekv.proto.blocks import chain_hashes
+
+from .errors import BadRequest
+
+
+class Blocks:
+    """The block store of engine ``namespace`` (blocks of ``block_size`` rows), through a
+    client's request function ``call(msg_type, fields, arrays) -> (fields, arrays)``."""
+
+    def __init__(self, call: Callable, namespace: str, block_size: int):
+        self._call = call
+        self.namespace = namespace
+        self.block_size = block_size
+
+    def hashes(self, tokens, parent: bytes | None = None) -> np.ndarray:
+        """The chain hashes (int64 [n, 2]) of the full blocks of ``tokens`` in this
+        namespace (proto/blocks.py)."""
+        return chain_hashes(self.namespace, tokens, self.block_size, parent)
+
+    def rows(self, blocks) -> np.ndarray:
+        """The host rows (int32 [n * block_size]) of ``blocks``, in order."""
+        b = np.asarray(blocks, dtype=np.int64).reshape(-1, 1)
+        return (b * self.block_size + np.arange(self.block_size)).reshape(-1).astype(np.int32)
+
+    def reserve(self, n: int) -> dict:
+        """Promise ``n`` more blocks to this client (``n < 0`` gives some back); returns
+        ``reserved`` (this client's now) and the store's ``blocks``, ``free``, ``cached``,
+        ``referenced``, ``evictable``, ``private`` and ``reserved_total`` counts.
+        ``PoolExhausted`` when it cannot."""
+        return self._call(MsgType.BLOCK_RESERVE, {"n": int(n)})[0]
+
+    def alloc(self, n: int) -> np.ndarray:
+        """``n`` zeroed blocks (int32 [n]) only this client may write; its reservation first."""
+        return self._call(MsgType.BLOCK_ALLOC, {"n": int(n)})[1]["blocks"]
+
+    def commit(self, blocks, hashes) -> np.ndarray:
+        """Cache this client's ``blocks`` under ``hashes`` (int64 [n, 2]), pinned for it; they
+        are read-only from now on. Returns the block cached under each hash (int32 [n]): the
+        block itself, or another's committed first (then this one stays private)."""
+        blocks, hashes = _blocks(blocks), _hashes(hashes)
+        return self._call(MsgType.BLOCK_COMMIT, arrays={"blocks": blocks, "hashes": hashes})[1]["held"]
+
+    def lookup(self, hashes) -> np.ndarray:
+        """Pin and return (int32 [m]) the blocks of the longest cached prefix of the chain
+        ``hashes`` (int64 [n, 2])."""
+        return self._call(MsgType.BLOCK_LOOKUP, arrays={"hashes": _hashes(hashes)})[1]["blocks"]
+
+    def release(self, blocks) -> None:
+        """Unpin cached ``blocks`` and free private ones (zeroed); all or nothing."""
+        self._call(MsgType.BLOCK_RELEASE, arrays={"blocks": _blocks(blocks)})
+
+
+def _blocks(blocks) -> np.ndarray:
+    b = np.asarray(blocks, dtype=np.int32).reshape(-1)
+    if b.size > LIMITS.max_blocks:
+        raise BadRequest(f"{b.size} blocks exceed {LIMITS.max_blocks} a request", ErrorCode.TOO_LARGE)
+    return b
+
+
+def _hashes(hashes) -> np.ndarray:
+    h = np.asarray(hashes)
+    if h.ndim != 2 or h.shape[1] != 2 or h.dtype != np.int64:
+        raise BadRequest(f"hashes must be int64 [n, 2], got {h.dtype} {list(h.shape)}", ErrorCode.BAD_ARGUMENT)
+    if h.shape[0] > LIMITS.max_blocks:
+        raise BadRequest(f"{h.shape[0]} hashes exceed {LIMITS.max_blocks} a request", ErrorCode.TOO_LARGE)
+    return np.ascontiguousarray(h)

@@ -1,0 +1,91 @@
+"""What an engine asks of its block store (DESIGN §9): BLOCK_RESERVE, BLOCK_ALLOC,
+BLOCK_COMMIT, BLOCK_LOOKUP, BLOCK_RELEASE.
+
+The store is the one of the engine the session is attached to (an ATTACH with
+``blocks: {"block_size": n}``), so who may use it is settled at ATTACH: the engine's
+owner uid, root and the admin group. Each handler takes (session, identity, header,
+arrays) and returns the reply's (fields, arrays); errors are raised, typed
+(``BlockError``: BAD_ARGUMENT, POOL_EXHAUSTED with its figures, QUOTA_EXCEEDED).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError
+
+from .blocks.store import BlockStore
+from .sessions import Session
+
+
+class BlockRequests:
+    """The handlers of the block store requests, over the daemon's engine registry and stats."""
+
+    def __init__(self, engines, stats):
+        self.engines, self.stats = engines, stats
+
+    def handlers(self) -> dict:
+        """This role's handlers by message type."""
+        return {MsgType.BLOCK_RESERVE: self.on_reserve, MsgType.BLOCK_ALLOC: self.on_alloc,
+                MsgType.BLOCK_COMMIT: self.on_commit, MsgType.BLOCK_LOOKUP: self.on_lookup,
+                MsgType.BLOCK_RELEASE: self.on_release}
+
+    def _store(self, s: Session) -> BlockStore:
+        """The block store of ``s``'s engine, opened for ``s``."""
+        if s.state is None:
+            raise ProtocolError(ErrorCode.NOT_ATTACHED, f"client {s.client_id} has not attached to an engine")
+        store = self.engines.space(s.engine).blocks
+        if store is None:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"engine {s.engine!r} has no block store: its first rank "
+                                "attaches with a block size (Client.attach(..., block_size=n))")
+        store.open(s.client_id, s.uid)
+        return store
+
+    def on_reserve(self, s: Session, identity, h, a):
+        store = self._store(s)
+        reserved = store.reserve(s.client_id, _count(h, signed=True))
+        return {**store.gauges(), "reserved": reserved}, None
+
+    def on_alloc(self, s: Session, identity, h, a):
+        store = self._store(s)
+        before = store.counts["evictions"]
+        blocks = store.alloc(s.client_id, _count(h))
+        self.stats.add(block_evictions=store.counts["evictions"] - before)
+        return {}, {"blocks": blocks}
+
+    def on_commit(self, s: Session, identity, h, a):
+        store = self._store(s)
+        held = store.commit(s.client_id, _array(a, "blocks"), _array(a, "hashes"))
+        self.stats.add(block_commits=int((held == a["blocks"]).sum()))
+        return {}, {"held": held}
+
+    def on_lookup(self, s: Session, identity, h, a):
+        store = self._store(s)
+        blocks = store.lookup(s.client_id, _array(a, "hashes"))
+        space = self.engines.space(s.engine)
+        tokens = blocks.size * space.block_size
+        self.stats.add(block_lookups=1, block_hits=blocks.size, block_hit_tokens=tokens,
+                       block_hit_bytes=tokens * space.layout.num_layers * space.layout.row_bytes)
+        return {}, {"blocks": blocks}
+
+    def on_release(self, s: Session, identity, h, a):
+        self._store(s).release(s.client_id, _array(a, "blocks"))
+        return {}, None
+
+
+def _count(h: dict, signed: bool = False) -> int:
+    """The ``n`` field: an int within ``LIMITS.max_blocks`` (negative only when ``signed``)."""
+    n = h.get("n")
+    if type(n) is not int or abs(n) > LIMITS.max_blocks or (n < 0 and not signed):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"n must be an integer in [{-LIMITS.max_blocks if signed else 0}, "
+                            f"{LIMITS.max_blocks}], got {str(n)[:40]}")
+    return n
+
+
+def _array(a: dict, name: str) -> np.ndarray:
+    """Array ``name`` of the request, at most ``LIMITS.max_blocks`` long (TOO_LARGE)."""
+    if name not in a:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"this request needs the {name} array")
+    if a[name].ndim and a[name].shape[0] > LIMITS.max_blocks:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{a[name].shape[0]} {name} exceed {LIMITS.max_blocks} a request")
+    return a[name]

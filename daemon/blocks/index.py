@@ -1,0 +1,76 @@
+"""``KeyIndex``: 16-byte keys (two int64 words) -> block, an open-addressing hash table in
+NumPy arrays, so that finding a whole chain of keys is a few vectorised probes instead of
+one dictionary look-up (and one bytes object) a key.
+
+Linear probing from a slot that mixes both words with a per-index random salt (a client
+that picks its keys cannot aim them at one run of slots without knowing it); the table
+is kept at most half full of live keys; a deleted key leaves a tombstone, and the table
+is rebuilt once tombstones pass a quarter of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EMPTY, TOMB = -1, -2
+_M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+class KeyIndex:
+    """Keys of at most ``max_keys`` blocks at once."""
+
+    def __init__(self, max_keys: int, seed: int | None = None):
+        self.size = 1 << max(4, (2 * max(1, max_keys) - 1).bit_length())  # >= 2 x max_keys
+        self.mask = np.uint64(self.size - 1)
+        self.salt = np.random.default_rng(seed).integers(0, 2**63, dtype=np.uint64)
+        self.lo = np.zeros(self.size, dtype=np.int64)
+        self.hi = np.zeros(self.size, dtype=np.int64)
+        self.block = np.full(self.size, EMPTY, dtype=np.int64)
+        self.tombs = 0
+
+    def _start(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            h = (lo.view(np.uint64) ^ self.salt) * _M1 ^ hi.view(np.uint64) * _M2
+        return ((h ^ (h >> np.uint64(29))) & self.mask).astype(np.int64)
+
+    def _slots(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The slot holding each key (int64 [n]), -1 where it is absent."""
+        out = np.full(lo.size, -1, dtype=np.int64)
+        todo = np.arange(lo.size)
+        pos = self._start(lo, hi)
+        while todo.size:
+            b = self.block[pos]
+            hit = (b >= 0) & (self.lo[pos] == lo[todo]) & (self.hi[pos] == hi[todo])
+            out[todo[hit]] = pos[hit]
+            go_on = ~hit & (b != EMPTY)  # another key or a tombstone: the run goes on
+            todo, pos = todo[go_on], (pos[go_on] + 1) & (self.size - 1)
+        return out
+
+    def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The block of each key (int64 [n]), -1 where none."""
+        s = self._slots(lo, hi)
+        return np.where(s >= 0, self.block[np.maximum(s, 0)], -1)
+
+    def insert(self, lo: int, hi: int, block: int) -> None:
+        """Add a key that is not in the index."""
+        pos = int(self._start(np.array([lo], np.int64), np.array([hi], np.int64))[0])
+        while self.block[pos] >= 0:
+            pos = (pos + 1) & (self.size - 1)
+        self.tombs -= self.block[pos] == TOMB
+        self.lo[pos], self.hi[pos], self.block[pos] = lo, hi, block
+
+    def delete(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Remove keys that are in the index."""
+        s = self._slots(lo, hi)
+        self.block[s[s >= 0]] = TOMB
+        self.tombs += int((s >= 0).sum())
+        if self.tombs > self.size // 4:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        live = np.flatnonzero(self.block >= 0)
+        lo, hi, block = self.lo[live], self.hi[live], self.block[live]
+        self.block[:] = EMPTY
+        self.tombs = 0
+        for k in range(live.size):
+            self.insert(int(lo[k]), int(hi[k]), int(block[k]))

@@ -1,0 +1,289 @@
+"""The daemon's block store of one namespace: the contract of ``contract.py`` (DESIGN §9)
+kept in arrays (keys in ``index.py``'s table), so that a lookup or a release is a few
+array operations whatever its length (DESIGN §9 has the figures). The event loop's
+thread only.
+
+The store knows blocks, not bytes: ``zero(blocks)``, given by its engine, writes zeros
+over a block's rows in every layer and drops their hot copies; it runs whenever a block
+becomes free or is evicted, so a block handed out again holds zeros.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import numpy as np
+
+from .contract import BlockError, PoolExhausted, UidLedger
+from .index import KeyIndex
+
+FREE, CACHED = -1, -2  # ``state`` of a block that is not private (else: the owning session)
+
+
+def key_words(hashes) -> tuple[np.ndarray, np.ndarray]:
+    """Chain hashes as the wire carries them (int64 [n, 2]: 16 bytes each) -> their two
+    words (int64 [n] each); BAD_ARGUMENT for another shape or dtype."""
+    a = np.asarray(hashes)
+    if a.ndim != 2 or a.shape[1] != 2 or a.dtype != np.int64:
+        raise BlockError("BAD_ARGUMENT", f"hashes must be int64 [n, 2] (16 bytes each), got {a.dtype} {list(a.shape)}")
+    return np.ascontiguousarray(a[:, 0]), np.ascontiguousarray(a[:, 1])
+
+
+class BlockStore:
+    """``n_blocks`` blocks of one namespace (see the module and ``contract.py``).
+
+    Per block: ``state`` (FREE, CACHED or the owning session), ``pins`` (of a cached
+    block, by every session) and ``stamp`` (when it was last unpinned: the LRU order of
+    evictable blocks is their stamps'); per session, its pins of each block. A lookup or a
+    release is a few array operations whatever its length; only ``alloc`` (which evictable
+    blocks are oldest) and ``close`` scan every block.
+
+    Args:
+        n_blocks: blocks in the store.
+        zero: called with a list of blocks to zero (their rows in every layer, and hot copies dropped).
+        ledger: private + reserved blocks per uid, shared by every store of the daemon.
+    """
+
+    def __init__(self, n_blocks: int, zero: Callable[[list[int]], None], ledger: UidLedger | None = None):
+        self.n_blocks = n_blocks
+        self._zero = zero
+        self.ledger = ledger if ledger is not None else UidLedger()
+        self.state = np.full(n_blocks, FREE, dtype=np.int64)
+        self.pins = np.zeros(n_blocks, dtype=np.int64)
+        self.stamp = np.zeros(n_blocks, dtype=np.int64)
+        self._mark = np.zeros(n_blocks, dtype=np.int64)  # scratch: finds blocks named twice in a lookup
+        self._clock = 0
+        self.free_blocks = n_blocks
+        self.evictable_blocks = 0  # cached, pinned by nobody
+        self.index = KeyIndex(n_blocks)  # key -> cached block
+        self.key_lo = np.zeros(n_blocks, dtype=np.int64)  # a cached block's key, its two words
+        self.key_hi = np.zeros(n_blocks, dtype=np.int64)
+        self.cached_blocks = 0
+        self.reserved: dict[int, int] = {}
+        self.reserved_total = 0
+        self._uid: dict[int, int] = {}
+        self._pinned: dict[int, np.ndarray] = {}  # session -> its pins of each block
+        self.counts = collections.Counter()  # lookups, hit_blocks, commits, evictions
+
+    # -- what the store has ------------------------------------------------------------
+    @property
+    def referenced_blocks(self) -> int:
+        return self.cached_blocks - self.evictable_blocks
+
+    @property
+    def lru(self) -> list[int]:
+        """The evictable blocks, least recently unpinned first."""
+        return self._oldest(self.evictable_blocks)
+
+    def _oldest(self, k: int) -> list[int]:
+        """The ``k`` least recently unpinned evictable blocks, oldest first (a partition,
+        then a sort of ``k``: an eviction does not sort every evictable block)."""
+        cand = np.flatnonzero((self.state == CACHED) & (self.pins == 0))
+        if k < cand.size:
+            cand = cand[np.argpartition(self.stamp[cand], k)[:k]]
+        return cand[np.argsort(self.stamp[cand])].tolist()
+
+    def gauges(self) -> dict:
+        """The store's counts of blocks: all, free, cached, referenced (cached and pinned),
+        evictable (cached, unpinned), private, and reserved_total (promised to sessions)."""
+        return {"blocks": self.n_blocks, "free": self.free_blocks, "cached": self.cached_blocks,
+                "referenced": self.referenced_blocks, "evictable": self.evictable_blocks,
+                "private": self.n_blocks - self.free_blocks - self.cached_blocks, "reserved_total": self.reserved_total}
+
+    def _exhausted(self, wanted: int) -> PoolExhausted:
+        return PoolExhausted(wanted, self.free_blocks, self.evictable_blocks, self.reserved_total)
+
+    def open(self, session: int, uid: int) -> None:
+        """``session`` (of ``uid``) may use the store from now on."""
+        self._uid[session] = uid
+        if session not in self._pinned:
+            self._pinned[session] = np.zeros(self.n_blocks, dtype=np.int32)
+
+    def _uid_of(self, session: int) -> int:
+        try:
+            return self._uid[session]
+        except KeyError:
+            raise BlockError("NOT_ATTACHED", f"session {session} has not opened this block store") from None
+
+    # -- requests ----------------------------------------------------------------------
+    def reserve(self, session: int, n: int) -> int:
+        """Promise ``n`` more blocks to ``session`` (``n < 0``: give back up to ``-n``);
+        returns its reservation now. PoolExhausted / QUOTA_EXCEEDED change nothing."""
+        uid = self._uid_of(session)
+        have = self.reserved.get(session, 0)
+        if n < 0:
+            n = -min(-n, have)
+        else:
+            if self.free_blocks + self.evictable_blocks - self.reserved_total < n:
+                raise self._exhausted(n)
+            self.ledger.check(uid, n)
+        self.ledger.add(uid, n)
+        self.reserved[session] = have + n
+        self.reserved_total += n
+        return have + n
+
+    def alloc(self, session: int, n: int) -> np.ndarray:
+        """``n`` zeroed blocks private to ``session`` (int32 [n]): free ones (lowest
+        first), then the least recently unpinned cached ones, evicted; its reservation is
+        used first."""
+        uid = self._uid_of(session)
+        if n < 0:
+            raise BlockError("BAD_ARGUMENT", f"cannot allocate {n} blocks")
+        mine = min(n, self.reserved.get(session, 0))
+        if self.free_blocks + self.evictable_blocks - (self.reserved_total - mine) < n:
+            raise self._exhausted(n)
+        self.ledger.check(uid, n - mine)
+        self.ledger.add(uid, n - mine)
+        self.reserved[session] = self.reserved.get(session, 0) - mine
+        self.reserved_total -= mine
+        take = min(n, self.free_blocks)
+        out = np.flatnonzero(self.state == FREE)[:take] if take else np.empty(0, np.int64)
+        if n > take:
+            evicted = self._oldest(n - take)
+            self.index.delete(self.key_lo[evicted], self.key_hi[evicted])
+            self.cached_blocks -= len(evicted)
+            self.evictable_blocks -= len(evicted)
+            self.counts["evictions"] += len(evicted)
+            self._zero(evicted)
+            out = np.concatenate([out, np.asarray(evicted, dtype=np.int64)])
+        self.state[out] = session
+        self.free_blocks -= take
+        return out.astype(np.int32)
+
+    def commit(self, session: int, blocks, hashes) -> np.ndarray:
+        """Cache private ``blocks`` (int [n]) under ``hashes`` (int64 [n, 2]), each pinned
+        once for ``session``; returns the block holding each hash (int32 [n]): the block
+        itself, or the one cached under that hash before (the given one stays private)."""
+        uid = self._uid_of(session)
+        blocks = self._block_ids(blocks)
+        lo, hi = key_words(hashes)
+        if lo.size != blocks.size or np.unique(blocks).size != blocks.size:
+            raise BlockError("BAD_ARGUMENT", f"commit needs distinct blocks and one hash each, got {blocks.size} "
+                             f"blocks and {lo.size} hashes")
+        if blocks.size and (self.state[blocks] != session).any():
+            bad = int(blocks[self.state[blocks] != session][0])
+            raise BlockError("BAD_ARGUMENT", f"block {bad} is not private to this session (allocate it, write it, "
+                             "then commit it; a cached block is read-only)")
+        out = self.index.find(lo, hi)
+        first: dict[tuple[int, int], int] = {}  # a key twice in this commit: its first block
+        for i in np.flatnonzero(out < 0).tolist():
+            key, b = (int(lo[i]), int(hi[i])), int(blocks[i])
+            out[i] = first.setdefault(key, b)
+            if out[i] == b:
+                self.index.insert(key[0], key[1], b)
+        done = blocks[out == blocks]
+        self.key_lo[done], self.key_hi[done] = lo[out == blocks], hi[out == blocks]
+        self.cached_blocks += done.size
+        self.state[done] = CACHED
+        self.pins[done] = 1
+        self._pinned[session][done] += 1
+        self.ledger.add(uid, -done.size)
+        self.counts["commits"] += done.size
+        return out.astype(np.int32)
+
+    def lookup(self, session: int, hashes) -> np.ndarray:
+        """Pin and return (int32 [m]) the blocks of the longest cached prefix of the chain
+        ``hashes`` (int64 [n, 2]). An evictable block it pins takes one block of
+        ``session``'s reservation while it has one; past that, it stops before an evictable
+        block that the reservations need."""
+        uid = self._uid_of(session)
+        arr = self.index.find(*key_words(hashes))
+        missing = np.flatnonzero(arr < 0)
+        if missing.size:
+            arr = arr[: missing[0]]
+        unpinned = self.pins[arr] == 0
+        self._mark[arr] = np.arange(arr.size)  # a block named twice keeps only its last position here
+        twice = bool((self._mark[arr] != np.arange(arr.size)).any())  # (np.unique costs 10x more)
+        if twice:  # a block named twice takes one evictable block
+            first = np.zeros(arr.size, dtype=bool)
+            first[np.unique(arr, return_index=True)[1]] = True
+            unpinned &= first
+        own = self.reserved.get(session, 0)
+        slack = self.free_blocks + self.evictable_blocks - self.reserved_total
+        over = np.flatnonzero(np.cumsum(unpinned) > own + slack)
+        if over.size:
+            arr, unpinned = arr[: over[0]], unpinned[: over[0]]
+        taken = int(np.count_nonzero(unpinned))
+        self.evictable_blocks -= taken
+        if own and taken:  # the caller's promise pays first
+            paid = min(own, taken)
+            self.reserved[session] = own - paid
+            self.reserved_total -= paid
+            self.ledger.add(uid, -paid)
+        if twice:
+            np.add.at(self.pins, arr, 1)
+            np.add.at(self._pinned[session], arr, 1)
+        else:
+            self.pins[arr] += 1
+            self._pinned[session][arr] += 1
+        self.counts["lookups"] += 1
+        self.counts["hit_blocks"] += arr.size
+        return arr.astype(np.int32)
+
+    def release(self, session: int, blocks) -> None:
+        """Unpin cached ``blocks`` (int [n]; named twice: unpinned twice) and free private
+        ones (zeroed); all or nothing. The blocks whose last pin goes become evictable in
+        the order of their last mention."""
+        uid = self._uid_of(session)
+        blocks = self._block_ids(blocks)
+        pinned = self._pinned[session]
+        if len(set(blocks.tolist())) == blocks.size:  # the common case, without np.unique's cost
+            uniq, last, count = blocks, np.arange(blocks.size), np.ones(blocks.size, np.int64)
+        else:
+            uniq, first_rev, count = np.unique(blocks[::-1], return_index=True, return_counts=True)
+            last = blocks.size - 1 - first_rev  # where each block is named last
+        private = self.state[uniq] == session
+        held = np.where(private, 1, pinned[uniq])
+        if (count > held).any():
+            i = int(np.flatnonzero(count > held)[0])
+            raise BlockError("BAD_ARGUMENT", f"block {int(uniq[i])} is not held by this session {int(count[i])} time(s)")
+        u, c = uniq[~private], count[~private]
+        pinned[u] -= c.astype(np.int32)
+        self.pins[u] -= c
+        gone = self.pins[u] == 0
+        if gone.any():  # stamped in the order of each block's last mention
+            order = np.argsort(last[~private][gone], kind="stable")
+            self.stamp[u[gone][order]] = self._clock + np.arange(order.size)
+            self._clock += order.size
+            self.evictable_blocks += order.size
+        freed = uniq[private]
+        if freed.size:
+            freed = freed[np.argsort(last[private], kind="stable")]
+            self.ledger.add(uid, -freed.size)
+            self._zero(freed.tolist())
+            self.state[freed] = FREE
+            self.free_blocks += freed.size
+
+    def close(self, session: int) -> None:
+        """``session`` is gone: its pins released, its private blocks freed, its
+        reservation dropped."""
+        if session not in self._uid:
+            return
+        pinned = self._pinned[session]
+        held = np.concatenate([np.flatnonzero(self.state == session), np.repeat(np.arange(self.n_blocks), pinned)])
+        self.release(session, np.sort(held))
+        self.reserve(session, -self.reserved.get(session, 0))
+        self.reserved.pop(session, None)
+        del self._uid[session], self._pinned[session]
+
+    def writable(self, session: int, rows: np.ndarray, block_size: int) -> None:
+        """BAD_ARGUMENT unless every host row of ``rows`` lies in a block private to
+        ``session`` (a cached block is never rewritten; a free one is nobody's)."""
+        if not rows.size:
+            return
+        blocks = rows // block_size
+        bad = (blocks >= self.n_blocks) | (self.state[np.minimum(blocks, self.n_blocks - 1)] != session)
+        if bad.any():
+            r = int(rows[bad][0])
+            raise BlockError("BAD_ARGUMENT", f"host row {r} (block {r // block_size}) is not in a block this "
+                             "client allocated: an engine with a block store writes only its own blocks "
+                             "(cached blocks are read-only)")
+
+    def _block_ids(self, blocks) -> np.ndarray:
+        a = np.asarray(blocks)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise BlockError("BAD_ARGUMENT", f"blocks must be integers [n], got {a.dtype} {list(a.shape)}")
+        if a.size and (a.min() < 0 or a.max() >= self.n_blocks):
+            raise BlockError("BAD_ARGUMENT", f"blocks must lie in [0, {self.n_blocks})")
+        return a.astype(np.int64)

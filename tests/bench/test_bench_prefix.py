@@ -1,0 +1,17 @@
+"""``sparsekv bench prefix``: its figures come from a real private daemon and a restarted
+engine process that finds the whole cached prefix (the bench asserts every lookup hits it all)."""
+
+import helpers
+from sparsekv.bench.prefix import bench_prefix
+
+
+def test_bench_prefix_reports_lookup_and_restart():
+    r = bench_prefix(blocks=32, block_size=4, reps=5, restarts=1)
+    assert r["bench"] == "prefix" and r["blocks"] == 32
+    assert 0 < r["prefix_lookup_us_p50"] <= r["prefix_lookup_us_p99"]
+    assert 0 < r["restart_s_median"] < 30
+
+
+def test_an_unknown_bench_name_lists_prefix_among_the_choices():
+    r = helpers.run_cli("bench", "nope")
+    assert r.returncode == 2 and "prefix" in r.stderr

@@ -1,0 +1,170 @@
+"""An engine process that uses its engine's block store, driven by a test one JSON line at
+a time on stdin (one JSON answer a line on stdout): the block store tests' real process.
+Tests start it through :class:`Engine`:
+
+    python tests/block_engine.py RUN_DIR ENGINE LAYOUT_JSON BLOCK_SIZE DEVICE
+
+The first line out is ``{"pid": ..., "client_id": ...}`` once attached (or the attach's
+``{"err": CODE, "msg": ...}``, and the process ends). Commands (``op``):
+
+* ``prefill`` (tokens): look the prompt's chain up, allocate the blocks it misses, write
+  their rows (the bytes of :func:`block_bytes`, a function of the block's key alone, as KV
+  is of its prefix), commit them; answers ``hit`` (blocks found), ``table`` (the
+  request's block table: hits, then its own blocks) and ``duplicates`` (blocks another
+  engine committed first: this one keeps its own);
+* ``request`` (tokens, release): a whole request as a scheduler runs it: ``reserve`` the
+  prompt's blocks (``{"refused": ...}`` on POOL_EXHAUSTED), ``prefill`` (hits on evictable
+  blocks and allocations use the promise), give back what is left of it, ``verify``, and
+  ``release`` the table if asked;
+* ``verify`` (tokens, table): read every position of the prompt through the engine's
+  handle (``HostSwapIn.swap_in`` with the request's block table, which points at the
+  shared blocks: no copy), and count rows whose bytes are wrong;
+* ``alloc`` (n), ``release`` (blocks): the store's requests as they are.
+A typed error answers ``{"err": CODE, "detail": ...}``.
+"""
+
+import json
+import os
+import select
+import subprocess
+import sys
+
+import numpy as np
+
+from sparsekv.client import Client, PoolExhausted, SparseKVError
+from sparsekv.client.swap_in import HostSwapIn
+from sparsekv.proto import Layout
+
+
+LAY = Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=4, host_rows=64,
+             index_groups=((0, 1),)).validate()  # the tests' store: 16 blocks of 4 rows
+BS = 4
+
+
+def tokens(seed: int, n_blocks: int) -> list[int]:
+    """``n_blocks`` blocks of token ids, the same for the same seed."""
+    return np.random.default_rng(seed).integers(0, 50_000, n_blocks * BS).tolist()
+
+
+class Engine:
+    """This script in a process of its own (run by ``as_user``, a command prefix, when
+    given), a rank on ``device`` attached to ``engine`` with :data:`LAY` and :data:`BS`;
+    ``(op, **args)`` runs one command there and returns its answer; ``hello`` is its
+    first line."""
+
+    def __init__(self, run_dir: str, engine: str = "m", as_user=(), device: str = "cpu"):
+        self.p = subprocess.Popen([*as_user, sys.executable, os.path.abspath(__file__), run_dir, engine,
+                                   json.dumps(LAY.to_wire()), str(BS), device], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/tmp")
+        self.hello = self._read()
+
+    def __call__(self, op: str, **args):
+        self.p.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def _read(self):
+        if not select.select([self.p.stdout], [], [], 30)[0]:
+            raise AssertionError("the engine process did not answer within 30 s")
+        line = self.p.stdout.readline()
+        if not line:
+            raise AssertionError(f"the engine process ended: {self.p.stderr.read()}")
+        return json.loads(line)
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.stdin.close()
+            self.p.wait(10)
+
+
+def block_bytes(key: np.ndarray, num_layers: int, block_size: int, row_bytes: int) -> np.ndarray:
+    """What a block under ``key`` (int64 [2]) holds: uint8 [num_layers, block_size, row_bytes]."""
+    rng = np.random.default_rng([int(k) & (2**63 - 1) for k in key])
+    return rng.integers(0, 256, (num_layers, block_size, row_bytes), dtype=np.uint8)
+
+
+def prefill(c: Client, tokens) -> dict:
+    """Look ``tokens``' chain up, then allocate, write and commit the blocks it misses."""
+    blocks, lay, bs = c.blocks, c.attachment.layout, c.blocks.block_size
+    keys = blocks.hashes(np.asarray(tokens))
+    hit = blocks.lookup(keys)
+    new = blocks.alloc(len(keys) - hit.size)
+    dup = 0
+    if new.size:
+        data = np.concatenate([block_bytes(k, lay.num_layers, bs, lay.row_bytes) for k in keys[hit.size:]], axis=1)
+        c.write(blocks.rows(new), data)
+        dup = int((blocks.commit(new, keys[hit.size:]) != new).sum())  # another engine's came first: ours stays
+    return {"hit": int(hit.size), "table": [*hit.tolist(), *new.tolist()], "duplicates": dup}
+
+
+def verify(c: Client, handle: HostSwapIn, tokens, table) -> int:
+    """Rows with wrong bytes when the engine's handle reads every position of ``tokens``
+    (top_k a step, state row 0 reset each step) through the request's block ``table``."""
+    lay, bs = handle.layout, c.blocks.block_size
+    keys = c.blocks.hashes(np.asarray(tokens))
+    table = np.asarray(table, dtype=np.int32)[None, :]  # state row 0's
+    want = np.concatenate([block_bytes(k, lay.num_layers, bs, lay.row_bytes) for k in keys], axis=1)
+    bad = 0
+    for p0 in range(0, keys.shape[0] * bs, lay.top_k):
+        pos = np.arange(p0, p0 + lay.top_k)[None, :]
+        handle.begin_step(np.array([0], np.int32), reset=np.array([True]))
+        for layer in range(lay.num_layers):
+            idx = handle.swap_in(np.array([0], np.int32), table, pos, layer=layer, block_size=bs)
+            kv = handle.kv(layer)
+            kv = kv if isinstance(kv, np.ndarray) else kv.cpu().numpy()  # a cuda rank's: a torch tensor
+            bad += int((kv[idx[0]] != want[layer, pos[0]]).any(axis=1).sum())
+    return bad
+
+
+def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: str) -> None:
+    c = Client(run_dir, name="block-engine", device=device, timeout_s=20).connect()
+    try:
+        c.attach(layout, engine=engine, block_size=block_size)
+    except SparseKVError as e:
+        print(json.dumps({"err": e.code.name, "msg": e.args[0]}), flush=True)
+        return
+    blocks, handle = c.blocks, HostSwapIn(c)
+    print(json.dumps({"pid": os.getpid(), "client_id": c.info["client_id"]}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "prefill":
+                out = prefill(c, cmd["tokens"])
+            elif op == "verify":
+                out = {"bad": verify(c, handle, cmd["tokens"], cmd["table"])}
+            elif op == "request":
+                keys = blocks.hashes(np.asarray(cmd["tokens"]))
+                try:
+                    blocks.reserve(len(keys))
+                except PoolExhausted as e:
+                    print(json.dumps({"refused": {"free": e.free, "evictable": e.evictable,
+                                                  "reserved": e.reserved}}), flush=True)
+                    continue
+                out = prefill(c, cmd["tokens"])
+                blocks.reserve(-len(keys))  # what hits on pinned blocks left of the promise
+                out["bad"] = verify(c, handle, cmd["tokens"], out["table"])
+                if cmd.get("release"):
+                    blocks.release(out["table"])
+            elif op == "alloc":
+                out = {"blocks": blocks.alloc(cmd["n"]).tolist()}
+            elif op == "release":
+                blocks.release(cmd["blocks"])
+                out = {}
+            else:
+                raise ValueError(f"unknown op {op}")
+        except PoolExhausted as e:
+            out = {"err": e.code.name, "detail": {"wanted": e.wanted, "free": e.free, "evictable": e.evictable,
+                                                  "reserved": e.reserved}}
+        except SparseKVError as e:
+            out = {"err": e.code.name, "msg": e.args[0]}
+        print(json.dumps(out), flush=True)
+    c.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2], Layout.from_wire(json.loads(sys.argv[3])), int(sys.argv[4]), sys.argv[5])

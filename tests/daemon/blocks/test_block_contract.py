@@ -1,0 +1,271 @@
+"""The block store contract (DESIGN §9): each clause on a small hand-made example, run on
+the reference model and on the daemon's ``BlockStore``; then both on random sequences of
+requests from several sessions and uids (hypothesis), step for step equal, with the
+model's invariants (zeroed free blocks, pinned blocks never evicted nor rewritten,
+reservations always covered) checked after every step."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import helpers
+
+from sparsekv.daemon.blocks.contract import ZERO, BlockError, BlockStoreModel, PoolExhausted, UidLedger
+from sparsekv.daemon.blocks.store import BlockStore
+
+
+def h(i: int) -> bytes:
+    return int(i).to_bytes(16, "little")
+
+
+def wire(keys) -> np.ndarray:
+    """16-byte keys as the wire carries them: int64 [n, 2]."""
+    return np.frombuffer(b"".join(keys), dtype=np.int64).reshape(-1, 2).copy()
+
+
+class Real:
+    """``BlockStore`` with the model's interface, and a ``data`` list its zeroing writes."""
+
+    def __init__(self, n_blocks: int, ledger: UidLedger):
+        self.data = [ZERO] * n_blocks
+        self.s = BlockStore(n_blocks, self._zero, ledger)
+
+    def _zero(self, blocks):
+        for b in blocks:
+            self.data[b] = ZERO
+
+    def open(self, session, uid):
+        self.s.open(session, uid)
+
+    def reserve(self, session, n):
+        return self.s.reserve(session, n)
+
+    def alloc(self, session, n):
+        return self.s.alloc(session, n).tolist()
+
+    def write(self, session, block, value):
+        self.s.writable(session, np.asarray([block * 4 + 3]), 4)
+        self.data[block] = value
+
+    def commit(self, session, blocks, keys):
+        return self.s.commit(session, np.asarray(blocks, dtype=np.int64), wire(keys)).tolist()
+
+    def lookup(self, session, keys):
+        return self.s.lookup(session, wire(keys)).tolist()
+
+    def release(self, session, blocks):
+        self.s.release(session, np.asarray(blocks, dtype=np.int64))
+
+    def close(self, session):
+        self.s.close(session)
+
+    @property
+    def lru(self):
+        return list(self.s.lru)
+
+
+def both(n_blocks=4, quota=0):
+    """The model and the store, each with its own ledger, sessions 1 and 2 of uid 7 open."""
+    out = []
+    for cls in (BlockStoreModel, Real):
+        m = cls(n_blocks, UidLedger(quota))
+        m.open(1, 7)
+        m.open(2, 7)
+        out.append(m)
+    return out
+
+
+def cache(m, session, key, value=5):
+    """Allocate, write and commit one block under ``h(key)``; return the block."""
+    [b] = m.alloc(session, 1)
+    m.write(session, b, value)
+    assert m.commit(session, [b], [h(key)]) == [b]
+    return b
+
+
+@pytest.fixture(params=["model", "store"])
+def one(request):
+    m = both()[0 if request.param == "model" else 1]
+    return m
+
+
+def test_alloc_takes_free_blocks_lowest_first_then_evicts_in_lru_order(one):
+    blocks = [cache(one, 1, k) for k in range(4)]
+    assert blocks == [0, 1, 2, 3]
+    one.release(1, [2, 0, 3, 1])  # unpinned in this order: the LRU order
+    assert one.alloc(2, 2) == [2, 0]
+    assert one.data[2] == ZERO and one.data[0] == ZERO
+    assert one.lookup(2, [h(2)]) == []  # block 2 held key 2: evicted, forgotten
+    assert one.lookup(2, [h(3)]) == [3]
+
+
+def test_a_pinned_block_is_never_evicted(one):
+    cache(one, 1, 0)  # block 0, pinned by its committer
+    b = cache(one, 1, 1)
+    one.release(1, [b])
+    one.alloc(2, 2)  # two free ones
+    assert one.alloc(2, 1) == [1]  # the unpinned one
+    with pytest.raises(PoolExhausted) as e:
+        one.alloc(2, 1)
+    assert e.value.detail == {"wanted": 1, "free": 0, "evictable": 0, "reserved": 0}
+
+
+def test_only_the_private_owner_writes_or_commits_and_a_cached_block_is_read_only(one):
+    [b] = one.alloc(1, 1)
+    with pytest.raises(BlockError):
+        one.write(2, b, 9)
+    with pytest.raises(BlockError):
+        one.commit(2, [b], [h(1)])
+    one.commit(1, [b], [h(1)])
+    with pytest.raises(BlockError):
+        one.write(1, b, 9)
+
+
+def test_first_commit_wins_and_the_second_block_stays_private(one):
+    a = cache(one, 1, 1)
+    [b] = one.alloc(2, 1)
+    assert one.commit(2, [b], [h(1)]) == [a]
+    one.write(2, b, 3)  # still its own
+    one.release(2, [b])
+    assert one.data[b] == ZERO
+
+
+def test_lookup_pins_the_longest_cached_prefix(one):
+    blocks = [cache(one, 1, k) for k in (10, 11, 12)]
+    one.release(1, blocks)
+    assert one.lookup(2, [h(10), h(11), h(99), h(12)]) == blocks[:2]
+    assert one.alloc(2, 2) == [3, blocks[2]]  # the pinned prefix stays
+    with pytest.raises(BlockError):
+        one.release(1, blocks[:1])  # its committer unpinned it already
+
+
+def test_lookup_stops_before_a_block_a_reservation_needs(one):
+    blocks = [cache(one, 1, k) for k in range(4)]
+    one.release(1, blocks)
+    assert one.reserve(2, 3) == 3
+    assert one.lookup(1, [h(k) for k in range(4)]) == blocks[:1]
+    assert one.alloc(2, 3) == blocks[1:]  # the promise holds
+
+
+def test_lookup_pins_evictable_blocks_out_of_the_callers_own_reservation(one):
+    blocks = [cache(one, 1, k) for k in range(4)]
+    one.release(1, blocks)
+    assert one.reserve(2, 4) == 4  # everything
+    assert one.lookup(2, [h(k) for k in range(3)]) == blocks[:3]  # paid by its own promise
+    assert one.reserve(2, 0) == 1
+    assert one.alloc(2, 1) == blocks[3:]
+
+
+def test_reserve_refuses_with_free_evictable_and_reserved(one):
+    a = cache(one, 1, 1)
+    cache(one, 1, 2)
+    one.release(1, [a])
+    assert one.reserve(1, 2) == 2
+    with pytest.raises(PoolExhausted) as e:
+        one.reserve(2, 2)
+    assert e.value.detail == {"wanted": 2, "free": 2, "evictable": 1, "reserved": 2}
+    assert e.value.code == "POOL_EXHAUSTED"
+    assert one.reserve(1, -5) == 0
+    assert one.reserve(2, 3) == 3
+
+
+def test_quota_per_uid_counts_private_and_reserved_blocks_over_stores():
+    ledger = UidLedger(3)
+    for cls in (BlockStoreModel, Real):
+        x, y = cls(4, ledger), cls(4, ledger)
+        x.open(1, 7)
+        y.open(2, 7)
+        y.open(3, 8)
+        x.alloc(1, 1)
+        x.reserve(1, 1)
+        with pytest.raises(BlockError) as e:
+            y.alloc(2, 2)
+        assert e.value.code == "QUOTA_EXCEEDED"
+        assert y.alloc(3, 3)  # another uid
+        y.close(3)
+        x.close(1)
+        y.close(2)
+        assert ledger.held == {}
+
+
+def test_close_releases_pins_and_frees_private_blocks(one):
+    a = cache(one, 1, 1)
+    [b] = one.alloc(1, 1)
+    one.write(1, b, 4)
+    one.reserve(1, 1)
+    one.close(1)
+    assert one.lru == [a]
+    assert one.data[b] == ZERO
+    assert one.reserve(2, 4) == 4
+
+
+# -- random sequences ---------------------------------------------------------------------
+OPS = ("alloc", "commit", "lookup", "release", "alloc", "commit", "lookup", "release", "write", "reserve", "close")
+
+
+def pick(model, session, a: int, n: int, pinned: bool) -> list[int]:
+    """``n`` blocks for ``session`` to name: mostly distinct ones it holds (private, or
+    pinned too when ``pinned``), from the ``a``-th on; for ``a >= 8`` any blocks, to reach
+    the refusals."""
+    held = sorted(b for b, s in model.private.items() if s == session)
+    if pinned:
+        held += sorted(b for b, p in model.pins.items() if p.get(session))
+    if not held or a >= 8:
+        return [(a + i) % model.n_blocks for i in range(n)]
+    return [held[(a + i) % len(held)] for i in range(min(n, len(held)))]
+
+
+def request(model, session: int, op: str, a: int, b: int, stamp: int) -> list:
+    """The arguments of one request drawn as two integers ``a`` and ``b``."""
+    if op == "reserve":
+        return [a % 5 - 1]
+    if op == "alloc":
+        return [a % 4]
+    if op == "write":
+        return [pick(model, session, a, 1, False)[0], stamp]
+    if op == "commit":  # up to 3 blocks, hashes from a small set (chains of keys b, b+1, ...)
+        blocks = pick(model, session, a, b % 3 + 1, False)
+        first = 0 if b < 5 else b % 5  # mostly a chain's first blocks (then another's commit finds them cached)
+        return [blocks, [h(first + i) for i in range(len(blocks))]]
+    if op == "release":
+        return [pick(model, session, a, b % 3 + 1, True)]
+    if op == "lookup":  # mostly a chain from the first key (the keys commits use most)
+        return [[h((0 if a < 6 else a % 5) + i) for i in range(b % 6)]]
+    return []
+
+
+@settings(max_examples=helpers.examples(100, 3000), deadline=None)
+@given(n_blocks=st.integers(1, 6), quota=st.sampled_from([0, 3, 6]),
+       steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(OPS), st.integers(0, 9),
+                                st.integers(0, 9)), min_size=20, max_size=80))
+def test_store_equals_model_and_keeps_the_invariants(n_blocks, quota, steps):
+    model, real = BlockStoreModel(n_blocks, UidLedger(quota)), Real(n_blocks, UidLedger(quota))
+    uids = {1: 7, 2: 7, 3: 8}
+    for m in (model, real):
+        for s, uid in uids.items():
+            m.open(s, uid)
+    content = {}  # hash -> what its block held when committed
+    for stamp, (session, op, a, b) in enumerate(steps, start=100):
+        args = request(model, session, op, a, b, stamp)
+        got = []
+        for m in (model, real):
+            try:
+                got.append(("ok", getattr(m, op)(session, *args)))
+            except BlockError as e:
+                got.append((e.code, e.detail))
+        assert got[0] == got[1], (op, args)
+        if op == "close":
+            for m in (model, real):
+                m.open(session, uids[session])
+        if op == "commit" and got[0][0] == "ok":
+            for b, key, held in zip(args[0], args[1], got[0][1]):
+                if held == b:
+                    content[key] = model.data[b]
+        if op == "lookup" and got[0][0] == "ok":
+            for key, b in zip(args[0], got[0][1]):
+                assert model.data[b] == real.data[b] == content[key]  # never rewritten while cached
+        model.check()
+        assert model.lru == real.lru
+        assert real.data == model.data
+        assert real.s.reserved_total == model.total_reserved()
+        assert int(real.s.pins.sum()) == sum(sum(p.values()) for p in model.pins.values())

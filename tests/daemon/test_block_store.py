@@ -1,0 +1,245 @@
+"""The block store through a serving daemon (cpu backend, real sockets; one test on the
+cuda backend, marked ``cuda``), with engines in
+processes of their own (tests/block_engine.py) where processes matter: two engines of one
+uid share blocks and read them in place through their block tables; an engine killed and
+started again finds its blocks; another uid cannot attach the namespace. Then eviction
+order, zeroing, read-only cached blocks and admission (reserve, POOL_EXHAUSTED, the
+per-uid quota) from a client in the test's process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import helpers
+from block_engine import BS, LAY, Engine, tokens
+from sparsekv.bench.private_daemon import PrivateDaemon
+from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolExhausted, QuotaExceeded
+
+@pytest.fixture
+def daemon():
+    with helpers.serving_daemon(4 << 20) as d:
+        yield d
+
+
+def test_two_engines_of_one_uid_share_blocks_and_read_them_in_place(daemon):
+    a, b = Engine(daemon.run_dir), Engine(daemon.run_dir)
+    try:
+        prompt = tokens(1, 6)
+        first = a("prefill", tokens=prompt)
+        assert first["hit"] == 0 and len(first["table"]) == 6
+        written = helpers.stats_json(daemon.run_dir)["rows_written"]
+        second = b("prefill", tokens=prompt + tokens(2, 2))  # the shared prompt, then its own
+        assert second["hit"] == 6 and second["table"][:6] == first["table"]
+        assert b("verify", tokens=prompt + tokens(2, 2), table=second["table"]) == {"bad": 0}
+        stats = helpers.stats_json(daemon.run_dir)
+        assert stats["rows_written"] - written == 2 * BS * LAY.num_layers  # only b's own two blocks
+        assert stats["block_hits"] == 6 and stats["block_hit_tokens"] == 6 * BS
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_engine_killed_and_started_again_finds_its_blocks(daemon):
+    prompt = tokens(3, 8)
+    a = Engine(daemon.run_dir)
+    table = a("prefill", tokens=prompt)["table"]
+    a.kill()  # pins and all: released when the daemon sees the process gone
+    helpers.wait_for(lambda: not daemon.engines.space("m").ranks, what="the killed engine's rank released")
+    assert "m" in daemon.engines  # kept: it caches blocks
+    again = Engine(daemon.run_dir)
+    try:
+        got = again("prefill", tokens=prompt)
+        assert (got["hit"], got["table"]) == (8, table)
+        assert again("verify", tokens=prompt, table=table) == {"bad": 0}
+    finally:
+        again.close()
+
+
+def test_an_engine_without_cached_blocks_gives_its_range_back(daemon):
+    a = Engine(daemon.run_dir)
+    a("alloc", n=3)
+    a.close()
+    helpers.wait_for(lambda: "m" not in daemon.engines, what="the engine released")
+    assert daemon.pool.used_bytes == 0
+
+
+@pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
+def test_another_uid_cannot_attach_the_namespace(daemon):
+    helpers.open_to_other_users(daemon.run_dir)
+    a = Engine(daemon.run_dir)
+    try:
+        a("prefill", tokens=tokens(4, 2))
+        other = Engine(daemon.run_dir, as_user=helpers.as_user(4321))
+        assert other.hello["err"] == "PERMISSION_DENIED"
+        other.close()
+    finally:
+        a.close()
+
+
+def commit(c: Client, seed: int, n: int):
+    keys = c.blocks.hashes(tokens(seed, n))
+    blocks = c.blocks.alloc(n)
+    c.write(c.blocks.rows(blocks), np.full((LAY.num_layers, n * BS, LAY.row_bytes), seed, np.uint8))
+    assert (c.blocks.commit(blocks, keys) == blocks).all()
+    return keys, blocks
+
+
+def test_eviction_is_lru_of_unpinned_blocks_zeroed_and_cached_blocks_are_read_only(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        prompts = [commit(c, seed, 4) for seed in (10, 11, 12, 13)]  # every block cached, pinned
+        for i in (2, 0, 3):
+            c.blocks.release(prompts[i][1])
+        with pytest.raises(PoolExhausted):
+            c.blocks.alloc(13)  # prompt 1 is pinned: never evicted
+        got = c.blocks.alloc(8)
+        assert got.tolist() == [*prompts[2][1], *prompts[0][1]]  # least recently unpinned first
+        pool = daemon.engines.space("m").pool
+        assert not pool[:, c.blocks.rows(got)].any()  # zeroed before reuse
+        assert c.blocks.lookup(prompts[2][0]).size == 0
+        assert c.blocks.lookup(prompts[3][0]).tolist() == prompts[3][1].tolist()
+        with pytest.raises(BadRequest, match="not in a block this client allocated"):
+            c.write(c.blocks.rows(prompts[1][1][:1]), np.zeros((LAY.num_layers, BS, LAY.row_bytes), np.uint8))
+        assert (pool[:, c.blocks.rows(prompts[1][1])] == 11).all()
+        assert helpers.stats_json(daemon.run_dir)["block_evictions"] == 8
+
+
+def test_reserve_is_granted_or_pool_exhausted_with_the_figures(daemon):
+    with Client(daemon.run_dir) as a, Client(daemon.run_dir) as b:
+        a.attach(LAY, engine="m", block_size=BS)
+        b.attach(LAY, engine="m", block_size=BS)
+        keys, blocks = commit(a, 20, 10)
+        a.blocks.release(blocks[:2])  # two evictable
+        assert a.blocks.reserve(1)["reserved"] == 1
+        got = b.blocks.reserve(6)
+        assert (got["reserved"], got["reserved_total"], got["free"], got["evictable"]) == (6, 7, 6, 2)
+        a.blocks.reserve(-1)
+        assert b.blocks.reserve(1)["reserved"] == 7
+        with pytest.raises(PoolExhausted) as e:
+            a.blocks.reserve(2)
+        assert (e.value.wanted, e.value.free, e.value.evictable, e.value.reserved) == (2, 6, 2, 7)
+        assert a.blocks.lookup(keys[:2]).size == 1  # the second would take a promised block
+        assert b.blocks.alloc(7).size == 7  # the promise holds
+        assert b.blocks.reserve(0)["reserved"] == 0
+
+
+def test_the_per_uid_block_quota():
+    with helpers.serving_daemon(4 << 20, max_blocks_per_uid=6) as d, Client(d.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        c.blocks.alloc(4)
+        with pytest.raises(QuotaExceeded, match="max_blocks_per_uid 6"):
+            c.blocks.reserve(3)
+        assert c.blocks.reserve(2)["reserved"] == 2
+
+
+def test_block_requests_need_a_store_and_valid_arguments(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="plain")
+        assert c.blocks is None
+        with Client(daemon.run_dir) as other:
+            with pytest.raises(LayoutMismatch, match="no block store"):
+                other.attach(LAY, engine="plain", block_size=BS)
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        with pytest.raises(BadRequest, match="blocks must lie in"):
+            c.blocks.release([99])
+        with pytest.raises(BadRequest, match="hashes must be int64"):
+            c.blocks.lookup(np.zeros((2, 3), np.int64))
+
+
+def test_sparsekv_blocks_lists_the_stores_by_engine(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        commit(c, 30, 3)
+        c.blocks.alloc(2)
+        c.blocks.reserve(4)
+        r = helpers.run_cli("blocks", "--json", "--run-dir", daemon.run_dir)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [{"engine": "m", "owner_uid": os.getuid(), "block_size": BS, "ranks": 1,
+                                     "blocks": 16, "free": 11, "cached": 3, "referenced": 3, "evictable": 0,
+                                     "private": 2, "reserved_total": 4}]
+
+
+def test_block_counters_and_gauges_in_the_metrics(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        keys, blocks = commit(c, 40, 2)
+        c.blocks.release(blocks)
+        c.blocks.lookup(keys)
+        text = helpers.stats_query(daemon.run_dir, "prometheus")
+        table = helpers.stats_query(daemon.run_dir, "stats")
+    assert 'sparsekv_engine_blocks{engine="m",state="cached"} 2.0' in text
+    assert 'sparsekv_engine_blocks{engine="m",state="referenced"} 2.0' in text
+    assert "sparsekv_block_commits_total 2.0" in text and "sparsekv_block_hits_total 2.0" in text
+    assert "2 cached (2 referenced), 14 free, 0 private, 0 reserved of 16" in table
+
+
+def test_a_namespace_kept_with_no_engine_yields_its_range_to_a_new_engine(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        commit(c, 50, 2)
+    assert "m" in daemon.engines  # kept for its blocks: the pool (4 MiB) has room for one more range
+    with Client(daemon.run_dir) as x, Client(daemon.run_dir) as y:
+        x.attach(LAY, engine="x")
+        y.attach(LAY, engine="y")  # no room but the kept namespace's
+        assert "m" not in daemon.engines
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        assert c.blocks.lookup(c.blocks.hashes(tokens(50, 2))).size == 0  # a new, empty store
+
+
+@pytest.mark.cuda
+def test_engines_on_the_gpu_share_blocks_and_a_restarted_one_finds_them():
+    """The cuda backend: ranks on cuda:0, the daemon's slabs in its device arena; zeroing
+    and the hot copies dropped go through the cuda ranks."""
+    with PrivateDaemon(pool_bytes=8 << 20, backend="cuda", extra_args=["--device-arena-size", "2GiB"]) as d:
+        a = Engine(d.run_dir, device="cuda:0")
+        prompt = tokens(5, 6)
+        first = a("prefill", tokens=prompt)
+        assert a("verify", tokens=prompt, table=first["table"]) == {"bad": 0}
+        a.kill()
+        b = Engine(d.run_dir, device="cuda:0")
+        try:
+            longer = prompt + tokens(6, 2)
+            got = b("prefill", tokens=longer)
+            assert got["hit"] == 6 and got["table"][:6] == first["table"]
+            assert b("verify", tokens=longer, table=got["table"]) == {"bad": 0}
+            b("release", blocks=got["table"])
+            # Every block, once the killed engine's pins are gone: the cached ones evicted, zeroed.
+            got = helpers.wait_for(lambda: (r := b("alloc", n=16)).get("blocks") and r, what="the killed rank reaped")
+            assert sorted(got["blocks"]) == list(range(16))
+        finally:
+            b.close()
+
+
+BLOCKS_QUERY = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+s.connect(sys.argv[1] + "/stats.sock")
+s.sendall(b"blocks\n")
+out = b""
+while b := s.recv(65536):
+    out += b
+sys.stdout.write(out.decode())
+"""
+
+
+@pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
+def test_the_blocks_listing_shows_another_uids_stores_to_root_only(daemon):
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        helpers.open_to_other_users(daemon.run_dir, "stats.sock")
+
+        def seen(uid=None):
+            r = subprocess.run([*helpers.as_user(uid), sys.executable, "-c", BLOCKS_QUERY, daemon.run_dir],
+                               capture_output=True, text=True, timeout=30, cwd="/tmp")
+            assert r.returncode == 0, r.stderr
+            return [line.split("\t")[0] for line in r.stdout.splitlines()[1:]]
+
+        assert seen() == ["m"]  # root
+        assert seen(4321) == []  # not its own
