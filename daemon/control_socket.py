@@ -281,18 +281,23 @@ class ControlSocket:
         yielded, self._yielded = self._yielded, []
         for c in yielded:
             c.yielded, c.burst = False, 0
-            if self._conns.get(c.sock.fileno()) is not c or c.closing:
-                continue
-            try:
-                c.decoder.resume()
-            except Refused as e:
-                self._refuse(c, e)
-                continue
-            except ZmtpError:
-                self._drop(c)
-                continue
-            self._watch(c)
+            if self._resume(c):
+                self._watch(c)
         return len(yielded)
+
+    def _resume(self, c: Conn) -> bool:
+        """Let ``c``'s decoder go on; False when ``c`` is gone (closed, refused, broken)."""
+        if self._conns.get(c.sock.fileno()) is not c or c.closing:
+            return False
+        try:
+            c.decoder.resume()
+        except Refused as e:
+            self._refuse(c, e)
+            return False
+        except ZmtpError:
+            self._drop(c)
+            return False
+        return True
 
     def expire(self) -> None:
         """Once a second: connections without HELLO in time, messages begun and not
@@ -490,17 +495,10 @@ class ControlSocket:
         one still does not fit (it keeps its place)."""
         while self._paused:
             c = self._paused.popleft()
-            if self._conns.get(c.sock.fileno()) is not c or c.closing:
-                continue
             self._resuming = c
             try:
-                c.decoder.resume()
-            except Refused as e:
-                self._refuse(c, e)
-                continue
-            except ZmtpError:
-                self._drop(c)
-                continue
+                if not self._resume(c):
+                    continue
             finally:
                 self._resuming = None
             if c.decoder.paused and not c.yielded and self._conns.get(c.sock.fileno()) is c:

@@ -573,3 +573,12 @@ def registry_attach(reg, *args, **kw):
     except BaseException:
         reg.abort(p)
         raise
+
+
+def vm(pid: int, key: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of process ``pid`` in bytes (``/proc/PID/status``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)

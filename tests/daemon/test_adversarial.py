@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import helpers
+from helpers import vm
 from zmtp_peer import GREETING, READY, hello, raw_peer, read_reply
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.bench.verify import fill_pool, pattern
@@ -35,12 +36,6 @@ MiB = 1 << 20
 LAY = Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
 
 
-def vm(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def wire(frames) -> bytes:

@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 import helpers
+from helpers import vm
 from zmtp_peer import GREETING, READY, hello, raw_peer, read_reply, send_message
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.client import Client
@@ -29,13 +30,6 @@ from sparsekv.daemon import zmtp
 from sparsekv.proto import LIMITS, MsgType, encode
 
 MiB = 1 << 20
-def vm(pid: int, key: str) -> int:
-    """``VmRSS`` / ``VmHWM`` of ``pid`` in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 @contextlib.contextmanager
