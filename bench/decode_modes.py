@@ -72,7 +72,7 @@ def _attend(torch, kv32, idx, out) -> None:
     torch.sum(sums.view(idx.shape), dim=1, out=out)
 
 
-def _capture(torch, step, label: str):
+def capture_step(torch, step, label: str):
     """(run, "graph" | "eager", graph): one eager warm-up step on a side stream (lazy
     kernel loads, allocator), then the capture; on failure the eager step itself."""
     side = torch.cuda.Stream()
@@ -154,7 +154,7 @@ def _run_sides(torch, sides: list, lay: Layout, workloads: dict, opts: Options, 
         if first and capture:
             for i, s in enumerate(sides):
                 inputs.load(s.st, 0)
-                runs[i] = _capture(torch, s.step, f"{s.mode} batch {batch}")
+                runs[i] = capture_step(torch, s.step, f"{s.mode} batch {batch}")
         times, deltas = _timed(torch, [r[0] for r in runs], inputs, [s.st for s in sides], opts,
                                [s.counts for s in sides])
         for i, s in enumerate(sides):

@@ -193,27 +193,7 @@ class Offload:
         self._stack.close()
 
 
-# -- capture, timing, breakdown ------------------------------------------------------------
-def capture(step, label: str):
-    """(run, "graph" | "eager"): one eager step on a side stream, then the capture; on a
-    failure the eager step, and the run says so."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            step()
-    except Exception as e:  # noqa: BLE001 - say it, time the step eagerly
-        say(f"{label}: CUDA graph capture failed ({type(e).__name__}: {' '.join(str(e).split())[:300]}); eager")
-        torch.cuda.synchronize()
-        return step, "eager", None
-    return graph.replay, "graph", graph
-
-
+# -- timing, breakdown (capture: decode_modes.capture_step) ------------------------------------------------------------
 def timed(runs: list, st: Static, warmup: int, steps: int, counts: list):
     """Step times (us) [len(runs), steps], the sides in turn each step (the order rotated),
     each timed alone between two synchronisations; per side (hits, misses) over the

@@ -12,12 +12,12 @@ import time
 import numpy as np
 import torch
 
-from .decode_modes import DEVICE
+from .decode_modes import DEVICE, capture_step
 from .decode_report import write_json
 from .decode_workload import gather_blocks, generate
 from .serve_capacity import Deployment, capacity, capacity_text
 from .serve_model import PRESETS, BatchState, Model, Ops
-from .serve_modes import (HbmRows, Offload, Static, SwappedRows, TILE_ROWS, block_table, breakdown, capture,
+from .serve_modes import (HbmRows, Offload, Static, SwappedRows, TILE_ROWS, block_table, breakdown,
                           offload_layout, row_tile, say, timed)
 from .serve_report import OFFLOADED, Result, headline, plot, set_parts, summary, table
 
@@ -72,7 +72,7 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
     if not sides:
         return out
     st.load(0)
-    runs = [capture(lambda src=src: model.step(st.x, state, src), f"{m} context {context} batch {batch}")
+    runs = [capture_step(torch, lambda src=src: model.step(st.x, state, src), f"{m} context {context} batch {batch}")
             for m, src in sides]
     counts = [off.counts.get(m) if off else None for m, _ in sides]
     times, deltas = timed([r[0] for r in runs], st, opts.warmup, opts.steps, counts)

@@ -143,3 +143,4 @@ CLIENT_DEVICE_WAIT = Setting("client_device_wait", parse_bool, False,
 STOP_TIMEOUT_S = Setting("stop_timeout_s", parse_float, 20.0,
                          "bench's private daemons: seconds a daemon may take to stop before it is killed")
 BENCH_DAEMON_LOG = Setting("bench_daemon_log", str, "", "bench: the file a benchmark's private daemon logs to")
+SOAK_S = Setting("soak_s", parse_float, 60.0, "make soak: seconds each long soak test runs")

@@ -259,7 +259,7 @@ def test_a_config_of_the_all_on_gpu_mode_runs_on_the_cpu_and_reports_its_parts(c
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
-    monkeypatch.setattr(serve_run, "capture", lambda step, label: (step, "eager", None))
+    monkeypatch.setattr(serve_run, "capture_step", lambda torch, step, label: (step, "eager", None))
     monkeypatch.setattr(serve_modes, "Marks", _ClockMarks)
     m = sm.Model.build(TINY, cpu_ops)
     opts = serve.Options(preset="tiny", contexts=(256,), batches=(2,), modes=("gpu",), steps=3, warmup=1,
@@ -308,7 +308,7 @@ def test_the_whole_run_of_the_all_on_gpu_mode_on_the_cpu_writes_its_figures(cpu_
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
-    monkeypatch.setattr(serve_run, "capture", lambda step, label: (step, "eager", None))
+    monkeypatch.setattr(serve_run, "capture_step", lambda torch, step, label: (step, "eager", None))
     monkeypatch.setattr(serve_modes, "Marks", _ClockMarks)
     # a deployment of 6 MB of HBM: the tiny model's weights (3.4 MB) leave room for 4 requests at 256
     opts = serve.Options(preset="tiny", contexts=(256, 512), batches=(1, 2), modes=("gpu",), steps=2, warmup=1,

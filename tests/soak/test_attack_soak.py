@@ -19,10 +19,11 @@ import psutil
 import pytest
 
 import helpers
+from sparsekv.proto import settings
 from sparsekv.bench.private_daemon import PrivateDaemon
 
 pytestmark = pytest.mark.soak
-SOAK_S = float(os.environ.get("SPARSEKV_SOAK_S", "60"))
+SOAK_S = settings.SOAK_S.get()
 MiB = 1 << 20
 SYNTH = ["--steps", 30, "--batch", 4, "--top-k", 16, "--region-stride", 32, "--max-reqs", 8, "--host-rows", 2048,
          "--row-bytes", 32, "--num-layers", 2, "--context", 150, "--lifetime", 12, "--seed", 9]

@@ -6,17 +6,17 @@ read back through its block table and checked byte for byte (``bad``), and the d
 counters must show hits, evictions and admissions refused by POOL_EXHAUSTED."""
 
 import json
-import os
 import random
 import time
 
 import pytest
 
 import helpers
+from sparsekv.proto import settings
 from block_engine import BS, Engine, tokens
 
 pytestmark = pytest.mark.soak
-SOAK_S = float(os.environ.get("SPARSEKV_SOAK_S", "60"))
+SOAK_S = settings.SOAK_S.get()
 
 
 def test_two_engines_kills_restarts_and_eviction_leave_every_byte_right():

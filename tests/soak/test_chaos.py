@@ -45,11 +45,12 @@ import psutil
 import pytest
 
 import helpers
+from sparsekv.proto import settings
 from sparsekv.bench.private_daemon import PrivateDaemon
 
 pytestmark = pytest.mark.soak
 
-SOAK_S = float(os.environ.get("SPARSEKV_SOAK_S", "60"))
+SOAK_S = settings.SOAK_S.get()
 CLIENTS = 4
 READER, WRITER = CLIENTS, CLIENTS + 1  # chaos_pair.py: two ranks of one engine, racing
 WORKERS = CLIENTS + 2
