@@ -1,10 +1,14 @@
-"""The indexer's logits as one Triton kernel (``sparsekv bench serve``): per request and
+"""The Triton kernels of ``sparsekv bench serve``. The indexer's logits: per request and
 block of keys, the FP8 dot products of every indexer head with the keys, ReLU, the head
 weights and the head sum, times each key's scale; read once, the keys are what it costs.
-Triton is optional: without it :data:`AVAILABLE` is False and ``serve_model.Ops`` runs
+Sparse MLA: gather, dequantisation and attention of a token's top-k fp8_ds_mla rows in
+one pass (:class:`MlaConfig`: its tiling, measured on the H200; docs/DESIGN.md §8 has
+the tilings and variants that measured slower). Triton is optional: without it :data:`AVAILABLE` is False and ``serve_model.Ops`` runs
 the torch path (``bench/serve_model.py``: the kernel is checked against it first)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +39,7 @@ if AVAILABLE:
         tl.store(out_ptr + row, logit * ks, mask=live)
 
 
-def indexer_logits(q, w, keys, kscale, out=None):
+def indexer_logits(q, w, keys, kscale, out=None, block_t: int = BLOCK_T, warps: int = 4, stages: int = 1):
     """``q`` fp8 [B, H, D], ``w`` float32 [B, H], ``keys`` fp8 [B, T, D], ``kscale`` float32
     [B, T], all contiguous on one GPU -> float32 [B, T] (``out`` when given)."""
     if not AVAILABLE:
@@ -44,7 +48,8 @@ def indexer_logits(q, w, keys, kscale, out=None):
     T = keys.shape[1]
     if out is None:
         out = torch.empty((B, T), dtype=torch.float32, device=q.device)
-    _logits[(triton.cdiv(T, BLOCK_T), B)](q, w, keys, kscale, out, T, H=H, D=D, BT=BLOCK_T)
+    _logits[(triton.cdiv(T, block_t), B)](q, w, keys, kscale, out, T, H=H, D=D, BT=block_t, num_warps=warps,
+                                           num_stages=stages)
     return out
 
 
@@ -52,12 +57,14 @@ if AVAILABLE:
     @triton.jit
     def _sparse_mla(q_ptr, lat_ptr, sc_ptr, rope_ptr, idx_ptr, o_ptr, lse_ptr, K, SPLITS, sm_scale, H: tl.constexpr,
                     BH: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr, RB: tl.constexpr,
-                    BN: tl.constexpr):
-        # SPLITS at run time: one compiled kernel for every batch (the start-up check's too)
+                    BN: tl.constexpr, STAGES: tl.constexpr):
+        # one program: a token's block of BH heads over a share of its K rows (SPLITS at run time: one
+        # compiled kernel for every batch)
         pid = tl.program_id(0)
         b = tl.program_id(1)
-        hb = pid % (H // BH)  # the head blocks of a token run side by side: its rows read from HBM once
-        s = pid // (H // BH)
+        NHB: tl.constexpr = H // BH
+        hb = pid % NHB  # a token's head blocks run side by side: its rows come from HBM once
+        s = pid // NHB
         h = hb * BH + tl.arange(0, BH)
         dl = tl.arange(0, LAT)
         dr = tl.arange(0, ROPE)
@@ -68,52 +75,67 @@ if AVAILABLE:
         l = tl.zeros([BH], tl.float32)
         acc = tl.zeros([BH, LAT], tl.float32)
         per = K // SPLITS
-        for start in range(s * per, (s + 1) * per, BN):
+        for start in tl.range(s * per, (s + 1) * per, BN, num_stages=STAGES):
             n = start + tl.arange(0, BN)
             ids = tl.load(idx_ptr + b.to(tl.int64) * K + n)
             row = tl.maximum(ids, 0).to(tl.int64)
-            # one row: LAT fp8 | LAT / TILE fp32 scales | ROPE bf16 (three views of the same bytes)
-            lat = tl.load(lat_ptr + row[:, None] * RB + dl[None, :]).to(tl.float32)
-            sc = tl.load(sc_ptr + row[:, None] * (RB // 4) + LAT // 4 + tl.arange(0, LAT // TILE)[None, :])
-            lat = tl.reshape(tl.reshape(lat, (BN, LAT // TILE, TILE)) * sc[:, :, None], (BN, LAT)).to(tl.bfloat16)
+            # one row: LAT fp8 | LAT / TILE fp32 scales | ROPE bf16 (three views of the same bytes); each
+            # value's scale read where it is used (a row's LAT / TILE scales are one cached line)
+            k = (tl.load(lat_ptr + row[:, None] * RB + dl[None, :]).to(tl.float32)
+                 * tl.load(sc_ptr + row[:, None] * (RB // 4) + LAT // 4 + dl[None, :] // TILE)).to(tl.bfloat16)
             rope = tl.load(rope_ptr + row[:, None] * (RB // 2) + (LAT + 4 * (LAT // TILE)) // 2 + dr[None, :])
-            sco = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))  # [BH, BN] fp32
+            sco = tl.dot(q_lat, tl.trans(k)) + tl.dot(q_rope, tl.trans(rope))  # [BH, BN] fp32
             sco = tl.where((ids >= 0)[None, :], sco * sm_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(sco, 1))
             p = tl.exp(sco - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), lat)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
             m = m_new
         out = ((b * SPLITS + s) * H + h).to(tl.int64)
         tl.store(o_ptr + out[:, None] * LAT + dl[None, :], acc / tl.maximum(l, 1e-30)[:, None])
         tl.store(lse_ptr + out, m + tl.log(l))  # l = 0 (every row masked): -inf, no weight below
 
 
-MLA_HEADS = 32  # heads per program
-MLA_ROWS = 32  # rows per tile
-MLA_PROGRAMS = 264  # at least this many programs (2 per SM of an H200) where splits allow
+@dataclass(frozen=True)
+class MlaConfig:
+    """How :func:`sparse_mla` tiles the work: heads per program, rows per tile, warps,
+    pipeline stages, and the programs it aims for (the rows split among programs until
+    there are as many)."""
+
+    heads: int = 64
+    rows: int = 64
+    warps: int = 8
+    stages: int = 1
+    programs: int = 264  # 2 per SM of an H200
 
 
-def mla_supported(heads: int, kv_lora: int, rope: int, top_k: int, tile: int) -> bool:
-    pow2 = all(v & (v - 1) == 0 for v in (kv_lora, rope, kv_lora // tile))
-    return AVAILABLE and heads % MLA_HEADS == 0 and kv_lora % tile == 0 and pow2 and rope >= 16 \
-        and top_k % MLA_ROWS == 0
+MLA = MlaConfig()
 
 
-def sparse_mla(q, kv, idx, kv_lora: int, tile: int, sm_scale: float):
+def mla_supported(heads: int, kv_lora: int, rope: int, top_k: int, tile: int, cfg: MlaConfig = MLA) -> bool:
+    pow2 = all(v & (v - 1) == 0 for v in (kv_lora, rope, tile))
+    return AVAILABLE and heads % cfg.heads == 0 and kv_lora % tile == 0 and pow2 and rope >= 16 \
+        and top_k % cfg.rows == 0
+
+
+def sparse_mla(q, kv, idx, kv_lora: int, tile: int, sm_scale: float, cfg: MlaConfig = MLA):
     """Absorbed MLA over fp8_ds_mla rows, fused: ``q`` bf16 [B, H, kv_lora + rope], ``kv``
     uint8 [rows, row_bytes] (contiguous), ``idx`` int32 [B, K] rows of ``kv`` (-1: masked)
     -> bf16 [B, H, kv_lora]. Each program one token's block of heads over a share of its
     K rows (split so that the GPU is full), the shares combined by their log-sum-exp."""
     B, H, D = q.shape
     K, RB = idx.shape[1], kv.shape[1]
+    per_split = H // cfg.heads
     splits = 1
-    while B * (H // MLA_HEADS) * splits < MLA_PROGRAMS and K % (2 * splits * MLA_ROWS) == 0 and splits < 16:
+    while B * per_split * splits < cfg.programs and K % (2 * splits * cfg.rows) == 0:
         splits *= 2
     o = torch.empty((B, splits, H, kv_lora), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, splits, H), dtype=torch.float32, device=q.device)
-    _sparse_mla[((H // MLA_HEADS) * splits, B)](
+    _sparse_mla[(per_split * splits, B)](
         q, kv.view(torch.float8_e4m3fn), kv.view(torch.float32), kv.view(torch.bfloat16), idx, o, lse, K, splits,
-        sm_scale, H=H, BH=MLA_HEADS, LAT=kv_lora, ROPE=D - kv_lora, TILE=tile, RB=RB, BN=MLA_ROWS, num_warps=8)
+        sm_scale, H=H, BH=cfg.heads, LAT=kv_lora, ROPE=D - kv_lora, TILE=tile, RB=RB, BN=cfg.rows,
+        STAGES=cfg.stages, num_warps=cfg.warps)
+    if splits == 1:
+        return o[:, 0].to(torch.bfloat16)
     return (o * torch.softmax(lse, 1).unsqueeze(-1)).sum(1).to(torch.bfloat16)

@@ -290,7 +290,7 @@ def test_the_fused_sparse_mla_kernel_equals_the_torch_path_with_masked_rows():
     sh = sm.PRESETS["v32"]
     gen = torch.Generator("cuda").manual_seed(6)
     kv = sm.pack_rows(torch.randn(4096, sh.kv_lora + sh.rope, generator=gen, device="cuda"), sh)
-    for B in (1, 7, 64):  # 16, 8 and 1 splits of the top-k
+    for B in (1, 7, 64):  # 16, 16 and 2 splits of the top-k
         q = torch.randn(B, sh.heads, sh.kv_lora + sh.rope, generator=gen, device="cuda").to(torch.bfloat16)
         idx = torch.randint(0, 4096, (B, sh.top_k), generator=gen, device="cuda", dtype=torch.int32)
         idx[0, 1000:] = -1
