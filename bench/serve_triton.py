@@ -19,27 +19,43 @@ except ImportError:  # the CPU machines: torch only
     triton = None
 
 AVAILABLE = triton is not None
-BLOCK_T = 128  # keys per program
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """How :func:`indexer_logits` tiles the keys: keys per block, blocks per program (the
+    query held in registers across them, their loads pipelined over ``stages``), warps."""
+
+    keys: int = 128
+    blocks: int = 8  # at most: fewer (powers of two) while the grid would have under ``programs``
+    warps: int = 4
+    stages: int = 3
+    programs: int = 1056  # 8 per SM of an H200
+
+
+INDEXER = IndexerConfig()
 
 if AVAILABLE:
     @triton.jit
-    def _logits(q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr, T, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+    def _logits(q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr, T, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                NB: tl.constexpr, STAGES: tl.constexpr):
         b = tl.program_id(1)
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
         h = tl.arange(0, H)
         d = tl.arange(0, D)
-        live = t < T
-        q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])  # [H, D] fp8
-        row = b.to(tl.int64) * T + t  # int64: layers x batch x context x D passes 2^31
-        k = tl.load(k_ptr + row[None, :] * D + d[:, None], mask=live[None, :], other=0.0)  # [D, BT] fp8
-        s = tl.dot(q, k)  # [H, BT] fp32
+        q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])  # [H, D] fp8, once for NB blocks
         w = tl.load(w_ptr + b * H + h)
-        logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-        ks = tl.load(ks_ptr + row, mask=live, other=0.0)
-        tl.store(out_ptr + row, logit * ks, mask=live)
+        for i in tl.range(0, NB, num_stages=STAGES):
+            t = (tl.program_id(0) * NB + i) * BT + tl.arange(0, BT)
+            live = t < T
+            row = b.to(tl.int64) * T + t  # int64: layers x batch x context x D passes 2^31
+            k = tl.load(k_ptr + row[None, :] * D + d[:, None], mask=live[None, :], other=0.0)  # [D, BT] fp8
+            s = tl.dot(q, k)  # [H, BT] fp32
+            logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+            ks = tl.load(ks_ptr + row, mask=live, other=0.0)
+            tl.store(out_ptr + row, logit * ks, mask=live)
 
 
-def indexer_logits(q, w, keys, kscale, out=None, block_t: int = BLOCK_T, warps: int = 4, stages: int = 1):
+def indexer_logits(q, w, keys, kscale, out=None, cfg: IndexerConfig = INDEXER):
     """``q`` fp8 [B, H, D], ``w`` float32 [B, H], ``keys`` fp8 [B, T, D], ``kscale`` float32
     [B, T], all contiguous on one GPU -> float32 [B, T] (``out`` when given)."""
     if not AVAILABLE:
@@ -48,8 +64,11 @@ def indexer_logits(q, w, keys, kscale, out=None, block_t: int = BLOCK_T, warps: 
     T = keys.shape[1]
     if out is None:
         out = torch.empty((B, T), dtype=torch.float32, device=q.device)
-    _logits[(triton.cdiv(T, block_t), B)](q, w, keys, kscale, out, T, H=H, D=D, BT=block_t, num_warps=warps,
-                                           num_stages=stages)
+    nb = cfg.blocks
+    while nb > 1 and triton.cdiv(T, cfg.keys * nb) * B < cfg.programs:
+        nb //= 2
+    _logits[(triton.cdiv(T, cfg.keys * nb), B)](q, w, keys, kscale, out, T, H=H, D=D, BT=cfg.keys, NB=nb,
+                                                STAGES=cfg.stages, num_warps=cfg.warps)
     return out
 
 
