@@ -7,6 +7,7 @@ The loop (:func:`replay`) is the same for every transport; one step on a transpo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -127,13 +128,15 @@ class Driver:
     attach_kw: dict = {}  # extra arguments of Client.attach (the transport)
 
     def __init__(self, trace: Trace, stack: contextlib.ExitStack, *, backend: str, engine: str,
-                 connect: str | None = None, daemon_log: str | None = None, slab: str = "daemon"):
+                 connect: str | None = None, daemon_log: str | None = None, slab: str = "daemon",
+                 prefetch: bool = False):
         if slab not in SLABS:
             raise ValueError(f"unknown slab {slab!r}; use {' or '.join(SLABS)}")
         self.trace = trace
-        self.layout = trace.layout()
+        self.prefetch = prefetch
+        self.layout = ahead_layout(trace) if prefetch else trace.layout()
         self.client = self.open(stack, backend=backend, connect=connect, daemon_log=daemon_log)
-        kw = dict(self.attach_kw)
+        kw = dict(self.attach_kw, **({"prefetch": True} if prefetch else {}))
         self.engine_rows = None
         if slab == "engine":
             self.engine_rows = EngineRows(self.layout, self.client.device)
@@ -161,6 +164,13 @@ class Driver:
         r = self.client.topk(t, 0, tr.host_topk(t))
         slots, misses = r.host()  # cuda: waits for the gather (the step's end)
         return slots, misses, r.hits, r.out_of_range
+
+    def run_ahead(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prefetch) Index group 1 of step ``t``, its top-k the next step's rows
+        (:func:`ahead_rows`): the prefetch from group 0 guessed them with the trace's
+        step-to-step overlap. Its (slots, misses)."""
+        r = self.client.topk(t, 1, ahead_rows(self.trace, t))
+        return r.host()
 
     def close(self) -> None:
         self.client.detach()
@@ -239,26 +249,50 @@ class DoorbellDriver(ZmqDriver):
 DRIVERS: dict[str, type[Driver]] = {"inproc": InprocDriver, "zmq": ZmqDriver, "doorbell": DoorbellDriver}
 
 
+def ahead_layout(trace: Trace) -> Layout:
+    """``--prefetch``: the trace's layers as index group 0 and as many again as group 1
+    (the group a prefetch fills)."""
+    n = trace.num_layers
+    return dataclasses.replace(trace.layout(), num_layers=2 * n,
+                               index_groups=(tuple(range(n)), tuple(range(n, 2 * n)))).validate()
+
+
+def ahead_rows(trace: Trace, t: int) -> np.ndarray:
+    """Group 1's top-k at step ``t``: step ``t + 1``'s host rows of each batch row that
+    serves the same request then (same state row, no reset), else step ``t``'s own."""
+    rows = trace.host_topk(t)
+    if t + 1 < trace.steps:
+        same = (trace.state_rows[t + 1] == trace.state_rows[t]) & ~trace.reset[t + 1].astype(bool)
+        rows = np.where(same[:, None], trace.host_topk(t + 1), rows)
+    return rows
+
+
 def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", verify: bool = False,
            connect: str | None = None, engine: str = "replay", daemon_log: str | None = None,
-           slab: str = "daemon", progress: Callable[[int], None] | None = None) -> tuple[dict, dict]:
+           slab: str = "daemon", prefetch: bool = False,
+           progress: Callable[[int], None] | None = None) -> tuple[dict, dict]:
     """Run ``trace``; return (summary, result arrays ``slots`` and ``misses``).
     ``slab="engine"``: the hot rows in a buffer the replay owns (:class:`EngineRows`),
     with guard bytes around them that must stay unchanged (``guard_bytes_changed``).
-    ``progress(steps_done)`` is called after each step."""
-    layout = trace.layout()
+    ``prefetch``: attach with prefetch and replay each step as index group 0 and then
+    group 1 (the next step's rows, :func:`ahead_rows`); the results stay group 0's (a
+    prefetch never fills group 0), the summary adds group 1's misses and hits, and
+    ``--verify`` checks group 1's rows too. ``progress(steps_done)`` is called after each step."""
     if transport not in DRIVERS:
         raise ValueError(f"unknown transport {transport!r}; use {' or '.join(DRIVERS)}")
+    if prefetch and (backend != "cpu" or transport == "doorbell"):
+        raise ValueError("prefetch runs on the cpu backend: use --backend cpu with --transport inproc or zmq")
     with contextlib.ExitStack() as stack:
         driver = DRIVERS[transport](trace, stack, backend=backend, engine=engine, connect=connect,
-                                    daemon_log=daemon_log, slab=slab)
+                                    daemon_log=daemon_log, slab=slab, prefetch=prefetch)
+        layout = driver.layout
         hot = driver.hot_rows()
         if verify:
             fill_pool(driver.client, layout)
         slots = np.full(trace.topk.shape, -1, np.int32)
         misses = np.zeros(trace.topk.shape[:2], np.int32)
         lat = np.zeros(trace.steps)
-        hits = out_of_range = mismatched = 0
+        hits = out_of_range = mismatched = ahead_misses = ahead_hits = 0
         layers = layout.groups[0]
         t_start = time.perf_counter()
         for t in range(trace.steps):
@@ -278,6 +312,14 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
             out_of_range += step_oob
             if verify:
                 mismatched += count_mismatches(hot, layers, trace.state_rows[t], rows, slots[t], layout.host_rows)
+            if prefetch:
+                ahead_slots, ahead = driver.run_ahead(t)
+                nxt = ahead_rows(trace, t)[trace.state_rows[t] >= 0]
+                ahead_misses += int(ahead.sum())
+                ahead_hits += int(((nxt >= 0) & (nxt < layout.host_rows)).sum()) - int(ahead.sum())
+                if verify:
+                    mismatched += count_mismatches(hot, layout.groups[1], trace.state_rows[t], ahead_rows(trace, t),
+                                                   ahead_slots, layout.host_rows)
             if progress is not None:
                 progress(t + 1)
         elapsed = time.perf_counter() - t_start
@@ -293,12 +335,14 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
         "misses": int(misses.sum()),
         "hit_rate": round(hits / max(1, hits + int(misses.sum())), 6),
         "out_of_range": int(out_of_range),
-        "rows_moved": int(misses.sum()) * layout.num_layers,
-        "bytes_moved": int(misses.sum()) * layout.num_layers * layout.row_bytes,
+        "rows_moved": int(misses.sum()) * len(layers),
+        "bytes_moved": int(misses.sum()) * len(layers) * layout.row_bytes,
         "slab": slab,
         "verified": verify,
         "mismatched_rows": int(mismatched) if verify else None,
         "guard_bytes_changed": guard,
+        **({"prefetch": True, "next_group_hits": int(ahead_hits), "next_group_misses": int(ahead_misses)}
+           if prefetch else {}),
         "elapsed_s": round(elapsed, 4),
         "step_p50_us": round(float(np.percentile(lat, 50)) * 1e6, 1) if trace.steps else 0.0,
         "step_p99_us": round(float(np.percentile(lat, 99)) * 1e6, 1) if trace.steps else 0.0,

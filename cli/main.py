@@ -133,7 +133,7 @@ def cmd_replay(a) -> int:
     trace = Trace.load(a.trace)
     bar = None if a.quiet else Progress("replay", trace.steps)
     summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify, connect=a.connect,
-                             daemon_log=a.daemon_log, slab=a.slab, progress=bar and bar.update)
+                             daemon_log=a.daemon_log, slab=a.slab, prefetch=a.prefetch, progress=bar and bar.update)
     if bar:
         bar.close()
     save_result(a.out, result)
@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--slab", choices=["daemon", "engine"], default="daemon",
                    help="engine: the hot rows in a buffer this process owns, as an engine's KV cache would "
                         "(zmq or doorbell), with guard bytes around them checked unchanged")
+    q.add_argument("--prefetch", action="store_true",
+                   help="attach with prefetch and replay each step as index group 0, then as group 1 the next "
+                        "step's rows (fetched ahead from group 0's); cpu backend (DESIGN §4)")
     q.add_argument("--connect", metavar="RUN_DIR",
                    help="use this running daemon instead of a private one (default: a private daemon)")
     q.add_argument("--daemon-log", metavar="FILE",

@@ -213,7 +213,7 @@ class Client(Connection):
 
     # -- requests ----------------------------------------------------------------
     def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq",
-               slab=None, block_size: int = 0):
+               slab=None, block_size: int = 0, prefetch: bool = False):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
         before each gather, so attention still reading earlier rows is never overwritten.
@@ -221,9 +221,14 @@ class Client(Connection):
         :meth:`doorbell_handle`). ``slab``: an engine-owned hot slab (``EngineSlab`` with its
         geometry) the daemon gathers into instead of a slab of its own. ``block_size``: the
         engine has a block store of ``host_rows // block_size`` blocks (``self.blocks``;
-        DESIGN §9), kept while it caches blocks, for the next process that attaches."""
+        DESIGN §9), kept while it caches blocks, for the next process that attaches.
+        ``prefetch``: after each index group's top-k, the daemon fetches its rows ahead into
+        the next group's regions, off this rank's critical path (DESIGN §4; the cpu backend;
+        useful with ``region_stride`` above ``top_k``: the latest resolve's slots are kept)."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
+        if prefetch:
+            fields["prefetch"] = True
         if block_size:
             fields["blocks"] = {"block_size": int(block_size)}
         if slab is not None:

@@ -68,6 +68,9 @@ class RankState:
     staging: np.ndarray | object | None
     step: int = -1
     state_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    prefetch: bool = False  # after each group's top-k, fetch its rows ahead into the next group's regions
+    pending_prefetch: tuple | None = None  # (group, state rows, top-k) to prefetch once the reply is out
+    _prefetch_seen: tuple[int, int] = (0, 0)  # the residency's (hits, wasted) last reported
 
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         """Record the batch of a decode step; apply its resets and invalidations."""
@@ -114,12 +117,15 @@ class RankState:
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> tuple[Resolved, int]:
         """Resolve one index group's top-k batch and gather its misses for every layer of
-        the group; return the result and the bytes moved."""
+        the group; return the result and the bytes moved. With ``prefetch``, leave the
+        next group's prefetch pending (:meth:`run_prefetch`)."""
         state_rows = self.batch_rows(step, state_rows)
         topk = as_ids("topk", topk, 2)
         lay = self.residency.layout
         res = self.residency.resolve(group, state_rows, topk)
         moved = self.mover.gather(res.plan, lay.groups[group])
+        if self.prefetch and group + 1 < lay.num_groups:  # run by the caller once its result is out
+            self.pending_prefetch = (group + 1, state_rows, topk)
         return res, moved
 
     def serve_topk(self, step: int, group: int, topk, state_rows=None, fence=None) -> tuple[dict, dict, dict]:
@@ -127,10 +133,28 @@ class RankState:
         the slab when this returns (cpu); the cuda rank overrides it to only enqueue."""
         res, moved = self.topk(step, group, topk, state_rows)
         misses = int(res.misses.sum())
-        layers = len(self.residency.layout.groups[group])
+        lay = self.residency.layout
+        layers = len(lay.groups[group])
         deltas = {"topk_batches": 1, "hits": res.hits, "misses": misses, "rows_moved": misses * layers,
-                  "bytes_moved": moved, "out_of_range": res.out_of_range}
+                  "bytes_moved": moved, "out_of_range": res.out_of_range, **self.prefetch_outcomes()}
         return {"hits": res.hits, "out_of_range": res.out_of_range}, {"slots": res.slots, "misses": res.misses}, deltas
+
+    def run_prefetch(self) -> dict:
+        """The pending prefetch (set by the last :meth:`serve_topk`; run once its reply is
+        out, before anything else reaches this rank): the counter deltas."""
+        group, state_rows, topk = self.pending_prefetch
+        self.pending_prefetch = None
+        plan = self.residency.prefetch(group, state_rows, topk)
+        moved = self.mover.gather(plan, self.residency.layout.groups[group])
+        layers = len(self.residency.layout.groups[group])
+        return {"prefetched": len(plan), "rows_moved": len(plan) * layers, "bytes_moved": moved,
+                **self.prefetch_outcomes()}
+
+    def prefetch_outcomes(self) -> dict:
+        """Prefetched rows hit and wasted since the last call (counter deltas)."""
+        r = self.residency
+        seen, self._prefetch_seen = self._prefetch_seen, (r.prefetch_hits, r.prefetch_wasted)
+        return {"prefetch_hits": r.prefetch_hits - seen[0], "prefetch_wasted": r.prefetch_wasted - seen[1]}
 
     def write_staged(self, space: "EngineSpace", layers: tuple[int, ...], rows: np.ndarray, fence=None) -> tuple[int, int]:
         """Write the first ``len(rows)`` rows of this rank's staging buffer (each of

@@ -45,6 +45,21 @@ class EngineRequests:
         self.pool, self.stats, self.fd_server = pool, stats, fd_server
         # The credentials of the HELLO being handled (set by the dispatcher); None in process.
         self.peer: Peer | None = None
+        self.prefetching: list = []  # ranks whose last TOPK left a prefetch to run once its reply is out
+
+    def run_prefetches(self) -> None:
+        """Run the prefetches the TOPKs just answered left (DESIGN.md §4): after the reply,
+        before any other request reaches the rank. Never raises: a prefetch that fails is
+        logged and dropped (the next resolve then misses what it would have fetched)."""
+        ranks, self.prefetching = self.prefetching, []
+        for st in ranks:
+            try:
+                deltas = st.run_prefetch()
+            except Exception:  # noqa: BLE001 - the reply is out; the state is what the resolve left
+                log.exception("prefetch of rank %d failed; dropped", st.rank)
+                continue
+            for k, v in deltas.items():
+                self.stats.c[k] += v
 
     def handlers(self) -> dict:
         """This role's handlers by message type."""
@@ -73,6 +88,12 @@ class EngineRequests:
         except (LayoutError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
         block_size = _block_size(h.get("blocks"), layout)
+        prefetch = h.get("prefetch", False)
+        if type(prefetch) is not bool:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"prefetch must be true or false, got {prefetch!r}")
+        if prefetch and self.backend.name != "cpu":
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"prefetch runs on the cpu backend; the {self.backend.name} "
+                                "backend has none yet: attach without it")
         created = engine not in self.engines
         self.sessions.rewatch(s)
         slab_field = h.get("slab")
@@ -112,6 +133,7 @@ class EngineRequests:
             if engine_slab is not None:
                 engine_slab.close()  # its descriptor, unless the backend took it
         s.engine, s.state = engine, state
+        state.prefetch = prefetch
         log.info("client %d attached to engine %r (%s)", s.client_id, engine,
                  f"new, owner uid {s.uid}" if created else "joined")
         if self.backend.share_fds(s.client_id):  # to this process only, over the fd socket
@@ -222,6 +244,8 @@ class EngineRequests:
             if topk.ndim:  # before any work: rows of padding cost as much as live ones
                 _batch_fits(st, topk.shape[0])
             fields, arrays, deltas = st.serve_topk(step, group, topk, state_rows, fence)
+            if st.pending_prefetch is not None:
+                self.prefetching.append(st)
         c = self.stats.c
         for k, v in deltas.items():
             c[k] += v

@@ -225,7 +225,10 @@ class Daemon:
         Every reply carries it as ``tr`` and the time just before it is encoded as ``tx``
         (CLOCK_MONOTONIC: one clock for every process of the host). A heavy request runs
         whole here, its slow part on the caller's thread (the loop uses :meth:`_serve`)."""
-        return self._handle(identity, frames, time.perf_counter_ns() if tr is None else tr, defer=False, peer=peer)
+        try:
+            return self._handle(identity, frames, time.perf_counter_ns() if tr is None else tr, defer=False, peer=peer)
+        finally:
+            self.engine_requests.run_prefetches()
 
     def _handle(self, identity: bytes, frames, tr: int, defer: bool, peer=None):
         """The reply to one request (never raises). ``defer`` (serving): ``_WAIT`` instead when
@@ -332,6 +335,8 @@ class Daemon:
             self.heavy.start(out, self._resume)
         elif out is not None:
             self._send(identity, out)
+        if self.engine_requests.prefetching:  # after the reply: off the engine's critical path
+            self.engine_requests.run_prefetches()
 
     def _send(self, identity: bytes, reply: list) -> None:
         self.control.send(identity, reply)

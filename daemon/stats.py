@@ -26,9 +26,12 @@ COUNTERS = (
     ("topk_batches", "top-k batches resolved"),
     ("hits", "top-k columns found in the hot region"),
     ("misses", "top-k columns gathered from the host pool"),
-    ("rows_moved", "rows copied host to hot slab (misses x layers of the group)"),
+    ("rows_moved", "rows copied host to hot slab (misses and prefetched rows x layers of the group)"),
     ("bytes_moved", "bytes copied host to hot slab"),
     ("out_of_range", "top-k ids < -1 or >= host_rows (ignored, never read)"),
+    ("prefetched", "rows fetched ahead into the next index group's regions (attach with prefetch)"),
+    ("prefetch_hits", "prefetched rows a resolve then found (misses taken off the critical path)"),
+    ("prefetch_wasted", "prefetched rows that lost their slot before any resolve found them"),
     ("rows_written", "rows written into the host pool"),
     ("bytes_written", "bytes written into the host pool"),
     ("hot_invalidated", "hot slots dropped because their row was rewritten"),
@@ -254,6 +257,9 @@ def render_table(snap: dict) -> str:
         f"errors         {snap['errors']}"
         + ("  " + " ".join(f"{k}={v}" for k, v in sorted(snap["errors_by_code"].items())) if snap["errors_by_code"] else ""),
     ]
+    if snap.get("prefetched"):
+        lines.insert(6, f"prefetched     {snap['prefetched']} rows: {snap['prefetch_hits']} hit, "
+                        f"{snap['prefetch_wasted']} lost unused")
     closed = {k: snap.get(f"connections_{k}", 0) for k in ("refused", "expired")}
     if any(closed.values()) or snap.get("sessions_expired"):
         lines.append(f"connections    {snap.get('connections_open', 0)} open, closed: {closed['refused']} over the "

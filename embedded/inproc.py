@@ -50,7 +50,7 @@ class InprocClient:
         self.attachment = self.blocks = None
         self._space = self._state = None
 
-    def attach(self, layout: Layout, engine: str = "default", block_size: int = 0) -> Attachment:
+    def attach(self, layout: Layout, engine: str = "default", block_size: int = 0, prefetch: bool = False) -> Attachment:
         layout.validate()
         if not 0 <= block_size <= layout.host_rows:
             raise error_for(int(ErrorCode.BAD_ARGUMENT), f"block_size must lie in [0, host_rows={layout.host_rows}]")
@@ -60,6 +60,7 @@ class InprocClient:
         self._space = EngineSpace(engine, layout, pool)
         self._state = RankState(self.rank, "cpu", CpuResidency(layout), CpuMover(layout, pool, slab, staging), slab, staging)
         self._space.ranks[0] = self._state
+        self._state.prefetch = bool(prefetch)
         if block_size:
             self._space.block_size = block_size
             self._space.blocks = BlockStore(layout.host_rows // block_size, self._space.zero_blocks)
@@ -98,7 +99,10 @@ class InprocClient:
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> TopkResult:
         with _errors():
-            res, _ = self._need().topk(step, group, topk, state_rows)
+            st = self._need()
+            res, _ = st.topk(step, group, topk, state_rows)
+            if st.pending_prefetch is not None:  # in process: at once (the same rows either way)
+                st.run_prefetch()
         return TopkResult(res.slots, res.misses, res.hits, res.out_of_range)
 
     def flush(self) -> None:

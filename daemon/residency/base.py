@@ -72,6 +72,17 @@ class Residency(abc.ABC):
         query tokens of one request) resolve one after another in batch order.
         Raises :class:`ResidencyError` before changing any state when the input is bad."""
 
+    def prefetch(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Plan:
+        """Fetch ahead (DESIGN.md §4, prefetch): place the rows of ``topk`` (another
+        group's top-k batch) that group ``group``'s regions of ``state_rows`` lack into
+        slots outside their latest resolve's; return the plan to gather. ``prefetch_hits``
+        and ``prefetch_wasted`` count, over the residency's life, the prefetched rows a
+        resolve then hit and those that lost their slot first."""
+        raise ResidencyError("BAD_ARGUMENT", f"the {type(self).__name__} backend has no prefetch")
+
+    prefetch_hits: int = 0
+    prefetch_wasted: int = 0
+
 
 class Mover(abc.ABC):
     """Byte mover of one rank: host pool <-> hot slab and staging buffer."""

@@ -21,6 +21,9 @@ class RegionModel:
     region_stride: int
     owner: list[int] = field(default_factory=list)
     lru: list[int] = field(default_factory=list)
+    fresh: set[int] = field(default_factory=set)
+    prefetch_hits: int = 0  # resolve hits on a fresh slot (each counted once)
+    prefetch_wasted: int = 0  # fresh slots emptied or refilled before any hit
 
     def __post_init__(self) -> None:
         if not self.owner:
@@ -30,6 +33,7 @@ class RegionModel:
         """Every slot empty, ``lru = 0..region_stride-1``."""
         self.owner = [-1] * self.region_stride
         self.lru = list(range(self.region_stride))
+        self._waste(set(self.fresh))
 
     def invalidate(self, rows) -> None:
         """Any slot owning one of ``rows`` becomes empty; the LRU order is unchanged."""
@@ -37,6 +41,12 @@ class RegionModel:
         for slot, held in enumerate(self.owner):
             if held >= 0 and held in gone:
                 self.owner[slot] = -1
+                self._waste({slot})
+
+    def _waste(self, slots: set[int]) -> None:
+        """``slots`` lose their rows: those still fresh were prefetched for nothing."""
+        self.prefetch_wasted += len(self.fresh & slots)
+        self.fresh -= slots
 
     def resolve(self, topk, host_rows: int) -> tuple[list[int], list[tuple[int, int]], int]:
         """Resolve one top-k row of host row ids.
@@ -68,6 +78,9 @@ class RegionModel:
         hits_in_order = [s for s in self.lru if s in hit_slots]
         n_miss = len(miss_cols)
         assert n_miss <= len(evictable), "region_stride >= top_k guarantees room"
+        self.prefetch_hits += len(self.fresh & hit_slots)
+        self.fresh -= hit_slots
+        self._waste(set(evictable[:n_miss]))
         plan = []
         for m, col in enumerate(miss_cols):
             slot = evictable[m]
@@ -76,3 +89,25 @@ class RegionModel:
             plan.append((topk[col], slot))
         self.lru = evictable[n_miss:] + evictable[:n_miss] + hits_in_order
         return slots, plan, out_of_range
+
+    def prefetch(self, ids, host_rows: int, top_k: int) -> list[tuple[int, int]]:
+        """Fetch ahead the rows of one top-k row ``ids`` (another group's, unique ids) that
+        this region does not hold, into slots outside the last ``top_k`` of ``lru`` (the
+        latest resolve's), oldest first, as many as there are; held rows are left alone.
+        The taken slots go just below the kept ones in ``lru`` (a later prefetch keeps the
+        same slots). Returns the (host row, slot) pairs to copy."""
+        ids = [int(g) for g in ids if 0 <= int(g) < host_rows]
+        protected = set(self.lru[len(self.lru) - min(top_k, self.region_stride):])
+        held = {h for h in self.owner if h >= 0}
+        resident = {slot for slot, h in enumerate(self.owner) if h in set(ids)}
+        candidates = [s for s in self.lru if s not in protected and s not in resident]
+        want = [g for g in ids if g not in held]
+        plan = list(zip(want, candidates))
+        taken = [slot for _, slot in plan]
+        self._waste(set(taken))
+        for g, slot in plan:
+            self.owner[slot] = g
+        self.fresh |= set(taken)
+        rest = [s for s in self.lru if s not in protected and s not in set(taken)]
+        self.lru = rest + taken + [s for s in self.lru if s in protected]
+        return plan

@@ -42,6 +42,8 @@ class CpuResidency(Residency):
         self.owner = np.full(shape, -1, dtype=np.int32)
         self.lru = np.empty(shape, dtype=np.int32)
         self.lru[...] = np.arange(layout.region_stride, dtype=np.int32)
+        self.fresh = np.zeros(shape, dtype=bool)  # filled by a prefetch, not hit since
+        self.prefetch_hits = self.prefetch_wasted = 0
 
     def reset(self, state_rows: np.ndarray) -> None:
         rows = np.asarray(state_rows, dtype=np.int64)
@@ -50,6 +52,7 @@ class CpuResidency(Residency):
             raise ResidencyError("BAD_STATE_ROW", f"state row {int(rows.max())} >= max_reqs")
         self.owner[:, rows] = -1
         self.lru[:, rows] = np.arange(self.layout.region_stride, dtype=np.int32)
+        self._waste(np.s_[:, np.unique(rows)])
 
     def invalidate(self, state_row: int, rows: np.ndarray) -> None:
         if not 0 <= state_row < self.layout.max_reqs:
@@ -58,7 +61,11 @@ class CpuResidency(Residency):
         rows = rows[rows >= 0]
         if rows.size:
             region = self.owner[:, state_row]
-            region[np.isin(region, rows)] = -1
+            gone = np.isin(region, rows)
+            region[gone] = -1
+            fresh = self.fresh[:, state_row]
+            self.prefetch_wasted += int(fresh[gone].sum())
+            fresh[gone] = False
 
     def invalidate_everywhere(self, rows: np.ndarray) -> int:
         rows = np.asarray(rows, dtype=np.int32)
@@ -69,7 +76,13 @@ class CpuResidency(Residency):
         n = int(stale.sum())
         if n:
             self.owner[stale] = -1
+            self._waste(stale)
         return n
+
+    def _waste(self, where) -> None:
+        """The slots at ``where`` (an index of ``fresh``) lost their rows."""
+        self.prefetch_wasted += int(self.fresh[where].sum())
+        self.fresh[where] = False
 
     def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Resolved:
         lay = self.layout
@@ -100,6 +113,11 @@ class CpuResidency(Residency):
             miss = valid & ~hit
             n_miss = int(miss.sum())
             miss_slots = evictable[:n_miss]
+            fresh = self.fresh[group, s]
+            self.prefetch_hits += int(fresh[hit_slot[hit]].sum())
+            fresh[hit_slot[hit]] = False
+            self.prefetch_wasted += int(fresh[miss_slots].sum())
+            fresh[miss_slots] = False
             owner[miss_slots] = ids[miss]
             lru[:] = np.concatenate((evictable[n_miss:], miss_slots, lru[in_hit]))
             row_slots = np.full(k, -1, dtype=np.int32)
@@ -111,14 +129,47 @@ class CpuResidency(Residency):
             if n_miss:
                 plan_rows.append(ids[miss])
                 plan_slots.append(miss_slots + s * stride)
-        if plan_rows:
-            rows = np.concatenate(plan_rows)
-            flat = np.concatenate(plan_slots).astype(np.int32)
-            by_row = np.argsort(rows, kind="stable")
-            plan = Plan(rows=rows[by_row], slots=flat[by_row])
-        else:
-            plan = Plan(rows=np.empty(0, np.int32), slots=np.empty(0, np.int32))
+        plan = _plan(plan_rows, plan_slots)
         return Resolved(slots=slots, misses=misses, hits=hits, out_of_range=out_of_range, plan=plan)
+
+    def prefetch(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Plan:
+        lay = self.layout
+        state_rows, topk = check_batch(lay, group, state_rows, topk)
+        stride = lay.region_stride
+        kept = stride - min(lay.top_k, stride)  # lru positions from here on: the latest resolve's
+        plan_rows, plan_slots = [], []
+        for b in np.flatnonzero(state_rows >= 0):
+            s = int(state_rows[b])
+            owner, lru, fresh = self.owner[group, s], self.lru[group, s], self.fresh[group, s]
+            ids = topk[b]
+            ids = ids[(ids >= 0) & (ids < lay.host_rows)]
+            want = ids[~np.isin(ids, owner)]
+            candidate = ~np.isin(owner, ids)[lru]  # by lru position; a slot holding one of ids stays
+            candidate[kept:] = False
+            picked = np.flatnonzero(candidate)[:want.size]  # lru positions taken, oldest first
+            if not picked.size:
+                continue
+            taken = lru[picked]
+            self.prefetch_wasted += int(fresh[taken].sum())
+            owner[taken] = want[:taken.size]
+            fresh[taken] = True
+            rest = np.ones(stride, dtype=bool)
+            rest[picked] = False
+            rest[kept:] = False
+            lru[:] = np.concatenate((lru[rest], taken, lru[kept:]))
+            plan_rows.append(want[:taken.size])
+            plan_slots.append(taken + s * stride)
+        return _plan(plan_rows, plan_slots)
+
+
+def _plan(rows: list, slots: list) -> Plan:
+    """One plan from per-row parts, sorted by host row (the gather reads the pool in order)."""
+    if not rows:
+        return Plan(rows=np.empty(0, np.int32), slots=np.empty(0, np.int32))
+    rows = np.concatenate(rows)
+    flat = np.concatenate(slots).astype(np.int32)
+    by_row = np.argsort(rows, kind="stable")
+    return Plan(rows=rows[by_row], slots=flat[by_row])
 
 
 class CpuMover(Mover):

@@ -88,3 +88,25 @@ def test_cpu_backend_takes_rows_of_any_size_through_both_transports():
     b, rb = replay(tr, transport="zmq", verify=True)
     assert a["mismatched_rows"] == 0 and b["mismatched_rows"] == 0
     assert (ra["slots"] == rb["slots"]).all() and (ra["misses"] == rb["misses"]).all()
+
+
+def test_replay_with_prefetch_serves_right_rows_and_group_0_as_without():
+    """``--prefetch``: group 0's slots and misses are those of a replay without it (a
+    prefetch fills the next group only); group 1 misses fewer than group 0 does on the same
+    sequence of rows, every row verified, both transports alike."""
+    tr = synth(steps=40, batch=4, top_k=16, region_stride=32, max_reqs=8, host_rows=4096, row_bytes=16,
+               num_layers=1, overlap=0.8, context=300, pad=0.1, invalidate=0.1, seed=5)
+    plain, rp = replay(tr, transport="inproc", verify=True)
+    for transport in ("inproc", "zmq"):
+        got, r = replay(tr, transport=transport, verify=True, prefetch=True)
+        assert got["mismatched_rows"] == 0 and got["prefetch"] is True
+        assert (r["slots"] == rp["slots"]).all() and (r["misses"] == rp["misses"]).all()
+        assert 0 < got["next_group_misses"] < plain["misses"]
+        assert got["next_group_hits"] > plain["hits"]
+
+
+@pytest.mark.parametrize("kw", [dict(backend="cuda"), dict(transport="doorbell", backend="cuda")])
+def test_replay_refuses_prefetch_off_the_cpu_backend(kw):
+    tr = synth(steps=2, batch=1, top_k=4, region_stride=8, max_reqs=2, host_rows=64, num_layers=1, seed=1)
+    with pytest.raises(ValueError, match="prefetch runs on the cpu backend"):
+        replay(tr, prefetch=True, **kw)

@@ -20,10 +20,18 @@ class RefRegion:
 
     def __init__(self, region_stride: int, top_k: int):
         self.m = RegionModel(region_stride)
+        self.top_k = top_k
 
     def resolve(self, row):
         slots, plan, oor = self.m.resolve(row, HOST_ROWS)
         return slots, len(plan), sorted(plan), oor
+
+    def prefetch(self, row):
+        return sorted(self.m.prefetch(row, HOST_ROWS, self.top_k))
+
+    @property
+    def counts(self):
+        return self.m.prefetch_hits, self.m.prefetch_wasted
 
     def invalidate(self, rows):
         self.m.invalidate(rows)
@@ -63,6 +71,17 @@ class CpuRegion:
         # the bystander region must never change
         assert (self.r.owner[0, 0] == -1).all() and self.r.lru[0, 0].tolist() == list(range(self.lay.region_stride))
         return res.slots[0, : len(row)].tolist(), int(res.misses[0]), plan, res.out_of_range
+
+    def prefetch(self, row):
+        topk = np.full((1, self.lay.top_k), -1, np.int32)
+        topk[0, : len(row)] = row
+        plan = self.r.prefetch(0, np.array([self.S], np.int32), topk)
+        assert list(plan.rows) == sorted(plan.rows)
+        return sorted(zip(plan.rows.tolist(), (plan.slots - self.S * self.lay.region_stride).tolist(), strict=True))
+
+    @property
+    def counts(self):
+        return self.r.prefetch_hits, self.r.prefetch_wasted
 
     def invalidate(self, rows):
         self.r.invalidate(self.S, np.array(rows, np.int32))
@@ -407,3 +426,69 @@ def test_reset_rejects_state_row_out_of_range():
     with pytest.raises(ResidencyError) as ei:
         r.invalidate(3, np.array([1], np.int32))
     assert ei.value.code == "BAD_STATE_ROW"
+
+
+# -- prefetch (DESIGN §4, "prefetch") ---------------------------------------------------
+def test_prefetch_fills_the_oldest_slots_outside_the_latest_resolve_in_column_order(region):
+    r = region(6, 2)
+    r.resolve([10, 11])  # slots 0, 1; lru 2 3 4 5 0 1 (0 and 1 the latest resolve's: kept)
+    assert r.prefetch([20, 21]) == [(20, 2), (21, 3)]
+    assert r.owner == [10, 11, 20, 21, -1, -1]
+    assert r.lru == [4, 5, 2, 3, 0, 1]  # the taken slots just below the kept ones
+
+
+def test_prefetch_leaves_held_rows_alone_and_a_second_prefetch_keeps_the_same_slots(region):
+    r = region(4, 2)
+    r.resolve([10, 11])  # slots 0 1; lru 2 3 0 1
+    r.resolve([12, 10])  # 12 -> 2, 10 hit; lru 3 1 2 0 (2 and 0 kept)
+    assert r.prefetch([11, 30]) == [(30, 3)]  # 11 held in slot 1: left alone, not moved
+    assert r.owner == [10, 11, 12, 30]
+    assert r.lru == [1, 3, 2, 0]
+    assert r.prefetch([40, 41]) == [(40, 1), (41, 3)]  # 2 and 0 still kept
+    assert r.owner == [10, 40, 12, 41] and r.lru == [1, 3, 2, 0]
+    assert r.counts == (0, 1)  # 30, prefetched, lost its slot before any hit
+
+
+def test_prefetch_takes_no_slot_past_the_candidates(region):
+    r = region(3, 2)
+    r.resolve([1, 2])  # lru 2 0 1
+    assert r.prefetch([7, 8]) == [(7, 2)]
+    assert r.owner == [1, 2, 7] and r.lru == [2, 0, 1]
+
+
+def test_prefetch_into_a_region_of_top_k_slots_does_nothing(region):
+    r = region(3, 3)
+    r.resolve([1, 2])
+    assert r.prefetch([7, 8]) == []
+    assert r.owner == [1, 2, -1] and r.lru == [2, 0, 1]
+
+
+def test_prefetch_ignores_fillers_and_out_of_range_ids(region):
+    r = region(4, 2)
+    assert r.prefetch([HOST_ROWS, 5]) == [(5, 0)]
+    assert r.lru == [1, 0, 2, 3]
+
+
+def test_a_prefetched_row_is_a_hit_then_counted_once(region):
+    r = region(4, 2)
+    r.resolve([1, 2])
+    r.prefetch([3])
+    slots, misses, _, _ = r.resolve([3, 1])
+    assert misses == 0 and slots == [2, 0]
+    r.resolve([3, 1])
+    assert r.counts == (1, 0)
+
+
+def test_prefetched_rows_evicted_reset_or_invalidated_before_a_hit_are_wasted(region):
+    r = region(4, 2)
+    r.resolve([1, 2])  # lru 2 3 0 1
+    r.prefetch([3, 4])  # slots 2 3
+    r.resolve([5, 6])  # misses take 2 and 3: both prefetched rows lost
+    assert r.counts == (0, 2)
+    r.prefetch([7])  # the oldest outside the latest resolve's (2 3): slot 0
+    assert r.owner[0] == 7
+    r.invalidate([7])
+    assert r.counts == (0, 3)
+    r.prefetch([8])
+    r.reset()
+    assert r.counts == (0, 4)

@@ -1,0 +1,101 @@
+"""Prefetch (DESIGN §4) through a daemon: after each index group's top-k, the rows are
+fetched ahead into the next group's regions once the reply is out; the next group's
+resolve finds them as hits, every row served is the pool's, and the counters say so. The
+slot rules themselves are the contract tests' (tests/daemon/residency)."""
+
+import os
+
+import numpy as np
+
+import helpers
+from sparsekv.client import Client
+from sparsekv.daemon.stats import render_table
+from sparsekv.embedded.inproc import InprocClient
+from sparsekv.proto import ErrorCode, MsgType
+
+GROUPS = ((0,), (1, 2), (3,))
+
+
+def lay():
+    return helpers.layout(num_layers=4, top_k=4, region_stride=8, max_reqs=2, host_rows=64, index_groups=GROUPS)
+
+
+def drive(c, att, steps):
+    """Run ``steps`` (per step: [group] -> topk [2, 4]); return the misses per (step,
+    group) and the wrong rows served (0 when every hot row is the pool's)."""
+    misses, bad = [], 0
+    for t, per_group in enumerate(steps):
+        c.step(t, [0, 1])
+        for g, topk in enumerate(per_group):
+            res = c.topk(t, g, topk)
+            misses.append(int(res.misses.sum()))
+            bad += helpers.bad_rows(att.slab, GROUPS[g], [0, 1], topk, res.slots, 64)
+    return misses, bad
+
+
+def steps_of(seed: int, n: int = 4):
+    """Each step's top-k, every group's the same rows but one (the next group's guess is
+    mostly right), new rows each step."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        base = np.stack([rng.choice(64, 4, replace=False) for _ in range(2)]).astype(np.int32)
+        groups = []
+        for _ in GROUPS:
+            t = base.copy()
+            t[:, -1] = rng.choice(np.setdiff1d(np.arange(64), base), 2)
+            groups.append(t)
+        out.append(groups)
+    return out
+
+
+def test_the_next_groups_rows_arrive_ahead_and_are_the_pools(daemon):
+    steps = steps_of(1)
+    with Client(daemon.run_dir, name="pf") as c:
+        att = c.attach(lay(), engine="pf", prefetch=True)
+        helpers.fill(c, lay())
+        misses, bad = drive(c, att, steps)
+        s = c.stats()
+    assert bad == 0
+    # group 0 misses what it did not hold; groups 1 and 2 miss only their one row of each
+    # request that group 0 did not pick (3 of 4 were fetched ahead)
+    assert misses[1] == 2 and misses[2] == 2
+    assert s["prefetched"] > 0 and s["prefetch_hits"] >= 12  # steps x 2 groups x 2 requests x 3 rows at least
+    assert s["prefetch_hits"] + s["prefetch_wasted"] <= s["prefetched"]
+    with Client(daemon.run_dir, name="plain") as c:  # the same steps without prefetch miss more
+        att = c.attach(lay(), engine="plain")
+        helpers.fill(c, lay())
+        plain, bad = drive(c, att, steps)
+    assert bad == 0 and sum(plain) > sum(misses)
+
+
+def test_the_daemon_and_the_in_process_engine_prefetch_alike(daemon):
+    steps = steps_of(2, 6)
+    with Client(daemon.run_dir, name="pf") as c:
+        att = c.attach(lay(), engine="pf", prefetch=True)
+        helpers.fill(c, lay())
+        got = drive(c, att, steps)
+    with InprocClient() as c:
+        att = c.attach(lay(), prefetch=True)
+        helpers.fill(c, lay())
+        want = drive(c, att, steps)
+    misses, bad = got
+    assert (misses, bad) == want and bad == 0
+
+
+def test_prefetch_must_be_a_boolean(tmp_path):
+    with helpers.inproc_daemon(tmp_path) as d:
+        helpers.request(d, b"a", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
+        h, _ = helpers.request(d, b"a", MsgType.ATTACH, {"engine": "e", "layout": lay().to_wire(), "prefetch": 1})
+    assert not h["ok"] and h["code"] == ErrorCode.BAD_ARGUMENT and "prefetch must be true or false" in h["msg"]
+
+
+def test_the_stats_table_shows_prefetch_once_it_ran(daemon):
+    with Client(daemon.run_dir, name="pf") as c:
+        assert "prefetched" not in render_table(c.stats())
+        att = c.attach(lay(), engine="pf", prefetch=True)
+        helpers.fill(c, lay())
+        drive(c, att, steps_of(3, 2))
+        s = c.stats()
+    line = next(x for x in render_table(s).splitlines() if x.startswith("prefetched"))
+    assert f"{s['prefetched']} rows: {s['prefetch_hits']} hit, {s['prefetch_wasted']} lost unused" in line
