@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sparsekv.daemon.config import Config
 from sparsekv.daemon.residency.cuda import CudaMover, allocate_device_buffers
 from sparsekv.proto import Layout
 from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
@@ -27,7 +28,7 @@ ROW_BYTES = 656
 BATCH, TOP_K, STRIDE = 64, 2048, 4096
 MISS_RATE = 0.10
 PLANS = 16  # distinct plans per timing round
-DEFAULT_BLOCKS = 32  # the daemon's gather grid (CudaMover's default)
+DEFAULT_BLOCKS = Config.gather_blocks  # the daemon's gather grid
 
 
 class Shape(NamedTuple):
