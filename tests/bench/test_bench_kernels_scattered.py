@@ -2,6 +2,8 @@
 of new rows, distinct rows and slots), the variants' keys and builds, and (cuda) that every
 gather variant moves exactly the plan."""
 
+import mmap
+
 import numpy as np
 import pytest
 
@@ -105,7 +107,9 @@ def test_each_gather_variant_moves_exactly_the_plan_on_the_gpu(variant):
     lay = Layout(num_layers=1, row_bytes=rb, top_k=top_k, region_stride=stride, max_reqs=batch,
                  host_rows=pool_rows, max_batch=batch).validate()
     rng = np.random.default_rng(9)
-    pool = rng.integers(0, 256, size=(pool_rows, rb), dtype=np.uint8)
+    mapping = mmap.mmap(-1, pool_rows * rb)  # page-aligned, as a pool's is
+    pool = np.frombuffer(mapping, dtype=np.uint8).reshape(pool_rows, rb)
+    pool[...] = rng.integers(0, 256, size=pool.shape, dtype=np.uint8)
     rows, slots, misses = ks.scattered_plans(rng, pool_rows, 1, window, 1, True, batch=batch, top_k=top_k,
                                              miss_rate=0.3, stride=stride)
     s = cp.cuda.Stream(non_blocking=True)
