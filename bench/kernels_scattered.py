@@ -63,10 +63,13 @@ GATHER_VARIANTS = (
     ("unroll8", "8 loads in flight a thread", {"defines": {"SKV_COPY_UNROLL": 8}}),
     ("cg", "L2-only loads (ld.global.cg)", {"defines": {"SKV_COPY_LOAD_CG": 1}}),
     ("by_request", "a block per request (64 blocks)", {"blocks": BATCH, "defines": {"SKV_GATHER_BY_REQUEST": 1}}),
+    ("by_request_b32", "a block per two requests (the daemon's 32 blocks)", {"defines": {"SKV_GATHER_BY_REQUEST": 1}}),
     ("by_request_t512_unroll2", "a block per request, 512 threads, 2 loads in flight a thread",
      {**_BY_REQUEST, "defines": {"SKV_GATHER_BY_REQUEST": 1, "SKV_COPY_UNROLL": 2}}),
     ("warp_rows_t512", "a warp per entry, 4 entries a warp in flight, a block per request, 512 threads",
      {**_BY_REQUEST, "defines": {"SKV_GATHER_BY_REQUEST": 2}}),
+    ("warp_rows_t512_b32", "the same on the daemon's 32 blocks (a block per two requests)",
+     {"threads": 512, "defines": {"SKV_GATHER_BY_REQUEST": 2}}),
     ("peer_shape", "the peer's shape: a warp per entry, one in flight, a block per request, 512 threads, "
      "L2-only loads", {**_BY_REQUEST, "defines": {"SKV_GATHER_BY_REQUEST": 2, "SKV_COPY_UNROLL": 1,
                                                   "SKV_COPY_LOAD_CG": 1}}),
