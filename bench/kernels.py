@@ -261,7 +261,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 crow[i, b, :m] = np.arange(m, dtype=np.int32) + (i * BATCH + b) * m
         if int(crow.max()) < lay.host_rows:
             gbps, t, _ = request_gather(lay, region, bufs, kc, s, timer,
-                                         device_plans(cp, s, crow, pslot, pmiss, layer), step_bytes, 32)
+                                        device_plans(cp, s, crow, pslot, pmiss, layer), step_bytes, 32)
             out["gather_adjacent_rows_GBps"] = round(gbps, 2)
             out["gather_vs_adjacent_rows"] = round(best / gbps, 3)
             row("gather, 32 blocks, each request's misses adjacent rows (the SMs' ceiling)",
