@@ -3,9 +3,12 @@
 
 * **Pool ready**: a host pool of ``--pool-gib`` pre-faulted and page-locked, registered
   chunk by chunk while faulting (the daemon's start) and after the fault. GiB/s.
-* **Gather** of a decode step's misses (batch 64, top-k 2048, 656 B rows, ~10 % misses in
-  64-row blocks scattered over one layer) on several grid sizes, against a bulk
-  ``cudaMemcpyAsync`` of the same bytes and of 4 GiB from the same pinned pool.
+* **Gather** of a decode step's misses (batch 64, top-k 2048, 656 B rows, ~10 % misses, each
+  request's rows in its own 64-row blocks scattered over one layer) on several grid sizes,
+  against a bulk ``cudaMemcpyAsync`` of the same bytes and of 4 GiB from the same pinned
+  pool; then the scattered workloads of :mod:`.kernels_scattered` (the pool as one layer,
+  each request's rows in its own window: ``gather_vs_bulk_scattered``), each as a CUDA
+  graph; every gather also by each variant of :data:`GATHER_VARIANTS`.
 * **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept, at the
   daemon's thread count, then at other thread counts and workspace options.
 
@@ -25,20 +28,15 @@ import numpy as np
 from sparsekv.daemon.kernels import get_cache
 from sparsekv.daemon.pinned import PinnedRegion, PoolPinner
 from sparsekv.daemon.pool import HostPool, anon_huge_bytes, vmstat, vmstat_delta
-from sparsekv.daemon.residency.cuda import CudaMover, CudaResidency, allocate_device_buffers, make_desc
+from sparsekv.daemon.residency.cuda import CudaResidency, allocate_device_buffers, make_desc
 from sparsekv.proto import Layout
-from sparsekv.proto.step_block import D_BATCH, D_GROUP, D_K, DESC_INTS
 
 from .decode_report import write_json
+from .kernels_scattered import (BATCH, DEFAULT_BLOCKS, GATHER_VARIANTS, MISS_RATE, PLANS, ROW_BYTES, STRIDE, TOP_K,
+                                SCATTERED_SHAPES, device_plans, request_gather, scattered_section, variant_key)
 
 GIB = 1 << 30
-ROW_BYTES = 656
-BATCH, TOP_K, STRIDE = 64, 2048, 4096
-MISS_RATE = 0.10
 BLOCK_ROWS = 64
-PLANS = 16  # distinct plans per timing round
-# The gather's threads per block timed against the default.
-GATHER_VARIANTS = (("512 threads", {"threads": 512}), ("128 threads", {"threads": 128}))
 
 
 def _say(msg: str) -> None:
@@ -145,7 +143,7 @@ def step_plans(rng, host_rows: int, n: int, batch: int = BATCH, top_k: int = TOP
 # -- the benchmark -----------------------------------------------------------------------------
 def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, chunk_gib: float = 4.0,
         blocks=(16, 32, 64, 132), both_pool_modes: bool = True, resolve_variants: bool | str = True,
-        gather_variants=GATHER_VARIANTS, seed: int = 0,
+        gather_variants=GATHER_VARIANTS, scattered_shapes=SCATTERED_SHAPES, seed: int = 0,
         resolve_only: bool = False, json_path: str | None = None) -> dict:
     """Every figure into the returned dict (``_rows``: the table's rows). ``resolve_variants``:
     True every variant, ``"quick"`` the thread counts, False none. ``json_path``: the
@@ -210,7 +208,7 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         prow, pslot, pmiss = step_plans(rng, host_rows, PLANS)
         _say(f"{PLANS} step plans in {time.perf_counter() - t0:.1f} s ({int(pmiss[0].sum())} misses each, "
              f"{host_rows} rows a layer)")
-        plans = _device_plans(cp, s, prow, pslot, pmiss, layer)
+        plans = device_plans(cp, s, prow, pslot, pmiss, layer)
         bufs = allocate_device_buffers(lay)
         step_bytes = int(pmiss[0].sum()) * ROW_BYTES
 
@@ -238,20 +236,22 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
 
         best = 0.0
         for nb in blocks:
-            gbps, t, tmin = _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes, nb)
+            gbps, t, tmin = request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes, nb)
             best = max(best, gbps)
             out[f"gather_request_order_{nb}blocks_GBps"] = round(gbps, 2)
             row(f"gather of the step's misses, {nb} blocks x 256 threads", f"{gbps:.1f} GB/s",
                 f"{t:.0f} us (min {tmin:.0f})")
-        # The copy kernel's threads per block, on 32 blocks.
-        for label, kw in (gather_variants or ()):
+        # The gather's variants (their own grid, else the daemon's).
+        for key, label, kw in gather_variants:
+            kw = dict(kw)
+            nb = kw.pop("blocks", DEFAULT_BLOCKS)
             try:
-                gbps, t, _ = _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes, 32, **kw)
+                gbps, t, _ = request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes, nb, **kw)
             except Exception as e:  # noqa: BLE001 - a variant failing must not lose the rest
                 row(f"gather variant {label}", "FAILED", f"{type(e).__name__}: {e}")
                 continue
-            out[f"gather_request_order_32blocks_{label.replace(' ', '_')}_GBps"] = round(gbps, 2)
-            row(f"gather, 32 blocks, {label}", f"{gbps:.1f} GB/s", f"{t:.0f} us")
+            out[f"gather_request_order_{variant_key(key)}_GBps"] = round(gbps, 2)
+            row(f"gather, {nb} blocks, variant: {label}", f"{gbps:.1f} GB/s", f"{t:.0f} us")
         # The same kernel on adjacent rows (each request's misses one run of consecutive
         # rows): the ceiling of any gather by the SMs (the bulk figure is the copy engine's).
         crow = prow.copy()
@@ -260,20 +260,23 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
                 m = int(pmiss[i, b])
                 crow[i, b, :m] = np.arange(m, dtype=np.int32) + (i * BATCH + b) * m
         if int(crow.max()) < lay.host_rows:
-            gbps, t, _ = _request_gather(lay, region, bufs, kc, s, timer,
-                                         _device_plans(cp, s, crow, pslot, pmiss, layer), step_bytes, 32)
+            gbps, t, _ = request_gather(lay, region, bufs, kc, s, timer,
+                                        device_plans(cp, s, crow, pslot, pmiss, layer), step_bytes, 32)
             out["gather_adjacent_rows_GBps"] = round(gbps, 2)
             out["gather_vs_adjacent_rows"] = round(best / gbps, 3)
             row("gather, 32 blocks, each request's misses adjacent rows (the SMs' ceiling)",
                 f"{gbps:.1f} GB/s", f"{t:.0f} us; the scattered gather reaches "
                 f"{out['gather_vs_adjacent_rows']:.2f} of it")
+        # The scattered workloads: the pool as one layer, each request's rows in its own window.
+        scattered_section(out, row, cp, kc, s, timer, region, nbytes, bulk_GBps, np.random.default_rng(seed + 1),
+                          shapes=scattered_shapes, blocks=blocks, variants=gather_variants)
         # The same gather from the engine's range registered in one piece (as an attach does).
         region.close()
         whole = PinnedRegion(pool.address, -(-lay.pool_bytes // 4096) * 4096, ROW_BYTES,
                              max_chunk_bytes=1 << 40)
         stack.callback(whole.close)
         for nb in (32, 64):
-            gbps, t, _ = _request_gather(lay, whole, bufs, kc, s, timer, plans, step_bytes, nb)
+            gbps, t, _ = request_gather(lay, whole, bufs, kc, s, timer, plans, step_bytes, nb)
             out[f"gather_request_order_{nb}blocks_one_registration_GBps"] = round(gbps, 2)
             row(f"gather, {nb} blocks, the engine's range registered in one piece",
                 f"{gbps:.1f} GB/s", f"{t:.0f} us")
@@ -301,20 +304,6 @@ def resolve_sequence(rng, steps: int = PLANS, batch: int = BATCH, top_k: int = T
         cols = (i * fresh + np.arange(top_k)) % ring
         out.append(np.stack([rng.permutation(rings[b, cols]) for b in range(batch)]).astype(np.int32))
     return out
-
-
-def _device_plans(cp, s, prow, pslot, pmiss, layer: int) -> tuple:
-    """The step plans on the device, and a descriptor of batch 64, top-k 2048 naming
-    ``layer`` (one layer a group): (desc, rows, slots, misses), lists of PLANS arrays."""
-    with s:
-        d_rows = [cp.asarray(prow[i]) for i in range(PLANS)]
-        d_slots = [cp.asarray(pslot[i]) for i in range(PLANS)]
-        d_miss = [cp.asarray(pmiss[i]) for i in range(PLANS)]
-        desc = np.zeros(DESC_INTS, np.int32)
-        desc[D_BATCH], desc[D_K], desc[D_GROUP] = BATCH, TOP_K, layer
-        d_desc = cp.asarray(desc)
-    s.synchronize()
-    return d_desc, d_rows, d_slots, d_miss
 
 
 def variant_options(res, quick: bool = False) -> list[tuple[str, dict]]:
@@ -386,21 +375,11 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, variants: bool | str) -> N
         row(f"resolve variant: {label}", f"{tv:.1f} us")
 
 
-def _request_gather(lay, region, bufs, kc, s, timer, plans, step_bytes: int, blocks: int,
-                    **kw) -> tuple[float, float, float]:
-    """(GB/s, us, min us) of the request-order gather of the step plans from ``region``
-    (the daemon's path: skv_gather of each batch row's sorted plan) with ``blocks``
-    blocks; ``kw``: more CudaMover options."""
-    d_desc, d_rows, d_slots, d_miss = plans
-    mv = CudaMover(lay, region, buffers=bufs, kernels=kc, stream=s, blocks=blocks, **kw)
-    t, tmin = timer.median_us(lambda i: mv.launch_gather(d_desc, d_rows[i], d_slots[i], d_miss[i], BATCH, s), PLANS)
-    return step_bytes / t / 1e3, t, tmin
-
-
 def table(result: dict) -> str:
     lines = ["| what | value | note |", "| --- | --- | --- |"]
     lines += [f"| {w} | {v} | {n} |" for w, v, n in result.get("_rows", [])]
-    keys = ("gather_vs_bulk", "gather_vs_bulk_same_bytes", "resolve_us_b64", "pool_ready_GiBps")
+    keys = ("gather_vs_bulk", "gather_vs_bulk_same_bytes", "gather_vs_bulk_scattered", "resolve_us_b64",
+            "pool_ready_GiBps")
     lines += ["", "  ".join(f"{k} {result[k]}" for k in keys if k in result)]
     return "\n".join(lines) + "\n"
 
@@ -409,7 +388,8 @@ def add_arguments(p) -> None:
     p.add_argument("--pool-gib", type=float, default=64.0,
                    help="kernels: the host pool the gather reads and the pool start times (GiB)")
     p.add_argument("--kernels-quick", action="store_true",
-                   help="kernels: gathers on 32 and 64 blocks only, the resolve's thread counts only")
+                   help="kernels: gathers on 32 and 64 blocks only (every workload and gather variant "
+                        "still), the resolve's thread counts only")
     p.add_argument("--resolve-only", action="store_true",
                    help="kernels: the resolve and its variants only (no pool, no gather)")
 
@@ -418,7 +398,6 @@ def run_args(a) -> int:
     """``sparsekv bench kernels [--pool-gib N] [--kernels-quick] [--json PATH]``."""
     quick = a.kernels_quick
     r = run(pool_gib=a.pool_gib, blocks=(32, 64) if quick else (16, 32, 64, 132),
-            gather_variants=() if quick else GATHER_VARIANTS,
             resolve_variants="quick" if quick else True, resolve_only=a.resolve_only, json_path=a.json_path)
     sys.stdout.write(table(r))
     if a.json_path:

@@ -5,6 +5,15 @@
 // SKV_COPY_UNROLL loads in flight per thread before the first store (host memory sits
 // behind PCIe: loads in flight, not occupancy, hide its latency). The caller bounds the
 // grid (SMs and the link are shared with attention); it strides over the work.
+//
+// Variants of skv_gather that `sparsekv bench kernels` times against this default
+// (GATHER_VARIANTS; the losers are deleted once measured, docs/DESIGN.md §8):
+//   SKV_COPY_LOAD_CG       the pool read with ld.global.cg (cached in L2 only) instead of
+//                          ld.global.nc
+//   SKV_GATHER_BY_REQUEST  1: each block copies whole batch rows of the plan (b = blockIdx.x,
+//                          + gridDim.x, ...), its threads striding over the row's vectors;
+//                          2: the same with a warp per plan entry (lanes over its vectors),
+//                          SKV_COPY_UNROLL entries a warp in flight
 #include "common.cuh"
 
 #ifndef SKV_ROW_VECS
@@ -54,6 +63,62 @@ __device__ __forceinline__ i64 skv_entry(i64 r, const int* counts, const i64* pr
     return (i64)b * ld + (r - pref[b]);
 }
 
+// A 16-byte vector of the source. __ldg (ld.global.nc): the source is never written
+// while the kernel runs.
+__device__ __forceinline__ uint4 skv_load_vec(const uint4* p) {
+#ifdef SKV_COPY_LOAD_CG
+    return __ldcg(p);
+#else
+    return __ldg(p);
+#endif
+}
+
+// One layer's source and destination (the destination laid out by `geo`).
+struct SkvLayerCopy {
+    const unsigned char* src;
+    i64 src_rows;
+    unsigned char* dst;
+    i64 dst_rows;
+    const int* src_idx;
+    const int* dst_idx;
+    SkvDstGeometry geo;
+};
+
+// Vector `vec` of index-list entry e: its source in *from, and its destination, or null
+// when either row lies outside its buffer (nothing to copy).
+__device__ __forceinline__ uint4* skv_vec_at(const SkvLayerCopy& c, const i64 e, const int vec,
+                                             const uint4** from) {
+    const i64 sr = c.src_idx ? (i64)c.src_idx[e] : e;
+    const i64 dr = c.dst_idx ? (i64)c.dst_idx[e] : e;
+    if (sr < 0 || sr >= c.src_rows || dr < 0 || dr >= c.dst_rows) return 0;
+    *from = (const uint4*)(c.src + (sr * SKV_ROW_VECS + vec) * 16);
+    const i64 at = c.geo.layer_off
+        ? (dr / c.geo.block_rows) * c.geo.block_stride + ((dr % c.geo.block_rows) * SKV_ROW_VECS + vec) * 16
+        : (dr * SKV_ROW_VECS + vec) * 16;
+    return (uint4*)(c.dst + at);
+}
+
+// The layer li of a copy: false when the source or destination layer is outside its buffer.
+__device__ __forceinline__ bool skv_layer(
+    SkvLayerCopy* c, const unsigned char* src, const i64 src_layer_rows, const i64 src_rows, const int src_layers,
+    unsigned char* dst, const i64 dst_layer_rows, const i64 dst_rows, const int dst_layers,
+    const int* layers, const int li, const int mode, const int* src_idx, const int* dst_idx,
+    const SkvDstGeometry geo)
+{
+    const int lay = layers[li];
+    const i64 sl = (mode & 1) ? lay : li;
+    const i64 dl = (mode & 2) ? lay : li;
+    if (sl < 0 || sl >= src_layers || dl < 0 || dl >= dst_layers) return false;
+    c->src = src + sl * src_layer_rows * (SKV_ROW_VECS * 16);
+    c->src_rows = src_rows;
+    c->dst = geo.layer_off ? dst + geo.layer_off[dl] : dst + dl * dst_layer_rows * (SKV_ROW_VECS * 16);
+    c->dst_rows = dst_rows;
+    c->src_idx = src_idx;
+    c->dst_idx = dst_idx;
+    c->geo = geo;
+    return true;
+}
+
 // Copy, for each listed layer li in [0, n_layers), every entry e = b * ld + i of a
 // [nb, ld] index list (the destination laid out by `geo`):
 //   src row  = src_idx ? src_idx[e] : e     of source layer (mode & 1 ? layers[li] : li)
@@ -82,14 +147,9 @@ __device__ __forceinline__ void skv_copy_body(
     const i64 step = (i64)gridDim.x * SKV_CT;
 
     for (int li = 0; li < n_layers; ++li) {
-        const int lay = layers[li];
-        const i64 sl = (mode & 1) ? lay : li;
-        const i64 dl = (mode & 2) ? lay : li;
-        if (sl < 0 || sl >= src_layers || dl < 0 || dl >= dst_layers) continue;
-        const unsigned char* src_l = src + sl * src_layer_rows * (SKV_ROW_VECS * 16);
-        unsigned char* dst_l = geo.layer_off ? dst + geo.layer_off[dl]
-                                             : dst + dl * dst_layer_rows * (SKV_ROW_VECS * 16);
-
+        SkvLayerCopy c;
+        if (!skv_layer(&c, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows, dst_rows, dst_layers,
+                       layers, li, mode, src_idx, dst_idx, geo)) continue;
         for (i64 v0 = (i64)blockIdx.x * SKV_CT + threadIdx.x; v0 < per_layer;
              v0 += step * SKV_COPY_UNROLL) {
             uint4 buf[SKV_COPY_UNROLL];
@@ -101,18 +161,9 @@ __device__ __forceinline__ void skv_copy_body(
                 if (v < per_layer) {
                     const i64 r = v / SKV_ROW_VECS;  // entry number within this layer
                     const int vec = (int)(v - r * SKV_ROW_VECS);
-                    const i64 e = skv_entry(r, counts, pref, nb, ld);
-                    const i64 sr = src_idx ? (i64)src_idx[e] : e;
-                    const i64 dr = dst_idx ? (i64)dst_idx[e] : e;
-                    if (sr >= 0 && sr < src_rows && dr >= 0 && dr < dst_rows) {
-                        // __ldg (ld.global.nc): the source is never written while the kernel runs.
-                        buf[u] = __ldg((const uint4*)(src_l + (sr * SKV_ROW_VECS + vec) * 16));
-                        const i64 at = geo.layer_off
-                            ? (dr / geo.block_rows) * geo.block_stride
-                                  + ((dr % geo.block_rows) * SKV_ROW_VECS + vec) * 16
-                            : (dr * SKV_ROW_VECS + vec) * 16;
-                        out[u] = (uint4*)(dst_l + at);
-                    }
+                    const uint4* from;
+                    out[u] = skv_vec_at(c, skv_entry(r, counts, pref, nb, ld), vec, &from);
+                    if (out[u]) buf[u] = skv_load_vec(from);
                 }
             }
 #pragma unroll
@@ -121,6 +172,79 @@ __device__ __forceinline__ void skv_copy_body(
         }
     }
 }
+
+#ifdef SKV_GATHER_BY_REQUEST
+// The plan copied batch row by batch row (SKV_GATHER_BY_REQUEST, a variant): block
+// blockIdx.x takes batch rows blockIdx.x, + gridDim.x, ..., each row's first counts[b]
+// entries (clamped to [0, ld]); no prefix of counts, no search for an entry's row.
+__device__ __forceinline__ void skv_gather_by_request(
+    const unsigned char* __restrict__ src, const i64 src_layer_rows, const i64 src_rows, const int src_layers,
+    unsigned char* __restrict__ dst, const i64 dst_layer_rows, const i64 dst_rows, const int dst_layers,
+    const int* __restrict__ layers, const int n_layers, const int* __restrict__ src_idx,
+    const int* __restrict__ dst_idx, const int* __restrict__ counts, const int nb, const int ld,
+    const SkvDstGeometry geo)
+{
+    for (int li = 0; li < n_layers; ++li) {
+        SkvLayerCopy c;
+        if (!skv_layer(&c, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows, dst_rows, dst_layers,
+                       layers, li, 3, src_idx, dst_idx, geo)) continue;
+        for (int b = blockIdx.x; b < nb; b += gridDim.x) {
+            int m = counts[b];
+            m = m < 0 ? 0 : (m > ld ? ld : m);
+            const i64 e0 = (i64)b * ld;
+#if SKV_GATHER_BY_REQUEST == 2
+            // A warp per entry: lane l copies vectors l, l + 32, ... of it.
+            constexpr int SLOTS = (SKV_ROW_VECS + 31) / 32;
+            const int warps = SKV_CT / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+            for (int i0 = warp; i0 < m; i0 += warps * SKV_COPY_UNROLL) {
+                uint4 buf[SKV_COPY_UNROLL][SLOTS];
+                uint4* out[SKV_COPY_UNROLL][SLOTS];
+#pragma unroll
+                for (int u = 0; u < SKV_COPY_UNROLL; ++u) {
+                    const int i = i0 + u * warps;
+#pragma unroll
+                    for (int s = 0; s < SLOTS; ++s) {
+                        const int vec = lane + 32 * s;
+                        out[u][s] = 0;
+                        if (i < m && vec < SKV_ROW_VECS) {
+                            const uint4* from;
+                            out[u][s] = skv_vec_at(c, e0 + i, vec, &from);
+                            if (out[u][s]) buf[u][s] = skv_load_vec(from);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < SKV_COPY_UNROLL; ++u)
+#pragma unroll
+                    for (int s = 0; s < SLOTS; ++s)
+                        if (out[u][s]) *out[u][s] = buf[u][s];
+            }
+#else
+            // The block's threads over the row's (entry, vector) pairs.
+            const i64 n = (i64)m * SKV_ROW_VECS;
+            for (i64 v0 = threadIdx.x; v0 < n; v0 += (i64)SKV_CT * SKV_COPY_UNROLL) {
+                uint4 buf[SKV_COPY_UNROLL];
+                uint4* out[SKV_COPY_UNROLL];
+#pragma unroll
+                for (int u = 0; u < SKV_COPY_UNROLL; ++u) {
+                    const i64 v = v0 + (i64)u * SKV_CT;
+                    out[u] = 0;
+                    if (v < n) {
+                        const i64 r = v / SKV_ROW_VECS;
+                        const uint4* from;
+                        out[u] = skv_vec_at(c, e0 + r, (int)(v - r * SKV_ROW_VECS), &from);
+                        if (out[u]) buf[u] = skv_load_vec(from);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < SKV_COPY_UNROLL; ++u)
+                    if (out[u]) *out[u] = buf[u];
+            }
+#endif
+        }
+    }
+}
+#endif
 
 // The general copy (staging, write mirror, host-driven gathers). count_dev, when given,
 // caps the entries at *count_dev read on the device (the write mirror: the grid is fixed,
@@ -179,8 +303,13 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
         int n_layers = g[0];
         n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
         const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
+#ifdef SKV_GATHER_BY_REQUEST
+        skv_gather_by_request(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
+                              num_layers, g + 1, n_layers, plan_rows, plan_slots, misses, batch, ld, geo);
+#else
         skv_copy_body(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
                       num_layers, g + 1, n_layers, 3, plan_rows, plan_slots, misses, batch, ld, 0, geo);
+#endif
     }
     skv_ring_when_done(arrivals, ready);
 }

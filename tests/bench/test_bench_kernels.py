@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sparsekv.bench import kernels as bk
+from sparsekv.bench import kernels_scattered as ks
 from sparsekv.bench import latest
 from sparsekv.cli.main import main
 
@@ -56,10 +57,10 @@ def test_the_resolve_sequence_is_a_cycle_that_keeps_the_asked_share():
 
 def test_the_table_lists_every_row_and_the_headline_keys():
     r = {"_rows": [("gather", "40.0 GB/s", "1 us")], "gather_vs_bulk": 0.7, "resolve_us_b64": 20.0,
-         "pool_ready_GiBps": 25.0}
+         "pool_ready_GiBps": 25.0, "gather_vs_bulk_scattered": 0.71}
     text = bk.table(r)
     assert "| gather | 40.0 GB/s | 1 us |" in text
-    assert "gather_vs_bulk 0.7" in text and "pool_ready_GiBps 25.0" in text
+    assert "gather_vs_bulk 0.7" in text and "pool_ready_GiBps 25.0" in text and "gather_vs_bulk_scattered 0.71" in text
 
 
 def test_variants_differ_from_the_default_and_a_quick_run_times_the_thread_counts():
@@ -84,12 +85,23 @@ def test_the_json_is_replaced_whole_and_leaves_out_the_rows(tmp_path):
 
 @pytest.mark.cuda
 def test_a_small_run_on_the_gpu():
-    r = bk.run(pool_gib=1.0, layers=4, blocks=(32,), both_pool_modes=True, resolve_variants=False)
+    """Every figure of a small run, the scattered workloads on 8,192-row windows (a 1 GiB
+    pool holds no 131,072-row ones: that shape is skipped, its row says why)."""
+    shapes = (ks.Shape("w8k", 8192, 1, False, "8,192-row windows"), ks.Shape("w8k_r8", 8192, 8, True, "runs of 8"),
+              ks.SCATTERED_SHAPES[0])
+    variants = [v for v in ks.GATHER_VARIANTS if v[0] in ("t512", "by_request")]
+    r = bk.run(pool_gib=1.0, layers=4, blocks=(32, 64), both_pool_modes=True, resolve_variants=False,
+               gather_variants=variants, scattered_shapes=shapes)
     for k in ("gather_vs_bulk", "resolve_us_b64", "pool_ready_GiBps", "pool_ready_again_GiBps", "pool_ready_after_fault_GiBps",
               "gather_request_order_GBps",
               "gather_request_order_32blocks_one_registration_GBps", "resolve_us_b64_eager",
-              "gather_request_order_32blocks_512_threads_GBps", "gather_adjacent_rows_GBps"):
+              "gather_request_order_t512_GBps", "gather_request_order_by_request_GBps", "gather_adjacent_rows_GBps",
+              "gather_vs_bulk_scattered", "gather_w8k_GBps", "gather_w8k_64blocks_GBps", "gather_w8k_t512_GBps",
+              "gather_w8k_by_request_GBps", "gather_w8k_r8_GBps", "gather_w8k_r8_by_request_GBps"):
         assert r[k] > 0, k
+    assert not any(k.startswith("gather_w128k") for k in r)
+    assert [v for w, v, _ in r["_rows"] if w == "gather, w128k"] == ["skipped"]
+    assert r["gather_vs_bulk_scattered"] == pytest.approx(r["gather_w8k_GBps"] / r["bulk_h2d_GBps"], abs=2e-3)
     assert r["pool_backing"] == "anon_thp"
     assert r["kernels_step_bytes"] == 64 * round(0.1 * 2048) * 656
 

@@ -323,13 +323,15 @@ _GATHER_ARGS = ("desc, pool, host_rows, num_layers, slab, slab_layer_rows, group
 
 
 def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan_slots, misses, grid: int = 4,
-           threads: int = 64, layer_off=None, block_rows: int = 1, block_stride: int = 0, ready=None, arrivals=None):
+           threads: int = 64, layer_off=None, block_rows: int = 1, block_stride: int = 0, ready=None, arrivals=None,
+           defines: dict | None = None):
     """``skv_gather`` (csrc/copy.cu): the per-row plans, pool ``[L, host_rows, row_bytes]``
     (uint8) -> ``slab`` (uint8, laid out flat or by the engine-slab geometry); ``ready`` /
-    ``arrivals``: uint32 [1] each, the word its last block sets and their counter."""
+    ``arrivals``: uint32 [1] each, the word its last block sets and their counter;
+    ``defines``: more constants (a variant of the kernel)."""
     L, host_rows, rb = pool.shape
     lib = build("copy.cu",
-                {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads})
+                {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads, **(defines or {})})
     B, ld = plan_rows.shape
     i, q = ctypes.c_int, ctypes.c_longlong
     lib.run_skv_gather(i(grid), i(threads), i((B + 1) * 8), _ptr(desc), _ptr(pool), q(host_rows), i(L), _ptr(slab),

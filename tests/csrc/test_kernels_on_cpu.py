@@ -392,14 +392,28 @@ def test_the_resolve_clears_the_word_it_is_given_and_resolves_the_same():
         np.testing.assert_array_equal(x, y)
 
 
+# skv_gather as the daemon builds it, and the variants bench kernels times against it
+# (csrc/copy.cu): each must copy exactly the plan.
+GATHER_VARIANTS = {
+    "default": {},
+    "L2-only loads": {"SKV_COPY_LOAD_CG": 1},
+    "a block per request": {"SKV_GATHER_BY_REQUEST": 1},
+    "a warp per entry": {"SKV_GATHER_BY_REQUEST": 2},
+    "a warp per entry, one in flight": {"SKV_GATHER_BY_REQUEST": 2, "SKV_COPY_UNROLL": 1},
+}
+
+
+@pytest.mark.parametrize("variant", list(GATHER_VARIANTS))
+@pytest.mark.parametrize("rb", [48, 656])
 @pytest.mark.parametrize("geometry", ["daemon", "engine"])
-def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_else(geometry):
+def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_else(geometry, rb, variant):
     """skv_gather: for each layer of the descriptor's group, row plan_rows[b, i] of the pool
     to slot plan_slots[b, i] of the slab (i < misses[b]), into the daemon's flat slab or an
     engine's paged buffer (blocks of block_rows rows at block_stride bytes, a gap after
-    each); every other byte stays as it was; an entry outside the pool is skipped."""
+    each); every other byte stays as it was; an entry outside the pool is skipped. Rows of
+    3 and of 41 vectors (more than a warp's lanes); every variant of the kernel."""
     rng = np.random.default_rng(11)
-    L, host_rows, rb = 4, 300, 48
+    L, host_rows = 4, 300
     B, ld, slots_n = 5, 12, 40  # slab rows per layer (max_reqs x region_stride)
     pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)
     groups = np.array([[2, 0, 3], [1, 1, -1]], np.int32)  # group 0: layers 0 and 3; group 1: layer 1
@@ -439,12 +453,14 @@ def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_els
                         at = layer * per_layer + (sl // block_rows) * block_stride + (sl % block_rows) * rb
                         want[at:at + rb] = pool[layer, r]
         cpu_kernels.gather(desc, pool, slab, slots_n, groups, rows, slots, misses, layer_off=layer_off,
-                           block_rows=block_rows if geometry == "engine" else 1, block_stride=bstride)
+                           block_rows=block_rows if geometry == "engine" else 1, block_stride=bstride,
+                           defines=GATHER_VARIANTS[variant])
         np.testing.assert_array_equal(slab, want, err_msg=f"trial {trial}")
 
 
+@pytest.mark.parametrize("variant", ["default", "a block per request", "a warp per entry"])
 @pytest.mark.parametrize("grid", [1, 4])
-def test_the_gather_sets_its_ready_word_once_every_block_is_done(grid):
+def test_the_gather_sets_its_ready_word_once_every_block_is_done(grid, variant):
     """skv_gather with a ready word (the doorbell's signalling): the rows are
     copied as without it, the word is 1 afterwards and the arrival counter back at 0;
     also when the descriptor is out of range (nothing copied, the engine still released);
@@ -460,13 +476,14 @@ def test_the_gather_sets_its_ready_word_once_every_block_is_done(grid):
         slab = np.zeros((L, slots_n, rb), np.uint8)
         ready, arrivals = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
         cpu_kernels.gather(desc, pool, slab, slots_n, groups, rows, slots, misses, grid=grid, ready=ready,
-                           arrivals=arrivals)
+                           arrivals=arrivals, defines=GATHER_VARIANTS[variant])
         assert ready[0] == 1 and arrivals[0] == 0
         assert slab.any() == copies
         if copies:
             np.testing.assert_array_equal(slab[1, slots[0, :4]], pool[1, rows[0, :4]])
     slab = np.zeros((L, slots_n, rb), np.uint8)
-    cpu_kernels.gather(make_desc(3, ld, 0), pool, slab, slots_n, groups, rows, slots, misses, grid=grid)
+    cpu_kernels.gather(make_desc(3, ld, 0), pool, slab, slots_n, groups, rows, slots, misses, grid=grid,
+                       defines=GATHER_VARIANTS[variant])
     assert slab.any()  # no word: copied, nothing else to check (a null word is never written)
 
 
