@@ -55,9 +55,6 @@ nvcc:
 	@# the resolve's specialisations the daemon builds (daemon/kernels.py resolve_defines)
 	@d="-DSKV_HASH_SCALE=4 -DSKV_WS_SMEM=1 -DSKV_LRU_SMEM=1 -DSKV_OWNER_SMEM=1"; echo "nvcc csrc/resolve.cu $$d"; \
 	  nvcc -arch=sm_90 -std=c++17 -c -o /dev/null $$d csrc/resolve.cu
-	@# the gather variants bench kernels times (bench/kernels_scattered.py GATHER_VARIANTS)
-	@for d in "-DSKV_COPY_LOAD_CG=1" "-DSKV_GATHER_BY_REQUEST=1" "-DSKV_GATHER_BY_REQUEST=2 -DSKV_COPY_UNROLL=1"; do \
-	  echo "nvcc csrc/copy.cu $$d"; nvcc -arch=sm_90 -std=c++17 -c -o /dev/null $$d csrc/copy.cu || exit 1; done
 
 # A wheel of the package (no dependencies) in dist/: `pip install dist/sparsekv-*.whl`.
 wheel:

@@ -53,7 +53,6 @@ SCATTERED_SHAPES = (
     Shape("w32k", 32768, 1, False, "rows random in 32,768-row windows, side by side"),
 )
 
-_BY_REQUEST = {"blocks": BATCH, "threads": 512}
 # (key, label, options): CudaMover options (threads), the grid (blocks, default
 # DEFAULT_BLOCKS) and csrc/copy.cu defines (the build of a variant).
 GATHER_VARIANTS = (
@@ -61,18 +60,6 @@ GATHER_VARIANTS = (
     ("t128", "128 threads", {"threads": 128}),
     ("unroll2", "2 loads in flight a thread", {"defines": {"SKV_COPY_UNROLL": 2}}),
     ("unroll8", "8 loads in flight a thread", {"defines": {"SKV_COPY_UNROLL": 8}}),
-    ("cg", "L2-only loads (ld.global.cg)", {"defines": {"SKV_COPY_LOAD_CG": 1}}),
-    ("by_request", "a block per request (64 blocks)", {"blocks": BATCH, "defines": {"SKV_GATHER_BY_REQUEST": 1}}),
-    ("by_request_b32", "a block per two requests (the daemon's 32 blocks)", {"defines": {"SKV_GATHER_BY_REQUEST": 1}}),
-    ("by_request_t512_unroll2", "a block per request, 512 threads, 2 loads in flight a thread",
-     {**_BY_REQUEST, "defines": {"SKV_GATHER_BY_REQUEST": 1, "SKV_COPY_UNROLL": 2}}),
-    ("warp_rows_t512", "a warp per entry, 4 entries a warp in flight, a block per request, 512 threads",
-     {**_BY_REQUEST, "defines": {"SKV_GATHER_BY_REQUEST": 2}}),
-    ("warp_rows_t512_b32", "the same on the daemon's 32 blocks (a block per two requests)",
-     {"threads": 512, "defines": {"SKV_GATHER_BY_REQUEST": 2}}),
-    ("peer_shape", "the peer's shape: a warp per entry, one in flight, a block per request, 512 threads, "
-     "L2-only loads", {**_BY_REQUEST, "defines": {"SKV_GATHER_BY_REQUEST": 2, "SKV_COPY_UNROLL": 1,
-                                                  "SKV_COPY_LOAD_CG": 1}}),
 )
 
 

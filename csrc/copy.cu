@@ -6,14 +6,11 @@
 // behind PCIe: loads in flight, not occupancy, hide its latency). The caller bounds the
 // grid (SMs and the link are shared with attention); it strides over the work.
 //
-// Variants of skv_gather that `sparsekv bench kernels` times against this default
-// (GATHER_VARIANTS; the losers are deleted once measured, docs/DESIGN.md §8):
-//   SKV_COPY_LOAD_CG       the pool read with ld.global.cg (cached in L2 only) instead of
-//                          ld.global.nc
-//   SKV_GATHER_BY_REQUEST  1: each block copies whole batch rows of the plan (b = blockIdx.x,
-//                          + gridDim.x, ...), its threads striding over the row's vectors;
-//                          2: the same with a warp per plan entry (lanes over its vectors),
-//                          SKV_COPY_UNROLL entries a warp in flight
+// The decode step's gather (skv_gather) copies the plan batch row by batch row: block
+// blockIdx.x takes rows blockIdx.x, + gridDim.x, ..., its threads striding over each
+// row's (entry, vector) pairs. On plans scattered over a request's window it moves 1.34x
+// the bytes a second of the flat split over all rows (which searches each vector's row in
+// a prefix of the counts; docs/DESIGN.md §8 has the variants measured against it).
 #include "common.cuh"
 
 #ifndef SKV_ROW_VECS
@@ -66,11 +63,7 @@ __device__ __forceinline__ i64 skv_entry(i64 r, const int* counts, const i64* pr
 // A 16-byte vector of the source. __ldg (ld.global.nc): the source is never written
 // while the kernel runs.
 __device__ __forceinline__ uint4 skv_load_vec(const uint4* p) {
-#ifdef SKV_COPY_LOAD_CG
-    return __ldcg(p);
-#else
     return __ldg(p);
-#endif
 }
 
 // One layer's source and destination (the destination laid out by `geo`).
@@ -173,11 +166,10 @@ __device__ __forceinline__ void skv_copy_body(
     }
 }
 
-#ifdef SKV_GATHER_BY_REQUEST
-// The plan copied batch row by batch row (SKV_GATHER_BY_REQUEST, a variant): block
-// blockIdx.x takes batch rows blockIdx.x, + gridDim.x, ..., each row's first counts[b]
-// entries (clamped to [0, ld]); no prefix of counts, no search for an entry's row.
-__device__ __forceinline__ void skv_gather_by_request(
+// A plan copied batch row by batch row: block blockIdx.x takes batch rows blockIdx.x,
+// + gridDim.x, ..., each row's first counts[b] entries (clamped to [0, ld]), its threads
+// over the row's (entry, vector) pairs, SKV_COPY_UNROLL loads in flight a thread.
+__device__ __forceinline__ void skv_gather_rows(
     const unsigned char* __restrict__ src, const i64 src_layer_rows, const i64 src_rows, const int src_layers,
     unsigned char* __restrict__ dst, const i64 dst_layer_rows, const i64 dst_rows, const int dst_layers,
     const int* __restrict__ layers, const int n_layers, const int* __restrict__ src_idx,
@@ -192,35 +184,6 @@ __device__ __forceinline__ void skv_gather_by_request(
             int m = counts[b];
             m = m < 0 ? 0 : (m > ld ? ld : m);
             const i64 e0 = (i64)b * ld;
-#if SKV_GATHER_BY_REQUEST == 2
-            // A warp per entry: lane l copies vectors l, l + 32, ... of it.
-            constexpr int SLOTS = (SKV_ROW_VECS + 31) / 32;
-            const int warps = SKV_CT / 32, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-            for (int i0 = warp; i0 < m; i0 += warps * SKV_COPY_UNROLL) {
-                uint4 buf[SKV_COPY_UNROLL][SLOTS];
-                uint4* out[SKV_COPY_UNROLL][SLOTS];
-#pragma unroll
-                for (int u = 0; u < SKV_COPY_UNROLL; ++u) {
-                    const int i = i0 + u * warps;
-#pragma unroll
-                    for (int s = 0; s < SLOTS; ++s) {
-                        const int vec = lane + 32 * s;
-                        out[u][s] = 0;
-                        if (i < m && vec < SKV_ROW_VECS) {
-                            const uint4* from;
-                            out[u][s] = skv_vec_at(c, e0 + i, vec, &from);
-                            if (out[u][s]) buf[u][s] = skv_load_vec(from);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < SKV_COPY_UNROLL; ++u)
-#pragma unroll
-                    for (int s = 0; s < SLOTS; ++s)
-                        if (out[u][s]) *out[u][s] = buf[u][s];
-            }
-#else
-            // The block's threads over the row's (entry, vector) pairs.
             const i64 n = (i64)m * SKV_ROW_VECS;
             for (i64 v0 = threadIdx.x; v0 < n; v0 += (i64)SKV_CT * SKV_COPY_UNROLL) {
                 uint4 buf[SKV_COPY_UNROLL];
@@ -240,11 +203,9 @@ __device__ __forceinline__ void skv_gather_by_request(
                 for (int u = 0; u < SKV_COPY_UNROLL; ++u)
                     if (out[u]) *out[u] = buf[u];
             }
-#endif
         }
     }
 }
-#endif
 
 // The general copy (staging, write mirror, host-driven gathers). count_dev, when given,
 // caps the entries at *count_dev read on the device (the write mirror: the grid is fixed,
@@ -275,8 +236,8 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
 // entries), pool -> slab, for every layer of the descriptor's group; an engine's slab is
 // laid out by slab_layer_off / _block_rows / _block_stride (SkvDstGeometry; null: the
 // daemon's [layers, slab_layer_rows] slab). The group's layers come from `group_layers`
-// ([groups, layers_stride]: count, then layer numbers). Grid: fixed. Dynamic shared
-// memory: (max_batch + 1) * 8 bytes. A descriptor out of range copies nothing. `ready`
+// ([groups, layers_stride]: count, then layer numbers). Grid: fixed (skv_gather_rows:
+// a block per batch row and grid). A descriptor out of range copies nothing. `ready`
 // (or null): set to 1 by the last block once every block's rows are visible
 // (skv_ring_when_done; `arrivals`: its counter, 0 before and after).
 extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
@@ -303,13 +264,8 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
         int n_layers = g[0];
         n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
         const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
-#ifdef SKV_GATHER_BY_REQUEST
-        skv_gather_by_request(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
-                              num_layers, g + 1, n_layers, plan_rows, plan_slots, misses, batch, ld, geo);
-#else
-        skv_copy_body(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
-                      num_layers, g + 1, n_layers, 3, plan_rows, plan_slots, misses, batch, ld, 0, geo);
-#endif
+        skv_gather_rows(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
+                        num_layers, g + 1, n_layers, plan_rows, plan_slots, misses, batch, ld, geo);
     }
     skv_ring_when_done(arrivals, ready);
 }

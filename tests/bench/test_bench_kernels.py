@@ -89,15 +89,15 @@ def test_a_small_run_on_the_gpu():
     pool holds no 131,072-row ones: that shape is skipped, its row says why)."""
     shapes = (ks.Shape("w8k", 8192, 1, False, "8,192-row windows"), ks.Shape("w8k_r8", 8192, 8, True, "runs of 8"),
               ks.SCATTERED_SHAPES[0])
-    variants = [v for v in ks.GATHER_VARIANTS if v[0] in ("t512", "by_request")]
+    variants = [v for v in ks.GATHER_VARIANTS if v[0] in ("t512", "unroll2")]
     r = bk.run(pool_gib=1.0, layers=4, blocks=(32, 64), both_pool_modes=True, resolve_variants=False,
                gather_variants=variants, scattered_shapes=shapes)
     for k in ("gather_vs_bulk", "resolve_us_b64", "pool_ready_GiBps", "pool_ready_again_GiBps", "pool_ready_after_fault_GiBps",
               "gather_request_order_GBps",
               "gather_request_order_32blocks_one_registration_GBps", "resolve_us_b64_eager",
-              "gather_request_order_t512_GBps", "gather_request_order_by_request_GBps", "gather_adjacent_rows_GBps",
+              "gather_request_order_t512_GBps", "gather_request_order_unroll2_GBps", "gather_adjacent_rows_GBps",
               "gather_vs_bulk_scattered", "gather_w8k_GBps", "gather_w8k_64blocks_GBps", "gather_w8k_t512_GBps",
-              "gather_w8k_by_request_GBps", "gather_w8k_r8_GBps", "gather_w8k_r8_by_request_GBps"):
+              "gather_w8k_unroll2_GBps", "gather_w8k_r8_GBps", "gather_w8k_r8_unroll2_GBps"):
         assert r[k] > 0, k
     assert not any(k.startswith("gather_w128k") for k in r)
     assert [v for w, v, _ in r["_rows"] if w == "gather, w128k"] == ["skipped"]

@@ -86,10 +86,9 @@ def test_variants_have_distinct_keys_and_build_from_the_daemons_sources():
         def function(self, source, name, defines=None, smem_bytes=0):
             return source, name, defines, smem_bytes
 
-    got = ks.VariantKernels(Cache(), {"SKV_GATHER_BY_REQUEST": 2}).function(
+    got = ks.VariantKernels(Cache(), {"SKV_COPY_UNROLL": 2}).function(
         "copy.cu", "skv_gather", {"SKV_ROW_VECS": 41, "SKV_COPY_THREADS": 512}, smem_bytes=520)
-    assert got == ("copy.cu", "skv_gather", {"SKV_ROW_VECS": 41, "SKV_COPY_THREADS": 512,
-                                             "SKV_GATHER_BY_REQUEST": 2}, 520)
+    assert got == ("copy.cu", "skv_gather", {"SKV_ROW_VECS": 41, "SKV_COPY_THREADS": 512, "SKV_COPY_UNROLL": 2}, 520)
 
 
 @pytest.mark.cuda

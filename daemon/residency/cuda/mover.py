@@ -99,13 +99,7 @@ class CudaMover(Mover):
         self.threads = int(threads)
         defines = copy_defines(lay.row_bytes, threads)
         self._copy = kernels.function("copy.cu", "skv_copy_rows", defines)
-        self.gather_smem = (lay.max_batch + 1) * 8
-        if self.gather_smem > DEFAULT_SMEM_BYTES:
-            limit = smem_limit(kernels.function("copy.cu", "skv_gather", defines))  # its own static part
-            if self.gather_smem > limit:
-                raise ResidencyError("TOO_LARGE", f"max_batch {lay.max_batch} needs {self.gather_smem} B of shared "
-                                     f"memory for one gather; this GPU allows {limit} B; lower max_batch")
-        self._gather = kernels.function("copy.cu", "skv_gather", defines, smem_bytes=self.gather_smem)
+        self._gather = kernels.function("copy.cu", "skv_gather", defines)
         # Each group's layers on the device, [groups, 1 + most layers of a group]: count, layers.
         width = 1 + max(len(g) for g in lay.groups)
         table = np.full((lay.num_groups, width), -1, np.int32)
@@ -195,7 +189,6 @@ class CudaMover(Mover):
                  table, i32(table.shape[1]), i32(lay.num_groups),
                  plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo,
                  np.uint64(ready), np.uint64(arrivals)),
-                shared_mem=(int(max_batch) + 1) * 8,
             )
 
     def launch_write_staged(self, layers, n_layers: int, rows, stream) -> None:
