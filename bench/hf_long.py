@@ -15,7 +15,11 @@ between the first and last step, each step synchronised), the HBM the cache hold
 at the end (eager: the DynamicCache's expanded keys, values and indexer keys; sparsekv:
 the indexer keys it keeps on the GPU plus the hot slab's bytes in the daemon's arena),
 peak HBM allocated by torch during the generation, and for sparsekv the daemon's hits and
-misses per step. A path that runs out of memory says so (``oom``). The figures the docs
+misses per step. Per config: ``same_tokens``, ``max_logit_diff`` (sparsekv's logits
+against eager's over the steps before any sequence parts) and ``diverged`` (for each
+sequence that parts: the step, and both paths' margins between their two best logits
+there: a near tie tipped by a last-bit difference, or not). A path that runs out of
+memory says so (``oom``). The figures the docs
 track are ``hf_dsv32_kv_hbm_ratio_32k`` (sparsekv's KV HBM / eager's, 32K, batch 1) and
 ``hf_dsv32_tokens_per_s_ratio_32k`` (sparsekv's tokens/s / eager's, 32K, batch 1).
 
@@ -107,10 +111,11 @@ def run_path(model, ids, new_tokens: int, chunk: int, kv_bytes, counts=None, **k
         with torch.no_grad():
             res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                                  prefill_chunk_size=chunk, logits_processor=LogitsProcessorList([clock]),
-                                 return_dict_in_generate=True, **kw)
+                                 return_dict_in_generate=True, output_scores=True, **kw)
         out["tokens_per_s"] = round(clock.tokens_per_s(ids.shape[0]), 2)
         out["kv_hbm_bytes"] = int(kv_bytes(res))
         out["tokens"] = res.sequences[:, ids.shape[1]:].cpu()
+        out["scores"] = torch.stack(res.scores, 1).float().cpu()  # [batch, steps, vocab]
         del res
     except torch.OutOfMemoryError as e:
         out["oom"] = True
@@ -123,6 +128,27 @@ def run_path(model, ids, new_tokens: int, chunk: int, kv_bytes, counts=None, **k
         out["hits_per_step"] = round((after[0] - before[0]) / steps, 1)
         out["misses_per_step"] = round((after[1] - before[1]) / steps, 1)
     return out
+
+
+def divergence(tokens, ref_tokens, scores, ref_scores) -> tuple[list[dict], float]:
+    """Where two greedy generations part: for each sequence whose tokens differ, the first
+    step that differs and there each path's margin between its two best logits (a margin
+    near 0 is a near tie that a last-bit difference of the attention tips); and the largest
+    logit difference over the steps before any sequence parts (``scores`` [batch, steps,
+    vocab], the reference's ``ref_``)."""
+    parted = []
+    first = tokens.shape[1]
+    for b in range(tokens.shape[0]):
+        diff = torch.nonzero(tokens[b] != ref_tokens[b]).flatten()
+        if not diff.numel():
+            continue
+        j = int(diff[0])
+        first = min(first, j)
+        mine, ref = scores[b, j].topk(2).values, ref_scores[b, j].topk(2).values
+        parted.append({"seq": b, "step": j, "margin": round(float(mine[0] - mine[1]), 5),
+                       "ref_margin": round(float(ref[0] - ref[1]), 5)})
+    same = (scores[:, :first] - ref_scores[:, :first]).abs()
+    return parted, round(float(same.max()) if same.numel() else 0.0, 5)
 
 
 def eager_kv_need(dims: dict, layers: int, batch: int, positions: int) -> int:
@@ -206,9 +232,12 @@ def run(a) -> dict:
                     row["eager"] = run_path(model, ids, a.new_tokens, chunk, eager_kv_bytes)
                 s, e = row["sparsekv"], row["eager"]
                 if "tokens" in s and "tokens" in e:
-                    row["same_tokens"] = round(float((s.pop("tokens") == e.pop("tokens")).float().mean()), 3)
-                s.pop("tokens", None)
-                e.pop("tokens", None)
+                    row["diverged"], row["max_logit_diff"] = divergence(s["tokens"], e["tokens"], s["scores"],
+                                                                        e["scores"])
+                    row["same_tokens"] = round(float((s["tokens"] == e["tokens"]).float().mean()), 3)
+                for path in (s, e):
+                    path.pop("tokens", None)
+                    path.pop("scores", None)
                 if "oom" not in s and "oom" not in e:
                     row["kv_hbm_ratio"] = round(s["kv_hbm_bytes"] / e["kv_hbm_bytes"], 4)
                     row["tokens_per_s_ratio"] = round(s["tokens_per_s"] / e["tokens_per_s"], 3)
