@@ -133,7 +133,9 @@ class Lifetime:
                 self.keys_of[b] = keys[i].tobytes()
                 c["index_keys_recomputed"] += bs
         h = len(hit) * bs
-        if n > h:  # the prefill of what the store did not have, a block at a time (*)
+        if n > h:  # the prefill of what the store did not have, a block at a time: each
+            # block's rows come from a computation of the same shape with or without the
+            # store (a matrix product's rows may round differently with its row count).
             chunks = [model.prompt_rows(r.prompt[a:min(a + bs, n)].to(dev)) for a in range(h, n, bs)]
             rows = self.rows(r, h, n).to(dev)
             self.e.write(rows, torch.cat([kv for kv, _ in chunks], 1))
@@ -143,9 +145,6 @@ class Lifetime:
             held = store.commit(mine, new_keys).tolist()
             self.keys_of.update((b, k.tobytes()) for b, k, w in zip(mine, new_keys, held) if b == w)
         self.e.next_token[r.rid] = int(r.prompt[-1])
-        # (*) Each block's rows and keys come from one computation of the same shape in
-        # every run, with or without the store: a matrix product's rows may round
-        # differently with the number of rows (a GPU picks its kernel by shape).
         c["admitted"] += 1
         c["prefilled"] += n - h
         c["prefilled_system"] += max(0, min(n, self.pc.system_tokens) - h)
@@ -157,10 +156,11 @@ class Lifetime:
                  block_table=torch.full((n, self.max_blocks), -1), reset=torch.zeros(n, dtype=torch.bool),
                  invalidate=torch.full((n, 1), -1), new_rows=torch.full((n,), -1), admitted=admitted,
                  running=dict(self.running))
+        new = {r.rid for r in admitted}
         for s, r in self.running.items():
             p.req_ids[s], p.positions[s] = s, r.length
             p.block_table[s, : len(r.blocks)] = torch.tensor(r.blocks)
-            p.reset[s] = r in admitted
+            p.reset[s] = r.rid in new
             p.invalidate[s, 0] = r.last_row
             p.new_rows[s] = self.rows(r, r.length, r.length + 1)[0]
         return p
@@ -215,9 +215,10 @@ class Result:
     equal: bool
 
 
-def _lifetime_in_process(model, pc, transport, run_dir, rids, stop_at, outputs) -> dict:
-    reqs = [r for r in make_requests(pc, model.cfg.vocab) if r.rid in rids]
-    with sparsekv_engine(model, pc.run_config(), transport, run_dir, engine=ENGINE_NO_STORE) as e:
+def _lifetime_in_process(cfg, pc, transport, run_dir, rids, stop_at, outputs) -> dict:
+    """An engine lifetime without the block store, in this process; it ends at ``stop_at``."""
+    reqs = [r for r in make_requests(pc, cfg.vocab) if r.rid in rids]
+    with sparsekv_engine(DsaModel(cfg), pc.run_config(), transport, run_dir, engine=ENGINE_NO_STORE) as e:
         return serve(e, pc, reqs, stop_at, out=lambda d: outputs.update({d["done"]: d}))
 
 
@@ -248,8 +249,8 @@ def _lifetime_process(cfg, pc, transport, run_dir, rids, stop_at, outputs) -> di
             p.wait()
 
 
-def _block_counters(run_dir: str, device: str) -> dict:
-    with Client(run_dir, name="dsa-prefix-stats", device=device) as c:
+def _block_counters(run_dir: str) -> dict:
+    with Client(run_dir, name="dsa-prefix-stats") as c:
         stats = c.stats()
     return {k: stats.get(k, 0) for k in BLOCK_COUNTERS}
 
@@ -260,21 +261,17 @@ def run(cfg: Config, pc: PrefixConfig, transport: str = "zmq", run_dir: str | No
     on_gpu = str(cfg.device).startswith("cuda")
     if transport == "doorbell" and not on_gpu:
         raise SystemExit("--transport doorbell runs the model on the GPU: add --device cuda:0")
-    device = str(cfg.device) if on_gpu else "cpu"
-    model = DsaModel(cfg)
     rids = [r.rid for r in make_requests(pc, cfg.vocab)]
     outputs, lifetimes = {"no_store": {}, "store": {}}, {"no_store": [], "store": []}
     with contextlib.ExitStack() as stack:
         if run_dir is None:
             run_dir = stack.enter_context(private_daemon(layout_for(cfg, pc.run_config()), on_gpu, engines=2)).run_dir
         for name, lifetime in (("no_store", _lifetime_in_process), ("store", _lifetime_process)):
-            before = _block_counters(run_dir, device)
-            first = lifetime(model if name == "no_store" else cfg, pc, transport, run_dir, rids, pc.kill_at,
-                             outputs[name])
+            before = _block_counters(run_dir)  # the last one read: before the run with the store
+            first = lifetime(cfg, pc, transport, run_dir, rids, pc.kill_at, outputs[name])
             rest = [i for i in rids if i not in outputs[name]]
-            second = lifetime(model if name == "no_store" else cfg, pc, transport, run_dir, rest, None, outputs[name])
-            lifetimes[name] = [first, second]
-        after = _block_counters(run_dir, device)
+            lifetimes[name] = [first, lifetime(cfg, pc, transport, run_dir, rest, None, outputs[name])]
+        after = _block_counters(run_dir)
     counters = {k: after[k] - before[k] for k in BLOCK_COUNTERS}
     equal = outputs["store"] == outputs["no_store"] and sorted(outputs["store"]) == rids
     for name, title in (("no_store", "without the block store (this process)"),
