@@ -52,7 +52,7 @@ from sparsekv.client import Client  # noqa: E402
 ENGINE = "dsa-prefix"  # the block store's namespace: the model and its layout
 ENGINE_NO_STORE = "dsa-prefix-no-store"
 COUNTS = ("admitted", "done", "prefilled", "prefilled_system", "cached", "index_keys_recomputed", "lookups")
-BLOCK_COUNTERS = ("block_lookups", "block_hits", "block_hit_tokens", "block_commits")
+BLOCK_COUNTERS = ("block_lookups", "block_hits", "block_hit_tokens", "block_commits", "block_evictions")
 
 
 @dataclass(frozen=True)
