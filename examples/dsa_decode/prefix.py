@@ -49,7 +49,6 @@ from run import Engine, Plan, Request, RunConfig, Scheduler, layout_for, private
 
 from sparsekv.client import Client  # noqa: E402
 
-ENGINE = "dsa-prefix"  # the block store's namespace: the model and its layout
 ENGINE_NO_STORE = "dsa-prefix-no-store"
 COUNTS = ("admitted", "done", "prefilled", "prefilled_system", "cached", "index_keys_recomputed", "lookups")
 BLOCK_COUNTERS = ("block_lookups", "block_hits", "block_hit_tokens", "block_commits", "block_evictions")
@@ -76,6 +75,13 @@ class PrefixConfig:
         return RunConfig(max_reqs=self.max_reqs, block_size=self.block_size, host_blocks=self.host_blocks,
                          prompt=(self.system_tokens + self.tail[0], self.system_tokens + self.tail[1]),
                          new_tokens=self.new_tokens, seed=self.seed)
+
+
+def namespace(cfg: Config) -> str:
+    """The engine name of the run with the store, its namespace: it names the model (its
+    config, weights' seed and device included), so that a daemon that outlives this run
+    never serves one model's blocks to another."""
+    return "dsa-prefix-" + hashlib.sha256(json.dumps(dataclasses.asdict(cfg)).encode()).hexdigest()[:12]
 
 
 def make_requests(pc: PrefixConfig, vocab: int) -> list[Request]:
@@ -275,7 +281,7 @@ def run(cfg: Config, pc: PrefixConfig, transport: str = "zmq", run_dir: str | No
     counters = {k: after[k] - before[k] for k in BLOCK_COUNTERS}
     equal = outputs["store"] == outputs["no_store"] and sorted(outputs["store"]) == rids
     for name, title in (("no_store", "without the block store (this process)"),
-                        ("store", "with the block store (engine processes)")):
+                        ("store", f"with the block store (engine processes, engine {namespace(cfg)})")):
         out(f"{title}: {pc.requests} requests, a system prompt of {pc.system_tokens} tokens and a tail each")
         for i, c in enumerate(lifetimes[name]):
             how = (f"killed (SIGKILL) after {c['steps']} steps with {c['in_flight']} requests in flight"
@@ -309,7 +315,7 @@ def engine_process(spec: dict) -> None:
     def out(msg):
         print(json.dumps(msg), flush=True)
 
-    with sparsekv_engine(model, pc.run_config(), spec["transport"], spec["run_dir"], engine=ENGINE,
+    with sparsekv_engine(model, pc.run_config(), spec["transport"], spec["run_dir"], engine=namespace(cfg),
                          block_size=pc.block_size) as e:
         attached_s = time.time() - spec["t0"]
         counts = {**serve(e, pc, reqs, spec["stop_at"], out), "attached_s": attached_s}

@@ -81,7 +81,7 @@ def test_a_shared_prompt_across_a_killed_engine_equals_a_run_without_the_store(d
     assert lines[-1].startswith("outputs equal, bit for bit: 6 of 6 requests")
     # Once the daemon has reaped the killed engine: nothing pinned or private is left, and
     # the prompt's blocks stay cached for the next engine.
-    blocks = helpers.wait_for(lambda: (b := helpers.stats_json(daemon.run_dir)["per_engine"][prefix.ENGINE]["blocks"])
+    blocks = helpers.wait_for(lambda: (b := helpers.stats_json(daemon.run_dir)["per_engine"][prefix.namespace(CFG)]["blocks"])
                               ["referenced"] == b["private"] == 0 and b, what="the killed engine reaped")
     assert blocks["cached"] >= PC.system_blocks
 
