@@ -129,8 +129,13 @@ class DsaModel:
         n, index_dim] of prompt ``tokens``, each from its token's embedding alone."""
         x = torch.nn.functional.rms_norm(self.embed[tokens], (self.cfg.hidden,))
         rows = torch.stack([self._kv_row(x, layer) for layer in range(self.cfg.num_layers)])
-        keys = torch.stack([x @ self.w_ik[layer] for layer in range(self.cfg.num_layers)])
-        return rows.view(torch.uint8), keys
+        return rows.view(torch.uint8), self.prompt_index_keys(tokens)
+
+    def prompt_index_keys(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The indexer keys [layers, n, index_dim] of prompt ``tokens`` alone (what
+        :meth:`prompt_rows` gives with the KV rows)."""
+        x = torch.nn.functional.rms_norm(self.embed[tokens], (self.cfg.hidden,))
+        return torch.stack([x @ self.w_ik[layer] for layer in range(self.cfg.num_layers)])
 
     # -- one decode step ---------------------------------------------------------------
     @torch.no_grad()

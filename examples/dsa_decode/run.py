@@ -168,8 +168,9 @@ class Scheduler:
 class Engine:
     """The model, the handle its attention reads through, and where new rows go."""
 
-    def __init__(self, name: str, model: DsaModel, handle, write, host_rows: int, resident=None):
+    def __init__(self, name: str, model: DsaModel, handle, write, host_rows: int, resident=None, blocks=None):
         self.name, self.model, self.handle, self.write = name, model, handle, write
+        self.blocks = blocks  # the engine's block store (client.blocks) when attached with a block size
         self.resident = resident  # ResidentBlocks: --slab engine keeps each request's newest block itself
         self.device = model.cfg.device
         self.index_keys = torch.zeros((model.cfg.num_layers, host_rows, model.cfg.index_dim), device=self.device)
@@ -339,10 +340,19 @@ def layout_for(cfg: Config, rc: RunConfig) -> Layout:
                   max_reqs=rc.max_reqs, host_rows=rc.host_blocks * rc.block_size, index_groups=cfg.groups).validate()
 
 
+def private_daemon(layout: Layout, on_gpu: bool, engines: int = 1) -> PrivateDaemon:
+    """A private sparsekvd with room for ``engines`` engines of ``layout``: a cuda one for
+    a model on the GPU (its hot rows on the model's GPU)."""
+    extra = ["--device-arena-size", "1GiB"] if on_gpu else []
+    return PrivateDaemon(pool_bytes=max(64 << 20, 2 * engines * layout.pool_bytes),
+                         backend="cuda" if on_gpu else "cpu", extra_args=extra)
+
+
 @contextlib.contextmanager
 def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str | None = None,
-                    slab: str = "daemon", max_blocks: int = 0):
-    """An Engine whose KV rows live in sparsekv: connect, attach, wrap in a handle.
+                    slab: str = "daemon", max_blocks: int = 0, engine: str = "dsa-example", block_size: int = 0):
+    """An Engine whose KV rows live in sparsekv: connect, attach (to ``engine``; with a
+    block store of blocks of ``block_size`` rows when > 0), wrap in a handle.
     ``slab="engine"``: the hot region inside the engine's own KV cache (ResidentBlocks)."""
     layout = layout_for(model.cfg, rc)
     with contextlib.ExitStack() as stack:
@@ -354,12 +364,8 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
         if transport == "inproc":
             client = stack.enter_context(InprocClient(backend="cpu"))
         else:  # zmq (HostSwapIn) or doorbell (the device handle, on the model's own CUDA stream)
-            # A model on the GPU gets a cuda daemon: its hot rows on the model's GPU.
             if run_dir is None:
-                extra = ["--device-arena-size", "1GiB"] if on_gpu else []
-                run_dir = stack.enter_context(PrivateDaemon(
-                    pool_bytes=max(64 << 20, 2 * layout.pool_bytes), backend="cuda" if on_gpu else "cpu",
-                    extra_args=extra)).run_dir
+                run_dir = stack.enter_context(private_daemon(layout, on_gpu)).run_dir
             client = stack.enter_context(Client(run_dir, name="dsa-example",
                                                 device=str(model.cfg.device) if on_gpu else "cpu"))
         resident = None
@@ -367,14 +373,14 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
             resident = ResidentBlocks(layout, rc, max_blocks, model.cfg.device)
             engine_slab = resident.allocate(layout, model.cfg.device)
             stack.callback(engine_slab.close)
-            client.attach(layout, engine="dsa-example", transport="doorbell" if transport == "doorbell" else "zmq",
-                          slab=engine_slab)
+            client.attach(layout, engine=engine, transport="doorbell" if transport == "doorbell" else "zmq",
+                          slab=engine_slab, block_size=block_size)
         elif transport == "doorbell":
-            client.attach(layout, engine="dsa-example", transport="doorbell")
+            client.attach(layout, engine=engine, transport="doorbell", block_size=block_size)
         elif on_gpu:  # zmq with fence events: the top-k goes from the GPU, no wait on the host
-            client.attach(layout, engine="dsa-example", fence=True)
+            client.attach(layout, engine=engine, fence=True, block_size=block_size)
         else:
-            client.attach(layout, engine="dsa-example")
+            client.attach(layout, engine=engine, block_size=block_size)
         hot_base = resident.hot_base if resident is not None else 0
         if transport == "doorbell":
             handle = DeviceHandle(client.doorbell_handle(hot_base=hot_base))
@@ -387,7 +393,7 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
         def write(rows: torch.Tensor, data: torch.Tensor) -> None:
             client.write(rows.cpu().numpy().astype(np.int32), data.cpu().numpy())  # all layers
 
-        yield Engine("sparsekv", model, handle, write, layout.host_rows, resident)
+        yield Engine("sparsekv", model, handle, write, layout.host_rows, resident, client.blocks)
         handle.check()
 
 
