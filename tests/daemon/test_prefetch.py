@@ -99,3 +99,25 @@ def test_the_stats_table_shows_prefetch_once_it_ran(daemon):
         s = c.stats()
     line = next(x for x in render_table(s).splitlines() if x.startswith("prefetched"))
     assert f"{s['prefetched']} rows: {s['prefetch_hits']} hit, {s['prefetch_wasted']} lost unused" in line
+
+
+
+def test_a_later_tokens_prefetch_into_a_slot_an_earlier_token_just_took_copies_its_own_row(daemon):
+    """Two tokens of one request: the first's prefetch takes both slots outside the latest
+    resolve's, the second's retakes slot 0 for row 1. Slot 0 must hold row 1's bytes (a
+    plan sorted by host row once copied row 2 over it), and row 2 counts as prefetched
+    and wasted."""
+    lay2 = helpers.layout(num_layers=2, top_k=2, region_stride=4, max_reqs=1, host_rows=8, max_batch=2,
+                          index_groups=((0,), (1,)))
+    with Client(daemon.run_dir, name="pf") as c:
+        att = c.attach(lay2, engine="tokens", prefetch=True)
+        helpers.fill(c, lay2)
+        c.step(0, [0, 0])
+        c.topk(0, 0, np.array([[2, 0], [1, -1]], np.int32))
+        nxt = np.array([[1, -1], [0, -1]], np.int32)
+        res = c.topk(0, 1, nxt)
+        bad = helpers.bad_rows(att.slab, (1,), [0, 0], nxt, res.slots, 8)
+        s = c.stats()
+    assert res.misses.tolist() == [0, 0] and res.slots[:, 0].tolist() == [0, 1]
+    assert bad == 0
+    assert (s["prefetched"], s["prefetch_hits"], s["prefetch_wasted"]) == (3, 2, 1)
