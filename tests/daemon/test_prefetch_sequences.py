@@ -122,3 +122,9 @@ def run(program) -> int:
 @given(programs("ascending"))
 def test_prefetch_in_group_order_equals_the_model_and_never_spoils_a_named_slot(program):
     assert run(program) == 0
+
+
+@settings(max_examples=helpers.examples(60, 2500), deadline=None)
+@given(programs("any"))
+def test_prefetch_with_the_groups_of_a_step_in_any_order_never_spoils_a_named_slot(program):
+    assert run(program) == 0
