@@ -53,6 +53,8 @@ class EngineRequests:
         logged and dropped (the next resolve then misses what it would have fetched)."""
         ranks, self.prefetching = self.prefetching, []
         for st in ranks:
+            if st.pending_prefetch is None:  # its rank detached since (a reply that could not be sent)
+                continue
             try:
                 deltas = st.run_prefetch()
             except Exception:  # noqa: BLE001 - the reply is out; the state is what the resolve left

@@ -4,14 +4,16 @@ resolve finds them as hits, every row served is the pool's, and the counters say
 slot rules themselves are the contract tests' (tests/daemon/residency)."""
 
 import os
+import socket
 
 import numpy as np
 
 import helpers
+from zmtp_peer import hello, raw_peer, read_reply, send_message
 from sparsekv.client import Client
 from sparsekv.daemon.stats import render_table
 from sparsekv.embedded.inproc import InprocClient
-from sparsekv.proto import ErrorCode, MsgType
+from sparsekv.proto import ErrorCode, MsgType, encode
 
 GROUPS = ((0,), (1, 2), (3,))
 
@@ -141,3 +143,22 @@ def test_no_prefetch_into_a_group_the_step_already_resolved():
         c.step(1, [0])
         c.topk(1, 0, np.array([[20, 21]], np.int32))
         assert c.topk(1, 1, np.array([[20, 21]], np.int32)).misses.tolist() == [0]
+
+
+def test_no_prefetch_runs_for_a_rank_whose_connection_failed_on_the_reply():
+    """A client sends its TOPK and stops reading: the reply's send fails (EPIPE), the
+    connection and its rank go at once, and the prefetch the TOPK left must go with them
+    (it copied rows into the slab of a rank already released and counted them)."""
+    lay2 = helpers.layout(num_layers=2, top_k=4, region_stride=8, max_reqs=2, host_rows=64, index_groups=((0,), (1,)))
+    with helpers.serving_daemon() as d:
+        s = raw_peer(os.path.join(d.run_dir, "control.sock"))
+        assert hello(s)["ok"]
+        send_message(s, *encode(MsgType.ATTACH, 2, {"engine": "gone", "layout": lay2.to_wire(), "prefetch": True}))
+        assert read_reply(s)["ok"]
+        send_message(s, *encode(MsgType.STEP, 3, {"step": 0}, {"state_rows": np.array([0], np.int32)}))
+        assert read_reply(s)["ok"]
+        s.shutdown(socket.SHUT_RD)  # the daemon's next send fails (EPIPE): it drops the connection
+        send_message(s, *encode(MsgType.TOPK, 4, {"step": 0, "group": 0}, {"topk": np.array([[1, 2, 3, 4]], np.int32)}))
+        helpers.wait_for(lambda: d.stats.c["topk_batches"] == 1 and not d.sessions, what="the TOPK and the drop")
+        s.close()
+        assert d.stats.c["prefetched"] == 0 and d.stats.c["bytes_moved"] == 4 * lay2.row_bytes
