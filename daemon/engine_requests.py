@@ -200,7 +200,7 @@ class EngineRequests:
         # .size, not .shape[0]: a 0-d array must reach begin_step's BAD_ARGUMENT, not IndexError.
         _batch_fits(st, a["state_rows"].size)
         st.begin_step(_int(h, "step"), a["state_rows"], a.get("reset"), a.get("invalidate"))
-        self.stats.add(steps=1)
+        self.stats.add(steps=1, **st.prefetch_outcomes())  # prefetched rows its resets and invalidations dropped
         return {}, None
 
     def on_topk(self, s: Session, identity, h, a):
@@ -296,6 +296,8 @@ class EngineRequests:
                 space.copy_rows(layers, rows, src)
         finally:
             dropped = space.drop_rewritten(rows)
+            for st in space.ranks.values():  # prefetched rows dropped: wasted
+                self.stats.add(**st.prefetch_outcomes())
         return nbytes, dropped
 
     def on_stage(self, s: Session, identity, h, a):

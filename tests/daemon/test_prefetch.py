@@ -162,3 +162,22 @@ def test_no_prefetch_runs_for_a_rank_whose_connection_failed_on_the_reply():
         helpers.wait_for(lambda: d.stats.c["topk_batches"] == 1 and not d.sessions, what="the TOPK and the drop")
         s.close()
         assert d.stats.c["prefetched"] == 0 and d.stats.c["bytes_moved"] == 4 * lay2.row_bytes
+
+
+def test_prefetched_rows_a_write_or_a_reset_drops_count_as_wasted_at_once(daemon):
+    """The counters say what happened when it happened: a WRITE of prefetched rows, or a
+    STEP resetting their request, wastes them before the next TOPK (the stats read then
+    showed nothing; a rank that detached next never reported them)."""
+    with Client(daemon.run_dir, name="pf") as c:
+        c.attach(lay(), engine="waste", prefetch=True)
+        helpers.fill(c, lay())
+        c.step(0, [0, 1])
+        c.topk(0, 0, np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32))  # 8 rows fetched into group 1
+        before = c.stats()
+        c.write(np.array([1, 2], np.int32), np.zeros((4, 2, lay().row_bytes), np.uint8))
+        after_write = c.stats()
+        c.step(1, [0, 1], reset=np.array([False, True]))
+        after_reset = c.stats()
+    assert before["prefetched"] == 8 and before["prefetch_wasted"] == 0
+    assert after_write["prefetch_wasted"] == 2  # rows 1 and 2 in group 1's region of request 0
+    assert after_reset["prefetch_wasted"] == 6  # and request 1's four
