@@ -181,3 +181,35 @@ def test_prefetched_rows_a_write_or_a_reset_drops_count_as_wasted_at_once(daemon
     assert before["prefetched"] == 8 and before["prefetch_wasted"] == 0
     assert after_write["prefetch_wasted"] == 2  # rows 1 and 2 in group 1's region of request 0
     assert after_reset["prefetch_wasted"] == 6  # and request 1's four
+
+
+def test_a_backend_without_prefetch_refuses_it_at_attach_before_allocating(tmp_path, monkeypatch):
+    with helpers.inproc_daemon(tmp_path) as d:
+        monkeypatch.setattr(d.engine_requests.backend, "name", "cuda")
+        helpers.request(d, b"a", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cuda:0", "name": ""})
+        h, _ = helpers.request(d, b"a", MsgType.ATTACH, {"engine": "e", "layout": lay().to_wire(), "prefetch": True})
+        assert not h["ok"] and h["code"] == ErrorCode.BAD_ARGUMENT and "the cuda backend has none yet" in h["msg"]
+        assert "e" not in d.engines and d.pool.used_bytes == 0
+
+
+def test_two_ranks_of_one_engine_one_with_prefetch_each_serve_the_pools_rows(daemon):
+    """Each rank prefetches (or not) into its own slab; a write through one drops the
+    prefetched copies of both; neither serves a wrong row."""
+    steps = steps_of(4, 4)
+    with Client(daemon.run_dir, name="r0") as a, Client(daemon.run_dir, name="r1") as b:
+        att_a = a.attach(lay(), engine="tp", prefetch=True)
+        att_b = b.attach(lay(), engine="tp")
+        helpers.fill(a, lay())
+        bad, gen = 0, np.zeros(64, np.int64)
+        for t, per_group in enumerate(steps):
+            if t == 2:  # rewrite rows both ranks hold (group 0 of step 1 prefetched them into rank 0's group 1)
+                rows = steps[1][0][0]
+                gen[rows] = 1
+                b.write(rows, np.stack([helpers.gen_pattern(layer, rows, lay().row_bytes, gen) for layer in range(4)]))
+            for c, att in ((a, att_a), (b, att_b)):
+                c.step(t, [0, 1])
+                for g, topk in enumerate(per_group):
+                    res = c.topk(t, g, topk)
+                    bad += helpers.bad_rows(att.slab, GROUPS[g], [0, 1], topk, res.slots, 64, gen)
+        s = a.stats()
+    assert bad == 0 and s["prefetched"] > 0
