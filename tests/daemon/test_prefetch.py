@@ -126,20 +126,22 @@ def test_a_later_tokens_prefetch_into_a_slot_an_earlier_token_just_took_copies_i
 
 
 def test_no_prefetch_into_a_group_the_step_already_resolved():
-    """Group 1 first, two tokens of one request filling its 4 slots, then group 0: a
-    prefetch into group 1 now could keep only the second token's slots (the latest
-    resolve's) and would overwrite the first token's, which the engine was told about
-    this step. It does not run; the next step's group 0 prefetches again."""
+    """Index groups need not follow layer order: here layer 0 is group 1's, so an engine
+    running its layers in order sends group 1 first (two tokens of one request filling its
+    4 slots), then group 0. A prefetch into group 1 then could keep only the second
+    token's slots (the latest resolve's) and would overwrite the first token's, which the
+    engine was told about this step. It does not run; the next step's group 0 prefetches
+    again."""
     lay2 = helpers.layout(num_layers=2, top_k=2, region_stride=4, max_reqs=1, host_rows=64, max_batch=2,
-                          index_groups=((0,), (1,)))
+                          index_groups=((1,), (0,)))
     with InprocClient() as c:
         att = c.attach(lay2, prefetch=True)
         helpers.fill(c, lay2)
         c.step(0, [0, 0])
         named = np.array([[1, 2], [3, 4]], np.int32)
-        res = c.topk(0, 1, named)
-        c.topk(0, 0, np.array([[10, 11], [12, 13]], np.int32))
-        assert helpers.bad_rows(att.slab, (1,), [0, 0], named, res.slots, 64) == 0
+        res = c.topk(0, 1, named)  # layer 0
+        c.topk(0, 0, np.array([[10, 11], [12, 13]], np.int32))  # layer 1
+        assert helpers.bad_rows(att.slab, (0,), [0, 0], named, res.slots, 64) == 0
         c.step(1, [0])
         c.topk(1, 0, np.array([[20, 21]], np.int32))
         assert c.topk(1, 1, np.array([[20, 21]], np.int32)).misses.tolist() == [0]
