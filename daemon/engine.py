@@ -70,7 +70,8 @@ class RankState:
     state_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     prefetch: bool = False  # after each group's top-k, fetch its rows ahead into the next group's regions
     pending_prefetch: tuple | None = None  # (group, state rows, top-k) to prefetch once the reply is out
-    _prefetch_seen: tuple[int, int] = (0, 0)  # the residency's (hits, wasted) last reported
+    resolved_at: dict = field(default_factory=dict)  # (prefetch) index group -> the step of its latest top-k
+    _prefetch_seen: tuple[int, int, int] = (0, 0, 0)  # the residency's (prefetched, hits, wasted) last reported
 
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         """Record the batch of a decode step; apply its resets and invalidations."""
@@ -118,14 +119,18 @@ class RankState:
     def topk(self, step: int, group: int, topk, state_rows=None) -> tuple[Resolved, int]:
         """Resolve one index group's top-k batch and gather its misses for every layer of
         the group; return the result and the bytes moved. With ``prefetch``, leave the
-        next group's prefetch pending (:meth:`run_prefetch`)."""
+        next group's prefetch pending (:meth:`run_prefetch`), unless that group's top-k of
+        this step came already: its slots the engine was told about must stay, and a
+        prefetch keeps only its latest top-k row's."""
         state_rows = self.batch_rows(step, state_rows)
         topk = as_ids("topk", topk, 2)
         lay = self.residency.layout
         res = self.residency.resolve(group, state_rows, topk)
         moved = self.mover.gather(res.plan, lay.groups[group])
-        if self.prefetch and group + 1 < lay.num_groups:  # run by the caller once its result is out
-            self.pending_prefetch = (group + 1, state_rows, topk)
+        if self.prefetch:
+            self.resolved_at[group] = step
+            if group + 1 < lay.num_groups and self.resolved_at.get(group + 1) != step:
+                self.pending_prefetch = (group + 1, state_rows, topk)  # run by the caller once its result is out
         return res, moved
 
     def serve_topk(self, step: int, group: int, topk, state_rows=None, fence=None) -> tuple[dict, dict, dict]:
@@ -147,14 +152,15 @@ class RankState:
         plan = self.residency.prefetch(group, state_rows, topk)
         moved = self.mover.gather(plan, self.residency.layout.groups[group])
         layers = len(self.residency.layout.groups[group])
-        return {"prefetched": len(plan), "rows_moved": len(plan) * layers, "bytes_moved": moved,
-                **self.prefetch_outcomes()}
+        return {"rows_moved": len(plan) * layers, "bytes_moved": moved, **self.prefetch_outcomes()}
 
     def prefetch_outcomes(self) -> dict:
-        """Prefetched rows hit and wasted since the last call (counter deltas)."""
+        """Rows prefetched, and prefetched rows hit and wasted, since the last call
+        (counter deltas)."""
         r = self.residency
-        seen, self._prefetch_seen = self._prefetch_seen, (r.prefetch_hits, r.prefetch_wasted)
-        return {"prefetch_hits": r.prefetch_hits - seen[0], "prefetch_wasted": r.prefetch_wasted - seen[1]}
+        now = (r.prefetched, r.prefetch_hits, r.prefetch_wasted)
+        seen, self._prefetch_seen = self._prefetch_seen, now
+        return {k: a - b for k, a, b in zip(("prefetched", "prefetch_hits", "prefetch_wasted"), now, seen)}
 
     def write_staged(self, space: "EngineSpace", layers: tuple[int, ...], rows: np.ndarray, fence=None) -> tuple[int, int]:
         """Write the first ``len(rows)`` rows of this rank's staging buffer (each of

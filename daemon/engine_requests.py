@@ -53,6 +53,8 @@ class EngineRequests:
         logged and dropped (the next resolve then misses what it would have fetched)."""
         ranks, self.prefetching = self.prefetching, []
         for st in ranks:
+            if st.pending_prefetch is None:  # its rank detached since (a reply that could not be sent)
+                continue
             try:
                 deltas = st.run_prefetch()
             except Exception:  # noqa: BLE001 - the reply is out; the state is what the resolve left
@@ -198,7 +200,7 @@ class EngineRequests:
         # .size, not .shape[0]: a 0-d array must reach begin_step's BAD_ARGUMENT, not IndexError.
         _batch_fits(st, a["state_rows"].size)
         st.begin_step(_int(h, "step"), a["state_rows"], a.get("reset"), a.get("invalidate"))
-        self.stats.add(steps=1)
+        self.stats.add(steps=1, **st.prefetch_outcomes())  # prefetched rows its resets and invalidations dropped
         return {}, None
 
     def on_topk(self, s: Session, identity, h, a):
@@ -294,6 +296,8 @@ class EngineRequests:
                 space.copy_rows(layers, rows, src)
         finally:
             dropped = space.drop_rewritten(rows)
+            for st in space.ranks.values():  # prefetched rows dropped: wasted
+                self.stats.add(**st.prefetch_outcomes())
         return nbytes, dropped
 
     def on_stage(self, s: Session, identity, h, a):

@@ -166,6 +166,7 @@ class Sessions(dict):
             return  # (reaped) its heavy request still uses the rank: the request's end releases it
         self.engines.detach(s.client_id, s.engine)
         log.debug("client %d released its rank of engine %r", s.client_id, s.engine)
+        s.state.pending_prefetch = None  # its TOPK's reply failed (the connection went): no prefetch for it
         # The last reference to a cpu rank's memory is dropped on a worker thread (a slow unmap).
         box = [s.state] if s.state.host_memory else []
         s.state, s.engine = None, None

@@ -75,11 +75,13 @@ class Residency(abc.ABC):
     def prefetch(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Plan:
         """Fetch ahead (DESIGN.md §4, prefetch): place the rows of ``topk`` (another
         group's top-k batch) that group ``group``'s regions of ``state_rows`` lack into
-        slots outside their latest resolve's; return the plan to gather. ``prefetch_hits``
-        and ``prefetch_wasted`` count, over the residency's life, the prefetched rows a
-        resolve then hit and those that lost their slot first."""
+        slots outside their latest resolve's; return the plan to gather: one pair per slot,
+        the last row taken into it. ``prefetched`` counts, over the residency's life, the
+        rows taken (a row a later token's took the slot of included), ``prefetch_hits`` and
+        ``prefetch_wasted`` those a resolve then hit and those that lost their slot first."""
         raise ResidencyError("BAD_ARGUMENT", f"the {type(self).__name__} backend has no prefetch")
 
+    prefetched: int = 0
     prefetch_hits: int = 0
     prefetch_wasted: int = 0
 

@@ -22,6 +22,7 @@ class RegionModel:
     owner: list[int] = field(default_factory=list)
     lru: list[int] = field(default_factory=list)
     fresh: set[int] = field(default_factory=set)
+    prefetched: int = 0  # rows a prefetch took a slot for
     prefetch_hits: int = 0  # resolve hits on a fresh slot (each counted once)
     prefetch_wasted: int = 0  # fresh slots emptied or refilled before any hit
 
@@ -108,6 +109,7 @@ class RegionModel:
         for g, slot in plan:
             self.owner[slot] = g
         self.fresh |= set(taken)
+        self.prefetched += len(taken)
         rest = [s for s in self.lru if s not in protected and s not in set(taken)]
         self.lru = rest + taken + [s for s in self.lru if s in protected]
         return plan

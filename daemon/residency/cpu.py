@@ -43,7 +43,7 @@ class CpuResidency(Residency):
         self.lru = np.empty(shape, dtype=np.int32)
         self.lru[...] = np.arange(layout.region_stride, dtype=np.int32)
         self.fresh = np.zeros(shape, dtype=bool)  # filled by a prefetch, not hit since
-        self.prefetch_hits = self.prefetch_wasted = 0
+        self.prefetched = self.prefetch_hits = self.prefetch_wasted = 0
 
     def reset(self, state_rows: np.ndarray) -> None:
         rows = np.asarray(state_rows, dtype=np.int64)
@@ -159,7 +159,16 @@ class CpuResidency(Residency):
             lru[:] = np.concatenate((lru[rest], taken, lru[kept:]))
             plan_rows.append(want[:taken.size])
             plan_slots.append(taken + s * stride)
-        return _plan(plan_rows, plan_slots)
+            self.prefetched += int(taken.size)
+        if not plan_rows:
+            return _plan(plan_rows, plan_slots)
+        # A later token of a request may take a slot an earlier one just took: only the
+        # last row taken into a slot is copied (the plan is sorted by host row, so a copy
+        # of the row it replaced could land after it).
+        slots = np.concatenate(plan_slots)
+        _, last = np.unique(slots[::-1], return_index=True)
+        keep = slots.size - 1 - last
+        return _plan([np.concatenate(plan_rows)[keep]], [slots[keep]])
 
 
 def _plan(rows: list, slots: list) -> Plan:

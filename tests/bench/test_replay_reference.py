@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 import helpers
 from sparsekv.bench.replay import replay
 from sparsekv.bench.trace import Trace, TraceError, synth
+from sparsekv.embedded.inproc import InprocClient
 
 
 def assert_matches_reference(trace: Trace, verify: bool = False) -> dict:
@@ -103,6 +104,20 @@ def test_replay_with_prefetch_serves_right_rows_and_group_0_as_without():
         assert (r["slots"] == rp["slots"]).all() and (r["misses"] == rp["misses"]).all()
         assert 0 < got["next_group_misses"] < plain["misses"]
         assert got["next_group_hits"] > plain["hits"]
+
+
+def test_replay_with_prefetch_misses_less_in_group_1_than_the_same_schedule_without(monkeypatch):
+    """The comparison above holds without any prefetch (group 1 sees the trace one step
+    ahead, which it misses less on anyway): here the same two-group schedule with the
+    rank attached without prefetch misses more."""
+    tr = synth(steps=40, batch=4, top_k=16, region_stride=32, max_reqs=8, host_rows=4096, row_bytes=16,
+               num_layers=1, overlap=0.8, context=300, pad=0.1, invalidate=0.1, seed=5)
+    on, _ = replay(tr, transport="inproc", verify=True, prefetch=True)
+    attach = InprocClient.attach
+    monkeypatch.setattr(InprocClient, "attach", lambda self, layout, engine, prefetch: attach(self, layout, engine))
+    off, _ = replay(tr, transport="inproc", verify=True, prefetch=True)
+    assert on["mismatched_rows"] == off["mismatched_rows"] == 0
+    assert on["next_group_misses"] < off["next_group_misses"]
 
 
 @pytest.mark.parametrize("kw", [dict(backend="cuda"), dict(transport="doorbell", backend="cuda")])
