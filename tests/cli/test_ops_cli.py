@@ -67,10 +67,10 @@ def test_help_runs_for_every_command():
 
 
 # -- health --------------------------------------------------------------------------------
-def test_health_ready(daemon):
-    r = cli_inproc.run("health", "--run-dir", daemon.run_dir)
-    assert r.returncode == 0 and r.stdout.startswith(f"ready pid={daemon.proc.pid}"), r.stderr
-    assert cli_inproc.run("health", "--live", "--quiet", "--run-dir", daemon.run_dir).returncode == 0
+def test_health_ready(module_daemon):
+    r = cli_inproc.run("health", "--run-dir", module_daemon.run_dir)
+    assert r.returncode == 0 and r.stdout.startswith(f"ready pid={module_daemon.proc.pid}"), r.stderr
+    assert cli_inproc.run("health", "--live", "--quiet", "--run-dir", module_daemon.run_dir).returncode == 0
 
 
 def test_health_without_daemon_is_2(tmp_path):
@@ -141,16 +141,16 @@ def test_health_of_a_daemon_that_does_not_answer_is_2_within_the_timeout(tmp_pat
 
 
 # -- common mistakes: one line, no traceback -----------------------------------------------
-def test_permission_denied_on_the_socket_is_one_line(monkeypatch, capsys, daemon):
+def test_permission_denied_on_the_socket_is_one_line(monkeypatch, capsys, module_daemon):
     def refuse(self, address):
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
-    assert cli.main(["stats", "--run-dir", daemon.run_dir]) == 1
+    assert cli.main(["stats", "--run-dir", module_daemon.run_dir]) == 1
     err = capsys.readouterr().err
     assert err.startswith("sparsekv stats: permission denied on ") and err.count("\n") == 1
     assert "mode 0660" in err and "group" in err
-    assert cli.main(["health", "--run-dir", daemon.run_dir]) == 2
+    assert cli.main(["health", "--run-dir", module_daemon.run_dir]) == 2
     assert "permission denied" in capsys.readouterr().err
 
 
@@ -165,9 +165,9 @@ def big_trace(tmp_path_factory):
     return path
 
 
-def test_replay_to_a_pool_too_small_is_one_line(daemon, big_trace, tmp_path):
+def test_replay_to_a_pool_too_small_is_one_line(module_daemon, big_trace, tmp_path):
     r = cli_inproc.run("replay", big_trace, "--out", tmp_path / "r.npz", "--transport", "zmq",
-                       "--connect", daemon.run_dir)
+                       "--connect", module_daemon.run_dir)
     err = one_line_error(r)
     assert err.startswith("sparsekv replay: POOL_FULL: ") and "--pool-size" in err
 
@@ -184,10 +184,10 @@ def test_stats_with_a_wrong_run_dir_is_one_line(tmp_path):
     assert err.startswith("sparsekv clients: no daemon at ") and "does not exist" in err
 
 
-def test_clients_json_is_a_list_of_clients(daemon):
-    with Client(daemon.run_dir, rank=1, name="json-reader", timeout_s=10) as c:
+def test_clients_json_is_a_list_of_clients(module_daemon):
+    with Client(module_daemon.run_dir, rank=1, name="json-reader", timeout_s=10) as c:
         c.attach(LAYOUT, engine="e")
-        r = cli_inproc.run("clients", "--json", "--run-dir", daemon.run_dir)
+        r = cli_inproc.run("clients", "--json", "--run-dir", module_daemon.run_dir)
     assert r.returncode == 0, r.stderr
     clients = json.loads(r.stdout)
     me = next(x for x in clients if x["name"] == "json-reader")
@@ -266,8 +266,8 @@ def test_top_with_nothing_happening_shows_no_rate():
     assert "hit rate             -" in out and "(no clients)" in out
 
 
-def test_top_once_against_a_daemon_under_load(daemon):
-    c = Client(daemon.run_dir, rank=0, name="loader", timeout_s=10).connect()
+def test_top_once_against_a_daemon_under_load(module_daemon):
+    c = Client(module_daemon.run_dir, rank=0, name="loader", timeout_s=10).connect()
     c.attach(LAYOUT, engine="e")
     stop = threading.Event()
 
@@ -283,7 +283,7 @@ def test_top_once_against_a_daemon_under_load(daemon):
     t.start()
     try:
         p = subprocess.run([helpers.PY, "-m", "sparsekv.cli.main", "top", "--once", "--interval-s", "0.3",
-                            "--run-dir", daemon.run_dir],
+                            "--run-dir", module_daemon.run_dir],
                            capture_output=True, text=True, timeout=60)
     finally:
         stop.set()
