@@ -22,7 +22,7 @@ from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
 
 _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
 LIVENESS_SLICE_S = 0.25  # how often a client waiting for a reply checks that the daemon lives
-BUSY_SUFFIX = ".busy"  # the socket's name while the daemon is short of descriptors (daemon/control_socket.py)
+BUSY_SUFFIX = ".busy"  # the socket's name while the daemon is short of descriptors (daemon/listener.py)
 
 
 class Connection:

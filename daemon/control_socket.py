@@ -20,39 +20,32 @@ writes each connection itself, so every limit holds before anything is read:
 * **How long.** No HELLO within ``hello_timeout_s``, or a message begun and not finished
   within ``MESSAGE_TIMEOUT_S`` (a peer that stops half way would hold its budget): closed.
 * **Descriptors.** Within ``reserve_fds`` of ``RLIMIT_NOFILE`` the daemon stops accepting
-  and renames ``control.sock`` to ``control.sock.busy`` (a client says the daemon refuses
-  new connections) until descriptors are free again; connections made keep working.
-
+  (``daemon/listener.py``).
 * **Turns.** A connection's reads stop after ``MAX_BURST`` frames or PINGs until every
   other ready connection has had its turn: a flood of tiny frames delays no one for long.
 * **Replies.** What a peer does not read is queued up to ``MAX_OUT_BYTES`` a connection
-  and ``MAX_OUT_TOTAL`` in all (small pieces coalesced, so the count is the memory); past
-  either the connection is closed. A connection dropped while its bytes are being decoded
-  serves nothing more (its credentials are gone with it: a HELLO there is refused).
-
-Longer than 600 lines: every decision about a control connection (accept, each frame
-admitted or refused, the budget's pauses and the turns, what is queued back) is made
-here, in one class, so that each limit has one place.
+  and ``MAX_OUT_TOTAL`` in all (``daemon/outbox.py``); past either the connection is
+  closed. A connection dropped while its bytes are being decoded serves nothing more (its
+  credentials are gone with it: a HELLO there is refused).
 """
 
 from __future__ import annotations
 
 import collections
-import errno
-import itertools
 import logging
 import os
-import resource
 import select
 import socket
 import struct
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sparsekv.proto import LIMITS, ErrorCode
 
 from .inflight import Budget, FrameBuffer, Refused, declared
+from .listener import Listener
+from .outbox import NotReading, Outbox, Outboxes
 from .peers import Peer
 from .ratelog import RateLimitedLog
 from .zmtp import Decoder, ZmtpError, encode_message
@@ -64,28 +57,8 @@ SMALL_FRAME = 4096  # frames up to this are plain bytes, outside the budget
 READ_SLICE = 4 << 20  # bytes read from one connection before the others get their turn
 SCRATCH_BYTES = 256 << 10
 MESSAGE_TIMEOUT_S = 10.0
-MAX_OUT_BYTES = 64 << 20  # replies queued to one connection
-MAX_OUT_TOTAL = 128 << 20  # and to all of them: past either, the connection being sent to is closed
 MAX_BURST = 256  # frames and PINGs of one connection read before the others get their turn
-LISTEN_BACKLOG = 128
-BUSY_SUFFIX = ".busy"  # control.sock's name while no connection is accepted
-ACCEPT_BATCH = 64
 MAX_EVENTS = 256
-IOV_MAX = 512
-
-
-def reserve_for(limit_fds: int) -> int:
-    """Descriptors kept free below the soft limit: half of a small limit, a quarter of a
-    larger one, 128 .. 4096."""
-    return min(max(128, limit_fds // 2 if limit_fds <= 4096 else limit_fds // 4), 4096)
-
-
-def open_fds() -> int:
-    """Descriptors this process has open now (the limit when they cannot be counted)."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 @dataclass(eq=False)
@@ -94,11 +67,10 @@ class Conn:
     ident: bytes
     peer: Peer
     at: float  # time.monotonic() when accepted
+    out: Outbox  # its replies not yet written
     decoder: Decoder | None = None
     greeted: bool = False  # its HELLO was answered
     message_at: float = 0.0  # when its message in progress began (or was last resumed)
-    out: collections.deque = field(default_factory=collections.deque)
-    out_bytes: int = 0
     closing: bool = False  # refused: closed once its last reply is out
     burst: int = 0  # frames and PINGs read since its turn began
     yielded: bool = False  # its reads wait for the next turn (MAX_BURST reached)
@@ -109,8 +81,9 @@ class Conn:
 
 
 class ControlSocket:
-    """The listener and its connections (see the module). Used from the loop's thread only,
-    except :class:`Budget`'s give-backs.
+    """The control connections: accepted from the :class:`Listener`, read, their frames
+    admitted or refused, their replies handed to their :class:`Outbox` (see the module).
+    Used from the loop's thread only, except :class:`Budget`'s give-backs.
 
     Arguments:
         path: where ``control.sock`` goes (bound under a private name, renamed into place).
@@ -132,22 +105,19 @@ class ControlSocket:
         self.budget = Budget(inflight_bytes, max(inflight_bytes // 4, LIMITS.max_message_bytes))
         self.max_per_uid = max_per_uid
         self.hello_timeout_s = hello_timeout_s
-        self.limit_fds = limit_fds or resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.reserve_fds = reserve_for(self.limit_fds) if reserve_fds is None else reserve_fds
         self._clock = clock
         self.exempt_pid = os.getpid()
-        self._listener: socket.socket | None = None
         self._ep = select.epoll()
         self._conns: dict[int, Conn] = {}  # by descriptor
+        self.listener = Listener(path, self._ep, lambda: len(self._conns), limit_fds=limit_fds,
+                                 reserve_fds=reserve_fds)
         self._by_ident: dict[bytes, Conn] = {}
         self._paused: collections.deque[Conn] = collections.deque()  # waiting for the budget, in order
         self._yielded: list[Conn] = []  # waiting for their next turn
         self._resuming: Conn | None = None  # the paused connection being resumed
-        self.out_total = 0  # bytes of replies queued, all connections
+        self._outboxes = Outboxes()
         self._next = 0
         self._scratch = bytearray(SCRATCH_BYTES)
-        self._accepting = False
-        self._base_fds = 0  # descriptors open besides the connections, at the last count
         self._loop = None  # the event loop, to wake it when a give-back unpauses someone
         self.rlog = RateLimitedLog(log, clock=clock)
         self.counts = collections.Counter()  # refused, expired, broken, too_large, paused, stalled, not_reading
@@ -155,19 +125,8 @@ class ControlSocket:
     # -- life --------------------------------------------------------------------------
     def open(self, loop=None) -> "ControlSocket":
         """Bind and listen; the path appears once the socket listens (with mode 0660)."""
-        new_path = self.path + ".new"
-        for p in (self.path, new_path, self.path + BUSY_SUFFIX):
-            if os.path.lexists(p):
-                os.unlink(p)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        s.bind(new_path)
-        s.listen(LISTEN_BACKLOG)
-        os.chmod(new_path, 0o660)
-        os.rename(new_path, self.path)
-        self._listener = s
+        self.listener.open()
         self._loop = loop
-        self._base_fds = open_fds()
-        self._accept_on()
         return self
 
     def fileno(self) -> int:
@@ -177,15 +136,8 @@ class ControlSocket:
     def close(self) -> None:
         for c in list(self._conns.values()):
             self._drop(c, notify=False)
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self.listener.close()
         self._ep.close()
-        for p in (self.path, self.path + BUSY_SUFFIX):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
 
     # -- what the server asks ------------------------------------------------------------
     def peer(self, ident: bytes) -> Peer | None:
@@ -204,41 +156,23 @@ class ControlSocket:
         c = self._by_ident.get(ident)
         if c is None:
             return False
-        bufs = encode_message(frames)
-        if not c.out:
-            try:
-                sent = c.sock.sendmsg(bufs[:IOV_MAX])
-            except BlockingIOError:
-                sent = 0
-            except OSError:
-                self._drop(c)
-                return False
-            bufs = _after(bufs, sent)
-            if not bufs:
-                return True
-        return self._queue(c, bufs)
-
-    def _queue(self, c: Conn, bufs) -> bool:
-        """Queue what could not be sent now; a peer that does not read is closed."""
-        n = sum(len(b) for b in bufs)
-        if c.out_bytes + n > MAX_OUT_BYTES or self.out_total + n > MAX_OUT_TOTAL:
-            self.counts["not_reading"] += 1
-            self.rlog.log("not reading", logging.WARNING, "control connection of pid %d uid %d closed: %d bytes of "
-                          "replies it does not read (%d queued in all)", c.peer.pid, c.peer.uid, c.out_bytes + n,
-                          self.out_total + n)
+        try:
+            c.out.write(encode_message(frames))
+        except NotReading as e:
+            self._not_reading(c, e)
+            return False
+        except OSError:
             self._drop(c)
             return False
-        for b in bufs:  # small pieces into one bytearray: a Python object each would cost more than its bytes
-            if len(b) < 4096 and c.out and type(c.out[-1]) is bytearray and len(c.out[-1]) < (1 << 20):
-                c.out[-1] += b
-            elif len(b) < 4096:
-                c.out.append(bytearray(b))
-            else:
-                c.out.append(b)
-        c.out_bytes += n
-        self.out_total += n
-        self._watch(c)
+        if c.out:
+            self._watch(c)
         return True
+
+    def _not_reading(self, c: Conn, e: NotReading) -> None:
+        self.counts["not_reading"] += 1
+        self.rlog.log("not reading", logging.WARNING, "control connection of pid %d uid %d closed: %s", c.peer.pid,
+                      c.peer.uid, e)
+        self._drop(c)
 
     def counters(self) -> dict[str, int]:
         n = self.counts
@@ -257,10 +191,11 @@ class ControlSocket:
         self._unpause()
         turns = self._next_turn()
         events = self._ep.poll(0, MAX_EVENTS)
-        listener = self._listener.fileno() if self._listener is not None else -1
+        listener = self.listener.fileno()
         for fd, ev in events:
             if fd == listener:
-                self._accept()
+                for sock in self.listener.accept():
+                    self._admit(sock)
                 continue
             c = self._conns.get(fd)
             if c is None:
@@ -316,50 +251,10 @@ class ControlSocket:
                 self.rlog.log("message not finished", logging.WARNING, "control connection of pid %d uid %d closed: "
                               "a message begun %g s ago is not finished", c.peer.pid, c.peer.uid, MESSAGE_TIMEOUT_S)
                 self._drop(c)
-        self._base_fds = open_fds() - len(self._conns)
-        if not self._accepting and self._fds_left() > self.reserve_fds + min(self.reserve_fds // 2, 64):
-            try:
-                os.rename(self.path + BUSY_SUFFIX, self.path)
-            except OSError as e:
-                log.error("cannot accept new connections again (rename %s: %s)", self.path + BUSY_SUFFIX, e.strerror)
-                return
-            log.warning("accepting new control connections again (%d descriptors free)", self._fds_left())
-            self._accept_on()
+        self.listener.recount()
         self.rlog.flush()
 
     # -- accepting ---------------------------------------------------------------------
-    def _fds_left(self) -> int:
-        return self.limit_fds - self._base_fds - len(self._conns)
-
-    def _accept_on(self) -> None:
-        if self._listener is not None and not self._accepting:
-            self._ep.register(self._listener.fileno(), select.EPOLLIN)
-            self._accepting = True
-
-    def _accept(self) -> None:
-        for _ in range(ACCEPT_BATCH):
-            if self._fds_left() <= self.reserve_fds:
-                self._ep.unregister(self._listener.fileno())
-                self._accepting = False
-                try:
-                    os.rename(self.path, self.path + BUSY_SUFFIX)
-                except OSError as e:
-                    log.error("cannot hold off new connections (rename %s: %s)", self.path, e.strerror)
-                log.warning("%d of %d file descriptors in use: refusing new connections (%s renamed to %s); raise "
-                            "LimitNOFILE= or find the client that leaks connections (sparsekv clients)",
-                            self.limit_fds - self._fds_left(), self.limit_fds, self.path, self.path + BUSY_SUFFIX)
-                return
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:  # EMFILE / ENFILE / ENOBUFS: try again on the next round
-                if e.errno in (errno.EMFILE, errno.ENFILE):
-                    self._base_fds = open_fds() - len(self._conns)
-                log.warning("accept on the control socket failed: %s", e.strerror)
-                return
-            self._admit(sock)
-
     def _admit(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         try:
@@ -377,7 +272,8 @@ class ControlSocket:
                               uid, n, self.max_per_uid, self.counts["refused"])
                 return
         self._next += 1
-        c = Conn(sock, b"c" + self._next.to_bytes(8, "little"), Peer(uid, gid, pid, True), self._clock())
+        c = Conn(sock, b"c" + self._next.to_bytes(8, "little"), Peer(uid, gid, pid, True), self._clock(),
+                 self._outboxes.new(sock))
         ref = weakref.ref(c)
         self._conns[sock.fileno()] = c
         self._by_ident[c.ident] = c
@@ -542,36 +438,22 @@ class ControlSocket:
             if c.burst > MAX_BURST and not c.closing:
                 c.decoder.paused = True  # the decoder keeps what it has not parsed
                 self._yield(c)
-        if not c.out:
-            try:
-                data = data[c.sock.send(data):]
-            except BlockingIOError:
-                pass
-            except OSError:
-                return  # the read that follows sees it closed
-        if data:
-            self._queue(c, [data])
+        try:
+            c.out.write([data])
+        except NotReading as e:
+            self._not_reading(c, e)
+            return
+        except OSError:
+            return  # the read that follows sees it closed
+        if c.out:
+            self._watch(c)
 
     def _flush(self, c: Conn) -> None:
-        while c.out:
-            bufs = list(itertools.islice(c.out, IOV_MAX))  # never a copy of a long queue
-            try:
-                sent = c.sock.sendmsg(bufs)
-            except BlockingIOError:
-                break
-            except OSError:
-                self._drop(c)
-                return
-            c.out_bytes -= sent
-            self.out_total -= sent
-            while sent:
-                b = c.out[0]
-                if len(b) <= sent:
-                    sent -= len(b)
-                    c.out.popleft()
-                else:
-                    c.out[0] = memoryview(b)[sent:]
-                    sent = 0
+        try:
+            c.out.flush()
+        except OSError:
+            self._drop(c)
+            return
         if not c.out and c.closing:
             self._drop(c)
             return
@@ -604,9 +486,7 @@ class ControlSocket:
             self._ep.unregister(fd)
             c.events = 0
         c.sock.close()
-        self.out_total -= c.out_bytes
         c.out.clear()
-        c.out_bytes = 0
         c.decoder = _CLOSED  # its buffers (and their budget) go now
         if c.reserved:
             self.budget.give(c.peer.uid, c.reserved)
@@ -615,15 +495,6 @@ class ControlSocket:
             self._paused.remove(c)
         if notify and c.greeted:
             self.on_closed(c.ident)
-
-
-def _after(bufs: list, sent: int) -> list:
-    """What of ``bufs`` remains once ``sent`` bytes of them went out."""
-    for i, b in enumerate(bufs):
-        if sent < len(b):
-            return ([memoryview(b)[sent:]] if sent else [b]) + bufs[i + 1:]
-        sent -= len(b)
-    return []
 
 
 class _Closed:

@@ -38,6 +38,12 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked ``waits`` first (the rest keep their order): a worker that sleeps
+    through one at the start overlaps the others' work, one at the end is the run's tail."""
+    items.sort(key=lambda item: item.get_closest_marker("waits") is None)
+
+
 def pytest_terminal_summary(terminalreporter, config):
     path = config.getoption("--torch-skips")
     if path and not hasattr(config, "workerinput"):  # the controller: it sees every worker's reports

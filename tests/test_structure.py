@@ -3,6 +3,7 @@ client/README.md): which room may import which, no import cycles, imports at the
 file, files of a size one can read, no work-log labels."""
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -44,6 +45,12 @@ def modules() -> dict[str, Path]:
 MODULES = modules()
 
 
+@functools.cache
+def tree(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once for every check of it."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _resolve(module: str, node: ast.ImportFrom | ast.Import) -> list[str]:
     """The package's own modules an import statement names (absolute names)."""
     if isinstance(node, ast.Import):
@@ -60,20 +67,26 @@ def _resolve(module: str, node: ast.ImportFrom | ast.Import) -> list[str]:
     return sorted({n for n in names if n in MODULES or n.startswith("sparsekv.")})
 
 
+@functools.cache
+def _imports_by_place() -> dict[str, dict[bool, set[str]]]:
+    """module -> {False: own modules it imports at module level, True: inside functions}."""
+    out = {}
+    for module, path in MODULES.items():
+        funcs = [n for n in ast.walk(tree(path)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        inner = {id(n) for f in funcs for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+        found = {False: set(), True: set()}
+        for node in ast.walk(tree(path)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found[id(node) in inner].update(n for n in _resolve(module, node) if n != module)
+        out[module] = found
+    return out
+
+
 def imports(lazy: bool | None) -> dict[str, set[str]]:
     """module -> own modules it imports at module level (lazy=False), inside functions
     (lazy=True) or anywhere (None)."""
-    out: dict[str, set[str]] = {}
-    for module, path in MODULES.items():
-        tree = ast.parse(path.read_text(), str(path))
-        funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        inner = {id(n) for f in funcs for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
-        found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and lazy in (None, id(node) in inner):
-                found.update(n for n in _resolve(module, node) if n != module)
-        out[module] = found
-    return out
+    return {module: found[False] | found[True] if lazy is None else set(found[lazy])
+            for module, found in _imports_by_place().items()}
 
 
 def room(module: str) -> str:
@@ -114,8 +127,7 @@ def test_no_import_cycles():
 def test_few_imports_of_the_package_inside_functions():
     lazy = []  # one entry per import statement
     for module, path in MODULES.items():
-        tree = ast.parse(path.read_text(), str(path))
-        for func in ast.walk(tree):
+        for func in ast.walk(tree(path)):
             if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lazy += [f"{path.relative_to(ROOT)}:{n.lineno} -> {', '.join(_resolve(module, n))}"
                          for n in ast.walk(func) if isinstance(n, (ast.Import, ast.ImportFrom))

@@ -1,6 +1,7 @@
 """``sparsekv bench prefix``: its figures come from a real private daemon and a restarted
 engine process that finds the whole cached prefix (the bench asserts every lookup hits it all)."""
 
+import cli_inproc
 import helpers
 from sparsekv.bench.prefix import bench_prefix
 
@@ -13,5 +14,5 @@ def test_bench_prefix_reports_lookup_and_restart():
 
 
 def test_an_unknown_bench_name_lists_prefix_among_the_choices():
-    r = helpers.run_cli("bench", "nope")
+    r = cli_inproc.run("bench", "nope")
     assert r.returncode == 2 and "prefix" in r.stderr

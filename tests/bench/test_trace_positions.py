@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+import cli_inproc
 import helpers
 from sparsekv.bench import replay as replay_mod
 from sparsekv.embedded.inproc import InprocClient
@@ -142,7 +143,7 @@ def test_check_wants_both_or_neither():
 def test_the_cli_refuses_a_bad_position_trace_in_one_line(tmp_path):
     path = tmp_path / "bad.npz"
     np.savez(path, **_arrays(block_table=np.full((2, 1, 3), 16, np.int32)))
-    r = helpers.run_cli("replay", path, "--out", tmp_path / "r.npz")
+    r = cli_inproc.run("replay", path, "--out", tmp_path / "r.npz")
     assert r.returncode == 2 and r.stderr.startswith("sparsekv replay: ") and "Traceback" not in r.stderr
     assert "names host block 16" in r.stderr
 
@@ -164,7 +165,7 @@ def test_the_rows_of_one_request_must_share_its_block_table(tmp_path):
     with pytest.raises(TraceError, match=r"step 1: batch rows 0 and 1 are one request \(state row 2\) but carry "
                                          r"different block tables; a request's rows share its table"):
         Trace.load(str(path))
-    r = helpers.run_cli("replay", path, "--out", tmp_path / "r.npz")
+    r = cli_inproc.run("replay", path, "--out", tmp_path / "r.npz")
     assert r.returncode == 2 and "step 1: batch rows 0 and 1" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -412,10 +413,10 @@ def test_zmq_private_daemon_verifies_a_position_trace_and_equals_inproc():
 
 def test_cli_synth_and_replay_of_a_position_trace(tmp_path):
     path = tmp_path / "p.npz"
-    r = helpers.run_cli("trace", "synth", "--out", path, "--steps", 20, "--batch", 4, "--top-k", 8,
-                        "--region-stride", 16, "--max-reqs", 6, "--host-rows", 3072, "--row-bytes", 16,
-                        "--context", 60, "--lifetime", 10, "--out-of-range", 0.05, "--block-size", 16,
-                        "--spec", 0.5, "--seed", 2)
+    r = cli_inproc.run("trace", "synth", "--out", path, "--steps", 20, "--batch", 4, "--top-k", 8,
+                       "--region-stride", 16, "--max-reqs", 6, "--host-rows", 3072, "--row-bytes", 16,
+                       "--context", 60, "--lifetime", 10, "--out-of-range", 0.05, "--block-size", 16,
+                       "--spec", 0.5, "--seed", 2)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["block_size"] == 16
     tr = Trace.load(str(path))
@@ -424,7 +425,7 @@ def test_cli_synth_and_replay_of_a_position_trace(tmp_path):
     results = {}
     for transport in ("inproc", "zmq"):
         out = tmp_path / f"{transport}.npz"
-        r = helpers.run_cli("replay", path, "--out", out, "--transport", transport, "--verify")
+        r = cli_inproc.run("replay", path, "--out", out, "--transport", transport, "--verify")
         assert r.returncode == 0, r.stderr
         s = json.loads(r.stdout.strip().splitlines()[-1])
         assert s["mismatched_rows"] == 0 and s["out_of_range"] > 0
@@ -434,7 +435,7 @@ def test_cli_synth_and_replay_of_a_position_trace(tmp_path):
 
 
 def test_cli_synth_refuses_spec_without_room(tmp_path):
-    r = helpers.run_cli("trace", "synth", "--out", tmp_path / "t.npz", "--top-k", 16, "--region-stride", 24,
-                        "--spec", 0.2)
+    r = cli_inproc.run("trace", "synth", "--out", tmp_path / "t.npz", "--top-k", 16, "--region-stride", 24,
+                       "--spec", 0.2)
     assert r.returncode == 2 and "spec needs region_stride >= 2 * top_k" in r.stderr
     assert not (tmp_path / "t.npz").exists()

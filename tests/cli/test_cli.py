@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+import cli_inproc
 import helpers
 from sparsekv.bench.trace import Trace, synth
 from sparsekv.cli.progress import Progress
@@ -32,7 +33,7 @@ def summary_of(r) -> dict:
 @pytest.fixture(scope="module")
 def trace_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "t.npz"
-    r = helpers.run_cli("trace", "synth", "--out", path, *SYNTH)
+    r = cli_inproc.run("trace", "synth", "--out", path, *SYNTH)
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout.strip().splitlines()[-1])
     assert (info["steps"], info["batch"], info["top_k"]) == (30, 4, 16)
@@ -43,7 +44,7 @@ def trace_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def inproc_result(trace_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("inproc") / "r.npz"
-    s = summary_of(helpers.run_cli("replay", trace_path, "--out", out, "--transport", "inproc", "--verify"))
+    s = summary_of(cli_inproc.run("replay", trace_path, "--out", out, "--transport", "inproc", "--verify"))
     return s, np.load(out)
 
 
@@ -97,13 +98,13 @@ def test_replay_connects_to_a_running_daemon(trace_path, inproc_result, daemon, 
 
 @pytest.mark.parametrize("option", ["--connect", "--daemon-log"])
 def test_daemon_options_without_a_daemon_transport_are_refused(trace_path, tmp_path, option):
-    r = helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz", option, tmp_path / "x")
+    r = cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz", option, tmp_path / "x")
     assert r.returncode == 2 and not (tmp_path / "r.npz").exists()
     assert r.stderr == f"sparsekv replay: {option} needs a daemon: add --transport zmq or doorbell\n"
 
 
 def test_replay_without_verify_reports_no_mismatch_count(trace_path, tmp_path):
-    s = summary_of(helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz"))
+    s = summary_of(cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz"))
     assert s["verified"] is False and s["mismatched_rows"] is None
 
 
@@ -152,7 +153,7 @@ BAD_TRACE_RUNS = [(c, "inproc") for c in BAD_TRACES] + [
 def test_bad_trace_exits_2_with_a_message(tmp_path, case, transport):
     make, words = BAD_TRACES[case]
     path = make(tmp_path / "bad.npz")
-    r = helpers.run_cli("replay", path, "--out", tmp_path / "r.npz", "--transport", transport)
+    r = cli_inproc.run("replay", path, "--out", tmp_path / "r.npz", "--transport", transport)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.startswith("sparsekv replay: ") and words in r.stderr
     assert "Traceback" not in r.stderr
@@ -160,12 +161,12 @@ def test_bad_trace_exits_2_with_a_message(tmp_path, case, transport):
 
 
 def test_doorbell_transport_on_cpu_is_refused_with_exit_2(trace_path, tmp_path):
-    r = helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz", "--transport", "doorbell")
+    r = cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz", "--transport", "doorbell")
     assert r.returncode == 2 and "sparsekv replay:" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_trace_synth_with_impossible_parameters_exits_2(tmp_path):
-    r = helpers.run_cli("trace", "synth", "--out", tmp_path / "t.npz", "--batch", 9, "--max-reqs", 4)
+    r = cli_inproc.run("trace", "synth", "--out", tmp_path / "t.npz", "--batch", 9, "--max-reqs", 4)
     assert r.returncode == 2 and "batch 9 exceeds max_reqs 4" in r.stderr
     assert not (tmp_path / "t.npz").exists()
 
@@ -180,7 +181,7 @@ def test_trace_synth_with_impossible_parameters_exits_2(tmp_path):
     (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
 ])
 def test_trace_synth_refuses_a_bad_argument_in_one_line(tmp_path, args, words):
-    r = helpers.run_cli("trace", "synth", "--out", tmp_path / "t.npz", *args)
+    r = cli_inproc.run("trace", "synth", "--out", tmp_path / "t.npz", *args)
     assert r.returncode == 2 and r.stderr.startswith("sparsekv trace synth: ") and words in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert not (tmp_path / "t.npz").exists()
@@ -191,9 +192,9 @@ def test_output_paths_are_checked_before_any_work(trace_path, tmp_path):
     r = helpers.run_cli("trace", "synth", "--steps", 10**7, "--out", tmp_path / "nope" / "t.npz")
     assert r.returncode == 2 and "directory" in r.stderr and "does not exist" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 30
-    r = helpers.run_cli("replay", trace_path, "--out", tmp_path, "--transport", "zmq")
+    r = cli_inproc.run("replay", trace_path, "--out", tmp_path, "--transport", "zmq")
     assert r.returncode == 2 and r.stderr == f"sparsekv replay: --out {tmp_path} is a directory; name a file\n"
-    r = helpers.run_cli("replay", trace_path, "--out", tmp_path / "r.npz", "--daemon-log", tmp_path / "no" / "d.log")
+    r = cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz", "--daemon-log", tmp_path / "no" / "d.log")
     assert r.returncode == 2 and "--daemon-log" in r.stderr and not (tmp_path / "r.npz").exists()
 
 
@@ -229,6 +230,6 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere():
 
 
 def test_replay_help_says_what_each_transport_is():
-    r = helpers.run_cli("replay", "--help")
+    r = cli_inproc.run("replay", "--help")
     assert r.returncode == 0 and "designed, not built" not in r.stdout
     assert "doorbell: a daemon driven from the GPU" in " ".join(r.stdout.split())

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+import cli_inproc
 import helpers
 from sparsekv.cli import main as cli
 from sparsekv.client import Client
@@ -59,24 +60,24 @@ def test_every_option_has_help_and_shows_its_default():
 
 
 def test_help_runs_for_every_command():
-    assert helpers.run_cli("--help").returncode == 0
+    assert cli_inproc.run("--help").returncode == 0
     for args in (["top", "--help"], ["health", "--help"], ["trace", "synth", "--help"], ["stats", "--help"]):
-        r = helpers.run_cli(*args)
+        r = cli_inproc.run(*args)
         assert r.returncode == 0 and "default" in r.stdout, args
 
 
 # -- health --------------------------------------------------------------------------------
-def test_health_ready(daemon):
-    r = helpers.run_cli("health", "--run-dir", daemon.run_dir)
-    assert r.returncode == 0 and r.stdout.startswith(f"ready pid={daemon.proc.pid}"), r.stderr
-    assert helpers.run_cli("health", "--live", "--quiet", "--run-dir", daemon.run_dir).returncode == 0
+def test_health_ready(module_daemon):
+    r = cli_inproc.run("health", "--run-dir", module_daemon.run_dir)
+    assert r.returncode == 0 and r.stdout.startswith(f"ready pid={module_daemon.proc.pid}"), r.stderr
+    assert cli_inproc.run("health", "--live", "--quiet", "--run-dir", module_daemon.run_dir).returncode == 0
 
 
 def test_health_without_daemon_is_2(tmp_path):
-    r = helpers.run_cli("health", "--run-dir", tmp_path)
+    r = cli_inproc.run("health", "--run-dir", tmp_path)
     assert "no daemon at" in one_line_error(r, 2)
-    assert helpers.run_cli("health", "--live", "--run-dir", tmp_path).returncode == 2
-    r = helpers.run_cli("health", "--run-dir", tmp_path / "nope")
+    assert cli_inproc.run("health", "--live", "--run-dir", tmp_path).returncode == 2
+    r = cli_inproc.run("health", "--run-dir", tmp_path / "nope")
     assert "does not exist" in one_line_error(r, 2)
 
 
@@ -110,12 +111,12 @@ def test_health_after_a_killed_daemon_is_2(tmp_path):
     run.mkdir()
     (run / "sparsekvd.lock").write_text(f"{os.getpid()}\n")  # a live pid, but no flock
     assert health_mod.lock_holder(str(run)) is None
-    assert helpers.run_cli("health", "--live", "--run-dir", run).returncode == 2
+    assert cli_inproc.run("health", "--live", "--run-dir", run).returncode == 2
 
 
 @pytest.mark.parametrize("command", [["stats"], ["stats", "--json"], ["clients"], ["top", "--once"]])
 def test_the_stats_commands_say_a_starting_daemon_is_starting(starting_daemon, command):
-    err = one_line_error(helpers.run_cli(*command, "--run-dir", starting_daemon))
+    err = one_line_error(cli_inproc.run(*command, "--run-dir", starting_daemon))
     assert err.startswith(f"sparsekv {command[0]}: starting: sparsekvd (pid {os.getpid()})"), err
     assert "no daemon" not in err
 
@@ -134,22 +135,22 @@ def test_health_of_a_daemon_that_does_not_answer_is_2_within_the_timeout(tmp_pat
         s.bind(str(run / "stats.sock"))
         s.listen()  # accepts, never answers: a stuck loop
         t0 = time.monotonic()
-        r = helpers.run_cli("health", "--timeout-s", "0.3", "--run-dir", run)
+        r = cli_inproc.run("health", "--timeout-s", "0.3", "--run-dir", run)
         assert time.monotonic() - t0 < 10
     assert "did not answer within 0.3 s" in one_line_error(r, 2)
 
 
 # -- common mistakes: one line, no traceback -----------------------------------------------
-def test_permission_denied_on_the_socket_is_one_line(monkeypatch, capsys, daemon):
+def test_permission_denied_on_the_socket_is_one_line(monkeypatch, capsys, module_daemon):
     def refuse(self, address):
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
-    assert cli.main(["stats", "--run-dir", daemon.run_dir]) == 1
+    assert cli.main(["stats", "--run-dir", module_daemon.run_dir]) == 1
     err = capsys.readouterr().err
     assert err.startswith("sparsekv stats: permission denied on ") and err.count("\n") == 1
     assert "mode 0660" in err and "group" in err
-    assert cli.main(["health", "--run-dir", daemon.run_dir]) == 2
+    assert cli.main(["health", "--run-dir", module_daemon.run_dir]) == 2
     assert "permission denied" in capsys.readouterr().err
 
 
@@ -157,36 +158,36 @@ def test_permission_denied_on_the_socket_is_one_line(monkeypatch, capsys, daemon
 def big_trace(tmp_path_factory):
     """A trace whose layout needs 128 MiB of pool (the test daemon has 64)."""
     path = tmp_path_factory.mktemp("trace") / "big.npz"
-    r = helpers.run_cli("trace", "synth", "--out", path, "--steps", 2, "--batch", 2, "--top-k", 8,
-                        "--region-stride", 16, "--max-reqs", 4, "--host-rows", 1 << 20, "--row-bytes", 64,
-                        "--num-layers", 2, "--context", 64)
+    r = cli_inproc.run("trace", "synth", "--out", path, "--steps", 2, "--batch", 2, "--top-k", 8,
+                       "--region-stride", 16, "--max-reqs", 4, "--host-rows", 1 << 20, "--row-bytes", 64,
+                       "--num-layers", 2, "--context", 64)
     assert r.returncode == 0, r.stderr
     return path
 
 
-def test_replay_to_a_pool_too_small_is_one_line(daemon, big_trace, tmp_path):
-    r = helpers.run_cli("replay", big_trace, "--out", tmp_path / "r.npz", "--transport", "zmq",
-                        "--connect", daemon.run_dir)
+def test_replay_to_a_pool_too_small_is_one_line(module_daemon, big_trace, tmp_path):
+    r = cli_inproc.run("replay", big_trace, "--out", tmp_path / "r.npz", "--transport", "zmq",
+                       "--connect", module_daemon.run_dir)
     err = one_line_error(r)
     assert err.startswith("sparsekv replay: POOL_FULL: ") and "--pool-size" in err
 
 
 def test_replay_to_a_wrong_run_dir_is_one_line_and_not_internal(big_trace, tmp_path):
-    r = helpers.run_cli("replay", big_trace, "--out", tmp_path / "r.npz", "--transport", "zmq",
-                        "--connect", tmp_path / "nowhere")
+    r = cli_inproc.run("replay", big_trace, "--out", tmp_path / "r.npz", "--transport", "zmq",
+                       "--connect", tmp_path / "nowhere")
     err = one_line_error(r)
     assert err.startswith("sparsekv replay: no daemon socket at ") and "INTERNAL" not in err
 
 
 def test_stats_with_a_wrong_run_dir_is_one_line(tmp_path):
-    err = one_line_error(helpers.run_cli("clients", "--run-dir", tmp_path / "nope"))
+    err = one_line_error(cli_inproc.run("clients", "--run-dir", tmp_path / "nope"))
     assert err.startswith("sparsekv clients: no daemon at ") and "does not exist" in err
 
 
-def test_clients_json_is_a_list_of_clients(daemon):
-    with Client(daemon.run_dir, rank=1, name="json-reader", timeout_s=10) as c:
+def test_clients_json_is_a_list_of_clients(module_daemon):
+    with Client(module_daemon.run_dir, rank=1, name="json-reader", timeout_s=10) as c:
         c.attach(LAYOUT, engine="e")
-        r = helpers.run_cli("clients", "--json", "--run-dir", daemon.run_dir)
+        r = cli_inproc.run("clients", "--json", "--run-dir", module_daemon.run_dir)
     assert r.returncode == 0, r.stderr
     clients = json.loads(r.stdout)
     me = next(x for x in clients if x["name"] == "json-reader")
@@ -218,10 +219,10 @@ def test_seconds_are_finite_and_positive(text, ok):
 
 
 def test_a_bad_argument_is_one_line_without_the_usage_block():
-    err = one_line_error(helpers.run_cli("top", "--interval-s", "x"), 2)
+    err = one_line_error(cli_inproc.run("top", "--interval-s", "x"), 2)
     assert err == "sparsekv top: argument --interval-s: a number of seconds is needed, got 'x' (see sparsekv top --help)\n"
     for bad in ("0", "nan"):
-        err = one_line_error(helpers.run_cli("top", "--interval-s", bad), 2)
+        err = one_line_error(cli_inproc.run("top", "--interval-s", bad), 2)
         assert err == (f"sparsekv top: argument --interval-s: a finite number of seconds > 0 is needed, got {bad!r} "
                        "(see sparsekv top --help)\n")
 
@@ -265,8 +266,8 @@ def test_top_with_nothing_happening_shows_no_rate():
     assert "hit rate             -" in out and "(no clients)" in out
 
 
-def test_top_once_against_a_daemon_under_load(daemon):
-    c = Client(daemon.run_dir, rank=0, name="loader", timeout_s=10).connect()
+def test_top_once_against_a_daemon_under_load(module_daemon):
+    c = Client(module_daemon.run_dir, rank=0, name="loader", timeout_s=10).connect()
     c.attach(LAYOUT, engine="e")
     stop = threading.Event()
 
@@ -282,7 +283,7 @@ def test_top_once_against_a_daemon_under_load(daemon):
     t.start()
     try:
         p = subprocess.run([helpers.PY, "-m", "sparsekv.cli.main", "top", "--once", "--interval-s", "0.3",
-                            "--run-dir", daemon.run_dir],
+                            "--run-dir", module_daemon.run_dir],
                            capture_output=True, text=True, timeout=60)
     finally:
         stop.set()
@@ -302,7 +303,7 @@ def test_top_once_against_a_daemon_under_load(daemon):
 
 
 def test_top_without_daemon_is_one_line(tmp_path):
-    assert "no daemon at" in one_line_error(helpers.run_cli("top", "--once", "--run-dir", tmp_path))
+    assert "no daemon at" in one_line_error(cli_inproc.run("top", "--once", "--run-dir", tmp_path))
 
 
 def test_top_clears_the_screen_only_on_a_terminal(monkeypatch):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import cli_inproc
 import helpers
 
 TRACE = ["--steps", 2000, "--batch", 4, "--top-k", 16, "--region-stride", 32, "--max-reqs", 8, "--host-rows", 2048,
@@ -76,7 +77,7 @@ def assert_all_die(pids, timeout_s: float = 20.0):
 @pytest.fixture(scope="module")
 def trace_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "t.npz"
-    assert helpers.run_cli("trace", "synth", "--quiet", "--out", path, *TRACE).returncode == 0
+    assert cli_inproc.run("trace", "synth", "--quiet", "--out", path, *TRACE).returncode == 0
     return path
 
 

@@ -11,8 +11,8 @@ LAYOUT = helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, ma
 IDS = np.array([[0, 1, 2, 3]], np.int32)
 
 
-def test_step_rides_on_topk_and_its_error_comes_back_there(daemon):
-    with Client(daemon.run_dir, timeout_s=10) as c:
+def test_step_rides_on_topk_and_its_error_comes_back_there(module_daemon):
+    with Client(module_daemon.run_dir, timeout_s=10) as c:
         c.attach(LAYOUT, engine="p")
         before = c.stats()["requests"]
         c.step(0, [0], reset=[True])
@@ -26,8 +26,8 @@ def test_step_rides_on_topk_and_its_error_comes_back_there(daemon):
             c.topk(2, 0, IDS)
 
 
-def test_reset_on_a_topk_that_begins_no_step_is_refused(daemon):
-    with Client(daemon.run_dir, timeout_s=10) as c:
+def test_reset_on_a_topk_that_begins_no_step_is_refused(module_daemon):
+    with Client(module_daemon.run_dir, timeout_s=10) as c:
         c.attach(LAYOUT, engine="p")
         c.step(0, [0])
         c.flush()  # alone

@@ -53,7 +53,7 @@ def client(request):
             c.attach(LAYOUT)
             yield c
     else:
-        d = request.getfixturevalue("daemon")
+        d = request.getfixturevalue("module_daemon")  # each test attaches a fresh engine
         with Client(d.run_dir, name="swap-in-test") as c:
             c.attach(LAYOUT)
             yield c

@@ -14,8 +14,8 @@ from sparsekv.proto import MsgType
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
 
 
-def test_step_and_topk_times_are_ordered_client_daemon_client(daemon):
-    with Client(daemon.run_dir, rank=0, timeout_s=10) as c:
+def test_step_and_topk_times_are_ordered_client_daemon_client(module_daemon):
+    with Client(module_daemon.run_dir, rank=0, timeout_s=10) as c:
         c.attach(LAYOUT, engine="t")
         assert set(c.timings) == {MsgType.HELLO, MsgType.ATTACH}
         before = time.perf_counter_ns()
@@ -39,8 +39,8 @@ def test_step_and_topk_times_are_ordered_client_daemon_client(daemon):
         assert not c._sent  # every request's entry went with its reply
 
 
-def test_timing_fields_are_not_part_of_a_reply_s_fields(daemon):
-    with Client(daemon.run_dir, rank=0, timeout_s=10) as c:
+def test_timing_fields_are_not_part_of_a_reply_s_fields(module_daemon):
+    with Client(module_daemon.run_dir, rank=0, timeout_s=10) as c:
         c.attach(LAYOUT, engine="t")
         out = c.write([1, 2], np.zeros((2, 2, 32), np.uint8))
         assert set(out) == {"bytes", "invalidated"}

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+import cli_inproc
 import helpers
 from block_engine import BS, LAY, Engine, tokens
 from sparsekv.bench.private_daemon import PrivateDaemon
@@ -157,7 +158,7 @@ def test_sparsekv_blocks_lists_the_stores_by_engine(daemon):
         commit(c, 30, 3)
         c.blocks.alloc(2)
         c.blocks.reserve(4)
-        r = helpers.run_cli("blocks", "--json", "--run-dir", daemon.run_dir)
+        r = cli_inproc.run("blocks", "--json", "--run-dir", daemon.run_dir)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [{"engine": "m", "owner_uid": os.getuid(), "block_size": BS, "ranks": 1,
                                      "blocks": 16, "free": 11, "cached": 3, "referenced": 3, "evictable": 0,

@@ -49,7 +49,7 @@ def programs(draw):
     return lay, steps, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=helpers.examples(60, 2500), deadline=None)
+@settings(max_examples=helpers.examples(30, 2500), deadline=None)
 @given(programs())
 def test_engine_equals_reference_and_hot_slots_hold_current_pool_bytes(program):
     lay, steps, seed = program

@@ -152,7 +152,7 @@ def good_step(dm, t):
 
 
 @given(st.lists(requests(), min_size=1, max_size=3), st.booleans(), st.booleans())
-@settings(max_examples=helpers.examples(300, 5000), deadline=None,
+@settings(max_examples=helpers.examples(150, 5000), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_garbage_requests_get_typed_errors_and_others_go_on(dm, reqs, attached, store):
     if b"G" not in dm.sessions:

@@ -5,6 +5,8 @@ import logging
 import os
 import socket
 
+import pytest
+
 import helpers
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon.ratelog import RateLimitedLog
@@ -39,6 +41,7 @@ def test_each_cause_logs_its_burst_per_window_then_one_summary_with_the_count(ca
         assert caplog.records[-1].getMessage() == "a again" and rlog.left_out("a") == 0
 
 
+@pytest.mark.waits  # for the cause's 10 s window to end
 def test_a_flood_of_connections_without_hello_logs_a_few_lines_and_a_summary(tmp_path):
     log_path = tmp_path / "d.log"
     with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--hello-timeout-s", "0.2"],

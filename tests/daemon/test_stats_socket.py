@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import cli_inproc
 import helpers
 import promcheck
 from sparsekv.client import BadRequest, Client
@@ -139,7 +140,7 @@ def test_unknown_command_gives_an_error_line(daemon):
 
 def test_cli_stats_json_and_clients(busy):
     daemon, c, other = busy
-    r = helpers.run_cli("stats", "--json", "--run-dir", daemon.run_dir)
+    r = cli_inproc.run("stats", "--json", "--run-dir", daemon.run_dir)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert (s["hits"], s["misses"], s["clients"]) == (2, 4, 2)
@@ -149,14 +150,14 @@ def test_cli_stats_json_and_clients(busy):
     assert r.returncode == 0, r.stderr
     assert {(row["pid"], row["rank"]) for row in parse_clients(r.stdout)} == {(str(os.getpid()), "0"),
                                                                               (str(other.pid), "3")}
-    r = helpers.run_cli("stats", "--prometheus", "--run-dir", daemon.run_dir)
+    r = cli_inproc.run("stats", "--prometheus", "--run-dir", daemon.run_dir)
     assert r.returncode == 0 and "sparsekv_hits_total 2" in r.stdout
-    r = helpers.run_cli("stats", "--run-dir", daemon.run_dir)
+    r = cli_inproc.run("stats", "--run-dir", daemon.run_dir)
     assert r.returncode == 0 and "hit rate" in r.stdout
 
 
 def test_cli_without_daemon_says_so(tmp_path):
-    r = helpers.run_cli("stats", "--json", "--run-dir", str(tmp_path))
+    r = cli_inproc.run("stats", "--json", "--run-dir", str(tmp_path))
     assert r.returncode == 1
     assert f"no daemon at {tmp_path}/stats.sock" in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

@@ -234,7 +234,7 @@ def request(model, session: int, op: str, a: int, b: int, stamp: int) -> list:
     return []
 
 
-@settings(max_examples=helpers.examples(100, 3000), deadline=None)
+@settings(max_examples=helpers.examples(50, 3000), deadline=None)
 @given(n_blocks=st.integers(1, 6), quota=st.sampled_from([0, 3, 6]),
        steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(OPS), st.integers(0, 9),
                                 st.integers(0, 9)), min_size=20, max_size=80))

@@ -12,7 +12,7 @@ from sparsekv.daemon.blocks.index import KeyIndex
 KEYS = st.tuples(st.integers(-3, 3), st.integers(-2, 2))  # few distinct words: many collisions
 
 
-@settings(max_examples=helpers.examples(100, 3000), deadline=None)
+@settings(max_examples=helpers.examples(50, 3000), deadline=None)
 @given(max_keys=st.integers(1, 12), seed=st.integers(0, 3),
        ops=st.lists(st.tuples(st.sampled_from(["insert", "delete", "find"]), st.lists(KEYS, max_size=6)),
                     max_size=60))

@@ -47,7 +47,7 @@ def scenarios(draw):
                   max_reqs=max_reqs, host_rows=host_rows, max_batch=4), steps
 
 
-@settings(max_examples=helpers.examples(100, 5000), deadline=None)
+@settings(max_examples=helpers.examples(50, 5000), deadline=None)
 @given(scenarios())
 def test_numpy_engine_equals_reference(scenario):
     layout, steps = scenario
