@@ -9,10 +9,8 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 import helpers
+from engine_program import ProgramEngine
 
-from sparsekv.daemon.engine import EngineSpace, RankState
-from sparsekv.daemon.residency.contract import RegionModel
-from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import Layout
 
 GROUPINGS = [((0,), (1,), (2,)), ((0, 2), (1,)), ((0,), (1, 2))]
@@ -57,31 +55,12 @@ def run(program) -> int:
     goes; return the slots named in a step that no longer held their row's bytes at the
     step's end."""
     lay, steps, seed = program
-    rng = np.random.default_rng(seed)
-    pool = rng.integers(0, 256, (lay.num_layers, lay.host_rows, lay.row_bytes), dtype=np.uint8)
-    slab = np.zeros((lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes), np.uint8)
-    space = EngineSpace("e", lay, pool)
-    rank = space.ranks[1] = RankState(0, "cpu", CpuResidency(lay), CpuMover(lay, pool, slab, None), slab, None)
+    eng = ProgramEngine(lay, seed)
+    pool, slab, rank, model = eng.pool, eng.slab, eng.rank, eng.model
     rank.prefetch = True
-    model = [[RegionModel(lay.region_stride) for _ in range(lay.max_reqs)] for _ in range(lay.num_groups)]
     prefetched = hits = wasted = stale = 0
     for t, (writes, batch, reset, inval, group_topk) in enumerate(steps):
-        if writes:  # between steps, as an engine's prefill
-            rows = np.array(writes, np.int32)
-            space.write(None, rows, rng.integers(0, 256, (lay.num_layers, rows.size, lay.row_bytes), dtype=np.uint8))
-            for regions in model:
-                for m in regions:
-                    m.invalidate(writes)
-        state_rows = np.array(batch, np.int32)
-        rank.begin_step(t, state_rows, np.array(reset), np.array(inval, np.int32))
-        for b, s in enumerate(batch):
-            if s >= 0 and reset[b]:
-                for g in range(lay.num_groups):
-                    model[g][s].reset()
-        for b, s in enumerate(batch):
-            if s >= 0:
-                for g in range(lay.num_groups):
-                    model[g][s].invalidate([r for r in inval[b] if r >= 0])
+        eng.begin(t, writes, batch, reset, inval)
         told = []  # (group, batch row, host row, slot) the engine was told this step
         for g, rows in group_topk:
             res, _ = rank.topk(t, g, np.array(rows, np.int32))
