@@ -13,6 +13,7 @@ import contextlib
 import faulthandler
 import functools
 import glob
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -582,3 +583,16 @@ def vm(pid: int, key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "dsa_decode")
+
+
+def load_example(name: str):
+    """Module ``name`` of examples/dsa_decode (not a package: loaded from its file; it
+    needs torch)."""
+    spec = importlib.util.spec_from_file_location(f"dsa_decode_{name}", os.path.join(EXAMPLE_DIR, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod

@@ -157,19 +157,8 @@ class Lifetime:
         c["cached"] += h
 
     def plan(self, admitted: list[Request]) -> Plan:
-        n = self.pc.max_reqs
-        p = Plan(req_ids=torch.full((n,), -1), positions=torch.zeros(n, dtype=torch.long),
-                 block_table=torch.full((n, self.max_blocks), -1), reset=torch.zeros(n, dtype=torch.bool),
-                 invalidate=torch.full((n, 1), -1), new_rows=torch.full((n,), -1), admitted=admitted,
-                 running=dict(self.running))
-        new = {r.rid for r in admitted}
-        for s, r in self.running.items():
-            p.req_ids[s], p.positions[s] = s, r.length
-            p.block_table[s, : len(r.blocks)] = torch.tensor(r.blocks)
-            p.reset[s] = r.rid in new
-            p.invalidate[s, 0] = r.last_row
-            p.new_rows[s] = self.rows(r, r.length, r.length + 1)[0]
-        return p
+        return Plan.of(self.running, admitted, self.pc.max_reqs, self.max_blocks,
+                       lambda r: self.rows(r, r.length, r.length + 1)[0])
 
     def finish(self, r: Request) -> None:
         """``r`` is done: its blocks released (cached ones stay cached), its state row free."""

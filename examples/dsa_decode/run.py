@@ -84,6 +84,24 @@ class Plan:
     admitted: list[Request]
     running: dict[int, Request]
 
+    @classmethod
+    def of(cls, running: dict, admitted: list, max_reqs: int, max_blocks: int, new_row) -> "Plan":
+        """The step of the requests ``running`` (state row -> request), ``admitted`` this
+        step (their regions reset), ``new_row(r)``: the host row of r's new token."""
+        n = max_reqs
+        p = cls(req_ids=torch.full((n,), -1), positions=torch.zeros(n, dtype=torch.long),
+                block_table=torch.full((n, max_blocks), -1), reset=torch.zeros(n, dtype=torch.bool),
+                invalidate=torch.full((n, 1), -1), new_rows=torch.full((n,), -1), admitted=admitted,
+                running=dict(running))
+        new = {r.rid for r in admitted}
+        for s, r in running.items():
+            p.req_ids[s], p.positions[s] = s, r.length
+            p.block_table[s, : len(r.blocks)] = torch.tensor(r.blocks)
+            p.reset[s] = r.rid in new
+            p.invalidate[s, 0] = r.last_row
+            p.new_rows[s] = new_row(r)
+        return p
+
 
 class Scheduler:
     """Arrivals, state rows and host blocks (allocated whole at admission, freed LIFO)."""
@@ -128,19 +146,7 @@ class Scheduler:
             r.length = len(r.prompt) - 1  # the prefill writes all but the last prompt token
             self.running[r.state_row] = r
             admitted.append(r)
-        n = rc.max_reqs
-        p = Plan(req_ids=torch.full((n,), -1), positions=torch.zeros(n, dtype=torch.long),
-                 block_table=torch.full((n, self.max_blocks), -1), reset=torch.zeros(n, dtype=torch.bool),
-                 invalidate=torch.full((n, 1), -1), new_rows=torch.full((n,), -1), admitted=admitted,
-                 running=dict(self.running))
-        new = {r.rid for r in admitted}
-        for s, r in self.running.items():
-            p.req_ids[s], p.positions[s] = s, r.length
-            p.block_table[s, : len(r.blocks)] = torch.tensor(r.blocks)
-            p.reset[s] = r.rid in new
-            p.invalidate[s, 0] = r.last_row
-            p.new_rows[s] = self.row_of(r, r.length)
-        return p
+        return Plan.of(self.running, admitted, rc.max_reqs, self.max_blocks, lambda r: self.row_of(r, r.length))
 
     def row_of(self, r: Request, position: int) -> int:
         return r.blocks[position // self.rc.block_size] * self.rc.block_size + position % self.rc.block_size

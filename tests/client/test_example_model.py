@@ -1,7 +1,6 @@
 """examples/dsa_decode: the DSA-shaped model gives bit-identical outputs with its KV rows
 local and with them in sparsekv (HostSwapIn), in process and through a daemon."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -9,20 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import helpers
+
 torch = pytest.importorskip("torch")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dsa_decode"
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"dsa_decode_{name}", EXAMPLE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-run = load("run")
+run = helpers.load_example("run")
 # Tiny: 3 state rows, 24 host blocks of 16 rows; 6 requests of 4-60 prompt tokens and
 # 3-10 new ones arrive over the first 13 steps, so requests leave, state rows and blocks
 # are handed out again, and contexts pass top_k (the indexer really selects).

@@ -3,10 +3,6 @@ store by an engine process that is SIGKILLed mid-run and restarted, give outputs
 for bit to a run without the store; the prompt is prefilled once across the restart, and
 the daemon's block counters agree with the engines' counts."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 import helpers
@@ -14,18 +10,7 @@ from sparsekv.client.blocks import Blocks
 
 torch = pytest.importorskip("torch")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dsa_decode"
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"dsa_decode_{name}", EXAMPLE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-prefix = load("prefix")
+prefix = helpers.load_example("prefix")
 CFG = prefix.Config(num_layers=3, top_k=16)
 # 6 requests, 3 state rows: a system prompt of 4 blocks of 8 tokens and tails of 1-20; the
 # first engine serves 5 steps, then requests are in flight (and some done, some waiting).
