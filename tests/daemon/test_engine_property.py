@@ -7,48 +7,15 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 import helpers
-from engine_program import ProgramEngine
-
-from sparsekv.proto import Layout
+from engine_program import ProgramEngine, programs
 
 GROUPINGS = [((0,), (1,), (2,)), ((0, 1, 2),), ((0, 2), (1,))]
 
 
-@st.composite
-def programs(draw):
-    top_k = draw(st.integers(1, 4))
-    tokens = draw(st.integers(1, 3))  # query tokens per request and step
-    lay = Layout(num_layers=3, row_bytes=16, top_k=top_k,
-                 region_stride=draw(st.integers(top_k * tokens, top_k * tokens + 3)),
-                 max_reqs=draw(st.integers(1, 3)), host_rows=draw(st.integers(top_k + 1, 20)),
-                 index_groups=draw(st.sampled_from(GROUPINGS)), max_batch=4).validate()  # batches of 1..4 rows
-    steps = []
-    for _ in range(draw(st.integers(1, 10))):
-        writes = draw(st.lists(st.integers(0, lay.host_rows - 1), max_size=3, unique=True))
-        batch, used = [], {}
-        for _ in range(draw(st.integers(1, 4))):
-            s = draw(st.integers(-1, lay.max_reqs - 1))
-            if s >= 0 and used.get(s, 0) >= tokens:
-                s = -1
-            used[s] = used.get(s, 0) + 1
-            batch.append(s)
-        reset = [draw(st.booleans()) for _ in batch]
-        inval = [draw(st.lists(st.integers(0, lay.host_rows - 1), min_size=1, max_size=1)) + [-1] for _ in batch]
-        group_topk = []
-        for g in draw(st.permutations(range(lay.num_groups))):
-            rows = []
-            for _ in batch:
-                ids = draw(st.lists(st.integers(0, lay.host_rows - 1), max_size=top_k, unique=True))
-                ids += draw(st.lists(st.sampled_from([-1, -3, lay.host_rows]), min_size=top_k - len(ids),
-                                     max_size=top_k - len(ids)))
-                rows.append(draw(st.permutations(ids)))
-            group_topk.append((g, rows))
-        steps.append((writes, batch, reset, inval, group_topk))
-    return lay, steps, draw(st.integers(0, 2**16))
-
-
 @settings(max_examples=helpers.examples(30, 2500), deadline=None)
-@given(programs())
+@given(programs(GROUPINGS, spare_slots=3, max_host_rows=20,
+                inval=lambda lay: st.lists(st.integers(0, lay.host_rows - 1), min_size=1, max_size=1).map(
+                    lambda r: r + [-1])))
 def test_engine_equals_reference_and_hot_slots_hold_current_pool_bytes(program):
     lay, steps, seed = program
     eng = ProgramEngine(lay, seed)

@@ -9,45 +9,13 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 import helpers
-from engine_program import ProgramEngine
-
-from sparsekv.proto import Layout
+from engine_program import ProgramEngine, programs
 
 GROUPINGS = [((0,), (1,), (2,)), ((0, 2), (1,)), ((0,), (1, 2))]
 
 
-@st.composite
-def programs(draw, order):
-    top_k = draw(st.integers(1, 4))
-    tokens = draw(st.integers(1, 3))  # query tokens per request and step
-    lay = Layout(num_layers=3, row_bytes=16, top_k=top_k,
-                 region_stride=draw(st.integers(top_k * tokens, top_k * tokens + 4)),
-                 max_reqs=draw(st.integers(1, 3)), host_rows=draw(st.integers(top_k + 1, 24)),
-                 index_groups=draw(st.sampled_from(GROUPINGS)), max_batch=4).validate()
-    steps = []
-    for _ in range(draw(st.integers(1, 10))):
-        writes = draw(st.lists(st.integers(0, lay.host_rows - 1), max_size=3, unique=True))
-        batch, used = [], {}
-        for _ in range(draw(st.integers(1, 4))):
-            s = draw(st.integers(-1, lay.max_reqs - 1))
-            if s >= 0 and used.get(s, 0) >= tokens:
-                s = -1
-            used[s] = used.get(s, 0) + 1
-            batch.append(s)
-        reset = [draw(st.booleans()) for _ in batch]
-        inval = [draw(st.lists(st.integers(-1, lay.host_rows - 1), min_size=2, max_size=2)) for _ in batch]
-        groups = range(lay.num_groups) if order == "ascending" else draw(st.permutations(range(lay.num_groups)))
-        group_topk = []
-        for g in groups:
-            rows = []
-            for _ in batch:
-                ids = draw(st.lists(st.integers(0, lay.host_rows - 1), max_size=top_k, unique=True))
-                ids += draw(st.lists(st.sampled_from([-1, -3, lay.host_rows]), min_size=top_k - len(ids),
-                                     max_size=top_k - len(ids)))
-                rows.append(draw(st.permutations(ids)))
-            group_topk.append((g, rows))
-        steps.append((writes, batch, reset, inval, group_topk))
-    return lay, steps, draw(st.integers(0, 2**16))
+def inval(lay):
+    return st.lists(st.integers(-1, lay.host_rows - 1), min_size=2, max_size=2)
 
 
 def run(program) -> int:
@@ -98,12 +66,12 @@ def run(program) -> int:
 
 
 @settings(max_examples=helpers.examples(60, 2500), deadline=None)
-@given(programs("ascending"))
+@given(programs(GROUPINGS, spare_slots=4, max_host_rows=24, inval=inval, ordered=True))
 def test_prefetch_in_group_order_equals_the_model_and_never_spoils_a_named_slot(program):
     assert run(program) == 0
 
 
 @settings(max_examples=helpers.examples(60, 2500), deadline=None)
-@given(programs("any"))
+@given(programs(GROUPINGS, spare_slots=4, max_host_rows=24, inval=inval))
 def test_prefetch_with_the_groups_of_a_step_in_any_order_never_spoils_a_named_slot(program):
     assert run(program) == 0
