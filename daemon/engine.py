@@ -138,8 +138,7 @@ class RankState:
         the slab when this returns (cpu); the cuda rank overrides it to only enqueue."""
         res, moved = self.topk(step, group, topk, state_rows)
         misses = int(res.misses.sum())
-        lay = self.residency.layout
-        layers = len(lay.groups[group])
+        layers = len(self.residency.layout.groups[group])
         deltas = {"topk_batches": 1, "hits": res.hits, "misses": misses, "rows_moved": misses * layers,
                   "bytes_moved": moved, "out_of_range": res.out_of_range, **self.prefetch_outcomes()}
         return {"hits": res.hits, "out_of_range": res.out_of_range}, {"slots": res.slots, "misses": res.misses}, deltas
@@ -149,10 +148,10 @@ class RankState:
         out, before anything else reaches this rank): the counter deltas."""
         group, state_rows, topk = self.pending_prefetch
         self.pending_prefetch = None
+        layers = self.residency.layout.groups[group]
         plan = self.residency.prefetch(group, state_rows, topk)
-        moved = self.mover.gather(plan, self.residency.layout.groups[group])
-        layers = len(self.residency.layout.groups[group])
-        return {"rows_moved": len(plan) * layers, "bytes_moved": moved, **self.prefetch_outcomes()}
+        moved = self.mover.gather(plan, layers)
+        return {"rows_moved": len(plan) * len(layers), "bytes_moved": moved, **self.prefetch_outcomes()}
 
     def prefetch_outcomes(self) -> dict:
         """Rows prefetched, and prefetched rows hit and wasted, since the last call

@@ -116,8 +116,7 @@ class CpuResidency(Residency):
             fresh = self.fresh[group, s]
             self.prefetch_hits += int(fresh[hit_slot[hit]].sum())
             fresh[hit_slot[hit]] = False
-            self.prefetch_wasted += int(fresh[miss_slots].sum())
-            fresh[miss_slots] = False
+            self._waste((group, s, miss_slots))
             owner[miss_slots] = ids[miss]
             lru[:] = np.concatenate((evictable[n_miss:], miss_slots, lru[in_hit]))
             row_slots = np.full(k, -1, dtype=np.int32)
@@ -150,7 +149,7 @@ class CpuResidency(Residency):
             if not picked.size:
                 continue
             taken = lru[picked]
-            self.prefetch_wasted += int(fresh[taken].sum())
+            self._waste((group, s, taken))
             owner[taken] = want[:taken.size]
             fresh[taken] = True
             rest = np.ones(stride, dtype=bool)
