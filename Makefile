@@ -55,6 +55,9 @@ nvcc:
 	@# the resolve's specialisations the daemon builds (daemon/kernels.py resolve_defines)
 	@d="-DSKV_HASH_SCALE=4 -DSKV_WS_SMEM=1 -DSKV_LRU_SMEM=1 -DSKV_OWNER_SMEM=1"; echo "nvcc csrc/resolve.cu $$d"; \
 	  nvcc -arch=sm_90 -std=c++17 -c -o /dev/null $$d csrc/resolve.cu
+	@# the prefetch with a block size other than the default
+	@d="-DSKV_RESOLVE_THREADS=256"; echo "nvcc csrc/prefetch.cu $$d"; \
+	  nvcc -arch=sm_90 -std=c++17 -c -o /dev/null $$d csrc/prefetch.cu
 
 # A wheel of the package (no dependencies) in dist/: `pip install dist/sparsekv-*.whl`.
 wheel:

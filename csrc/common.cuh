@@ -203,3 +203,21 @@ __device__ __forceinline__ void skv_ring_when_done(u32* done, u32* bell) {
         }
     }
 }
+
+// -- prefetch marks (csrc/prefetch.cu) ------------------------------------------------------
+
+// The prefetch counters: u64 [SKV_PF_COUNTERS], accumulated (one set for all groups).
+#define SKV_PF_PREFETCHED 0  // rows a prefetch took a slot for
+#define SKV_PF_HITS 1        // resolve hits on a fresh slot (each counted once)
+#define SKV_PF_WASTED 2      // fresh slots emptied or refilled before any hit
+#define SKV_PF_COUNTERS 4
+
+// Clear the fresh mark (uint8) at fresh[at] and return whether it was set: one atomic on
+// the aligned word holding it, so two blocks emptying the same slot count it once. The
+// array's base is 4-aligned and its size padded to a multiple of 4 bytes.
+__device__ __forceinline__ int skv_take_fresh(unsigned char* fresh, i64 at) {
+    u32* word = (u32*)(fresh + (at & ~(i64)3));
+    const int shift = (int)(at & 3) * 8;
+    if (!((*(volatile u32*)word >> shift) & 0xffu)) return 0;  // the common case: no atomic
+    return (int)((atomicAnd(word, ~(0xffu << shift)) >> shift) & 0xffu) ? 1 : 0;
+}

@@ -213,7 +213,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     int* __restrict__ err,              // the error record
     unsigned char* __restrict__ ws_global,  // null: workspace in dynamic shared memory
     const i64 ws_stride,                // bytes of one block's global workspace
-    u32* clear)                         // a doorbell word this launch consumes (set to 0), or null
+    u32* clear,                         // a doorbell word this launch consumes (set to 0), or null
+    unsigned char* __restrict__ fresh_all,  // [groups, max_reqs, S] prefetch marks, or null (prefetch off)
+    u64* __restrict__ pf_counters)      // [SKV_PF_COUNTERS] with fresh_all (common.cuh)
 {
     __shared__ int sh_rot[2 * (SKV_RT / 32)];
     SkvRot rot = {sh_rot, 0};
@@ -274,6 +276,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     skv_clear_masks(w, mask_words);  // ordered by the tile scan's barrier
     int* owner = owner_g + (i64)s * S;
     int* lru = lru_g + (i64)s * S;
+    unsigned char* fresh = fresh_all ? fresh_all + ((i64)group * max_reqs + s) * S : nullptr;
+    u64 pf_hits = 0, pf_wasted = 0;
 
     // Phase 1's keys and column states of column i < kp (id g when i < k); returns
     // (g out of range << 16) | (g valid): summed over a row, each count fits 16 bits.
@@ -500,7 +504,12 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             int m = skv_rot_scan_count<SKV_RT>(rot, pend, skv_bits_for(per), &total_pending);
             for (int c = c0; c < c1; ++c) {
                 const bool pending = w.colv[c] == SKV_PENDING;
-                out_slots[c] = skv_slot_of(w, c, m, n_take, S, ids, owner, &bad_slot);
+                const int sl = skv_slot_of(w, c, m, n_take, S, ids, owner, &bad_slot);
+                out_slots[c] = sl;
+                if (fresh && sl >= 0 && fresh[sl]) {  // a prefetched row used, or evicted unused
+                    fresh[sl] = 0;
+                    if (pending) ++pf_wasted; else ++pf_hits;
+                }
                 if (pending) {
                     mkeys[m] = w.keys[c];
                     w.hcol[m] = 0;  // the miss's rank, counted below
@@ -585,14 +594,19 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         if (sum_misses) atomicAdd(&cnt[1], sum_misses);
         if (sum_oor) atomicAdd(&cnt[2], sum_oor);
     }
+    if (pf_hits) atomicAdd(&pf_counters[SKV_PF_HITS], pf_hits);
+    if (pf_wasted) atomicAdd(&pf_counters[SKV_PF_WASTED], pf_wasted);
 }
 
-// Every group's region of each listed state row: owner = -1, lru = 0..S-1.
+// Every group's region of each listed state row: owner = -1, lru = 0..S-1; with `fresh`
+// (prefetch marks, or null), the marks cleared and counted in pf_counters[WASTED].
 // Entries outside [0, max_reqs) are skipped. Grid-stride over n * groups * S.
 extern "C" __global__ void skv_reset(int* __restrict__ owner, int* __restrict__ lru,
                                      const int groups, const int max_reqs, const int S,
-                                     const int* __restrict__ state_rows, const int n) {
+                                     const int* __restrict__ state_rows, const int n,
+                                     unsigned char* __restrict__ fresh, u64* __restrict__ pf_counters) {
     const i64 total = (i64)n * groups * S;
+    u64 wasted = 0;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < total;
          t += (i64)gridDim.x * blockDim.x) {
         const int slot = (int)(t % S);
@@ -603,26 +617,31 @@ extern "C" __global__ void skv_reset(int* __restrict__ owner, int* __restrict__ 
         const i64 at = ((i64)g * max_reqs + s) * S + slot;
         owner[at] = -1;
         lru[at] = slot;
+        if (fresh) wasted += skv_take_fresh(fresh, at);
     }
+    if (wasted) atomicAdd(&pf_counters[SKV_PF_WASTED], wasted);
 }
 
 // Empty every slot whose owner is one of `rows` = [n, r_0 .. r_{n-1}] (r ascending, a
 // negative r never matches; n read on the device, clamped to [0, rows_cap]): in every
 // (group, state row), or with state_rows only in those (entries outside [0, max_reqs)
 // skipped). The lru is unchanged.
-// counter (u64, may be null) accumulates how many slots were emptied. Grid: fixed,
-// strides over the regions (the write path: rows written on one rank, dropped in all).
+// counter (u64, may be null) accumulates how many slots were emptied; with `fresh`
+// (prefetch marks, or null) an emptied slot's mark is cleared and counted in
+// pf_counters[WASTED]. Grid: fixed, strides over the regions (the write path: rows written
+// on one rank, dropped in all).
 extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int groups,
                                           const int max_reqs, const int S,
                                           const int* __restrict__ state_rows, const int n_state,
                                           const int* __restrict__ rows, const int rows_cap,
-                                          u64* __restrict__ counter) {
+                                          u64* __restrict__ counter, unsigned char* __restrict__ fresh,
+                                          u64* __restrict__ pf_counters) {
     int n_rows = rows[0];
     n_rows = n_rows < 0 ? 0 : (n_rows > rows_cap ? rows_cap : n_rows);
     const int* rows_sorted = rows + 1;
     const i64 n_regions = state_rows ? (i64)groups * n_state : (i64)groups * max_reqs;
     const i64 total = n_rows ? n_regions * S : 0;
-    u64 emptied = 0;
+    u64 emptied = 0, wasted = 0;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < total;
          t += (i64)gridDim.x * blockDim.x) {
         i64 at = t;
@@ -638,9 +657,11 @@ extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int gro
         if (o >= 0 && skv_contains_i32(rows_sorted, n_rows, o)) {
             owner[at] = -1;
             ++emptied;
+            if (fresh) wasted += skv_take_fresh(fresh, at);
         }
     }
     if (counter && emptied) atomicAdd(counter, emptied);
+    if (wasted) atomicAdd(&pf_counters[SKV_PF_WASTED], wasted);
 }
 
 // The start of a decode step, from a STEP block: for each batch row b (state row s =
@@ -651,13 +672,16 @@ extern "C" __global__ void skv_invalidate(int* __restrict__ owner, const int gro
 // Grid: fixed; blocks stride over the (batch row, group) items. Dynamic shared memory:
 // inv_cap_p2 ints (the sorted invalidate row). A state row outside [-1, max_reqs) is
 // skipped and reported (BAD_STATE_ROW); a descriptor out of range does nothing (BAD_STEP).
+// With `fresh` (prefetch marks, or null), each emptied slot's mark is cleared and counted
+// once in pf_counters[WASTED] (an atomic per marked slot: items of one state row commute).
 extern "C" __global__ void skv_begin_step(const int* __restrict__ desc, int* __restrict__ owner,
                                           int* __restrict__ lru, const int groups,
                                           const int max_reqs, const int S, const int max_batch,
                                           const int* __restrict__ state_rows,
                                           const int* __restrict__ reset,
                                           const int* __restrict__ inv, const int inv_cap,
-                                          int* __restrict__ err) {
+                                          int* __restrict__ err, unsigned char* __restrict__ fresh,
+                                          u64* __restrict__ pf_counters) {
     SKV_DYN_SMEM(skv_smem);
     __shared__ int sh_desc[SKV_DESC_INTS];
     __shared__ int sh_item[2];  // state row and reset flag of the current item
@@ -673,6 +697,7 @@ extern "C" __global__ void skv_begin_step(const int* __restrict__ desc, int* __r
     }
     const int np2 = skv_pow2(n > 0 ? n : 1);
     const i64 items = (i64)batch * groups;
+    u64 wasted = 0;
     for (i64 t = blockIdx.x; t < items; t += gridDim.x) {  // block-uniform
         const int b = (int)(t / groups);
         const int g = (int)(t % groups);
@@ -692,6 +717,7 @@ extern "C" __global__ void skv_begin_step(const int* __restrict__ desc, int* __r
             for (int j = threadIdx.x; j < S; j += blockDim.x) {
                 owner[base + j] = -1;
                 lru[base + j] = j;
+                if (fresh) wasted += skv_take_fresh(fresh, base + j);
             }
             continue;
         }
@@ -702,8 +728,12 @@ extern "C" __global__ void skv_begin_step(const int* __restrict__ desc, int* __r
         skv_block_sort_i32(sorted, np2);
         for (int j = threadIdx.x; j < S; j += blockDim.x) {
             const int o = owner[base + j];
-            if (o >= 0 && skv_contains_i32(sorted, n, o)) owner[base + j] = -1;
+            if (o >= 0 && skv_contains_i32(sorted, n, o)) {
+                owner[base + j] = -1;
+                if (fresh) wasted += skv_take_fresh(fresh, base + j);
+            }
         }
         __syncthreads();  // the next item reuses `sorted`
     }
+    if (wasted) atomicAdd(&pf_counters[SKV_PF_WASTED], wasted);
 }

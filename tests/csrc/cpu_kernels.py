@@ -26,7 +26,8 @@ import numpy as np
 
 from sparsekv.csrc.build import load_source
 from sparsekv.daemon.kernels import resolve_defines
-from sparsekv.daemon.residency.cuda import error_bits, make_desc, resolve_workspace_bytes, rows_block
+from sparsekv.daemon.residency.cuda import (PF_HITS, PF_PREFETCHED, PF_WASTED, error_bits, fresh_marks, make_desc,
+                                            prefetch_workspace_bytes, resolve_workspace_bytes, rows_block)
 
 HERE = Path(__file__).resolve().parent
 EMU = HERE / "emulator"
@@ -129,9 +130,9 @@ void emu_launch(int grid, int block, int smem, std::function<void()> body);
 _RESOLVE_PARAMS = ("const int* desc, int* owner, int* lru, int groups, int max_reqs, int S, int host_rows, int top_k, "
                    "int max_batch, const int* state_rows, const int* topk, int out_k, int* slots, int* misses, "
                    "int* prow, int* pslot, unsigned long long* counters, int cpg, int* err, unsigned char* ws, "
-                   "long long ws_stride, unsigned int* clear")
+                   "long long ws_stride, unsigned int* clear, unsigned char* fresh, unsigned long long* pf")
 _RESOLVE_ARGS = ("desc, owner, lru, groups, max_reqs, S, host_rows, top_k, max_batch, state_rows, topk, out_k, slots, "
-                 "misses, prow, pslot, counters, cpg, err, ws, ws_stride, clear")
+                 "misses, prow, pslot, counters, cpg, err, ws, ws_stride, clear, fresh, pf")
 
 
 def _ptr(a: np.ndarray):
@@ -144,10 +145,12 @@ class Resolve:
 
     ``resolve(group, state_rows, topk)`` returns what ``CudaResidency.resolve`` returns
     (slots, misses, hits, out_of_range, the plan concatenated and stable-sorted) plus
-    ``misses_counted`` and the raw per-row outputs; ``err`` is the error record."""
+    ``misses_counted`` and the raw per-row outputs; ``err`` is the error record. With
+    ``prefetch``, the prefetch marks ``fresh`` and counters (as ``CudaResidency(prefetch=True)``
+    keeps them) and :meth:`prefetch` (``skv_prefetch`` of csrc/prefetch.cu)."""
 
     def __init__(self, lay, threads: int = 64, workspace: str = "shared", hash_scale: int = 2,
-                 lru_smem: bool = False, owner_smem: bool = False):
+                 lru_smem: bool = False, owner_smem: bool = False, prefetch: bool = False):
         self.lay, self.threads = lay, int(threads)
         # the workspace's options (CudaResidency picks them), in the defines and its size
         self.opts = {"hash_scale": int(hash_scale), "lru_smem": bool(lru_smem), "owner_smem": bool(owner_smem)}
@@ -159,6 +162,50 @@ class Resolve:
         self.lru[...] = np.arange(s, dtype=np.int32)
         self.ws_bytes = resolve_workspace_bytes(lay.top_k, s, **self.opts)
         self.err = np.zeros(32, np.int32)
+        self.fresh = fresh_marks((g, r, s)) if prefetch else None
+        self.pf = np.zeros(4, np.uint64)
+        if prefetch:
+            self.pf_lib = build("prefetch.cu", resolve_defines(self.threads))
+
+    @property
+    def prefetched(self) -> int:
+        return int(self.pf[PF_PREFETCHED])
+
+    @property
+    def prefetch_hits(self) -> int:
+        return int(self.pf[PF_HITS])
+
+    @property
+    def prefetch_wasted(self) -> int:
+        return int(self.pf[PF_WASTED])
+
+    def prefetch(self, group: int, state_rows, topk):
+        """One ``skv_prefetch`` launch into ``group``'s regions; returns the raw per-row
+        plans (``prow``, ``pslot`` [max_batch, top_k], ``counts``) and the plan as
+        CudaResidency.prefetch returns it (entries a later token dropped left out, sorted
+        by host row, then slot)."""
+        lay = self.lay
+        B, K = lay.max_batch, lay.top_k
+        batch, k = topk.shape
+        desc = make_desc(batch, k, group)
+        sr = np.full(B, -1, np.int32)
+        sr[:batch] = state_rows
+        tk = np.ascontiguousarray(topk, dtype=np.int32)
+        out = SimpleNamespace(prow=np.full((B, K), -7, np.int32), pslot=np.full((B, K), -7, np.int32),
+                              counts=np.full(B, -7, np.int32))
+        i = ctypes.c_int
+        self.pf_lib.run_skv_prefetch(
+            i(B), i(self.threads), i(prefetch_workspace_bytes(K, lay.region_stride)), _ptr(desc), _ptr(self.owner),
+            _ptr(self.lru), _ptr(self.fresh), i(lay.num_groups), i(lay.max_reqs), i(lay.region_stride),
+            i(lay.host_rows), i(K), i(B), _ptr(sr), _ptr(tk), i(K), _ptr(out.prow), _ptr(out.pslot),
+            _ptr(out.counts), _ptr(self.pf), _ptr(self.err))
+        take = np.arange(K)[None, :] < out.counts[:batch, None]
+        rows, flat = out.prow[:batch][take], out.pslot[:batch][take]
+        keep = flat >= 0
+        rows, flat = rows[keep], flat[keep]
+        by = np.lexsort((flat, rows))  # by host row, then slot: the NumPy engine's order
+        out.plan = SimpleNamespace(rows=rows[by], slots=flat[by])
+        return out
 
     # -- the other residency kernels (skv_reset, skv_invalidate, skv_begin_step), as CudaResidency
     # calls them: in self.lib, built with the same defines
@@ -170,7 +217,8 @@ class Resolve:
         lay = self.lay
         i = ctypes.c_int
         self.lib.run_skv_reset(i(3), i(64), i(0), _ptr(self.owner), _ptr(self.lru), i(lay.num_groups),
-                               i(lay.max_reqs), i(lay.region_stride), _ptr(rows), i(rows.size))
+                               i(lay.max_reqs), i(lay.region_stride), _ptr(rows), i(rows.size), _opt(self.fresh),
+                               _ptr(self.pf))
 
     def _invalidate(self, rows, state_rows) -> int:
         block = np.ascontiguousarray(rows_block(rows))
@@ -182,7 +230,7 @@ class Resolve:
         i = ctypes.c_int
         self.lib.run_skv_invalidate(i(3), i(64), i(0), _ptr(self.owner), i(lay.num_groups), i(lay.max_reqs),
                                     i(lay.region_stride), _opt(sr), i(0 if sr is None else sr.size), _ptr(block),
-                                    i(int(block[0])), _ptr(counter))
+                                    i(int(block[0])), _ptr(counter), _opt(self.fresh), _ptr(self.pf))
         return int(counter[0])
 
     def invalidate(self, state_row: int, rows) -> None:
@@ -207,7 +255,8 @@ class Resolve:
         i = ctypes.c_int
         self.lib.run_skv_begin_step(i(4), i(64), i(smem), _ptr(desc), _ptr(self.owner), _ptr(self.lru),
                                     i(lay.num_groups), i(lay.max_reqs), i(lay.region_stride), i(lay.max_batch),
-                                    _ptr(sr), _ptr(rs), _ptr(inv), i(cap), _ptr(self.err))
+                                    _ptr(sr), _ptr(rs), _ptr(inv), i(cap), _ptr(self.err), _opt(self.fresh),
+                                    _ptr(self.pf))
 
     def state(self) -> tuple[np.ndarray, np.ndarray]:
         return self.owner.copy(), self.lru.copy()
@@ -239,7 +288,7 @@ class Resolve:
             i(B), i(self.threads), i(smem), _ptr(desc), _ptr(self.owner), _ptr(self.lru), i(lay.num_groups),
             i(lay.max_reqs), i(lay.region_stride), i(lay.host_rows), i(lay.top_k), i(B), _ptr(sr), _ptr(tk), i(K),
             _ptr(out.slots), _ptr(out.misses), _ptr(out.prow), _ptr(out.pslot), _ptr(out.counters), i(0),
-            _ptr(self.err), ws_ptr, ctypes.c_longlong(ws_stride), _opt(clear))
+            _ptr(self.err), ws_ptr, ctypes.c_longlong(ws_stride), _opt(clear), _opt(self.fresh), _ptr(self.pf))
         return out
 
     def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray):
@@ -368,14 +417,25 @@ def map_positions(grid: int, threads: int, topk, table, block_size: int, req_ids
 KERNELS = {
     "resolve.cu": {
         "skv_resolve": (_RESOLVE_PARAMS, _RESOLVE_ARGS),
-        "skv_reset": ("int* owner, int* lru, int groups, int max_reqs, int S, const int* state_rows, int n",
-                      "owner, lru, groups, max_reqs, S, state_rows, n"),
+        "skv_reset": ("int* owner, int* lru, int groups, int max_reqs, int S, const int* state_rows, int n, "
+                      "unsigned char* fresh, unsigned long long* pf",
+                      "owner, lru, groups, max_reqs, S, state_rows, n, fresh, pf"),
         "skv_invalidate": ("int* owner, int groups, int max_reqs, int S, const int* state_rows, int n_state, "
-                           "const int* rows, int rows_cap, unsigned long long* counter",
-                           "owner, groups, max_reqs, S, state_rows, n_state, rows, rows_cap, counter"),
+                           "const int* rows, int rows_cap, unsigned long long* counter, unsigned char* fresh, "
+                           "unsigned long long* pf",
+                           "owner, groups, max_reqs, S, state_rows, n_state, rows, rows_cap, counter, fresh, pf"),
         "skv_begin_step": ("const int* desc, int* owner, int* lru, int groups, int max_reqs, int S, int max_batch, "
-                           "const int* state_rows, const int* reset, const int* inv, int inv_cap, int* err",
-                           "desc, owner, lru, groups, max_reqs, S, max_batch, state_rows, reset, inv, inv_cap, err"),
+                           "const int* state_rows, const int* reset, const int* inv, int inv_cap, int* err, "
+                           "unsigned char* fresh, unsigned long long* pf",
+                           "desc, owner, lru, groups, max_reqs, S, max_batch, state_rows, reset, inv, inv_cap, err, "
+                           "fresh, pf"),
+    },
+    "prefetch.cu": {
+        "skv_prefetch": ("const int* desc, int* owner, int* lru, unsigned char* fresh, int groups, int max_reqs, "
+                         "int S, int host_rows, int top_k, int max_batch, const int* state_rows, const int* topk, "
+                         "int ld, int* prow, int* pslot, int* counts, unsigned long long* pf, int* err",
+                         "desc, owner, lru, fresh, groups, max_reqs, S, host_rows, top_k, max_batch, state_rows, "
+                         "topk, ld, prow, pslot, counts, pf, err"),
     },
     "handle.cu": {"skv_db_topk": (_TOPK_PARAMS, _TOPK_ARGS), "skv_db_indices": (_INDICES_PARAMS, _INDICES_ARGS),
                   **{f"skv_map_positions_{p}_{t}": (_map_params(p, t), _MAP_ARGS) for p in _INTS for t in _INTS}},

@@ -27,6 +27,11 @@ ERR_BAD_STATE_ROW = 1 << E_BAD_STATE_ROW
 # Indices into the per-group counters (u64 [3] used of 4).
 HITS, MISSES, OUT_OF_RANGE = range(3)
 COUNTERS_PER_GROUP = 4
+# Indices into the prefetch counters (u64 [4], csrc/common.cuh SKV_PF_*), one set for all
+# groups: skv_prefetch counts the first, skv_resolve the hits, every kernel that empties or
+# refills a fresh slot the wasted.
+PF_PREFETCHED, PF_HITS, PF_WASTED = range(3)
+PF_COUNTERS = 4
 
 
 def cp_module():
@@ -76,6 +81,21 @@ def resolve_workspace_bytes(k: int, region_stride: int, hash_scale: int = 2, lru
     rows = 1 + int(bool(lru_smem)) + int(bool(owner_smem))
     base = _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + rows * _a16(region_stride * 4)
     return base + _a16(2 * hash_scale * kp * 4)
+
+
+def prefetch_workspace_bytes(k: int, region_stride: int) -> int:
+    """Dynamic shared memory of one ``skv_prefetch`` block for ``k`` columns (mirrors
+    ``skv_pf_ws`` of csrc/prefetch.cu): the table ``2 x 2 pow2(k)`` ints, two ``int[k]``,
+    a slot bitmask, the old lru row and the slots' takers ``int[S]`` each."""
+    s = region_stride
+    return 2 * _a16(2 * pow2(k) * 4) + 2 * _a16(k * 4) + _a16((s + 31) // 32 * 4) + 2 * _a16(s * 4)
+
+
+def fresh_marks(shape: tuple[int, ...], xp=np):
+    """The prefetch marks (uint8 ``shape``, zero) in an allocation padded to a multiple of
+    4 bytes: the kernels clear a mark with an atomic on its aligned 32-bit word."""
+    n = int(np.prod(shape))
+    return xp.zeros(-(-n // 4) * 4, dtype=xp.uint8)[:n].reshape(shape)
 
 
 def null_ptr():

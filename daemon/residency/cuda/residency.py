@@ -7,9 +7,14 @@ interface and exact semantics of ``cpu.py``; ``owner`` / ``lru`` are CuPy int32 
   (:class:`ResolveOutput`), run on a given stream, never read back.
   They cannot raise on bad values: the kernels refuse the row (csrc/README.md) and count
   it in the error record ``out.err``, which the daemon turns into typed errors.
-* **host convenience** (tests, ``replay --verify``): ``resolve``, ``reset``,
+* **host convenience** (tests, ``replay --verify``): ``resolve``, ``prefetch``, ``reset``,
   ``invalidate``, ``invalidate_everywhere`` take and return NumPy, raise the cpu
   backend's :class:`ResidencyError` codes before any state changes, and synchronise.
+
+With ``prefetch=True`` the residency also keeps the prefetch marks ``fresh`` (uint8, the
+shape of ``owner``) and the counters ``pf_counters`` (uint64 [4]: prefetched, hits,
+wasted, accumulated), which every kernel updates (csrc/prefetch.cu, csrc/resolve.cu);
+without, the kernels get null pointers and do exactly the work they did before.
 """
 
 from __future__ import annotations
@@ -23,16 +28,22 @@ from ..base import Plan, Residency, ResidencyError, Resolved, check_batch
 from .device import (
     HITS,
     OUT_OF_RANGE,
+    PF_COUNTERS,
+    PF_HITS,
+    PF_PREFETCHED,
+    PF_WASTED,
     SETUP_BLOCKS,
     STEP_BLOCKS,
     ResolveOutput,
     cp_module,
     device_i32,
     error_bits,
+    fresh_marks,
     grid_blocks,
     make_desc,
     null_ptr,
     pow2,
+    prefetch_workspace_bytes,
     resolve_workspace_bytes,
     rows_block,
     smem_limit,
@@ -56,10 +67,13 @@ class CudaResidency(Residency):
             whole; the owner row read into it with the lru row (csrc/resolve.cu
             SKV_LRU_SMEM, SKV_OWNER_SMEM; a region row of workspace each). ``None`` (the
             default): each where the workspace (with the table above) still fits.
+        prefetch: keep the prefetch marks and counters, and build ``skv_prefetch``
+            (a layout whose prefetch workspace exceeds shared memory is refused).
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
-                 workspace: str = "auto", hash_scale: int | None = None, lru_smem: bool | None = None, owner_smem: bool | None = None):
+                 workspace: str = "auto", hash_scale: int | None = None, lru_smem: bool | None = None, owner_smem: bool | None = None,
+                 prefetch: bool = False):
         cp = cp_module()
         self.layout = layout.validate()
         kernels = kernels if kernels is not None else get_cache()
@@ -69,6 +83,8 @@ class CudaResidency(Residency):
             self.owner = cp.full((g, r, s), -1, dtype=cp.int32)
             self.lru = cp.empty((g, r, s), dtype=cp.int32)
             self.lru[...] = cp.arange(s, dtype=cp.int32)
+            self.fresh = fresh_marks((g, r, s), cp) if prefetch else None
+            self.pf_counters = cp.zeros(PF_COUNTERS, dtype=cp.uint64) if prefetch else None
         self.threads = int(threads)
         # Options not given: the smallest, then each that still fits in shared memory.
         # Built for a shared-memory workspace unless it must be global (rebuilt if not).
@@ -115,6 +131,17 @@ class CudaResidency(Residency):
             self.inv_cap = limit // 8  # a power of two that fits; STEP refuses wider rows
             self.step_smem = pow2(self.inv_cap) * 4
         self._begin_step = kernels.function("resolve.cu", "skv_begin_step", defines, smem_bytes=self.step_smem)
+        self._prefetch = None
+        if prefetch:
+            pf_defines = resolve_defines(threads)
+            self.prefetch_smem = prefetch_workspace_bytes(layout.top_k, s)
+            pf_limit = smem_limit(kernels.function("prefetch.cu", "skv_prefetch", pf_defines))
+            if self.prefetch_smem > pf_limit:
+                raise ValueError(f"prefetch workspace {self.prefetch_smem} B (top_k {layout.top_k}, region_stride "
+                                 f"{s}) exceeds shared memory {pf_limit} B")
+            if layout.max_batch > 0xFFFF:
+                raise ValueError(f"prefetch takes at most 65535 batch rows, max_batch is {layout.max_batch}")
+            self._prefetch = kernels.function("prefetch.cu", "skv_prefetch", pf_defines, smem_bytes=self.prefetch_smem)
         self._host_out: ResolveOutput | None = None
         self.last_errors = 0  # error bits of the last host-convenience resolve
 
@@ -169,7 +196,7 @@ class CudaResidency(Residency):
                 (desc, self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
                  i32(lay.host_rows), i32(lay.top_k), i32(max_batch), state_rows, topk, i32(lay.top_k),
                  slots, misses, plan_rows, plan_slots, counters, i32(counters_per_group), err, ws, ws_stride,
-                 np.uint64(clear)),
+                 np.uint64(clear), *self._marks()),
                 shared_mem=self.resolve_smem,
             )
 
@@ -183,7 +210,7 @@ class CudaResidency(Residency):
             self._begin_step(
                 (STEP_BLOCKS,), (256,),
                 (desc, self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
-                 i32(max_batch), state_rows, reset, invalidate, i32(self.inv_cap), err),
+                 i32(max_batch), state_rows, reset, invalidate, i32(self.inv_cap), err, *self._marks()),
                 shared_mem=self.step_smem,
             )
 
@@ -207,7 +234,7 @@ class CudaResidency(Residency):
             self._invalidate(
                 (grid_blocks(total, 256, SETUP_BLOCKS),), (256,),
                 (self.owner, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride), sr,
-                 i32(n_state), rows, i32(rows_cap), counter if counter is not None else null_ptr()),
+                 i32(n_state), rows, i32(rows_cap), counter if counter is not None else null_ptr(), *self._marks()),
             )
 
     def reset(self, state_rows: np.ndarray) -> None:
@@ -223,7 +250,7 @@ class CudaResidency(Residency):
         with self.stream:
             self._reset((grid_blocks(total, 256, SETUP_BLOCKS),), (256,),
                         (self.owner, self.lru, i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride),
-                         cp.asarray(rows.astype(np.int32)), i32(rows.size)))
+                         cp.asarray(rows.astype(np.int32)), i32(rows.size), *self._marks()))
         self.stream.synchronize()
 
     def invalidate(self, state_row: int, rows: np.ndarray) -> None:
@@ -247,6 +274,77 @@ class CudaResidency(Residency):
             self.invalidate_async(cp.asarray(block), int(block[0]), None, counter)
         with self.stream:  # a readback on the legacy stream would wait behind parked doorbell streams
             return int(counter.get()[0])
+
+    def _marks(self) -> tuple:
+        """The last two arguments of every residency kernel: the prefetch marks and
+        counters, or null pointers (prefetch off)."""
+        if self.fresh is None:
+            return null_ptr(), null_ptr()
+        return self.fresh, self.pf_counters
+
+    def launch_prefetch(self, desc, state_rows, topk, plan_rows, plan_slots, counts, err, max_batch: int,
+                        stream) -> None:
+        """Enqueue ``skv_prefetch`` (csrc/prefetch.cu) on ``stream``: ``topk`` (int32
+        [batch, k], another group's) into the regions of ``desc``'s group, the plan into
+        ``plan_rows`` / ``plan_slots`` [max_batch, top_k] and ``counts`` [max_batch] (the
+        format ``skv_gather`` reads). Device arrays only; no read-back."""
+        if self._prefetch is None:
+            raise ResidencyError("BAD_ARGUMENT", "this residency was made without prefetch")
+        lay = self.layout
+        i32 = np.int32
+        with stream:
+            self._prefetch(
+                (int(max_batch),), (self.threads,),
+                (desc, self.owner, self.lru, self.fresh, i32(lay.num_groups), i32(lay.max_reqs),
+                 i32(lay.region_stride), i32(lay.host_rows), i32(lay.top_k), i32(max_batch), state_rows, topk,
+                 i32(lay.top_k), plan_rows, plan_slots, counts, self.pf_counters, err),
+                shared_mem=self.prefetch_smem,
+            )
+
+    def prefetch(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Plan:
+        if self._prefetch is None:
+            return super().prefetch(group, state_rows, topk)
+        cp = cp_module()
+        state_rows, topk = check_batch(self.layout, group, state_rows, topk)
+        batch, k = topk.shape
+        if batch == 0:
+            return Plan(rows=np.empty(0, np.int32), slots=np.empty(0, np.int32))
+        out = self._host_output(batch)
+        with self.stream:
+            out.desc.set(make_desc(batch, k, group), stream=self.stream)
+            self.launch_prefetch(out.desc, cp.asarray(state_rows), cp.asarray(np.ascontiguousarray(topk)),
+                                 out.plan_rows, out.plan_slots, out.misses, out.err, out.max_batch, self.stream)
+        self.stream.synchronize()
+        with self.stream:
+            counts = out.misses[:batch].get()
+            prow = out.plan_rows[:batch].get()
+            pslot = out.plan_slots[:batch].get()
+            self.last_errors = error_bits(out.err.get())
+        # Entries a later token of the request dropped (slot -1) left out; sorted by host
+        # row, then slot, as the NumPy engine's plan.
+        take = (np.arange(out.top_k)[None, :] < counts[:, None]) & (pslot >= 0)
+        rows, flat = prow[take], pslot[take]
+        by_row = np.lexsort((flat, rows))
+        return Plan(rows=rows[by_row].astype(np.int32), slots=flat[by_row].astype(np.int32))
+
+    def _pf_counter(self, i: int) -> int:
+        if self.pf_counters is None:
+            return 0
+        self.stream.synchronize()
+        with self.stream:
+            return int(self.pf_counters[i].get())
+
+    @property
+    def prefetched(self) -> int:
+        return self._pf_counter(PF_PREFETCHED)
+
+    @property
+    def prefetch_hits(self) -> int:
+        return self._pf_counter(PF_HITS)
+
+    @property
+    def prefetch_wasted(self) -> int:
+        return self._pf_counter(PF_WASTED)
 
     def resolve(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Resolved:
         cp = cp_module()

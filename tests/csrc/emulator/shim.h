@@ -40,10 +40,12 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) { emu_f[emu_cur].pred = 
 inline int __reduce_add_sync(unsigned m, int v) { return (int)__reduce_add_sync(m, (unsigned)v); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline void __threadfence() {}
+inline void __threadfence_block() {}
 inline void __threadfence_system() {}
 template <class T> inline T atomicAdd(T* a, T v) { T o = *a; *a = o + v; return o; }
 template <class T> inline T atomicMin(T* a, T v) { T o = *a; if (v < o) *a = v; return o; }
 template <class T> inline T atomicOr(T* a, T v) { T o = *a; *a = o | v; return o; }
+template <class T> inline T atomicAnd(T* a, T v) { T o = *a; *a = o & v; return o; }
 template <class T> inline T atomicExch(T* a, T v) { T o = *a; *a = v; return o; }
 template <class T> inline T atomicCAS(T* a, T c, T v) { T o = *a; if (o == c) *a = v; return o; }
 
