@@ -133,3 +133,95 @@ def run_trace(cpu, gpu, lay, seed, steps, batch, overlap, state_every=1):
     # The trace must have exercised both paths.
     assert stats["hits"] > 0 and stats["misses"] > 0, stats
     return stats
+
+
+# -- prefetch programs ------------------------------------------------------------------
+
+
+def drift(rng, lay, topk, share):
+    """The next group's top-k: each row's valid ids with ``share`` of them replaced by
+    other ids (unique within the row), as the next layer's indexer would pick."""
+    out = topk.copy()
+    for row in out:
+        valid = np.flatnonzero((row >= 0) & (row < lay.host_rows))
+        swap = valid[rng.random(valid.size) < share]
+        new = np.setdiff1d(rng.choice(lay.host_rows, size=3 * lay.top_k + 8), row)[:swap.size]
+        rng.shuffle(new)
+        row[swap[:new.size]] = new
+    return out
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def assert_marks(cpu, other, where=""):
+    """Owners, lru rows, prefetch marks and counters of ``other`` (``owner``, ``lru``,
+    ``fresh`` arrays, host or device) equal the NumPy engine's."""
+    np.testing.assert_array_equal(_host(other.owner), cpu.owner, err_msg=f"owner {where}")
+    np.testing.assert_array_equal(_host(other.lru), cpu.lru, err_msg=f"lru {where}")
+    np.testing.assert_array_equal(_host(other.fresh).astype(bool), cpu.fresh, err_msg=f"fresh {where}")
+    got = (other.prefetched, other.prefetch_hits, other.prefetch_wasted)
+    assert got == (cpu.prefetched, cpu.prefetch_hits, cpu.prefetch_wasted), where
+
+
+def run_prefetch_program(cpu, other, lay, seed, steps, batch, begin_step, check_plan=None):
+    """A random program on both residencies: resets, invalidations (one region and
+    everywhere), begin-step blocks (``begin_step(other, state_rows, reset, invalidate)``),
+    and decode steps in which each group resolves a batch and then prefetches it into the
+    next group, whose batch drifts from it. After every operation the state, marks and
+    counters are compared; each prefetch's plan equals the NumPy engine's (host row, then
+    slot order), no slot twice; ``check_plan(want_plan, where)``, if given, checks more."""
+    rng = np.random.default_rng(seed)
+    memory: dict = {}
+    reqs, host_rows = lay.max_reqs, lay.host_rows
+    for step in range(steps):
+        where = f"seed {seed} step {step}"
+        op = rng.random()
+        if op < 0.1:
+            rs = rng.choice(reqs, size=int(rng.integers(1, 3)), replace=True).astype(np.int32)
+            cpu.reset(rs)
+            other.reset(rs)
+        elif op < 0.2 and memory:
+            s = int(rng.choice(list(memory)))
+            rows = rng.choice(memory[s], size=min(memory[s].size, 3), replace=False) if memory[s].size else []
+            rows = np.concatenate([rows, [-1, int(rng.integers(host_rows))]]).astype(np.int32)
+            cpu.invalidate(s, rows)
+            other.invalidate(s, rows)
+        elif op < 0.27 and memory:
+            pool = np.concatenate(list(memory.values()))
+            rows = rng.choice(pool, size=min(pool.size, 6), replace=False).astype(np.int32)
+            assert other.invalidate_everywhere(rows) == cpu.invalidate_everywhere(rows), where
+        elif op < 0.35:
+            rows = rng.choice(reqs, size=min(reqs, 3), replace=False).astype(np.int32)
+            reset = (rng.random(rows.size) < 0.4).astype(np.int32)
+            inv = np.where(rng.random((rows.size, 4)) < 0.7, rng.integers(0, host_rows, (rows.size, 4)), -1)
+            inv = inv.astype(np.int32)
+            for s, r in zip(rows, reset):
+                if r:
+                    cpu.reset(np.array([s], np.int32))
+            for s, r, ids in zip(rows, reset, inv):
+                if not r:
+                    cpu.invalidate(int(s), ids)
+            begin_step(other, rows, reset, inv)
+        else:
+            sr, tk = gen_batch(rng, lay, memory, batch, 0.6)
+            for g in range(lay.num_groups):
+                assert_same(cpu.resolve(g, sr, tk), other.resolve(g, sr, tk), f"{where} resolve {g}")
+                assert_marks(cpu, other, f"{where} resolve {g}")
+                if g + 1 < lay.num_groups:
+                    w = f"{where} prefetch {g + 1}"
+                    want = cpu.prefetch(g + 1, sr, tk)
+                    got = other.prefetch(g + 1, sr, tk)
+                    np.testing.assert_array_equal(got.rows, want.rows, err_msg=w)
+                    np.testing.assert_array_equal(got.slots, want.slots, err_msg=w)
+                    assert np.unique(got.slots).size == got.slots.size, f"a slot twice in the plan {w}"
+                    if check_plan is not None:
+                        check_plan(want, w)
+                    assert_marks(cpu, other, w)
+                tk = drift(rng, lay, tk, float(rng.choice([0.0, 0.2, 0.6])))
+        assert_marks(cpu, other, where)
+    if lay.region_stride > lay.top_k:  # the program exercised what it checks
+        assert cpu.prefetched and cpu.prefetch_hits and cpu.prefetch_wasted, (cpu.prefetched, cpu.prefetch_hits)
+    else:
+        assert cpu.prefetched == 0

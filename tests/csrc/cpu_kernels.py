@@ -181,9 +181,9 @@ class Resolve:
 
     def prefetch(self, group: int, state_rows, topk):
         """One ``skv_prefetch`` launch into ``group``'s regions; returns the raw per-row
-        plans (``prow``, ``pslot`` [max_batch, top_k], ``counts``) and the plan as
-        CudaResidency.prefetch returns it (entries a later token dropped left out, sorted
-        by host row, then slot)."""
+        plans (``prow``, ``pslot`` [max_batch, top_k], ``counts``) and the plan (``rows``,
+        ``slots``) as CudaResidency.prefetch returns it (entries a later token dropped left
+        out, sorted by host row, then slot); also kept as ``last_prefetch``."""
         lay = self.lay
         B, K = lay.max_batch, lay.top_k
         batch, k = topk.shape
@@ -204,7 +204,8 @@ class Resolve:
         keep = flat >= 0
         rows, flat = rows[keep], flat[keep]
         by = np.lexsort((flat, rows))  # by host row, then slot: the NumPy engine's order
-        out.plan = SimpleNamespace(rows=rows[by], slots=flat[by])
+        out.rows, out.slots = rows[by], flat[by]
+        self.last_prefetch = out
         return out
 
     # -- the other residency kernels (skv_reset, skv_invalidate, skv_begin_step), as CudaResidency
