@@ -18,6 +18,7 @@ import pytest
 import cpu_kernels
 from kernel_traces import assert_marks, assert_same, gen_batch, layout, run_prefetch_program
 from sparsekv.daemon.residency.cpu import CpuResidency
+from sparsekv.daemon.residency.cuda.device import E_BAD_STATE_ROW, E_BAD_STEP
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 
@@ -110,3 +111,27 @@ def test_without_prefetch_the_kernels_touch_no_marks_and_resolve_as_before():
         np.testing.assert_array_equal(emu.owner, cpu.owner)
         np.testing.assert_array_equal(emu.lru, cpu.lru)
     assert emu.fresh is None and not emu.pf.any()
+
+
+def test_device_path_bad_input_is_padding_refused_or_deduplicated():
+    """What the device path does with input the host path refuses: a state row outside
+    [-1, max_reqs) is padding (count 0, BAD_STATE_ROW with its batch row); a group out of
+    range does nothing (every count 0, BAD_STEP); an id repeated in a row is prefetched once
+    (its first column), as the NumPy engine prefetches the row without the repeat."""
+    lay = layout(4, 12, 100, 3, groups=2, max_batch=4)
+    cpu = CpuResidency(lay)
+    emu = cpu_kernels.Resolve(lay, threads=32, prefetch=True)
+    sr = np.array([0, 7, -1, 2], np.int32)
+    tk = np.array([[5, 6, 5, 7], [1, 2, 3, 4], [8, 9, 10, 11], [12, 13, 14, -1]], np.int32)
+    out = emu.prefetch(1, sr, tk)
+    assert out.counts[1] == 0 and out.counts[2] == 0
+    assert emu.err[E_BAD_STATE_ROW] == 1 and emu.err[8 + E_BAD_STATE_ROW] == 1
+    want = cpu.prefetch(1, np.array([0, -1, -1, 2], np.int32), np.array([[5, 6, -1, 7]] + tk[1:].tolist(), np.int32))
+    np.testing.assert_array_equal(out.rows, want.rows)
+    np.testing.assert_array_equal(out.slots, want.slots)
+    assert_marks(cpu, emu, "bad rows")
+    before = emu.owner.copy(), emu.lru.copy(), emu.fresh.copy()
+    out = emu.prefetch(2, sr, tk)  # group 2 of 2
+    assert (out.counts == 0).all() and emu.err[E_BAD_STEP] == 1
+    for a, b in zip(before, (emu.owner, emu.lru, emu.fresh)):
+        np.testing.assert_array_equal(a, b)
