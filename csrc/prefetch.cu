@@ -72,8 +72,9 @@ __device__ __forceinline__ void skv_pf_chunk(int n, int* per, int* c0, int* c1) 
     *c1 = *c0 + *per < n ? *c0 + *per : n;
 }
 
-// Prefetch one top-k batch (of a source group) into the regions of the descriptor's
-// (target) group.
+// Prefetch one top-k batch (of a source group) into the regions of the target group: the
+// descriptor's plus group_offset (0 for a descriptor written for the prefetch; 1 to reuse
+// the source group's own top-k block, as the doorbell step would).
 //
 // Grid: max_batch blocks, fixed; blocks at or past the descriptor's batch exit. The block
 // of the first batch row naming a state row prefetches every batch row naming it, in batch
@@ -94,7 +95,8 @@ __device__ __forceinline__ void skv_pf_chunk(int n, int* per, int* c0, int* c1) 
 // bounds: such an entry is not a candidate.
 // pf_counters (u64, accumulated): [PREFETCHED] taken, [WASTED] fresh slots taken again.
 extern "C" __global__ void __launch_bounds__(SKV_PT, 1) skv_prefetch(
-    const int* __restrict__ desc,          // step descriptor (batch, k, target group)
+    const int* __restrict__ desc,          // step descriptor (batch, k, group)
+    const int group_offset,                // target group = desc group + group_offset
     int* __restrict__ owner_all,           // [groups, max_reqs, S]
     int* __restrict__ lru_all,             // [groups, max_reqs, S]
     unsigned char* __restrict__ fresh_all,  // [groups, max_reqs, S], padded to 4 bytes
@@ -125,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(SKV_PT, 1) skv_prefetch(
     __syncthreads();
     const int batch = sh_desc[SKV_D_BATCH];
     const int k = sh_desc[SKV_D_K];
-    const int group = sh_desc[SKV_D_GROUP];
+    const int group = sh_desc[SKV_D_GROUP] + group_offset;
     if (batch < 0 || batch > max_batch || k < 0 || k > ld || k > 65535 || group < 0 || group >= groups) {
         if (tid == 0) {
             counts[b0] = 0;

@@ -179,7 +179,7 @@ class Resolve:
     def prefetch_wasted(self) -> int:
         return int(self.pf[PF_WASTED])
 
-    def prefetch(self, group: int, state_rows, topk):
+    def prefetch(self, group: int, state_rows, topk, group_offset: int = 0):
         """One ``skv_prefetch`` launch into ``group``'s regions; returns the raw per-row
         plans (``prow``, ``pslot`` [max_batch, top_k], ``counts``) and the plan (``rows``,
         ``slots``) as CudaResidency.prefetch returns it (entries a later token dropped left
@@ -187,7 +187,7 @@ class Resolve:
         lay = self.lay
         B, K = lay.max_batch, lay.top_k
         batch, k = topk.shape
-        desc = make_desc(batch, k, group)
+        desc = make_desc(batch, k, group - group_offset)
         sr = np.full(B, -1, np.int32)
         sr[:batch] = state_rows
         tk = np.ascontiguousarray(topk, dtype=np.int32)
@@ -195,8 +195,8 @@ class Resolve:
                               counts=np.full(B, -7, np.int32))
         i = ctypes.c_int
         self.pf_lib.run_skv_prefetch(
-            i(B), i(self.threads), i(prefetch_workspace_bytes(K, lay.region_stride)), _ptr(desc), _ptr(self.owner),
-            _ptr(self.lru), _ptr(self.fresh), i(lay.num_groups), i(lay.max_reqs), i(lay.region_stride),
+            i(B), i(self.threads), i(prefetch_workspace_bytes(K, lay.region_stride)), _ptr(desc), i(group_offset),
+            _ptr(self.owner), _ptr(self.lru), _ptr(self.fresh), i(lay.num_groups), i(lay.max_reqs), i(lay.region_stride),
             i(lay.host_rows), i(K), i(B), _ptr(sr), _ptr(tk), i(K), _ptr(out.prow), _ptr(out.pslot),
             _ptr(out.counts), _ptr(self.pf), _ptr(self.err))
         take = np.arange(K)[None, :] < out.counts[:batch, None]
@@ -432,10 +432,10 @@ KERNELS = {
                            "fresh, pf"),
     },
     "prefetch.cu": {
-        "skv_prefetch": ("const int* desc, int* owner, int* lru, unsigned char* fresh, int groups, int max_reqs, "
+        "skv_prefetch": ("const int* desc, int group_offset, int* owner, int* lru, unsigned char* fresh, int groups, int max_reqs, "
                          "int S, int host_rows, int top_k, int max_batch, const int* state_rows, const int* topk, "
                          "int ld, int* prow, int* pslot, int* counts, unsigned long long* pf, int* err",
-                         "desc, owner, lru, fresh, groups, max_reqs, S, host_rows, top_k, max_batch, state_rows, "
+                         "desc, group_offset, owner, lru, fresh, groups, max_reqs, S, host_rows, top_k, max_batch, state_rows, "
                          "topk, ld, prow, pslot, counts, pf, err"),
     },
     "handle.cu": {"skv_db_topk": (_TOPK_PARAMS, _TOPK_ARGS), "skv_db_indices": (_INDICES_PARAMS, _INDICES_ARGS),

@@ -72,7 +72,8 @@ def test_a_later_token_retaking_a_slot_drops_the_earlier_entry():
     """Two tokens of one request in one prefetch batch, the second wanting as many rows as
     there are slots outside the kept ones: it retakes every slot the first took; the first
     token's entries become (-1, -1), the plan holds each slot once with the second token's
-    rows, and the retakes count as wasted, as on the NumPy engine."""
+    rows, and the retakes count as wasted, as on the NumPy engine. The descriptor names
+    the source group, the launch adds 1 (group_offset)."""
     lay = layout(4, 8, 100, 2, groups=2, max_batch=3)  # 4 slots outside the kept 4
     cpu = CpuResidency(lay)
     emu = cpu_kernels.Resolve(lay, threads=32, prefetch=True)
@@ -82,7 +83,7 @@ def test_a_later_token_retaking_a_slot_drops_the_earlier_entry():
     sr = np.array([0, 0], np.int32)
     tk = np.array([[10, 11, 12, 13], [20, 21, 22, 23]], np.int32)
     want = cpu.prefetch(1, sr, tk)
-    out = emu.prefetch(1, sr, tk)
+    out = emu.prefetch(1, sr, tk, group_offset=1)  # the descriptor of group 0's top-k block
     assert raw_entries(out, 1) == [(-1, -1)] * 4
     assert sorted(e[0] for e in raw_entries(out, 2)[4:]) == [20, 21, 22, 23]
     np.testing.assert_array_equal(out.rows, want.rows)

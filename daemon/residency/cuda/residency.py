@@ -283,9 +283,10 @@ class CudaResidency(Residency):
         return self.fresh, self.pf_counters
 
     def launch_prefetch(self, desc, state_rows, topk, plan_rows, plan_slots, counts, err, max_batch: int,
-                        stream) -> None:
+                        stream, group_offset: int = 0) -> None:
         """Enqueue ``skv_prefetch`` (csrc/prefetch.cu) on ``stream``: ``topk`` (int32
-        [batch, k], another group's) into the regions of ``desc``'s group, the plan into
+        [batch, k], another group's) into the regions of group ``desc`` group +
+        ``group_offset`` (1: ``desc`` is the source group's top-k block), the plan into
         ``plan_rows`` / ``plan_slots`` [max_batch, top_k] and ``counts`` [max_batch] (the
         format ``skv_gather`` reads). Device arrays only; no read-back."""
         if self._prefetch is None:
@@ -295,7 +296,7 @@ class CudaResidency(Residency):
         with stream:
             self._prefetch(
                 (int(max_batch),), (self.threads,),
-                (desc, self.owner, self.lru, self.fresh, i32(lay.num_groups), i32(lay.max_reqs),
+                (desc, np.int32(group_offset), self.owner, self.lru, self.fresh, i32(lay.num_groups), i32(lay.max_reqs),
                  i32(lay.region_stride), i32(lay.host_rows), i32(lay.top_k), i32(max_batch), state_rows, topk,
                  i32(lay.top_k), plan_rows, plan_slots, counts, self.pf_counters, err),
                 shared_mem=self.prefetch_smem,

@@ -63,7 +63,8 @@ def test_prefetch_programs_on_the_gpu_equal_the_numpy_engine(case, kc):
 
 
 def test_the_device_path_plan_drops_a_slot_a_later_token_retook(kc):
-    """launch_prefetch (no read-back): two tokens of one request, the second retaking every
+    """launch_prefetch (no read-back) with the source group's descriptor and group_offset 1:
+    two tokens of one request, the second retaking every
     slot the first took: the first row's entries are (-1, -1), the second's hold its rows,
     counts 4 and 4; the marks and counters are the NumPy engine's."""
     import cupy as cp
@@ -79,9 +80,9 @@ def test_the_device_path_plan_drops_a_slot_a_later_token_retook(kc):
     want = cpu.prefetch(1, sr, tk)
     out = gpu.new_output()
     with gpu.stream:
-        out.desc.set(cuda.make_desc(2, 4, 1), stream=gpu.stream)
+        out.desc.set(cuda.make_desc(2, 4, 0), stream=gpu.stream)  # group 0's top-k block: target 0 + 1
         gpu.launch_prefetch(out.desc, cp.asarray(sr), cp.asarray(tk), out.plan_rows, out.plan_slots, out.misses,
-                            out.err, out.max_batch, gpu.stream)
+                            out.err, out.max_batch, gpu.stream, group_offset=1)
     gpu.stream.synchronize()
     with gpu.stream:
         prow, pslot, counts = out.plan_rows.get(), out.plan_slots.get(), out.misses.get()
