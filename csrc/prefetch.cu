@@ -12,10 +12,12 @@
 #define SKV_PF_HASH 2  // hash entries per power-of-two column (load at most 1/2)
 #define SKV_PF_NONE 0xffffffffu
 #define SKV_PF_FREE 0x7fffffff
+#define SKV_PF_NO_KEY 0xffffffffffffffffull
 
 // Per-row workspace in dynamic shared memory, each part 16-aligned; mirrored by
 // prefetch_workspace_bytes() (daemon/residency/cuda/device.py):
-//   htab int[H kp], hcol int[H kp]  host row -> its lowest column (kp = pow2 >= k)
+//   htab int[H kp], hcol int[H kp]  host row -> its lowest column (kp = pow2 >= k);
+//                           htab reused as u64[kp] for the takes' keys of the plan
 //   colw  int[k]            per column: 0 none (invalid or repeated), 1 wanted, 2 held
 //   wcol  int[k]            the columns of the wanted ids, in column order
 //   rmask u32[ceil(S/32)]   bit per slot: its owner is one of the ids (resident)
@@ -65,6 +67,25 @@ __device__ __forceinline__ int skv_pf_find(const SkvPfWs& w, int g, int bits) {
     }
 }
 
+// Ascending bitonic sort of a[0, n), n a power of two, by the whole block (the caller
+// synchronised after writing a[]; ends with __syncthreads()).
+__device__ __forceinline__ void skv_pf_sort(u64* a, int n) {
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int t = threadIdx.x; t < (n >> 1); t += SKV_PT) {
+                const int i = 2 * t - (t & (stride - 1));
+                const int j = i + stride;
+                const u64 x = a[i], y = a[j];
+                if ((x > y) == ((i & size) == 0)) {
+                    a[i] = y;
+                    a[j] = x;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
 // [c0, c1): thread tid's contiguous chunk of n entries, `per` entries a thread.
 __device__ __forceinline__ void skv_pf_chunk(int n, int* per, int* c0, int* c1) {
     *per = (n + SKV_PT - 1) / SKV_PT;
@@ -89,10 +110,10 @@ __device__ __forceinline__ void skv_pf_chunk(int n, int* per, int* c0, int* c1) 
 //   4. new lru: the positions before kept not taken, then the taken slots, then the kept
 //      part (unchanged); each taken slot's fresh mark is set (counted wasted if it was).
 // Outputs: counts[b] entries of plan_rows[b] / plan_slots[b] (flat slot s * S + slot), in
-// the taking order, the format skv_gather reads. A later batch row of s that takes a slot
-// again drops the earlier entry (its row and slot become -1, which the gather skips), so
-// no slot is copied twice. A corrupt lru (an entry outside [0, S)) never writes out of
-// bounds: such an entry is not a candidate.
+// host-row order (a bitonic sort), the format skv_gather reads. A later batch row of s
+// that takes a slot again drops the earlier entry (its row and slot become -1, which the
+// gather skips), so no slot is copied twice. A corrupt lru (an entry outside [0, S)) never
+// writes out of bounds: such an entry is not a candidate.
 // pf_counters (u64, accumulated): [PREFETCHED] taken, [WASTED] fresh slots taken again.
 extern "C" __global__ void __launch_bounds__(SKV_PT, 1) skv_prefetch(
     const int* __restrict__ desc,          // step descriptor (batch, k, group)
@@ -232,8 +253,9 @@ extern "C" __global__ void __launch_bounds__(SKV_PT, 1) skv_prefetch(
         int n_cand;
         int e = skv_rot_scan_count<SKV_PT>(rot, mine, skv_bits_for(per), &n_cand);
         const int n_take = n_want < n_cand ? n_want : n_cand;
-        // 4. candidate e < n_take takes wanted e; the lru before kept rewritten
-        const int flat0 = s * S;
+        // 4. candidate e < n_take takes wanted e; the lru before kept rewritten; each
+        // take's key (host row << 32 | slot) into the (now free) table
+        u64* keys = (u64*)w.htab;
         for (int i = i0; i < i1; ++i) {
             const int sl = w.lcopy[i];
             const bool cand = candidate(sl);
@@ -245,19 +267,30 @@ extern "C" __global__ void __launch_bounds__(SKV_PT, 1) skv_prefetch(
                     wasted += fresh[sl] ? 1 : 0;
                     fresh[sl] = 1;
                 }
-                prow[e] = g;
-                pslot[e] = flat0 + sl;
-                __threadfence_block();  // the entry is written before another take may drop it
-                const u32 prev = atomicExch(&w.taker[sl], ((u32)b << 16) | (u32)e);
-                if (prev != SKV_PF_NONE) {  // taken before: that entry is dropped
-                    const i64 p = (i64)(prev >> 16) * ld + (prev & 0xffffu);
-                    plan_rows[p] = -1;
-                    plan_slots[p] = -1;
-                }
+                keys[e] = ((u64)(u32)g << 32) | (u32)sl;
             } else {
                 lru[i - (e < n_take ? e : n_take)] = sl;
             }
             e += cand ? 1 : 0;
+        }
+        // 5. the plan in host-row order (the gather reads the pool in address order)
+        const int np2 = skv_pow2(n_take > 0 ? n_take : 1);
+        for (int q = n_take + tid; q < np2; q += SKV_PT) keys[q] = SKV_PF_NO_KEY;
+        __syncthreads();
+        skv_pf_sort(keys, np2);
+        const int flat0 = s * S;
+        for (int r = tid; r < n_take; r += SKV_PT) {
+            const u64 key = keys[r];
+            const int sl = (int)(u32)key;
+            prow[r] = (int)(key >> 32);
+            pslot[r] = flat0 + sl;
+            __threadfence_block();  // the entry is written before another take may drop it
+            const u32 prev = atomicExch(&w.taker[sl], ((u32)b << 16) | (u32)r);
+            if (prev != SKV_PF_NONE) {  // taken before (an earlier token of s): that entry is dropped
+                const i64 p = (i64)(prev >> 16) * ld + (prev & 0xffffu);
+                plan_rows[p] = -1;
+                plan_slots[p] = -1;
+            }
         }
         if (tid == 0) counts[b] = n_take;
         taken_sum += (u64)n_take;

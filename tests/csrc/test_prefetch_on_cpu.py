@@ -18,7 +18,7 @@ import pytest
 import cpu_kernels
 from kernel_traces import assert_marks, assert_same, gen_batch, layout, run_prefetch_program
 from sparsekv.daemon.residency.cpu import CpuResidency
-from sparsekv.daemon.residency.cuda.device import E_BAD_STATE_ROW, E_BAD_STEP
+from sparsekv.daemon.residency.cuda.device import E_BAD_STATE_ROW, E_BAD_STEP, make_desc
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 
@@ -30,8 +30,8 @@ def raw_entries(out, batch):
 
 def check_raw(emu, batch_of):
     """``check_plan`` of the programs: the last launch's per-row plans hold exactly the
-    plan's pairs, each slot once, the rest dropped as (-1, -1); rows past the batch
-    untouched."""
+    plan's pairs, each slot once, the rest dropped as (-1, -1), each row's in host-row
+    order; rows past the batch untouched."""
     def check(want, where):
         out = emu.last_prefetch
         batch = batch_of()
@@ -41,6 +41,10 @@ def check_raw(emu, batch_of):
         assert len({sl for _, sl in kept}) == len(kept), f"a slot twice in the per-row plans {where}"
         assert set(kept) == set(zip(want.rows.tolist(), want.slots.tolist())), where
         assert (out.counts[batch:] == -7).all(), where
+        for b in range(batch):  # each row's entries in host-row order
+            rows = out.prow[b, :out.counts[b]]
+            rows = rows[rows >= 0]
+            assert (np.diff(rows) > 0).all(), where
     return check
 
 
@@ -72,8 +76,9 @@ def test_a_later_token_retaking_a_slot_drops_the_earlier_entry():
     """Two tokens of one request in one prefetch batch, the second wanting as many rows as
     there are slots outside the kept ones: it retakes every slot the first took; the first
     token's entries become (-1, -1), the plan holds each slot once with the second token's
-    rows, and the retakes count as wasted, as on the NumPy engine. The descriptor names
-    the source group, the launch adds 1 (group_offset)."""
+    rows, and the retakes count as wasted, as on the NumPy engine; skv_gather of those
+    plans writes what the NumPy mover writes. The descriptor names the source group, the
+    launch adds 1 (group_offset)."""
     lay = layout(4, 8, 100, 2, groups=2, max_batch=3)  # 4 slots outside the kept 4
     cpu = CpuResidency(lay)
     emu = cpu_kernels.Resolve(lay, threads=32, prefetch=True)
@@ -90,6 +95,17 @@ def test_a_later_token_retaking_a_slot_drops_the_earlier_entry():
     np.testing.assert_array_equal(out.slots, want.slots)
     assert cpu.prefetch_wasted == 4 and cpu.prefetched == 8
     assert_marks(cpu, emu, "two tokens")
+    # skv_gather of the per-row plans (group 1: layer 1) copies what the NumPy mover
+    # copies for the engine's plan: each slot the second token's row
+    rng = np.random.default_rng(2)
+    pool = rng.integers(0, 256, size=(2, lay.host_rows, 32), dtype=np.uint8)
+    slab = np.zeros((2, lay.max_reqs * lay.region_stride, 32), np.uint8)
+    want_slab = slab.copy()
+    want_slab[1, want.slots] = pool[1, want.rows]
+    groups = np.array([[1, 0], [1, 1]], np.int32)
+    cpu_kernels.gather(make_desc(2, lay.top_k, 1), pool, slab, slab.shape[1], groups, out.prow, out.pslot,
+                       out.counts)
+    np.testing.assert_array_equal(slab, want_slab)
 
 
 def test_without_prefetch_the_kernels_touch_no_marks_and_resolve_as_before():
