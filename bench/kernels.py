@@ -10,7 +10,8 @@
   each request's rows in its own window: ``gather_vs_bulk_scattered``), each as a CUDA
   graph; every gather also by each variant of :data:`GATHER_VARIANTS`.
 * **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept, at the
-  daemon's thread count, then at other thread counts and workspace options.
+  daemon's thread count, then at other thread counts and workspace options; then the
+  **prefetch** of the next step's rows after each resolve (``prefetch_us_b64``).
 
 Every figure is the median of CUDA-event timings over distinct inputs (nothing served
 from L2). ``--json``: the flat figures (``gather_vs_bulk``, ``resolve_us_b64``, ...).
@@ -373,6 +374,40 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, variants: bool | str) -> N
             continue
         out[f"resolve_us_b64_{label.replace(' ', '_')}"] = round(tv, 1)
         row(f"resolve variant: {label}", f"{tv:.1f} us")
+    try:
+        _prefetch_rows(out, row, kc, s, timer, d_seq, sr)
+    except Exception as e:  # noqa: BLE001 - the figures above stand without it
+        row("prefetch", "FAILED", f"{type(e).__name__}: {e}")
+
+
+def _prefetch_rows(out, row, kc, s, timer, d_seq, sr) -> None:
+    """``skv_prefetch`` at the resolve's shape: per step, group 1 resolves step i's rows
+    and then takes the next step's rows by prefetch (about 10 % of each row not held), as
+    one CUDA graph, against the same resolves alone (the difference is the prefetch)."""
+    lay = Layout(num_layers=2, row_bytes=16, top_k=TOP_K, region_stride=STRIDE, max_reqs=BATCH,
+                 host_rows=BATCH * 65536, index_groups=((0,), (1,)), max_batch=BATCH).validate()
+    res = CudaResidency(lay, kernels=kc, stream=s, prefetch=True)
+    ro, po = res.new_output(BATCH), res.new_output(BATCH)
+    n = len(d_seq)
+    for x in d_seq:
+        res.resolve_async(1, sr, x, ro, stream=s)
+    ro.desc.set(make_desc(BATCH, TOP_K, 1), stream=s)
+    po.desc.set(make_desc(BATCH, TOP_K, 1), stream=s)
+
+    def step(i: int, prefetch: bool) -> None:
+        res.launch_resolve(ro.desc, sr, d_seq[i], ro.slots, ro.misses, ro.plan_rows, ro.plan_slots, ro.counters,
+                           0, ro.err, ro.workspace, BATCH, s)
+        if prefetch:
+            res.launch_prefetch(po.desc, sr, d_seq[(i + 1) % n], po.plan_rows, po.plan_slots, po.misses, po.err,
+                                BATCH, s)
+
+    alone, _ = timer.graph_us(lambda i: step(i, False), n)
+    both, _ = timer.graph_us(lambda i: step(i, True), n)
+    taken = res.prefetched
+    out["prefetch_us_b64"] = round(both - alone, 1)
+    row("prefetch of the next step's rows after each resolve, batch 64, top-k 2048, region 4096 (graph)",
+        f"{both - alone:.1f} us", f"resolve + prefetch {both:.1f} us against the resolve alone {alone:.1f}; "
+        f"{taken} rows taken in all, prefetch workspace {res.prefetch_smem} B")
 
 
 def table(result: dict) -> str:
