@@ -152,3 +152,30 @@ def test_device_path_bad_input_is_padding_refused_or_deduplicated():
     assert (out.counts == 0).all() and emu.err[E_BAD_STEP] == 1
     for a, b in zip(before, (emu.owner, emu.lru, emu.fresh)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_corrupt_lru_rows_stay_in_bounds_and_no_slot_is_planned_twice():
+    """lru rows with entries outside [0, S) or repeated, owners outside the host rows or
+    repeated: the prefetch writes nothing out of bounds, each new lru row holds the old
+    row's entries, every planned slot is in the region and planned once, its entry's row
+    one of the batch row's ids."""
+    lay = layout(8, 32, 60, 3, groups=2, max_batch=6)
+    emu = cpu_kernels.Resolve(lay, threads=32, prefetch=True)
+    rng = np.random.default_rng(17)
+    S = lay.region_stride
+    for trial in range(20):
+        emu.owner[...] = rng.integers(-3, 80, size=emu.owner.shape)
+        lru = rng.integers(-4, S + 4, size=emu.lru.shape) if trial % 2 else rng.integers(0, S, size=emu.lru.shape)
+        emu.lru[...] = lru
+        sr, tk = gen_batch(rng, lay, {}, 6, 0.0)
+        out = emu.prefetch(1, sr, tk)
+        for s in range(lay.max_reqs):
+            np.testing.assert_array_equal(np.sort(emu.lru[1, s]), np.sort(lru[1, s]), err_msg=f"trial {trial}")
+        np.testing.assert_array_equal(emu.lru[0], lru[0])  # the other group untouched
+        entries = [e for e in raw_entries(out, len(sr)) if e[1] >= 0]
+        assert len({sl for _, sl in entries}) == len(entries), f"trial {trial}"
+        for b in range(len(sr)):
+            for i in range(out.counts[b]):
+                g, flat = int(out.prow[b, i]), int(out.pslot[b, i])
+                if flat >= 0:
+                    assert flat // S == sr[b] and g in tk[b], f"trial {trial}"
