@@ -203,8 +203,9 @@ class ZmqDriver(Driver):
 
 class DoorbellDriver(ZmqDriver):
     """The engine's handle on the doorbell transport (cuda only): ``begin_step`` and every
-    layer of group 0's ``swap_in`` on the current stream, positions mapped on the GPU.
-    Slots come back from the indices, misses from the group's device counts."""
+    layer of group 0's ``swap_in`` on the current stream, positions mapped on the GPU
+    (with prefetch: then group 1's, in host rows, :meth:`run_ahead`). Slots come back from
+    the indices, misses from the group's device counts."""
 
     attach_kw = {"transport": "doorbell"}
 
@@ -219,11 +220,8 @@ class DoorbellDriver(ZmqDriver):
         stack.callback(self.handle.close)
 
     def run_step(self, t: int) -> StepResult:
-        torch, tr, h, lay = self.torch, self.trace, self.handle, self.layout
-
-        def dev(a):
-            return torch.as_tensor(np.ascontiguousarray(a)).cuda()
-
+        tr, h, lay = self.trace, self.handle, self.layout
+        dev = self._dev
         state = tr.state_rows[t]
         h.begin_step(dev(state), dev(tr.reset[t]), dev(tr.invalidate[t]))
         table, block_size = None, 1
@@ -232,18 +230,31 @@ class DoorbellDriver(ZmqDriver):
             live = state >= 0
             rows[state[live]] = tr.block_table[t][live]  # a request's rows share its table (Trace.check)
             table, block_size = dev(rows), tr.block_size
-        req, topk = dev(state), dev(tr.topk[t])
+        slots, misses = self._group(0, state, tr.topk[t], table, block_size)
+        return slots, misses, None, None
+
+    def run_ahead(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Group 1's layers, their top-k the next step's host rows (no block table)."""
+        return self._group(1, self.trace.state_rows[t], ahead_rows(self.trace, t), None, 1)
+
+    def _dev(self, a):
+        return self.torch.as_tensor(np.ascontiguousarray(a)).cuda()
+
+    def _group(self, g: int, state, topk, table, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every layer of group ``g``'s ``swap_in``; its (slots, misses) once done."""
+        h, lay = self.handle, self.layout
+        req, topk = self._dev(state), self._dev(topk)
         first = None
-        for layer in lay.groups[0]:
+        for layer in lay.groups[g]:
             idx = h.swap_in(req, table, topk, layer=layer, block_size=block_size)
             first = idx if first is None else first
-        torch.cuda.synchronize()
+        self.torch.cuda.synchronize()
         idx = first.cpu().numpy()
         slots = np.where(idx >= 0, idx - self.hot_base - state[:, None].astype(np.int64) * lay.region_stride,
                          -1).astype(np.int32)
-        misses = h.misses(0)[: len(state)].cpu().numpy().copy()
+        misses = h.misses(g)[: len(state)].cpu().numpy().copy()
         h.check()
-        return slots, misses, None, None
+        return slots, misses
 
 
 DRIVERS: dict[str, type[Driver]] = {"inproc": InprocDriver, "zmq": ZmqDriver, "doorbell": DoorbellDriver}
@@ -280,8 +291,6 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
     ``--verify`` checks group 1's rows too. ``progress(steps_done)`` is called after each step."""
     if transport not in DRIVERS:
         raise ValueError(f"unknown transport {transport!r}; use {' or '.join(DRIVERS)}")
-    if prefetch and (backend != "cpu" or transport == "doorbell"):
-        raise ValueError("prefetch runs on the cpu backend: use --backend cpu with --transport inproc or zmq")
     with contextlib.ExitStack() as stack:
         driver = DRIVERS[transport](trace, stack, backend=backend, engine=engine, connect=connect,
                                     daemon_log=daemon_log, slab=slab, prefetch=prefetch)

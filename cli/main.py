@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(zmq or doorbell), with guard bytes around them checked unchanged")
     q.add_argument("--prefetch", action="store_true",
                    help="attach with prefetch and replay each step as index group 0, then as group 1 the next "
-                        "step's rows (fetched ahead from group 0's); cpu backend (DESIGN §4)")
+                        "step's rows (fetched ahead from group 0's); DESIGN §4")
     q.add_argument("--connect", metavar="RUN_DIR",
                    help="use this running daemon instead of a private one (default: a private daemon)")
     q.add_argument("--daemon-log", metavar="FILE",

@@ -72,12 +72,17 @@ class CpuBackend(Backend):
         return None  # nothing of the cpu backend fails on its own
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str,
-                 fence_events=None, engine_slab=None) -> tuple[RankState, dict]:
+                 fence_events=None, engine_slab=None, prefetch: bool = False) -> tuple[RankState, dict]:
         """A rank's state and what its client needs to map the slab. ``engine_slab``: an
-        engine-owned slab (a memfd this backend takes); the daemon then holds only staging."""
+        engine-owned slab (a memfd this backend takes); the daemon then holds only staging.
+        ``prefetch``: the rank prefetches (``RankState.prefetch``)."""
+        state, handles = (self._engine_rank(space, client_id, rank, device, engine_slab) if engine_slab is not None
+                          else self._own_rank(space, client_id, rank, device))
+        state.prefetch = prefetch
+        return state, handles
+
+    def _own_rank(self, space: EngineSpace, client_id: int, rank: int, device: str):
         lay = space.layout
-        if engine_slab is not None:
-            return self._engine_rank(space, client_id, rank, device, engine_slab)
         nbytes = lay.slab_bytes + lay.staging_bytes
         # Its pages are reserved now (new_memfd), so running out of memory fails this
         # attach, not a later gather (SIGBUS).

@@ -127,11 +127,18 @@ class RankState:
         lay = self.residency.layout
         res = self.residency.resolve(group, state_rows, topk)
         moved = self.mover.gather(res.plan, lay.groups[group])
-        if self.prefetch:
-            self.resolved_at[group] = step
-            if group + 1 < lay.num_groups and self.resolved_at.get(group + 1) != step:
-                self.pending_prefetch = (group + 1, state_rows, topk)  # run by the caller once its result is out
+        if self.prefetch_next(step, group):
+            self.pending_prefetch = (group + 1, state_rows, topk)  # run by the caller once its result is out
         return res, moved
+
+    def prefetch_next(self, step: int, group: int) -> bool:
+        """Record group ``group``'s top-k batch of ``step``; whether (with ``prefetch``) its
+        rows go ahead into group + 1's regions: not past the last group, and not into a
+        group that had a batch of this step already."""
+        if not self.prefetch:
+            return False
+        self.resolved_at[group] = step
+        return group + 1 < self.residency.layout.num_groups and self.resolved_at.get(group + 1) != step
 
     def serve_topk(self, step: int, group: int, topk, state_rows=None, fence=None) -> tuple[dict, dict, dict]:
         """The daemon's TOPK: (reply fields, reply arrays, counter deltas). The rows are in
@@ -350,8 +357,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
                  **kw) -> tuple[RankState, dict]:
-        """A rank's state and the handles its client opens (``transport``, ``engine_slab``
-        in ``kw`` when the ATTACH names them)."""
+        """A rank's state and the handles its client opens (``transport``, ``engine_slab``,
+        ``prefetch`` in ``kw`` when the ATTACH names them)."""
 
     @abc.abstractmethod
     def share_fds(self, client_id: int) -> dict[str, int]:

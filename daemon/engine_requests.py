@@ -93,9 +93,6 @@ class EngineRequests:
         prefetch = h.get("prefetch", False)
         if type(prefetch) is not bool:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"prefetch must be true or false, got {prefetch!r}")
-        if prefetch and self.backend.name != "cpu":
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"prefetch runs on the cpu backend; the {self.backend.name} "
-                                "backend has none yet: attach without it")
         created = engine not in self.engines
         self.sessions.rewatch(s)
         slab_field = h.get("slab")
@@ -116,7 +113,8 @@ class EngineRequests:
                 yield Slow(functools.partial(wait_futures, zeroing), engine=engine)
             pending = self.engines.begin_attach(s.client_id, s.rank, s.device, engine, layout,
                                                 h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
-                                                transport=transport, engine_slab=engine_slab, block_size=block_size)
+                                                transport=transport, engine_slab=engine_slab, block_size=block_size,
+                                                prefetch=prefetch)
             try:
                 # The slow part on a worker thread; ATTACHes to a new engine wait for it.
                 yield Slow(functools.partial(self.engines.prepare, pending), engine=engine if pending.created else None)
@@ -135,7 +133,6 @@ class EngineRequests:
             if engine_slab is not None:
                 engine_slab.close()  # its descriptor, unless the backend took it
         s.engine, s.state = engine, state
-        state.prefetch = prefetch
         log.info("client %d attached to engine %r (%s)", s.client_id, engine,
                  f"new, owner uid {s.uid}" if created else "joined")
         if self.backend.share_fds(s.client_id):  # to this process only, over the fd socket
@@ -246,8 +243,8 @@ class EngineRequests:
             if topk.ndim:  # before any work: rows of padding cost as much as live ones
                 _batch_fits(st, topk.shape[0])
             fields, arrays, deltas = st.serve_topk(step, group, topk, state_rows, fence)
-            if st.pending_prefetch is not None:
-                self.prefetching.append(st)
+        if st.pending_prefetch is not None:
+            self.prefetching.append(st)
         c = self.stats.c
         for k, v in deltas.items():
             c[k] += v

@@ -15,6 +15,7 @@ from sparsekv.csrc.build import CACHE_ENV, DEFAULT_CACHE_DIR, DEFAULT_SMEM_BYTES
 SOURCES: dict[str, tuple[str, ...]] = {
     "resolve.cu": ("skv_resolve", "skv_reset", "skv_invalidate", "skv_begin_step"),
     "copy.cu": ("skv_copy_rows", "skv_gather", "skv_fetch"),
+    "prefetch.cu": ("skv_prefetch",),
 }
 
 RESOLVE_THREADS = 1024
@@ -71,6 +72,9 @@ class KernelCache(build.KernelCache):
             for fn in SOURCES["resolve.cu"]:
                 self.function("resolve.cu", fn, resolve_defines(**shape))
                 names.append(fn)
+        for fn in SOURCES["prefetch.cu"]:  # CudaResidency(prefetch=True): the block size only
+            self.function("prefetch.cu", fn, resolve_defines())
+            names.append(fn)
         for rb in row_bytes:
             for fn in SOURCES["copy.cu"]:
                 self.function("copy.cu", fn, copy_defines(rb))

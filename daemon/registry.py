@@ -65,11 +65,14 @@ class EngineRegistry:
 
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
-                     transport: str = "zmq", engine_slab=None, block_size: int = 0) -> PendingAttach:
+                     transport: str = "zmq", engine_slab=None, block_size: int = 0,
+                     prefetch: bool = False) -> PendingAttach:
         """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
         to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
         pool range. Then :meth:`prepare` (any thread), then :meth:`commit`; :meth:`abort` on
         any error. While an attach is pending its engine is not released.
+
+        ``prefetch``: the rank prefetches (passed to the backend's ``new_rank``).
 
         ``block_size`` > 0: the engine has a block store of ``host_rows // block_size``
         blocks (a new engine gets one; an existing one must have the same block size).
@@ -106,6 +109,8 @@ class EngineRegistry:
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
             kw["engine_slab"] = engine_slab
+        if prefetch:
+            kw["prefetch"] = True
         self._attaching[engine_name] = self._attaching.get(engine_name, 0) + 1
         return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw)
 

@@ -3,7 +3,9 @@
 :class:`InprocSwapIn` has the API of the doorbell handle (``client/doorbell.py``) and runs
 the daemon's kernels, in the same order, where the doorbell hands off: ``skv_begin_step``
 after the step block is written, ``skv_resolve`` after a group's top-k block, the layer's
-``skv_gather`` before its indices. It owns a pinned host pool (``pool``, NumPy ``[L,
+``skv_gather`` before its indices (with ``prefetch``: after a group's last layer's
+gather, ``DeviceStep.enqueue_prefetch`` into the next group, as the doorbell step graph
+does). It owns a pinned host pool (``pool``, NumPy ``[L,
 host_rows, row_bytes]``, for the caller to fill), made and page-locked as the daemon's
 (``daemon/pool.py``, its ``pool_backing`` and ``pin_chunk_gib``), and a device arena. For
 baselines (``sparsekv bench decode``) and for sparsekv as a library in one process.
@@ -22,7 +24,18 @@ from sparsekv.daemon.cuda.step import DeviceStep
 from sparsekv.daemon.kernels import get_cache
 from sparsekv.daemon.pinned import PinnedRegion
 from sparsekv.daemon.pool import HostPool
-from sparsekv.daemon.residency.cuda import HITS, MISSES, OUT_OF_RANGE, CudaMover, CudaResidency, DeviceBuffers
+from sparsekv.daemon.residency.cuda import (
+    HITS,
+    MISSES,
+    OUT_OF_RANGE,
+    PF_COUNTERS,
+    PF_HITS,
+    PF_PREFETCHED,
+    PF_WASTED,
+    CudaMover,
+    CudaResidency,
+    DeviceBuffers,
+)
 from sparsekv.proto import Layout
 
 GATHER_BLOCKS = 32  # the daemon's default gather_blocks (config.py)
@@ -36,10 +49,11 @@ class InprocSwapIn(DeviceSwapIn):
         gather_blocks: the most blocks a gather uses.
         backing: the pool's backing (``anon_thp`` or ``memfd``; None: the daemon's
             ``pool_backing`` setting, so that a baseline reads memory laid out as its).
+        prefetch: prefetch each group's rows into the next group's regions.
     """
 
     def __init__(self, layout: Layout, device: int = 0, gather_blocks: int = GATHER_BLOCKS,
-                 backing: str | None = None):
+                 backing: str | None = None, prefetch: bool = False):
         import cupy as cp  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
@@ -57,12 +71,12 @@ class InprocSwapIn(DeviceSwapIn):
             self.pool = self._host.array[: lay.pool_bytes].reshape(lay.num_layers, lay.host_rows, lay.row_bytes)
             with cp.cuda.Device(device):
                 stream = cp.cuda.Stream(non_blocking=True)
-                residency = CudaResidency(lay, kernels=kernels, stream=stream)
+                residency = CudaResidency(lay, kernels=kernels, stream=stream, prefetch=prefetch)
                 ws = residency.workspace_bytes if residency.workspace_global else 0
                 need = lay.slab_bytes + lay.staging_bytes + (64 << 20) + lay.max_batch * ws \
                     + 8 * lay.num_groups * lay.max_batch * lay.top_k * 4
                 self._arena = DeviceArena(device, need)
-                self.buffers = b = RankBuffers(self._arena, lay, 1, ws, None, doorbell=True)
+                self.buffers = b = RankBuffers(self._arena, lay, 1, ws, None, doorbell=True, prefetch=prefetch)
                 mover = CudaMover(lay, self._pinned, pool_offset=0, kernels=kernels, stream=stream,
                                   buffers=DeviceBuffers(None, b.slab, b.staging, b.offsets["staging"]),
                                   blocks=gather_blocks)
@@ -101,7 +115,11 @@ class InprocSwapIn(DeviceSwapIn):
 
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
         b, d = self.buffers, self.dstep
-        d.enqueue_gather(b.db_topk[group], b.db_misses[group], self._ext(stream_ptr), group_layers=b.db_layers[layer])
+        stream = self._ext(stream_ptr)
+        d.enqueue_gather(b.db_topk[group], b.db_misses[group], stream, group_layers=b.db_layers[layer])
+        groups = self.layout.groups
+        if b.prefetch and group + 1 < len(groups) and layer == groups[group][-1]:
+            d.enqueue_prefetch(b.db_topk[group], stream)
 
     def check(self) -> None:
         """As the doorbell handle's; waits for the device (reads its error record)."""
@@ -113,10 +131,14 @@ class InprocSwapIn(DeviceSwapIn):
         super().check()
 
     def counters(self) -> dict:
-        """hits, misses, out_of_range over every group (waits for the device)."""
+        """hits, misses, out_of_range over every group, and the prefetch's counters
+        (waits for the device)."""
         c = self.buffers.counters.get()
+        pf = self.dstep.residency.pf_counters
+        pf = pf.get() if pf is not None else np.zeros(PF_COUNTERS, np.uint64)
         return {"hits": int(c[:, HITS].sum()), "misses": int(c[:, MISSES].sum()),
-                "out_of_range": int(c[:, OUT_OF_RANGE].sum())}
+                "out_of_range": int(c[:, OUT_OF_RANGE].sum()), "prefetched": int(pf[PF_PREFETCHED]),
+                "prefetch_hits": int(pf[PF_HITS]), "prefetch_wasted": int(pf[PF_WASTED])}
 
     def close(self) -> None:
         import cupy as cp  # noqa: PLC0415

@@ -105,7 +105,7 @@ class CudaBackend(Backend):
     new_rank_on_loop = True
 
     def prepare_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
-                     transport: str = "zmq", engine_slab=None) -> DeviceWorker:
+                     transport: str = "zmq", engine_slab=None, prefetch: bool = False) -> DeviceWorker:
         """``new_rank``'s checks and its slow part, with its arguments; returns the rank's
         device worker. The slow part, when the pool was not page-locked at start:
         page-locking the engine's pool range (once per engine; ``release_engine`` undoes
@@ -131,7 +131,7 @@ class CudaBackend(Backend):
         return worker
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
-                 transport: str = "zmq", engine_slab=None):
+                 transport: str = "zmq", engine_slab=None, prefetch: bool = False):
         # Checks again (cheap); pins only if nobody ran prepare_rank for this engine yet.
         worker = self.prepare_rank(space, client_id, rank, device, fence_events, transport, engine_slab)
         pinned = self._pinned[space.name]
@@ -139,7 +139,7 @@ class CudaBackend(Backend):
             state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
                                   graphs=self.cfg.cuda_graphs,
                                   blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
-                                  transport=transport, engine_slab=engine_slab)
+                                  transport=transport, engine_slab=engine_slab, prefetch=prefetch)
             if fence_events:
                 try:
                     state.fence_events = ImportedEvents(list(fence_events), worker.ordinal)

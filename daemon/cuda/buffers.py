@@ -21,11 +21,14 @@ Arena layout of one rank (each section a 256-byte aligned range of the arena):
 | ``db_ctl`` | uint32 ``[1 + G + L]`` | doorbell words: the step bell, a bell per group, a ready word per layer |
 | ``done`` | uint32 ``[R]`` | zmq: per ring entry, the last device-wait TOPK whose result is in place |
 | ``db_layers`` | int32 ``[L, G, 2]`` | doorbell: per layer, a group table naming only that layer (one gather per layer) |
+| ``pf_rows``, ``pf_slots``, ``pf_counts`` | int32 ``[B, K]``, ``[B, K]``, ``[B]`` | prefetch: ``skv_prefetch`` / its gather (apart from the resolve's plan) |
+| ``pf_layers`` | int32 ``[G, 1 + most layers of a group]`` | prefetch: row g names group g + 1's layers (the last row none) |
 
 Pinned host blocks (one memfd that the client maps too, registered; ``HostBlocks``): R STEP and R TOPK
 blocks the daemon writes (requests whose arrays came on the socket), R STEP and R TOPK
 blocks the client writes (it then sends a TOPK naming the entry: no array on the
-socket), the stats mirror, the write path's blocks.
+socket), the stats mirror (with prefetch: and the prefetch counters' mirror), the write
+path's blocks.
 
 A **step block** (``proto/step_block.py``): the zmq transport writes one into pinned host
 memory and ``skv_fetch`` copies it to the arena; a device transport writes the arena's.
@@ -45,8 +48,22 @@ from sparsekv.proto.step_block import BlockView, block_ints
 from ..memfd import new_memfd
 from ..pinned import PinnedRegion
 from ..residency.base import ResidencyError
-from ..residency.cuda import COUNTERS_PER_GROUP, ERR_INTS
+from ..residency.cuda import COUNTERS_PER_GROUP, ERR_INTS, PF_COUNTERS
 from .arena import ArenaFull
+
+
+def prefetch_layers(layout) -> np.ndarray:
+    """The prefetch gather's group table (``skv_gather``'s ``group_layers``): row g holds
+    group g + 1's count and layers, the last row none. The prefetch's descriptor is group
+    g's own top-k block (``skv_prefetch`` with ``group_offset`` 1), so the gather, which
+    takes its row of the table from that descriptor, writes group g + 1's layers."""
+    groups = layout.groups
+    table = np.full((len(groups), 1 + max(len(g) for g in groups)), -1, np.int32)
+    table[:, 0] = 0
+    for g, layers in enumerate(groups[1:]):
+        table[g, 0] = len(layers)
+        table[g, 1: 1 + len(layers)] = layers
+    return table
 
 
 class HostBlocks:
@@ -120,10 +137,12 @@ class RankBuffers:
         blocks_name: the memfd name of the pinned host blocks; None: anonymous (in process).
         doorbell: also the doorbell transport's rings and words (``db_*`` sections).
         own_slab: allocate the hot slab (False: the engine brings it; ``slab`` is None).
+        prefetch: also the prefetch plan and its group table (``pf_*`` sections), and the
+            host mirror of the prefetch counters (``host_pf``).
     """
 
     def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_name: str | None = None,
-                 doorbell: bool = False, own_slab: bool = True):
+                 doorbell: bool = False, own_slab: bool = True, prefetch: bool = False):
         import cupy as cp
 
         lay = layout
@@ -149,6 +168,11 @@ class RankBuffers:
             sizes.update({"db_step": self.block_ints * 4, "db_topk": G * self.block_ints * 4,
                           "db_slots": G * B * K * 4, "db_misses": G * B * 4,
                           "db_ctl": (1 + G + L) * 4, "db_layers": L * G * 2 * 4})
+        self.prefetch = bool(prefetch)
+        pf_width = 1 + max(len(g) for g in lay.groups)
+        if self.prefetch:
+            sizes.update({"pf_rows": B * K * 4, "pf_slots": B * K * 4, "pf_counts": B * 4,
+                          "pf_layers": G * pf_width * 4})
         self.offsets: dict[str, int] = {}
         try:
             for name, n in sizes.items():
@@ -196,6 +220,13 @@ class RankBuffers:
                 self.db_slots.fill(-1)
                 self.db_misses.fill(0)
                 self.db_ctl.fill(0)
+            if self.prefetch:
+                self.pf_rows = v(o["pf_rows"], (B, K), "int32")
+                self.pf_slots = v(o["pf_slots"], (B, K), "int32")
+                self.pf_counts = v(o["pf_counts"], (B,), "int32")
+                self.pf_counts.fill(0)
+                self.pf_layers = v(o["pf_layers"], (G, pf_width), "int32")
+                self.pf_layers.set(prefetch_layers(lay))
             # Known contents before the first request: empty results, zero counters.
             self.slots.fill(-1)
             self.misses.fill(0)
@@ -209,7 +240,7 @@ class RankBuffers:
         # Pinned host side: R step blocks, R top-k blocks, the stats mirror, the write blocks.
         n_write = 1 + lay.staging_rows
         total = 4 * R * (self.block_ints * 4 + 256) + self.stats_bytes + 256 + 2 * (n_write * 4 + 256) \
-            + lay.num_layers * 4 + 256
+            + lay.num_layers * 4 + 256 + PF_COUNTERS * 8 + 256
         try:
             self.host = HostBlocks(total, blocks_name)
         except BaseException:
@@ -228,6 +259,9 @@ class RankBuffers:
             self.host_write_rows, _ = self.host.take(n_write * 4, np.int32, (n_write,))
             self.host_drop_rows, _ = self.host.take(n_write * 4, np.int32, (n_write,))
             self.host_layers, _ = self.host.take(lay.num_layers * 4, np.int32, (lay.num_layers,))
+            # The prefetch counters' mirror (stays 0 without prefetch).
+            self.host_pf, self.host_pf_address = self.host.take(PF_COUNTERS * 8, np.uint64, (PF_COUNTERS,))
+            self.host_pf[:] = 0
         except Exception:
             self.host.close()
             self.release()

@@ -4,8 +4,9 @@ The engine's stream writes the step blocks straight into this rank's ``db_*`` se
 the arena (CUDA IPC) and rings words there with stream memory operations
 (``proto/stream_ops.py``); the daemon's stream, stocked ahead with one CUDA graph per
 step, waits on those words, runs the same device step as the zmq transport, and sets a
-ready word per layer (``_enqueue_step``: one step graph, captured once at attach). No host
-code of either process sits between a top-k and its rows.
+ready word per layer (``_enqueue_step``: one step graph, captured once at attach); with
+prefetch, each group but the last then prefetches its rows into the next group's regions.
+No host code of either process sits between a top-k and its rows.
 
 A stocking thread keeps ``depth`` step graphs launched ahead on the rank's own stream
 (never the GPU worker's shared stream: it spends its life waiting on this engine's
@@ -96,6 +97,12 @@ class DoorbellTransport(DeviceTransport):
             for layer in layers:
                 d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer],
                                  ready=self._ready[layer], arrivals=self._arrivals.data.ptr + 4 * layer)
+            if b.prefetch and g + 1 < self.layout.num_groups:
+                # After group g's ready words (its layers do not wait for it), before group
+                # g + 1's bell: its resolve finds the rows as hits, its ready words come after
+                # their bytes. The groups run in order within the step, so group g + 1 has had
+                # no batch of this step yet (DESIGN §4's rule holds by construction).
+                d.enqueue_prefetch(t, stream)
 
     def _stock(self) -> None:
         import cupy as cp

@@ -21,6 +21,9 @@ from ..residency.cuda import (
     HITS,
     MISSES,
     OUT_OF_RANGE,
+    PF_HITS,
+    PF_PREFETCHED,
+    PF_WASTED,
     CudaMover,
     CudaResidency,
     DeviceBuffers,
@@ -48,11 +51,15 @@ class CudaRankState(RankState):
         transport: ``"zmq"`` (steps arrive as messages) or ``"doorbell"`` (``doorbell.py``).
         engine_slab: an engine-owned slab (``engine.EngineSlabImport``): imported through
             CUDA IPC (closed with the rank), gathered into by its geometry.
+        prefetch: after each group's top-k, prefetch its rows into the next group's
+            regions on the rank's stream (``DeviceStep.enqueue_prefetch``; zmq: once the
+            result's event is recorded, by the rule of ``RankState.prefetch_next``;
+            doorbell: in the step graph, after each group but the last).
     """
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
                  graphs: bool = True, blocks_path: str | None = None, transport: str = "zmq",
-                 engine_slab=None):
+                 engine_slab=None, prefetch: bool = False):
         import cupy as cp
 
         lay = space.layout
@@ -71,13 +78,19 @@ class CudaRankState(RankState):
                 raise ResidencyError("BAD_ARGUMENT", "the engine's slab must start on a 16-byte boundary")
         with cp.cuda.Device(worker.ordinal):
             stream = worker.stream
-            residency = CudaResidency(lay, kernels=worker.kernels, stream=stream)
+            try:
+                residency = CudaResidency(lay, kernels=worker.kernels, stream=stream, prefetch=prefetch)
+            except ValueError as e:  # a layout whose prefetch workspace exceeds shared memory
+                if self.engine_slab is not None:
+                    self.engine_slab.close()
+                raise ResidencyError("BAD_LAYOUT", f"prefetch on the cuda backend: {e}") from None
             ws = residency.workspace_bytes if residency.workspace_global else 0
             if transport not in ("zmq", "doorbell"):
                 raise ResidencyError("BAD_ARGUMENT", f"unknown transport {transport!r}; use zmq or doorbell")
             try:
                 self.buffers = bufs = RankBuffers(worker.arena, lay, ring_depth, ws, blocks_path,
-                                                  doorbell=transport == "doorbell", own_slab=engine_slab is None)
+                                                  doorbell=transport == "doorbell", own_slab=engine_slab is None,
+                                                  prefetch=prefetch)
             except BaseException:
                 if self.engine_slab is not None:
                     self.engine_slab.close()
@@ -101,7 +114,7 @@ class CudaRankState(RankState):
         self._write_uploads: list = []  # events after the last staged write's uploads
         self._errors = ErrorRecord(bufs.host_err)  # counts already turned into replies
         super().__init__(rank=rank, device=f"cuda:{worker.ordinal}", residency=residency, mover=mover,
-                         slab=bufs.slab, staging=bufs.staging)
+                         slab=bufs.slab, staging=bufs.staging, prefetch=prefetch)
 
     def _fed(self) -> MessageTransport:
         """The transport a STEP or TOPK message is enqueued on."""
@@ -125,6 +138,7 @@ class CudaRankState(RankState):
         transport = self._fed()
         with self._cp.cuda.Device(self.worker.ordinal):
             entry = transport.topk(int(step), int(group), state_rows, topk, wait)
+        self._note_prefetch(step, group)
         batch, k = topk.shape
         # "tl": when the GPU work was enqueued (perf_counter_ns, like the envelope's tr, tx).
         return {"entry": entry, "batch": batch, "k": k, "tl": time.perf_counter_ns()}, None, {"topk_batches": 1}
@@ -141,7 +155,28 @@ class CudaRankState(RankState):
             # this step sent as arrays must carry its own (batch_rows says so).
             self.step = int(step)
             self.state_rows = None
+        self._note_prefetch(step, group)  # (the step and group the header names)
         return {"entry": int(entry), "tl": tl}, None, {"topk_batches": 1}
+
+    def _note_prefetch(self, step: int, group: int) -> None:
+        """After a TOPK was enqueued: leave the next group's prefetch pending by the cpu
+        rank's rule (its rows are in the device block ``topk``, which nothing else
+        touches before :meth:`run_prefetch`)."""
+        if self.prefetch_next(int(step), int(group)):
+            self.pending_prefetch = (int(group) + 1, None, None)
+
+    def run_prefetch(self) -> dict:
+        """Enqueue the pending prefetch (``ZmqTransport.prefetch``); no wait, no deltas."""
+        self.pending_prefetch = None
+        with self._cp.cuda.Device(self.worker.ordinal):
+            self._fed().prefetch()
+        return {}
+
+    def prefetch_outcomes(self) -> dict:
+        """None as deltas: a cuda rank's prefetch counters are in :meth:`counters` (from
+        their pinned mirror, like its hits and misses; a doorbell rank sends no request
+        that could carry deltas)."""
+        return {}
 
     def release_topk_block(self, entry: int, done: int, fence: int | None = None) -> None:
         """A device-wait TOPK on ``entry`` failed: ``ZmqTransport.release_entry``, after the
@@ -257,17 +292,20 @@ class CudaRankState(RankState):
         self.worker.stream.synchronize()
 
     def counters(self) -> dict:
-        """Counters from the pinned mirror the device step copies out after each request:
-        no synchronisation (a scrape never stalls the copy stream; it may lag by the
+        """Counters (the prefetch's too) from the pinned mirrors the device step copies out
+        after each request: no synchronisation (a scrape never stalls the copy stream; it may lag by the
         requests still in flight)."""
         c = self.buffers.host_counters
         lay = self.residency.layout
         layers = np.array([len(g) for g in lay.groups], dtype=np.uint64)
         misses = c[:, MISSES]
         moved = int((misses * layers).sum())
+        pf = self.buffers.host_pf  # zero without prefetch
         return {"hits": int(c[:, HITS].sum()), "misses": int(misses.sum()),
                 "out_of_range": int(c[:, OUT_OF_RANGE].sum()),
-                "rows_moved": moved, "bytes_moved": moved * lay.row_bytes}
+                "rows_moved": moved, "bytes_moved": moved * lay.row_bytes,
+                "prefetched": int(pf[PF_PREFETCHED]), "prefetch_hits": int(pf[PF_HITS]),
+                "prefetch_wasted": int(pf[PF_WASTED])}
 
     def export(self) -> dict:
         out = self.buffers.export(self.worker.ordinal, self.worker.bus_id, self.events.handles)

@@ -3,7 +3,9 @@
 :class:`DeviceStep` turns a rank's step blocks (``buffers.py``) into kernel launches: a
 STEP is ``skv_begin_step``; a TOPK is ``skv_resolve`` into a ring entry and the per-row
 plans, then their gather for every layer of the group; each is followed by
-``enqueue_stats_out`` (counters and error record -> the pinned host mirror, no wait).
+``enqueue_stats_out`` (counters and error record -> the pinned host mirror, no wait). With
+prefetch, ``enqueue_prefetch`` follows a group's TOPK: its rows into the next group's
+regions (``skv_prefetch``), then their gather into that group's layers.
 
 Every size comes from the descriptor in the block, every launch has a fixed grid and
 shared memory, and nothing reads back or waits: the sequence captures into a CUDA graph.
@@ -60,12 +62,34 @@ class DeviceStep:
         self.mover.launch_gather(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream,
                                  group_layers=group_layers, ready=ready, arrivals=arrivals)
 
+    def enqueue_prefetch(self, block, stream) -> None:
+        """The cross-layer prefetch after ``block``'s TOPK (group g < G - 1, its resolve
+        and gathers enqueued before on ``stream``): ``skv_prefetch`` of the block's rows
+        into group g + 1's regions (``group_offset`` 1: the block's own descriptor), its
+        plan into the ``pf_*`` buffers (never the resolve's: the next resolve would
+        overwrite it), then the gather of that plan into group g + 1's layers (the table
+        ``pf_layers``, whose row g names them), then the prefetch counters out. On the
+        same stream as the next group's resolve, which then finds the rows as hits, and
+        whose ready word comes after the rows' bytes."""
+        bufs = self.buffers
+        self.residency.launch_prefetch(block.desc, block.rows, block.payload, bufs.pf_rows, bufs.pf_slots,
+                                       bufs.pf_counts, bufs.err, bufs.max_batch, stream, group_offset=1)
+        self.mover.launch_gather(block.desc, bufs.pf_rows, bufs.pf_slots, bufs.pf_counts, bufs.max_batch, stream,
+                                 group_layers=bufs.pf_layers)
+        self.enqueue_stats_out(stream)
+
     def enqueue_stats_out(self, stream) -> None:
+        """Counters and error record (and, with prefetch, the prefetch counters) -> their
+        pinned host mirrors, asynchronously."""
         import cupy as cp
 
         bufs = self.buffers
         cp.cuda.runtime.memcpyAsync(bufs.host_stats_address, bufs.stats.data.ptr, bufs.stats_bytes,
                                     MEMCPY_DEVICE_TO_HOST, stream.ptr)
+        pf = self.residency.pf_counters
+        if pf is not None:
+            cp.cuda.runtime.memcpyAsync(bufs.host_pf_address, pf.data.ptr, pf.nbytes, MEMCPY_DEVICE_TO_HOST,
+                                        stream.ptr)
 
     def enqueue_step_request(self, host_address: int | None, stream) -> None:
         """A STEP: [fetch its block from pinned memory] -> begin -> stats out."""

@@ -52,6 +52,11 @@ class MessageTransport(Transport):
     def release_entry(self, entry: int, done: int, fence=None) -> None:
         """A device-wait TOPK on ``entry`` failed: set its done word to ``done`` anyway."""
 
+    @abc.abstractmethod
+    def prefetch(self) -> None:
+        """Enqueue the prefetch of the last TOPK's rows into the next group's regions
+        (``DeviceStep.enqueue_prefetch``), after its result's event: off the client's wait."""
+
 
 class DeviceTransport(Transport):
     """Driven by the device: the engine's stream writes the step blocks and rings the
@@ -100,6 +105,9 @@ class ZmqTransport(MessageTransport):
                                     dstep.enqueue_topk_request(e, b.client_topk[e][1], s)), worker.ordinal))
                 self._ctopk_graphs.append(capture(
                     lambda s, e=e: dstep.enqueue_topk_request(e, b.client_topk[e][1], s), worker.ordinal))
+        # Every TOPK's block is fetched into the one device block ``topk``: one graph.
+        self._prefetch_graph = (capture(lambda s: dstep.enqueue_prefetch(b.topk, s), worker.ordinal)
+                                if self.graphs and b.prefetch else None)
 
     def _next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0x7FFFFFFF
@@ -186,6 +194,13 @@ class ZmqTransport(MessageTransport):
         self._topk_used[entry] = True
         return entry
 
+    def prefetch(self) -> None:
+        stream = self.worker.stream
+        if self._prefetch_graph is not None:
+            self._prefetch_graph.launch(stream)
+        else:
+            self.dstep.enqueue_prefetch(self.buffers.topk, stream)
+
     def done_address(self, entry: int) -> int:
         return self.buffers.done.data.ptr + 4 * int(entry)
 
@@ -214,4 +229,5 @@ class ZmqTransport(MessageTransport):
         self.worker.stream.synchronize()
         self._step_graphs, self._topk_graphs = [], []
         self._cboth_graphs, self._ctopk_graphs = [], []
+        self._prefetch_graph = None
         return True

@@ -120,8 +120,18 @@ def test_replay_with_prefetch_misses_less_in_group_1_than_the_same_schedule_with
     assert on["next_group_misses"] < off["next_group_misses"]
 
 
-@pytest.mark.parametrize("kw", [dict(backend="cuda"), dict(transport="doorbell", backend="cuda")])
-def test_replay_refuses_prefetch_off_the_cpu_backend(kw):
-    tr = synth(steps=2, batch=1, top_k=4, region_stride=8, max_reqs=2, host_rows=64, num_layers=1, seed=1)
-    with pytest.raises(ValueError, match="prefetch runs on the cpu backend"):
-        replay(tr, prefetch=True, **kw)
+@pytest.mark.cuda
+@pytest.mark.parametrize("transport,block_size", [("zmq", 0), ("doorbell", 0), ("doorbell", 16)])
+def test_replay_with_prefetch_on_the_cuda_backend_serves_what_the_cpu_backend_serves(transport, block_size):
+    """``sparsekv replay --prefetch --backend cuda --verify``: group 0's slots and misses,
+    and group 1's misses and hits (what the prefetch left it), equal the cpu backend's;
+    no row served is wrong in either group."""
+    tr = synth(steps=60, batch=8, top_k=64, region_stride=128, max_reqs=12, host_rows=1 << 14, row_bytes=656,
+               num_layers=2, overlap=0.8, context=600, pad=0.1, invalidate=0.1, seed=7, block_size=block_size)
+    want, rw = replay(tr, transport="inproc", verify=True, prefetch=True)
+    got, r = replay(tr, transport=transport, backend="cuda", verify=True, prefetch=True)
+    assert got["mismatched_rows"] == 0 and want["mismatched_rows"] == 0
+    np.testing.assert_array_equal(r["slots"], rw["slots"])
+    np.testing.assert_array_equal(r["misses"], rw["misses"])
+    assert (got["next_group_misses"], got["next_group_hits"]) == (want["next_group_misses"], want["next_group_hits"])
+    assert got["next_group_hits"] > 0

@@ -11,6 +11,7 @@ import numpy as np
 import helpers
 from zmtp_peer import hello, raw_peer, read_reply, send_message
 from sparsekv.client import Client
+from sparsekv.daemon.cuda.buffers import prefetch_layers
 from sparsekv.daemon.stats import render_table
 from sparsekv.embedded.inproc import InprocClient
 from sparsekv.proto import ErrorCode, MsgType, encode
@@ -185,13 +186,33 @@ def test_prefetched_rows_a_write_or_a_reset_drops_count_as_wasted_at_once(daemon
     assert after_reset["prefetch_wasted"] == 6  # and request 1's four
 
 
-def test_a_backend_without_prefetch_refuses_it_at_attach_before_allocating(tmp_path, monkeypatch):
+def test_attach_hands_prefetch_to_the_backend_that_makes_the_rank_whatever_its_name(tmp_path, monkeypatch):
+    """The backend builds a prefetching rank (the cuda one: its residency with the marks,
+    its buffers with the prefetch plan), so it gets ``prefetch`` with the rank's other
+    arguments; an ATTACH without it passes nothing new."""
     with helpers.inproc_daemon(tmp_path) as d:
-        monkeypatch.setattr(d.engine_requests.backend, "name", "cuda")
-        helpers.request(d, b"a", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cuda:0", "name": ""})
-        h, _ = helpers.request(d, b"a", MsgType.ATTACH, {"engine": "e", "layout": lay().to_wire(), "prefetch": True})
-        assert not h["ok"] and h["code"] == ErrorCode.BAD_ARGUMENT and "the cuda backend has none yet" in h["msg"]
-        assert "e" not in d.engines and d.pool.used_bytes == 0
+        backend = d.engine_requests.backend
+        monkeypatch.setattr(backend, "name", "cuda")  # no backend is refused by its name
+        seen, new_rank = [], backend.new_rank
+
+        def recording(*a, **kw):
+            seen.append(kw)
+            return new_rank(*a, **kw)
+
+        monkeypatch.setattr(backend, "new_rank", recording)
+        for ident, engine, extra in ((b"a", "e", {"prefetch": True}), (b"b", "f", {})):
+            helpers.request(d, ident, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
+            h, _ = helpers.request(d, ident, MsgType.ATTACH, {"engine": engine, "layout": lay().to_wire(), **extra})
+            assert h["ok"], h
+        assert seen == [{"prefetch": True}, {}]
+        assert [st.prefetch for name in ("e", "f") for st in d.engines.space(name).ranks.values()] == [True, False]
+
+
+def test_the_cuda_prefetch_gathers_into_the_next_groups_layers():
+    """The prefetch's gather takes its row of the group table from group g's own top-k
+    block: row g of ``prefetch_layers`` names group g + 1's layers, the last row none."""
+    table = prefetch_layers(lay())  # groups (0,), (1, 2), (3,)
+    assert table.tolist() == [[2, 1, 2], [1, 3, -1], [0, -1, -1]]
 
 
 def test_two_ranks_of_one_engine_one_with_prefetch_each_serve_the_pools_rows(daemon):

@@ -603,11 +603,11 @@ def test_kernel_cache_dir_and_warm(tmp_path, monkeypatch):
     assert "#include" not in src and "#define SKV_RESOLVE_THREADS 64" in src
     kc = kernels.KernelCache(tmp_path / "c")
     names = kc.warm(row_bytes=(656, 32))
-    assert "skv_resolve" in names and "skv_copy_rows" in names
+    assert "skv_resolve" in names and "skv_copy_rows" in names and "skv_prefetch" in names
     files = sorted(p.name for p in (tmp_path / "c").glob("*.cubin"))
     # resolve: the x4 table with and without the owner and lru rows and the x2 table,
-    # the workspace in shared memory, x2 in global memory; copy for two row sizes
-    assert len(files) == 6, files
+    # the workspace in shared memory, x2 in global memory; the prefetch; copy for two row sizes
+    assert len(files) == 7, files
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")}
     kc2 = kernels.KernelCache(tmp_path / "c")
     kc2.warm(row_bytes=(656, 32))  # a new process: from disk
@@ -621,6 +621,8 @@ def test_kernel_cache_dir_and_warm(tmp_path, monkeypatch):
         res = cuda.CudaResidency(lay, kernels=kc2)
         assert (res.hash_scale, res.lru_smem, res.owner_smem) == ((4, True, True) if stride == 4096 else (2, False, False))
         assert not res.workspace_global
+        if stride == 4096:  # (a prefetch workspace for 32768 exceeds shared memory)
+            cuda.CudaResidency(lay, kernels=kc2, prefetch=True)
     assert sorted(p.name for p in (tmp_path / "c").glob("*.cubin")) == files  # nothing new was built
 
 
