@@ -223,8 +223,9 @@ class Client(Connection):
         engine has a block store of ``host_rows // block_size`` blocks (``self.blocks``;
         DESIGN §9), kept while it caches blocks, for the next process that attaches.
         ``prefetch``: after each index group's top-k, the daemon fetches its rows ahead into
-        the next group's regions, off this rank's critical path (DESIGN §4; the cpu backend;
-        useful with ``region_stride`` above ``top_k``: the latest resolve's slots are kept)."""
+        the next group's regions, off this rank's critical path (DESIGN §4; both backends,
+        both transports; useful with ``region_stride`` above ``top_k``: the latest
+        resolve's slots are kept)."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
         if prefetch:

@@ -14,9 +14,10 @@ import time
 import numpy as np
 import pytest
 
+import prefetch_program
 from sparsekv.bench.replay import replay
 from sparsekv.bench.trace import synth
-from sparsekv.bench.verify import pattern
+from sparsekv.bench.verify import count_mismatches, pattern
 from sparsekv.daemon.engine import EngineSpace
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuResidency
@@ -36,7 +37,7 @@ def small_trace(**kw):
 class Rig:
     """A cuda rank in this process: worker, pinned pool holding the verify pattern, rank."""
 
-    def __init__(self, layout: Layout, graphs: bool = False, arena_bytes: int = 256 << 20):
+    def __init__(self, layout: Layout, graphs: bool = False, arena_bytes: int = 256 << 20, prefetch: bool = False):
         import cupy as cp
 
         from sparsekv.daemon.cuda.backend import DeviceWorker
@@ -55,7 +56,7 @@ class Rig:
         self.pinned = PinnedRegion(self.pool.address, -(-lay.pool_bytes // 4096) * 4096, lay.row_bytes)
         self.space = EngineSpace("rig", lay, view, 0)
         self.rank = CudaRankState(0, self.worker, self.space, self.pinned, ring_depth=4, gather_blocks=8,
-                                  graphs=graphs)
+                                  graphs=graphs, prefetch=prefetch)
         self.space.ranks[1] = self.rank
 
     def close(self):
@@ -296,3 +297,30 @@ def test_a_bad_descriptor_in_a_client_block_does_nothing_and_leaves_no_stale_res
     # The step's state rows came in the block: a TOPK sent as arrays must bring its own.
     with pytest.raises(ResidencyError, match="client-written block"):
         r.rank.serve_topk(0, 1, ids)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_prefetch_after_each_topk_gives_the_cpu_backends_slots_counters_and_rows(rig, graphs):
+    """The rank as the server drives it: each TOPK, then the prefetch it left pending
+    (``run_prefetch``: launched kernel by kernel or as the transport's prefetch graph);
+    none after the last group's. Slots, misses and the prefetch counters are the cpu
+    backend's; every row in the slab is its host row's."""
+    lay = prefetch_program.layout()
+    plan = prefetch_program.program(lay, 10, seed=3)
+    want, counters = prefetch_program.reference(lay, plan)
+    r = rig(lay, graphs=graphs, prefetch=True)
+    for t, (state, reset, per_group) in enumerate(plan):
+        r.rank.begin_step(t, state, reset)
+        for g, rows in enumerate(per_group):
+            fields, _, _ = r.rank.serve_topk(t, g, rows)
+            assert (r.rank.pending_prefetch is not None) == (g + 1 < lay.num_groups)
+            if r.rank.pending_prefetch is not None:
+                r.rank.run_prefetch()
+            slots, misses = r.slots(fields["entry"], len(state), lay.top_k)
+            np.testing.assert_array_equal(slots, want[t][g][0], err_msg=f"step {t} group {g}")
+            np.testing.assert_array_equal(misses, want[t][g][1], err_msg=f"step {t} group {g}")
+            slab = r.rank.buffers.slab.get()
+            assert count_mismatches(slab, lay.groups[g], state, rows, slots, lay.host_rows) == 0
+    assert r.rank.take_error() is None
+    c = r.rank.counters()
+    assert {k: c[k] for k in prefetch_program.PF_KEYS} == counters
