@@ -80,10 +80,12 @@ class CudaRankState(RankState):
             stream = worker.stream
             try:
                 residency = CudaResidency(lay, kernels=worker.kernels, stream=stream, prefetch=prefetch)
-            except ValueError as e:  # a layout whose prefetch workspace exceeds shared memory
+            except ValueError as e:  # (prefetch) a workspace beyond shared memory, max_batch > 65535
                 if self.engine_slab is not None:
                     self.engine_slab.close()
-                raise ResidencyError("BAD_LAYOUT", f"prefetch on the cuda backend: {e}") from None
+                if not prefetch:
+                    raise
+                raise ResidencyError("BAD_LAYOUT", f"prefetch on the cuda backend: {e}; attach without it") from None
             ws = residency.workspace_bytes if residency.workspace_global else 0
             if transport not in ("zmq", "doorbell"):
                 raise ResidencyError("BAD_ARGUMENT", f"unknown transport {transport!r}; use zmq or doorbell")
