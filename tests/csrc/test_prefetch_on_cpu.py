@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import cpu_kernels
-from kernel_traces import assert_marks, assert_same, gen_batch, layout, run_prefetch_program
+from kernel_traces import assert_marks, assert_same, drift, gen_batch, layout, run_prefetch_program
+from sparsekv.daemon.cuda.buffers import prefetch_layers
 from sparsekv.daemon.residency.cpu import CpuResidency
 from sparsekv.daemon.residency.cuda.device import E_BAD_STATE_ROW, E_BAD_STEP, make_desc
 
@@ -179,3 +180,39 @@ def test_corrupt_lru_rows_stay_in_bounds_and_no_slot_is_planned_twice():
                 g, flat = int(out.prow[b, i]), int(out.pslot[b, i])
                 if flat >= 0:
                     assert flat // S == sr[b] and g in tk[b], f"trial {trial}"
+
+
+def test_the_daemons_prefetch_gather_fills_the_next_groups_layers_with_its_plan():
+    """What ``DeviceStep.enqueue_prefetch`` launches, on the emulator: ``skv_prefetch``
+    driven by group g's own descriptor (group_offset 1), then ``skv_gather`` of its per-row
+    plans with that same descriptor through ``prefetch_layers`` (row g: group g + 1's
+    layers). Each slot of the NumPy engine's plan then holds its pool row in every layer of
+    group g + 1, nothing else changes; the last group's row of the table copies nothing."""
+    lay = layout(8, 24, 300, 3, groups=3, layers_per_group=2, max_batch=6)
+    cpu = CpuResidency(lay)
+    emu = cpu_kernels.Resolve(lay, threads=32, prefetch=True)
+    rng = np.random.default_rng(5)
+    pool = rng.integers(0, 256, size=(lay.num_layers, lay.host_rows, 32), dtype=np.uint8)
+    slab = np.zeros((lay.num_layers, lay.max_reqs * lay.region_stride, 32), np.uint8)
+    table = prefetch_layers(lay)
+    B, K = lay.max_batch, lay.top_k
+    memory: dict = {}
+    for step in range(8):
+        sr, tk = gen_batch(rng, lay, memory, B, 0.6)
+        for g in range(lay.num_groups):
+            assert_same(cpu.resolve(g, sr, tk), emu.resolve(g, sr, tk), f"step {step} resolve {g}")
+            expect = slab.copy()
+            if g + 1 < lay.num_groups:
+                want = cpu.prefetch(g + 1, sr, tk)
+                out = emu.prefetch(g + 1, sr, tk, group_offset=1)
+                np.testing.assert_array_equal(out.slots, want.slots)
+                for layer in lay.groups[g + 1]:
+                    expect[layer, want.slots] = pool[layer, want.rows]
+                plan = (out.prow, out.pslot, out.counts)
+            else:  # never launched by the daemon: a plan of real entries, copied nowhere
+                plan = (np.zeros((B, K), np.int32), np.zeros((B, K), np.int32), np.ones(B, np.int32))
+            cpu_kernels.gather(make_desc(tk.shape[0], tk.shape[1], g), pool, slab, slab.shape[1], table, *plan)
+            np.testing.assert_array_equal(slab, expect, err_msg=f"step {step} group {g}")
+            tk = drift(rng, lay, tk, 0.3)
+    assert cpu.prefetched and cpu.prefetch_hits
+    assert not emu.err[:8].any()
