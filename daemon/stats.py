@@ -26,7 +26,7 @@ COUNTERS = (
     ("topk_batches", "top-k batches resolved"),
     ("hits", "top-k columns found in the hot region"),
     ("misses", "top-k columns gathered from the host pool"),
-    ("rows_moved", "rows copied host to hot slab (misses and prefetched rows x layers of the group)"),
+    ("rows_moved", "rows copied host to hot slab (misses, and on the cpu backend prefetched rows, x layers of the group)"),
     ("bytes_moved", "bytes copied host to hot slab"),
     ("out_of_range", "top-k ids < -1 or >= host_rows (ignored, never read)"),
     ("prefetched", "rows fetched ahead into the next index group's regions (attach with prefetch)"),
