@@ -23,6 +23,7 @@ Arena layout of one rank (each section a 256-byte aligned range of the arena):
 | ``db_layers`` | int32 ``[L, G, 2]`` | doorbell: per layer, a group table naming only that layer (one gather per layer) |
 | ``pf_rows``, ``pf_slots``, ``pf_counts`` | int32 ``[B, K]``, ``[B, K]``, ``[B]`` | prefetch: ``skv_prefetch`` / its gather (apart from the resolve's plan) |
 | ``pf_layers`` | int32 ``[G, 1 + most layers of a group]`` | prefetch: row g names group g + 1's layers (the last row none) |
+| ``pf_err`` | int32 ``[ERR_INTS]`` | prefetch: its error record, never read (below) |
 
 Pinned host blocks (one memfd that the client maps too, registered; ``HostBlocks``): R STEP and R TOPK
 blocks the daemon writes (requests whose arrays came on the socket), R STEP and R TOPK
@@ -171,8 +172,11 @@ class RankBuffers:
         self.prefetch = bool(prefetch)
         pf_width = 1 + max(len(g) for g in lay.groups)
         if self.prefetch:
+            # pf_err: everything skv_prefetch refuses (a bad descriptor or state row), the
+            # resolve of the same block refused and reported first; counted again in the
+            # rank's record, it would fail a later request a second time.
             sizes.update({"pf_rows": B * K * 4, "pf_slots": B * K * 4, "pf_counts": B * 4,
-                          "pf_layers": G * pf_width * 4})
+                          "pf_layers": G * pf_width * 4, "pf_err": ERR_INTS * 4})
         self.offsets: dict[str, int] = {}
         try:
             for name, n in sizes.items():
@@ -227,6 +231,8 @@ class RankBuffers:
                 self.pf_counts.fill(0)
                 self.pf_layers = v(o["pf_layers"], (G, pf_width), "int32")
                 self.pf_layers.set(prefetch_layers(lay))
+                self.pf_err = v(o["pf_err"], (ERR_INTS,), "int32")
+                self.pf_err.fill(0)
             # Known contents before the first request: empty results, zero counters.
             self.slots.fill(-1)
             self.misses.fill(0)

@@ -67,13 +67,14 @@ class DeviceStep:
         and gathers enqueued before on ``stream``): ``skv_prefetch`` of the block's rows
         into group g + 1's regions (``group_offset`` 1: the block's own descriptor), its
         plan into the ``pf_*`` buffers (never the resolve's: the next resolve would
-        overwrite it), then the gather of that plan into group g + 1's layers (the table
-        ``pf_layers``, whose row g names them), then the prefetch counters out. On the
+        overwrite it; its errors into ``pf_err``: the resolve reported them), then the
+        gather of that plan into group g + 1's layers (the table ``pf_layers``, whose row
+        g names them), then the prefetch counters out. On the
         same stream as the next group's resolve, which then finds the rows as hits, and
         whose ready word comes after the rows' bytes."""
         bufs = self.buffers
         self.residency.launch_prefetch(block.desc, block.rows, block.payload, bufs.pf_rows, bufs.pf_slots,
-                                       bufs.pf_counts, bufs.err, bufs.max_batch, stream, group_offset=1)
+                                       bufs.pf_counts, bufs.pf_err, bufs.max_batch, stream, group_offset=1)
         self.mover.launch_gather(block.desc, bufs.pf_rows, bufs.pf_slots, bufs.pf_counts, bufs.max_batch, stream,
                                  group_layers=bufs.pf_layers)
         self.enqueue_stats_out(stream)

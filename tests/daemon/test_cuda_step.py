@@ -324,3 +324,18 @@ def test_prefetch_after_each_topk_gives_the_cpu_backends_slots_counters_and_rows
     assert r.rank.take_error() is None
     c = r.rank.counters()
     assert {k: c[k] for k in prefetch_program.PF_KEYS} == counters
+
+
+def test_a_state_row_refused_with_prefetch_on_is_reported_once(rig):
+    """The prefetch after a TOPK refuses the rows its resolve refused; they are reported
+    once (its own error record), so no later request fails for them again."""
+    lay = prefetch_program.layout()
+    r = rig(lay, prefetch=True)
+    bad = np.array([lay.max_reqs + 3], np.int32)
+    r.rank.serve_topk(0, 0, np.arange(lay.top_k, dtype=np.int32)[None], state_rows=bad)
+    assert r.rank.pending_prefetch is not None
+    r.rank.run_prefetch()
+    r.worker.stream.synchronize()
+    err = r.rank.take_error()
+    assert err is not None and err.code == "BAD_STATE_ROW"
+    assert r.rank.take_error() is None and r.rank.error_counts()["bad_state_row"] == 1
