@@ -157,24 +157,32 @@ if has all || has test || has e2e || has replay; then
   mkdir -p "$R"
   python3 -m sparsekv.cli.main trace synth --out "$R/rows.npz" --seed 7 >/dev/null
   python3 -m sparsekv.cli.main trace synth --out "$R/positions.npz" --block-size 16 --spec 0.1 --seed 8 >/dev/null
-  for tr in rows positions; do
-    timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" --out "$R/$tr-inproc.npz" >/dev/null 2>&1
+  # Then the host-row trace with --prefetch (each step's next rows fetched into group 1):
+  # group 0's slots and misses and group 1's hit and miss counts equal the in-process run's.
+  for run in rows positions rows-prefetch; do
+    tr=${run%-prefetch}
+    pf=$([[ $run == *-prefetch ]] && echo --prefetch)
+    timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" $pf --out "$R/$run-inproc.npz" \
+      >"$R/$run-inproc.json" 2>&1
     for t in zmq doorbell; do
-      timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" --backend cuda --transport $t --verify \
-        --out "$R/$tr-$t.npz" --daemon-log "$R/$tr-$t-daemon.log" >"$R/$tr-$t.json" 2>&1
+      timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" $pf --backend cuda --transport $t --verify \
+        --out "$R/$run-$t.npz" --daemon-log "$R/$run-$t-daemon.log" >"$R/$run-$t.json" 2>&1
       rc=$?
-      same=$(python3 - "$R/$tr-inproc.npz" "$R/$tr-$t.npz" 2>&1 <<'EOF'
-import sys
+      same=$(python3 - "$R/$run-inproc" "$R/$run-$t" 2>&1 <<'EOF'
+import json, sys
 import numpy as np
-a, b = (np.load(p) for p in sys.argv[1:])
-print("equal to inproc" if all(np.array_equal(a[k], b[k]) for k in ("slots", "misses")) else "DIFFERS from inproc")
+a, b = (np.load(p + ".npz") for p in sys.argv[1:])
+sa, sb = (json.loads([l for l in open(p + ".json") if l.startswith("{")][-1]) for p in sys.argv[1:])
+keys = ("next_group_hits", "next_group_misses")
+ok = all(np.array_equal(a[k], b[k]) for k in ("slots", "misses")) and all(sa.get(k) == sb.get(k) for k in keys)
+print("equal to inproc" if ok else "DIFFERS from inproc")
 EOF
 )
       if (( rc == 0 )) && [[ "$same" == "equal to inproc" ]]; then
-        result replay "$tr $t: exact ($(grep -o '"mismatched_rows": [0-9]*' "$R/$tr-$t.json"), $same)"
+        result replay "$run $t: exact ($(grep -o '"mismatched_rows": [0-9]*' "$R/$run-$t.json"), $same)"
       else
         status=1
-        result replay "$tr $t: NOT EXACT (rc $rc, $same): $(tail -c 300 "$R/$tr-$t.json" | tr '\n' ' ')"
+        result replay "$run $t: NOT EXACT (rc $rc, $same): $(tail -c 300 "$R/$run-$t.json" | tr '\n' ' ')"
       fi
     done
   done
