@@ -27,6 +27,8 @@ from .serve_report import MODES, PENALTY_BATCHES
 DEFAULT_CONTEXTS = (32768, 65536, 131072)
 QUICK_CONTEXTS = (32768, 131072)
 QUICK_BATCHES = (1, 64)
+DEFAULT_OVERLAPS = (0.5, 0.7, 0.95)  # besides --layer-overlap, at the first context and the largest batch
+QUICK_OVERLAPS = (0.5,)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class Options:
     warmup: int = 5
     block_size: int = 64
     layer_overlap: float = 0.85
+    overlaps: tuple[float, ...] = ()  # more layer overlaps for the first context's largest batch
+    region_rows: int | None = None  # the offloaded modes' hot-region rows a layer (None: top_k + top_k / 4)
     host_pool_gib: float = 16.0
     hbm_gb: float = 141.0
     host_gib: float = 256.0
@@ -71,13 +75,29 @@ class Options:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0 <= self.layer_overlap <= 1:
             raise ValueError(f"--layer-overlap must lie in [0, 1], got {self.layer_overlap}")
+        if any(not 0 <= o <= 1 for o in self.overlaps):
+            raise ValueError(f"--overlaps must lie in [0, 1], got {list(self.overlaps)}")
+        region = self.region(top_k)
+        if region < top_k:
+            raise ValueError(f"--region-rows must be >= top-k {top_k}, got {region}")
+        if "prefetch" in self.modes and region == top_k:
+            raise ValueError(f"--region-rows {region}: the prefetch mode needs rows above top-k {top_k} (a prefetch "
+                             "never evicts a row of the latest top-k)")
         return self
+
+    def region(self, top_k: int) -> int:
+        """Hot-region rows a layer of each offloaded mode."""
+        return self.region_rows if self.region_rows is not None else top_k + top_k // 4
 
 
 def _context(text: str) -> int:
     t = text.strip().lower()
     scale = {"k": 1 << 10, "m": 1 << 20}.get(t[-1:], 1)
     return int(t[:-1] if scale > 1 else t) * scale
+
+
+def _overlaps(text: str) -> tuple[float, ...]:
+    return () if text.strip().lower() == "none" else _csv(float, "--overlaps")(text)
 
 
 def add_arguments(p) -> None:
@@ -87,6 +107,12 @@ def add_arguments(p) -> None:
     p.add_argument("--contexts", type=_csv(_context, "--contexts"), default=None, metavar="LIST",
                    help="contexts, e.g. 32k,64k,128k (default; --quick: 32k,128k; add 1m to ask for it); the "
                         "equal-batch configs run at the first")
+    p.add_argument("--overlaps", type=_overlaps, default=None, metavar="LIST",
+                   help="more layer overlaps (besides --layer-overlap) the first context's largest batch runs at "
+                        "(default 0.5,0.7,0.95; --quick: 0.5; 'none': none)")
+    p.add_argument("--region-rows", type=int, default=None, metavar="N",
+                   help="hot-region rows a layer of every offloaded mode, >= top-k; the prefetch fills those "
+                        "above top-k (default top-k + top-k / 4)")
     p.add_argument("--host-pool-gib", type=float, default=16.0, metavar="GIB",
                    help="host pool of each offloaded mode on this machine; requests share host blocks beyond it "
                         "(default 16)")
@@ -109,7 +135,9 @@ def options_from_args(a, presets) -> Options:
         batches=a.batches or (QUICK_BATCHES if quick else PENALTY_BATCHES),
         modes=tuple(dict.fromkeys(a.modes)) if a.modes else MODES, hits=a.hits[0] if a.hits else 90.0,
         steps=a.steps or (10 if quick else 30), warmup=3 if quick else 5, block_size=a.block_size,
-        layer_overlap=a.layer_overlap, host_pool_gib=a.host_pool_gib, hbm_gb=a.hbm_gb, host_gib=a.host_gib,
+        layer_overlap=a.layer_overlap,
+        overlaps=tuple(a.overlaps) if a.overlaps is not None else (QUICK_OVERLAPS if quick else DEFAULT_OVERLAPS),
+        region_rows=a.region_rows, host_pool_gib=a.host_pool_gib, hbm_gb=a.hbm_gb, host_gib=a.host_gib,
         activations_gb=a.activations_gb, gather_blocks=a.gather_blocks, seed=a.seed, json_path=a.json_path,
         plot_path=a.plot_path, daemon_log=a.daemon_log).validate(presets)
 

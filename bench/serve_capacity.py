@@ -37,21 +37,22 @@ def weight_bytes(sh) -> dict[str, float]:
             "embedding_and_head": 2 * 2 * sh.vocab * sh.hidden}
 
 
-def per_request(sh, context: int) -> dict[str, float]:
+def per_request(sh, context: int, region_rows: int | None = None) -> dict[str, float]:
     """Bytes one request of ``context`` tokens holds: all on the GPU (MLA rows and indexer
-    keys in HBM), offloaded (indexer keys and a hot region of top_k rows a layer in HBM,
-    the MLA rows in host memory)."""
+    keys in HBM), offloaded (indexer keys and a hot region of ``region_rows`` rows a
+    layer in HBM, default top_k; the MLA rows in host memory)."""
     L = sh.layers
     return {"gpu_hbm": context * L * (sh.row_bytes + sh.idx_key_bytes),
-            "offload_hbm": context * L * sh.idx_key_bytes + L * sh.top_k * sh.row_bytes,
+            "offload_hbm": context * L * sh.idx_key_bytes + L * (region_rows or sh.top_k) * sh.row_bytes,
             "offload_host": context * L * sh.row_bytes}
 
 
-def capacity(sh, context: int, dep: Deployment = Deployment()) -> dict:
-    """The largest batch of each mode at ``context`` and the arithmetic behind it."""
+def capacity(sh, context: int, dep: Deployment = Deployment(), region_rows: int | None = None) -> dict:
+    """The largest batch of each mode at ``context`` and the arithmetic behind it
+    (``region_rows``: the offloaded modes' hot-region rows a layer, default top_k)."""
     w = sum(weight_bytes(sh).values())
     free = dep.hbm_bytes - w - dep.activation_bytes
-    req = per_request(sh, context)
+    req = per_request(sh, context, region_rows)
     by_hbm = max(0, int(free // req["offload_hbm"]))
     by_host = int(dep.host_bytes // req["offload_host"])
     return {"context": context, "weights_bytes": w, "free_hbm_bytes": free, **req,
@@ -59,14 +60,14 @@ def capacity(sh, context: int, dep: Deployment = Deployment()) -> dict:
             "offload_limited_by": "HBM (indexer keys, hot regions)" if by_hbm <= by_host else "host memory"}
 
 
-def capacity_text(sh, contexts, dep: Deployment = Deployment()) -> str:
+def capacity_text(sh, contexts, dep: Deployment = Deployment(), region_rows: int | None = None) -> str:
     """The capacity arithmetic, printed."""
     w = weight_bytes(sh)
     lines = [f"capacity per GPU: HBM {dep.hbm_bytes / GB:.0f} GB - weights {sum(w.values()) / GB:.1f} GB ("
              + ", ".join(f"{k} {v / GB:.1f}" for k, v in w.items())
              + f") - activations {dep.activation_bytes / GB:.0f} GB; host {dep.host_bytes / 2**30:.0f} GiB"]
     for c in contexts:
-        cap = capacity(sh, c, dep)
+        cap = capacity(sh, c, dep, region_rows)
         lines.append(f"  context {c}: all on GPU {cap['gpu_hbm'] / GB:.3f} GB a request -> batch {cap['gpu']}; "
                      f"offloaded {cap['offload_hbm'] / GB:.3f} GB HBM + {cap['offload_host'] / GB:.3f} GB host a "
                      f"request -> batch {cap['offload']} (limited by {cap['offload_limited_by']})")

@@ -57,9 +57,10 @@ def block_table(batch: int, context: int, block_size: int, host_rows: int, seed:
     return ((np.arange(batch)[:, None] * blocks + perm[None, :]) % host_blocks).astype(np.int32)
 
 
-def offload_layout(sh, max_batch: int, host_rows: int) -> Layout:
-    """One index group a layer, one token a request (a hot region of top_k rows)."""
-    return Layout(num_layers=sh.layers, row_bytes=sh.row_bytes, top_k=sh.top_k, region_stride=sh.top_k,
+def offload_layout(sh, max_batch: int, host_rows: int, region_rows: int | None = None) -> Layout:
+    """One index group a layer, one token a request (a hot region of ``region_rows`` rows,
+    default top_k; the prefetch fills those above top_k)."""
+    return Layout(num_layers=sh.layers, row_bytes=sh.row_bytes, top_k=sh.top_k, region_stride=region_rows or sh.top_k,
                   max_reqs=max_batch, host_rows=host_rows, index_groups=tuple((i,) for i in range(sh.layers)),
                   max_batch=max_batch, staging_rows=min(FILL_STAGING_ROWS, host_rows)).validate()
 
@@ -141,9 +142,14 @@ class SwappedRows:
 
 
 # -- the offloaded handles -----------------------------------------------------------------
+COUNTERS = ("hits", "misses", "prefetched", "prefetch_hits", "prefetch_wasted")  # what Offload.counts report
+
+
 class Offload:
-    """The in-process handle and the private daemon's doorbell handle, each over a pool of
-    ``lay`` filled with ``tile``; made once for the run (every batch up to ``max_batch``)."""
+    """The in-process handle and the private daemons' doorbell handles (``daemon``; with
+    cross-layer prefetch: ``prefetch``, a daemon of its own), each over a pool of ``lay``
+    filled with ``tile``; made once for the run (every batch up to ``max_batch``).
+    ``counts[mode]()``: the handle's counters, :data:`COUNTERS` in that order."""
 
     def __init__(self, lay: Layout, tile: np.ndarray, modes, gather_blocks: int, daemon_log: str | None):
         self.lay, self.handles, self.counts = lay, {}, {}
@@ -155,16 +161,18 @@ class Offload:
                 self._stack.callback(h.close)
                 fill_pattern(h.pool, tile=tile)
                 self.handles["inproc"] = h
-                self.counts["inproc"] = lambda: tuple(h.counters()[k] for k in ("hits", "misses"))
+                self.counts["inproc"] = lambda: tuple(h.counters()[k] for k in COUNTERS)
                 say(f"inproc: {lay.pool_bytes / 1e9:.1f} GB pinned pool made and filled in "
                     f"{time.perf_counter() - t0:.1f} s")
-            if "daemon" in modes:
-                self._open_daemon(tile, gather_blocks, daemon_log)
+            for mode in ("daemon", "prefetch"):
+                if mode in modes:
+                    log = daemon_log and (daemon_log if mode == "daemon" else f"{daemon_log}.{mode}")
+                    self._open_daemon(mode, tile, gather_blocks, log)
         except BaseException:
             self.close()
             raise
 
-    def _open_daemon(self, tile, gather_blocks: int, daemon_log) -> None:
+    def _open_daemon(self, mode: str, tile, gather_blocks: int, daemon_log) -> None:
         lay = self.lay
         size = f"{arena_bytes(lay, 1) // GIB}GiB"
         t0 = time.perf_counter()
@@ -174,19 +182,19 @@ class Offload:
                         "--devices", str(DEVICE)], start_timeout_s=DAEMON_START_TIMEOUT_S))
         c = Client(d.run_dir, rank=0, device=f"cuda:{DEVICE}", name="bench-serve", timeout_s=CLIENT_TIMEOUT_S).connect()
         self._stack.callback(c.close)
-        c.attach(lay, engine="bench-serve", transport="doorbell")
+        c.attach(lay, engine="bench-serve", transport="doorbell", prefetch=mode == "prefetch")
         fill_through_staging(c, lay, torch, tile=tile)
         h = c.doorbell_handle()
         self._stack.callback(h.close)
         self._stack.callback(torch.cuda.synchronize)  # no stream left waiting on a bell when the handle closes
-        self.handles["daemon"] = h
+        self.handles[mode] = h
 
         def counts():
             s = c.stats()
-            return (int(s["hits"]), int(s["misses"])) if "hits" in s and "misses" in s else None
+            return tuple(int(s[k]) for k in COUNTERS) if all(k in s for k in COUNTERS) else None
 
-        self.counts["daemon"] = counts
-        say(f"daemon: private sparsekvd up, {lay.pool_bytes / 1e9:.1f} GB pool written in "
+        self.counts[mode] = counts
+        say(f"{mode}: private sparsekvd up, {lay.pool_bytes / 1e9:.1f} GB pool written in "
             f"{time.perf_counter() - t0:.1f} s (arena {size})")
 
     def close(self) -> None:
@@ -196,8 +204,8 @@ class Offload:
 # -- timing, breakdown (capture: decode_modes.capture_step) ------------------------------------------------------------
 def timed(runs: list, st: Static, warmup: int, steps: int, counts: list):
     """Step times (us) [len(runs), steps], the sides in turn each step (the order rotated),
-    each timed alone between two synchronisations; per side (hits, misses) over the
-    timed steps or None."""
+    each timed alone between two synchronisations; per side the growth of its counters
+    (``counts``, e.g. :data:`COUNTERS`) over the timed steps, or None."""
     n = len(runs)
     times = np.zeros((n, steps))
     before = [None] * n
@@ -214,7 +222,7 @@ def timed(runs: list, st: Static, warmup: int, steps: int, counts: list):
             if t >= warmup:
                 times[i, t - warmup] = (time.perf_counter() - t0) * 1e6
     after = [c() if c else None for c in counts]
-    deltas = [(a[0] - b[0], a[1] - b[1]) if a and b else None for a, b in zip(after, before)]
+    deltas = [tuple(x - y for x, y in zip(a, b)) if a and b else None for a, b in zip(after, before)]
     return times, deltas
 
 

@@ -8,11 +8,13 @@ from dataclasses import asdict, dataclass, field
 
 from .serve_capacity import bounds
 
-MODES = ("gpu", "inproc", "daemon")  # also the order they run in
-OFFLOADED = ("daemon", "inproc")  # the first of these that ran is "offloaded" in the headline
+# also the order they run in; "prefetch": the daemon (doorbell) attached with cross-layer prefetch
+MODES = ("gpu", "inproc", "daemon", "prefetch")
+OFFLOADED = ("prefetch", "daemon", "inproc")  # the first of these that ran is "offloaded" in the headline
 PARTS = ("proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe", "head")
 SLACK = 2.0  # a part slower than this many times its bound is flagged
 PENALTY_BATCHES = (1, 4, 16, 64)
+HEADLINE_OVERLAP = 0.85  # the layer overlap of the headline figures (issue 35's)
 
 
 def ctx_key(context: int) -> str:
@@ -31,11 +33,18 @@ class Result:
     mode: str
     context: int
     batch: int
+    overlap: float = HEADLINE_OVERLAP  # the top-k sequence's layer-to-layer overlap
     run: str = ""  # "graph" or "eager"
     p50_us: float | None = None
     p99_us: float | None = None
     hit_rate: float | None = None  # measured over the timed steps (offloaded modes)
     misses_per_layer: float | None = None
+    misses: int | None = None  # over the timed steps, every layer (offloaded modes)
+    # prefetch mode, over the timed steps: rows the prefetch fetched, those a resolve then
+    # hit (misses taken off the critical path), those lost unread
+    prefetched: int | None = None
+    prefetch_hits: int | None = None
+    prefetch_wasted: int | None = None
     parts: dict = field(default_factory=dict)  # us a layer, the un-captured run's shares of the graph's step
     parts_scale: float = 1.0  # the graph's step / the un-captured step (launch gaps left out)
     bounds: dict = field(default_factory=dict)
@@ -52,6 +61,14 @@ class Result:
     @property
     def tok_s_at_bound(self) -> float | None:
         return self.batch / self.p50_at_bound_us * 1e6 if self.p50_at_bound_us else None
+
+    @property
+    def hidden_share(self) -> float | None:
+        """The miss rows fetched off the critical path (the prefetch's hits) over every miss
+        row (those plus the misses the resolves fetched)."""
+        if self.prefetch_hits is None or self.misses is None:
+            return None
+        return self.prefetch_hits / max(1, self.prefetch_hits + self.misses)
 
 
 def layers_of(sh, part: str) -> int:
@@ -75,24 +92,57 @@ def set_parts(r: Result, sh, totals_us: dict) -> None:
         r.p50_at_bound_us = max(r.p50_us - excess, 1.0)
 
 
-def _find(results, mode, context, batch) -> Result | None:
+def okey(overlap: float) -> str:
+    """0.85 -> "o85", 0.5 -> "o50", 0.955 -> "o95p5" (for JSON keys)."""
+    return "o" + f"{overlap * 100:g}".replace(".", "p")
+
+
+def _find(results, mode, context, batch, overlap: float = HEADLINE_OVERLAP) -> Result | None:
     for r in results:
-        if (r.mode, r.context, r.batch) == (mode, context, batch) and r.p50_us:
+        if (r.mode, r.context, r.batch, r.overlap) == (mode, context, batch, overlap) and r.p50_us:
             return r
     return None
 
 
-def _offloaded(results, context, batch) -> Result | None:
+def _offloaded(results, context, batch, overlap: float = HEADLINE_OVERLAP) -> Result | None:
     for m in OFFLOADED:
-        r = _find(results, m, context, batch)
+        r = _find(results, m, context, batch, overlap)
         if r is not None:
             return r
     return None
 
 
-def summary(results: list[Result], caps: dict, penalty_context: int, impl: dict) -> dict:
+def _prefetch_figures(results: list[Result], penalty_context: int, overlap: float) -> dict:
+    """Per (batch, overlap) of the first context where the prefetch mode ran: the share of
+    miss rows it hid, its TPOT over the daemon's without it, and (other overlaps than the
+    headline's) the offloaded TPOT over all on the GPU; then issue 35's keys."""
+    out: dict = {}
+    pk = ctx_key(penalty_context)
+    for r in results:
+        if r.mode != "prefetch" or r.context != penalty_context or not r.p50_us:
+            continue
+        tag = f"b{r.batch}_{pk}_{okey(r.overlap)}"
+        if r.hidden_share is not None:
+            out[f"serve_prefetch_hidden_share_{tag}"] = round(r.hidden_share, 4)
+        d = _find(results, "daemon", r.context, r.batch, r.overlap)
+        if d:
+            out[f"serve_prefetch_vs_daemon_{tag}"] = round(r.p50_us / d.p50_us, 4)
+        g = _find(results, "gpu", r.context, r.batch, r.overlap)
+        if g and r.overlap != overlap:
+            out[f"serve_offload_vs_gpu_tpot_{tag}"] = round(r.p50_us / g.p50_us, 4)
+    if pk == "32k":
+        for key, src in (("prefetch_hidden_share", f"serve_prefetch_hidden_share_b64_32k_{okey(HEADLINE_OVERLAP)}"),
+                         ("prefetch_cost_overlap50", "serve_prefetch_vs_daemon_b64_32k_o50")):
+            if src in out:
+                out[key] = out[src]
+    return out
+
+
+def summary(results: list[Result], caps: dict, penalty_context: int, impl: dict,
+            overlap: float = HEADLINE_OVERLAP) -> dict:
     """Flat figures (the headline keys of docs/perf/latest.json among them), the configs
-    as a list and the capacity arithmetic; ``caps``: context -> serve_capacity.capacity."""
+    as a list and the capacity arithmetic; ``caps``: context -> serve_capacity.capacity;
+    ``overlap``: the layer overlap of the configs the headline ratios are taken from."""
     out: dict = {"serve_offloaded_mode": next((m for m in OFFLOADED if any(r.mode == m and r.p50_us
                                                                               for r in results)), None),
                  "serve_impl": impl, "serve_configs": [{**asdict(r), "tok_s": r.tok_s} for r in results],
@@ -100,20 +150,24 @@ def summary(results: list[Result], caps: dict, penalty_context: int, impl: dict)
     for c, cap in caps.items():
         k = ctx_key(c)
         out[f"serve_max_batch_gpu_{k}"], out[f"serve_max_batch_offload_{k}"] = cap["gpu"], cap["offload"]
-        g, o = _find(results, "gpu", c, cap["gpu"]), _offloaded(results, c, cap["offload"])
+        g, o = _find(results, "gpu", c, cap["gpu"], overlap), _offloaded(results, c, cap["offload"], overlap)
         if g and o:
             out[f"serve_throughput_gain_{k}"] = round(o.tok_s / g.tok_s, 3)
             out[f"serve_throughput_gain_{k}_at_bound"] = round(o.tok_s_at_bound / g.tok_s_at_bound, 3)
             out[f"serve_gpu_tok_s_{k}"], out[f"serve_offload_tok_s_{k}"] = round(g.tok_s, 1), round(o.tok_s, 1)
     pk = ctx_key(penalty_context)
     for b in PENALTY_BATCHES:
-        g, o = _find(results, "gpu", penalty_context, b), _offloaded(results, penalty_context, b)
+        g, o = _find(results, "gpu", penalty_context, b, overlap), _offloaded(results, penalty_context, b, overlap)
         if g and o:
             out[f"serve_offload_vs_gpu_tpot_b{b}_{pk}"] = round(o.p50_us / g.p50_us, 4)
             out[f"serve_offload_vs_gpu_tpot_b{b}_{pk}_at_bound"] = round(o.p50_at_bound_us / g.p50_at_bound_us, 4)
+            d = _find(results, "daemon", penalty_context, b, overlap)
+            if o.mode == "prefetch" and d:  # the same without prefetch
+                out[f"serve_daemon_vs_gpu_tpot_b{b}_{pk}"] = round(d.p50_us / g.p50_us, 4)
     if f"serve_offload_vs_gpu_tpot_b1_{pk}" in out and pk == "32k":
         out["serve_offload_vs_gpu_tpot_b1"] = out["serve_offload_vs_gpu_tpot_b1_32k"]
-    d, i = _find(results, "daemon", penalty_context, 64), _find(results, "inproc", penalty_context, 64)
+    out.update(_prefetch_figures(results, penalty_context, overlap))
+    d, i = (_find(results, m, penalty_context, 64, overlap) for m in ("daemon", "inproc"))
     if d and i and pk == "32k":
         out["serve_daemon_vs_inproc"] = round(d.p50_us / i.p50_us, 4)
         if d.paired_diff_us is not None:
@@ -123,10 +177,10 @@ def summary(results: list[Result], caps: dict, penalty_context: int, impl: dict)
 
 def table(results: list[Result], sh) -> str:
     """Per config: TPOT, tokens/s, and each part against its bound (us a layer)."""
-    lines = [f"{'mode':<7} {'context':>8} {'batch':>5} {'run':<5} {'TPOT p50 ms':>11} {'p99 ms':>8} {'tok/s':>9} "
+    lines = [f"{'mode':<8} {'context':>8} {'batch':>5} {'overlap':>7} {'run':<5} {'TPOT p50 ms':>11} {'p99 ms':>8} {'tok/s':>9} "
              f"{'hits':>5}  parts: us a layer, the un-captured step's shares of the graph's (bound; ! = over {SLACK:g}x)"]
     for r in results:
-        head = f"{r.mode:<7} {r.context:>8} {r.batch:>5} "
+        head = f"{r.mode:<8} {r.context:>8} {r.batch:>5} {r.overlap:>7g} "
         if r.p50_us is None:
             lines.append(head + (r.error or r.skipped or "no figure"))
             continue
@@ -135,13 +189,15 @@ def table(results: list[Result], sh) -> str:
         hits = f"{r.hit_rate * 100:.0f}%" if r.hit_rate is not None else "-"
         lines.append(head + f"{r.run:<5} {r.p50_us / 1e3:>11.2f} {r.p99_us / 1e3:>8.2f} {r.tok_s:>9.1f} {hits:>5}  "
                      + parts + (f"  [at bound: {r.p50_at_bound_us / 1e3:.2f} ms]" if r.flagged else "")
+                     + (f"  [prefetch: {r.prefetched} rows, {r.prefetch_hits} hit, {r.prefetch_wasted} wasted; "
+                        f"{r.hidden_share * 100:.0f} % of misses hidden]" if r.hidden_share is not None else "")
                      + (f"  ERROR {r.error}" if r.error else ""))
     return "\n".join(lines) + "\n"
 
 
 def headline(figures: dict) -> str:
     keys = [k for k in sorted(figures) if k.startswith(("serve_throughput_gain", "serve_offload_vs_gpu",
-                                                          "serve_daemon_vs_inproc"))]
+                                                          "serve_daemon_vs_inproc", "serve_prefetch", "prefetch_"))]
     return "".join(f"{k}: {figures[k]}\n" for k in keys)
 
 
@@ -161,7 +217,8 @@ def plot(results: list[Result], path: str) -> str | None:
     fig, axes = plt.subplots(1, len(contexts), figsize=(4.5 * len(contexts), 3.8), squeeze=False)
     for ax, c in zip(axes[0], contexts):
         for mode in MODES:
-            pts = sorted((r.batch, r.tok_s) for r in ok if r.context == c and r.mode == mode)
+            pts = sorted((r.batch, r.tok_s) for r in ok
+                         if r.context == c and r.mode == mode and r.overlap == HEADLINE_OVERLAP)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
         ax.set_title(f"context {ctx_key(c)}")

@@ -17,28 +17,35 @@ from .decode_report import write_json
 from .decode_workload import gather_blocks, generate
 from .serve_capacity import Deployment, capacity, capacity_text
 from .serve_model import PRESETS, BatchState, Model, Ops
-from .serve_modes import (HbmRows, Offload, Static, SwappedRows, TILE_ROWS, block_table, breakdown,
+from .serve_modes import (COUNTERS, HbmRows, Offload, Static, SwappedRows, TILE_ROWS, block_table, breakdown,
                           offload_layout, row_tile, say, timed)
-from .serve_report import OFFLOADED, Result, headline, plot, set_parts, summary, table
+from .serve_report import MODES, OFFLOADED, Result, headline, plot, set_parts, summary, table
 
 __all__ = ["PRESETS", "main"]
+# the mode each mode's paired difference is taken against (the first of these that ran; else the first mode)
+PAIRED_WITH = {"daemon": ("inproc",), "prefetch": ("daemon",)}
 HBM_MARGIN_BYTES = 6 << 30  # left free on this GPU besides a config's own tensors (graphs, activations)
 
 
-def configs(opts, caps: dict) -> list[tuple[int, int, tuple[str, ...]]]:
-    """(context, batch, modes): the equal-batch configs at the first context, then each
-    mode at its largest batch per context; one config per (context, batch)."""
+def configs(opts, caps: dict) -> list[tuple[int, int, float, tuple[str, ...]]]:
+    """(context, batch, layer overlap, modes): the equal-batch configs at the first
+    context, then each mode at its largest batch per context, at ``--layer-overlap``; then
+    the first context's largest equal batch at each of ``--overlaps``; one config per
+    (context, batch, overlap)."""
     off = tuple(m for m in opts.modes if m in OFFLOADED)
-    want: dict[tuple[int, int], set] = {}
+    o = opts.layer_overlap
+    want: dict[tuple[int, int, float], set] = {}
     for b in opts.batches:
-        want.setdefault((opts.contexts[0], b), set()).update(opts.modes)
+        want.setdefault((opts.contexts[0], b, o), set()).update(opts.modes)
     for c, cap in caps.items():
         if "gpu" in opts.modes and cap["gpu"] > 0:
-            want.setdefault((c, cap["gpu"]), set()).add("gpu")
+            want.setdefault((c, cap["gpu"], o), set()).add("gpu")
         if off and cap["offload"] > 0:
-            want.setdefault((c, cap["offload"]), set()).update(off)
-    order = {m: i for i, m in enumerate(("gpu", "inproc", "daemon"))}
-    return [(c, b, tuple(sorted(ms, key=order.get))) for (c, b), ms in sorted(want.items())]
+            want.setdefault((c, cap["offload"], o), set()).update(off)
+    main = sorted(want.items())
+    more = {(opts.contexts[0], max(opts.batches), x): set(opts.modes) for x in dict.fromkeys(opts.overlaps) if x != o}
+    order = {m: i for i, m in enumerate(MODES)}
+    return [(c, b, x, tuple(sorted(ms, key=order.get))) for (c, b, x), ms in main + sorted(more.items())]
 
 
 def _free() -> None:
@@ -48,24 +55,26 @@ def _free() -> None:
 
 
 def run_config(model, off, tile, opts, context: int, batch: int, modes, host_rows: int, mirror,
-               device=None) -> list[Result]:
+               device=None, overlap: float | None = None) -> list[Result]:
     """One config's results: its modes (``off``: the offloaded handles) timed in turn over
-    one top-k sequence, then one un-captured step each for the parts."""
+    one top-k sequence (layer overlap ``overlap``, default ``opts.layer_overlap``), then
+    one un-captured step each for the parts."""
     sh = model.sh
     L, K, d = sh.layers, sh.top_k, device or torch.device("cuda", DEVICE)
+    overlap = opts.layer_overlap if overlap is None else overlap
     t0 = time.perf_counter()
     wl = generate(batch, opts.hits / 100, steps=opts.warmup + opts.steps + 1, layers=L, context=context, top_k=K,
-                  block_size=opts.block_size, layer_overlap=opts.layer_overlap, seed=opts.seed)
+                  block_size=opts.block_size, layer_overlap=overlap, seed=opts.seed)
     st = Static(model, batch, block_table(batch, context, opts.block_size, host_rows, opts.seed), wl, d)
     state = BatchState(sh, batch, context, d)
     key_bytes = state.keys.numel() + 4 * state.kscale.numel()
-    say(f"context {context} batch {batch}: top-k sequence and {key_bytes / 1e9:.1f} GB of indexer keys ready in "
+    say(f"context {context} batch {batch} overlap {overlap:g}: top-k sequence and {key_bytes / 1e9:.1f} GB of indexer keys ready in "
         f"{time.perf_counter() - t0:.1f} s")
     out, sides = [], []
     if "gpu" in modes:
         need = L * (batch * context + batch) * sh.row_bytes
         if need + HBM_MARGIN_BYTES > torch.cuda.mem_get_info()[0]:
-            out.append(Result("gpu", context, batch, skipped=f"{need / 1e9:.1f} GB of rows do not fit this GPU"))
+            out.append(Result("gpu", context, batch, overlap, skipped=f"{need / 1e9:.1f} GB of rows do not fit this GPU"))
         else:
             sides.append(("gpu", HbmRows.filled(tile, st, L, opts.block_size)))
     sides += [(m, SwappedRows(off.handles[m], st, opts.block_size, mirror)) for m in modes if m in OFFLOADED]
@@ -78,15 +87,19 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
     times, deltas = timed([r[0] for r in runs], st, opts.warmup, opts.steps, counts)
     names = [m for m, _ in sides]
     for i, (m, src) in enumerate(sides):
-        r = Result(m, context, batch, run=runs[i][1], p50_us=float(np.median(times[i])),
+        r = Result(m, context, batch, overlap, run=runs[i][1], p50_us=float(np.median(times[i])),
                    p99_us=float(np.percentile(times[i], 99)))
-        ref = names.index("inproc") if m == "daemon" and "inproc" in names else 0  # the daemon against inproc
+        ref = next((names.index(x) for x in PAIRED_WITH.get(m, ()) if x in names), 0)
         if i != ref:
             r.paired_diff_us = float(np.median(times[i] - times[ref]))
         if m in OFFLOADED:
-            if deltas[i] and sum(deltas[i]):
-                r.hit_rate = deltas[i][0] / sum(deltas[i])
-                r.misses_per_layer = deltas[i][1] / opts.steps / L
+            c = dict(zip(COUNTERS, deltas[i])) if deltas[i] else None
+            if c and c["hits"] + c["misses"]:
+                r.hit_rate = c["hits"] / (c["hits"] + c["misses"])
+                r.misses, r.misses_per_layer = c["misses"], c["misses"] / opts.steps / L
+                if m == "prefetch":
+                    r.prefetched, r.prefetch_hits, r.prefetch_wasted = (
+                        c[k] for k in ("prefetched", "prefetch_hits", "prefetch_wasted"))
             else:
                 r.hit_rate = wl.target_hit_rate
                 r.misses_per_layer = (1 - wl.target_hit_rate) * batch * K
@@ -96,7 +109,7 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
                 r.error = f"{type(e).__name__}: {e}"
         set_parts(r, sh, breakdown(model, st, state, src, opts.warmup + opts.steps))
         out.append(r)
-        say(f"context {context} batch {batch} {m}: TPOT p50 {r.p50_us / 1e3:.2f} ms, {r.tok_s:.0f} tok/s ({r.run})"
+        say(f"context {context} batch {batch} overlap {overlap:g} {m}: TPOT p50 {r.p50_us / 1e3:.2f} ms, {r.tok_s:.0f} tok/s ({r.run})"
             + (f", flagged {','.join(r.flagged)}" if r.flagged else "") + (f"; {r.error}" if r.error else ""))
     del runs, sides
     return out
@@ -118,13 +131,14 @@ def main(opts, device=None) -> int:
         return 2
     dep = Deployment(hbm_bytes=opts.hbm_gb * 1e9, host_bytes=opts.host_gib * 2**30,
                      activation_bytes=opts.activations_gb * 1e9)
-    caps = {c: capacity(sh, c, dep) for c in opts.contexts}
-    say(capacity_text(sh, opts.contexts, dep))
+    region = opts.region(sh.top_k)
+    caps = {c: capacity(sh, c, dep, region) for c in opts.contexts}
+    say(capacity_text(sh, opts.contexts, dep, region))
     plan = configs(opts, caps)
-    say("configs: " + "; ".join(f"context {c} batch {b} {','.join(m)}" for c, b, m in plan))
+    say("configs: " + "; ".join(f"context {c} batch {b} overlap {o:g} {','.join(m)}" for c, b, o, m in plan))
     say(f"the expert-parallel all-to-all is left out of every mode (one GPU); the indexer's own top-k is computed "
         f"and dropped: the rows read follow the bench's sequence ({opts.hits:g} % step-to-step hits, "
-        f"{opts.layer_overlap:g} layer-to-layer overlap)")
+        f"{opts.layer_overlap:g} layer-to-layer overlap); the offloaded modes' hot regions hold {region} rows a layer")
     d = torch.device(device or f"cuda:{DEVICE}")
     cuda = d.type == "cuda"
     if cuda:
@@ -135,14 +149,14 @@ def main(opts, device=None) -> int:
     say(f"weights of one layer and the head built in {time.perf_counter() - t0:.1f} s; " + "; ".join(
         f"{k}: {v}" for k, v in ops.impl.items()))
     tile = row_tile(model, opts.seed)
-    off_batches = [b for _, b, m in plan if set(m) & set(OFFLOADED)]
+    off_batches = [b for _, b, _, m in plan if set(m) & set(OFFLOADED)]
     off = mirror = None
     results: list[Result] = []
     figures: dict = {}
     failed: dict[str, str] = {}  # offloaded mode -> why it could not start
     try:
         if off_batches:
-            lay = offload_layout(sh, max(off_batches), host_rows)
+            lay = offload_layout(sh, max(off_batches), host_rows, region)
             say(f"host pools: {host_rows} rows a layer ({lay.pool_bytes / 1e9:.1f} GB each); requests beyond "
                 f"{host_rows // max(opts.contexts)} of the longest context share host blocks (this machine's memory; "
                 "the bytes a miss moves are the same)")
@@ -152,23 +166,24 @@ def main(opts, device=None) -> int:
                 failed = dict.fromkeys(OFFLOADED, f"{type(e).__name__}: {' '.join(str(e).split())[:400]}")
                 say(f"the offloaded modes did not start: {failed['inproc']}")
             mirror = torch.empty((sh.layers, max(off_batches), sh.row_bytes), dtype=torch.uint8, pin_memory=True)
-        for context, batch, modes in plan:
-            results += [Result(m, context, batch, error=failed[m]) for m in modes if m in failed]
+        for context, batch, overlap, modes in plan:
+            results += [Result(m, context, batch, overlap, error=failed[m]) for m in modes if m in failed]
             modes = tuple(m for m in modes if m not in failed)
             try:
-                results += run_config(model, off, tile, opts, context, batch, modes, host_rows, mirror, d)
+                results += run_config(model, off, tile, opts, context, batch, modes, host_rows, mirror, d, overlap)
             except Exception as e:  # noqa: BLE001 - one config failing must not lose the others' figures
                 why = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
-                say(f"context {context} batch {batch} failed: {why}")
-                results += [Result(m, context, batch, error=why) for m in modes]
+                say(f"context {context} batch {batch} overlap {overlap:g} failed: {why}")
+                results += [Result(m, context, batch, overlap, error=why) for m in modes]
             _free()
-            figures = summary(results, caps, opts.contexts[0], ops.impl)
+            figures = summary(results, caps, opts.contexts[0], ops.impl, opts.layer_overlap)
             if opts.json_path:
                 write_json(opts.json_path, figures)
     finally:
         if off is not None:
             off.close()
-    over = [f"{b} > {caps[c]['gpu']}" for c, b, m in plan if "gpu" in m and c == opts.contexts[0] and b > caps[c]["gpu"]]
+    over = sorted({f"{b} > {caps[c]['gpu']}" for c, b, _, m in plan
+                   if "gpu" in m and c == opts.contexts[0] and b > caps[c]["gpu"]})
     print(table(results, sh) + headline(figures), end="")
     if over:
         print(f"note: equal-batch configs past the all-on-GPU capacity at context {opts.contexts[0]} ({', '.join(over)}) "

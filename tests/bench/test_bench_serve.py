@@ -156,6 +156,9 @@ def test_capacity_matches_the_arithmetic_by_hand():
     assert cap["offload_hbm"] == 131072 * 61 * 132 + 61 * 2048 * 656
     assert cap["gpu"] == int(free // (131072 * 61 * 788)) == 5
     assert cap["offload"] == min(int(free // cap["offload_hbm"]), int(256 * 2**30 // (131072 * 61 * 656))) == 29
+    wide = capacity(sh, 131072, Deployment(), region_rows=4096)  # hot regions of 4096 rows: 164 MB a request
+    assert wide["offload_hbm"] == 131072 * 61 * 132 + 61 * 4096 * 656
+    assert wide["offload"] == int(free // wide["offload_hbm"]) == 27
     small_host = capacity(sh, 131072, Deployment(host_bytes=64 * 2**30))
     assert small_host["offload"] == 64 * 2**30 // (131072 * 61 * 656) == 13
     assert small_host["offload_limited_by"] == "host memory"
@@ -241,6 +244,37 @@ def test_all_on_the_gpu_and_through_swap_in_give_the_same_step_output():
         h.close()
 
 
+@pytest.mark.cuda
+def test_the_prefetch_daemon_gives_the_all_on_gpu_step_output_and_hits_rows_it_fetched():
+    ops = sm.Ops("cuda", torch.bfloat16, fast=False)
+    m = sm.Model.build(TINY, ops)
+    B, C, bs, host_rows = 4, 1024, 16, 4096
+    tile = serve_modes.row_tile(m)
+    off = serve_modes.Offload(serve_modes.offload_layout(TINY, B, host_rows, 2 * TINY.top_k), tile, ("prefetch",),
+                              32, None)
+    try:
+        wl = generate(B, 0.9, steps=4, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs,
+                      layer_overlap=0.9)
+        st = serve_modes.Static(m, B, serve_modes.block_table(B, C, bs, host_rows), wl, "cuda")
+        state = sm.BatchState(TINY, B, C, "cuda")
+        mirror = torch.empty((TINY.layers, B, TINY.row_bytes), dtype=torch.uint8, pin_memory=True)
+        hbm = serve_modes.HbmRows.filled(tile, st, TINY.layers, bs)
+        swapped = serve_modes.SwappedRows(off.handles["prefetch"], st, bs, mirror)
+        before = off.counts["prefetch"]()
+        for t in range(4):
+            st.load(t)
+            a = m.step(st.x, state, hbm)
+            b = m.step(st.x, state, swapped)
+            torch.cuda.synchronize()
+            assert torch.equal(a, b), f"step {t}"
+        off.handles["prefetch"].check()
+        c = dict(zip(serve_modes.COUNTERS, (x - y for x, y in zip(off.counts["prefetch"](), before))))
+        assert c["prefetched"] > 0 and 0 < c["prefetch_hits"] <= c["prefetched"], c
+    finally:
+        torch.cuda.synchronize()
+        off.close()
+
+
 class _ClockMarks(serve_modes.Marks):
     """Marks on torch's CPU device: the host's clock instead of CUDA events."""
 
@@ -276,11 +310,56 @@ def test_a_config_of_the_all_on_gpu_mode_runs_on_the_cpu_and_reports_its_parts(c
 def test_configs_are_the_equal_batches_at_the_first_context_and_each_modes_largest_batch():
     from sparsekv.bench import serve, serve_run
 
-    opts = serve.Options(contexts=(32768, 131072), batches=(1, 64))
+    opts = serve.Options(contexts=(32768, 131072), batches=(1, 64), modes=("daemon", "gpu", "inproc"))
     caps = {32768: {"gpu": 21, "offload": 96}, 131072: {"gpu": 5, "offload": 29}}
     assert serve_run.configs(opts, caps) == [
-        (32768, 1, ("gpu", "inproc", "daemon")), (32768, 21, ("gpu",)), (32768, 64, ("gpu", "inproc", "daemon")),
-        (32768, 96, ("inproc", "daemon")), (131072, 5, ("gpu",)), (131072, 29, ("inproc", "daemon"))]
+        (32768, 1, 0.85, ("gpu", "inproc", "daemon")), (32768, 21, 0.85, ("gpu",)),
+        (32768, 64, 0.85, ("gpu", "inproc", "daemon")), (32768, 96, 0.85, ("inproc", "daemon")),
+        (131072, 5, 0.85, ("gpu",)), (131072, 29, 0.85, ("inproc", "daemon"))]
+
+
+def test_more_overlaps_run_the_first_contexts_largest_batch_with_every_mode():
+    from sparsekv.bench import serve, serve_run
+
+    opts = serve.Options(contexts=(32768, 131072), batches=(1, 64), modes=("gpu", "daemon", "prefetch"),
+                         overlaps=(0.5, 0.85, 0.95, 0.5))
+    caps = {32768: {"gpu": 21, "offload": 96}, 131072: {"gpu": 5, "offload": 29}}
+    plan = serve_run.configs(opts, caps)
+    assert plan[-2:] == [(32768, 64, 0.5, ("gpu", "daemon", "prefetch")), (32768, 64, 0.95, ("gpu", "daemon", "prefetch"))]
+    assert [c for c in plan if c[2] != 0.85] == plan[-2:]  # 0.85 (--layer-overlap) and the repeat only once
+
+
+def test_the_prefetch_mode_needs_hot_region_rows_above_top_k():
+    from sparsekv.bench import serve
+
+    top_k = sm.PRESETS["v32"].top_k
+    assert serve.Options().region(top_k) == top_k + top_k // 4
+    with pytest.raises(ValueError, match="--region-rows 2048: the prefetch mode needs rows above top-k"):
+        serve.Options(region_rows=top_k).validate(sm.PRESETS)
+    serve.Options(region_rows=top_k, modes=("gpu", "daemon")).validate(sm.PRESETS)  # no prefetch: top_k will do
+    with pytest.raises(ValueError, match="--region-rows must be >= top-k 2048, got 2000"):
+        serve.Options(region_rows=2000, modes=("daemon",)).validate(sm.PRESETS)
+    with pytest.raises(ValueError, match="--overlaps must lie in"):
+        serve.Options(overlaps=(1.5,)).validate(sm.PRESETS)
+
+
+def test_the_prefetch_figures_are_its_hidden_share_and_its_cost_against_the_daemon_without_it():
+    caps = {32768: {"gpu": 21, "offload": 96}}
+
+    def r(mode, batch, p50, overlap=0.85, **kw):
+        return Result(mode, 32768, batch, overlap, p50_us=p50, p50_at_bound_us=p50, **kw)
+
+    results = [r("gpu", 64, 30000.0), r("daemon", 64, 36000.0), r("prefetch", 64, 32000.0, misses=300, prefetch_hits=700),
+               r("gpu", 64, 30100.0, 0.5), r("daemon", 64, 36100.0, 0.5),
+               r("prefetch", 64, 36500.0, 0.5, misses=600, prefetch_hits=200)]
+    f = summary(results, caps, 32768, {})
+    assert f["serve_offload_vs_gpu_tpot_b64_32k"] == round(32000 / 30000, 4)  # the prefetch mode: the product's
+    assert f["serve_daemon_vs_gpu_tpot_b64_32k"] == round(36000 / 30000, 4)  # the same without prefetch
+    assert f["prefetch_hidden_share"] == f["serve_prefetch_hidden_share_b64_32k_o85"] == 0.7
+    assert f["serve_prefetch_hidden_share_b64_32k_o50"] == 0.25
+    assert f["prefetch_cost_overlap50"] == f["serve_prefetch_vs_daemon_b64_32k_o50"] == round(36500 / 36100, 4)
+    assert f["serve_offload_vs_gpu_tpot_b64_32k_o50"] == round(36500 / 30100, 4)
+    assert "serve_offload_vs_gpu_tpot_b64_32k_o85" not in f  # the headline's overlap: the key without a suffix
 
 
 @pytest.mark.cuda
