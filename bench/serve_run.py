@@ -29,9 +29,9 @@ HBM_MARGIN_BYTES = 6 << 30  # left free on this GPU besides a config's own tenso
 
 def configs(opts, caps: dict) -> list[tuple[int, int, float, tuple[str, ...]]]:
     """(context, batch, layer overlap, modes): the equal-batch configs at the first
-    context, then each mode at its largest batch per context, at ``--layer-overlap``; then
-    the first context's largest equal batch at each of ``--overlaps``; one config per
-    (context, batch, overlap)."""
+    context, then each mode at its largest batch per context, at ``--layer-overlap``; the
+    first context's largest equal batch also at each of ``--overlaps`` (right after it at
+    ``--layer-overlap``); one config per (context, batch, overlap)."""
     off = tuple(m for m in opts.modes if m in OFFLOADED)
     o = opts.layer_overlap
     want: dict[tuple[int, int, float], set] = {}
@@ -42,10 +42,15 @@ def configs(opts, caps: dict) -> list[tuple[int, int, float, tuple[str, ...]]]:
             want.setdefault((c, cap["gpu"], o), set()).add("gpu")
         if off and cap["offload"] > 0:
             want.setdefault((c, cap["offload"], o), set()).update(off)
-    main = sorted(want.items())
-    more = {(opts.contexts[0], max(opts.batches), x): set(opts.modes) for x in dict.fromkeys(opts.overlaps) if x != o}
+    # The more overlaps right after the same batch at --layer-overlap: the HBM the all-on-GPU
+    # rows need is then as free as it was for that one.
+    first = (opts.contexts[0], max(opts.batches), o)
+    more = [((c, b, x), set(opts.modes)) for c, b, x in sorted({first[:2] + (x,) for x in opts.overlaps if x != o})]
     order = {m: i for i, m in enumerate(MODES)}
-    return [(c, b, x, tuple(sorted(ms, key=order.get))) for (c, b, x), ms in main + sorted(more.items())]
+    plan = []
+    for key, ms in sorted(want.items()):
+        plan += [(key, ms)] + (more if key == first else [])
+    return [(c, b, x, tuple(sorted(ms, key=order.get))) for (c, b, x), ms in plan]
 
 
 def _free() -> None:
