@@ -166,9 +166,12 @@ __device__ __forceinline__ void skv_copy_body(
     }
 }
 
-// A plan copied batch row by batch row: block blockIdx.x takes batch rows blockIdx.x,
-// + gridDim.x, ..., each row's first counts[b] entries (clamped to [0, ld]), its threads
-// over the row's (entry, vector) pairs, SKV_COPY_UNROLL loads in flight a thread.
+// A plan copied batch row by batch row, each row's first counts[b] entries (clamped to
+// [0, ld]): with at least as many rows as blocks, block blockIdx.x takes rows blockIdx.x,
+// + gridDim.x, ...; with fewer (small batches, where one block a row would leave the
+// link idle), each row gets s = gridDim.x / nb blocks, block blockIdx.x row blockIdx.x / s
+// and every s-th chunk of SKV_CT * SKV_COPY_UNROLL of its (entry, vector) pairs from
+// chunk blockIdx.x % s. Threads over the pairs, SKV_COPY_UNROLL loads in flight a thread.
 __device__ __forceinline__ void skv_gather_rows(
     const unsigned char* __restrict__ src, const i64 src_layer_rows, const i64 src_rows, const int src_layers,
     unsigned char* __restrict__ dst, const i64 dst_layer_rows, const i64 dst_rows, const int dst_layers,
@@ -180,12 +183,14 @@ __device__ __forceinline__ void skv_gather_rows(
         SkvLayerCopy c;
         if (!skv_layer(&c, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows, dst_rows, dst_layers,
                        layers, li, 3, src_idx, dst_idx, geo)) continue;
-        for (int b = blockIdx.x; b < nb; b += gridDim.x) {
+        const int s = nb > 0 && (int)gridDim.x > nb ? (int)gridDim.x / nb : 1;  // blocks a row
+        const i64 chunk = (i64)SKV_CT * SKV_COPY_UNROLL;
+        for (int b = blockIdx.x / s; b < nb; b += gridDim.x / s) {
             int m = counts[b];
             m = m < 0 ? 0 : (m > ld ? ld : m);
             const i64 e0 = (i64)b * ld;
             const i64 n = (i64)m * SKV_ROW_VECS;
-            for (i64 v0 = threadIdx.x; v0 < n; v0 += (i64)SKV_CT * SKV_COPY_UNROLL) {
+            for (i64 v0 = (i64)(blockIdx.x % s) * chunk + threadIdx.x; v0 < n; v0 += (i64)s * chunk) {
                 uint4 buf[SKV_COPY_UNROLL];
                 uint4* out[SKV_COPY_UNROLL];
 #pragma unroll

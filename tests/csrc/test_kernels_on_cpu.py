@@ -401,15 +401,18 @@ GATHER_VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("grid", [1, 4, 16])  # batches of 1-5 rows: blocks shared by rows, a row's own, rows split
 @pytest.mark.parametrize("variant", list(GATHER_VARIANTS))
 @pytest.mark.parametrize("rb", [48, 656])
 @pytest.mark.parametrize("geometry", ["daemon", "engine"])
-def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_else(geometry, rb, variant):
+def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_else(geometry, rb, variant, grid):
     """skv_gather: for each layer of the descriptor's group, row plan_rows[b, i] of the pool
     to slot plan_slots[b, i] of the slab (i < misses[b]), into the daemon's flat slab or an
     engine's paged buffer (blocks of block_rows rows at block_stride bytes, a gap after
     each); every other byte stays as it was; an entry outside the pool is skipped. Rows of
-    3 and of 41 vectors (more than a warp's lanes); every variant of the kernel."""
+    3 and of 41 vectors (more than a warp's lanes); every variant of the kernel; grids of
+    fewer blocks than rows, and of more (a row's entries split over its blocks, some
+    blocks idle)."""
     rng = np.random.default_rng(11)
     L, host_rows = 4, 300
     B, ld, slots_n = 5, 12, 40  # slab rows per layer (max_reqs x region_stride)
@@ -452,7 +455,7 @@ def test_the_gather_copies_each_planned_row_of_the_groups_layers_and_nothing_els
                         want[at:at + rb] = pool[layer, r]
         cpu_kernels.gather(desc, pool, slab, slots_n, groups, rows, slots, misses, layer_off=layer_off,
                            block_rows=block_rows if geometry == "engine" else 1, block_stride=bstride,
-                           defines=GATHER_VARIANTS[variant])
+                           defines=GATHER_VARIANTS[variant], grid=grid)
         np.testing.assert_array_equal(slab, want, err_msg=f"trial {trial}")
 
 
