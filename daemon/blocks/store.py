@@ -228,7 +228,8 @@ class BlockStore:
         uid = self._uid_of(session)
         blocks = self._block_ids(blocks)
         pinned = self._pinned[session]
-        if len(set(blocks.tolist())) == blocks.size:  # the common case, without np.unique's cost
+        self._mark[blocks] = np.arange(blocks.size)  # as in lookup: a block named twice keeps its last position
+        if (self._mark[blocks] == np.arange(blocks.size)).all():  # the common case, without np.unique's cost
             uniq, last, count = blocks, np.arange(blocks.size), np.ones(blocks.size, np.int64)
         else:
             uniq, first_rev, count = np.unique(blocks[::-1], return_index=True, return_counts=True)
