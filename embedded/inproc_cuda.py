@@ -4,8 +4,9 @@
 the daemon's kernels, in the same order, where the doorbell hands off: ``skv_begin_step``
 after the step block is written, ``skv_resolve`` after a group's top-k block, the layer's
 ``skv_gather`` before its indices (with ``prefetch``: after a group's last layer's
-gather, ``DeviceStep.enqueue_prefetch`` into the next group, as the doorbell step graph
-does). It owns a pinned host pool (``pool``, NumPy ``[L,
+gather, ``DeviceStep.enqueue_prefetch`` into the next group on a stream of its own, forked
+from the caller's there and joined back before the next group's resolve or the next
+step's begin, so that it runs beside the caller's work as the daemon's does). It owns a pinned host pool (``pool``, NumPy ``[L,
 host_rows, row_bytes]``, for the caller to fill), made and page-locked as the daemon's
 (``daemon/pool.py``, its ``pool_backing`` and ``pin_chunk_gib``), and a device arena. For
 baselines (``sparsekv bench decode``) and for sparsekv as a library in one process.
@@ -49,7 +50,11 @@ class InprocSwapIn(DeviceSwapIn):
         gather_blocks: the most blocks a gather uses.
         backing: the pool's backing (``anon_thp`` or ``memfd``; None: the daemon's
             ``pool_backing`` setting, so that a baseline reads memory laid out as its).
-        prefetch: prefetch each group's rows into the next group's regions.
+        prefetch: prefetch each group's rows into the next group's regions, on a stream
+            of the handle's own beside the caller's (forked after the group's last
+            gather, joined before the next group's resolve): a step captured into a CUDA
+            graph must then hold both ends, i.e. run from ``begin_step`` to its last
+            layer in one capture.
     """
 
     def __init__(self, layout: Layout, device: int = 0, gather_blocks: int = GATHER_BLOCKS,
@@ -71,6 +76,11 @@ class InprocSwapIn(DeviceSwapIn):
             self.pool = self._host.array[: lay.pool_bytes].reshape(lay.num_layers, lay.host_rows, lay.row_bytes)
             with cp.cuda.Device(device):
                 stream = cp.cuda.Stream(non_blocking=True)
+                # The prefetch's own stream, and a fork and a join event per group.
+                self._pf_stream = cp.cuda.Stream(non_blocking=True) if prefetch else None
+                self._pf_events = [(cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
+                                   for _ in range(lay.num_groups if prefetch else 0)]
+                self._pf_pending: list = []  # join events the caller's stream has not waited for
                 residency = CudaResidency(lay, kernels=kernels, stream=stream, prefetch=prefetch)
                 ws = residency.workspace_bytes if residency.workspace_global else 0
                 need = lay.slab_bytes + lay.staging_bytes + (64 << 20) + lay.max_batch * ws \
@@ -105,13 +115,17 @@ class InprocSwapIn(DeviceSwapIn):
 
     def _begun(self, stream_ptr: int) -> None:
         b, d = self.buffers, self.dstep
+        stream = self._ext(stream_ptr)
+        self._join_prefetch(stream)
         d.residency.launch_begin_step(b.db_step.desc, b.db_step.rows, b.db_step.aux, b.db_step.payload, b.err,
-                                      b.max_batch, self._ext(stream_ptr))
+                                      b.max_batch, stream)
 
     def _rang(self, group: int, stream_ptr: int) -> None:
         b, d = self.buffers, self.dstep
+        stream = self._ext(stream_ptr)
+        self._join_prefetch(stream)
         t = b.db_topk[group]
-        d.enqueue_resolve(t, b.db_slots[group], b.db_misses[group], self._ext(stream_ptr))
+        d.enqueue_resolve(t, b.db_slots[group], b.db_misses[group], stream)
 
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
         b, d = self.buffers, self.dstep
@@ -119,7 +133,19 @@ class InprocSwapIn(DeviceSwapIn):
         d.enqueue_gather(b.db_topk[group], b.db_misses[group], stream, group_layers=b.db_layers[layer])
         groups = self.layout.groups
         if b.prefetch and group + 1 < len(groups) and layer == groups[group][-1]:
-            d.enqueue_prefetch(b.db_topk[group], stream)
+            fork, join = self._pf_events[group]
+            fork.record(stream)
+            self._pf_stream.wait_event(fork)
+            d.enqueue_prefetch(b.db_topk[group], self._pf_stream)
+            join.record(self._pf_stream)
+            self._pf_pending.append(join)
+
+    def _join_prefetch(self, stream) -> None:
+        """The caller's stream waits for the prefetches forked from it: before a resolve or
+        a step's begin (both change the regions a prefetch fills)."""
+        for join in self._pf_pending:
+            stream.wait_event(join)
+        self._pf_pending.clear()
 
     def check(self) -> None:
         """As the doorbell handle's; waits for the device (reads its error record)."""

@@ -100,3 +100,59 @@ def test_the_in_process_engine_with_prefetch_serves_the_cpu_backends_slots_and_r
     finally:
         h.close()
     assert {k: c[k] for k in PF_KEYS} == counters
+
+
+@pytest.mark.cuda
+def test_the_in_process_prefetch_forks_and_joins_inside_one_captured_step():
+    """The in-process handle runs the prefetch on a stream of its own, forked after a
+    group's last gather and joined before the next resolve: a whole step captured as one
+    CUDA graph holds both ends, and its replays serve the cpu backend's slots and rows
+    step after step (step 0 eagerly, the rest by replay with the inputs copied in)."""
+    import torch
+
+    lay = layout()
+    plan = program(lay, 10, seed=6)
+    want, counters = reference(lay, plan)
+    S = lay.region_stride
+    h = InprocSwapIn(lay, prefetch=True)
+    try:
+        for layer in range(lay.num_layers):
+            h.pool[layer] = fill_pattern(layer, np.arange(lay.host_rows), lay.row_bytes)
+        state, reset, per_group = plan[0]
+        st, rs = torch.as_tensor(state).cuda(), torch.as_tensor(reset).cuda()
+        rows = [torch.as_tensor(r).cuda() for r in per_group]
+        out = [torch.empty((len(state), lay.top_k), dtype=torch.int32, device="cuda") for _ in range(lay.num_layers)]
+
+        def step():
+            h.begin_step(st, rs)
+            for g, layers in enumerate(lay.groups):
+                for layer in layers:
+                    h.swap_in(st, None, rows[g], layer=layer, attention_indices_out=out[layer])
+
+        step()  # step 0 eagerly (the kernels loaded before the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for t, (state, reset, per_group) in enumerate(plan):
+            if t:
+                st.copy_(torch.as_tensor(state))
+                rs.copy_(torch.as_tensor(reset))
+                for g, r in enumerate(per_group):
+                    rows[g].copy_(torch.as_tensor(r))
+                graph.replay()
+            torch.cuda.synchronize()
+            for g, layers in enumerate(lay.groups):
+                slots = want[t][g][0]
+                exp = np.where((slots >= 0) & (state[:, None] >= 0), state[:, None] * S + slots, -1)
+                for layer in layers:
+                    idx = out[layer].cpu().numpy()
+                    np.testing.assert_array_equal(idx, exp, err_msg=f"step {t} layer {layer}")
+                    ok = idx >= 0
+                    got = h.kv(layer)[torch.as_tensor(idx[ok]).long().cuda()].cpu().numpy()
+                    np.testing.assert_array_equal(got, fill_pattern(layer, per_group[g][ok], lay.row_bytes))
+        h.check()
+        c = h.counters()
+    finally:
+        torch.cuda.synchronize()
+        h.close()
+    assert {k: c[k] for k in PF_KEYS} == counters
