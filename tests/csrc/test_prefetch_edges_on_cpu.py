@@ -1,6 +1,6 @@
 """``skv_prefetch`` and the residency kernels' prefetch marks on the emulator, against the
-reference model itself (``contract.RegionModel``, one per region) rather than the NumPy
-engine, on shapes the shared programs do not draw: top_k 1, a region one slot above
+reference model itself (``contract.RegionModel``, one per region), the NumPy engine
+beside them, on shapes the shared programs do not draw: top_k 1, a region one slot above
 top_k, batches of more rows than the block has threads (several tiles of one state row),
 narrower batches than top_k, groups resolved out of order, a prefetch into a group other
 than the next, resets and invalidations between a group's resolve and its prefetch."""
@@ -13,6 +13,7 @@ import pytest
 import cpu_kernels
 from kernel_traces import layout
 from sparsekv.daemon.residency.contract import RegionModel
+from sparsekv.daemon.residency.cpu import CpuResidency
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 PF = ("prefetched", "prefetch_hits", "prefetch_wasted")
@@ -54,7 +55,7 @@ class Regions:
             assert emu.lru[g, s].tolist() == m.lru, f"lru {g} {s} {where}"
             assert set(np.flatnonzero(emu.fresh[g, s][:S]).tolist()) == m.fresh, f"fresh {g} {s} {where}"
         want = tuple(sum(getattr(m, a) for m in self.m.values()) for a in PF)
-        assert (emu.prefetched, emu.prefetch_hits, emu.prefetch_wasted) == want, where
+        assert tuple(getattr(emu, a) for a in PF) == want, where
 
 
 def gen_row(rng, lay, k, prev):
@@ -92,14 +93,15 @@ def test_prefetch_kernels_equal_the_reference_model(shape):
     lay = layout(k, S, host_rows, reqs, groups=groups, max_batch=max_batch)
     emu = cpu_kernels.Resolve(lay, threads=32, prefetch=True)
     ref = Regions(lay)
+    cpu = CpuResidency(lay)
     rng = np.random.default_rng(sum(shape))
     prev: dict = {}
     for step in range(25):
         where = f"step {step}"
         if rng.random() < 0.1:
             rs = rng.integers(0, reqs, size=int(rng.integers(1, 4))).astype(np.int32)
-            ref.reset(rs)
-            emu.reset(rs)
+            for r in (ref, cpu, emu):
+                r.reset(rs)
         batch = int(rng.integers(1, max_batch + 1))
         used: dict = {}
         sr = []
@@ -114,23 +116,27 @@ def test_prefetch_kernels_equal_the_reference_model(shape):
         order = rng.permutation(groups) if rng.random() < 0.3 else range(groups)
         for g in order:
             ref.resolve(g, sr, tk)
+            cpu.resolve(g, sr, tk)
             emu.resolve(g, sr, tk)
             ref.check(emu, f"{where} resolve {g}")
+            ref.check(cpu, f"{where} resolve {g} (NumPy)")
             if rng.random() < 0.2:  # between the resolve and its prefetch
                 s, rows = int(rng.integers(reqs)), tk[int(rng.integers(batch))][:2].copy()
+                for r in (cpu, emu):
+                    r.invalidate(s, rows)
                 ref.invalidate(s, rows)
-                emu.invalidate(s, rows)
             if rng.random() < 0.1:
                 rs = np.array([rng.integers(reqs)], np.int32)
-                ref.reset(rs)
-                emu.reset(rs)
+                for r in (ref, cpu, emu):
+                    r.reset(rs)
             target = g + 1 if rng.random() < 0.8 else int(rng.integers(groups))
             if target < groups:
                 ptk = np.array([gen_row(rng, lay, kk, [x for x in row if 0 <= x < host_rows]) for row in tk], np.int32)
                 want = ref.prefetch(target, sr, ptk)
-                out = emu.prefetch(target, sr, ptk)
-                assert sorted(zip(out.rows.tolist(), out.slots.tolist())) == want, f"{where} prefetch {target}"
+                for plan in (emu.prefetch(target, sr, ptk), cpu.prefetch(target, sr, ptk)):
+                    assert sorted(zip(plan.rows.tolist(), plan.slots.tolist())) == want, f"{where} prefetch {target}"
                 ref.check(emu, f"{where} prefetch {target}")
+                ref.check(cpu, f"{where} prefetch {target} (NumPy)")
         for b, s in enumerate(sr):
             if s >= 0:
                 prev[s] = [x for x in tk[b] if 0 <= x < host_rows]
