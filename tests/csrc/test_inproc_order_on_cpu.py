@@ -20,11 +20,13 @@ import pytest
 
 import cpu_kernels
 from kernel_traces import layout
+from sparsekv.bench.verify import pattern
 from sparsekv.client.step_order import StepOrder
 from sparsekv.daemon.cuda.buffers import prefetch_layers
 from sparsekv.daemon.cuda.step import DeviceStep
 from sparsekv.daemon.residency.cuda import prefetch_workspace_bytes
 from sparsekv.embedded.inproc_cuda import InprocSwapIn
+from sparsekv.proto import Layout
 from sparsekv.proto.step_block import BlockView, block_ints, write_topk
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
@@ -168,3 +170,38 @@ def test_inproc_follower_after_the_next_leader_reads_the_named_rows(prefetch):
     h = inproc(lay, prefetch)
     for t, (sr, tk) in enumerate(steps(lay, 3, 2)):
         assert run_step(h, [0, 1, 2, 3], t, sr, tk) == [], f"step {t}"
+
+
+@pytest.mark.cuda
+@pytest.mark.xfail(strict=True, reason="as on the emulator above: a follower gathered after the next group's resolve")
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_on_the_gpu_inproc_follower_after_the_next_leader_reads_its_rows(prefetch):
+    """The same on the GPU through InprocSwapIn itself: index groups ((0, 2), (1, 3)),
+    swap_in in layer order; each layer's indices point at the bytes of the host rows its
+    top-k names."""
+    import torch
+
+    lay = Layout(num_layers=4, row_bytes=656, top_k=32, region_stride=64, max_reqs=4, host_rows=2048,
+                 index_groups=((0, 2), (1, 3)), max_batch=4).validate()
+    h = InprocSwapIn(lay, prefetch=prefetch)
+    rng = np.random.default_rng(3)
+    try:
+        for layer in range(lay.num_layers):
+            h.pool[layer] = pattern(layer, np.arange(lay.host_rows), lay.row_bytes)
+        state = torch.tensor([0, 1, 2, -1], dtype=torch.int32).cuda()
+        for t in range(4):
+            h.begin_step(state, torch.tensor([t == 0] * 4, dtype=torch.bool).cuda())
+            topk = [np.stack([rng.permutation(lay.host_rows)[:lay.top_k] for _ in range(4)]).astype(np.int32)
+                    for _ in lay.groups]
+            for layer in range(lay.num_layers):
+                ids = topk[0 if layer in lay.groups[0] else 1]
+                idx = h.swap_in(state, None, torch.as_tensor(ids).cuda(), layer=layer)
+                torch.cuda.synchronize()
+                idx = idx.cpu().numpy()
+                ok = idx >= 0
+                got = h.kv(layer)[torch.as_tensor(idx[ok]).long().cuda()].cpu().numpy()
+                want = pattern(layer, ids[ok], lay.row_bytes)
+                np.testing.assert_array_equal(got, want, err_msg=f"step {t} layer {layer}")
+            h.check()
+    finally:
+        h.close()
