@@ -135,13 +135,20 @@ def run_step(h, order, step, state_rows, topk_of):
 
 
 def steps(lay, n, seed):
-    """Per step: state rows (one token a request) and each group's top-k, fresh ids."""
+    """Per step: state rows (one token a request) and each group's top-k: the first
+    group's fresh, each next group's half of the previous group's rows (what a prefetch
+    then hits)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         sr = np.arange(lay.max_batch, dtype=np.int32) % lay.max_reqs
-        tk = [np.stack([rng.permutation(lay.host_rows)[:lay.top_k] for _ in sr]).astype(np.int32)
-              for _ in lay.groups]
+        tk = [np.stack([rng.permutation(lay.host_rows)[:lay.top_k] for _ in sr]).astype(np.int32)]
+        for _ in lay.groups[1:]:
+            nxt = tk[-1].copy()
+            for row in nxt:
+                swap = rng.random(row.size) < 0.5
+                row[swap] = np.setdiff1d(rng.permutation(lay.host_rows), row)[:int(swap.sum())]
+            tk.append(nxt)
         out.append((sr, tk))
     return out
 
@@ -154,6 +161,7 @@ def test_inproc_in_layer_order_reads_the_named_rows(prefetch):
     h = inproc(lay, prefetch)
     for t, (sr, tk) in enumerate(steps(lay, 4, 1)):
         assert run_step(h, range(lay.num_layers), t, sr, tk) == []
+    assert (h.emu.prefetch_hits > 0) == prefetch
 
 
 @pytest.mark.xfail(strict=True, reason="InprocSwapIn gathers a follower from the one resolve plan buffer, which the "
