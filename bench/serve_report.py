@@ -201,9 +201,10 @@ def headline(figures: dict) -> str:
     return "".join(f"{k}: {figures[k]}\n" for k in keys)
 
 
-def plot(results: list[Result], path: str) -> str | None:
-    """Tokens/s against batch, one panel per context, a line per mode; None when written,
-    else why not (no matplotlib, no figures)."""
+def plot(results: list[Result], path: str, overlap: float = HEADLINE_OVERLAP) -> str | None:
+    """Tokens/s against batch, one panel per context, a line per mode, of the configs at
+    layer overlap ``overlap`` (the run's ``--layer-overlap``); None when written, else why
+    not (no matplotlib, no figures)."""
     try:
         import matplotlib  # noqa: PLC0415 - optional: only the plot needs it
         matplotlib.use("Agg")
@@ -218,7 +219,7 @@ def plot(results: list[Result], path: str) -> str | None:
     for ax, c in zip(axes[0], contexts):
         for mode in MODES:
             pts = sorted((r.batch, r.tok_s) for r in ok
-                         if r.context == c and r.mode == mode and r.overlap == HEADLINE_OVERLAP)
+                         if r.context == c and r.mode == mode and r.overlap == overlap)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
         ax.set_title(f"context {ctx_key(c)}")

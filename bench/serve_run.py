@@ -197,6 +197,6 @@ def main(opts, device=None) -> int:
     if opts.json_path:
         say(f"wrote {opts.json_path}")
     if opts.plot_path:
-        why = plot(results, opts.plot_path)
+        why = plot(results, opts.plot_path, opts.layer_overlap)
         say(why or f"wrote {opts.plot_path}")
     return 1 if any(r.error for r in results) else 0
