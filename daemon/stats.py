@@ -27,7 +27,7 @@ COUNTERS = (
     ("hits", "top-k columns found in the hot region"),
     ("misses", "top-k columns gathered from the host pool"),
     ("rows_moved", "rows copied host to hot slab (misses, and on the cpu backend prefetched rows, x layers of the group)"),
-    ("bytes_moved", "bytes copied host to hot slab"),
+    ("bytes_moved", "bytes copied host to hot slab (as rows_moved: prefetched bytes on the cpu backend only)"),
     ("out_of_range", "top-k ids < -1 or >= host_rows (ignored, never read)"),
     ("prefetched", "rows fetched ahead into the next index group's regions (attach with prefetch)"),
     ("prefetch_hits", "prefetched rows a resolve then found (misses taken off the critical path)"),

@@ -3,10 +3,13 @@
 :class:`InprocSwapIn` has the API of the doorbell handle (``client/doorbell.py``) and runs
 the daemon's kernels, in the same order, where the doorbell hands off: ``skv_begin_step``
 after the step block is written, ``skv_resolve`` after a group's top-k block, the layer's
-``skv_gather`` before its indices (with ``prefetch``: after a group's last layer's
-gather, ``DeviceStep.enqueue_prefetch`` into the next group on a stream of its own, forked
-from the caller's there and joined back before the next group's resolve or the next
-step's begin, so that it runs beside the caller's work as the daemon's does). It owns a pinned host pool (``pool``, NumPy ``[L,
+the gather of every layer of the group right after (the resolve's plan buffer is one for
+all groups: a follower layer swapped in after the next group's leader must not read the
+next group's plan; as the doorbell step graph, which gathers a group's layers before it
+waits for the next bell), and with ``prefetch`` then ``DeviceStep.enqueue_prefetch`` into
+the next group on a stream of its own, forked from the caller's there and joined back
+before the next group's resolve or the next step's begin (beside the caller's work, as
+the daemon's runs). It owns a pinned host pool (``pool``, NumPy ``[L,
 host_rows, row_bytes]``, for the caller to fill), made and page-locked as the daemon's
 (``daemon/pool.py``, its ``pool_backing`` and ``pin_chunk_gib``), and a device arena. For
 baselines (``sparsekv bench decode``) and for sparsekv as a library in one process.
@@ -121,24 +124,24 @@ class InprocSwapIn(DeviceSwapIn):
                                       b.max_batch, stream)
 
     def _rang(self, group: int, stream_ptr: int) -> None:
+        """The group's resolve, then the gather of all its layers (before any other group's
+        resolve can reuse the plan buffer), then with prefetch the fork of its prefetch."""
         b, d = self.buffers, self.dstep
         stream = self._ext(stream_ptr)
         self._join_prefetch(stream)
         t = b.db_topk[group]
         d.enqueue_resolve(t, b.db_slots[group], b.db_misses[group], stream)
-
-    def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
-        b, d = self.buffers, self.dstep
-        stream = self._ext(stream_ptr)
-        d.enqueue_gather(b.db_topk[group], b.db_misses[group], stream, group_layers=b.db_layers[layer])
-        groups = self.layout.groups
-        if b.prefetch and group + 1 < len(groups) and layer == groups[group][-1]:
+        d.enqueue_gather(t, b.db_misses[group], stream)
+        if b.prefetch and group + 1 < self.layout.num_groups:
             fork, join = self._pf_events[group]
             fork.record(stream)
             self._pf_stream.wait_event(fork)
-            d.enqueue_prefetch(b.db_topk[group], self._pf_stream)
+            d.enqueue_prefetch(t, self._pf_stream)
             join.record(self._pf_stream)
             self._pf_pending.append(join)
+
+    def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
+        """Nothing: the group's resolve gathered every layer of it."""
 
     def _join_prefetch(self, stream) -> None:
         """The caller's stream waits for the prefetches forked from it: before a resolve or

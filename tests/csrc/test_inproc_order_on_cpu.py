@@ -102,7 +102,14 @@ def inproc(lay, prefetch: bool, seed: int = 0):
     dstep = object.__new__(DeviceStep)
     dstep.residency, dstep.mover, dstep.buffers, dstep.layout = EmuResidency(emu), EmuMover(lay, pool, slab), b, lay
     dstep.enqueue_stats_out = lambda stream: None
-    return SimpleNamespace(layout=lay, buffers=b, dstep=dstep, _ext=lambda ptr: None, pool=pool, slab=slab, emu=emu)
+    # The emulator runs each launch at once: the prefetch's stream and its fork and join
+    # events order nothing here (the GPU tests check them).
+    event = SimpleNamespace(record=lambda stream: None)
+    h = SimpleNamespace(layout=lay, buffers=b, dstep=dstep, _ext=lambda ptr: SimpleNamespace(wait_event=lambda e: None),
+                        pool=pool, slab=slab, emu=emu, _pf_stream=SimpleNamespace(wait_event=lambda e: None),
+                        _pf_events=[(event, event)] * G, _pf_pending=[])
+    h._join_prefetch = lambda stream: InprocSwapIn._join_prefetch(h, stream)
+    return h
 
 
 def run_step(h, order, step, state_rows, topk_of):
@@ -164,15 +171,13 @@ def test_inproc_in_layer_order_reads_the_named_rows(prefetch):
     assert (h.emu.prefetch_hits > 0) == prefetch
 
 
-@pytest.mark.xfail(strict=True, reason="InprocSwapIn gathers a follower from the one resolve plan buffer, which the "
-                   "next group's resolve has overwritten; with prefetch, group g's prefetch also runs after g + 1's "
-                   "resolve of the step (DESIGN §4 forbids it)")
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_inproc_follower_after_the_next_leader_reads_the_named_rows(prefetch):
     """Index groups ((0, 2), (1, 3)) swapped in layer order 0, 1, 2, 3: StepOrder accepts
     it (layer 2 follows its leader 0; group 1 was rung after group 0). Layer 2's rows must
-    be group 0's; the in-process handle gathers layer 2 from the one resolve plan buffer,
-    which group 1's resolve (at layer 1) has overwritten, with group 0's miss counts."""
+    be group 0's: the in-process handle gathers every layer of a group at its leader,
+    before group 1's resolve reuses the plan buffer (and forks group 0's prefetch there,
+    before group 1's resolve, as DESIGN §4 orders)."""
     lay = layout(4, 8, 64, 2, groups=2, layers_per_group=2, max_batch=2)
     lay = type(lay)(**{**lay.__dict__, "index_groups": ((0, 2), (1, 3))}).validate()
     h = inproc(lay, prefetch)
@@ -181,7 +186,6 @@ def test_inproc_follower_after_the_next_leader_reads_the_named_rows(prefetch):
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, reason="as on the emulator above: a follower gathered after the next group's resolve")
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_on_the_gpu_inproc_follower_after_the_next_leader_reads_its_rows(prefetch):
     """The same on the GPU through InprocSwapIn itself: index groups ((0, 2), (1, 3)),

@@ -154,7 +154,9 @@ class CudaResidency(Residency):
     def resolve_async(self, group: int, state_rows, topk, out: ResolveOutput, stream=None) -> None:
         """Resolve ``topk`` (int32 [B, k], device) for ``state_rows`` (int32 [B], device)
         into ``out`` on ``stream``: writes ``out.desc`` from the shapes, then
-        :meth:`launch_resolve`. Checks shapes only (bad values: the module docstring)."""
+        :meth:`launch_resolve`. Checks shapes only (bad values: the module docstring).
+        ``state_rows``' memory must hold ``out.max_batch`` entries (a view of the first B
+        will do): every block reads its row's entry before it knows the batch."""
         lay = self.layout
         stream = stream if stream is not None else self.stream
         if not 0 <= group < lay.num_groups:
@@ -313,8 +315,9 @@ class CudaResidency(Residency):
         out = self._host_output(batch)
         with self.stream:
             out.desc.set(make_desc(batch, k, group), stream=self.stream)
-            self.launch_prefetch(out.desc, cp.asarray(state_rows), cp.asarray(np.ascontiguousarray(topk)),
-                                 out.plan_rows, out.plan_slots, out.misses, out.err, out.max_batch, self.stream)
+            self.launch_prefetch(out.desc, cp.asarray(_padded(state_rows, out.max_batch)),
+                                 cp.asarray(np.ascontiguousarray(topk)), out.plan_rows, out.plan_slots, out.misses,
+                                 out.err, out.max_batch, self.stream)
         self.stream.synchronize()
         with self.stream:
             counts = out.misses[:batch].get()
@@ -359,7 +362,8 @@ class CudaResidency(Residency):
         out = self._host_output(batch)
         with self.stream:
             out.zero_counters()
-            self.resolve_async(group, cp.asarray(state_rows), cp.asarray(np.ascontiguousarray(topk)), out)
+            self.resolve_async(group, cp.asarray(_padded(state_rows, out.max_batch))[:batch],
+                               cp.asarray(np.ascontiguousarray(topk)), out)
         self.stream.synchronize()
         # Read back with our stream current (CuPy's slice copies too), never the legacy one.
         with self.stream:
@@ -405,3 +409,11 @@ class CudaResidency(Residency):
             self.owner[...] = cp.asarray(owner)
             self.lru[...] = cp.asarray(lru)
         self.stream.synchronize()
+
+
+def _padded(state_rows: np.ndarray, n: int) -> np.ndarray:
+    """``state_rows`` followed by -1 up to ``n`` entries (the kernels read the first entry
+    of each of their ``max_batch`` blocks' rows before they know the batch)."""
+    out = np.full(max(n, state_rows.shape[0]), -1, np.int32)
+    out[:state_rows.shape[0]] = state_rows
+    return out
