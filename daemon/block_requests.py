@@ -1,8 +1,9 @@
 """What an engine asks of its block store (DESIGN §9): BLOCK_RESERVE, BLOCK_ALLOC,
-BLOCK_COMMIT, BLOCK_LOOKUP, BLOCK_RELEASE.
+BLOCK_COMMIT, BLOCK_LOOKUP, BLOCK_RELEASE, and the indexer keys plane's BLOCK_WRITE_KEYS,
+BLOCK_READ_KEYS.
 
 The store is the one of the engine the session is attached to (an ATTACH with
-``blocks: {"block_size": n}``), so who may use it is settled at ATTACH: the engine's
+``blocks: {"block_size": n}``, with ``"index_bytes": m`` for a keys plane), so who may use it is settled at ATTACH: the engine's
 owner uid, root and the admin group. Each handler takes (session, identity, header,
 arrays) and returns the reply's (fields, arrays); errors are raised, typed
 (``BlockError``: BAD_ARGUMENT, POOL_EXHAUSTED with its figures, QUOTA_EXCEEDED).
@@ -28,7 +29,8 @@ class BlockRequests:
         """This role's handlers by message type."""
         return {MsgType.BLOCK_RESERVE: self.on_reserve, MsgType.BLOCK_ALLOC: self.on_alloc,
                 MsgType.BLOCK_COMMIT: self.on_commit, MsgType.BLOCK_LOOKUP: self.on_lookup,
-                MsgType.BLOCK_RELEASE: self.on_release}
+                MsgType.BLOCK_RELEASE: self.on_release, MsgType.BLOCK_WRITE_KEYS: self.on_write_keys,
+                MsgType.BLOCK_READ_KEYS: self.on_read_keys}
 
     def _store(self, s: Session) -> BlockStore:
         """The block store of ``s``'s engine, opened for ``s``."""
@@ -71,6 +73,18 @@ class BlockRequests:
     def on_release(self, s: Session, identity, h, a):
         self._store(s).release(s.client_id, _array(a, "blocks"))
         return {}, None
+
+    def on_write_keys(self, s: Session, identity, h, a):
+        self._store(s)
+        nbytes = self.engines.space(s.engine).write_keys(s.client_id, _array(a, "blocks"), _array(a, "keys"))
+        self.stats.add(block_keys_bytes_written=nbytes)
+        return {"bytes": nbytes}, None
+
+    def on_read_keys(self, s: Session, identity, h, a):
+        self._store(s)
+        keys = self.engines.space(s.engine).read_keys(s.client_id, _array(a, "blocks"))
+        self.stats.add(block_keys_bytes_read=keys.nbytes)
+        return {}, {"keys": keys}
 
 
 def _count(h: dict, signed: bool = False) -> int:
