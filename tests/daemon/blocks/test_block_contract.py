@@ -222,7 +222,7 @@ def test_indexer_keys_are_written_by_the_private_owner_only_and_read_by_holders(
     with pytest.raises(BlockError, match="not private"):
         one.write_keys(1, [b], [9])  # committed with the block: read-only
     with pytest.raises(BlockError, match="neither pinned"):
-        one.read_keys(2, [b])  # cached, but not pinned by session 2
+        one.read_keys(2, [b])  # cached, but not pinned by this other session
     assert one.lookup(2, [h(1)]) == [b]
     assert one.read_keys(2, [b, b]) == [8, 8]
 
