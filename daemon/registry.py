@@ -246,13 +246,15 @@ class EngineRegistry:
         """One tab-separated line per engine with a block store (of owner ``uid`` only,
         unless None) under a header line: what ``sparsekv blocks`` shows."""
         cols = ("blocks", "free", "cached", "referenced", "evictable", "private", "reserved_total")
-        lines = ["engine\towner_uid\tblock_size\tranks\t" + "\t".join(cols)]
+        lines = ["engine\towner_uid\tblock_size\tindex_bytes\tranks\t" + "\t".join(cols)]
         for name, space in sorted(self._engines.items()):
             owner = space.owner.uid if space.owner is not None else -1
             if space.blocks is None or (uid is not None and owner != uid):
                 continue
             g = space.blocks.gauges()
-            lines.append(f"{name}\t{owner}\t{space.block_size}\t{len(space.ranks)}\t" + "\t".join(str(g[c]) for c in cols))
+            index_bytes = space.keys_plane.index_bytes if space.keys_plane else 0
+            lines.append(f"{name}\t{owner}\t{space.block_size}\t{index_bytes}\t{len(space.ranks)}\t"
+                         + "\t".join(str(g[c]) for c in cols))
         return "\n".join(lines) + "\n"
 
     def gauges(self) -> dict:

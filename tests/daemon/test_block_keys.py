@@ -6,10 +6,12 @@ wrong sizes, the limits at ATTACH and per request) and the zeroing, from clients
 test's process; and the in-process engine's store."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
+import cli_inproc
 import helpers
 from block_engine import BS, INDEX_BYTES, LAY, Engine, tokens
 from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolFull, QuotaExceeded
@@ -193,13 +195,16 @@ def test_the_keys_plane_counts_against_the_uid_pool_quota():
         attach(c, engine="m", index_bytes=16)
 
 
-def test_the_keys_counters_in_the_metrics(daemon):
+def test_the_keys_counters_in_the_metrics_and_the_plane_in_the_listing(daemon):
     with Client(daemon.run_dir) as c:
         blocks = attach(c)
         mine = blocks.alloc(2)
         blocks.write_keys(mine, keys_of(1, 2))
         blocks.read_keys(mine[:1])
         text = helpers.stats_query(daemon.run_dir, "prometheus")
+        r = cli_inproc.run("blocks", "--json", "--run-dir", daemon.run_dir)
+    assert r.returncode == 0, r.stderr
+    assert [(e["block_size"], e["index_bytes"]) for e in json.loads(r.stdout)] == [(BS, INDEX_BYTES)]
     n = int(np.prod(KEYS))
     assert f"sparsekv_block_keys_bytes_written_total {2 * n}.0" in text
     assert f"sparsekv_block_keys_bytes_read_total {n}.0" in text

@@ -160,7 +160,7 @@ def test_sparsekv_blocks_lists_the_stores_by_engine(daemon):
         c.blocks.reserve(4)
         r = cli_inproc.run("blocks", "--json", "--run-dir", daemon.run_dir)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == [{"engine": "m", "owner_uid": os.getuid(), "block_size": BS, "ranks": 1,
+    assert json.loads(r.stdout) == [{"engine": "m", "owner_uid": os.getuid(), "block_size": BS, "index_bytes": 0, "ranks": 1,
                                      "blocks": 16, "free": 11, "cached": 3, "referenced": 3, "evictable": 0,
                                      "private": 2, "reserved_total": 4}]
 
