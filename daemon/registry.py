@@ -18,6 +18,7 @@ from typing import Iterator
 
 from sparsekv.proto import ErrorCode, Layout, ProtocolError
 from sparsekv.proto.blocks import KeysPlane
+from sparsekv.proto.settings import format_size
 
 from .blocks.contract import UidLedger
 from .blocks.store import BlockStore
@@ -201,8 +202,9 @@ class EngineRegistry:
         self._check_quota(owner, nbytes)
         need = self.pool.range_bytes(nbytes)
         if need > self.pool.size_bytes:
-            raise ProtocolError(ErrorCode.POOL_FULL, f"a new engine of {nbytes} bytes (its rows, and its indexer keys "
-                                f"plane if it has one) exceeds the whole host pool of {self.pool.size_bytes} bytes")
+            raise ProtocolError(ErrorCode.POOL_FULL, f"host pool has no free range of {format_size(need)}: the new "
+                                "engine's range (its rows, and its indexer keys plane if it has one) exceeds the whole "
+                                f"pool of {format_size(self.pool.size_bytes)}")
         kept = sorted((space for space in self._engines.values() if space.idle_since is not None
                        and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
         out = []

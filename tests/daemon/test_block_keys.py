@@ -167,7 +167,7 @@ def test_attach_checks_the_keys_plane_before_allocating(daemon):
         big = dataclasses.replace(LAY, host_rows=64 * 1024)
         with pytest.raises(BadRequest, match="one block's indexer keys .* exceed"):
             c.attach(big, engine="m", block_size=1024, index_bytes=MAX_INDEX_BYTES)
-        with pytest.raises(PoolFull, match="exceeds the whole host pool"):  # 8 MiB of keys, a 4 MiB pool
+        with pytest.raises(PoolFull, match="exceeds the whole pool of 4MiB"):  # 8 MiB of keys, a 4 MiB pool
             c.attach(LAY, engine="m", block_size=BS, index_bytes=MAX_INDEX_BYTES)
         assert "m" not in daemon.engines and daemon.pool.used_bytes == 0
         attach(c, engine="m")
