@@ -272,23 +272,33 @@ class EngineSpace:
         rows = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
         self.drop_rewritten(rows)
 
-    def write_keys(self, session: int, blocks, keys) -> int:
-        """Copy ``keys`` (uint8 [n, layers, block_size, index_bytes]) into the indexer keys
-        of ``blocks`` (int [n], distinct, private to ``session``); every check before the
-        copy (all or nothing). Returns the bytes written."""
+    # A keys request in two steps: the checks (the loop's thread), then the copy (any
+    # thread: it touches those blocks' keys only, which nobody else may write or free meanwhile).
+    def check_keys_write(self, session: int, blocks, keys) -> np.ndarray:
+        """The block ids (int64 [n]) whose indexer keys ``keys`` (uint8 [n, layers,
+        block_size, index_bytes]) may replace: ``blocks`` distinct and private to
+        ``session``, the shape exact; BlockError before anything is written."""
         plane = self._plane(blocks)
         want = (len(blocks), *plane.shape[1:])
         if keys.dtype != np.uint8 or keys.shape != want:
             raise BlockError("BAD_ARGUMENT", f"keys must be uint8 {list(want)} ([blocks, layers, block_size, "
                              f"index_bytes]), got {keys.dtype} {list(keys.shape)}")
-        self.keys[self.blocks.keys_writable(session, blocks)] = keys
+        return self.blocks.keys_writable(session, blocks)
+
+    def check_keys_read(self, session: int, blocks) -> np.ndarray:
+        """The block ids (int64 [n]) of ``blocks`` if each is pinned by ``session`` or
+        private to it and their keys fit one request; BlockError otherwise."""
+        self._plane(blocks)
+        return self.blocks.keys_readable(session, blocks)
+
+    def copy_keys_in(self, ids: np.ndarray, keys: np.ndarray) -> int:
+        """Copy ``keys`` into the indexer keys of blocks ``ids`` (checked); returns the bytes."""
+        self.keys[ids] = keys
         return keys.nbytes
 
-    def read_keys(self, session: int, blocks) -> np.ndarray:
-        """A copy of the indexer keys of ``blocks`` (int [n], each pinned by ``session`` or
-        private to it): uint8 [n, layers, block_size, index_bytes]."""
-        self._plane(blocks)
-        return self.keys[self.blocks.keys_readable(session, blocks)]
+    def copy_keys_out(self, ids: np.ndarray) -> np.ndarray:
+        """A copy of the indexer keys of blocks ``ids`` (checked): uint8 [n, layers, block_size, index_bytes]."""
+        return self.keys[ids]
 
     def _plane(self, blocks) -> KeysPlane:
         """The keys plane, if the engine has one and ``blocks``' keys fit one request."""

@@ -21,7 +21,7 @@ from sparsekv.proto.slab import SlabGeometry
 
 from .blocks.contract import BlockError
 from .engine import EngineSlabImport, Owner, RankState, host_rows_arg
-from .heavy import Slow
+from .heavy import HEAVY_BYTES, Slow
 from .peers import Peer
 from .pool import PoolError
 from .registry import range_bytes
@@ -38,9 +38,8 @@ class EngineRequests:
     registry, backend, pool, stats and fd server."""
 
     max_slab_bytes = 16 << 30
-    # Copies of at least this many bytes run on a worker thread; smaller ones cost less
-    # than the hop. An ATTACH's slow part always runs there.
-    heavy_bytes = 4 << 20
+    # Copies of at least this many bytes run on a worker thread. An ATTACH's slow part always runs there.
+    heavy_bytes = HEAVY_BYTES
 
     def __init__(self, sessions, engines, backend, pool, stats, fd_server):
         self.sessions, self.engines, self.backend = sessions, engines, backend

@@ -91,10 +91,11 @@ class InprocClient:
                 return {}, {"held": store.commit(0, a["blocks"], a["hashes"])}
             if kind == MsgType.BLOCK_LOOKUP:
                 return {}, {"blocks": store.lookup(0, a["hashes"])}
+            space = self._space
             if kind == MsgType.BLOCK_WRITE_KEYS:
-                return {"bytes": self._space.write_keys(0, a["blocks"], a["keys"])}, {}
+                return {"bytes": space.copy_keys_in(space.check_keys_write(0, a["blocks"], a["keys"]), a["keys"])}, {}
             if kind == MsgType.BLOCK_READ_KEYS:
-                return {}, {"keys": self._space.read_keys(0, a["blocks"])}
+                return {}, {"keys": space.copy_keys_out(space.check_keys_read(0, a["blocks"]))}
             store.release(0, a["blocks"])
             return {}, {}
 

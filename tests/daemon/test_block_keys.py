@@ -7,6 +7,7 @@ test's process; and the in-process engine's store."""
 
 import dataclasses
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import helpers
 from block_engine import BS, INDEX_BYTES, LAY, Engine, tokens
 from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolFull, QuotaExceeded
 from sparsekv.daemon import engine as daemon_engine
+from sparsekv.daemon.engine import EngineSpace
 from sparsekv.embedded.inproc import InprocClient
 from sparsekv.proto import LIMITS, ErrorCode, Limits, MsgType
 from sparsekv.proto.blocks import KEYS_ALIGN_BYTES, MAX_INDEX_BYTES, KeysPlane
@@ -77,6 +79,26 @@ def test_the_plane_lies_after_the_rows_block_major_and_goes_with_the_range(daemo
         assert helpers.stats_json(daemon.run_dir)["per_engine"]["m"]["pool_bytes"] == space.range_bytes
     helpers.wait_for(lambda: "m" not in daemon.engines, what="the engine released")
     assert daemon.pool.used_bytes == 0
+
+
+@pytest.mark.parametrize("heavy_bytes", [0, 1 << 30], ids=["on_a_worker_thread", "on_the_loop"])
+def test_keys_round_trip_whether_copied_on_a_worker_or_on_the_loop(daemon, heavy_bytes, monkeypatch):
+    daemon.block_requests.heavy_bytes = heavy_bytes
+    threads = []
+    for name in ("copy_keys_in", "copy_keys_out"):
+        copy = getattr(EngineSpace, name)
+        monkeypatch.setattr(EngineSpace, name, lambda self, *a, copy=copy: (threads.append(threading.current_thread()),
+                                                                             copy(self, *a))[1])
+    with Client(daemon.run_dir) as c, Client(daemon.run_dir) as other:
+        blocks = attach(c)
+        attach(other)
+        mine = blocks.alloc(3)
+        assert blocks.write_keys(mine, keys_of(11, 3)) == 3 * np.prod(KEYS)
+        with pytest.raises(BadRequest, match="not private"):  # refused before any copy
+            other.blocks.write_keys(mine, keys_of(12, 3))
+        assert (blocks.read_keys(mine[::-1]) == keys_of(11, 3)[::-1]).all()
+        assert other.blocks.alloc(1).size == 1  # the engine's requests go on after the copies
+    assert len(threads) == 2 and all((t is daemon.thread) == bool(heavy_bytes) for t in threads)
 
 
 def test_keys_are_written_only_into_the_writers_private_blocks(daemon):
