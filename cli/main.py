@@ -213,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true", help="a JSON list of clients (one object each) instead of the table")
     q.set_defaults(fn=cmd_clients, table="clients")
 
-    q = command("blocks", "one line per engine with a block store: its blocks free, cached, referenced, evictable, "
-                "private and reserved (DESIGN §9)")
+    q = command("blocks", "one line per engine with a block store: its block size and indexer key bytes, its blocks "
+                "free, cached, referenced, evictable, private and reserved (DESIGN §9)")
     run_dir_arg(q)
     q.add_argument("--json", action="store_true", help="a JSON list of engines (one object each) instead of the table")
     q.set_defaults(fn=cmd_clients, table="blocks")

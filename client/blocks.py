@@ -14,6 +14,11 @@ copy. The life of a request's blocks:
 4. ``release(blocks)`` when the request ends: cached blocks stay cached (evictable once
    nobody pins them), private ones are freed.
 A client that detaches or dies releases everything it held.
+
+With ``attach(..., index_bytes=m)`` each block has a second plane, DSA's indexer keys
+(``m`` bytes a position and layer): ``write_keys`` those of its own blocks before it
+commits them (they are committed with the block, read-only from then on), and
+``read_keys`` those of the blocks a lookup found instead of computing them again.
 """
 
 from __future__ import annotations
@@ -30,12 +35,20 @@ from .errors import BadRequest
 
 class Blocks:
     """The block store of engine ``namespace`` (blocks of ``block_size`` rows), through a
-    client's request function ``call(msg_type, fields, arrays) -> (fields, arrays)``."""
+    client's request function ``call(msg_type, fields, arrays) -> (fields, arrays)``;
+    with ``index_bytes``, the indexer keys plane of its ``num_layers`` layers."""
 
-    def __init__(self, call: Callable, namespace: str, block_size: int):
+    def __init__(self, call: Callable, namespace: str, block_size: int, num_layers: int = 0, index_bytes: int = 0):
         self._call = call
         self.namespace = namespace
         self.block_size = block_size
+        self.num_layers = num_layers
+        self.index_bytes = index_bytes  # 0: no indexer keys plane
+
+    @property
+    def keys_shape(self) -> tuple[int, int, int]:
+        """One block's indexer keys: (layers, block_size, index_bytes), uint8."""
+        return (self.num_layers, self.block_size, self.index_bytes)
 
     def hashes(self, tokens, parent: bytes | None = None) -> np.ndarray:
         """The chain hashes (int64 [n, 2]) of the full blocks of ``tokens`` in this
@@ -73,6 +86,38 @@ class Blocks:
     def release(self, blocks) -> None:
         """Unpin cached ``blocks`` and free private ones (zeroed); all or nothing."""
         self._call(MsgType.BLOCK_RELEASE, arrays={"blocks": _blocks(blocks)})
+
+    def write_keys(self, blocks, keys) -> int:
+        """Write the indexer keys (uint8 [n, layers, block_size, index_bytes]) of ``blocks``:
+        distinct blocks this client allocated and has not committed; all or nothing, in one
+        request (at most ``LIMITS.max_keys_bytes``: TOO_LARGE beyond, split the call).
+        Returns the bytes written."""
+        blocks, keys = _blocks(blocks), np.ascontiguousarray(keys)
+        if keys.dtype != np.uint8:
+            raise BadRequest(f"keys must be uint8 [n, layers, block_size, index_bytes], got {keys.dtype}",
+                             ErrorCode.BAD_ARGUMENT)
+        if keys.nbytes > LIMITS.max_keys_bytes:
+            raise BadRequest(f"indexer keys of {keys.nbytes} bytes exceed {LIMITS.max_keys_bytes} a request: at most "
+                             f"{self._per_request()} blocks a call", ErrorCode.TOO_LARGE)
+        return self._call(MsgType.BLOCK_WRITE_KEYS, arrays={"blocks": blocks, "keys": keys})[0]["bytes"]
+
+    def read_keys(self, blocks) -> np.ndarray:
+        """The indexer keys (uint8 [n, layers, block_size, index_bytes]) of ``blocks``, each
+        pinned by this client (a lookup's) or its own private one; in requests of at most
+        ``LIMITS.max_keys_bytes``."""
+        blocks = _blocks(blocks)
+        out = np.empty((blocks.size, *self.keys_shape), np.uint8)
+        step = self._per_request()
+        for i in range(0, blocks.size, step):
+            out[i:i + step] = self._call(MsgType.BLOCK_READ_KEYS, arrays={"blocks": blocks[i:i + step]})[1]["keys"]
+        return out
+
+    def _per_request(self) -> int:
+        """Blocks whose indexer keys fit one request."""
+        if not self.index_bytes:
+            raise BadRequest(f"engine {self.namespace!r} was attached without index_bytes: its blocks have no "
+                             "indexer keys plane", ErrorCode.BAD_ARGUMENT)
+        return LIMITS.max_keys_bytes // (self.num_layers * self.block_size * self.index_bytes)
 
 
 def _blocks(blocks) -> np.ndarray:

@@ -213,7 +213,7 @@ class Client(Connection):
 
     # -- requests ----------------------------------------------------------------
     def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq",
-               slab=None, block_size: int = 0, prefetch: bool = False):
+               slab=None, block_size: int = 0, index_bytes: int = 0, prefetch: bool = False):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
         before each gather, so attention still reading earlier rows is never overwritten.
@@ -221,8 +221,10 @@ class Client(Connection):
         :meth:`doorbell_handle`). ``slab``: an engine-owned hot slab (``EngineSlab`` with its
         geometry) the daemon gathers into instead of a slab of its own. ``block_size``: the
         engine has a block store of ``host_rows // block_size`` blocks (``self.blocks``;
-        DESIGN §9), kept while it caches blocks, for the next process that attaches.
-        ``prefetch``: after each index group's top-k, the daemon fetches its rows ahead into
+        DESIGN §9), kept while it caches blocks, for the next process that attaches;
+        ``index_bytes`` (with ``block_size``): its blocks have a second plane of DSA's indexer
+        keys, that many bytes a position and layer (``self.blocks.write_keys`` /
+        ``read_keys``); every rank of the engine names the same. ``prefetch``: after each index group's top-k, the daemon fetches its rows ahead into
         the next group's regions, off this rank's critical path (DESIGN §4; both backends,
         both transports; useful with ``region_stride`` above ``top_k``: the latest
         resolve's slots are kept)."""
@@ -230,8 +232,13 @@ class Client(Connection):
         fields = {"engine": engine, "layout": layout.to_wire()}
         if prefetch:
             fields["prefetch"] = True
+        if index_bytes and not block_size:
+            raise BadRequest("index_bytes needs a block_size: the indexer keys are a plane of the blocks",
+                             ErrorCode.BAD_ARGUMENT)
         if block_size:
             fields["blocks"] = {"block_size": int(block_size)}
+            if index_bytes:
+                fields["blocks"]["index_bytes"] = int(index_bytes)
         if slab is not None:
             fields["slab"] = offer_slab(self.run_dir, self.device, layout, slab)
         if transport != "zmq":
@@ -248,7 +255,8 @@ class Client(Connection):
             fence_ring = EventRing(local_device(self.device), 16)
             fields["fence_events"] = fence_ring.handles
         reply, _ = self._call(MsgType.ATTACH, fields)
-        self.blocks = Blocks(self._call, engine, int(block_size)) if block_size else None
+        self.blocks = Blocks(self._call, engine, int(block_size), layout.num_layers, int(index_bytes)) \
+            if block_size else None
         h = reply["handles"]
         if h.get("kind") not in ("cuda_ipc", "shm"):
             raise SparseKVError(f"unknown slab kind {h.get('kind')!r} from the daemon; upgrade the client")

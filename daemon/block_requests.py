@@ -1,25 +1,31 @@
 """What an engine asks of its block store (DESIGN §9): BLOCK_RESERVE, BLOCK_ALLOC,
-BLOCK_COMMIT, BLOCK_LOOKUP, BLOCK_RELEASE.
+BLOCK_COMMIT, BLOCK_LOOKUP, BLOCK_RELEASE, and the indexer keys plane's BLOCK_WRITE_KEYS,
+BLOCK_READ_KEYS.
 
 The store is the one of the engine the session is attached to (an ATTACH with
-``blocks: {"block_size": n}``), so who may use it is settled at ATTACH: the engine's
-owner uid, root and the admin group. Each handler takes (session, identity, header,
+``blocks: {"block_size": n}``, with ``"index_bytes": m`` for a keys plane), so who may use
+it is settled at ATTACH: the engine's owner uid, root and the admin group. Each handler takes (session, identity, header,
 arrays) and returns the reply's (fields, arrays); errors are raised, typed
 (``BlockError``: BAD_ARGUMENT, POOL_EXHAUSTED with its figures, QUOTA_EXCEEDED).
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError
 
 from .blocks.store import BlockStore
+from .heavy import HEAVY_BYTES, Slow
 from .sessions import Session
 
 
 class BlockRequests:
     """The handlers of the block store requests, over the daemon's engine registry and stats."""
+
+    heavy_bytes = HEAVY_BYTES
 
     def __init__(self, engines, stats):
         self.engines, self.stats = engines, stats
@@ -28,7 +34,8 @@ class BlockRequests:
         """This role's handlers by message type."""
         return {MsgType.BLOCK_RESERVE: self.on_reserve, MsgType.BLOCK_ALLOC: self.on_alloc,
                 MsgType.BLOCK_COMMIT: self.on_commit, MsgType.BLOCK_LOOKUP: self.on_lookup,
-                MsgType.BLOCK_RELEASE: self.on_release}
+                MsgType.BLOCK_RELEASE: self.on_release, MsgType.BLOCK_WRITE_KEYS: self.on_write_keys,
+                MsgType.BLOCK_READ_KEYS: self.on_read_keys}
 
     def _store(self, s: Session) -> BlockStore:
         """The block store of ``s``'s engine, opened for ``s``."""
@@ -71,6 +78,27 @@ class BlockRequests:
     def on_release(self, s: Session, identity, h, a):
         self._store(s).release(s.client_id, _array(a, "blocks"))
         return {}, None
+
+    # The keys' copies run on a worker thread from HEAVY_BYTES on, holding the engine (so
+    # no request of it frees or evicts those blocks meanwhile, daemon/heavy.py).
+    def on_write_keys(self, s: Session, identity, h, a):
+        self._store(s)
+        space, keys = self.engines.space(s.engine), _array(a, "keys")
+        ids = space.check_keys_write(s.client_id, _array(a, "blocks"), keys)
+        copy = functools.partial(space.copy_keys_in, ids, keys)
+        nbytes = (yield Slow(copy, engine=s.engine)) if keys.nbytes >= self.heavy_bytes else copy()
+        self.stats.add(block_keys_bytes_written=nbytes)
+        return {"bytes": nbytes}, None
+
+    def on_read_keys(self, s: Session, identity, h, a):
+        self._store(s)
+        space = self.engines.space(s.engine)
+        ids = space.check_keys_read(s.client_id, _array(a, "blocks"))
+        copy = functools.partial(space.copy_keys_out, ids)
+        keys = (yield Slow(copy, engine=s.engine)) if ids.size * space.keys_plane.block_bytes >= self.heavy_bytes \
+            else copy()
+        self.stats.add(block_keys_bytes_read=keys.nbytes)
+        return {}, {"keys": keys}
 
 
 def _count(h: dict, signed: bool = False) -> int:

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sparsekv.proto import LIMITS
+from sparsekv.proto.blocks import KeysPlane
 from sparsekv.proto.layout import Layout
 
+from .blocks.contract import BlockError
 from .residency.base import Mover, Residency, ResidencyError, Resolved
 from .residency.cpu import CpuMover
 
@@ -246,17 +249,68 @@ class EngineSpace:
         # size: block b is host rows [b * block_size, (b + 1) * block_size) of every layer.
         self.blocks = None
         self.block_size = 0
+        # Its indexer keys plane, when attached with index bytes too: uint8 [blocks, layers,
+        # block_size, index_bytes] at ``keys_plane.offset`` in its range (proto/blocks.py).
+        self.keys_plane: KeysPlane | None = None
+        self.keys: np.ndarray | None = None
         self.idle_since: float | None = None  # monotonic time since it is kept with no rank
 
+    @property
+    def range_bytes(self) -> int:
+        """Bytes of its pool range: the rows, then the indexer keys plane if it has one."""
+        return self.layout.pool_bytes if self.keys_plane is None else self.keys_plane.end
+
     def zero_blocks(self, blocks: list[int]) -> None:
-        """Write zeros over every row of ``blocks`` in every layer and drop their hot copies
-        in every rank: the block store frees or evicts them."""
+        """Write zeros over every row of ``blocks`` in every layer (and their indexer keys)
+        and drop their hot copies in every rank: the block store frees or evicts them."""
         bs = self.block_size
         self.quiesce()
         for b in blocks:
             self.pool[:, b * bs:(b + 1) * bs] = 0
+        if self.keys is not None:
+            self.keys[blocks] = 0
         rows = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
         self.drop_rewritten(rows)
+
+    # A keys request in two steps: the checks (the loop's thread), then the copy (any
+    # thread: it touches those blocks' keys only, which nobody else may write or free meanwhile).
+    def check_keys_write(self, session: int, blocks, keys) -> np.ndarray:
+        """The block ids (int64 [n]) whose indexer keys ``keys`` (uint8 [n, layers,
+        block_size, index_bytes]) may replace: ``blocks`` distinct and private to
+        ``session``, the shape exact; BlockError before anything is written."""
+        plane = self._plane(blocks)
+        want = (len(blocks), *plane.shape[1:])
+        if keys.dtype != np.uint8 or keys.shape != want:
+            raise BlockError("BAD_ARGUMENT", f"keys must be uint8 {list(want)} ([blocks, layers, block_size, "
+                             f"index_bytes]), got {keys.dtype} {list(keys.shape)}")
+        return self.blocks.keys_writable(session, blocks)
+
+    def check_keys_read(self, session: int, blocks) -> np.ndarray:
+        """The block ids (int64 [n]) of ``blocks`` if each is pinned by ``session`` or
+        private to it and their keys fit one request; BlockError otherwise."""
+        self._plane(blocks)
+        return self.blocks.keys_readable(session, blocks)
+
+    def copy_keys_in(self, ids: np.ndarray, keys: np.ndarray) -> int:
+        """Copy ``keys`` into the indexer keys of blocks ``ids`` (checked); returns the bytes."""
+        self.keys[ids] = keys
+        return keys.nbytes
+
+    def copy_keys_out(self, ids: np.ndarray) -> np.ndarray:
+        """A copy of the indexer keys of blocks ``ids`` (checked): uint8 [n, layers, block_size, index_bytes]."""
+        return self.keys[ids]
+
+    def _plane(self, blocks) -> KeysPlane:
+        """The keys plane, if the engine has one and ``blocks``' keys fit one request."""
+        plane = self.keys_plane
+        if plane is None:
+            raise BlockError("BAD_ARGUMENT", f"engine {self.name!r} has no indexer keys plane: its first rank "
+                             "attaches with index_bytes (Client.attach(..., block_size=n, index_bytes=m))")
+        if len(blocks) * plane.block_bytes > LIMITS.max_keys_bytes:
+            raise BlockError("TOO_LARGE", f"the indexer keys of {len(blocks)} blocks ({plane.block_bytes} bytes each) "
+                             f"exceed {LIMITS.max_keys_bytes} bytes a request: at most "
+                             f"{LIMITS.max_keys_bytes // plane.block_bytes} blocks")
+        return plane
 
     def write(self, layers, rows, data) -> tuple[int, int]:
         """Copy ``data`` [len(layers), n, row_bytes] into host ``rows`` of ``layers`` and drop

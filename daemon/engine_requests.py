@@ -15,14 +15,16 @@ from concurrent.futures import wait as wait_futures
 
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, LayoutError, MsgType, ProtocolError
 from sparsekv.proto import fd_socket
+from sparsekv.proto.blocks import MAX_INDEX_BYTES, KeysPlane
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 from sparsekv.proto.slab import SlabGeometry
 
 from .blocks.contract import BlockError
 from .engine import EngineSlabImport, Owner, RankState, host_rows_arg
-from .heavy import Slow
+from .heavy import HEAVY_BYTES, Slow
 from .peers import Peer
 from .pool import PoolError
+from .registry import range_bytes
 from .residency.base import ResidencyError, check_layout_limits
 from .sessions import Session
 
@@ -36,9 +38,8 @@ class EngineRequests:
     registry, backend, pool, stats and fd server."""
 
     max_slab_bytes = 16 << 30
-    # Copies of at least this many bytes run on a worker thread; smaller ones cost less
-    # than the hop. An ATTACH's slow part always runs there.
-    heavy_bytes = 4 << 20
+    # Copies of at least this many bytes run on a worker thread. An ATTACH's slow part always runs there.
+    heavy_bytes = HEAVY_BYTES
 
     def __init__(self, sessions, engines, backend, pool, stats, fd_server):
         self.sessions, self.engines, self.backend = sessions, engines, backend
@@ -89,7 +90,7 @@ class EngineRequests:
             layout = Layout.from_wire(h["layout"])
         except (LayoutError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_LAYOUT, str(e)) from None
-        block_size = _block_size(h.get("blocks"), layout)
+        block_size, index_bytes = _blocks_field(h.get("blocks"), layout)
         prefetch = h.get("prefetch", False)
         if type(prefetch) is not bool:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"prefetch must be true or false, got {prefetch!r}")
@@ -106,15 +107,16 @@ class EngineRequests:
         engine_slab = self._engine_slab(s, layout, slab_field) if slab_field is not None else None
         admin = not created and self.sessions.is_admin(s)  # only joining needs it (a /proc read)
         try:
+            nbytes = range_bytes(layout, block_size, index_bytes)
             if created:  # engines kept only for their cached blocks yield to a new one
-                self.engines.make_room(layout.pool_bytes, Owner(s.uid, s.gid))
-            if created and (zeroing := self.pool.zeroing_to_wait_for(layout.pool_bytes)):
+                self.engines.make_room(nbytes, Owner(s.uid, s.gid))
+            if created and (zeroing := self.pool.zeroing_to_wait_for(nbytes)):
                 # Only released ranges, once zeroed, make room: wait for them off the loop.
                 yield Slow(functools.partial(wait_futures, zeroing), engine=engine)
             pending = self.engines.begin_attach(s.client_id, s.rank, s.device, engine, layout,
                                                 h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
                                                 transport=transport, engine_slab=engine_slab, block_size=block_size,
-                                                prefetch=prefetch)
+                                                index_bytes=index_bytes, prefetch=prefetch)
             try:
                 # The slow part on a worker thread; ATTACHes to a new engine wait for it.
                 yield Slow(functools.partial(self.engines.prepare, pending), engine=engine if pending.created else None)
@@ -338,16 +340,27 @@ def code_of(e: Exception) -> ErrorCode:
     return ErrorCode.INTERNAL
 
 
-def _block_size(field, layout: Layout) -> int:
-    """ATTACH's optional ``blocks`` field (``{"block_size": n}``): the engine's block size,
-    0 for none; BAD_ARGUMENT unless 1 <= n <= host_rows."""
+def _blocks_field(field, layout: Layout) -> tuple[int, int]:
+    """ATTACH's optional ``blocks`` field (``{"block_size": n}``, optionally
+    ``"index_bytes": m``): the engine's block size (0 for none) and its indexer keys' bytes
+    a position and layer (0 for no keys plane). BAD_ARGUMENT unless 1 <= n <= host_rows and
+    0 <= m <= MAX_INDEX_BYTES with one block's keys within ``LIMITS.max_keys_bytes`` (so
+    that a request can carry them)."""
     if field is None:
-        return 0
+        return 0, 0
     n = field.get("block_size") if isinstance(field, dict) else None
-    if type(n) is not int or not 1 <= n <= layout.host_rows:
+    m = field.get("index_bytes", 0) if isinstance(field, dict) else None
+    if type(n) is not int or not 1 <= n <= layout.host_rows or set(field) - {"block_size", "index_bytes"}:
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"blocks must be {{'block_size': n}} with 1 <= n <= host_rows "
-                            f"({layout.host_rows}), got {str(field)[:60]}")
-    return n
+                            f"({layout.host_rows}), optionally with 'index_bytes', got {str(field)[:60]}")
+    if type(m) is not int or not 0 <= m <= MAX_INDEX_BYTES:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"index_bytes must be an integer in [0, {MAX_INDEX_BYTES}] "
+                            f"(indexer key bytes of one position of one layer), got {str(m)[:40]}")
+    if m and KeysPlane.of(layout, n, m).block_bytes > LIMITS.max_keys_bytes:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"one block's indexer keys ({layout.num_layers} layers x {n} "
+                            f"positions x {m} bytes) exceed the {LIMITS.max_keys_bytes} bytes a request may carry: "
+                            "use smaller blocks")
+    return n, m
 
 
 def _own_blocks(s: Session, space, rows) -> None:

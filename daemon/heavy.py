@@ -1,10 +1,10 @@
 """Heavy requests: their slow parts on worker threads, their replies deferred, every
 session's replies still in order.
 
-A few requests take long (a large ATTACH, WRITE, STAGE or WRITE_STAGED). Their handlers
-are generators: ``value = yield Slow(fn)`` runs ``fn()`` on a worker thread and resumes
-the handler on the loop with its result (or its exception raised at the ``yield``); what
-the generator returns is the reply. Everything between two yields runs on the loop, so
+A few requests take long (a large ATTACH, WRITE, STAGE, WRITE_STAGED, BLOCK_WRITE_KEYS or
+BLOCK_READ_KEYS). Their handlers are generators: ``value = yield Slow(fn)`` runs ``fn()``
+on a worker thread and resumes the handler on the loop with its result (or its exception
+raised at the ``yield``); what the generator returns is the reply. Everything between two yields runs on the loop, so
 the loop alone still touches sessions, residency, the registry and the pool's allocator;
 ``fn`` touches only what its handler set aside for it.
 
@@ -35,6 +35,9 @@ log = logging.getLogger("sparsekv.heavy")
 
 # Worker threads: a second keeps one long pinning from holding up the rest; more would take cores.
 THREADS = 2
+# Copies of at least this many bytes (a write's rows, indexer keys) run on a worker thread;
+# smaller ones cost less than the hop.
+HEAVY_BYTES = 4 << 20
 # Requests one session may have waiting behind a request in flight; more are dropped
 # unanswered (as libzmq drops messages past its high-water mark).
 MAX_WAITING = 1024

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from sparsekv.proto import ErrorCode, Layout, ProtocolError
+from sparsekv.proto.blocks import KeysPlane
+from sparsekv.proto.settings import format_size
 
 from .blocks.contract import UidLedger
 from .blocks.store import BlockStore
@@ -65,7 +67,7 @@ class EngineRegistry:
 
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
-                     transport: str = "zmq", engine_slab=None, block_size: int = 0,
+                     transport: str = "zmq", engine_slab=None, block_size: int = 0, index_bytes: int = 0,
                      prefetch: bool = False) -> PendingAttach:
         """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
         to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
@@ -76,6 +78,9 @@ class EngineRegistry:
 
         ``block_size`` > 0: the engine has a block store of ``host_rows // block_size``
         blocks (a new engine gets one; an existing one must have the same block size).
+        ``index_bytes`` > 0 (with a block size): its blocks have an indexer keys plane of
+        that many bytes a position and layer, after the rows in the same range (the same
+        for every rank, or LAYOUT_MISMATCH). :func:`range_bytes` is the range's size.
 
         ``owner``: the client's credentials; a new engine belongs to them. An existing
         engine with an owner is joined only with the same uid, as uid 0, or when
@@ -84,14 +89,18 @@ class EngineRegistry:
         space = self._engines.get(engine_name)
         created = space is None
         if created:
-            self._check_quota(owner, layout.pool_bytes)
-            offset = self.pool.allocate(layout.pool_bytes)
+            nbytes = range_bytes(layout, block_size, index_bytes)
+            self._check_quota(owner, nbytes)
+            offset = self.pool.allocate(nbytes)
             try:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
                 space = EngineSpace(engine_name, layout, view, offset, owner)
                 if block_size:
                     space.block_size = block_size
                     space.blocks = BlockStore(layout.host_rows // block_size, space.zero_blocks, self.block_ledger)
+                if index_bytes:
+                    space.keys_plane = plane = KeysPlane.of(layout, block_size, index_bytes)
+                    space.keys = self.pool.view(offset + plane.offset, plane.shape)
             except BaseException:
                 self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
@@ -106,6 +115,11 @@ class EngineRegistry:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} has "
                                 f"{f'blocks of {space.block_size} rows' if space.block_size else 'no block store'}, "
                                 f"this rank asked for {f'blocks of {block_size}' if block_size else 'none'}")
+        elif (space.keys_plane.index_bytes if space.keys_plane else 0) != index_bytes:
+            have = space.keys_plane.index_bytes if space.keys_plane else 0
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} has "
+                                f"{f'indexer keys of {have} bytes' if have else 'no indexer keys plane'} (a position "
+                                f"and layer), this rank asked for {index_bytes or 'none'}")
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
             kw["engine_slab"] = engine_slab
@@ -116,7 +130,7 @@ class EngineRegistry:
 
     def pool_bytes_of(self, uid: int) -> int:
         """Pool bytes held by the engines ``uid`` created (their ranges: 2 MiB aligned)."""
-        return sum(self.pool.range_bytes(space.layout.pool_bytes) for space in self._engines.values()
+        return sum(self.pool.range_bytes(space.range_bytes) for space in self._engines.values()
                    if space.owner is not None and space.owner.uid == uid)
 
     def _check_quota(self, owner: Owner | None, pool_bytes: int) -> None:
@@ -183,9 +197,14 @@ class EngineRegistry:
         its uid's quota checked first (QUOTA_EXCEEDED, nothing released), then, while the
         pool's free bytes and those being zeroed cannot hold its range, the engine kept
         longest for its cached blocks alone (no rank, no attach pending) released. Idle
-        namespaces yield to engines that come to work. Returns the names released."""
+        namespaces yield to engines that come to work. Returns the names released. A range
+        larger than the whole pool is POOL_FULL at once, nothing released."""
         self._check_quota(owner, nbytes)
         need = self.pool.range_bytes(nbytes)
+        if need > self.pool.size_bytes:
+            raise ProtocolError(ErrorCode.POOL_FULL, f"host pool has no free range of {format_size(need)}: the new "
+                                "engine's range (its rows, and its indexer keys plane if it has one) exceeds the whole "
+                                f"pool of {format_size(self.pool.size_bytes)}")
         kept = sorted((space for space in self._engines.values() if space.idle_since is not None
                        and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
         out = []
@@ -229,13 +248,15 @@ class EngineRegistry:
         """One tab-separated line per engine with a block store (of owner ``uid`` only,
         unless None) under a header line: what ``sparsekv blocks`` shows."""
         cols = ("blocks", "free", "cached", "referenced", "evictable", "private", "reserved_total")
-        lines = ["engine\towner_uid\tblock_size\tranks\t" + "\t".join(cols)]
+        lines = ["engine\towner_uid\tblock_size\tindex_bytes\tranks\t" + "\t".join(cols)]
         for name, space in sorted(self._engines.items()):
             owner = space.owner.uid if space.owner is not None else -1
             if space.blocks is None or (uid is not None and owner != uid):
                 continue
             g = space.blocks.gauges()
-            lines.append(f"{name}\t{owner}\t{space.block_size}\t{len(space.ranks)}\t" + "\t".join(str(g[c]) for c in cols))
+            index_bytes = space.keys_plane.index_bytes if space.keys_plane else 0
+            lines.append(f"{name}\t{owner}\t{space.block_size}\t{index_bytes}\t{len(space.ranks)}\t"
+                         + "\t".join(str(g[c]) for c in cols))
         return "\n".join(lines) + "\n"
 
     def gauges(self) -> dict:
@@ -251,6 +272,12 @@ class EngineRegistry:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._engines)
+
+
+def range_bytes(layout: Layout, block_size: int = 0, index_bytes: int = 0) -> int:
+    """Bytes of the pool range of an engine of ``layout``: its rows, then its indexer keys
+    plane when it has one (``index_bytes`` with a ``block_size``)."""
+    return KeysPlane.of(layout, block_size, index_bytes).end if index_bytes else layout.pool_bytes
 
 
 def _may_join(engine_owner: Owner | None, owner: Owner | None, privileged: bool) -> bool:

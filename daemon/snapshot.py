@@ -48,7 +48,7 @@ class Snapshot:
         for name in self.engines:
             space = self.engines.space(name)
             lay = space.layout
-            out[name] = {"ranks": len(space.ranks), "pool_bytes": lay.pool_bytes,
+            out[name] = {"ranks": len(space.ranks), "pool_bytes": space.range_bytes,
                          "slab_bytes": len(space.ranks) * lay.slab_bytes}
             if space.blocks is not None:
                 out[name]["blocks"] = space.blocks.gauges()

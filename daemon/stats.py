@@ -42,6 +42,8 @@ COUNTERS = (
     ("block_hit_bytes", "pool bytes of the blocks found by lookups (every layer's rows)"),
     ("block_commits", "blocks cached under a hash (BLOCK_COMMIT)"),
     ("block_evictions", "cached blocks evicted (least recently unpinned first) to allocate"),
+    ("block_keys_bytes_written", "indexer key bytes written into blocks' keys plane (BLOCK_WRITE_KEYS)"),
+    ("block_keys_bytes_read", "indexer key bytes read from blocks' keys plane (BLOCK_READ_KEYS)"),
     ("requests", "requests handled"),
     ("errors", "requests answered with an error"),
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
@@ -201,7 +203,8 @@ def metric_families(snap: dict) -> Iterator[Metric]:
 
     per_engine = snap.get("per_engine", {})
     for metric, key, help_text in (
-        ("engine_pool_bytes", "pool_bytes", "bytes of the host pool holding this engine's rows"),
+        ("engine_pool_bytes", "pool_bytes", "bytes of the host pool holding this engine's rows (and its "
+         "indexer keys plane)"),
         ("engine_ranks", "ranks", "ranks attached to this engine"),
         ("engine_slab_bytes", "slab_bytes", "bytes of this engine's hot slabs, all ranks"),
     ):

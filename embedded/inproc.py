@@ -1,7 +1,8 @@
 """In-process transport: the daemon's residency engine and mover in the caller's process,
 with the methods and results of :class:`~sparsekv.client.Client` (baselines, tests, a library).
 With ``attach(..., block_size=n)`` its ``blocks`` is a block store (DESIGN §9) of this
-process alone: prefix reuse within it, nothing shared, nothing kept past ``close``.
+process alone (with ``index_bytes``, and an indexer keys plane): prefix reuse within it,
+nothing shared, nothing kept past ``close``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from sparsekv.daemon.engine import EngineSpace, RankState, host_rows_arg
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import ErrorCode, Layout, MsgType
+from sparsekv.proto.blocks import MAX_INDEX_BYTES, KeysPlane
 
 from sparsekv.client.blocks import Blocks
 from sparsekv.client.client import Attachment
@@ -50,10 +52,14 @@ class InprocClient:
         self.attachment = self.blocks = None
         self._space = self._state = None
 
-    def attach(self, layout: Layout, engine: str = "default", block_size: int = 0, prefetch: bool = False) -> Attachment:
+    def attach(self, layout: Layout, engine: str = "default", block_size: int = 0, index_bytes: int = 0,
+               prefetch: bool = False) -> Attachment:
         layout.validate()
         if not 0 <= block_size <= layout.host_rows:
             raise error_for(int(ErrorCode.BAD_ARGUMENT), f"block_size must lie in [0, host_rows={layout.host_rows}]")
+        if not 0 <= index_bytes <= MAX_INDEX_BYTES or (index_bytes and not block_size):
+            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"index_bytes must lie in [0, {MAX_INDEX_BYTES}], "
+                            "with a block_size")
         pool = np.zeros((layout.num_layers, layout.host_rows, layout.row_bytes), dtype=np.uint8)
         slab = np.zeros((layout.num_layers, layout.max_reqs, layout.region_stride, layout.row_bytes), np.uint8)
         staging = np.zeros((layout.num_layers, layout.staging_rows, layout.row_bytes), np.uint8) if layout.staging_rows else None
@@ -65,7 +71,10 @@ class InprocClient:
             self._space.block_size = block_size
             self._space.blocks = BlockStore(layout.host_rows // block_size, self._space.zero_blocks)
             self._space.blocks.open(0, os.getuid())
-            self.blocks = Blocks(self._block_call, engine, block_size)
+            self.blocks = Blocks(self._block_call, engine, block_size, layout.num_layers, index_bytes)
+        if index_bytes:
+            self._space.keys_plane = plane = KeysPlane.of(layout, block_size, index_bytes)
+            self._space.keys = np.zeros(plane.shape, np.uint8)
         self.attachment = Attachment(layout, engine, slab, staging)
         return self.attachment
 
@@ -82,6 +91,11 @@ class InprocClient:
                 return {}, {"held": store.commit(0, a["blocks"], a["hashes"])}
             if kind == MsgType.BLOCK_LOOKUP:
                 return {}, {"blocks": store.lookup(0, a["hashes"])}
+            space = self._space
+            if kind == MsgType.BLOCK_WRITE_KEYS:
+                return {"bytes": space.copy_keys_in(space.check_keys_write(0, a["blocks"], a["keys"]), a["keys"])}, {}
+            if kind == MsgType.BLOCK_READ_KEYS:
+                return {}, {"keys": space.copy_keys_out(space.check_keys_read(0, a["blocks"]))}
             store.release(0, a["blocks"])
             return {}, {}
 

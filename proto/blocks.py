@@ -10,13 +10,19 @@ keys, and one block's key stands for every token before it too.
 The daemon never sees tokens: it trusts the keys of the processes that may use a
 namespace (its owner's uid, root, the admin group). On the wire a chain is int64 [n, 2]
 (the 16 bytes of each key).
+
+An engine may give its blocks a second plane, DSA's indexer keys: :class:`KeysPlane` says
+where it lies in the engine's range.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
+
+from .layout import Layout
 
 KEY_BYTES = 16
 _ROOT = b"sparsekv-blocks\0"
@@ -43,3 +49,45 @@ def chain_hashes(namespace: str, tokens, block_size: int, parent: bytes | None =
         key = hashlib.blake2b(key + toks[i * block_size:(i + 1) * block_size].tobytes(), digest_size=KEY_BYTES).digest()
         out += key
     return np.frombuffer(bytes(out), dtype=np.int64).reshape(n, 2).copy()
+
+
+# The indexer keys plane starts on a page of its own after the rows: a later cuda path can
+# register or copy it apart from them.
+KEYS_ALIGN_BYTES = 4096
+MAX_INDEX_BYTES = 1 << 16  # indexer key bytes of one position of one layer (DeepSeek-V3.2: 132)
+
+
+@dataclass(frozen=True)
+class KeysPlane:
+    """Where an engine's indexer keys (DSA's, the second plane of its blocks, DESIGN §9) lie
+    in its pool range: after its rows, block-major ``[blocks, layers, block_size,
+    index_bytes]``, so that one block's keys for every layer are one contiguous chunk of
+    ``block_bytes`` at ``offset + block * block_bytes``."""
+
+    offset: int  # bytes from the start of the engine's range
+    blocks: int
+    layers: int
+    block_size: int
+    index_bytes: int  # one position of one layer
+
+    @classmethod
+    def of(cls, layout: Layout, block_size: int, index_bytes: int) -> "KeysPlane":
+        offset = -(-layout.pool_bytes // KEYS_ALIGN_BYTES) * KEYS_ALIGN_BYTES
+        return cls(offset, layout.host_rows // block_size, layout.num_layers, block_size, index_bytes)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.blocks, self.layers, self.block_size, self.index_bytes)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layers * self.block_size * self.index_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.block_bytes
+
+    @property
+    def end(self) -> int:
+        """The range's bytes: rows, alignment, keys."""
+        return self.offset + self.nbytes

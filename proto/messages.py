@@ -40,6 +40,8 @@ class MsgType(enum.IntEnum):
     BLOCK_COMMIT = 13  # blocks [n], hashes [n, 2] -> held [n] (the block cached under each hash)
     BLOCK_LOOKUP = 14  # hashes [n, 2] -> blocks [m] (the longest cached prefix, pinned)
     BLOCK_RELEASE = 15  # blocks [n] -> ack (pins dropped, private blocks freed)
+    BLOCK_WRITE_KEYS = 16  # blocks [n], keys uint8 [n, layers, block_size, index_bytes] -> bytes (own private blocks)
+    BLOCK_READ_KEYS = 17  # blocks [n] -> keys uint8 [n, layers, block_size, index_bytes] (pinned or own blocks)
 
 
 class ErrorCode(enum.IntEnum):
@@ -107,6 +109,9 @@ class Limits:
     max_batch: int = 4096
     max_write_rows: int = 1 << 20
     max_blocks: int = 1 << 16  # blocks or hashes in one block store request (a 4M-token chain of 64)
+    # Indexer keys in one BLOCK_WRITE_KEYS or BLOCK_READ_KEYS (one array frame): 65 blocks of
+    # 64 positions of DeepSeek-V3.2 (61 layers, 132 bytes); ``Blocks.read_keys`` splits reads.
+    max_keys_bytes: int = 32 << 20
 
 
 LIMITS = Limits()
@@ -133,6 +138,8 @@ REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
     MsgType.BLOCK_COMMIT: (frozenset(), frozenset({"blocks", "hashes"})),
     MsgType.BLOCK_LOOKUP: (frozenset(), frozenset({"hashes"})),
     MsgType.BLOCK_RELEASE: (frozenset(), frozenset({"blocks"})),
+    MsgType.BLOCK_WRITE_KEYS: (frozenset(), frozenset({"blocks", "keys"})),
+    MsgType.BLOCK_READ_KEYS: (frozenset(), frozenset({"blocks"})),
 }
 
 

@@ -2,7 +2,7 @@
 a time on stdin (one JSON answer a line on stdout): the block store tests' real process.
 Tests start it through :class:`Engine`:
 
-    python tests/block_engine.py RUN_DIR ENGINE LAYOUT_JSON BLOCK_SIZE DEVICE
+    python tests/block_engine.py RUN_DIR ENGINE LAYOUT_JSON BLOCK_SIZE DEVICE [INDEX_BYTES]
 
 The first line out is ``{"pid": ..., "client_id": ...}`` once attached (or the attach's
 ``{"err": CODE, "msg": ...}``, and the process ends). Commands (``op``):
@@ -11,14 +11,17 @@ The first line out is ``{"pid": ..., "client_id": ...}`` once attached (or the a
   their rows (the bytes of :func:`block_bytes`, a function of the block's key alone, as KV
   is of its prefix), commit them; answers ``hit`` (blocks found), ``table`` (the
   request's block table: hits, then its own blocks) and ``duplicates`` (blocks another
-  engine committed first: this one keeps its own);
+  engine committed first: this one keeps its own); with INDEX_BYTES (an indexer keys
+  plane) it writes its blocks' keys (:func:`key_bytes`) before it commits them;
 * ``request`` (tokens, release): a whole request as a scheduler runs it: ``reserve`` the
   prompt's blocks (``{"refused": ...}`` on POOL_EXHAUSTED), ``prefill`` (hits on evictable
-  blocks and allocations use the promise), give back what is left of it, ``verify``, and
+  blocks and allocations use the promise), give back what is left of it, ``verify`` (its keys too), and
   ``release`` the table if asked;
 * ``verify`` (tokens, table): read every position of the prompt through the engine's
   handle (``HostSwapIn.swap_in`` with the request's block table, which points at the
-  shared blocks: no copy), and count rows whose bytes are wrong;
+  shared blocks: no copy), and count rows whose bytes are wrong (``bad``); with a keys
+  plane, read the table's indexer keys and count positions whose keys are wrong
+  (``bad_keys``);
 * ``alloc`` (n), ``release`` (blocks): the store's requests as they are.
 A typed error answers ``{"err": CODE, "detail": ...}``.
 """
@@ -39,6 +42,7 @@ from sparsekv.proto import Layout
 LAY = Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=4, host_rows=64,
              index_groups=((0, 1),)).validate()  # the tests' store: 16 blocks of 4 rows
 BS = 4
+INDEX_BYTES = 12  # the tests' indexer keys plane: 12 bytes a position and layer
 
 
 def tokens(seed: int, n_blocks: int) -> list[int]:
@@ -52,9 +56,9 @@ class Engine:
     ``(op, **args)`` runs one command there and returns its answer; ``hello`` is its
     first line."""
 
-    def __init__(self, run_dir: str, engine: str = "m", as_user=(), device: str = "cpu"):
+    def __init__(self, run_dir: str, engine: str = "m", as_user=(), device: str = "cpu", index_bytes: int = 0):
         self.p = subprocess.Popen([*as_user, sys.executable, os.path.abspath(__file__), run_dir, engine,
-                                   json.dumps(LAY.to_wire()), str(BS), device], stdin=subprocess.PIPE,
+                                   json.dumps(LAY.to_wire()), str(BS), device, str(index_bytes)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/tmp")
         self.hello = self._read()
 
@@ -87,6 +91,12 @@ def block_bytes(key: np.ndarray, num_layers: int, block_size: int, row_bytes: in
     return rng.integers(0, 256, (num_layers, block_size, row_bytes), dtype=np.uint8)
 
 
+def key_bytes(key: np.ndarray, num_layers: int, block_size: int, index_bytes: int) -> np.ndarray:
+    """The indexer keys of a block under ``key``: uint8 [num_layers, block_size, index_bytes]."""
+    rng = np.random.default_rng([int(k) & (2**63 - 1) for k in key] + [1])
+    return rng.integers(0, 256, (num_layers, block_size, index_bytes), dtype=np.uint8)
+
+
 def prefill(c: Client, tokens) -> dict:
     """Look ``tokens``' chain up, then allocate, write and commit the blocks it misses."""
     blocks, lay, bs = c.blocks, c.attachment.layout, c.blocks.block_size
@@ -97,6 +107,8 @@ def prefill(c: Client, tokens) -> dict:
     if new.size:
         data = np.concatenate([block_bytes(k, lay.num_layers, bs, lay.row_bytes) for k in keys[hit.size:]], axis=1)
         c.write(blocks.rows(new), data)
+        if blocks.index_bytes:
+            blocks.write_keys(new, np.stack([key_bytes(k, *blocks.keys_shape) for k in keys[hit.size:]]))
         dup = int((blocks.commit(new, keys[hit.size:]) != new).sum())  # another engine's came first: ours stays
     return {"hit": int(hit.size), "table": [*hit.tolist(), *new.tolist()], "duplicates": dup}
 
@@ -120,10 +132,17 @@ def verify(c: Client, handle: HostSwapIn, tokens, table) -> int:
     return bad
 
 
-def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: str) -> None:
+def verify_keys(c: Client, tokens, table) -> int:
+    """Positions (of every layer) whose indexer keys, read from the store, are wrong."""
+    keys = c.blocks.hashes(np.asarray(tokens))
+    want = np.stack([key_bytes(k, *c.blocks.keys_shape) for k in keys])
+    return int((c.blocks.read_keys(table) != want).any(axis=3).sum())
+
+
+def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: str, index_bytes: int) -> None:
     c = Client(run_dir, name="block-engine", device=device, timeout_s=20).connect()
     try:
-        c.attach(layout, engine=engine, block_size=block_size)
+        c.attach(layout, engine=engine, block_size=block_size, index_bytes=index_bytes)
     except SparseKVError as e:
         print(json.dumps({"err": e.code.name, "msg": e.args[0]}), flush=True)
         return
@@ -137,6 +156,8 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: st
                 out = prefill(c, cmd["tokens"])
             elif op == "verify":
                 out = {"bad": verify(c, handle, cmd["tokens"], cmd["table"])}
+                if blocks.index_bytes:
+                    out["bad_keys"] = verify_keys(c, cmd["tokens"], cmd["table"])
             elif op == "request":
                 keys = blocks.hashes(np.asarray(cmd["tokens"]))
                 try:
@@ -148,6 +169,8 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: st
                 out = prefill(c, cmd["tokens"])
                 blocks.reserve(-len(keys))  # what hits on pinned blocks left of the promise
                 out["bad"] = verify(c, handle, cmd["tokens"], out["table"])
+                if blocks.index_bytes:
+                    out["bad_keys"] = verify_keys(c, cmd["tokens"], out["table"])
                 if cmd.get("release"):
                     blocks.release(out["table"])
             elif op == "alloc":
@@ -167,4 +190,5 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: st
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2], Layout.from_wire(json.loads(sys.argv[3])), int(sys.argv[4]), sys.argv[5])
+    serve(sys.argv[1], sys.argv[2], Layout.from_wire(json.loads(sys.argv[3])), int(sys.argv[4]), sys.argv[5],
+          int(sys.argv[6]))

@@ -30,6 +30,10 @@ Clauses, each one visible step below:
 7. A uid's private and reserved blocks, over every store sharing a :class:`UidLedger`,
    stay within ``max_blocks_per_uid`` (QUOTA_EXCEEDED).
 8. ``close(session)``: everything the session held is released, its reservation dropped.
+9. A block's indexer keys (its second plane, ``keys``) follow its rows: ``write_keys``
+   only into distinct blocks private to the writer (all or nothing; a cached block's keys
+   are committed with it and never rewritten), ``read_keys`` only of blocks the reader
+   pinned or holds private; zeroed whenever the block is.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class BlockStoreModel:
         self.reserved: dict[int, int] = {}  # session -> blocks promised
         self.uid: dict[int, int] = {}  # session -> uid
         self.data: list[int] = [ZERO] * n_blocks  # what each block holds (the model's bytes)
+        self.keys: list[int] = [ZERO] * n_blocks  # its indexer keys (the second plane)
         self.evictions = 0
 
     # -- what the store has ------------------------------------------------------------
@@ -140,9 +145,9 @@ class BlockStoreModel:
                 b = self.lru.pop(0)
                 del self.block_of[self.hash_of.pop(b)]
                 del self.pins[b]
-                self.data[b] = ZERO
+                self.data[b] = self.keys[b] = ZERO
                 self.evictions += 1
-            assert self.data[b] == ZERO
+            assert self.data[b] == self.keys[b] == ZERO
             self.private[b] = session
             out.append(b)
         return out
@@ -153,6 +158,24 @@ class BlockStoreModel:
         if self.private.get(block) != session:
             raise BlockError("BAD_ARGUMENT", f"block {block} is not private to this session")
         self.data[block] = value
+
+    # -- clause 9 ----------------------------------------------------------------------
+    def write_keys(self, session: int, blocks: list[int], values: list[int]) -> None:
+        """Write the indexer keys of distinct ``blocks``, all private to ``session``."""
+        if len(set(blocks)) != len(blocks):
+            raise BlockError("BAD_ARGUMENT", "write_keys needs distinct blocks")
+        for b in blocks:
+            if self.private.get(b) != session:
+                raise BlockError("BAD_ARGUMENT", f"block {b} is not private to this session")
+        for b, v in zip(blocks, values):
+            self.keys[b] = v
+
+    def read_keys(self, session: int, blocks: list[int]) -> list[int]:
+        """The indexer keys of ``blocks``, each pinned by ``session`` or private to it."""
+        for b in blocks:
+            if self.private.get(b) != session and not self.pins.get(b, {}).get(session):
+                raise BlockError("BAD_ARGUMENT", f"block {b} is neither pinned by nor private to this session")
+        return [self.keys[b] for b in blocks]
 
     # -- clause 3 ----------------------------------------------------------------------
     def commit(self, session: int, blocks: list[int], hashes: list[bytes]) -> list[int]:
@@ -207,7 +230,7 @@ class BlockStoreModel:
             if b in self.private:
                 del self.private[b]
                 self.ledger.add(self.uid[session], -1)
-                self.data[b] = ZERO
+                self.data[b] = self.keys[b] = ZERO
                 continue
             pins = self.pins[b]
             pins[session] -= 1
@@ -231,4 +254,4 @@ class BlockStoreModel:
         assert set(self.lru) == {b for b, p in self.pins.items() if not p}
         assert len(self.lru) == len(set(self.lru))
         for b in self.free():
-            assert self.data[b] == ZERO
+            assert self.data[b] == self.keys[b] == ZERO

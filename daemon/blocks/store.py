@@ -4,8 +4,10 @@ array operations whatever its length (DESIGN §9 has the figures). The event loo
 thread only.
 
 The store knows blocks, not bytes: ``zero(blocks)``, given by its engine, writes zeros
-over a block's rows in every layer and drops their hot copies; it runs whenever a block
-becomes free or is evicted, so a block handed out again holds zeros.
+over a block's rows in every layer (and its indexer keys) and drops their hot copies; it
+runs whenever a block becomes free or is evicted, so a block handed out again holds
+zeros. Who may write or read a block's bytes it answers (``writable``, ``keys_writable``,
+``keys_readable``); its engine moves them.
 """
 
 from __future__ import annotations
@@ -280,6 +282,32 @@ class BlockStore:
             raise BlockError("BAD_ARGUMENT", f"host row {r} (block {r // block_size}) is not in a block this "
                              "client allocated: an engine with a block store writes only its own blocks "
                              "(cached blocks are read-only)")
+
+    def keys_writable(self, session: int, blocks) -> np.ndarray:
+        """``blocks`` (int64 [n]) if they are distinct and all private to ``session``: whose
+        indexer keys it may write (a cached block's keys were committed with it and are
+        read-only); BAD_ARGUMENT otherwise."""
+        self._uid_of(session)
+        blocks = self._block_ids(blocks)
+        if len(set(blocks.tolist())) != blocks.size:
+            raise BlockError("BAD_ARGUMENT", "write_keys needs distinct blocks")
+        bad = self.state[blocks] != session
+        if bad.any():
+            raise BlockError("BAD_ARGUMENT", f"block {int(blocks[bad][0])} is not private to this session: an engine "
+                             "writes the indexer keys of the blocks it allocated, before it commits them (a cached "
+                             "block's keys are read-only)")
+        return blocks
+
+    def keys_readable(self, session: int, blocks) -> np.ndarray:
+        """``blocks`` (int64 [n]) if each is pinned by ``session`` or private to it;
+        BAD_ARGUMENT otherwise."""
+        self._uid_of(session)
+        blocks = self._block_ids(blocks)
+        bad = (self.state[blocks] != session) & (self._pinned[session][blocks] == 0)
+        if bad.any():
+            raise BlockError("BAD_ARGUMENT", f"block {int(blocks[bad][0])} is neither pinned by nor private to this "
+                             "session: look it up (or allocate it) before reading its indexer keys")
+        return blocks
 
     def _block_ids(self, blocks) -> np.ndarray:
         a = np.asarray(blocks)

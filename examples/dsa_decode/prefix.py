@@ -14,16 +14,17 @@ the first did not finish, from its start.
    into blocks of its own; the first lifetime ends at the kill step.
 2. With the block store (``attach(..., block_size=)``), in engine processes of their own:
    a request reserves its blocks, looks its prompt's full blocks up (``lookup`` of their
-   chain hashes), points its block table at the blocks found, allocates the rest,
-   prefills only those and commits its full prompt blocks; it releases its table when
-   done. The first process is SIGKILLed at the kill step with requests in flight (pins
+   chain hashes), points its block table at the blocks found and reads their indexer keys
+   from the store (``read_keys``), allocates the rest, prefills only those, writes the
+   indexer keys of its full prompt blocks (``write_keys``) and commits them; it releases
+   its table when done. The first process is SIGKILLed at the kill step with requests in flight (pins
    and blocks held); a new process attaches to the same engine name, finds the prompt
    blocks and prefills only what they miss.
 
-Counted per lifetime: prompt tokens prefilled (KV rows computed and written), those of
-the system prompt, tokens served from the store, and indexer keys recomputed: the store
-holds KV rows, not yet DSA's indexer keys (DESIGN §9, "Not done yet"), so an engine
-computes them for blocks it did not write itself (here each token's own projection). The
+Counted per lifetime: prompt tokens prefilled (KV rows and indexer keys computed and
+written), those of the system prompt, tokens served from the store, and positions whose
+indexer keys were read from the store (the blocks' second plane, DESIGN §9: an engine
+reads them for blocks it did not write itself, or wrote in an earlier process). The
 outputs (each request's logits, every step) of the two runs must be equal, bit for bit.
 """
 
@@ -41,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +52,9 @@ from run import Engine, Plan, Request, RunConfig, Scheduler, layout_for, private
 from sparsekv.client import Client  # noqa: E402
 
 ENGINE_NO_STORE = "dsa-prefix-no-store"
-COUNTS = ("admitted", "done", "prefilled", "prefilled_system", "cached", "index_keys_recomputed", "lookups")
-BLOCK_COUNTERS = ("block_lookups", "block_hits", "block_hit_tokens", "block_commits", "block_evictions")
+COUNTS = ("admitted", "done", "prefilled", "prefilled_system", "cached", "index_keys_read", "lookups")
+BLOCK_COUNTERS = ("block_lookups", "block_hits", "block_hit_tokens", "block_commits", "block_evictions",
+                  "block_keys_bytes_written", "block_keys_bytes_read")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,12 @@ def namespace(cfg: Config) -> str:
     config, weights' seed and device included), so that a daemon that outlives this run
     never serves one model's blocks to another."""
     return "dsa-prefix-" + hashlib.sha256(json.dumps(dataclasses.asdict(cfg)).encode()).hexdigest()[:12]
+
+
+def index_bytes(cfg: Config) -> int:
+    """Bytes of one position's indexer key in one layer (float32 ``index_dim``): the
+    store's keys plane holds them as bytes."""
+    return cfg.index_dim * 4
 
 
 def make_requests(pc: PrefixConfig, vocab: int) -> list[Request]:
@@ -132,12 +141,15 @@ class Lifetime:
         for b in own:
             self.keys_of.pop(b, None)
         model, dev = self.e.model, self.e.device
-        for i, b in enumerate(hit):  # the store's rows are there; the indexer keys are the engine's
-            if self.keys_of.get(b) != keys[i].tobytes():
-                rows = self.rows(r, i * bs, (i + 1) * bs).to(dev)
-                self.e.index_keys[:, rows] = model.prompt_index_keys(r.prompt[i * bs:(i + 1) * bs].to(dev))
-                self.keys_of[b] = keys[i].tobytes()
-                c["index_keys_recomputed"] += bs
+        # The store's rows are read where they lie; the indexer keys of the hits this engine
+        # does not hold already come from the store's keys plane into its own.
+        need = [i for i, b in enumerate(hit) if self.keys_of.get(b) != keys[i].tobytes()]
+        if need:
+            got = torch.from_numpy(store.read_keys([hit[i] for i in need]).view(np.float32)).to(dev)
+            rows = torch.cat([self.rows(r, i * bs, (i + 1) * bs) for i in need]).to(dev)
+            self.e.index_keys[:, rows] = got.transpose(0, 1).reshape(model.cfg.num_layers, -1, model.cfg.index_dim)
+            self.keys_of.update((hit[i], keys[i].tobytes()) for i in need)
+            c["index_keys_read"] += len(need) * bs
         h = len(hit) * bs
         if n > h:  # the prefill of what the store did not have, a block at a time: each
             # block's rows come from a computation of the same shape with or without the
@@ -148,6 +160,9 @@ class Lifetime:
             self.e.index_keys[:, rows] = torch.cat([keys for _, keys in chunks], 1)
         if store is not None and full > len(hit):
             mine, new_keys = own[: full - len(hit)], keys[len(hit):]
+            # Their indexer keys [blocks, layers, block_size, index_dim] first: committed with them.
+            plane = torch.stack([k for _, k in chunks[: len(mine)]])
+            store.write_keys(mine, plane.cpu().numpy().view(np.uint8))
             held = store.commit(mine, new_keys).tolist()
             self.keys_of.update((b, k.tobytes()) for b, k, w in zip(mine, new_keys, held) if b == w)
         self.e.next_token[r.rid] = int(r.prompt[-1])
@@ -280,8 +295,8 @@ def run(cfg: Config, pc: PrefixConfig, transport: str = "zmq", run_dir: str | No
             pid = f" (pid {c['pid']})" if "pid" in c else ""
             out(f"  engine {i + 1}{pid}: {how}{started}; "
                 f"{c['admitted']} admitted, {c['done']} done; prompt tokens prefilled {c['prefilled']} (system prompt "
-                f"{c['prefilled_system']}), served from the store {c['cached']}, indexer keys recomputed "
-                f"{c['index_keys_recomputed']}")
+                f"{c['prefilled_system']}), served from the store {c['cached']}, indexer keys read from it "
+                f"{c['index_keys_read']}")
     out("daemon's block counters over the run with the store: "
         + ", ".join(f"{k} {v}" for k, v in counters.items()))
     sys_prefills = {name: sum(c["prefilled_system"] for c in lifetimes[name]) / pc.system_tokens for name in lifetimes}
@@ -305,7 +320,7 @@ def engine_process(spec: dict) -> None:
         print(json.dumps(msg), flush=True)
 
     with sparsekv_engine(model, pc.run_config(), spec["transport"], spec["run_dir"], engine=namespace(cfg),
-                         block_size=pc.block_size) as e:
+                         block_size=pc.block_size, index_bytes=index_bytes(cfg)) as e:
         attached_s = time.time() - spec["t0"]
         counts = {**serve(e, pc, reqs, spec["stop_at"], out), "attached_s": attached_s}
         if counts["in_flight"] and spec["stop_at"] is not None:

@@ -356,9 +356,11 @@ def private_daemon(layout: Layout, on_gpu: bool, engines: int = 1) -> PrivateDae
 
 @contextlib.contextmanager
 def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str | None = None,
-                    slab: str = "daemon", max_blocks: int = 0, engine: str = "dsa-example", block_size: int = 0):
+                    slab: str = "daemon", max_blocks: int = 0, engine: str = "dsa-example", block_size: int = 0,
+                    index_bytes: int = 0):
     """An Engine whose KV rows live in sparsekv: connect, attach (to ``engine``; with a
-    block store of blocks of ``block_size`` rows when > 0), wrap in a handle.
+    block store of blocks of ``block_size`` rows when > 0, whose blocks have an indexer
+    keys plane of ``index_bytes`` a position and layer when > 0), wrap in a handle.
     ``slab="engine"``: the hot region inside the engine's own KV cache (ResidentBlocks)."""
     layout = layout_for(model.cfg, rc)
     with contextlib.ExitStack() as stack:
@@ -380,13 +382,13 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
             engine_slab = resident.allocate(layout, model.cfg.device)
             stack.callback(engine_slab.close)
             client.attach(layout, engine=engine, transport="doorbell" if transport == "doorbell" else "zmq",
-                          slab=engine_slab, block_size=block_size)
+                          slab=engine_slab, block_size=block_size, index_bytes=index_bytes)
         elif transport == "doorbell":
-            client.attach(layout, engine=engine, transport="doorbell", block_size=block_size)
+            client.attach(layout, engine=engine, transport="doorbell", block_size=block_size, index_bytes=index_bytes)
         elif on_gpu:  # zmq with fence events: the top-k goes from the GPU, no wait on the host
-            client.attach(layout, engine=engine, fence=True, block_size=block_size)
+            client.attach(layout, engine=engine, fence=True, block_size=block_size, index_bytes=index_bytes)
         else:
-            client.attach(layout, engine=engine, block_size=block_size)
+            client.attach(layout, engine=engine, block_size=block_size, index_bytes=index_bytes)
         hot_base = resident.hot_base if resident is not None else 0
         if transport == "doorbell":
             handle = DeviceHandle(client.doorbell_handle(hot_base=hot_base))

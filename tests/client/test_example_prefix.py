@@ -3,6 +3,7 @@ store by an engine process that is SIGKILLed mid-run and restarted, give outputs
 for bit to a run without the store; the prompt is prefilled once across the restart, and
 the daemon's block counters agree with the engines' counts."""
 
+import numpy as np
 import pytest
 
 import helpers
@@ -44,10 +45,13 @@ def check_counts(res, pc=PC):
     # The system prompt prefilled once in all: by the first request of the killed engine.
     assert [c["prefilled_system"] for c in store] == [S, 0]
     assert killed["cached"] >= S * (killed["admitted"] - 1) and restarted["cached"] >= S * restarted["admitted"]
-    # The restarted engine holds no indexer keys of blocks it did not write: it computes
-    # those of every block it found (the store keeps KV rows only).
-    assert killed["index_keys_recomputed"] == 0 and restarted["index_keys_recomputed"] >= S
+    # The restarted engine holds no indexer keys of blocks it did not write: it reads those
+    # of every block it found from the store's keys plane (the killed one wrote them all).
+    assert killed["index_keys_read"] == 0 and restarted["index_keys_read"] >= S
     cached = sum(c["cached"] for c in store)
+    keys_bytes = CFG.num_layers * prefix.index_bytes(CFG)  # one position's, every layer
+    assert res.block_counters["block_keys_bytes_read"] == keys_bytes * sum(c["index_keys_read"] for c in store)
+    assert res.block_counters["block_keys_bytes_written"] == keys_bytes * pc.block_size * res.block_counters["block_commits"]
     assert res.block_counters["block_lookups"] == admissions == sum(c["lookups"] for c in store)
     assert res.block_counters["block_hit_tokens"] == cached
     assert res.block_counters["block_hits"] * pc.block_size == cached
@@ -78,8 +82,8 @@ def test_the_comparison_sees_the_store_hand_out_wrong_blocks(daemon, monkeypatch
 
     def serve(engine, block_size):
         outputs = {}
-        with prefix.sparsekv_engine(model, PC.run_config(), "zmq", daemon.run_dir, engine=engine,
-                                    block_size=block_size) as e:
+        with prefix.sparsekv_engine(model, PC.run_config(), "zmq", daemon.run_dir, engine=engine, block_size=block_size,
+                                    index_bytes=prefix.index_bytes(CFG) if block_size else 0) as e:
             counts = prefix.serve(e, PC, prefix.make_requests(PC, CFG.vocab), out=lambda d: outputs.update({d["done"]: d}))
         return outputs, counts
 
@@ -89,6 +93,29 @@ def test_the_comparison_sees_the_store_hand_out_wrong_blocks(daemon, monkeypatch
     got, counts = serve("dsa-store", PC.block_size)
     assert counts["cached"] >= PC.system_tokens * (PC.requests - 1)
     assert all(got[i]["digest"] != want[i]["digest"] for i in range(1, PC.requests))
+
+
+def test_a_new_engine_reads_the_indexer_keys_it_needs_from_the_store(daemon, monkeypatch):
+    """An engine attached again to a namespace another lifetime filled reads every hit's
+    indexer keys from the store (none computed again): equal outputs with them, others
+    where the store would hand out zeros instead."""
+    model = prefix.DsaModel(CFG)
+
+    def serve(engine, block_size):
+        outputs = {}
+        with prefix.sparsekv_engine(model, PC.run_config(), "zmq", daemon.run_dir, engine=engine, block_size=block_size,
+                                    index_bytes=prefix.index_bytes(CFG) if block_size else 0) as e:
+            counts = prefix.serve(e, PC, prefix.make_requests(PC, CFG.vocab), out=lambda d: outputs.update({d["done"]: d}))
+        return outputs, counts
+
+    want, _ = serve("dsa-no-store", 0)
+    serve("dsa-keys", PC.block_size)  # fills the store; its blocks stay cached after it detaches
+    got, counts = serve("dsa-keys", PC.block_size)
+    assert counts["prefilled_system"] == 0 and counts["index_keys_read"] >= PC.system_tokens
+    assert got == want
+    monkeypatch.setattr(Blocks, "read_keys", lambda self, blocks: np.zeros((len(blocks), *self.keys_shape), np.uint8))
+    got, _ = serve("dsa-keys", PC.block_size)
+    assert all(got[i]["digest"] != want[i]["digest"] for i in range(PC.requests))
 
 
 @pytest.mark.cuda

@@ -16,7 +16,7 @@ import pytest
 
 import cli_inproc
 import helpers
-from block_engine import BS, LAY, Engine, tokens
+from block_engine import BS, INDEX_BYTES, LAY, Engine, tokens
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolExhausted, QuotaExceeded
 
@@ -160,7 +160,7 @@ def test_sparsekv_blocks_lists_the_stores_by_engine(daemon):
         c.blocks.reserve(4)
         r = cli_inproc.run("blocks", "--json", "--run-dir", daemon.run_dir)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == [{"engine": "m", "owner_uid": os.getuid(), "block_size": BS, "ranks": 1,
+    assert json.loads(r.stdout) == [{"engine": "m", "owner_uid": os.getuid(), "block_size": BS, "index_bytes": 0, "ranks": 1,
                                      "blocks": 16, "free": 11, "cached": 3, "referenced": 3, "evictable": 0,
                                      "private": 2, "reserved_total": 4}]
 
@@ -196,19 +196,20 @@ def test_a_namespace_kept_with_no_engine_yields_its_range_to_a_new_engine(daemon
 @pytest.mark.cuda
 def test_engines_on_the_gpu_share_blocks_and_a_restarted_one_finds_them():
     """The cuda backend: ranks on cuda:0, the daemon's slabs in its device arena; zeroing
-    and the hot copies dropped go through the cuda ranks."""
+    and the hot copies dropped go through the cuda ranks; the indexer keys plane (host
+    memory, the same code as on cpu) read back by the restarted engine."""
     with PrivateDaemon(pool_bytes=8 << 20, backend="cuda", extra_args=["--device-arena-size", "2GiB"]) as d:
-        a = Engine(d.run_dir, device="cuda:0")
+        a = Engine(d.run_dir, device="cuda:0", index_bytes=INDEX_BYTES)
         prompt = tokens(5, 6)
         first = a("prefill", tokens=prompt)
-        assert a("verify", tokens=prompt, table=first["table"]) == {"bad": 0}
+        assert a("verify", tokens=prompt, table=first["table"]) == {"bad": 0, "bad_keys": 0}
         a.kill()
-        b = Engine(d.run_dir, device="cuda:0")
+        b = Engine(d.run_dir, device="cuda:0", index_bytes=INDEX_BYTES)
         try:
             longer = prompt + tokens(6, 2)
             got = b("prefill", tokens=longer)
             assert got["hit"] == 6 and got["table"][:6] == first["table"]
-            assert b("verify", tokens=longer, table=got["table"]) == {"bad": 0}
+            assert b("verify", tokens=longer, table=got["table"]) == {"bad": 0, "bad_keys": 0}
             b("release", blocks=got["table"])
             # Every block, once the killed engine's pins are gone: the cached ones evicted, zeroed.
             got = helpers.wait_for(lambda: (r := b("alloc", n=16)).get("blocks") and r, what="the killed rank reaped")

@@ -24,15 +24,17 @@ def wire(keys) -> np.ndarray:
 
 
 class Real:
-    """``BlockStore`` with the model's interface, and a ``data`` list its zeroing writes."""
+    """``BlockStore`` with the model's interface, and ``data`` and ``keys`` lists (a
+    block's rows and indexer keys) its zeroing writes."""
 
     def __init__(self, n_blocks: int, ledger: UidLedger):
         self.data = [ZERO] * n_blocks
+        self.keys = [ZERO] * n_blocks
         self.s = BlockStore(n_blocks, self._zero, ledger)
 
     def _zero(self, blocks):
         for b in blocks:
-            self.data[b] = ZERO
+            self.data[b] = self.keys[b] = ZERO
 
     def open(self, session, uid):
         self.s.open(session, uid)
@@ -46,6 +48,13 @@ class Real:
     def write(self, session, block, value):
         self.s.writable(session, np.asarray([block * 4 + 3]), 4)
         self.data[block] = value
+
+    def write_keys(self, session, blocks, values):
+        for b, v in zip(self.s.keys_writable(session, np.asarray(blocks, dtype=np.int64)).tolist(), values):
+            self.keys[b] = v
+
+    def read_keys(self, session, blocks):
+        return [self.keys[b] for b in self.s.keys_readable(session, np.asarray(blocks, dtype=np.int64)).tolist()]
 
     def commit(self, session, blocks, keys):
         return self.s.commit(session, np.asarray(blocks, dtype=np.int64), wire(keys)).tolist()
@@ -199,8 +208,39 @@ def test_close_releases_pins_and_frees_private_blocks(one):
     assert one.reserve(2, 4) == 4
 
 
+def test_indexer_keys_are_written_by_the_private_owner_only_and_read_by_holders(one):
+    [b] = one.alloc(1, 1)
+    with pytest.raises(BlockError, match="not private"):
+        one.write_keys(2, [b], [9])
+    with pytest.raises(BlockError, match="distinct"):
+        one.write_keys(1, [b, b], [1, 2])
+    one.write_keys(1, [b], [8])
+    assert one.read_keys(1, [b]) == [8]
+    with pytest.raises(BlockError, match="neither pinned"):
+        one.read_keys(2, [b])  # another session's private block
+    assert one.commit(1, [b], [h(1)]) == [b]
+    with pytest.raises(BlockError, match="not private"):
+        one.write_keys(1, [b], [9])  # committed with the block: read-only
+    with pytest.raises(BlockError, match="neither pinned"):
+        one.read_keys(2, [b])  # cached, but not pinned by this other session
+    assert one.lookup(2, [h(1)]) == [b]
+    assert one.read_keys(2, [b, b]) == [8, 8]
+
+
+def test_indexer_keys_are_zeroed_with_their_block(one):
+    [a, b] = one.alloc(1, 2)
+    one.alloc(2, 2)  # the rest of the store
+    one.write_keys(1, [a, b], [3, 4])
+    one.release(1, [a])  # a private block freed
+    one.commit(1, [b], [h(1)])
+    one.release(1, [b])
+    assert one.alloc(2, 2) == [a, b]  # a free, b evicted
+    assert one.read_keys(2, [a, b]) == [ZERO, ZERO]
+
+
 # -- random sequences ---------------------------------------------------------------------
-OPS = ("alloc", "commit", "lookup", "release", "alloc", "commit", "lookup", "release", "write", "reserve", "close")
+OPS = ("alloc", "commit", "lookup", "release", "alloc", "commit", "lookup", "release", "write", "reserve", "close",
+       "write_keys", "read_keys")
 
 
 def pick(model, session, a: int, n: int, pinned: bool) -> list[int]:
@@ -223,6 +263,12 @@ def request(model, session: int, op: str, a: int, b: int, stamp: int) -> list:
         return [a % 4]
     if op == "write":
         return [pick(model, session, a, 1, False)[0], stamp]
+    if op == "write_keys":  # mostly its own blocks (a >= 8: anyone's; b == 9: one named twice)
+        blocks = pick(model, session, a, b % 2 + 1, False)
+        blocks = blocks + blocks[:1] if b == 9 else blocks
+        return [blocks, [stamp + 1000 * i for i in range(len(blocks))]]
+    if op == "read_keys":
+        return [pick(model, session, a, b % 3 + 1, True)]
     if op == "commit":  # up to 3 blocks, hashes from a small set (chains of keys b, b+1, ...)
         blocks = pick(model, session, a, b % 3 + 1, False)
         first = 0 if b < 5 else b % 5  # mostly a chain's first blocks (then another's commit finds them cached)
@@ -244,7 +290,7 @@ def test_store_equals_model_and_keeps_the_invariants(n_blocks, quota, steps):
     for m in (model, real):
         for s, uid in uids.items():
             m.open(s, uid)
-    content = {}  # hash -> what its block held when committed
+    content = {}  # hash -> what its block held (rows, indexer keys) when committed
     for stamp, (session, op, a, b) in enumerate(steps, start=100):
         args = request(model, session, op, a, b, stamp)
         got = []
@@ -260,12 +306,12 @@ def test_store_equals_model_and_keeps_the_invariants(n_blocks, quota, steps):
         if op == "commit" and got[0][0] == "ok":
             for b, key, held in zip(args[0], args[1], got[0][1]):
                 if held == b:
-                    content[key] = model.data[b]
+                    content[key] = (model.data[b], model.keys[b])
         if op == "lookup" and got[0][0] == "ok":
-            for key, b in zip(args[0], got[0][1]):
-                assert model.data[b] == real.data[b] == content[key]  # never rewritten while cached
+            for key, b in zip(args[0], got[0][1]):  # rows and keys never rewritten while cached
+                assert (model.data[b], model.keys[b]) == (real.data[b], real.keys[b]) == content[key]
         model.check()
         assert model.lru == real.lru
-        assert real.data == model.data
+        assert real.data == model.data and real.keys == model.keys
         assert real.s.reserved_total == model.total_reserved()
         assert int(real.s.pins.sum()) == sum(sum(p.values()) for p in model.pins.values())
