@@ -387,6 +387,7 @@ class Model:
 
     def step(self, x, state, src, mark=lambda part: None):
         """A decode step over every layer, then the LM head: logits [B, vocab]."""
+        mark("begin")
         src.begin()
         for layer in range(self.sh.layers):
             x = self.layer(layer, x, state, src, mark)

@@ -1,7 +1,7 @@
 """The GPU side of ``sparsekv bench serve``: where each mode's KV rows come from (:class:`HbmRows`:
 every row in HBM; :class:`SwappedRows`: ``swap_in`` of an in-process handle or a private
 daemon's doorbell handle), the host pools, the steps captured as CUDA graphs, timed in
-turn, and the per-part breakdown from CUDA events of an un-captured step.
+turn, and each part's time from CUDA events recorded inside a second capture of the step.
 
 Rows' content: host row ``r`` holds row ``r mod TILE_ROWS`` of one tile of valid
 fp8_ds_mla rows in every layer; the all-on-GPU rows of (request, position) hold what the
@@ -24,12 +24,15 @@ from sparsekv.client.client import Client
 from sparsekv.embedded.inproc_cuda import InprocSwapIn
 from sparsekv.proto import Layout
 
-from .decode_modes import CLIENT_TIMEOUT_S, DAEMON_POOL_SLACK_BYTES, DAEMON_START_TIMEOUT_S, DEVICE, GIB, arena_bytes
+from .decode_modes import (CLIENT_TIMEOUT_S, DAEMON_POOL_SLACK_BYTES, DAEMON_START_TIMEOUT_S, DEVICE, GIB, arena_bytes,
+                           capture_step)
 from .decode_workload import FILL_STAGING_ROWS, fill_pattern, fill_through_staging
 from .private_daemon import PrivateDaemon
 from .serve_model import Model, pack_rows
+from .serve_report import median_parts, step_totals
 
 TILE_ROWS = 4096  # the rows' content repeats every this many host rows (a multiple of staging rows)
+PART_REPLAYS = 5  # replays of the step captured with marks; each part's time is its median over them
 
 
 def say(msg: str) -> None:
@@ -201,7 +204,7 @@ class Offload:
         self._stack.close()
 
 
-# -- timing, breakdown (capture: decode_modes.capture_step) ------------------------------------------------------------
+# -- timing, parts (capture: decode_modes.capture_step) ----------------------------------------------------------------
 def timed(runs: list, st: Static, warmup: int, steps: int, counts: list):
     """Step times (us) [len(runs), steps], the sides in turn each step (the order rotated),
     each timed alone between two synchronisations; per side the growth of its counters
@@ -227,28 +230,42 @@ def timed(runs: list, st: Static, warmup: int, steps: int, counts: list):
 
 
 class Marks:
-    """``mark(part)`` records a CUDA event; :meth:`totals`: us per part over the step."""
+    """``mark(part)`` records a CUDA event, external: inside a capture an event node of the
+    graph, read after each replay. :meth:`rewind` before each run of the step: a capture
+    records the events of the warm-up's run again (none is made while capturing)."""
 
     def __init__(self):
-        self.events: list = []
+        self.events: list = []  # (part, event) in the order marked
+        self.at = 0
+
+    def rewind(self) -> None:
+        self.at = 0
 
     def __call__(self, part) -> None:
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        self.events.append((part, e))
+        if self.at == len(self.events):
+            self.events.append((part, torch.cuda.Event(enable_timing=True, external=True)))
+        self.events[self.at][1].record()
+        self.at += 1
 
-    def totals(self) -> dict[str, float]:
+    def intervals(self) -> list:
+        """The last run's ``(part, us from its mark to the next)``, None where the two
+        events' time could not be read."""
         torch.cuda.synchronize()
-        out: dict[str, float] = {}
+        out = []
         for (part, a), (_, b) in zip(self.events, self.events[1:]):
-            out[part] = out.get(part, 0.0) + a.elapsed_time(b) * 1e3
+            try:
+                out.append((part, a.elapsed_time(b) * 1e3))
+            except (RuntimeError, ValueError):  # an event not recorded: that part's time is unknown
+                out.append((part, None))
         return out
 
 
-def breakdown(model: Model, st: Static, state, src, t: int) -> dict[str, float]:
-    """The parts of one un-captured step ``t`` (us over the step; ``ffn`` split into
-    ``dense_ffn`` and ``moe``)."""
-    st.load(t)
+def parts(model: Model, st: Static, state, src, first: int, label: str) -> tuple[dict[str, float], str]:
+    """Each part's us over the step (``ffn`` split into ``dense_ffn`` and ``moe``): the step
+    captured once more with a mark as each part starts (:func:`capture_step`; its warm-up
+    runs step ``first - 1`` again), replayed over steps ``first`` to ``first +
+    PART_REPLAYS - 1``, each part's median over the replays; and how it ran ("graph", or
+    "eager" where the capture failed)."""
     marks = Marks()
     dense = model.sh.dense_layers
     layer = [0]
@@ -259,6 +276,16 @@ def breakdown(model: Model, st: Static, state, src, t: int) -> dict[str, float]:
             layer[0] += 1
         marks(part)
 
-    torch.cuda.synchronize()
-    model.step(st.x, state, src, mark)
-    return marks.totals()
+    def step():
+        marks.rewind()
+        layer[0] = 0
+        model.step(st.x, state, src, mark)
+
+    st.load(first - 1)
+    run, kind, _ = capture_step(torch, step, f"{label}, parts")
+    runs = []
+    for t in range(first, first + PART_REPLAYS):
+        st.load(t)
+        run()
+        runs.append(step_totals(marks.intervals()))
+    return median_parts(runs), kind

@@ -4,6 +4,7 @@ keys ``docs/perf/latest.json`` holds (:func:`summary`), the table and the plot."
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from .serve_capacity import bounds
@@ -11,7 +12,10 @@ from .serve_capacity import bounds
 # also the order they run in; "prefetch": the daemon (doorbell) attached with cross-layer prefetch
 MODES = ("gpu", "inproc", "daemon", "prefetch")
 OFFLOADED = ("prefetch", "daemon", "inproc")  # the first of these that ran is "offloaded" in the headline
-PARTS = ("proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe", "head")
+PARTS = ("begin", "proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe", "head")
+PARTS_NOTE = ("us a layer (begin, head: a step), from CUDA events recorded inside the step's CUDA graph (a second "
+              "capture of the step, each part's median over its replays), not scaled: per step they sum to "
+              "parts_step_us; parts_run 'eager': the capture failed and the events timed the step un-captured")
 SLACK = 2.0  # a part slower than this many times its bound is flagged
 PENALTY_BATCHES = (1, 4, 16, 64)
 HEADLINE_OVERLAP = 0.85  # the layer overlap of the headline figures (issue 35's)
@@ -28,7 +32,7 @@ def ctx_key(context: int) -> str:
 @dataclass
 class Result:
     """One (mode, context, batch). Times in microseconds; ``parts`` / ``bounds``: per layer
-    a part runs in (``head``: per step), from the un-captured step."""
+    a part runs in (``begin``, ``head``: per step), :data:`PARTS_NOTE`."""
 
     mode: str
     context: int
@@ -45,8 +49,9 @@ class Result:
     prefetched: int | None = None
     prefetch_hits: int | None = None
     prefetch_wasted: int | None = None
-    parts: dict = field(default_factory=dict)  # us a layer, the un-captured run's shares of the graph's step
-    parts_scale: float = 1.0  # the graph's step / the un-captured step (launch gaps left out)
+    parts: dict = field(default_factory=dict)  # us a layer, timed inside the step's graph (PARTS_NOTE)
+    parts_run: str = ""  # how the parts' step ran: "graph" (events inside it) or "eager"
+    parts_step_us: float | None = None  # the parts' times summed over the step (begin to the head's end)
     bounds: dict = field(default_factory=dict)
     flagged: list = field(default_factory=list)
     p50_at_bound_us: float | None = None  # p50 with each flagged part at its bound
@@ -73,18 +78,38 @@ class Result:
 
 def layers_of(sh, part: str) -> int:
     """How many times a part runs a step."""
-    return {"dense_ffn": sh.dense_layers, "moe": sh.layers - sh.dense_layers, "head": 1}.get(part, sh.layers)
+    per_step = {"dense_ffn": sh.dense_layers, "moe": sh.layers - sh.dense_layers, "begin": 1, "head": 1}
+    return per_step.get(part, sh.layers)
 
 
-def set_parts(r: Result, sh, totals_us: dict) -> None:
-    """``r.parts`` from an un-captured step's totals, ``r.bounds``, the flags and
-    ``p50_at_bound_us``. The un-captured step also pays each launch, which the graph does
-    not: its parts are scaled by the graph's step over its own, so that they sum to the
-    step the graph runs (never scaled up)."""
-    total = sum(totals_us.get(p, 0.0) for p in PARTS)
-    r.parts_scale = min(1.0, r.p50_us / total) if r.p50_us and total else 1.0
-    r.parts = {p: totals_us[p] * r.parts_scale / layers_of(sh, p) for p in PARTS
-               if p in totals_us and layers_of(sh, p)}
+def step_totals(intervals) -> dict[str, float | None]:
+    """Per part, us over one run of the step from its marks' ``(part, us from this mark to
+    the next, or None: an event not read)``; a part with an interval not read is None."""
+    out: dict[str, float | None] = {}
+    for part, us in intervals:
+        prev = out.get(part, 0.0)
+        out[part] = None if prev is None or us is None else prev + us
+    return out
+
+
+def median_parts(runs: list[dict]) -> dict[str, float]:
+    """Per part, the median of its step totals (:func:`step_totals`) over the runs where it
+    was read; a part read in none is left out."""
+    out = {}
+    for part in dict.fromkeys(p for run in runs for p in run):
+        got = [run[part] for run in runs if run.get(part) is not None]
+        if got:
+            out[part] = statistics.median(got)
+    return out
+
+
+def set_parts(r: Result, sh, totals_us: dict, run: str) -> None:
+    """``r.parts`` (us a layer) from each part's us over the step (``totals_us``, timed
+    inside the step's graph when ``run`` is "graph"), ``r.bounds``, the flags and
+    ``p50_at_bound_us``."""
+    r.parts_run = run
+    r.parts = {p: totals_us[p] / layers_of(sh, p) for p in PARTS if p in totals_us and layers_of(sh, p)}
+    r.parts_step_us = sum(t * layers_of(sh, p) for p, t in r.parts.items()) if r.parts else None
     r.bounds = bounds(sh, r.batch, r.context, r.misses_per_layer)
     r.flagged = [p for p, t in r.parts.items() if r.bounds.get(p) and t > SLACK * r.bounds[p]]
     if r.p50_us is not None:
@@ -145,7 +170,7 @@ def summary(results: list[Result], caps: dict, penalty_context: int, impl: dict,
     ``overlap``: the layer overlap of the configs the headline ratios are taken from."""
     out: dict = {"serve_offloaded_mode": next((m for m in OFFLOADED if any(r.mode == m and r.p50_us
                                                                               for r in results)), None),
-                 "serve_impl": impl, "serve_configs": [{**asdict(r), "tok_s": r.tok_s} for r in results],
+                 "serve_impl": impl, "serve_parts": PARTS_NOTE, "serve_configs": [{**asdict(r), "tok_s": r.tok_s} for r in results],
                  "serve_capacity": {ctx_key(c): cap for c, cap in caps.items()}}
     for c, cap in caps.items():
         k = ctx_key(c)
@@ -178,7 +203,8 @@ def summary(results: list[Result], caps: dict, penalty_context: int, impl: dict,
 def table(results: list[Result], sh) -> str:
     """Per config: TPOT, tokens/s, and each part against its bound (us a layer)."""
     lines = [f"{'mode':<8} {'context':>8} {'batch':>5} {'overlap':>7} {'run':<5} {'TPOT p50 ms':>11} {'p99 ms':>8} {'tok/s':>9} "
-             f"{'hits':>5}  parts: us a layer, the un-captured step's shares of the graph's (bound; ! = over {SLACK:g}x)"]
+             f"{'hits':>5}  parts: us a layer (begin, head: a step), timed inside the step's graph, each the median of its "
+             f"replays; their sum a step (bound; ! = over {SLACK:g}x)"]
     for r in results:
         head = f"{r.mode:<8} {r.context:>8} {r.batch:>5} {r.overlap:>7g} "
         if r.p50_us is None:
@@ -187,6 +213,8 @@ def table(results: list[Result], sh) -> str:
         parts = "  ".join(f"{p} {t:.1f}" + (f" ({r.bounds[p]:.1f}{'!' if p in r.flagged else ''})"
                                              if r.bounds.get(p) else "") for p, t in r.parts.items())
         hits = f"{r.hit_rate * 100:.0f}%" if r.hit_rate is not None else "-"
+        if r.parts_step_us is not None:
+            parts += f"  [sum {r.parts_step_us / 1e3:.2f} ms" + ("" if r.parts_run == "graph" else f", {r.parts_run}") + "]"
         lines.append(head + f"{r.run:<5} {r.p50_us / 1e3:>11.2f} {r.p99_us / 1e3:>8.2f} {r.tok_s:>9.1f} {hits:>5}  "
                      + parts + (f"  [at bound: {r.p50_at_bound_us / 1e3:.2f} ms]" if r.flagged else "")
                      + (f"  [prefetch: {r.prefetched} rows, {r.prefetch_hits} hit, {r.prefetch_wasted} wasted; "

@@ -1,7 +1,7 @@
 """The run of ``sparsekv bench serve`` (imports torch): the model, the offloaded handles
 once, then each config (context, batch, modes): its top-k sequence, its rows, each mode's
-step captured and timed in turn, one un-captured step per mode for the parts; figures
-written after each config."""
+step captured and timed in turn, then each mode's step captured once more with CUDA
+events at its parts and replayed for them; figures written after each config."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from .decode_report import write_json
 from .decode_workload import gather_blocks, generate
 from .serve_capacity import Deployment, capacity, capacity_text
 from .serve_model import PRESETS, BatchState, Model, Ops
-from .serve_modes import (COUNTERS, HbmRows, Offload, Static, SwappedRows, TILE_ROWS, block_table, breakdown,
-                          offload_layout, row_tile, say, timed)
+from .serve_modes import (COUNTERS, PART_REPLAYS, HbmRows, Offload, Static, SwappedRows, TILE_ROWS, block_table,
+                          offload_layout, parts, row_tile, say, timed)
 from .serve_report import MODES, OFFLOADED, Result, headline, plot, set_parts, summary, table
 
 __all__ = ["PRESETS", "main"]
@@ -63,13 +63,13 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
                device=None, overlap: float | None = None) -> list[Result]:
     """One config's results: its modes (``off``: the offloaded handles) timed in turn over
     one top-k sequence (layer overlap ``overlap``, default ``opts.layer_overlap``), then
-    one un-captured step each for the parts."""
+    each one's parts, timed inside its step captured again (the timed graphs freed first)."""
     sh = model.sh
     L, K, d = sh.layers, sh.top_k, device or torch.device("cuda", DEVICE)
     overlap = opts.layer_overlap if overlap is None else overlap
     t0 = time.perf_counter()
-    wl = generate(batch, opts.hits / 100, steps=opts.warmup + opts.steps + 1, layers=L, context=context, top_k=K,
-                  block_size=opts.block_size, layer_overlap=overlap, seed=opts.seed)
+    wl = generate(batch, opts.hits / 100, steps=opts.warmup + opts.steps + PART_REPLAYS, layers=L, context=context,
+                  top_k=K, block_size=opts.block_size, layer_overlap=overlap, seed=opts.seed)
     st = Static(model, batch, block_table(batch, context, opts.block_size, host_rows, opts.seed), wl, d)
     state = BatchState(sh, batch, context, d)
     key_bytes = state.keys.numel() + 4 * state.kscale.numel()
@@ -90,9 +90,12 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
             for m, src in sides]
     counts = [off.counts.get(m) if off else None for m, _ in sides]
     times, deltas = timed([r[0] for r in runs], st, opts.warmup, opts.steps, counts)
+    kinds = [r[1] for r in runs]
+    del runs
+    _free()  # the timed graphs' memory back before the parts' graphs are captured
     names = [m for m, _ in sides]
     for i, (m, src) in enumerate(sides):
-        r = Result(m, context, batch, overlap, run=runs[i][1], p50_us=float(np.median(times[i])),
+        r = Result(m, context, batch, overlap, run=kinds[i], p50_us=float(np.median(times[i])),
                    p99_us=float(np.percentile(times[i], 99)))
         ref = next((names.index(x) for x in PAIRED_WITH.get(m, ()) if x in names), 0)
         if i != ref:
@@ -108,15 +111,18 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
             else:
                 r.hit_rate = wl.target_hit_rate
                 r.misses_per_layer = (1 - wl.target_hit_rate) * batch * K
+        label = f"{m} context {context} batch {batch}"
+        set_parts(r, sh, *parts(model, st, state, src, opts.warmup + opts.steps, label))
+        if m in OFFLOADED:
             try:
                 off.handles[m].check()
             except Exception as e:  # noqa: BLE001 - a refused row makes the figure suspect: report it
                 r.error = f"{type(e).__name__}: {e}"
-        set_parts(r, sh, breakdown(model, st, state, src, opts.warmup + opts.steps))
         out.append(r)
         say(f"context {context} batch {batch} overlap {overlap:g} {m}: TPOT p50 {r.p50_us / 1e3:.2f} ms, {r.tok_s:.0f} tok/s ({r.run})"
+            + (f", parts sum {r.parts_step_us / 1e3:.2f} ms ({r.parts_run})" if r.parts_step_us is not None else "")
             + (f", flagged {','.join(r.flagged)}" if r.flagged else "") + (f"; {r.error}" if r.error else ""))
-    del runs, sides
+    del sides
     return out
 
 

@@ -1,7 +1,8 @@
 """``sparsekv bench serve``: the parts of its step at the tiny preset on torch's CPU device
 (rows, sparse MLA, the grouped MoE, the indexer, the all-on-GPU rows), its capacity
-arithmetic and headline keys; on a GPU (``cuda``) the FP8 / Triton paths against the
-torch ones and the same attention output all on the GPU and through ``swap_in``."""
+arithmetic and headline keys, the per-part times' replays; on a GPU (``cuda``) the FP8 /
+Triton paths against the torch ones, the same attention output all on the GPU and through
+``swap_in``, and the parts timed inside the step's graph summing to the step."""
 
 import math
 import time
@@ -10,12 +11,13 @@ import numpy as np
 import pytest
 
 from sparsekv.bench.decode_workload import fill_pattern, generate
-from sparsekv.bench.serve_report import Result, summary
+from sparsekv.bench.serve_report import PARTS, Result, summary
 
 torch = pytest.importorskip("torch")
 
 from sparsekv.bench import serve_model as sm  # noqa: E402
 from sparsekv.bench import serve_modes  # noqa: E402
+from sparsekv.bench.decode_modes import capture_step  # noqa: E402
 from sparsekv.bench.serve_capacity import Deployment, bounds, capacity  # noqa: E402
 
 TINY = sm.PRESETS["tiny"]
@@ -136,6 +138,7 @@ def test_a_whole_step_runs_and_marks_every_part(cpu_ops):
     seen = []
     out = m.step(st.x, state, src, seen.append)
     assert out.shape == (B, TINY.vocab) and bool(torch.isfinite(out).all())
+    assert seen[0] == "begin"
     assert seen.count("attention") == seen.count("swap_in") == seen.count("indexer") == TINY.layers
     assert seen.count("ffn") == TINY.layers and seen[-2:] == ["head", None]
 
@@ -275,17 +278,100 @@ def test_the_prefetch_daemon_gives_the_all_on_gpu_step_output_and_hits_rows_it_f
         off.close()
 
 
+@pytest.mark.cuda
+def test_the_parts_timed_inside_the_graph_sum_to_the_graph_step_within_a_few_percent():
+    from sparsekv.embedded.inproc_cuda import InprocSwapIn
+
+    ops = sm.Ops("cuda", torch.bfloat16, fast=True)
+    m = sm.Model.build(TINY, ops)
+    B, C, bs, host_rows, R = 8, 4096, 16, 8192, serve_modes.PART_REPLAYS
+    tile = serve_modes.row_tile(m)
+    wl = generate(B, 0.9, steps=1 + 2 * R, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
+    st = serve_modes.Static(m, B, serve_modes.block_table(B, C, bs, host_rows), wl, "cuda")
+    state = sm.BatchState(TINY, B, C, "cuda")
+    h = InprocSwapIn(serve_modes.offload_layout(TINY, B, host_rows))
+    try:
+        fill_pattern(h.pool, tile=tile)
+        mirror = torch.empty((TINY.layers, B, TINY.row_bytes), dtype=torch.uint8, pin_memory=True)
+        for mode, src in (("gpu", serve_modes.HbmRows.filled(tile, st, TINY.layers, bs)),
+                          ("inproc", serve_modes.SwappedRows(h, st, bs, mirror))):
+            # the step's graph without marks, timed by events around its replays over steps 1..R
+            st.load(0)
+            run, kind, _ = capture_step(torch, lambda src=src: m.step(st.x, state, src), mode)
+            assert kind == "graph", mode
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            steps = []
+            for t in range(1, 1 + R):
+                st.load(t)
+                a.record()
+                run()
+                b.record()
+                torch.cuda.synchronize()
+                steps.append(a.elapsed_time(b) * 1e3)
+            del run
+            # then the parts, inside the marked graph, over steps R + 1..2R
+            totals, kind = serve_modes.parts(m, st, state, src, 1 + R, mode)
+            assert kind == "graph", mode
+            assert set(totals) == set(PARTS), mode
+            step = float(np.median(steps))
+            assert sum(totals.values()) == pytest.approx(step, rel=0.05), (mode, step, totals)
+        h.check()
+    finally:
+        torch.cuda.synchronize()
+        h.close()
+
+
 class _ClockMarks(serve_modes.Marks):
     """Marks on torch's CPU device: the host's clock instead of CUDA events."""
 
     def __call__(self, part) -> None:
-        self.events.append((part, time.perf_counter()))
+        if self.at == len(self.events):
+            self.events.append(None)
+        self.events[self.at] = (part, time.perf_counter())
+        self.at += 1
 
-    def totals(self) -> dict:
-        out = {}
-        for (part, a), (_, b) in zip(self.events, self.events[1:]):
-            out[part] = out.get(part, 0.0) + (b - a) * 1e6
-        return out
+    def intervals(self) -> list:
+        return [(part, (b - a) * 1e6) for (part, a), (_, b) in zip(self.events, self.events[1:])]
+
+
+def _eager(monkeypatch):
+    """Every capture of the bench (the timed steps', the parts') runs its step eagerly."""
+    from sparsekv.bench import serve_run
+
+    def eager(torch, step, label):
+        step()  # the warm-up capture_step runs
+        return step, "eager", None
+
+    monkeypatch.setattr(serve_run, "capture_step", eager)
+    monkeypatch.setattr(serve_modes, "capture_step", eager)
+    monkeypatch.setattr(serve_modes, "Marks", _ClockMarks)
+
+
+def test_the_parts_are_medians_over_replays_of_the_steps_after_the_timed_ones(cpu_ops, monkeypatch):
+    _eager(monkeypatch)
+    m = sm.Model.build(TINY, cpu_ops)
+    B, C, bs, first = 2, 128, 16, 3
+    wl = generate(B, 0.9, steps=first + serve_modes.PART_REPLAYS, layers=TINY.layers, context=C, top_k=TINY.top_k,
+                  block_size=bs)
+    st = serve_modes.Static(m, B, serve_modes.block_table(B, C, bs, 4096), wl, "cpu")
+    src = serve_modes.HbmRows.filled(serve_modes.row_tile(m), st, TINY.layers, bs)
+    loaded, seen = [], []
+    load, totals_of = st.load, serve_modes.step_totals
+    monkeypatch.setattr(st, "load", lambda t: (loaded.append(t), load(t)))
+    monkeypatch.setattr(serve_modes, "step_totals", lambda iv: (seen.append(iv), totals_of(iv))[1])
+    totals, kind = serve_modes.parts(m, st, sm.BatchState(TINY, B, C, "cpu"), src, first, "gpu")
+    assert kind == "eager"
+    # the warm-up repeats the last timed step; each replay is a step of its own after it
+    assert loaded == [first - 1] + list(range(first, first + serve_modes.PART_REPLAYS))
+    assert len(seen) == serve_modes.PART_REPLAYS
+    for iv in seen:  # each run splits the FFN at the dense layers afresh (the warm-up's count does not carry over)
+        ffn = [p for p, _ in iv if p in ("dense_ffn", "moe")]
+        assert ffn == ["dense_ffn"] * TINY.dense_layers + ["moe"] * (TINY.layers - TINY.dense_layers)
+    runs = [totals_of(iv) for iv in seen]
+    assert set(totals) == {"begin", "proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe",
+                           "head"}
+    for part in totals:
+        assert totals[part] == pytest.approx(float(np.median([r[part] for r in runs])))
 
 
 def test_a_config_of_the_all_on_gpu_mode_runs_on_the_cpu_and_reports_its_parts(cpu_ops, monkeypatch):
@@ -293,15 +379,16 @@ def test_a_config_of_the_all_on_gpu_mode_runs_on_the_cpu_and_reports_its_parts(c
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
-    monkeypatch.setattr(serve_run, "capture_step", lambda torch, step, label: (step, "eager", None))
-    monkeypatch.setattr(serve_modes, "Marks", _ClockMarks)
+    _eager(monkeypatch)
     m = sm.Model.build(TINY, cpu_ops)
     opts = serve.Options(preset="tiny", contexts=(256,), batches=(2,), modes=("gpu",), steps=3, warmup=1,
                          block_size=16).validate(sm.PRESETS)
     [r] = serve_run.run_config(m, None, serve_modes.row_tile(m), opts, 256, 2, ("gpu",), 4096, None, device="cpu")
     assert (r.mode, r.context, r.batch, r.run, r.error) == ("gpu", 256, 2, "eager", None)
     assert r.p50_us > 0 and r.tok_s == pytest.approx(2 / r.p50_us * 1e6)
-    assert set(r.parts) == {"proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe", "head"}
+    assert set(r.parts) == {"begin", "proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe",
+                            "head"}
+    assert r.parts_run == "eager" and r.parts_step_us > 0
     assert r.bounds["swap_in"] is None and r.bounds["attention"] > 0
     f = summary([r], {256: {"gpu": 2, "offload": 0}}, 256, cpu_ops.impl)
     assert f["serve_max_batch_gpu_256"] == 2 and f["serve_configs"][0]["tok_s"] == r.tok_s
@@ -389,8 +476,7 @@ def test_the_whole_run_of_the_all_on_gpu_mode_on_the_cpu_writes_its_figures(cpu_
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
-    monkeypatch.setattr(serve_run, "capture_step", lambda torch, step, label: (step, "eager", None))
-    monkeypatch.setattr(serve_modes, "Marks", _ClockMarks)
+    _eager(monkeypatch)
     # a deployment of 6 MB of HBM: the tiny model's weights (3.4 MB) leave room for 4 requests at 256
     opts = serve.Options(preset="tiny", contexts=(256, 512), batches=(1, 2), modes=("gpu",), steps=2, warmup=1,
                          block_size=16, hbm_gb=0.006, activations_gb=0.0, json_path=str(tmp_path / "s.json"),
