@@ -394,6 +394,30 @@ def test_a_config_of_the_all_on_gpu_mode_runs_on_the_cpu_and_reports_its_parts(c
     assert f["serve_max_batch_gpu_256"] == 2 and f["serve_configs"][0]["tok_s"] == r.tok_s
 
 
+@pytest.mark.parametrize("short", ["by the free bytes", "by running out"])
+def test_all_on_gpu_rows_that_do_not_fit_skip_that_mode_with_the_reason(cpu_ops, monkeypatch, short):
+    """Too little free HBM, told before the fill or met during it: the all-on-GPU mode is
+    skipped with the bytes it needed and what was free (the config's other modes still run)."""
+    from sparsekv.bench import serve, serve_run
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    need = TINY.layers * (2 * 256 + 2) * TINY.row_bytes
+    free = need if short == "by the free bytes" else need + serve_run.HBM_MARGIN_BYTES
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, 1 << 40))
+    if short == "by running out":
+        def oom(*a, **k):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        monkeypatch.setattr(serve_modes.HbmRows, "filled", oom)
+    m = sm.Model.build(TINY, cpu_ops)
+    opts = serve.Options(preset="tiny", contexts=(256,), batches=(2,), modes=("gpu",), steps=2, warmup=1,
+                         block_size=16).validate(sm.PRESETS)
+    [r] = serve_run.run_config(m, None, serve_modes.row_tile(m), opts, 256, 2, ("gpu",), 4096, None, device="cpu")
+    assert r.p50_us is None and r.error is None
+    assert r.skipped.startswith(f"{need / 1e9:.1f} GB of rows ")
+    assert ("ran out of memory" in r.skipped) == (short == "by running out")
+
+
 def test_configs_are_the_equal_batches_at_the_first_context_and_each_modes_largest_batch():
     from sparsekv.bench import serve, serve_run
 
