@@ -3,6 +3,8 @@ store by an engine process that is SIGKILLed mid-run and restarted, give outputs
 for bit to a run without the store; the prompt is prefilled once across the restart, and
 the daemon's block counters agree with the engines' counts."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -75,17 +77,20 @@ def test_a_shared_prompt_across_a_killed_engine_equals_a_run_without_the_store(d
     assert blocks["cached"] >= PC.system_blocks
 
 
+def serve_once(model, run_dir, engine, block_size):
+    """The example's requests through one engine of the zmq transport (``block_size`` 0: no
+    store): each request's output by its number, and the engine's counts."""
+    outputs = {}
+    with prefix.sparsekv_engine(model, PC.run_config(), "zmq", run_dir, engine=engine, block_size=block_size,
+                                index_bytes=prefix.index_bytes(CFG) if block_size else 0) as e:
+        counts = prefix.serve(e, PC, prefix.make_requests(PC, CFG.vocab), out=lambda d: outputs.update({d["done"]: d}))
+    return outputs, counts
+
+
 def test_the_comparison_sees_the_store_hand_out_wrong_blocks(daemon, monkeypatch):
     """The comparison is live: a lookup whose blocks come back in the wrong order (the
     right rows, at the wrong positions) changes the outputs of the requests that hit."""
-    model = prefix.DsaModel(CFG)
-
-    def serve(engine, block_size):
-        outputs = {}
-        with prefix.sparsekv_engine(model, PC.run_config(), "zmq", daemon.run_dir, engine=engine, block_size=block_size,
-                                    index_bytes=prefix.index_bytes(CFG) if block_size else 0) as e:
-            counts = prefix.serve(e, PC, prefix.make_requests(PC, CFG.vocab), out=lambda d: outputs.update({d["done"]: d}))
-        return outputs, counts
+    serve = functools.partial(serve_once, prefix.DsaModel(CFG), daemon.run_dir)
 
     want, _ = serve("dsa-no-store", 0)
     lookup = Blocks.lookup
@@ -99,14 +104,7 @@ def test_a_new_engine_reads_the_indexer_keys_it_needs_from_the_store(daemon, mon
     """An engine attached again to a namespace another lifetime filled reads every hit's
     indexer keys from the store (none computed again): equal outputs with them, others
     where the store would hand out zeros instead."""
-    model = prefix.DsaModel(CFG)
-
-    def serve(engine, block_size):
-        outputs = {}
-        with prefix.sparsekv_engine(model, PC.run_config(), "zmq", daemon.run_dir, engine=engine, block_size=block_size,
-                                    index_bytes=prefix.index_bytes(CFG) if block_size else 0) as e:
-            counts = prefix.serve(e, PC, prefix.make_requests(PC, CFG.vocab), out=lambda d: outputs.update({d["done"]: d}))
-        return outputs, counts
+    serve = functools.partial(serve_once, prefix.DsaModel(CFG), daemon.run_dir)
 
     want, _ = serve("dsa-no-store", 0)
     serve("dsa-keys", PC.block_size)  # fills the store; its blocks stay cached after it detaches
