@@ -4,24 +4,45 @@ eager path with its ``DynamicCache``, in one run.
 
     python -m sparsekv.bench.hf_long --quick --json hf.json       # 32K, batch 1 (~2 min)
     python -m sparsekv.bench.hf_long --json hf.json               # 32K and 128K, batch 1, 2, 4, 8
+    python -m sparsekv.bench.hf_long --prefill synthetic --json hf.json   # the same, no prefill compute
 
 The model has DeepSeek-V3.2's attention dims (kv_lora 512, rope 64, 128 heads, indexer
 64 x 128, top-k 2048), ``--layers`` layers, a small dense MLP and vocabulary (they are not
 what is measured) and random bf16 weights. Each config (context, batch) runs both paths
-on the same random prompt: a chunked prefill of ``context`` tokens (``prefill_chunk_size``,
-sized to keep the indexer's and eager attention's score tensors under ``--chunk-gib``),
-then ``--new-tokens`` greedy decode steps. Per path: decode tokens/s (batch x steps / time
-between the first and last step, each step synchronised), the HBM the cache holds for KV
-at the end (eager: the DynamicCache's expanded keys, values and indexer keys; sparsekv:
-the indexer keys it keeps on the GPU plus the hot slab's bytes in the daemon's arena),
-peak HBM allocated by torch during the generation, and for sparsekv the daemon's hits and
-misses per step. Per config: ``same_tokens``, ``max_logit_diff`` (sparsekv's logits
+on the same random prompt, then ``--new-tokens`` greedy steps. How the caches get the
+prompt (``--prefill``, named in the JSON):
+
+- ``real`` (the default; the tracked figures): a chunked prefill of ``context`` tokens
+  (``prefill_chunk_size``, sized to keep the indexer's and eager attention's score tensors
+  under ``--chunk-gib``). Eager attention is dense over the whole cache per chunk: a 128K
+  config takes minutes on an H200.
+- ``synthetic``: no prefill compute. Both caches are filled directly with the same content
+  for ``context`` positions: per layer and position a random latent through the layer's
+  own ``kv_a_layernorm``, a random rope key, and random indexer keys through the
+  indexer's ``k_norm`` (``content``, seeded per layer and span, so both paths get equal
+  values). sparsekv's ``SparseKVCache.fill`` writes every layer's rows of a span (~256 MiB)
+  to the pool through the write path and keeps the indexer keys on the GPU; transformers'
+  ``DynamicCache`` gets what its eager path caches: per-head keys and values from the same
+  latents and rope keys through the module's own ``expand_kv`` (its ``kv_b_proj``), and
+  the indexer keys through ``Cache.update_indexer``. ``generate`` then runs on a prompt of
+  ``context + 1`` tokens: the caches hold all but the last, so each of the
+  ``--new-tokens`` forwards is a decode step over the same keys on both paths. Per path,
+  ``fill_s``: the time the filling took (not in tokens/s). The tracked figures are not
+  set from it.
+
+Per path: decode tokens/s (batch x steps / time between the first and last step, each
+step synchronised), the HBM the cache holds for KV at the end (eager: the DynamicCache's
+expanded keys, values and indexer keys; sparsekv: the indexer keys it keeps on the GPU
+plus the hot slab's bytes in the daemon's arena), peak HBM allocated by torch during the
+prefill (or fill) and the generation, and for sparsekv the daemon's hits and misses per
+step. Per config: ``same_tokens``, ``max_logit_diff`` (sparsekv's logits
 against eager's over the steps before any sequence parts) and ``diverged`` (for each
 sequence that parts: the step, and both paths' margins between their two best logits
 there: a near tie tipped by a last-bit difference, or not). A path that runs out of
-memory says so (``oom``). The figures the docs
-track are ``hf_dsv32_kv_hbm_ratio_32k`` (sparsekv's KV HBM / eager's, 32K, batch 1) and
-``hf_dsv32_tokens_per_s_ratio_32k`` (sparsekv's tokens/s / eager's, 32K, batch 1).
+memory says so (``oom``; ``"predicted"`` where eager's cache would not fit in what is
+free, so it is not tried). The figures the docs track are ``hf_dsv32_kv_hbm_ratio_32k``
+(sparsekv's KV HBM / eager's, 32K, batch 1) and ``hf_dsv32_tokens_per_s_ratio_32k``
+(sparsekv's tokens/s / eager's, 32K, batch 1), from a real prefill.
 
 ``--device cpu --dims tiny`` runs the same on the CPU through a cpu daemon (zmq): a smoke
 test of the bench itself, not a figure.
