@@ -120,12 +120,12 @@ def chunk_for(context: int, batch: int, dims: dict, budget_bytes: int) -> int:
     return max(16, min(context, budget_bytes // per_token))
 
 
-def run_path(model, ids, new_tokens: int, chunk, kv_bytes, counts=None, make_cache=None) -> dict:
+def run_path(model, ids, new_tokens: int, chunk, kv_bytes, counts=None, make_cache=None, filled=False) -> dict:
     """One generation; ``kv_bytes(result)``: the KV bytes held at its end; ``counts()``:
     the daemon's (hits, misses) so far; ``make_cache()``: the ``past_key_values`` to
-    start from (None: generate makes its own), timed as ``fill_s`` (a synthetic prefill:
-    the cache holds all of ``ids`` but the last token, so every forward is a decode step).
-    ``chunk``: ``prefill_chunk_size`` (None: no chunked prefill)."""
+    start from (None: generate makes its own); ``filled``: it holds all of ``ids`` but the
+    last token (a synthetic prefill, timed as ``fill_s``), so every forward is a decode
+    step. ``chunk``: ``prefill_chunk_size`` (None: no chunked prefill)."""
     dev = ids.device
     clock = StepClock(dev)
     if dev.type == "cuda":
@@ -134,10 +134,9 @@ def run_path(model, ids, new_tokens: int, chunk, kv_bytes, counts=None, make_cac
     before = counts() if counts else None
     out = {}
     try:
-        kw = {}
-        if make_cache is not None:
-            t0 = time.perf_counter()
-            kw["past_key_values"] = make_cache()
+        t0 = time.perf_counter()
+        kw = {} if make_cache is None else {"past_key_values": make_cache()}
+        if filled:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             out["fill_s"] = round(time.perf_counter() - t0, 2)
@@ -157,7 +156,7 @@ def run_path(model, ids, new_tokens: int, chunk, kv_bytes, counts=None, make_cac
         out["peak_hbm_bytes"] = int(torch.cuda.max_memory_allocated(dev))
     if counts and "oom" not in out:
         after = counts()
-        steps = new_tokens if make_cache else max(1, new_tokens - 1)  # a real prefill reads nothing from the pool
+        steps = new_tokens if filled else max(1, new_tokens - 1)  # a real prefill reads nothing from the pool
         out["hits_per_step"] = round((after[0] - before[0]) / steps, 1)
         out["misses_per_step"] = round((after[1] - before[1]) / steps, 1)
     return out
@@ -309,7 +308,7 @@ def run(a) -> dict:
                     row["sparsekv"] = run_path(model, ids, a.new_tokens, chunk,
                                                lambda res: cache.kv_bytes() + layout.slab_bytes, counts,
                                                lambda: fill_sparsekv(model, cache, spans, seed) if synthetic
-                                               else cache)
+                                               else cache, filled=synthetic)
                 finally:
                     cache.release()
                     hf.disable(model)
@@ -326,7 +325,7 @@ def run(a) -> dict:
                     say(f"context {context} batch {batch}: eager (DynamicCache) ...")
                     row["eager"] = run_path(model, ids, a.new_tokens, chunk, eager_kv_bytes,
                                             make_cache=(lambda: fill_eager(model, batch, spans, seed)) if synthetic
-                                            else None)
+                                            else None, filled=synthetic)
                 s, e = row["sparsekv"], row["eager"]
                 if "tokens" in s and "tokens" in e:
                     row["diverged"], row["max_logit_diff"] = divergence(s["tokens"], e["tokens"], s["scores"],
