@@ -4,24 +4,45 @@ eager path with its ``DynamicCache``, in one run.
 
     python -m sparsekv.bench.hf_long --quick --json hf.json       # 32K, batch 1 (~2 min)
     python -m sparsekv.bench.hf_long --json hf.json               # 32K and 128K, batch 1, 2, 4, 8
+    python -m sparsekv.bench.hf_long --prefill synthetic --json hf.json   # the same, no prefill compute
 
 The model has DeepSeek-V3.2's attention dims (kv_lora 512, rope 64, 128 heads, indexer
 64 x 128, top-k 2048), ``--layers`` layers, a small dense MLP and vocabulary (they are not
 what is measured) and random bf16 weights. Each config (context, batch) runs both paths
-on the same random prompt: a chunked prefill of ``context`` tokens (``prefill_chunk_size``,
-sized to keep the indexer's and eager attention's score tensors under ``--chunk-gib``),
-then ``--new-tokens`` greedy decode steps. Per path: decode tokens/s (batch x steps / time
-between the first and last step, each step synchronised), the HBM the cache holds for KV
-at the end (eager: the DynamicCache's expanded keys, values and indexer keys; sparsekv:
-the indexer keys it keeps on the GPU plus the hot slab's bytes in the daemon's arena),
-peak HBM allocated by torch during the generation, and for sparsekv the daemon's hits and
-misses per step. Per config: ``same_tokens``, ``max_logit_diff`` (sparsekv's logits
+on the same random prompt, then ``--new-tokens`` greedy steps. How the caches get the
+prompt (``--prefill``, named in the JSON):
+
+- ``real`` (the default; the tracked figures): a chunked prefill of ``context`` tokens
+  (``prefill_chunk_size``, sized to keep the indexer's and eager attention's score tensors
+  under ``--chunk-gib``). Eager attention is dense over the whole cache per chunk: a 128K
+  config takes minutes on an H200.
+- ``synthetic``: no prefill compute. Both caches are filled directly with the same content
+  for ``context`` positions: per layer and position a random latent through the layer's
+  own ``kv_a_layernorm``, a random rope key, and random indexer keys through the
+  indexer's ``k_norm`` (``content``, seeded per layer and span, so both paths get equal
+  values). sparsekv's ``SparseKVCache.fill`` writes every layer's rows of a span (~256 MiB)
+  to the pool through the write path and keeps the indexer keys on the GPU; transformers'
+  ``DynamicCache`` gets what its eager path caches: per-head keys and values from the same
+  latents and rope keys through the module's own ``expand_kv`` (its ``kv_b_proj``), and
+  the indexer keys through ``Cache.update_indexer``. ``generate`` then runs on a prompt of
+  ``context + 1`` tokens: the caches hold all but the last, so each of the
+  ``--new-tokens`` forwards is a decode step over the same keys on both paths. Per path,
+  ``fill_s``: the time the filling took (not in tokens/s). The tracked figures are not
+  set from it.
+
+Per path: decode tokens/s (batch x steps / time between the first and last step, each
+step synchronised), the HBM the cache holds for KV at the end (eager: the DynamicCache's
+expanded keys, values and indexer keys; sparsekv: the indexer keys it keeps on the GPU
+plus the hot slab's bytes in the daemon's arena), peak HBM allocated by torch during the
+prefill (or fill) and the generation, and for sparsekv the daemon's hits and misses per
+step. Per config: ``same_tokens``, ``max_logit_diff`` (sparsekv's logits
 against eager's over the steps before any sequence parts) and ``diverged`` (for each
 sequence that parts: the step, and both paths' margins between their two best logits
 there: a near tie tipped by a last-bit difference, or not). A path that runs out of
-memory says so (``oom``). The figures the docs
-track are ``hf_dsv32_kv_hbm_ratio_32k`` (sparsekv's KV HBM / eager's, 32K, batch 1) and
-``hf_dsv32_tokens_per_s_ratio_32k`` (sparsekv's tokens/s / eager's, 32K, batch 1).
+memory says so (``oom``; ``"predicted"`` where eager's cache would not fit in what is
+free, so it is not tried). The figures the docs track are ``hf_dsv32_kv_hbm_ratio_32k``
+(sparsekv's KV HBM / eager's, 32K, batch 1) and ``hf_dsv32_tokens_per_s_ratio_32k``
+(sparsekv's tokens/s / eager's, 32K, batch 1), from a real prefill.
 
 ``--device cpu --dims tiny`` runs the same on the CPU through a cpu daemon (zmq): a smoke
 test of the bench itself, not a figure.
@@ -37,7 +58,8 @@ import time
 
 try:
     import torch
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, LogitsProcessor, LogitsProcessorList
+    from transformers import (DeepseekV32Config, DeepseekV32ForCausalLM, DynamicCache, LogitsProcessor,
+                              LogitsProcessorList)
 except ImportError:  # one line, not a traceback
     sys.exit("sparsekv.bench.hf_long needs torch and transformers: pip install 'sparsekv[transformers]'")
 
@@ -56,6 +78,7 @@ TINY = dict(hidden_size=64, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16
             intermediate_size=64, vocab_size=128)
 BLOCK_SIZE = 64
 GIB = 1 << 30
+FILL_BYTES = 256 << 20  # pool rows per fill() call (every layer's): large writes
 
 
 def say(msg: str) -> None:
@@ -97,9 +120,12 @@ def chunk_for(context: int, batch: int, dims: dict, budget_bytes: int) -> int:
     return max(16, min(context, budget_bytes // per_token))
 
 
-def run_path(model, ids, new_tokens: int, chunk: int, kv_bytes, counts=None, **kw) -> dict:
+def run_path(model, ids, new_tokens: int, chunk, kv_bytes, counts=None, make_cache=None, filled=False) -> dict:
     """One generation; ``kv_bytes(result)``: the KV bytes held at its end; ``counts()``:
-    the daemon's (hits, misses) so far; ``kw``: more arguments of ``generate``."""
+    the daemon's (hits, misses) so far; ``make_cache()``: the ``past_key_values`` to
+    start from (None: generate makes its own); ``filled``: it holds all of ``ids`` but the
+    last token (a synthetic prefill, timed as ``fill_s``), so every forward is a decode
+    step. ``chunk``: ``prefill_chunk_size`` (None: no chunked prefill)."""
     dev = ids.device
     clock = StepClock(dev)
     if dev.type == "cuda":
@@ -108,6 +134,12 @@ def run_path(model, ids, new_tokens: int, chunk: int, kv_bytes, counts=None, **k
     before = counts() if counts else None
     out = {}
     try:
+        t0 = time.perf_counter()
+        kw = {} if make_cache is None else {"past_key_values": make_cache()}
+        if filled:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            out["fill_s"] = round(time.perf_counter() - t0, 2)
         with torch.no_grad():
             res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                                  prefill_chunk_size=chunk, logits_processor=LogitsProcessorList([clock]),
@@ -124,10 +156,67 @@ def run_path(model, ids, new_tokens: int, chunk: int, kv_bytes, counts=None, **k
         out["peak_hbm_bytes"] = int(torch.cuda.max_memory_allocated(dev))
     if counts and "oom" not in out:
         after = counts()
-        steps = max(1, new_tokens - 1)  # the prefill reads nothing from the pool
+        steps = new_tokens if filled else max(1, new_tokens - 1)  # a real prefill reads nothing from the pool
         out["hits_per_step"] = round((after[0] - before[0]) / steps, 1)
         out["misses_per_step"] = round((after[1] - before[1]) / steps, 1)
     return out
+
+
+def content(model, layer: int, batch: int, start: int, stop: int, seed: int):
+    """The synthetic prefill of positions ``start .. stop - 1`` of ``layer``, the same on
+    every call: the pool rows [batch, n, kv_lora_rank + rope] (a random latent through the
+    layer's own ``kv_a_layernorm``, then a random rope key) and the indexer keys [batch,
+    n, index_dim] (random, through the indexer's own ``k_norm``)."""
+    cfg, attn, dev = model.config, model.model.layers[layer].self_attn, model.device
+    g = torch.Generator(dev).manual_seed(((seed * 256 + layer) << 32) + start)
+    raw = torch.randn(batch, stop - start, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g, device=dev,
+                      dtype=model.dtype)
+    latent = attn.kv_a_layernorm.forward(raw[..., :cfg.kv_lora_rank])  # forward(): not sparsekv's hook
+    keys = torch.randn(batch, stop - start, cfg.index_head_dim, generator=g, device=dev, dtype=model.dtype)
+    return torch.cat([latent, raw[..., cfg.kv_lora_rank:]], dim=-1), attn.indexer.k_norm(keys)
+
+
+def fill_spans(context: int, batch: int, geo: Geometry) -> list[tuple[int, int]]:
+    """The position spans both paths fill in (the same, so that ``content`` matches)."""
+    step = max(1, FILL_BYTES // (geo.num_layers * batch * geo.row_bytes))
+    return [(s, min(context, s + step)) for s in range(0, context, step)]
+
+
+def fill_sparsekv(model, cache, spans, seed: int):
+    """sparsekv's cache filled with the synthetic prefill: every layer's rows of a span in
+    one ``fill`` (through the write path into the pool), the indexer keys on the device."""
+    layers = model.config.num_hidden_layers
+    for start, stop in spans:
+        parts = [content(model, layer, cache.batch, start, stop, seed) for layer in range(layers)]
+        cache.fill(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        del parts
+    return cache
+
+
+def fill_eager(model, batch: int, spans, seed: int) -> DynamicCache:
+    """transformers' DynamicCache filled with the same synthetic prefill, in its format:
+    per layer the per-head keys and values the eager path caches (each span's latents
+    and rope keys through the attention module's own ``expand_kv``, its ``kv_b_proj``)
+    and the indexer keys (``Cache.update_indexer``)."""
+    cfg = model.config
+    cache = DynamicCache(config=cfg)
+    context = spans[-1][1]
+    heads, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    for layer_idx, layer in enumerate(cache.layers):
+        attn = model.model.layers[layer_idx].self_attn
+        keys = torch.empty(batch, heads, context, nope + rope, device=model.device, dtype=model.dtype)
+        values = torch.empty(batch, heads, context, cfg.v_head_dim, device=model.device, dtype=model.dtype)
+        index_keys = torch.empty(batch, context, cfg.index_head_dim, device=model.device, dtype=model.dtype)
+        for start, stop in spans:
+            rows, index_keys[:, start:stop] = content(model, layer_idx, batch, start, stop, seed)
+            k, v = attn.expand_kv(rows[:, None, :, :cfg.kv_lora_rank], rows[:, None, :, cfg.kv_lora_rank:])
+            keys[:, :, start:stop], values[:, :, start:stop] = k, v
+            del rows, k, v
+        layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
+        layer.keys, layer.values = keys, values  # its update() would concatenate: a second copy of the layer
+        cache.update_indexer(index_keys, layer_idx)
+        del keys, values, index_keys
+    return cache
 
 
 def divergence(tokens, ref_tokens, scores, ref_scores) -> tuple[list[dict], float]:
@@ -172,7 +261,7 @@ def run(a) -> dict:
     dims = TINY if a.dims == "tiny" else REAL
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     contexts, batches = a.contexts, a.batches
-    max_len = max(contexts) + a.new_tokens
+    max_len = max(contexts) + a.new_tokens + (a.prefill == "synthetic")
     model = build_model(dims, a.layers, max_len, dev, dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     say(f"model: {a.layers} layers, {weights / GIB:.1f} GiB of weights on {dev}")
@@ -182,7 +271,7 @@ def run(a) -> dict:
     layout = geo.layout(max(batches), host_rows)
     rows: list[dict] = []
     summary: dict = {"bench": "hf_dsv32", "device": str(dev), "layers": a.layers, "dims": a.dims,
-                     "new_tokens": a.new_tokens, "weights_bytes": weights, "configs": rows}
+                     "prefill": a.prefill, "new_tokens": a.new_tokens, "weights_bytes": weights, "configs": rows}
     cuda = dev.type == "cuda"
     extra = ["--device-arena-size", f"{-(-(2 * layout.slab_bytes + GIB) // GIB)}GiB", "--devices",
              str(dev.index or 0)] if cuda else []
@@ -199,10 +288,14 @@ def run(a) -> dict:
 
         for context in contexts:
             for batch in batches:
-                ids = torch.randint(0, dims["vocab_size"], (batch, context), device=dev,
+                synthetic = a.prefill == "synthetic"  # the caches hold `context` positions; one more token
+                ids = torch.randint(0, dims["vocab_size"], (batch, context + synthetic), device=dev,
                                     generator=torch.Generator(dev).manual_seed(context + batch))
-                chunk = chunk_for(context, batch, dims, int(a.chunk_gib * GIB))
-                row = {"context": context, "batch": batch, "prefill_chunk": chunk}
+                seed = context + batch
+                spans = fill_spans(context, batch, geo) if synthetic else None
+                chunk = None if synthetic else chunk_for(context, batch, dims, int(a.chunk_gib * GIB))
+                row = {"context": context, "batch": batch}
+                row.update({"fill_spans": len(spans)} if synthetic else {"prefill_chunk": chunk})
                 say(f"context {context} batch {batch}: sparsekv ...")
                 transport = "doorbell" if cuda else "zmq"
                 if c.attachment is None:
@@ -214,7 +307,8 @@ def run(a) -> dict:
                 try:
                     row["sparsekv"] = run_path(model, ids, a.new_tokens, chunk,
                                                lambda res: cache.kv_bytes() + layout.slab_bytes, counts,
-                                               past_key_values=cache)
+                                               lambda: fill_sparsekv(model, cache, spans, seed) if synthetic
+                                               else cache, filled=synthetic)
                 finally:
                     cache.release()
                     hf.disable(model)
@@ -229,7 +323,9 @@ def run(a) -> dict:
                     row["eager"] = {"oom": "predicted", "kv_hbm_bytes_needed": need, "hbm_free_bytes": int(free)}
                 else:
                     say(f"context {context} batch {batch}: eager (DynamicCache) ...")
-                    row["eager"] = run_path(model, ids, a.new_tokens, chunk, eager_kv_bytes)
+                    row["eager"] = run_path(model, ids, a.new_tokens, chunk, eager_kv_bytes,
+                                            make_cache=(lambda: fill_eager(model, batch, spans, seed)) if synthetic
+                                            else None, filled=synthetic)
                 s, e = row["sparsekv"], row["eager"]
                 if "tokens" in s and "tokens" in e:
                     row["diverged"], row["max_logit_diff"] = divergence(s["tokens"], e["tokens"], s["scores"],
@@ -243,7 +339,7 @@ def run(a) -> dict:
                     row["tokens_per_s_ratio"] = round(s["tokens_per_s"] / e["tokens_per_s"], 3)
                 say(json.dumps(row))
                 rows.append(row)
-                if context == 32768 and batch == 1 and "kv_hbm_ratio" in row:
+                if context == 32768 and batch == 1 and "kv_hbm_ratio" in row and a.prefill == "real":
                     summary["hf_dsv32_kv_hbm_ratio_32k"] = row["kv_hbm_ratio"]
                     summary["hf_dsv32_tokens_per_s_ratio_32k"] = row["tokens_per_s_ratio"]
                 if a.json_path:  # after each config: a run cut short keeps what it measured
@@ -272,6 +368,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-gib", type=float, default=12.0,
                    help="prefill chunks sized so that eager attention's and the indexer's score tensors "
                         "take about this (GiB)")
+    p.add_argument("--prefill", choices=["real", "synthetic"], default="real",
+                   help="real: both paths prefill the prompt (chunked); synthetic: both caches are filled with the "
+                        "same random rows, no prefill compute (see the docstring)")
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a smoke test (with --dims tiny)")
     p.add_argument("--dims", choices=["real", "tiny"], default="real")
     p.add_argument("--json", dest="json_path", help="write the figures here (JSON), after each config")

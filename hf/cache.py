@@ -100,6 +100,7 @@ class SparseKVCache(Cache):
         self._prompt: list[torch.Tensor | None] = [None] * geo.num_layers  # [batch, prompt_length, row_dim]
         self._new: list[torch.Tensor | None] = [None] * geo.num_layers  # this forward's rows [batch, n, row_dim]
         self._decode_steps = 0
+        self._filled = False  # positions came through fill(), not a prefill forward
         self.released = False
 
     # -- what transformers calls ---------------------------------------------------------
@@ -116,6 +117,9 @@ class SparseKVCache(Cache):
         if b != self.batch:
             raise UnsupportedGeneration(f"the cache holds {self.batch} sequences, the forward has {b}")
         past = layer.length
+        if self._filled and past < self.prompt_length:
+            raise UnsupportedGeneration(f"the cache was filled to {past} of the prompt's {self.prompt_length} "
+                                        "positions: fill() the whole prompt, then generate")
         if past < self.prompt_length and past + n > self.prompt_length:
             raise UnsupportedGeneration(f"a forward of {n} positions at {past} crosses the prompt's end "
                                         f"({self.prompt_length})")
@@ -141,6 +145,35 @@ class SparseKVCache(Cache):
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         return self.layers[layer_idx].update_indexer(indexer_key_states)
+
+    def fill(self, rows: torch.Tensor, index_keys: torch.Tensor) -> None:
+        """Positions made elsewhere, appended to every sequence without a forward: every
+        layer's rows ``[layers, batch, n, row_dim]`` (the latent after ``kv_a_layernorm``,
+        then the rotated rope key) into the pool through the write path, and the indexer
+        keys ``[layers, batch, n, index_dim]`` kept on the device, as a prefill of those
+        positions leaves them. Call it until the prompt is filled; the generation then
+        starts at the prompt's end (its forwards are decode steps)."""
+        geo = self.runtime.geometry
+        if self.released:
+            raise UnsupportedGeneration("this SparseKVCache was released; a generation makes a new one")
+        want = (geo.num_layers, self.batch)
+        if tuple(rows.shape[:2]) != want or rows.shape[-1] != geo.row_dim or rows.ndim != 4:
+            raise UnsupportedGeneration(f"rows must be [layers {want[0]}, batch {want[1]}, n, row_dim {geo.row_dim}], "
+                                        f"got {list(rows.shape)}")
+        if index_keys.ndim != 4 or tuple(index_keys.shape[:3]) != tuple(rows.shape[:3]):
+            raise UnsupportedGeneration(f"index_keys must be [layers, batch, n, index_dim] with rows' first three "
+                                        f"dims {list(rows.shape[:3])}, got {list(index_keys.shape)}")
+        past, n = self.layers[0].length, rows.shape[2]
+        if self._decode_steps or self._prompt[0] is not None or past + n > self.prompt_length:
+            raise UnsupportedGeneration(f"fill() appends prompt positions before any forward: {n} at {past} pass the "
+                                        f"prompt's {self.prompt_length}, or a forward has run")
+        self._new = list(rows.to(geo.dtype).unbind(0))
+        for layer, keys in zip(self.layers, index_keys.unbind(0)):
+            layer.update_indexer(keys)
+            layer.length = past + n
+        self._write(past, n)
+        self._new = [None] * geo.num_layers
+        self._filled = True
 
     # -- what the attention calls --------------------------------------------------------
     def in_prefill(self, layer_idx: int) -> bool:

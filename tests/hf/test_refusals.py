@@ -1,6 +1,6 @@
 """What the integration does not do is refused with a typed error naming it, before a
 row is allocated: other models, beam search, other caches, several sequences per prompt,
-a batch or a length the pool cannot hold."""
+a batch or a length the pool cannot hold, a fill past the prompt or short of it."""
 
 import pytest
 
@@ -61,3 +61,19 @@ def test_only_dsa_models_and_fitting_layouts_are_taken():
         with pytest.raises(hf.UnsupportedModel, match="transport='doorbell' is the device handle"):
             hf.enable(model, c, transport="doorbell")
     assert getattr(model, "sparsekv", None) is None
+
+
+def test_a_fill_must_cover_the_prompt_and_nothing_more(enabled):
+    model, rt = enabled
+    geo = rt.geometry
+    cache = hf.SparseKVCache(rt, 2, 10, 14)
+    rows, keys = torch.randn(geo.num_layers, 2, 6, geo.row_dim), torch.randn(geo.num_layers, 2, 6, 32)
+    with pytest.raises(hf.UnsupportedGeneration, match=r"rows must be \[layers 2, batch 2, n, row_dim 48\]"):
+        cache.fill(rows[:, :1], keys[:, :1])
+    cache.fill(rows, keys)
+    with pytest.raises(hf.UnsupportedGeneration, match="6 at 6 pass the prompt's 10"):
+        cache.fill(rows, keys)
+    ids = torch.ones(2, 11, dtype=torch.long)
+    with pytest.raises(hf.UnsupportedGeneration, match="filled to 6 of the prompt's 10 positions"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=2)
+    cache.release()
