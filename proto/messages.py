@@ -42,6 +42,7 @@ class MsgType(enum.IntEnum):
     BLOCK_RELEASE = 15  # blocks [n] -> ack (pins dropped, private blocks freed)
     BLOCK_WRITE_KEYS = 16  # blocks [n], keys uint8 [n, layers, block_size, index_bytes] -> bytes (own private blocks)
     BLOCK_READ_KEYS = 17  # blocks [n] -> keys uint8 [n, layers, block_size, index_bytes] (pinned or own blocks)
+    BLOCK_LOAD_KEYS = 18  # blocks [n], dst (+ fence) -> bytes, copies (+ event: cuda): keys into the engine's buffer
 
 
 class ErrorCode(enum.IntEnum):
@@ -140,6 +141,7 @@ REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
     MsgType.BLOCK_RELEASE: (frozenset(), frozenset({"blocks"})),
     MsgType.BLOCK_WRITE_KEYS: (frozenset(), frozenset({"blocks", "keys"})),
     MsgType.BLOCK_READ_KEYS: (frozenset(), frozenset({"blocks"})),
+    MsgType.BLOCK_LOAD_KEYS: (frozenset({"dst"}), frozenset({"blocks"})),
 }
 
 
