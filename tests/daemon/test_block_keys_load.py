@@ -189,11 +189,15 @@ def _deposit(daemon, buf: EngineSlab) -> str:
 
 
 @pytest.mark.cuda
-def test_cuda_keys_load_into_the_engines_gpu_memory_ordered_by_events():
+@pytest.mark.parametrize("pin_at_start", ["1", "0"], ids=["pool_pinned_at_start", "range_pinned_at_attach"])
+def test_cuda_keys_load_into_the_engines_gpu_memory_ordered_by_events(pin_at_start):
     """The cuda backend: two engine processes on cuda:0 (fences); the second, after the
     first was killed, loads the committed keys into a tensor of its GPU and reads them on
-    its stream right after the call (the event orders it): every byte equal."""
-    with PrivateDaemon(pool_bytes=8 << 20, backend="cuda", extra_args=["--device-arena-size", "2GiB"]) as d:
+    its stream right after the call (the event orders it): every byte equal, whether the
+    whole pool was page-locked at start or only the engine's range (rows and keys plane)
+    at its attach."""
+    with PrivateDaemon(pool_bytes=8 << 20, backend="cuda", env=dict(os.environ, SPARSEKV_PIN_POOL_AT_START=pin_at_start),
+                       extra_args=["--device-arena-size", "2GiB"]) as d:
         prompt = tokens(3, 6)
         a = Engine(d.run_dir, device="cuda:0", index_bytes=INDEX_BYTES)
         table = a("prefill", tokens=prompt)["table"]

@@ -64,6 +64,25 @@ def test_close_unregisters_every_chunk_exactly_once():
         r.device_address(0)
 
 
+def test_host_spans_cut_a_span_where_a_registered_chunk_ends():
+    rt = FakeRuntime()
+    base = 0x7F0000000000
+    r = PinnedRegion(base, 5 * GiB, 656, 2 * GiB, runtime=rt, page_bytes=PAGE)
+    cut = r.chunks[1].offset  # the first chunk's end
+    assert r.host_spans(100, 1000) == [(base + 100, 1000)]  # inside one chunk: one span
+    assert r.host_spans(cut - 10, 30) == [(base + cut - 10, 10), (base + cut, 20)]
+    assert sum(n for _, n in r.host_spans(0, 5 * GiB)) == 5 * GiB and len(r.host_spans(0, 5 * GiB)) == 3
+    with pytest.raises(ValueError, match="outside"):
+        r.host_spans(5 * GiB - 10, 11)
+    v = PinnedView(r, cut - PAGE, 2 * PAGE)  # a view's offsets are its own
+    assert v.host_spans(PAGE - 1, 2) == [(base + cut - 1, 1), (base + cut, 1)]
+    with pytest.raises(ValueError, match="outside the view"):
+        v.host_spans(0, 2 * PAGE + 1)
+    r.close()
+    with pytest.raises(PinError, match="closed"):
+        v.host_spans(0, 1)
+
+
 def test_failed_registration_rolls_back_the_chunks_already_registered():
     rt = FakeRuntime(fail_at=2)
     with pytest.raises(PinError, match="failed at chunk 3 of 3"):  # the third registration
