@@ -110,6 +110,7 @@ class Client(Connection):
         self.info: dict = {}
         self.attachment: Attachment | None = None
         self.blocks: Blocks | None = None  # the attached engine's block store (attach's block_size)
+        self._keys_loader: KeysLoader | None = None  # its BLOCK_LOAD_KEYS (client/keys_load.py)
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
         self._ctx = self._sock = None
         what = "io_cpus"
@@ -258,9 +259,9 @@ class Client(Connection):
         reply, _ = self._call(MsgType.ATTACH, fields)
         self.blocks = None
         if block_size:
-            loader = KeysLoader(self)
-            self._handles.append(loader)  # its imported event closed at detach
-            self.blocks = Blocks(self._call, engine, int(block_size), layout.num_layers, int(index_bytes), loader)
+            self._keys_loader = KeysLoader(self)
+            self.blocks = Blocks(self._call, engine, int(block_size), layout.num_layers, int(index_bytes),
+                                 self._keys_loader)
         h = reply["handles"]
         if h.get("kind") not in ("cuda_ipc", "shm"):
             raise SparseKVError(f"unknown slab kind {h.get('kind')!r} from the daemon; upgrade the client")
@@ -369,6 +370,9 @@ class Client(Connection):
     def _close_attachment(self, wait_s: float | None = None) -> None:
         att, self.attachment = self.attachment, None
         self.blocks = None
+        if self._keys_loader is not None:  # (the rank is detached: the daemon mapped none of its buffers)
+            self._keys_loader.close()
+            self._keys_loader = None
         self._block_requests.clear()  # (entries and fence events of this attachment)
         self._fence_requests.clear()
         att.close(wait_s=wait_s)

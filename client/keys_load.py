@@ -6,7 +6,9 @@ returns them), with no copy through the socket.
 cuda rank: ``dst`` is a contiguous torch tensor on the rank's GPU, memory of ``cudaMalloc``
 (torch's default allocator, not ``expandable_segments``), exported through CUDA IPC with
 each call. The daemon imports an allocation once and keeps it while the rank is attached
-(at most ``MAX_KEYS_TARGETS`` = 8 of them a rank): load into buffers the engine keeps.
+(at most ``LIMITS.max_keys_targets``, 8, a rank: load into buffers the engine keeps), and
+this client keeps a reference to the last tensor loaded into each, so that torch frees
+none of them meanwhile (the daemon must close its mapping first).
 The copies (one ``cudaMemcpyAsync`` a run of consecutive blocks, on the daemon's copy
 stream) start after the work queued so far on the current stream (a fence event: attach
 with ``fence=True``), and the current stream waits on the daemon's event behind them
@@ -24,7 +26,7 @@ import os
 
 import numpy as np
 
-from sparsekv.proto import ErrorCode, MsgType, ProtocolError
+from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError
 from sparsekv.proto import fd_socket
 from sparsekv.proto.cuda_ipc import ImportedEvents, export_buffer
 
@@ -34,11 +36,13 @@ from .errors import BadRequest, DaemonUnavailable, error_for
 
 class KeysLoader:
     """A client's BLOCK_LOAD_KEYS: its checks, its ``dst`` field, the wait on the daemon's
-    event (imported once a handle). ``close`` at detach."""
+    event (imported once a handle). ``close`` once the rank is detached (the daemon has
+    closed its mappings of the tensors kept here)."""
 
     def __init__(self, client):
         self._client = client
         self._events: dict[bytes, ImportedEvents] = {}
+        self._targets: dict[bytes, object] = {}  # IPC handle -> the last tensor loaded into its allocation
 
     def __call__(self, blocks: np.ndarray, need: int, dst) -> dict:
         """Load the keys of ``blocks`` (``need`` bytes) into ``dst``; returns the reply
@@ -65,6 +69,11 @@ class KeysLoader:
             ex = export_buffer(dst.data_ptr(), nbytes, att.device)
         except (ValueError, RuntimeError) as e:  # not cudaMalloc memory (expandable_segments), ...
             raise BadRequest(f"cannot export dst through CUDA IPC: {e}", ErrorCode.BAD_ARGUMENT) from None
+        if ex["ipc_handle"] not in self._targets and len(self._targets) >= LIMITS.max_keys_targets:
+            raise BadRequest(f"this rank has loaded keys into {LIMITS.max_keys_targets} GPU allocations already "
+                             "(each stays mapped by the daemon while attached): load into buffers you keep",
+                             ErrorCode.BAD_ARGUMENT)
+        self._targets[ex["ipc_handle"]] = dst  # the daemon may map its allocation from now on
         c._await_fence_free(att)
         fence = att.record_fence()  # the copies start after the work queued so far
         reply, _ = c._call(MsgType.BLOCK_LOAD_KEYS, {"dst": {"ipc_handle": ex["ipc_handle"], "offset": ex["ipc_offset"],
@@ -93,6 +102,7 @@ class KeysLoader:
                        {"blocks": blocks})[0]
 
     def close(self) -> None:
+        self._targets = {}
         events, self._events = self._events, {}
         for e in events.values():
             e.close()

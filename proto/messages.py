@@ -113,6 +113,9 @@ class Limits:
     # Indexer keys in one BLOCK_WRITE_KEYS or BLOCK_READ_KEYS (one array frame): 65 blocks of
     # 64 positions of DeepSeek-V3.2 (61 layers, 132 bytes); ``Blocks.read_keys`` splits reads.
     max_keys_bytes: int = 32 << 20
+    # GPU allocations one cuda rank may have had BLOCK_LOAD_KEYS copy into: each stays
+    # imported by the daemon (and referenced by the client) while the rank is attached.
+    max_keys_targets: int = 8
 
 
 LIMITS = Limits()

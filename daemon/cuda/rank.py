@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from sparsekv.proto import LIMITS
 from sparsekv.proto.cuda_ipc import EventRing, ImportedBuffer
 from sparsekv.proto.device_errors import ErrorRecord
 
@@ -35,10 +36,6 @@ from .step import DeviceStep
 from .transport import DeviceTransport, MessageTransport, ZmqTransport
 
 log = logging.getLogger("sparsekv.cuda")
-
-# Engine buffers one rank may have imported for BLOCK_LOAD_KEYS (each an allocation of the
-# engine's, kept open until the rank goes: load into buffers the engine keeps).
-MAX_KEYS_TARGETS = 8
 
 class CudaRankState(RankState):
     """A rank on one GPU. Same contract as the cpu rank; the work is enqueued, not waited.
@@ -256,9 +253,10 @@ class CudaRankState(RankState):
         target = self._keys_targets.get(handle)
         if target is not None:
             return target
-        if len(self._keys_targets) >= MAX_KEYS_TARGETS:
-            raise ResidencyError("BAD_ARGUMENT", f"this rank has loaded keys into {MAX_KEYS_TARGETS} allocations "
-                                 "already (each stays imported while it is attached): load into buffers you keep")
+        if len(self._keys_targets) >= LIMITS.max_keys_targets:
+            raise ResidencyError("BAD_ARGUMENT", f"this rank has loaded keys into {LIMITS.max_keys_targets} "
+                                 "allocations already (each stays imported while it is attached): load into "
+                                 "buffers you keep")
         try:
             target = ImportedBuffer(handle, 0, 1, self.worker.ordinal)
         except (ValueError, RuntimeError) as e:  # garbage, another GPU's, an exited exporter's, this process's own
