@@ -126,8 +126,10 @@ class BlockRequests:
             else:
                 mm = map_engine_memory(fd, dst["offset"] + dst["bytes"], "keys buffer", "the load names")
                 copy = functools.partial(space.copy_keys_to, ids, np.frombuffer(mm, np.uint8)[dst["offset"]:])
-                nbytes = ids.size * space.keys_plane.block_bytes
-                _ = (yield Slow(copy, engine=s.engine)) if nbytes >= self.heavy_bytes else copy()
+                if ids.size * space.keys_plane.block_bytes >= self.heavy_bytes:
+                    yield Slow(copy, engine=s.engine)
+                else:
+                    copy()
                 fields = {}
         finally:
             if fd >= 0:
