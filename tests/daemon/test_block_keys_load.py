@@ -18,7 +18,7 @@ from sparsekv.client import BadRequest, Client, NotAttached
 from sparsekv.client.engine_slab import EngineSlab
 from sparsekv.daemon.engine import EngineSpace
 from sparsekv.embedded.inproc import InprocClient
-from sparsekv.proto import ErrorCode, MsgType
+from sparsekv.proto import MsgType
 from sparsekv.proto import fd_socket
 
 KEYS = (LAY.num_layers, BS, INDEX_BYTES)  # one block's keys
