@@ -309,6 +309,21 @@ class EngineSpace:
         starts, ends = np.r_[0, cut], np.r_[cut, ids.size]
         return [(int(ids[a]), int(a), int(b - a)) for a, b in zip(starts, ends) if b > a]
 
+    def keys_copies(self, ids: np.ndarray, pinned, dst: int) -> list[tuple[int, int, int]]:
+        """``(destination, host address, bytes)`` of each copy that loads the indexer keys of
+        blocks ``ids`` (checked) to device address ``dst`` (block ``i`` of ``ids`` at ``dst + i
+        * block_bytes``): one a run of consecutive ids, cut only where a page-locked chunk of
+        ``pinned`` (the engine's registered range, ``PinnedRegion`` or ``PinnedView``) ends."""
+        plane = self.keys_plane
+        bb = plane.block_bytes
+        copies = []
+        for first, i, n in self.keys_runs(ids):
+            to = dst + i * bb
+            for src, k in pinned.host_spans(plane.offset + first * bb, n * bb):
+                copies.append((to, src, k))
+                to += k
+        return copies
+
     def copy_keys_to(self, ids: np.ndarray, out: np.ndarray) -> int:
         """Copy the indexer keys of blocks ``ids`` (checked) into ``out`` (uint8, block ``i``
         of ``ids`` at ``i * block_bytes``), one copy a run; returns the bytes."""

@@ -229,14 +229,7 @@ class CudaRankState(RankState):
         if off + nbytes > target.alloc_bytes:
             raise ResidencyError("BAD_ARGUMENT", f"dst [{off}, {off + nbytes}) passes the end of its allocation "
                                  f"({target.alloc_bytes} bytes)")
-        plane = space.keys_plane
-        bb = plane.block_bytes
-        copies = []
-        for first, i, n in space.keys_runs(ids):
-            to = target.ptr + off + i * bb
-            for src, k in self.pinned.host_spans(plane.offset + first * bb, n * bb):
-                copies.append((to, src, k))
-                to += k
+        copies = space.keys_copies(ids, self.pinned, target.ptr + off)
         stream = self.worker.stream
         with cp.cuda.Device(self.worker.ordinal):
             if self._keys_event is None:
