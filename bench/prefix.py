@@ -29,6 +29,7 @@ The comparison with recomputing the prefix (its prefill on the GPU) is not measu
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -94,7 +95,7 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
            "prefix_lookup_us_p99": round(float(np.percentile(lookup_us, 99)), 1),
            "release_us_p50": round(float(np.median(release_us)), 1),
            "restart_s_median": round(float(np.median(restart_s)), 3)}
-    if cuda_unavailable() is None:
+    if cuda_unavailable() is None and importlib.util.find_spec("torch") is not None:
         out.update(bench_index_load(blocks, block_size))
     return out
 
