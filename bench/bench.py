@@ -5,7 +5,8 @@
 * ``transport``, ``cuda_transport``: a decode step through a daemon against the same step
   in process (bench/transport.py).
 * ``prefix``: the block store's lookup of a cached 128K-token prefix through a daemon, and
-  a restarted engine's time to it (bench/prefix.py; cpu, not in the default set).
+  a restarted engine's time to it; on a GPU also its indexer keys loaded into engine
+  memory against a bulk H2D copy (bench/prefix.py; not in the default set).
 * alone, with options of their own: ``decode`` (a whole decode step offloaded against
   on the GPU, bench/decode.py), ``serve`` (decode throughput of a DeepSeek-V3.2-shaped
   model at long context, offloaded against all on the GPU, bench/serve.py), ``kernels`` (gather, resolve and pool start against the
@@ -139,7 +140,8 @@ def add_arguments(p) -> None:
     """The options of ``sparsekv bench`` (decode's, kernels' and latest's in groups)."""
     p.add_argument("which", nargs="*", metavar="NAME",
                    help="resolve, gather, transport (cpu; the default set), prefix (cpu: the block store's lookup of "
-                        "a cached 128K-token prefix, and a restarted engine's time to it), cuda_transport (needs a "
+                        "a cached 128K-token prefix, and a restarted engine's time to it; on a GPU also its indexer "
+                        "keys loaded into engine memory against a bulk H2D copy), cuda_transport (needs a "
                         "GPU), or alone: "
                         "decode (a whole decode step, offloaded against on the GPU), serve (decode throughput of a "
                         "DeepSeek-V3.2-shaped model, offloaded against on the GPU), kernels (gather, resolve "

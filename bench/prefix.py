@@ -8,11 +8,28 @@ lookup runs on).
   (import, connect, attach to the kept engine, hashes, lookup): what a restarted engine
   waits before it serves the prefix without prefilling it.
 
+When a GPU is there (CuPy sees one, torch is installed), also the load of the cached
+prefix's indexer keys into the engine's GPU memory (``Client.blocks.load_keys``: the
+daemon's copy stream, after the engine's fence, an event back), DeepSeek-V3.2's shape:
+2,048 blocks of 64 positions, 61 layers, 132 bytes a position and layer (1.06 GB), against
+a bulk pinned host-to-device copy of the same bytes in the same run:
+
+* ``prefix_index_load_vs_bulk``: load GB/s over bulk GB/s (medians; the goal: >= 0.8),
+  with ``prefix_index_load_GBps`` and ``bulk_h2d_GBps``; the load timed on the engine's
+  stream from before its fence to after its wait on the daemon's event (the request's
+  round trip included), every byte checked once;
+* what it costs the engine: ``load_call_us_p50`` (its thread in ``load_keys``: export,
+  request, reply; it never waits for the copies) and ``load_stream_ms_p50`` (its stream
+  waiting for the keys, when it has nothing else to run);
+* ``prefix_index_load_vs_bulk_scattered``: the same with the blocks in a random order
+  (one copy a block, 515 KB each, instead of one for the prefix).
+
 The comparison with recomputing the prefix (its prefill on the GPU) is not measured here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -21,7 +38,9 @@ import time
 import numpy as np
 
 from sparsekv.client import Client
-from sparsekv.proto import Layout
+from sparsekv.daemon.backends import cuda_unavailable
+from sparsekv.proto import LIMITS, Layout
+from sparsekv.proto.blocks import KeysPlane
 
 from .private_daemon import PrivateDaemon
 
@@ -31,7 +50,9 @@ _RESTART = r"""
 import json, sys, time
 import numpy as np
 from sparsekv.client import Client
-from sparsekv.proto import Layout
+from sparsekv.daemon.backends import cuda_unavailable
+from sparsekv.proto import LIMITS, Layout
+from sparsekv.proto.blocks import KeysPlane
 run_dir, lay, block_size, n_tokens, t0 = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 with Client(run_dir, name="bench-restart") as c:
     c.attach(Layout.from_wire(lay), engine="bench-prefix", block_size=block_size)
@@ -69,8 +90,84 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
             r = json.loads(out.stdout)
             assert r["hit"] == blocks, r
             restart_s.append(r["s"])
-    return {"bench": "prefix", "blocks": blocks, "block_size": block_size, "reps": reps,
-            "prefix_lookup_us_p50": round(float(np.median(lookup_us)), 1),
-            "prefix_lookup_us_p99": round(float(np.percentile(lookup_us, 99)), 1),
-            "release_us_p50": round(float(np.median(release_us)), 1),
-            "restart_s_median": round(float(np.median(restart_s)), 3)}
+    out = {"bench": "prefix", "blocks": blocks, "block_size": block_size, "reps": reps,
+           "prefix_lookup_us_p50": round(float(np.median(lookup_us)), 1),
+           "prefix_lookup_us_p99": round(float(np.percentile(lookup_us, 99)), 1),
+           "release_us_p50": round(float(np.median(release_us)), 1),
+           "restart_s_median": round(float(np.median(restart_s)), 3)}
+    if cuda_unavailable() is None and importlib.util.find_spec("torch") is not None:
+        out.update(bench_index_load(blocks, block_size))
+    return out
+
+
+def bench_index_load(blocks: int = 2048, block_size: int = 64, layers: int = 61, index_bytes: int = 132,
+                     reps: int = 10) -> dict:
+    """The GPU part (module docstring): a cuda daemon of its own, one engine rank on cuda:0."""
+    import torch  # noqa: PLC0415  (GPU hosts only)
+
+    lay = Layout(num_layers=layers, row_bytes=16, top_k=64, region_stride=128, max_reqs=1,
+                 host_rows=blocks * block_size)
+    plane = KeysPlane.of(lay, block_size, index_bytes)
+    bb, nbytes = plane.block_bytes, blocks * plane.block_bytes
+    # Every block's keys distinct: a random block, XOR its id, its id in the first bytes.
+    keys = np.empty((blocks, bb), np.uint8)
+    keys[:] = np.random.default_rng(0).integers(0, 256, bb, dtype=np.uint8)
+    keys ^= (np.arange(blocks) % 251).astype(np.uint8)[:, None]
+    keys[:, :4] = np.arange(blocks, dtype="<i4").view(np.uint8).reshape(blocks, 4)
+    dev = torch.device("cuda", 0)
+    with PrivateDaemon(pool_bytes=plane.end + (64 << 20), backend="cuda",
+                       extra_args=["--device-arena-size", "1GiB"]) as d, \
+            Client(d.run_dir, name="bench-index-load", device="cuda:0") as c:
+        c.attach(lay, engine="bench-index", block_size=block_size, index_bytes=index_bytes, fence=True)
+        own = c.blocks.alloc(blocks)
+        step = LIMITS.max_keys_bytes // bb  # blocks a write_keys may carry
+        for i in range(0, blocks, step):
+            c.blocks.write_keys(own[i:i + step], keys[i:i + step].reshape(-1, layers, block_size, index_bytes))
+        hashes = c.blocks.hashes(np.arange(blocks * block_size))
+        c.blocks.commit(own, hashes)
+        c.blocks.release(own)  # cached, unpinned: then looked up as a hit is
+        hit = c.blocks.lookup(hashes)
+        assert hit.size == blocks, f"the cached prefix has {hit.size} of {blocks} blocks"
+        row = np.zeros(int(own.max()) + 1, np.int64)
+        row[own] = np.arange(blocks)  # block id -> its keys' row in ``keys``
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        c.blocks.load_keys(hit, dst)  # warm: the buffer imported, the event opened
+        torch.cuda.synchronize(dev)
+        got = dst.cpu().numpy().reshape(blocks, bb)
+        assert (got == keys[row[hit]]).all(), "the loaded keys differ from those written"
+        load_ms, call_us = _timed(lambda: c.blocks.load_keys(hit, dst), reps, dev, torch)
+        shuffled = np.random.default_rng(1).permutation(hit)
+        c.blocks.load_keys(shuffled, dst)
+        torch.cuda.synchronize(dev)
+        assert (dst.cpu().numpy().reshape(blocks, bb) == keys[row[shuffled]]).all(), "the scattered load differs"
+        scattered_ms, _ = _timed(lambda: c.blocks.load_keys(shuffled, dst), reps, dev, torch)
+        src = torch.from_numpy(keys.reshape(-1)).pin_memory()
+        bulk_ms, _ = _timed(lambda: dst.copy_(src, non_blocking=True), reps, dev, torch)
+        assert torch.equal(dst.view(blocks, bb)[:1].cpu(), src.view(blocks, bb)[:1])
+    gbps = {k: nbytes / (float(np.median(v)) * 1e-3) / 1e9 for k, v in
+            (("load", load_ms), ("scattered", scattered_ms), ("bulk", bulk_ms))}
+    return {"index_load_bytes": nbytes, "index_layers": layers, "index_bytes": index_bytes,
+            "prefix_index_load_GBps": round(gbps["load"], 2), "bulk_h2d_GBps": round(gbps["bulk"], 2),
+            "prefix_index_load_vs_bulk": round(gbps["load"] / gbps["bulk"], 3),
+            "prefix_index_load_scattered_GBps": round(gbps["scattered"], 2),
+            "prefix_index_load_vs_bulk_scattered": round(gbps["scattered"] / gbps["bulk"], 3),
+            "load_call_us_p50": round(float(np.median(call_us)), 1),
+            "load_stream_ms_p50": round(float(np.median(load_ms)), 3)}
+
+
+def _timed(enqueue, reps: int, dev, torch) -> tuple[list[float], list[float]]:
+    """``reps`` runs of ``enqueue`` on the current stream of ``dev``, each alone: the
+    stream's milliseconds from before it to after it (CUDA events), and the host's
+    microseconds in the call (``torch``: the module, imported by the caller)."""
+    stream_ms, call_us = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(dev)
+        start.record()
+        t0 = time.perf_counter()
+        enqueue()
+        call_us.append((time.perf_counter() - t0) * 1e6)
+        end.record()
+        end.synchronize()
+        stream_ms.append(start.elapsed_time(end))
+    return stream_ms, call_us

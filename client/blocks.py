@@ -18,7 +18,8 @@ A client that detaches or dies releases everything it held.
 With ``attach(..., index_bytes=m)`` each block has a second plane, DSA's indexer keys
 (``m`` bytes a position and layer): ``write_keys`` those of its own blocks before it
 commits them (they are committed with the block, read-only from then on), and
-``read_keys`` those of the blocks a lookup found instead of computing them again.
+``read_keys`` those of the blocks a lookup found instead of computing them again, or
+``load_keys`` them straight into the engine's (GPU) buffer by the daemon's copy stream.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ class Blocks:
     client's request function ``call(msg_type, fields, arrays) -> (fields, arrays)``;
     with ``index_bytes``, the indexer keys plane of its ``num_layers`` layers."""
 
-    def __init__(self, call: Callable, namespace: str, block_size: int, num_layers: int = 0, index_bytes: int = 0):
+    def __init__(self, call: Callable, namespace: str, block_size: int, num_layers: int = 0, index_bytes: int = 0,
+                 load: Callable | None = None):
         self._call = call
+        self._load = load  # BLOCK_LOAD_KEYS (client/keys_load.py); None: not through a daemon
         self.namespace = namespace
         self.block_size = block_size
         self.num_layers = num_layers
@@ -112,12 +115,30 @@ class Blocks:
             out[i:i + step] = self._call(MsgType.BLOCK_READ_KEYS, arrays={"blocks": blocks[i:i + step]})[1]["keys"]
         return out
 
-    def _per_request(self) -> int:
-        """Blocks whose indexer keys fit one request."""
+    def load_keys(self, blocks, dst) -> int:
+        """Have the daemon copy the indexer keys of ``blocks`` (each pinned by this client or
+        its own private one) into ``dst``, block ``i`` at byte ``i * block_bytes``: on a cuda
+        rank a contiguous torch tensor on its GPU (attach with ``fence=True``; the copies run
+        after the current stream's work so far, and the current stream waits for them), on a
+        cpu rank an ``EngineSlab.shared_memory`` buffer (client/keys_load.py). Returns the
+        bytes loaded."""
+        blocks = _blocks(blocks)
+        if self._load is None:
+            raise BadRequest("load_keys copies through a daemon's copy stream; in process, use read_keys",
+                             ErrorCode.BAD_ARGUMENT)
+        need = blocks.size * self._block_bytes()
+        return self._load(blocks, need, dst)["bytes"]
+
+    def _block_bytes(self) -> int:
+        """One block's indexer key bytes (BadRequest without a keys plane)."""
         if not self.index_bytes:
             raise BadRequest(f"engine {self.namespace!r} was attached without index_bytes: its blocks have no "
                              "indexer keys plane", ErrorCode.BAD_ARGUMENT)
-        return LIMITS.max_keys_bytes // (self.num_layers * self.block_size * self.index_bytes)
+        return self.num_layers * self.block_size * self.index_bytes
+
+    def _per_request(self) -> int:
+        """Blocks whose indexer keys fit one request."""
+        return LIMITS.max_keys_bytes // self._block_bytes()
 
 
 def _blocks(blocks) -> np.ndarray:

@@ -26,6 +26,7 @@ from .cuda_attach import CudaAttachment, bus_id_of, local_device
 from .device_wait import DeviceWaitWatch
 from .doorbell import DoorbellSwapIn
 from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError
+from .keys_load import KeysLoader
 from .rank_memory import fetch_fds, map_shared, offer_slab
 from .results import AttachmentCaps, TopkResult
 from .tensors import device_ids, on_gpu
@@ -109,6 +110,7 @@ class Client(Connection):
         self.info: dict = {}
         self.attachment: Attachment | None = None
         self.blocks: Blocks | None = None  # the attached engine's block store (attach's block_size)
+        self._keys_loader: KeysLoader | None = None  # its BLOCK_LOAD_KEYS (client/keys_load.py)
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
         self._ctx = self._sock = None
         what = "io_cpus"
@@ -224,7 +226,7 @@ class Client(Connection):
         DESIGN §9), kept while it caches blocks, for the next process that attaches;
         ``index_bytes`` (with ``block_size``): its blocks have a second plane of DSA's indexer
         keys, that many bytes a position and layer (``self.blocks.write_keys`` /
-        ``read_keys``); every rank of the engine names the same. ``prefetch``: after each index group's top-k, the daemon fetches its rows ahead into
+        ``read_keys`` / ``load_keys``); every rank of the engine names the same. ``prefetch``: after each index group's top-k, the daemon fetches its rows ahead into
         the next group's regions, off this rank's critical path (DESIGN §4; both backends,
         both transports; useful with ``region_stride`` above ``top_k``: the latest
         resolve's slots are kept)."""
@@ -255,8 +257,11 @@ class Client(Connection):
             fence_ring = EventRing(local_device(self.device), 16)
             fields["fence_events"] = fence_ring.handles
         reply, _ = self._call(MsgType.ATTACH, fields)
-        self.blocks = Blocks(self._call, engine, int(block_size), layout.num_layers, int(index_bytes)) \
-            if block_size else None
+        self.blocks = None
+        if block_size:
+            self._keys_loader = KeysLoader(self)
+            self.blocks = Blocks(self._call, engine, int(block_size), layout.num_layers, int(index_bytes),
+                                 self._keys_loader)
         h = reply["handles"]
         if h.get("kind") not in ("cuda_ipc", "shm"):
             raise SparseKVError(f"unknown slab kind {h.get('kind')!r} from the daemon; upgrade the client")
@@ -365,6 +370,9 @@ class Client(Connection):
     def _close_attachment(self, wait_s: float | None = None) -> None:
         att, self.attachment = self.attachment, None
         self.blocks = None
+        if self._keys_loader is not None:  # (the rank is detached: the daemon mapped none of its buffers)
+            self._keys_loader.close()
+            self._keys_loader = None
         self._block_requests.clear()  # (entries and fence events of this attachment)
         self._fence_requests.clear()
         att.close(wait_s=wait_s)

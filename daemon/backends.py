@@ -39,19 +39,24 @@ class _ShmSlab:
 def map_engine_slab(fd: int, geometry) -> mmap.mmap:
     """Map an engine-owned slab the client deposited: a memfd of at least ``buffer_bytes``,
     sealed against shrinking (SIGBUS). Raises ResidencyError naming what is wrong."""
+    return map_engine_memory(fd, geometry.buffer_bytes, "slab", "its geometry says buffer_bytes")
+
+
+def map_engine_memory(fd: int, nbytes: int, what: str = "buffer", need: str = "it needs") -> mmap.mmap:
+    """Map ``nbytes`` of a memfd an engine deposited (its slab, or the buffer a keys load
+    copies into), sealed against shrinking (SIGBUS). Raises ResidencyError naming what is wrong."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
-        raise ResidencyError("BAD_ARGUMENT", "the engine's slab must be a memfd (os.memfd_create with "
+        raise ResidencyError("BAD_ARGUMENT", f"the engine's {what} must be a memfd (os.memfd_create with "
                              "MFD_ALLOW_SEALING), sealed with F_SEAL_SHRINK") from None
     if not seals & fcntl.F_SEAL_SHRINK:
-        raise ResidencyError("BAD_ARGUMENT", "the engine's slab memfd must be sealed against shrinking "
+        raise ResidencyError("BAD_ARGUMENT", f"the engine's {what} memfd must be sealed against shrinking "
                              "(fcntl F_ADD_SEALS F_SEAL_SHRINK) before it is deposited")
     size = os.fstat(fd).st_size
-    if size < geometry.buffer_bytes:
-        raise ResidencyError("BAD_ARGUMENT", f"the engine's slab memfd has {size} bytes, its geometry says "
-                             f"buffer_bytes {geometry.buffer_bytes}")
-    return mmap.mmap(fd, geometry.buffer_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    if size < nbytes:
+        raise ResidencyError("BAD_ARGUMENT", f"the engine's {what} memfd has {size} bytes, {need} {nbytes}")
+    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 class CpuBackend(Backend):

@@ -1,6 +1,6 @@
 """What an engine asks of its block store (DESIGN §9): BLOCK_RESERVE, BLOCK_ALLOC,
 BLOCK_COMMIT, BLOCK_LOOKUP, BLOCK_RELEASE, and the indexer keys plane's BLOCK_WRITE_KEYS,
-BLOCK_READ_KEYS.
+BLOCK_READ_KEYS, BLOCK_LOAD_KEYS.
 
 The store is the one of the engine the session is attached to (an ATTACH with
 ``blocks: {"block_size": n}``, with ``"index_bytes": m`` for a keys plane), so who may use
@@ -12,11 +12,13 @@ arrays) and returns the reply's (fields, arrays); errors are raised, typed
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError
 
+from .backends import map_engine_memory
 from .blocks.store import BlockStore
 from .heavy import HEAVY_BYTES, Slow
 from .sessions import Session
@@ -27,15 +29,15 @@ class BlockRequests:
 
     heavy_bytes = HEAVY_BYTES
 
-    def __init__(self, engines, stats):
-        self.engines, self.stats = engines, stats
+    def __init__(self, engines, stats, fd_server=None):
+        self.engines, self.stats, self.fd_server = engines, stats, fd_server
 
     def handlers(self) -> dict:
         """This role's handlers by message type."""
         return {MsgType.BLOCK_RESERVE: self.on_reserve, MsgType.BLOCK_ALLOC: self.on_alloc,
                 MsgType.BLOCK_COMMIT: self.on_commit, MsgType.BLOCK_LOOKUP: self.on_lookup,
                 MsgType.BLOCK_RELEASE: self.on_release, MsgType.BLOCK_WRITE_KEYS: self.on_write_keys,
-                MsgType.BLOCK_READ_KEYS: self.on_read_keys}
+                MsgType.BLOCK_READ_KEYS: self.on_read_keys, MsgType.BLOCK_LOAD_KEYS: self.on_load_keys}
 
     def _store(self, s: Session) -> BlockStore:
         """The block store of ``s``'s engine, opened for ``s``."""
@@ -99,6 +101,63 @@ class BlockRequests:
             else copy()
         self.stats.add(block_keys_bytes_read=keys.nbytes)
         return {}, {"keys": keys}
+
+    # A load copies keys straight into the engine's buffer: on cuda the rank's copy stream
+    # does it after the client's fence and records an event the client's stream waits on
+    # (CudaRankState.load_keys; the reply comes once it is enqueued); on cpu the buffer is
+    # a memfd the client deposited for this request, copied into before the reply.
+    def on_load_keys(self, s: Session, identity, h, a):
+        self._store(s)
+        dst = _dst(h)
+        fd = self.fd_server.take_deposit(dst["deposit"], s.pid, s.uid, s.gid) if "deposit" in dst else -1
+        try:
+            space, st = self.engines.space(s.engine), s.state
+            if st.host_memory != (fd >= 0):
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "dst must be a deposited memfd (deposit) for a cpu rank, "
+                                    "a CUDA IPC handle (ipc_handle) of the rank's GPU for a cuda rank")
+            ids = space.check_keys_load(s.client_id, _array(a, "blocks"), dst["bytes"])
+            runs = len(space.keys_runs(ids))
+            if fd < 0:
+                fence = h.get("fence")
+                if fence is not None and type(fence) is not int:
+                    raise ProtocolError(ErrorCode.BAD_ARGUMENT, "fence must be an integer entry of the client's "
+                                        "event ring")
+                fields = st.load_keys(space, ids, dst, fence)
+            else:
+                mm = map_engine_memory(fd, dst["offset"] + dst["bytes"], "keys buffer", "the load names")
+                copy = functools.partial(space.copy_keys_to, ids, np.frombuffer(mm, np.uint8)[dst["offset"]:])
+                if ids.size * space.keys_plane.block_bytes >= self.heavy_bytes:
+                    yield Slow(copy, engine=s.engine)
+                else:
+                    copy()
+                fields = {}
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        nbytes = ids.size * space.keys_plane.block_bytes
+        self.stats.add(block_keys_bytes_loaded=nbytes)
+        return {"bytes": nbytes, "copies": runs, **fields}, None
+
+
+def _dst(h: dict) -> dict:
+    """The ``dst`` field of BLOCK_LOAD_KEYS: ``offset`` (>= 0) and ``bytes`` (> 0) of the
+    engine's buffer, with ``deposit`` (cpu) or ``ipc_handle`` and ``bus_id`` (cuda)."""
+    d = h.get("dst")
+    if not isinstance(d, dict):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "dst must be a map: offset, bytes, and deposit (cpu) or "
+                            "ipc_handle and bus_id (cuda)")
+    for k, low in (("offset", 0), ("bytes", 1)):
+        v = d.get(k)
+        if type(v) is not int or v < low or v > 1 << 48:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"dst.{k} must be an integer in [{low}, 2**48], "
+                                f"got {str(v)[:40]}")
+    if ("deposit" in d) == ("ipc_handle" in d):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "dst names its memory by deposit (cpu) or ipc_handle (cuda)")
+    if "ipc_handle" in d and (not isinstance(d["ipc_handle"], bytes) or len(d["ipc_handle"]) != 64
+                              or not isinstance(d.get("bus_id"), str)):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "dst.ipc_handle must be the 64-byte CUDA IPC handle of the "
+                            "buffer's allocation, with its GPU's bus_id")
+    return d
 
 
 def _count(h: dict, signed: bool = False) -> int:

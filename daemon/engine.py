@@ -291,6 +291,48 @@ class EngineSpace:
         self._plane(blocks)
         return self.blocks.keys_readable(session, blocks)
 
+    def check_keys_load(self, session: int, blocks, dst_bytes: int) -> np.ndarray:
+        """The block ids (int64 [n]) whose indexer keys a load may copy into ``dst_bytes``
+        of the engine's buffer: the same rule as a read (pinned by ``session`` or private to
+        it), with no per-request size limit but the buffer's; BlockError otherwise."""
+        plane = self._plane(blocks[:0])
+        need = len(blocks) * plane.block_bytes
+        if need > dst_bytes:
+            raise BlockError("BAD_ARGUMENT", f"the indexer keys of {len(blocks)} blocks take {need} bytes "
+                             f"({plane.block_bytes} each); the destination has {dst_bytes}")
+        return self.blocks.keys_readable(session, blocks)
+
+    def keys_runs(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
+        """``(first block, its index in ids, blocks)`` of each run of consecutive ids: the
+        keys of a run are one contiguous span of the plane (block-major), one copy."""
+        cut = np.flatnonzero(np.diff(ids) != 1) + 1
+        starts, ends = np.r_[0, cut], np.r_[cut, ids.size]
+        return [(int(ids[a]), int(a), int(b - a)) for a, b in zip(starts, ends) if b > a]
+
+    def keys_copies(self, ids: np.ndarray, pinned, dst: int) -> list[tuple[int, int, int]]:
+        """``(destination, host address, bytes)`` of each copy that loads the indexer keys of
+        blocks ``ids`` (checked) to device address ``dst`` (block ``i`` of ``ids`` at ``dst + i
+        * block_bytes``): one a run of consecutive ids, cut only where a page-locked chunk of
+        ``pinned`` (the engine's registered range, ``PinnedRegion`` or ``PinnedView``) ends."""
+        plane = self.keys_plane
+        bb = plane.block_bytes
+        copies = []
+        for first, i, n in self.keys_runs(ids):
+            to = dst + i * bb
+            for src, k in pinned.host_spans(plane.offset + first * bb, n * bb):
+                copies.append((to, src, k))
+                to += k
+        return copies
+
+    def copy_keys_to(self, ids: np.ndarray, out: np.ndarray) -> int:
+        """Copy the indexer keys of blocks ``ids`` (checked) into ``out`` (uint8, block ``i``
+        of ``ids`` at ``i * block_bytes``), one copy a run; returns the bytes."""
+        bb = self.keys_plane.block_bytes
+        flat = self.keys.reshape(self.keys.shape[0], bb)
+        for first, i, n in self.keys_runs(ids):
+            out[i * bb:(i + n) * bb] = flat[first:first + n].reshape(-1)
+        return ids.size * bb
+
     def copy_keys_in(self, ids: np.ndarray, keys: np.ndarray) -> int:
         """Copy ``keys`` into the indexer keys of blocks ``ids`` (checked); returns the bytes."""
         self.keys[ids] = keys

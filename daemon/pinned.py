@@ -206,6 +206,21 @@ class PinnedRegion:
                              "are not contiguous")
         return c.device_address + (offset - c.offset)
 
+    def host_spans(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        """``(host address, bytes)`` of host bytes ``[offset, offset + nbytes)``, cut where a
+        registered chunk ends: each span lies in one registration (one DMA copy)."""
+        if self._closed:
+            raise PinError("the pinned region is closed")
+        if nbytes < 1 or offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"span [{offset}, {offset + nbytes}) outside the region of {self.nbytes} B")
+        spans, end = [], offset + nbytes
+        while offset < end:
+            c = self.chunk_of(offset)
+            n = min(end, c.offset + c.nbytes) - offset
+            spans.append((c.host_address + (offset - c.offset), n))
+            offset += n
+        return spans
+
     @property
     def device_base(self) -> int:
         """Device address of the first byte; every byte is reachable from it (contiguous)."""
@@ -291,6 +306,13 @@ class PinnedView:
         if nbytes < 1 or offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"span [{offset}, {offset + nbytes}) outside the view of {self.nbytes} B")
         return self.region.device_address(self.offset + offset, nbytes)
+
+    def host_spans(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        if self.closed:
+            raise PinError("the pinned view is closed")
+        if nbytes < 1 or offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"span [{offset}, {offset + nbytes}) outside the view of {self.nbytes} B")
+        return self.region.host_spans(self.offset + offset, nbytes)
 
     def close(self) -> None:
         self._closed = True

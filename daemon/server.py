@@ -86,7 +86,7 @@ class Daemon:
         self.engine_requests = EngineRequests(self.sessions, self.engines, backend, pool, self.stats, self.fd_server)
         self.operator_requests = OperatorRequests(self.snapshot, self.registry, self.sessions)
         self._stop = asyncio.Event()
-        self.block_requests = BlockRequests(self.engines, self.stats)
+        self.block_requests = BlockRequests(self.engines, self.stats, self.fd_server)
         self.handlers = {**self.engine_requests.handlers(), **self.operator_requests.handlers(),
                          **self.block_requests.handlers()}
         # The protocol is declared once in proto/; refuse to start if it and the handlers drift.

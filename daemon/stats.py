@@ -44,6 +44,7 @@ COUNTERS = (
     ("block_evictions", "cached blocks evicted (least recently unpinned first) to allocate"),
     ("block_keys_bytes_written", "indexer key bytes written into blocks' keys plane (BLOCK_WRITE_KEYS)"),
     ("block_keys_bytes_read", "indexer key bytes read from blocks' keys plane (BLOCK_READ_KEYS)"),
+    ("block_keys_bytes_loaded", "indexer key bytes copied into engines' buffers (BLOCK_LOAD_KEYS)"),
     ("requests", "requests handled"),
     ("errors", "requests answered with an error"),
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),

@@ -105,7 +105,8 @@ class ImportedBuffer:
             self._base = open_mem_handle(handle)
             try:
                 base, size = allocation_range(self._base)
-                if offset < 0 or offset + nbytes > base + size - self._base:
+                self.alloc_bytes = base + size - self._base  # the allocation's bytes from the handle's start
+                if offset < 0 or offset + nbytes > self.alloc_bytes:
                     raise ValueError(f"the exported allocation has {base + size - self._base} bytes; "
                                      f"offset {offset} + {nbytes} bytes do not fit")
             except BaseException:

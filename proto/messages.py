@@ -42,6 +42,7 @@ class MsgType(enum.IntEnum):
     BLOCK_RELEASE = 15  # blocks [n] -> ack (pins dropped, private blocks freed)
     BLOCK_WRITE_KEYS = 16  # blocks [n], keys uint8 [n, layers, block_size, index_bytes] -> bytes (own private blocks)
     BLOCK_READ_KEYS = 17  # blocks [n] -> keys uint8 [n, layers, block_size, index_bytes] (pinned or own blocks)
+    BLOCK_LOAD_KEYS = 18  # blocks [n], dst (+ fence) -> bytes, copies (+ event: cuda): keys into the engine's buffer
 
 
 class ErrorCode(enum.IntEnum):
@@ -112,6 +113,9 @@ class Limits:
     # Indexer keys in one BLOCK_WRITE_KEYS or BLOCK_READ_KEYS (one array frame): 65 blocks of
     # 64 positions of DeepSeek-V3.2 (61 layers, 132 bytes); ``Blocks.read_keys`` splits reads.
     max_keys_bytes: int = 32 << 20
+    # GPU allocations one cuda rank may have had BLOCK_LOAD_KEYS copy into: each stays
+    # imported by the daemon (and referenced by the client) while the rank is attached.
+    max_keys_targets: int = 8
 
 
 LIMITS = Limits()
@@ -140,6 +144,7 @@ REQUESTS: dict[MsgType, tuple[frozenset[str], frozenset[str]]] = {
     MsgType.BLOCK_RELEASE: (frozenset(), frozenset({"blocks"})),
     MsgType.BLOCK_WRITE_KEYS: (frozenset(), frozenset({"blocks", "keys"})),
     MsgType.BLOCK_READ_KEYS: (frozenset(), frozenset({"blocks"})),
+    MsgType.BLOCK_LOAD_KEYS: (frozenset({"dst"}), frozenset({"blocks"})),
 }
 
 

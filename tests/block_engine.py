@@ -22,6 +22,10 @@ The first line out is ``{"pid": ..., "client_id": ...}`` once attached (or the a
   shared blocks: no copy), and count rows whose bytes are wrong (``bad``); with a keys
   plane, read the table's indexer keys and count positions whose keys are wrong
   (``bad_keys``);
+* ``load_keys`` (tokens, table): have the daemon load the table's indexer keys into this
+  engine's buffer (``Blocks.load_keys``: shared memory on cpu, a GPU tensor on cuda, the
+  rank attached with fences), read them right after, and count positions whose keys
+  are wrong (``bad_keys``);
 * ``alloc`` (n), ``release`` (blocks): the store's requests as they are.
 A typed error answers ``{"err": CODE, "detail": ...}``.
 """
@@ -35,6 +39,7 @@ import sys
 import numpy as np
 
 from sparsekv.client import Client, PoolExhausted, SparseKVError
+from sparsekv.client.engine_slab import EngineSlab
 from sparsekv.client.swap_in import HostSwapIn
 from sparsekv.proto import Layout
 
@@ -139,14 +144,26 @@ def verify_keys(c: Client, tokens, table) -> int:
     return int((c.blocks.read_keys(table) != want).any(axis=3).sum())
 
 
+def load_keys(c: Client, dst, tokens, table) -> int:
+    """Positions (of every layer) whose indexer keys, loaded into ``dst`` by the daemon, are
+    wrong; a GPU ``dst`` is read on the current stream right after the call."""
+    keys = c.blocks.hashes(np.asarray(tokens))
+    want = np.stack([key_bytes(k, *c.blocks.keys_shape) for k in keys])
+    assert c.blocks.load_keys(table, dst) == want.nbytes
+    got = dst.array[:want.nbytes] if isinstance(dst, EngineSlab) else dst[:want.nbytes].cpu().numpy()
+    return int((got.reshape(want.shape) != want).any(axis=3).sum())
+
+
 def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: str, index_bytes: int) -> None:
     c = Client(run_dir, name="block-engine", device=device, timeout_s=20).connect()
     try:
-        c.attach(layout, engine=engine, block_size=block_size, index_bytes=index_bytes)
+        c.attach(layout, engine=engine, block_size=block_size, index_bytes=index_bytes,
+                 fence=device.startswith("cuda"))
     except SparseKVError as e:
         print(json.dumps({"err": e.code.name, "msg": e.args[0]}), flush=True)
         return
     blocks, handle = c.blocks, HostSwapIn(c)
+    dst = None  # the buffer keys are loaded into (every block's room), made at the first load
     print(json.dumps({"pid": os.getpid(), "client_id": c.info["client_id"]}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -173,6 +190,16 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: st
                     out["bad_keys"] = verify_keys(c, cmd["tokens"], out["table"])
                 if cmd.get("release"):
                     blocks.release(out["table"])
+            elif op == "load_keys":
+                if dst is None:
+                    n = layout.host_rows // block_size * int(np.prod(blocks.keys_shape))
+                    if device.startswith("cuda"):
+                        import torch  # noqa: PLC0415  (cuda engines only)
+
+                        dst = torch.zeros(n, dtype=torch.uint8, device=device)
+                    else:
+                        dst = EngineSlab.shared_memory(n)
+                out = {"bad_keys": load_keys(c, dst, cmd["tokens"], cmd["table"])}
             elif op == "alloc":
                 out = {"blocks": blocks.alloc(cmd["n"]).tolist()}
             elif op == "release":

@@ -3,7 +3,8 @@ ranks it serves (``rank.py``), hot slabs in the arena exported through CUDA IPC.
 
 The daemon page-locks the whole host pool at start (``daemon/main.py``,
 ``pinned.PoolPinner``) and an engine's range is a view of it (``pool_region``); with
-``SPARSEKV_PIN_POOL_AT_START=0`` each engine's range is registered at its attach instead.
+``SPARSEKV_PIN_POOL_AT_START=0`` each engine's range (its rows and its indexer keys plane)
+is registered at its attach instead.
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ class CudaBackend(Backend):
         worker = self.worker_for(device)
         if space.name not in self._pinned:
             lay = space.layout
-            # Whole pages: cudaHostRegister wants them, and the engine's pool range is
-            # reserved in 2 MiB units, so the rounded span stays inside it.
-            nbytes = -(-lay.pool_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+            # Its rows and its indexer keys plane (BLOCK_LOAD_KEYS copies from it). Whole
+            # pages: cudaHostRegister wants them, and the engine's pool range is reserved
+            # in 2 MiB units, so the rounded span stays inside it.
+            nbytes = -(-space.range_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
             if self.pool_region is not None:
                 self._pinned[space.name] = PinnedView(self.pool_region, space.pool_offset, nbytes)
             else:

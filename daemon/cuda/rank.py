@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from sparsekv.proto import LIMITS
 from sparsekv.proto.cuda_ipc import EventRing, ImportedBuffer
 from sparsekv.proto.device_errors import ErrorRecord
 
@@ -66,6 +67,9 @@ class CudaRankState(RankState):
         self.space_name = space.name
         self.worker, self._cp = worker, cp
         self.fence_events = None
+        self.pinned = pinned
+        self._keys_targets: dict[bytes, ImportedBuffer] = {}  # BLOCK_LOAD_KEYS buffers, by IPC handle
+        self._keys_event: EventRing | None = None  # recorded after each load's copies
         self.engine_slab = None  # the imported engine-owned slab (ImportedBuffer)
         if engine_slab is not None:
             handle, offset = engine_slab.ipc
@@ -207,6 +211,56 @@ class CudaRankState(RankState):
             fence_events.wait(fence, stream.ptr)
         return wait
 
+    def load_keys(self, space, ids: np.ndarray, dst: dict, fence=None) -> dict:
+        """BLOCK_LOAD_KEYS on this GPU: the indexer keys of blocks ``ids`` (checked: the
+        caller's to read, ``dst["bytes"]`` enough) copied from the engine's page-locked keys
+        plane into its exported buffer ``dst`` (block ``i`` of ``ids`` at ``dst["offset"] + i
+        * block_bytes``), one ``cudaMemcpyAsync`` a run of consecutive blocks (cut where a
+        registered chunk ends), on the GPU's copy stream after the client's ``fence``; then
+        the rank's keys event is recorded. Every offset and size is checked before anything
+        is enqueued; nothing is waited for. Returns the reply's ``event`` (its IPC handle)."""
+        cp = self._cp
+        wait = self._fence_wait(fence)
+        if dst["bus_id"].lower() != self.worker.bus_id:
+            raise ResidencyError("BAD_ARGUMENT", f"dst is memory of GPU {dst['bus_id']}; this rank's GPU is "
+                                 f"{self.worker.bus_id}")
+        target = self._keys_target(dst["ipc_handle"])
+        off, nbytes = dst["offset"], dst["bytes"]
+        if off + nbytes > target.alloc_bytes:
+            raise ResidencyError("BAD_ARGUMENT", f"dst [{off}, {off + nbytes}) passes the end of its allocation "
+                                 f"({target.alloc_bytes} bytes)")
+        copies = space.keys_copies(ids, self.pinned, target.ptr + off)
+        stream = self.worker.stream
+        with cp.cuda.Device(self.worker.ordinal):
+            if self._keys_event is None:
+                self._keys_event = EventRing(self.worker.ordinal, 1)
+            if wait is not None:
+                wait(stream)  # the engine's stream reached the load: nothing reads dst's old bytes
+            for to, src, k in copies:
+                cp.cuda.runtime.memcpyAsync(to, src, k, 1, stream.ptr)  # 1: host to device
+            self._keys_event.record(0, stream)
+        return {"event": self._keys_event.handles[0]}
+
+    def _keys_target(self, handle: bytes) -> ImportedBuffer:
+        """The engine's allocation of IPC ``handle``, imported once for this rank."""
+        target = self._keys_targets.get(handle)
+        if target is not None:
+            return target
+        if len(self._keys_targets) >= LIMITS.max_keys_targets:
+            raise ResidencyError("BAD_ARGUMENT", f"this rank has loaded keys into {LIMITS.max_keys_targets} "
+                                 "allocations already (each stays imported while it is attached): load into "
+                                 "buffers you keep")
+        try:
+            target = ImportedBuffer(handle, 0, 1, self.worker.ordinal)
+        except (ValueError, RuntimeError) as e:  # garbage, another GPU's, an exited exporter's, this process's own
+            raise ResidencyError("BAD_ARGUMENT", f"cannot import the keys load's dst: {e}") from None
+        arena = self.worker.arena
+        if target.ptr < arena.ptr + arena.nbytes and arena.ptr < target.ptr + target.alloc_bytes:
+            target.close()
+            raise ResidencyError("BAD_ARGUMENT", "dst is the daemon's own arena: load into the engine's memory")
+        self._keys_targets[handle] = target
+        return target
+
     def take_error(self) -> ResidencyError | None:
         """The first error the kernels recorded since the last call, as the cpu backend's
         typed error (read from the pinned mirror of the error record: no wait). Every kind
@@ -337,6 +391,12 @@ class CudaRankState(RankState):
         if self.engine_slab is not None:  # the stream is drained: nothing writes it any more
             self.engine_slab.close()
             self.engine_slab = None
+        if self._keys_targets or self._keys_event is not None:
+            self.worker.stream.synchronize()  # its loads' copies write them
+            for target in self._keys_targets.values():
+                target.close()
+            self._keys_targets = {}
+            self._keys_event = None
         return True
 
 

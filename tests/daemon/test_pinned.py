@@ -2,10 +2,14 @@
 
 import time
 
+import numpy as np
 import pytest
 
 from sparsekv.daemon.pinned import PinError, PinnedRegion, PinnedView, PoolPinner, plan_chunks
+from sparsekv.daemon.engine import EngineSpace
 from sparsekv.daemon.pool import PREFAULT_CHUNK_BYTES, HostPool
+from sparsekv.proto import Layout
+from sparsekv.proto.blocks import KeysPlane
 
 PAGE = 4096
 GiB = 1 << 30
@@ -62,6 +66,45 @@ def test_close_unregisters_every_chunk_exactly_once():
     assert sorted(rt.unregistered) == sorted(a for a, _ in rt.registered)
     with pytest.raises(PinError, match="closed"):
         r.device_address(0)
+
+
+def test_host_spans_cut_a_span_where_a_registered_chunk_ends():
+    rt = FakeRuntime()
+    base = 0x7F0000000000
+    r = PinnedRegion(base, 5 * GiB, 656, 2 * GiB, runtime=rt, page_bytes=PAGE)
+    cut = r.chunks[1].offset  # the first chunk's end
+    assert r.host_spans(100, 1000) == [(base + 100, 1000)]  # inside one chunk: one span
+    assert r.host_spans(cut - 10, 30) == [(base + cut - 10, 10), (base + cut, 20)]
+    assert sum(n for _, n in r.host_spans(0, 5 * GiB)) == 5 * GiB and len(r.host_spans(0, 5 * GiB)) == 3
+    with pytest.raises(ValueError, match="outside"):
+        r.host_spans(5 * GiB - 10, 11)
+    v = PinnedView(r, cut - PAGE, 2 * PAGE)  # a view's offsets are its own
+    assert v.host_spans(PAGE - 1, 2) == [(base + cut - 1, 1), (base + cut, 1)]
+    with pytest.raises(ValueError, match="outside the view"):
+        v.host_spans(0, 2 * PAGE + 1)
+    r.close()
+    with pytest.raises(PinError, match="closed"):
+        v.host_spans(0, 1)
+
+
+def test_a_keys_load_is_one_copy_a_run_of_blocks_cut_where_a_pinned_chunk_ends():
+    lay = Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=4, host_rows=64,
+                 index_groups=((0, 1),)).validate()
+    space = EngineSpace("m", lay, np.zeros((2, 64, 32), np.uint8))
+    space.keys_plane = plane = KeysPlane.of(lay, 4, 12)  # 16 blocks of 96 bytes from byte 4096
+    base = 0x7F0000000000
+    r = PinnedRegion(base, plane.end, 32, 1024, runtime=FakeRuntime(), page_bytes=16)  # chunks of 1 KiB
+    bb, at = plane.block_bytes, base + plane.offset
+    dst = 0x10000
+    # Blocks 0-2 then 7 then 10-15: three runs; the third crosses the chunk boundary at 5120.
+    ids = np.array([0, 1, 2, 7, 10, 11, 12, 13, 14, 15])
+    cut = base + 5120
+    assert space.keys_copies(ids, r, dst) == [
+        (dst, at, 3 * bb), (dst + 3 * bb, at + 7 * bb, bb),
+        (dst + 4 * bb, at + 10 * bb, cut - (at + 10 * bb)),
+        (dst + 4 * bb + cut - (at + 10 * bb), cut, at + 16 * bb - cut)]
+    assert space.keys_copies(ids[::-1][:2], r, dst) == [(dst, at + 15 * bb, bb), (dst + bb, at + 14 * bb, bb)]
+    assert space.keys_copies(np.zeros(0, np.int64), r, dst) == []
 
 
 def test_failed_registration_rolls_back_the_chunks_already_registered():

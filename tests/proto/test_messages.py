@@ -9,7 +9,7 @@ def test_message_type_numbers_are_pinned():
     assert {m.name: int(m) for m in MsgType} == {
         "HELLO": 1, "ATTACH": 2, "STEP": 3, "TOPK": 4, "WRITE": 5, "STAGE": 6, "DETACH": 7, "STATS": 8, "WRITE_STAGED": 9,
         "BYE": 10, "BLOCK_RESERVE": 11, "BLOCK_ALLOC": 12, "BLOCK_COMMIT": 13, "BLOCK_LOOKUP": 14, "BLOCK_RELEASE": 15,
-        "BLOCK_WRITE_KEYS": 16, "BLOCK_READ_KEYS": 17,
+        "BLOCK_WRITE_KEYS": 16, "BLOCK_READ_KEYS": 17, "BLOCK_LOAD_KEYS": 18,
     }
 
 
