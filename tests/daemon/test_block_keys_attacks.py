@@ -16,13 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import helpers
+import zmtp_peer
 from block_engine import BS, INDEX_BYTES, LAY, Engine, tokens
 from helpers import request
 from sparsekv.client import BadRequest, Client
 from sparsekv.daemon.blocks.contract import BlockError, BlockStoreModel, UidLedger
 from sparsekv.daemon.engine import EngineSpace
 from sparsekv.embedded.inproc import InprocClient
-from sparsekv.proto import LIMITS, ErrorCode, MsgType
+from sparsekv.proto import LIMITS, ErrorCode, MsgType, encode
 
 KEYS = (LAY.num_layers, BS, INDEX_BYTES)  # one block's keys
 N_BLOCKS = LAY.host_rows // BS
@@ -187,3 +188,31 @@ def test_the_in_process_engine_refuses_keys_a_request_cannot_carry_as_the_daemon
         with InprocClient() as c, pytest.raises(BadRequest, match="index_bytes must") as e:
             c.attach(LAY, engine="m", block_size=BS, index_bytes=bad)
     assert LIMITS.max_keys_bytes < 2 * 1024 * (1 << 16)
+
+
+# -- replies a hostile engine does not read -------------------------------------------------
+@pytest.mark.xfail(strict=True, reason="control_socket/outbox: past MAX_OUT_TOTAL the connection being sent to is "
+                   "closed, whoever filled the total; two connections not reading ~62 MiB of indexer keys each "
+                   "(BLOCK_READ_KEYS of one block named 62 times) get another engine's rank disconnected and detached")
+def test_an_engine_not_reading_its_keys_replies_does_not_get_others_disconnected():
+    with helpers.serving_daemon(16 << 20) as daemon, Client(daemon.run_dir, timeout_s=2) as good:
+        good.attach(LAY, engine="m", block_size=BS, index_bytes=INDEX_BYTES)
+        [b] = good.blocks.alloc(1)
+        hostile = []
+        for i in range(2):  # two connections of one hostile engine, each under MAX_OUT_BYTES (64 MiB)
+            s = zmtp_peer.raw_peer_small(os.path.join(daemon.run_dir, "control.sock"))
+            assert zmtp_peer.hello(s, f"h{i}")["ok"]
+            zmtp_peer.send_message(s, *encode(MsgType.ATTACH, 2, {"engine": "h", "layout": LAY.to_wire(), "blocks": {
+                "block_size": BS, "index_bytes": 1 << 16}}))
+            assert zmtp_peer.read_reply(s)["ok"]
+            zmtp_peer.send_message(s, *encode(MsgType.BLOCK_ALLOC, 3, {"n": 1}))  # block i; its reply left unread
+            for req in (4, 5):  # 31 MiB of keys each (one block of 512 KiB, 62 times), never read
+                zmtp_peer.send_message(s, *encode(MsgType.BLOCK_READ_KEYS, req, {}, {"blocks": np.full(62, i, np.int32)}))
+            hostile.append(s)
+        outboxes = daemon.control._outboxes
+        helpers.wait_for(lambda: outboxes.total > 120 << 20, what="the hostile replies queued")
+        good.blocks.write_keys([b], np.ones((1, *KEYS), np.uint8))
+        big = np.full(LIMITS.max_blocks, b, np.int32)  # 6 MiB of keys
+        assert (good.blocks.read_keys(big) == 1).all()  # the reply passes the total: this connection is closed
+        for s in hostile:
+            s.close()
