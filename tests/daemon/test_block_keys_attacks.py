@@ -216,3 +216,13 @@ def test_an_engine_not_reading_its_keys_replies_does_not_get_others_disconnected
         assert (good.blocks.read_keys(big) == 1).all()  # the reply passes the total: this connection is closed
         for s in hostile:
             s.close()
+
+
+def test_a_read_of_more_blocks_than_a_request_holds_is_split_too():
+    with helpers.serving_daemon(4 << 20) as daemon, Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS, index_bytes=INDEX_BYTES)  # 96 bytes a block: the block count binds
+        [b] = c.blocks.alloc(1)
+        c.blocks.write_keys([b], np.full((1, *KEYS), 7, np.uint8))
+        requests = helpers.stats_json(daemon.run_dir)["requests"]
+        assert (c.blocks.read_keys(np.full(LIMITS.max_blocks + 1, b)) == 7).all()
+        assert helpers.stats_json(daemon.run_dir)["requests"] - requests == 2  # of at most max_blocks each
