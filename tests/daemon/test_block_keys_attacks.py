@@ -1,10 +1,13 @@
 """The indexer keys plane (DESIGN §9) under a hostile or dying engine, through a serving
 daemon (cpu backend, real sockets): an engine process killed while its keys are copied on
 a worker thread leaves nothing of them for the next holder of its blocks, and the
-engine's other rank waits and goes on; random requests of two engines' sessions (ids out
-of range, negative, named twice, others' and cached blocks, whole detaches) against the
-reference model, every keys byte read checked and the other engine's keys untouched; the
-in-process engine refuses what the daemon refuses at attach."""
+engine's other rank waits and goes on; a session dropped during another's keys read is
+zeroed at once and the read stays whole; random requests of two engines' sessions (ids
+out of range, negative, named twice, others' and cached blocks, whole detaches) against
+the reference model, every keys byte read checked and the other engine's keys untouched;
+connections not reading their keys replies (xfail: they get another engine's connection
+closed); a read of more blocks than a request holds is split; the in-process engine
+refuses what the daemon refuses at attach."""
 
 import dataclasses
 import os
@@ -226,3 +229,36 @@ def test_a_read_of_more_blocks_than_a_request_holds_is_split_too():
         requests = helpers.stats_json(daemon.run_dir)["requests"]
         assert (c.blocks.read_keys(np.full(LIMITS.max_blocks + 1, b)) == 7).all()
         assert helpers.stats_json(daemon.run_dir)["requests"] - requests == 2  # of at most max_blocks each
+
+
+def test_a_session_of_the_engine_dropped_during_a_keys_read_is_zeroed_and_the_read_is_whole(monkeypatch):
+    entered, gate = threading.Event(), threading.Event()
+    copy = EngineSpace.copy_keys_out
+
+    def held_copy(self, ids):  # the worker thread's copy, held while another session goes
+        entered.set()
+        assert gate.wait(20)
+        return copy(self, ids)
+
+    monkeypatch.setattr(EngineSpace, "copy_keys_out", held_copy)
+    with helpers.serving_daemon(4 << 20) as daemon, Client(daemon.run_dir) as reader, Client(daemon.run_dir) as victim:
+        daemon.block_requests.heavy_bytes = 0  # every keys copy on a worker thread
+        reader.attach(LAY, engine="m", block_size=BS, index_bytes=INDEX_BYTES)
+        blocks = reader.blocks
+        mine = blocks.alloc(2)
+        blocks.write_keys(mine, pattern(5, 2))
+        victim.attach(LAY, engine="m", block_size=BS, index_bytes=INDEX_BYTES)
+        theirs = victim.blocks.alloc(3)
+        victim.blocks.write_keys(theirs, pattern(6, 3))
+        got = {}
+        t = threading.Thread(target=lambda: got.update(keys=blocks.read_keys(np.repeat(mine, 4))))
+        t.start()
+        assert entered.wait(20)
+        victim._drop_socket()  # gone without BYE: its session is dropped now, during the read
+        helpers.wait_for(lambda: len(daemon.engines.space("m").ranks) == 1, what="the dropped session detached")
+        keys = daemon.engines.space("m").keys
+        assert not keys[theirs].any()  # its private blocks freed and zeroed at once
+        gate.set()
+        t.join(20)
+        assert (got["keys"] == np.repeat(pattern(5, 2), 4, axis=0)).all()
+        assert (blocks.alloc(3) == theirs).all() and not blocks.read_keys(theirs).any()
