@@ -7,7 +7,8 @@ out of range, negative, named twice, others' and cached blocks, whole detaches) 
 the reference model, every keys byte read checked and the other engine's keys untouched;
 connections not reading their keys replies (xfail: they get another engine's connection
 closed); a read of more blocks than a request holds is split; the in-process engine
-refuses what the daemon refuses at attach."""
+refuses what the daemon refuses at attach; the planes of odd layouts start on a page and
+share no byte with rows or other engines."""
 
 import dataclasses
 import os
@@ -262,3 +263,31 @@ def test_a_session_of_the_engine_dropped_during_a_keys_read_is_zeroed_and_the_re
         t.join(20)
         assert (got["keys"] == np.repeat(pattern(5, 2), 4, axis=0)).all()
         assert (blocks.alloc(3) == theirs).all() and not blocks.read_keys(theirs).any()
+
+
+# -- where the plane lies -------------------------------------------------------------------
+def test_planes_of_odd_layouts_are_page_aligned_and_overlap_no_rows_nor_other_engines(tmp_path):
+    rng = np.random.default_rng(3)
+    with helpers.inproc_daemon(tmp_path, max_clients=8, pool_bytes=64 << 20) as dm:
+        spaces = []
+        for e in range(6):  # odd row sizes, layer counts, host rows, block sizes and key bytes
+            lay = helpers.layout(num_layers=int(rng.integers(1, 6)), row_bytes=16 * int(rng.integers(1, 9)), top_k=1,
+                                 region_stride=1, max_reqs=1, host_rows=int(rng.integers(1, 300)))
+            bs, ib = int(rng.integers(1, lay.host_rows + 1)), int(rng.integers(1, 300))
+            ident = b"E%d" % e
+            for kind, fields in ((MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "x"}),
+                                 (MsgType.ATTACH, {"engine": f"e{e}", "layout": lay.to_wire(),
+                                                   "blocks": {"block_size": bs, "index_bytes": ib}})):
+                assert request(dm, ident, kind, fields)[0]["ok"]
+            space = dm.engines.space(f"e{e}")
+            assert space.keys.ctypes.data % 4096 == 0, (lay, bs, ib)
+            assert space.keys.ctypes.data - space.pool.ctypes.data >= lay.pool_bytes
+            assert space.keys.shape == (lay.host_rows // bs, lay.num_layers, bs, ib)
+            spaces.append(space)
+        for space in spaces:
+            space.keys[:] = 0xFF
+            space.pool[:] = 0xEE
+        assert np.count_nonzero(dm.pool.array) == sum(s.keys.size + s.pool.size for s in spaces)  # nothing shared
+        for space in spaces:
+            space.keys[:] = 0
+            space.pool[:] = 0
