@@ -107,10 +107,10 @@ class Blocks:
     def read_keys(self, blocks) -> np.ndarray:
         """The indexer keys (uint8 [n, layers, block_size, index_bytes]) of ``blocks``, each
         pinned by this client (a lookup's) or its own private one; in requests of at most
-        ``LIMITS.max_keys_bytes``."""
-        blocks = _blocks(blocks)
+        ``LIMITS.max_keys_bytes`` and ``LIMITS.max_blocks`` blocks."""
+        blocks = np.asarray(blocks, dtype=np.int32).reshape(-1)
         out = np.empty((blocks.size, *self.keys_shape), np.uint8)
-        step = self._per_request()
+        step = min(self._per_request(), LIMITS.max_blocks)
         for i in range(0, blocks.size, step):
             out[i:i + step] = self._call(MsgType.BLOCK_READ_KEYS, arrays={"blocks": blocks[i:i + step]})[1]["keys"]
         return out

@@ -17,7 +17,7 @@ from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.daemon.engine import EngineSpace, RankState, host_rows_arg
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
-from sparsekv.proto import ErrorCode, Layout, MsgType
+from sparsekv.proto import LIMITS, ErrorCode, Layout, MsgType
 from sparsekv.proto.blocks import MAX_INDEX_BYTES, KeysPlane
 
 from sparsekv.client.blocks import Blocks
@@ -57,9 +57,13 @@ class InprocClient:
         layout.validate()
         if not 0 <= block_size <= layout.host_rows:
             raise error_for(int(ErrorCode.BAD_ARGUMENT), f"block_size must lie in [0, host_rows={layout.host_rows}]")
-        if not 0 <= index_bytes <= MAX_INDEX_BYTES or (index_bytes and not block_size):
-            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"index_bytes must lie in [0, {MAX_INDEX_BYTES}], "
-                            "with a block_size")
+        if type(index_bytes) is not int or not 0 <= index_bytes <= MAX_INDEX_BYTES or (index_bytes and not block_size):
+            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"index_bytes must be an integer in [0, {MAX_INDEX_BYTES}], "
+                            f"with a block_size, got {str(index_bytes)[:40]}")
+        if index_bytes and KeysPlane.of(layout, block_size, index_bytes).block_bytes > LIMITS.max_keys_bytes:
+            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"one block's indexer keys ({layout.num_layers} layers x "
+                            f"{block_size} positions x {index_bytes} bytes) exceed the {LIMITS.max_keys_bytes} bytes "
+                            "a request may carry: use smaller blocks")
         pool = np.zeros((layout.num_layers, layout.host_rows, layout.row_bytes), dtype=np.uint8)
         slab = np.zeros((layout.num_layers, layout.max_reqs, layout.region_stride, layout.row_bytes), np.uint8)
         staging = np.zeros((layout.num_layers, layout.staging_rows, layout.row_bytes), np.uint8) if layout.staging_rows else None

@@ -50,3 +50,17 @@ def read_reply(s: socket.socket) -> dict:
 def hello(s: socket.socket, name: str = "attacker") -> dict:
     send_message(s, encode(MsgType.HELLO, 1, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": name})[0])
     return read_reply(s)
+
+
+def raw_peer_small(path: str) -> socket.socket:
+    """:func:`raw_peer` with a small receive buffer: what it does not read stays queued in
+    the daemon."""
+    s = socket.socket(socket.AF_UNIX)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(path)
+    s.settimeout(10)
+    s.sendall(GREETING + READY)
+    got = b""
+    while len(got) < len(zmtp.GREETING) + len(zmtp.READY):
+        got += s.recv(4096)
+    return s

@@ -100,7 +100,7 @@ class BlockStore:
         """``session`` (of ``uid``) may use the store from now on."""
         self._uid[session] = uid
         if session not in self._pinned:
-            self._pinned[session] = np.zeros(self.n_blocks, dtype=np.int32)
+            self._pinned[session] = np.zeros(self.n_blocks, dtype=np.int64)  # pins can pass 2**31
 
     def _uid_of(self, session: int) -> int:
         try:
@@ -229,20 +229,25 @@ class BlockStore:
         the order of their last mention."""
         uid = self._uid_of(session)
         blocks = self._block_ids(blocks)
-        pinned = self._pinned[session]
         self._mark[blocks] = np.arange(blocks.size)  # as in lookup: a block named twice keeps its last position
         if (self._mark[blocks] == np.arange(blocks.size)).all():  # the common case, without np.unique's cost
             uniq, last, count = blocks, np.arange(blocks.size), np.ones(blocks.size, np.int64)
         else:
             uniq, first_rev, count = np.unique(blocks[::-1], return_index=True, return_counts=True)
             last = blocks.size - 1 - first_rev  # where each block is named last
+        self._release(session, uid, uniq, last, count)
+
+    def _release(self, session: int, uid: int, uniq: np.ndarray, last: np.ndarray, count: np.ndarray) -> None:
+        """``release`` of distinct blocks ``uniq``, each named ``count`` times, last at
+        position ``last`` of the request."""
+        pinned = self._pinned[session]
         private = self.state[uniq] == session
         held = np.where(private, 1, pinned[uniq])
         if (count > held).any():
             i = int(np.flatnonzero(count > held)[0])
             raise BlockError("BAD_ARGUMENT", f"block {int(uniq[i])} is not held by this session {int(count[i])} time(s)")
         u, c = uniq[~private], count[~private]
-        pinned[u] -= c.astype(np.int32)
+        pinned[u] -= c
         self.pins[u] -= c
         gone = self.pins[u] == 0
         if gone.any():  # stamped in the order of each block's last mention
@@ -263,9 +268,12 @@ class BlockStore:
         reservation dropped."""
         if session not in self._uid:
             return
+        # By counts, in block order (what releasing every pin and private block would do):
+        # a pin count can be large, so never one id a pin.
         pinned = self._pinned[session]
-        held = np.concatenate([np.flatnonzero(self.state == session), np.repeat(np.arange(self.n_blocks), pinned)])
-        self.release(session, np.sort(held))
+        held = np.flatnonzero((self.state == session) | (pinned > 0))
+        self._release(session, self._uid[session], held, np.arange(held.size),
+                      np.where(self.state[held] == session, 1, pinned[held]).astype(np.int64))
         self.reserve(session, -self.reserved.get(session, 0))
         self.reserved.pop(session, None)
         del self._uid[session], self._pinned[session]

@@ -83,8 +83,11 @@ def plausible_arrays(draw, kind):
     if kind == MsgType.WRITE:
         out["data"] = ints(draw, (draw(st.integers(0, 3)), n if draw(st.integers(0, 5)) else n + 1,
                                   8 if draw(st.integers(0, 5)) else 7), 0, 255, np.uint8)
-    if kind in (MsgType.BLOCK_COMMIT, MsgType.BLOCK_RELEASE):
+    if kind in (MsgType.BLOCK_COMMIT, MsgType.BLOCK_RELEASE, MsgType.BLOCK_WRITE_KEYS, MsgType.BLOCK_READ_KEYS):
         out["blocks"] = ints(draw, (n,), -2, 34)
+    if kind == MsgType.BLOCK_WRITE_KEYS:  # the store engine's keys: [n, 2 layers, 4 positions, 4 bytes]
+        out["keys"] = ints(draw, (n if draw(st.integers(0, 5)) else n + 1, 2, 4, 4 if draw(st.integers(0, 5)) else 3),
+                           0, 255, np.uint8)
     if kind in (MsgType.BLOCK_COMMIT, MsgType.BLOCK_LOOKUP):  # keys from a small set: hits and duplicates
         out["hashes"] = ints(draw, (n if draw(st.integers(0, 5)) else n + 1, 2 if draw(st.integers(0, 9)) else 3),
                              0, 3, np.int64)
@@ -166,7 +169,8 @@ def test_garbage_requests_get_typed_errors_and_others_go_on(dm, reqs, attached, 
         ok(dm, b"F", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "fuzz"})
         s = dm.sessions[b"F"]
     if attached and s.state is None:  # to a plain engine, or to one with a block store (kept while it caches)
-        ok(dm, b"F", MsgType.ATTACH, {"engine": "fzb", "layout": FUZZ_LAYOUT.to_wire(), "blocks": {"block_size": 4}}
+        store_field = {"block_size": 4, "index_bytes": 4}  # with an indexer keys plane
+        ok(dm, b"F", MsgType.ATTACH, {"engine": "fzb", "layout": FUZZ_LAYOUT.to_wire(), "blocks": store_field}
            if store else {"engine": "fz", "layout": FUZZ_LAYOUT.to_wire()})
         ok(dm, b"F", MsgType.STEP, {"step": 0}, {"state_rows": np.array([0, 1, -1], np.int32)})
     for kind, fields, arrs in reqs:

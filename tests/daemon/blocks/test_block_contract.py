@@ -208,6 +208,29 @@ def test_close_releases_pins_and_frees_private_blocks(one):
     assert one.reserve(2, 4) == 4
 
 
+def test_a_session_holding_a_block_past_two_billion_pins_keeps_the_count_and_closes():
+    """A session's pins of one block are counted exactly past 2**31 (a lookup may name a
+    hash 65,536 times), and ``close`` releases them by count: its cost does not grow with
+    the pins (it once built one block id a pin)."""
+    zeroed = []
+    s = BlockStore(2, zeroed.extend)
+    s.open(1, 1000)
+    s.open(2, 1000)
+    [b] = s.alloc(1, 1)
+    s.commit(1, [b], wire([h(1)]))
+    s._pinned[1][b] = s.pins[b] = 2**31 - 1  # as after 32,768 lookups naming the hash 65,536 times
+    assert s.lookup(1, wire([h(1)] * 3)).tolist() == [b] * 3
+    assert s._pinned[1][b] == s.pins[b] == 2**31 + 2
+    s._pinned[1][b] = s.pins[b] = 2**40  # as many as a session could ever take: one id a pin would not fit memory
+    assert s.lookup(2, wire([h(1)])).tolist() == [b]  # another session's pin stays
+    s.close(1)
+    assert s.pins[b] == 1 and s.evictable_blocks == 0
+    s.close(2)
+    assert s.pins[b] == 0 and s.evictable_blocks == 1
+    s.open(3, 1000)
+    assert s.alloc(3, 2).tolist() == [1, b] and zeroed == [b]  # the free block, then b evicted
+
+
 def test_indexer_keys_are_written_by_the_private_owner_only_and_read_by_holders(one):
     [b] = one.alloc(1, 1)
     with pytest.raises(BlockError, match="not private"):
