@@ -115,7 +115,7 @@ class ControlSocket:
         self._paused: collections.deque[Conn] = collections.deque()  # waiting for the budget, in order
         self._yielded: list[Conn] = []  # waiting for their next turn
         self._resuming: Conn | None = None  # the paused connection being resumed
-        self._outboxes = Outboxes()
+        self._outboxes = Outboxes(evict=self._evicted)
         self._next = 0
         self._scratch = bytearray(SCRATCH_BYTES)
         self._loop = None  # the event loop, to wake it when a give-back unpauses someone
@@ -167,6 +167,17 @@ class ControlSocket:
         if c.out:
             self._watch(c)
         return True
+
+    def _evicted(self, out: Outbox, why: str) -> None:
+        """(Outboxes) ``out``'s queue was dropped for another connection's reply: its
+        connection is closed, after the reply being sent (a loop callback, not inside it)."""
+        c = next((c for c in self._conns.values() if c.out is out), None)
+        if c is None:
+            return
+        if self._loop is None:
+            self._not_reading(c, NotReading(why))
+        else:
+            self._loop.call_soon(self._not_reading, c, NotReading(why))
 
     def _not_reading(self, c: Conn, e: NotReading) -> None:
         self.counts["not_reading"] += 1

@@ -1,9 +1,12 @@
 """A control connection's replies not yet written (daemon/control_socket.py).
 
 What a peer does not read is queued, up to ``MAX_OUT_BYTES`` a connection and
-``MAX_OUT_TOTAL`` over all of them (small pieces coalesced, so the count is the memory);
-past either, :class:`NotReading` says the connection is to be closed. Used from the
-loop's thread only.
+``MAX_OUT_TOTAL`` over all of them (small pieces coalesced, so the count is the memory).
+Past a connection's own cap, :class:`NotReading` says it is to be closed. Past the total,
+the connection with the most bytes queued goes: when that is another one, its queue is
+dropped and the owner's ``evict`` callback closes it (so that peers who do not read cannot
+get a reading one closed); when it is this one, :class:`NotReading`. Used from the loop's
+thread only.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import collections
 import itertools
 
 MAX_OUT_BYTES = 64 << 20  # replies queued to one connection
-MAX_OUT_TOTAL = 128 << 20  # and to all of them: past either, the connection being sent to is closed
+MAX_OUT_TOTAL = 128 << 20  # and to all of them
 IOV_MAX = 512
 SMALL_PIECE = 4096  # pieces under this are copied into one bytearray
 PIECES_INTO = 1 << 20  # ... of at most this many bytes
@@ -24,13 +27,29 @@ class NotReading(Exception):
 
 
 class Outboxes:
-    """Every connection's :class:`Outbox`, through the bytes queued in all of them."""
+    """Every connection's :class:`Outbox`, through the bytes queued in all of them.
+    ``evict(outbox, why)``: close the connection of ``outbox``, whose queue was dropped to
+    make room under the total (None: the connection being sent to is closed instead)."""
 
-    def __init__(self):
+    def __init__(self, evict=None):
         self.total = 0  # bytes queued, all connections
+        self.evict = evict
+        self.queued: set = set()  # the outboxes holding bytes
 
     def new(self, sock) -> Outbox:
         return Outbox(sock, self)
+
+    def make_room(self, me: Outbox, n: int) -> None:
+        """Drop the heaviest other queues until ``n`` more bytes fit the total;
+        :class:`NotReading` when ``me`` (its queue plus ``n``) would be the heaviest."""
+        while self.total + n > MAX_OUT_TOTAL:
+            victim = max((o for o in self.queued if o is not me), key=lambda o: o.bytes, default=None)
+            if self.evict is None or victim is None or victim.bytes < me.bytes + n:
+                raise NotReading(f"{me.bytes + n} bytes of replies it does not read ({self.total + n} queued in all)")
+            why = (f"{victim.bytes} bytes of replies it does not read, the most of any connection, dropped to make "
+                   f"room for another's reply ({self.total + n} queued in all)")
+            victim.clear()
+            self.evict(victim, why)
 
 
 class Outbox:
@@ -66,9 +85,10 @@ class Outbox:
 
     def _queue(self, bufs: list) -> None:
         n = sum(len(b) for b in bufs)
-        if self.bytes + n > MAX_OUT_BYTES or self._everyone.total + n > MAX_OUT_TOTAL:
+        if self.bytes + n > MAX_OUT_BYTES:
             raise NotReading(f"{self.bytes + n} bytes of replies it does not read ({self._everyone.total + n} "
                              "queued in all)")
+        self._everyone.make_room(self, n)
         q = self._bufs
         for b in bufs:  # small pieces into one bytearray: a Python object each would cost more than its bytes
             if len(b) < SMALL_PIECE and q and type(q[-1]) is bytearray and len(q[-1]) < PIECES_INTO:
@@ -79,6 +99,7 @@ class Outbox:
                 q.append(b)
         self.bytes += n
         self._everyone.total += n
+        self._everyone.queued.add(self)
 
     def flush(self) -> None:
         """Write what the socket takes now. ``OSError``: the socket failed."""
@@ -99,10 +120,13 @@ class Outbox:
                 else:
                     q[0] = memoryview(b)[sent:]
                     sent = 0
+        if not q:
+            self._everyone.queued.discard(self)
 
     def clear(self) -> None:
         """Forget what is queued (the connection is closed)."""
         self._everyone.total -= self.bytes
+        self._everyone.queued.discard(self)
         self._bufs.clear()
         self.bytes = 0
 
