@@ -29,7 +29,9 @@ log = logging.getLogger("sparsekv.cuda")
 
 
 class DeviceWorker:
-    """One GPU: its copy stream, its arena, its compiled kernels."""
+    """One GPU: its copy stream (the zmq ranks' resolves and gathers), its bulk stream
+    (keys loads: a cached prefix's gigabyte never waits in front of a gather), its arena,
+    its compiled kernels."""
 
     def __init__(self, ordinal: int, arena_bytes: int, kernels):
         import cupy as cp  # noqa: PLC0415
@@ -44,12 +46,14 @@ class DeviceWorker:
                     f"{arena_bytes >> 20} MiB; lower --device-arena-size"
                 )
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self.bulk_stream = cp.cuda.Stream(non_blocking=True)
             self.arena = DeviceArena(ordinal, arena_bytes)
             self.kernels = kernels
             kernels.warm()  # compile (or load) every module before the daemon says READY
 
     def close(self) -> None:
         self.stream.synchronize()
+        self.bulk_stream.synchronize()
         self.arena.close()
 
 

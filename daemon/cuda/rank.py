@@ -216,7 +216,7 @@ class CudaRankState(RankState):
         caller's to read, ``dst["bytes"]`` enough) copied from the engine's page-locked keys
         plane into its exported buffer ``dst`` (block ``i`` of ``ids`` at ``dst["offset"] + i
         * block_bytes``), one ``cudaMemcpyAsync`` a run of consecutive blocks (cut where a
-        registered chunk ends), on the GPU's copy stream after the client's ``fence``; then
+        registered chunk ends), on the GPU's bulk stream after the client's ``fence``; then
         the rank's keys event is recorded. Every offset and size is checked before anything
         is enqueued; nothing is waited for. Returns the reply's ``event`` (its IPC handle)."""
         cp = self._cp
@@ -230,7 +230,7 @@ class CudaRankState(RankState):
             raise ResidencyError("BAD_ARGUMENT", f"dst [{off}, {off + nbytes}) passes the end of its allocation "
                                  f"({target.alloc_bytes} bytes)")
         copies = space.keys_copies(ids, self.pinned, target.ptr + off)
-        stream = self.worker.stream
+        stream = self.worker.bulk_stream
         with cp.cuda.Device(self.worker.ordinal):
             if self._keys_event is None:
                 self._keys_event = EventRing(self.worker.ordinal, 1)
@@ -346,6 +346,7 @@ class CudaRankState(RankState):
 
     def quiesce(self) -> None:
         self.worker.stream.synchronize()
+        self.worker.bulk_stream.synchronize()  # a keys load may still read blocks about to be zeroed
 
     def counters(self) -> dict:
         """Counters (the prefetch's too) from the pinned mirrors the device step copies out
@@ -392,7 +393,7 @@ class CudaRankState(RankState):
             self.engine_slab.close()
             self.engine_slab = None
         if self._keys_targets or self._keys_event is not None:
-            self.worker.stream.synchronize()  # its loads' copies write them
+            self.worker.bulk_stream.synchronize()  # its loads' copies write them
             for target in self._keys_targets.values():
                 target.close()
             self._keys_targets = {}
