@@ -48,6 +48,18 @@ LAY = Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=4, h
              index_groups=((0, 1),)).validate()  # the tests' store: 16 blocks of 4 rows
 BS = 4
 INDEX_BYTES = 12  # the tests' indexer keys plane: 12 bytes a position and layer
+KEYS = (LAY.num_layers, BS, INDEX_BYTES)  # one block's keys
+
+
+def attach_keys(c: Client, engine: str = "m", index_bytes: int = INDEX_BYTES):
+    """``c`` attached to ``engine`` with a block store and a keys plane; its ``blocks``."""
+    c.attach(LAY, engine=engine, block_size=BS, index_bytes=index_bytes)
+    return c.blocks
+
+
+def keys_of(seed: int, n: int) -> np.ndarray:
+    """``n`` blocks' keys of random bytes."""
+    return np.random.default_rng(seed).integers(0, 256, (n, *KEYS), dtype=np.uint8)
 
 
 def tokens(seed: int, n_blocks: int) -> list[int]:

@@ -12,9 +12,13 @@ READY = zmtp.command(b"READY", zmtp.properties(Socket_Type=b"DEALER"))
 
 
 
-def raw_peer(path: str) -> socket.socket:
-    """A connection past the ZMTP handshake (the daemon's greeting and READY read)."""
+def raw_peer(path: str, rcvbuf: int | None = None) -> socket.socket:
+    """A connection past the ZMTP handshake (the daemon's greeting and READY read);
+    ``rcvbuf``: its receive buffer's size (small: what it does not read stays queued in
+    the daemon)."""
     s = socket.socket(socket.AF_UNIX)
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     s.connect(path)
     s.settimeout(10)
     s.sendall(GREETING + READY)
@@ -52,15 +56,3 @@ def hello(s: socket.socket, name: str = "attacker") -> dict:
     return read_reply(s)
 
 
-def raw_peer_small(path: str) -> socket.socket:
-    """:func:`raw_peer` with a small receive buffer: what it does not read stays queued in
-    the daemon."""
-    s = socket.socket(socket.AF_UNIX)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(path)
-    s.settimeout(10)
-    s.sendall(GREETING + READY)
-    got = b""
-    while len(got) < len(zmtp.GREETING) + len(zmtp.READY):
-        got += s.recv(4096)
-    return s

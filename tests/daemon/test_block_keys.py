@@ -14,7 +14,7 @@ import pytest
 
 import cli_inproc
 import helpers
-from block_engine import BS, INDEX_BYTES, LAY, Engine, tokens
+from block_engine import BS, INDEX_BYTES, KEYS, LAY, Engine, attach_keys, keys_of, tokens
 from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolFull, QuotaExceeded
 from sparsekv.daemon import engine as daemon_engine
 from sparsekv.daemon.engine import EngineSpace
@@ -22,22 +22,12 @@ from sparsekv.embedded.inproc import InprocClient
 from sparsekv.proto import LIMITS, ErrorCode, Limits, MsgType
 from sparsekv.proto.blocks import KEYS_ALIGN_BYTES, MAX_INDEX_BYTES, KeysPlane
 
-KEYS = (LAY.num_layers, BS, INDEX_BYTES)  # one block's keys
 
 
 @pytest.fixture
 def daemon():
     with helpers.serving_daemon(4 << 20) as d:
         yield d
-
-
-def attach(c, engine="m", index_bytes=INDEX_BYTES):
-    c.attach(LAY, engine=engine, block_size=BS, index_bytes=index_bytes)
-    return c.blocks
-
-
-def keys_of(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, *KEYS), dtype=np.uint8)
 
 
 def test_a_restarted_engine_reads_the_keys_another_engine_committed(daemon):
@@ -65,7 +55,7 @@ def test_a_restarted_engine_reads_the_keys_another_engine_committed(daemon):
 
 def test_the_plane_lies_after_the_rows_block_major_and_goes_with_the_range(daemon):
     with Client(daemon.run_dir) as c:
-        blocks = attach(c)
+        blocks = attach_keys(c)
         space = daemon.engines.space("m")
         plane = KeysPlane.of(LAY, BS, INDEX_BYTES)
         assert plane.offset == -(-LAY.pool_bytes // KEYS_ALIGN_BYTES) * KEYS_ALIGN_BYTES
@@ -90,8 +80,8 @@ def test_keys_round_trip_whether_copied_on_a_worker_or_on_the_loop(daemon, heavy
         monkeypatch.setattr(EngineSpace, name, lambda self, *a, copy=copy: (threads.append(threading.current_thread()),
                                                                              copy(self, *a))[1])
     with Client(daemon.run_dir) as c, Client(daemon.run_dir) as other:
-        blocks = attach(c)
-        attach(other)
+        blocks = attach_keys(c)
+        attach_keys(other)
         mine = blocks.alloc(3)
         assert blocks.write_keys(mine, keys_of(11, 3)) == 3 * np.prod(KEYS)
         with pytest.raises(BadRequest, match="not private"):  # refused before any copy
@@ -103,7 +93,7 @@ def test_keys_round_trip_whether_copied_on_a_worker_or_on_the_loop(daemon, heavy
 
 def test_keys_are_written_only_into_the_writers_private_blocks(daemon):
     with Client(daemon.run_dir) as a, Client(daemon.run_dir) as b:
-        ka, kb = attach(a), attach(b)
+        ka, kb = attach_keys(a), attach_keys(b)
         mine = ka.alloc(2)
         with pytest.raises(BadRequest, match="not private to this session"):
             kb.write_keys(mine[:1], keys_of(1, 1))  # another client's block
@@ -127,7 +117,7 @@ def test_keys_are_written_only_into_the_writers_private_blocks(daemon):
 
 def test_keys_of_the_wrong_size_or_type_are_refused_before_anything_is_written(daemon):
     with Client(daemon.run_dir) as c:
-        blocks = attach(c)
+        blocks = attach_keys(c)
         mine = blocks.alloc(2)
         for bad in (keys_of(1, 1), keys_of(1, 2)[:, :, :, :-1], np.zeros((2, BS, INDEX_BYTES * LAY.num_layers), np.uint8)):
             with pytest.raises(BadRequest, match="keys must be uint8"):
@@ -144,7 +134,7 @@ def test_keys_of_the_wrong_size_or_type_are_refused_before_anything_is_written(d
 
 def test_keys_requests_over_the_byte_limit_are_too_large_and_reads_are_split(daemon, monkeypatch):
     with Client(daemon.run_dir) as c:
-        blocks = attach(c)
+        blocks = attach_keys(c)
         mine = blocks.alloc(5)
         block_bytes = int(np.prod(KEYS))
         blocks.write_keys(mine, keys_of(5, 5))
@@ -166,7 +156,7 @@ def test_keys_requests_over_the_byte_limit_are_too_large_and_reads_are_split(dae
 
 def test_keys_are_zeroed_when_their_block_is_freed_or_evicted(daemon):
     with Client(daemon.run_dir) as c:
-        blocks = attach(c)
+        blocks = attach_keys(c)
         mine = blocks.alloc(16)  # the whole store
         blocks.write_keys(mine, keys_of(7, 16))
         keys = blocks.hashes(tokens(10, 1))
@@ -192,7 +182,7 @@ def test_attach_checks_the_keys_plane_before_allocating(daemon):
         with pytest.raises(PoolFull, match="exceeds the whole pool of 4MiB"):  # 8 MiB of keys, a 4 MiB pool
             c.attach(LAY, engine="m", block_size=BS, index_bytes=MAX_INDEX_BYTES)
         assert "m" not in daemon.engines and daemon.pool.used_bytes == 0
-        attach(c, engine="m")
+        attach_keys(c, engine="m")
         with Client(daemon.run_dir) as other:
             with pytest.raises(LayoutMismatch, match="indexer keys of 12 bytes"):
                 other.attach(LAY, engine="m", block_size=BS, index_bytes=16)
@@ -214,12 +204,12 @@ def test_the_keys_plane_counts_against_the_uid_pool_quota():
         with pytest.raises(QuotaExceeded, match="max_pool_bytes_per_uid"):
             c.attach(LAY, engine="m", block_size=BS, index_bytes=16 << 10)
         assert d.pool.used_bytes == 0
-        attach(c, engine="m", index_bytes=16)
+        attach_keys(c, engine="m", index_bytes=16)
 
 
 def test_the_keys_counters_in_the_metrics_and_the_plane_in_the_listing(daemon):
     with Client(daemon.run_dir) as c:
-        blocks = attach(c)
+        blocks = attach_keys(c)
         mine = blocks.alloc(2)
         blocks.write_keys(mine, keys_of(1, 2))
         blocks.read_keys(mine[:1])
@@ -234,7 +224,7 @@ def test_the_keys_counters_in_the_metrics_and_the_plane_in_the_listing(daemon):
 
 def test_the_in_process_store_has_the_same_keys_plane():
     with InprocClient() as c:
-        blocks = attach(c)
+        blocks = attach_keys(c)
         mine = blocks.alloc(2)
         blocks.write_keys(mine, keys_of(1, 2))
         blocks.commit(mine, blocks.hashes(tokens(1, 2)))

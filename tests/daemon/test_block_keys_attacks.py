@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import helpers
 import zmtp_peer
-from block_engine import BS, INDEX_BYTES, LAY, Engine, tokens
+from block_engine import BS, INDEX_BYTES, KEYS, LAY, Engine, tokens
 from helpers import request
 from sparsekv.client import BadRequest, Client
 from sparsekv.daemon.blocks.contract import BlockError, BlockStoreModel, UidLedger
@@ -29,7 +29,6 @@ from sparsekv.daemon.engine import EngineSpace
 from sparsekv.embedded.inproc import InprocClient
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, encode
 
-KEYS = (LAY.num_layers, BS, INDEX_BYTES)  # one block's keys
 N_BLOCKS = LAY.host_rows // BS
 
 
@@ -203,7 +202,7 @@ def test_an_engine_not_reading_its_keys_replies_does_not_get_others_disconnected
         [b] = good.blocks.alloc(1)
         hostile = []
         for i in range(2):  # two connections of one hostile engine, each under MAX_OUT_BYTES (64 MiB)
-            s = zmtp_peer.raw_peer_small(os.path.join(daemon.run_dir, "control.sock"))
+            s = zmtp_peer.raw_peer(os.path.join(daemon.run_dir, "control.sock"), rcvbuf=4096)
             assert zmtp_peer.hello(s, f"h{i}")["ok"]
             zmtp_peer.send_message(s, *encode(MsgType.ATTACH, 2, {"engine": "h", "layout": LAY.to_wire(), "blocks": {
                 "block_size": BS, "index_bytes": 1 << 16}}))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import helpers
-from block_engine import BS, INDEX_BYTES, LAY, Engine, tokens
+from block_engine import BS, INDEX_BYTES, KEYS, LAY, Engine, attach_keys, keys_of, tokens
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.client import BadRequest, Client, NotAttached
 from sparsekv.client.engine_slab import EngineSlab
@@ -21,7 +21,6 @@ from sparsekv.embedded.inproc import InprocClient
 from sparsekv.proto import MsgType
 from sparsekv.proto import fd_socket
 
-KEYS = (LAY.num_layers, BS, INDEX_BYTES)  # one block's keys
 BLOCK_BYTES = int(np.prod(KEYS))
 
 
@@ -29,15 +28,6 @@ BLOCK_BYTES = int(np.prod(KEYS))
 def daemon():
     with helpers.serving_daemon(4 << 20) as d:
         yield d
-
-
-def attach(c, engine="m", index_bytes=INDEX_BYTES):
-    c.attach(LAY, engine=engine, block_size=BS, index_bytes=index_bytes)
-    return c.blocks
-
-
-def keys_of(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, *KEYS), dtype=np.uint8)
 
 
 def loaded(buf: EngineSlab, n: int) -> np.ndarray:
@@ -52,7 +42,7 @@ def test_keys_land_in_the_engines_buffer_in_list_order_one_copy_a_run(daemon, he
     monkeypatch.setattr(EngineSpace, "copy_keys_to",
                         lambda self, *a: (threads.append(threading.current_thread()), copy(self, *a))[1])
     with Client(daemon.run_dir) as c:
-        blocks = attach(c)
+        blocks = attach_keys(c)
         mine = blocks.alloc(6)
         blocks.write_keys(mine, keys_of(1, 6))
         order = mine[[3, 4, 5, 0, 1]]  # two runs of consecutive blocks
@@ -72,7 +62,7 @@ def test_keys_land_in_the_engines_buffer_in_list_order_one_copy_a_run(daemon, he
 
 def test_a_load_at_an_offset_fills_only_its_span(daemon):
     with Client(daemon.run_dir) as c:
-        blocks = attach(c)
+        blocks = attach_keys(c)
         mine = blocks.alloc(2)
         blocks.write_keys(mine, keys_of(2, 2))
         buf = EngineSlab.shared_memory(4 * BLOCK_BYTES)
@@ -100,7 +90,7 @@ def test_a_restarted_engine_loads_the_keys_another_engine_committed(daemon):
 
 def test_only_blocks_the_loader_may_read_are_loaded(daemon):
     with Client(daemon.run_dir) as a, Client(daemon.run_dir) as b:
-        ka, kb = attach(a), attach(b)
+        ka, kb = attach_keys(a), attach_keys(b)
         mine = ka.alloc(2)
         ka.write_keys(mine, keys_of(3, 2))
         buf = EngineSlab.shared_memory(2 * BLOCK_BYTES)
@@ -120,7 +110,7 @@ def test_only_blocks_the_loader_may_read_are_loaded(daemon):
 
 def test_a_bad_destination_is_refused_before_anything_is_deposited_or_copied(daemon):
     with Client(daemon.run_dir) as c:
-        blocks = attach(c)
+        blocks = attach_keys(c)
         mine = blocks.alloc(2)
         blocks.write_keys(mine, keys_of(4, 2))
         small = EngineSlab.shared_memory(2 * BLOCK_BYTES - 1)
@@ -166,7 +156,7 @@ def test_a_bad_destination_is_refused_before_anything_is_deposited_or_copied(dae
 def test_a_load_needs_a_keys_plane_an_attached_rank_and_a_daemon(daemon):
     buf = EngineSlab.shared_memory(BLOCK_BYTES)
     with Client(daemon.run_dir) as c:
-        blocks = attach(c, engine="plain", index_bytes=0)
+        blocks = attach_keys(c, engine="plain", index_bytes=0)
         [b] = blocks.alloc(1)
         with pytest.raises(BadRequest, match="without index_bytes"):
             blocks.load_keys([b], buf)
@@ -225,7 +215,7 @@ def test_cuda_a_load_waits_for_the_engines_stream_and_the_engine_reads_right_aft
 
     with PrivateDaemon(pool_bytes=64 << 20, backend="cuda", extra_args=["--device-arena-size", "2GiB"]) as d:
         with Client(d.run_dir, device="cuda:0") as plain:
-            blocks = attach(plain, engine="nofence")
+            blocks = attach_keys(plain, engine="nofence")
             [b] = blocks.alloc(1)
             with pytest.raises(BadRequest, match="fence=True"):
                 blocks.load_keys([b], torch.zeros(BLOCK_BYTES, dtype=torch.uint8, device="cuda:0"))
