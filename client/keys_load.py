@@ -9,8 +9,8 @@ each call. The daemon imports an allocation once and keeps it while the rank is 
 (at most ``LIMITS.max_keys_targets``, 8, a rank: load into buffers the engine keeps), and
 this client keeps a reference to the last tensor loaded into each, so that torch frees
 none of them meanwhile (the daemon must close its mapping first).
-The copies (one ``cudaMemcpyAsync`` a run of consecutive blocks, on the daemon's copy
-stream) start after the work queued so far on the current stream (a fence event: attach
+The copies (one ``cudaMemcpyAsync`` a run of consecutive blocks, on the daemon's bulk
+stream of the GPU) start after the work queued so far on the current stream (a fence event: attach
 with ``fence=True``), and the current stream waits on the daemon's event behind them
 before anything enqueued after ``load_keys`` returns; the host waits for the reply only,
 never for the copies.
