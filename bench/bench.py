@@ -36,6 +36,11 @@ GPU_BENCHES = ("cuda_transport", "kernels", "latest")  # need CuPy and a GPU (de
 ALONE = {"decode": decode.run_args, "serve": serve.run_args, "kernels": kernels.run_args, "latest": latest.run_args}
 FILE_OPTIONS = {"decode": ("--json", "--plot", "--daemon-log"), "serve": ("--json", "--plot", "--daemon-log"),
                 "kernels": ("--json",), "latest": ("--json", "--merge")}
+# The benches that read each option group (its file options aside: FILE_OPTIONS); an option
+# of a group given to another bench is refused, never ignored. Filled by add_arguments.
+READERS = {"decode": ("decode",), "serve": ("serve",), "kernels": ("kernels",), "latest": ("latest",)}
+SERVE_READS = {"batches", "modes", "steps", "hits", "quick", "block_size", "layer_overlap", "gather_blocks", "seed"}
+_GROUP_ACTIONS: dict[str, list] = {}
 
 
 def _median_s(fn, reps: int) -> float:
@@ -151,13 +156,28 @@ def add_arguments(p) -> None:
                    help="cuda_transport: the ZeroMQ I/O threads as installed (not placed), on warm CPUs (the last "
                         "two this process may use, kept warm by the daemon; deploy/README.md \"Warm CPUs\"), or "
                         "both, one run each (warm only with 4 CPUs or more)")
-    decode.add_arguments(p.add_argument_group("decode options (sparsekv bench decode ...)"))
-    serve.add_arguments(p.add_argument_group(
-        "serve options (sparsekv bench serve ...; it also reads --batches, --modes, --steps, --hits, --quick, "
-        "--block-size, --layer-overlap, --gather-blocks, --seed, --json, --plot, --daemon-log above, with its own "
-        "defaults)"))
-    kernels.add_arguments(p.add_argument_group("kernels options (sparsekv bench kernels ...)"))
-    latest.add_arguments(p.add_argument_group("latest options (sparsekv bench latest ...)"))
+    groups = {"decode": (decode, "decode options (sparsekv bench decode ...)"),
+              "serve": (serve, "serve options (sparsekv bench serve ...; it also reads --batches, --modes, --steps, "
+                               "--hits, --quick, --block-size, --layer-overlap, --gather-blocks, --seed, --json, "
+                               "--plot, --daemon-log above, with its own defaults)"),
+              "kernels": (kernels, "kernels options (sparsekv bench kernels ...)"),
+              "latest": (latest, "latest options (sparsekv bench latest ...)")}
+    files = {f for flags in FILE_OPTIONS.values() for f in flags}
+    for name, (module, title) in groups.items():
+        g = p.add_argument_group(title)
+        module.add_arguments(g)
+        _GROUP_ACTIONS[name] = [act for act in g._group_actions if not files & set(act.option_strings)]
+
+
+def _foreign_option(a, which: list[str]) -> str | None:
+    """The first option given (not at its default) that none of ``which`` reads, and who
+    reads it; None when there is none."""
+    for group, actions in _GROUP_ACTIONS.items():
+        for act in actions:
+            readers = READERS[group] + (("serve",) if group == "decode" and act.dest in SERVE_READS else ())
+            if not set(which) & set(readers) and getattr(a, act.dest, act.default) != act.default:
+                return f"{act.option_strings[-1]} is an option of sparsekv bench {' or '.join(readers)}"
+    return None
 
 
 def run_args(a) -> int:
@@ -172,6 +192,9 @@ def run_args(a) -> int:
                        f"{', '.join(CPU_BENCHES + MORE_CPU_BENCHES + GPU_BENCHES + ('decode', 'serve'))}")
     if alone and len(which) != 1:
         return _refuse("sparsekv bench", f"{alone[0]} runs alone (sparsekv bench {alone[0]} [options])")
+    why = _foreign_option(a, which)
+    if why:
+        return _refuse(what, why)
     if a.io != "both" and "cuda_transport" not in which:
         return _refuse("sparsekv bench", "--io is an option of cuda_transport")
     for flag, path in (("--json", a.json_path), ("--plot", a.plot_path), ("--daemon-log", a.daemon_log),

@@ -154,3 +154,16 @@ def test_latest_merges_the_figures_and_keeps_what_ran_before_a_failure(tmp_path,
     assert d["zmq_handoff_cold_p50_us"] == 200.0 and d["zmq_handoff_p50_us"] == 150.0
     assert d["cuda_transport_zmq_handoff_p50_us"] == 200.0 and d["cuda_transport_warm_io_zmq_handoff_p50_us"] == 150.0
     assert not any(k.startswith("cuda_transport_dw_run_") for k in d) and "cuda_transport_io_cpus" not in d
+
+
+@pytest.mark.parametrize("argv, err", [
+    (["decode", "--region-rows", "3000"], "sparsekv bench decode: --region-rows is an option of sparsekv bench serve"),
+    (["resolve", "--contexts", "32k"], "sparsekv bench resolve: --contexts is an option of sparsekv bench serve"),
+    (["kernels", "--batches", "4"], "sparsekv bench kernels: --batches is an option of sparsekv bench decode or serve"),
+    (["serve", "--paired"], "sparsekv bench serve: --paired is an option of sparsekv bench decode"),
+    (["latest", "--pool-gib", "3"], "sparsekv bench latest: --pool-gib is an option of sparsekv bench kernels"),
+    (["decode", "--kernels-quick"], "sparsekv bench decode: --kernels-quick is an option of sparsekv bench kernels"),
+])
+def test_options_of_other_benches_are_refused_not_ignored(capsys, argv, err):
+    assert main(["bench", *argv]) == 2
+    assert capsys.readouterr().err == err + "\n"
