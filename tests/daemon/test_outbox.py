@@ -1,10 +1,16 @@
-"""daemon/outbox.py: past the total of queued replies the connection with the most bytes
+"""daemon/outbox.py (and its eviction callback in control_socket.py): past the total of queued replies the connection with the most bytes
 queued goes, the one being sent to only when it would be the heaviest; past its own cap a
 connection goes whatever the others hold."""
 
+import socket
+from types import SimpleNamespace
+
 import pytest
 
+import helpers
+import zmtp_peer
 from sparsekv.daemon import outbox
+from sparsekv.daemon.control_socket import ControlSocket
 from sparsekv.daemon.outbox import NotReading, Outboxes
 
 
@@ -116,3 +122,26 @@ def test_two_light_non_readers_do_not_get_a_heavier_reader_closed(small_caps):
     hostile[0].write([b"h" * 550])
     hostile[1].write([b"h" * 360])  # 1510 > 1500: the reader (600) is the heaviest one
     assert reader not in evicted
+
+
+def test_a_connection_gone_before_its_eviction_is_carried_out_is_not_counted_again(tmp_path):
+    """Its queue dropped for another's reply, its close left to the loop; the peer hangs up
+    first: the loop's callback finds it gone and counts and logs nothing more."""
+    callbacks = []
+    loop = SimpleNamespace(call_soon=lambda f, *a: callbacks.append((f, a)))
+    path = str(tmp_path / "control.sock")
+    cs = ControlSocket(path, on_message=lambda *a: None, on_closed=lambda ident: None).open(loop)
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        s.sendall(zmtp_peer.GREETING + zmtp_peer.READY)
+        helpers.wait_for(lambda: cs.poll() >= 0 and len(cs._conns) == 1, what="the connection admitted")
+        [c] = cs._conns.values()
+        cs._evicted(c.out, "dropped for another's reply")
+        s.close()
+        helpers.wait_for(lambda: cs.poll() >= 0 and not cs._conns, what="the hang-up seen")
+        for f, a in callbacks:
+            f(*a)
+        assert cs.counts["not_reading"] == 0
+    finally:
+        cs.close()
