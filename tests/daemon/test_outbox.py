@@ -1,6 +1,7 @@
-"""daemon/outbox.py (and its eviction callback in control_socket.py): past the total of queued replies the connection with the most bytes
-queued goes, the one being sent to only when it would be the heaviest; past its own cap a
-connection goes whatever the others hold."""
+"""daemon/outbox.py and its eviction callback (daemon/control_socket.py): past the total
+of queued replies the connection with the most bytes queued goes, the one being sent to
+only when it would be the heaviest; past its own cap a connection goes whatever the others
+hold. An evicted connection takes no more replies and is closed once."""
 
 import socket
 from types import SimpleNamespace
