@@ -310,3 +310,48 @@ def test_inproc_in_orders_step_order_accepts_equals_the_cpu_backend(case, prefet
         assert run_checked_step(h, ref, order, t, sr, tk, stop_after=stop if t % 2 else None) == [], f"step {t}"
         assert_state_is_the_backends(h, ref, f"{name} step {t}")
     assert (ref.prefetched > 0) == prefetch
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_on_the_gpu_inproc_interrupted_steps_and_late_followers_equal_the_cpu_backend(prefetch):
+    """InprocSwapIn itself, index groups ((0, 3, 4), (1, 5), (2,)) in layer order, every
+    other step interrupted after two swap_ins and ended by ``finish_step``: each layer's
+    indices point at the bytes of its top-k's host rows, and the handle's counters (hits,
+    misses, prefetched, prefetch hits and wasted) are CpuResidency's after the same resolves
+    and prefetches (a ring of ``finish_step`` resolves an empty batch: nothing)."""
+    import torch
+
+    lay = Layout(num_layers=6, row_bytes=656, top_k=32, region_stride=64, max_reqs=4, host_rows=2048,
+                 index_groups=((0, 3, 4), (1, 5), (2,)), max_batch=4).validate()
+    h, ref = InprocSwapIn(lay, prefetch=prefetch), CpuResidency(lay)
+    so = StepOrder(lay.groups)
+    hits = misses = 0
+    try:
+        for layer in range(lay.num_layers):
+            h.pool[layer] = pattern(layer, np.arange(lay.host_rows), lay.row_bytes)
+        for t, (sr, tk) in enumerate(steps(lay, 6, 9)):
+            state = torch.as_tensor(sr).cuda()
+            h.begin_step(state)
+            for layer in range(lay.num_layers)[:2 if t % 2 else None]:
+                g = so.group_of[layer]
+                if layer == lay.groups[g][0]:
+                    want = ref.resolve(g, sr, tk[g])
+                    hits, misses = hits + want.hits, misses + int(want.misses.sum())
+                    if prefetch and g + 1 < lay.num_groups:
+                        ref.prefetch(g + 1, sr, tk[g])
+                idx = h.swap_in(state, None, torch.as_tensor(tk[g]).cuda(), layer=layer)
+                torch.cuda.synchronize()
+                idx = idx.cpu().numpy()
+                ok = idx >= 0
+                got = h.kv(layer)[torch.as_tensor(idx[ok]).long().cuda()].cpu().numpy()
+                np.testing.assert_array_equal(got, pattern(layer, tk[g][ok], lay.row_bytes),
+                                              err_msg=f"step {t} layer {layer}")
+            h.finish_step()
+            h.check()
+            c = h.counters()
+            assert (c["hits"], c["misses"], c["prefetched"], c["prefetch_hits"], c["prefetch_wasted"]) == \
+                (hits, misses, ref.prefetched, ref.prefetch_hits, ref.prefetch_wasted), f"step {t}"
+        assert (ref.prefetch_hits > 0) == prefetch
+    finally:
+        h.close()
