@@ -180,6 +180,8 @@ class ControlSocket:
             self._loop.call_soon(self._not_reading, c, NotReading(why))
 
     def _not_reading(self, c: Conn, e: NotReading) -> None:
+        if self._by_ident.get(c.ident) is not c:
+            return  # gone already (an eviction's callback after the peer hung up)
         self.counts["not_reading"] += 1
         self.rlog.log("not reading", logging.WARNING, "control connection of pid %d uid %d closed: %s", c.peer.pid,
                       c.peer.uid, e)

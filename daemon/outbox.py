@@ -4,14 +4,15 @@ What a peer does not read is queued, up to ``MAX_OUT_BYTES`` a connection and
 ``MAX_OUT_TOTAL`` over all of them (small pieces coalesced, so the count is the memory).
 Past a connection's own cap, :class:`NotReading` says it is to be closed. Past the total,
 the connection with the most bytes queued goes: when that is another one, its queue is
-dropped and the owner's ``evict`` callback closes it (so that peers who do not read cannot
-get a reading one closed); when it is this one, :class:`NotReading`. Used from the loop's
-thread only.
+dropped, it takes no more (its stream was cut mid-message), and the owner's ``evict``
+callback closes it (so that peers who do not read cannot get a reading one closed); when
+it is this one, :class:`NotReading`. Used from the loop's thread only.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 
 MAX_OUT_BYTES = 64 << 20  # replies queued to one connection
@@ -49,6 +50,7 @@ class Outboxes:
             why = (f"{victim.bytes} bytes of replies it does not read, the most of any connection, dropped to make "
                    f"room for another's reply ({self.total + n} queued in all)")
             victim.clear()
+            victim.evicted = True
             self.evict(victim, why)
 
 
@@ -65,6 +67,7 @@ class Outbox:
         self._everyone = everyone
         self._bufs: collections.deque = collections.deque()
         self.bytes = 0  # queued here
+        self.evicted = False  # its queue was dropped for another's: its connection is being closed
 
     def __bool__(self) -> bool:
         return bool(self._bufs)
@@ -72,7 +75,10 @@ class Outbox:
     def write(self, bufs: list) -> None:
         """Send one message's buffers after what is queued: what the socket takes at once
         when nothing is queued, the rest queued. ``OSError``: the socket failed;
-        :class:`NotReading`: the rest would pass a cap (neither queues anything)."""
+        :class:`NotReading`: the rest would pass a cap (neither queues anything). An evicted
+        outbox takes nothing (``OSError``): its stream was cut mid-message."""
+        if self.evicted:
+            raise OSError(errno.EPIPE, "the connection's replies were dropped to make room for another's")
         if not self._bufs:
             try:
                 sent = self.sock.sendmsg(bufs[:IOV_MAX])

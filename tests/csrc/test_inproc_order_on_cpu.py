@@ -1,13 +1,14 @@
 """What ``InprocSwapIn`` (embedded/inproc_cuda.py) enqueues at its hand-off points
-(``_rang``: the group's resolve; ``_ready``: the layer's gather, after a group's last layer
-the prefetch into the next group), run on the kernel emulator: the real ``DeviceStep``
+(``_rang``: the group's resolve, the gather of all its layers, with prefetch the prefetch
+into the next group; ``_ready``: nothing), run on the kernel emulator: the real ``DeviceStep``
 over a residency and a mover whose launches run ``skv_resolve``, ``skv_prefetch`` and
 ``skv_gather`` on NumPy arrays laid out as ``RankBuffers`` lays them out.
 
 The engine's order is the one ``client/step_order.py`` accepts and client/README.md
 describes: a follower layer of group g may be swapped in after group g + 1's leader ("an
 index stays valid until the group leader's next swap_in"). After each layer's swap_in, the
-rows its indices name must be in that layer's slab.
+rows its indices name must be in that layer's slab, and the residency state and prefetch
+counters ``CpuResidency``'s (daemon/residency/cpu.py) after the same resolves and prefetches.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from sparsekv.bench.verify import pattern
 from sparsekv.client.step_order import StepOrder
 from sparsekv.daemon.cuda.buffers import prefetch_layers
 from sparsekv.daemon.cuda.step import DeviceStep
+from sparsekv.daemon.residency.cpu import CpuResidency
 from sparsekv.daemon.residency.cuda import prefetch_workspace_bytes
 from sparsekv.embedded.inproc_cuda import InprocSwapIn
 from sparsekv.proto import Layout
@@ -215,5 +217,141 @@ def test_on_the_gpu_inproc_follower_after_the_next_leader_reads_its_rows(prefetc
                 want = pattern(layer, ids[ok], lay.row_bytes)
                 np.testing.assert_array_equal(got, want, err_msg=f"step {t} layer {layer}")
             h.check()
+    finally:
+        h.close()
+
+
+def regrouped(lay, groups):
+    return type(lay)(**{**lay.__dict__, "index_groups": groups}).validate()
+
+
+def ring(h, ref, g, step, state_rows, topk):
+    """A group's TOPK block and ``_rang``, and what the cpu backend does for it (the
+    resolve, then with prefetch the prefetch of its rows into the next group)."""
+    write_topk(h.buffers.db_topk[g], step, step, g, state_rows, topk)
+    InprocSwapIn._rang(h, g, 0)
+    want = ref.resolve(g, state_rows, topk)
+    if h.buffers.prefetch and g + 1 < h.layout.num_groups:
+        ref.prefetch(g + 1, state_rows, topk)
+    return want
+
+
+def run_checked_step(h, ref, order, step, state_rows, topk_of, stop_after=None):
+    """``run_step`` against the cpu backend: after each swap_in, the layer's rows are the
+    named pool rows and its group's slots the backend's. ``stop_after``: the step is
+    interrupted after that many swap_ins and ended as ``finish_step`` ends it (the groups
+    not rung rung with an empty batch, the layers not swapped in made ready)."""
+    lay, b = h.layout, h.buffers
+    so = StepOrder(lay.groups)
+    so.began()
+    wrong = []
+    S = lay.region_stride
+    for n, layer in enumerate(order):
+        if n == stop_after:
+            break
+        g = so.group_of[layer]
+        if so.check_layer(layer):
+            want = ring(h, ref, g, step, state_rows, topk_of[g])
+            np.testing.assert_array_equal(b.db_slots[g, :len(state_rows)], want.slots, err_msg=f"step {step} group {g}")
+            so.rang(g)
+        InprocSwapIn._ready(h, layer, g, 0)
+        so.ready(layer)
+        for t, s in enumerate(state_rows):
+            for c, row in enumerate(topk_of[g][t]):
+                if s >= 0 and 0 <= row < lay.host_rows:
+                    slot = int(b.db_slots[g, t, c])
+                    if not (h.slab[layer, s * S + slot] == h.pool[layer, row]).all():
+                        wrong.append((layer, t, c))
+    groups, layers = so.pending()
+    for g in groups:
+        ring(h, ref, g, step, state_rows[:0], topk_of[g][:0])
+        so.rang(g)
+    for layer in layers:
+        InprocSwapIn._ready(h, layer, so.group_of[layer], 0)
+        so.ready(layer)
+    assert so.complete
+    assert not h.emu.err[:8].any()
+    return wrong
+
+
+def assert_state_is_the_backends(h, ref, where):
+    emu = h.emu
+    np.testing.assert_array_equal(emu.owner.reshape(ref.owner.shape), ref.owner, err_msg=where)
+    np.testing.assert_array_equal(emu.lru.reshape(ref.lru.shape), ref.lru, err_msg=where)
+    np.testing.assert_array_equal(emu.fresh.reshape(ref.fresh.shape).astype(bool), ref.fresh, err_msg=where)
+    assert (emu.prefetched, emu.prefetch_hits, emu.prefetch_wasted) == \
+        (ref.prefetched, ref.prefetch_hits, ref.prefetch_wasted), where
+
+
+# name, index groups, swap_in order of every step, swap_ins before an interruption (None: none)
+ORDERS = [
+    ("leaders-not-first-layers", ((3, 0, 4), (1, 5), (2,)), [3, 1, 0, 2, 4, 5], None),
+    ("followers-last", ((0, 3, 4), (1, 5), (2,)), [0, 1, 2, 3, 4, 5], None),
+    ("followers-late-reversed", ((0, 1), (2, 3), (4, 5)), [0, 2, 4, 5, 3, 1], None),
+    ("interrupted-after-a-leader", ((0, 1), (2, 3), (4, 5)), [0, 1, 2, 3, 4, 5], 1),
+    ("interrupted-mid-group", ((0, 1), (2, 3), (4, 5)), [0, 1, 2, 3, 4, 5], 3),
+    ("a-group-never-rung", ((0, 1), (2, 3), (4, 5)), [0, 1, 2, 3, 4, 5], 4),
+    ("interrupted-before-any", ((0, 1), (2, 3), (4, 5)), [0, 1, 2, 3, 4, 5], 0),
+]
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("case", ORDERS, ids=[c[0] for c in ORDERS])
+def test_inproc_in_orders_step_order_accepts_equals_the_cpu_backend(case, prefetch):
+    """Orders StepOrder accepts (leaders that are not their group's first layer, several
+    followers each, followers after later groups' leaders, a step interrupted and ended
+    as ``finish_step`` ends it, every other step): each layer's rows are the named pool
+    rows when it is swapped in; each group's slots, the regions' owners, lru and fresh
+    marks and the prefetch counters are ``CpuResidency``'s doing the same."""
+    name, groups, order, stop = case
+    lay = regrouped(layout(4, 8, 64, 2, groups=3, layers_per_group=2, max_batch=2), groups)
+    h, ref = inproc(lay, prefetch), CpuResidency(lay)
+    for t, (sr, tk) in enumerate(steps(lay, 6, 7)):
+        assert run_checked_step(h, ref, order, t, sr, tk, stop_after=stop if t % 2 else None) == [], f"step {t}"
+        assert_state_is_the_backends(h, ref, f"{name} step {t}")
+    assert (ref.prefetched > 0) == prefetch
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_on_the_gpu_inproc_interrupted_steps_and_late_followers_equal_the_cpu_backend(prefetch):
+    """InprocSwapIn itself, index groups ((0, 3, 4), (1, 5), (2,)) in layer order, every
+    other step interrupted after two swap_ins and ended by ``finish_step``: each layer's
+    indices point at the bytes of its top-k's host rows, and the handle's counters (hits,
+    misses, prefetched, prefetch hits and wasted) are CpuResidency's after the same resolves
+    and prefetches (a ring of ``finish_step`` resolves an empty batch: nothing)."""
+    import torch
+
+    lay = Layout(num_layers=6, row_bytes=656, top_k=32, region_stride=64, max_reqs=4, host_rows=2048,
+                 index_groups=((0, 3, 4), (1, 5), (2,)), max_batch=4).validate()
+    h, ref = InprocSwapIn(lay, prefetch=prefetch), CpuResidency(lay)
+    so = StepOrder(lay.groups)
+    hits = misses = 0
+    try:
+        for layer in range(lay.num_layers):
+            h.pool[layer] = pattern(layer, np.arange(lay.host_rows), lay.row_bytes)
+        for t, (sr, tk) in enumerate(steps(lay, 6, 9)):
+            state = torch.as_tensor(sr).cuda()
+            h.begin_step(state)
+            for layer in range(lay.num_layers)[:2 if t % 2 else None]:
+                g = so.group_of[layer]
+                if layer == lay.groups[g][0]:
+                    want = ref.resolve(g, sr, tk[g])
+                    hits, misses = hits + want.hits, misses + int(want.misses.sum())
+                    if prefetch and g + 1 < lay.num_groups:
+                        ref.prefetch(g + 1, sr, tk[g])
+                idx = h.swap_in(state, None, torch.as_tensor(tk[g]).cuda(), layer=layer)
+                torch.cuda.synchronize()
+                idx = idx.cpu().numpy()
+                ok = idx >= 0
+                got = h.kv(layer)[torch.as_tensor(idx[ok]).long().cuda()].cpu().numpy()
+                np.testing.assert_array_equal(got, pattern(layer, tk[g][ok], lay.row_bytes),
+                                              err_msg=f"step {t} layer {layer}")
+            h.finish_step()
+            h.check()
+            c = h.counters()
+            assert (c["hits"], c["misses"], c["prefetched"], c["prefetch_hits"], c["prefetch_wasted"]) == \
+                (hits, misses, ref.prefetched, ref.prefetch_hits, ref.prefetch_wasted), f"step {t}"
+        assert (ref.prefetch_hits > 0) == prefetch
     finally:
         h.close()
