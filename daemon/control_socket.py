@@ -286,7 +286,7 @@ class ControlSocket:
                 return
         self._next += 1
         c = Conn(sock, b"c" + self._next.to_bytes(8, "little"), Peer(uid, gid, pid, True), self._clock(),
-                 self._outboxes.new(sock))
+                 self._outboxes.new(sock, uid))
         ref = weakref.ref(c)
         self._conns[sock.fileno()] = c
         self._by_ident[c.ident] = c

@@ -3,10 +3,11 @@
 What a peer does not read is queued, up to ``MAX_OUT_BYTES`` a connection and
 ``MAX_OUT_TOTAL`` over all of them (small pieces coalesced, so the count is the memory).
 Past a connection's own cap, :class:`NotReading` says it is to be closed. Past the total,
-the connection with the most bytes queued goes: when that is another one, its queue is
-dropped, it takes no more (its stream was cut mid-message), and the owner's ``evict``
-callback closes it (so that peers who do not read cannot get a reading one closed); when
-it is this one, :class:`NotReading`. Used from the loop's thread only.
+the uid with the most bytes queued over its connections (the kernel's peer uid: several
+connections of one peer count as one) loses its heaviest connection: when that is another
+one, its queue is dropped, it takes no more (its stream was cut mid-message), and the
+owner's ``evict`` callback closes it (so that peers who do not read cannot get a reading
+one closed); when it is this one, :class:`NotReading`. Used from the loop's thread only.
 """
 
 from __future__ import annotations
@@ -37,18 +38,25 @@ class Outboxes:
         self.evict = evict
         self.queued: set = set()  # the outboxes holding bytes
 
-    def new(self, sock) -> Outbox:
-        return Outbox(sock, self)
+    def new(self, sock, uid: int | None = None) -> Outbox:
+        """An outbox of a connection of peer ``uid`` (None: a group of its own)."""
+        return Outbox(sock, self, uid)
 
     def make_room(self, me: Outbox, n: int) -> None:
-        """Drop the heaviest other queues until ``n`` more bytes fit the total;
-        :class:`NotReading` when ``me`` (its queue plus ``n``) would be the heaviest."""
+        """Drop the heaviest queue of the uid holding the most until ``n`` more bytes fit
+        the total; :class:`NotReading` when that queue would be ``me``'s (plus ``n``)."""
         while self.total + n > MAX_OUT_TOTAL:
-            victim = max((o for o in self.queued if o is not me), key=lambda o: o.bytes, default=None)
-            if self.evict is None or victim is None or victim.bytes < me.bytes + n:
+            held = collections.Counter({me.owner: n})
+            for o in self.queued:
+                held[o.owner] += o.bytes
+            owner = max(held, key=held.__getitem__)
+            victim = max((o for o in self.queued if o.owner == owner and o is not me), key=lambda o: o.bytes,
+                         default=None)
+            if self.evict is None or victim is None or (owner == me.owner and victim.bytes < me.bytes + n):
                 raise NotReading(f"{me.bytes + n} bytes of replies it does not read ({self.total + n} queued in all)")
-            why = (f"{victim.bytes} bytes of replies it does not read, the most of any connection, dropped to make "
-                   f"room for another's reply ({self.total + n} queued in all)")
+            why = (f"{victim.bytes} bytes of replies it does not read, of {held[owner]} queued to its uid's "
+                   f"connections, the most of any uid, dropped to make room for another's reply ({self.total + n} "
+                   "queued in all)")
             victim.clear()
             victim.evicted = True
             self.evict(victim, why)
@@ -62,9 +70,10 @@ class Outbox:
         everyone: the :class:`Outboxes` whose total this one counts in.
     """
 
-    def __init__(self, sock, everyone: Outboxes):
+    def __init__(self, sock, everyone: Outboxes, uid: int | None = None):
         self.sock = sock
         self._everyone = everyone
+        self.owner = ("uid", uid) if uid is not None else ("connection", id(self))  # whose bytes these count as
         self._bufs: collections.deque = collections.deque()
         self.bytes = 0  # queued here
         self.evicted = False  # its queue was dropped for another's: its connection is being closed

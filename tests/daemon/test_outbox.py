@@ -111,18 +111,34 @@ def test_a_connection_is_evicted_once(small_caps):
     assert evicted == [a]
 
 
-@pytest.mark.xfail(strict=True, reason="the heaviest connection goes, whoever holds the others: two connections of "
-                   "one peer that reads nothing, each a little lighter than an honest reader's queue, get the "
-                   "reader closed. Fix: pick the victim among the uid with the most bytes queued (per-uid totals)")
 def test_two_light_non_readers_do_not_get_a_heavier_reader_closed(small_caps):
+    """Connections of one uid count as one: its 910 bytes over two connections outweigh the
+    reader's 600, so its heavier connection goes, not the reader."""
     evicted = []
     everyone = Outboxes(evict=lambda o, why: evicted.append(o))
-    reader = everyone.new(Recording(take=0))  # an engine reading a large reply slowly
+    reader = everyone.new(Recording(take=0), uid=1000)  # an engine reading a large reply slowly
     reader.write([b"k" * 600])
-    hostile = [everyone.new(Blocked()) for _ in range(2)]
+    hostile = [everyone.new(Blocked(), uid=2000) for _ in range(2)]
     hostile[0].write([b"h" * 550])
-    hostile[1].write([b"h" * 360])  # 1510 > 1500: the reader (600) is the heaviest one
-    assert reader not in evicted
+    hostile[1].write([b"h" * 360])  # 1510 > 1500: the reader (600) is the heaviest connection
+    assert evicted == [hostile[0]] and reader.bytes == 600 and hostile[1].bytes == 360
+
+
+def test_a_uid_holding_the_most_loses_its_own_connection_when_it_sends(small_caps):
+    """The connection being sent to is closed when its uid holds the most and it is that
+    uid's heaviest; a lighter connection of the same uid is evicted in its place."""
+    evicted = []
+    everyone = Outboxes(evict=lambda o, why: evicted.append(o))
+    other = everyone.new(Blocked(), uid=1)
+    other.write([b"o" * 300])
+    light, heavy = everyone.new(Blocked(), uid=2), everyone.new(Blocked(), uid=2)
+    light.write([b"l" * 200])
+    heavy.write([b"h" * 700])
+    with pytest.raises(NotReading):
+        heavy.write([b"h" * 301])  # uid 2 would hold 1201 of 1501; heavy (1001) is its heaviest
+    assert not evicted
+    light.write([b"l" * 301])  # uid 2 again the most; its heaviest other connection (heavy) goes
+    assert evicted == [heavy] and light.bytes == 501
 
 
 def test_a_connection_gone_before_its_eviction_is_carried_out_is_not_counted_again(tmp_path):
