@@ -150,21 +150,26 @@ class InprocSwapIn(DeviceSwapIn):
             stream.wait_event(join)
         self._pf_pending.clear()
 
-    def check(self) -> None:
-        """As the doorbell handle's; waits for the device (reads its error record)."""
+    def _device_read(self, *arrays) -> list:
+        """``arrays`` (device) read to the host once the whole device is idle (the caller's
+        streams, the prefetch's, any non-blocking one: a ``.get()`` alone waits for the
+        current stream only)."""
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(self.device):
             cp.cuda.runtime.deviceSynchronize()
-            self._err_host[:] = self.buffers.err.get()
+            return [a.get() if a is not None else None for a in arrays]
+
+    def check(self) -> None:
+        """As the doorbell handle's; waits for the device (reads its error record)."""
+        self._err_host[:] = self._device_read(self.buffers.err)[0]
         super().check()
 
     def counters(self) -> dict:
         """hits, misses, out_of_range over every group, and the prefetch's counters
         (waits for the device)."""
-        c = self.buffers.counters.get()
-        pf = self.dstep.residency.pf_counters
-        pf = pf.get() if pf is not None else np.zeros(PF_COUNTERS, np.uint64)
+        c, pf = self._device_read(self.buffers.counters, self.dstep.residency.pf_counters)
+        pf = pf if pf is not None else np.zeros(PF_COUNTERS, np.uint64)
         return {"hits": int(c[:, HITS].sum()), "misses": int(c[:, MISSES].sum()),
                 "out_of_range": int(c[:, OUT_OF_RANGE].sum()), "prefetched": int(pf[PF_PREFETCHED]),
                 "prefetch_hits": int(pf[PF_HITS]), "prefetch_wasted": int(pf[PF_WASTED])}
