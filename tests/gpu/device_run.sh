@@ -105,7 +105,7 @@ if has all || has bench || has e2e || has decode; then
   result decode "$(figures "$OUT/decode.json" $DECODE_KEYS)"
 fi
 SERVE_KEYS="serve_throughput_gain_128k serve_throughput_gain_128k_at_bound serve_offload_vs_gpu_tpot_b1 \
-serve_daemon_vs_inproc serve_offload_vs_gpu_tpot_b64_32k prefetch_hidden_share prefetch_cost_overlap50"
+serve_daemon_vs_inproc serve_offload_vs_gpu_tpot_b64_32k prefetch_hidden_share prefetch_cost_overlap50 serve_daemon_vs_gpu_tpot_b1_32k"
 if has serve; then
   # The serve figures go into latest.json when latest runs after it (serve,latest).
   timeout "$(left "${SERVE_TIMEOUT_S:-240}")" python3 -m sparsekv.cli.main bench serve --quick ${SERVE_ARGS:-} \
