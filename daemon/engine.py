@@ -219,6 +219,9 @@ class RankState:
     def quiesce(self) -> None:
         """Wait until no copy of this rank is in flight (before the pool is rewritten)."""
 
+    def quiesce_keys(self) -> None:
+        """Wait until no keys load of this rank is in flight (before keys are zeroed)."""
+
     def close(self) -> None:
         """Free what the rank holds beyond its slab (device buffers, events)."""
 
@@ -268,6 +271,8 @@ class EngineSpace:
         for b in blocks:
             self.pool[:, b * bs:(b + 1) * bs] = 0
         if self.keys is not None:
+            for r in self.ranks.values():
+                r.quiesce_keys()
             self.keys[blocks] = 0
         rows = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
         self.drop_rewritten(rows)

@@ -346,7 +346,10 @@ class CudaRankState(RankState):
 
     def quiesce(self) -> None:
         self.worker.stream.synchronize()
-        self.worker.bulk_stream.synchronize()  # a keys load may still read blocks about to be zeroed
+
+    def quiesce_keys(self) -> None:
+        if self._keys_event is not None:  # this rank has loaded keys: one may still read them
+            self.worker.bulk_stream.synchronize()
 
     def counters(self) -> dict:
         """Counters (the prefetch's too) from the pinned mirrors the device step copies out
