@@ -217,6 +217,22 @@ def test_the_fp8_and_triton_paths_pass_their_checks_on_the_gpu():
     assert torch.allclose(got, want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
 
 
+def assert_steps_equal_all_on_gpu(m, st, tile, bs: int, handle, steps: int) -> None:
+    """Steps 0.. ``steps`` - 1 of ``st``'s sequence give the same output with every row in
+    HBM and through ``handle``'s ``swap_in`` (its pool filled with ``tile``)."""
+    B, C = st.batch, st.context
+    state = sm.BatchState(TINY, B, C, "cuda")
+    mirror = torch.empty((TINY.layers, B, TINY.row_bytes), dtype=torch.uint8, pin_memory=True)
+    hbm = serve_modes.HbmRows.filled(tile, st, TINY.layers, bs)
+    swapped = serve_modes.SwappedRows(handle, st, bs, mirror)
+    for t in range(steps):
+        st.load(t)
+        a = m.step(st.x, state, hbm)
+        b = m.step(st.x, state, swapped)
+        torch.cuda.synchronize()
+        assert torch.equal(a, b), f"step {t}"
+
+
 @pytest.mark.cuda
 def test_all_on_the_gpu_and_through_swap_in_give_the_same_step_output():
     from sparsekv.embedded.inproc_cuda import InprocSwapIn
@@ -228,19 +244,10 @@ def test_all_on_the_gpu_and_through_swap_in_give_the_same_step_output():
     table = serve_modes.block_table(B, C, bs, host_rows)
     wl = generate(B, 0.9, steps=3, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
     st = serve_modes.Static(m, B, table, wl, "cuda")
-    state = sm.BatchState(TINY, B, C, "cuda")
     h = InprocSwapIn(serve_modes.offload_layout(TINY, B, host_rows))
     try:
         fill_pattern(h.pool, tile=tile)
-        mirror = torch.empty((TINY.layers, B, TINY.row_bytes), dtype=torch.uint8, pin_memory=True)
-        hbm = serve_modes.HbmRows.filled(tile, st, TINY.layers, bs)
-        swapped = serve_modes.SwappedRows(h, st, bs, mirror)
-        for t in range(3):
-            st.load(t)
-            a = m.step(st.x, state, hbm)
-            b = m.step(st.x, state, swapped)
-            torch.cuda.synchronize()
-            assert torch.equal(a, b), f"step {t}"
+        assert_steps_equal_all_on_gpu(m, st, tile, bs, h, 3)
         h.check()
     finally:
         torch.cuda.synchronize()
@@ -259,17 +266,8 @@ def test_the_prefetch_daemon_gives_the_all_on_gpu_step_output_and_hits_rows_it_f
         wl = generate(B, 0.9, steps=4, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs,
                       layer_overlap=0.9)
         st = serve_modes.Static(m, B, serve_modes.block_table(B, C, bs, host_rows), wl, "cuda")
-        state = sm.BatchState(TINY, B, C, "cuda")
-        mirror = torch.empty((TINY.layers, B, TINY.row_bytes), dtype=torch.uint8, pin_memory=True)
-        hbm = serve_modes.HbmRows.filled(tile, st, TINY.layers, bs)
-        swapped = serve_modes.SwappedRows(off.handles["prefetch"], st, bs, mirror)
         before = off.counts["prefetch"]()
-        for t in range(4):
-            st.load(t)
-            a = m.step(st.x, state, hbm)
-            b = m.step(st.x, state, swapped)
-            torch.cuda.synchronize()
-            assert torch.equal(a, b), f"step {t}"
+        assert_steps_equal_all_on_gpu(m, st, tile, bs, off.handles["prefetch"], 4)
         off.handles["prefetch"].check()
         c = dict(zip(serve_modes.COUNTERS, (x - y for x, y in zip(off.counts["prefetch"](), before))))
         assert c["prefetched"] > 0 and 0 < c["prefetch_hits"] <= c["prefetched"], c
