@@ -14,10 +14,12 @@ from .errors import (
     ProtocolMismatch,
     QuotaExceeded,
     SparseKVError,
+    TpLag,
+    TpMismatch,
 )
 
 __all__ = [
     "Attachment", "BadRequest", "Blocks", "Client", "DaemonUnavailable", "DeviceMappingFailed", "LayoutMismatch", "NotAttached",
     "Pending", "PermissionDenied", "PoolExhausted", "PoolFull", "ProtocolMismatch", "QuotaExceeded", "SparseKVError",
-    "TopkResult",
+    "TopkResult", "TpLag", "TpMismatch",
 ]

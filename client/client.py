@@ -215,7 +215,7 @@ class Client(Connection):
 
     # -- requests ----------------------------------------------------------------
     def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq",
-               slab=None, block_size: int = 0, index_bytes: int = 0, prefetch: bool = False):
+               slab=None, block_size: int = 0, index_bytes: int = 0, prefetch: bool = False, tp_size: int = 1):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
         before each gather, so attention still reading earlier rows is never overwritten.
@@ -229,11 +229,19 @@ class Client(Connection):
         ``read_keys`` / ``load_keys``); every rank of the engine names the same. ``prefetch``: after each index group's top-k, the daemon fetches its rows ahead into
         the next group's regions, off this rank's critical path (DESIGN §4; both backends,
         both transports; useful with ``region_stride`` above ``top_k``: the latest
-        resolve's slots are kept)."""
+        resolve's slots are kept). ``tp_size`` > 1 (cpu backend): this rank (the ``rank``
+        of this client, in ``[0, tp_size)``) is one of the engine's TP group, whose ranks send
+        the same steps and top-k batches: the daemon resolves each batch once for them all
+        and gathers its rows into every rank's slab (DESIGN §5.6); every rank names the same
+        ``tp_size`` and attaches before the group's first step; a request that differs from
+        the peers' is refused (``TpMismatch``), as one that runs ``tp_max_lag`` requests
+        ahead of the slowest rank (``TpLag``)."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
         if prefetch:
             fields["prefetch"] = True
+        if tp_size != 1:
+            fields["tp_size"] = int(tp_size)
         if index_bytes and not block_size:
             raise BadRequest("index_bytes needs a block_size: the indexer keys are a plane of the blocks",
                              ErrorCode.BAD_ARGUMENT)

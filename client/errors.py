@@ -76,6 +76,20 @@ class BadRequest(SparseKVError):
     """The request was malformed or out of range (BAD_* , DUPLICATE_IDS, TOO_LARGE...)."""
 
 
+class TpMismatch(BadRequest):
+    """This rank's step or top-k batch differs from its TP group's peers' at the same point
+    (``attach(..., tp_size=n)``): nothing ran and the rank stays where it was."""
+
+    code = ErrorCode.TP_MISMATCH
+
+
+class TpLag(BadRequest):
+    """A peer of this rank's TP group is too far behind (the daemon's ``tp_max_lag``): it
+    stopped or sends something else; this request did not run."""
+
+    code = ErrorCode.TP_LAG
+
+
 class NotAttached(SparseKVError):
     code = ErrorCode.NOT_ATTACHED
 
@@ -96,6 +110,8 @@ _BY_CODE = {
     ErrorCode.NOT_ATTACHED: NotAttached,
     ErrorCode.NOT_HELLO: NotAttached,
     ErrorCode.PERMISSION_DENIED: PermissionDenied,
+    ErrorCode.TP_MISMATCH: TpMismatch,
+    ErrorCode.TP_LAG: TpLag,
 }
 
 

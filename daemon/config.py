@@ -75,6 +75,9 @@ class Config:
                            "0: off (the stats socket serves the same)", bounds=(0, 65535), metavar="PORT")
     max_slab_bytes: int = _s(16 << 30, "most memory one rank's attach may take (hot slab + staging + residency "
                              "state, 8 bytes per slot and index group), with a unit", kind="size", bounds=(1, None))
+    tp_max_lag: int = _s(256, "requests a TP group's ranks may run ahead of its slowest rank (attach with "
+                         "tp_size): the group keeps that many resolved top-k batches for the ranks still to "
+                         "reach them; one more is refused (TP_LAG)", bounds=(1, 65536))
     admin_gid: int = _s(-1, "members of this group may join any user's engine (operators' tools); -1: nobody "
                         "but root", bounds=(-1, 2**32 - 2))
     # Per-uid quotas, checked before anything is allocated; root counts like anyone. The

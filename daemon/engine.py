@@ -20,8 +20,9 @@ from sparsekv.proto.blocks import KeysPlane
 from sparsekv.proto.layout import Layout
 
 from .blocks.contract import BlockError
-from .residency.base import Mover, Residency, ResidencyError, Resolved
+from .residency.base import Mover, Residency, ResidencyError, Resolved, apply_step
 from .residency.cpu import CpuMover
+from .tp import TpGroup
 
 
 def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
@@ -75,17 +76,15 @@ class RankState:
     pending_prefetch: tuple | None = None  # (group, state rows, top-k) to prefetch once the reply is out
     resolved_at: dict = field(default_factory=dict)  # (prefetch) index group -> the step of its latest top-k
     _prefetch_seen: tuple[int, int, int] = (0, 0, 0)  # the residency's (prefetched, hits, wasted) last reported
+    tp: TpGroup | None = None  # the engine's TP group (daemon/tp.py): its residency is this rank's, shared
 
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         """Record the batch of a decode step; apply its resets and invalidations."""
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
-        if reset is not None and reset.any():
-            self.residency.reset(state_rows[reset & (state_rows >= 0)])
-        if invalidate is not None and invalidate.size:
-            for b in np.flatnonzero(state_rows >= 0):
-                rows = invalidate[b][invalidate[b] >= 0]
-                if rows.size:
-                    self.residency.invalidate(int(state_rows[b]), rows)
+        if self.tp is not None:
+            self.tp.begin_step(self.rank, int(step), state_rows, reset, invalidate)
+        else:
+            apply_step(self.residency, state_rows, reset, invalidate)
         self.step = int(step)
         self.state_rows = state_rows
 
@@ -125,14 +124,26 @@ class RankState:
         next group's prefetch pending (:meth:`run_prefetch`), unless that group's top-k of
         this step came already: its slots the engine was told about must stay, and a
         prefetch keeps only its latest top-k row's."""
+        res, moved, _ = self.resolve_and_gather(step, group, topk, state_rows)
+        return res, moved
+
+    def resolve_and_gather(self, step: int, group: int, topk, state_rows=None) -> tuple[Resolved, int, bool]:
+        """:meth:`topk`, and whether this rank's resolve made the result (False: a TP peer's
+        resolve did, this rank only gathered its plan)."""
         state_rows = self.batch_rows(step, state_rows)
         topk = as_ids("topk", topk, 2)
         lay = self.residency.layout
+        if self.tp is not None:
+            entry = self.tp.topk(self.rank, int(step), int(group), state_rows, topk)
+            moved = self.mover.gather(entry.resolved.plan, lay.groups[group])
+            if entry.pf_group is not None:
+                self.pending_prefetch = entry  # its plan gathered by run_prefetch once the result is out
+            return entry.resolved, moved, entry.maker == self.rank
         res = self.residency.resolve(group, state_rows, topk)
         moved = self.mover.gather(res.plan, lay.groups[group])
         if self.prefetch_next(step, group):
             self.pending_prefetch = (group + 1, state_rows, topk)  # run by the caller once its result is out
-        return res, moved
+        return res, moved, True
 
     def prefetch_next(self, step: int, group: int) -> bool:
         """Record group ``group``'s top-k batch of ``step``; whether (with ``prefetch``) its
@@ -146,26 +157,35 @@ class RankState:
     def serve_topk(self, step: int, group: int, topk, state_rows=None, fence=None) -> tuple[dict, dict, dict]:
         """The daemon's TOPK: (reply fields, reply arrays, counter deltas). The rows are in
         the slab when this returns (cpu); the cuda rank overrides it to only enqueue."""
-        res, moved = self.topk(step, group, topk, state_rows)
+        res, moved, made = self.resolve_and_gather(step, group, topk, state_rows)
         misses = int(res.misses.sum())
         layers = len(self.residency.layout.groups[group])
-        deltas = {"topk_batches": 1, "hits": res.hits, "misses": misses, "rows_moved": misses * layers,
-                  "bytes_moved": moved, "out_of_range": res.out_of_range, **self.prefetch_outcomes()}
+        deltas = {"topk_batches": 1, "rows_moved": misses * layers, "bytes_moved": moved,
+                  **self.prefetch_outcomes()}
+        if made:  # a TP group's batch counts its hits once, at its resolve
+            deltas.update(hits=res.hits, misses=misses, out_of_range=res.out_of_range)
+        else:
+            deltas["tp_followed"] = 1
         return {"hits": res.hits, "out_of_range": res.out_of_range}, {"slots": res.slots, "misses": res.misses}, deltas
 
     def run_prefetch(self) -> dict:
         """The pending prefetch (set by the last :meth:`serve_topk`; run once its reply is
         out, before anything else reaches this rank): the counter deltas."""
-        group, state_rows, topk = self.pending_prefetch
-        self.pending_prefetch = None
+        pending, self.pending_prefetch = self.pending_prefetch, None
+        if self.tp is not None:  # the group's entry: its plan made once, gathered into every rank's slab
+            group, plan = pending.pf_group, self.tp.prefetch_plan(pending)
+        else:
+            group, state_rows, topk = pending
+            plan = self.residency.prefetch(group, state_rows, topk)
         layers = self.residency.layout.groups[group]
-        plan = self.residency.prefetch(group, state_rows, topk)
         moved = self.mover.gather(plan, layers)
         return {"rows_moved": len(plan) * len(layers), "bytes_moved": moved, **self.prefetch_outcomes()}
 
     def prefetch_outcomes(self) -> dict:
         """Rows prefetched, and prefetched rows hit and wasted, since the last call
         (counter deltas)."""
+        if self.tp is not None:
+            return self.tp.prefetch_outcomes()
         r = self.residency
         now = (r.prefetched, r.prefetch_hits, r.prefetch_wasted)
         seen, self._prefetch_seen = self._prefetch_seen, now
@@ -189,7 +209,10 @@ class RankState:
         return isinstance(self.mover, CpuMover)
 
     def drop_rewritten(self, rows: np.ndarray) -> int:
-        """Empty every slot of this rank holding one of ``rows``; return how many."""
+        """Empty every slot of this rank holding one of ``rows``; return how many (a TP
+        group's shared residency: once, by whichever member comes first)."""
+        if self.tp is not None:
+            self.tp.settle()  # a prefetch still owed comes first, as it would for a rank of its own
         return self.residency.invalidate_everywhere(rows)
 
     def stage(self, rows, layers=None) -> int:
@@ -257,6 +280,7 @@ class EngineSpace:
         self.keys_plane: KeysPlane | None = None
         self.keys: np.ndarray | None = None
         self.idle_since: float | None = None  # monotonic time since it is kept with no rank
+        self.tp: TpGroup | None = None  # its TP group, when its ranks attached with tp_size > 1
 
     @property
     def range_bytes(self) -> int:

@@ -38,6 +38,7 @@ class EngineRequests:
     registry, backend, pool, stats and fd server."""
 
     max_slab_bytes = 16 << 30
+    tp_max_lag = 256  # Config.tp_max_lag
     # Copies of at least this many bytes run on a worker thread. An ATTACH's slow part always runs there.
     heavy_bytes = HEAVY_BYTES
 
@@ -94,6 +95,14 @@ class EngineRequests:
         prefetch = h.get("prefetch", False)
         if type(prefetch) is not bool:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"prefetch must be true or false, got {prefetch!r}")
+        tp_size = h.get("tp_size", 1)
+        if type(tp_size) is not int or not 1 <= tp_size <= LIMITS.max_tp_size:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"tp_size must be an integer in [1, {LIMITS.max_tp_size}], "
+                                f"got {tp_size!r}")
+        if tp_size > 1 and self.backend.name != "cpu":
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TP group (tp_size > 1: one resolve for every rank) runs on "
+                                f"the cpu backend only; this daemon runs {self.backend.name}: attach each rank "
+                                "without tp_size (each resolves its own)")
         created = engine not in self.engines
         self.sessions.rewatch(s)
         slab_field = h.get("slab")
@@ -116,7 +125,8 @@ class EngineRequests:
             pending = self.engines.begin_attach(s.client_id, s.rank, s.device, engine, layout,
                                                 h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
                                                 transport=transport, engine_slab=engine_slab, block_size=block_size,
-                                                index_bytes=index_bytes, prefetch=prefetch)
+                                                index_bytes=index_bytes, prefetch=prefetch, tp_size=tp_size,
+                                                tp_max_lag=self.tp_max_lag)
             try:
                 # The slow part on a worker thread; ATTACHes to a new engine wait for it.
                 yield Slow(functools.partial(self.engines.prepare, pending), engine=engine if pending.created else None)

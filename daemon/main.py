@@ -352,6 +352,7 @@ def main(argv=None) -> int:
                             idle_timeout_s=cfg.idle_timeout_s, inflight_bytes=cfg.inflight_bytes,
                             io_cpus=io_cpus, warmer=warmer)
             daemon.engine_requests.max_slab_bytes = cfg.max_slab_bytes
+            daemon.engine_requests.tp_max_lag = cfg.tp_max_lag
             return _run(daemon, signals)
         except _Interrupted:
             notifier.stopping()

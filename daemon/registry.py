@@ -24,6 +24,8 @@ from .blocks.contract import UidLedger
 from .blocks.store import BlockStore
 from .engine import EngineSpace, Owner, RankState
 from .pool import HostPool
+from .residency.base import ResidencyError
+from .tp import TpGroup
 
 log = logging.getLogger("sparsekv.registry")
 
@@ -40,6 +42,10 @@ class PendingAttach:
     state: RankState | None = None  # the rank, once the backend made it
     handles: dict | None = None
     settled: bool = False  # committed or aborted
+
+    @property
+    def rank(self) -> int:
+        return self.new_rank_args[2]
 
 
 class EngineRegistry:
@@ -68,13 +74,18 @@ class EngineRegistry:
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
                      transport: str = "zmq", engine_slab=None, block_size: int = 0, index_bytes: int = 0,
-                     prefetch: bool = False) -> PendingAttach:
+                     prefetch: bool = False, tp_size: int = 1, tp_max_lag: int = 256) -> PendingAttach:
         """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
         to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
         pool range. Then :meth:`prepare` (any thread), then :meth:`commit`; :meth:`abort` on
         any error. While an attach is pending its engine is not released.
 
         ``prefetch``: the rank prefetches (passed to the backend's ``new_rank``).
+
+        ``tp_size`` > 1: the engine's ranks ``0..tp_size-1`` form a TP group resolving once
+        (``tp.TpGroup``, keeping at most ``tp_max_lag`` entries): every rank names the same
+        size and prefetch choice (LAYOUT_MISMATCH), ``rank`` is a free rank of it, and it
+        joins before the group's first step (BAD_ARGUMENT).
 
         ``block_size`` > 0: the engine has a block store of ``host_rows // block_size``
         blocks (a new engine gets one; an existing one must have the same block size).
@@ -88,6 +99,9 @@ class EngineRegistry:
         (checked first, naming neither the owner nor the layout) or LAYOUT_MISMATCH."""
         space = self._engines.get(engine_name)
         created = space is None
+        if tp_size > 1 and not 0 <= rank < tp_size:  # before a new engine's range is taken
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"rank {rank} is not a rank of a TP group of {tp_size} "
+                                f"(HELLO's rank must lie in [0, {tp_size}))")
         if created:
             nbytes = range_bytes(layout, block_size, index_bytes)
             self._check_quota(owner, nbytes)
@@ -120,6 +134,7 @@ class EngineRegistry:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} has "
                                 f"{f'indexer keys of {have} bytes' if have else 'no indexer keys plane'} (a position "
                                 f"and layer), this rank asked for {index_bytes or 'none'}")
+        self._reserve_tp_rank(space, rank, tp_size, tp_max_lag, prefetch)
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
             kw["engine_slab"] = engine_slab
@@ -127,6 +142,28 @@ class EngineRegistry:
             kw["prefetch"] = True
         self._attaching[engine_name] = self._attaching.get(engine_name, 0) + 1
         return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw)
+
+    def _reserve_tp_rank(self, space: EngineSpace, rank: int, tp_size: int, max_lag: int, prefetch: bool) -> None:
+        """Hold rank ``rank`` of the engine's TP group (made by its first rank) for an attach."""
+        group = space.tp
+        if group is None and tp_size == 1:
+            return
+        if group is None and (space.ranks or self._attaching.get(space.name)) or group and group.size != tp_size:
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {space.name!r} has "
+                                f"{f'a TP group of {group.size} ranks' if group else 'ranks without a TP group'}, "
+                                f"this rank asked for tp_size {tp_size}; every rank names the same")
+        if group is None:
+            group = space.tp = TpGroup(tp_size, max_lag=max_lag, prefetch=prefetch)
+        try:
+            group.reserve(rank, prefetch)
+        except ResidencyError:
+            self._drop_tp_if_empty(space)
+            raise
+
+    @staticmethod
+    def _drop_tp_if_empty(space: EngineSpace) -> None:
+        if space.tp is not None and not space.tp.members:
+            space.tp = None  # with its residency: the engine's next ranks form a new group
 
     def pool_bytes_of(self, uid: int) -> int:
         """Pool bytes held by the engines ``uid`` created (their ranges: 2 MiB aligned)."""
@@ -157,6 +194,8 @@ class EngineRegistry:
         if p.state is None:  # the backend makes it here (new_rank_on_loop)
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
         p.space.ranks[p.client_id] = p.state
+        if p.space.tp is not None:
+            p.space.tp.join(p.rank, p.state)
         p.space.idle_since = None
         self._settle(p)
         return p.state, p.handles
@@ -169,6 +208,9 @@ class EngineRegistry:
         if p.state is not None:
             p.state = None
             self.backend.release_rank(p.client_id)
+        if p.space.tp is not None:
+            p.space.tp.unreserve(p.rank)
+            self._drop_tp_if_empty(p.space)
         self._settle(p)
         # An engine this attach created never had a rank: its range is still zero.
         self._release_if_unused(p.space, zero=not p.created)
@@ -184,7 +226,10 @@ class EngineRegistry:
         pool range once it has no rank and no attach pending."""
         space = self._engines.get(engine_name)
         if space is not None:
-            space.ranks.pop(client_id, None)
+            state = space.ranks.pop(client_id, None)
+            if space.tp is not None and state is not None:
+                space.tp.leave(state.rank)
+                self._drop_tp_if_empty(space)
             if space.blocks is not None:  # its pins and private blocks (zeroed) go with it
                 space.blocks.close(client_id)
         # The rank first: it may hold resources that refer to the engine's (pinned) pool.

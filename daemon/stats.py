@@ -23,7 +23,8 @@ from sparsekv.proto import ErrorCode
 COUNTERS = (
     # name (the Prometheus counter is sparsekv_<name>_total), help
     ("steps", "decode steps begun"),
-    ("topk_batches", "top-k batches resolved"),
+    ("topk_batches", "top-k batches served"),
+    ("tp_followed", "top-k batches a TP rank got from its group's resolve, made for a peer (gathered only)"),
     ("hits", "top-k columns found in the hot region"),
     ("misses", "top-k columns gathered from the host pool"),
     ("rows_moved", "rows copied host to hot slab (misses, and on the cpu backend prefetched rows, x layers of the group)"),

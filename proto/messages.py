@@ -68,6 +68,8 @@ class ErrorCode(enum.IntEnum):
     PERMISSION_DENIED = 17
     QUOTA_EXCEEDED = 18
     POOL_EXHAUSTED = 19
+    TP_MISMATCH = 20
+    TP_LAG = 21
 
 
 ERROR_HINTS: dict[ErrorCode, str] = {
@@ -87,6 +89,10 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     ErrorCode.TOO_MANY_CLIENTS: "the daemon serves its maximum number of clients",
     ErrorCode.INTERNAL: "the daemon hit a bug; see its log (journalctl -u sparsekvd)",
     ErrorCode.SHUTTING_DOWN: "the daemon is stopping",
+    ErrorCode.TP_MISMATCH: "the ranks of a TP group (attach with tp_size) must send the same steps and top-k batches "
+    "in the same order; this rank's request differs from its peers' and was not run",
+    ErrorCode.TP_LAG: "a rank of this TP group is too far behind its peers (tp_max_lag): it stopped, or sends "
+    "something else; this request was not run",
     ErrorCode.PERMISSION_DENIED: "another user's engine, or a connection whose credentials the daemon cannot read; "
     "attach as the engine's owner, as root or as a member of the daemon's admin group, or pick another engine name",
     ErrorCode.QUOTA_EXCEEDED: "this user holds its share of the daemon (max_clients_per_uid, max_pool_bytes_per_uid "
@@ -116,6 +122,8 @@ class Limits:
     # GPU allocations one cuda rank may have had BLOCK_LOAD_KEYS copy into: each stays
     # imported by the daemon (and referenced by the client) while the rank is attached.
     max_keys_targets: int = 8
+    # Ranks of one TP group (ATTACH tp_size): one residency and resolve for them all.
+    max_tp_size: int = 64
 
 
 LIMITS = Limits()

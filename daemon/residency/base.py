@@ -141,6 +141,17 @@ def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarra
     return state_rows, topk
 
 
+def apply_step(residency: Residency, state_rows: np.ndarray, reset, invalidate) -> None:
+    """A step's resets, then its invalidations (checked arrays; either may be None)."""
+    if reset is not None and reset.any():
+        residency.reset(state_rows[reset & (state_rows >= 0)])
+    if invalidate is not None and invalidate.size:
+        for b in np.flatnonzero(state_rows >= 0):
+            rows = invalidate[b][invalidate[b] >= 0]
+            if rows.size:
+                residency.invalidate(int(state_rows[b]), rows)
+
+
 STATE_BYTES_PER_SLOT = 8  # per (index group, state row, slot): owner and lru, int32 each
 
 

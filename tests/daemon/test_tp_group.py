@@ -1,0 +1,206 @@
+"""A TP group (ATTACH tp_size, daemon/tp.py) through a real daemon: the ranks of an engine
+that send the same steps and top-k batches get one resolve between them: every rank's
+slots are those a single rank of its own would get (the contract, through a reference
+engine fed the same requests), every rank's slab holds the pool's rows at them whatever
+order the ranks come in (one rank far ahead, interleaved, the other first), hits are
+counted once; a rank whose request differs is refused and stays where it was; a rank
+too far ahead is refused naming the one it waits for; joining follows the group's rules."""
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.bench.private_daemon import PrivateDaemon
+from sparsekv.client import BadRequest, Client, LayoutMismatch, TpLag, TpMismatch
+from sparsekv.proto import MsgType
+
+GROUPS = ((0,), (1, 2), (3,))
+HOST_ROWS = 96
+
+
+def lay(**kw):
+    base = dict(num_layers=4, top_k=4, region_stride=8, max_reqs=3, host_rows=HOST_ROWS, index_groups=GROUPS)
+    return helpers.layout(**{**base, **kw})
+
+
+def requests_of(seed: int, steps: int = 6):
+    """A decode run as (kind, args) requests, the order every rank sends them: per step a
+    STEP (state rows, some resets, some invalidations), then each group's top-k batch."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(steps):
+        rows = np.array([0, 2, 1] if t % 2 else [2, 0, -1], np.int32)
+        reset = rng.random(3) < 0.2
+        inval = np.full((3, 2), -1, np.int32)
+        inval[rng.integers(0, 3)] = rng.choice(HOST_ROWS, 2, replace=False)
+        out.append(("step", t, rows, reset, inval))
+        for g in range(len(GROUPS)):
+            topk = np.stack([rng.choice(HOST_ROWS, 4, replace=False) for _ in range(3)]).astype(np.int32)
+            topk[rng.random((3, 4)) < 0.1] = -1
+            out.append(("topk", t, g, topk, rows))
+    return out
+
+
+def send(c, req):
+    """Send one request; a top-k's result, or None for a STEP."""
+    if req[0] == "step":
+        _, t, rows, reset, inval = req
+        c.step(t, rows, reset=reset, invalidate=inval)
+        return None
+    _, t, g, topk, _ = req
+    return c.topk(t, g, topk)
+
+
+def check_rows(att, req, res) -> int:
+    _, _, g, topk, rows = req
+    return helpers.bad_rows(att.slab, GROUPS[g], rows, topk, res.slots, HOST_ROWS)
+
+
+def run_group(run_dir, reqs, order, prefetch=False):
+    """Rank 0 and 1 of a TP group send ``reqs``; ``order`` lists which rank sends its next
+    request, in turn. Returns each rank's results in request order and the wrong rows seen
+    (checked at each reply, on the replying rank's slab)."""
+    with Client(run_dir, rank=0, name="r0") as c0, Client(run_dir, rank=1, name="r1") as c1:
+        ranks = [c0, c1]
+        atts = [c.attach(lay(), engine="tp", tp_size=2, prefetch=prefetch) for c in ranks]
+        helpers.fill(c0, lay())
+        got, pos, bad = [[], []], [0, 0], 0
+        for r in order:
+            req = reqs[pos[r]]
+            res = send(ranks[r], req)
+            pos[r] += 1
+            if res is not None:
+                got[r].append((np.array(res.slots), np.array(res.misses)))
+                bad += check_rows(atts[r], req, res)
+        stats = c0.stats()
+    return got, bad, stats
+
+
+def run_alone(run_dir, reqs, prefetch=False):
+    with Client(run_dir, name="ref") as c:
+        att = c.attach(lay(), engine="ref", prefetch=prefetch)
+        helpers.fill(c, lay())
+        got, bad = [], 0
+        for req in reqs:
+            res = send(c, req)
+            if res is not None:
+                got.append((np.array(res.slots), np.array(res.misses)))
+                bad += check_rows(att, req, res)
+        stats = c.stats()
+    return got, bad, stats
+
+
+def orders(n: int):
+    """Ways two ranks interleave ``n`` requests each: in turn, rank 1 first, one rank all
+    the way ahead, random."""
+    rng = np.random.default_rng(3)
+    rand = [0] * n + [1] * n
+    rng.shuffle(rand)
+    return {"in turn": [0, 1] * n, "rank 1 first": [1, 0] * n, "rank 0 ahead": [0] * n + [1] * n,
+            "random": rand}
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_every_rank_gets_the_slots_of_one_resolve_and_the_pools_rows_in_any_order(daemon, prefetch):
+    reqs = requests_of(1)
+    want, bad, alone = run_alone(daemon.run_dir, reqs, prefetch)
+    assert bad == 0
+    for name, order in orders(len(reqs)).items():
+        got, bad, stats = run_group(daemon.run_dir, reqs, order, prefetch)
+        assert bad == 0, name
+        for r in (0, 1):
+            assert len(got[r]) == len(want)
+            for (s, m), (ws, wm) in zip(got[r], want):
+                np.testing.assert_array_equal(s, ws, err_msg=f"{name}, rank {r}")
+                np.testing.assert_array_equal(m, wm, err_msg=f"{name}, rank {r}")
+    # The daemon's counters over every run: each group batch resolved once, followed once.
+    s = stats
+    batches = sum(1 for q in reqs if q[0] == "topk")
+    runs = len(orders(len(reqs)))
+    assert s["tp_followed"] == runs * batches
+    assert s["topk_batches"] == (2 * runs + 1) * batches
+    assert s["hits"] + s["misses"] + s["out_of_range"] == (runs + 1) * (alone["hits"] + alone["misses"]
+                                                                         + alone["out_of_range"])
+    if prefetch:
+        assert s["prefetched"] == (runs + 1) * alone["prefetched"]
+
+
+def test_a_rank_whose_topk_differs_is_refused_and_stays_where_it_was(daemon):
+    reqs = requests_of(2, steps=2)
+    with Client(daemon.run_dir, rank=0) as c0, Client(daemon.run_dir, rank=1) as c1:
+        a0, a1 = (c.attach(lay(), engine="tp", tp_size=2) for c in (c0, c1))
+        helpers.fill(c0, lay())
+        for req in reqs[:2]:  # step 0 and its group 0 batch
+            send(c0, req)
+        send(c1, reqs[0])
+        wrong = list(reqs[1])
+        wrong[3] = np.where(wrong[3] >= 0, (wrong[3] + 1) % HOST_ROWS, -1).astype(np.int32)  # ids still distinct
+        with pytest.raises(TpMismatch, match="rank 1 .* step 0, group 0: top-k row 0 differs"):
+            send(c1, tuple(wrong))
+        with pytest.raises(TpMismatch, match="it sent the TOPK of step 0, group 1"):
+            send(c1, reqs[2])
+        res = send(c1, reqs[1])  # the right one is served, with rank 0's slots
+        assert helpers.bad_rows(a1.slab, GROUPS[0], reqs[1][4], reqs[1][3], res.slots, HOST_ROWS) == 0
+        send(c0, reqs[2])
+        c1.step(0, reqs[0][2])  # a STEP where its peers sent group 1's batch (it rides on the TOPK)
+        with pytest.raises(TpMismatch, match="it sent the STEP of step 0"):
+            send(c1, reqs[2])
+        res = send(c1, reqs[2])
+        assert helpers.bad_rows(a1.slab, GROUPS[1], reqs[2][4], reqs[2][3], res.slots, HOST_ROWS) == 0
+        assert c0.stats()["errors"] == 3
+
+
+def test_a_rank_too_far_ahead_is_refused_naming_the_slow_one(tmp_path):
+    reqs = requests_of(3, steps=3)
+    with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--tp-max-lag", "3"],
+                       log_path=str(tmp_path / "d.log")) as d:
+        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
+            for c in (c0, c1):
+                c.attach(lay(), engine="tp", tp_size=2)
+            helpers.fill(c0, lay())
+            for req in reqs[:3]:
+                send(c0, req)
+            with pytest.raises(TpLag, match="rank 0 is 3 requests ahead of rank 1 .* at most 3"):
+                send(c0, reqs[3])
+            for req in reqs[:2]:  # rank 1 moves (its STEP rides on its TOPK): rank 0 may go on
+                send(c1, req)
+            send(c0, reqs[3])
+            send(c0, reqs[4])
+            c1.detach()  # a rank that leaves stops counting
+            for req in reqs[4:]:
+                send(c0, req)
+
+
+def test_joining_a_tp_group(daemon):
+    run = daemon.run_dir
+    with Client(run, rank=2) as c:
+        with pytest.raises(BadRequest, match=r"rank 2 is not a rank of a TP group of 2"):
+            c.attach(lay(), engine="tp", tp_size=2)
+    with Client(run, rank=0) as c0, Client(run, rank=0) as dup, Client(run, rank=1) as c1, \
+            Client(run, rank=1) as plain:
+        c0.attach(lay(), engine="tp", tp_size=2)
+        with pytest.raises(BadRequest, match="rank 0 of this TP group is attached already"):
+            dup.attach(lay(), engine="tp", tp_size=2)
+        with pytest.raises(LayoutMismatch, match="a TP group of 2 ranks, this rank asked for tp_size 1"):
+            plain.attach(lay(), engine="tp")
+        with pytest.raises(LayoutMismatch, match="the same prefetch"):
+            c1.attach(lay(), engine="tp", tp_size=2, prefetch=True)
+        with pytest.raises(LayoutMismatch, match="a TP group of 2 ranks, this rank asked for tp_size 4"):
+            c1.attach(lay(), engine="tp", tp_size=4)
+        c1.attach(lay(), engine="tp", tp_size=2)
+        c0.step(0, np.array([0], np.int32))
+        c0.topk(0, 0, np.array([[1, 2, 3, 4]], np.int32))
+        c1.detach()
+        with pytest.raises(BadRequest, match="has served 2 requests: its ranks join before the first step"):
+            c1.attach(lay(), engine="tp", tp_size=2)
+        c0.detach()  # the group goes with its last rank; the next ranks form a new one
+        c1.attach(lay(), engine="tp", tp_size=2)
+        c1.step(0, np.array([0], np.int32))
+        assert c1.topk(0, 0, np.array([[1, 2, 3, 4]], np.int32)).misses[0] == 4  # a fresh residency
+    with Client(run, rank=0) as a, Client(run, rank=1) as b:
+        a.attach(lay(), engine="solo")
+        with pytest.raises(LayoutMismatch, match="ranks without a TP group, this rank asked for tp_size 2"):
+            b.attach(lay(), engine="solo", tp_size=2)
+        for bad in (0, 65, "2", True):
+            with pytest.raises(BadRequest, match="tp_size must be an integer in"):
+                b._call(MsgType.ATTACH, {"engine": "x", "layout": lay().to_wire(), "tp_size": bad})
