@@ -1,8 +1,9 @@
 """``sparsekv demo``: the main job on embedded defaults.
 
 Starts a private daemon (cuda if a GPU is present, else cpu), connects two tensor-parallel
-ranks as separate processes to one engine, runs a synthetic decode, checks every row the
-ranks read, and prints a summary table.
+ranks as separate processes to one engine (on cpu as a TP group: one resolve for both,
+DESIGN §5.6), runs a synthetic decode, checks every row the ranks read, and prints a
+summary table.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _rank_body(run_dir, rank, device, params, barrier, results, show_progress) -
     lat = np.zeros(trace.steps)
     bad = 0
     with Client(run_dir, rank=rank, device=device, name=f"demo-rank{rank}") as c:
-        att = c.attach(layout, engine="demo")
+        att = c.attach(layout, engine="demo", tp_size=2 if device == "cpu" else 1)
         if rank == 0:
             fill_pool(c, layout)  # the "prefill": every host row gets known bytes
         barrier.wait(timeout=300)
@@ -125,6 +126,8 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
         "hits": stats["hits"],
         "misses": stats["misses"],
         "rows_moved": stats["rows_moved"],
+        "topk_batches": stats["topk_batches"],
+        "tp_followed": stats["tp_followed"],
         "bytes_moved": stats["bytes_moved"],
         "step_p50_us": float(np.percentile(lat, 50)),
         "step_p99_us": float(np.percentile(lat, 99)),
@@ -140,6 +143,7 @@ def format_table(s: dict) -> str:
         ("steps x batch x top_k", f"{s['steps']} x {s['batch']} x {s['top_k']}"),
         ("layers (2 index groups)", s["layers"]),
         ("hit rate", f"{s['hit_rate'] * 100:.2f} %"),
+        ("top-k batches", f"{s['topk_batches']} ({s['tp_followed']} served by a peer's resolve)"),
         ("hits / misses", f"{s['hits']} / {s['misses']}"),
         ("rows moved", s["rows_moved"]),
         ("bytes moved", f"{s['bytes_moved'] / 2**20:.1f} MiB"),

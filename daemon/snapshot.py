@@ -49,7 +49,8 @@ class Snapshot:
             space = self.engines.space(name)
             lay = space.layout
             out[name] = {"ranks": len(space.ranks), "pool_bytes": space.range_bytes,
-                         "slab_bytes": len(space.ranks) * lay.slab_bytes}
+                         "slab_bytes": len(space.ranks) * lay.slab_bytes,
+                         "tp_size": space.tp.size if space.tp else 1, "tp_lag": space.tp.lag() if space.tp else 0}
             if space.blocks is not None:
                 out[name]["blocks"] = space.blocks.gauges()
         return out

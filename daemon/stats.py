@@ -209,6 +209,9 @@ def metric_families(snap: dict) -> Iterator[Metric]:
          "indexer keys plane)"),
         ("engine_ranks", "ranks", "ranks attached to this engine"),
         ("engine_slab_bytes", "slab_bytes", "bytes of this engine's hot slabs, all ranks"),
+        ("engine_tp_size", "tp_size", "ranks of this engine's TP group, resolving once (1: each rank resolves its own)"),
+        ("engine_tp_lag", "tp_lag", "requests the slowest rank of this engine's TP group has still to reach (a rank "
+         "that stopped shows here; the group refuses more than tp_max_lag)"),
     ):
         fam = GaugeMetricFamily(f"sparsekv_{metric}", help_text, labels=["engine"])
         for engine, e in sorted(per_engine.items()):
@@ -280,6 +283,8 @@ def render_table(snap: dict) -> str:
     for engine, e in sorted(snap.get("per_engine", {}).items()):
         lines.append(f"engine {engine:<8}{e['ranks']} rank(s), pool {e['pool_bytes'] / 2**20:.1f} MiB, "
                      f"slabs {e['slab_bytes'] / 2**20:.1f} MiB")
+        if e.get("tp_size", 1) > 1:
+            lines.append(f"  tp group     {e['tp_size']} ranks, one resolve; slowest rank {e['tp_lag']} request(s) behind")
         if "blocks" in e:
             b = e["blocks"]
             lines.append(f"  blocks       {b['cached']} cached ({b['referenced']} referenced), {b['free']} free, "

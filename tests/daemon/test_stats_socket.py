@@ -125,7 +125,8 @@ def test_clients_lists_one_line_per_client_with_pid_and_rank(busy):
 def test_json_has_per_engine_use_and_the_histogram_totals(busy):
     daemon, *_ = busy
     s = helpers.stats_json(daemon.run_dir)
-    assert s["per_engine"] == {"e": {"ranks": 2, "pool_bytes": LAYOUT.pool_bytes, "slab_bytes": 2 * LAYOUT.slab_bytes}}
+    assert s["per_engine"] == {"e": {"ranks": 2, "pool_bytes": LAYOUT.pool_bytes, "slab_bytes": 2 * LAYOUT.slab_bytes,
+                                     "tp_size": 1, "tp_lag": 0}}
     assert s["topk_seconds_count"] == 2 and s["topk_seconds_sum"] > 0
     assert s["version"] and "arenas" not in s  # cpu: no device arenas
 

@@ -162,6 +162,8 @@ def test_a_rank_too_far_ahead_is_refused_naming_the_slow_one(tmp_path):
                 send(c0, req)
             with pytest.raises(TpLag, match="rank 0 is 3 requests ahead of rank 1 .* at most 3"):
                 send(c0, reqs[3])
+            e = helpers.stats_json(d.run_dir)["per_engine"]["tp"]  # what an operator sees of it
+            assert (e["tp_size"], e["tp_lag"]) == (2, 3)
             for req in reqs[:2]:  # rank 1 moves (its STEP rides on its TOPK): rank 0 may go on
                 send(c1, req)
             send(c0, reqs[3])
