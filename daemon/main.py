@@ -353,6 +353,7 @@ def main(argv=None) -> int:
                             io_cpus=io_cpus, warmer=warmer)
             daemon.engine_requests.max_slab_bytes = cfg.max_slab_bytes
             daemon.engine_requests.tp_max_lag = cfg.tp_max_lag
+            daemon.engines.tp_ledger.cap = cfg.tp_max_lag_bytes
             return _run(daemon, signals)
         except _Interrupted:
             notifier.stopping()

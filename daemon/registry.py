@@ -25,7 +25,7 @@ from .blocks.store import BlockStore
 from .engine import EngineSpace, Owner, RankState
 from .pool import HostPool
 from .residency.base import ResidencyError
-from .tp import TpGroup
+from .tp import TpGroup, TpLedger
 
 log = logging.getLogger("sparsekv.registry")
 
@@ -68,6 +68,7 @@ class EngineRegistry:
         self.backend = backend
         self.max_pool_bytes_per_uid = max_pool_bytes_per_uid
         self.block_ledger = UidLedger(max_blocks_per_uid)
+        self.tp_ledger = TpLedger(1 << 30)  # (Config.tp_max_lag_bytes, set by the daemon's entry)
         self._engines: dict[str, EngineSpace] = {}
         self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
 
@@ -153,7 +154,8 @@ class EngineRegistry:
                                 f"{f'a TP group of {group.size} ranks' if group else 'ranks without a TP group'}, "
                                 f"this rank asked for tp_size {tp_size}; every rank names the same")
         if group is None:
-            group = space.tp = TpGroup(tp_size, max_lag=max_lag, prefetch=prefetch)
+            group = space.tp = TpGroup(tp_size, max_lag=max_lag, prefetch=prefetch, ledger=self.tp_ledger,
+                                       uid=space.owner.uid if space.owner else None)
         try:
             group.reserve(rank, prefetch)
         except ResidencyError:

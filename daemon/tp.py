@@ -13,7 +13,8 @@ when it reaches an entry (the entry's plan, in sequence order), so a rank's slab
 only at its own requests, never while it reads the rows of its last answer; a rank
 that lags applies the plans it missed in order and ends with the slab the others had.
 
-The group keeps the entries not every member has reached: at most ``max_lag``; a rank
+The group keeps the entries not every member has reached: at most ``max_lag``, and the
+groups of one uid's engines at most ``TpLedger.cap`` bytes of them together; a rank
 that would make one more is refused (``TP_LAG``, naming the rank it waits for). Ranks
 join before the group's first entry (an engine's ranks attach, then serve); a rank that
 leaves (detach, death) stops counting; when the last leaves the group is dropped with
@@ -28,6 +29,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from .residency.base import Plan, Residency, ResidencyError, Resolved, apply_step
+
+
+class TpLedger:
+    """Bytes of the entries kept by the TP groups of each uid's engines, within ``cap``."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.held: dict[int | None, int] = {}
+
+    def add(self, uid: int | None, n: int) -> None:
+        left = self.held.get(uid, 0) + n
+        if left:
+            self.held[uid] = left
+        else:
+            self.held.pop(uid, None)
+
+
+def entry_bytes(*arrays) -> int:
+    """What an entry keeps, bounded before it is made: its arrays, and for a top-k batch
+    its result (slots as large as the top-k, a plan at most twice)."""
+    return sum(a.nbytes for a in arrays if a is not None)
 
 
 @dataclass
@@ -59,12 +81,15 @@ class TopkEntry:
 class TpGroup:
     """One residency shared by the ranks ``0..size-1`` of a TP engine."""
 
-    def __init__(self, size: int, *, max_lag: int, prefetch: bool):
+    def __init__(self, size: int, *, max_lag: int, prefetch: bool, ledger: TpLedger | None = None,
+                 uid: int | None = None):
         self.size = size
+        self.ledger = ledger if ledger is not None else TpLedger(1 << 62)
+        self.uid = uid  # the engine owner's: whose ledger share the entries take
         self.residency: Residency | None = None  # the first member's, from its join on
         self.max_lag = max_lag
         self.prefetch = prefetch  # every member attached with it, or none
-        self.entries: deque = deque()  # those some member has not reached; entries[0] is number `base`
+        self.entries: deque = deque()  # (entry, bytes) some member has not reached; entries[0] is number `base`
         self.base = 0
         self.cursor: dict[int, int] = {}  # member rank -> the number of the next entry it reaches
         self.joining: set[int] = set()  # ranks whose attach is under way
@@ -103,7 +128,8 @@ class TpGroup:
         self.cursor[rank] = self.base + len(self.entries)
 
     def leave(self, rank: int) -> None:
-        """Rank ``rank`` is gone: the entries only it had still to reach go."""
+        """Rank ``rank`` is gone: the entries only it had still to reach go (all of them with
+        the last member: the ledger gets their bytes back)."""
         self.cursor.pop(rank, None)
         self.joining.discard(rank)
         self._trim()
@@ -126,9 +152,10 @@ class TpGroup:
             self.cursor[rank] += 1
             self._trim()
             return
-        self._room(rank)
+        nbytes = entry_bytes(state_rows, reset, invalidate)
+        self._room(rank, nbytes)
         apply_step(self.residency, state_rows, reset, invalidate)
-        self._append(rank, StepEntry(int(step), state_rows.copy(), reset.copy(), invalidate.copy()))
+        self._append(rank, StepEntry(int(step), state_rows.copy(), reset.copy(), invalidate.copy()), nbytes)
 
     def topk(self, rank: int, step: int, group: int, state_rows: np.ndarray, topk: np.ndarray) -> TopkEntry:
         """Rank ``rank``'s top-k batch: the entry that answers it (made now, resolved once,
@@ -143,7 +170,8 @@ class TpGroup:
             self.cursor[rank] += 1
             self._trim()
             return entry
-        self._room(rank)
+        nbytes = entry_bytes(state_rows, topk) + 3 * topk.nbytes + state_rows.nbytes  # slots, plan, misses
+        self._room(rank, nbytes)
         res = self.residency.resolve(group, state_rows, topk)
         entry = TopkEntry(int(step), int(group), state_rows.copy(), topk.copy(), res, rank)
         if self.prefetch:
@@ -151,7 +179,7 @@ class TpGroup:
             nxt = group + 1
             if nxt < self.residency.layout.num_groups and self.resolved_at.get(nxt) != step:
                 entry.pf_group = nxt
-        self._append(rank, entry)
+        self._append(rank, entry, nbytes)
         return entry
 
     def prefetch_plan(self, entry: TopkEntry) -> Plan:
@@ -164,7 +192,7 @@ class TpGroup:
         entry's reply (the maker's ``run_prefetch``) or, if the maker went before it, before
         anything else changes the residency."""
         if self.entries:
-            e = self.entries[-1]
+            e = self.entries[-1][0]
             if isinstance(e, TopkEntry) and e.pf_group is not None and e.pf_plan is None:
                 e.pf_plan = self.residency.prefetch(e.pf_group, e.state_rows, e.topk)
 
@@ -187,19 +215,29 @@ class TpGroup:
             raise ResidencyError("BAD_ARGUMENT", f"rank {rank} is not a member of this TP group")
         self.settle()
         i = self.cursor[rank] - self.base
-        return self.entries[i] if i < len(self.entries) else None
+        return self.entries[i][0] if i < len(self.entries) else None
 
-    def _room(self, rank: int) -> None:
+    def _room(self, rank: int, nbytes: int) -> None:
+        """Refuse (TP_LAG) an entry that a peer behind would make the group keep past its bounds."""
         behind = [(c, r) for r, c in self.cursor.items() if r != rank]
+        if not behind:
+            return  # nobody to keep it for: it goes at once
         end = self.base + len(self.entries)
-        if behind and end - min(behind)[0] >= self.max_lag:
-            c, slow = min(behind)
-            raise ResidencyError("TP_LAG", f"rank {rank} is {end - c} requests ahead of rank {slow} of its TP group, "
-                                 f"which keeps at most {self.max_lag} (tp_max_lag); every rank must send the same "
-                                 f"steps and top-k batches: rank {slow} has stopped or sends something else")
+        c, slow = min(behind)
+        if end - c >= self.max_lag:
+            why = f"which keeps at most {self.max_lag} (tp_max_lag)"
+        elif self.ledger.held.get(self.uid, 0) + nbytes > self.ledger.cap:
+            why = (f"and the TP groups of this engine's owner keep {self.ledger.held.get(self.uid, 0)} bytes for ranks "
+                   f"behind, at most {self.ledger.cap} (tp_max_lag_bytes)")
+        else:
+            return
+        raise ResidencyError("TP_LAG", f"rank {rank} is {end - c} requests ahead of rank {slow} of its TP group, {why}; "
+                             f"every rank must send the same steps and top-k batches: rank {slow} has stopped or "
+                             "sends something else")
 
-    def _append(self, rank: int, entry) -> None:
-        self.entries.append(entry)
+    def _append(self, rank: int, entry, nbytes: int) -> None:
+        self.entries.append((entry, nbytes))
+        self.ledger.add(self.uid, nbytes)
         self.made += 1
         self.cursor[rank] += 1
         self._trim()
@@ -209,7 +247,7 @@ class TpGroup:
         while self.entries and self.base < low:
             if len(self.entries) == 1:
                 self.settle()  # only the newest may owe its prefetch: it runs before the entry goes
-            self.entries.popleft()
+            self.ledger.add(self.uid, -self.entries.popleft()[1])
             self.base += 1
 
     def _expect(self, rank: int, entry, kind, step: int, group: int | None) -> None:

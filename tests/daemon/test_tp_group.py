@@ -206,3 +206,20 @@ def test_joining_a_tp_group(daemon):
         for bad in (0, 65, "2", True):
             with pytest.raises(BadRequest, match="tp_size must be an integer in"):
                 b._call(MsgType.ATTACH, {"engine": "x", "layout": lay().to_wire(), "tp_size": bad})
+
+
+def test_the_bytes_kept_for_a_slow_rank_are_bounded_per_uid(tmp_path):
+    big = helpers.layout(num_layers=1, row_bytes=16, top_k=2048, region_stride=2048, max_reqs=16, host_rows=4096)
+    rng = np.random.default_rng(0)
+    topk = [np.stack([rng.permutation(4096)[:2048] for _ in range(16)]).astype(np.int32) for _ in range(2)]
+    rows = np.arange(16, dtype=np.int32)
+    with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--tp-max-lag-bytes", "1MiB"],
+                       log_path=str(tmp_path / "d.log")) as d:
+        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
+            for c in (c0, c1):
+                c.attach(big, engine="tp", tp_size=2)
+            c0.topk(0, 0, topk[0], state_rows=rows)  # ~0.66 MB kept for rank 1
+            with pytest.raises(TpLag, match=r"keep \d+ bytes for ranks behind, at most 1048576 \(tp_max_lag_bytes\)"):
+                c0.topk(0, 0, topk[1], state_rows=rows)
+            c1.topk(0, 0, topk[0], state_rows=rows)  # rank 1 reaches it: the bytes go
+            c0.topk(0, 0, topk[1], state_rows=rows)
