@@ -3,7 +3,10 @@ private daemon (cpu backend; on a GPU host it measures that host's CPU, which is
 lookup runs on).
 
 * ``prefix_lookup_us_128k``: lookup + pin of a cached 128K-token prefix (2,048 blocks of
-  64) through zmq, p50 and p99 (the release that follows each is timed apart);
+  64) through zmq, p50 and p99 (the release that follows each is timed apart): the same
+  prefix again, as requests sharing a system prompt look it up (the store answers from
+  the chain it found whole before, after checking it); ``prefix_lookup_cold_us_p50``: a
+  prefix of about that length not looked up whole before (the index's probes);
 * ``restart_s``: a new engine process, from its start to the cached prefix pinned
   (import, connect, attach to the kept engine, hashes, lookup): what a restarted engine
   waits before it serves the prefix without prefilling it.
@@ -65,22 +68,28 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
     lay = Layout(num_layers=1, row_bytes=64, top_k=64, region_stride=128, max_reqs=1,
                  host_rows=2 * blocks * block_size)
     n_tokens = blocks * block_size
-    lookup_us, release_us, restart_s = [], [], []
-    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cpu") as d:
-        with Client(d.run_dir, name="bench") as c:
+    lookup_us, cold_us, release_us, restart_s = [], [], [], []
+    # The latency settings of a cuda daemon and its clients (the daemon polls its socket
+    # 1 ms after a request, the client spins 0.5 ms for its reply), on the cpu backend.
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cpu", extra_args=["--busy-poll-us", "1000"]) as d:
+        with Client(d.run_dir, name="bench", spin_us=500) as c:
             c.attach(lay, engine="bench-prefix", block_size=block_size)
             keys = c.blocks.hashes(np.arange(n_tokens))
             got = c.blocks.alloc(blocks)
             c.blocks.commit(got, keys)
             c.blocks.release(got)
-            for _ in range(reps):
+            for i in range(2 * reps):
+                # Even: the whole prefix again (requests sharing a system prompt: the store
+                # answers from the chain it found before, once checked); odd: a prefix one
+                # block shorter each time, never looked up whole before (the index's probes).
+                n = blocks if i % 2 == 0 else blocks - 1 - i // 2
                 t0 = time.perf_counter()
-                got = c.blocks.lookup(keys)
+                got = c.blocks.lookup(keys[:n])
                 t1 = time.perf_counter()
                 c.blocks.release(got)
                 t2 = time.perf_counter()
-                assert got.size == blocks, f"the cached prefix has {got.size} of {blocks} blocks"
-                lookup_us.append((t1 - t0) * 1e6)
+                assert got.size == n, f"the cached prefix has {got.size} of {n} blocks"
+                (lookup_us if i % 2 == 0 else cold_us).append((t1 - t0) * 1e6)
                 release_us.append((t2 - t1) * 1e6)
             # c closes here: the engine is kept for its cached blocks, as after a crash
         for _ in range(restarts):
@@ -93,6 +102,7 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
     out = {"bench": "prefix", "blocks": blocks, "block_size": block_size, "reps": reps,
            "prefix_lookup_us_p50": round(float(np.median(lookup_us)), 1),
            "prefix_lookup_us_p99": round(float(np.percentile(lookup_us, 99)), 1),
+           "prefix_lookup_cold_us_p50": round(float(np.median(cold_us)), 1),
            "release_us_p50": round(float(np.median(release_us)), 1),
            "restart_s_median": round(float(np.median(restart_s)), 3)}
     if cuda_unavailable() is None and importlib.util.find_spec("torch") is not None:

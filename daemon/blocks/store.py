@@ -21,6 +21,19 @@ from .contract import BlockError, PoolExhausted, UidLedger
 from .index import KeyIndex
 
 FREE, CACHED = -1, -2  # ``state`` of a block that is not private (else: the owning session)
+# The chains looked up in full lately, by their last key (see BlockStore._chain): at most
+# this many block ids together, the least recently used chain going first.
+CHAIN_MEMO_IDS = 1 << 20
+CHAIN_MEMO_MIN = 64  # shorter chains take the index (a few microseconds anyway)
+
+
+def _run(ids: np.ndarray) -> slice | None:
+    """``ids`` as a slice when they are consecutive and ascending (blocks allocated
+    together), else None."""
+    n = ids.size
+    if n < 2 or int(ids[-1]) - int(ids[0]) != n - 1 or not (np.diff(ids) == 1).all():
+        return None
+    return slice(int(ids[0]), int(ids[0]) + n)
 
 
 def key_words(hashes) -> tuple[np.ndarray, np.ndarray]:
@@ -67,6 +80,10 @@ class BlockStore:
         self._uid: dict[int, int] = {}
         self._pinned: dict[int, np.ndarray] = {}  # session -> its pins of each block
         self.counts = collections.Counter()  # lookups, hit_blocks, commits, evictions
+        # Last key of a chain found whole -> its blocks (int64 [n]). Only a hint: a lookup
+        # uses it only after checking every block of it is cached under its key now.
+        self._chains: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        self._chain_ids = 0
 
     # -- what the store has ------------------------------------------------------------
     @property
@@ -190,23 +207,34 @@ class BlockStore:
         ``session``'s reservation while it has one; past that, it stops before an evictable
         block that the reservations need."""
         uid = self._uid_of(session)
-        arr = self.index.find(*key_words(hashes))
-        missing = np.flatnonzero(arr < 0)
-        if missing.size:
-            arr = arr[: missing[0]]
-        unpinned = self.pins[arr] == 0
-        self._mark[arr] = np.arange(arr.size)  # a block named twice keeps only its last position here
-        twice = bool((self._mark[arr] != np.arange(arr.size)).any())  # (np.unique costs 10x more)
+        lo, hi = key_words(hashes)
+        arr = self._chain(hashes, lo, hi)
+        if arr is None:
+            arr = self.index.find(lo, hi)
+            missing = np.flatnonzero(arr < 0)
+            if missing.size:
+                arr = arr[: missing[0]]
+            elif arr.size >= CHAIN_MEMO_MIN:
+                self._remember(hashes, arr)
+        run = _run(arr)  # blocks allocated together: slices instead of gathers and scatters
+        at = run if run is not None else arr
+        unpinned = self.pins[at] == 0
+        twice = False
+        if run is None:
+            self._mark[arr] = np.arange(arr.size)  # a block named twice keeps only its last position here
+            twice = bool((self._mark[arr] != np.arange(arr.size)).any())  # (np.unique costs 10x more)
         if twice:  # a block named twice takes one evictable block
             first = np.zeros(arr.size, dtype=bool)
             first[np.unique(arr, return_index=True)[1]] = True
             unpinned &= first
         own = self.reserved.get(session, 0)
         slack = self.free_blocks + self.evictable_blocks - self.reserved_total
-        over = np.flatnonzero(np.cumsum(unpinned) > own + slack)
-        if over.size:
-            arr, unpinned = arr[: over[0]], unpinned[: over[0]]
         taken = int(np.count_nonzero(unpinned))
+        if taken > own + slack:  # stop before the first evictable block the others' promises need
+            cut = int(np.flatnonzero(np.cumsum(unpinned) > own + slack)[0])
+            arr, unpinned = arr[:cut], unpinned[:cut]
+            at = slice(run.start, run.start + cut) if run is not None else arr
+            taken = int(np.count_nonzero(unpinned))
         self.evictable_blocks -= taken
         if own and taken:  # the caller's promise pays first
             paid = min(own, taken)
@@ -217,11 +245,38 @@ class BlockStore:
             np.add.at(self.pins, arr, 1)
             np.add.at(self._pinned[session], arr, 1)
         else:
-            self.pins[arr] += 1
-            self._pinned[session][arr] += 1
+            self.pins[at] += 1
+            self._pinned[session][at] += 1
         self.counts["lookups"] += 1
         self.counts["hit_blocks"] += arr.size
         return arr.astype(np.int32)
+
+    def _chain(self, hashes: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
+        """The blocks of chain ``hashes`` when it was found whole before and every block of
+        that answer is still cached under its key (then the index would answer the same:
+        a key names one cached block); None otherwise. Requests sharing a long system
+        prompt look the same chain up again and again: a few array operations, no probes."""
+        if hashes.shape[0] < CHAIN_MEMO_MIN:
+            return None
+        key = hashes[-1].tobytes()
+        arr = self._chains.get(key)
+        if arr is None or arr.size != lo.size:
+            return None
+        if not ((self.key_lo[arr] == lo).all() and (self.key_hi[arr] == hi).all()
+                and (self.state[arr] == CACHED).all()):
+            del self._chains[key]
+            self._chain_ids -= arr.size
+            return None
+        self._chains.move_to_end(key)
+        return arr
+
+    def _remember(self, hashes: np.ndarray, arr: np.ndarray) -> None:
+        key = hashes[-1].tobytes()
+        old = self._chains.pop(key, None)
+        self._chain_ids += arr.size - (old.size if old is not None else 0)
+        self._chains[key] = arr
+        while self._chain_ids > CHAIN_MEMO_IDS:
+            self._chain_ids -= self._chains.popitem(last=False)[1].size
 
     def release(self, session: int, blocks) -> None:
         """Unpin cached ``blocks`` (int [n]; named twice: unpinned twice) and free private
@@ -229,6 +284,9 @@ class BlockStore:
         the order of their last mention."""
         uid = self._uid_of(session)
         blocks = self._block_ids(blocks)
+        run = _run(blocks)
+        if run is not None and self._release_run(session, run):
+            return
         self._mark[blocks] = np.arange(blocks.size)  # as in lookup: a block named twice keeps its last position
         if (self._mark[blocks] == np.arange(blocks.size)).all():  # the common case, without np.unique's cost
             uniq, last, count = blocks, np.arange(blocks.size), np.ones(blocks.size, np.int64)
@@ -236,6 +294,22 @@ class BlockStore:
             uniq, first_rev, count = np.unique(blocks[::-1], return_index=True, return_counts=True)
             last = blocks.size - 1 - first_rev  # where each block is named last
         self._release(session, uid, uniq, last, count)
+
+    def _release_run(self, session: int, run: slice) -> bool:
+        """``release`` of a run of consecutive blocks, each named once, all pinned by
+        ``session`` (what it looked up): slices, no gathers; False (nothing done) for any
+        other run."""
+        pinned = self._pinned[session]
+        if (self.state[run] != CACHED).any() or (pinned[run] < 1).any():
+            return False
+        pinned[run] -= 1
+        self.pins[run] -= 1
+        gone = np.flatnonzero(self.pins[run] == 0)
+        if gone.size:  # evictable in the order named (each named once: last mention = position)
+            self.stamp[run.start + gone] = self._clock + np.arange(gone.size)
+            self._clock += gone.size
+            self.evictable_blocks += gone.size
+        return True
 
     def _release(self, session: int, uid: int, uniq: np.ndarray, last: np.ndarray, count: np.ndarray) -> None:
         """``release`` of distinct blocks ``uniq``, each named ``count`` times, last at

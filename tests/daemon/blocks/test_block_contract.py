@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 import helpers
 
 from sparsekv.daemon.blocks.contract import ZERO, BlockError, BlockStoreModel, PoolExhausted, UidLedger
+from sparsekv.daemon.blocks import store as store_module
 from sparsekv.daemon.blocks.store import BlockStore
 
 
@@ -261,6 +262,49 @@ def test_indexer_keys_are_zeroed_with_their_block(one):
     assert one.read_keys(2, [a, b]) == [ZERO, ZERO]
 
 
+def test_a_long_chain_looked_up_again_after_evictions_and_recommits_answers_as_the_model():
+    """A chain of CHAIN_MEMO_MIN blocks and more: found whole (remembered), then partly
+    evicted, freed, committed again elsewhere, by two sessions, with runs of consecutive
+    blocks and scattered ones: every answer, pin count and LRU order as the model's."""
+    n = store_module.CHAIN_MEMO_MIN + 8
+    model, real = both(n_blocks=2 * n)
+    chain = [h(1000 + i) for i in range(n)]
+
+    def same(op, *args):
+        got = []
+        for m in (model, real):
+            try:
+                got.append(getattr(m, op)(*args))
+            except BlockError as e:
+                got.append((e.code, e.detail))
+        assert got[0] == got[1], (op, got)
+        assert model.lru == real.lru
+        return got[0]
+
+    blocks = same("alloc", 1, n)
+    same("commit", 1, blocks, chain)
+    same("release", 1, blocks)
+    for _ in range(2):  # found whole: the second from the memo
+        got = same("lookup", 2, chain)
+        assert got == blocks
+        same("release", 2, got)
+    same("alloc", 1, n + 3)  # every free block, then the 3 least recently unpinned: a prefix is gone
+    assert same("lookup", 2, chain) == []
+    same("close", 1)
+    model.open(1, 7)
+    real.open(1, 7)
+    again = same("alloc", 1, n)
+    held = same("commit", 1, again[::-1], chain)  # the same keys in other blocks (those still cached keep theirs)
+    assert held[:3] == again[::-1][:3] and held[3:] == blocks[3:]
+    same("release", 1, again)
+    got = same("lookup", 2, chain)
+    assert got == held
+    assert same("lookup", 1, chain) == got  # (the memo's answer now)
+    same("release", 2, got[:5] + got[5:])
+    same("release", 1, got)
+    assert int(real.s.pins.sum()) == 0
+
+
 # -- random sequences ---------------------------------------------------------------------
 OPS = ("alloc", "commit", "lookup", "release", "alloc", "commit", "lookup", "release", "write", "reserve", "close",
        "write_keys", "read_keys")
@@ -308,6 +352,25 @@ def request(model, session: int, op: str, a: int, b: int, stamp: int) -> list:
        steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(OPS), st.integers(0, 9),
                                 st.integers(0, 9)), min_size=20, max_size=80))
 def test_store_equals_model_and_keeps_the_invariants(n_blocks, quota, steps):
+    equal_runs(n_blocks, quota, steps)
+
+
+@settings(max_examples=helpers.examples(50, 3000), deadline=None)
+@given(n_blocks=st.integers(1, 6), quota=st.sampled_from([0, 3, 6]),
+       steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(OPS), st.integers(0, 9),
+                                st.integers(0, 9)), min_size=20, max_size=80))
+def test_chains_found_before_take_the_memo_and_answer_as_the_model(n_blocks, quota, steps):
+    """The same with every chain remembered once found whole (store.CHAIN_MEMO_MIN: 64
+    blocks by default), so a lookup answers from the memo after checking it."""
+    old = store_module.CHAIN_MEMO_MIN
+    store_module.CHAIN_MEMO_MIN = 1
+    try:
+        equal_runs(n_blocks, quota, steps)
+    finally:
+        store_module.CHAIN_MEMO_MIN = old
+
+
+def equal_runs(n_blocks, quota, steps):
     model, real = BlockStoreModel(n_blocks, UidLedger(quota)), Real(n_blocks, UidLedger(quota))
     uids = {1: 7, 2: 7, 3: 8}
     for m in (model, real):
