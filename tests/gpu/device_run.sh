@@ -16,6 +16,8 @@
 #   decode    sparsekv bench decode --quick (DECODE_ARGS, e.g. "--steps 60 --rounds 3 --paired")
 #   serve     sparsekv bench serve --quick (SERVE_ARGS; SERVE_TIMEOUT_S, default 240); only when named
 #   hf        python -m sparsekv.bench.hf_long --quick (HF_ARGS; HF_TIMEOUT_S, default 200); only when named
+#   prefix    sparsekv bench prefix: block store lookups on this host's CPUs, and the indexer keys
+#             load against a bulk copy on the GPU (PREFIX_TIMEOUT_S, default 120); only when named
 #   latest    sparsekv bench latest: latest.json from the transport runs and the figures above
 #   demo      sparsekv demo                          examples  the example model on the doorbell
 #   replay    synthesized traces replayed on the cuda backend with --verify through zmq and
@@ -124,6 +126,15 @@ if has hf; then
   rc=${PIPESTATUS[0]}
   (( rc == 0 )) || status=1
   result hf "rc $rc: $(figures "$OUT/hf.json" $HF_KEYS)"
+fi
+PREFIX_KEYS="prefix_lookup_us_p50 prefix_lookup_cold_us_p50 prefix_index_load_vs_bulk restart_s_median"
+if has prefix; then
+  timeout "$(left "${PREFIX_TIMEOUT_S:-120}")" python3 -m sparsekv.cli.main bench prefix 2>&1 \
+    | tee "$OUT/bench-prefix.log" | tail -3
+  rc=${PIPESTATUS[0]}
+  grep '^{' "$OUT/bench-prefix.log" | tail -1 >"$OUT/prefix.json"
+  (( rc == 0 )) || status=1
+  result prefix "rc $rc: $(figures "$OUT/prefix.json" $PREFIX_KEYS)"
 fi
 if has all || has bench || has e2e || has latest; then
   timeout "$(left "${LATEST_TIMEOUT_S:-200}")" python3 -m sparsekv.cli.main bench latest --json "$OUT/latest.json" \
