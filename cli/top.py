@@ -101,10 +101,11 @@ def render(run_dir: str, prev: Sample, cur: Sample, clear: bool = False) -> str:
     ]
     engines = s.get("per_engine", {})
     if engines:
-        lines += ["", f"{'engine':<20} {'ranks':>5} {'pool':>12} {'slabs':>12}"]
+        lines += ["", f"{'engine':<20} {'ranks':>5} {'pool':>12} {'slabs':>12} {'tp group':>16}"]
         for name, e in sorted(engines.items()):
+            tp = f"{e['tp_size']}, lag {e.get('tp_lag', 0)}" if e.get("tp_size", 1) > 1 else "-"
             lines.append(f"{name[:20]:<20} {e.get('ranks', 0):>5} {_mib(e.get('pool_bytes', 0)):>12} "
-                         f"{_mib(e.get('slab_bytes', 0)):>12}")
+                         f"{_mib(e.get('slab_bytes', 0)):>12} {tp:>16}")
     for device, a in sorted(s.get("arenas", {}).items()):
         lines.append(f"arena {device}: {_mib(a['used_bytes'])} / {_mib(a['bytes'])} used")
     if s.get("device_errors"):

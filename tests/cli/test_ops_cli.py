@@ -232,7 +232,8 @@ def sample(t, clients=(), **counters) -> top_mod.Sample:
     snap = {"pid": 7, "backend": "cpu", "uptime_s": t, "pool_bytes": 64 << 20, "pool_used_bytes": 16 << 20,
             "engines": 1, "clients": len(clients), "attached": len(clients),
             "topk_latency_us": {"p50": 40.0, "p99": 90.0, "n": 100},
-            "per_engine": {"e": {"ranks": 2, "pool_bytes": 12 << 20, "slab_bytes": 3 << 20}}, **counters}
+            "per_engine": {"e": {"ranks": 2, "pool_bytes": 12 << 20, "slab_bytes": 3 << 20, "tp_size": 2, "tp_lag": 5},
+                           "solo": {"ranks": 1, "pool_bytes": 1 << 20, "slab_bytes": 1 << 20}}, **counters}
     return top_mod.Sample(t, snap, [dict(c) for c in clients])
 
 
@@ -257,6 +258,8 @@ def test_top_shows_rates_of_the_interval_not_totals():
     out = top_mod.render("/run/x", a, b)
     assert "75.00 %" in out and "2.000 GB/s" in out and "200.0 /s" in out and "p50 40 us" in out
     assert "12.0 MiB" in out and "3.0 MiB" in out and "16.0 MiB / 64.0 MiB used (25.0 %)" in out
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith(("e ", "solo "))] == ["5", "-"]
+    assert "2, lag 5" in out  # a TP group, and how far behind its slowest rank is
     assert "\x1b" not in out and top_mod.render("/run/x", a, b, clear=True).startswith(top_mod.CLEAR)
 
 
