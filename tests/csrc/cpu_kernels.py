@@ -337,15 +337,30 @@ def db_topk(grid: int, threads: int, blk, counter, req_ids, table, resident, top
 
 
 def db_topk_raw(grid: int, threads: int, args: tuple):
-    """``skv_db_topk`` with an argument tuple as a launcher passes it (addresses as ints,
-    NumPy scalars), converted by the kernel's parameter types: to run a caller's own
-    argument builder (client/doorbell.py) against the kernel's parameter order."""
-    lib = build("handle.cu", {})
-    params = [p.strip() for p in _TOPK_PARAMS.split(",")]
+    """``skv_db_topk`` with an argument tuple as a launcher passes it: :func:`run_raw`
+    (client/doorbell.py's argument builder against the kernel's parameter order)."""
+    run_raw("handle.cu", "skv_db_topk", grid, threads, args)
+
+
+def run_raw(source: str, entry: str, grid: int, threads: int, args: tuple, defines: dict | None = None) -> None:
+    """Kernel ``entry`` of ``source`` with an argument tuple as a launcher passes it
+    (NumPy arrays for device arrays, addresses as ints, NumPy scalars), converted by the
+    kernel's parameter types: to run a caller's own argument builder against the
+    kernel's parameter order."""
+    lib = build(source, defines or {})
+    params = [p.strip() for p in KERNELS[source][entry][0].split(",")]
     if len(args) != len(params):
-        raise TypeError(f"skv_db_topk takes {len(params)} arguments, got {len(args)}")
-    conv = [P(int(a)) if "*" in p else ctypes.c_int(int(a)) for p, a in zip(params, args)]
-    lib.run_skv_db_topk(ctypes.c_int(grid), ctypes.c_int(threads), ctypes.c_int(0), *conv)
+        raise TypeError(f"{entry} takes {len(params)} arguments, got {len(args)}")
+
+    def conv(p: str, a):
+        if "*" in p:
+            return _ptr(a) if isinstance(a, np.ndarray) else P(int(a))
+        if p.startswith("long long"):
+            return ctypes.c_longlong(int(a))
+        return ctypes.c_uint(int(a)) if p.startswith("unsigned") else ctypes.c_int(int(a))
+
+    getattr(lib, f"run_{entry}")(ctypes.c_int(grid), ctypes.c_int(threads), ctypes.c_int(0),
+                                 *(conv(p, a) for p, a in zip(params, args)))
 
 
 def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_rows: int, block_size: int,

@@ -6,12 +6,19 @@ rule (``base.stripe_bounds`` / ``stripe_plan``) and the full gather."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
 import cpu_kernels
+from sparsekv.daemon.kernels import copy_defines
 from sparsekv.daemon.residency.base import stripe_plan
+from sparsekv.daemon.residency.cpu import CpuMover
+from sparsekv.daemon.residency.cuda import CudaMover, SlabTarget
 from sparsekv.daemon.residency.cuda.device import make_desc
+from sparsekv.proto import Layout
+from sparsekv.proto.slab import SlabGeometry
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler for the kernel emulator")
 
@@ -176,3 +183,83 @@ def test_the_ready_word_is_set_only_by_the_last_of_the_n_contributions_to_a_slab
                            stripes=stripes, ready=ready, arrivals=arrivals, expect=3)
         assert ready[0] == 1 and arrivals[0] == 0 and not slab.any()
         ready[0] = 0
+
+
+class _Launch:
+    """A CuPy kernel stand-in: a launch's grid, block and argument tuple, run on the emulator."""
+
+    def __init__(self, entry: str, defines: dict):
+        self.entry, self.defines = entry, defines
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        cpu_kernels.run_raw("copy.cu", self.entry, grid[0], block[0], args, self.defines)
+
+
+def emu_mover(lay, pool, slab, blocks: int) -> CudaMover:
+    """A CudaMover whose real launch code (launch_gather, launch_push) runs its kernels on
+    the emulator over NumPy arrays (no GPU: its constructor's device set-up replaced)."""
+    mv = object.__new__(CudaMover)
+    mv.layout, mv.blocks, mv.threads = lay, blocks, 32
+    mv.pool_address, mv.slab, mv.engine_owned = pool.ctypes.data, slab, False
+    mv._geo = (np.uint64(0), np.int64(1), np.int64(0))
+    table = np.full((lay.num_groups, 1 + max(map(len, lay.groups))), -1, np.int32)
+    for g, layers in enumerate(lay.groups):
+        table[g, 0], table[g, 1:1 + len(layers)] = len(layers), layers
+    mv.group_layers = table
+    defines = copy_defines(lay.row_bytes, 32)
+    mv._gather, mv._push = _Launch("skv_gather", defines), _Launch("skv_push", defines)
+    return mv
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_the_movers_striped_launches_give_every_rank_and_an_engine_slab_the_full_gather(n):
+    """CudaMover.launch_gather with a stripe and launch_push (their argument tuples against
+    the kernels' parameters, on the emulator): rank s gathers stripe s and pushes it into
+    every other rank's slab and an engine-owned paged buffer (a SlabTarget with its
+    geometry); every slab then equals the cpu mover's full gather of the plan (stripe 0 of
+    1 of stripe_plan), each destination's ready word is set and its counter back at 0."""
+    lay = Layout(num_layers=L, row_bytes=RB, top_k=LD, region_stride=80, max_reqs=8, host_rows=HOST_ROWS,
+                 index_groups=((0, 2), (1,)), max_batch=B).validate()
+    assert lay.max_reqs * lay.region_stride == 640 <= SLOTS
+    rng = np.random.default_rng(40 + n)
+    pool = rng.integers(0, 256, size=(L, HOST_ROWS, RB), dtype=np.uint8)
+    br, gap = 4, 2
+    stride = (br + gap) * RB
+    per_layer = 640 // br * stride
+    geo = SlabGeometry.paged(lay, [i * per_layer for i in range(L)], first_block=0, block_size=br,
+                             block_stride=stride, buffer_bytes=L * per_layer).check(lay)
+    layer_off = np.array(geo.layer_offsets, np.int64)
+    blocks = 3
+    for trial in range(3):
+        desc, group, batch, rows, slots, counts = random_plan(rng, bad=False)
+        keep = slots < 640
+        slots = np.where(keep, slots, -1).astype(np.int32)  # the layout's 640 slots
+        slabs = rng.integers(0, 256, size=(n, *lay.slab_shape), dtype=np.uint8)
+        engine = rng.integers(0, 256, size=L * per_layer, dtype=np.uint8)
+        want = [slab.copy() for slab in slabs]
+        want_engine = engine.copy()
+        plan = stripe_plan(rows[:batch], slots[:batch], counts[:batch], 0, 1)
+        for w in want:
+            CpuMover(lay, pool, w, None).gather(plan, lay.groups[group])
+        CpuMover(lay, pool, want_engine, None, geometry=geo).gather(plan, lay.groups[group])
+        movers = [emu_mover(lay, pool, slabs[s], blocks) for s in range(n)]
+        targets = [SlabTarget(slabs[d].ctypes.data, (np.uint64(0), np.int64(1), np.int64(0))) for d in range(n)]
+        targets.append(SlabTarget(engine.ctypes.data, (layer_off, np.int64(br), np.int64(stride))))
+        ready, arrivals = np.zeros(n + 1, np.uint32), np.zeros(n + 1, np.uint32)
+
+        def signal(d):
+            return {"ready": ready.ctypes.data + 4 * d, "arrivals": arrivals.ctypes.data + 4 * d,
+                    "expect": n * blocks}
+
+        for s, mv in enumerate(movers):
+            mv.launch_gather(desc, rows, slots, counts, B, contextlib.nullcontext(), stripe=s, stripes=n,
+                             **signal(s))
+        for s, mv in enumerate(movers):
+            for d in range(n + 1):
+                if d != s:
+                    mv.launch_push(desc, rows, slots, counts, B, contextlib.nullcontext(), targets[d], stripe=s,
+                                   stripes=n, **signal(d))
+        for d in range(n):
+            np.testing.assert_array_equal(slabs[d], want[d], err_msg=f"trial {trial}, rank {d} of {n}")
+        np.testing.assert_array_equal(engine, want_engine, err_msg=f"trial {trial}, engine slab")
+        assert ready.tolist() == [1] * (n + 1) and not arrivals.any(), f"trial {trial}"
