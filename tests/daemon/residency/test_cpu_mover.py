@@ -9,6 +9,7 @@ import pytest
 from sparsekv.daemon.residency.base import Plan, ResidencyError, stripe_bounds, stripe_plan
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.proto import Layout
+from sparsekv.proto.slab import SlabGeometry
 
 SENTINEL = 0xEE
 
@@ -91,8 +92,6 @@ def test_gather_into_an_engine_owned_paged_slab_writes_exactly_the_plans_rows(bl
     """An engine-owned slab (proto/slab.py): 3-row blocks, layers interleaved or with gaps
     between blocks; the same rows land where the geometry puts them, and every other
     byte of the engine's buffer (its other blocks, the gaps, the bytes around) is kept."""
-    from sparsekv.proto.slab import SlabGeometry
-
     lay, pool, slab, _, mover, res = setup()
     rows_per_layer = lay.max_reqs * lay.region_stride  # 18 rows = 6 blocks of 3
     layer_span = 6 * block_stride + 64
@@ -165,8 +164,6 @@ def test_push_gives_a_peer_the_rows_of_the_plan_and_nothing_else(engine):
     """Each of 3 ranks gathers its stripe, then pushes it to the other two: every slab ends
     as a full gather leaves it (rank 2's slab the daemon's, or an engine's paged buffer),
     the bytes outside the plan untouched."""
-    from sparsekv.proto.slab import SlabGeometry
-
     lay, pool, _, _, _, res = setup()
     r = res.resolve(0, np.array([2, 0, 1], np.int32), np.array([[5, 17, -1], [39, 0, 5], [1, 2, 3]], np.int32))
     geo = SlabGeometry.paged(lay, [64 + layer * 800 for layer in range(lay.num_layers)], first_block=0,
