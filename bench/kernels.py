@@ -8,7 +8,8 @@
   against a bulk ``cudaMemcpyAsync`` of the same bytes and of 4 GiB from the same pinned
   pool; then the scattered workloads of :mod:`.kernels_scattered` (the pool as one layer,
   each request's rows in its own window: ``gather_vs_bulk_scattered``), each as a CUDA
-  graph; every gather also by each variant of :data:`GATHER_VARIANTS`.
+  graph; every gather also by each variant of :data:`GATHER_VARIANTS`; then a TP group's
+  plan striped over its GPUs (:mod:`.kernels_striped`: ``striped_gather_vs_per_rank_*``).
 * **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept, at the
   daemon's thread count, then at other thread counts and workspace options; then the
   **prefetch** of the next step's rows after each resolve (``prefetch_us_b64``).
@@ -35,6 +36,7 @@ from sparsekv.proto import Layout
 from .decode_report import write_json
 from .kernels_scattered import (BATCH, DEFAULT_BLOCKS, GATHER_VARIANTS, MISS_RATE, PLANS, ROW_BYTES, STRIDE, TOP_K,
                                 SCATTERED_SHAPES, device_plans, request_gather, scattered_section, variant_key)
+from .kernels_striped import striped_section
 
 GIB = 1 << 30
 BLOCK_ROWS = 64
@@ -271,6 +273,12 @@ def run(pool_gib: float = 64.0, layers: int = 61, threads: int | None = None, ch
         # The scattered workloads: the pool as one layer, each request's rows in its own window.
         scattered_section(out, row, cp, kc, s, timer, region, nbytes, bulk_GBps, np.random.default_rng(seed + 1),
                           shapes=scattered_shapes, blocks=blocks, variants=gather_variants)
+        # A TP group's plan striped over its ranks' GPUs (or two slabs on one GPU); a failure
+        # is a row, the rest of the run goes on (it needs peers and more device memory).
+        try:
+            striped_section(out, row, cp, kc, region, nbytes, np.random.default_rng(seed + 2))
+        except Exception as e:  # noqa: BLE001 - report and continue
+            row("striped gather", "FAILED", f"{type(e).__name__}: {e}")
         # The same gather from the engine's range registered in one piece (as an attach does).
         region.close()
         whole = PinnedRegion(pool.address, -(-lay.pool_bytes // 4096) * 4096, ROW_BYTES,

@@ -183,25 +183,36 @@ __device__ __forceinline__ int skv_pow2(int n) {
 
 // -- doorbell words (flip-flops: one side sets 1, the other waits for 1 and resets 0) --------
 
-// Set `bell` to 1 once every block of the grid has passed this point, with all of their
-// earlier global writes visible before it (a fence per block, then the counter `done`,
-// 0 before and after, reset by the last block, which rings; null with one block). Must be
-// reached by every thread of every block (no early return before it).
-__device__ __forceinline__ void skv_ring_when_done(u32* done, u32* bell) {
+// Set `bell` to 1 once `expect` blocks have passed this point, with all of their earlier
+// global writes visible before it (a fence per block, then the counter `done`, 0 before
+// and after, reset by the last block, which rings; null with expect <= 1). Must be
+// reached by every thread of every block (no early return before it). kSystem: the
+// arrivals come from several kernels, some on peer GPUs writing this GPU's memory (or a
+// peer's) over NVLink, so the fence and the atomics are system-scope; otherwise only
+// this grid's blocks arrive (skv_ring_when_done).
+template <bool kSystem>
+__device__ __forceinline__ void skv_ring_after(u32* done, u32* bell, const u32 expect) {
     if (!bell) return;
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        if (kSystem) __threadfence_system(); else __threadfence();
         bool last = true;
-        if (gridDim.x > 1 && done) {
-            last = atomicAdd(done, 1u) == gridDim.x - 1;
-            if (last) atomicExch(done, 0u);
+        if (expect > 1 && done) {
+            last = (kSystem ? atomicAdd_system(done, 1u) : atomicAdd(done, 1u)) == expect - 1;
+            if (last) {
+                if (kSystem) atomicExch_system(done, 0u); else atomicExch(done, 0u);
+            }
         }
         if (last) {
             __threadfence_system();
-            atomicExch(bell, 1u);
+            if (kSystem) atomicExch_system(bell, 1u); else atomicExch(bell, 1u);
         }
     }
+}
+
+// `bell` set once every block of this grid has passed (see skv_ring_after).
+__device__ __forceinline__ void skv_ring_when_done(u32* done, u32* bell) {
+    skv_ring_after<false>(done, bell, gridDim.x);
 }
 
 // -- prefetch marks (csrc/prefetch.cu) ------------------------------------------------------

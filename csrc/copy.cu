@@ -11,6 +11,14 @@
 // row's (entry, vector) pairs. On plans scattered over a request's window it moves 1.34x
 // the bytes a second of the flat split over all rows (which searches each vector's row in
 // a prefix of the counts; docs/DESIGN.md §8 has the variants measured against it).
+//
+// Striped (a TP group's ranks share one plan): with N stripes, stripe s of a batch row of
+// m entries (m clamped to [0, ld]) is its entries [m * s / N, m * (s + 1) / N) (i64;
+// every entry in exactly one stripe, each a contiguous run of the row's sorted host rows).
+// GPU s gathers its stripe pool -> its own slab (skv_gather with stripe, stripes), then
+// copies the same entries from that slab into each peer's slab at the same slots
+// (skv_push, device to device: NVLink or one GPU); one ready word and one arrival
+// counter per destination slab count the blocks of all N kernels that write it.
 #include "common.cuh"
 
 #ifndef SKV_ROW_VECS
@@ -60,8 +68,9 @@ __device__ __forceinline__ i64 skv_entry(i64 r, const int* counts, const i64* pr
     return (i64)b * ld + (r - pref[b]);
 }
 
-// A 16-byte vector of the source. __ldg (ld.global.nc): the source is never written
-// while the kernel runs.
+// A 16-byte vector of the source. __ldg (ld.global.nc): the rows a kernel reads are
+// never written while it runs (skv_push: peers write other stripes' slots of its source
+// slab meanwhile, never a vector of its own; a vector lies inside one row).
 __device__ __forceinline__ uint4 skv_load_vec(const uint4* p) {
     return __ldg(p);
 }
@@ -74,6 +83,8 @@ struct SkvLayerCopy {
     i64 dst_rows;
     const int* src_idx;
     const int* dst_idx;
+    const int* keep_idx;  // or null: entry e is copied only if keep_idx[e] is in [0, keep_rows)
+    i64 keep_rows;
     SkvDstGeometry geo;
 };
 
@@ -81,6 +92,7 @@ struct SkvLayerCopy {
 // when either row lies outside its buffer (nothing to copy).
 __device__ __forceinline__ uint4* skv_vec_at(const SkvLayerCopy& c, const i64 e, const int vec,
                                              const uint4** from) {
+    if (c.keep_idx && (c.keep_idx[e] < 0 || c.keep_idx[e] >= c.keep_rows)) return 0;
     const i64 sr = c.src_idx ? (i64)c.src_idx[e] : e;
     const i64 dr = c.dst_idx ? (i64)c.dst_idx[e] : e;
     if (sr < 0 || sr >= c.src_rows || dr < 0 || dr >= c.dst_rows) return 0;
@@ -108,6 +120,8 @@ __device__ __forceinline__ bool skv_layer(
     c->dst_rows = dst_rows;
     c->src_idx = src_idx;
     c->dst_idx = dst_idx;
+    c->keep_idx = 0;
+    c->keep_rows = 0;
     c->geo = geo;
     return true;
 }
@@ -166,8 +180,10 @@ __device__ __forceinline__ void skv_copy_body(
     }
 }
 
-// A plan copied batch row by batch row, each row's first counts[b] entries (clamped to
-// [0, ld]): with at least as many rows as blocks, block blockIdx.x takes rows blockIdx.x,
+// A plan copied batch row by batch row, stripe `stripe` of `stripes` of each row's first
+// counts[b] entries (clamped to [0, ld]; see the top of this file; 0 of 1: all of them),
+// an entry only when keep_idx (or null) names a row in [0, keep_rows): with at least as
+// many rows as blocks, block blockIdx.x takes rows blockIdx.x,
 // + gridDim.x, ...; with fewer (small batches, where one block a row would leave the
 // link idle), each row gets s = gridDim.x / nb blocks, block blockIdx.x row blockIdx.x / s
 // and every s-th chunk of SKV_CT * SKV_COPY_UNROLL of its (entry, vector) pairs from
@@ -176,20 +192,25 @@ __device__ __forceinline__ void skv_gather_rows(
     const unsigned char* __restrict__ src, const i64 src_layer_rows, const i64 src_rows, const int src_layers,
     unsigned char* __restrict__ dst, const i64 dst_layer_rows, const i64 dst_rows, const int dst_layers,
     const int* __restrict__ layers, const int n_layers, const int* __restrict__ src_idx,
-    const int* __restrict__ dst_idx, const int* __restrict__ counts, const int nb, const int ld,
-    const SkvDstGeometry geo)
+    const int* __restrict__ dst_idx, const int* __restrict__ keep_idx, const i64 keep_rows,
+    const int* __restrict__ counts, const int nb, const int ld, const SkvDstGeometry geo,
+    const int stripe, const int stripes)
 {
     for (int li = 0; li < n_layers; ++li) {
         SkvLayerCopy c;
         if (!skv_layer(&c, src, src_layer_rows, src_rows, src_layers, dst, dst_layer_rows, dst_rows, dst_layers,
                        layers, li, 3, src_idx, dst_idx, geo)) continue;
+        c.keep_idx = keep_idx;
+        c.keep_rows = keep_rows;
         const int s = nb > 0 && (int)gridDim.x > nb ? (int)gridDim.x / nb : 1;  // blocks a row
         const i64 chunk = (i64)SKV_CT * SKV_COPY_UNROLL;
         for (int b = blockIdx.x / s; b < nb; b += gridDim.x / s) {
             int m = counts[b];
             m = m < 0 ? 0 : (m > ld ? ld : m);
-            const i64 e0 = (i64)b * ld;
-            const i64 n = (i64)m * SKV_ROW_VECS;
+            const i64 lo = (i64)m * stripe / stripes;  // the stripe's entries [lo, hi) of the row
+            const i64 hi = (i64)m * (stripe + 1) / stripes;
+            const i64 e0 = (i64)b * ld + lo;
+            const i64 n = (hi - lo) * SKV_ROW_VECS;
             for (i64 v0 = (i64)(blockIdx.x % s) * chunk + threadIdx.x; v0 < n; v0 += (i64)s * chunk) {
                 uint4 buf[SKV_COPY_UNROLL];
                 uint4* out[SKV_COPY_UNROLL];
@@ -237,23 +258,18 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
                   dst_layers, layers, n_layers, mode, src_idx, dst_idx, counts, nb, ld, total, geo);
 }
 
-// The decode-step gather: the plan of the last skv_resolve (per batch row, misses[b]
-// entries), pool -> slab, for every layer of the descriptor's group; an engine's slab is
-// laid out by slab_layer_off / _block_rows / _block_stride (SkvDstGeometry; null: the
-// daemon's [layers, slab_layer_rows] slab). The group's layers come from `group_layers`
-// ([groups, layers_stride]: count, then layer numbers). Grid: fixed (skv_gather_rows:
-// a block per batch row and grid). A descriptor out of range copies nothing. `ready`
-// (or null): set to 1 by the last block once every block's rows are visible
-// (skv_ring_when_done; `arrivals`: its counter, 0 before and after).
-extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
-    const int* __restrict__ desc,
-    const unsigned char* __restrict__ pool, const i64 host_rows, const int num_layers,
-    unsigned char* __restrict__ slab, const i64 slab_layer_rows,
+// The descriptor's part of a plan (skv_gather, skv_push): for every layer of the
+// descriptor's group (`group_layers`, [groups, layers_stride]: count, then layer
+// numbers), stripe `stripe` of `stripes` of each batch row's misses[b] entries, source
+// row src_idx[e] -> destination row dst_idx[e] (see skv_gather_rows). A descriptor or a
+// stripe out of range copies nothing. Every thread returns (the signal after it).
+__device__ __forceinline__ void skv_plan_copy(
+    const int* __restrict__ desc, const unsigned char* __restrict__ src, const i64 src_layer_rows,
+    unsigned char* __restrict__ dst, const i64 dst_layer_rows, const int num_layers,
     const int* __restrict__ group_layers, const int layers_stride, const int groups,
-    const int* __restrict__ plan_rows, const int* __restrict__ plan_slots,
-    const int* __restrict__ misses, const int max_batch, const int ld,
-    const i64* __restrict__ slab_layer_off, const i64 slab_block_rows, const i64 slab_block_stride,
-    u32* ready, u32* arrivals)
+    const int* __restrict__ src_idx, const int* __restrict__ dst_idx, const int* __restrict__ keep_idx,
+    const i64 keep_rows, const int* __restrict__ misses, const int max_batch, const int ld,
+    const SkvDstGeometry geo, const int stripe, const int stripes)
 {
     // Read once into shared memory: the loop bounds (and barriers) of the copy depend on
     // them, and a client may rewrite its step block while the kernel runs.
@@ -263,16 +279,65 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int batch = sh_desc[SKV_D_BATCH];
     const int group = sh_desc[SKV_D_GROUP];
     const int k = sh_desc[SKV_D_K];
-    // Uniform over the grid (from the shared copy): every thread reaches the signal below.
-    if (!(batch <= 0 || batch > max_batch || group < 0 || group >= groups || k < 0 || k > ld)) {
-        const int* g = group_layers + (i64)group * layers_stride;
-        int n_layers = g[0];
-        n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
-        const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
-        skv_gather_rows(pool, host_rows, host_rows, num_layers, slab, slab_layer_rows, slab_layer_rows,
-                        num_layers, g + 1, n_layers, plan_rows, plan_slots, misses, batch, ld, geo);
-    }
-    skv_ring_when_done(arrivals, ready);
+    // Uniform over the grid (from the shared copy): every thread reaches the caller's signal.
+    if (batch <= 0 || batch > max_batch || group < 0 || group >= groups || k < 0 || k > ld ||
+        stripes < 1 || stripe < 0 || stripe >= stripes) return;
+    const int* g = group_layers + (i64)group * layers_stride;
+    int n_layers = g[0];
+    n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
+    skv_gather_rows(src, src_layer_rows, src_layer_rows, num_layers, dst, dst_layer_rows, dst_layer_rows,
+                    num_layers, g + 1, n_layers, src_idx, dst_idx, keep_idx, keep_rows, misses, batch, ld, geo,
+                    stripe, stripes);
+}
+
+// The decode-step gather: the plan of the last skv_resolve (per batch row, misses[b]
+// entries; of each row, stripe `stripe` of `stripes`: 0 of 1 for all), pool -> slab, for
+// every layer of the descriptor's group; an engine's slab is laid out by slab_layer_off /
+// _block_rows / _block_stride (SkvDstGeometry; null: the daemon's [layers,
+// slab_layer_rows] slab). Grid: fixed (skv_gather_rows: a block per batch row and grid).
+// `ready` (or null): set to 1 by the last block once every block's rows are visible
+// (`arrivals`: its counter, 0 before and after): expect 0, after this grid's blocks
+// (skv_ring_when_done); otherwise after `expect` blocks of this and other kernels (the
+// pushes of peers into the same slab, skv_push), system-scope.
+extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
+    const int* __restrict__ desc,
+    const unsigned char* __restrict__ pool, const i64 host_rows, const int num_layers,
+    unsigned char* __restrict__ slab, const i64 slab_layer_rows,
+    const int* __restrict__ group_layers, const int layers_stride, const int groups,
+    const int* __restrict__ plan_rows, const int* __restrict__ plan_slots,
+    const int* __restrict__ misses, const int max_batch, const int ld,
+    const i64* __restrict__ slab_layer_off, const i64 slab_block_rows, const i64 slab_block_stride,
+    const int stripe, const int stripes, u32* ready, u32* arrivals, const u32 expect)
+{
+    const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
+    skv_plan_copy(desc, pool, host_rows, slab, slab_layer_rows, num_layers, group_layers, layers_stride, groups,
+                  plan_rows, plan_slots, 0, 0, misses, max_batch, ld, geo, stripe, stripes);
+    if (expect) skv_ring_after<true>(arrivals, ready, expect);
+    else skv_ring_when_done(arrivals, ready);
+}
+
+// A stripe of the plan, slab -> slab: the entries skv_gather with the same stripe copied
+// into `src_slab` (the daemon's layout, [num_layers, slab_layer_rows], on this GPU),
+// copied at the same flat slots (plan_slots) into `dst_slab` (a peer's over NVLink, or
+// another slab of this GPU; laid out as skv_gather's destination). An entry whose host
+// row (plan_rows) lies outside [0, host_rows) is skipped, as the gather skipped it. Grid
+// and descriptor as skv_gather's. `ready` (or null) is set once `expect` blocks (0: this
+// grid's) have arrived at `arrivals` (system-scope: the local gather's and the other
+// peers' pushes into the same slab count there too, e.g. N kernels x grid).
+extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_push(
+    const int* __restrict__ desc, const i64 host_rows, const int num_layers,
+    const unsigned char* __restrict__ src_slab, unsigned char* __restrict__ dst_slab, const i64 slab_layer_rows,
+    const int* __restrict__ group_layers, const int layers_stride, const int groups,
+    const int* __restrict__ plan_rows, const int* __restrict__ plan_slots,
+    const int* __restrict__ misses, const int max_batch, const int ld,
+    const i64* __restrict__ dst_layer_off, const i64 dst_block_rows, const i64 dst_block_stride,
+    const int stripe, const int stripes, u32* ready, u32* arrivals, const u32 expect)
+{
+    const SkvDstGeometry geo = {dst_layer_off, dst_block_rows < 1 ? 1 : dst_block_rows, dst_block_stride};
+    skv_plan_copy(desc, src_slab, slab_layer_rows, dst_slab, slab_layer_rows, num_layers, group_layers,
+                  layers_stride, groups, plan_slots, plan_slots, plan_rows, host_rows, misses, max_batch, ld, geo,
+                  stripe, stripes);
+    skv_ring_after<true>(arrivals, ready, expect ? expect : gridDim.x);
 }
 
 // A step block ([desc] [rows: max_batch] [aux: max_batch] [payload: payload_cap], int32)

@@ -14,7 +14,7 @@ from sparsekv.csrc.build import CACHE_ENV, DEFAULT_CACHE_DIR, DEFAULT_SMEM_BYTES
 # Kernel entry points by source file; warm() compiles every module listed here.
 SOURCES: dict[str, tuple[str, ...]] = {
     "resolve.cu": ("skv_resolve", "skv_reset", "skv_invalidate", "skv_begin_step"),
-    "copy.cu": ("skv_copy_rows", "skv_gather", "skv_fetch"),
+    "copy.cu": ("skv_copy_rows", "skv_gather", "skv_push", "skv_fetch"),
     "prefetch.cu": ("skv_prefetch",),
 }
 

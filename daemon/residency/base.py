@@ -37,6 +37,47 @@ class Plan:
         return int(self.rows.shape[0])
 
 
+def check_stripe(stripe: int, stripes: int) -> None:
+    """Raise BAD_ARGUMENT unless ``stripes`` >= 1 and ``stripe`` in [0, stripes)."""
+    if not (isinstance(stripes, (int, np.integer)) and isinstance(stripe, (int, np.integer))) \
+            or stripes < 1 or not 0 <= stripe < stripes:
+        raise ResidencyError("BAD_ARGUMENT", f"stripe {stripe!r} of {stripes!r}: need stripes >= 1, 0 <= stripe < stripes")
+
+
+def stripe_bounds(m, stripe: int, stripes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stripe ``stripe`` of ``stripes`` of plan rows of ``m`` entries each (int array,
+    counts already clamped to [0, ld]): entries ``[lo, hi)`` with ``lo = m * stripe //
+    stripes``, ``hi = m * (stripe + 1) // stripes`` (int64), the rule of ``csrc/copy.cu``'s
+    striped ``skv_gather`` and ``skv_push``. Over the stripes every entry falls in exactly
+    one; each is a contiguous run of the row's (sorted) host rows."""
+    check_stripe(stripe, stripes)
+    m = np.asarray(m, dtype=np.int64)
+    if (m < 0).any():
+        raise ResidencyError("BAD_ARGUMENT", "entry counts must be >= 0 (clamp them to [0, ld] first)")
+    return m * stripe // stripes, m * (stripe + 1) // stripes
+
+
+def stripe_plan(plan_rows, plan_slots, counts, stripe: int, stripes: int) -> Plan:
+    """The NumPy reference of what the striped kernels copy: of per-row plans
+    (``plan_rows`` / ``plan_slots`` ``[batch, ld]``, row b's first ``counts[b]`` entries,
+    clamped to [0, ld]), the entries of stripe ``stripe`` of ``stripes``, as a
+    :class:`Plan` (sorted by host row); entries naming no row or slot (-1: a prefetch's
+    dropped take) are left out, as the kernels skip them."""
+    rows = np.asarray(plan_rows, dtype=np.int32)
+    slots = np.asarray(plan_slots, dtype=np.int32)
+    if rows.ndim != 2 or rows.shape != slots.shape:
+        raise ResidencyError("BAD_ARGUMENT", f"plan rows and slots must be [batch, ld]; got {rows.shape}, {slots.shape}")
+    batch, ld = rows.shape
+    m = np.clip(np.asarray(counts, dtype=np.int64).reshape(-1)[:batch], 0, ld)
+    if m.shape[0] != batch:
+        raise ResidencyError("BAD_ARGUMENT", f"{m.shape[0]} counts for {batch} plan rows")
+    lo, hi = stripe_bounds(m, stripe, stripes)
+    i = np.arange(ld)
+    take = (i >= lo[:, None]) & (i < hi[:, None]) & (rows >= 0) & (slots >= 0)
+    by_row = np.argsort(rows[take], kind="stable")
+    return Plan(rows=rows[take][by_row], slots=slots[take][by_row])
+
+
 @dataclass(frozen=True)
 class Resolved:
     """Result of resolving one top-k batch for one index group."""

@@ -202,14 +202,28 @@ class CpuMover(Mover):
             else None
         )
 
+    def _at(self, slots: np.ndarray):
+        """Index of flat hot slots in a layer's slab view: an engine's paged slab is
+        (block, row in block)."""
+        return (slots // self._block_rows, slots % self._block_rows) if self._block_rows else slots
+
     def gather(self, plan: Plan, layers: tuple[int, ...]) -> int:
         if not len(plan):
             return 0
-        dst = plan.slots
-        if self._block_rows:  # an engine's paged slab: (block, row in block)
-            dst = (plan.slots // self._block_rows, plan.slots % self._block_rows)
+        dst = self._at(plan.slots)
         for layer in layers:
             self._slab[layer][dst] = self._pool[layer][plan.rows]
+        return len(plan) * len(layers) * self.layout.row_bytes
+
+    def push(self, plan: Plan, layers: tuple[int, ...], dst: CpuMover) -> int:
+        """The rows of ``plan`` this slab holds (``plan.slots``) -> the same slots of
+        ``dst``'s slab, for each of ``layers`` (the NumPy reference of ``skv_push``: a
+        stripe gathered here, then given to a peer rank); returns bytes moved."""
+        if not len(plan):
+            return 0
+        src, to = self._at(plan.slots), dst._at(plan.slots)
+        for layer in layers:
+            dst._slab[layer][to] = self._slab[layer][src]
         return len(plan) * len(layers) * self.layout.row_bytes
 
     def stage(self, rows: np.ndarray, layers: tuple[int, ...]) -> int:

@@ -337,15 +337,30 @@ def db_topk(grid: int, threads: int, blk, counter, req_ids, table, resident, top
 
 
 def db_topk_raw(grid: int, threads: int, args: tuple):
-    """``skv_db_topk`` with an argument tuple as a launcher passes it (addresses as ints,
-    NumPy scalars), converted by the kernel's parameter types: to run a caller's own
-    argument builder (client/doorbell.py) against the kernel's parameter order."""
-    lib = build("handle.cu", {})
-    params = [p.strip() for p in _TOPK_PARAMS.split(",")]
+    """``skv_db_topk`` with an argument tuple as a launcher passes it: :func:`run_raw`
+    (client/doorbell.py's argument builder against the kernel's parameter order)."""
+    run_raw("handle.cu", "skv_db_topk", grid, threads, args)
+
+
+def run_raw(source: str, entry: str, grid: int, threads: int, args: tuple, defines: dict | None = None) -> None:
+    """Kernel ``entry`` of ``source`` with an argument tuple as a launcher passes it
+    (NumPy arrays for device arrays, addresses as ints, NumPy scalars), converted by the
+    kernel's parameter types: to run a caller's own argument builder against the
+    kernel's parameter order."""
+    lib = build(source, defines or {})
+    params = [p.strip() for p in KERNELS[source][entry][0].split(",")]
     if len(args) != len(params):
-        raise TypeError(f"skv_db_topk takes {len(params)} arguments, got {len(args)}")
-    conv = [P(int(a)) if "*" in p else ctypes.c_int(int(a)) for p, a in zip(params, args)]
-    lib.run_skv_db_topk(ctypes.c_int(grid), ctypes.c_int(threads), ctypes.c_int(0), *conv)
+        raise TypeError(f"{entry} takes {len(params)} arguments, got {len(args)}")
+
+    def conv(p: str, a):
+        if "*" in p:
+            return _ptr(a) if isinstance(a, np.ndarray) else P(int(a))
+        if p.startswith("long long"):
+            return ctypes.c_longlong(int(a))
+        return ctypes.c_uint(int(a)) if p.startswith("unsigned") else ctypes.c_int(int(a))
+
+    getattr(lib, f"run_{entry}")(ctypes.c_int(grid), ctypes.c_int(threads), ctypes.c_int(0),
+                                 *(conv(p, a) for p, a in zip(params, args)))
 
 
 def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_rows: int, block_size: int,
@@ -362,32 +377,61 @@ def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_ro
                            _opt(dead), _ptr(out), _opt(valid), _opt(clear))
 
 
+_PLAN_COPY_TAIL = ("const int* group_layers, int layers_stride, int groups, const int* plan_rows, "
+                   "const int* plan_slots, const int* misses, int max_batch, int ld, const long long* layer_off, "
+                   "long long block_rows, long long block_stride, int stripe, int stripes, unsigned* ready, "
+                   "unsigned* arrivals, unsigned expect")
+_PLAN_COPY_ARGS = ("group_layers, layers_stride, groups, plan_rows, plan_slots, misses, max_batch, ld, layer_off, "
+                   "block_rows, block_stride, stripe, stripes, ready, arrivals, expect")
 _GATHER_PARAMS = ("const int* desc, const unsigned char* pool, long long host_rows, int num_layers, "
-                  "unsigned char* slab, long long slab_layer_rows, const int* group_layers, int layers_stride, "
-                  "int groups, const int* plan_rows, const int* plan_slots, const int* misses, int max_batch, int ld, "
-                  "const long long* slab_layer_off, long long slab_block_rows, long long slab_block_stride, "
-                  "unsigned* ready, unsigned* arrivals")
-_GATHER_ARGS = ("desc, pool, host_rows, num_layers, slab, slab_layer_rows, group_layers, layers_stride, groups, "
-                "plan_rows, plan_slots, misses, max_batch, ld, slab_layer_off, slab_block_rows, slab_block_stride, "
-                "ready, arrivals")
+                  "unsigned char* slab, long long slab_layer_rows, " + _PLAN_COPY_TAIL)
+_GATHER_ARGS = "desc, pool, host_rows, num_layers, slab, slab_layer_rows, " + _PLAN_COPY_ARGS
+_PUSH_PARAMS = ("const int* desc, long long host_rows, int num_layers, const unsigned char* src, unsigned char* dst, "
+                "long long slab_layer_rows, " + _PLAN_COPY_TAIL)
+_PUSH_ARGS = "desc, host_rows, num_layers, src, dst, slab_layer_rows, " + _PLAN_COPY_ARGS
+
+
+def _plan_tail(group_layers, plan_rows, plan_slots, misses, layer_off, block_rows, block_stride, stripe, stripes,
+               ready, arrivals, expect) -> tuple:
+    B, ld = plan_rows.shape
+    i, q = ctypes.c_int, ctypes.c_longlong
+    return (_ptr(group_layers), i(group_layers.shape[1]), i(group_layers.shape[0]), _ptr(plan_rows),
+            _ptr(plan_slots), _ptr(misses), i(B), i(ld), _opt(layer_off), q(block_rows), q(block_stride), i(stripe),
+            i(stripes), _opt(ready), _opt(arrivals), ctypes.c_uint(expect))
 
 
 def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan_slots, misses, grid: int = 4,
            threads: int = 64, layer_off=None, block_rows: int = 1, block_stride: int = 0, ready=None, arrivals=None,
-           defines: dict | None = None):
-    """``skv_gather`` (csrc/copy.cu): the per-row plans, pool ``[L, host_rows, row_bytes]``
-    (uint8) -> ``slab`` (uint8, laid out flat or by the engine-slab geometry); ``ready`` /
-    ``arrivals``: uint32 [1] each, the word its last block sets and their counter;
+           defines: dict | None = None, stripe: int = 0, stripes: int = 1, expect: int = 0):
+    """``skv_gather`` (csrc/copy.cu): the per-row plans (of each row, stripe ``stripe`` of
+    ``stripes``), pool ``[L, host_rows, row_bytes]`` (uint8) -> ``slab`` (uint8, laid out
+    flat or by the engine-slab geometry); ``ready`` / ``arrivals``: uint32 [1] each, the
+    word set once ``expect`` blocks arrived (0: this grid's) and their counter;
     ``defines``: more constants (a variant of the kernel)."""
     L, host_rows, rb = pool.shape
     lib = build("copy.cu",
                 {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads, **(defines or {})})
-    B, ld = plan_rows.shape
     i, q = ctypes.c_int, ctypes.c_longlong
-    lib.run_skv_gather(i(grid), i(threads), i((B + 1) * 8), _ptr(desc), _ptr(pool), q(host_rows), i(L), _ptr(slab),
-                       q(slab_layer_rows), _ptr(group_layers), i(group_layers.shape[1]), i(group_layers.shape[0]),
-                       _ptr(plan_rows), _ptr(plan_slots), _ptr(misses), i(B), i(ld), _opt(layer_off), q(block_rows),
-                       q(block_stride), _opt(ready), _opt(arrivals))
+    lib.run_skv_gather(i(grid), i(threads), i(0), _ptr(desc), _ptr(pool), q(host_rows), i(L), _ptr(slab),
+                       q(slab_layer_rows), *_plan_tail(group_layers, plan_rows, plan_slots, misses, layer_off,
+                                                       block_rows, block_stride, stripe, stripes, ready, arrivals,
+                                                       expect))
+
+
+def push(desc, host_rows: int, src, dst, slab_layer_rows: int, group_layers, plan_rows, plan_slots, misses,
+         stripe: int, stripes: int, grid: int = 4, threads: int = 64, layer_off=None, block_rows: int = 1,
+         block_stride: int = 0, ready=None, arrivals=None, expect: int = 0):
+    """``skv_push`` (csrc/copy.cu): stripe ``stripe`` of ``stripes`` of the per-row plans,
+    ``src`` (uint8 ``[L, slab_layer_rows, row_bytes]``) -> ``dst`` at the same slots (flat
+    or by the engine-slab geometry), entries whose row is outside [0, ``host_rows``)
+    skipped; ``ready`` / ``arrivals`` / ``expect`` as for :func:`gather`."""
+    L, _, rb = src.shape
+    lib = build("copy.cu", {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads})
+    i, q = ctypes.c_int, ctypes.c_longlong
+    lib.run_skv_push(i(grid), i(threads), i(0), _ptr(desc), q(host_rows), i(L), _ptr(src), _ptr(dst),
+                     q(slab_layer_rows), *_plan_tail(group_layers, plan_rows, plan_slots, misses, layer_off,
+                                                     block_rows, block_stride, stripe, stripes, ready, arrivals,
+                                                     expect))
 
 
 _INTS = {"i32": "int", "i64": "long long"}
@@ -440,5 +484,5 @@ KERNELS = {
     },
     "handle.cu": {"skv_db_topk": (_TOPK_PARAMS, _TOPK_ARGS), "skv_db_indices": (_INDICES_PARAMS, _INDICES_ARGS),
                   **{f"skv_map_positions_{p}_{t}": (_map_params(p, t), _MAP_ARGS) for p in _INTS for t in _INTS}},
-    "copy.cu": {"skv_gather": (_GATHER_PARAMS, _GATHER_ARGS)},
+    "copy.cu": {"skv_gather": (_GATHER_PARAMS, _GATHER_ARGS), "skv_push": (_PUSH_PARAMS, _PUSH_ARGS)},
 }

@@ -26,5 +26,5 @@ from .device import (  # noqa: F401 - the backend's public names
     resolve_workspace_bytes,
     rows_block,
 )
-from .mover import CudaMover, DeviceBuffers, allocate_device_buffers  # noqa: F401
+from .mover import CudaMover, DeviceBuffers, SlabTarget, allocate_device_buffers  # noqa: F401
 from .residency import CudaResidency  # noqa: F401

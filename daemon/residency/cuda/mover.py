@@ -2,6 +2,8 @@
 (``csrc/copy.cu``), with the interface and results of ``cpu.py``'s mover. The
 device-resident entry points (``gather_async``, ``launch_*``) take device arrays, run on a
 given stream and never read back; ``gather`` and ``stage`` take NumPy and synchronise.
+A TP group's ranks may share one plan striped (``launch_gather`` with a stripe, then
+``launch_push`` of that stripe into each peer's slab; the rule: ``base.stripe_bounds``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 from sparsekv.daemon.kernels import COPY_THREADS, DEFAULT_SMEM_BYTES, copy_defines, get_cache
 from sparsekv.proto.layout import Layout
 
-from ..base import Mover, Plan, ResidencyError
+from ..base import Mover, Plan, ResidencyError, check_stripe
 from .device import ResolveOutput, cp_module, grid_blocks, null_ptr, smem_limit
 
 DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
@@ -28,6 +30,16 @@ class DeviceBuffers:
     slab: object  # cupy uint8 [num_layers, max_reqs, region_stride, row_bytes], offset 0
     staging: object | None  # cupy uint8 [num_layers, staging_rows, row_bytes] or None
     staging_offset: int
+
+
+@dataclass(frozen=True)
+class SlabTarget:
+    """A slab ``launch_push`` writes, prepared on the pushing GPU (:meth:`CudaMover.slab_target`):
+    its device address and ``skv_push``'s destination geometry arguments (per-layer byte
+    offsets on the pushing GPU or null, block rows, block stride)."""
+
+    address: int
+    geo: tuple
 
 
 def allocate_device_buffers(layout: Layout) -> DeviceBuffers:
@@ -79,6 +91,7 @@ class CudaMover(Mover):
         self.staging = self.buffers.staging
         # An engine's slab: (per-layer byte offsets on the device, block rows, stride).
         self._geo = (null_ptr(), np.int64(1), np.int64(0))
+        self.engine_owned = engine_slab is not None
         if engine_slab is not None:
             address, geo = engine_slab
             if int(address) % 16:
@@ -100,6 +113,7 @@ class CudaMover(Mover):
         defines = copy_defines(lay.row_bytes, threads)
         self._copy = kernels.function("copy.cu", "skv_copy_rows", defines)
         self._gather = kernels.function("copy.cu", "skv_gather", defines)
+        self._push = kernels.function("copy.cu", "skv_push", defines)
         # Each group's layers on the device, [groups, 1 + most layers of a group]: count, layers.
         width = 1 + max(len(g) for g in lay.groups)
         table = np.full((lay.num_groups, width), -1, np.int32)
@@ -171,13 +185,19 @@ class CudaMover(Mover):
                      out.misses, out.batch, out.top_k, dst_geo=self._geo)
 
     def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream,
-                      group_layers=None, ready: int = 0, arrivals: int = 0) -> None:
+                      group_layers=None, ready: int = 0, arrivals: int = 0, stripe: int = 0, stripes: int = 1,
+                      expect: int = 0) -> None:
         """Enqueue ``skv_gather``: the plan of the last :meth:`CudaResidency.launch_resolve`
         (per-row counts ``misses``), pool -> slab, for every layer of the descriptor's
         group. Device arrays only; fixed grid and shared memory. ``group_layers``: an int32
         ``[groups, stride]`` table (count, then layers) in place of the layout's.
-        ``ready`` / ``arrivals``: device addresses of a word the last block sets to 1 once
-        every row is written, and of its zeroed arrival counter (0: no signal)."""
+        ``stripe`` of ``stripes``: only that stripe of each row's entries
+        (``base.stripe_bounds``; 0 of 1: all). ``ready`` / ``arrivals``: device addresses
+        of a word set to 1 once every row is written, and of its zeroed arrival counter
+        (0: no signal); ``expect``: the block arrivals that complete it (0: this grid's;
+        a striped slab: ``stripes * blocks``, the gather's and the peers' pushes')."""
+        check_stripe(stripe, stripes)
+        self._check_signal(ready, arrivals, expect)
         lay = self.layout
         i32, i64 = np.int32, np.int64
         slots = lay.max_reqs * lay.region_stride
@@ -188,7 +208,68 @@ class CudaMover(Mover):
                 (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
                  table, i32(table.shape[1]), i32(lay.num_groups),
                  plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo,
-                 np.uint64(ready), np.uint64(arrivals)),
+                 i32(stripe), i32(stripes), np.uint64(ready), np.uint64(arrivals), np.uint32(expect)),
+            )
+
+    def _check_signal(self, ready: int, arrivals: int, expect: int) -> None:
+        """A ready word completed by more than one block arrival needs its counter."""
+        if not 0 <= int(expect) < 2**32:
+            raise ResidencyError("BAD_ARGUMENT", f"expect {expect!r} must be in [0, 2^32)")
+        if ready and not arrivals and (int(expect) or self.blocks) > 1:
+            raise ResidencyError("BAD_ARGUMENT", "a ready word completed by several blocks needs an arrival counter")
+
+    def slab_target(self, slab, geometry=None) -> SlabTarget:
+        """A destination of :meth:`launch_push`: another rank's slab, reachable from this
+        GPU (peer access or an IPC mapping; or a second slab of this GPU). ``slab``: a
+        contiguous uint8 device array of the daemon's slab shape, or (with ``geometry``,
+        a :class:`~sparsekv.proto.slab.SlabGeometry`) the device address of an engine-owned
+        slab. Uploads the geometry's offsets to this GPU and waits: call it once a peer,
+        before capture."""
+        cp = cp_module()
+        lay = self.layout
+        if geometry is None:
+            want = (lay.num_layers, lay.max_reqs, lay.region_stride, lay.row_bytes)
+            if tuple(getattr(slab, "shape", ())) != want or slab.dtype != cp.uint8 or not slab.flags.c_contiguous:
+                raise ResidencyError("BAD_ARGUMENT", f"a push target slab must be a contiguous uint8 array {want}")
+            return SlabTarget(int(slab.data.ptr), (null_ptr(), np.int64(1), np.int64(0)))
+        if int(slab) % 16:
+            raise ResidencyError("BAD_ARGUMENT", f"engine slab address {int(slab):#x} must be 16-byte aligned")
+        geometry.check(lay)
+        with self.stream:
+            offsets = cp.asarray(np.asarray(geometry.layer_offsets, dtype=np.int64))
+        self.stream.synchronize()
+        return SlabTarget(int(slab), (offsets, np.int64(geometry.block_rows), np.int64(geometry.block_stride)))
+
+    def launch_push(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream, dst: SlabTarget, *,
+                    stripe: int, stripes: int, group_layers=None, ready: int = 0, arrivals: int = 0,
+                    expect: int = 0) -> None:
+        """Enqueue ``skv_push``: the entries of stripe ``stripe`` of ``stripes`` of the same
+        plan as :meth:`launch_gather` (enqueue that gather first, on ``stream`` or ordered
+        before it), this rank's slab -> ``dst`` (:meth:`slab_target`) at the same flat
+        slots, for every layer of the descriptor's group; entries whose host row is
+        outside the pool are skipped, as the gather skipped them. Needs this mover's slab
+        in the daemon's layout (not an engine-owned one). Device arrays only; fixed grid
+        (this mover's ``blocks``), no host sync. ``ready`` / ``arrivals``: device
+        addresses (readable from this GPU) of ``dst``'s ready word and its zeroed arrival
+        counter, set once ``expect`` blocks arrived (0: this grid's; with N ranks, ``N *
+        blocks``: the local gather's and every peer's push into ``dst``)."""
+        check_stripe(stripe, stripes)
+        self._check_signal(ready, arrivals, expect)
+        if not isinstance(dst, SlabTarget):
+            raise ResidencyError("BAD_ARGUMENT", f"push destination must be a SlabTarget, got {type(dst).__name__}")
+        if self.engine_owned:
+            raise ResidencyError("BAD_ARGUMENT", "a push reads the daemon's slab; this mover writes an engine's")
+        lay = self.layout
+        i32, i64 = np.int32, np.int64
+        slots = lay.max_reqs * lay.region_stride
+        table = self.group_layers if group_layers is None else group_layers
+        with stream:
+            self._push(
+                (self.blocks,), (self.threads,),
+                (desc, i64(lay.host_rows), i32(lay.num_layers), self.slab, np.uint64(dst.address), i64(slots),
+                 table, i32(table.shape[1]), i32(lay.num_groups),
+                 plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *dst.geo,
+                 i32(stripe), i32(stripes), np.uint64(ready), np.uint64(arrivals), np.uint32(expect)),
             )
 
     def launch_write_staged(self, layers, n_layers: int, rows, stream) -> None:

@@ -47,6 +47,8 @@ template <class T> inline T atomicMin(T* a, T v) { T o = *a; if (v < o) *a = v; 
 template <class T> inline T atomicOr(T* a, T v) { T o = *a; *a = o | v; return o; }
 template <class T> inline T atomicAnd(T* a, T v) { T o = *a; *a = o & v; return o; }
 template <class T> inline T atomicExch(T* a, T v) { T o = *a; *a = v; return o; }
+template <class T> inline T atomicAdd_system(T* a, T v) { return atomicAdd(a, v); }
+template <class T> inline T atomicExch_system(T* a, T v) { return atomicExch(a, v); }
 template <class T> inline T atomicCAS(T* a, T c, T v) { T o = *a; if (o == c) *a = v; return o; }
 
 // 16-byte vectors and the read-only / streaming loads of the copy kernels.

@@ -520,6 +520,118 @@ def test_gather_into_an_engine_owned_paged_slab_matches_the_cpu_mover_and_keeps_
         np.testing.assert_array_equal(dev.get()[~touched], start[~touched])  # guards, gaps, resident blocks
 
 
+@pytest.mark.parametrize("stripes", [2, 3])
+def test_striped_gathers_and_pushes_between_slabs_on_one_gpu_equal_the_full_gather(kc, stripes):
+    """A TP group of ``stripes`` ranks on one GPU, a slab each, one device resolve a step
+    whose per-row plans every rank reads: rank s gathers stripe s from the pinned pool
+    into its slab and pushes it into every other rank's slab and into an engine-owned
+    paged buffer (device to device), each on its own stream; every destination's ready
+    word counts ``stripes x blocks`` arrivals. After each step every slab equals, bit for
+    bit, the slab of a rank that gathered the whole plan (CudaMover, stripe 0 of 1) and
+    the cpu backend's; the engine buffer the cpu mover's in its geometry (gaps and other
+    blocks untouched); each ready word is 1 and its counter 0."""
+    import cupy as cp
+
+    lay = layout(32, 64, 3000, 2, groups=2, layers_per_group=2, row_bytes=656)
+    br, stride = 4, 6 * lay.row_bytes  # blocks of 4 rows, a 2-row gap after each
+    layer_span = lay.max_reqs * lay.region_stride // br * stride + 4096
+    nbytes = 4096 + lay.num_layers * layer_span
+    geo = SlabGeometry.paged(lay, [4096 + i * layer_span for i in range(lay.num_layers)], first_block=0,
+                             block_size=br, block_stride=stride, buffer_bytes=nbytes).check(lay)
+    cpu = CpuResidency(lay)
+    gpu = cuda.CudaResidency(lay, kernels=kc, threads=64)
+    m, pool_bytes = _pinned_pool(lay.pool_bytes)
+    with PinnedRegion(pool_bytes.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
+        pool = pool_bytes.reshape(lay.num_layers, lay.host_rows, lay.row_bytes)
+        rng = np.random.default_rng(29 + stripes)
+        start = rng.integers(0, 256, lay.slab_shape, dtype=np.uint8)
+        engine_start = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        ranks = [cuda.CudaMover(lay, region, kernels=kc, stream=cp.cuda.Stream(non_blocking=True), blocks=6,
+                                threads=64) for _ in range(stripes)]
+        full = cuda.CudaMover(lay, region, kernels=kc, stream=gpu.stream, blocks=6, threads=64)
+        engine = cp.asarray(engine_start)
+        for mv in (*ranks, full):
+            mv.slab[...] = cp.asarray(start)
+        targets = [[mv.slab_target(peer.slab) for peer in ranks] + [mv.slab_target(engine.data.ptr, geo)]
+                   for mv in ranks]
+        ready = cp.zeros(stripes + 1, cp.uint32)  # one word and one counter a destination
+        arrivals = cp.zeros(stripes + 1, cp.uint32)
+        device_sync()
+        host = start.copy()
+        host_engine = engine_start.copy()
+        ref, ref_engine = CpuMover(lay, pool, host, None), CpuMover(lay, pool, host_engine, None, geometry=geo)
+        expect = stripes * 6
+        memory: dict = {}
+        out = gpu.new_output(8)
+        for step in range(8):
+            sr, tk = gen_batch(rng, lay, memory, 8, 0.5)
+            group = step % lay.num_groups
+            want = cpu.resolve(group, sr, tk)
+            ref.gather(want.plan, lay.groups[group])
+            ref_engine.gather(want.plan, lay.groups[group])
+            with gpu.stream:
+                gpu.resolve_async(group, cp.asarray(sr), cp.asarray(tk), out)
+            resolved = gpu.stream.record()
+            full.launch_gather(out.desc, out.plan_rows, out.plan_slots, out.misses, out.max_batch, gpu.stream)
+            for s, mv in enumerate(ranks):
+                mv.stream.wait_event(resolved)
+                sig = {"ready": ready.data.ptr + 4 * s, "arrivals": arrivals.data.ptr + 4 * s, "expect": expect}
+                mv.launch_gather(out.desc, out.plan_rows, out.plan_slots, out.misses, out.max_batch, mv.stream,
+                                 stripe=s, stripes=stripes, **sig)
+                for d in [*range(stripes), stripes]:
+                    if d == s:
+                        continue
+                    sig = {"ready": ready.data.ptr + 4 * d, "arrivals": arrivals.data.ptr + 4 * d, "expect": expect}
+                    mv.launch_push(out.desc, out.plan_rows, out.plan_slots, out.misses, out.max_batch, mv.stream,
+                                   targets[s][d], stripe=s, stripes=stripes, **sig)
+            device_sync()
+            np.testing.assert_array_equal(full.slab.get(), host, err_msg=f"full gather, step {step}")
+            for d, mv in enumerate(ranks):
+                np.testing.assert_array_equal(mv.slab.get(), host, err_msg=f"rank {d} of {stripes}, step {step}")
+            np.testing.assert_array_equal(engine.get(), host_engine, err_msg=f"engine slab, step {step}")
+            assert ready.get().tolist() == [1] * (stripes + 1) and not arrivals.get().any(), f"step {step}"
+            ready.fill(0)
+            device_sync()  # the legacy stream's fill before the rank streams' next step
+        assert (host != start).any()
+
+
+def test_striped_launches_refuse_bad_arguments_before_launching(kc):
+    """Stripe out of range, a ready word of several arrivals without its counter, a push
+    target of the wrong shape, a push from a mover writing an engine's slab: BAD_ARGUMENT."""
+    import cupy as cp
+
+    lay = layout(8, 16, 200, 2, groups=1, layers_per_group=1, row_bytes=32)
+    m, pool_bytes = _pinned_pool(lay.pool_bytes)
+    with PinnedRegion(pool_bytes.ctypes.data, lay.pool_bytes, lay.row_bytes) as region:
+        mv = cuda.CudaMover(lay, region, kernels=kc, blocks=4, threads=64)
+        plan = cp.zeros((4, lay.top_k), cp.int32)
+        misses, desc, word = cp.zeros(4, cp.int32), cp.zeros(DESC_INTS, cp.int32), cp.zeros(2, cp.uint32)
+        target = mv.slab_target(mv.slab)
+        calls = {
+            "stripe 2 of 2": lambda: mv.launch_gather(desc, plan, plan, misses, 4, mv.stream, stripe=2, stripes=2),
+            "0 stripes": lambda: mv.launch_push(desc, plan, plan, misses, 4, mv.stream, target, stripe=0, stripes=0),
+            "no counter": lambda: mv.launch_gather(desc, plan, plan, misses, 4, mv.stream, ready=word.data.ptr),
+            "no counter, expect": lambda: mv.launch_push(desc, plan, plan, misses, 4, mv.stream, target, stripe=0,
+                                                         stripes=1, ready=word.data.ptr, expect=8),
+            "shape": lambda: mv.slab_target(cp.zeros((2, 3), cp.uint8)),
+            "not a target": lambda: mv.launch_push(desc, plan, plan, misses, 4, mv.stream, mv.slab, stripe=0,
+                                                   stripes=1),
+        }
+        for name, call in calls.items():
+            with pytest.raises(ResidencyError) as e:
+                call()
+            assert e.value.code == "BAD_ARGUMENT", name
+        geo = SlabGeometry.paged(lay, [0], first_block=0, block_size=lay.max_reqs * lay.region_stride,
+                                 buffer_bytes=lay.slab_bytes).check(lay)
+        buf = cp.zeros(lay.slab_bytes, cp.uint8)
+        engine = cuda.CudaMover(lay, region, kernels=kc, blocks=4, threads=64, engine_slab=(buf.data.ptr, geo))
+        with pytest.raises(ResidencyError) as e:
+            engine.launch_push(desc, plan, plan, misses, 4, engine.stream, target, stripe=0, stripes=1)
+        assert e.value.code == "BAD_ARGUMENT" and "engine" in str(e.value)
+        mv.stream.synchronize()
+        assert not word.get().any()  # nothing was launched
+
+
 # -- pinned region --------------------------------------------------------------------
 
 
