@@ -16,7 +16,8 @@ that lags applies the plans it missed in order and ends with the slab the others
 The group keeps the entries not every member has reached: at most ``max_lag``, and the
 groups of one uid's engines at most ``TpLedger.cap`` bytes of them together; a rank
 that would make one more is refused (``TP_LAG``, naming the rank it waits for). Ranks
-join before the group's first entry (an engine's ranks attach, then serve); a rank that
+begin their attach before the group's first entry (an engine's ranks attach, then serve;
+the entries its peers make while a rank's attach is under way are kept for it); a rank that
 leaves (detach, death) stops counting; when the last leaves the group is dropped with
 its residency, and the engine's next ranks form a new one.
 """
@@ -92,7 +93,7 @@ class TpGroup:
         self.entries: deque = deque()  # (entry, bytes) some member has not reached; entries[0] is number `base`
         self.base = 0
         self.cursor: dict[int, int] = {}  # member rank -> the number of the next entry it reaches
-        self.joining: set[int] = set()  # ranks whose attach is under way
+        self.joining: set[int] = set()  # ranks whose attach is under way: the entries are kept for them
         self.made = 0  # entries ever made (none yet: ranks may join)
         self.resolved_at: dict[int, int] = {}  # (prefetch) index group -> step of its latest batch
         self._pf_seen = (0, 0, 0)
@@ -117,6 +118,7 @@ class TpGroup:
 
     def unreserve(self, rank: int) -> None:
         self.joining.discard(rank)
+        self._trim()
 
     def join(self, rank: int, state) -> None:
         """The reserved rank's attach is done (``state``: its ``RankState``): it shares the
@@ -125,7 +127,7 @@ class TpGroup:
             self.residency = state.residency
         state.residency, state.tp = self.residency, self
         self.joining.discard(rank)
-        self.cursor[rank] = self.base + len(self.entries)
+        self.cursor[rank] = 0  # its peers may have served meanwhile: it reaches their entries too (kept for it)
 
     def leave(self, rank: int) -> None:
         """Rank ``rank`` is gone: the entries only it had still to reach go (all of them with
@@ -137,6 +139,11 @@ class TpGroup:
     @property
     def members(self) -> int:
         return len(self.cursor) + len(self.joining)
+
+    def _positions(self) -> dict[int, int]:
+        """Each rank's next entry: a member's cursor; a joining rank's the first (it reserved
+        before any entry was made, and reaches every one once attached)."""
+        return {**dict.fromkeys(self.joining, 0), **self.cursor}
 
     # -- the sequence ----------------------------------------------------------------
     def begin_step(self, rank: int, step: int, state_rows: np.ndarray, reset, invalidate) -> None:
@@ -206,7 +213,7 @@ class TpGroup:
     def lag(self) -> int:
         """Entries the furthest-behind member has still to reach."""
         end = self.base + len(self.entries)
-        return end - min(self.cursor.values(), default=end)
+        return end - min(self._positions().values(), default=end)
 
     # -- internals -------------------------------------------------------------------
     def _next(self, rank: int):
@@ -219,7 +226,7 @@ class TpGroup:
 
     def _room(self, rank: int, nbytes: int) -> None:
         """Refuse (TP_LAG) an entry that a peer behind would make the group keep past its bounds."""
-        behind = [(c, r) for r, c in self.cursor.items() if r != rank]
+        behind = [(c, r) for r, c in self._positions().items() if r != rank]
         if not behind:
             return  # nobody to keep it for: it goes at once
         end = self.base + len(self.entries)
@@ -243,7 +250,7 @@ class TpGroup:
         self._trim()
 
     def _trim(self) -> None:
-        low = min(self.cursor.values(), default=self.base + len(self.entries))
+        low = min(self._positions().values(), default=self.base + len(self.entries))
         while self.entries and self.base < low:
             if len(self.entries) == 1:
                 self.settle()  # only the newest may owe its prefetch: it runs before the entry goes

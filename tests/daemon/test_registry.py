@@ -244,3 +244,37 @@ def test_engines_kept_for_their_blocks_yield_to_a_new_engine_oldest_first(reg, p
     assert reg.make_room(free + 1) == ["old"]
     assert "newer" in reg and "busy" in reg
     assert reg.make_room(8 * MiB) == ["newer"]  # never an engine with a rank
+
+
+def test_a_tp_rank_whose_attach_is_under_way_when_its_peers_begin_reaches_their_entries(reg):
+    # The daemon prepares a joining rank on a worker thread while its peers are served:
+    # the entries they make meanwhile are kept for it (the group's slab sequence is every rank's).
+    lay = helpers.layout(host_rows=64)
+    s0, _ = attach(reg, 1, 0, "cpu", "e", lay, tp_size=2)
+    late = reg.begin_attach(2, 1, "cpu", "e", lay, tp_size=2)
+    space = reg.space("e")
+    rows = np.arange(64, dtype=np.int32)
+    space.write(None, rows, np.stack([helpers.gen_pattern(layer, rows, lay.row_bytes) for layer in range(2)]))
+    state_rows, topk = np.array([0], np.int32), np.array([[1, 2, 3, 4]], np.int32)
+    s0.begin_step(0, state_rows)
+    want = s0.topk(0, 0, topk)[0]
+    assert space.tp.lag() == 2 and reg.tp_ledger.held  # kept for rank 1
+    reg.prepare(late)
+    s1, _ = reg.commit(late)
+    s1.begin_step(0, state_rows)
+    got = s1.topk(0, 0, topk)[0]
+    np.testing.assert_array_equal(got.slots, want.slots)
+    assert helpers.bad_rows(s1.slab, lay.groups[0], state_rows, topk, got.slots, 64) == 0
+    assert space.tp.lag() == 0 and not reg.tp_ledger.held
+    s0.begin_step(1, state_rows)  # the group goes on as one sequence
+    s1.begin_step(1, state_rows)
+
+
+def test_entries_kept_for_a_tp_rank_whose_attach_fails_go_with_it(reg):
+    lay = helpers.layout()
+    s0, _ = attach(reg, 1, 0, "cpu", "e", lay, tp_size=2)
+    late = reg.begin_attach(2, 1, "cpu", "e", lay, tp_size=2)
+    s0.begin_step(0, np.array([0], np.int32))
+    assert reg.tp_ledger.held
+    reg.abort(late)
+    assert reg.space("e").tp.lag() == 0 and not reg.tp_ledger.held
