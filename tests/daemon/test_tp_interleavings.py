@@ -1,0 +1,161 @@
+"""Random interleavings of a TP group's ranks (2 or 3, through a real daemon) against one
+rank of its own (the in-process engine) fed each request when the group makes its entry
+(the first rank to send it), and each write when it happens: every rank's slots and
+misses are the reference's, every slab byte a reply names holds the row (of a generation
+between the entry's making and the reply: a rank behind gathers a rewritten row's new
+bytes), the daemon's counters are the reference's once (tp_followed the batches answered
+from a peer's resolve). Steps sent alone or riding on a TOPK, TOPKs with their own state
+rows, several batches of a group in a step, writes from any rank at any point, requests
+that differ from the peers' (refused, nothing changed), a rank that leaves mid-run,
+prefetch on and off."""
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.client import Client, TpMismatch
+from sparsekv.embedded.inproc import InprocClient
+
+GROUPS = ((0,), (1, 2), (3,))
+HOST_ROWS = 40  # few rows: hits, evictions and rewrites of rows in use
+COUNTERS = ("hits", "misses", "out_of_range", "tp_followed", "topk_batches", "prefetched", "prefetch_hits",
+            "prefetch_wasted", "hot_invalidated")
+
+
+def lay():
+    return helpers.layout(num_layers=4, top_k=4, region_stride=12, max_reqs=3, host_rows=HOST_ROWS,
+                          index_groups=GROUPS)
+
+
+def sequence(rng, steps: int) -> list:
+    """The requests every rank sends: per step a STEP (padding, a request's several tokens,
+    resets, invalidations), then top-k batches of the groups in any order, a group maybe
+    twice, some with their own state rows."""
+    out = []
+    for t in range(steps):
+        rows = rng.integers(-1, 3, rng.integers(1, 4)).astype(np.int32)
+        inval = np.full((rows.size, 2), -1, np.int32)
+        inval[rng.random(inval.shape) < 0.2] = rng.integers(0, HOST_ROWS)
+        out.append(("step", t, rows, rng.random(rows.size) < 0.15, inval))
+        for g in rng.integers(0, len(GROUPS), rng.integers(1, 5)):
+            own = rows if rng.random() < 0.7 else rng.integers(-1, 3, rng.integers(1, 4)).astype(np.int32)
+            topk = np.stack([rng.choice(HOST_ROWS, 4, replace=False) for _ in own]).astype(np.int32)
+            topk[rng.random(topk.shape) < 0.1] = -1
+            out.append(("topk", t, int(g), topk, None if own is rows else own, own))
+    return out
+
+
+def pool_rows(rows, gen):
+    return np.stack([helpers.gen_pattern(layer, rows, lay().row_bytes, gen) for layer in range(lay().num_layers)])
+
+
+def run(run_dir: str, seed: int, prefetch: bool) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 4))
+    seq = sequence(rng, steps=6)
+    weight = rng.random(n) + 0.05  # one rank often far ahead of another
+    ranks = [Client(run_dir, rank=r, name=f"tp{r}").connect() for r in range(n)]
+    ref = InprocClient()
+    try:
+        atts = [c.attach(lay(), engine=f"tp{seed}", tp_size=n, prefetch=prefetch) for c in ranks]
+        ref.attach(lay(), prefetch=prefetch)
+        gen = np.zeros(HOST_ROWS, np.int64)
+        everything = np.arange(HOST_ROWS, dtype=np.int32)
+        ranks[0].write(everything, pool_rows(everything, gen))
+        ref.write(everything, pool_rows(everything, gen))
+        before = ranks[0].stats()
+        pos = [0] * n  # each rank's next request
+        deferred = [None] * n  # a rank's STEP not sent yet (it rides on the rank's next request)
+        made = 0  # entries the group made: the reference has been fed requests [0, made)
+        want, made_gen = {}, {}  # per top-k request: the reference's result, the generations then
+        live, followed, answered, ref_hits, ref_dropped = set(range(n)), 0, 0, [0, 0, 0], 0
+
+        def sent(k: int) -> None:
+            """Request ``k`` reaches the group: the first to send it makes the entry."""
+            nonlocal made
+            if k < made:
+                return
+            assert k == made
+            made += 1
+            req = seq[k]
+            if req[0] == "step":
+                ref.step(req[1], req[2], reset=req[3], invalidate=req[4])
+                return
+            res = ref.topk(req[1], req[2], req[3], state_rows=req[4])
+            want[k], made_gen[k] = res, gen.copy()
+            ref_hits[0] += res.hits
+            ref_hits[1] += int(np.asarray(res.misses).sum())
+            ref_hits[2] += res.out_of_range
+
+        def send_deferred(r: int) -> None:
+            if deferred[r] is not None:
+                sent(deferred[r])
+                deferred[r] = None
+
+        while live:
+            alive = sorted(live)
+            r = int(rng.choice(alive, p=weight[alive] / weight[alive].sum()))
+            c, roll = ranks[r], rng.random()
+            if roll < 0.08:  # a write of a few rows, from this rank, wherever it is
+                rows = rng.choice(HOST_ROWS, rng.integers(1, 4), replace=False).astype(np.int32)
+                send_deferred(r)  # (the client sends its STEP first)
+                gen[rows] += 1
+                c.write(rows, pool_rows(rows, gen))
+                ref_dropped += ref.write(rows, pool_rows(rows, gen))["invalidated"]
+                continue
+            if roll < 0.1 and len(live) > 1 and deferred[r] is None:  # this rank leaves mid-run
+                c.detach()
+                live.discard(r)
+                continue
+            if pos[r] == len(seq):
+                send_deferred(r)
+                c.flush()
+                live.discard(r)
+                continue
+            k, req = pos[r], seq[pos[r]]
+            follower = k < made and deferred[r] is None
+            if roll < 0.2 and follower:  # a request that differs from the entry: refused, nothing changed
+                if req[0] == "step":
+                    c.step(req[1], req[2], reset=~req[3], invalidate=req[4])
+                    with pytest.raises(TpMismatch, match="resets or invalidations differ"):
+                        c.flush()
+                else:
+                    wrong = req[3].copy()
+                    wrong[0, 0] = -2
+                    with pytest.raises(TpMismatch, match="top-k row 0 differs"):
+                        c.topk(req[1], req[2], wrong, state_rows=req[4])
+                continue
+            if req[0] == "step":
+                c.step(req[1], req[2], reset=req[3], invalidate=req[4])
+                deferred[r] = k
+                if rng.random() < 0.4:  # sent alone
+                    send_deferred(r)
+                    c.flush()
+                pos[r] += 1
+                continue
+            send_deferred(r)  # riding on this TOPK (no state rows of its own) or alone before it
+            following = k < made
+            sent(k)
+            res = c.topk(req[1], req[2], req[3], state_rows=req[4])
+            pos[r] += 1
+            answered += 1
+            followed += following
+            w = want[k]
+            np.testing.assert_array_equal(res.slots, w.slots, err_msg=f"seed {seed}, rank {r}, request {k}")
+            np.testing.assert_array_equal(res.misses, w.misses, err_msg=f"seed {seed}, rank {r}, request {k}")
+            assert helpers.bad_rows_between(atts[r].slab, GROUPS[req[2]], req[5], req[3], res.slots, HOST_ROWS,
+                                            made_gen[k], gen) == 0, f"seed {seed}, rank {r}, request {k}"
+        after = ranks[0].stats()
+        rr = ref._state.residency
+        expect = dict(zip(COUNTERS, (*ref_hits, followed, answered, rr.prefetched, rr.prefetch_hits,
+                                     rr.prefetch_wasted, ref_dropped)))
+        assert {k: after[k] - before[k] for k in COUNTERS} == expect, f"seed {seed}"
+    finally:
+        for c in ranks:
+            c.close()
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_random_interleavings_of_a_tp_group_equal_one_rank_of_its_own(daemon, prefetch):
+    for seed in range(helpers.examples(12, 300)):
+        run(daemon.run_dir, seed, prefetch)
