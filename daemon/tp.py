@@ -49,7 +49,8 @@ class TpLedger:
 
 def entry_bytes(*arrays) -> int:
     """What an entry keeps, bounded before it is made: its arrays, and for a top-k batch
-    its result (slots as large as the top-k, a plan at most twice)."""
+    its result (slots as large as the top-k, a plan at most twice) and with prefetch its
+    prefetch plan (at most twice again)."""
     return sum(a.nbytes for a in arrays if a is not None)
 
 
@@ -177,7 +178,8 @@ class TpGroup:
             self.cursor[rank] += 1
             self._trim()
             return entry
-        nbytes = entry_bytes(state_rows, topk) + 3 * topk.nbytes + state_rows.nbytes  # slots, plan, misses
+        # slots, plan, misses; and the prefetch plan
+        nbytes = entry_bytes(state_rows, topk) + (5 if self.prefetch else 3) * topk.nbytes + state_rows.nbytes
         self._room(rank, nbytes)
         res = self.residency.resolve(group, state_rows, topk)
         entry = TopkEntry(int(step), int(group), state_rows.copy(), topk.copy(), res, rank)

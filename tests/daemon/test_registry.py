@@ -278,3 +278,26 @@ def test_entries_kept_for_a_tp_rank_whose_attach_fails_go_with_it(reg):
     assert reg.tp_ledger.held
     reg.abort(late)
     assert reg.space("e").tp.lag() == 0 and not reg.tp_ledger.held
+
+
+def _kept_bytes(x) -> int:
+    """Bytes of the arrays an entry of a TP group keeps (its own, its results' and plans')."""
+    if isinstance(x, np.ndarray):
+        return x.nbytes
+    fields = ("state_rows", "reset", "invalidate", "topk", "resolved", "pf_plan", "slots", "misses", "plan", "rows")
+    return sum(_kept_bytes(getattr(x, f)) for f in fields if getattr(x, f, None) is not None)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_tp_ledger_counts_at_least_what_the_entries_keep(reg, prefetch):
+    lay = helpers.layout(num_layers=2, top_k=64, region_stride=128, max_reqs=8, host_rows=1024,
+                         index_groups=((0,), (1,)))
+    s0, _ = attach(reg, 1, 0, "cpu", "e", lay, tp_size=2, prefetch=prefetch)
+    attach(reg, 2, 1, "cpu", "e", lay, tp_size=2, prefetch=prefetch)
+    rng = np.random.default_rng(0)
+    s0.begin_step(0, np.arange(8, dtype=np.int32))  # every batch row misses every column
+    s0.serve_topk(0, 0, np.stack([rng.permutation(1024)[:64] for _ in range(8)]).astype(np.int32))
+    if prefetch:
+        s0.run_prefetch()
+    kept = sum(_kept_bytes(e) for e, _ in reg.space("e").tp.entries)
+    assert kept <= reg.tp_ledger.held[None] < 2 * kept
