@@ -147,21 +147,31 @@ class TpGroup:
         return {**dict.fromkeys(self.joining, 0), **self.cursor}
 
     # -- the sequence ----------------------------------------------------------------
-    def begin_step(self, rank: int, step: int, state_rows: np.ndarray, reset, invalidate) -> None:
-        """Rank ``rank`` begins ``step`` (arrays checked by ``RankState.check_step``)."""
+    def begin_step(self, rank: int, step: int, state_rows: np.ndarray, reset, invalidate, then=None) -> None:
+        """Rank ``rank`` begins ``step`` (arrays checked by ``RankState.check_step``).
+        ``then``: ``(group, top-k)`` of the TOPK this STEP rides on, checked first as
+        :meth:`topk` will check it (TP_MISMATCH, TP_LAG): a TOPK refused runs neither half
+        (its client cannot tell which half was refused, and a STEP run twice would put the
+        group out of step for good)."""
         reset = np.zeros(state_rows.shape, bool) if reset is None else reset
         invalidate = np.empty((state_rows.shape[0], 0), np.int32) if invalidate is None else invalidate
         entry = self._next(rank)
+        more = 0 if then is None else self._topk_bytes(state_rows, then[1])
         if entry is not None:
             self._expect(rank, entry, StepEntry, step, None)
             if not (np.array_equal(entry.state_rows, state_rows) and np.array_equal(entry.reset, reset)
                     and _same_invalidations(entry.invalidate, invalidate)):
                 raise self._mismatch(rank, entry, f"step {step}'s state rows, resets or invalidations differ")
+            i = self.cursor[rank] + 1 - self.base  # the entry its TOPK reaches
+            if then is not None and i < len(self.entries):
+                self._check_topk(rank, self.entries[i][0], step, then[0], state_rows, then[1])
+            elif then is not None:
+                self._room(rank, more)
             self.cursor[rank] += 1
             self._trim()
             return
         nbytes = entry_bytes(state_rows, reset, invalidate)
-        self._room(rank, nbytes)
+        self._room(rank, nbytes + more, entries=1 if then is None else 2)
         apply_step(self.residency, state_rows, reset, invalidate)
         self._append(rank, StepEntry(int(step), state_rows.copy(), reset.copy(), invalidate.copy()), nbytes)
 
@@ -170,16 +180,11 @@ class TpGroup:
         when ``rank`` is the first to reach this point)."""
         entry = self._next(rank)
         if entry is not None:
-            self._expect(rank, entry, TopkEntry, step, group)
-            if not np.array_equal(entry.state_rows, state_rows):
-                raise self._mismatch(rank, entry, "the batch's state rows differ")
-            if entry.topk.shape != topk.shape or not np.array_equal(entry.topk, topk):
-                raise self._mismatch(rank, entry, _first_difference(entry.topk, topk))
+            self._check_topk(rank, entry, step, group, state_rows, topk)
             self.cursor[rank] += 1
             self._trim()
             return entry
-        # slots, plan, misses; and the prefetch plan
-        nbytes = entry_bytes(state_rows, topk) + (5 if self.prefetch else 3) * topk.nbytes + state_rows.nbytes
+        nbytes = self._topk_bytes(state_rows, topk)
         self._room(rank, nbytes)
         res = self.residency.resolve(group, state_rows, topk)
         entry = TopkEntry(int(step), int(group), state_rows.copy(), topk.copy(), res, rank)
@@ -226,14 +231,28 @@ class TpGroup:
         i = self.cursor[rank] - self.base
         return self.entries[i][0] if i < len(self.entries) else None
 
-    def _room(self, rank: int, nbytes: int) -> None:
-        """Refuse (TP_LAG) an entry that a peer behind would make the group keep past its bounds."""
+    def _topk_bytes(self, state_rows: np.ndarray, topk: np.ndarray) -> int:
+        """What a top-k batch's entry keeps (:func:`entry_bytes`): its arrays; slots, plan and
+        misses; and with prefetch the prefetch plan."""
+        return entry_bytes(state_rows, topk) + (5 if self.prefetch else 3) * topk.nbytes + state_rows.nbytes
+
+    def _check_topk(self, rank: int, entry, step: int, group: int, state_rows: np.ndarray, topk: np.ndarray) -> None:
+        """TP_MISMATCH unless rank ``rank``'s top-k batch is the one ``entry`` answers."""
+        self._expect(rank, entry, TopkEntry, step, group)
+        if not np.array_equal(entry.state_rows, state_rows):
+            raise self._mismatch(rank, entry, "the batch's state rows differ")
+        if entry.topk.shape != topk.shape or not np.array_equal(entry.topk, topk):
+            raise self._mismatch(rank, entry, _first_difference(entry.topk, topk))
+
+    def _room(self, rank: int, nbytes: int, entries: int = 1) -> None:
+        """Refuse (TP_LAG) ``entries`` entries (of ``nbytes`` together) that a peer behind
+        would make the group keep past its bounds."""
         behind = [(c, r) for r, c in self._positions().items() if r != rank]
         if not behind:
             return  # nobody to keep it for: it goes at once
         end = self.base + len(self.entries)
         c, slow = min(behind)
-        if end - c >= self.max_lag:
+        if end - c + entries > self.max_lag:
             why = f"which keeps at most {self.max_lag} (tp_max_lag)"
         elif self.ledger.held.get(self.uid, 0) + nbytes > self.ledger.cap:
             why = (f"and the TP groups of this engine's owner keep {self.ledger.held.get(self.uid, 0)} bytes for ranks "

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import helpers
-from sparsekv.client import Client, TpMismatch
+from sparsekv.bench.private_daemon import PrivateDaemon
+from sparsekv.client import Client, TpLag, TpMismatch
 from sparsekv.embedded.inproc import InprocClient
 
 GROUPS = ((0,), (1, 2), (3,))
@@ -49,7 +50,7 @@ def pool_rows(rows, gen):
     return np.stack([helpers.gen_pattern(layer, rows, lay().row_bytes, gen) for layer in range(lay().num_layers)])
 
 
-def run(run_dir: str, seed: int, prefetch: bool) -> None:
+def run(run_dir: str, seed: int, prefetch: bool, max_lag: int) -> None:
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 4))
     seq = sequence(rng, steps=6)
@@ -92,13 +93,31 @@ def run(run_dir: str, seed: int, prefetch: bool) -> None:
                 sent(deferred[r])
                 deferred[r] = None
 
+        def lag_refuses(r: int, entries: int) -> bool:
+            """Whether ``entries`` new entries from rank ``r`` are TP_LAG: a peer would be more
+            than ``max_lag`` behind (a rank's STEP not sent yet has not reached the group)."""
+            return entries > 0 and any(made - pos[x] + (deferred[x] is not None) + entries > max_lag
+                                       for x in live if x != r)
+
+        def lone_step(r: int) -> bool:
+            """Send rank ``r``'s STEP not sent yet alone; False if it was refused (TP_LAG: it
+            did not run, the rank sends it again)."""
+            k = deferred[r]
+            if lag_refuses(r, int(k == made)):
+                with pytest.raises(TpLag, match=f"rank {r} is"):
+                    ranks[r].flush()
+                pos[r], deferred[r] = k, None
+                return False
+            send_deferred(r)
+            ranks[r].flush()
+            return True
+
         while live:
             alive = sorted(live)
             r = int(rng.choice(alive, p=weight[alive] / weight[alive].sum()))
             c, roll = ranks[r], rng.random()
-            if roll < 0.08:  # a write of a few rows, from this rank, wherever it is
+            if roll < 0.08 and deferred[r] is None:  # a write of a few rows, from this rank, wherever it is
                 rows = rng.choice(HOST_ROWS, rng.integers(1, 4), replace=False).astype(np.int32)
-                send_deferred(r)  # (the client sends its STEP first)
                 gen[rows] += 1
                 c.write(rows, pool_rows(rows, gen))
                 ref_dropped += ref.write(rows, pool_rows(rows, gen))["invalidated"]
@@ -108,32 +127,40 @@ def run(run_dir: str, seed: int, prefetch: bool) -> None:
                 live.discard(r)
                 continue
             if pos[r] == len(seq):
-                send_deferred(r)
                 c.flush()
                 live.discard(r)
                 continue
             k, req = pos[r], seq[pos[r]]
-            follower = k < made and deferred[r] is None
-            if roll < 0.2 and follower:  # a request that differs from the entry: refused, nothing changed
-                if req[0] == "step":
+            if req[0] == "step":
+                if roll < 0.2 and k < made:  # a STEP that differs from the peers': refused, nothing ran
                     c.step(req[1], req[2], reset=~req[3], invalidate=req[4])
                     with pytest.raises(TpMismatch, match="resets or invalidations differ"):
                         c.flush()
-                else:
-                    wrong = req[3].copy()
-                    wrong[0, 0] = -2
-                    with pytest.raises(TpMismatch, match="top-k row 0 differs"):
-                        c.topk(req[1], req[2], wrong, state_rows=req[4])
-                continue
-            if req[0] == "step":
+                    continue
                 c.step(req[1], req[2], reset=req[3], invalidate=req[4])
                 deferred[r] = k
-                if rng.random() < 0.4:  # sent alone
-                    send_deferred(r)
-                    c.flush()
                 pos[r] += 1
+                if rng.random() < 0.4:
+                    lone_step(r)
                 continue
-            send_deferred(r)  # riding on this TOPK (no state rows of its own) or alone before it
+            riding = deferred[r] is not None and req[4] is None  # else the STEP goes alone first
+            if deferred[r] is not None and not riding and not lone_step(r):
+                continue
+            if roll < 0.2 and k < made:  # a batch that differs from the peers': refused, nothing ran
+                wrong = req[3].copy()
+                wrong[0, 0] = -2
+                with pytest.raises(TpMismatch, match="top-k row 0 differs"):
+                    c.topk(req[1], req[2], wrong, state_rows=req[4])
+                if riding:  # (its STEP did not run either: the rank sends it again)
+                    pos[r], deferred[r] = k - 1, None
+                continue
+            if lag_refuses(r, 2 if riding and k - 1 == made else int(k == made)):
+                with pytest.raises(TpLag, match=f"rank {r} is"):
+                    c.topk(req[1], req[2], req[3], state_rows=req[4])
+                if riding:
+                    pos[r], deferred[r] = k - 1, None
+                continue
+            send_deferred(r)
             following = k < made
             sent(k)
             res = c.topk(req[1], req[2], req[3], state_rows=req[4])
@@ -157,5 +184,14 @@ def run(run_dir: str, seed: int, prefetch: bool) -> None:
 
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_random_interleavings_of_a_tp_group_equal_one_rank_of_its_own(daemon, prefetch):
-    for seed in range(helpers.examples(12, 300)):
-        run(daemon.run_dir, seed, prefetch)
+    for seed in range(helpers.examples(10, 300)):
+        run(daemon.run_dir, seed, prefetch, max_lag=256)
+
+
+def test_random_interleavings_refused_for_lag_equal_one_rank_of_its_own(tmp_path):
+    # A rank that would run more than tp_max_lag requests ahead is refused and sends again
+    # (a TOPK carrying its STEP: both); the group still equals one rank.
+    with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--tp-max-lag", "3"],
+                       log_path=str(tmp_path / "d.log")) as d:
+        for seed in range(helpers.examples(10, 300)):
+            run(d.run_dir, seed, prefetch=bool(seed % 2), max_lag=3)
