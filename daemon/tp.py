@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .residency.base import Plan, Residency, ResidencyError, Resolved, apply_step
+from .residency.base import Plan, Residency, ResidencyError, Resolved, apply_step, check_batch
 
 
 class TpLedger:
@@ -150,9 +150,9 @@ class TpGroup:
     def begin_step(self, rank: int, step: int, state_rows: np.ndarray, reset, invalidate, then=None) -> None:
         """Rank ``rank`` begins ``step`` (arrays checked by ``RankState.check_step``).
         ``then``: ``(group, top-k)`` of the TOPK this STEP rides on, checked first as
-        :meth:`topk` will check it (TP_MISMATCH, TP_LAG): a TOPK refused runs neither half
-        (its client cannot tell which half was refused, and a STEP run twice would put the
-        group out of step for good)."""
+        :meth:`topk` will check it (TP_MISMATCH, TP_LAG, its resolve's checks): a TOPK
+        refused runs neither half (its client cannot tell which half was refused, and a
+        STEP run twice would put the group out of step for good)."""
         reset = np.zeros(state_rows.shape, bool) if reset is None else reset
         invalidate = np.empty((state_rows.shape[0], 0), np.int32) if invalidate is None else invalidate
         entry = self._next(rank)
@@ -165,13 +165,16 @@ class TpGroup:
             i = self.cursor[rank] + 1 - self.base  # the entry its TOPK reaches
             if then is not None and i < len(self.entries):
                 self._check_topk(rank, self.entries[i][0], step, then[0], state_rows, then[1])
-            elif then is not None:
+            elif then is not None:  # its TOPK will make an entry: that entry's room, its resolve's checks
                 self._room(rank, more)
+                check_batch(self.residency.layout, then[0], state_rows, then[1])
             self.cursor[rank] += 1
             self._trim()
             return
         nbytes = entry_bytes(state_rows, reset, invalidate)
         self._room(rank, nbytes + more, entries=1 if then is None else 2)
+        if then is not None:
+            check_batch(self.residency.layout, then[0], state_rows, then[1])
         apply_step(self.residency, state_rows, reset, invalidate)
         self._append(rank, StepEntry(int(step), state_rows.copy(), reset.copy(), invalidate.copy()), nbytes)
 

@@ -257,3 +257,20 @@ def test_a_refused_topk_that_carries_its_step_runs_neither(tmp_path):
                         got[r].append(np.array(res.slots))
             for a, b in zip(got[0], got[1][3:]):
                 np.testing.assert_array_equal(a, b)
+
+
+def test_a_topk_refused_by_its_resolve_runs_neither_its_step(daemon):
+    reqs = requests_of(5, steps=1)
+    with Client(daemon.run_dir, rank=0) as c0, Client(daemon.run_dir, rank=1) as c1:
+        atts = [c.attach(lay(), engine="tp", tp_size=2) for c in (c0, c1)]
+        helpers.fill(c0, lay())
+        send(c0, reqs[0])
+        dup = reqs[1][3].copy()
+        dup[0, 1] = dup[0, 0] = 7
+        with pytest.raises(BadRequest, match="names the same host row twice"):
+            c0.topk(0, 0, dup)
+        for c, a in ((c0, atts[0]), (c1, atts[1])):  # each sends the STEP with the right batch
+            for req in reqs[:2]:
+                res = send(c, req)
+            assert check_rows(a, reqs[1], res) == 0
+        assert helpers.stats_json(daemon.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
