@@ -274,3 +274,25 @@ def test_a_topk_refused_by_its_resolve_runs_neither_its_step(daemon):
                 res = send(c, req)
             assert check_rows(a, reqs[1], res) == 0
         assert helpers.stats_json(daemon.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
+
+
+def test_the_entries_kept_for_a_rank_go_when_it_dies_and_the_group_with_its_last_rank():
+    reqs = requests_of(6, steps=2)
+    with helpers.serving_daemon(16 << 20, reap_interval_s=0.1) as d, Client(d.run_dir, rank=0) as c0:
+        slow = helpers.RankProc(d.run_dir, 1)
+        try:
+            slow.call("connect")
+            c0.attach(lay(), engine="tp", tp_size=2)
+            slow.call("attach", layout=lay().to_wire(), engine="tp", tp_size=2)
+            helpers.fill(c0, lay())
+            for req in reqs:
+                send(c0, req)
+            group = d.engines.space("tp").tp
+            assert group.lag() == len(reqs) and d.engines.tp_ledger.held
+            slow.kill()
+            helpers.wait_for(lambda: group.lag() == 0, what="the dead rank reaped")
+            assert not d.engines.tp_ledger.held and not group.entries
+        finally:
+            slow.close()
+        c0.detach()
+        assert "tp" not in d.engines and not d.engines.tp_ledger.held
