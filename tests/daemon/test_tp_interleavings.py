@@ -184,7 +184,7 @@ def run(run_dir: str, seed: int, prefetch: bool, max_lag: int) -> None:
 
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_random_interleavings_of_a_tp_group_equal_one_rank_of_its_own(daemon, prefetch):
-    for seed in range(helpers.examples(10, 300)):
+    for seed in range(helpers.examples(6, 300)):
         run(daemon.run_dir, seed, prefetch, max_lag=256)
 
 
@@ -193,5 +193,5 @@ def test_random_interleavings_refused_for_lag_equal_one_rank_of_its_own(tmp_path
     # (a TOPK carrying its STEP: both); the group still equals one rank.
     with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--tp-max-lag", "3"],
                        log_path=str(tmp_path / "d.log")) as d:
-        for seed in range(helpers.examples(10, 300)):
+        for seed in range(helpers.examples(6, 300)):
             run(d.run_dir, seed, prefetch=bool(seed % 2), max_lag=3)
