@@ -262,9 +262,10 @@ class TpGroup:
                    f"behind, at most {self.ledger.cap} (tp_max_lag_bytes)")
         else:
             return
-        raise ResidencyError("TP_LAG", f"rank {rank} is {end - c} requests ahead of rank {slow} of its TP group, {why}; "
-                             f"every rank must send the same steps and top-k batches: rank {slow} has stopped or "
-                             "sends something else")
+        more = " (this TOPK and the STEP it carries would add 2)" if entries > 1 else ""
+        raise ResidencyError("TP_LAG", f"rank {rank} is {end - c} requests ahead of rank {slow} of its TP group{more}, "
+                             f"{why}; every rank must send the same steps and top-k batches: rank {slow} has stopped "
+                             "or sends something else")
 
     def _append(self, rank: int, entry, nbytes: int) -> None:
         self.entries.append((entry, nbytes))

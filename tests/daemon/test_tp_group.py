@@ -239,7 +239,8 @@ def test_a_refused_topk_that_carries_its_step_runs_neither(tmp_path):
             for req in reqs[:4]:  # step 0 and its three batches
                 send(c0, req)
             send(c0, reqs[4])  # step 1 rides on its group 0 batch: the batch would be the sixth kept
-            with pytest.raises(TpLag, match="rank 0 is 4 requests ahead of rank 1"):
+            with pytest.raises(TpLag, match=r"rank 0 is 4 requests ahead of rank 1 of its TP group \(this TOPK and "
+                               r"the STEP it carries would add 2\)"):
                 send(c0, reqs[5])
             assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 4
             send(c1, reqs[0])  # rank 1's batch differs from rank 0's: neither its STEP nor it runs
