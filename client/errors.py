@@ -78,14 +78,16 @@ class BadRequest(SparseKVError):
 
 class TpMismatch(BadRequest):
     """This rank's step or top-k batch differs from its TP group's peers' at the same point
-    (``attach(..., tp_size=n)``): nothing ran and the rank stays where it was."""
+    (``attach(..., tp_size=n)``): nothing ran and the rank stays where it was (a ``topk()``
+    that carried its step's ``step()``: neither ran; call ``step()`` again)."""
 
     code = ErrorCode.TP_MISMATCH
 
 
 class TpLag(BadRequest):
     """A peer of this rank's TP group is too far behind (the daemon's ``tp_max_lag``): it
-    stopped or sends something else; this request did not run."""
+    stopped or sends something else; this request did not run (a ``topk()`` that carried
+    its step's ``step()``: neither did; call ``step()`` again)."""
 
     code = ErrorCode.TP_LAG
 

@@ -79,8 +79,9 @@ class Config:
                          "tp_size): the group keeps that many resolved top-k batches for the ranks still to "
                          "reach them; one more is refused (TP_LAG)", bounds=(1, 65536))
     tp_max_lag_bytes: int = _s(1 << 30, "bytes of the entries the TP groups of one uid's engines keep for their "
-                               "slowest ranks (resolved batches: about 4 x the top-k's bytes each), with a unit; a "
-                               "request that would keep more is refused (TP_LAG)", kind="size", bounds=(1 << 20, None))
+                               "slowest ranks (resolved batches: about 4 x the top-k's bytes each, 6 x with prefetch), "
+                               "with a unit; a request that would keep more is refused (TP_LAG)", kind="size",
+                               bounds=(1 << 20, None))
     admin_gid: int = _s(-1, "members of this group may join any user's engine (operators' tools); -1: nobody "
                         "but root", bounds=(-1, 2**32 - 2))
     # Per-uid quotas, checked before anything is allocated; root counts like anyone. The

@@ -78,11 +78,13 @@ class RankState:
     _prefetch_seen: tuple[int, int, int] = (0, 0, 0)  # the residency's (prefetched, hits, wasted) last reported
     tp: TpGroup | None = None  # the engine's TP group (daemon/tp.py): its residency is this rank's, shared
 
-    def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
-        """Record the batch of a decode step; apply its resets and invalidations."""
+    def begin_step(self, step: int, state_rows, reset=None, invalidate=None, then=None) -> None:
+        """Record the batch of a decode step; apply its resets and invalidations. ``then``:
+        ``(group, top-k)`` of the TOPK the step rides on (a TP group checks it first)."""
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
         if self.tp is not None:
-            self.tp.begin_step(self.rank, int(step), state_rows, reset, invalidate)
+            then = None if then is None else (int(then[0]), as_ids("topk", then[1], 2))
+            self.tp.begin_step(self.rank, int(step), state_rows, reset, invalidate, then)
         else:
             apply_step(self.residency, state_rows, reset, invalidate)
         self.step = int(step)

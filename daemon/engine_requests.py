@@ -239,21 +239,20 @@ class EngineRequests:
         else:
             if "topk" not in a:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
-            state_rows = a.get("state_rows")
+            state_rows, topk = a.get("state_rows"), a["topk"]
+            if topk.ndim:  # before any work: rows of padding cost as much as live ones
+                _batch_fits(st, topk.shape[0])
             if begin:
                 if state_rows is None:
                     raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TOPK that begins a step needs the state_rows array")
                 _batch_fits(st, state_rows.size)
                 st.check_fence(fence)
-                st.begin_step(step, state_rows, a.get("reset"), a.get("invalidate"))
+                st.begin_step(step, state_rows, a.get("reset"), a.get("invalidate"), then=(group, topk))
                 self.stats.c["steps"] += 1
                 state_rows = None  # the step has begun: resolve against its state rows
             elif "reset" in a or "invalidate" in a:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT,
                                     "reset and invalidate go with a TOPK only when it begins a step")
-            topk = a["topk"]
-            if topk.ndim:  # before any work: rows of padding cost as much as live ones
-                _batch_fits(st, topk.shape[0])
             fields, arrays, deltas = st.serve_topk(step, group, topk, state_rows, fence)
         if st.pending_prefetch is not None:
             self.prefetching.append(st)

@@ -16,7 +16,8 @@ that lags applies the plans it missed in order and ends with the slab the others
 The group keeps the entries not every member has reached: at most ``max_lag``, and the
 groups of one uid's engines at most ``TpLedger.cap`` bytes of them together; a rank
 that would make one more is refused (``TP_LAG``, naming the rank it waits for). Ranks
-join before the group's first entry (an engine's ranks attach, then serve); a rank that
+begin their attach before the group's first entry (an engine's ranks attach, then serve;
+the entries its peers make while a rank's attach is under way are kept for it); a rank that
 leaves (detach, death) stops counting; when the last leaves the group is dropped with
 its residency, and the engine's next ranks form a new one.
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .residency.base import Plan, Residency, ResidencyError, Resolved, apply_step
+from .residency.base import Plan, Residency, ResidencyError, Resolved, apply_step, check_batch
 
 
 class TpLedger:
@@ -48,7 +49,8 @@ class TpLedger:
 
 def entry_bytes(*arrays) -> int:
     """What an entry keeps, bounded before it is made: its arrays, and for a top-k batch
-    its result (slots as large as the top-k, a plan at most twice)."""
+    its result (slots as large as the top-k, a plan at most twice) and with prefetch its
+    prefetch plan (at most twice again)."""
     return sum(a.nbytes for a in arrays if a is not None)
 
 
@@ -92,7 +94,7 @@ class TpGroup:
         self.entries: deque = deque()  # (entry, bytes) some member has not reached; entries[0] is number `base`
         self.base = 0
         self.cursor: dict[int, int] = {}  # member rank -> the number of the next entry it reaches
-        self.joining: set[int] = set()  # ranks whose attach is under way
+        self.joining: set[int] = set()  # ranks whose attach is under way: the entries are kept for them
         self.made = 0  # entries ever made (none yet: ranks may join)
         self.resolved_at: dict[int, int] = {}  # (prefetch) index group -> step of its latest batch
         self._pf_seen = (0, 0, 0)
@@ -117,6 +119,7 @@ class TpGroup:
 
     def unreserve(self, rank: int) -> None:
         self.joining.discard(rank)
+        self._trim()
 
     def join(self, rank: int, state) -> None:
         """The reserved rank's attach is done (``state``: its ``RankState``): it shares the
@@ -125,7 +128,7 @@ class TpGroup:
             self.residency = state.residency
         state.residency, state.tp = self.residency, self
         self.joining.discard(rank)
-        self.cursor[rank] = self.base + len(self.entries)
+        self.cursor[rank] = 0  # its peers may have served meanwhile: it reaches their entries too (kept for it)
 
     def leave(self, rank: int) -> None:
         """Rank ``rank`` is gone: the entries only it had still to reach go (all of them with
@@ -138,22 +141,40 @@ class TpGroup:
     def members(self) -> int:
         return len(self.cursor) + len(self.joining)
 
+    def _positions(self) -> dict[int, int]:
+        """Each rank's next entry: a member's cursor; a joining rank's the first (it reserved
+        before any entry was made, and reaches every one once attached)."""
+        return {**dict.fromkeys(self.joining, 0), **self.cursor}
+
     # -- the sequence ----------------------------------------------------------------
-    def begin_step(self, rank: int, step: int, state_rows: np.ndarray, reset, invalidate) -> None:
-        """Rank ``rank`` begins ``step`` (arrays checked by ``RankState.check_step``)."""
+    def begin_step(self, rank: int, step: int, state_rows: np.ndarray, reset, invalidate, then=None) -> None:
+        """Rank ``rank`` begins ``step`` (arrays checked by ``RankState.check_step``).
+        ``then``: ``(group, top-k)`` of the TOPK this STEP rides on, checked first as
+        :meth:`topk` will check it (TP_MISMATCH, TP_LAG, its resolve's checks): a TOPK
+        refused runs neither half (its client cannot tell which half was refused, and a
+        STEP run twice would put the group out of step for good)."""
         reset = np.zeros(state_rows.shape, bool) if reset is None else reset
         invalidate = np.empty((state_rows.shape[0], 0), np.int32) if invalidate is None else invalidate
         entry = self._next(rank)
+        more = 0 if then is None else self._topk_bytes(state_rows, then[1])
         if entry is not None:
             self._expect(rank, entry, StepEntry, step, None)
             if not (np.array_equal(entry.state_rows, state_rows) and np.array_equal(entry.reset, reset)
                     and _same_invalidations(entry.invalidate, invalidate)):
                 raise self._mismatch(rank, entry, f"step {step}'s state rows, resets or invalidations differ")
+            i = self.cursor[rank] + 1 - self.base  # the entry its TOPK reaches
+            if then is not None and i < len(self.entries):
+                self._check_topk(rank, self.entries[i][0], step, then[0], state_rows, then[1])
+            elif then is not None:  # its TOPK will make an entry: that entry's room, its resolve's checks
+                self._room(rank, more)
+                check_batch(self.residency.layout, then[0], state_rows, then[1])
             self.cursor[rank] += 1
             self._trim()
             return
         nbytes = entry_bytes(state_rows, reset, invalidate)
-        self._room(rank, nbytes)
+        self._room(rank, nbytes + more, entries=1 if then is None else 2)
+        if then is not None:
+            check_batch(self.residency.layout, then[0], state_rows, then[1])
         apply_step(self.residency, state_rows, reset, invalidate)
         self._append(rank, StepEntry(int(step), state_rows.copy(), reset.copy(), invalidate.copy()), nbytes)
 
@@ -162,15 +183,11 @@ class TpGroup:
         when ``rank`` is the first to reach this point)."""
         entry = self._next(rank)
         if entry is not None:
-            self._expect(rank, entry, TopkEntry, step, group)
-            if not np.array_equal(entry.state_rows, state_rows):
-                raise self._mismatch(rank, entry, "the batch's state rows differ")
-            if entry.topk.shape != topk.shape or not np.array_equal(entry.topk, topk):
-                raise self._mismatch(rank, entry, _first_difference(entry.topk, topk))
+            self._check_topk(rank, entry, step, group, state_rows, topk)
             self.cursor[rank] += 1
             self._trim()
             return entry
-        nbytes = entry_bytes(state_rows, topk) + 3 * topk.nbytes + state_rows.nbytes  # slots, plan, misses
+        nbytes = self._topk_bytes(state_rows, topk)
         self._room(rank, nbytes)
         res = self.residency.resolve(group, state_rows, topk)
         entry = TopkEntry(int(step), int(group), state_rows.copy(), topk.copy(), res, rank)
@@ -206,7 +223,7 @@ class TpGroup:
     def lag(self) -> int:
         """Entries the furthest-behind member has still to reach."""
         end = self.base + len(self.entries)
-        return end - min(self.cursor.values(), default=end)
+        return end - min(self._positions().values(), default=end)
 
     # -- internals -------------------------------------------------------------------
     def _next(self, rank: int):
@@ -217,23 +234,38 @@ class TpGroup:
         i = self.cursor[rank] - self.base
         return self.entries[i][0] if i < len(self.entries) else None
 
-    def _room(self, rank: int, nbytes: int) -> None:
-        """Refuse (TP_LAG) an entry that a peer behind would make the group keep past its bounds."""
-        behind = [(c, r) for r, c in self.cursor.items() if r != rank]
+    def _topk_bytes(self, state_rows: np.ndarray, topk: np.ndarray) -> int:
+        """What a top-k batch's entry keeps (:func:`entry_bytes`): its arrays; slots, plan and
+        misses; and with prefetch the prefetch plan."""
+        return entry_bytes(state_rows, topk) + (5 if self.prefetch else 3) * topk.nbytes + state_rows.nbytes
+
+    def _check_topk(self, rank: int, entry, step: int, group: int, state_rows: np.ndarray, topk: np.ndarray) -> None:
+        """TP_MISMATCH unless rank ``rank``'s top-k batch is the one ``entry`` answers."""
+        self._expect(rank, entry, TopkEntry, step, group)
+        if not np.array_equal(entry.state_rows, state_rows):
+            raise self._mismatch(rank, entry, "the batch's state rows differ")
+        if entry.topk.shape != topk.shape or not np.array_equal(entry.topk, topk):
+            raise self._mismatch(rank, entry, _first_difference(entry.topk, topk))
+
+    def _room(self, rank: int, nbytes: int, entries: int = 1) -> None:
+        """Refuse (TP_LAG) ``entries`` entries (of ``nbytes`` together) that a peer behind
+        would make the group keep past its bounds."""
+        behind = [(c, r) for r, c in self._positions().items() if r != rank]
         if not behind:
             return  # nobody to keep it for: it goes at once
         end = self.base + len(self.entries)
         c, slow = min(behind)
-        if end - c >= self.max_lag:
+        if end - c + entries > self.max_lag:
             why = f"which keeps at most {self.max_lag} (tp_max_lag)"
         elif self.ledger.held.get(self.uid, 0) + nbytes > self.ledger.cap:
             why = (f"and the TP groups of this engine's owner keep {self.ledger.held.get(self.uid, 0)} bytes for ranks "
                    f"behind, at most {self.ledger.cap} (tp_max_lag_bytes)")
         else:
             return
-        raise ResidencyError("TP_LAG", f"rank {rank} is {end - c} requests ahead of rank {slow} of its TP group, {why}; "
-                             f"every rank must send the same steps and top-k batches: rank {slow} has stopped or "
-                             "sends something else")
+        more = " (this TOPK and the STEP it carries would add 2)" if entries > 1 else ""
+        raise ResidencyError("TP_LAG", f"rank {rank} is {end - c} requests ahead of rank {slow} of its TP group{more}, "
+                             f"{why}; every rank must send the same steps and top-k batches: rank {slow} has stopped "
+                             "or sends something else")
 
     def _append(self, rank: int, entry, nbytes: int) -> None:
         self.entries.append((entry, nbytes))
@@ -243,7 +275,7 @@ class TpGroup:
         self._trim()
 
     def _trim(self) -> None:
-        low = min(self.cursor.values(), default=self.base + len(self.entries))
+        low = min(self._positions().values(), default=self.base + len(self.entries))
         while self.entries and self.base < low:
             if len(self.entries) == 1:
                 self.settle()  # only the newest may owe its prefetch: it runs before the entry goes

@@ -303,7 +303,8 @@ def _rank_server(conn, run_dir: str, rank: int, name: str) -> None:
                 client.connect()
                 out = {"pid": os.getpid(), "client_id": client.info["client_id"]}
             elif cmd == "attach":
-                att = client.attach(Layout.from_wire(args["layout"]), engine=args["engine"])
+                att = client.attach(Layout.from_wire(args["layout"]), engine=args["engine"],
+                                    tp_size=args.get("tp_size", 1))
                 gen = np.zeros(att.layout.host_rows, np.int64)
                 out = {"slab_shape": list(att.slab.shape)}
             elif cmd == "fill":

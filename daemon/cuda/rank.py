@@ -129,7 +129,7 @@ class CudaRankState(RankState):
                                  "from its engine's stream (client/doorbell.py), not as STEP/TOPK messages")
         return self.transport
 
-    def begin_step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
+    def begin_step(self, step: int, state_rows, reset=None, invalidate=None, then=None) -> None:
         state_rows = as_ids("state_rows", state_rows, 1)
         transport = self._fed()
         with self._cp.cuda.Device(self.worker.ordinal):

@@ -122,6 +122,19 @@ def test_write_reaches_the_pool_and_drops_hot_copies(filled):
         np.testing.assert_array_equal(got, new[layer])
 
 
+def test_a_tp_group_is_refused_before_anything_is_allocated_and_the_others_are_served(filled):
+    lay, c, att = filled
+    before = c.stats()
+    with Client(c.run_dir, rank=1, device="cuda:0") as other:
+        # (the pool has no room for a second engine: the refusal comes before any is sought)
+        with pytest.raises(BadRequest, match="runs on the cpu backend only"):
+            other.attach(lay, engine="tp", tp_size=2)
+    after = c.stats()
+    assert (after["engines"], after["pool_used_bytes"]) == (before["engines"], before["pool_used_bytes"])
+    c.step(0, [0])
+    assert c.topk(0, 0, np.arange(lay.top_k, dtype=np.int32)[None, :]).host()[1][0] == lay.top_k
+
+
 def test_duplicate_ids_are_refused_and_state_kept(filled):
     """Found on the device: the row is refused, and the next request gets the typed error
     (the cpu backend raises at once; the GPU only knows after the fact)."""

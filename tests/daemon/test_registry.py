@@ -244,3 +244,60 @@ def test_engines_kept_for_their_blocks_yield_to_a_new_engine_oldest_first(reg, p
     assert reg.make_room(free + 1) == ["old"]
     assert "newer" in reg and "busy" in reg
     assert reg.make_room(8 * MiB) == ["newer"]  # never an engine with a rank
+
+
+def test_a_tp_rank_whose_attach_is_under_way_when_its_peers_begin_reaches_their_entries(reg):
+    # The daemon prepares a joining rank on a worker thread while its peers are served:
+    # the entries they make meanwhile are kept for it (the group's slab sequence is every rank's).
+    lay = helpers.layout(host_rows=64)
+    s0, _ = attach(reg, 1, 0, "cpu", "e", lay, tp_size=2)
+    late = reg.begin_attach(2, 1, "cpu", "e", lay, tp_size=2)
+    space = reg.space("e")
+    rows = np.arange(64, dtype=np.int32)
+    space.write(None, rows, np.stack([helpers.gen_pattern(layer, rows, lay.row_bytes) for layer in range(2)]))
+    state_rows, topk = np.array([0], np.int32), np.array([[1, 2, 3, 4]], np.int32)
+    s0.begin_step(0, state_rows)
+    want = s0.topk(0, 0, topk)[0]
+    assert space.tp.lag() == 2 and reg.tp_ledger.held  # kept for rank 1
+    reg.prepare(late)
+    s1, _ = reg.commit(late)
+    s1.begin_step(0, state_rows)
+    got = s1.topk(0, 0, topk)[0]
+    np.testing.assert_array_equal(got.slots, want.slots)
+    assert helpers.bad_rows(s1.slab, lay.groups[0], state_rows, topk, got.slots, 64) == 0
+    assert space.tp.lag() == 0 and not reg.tp_ledger.held
+    s0.begin_step(1, state_rows)  # the group goes on as one sequence
+    s1.begin_step(1, state_rows)
+
+
+def test_entries_kept_for_a_tp_rank_whose_attach_fails_go_with_it(reg):
+    lay = helpers.layout()
+    s0, _ = attach(reg, 1, 0, "cpu", "e", lay, tp_size=2)
+    late = reg.begin_attach(2, 1, "cpu", "e", lay, tp_size=2)
+    s0.begin_step(0, np.array([0], np.int32))
+    assert reg.tp_ledger.held
+    reg.abort(late)
+    assert reg.space("e").tp.lag() == 0 and not reg.tp_ledger.held
+
+
+def _kept_bytes(x) -> int:
+    """Bytes of the arrays an entry of a TP group keeps (its own, its results' and plans')."""
+    if isinstance(x, np.ndarray):
+        return x.nbytes
+    fields = ("state_rows", "reset", "invalidate", "topk", "resolved", "pf_plan", "slots", "misses", "plan", "rows")
+    return sum(_kept_bytes(getattr(x, f)) for f in fields if getattr(x, f, None) is not None)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_tp_ledger_counts_at_least_what_the_entries_keep(reg, prefetch):
+    lay = helpers.layout(num_layers=2, top_k=64, region_stride=128, max_reqs=8, host_rows=1024,
+                         index_groups=((0,), (1,)))
+    s0, _ = attach(reg, 1, 0, "cpu", "e", lay, tp_size=2, prefetch=prefetch)
+    attach(reg, 2, 1, "cpu", "e", lay, tp_size=2, prefetch=prefetch)
+    rng = np.random.default_rng(0)
+    s0.begin_step(0, np.arange(8, dtype=np.int32))  # every batch row misses every column
+    s0.serve_topk(0, 0, np.stack([rng.permutation(1024)[:64] for _ in range(8)]).astype(np.int32))
+    if prefetch:
+        s0.run_prefetch()
+    kept = sum(_kept_bytes(e) for e, _ in reg.space("e").tp.entries)
+    assert kept <= reg.tp_ledger.held[None] < 2 * kept

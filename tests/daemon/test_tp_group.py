@@ -136,9 +136,11 @@ def test_a_rank_whose_topk_differs_is_refused_and_stays_where_it_was(daemon):
         wrong = list(reqs[1])
         wrong[3] = np.where(wrong[3] >= 0, (wrong[3] + 1) % HOST_ROWS, -1).astype(np.int32)  # ids still distinct
         with pytest.raises(TpMismatch, match="rank 1 .* step 0, group 0: top-k row 0 differs"):
-            send(c1, tuple(wrong))
+            send(c1, tuple(wrong))  # its STEP rode on it: neither ran
+        send(c1, reqs[0])
         with pytest.raises(TpMismatch, match="it sent the TOPK of step 0, group 1"):
             send(c1, reqs[2])
+        send(c1, reqs[0])
         res = send(c1, reqs[1])  # the right one is served, with rank 0's slots
         assert helpers.bad_rows(a1.slab, GROUPS[0], reqs[1][4], reqs[1][3], res.slots, HOST_ROWS) == 0
         send(c0, reqs[2])
@@ -223,3 +225,75 @@ def test_the_bytes_kept_for_a_slow_rank_are_bounded_per_uid(tmp_path):
                 c0.topk(0, 0, topk[1], state_rows=rows)
             c1.topk(0, 0, topk[0], state_rows=rows)  # rank 1 reaches it: the bytes go
             c0.topk(0, 0, topk[1], state_rows=rows)
+
+
+def test_a_refused_topk_that_carries_its_step_runs_neither(tmp_path):
+    # A client cannot tell which half of a TOPK carrying its STEP was refused: neither runs,
+    # and the rank sends both again (a STEP run twice would put the group out of step for good).
+    reqs = requests_of(4, steps=3)
+    with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--tp-max-lag", "5"],
+                       log_path=str(tmp_path / "d.log")) as d:
+        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
+            atts = [c.attach(lay(), engine="tp", tp_size=2) for c in (c0, c1)]
+            helpers.fill(c0, lay())
+            for req in reqs[:4]:  # step 0 and its three batches
+                send(c0, req)
+            send(c0, reqs[4])  # step 1 rides on its group 0 batch: the batch would be the sixth kept
+            with pytest.raises(TpLag, match=r"rank 0 is 4 requests ahead of rank 1 of its TP group \(this TOPK and "
+                               r"the STEP it carries would add 2\)"):
+                send(c0, reqs[5])
+            assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 4
+            send(c1, reqs[0])  # rank 1's batch differs from rank 0's: neither its STEP nor it runs
+            wrong = list(reqs[1])
+            wrong[3] = np.where(wrong[3] >= 0, (wrong[3] + 1) % HOST_ROWS, -1).astype(np.int32)
+            with pytest.raises(TpMismatch, match="top-k row 0 differs"):
+                send(c1, tuple(wrong))
+            assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 4
+            got = {0: [], 1: []}
+            for r, part in ((1, reqs[:4]), (0, reqs[4:8]), (1, reqs[4:]), (0, reqs[8:])):  # refused STEPs sent again
+                for req in part:
+                    res = send((c0, c1)[r], req)
+                    if res is not None:
+                        assert check_rows(atts[r], req, res) == 0
+                        got[r].append(np.array(res.slots))
+            for a, b in zip(got[0], got[1][3:]):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_a_topk_refused_by_its_resolve_runs_neither_its_step(daemon):
+    reqs = requests_of(5, steps=1)
+    with Client(daemon.run_dir, rank=0) as c0, Client(daemon.run_dir, rank=1) as c1:
+        atts = [c.attach(lay(), engine="tp", tp_size=2) for c in (c0, c1)]
+        helpers.fill(c0, lay())
+        send(c0, reqs[0])
+        dup = reqs[1][3].copy()
+        dup[0, 1] = dup[0, 0] = 7
+        with pytest.raises(BadRequest, match="names the same host row twice"):
+            c0.topk(0, 0, dup)
+        for c, a in ((c0, atts[0]), (c1, atts[1])):  # each sends the STEP with the right batch
+            for req in reqs[:2]:
+                res = send(c, req)
+            assert check_rows(a, reqs[1], res) == 0
+        assert helpers.stats_json(daemon.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
+
+
+def test_the_entries_kept_for_a_rank_go_when_it_dies_and_the_group_with_its_last_rank():
+    reqs = requests_of(6, steps=2)
+    with helpers.serving_daemon(16 << 20, reap_interval_s=0.1) as d, Client(d.run_dir, rank=0) as c0:
+        slow = helpers.RankProc(d.run_dir, 1)
+        try:
+            slow.call("connect")
+            c0.attach(lay(), engine="tp", tp_size=2)
+            slow.call("attach", layout=lay().to_wire(), engine="tp", tp_size=2)
+            helpers.fill(c0, lay())
+            for req in reqs:
+                send(c0, req)
+            group = d.engines.space("tp").tp
+            assert group.lag() == len(reqs) and d.engines.tp_ledger.held
+            slow.kill()
+            helpers.wait_for(lambda: group.lag() == 0, what="the dead rank reaped")
+            assert not d.engines.tp_ledger.held and not group.entries
+        finally:
+            slow.close()
+        c0.detach()
+        assert "tp" not in d.engines and not d.engines.tp_ledger.held
