@@ -25,6 +25,7 @@ from .progress import Progress
 DEFAULTS = dict(steps=300, batch=8, top_k=256, region_stride=512, max_reqs=16, host_rows=65536,
                 row_bytes=656, num_layers=4, overlap=0.8, context=2048, lifetime=64, seed=7)
 GROUPS = ((0, 1), (2, 3))  # two index groups of two layers (leader + follower)
+SYNC_EVERY = 16  # steps between the ranks' meetings (3 requests a step: far below tp_max_lag)
 
 
 def _rank_main(parent: int, run_dir: str, rank: int, device: str, params: dict, barrier, results,
@@ -61,6 +62,10 @@ def _rank_body(run_dir, rank, device, params, barrier, results, show_progress) -
                 bad += count_mismatches(att.slab, GROUPS[g], trace.state_rows[t], trace.topk[t], slots, layout.host_rows)
             if bar:
                 bar.update(t + 1)
+            if t % SYNC_EVERY == SYNC_EVERY - 1:
+                # A TP engine's collectives keep its ranks together; these two processes share
+                # nothing else, and a TP group refuses a rank tp_max_lag requests ahead.
+                barrier.wait(timeout=300)
         if bar:
             bar.close()
         barrier.wait(timeout=300)
