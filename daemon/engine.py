@@ -20,7 +20,7 @@ from sparsekv.proto.blocks import KeysPlane
 from sparsekv.proto.layout import Layout
 
 from .blocks.contract import BlockError
-from .residency.base import Mover, Residency, ResidencyError, Resolved, apply_step
+from .residency.base import Mover, Residency, ResidencyError, Resolved, apply_step, check_batch
 from .residency.cpu import CpuMover
 from .tp import TpGroup
 
@@ -80,12 +80,15 @@ class RankState:
 
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None, then=None) -> None:
         """Record the batch of a decode step; apply its resets and invalidations. ``then``:
-        ``(group, top-k)`` of the TOPK the step rides on (a TP group checks it first)."""
+        ``(group, top-k)`` of the TOPK the step rides on, checked first (its resolve's
+        checks; a TP group's too): a TOPK refused runs neither half."""
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
+        then = None if then is None else (int(then[0]), as_ids("topk", then[1], 2))
         if self.tp is not None:
-            then = None if then is None else (int(then[0]), as_ids("topk", then[1], 2))
             self.tp.begin_step(self.rank, int(step), state_rows, reset, invalidate, then)
         else:
+            if then is not None:
+                check_batch(self.residency.layout, then[0], state_rows, then[1])
             apply_step(self.residency, state_rows, reset, invalidate)
         self.step = int(step)
         self.state_rows = state_rows

@@ -34,3 +34,16 @@ def test_reset_on_a_topk_that_begins_no_step_is_refused(module_daemon):
         assert MsgType.STEP in c.timings
         with pytest.raises(BadRequest, match="reset and invalidate"):
             c._call(MsgType.TOPK, {"step": 0, "group": 0}, {"topk": IDS, "reset": np.array([True])})
+
+
+def test_a_topk_refused_by_its_resolve_runs_neither_its_step(module_daemon):
+    # The client cannot tell which half was refused: neither ran, and step() goes again.
+    with Client(module_daemon.run_dir, timeout_s=10) as c:
+        c.attach(LAYOUT, engine="p")
+        c.step(0, [0], reset=[True])
+        assert int(c.topk(0, 0, IDS).misses[0]) == 4
+        c.step(1, [0], reset=[True])  # would empty the region, but its TOPK names a row twice
+        with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
+            c.topk(1, 0, np.array([[0, 0, 1, 2]], np.int32))
+        c.step(1, [0])
+        assert int(c.topk(1, 0, IDS).misses[0]) == 0  # the reset did not run: the rows are still there
