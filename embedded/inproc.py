@@ -53,8 +53,11 @@ class InprocClient:
         self._space = self._state = None
 
     def attach(self, layout: Layout, engine: str = "default", block_size: int = 0, index_bytes: int = 0,
-               prefetch: bool = False) -> Attachment:
+               prefetch: bool = False, tp_size: int = 1) -> Attachment:
         layout.validate()
+        if tp_size != 1:
+            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"tp_size {tp_size!r}: the in-process engine is one rank of "
+                            "its own; a TP group's ranks attach to a daemon (Client)")
         if not 0 <= block_size <= layout.host_rows:
             raise error_for(int(ErrorCode.BAD_ARGUMENT), f"block_size must lie in [0, host_rows={layout.host_rows}]")
         if type(index_bytes) is not int or not 0 <= index_bytes <= MAX_INDEX_BYTES or (index_bytes and not block_size):

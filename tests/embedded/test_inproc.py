@@ -8,7 +8,7 @@ import helpers
 from helpers import gen_pattern
 from sparsekv.client import BadRequest, Client, NotAttached
 from sparsekv.embedded.inproc import InprocClient
-from sparsekv.proto import ErrorCode
+from sparsekv.proto import ErrorCode, Layout
 from sparsekv.proto.positions import host_rows
 
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
@@ -93,3 +93,9 @@ def test_inproc_block_store_answers_as_the_daemons():
     with helpers.serving_daemon(4 << 20) as d, Client(d.run_dir) as c:
         daemon = _two_requests_sharing_a_prefix(c)
     assert inproc == daemon == (3, 0)
+
+
+def test_inproc_refuses_a_tp_group():
+    with InprocClient() as c:
+        with pytest.raises(BadRequest, match="the in-process engine is one rank of its own"):
+            c.attach(Layout(num_layers=1, row_bytes=16, top_k=2, region_stride=2, max_reqs=1, host_rows=8), tp_size=2)
