@@ -125,6 +125,7 @@ def test_client_library_raises_typed_errors_with_the_daemons_message(daemon):
             c.topk(0, 0, [[5, 6, 5, -1]])
         assert type(ei.value).__name__ == "BadRequest" and ei.value.code == ErrorCode.DUPLICATE_IDS
         assert "same host row twice" in str(ei.value)
+        c.step(0, [0])  # the refused TOPK ran neither itself nor the STEP riding on it
         r = c.topk(0, 0, [[5, 6, 7, -1]])  # the connection is still good
         assert r.misses.tolist() == [3]
 
