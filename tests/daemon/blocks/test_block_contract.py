@@ -4,6 +4,8 @@ requests from several sessions and uids (hypothesis), step for step equal, with 
 model's invariants (zeroed free blocks, pinned blocks never evicted nor rewritten,
 reservations always covered) checked after every step."""
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -326,6 +328,44 @@ def test_a_remembered_chain_whose_block_holds_another_key_now_is_not_answered_fr
     assert same(model, real, 1, "alloc", [1]) == ("ok", blocks[:1])  # the least recently unpinned, evicted
     same(model, real, 1, "commit", [blocks[:1], [key(*other)]])
     assert same(model, real, 2, "lookup", [chain]) == ("ok", [])
+
+
+def test_the_memo_of_a_small_store_stays_in_proportion_to_its_blocks():
+    """A client that commits a new key into a one-block store, again and again, each time
+    looking up that key named 65,536 times (a chain found whole, remembered): the store
+    keeps no more than a few bytes a block for it, not 8 MiB of remembered ids."""
+    s = BlockStore(1, lambda blocks: None)
+    s.open(1, 7)
+
+    def again(i):
+        s.commit(1, s.alloc(1, 1), wire([h(i)]))
+        got = s.lookup(1, wire([h(i)] * 65536))
+        assert got.size == 65536 and s.pins[0] == 65537
+        s.release(1, np.concatenate([got, got[:1]]))
+
+    again(0)  # (what numpy imports on first use is not the store's)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1, 20):
+            again(i)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 64 << 10, kept
+
+
+def test_a_long_chain_given_as_nested_lists_is_looked_up_as_its_array():
+    """``lookup`` takes a chain as ``commit`` does (anything int64 [n, 2] converts from),
+    remembered chains included."""
+    n = store_module.CHAIN_MEMO_MIN
+    s = BlockStore(n, lambda blocks: None)
+    s.open(1, 7)
+    chain = wire([h(i) for i in range(n)])
+    blocks = s.alloc(1, n)
+    s.commit(1, blocks, chain.tolist())
+    for _ in range(2):
+        assert s.lookup(1, chain.tolist()).tolist() == blocks.tolist()
 
 
 # -- random sequences ---------------------------------------------------------------------
