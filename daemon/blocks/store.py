@@ -22,8 +22,10 @@ from .index import KeyIndex
 
 FREE, CACHED = -1, -2  # ``state`` of a block that is not private (else: the owning session)
 # The chains looked up in full lately, by their last key (see BlockStore._chain): at most
-# this many block ids together, the least recently used chain going first.
+# this many block ids together, and this many a block of the store (a chain may name one
+# block many times: a small store's memo stays small); the least recently used goes first.
 CHAIN_MEMO_IDS = 1 << 20
+CHAIN_MEMO_IDS_PER_BLOCK = 8
 CHAIN_MEMO_MIN = 64  # shorter chains take the index (a few microseconds anyway)
 
 
@@ -82,8 +84,9 @@ class BlockStore:
         self.counts = collections.Counter()  # lookups, hit_blocks, commits, evictions
         # Last key of a chain found whole -> its blocks (int64 [n]). Only a hint: a lookup
         # uses it only after checking every block of it is cached under its key now.
-        self._chains: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        self._chains: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
         self._chain_ids = 0
+        self._chain_ids_max = min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
 
     # -- what the store has ------------------------------------------------------------
     @property
@@ -208,14 +211,14 @@ class BlockStore:
         block that the reservations need."""
         uid = self._uid_of(session)
         lo, hi = key_words(hashes)
-        arr = self._chain(hashes, lo, hi)
+        arr = self._chain(lo, hi)
         if arr is None:
             arr = self.index.find(lo, hi)
             missing = np.flatnonzero(arr < 0)
             if missing.size:
                 arr = arr[: missing[0]]
             elif arr.size >= CHAIN_MEMO_MIN:
-                self._remember(hashes, arr)
+                self._remember(lo, hi, arr)
         run = _run(arr)  # blocks allocated together: slices instead of gathers and scatters
         at = run if run is not None else arr
         unpinned = self.pins[at] == 0
@@ -251,14 +254,14 @@ class BlockStore:
         self.counts["hit_blocks"] += arr.size
         return arr.astype(np.int32)
 
-    def _chain(self, hashes: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
-        """The blocks of chain ``hashes`` when it was found whole before and every block of
-        that answer is still cached under its key (then the index would answer the same:
-        a key names one cached block); None otherwise. Requests sharing a long system
+    def _chain(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
+        """The blocks of the chain of keys ``lo``, ``hi`` (its words) when it was found whole
+        before and every block of that answer is still cached under its key (then the
+        index would answer the same: a key names one cached block); None otherwise. Requests sharing a long system
         prompt look the same chain up again and again: a few array operations, no probes."""
-        if hashes.shape[0] < CHAIN_MEMO_MIN:
+        if lo.size < CHAIN_MEMO_MIN:
             return None
-        key = hashes[-1].tobytes()
+        key = (int(lo[-1]), int(hi[-1]))
         arr = self._chains.get(key)
         if arr is None or arr.size != lo.size:
             return None
@@ -270,12 +273,12 @@ class BlockStore:
         self._chains.move_to_end(key)
         return arr
 
-    def _remember(self, hashes: np.ndarray, arr: np.ndarray) -> None:
-        key = hashes[-1].tobytes()
+    def _remember(self, lo: np.ndarray, hi: np.ndarray, arr: np.ndarray) -> None:
+        key = (int(lo[-1]), int(hi[-1]))
         old = self._chains.pop(key, None)
         self._chain_ids += arr.size - (old.size if old is not None else 0)
         self._chains[key] = arr
-        while self._chain_ids > CHAIN_MEMO_IDS:
+        while self._chain_ids > self._chain_ids_max:
             self._chain_ids -= self._chains.popitem(last=False)[1].size
 
     def release(self, session: int, blocks) -> None:

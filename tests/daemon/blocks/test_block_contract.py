@@ -4,6 +4,8 @@ requests from several sessions and uids (hypothesis), step for step equal, with 
 model's invariants (zeroed free blocks, pinned blocks never evicted nor rewritten,
 reservations always covered) checked after every step."""
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -16,7 +18,8 @@ from sparsekv.daemon.blocks.store import BlockStore
 
 
 def h(i: int) -> bytes:
-    return int(i).to_bytes(16, "little")
+    """Key ``i``: keys 3 apart share their first word (the store compares both)."""
+    return (i % 3).to_bytes(8, "little") + (i // 3).to_bytes(8, "little")
 
 
 def wire(keys) -> np.ndarray:
@@ -305,6 +308,66 @@ def test_a_long_chain_looked_up_again_after_evictions_and_recommits_answers_as_t
     assert int(real.s.pins.sum()) == 0
 
 
+@pytest.mark.parametrize("other", [(0, 2), (99, 1)], ids=["first word kept", "second word kept"])
+def test_a_remembered_chain_whose_block_holds_another_key_now_is_not_answered_from_memory(other):
+    """A chain found whole twice (the second from the memo); its first block evicted and
+    committed again under a key sharing one of the two words of its old key, every other
+    block still cached: the chain misses at its first key, as in the model."""
+    def key(lo: int, hi: int) -> bytes:
+        return lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
+
+    n = store_module.CHAIN_MEMO_MIN
+    model, real = both(n_blocks=n)
+    chain = [key(i, 1) for i in range(n)]
+    _, blocks = same(model, real, 1, "alloc", [n])
+    same(model, real, 1, "commit", [blocks, chain])
+    same(model, real, 1, "release", [blocks])
+    for _ in range(2):
+        assert same(model, real, 2, "lookup", [chain]) == ("ok", blocks)
+        same(model, real, 2, "release", [blocks])
+    assert same(model, real, 1, "alloc", [1]) == ("ok", blocks[:1])  # the least recently unpinned, evicted
+    same(model, real, 1, "commit", [blocks[:1], [key(*other)]])
+    assert same(model, real, 2, "lookup", [chain]) == ("ok", [])
+
+
+def test_the_memo_of_a_small_store_stays_in_proportion_to_its_blocks():
+    """A client that commits a new key into a one-block store, again and again, each time
+    looking up that key named 65,536 times (a chain found whole, remembered): the store
+    keeps no more than a few bytes a block for it, not 8 MiB of remembered ids."""
+    s = BlockStore(1, lambda blocks: None)
+    s.open(1, 7)
+
+    def again(i):
+        s.commit(1, s.alloc(1, 1), wire([h(i)]))
+        got = s.lookup(1, wire([h(i)] * 65536))
+        assert got.size == 65536 and s.pins[0] == 65537
+        s.release(1, np.concatenate([got, got[:1]]))
+
+    again(0)  # (what numpy imports on first use is not the store's)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1, 20):
+            again(i)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 64 << 10, kept
+
+
+def test_a_long_chain_given_as_nested_lists_is_looked_up_as_its_array():
+    """``lookup`` takes a chain as ``commit`` does (anything int64 [n, 2] converts from),
+    remembered chains included."""
+    n = store_module.CHAIN_MEMO_MIN
+    s = BlockStore(n, lambda blocks: None)
+    s.open(1, 7)
+    chain = wire([h(i) for i in range(n)])
+    blocks = s.alloc(1, n)
+    s.commit(1, blocks, chain.tolist())
+    for _ in range(2):
+        assert s.lookup(1, chain.tolist()).tolist() == blocks.tolist()
+
+
 # -- random sequences ---------------------------------------------------------------------
 OPS = ("alloc", "commit", "lookup", "release", "alloc", "commit", "lookup", "release", "write", "reserve", "close",
        "write_keys", "read_keys")
@@ -322,8 +385,9 @@ def pick(model, session, a: int, n: int, pinned: bool) -> list[int]:
     return [held[(a + i) % len(held)] for i in range(min(n, len(held)))]
 
 
-def request(model, session: int, op: str, a: int, b: int, stamp: int) -> list:
-    """The arguments of one request drawn as two integers ``a`` and ``b``."""
+def request(model, session: int, op: str, a: int, b: int, stamp: int, last: list) -> list:
+    """The arguments of one request drawn as two integers ``a`` and ``b`` (``last``: the
+    chain looked up last, by any session)."""
     if op == "reserve":
         return [a % 5 - 1]
     if op == "alloc":
@@ -343,6 +407,9 @@ def request(model, session: int, op: str, a: int, b: int, stamp: int) -> list:
     if op == "release":
         return [pick(model, session, a, b % 3 + 1, True)]
     if op == "lookup":  # mostly a chain from the first key (the keys commits use most)
+        if a < 3 and last:  # the last chain again (as the memo remembers it), or another ending in its key:
+            return [[last[1], last[0], *last[2:]] if a == 1 and len(last) > 2 else  # its first two keys swapped
+                    [last[-1]] * len(last) if a == 2 else last]  # its last key repeated (blocks named twice)
         return [[h((0 if a < 6 else a % 5) + i) for i in range(b % 6)]]
     return []
 
@@ -355,13 +422,19 @@ def test_store_equals_model_and_keeps_the_invariants(n_blocks, quota, steps):
     equal_runs(n_blocks, quota, steps)
 
 
+# Mostly what fills the store with chains and looks them up again (the memo's paths).
+MEMO_OPS = ("cache", "cache", "lookup", "lookup", "lookup", "release", "release", "alloc", "reserve", "close")
+
+
 @settings(max_examples=helpers.examples(50, 3000), deadline=None)
-@given(n_blocks=st.integers(1, 6), quota=st.sampled_from([0, 3, 6]),
-       steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(OPS), st.integers(0, 9),
+@given(n_blocks=st.integers(2, 8), quota=st.sampled_from([0, 3, 6]),
+       steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(MEMO_OPS), st.integers(0, 9),
                                 st.integers(0, 9)), min_size=20, max_size=80))
 def test_chains_found_before_take_the_memo_and_answer_as_the_model(n_blocks, quota, steps):
     """The same with every chain remembered once found whole (store.CHAIN_MEMO_MIN: 64
-    blocks by default), so a lookup answers from the memo after checking it."""
+    blocks by default), so a lookup answers from the memo after checking it; the requests
+    mostly commit and look chains up again (the same chain, or one ending in the same key
+    with keys swapped or repeated) between evictions, recommits and releases."""
     old = store_module.CHAIN_MEMO_MIN
     store_module.CHAIN_MEMO_MIN = 1
     try:
@@ -377,27 +450,42 @@ def equal_runs(n_blocks, quota, steps):
         for s, uid in uids.items():
             m.open(s, uid)
     content = {}  # hash -> what its block held (rows, indexer keys) when committed
+    last = []  # the chain looked up last
     for stamp, (session, op, a, b) in enumerate(steps, start=100):
-        args = request(model, session, op, a, b, stamp)
-        got = []
-        for m in (model, real):
-            try:
-                got.append(("ok", getattr(m, op)(session, *args)))
-            except BlockError as e:
-                got.append((e.code, e.detail))
-        assert got[0] == got[1], (op, args)
+        if op == "cache":  # allocate blocks, then commit them under a chain (from key a % 5)
+            kind, blocks = same(model, real, session, "alloc", [b % 3 + 1])
+            if kind != "ok":
+                continue
+            op, args = "commit", [blocks, [h(a % 5 + i) for i in range(len(blocks))]]
+        else:
+            args = request(model, session, op, a, b, stamp, last)
+        last = args[0] if op == "lookup" else last
+        kind, answer = same(model, real, session, op, args)
         if op == "close":
             for m in (model, real):
                 m.open(session, uids[session])
-        if op == "commit" and got[0][0] == "ok":
-            for b, key, held in zip(args[0], args[1], got[0][1]):
+        if op == "commit" and kind == "ok":
+            for b, key, held in zip(args[0], args[1], answer):
                 if held == b:
                     content[key] = (model.data[b], model.keys[b])
-        if op == "lookup" and got[0][0] == "ok":
-            for key, b in zip(args[0], got[0][1]):  # rows and keys never rewritten while cached
+        if op == "lookup" and kind == "ok":
+            for key, b in zip(args[0], answer):  # rows and keys never rewritten while cached
                 assert (model.data[b], model.keys[b]) == (real.data[b], real.keys[b]) == content[key]
-        model.check()
-        assert model.lru == real.lru
-        assert real.data == model.data and real.keys == model.keys
-        assert real.s.reserved_total == model.total_reserved()
-        assert int(real.s.pins.sum()) == sum(sum(p.values()) for p in model.pins.values())
+
+
+def same(model, real, session: int, op: str, args: list) -> tuple:
+    """Request ``op`` of both: ("ok", its answer) or (error code, detail), the same from
+    each; then the model's invariants and the store's counts checked."""
+    got = []
+    for m in (model, real):
+        try:
+            got.append(("ok", getattr(m, op)(session, *args)))
+        except BlockError as e:
+            got.append((e.code, e.detail))
+    assert got[0] == got[1], (op, args)
+    model.check()
+    assert model.lru == real.lru
+    assert real.data == model.data and real.keys == model.keys
+    assert real.s.reserved_total == model.total_reserved()
+    assert int(real.s.pins.sum()) == sum(sum(p.values()) for p in model.pins.values())
+    return got[0]
