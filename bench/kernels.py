@@ -11,7 +11,8 @@
   graph; every gather also by each variant of :data:`GATHER_VARIANTS`; then a TP group's
   plan striped over its GPUs (:mod:`.kernels_striped`: ``striped_gather_vs_per_rank_*``).
 * **Resolve** of batch 64, top-k 2048, region 4096, 90 % of each row kept, at the
-  daemon's thread count, then at other thread counts and workspace options; then the
+  daemon's thread count (and of batch 1: one block alone, ``resolve_us_b1``), then at
+  other thread counts and workspace options; then the
   **prefetch** of the next step's rows after each resolve (``prefetch_us_b64``).
 
 Every figure is the median of CUDA-event timings over distinct inputs (nothing served
@@ -21,6 +22,7 @@ from L2). ``--json``: the flat figures (``gather_vs_bulk``, ``resolve_us_b64``, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -343,17 +345,18 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, variants: bool | str) -> N
         sr = cp.asarray(np.arange(BATCH, dtype=np.int32))
     s.synchronize()
 
-    def graph_time(res) -> float:
-        ro = res.new_output(BATCH)
-        for x in d_seq:  # the steady state (and the kernel compiled) before the capture
-            res.resolve_async(0, sr, x, ro, stream=s)
-        ro.desc.set(make_desc(BATCH, TOP_K, 0), stream=s)
+    def graph_time(res, batch: int = BATCH) -> float:
+        ro = res.new_output(batch)
+        seq, rows = [x[:batch] for x in d_seq], sr[:batch]
+        for x in seq:  # the steady state (and the kernel compiled) before the capture
+            res.resolve_async(0, rows, x, ro, stream=s)
+        ro.desc.set(make_desc(batch, TOP_K, 0), stream=s)
 
         def go(i):
-            res.launch_resolve(ro.desc, sr, d_seq[i], ro.slots, ro.misses, ro.plan_rows, ro.plan_slots,
-                               ro.counters, 0, ro.err, ro.workspace, BATCH, s)
+            res.launch_resolve(ro.desc, rows, seq[i], ro.slots, ro.misses, ro.plan_rows, ro.plan_slots,
+                               ro.counters, 0, ro.err, ro.workspace, batch, s)
 
-        t, _ = timer.graph_us(go, len(d_seq))
+        t, _ = timer.graph_us(go, len(seq))
         return t
 
     res = CudaResidency(rlay, kernels=kc, stream=s)
@@ -364,6 +367,12 @@ def _resolve_section(out, row, cp, kc, s, timer, rng, variants: bool | str) -> N
     row(f"resolve, batch 64, top-k 2048, region 4096, 90 % kept, {res.threads} threads (table x{res.hash_scale}, "
         f"lru {'in' if res.lru_smem else 'out of'} the workspace, owners {'in' if res.owner_smem else 'out of'} it; "
         "graph)", f"{t:.1f} us")
+    # Batch 1: one block resolves the row alone, its phases one after another (the step's
+    # critical path at batch 1, where the resolve is not hidden behind other rows').
+    r1 = CudaResidency(dataclasses.replace(rlay, max_reqs=1, max_batch=1), kernels=kc, stream=s)
+    t1 = graph_time(r1, 1)
+    out["resolve_us_b1"] = round(t1, 1)
+    row("resolve, batch 1, the same (graph)", f"{t1:.1f} us", "one block: the row's latency")
     ro = res.new_output(BATCH)
     te, _ = timer.median_us(lambda i: res.resolve_async(0, sr, d_seq[i], ro, stream=s), len(d_seq))
     out["resolve_us_b64_eager"] = round(te, 1)

@@ -77,7 +77,7 @@ d = json.load(open(sys.argv[1]))
 print("  ".join(f"{k} {d[k]}" for k in sys.argv[2:] if k in d) or "none of the keys")
 EOF
 }
-KERNEL_KEYS="gather_vs_bulk gather_vs_bulk_scattered gather_request_order_GBps bulk_h2d_GBps resolve_us_b64 pool_ready_GiBps"
+KERNEL_KEYS="gather_vs_bulk gather_vs_bulk_scattered gather_request_order_GBps bulk_h2d_GBps resolve_us_b64 resolve_us_b1 pool_ready_GiBps"
 DECODE_KEYS="doorbell_overhead_us_per_layer doorbell_handoff_us_per_layer decode_daemon_vs_inproc \
 decode_b64_h90_inproc_p50_us decode_b64_h90_doorbell_p50_us"
 
