@@ -421,8 +421,14 @@ class EngineSpace:
             self.pool[layer, rows] = part
 
     def drop_rewritten(self, rows: np.ndarray) -> int:
-        """Empty every slot of every rank holding one of ``rows``; return how many."""
-        return sum(r.drop_rewritten(rows) for r in self.ranks.values())
+        """Empty every slot of every rank holding one of ``rows``; return how many. A TP
+        group's ranks share one residency: it is scanned once."""
+        done, n = set(), 0
+        for r in self.ranks.values():
+            if id(r.residency) not in done:
+                done.add(id(r.residency))
+                n += r.drop_rewritten(rows)
+        return n
 
     def write_staged(self, rank: RankState, layers, rows, fence=None) -> tuple[int, int]:
         """Write the rows the client put at the front of its staging buffer (each of
