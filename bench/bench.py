@@ -7,6 +7,8 @@
 * ``prefix``: the block store's lookup of a cached 128K-token prefix through a daemon, and
   a restarted engine's time to it; on a GPU also its indexer keys loaded into engine
   memory against a bulk H2D copy (bench/prefix.py; not in the default set).
+* ``tp``: the daemon's time per step of a TP group's ranks against the same ranks each
+  resolving its own (cpu; bench/tp.py; not in the default set).
 * alone, with options of their own: ``decode`` (a whole decode step offloaded against
   on the GPU, bench/decode.py), ``serve`` (decode throughput of a DeepSeek-V3.2-shaped
   model at long context, offloaded against all on the GPU, bench/serve.py), ``kernels`` (gather, resolve and pool start against the
@@ -28,10 +30,11 @@ from sparsekv.proto import Layout
 
 from . import decode, kernels, latest, serve
 from .prefix import bench_prefix
+from .tp import bench_tp
 from .transport import bench_cuda_transport, bench_transport
 
 CPU_BENCHES = ("resolve", "gather", "transport")  # the default set
-MORE_CPU_BENCHES = ("prefix",)  # cpu, named to run
+MORE_CPU_BENCHES = ("prefix", "tp")  # cpu, named to run
 GPU_BENCHES = ("cuda_transport", "kernels", "latest")  # need CuPy and a GPU (decode checks for torch itself)
 ALONE = {"decode": decode.run_args, "serve": serve.run_args, "kernels": kernels.run_args, "latest": latest.run_args}
 FILE_OPTIONS = {"decode": ("--json", "--plot", "--daemon-log"), "serve": ("--json", "--plot", "--daemon-log"),
@@ -111,7 +114,7 @@ def run_bench(which: list[str], io: str = "both") -> list[dict]:
     if io not in IO_PLACEMENTS:
         raise ValueError(f"io must be one of {', '.join(IO_PLACEMENTS)}, got {io!r}")
     cpu_benches = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport,
-                   "prefix": bench_prefix}
+                   "prefix": bench_prefix, "tp": bench_tp}
     out = []
     for w in which:
         if w != "cuda_transport":
@@ -146,7 +149,8 @@ def add_arguments(p) -> None:
     p.add_argument("which", nargs="*", metavar="NAME",
                    help="resolve, gather, transport (cpu; the default set), prefix (cpu: the block store's lookup of "
                         "a cached 128K-token prefix, and a restarted engine's time to it; on a GPU also its indexer "
-                        "keys loaded into engine memory against a bulk H2D copy), cuda_transport (needs a "
+                        "keys loaded into engine memory against a bulk H2D copy), tp (cpu: a TP group's daemon "
+                        "time per step against its ranks resolving their own), cuda_transport (needs a "
                         "GPU), or alone: "
                         "decode (a whole decode step, offloaded against on the GPU), serve (decode throughput of a "
                         "DeepSeek-V3.2-shaped model, offloaded against on the GPU), kernels (gather, resolve "

@@ -1,0 +1,20 @@
+"""``sparsekv bench tp``: both runs through real private daemons; the follower's TOPK only
+gathers, so a group's step costs the daemon less than the same ranks resolving their own."""
+
+import cli_inproc
+from sparsekv.bench.tp import bench_tp
+
+
+def test_bench_tp_times_a_group_against_separate_ranks():
+    r = bench_tp(ranks=2, steps=30, batch=4, top_k=256)
+    assert r["bench"] == "tp" and r["ranks"] == 2
+    for k in ("separate_topk_us", "tp_maker_topk_us", "tp_follower_topk_us", "separate_daemon_us_per_step",
+              "tp_group_daemon_us_per_step"):
+        assert r[k] > 0, k
+    assert r["tp_group_daemon_us_per_step_vs_separate"] == round(
+        r["tp_group_daemon_us_per_step"] / r["separate_daemon_us_per_step"], 3)
+
+
+def test_an_unknown_bench_name_lists_tp_among_the_choices():
+    r = cli_inproc.run("bench", "nope")
+    assert r.returncode == 2 and "prefix, tp, cuda_transport" in r.stderr
