@@ -2,7 +2,7 @@
 
 :class:`InprocSwapIn` has the API of the doorbell handle (``client/doorbell.py``) and runs
 the daemon's kernels, in the same order, where the doorbell hands off: ``skv_begin_step``
-after the step block is written, ``skv_resolve`` after a group's top-k block, the layer's
+after the step block is written, ``skv_resolve`` after a group's top-k block, then
 the gather of every layer of the group right after (the resolve's plan buffer is one for
 all groups: a follower layer swapped in after the next group's leader must not read the
 next group's plan; as the doorbell step graph, which gathers a group's layers before it
