@@ -2,12 +2,12 @@
 private daemon (cpu backend; on a GPU host it measures that host's CPU, which is what the
 lookup runs on).
 
-* ``prefix_lookup_us_128k``: lookup + pin of a cached 128K-token prefix (2,048 blocks of
-  64) through zmq, p50 and p99 (the release that follows each is timed apart): the same
+* ``prefix_lookup_us_p50`` / ``_p99``: lookup + pin of a cached 128K-token prefix (2,048 blocks of
+  64) through zmq (the release that follows each is timed apart: ``release_us_p50``): the same
   prefix again, as requests sharing a system prompt look it up (the store answers from
   the chain it found whole before, after checking it); ``prefix_lookup_cold_us_p50``: a
   prefix of about that length not looked up whole before (the index's probes);
-* ``restart_s``: a new engine process, from its start to the cached prefix pinned
+* ``restart_s_median``: a new engine process, from its start to the cached prefix pinned
   (import, connect, attach to the kept engine, hashes, lookup): what a restarted engine
   waits before it serves the prefix without prefilling it.
 
