@@ -1,9 +1,11 @@
 """Prometheus metrics: the top-k histogram (buckets, seconds), families built from a snapshot (cuda-only ones included), the daemon's own
 registry, and the optional loopback HTTP ``/metrics`` endpoint of a real daemon."""
 
+import re
 import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -13,7 +15,7 @@ import helpers
 import promcheck
 from sparsekv.client import Client
 from sparsekv.bench.private_daemon import PrivateDaemon
-from sparsekv.daemon.stats import LATENCY_BUCKETS_S, Stats, registry_for, render_prometheus
+from sparsekv.daemon.stats import COUNTERS, LATENCY_BUCKETS_S, Stats, registry_for, render_prometheus
 
 
 def test_latency_feeds_the_window_and_a_histogram_in_seconds():
@@ -73,6 +75,23 @@ def test_cuda_families_device_errors_arenas_and_labels():
     # an engine name with quotes and a backslash is escaped, and parses back
     assert any(k.startswith("sparsekv_engine_pool_bytes{engine=") and 'quoted' in k for k in v)
     assert fams["sparsekv_device_errors"].type == "counter"
+
+
+def test_the_daemon_readme_lists_every_metric_family_and_counter():
+    """daemon/README.md's metrics table is the operator's list: every family a cuda
+    snapshot renders (a superset of the cpu one's) and every counter of COUNTERS."""
+    readme = (Path(__file__).resolve().parents[2] / "daemon" / "README.md").read_text()
+    table = readme[readme.index("| metric | type | labels |"):]
+    table = table[:table.index("\n\n")]
+    named = set(re.findall(r"`(sparsekv_[a-z_]+)`", table))
+    counters = re.search(r"`sparsekv_<counter>_total` \(([^)]*)\)", table).group(1)
+    listed = set(re.findall(r"`([a-z_]+)`", counters))
+    fams = promcheck.families(render_prometheus(registry_for(cuda_snapshot())))
+    missing = sorted(f"{name}_total" if fam.type == "counter" else name for name, fam in fams.items()
+                     if name.removeprefix("sparsekv_") not in listed and name not in named
+                     and f"{name}_total" not in named)
+    assert not missing, f"daemon/README.md's metrics table lacks {missing}"
+    assert not {n for n, _ in COUNTERS} - listed - {"errors"}, "a counter of COUNTERS is not in the table"
 
 
 def test_cpu_families_have_no_cuda_only_metrics():
