@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from sparsekv.proto import LIMITS
+from sparsekv.proto.cuda_ipc import device_count
 from sparsekv.proto.layout import Layout
 from sparsekv.proto.slab import SlabGeometry
 
@@ -129,14 +131,18 @@ class Driver:
 
     def __init__(self, trace: Trace, stack: contextlib.ExitStack, *, backend: str, engine: str,
                  connect: str | None = None, daemon_log: str | None = None, slab: str = "daemon",
-                 prefetch: bool = False):
+                 prefetch: bool = False, rank: int = 0, tp_size: int = 1):
         if slab not in SLABS:
             raise ValueError(f"unknown slab {slab!r}; use {' or '.join(SLABS)}")
         self.trace = trace
         self.prefetch = prefetch
+        self.rank = rank
+        self.run_dir = connect  # (a daemon's: set by open)
         self.layout = ahead_layout(trace) if prefetch else trace.layout()
         self.client = self.open(stack, backend=backend, connect=connect, daemon_log=daemon_log)
         kw = dict(self.attach_kw, **({"prefetch": True} if prefetch else {}))
+        if tp_size > 1:
+            kw["tp_size"] = tp_size
         self.engine_rows = None
         if slab == "engine":
             self.engine_rows = EngineRows(self.layout, self.client.device)
@@ -197,8 +203,10 @@ class ZmqDriver(Driver):
             pool_bytes = self.layout.pool_bytes + (8 << 20)
             run_dir = stack.enter_context(PrivateDaemon(pool_bytes=pool_bytes, backend=backend,
                                                         log_path=daemon_log)).run_dir
-        device = "cuda:0" if backend == "cuda" else "cpu"
-        return stack.enter_context(Client(run_dir, name="replay", device=device))
+        self.run_dir = run_dir
+        # Rank r on GPU r modulo the GPUs this process sees (ranks share GPUs when fewer).
+        device = f"cuda:{self.rank % device_count()}" if backend == "cuda" else "cpu"
+        return stack.enter_context(Client(run_dir, name=f"replay-r{self.rank}", rank=self.rank, device=device))
 
 
 class DoorbellDriver(ZmqDriver):
@@ -280,7 +288,7 @@ def ahead_rows(trace: Trace, t: int) -> np.ndarray:
 
 def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", verify: bool = False,
            connect: str | None = None, engine: str = "replay", daemon_log: str | None = None,
-           slab: str = "daemon", prefetch: bool = False,
+           slab: str = "daemon", prefetch: bool = False, ranks: int = 1, tp: bool = False,
            progress: Callable[[int], None] | None = None) -> tuple[dict, dict]:
     """Run ``trace``; return (summary, result arrays ``slots`` and ``misses``).
     ``slab="engine"``: the hot rows in a buffer the replay owns (:class:`EngineRows`),
@@ -288,30 +296,55 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
     ``prefetch``: attach with prefetch and replay each step as index group 0 and then
     group 1 (the next step's rows, :func:`ahead_rows`); the results stay group 0's (a
     prefetch never fills group 0), the summary adds group 1's misses and hits, and
-    ``--verify`` checks group 1's rows too. ``progress(steps_done)`` is called after each step."""
+    ``--verify`` checks group 1's rows too. ``ranks``: that many rank clients of one
+    engine (a daemon's; on cuda rank r on GPU r modulo the GPUs), each sending every step
+    in turn; the results are rank 0's, ``ranks_differing`` counts the (step, rank) whose
+    slots or misses differ from rank 0's, and ``--verify`` checks every rank's rows.
+    ``tp``: the ranks form a TP group (``tp_size``: one resolve for them all, DESIGN §5.6).
+    ``progress(steps_done)`` is called after each step."""
     if transport not in DRIVERS:
         raise ValueError(f"unknown transport {transport!r}; use {' or '.join(DRIVERS)}")
+    if not 1 <= ranks <= LIMITS.max_tp_size:
+        raise ValueError(f"ranks must lie in [1, {LIMITS.max_tp_size}], got {ranks}")
+    if ranks > 1 and transport == "inproc":
+        raise ValueError("several ranks attach to a daemon: use --transport zmq or doorbell")
+    if tp and ranks < 2:
+        raise ValueError("a TP group needs 2 ranks or more (--ranks)")
     with contextlib.ExitStack() as stack:
-        driver = DRIVERS[transport](trace, stack, backend=backend, engine=engine, connect=connect,
-                                    daemon_log=daemon_log, slab=slab, prefetch=prefetch)
+        drivers = []
+        for r in range(ranks):
+            drivers.append(DRIVERS[transport](trace, stack, backend=backend, engine=engine,
+                                              connect=connect if r == 0 else drivers[0].run_dir,
+                                              daemon_log=daemon_log, slab=slab, prefetch=prefetch, rank=r,
+                                              tp_size=ranks if tp else 1))
+        driver = drivers[0]
         layout = driver.layout
-        hot = driver.hot_rows()
+        hot = [d.hot_rows() for d in drivers]
         if verify:
             fill_pool(driver.client, layout)
         slots = np.full(trace.topk.shape, -1, np.int32)
         misses = np.zeros(trace.topk.shape[:2], np.int32)
         lat = np.zeros(trace.steps)
-        hits = out_of_range = mismatched = ahead_misses = ahead_hits = 0
+        hits = out_of_range = mismatched = ahead_misses = ahead_hits = differing = 0
         layers = layout.groups[0]
         t_start = time.perf_counter()
         for t in range(trace.steps):
             t0 = time.perf_counter()
-            try:
-                slots[t], misses[t], step_hits, step_oob = driver.run_step(t)
-            except BadRequest as e:  # the trace breaks the contract: say where
-                raise BadRequest(f"step {t}: {e.args[0]}", e.code) from None
-            lat[t] = time.perf_counter() - t0
             rows = trace.host_topk(t)  # what the step asked for, in host rows
+            for r, d in enumerate(drivers):
+                try:
+                    got_slots, got_misses, step_hits, step_oob = d.run_step(t)
+                except BadRequest as e:  # the trace breaks the contract: say where
+                    raise BadRequest(f"step {t}{f', rank {r}' if ranks > 1 else ''}: {e.args[0]}", e.code) from None
+                if r == 0:
+                    slots[t], misses[t], hits_0, oob_0 = got_slots, got_misses, step_hits, step_oob
+                else:
+                    differing += not (np.array_equal(got_slots, slots[t]) and np.array_equal(got_misses, misses[t]))
+                if verify:
+                    mismatched += count_mismatches(hot[r], layers, trace.state_rows[t], rows, got_slots,
+                                                   layout.host_rows)
+            lat[t] = time.perf_counter() - t0
+            step_hits, step_oob = hits_0, oob_0
             ids = rows[trace.state_rows[t] >= 0]
             if step_hits is None:  # cuda: counted on the GPU; derive them from the result
                 step_hits = int(((ids >= 0) & (ids < layout.host_rows)).sum()) - int(misses[t].sum())
@@ -319,21 +352,27 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
                 step_oob = int(((ids < -1) | (ids >= layout.host_rows)).sum())
             hits += step_hits
             out_of_range += step_oob
-            if verify:
-                mismatched += count_mismatches(hot, layers, trace.state_rows[t], rows, slots[t], layout.host_rows)
             if prefetch:
-                ahead_slots, ahead = driver.run_ahead(t)
-                nxt = ahead_rows(trace, t)[trace.state_rows[t] >= 0]
-                ahead_misses += int(ahead.sum())
-                ahead_hits += int(((nxt >= 0) & (nxt < layout.host_rows)).sum()) - int(ahead.sum())
-                if verify:
-                    mismatched += count_mismatches(hot, layout.groups[1], trace.state_rows[t], ahead_rows(trace, t),
-                                                   ahead_slots, layout.host_rows)
+                nxt_rows = ahead_rows(trace, t)
+                for r, d in enumerate(drivers):
+                    ahead_slots, ahead = d.run_ahead(t)
+                    if r == 0:
+                        nxt = nxt_rows[trace.state_rows[t] >= 0]
+                        ahead_misses += int(ahead.sum())
+                        ahead_hits += int(((nxt >= 0) & (nxt < layout.host_rows)).sum()) - int(ahead.sum())
+                        first_ahead = (ahead_slots, ahead)
+                    else:
+                        differing += not (np.array_equal(ahead_slots, first_ahead[0])
+                                          and np.array_equal(ahead, first_ahead[1]))
+                    if verify:
+                        mismatched += count_mismatches(hot[r], layout.groups[1], trace.state_rows[t], nxt_rows,
+                                                       ahead_slots, layout.host_rows)
             if progress is not None:
                 progress(t + 1)
         elapsed = time.perf_counter() - t_start
-        driver.close()
-        guard = driver.engine_rows.guard_changed() if driver.engine_rows is not None else None
+        for d in drivers:
+            d.close()
+        guard = sum(d.engine_rows.guard_changed() for d in drivers) if driver.engine_rows is not None else None
     summary = {
         "transport": transport,
         "backend": backend,
@@ -352,6 +391,7 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
         "guard_bytes_changed": guard,
         **({"prefetch": True, "next_group_hits": int(ahead_hits), "next_group_misses": int(ahead_misses)}
            if prefetch else {}),
+        **({"ranks": ranks, "tp_group": tp, "ranks_differing": int(differing)} if ranks > 1 else {}),
         "elapsed_s": round(elapsed, 4),
         "step_p50_us": round(float(np.percentile(lat, 50)) * 1e6, 1) if trace.steps else 0.0,
         "step_p99_us": round(float(np.percentile(lat, 99)) * 1e6, 1) if trace.steps else 0.0,

@@ -23,6 +23,7 @@ from sparsekv.bench.replay import replay, save_result
 from sparsekv.bench.trace import Trace, synth
 from sparsekv.client.client import default_run_dir
 from sparsekv.client.errors import BadRequest, SparseKVError
+from sparsekv.proto import LIMITS
 from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list
 from .demo import DEFAULTS as DEMO_DEFAULTS, format_table, run_demo
 from .health import StatsSocketError, exit_code, probe, stats_query
@@ -60,6 +61,17 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"a number of seconds is needed, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"a finite number of seconds > 0 is needed, got {text!r}")
+    return value
+
+
+def rank_count(text: str) -> int:
+    """``--ranks``: a whole number of ranks in [1, LIMITS.max_tp_size]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of ranks is needed, got {text!r}") from None
+    if not 1 <= value <= LIMITS.max_tp_size:
+        raise argparse.ArgumentTypeError(f"ranks must lie in [1, {LIMITS.max_tp_size}], got {value}")
     return value
 
 
@@ -125,20 +137,25 @@ def cmd_warm_cpus(a) -> int:
 
 
 def cmd_replay(a) -> int:
-    if a.transport == "inproc" and (a.connect or a.daemon_log):
-        raise UsageError(f"{'--connect' if a.connect else '--daemon-log'} needs a daemon: add --transport zmq or doorbell")
+    if a.transport == "inproc" and (a.connect or a.daemon_log or a.ranks > 1):
+        what = "--connect" if a.connect else "--daemon-log" if a.daemon_log else "--ranks"
+        raise UsageError(f"{what} needs a daemon: add --transport zmq or doorbell")
+    if a.tp and a.ranks < 2:
+        raise UsageError("--tp needs --ranks 2 or more")
     check_output(a.out)
     if a.daemon_log:
         check_output(a.daemon_log, "--daemon-log")
     trace = Trace.load(a.trace)
     bar = None if a.quiet else Progress("replay", trace.steps)
     summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify, connect=a.connect,
-                             daemon_log=a.daemon_log, slab=a.slab, prefetch=a.prefetch, progress=bar and bar.update)
+                             daemon_log=a.daemon_log, slab=a.slab, prefetch=a.prefetch, ranks=a.ranks, tp=a.tp,
+                             progress=bar and bar.update)
     if bar:
         bar.close()
     save_result(a.out, result)
     print(json.dumps(summary))  # the last line: the summary
-    return 1 if (a.verify and summary["mismatched_rows"]) or summary["guard_bytes_changed"] else 0
+    return 1 if ((a.verify and summary["mismatched_rows"]) or summary["guard_bytes_changed"]
+                 or summary.get("ranks_differing")) else 0
 
 
 SYNTH_KEYS = ("steps", "batch", "top_k", "region_stride", "max_reqs", "host_rows", "row_bytes", "num_layers",
@@ -252,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--prefetch", action="store_true",
                    help="attach with prefetch and replay each step as index group 0, then as group 1 the next "
                         "step's rows (fetched ahead from group 0's); DESIGN §4")
+    q.add_argument("--ranks", type=rank_count, default=1, metavar="N",
+                   help="N rank clients of one engine send every step in turn (zmq or doorbell; on cuda rank r on "
+                        "GPU r modulo the GPUs seen); rank 0's results are saved, every rank's must equal them "
+                        "(ranks_differing) and --verify checks every rank's rows")
+    q.add_argument("--tp", action="store_true",
+                   help="the ranks form a TP group (attach tp_size: one resolve for them all, DESIGN §5.6; cpu)")
     q.add_argument("--connect", metavar="RUN_DIR",
                    help="use this running daemon instead of a private one (default: a private daemon)")
     q.add_argument("--daemon-log", metavar="FILE",

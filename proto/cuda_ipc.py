@@ -44,6 +44,11 @@ def mps_running() -> bool:
     return os.path.exists(os.path.join(pipe, "control"))
 
 
+def device_count() -> int:
+    """GPUs this process sees."""
+    return _cp().cuda.runtime.getDeviceCount()
+
+
 def device_for_bus_id(bus_id: str) -> int:
     """Local ordinal of the GPU with this PCI bus id (CUDA_VISIBLE_DEVICES may renumber)."""
     cp = _cp()

@@ -96,6 +96,30 @@ def test_replay_connects_to_a_running_daemon(trace_path, inproc_result, daemon, 
     assert stats["engines"] == 0  # the replay detached
 
 
+@pytest.mark.parametrize("extra", [["--ranks", "2"], ["--ranks", "3", "--tp"]], ids=["separate", "tp group"])
+def test_replay_with_several_ranks_gives_every_rank_the_single_ranks_slots(trace_path, inproc_result, tmp_path,
+                                                                         extra):
+    # Every rank sends every step (in a TP group one resolve serves them all); every
+    # rank's rows are verified and its slots compared with rank 0's, saved.
+    out = tmp_path / "ranks.npz"
+    s = summary_of(helpers.run_cli("replay", trace_path, "--out", out, "--transport", "zmq", "--verify", *extra))
+    assert s["mismatched_rows"] == 0 and s["ranks_differing"] == 0
+    assert s["ranks"] == int(extra[1]) and s["tp_group"] == ("--tp" in extra)
+    z = np.load(out)
+    np.testing.assert_array_equal(z["slots"], inproc_result[1]["slots"])
+    np.testing.assert_array_equal(z["misses"], inproc_result[1]["misses"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--ranks", "2"], "sparsekv replay: --ranks needs a daemon: add --transport zmq or doorbell\n"),
+    (["--transport", "zmq", "--tp"], "sparsekv replay: --tp needs --ranks 2 or more\n"),
+    (["--transport", "zmq", "--ranks", "0"], "ranks must lie in [1, 64], got 0"),
+    (["--transport", "zmq", "--ranks", "two"], "a whole number of ranks is needed, got 'two'")])
+def test_bad_rank_options_are_refused(trace_path, tmp_path, args, words):
+    r = cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz", *args)
+    assert r.returncode == 2 and words in r.stderr and not (tmp_path / "r.npz").exists()
+
+
 @pytest.mark.parametrize("option", ["--connect", "--daemon-log"])
 def test_daemon_options_without_a_daemon_transport_are_refused(trace_path, tmp_path, option):
     r = cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz", option, tmp_path / "x")

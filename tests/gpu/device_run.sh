@@ -21,7 +21,7 @@
 #   latest    sparsekv bench latest: latest.json from the transport runs and the figures above
 #   demo      sparsekv demo                          examples  the example model on the doorbell
 #   replay    synthesized traces replayed on the cuda backend with --verify through zmq and
-#             the doorbell: each must be exact and equal to the in-process reference
+#             the doorbell (also with --ranks 2): each must be exact and equal to the in-process reference
 #   ab        with BASE_DIR, an older checkout copied into the tree (git archive BASE
 #             --prefix=base/ | tar -x; BASE_DIR=base): bench decode --quick and bench kernels
 #             from the base and from this tree in turn, A B A B (AB_ROUNDS, default 2;
@@ -169,15 +169,18 @@ if has all || has test || has e2e || has replay; then
   python3 -m sparsekv.cli.main trace synth --out "$R/rows.npz" --seed 7 >/dev/null
   python3 -m sparsekv.cli.main trace synth --out "$R/positions.npz" --block-size 16 --spec 0.1 --seed 8 >/dev/null
   # Then the host-row trace with --prefetch (each step's next rows fetched into group 1):
-  # group 0's slots and misses and group 1's hit and miss counts equal the in-process run's.
-  for run in rows positions rows-prefetch; do
-    tr=${run%-prefetch}
+  # group 0's slots and misses and group 1's hit and miss counts equal the in-process run's;
+  # and with two ranks of one engine (on GPU r modulo the GPUs), each verified, each
+  # rank's slots equal rank 0's (ranks_differing 0: the exit status says so).
+  for run in rows positions rows-prefetch rows-ranks2; do
+    tr=${run%%-*}
     pf=$([[ $run == *-prefetch ]] && echo --prefetch)
+    rk=$([[ $run == *-ranks2 ]] && echo --ranks 2)
     timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" $pf --out "$R/$run-inproc.npz" \
       >"$R/$run-inproc.json" 2>&1
     for t in zmq doorbell; do
-      timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" $pf --backend cuda --transport $t --verify \
-        --out "$R/$run-$t.npz" --daemon-log "$R/$run-$t-daemon.log" >"$R/$run-$t.json" 2>&1
+      timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" $pf $rk --backend cuda --transport $t \
+        --verify --out "$R/$run-$t.npz" --daemon-log "$R/$run-$t-daemon.log" >"$R/$run-$t.json" 2>&1
       rc=$?
       same=$(python3 - "$R/$run-inproc" "$R/$run-$t" 2>&1 <<'EOF'
 import json, sys
