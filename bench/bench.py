@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -108,13 +109,14 @@ def bench_gather(rows=65536, row_bytes=656, host_rows=1 << 20, reps=5, seed=0) -
 IO_PLACEMENTS = ("both", "installed", "warm")
 
 
-def run_bench(which: list[str], io: str = "both") -> list[dict]:
+def run_bench(which: list[str], io: str = "both", tp_ranks: int = 2) -> list[dict]:
     """Each benchmark's result; ``cuda_transport`` once per I/O placement of ``io``
-    (``both``: installed, then warm where 4 CPUs or more can be used)."""
+    (``both``: installed, then warm where 4 CPUs or more can be used); ``tp`` with
+    ``tp_ranks`` ranks."""
     if io not in IO_PLACEMENTS:
         raise ValueError(f"io must be one of {', '.join(IO_PLACEMENTS)}, got {io!r}")
     cpu_benches = {"resolve": bench_resolve, "gather": bench_gather, "transport": bench_transport,
-                   "prefix": bench_prefix, "tp": bench_tp}
+                   "prefix": bench_prefix, "tp": functools.partial(bench_tp, ranks=tp_ranks)}
     out = []
     for w in which:
         if w != "cuda_transport":
@@ -160,6 +162,8 @@ def add_arguments(p) -> None:
                    help="cuda_transport: the ZeroMQ I/O threads as installed (not placed), on warm CPUs (the last "
                         "two this process may use, kept warm by the daemon; deploy/README.md \"Warm CPUs\"), or "
                         "both, one run each (warm only with 4 CPUs or more)")
+    p.add_argument("--tp-ranks", type=int, default=2, metavar="N",
+                   help="tp: the ranks of the group, 2 to 64 (default 2)")
     groups = {"decode": (decode, "decode options (sparsekv bench decode ...)"),
               "serve": (serve, "serve options (sparsekv bench serve ...; it also reads --batches, --modes, --steps, "
                                "--hits, --quick, --block-size, --layer-overlap, --gather-blocks, --seed, --json, "
@@ -201,6 +205,10 @@ def run_args(a) -> int:
         return _refuse(what, why)
     if a.io != "both" and "cuda_transport" not in which:
         return _refuse("sparsekv bench", "--io is an option of cuda_transport")
+    if a.tp_ranks != 2 and "tp" not in which:
+        return _refuse("sparsekv bench", "--tp-ranks is an option of tp")
+    if not 2 <= a.tp_ranks <= 64:
+        return _refuse(what, f"--tp-ranks must lie in [2, 64], got {a.tp_ranks}")
     for flag, path in (("--json", a.json_path), ("--plot", a.plot_path), ("--daemon-log", a.daemon_log),
                        ("--merge", a.merge)):
         if path and not (alone and flag in FILE_OPTIONS[alone[0]]):
@@ -214,7 +222,7 @@ def run_args(a) -> int:
         return _refuse(what, why)
     if alone:
         return ALONE[alone[0]](a)
-    sys.stdout.write(format_results(run_bench(which, io=a.io)))
+    sys.stdout.write(format_results(run_bench(which, io=a.io, tp_ranks=a.tp_ranks)))
     return 0
 
 

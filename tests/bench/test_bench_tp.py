@@ -20,3 +20,10 @@ def test_bench_tp_times_a_group_against_separate_ranks():
 def test_an_unknown_bench_name_lists_tp_among_the_choices():
     r = cli_inproc.run("bench", "nope")
     assert r.returncode == 2 and "prefix, tp, cuda_transport" in r.stderr
+
+
+def test_tp_ranks_is_tps_option_and_bounded():
+    r = cli_inproc.run("bench", "resolve", "--tp-ranks", "4")
+    assert r.returncode == 2 and r.stderr == "sparsekv bench: --tp-ranks is an option of tp\n"
+    r = cli_inproc.run("bench", "tp", "--tp-ranks", "1")
+    assert r.returncode == 2 and "--tp-ranks must lie in [2, 64], got 1" in r.stderr
