@@ -20,7 +20,7 @@ from sparsekv.proto.blocks import KeysPlane
 from sparsekv.proto.layout import Layout
 
 from .blocks.contract import BlockError
-from .residency.base import Mover, Residency, ResidencyError, Resolved, apply_step, check_batch
+from .residency.base import Mover, Residency, ResidencyError, Resolved, apply_step, check_batch, prefetch_into_next
 from .residency.cpu import CpuMover
 from .tp import TpGroup
 
@@ -154,10 +154,7 @@ class RankState:
         """Record group ``group``'s top-k batch of ``step``; whether (with ``prefetch``) its
         rows go ahead into group + 1's regions: not past the last group, and not into a
         group that had a batch of this step already."""
-        if not self.prefetch:
-            return False
-        self.resolved_at[group] = step
-        return group + 1 < self.residency.layout.num_groups and self.resolved_at.get(group + 1) != step
+        return self.prefetch and prefetch_into_next(self.resolved_at, step, group, self.residency.layout.num_groups)
 
     def serve_topk(self, step: int, group: int, topk, state_rows=None, fence=None) -> tuple[dict, dict, dict]:
         """The daemon's TOPK: (reply fields, reply arrays, counter deltas). The rows are in

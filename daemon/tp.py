@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .residency.base import Plan, Residency, ResidencyError, Resolved, apply_step, check_batch
+from .residency.base import Plan, Residency, ResidencyError, Resolved, apply_step, check_batch, prefetch_into_next
 
 
 class TpLedger:
@@ -191,11 +191,8 @@ class TpGroup:
         self._room(rank, nbytes)
         res = self.residency.resolve(group, state_rows, topk)
         entry = TopkEntry(int(step), int(group), state_rows.copy(), topk.copy(), res, rank)
-        if self.prefetch:
-            self.resolved_at[group] = step
-            nxt = group + 1
-            if nxt < self.residency.layout.num_groups and self.resolved_at.get(nxt) != step:
-                entry.pf_group = nxt
+        if self.prefetch and prefetch_into_next(self.resolved_at, step, group, self.residency.layout.num_groups):
+            entry.pf_group = group + 1
         self._append(rank, entry, nbytes)
         return entry
 
