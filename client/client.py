@@ -13,12 +13,10 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-import zmq
 
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType
-from sparsekv.proto.cpus import check_cpus_usable, parse_cpu_list, pin_io_threads
 from sparsekv.proto.cuda_ipc import EventRing, mps_running
-from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, CLIENT_IO_CPUS, RUN_DIR
+from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, RUN_DIR
 
 from .blocks import Blocks
 from .connection import Connection, probe_daemon, start_time
@@ -30,6 +28,7 @@ from .keys_load import KeysLoader
 from .rank_memory import fetch_fds, map_shared, offer_slab
 from .results import AttachmentCaps, TopkResult
 from .tensors import device_ids, on_gpu
+from .wire import Wire
 
 log = logging.getLogger("sparsekv.client")
 GONE_CLOSE_WAIT_S = 5.0  # closing a rank whose daemon is gone: the GPU's time (CudaAttachment.close)
@@ -93,15 +92,14 @@ class Client(Connection):
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
                  name: str = "", timeout_s: float = 30.0, spin_us: int | None = None,
-                 device_wait: bool | None = None, io_cpus: str | int | None = None):
+                 device_wait: bool | None = None):
         """``device``: ``"cpu"``, or ``"cuda:N"`` (this process's GPU numbering) for a rank
         whose slab lives on a GPU of a cuda-backend daemon. ``device_wait`` (cuda ranks;
         None: ``$SPARSEKV_CLIENT_DEVICE_WAIT`` is ``1``): ``topk`` returns once the request
         is sent, with the current stream waiting on the GPU for the result; an error in
         the reply is raised by a later call (the failed request's slots are -1).
-        ``io_cpus`` (None: ``$SPARSEKV_CLIENT_IO_CPUS``; "" : not pinned), e.g. ``"5"``:
-        this client's own ZeroMQ I/O thread runs on those CPUs (deploy/README.md "Warm
-        CPUs"). ValueError for CPUs no thread of this process can run on."""
+        ``spin_us`` (None: 500 for a cuda rank, 0 on cpu): how long a wait for a reply
+        reads the socket without sleeping before it sleeps in ``poll``."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
         self.timeout_s = timeout_s
@@ -112,16 +110,7 @@ class Client(Connection):
         self.blocks: Blocks | None = None  # the attached engine's block store (attach's block_size)
         self._keys_loader: KeysLoader | None = None  # its BLOCK_LOAD_KEYS (client/keys_load.py)
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
-        self._ctx = self._sock = None
-        what = "io_cpus"
-        if io_cpus is None:
-            io_cpus, what = CLIENT_IO_CPUS.get(), f"${CLIENT_IO_CPUS.env}"
-        if type(io_cpus) is int:
-            io_cpus = str(io_cpus)
-        if not isinstance(io_cpus, str):
-            raise ValueError(f"{what}: a CPU list is text such as \"62\" or \"2-3\" (or one int), got {io_cpus!r}")
-        self.io_cpus = parse_cpu_list(io_cpus, what)
-        check_cpus_usable(self.io_cpus, what)
+        self._sock: Wire | None = None
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP; TOPK with device wait)
@@ -146,24 +135,15 @@ class Client(Connection):
     # -- connection --------------------------------------------------------------
     def connect(self) -> "Client":
         path = self.control_path
-        # Connect once by hand first: libzmq retries a refused or forbidden connection
-        # silently (the HELLO would only time out); this says at once what is wrong.
+        # The probe says what is wrong with a missing, refused or forbidden socket, and
+        # names the daemon (its pid, its socket file) that liveness checks follow.
         self._daemon_pid, self._socket_id = probe_daemon(path, self.run_dir)
         self._daemon_started = start_time(self._daemon_pid)
         self._gone = None
-        if self._ctx is None:
-            if self.io_cpus:
-                # A context of its own: the I/O thread's CPU is set before it starts.
-                self._ctx = zmq.Context(io_threads=1)
-                pin_io_threads(self._ctx, self.io_cpus)
-            else:
-                self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # A routing id of our own: libzmq reconnects under the same name after a drop and
-        # the daemon still knows this client.
-        self._sock.setsockopt(zmq.ROUTING_ID, b"skv" + os.urandom(13))
-        self._sock.connect(f"ipc://{path}")
+        try:
+            self._sock = Wire(path)
+        except OSError as e:
+            raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror or e}") from None
         try:
             device = self.device
             if device.startswith("cuda:"):
@@ -175,7 +155,7 @@ class Client(Connection):
             raise
         if self.info.get("version") != PROTOCOL_VERSION:
             theirs = self.info.get("version")
-            self.close()  # its socket and (with io_cpus) its own context and threads
+            self.close()
             raise ProtocolMismatch(f"daemon speaks protocol {theirs}, client {PROTOCOL_VERSION}")
         return self
 
@@ -202,7 +182,7 @@ class Client(Connection):
                 if e.code != ErrorCode.UNKNOWN_TYPE or self.attachment is None:
                     raise
                 self._call(MsgType.DETACH)  # a daemon without BYE: detach at least
-        except (SparseKVError, zmq.ZMQError):
+        except (SparseKVError, OSError):
             pass
         finally:
             self.timeout_s = timeout_s
@@ -329,7 +309,7 @@ class Client(Connection):
         self.blocks = None
         try:
             self._call(MsgType.DETACH)
-        except (SparseKVError, zmq.ZMQError):
+        except (SparseKVError, OSError):
             pass
 
     def doorbell_handle(self, **kw):

@@ -1,7 +1,9 @@
 """The rank's connection to sparsekvd, the wire half of :class:`~sparsekv.client.Client`
-(which sets up its state): requests out and replies in on one ZeroMQ socket, awaited in
-slices between which it checks that the daemon still lives (its process, its socket
-file's identity); a daemon found gone ends the session (``_lost``).
+(which sets up its state): requests out and replies in on one ZMTP connection
+(:class:`~sparsekv.client.wire.Wire`, read and written by the caller's thread), awaited
+in slices between which it checks that the daemon still lives (its process, its socket
+file's identity); a daemon found gone, or a connection it closed, ends the session
+(``_lost``).
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ import struct
 import time
 
 import psutil
-import zmq
 
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError, decode, encode
-from sparsekv.proto.frames import send_copy
 
 from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
+from .wire import WireClosed
 
 _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
 LIVENESS_SLICE_S = 0.25  # how often a client waiting for a reply checks that the daemon lives
+CLOSED_LOOK_S = 0.5  # how long a closed connection's daemon is watched for its exit
 BUSY_SUFFIX = ".busy"  # the socket's name while the daemon is short of descriptors (daemon/listener.py)
 
 
@@ -40,12 +42,10 @@ class Connection:
         raise DaemonUnavailable(self._gone)
 
     def _drop_socket(self) -> None:
-        """Close the socket and its context; forget every request in flight (no reply will
-        come for any)."""
+        """Close the connection; forget every request in flight (no reply will come for any)."""
         if self._sock is not None:
-            self._sock.close(0)
+            self._sock.close()
         self._sock = None
-        self._drop_context()
         self._sent.clear()
         self._replies.clear()
         self._deferred.clear()
@@ -72,20 +72,47 @@ class Connection:
             if sum(len(f) for f in frames[1:]) > LIMITS.max_message_bytes:
                 raise BadRequest(f"arrays of more than {LIMITS.max_message_bytes} bytes in one request; split it",
                                  ErrorCode.TOO_LARGE)
-        self._sock.send_multipart(frames, copy=send_copy(frames))
+        deadline = time.monotonic() + self.timeout_s
+
+        def idle() -> None:  # the socket stayed full a slice: the daemon reads nothing of it
+            self._still_there()
+            if time.monotonic() > deadline:
+                self._lost(f"sparsekvd at {self.run_dir} read none of a request for {self.timeout_s} s "
+                           "(its connection is cut mid-message)")
+
+        try:
+            self._sock.send(frames, idle)
+        except WireClosed as e:
+            self._lost(self._closed_why(e))
         self._sent[req] = (msg_type, ts)
         return req
+
+    def _closed_why(self, e: WireClosed) -> str:
+        """Why the connection ended: the daemon gone or restarted, or it closed this one. A
+        dying process closes its sockets before it is seen to exit: looked at for a while."""
+        end = time.monotonic() + CLOSED_LOOK_S
+        while True:
+            why = self._check_daemon()
+            if why is not None:
+                return why
+            if time.monotonic() > end:
+                return (f"sparsekvd at {self.run_dir} closed this client's connection ({e}; its log says why: a limit "
+                        "broken, replies not read, the daemon stopping)")
+            time.sleep(0.01)
 
     def _receive_until(self, req_id: int) -> None:
         if self._sock is None and req_id not in self._replies:
             raise DaemonUnavailable(self._gone or "client is not connected")
         while req_id not in self._replies:
-            if not self._spin() and not self._sock.poll(int(min(self.timeout_s, LIVENESS_SLICE_S) * 1000)):
+            if not self._spin() and not self._sock.wait(int(min(self.timeout_s, LIVENESS_SLICE_S) * 1000)):
                 self._wait_slices()
             self._receive_one()
 
     def _receive_one(self) -> None:
-        frames = self._sock.recv_multipart(copy=False)
+        try:
+            frames = self._sock.recv()
+        except WireClosed as e:
+            self._lost(self._closed_why(e))
         t_recv = time.perf_counter_ns()
         try:
             header, arrays = decode(frames)
@@ -102,18 +129,17 @@ class Connection:
 
     def _receive_arrived(self) -> None:
         """Take every reply already here, without waiting."""
-        while self._sock is not None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while self._sock is not None and self._sock.ready():
             self._receive_one()
 
     def _spin(self) -> bool:
         """Poll without sleeping for up to ``spin_us``; True once a reply is waiting."""
         if not self.spin_ns:
             return False
-        # ZMQ_EVENTS, not poll(): a poll builds a Poller each call (microseconds).
-        get, now = self._sock.getsockopt, time.perf_counter_ns
+        ready, now = self._sock.ready, time.perf_counter_ns  # a non-blocking read each turn
         end = now() + self.spin_ns
         while now() < end:
-            if get(zmq.EVENTS) & zmq.POLLIN:
+            if ready():
                 return True
         return False
 
@@ -126,7 +152,7 @@ class Connection:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s")
-            if self._sock.poll(max(1, int(min(left, LIVENESS_SLICE_S) * 1000))):
+            if self._sock.wait(max(1, int(min(left, LIVENESS_SLICE_S) * 1000))):
                 return
 
     def _await_reply(self, req_id: int):
@@ -135,10 +161,6 @@ class Connection:
         header, arrays = self._replies.pop(req_id)
         if not header.get("ok"):
             code = header.get("code", int(ErrorCode.INTERNAL))
-            if code == ErrorCode.NOT_HELLO and self.info and self._sock is not None:
-                # This connection said HELLO, yet the daemon does not know it: a new
-                # daemon answers (libzmq reconnected to it by itself) if the socket changed.
-                self._still_there()
             raise error_for(code, header.get("msg", "no message"), header.get("detail"))
         return header, arrays
 
@@ -208,13 +230,6 @@ class Connection:
         why = self._check_daemon()
         if why is not None:
             self._lost(why)
-
-    def _drop_context(self) -> None:
-        """Terminate this client's own context (io_cpus: its I/O thread goes); the
-        process's shared instance stays. Its only socket is closed already."""
-        if self._ctx is not None and self.io_cpus:
-            self._ctx.term()
-        self._ctx = None
 
 
 def probe_daemon(path: str, run_dir: str) -> tuple[int, tuple[int, int]]:

@@ -42,13 +42,14 @@ import weakref
 from dataclasses import dataclass
 
 from sparsekv.proto import LIMITS, ErrorCode
+from sparsekv.proto.zmtp import encode_message
 
 from .inflight import Budget, FrameBuffer, Refused, declared
 from .listener import Listener
 from .outbox import NotReading, Outbox, Outboxes
 from .peers import Peer
 from .ratelog import RateLimitedLog
-from .zmtp import Decoder, ZmtpError, encode_message
+from .zmtp import Decoder, ZmtpError
 
 log = logging.getLogger("sparsekv.server")
 

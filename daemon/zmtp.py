@@ -6,7 +6,7 @@ that it decides what a peer may cost before reading it: libzmq allocates every f
 peer announces (up to ``ZMQ_MAXMSGSIZE``) and keeps the frames of a message it has not
 finished without any bound, one socket-wide limit for every connection. Here each frame's
 size is known before its bytes are read and every frame passes :meth:`Decoder.admit`
-first. Clients keep their libzmq DEALER: the wire is plain ZMTP.
+first. The codec both ends share is ``proto/zmtp.py``; any ZeroMQ DEALER may connect.
 
 What a peer must send: a ZMTP 3.x greeting with the NULL mechanism, a READY command
 whose ``Socket-Type`` is DEALER, then messages (frames whose MORE flag chains them) and,
@@ -18,71 +18,11 @@ from __future__ import annotations
 
 import struct
 
-SIGNATURE_LEN = 10
-GREETING_LEN = 64
-# Ours: signature, version 3.1, mechanism NULL, as-server 0, filler.
-GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + bytes(32)
-MORE, LONG, COMMAND = 0x01, 0x02, 0x04
-MAX_COMMAND_BYTES = 4096  # READY's properties, PING's context: small
+from sparsekv.proto.zmtp import (COMMAND, GREETING, GREETING_LEN, LONG, MAX_COMMAND_BYTES, MORE, ZmtpError,
+                                 check_greeting, command, parse_properties, properties, split_command)
+
 PEER_TYPES = (b"DEALER",)
-
-
-class ZmtpError(Exception):
-    """The peer broke the protocol (or a limit the daemon sets): close its connection."""
-
-
-def command(name: bytes, body: bytes = b"") -> bytes:
-    """One command frame: ``name`` and its ``body``."""
-    data = bytes([len(name)]) + name + body
-    return frame_header(len(data), COMMAND) + data
-
-
-def frame_header(size: int, flags: int = 0) -> bytes:
-    """A frame's flags byte and size (one byte up to 255, else eight)."""
-    if size > 255:
-        return struct.pack(">BQ", flags | LONG, size)
-    return bytes((flags, size))
-
-
-def properties(**props: bytes) -> bytes:
-    out = b""
-    for name, value in props.items():
-        key = name.replace("_", "-").encode()
-        out += bytes([len(key)]) + key + struct.pack(">I", len(value)) + value
-    return out
-
-
 READY = command(b"READY", properties(Socket_Type=b"ROUTER"))
-
-
-def parse_properties(body: memoryview) -> dict[str, bytes]:
-    """A READY command's metadata; ZmtpError when it does not parse."""
-    props, i, n = {}, 0, len(body)
-    while i < n:
-        klen = body[i]
-        if i + 1 + klen + 4 > n:
-            raise ZmtpError("a READY property is cut short")
-        key = bytes(body[i + 1:i + 1 + klen]).decode("ascii", "replace")
-        (vlen,) = struct.unpack_from(">I", body, i + 1 + klen)
-        i += 1 + klen + 4
-        if i + vlen > n:
-            raise ZmtpError("a READY property's value is cut short")
-        props[key.lower()] = bytes(body[i:i + vlen])
-        i += vlen
-    return props
-
-
-def encode_message(frames) -> list:
-    """The buffers that carry ``frames`` (bytes-like, NumPy arrays) as one message, for
-    ``sendmsg``: a header before each body, MORE on all but the last."""
-    out = []
-    last = len(frames) - 1
-    for i, f in enumerate(frames):
-        view = f if isinstance(f, (bytes, bytearray)) else memoryview(f).cast("B")
-        out.append(frame_header(len(view), MORE if i < last else 0))
-        if len(view):
-            out.append(view)
-    return out
 
 
 class Decoder:
@@ -188,13 +128,7 @@ class Decoder:
 
     # -- internals -------------------------------------------------------------------
     def _check_greeting(self) -> None:
-        g = self._greeting
-        if g[0] != 0xFF or (len(g) >= SIGNATURE_LEN and not g[9] & 1):
-            raise ZmtpError("not a ZMTP peer (bad signature)")
-        if len(g) > SIGNATURE_LEN and g[10] < 3:
-            raise ZmtpError(f"ZMTP version {g[10]} (3 or later needed)")
-        if len(g) == GREETING_LEN and bytes(g[12:32]).rstrip(b"\x00") != b"NULL":
-            raise ZmtpError(f"security mechanism {bytes(g[12:32]).rstrip(bytes(1))!r} (NULL needed)")
+        check_greeting(self._greeting)
 
     def _read_head(self, data: memoryview, i: int, n: int) -> int:
         head = self._head
@@ -270,9 +204,7 @@ class Decoder:
             self.on_message(frames)
 
     def _command(self, body: memoryview) -> None:
-        nlen = body[0] if len(body) else 0
-        name = bytes(body[1:1 + nlen])
-        rest = body[1 + nlen:]
+        name, rest = split_command(body)
         if not self.ready:
             if name != b"READY":
                 raise ZmtpError(f"{name[:16]!r} before READY")

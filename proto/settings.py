@@ -137,7 +137,6 @@ def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
 RUN_DIR = Setting("run_dir", str, default_run_dir, "the daemon's run dir (its sockets), for clients and the CLI")
 KERNEL_CACHE_DIR = Setting("kernel_cache_dir", str, "~/.cache/sparsekv/kernels",
                            "compiled kernels (csrc/build.py), for every process that launches them")
-CLIENT_IO_CPUS = Setting("client_io_cpus", str, "", "Client(io_cpus=): CPUs of a client's ZeroMQ I/O thread")
 CLIENT_DEVICE_WAIT = Setting("client_device_wait", parse_bool, False,
                              "Client(device_wait=): a cuda rank's stream waits for its top-k on the GPU")
 STOP_TIMEOUT_S = Setting("stop_timeout_s", parse_float, 20.0,

@@ -4,12 +4,11 @@ tests and the attack soak use it to send what no libzmq client would."""
 import os
 import socket
 
-from sparsekv.daemon import zmtp
-from sparsekv.proto import MsgType, decode, encode
+from sparsekv.daemon.zmtp import READY as DAEMON_READY
+from sparsekv.proto import MsgType, decode, encode, zmtp
 
 GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\x00") + bytes(32)
 READY = zmtp.command(b"READY", zmtp.properties(Socket_Type=b"DEALER"))
-
 
 
 def raw_peer(path: str, rcvbuf: int | None = None) -> socket.socket:
@@ -23,7 +22,7 @@ def raw_peer(path: str, rcvbuf: int | None = None) -> socket.socket:
     s.settimeout(10)
     s.sendall(GREETING + READY)
     got = b""
-    while len(got) < len(zmtp.GREETING) + len(zmtp.READY):
+    while len(got) < len(zmtp.GREETING) + len(DAEMON_READY):
         got += s.recv(4096)
     return s
 

@@ -29,7 +29,7 @@ from zmtp_peer import GREETING, READY, hello, raw_peer, read_reply
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.bench.verify import fill_pool, pattern
 from sparsekv.client import Client
-from sparsekv.daemon import zmtp
+from sparsekv.proto import zmtp
 from sparsekv.proto import Layout, MsgType, encode
 
 MiB = 1 << 20
@@ -74,7 +74,7 @@ import os, socket, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[2])
 from zmtp_peer import GREETING, READY
-from sparsekv.daemon import zmtp
+from sparsekv.proto import zmtp
 from sparsekv.proto import Layout, MsgType, encode
 LAY = Layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
 def wire(frames):

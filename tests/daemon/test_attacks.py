@@ -26,7 +26,7 @@ from helpers import vm
 from zmtp_peer import GREETING, READY, hello, raw_peer, read_reply, send_message
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.client import Client
-from sparsekv.daemon import zmtp
+from sparsekv.proto import zmtp
 from sparsekv.proto import LIMITS, MsgType, encode
 
 MiB = 1 << 20

@@ -1,5 +1,6 @@
-"""Where the ZeroMQ hop runs (proto/cpus.py): CPU lists, warm CPU loops (SCHED_IDLE, one
-per CPU, gone with their parent), and the daemon's and the client's I/O threads pinned."""
+"""Where the control socket's hop runs (proto/cpus.py): CPU lists, warm CPU loops
+(SCHED_IDLE, one per CPU, gone with their parent), the daemon's loop thread pinned, and a
+client that runs no thread of its own (its thread reads and writes its socket)."""
 
 import os
 import signal
@@ -14,7 +15,6 @@ import pytest
 
 import helpers
 from sparsekv.client import Client
-from sparsekv.client.errors import DaemonUnavailable
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.daemon.config import Config, ConfigError
 from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, format_cpu_list, parse_cpu_list
@@ -126,25 +126,11 @@ def test_warm_loops_die_with_the_process_that_started_them(tmp_path):
         p.wait()
 
 
-def _zmq_io_threads(pid: int) -> dict[int, set]:
-    """tid -> CPUs of the libzmq I/O threads of ``pid`` (libzmq names them ZMQbg/IO/N)."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-            if name.startswith("ZMQbg/IO"):
-                out[int(tid)] = os.sched_getaffinity(int(tid))
-        except (OSError, ProcessLookupError):
-            pass
-    return out
-
-
 @needs_two_cpus
 def test_daemon_pins_its_loop_thread_and_warms_cpus(tmp_path):
     io = ALLOWED[-1]
     with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=["--io-cpus", str(io), "--warm-cpus", str(io)],
-                       log_path=str(tmp_path / "d.log")) as d, Client(d.run_dir, timeout_s=10, io_cpus=str(io)) as c:
+                       log_path=str(tmp_path / "d.log")) as d, Client(d.run_dir, timeout_s=10) as c:
         c.attach(LAYOUT, engine="w")
         c.step(0, [0])
         assert int(c.topk(0, 0, np.array([[0, 1, 2, 3]], np.int32)).misses[0]) == 4
@@ -155,10 +141,7 @@ def test_daemon_pins_its_loop_thread_and_warms_cpus(tmp_path):
         loops = [p for p in psutil.Process(pid).children() if "sparsekv-warm-cpu" in " ".join(p.cmdline())]
         assert len(loops) == 1 and _policy_and_cpus(loops[0].pid) == (os.SCHED_IDLE, {io})
         assert loops[0].name() == f"skv-warm-cpu{io}"  # what top and pgrep show
-        # The client's own context: its I/O thread on io as well, this thread untouched.
-        mine = _zmq_io_threads(os.getpid())
-        assert {io} in mine.values()
-        assert os.sched_getaffinity(0) == set(ALLOWED)
+        assert os.sched_getaffinity(0) == set(ALLOWED)  # the client's thread untouched
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in loops)
 
 
@@ -174,54 +157,23 @@ def test_daemon_refuses_io_cpus_it_cannot_use(tmp_path):
         assert says in log.read_text()
 
 
-@needs_two_cpus
-def test_a_client_that_lost_its_daemon_lets_its_own_io_thread_go(tmp_path):
-    io = ALLOWED[-1]
-    with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", log_path=str(tmp_path / "d.log")) as d:
-        c = Client(d.run_dir, timeout_s=5, io_cpus=str(io)).connect()
-        assert {io} in _zmq_io_threads(os.getpid()).values()
-        d.proc.kill()
-        d.proc.wait()
-        with pytest.raises(DaemonUnavailable):
-            c.stats()
-        assert {io} not in _zmq_io_threads(os.getpid()).values()
-        c.close()
-
-
-def test_client_checks_its_io_cpus(monkeypatch):
-    with pytest.raises(ValueError, match="io_cpus: 'x' is not"):
-        Client("/nonexistent", io_cpus="x")
-    with pytest.raises(ValueError, match="io_cpus: a CPU list is text"):
-        Client("/nonexistent", io_cpus=[1, 2])
-    assert Client("/nonexistent", io_cpus=ALLOWED[-1]).io_cpus == (ALLOWED[-1],)
-    monkeypatch.setenv("SPARSEKV_CLIENT_IO_CPUS", str(NOWHERE))
-    with pytest.raises(ValueError, match=r"\$SPARSEKV_CLIENT_IO_CPUS names CPU"):
-        Client("/nonexistent")
-
-
-@needs_two_cpus
-def test_an_engine_kept_off_its_io_cpu_may_still_put_its_io_thread_there(tmp_path):
-    """What deploy/README.md recommends: the engine's threads off the I/O CPU (taskset),
-    its client's I/O thread on it."""
-    io = ALLOWED[-1]
+def test_a_client_runs_no_thread_of_its_own(tmp_path):
+    """The engine's thread writes each request and reads its reply (client/wire.py): an
+    engine process pinned to some CPUs has nothing else to place."""
     with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", log_path=str(tmp_path / "d.log")) as d:
         code = textwrap.dedent(f"""
             import os
             import numpy as np
             from sparsekv.client import Client
             import helpers
-            os.sched_setaffinity(0, {set(ALLOWED[:-1])!r})
-            with Client({d.run_dir!r}, timeout_s=10, io_cpus="{io}") as c:
+            before = sorted(os.listdir("/proc/self/task"))
+            with Client({d.run_dir!r}, timeout_s=10) as c:
                 c.attach(helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2,
                                         host_rows=64), engine="k")
                 c.step(0, [0])
                 assert int(c.topk(0, 0, np.array([[0, 1, 2, 3]], np.int32)).misses[0]) == 4
-                ios = []
-                for tid in os.listdir("/proc/self/task"):
-                    with open(f"/proc/self/task/{{tid}}/comm") as f:
-                        if f.read().startswith("ZMQbg/IO"):
-                            ios.append(os.sched_getaffinity(int(tid)))
-                assert ios == [{{{io}}}], ios
+                during = sorted(os.listdir("/proc/self/task"))
+            assert during == before, (before, during)
             print("ok")
         """)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(helpers.__file__),

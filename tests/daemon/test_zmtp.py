@@ -8,8 +8,9 @@ import pytest
 import zmq
 
 import helpers
-from sparsekv.daemon import zmtp
+from sparsekv.daemon.zmtp import READY as DAEMON_READY
 from sparsekv.daemon.zmtp import Decoder, ZmtpError
+from sparsekv.proto import zmtp
 
 CLIENT_GREETING = b"\xff" + bytes(7) + b"\x01\x7f" + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + bytes(32)
 CLIENT_READY = zmtp.command(b"READY", zmtp.properties(Socket_Type=b"DEALER", Identity=b"abc"))
@@ -46,7 +47,7 @@ def test_handshake_then_messages_whole_or_byte_by_byte(step):
     assert p.sent == [zmtp.GREETING]
     big = os.urandom(70_000)  # a long frame (8-byte size)
     p.feed(CLIENT_GREETING + CLIENT_READY + message(b"head", big) + message(b"") + message(b"x" * 300), step)
-    assert p.sent[1] == zmtp.READY and p.d.ready
+    assert p.sent[1] == DAEMON_READY and p.d.ready
     assert p.d.peer_properties == {"socket-type": b"DEALER", "identity": b"abc"}
     assert [[bytes(f) for f in m] for m in p.messages] == [[b"head", big], [b""], [b"x" * 300]]
     assert [(s, c) for s, c, _ in p.asked] == [(4, 0), (70_000, 1), (0, 0), (300, 0)]

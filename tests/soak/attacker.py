@@ -14,7 +14,7 @@ import time
 import zmq
 
 from zmtp_peer import GREETING, READY, hello, raw_peer
-from sparsekv.daemon import zmtp
+from sparsekv.proto import zmtp
 from sparsekv.proto import MsgType, decode, encode
 
 MiB = 1 << 20
