@@ -3,8 +3,8 @@ against the same step in this process.
 
 * ``transport``: a cpu daemon over zmq against the in-process engine.
 * ``cuda_transport``: a cuda daemon over zmq against the same device step run in this
-  process, beside a bare ZeroMQ + CUDA IPC event round trip; as installed, or with the
-  ZeroMQ I/O threads on warm CPUs (deploy/README.md "Warm CPUs").
+  process, beside a bare ZMTP + CUDA IPC event round trip; as installed, or with the
+  daemon's loop thread on a warm CPU (deploy/README.md "Warm CPUs").
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import os
 import tempfile
 import time
 
+import socket
+
 import numpy as np
-import zmq
 
 from sparsekv.client.client import Client
+from sparsekv.client.wire import Wire
 from sparsekv.daemon.cuda.backend import DeviceWorker
 from sparsekv.daemon.cuda.rank import CudaRankState
 from sparsekv.daemon.engine import EngineSpace
@@ -27,7 +29,8 @@ from sparsekv.daemon.pinned import PinnedRegion
 from sparsekv.daemon.pool import HostPool
 from sparsekv.embedded.inproc import InprocClient
 from sparsekv.proto import MsgType
-from sparsekv.proto.cpus import keep_off, parse_cpu_list, pin_io_threads
+from sparsekv.proto import zmtp
+from sparsekv.proto.cpus import keep_off
 from sparsekv.proto.cuda_ipc import EventRing, ImportedEvents
 from sparsekv.proto.settings import BENCH_DAEMON_LOG
 
@@ -63,44 +66,59 @@ def bench_transport(steps=100, batch=8, top_k=256) -> dict:
 
 
 def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000, io_cpus=()) -> None:
-    """A bare ZeroMQ + CUDA IPC event echo (the floor of any cross-process hand-off):
-    each request records an interprocess event on a stream and is answered at once.
-    Polls like sparsekvd: busy for ``busy_poll_us`` after a request, then sleeps; with
-    ``io_cpus``, placed like it too (I/O threads there, the rest off them)."""
+    """A bare ZMTP + CUDA IPC event echo (the floor of any cross-process hand-off): the
+    daemon's end of a client's connection with nothing behind it, each request ("go", one
+    frame) answered at once after recording an interprocess event on a stream. Polls like
+    sparsekvd: busy for ``busy_poll_us`` after a request, then sleeps; with ``io_cpus``,
+    its thread there (like the daemon's loop) and the rest off them."""
+    import select  # noqa: PLC0415
+
     import cupy as cp  # noqa: PLC0415
 
+    from sparsekv.daemon.zmtp import READY  # noqa: PLC0415
+
     keep_off(io_cpus)
+    if io_cpus:
+        os.sched_setaffinity(0, io_cpus)
     ring = EventRing(0, 1)
     stream = cp.cuda.Stream(non_blocking=True)
-    ctx = zmq.Context()
-    pin_io_threads(ctx, io_cpus)
-    sock = ctx.socket(zmq.ROUTER)
-    sock.bind(f"ipc://{path}")
+    lsock = socket.socket(socket.AF_UNIX)
+    lsock.bind(path)
+    lsock.listen(1)
     handles.put(ring.handles)
     ready.set()
+    conn, _ = lsock.accept()
+    conn.sendall(zmtp.GREETING)
+    got = b""
+    while len(got) < zmtp.GREETING_LEN + 2 or len(got) < zmtp.GREETING_LEN + 2 + got[zmtp.GREETING_LEN + 1]:
+        got += conn.recv(4096)  # the client's greeting, then its READY (a short command frame)
+    conn.sendall(READY)
+    conn.setblocking(False)
+    go = bytes((0, 2)) + b"go"  # the one request; anything else ("stop") ends it
     last = time.perf_counter_ns()
     while True:
-        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            if time.perf_counter_ns() - last < busy_poll_us * 1000:
-                continue
-            sock.poll(1000)
+        try:
+            msg = conn.recv(64)
+        except BlockingIOError:
+            if time.perf_counter_ns() - last > busy_poll_us * 1000:
+                select.select([conn], [], [], 1.0)
             continue
-        ident, msg = sock.recv_multipart()
-        if msg == b"stop":
-            sock.send_multipart([ident, b"bye"])
+        if msg != go:
+            conn.sendall(bytes((0, 3)) + b"bye")
             break
         ring.record(0, stream)
-        sock.send_multipart([ident, b"ok"])
+        conn.sendall(bytes((0, 2)) + b"ok")
         last = time.perf_counter_ns()
-    sock.close(0)
-    ctx.term()
+    conn.close()
+    lsock.close()
 
 
 class _BareRoundTrip:
-    """The client side of :func:`_bare_server`: send, spin for the reply like a cuda
-    Client, make a stream wait on the event, synchronise it."""
+    """The client side of :func:`_bare_server`: the client's own connection
+    (:class:`~sparsekv.client.wire.Wire`), send, spin for the reply like a cuda Client,
+    make a stream wait on the event, synchronise it."""
 
-    def __init__(self, stack, spin_us: int = 500, io_cpus=(), server_io_cpus=()):
+    def __init__(self, stack, spin_us: int = 500, server_io_cpus=()):
         import cupy as cp  # noqa: PLC0415
 
         ctx = multiprocessing.get_context("spawn")
@@ -110,32 +128,30 @@ class _BareRoundTrip:
                                 daemon=True)
         self.proc.start()
         if not ready.wait(60):
-            raise RuntimeError("bare zmq server did not start")
+            raise RuntimeError("bare ZMTP server did not start")
         self.events = ImportedEvents(handles.get(timeout=10), 0)
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.zctx = zmq.Context()
-        pin_io_threads(self.zctx, io_cpus)
-        self.sock = self.zctx.socket(zmq.DEALER)
-        self.sock.connect(f"ipc://{path}")
+        self.wire = Wire(path, timeout_s=10)
         self.spin_ns = spin_us * 1000
         stack.callback(self.close)
 
     def once(self) -> float:
         t0 = time.perf_counter_ns()
-        self.sock.send(b"go")
+        self.wire.send([b"go"])
         end = t0 + self.spin_ns
-        while not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.perf_counter_ns() < end:
+        while not self.wire.ready() and time.perf_counter_ns() < end:
             pass
-        self.sock.recv()
+        while not self.wire.wait(1000):
+            pass
+        self.wire.recv()
         self.events.wait(0, self.stream.ptr)
         self.stream.synchronize()
         return (time.perf_counter_ns() - t0) * 1e-9
 
     def close(self) -> None:
-        self.sock.send(b"stop")
-        self.sock.recv()
-        self.sock.close(0)
-        self.zctx.term()
+        self.wire.send([b"stop"])
+        self.wire.wait(10000)
+        self.wire.close()
         self.proc.join(10)
         self.events.close()
 
@@ -148,9 +164,10 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
     bare ZeroMQ + IPC event round trip timed step by step in the same window. The header
     timestamps split the zmq step into client, socket and daemon time. ``device_wait``:
     the same steps through a second rank with ``Client(device_wait=True)``
-    (``zmq_device_wait_*`` keys). ``warm_io``: the daemon's and the client's ZeroMQ I/O
-    threads on a warm CPU each (the last two this process may use; deploy/README.md "Warm
-    CPUs"), the bare round trip too, every other thread off them."""
+    (``zmq_device_wait_*`` keys). ``warm_io``: the daemon's loop thread on a warm CPU (the
+    last this process may use; deploy/README.md "Warm CPUs"), the bare server's too, every
+    other thread off it (the client has no thread of its own: its caller's thread does
+    the I/O)."""
     import cupy as cp  # noqa: PLC0415
 
     tr = synth(steps=steps, batch=batch, top_k=top_k, region_stride=region_stride, max_reqs=2 * batch,
@@ -159,17 +176,18 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
     lay = tr.layout()
     # Both paths in one window, step by step, so that drift of the machine does not land
     # in the difference. In process: a rank of the daemon's own kind, driven directly.
-    daemon_args, client_io, daemon_io = ["--device-arena-size", "4GiB"], "", ()
+    daemon_args, daemon_io = ["--device-arena-size", "4GiB"], ()
     if warm_io:
         allowed = sorted(os.sched_getaffinity(0))
-        if len(allowed) < 4:
-            raise ValueError(f"warm_io needs 4 CPUs or more (two for I/O threads), this process may use {len(allowed)}")
-        daemon_io, client_io = (allowed[-1],), str(allowed[-2])
-        daemon_args += ["--io-cpus", str(allowed[-1]), "--warm-cpus", f"{allowed[-2]},{allowed[-1]}"]
+        if len(allowed) < 3:
+            raise ValueError(f"warm_io needs 3 CPUs or more (one for the daemon's loop), this process may use "
+                             f"{len(allowed)}")
+        daemon_io = (allowed[-1],)
+        daemon_args += ["--io-cpus", str(allowed[-1]), "--warm-cpus", str(allowed[-1])]
     with contextlib.ExitStack() as stack:
         if warm_io:
             stack.callback(os.sched_setaffinity, 0, os.sched_getaffinity(0))
-            keep_off(allowed[-2:])
+            keep_off(daemon_io)
         pool = stack.enter_context(HostPool(lay.pool_bytes + (2 << 20)))
         pinned = PinnedRegion(pool.address, lay.pool_bytes, lay.row_bytes)
         stack.callback(pinned.close)
@@ -181,15 +199,14 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         d = stack.enter_context(PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda",
                                               extra_args=daemon_args,
                                               log_path=BENCH_DAEMON_LOG.get() or None))
-        c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False,
-                                       io_cpus=client_io))
+        c = stack.enter_context(Client(d.run_dir, name="bench", device="cuda:0", device_wait=False))
         c.attach(lay, engine="bench")
         cw = None
         if device_wait:
             cw = stack.enter_context(Client(d.run_dir, rank=1, name="bench-device-wait", device="cuda:0",
-                                            device_wait=True, io_cpus=client_io))
+                                            device_wait=True))
             cw.attach(lay, engine="bench")
-        bare_rt = _BareRoundTrip(stack, io_cpus=parse_cpu_list(client_io), server_io_cpus=daemon_io)
+        bare_rt = _BareRoundTrip(stack, server_io_cpus=daemon_io)
         bare, base, over, reply, dwait, daemon_host, sock_in, sock_out = np.zeros((8, steps))
         enqueue, to_enqueue = np.full(steps, np.nan), np.full(steps, np.nan)
         for t in range(steps):
@@ -236,7 +253,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         extra = {"zmq_device_wait_p50_us": p50(dwait, 1e6),
                  "zmq_device_wait_handoff_p50_us": round(float(np.median(dwait[warm]) * 1e6 - np.median(b)), 1)}
     if warm_io:
-        extra.update(io_cpus=f"daemon {daemon_io[0]}, client {client_io}", warm_cpus_running=warm_running)
+        extra.update(io_cpus=f"daemon {daemon_io[0]}", warm_cpus_running=warm_running)
     return {**extra, "bench": "cuda_transport", "warm_io": warm_io, "steps": steps, "batch": batch, "top_k": top_k,
             "region_stride": region_stride, "layers": num_layers,
             "inproc_p50_us": round(float(np.median(b)), 1), "inproc_p99_us": round(float(np.percentile(b, 99)), 1),
@@ -250,7 +267,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             "topk_socket_in_p50_us": p50(sock_in, 1e-3), "topk_socket_out_p50_us": p50(sock_out, 1e-3),
             "daemon_topk_p50_us": round(daemon_us["p50"], 1),
             "zmq_handoff_p50_us": round(float(np.median(z) - np.median(b)), 1),
-            # The floor in the same window: a bare ZeroMQ request/reply plus a CUDA IPC event wait.
+            # The floor in the same window: a bare ZMTP request/reply plus a CUDA IPC event wait.
             "bare_zmq_event_rtt_p50_us": p50(bare, 1e6),
             "handoff_vs_bare_rtt": round(float((np.median(z) - np.median(b)) / (np.median(bare[warm]) * 1e6)), 3),
             "ratio_vs_inproc": round(float(np.median(z) / np.median(b)), 3)}

@@ -1,12 +1,12 @@
-"""Where the ZeroMQ hop runs (daemon and client): CPU lists, I/O thread placement, warm CPUs.
+"""Where the control socket's hop runs: CPU lists, the daemon's loop thread placed, warm CPUs.
 
-A request and its reply cross each side's libzmq I/O thread, which sleeps in
-``epoll_wait``; in a VM whose guest halts, waking its CPU costs tens of microseconds, up to
-four times a hop (docs/PERF.md, "Transport hand-off"). Two settings remove most of that:
+A request wakes the daemon's loop thread, which sleeps in ``epoll_wait`` once its busy
+poll ends, and the reply wakes the client's thread unless it is still spinning; in a VM
+whose guest halts, waking a CPU costs tens of microseconds (docs/PERF.md, "Transport
+hand-off"). Two settings of the daemon take most of that off:
 
-- ``io_cpus``: the CPUs a process's libzmq I/O threads run on (``ZMQ_THREAD_AFFINITY_CPU_ADD``);
-  the process's other threads are kept off them, so a polling application thread never
-  sits on the CPU its I/O thread needs.
+- ``io_cpus``: the CPUs of the daemon's loop thread, which reads and writes the control
+  socket; its other threads are kept off them, so no worker sits on the CPU the loop needs.
 - warm CPUs (:class:`CpuWarmer`, the daemon's ``warm_cpus``): one busy loop per CPU under
   ``SCHED_IDLE`` at nice 19 in a session of its own: a thread that wakes there preempts it,
   and the CPU never halts. Each such CPU shows 100 % busy in ``top`` and spends the power;
@@ -116,17 +116,6 @@ def check_cpus_usable(cpus, what: str) -> None:
     if bad:
         raise ValueError(f"{what} names CPU(s) {format_cpu_list(int(c) for c in bad)}, which this process cannot run on "
                          f"(not online, or outside its cpuset); it runs on {format_cpu_list(os.sched_getaffinity(0))}")
-
-
-def pin_io_threads(ctx, cpus) -> None:
-    """Put the libzmq I/O threads of ``ctx`` (a ``zmq.Context`` with no socket yet) on
-    ``cpus``; ValueError if no thread of this process can run on one (libzmq would abort
-    the process at the first socket)."""
-    import zmq  # noqa: PLC0415
-
-    check_cpus_usable(cpus, "io_cpus")
-    for c in cpus:
-        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, int(c))
 
 
 def keep_off(cpus) -> None:

@@ -82,9 +82,9 @@ class BlockStore:
         self._uid: dict[int, int] = {}
         self._pinned: dict[int, np.ndarray] = {}  # session -> its pins of each block
         self.counts = collections.Counter()  # lookups, hit_blocks, commits, evictions
-        # Last key of a chain found whole -> its blocks (int64 [n]). Only a hint: a lookup
-        # uses it only after checking every block of it is cached under its key now.
-        self._chains: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
+        # Last key of a chain found whole -> its blocks (int64 [n]) and their run. Only a
+        # hint: a lookup uses it only after checking every block of it is cached under its key now.
+        self._chains: collections.OrderedDict[tuple[int, int], tuple] = collections.OrderedDict()
         self._chain_ids = 0
         self._chain_ids_max = min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
 
@@ -211,15 +211,17 @@ class BlockStore:
         block that the reservations need."""
         uid = self._uid_of(session)
         lo, hi = key_words(hashes)
-        arr = self._chain(lo, hi)
-        if arr is None:
+        memo = self._chain(lo, hi)
+        if memo is not None:
+            arr, run = memo
+        else:
             arr = self.index.find(lo, hi)
             missing = np.flatnonzero(arr < 0)
             if missing.size:
                 arr = arr[: missing[0]]
-            elif arr.size >= CHAIN_MEMO_MIN:
-                self._remember(lo, hi, arr)
-        run = _run(arr)  # blocks allocated together: slices instead of gathers and scatters
+            run = _run(arr)  # blocks allocated together: slices instead of gathers and scatters
+            if not missing.size and arr.size >= CHAIN_MEMO_MIN:
+                self._remember(lo, hi, arr, run)
         at = run if run is not None else arr
         unpinned = self.pins[at] == 0
         twice = False
@@ -254,32 +256,35 @@ class BlockStore:
         self.counts["hit_blocks"] += arr.size
         return arr.astype(np.int32)
 
-    def _chain(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
-        """The blocks of the chain of keys ``lo``, ``hi`` (its words) when it was found whole
-        before and every block of that answer is still cached under its key (then the
-        index would answer the same: a key names one cached block); None otherwise. Requests sharing a long system
-        prompt look the same chain up again and again: a few array operations, no probes."""
+    def _chain(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, slice | None] | None:
+        """The blocks of the chain of keys ``lo``, ``hi`` (its words), and their run (``_run``),
+        when it was found whole before and every block of that answer is still cached
+        under its key (then the index would answer the same: a key names one cached
+        block); None otherwise. Requests sharing a long system prompt look the same chain
+        up again and again: a few array operations (slices for a run), no probes."""
         if lo.size < CHAIN_MEMO_MIN:
             return None
         key = (int(lo[-1]), int(hi[-1]))
-        arr = self._chains.get(key)
-        if arr is None or arr.size != lo.size:
+        memo = self._chains.get(key)
+        if memo is None or memo[0].size != lo.size:
             return None
-        if not ((self.key_lo[arr] == lo).all() and (self.key_hi[arr] == hi).all()
-                and (self.state[arr] == CACHED).all()):
+        arr, run = memo
+        at = run if run is not None else arr
+        if not ((self.key_lo[at] == lo).all() and (self.key_hi[at] == hi).all()
+                and (self.state[at] == CACHED).all()):
             del self._chains[key]
             self._chain_ids -= arr.size
             return None
         self._chains.move_to_end(key)
-        return arr
+        return memo
 
-    def _remember(self, lo: np.ndarray, hi: np.ndarray, arr: np.ndarray) -> None:
+    def _remember(self, lo: np.ndarray, hi: np.ndarray, arr: np.ndarray, run: slice | None) -> None:
         key = (int(lo[-1]), int(hi[-1]))
         old = self._chains.pop(key, None)
-        self._chain_ids += arr.size - (old.size if old is not None else 0)
-        self._chains[key] = arr
+        self._chain_ids += arr.size - (old[0].size if old is not None else 0)
+        self._chains[key] = (arr, run)
         while self._chain_ids > self._chain_ids_max:
-            self._chain_ids -= self._chains.popitem(last=False)[1].size
+            self._chain_ids -= self._chains.popitem(last=False)[1][0].size
 
     def release(self, session: int, blocks) -> None:
         """Unpin cached ``blocks`` (int [n]; named twice: unpinned twice) and free private
