@@ -124,7 +124,7 @@ def run_bench(which: list[str], io: str = "both", tp_ranks: int = 2) -> list[dic
             continue
         if io in ("both", "installed"):
             out.append(bench_cuda_transport())
-        if io == "warm" or (io == "both" and len(os.sched_getaffinity(0)) >= 4):
+        if io == "warm" or (io == "both" and len(os.sched_getaffinity(0)) >= 3):
             out.append(bench_cuda_transport(warm_io=True))
     return out
 
@@ -159,9 +159,9 @@ def add_arguments(p) -> None:
                         "and pool start against the link) or latest (docs/perf/latest.json's figures); all four "
                         "need a GPU; options below")
     p.add_argument("--io", choices=IO_PLACEMENTS, default="both",
-                   help="cuda_transport: the ZeroMQ I/O threads as installed (not placed), on warm CPUs (the last "
-                        "two this process may use, kept warm by the daemon; deploy/README.md \"Warm CPUs\"), or "
-                        "both, one run each (warm only with 4 CPUs or more)")
+                   help="cuda_transport: the daemon's loop thread as installed (not placed), on a warm CPU (the "
+                        "last this process may use, kept warm by the daemon; deploy/README.md \"Warm CPUs\"), or "
+                        "both, one run each (warm only with 3 CPUs or more)")
     p.add_argument("--tp-ranks", type=int, default=2, metavar="N",
                    help="tp: the ranks of the group, 2 to 64 (default 2)")
     groups = {"decode": (decode, "decode options (sparsekv bench decode ...)"),

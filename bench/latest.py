@@ -1,6 +1,6 @@
 """``sparsekv bench latest``: the figures docs/perf/latest.json holds, in one flat JSON
 object (key -> number, plus date, commit and machine): ``cuda_transport`` as installed,
-with its I/O threads on warm CPUs, and with device wait (:data:`RUNS`), and what ``bench
+with the daemon's loop on a warm CPU, and with device wait (:data:`RUNS`), and what ``bench
 decode``/``kernels --json`` wrote in the same run (``--merge``). Rewritten after each run
 (a run cut short keeps what it measured). Needs a GPU (run it under MPS).
 """

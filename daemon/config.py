@@ -65,8 +65,8 @@ class Config:
     # The next request of a decode step then costs no wake-up (tens of microseconds in a VM).
     busy_poll_us: int = _s(-1, "poll the control socket this long after a request before sleeping; -1: 1000 on "
                            "cuda, 0 on cpu", bounds=(-1, 1_000_000), metavar="US")
-    # In a VM a halted vCPU takes tens of microseconds to wake: give the daemon's loop and
-    # the engines' I/O threads (Client io_cpus) warm CPUs (proto/cpus.py).
+    # In a VM a halted vCPU takes tens of microseconds to wake: give the daemon's loop a
+    # warm CPU (proto/cpus.py).
     io_cpus: str = _s("", "CPUs of the daemon's loop thread, which reads and writes the control socket (its other "
                       "threads keep off them), e.g. 3 or 2-3; '': not pinned", kind="cpus", metavar="CPUS")
     warm_cpus: str = _s("", "CPUs kept from halting by an idle-priority busy loop each (VMs: deploy/README.md); "

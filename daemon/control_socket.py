@@ -1,7 +1,7 @@
 """The control socket: a Unix stream socket speaking ZMTP (``daemon/zmtp.py``), read by the
 daemon's event loop, and what each peer may cost it.
 
-Clients connect their libzmq DEALER to ``control.sock``; the daemon accepts, reads and
+Clients connect a ZMTP DEALER (``client/wire.py``, or libzmq's) to ``control.sock``; the daemon accepts, reads and
 writes each connection itself, so every limit holds before anything is read:
 
 * **Who.** ``SO_PEERCRED`` is read when a connection is accepted: the session a HELLO

@@ -59,8 +59,8 @@ while True:
 """
 
 _ITEM = re.compile(r"(\d+)(?:-(\d+))?")
-# libzmq places its threads with a fixed cpu_set_t (CPU_SETSIZE, 1024 CPUs): higher
-# numbers would be dropped without a word.
+# CPU numbers accepted: glibc's cpu_set_t (CPU_SETSIZE, 1024 CPUs), which the warm loops'
+# and other native placements use.
 MAX_CPU = 1024
 
 
@@ -79,7 +79,7 @@ def parse_cpu_list(text: str, what: str = "cpu list") -> tuple[int, ...]:
         if hi < lo:
             raise ValueError(f"{what}: range {part.strip()!r} runs backwards")
         if hi >= MAX_CPU:
-            raise ValueError(f"{what}: CPU {hi} is beyond the {MAX_CPU} CPUs libzmq can place threads on")
+            raise ValueError(f"{what}: CPU {hi} is beyond the {MAX_CPU} CPUs a thread can be placed on here")
         cpus.update(range(lo, hi + 1))
     return tuple(sorted(cpus))
 
@@ -97,8 +97,8 @@ def format_cpu_list(cpus) -> str:
 
 def check_cpus_usable(cpus, what: str) -> None:
     """ValueError unless a thread of this process can be put on every CPU of ``cpus`` (online,
-    in its cpuset; its own affinity may leave them out). libzmq aborts the process when it
-    cannot place an I/O thread, so this tries first, on a thread of its own."""
+    in its cpuset; its own affinity may leave them out): tried on a thread of its own, so
+    that a bad setting is refused at start, naming it, before anything is placed."""
     if not cpus:
         return
     bad: list[str] = []
