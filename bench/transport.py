@@ -131,7 +131,7 @@ class _BareRoundTrip:
             raise RuntimeError("bare ZMTP server did not start")
         self.events = ImportedEvents(handles.get(timeout=10), 0)
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.wire = Wire(path, timeout_s=10)
+        self.wire = Wire.connect(path, timeout_s=10)
         self.spin_ns = spin_us * 1000
         stack.callback(self.close)
 

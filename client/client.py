@@ -19,7 +19,7 @@ from sparsekv.proto.cuda_ipc import EventRing, mps_running
 from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, RUN_DIR
 
 from .blocks import Blocks
-from .connection import Connection, probe_daemon, start_time
+from .connection import Connection, open_wire, start_time
 from .cuda_attach import CudaAttachment, bus_id_of, local_device
 from .device_wait import DeviceWaitWatch
 from .doorbell import DoorbellSwapIn
@@ -135,15 +135,11 @@ class Client(Connection):
     # -- connection --------------------------------------------------------------
     def connect(self) -> "Client":
         path = self.control_path
-        # The probe says what is wrong with a missing, refused or forbidden socket, and
-        # names the daemon (its pid, its socket file) that liveness checks follow.
-        self._daemon_pid, self._socket_id = probe_daemon(path, self.run_dir)
+        # Says what is wrong with a missing, refused or forbidden socket, and names the
+        # daemon (its pid, its socket file) that the liveness checks follow.
+        self._sock, self._daemon_pid, self._socket_id = open_wire(path, self.run_dir, self.timeout_s)
         self._daemon_started = start_time(self._daemon_pid)
         self._gone = None
-        try:
-            self._sock = Wire(path)
-        except OSError as e:
-            raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror or e}") from None
         try:
             device = self.device
             if device.startswith("cuda:"):

@@ -19,7 +19,7 @@ import psutil
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError, decode, encode
 
 from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
-from .wire import WireClosed
+from .wire import Wire, WireClosed
 
 _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
 LIVENESS_SLICE_S = 0.25  # how often a client waiting for a reply checks that the daemon lives
@@ -232,10 +232,12 @@ class Connection:
             self._lost(why)
 
 
-def probe_daemon(path: str, run_dir: str) -> tuple[int, tuple[int, int]]:
-    """Connect to the daemon's socket ``path`` once, as a plain UNIX socket, and hang up.
-    Returns (the daemon's pid here, 0 in another pid namespace; the socket's file_id).
-    Raises :class:`DaemonUnavailable` saying what is wrong."""
+def open_wire(path: str, run_dir: str, timeout_s: float) -> tuple[Wire, int, tuple[int, int, int]]:
+    """Connect to the daemon's socket ``path`` and speak ZMTP on it. Returns (the
+    :class:`Wire`, the daemon's pid here (0 in another pid namespace: ``SO_PEERCRED``), the
+    socket file's :func:`file_id`). A daemon whose queue of new connections is full (a
+    flood) is waited for, ``timeout_s`` at most. Raises :class:`DaemonUnavailable` saying
+    what is wrong: no socket, not a socket, permission, refused, busy, no handshake."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -252,30 +254,37 @@ def probe_daemon(path: str, run_dir: str) -> tuple[int, tuple[int, int]]:
         raise DaemonUnavailable(f"{path} is not a socket; is --run-dir {run_dir} sparsekvd's run dir?")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        s.settimeout(2.0)
-        try:
-            s.connect(path)
-        except PermissionError:
-            raise DaemonUnavailable(f"permission denied on {path}: this user may not connect to sparsekvd (connecting "
-                                    "needs write permission on the socket: the daemon's group, see deploy/README.md)"
-                                    ) from None
-        except ConnectionRefusedError:
-            raise DaemonUnavailable(f"connection refused on {path}: no sparsekvd listens there (it exited and left "
-                                    "its socket behind, or it is starting)") from None
-        except FileNotFoundError:
-            return probe_daemon(path, run_dir)  # renamed away just now: say why
-        except (BlockingIOError, TimeoutError):
-            raise DaemonUnavailable(f"sparsekvd at {run_dir} does not accept connections: its queue is full "
-                                    "(is it stuck?)") from None
-        except OSError as e:
-            raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror}") from None
-        try:
-            pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-        except OSError:
-            pid = 0
-    finally:
+        s.settimeout(timeout_s)  # a full accept queue blocks the connect until there is room
+        s.connect(path)
+    except PermissionError:
         s.close()
-    return max(pid, 0), file_id(st)
+        raise DaemonUnavailable(f"permission denied on {path}: this user may not connect to sparsekvd (connecting "
+                                "needs write permission on the socket: the daemon's group, see deploy/README.md)"
+                                ) from None
+    except ConnectionRefusedError:
+        s.close()
+        raise DaemonUnavailable(f"connection refused on {path}: no sparsekvd listens there (it exited and left "
+                                "its socket behind, or it is starting)") from None
+    except FileNotFoundError:
+        s.close()
+        return open_wire(path, run_dir, timeout_s)  # renamed away just now: say why
+    except (BlockingIOError, TimeoutError):
+        s.close()
+        raise DaemonUnavailable(f"sparsekvd at {run_dir} did not accept a connection within {timeout_s} s: its queue "
+                                "of new connections stayed full (is it stuck?)") from None
+    except OSError as e:
+        s.close()
+        raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror}") from None
+    try:
+        pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    except OSError:
+        pid = 0
+    try:
+        wire = Wire(s, timeout_s)
+    except OSError as e:  # closed, broken or silent (WireClosed, TimeoutError): Wire closed the socket
+        raise DaemonUnavailable(f"sparsekvd at {run_dir} accepted a connection but its ZMTP handshake failed: {e}"
+                                ) from None
+    return wire, max(pid, 0), file_id(st)
 
 
 def file_id(st: os.stat_result) -> tuple[int, int, int]:

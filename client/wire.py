@@ -41,14 +41,26 @@ class Wire:
     """One connection: ``send`` a message's frames, ``ready``/``wait`` for a reply, ``recv`` it.
 
     Args:
-        path: the daemon's ``control.sock``.
+        sock: a Unix stream socket connected to the daemon's ``control.sock`` (the Wire owns
+            it from now on: closed if the handshake fails).
         timeout_s: the handshake's limit (TimeoutError past it).
     """
 
-    def __init__(self, path: str, timeout_s: float = 5.0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = 5.0) -> "Wire":
+        """A Wire to ``path`` (connect's OSError as it comes; the handshake within ``timeout_s``)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            self.sock.connect(path)
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, timeout_s)
+
+    def __init__(self, sock: socket.socket, timeout_s: float = 5.0):
+        self.sock = sock
+        try:
             self.sock.setblocking(False)
         except BaseException:
             self.sock.close()

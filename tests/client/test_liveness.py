@@ -148,7 +148,7 @@ def test_a_socket_this_user_may_not_use_is_permission_denied(run_dir):
             try:
                 os.setgid(65534)
                 os.setuid(65534)
-                connection_mod.probe_daemon(path, run_dir)
+                connection_mod.open_wire(path, run_dir, 5)[0].close()
                 msg = "connected"
             except DaemonUnavailable as e:
                 msg = str(e)

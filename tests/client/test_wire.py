@@ -91,7 +91,7 @@ def connect(peer, **kw):
     t = threading.Thread(target=peer.accept, kwargs=kw)
     t.start()
     try:
-        w = Wire(peer.path, timeout_s=2)
+        w = Wire.connect(peer.path, timeout_s=2)
     finally:
         t.join(10)
     return w
@@ -161,7 +161,7 @@ def test_a_message_before_ready_or_another_socket_type_fails_the_handshake(peer)
         with pytest.raises(WireClosed, match="socket type b'PUB'"):
             threading.Timer(0.2, lambda: peer.conn.sendall(
                 zmtp.command(b"READY", zmtp.properties(Socket_Type=b"PUB")))).start()
-            Wire(peer.path, timeout_s=2)
+            Wire.connect(peer.path, timeout_s=2)
     finally:
         t.join(10)
 
@@ -171,16 +171,20 @@ def test_a_silent_peer_times_the_handshake_out(peer):
     t.start()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="no ZMTP handshake"):
-        Wire(peer.path, timeout_s=0.3)
+        Wire.connect(peer.path, timeout_s=0.3)
     assert time.monotonic() - t0 < 2
     t.join(10)
 
 
 def test_not_a_zmtp_peer_is_refused(peer):
-    t = threading.Thread(target=lambda: (peer.lsock.accept()[0].sendall(b"HTTP/1.1 200 OK\r\n\r\n" + bytes(64))))
+    def http():  # kept open until the client has read it (a close with its greeting unread resets)
+        peer.conn = peer.lsock.accept()[0]
+        peer.conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + bytes(64))
+
+    t = threading.Thread(target=http)
     t.start()
     with pytest.raises(WireClosed, match="bad signature"):
-        Wire(peer.path, timeout_s=2)
+        Wire.connect(peer.path, timeout_s=2)
     t.join(10)
 
 
@@ -233,7 +237,6 @@ def test_a_client_whose_connection_the_daemon_closes_is_told_so_and_its_session_
     from sparsekv.proto import PROTOCOL_VERSION
 
     def daemon():
-        peer.lsock.accept()[0].close()  # the client's probe
         peer.accept()
         head = msgpack.unpackb(peer.read_message()[0])
         peer.send(msgpack.packb({"v": PROTOCOL_VERSION, "t": head["t"], "id": head["id"], "ok": True,
