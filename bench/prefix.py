@@ -6,7 +6,10 @@ lookup runs on).
   64) through zmq (the release that follows each is timed apart: ``release_us_p50``): the same
   prefix again, as requests sharing a system prompt look it up (the store answers from
   the chain it found whole before, after checking it); ``prefix_lookup_cold_us_p50``: a
-  prefix of about that length not looked up whole before (the index's probes);
+  prefix of about that length not looked up whole before (the index's probes); where a
+  repeated lookup's time goes, from the header times (``Client.timings``, p50s):
+  ``lookup_send_us`` (the client's send to the daemon's receive), ``lookup_daemon_us``
+  (receive to reply), ``lookup_reply_us`` (the reply to the client's read);
 * ``restart_s_median``: a new engine process, from its start to the cached prefix pinned
   (import, connect, attach to the kept engine, hashes, lookup): what a restarted engine
   waits before it serves the prefix without prefilling it.
@@ -42,7 +45,7 @@ import numpy as np
 
 from sparsekv.client import Client
 from sparsekv.daemon.backends import cuda_unavailable
-from sparsekv.proto import LIMITS, Layout
+from sparsekv.proto import LIMITS, Layout, MsgType
 from sparsekv.proto.blocks import KeysPlane
 
 from .private_daemon import PrivateDaemon
@@ -68,7 +71,7 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
     lay = Layout(num_layers=1, row_bytes=64, top_k=64, region_stride=128, max_reqs=1,
                  host_rows=2 * blocks * block_size)
     n_tokens = blocks * block_size
-    lookup_us, cold_us, release_us, restart_s = [], [], [], []
+    lookup_us, cold_us, release_us, restart_s, legs = [], [], [], [], []
     # The latency settings of a cuda daemon and its clients (the daemon polls its socket
     # 1 ms after a request, the client spins 0.5 ms for its reply), on the cpu backend.
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cpu", extra_args=["--busy-poll-us", "1000"]) as d:
@@ -90,6 +93,9 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
                 t2 = time.perf_counter()
                 assert got.size == n, f"the cached prefix has {got.size} of {n} blocks"
                 (lookup_us if i % 2 == 0 else cold_us).append((t1 - t0) * 1e6)
+                if i % 2 == 0:
+                    ts, tr, tx, rx = c.timings[MsgType.BLOCK_LOOKUP]
+                    legs.append((tr - ts, tx - tr, rx - tx))
                 release_us.append((t2 - t1) * 1e6)
             # c closes here: the engine is kept for its cached blocks, as after a crash
         for _ in range(restarts):
@@ -103,6 +109,8 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
            "prefix_lookup_us_p50": round(float(np.median(lookup_us)), 1),
            "prefix_lookup_us_p99": round(float(np.percentile(lookup_us, 99)), 1),
            "prefix_lookup_cold_us_p50": round(float(np.median(cold_us)), 1),
+           **{k: round(float(v) * 1e-3, 1) for k, v in zip(("lookup_send_us", "lookup_daemon_us", "lookup_reply_us"),
+                                                          np.median(np.array(legs), axis=0))},
            "release_us_p50": round(float(np.median(release_us)), 1),
            "restart_s_median": round(float(np.median(restart_s)), 3)}
     if cuda_unavailable() is None and importlib.util.find_spec("torch") is not None:
