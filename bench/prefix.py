@@ -56,9 +56,7 @@ _RESTART = r"""
 import json, sys, time
 import numpy as np
 from sparsekv.client import Client
-from sparsekv.daemon.backends import cuda_unavailable
-from sparsekv.proto import LIMITS, Layout
-from sparsekv.proto.blocks import KeysPlane
+from sparsekv.proto import Layout
 run_dir, lay, block_size, n_tokens, t0 = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 with Client(run_dir, name="bench-restart") as c:
     c.attach(Layout.from_wire(lay), engine="bench-prefix", block_size=block_size)

@@ -246,7 +246,8 @@ class DoorbellDriver(ZmqDriver):
         return self._group(1, self.trace.state_rows[t], ahead_rows(self.trace, t), None, 1)
 
     def _dev(self, a):
-        return self.torch.as_tensor(np.ascontiguousarray(a)).cuda()
+        """``a`` on this rank's GPU (rank r's: cuda:r modulo the GPUs, not the current one)."""
+        return self.torch.as_tensor(np.ascontiguousarray(a)).to(self.client.device)
 
     def _group(self, g: int, state, topk, table, block_size: int) -> tuple[np.ndarray, np.ndarray]:
         """Every layer of group ``g``'s ``swap_in``; its (slots, misses) once done."""
@@ -256,7 +257,7 @@ class DoorbellDriver(ZmqDriver):
         for layer in lay.groups[g]:
             idx = h.swap_in(req, table, topk, layer=layer, block_size=block_size)
             first = idx if first is None else first
-        self.torch.cuda.synchronize()
+        self.torch.cuda.synchronize(self.client.device)
         idx = first.cpu().numpy()
         slots = np.where(idx >= 0, idx - self.hot_base - state[:, None].astype(np.int64) * lay.region_stride,
                          -1).astype(np.int32)

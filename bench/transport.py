@@ -77,11 +77,11 @@ def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000, io_cpus=()
 
     from sparsekv.daemon.zmtp import READY  # noqa: PLC0415
 
-    keep_off(io_cpus)
-    if io_cpus:
-        os.sched_setaffinity(0, io_cpus)
+    keep_off(io_cpus)  # the threads CUDA starts with its context: off the loop's CPUs
     ring = EventRing(0, 1)
     stream = cp.cuda.Stream(non_blocking=True)
+    if io_cpus:
+        os.sched_setaffinity(0, io_cpus)  # then this thread (the loop) there
     lsock = socket.socket(socket.AF_UNIX)
     lsock.bind(path)
     lsock.listen(1)

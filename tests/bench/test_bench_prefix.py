@@ -1,8 +1,12 @@
 """``sparsekv bench prefix``: its figures come from a real private daemon and a restarted
 engine process that finds the whole cached prefix (the bench asserts every lookup hits it all)."""
 
+import subprocess
+import sys
+
 import cli_inproc
 import helpers
+from sparsekv.bench import prefix
 from sparsekv.bench.prefix import bench_prefix
 
 
@@ -18,3 +22,13 @@ def test_bench_prefix_reports_lookup_and_restart():
 def test_an_unknown_bench_name_lists_prefix_among_the_choices():
     r = cli_inproc.run("bench", "nope")
     assert r.returncode == 2 and "prefix" in r.stderr
+
+
+def test_the_restarted_engine_imports_what_an_engine_imports_and_no_daemon_module():
+    """restart_s times an engine process from its start: its script's imports are the
+    client's, not the daemon's (each module imported is time counted in the figure)."""
+    head = prefix._RESTART.split("run_dir,")[0]
+    out = subprocess.run([sys.executable, "-c", head + "print(sorted(m for m in sys.modules if m.startswith("
+                          "'sparsekv.daemon')))"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

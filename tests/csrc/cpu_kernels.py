@@ -353,6 +353,11 @@ def run_raw(source: str, entry: str, grid: int, threads: int, args: tuple, defin
         raise TypeError(f"{entry} takes {len(params)} arguments, got {len(args)}")
 
     def conv(p: str, a):
+        # CuPy packs a NumPy scalar by its own width and a Python int as 8 bytes: each
+        # must match the parameter's, or every later argument lands shifted on a GPU.
+        width = 8 if "*" in p or p.startswith("long long") else 4
+        if not isinstance(a, np.ndarray) and (np.dtype(type(a)).itemsize if isinstance(a, np.generic) else 8) != width:
+            raise TypeError(f"{entry}: {type(a).__name__} {a!r} passed for parameter {p!r} ({width} bytes)")
         if "*" in p:
             return _ptr(a) if isinstance(a, np.ndarray) else P(int(a))
         if p.startswith("long long"):

@@ -263,3 +263,21 @@ def test_the_movers_striped_launches_give_every_rank_and_an_engine_slab_the_full
             np.testing.assert_array_equal(slabs[d], want[d], err_msg=f"trial {trial}, rank {d} of {n}")
         np.testing.assert_array_equal(engine, want_engine, err_msg=f"trial {trial}, engine slab")
         assert ready.tolist() == [1] * (n + 1) and not arrivals.any(), f"trial {trial}"
+
+
+def test_a_launch_argument_of_the_wrong_width_is_refused_as_on_a_gpu_it_would_shift_the_rest():
+    """run_raw (which the mover test above runs the launchers through) checks each scalar's
+    width against its parameter: an int32 for an i64, an int64 or a Python int (8 bytes
+    through CuPy) for an int."""
+    lay = Layout(num_layers=L, row_bytes=RB, top_k=LD, region_stride=80, max_reqs=8, host_rows=HOST_ROWS,
+                 index_groups=((0, 2), (1,)), max_batch=B).validate()
+    mv = emu_mover(lay, np.zeros((L, HOST_ROWS, RB), np.uint8), np.zeros(lay.slab_shape, np.uint8), 2)
+    desc, _, _, rows, slots, counts = random_plan(np.random.default_rng(1), bad=False)
+    launch = mv._gather
+    for i, wrong in ((2, np.int32(HOST_ROWS)), (3, np.int64(L)), (3, L)):  # host_rows i64; num_layers int
+        def bad(grid, block, args, shared_mem=0, i=i, wrong=wrong):
+            launch(grid, block, args[:i] + (wrong,) + args[i + 1:], shared_mem)
+
+        mv._gather = bad
+        with pytest.raises(TypeError, match="bytes"):
+            mv.launch_gather(desc, rows, slots, counts, B, contextlib.nullcontext())

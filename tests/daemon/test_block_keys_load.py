@@ -242,4 +242,7 @@ def test_cuda_a_load_waits_for_the_engines_stream_and_the_engine_reads_right_aft
             view.zero_()
             blocks.load_keys(mine[:3], view)
             assert (view[: 3 * BLOCK_BYTES].cpu().numpy().reshape(3, *KEYS) == want[:3]).all()
+            # One allocation, one IPC handle every call (the daemon imports it once and allows
+            # LIMITS.max_keys_targets of them: bench prefix loads 21 times into one buffer).
+            assert len(c._keys_loader._targets) == 1
             assert helpers.stats_json(d.run_dir)["block_keys_bytes_loaded"] == (5 * 16 + 3) * BLOCK_BYTES
