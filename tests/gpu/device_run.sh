@@ -77,7 +77,7 @@ d = json.load(open(sys.argv[1]))
 print("  ".join(f"{k} {d[k]}" for k in sys.argv[2:] if k in d) or "none of the keys")
 EOF
 }
-KERNEL_KEYS="gather_vs_bulk gather_vs_bulk_scattered gather_request_order_GBps bulk_h2d_GBps resolve_us_b64 resolve_us_b1 pool_ready_GiBps"
+KERNEL_KEYS="gather_vs_bulk gather_vs_bulk_scattered gather_request_order_GBps bulk_h2d_GBps resolve_us_b64 resolve_us_b1 pool_ready_GiBps striped_gather_vs_per_rank_1gpu_2slabs striped_gather_vs_per_rank_2gpu"
 DECODE_KEYS="doorbell_overhead_us_per_layer doorbell_handoff_us_per_layer decode_daemon_vs_inproc \
 decode_b64_h90_inproc_p50_us decode_b64_h90_doorbell_p50_us"
 
@@ -127,7 +127,7 @@ if has hf; then
   (( rc == 0 )) || status=1
   result hf "rc $rc: $(figures "$OUT/hf.json" $HF_KEYS)"
 fi
-PREFIX_KEYS="prefix_lookup_us_p50 lookup_send_us lookup_daemon_us lookup_reply_us prefix_lookup_cold_us_p50 prefix_index_load_vs_bulk restart_s_median"
+PREFIX_KEYS="prefix_lookup_us_128k prefix_lookup_us_p50 lookup_send_us lookup_daemon_us lookup_reply_us prefix_lookup_cold_us_p50 prefix_index_load_vs_bulk restart_s_median"
 if has prefix; then
   timeout "$(left "${PREFIX_TIMEOUT_S:-120}")" python3 -m sparsekv.cli.main bench prefix 2>&1 \
     | tee "$OUT/bench-prefix.log" | tail -3
@@ -139,7 +139,7 @@ fi
 if has all || has bench || has e2e || has latest; then
   timeout "$(left "${LATEST_TIMEOUT_S:-200}")" python3 -m sparsekv.cli.main bench latest --json "$OUT/latest.json" \
     --commit "${COMMIT:-unknown}" --merge "$OUT/decode.json" "$OUT/bench-kernels.json" \
-    $( for f in serve hf; do [[ -f "$OUT/$f.json" ]] && echo "$OUT/$f.json"; done ) 2>&1 \
+    $( for f in serve hf prefix; do [[ -f "$OUT/$f.json" ]] && echo "$OUT/$f.json"; done ) 2>&1 \
     | tee "$OUT/bench-transport.log" | tail -5
   result latest "$(figures "$OUT/latest.json" zmq_handoff_p50_us zmq_handoff_cold_p50_us daemon_host_us_per_step)"
 fi
