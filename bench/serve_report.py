@@ -50,7 +50,7 @@ class Result:
     prefetch_hits: int | None = None
     prefetch_wasted: int | None = None
     parts: dict = field(default_factory=dict)  # us a layer, timed inside the step's graph (PARTS_NOTE)
-    parts_run: str = ""  # how the parts' step ran: "graph" (events inside it) or "eager"
+    parts_run: str = ""  # how the parts' step ran: "graph" (events inside it), "eager", or "failed (why)"
     parts_step_us: float | None = None  # the parts' times summed over the step (begin to the head's end)
     bounds: dict = field(default_factory=dict)
     flagged: list = field(default_factory=list)

@@ -121,7 +121,11 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
                 r.hit_rate = wl.target_hit_rate
                 r.misses_per_layer = (1 - wl.target_hit_rate) * batch * K
         label = f"{m} context {context} batch {batch}"
-        set_parts(r, sh, *parts(model, st, state, src, opts.warmup + opts.steps, label))
+        try:
+            set_parts(r, sh, *parts(model, st, state, src, opts.warmup + opts.steps, label))
+        except torch.OutOfMemoryError:  # the parts' extra capture: the timed figures stay, without parts
+            _free()
+            set_parts(r, sh, {}, "failed (out of GPU memory)")
         if m in OFFLOADED:
             try:
                 off.handles[m].check()
@@ -129,7 +133,8 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
                 r.error = f"{type(e).__name__}: {e}"
         out.append(r)
         say(f"context {context} batch {batch} overlap {overlap:g} {m}: TPOT p50 {r.p50_us / 1e3:.2f} ms, {r.tok_s:.0f} tok/s ({r.run})"
-            + (f", parts sum {r.parts_step_us / 1e3:.2f} ms ({r.parts_run})" if r.parts_step_us is not None else "")
+            + (f", parts sum {r.parts_step_us / 1e3:.2f} ms ({r.parts_run})" if r.parts_step_us is not None
+               else f", parts {r.parts_run}")
             + (f", flagged {','.join(r.flagged)}" if r.flagged else "") + (f"; {r.error}" if r.error else ""))
     del sides
     return out
