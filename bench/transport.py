@@ -165,9 +165,10 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
     timestamps split the zmq step into client, socket and daemon time. ``device_wait``:
     the same steps through a second rank with ``Client(device_wait=True)``
     (``zmq_device_wait_*`` keys). ``warm_io``: the daemon's loop thread on a warm CPU (the
-    last this process may use; deploy/README.md "Warm CPUs"), the bare server's too, every
-    other thread off it (the client has no thread of its own: its caller's thread does
-    the I/O)."""
+    last this process may use; deploy/README.md "Warm CPUs"), the bare server's on the one
+    before (warm too: each busy-polls a millisecond after its request, and the steps
+    alternate between them), every other thread off both (the client has no thread of its
+    own: its caller's thread does the I/O)."""
     import cupy as cp  # noqa: PLC0415
 
     tr = synth(steps=steps, batch=batch, top_k=top_k, region_stride=region_stride, max_reqs=2 * batch,
@@ -176,18 +177,18 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
     lay = tr.layout()
     # Both paths in one window, step by step, so that drift of the machine does not land
     # in the difference. In process: a rank of the daemon's own kind, driven directly.
-    daemon_args, daemon_io = ["--device-arena-size", "4GiB"], ()
+    daemon_args, daemon_io, bare_io = ["--device-arena-size", "4GiB"], (), ()
     if warm_io:
         allowed = sorted(os.sched_getaffinity(0))
         if len(allowed) < 3:
-            raise ValueError(f"warm_io needs 3 CPUs or more (one for the daemon's loop), this process may use "
-                             f"{len(allowed)}")
-        daemon_io = (allowed[-1],)
-        daemon_args += ["--io-cpus", str(allowed[-1]), "--warm-cpus", str(allowed[-1])]
+            raise ValueError(f"warm_io needs 3 CPUs or more (the daemon's loop, the bare server, the rest), this "
+                             f"process may use {len(allowed)}")
+        daemon_io, bare_io = (allowed[-1],), (allowed[-2],)
+        daemon_args += ["--io-cpus", str(allowed[-1]), "--warm-cpus", f"{allowed[-2]},{allowed[-1]}"]
     with contextlib.ExitStack() as stack:
         if warm_io:
             stack.callback(os.sched_setaffinity, 0, os.sched_getaffinity(0))
-            keep_off(daemon_io)
+            keep_off(daemon_io + bare_io)
         pool = stack.enter_context(HostPool(lay.pool_bytes + (2 << 20)))
         pinned = PinnedRegion(pool.address, lay.pool_bytes, lay.row_bytes)
         stack.callback(pinned.close)
@@ -206,7 +207,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
             cw = stack.enter_context(Client(d.run_dir, rank=1, name="bench-device-wait", device="cuda:0",
                                             device_wait=True))
             cw.attach(lay, engine="bench")
-        bare_rt = _BareRoundTrip(stack, server_io_cpus=daemon_io)
+        bare_rt = _BareRoundTrip(stack, server_io_cpus=bare_io)
         bare, base, over, reply, dwait, daemon_host, sock_in, sock_out = np.zeros((8, steps))
         enqueue, to_enqueue = np.full(steps, np.nan), np.full(steps, np.nan)
         for t in range(steps):
@@ -253,7 +254,7 @@ def bench_cuda_transport(steps=200, batch=16, top_k=2048, region_stride=4096, nu
         extra = {"zmq_device_wait_p50_us": p50(dwait, 1e6),
                  "zmq_device_wait_handoff_p50_us": round(float(np.median(dwait[warm]) * 1e6 - np.median(b)), 1)}
     if warm_io:
-        extra.update(io_cpus=f"daemon {daemon_io[0]}", warm_cpus_running=warm_running)
+        extra.update(io_cpus=f"daemon {daemon_io[0]}, bare server {bare_io[0]}", warm_cpus_running=warm_running)
     return {**extra, "bench": "cuda_transport", "warm_io": warm_io, "steps": steps, "batch": batch, "top_k": top_k,
             "region_stride": region_stride, "layers": num_layers,
             "inproc_p50_us": round(float(np.median(b)), 1), "inproc_p99_us": round(float(np.percentile(b, 99)), 1),

@@ -40,7 +40,7 @@ def test_the_bare_server_starts_cuda_off_its_cpu_then_runs_its_loop_there(monkey
     server = threading.Thread(target=transport._bare_server, args=(path, ready, handles, 1000, io), daemon=True)
     server.start()  # (a thread's affinity is its own: this one's stays)
     assert ready.wait(10)
-    wire = Wire(path)
+    wire = Wire.connect(path)
     try:
         wire.send([b"go"])
         assert wire.wait(5000) and [bytes(f) for f in wire.recv()] == [b"ok"]
