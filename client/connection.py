@@ -84,6 +84,14 @@ class Connection:
             self._sock.send(frames, idle)
         except WireClosed as e:
             self._lost(self._closed_why(e))
+        except BaseException as e:
+            if self._sock is not None and self._sock.cut:  # the connection can carry nothing more
+                try:
+                    self._lost(f"a request to sparsekvd at {self.run_dir} was cut short by {type(e).__name__} "
+                               "while being sent")
+                except DaemonUnavailable:
+                    pass  # the interruption is what the caller sees now; the next request says this
+            raise
         self._sent[req] = (msg_type, ts)
         return req
 

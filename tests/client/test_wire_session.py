@@ -1,0 +1,59 @@
+"""The client's session over its own ZMTP connection, against a real daemon: a request cut
+half way by an exception (Ctrl-C, a signal handler's) ends the session at once and writes
+no wrong row."""
+
+import time
+
+import numpy as np
+import pytest
+
+import helpers
+from sparsekv.client import Client, DaemonUnavailable
+from test_liveness import run_dir, start, stop  # noqa: F401 - the fixture
+
+
+class Cutting:
+    """A socket whose next ``sendmsg`` of a message stops (KeyboardInterrupt) ``left``
+    bytes before its end, as a signal handler's exception would."""
+
+    def __init__(self, sock, left: int):
+        self.sock, self.left, self.armed = sock, left, True
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+    def sendmsg(self, bufs):
+        total = sum(len(b) for b in bufs)
+        if not self.armed:
+            return self.sock.sendmsg(bufs)
+        if total <= self.left:
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.sock.sendmsg([b"".join(bytes(b) for b in bufs)[:total - self.left]])
+
+
+def test_a_write_cut_by_an_exception_ends_the_session_and_writes_no_wrong_row(run_dir):  # noqa: F811
+    p = start(run_dir)
+    try:
+        lay = helpers.layout(host_rows=64, row_bytes=32, index_groups=((0, 1),))
+        with Client(run_dir, timeout_s=5) as other:
+            other.attach(lay)
+            helpers.fill(other, lay)
+            c = Client(run_dir, timeout_s=5).connect()
+            c.attach(lay)
+            c._sock.sock = Cutting(c._sock.sock, 20)  # the last 20 bytes of the next message stay unsent
+            rows = np.arange(8, dtype=np.int32)
+            with pytest.raises(KeyboardInterrupt):
+                c.write(rows, np.zeros((lay.num_layers, 8, 32), np.uint8))
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailable, match="cut short by KeyboardInterrupt while being sent.*create a new"):
+                c.stats()  # not written after the cut: the daemon would take it for the WRITE's last bytes
+            assert time.monotonic() - t0 < 0.3
+            c.close()
+            other.step(0, [0])
+            r = other.topk(0, 0, [[0, 1, 6, 7]])
+            assert helpers.bad_rows(other.attachment.slab, range(lay.num_layers), np.array([0]),
+                                    np.array([[0, 1, 6, 7]]), r.slots, 64) == 0
+            helpers.wait_for(lambda: other.stats()["clients"] == 1, 5, what="the cut client's session to end")
+    finally:
+        stop(p)
