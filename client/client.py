@@ -141,7 +141,7 @@ class Client(Connection):
         self._daemon_started = start_time(self._daemon_pid)
         self._gone = None
         try:
-            self._sock = Wire(path)
+            self._sock = Wire(path, self.timeout_s)
         except OSError as e:
             raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror or e}") from None
         try:
