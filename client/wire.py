@@ -67,6 +67,7 @@ class Wire:
         self._body_at = 0
         self._body_flags = 0
         self._ended: str | None = None  # why nothing more comes
+        self._unwritable: str | None = None  # why nothing more can be sent
         self._writing = False  # a write is under way (a PONG must wait for its end)
         self._pongs: list = []  # PONGs waiting for it
         self.cut = False  # an exception stopped a message half written: the connection ended
@@ -81,7 +82,11 @@ class Wire:
         expect (one of them closes a connection whose READY came with its greeting)."""
         for mine, done in ((GREETING, lambda: len(self._greeting) == GREETING_LEN),
                            (command(b"READY", properties(Socket_Type=b"DEALER")), lambda: self._ready)):
-            self._write([mine], None)
+            try:
+                self._write([mine], None)
+            except WireClosed:
+                self._read()  # what the peer sent before it closed says more (not a ZMTP peer)
+                raise WireClosed(f"{self._ended or self._unwritable} during the ZMTP handshake") from None
             while not done():
                 left = deadline - time.monotonic()
                 if self._ended is not None:
@@ -113,15 +118,15 @@ class Wire:
         self._writing = True
         try:
             while bufs:
-                if self._ended is not None:  # (a peer that broke the protocol may still be reading)
-                    raise WireClosed(self._ended)
+                if self._ended is not None or self._unwritable is not None:  # (a peer that broke the
+                    raise WireClosed(self._ended or self._unwritable)  # protocol may still read)
                 try:
                     n = sock.sendmsg(bufs)
                 except BlockingIOError:
                     n = 0
-                except OSError as e:  # EPIPE, ECONNRESET: the daemon closed it
-                    self._end(f"the connection was closed while sending ({e.strerror})")
-                    raise WireClosed(self._ended) from None
+                except OSError as e:  # EPIPE, ECONNRESET: the daemon closed it; what it sent before is still read
+                    self._unwritable = f"the connection was closed while sending ({e.strerror})"
+                    raise WireClosed(self._unwritable) from None
                 began = began or n > 0
                 while n:
                     first = len(bufs[0])

@@ -349,3 +349,18 @@ def test_a_full_listen_queue_or_a_silent_daemon_takes_no_longer_than_the_timeout
         Client(os.path.dirname(peer.path), timeout_s=0.5).connect()
     assert time.monotonic() - t0 < 1.5
     t.join(10)
+
+
+
+def test_a_reply_that_came_before_the_end_is_read_after_a_send_finds_the_end(peer):
+    """The daemon answered, then closed (a limit broken, it stopped): a send that finds the
+    connection closed before the reply was read leaves the reply to be read."""
+    w = connect(peer)
+    peer.send(b"refused")
+    peer.conn.close()
+    time.sleep(0.05)
+    with pytest.raises(WireClosed, match="closed"):
+        w.send([b"req"])
+    assert recv(w) == [b"refused"]
+    with pytest.raises(WireClosed):
+        recv(w)
