@@ -111,6 +111,7 @@ class Client(Connection):
         self._keys_loader: KeysLoader | None = None  # its BLOCK_LOAD_KEYS (client/keys_load.py)
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
         self._sock: Wire | None = None
+        self._owner_pid = 0  # the process that connected
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP; TOPK with device wait)
@@ -142,6 +143,7 @@ class Client(Connection):
         self._gone = None
         try:
             self._sock = Wire(path, self.timeout_s)
+            self._owner_pid = os.getpid()  # (a forked child shares the connection: refused, _send)
         except OSError as e:
             raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror or e}") from None
         try:

@@ -55,6 +55,7 @@ class Connection:
             if self._gone is not None:
                 raise DaemonUnavailable(self._gone)
             raise SparseKVError("client is not connected; call connect() or use it as a context manager")
+        self._check_owner()
         req = self._next_id
         self._next_id += 1
         ts = time.perf_counter_ns()
@@ -95,6 +96,14 @@ class Connection:
         self._sent[req] = (msg_type, ts)
         return req
 
+    def _check_owner(self) -> None:
+        """A forked child shares its parent's connection: its requests would mix with the
+        parent's on the stream, its reads take the parent's replies, its goodbye ends the
+        parent's session."""
+        if os.getpid() != self._owner_pid:
+            raise SparseKVError(f"this Client was connected by process {self._owner_pid}; a forked child must "
+                                "create a Client of its own")
+
     def _closed_why(self, e: WireClosed) -> str:
         """Why the connection ended: the daemon gone or restarted, or it closed this one. A
         dying process closes its sockets before it is seen to exit: looked at for a while."""
@@ -111,6 +120,7 @@ class Connection:
     def _receive_until(self, req_id: int) -> None:
         if self._sock is None and req_id not in self._replies:
             raise DaemonUnavailable(self._gone or "client is not connected")
+        self._check_owner()
         while req_id not in self._replies:
             if not self._spin() and not self._sock.wait(int(min(self.timeout_s, LIVENESS_SLICE_S) * 1000)):
                 self._wait_slices()

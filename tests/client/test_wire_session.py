@@ -1,14 +1,15 @@
 """The client's session over its own ZMTP connection, against a real daemon: a request cut
 half way by an exception (Ctrl-C, a signal handler's) ends the session at once and writes
-no wrong row."""
+no wrong row; a forked child may not use (nor end) its parent's session."""
 
+import os
 import time
 
 import numpy as np
 import pytest
 
 import helpers
-from sparsekv.client import Client, DaemonUnavailable
+from sparsekv.client import Client, DaemonUnavailable, SparseKVError
 from test_liveness import run_dir, start, stop  # noqa: F401 - the fixture
 
 
@@ -55,5 +56,37 @@ def test_a_write_cut_by_an_exception_ends_the_session_and_writes_no_wrong_row(ru
             assert helpers.bad_rows(other.attachment.slab, range(lay.num_layers), np.array([0]),
                                     np.array([[0, 1, 6, 7]]), r.slots, 64) == 0
             helpers.wait_for(lambda: other.stats()["clients"] == 1, 5, what="the cut client's session to end")
+    finally:
+        stop(p)
+
+
+def test_a_forked_child_cannot_use_or_end_its_parents_session(run_dir):  # noqa: F811
+    """A child forked from a process with a Client shares its connection: a request of the
+    child's would mix with the parent's on the stream, its close() would say goodbye for
+    the parent. The child is refused, and its close() leaves the parent's session alone."""
+    p = start(run_dir)
+    try:
+        c = Client(run_dir, timeout_s=5).connect()
+        c.attach(helpers.layout())
+        c.step(0, [0])
+        pending = c.submit_topk(0, 0, [[1, 2, 3, 4]])
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 0
+            for request in (c.stats, pending.wait):  # a request, a read of the parent's reply
+                try:
+                    request()
+                    code |= 1
+                except SparseKVError as e:
+                    code |= 0 if "forked child must create a Client" in str(e) else 2
+                except BaseException:  # noqa: BLE001 - reported by the exit code
+                    code |= 4
+            c.close()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert pending.wait().slots.shape == (1, 4)
+        assert c.stats()["attached"] == 1
+        c.close()
     finally:
         stop(p)
