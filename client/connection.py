@@ -64,6 +64,9 @@ class Connection:
         else:
             fields["ts"] = ts
         frames = encode(msg_type, req, fields, arrays)
+        if len(frames[0]) > LIMITS.max_header_bytes:  # dropped unread: no reply could name the request
+            raise BadRequest(f"a request header of {len(frames[0])} bytes exceeds the limit of "
+                             f"{LIMITS.max_header_bytes} bytes (a name or a field too long)", ErrorCode.TOO_LARGE)
         if arrays:
             # The daemon would refuse it unread and close the connection: refuse it here.
             for f in frames[1:]:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import helpers
-from sparsekv.client import Client, DaemonUnavailable, SparseKVError
+from sparsekv.client import BadRequest, Client, DaemonUnavailable, SparseKVError
+from sparsekv.proto import LIMITS
 from test_liveness import run_dir, start, stop  # noqa: F401 - the fixture
 
 
@@ -88,5 +89,20 @@ def test_a_forked_child_cannot_use_or_end_its_parents_session(run_dir):  # noqa:
         assert pending.wait().slots.shape == (1, 4)
         assert c.stats()["attached"] == 1
         c.close()
+    finally:
+        stop(p)
+
+
+def test_a_header_over_the_limit_is_refused_here_not_left_to_time_out(run_dir):  # noqa: F811
+    """The daemon drops a header over ``max_header_bytes`` unread: its answer cannot name the
+    request, which would wait ``timeout_s`` for a reply and blame the daemon."""
+    p = start(run_dir)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BadRequest, match="TOO_LARGE: a request header of .* bytes exceeds"):
+            Client(run_dir, name="x" * LIMITS.max_header_bytes, timeout_s=5).connect()
+        assert time.monotonic() - t0 < 1.0
+        with Client(run_dir, timeout_s=5) as c:
+            assert c.stats()["clients"] == 1
     finally:
         stop(p)
