@@ -66,14 +66,24 @@ class Attachment:
 class Pending:
     """A request on the wire; ``wait()`` returns its reply (or raises its error)."""
 
+    _error: SparseKVError | None = None  # the error its reply said (raised by every wait)
+
     def __init__(self, client: "Client", req_id: int, convert):
         self._client, self._id, self._convert = client, req_id, convert
         self._result = None
         self._done = False
 
     def wait(self):
+        if self._error is not None:
+            raise self._error
         if not self._done:
-            header, arrays = self._client._await_reply(self._id)
+            try:
+                header, arrays = self._client._await_reply(self._id)
+            except SparseKVError as e:
+                # Its own reply (read once), not another request's error nor a lost daemon.
+                if not isinstance(e, DaemonUnavailable) and self._id not in self._client._replies:
+                    self._error = e
+                raise
             self._result = self._convert(header, arrays)
             self._done = True
         return self._result

@@ -1,6 +1,7 @@
 """The client's session over its own ZMTP connection, against a real daemon: a request cut
 half way by an exception (Ctrl-C, a signal handler's) ends the session at once and writes
-no wrong row; a forked child may not use (nor end) its parent's session."""
+no wrong row; a forked child may not use (nor end) its parent's session; a header over the
+limit is refused before it is sent; a Pending's error reply is raised by every wait."""
 
 import os
 import time
@@ -104,5 +105,25 @@ def test_a_header_over_the_limit_is_refused_here_not_left_to_time_out(run_dir): 
         assert time.monotonic() - t0 < 1.0
         with Client(run_dir, timeout_s=5) as c:
             assert c.stats()["clients"] == 1
+    finally:
+        stop(p)
+
+
+def test_a_pending_whose_reply_was_an_error_raises_it_again(run_dir):  # noqa: F811
+    """Its reply is read once: a second ``wait()`` must not wait ``timeout_s`` for another
+    and blame the daemon."""
+    p = start(run_dir)
+    try:
+        with Client(run_dir, timeout_s=5) as c:
+            c.attach(helpers.layout())
+            c.step(0, [0])
+            pending = c.submit_topk(0, 0, [[1, 1, 2, 3]])
+            for _ in range(2):
+                t0 = time.monotonic()
+                with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
+                    pending.wait()
+                assert time.monotonic() - t0 < 0.5
+            c.step(1, [0])
+            assert c.topk(1, 0, [[1, 2, 3, 4]]).slots.shape == (1, 4)
     finally:
         stop(p)
