@@ -1,9 +1,12 @@
 """The client's session over its own ZMTP connection, against a real daemon: a request cut
 half way by an exception (Ctrl-C, a signal handler's) ends the session at once and writes
 no wrong row; a forked child may not use (nor end) its parent's session; a header over the
-limit is refused before it is sent; a Pending's error reply is raised by every wait."""
+limit is refused before it is sent; a Pending's error reply is raised by every wait; a daemon
+killed while a large WRITE waits for room is noticed within seconds."""
 
 import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -125,5 +128,26 @@ def test_a_pending_whose_reply_was_an_error_raises_it_again(run_dir):  # noqa: F
                 assert time.monotonic() - t0 < 0.5
             c.step(1, [0])
             assert c.topk(1, 0, [[1, 2, 3, 4]]).slots.shape == (1, 4)
+    finally:
+        stop(p)
+
+
+def test_a_daemon_killed_while_a_write_waits_for_room_is_noticed_within_seconds(run_dir):  # noqa: F811
+    """Stopped, its socket full under a large WRITE, then killed: the send's liveness checks
+    say it is gone (it never reads the rest), and close() returns at once."""
+    p = start(run_dir, "--pool-size", "64MiB")
+    try:
+        lay = helpers.layout(host_rows=1024, row_bytes=4096)
+        c = Client(run_dir, timeout_s=30).connect()
+        c.attach(lay)
+        os.kill(p.pid, signal.SIGSTOP)
+        threading.Timer(0.3, os.kill, (p.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match=f"sparsekvd is gone \\(pid {p.pid} exited\\)"):
+            c.write(np.arange(1024, dtype=np.int32), np.zeros((lay.num_layers, 1024, 4096), np.uint8))  # 8 MiB
+        assert time.monotonic() - t0 < 2.0
+        t0 = time.monotonic()
+        c.close()
+        assert time.monotonic() - t0 < 0.2
     finally:
         stop(p)
