@@ -145,6 +145,7 @@ class Client(Connection):
 
     # -- connection --------------------------------------------------------------
     def connect(self) -> "Client":
+        self._owner_pid = os.getpid()  # (a forked child shares the connection: refused, _send)
         path = self.control_path
         # The probe says what is wrong with a missing, refused or forbidden socket, and
         # names the daemon (its pid, its socket file) that liveness checks follow.
@@ -152,8 +153,7 @@ class Client(Connection):
         self._daemon_started = start_time(self._daemon_pid)
         self._gone = None
         try:
-            self._sock = Wire(path, self.timeout_s)
-            self._owner_pid = os.getpid()  # (a forked child shares the connection: refused, _send)
+            self._sock = Wire(path)
         except OSError as e:
             raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror or e}") from None
         try:

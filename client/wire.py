@@ -42,13 +42,12 @@ class Wire:
 
     Args:
         path: the daemon's ``control.sock``.
-        timeout_s: the limit of the connect and of the handshake (TimeoutError past it).
+        timeout_s: the handshake's limit (TimeoutError past it).
     """
 
     def __init__(self, path: str, timeout_s: float = 5.0):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            self.sock.settimeout(timeout_s)  # a full listen queue: BlockingIOError (blocking, a wait for ever)
             self.sock.connect(path)
             self.sock.setblocking(False)
         except BaseException:

@@ -312,46 +312,6 @@ def test_an_exception_that_cuts_a_message_ends_the_connection(peer):
         w.send([b"next"])
 
 
-def test_a_full_listen_queue_or_a_silent_daemon_takes_no_longer_than_the_timeout(peer):
-    """A daemon that accepts nothing (its queue full) or answers no handshake: connecting
-    gives up within the client's ``timeout_s``."""
-    from sparsekv.client import Client, DaemonUnavailable
-
-    peer.lsock.listen(0)
-    queued = []
-    while True:  # fill the listen queue
-        s = socket.socket(socket.AF_UNIX)
-        s.setblocking(False)
-        queued.append(s)
-        try:
-            s.connect(peer.path)
-        except BlockingIOError:
-            break
-    t0 = time.monotonic()
-    with pytest.raises(BlockingIOError):  # (a blocking connect would wait for a place for ever)
-        Wire(peer.path, timeout_s=0.3)
-    assert time.monotonic() - t0 < 1.5
-    for s in queued:
-        s.close()
-
-    for _ in queued[:-1]:  # (the last one found the queue full)
-        peer.lsock.accept()[0].close()
-    peer.lsock.listen(4)
-
-    def silent_daemon():
-        for _ in range(2):  # the client's probe, its connection
-            peer.conn = peer.lsock.accept()[0]
-
-    t = threading.Thread(target=silent_daemon)
-    t.start()
-    t0 = time.monotonic()
-    with pytest.raises(DaemonUnavailable, match="no ZMTP handshake"):
-        Client(os.path.dirname(peer.path), timeout_s=0.5).connect()
-    assert time.monotonic() - t0 < 1.5
-    t.join(10)
-
-
-
 def test_a_reply_that_came_before_the_end_is_read_after_a_send_finds_the_end(peer):
     """The daemon answered, then closed (a limit broken, it stopped): a send that finds the
     connection closed before the reply was read leaves the reply to be read."""
