@@ -66,14 +66,24 @@ class Attachment:
 class Pending:
     """A request on the wire; ``wait()`` returns its reply (or raises its error)."""
 
+    _error: SparseKVError | None = None  # the error its reply said (raised by every wait)
+
     def __init__(self, client: "Client", req_id: int, convert):
         self._client, self._id, self._convert = client, req_id, convert
         self._result = None
         self._done = False
 
     def wait(self):
+        if self._error is not None:
+            raise self._error
         if not self._done:
-            header, arrays = self._client._await_reply(self._id)
+            try:
+                header, arrays = self._client._await_reply(self._id)
+            except SparseKVError as e:
+                # Its own reply (read once), not another request's error nor a lost daemon.
+                if not isinstance(e, DaemonUnavailable) and self._id not in self._client._replies:
+                    self._error = e
+                raise
             self._result = self._convert(header, arrays)
             self._done = True
         return self._result
@@ -111,6 +121,7 @@ class Client(Connection):
         self._keys_loader: KeysLoader | None = None  # its BLOCK_LOAD_KEYS (client/keys_load.py)
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
         self._sock: Wire | None = None
+        self._owner_pid = 0  # the process that connected
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
         self._deferred: list[int] = []  # requests sent without waiting (STEP; TOPK with device wait)
@@ -134,6 +145,7 @@ class Client(Connection):
 
     # -- connection --------------------------------------------------------------
     def connect(self) -> "Client":
+        self._owner_pid = os.getpid()  # (a forked child shares the connection: refused, _send)
         path = self.control_path
         # Says what is wrong with a missing, refused or forbidden socket, and names the
         # daemon (its pid, its socket file) that the liveness checks follow.

@@ -55,6 +55,7 @@ class Connection:
             if self._gone is not None:
                 raise DaemonUnavailable(self._gone)
             raise SparseKVError("client is not connected; call connect() or use it as a context manager")
+        self._check_owner()
         req = self._next_id
         self._next_id += 1
         ts = time.perf_counter_ns()
@@ -63,6 +64,9 @@ class Connection:
         else:
             fields["ts"] = ts
         frames = encode(msg_type, req, fields, arrays)
+        if len(frames[0]) > LIMITS.max_header_bytes:  # dropped unread: no reply could name the request
+            raise BadRequest(f"a request header of {len(frames[0])} bytes exceeds the limit of "
+                             f"{LIMITS.max_header_bytes} bytes (a name or a field too long)", ErrorCode.TOO_LARGE)
         if arrays:
             # The daemon would refuse it unread and close the connection: refuse it here.
             for f in frames[1:]:
@@ -84,8 +88,24 @@ class Connection:
             self._sock.send(frames, idle)
         except WireClosed as e:
             self._lost(self._closed_why(e))
+        except BaseException as e:
+            if self._sock is not None and self._sock.cut:  # the connection can carry nothing more
+                try:
+                    self._lost(f"a request to sparsekvd at {self.run_dir} was cut short by {type(e).__name__} "
+                               "while being sent")
+                except DaemonUnavailable:
+                    pass  # the interruption is what the caller sees now; the next request says this
+            raise
         self._sent[req] = (msg_type, ts)
         return req
+
+    def _check_owner(self) -> None:
+        """A forked child shares its parent's connection: its requests would mix with the
+        parent's on the stream, its reads take the parent's replies, its goodbye ends the
+        parent's session."""
+        if os.getpid() != self._owner_pid:
+            raise SparseKVError(f"this Client was connected by process {self._owner_pid}; a forked child must "
+                                "create a Client of its own")
 
     def _closed_why(self, e: WireClosed) -> str:
         """Why the connection ended: the daemon gone or restarted, or it closed this one. A
@@ -103,6 +123,7 @@ class Connection:
     def _receive_until(self, req_id: int) -> None:
         if self._sock is None and req_id not in self._replies:
             raise DaemonUnavailable(self._gone or "client is not connected")
+        self._check_owner()
         while req_id not in self._replies:
             if not self._spin() and not self._sock.wait(int(min(self.timeout_s, LIVENESS_SLICE_S) * 1000)):
                 self._wait_slices()

@@ -78,6 +78,10 @@ class Wire:
         self._body_at = 0
         self._body_flags = 0
         self._ended: str | None = None  # why nothing more comes
+        self._unwritable: str | None = None  # why nothing more can be sent
+        self._writing = False  # a write is under way (a PONG must wait for its end)
+        self._pongs: list = []  # PONGs waiting for it
+        self.cut = False  # an exception stopped a message half written: the connection ended
         try:
             self._handshake(time.monotonic() + timeout_s)
         except BaseException:
@@ -89,7 +93,11 @@ class Wire:
         expect (one of them closes a connection whose READY came with its greeting)."""
         for mine, done in ((GREETING, lambda: len(self._greeting) == GREETING_LEN),
                            (command(b"READY", properties(Socket_Type=b"DEALER")), lambda: self._ready)):
-            self._write([mine], None)
+            try:
+                self._write([mine], None)
+            except WireClosed:
+                self._read()  # what the peer sent before it closed says more (not a ZMTP peer)
+                raise WireClosed(f"{self._ended or self._unwritable} during the ZMTP handshake") from None
             while not done():
                 left = deadline - time.monotonic()
                 if self._ended is not None:
@@ -113,26 +121,44 @@ class Wire:
         self._write(encode_message(frames), idle)
 
     def _write(self, bufs: list, idle) -> None:
-        sock = self.sock
-        while bufs:
-            try:
-                n = sock.sendmsg(bufs)
-            except BlockingIOError:
-                n = 0
-            except OSError as e:  # EPIPE, ECONNRESET: the daemon closed it
-                self._end(f"the connection was closed while sending ({e.strerror})")
-                raise WireClosed(self._ended) from None
-            while n:
-                first = len(bufs[0])
-                if n >= first:
-                    n -= first
-                    bufs.pop(0)
-                else:
-                    bufs[0] = memoryview(bufs[0])[n:]
+        """Write ``bufs`` whole. A PING's PONG read meanwhile waits for their end (the
+        bytes of one message must follow each other); an exception that stops a write half
+        way (``idle``'s, a signal handler's) ends the connection: what followed the cut
+        would be read as the rest of the message."""
+        sock, began = self.sock, False
+        self._writing = True
+        try:
+            while bufs:
+                if self._ended is not None or self._unwritable is not None:  # (a peer that broke the
+                    raise WireClosed(self._ended or self._unwritable)  # protocol may still read)
+                try:
+                    n = sock.sendmsg(bufs)
+                except BlockingIOError:
                     n = 0
-            if bufs and not self._poll(POLL_OUT | POLL_IN, 250):
-                if idle is not None:
-                    idle()
+                except OSError as e:  # EPIPE, ECONNRESET: the daemon closed it; what it sent before is still read
+                    self._unwritable = f"the connection was closed while sending ({e.strerror})"
+                    raise WireClosed(self._unwritable) from None
+                began = began or n > 0
+                while n:
+                    first = len(bufs[0])
+                    if n >= first:
+                        n -= first
+                        bufs.pop(0)
+                    else:
+                        bufs[0] = memoryview(bufs[0])[n:]
+                        n = 0
+                if not bufs and self._pongs:
+                    bufs, self._pongs, began = self._pongs, [], False
+                if bufs and not self._poll(POLL_OUT | POLL_IN, 250):
+                    if idle is not None:
+                        idle()
+        except BaseException as e:
+            if began and bufs and not isinstance(e, WireClosed):
+                self.cut = True
+                self._end(f"a message was cut short by {type(e).__name__} while being sent")
+            raise
+        finally:
+            self._writing = False
 
     # -- receiving ---------------------------------------------------------------------
     def ready(self) -> bool:
@@ -162,7 +188,7 @@ class Wire:
         """Wait for ``events`` (reading what arrives meanwhile); True when the socket took
         an event other than input (writable, closed), or the connection has ended."""
         if self._ended is not None:
-            return True  # nothing more comes in; a write finds out for itself
+            return True  # nothing more comes in (a write raises WireClosed)
         self._poller.modify(self.sock.fileno(), events)
         for _, ev in self._poller.poll(timeout_ms):
             if ev & (POLL_IN | POLL_END) and self._ended is None:
@@ -275,6 +301,10 @@ class Wire:
         elif name == b"PING":
             if len(rest) < 2:
                 raise ZmtpError("a PING without its TTL")
-            self._write([command(b"PONG", bytes(rest[2:18]))], None)
+            pong = command(b"PONG", bytes(rest[2:18]))
+            if self._writing:
+                self._pongs.append(pong)  # after the message being written
+            else:
+                self._write([pong], None)
         elif name != b"PONG":
             raise ZmtpError(f"command {name[:16]!r}")

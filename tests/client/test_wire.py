@@ -253,3 +253,77 @@ def test_a_client_whose_connection_the_daemon_closes_is_told_so_and_its_session_
         c.stats()  # and every later request
     t.join(10)
     c.close()
+
+
+def test_a_peer_that_breaks_the_protocol_while_a_send_waits_ends_the_send(peer):
+    """The peer reads nothing and sends a bad frame: the send ends (it neither spins nor
+    waits for a socket that will never drain)."""
+    w = connect(peer)
+    w.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    peer.conn.sendall(zmtp.command(b"ERROR", b"\x03bad"))
+    out = {}
+
+    def send():
+        try:
+            w.send([b"req", bytes(8 << 20)], idle=lambda: None)
+        except WireClosed as e:
+            out["error"] = e
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    t.join(3)
+    assert not t.is_alive(), "the send still runs against a connection that ended"
+    assert "command b'ERROR'" in str(out["error"])
+
+
+def test_a_ping_while_a_message_is_half_written_is_answered_after_it(peer):
+    """The PONG must not land between the bytes of the message being written."""
+    w = connect(peer)
+    w.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    big = os.urandom(1 << 20)
+    got = {}
+
+    def reader():
+        peer.conn.recv(1, socket.MSG_PEEK)  # the client has begun
+        peer.conn.sendall(zmtp.command(b"PING", b"\x00\x0a" + b"ctx"))
+        time.sleep(0.05)  # read by the client while its send waits
+        got["message"], got["next"] = peer.read_message(), peer._read_frame()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    w.send([b"req", big])
+    t.join(10)
+    assert got["message"] == [b"req", big]
+    assert got["next"] == b"\x04PONGctx"
+    w.send([b"after"])
+    assert peer.read_message() == [b"after"]
+
+
+def test_an_exception_that_cuts_a_message_ends_the_connection(peer):
+    """A signal handler's exception (Ctrl-C) stops a send half way: nothing may follow the
+    cut on that stream (it would be read as the rest of the message)."""
+    w = connect(peer)
+    w.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        w.send([b"req", bytes(8 << 20)], idle=interrupt)
+    assert w.cut
+    with pytest.raises(WireClosed, match="cut short by KeyboardInterrupt"):
+        w.send([b"next"])
+
+
+def test_a_reply_that_came_before_the_end_is_read_after_a_send_finds_the_end(peer):
+    """The daemon answered, then closed (a limit broken, it stopped): a send that finds the
+    connection closed before the reply was read leaves the reply to be read."""
+    w = connect(peer)
+    peer.send(b"refused")
+    peer.conn.close()
+    time.sleep(0.05)
+    with pytest.raises(WireClosed, match="closed"):
+        w.send([b"req"])
+    assert recv(w) == [b"refused"]
+    with pytest.raises(WireClosed):
+        recv(w)
