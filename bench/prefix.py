@@ -11,6 +11,9 @@ lookup runs on).
   repeated lookup's time goes, from the header times (``Client.timings``, p50s):
   ``lookup_send_us`` (the client's send to the daemon's receive), ``lookup_daemon_us``
   (receive to reply), ``lookup_reply_us`` (the reply to the client's read);
+The engine's rows are DeepSeek-V3.2's (61 layers of 656 bytes) in a pool range of 8 GiB
+(``pool_gib``).
+
 * ``restart_s_median``: a new engine process, from its start to the cached prefix pinned
   (import, connect, attach to the kept engine, hashes, lookup): what a restarted engine
   waits before it serves the prefix without prefilling it.
@@ -66,10 +69,17 @@ with Client(run_dir, name="bench-restart") as c:
 """
 
 
-def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, restarts: int = 3) -> dict:
-    lay = Layout(num_layers=1, row_bytes=64, top_k=64, region_stride=128, max_reqs=1,
-                 host_rows=2 * blocks * block_size)
+def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, restarts: int = 3,
+                 pool_gib: float = 8.0) -> dict:
+    """The cpu figures (module docstring): an engine of DeepSeek-V3.2's rows (61 layers of
+    656 bytes) whose pool range is ``pool_gib`` (the restart goal's 8 GiB by default)."""
+    row_bytes, layers = 656, 61
+    host_rows = int(pool_gib * 2**30) // (layers * row_bytes) // block_size * block_size
     n_tokens = blocks * block_size
+    if host_rows < n_tokens:
+        raise ValueError(f"a pool of {pool_gib} GiB holds {host_rows // block_size} blocks of {block_size} "
+                         f"DeepSeek-V3.2 rows, fewer than the {blocks} looked up")
+    lay = Layout(num_layers=layers, row_bytes=row_bytes, top_k=64, region_stride=128, max_reqs=1, host_rows=host_rows)
     lookup_us, cold_us, release_us, restart_s, legs = [], [], [], [], []
     # The latency settings of a cuda daemon and its clients (the daemon polls its socket
     # 1 ms after a request, the client spins 0.5 ms for its reply), on the cpu backend.
@@ -105,6 +115,7 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
             assert r["hit"] == blocks, r
             restart_s.append(r["s"])
     out = {"bench": "prefix", "blocks": blocks, "block_size": block_size, "reps": reps,
+           "pool_gib": round(lay.pool_bytes / 2**30, 2),
            "prefix_lookup_us_p50": round(float(np.median(lookup_us)), 1),
            "prefix_lookup_us_p99": round(float(np.percentile(lookup_us, 99)), 1),
            # The issue's key (docs/perf/latest.json), at its shape: 2,048 blocks of 64.

@@ -11,8 +11,8 @@ from sparsekv.bench.prefix import bench_prefix
 
 
 def test_bench_prefix_reports_lookup_and_restart():
-    r = bench_prefix(blocks=32, block_size=4, reps=5, restarts=1)
-    assert r["bench"] == "prefix" and r["blocks"] == 32
+    r = bench_prefix(blocks=32, block_size=4, reps=5, restarts=1, pool_gib=0.05)
+    assert r["bench"] == "prefix" and r["blocks"] == 32 and 0.04 < r["pool_gib"] <= 0.05
     assert 0 < r["prefix_lookup_us_p50"] <= r["prefix_lookup_us_p99"]
     legs = r["lookup_send_us"], r["lookup_daemon_us"], r["lookup_reply_us"]
     assert all(x > 0 for x in legs) and sum(legs) <= 1.5 * r["prefix_lookup_us_p99"], r
