@@ -35,23 +35,27 @@ class KeyIndex:
             h = (lo.view(np.uint64) ^ self.salt) * _M1 ^ hi.view(np.uint64) * _M2
         return ((h ^ (h >> np.uint64(29))) & self.mask).astype(np.int64)
 
-    def _slots(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """The slot holding each key (int64 [n]), -1 where it is absent."""
-        out = np.full(lo.size, -1, dtype=np.int64)
-        todo = np.arange(lo.size)
+    def _probe(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The slot holding each key and its block (int64 [n] each), -1 where it is absent.
+        The first pass covers every key with whole-array operations (most keys end there:
+        at a quarter full a run is short); later ones only the keys still going on."""
         pos = self._start(lo, hi)
+        b = self.block[pos]
+        hit = (b >= 0) & (self.lo[pos] == lo) & (self.hi[pos] == hi)
+        slots, blocks = np.where(hit, pos, -1), np.where(hit, b, -1)
+        todo = np.flatnonzero(~hit & (b != EMPTY))  # another key or a tombstone: the run goes on
+        pos = (pos[todo] + 1) & (self.size - 1)
         while todo.size:
             b = self.block[pos]
             hit = (b >= 0) & (self.lo[pos] == lo[todo]) & (self.hi[pos] == hi[todo])
-            out[todo[hit]] = pos[hit]
-            go_on = ~hit & (b != EMPTY)  # another key or a tombstone: the run goes on
+            slots[todo[hit]], blocks[todo[hit]] = pos[hit], b[hit]
+            go_on = ~hit & (b != EMPTY)
             todo, pos = todo[go_on], (pos[go_on] + 1) & (self.size - 1)
-        return out
+        return slots, blocks
 
     def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """The block of each key (int64 [n]), -1 where none."""
-        s = self._slots(lo, hi)
-        return np.where(s >= 0, self.block[np.maximum(s, 0)], -1)
+        return self._probe(lo, hi)[1]
 
     def insert(self, lo: int, hi: int, block: int) -> None:
         """Add a key that is not in the index."""
@@ -63,7 +67,7 @@ class KeyIndex:
 
     def delete(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Remove keys that are in the index."""
-        s = self._slots(lo, hi)
+        s = self._probe(lo, hi)[0]
         self.block[s[s >= 0]] = TOMB
         self.tombs += int((s >= 0).sum())
         if self.tombs > self.size // 4:
