@@ -79,9 +79,11 @@ class DeviceSwapIn(abc.ABC):
             self._k_begin = mod.get_function("skv_db_begin")
             self._k_topk = mod.get_function("skv_db_topk")
             self._k_indices = mod.get_function("skv_db_indices")
-            self._counter = cp.zeros(1, dtype=cp.int32)  # the engine's step number (device)
-            self._dead = cp.zeros(1, dtype=cp.int32)
-            cp.cuda.runtime.deviceSynchronize()
+            init = cp.cuda.Stream(non_blocking=True)  # not a device-wide wait (another rank may wait on its words)
+            with init:
+                self._counter = cp.zeros(1, dtype=cp.int32)  # the engine's step number (device)
+                self._dead = cp.zeros(1, dtype=cp.int32)
+            init.synchronize()
         self._torch = torch
         self._slab = slab  # None with an engine-owned slab (kv() reads the engine's tensor)
         self._engine_slab = engine_slab
@@ -336,8 +338,13 @@ class DoorbellSwapIn(DeviceSwapIn):
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(self.device):
-            self._arrivals = cp.zeros(G, dtype=cp.uint32)  # skv_db_topk's arrival counter per group
-            cp.cuda.runtime.deviceSynchronize()
+            # Zeroed on a stream of its own and only it waited for: a device-wide wait would
+            # also wait for another rank's engine stream of this process, which may wait on
+            # its ready words.
+            init = cp.cuda.Stream(non_blocking=True)
+            with init:
+                self._arrivals = cp.zeros(G, dtype=cp.uint32)  # skv_db_topk's arrival counter per group
+            init.synchronize()
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
