@@ -11,12 +11,12 @@ lookup runs on).
   repeated lookup's time goes, from the header times (``Client.timings``, p50s):
   ``lookup_send_us`` (the client's send to the daemon's receive), ``lookup_daemon_us``
   (receive to reply), ``lookup_reply_us`` (the reply to the client's read);
-The engine's rows are DeepSeek-V3.2's (61 layers of 656 bytes) in a pool range of 8 GiB
-(``pool_gib``).
-
 * ``restart_s_median``: a new engine process, from its start to the cached prefix pinned
   (import, connect, attach to the kept engine, hashes, lookup): what a restarted engine
   waits before it serves the prefix without prefilling it.
+
+The engine's rows are DeepSeek-V3.2's (61 layers of 656 bytes) in a pool range of 8 GiB
+(``pool_gib``).
 
 When a GPU is there (CuPy sees one, torch is installed), also the load of the cached
 prefix's indexer keys into the engine's GPU memory (``Client.blocks.load_keys``: the
@@ -114,13 +114,13 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
             r = json.loads(out.stdout)
             assert r["hit"] == blocks, r
             restart_s.append(r["s"])
+    p50 = round(float(np.median(lookup_us)), 1)
     out = {"bench": "prefix", "blocks": blocks, "block_size": block_size, "reps": reps,
            "pool_gib": round(lay.pool_bytes / 2**30, 2),
-           "prefix_lookup_us_p50": round(float(np.median(lookup_us)), 1),
+           "prefix_lookup_us_p50": p50,
            "prefix_lookup_us_p99": round(float(np.percentile(lookup_us, 99)), 1),
            # The issue's key (docs/perf/latest.json), at its shape: 2,048 blocks of 64.
-           **({"prefix_lookup_us_128k": round(float(np.median(lookup_us)), 1)}
-              if (blocks, block_size) == (2048, 64) else {}),
+           **({"prefix_lookup_us_128k": p50} if (blocks, block_size) == (2048, 64) else {}),
            "prefix_lookup_cold_us_p50": round(float(np.median(cold_us)), 1),
            **{k: round(float(v) * 1e-3, 1) for k, v in zip(("lookup_send_us", "lookup_daemon_us", "lookup_reply_us"),
                                                           np.median(np.array(legs), axis=0))},

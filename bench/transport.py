@@ -25,6 +25,7 @@ from sparsekv.daemon.cuda.backend import DeviceWorker
 from sparsekv.daemon.cuda.rank import CudaRankState
 from sparsekv.daemon.engine import EngineSpace
 from sparsekv.daemon.kernels import get_cache
+from sparsekv.daemon.zmtp import READY as DAEMON_READY
 from sparsekv.daemon.pinned import PinnedRegion
 from sparsekv.daemon.pool import HostPool
 from sparsekv.embedded.inproc import InprocClient
@@ -75,8 +76,6 @@ def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000, io_cpus=()
 
     import cupy as cp  # noqa: PLC0415
 
-    from sparsekv.daemon.zmtp import READY  # noqa: PLC0415
-
     keep_off(io_cpus)  # the threads CUDA starts with its context: off the loop's CPUs
     ring = EventRing(0, 1)
     stream = cp.cuda.Stream(non_blocking=True)
@@ -92,9 +91,9 @@ def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000, io_cpus=()
     got = b""
     while len(got) < zmtp.GREETING_LEN + 2 or len(got) < zmtp.GREETING_LEN + 2 + got[zmtp.GREETING_LEN + 1]:
         got += conn.recv(4096)  # the client's greeting, then its READY (a short command frame)
-    conn.sendall(READY)
+    conn.sendall(DAEMON_READY)
     conn.setblocking(False)
-    go = bytes((0, 2)) + b"go"  # the one request; anything else ("stop") ends it
+    go = zmtp.frame_header(2) + b"go"  # the one request; anything else ("stop") ends it
     last = time.perf_counter_ns()
     while True:
         try:
@@ -104,10 +103,10 @@ def _bare_server(path: str, ready, handles, busy_poll_us: int = 1000, io_cpus=()
                 select.select([conn], [], [], 1.0)
             continue
         if msg != go:
-            conn.sendall(bytes((0, 3)) + b"bye")
+            conn.sendall(zmtp.frame_header(3) + b"bye")
             break
         ring.record(0, stream)
-        conn.sendall(bytes((0, 2)) + b"ok")
+        conn.sendall(zmtp.frame_header(2) + b"ok")
         last = time.perf_counter_ns()
     conn.close()
     lsock.close()

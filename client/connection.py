@@ -19,7 +19,7 @@ import psutil
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError, decode, encode
 
 from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
-from .wire import Wire, WireClosed
+from .wire import Wire, WireClosed, connect_unix
 
 _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
 LIVENESS_SLICE_S = 0.25  # how often a client waiting for a reply checks that the daemon lives
@@ -273,28 +273,21 @@ def open_wire(path: str, run_dir: str, timeout_s: float) -> tuple[Wire, int, tup
         raise DaemonUnavailable(f"cannot reach {path}: {e.strerror}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise DaemonUnavailable(f"{path} is not a socket; is --run-dir {run_dir} sparsekvd's run dir?")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        s.settimeout(timeout_s)  # a full accept queue blocks the connect until there is room
-        s.connect(path)
+        s = connect_unix(path, timeout_s)
     except PermissionError:
-        s.close()
         raise DaemonUnavailable(f"permission denied on {path}: this user may not connect to sparsekvd (connecting "
                                 "needs write permission on the socket: the daemon's group, see deploy/README.md)"
                                 ) from None
     except ConnectionRefusedError:
-        s.close()
         raise DaemonUnavailable(f"connection refused on {path}: no sparsekvd listens there (it exited and left "
                                 "its socket behind, or it is starting)") from None
     except FileNotFoundError:
-        s.close()
         return open_wire(path, run_dir, timeout_s)  # renamed away just now: say why
     except (BlockingIOError, TimeoutError):
-        s.close()
         raise DaemonUnavailable(f"sparsekvd at {run_dir} did not accept a connection within {timeout_s} s: its queue "
                                 "of new connections stayed full (is it stuck?)") from None
     except OSError as e:
-        s.close()
         raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror}") from None
     try:
         pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]

@@ -50,6 +50,17 @@ RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is se
 THREADS = 256
 
 
+def zeroed(cp, *specs) -> list:
+    """Device arrays of ``(size, dtype)`` each, zeroed on a stream of their own and only it
+    waited for: a device-wide wait would also wait for another rank's engine stream of this
+    process, which may be waiting on its ready words."""
+    init = cp.cuda.Stream(non_blocking=True)
+    with init:
+        out = [cp.zeros(n, dtype=dt) for n, dt in specs]
+    init.synchronize()
+    return out
+
+
 class DeviceSwapIn(abc.ABC):
     """The engine-side handle on device tensors: argument checks, the engine-side kernels
     (``csrc/handle.cu``) and the indices. Where the rows come from is a subclass's three
@@ -79,11 +90,8 @@ class DeviceSwapIn(abc.ABC):
             self._k_begin = mod.get_function("skv_db_begin")
             self._k_topk = mod.get_function("skv_db_topk")
             self._k_indices = mod.get_function("skv_db_indices")
-            init = cp.cuda.Stream(non_blocking=True)  # not a device-wide wait (another rank may wait on its words)
-            with init:
-                self._counter = cp.zeros(1, dtype=cp.int32)  # the engine's step number (device)
-                self._dead = cp.zeros(1, dtype=cp.int32)
-            init.synchronize()
+            # the engine's step number (device), and the word that says the daemon is gone
+            self._counter, self._dead = zeroed(cp, (1, cp.int32), (1, cp.int32))
         self._torch = torch
         self._slab = slab  # None with an engine-owned slab (kv() reads the engine's tensor)
         self._engine_slab = engine_slab
@@ -338,13 +346,7 @@ class DoorbellSwapIn(DeviceSwapIn):
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(self.device):
-            # Zeroed on a stream of its own and only it waited for: a device-wide wait would
-            # also wait for another rank's engine stream of this process, which may wait on
-            # its ready words.
-            init = cp.cuda.Stream(non_blocking=True)
-            with init:
-                self._arrivals = cp.zeros(G, dtype=cp.uint32)  # skv_db_topk's arrival counter per group
-            init.synchronize()
+            self._arrivals, = zeroed(cp, (G, cp.uint32))  # skv_db_topk's arrival counter per group
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()

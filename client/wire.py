@@ -32,6 +32,19 @@ POLL_IN, POLL_OUT = select.POLLIN, select.POLLOUT
 POLL_END = select.POLLHUP | select.POLLERR
 
 
+def connect_unix(path: str, timeout_s: float) -> socket.socket:
+    """A Unix stream socket connected to ``path`` within ``timeout_s`` (a full accept queue
+    blocks a connect until there is room); connect's OSError as it comes, the socket closed."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class WireClosed(ConnectionError):
     """The connection has ended (the daemon closed it, or it broke the protocol) and no
     reply is left to read."""
@@ -49,14 +62,7 @@ class Wire:
     @classmethod
     def connect(cls, path: str, timeout_s: float = 5.0) -> "Wire":
         """A Wire to ``path`` (connect's OSError as it comes; the handshake within ``timeout_s``)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            sock.settimeout(timeout_s)
-            sock.connect(path)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock, timeout_s)
+        return cls(connect_unix(path, timeout_s), timeout_s)
 
     def __init__(self, sock: socket.socket, timeout_s: float = 5.0):
         self.sock = sock

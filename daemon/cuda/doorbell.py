@@ -65,12 +65,11 @@ class DoorbellTransport(DeviceTransport):
         with cp.cuda.Device(worker.ordinal):
             self.stream = cp.cuda.Stream(non_blocking=True)
             # The gathers' arrival counters, one per layer: zeroed here, back at 0 after
-            # each gather; they live as long as the stream may run. Zeroed on this stream
-            # and only it waited for: another doorbell rank's stream on this GPU waits on
-            # its engine's bells (a device-wide synchronise would wait for ever).
+            # each gather; they live as long as the stream may run. Zeroed on this stream,
+            # ahead of the step graphs it runs: no wait (a device-wide one would also wait
+            # for another doorbell rank's stream, which waits on its engine's bells).
             with self.stream:
                 self._arrivals = cp.zeros(L, dtype=cp.uint32)
-            self.stream.synchronize()
         self.graph = capture(self._enqueue_step, worker.ordinal)
         self._stop = threading.Event()
         self._error: BaseException | None = None
