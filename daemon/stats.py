@@ -228,11 +228,15 @@ def metric_families(snap: dict) -> Iterator[Metric]:
         size = GaugeMetricFamily("sparsekv_device_arena_bytes", "bytes of the GPU's arena", labels=["device"])
         used = GaugeMetricFamily("sparsekv_device_arena_used_bytes", "bytes of the GPU's arena given to ranks",
                                  labels=["device"])
+        held = GaugeMetricFamily("sparsekv_deferred_free_bytes", "bytes of detached ranks' pinned host blocks and "
+                                 "CUDA IPC imports held until no doorbell rank is attached", labels=["device"])
         for device, a in sorted(snap["arenas"].items()):
             size.add_metric([device], a["bytes"])
             used.add_metric([device], a["used_bytes"])
+            held.add_metric([device], a.get("deferred_free_bytes", 0))
         yield size
         yield used
+        yield held
 
 
 def registry_for(snap: dict) -> CollectorRegistry:
@@ -290,7 +294,9 @@ def render_table(snap: dict) -> str:
             lines.append(f"  blocks       {b['cached']} cached ({b['referenced']} referenced), {b['free']} free, "
                          f"{b['private']} private, {b['reserved_total']} reserved of {b['blocks']}")
     for device, a in sorted(snap.get("arenas", {}).items()):
-        lines.append(f"arena {device:<9}{a['used_bytes'] / 2**20:.1f} / {a['bytes'] / 2**20:.1f} MiB used")
+        lines.append(f"arena {device:<9}{a['used_bytes'] / 2**20:.1f} / {a['bytes'] / 2**20:.1f} MiB used"
+                     + (f"; {a['deferred_frees']} free(s) of {a['deferred_free_bytes'] / 2**20:.1f} MiB held while a "
+                        "doorbell rank is attached" if a.get("deferred_frees") else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -23,6 +23,7 @@ from ..memfd import remove_stale, run_dir_tag
 from ..pinned import PinnedRegion, PinnedView
 from ..residency.base import ResidencyError
 from .arena import DeviceArena
+from .deferred import DeferredFrees
 from .rank import CudaRankState
 
 log = logging.getLogger("sparsekv.cuda")
@@ -78,6 +79,10 @@ class CudaBackend(Backend):
         self.workers: list[DeviceWorker] = []
         self._ranks: dict[int, CudaRankState] = {}  # before any worker: close() reads them
         self._pinned: dict[str, PinnedRegion] = {}
+        # Frees that wait for every stream of the daemon: held while a doorbell rank is attached.
+        # (A stream that did not drain at detach counts too: the daemon exits, freeing all.)
+        self._deferred = DeferredFrees(lambda: bool(self._stuck)
+                                       or any(st.device_driven for st in self._ranks.values()))
         try:
             for o in ordinals:
                 self.workers.append(DeviceWorker(o, cfg.device_arena_size, kernels))
@@ -145,7 +150,8 @@ class CudaBackend(Backend):
             state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
                                   graphs=self.cfg.cuda_graphs,
                                   blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
-                                  transport=transport, engine_slab=engine_slab, prefetch=prefetch)
+                                  transport=transport, engine_slab=engine_slab, prefetch=prefetch,
+                                  free=self._deferred.free_for(worker.ordinal))
             if fence_events:
                 try:
                     state.fence_events = ImportedEvents(list(fence_events), worker.ordinal)
@@ -177,9 +183,11 @@ class CudaBackend(Backend):
                                               "detach: the GPU does not run it")
         self._retired = _summed(self._retired, [state.counters()])
         self._retired_errors = _summed(self._retired_errors, [state.error_counts()])
+        self._deferred.flush()  # the last doorbell rank gone: what waited is freed now
 
     def release_engine(self, space: EngineSpace) -> None:
         self._unpin(space.name)
+        self._deferred.flush()
 
     def failure(self) -> str | None:
         """A rank's stream that stopped or did not drain."""
@@ -195,8 +203,10 @@ class CudaBackend(Backend):
         if name in self._stuck:
             return  # a stream that did not drain may still read it
         pinned = self._pinned.pop(name, None)
-        if pinned is not None:
+        if isinstance(pinned, PinnedView):  # a view of the pool pinned at start: no CUDA call
             pinned.close()
+        elif pinned is not None:
+            self._deferred.free(None, f"pinned pool range of engine {name!r}", pinned.nbytes, pinned.close)
 
     def device_counters(self) -> dict:
         """From each rank's pinned mirror (no synchronisation)."""
@@ -207,7 +217,9 @@ class CudaBackend(Backend):
 
     def arenas(self) -> dict | None:
         """Each GPU's arena (one allocation for every rank's slab and rings)."""
-        return {f"cuda:{w.ordinal}": {"bytes": int(w.arena.nbytes), "used_bytes": int(w.arena.used_bytes)}
+        return {f"cuda:{w.ordinal}": {"bytes": int(w.arena.nbytes), "used_bytes": int(w.arena.used_bytes),
+                                      "deferred_frees": self._deferred.held_count(w.ordinal),
+                                      "deferred_free_bytes": self._deferred.held_bytes(w.ordinal)}
                 for w in self.workers} or None
 
     def close(self) -> None:
@@ -215,6 +227,7 @@ class CudaBackend(Backend):
             self.release_rank(cid)
         for name in list(self._pinned):
             self._unpin(name)
+        self._deferred.close()
         for w in self.workers:
             w.close()
         self.workers = []

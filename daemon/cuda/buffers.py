@@ -51,6 +51,7 @@ from ..pinned import PinnedRegion
 from ..residency.base import ResidencyError
 from ..residency.cuda import COUNTERS_PER_GROUP, ERR_INTS, PF_COUNTERS
 from .arena import ArenaFull
+from .deferred import FreeFn, free_now
 
 
 def prefetch_layers(layout) -> np.ndarray:
@@ -311,6 +312,10 @@ class RankBuffers:
             self.arena.release(off)
         self.offsets = {}
 
-    def close(self) -> None:
-        self.host.close()
+    def close(self, free: FreeFn = free_now) -> None:
+        """Give the arena ranges back; the host blocks through ``free`` (``deferred.py``:
+        unregistering them waits for every stream of the daemon)."""
         self.release()
+        host, self.host = self.host, None
+        if host is not None:
+            free("pinned host blocks", host.nbytes, host.close)

@@ -31,6 +31,7 @@ from ..residency.cuda import (
     rows_block,
 )
 from .buffers import RankBuffers
+from .deferred import FreeFn, free_now
 from .doorbell import DoorbellTransport
 from .step import DeviceStep
 from .transport import DeviceTransport, MessageTransport, ZmqTransport
@@ -56,14 +57,17 @@ class CudaRankState(RankState):
             regions on the rank's stream (``DeviceStep.enqueue_prefetch``; zmq: once the
             result's event is recorded, by the rule of ``RankState.prefetch_next``;
             doorbell: in the step graph, after each group but the last).
+        free: how its pinned host blocks and CUDA IPC imports are freed (``deferred.py``:
+            those frees wait for every stream of the process, a parked doorbell stream too).
     """
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
                  graphs: bool = True, blocks_path: str | None = None, transport: str = "zmq",
-                 engine_slab=None, prefetch: bool = False):
+                 engine_slab=None, prefetch: bool = False, free: FreeFn = free_now):
         import cupy as cp
 
         lay = space.layout
+        self._free = free
         self.space_name = space.name
         self.worker, self._cp = worker, cp
         self.fence_events = None
@@ -78,15 +82,14 @@ class CudaRankState(RankState):
             except (ValueError, RuntimeError) as e:  # a handle of another GPU, a short allocation, garbage
                 raise ResidencyError("BAD_ARGUMENT", f"cannot import the engine's slab: {e}") from None
             if self.engine_slab.ptr % 16:
-                self.engine_slab.close()
+                self._close_slab()
                 raise ResidencyError("BAD_ARGUMENT", "the engine's slab must start on a 16-byte boundary")
         with cp.cuda.Device(worker.ordinal):
             stream = worker.stream
             try:
                 residency = CudaResidency(lay, kernels=worker.kernels, stream=stream, prefetch=prefetch)
             except ValueError as e:  # (prefetch) a workspace beyond shared memory, max_batch > 65535
-                if self.engine_slab is not None:
-                    self.engine_slab.close()
+                self._close_slab()
                 if not prefetch:
                     raise
                 raise ResidencyError("BAD_LAYOUT", f"prefetch on the cuda backend: {e}; attach without it") from None
@@ -98,8 +101,7 @@ class CudaRankState(RankState):
                                                   doorbell=transport == "doorbell", own_slab=engine_slab is None,
                                                   prefetch=prefetch)
             except BaseException:
-                if self.engine_slab is not None:
-                    self.engine_slab.close()
+                self._close_slab()
                 raise
             try:
                 mover = CudaMover(lay, pinned, pool_offset=0, kernels=worker.kernels, stream=stream,
@@ -113,9 +115,8 @@ class CudaRankState(RankState):
                     DoorbellTransport(self.dstep, worker) if transport == "doorbell"
                     else ZmqTransport(self.dstep, worker, self.events, graphs=graphs))
             except Exception:
-                bufs.close()
-                if self.engine_slab is not None:
-                    self.engine_slab.close()
+                bufs.close(free)
+                self._close_slab()
                 raise
         self._write_uploads: list = []  # events after the last staged write's uploads
         self._errors = ErrorRecord(bufs.host_err)  # counts already turned into replies
@@ -256,7 +257,7 @@ class CudaRankState(RankState):
             raise ResidencyError("BAD_ARGUMENT", f"cannot import the keys load's dst: {e}") from None
         arena = self.worker.arena
         if target.ptr < arena.ptr + arena.nbytes and arena.ptr < target.ptr + target.alloc_bytes:
-            target.close()
+            self._free("imported keys buffer", target.alloc_bytes, target.close)
             raise ResidencyError("BAD_ARGUMENT", "dst is the daemon's own arena: load into the engine's memory")
         self._keys_targets[handle] = target
         return target
@@ -389,19 +390,23 @@ class CudaRankState(RankState):
         if not self.transport.close():
             return False
         if self.fence_events is not None:
-            self.fence_events.close()
-            self.fence_events = None
-        self.buffers.close()
-        if self.engine_slab is not None:  # the stream is drained: nothing writes it any more
-            self.engine_slab.close()
-            self.engine_slab = None
+            events, self.fence_events = self.fence_events, None
+            self._free("imported fence events", 0, events.close)
+        self.buffers.close(self._free)
+        self._close_slab()  # the stream is drained: nothing writes it any more
         if self._keys_targets or self._keys_event is not None:
             self.worker.bulk_stream.synchronize()  # its loads' copies write them
             for target in self._keys_targets.values():
-                target.close()
+                self._free("imported keys buffer", target.alloc_bytes, target.close)
             self._keys_targets = {}
             self._keys_event = None
         return True
+
+    def _close_slab(self) -> None:
+        """Close the import of the engine's slab (through ``free``)."""
+        slab, self.engine_slab = self.engine_slab, None
+        if slab is not None:
+            self._free("imported engine slab", slab.nbytes, slab.close)
 
 
 def _upload(dst, src: np.ndarray, stream) -> None:

@@ -118,9 +118,9 @@ def cuda_daemon():
         yield d
 
 
-def attach(run_dir, lay, fill=True):
+def attach(run_dir, lay, fill=True, engine="db"):
     c = Client(run_dir, name="doorbell-test", device="cuda:0").connect()
-    c.attach(lay, engine="db", transport="doorbell")
+    c.attach(lay, engine=engine, transport="doorbell")
     if fill:
         fill_pool(c, lay)
     h = c.doorbell_handle()
@@ -173,6 +173,55 @@ def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, p
     finally:
         h.close()
         c.close()
+
+
+def run_steps(h, lay, plan, want, ts, torch):
+    """Steps ``ts`` of ``plan`` through handle ``h``, each layer's indices checked."""
+    for t in ts:
+        state, reset, inval, req, per_group, _table = plan[t]
+        h.begin_step(dev(state, torch), dev(reset, torch), dev(inval, torch))
+        for g, layers in enumerate(lay.groups):
+            for layer in layers:
+                idx = h.swap_in(dev(req, torch), None, dev(per_group[g], torch), layer=layer)
+                torch.cuda.synchronize()
+                check_layer(h, lay, want, t, layer, idx.cpu().numpy(), torch)
+        h.check()
+
+
+def held(stats) -> tuple[int, int]:
+    a = stats["arenas"]["cuda:0"]
+    return a["deferred_frees"], a["deferred_free_bytes"]
+
+
+@pytest.mark.cuda
+def test_a_detach_beside_a_parked_doorbell_rank_returns_and_its_frees_wait_for_the_last_one(cuda_daemon):
+    """Two engines' doorbell ranks on one GPU: B's stream is parked on its next bell while
+    A detaches. A's detach replies (unregistering A's pinned blocks would wait for B's
+    stream: it is held, counted in the stats), B's steps stay exact after it, and once B
+    detaches too the held frees have run."""
+    import torch
+
+    lay = layout()
+    plan = steps(lay, 8, seed=5)
+    want = reference(lay, plan, positions=False)
+    ca, ha = attach(cuda_daemon.run_dir, lay, engine="a")
+    cb, hb = attach(cuda_daemon.run_dir, lay, engine="b")
+    try:
+        run_steps(ha, lay, plan, want, range(2), torch)
+        run_steps(hb, lay, plan, want, range(4), torch)  # B's stream now waits on step 4's bell
+        t0 = time.monotonic()
+        ca.detach()  # a reply, or the client's timeout raises
+        assert time.monotonic() - t0 < 10
+        frees, nbytes = held(cb.stats())
+        assert frees >= 1 and nbytes > 0
+        run_steps(hb, lay, plan, want, range(4, 8), torch)
+        cb.detach()
+        with Client(cuda_daemon.run_dir, name="doorbell-test-stats").connect() as cs:
+            assert held(cs.stats()) == (0, 0)
+    finally:
+        for h, c in ((ha, ca), (hb, cb)):
+            h.close()
+            c.close()
 
 
 @pytest.mark.cuda
@@ -463,7 +512,7 @@ def test_a_cpu_daemon_refuses_the_doorbell_transport(daemon):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kw", [{}, {"block_size": 16}, {"block_size": 16, "spec": 0.3, "region_stride": 256},
-                                {"block_size": 16, "spec": 0.3, "slab": "engine"}])
+                                {"block_size": 16, "spec": 0.3, "slab": "engine"}, {"ranks": 2}])
 def test_replay_through_the_doorbell_equals_inproc_and_verifies(kw):
     from sparsekv.bench.replay import replay
     from sparsekv.bench.trace import synth
@@ -472,10 +521,12 @@ def test_replay_through_the_doorbell_equals_inproc_and_verifies(kw):
                 context=1200, lifetime=12, overlap=0.7, invalidate=0.2, out_of_range=0.01, seed=4)
     kw = dict(kw)
     slab = kw.pop("slab", "daemon")  # engine: the hot rows in a tensor of this process, guards around them
+    ranks = kw.pop("ranks", 1)  # two doorbell ranks on one GPU: a detach beside a parked stream
     base.update(kw)
     trace = synth(**base)
     want, want_res = replay(trace, transport="inproc", backend="cpu")
-    got, got_res = replay(trace, transport="doorbell", backend="cuda", verify=True, daemon_log=DAEMON_LOG, slab=slab)
+    got, got_res = replay(trace, transport="doorbell", backend="cuda", verify=True, daemon_log=DAEMON_LOG, slab=slab,
+                          ranks=ranks)
     np.testing.assert_array_equal(got_res["slots"], want_res["slots"])
     np.testing.assert_array_equal(got_res["misses"], want_res["misses"])
     assert got["mismatched_rows"] == 0

@@ -53,7 +53,8 @@ def cuda_snapshot() -> dict:
     return st.snapshot({"hits": 5, "misses": 3, "bytes_moved": 3 * 656}, {
         "backend": "cuda", "devices": ["cuda:0", "cuda:1"], "mps": True, "protocol_version": 3, "version": "9.9",
         "device_errors": {"duplicate_ids": 2, "bad_state_row": 0},
-        "arenas": {"cuda:0": {"bytes": 16 << 30, "used_bytes": 1 << 30}, "cuda:1": {"bytes": 16 << 30, "used_bytes": 0}},
+        "arenas": {"cuda:0": {"bytes": 16 << 30, "used_bytes": 1 << 30, "deferred_frees": 2,
+                               "deferred_free_bytes": 3 << 20}, "cuda:1": {"bytes": 16 << 30, "used_bytes": 0}},
         "clients": 4, "attached": 4, "engines": 2, "pool_bytes": 64 << 30, "pool_used_bytes": 10 << 30,
         "pool_huge_bytes": 63 << 30, "per_engine": {"a": {"ranks": 2, "pool_bytes": 6 << 30, "slab_bytes": 1 << 29},
                        'b "quoted"\\': {"ranks": 2, "pool_bytes": 4 << 30, "slab_bytes": 1 << 29}},
@@ -69,6 +70,8 @@ def test_cuda_families_device_errors_arenas_and_labels():
     assert v['sparsekv_device_errors_total{kind="duplicate_ids"}'] == 2
     assert v['sparsekv_device_arena_used_bytes{device="cuda:0"}'] == 1 << 30
     assert v['sparsekv_device_arena_bytes{device="cuda:1"}'] == 16 << 30
+    assert v['sparsekv_deferred_free_bytes{device="cuda:0"}'] == 3 << 20
+    assert v['sparsekv_deferred_free_bytes{device="cuda:1"}'] == 0
     assert v['sparsekv_engine_ranks{engine="a"}'] == 2
     assert v['sparsekv_build_info{backend="cuda",protocol="3",version="9.9"}'] == 1
     assert v["sparsekv_mps"] == 1 and v["sparsekv_pool_huge_bytes"] == 63 << 30
