@@ -112,13 +112,16 @@ class DeviceStep:
 
 
 def capture(fn, device: int):
-    """Run ``fn(stream)`` under stream capture in global mode (any synchronising or
-    unsafe call inside fails the capture) on a fresh stream; return the graph, uploaded."""
+    """Run ``fn(stream)`` under stream capture on a fresh stream; return the graph, uploaded.
+    Thread-local mode: a synchronising or unsafe call of this thread inside fails the
+    capture, while the daemon's other threads go on (in global mode a doorbell rank's
+    stocking thread, launching and querying its own stream, failed another rank's capture
+    at its attach: seen on the H200)."""
     import cupy as cp
 
     with cp.cuda.Device(device):
         stream = cp.cuda.Stream(non_blocking=True)
-        stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+        stream.begin_capture(cp.cuda.runtime.streamCaptureModeThreadLocal)
         try:
             fn(stream)
         finally:

@@ -194,16 +194,22 @@ def held(stats) -> tuple[int, int]:
 
 
 @pytest.mark.cuda
-def test_a_detach_beside_a_parked_doorbell_rank_returns_and_its_frees_wait_for_the_last_one(cuda_daemon):
+def test_a_detach_beside_a_parked_doorbell_rank_returns_and_its_frees_wait_for_the_last_one():
     """Two engines' doorbell ranks on one GPU: B's stream is parked on its next bell while
     A detaches. A's detach replies (unregistering A's pinned blocks would wait for B's
     stream: it is held, counted in the stats), B's steps stay exact after it, and once B
     detaches too the held frees have run."""
-    import torch
-
     lay = layout()
     plan = steps(lay, 8, seed=5)
     want = reference(lay, plan, positions=False)
+    with PrivateDaemon(pool_bytes=2 * lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG) as d:
+        two_engines_one_detaching(d, lay, plan, want)
+
+
+def two_engines_one_detaching(cuda_daemon, lay, plan, want):
+    import torch
+
     ca, ha = attach(cuda_daemon.run_dir, lay, engine="a")
     cb, hb = attach(cuda_daemon.run_dir, lay, engine="b")
     try:

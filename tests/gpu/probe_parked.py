@@ -127,7 +127,7 @@ def _probe(name: str, timeout_s: float, out) -> None:
     word = cp.cuda.alloc_pinned_memory(4)
     flag = ctypes_u32(word.ptr)
     flag[0] = 0
-    dptr = cp.cuda.runtime.hostGetDevicePointer(word.ptr, 0)
+    dptr = word.ptr  # pinned memory of cudaHostAlloc: the same address on the device (UVA)
     parked = cp.cuda.Stream(non_blocking=True)
     wait32(parked.ptr, dptr, 1)
     time.sleep(0.05)
