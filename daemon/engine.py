@@ -522,6 +522,11 @@ class Backend(abc.ABC):
         """Each device's arena: ``bytes`` and ``used_bytes`` (None: no device memory)."""
         return None
 
+    def may_free_pinned(self) -> bool:
+        """Whether the host pool's page-locking may be undone at stop (cuda: not while a
+        device stream that did not drain may still wait)."""
+        return True
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release every rank and everything the backend holds."""

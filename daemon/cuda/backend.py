@@ -222,12 +222,21 @@ class CudaBackend(Backend):
                                       "deferred_free_bytes": self._deferred.held_bytes(w.ordinal)}
                 for w in self.workers} or None
 
+    def may_free_pinned(self) -> bool:
+        """False once a doorbell stream did not drain: freeing device or page-locked memory
+        would wait for it for ever (the process's exit frees both)."""
+        return not self._stuck
+
     def close(self) -> None:
         for cid in list(self._ranks):
             self.release_rank(cid)
         for name in list(self._pinned):
             self._unpin(name)
         self._deferred.close()
+        if self._stuck:  # cudaFree of the arenas would wait for the stream that did not drain
+            log.error("a doorbell stream did not drain: the GPU arenas are left to the process's exit")
+            self.workers = []
+            return
         for w in self.workers:
             w.close()
         self.workers = []

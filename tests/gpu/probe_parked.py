@@ -42,6 +42,12 @@ def _calls(cp, state):
     def host_unregister():
         rt.hostUnregister(state["registered"])
 
+    def host_alloc():  # cudaHostAlloc (CuPy's pinned pool takes a new size class so)
+        state["hp"] = rt.hostAlloc(1 << 20, 0)
+
+    def free_host():
+        rt.freeHost(state["hp"])
+
     def malloc_free():
         p = rt.malloc(1 << 26)
         rt.free(p)
@@ -79,7 +85,7 @@ def _calls(cp, state):
     return {"host_register": host_register, "host_unregister": host_unregister, "malloc_free": malloc_free,
             "malloc": malloc, "event_destroy": event_destroy, "stream_destroy": stream_destroy,
             "ipc_open": ipc_open, "ipc_close": ipc_close, "kernel_launch": kernel_launch,
-            "module_load": module_load}
+            "module_load": module_load, "host_alloc": host_alloc, "free_host": free_host}
 
 
 def ctypes_addr(m) -> int:
@@ -89,10 +95,10 @@ def ctypes_addr(m) -> int:
 
 
 # What runs before the stream parks: the calls the named one needs done first.
-SETUP = {"host_unregister": ["host_register"], "ipc_close": ["ipc_open"]}
+SETUP = {"host_unregister": ["host_register"], "ipc_close": ["ipc_open"], "free_host": ["host_alloc"]}
 CALLS = ["host_register", "host_unregister", "malloc", "malloc_free", "event_destroy", "stream_destroy",
          "ipc_open", "ipc_close", "kernel_launch", "module_load", "kernel_launch_beside", "malloc_beside",
-         "host_register_beside"]
+         "host_register_beside", "host_alloc", "free_host"]
 
 
 def _probe(name: str, timeout_s: float, out) -> None:
