@@ -155,8 +155,8 @@ class CpuBackend(Backend):
                 os.close(fd)
         # The memory goes with the last mapping: clients keep theirs until they unmap.
 
-    def release_engine(self, space: EngineSpace) -> None:
-        pass  # nothing is pinned on the cpu backend
+    def release_engine(self, space: EngineSpace, give_back) -> None:
+        give_back()  # nothing is pinned on the cpu backend
 
     def device_counters(self) -> dict:
         return {}  # none: the cpu ranks report through each reply

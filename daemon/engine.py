@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import os
+from typing import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -503,8 +504,10 @@ class Backend(abc.ABC):
         """Free what rank ``client_id`` holds (after its work is done)."""
 
     @abc.abstractmethod
-    def release_engine(self, space: EngineSpace) -> None:
-        """The engine's last rank left: free what the backend holds for it."""
+    def release_engine(self, space: EngineSpace, give_back: Callable[[], None]) -> None:
+        """The engine's last rank left: free what the backend holds for it, then call
+        ``give_back`` (the pool range goes back to the pool), at once or, where a free has
+        to wait (cuda: ``cuda/deferred.py``), once it has run."""
 
     @abc.abstractmethod
     def failure(self) -> str | None:

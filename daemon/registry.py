@@ -283,8 +283,8 @@ class EngineRegistry:
         del self._engines[space.name]
         space.blocks = None  # (the store's zeroing refers back to the space: no cycle keeps the pool's view)
         # Unpinned first (cuda): the pool zeroes the range only once no device mapping is left.
-        self.backend.release_engine(space)
-        self.pool.release(space.pool_offset, zero=zero)
+        offset = space.pool_offset
+        self.backend.release_engine(space, lambda: self.pool.release(offset, zero=zero))
         return True
 
     def space(self, engine_name: str) -> EngineSpace:

@@ -146,22 +146,18 @@ class CudaBackend(Backend):
         # Checks again (cheap); pins only if nobody ran prepare_rank for this engine yet.
         worker = self.prepare_rank(space, client_id, rank, device, fence_events, transport, engine_slab)
         pinned = self._pinned[space.name]
-        try:
-            state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
-                                  graphs=self.cfg.cuda_graphs,
-                                  blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
-                                  transport=transport, engine_slab=engine_slab, prefetch=prefetch,
-                                  free=self._deferred.free_for(worker.ordinal))
-            if fence_events:
-                try:
-                    state.fence_events = ImportedEvents(list(fence_events), worker.ordinal)
-                except Exception:
-                    state.close()
-                    raise
-        except Exception:
-            if not space.ranks:
-                self._unpin(space.name)
-            raise
+        # On a failure the registry's abort unpins a new engine's range (release_engine).
+        state = CudaRankState(rank, worker, space, pinned, self.cfg.ring_depth, self.cfg.gather_blocks,
+                              graphs=self.cfg.cuda_graphs,
+                              blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
+                              transport=transport, engine_slab=engine_slab, prefetch=prefetch,
+                              free=self._deferred.free_for(worker.ordinal))
+        if fence_events:
+            try:
+                state.fence_events = ImportedEvents(list(fence_events), worker.ordinal)
+            except Exception:
+                state.close()
+                raise
         self._ranks[client_id] = state
         return state, state.export()
 
@@ -185,8 +181,8 @@ class CudaBackend(Backend):
         self._retired_errors = _summed(self._retired_errors, [state.error_counts()])
         self._deferred.flush()  # the last doorbell rank gone: what waited is freed now
 
-    def release_engine(self, space: EngineSpace) -> None:
-        self._unpin(space.name)
+    def release_engine(self, space: EngineSpace, give_back) -> None:
+        self._unpin(space.name, give_back)
         self._deferred.flush()
 
     def failure(self) -> str | None:
@@ -199,14 +195,27 @@ class CudaBackend(Backend):
                 return why
         return None
 
-    def _unpin(self, name: str) -> None:
-        if name in self._stuck:
-            return  # a stream that did not drain may still read it
+    def _unpin(self, name: str, give_back=None) -> None:
+        """Undo the page-locking of engine ``name``'s range, then ``give_back`` it: at once,
+        or once the unregister has run (``deferred.py``): the pool must not place another
+        engine on bytes still registered."""
+        if name in self._stuck:  # a stream that did not drain may still read it (the daemon exits)
+            if give_back is not None:
+                give_back()
+            return
         pinned = self._pinned.pop(name, None)
-        if isinstance(pinned, PinnedView):  # a view of the pool pinned at start: no CUDA call
+        if pinned is None or isinstance(pinned, PinnedView):  # a view of the pool pinned at start: no CUDA call
+            if pinned is not None:
+                pinned.close()
+            if give_back is not None:
+                give_back()
+            return
+
+        def free() -> None:
             pinned.close()
-        elif pinned is not None:
-            self._deferred.free(None, f"pinned pool range of engine {name!r}", pinned.nbytes, pinned.close)
+            if give_back is not None:
+                give_back()
+        self._deferred.free(None, f"pinned pool range of engine {name!r}", pinned.nbytes, free)
 
     def device_counters(self) -> dict:
         """From each rank's pinned mirror (no synchronisation)."""

@@ -89,8 +89,9 @@ class FailingBackend(CpuBackend):
     def new_rank(self, *a, **kw):
         raise ResidencyError("TOO_LARGE", "no room for the slab")
 
-    def release_engine(self, space):
+    def release_engine(self, space, give_back):
         self.released.append(space.name)
+        give_back()
 
 
 def test_failed_new_rank_of_a_new_engine_leaves_no_pool_range(pool, tmp_path):
