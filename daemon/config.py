@@ -62,6 +62,11 @@ class Config:
     device_arena_size: int = _s(16 << 30, "cuda: one allocation per GPU for every rank's slab and rings, with a "
                                 "unit", kind="size", bounds=(1, None))
     ring_depth: int = _s(8, "cuda: top-k requests a rank may have in flight", bounds=(1, 1024))
+    # A module load waits for every stream of the GPU, a parked doorbell stream too: at an
+    # attach it would hold the daemon's loop until that rank's engine rings again.
+    warm_row_bytes: str = _s("656", "cuda: the row sizes (bytes, a comma list of multiples of 16) whose copy "
+                             "kernels are loaded at start; a layout of another row size loads them at its first "
+                             "attach, which waits for any parked doorbell stream of the GPU", metavar="LIST")
     # The next request of a decode step then costs no wake-up (tens of microseconds in a VM).
     busy_poll_us: int = _s(-1, "poll the control socket this long after a request before sleeping; -1: 1000 on "
                            "cuda, 0 on cpu", bounds=(-1, 1_000_000), metavar="US")
@@ -198,6 +203,9 @@ def _check(f, v) -> None:
         parse_cpu_list(v, f.name)
     if f.name == "devices" and v != "all" and not re.fullmatch(r"\d+(,\d+)*", v):
         raise ValueError(f"devices must be 'all' or a comma list of ordinals, got {v!r}")
+    if f.name == "warm_row_bytes" and (not re.fullmatch(r"\d+(,\d+)*", v)
+                                       or any(int(x) <= 0 or int(x) % 16 for x in v.split(","))):
+        raise ValueError(f"warm_row_bytes must be a comma list of positive multiples of 16, got {v!r}")
 
 
 _NEEDS = {"int": "an integer is needed", "float": "a number is needed", "bool": "true or false is needed",

@@ -64,10 +64,10 @@ class KernelCache(build.KernelCache):
         layouts to serve (the copy kernel is specialised on ``row_bytes / 16``).
         """
         names = []
-        # The residency modules CudaResidency builds, from the narrowest regions to the widest.
-        rows = {"ws_smem": True, "lru_smem": True, "owner_smem": True}
-        shapes = [{"hash_scale": 4, **rows}, {"hash_scale": 4, "ws_smem": True}, {"hash_scale": 2, "ws_smem": True},
-                  {"hash_scale": 2}]
+        # Every residency module CudaResidency may build (its options follow the layout's
+        # top-k and region): an attach then loads none (a load waits for every stream).
+        shapes = [{"hash_scale": h, "ws_smem": w, "lru_smem": lru, "owner_smem": own}
+                  for h in (4, 2) for w in (True, False) for lru in (True, False) for own in (True, False)]
         for shape in shapes:
             for fn in SOURCES["resolve.cu"]:
                 self.function("resolve.cu", fn, resolve_defines(**shape))

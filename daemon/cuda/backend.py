@@ -34,7 +34,7 @@ class DeviceWorker:
     (keys loads: a cached prefix's gigabyte never waits in front of a gather), its arena,
     its compiled kernels."""
 
-    def __init__(self, ordinal: int, arena_bytes: int, kernels):
+    def __init__(self, ordinal: int, arena_bytes: int, kernels, row_bytes=(656,)):
         import cupy as cp  # noqa: PLC0415
 
         self.ordinal = ordinal
@@ -50,7 +50,7 @@ class DeviceWorker:
             self.bulk_stream = cp.cuda.Stream(non_blocking=True)
             self.arena = DeviceArena(ordinal, arena_bytes)
             self.kernels = kernels
-            kernels.warm()  # compile (or load) every module before the daemon says READY
+            kernels.warm(row_bytes)  # compile (or load) every module before the daemon says READY
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -85,7 +85,8 @@ class CudaBackend(Backend):
                                        or any(st.device_driven for st in self._ranks.values()))
         try:
             for o in ordinals:
-                self.workers.append(DeviceWorker(o, cfg.device_arena_size, kernels))
+                self.workers.append(DeviceWorker(o, cfg.device_arena_size, kernels,
+                                                 [int(x) for x in cfg.warm_row_bytes.split(",")]))
         except Exception:
             self.close()
             raise

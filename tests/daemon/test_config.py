@@ -92,6 +92,8 @@ def test_toml_top_level_table_and_env_config_file(tmp_path):
         ("", {"SPARSEKV_CUDA_GRAPHS": "maybe"}, "SPARSEKV_CUDA_GRAPHS: bad value for cuda_graphs: 1 or 0"),
         ("cuda_graphs = 0", {}, "bad value for cuda_graphs: true or false is needed, got an integer 0"),
         ("", {"SPARSEKV_DEVICES": "0,x"}, "devices must be"),
+        ("", {"SPARSEKV_WARM_ROW_BYTES": "656,100"}, "warm_row_bytes must be a comma list of positive multiples of 16"),
+        ('warm_row_bytes = "656,"', {}, "warm_row_bytes must be a comma list"),
         ("", {"SPARSEKV_REAP_INTERVAL_S": "0"}, "reap_interval_s"),
     ],
 )
