@@ -23,6 +23,7 @@ from ..memfd import remove_stale, run_dir_tag
 from ..pinned import PinnedRegion, PinnedView
 from ..residency.base import ResidencyError
 from .arena import DeviceArena
+from .buffers import HostBlocks
 from .deferred import DeferredFrees
 from .rank import CudaRankState
 
@@ -152,7 +153,8 @@ class CudaBackend(Backend):
                               graphs=self.cfg.cuda_graphs,
                               blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
                               transport=transport, engine_slab=engine_slab, prefetch=prefetch,
-                              free=self._deferred.free_for(worker.ordinal))
+                              free=self._deferred.free_for(worker.ordinal),
+                              host_blocks=self._host_blocks(space, worker.ordinal))
         if fence_events:
             try:
                 state.fence_events = ImportedEvents(list(fence_events), worker.ordinal)
@@ -161,6 +163,23 @@ class CudaBackend(Backend):
                 raise
         self._ranks[client_id] = state
         return state, state.export()
+
+    def _host_blocks(self, space: EngineSpace, device: int) -> tuple:
+        """A rank's pinned host blocks: a spare its owner's detached rank left on this GPU
+        (``deferred.py``), else new ones; at close kept as a spare while a doorbell rank is
+        attached, else unregistered."""
+        owner = (space.owner.uid if space.owner is not None else None, device)
+
+        def make(nbytes: int, name: str | None) -> HostBlocks:
+            host = self._deferred.reuse(owner + (HostBlocks.size_for(nbytes),))
+            if host is None:
+                return HostBlocks(nbytes, name)
+            host.reset()
+            return host
+
+        def spare(host: HostBlocks) -> None:
+            self._deferred.keep_spare(owner + (host.nbytes,), device, host.nbytes, host, host.close)
+        return make, spare
 
     def share_fds(self, client_id: int) -> dict[str, int]:
         """Its pinned step blocks (``blocks_fd``; still owned by the rank)."""

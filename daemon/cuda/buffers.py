@@ -74,8 +74,13 @@ class HostBlocks:
     descriptor (``fd``), the mapping and the registration; :meth:`close` is idempotent.
     ``name``: the memfd's name (``memfd.new_memfd``); None: an anonymous mapping."""
 
+    @staticmethod
+    def size_for(nbytes: int) -> int:
+        """The bytes a :class:`HostBlocks` of ``nbytes`` maps: whole pages."""
+        return max(mmap.PAGESIZE, -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+
     def __init__(self, nbytes: int, name: str | None = None):
-        self.nbytes = max(mmap.PAGESIZE, -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self.nbytes = self.size_for(nbytes)
         self.fd = None
         if name is None:
             self._mm = mmap.mmap(-1, self.nbytes)
@@ -96,6 +101,11 @@ class HostBlocks:
             self._close_fd()
             raise
         self.device_address = self._region.device_base
+        self._used = 0
+
+    def reset(self) -> None:
+        """Zeroed and empty again, for a new rank (``deferred.DeferredFrees.reuse``)."""
+        self.array[:] = 0
         self._used = 0
 
     def take(self, nbytes: int, dtype, shape) -> tuple[np.ndarray, int]:
@@ -141,10 +151,12 @@ class RankBuffers:
         own_slab: allocate the hot slab (False: the engine brings it; ``slab`` is None).
         prefetch: also the prefetch plan and its group table (``pf_*`` sections), and the
             host mirror of the prefetch counters (``host_pf``).
+        make_host: ``(nbytes, name) -> HostBlocks`` (default: new ones; the cuda backend's
+            may hand back a spare of the same owner, zeroed).
     """
 
     def __init__(self, arena, layout, ring_depth: int, workspace_bytes: int = 0, blocks_name: str | None = None,
-                 doorbell: bool = False, own_slab: bool = True, prefetch: bool = False):
+                 doorbell: bool = False, own_slab: bool = True, prefetch: bool = False, make_host=HostBlocks):
         import cupy as cp
 
         lay = layout
@@ -249,7 +261,7 @@ class RankBuffers:
         total = 4 * R * (self.block_ints * 4 + 256) + self.stats_bytes + 256 + 2 * (n_write * 4 + 256) \
             + lay.num_layers * 4 + 256 + PF_COUNTERS * 8 + 256
         try:
-            self.host = HostBlocks(total, blocks_name)
+            self.host = make_host(total, blocks_name)
         except BaseException:
             self.release()
             raise
@@ -312,10 +324,15 @@ class RankBuffers:
             self.arena.release(off)
         self.offsets = {}
 
-    def close(self, free: FreeFn = free_now) -> None:
-        """Give the arena ranges back; the host blocks through ``free`` (``deferred.py``:
-        unregistering them waits for every stream of the daemon)."""
+    def close(self, free: FreeFn = free_now, spare=None) -> None:
+        """Give the arena ranges back; the host blocks to ``spare`` (kept for reuse), else
+        through ``free`` (``deferred.py``: unregistering them waits for every stream of the
+        daemon)."""
         self.release()
         host, self.host = self.host, None
-        if host is not None:
+        if host is None:
+            return
+        if spare is not None:
+            spare(host)
+        else:
             free("pinned host blocks", host.nbytes, host.close)

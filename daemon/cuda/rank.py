@@ -30,7 +30,7 @@ from ..residency.cuda import (
     DeviceBuffers,
     rows_block,
 )
-from .buffers import RankBuffers
+from .buffers import HostBlocks, RankBuffers
 from .deferred import FreeFn, free_now
 from .doorbell import DoorbellTransport
 from .step import DeviceStep
@@ -57,17 +57,21 @@ class CudaRankState(RankState):
             regions on the rank's stream (``DeviceStep.enqueue_prefetch``; zmq: once the
             result's event is recorded, by the rule of ``RankState.prefetch_next``;
             doorbell: in the step graph, after each group but the last).
-        free: how its pinned host blocks and CUDA IPC imports are freed (``deferred.py``:
-            those frees wait for every stream of the process, a parked doorbell stream too).
+        free: how its CUDA IPC imports (and pinned host blocks, without ``host_blocks``)
+            are freed (``deferred.py``: those frees wait for every stream of the process, a
+            parked doorbell stream too).
+        host_blocks: ``(make, spare)``: where its pinned host blocks come from
+            (``RankBuffers``'s ``make_host``) and go at close (None: new ones, then ``free``).
     """
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
                  graphs: bool = True, blocks_path: str | None = None, transport: str = "zmq",
-                 engine_slab=None, prefetch: bool = False, free: FreeFn = free_now):
+                 engine_slab=None, prefetch: bool = False, free: FreeFn = free_now, host_blocks=None):
         import cupy as cp
 
         lay = space.layout
         self._free = free
+        make_host, self._spare_host = host_blocks if host_blocks is not None else (HostBlocks, None)
         self.space_name = space.name
         self.worker, self._cp = worker, cp
         self.fence_events = None
@@ -99,7 +103,7 @@ class CudaRankState(RankState):
             try:
                 self.buffers = bufs = RankBuffers(worker.arena, lay, ring_depth, ws, blocks_path,
                                                   doorbell=transport == "doorbell", own_slab=engine_slab is None,
-                                                  prefetch=prefetch)
+                                                  prefetch=prefetch, make_host=make_host)
             except BaseException:
                 self._close_slab()
                 raise
@@ -115,7 +119,7 @@ class CudaRankState(RankState):
                     DoorbellTransport(self.dstep, worker) if transport == "doorbell"
                     else ZmqTransport(self.dstep, worker, self.events, graphs=graphs))
             except Exception:
-                bufs.close(free)
+                bufs.close(free, self._spare_host)
                 self._close_slab()
                 raise
         self._write_uploads: list = []  # events after the last staged write's uploads
@@ -392,7 +396,7 @@ class CudaRankState(RankState):
         if self.fence_events is not None:
             events, self.fence_events = self.fence_events, None
             self._free("imported fence events", 0, events.close)
-        self.buffers.close(self._free)
+        self.buffers.close(self._free, self._spare_host)
         self._close_slab()  # the stream is drained: nothing writes it any more
         if self._keys_targets or self._keys_event is not None:
             self.worker.bulk_stream.synchronize()  # its loads' copies write them

@@ -197,8 +197,9 @@ def held(stats) -> tuple[int, int]:
 def test_a_detach_beside_a_parked_doorbell_rank_returns_and_its_frees_wait_for_the_last_one():
     """Two engines' doorbell ranks on one GPU: B's stream is parked on its next bell while
     A detaches. A's detach replies (unregistering A's pinned blocks would wait for B's
-    stream: it is held, counted in the stats), B's steps stay exact after it, and once B
-    detaches too the held frees have run."""
+    stream: they are kept, counted in the stats), B's steps stay exact after it; A
+    restarted takes A's old blocks (zeroed) and its steps are exact too; once both detach
+    nothing is held."""
     lay = layout()
     plan = steps(lay, 8, seed=5)
     want = reference(lay, plan, positions=False)
@@ -221,6 +222,13 @@ def two_engines_one_detaching(cuda_daemon, lay, plan, want):
         frees, nbytes = held(cb.stats())
         assert frees >= 1 and nbytes > 0
         run_steps(hb, lay, plan, want, range(4, 8), torch)
+        ca2, ha2 = attach(cuda_daemon.run_dir, lay, engine="a")  # A restarted: same owner, GPU, size
+        try:
+            assert held(cb.stats())[0] == frees - 1  # A's spare blocks taken, not new ones registered
+            run_steps(ha2, lay, plan, want, range(8), torch)
+        finally:
+            ha2.close()
+            ca2.close()
         cb.detach()
         with Client(cuda_daemon.run_dir, name="doorbell-test-stats").connect() as cs:
             assert held(cs.stats()) == (0, 0)

@@ -60,3 +60,28 @@ def test_free_now_runs_the_free():
     ran = []
     free_now("x", 1, lambda: ran.append(1))
     assert ran == [1]
+
+
+def test_a_spare_is_closed_at_once_when_nothing_may_be_parked():
+    closed = []
+    d = DeferredFrees(lambda: False)
+    d.keep_spare(("uid", 0, 4096), 0, 4096, "blocks", lambda: closed.append("blocks"))
+    assert closed == ["blocks"] and d.reuse(("uid", 0, 4096)) is None
+
+
+def test_spares_wait_for_their_key_count_as_held_and_are_closed_by_the_flush():
+    parked = [True]
+    closed = []
+    d = DeferredFrees(lambda: parked[0])
+    d.keep_spare((1000, 0, 4096), 0, 4096, "a", lambda: closed.append("a"))
+    d.keep_spare((1000, 0, 4096), 0, 4096, "b", lambda: closed.append("b"))
+    d.keep_spare((1001, 0, 4096), 0, 4096, "other uid", lambda: closed.append("other uid"))
+    assert (d.held_count(0), d.held_bytes(0)) == (3, 3 * 4096)
+    assert d.reuse((1000, 1, 4096)) is None  # another GPU
+    assert d.reuse((1000, 0, 8192)) is None  # another size
+    got = {d.reuse((1000, 0, 4096)), d.reuse((1000, 0, 4096))}
+    assert got == {"a", "b"} and d.reuse((1000, 0, 4096)) is None
+    assert d.held_count() == 1 and closed == []  # taken spares are the new rank's, not closed
+    parked[0] = False
+    d.flush()
+    assert closed == ["other uid"] and d.held_count() == 0
