@@ -80,6 +80,9 @@ class CudaBackend(Backend):
         self.workers: list[DeviceWorker] = []
         self._ranks: dict[int, CudaRankState] = {}  # before any worker: close() reads them
         self._pinned: dict[str, PinnedRegion] = {}
+        self._retired: dict[str, int] = {}
+        self._retired_errors: dict[str, int] = {}
+        self._stuck: set[str] = set()  # engines whose pool a stream that did not drain may read
         # Frees that wait for every stream of the daemon: held while a doorbell rank is attached.
         # (A stream that did not drain at detach counts too: the daemon exits, freeing all.)
         self._deferred = DeferredFrees(lambda: bool(self._stuck)
@@ -95,9 +98,6 @@ class CudaBackend(Backend):
         # Each rank's pinned step blocks live in a memfd; files an older sparsekvd left go.
         self._blocks_name = f"sparsekv-{run_dir_tag(cfg.run_dir)}-blocks-"
         remove_stale(os.path.join(cfg.shm_dir, self._blocks_name))
-        self._retired: dict[str, int] = {}
-        self._retired_errors: dict[str, int] = {}
-        self._stuck: set[str] = set()  # engines whose pool a stream that did not drain may read
         self._failure: str | None = None
 
     def describe(self) -> dict:

@@ -393,6 +393,10 @@ class CudaRankState(RankState):
         touch every one of them."""
         if not self.transport.close():
             return False
+        # Its staged writes and invalidations run on the GPU's shared stream (a doorbell
+        # rank's too), which never waits on a doorbell stream: done before its host blocks
+        # become a spare, its ranges another rank's and its pool range another engine's.
+        self.worker.stream.synchronize()
         if self.fence_events is not None:
             events, self.fence_events = self.fence_events, None
             self._free("imported fence events", 0, events.close)
