@@ -71,6 +71,9 @@ class EngineRegistry:
         self.tp_ledger = TpLedger(1 << 30)  # (Config.tp_max_lag_bytes, set by the daemon's entry)
         self._engines: dict[str, EngineSpace] = {}
         self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
+        # Pool bytes of released engines the backend has not given back yet (a held
+        # unregister, cuda/deferred.py): make_room counts them as coming.
+        self.returning_bytes = 0
 
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
@@ -256,8 +259,8 @@ class EngineRegistry:
                        and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
         out = []
         for space in kept:
-            if self.pool.free_bytes + self.pool.zeroing_bytes >= need:
-                break
+            if self.pool.free_bytes + self.pool.zeroing_bytes + self.returning_bytes >= need:
+                break  # (bytes still returning: the attach says POOL_FULL until they are back)
             cached = space.blocks.cached_blocks
             if self._release_if_unused(space, keep_cached=False):
                 log.info("engine %r, kept for its %d cached blocks with no rank, released to make room",
@@ -283,8 +286,13 @@ class EngineRegistry:
         del self._engines[space.name]
         space.blocks = None  # (the store's zeroing refers back to the space: no cycle keeps the pool's view)
         # Unpinned first (cuda): the pool zeroes the range only once no device mapping is left.
-        offset = space.pool_offset
-        self.backend.release_engine(space, lambda: self.pool.release(offset, zero=zero))
+        offset, size = space.pool_offset, self.pool.range_bytes(space.range_bytes)
+        self.returning_bytes += size
+
+        def give_back() -> None:
+            self.returning_bytes -= size
+            self.pool.release(offset, zero=zero)
+        self.backend.release_engine(space, give_back)
         return True
 
     def space(self, engine_name: str) -> EngineSpace:

@@ -302,3 +302,34 @@ def test_the_tp_ledger_counts_at_least_what_the_entries_keep(reg, prefetch):
         s0.run_prefetch()
     kept = sum(_kept_bytes(e) for e, _ in reg.space("e").tp.entries)
     assert kept <= reg.tp_ledger.held[None] < 2 * kept
+
+
+
+def test_make_room_counts_a_range_the_backend_gives_back_later_and_stops_releasing(pool, tmp_path):
+    """A backend that holds an engine's unregister (cuda, a doorbell rank attached) gives
+    its range back later: make_room counts those bytes as coming and releases no more
+    kept engines for them; the range is free once the backend gives it back."""
+    held = []
+
+    class Holding(CpuBackend):
+        def release_engine(self, space, give_back):
+            held.append(give_back)
+
+    backend = Holding(str(tmp_path), shm_dir=str(tmp_path))
+    reg = EngineRegistry(pool, backend)
+    try:
+        lay = helpers.layout(host_rows=(2 * MiB) // 64)
+        for i, name in enumerate(("old", "newer")):
+            attach(reg, i, 0, "cpu", name, lay, block_size=4)
+            store = reg.space(name).blocks
+            store.open(i, 0)
+            store.commit(i, store.alloc(i, 1), np.full((1, 2), i, dtype=np.int64))
+            reg.detach(i, name)
+        free = pool.free_bytes + pool.zeroing_bytes
+        assert reg.make_room(free + 1) == ["old"]  # "newer" stays: old's bytes are coming
+        assert len(held) == 1 and reg.returning_bytes > 0
+        assert pool.free_bytes + pool.zeroing_bytes == free  # not given back yet
+        held.pop()()
+        assert reg.returning_bytes == 0 and pool.free_bytes + pool.zeroing_bytes > free
+    finally:
+        backend.close()
