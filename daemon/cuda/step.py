@@ -111,6 +111,9 @@ class DeviceStep:
         self.enqueue_stats_out(stream)
 
 
+THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal (the CUDA runtime's value)
+
+
 def capture(fn, device: int):
     """Run ``fn(stream)`` under stream capture on a fresh stream; return the graph, uploaded.
     Thread-local mode: a synchronising or unsafe call of this thread inside fails the
@@ -121,7 +124,7 @@ def capture(fn, device: int):
 
     with cp.cuda.Device(device):
         stream = cp.cuda.Stream(non_blocking=True)
-        stream.begin_capture(cp.cuda.runtime.streamCaptureModeThreadLocal)
+        stream.begin_capture(getattr(cp.cuda.runtime, "streamCaptureModeThreadLocal", THREAD_LOCAL))
         try:
             fn(stream)
         finally:
