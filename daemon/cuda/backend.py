@@ -232,9 +232,11 @@ class CudaBackend(Backend):
             return
 
         def free() -> None:
-            pinned.close()
-            if give_back is not None:
-                give_back()
+            try:
+                pinned.close()
+            finally:  # a failed unregister still gives the range back (a new pin there says why)
+                if give_back is not None:
+                    give_back()
         self._deferred.free(None, f"pinned pool range of engine {name!r}", pinned.nbytes, free)
 
     def device_counters(self) -> dict:
