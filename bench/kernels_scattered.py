@@ -6,7 +6,8 @@
   side by side from row 0, or spread evenly over the whole pool), in runs of adjacent rows
   (1: single rows); ~10 % of top-k new a step (a binomial count per request), each
   request's plan sorted by host row as skv_resolve leaves it. ``w128k`` is the decode step
-  of a 128K context: batch 64, top-k 2048, 131,072-row windows (``gather_vs_bulk_scattered``).
+  of a 128K context: batch 64, top-k 2048, 131,072-row windows (``gather_vs_bulk_scattered``);
+  also its first request alone (``gather_us_b1``: a batch-1 layer's gather, its latency).
 * **Variants** (:data:`GATHER_VARIANTS`): the gather with other threads, loads in flight,
   loads, grid or work split (csrc/copy.cu's defines), timed on every workload beside the
   default; the losers are deleted once measured (docs/DESIGN.md §8).
@@ -176,6 +177,18 @@ def scattered_section(out, row, cp, kc, s, timer, region, pool_bytes: int, bulk_
                 f"{t:.0f} us (min {tmin:.0f}) for {step_bytes / 1e6:.2f} MB; {gbps / bulk_GBps:.3f} of bulk")
             if nb == DEFAULT_BLOCKS and first:
                 out["gather_vs_bulk_scattered"] = round(gbps / bulk_GBps, 3)
+        if first:  # batch 1: one request's ~205 misses, the step's latency at batch 1 (not bytes)
+            try:
+                one = device_plans(cp, s, prow[:, :1], pslot[:, :1], pmiss[:, :1], 0)
+                _, t1, tmin1 = request_gather(lay, region, bufs, kc, s, timer, one,
+                                              float(pmiss[:, 0].mean()) * ROW_BYTES, DEFAULT_BLOCKS, graph=True)
+            except Exception as e:  # noqa: BLE001 - the figures above stand without it
+                row(f"gather, {shape.name}, batch 1", "FAILED", f"{type(e).__name__}: {e}")
+            else:
+                out["gather_us_b1"] = round(t1, 1)
+                row(f"gather, {shape.name}, batch 1 ({pmiss[:, 0].mean():.0f} rows), {DEFAULT_BLOCKS} blocks "
+                    "(graph)", f"{t1:.1f} us", f"min {tmin1:.1f} us: with resolve_us_b1, a batch-1 layer's "
+                    "swap-in on the device")
         for key, label, opts in variants:
             opts = dict(opts)
             nb = opts.pop("blocks", DEFAULT_BLOCKS)
