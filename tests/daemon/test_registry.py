@@ -231,14 +231,21 @@ def test_an_engine_caching_blocks_outlives_its_ranks_until_dropped(reg, pool):
     assert "e" not in reg and pool.used_bytes == 0
 
 
-def test_engines_kept_for_their_blocks_yield_to_a_new_engine_oldest_first(reg, pool):
-    lay = helpers.layout(host_rows=(2 * MiB) // 64)  # one 2 MiB range each (2 layers of 32-byte rows)
+def keep_two_engines(reg):
+    """Engines "old" then "newer", each kept for one cached block with no rank; returns
+    their layout (one 2 MiB range each: 2 layers of 32-byte rows)."""
+    lay = helpers.layout(host_rows=(2 * MiB) // 64)
     for i, name in enumerate(("old", "newer")):
         attach(reg, i, 0, "cpu", name, lay, block_size=4)
         store = reg.space(name).blocks
         store.open(i, 0)
         store.commit(i, store.alloc(i, 1), np.full((1, 2), i, dtype=np.int64))
         reg.detach(i, name)
+    return lay
+
+
+def test_engines_kept_for_their_blocks_yield_to_a_new_engine_oldest_first(reg, pool):
+    lay = keep_two_engines(reg)
     attach(reg, 9, 0, "cpu", "busy", lay)
     free = pool.free_bytes + pool.zeroing_bytes
     assert reg.make_room(free) == []  # it fits as it is
@@ -318,13 +325,7 @@ def test_make_room_counts_a_range_the_backend_gives_back_later_and_stops_releasi
     backend = Holding(str(tmp_path), shm_dir=str(tmp_path))
     reg = EngineRegistry(pool, backend)
     try:
-        lay = helpers.layout(host_rows=(2 * MiB) // 64)
-        for i, name in enumerate(("old", "newer")):
-            attach(reg, i, 0, "cpu", name, lay, block_size=4)
-            store = reg.space(name).blocks
-            store.open(i, 0)
-            store.commit(i, store.alloc(i, 1), np.full((1, 2), i, dtype=np.int64))
-            reg.detach(i, name)
+        keep_two_engines(reg)
         free = pool.free_bytes + pool.zeroing_bytes
         assert reg.make_room(free + 1) == ["old"]  # "newer" stays: old's bytes are coming
         assert len(held) == 1 and reg.returning_bytes > 0
