@@ -18,6 +18,8 @@
 #   hf        python -m sparsekv.bench.hf_long --quick (HF_ARGS; HF_TIMEOUT_S, default 200); only when named
 #   prefix    sparsekv bench prefix: block store lookups on this host's CPUs, and the indexer keys
 #             load against a bulk copy on the GPU (PREFIX_TIMEOUT_S, default 120); only when named
+#   probe     tests/gpu/probe_parked.py: which CUDA calls wait for a stream parked on a stream wait
+#             (PROBE_TIMEOUT_S, default 90); only when named
 #   latest    sparsekv bench latest: latest.json from the transport runs and the figures above
 #   demo      sparsekv demo                          examples  the example model on the doorbell
 #   replay    synthesized traces replayed on the cuda backend with --verify through zmq and
@@ -46,7 +48,7 @@ nvidia-cuda-mps-control -d && echo "MPS started"
 # At most 8 files come back from $OUT: the figures and the pytest log stay as they are,
 # every other log goes into logs.tgz.
 pack_logs() {
-  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|serve.json|serve.png|hf.json|pytest-cuda.log|bench-kernels.json|logs.tgz' \
+  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|serve.json|serve.png|hf.json|pytest-cuda.log|bench-kernels.json|probe.jsonl|logs.tgz' \
      | tar czf logs.tgz --remove-files -T - 2>/dev/null)
 }
 # Logs first: stopping MPS waits for its clients (a daemon a test left behind, say), and
@@ -135,6 +137,11 @@ if has prefix; then
   grep '^{' "$OUT/bench-prefix.log" | tail -1 >"$OUT/prefix.json"
   (( rc == 0 )) || status=1
   result prefix "rc $rc: $(figures "$OUT/prefix.json" $PREFIX_KEYS)"
+fi
+if has probe; then  # which CUDA calls wait for a parked stream (DESIGN §5.4; daemon/cuda/deferred.py)
+  timeout "$(left "${PROBE_TIMEOUT_S:-90}")" python3 tests/gpu/probe_parked.py --timeout-s 2 2>&1 \
+    | tee "$OUT/probe.log" | grep '^{' >"$OUT/probe.jsonl"
+  result probe "$(python3 -c 'import json,sys; print(" ".join(f"{r[\"call\"]}={r.get(\"parked\", \"failed\")}" for r in map(json.loads, sys.stdin)))' <"$OUT/probe.jsonl")"
 fi
 if has all || has bench || has e2e || has latest; then
   timeout "$(left "${LATEST_TIMEOUT_S:-200}")" python3 -m sparsekv.cli.main bench latest --json "$OUT/latest.json" \
