@@ -141,7 +141,7 @@ fi
 if has probe; then  # which CUDA calls wait for a parked stream (DESIGN §5.4; daemon/cuda/deferred.py)
   timeout "$(left "${PROBE_TIMEOUT_S:-90}")" python3 tests/gpu/probe_parked.py --timeout-s 2 2>&1 \
     | tee "$OUT/probe.log" | grep '^{' >"$OUT/probe.jsonl"
-  result probe "$(python3 -c 'import json,sys; print(" ".join(f"{r[\"call\"]}={r.get(\"parked\", \"failed\")}" for r in map(json.loads, sys.stdin)))' <"$OUT/probe.jsonl")"
+  result probe "$(python3 -c "import json, sys; print(' '.join(r['call'] + '=' + r.get('parked', 'failed') for r in map(json.loads, sys.stdin)))" <"$OUT/probe.jsonl")"
 fi
 if has all || has bench || has e2e || has latest; then
   timeout "$(left "${LATEST_TIMEOUT_S:-200}")" python3 -m sparsekv.cli.main bench latest --json "$OUT/latest.json" \
