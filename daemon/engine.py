@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import Callable
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 

@@ -369,13 +369,14 @@ def main(argv=None) -> int:
                 pool_region = pinner.region  # a start stopped while the pool was registered
             for what, part in (("backend", backend), ("pool's page-locking", pool_region), ("pool", pool),
                                ("warm CPU loops", warmer)):
+                if part is None:
+                    continue
                 if part is pool_region and backend is not None and not backend.may_free_pinned():
                     continue  # cudaHostUnregister would wait for a stream that did not drain
-                if part is not None:
-                    try:
-                        part.close()
-                    except Exception:  # noqa: BLE001
-                        log.exception("closing the %s failed", what)
+                try:
+                    part.close()
+                except Exception:  # noqa: BLE001
+                    log.exception("closing the %s failed", what)
             lock.release()
             notifier.close()
 

@@ -123,6 +123,7 @@ class CudaRankState(RankState):
                 self._close_slab()
                 raise
         self._write_uploads: list = []  # events after the last staged write's uploads
+        self._write_done = None  # event after the last staged write's kernel
         self._errors = ErrorRecord(bufs.host_err)  # counts already turned into replies
         super().__init__(rank=rank, device=f"cuda:{worker.ordinal}", residency=residency, mover=mover,
                          slab=bufs.slab, staging=bufs.staging, prefetch=prefetch)
@@ -323,6 +324,7 @@ class CudaRankState(RankState):
             self.mover.launch_write_staged(bufs.layers, len(layers), bufs.write_rows, stream)
             written = cp.cuda.Event(disable_timing=True)
             written.record(stream)
+            self._write_done = written
         for other in space.ranks.values():
             if other.device_driven:
                 continue  # its engine passes rewritten rows to begin_step (doorbell.py)
@@ -393,10 +395,15 @@ class CudaRankState(RankState):
         touch every one of them."""
         if not self.transport.close():
             return False
-        # Its staged writes and invalidations run on the GPU's shared stream (a doorbell
-        # rank's too), which never waits on a doorbell stream: done before its host blocks
-        # become a spare, its ranges another rank's and its pool range another engine's.
-        self.worker.stream.synchronize()
+        # Its last staged write (a doorbell rank's too) runs on the GPU's shared stream and
+        # its uploads read this rank's host blocks on every rank's stream: done before the
+        # blocks become a spare, its ranges another rank's and its pool range another
+        # engine's. (Those streams never wait on a doorbell stream.)
+        if self._write_done is not None:
+            self._write_done.synchronize()
+        for ev in self._write_uploads:
+            ev.synchronize()
+        self._write_uploads, self._write_done = [], None
         if self.fence_events is not None:
             events, self.fence_events = self.fence_events, None
             self._free("imported fence events", 0, events.close)
