@@ -20,6 +20,8 @@
 #             load against a bulk copy on the GPU (PREFIX_TIMEOUT_S, default 120); only when named
 #   probe     tests/gpu/probe_parked.py: which CUDA calls wait for a stream parked on a stream wait
 #             (PROBE_TIMEOUT_S, default 90); only when named
+#   b1        tests/gpu/probe_b1.py: a batch-1 step's swap-ins alone, each kernel's time from torch's
+#             profiler (B1_ARGS; B1_TIMEOUT_S, default 120); only when named
 #   latest    sparsekv bench latest: latest.json from the transport runs and the figures above
 #   demo      sparsekv demo                          examples  the example model on the doorbell
 #   replay    synthesized traces replayed on the cuda backend with --verify through zmq and
@@ -48,7 +50,7 @@ nvidia-cuda-mps-control -d && echo "MPS started"
 # At most 8 files come back from $OUT: the figures and the pytest log stay as they are,
 # every other log goes into logs.tgz.
 pack_logs() {
-  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|serve.json|serve.png|hf.json|pytest-cuda.log|bench-kernels.json|probe.jsonl|logs.tgz' \
+  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|serve.json|serve.png|hf.json|pytest-cuda.log|bench-kernels.json|probe.jsonl|probe-b1.json|logs.tgz' \
      | tar czf logs.tgz --remove-files -T - 2>/dev/null)
 }
 # Logs first: stopping MPS waits for its clients (a daemon a test left behind, say), and
@@ -137,6 +139,11 @@ if has prefix; then
   grep '^{' "$OUT/bench-prefix.log" | tail -1 >"$OUT/prefix.json"
   (( rc == 0 )) || status=1
   result prefix "rc $rc: $(figures "$OUT/prefix.json" $PREFIX_KEYS)"
+fi
+if has b1; then  # where a batch-1 layer's swap-in goes (issue 34's batch-1 figure)
+  timeout "$(left "${B1_TIMEOUT_S:-120}")" python3 tests/gpu/probe_b1.py --out "$OUT" ${B1_ARGS:-} >"$OUT/probe-b1.log" 2>&1
+  rc=$?; tail -n 25 "$OUT/probe-b1.log"
+  result b1 "rc $rc $(grep '^layer us' "$OUT/probe-b1.log" | tail -1)"
 fi
 if has probe; then  # which CUDA calls wait for a parked stream (DESIGN §5.4; daemon/cuda/deferred.py)
   timeout "$(left "${PROBE_TIMEOUT_S:-90}")" python3 tests/gpu/probe_parked.py --timeout-s 2 2>&1 \

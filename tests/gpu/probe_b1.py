@@ -1,0 +1,144 @@
+"""Where a batch-1 layer's swap-in goes: the in-process handle's kernels, one by one.
+
+    python3 tests/gpu/probe_b1.py [--context 32768] [--layers 61] [--steps 12] [--out DIR]
+
+The serving bench's batch-1 shape (DeepSeek-V3.2 rows of 656 bytes, top-k 2048, one index
+group a layer, 90 % step-to-step hits, layer overlap 0.85) without the model: a step is
+``begin_step`` and every layer's ``swap_in``, captured in one CUDA graph. Each replay is
+timed by CUDA events; a few replays run under torch's profiler, whose kernel records
+(inside the graph) give each kernel's time and the idle gaps between kernels. Prints one
+table and writes ``probe-b1.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from sparsekv.bench.decode_modes import capture_step
+from sparsekv.bench.decode_workload import fill_pattern, generate
+from sparsekv.embedded.inproc_cuda import InprocSwapIn
+from sparsekv.proto import Layout
+
+ROW_BYTES, TOP_K, BLOCK = 656, 2048, 64
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--gather-blocks", type=int, default=32)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    o = ap.parse_args()
+    L, C = o.layers, o.context
+    lay = Layout(num_layers=L, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=TOP_K, max_reqs=1, host_rows=C,
+                 index_groups=tuple((i,) for i in range(L)), max_batch=1, staging_rows=min(4096, C)).validate()
+    steps = 3 + o.steps + 4
+    wl = generate(1, 0.9, steps=steps, layers=L, context=C, top_k=TOP_K, block_size=BLOCK, layer_overlap=0.85)
+    d = torch.device("cuda", 0)
+    h = InprocSwapIn(lay, device=0, gather_blocks=o.gather_blocks)
+    try:
+        fill_pattern(h.pool)
+        table = torch.from_numpy(wl.block_table).to(d)
+        req = torch.zeros(1, dtype=torch.int32, device=d)
+        state, reset = req.clone(), torch.zeros(1, dtype=torch.bool, device=d)
+        topk = torch.zeros((L, 1, TOP_K), dtype=torch.int32, device=d)
+        idx = torch.zeros_like(topk)
+        base = torch.from_numpy(wl.base.reshape(steps, -1)).to(d, torch.int64)
+        perms = torch.from_numpy(wl.perms).to(d)
+        resets = torch.from_numpy(wl.reset).to(d)
+        hbm_base = torch.zeros((1, 1), dtype=torch.int32, device=d)
+
+        def load(t):
+            reset.copy_(resets[t])
+            topk.view(L, -1).copy_(perms.index_select(1, base[t]))
+
+        def offload():
+            h.begin_step(state, reset, None)
+            for layer in range(L):
+                h.swap_in(req, table, topk[layer], layer=layer, block_size=BLOCK, attention_indices_out=idx[layer])
+
+        def hbm():  # all on the GPU: the index mapping alone
+            for layer in range(L):
+                torch.add(topk[layer], hbm_base, out=idx[layer])
+
+        load(0)
+        runs = {}
+        for name, fn in (("offload", offload), ("hbm", hbm)):
+            run, kind, graph = capture_step(torch, fn, name)
+            runs[name] = (run, kind, graph)
+        times = defaultdict(list)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for t in range(1, 1 + 3 + o.steps):
+            for name, (run, _, _) in runs.items():
+                load(t)
+                torch.cuda.synchronize()
+                e0.record()
+                run()
+                e1.record()
+                torch.cuda.synchronize()
+                if t > 3:
+                    times[name].append(e0.elapsed_time(e1) * 1e3)
+        # The profiler over the last replays (the offloaded graph only).
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+        prof_steps = list(range(1 + 3 + o.steps, steps))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for t in prof_steps:
+                load(t)
+                torch.cuda.synchronize()
+                runs["offload"][0]()
+                torch.cuda.synchronize()
+        kern = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                      key=lambda ev: ev.time_range.start)
+        by = defaultdict(list)
+        for ev in kern:
+            by[ev.name].append(ev.time_range.end - ev.time_range.start)
+        gaps = [b.time_range.start - a.time_range.end for a, b in zip(kern, kern[1:])]
+        small_gaps = [g for g in gaps if g < 100]  # within a replay (us)
+        n = len(prof_steps) * L
+        table_rows = []
+        for name, ds in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+            table_rows.append({"kernel": name[:60], "count": len(ds), "per_layer": len(ds) / n,
+                               "mean_us": statistics.fmean(ds), "us_per_layer": sum(ds) / n})
+        out = {
+            "context": C, "layers": L, "gather_blocks": o.gather_blocks,
+            "graph": {k: v[1] for k, v in runs.items()},
+            "step_us": {k: statistics.median(v) for k, v in times.items()},
+            "layer_us": {k: statistics.median(v) / L for k, v in times.items()},
+            "kernels": table_rows,
+            "gap_us_per_layer": sum(small_gaps) / n if small_gaps else None,
+            "gap_mean_us": statistics.fmean(small_gaps) if small_gaps else None,
+            "misses_per_layer": None,
+        }
+        c = h.counters()
+        if c.get("hits", 0) + c.get("misses", 0):
+            out["misses_per_layer"] = c["misses"] / ((steps + 2) * L)  # every run counted (approximate)
+        print(json.dumps(out, indent=1))
+        print(f"{'kernel':60s} {'/layer':>6s} {'mean us':>8s} {'us/layer':>8s}")
+        for r in table_rows:
+            print(f"{r['kernel']:60s} {r['per_layer']:6.2f} {r['mean_us']:8.2f} {r['us_per_layer']:8.2f}")
+        print(f"gaps between kernels: {out['gap_us_per_layer']} us a layer (mean gap {out['gap_mean_us']})")
+        print("layer us: " + "  ".join(f"{k} {v:.2f}" for k, v in out["layer_us"].items()))
+        os.makedirs(o.out, exist_ok=True)
+        with open(os.path.join(o.out, "probe-b1.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        h.check()
+    finally:
+        h.close()
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    rc = main()
+    print(f"probe_b1: {time.time() - t0:.1f} s", file=sys.stderr)
+    sys.exit(rc)
