@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 JOBS    ?= 4
 XDIST   := $(if $(filter-out 0 1,$(JOBS)),-n $(JOBS),)
 
-.PHONY: install test test-cuda soak demo bench nvcc wheel clean
+.PHONY: install test test-cuda soak demo bench nvcc wheel gpu-wheels clean
 
 install: $(STAMP)
 
@@ -62,6 +62,13 @@ nvcc:
 # A wheel of the package (no dependencies) in dist/: `pip install dist/sparsekv-*.whl`.
 wheel:
 	$(PY) -m pip wheel -q --no-deps -w dist .
+
+# The wheels tests/gpu/device_run.sh installs on the GPU machine (python 3.12, no pyzmq,
+# pytest or prometheus-client there), downloaded into .whl/ for the device tool to carry.
+gpu-wheels:
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+	  pyzmq "setuptools>=77" prometheus-client pytest hypothesis pytest-timeout
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (docs/PERF.md): install, test, replay, time. Run from
 # the repository root there:   [VAR=...] bash tests/gpu/device_run.sh [WHAT]
-#   .whl/*.whl: wheels carried along (pyzmq for the machine's python, setuptools>=77 for
+#   .whl/*.whl (`make gpu-wheels`): wheels carried along (pyzmq for the machine's python, setuptools>=77 for
 #   the build's SPDX licence fields); installed into /tmp/site.
 #   COMMIT=<hash> goes into latest.json (the machine has no .git).
 # Logs go under $OUT; a short table of every step's result comes last.
