@@ -4,7 +4,9 @@
 
 The serving bench's batch-1 shape (DeepSeek-V3.2 rows of 656 bytes, top-k 2048, one index
 group a layer, 90 % step-to-step hits, layer overlap 0.85) without the model: a step is
-``begin_step`` and every layer's ``swap_in``, captured in one CUDA graph. Each replay is
+``begin_step`` and every layer's ``swap_in``, captured in one CUDA graph; the "filled"
+variants put a device copy and a matmul before each swap-in (other kernels' use of L2 and
+shared memory, as the model's between two layers). Each replay is
 timed by CUDA events; a few replays run under torch's profiler, whose kernel records
 (inside the graph) give each kernel's time and the idle gaps between kernels. Prints one
 table and writes ``probe-b1.json`` under ``--out``.
@@ -36,6 +38,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--gather-blocks", type=int, default=32)
+    ap.add_argument("--filler-mb", type=int, default=256,
+                    help="the 'filled' variants: per layer, before its swap-in, a device copy of this many MB "
+                         "and a bf16 matmul (the model's work between two swap-ins: L2 and shared memory "
+                         "taken by other kernels)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     o = ap.parse_args()
     L, C = o.layers, o.context
@@ -61,18 +67,34 @@ def main() -> int:
             reset.copy_(resets[t])
             topk.view(L, -1).copy_(perms.index_select(1, base[t]))
 
-        def offload():
+        n_fill = max(1, o.filler_mb << 19)  # bf16 elements
+        fa, fb = torch.empty(n_fill, dtype=torch.bfloat16, device=d), torch.empty(n_fill, dtype=torch.bfloat16, device=d)
+        wa = torch.randn((1, 7168), dtype=torch.bfloat16, device=d)
+        wb = torch.randn((7168, 4096), dtype=torch.bfloat16, device=d)
+        wo = torch.empty((1, 4096), dtype=torch.bfloat16, device=d)
+
+        def fill():
+            fb.copy_(fa)
+            torch.mm(wa, wb, out=wo)
+
+        def offload(filled=False):
             h.begin_step(state, reset, None)
             for layer in range(L):
+                if filled:
+                    fill()
                 h.swap_in(req, table, topk[layer], layer=layer, block_size=BLOCK, attention_indices_out=idx[layer])
 
-        def hbm():  # all on the GPU: the index mapping alone
+        def hbm(filled=False):  # all on the GPU: the index mapping alone
             for layer in range(L):
+                if filled:
+                    fill()
                 torch.add(topk[layer], hbm_base, out=idx[layer])
 
         load(0)
         runs = {}
-        for name, fn in (("offload", offload), ("hbm", hbm)):
+        variants = (("offload", offload), ("hbm", hbm), ("offload_filled", lambda: offload(True)),
+                    ("hbm_filled", lambda: hbm(True)))
+        for name, fn in variants:
             run, kind, graph = capture_step(torch, fn, name)
             runs[name] = (run, kind, graph)
         times = defaultdict(list)
@@ -87,46 +109,47 @@ def main() -> int:
                 torch.cuda.synchronize()
                 if t > 3:
                     times[name].append(e0.elapsed_time(e1) * 1e3)
-        # The profiler over the last replays (the offloaded graph only).
+        # The profiler over the last replays, per offloaded graph: each kernel's time, and the
+        # idle gaps between consecutive kernels of one replay.
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
         prof_steps = list(range(1 + 3 + o.steps, steps))
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for t in prof_steps:
-                load(t)
-                torch.cuda.synchronize()
-                runs["offload"][0]()
-                torch.cuda.synchronize()
-        kern = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                      key=lambda ev: ev.time_range.start)
-        by = defaultdict(list)
-        for ev in kern:
-            by[ev.name].append(ev.time_range.end - ev.time_range.start)
-        gaps = [b.time_range.start - a.time_range.end for a, b in zip(kern, kern[1:])]
-        small_gaps = [g for g in gaps if g < 100]  # within a replay (us)
         n = len(prof_steps) * L
-        table_rows = []
-        for name, ds in sorted(by.items(), key=lambda kv: -sum(kv[1])):
-            table_rows.append({"kernel": name[:60], "count": len(ds), "per_layer": len(ds) / n,
-                               "mean_us": statistics.fmean(ds), "us_per_layer": sum(ds) / n})
+        profiled = {}
+        c0 = h.counters()
+        for name in ("offload", "offload_filled"):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for t in prof_steps:
+                    load(t)
+                    torch.cuda.synchronize()
+                    runs[name][0]()
+                    torch.cuda.synchronize()
+            kern = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                          key=lambda ev: ev.time_range.start)
+            by = defaultdict(list)
+            for ev in kern:
+                by[ev.name].append(ev.time_range.end - ev.time_range.start)
+            gaps = [b.time_range.start - a.time_range.end for a, b in zip(kern, kern[1:])]
+            small_gaps = [g for g in gaps if g < 100]  # within a replay (us)
+            rows = [{"kernel": k[:60], "count": len(ds), "per_layer": len(ds) / n, "mean_us": statistics.fmean(ds),
+                     "us_per_layer": sum(ds) / n} for k, ds in sorted(by.items(), key=lambda kv: -sum(kv[1]))]
+            profiled[name] = {"kernels": rows, "gap_us_per_layer": sum(small_gaps) / n if small_gaps else None,
+                              "gap_mean_us": statistics.fmean(small_gaps) if small_gaps else None}
         out = {
             "context": C, "layers": L, "gather_blocks": o.gather_blocks,
             "graph": {k: v[1] for k, v in runs.items()},
             "step_us": {k: statistics.median(v) for k, v in times.items()},
             "layer_us": {k: statistics.median(v) / L for k, v in times.items()},
-            "kernels": table_rows,
-            "gap_us_per_layer": sum(small_gaps) / n if small_gaps else None,
-            "gap_mean_us": statistics.fmean(small_gaps) if small_gaps else None,
-            "misses_per_layer": None,
+            "profiled": profiled,
         }
-        c = h.counters()
-        if c.get("hits", 0) + c.get("misses", 0):
-            out["misses_per_layer"] = c["misses"] / ((steps + 2) * L)  # every run counted (approximate)
+        c1 = h.counters()  # over the profiled replays: 2 graphs x prof_steps x L layers
+        out["misses_per_layer"] = (c1["misses"] - c0["misses"]) / (2 * n)
         print(json.dumps(out, indent=1))
-        print(f"{'kernel':60s} {'/layer':>6s} {'mean us':>8s} {'us/layer':>8s}")
-        for r in table_rows:
-            print(f"{r['kernel']:60s} {r['per_layer']:6.2f} {r['mean_us']:8.2f} {r['us_per_layer']:8.2f}")
-        print(f"gaps between kernels: {out['gap_us_per_layer']} us a layer (mean gap {out['gap_mean_us']})")
+        for name, p in profiled.items():
+            print(f"== {name}\n{'kernel':60s} {'/layer':>6s} {'mean us':>8s} {'us/layer':>8s}")
+            for r in p["kernels"]:
+                print(f"{r['kernel']:60s} {r['per_layer']:6.2f} {r['mean_us']:8.2f} {r['us_per_layer']:8.2f}")
+            print(f"gaps between kernels: {p['gap_us_per_layer']} us a layer (mean gap {p['gap_mean_us']})")
         print("layer us: " + "  ".join(f"{k} {v:.2f}" for k, v in out["layer_us"].items()))
         os.makedirs(o.out, exist_ok=True)
         with open(os.path.join(o.out, "probe-b1.json"), "w") as f:
