@@ -123,14 +123,21 @@ class HbmRows:
     def write(self, layer: int, rows) -> None:
         self.kv[layer].index_copy_(0, self.new, rows)
 
+    def end(self) -> None:
+        pass
+
 
 class SwappedRows:
     """Offloaded: the rows through ``h.swap_in`` (positions through the block table), the
     new rows copied to pinned host memory (``mirror`` [layers, max_batch, row_bytes]:
-    the bytes of the mirror; an engine would hand them to ``write_staged`` after the step)."""
+    the bytes of the mirror; an engine would hand them to ``write_staged`` after the step).
+    Nothing in the step reads the mirror, so its copies run on a stream of their own,
+    forked after each layer's row is made and joined at the step's end (``end``), as an
+    engine keeps the write-back off the layers' critical path."""
 
     def __init__(self, h, st: Static, block_size: int, mirror):
         self.h, self.st, self.block_size, self.mirror = h, st, block_size, mirror
+        self.side = torch.cuda.Stream(device=st.table.device)
 
     def begin(self) -> None:
         self.h.begin_step(self.st.state, self.st.reset, None)
@@ -141,7 +148,14 @@ class SwappedRows:
                                                 block_size=self.block_size, attention_indices_out=st.idx[layer])
 
     def write(self, layer: int, rows) -> None:
-        self.mirror[layer, :rows.shape[0]].copy_(rows, non_blocking=True)
+        self.side.wait_stream(torch.cuda.current_stream(self.side.device))
+        with torch.cuda.stream(self.side):
+            self.mirror[layer, :rows.shape[0]].copy_(rows, non_blocking=True)
+        rows.record_stream(self.side)
+
+    def end(self) -> None:
+        """The step's stream waits for the mirror's copies (forked in ``write``)."""
+        torch.cuda.current_stream(self.side.device).wait_stream(self.side)
 
 
 # -- the offloaded handles -----------------------------------------------------------------
