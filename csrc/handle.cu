@@ -14,6 +14,11 @@
 // engine's stream bumps in skv_db_begin, so a replayed graph describes each step right.
 #include "positions.cuh"
 
+// Columns a thread of skv_db_topk / skv_db_indices keeps in flight (loads before stores).
+#ifndef SKV_DB_UNROLL
+#define SKV_DB_UNROLL 8
+#endif
+
 // The STEP block: desc, rows = state_rows, aux = reset (0/1), payload = invalidate [n, inv_n].
 // counter[0] is the engine's step number (bumped here, once per step).
 extern "C" __global__ void skv_db_begin(int* __restrict__ blk, int* __restrict__ counter,
@@ -75,15 +80,42 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
         if (threadIdx.x == 0) rows[t] = req < 0 ? -1 : req;  // the daemon checks the range
         const int* trow = table ? table + (i64)(live ? req : 0) * max_blocks : nullptr;
         const int* rrow = resident ? resident + (i64)(live ? req : 0) * res_blocks : nullptr;
-        for (int j = threadIdx.x; j < k; j += blockDim.x) {
-            const int p = topk[(i64)t * k + j];
-            int out = p;  // no table: the top-k holds host rows already
-            if (trow) {
-                if (!live) out = SKV_UNMAPPED;
-                else if (skv_position_row(rrow, res_blocks, p, block_size) >= 0) out = -1;
-                else out = skv_host_row(trow, max_blocks, p, block_size);
+        const int* tk = topk + (i64)t * k;
+        int* pl = payload + (i64)t * k;
+        // SKV_DB_UNROLL columns a thread in flight: every load of a tile is issued before
+        // the first store (a batch-1 step waits on this kernel's latency, not its bytes).
+        for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
+            int v[SKV_DB_UNROLL];
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int j = j0 + u * blockDim.x + threadIdx.x;
+                v[u] = j < k ? tk[j] : -1;
             }
-            payload[(i64)t * k + j] = out;
+            if (trow) {  // block-uniform
+                // Both tables' entries of every column loaded (predicated, none waiting on
+                // another), then each column's row (skv_position_row's rule, spelled out).
+                int rb[SKV_DB_UNROLL], tb[SKV_DB_UNROLL];
+#pragma unroll
+                for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                    const int p = v[u];
+                    const int blkno = p >= 0 ? p / block_size : 0;
+                    rb[u] = (live && rrow && p >= 0 && blkno < res_blocks) ? rrow[blkno] : -1;
+                    tb[u] = (live && p >= 0 && blkno < max_blocks) ? trow[blkno] : -1;
+                }
+#pragma unroll
+                for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                    const int p = v[u];
+                    const i64 row = tb[u] >= 0 ? (i64)tb[u] * block_size + (p % block_size) : -1;
+                    if (!live) v[u] = SKV_UNMAPPED;
+                    else if (rb[u] >= 0) v[u] = -1;  // resident on the engine's GPU
+                    else v[u] = (row >= 0 && row <= 0x7fffffffll) ? (int)row : SKV_UNMAPPED;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int j = j0 + u * blockDim.x + threadIdx.x;
+                if (j < k) pl[j] = v[u];
+            }
         }
     }
     skv_ring_when_done(done, bell);
@@ -119,22 +151,39 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
         const bool live = !gone && req >= 0 && req < table_rows;
         const int* rrow = (resident && live) ? resident + (i64)req * res_blocks : nullptr;
         int mine = 0;
-        for (int j = threadIdx.x; j < k; j += blockDim.x) {
-            int o = -1;
-            if (live) {
-                const int p = rrow ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
-                const i64 r = skv_position_row(rrow, res_blocks, p, block_size);
-                i64 v = -1;
-                if (r >= 0) {
-                    v = resident_base + r;
-                } else {
-                    const int s = slots[(i64)t * ld + j];
-                    if (s >= 0) v = hot_base + (i64)req * region_stride + s;
-                }
-                if (v <= 0x7fffffffll) o = (int)v;  // an index past int32 is no row (-1)
+        // SKV_DB_UNROLL columns a thread in flight, as skv_db_topk.
+        for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
+            int o[SKV_DB_UNROLL], sl[SKV_DB_UNROLL], rb[SKV_DB_UNROLL], pos[SKV_DB_UNROLL];
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int j = j0 + u * blockDim.x + threadIdx.x;
+                const bool on = live && j < k;
+                // Loaded whatever the others hold: no load waits on another's value.
+                const int p = (on && rrow) ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
+                sl[u] = on ? slots[(i64)t * ld + j] : -1;
+                const int blkno = p >= 0 ? p / block_size : 0;
+                rb[u] = (p >= 0 && blkno < res_blocks) ? rrow[blkno] : -1;
+                pos[u] = p;
             }
-            out[(i64)t * k + j] = o;
-            mine += o >= 0;
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int j = j0 + u * blockDim.x + threadIdx.x;
+                o[u] = -1;
+                if (live && j < k) {
+                    i64 v = -1;
+                    if (rb[u] >= 0) v = resident_base + (i64)rb[u] * block_size + pos[u] % block_size;
+                    else if (sl[u] >= 0) v = hot_base + (i64)req * region_stride + sl[u];
+                    if (v <= 0x7fffffffll) o[u] = (int)v;  // an index past int32 is no row (-1)
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int j = j0 + u * blockDim.x + threadIdx.x;
+                if (j < k) {
+                    out[(i64)t * k + j] = o[u];
+                    mine += o[u] >= 0;
+                }
+            }
         }
         if (valid) {
             if (mine) atomicAdd(&count, mine);

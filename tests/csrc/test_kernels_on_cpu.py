@@ -261,10 +261,11 @@ def _positions_case(rng, tokens=7, k=24, reqs=5, max_blocks=6, bs=4):
 def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(grid):
     """skv_db_topk: position -> host row by the request's block table (proto/positions.py's
     rule), resident blocks -> -1 (no host row), unmapped -> -2; the step block's head; and
-    the bell rung once every block is done, its arrival counter back at 0."""
+    the bell rung once every block is done, its arrival counter back at 0. k = 300 spans
+    two tiles of a block's unrolled columns (32 threads x 8), the second one partial."""
     rng = np.random.default_rng(grid)
     for trial in range(8):
-        req, table, resident, topk, bs = _positions_case(rng)
+        req, table, resident, topk, bs = _positions_case(rng, k=(24, 300)[trial % 2])
         tokens, k = topk.shape
         max_batch = 8
         blk = np.full(16 + 2 * max_batch + max_batch * k, -9, np.int32)
@@ -317,13 +318,14 @@ def test_the_handles_own_arguments_ring_the_groups_bell(grid):
 
 def test_the_engine_side_indices_point_at_hot_or_resident_rows():
     """skv_db_indices: resident positions -> resident_base + block * bs + offset, hot slots
-    -> hot_base + req * stride + slot, everything else -1; valid counts; all -1 once dead."""
+    -> hot_base + req * stride + slot, everything else -1; valid counts; all -1 once dead.
+    k = 300: two tiles of unrolled columns, as above."""
     rng = np.random.default_rng(5)
-    req, table, resident, topk, bs = _positions_case(rng)
-    tokens, k = topk.shape
     stride, hot, res_base = 64, 1000, 50_000
-    slots = rng.integers(-1, stride, size=(8, k)).astype(np.int32)
-    for dead_flag in (0, 1):
+    for k_cols, dead_flag in ((24, 0), (24, 1), (300, 0)):
+        req, table, resident, topk, bs = _positions_case(rng, k=k_cols)
+        tokens, k = topk.shape
+        slots = rng.integers(-1, stride, size=(8, k)).astype(np.int32)
         out = np.full((tokens, k), -9, np.int32)
         valid = np.full(tokens, -9, np.int32)
         dead = np.array([dead_flag], np.int32)
