@@ -138,8 +138,10 @@ class SwappedRows:
     def __init__(self, h, st: Static, block_size: int, mirror):
         self.h, self.st, self.block_size, self.mirror = h, st, block_size, mirror
         self.side = torch.cuda.Stream(device=st.table.device)
+        self._held: list = []  # the step's new rows, alive until the side stream has copied them
 
     def begin(self) -> None:
+        self._held.clear()  # the last step's copies were joined at its end
         self.h.begin_step(self.st.state, self.st.reset, None)
 
     def rows(self, layer: int):
@@ -151,7 +153,7 @@ class SwappedRows:
         self.side.wait_stream(torch.cuda.current_stream(self.side.device))
         with torch.cuda.stream(self.side):
             self.mirror[layer, :rows.shape[0]].copy_(rows, non_blocking=True)
-        rows.record_stream(self.side)
+        self._held.append(rows)  # (not freed into the step's pool while the copy may read it)
 
     def end(self) -> None:
         """The step's stream waits for the mirror's copies (forked in ``write``)."""
