@@ -92,23 +92,20 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                 v[u] = j < k ? tk[j] : -1;
             }
             if (trow) {  // block-uniform
-                // Both tables' entries of every column loaded (predicated, none waiting on
-                // another), then each column's row (skv_position_row's rule, spelled out).
-                int rb[SKV_DB_UNROLL], tb[SKV_DB_UNROLL];
+                // Both tables' entries of every column loaded (none waiting on another),
+                // then each column's row.
+                i64 rb[SKV_DB_UNROLL], tb[SKV_DB_UNROLL];
 #pragma unroll
                 for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                    const int p = v[u];
-                    const int blkno = p >= 0 ? p / block_size : 0;
-                    rb[u] = (live && rrow && p >= 0 && blkno < res_blocks) ? rrow[blkno] : -1;
-                    tb[u] = (live && p >= 0 && blkno < max_blocks) ? trow[blkno] : -1;
+                    rb[u] = skv_block_of(live ? rrow : nullptr, res_blocks, v[u], block_size);
+                    tb[u] = skv_block_of(live ? trow : nullptr, max_blocks, v[u], block_size);
                 }
 #pragma unroll
                 for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                     const int p = v[u];
-                    const i64 row = tb[u] >= 0 ? (i64)tb[u] * block_size + (p % block_size) : -1;
                     if (!live) v[u] = SKV_UNMAPPED;
-                    else if (rb[u] >= 0) v[u] = -1;  // resident on the engine's GPU
-                    else v[u] = (row >= 0 && row <= 0x7fffffffll) ? (int)row : SKV_UNMAPPED;
+                    else if (skv_row_in_block(rb[u], p, block_size) >= 0) v[u] = -1;  // resident on the engine's GPU
+                    else v[u] = skv_host_row_of(skv_row_in_block(tb[u], p, block_size));
                 }
             }
 #pragma unroll
@@ -153,25 +150,25 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
         int mine = 0;
         // SKV_DB_UNROLL columns a thread in flight, as skv_db_topk.
         for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
-            int o[SKV_DB_UNROLL], sl[SKV_DB_UNROLL], rb[SKV_DB_UNROLL], pos[SKV_DB_UNROLL];
+            int o[SKV_DB_UNROLL], sl[SKV_DB_UNROLL], pos[SKV_DB_UNROLL];
+            i64 rb[SKV_DB_UNROLL];
 #pragma unroll
             for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                 const int j = j0 + u * blockDim.x + threadIdx.x;
                 const bool on = live && j < k;
                 // Loaded whatever the others hold: no load waits on another's value.
-                const int p = (on && rrow) ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
+                pos[u] = (on && rrow) ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
                 sl[u] = on ? slots[(i64)t * ld + j] : -1;
-                const int blkno = p >= 0 ? p / block_size : 0;
-                rb[u] = (p >= 0 && blkno < res_blocks) ? rrow[blkno] : -1;
-                pos[u] = p;
+                rb[u] = skv_block_of(rrow, res_blocks, pos[u], block_size);
             }
 #pragma unroll
             for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                 const int j = j0 + u * blockDim.x + threadIdx.x;
                 o[u] = -1;
                 if (live && j < k) {
+                    const i64 r = skv_row_in_block(rb[u], pos[u], block_size);
                     i64 v = -1;
-                    if (rb[u] >= 0) v = resident_base + (i64)rb[u] * block_size + pos[u] % block_size;
+                    if (r >= 0) v = resident_base + r;
                     else if (sl[u] >= 0) v = hot_base + (i64)req * region_stride + sl[u];
                     if (v <= 0x7fffffffll) o[u] = (int)v;  // an index past int32 is no row (-1)
                 }
