@@ -24,6 +24,7 @@ FREE, CACHED = -1, -2  # ``state`` of a block that is not private (else: the own
 # The chains looked up in full lately, by their last key (see BlockStore._chain): at most
 # this many block ids together, and this many a block of the store (a chain may name one
 # block many times: a small store's memo stays small); the least recently used goes first.
+# Each id keeps 24 bytes (its block and its 16-byte hash): 24 MiB at most.
 CHAIN_MEMO_IDS = 1 << 20
 CHAIN_MEMO_IDS_PER_BLOCK = 8
 CHAIN_MEMO_MIN = 64  # shorter chains take the index (a few microseconds anyway)
@@ -38,12 +39,18 @@ def _run(ids: np.ndarray) -> slice | None:
     return slice(int(ids[0]), int(ids[0]) + n)
 
 
-def key_words(hashes) -> tuple[np.ndarray, np.ndarray]:
-    """Chain hashes as the wire carries them (int64 [n, 2]: 16 bytes each) -> their two
-    words (int64 [n] each); BAD_ARGUMENT for another shape or dtype."""
+def _hash_array(hashes) -> np.ndarray:
+    """Chain hashes as the wire carries them (int64 [n, 2]: 16 bytes each); BAD_ARGUMENT
+    for another shape or dtype."""
     a = np.asarray(hashes)
     if a.ndim != 2 or a.shape[1] != 2 or a.dtype != np.int64:
         raise BlockError("BAD_ARGUMENT", f"hashes must be int64 [n, 2] (16 bytes each), got {a.dtype} {list(a.shape)}")
+    return a
+
+
+def key_words(hashes) -> tuple[np.ndarray, np.ndarray]:
+    """Chain hashes (``_hash_array``) -> their two words (int64 [n] each)."""
+    a = _hash_array(hashes)
     return np.ascontiguousarray(a[:, 0]), np.ascontiguousarray(a[:, 1])
 
 
@@ -82,9 +89,13 @@ class BlockStore:
         self._uid: dict[int, int] = {}
         self._pinned: dict[int, np.ndarray] = {}  # session -> its pins of each block
         self.counts = collections.Counter()  # lookups, hit_blocks, commits, evictions
-        # Last key of a chain found whole -> its blocks (int64 [n]) and their run. Only a
-        # hint: a lookup uses it only after checking every block of it is cached under its key now.
-        self._chains: collections.OrderedDict[tuple[int, int], tuple] = collections.OrderedDict()
+        # Last key of a chain found whole -> its blocks (int64 [n]), their run, its hashes
+        # (int64 [n, 2]) and the eviction epoch it was last checked at. Only a hint: a lookup
+        # uses it only for the same hashes, and after checking every block of it is still
+        # cached under its key, unless no block was evicted since the last check (only an
+        # eviction takes a block out of the cache).
+        self._chains: collections.OrderedDict[tuple[int, int], list] = collections.OrderedDict()
+        self._epoch = 0  # evictions so far (alloc's): a memo checked at this epoch holds
         self._chain_ids = 0
         self._chain_ids_max = min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
 
@@ -164,6 +175,7 @@ class BlockStore:
         if n > take:
             evicted = self._oldest(n - take)
             self.index.delete(self.key_lo[evicted], self.key_hi[evicted])
+            self._epoch += 1
             self.cached_blocks -= len(evicted)
             self.evictable_blocks -= len(evicted)
             self.counts["evictions"] += len(evicted)
@@ -210,18 +222,19 @@ class BlockStore:
         ``session``'s reservation while it has one; past that, it stops before an evictable
         block that the reservations need."""
         uid = self._uid_of(session)
-        lo, hi = key_words(hashes)
-        memo = self._chain(lo, hi)
+        hashes = _hash_array(hashes)
+        memo = self._chain(hashes)
         if memo is not None:
             arr, run = memo
         else:
+            lo, hi = np.ascontiguousarray(hashes[:, 0]), np.ascontiguousarray(hashes[:, 1])
             arr = self.index.find(lo, hi)
             missing = np.flatnonzero(arr < 0)
             if missing.size:
                 arr = arr[: missing[0]]
             run = _run(arr)  # blocks allocated together: slices instead of gathers and scatters
             if not missing.size and arr.size >= CHAIN_MEMO_MIN:
-                self._remember(lo, hi, arr, run)
+                self._remember(hashes, arr, run)
         at = run if run is not None else arr
         unpinned = self.pins[at] == 0
         twice = False
@@ -256,33 +269,37 @@ class BlockStore:
         self.counts["hit_blocks"] += arr.size
         return arr.astype(np.int32)
 
-    def _chain(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, slice | None] | None:
-        """The blocks of the chain of keys ``lo``, ``hi`` (its words), and their run (``_run``),
-        when it was found whole before and every block of that answer is still cached
-        under its key (then the index would answer the same: a key names one cached
-        block); None otherwise. Requests sharing a long system prompt look the same chain
-        up again and again: a few array operations (slices for a run), no probes."""
-        if lo.size < CHAIN_MEMO_MIN:
+    def _chain(self, hashes: np.ndarray) -> tuple[np.ndarray, slice | None] | None:
+        """The blocks of the chain ``hashes`` (int64 [n, 2]) and their run (``_run``), when it
+        was found whole before and every block of that answer is still cached under its key
+        (then the index would answer the same: a key names one cached block); None
+        otherwise. Requests sharing a long system prompt look the same chain up again and
+        again: one comparison of the hashes when nothing was evicted since, a few array
+        operations (slices for a run) when something was, no probes."""
+        n = hashes.shape[0]
+        if n < CHAIN_MEMO_MIN:
             return None
-        key = (int(lo[-1]), int(hi[-1]))
+        key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         memo = self._chains.get(key)
-        if memo is None or memo[0].size != lo.size:
+        if memo is None or memo[0].size != n or not np.array_equal(memo[2], hashes):
             return None
-        arr, run = memo
-        at = run if run is not None else arr
-        if not ((self.key_lo[at] == lo).all() and (self.key_hi[at] == hi).all()
-                and (self.state[at] == CACHED).all()):
-            del self._chains[key]
-            self._chain_ids -= arr.size
-            return None
+        arr, run = memo[0], memo[1]
+        if memo[3] != self._epoch:
+            at = run if run is not None else arr
+            if not ((self.key_lo[at] == hashes[:, 0]).all() and (self.key_hi[at] == hashes[:, 1]).all()
+                    and (self.state[at] == CACHED).all()):
+                del self._chains[key]
+                self._chain_ids -= n
+                return None
+            memo[3] = self._epoch
         self._chains.move_to_end(key)
-        return memo
+        return arr, run
 
-    def _remember(self, lo: np.ndarray, hi: np.ndarray, arr: np.ndarray, run: slice | None) -> None:
-        key = (int(lo[-1]), int(hi[-1]))
+    def _remember(self, hashes: np.ndarray, arr: np.ndarray, run: slice | None) -> None:
+        key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         old = self._chains.pop(key, None)
         self._chain_ids += arr.size - (old[0].size if old is not None else 0)
-        self._chains[key] = (arr, run)
+        self._chains[key] = [arr, run, hashes.copy(), self._epoch]
         while self._chain_ids > self._chain_ids_max:
             self._chain_ids -= self._chains.popitem(last=False)[1][0].size
 
