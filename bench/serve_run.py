@@ -33,7 +33,9 @@ def configs(opts, caps: dict) -> list[tuple[int, int, float, tuple[str, ...]]]:
     """(context, batch, layer overlap, modes): the equal-batch configs at the first
     context, then each mode at its largest batch per context, at ``--layer-overlap``; the
     first context's largest equal batch also at each of ``--overlaps`` (right after it at
-    ``--layer-overlap``); one config per (context, batch, overlap)."""
+    ``--layer-overlap``, its offloaded modes only: the all-on-GPU step reads the same rows
+    from HBM whatever the overlap, so its run at ``--layer-overlap`` is the baseline of
+    every overlap); one config per (context, batch, overlap)."""
     off = tuple(m for m in opts.modes if m in OFFLOADED)
     o = opts.layer_overlap
     want: dict[tuple[int, int, float], set] = {}
@@ -44,10 +46,10 @@ def configs(opts, caps: dict) -> list[tuple[int, int, float, tuple[str, ...]]]:
             want.setdefault((c, cap["gpu"], o), set()).add("gpu")
         if off and cap["offload"] > 0:
             want.setdefault((c, cap["offload"], o), set()).update(off)
-    # The more overlaps right after the same batch at --layer-overlap: the HBM the all-on-GPU
-    # rows need is then as free as it was for that one.
+    # The more overlaps right after the same batch at --layer-overlap (offloaded modes only).
     first = (opts.contexts[0], max(opts.batches), o)
-    more = [((c, b, x), set(opts.modes)) for c, b, x in sorted({first[:2] + (x,) for x in opts.overlaps if x != o})]
+    more = [((c, b, x), set(off)) for c, b, x in sorted({first[:2] + (x,) for x in opts.overlaps if x != o})] \
+        if off else []
     order = {m: i for i, m in enumerate(MODES)}
     plan = []
     for key, ms in sorted(want.items()):

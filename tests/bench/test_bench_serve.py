@@ -429,17 +429,20 @@ def test_configs_are_the_equal_batches_at_the_first_context_and_each_modes_large
         (131072, 5, 0.85, ("gpu",)), (131072, 29, 0.85, ("inproc", "daemon"))]
 
 
-def test_more_overlaps_run_the_first_contexts_largest_batch_with_every_mode():
+def test_more_overlaps_run_the_first_contexts_largest_batch_with_every_offloaded_mode():
     from sparsekv.bench import serve, serve_run
 
     opts = serve.Options(contexts=(32768, 131072), batches=(1, 64), modes=("gpu", "daemon", "prefetch"),
                          overlaps=(0.5, 0.85, 0.95, 0.5))
     caps = {32768: {"gpu": 21, "offload": 96}, 131072: {"gpu": 5, "offload": 29}}
     plan = serve_run.configs(opts, caps)
-    every = ("gpu", "daemon", "prefetch")
-    at = plan.index((32768, 64, 0.85, every))  # the batch at --layer-overlap, then at the others (each once)
-    assert plan[at + 1:at + 3] == [(32768, 64, 0.5, every), (32768, 64, 0.95, every)]
+    at = plan.index((32768, 64, 0.85, ("gpu", "daemon", "prefetch")))  # at --layer-overlap, then at the others
+    off = ("daemon", "prefetch")  # (each once; all on the GPU only at --layer-overlap: its step is the same)
+    assert plan[at + 1:at + 3] == [(32768, 64, 0.5, off), (32768, 64, 0.95, off)]
     assert len([c for c in plan if c[2] != 0.85]) == 2
+    gpu_only = serve.Options(contexts=(32768,), batches=(64,), modes=("gpu",), overlaps=(0.5,))
+    assert serve_run.configs(gpu_only, {32768: {"gpu": 21, "offload": 96}}) == [
+        (32768, 21, 0.85, ("gpu",)), (32768, 64, 0.85, ("gpu",))]
 
 
 def test_the_prefetch_mode_needs_hot_region_rows_above_top_k():
@@ -473,6 +476,9 @@ def test_the_prefetch_figures_are_its_hidden_share_and_its_cost_against_the_daem
     assert f["prefetch_cost_overlap50"] == f["serve_prefetch_vs_daemon_b64_32k_o50"] == round(36500 / 36100, 4)
     assert f["serve_offload_vs_gpu_tpot_b64_32k_o50"] == round(36500 / 30100, 4)
     assert "serve_offload_vs_gpu_tpot_b64_32k_o85" not in f  # the headline's overlap: the key without a suffix
+    # Without an all-on-GPU run at overlap 0.5 (the plan has none), the one at 0.85 is the baseline.
+    f = summary([x for x in results if (x.mode, x.overlap) != ("gpu", 0.5)], caps, 32768, {})
+    assert f["serve_offload_vs_gpu_tpot_b64_32k_o50"] == round(36500 / 30000, 4)
 
 
 @pytest.mark.cuda
