@@ -13,6 +13,7 @@ zeros. Who may write or read a block's bytes it answers (``writable``, ``keys_wr
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -37,6 +38,16 @@ def _run(ids: np.ndarray) -> slice | None:
     if n < 2 or int(ids[-1]) - int(ids[0]) != n - 1 or not (np.diff(ids) == 1).all():
         return None
     return slice(int(ids[0]), int(ids[0]) + n)
+
+
+@dataclass(slots=True)
+class _Memo:
+    """A chain found whole (``BlockStore._chain``)."""
+
+    blocks: np.ndarray  # int64 [n], in chain order
+    run: slice | None  # the blocks as a slice, when consecutive (``_run``)
+    hashes: np.ndarray  # int64 [n, 2]: the chain's keys
+    epoch: int  # the store's evictions when it was last checked against the cache
 
 
 def _hash_array(hashes) -> np.ndarray:
@@ -89,12 +100,11 @@ class BlockStore:
         self._uid: dict[int, int] = {}
         self._pinned: dict[int, np.ndarray] = {}  # session -> its pins of each block
         self.counts = collections.Counter()  # lookups, hit_blocks, commits, evictions
-        # Last key of a chain found whole -> its blocks (int64 [n]), their run, its hashes
-        # (int64 [n, 2]) and the eviction epoch it was last checked at. Only a hint: a lookup
-        # uses it only for the same hashes, and after checking every block of it is still
-        # cached under its key, unless no block was evicted since the last check (only an
-        # eviction takes a block out of the cache).
-        self._chains: collections.OrderedDict[tuple[int, int], list] = collections.OrderedDict()
+        # Last key of a chain found whole -> its _Memo. Only a hint: a lookup uses it only for
+        # the same hashes, and after checking every block of it is still cached under its
+        # key, unless no block was evicted since the last check (only an eviction takes a
+        # block out of the cache).
+        self._chains: collections.OrderedDict[tuple[int, int], _Memo] = collections.OrderedDict()
         self._epoch = 0  # evictions so far (alloc's): a memo checked at this epoch holds
         self._chain_ids = 0
         self._chain_ids_max = min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
@@ -227,8 +237,7 @@ class BlockStore:
         if memo is not None:
             arr, run = memo
         else:
-            lo, hi = np.ascontiguousarray(hashes[:, 0]), np.ascontiguousarray(hashes[:, 1])
-            arr = self.index.find(lo, hi)
+            arr = self.index.find(*key_words(hashes))
             missing = np.flatnonzero(arr < 0)
             if missing.size:
                 arr = arr[: missing[0]]
@@ -281,27 +290,27 @@ class BlockStore:
             return None
         key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         memo = self._chains.get(key)
-        if memo is None or memo[0].size != n or not np.array_equal(memo[2], hashes):
+        if memo is None or memo.blocks.size != n or not np.array_equal(memo.hashes, hashes):
             return None
-        arr, run = memo[0], memo[1]
-        if memo[3] != self._epoch:
+        arr, run = memo.blocks, memo.run
+        if memo.epoch != self._epoch:
             at = run if run is not None else arr
             if not ((self.key_lo[at] == hashes[:, 0]).all() and (self.key_hi[at] == hashes[:, 1]).all()
                     and (self.state[at] == CACHED).all()):
                 del self._chains[key]
                 self._chain_ids -= n
                 return None
-            memo[3] = self._epoch
+            memo.epoch = self._epoch
         self._chains.move_to_end(key)
         return arr, run
 
     def _remember(self, hashes: np.ndarray, arr: np.ndarray, run: slice | None) -> None:
         key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         old = self._chains.pop(key, None)
-        self._chain_ids += arr.size - (old[0].size if old is not None else 0)
-        self._chains[key] = [arr, run, hashes.copy(), self._epoch]
+        self._chain_ids += arr.size - (old.blocks.size if old is not None else 0)
+        self._chains[key] = _Memo(arr, run, hashes.copy(), self._epoch)
         while self._chain_ids > self._chain_ids_max:
-            self._chain_ids -= self._chains.popitem(last=False)[1][0].size
+            self._chain_ids -= self._chains.popitem(last=False)[1].blocks.size
 
     def release(self, session: int, blocks) -> None:
         """Unpin cached ``blocks`` (int [n]; named twice: unpinned twice) and free private
