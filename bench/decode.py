@@ -9,6 +9,12 @@ Modes (each over the same top-k sequence of a (batch, hits) config), in this ord
 * ``inproc``: ``InprocSwapIn`` (the daemon's kernels inline on this stream, its own pool).
 * ``doorbell``: a private cuda ``sparsekvd``, the rank attached with
   ``transport="doorbell"``, ``Client.doorbell_handle()``, the same engine code as inproc.
+* ``prefetch`` (only when ``--modes`` names it, with doorbell): the doorbell rank again,
+  attached with cross-layer prefetch (DESIGN.md §4), on the same daemon and pool after the
+  doorbell rank; its figures: the share of misses fetched off the critical path, and its
+  step against the doorbell's and the all-on-GPU step at equal batch. Between two layers
+  this bench computes only a tiny attention, so little of the prefetch's copies can hide
+  behind compute (``bench serve`` has the model's real layers).
 * ``zmq`` (only when ``--modes`` names it): ``HostSwapIn`` with fence events and device
   wait (``Client(device_wait=True)``); eager.
 
@@ -109,7 +115,8 @@ def _run_batch_modes(torch, batch: int, lay: Layout, workloads: dict, opts: Opti
         guarded(results, "gpu", batch, workloads, lambda: run_gpu(torch, lay, workloads, opts, results))
         _free(torch)
     if opts.paired:
-        modes = [m for m in ("inproc", "doorbell", "zmq") if m in opts.modes] + ([CONTROL] if opts.control else [])
+        modes = [m for m in ("inproc", "doorbell", "prefetch", "zmq") if m in opts.modes] + (
+            [CONTROL] if opts.control else [])
         guarded(results, modes, batch, workloads, label="paired",
                 fn=lambda: run_paired(torch, lay, workloads, opts, results, daemon_first=daemon_first))
         error_rows(results, modes, batch, workloads,
@@ -120,7 +127,7 @@ def _run_batch_modes(torch, batch: int, lay: Layout, workloads: dict, opts: Opti
         guarded(results, "inproc", batch, workloads, lambda: run_inproc(torch, lay, workloads, opts, results))
         _free(torch)
     if "doorbell" in opts.modes or "zmq" in opts.modes:
-        daemon_modes = [m for m in ("doorbell", "zmq") if m in opts.modes]
+        daemon_modes = [m for m in ("doorbell", "prefetch", "zmq") if m in opts.modes]
         guarded(results, daemon_modes, batch, workloads, label="daemon",
                 fn=lambda: run_doorbell(torch, lay, workloads, opts, results))
         _free(torch)
@@ -170,7 +177,8 @@ def add_arguments(p) -> None:
     p.add_argument("--top-k", type=int, default=2048, metavar="N", help="columns per top-k row (= hot slots)")
     p.add_argument("--row-bytes", type=int, default=656, metavar="N", help="bytes per KV row")
     p.add_argument("--modes", type=_csv(str, "--modes"), default=None, metavar="LIST",
-                   help="of gpu, inproc, doorbell, zmq; they run in that order (default: gpu,inproc,doorbell)")
+                   help="of gpu, inproc, doorbell, prefetch (needs doorbell), zmq; they run in that order "
+                        "(default: gpu,inproc,doorbell)")
     p.add_argument("--layer-overlap", type=float, default=0.85, metavar="F",
                    help="share of columns adjacent layers have in common within a step")
     p.add_argument("--gather-blocks", type=int, default=None, metavar="N",

@@ -94,7 +94,8 @@ def capture_step(torch, step, label: str):
 
 
 def _timed(torch, runs, inputs: _Inputs, sts, opts: Options, counts):
-    """Step times (us) ``[len(runs), steps]``, and per run (hits, misses) over them or None.
+    """Step times (us) ``[len(runs), steps]``, and per run the growth of its counters (hits,
+    misses[, prefetch hits, prefetched, wasted]) over them, or None.
     With several sides, step ``t`` of every side runs before step ``t + 1`` of any, the
     order rotated by ``t``, each timed alone between two synchronisations."""
     n = len(runs)
@@ -120,7 +121,7 @@ def _timed(torch, runs, inputs: _Inputs, sts, opts: Options, counts):
             continue
         after = c()
         if before[i] is not None and after is not None:
-            deltas[i] = (after[0] - before[i][0], after[1] - before[i][1])
+            deltas[i] = tuple(a - b for a, b in zip(after, before[i]))
     return times, deltas
 
 
@@ -131,7 +132,7 @@ class _Side:
     mode: str
     step: object  # () -> None: one decode step, enqueued on the current stream
     st: _Static
-    counts: object = None  # () -> (hits, misses) or None
+    counts: object = None  # () -> (hits, misses[, PREFETCH_COUNTERS]) or None
     check: object = None  # () -> None, raises what went wrong
     fill_s: float | None = None
     handle: object = None  # what the owner closes after the run (inproc: the InprocSwapIn)
@@ -165,9 +166,12 @@ def _run_sides(torch, sides: list, lay: Layout, workloads: dict, opts: Options, 
                 r.paired_us_per_layer = float(np.median(times[i] - times[0])) / lay.num_layers
             if s.mode != "gpu":
                 delta = deltas[i]
-                if delta is not None and sum(delta) > 0:
-                    r.hit_rate, r.hit_measured = delta[0] / sum(delta), True
+                if delta is not None and delta[0] + delta[1] > 0:
+                    r.hit_rate, r.hit_measured = delta[0] / (delta[0] + delta[1]), True
                     r.misses_per_step = delta[1] / opts.steps
+                    r.misses = delta[1]
+                    if len(delta) > 2:
+                        r.prefetch_hits, r.prefetched, r.prefetch_wasted = delta[2:5]
                 else:
                     r.hit_rate = wl.target_hit_rate
                     r.misses_per_step = (1 - wl.target_hit_rate) * batch * opts.top_k * opts.layers
@@ -180,7 +184,9 @@ def _run_sides(torch, sides: list, lay: Layout, workloads: dict, opts: Options, 
             say(f"batch {batch} hits {hkey(hits)}% {s.mode}: p50 {r.p50_us:.1f} us, p99 {r.p99_us:.1f} us "
                  f"({runs[i][1]})" + (f"; {r.error}" if r.error else "")
                  + (f"; paired with {sides[0].mode}: {r.paired_us_per_layer:+.2f} us/layer"
-                    if r.paired_us_per_layer is not None else ""))
+                    if r.paired_us_per_layer is not None else "")
+                 + (f"; {100 * r.hidden_share:.0f} % of misses prefetched off the critical path"
+                    if r.hidden_share is not None else ""))
         first = False
         del inputs
     torch.cuda.synchronize()
@@ -308,10 +314,16 @@ def _pct(part: int, whole: int) -> int:
     return int(part) * 100 // max(1, int(whole))
 
 
-def _daemon_counts(client):
+PREFETCH_COUNTERS = ("prefetch_hits", "prefetched", "prefetch_wasted")
+
+
+def _daemon_counts(client, prefetch: bool = False):
+    """The daemon's (hits, misses), with ``prefetch`` then :data:`PREFETCH_COUNTERS`; None
+    when its stats lack one."""
     s = client.stats()
-    if "hits" in s and "misses" in s:
-        return int(s["hits"]), int(s["misses"])
+    keys = ("hits", "misses") + (PREFETCH_COUNTERS if prefetch else ())
+    if all(k in s for k in keys):
+        return tuple(int(s[k]) for k in keys)
     return None
 
 
@@ -322,10 +334,11 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
     what opens them once the daemon's pool is filled, timed in turn with the doorbell."""
     batch = lay.max_batch
     want_db = "doorbell" in opts.modes
+    want_pf = want_db and "prefetch" in opts.modes
     want_zmq = "zmq" in opts.modes
     if not (want_db or want_zmq):
         return
-    arena = arena_bytes(lay, int(want_db) + int(want_zmq))
+    arena = arena_bytes(lay, int(want_db) + int(want_pf) + int(want_zmq))
     size = f"{arena // GIB}GiB"
     extra = ["--device-arena-size", size, "--max-slab-bytes", size, "--gather-blocks", str(gather_blocks(opts)),
              "--devices", str(DEVICE)]
@@ -366,19 +379,30 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
                 c.attach(lay, engine=engine, transport="doorbell")  # joins: the pool is already written
             guarded(out, "doorbell", batch, workloads,
                      lambda: _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with, huge))
-            if cz is not None:
+            if want_pf:  # a rank of its own with prefetch, joined before the doorbell rank leaves
+                cp = Client(d.run_dir, rank=2 if want_zmq else 1, device=f"cuda:{DEVICE}",
+                            name="bench-decode-prefetch", timeout_s=CLIENT_TIMEOUT_S).connect()
+                stack.callback(cp.close)
+                cp.attach(lay, engine=engine, transport="doorbell", prefetch=True)
+                c.detach()
+                guarded(out, "prefetch", batch, workloads,
+                         lambda: _run_doorbell_rank(torch, cp, lay, workloads, opts, out, fill_s, mode="prefetch"))
+                cp.detach()
+            elif cz is not None:
                 c.detach()
         if want_zmq:
             guarded(out, "zmq", batch, workloads,
                      lambda: _run_zmq_rank(torch, HostSwapIn(cz), cz, lay, workloads, opts, out, fill_s))
 
 
-def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with=None, huge_pct=None) -> None:
+def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with=None, huge_pct=None,
+                       mode: str = "doorbell") -> None:
     h = c.doorbell_handle()
     try:
         st = _Static(torch, lay, opts.blocks)
-        side = _Side("doorbell", _handle_step(torch, h, st, lay, opts.block_size), st,
-                     counts=lambda: _daemon_counts(c), check=h.check, fill_s=fill_s, huge_pct=huge_pct)
+        side = _Side(mode, _handle_step(torch, h, st, lay, opts.block_size), st,
+                     counts=lambda: _daemon_counts(c, prefetch=mode == "prefetch"), check=h.check, fill_s=fill_s,
+                     huge_pct=huge_pct)
         _run_sides(torch, [*(paired_with or ()), side], lay, workloads, opts, out)
     finally:
         torch.cuda.synchronize()  # the stream must not wait on a ready word when the watcher stops

@@ -12,8 +12,9 @@ import numpy as np
 
 from .decode_workload import CONTROL, Options, gather_blocks, hkey, say
 
-ORDER = ("gpu", "inproc", CONTROL, "doorbell", "zmq")  # the table's and the plot's
-COMPARED = (CONTROL, "doorbell", "zmq")  # the modes measured against the same config's inproc
+ORDER = ("gpu", "inproc", CONTROL, "doorbell", "prefetch", "zmq")  # the table's and the plot's
+COMPARED = (CONTROL, "doorbell", "prefetch", "zmq")  # the modes measured against the same config's inproc
+OFFLOADED = ("inproc", CONTROL, "doorbell", "prefetch", "zmq")  # each also against the same config's gpu
 REFERENCE = (64, 90.0)  # (batch, hits %) of the headline JSON figures
 
 
@@ -30,6 +31,12 @@ class Result:
     hit_rate: float | None = None  # measured (or the target when ``hit_measured`` is False)
     hit_measured: bool = False
     misses_per_step: float | None = None  # top-k columns gathered per step, all layers
+    misses: int | None = None  # over the timed steps (the daemon's counters)
+    # prefetch, over the timed steps: rows the prefetch fetched that a resolve then hit
+    # (misses taken off the critical path), rows it fetched, rows it fetched lost unread
+    prefetch_hits: int | None = None
+    prefetched: int | None = None
+    prefetch_wasted: int | None = None
     fill_s: float | None = None  # seconds to fill this mode's pool (first config of a batch)
     huge_pct: int | None = None  # its pool's share in transparent huge pages (likewise)
     error: str | None = None
@@ -44,11 +51,21 @@ class Result:
     overhead_us_per_layer: float | None = None
     vs_inproc: float | None = None
     inproc_vs_gpu: float | None = None
+    vs_gpu: float | None = None  # this mode's p50 / gpu's (any offloaded mode)
+    vs_doorbell: float | None = None  # prefetch: its p50 / the doorbell rank's (the prefetch's gain or cost)
     round_overheads: tuple[float, ...] = ()  # each round's overhead against that round's inproc
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.skipped is None and self.p50_us is not None
+
+    @property
+    def hidden_share(self) -> float | None:
+        """Prefetch: the miss rows fetched off the critical path (its hits) over every miss
+        row (those plus the misses the resolves fetched)."""
+        if self.prefetch_hits is None or self.misses is None:
+            return None
+        return self.prefetch_hits / max(1, self.prefetch_hits + self.misses)
 
 
 def combine_rounds(results: list[Result], layers: int) -> list[Result]:
@@ -72,7 +89,9 @@ def combine_rounds(results: list[Result], layers: int) -> list[Result]:
                         p50_us=float(np.median([r.p50_us for r in ok])),
                         p99_us=float(np.median(p99s)) if p99s else None,
                         hit_rate=first.hit_rate, hit_measured=first.hit_measured,
-                        misses_per_step=first.misses_per_step, fill_s=first.fill_s, huge_pct=first.huge_pct,
+                        misses_per_step=first.misses_per_step, misses=first.misses,
+                        prefetch_hits=first.prefetch_hits, prefetched=first.prefetched,
+                        prefetch_wasted=first.prefetch_wasted, fill_s=first.fill_s, huge_pct=first.huge_pct,
                         round_p50s=tuple(r.p50_us for r in ok))
         paired = [r.paired_us_per_layer for r in ok if r.paired_us_per_layer is not None]
         if paired:
@@ -100,9 +119,20 @@ def derive(results: list[Result], layers: int, row_bytes: int) -> list[Result]:
             r.overhead_us_per_layer = (r.p50_us - base.p50_us) / layers
             r.vs_inproc = r.p50_us / base.p50_us
         gpu = by.get((r.batch, r.hits, "gpu"))
-        if r.mode == "inproc" and gpu is not None and gpu.ok:
-            r.inproc_vs_gpu = r.p50_us / gpu.p50_us
+        if r.mode in OFFLOADED and gpu is not None and gpu.ok:
+            r.vs_gpu = r.p50_us / gpu.p50_us
+            if r.mode == "inproc":
+                r.inproc_vs_gpu = r.vs_gpu
+        db = by.get((r.batch, r.hits, "doorbell"))
+        if r.mode == "prefetch" and db is not None and db.ok:
+            r.vs_doorbell = r.p50_us / db.p50_us
     return results
+
+
+def _vs_gpu_of(results: list[Result], r: Result, mode: str = "doorbell"):
+    """``mode``'s p50 / gpu's at ``r``'s config, or None."""
+    return next((x.vs_gpu for x in results if x.mode == mode and x.ok and (x.batch, x.hits) == (r.batch, r.hits)),
+                None)
 
 
 def _fmt(v, spec: str, none: str = "-") -> str:
@@ -137,6 +167,18 @@ def table(results: list[Result], opts: Options) -> str:
     if any(r.mode == "zmq" and r.ok for r in results):
         notes.append("zmq: HostSwapIn over the socket, the rank with fence events and device wait (the top-k "
                      "mapped on the GPU, nothing waited for on the host within a step; eager)")
+    for r in results:
+        if r.ok and r.mode == "prefetch":
+            notes.append(f"batch {r.batch} {hkey(r.hits)}% prefetch (layer overlap {opts.layer_overlap:g}): "
+                         + (f"{100 * r.hidden_share:.1f} % of the misses fetched off the critical path "
+                            f"({r.prefetch_hits} of {r.prefetch_hits + r.misses}; {r.prefetch_wasted} prefetched "
+                            "rows lost unread)" if r.hidden_share is not None else "no prefetch counters")
+                         + (f"; x doorbell {r.vs_doorbell:.3f}" if r.vs_doorbell is not None else "")
+                         + (f"; x gpu {r.vs_gpu:.3f} (doorbell {_fmt(_vs_gpu_of(results, r), '.3f')})"
+                            if r.vs_gpu is not None else ""))
+    if any(r.ok and r.mode == "prefetch" for r in results):
+        notes.append("prefetch: hit % counts the prefetched rows a resolve found resident; between two layers "
+                     "this bench computes a tiny attention only, so its copies have little compute to hide behind")
     if any(r.mode == CONTROL for r in results):
         notes.append(f"{CONTROL} (--control): the in-process handle again with a pool of its own, timed in turn "
                      "with the others: its +us/layer is what two pools alone differ by")
@@ -190,6 +232,15 @@ def summary(results: list[Result], opts: Options) -> dict:
             out[f"{k}_overhead_us_per_layer_max"] = _round(max(r.round_overheads), 2)
         if r.inproc_vs_gpu is not None:
             out[f"decode_b{r.batch}_h{hkey(r.hits)}_inproc_vs_gpu"] = _round(r.inproc_vs_gpu, 3)
+        elif r.vs_gpu is not None:
+            out[f"{k}_vs_gpu"] = _round(r.vs_gpu, 3)
+        if r.hidden_share is not None:
+            out[f"{k}_hidden_share"] = _round(r.hidden_share, 4)
+            out[f"{k}_prefetch_hits"] = r.prefetch_hits
+            out[f"{k}_prefetched"] = r.prefetched
+            out[f"{k}_prefetch_wasted"] = r.prefetch_wasted
+        if r.vs_doorbell is not None:
+            out[f"{k}_vs_doorbell"] = _round(r.vs_doorbell, 4)
     ref = _reference(results)
     if ref is not None and (ref.batch, ref.hits) != REFERENCE and REFERENCE[0] in opts.batches \
             and REFERENCE[1] in opts.hits:
@@ -209,6 +260,17 @@ def summary(results: list[Result], opts: Options) -> dict:
             out["decode_pool_control_us_per_layer"] = _per_layer(ctl)
     else:
         out["doorbell_handoff_us_per_layer"] = None
+    # The prefetch at batch 64, 90 % when run (else its first config), named by the layer
+    # overlap: the runs of a sweep merge.
+    pfs = [r for r in results if r.mode == "prefetch" and r.ok]
+    pf = next((r for r in pfs if (r.batch, r.hits) == REFERENCE), pfs[0] if pfs else None)
+    if pf is not None:
+        o = f"o{round(opts.layer_overlap * 100):d}"
+        out[f"decode_prefetch_config_{o}"] = f"b{pf.batch}_h{hkey(pf.hits)}_k{opts.top_k}"
+        out[f"decode_prefetch_hidden_share_{o}"] = _round(pf.hidden_share, 4)
+        out[f"decode_prefetch_vs_doorbell_{o}"] = _round(pf.vs_doorbell, 4)
+        out[f"decode_prefetch_vs_gpu_{o}"] = _round(pf.vs_gpu, 3)
+        out[f"decode_doorbell_vs_gpu_{o}"] = _round(_vs_gpu_of(results, pf), 3)
     return out
 
 

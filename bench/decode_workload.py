@@ -15,7 +15,7 @@ import numpy as np
 from sparsekv.daemon.config import Config
 from sparsekv.proto import Layout
 
-MODES = ("gpu", "inproc", "doorbell", "zmq")  # also the order they run in
+MODES = ("gpu", "inproc", "doorbell", "prefetch", "zmq")  # also the order they run in
 # --control: a second in-process handle with a pool of its own, timed in turn with inproc
 # and the doorbell: what two pools alone differ by (the noise floor of the hand-off figure).
 CONTROL = "inproc2"
@@ -69,6 +69,9 @@ class Options:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+        if "prefetch" in self.modes and "doorbell" not in self.modes:
+            raise ValueError("--modes prefetch (the doorbell rank with cross-layer prefetch) is measured against the "
+                             f"doorbell rank of the same daemon: --modes must have doorbell too, got {','.join(self.modes)}")
         if self.paired and not {"inproc", "doorbell"} <= set(self.modes):
             raise ValueError(f"--paired times inproc and doorbell in turn: --modes must have both, got "
                              f"{','.join(self.modes)}")

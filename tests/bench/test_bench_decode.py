@@ -695,19 +695,22 @@ def test_a_tiny_run_on_the_gpu(tmp_path):
     import torch
 
     opts = Options(batches=(2, 4), hits=(90.0,), layers=2, top_k=64, row_bytes=656, context=256, block_size=16,
-                   steps=3, warmup=2, modes=("gpu", "inproc", "doorbell", "zmq"),
+                   steps=3, warmup=2, modes=("gpu", "inproc", "doorbell", "prefetch", "zmq"),
                    daemon_log=str(tmp_path / "sparsekvd.log")).validate()
     results = bd.run(opts, torch)
     by = {(r.batch, r.mode): r for r in results}
     keep = round(0.9 * 64) / 64
     for batch in (2, 4):
-        for mode in ("gpu", "inproc", "doorbell"):
+        for mode in ("gpu", "inproc", "doorbell", "prefetch"):
             r = by[(batch, mode)]
             assert r.ok, (mode, r.error, (tmp_path / "sparsekvd.log").read_text()[-2000:])
             assert r.run == "graph", mode
         assert by[(batch, "inproc")].hit_rate == pytest.approx(keep) and by[(batch, "inproc")].hit_measured
         assert by[(batch, "doorbell")].hit_rate == pytest.approx(keep)
         assert by[(batch, "zmq")].ok, by[(batch, "zmq")].error
+        pf = by[(batch, "prefetch")]  # layer overlap 0.85: layer 1 found rows layer 0 prefetched
+        assert pf.prefetched > 0 and pf.hidden_share > 0, (pf.prefetched, pf.prefetch_hits, pf.misses)
+        assert pf.hit_rate > by[(batch, "doorbell")].hit_rate
     d = summary(results, opts)
     json.dumps(d)
     assert d["decode_reference_config"] == "b2_h90_k64"
@@ -764,3 +767,118 @@ def test_budget_skips_later_batches_and_rounds_and_each_batch_is_handed_over(mon
     with pytest.raises(ValueError, match="--budget-s"):
         Options(budget_s=0.0, **SMALL).validate()
     assert bd.options_from_args(parse("--quick", "--budget-s", "300")).budget_s == 300.0
+
+
+# -- prefetch mode ----------------------------------------------------------------------------
+def test_prefetch_is_measured_against_the_doorbell_and_the_gpu_with_its_hidden_share():
+    """A prefetch row gets its p50 over the doorbell's and over gpu's of the same config,
+    the share of misses its hits took off the critical path; the JSON names the headline
+    by the layer overlap, and the table says both."""
+    rs = fake_results()
+    db = next(r for r in rs if (r.batch, r.hits, r.mode) == (64, 90.0, "doorbell"))
+    pf = Result("prefetch", 64, 90.0, run="graph", p50_us=db.p50_us * 0.9, p99_us=db.p50_us, hit_rate=0.97,
+                hit_measured=True, misses_per_step=100.0, misses=600, prefetch_hits=2400, prefetched=3000,
+                prefetch_wasted=500)
+    rs = derive(rs + [pf], 61, 656)
+    assert pf.vs_doorbell == pytest.approx(0.9)
+    assert pf.vs_gpu == pytest.approx(db.p50_us * 0.9 / 2000.0)
+    assert db.vs_gpu == pytest.approx(db.p50_us / 2000.0) and db.vs_doorbell is None
+    assert pf.hidden_share == pytest.approx(2400 / 3000)
+    assert db.hidden_share is None
+    opts = Options(gather_blocks=32, layer_overlap=0.7, modes=("gpu", "inproc", "doorbell", "prefetch"))
+    d = summary(rs, opts)
+    assert d["decode_prefetch_hidden_share_o70"] == 0.8
+    assert d["decode_prefetch_vs_doorbell_o70"] == 0.9
+    assert d["decode_prefetch_vs_gpu_o70"] == round(pf.vs_gpu, 3)
+    assert d["decode_doorbell_vs_gpu_o70"] == round(db.vs_gpu, 3)
+    assert d["decode_b64_h90_prefetch_prefetch_wasted"] == 500
+    assert d["decode_b64_h90_doorbell_vs_gpu"] == round(db.vs_gpu, 3)
+    text = table(rs, opts)
+    assert "80.0 % of the misses fetched off the critical path (2400 of 3000; 500 prefetched" in text
+    assert "x doorbell 0.900" in text
+    assert d["decode_prefetch_config_o70"] == "b64_h90_k2048"
+    # Without a prefetch row: no headline prefetch keys; without batch 64 at 90 %: the first.
+    assert not [k for k in summary(derive(fake_results(), 61, 656), opts) if "prefetch" in k]
+    pf16 = Result("prefetch", 16, 80.0, run="graph", p50_us=900.0, p99_us=950.0, misses=1, prefetch_hits=3)
+    d = summary(derive(fake_results() + [pf16], 61, 656), opts)
+    assert d["decode_prefetch_config_o70"] == "b16_h80_k2048" and d["decode_prefetch_hidden_share_o70"] == 0.75
+
+
+def test_run_sides_reads_the_prefetch_counters(cpu_torch):
+    torch = cpu_torch
+    opts, lay, _ = tiny()
+    wl = generate(3, 0.9, steps=opts.warmup + opts.steps, layers=3, context=256, top_k=64, block_size=16)
+    st = dm._Static(torch, lay, opts.blocks)
+    counter = iter([(0, 0, 0, 0, 0), (95, 5, 40, 50, 7)])
+    out: list = []
+    dm._run_sides(torch, [dm._Side("prefetch", lambda: None, st, counts=lambda: next(counter))], lay, {90.0: wl},
+                  opts, out, capture=False)
+    r = out[0]
+    assert (r.misses, r.prefetch_hits, r.prefetched, r.prefetch_wasted) == (5, 40, 50, 7)
+    assert r.hit_rate == 0.95 and r.hidden_share == pytest.approx(40 / 45)
+
+
+def test_prefetch_needs_the_doorbell_mode(capsys):
+    from sparsekv.cli.main import main
+
+    assert main(["bench", "decode", "--modes", "gpu,prefetch"]) == 2
+    err = capsys.readouterr().err
+    assert "--modes prefetch" in err and "doorbell" in err
+
+
+def test_the_prefetch_rank_joins_before_the_doorbell_rank_leaves_and_runs_alone(monkeypatch):
+    """run_doorbell with prefetch: after the doorbell rank's run, a rank of its own attaches
+    to the same engine with prefetch on (the pool kept: the doorbell rank is still
+    attached), then the doorbell rank detaches and the prefetch rank runs, then leaves;
+    with zmq the zmq rank, attached first, runs last."""
+    events = []
+
+    class FakeDaemon:
+        def __init__(self, **kw):
+            self.run_dir = "/nowhere"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    class FakeClient:
+        def __init__(self, run_dir, rank, **kw):
+            self.rank = rank
+
+        def connect(self):
+            return self
+
+        def close(self):
+            pass
+
+        def attach(self, lay, engine, transport="zmq", prefetch=False, fence=False):
+            events.append(("attach", self.rank, transport, prefetch))
+
+        def detach(self):
+            events.append(("detach", self.rank))
+
+        def stats(self):
+            return {}
+
+    def fake_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with=None, huge_pct=None, mode="doorbell"):
+        events.append(("run", mode, c.rank))
+
+    monkeypatch.setattr(dm, "PrivateDaemon", FakeDaemon)
+    monkeypatch.setattr(dm, "Client", FakeClient)
+    monkeypatch.setattr(dm, "fill_through_staging", lambda *a, **k: 0.5)
+    monkeypatch.setattr(dm, "_run_doorbell_rank", fake_rank)
+    monkeypatch.setattr(dm, "_run_zmq_rank", lambda *a, **k: events.append(("run", "zmq", 1)))
+    monkeypatch.setattr(dm, "HostSwapIn", lambda c: None)
+    opts = Options(modes=("doorbell", "prefetch"), **SMALL).validate()
+    lay = dw.make_layout(4, opts)
+    dm.run_doorbell(None, lay, {90.0: None}, opts, [])
+    assert events == [("attach", 0, "doorbell", False), ("run", "doorbell", 0), ("attach", 1, "doorbell", True),
+                      ("detach", 0), ("run", "prefetch", 1), ("detach", 1)]
+    events.clear()
+    opts = Options(modes=("doorbell", "prefetch", "zmq"), **SMALL).validate()
+    dm.run_doorbell(None, lay, {90.0: None}, opts, [])
+    assert events == [("attach", 1, "zmq", False), ("attach", 0, "doorbell", False), ("run", "doorbell", 0),
+                      ("attach", 2, "doorbell", True), ("detach", 0), ("run", "prefetch", 2), ("detach", 2),
+                      ("run", "zmq", 1)]

@@ -14,6 +14,8 @@
 #             PYTEST_SELECT: paths, default tests; PYTEST_TIMEOUT_S)
 #   kernels   sparsekv bench kernels (POOL_GIB, default 64; KERNELS_ARGS, e.g. --kernels-quick)
 #   decode    sparsekv bench decode --quick (DECODE_ARGS, e.g. "--steps 60 --rounds 3 --paired")
+#   decode_overlaps  bench decode with prefetch at each layer overlap of DECODE_OVERLAPS (default
+#             "0.5 0.7 0.85 0.95"; DECODE_OVERLAP_ARGS, DECODE_OVERLAP_TIMEOUT_S); only when named
 #   serve     sparsekv bench serve --quick (SERVE_ARGS; SERVE_TIMEOUT_S, default 240); only when named
 #   hf        python -m sparsekv.bench.hf_long --quick (HF_ARGS; HF_TIMEOUT_S, default 200); only when named
 #   prefix    sparsekv bench prefix: block store lookups on this host's CPUs, and the indexer keys
@@ -110,6 +112,21 @@ if has all || has bench || has e2e || has decode; then
     | tee "$OUT/bench-decode.log" | tail -12
   result decode "$(figures "$OUT/decode.json" $DECODE_KEYS)"
 fi
+if has decode_overlaps; then
+  # The same bench once per layer overlap of DECODE_OVERLAPS (default 0.5,0.7,0.85,0.95),
+  # each with DECODE_OVERLAP_ARGS (default: batch 64, 90 % hits, gpu, doorbell and
+  # prefetch): its decode-oNN.json holds the prefetch's keys named by the overlap.
+  for o in ${DECODE_OVERLAPS:-0.5 0.7 0.85 0.95}; do
+    o=${o//,/}; tag=o$(python3 -c "print(round($o * 100))")
+    dt=$(left "${DECODE_OVERLAP_TIMEOUT_S:-80}")
+    timeout "$dt" python3 -m sparsekv.cli.main bench decode --quick --layer-overlap "$o" \
+      ${DECODE_OVERLAP_ARGS:---batches 64 --hits 90 --modes gpu,doorbell,prefetch} \
+      --daemon-log "$OUT/decode-$tag-daemon.log" --json "$OUT/decode-$tag.json" 2>&1 \
+      | tee "$OUT/bench-decode-$tag.log" | tail -8
+    result "decode $tag" "$(figures "$OUT/decode-$tag.json" decode_prefetch_hidden_share_$tag \
+      decode_prefetch_vs_doorbell_$tag decode_prefetch_vs_gpu_$tag decode_doorbell_vs_gpu_$tag)"
+  done
+fi
 SERVE_KEYS="serve_throughput_gain_128k serve_throughput_gain_128k_at_bound serve_offload_vs_gpu_tpot_b1 \
 serve_daemon_vs_inproc serve_offload_vs_gpu_tpot_b64_32k prefetch_hidden_share prefetch_cost_overlap50 serve_daemon_vs_gpu_tpot_b1_32k"
 if has serve; then
@@ -153,7 +170,8 @@ fi
 if has all || has bench || has e2e || has latest; then
   timeout "$(left "${LATEST_TIMEOUT_S:-200}")" python3 -m sparsekv.cli.main bench latest --json "$OUT/latest.json" \
     --commit "${COMMIT:-unknown}" --merge "$OUT/decode.json" "$OUT/bench-kernels.json" \
-    $( for f in serve hf prefix; do [[ -f "$OUT/$f.json" ]] && echo "$OUT/$f.json"; done ) 2>&1 \
+    $( for f in serve hf prefix; do [[ -f "$OUT/$f.json" ]] && echo "$OUT/$f.json"; done ) \
+    $( ls "$OUT"/decode-o*.json 2>/dev/null ) 2>&1 \
     | tee "$OUT/bench-transport.log" | tail -5
   result latest "$(figures "$OUT/latest.json" zmq_handoff_p50_us zmq_handoff_cold_p50_us daemon_host_us_per_step)"
 fi
