@@ -353,8 +353,8 @@ class Model:
     def layer(self, layer: int, x, state, src, mark):
         """One decoder layer over ``x`` [B, hidden]; ``state``: the batch's indexer keys and
         MoE groups (:class:`BatchState`), ``src``: where the layer's KV rows come from and
-        its new row goes (``begin``, ``rows``, ``write``, ``end`` after the last layer), ``mark(part)``: called as each
-        part starts. Returns the new ``x``."""
+        its new row goes (``begin``, ``rows``, ``write``; ``end`` after the last layer, ``finish`` after the head),
+        ``mark(part)``: called as each part starts. Returns the new ``x``."""
         sh, ops, w = self.sh, self.ops, self.w
         B, H, R = x.shape[0], sh.heads, sh.nope + sh.rope
         mark("proj")
@@ -394,6 +394,7 @@ class Model:
         src.end()
         mark("head")
         out = self.ops.mm(rms(x), self.w["head"])
+        src.finish()
         mark(None)
         return out
 

@@ -231,6 +231,8 @@ def assert_steps_equal_all_on_gpu(m, st, tile, bs: int, handle, steps: int) -> N
         b = m.step(st.x, state, swapped)
         torch.cuda.synchronize()
         assert torch.equal(a, b), f"step {t}"
+        # The mirror holds every layer's new rows once the step is done (one copy after the head).
+        assert torch.equal(swapped.host, hbm.kv[:, B * C:].cpu()), f"step {t}: the mirror"
 
 
 @pytest.mark.cuda
