@@ -44,6 +44,7 @@ FILE_OPTIONS = {"decode": ("--json", "--plot", "--daemon-log"), "serve": ("--jso
 # of a group given to another bench is refused, never ignored. Filled by add_arguments.
 READERS = {"decode": ("decode",), "serve": ("serve",), "kernels": ("kernels",), "latest": ("latest",)}
 SERVE_READS = {"batches", "modes", "steps", "hits", "quick", "block_size", "layer_overlap", "gather_blocks", "seed"}
+DECODE_READS = {"region_rows"}  # serve's options decode reads too
 _GROUP_ACTIONS: dict[str, list] = {}
 
 
@@ -182,7 +183,8 @@ def _foreign_option(a, which: list[str]) -> str | None:
     reads it; None when there is none."""
     for group, actions in _GROUP_ACTIONS.items():
         for act in actions:
-            readers = READERS[group] + (("serve",) if group == "decode" and act.dest in SERVE_READS else ())
+            readers = READERS[group] + (("serve",) if group == "decode" and act.dest in SERVE_READS else ()) + (
+                ("decode",) if group == "serve" and act.dest in DECODE_READS else ())
             if not set(which) & set(readers) and getattr(a, act.dest, act.default) != act.default:
                 return f"{act.option_strings[-1]} is an option of sparsekv bench {' or '.join(readers)}"
     return None

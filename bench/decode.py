@@ -12,7 +12,10 @@ Modes (each over the same top-k sequence of a (batch, hits) config), in this ord
 * ``prefetch`` (only when ``--modes`` names it, with doorbell): the doorbell rank again,
   attached with cross-layer prefetch (DESIGN.md §4), on the same daemon and pool after the
   doorbell rank; its figures: the share of misses fetched off the critical path, and its
-  step against the doorbell's and the all-on-GPU step at equal batch. Between two layers
+  step against the doorbell's and the all-on-GPU step at equal batch. A prefetch never
+  evicts a row of a region's latest resolve, so with this mode every offloaded mode's
+  region has rows above top-k (``--region-rows``, default top-k + top-k / 4; without it
+  top-k). Between two layers
   this bench computes only a tiny attention, so little of the prefetch's copies can hide
   behind compute (``bench serve`` has the model's real layers).
 * ``zmq`` (only when ``--modes`` names it): ``HostSwapIn`` with fence events and device
@@ -205,7 +208,7 @@ def options_from_args(a) -> Options:
         steps=a.steps if a.steps is not None else (QUICK_STEPS if quick else DEFAULT_STEPS), warmup=a.warmup,
         rounds=a.rounds, paired=a.paired, control=a.control,
         modes=tuple(dict.fromkeys(a.modes)) if a.modes else DEFAULT_MODES,
-        layer_overlap=a.layer_overlap, gather_blocks=a.gather_blocks, seed=a.seed,
+        layer_overlap=a.layer_overlap, gather_blocks=a.gather_blocks, seed=a.seed, region_rows=getattr(a, "region_rows", None),
         budget_s=a.budget_s, json_path=a.json_path, plot_path=a.plot_path, daemon_log=a.daemon_log,
     ).validate()
 

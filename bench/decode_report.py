@@ -143,8 +143,8 @@ def table(results: list[Result], opts: Options) -> str:
     """The compact table printed last (call :func:`derive` first)."""
     gb = gather_blocks(opts)
     lines = [f"sparsekv bench decode: {opts.layers} layers, top-k {opts.top_k}, {opts.row_bytes} B rows, context "
-             f"{opts.context} (block {opts.block_size}), {opts.steps} steps after {opts.warmup} warm-up, "
-             f"gather_blocks {gb}",
+             f"{opts.context} (block {opts.block_size}), hot region {opts.region} rows, {opts.steps} steps after "
+             f"{opts.warmup} warm-up, gather_blocks {gb}",
              f"{'batch':>5} {'hits':>5} {'mode':<8} {'run':<5} {'p50 us':>9} {'p99 us':>9} {'hit %':>6} "
              f"{'GB/s':>6} {'+us/layer':>9} {'x inproc':>8} {'inproc/gpu':>10}"]
     order = {m: i for i, m in enumerate(ORDER)}
@@ -198,7 +198,8 @@ def summary(results: list[Result], opts: Options) -> dict:
     out: dict = {"decode_layers": opts.layers, "decode_top_k": opts.top_k, "decode_row_bytes": opts.row_bytes,
                  "decode_context": opts.context, "decode_block_size": opts.block_size, "decode_steps": opts.steps,
                  "decode_warmup": opts.warmup, "decode_gather_blocks": gather_blocks(opts),
-                 "decode_layer_overlap": opts.layer_overlap, "decode_paired": opts.paired,
+                 "decode_layer_overlap": opts.layer_overlap, "decode_region_rows": opts.region,
+                 "decode_paired": opts.paired,
                  "decode_control": opts.control}
     for r in results:
         k = f"decode_b{r.batch}_h{hkey(r.hits)}_{r.mode}"

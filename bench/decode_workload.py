@@ -49,6 +49,7 @@ class Options:
     layer_overlap: float = 0.85
     gather_blocks: int | None = None
     seed: int = 0
+    region_rows: int | None = None  # hot-region rows a layer (None: top_k; with prefetch top_k + top_k / 4)
     budget_s: float | None = None
     json_path: str | None = None
     plot_path: str | None = None
@@ -69,6 +70,11 @@ class Options:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+        if self.region_rows is not None and self.region_rows < self.top_k:
+            raise ValueError(f"--region-rows must be >= top-k {self.top_k}, got {self.region_rows}")
+        if "prefetch" in self.modes and self.region == self.top_k:
+            raise ValueError(f"--region-rows {self.region}: the prefetch mode needs rows above top-k {self.top_k} (a "
+                             "prefetch never evicts a row of the region's latest resolve)")
         if "prefetch" in self.modes and "doorbell" not in self.modes:
             raise ValueError("--modes prefetch (the doorbell rank with cross-layer prefetch) is measured against the "
                              f"doorbell rank of the same daemon: --modes must have doorbell too, got {','.join(self.modes)}")
@@ -94,6 +100,13 @@ class Options:
         return self
 
     @property
+    def region(self) -> int:
+        """Hot-region rows a layer of every offloaded mode (one layout for all of them)."""
+        if self.region_rows is not None:
+            return self.region_rows
+        return self.top_k + self.top_k // 4 if "prefetch" in self.modes else self.top_k
+
+    @property
     def blocks(self) -> int:
         """Blocks of one request's block table."""
         return -(-self.context // self.block_size)
@@ -103,8 +116,8 @@ class Options:
 
 
 def make_layout(batch: int, opts: Options) -> Layout:
-    """One index group per layer, one token per request (region_stride = top_k)."""
-    return Layout(num_layers=opts.layers, row_bytes=opts.row_bytes, top_k=opts.top_k, region_stride=opts.top_k,
+    """One index group per layer, one token per request (region_stride: ``opts.region``)."""
+    return Layout(num_layers=opts.layers, row_bytes=opts.row_bytes, top_k=opts.top_k, region_stride=opts.region,
                   max_reqs=batch, host_rows=opts.host_rows(batch),
                   index_groups=tuple((layer,) for layer in range(opts.layers)), max_batch=batch,
                   staging_rows=min(FILL_STAGING_ROWS, opts.host_rows(batch)))

@@ -112,7 +112,8 @@ def add_arguments(p) -> None:
                         "(default 0.5,0.7,0.95; --quick: 0.5; 'none': none)")
     p.add_argument("--region-rows", type=int, default=None, metavar="N",
                    help="hot-region rows a layer of every offloaded mode, >= top-k; the prefetch fills those "
-                        "above top-k (default top-k + top-k / 4)")
+                        "above top-k (default top-k + top-k / 4; decode reads it too, its default top-k, with its "
+                        "prefetch mode top-k + top-k / 4)")
     p.add_argument("--host-pool-gib", type=float, default=16.0, metavar="GIB",
                    help="host pool of each offloaded mode on this machine; requests share host blocks beyond it "
                         "(default 16)")

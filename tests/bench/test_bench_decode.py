@@ -818,6 +818,22 @@ def test_run_sides_reads_the_prefetch_counters(cpu_torch):
     assert r.hit_rate == 0.95 and r.hidden_share == pytest.approx(40 / 45)
 
 
+def test_the_prefetch_mode_gets_a_region_above_top_k_for_every_offloaded_mode(capsys):
+    """A prefetch never evicts a row of the region's latest resolve: with the prefetch mode
+    the region defaults to top-k + top-k / 4 (for every offloaded mode: one layout), and a
+    region of top-k is refused; without it the region stays top-k."""
+    from sparsekv.cli.main import main
+
+    assert Options(**SMALL).validate().region == 256
+    opts = Options(modes=("gpu", "inproc", "doorbell", "prefetch"), **SMALL).validate()
+    assert opts.region == 320 and dw.make_layout(4, opts).region_stride == 320
+    assert Options(modes=("doorbell", "prefetch"), region_rows=512, **SMALL).validate().region == 512
+    assert main(["bench", "decode", "--modes", "doorbell,prefetch", "--region-rows", "2048"]) == 2
+    assert "needs rows above top-k 2048" in capsys.readouterr().err
+    assert main(["bench", "decode", "--region-rows", "100"]) == 2
+    assert "--region-rows must be >= top-k" in capsys.readouterr().err
+
+
 def test_prefetch_needs_the_doorbell_mode(capsys):
     from sparsekv.cli.main import main
 

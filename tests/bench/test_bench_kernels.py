@@ -157,7 +157,9 @@ def test_latest_merges_the_figures_and_keeps_what_ran_before_a_failure(tmp_path,
 
 
 @pytest.mark.parametrize("argv, err", [
-    (["decode", "--region-rows", "3000"], "sparsekv bench decode: --region-rows is an option of sparsekv bench serve"),
+    (["decode", "--host-gib", "300"], "sparsekv bench decode: --host-gib is an option of sparsekv bench serve"),
+    (["kernels", "--region-rows", "3000"], "sparsekv bench kernels: --region-rows is an option of sparsekv bench serve "
+                                           "or decode"),
     (["resolve", "--contexts", "32k"], "sparsekv bench resolve: --contexts is an option of sparsekv bench serve"),
     (["kernels", "--batches", "4"], "sparsekv bench kernels: --batches is an option of sparsekv bench decode or serve"),
     (["serve", "--paired"], "sparsekv bench serve: --paired is an option of sparsekv bench decode"),
