@@ -705,8 +705,10 @@ def test_a_tiny_run_on_the_gpu(tmp_path):
             r = by[(batch, mode)]
             assert r.ok, (mode, r.error, (tmp_path / "sparsekvd.log").read_text()[-2000:])
             assert r.run == "graph", mode
-        assert by[(batch, "inproc")].hit_rate == pytest.approx(keep) and by[(batch, "inproc")].hit_measured
-        assert by[(batch, "doorbell")].hit_rate == pytest.approx(keep)
+        # A region above top-k (the prefetch mode's) keeps some older rows too: at least
+        # the kept share hits, the same in process and through the daemon (one contract).
+        assert by[(batch, "inproc")].hit_rate >= keep and by[(batch, "inproc")].hit_measured
+        assert by[(batch, "doorbell")].hit_rate == by[(batch, "inproc")].hit_rate
         assert by[(batch, "zmq")].ok, by[(batch, "zmq")].error
         pf = by[(batch, "prefetch")]  # layer overlap 0.85: layer 1 found rows layer 0 prefetched
         assert pf.prefetched > 0 and pf.hidden_share > 0, (pf.prefetched, pf.prefetch_hits, pf.misses)
