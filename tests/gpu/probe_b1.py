@@ -1,6 +1,6 @@
 """Where a batch-1 layer's swap-in goes: the in-process handle's kernels, one by one.
 
-    python3 tests/gpu/probe_b1.py [--context 32768] [--layers 61] [--steps 12] [--out DIR]
+    python3 tests/gpu/probe_b1.py [--context 32768] [--layers 61] [--steps 12] [--region-rows N [--prefetch]] [--out DIR]
 
 The serving bench's batch-1 shape (DeepSeek-V3.2 rows of 656 bytes, top-k 2048, one index
 group a layer, 90 % step-to-step hits, layer overlap 0.85) without the model: a step is
@@ -42,15 +42,22 @@ def main() -> int:
                     help="the 'filled' variants: per layer, before its swap-in, a device copy of this many MB "
                          "and a bf16 matmul (the model's work between two swap-ins: L2 and shared memory "
                          "taken by other kernels)")
+    ap.add_argument("--region-rows", type=int, default=TOP_K,
+                    help="hot-region rows a layer (>= top-k; the serving bench's offloaded modes use 2560)")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="the handle with cross-layer prefetch (needs --region-rows above top-k): where a "
+                         "prefetch's kernels and its fresh marks put time on a batch-1 layer's path")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     o = ap.parse_args()
     L, C = o.layers, o.context
-    lay = Layout(num_layers=L, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=TOP_K, max_reqs=1, host_rows=C,
+    if o.region_rows < TOP_K or (o.prefetch and o.region_rows == TOP_K):
+        ap.error(f"--region-rows must be >= {TOP_K}, and above it with --prefetch")
+    lay = Layout(num_layers=L, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=o.region_rows, max_reqs=1, host_rows=C,
                  index_groups=tuple((i,) for i in range(L)), max_batch=1, staging_rows=min(4096, C)).validate()
     steps = 3 + o.steps + 4
     wl = generate(1, 0.9, steps=steps, layers=L, context=C, top_k=TOP_K, block_size=BLOCK, layer_overlap=0.85)
     d = torch.device("cuda", 0)
-    h = InprocSwapIn(lay, device=0, gather_blocks=o.gather_blocks)
+    h = InprocSwapIn(lay, device=0, gather_blocks=o.gather_blocks, prefetch=o.prefetch)
     try:
         fill_pattern(h.pool)
         table = torch.from_numpy(wl.block_table).to(d)
@@ -136,7 +143,8 @@ def main() -> int:
             profiled[name] = {"kernels": rows, "gap_us_per_layer": sum(small_gaps) / n if small_gaps else None,
                               "gap_mean_us": statistics.fmean(small_gaps) if small_gaps else None}
         out = {
-            "context": C, "layers": L, "gather_blocks": o.gather_blocks,
+            "context": C, "layers": L, "gather_blocks": o.gather_blocks, "region_rows": o.region_rows,
+            "prefetch": o.prefetch,
             "graph": {k: v[1] for k, v in runs.items()},
             "step_us": {k: statistics.median(v) for k, v in times.items()},
             "layer_us": {k: statistics.median(v) / L for k, v in times.items()},
@@ -144,6 +152,8 @@ def main() -> int:
         }
         c1 = h.counters()  # over the profiled replays: 2 graphs x prof_steps x L layers
         out["misses_per_layer"] = (c1["misses"] - c0["misses"]) / (2 * n)
+        if o.prefetch:
+            out["prefetch_hits_per_layer"] = (c1["prefetch_hits"] - c0["prefetch_hits"]) / (2 * n)
         print(json.dumps(out, indent=1))
         for name, p in profiled.items():
             print(f"== {name}\n{'kernel':60s} {'/layer':>6s} {'mean us':>8s} {'us/layer':>8s}")
