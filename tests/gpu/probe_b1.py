@@ -22,6 +22,7 @@ import sys
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from sparsekv.bench.decode_modes import capture_step
@@ -47,12 +48,15 @@ def main() -> int:
     ap.add_argument("--prefetch", action="store_true",
                     help="the handle with cross-layer prefetch (needs --region-rows above top-k): where a "
                          "prefetch's kernels and its fresh marks put time on a batch-1 layer's path")
+    ap.add_argument("--spread", type=int, default=1,
+                    help="a host pool N times the context, the request's blocks spread over it at random (the "
+                         "serving bench's pool is 16 GiB: the GPU's reach into host memory)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     o = ap.parse_args()
     L, C = o.layers, o.context
     if o.region_rows < TOP_K or (o.prefetch and o.region_rows == TOP_K):
         ap.error(f"--region-rows must be >= {TOP_K}, and above it with --prefetch")
-    lay = Layout(num_layers=L, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=o.region_rows, max_reqs=1, host_rows=C,
+    lay = Layout(num_layers=L, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=o.region_rows, max_reqs=1, host_rows=C * o.spread,
                  index_groups=tuple((i,) for i in range(L)), max_batch=1, staging_rows=min(4096, C)).validate()
     steps = 3 + o.steps + 4
     wl = generate(1, 0.9, steps=steps, layers=L, context=C, top_k=TOP_K, block_size=BLOCK, layer_overlap=0.85)
@@ -65,7 +69,11 @@ def main() -> int:
         for name in ("offload", "offload_filled"):
             hs[name] = InprocSwapIn(lay, device=0, gather_blocks=o.gather_blocks, prefetch=o.prefetch)
             fill_pattern(hs[name].pool)
-        table = torch.from_numpy(wl.block_table).to(d)
+        table = wl.block_table
+        if o.spread > 1:  # the request's blocks at distinct random host blocks of the larger pool
+            n = table.size
+            table = np.random.default_rng(1).choice(n * o.spread, size=n, replace=False).astype(np.int32)
+        table = torch.from_numpy(table.reshape(wl.block_table.shape)).to(d)
         req = torch.zeros(1, dtype=torch.int32, device=d)
         state, reset = req.clone(), torch.zeros(1, dtype=torch.bool, device=d)
         topk = torch.zeros((L, 1, TOP_K), dtype=torch.int32, device=d)
@@ -150,6 +158,7 @@ def main() -> int:
                               "gap_mean_us": statistics.fmean(small_gaps) if small_gaps else None}
         out = {
             "context": C, "layers": L, "gather_blocks": o.gather_blocks, "region_rows": o.region_rows,
+            "pool_gib": C * o.spread * L * ROW_BYTES / 2**30,
             "prefetch": o.prefetch,
             "graph": {k: v[1] for k, v in runs.items()},
             "step_us": {k: statistics.median(v) for k, v in times.items()},
