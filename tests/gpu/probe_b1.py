@@ -48,6 +48,9 @@ def main() -> int:
     ap.add_argument("--prefetch", action="store_true",
                     help="the handle with cross-layer prefetch (needs --region-rows above top-k): where a "
                          "prefetch's kernels and its fresh marks put time on a batch-1 layer's path")
+    ap.add_argument("--max-batch", type=int, default=1,
+                    help="the layout's max_batch and max_reqs (a batch of 1 still; the serving bench's handles "
+                         "are made for the largest batch of the run)")
     ap.add_argument("--spread", type=int, default=1,
                     help="a host pool N times the context, the request's blocks spread over it at random (the "
                          "serving bench's pool is 16 GiB: the GPU's reach into host memory)")
@@ -56,8 +59,8 @@ def main() -> int:
     L, C = o.layers, o.context
     if o.region_rows < TOP_K or (o.prefetch and o.region_rows == TOP_K):
         ap.error(f"--region-rows must be >= {TOP_K}, and above it with --prefetch")
-    lay = Layout(num_layers=L, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=o.region_rows, max_reqs=1, host_rows=C * o.spread,
-                 index_groups=tuple((i,) for i in range(L)), max_batch=1, staging_rows=min(4096, C)).validate()
+    lay = Layout(num_layers=L, row_bytes=ROW_BYTES, top_k=TOP_K, region_stride=o.region_rows, max_reqs=o.max_batch, host_rows=C * o.spread,
+                 index_groups=tuple((i,) for i in range(L)), max_batch=o.max_batch, staging_rows=min(4096, C)).validate()
     steps = 3 + o.steps + 4
     wl = generate(1, 0.9, steps=steps, layers=L, context=C, top_k=TOP_K, block_size=BLOCK, layer_overlap=0.85)
     d = torch.device("cuda", 0)
@@ -158,7 +161,7 @@ def main() -> int:
                               "gap_mean_us": statistics.fmean(small_gaps) if small_gaps else None}
         out = {
             "context": C, "layers": L, "gather_blocks": o.gather_blocks, "region_rows": o.region_rows,
-            "pool_gib": C * o.spread * L * ROW_BYTES / 2**30,
+            "pool_gib": C * o.spread * L * ROW_BYTES / 2**30, "max_batch": o.max_batch,
             "prefetch": o.prefetch,
             "graph": {k: v[1] for k, v in runs.items()},
             "step_us": {k: statistics.median(v) for k, v in times.items()},
