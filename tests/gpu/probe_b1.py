@@ -48,6 +48,11 @@ def main() -> int:
     ap.add_argument("--prefetch", action="store_true",
                     help="the handle with cross-layer prefetch (needs --region-rows above top-k): where a "
                          "prefetch's kernels and its fresh marks put time on a batch-1 layer's path")
+    ap.add_argument("--filler-topk", action="store_true",
+                    help="the filled variants: also torch.topk(2048) over 32K scores right before each swap-in "
+                         "(what precedes it in the model)")
+    ap.add_argument("--filler-kernels", type=int, default=0, metavar="N",
+                    help="the filled variants: also N tiny kernels a layer (a graph of the model's node count)")
     ap.add_argument("--max-batch", type=int, default=1,
                     help="the layout's max_batch and max_reqs (a batch of 1 still; the serving bench's handles "
                          "are made for the largest batch of the run)")
@@ -96,9 +101,16 @@ def main() -> int:
         wb = torch.randn((7168, 4096), dtype=torch.bfloat16, device=d)
         wo = torch.empty((1, 4096), dtype=torch.bfloat16, device=d)
 
+        scores = torch.randn((1, 32768), device=d)
+        tiny = torch.zeros(256, device=d)
+
         def fill():
             fb.copy_(fa)
             torch.mm(wa, wb, out=wo)
+            for _ in range(o.filler_kernels):
+                tiny.add_(1.0)
+            if o.filler_topk:
+                torch.topk(scores, TOP_K, dim=-1, sorted=False)
 
         def offload(filled=False):
             h = hs["offload_filled" if filled else "offload"]
@@ -162,6 +174,7 @@ def main() -> int:
         out = {
             "context": C, "layers": L, "gather_blocks": o.gather_blocks, "region_rows": o.region_rows,
             "pool_gib": C * o.spread * L * ROW_BYTES / 2**30, "max_batch": o.max_batch,
+            "filler_topk": o.filler_topk, "filler_kernels": o.filler_kernels,
             "prefetch": o.prefetch,
             "graph": {k: v[1] for k, v in runs.items()},
             "step_us": {k: statistics.median(v) for k, v in times.items()},
