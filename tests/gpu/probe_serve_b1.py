@@ -59,6 +59,14 @@ def main() -> int:
                 st.load(t)
                 run()
             torch.cuda.synchronize()
+            plain_us = []  # the same replays without the profiler (it changes how a graph runs)
+            for t in range(4, 4 + o.steps):
+                st.load(t)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                plain_us.append((time.perf_counter() - t0) * 1e6)
             from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
             steps_us = []
@@ -82,9 +90,11 @@ def main() -> int:
                 busy[ev.name[:60]] += ev.time_range.end - ev.time_range.start
             rows = sorted(({"kernel": k, "us_per_layer": v / per, "idle_before_us_per_layer": idle_before[k] / per}
                            for k, v in busy.items()), key=lambda r: -r["us_per_layer"])
-            out["modes"][mode] = {"run": kind, "step_us": statistics.median(steps_us), "kernels": rows,
+            out["modes"][mode] = {"run": kind, "step_us": statistics.median(steps_us),
+                                  "step_us_unprofiled": statistics.median(plain_us), "kernels": rows,
                                   "idle_us_per_layer": sum(idle_before.values()) / per}
-            print(f"== {mode} ({kind}): step {statistics.median(steps_us):.0f} us (profiled), idle "
+            print(f"== {mode} ({kind}): step {statistics.median(steps_us):.0f} us profiled, "
+                  f"{statistics.median(plain_us):.0f} us not, idle "
                   f"{out['modes'][mode]['idle_us_per_layer']:.1f} us a layer")
             print(f"{'kernel':60s} {'us/layer':>8s} {'idle before':>11s}")
             for r in rows[:25]:
