@@ -99,6 +99,24 @@ def main() -> int:
             print(f"{'kernel':60s} {'us/layer':>8s} {'idle before':>11s}")
             for r in rows[:25]:
                 print(f"{r['kernel']:60s} {r['us_per_layer']:8.2f} {r['idle_before_us_per_layer']:11.2f}")
+        # Both graphs again, replayed in turn step by step (as bench serve times its modes).
+        graphs = {}
+        for mode, src in sides.items():
+            st.load(0)
+            graphs[mode] = capture_step(torch, lambda src=src: model.step(st.x, state, src), mode)[0]
+        turns: dict = {m: [] for m in graphs}
+        for t in range(1, 4 + 2 * o.steps):
+            for j in range(len(graphs)):
+                mode = list(graphs)[(t + j) % len(graphs)]
+                st.load(t)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                graphs[mode]()
+                torch.cuda.synchronize()
+                if t >= 4:
+                    turns[mode].append((time.perf_counter() - t0) * 1e6)
+        out["in_turn_step_us"] = {m: statistics.median(v) for m, v in turns.items()}
+        print("in turn: " + "  ".join(f"{m} {v:.0f} us" for m, v in out["in_turn_step_us"].items()))
         os.makedirs(o.out, exist_ok=True)
         with open(os.path.join(o.out, "probe-serve-b1.json"), "w") as f:
             json.dump(out, f, indent=1)
