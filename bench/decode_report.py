@@ -18,6 +18,14 @@ OFFLOADED = ("inproc", CONTROL, "doorbell", "prefetch", "zmq")  # each also agai
 REFERENCE = (64, 90.0)  # (batch, hits %) of the headline JSON figures
 
 
+def hidden_share(prefetch_hits: int | None, misses: int | None) -> float | None:
+    """Prefetch: the miss rows fetched off the critical path (its hits) over every miss row
+    (those plus the misses the resolves fetched); None without both counts."""
+    if prefetch_hits is None or misses is None:
+        return None
+    return prefetch_hits / max(1, prefetch_hits + misses)
+
+
 @dataclass
 class Result:
     """One (mode, batch, hits) figure. Times in microseconds per decode step."""
@@ -61,11 +69,7 @@ class Result:
 
     @property
     def hidden_share(self) -> float | None:
-        """Prefetch: the miss rows fetched off the critical path (its hits) over every miss
-        row (those plus the misses the resolves fetched)."""
-        if self.prefetch_hits is None or self.misses is None:
-            return None
-        return self.prefetch_hits / max(1, self.prefetch_hits + self.misses)
+        return hidden_share(self.prefetch_hits, self.misses)
 
 
 def combine_rounds(results: list[Result], layers: int) -> list[Result]:

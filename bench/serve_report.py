@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from .decode_report import hidden_share
 from .serve_capacity import bounds
 
 # also the order they run in; "prefetch": the daemon (doorbell) attached with cross-layer prefetch
@@ -69,11 +70,7 @@ class Result:
 
     @property
     def hidden_share(self) -> float | None:
-        """The miss rows fetched off the critical path (the prefetch's hits) over every miss
-        row (those plus the misses the resolves fetched)."""
-        if self.prefetch_hits is None or self.misses is None:
-            return None
-        return self.prefetch_hits / max(1, self.prefetch_hits + self.misses)
+        return hidden_share(self.prefetch_hits, self.misses)
 
 
 def layers_of(sh, part: str) -> int:

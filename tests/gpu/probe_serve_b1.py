@@ -31,6 +31,20 @@ from sparsekv.bench.serve_modes import HbmRows, Static, SwappedRows, block_table
 from sparsekv.embedded.inproc_cuda import InprocSwapIn
 
 
+def replays(st, run, first: int, n: int) -> list[float]:
+    """Steps ``first .. first + n - 1`` replayed through ``run``, each timed (us) between
+    two synchronisations."""
+    out = []
+    for t in range(first, first + n):
+        st.load(t)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=32768)
@@ -59,25 +73,11 @@ def main() -> int:
                 st.load(t)
                 run()
             torch.cuda.synchronize()
-            plain_us = []  # the same replays without the profiler (it changes how a graph runs)
-            for t in range(4, 4 + o.steps):
-                st.load(t)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                run()
-                torch.cuda.synchronize()
-                plain_us.append((time.perf_counter() - t0) * 1e6)
+            plain_us = replays(st, run, 4, o.steps)  # without the profiler (it changes how a graph runs)
             from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-            steps_us = []
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for t in range(4 + o.steps, 4 + 2 * o.steps):  # after the plain replays'
-                    st.load(t)
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    run()
-                    torch.cuda.synchronize()
-                    steps_us.append((time.perf_counter() - t0) * 1e6)
+                steps_us = replays(st, run, 4 + o.steps, o.steps)  # the steps after the plain replays'
             kern = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
                           key=lambda ev: ev.time_range.start)
             per = o.steps * sh.layers
