@@ -379,20 +379,32 @@ def run_doorbell(torch, lay: Layout, workloads: dict, opts: Options, out: list,
                 c.attach(lay, engine=engine, transport="doorbell")  # joins: the pool is already written
             guarded(out, "doorbell", batch, workloads,
                      lambda: _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with, huge))
-            if want_pf:  # a rank of its own with prefetch, joined before the doorbell rank leaves
-                cp = Client(d.run_dir, rank=2 if want_zmq else 1, device=f"cuda:{DEVICE}",
-                            name="bench-decode-prefetch", timeout_s=CLIENT_TIMEOUT_S).connect()
-                stack.callback(cp.close)
-                cp.attach(lay, engine=engine, transport="doorbell", prefetch=True)
-                c.detach()
+            left: list = []  # the doorbell rank, once detached
+            if want_pf:  # its failure (the attach's too) is the prefetch rows', never zmq's
                 guarded(out, "prefetch", batch, workloads,
-                         lambda: _run_doorbell_rank(torch, cp, lay, workloads, opts, out, fill_s, mode="prefetch"))
-                cp.detach()
-            elif cz is not None:
+                         lambda: _run_prefetch_rank(torch, d.run_dir, stack, c, left, engine, lay, workloads, opts, out,
+                                                    rank=2 if want_zmq else 1))
+            if cz is not None and not left:
                 c.detach()
         if want_zmq:
             guarded(out, "zmq", batch, workloads,
                      lambda: _run_zmq_rank(torch, HostSwapIn(cz), cz, lay, workloads, opts, out, fill_s))
+
+
+def _run_prefetch_rank(torch, run_dir, stack, c, left: list, engine, lay, workloads, opts, out, rank: int) -> None:
+    """A rank of its own with prefetch: it joins the engine while the doorbell rank ``c`` is
+    still attached (the engine's pool stays written), then ``c`` detaches (``left`` says
+    so), and it runs alone (after the doorbell rank, not in turn with it), then leaves."""
+    cp = Client(run_dir, rank=rank, device=f"cuda:{DEVICE}", name="bench-decode-prefetch",
+                timeout_s=CLIENT_TIMEOUT_S).connect()
+    stack.callback(cp.close)
+    cp.attach(lay, engine=engine, transport="doorbell", prefetch=True)
+    c.detach()
+    left.append(c)
+    try:
+        _run_doorbell_rank(torch, cp, lay, workloads, opts, out, None, mode="prefetch")
+    finally:
+        cp.detach()
 
 
 def _run_doorbell_rank(torch, c, lay, workloads, opts, out, fill_s, paired_with=None, huge_pct=None,

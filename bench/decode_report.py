@@ -181,8 +181,10 @@ def table(results: list[Result], opts: Options) -> str:
                          + (f"; x gpu {r.vs_gpu:.3f} (doorbell {_fmt(_vs_gpu_of(results, r), '.3f')})"
                             if r.vs_gpu is not None else ""))
     if any(r.ok and r.mode == "prefetch" for r in results):
-        notes.append("prefetch: hit % counts the prefetched rows a resolve found resident; between two layers "
-                     "this bench computes a tiny attention only, so its copies have little compute to hide behind")
+        notes.append("prefetch: a rank of its own on the doorbell rank's daemon and pool, timed alone after it "
+                     "(x doorbell: not in turn); hit % counts the prefetched rows a resolve found resident, GB/s "
+                     "the misses left to the resolves; between two layers this bench computes a tiny attention "
+                     "only, so its copies have little compute to hide behind")
     if any(r.mode == CONTROL for r in results):
         notes.append(f"{CONTROL} (--control): the in-process handle again with a pool of its own, timed in turn "
                      "with the others: its +us/layer is what two pools alone differ by")

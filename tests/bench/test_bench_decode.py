@@ -850,6 +850,7 @@ def test_the_prefetch_rank_joins_before_the_doorbell_rank_leaves_and_runs_alone(
     attached), then the doorbell rank detaches and the prefetch rank runs, then leaves;
     with zmq the zmq rank, attached first, runs last."""
     events = []
+    refuse_prefetch = False
 
     class FakeDaemon:
         def __init__(self, **kw):
@@ -872,6 +873,8 @@ def test_the_prefetch_rank_joins_before_the_doorbell_rank_leaves_and_runs_alone(
             pass
 
         def attach(self, lay, engine, transport="zmq", prefetch=False, fence=False):
+            if prefetch and refuse_prefetch:
+                raise RuntimeError("prefetch refused")
             events.append(("attach", self.rank, transport, prefetch))
 
         def detach(self):
@@ -900,3 +903,12 @@ def test_the_prefetch_rank_joins_before_the_doorbell_rank_leaves_and_runs_alone(
     assert events == [("attach", 1, "zmq", False), ("attach", 0, "doorbell", False), ("run", "doorbell", 0),
                       ("attach", 2, "doorbell", True), ("detach", 0), ("run", "prefetch", 2), ("detach", 2),
                       ("run", "zmq", 1)]
+    # A prefetch rank refused: error rows for the prefetch only; the doorbell rank still
+    # leaves before the zmq rank runs.
+    events.clear()
+    refuse_prefetch = True
+    out: list = []
+    dm.run_doorbell(None, lay, {90.0: None}, opts, out)
+    assert events == [("attach", 1, "zmq", False), ("attach", 0, "doorbell", False), ("run", "doorbell", 0),
+                      ("detach", 0), ("run", "zmq", 1)]
+    assert [(r.mode, r.error) for r in out] == [("prefetch", "RuntimeError: prefetch refused")]

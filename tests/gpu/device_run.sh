@@ -113,16 +113,20 @@ if has all || has bench || has e2e || has decode; then
   result decode "$(figures "$OUT/decode.json" $DECODE_KEYS)"
 fi
 if has decode_overlaps; then
-  # The same bench once per layer overlap of DECODE_OVERLAPS (default 0.5,0.7,0.85,0.95),
-  # each with DECODE_OVERLAP_ARGS (default: batch 64, 90 % hits, gpu, doorbell and
-  # prefetch): its decode-oNN.json holds the prefetch's keys named by the overlap.
-  for o in ${DECODE_OVERLAPS:-0.5 0.7 0.85 0.95}; do
-    o=${o//,/}; tag=o$(python3 -c "print(round($o * 100))")
+  # The same bench once per layer overlap of DECODE_OVERLAPS (default "0.5 0.7 0.85 0.95",
+  # commas or spaces), each with DECODE_OVERLAP_ARGS (default: batch 64, 90 % hits, gpu,
+  # doorbell and prefetch): decode-oNN.json, whose keys named by the overlap (and only
+  # those: its other keys would overwrite decode's) go into decode-oNN-keys.json for latest.
+  overlaps=${DECODE_OVERLAPS:-0.5 0.7 0.85 0.95}
+  for o in ${overlaps//,/ }; do
+    tag=o$(python3 -c "print(round($o * 100))")
     dt=$(left "${DECODE_OVERLAP_TIMEOUT_S:-80}")
     timeout "$dt" python3 -m sparsekv.cli.main bench decode --quick --layer-overlap "$o" \
       ${DECODE_OVERLAP_ARGS:---batches 64 --hits 90 --modes gpu,doorbell,prefetch} \
       --daemon-log "$OUT/decode-$tag-daemon.log" --json "$OUT/decode-$tag.json" 2>&1 \
       | tee "$OUT/bench-decode-$tag.log" | tail -8
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); json.dump({k: v for k, v in d.items() \
+if k.endswith('_' + sys.argv[2])}, open(sys.argv[3], 'w'))" "$OUT/decode-$tag.json" "$tag" "$OUT/decode-$tag-keys.json"
     result "decode $tag" "$(figures "$OUT/decode-$tag.json" decode_prefetch_hidden_share_$tag \
       decode_prefetch_vs_doorbell_$tag decode_prefetch_vs_gpu_$tag decode_doorbell_vs_gpu_$tag)"
   done
@@ -171,7 +175,7 @@ if has all || has bench || has e2e || has latest; then
   timeout "$(left "${LATEST_TIMEOUT_S:-200}")" python3 -m sparsekv.cli.main bench latest --json "$OUT/latest.json" \
     --commit "${COMMIT:-unknown}" --merge "$OUT/decode.json" "$OUT/bench-kernels.json" \
     $( for f in serve hf prefix; do [[ -f "$OUT/$f.json" ]] && echo "$OUT/$f.json"; done ) \
-    $( ls "$OUT"/decode-o*.json 2>/dev/null ) 2>&1 \
+    $( ls "$OUT"/decode-o*-keys.json 2>/dev/null ) 2>&1 \
     | tee "$OUT/bench-transport.log" | tail -5
   result latest "$(figures "$OUT/latest.json" zmq_handoff_p50_us zmq_handoff_cold_p50_us daemon_host_us_per_step)"
 fi
