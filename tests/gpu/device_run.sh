@@ -24,6 +24,8 @@
 #             (PROBE_TIMEOUT_S, default 90); only when named
 #   b1        tests/gpu/probe_b1.py: a batch-1 step's swap-ins alone, each kernel's time from torch's
 #             profiler (B1_ARGS; B1_TIMEOUT_S, default 120); only when named
+#   serve_b1  tests/gpu/probe_serve_b1.py: bench serve's batch-1 step, each mode alone (profiled and not)
+#             and both in turn (SERVE_B1_ARGS; SERVE_B1_TIMEOUT_S, default 150); only when named
 #   latest    sparsekv bench latest: latest.json from the transport runs and the figures above
 #   demo      sparsekv demo                          examples  the example model on the doorbell
 #   replay    synthesized traces replayed on the cuda backend with --verify through zmq and
@@ -52,7 +54,7 @@ nvidia-cuda-mps-control -d && echo "MPS started"
 # At most 8 files come back from $OUT: the figures and the pytest log stay as they are,
 # every other log goes into logs.tgz.
 pack_logs() {
-  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|serve.json|serve.png|hf.json|pytest-cuda.log|bench-kernels.json|probe.jsonl|probe-b1.json|logs.tgz' \
+  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|serve.json|serve.png|hf.json|pytest-cuda.log|bench-kernels.json|probe.jsonl|probe-b1.json|probe-serve-b1.json|logs.tgz' \
      | tar czf logs.tgz --remove-files -T - 2>/dev/null)
 }
 # Logs first: stopping MPS waits for its clients (a daemon a test left behind, say), and
@@ -165,6 +167,12 @@ if has b1; then  # where a batch-1 layer's swap-in goes (issue 34's batch-1 figu
   timeout "$(left "${B1_TIMEOUT_S:-120}")" python3 tests/gpu/probe_b1.py --out "$OUT" ${B1_ARGS:-} >"$OUT/probe-b1.log" 2>&1
   rc=$?; tail -n 25 "$OUT/probe-b1.log"
   result b1 "rc $rc $(grep '^layer us' "$OUT/probe-b1.log" | tail -1)"
+fi
+if has serve_b1; then  # the serving bench's batch-1 step alone, profiled, and its modes in turn (issue 34)
+  timeout "$(left "${SERVE_B1_TIMEOUT_S:-150}")" python3 tests/gpu/probe_serve_b1.py --out "$OUT" ${SERVE_B1_ARGS:-} \
+    >"$OUT/probe-serve-b1.log" 2>&1
+  rc=$?; grep -E '^(==|in turn)' "$OUT/probe-serve-b1.log"
+  result serve_b1 "rc $rc $(grep '^in turn' "$OUT/probe-serve-b1.log" | tail -1)"
 fi
 if has probe; then  # which CUDA calls wait for a parked stream (DESIGN §5.4; daemon/cuda/deferred.py)
   timeout "$(left "${PROBE_TIMEOUT_S:-90}")" python3 tests/gpu/probe_parked.py --timeout-s 2 2>&1 \
