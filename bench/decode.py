@@ -208,7 +208,7 @@ def options_from_args(a) -> Options:
         steps=a.steps if a.steps is not None else (QUICK_STEPS if quick else DEFAULT_STEPS), warmup=a.warmup,
         rounds=a.rounds, paired=a.paired, control=a.control,
         modes=tuple(dict.fromkeys(a.modes)) if a.modes else DEFAULT_MODES,
-        layer_overlap=a.layer_overlap, gather_blocks=a.gather_blocks, seed=a.seed, region_rows=getattr(a, "region_rows", None),
+        layer_overlap=a.layer_overlap, gather_blocks=a.gather_blocks, seed=a.seed, region_rows=a.region_rows,
         budget_s=a.budget_s, json_path=a.json_path, plot_path=a.plot_path, daemon_log=a.daemon_log,
     ).validate()
 

@@ -58,7 +58,6 @@ class Result:
     gbps: float | None = None
     overhead_us_per_layer: float | None = None
     vs_inproc: float | None = None
-    inproc_vs_gpu: float | None = None
     vs_gpu: float | None = None  # this mode's p50 / gpu's (any offloaded mode)
     vs_doorbell: float | None = None  # prefetch: its p50 / the doorbell rank's (the prefetch's gain or cost)
     round_overheads: tuple[float, ...] = ()  # each round's overhead against that round's inproc
@@ -70,6 +69,11 @@ class Result:
     @property
     def hidden_share(self) -> float | None:
         return hidden_share(self.prefetch_hits, self.misses)
+
+    @property
+    def inproc_vs_gpu(self) -> float | None:
+        """The in-process step over all on the GPU's (the table's and JSON's own column)."""
+        return self.vs_gpu if self.mode == "inproc" else None
 
 
 def combine_rounds(results: list[Result], layers: int) -> list[Result]:
@@ -125,8 +129,6 @@ def derive(results: list[Result], layers: int, row_bytes: int) -> list[Result]:
         gpu = by.get((r.batch, r.hits, "gpu"))
         if r.mode in OFFLOADED and gpu is not None and gpu.ok:
             r.vs_gpu = r.p50_us / gpu.p50_us
-            if r.mode == "inproc":
-                r.inproc_vs_gpu = r.vs_gpu
         db = by.get((r.batch, r.hits, "doorbell"))
         if r.mode == "prefetch" and db is not None and db.ok:
             r.vs_doorbell = r.p50_us / db.p50_us
