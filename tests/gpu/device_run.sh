@@ -34,7 +34,9 @@
 #             --prefix=base/ | tar -x; BASE_DIR=base): bench decode --quick and bench kernels
 #             from the base and from this tree in turn, A B A B (AB_ROUNDS, default 2;
 #             AB_DECODE_ARGS, default --batches 64; AB_KERNELS_ARGS, default "--kernels-quick
-#             --pool-gib 16"), then each figure of both side by side
+#             --pool-gib 16"; AB_BENCHES, default "decode kernels", may add serve: bench serve
+#             --quick with AB_SERVE_ARGS, default the batch-1 32K configs), then each figure of
+#             both side by side
 # BUDGET_S: seconds for all of it (default 540): each step's timeout is cut to what is left,
 # so that the logs are packed before the device tool's limit. SPARSEKV_STOP_TIMEOUT_S: how
 # long a test's private daemon may take to stop on SIGTERM before it is killed.
@@ -253,19 +255,33 @@ elif has ab; then
   # lands on both alike. A failed base run costs its figures, nothing else.
   AB=$OUT/ab
   mkdir -p "$AB"
-  if python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/base-site "$BASE_DIR" \
+  ab_benches=${AB_BENCHES:-decode kernels}
+  ab_benches=${ab_benches//,/ }
+  if python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/base-site "$(realpath "$BASE_DIR")" \
       >"$AB/install-base.log" 2>&1; then
     for i in $(seq "${AB_ROUNDS:-2}"); do
       for side in A B; do
         if [[ $side == A ]]; then cmd=(env PYTHONPATH=/tmp/base-site:/tmp/site python3 /tmp/base-site/bin/sparsekv)
         else cmd=(python3 -m sparsekv.cli.main); fi
-        timeout "$(left 200)" "${cmd[@]}" bench decode --quick ${AB_DECODE_ARGS:---batches 64} --json "$AB/decode-$side$i.json" \
-          >"$AB/decode-$side$i.log" 2>&1
-        timeout "$(left 200)" "${cmd[@]}" bench kernels ${AB_KERNELS_ARGS:---kernels-quick --pool-gib 16} \
-          --json "$AB/kernels-$side$i.json" >"$AB/kernels-$side$i.log" 2>&1
+        if [[ " $ab_benches " == *" decode "* ]]; then
+          timeout "$(left 200)" "${cmd[@]}" bench decode --quick ${AB_DECODE_ARGS:---batches 64} --json "$AB/decode-$side$i.json" \
+            >"$AB/decode-$side$i.log" 2>&1
+        fi
+        if [[ " $ab_benches " == *" kernels "* ]]; then
+          timeout "$(left 200)" "${cmd[@]}" bench kernels ${AB_KERNELS_ARGS:---kernels-quick --pool-gib 16} \
+            --json "$AB/kernels-$side$i.json" >"$AB/kernels-$side$i.log" 2>&1
+        fi
+        if [[ " $ab_benches " == *" serve "* ]]; then
+          timeout "$(left 240)" "${cmd[@]}" bench serve --quick ${AB_SERVE_ARGS:---contexts 32k --batches 1 --overlaps none --hbm-gb 1} \
+            --json "$AB/serve-$side$i.json" >"$AB/serve-$side$i.log" 2>&1
+          grep -E "^ *(gpu|inproc|daemon|prefetch) " "$AB/serve-$side$i.log" | sed "s/^/$side$i /" | cut -c1-400
+        fi
       done
     done
-    python3 - "$AB" $DECODE_KEYS $KERNEL_KEYS <<'EOF' | tee "$AB/table.txt"
+    ab_keys=""
+    for b in $ab_benches; do case $b in decode) ab_keys+=" $DECODE_KEYS";; kernels) ab_keys+=" $KERNEL_KEYS";;
+      serve) ab_keys+=" $SERVE_KEYS";; esac; done
+    python3 - "$AB" $ab_keys <<'EOF' | tee "$AB/table.txt"
 import glob, json, os, statistics, sys
 ab, keys = sys.argv[1], sys.argv[2:]
 runs = {"A": [], "B": []}
