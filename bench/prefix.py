@@ -34,7 +34,17 @@ a bulk pinned host-to-device copy of the same bytes in the same run:
 * ``prefix_index_load_vs_bulk_scattered``: the same with the blocks in a random order
   (one copy a block, 515 KB each, instead of one for the prefix).
 
-The comparison with recomputing the prefix (its prefill on the GPU) is not measured here.
+Serving a cached prefix against recomputing it (``serve_tokens``, 32K by default: the
+first ``serve_tokens / block_size`` blocks of the chain):
+
+* ``prefix_serve_lookup_us_p50``: its lookup + pin, repeated (as above);
+* on a GPU, ``prefix_serve_load_ms`` (its indexer keys into the engine's GPU memory, the
+  engine's stream from before the fence to after the wait) and ``prefix_serve_ms`` (both:
+  what an engine waits before it decodes past the prefix; its MLA rows stay in the pool,
+  served by the sparse decode path), against ``prefix_recompute_ms_bound``: the prefill's
+  FLOPs on the deployment at the H200's dense peaks (``serve_capacity.prefill_bound``,
+  DeepSeek-V3.2, attention data-parallel, experts over 8 GPUs), a lower bound of
+  recomputing it; ``prefix_serve_vs_recompute`` is their ratio (``_32k`` at 32K tokens).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from sparsekv.proto import LIMITS, Layout, MsgType
 from sparsekv.proto.blocks import KeysPlane
 
 from .private_daemon import PrivateDaemon
+from .serve_capacity import PRESETS, prefill_bound
 
 # A new engine: attach to the kept engine, hash the prompt, look it up; prints the hits
 # and the seconds since the parent's clock reading in argv.
@@ -70,9 +81,13 @@ with Client(run_dir, name="bench-restart") as c:
 
 
 def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, restarts: int = 3,
-                 pool_gib: float = 8.0) -> dict:
+                 pool_gib: float = 8.0, serve_tokens: int = 32768) -> dict:
     """The cpu figures (module docstring): an engine of DeepSeek-V3.2's rows (61 layers of
-    656 bytes) whose pool range is ``pool_gib`` (the restart goal's 8 GiB by default)."""
+    656 bytes) whose pool range is ``pool_gib`` (the restart goal's 8 GiB by default); on a
+    GPU also the indexer keys' load, and serving the first ``serve_tokens`` positions."""
+    if serve_tokens <= 0 or serve_tokens % block_size:
+        raise ValueError(f"serve_tokens must be a positive multiple of block_size {block_size}, got {serve_tokens}")
+    serve_blocks = min(blocks, serve_tokens // block_size)
     row_bytes, layers = 656, 61
     host_rows = int(pool_gib * 2**30) // (layers * row_bytes) // block_size * block_size
     n_tokens = blocks * block_size
@@ -106,6 +121,13 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
                     ts, tr, tx, rx = c.timings[MsgType.BLOCK_LOOKUP]
                     legs.append((tr - ts, tx - tr, rx - tx))
                 release_us.append((t2 - t1) * 1e6)
+            serve_us = []  # the served prefix, looked up again and again (the first time apart)
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                got = c.blocks.lookup(keys[:serve_blocks])
+                serve_us.append((time.perf_counter() - t0) * 1e6)
+                c.blocks.release(got)
+                assert got.size == serve_blocks, f"the cached prefix has {got.size} of {serve_blocks} blocks"
             # c closes here: the engine is kept for its cached blocks, as after a crash
         for _ in range(restarts):
             out = subprocess.run([sys.executable, "-c", _RESTART, d.run_dir, json.dumps(lay.to_wire()),
@@ -125,15 +147,29 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
            **{k: round(float(v) * 1e-3, 1) for k, v in zip(("lookup_send_us", "lookup_daemon_us", "lookup_reply_us"),
                                                           np.median(np.array(legs), axis=0))},
            "release_us_p50": round(float(np.median(release_us)), 1),
-           "restart_s_median": round(float(np.median(restart_s)), 3)}
+           "restart_s_median": round(float(np.median(restart_s)), 3),
+           "prefix_serve_tokens": serve_blocks * block_size,
+           "prefix_serve_lookup_us_p50": round(float(np.median(serve_us[1:])), 1),
+           "prefix_recompute_ms_bound": round(prefill_bound(PRESETS["v32"], serve_blocks * block_size)["bound_s"] * 1e3,
+                                              1)}
     if cuda_unavailable() is None and importlib.util.find_spec("torch") is not None:
-        out.update(bench_index_load(blocks, block_size))
+        out.update(bench_index_load(blocks, block_size, serve_blocks=serve_blocks))
+        out.update(serve_figures(out))
     return out
 
 
+def serve_figures(out: dict) -> dict:
+    """Serving the cached prefix (its lookup, then its keys' load) against recomputing it."""
+    serve_ms = out["prefix_serve_lookup_us_p50"] * 1e-3 + out["prefix_serve_load_ms"]
+    ratio = serve_ms / out["prefix_recompute_ms_bound"]
+    return {"prefix_serve_ms": round(serve_ms, 3), "prefix_serve_vs_recompute": round(ratio, 5),
+            **({"prefix_serve_vs_recompute_32k": round(ratio, 5)} if out["prefix_serve_tokens"] == 32768 else {})}
+
+
 def bench_index_load(blocks: int = 2048, block_size: int = 64, layers: int = 61, index_bytes: int = 132,
-                     reps: int = 10) -> dict:
-    """The GPU part (module docstring): a cuda daemon of its own, one engine rank on cuda:0."""
+                     reps: int = 10, serve_blocks: int = 512) -> dict:
+    """The GPU part (module docstring): a cuda daemon of its own, one engine rank on cuda:0;
+    also the load of the prefix's first ``serve_blocks`` blocks alone (the served prefix)."""
     import torch  # noqa: PLC0415  (GPU hosts only)
 
     lay = Layout(num_layers=layers, row_bytes=16, top_k=64, region_stride=128, max_reqs=1,
@@ -172,6 +208,10 @@ def bench_index_load(blocks: int = 2048, block_size: int = 64, layers: int = 61,
         torch.cuda.synchronize(dev)
         assert (dst.cpu().numpy().reshape(blocks, bb) == keys[row[shuffled]]).all(), "the scattered load differs"
         scattered_ms, _ = _timed(lambda: c.blocks.load_keys(shuffled, dst), reps, dev, torch)
+        serve_ms, _ = _timed(lambda: c.blocks.load_keys(hit[:serve_blocks], dst), reps, dev, torch)
+        torch.cuda.synchronize(dev)
+        assert (dst[:serve_blocks * bb].cpu().numpy().reshape(serve_blocks, bb) == keys[row[hit[:serve_blocks]]]).all(), \
+            "the served prefix's keys differ from those written"
         src = torch.from_numpy(keys.reshape(-1)).pin_memory()
         bulk_ms, _ = _timed(lambda: dst.copy_(src, non_blocking=True), reps, dev, torch)
         assert torch.equal(dst.view(blocks, bb)[:1].cpu(), src.view(blocks, bb)[:1])
@@ -183,7 +223,8 @@ def bench_index_load(blocks: int = 2048, block_size: int = 64, layers: int = 61,
             "prefix_index_load_scattered_GBps": round(gbps["scattered"], 2),
             "prefix_index_load_vs_bulk_scattered": round(gbps["scattered"] / gbps["bulk"], 3),
             "load_call_us_p50": round(float(np.median(call_us)), 1),
-            "load_stream_ms_p50": round(float(np.median(load_ms)), 3)}
+            "load_stream_ms_p50": round(float(np.median(load_ms)), 3),
+            "prefix_serve_load_ms": round(float(np.median(serve_ms)), 3)}
 
 
 def _timed(enqueue, reps: int, dev, torch) -> tuple[list[float], list[float]]:

@@ -1,6 +1,8 @@
-"""The arithmetic of ``sparsekv bench serve``, without torch: how many requests each mode
-fits on one GPU of the deployment (:func:`capacity`), and each part's lower bound
-(:func:`bounds`: bytes at the HBM rate, FLOPs at the H200's peaks)."""
+"""The arithmetic of ``sparsekv bench serve``, without torch: the model's shapes
+(:class:`Shapes`), how many requests each mode fits on one GPU of the deployment
+(:func:`capacity`), each part's lower bound (:func:`bounds`: bytes at the HBM rate, FLOPs
+at the H200's peaks), and a prefill's (:func:`prefill_bound`: what recomputing a prefix
+costs at least, against which ``bench prefix`` sets serving it from the block store)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,71 @@ BF16_FLOPS = 989e12  # H200 dense peaks
 FP8_FLOPS = 1979e12
 LINK_BPS = 55e9  # pinned host -> GPU, the bulk copy's rate measured on the H200 VM (docs/PERF.md)
 GB = 1e9
+
+
+LATENT_TILE = 128  # latent values per fp32 scale of an fp8_ds_mla row
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """One GPU's shapes. Default: DeepSeek-V3.2, attention DP, MoE EP over ``ep`` GPUs."""
+
+    hidden: int = 7168
+    q_lora: int = 1536
+    kv_lora: int = 512
+    rope: int = 64
+    nope: int = 128
+    v_dim: int = 128
+    heads: int = 128
+    idx_heads: int = 64
+    idx_dim: int = 128
+    top_k: int = 2048
+    experts: int = 32  # routed experts on this GPU
+    ep: int = 8  # GPUs the routed experts are spread over
+    top_experts: int = 8
+    expert_inter: int = 2048
+    dense_inter: int = 18432
+    layers: int = 61
+    dense_layers: int = 3
+    vocab: int = 129280
+
+    @property
+    def row_bytes(self) -> int:
+        """An fp8_ds_mla row: fp8 latent, one fp32 scale per LATENT_TILE, bf16 rope."""
+        return self.kv_lora + 4 * (self.kv_lora // LATENT_TILE) + 2 * self.rope
+
+    @property
+    def idx_key_bytes(self) -> int:
+        return self.idx_dim + 4  # fp8 key + fp32 scale
+
+    @property
+    def a_out(self) -> int:
+        return self.q_lora + self.kv_lora + self.rope + self.idx_dim + self.idx_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * (self.nope + self.rope)
+
+    def moe_rows(self, batch: int) -> int:
+        """Token-expert pairs this GPU's experts take a step: each of the ``ep`` GPUs'
+        ``batch`` tokens picks ``top_experts`` of ``experts * ep``, balanced."""
+        return batch * self.top_experts
+
+    def expert_counts(self, batch: int) -> list[int]:
+        """Rows per active local expert at balanced routing (experts with none left out)."""
+        m = self.moe_rows(batch)
+        n = min(self.experts, m)
+        return [m // n + (e < m % n) for e in range(n)]
+
+
+PRESETS = {
+    "v32": Shapes(),
+    # tests: row_bytes 560 (a multiple of 16, as the cuda backend moves rows), every FP8
+    # matmul's dimensions multiples of 16 (torch._scaled_mm), the indexer's Triton shapes
+    "tiny": Shapes(hidden=256, q_lora=64, kv_lora=512, rope=16, nope=32, v_dim=32, heads=4, idx_heads=16, idx_dim=32,
+                   top_k=16, experts=4, ep=2, top_experts=2, expert_inter=64, dense_inter=128, layers=4,
+                   dense_layers=1, vocab=512),
+}
 
 
 @dataclass(frozen=True)
@@ -101,4 +168,42 @@ def bounds(sh, batch: int, context: int, misses_per_layer: float | None = None) 
         "moe": bound((active + 1) * expert + 2 * router, 2 * (sh.moe_rows(B) + B) * expert, 2 * B * router),
         "head": bound(2 * sh.vocab * sh.hidden, 0.0, 2 * B * sh.vocab * sh.hidden),
     }
+    return out
+
+
+def prefill_bound(sh, tokens: int) -> dict[str, float]:
+    """The FLOPs of prefilling one request of ``tokens`` positions on the deployment, and
+    the least time they take on its GPUs at the H200's dense peaks (``bound_s``).
+
+    Per layer and token: the attention's projections (FP8; the queries and keys of every
+    position), the latent's up-projection to per-head keys and values (bf16; MLA as a
+    prefill runs it, cheaper than the absorbed form), attention over ``min(position,
+    top_k)`` positions (bf16, heads x (nope + rope + v)), the indexer's logits over every
+    earlier position (FP8); the dense FFN or the MoE (the shared expert and the router on
+    the request's GPU, its ``top_experts`` routed experts spread over the ``ep`` GPUs, FP8).
+    The request's attention and every layer's shared part run on its GPU (attention
+    data-parallel); its routed experts' FLOPs count 1 / ep there (balanced routing).
+    Elementwise work, norms and the LM head (one position) are left out: a bound."""
+    T, L, H = tokens, sh.layers, sh.heads
+    proj = 2 * (sh.a_out * sh.hidden + (sh.q_dim + sh.idx_heads * sh.idx_dim) * sh.q_lora + sh.hidden * H * sh.v_dim)
+    kv_up = 2 * sh.kv_lora * H * (sh.nope + sh.v_dim)
+    k = min(sh.top_k, T)
+    attended = k * (k + 1) // 2 + (T - k) * k  # sum over positions t = 1..T of min(t, top_k)
+    attention = 2 * H * (sh.nope + sh.rope + sh.v_dim) * attended
+    indexer = 2 * sh.idx_heads * sh.idx_dim * (T * (T - 1) // 2)
+    expert = 2 * 3 * sh.hidden * sh.expert_inter
+    moe_layers = L - sh.dense_layers
+    out = {
+        "projections": L * T * proj,
+        "kv_up": L * T * kv_up,
+        "attention": L * attention,
+        "indexer": L * indexer,
+        "dense_ffn": sh.dense_layers * T * 2 * 3 * sh.hidden * sh.dense_inter,
+        "shared_expert_and_router": moe_layers * T * (expert + 2 * sh.hidden * sh.experts * sh.ep),
+        "routed_experts": moe_layers * T * sh.top_experts * expert,
+    }
+    fp8 = (out["projections"] + out["indexer"] + out["dense_ffn"] + out["shared_expert_and_router"]
+           + out["routed_experts"] / sh.ep)
+    bf16 = out["kv_up"] + out["attention"]
+    out["bound_s"] = fp8 / FP8_FLOPS + bf16 / BF16_FLOPS
     return out

@@ -29,72 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 from . import serve_triton
+from .serve_capacity import LATENT_TILE, PRESETS, Shapes  # noqa: F401  (the shapes, without torch)
 
-LATENT_TILE = 128  # latent values per fp32 scale of an fp8_ds_mla row
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """One GPU's shapes. Default: DeepSeek-V3.2, attention DP, MoE EP over ``ep`` GPUs."""
-
-    hidden: int = 7168
-    q_lora: int = 1536
-    kv_lora: int = 512
-    rope: int = 64
-    nope: int = 128
-    v_dim: int = 128
-    heads: int = 128
-    idx_heads: int = 64
-    idx_dim: int = 128
-    top_k: int = 2048
-    experts: int = 32  # routed experts on this GPU
-    ep: int = 8  # GPUs the routed experts are spread over
-    top_experts: int = 8
-    expert_inter: int = 2048
-    dense_inter: int = 18432
-    layers: int = 61
-    dense_layers: int = 3
-    vocab: int = 129280
-
-    @property
-    def row_bytes(self) -> int:
-        """An fp8_ds_mla row: fp8 latent, one fp32 scale per LATENT_TILE, bf16 rope."""
-        return self.kv_lora + 4 * (self.kv_lora // LATENT_TILE) + 2 * self.rope
-
-    @property
-    def idx_key_bytes(self) -> int:
-        return self.idx_dim + 4  # fp8 key + fp32 scale
-
-    @property
-    def a_out(self) -> int:
-        return self.q_lora + self.kv_lora + self.rope + self.idx_dim + self.idx_heads
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * (self.nope + self.rope)
-
-    def moe_rows(self, batch: int) -> int:
-        """Token-expert pairs this GPU's experts take a step: each of the ``ep`` GPUs'
-        ``batch`` tokens picks ``top_experts`` of ``experts * ep``, balanced."""
-        return batch * self.top_experts
-
-    def expert_counts(self, batch: int) -> list[int]:
-        """Rows per active local expert at balanced routing (experts with none left out)."""
-        m = self.moe_rows(batch)
-        n = min(self.experts, m)
-        return [m // n + (e < m % n) for e in range(n)]
-
-
-PRESETS = {
-    "v32": Shapes(),
-    # tests: row_bytes 560 (a multiple of 16, as the cuda backend moves rows), every FP8
-    # matmul's dimensions multiples of 16 (torch._scaled_mm), the indexer's Triton shapes
-    "tiny": Shapes(hidden=256, q_lora=64, kv_lora=512, rope=16, nope=32, v_dim=32, heads=4, idx_heads=16, idx_dim=32,
-                   top_k=16, experts=4, ep=2, top_experts=2, expert_inter=64, dense_inter=128, layers=4,
-                   dense_layers=1, vocab=512),
-}
 
 
 # -- fp8_ds_mla rows and indexer keys -----------------------------------------------------

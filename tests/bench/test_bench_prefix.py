@@ -4,10 +4,13 @@ engine process that finds the whole cached prefix (the bench asserts every looku
 import subprocess
 import sys
 
+import pytest
+
 import cli_inproc
 import helpers
 from sparsekv.bench import prefix
-from sparsekv.bench.prefix import bench_prefix
+from sparsekv.bench.prefix import bench_prefix, serve_figures
+from sparsekv.bench.serve_capacity import PRESETS, prefill_bound
 
 
 def test_bench_prefix_reports_lookup_and_restart():
@@ -17,6 +20,43 @@ def test_bench_prefix_reports_lookup_and_restart():
     legs = r["lookup_send_us"], r["lookup_daemon_us"], r["lookup_reply_us"]
     assert all(x > 0 for x in legs) and sum(legs) <= 1.5 * r["prefix_lookup_us_p99"], r
     assert 0 < r["restart_s_median"] < 30
+
+
+def test_the_served_prefix_is_the_chains_first_blocks_looked_up_with_its_recompute_bound():
+    r = bench_prefix(blocks=32, block_size=4, reps=5, restarts=1, pool_gib=0.05, serve_tokens=64)
+    assert r["prefix_serve_tokens"] == 64 and r["prefix_serve_lookup_us_p50"] > 0
+    assert r["prefix_recompute_ms_bound"] == round(prefill_bound(PRESETS["v32"], 64)["bound_s"] * 1e3, 1)
+    # longer than the chain: the whole chain is served
+    assert bench_prefix(blocks=8, block_size=4, reps=2, restarts=1, pool_gib=0.05,
+                        serve_tokens=400)["prefix_serve_tokens"] == 32
+
+
+def test_a_served_prefix_that_is_not_whole_blocks_is_refused():
+    with pytest.raises(ValueError, match="multiple of block_size 4"):
+        bench_prefix(blocks=8, block_size=4, serve_tokens=6)
+
+
+def test_serving_is_the_lookup_plus_the_keys_load_over_the_recompute_bound():
+    base = {"prefix_serve_lookup_us_p50": 500.0, "prefix_serve_load_ms": 4.5, "prefix_recompute_ms_bound": 1000.0}
+    got = serve_figures({**base, "prefix_serve_tokens": 32768})
+    assert got == {"prefix_serve_ms": 5.0, "prefix_serve_vs_recompute": 0.005, "prefix_serve_vs_recompute_32k": 0.005}
+    assert "prefix_serve_vs_recompute_32k" not in serve_figures({**base, "prefix_serve_tokens": 4096})
+
+
+def test_the_prefill_bound_adds_each_parts_flops_at_its_peak_by_hand():
+    sh, T = PRESETS["v32"], 32768
+    r = prefill_bound(sh, T)
+    # projections: x -> 2304 outputs, c_q -> 128 x 192 + 64 x 128, o_proj 16384 -> 7168 (FP8)
+    assert r["projections"] == 61 * T * 2 * (2304 * 7168 + (24576 + 8192) * 1536 + 7168 * 16384)
+    assert r["kv_up"] == 61 * T * 2 * 512 * 128 * 256
+    # positions 1..2048 attend to themselves and those before, later ones to 2048
+    assert r["attention"] == 61 * 2 * 128 * 320 * (2048 * 2049 // 2 + (T - 2048) * 2048)
+    assert r["indexer"] == 61 * 2 * 64 * 128 * (T * (T - 1) // 2)
+    assert r["routed_experts"] == 58 * T * 8 * 2 * 3 * 7168 * 2048
+    fp8 = (r["projections"] + r["indexer"] + r["dense_ffn"] + r["shared_expert_and_router"]
+           + r["routed_experts"] / 8)
+    assert r["bound_s"] == pytest.approx(fp8 / 1979e12 + (r["kv_up"] + r["attention"]) / 989e12)
+    assert 1.0 < r["bound_s"] < 1.5  # ~1.25 s for 32K on one H200 of the deployment
 
 
 def test_an_unknown_bench_name_lists_prefix_among_the_choices():
