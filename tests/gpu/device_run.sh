@@ -156,7 +156,7 @@ if has hf; then
   (( rc == 0 )) || status=1
   result hf "rc $rc: $(figures "$OUT/hf.json" $HF_KEYS)"
 fi
-PREFIX_KEYS="prefix_lookup_us_128k prefix_lookup_us_p50 lookup_send_us lookup_daemon_us lookup_reply_us prefix_lookup_cold_us_p50 prefix_index_load_vs_bulk restart_s_median"
+PREFIX_KEYS="prefix_lookup_us_128k prefix_lookup_us_p50 lookup_send_us lookup_daemon_us lookup_reply_us prefix_lookup_cold_us_p50 prefix_index_load_vs_bulk restart_s_median prefix_serve_ms prefix_recompute_ms_bound prefix_serve_vs_recompute_32k"
 if has prefix; then
   timeout "$(left "${PREFIX_TIMEOUT_S:-120}")" python3 -m sparsekv.cli.main bench prefix 2>&1 \
     | tee "$OUT/bench-prefix.log" | tail -3
