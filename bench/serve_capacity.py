@@ -144,11 +144,13 @@ def capacity_text(sh, contexts, dep: Deployment = Deployment(), region_rows: int
 def bounds(sh, batch: int, context: int, misses_per_layer: float | None = None) -> dict[str, float | None]:
     """Each part's lower bound in microseconds a layer it runs in (``head``: a step), the
     larger of its bytes at HBM_BPS and its FLOPs at the peaks (FP8 matmuls at FP8_FLOPS,
-    bf16 ones at BF16_FLOPS), FP8 byte counts whatever dtype ran; ``swap_in``: the missed
+    bf16 ones at BF16_FLOPS), FP8 byte counts whatever dtype ran; ``query``: c_q -> q and
+    W_UK, the projections beside the rows (``proj``: the others); ``swap_in``: the missed
     rows over the link (None without misses: all on the GPU); ``write``: None (bytes)."""
     B, H, K = batch, sh.heads, min(sh.top_k, context)
-    fp8_proj = sh.a_out * sh.hidden + (sh.q_dim + sh.idx_heads * sh.idx_dim) * sh.q_lora + sh.hidden * H * sh.v_dim
-    bf16_proj = H * sh.kv_lora * (sh.nope + sh.v_dim)
+    fp8_proj = sh.a_out * sh.hidden + sh.idx_heads * sh.idx_dim * sh.q_lora + sh.hidden * H * sh.v_dim
+    bf16_proj = H * sh.kv_lora * sh.v_dim  # W_UV
+    fp8_query, bf16_query = sh.q_dim * sh.q_lora, H * sh.kv_lora * sh.nope  # c_q -> q, W_UK
     expert = 3 * sh.hidden * sh.expert_inter
     active = len(sh.expert_counts(B))
     router = sh.hidden * sh.experts * sh.ep
@@ -158,6 +160,7 @@ def bounds(sh, batch: int, context: int, misses_per_layer: float | None = None) 
 
     out = {
         "proj": bound(fp8_proj + 2 * bf16_proj, 2 * B * fp8_proj, 2 * B * bf16_proj),
+        "query": bound(fp8_query + 2 * bf16_query, 2 * B * fp8_query, 2 * B * bf16_query),
         "write": None,
         # keys and scales read once, the logits written; the top-k reads them
         "indexer": bound(B * context * (sh.idx_key_bytes + 4), 2 * B * context * sh.idx_heads * sh.idx_dim),

@@ -136,6 +136,11 @@ class Ops:
         if not self.triton_mla:
             tried = self.impl.get("attention")
             self.impl["attention"] = (f"{tried}; " if tried else "") + f"index_select + dequant + {dtype} torch.bmm"
+        self.triton_write = fast and self._check("write", "triton rms + fp8_ds_mla row pack, indexer key quant "
+                                                 "(one kernel each)", self._try_write, gen)
+        if not self.triton_write:
+            tried = self.impl.get("write")
+            self.impl["write"] = (f"{tried}; " if tried else "") + "torch elementwise ops"
 
     def _check(self, part: str, label: str, fn, gen) -> bool:
         try:
@@ -202,6 +207,24 @@ class Ops:
         rows = kv.index_select(0, idx.reshape(-1).clamp(min=0).long()).view(*idx.shape, sh.row_bytes)
         return sparse_mla(q, rows, idx >= 0, sh, self.dtype)
 
+    def write_row(self, ckv, out, sh: Shapes) -> None:
+        """The new token's KV rows: ``ckv`` [B, kv_lora + rope], the latent RMS-normed, packed
+        as fp8_ds_mla into ``out`` uint8 [B, row_bytes] (contiguous)."""
+        if self.triton_write and serve_triton.pack_rows_supported(sh.kv_lora, sh.rope, LATENT_TILE, sh.row_bytes):
+            serve_triton.pack_rows(ckv, out, sh.kv_lora, LATENT_TILE)
+            return
+        out.copy_(pack_rows(torch.cat([rms(ckv[:, :sh.kv_lora]), ckv[:, sh.kv_lora:]], -1), sh))
+
+    def write_key(self, k, out, scale) -> None:
+        """The new token's indexer keys ``k`` [B, idx_dim] -> fp8 ``out`` [B, idx_dim] and
+        fp32 ``scale`` [B] (:func:`quant_keys`)."""
+        if self.triton_write and k.shape[1] & (k.shape[1] - 1) == 0:
+            serve_triton.quant_keys(k, out, scale)
+            return
+        k8, s = quant_keys(k)
+        out.copy_(k8)
+        scale.copy_(s)
+
     # -- the checks (small inputs against the plain torch path) -------------------------
     def _try_mm(self, gen) -> bool:
         w = torch.randn(48, 64, generator=gen, device=self.device).to(FP8)
@@ -236,6 +259,22 @@ class Ops:
         w = torch.rand(2, 64, generator=gen, device=self.device)
         ks = torch.rand(2, T, generator=gen, device=self.device)
         return _close(serve_triton.indexer_logits(q, w, keys, ks), indexer_reference(q, w, keys, ks))
+
+    def _try_write(self, gen) -> bool:
+        sh = PRESETS["v32"]
+        a = torch.randn(3, sh.kv_lora + sh.rope + 40, generator=gen, device=self.device).to(torch.bfloat16)
+        ckv = a[:, 8:8 + sh.kv_lora + sh.rope]  # rows strided, as the split projection's
+        out = torch.empty(3, sh.row_bytes, dtype=torch.uint8, device=self.device)
+        serve_triton.pack_rows(ckv, out, sh.kv_lora, LATENT_TILE)
+        want = pack_rows(torch.cat([rms(ckv[:, :sh.kv_lora]), ckv[:, sh.kv_lora:]], -1), sh)
+        keys = torch.zeros(3, 5, sh.idx_dim, dtype=FP8, device=self.device)
+        scale = torch.zeros(3, 5, device=self.device)
+        k = a[:, :sh.idx_dim]
+        serve_triton.quant_keys(k, keys[:, -1], scale[:, -1])
+        k8, s = quant_keys(k)
+        return (_close(unpack_rows(out, sh, torch.float32), unpack_rows(want, sh, torch.float32))
+                and _close(keys[:, -1].float() * scale[:, -1:], k8.float() * s.unsqueeze(-1))
+                and not keys[:, :-1].float().any() and not scale[:, :-1].any())
 
     def _try_mla(self, gen) -> bool:
         sh = PRESETS["v32"]
@@ -295,9 +334,10 @@ class Model:
     def layer(self, layer: int, x, state, src, mark):
         """One decoder layer over ``x`` [B, hidden]; ``state``: the batch's indexer keys and
         MoE groups (:class:`BatchState`), ``src``: where the layer's KV rows come from and
-        its new row goes (``begin``, ``rows``, ``write``; ``end`` after the last layer, ``finish`` after the head),
+        its new row goes (``begin``, ``rows``, ``new_rows``; ``end`` after the last layer, ``finish`` after the head),
         ``mark(part)``: called as each part starts, on the step's stream (``swap_in``: the
-        wait for the rows after the work beside them). Returns the new ``x``."""
+        wait for the rows after the work beside them), and as the rows begin and end on
+        theirs (``rows``, ``rows_end``). Returns the new ``x``."""
         sh, ops, w = self.sh, self.ops, self.w
         B, H, R = x.shape[0], sh.heads, sh.nope + sh.rope
         mark("proj")
@@ -306,24 +346,28 @@ class Model:
         cq = rms(cq)
         q_idx = ops.mm(cq, w["wb_idx"])
         mark("write")
-        state.write_key(layer, k_idx)
+        ops.write_key(k_idx, state.keys[layer, :, -1], state.kscale[layer, :, -1])
         mark("indexer")
         logits = ops.indexer(q_idx.view(B, sh.idx_heads, sh.idx_dim), w_idx, state.keys[layer], state.kscale[layer])
         mark("topk")
         torch.topk(logits, min(sh.top_k, logits.shape[1]), dim=-1, sorted=False)
         side = self._side_stream(x)
         if side is None:
+            mark("rows")
             kv, idx = src.rows(layer)
+            mark("rows_end")
         else:  # the rows on the side stream, from here (after the top-k) on
             side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side):
+                mark("rows")
                 kv, idx = src.rows(layer)
-        mark("proj")
+                mark("rows_end")
+        mark("query")
         q = ops.mm(cq, w["wb_q"]).view(B, H, R)
         q_lat = torch.bmm(q[..., :sh.nope].transpose(0, 1), w["w_uk"]).transpose(0, 1)
         q = torch.cat([q_lat, q[..., sh.nope:]], -1)
         mark("write")
-        src.write(layer, pack_rows(torch.cat([rms(ckv[:, :sh.kv_lora]), ckv[:, sh.kv_lora:]], -1), sh))
+        ops.write_row(ckv, src.new_rows(layer), sh)
         mark("swap_in")
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
@@ -374,8 +418,3 @@ class BatchState:
         self.kscale.copy_(s.expand_as(self.kscale))
         self.counts = sh.expert_counts(batch)
         self.offs = torch.tensor(self.counts, device=device).cumsum(0).to(torch.int32)
-
-    def write_key(self, layer: int, k) -> None:
-        k8, s = quant_keys(k)
-        self.keys[layer, :, -1] = k8
-        self.kscale[layer, :, -1] = s

@@ -29,7 +29,7 @@ from .decode_modes import (CLIENT_TIMEOUT_S, DAEMON_POOL_SLACK_BYTES, DAEMON_STA
 from .decode_workload import FILL_STAGING_ROWS, fill_pattern, fill_through_staging
 from .private_daemon import PrivateDaemon
 from .serve_model import Model, pack_rows
-from .serve_report import median_parts, step_totals
+from .serve_report import intervals_of, median_parts, step_totals
 
 TILE_ROWS = 4096  # the rows' content repeats every this many host rows (a multiple of staging rows)
 PART_REPLAYS = 5  # replays of the step captured with marks; each part's time is its median over them
@@ -100,7 +100,7 @@ class HbmRows:
         self.kv, self.st = kv, st
         B, C = st.batch, st.context
         self.base = (torch.arange(B, dtype=torch.int32, device=kv.device) * C).unsqueeze(1)
-        self.new = torch.arange(B * C, B * C + B, device=kv.device)
+        self.new = slice(B * C, B * C + B)  # the new rows
 
     @classmethod
     def filled(cls, tile, st: Static, layers: int, block_size: int) -> "HbmRows":
@@ -120,8 +120,9 @@ class HbmRows:
     def rows(self, layer: int):
         return self.kv[layer], self.st.topk[layer] + self.base
 
-    def write(self, layer: int, rows) -> None:
-        self.kv[layer].index_copy_(0, self.new, rows)
+    def new_rows(self, layer: int):
+        """Where the layer's new rows go: rows ``batch * context`` on (contiguous)."""
+        return self.kv[layer, self.new]
 
     def end(self) -> None:
         pass
@@ -157,8 +158,9 @@ class SwappedRows:
         return self.h.kv(layer), self.h.swap_in(st.req, st.table, st.topk[layer], layer=layer,
                                                 block_size=self.block_size, attention_indices_out=st.idx[layer])
 
-    def write(self, layer: int, rows) -> None:
-        self.staged[layer].copy_(rows)
+    def new_rows(self, layer: int):
+        """Where the layer's new rows go: kept on the GPU (``staged``), mirrored at the step's end."""
+        return self.staged[layer]
 
     def end(self) -> None:
         """Fork the mirror's copy of every layer's new rows (joined in :meth:`finish`)."""
@@ -274,17 +276,21 @@ class Marks:
         self.events[self.at][1].record()
         self.at += 1
 
-    def intervals(self) -> list:
-        """The last run's ``(part, us from its mark to the next)``, None where the two
-        events' time could not be read."""
+    def points(self) -> list:
+        """The last run's ``(part, us since the first mark)``, None where an event's time
+        could not be read."""
         torch.cuda.synchronize()
+        first = self.events[0][1] if self.events else None
         out = []
-        for (part, a), (_, b) in zip(self.events, self.events[1:]):
+        for part, ev in self.events:
             try:
-                out.append((part, a.elapsed_time(b) * 1e3))
+                out.append((part, first.elapsed_time(ev) * 1e3))
             except (RuntimeError, ValueError):  # an event not recorded: that part's time is unknown
                 out.append((part, None))
         return out
+
+    def intervals(self) -> list:
+        return intervals_of(self.points())
 
 
 def parts(model: Model, st: Static, state, src, first: int, label: str) -> tuple[dict[str, float], str]:

@@ -13,10 +13,12 @@ from .serve_capacity import bounds
 # also the order they run in; "prefetch": the daemon (doorbell) attached with cross-layer prefetch
 MODES = ("gpu", "inproc", "daemon", "prefetch")
 OFFLOADED = ("prefetch", "daemon", "inproc")  # the first of these that ran is "offloaded" in the headline
-PARTS = ("begin", "proj", "write", "indexer", "topk", "swap_in", "attention", "dense_ffn", "moe", "head")
+PARTS = ("begin", "proj", "write", "indexer", "topk", "query", "swap_in", "attention", "dense_ffn", "moe", "head")
 PARTS_NOTE = ("us a layer (begin, head: a step), from CUDA events recorded inside the step's CUDA graph (a second "
               "capture of the step, each part's median over its replays), not scaled: per step they sum to "
-              "parts_step_us; parts_run 'eager': the capture failed and the events timed the step un-captured")
+              "parts_step_us; parts_run 'eager': the capture failed and the events timed the step un-captured. "
+              "After the top-k the rows come on a second stream (rows_us: their time there) while the step's "
+              "stream runs query (c_q -> q, W_UK) and the new row's write; swap_in is the wait for them after that")
 SLACK = 2.0  # a part slower than this many times its bound is flagged
 PENALTY_BATCHES = (1, 4, 16, 64)
 HEADLINE_OVERLAP = 0.85  # the layer overlap of the headline figures (issue 35's)
@@ -53,6 +55,7 @@ class Result:
     parts: dict = field(default_factory=dict)  # us a layer, timed inside the step's graph (PARTS_NOTE)
     parts_run: str = ""  # how the parts' step ran: "graph" (events inside it), "eager", or "failed (why)"
     parts_step_us: float | None = None  # the parts' times summed over the step (begin to the head's end)
+    rows_us: float | None = None  # us a layer the rows took on their own stream, beside query and write
     bounds: dict = field(default_factory=dict)
     flagged: list = field(default_factory=list)
     p50_at_bound_us: float | None = None  # p50 with each flagged part at its bound
@@ -89,6 +92,27 @@ def step_totals(intervals) -> dict[str, float | None]:
     return out
 
 
+SIDE = ("rows", "rows_end")  # marks on the side stream: the layer's rows from their start to their end
+
+
+def intervals_of(points) -> list:
+    """``(part, us from its mark to the next)`` along the step's stream (the side marks
+    skipped), then ``("rows", us from each "rows" mark to its "rows_end")``; None where
+    either end is unknown."""
+    def span(a, b):
+        return None if a is None or b is None else b - a
+
+    main = [(p, t) for p, t in points if p not in SIDE]
+    out = [(p, span(a, b)) for (p, a), (_, b) in zip(main, main[1:])]
+    start = None
+    for p, t in points:
+        if p == "rows":
+            start = t
+        elif p == "rows_end":
+            out.append(("rows", span(start, t)))
+    return out
+
+
 def median_parts(runs: list[dict]) -> dict[str, float]:
     """Per part, the median of its step totals (:func:`step_totals`) over the runs where it
     was read; a part read in none is left out."""
@@ -107,10 +131,20 @@ def set_parts(r: Result, sh, totals_us: dict, run: str) -> None:
     r.parts_run = run
     r.parts = {p: totals_us[p] / layers_of(sh, p) for p in PARTS if p in totals_us and layers_of(sh, p)}
     r.parts_step_us = sum(t * layers_of(sh, p) for p, t in r.parts.items()) if r.parts else None
+    r.rows_us = totals_us["rows"] / sh.layers if totals_us.get("rows") is not None else None
     r.bounds = bounds(sh, r.batch, r.context, r.misses_per_layer)
     r.flagged = [p for p, t in r.parts.items() if r.bounds.get(p) and t > SLACK * r.bounds[p]]
     if r.p50_us is not None:
-        excess = sum((r.parts[p] - r.bounds[p]) * layers_of(sh, p) for p in r.flagged)
+        at = {p: r.bounds[p] if p in r.flagged else t for p, t in r.parts.items()}
+        if "swap_in" in r.parts and r.rows_us is not None:
+            # The wait is what the rows take beyond the query beside them: with the query at
+            # its bound, the rows (at theirs, if flagged) hide behind less.
+            rows = r.rows_us
+            if r.bounds.get("swap_in") and rows > SLACK * r.bounds["swap_in"]:  # the rows over the link at its rate
+                r.flagged.append("rows")
+                rows = r.bounds["swap_in"]
+            at["swap_in"] = max(rows - at.get("query", 0.0), 0.0)
+        excess = sum((r.parts[p] - at[p]) * layers_of(sh, p) for p in r.parts)
         r.p50_at_bound_us = max(r.p50_us - excess, 1.0)
 
 
@@ -212,6 +246,10 @@ def table(results: list[Result], sh) -> str:
         parts = "  ".join(f"{p} {t:.1f}" + (f" ({r.bounds[p]:.1f}{'!' if p in r.flagged else ''})"
                                              if r.bounds.get(p) else "") for p, t in r.parts.items())
         hits = f"{r.hit_rate * 100:.0f}%" if r.hit_rate is not None else "-"
+        if r.rows_us is not None:
+            link = r.bounds.get("swap_in")
+            parts += f"  [rows {r.rows_us:.1f} beside" + (f" ({link:.1f}{'!' if 'rows' in r.flagged else ''})"
+                                                          if link else "") + "]"
         if r.parts_step_us is not None:
             parts += f"  [sum {r.parts_step_us / 1e3:.2f} ms" + ("" if r.parts_run == "graph" else f", {r.parts_run}") + "]"
         lines.append(head + f"{r.run:<5} {r.p50_us / 1e3:>11.2f} {r.p99_us / 1e3:>8.2f} {r.tok_s:>9.1f} {hits:>5}  "

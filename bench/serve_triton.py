@@ -158,3 +158,58 @@ def sparse_mla(q, kv, idx, kv_lora: int, tile: int, sm_scale: float, cfg: MlaCon
     if splits == 1:
         return o[:, 0].to(torch.bfloat16)
     return (o * torch.softmax(lse, 1).unsqueeze(-1)).sum(1).to(torch.bfloat16)
+
+
+# -- the new token's writes: its KV row and its indexer key, one kernel each ------------------
+if AVAILABLE:
+    @triton.jit
+    def _pack_row(x_ptr, x_stride, q_ptr, s_ptr, r_ptr, RB: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
+                  TILE: tl.constexpr):
+        b = tl.program_id(0)
+        x = x_ptr + b * x_stride
+        t = tl.arange(0, TILE)
+        ss = 0.0
+        for i in tl.static_range(LAT // TILE):
+            v = tl.load(x + i * TILE + t).to(tl.float32)
+            ss += tl.sum(v * v, 0)
+        r = tl.rsqrt(ss / LAT + 1e-6).to(tl.bfloat16).to(tl.float32)  # as serve_model.rms: the factor in bf16
+        row = b.to(tl.int64) * RB
+        for i in tl.static_range(LAT // TILE):
+            v = (tl.load(x + i * TILE + t).to(tl.float32) * r).to(tl.bfloat16).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
+            tl.store(q_ptr + row + i * TILE + t, (v / scale).to(tl.float8e4nv))
+            tl.store(s_ptr + (row + LAT) // 4 + i, scale)
+        e = tl.arange(0, ROPE)
+        tl.store(r_ptr + (row + LAT + 4 * (LAT // TILE)) // 2 + e, tl.load(x + LAT + e))
+
+    @triton.jit
+    def _quant_key(k_ptr, k_stride, o_ptr, o_stride, s_ptr, s_stride, D: tl.constexpr):
+        b = tl.program_id(0)
+        d = tl.arange(0, D)
+        k = tl.load(k_ptr + b * k_stride + d).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(k), 0), 1e-12) / 448.0
+        tl.store(o_ptr + b.to(tl.int64) * o_stride + d, (k / scale).to(tl.float8e4nv))
+        tl.store(s_ptr + b.to(tl.int64) * s_stride, scale)
+
+
+def pack_rows_supported(kv_lora: int, rope: int, tile: int, row_bytes: int) -> bool:
+    pow2 = all(v & (v - 1) == 0 for v in (rope, tile))
+    return AVAILABLE and pow2 and kv_lora % tile == 0 and kv_lora % 4 == 0 and row_bytes % 4 == 0
+
+
+def pack_rows(kv, out, kv_lora: int, tile: int) -> None:
+    """The new token's fp8_ds_mla rows in one kernel: ``kv`` bf16 [B, kv_lora + rope] (rows
+    may be strided, the values contiguous), the latent RMS-normed (``serve_model.rms``) and
+    quantised per ``tile`` values, the rope part as it is -> ``out`` uint8 [B, row_bytes],
+    contiguous (``serve_model.pack_rows`` of the same)."""
+    B, D = kv.shape
+    _pack_row[(B,)](kv, kv.stride(0), out.view(torch.float8_e4m3fn), out.view(torch.float32), out.view(torch.bfloat16),
+                    RB=out.shape[1], LAT=kv_lora, ROPE=D - kv_lora, TILE=tile, num_warps=1)
+
+
+def quant_keys(k, out, scale) -> None:
+    """The new token's indexer keys in one kernel: ``k`` [B, D] (rows may be strided) -> fp8
+    ``out`` [B, D] and fp32 ``scale`` [B] (each row strided as given: a request's last
+    position in the layer's keys), amax / 448 a key (``serve_model.quant_keys``)."""
+    B, D = k.shape
+    _quant_key[(B,)](k, k.stride(0), out, out.stride(0), scale, scale.stride(0), D=D, num_warps=1)

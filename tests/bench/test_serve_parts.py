@@ -52,3 +52,29 @@ def test_a_part_no_replay_read_is_left_out_and_no_parts_give_no_sum(monkeypatch)
     set_parts(empty, SH, {}, "eager")
     assert empty.parts == {} and empty.parts_step_us is None
     assert "parts_step_us" in serve_report.PARTS_NOTE  # the JSON says what the parts are
+
+
+def test_the_side_streams_marks_time_the_rows_and_leave_the_steps_intervals_alone():
+    points = [("topk", 0.0), ("rows", 1.0), ("query", 2.0), ("write", 12.0), ("rows_end", 30.0), ("swap_in", 15.0),
+              ("attention", 31.0), (None, 40.0)]
+    assert serve_report.intervals_of(points) == [("topk", 2.0), ("query", 10.0), ("write", 3.0), ("swap_in", 16.0),
+                                                 ("attention", 9.0), ("rows", 29.0)]
+    assert ("rows", None) in serve_report.intervals_of([("rows", 1.0), ("rows_end", None), ("head", 3.0), (None, 4.0)])
+
+
+def test_at_the_bound_the_wait_is_the_rows_beyond_the_query_beside_them(monkeypatch):
+    """A flagged query made at its bound hides less of the rows: the wait grows by what it
+    no longer hides, and the other flagged parts give back their excess."""
+    monkeypatch.setattr(serve_report, "bounds", lambda sh, batch, context, misses:
+                        {"query": 5.0, "moe": 10.0, "swap_in": 100.0})
+    r = Result("daemon", 32768, 1, p50_us=10000.0)
+    # per layer: query 30 (flagged), swap_in wait 4, rows 34 beside; moe 30 (flagged) in 3 layers
+    set_parts(r, SH, {"query": 120.0, "swap_in": 16.0, "moe": 90.0, "rows": 136.0}, "graph")
+    assert r.rows_us == 34.0 and r.flagged == ["query", "moe"]
+    # query 30 -> 5 saves 25 a layer, the wait 4 -> 34 - 5 = 29 costs 25 a layer, moe saves 20 x 3
+    assert r.p50_at_bound_us == pytest.approx(10000.0 - 4 * 25.0 + 4 * 25.0 - 3 * 20.0)
+    # rows over 2x their bound (the link's time): at the bound they take that
+    monkeypatch.setattr(serve_report, "bounds", lambda sh, batch, context, misses: {"query": 50.0, "swap_in": 10.0})
+    r = Result("daemon", 32768, 1, p50_us=10000.0)
+    set_parts(r, SH, {"query": 120.0, "swap_in": 16.0, "rows": 136.0}, "graph")
+    assert r.flagged == ["rows"] and r.p50_at_bound_us == pytest.approx(10000.0 - 4 * (4.0 - 0.0))
