@@ -209,15 +209,19 @@ class Wire:
             body = self._body
             try:
                 if body is not None and len(body) - self._body_at > SMALL_FRAME:  # straight into the frame
+                    want = len(body) - self._body_at
                     n = sock.recv_into(memoryview(body)[self._body_at:])
                     if n:
                         self._filled(n)
-                        continue
                 else:
+                    want = SCRATCH_BYTES
                     n = sock.recv_into(self._scratch)
                     if n:
                         self._feed(self._scratch_view[:n])
-                        continue
+                if n:
+                    if n < want:  # nothing more there now (no read that fails with EAGAIN)
+                        return
+                    continue
             except BlockingIOError:
                 return
             except OSError as e:

@@ -119,6 +119,7 @@ class ControlSocket:
         self._outboxes = Outboxes(evict=self._evicted)
         self._next = 0
         self._scratch = bytearray(SCRATCH_BYTES)
+        self._scratch_view = memoryview(self._scratch)
         self._loop = None  # the event loop, to wake it when a give-back unpauses someone
         self.rlog = RateLimitedLog(log, clock=clock)
         self.counts = collections.Counter()  # refused, expired, broken, too_large, paused, stalled, not_reading
@@ -304,17 +305,21 @@ class ControlSocket:
             while got < READ_SLICE and not dec.paused and not c.closing:
                 view = dec.body_view()
                 if view is not None:
-                    n = c.sock.recv_into(view, min(len(view), READ_SLICE))
+                    want = min(len(view), READ_SLICE)
+                    n = c.sock.recv_into(view, want)
                     if n:
                         dec.body_filled(n)
                 else:
+                    want = SCRATCH_BYTES
                     n = c.sock.recv_into(self._scratch)
                     if n:
-                        dec.feed(memoryview(self._scratch)[:n])
+                        dec.feed(self._scratch_view[:n])
                 if not n:
                     self._drop(c)
                     return
                 got += n
+                if n < want:  # the socket is empty (epoll is level-triggered: more is seen next poll)
+                    break
         except (BlockingIOError, InterruptedError):
             pass
         except Refused as e:
@@ -375,9 +380,7 @@ class ControlSocket:
         if size <= SMALL_FRAME:
             return None
         c.reserved -= size
-        buf = FrameBuffer(size)
-        weakref.finalize(buf, self._give, c.peer.uid, size)
-        return buf
+        return FrameBuffer(size, self._give, c.peer.uid)
 
     def _check(self, c: Conn, size: int, count: int, total: int) -> tuple | None:
         """(code, message) of the limit frame ``count`` of ``size`` bytes breaks, or None."""
