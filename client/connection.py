@@ -187,6 +187,8 @@ class Connection:
 
     def _check_deferred(self) -> None:
         """Raise the first error among deferred requests whose replies have arrived."""
+        if not self._deferred:
+            return
         for r in [r for r in self._deferred if r in self._replies]:
             self._deferred.remove(r)
             header, _ = self._replies.pop(r)
@@ -196,7 +198,10 @@ class Connection:
     def _call(self, msg_type: MsgType, fields=None, arrays=None):
         """Send and wait; return (reply fields without the envelope, reply arrays)."""
         header, arrays = self._await_reply(self._send(msg_type, fields, arrays))
-        return {k: v for k, v in header.items() if k not in _ENVELOPE}, arrays
+        fields = header.copy()
+        for k in _ENVELOPE:
+            fields.pop(k, None)
+        return fields, arrays
 
     def _check_daemon(self) -> str | None:
         """Why the daemon this client connected to is no longer there, or None while it
