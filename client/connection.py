@@ -69,11 +69,14 @@ class Connection:
                              f"{LIMITS.max_header_bytes} bytes (a name or a field too long)", ErrorCode.TOO_LARGE)
         if arrays:
             # The daemon would refuse it unread and close the connection: refuse it here.
+            total = 0
             for f in frames[1:]:
-                if len(f) > LIMITS.max_frame_bytes:
-                    raise BadRequest(f"an array of {len(f)} bytes exceeds the frame limit of "
+                size = len(f)  # (encode's frames: bytes, or memoryviews of one byte an item)
+                if size > LIMITS.max_frame_bytes:
+                    raise BadRequest(f"an array of {size} bytes exceeds the frame limit of "
                                      f"{LIMITS.max_frame_bytes} bytes; split the request", ErrorCode.TOO_LARGE)
-            if sum(len(f) for f in frames[1:]) > LIMITS.max_message_bytes:
+                total += size
+            if total > LIMITS.max_message_bytes:
                 raise BadRequest(f"arrays of more than {LIMITS.max_message_bytes} bytes in one request; split it",
                                  ErrorCode.TOO_LARGE)
         deadline = time.monotonic() + self.timeout_s

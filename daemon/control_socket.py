@@ -366,10 +366,14 @@ class ControlSocket:
         if count == 0:
             return None
         if count == 1:
-            if c.plan and sum(c.plan) > limits.max_message_bytes:
-                raise Refused(ErrorCode.TOO_LARGE, f"arrays of {sum(c.plan)} bytes declared, more than "
+            declared_bytes = big = 0
+            for x in c.plan or ():
+                declared_bytes += x
+                if x > SMALL_FRAME:
+                    big += x
+            if declared_bytes > limits.max_message_bytes:
+                raise Refused(ErrorCode.TOO_LARGE, f"arrays of {declared_bytes} bytes declared, more than "
                               f"{limits.max_message_bytes}")
-            big = sum(x for x in c.plan or () if x > SMALL_FRAME)
             if big and not self.budget.take(c.peer.uid, big):
                 if c is not self._resuming:
                     self._paused.append(c)

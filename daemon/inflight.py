@@ -27,17 +27,17 @@ class Refused(ZmtpError):
 
 class FrameBuffer(bytearray):
     """A large frame's bytes; its budget is given back when the last reference goes:
-    ``give(uid, len)`` then, from whichever thread drops it (cheaper per frame than a
+    ``give(uid, size)`` then, from whichever thread drops it (cheaper per frame than a
     ``weakref.finalize``)."""
 
-    __slots__ = ("_give", "_uid")
+    __slots__ = ("_give", "_uid", "_size")
 
     def __init__(self, size: int, give, uid: int):
         super().__init__(size)
-        self._give, self._uid = give, uid
+        self._give, self._uid, self._size = give, uid, size
 
     def __del__(self):
-        self._give(self._uid, len(self))
+        self._give(self._uid, self._size)
 
 
 class Budget:
