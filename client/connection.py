@@ -69,11 +69,14 @@ class Connection:
                              f"{LIMITS.max_header_bytes} bytes (a name or a field too long)", ErrorCode.TOO_LARGE)
         if arrays:
             # The daemon would refuse it unread and close the connection: refuse it here.
+            total = 0
             for f in frames[1:]:
-                if len(f) > LIMITS.max_frame_bytes:
-                    raise BadRequest(f"an array of {len(f)} bytes exceeds the frame limit of "
+                size = len(f)  # (encode's frames: bytes, or memoryviews of one byte an item)
+                if size > LIMITS.max_frame_bytes:
+                    raise BadRequest(f"an array of {size} bytes exceeds the frame limit of "
                                      f"{LIMITS.max_frame_bytes} bytes; split the request", ErrorCode.TOO_LARGE)
-            if sum(len(f) for f in frames[1:]) > LIMITS.max_message_bytes:
+                total += size
+            if total > LIMITS.max_message_bytes:
                 raise BadRequest(f"arrays of more than {LIMITS.max_message_bytes} bytes in one request; split it",
                                  ErrorCode.TOO_LARGE)
         deadline = time.monotonic() + self.timeout_s
@@ -187,6 +190,8 @@ class Connection:
 
     def _check_deferred(self) -> None:
         """Raise the first error among deferred requests whose replies have arrived."""
+        if not self._deferred:
+            return
         for r in [r for r in self._deferred if r in self._replies]:
             self._deferred.remove(r)
             header, _ = self._replies.pop(r)
@@ -196,7 +201,10 @@ class Connection:
     def _call(self, msg_type: MsgType, fields=None, arrays=None):
         """Send and wait; return (reply fields without the envelope, reply arrays)."""
         header, arrays = self._await_reply(self._send(msg_type, fields, arrays))
-        return {k: v for k, v in header.items() if k not in _ENVELOPE}, arrays
+        fields = header.copy()
+        for k in _ENVELOPE:
+            fields.pop(k, None)
+        return fields, arrays
 
     def _check_daemon(self) -> str | None:
         """Why the daemon this client connected to is no longer there, or None while it

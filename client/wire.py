@@ -4,7 +4,8 @@ written and read by the thread that makes the requests.
 The client speaks ZMTP itself instead of through a libzmq DEALER: libzmq moves every
 message through its own I/O thread, so a request and its reply each wait for a thread to
 wake up (on a VM, tens of microseconds each: a 2,048-block lookup took 168 µs through
-libzmq and 108 µs like this on the same daemon). Here the caller's ``sendmsg`` puts the
+libzmq and 108 µs like this on the same daemon; ~80 µs like this on today's daemon,
+docs/PERF.md). Here the caller's ``sendmsg`` puts the
 request on the socket and the reply is read by the caller's thread, which spins on a
 non-blocking read before it sleeps in ``poll``. Nothing reconnects: a connection the
 daemon closes (it exited, restarted, or closed this one for breaking a limit) ends the
@@ -209,15 +210,19 @@ class Wire:
             body = self._body
             try:
                 if body is not None and len(body) - self._body_at > SMALL_FRAME:  # straight into the frame
+                    want = len(body) - self._body_at
                     n = sock.recv_into(memoryview(body)[self._body_at:])
                     if n:
                         self._filled(n)
-                        continue
                 else:
+                    want = SCRATCH_BYTES
                     n = sock.recv_into(self._scratch)
                     if n:
                         self._feed(self._scratch_view[:n])
-                        continue
+                if n:
+                    if n < want:  # nothing more there now (no read that fails with EAGAIN)
+                        return
+                    continue
             except BlockingIOError:
                 return
             except OSError as e:

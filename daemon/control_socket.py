@@ -119,6 +119,7 @@ class ControlSocket:
         self._outboxes = Outboxes(evict=self._evicted)
         self._next = 0
         self._scratch = bytearray(SCRATCH_BYTES)
+        self._scratch_view = memoryview(self._scratch)
         self._loop = None  # the event loop, to wake it when a give-back unpauses someone
         self.rlog = RateLimitedLog(log, clock=clock)
         self.counts = collections.Counter()  # refused, expired, broken, too_large, paused, stalled, not_reading
@@ -304,17 +305,21 @@ class ControlSocket:
             while got < READ_SLICE and not dec.paused and not c.closing:
                 view = dec.body_view()
                 if view is not None:
-                    n = c.sock.recv_into(view, min(len(view), READ_SLICE))
+                    want = min(len(view), READ_SLICE)
+                    n = c.sock.recv_into(view, want)
                     if n:
                         dec.body_filled(n)
                 else:
+                    want = SCRATCH_BYTES
                     n = c.sock.recv_into(self._scratch)
                     if n:
-                        dec.feed(memoryview(self._scratch)[:n])
+                        dec.feed(self._scratch_view[:n])
                 if not n:
                     self._drop(c)
                     return
                 got += n
+                if n < want:  # the socket is empty (epoll is level-triggered: more is seen next poll)
+                    break
         except (BlockingIOError, InterruptedError):
             pass
         except Refused as e:
@@ -361,10 +366,14 @@ class ControlSocket:
         if count == 0:
             return None
         if count == 1:
-            if c.plan and sum(c.plan) > limits.max_message_bytes:
-                raise Refused(ErrorCode.TOO_LARGE, f"arrays of {sum(c.plan)} bytes declared, more than "
+            declared_bytes = big = 0
+            for x in c.plan or ():
+                declared_bytes += x
+                if x > SMALL_FRAME:
+                    big += x
+            if declared_bytes > limits.max_message_bytes:
+                raise Refused(ErrorCode.TOO_LARGE, f"arrays of {declared_bytes} bytes declared, more than "
                               f"{limits.max_message_bytes}")
-            big = sum(x for x in c.plan or () if x > SMALL_FRAME)
             if big and not self.budget.take(c.peer.uid, big):
                 if c is not self._resuming:
                     self._paused.append(c)
@@ -375,9 +384,7 @@ class ControlSocket:
         if size <= SMALL_FRAME:
             return None
         c.reserved -= size
-        buf = FrameBuffer(size)
-        weakref.finalize(buf, self._give, c.peer.uid, size)
-        return buf
+        return FrameBuffer(size, self._give, c.peer.uid)
 
     def _check(self, c: Conn, size: int, count: int, total: int) -> tuple | None:
         """(code, message) of the limit frame ``count`` of ``size`` bytes breaks, or None."""

@@ -4,7 +4,6 @@ those frames are read; daemon/control_socket.py)."""
 
 from __future__ import annotations
 
-import collections
 import threading
 
 import msgpack
@@ -27,7 +26,18 @@ class Refused(ZmtpError):
 
 
 class FrameBuffer(bytearray):
-    """A large frame's bytes; its budget is given back when the last reference goes."""
+    """A large frame's bytes; its budget is given back when the last reference goes:
+    ``give(uid, size)`` then, from whichever thread drops it (cheaper per frame than a
+    ``weakref.finalize``)."""
+
+    __slots__ = ("_give", "_uid", "_size")
+
+    def __init__(self, size: int, give, uid: int):
+        super().__init__(size)
+        self._give, self._uid, self._size = give, uid, size
+
+    def __del__(self):
+        self._give(self._uid, self._size)
 
 
 class Budget:
@@ -36,25 +46,29 @@ class Budget:
     def __init__(self, total: int, per_uid: int):
         self.total, self.per_uid = total, per_uid
         self.held = 0
-        self.by_uid: collections.Counter = collections.Counter()
+        self.by_uid: dict[int, int] = {}  # uids holding any
         self.peak = 0
         self._lock = threading.Lock()
 
     def take(self, uid: int, n: int) -> bool:
         with self._lock:
-            if self.held + n > self.total or self.by_uid[uid] + n > self.per_uid:
+            mine = self.by_uid.get(uid, 0) + n
+            if self.held + n > self.total or mine > self.per_uid:
                 return False
             self.held += n
-            self.by_uid[uid] += n
-            self.peak = max(self.peak, self.held)
+            self.by_uid[uid] = mine
+            if self.held > self.peak:
+                self.peak = self.held
             return True
 
     def give(self, uid: int, n: int) -> None:
         with self._lock:
             self.held -= n
-            self.by_uid[uid] -= n
-            if not self.by_uid[uid]:
-                del self.by_uid[uid]
+            left = self.by_uid.get(uid, 0) - n
+            if left:
+                self.by_uid[uid] = left
+            else:
+                self.by_uid.pop(uid, None)
 
 
 def message_ids(frames: list) -> tuple[int, int]:

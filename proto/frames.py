@@ -16,17 +16,23 @@ def encode(msg_type: MsgType | int, req_id: int, fields: dict[str, Any] | None =
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": int(msg_type), "id": int(req_id)}
     if fields:
         header.update(fields)
+    if not arrays:
+        return [_pack(header)]
     frames: list = [None]
-    if arrays:
-        desc = []
-        for name, a in arrays.items():
+    desc = []
+    for name, a in arrays.items():
+        if type(a) is not np.ndarray or not a.flags.c_contiguous:
             a = np.ascontiguousarray(a)
-            dt = a.dtype
-            desc.append([name, _NAMES.get(dt) or dt.name, list(a.shape)])  # dtype.name costs microseconds
-            frames.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
-        header["arrays"] = desc
-    frames[0] = msgpack.packb(header, use_bin_type=True)
+        dt = a.dtype
+        desc.append([name, _NAMES.get(dt) or dt.name, list(a.shape)])  # dtype.name costs microseconds
+        frames.append(memoryview(a).cast("B") if a.size else b"")
+    header["arrays"] = desc
+    frames[0] = _pack(header)
     return frames
+
+
+def _pack(header: dict) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
 
 
 def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, np.ndarray]]:
@@ -36,25 +42,33 @@ def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, n
         raise ProtocolError(ErrorCode.BAD_FRAME, "empty message")
     if len(frames) > limits.max_frames:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(frames)} frames exceed the limit of {limits.max_frames}")
-    raw = _bytes(frames[0])
+    raw = frames[0]
+    if type(raw) is not bytes:
+        raw = _bytes(raw)
     if len(raw) > limits.max_header_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"header of {len(raw)} bytes exceeds {limits.max_header_bytes}")
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - msgpack raises several types
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header is not msgpack: {type(e).__name__}") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError(ErrorCode.BAD_FRAME, "header must be a map")
-    for key in ("v", "t", "id"):
-        if type(header.get(key)) is not int:  # exactly int: bool is an int subclass
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"header field {key!r} must be an integer")
-    desc = header.pop("arrays", [])
-    if not isinstance(desc, list) or len(desc) != len(frames) - 1:
-        n = len(desc) if isinstance(desc, list) else "?"
+    get = header.get
+    if type(get("v")) is not int or type(get("t")) is not int or type(get("id")) is not int:
+        for key in ("v", "t", "id"):
+            if type(get(key)) is not int:  # exactly int: bool is an int subclass
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"header field {key!r} must be an integer")
+    desc = header.pop("arrays", None)
+    if desc is None:
+        if len(frames) == 1:
+            return header, {}
+        desc = []
+    if type(desc) is not list or len(desc) != len(frames) - 1:
+        n = len(desc) if type(desc) is list else "?"
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header describes {n} arrays but {len(frames) - 1} frames follow")
     arrays: dict[str, np.ndarray] = {}
-    for item, frame in zip(desc, frames[1:]):
-        name, array = _array(item, frame, limits)
+    for i, item in enumerate(desc, 1):
+        name, array = _array(item, frames[i], limits)
         if name in arrays:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r} sent twice")
         arrays[name] = array
@@ -97,7 +111,7 @@ def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
         if type(d) is not int or d < 0:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: bad shape {shape!r}")
         count *= d
-    buf = _bytes(frame)
+    buf = frame if type(frame) is bytes or type(frame) is memoryview else _bytes(frame)
     nbytes = len(buf)
     if nbytes > limits.max_frame_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"array {name!r} of {nbytes} bytes exceeds {limits.max_frame_bytes}")

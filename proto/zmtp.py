@@ -37,8 +37,14 @@ def check_greeting(g) -> None:
 def frame_header(size: int, flags: int = 0) -> bytes:
     """A frame's flags byte and size (one byte up to 255, else eight)."""
     if size > 255:
-        return struct.pack(">BQ", flags | LONG, size)
+        return _LONG_HEAD(flags | LONG, size)
     return bytes((flags, size))
+
+
+_LONG_HEAD = struct.Struct(">BQ").pack
+# The headers of short frames, built once: [MORE or not][size].
+_SHORT_HEADS = ([bytes((0, n)) for n in range(256)], [bytes((MORE, n)) for n in range(256)])
+COALESCE_BYTES = 4096  # encode_message copies frames up to this into the buffer before them
 
 
 def command(name: bytes, body: bytes = b"") -> bytes:
@@ -82,12 +88,25 @@ def split_command(body) -> tuple[bytes, memoryview]:
 
 def encode_message(frames) -> list:
     """The buffers that carry ``frames`` (bytes-like, NumPy arrays) as one message, for
-    ``sendmsg``: a header before each body, MORE on all but the last."""
+    ``sendmsg``: a header before each body, MORE on all but the last. Frames up to
+    ``COALESCE_BYTES`` are copied together with the headers around them (a request's
+    msgpack header and the array frame's header make one buffer); larger ones are not
+    copied."""
     out = []
+    pre = b""
     last = len(frames) - 1
     for i, f in enumerate(frames):
-        view = f if isinstance(f, (bytes, bytearray)) else memoryview(f).cast("B")
-        out.append(frame_header(len(view), MORE if i < last else 0))
-        if len(view):
-            out.append(view)
+        if type(f) is not bytes and type(f) is not bytearray:
+            f = memoryview(f).cast("B")
+        n = len(f)
+        more = i < last
+        head = _SHORT_HEADS[more][n] if n < 256 else _LONG_HEAD(LONG | more, n)
+        if n <= COALESCE_BYTES:
+            pre = pre + head + f if n else pre + head
+        else:
+            out.append(pre + head)
+            out.append(f)
+            pre = b""
+    if pre:
+        out.append(pre)
     return out

@@ -46,7 +46,7 @@ class _Memo:
 
     blocks: np.ndarray  # int64 [n], in chain order
     run: slice | None  # the blocks as a slice, when consecutive (``_run``)
-    hashes: np.ndarray  # int64 [n, 2]: the chain's keys
+    raw: bytes  # the chain's keys (int64 [n, 2]) as the wire carries them: one memcmp to compare
     epoch: int  # the store's evictions when it was last checked against the cache
 
 
@@ -290,7 +290,7 @@ class BlockStore:
             return None
         key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         memo = self._chains.get(key)
-        if memo is None or memo.blocks.size != n or not np.array_equal(memo.hashes, hashes):
+        if memo is None or memo.blocks.size != n or memo.raw != hashes.tobytes():
             return None
         arr, run = memo.blocks, memo.run
         if memo.epoch != self._epoch:
@@ -308,7 +308,7 @@ class BlockStore:
         key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         old = self._chains.pop(key, None)
         self._chain_ids += arr.size - (old.blocks.size if old is not None else 0)
-        self._chains[key] = _Memo(arr, run, hashes.copy(), self._epoch)
+        self._chains[key] = _Memo(arr, run, hashes.tobytes(), self._epoch)
         while self._chain_ids > self._chain_ids_max:
             self._chain_ids -= self._chains.popitem(last=False)[1].blocks.size
 
