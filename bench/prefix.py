@@ -37,11 +37,13 @@ a bulk pinned host-to-device copy of the same bytes in the same run:
 Serving a cached prefix against recomputing it (``serve_tokens``, 32K by default: the
 first ``serve_tokens / block_size`` blocks of the chain):
 
-* ``prefix_serve_lookup_us_p50``: its lookup + pin, repeated (as above);
+* ``prefix_serve_lookup_us_p50``: its lookup + pin, repeated, as requests sharing a system
+  prompt look it up (the first lookup, the prefix not yet looked up whole, is left out);
 * on a GPU, ``prefix_serve_load_ms`` (its indexer keys into the engine's GPU memory, the
   engine's stream from before the fence to after the wait) and ``prefix_serve_ms`` (both:
   what an engine waits before it decodes past the prefix; its MLA rows stay in the pool,
-  served by the sparse decode path), against ``prefix_recompute_ms_bound``: the prefill's
+  served by the sparse decode path: the rows its first steps read come as misses there),
+  against ``prefix_recompute_ms_bound``: the prefill's
   FLOPs on the deployment at the H200's dense peaks (``serve_capacity.prefill_bound``,
   DeepSeek-V3.2, attention data-parallel, experts over 8 GPUs), a lower bound of
   recomputing it; ``prefix_serve_vs_recompute`` is their ratio (``_32k`` at 32K tokens).

@@ -178,35 +178,40 @@ def prefill_bound(sh, tokens: int) -> dict[str, float]:
     """The FLOPs of prefilling one request of ``tokens`` positions on the deployment, and
     the least time they take on its GPUs at the H200's dense peaks (``bound_s``).
 
-    Per layer and token: the attention's projections (FP8; the queries and keys of every
-    position), the latent's up-projection to per-head keys and values (bf16; MLA as a
-    prefill runs it, cheaper than the absorbed form), attention over ``min(position,
-    top_k)`` positions (bf16, heads x (nope + rope + v)), the indexer's logits over every
-    earlier position (FP8); the dense FFN or the MoE (the shared expert and the router on
-    the request's GPU, its ``top_experts`` routed experts spread over the ``ep`` GPUs, FP8).
-    The request's attention and every layer's shared part run on its GPU (attention
-    data-parallel); its routed experts' FLOPs count 1 / ep there (balanced routing).
-    Elementwise work, norms and the LM head (one position) are left out: a bound."""
+    What the prefill must make is every layer's cache of every position (the latent, its
+    rope key, the indexer key). Per token, in each layer but the last: the attention's
+    projections, the latent's up-projection to per-head keys and values (MLA as a prefill
+    runs it, cheaper than the absorbed form), attention over ``min(position, top_k)``
+    positions (bf16, heads x (nope + rope + v)), the indexer's logits over every earlier
+    position, then the dense FFN or the MoE (the shared expert and the router on the
+    request's GPU, its ``top_experts`` routed experts spread over the ``ep`` GPUs); in the
+    last layer only the projection of what its cache keeps (its output feeds the LM head
+    at one position). Every matmul FP8 (DeepSeek-V3.2's weights are, ``wkv_b`` too), the
+    attention bf16. The request's attention and the shared parts run on its GPU (attention
+    data-parallel, the named deployment: context parallelism would split them); its routed
+    experts' FLOPs count 1 / ep there (balanced routing). Elementwise work, norms and the
+    LM head are left out: a lower bound."""
     T, L, H = tokens, sh.layers, sh.heads
+    inner = L - 1  # the layers whose outputs the next layer needs
     proj = 2 * (sh.a_out * sh.hidden + (sh.q_dim + sh.idx_heads * sh.idx_dim) * sh.q_lora + sh.hidden * H * sh.v_dim)
+    cache_proj = 2 * (sh.kv_lora + sh.rope + sh.idx_dim) * sh.hidden  # the last layer's
     kv_up = 2 * sh.kv_lora * H * (sh.nope + sh.v_dim)
     k = min(sh.top_k, T)
     attended = k * (k + 1) // 2 + (T - k) * k  # sum over positions t = 1..T of min(t, top_k)
     attention = 2 * H * (sh.nope + sh.rope + sh.v_dim) * attended
     indexer = 2 * sh.idx_heads * sh.idx_dim * (T * (T - 1) // 2)
     expert = 2 * 3 * sh.hidden * sh.expert_inter
-    moe_layers = L - sh.dense_layers
+    moe_layers = inner - sh.dense_layers
     out = {
-        "projections": L * T * proj,
-        "kv_up": L * T * kv_up,
-        "attention": L * attention,
-        "indexer": L * indexer,
+        "projections": inner * T * proj + T * cache_proj,
+        "kv_up": inner * T * kv_up,
+        "attention": inner * attention,
+        "indexer": inner * indexer,
         "dense_ffn": sh.dense_layers * T * 2 * 3 * sh.hidden * sh.dense_inter,
         "shared_expert_and_router": moe_layers * T * (expert + 2 * sh.hidden * sh.experts * sh.ep),
         "routed_experts": moe_layers * T * sh.top_experts * expert,
     }
-    fp8 = (out["projections"] + out["indexer"] + out["dense_ffn"] + out["shared_expert_and_router"]
+    fp8 = (out["projections"] + out["kv_up"] + out["indexer"] + out["dense_ffn"] + out["shared_expert_and_router"]
            + out["routed_experts"] / sh.ep)
-    bf16 = out["kv_up"] + out["attention"]
-    out["bound_s"] = fp8 / FP8_FLOPS + bf16 / BF16_FLOPS
+    out["bound_s"] = fp8 / FP8_FLOPS + out["attention"] / BF16_FLOPS
     return out

@@ -252,6 +252,34 @@ def test_the_new_rows_and_keys_kernels_write_what_the_torch_path_writes_and_noth
     assert not keys[:, :-1].float().any() and not scale[:, :-1].any()
 
 
+@pytest.mark.cuda
+def test_the_rows_come_on_the_side_stream_and_the_attention_waits_for_them():
+    """Every layer's rows are asked for on the model's side stream; the attention, on the
+    step's stream, reads them only once that stream has caught up (a slow rows call must
+    not change the step's output)."""
+    ops = sm.Ops("cuda", torch.bfloat16, fast=True)
+    m = sm.Model.build(TINY, ops)
+    B, C, bs = 2, 256, 16
+    wl = generate(B, 0.9, steps=2, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
+    st = serve_modes.Static(m, B, serve_modes.block_table(B, C, bs, 4096), wl, "cuda")
+    state = sm.BatchState(TINY, B, C, "cuda")
+    src = serve_modes.HbmRows.filled(serve_modes.row_tile(m), st, TINY.layers, bs)
+    st.load(1)
+    want = m.step(st.x, state, src)
+    rows, seen = src.rows, []
+
+    def slow_rows(layer):
+        seen.append(torch.cuda.current_stream())
+        torch.cuda._sleep(2_000_000)  # ~1 ms of the side stream before its rows
+        return rows(layer)
+
+    src.rows = slow_rows
+    got = m.step(st.x, state, src)
+    torch.cuda.synchronize()
+    assert len(seen) == TINY.layers and all(s == m._side for s in seen) and m._side != torch.cuda.current_stream()
+    assert torch.equal(got, want)
+
+
 def assert_steps_equal_all_on_gpu(m, st, tile, bs: int, handle, steps: int) -> None:
     """Steps 0.. ``steps`` - 1 of ``st``'s sequence give the same output with every row in
     HBM and through ``handle``'s ``swap_in`` (its pool filled with ``tile``)."""
