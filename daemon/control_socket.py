@@ -383,8 +383,9 @@ class ControlSocket:
             c.reserved = big
         if size <= SMALL_FRAME:
             return None
-        c.reserved -= size
-        return FrameBuffer(size, self._give, c.peer.uid)
+        buf = FrameBuffer(size, self._give, c.peer.uid)
+        c.reserved -= size  # the buffer gives it back from now on
+        return buf
 
     def _check(self, c: Conn, size: int, count: int, total: int) -> tuple | None:
         """(code, message) of the limit frame ``count`` of ``size`` bytes breaks, or None."""

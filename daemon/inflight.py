@@ -37,7 +37,9 @@ class FrameBuffer(bytearray):
         self._give, self._uid, self._size = give, uid, size
 
     def __del__(self):
-        self._give(self._uid, self._size)
+        give = getattr(self, "_give", None)  # (unset when the allocation itself failed)
+        if give is not None:
+            give(self._uid, self._size)
 
 
 class Budget:

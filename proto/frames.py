@@ -21,14 +21,17 @@ def encode(msg_type: MsgType | int, req_id: int, fields: dict[str, Any] | None =
     frames: list = [None]
     desc = []
     for name, a in arrays.items():
-        if type(a) is not np.ndarray or not a.flags.c_contiguous:
-            a = np.ascontiguousarray(a)
+        if type(a) is not np.ndarray or not a.flags.c_contiguous or not a.ndim:
+            a = np.ascontiguousarray(a)  # (a scalar travels as shape [1], as it always has)
         dt = a.dtype
         desc.append([name, _NAMES.get(dt) or dt.name, list(a.shape)])  # dtype.name costs microseconds
         frames.append(memoryview(a).cast("B") if a.size else b"")
     header["arrays"] = desc
     frames[0] = _pack(header)
     return frames
+
+
+_ABSENT = object()  # no "arrays" in a header (its nil is refused, as any other non-list)
 
 
 def _pack(header: dict) -> bytes:
@@ -58,8 +61,8 @@ def decode(frames: Sequence, limits: Limits = LIMITS) -> tuple[dict, dict[str, n
         for key in ("v", "t", "id"):
             if type(get(key)) is not int:  # exactly int: bool is an int subclass
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"header field {key!r} must be an integer")
-    desc = header.pop("arrays", None)
-    if desc is None:
+    desc = header.pop("arrays", _ABSENT)
+    if desc is _ABSENT:
         if len(frames) == 1:
             return header, {}
         desc = []

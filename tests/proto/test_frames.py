@@ -70,6 +70,14 @@ def test_decode_accepts_zmq_frames():
     assert arrays["topk"].tolist() == [[1, 2]]
 
 
+def test_a_scalar_array_travels_as_shape_one():
+    """A 0-d array (a scalar row, a scalar state row) goes as [1], as it always has: the
+    daemon's checks want a 1-d array."""
+    h, a = decode(wire(encode(MsgType.STEP, 1, None, {"rows": np.array(5, dtype=np.int32),
+                                                      "more": np.arange(2, dtype=np.int32)})))
+    assert a["rows"].shape == (1,) and int(a["rows"][0]) == 5 and a["more"].tolist() == [0, 1]
+
+
 def test_message_without_arrays_has_only_the_header_frame():
     frames = encode(MsgType.DETACH, 4)
     assert len(frames) == 1
@@ -102,6 +110,7 @@ MALFORMED = {
                                   "describes 1 arrays but 0 frames"),
     "frame without description": ([pack(header()), I32], ErrorCode.BAD_FRAME, "describes 0 arrays but 1 frames"),
     "arrays not a list": ([pack(header(arrays="a")), I32], ErrorCode.BAD_FRAME, "describes ? arrays"),
+    "arrays nil, no frame": ([pack(header(arrays=None))], ErrorCode.BAD_FRAME, "describes ? arrays"),
     "description not a triple": ([pack(header(arrays=[["a", "int32"]])), I32], ErrorCode.BAD_FRAME,
                                  "[name, dtype, shape]"),
     "bad dtype": ([pack(header(arrays=[["a", "complex128", [3]]])), I32], ErrorCode.BAD_FRAME,
