@@ -28,7 +28,13 @@ FREE, CACHED = -1, -2  # ``state`` of a block that is not private (else: the own
 # Each id keeps 24 bytes (its block and its 16-byte hash): 24 MiB at most.
 CHAIN_MEMO_IDS = 1 << 20
 CHAIN_MEMO_IDS_PER_BLOCK = 8
-CHAIN_MEMO_MIN = 64  # shorter chains take the index (a few microseconds anyway)
+CHAIN_MEMO_MIN = 1  # shorter chains take the index (~20 us more in the store than the memo for 1 to 63 blocks)
+CHAIN_MEMO_ENTRY_IDS = 16  # what a chain counts against CHAIN_MEMO_IDS at least (its entry's own bytes)
+
+
+def _memo_cost(n: int) -> int:
+    """What a remembered chain of ``n`` blocks counts against the memo's bound."""
+    return max(n, CHAIN_MEMO_ENTRY_IDS)
 
 
 def _run(ids: np.ndarray) -> slice | None:
@@ -298,7 +304,7 @@ class BlockStore:
             if not ((self.key_lo[at] == hashes[:, 0]).all() and (self.key_hi[at] == hashes[:, 1]).all()
                     and (self.state[at] == CACHED).all()):
                 del self._chains[key]
-                self._chain_ids -= n
+                self._chain_ids -= _memo_cost(n)
                 return None
             memo.epoch = self._epoch
         self._chains.move_to_end(key)
@@ -307,10 +313,10 @@ class BlockStore:
     def _remember(self, hashes: np.ndarray, arr: np.ndarray, run: slice | None) -> None:
         key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         old = self._chains.pop(key, None)
-        self._chain_ids += arr.size - (old.blocks.size if old is not None else 0)
+        self._chain_ids += _memo_cost(arr.size) - (_memo_cost(old.blocks.size) if old is not None else 0)
         self._chains[key] = _Memo(arr, run, hashes.tobytes(), self._epoch)
         while self._chain_ids > self._chain_ids_max:
-            self._chain_ids -= self._chains.popitem(last=False)[1].blocks.size
+            self._chain_ids -= _memo_cost(self._chains.popitem(last=False)[1].blocks.size)
 
     def release(self, session: int, blocks) -> None:
         """Unpin cached ``blocks`` (int [n]; named twice: unpinned twice) and free private

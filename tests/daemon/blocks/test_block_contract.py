@@ -266,10 +266,10 @@ def test_indexer_keys_are_zeroed_with_their_block(one):
 
 
 def test_a_long_chain_looked_up_again_after_evictions_and_recommits_answers_as_the_model():
-    """A chain of CHAIN_MEMO_MIN blocks and more: found whole (remembered), then partly
-    evicted, freed, committed again elsewhere, by two sessions, with runs of consecutive
-    blocks and scattered ones: every answer, pin count and LRU order as the model's."""
-    n = store_module.CHAIN_MEMO_MIN + 8
+    """A chain of 72 blocks: found whole (remembered), then partly evicted, freed, committed
+    again elsewhere, by two sessions, with runs of consecutive blocks and scattered ones:
+    every answer, pin count and LRU order as the model's."""
+    n = max(store_module.CHAIN_MEMO_MIN, 72)
     model, real = both(n_blocks=2 * n)
     chain = [h(1000 + i) for i in range(n)]
 
@@ -316,7 +316,7 @@ def test_a_remembered_chain_whose_block_holds_another_key_now_is_not_answered_fr
     def key(lo: int, hi: int) -> bytes:
         return lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
 
-    n = store_module.CHAIN_MEMO_MIN
+    n = max(store_module.CHAIN_MEMO_MIN, 64)
     model, real = both(n_blocks=n)
     chain = [key(i, 1) for i in range(n)]
     _, blocks = same(model, real, 1, "alloc", [n])
@@ -358,7 +358,7 @@ def test_the_memo_of_a_small_store_stays_in_proportion_to_its_blocks():
 def test_a_long_chain_given_as_nested_lists_is_looked_up_as_its_array():
     """``lookup`` takes a chain as ``commit`` does (anything int64 [n, 2] converts from),
     remembered chains included."""
-    n = store_module.CHAIN_MEMO_MIN
+    n = max(store_module.CHAIN_MEMO_MIN, 64)
     s = BlockStore(n, lambda blocks: None)
     s.open(1, 7)
     chain = wire([h(i) for i in range(n)])
@@ -431,8 +431,8 @@ MEMO_OPS = ("cache", "cache", "lookup", "lookup", "lookup", "release", "release"
        steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(MEMO_OPS), st.integers(0, 9),
                                 st.integers(0, 9)), min_size=20, max_size=80))
 def test_chains_found_before_take_the_memo_and_answer_as_the_model(n_blocks, quota, steps):
-    """The same with every chain remembered once found whole (store.CHAIN_MEMO_MIN: 64
-    blocks by default), so a lookup answers from the memo after checking it; the requests
+    """The same with every chain remembered once found whole (store.CHAIN_MEMO_MIN: 1 now,
+    set again here), so a lookup answers from the memo after checking it; the requests
     mostly commit and look chains up again (the same chain, or one ending in the same key
     with keys swapped or repeated) between evictions, recommits and releases."""
     old = store_module.CHAIN_MEMO_MIN
@@ -489,3 +489,20 @@ def same(model, real, session: int, op: str, args: list) -> tuple:
     assert real.s.reserved_total == model.total_reserved()
     assert int(real.s.pins.sum()) == sum(sum(p.values()) for p in model.pins.values())
     return got[0]
+
+
+def test_short_chains_are_remembered_too_and_each_counts_at_least_an_entrys_worth():
+    """A chain of any length found whole is remembered (a system prompt of a few blocks is
+    looked up again and again too); each counts at least CHAIN_MEMO_ENTRY_IDS against the
+    bound, so a flood of one-block chains keeps few entries, the newest."""
+    s = BlockStore(8, lambda blocks: None)  # bound: 8 ids a block -> 64 ids -> 4 one-block entries
+    s.open(1, 7)
+    for i in range(10):
+        b = s.alloc(1, 1)
+        s.commit(1, b, wire([h(i)]))
+        s.release(1, b)
+        got = s.lookup(1, wire([h(i)]))
+        s.release(1, got)
+        assert s._chain((wire([h(i)]))) is not None  # remembered
+    assert len(s._chains) == 64 // store_module.CHAIN_MEMO_ENTRY_IDS
+    assert s._chain_ids == len(s._chains) * store_module.CHAIN_MEMO_ENTRY_IDS
