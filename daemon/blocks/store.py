@@ -30,6 +30,11 @@ CHAIN_MEMO_IDS = 1 << 20
 CHAIN_MEMO_IDS_PER_BLOCK = 8
 CHAIN_MEMO_MIN = 1  # shorter chains take the index (~20 us more in the store than the memo for 1 to 63 blocks)
 CHAIN_MEMO_ENTRY_IDS = 16  # what a chain counts against CHAIN_MEMO_IDS at least (its entry's own bytes)
+# A chain not remembered whole may begin with one that is (a cached system prompt, then a
+# request's own blocks): the lengths of the most recently found remembered chains shorter
+# than it are tried as its head, at most this many (a try is one dict look-up).
+CHAIN_MEMO_HEAD_TRIES = 4
+CHAIN_MEMO_HEAD_MIN = 64  # chains shorter than this are probed whole
 
 
 def _memo_cost(n: int) -> int:
@@ -114,6 +119,7 @@ class BlockStore:
         self._epoch = 0  # evictions so far (alloc's): a memo checked at this epoch holds
         self._chain_ids = 0
         self._chain_ids_max = min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
+        self._heads: collections.OrderedDict[int, None] = collections.OrderedDict()  # lengths found, latest last
 
     # -- what the store has ------------------------------------------------------------
     @property
@@ -243,13 +249,23 @@ class BlockStore:
         if memo is not None:
             arr, run = memo
         else:
-            arr = self.index.find(*key_words(hashes))
+            # A remembered chain it begins with: only the rest is probed (from 64 blocks: below,
+            # the probes cost about what the tries do).
+            n = hashes.shape[0]
+            head = self._head(hashes) if n >= CHAIN_MEMO_HEAD_MIN else None
+            start = 0 if head is None else head.size
+            arr = self.index.find(*key_words(hashes[start:]))
+            if head is not None:
+                arr = np.concatenate([head, arr])
             missing = np.flatnonzero(arr < 0)
             if missing.size:
                 arr = arr[: missing[0]]
             run = _run(arr)  # blocks allocated together: slices instead of gathers and scatters
-            if not missing.size and arr.size >= CHAIN_MEMO_MIN:
-                self._remember(hashes, arr, run)
+            # Found whole: remembered. Found in part (a long chain): that part, the head of the
+            # next such request, unless it is the head it began with.
+            if arr.size >= CHAIN_MEMO_MIN and (not missing.size or (head is None and n >= CHAIN_MEMO_HEAD_MIN)
+                                               or (head is not None and arr.size > head.size)):
+                self._remember(hashes[:arr.size], arr, run)
         at = run if run is not None else arr
         unpinned = self.pins[at] == 0
         twice = False
@@ -294,13 +310,32 @@ class BlockStore:
         n = hashes.shape[0]
         if n < CHAIN_MEMO_MIN:
             return None
+        memo = self._checked(hashes)
+        return None if memo is None else (memo.blocks, memo.run)
+
+    def _head(self, hashes: np.ndarray) -> np.ndarray | None:
+        """The blocks of the longest remembered chain, among the lengths found most
+        recently (CHAIN_MEMO_HEAD_TRIES), that ``hashes`` begins with and that is still
+        cached whole (as :meth:`_chain` checks it); None when none is."""
+        n = hashes.shape[0]
+        tries = [m for m in reversed(self._heads) if m < n][:CHAIN_MEMO_HEAD_TRIES]
+        for m in sorted(tries, reverse=True):
+            memo = self._checked(hashes[:m])
+            if memo is not None:
+                return memo.blocks
+        return None
+
+    def _checked(self, hashes: np.ndarray) -> _Memo | None:
+        """The memo of exactly the chain ``hashes``, if every block of it is still cached
+        under its key (then the index would answer the same: a key names one cached
+        block); a memo found stale is dropped."""
+        n = hashes.shape[0]
         key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         memo = self._chains.get(key)
         if memo is None or memo.blocks.size != n or memo.raw != hashes.tobytes():
             return None
-        arr, run = memo.blocks, memo.run
         if memo.epoch != self._epoch:
-            at = run if run is not None else arr
+            at = memo.run if memo.run is not None else memo.blocks
             if not ((self.key_lo[at] == hashes[:, 0]).all() and (self.key_hi[at] == hashes[:, 1]).all()
                     and (self.state[at] == CACHED).all()):
                 del self._chains[key]
@@ -308,13 +343,22 @@ class BlockStore:
                 return None
             memo.epoch = self._epoch
         self._chains.move_to_end(key)
-        return arr, run
+        self._head_found(n)
+        return memo
+
+    def _head_found(self, n: int) -> None:
+        """A remembered chain of ``n`` blocks was made or used: its length is tried first."""
+        self._heads[n] = None
+        self._heads.move_to_end(n)
+        if len(self._heads) > 4 * CHAIN_MEMO_HEAD_TRIES:
+            self._heads.popitem(last=False)
 
     def _remember(self, hashes: np.ndarray, arr: np.ndarray, run: slice | None) -> None:
         key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         old = self._chains.pop(key, None)
         self._chain_ids += _memo_cost(arr.size) - (_memo_cost(old.blocks.size) if old is not None else 0)
         self._chains[key] = _Memo(arr, run, hashes.tobytes(), self._epoch)
+        self._head_found(arr.size)
         while self._chain_ids > self._chain_ids_max:
             self._chain_ids -= _memo_cost(self._chains.popitem(last=False)[1].blocks.size)
 

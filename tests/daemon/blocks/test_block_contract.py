@@ -431,16 +431,17 @@ MEMO_OPS = ("cache", "cache", "lookup", "lookup", "lookup", "release", "release"
        steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(MEMO_OPS), st.integers(0, 9),
                                 st.integers(0, 9)), min_size=20, max_size=80))
 def test_chains_found_before_take_the_memo_and_answer_as_the_model(n_blocks, quota, steps):
-    """The same with every chain remembered once found whole (store.CHAIN_MEMO_MIN: 1 now,
-    set again here), so a lookup answers from the memo after checking it; the requests
+    """The same with every chain remembered once found whole, and the part found of every
+    chain found in part (CHAIN_MEMO_HEAD_MIN set to 1 here: a remembered chain is tried as
+    the head of any longer one), so a lookup answers from the memo after checking it; the requests
     mostly commit and look chains up again (the same chain, or one ending in the same key
     with keys swapped or repeated) between evictions, recommits and releases."""
-    old = store_module.CHAIN_MEMO_MIN
-    store_module.CHAIN_MEMO_MIN = 1
+    old = store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN
+    store_module.CHAIN_MEMO_MIN = store_module.CHAIN_MEMO_HEAD_MIN = 1  # heads of any length too
     try:
         equal_runs(n_blocks, quota, steps)
     finally:
-        store_module.CHAIN_MEMO_MIN = old
+        store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN = old
 
 
 def equal_runs(n_blocks, quota, steps):
@@ -506,3 +507,31 @@ def test_short_chains_are_remembered_too_and_each_counts_at_least_an_entrys_wort
         assert s._chain((wire([h(i)]))) is not None  # remembered
     assert len(s._chains) == 64 // store_module.CHAIN_MEMO_ENTRY_IDS
     assert s._chain_ids == len(s._chains) * store_module.CHAIN_MEMO_ENTRY_IDS
+
+
+def test_a_cached_prompt_found_in_part_heads_the_next_requests_and_only_their_own_blocks_are_probed():
+    """Requests share a cached 72-block system prompt and differ after it: the first is
+    probed whole, and the part found is remembered; each next one takes that part from the
+    memo and probes only its own blocks; evicting a block of the prompt makes the memo stale
+    and the next lookup probes the whole chain again, with the index's answer."""
+    n = 72
+    s = BlockStore(2 * n, lambda blocks: None)
+    s.open(1, 7)
+    prompt = [h(i) for i in range(n)]
+    blocks = s.alloc(1, n)
+    s.commit(1, blocks, wire(prompt))
+    s.release(1, blocks)
+    probed = []
+    find = s.index.find
+    s.index.find = lambda lo, hi: (probed.append(lo.size), find(lo, hi))[1]
+    for r in range(3):
+        got = s.lookup(1, wire(prompt + [h(1000 + 10 * r + i) for i in range(5)]))
+        assert got.tolist() == blocks.tolist()
+        s.release(1, got)
+    assert probed == [n + 5, 5, 5]
+    # two more blocks cached, then the least recently unpinned goes: a prompt block
+    s.commit(1, s.alloc(1, n + 1), wire([h(5000 + i) for i in range(n + 1)]))
+    probed.clear()
+    got = s.lookup(1, wire(prompt + [h(2000)]))
+    assert probed == [n + 1] and got.size < n  # the stale head dropped; the index answered
+    s.release(1, got)
