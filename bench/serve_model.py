@@ -46,6 +46,12 @@ def pack_rows(kv, sh: Shapes):
     return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8), rope.view(torch.uint8)], -1)
 
 
+def pack_new_rows(ckv, sh: Shapes):
+    """The new token's rows from the projection's ``ckv`` [..., kv_lora + rope]: the latent
+    RMS-normed, then :func:`pack_rows` (what ``serve_triton.pack_rows`` computes in one kernel)."""
+    return pack_rows(torch.cat([rms(ckv[..., :sh.kv_lora]), ckv[..., sh.kv_lora:]], -1), sh)
+
+
 def unpack_rows(rows, sh: Shapes, dtype):
     """uint8 [..., row_bytes] -> [..., kv_lora + rope] in ``dtype`` (views of the bytes, no copy
     before the conversion)."""
@@ -213,7 +219,7 @@ class Ops:
         if self.triton_write and serve_triton.pack_rows_supported(sh.kv_lora, sh.rope, LATENT_TILE, sh.row_bytes):
             serve_triton.pack_rows(ckv, out, sh.kv_lora, LATENT_TILE)
             return
-        out.copy_(pack_rows(torch.cat([rms(ckv[:, :sh.kv_lora]), ckv[:, sh.kv_lora:]], -1), sh))
+        out.copy_(pack_new_rows(ckv, sh))
 
     def write_key(self, k, out, scale) -> None:
         """The new token's indexer keys ``k`` [B, idx_dim] -> fp8 ``out`` [B, idx_dim] and
@@ -266,7 +272,7 @@ class Ops:
         ckv = a[:, 8:8 + sh.kv_lora + sh.rope]  # rows strided, as the split projection's
         out = torch.empty(3, sh.row_bytes, dtype=torch.uint8, device=self.device)
         serve_triton.pack_rows(ckv, out, sh.kv_lora, LATENT_TILE)
-        want = pack_rows(torch.cat([rms(ckv[:, :sh.kv_lora]), ckv[:, sh.kv_lora:]], -1), sh)
+        want = pack_new_rows(ckv, sh)
         keys = torch.zeros(3, 5, sh.idx_dim, dtype=FP8, device=self.device)
         scale = torch.zeros(3, 5, device=self.device)
         k = a[:, :sh.idx_dim]
@@ -352,16 +358,12 @@ class Model:
         mark("topk")
         torch.topk(logits, min(sh.top_k, logits.shape[1]), dim=-1, sorted=False)
         side = self._side_stream(x)
-        if side is None:
+        if side is not None:  # the rows on the side stream, from here (after the top-k) on
+            side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):  # (None: the step's own stream)
             mark("rows")
             kv, idx = src.rows(layer)
             mark("rows_end")
-        else:  # the rows on the side stream, from here (after the top-k) on
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                mark("rows")
-                kv, idx = src.rows(layer)
-                mark("rows_end")
         mark("query")
         q = ops.mm(cq, w["wb_q"]).view(B, H, R)
         q_lat = torch.bmm(q[..., :sh.nope].transpose(0, 1), w["w_uk"]).transpose(0, 1)

@@ -142,7 +142,7 @@ class SwappedRows:
     joined, cost the batch-1 step ~10 us a layer on the H200.)"""
 
     def __init__(self, h, st: Static, block_size: int, mirror):
-        self.h, self.st, self.block_size, self.mirror = h, st, block_size, mirror
+        self.h, self.st, self.block_size = h, st, block_size
         self.side = torch.cuda.Stream(device=st.table.device)
         self.staged = torch.empty((mirror.shape[0], st.batch, mirror.shape[2]), dtype=torch.uint8,
                                   device=st.table.device)

@@ -38,7 +38,7 @@ def frame_header(size: int, flags: int = 0) -> bytes:
     """A frame's flags byte and size (one byte up to 255, else eight)."""
     if size > 255:
         return _LONG_HEAD(flags | LONG, size)
-    return bytes((flags, size))
+    return _SHORT_HEADS[flags][size] if flags <= MORE else bytes((flags, size))
 
 
 _LONG_HEAD = struct.Struct(">BQ").pack
@@ -99,8 +99,7 @@ def encode_message(frames) -> list:
         if type(f) is not bytes and type(f) is not bytearray:
             f = memoryview(f).cast("B")
         n = len(f)
-        more = i < last
-        head = _SHORT_HEADS[more][n] if n < 256 else _LONG_HEAD(LONG | more, n)
+        head = frame_header(n, MORE if i < last else 0)
         if n <= COALESCE_BYTES:
             pre = pre + head + f if n else pre + head
         else:

@@ -262,9 +262,8 @@ class BlockStore:
                 arr = arr[: missing[0]]
             run = _run(arr)  # blocks allocated together: slices instead of gathers and scatters
             # Found whole: remembered. Found in part (a long chain): that part, the head of the
-            # next such request, unless it is the head it began with.
-            if arr.size >= CHAIN_MEMO_MIN and (not missing.size or (head is None and n >= CHAIN_MEMO_HEAD_MIN)
-                                               or (head is not None and arr.size > head.size)):
+            # next such request, unless it is no more than the head it began with.
+            if arr.size >= CHAIN_MEMO_MIN and (not missing.size or (n >= CHAIN_MEMO_HEAD_MIN and arr.size > start)):
                 self._remember(hashes[:arr.size], arr, run)
         at = run if run is not None else arr
         unpinned = self.pins[at] == 0
