@@ -5,8 +5,10 @@ lookup runs on).
 * ``prefix_lookup_us_p50`` / ``_p99`` (the p50 also as ``prefix_lookup_us_128k`` at the
   default shape): lookup + pin of a cached 128K-token prefix (2,048 blocks of
   64) through zmq (the release that follows each is timed apart: ``release_us_p50``): the same
-  prefix again, as requests sharing a system prompt look it up (the store answers from
-  the chain it found whole before, after checking it); ``prefix_lookup_cold_us_p50``: a
+  prefix again, as requests sharing a system prompt look it up (the client names the chain
+  by the token an earlier reply gave it, DESIGN §9, and the store answers from the chain it
+  found whole before, after checking it); ``prefix_lookup_sent_us_p50``: the same with
+  its 2,048 hashes sent (a client that never looked it up); ``prefix_lookup_cold_us_p50``: a
   prefix of about that length not looked up whole before (the index's probes); where a
   repeated lookup's time goes, from the header times (``Client.timings``, p50s):
   ``lookup_send_us`` (the client's send to the daemon's receive), ``lookup_daemon_us``
@@ -60,6 +62,7 @@ import time
 import numpy as np
 
 from sparsekv.client import Client
+from sparsekv.client.blocks import Blocks
 from sparsekv.daemon.backends import cuda_unavailable
 from sparsekv.proto import LIMITS, Layout, MsgType
 from sparsekv.proto.blocks import KeysPlane
@@ -73,6 +76,7 @@ _RESTART = r"""
 import json, sys, time
 import numpy as np
 from sparsekv.client import Client
+from sparsekv.client.blocks import Blocks
 from sparsekv.proto import Layout
 run_dir, lay, block_size, n_tokens, t0 = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 with Client(run_dir, name="bench-restart") as c:
@@ -97,7 +101,7 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
         raise ValueError(f"a pool of {pool_gib} GiB holds {host_rows // block_size} blocks of {block_size} "
                          f"DeepSeek-V3.2 rows, fewer than the {blocks} looked up")
     lay = Layout(num_layers=layers, row_bytes=row_bytes, top_k=64, region_stride=128, max_reqs=1, host_rows=host_rows)
-    lookup_us, cold_us, release_us, restart_s, legs = [], [], [], [], []
+    lookup_us, cold_us, sent_us, release_us, restart_s, legs = [], [], [], [], [], []
     # The latency settings of a cuda daemon and its clients (the daemon polls its socket
     # 1 ms after a request, the client spins 0.5 ms for its reply), on the cpu backend.
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cpu", extra_args=["--busy-poll-us", "1000"]) as d:
@@ -107,19 +111,23 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
             got = c.blocks.alloc(blocks)
             c.blocks.commit(got, keys)
             c.blocks.release(got)
-            for i in range(2 * reps):
-                # Even: the whole prefix again (requests sharing a system prompt: the store
-                # answers from the chain it found before, once checked); odd: a prefix one
-                # block shorter each time, never looked up whole before (the index's probes).
-                n = blocks if i % 2 == 0 else blocks - 1 - i // 2
+            # The same client's lookups with every hash sent (no chain named by its token).
+            sending = Blocks(c._call, c.blocks.namespace, block_size)
+            for i in range(3 * reps):
+                # 0: the whole prefix again (requests sharing a system prompt: the client names
+                # the chain a reply gave it, the store answers from its memo, once checked);
+                # 1: a prefix one block shorter each time, never looked up whole before (the
+                # index's probes); 2: the whole prefix again, its hashes sent.
+                kind = i % 3
+                n = blocks - 1 - i // 3 if kind == 1 else blocks
                 t0 = time.perf_counter()
-                got = c.blocks.lookup(keys[:n])
+                got = (sending if kind == 2 else c.blocks).lookup(keys[:n])
                 t1 = time.perf_counter()
                 c.blocks.release(got)
                 t2 = time.perf_counter()
                 assert got.size == n, f"the cached prefix has {got.size} of {n} blocks"
-                (lookup_us if i % 2 == 0 else cold_us).append((t1 - t0) * 1e6)
-                if i % 2 == 0:
+                (lookup_us, cold_us, sent_us)[kind].append((t1 - t0) * 1e6)
+                if kind == 0:
                     ts, tr, tx, rx = c.timings[MsgType.BLOCK_LOOKUP]
                     legs.append((tr - ts, tx - tr, rx - tx))
                 release_us.append((t2 - t1) * 1e6)
@@ -146,6 +154,7 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
            # The issue's key (docs/perf/latest.json), at its shape: 2,048 blocks of 64.
            **({"prefix_lookup_us_128k": p50} if (blocks, block_size) == (2048, 64) else {}),
            "prefix_lookup_cold_us_p50": round(float(np.median(cold_us)), 1),
+           "prefix_lookup_sent_us_p50": round(float(np.median(sent_us)), 1),
            **{k: round(float(v) * 1e-3, 1) for k, v in zip(("lookup_send_us", "lookup_daemon_us", "lookup_reply_us"),
                                                           np.median(np.array(legs), axis=0))},
            "release_us_p50": round(float(np.median(release_us)), 1),

@@ -24,6 +24,7 @@ commits them (they are committed with the block, read-only from then on), and
 
 from __future__ import annotations
 
+import collections
 from typing import Callable
 
 import numpy as np
@@ -40,8 +41,11 @@ class Blocks:
     with ``index_bytes``, the indexer keys plane of its ``num_layers`` layers."""
 
     def __init__(self, call: Callable, namespace: str, block_size: int, num_layers: int = 0, index_bytes: int = 0,
-                 load: Callable | None = None):
+                 load: Callable | None = None, chain_refs: bool = False):
         self._call = call
+        # Chains the daemon named in lookup replies (``chain_refs``: a daemon's store, whose
+        # tokens name them in this session's next lookups).
+        self._refs = ChainRefs() if chain_refs else None
         self._load = load  # BLOCK_LOAD_KEYS (client/keys_load.py); None: not through a daemon
         self.namespace = namespace
         self.block_size = block_size
@@ -83,8 +87,32 @@ class Blocks:
 
     def lookup(self, hashes) -> np.ndarray:
         """Pin and return (int32 [m]) the blocks of the longest cached prefix of the chain
-        ``hashes`` (int64 [n, 2])."""
-        return self._call(MsgType.BLOCK_LOOKUP, arrays={"hashes": _hashes(hashes)})[1]["blocks"]
+        ``hashes`` (int64 [n, 2]).
+
+        Through a daemon, a chain that begins with one a lookup of this client found before
+        (requests sharing a system prompt) is sent as that chain's token and the hashes that
+        follow it, and the reply names its blocks the same way (DESIGN §9)."""
+        hashes = _hashes(hashes)
+        refs = self._refs
+        ref = refs.match(hashes) if refs is not None else None
+        if ref is not None:
+            fields, arrays = self._call(MsgType.BLOCK_LOOKUP, {"chain": ref.token},
+                                        arrays={"hashes": hashes[ref.blocks.size:]})
+            if fields.get("resend"):  # the daemon has forgotten the chain: the hashes themselves
+                refs.drop(ref)
+                ref = None
+        if ref is None:
+            fields, arrays = self._call(MsgType.BLOCK_LOOKUP, arrays={"hashes": hashes})
+        blocks = arrays["blocks"]
+        if ref is not None:
+            if fields.get("head"):
+                blocks = np.concatenate([ref.blocks, blocks])
+            else:  # found shorter than the chain named: it is not cached whole any more
+                refs.drop(ref)
+        token = fields.get("chain")
+        if refs is not None and token is not None and (ref is None or token != ref.token):
+            refs.add(token, hashes[:blocks.size], blocks)
+        return blocks
 
     def release(self, blocks) -> None:
         """Unpin cached ``blocks`` and free private ones (zeroed); all or nothing."""
@@ -139,6 +167,66 @@ class Blocks:
     def _per_request(self) -> int:
         """Blocks whose indexer keys fit one request."""
         return LIMITS.max_keys_bytes // self._block_bytes()
+
+
+class ChainRef:
+    """A chain the daemon named: its ``token``, its hashes (``raw``: int64 [n, 2] as bytes),
+    its blocks (int32 [n], read-only) and its last hash (``key``)."""
+
+    __slots__ = ("token", "raw", "blocks", "key")
+
+    def __init__(self, token: int, raw: bytes, blocks: np.ndarray, key: tuple[int, int]):
+        self.token, self.raw, self.blocks, self.key = token, raw, blocks, key
+
+
+class ChainRefs:
+    """The chains lookup replies named lately (at most ``CHAIN_REFS`` of them and
+    ``CHAIN_REF_IDS`` blocks in all; the least recently used go first), by their last hash;
+    ``match`` finds the longest one a chain of hashes begins with, among the lengths of the
+    ``CHAIN_REF_TRIES`` used most recently."""
+
+    def __init__(self):
+        self._by_key: collections.OrderedDict[tuple[int, int], ChainRef] = collections.OrderedDict()
+        self._ids = 0
+
+    def match(self, hashes: np.ndarray) -> ChainRef | None:
+        n, lengths = hashes.shape[0], []
+        for ref in reversed(self._by_key.values()):
+            m = ref.blocks.size
+            if m <= n and m not in lengths:
+                lengths.append(m)
+                if len(lengths) == CHAIN_REF_TRIES:
+                    break
+        for m in sorted(lengths, reverse=True):
+            ref = self._by_key.get((int(hashes[m - 1, 0]), int(hashes[m - 1, 1])))
+            if ref is not None and ref.blocks.size == m and ref.raw == hashes[:m].tobytes():
+                self._by_key.move_to_end(ref.key)
+                return ref
+        return None
+
+    def add(self, token: int, hashes: np.ndarray, blocks: np.ndarray) -> None:
+        if not blocks.size or blocks.size > CHAIN_REF_IDS:
+            return
+        key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
+        old = self._by_key.pop(key, None)
+        if old is not None:
+            self._ids -= old.blocks.size
+        blocks = np.array(blocks, dtype=np.int32)
+        blocks.flags.writeable = False
+        self._by_key[key] = ChainRef(token, hashes.tobytes(), blocks, key)
+        self._ids += blocks.size
+        while len(self._by_key) > CHAIN_REFS or self._ids > CHAIN_REF_IDS:
+            self._ids -= self._by_key.popitem(last=False)[1].blocks.size
+
+    def drop(self, ref: ChainRef) -> None:
+        if self._by_key.get(ref.key) is ref:
+            del self._by_key[ref.key]
+            self._ids -= ref.blocks.size
+
+
+CHAIN_REFS = 16  # the daemon answers the tokens of a client's 16 latest chains (CHAIN_GRANTS)
+CHAIN_REF_IDS = 1 << 18  # 5 MiB of hashes and block ids at most
+CHAIN_REF_TRIES = 4
 
 
 def _blocks(blocks) -> np.ndarray:

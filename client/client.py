@@ -257,7 +257,7 @@ class Client(Connection):
         if block_size:
             self._keys_loader = KeysLoader(self)
             self.blocks = Blocks(self._call, engine, int(block_size), layout.num_layers, int(index_bytes),
-                                 self._keys_loader)
+                                 self._keys_loader, chain_refs=True)
         h = reply["handles"]
         if h.get("kind") not in ("cuda_ipc", "shm"):
             raise SparseKVError(f"unknown slab kind {h.get('kind')!r} from the daemon; upgrade the client")

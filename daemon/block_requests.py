@@ -19,7 +19,7 @@ import numpy as np
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError
 
 from .backends import map_engine_memory
-from .blocks.store import BlockStore
+from .blocks.store import BlockStore, Found
 from .heavy import HEAVY_BYTES, Slow
 from .sessions import Session
 
@@ -70,16 +70,22 @@ class BlockRequests:
 
     def on_lookup(self, s: Session, identity, h, a):
         store = self._store(s)
-        blocks = store.lookup(s.client_id, _array(a, "hashes"))
+        chain = h.get("chain")
+        if chain is not None and type(chain) is not int:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"chain must be a token a lookup's reply gave, got "
+                                f"{str(chain)[:40]}")
+        found = store.find(s.client_id, _array(a, "hashes"), chain)
+        if found is None:
+            return lookup_reply(found, chain)
         space = self.engines.space(s.engine)
-        hits = blocks.size
+        hits = found.blocks.size
         tokens = hits * space.block_size
         c = self.stats.c  # (Stats.add, without its keyword arguments: every lookup passes here)
         c["block_lookups"] += 1
         c["block_hits"] += hits
         c["block_hit_tokens"] += tokens
         c["block_hit_bytes"] += tokens * space.layout.num_layers * space.layout.row_bytes
-        return {}, {"blocks": blocks}
+        return lookup_reply(found, chain)
 
     def on_release(self, s: Session, identity, h, a):
         self._store(s).release(s.client_id, _array(a, "blocks"))
@@ -141,6 +147,22 @@ class BlockRequests:
         nbytes = ids.size * space.keys_plane.block_bytes
         self.stats.add(block_keys_bytes_loaded=nbytes)
         return {"bytes": nbytes, "copies": runs, **fields}, None
+
+
+def lookup_reply(found: Found | None, chain: int | None) -> tuple[dict, dict | None]:
+    """BLOCK_LOOKUP's reply (fields, arrays) to what ``BlockStore.find`` answered a lookup
+    that named remembered chain ``chain`` (or none): ``resend`` (nothing pinned: the chain
+    is not one the client may name now; it sends the hashes instead), else ``blocks``
+    and, when the prefix found is a remembered chain, its token as ``chain``; with a chain
+    named, ``head`` counts the first blocks that are the named chain's, which ``blocks``
+    leaves out."""
+    if found is None:
+        return {"resend": True}, None
+    fields = {} if found.token is None else {"chain": found.token}
+    if chain is None:
+        return fields, {"blocks": found.blocks}
+    fields["head"] = found.head
+    return fields, {"blocks": found.blocks[found.head:]}
 
 
 def _dst(h: dict) -> dict:

@@ -38,7 +38,7 @@ class MsgType(enum.IntEnum):
     BLOCK_RESERVE = 11  # n -> reserved (+ the store's gauges), or POOL_EXHAUSTED
     BLOCK_ALLOC = 12  # n -> blocks [n] (zeroed, private to the caller)
     BLOCK_COMMIT = 13  # blocks [n], hashes [n, 2] -> held [n] (the block cached under each hash)
-    BLOCK_LOOKUP = 14  # hashes [n, 2] -> blocks [m] (the longest cached prefix, pinned)
+    BLOCK_LOOKUP = 14  # [chain] hashes [n, 2] -> blocks [m] (the longest cached prefix, pinned) [chain, head]
     BLOCK_RELEASE = 15  # blocks [n] -> ack (pins dropped, private blocks freed)
     BLOCK_WRITE_KEYS = 16  # blocks [n], keys uint8 [n, layers, block_size, index_bytes] -> bytes (own private blocks)
     BLOCK_READ_KEYS = 17  # blocks [n] -> keys uint8 [n, layers, block_size, index_bytes] (pinned or own blocks)

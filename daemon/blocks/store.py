@@ -18,6 +18,8 @@ from typing import Callable
 
 import numpy as np
 
+from sparsekv.proto import LIMITS
+
 from .contract import BlockError, PoolExhausted, UidLedger
 from .index import KeyIndex
 
@@ -35,6 +37,10 @@ CHAIN_MEMO_ENTRY_IDS = 16  # what a chain counts against CHAIN_MEMO_IDS at least
 # than it are tried as its head, at most this many (a try is one dict look-up).
 CHAIN_MEMO_HEAD_TRIES = 4
 CHAIN_MEMO_HEAD_MIN = 64  # chains shorter than this are probed whole
+# A remembered chain has a token (a number never reused in the store) that the lookup's reply
+# gives the session; the session's next lookup may name the chain by it instead of sending its
+# hashes (``BlockStore.find``). The tokens each session was given last, at most:
+CHAIN_GRANTS = 16
 
 
 def _memo_cost(n: int) -> int:
@@ -59,6 +65,25 @@ class _Memo:
     run: slice | None  # the blocks as a slice, when consecutive (``_run``)
     raw: bytes  # the chain's keys (int64 [n, 2]) as the wire carries them: one memcmp to compare
     epoch: int  # the store's evictions when it was last checked against the cache
+    token: int  # its name in lookups (``BlockStore.find``)
+    key: tuple[int, int]  # its last key (where ``BlockStore._chains`` keeps it)
+    ids: np.ndarray  # ``blocks`` as int32, read-only: what a lookup answers
+
+    def hashes(self) -> np.ndarray:
+        """Its keys, int64 [n, 2] (a read-only view of ``raw``)."""
+        return np.frombuffer(self.raw, np.int64).reshape(-1, 2)
+
+
+@dataclass(slots=True)
+class Found:
+    """What ``BlockStore.find`` pinned: ``blocks`` (int32 [m], the whole prefix found);
+    ``token``: the chain of exactly those blocks, remembered (the session may name it in its
+    next lookups), or None; ``head``: how many of the first blocks are those of the chain the
+    request named (all of them, or 0 when the prefix found is shorter)."""
+
+    blocks: np.ndarray
+    token: int | None
+    head: int = 0
 
 
 def _hash_array(hashes) -> np.ndarray:
@@ -99,6 +124,8 @@ class BlockStore:
         self.pins = np.zeros(n_blocks, dtype=np.int64)
         self.stamp = np.zeros(n_blocks, dtype=np.int64)
         self._mark = np.zeros(n_blocks, dtype=np.int64)  # scratch: finds blocks named twice in a lookup
+        self._arange = np.arange(n_blocks, dtype=np.int64)
+        self._arange32 = self._arange.astype(np.int32)
         self._clock = 0
         self.free_blocks = n_blocks
         self.evictable_blocks = 0  # cached, pinned by nobody
@@ -120,6 +147,9 @@ class BlockStore:
         self._chain_ids = 0
         self._chain_ids_max = min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
         self._heads: collections.OrderedDict[int, None] = collections.OrderedDict()  # lengths found, latest last
+        self._by_token: dict[int, _Memo] = {}  # the remembered chains by token
+        self._tokens = 1  # the next token (never reused, so a token names one chain and its blocks)
+        self._grants: dict[int, collections.OrderedDict[int, None]] = {}  # session -> its tokens, latest last
 
     # -- what the store has ------------------------------------------------------------
     @property
@@ -154,6 +184,7 @@ class BlockStore:
         self._uid[session] = uid
         if session not in self._pinned:
             self._pinned[session] = np.zeros(self.n_blocks, dtype=np.int64)  # pins can pass 2**31
+            self._grants[session] = collections.OrderedDict()
 
     def _uid_of(self, session: int) -> int:
         try:
@@ -243,20 +274,46 @@ class BlockStore:
         ``hashes`` (int64 [n, 2]). An evictable block it pins takes one block of
         ``session``'s reservation while it has one; past that, it stops before an evictable
         block that the reservations need."""
+        return self.find(session, hashes).blocks
+
+    def find(self, session: int, hashes, chain: int | None = None) -> Found | None:
+        """:meth:`lookup` of the chain whose keys are those of remembered chain ``chain`` (a
+        token this session was given by an earlier ``find``, among its last CHAIN_GRANTS)
+        followed by ``hashes``; or of ``hashes`` alone when ``chain`` is None. None, and
+        nothing pinned, when ``chain`` is not such a token any longer (forgotten since, or
+        never given to this session): the caller sends the keys instead."""
         uid = self._uid_of(session)
         hashes = _hash_array(hashes)
-        memo = self._chain(hashes)
+        ref = None  # the chain named, while every block of it is cached under its key
+        if chain is not None:
+            ref = self._by_token.get(chain) if chain in self._grants[session] else None
+            if ref is None:
+                return None
+            if ref.blocks.size + hashes.shape[0] > LIMITS.max_blocks:
+                raise BlockError("TOO_LARGE", f"a chain of {ref.blocks.size} blocks and {hashes.shape[0]} more "
+                                 f"exceeds {LIMITS.max_blocks} blocks a request")
+            rest = hashes.shape[0]
+            named = ref
+            if not self._valid(ref):
+                ref = None  # not cached whole now: its keys are probed
+            if ref is not None and not rest:
+                memo = ref  # (its keys are not needed)
+            else:
+                hashes = np.concatenate([named.hashes(), hashes]) if rest else named.hashes()
+                memo = self._chain(hashes)
+        else:
+            memo = self._chain(hashes)
         if memo is not None:
-            arr, run = memo
+            arr, run = memo.blocks, memo.run
         else:
             # A remembered chain it begins with: only the rest is probed (from 64 blocks: below,
             # the probes cost about what the tries do).
             n = hashes.shape[0]
-            head = self._head(hashes) if n >= CHAIN_MEMO_HEAD_MIN else None
-            start = 0 if head is None else head.size
+            head = ref if ref is not None else self._head(hashes) if n >= CHAIN_MEMO_HEAD_MIN else None
+            start = 0 if head is None else head.blocks.size
             arr = self.index.find(*key_words(hashes[start:]))
             if head is not None:
-                arr = np.concatenate([head, arr])
+                arr = np.concatenate([head.blocks, arr])
             missing = np.flatnonzero(arr < 0)
             if missing.size:
                 arr = arr[: missing[0]]
@@ -264,25 +321,33 @@ class BlockStore:
             # Found whole: remembered. Found in part (a long chain): that part, the head of the
             # next such request, unless it is no more than the head it began with.
             if arr.size >= CHAIN_MEMO_MIN and (not missing.size or (n >= CHAIN_MEMO_HEAD_MIN and arr.size > start)):
-                self._remember(hashes[:arr.size], arr, run)
+                memo = self._remember(hashes[:arr.size], arr, run)
+            elif head is not None and arr.size == start:
+                memo = head
         at = run if run is not None else arr
-        unpinned = self.pins[at] == 0
         twice = False
         if run is None:
             self._mark[arr] = np.arange(arr.size)  # a block named twice keeps only its last position here
             twice = bool((self._mark[arr] != np.arange(arr.size)).any())  # (np.unique costs 10x more)
         if twice:  # a block named twice takes one evictable block
+            unpinned = self.pins[at] == 0
             first = np.zeros(arr.size, dtype=bool)
             first[np.unique(arr, return_index=True)[1]] = True
             unpinned &= first
+            taken = int(np.count_nonzero(unpinned))
+        else:
+            unpinned = None
+            taken = arr.size - int(np.count_nonzero(self.pins[at]))
         own = self.reserved.get(session, 0)
         slack = self.free_blocks + self.evictable_blocks - self.reserved_total
-        taken = int(np.count_nonzero(unpinned))
         if taken > own + slack:  # stop before the first evictable block the others' promises need
+            if unpinned is None:
+                unpinned = self.pins[at] == 0
             cut = int(np.flatnonzero(np.cumsum(unpinned) > own + slack)[0])
             arr, unpinned = arr[:cut], unpinned[:cut]
             at = slice(run.start, run.start + cut) if run is not None else arr
             taken = int(np.count_nonzero(unpinned))
+            memo = None
         self.evictable_blocks -= taken
         if own and taken:  # the caller's promise pays first
             paid = min(own, taken)
@@ -297,23 +362,30 @@ class BlockStore:
             self._pinned[session][at] += 1
         self.counts["lookups"] += 1
         self.counts["hit_blocks"] += arr.size
-        return arr.astype(np.int32)
+        token = None
+        if memo is not None:
+            token = memo.token
+            grants = self._grants[session]
+            grants[token] = None
+            grants.move_to_end(token)
+            if len(grants) > CHAIN_GRANTS:
+                grants.popitem(last=False)
+        head = ref.blocks.size if ref is not None and arr.size >= ref.blocks.size else 0
+        return Found(memo.ids if memo is not None else arr.astype(np.int32), token, head)
 
-    def _chain(self, hashes: np.ndarray) -> tuple[np.ndarray, slice | None] | None:
-        """The blocks of the chain ``hashes`` (int64 [n, 2]) and their run (``_run``), when it
+    def _chain(self, hashes: np.ndarray) -> _Memo | None:
+        """The memo of the chain ``hashes`` (int64 [n, 2]), when it
         was found whole before and every block of that answer is still cached under its key
         (then the index would answer the same: a key names one cached block); None
         otherwise. Requests sharing a long system prompt look the same chain up again and
         again: one comparison of the hashes when nothing was evicted since, a few array
         operations (slices for a run) when something was, no probes."""
-        n = hashes.shape[0]
-        if n < CHAIN_MEMO_MIN:
+        if hashes.shape[0] < CHAIN_MEMO_MIN:
             return None
-        memo = self._checked(hashes)
-        return None if memo is None else (memo.blocks, memo.run)
+        return self._checked(hashes)
 
-    def _head(self, hashes: np.ndarray) -> np.ndarray | None:
-        """The blocks of the longest remembered chain, among the lengths found most
+    def _head(self, hashes: np.ndarray) -> _Memo | None:
+        """The memo of the longest remembered chain, among the lengths found most
         recently (CHAIN_MEMO_HEAD_TRIES), that ``hashes`` begins with and that is still
         cached whole (as :meth:`_chain` checks it); None when none is."""
         n = hashes.shape[0]
@@ -321,29 +393,39 @@ class BlockStore:
         for m in sorted(tries, reverse=True):
             memo = self._checked(hashes[:m])
             if memo is not None:
-                return memo.blocks
+                return memo
         return None
 
     def _checked(self, hashes: np.ndarray) -> _Memo | None:
         """The memo of exactly the chain ``hashes``, if every block of it is still cached
         under its key (then the index would answer the same: a key names one cached
         block); a memo found stale is dropped."""
-        n = hashes.shape[0]
-        key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
-        memo = self._chains.get(key)
-        if memo is None or memo.blocks.size != n or memo.raw != hashes.tobytes():
+        memo = self._chains.get((int(hashes[-1, 0]), int(hashes[-1, 1])))
+        if memo is None or memo.blocks.size != hashes.shape[0] or memo.raw != hashes.tobytes():
             return None
+        return memo if self._valid(memo) else None
+
+    def _valid(self, memo: _Memo) -> bool:
+        """Whether every block of ``memo`` is still cached under its key (one comparison of
+        epochs when nothing was evicted since it was last checked); a memo found stale is
+        forgotten. Marks it the most recently used."""
         if memo.epoch != self._epoch:
             at = memo.run if memo.run is not None else memo.blocks
+            hashes = memo.hashes()
             if not ((self.key_lo[at] == hashes[:, 0]).all() and (self.key_hi[at] == hashes[:, 1]).all()
                     and (self.state[at] == CACHED).all()):
-                del self._chains[key]
-                self._chain_ids -= _memo_cost(n)
-                return None
+                self._forget(memo.key)
+                return False
             memo.epoch = self._epoch
-        self._chains.move_to_end(key)
-        self._head_found(n)
-        return memo
+        self._chains.move_to_end(memo.key)
+        self._head_found(memo.blocks.size)
+        return True
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        """The memo under ``key`` goes (its token names nothing from now on)."""
+        memo = self._chains.pop(key)
+        self._chain_ids -= _memo_cost(memo.blocks.size)
+        del self._by_token[memo.token]
 
     def _head_found(self, n: int) -> None:
         """A remembered chain of ``n`` blocks was made or used: its length is tried first."""
@@ -352,24 +434,33 @@ class BlockStore:
         if len(self._heads) > 4 * CHAIN_MEMO_HEAD_TRIES:
             self._heads.popitem(last=False)
 
-    def _remember(self, hashes: np.ndarray, arr: np.ndarray, run: slice | None) -> None:
+    def _remember(self, hashes: np.ndarray, arr: np.ndarray, run: slice | None) -> _Memo | None:
+        """Remember chain ``hashes`` found as ``arr``; its memo (None when the memo's bound
+        leaves no room for it)."""
         key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
-        old = self._chains.pop(key, None)
-        self._chain_ids += _memo_cost(arr.size) - (_memo_cost(old.blocks.size) if old is not None else 0)
-        self._chains[key] = _Memo(arr, run, hashes.tobytes(), self._epoch)
+        if key in self._chains:
+            self._forget(key)
+        ids = arr.astype(np.int32)
+        ids.flags.writeable = False
+        memo = _Memo(arr, run, hashes.tobytes(), self._epoch, self._tokens, key, ids)
+        self._tokens += 1
+        self._chains[key] = memo
+        self._by_token[memo.token] = memo
+        self._chain_ids += _memo_cost(arr.size)
         self._head_found(arr.size)
         while self._chain_ids > self._chain_ids_max:
-            self._chain_ids -= _memo_cost(self._chains.popitem(last=False)[1].blocks.size)
+            self._forget(next(iter(self._chains)))
+        return memo if key in self._chains else None
 
     def release(self, session: int, blocks) -> None:
         """Unpin cached ``blocks`` (int [n]; named twice: unpinned twice) and free private
         ones (zeroed); all or nothing. The blocks whose last pin goes become evictable in
         the order of their last mention."""
         uid = self._uid_of(session)
-        blocks = self._block_ids(blocks)
-        run = _run(blocks)
+        run = self._run_of(blocks)
         if run is not None and self._release_run(session, run):
             return
+        blocks = self._block_ids(blocks)
         self._mark[blocks] = np.arange(blocks.size)  # as in lookup: a block named twice keeps its last position
         if (self._mark[blocks] == np.arange(blocks.size)).all():  # the common case, without np.unique's cost
             uniq, last, count = blocks, np.arange(blocks.size), np.ones(blocks.size, np.int64)
@@ -383,16 +474,36 @@ class BlockStore:
         ``session`` (what it looked up): slices, no gathers; False (nothing done) for any
         other run."""
         pinned = self._pinned[session]
-        if (self.state[run] != CACHED).any() or (pinned[run] < 1).any():
+        # (CACHED is the least state: all are CACHED when the largest is)
+        if self.state[run].max() != CACHED or pinned[run].min() < 1:
             return False
         pinned[run] -= 1
-        self.pins[run] -= 1
-        gone = np.flatnonzero(self.pins[run] == 0)
-        if gone.size:  # evictable in the order named (each named once: last mention = position)
-            self.stamp[run.start + gone] = self._clock + np.arange(gone.size)
-            self._clock += gone.size
-            self.evictable_blocks += gone.size
+        pins = self.pins[run]
+        pins -= 1
+        n = run.stop - run.start
+        gone = n - int(np.count_nonzero(pins))
+        if gone == n:  # evictable in the order named (each named once: last mention = position)
+            np.add(self._arange[:n], self._clock, out=self.stamp[run])
+        elif gone:
+            at = np.flatnonzero(pins == 0)
+            self.stamp[run.start + at] = self._clock + self._arange[:gone]
+        self._clock += gone
+        self.evictable_blocks += gone
         return True
+
+    def _run_of(self, blocks) -> slice | None:
+        """``blocks`` as a slice when they are a NumPy integer array of consecutive ascending
+        ids within the store (blocks allocated together), else None (``_block_ids`` checks
+        them)."""
+        if type(blocks) is not np.ndarray or blocks.ndim != 1 or blocks.dtype.kind not in "iu" or blocks.size < 2:
+            return None
+        first, n = int(blocks[0]), blocks.size
+        if first < 0 or first + n > self.n_blocks or int(blocks[-1]) != first + n - 1:
+            return None
+        ids = self._arange32 if blocks.dtype == np.int32 else self._arange  # (the wire's int32: no cast)
+        if not (blocks == ids[first:first + n]).all():
+            return None
+        return slice(first, first + n)
 
     def _release(self, session: int, uid: int, uniq: np.ndarray, last: np.ndarray, count: np.ndarray) -> None:
         """``release`` of distinct blocks ``uniq``, each named ``count`` times, last at
@@ -433,7 +544,7 @@ class BlockStore:
                       np.where(self.state[held] == session, 1, pinned[held]).astype(np.int64))
         self.reserve(session, -self.reserved.get(session, 0))
         self.reserved.pop(session, None)
-        del self._uid[session], self._pinned[session]
+        del self._uid[session], self._pinned[session], self._grants[session]
 
     def writable(self, session: int, rows: np.ndarray, block_size: int) -> None:
         """BAD_ARGUMENT unless every host row of ``rows`` lies in a block private to

@@ -19,6 +19,7 @@ import helpers
 from block_engine import BS, INDEX_BYTES, LAY, Engine, tokens
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolExhausted, QuotaExceeded
+from sparsekv.proto import LIMITS, ErrorCode, MsgType
 
 @pytest.fixture
 def daemon():
@@ -150,6 +151,47 @@ def test_block_requests_need_a_store_and_valid_arguments(daemon):
             c.blocks.release([99])
         with pytest.raises(BadRequest, match="hashes must be int64"):
             c.blocks.lookup(np.zeros((2, 3), np.int64))
+
+
+def test_a_chain_looked_up_again_is_sent_as_its_token_and_another_clients_token_is_refused(daemon):
+    """A client's second lookup of a chain (and of the chain with more hashes after it)
+    sends the token the first reply gave and only the hashes that follow: the same blocks,
+    pinned as often, counted as lookups. Another client naming that token is answered
+    ``resend`` with nothing pinned; a token that is not an int, BAD_ARGUMENT; a chain and
+    the hashes after it over max_blocks, TOO_LARGE."""
+    with Client(daemon.run_dir) as c, Client(daemon.run_dir) as other:
+        c.attach(LAY, engine="m", block_size=BS)
+        other.attach(LAY, engine="m", block_size=BS)
+        keys, blocks = commit(c, 30, 6)
+        sent = []
+        call = c.blocks._call
+
+        def spy(kind, fields=None, arrays=None):
+            if kind == MsgType.BLOCK_LOOKUP:
+                sent.append(((fields or {}).get("chain"), arrays["hashes"].shape[0]))
+            return call(kind, fields, arrays)
+
+        c.blocks._call = spy
+        first = c.blocks.lookup(keys)
+        again = c.blocks.lookup(keys)
+        token = sent[1][0]
+        assert sent == [(None, 6), (token, 0)] and token is not None
+        assert first.tolist() == again.tolist() == blocks.tolist()
+        store = daemon.engines.space("m").blocks
+        assert store.pins[blocks].tolist() == [3] * 6  # the commit's pin and two lookups
+        more, more_blocks = commit(c, 31, 2)
+        both = c.blocks.lookup(np.concatenate([keys, more]))
+        assert sent[2] == (token, 2) and both.tolist() == blocks.tolist() + more_blocks.tolist()
+        stats = helpers.stats_json(daemon.run_dir)
+        assert stats["block_lookups"] == 3 and stats["block_hits"] == 6 + 6 + 8
+        fields, arrays = other._call(MsgType.BLOCK_LOOKUP, {"chain": token}, {"hashes": np.zeros((0, 2), np.int64)})
+        assert fields == {"resend": True} and not arrays
+        assert store.pins[blocks].tolist() == [4] * 6
+        with pytest.raises(BadRequest, match="chain must be a token"):
+            c._call(MsgType.BLOCK_LOOKUP, {"chain": "1"}, {"hashes": np.zeros((0, 2), np.int64)})
+        with pytest.raises(BadRequest, match="exceeds 65536 blocks a request") as e:
+            c._call(MsgType.BLOCK_LOOKUP, {"chain": token}, {"hashes": np.zeros((LIMITS.max_blocks, 2), np.int64)})
+        assert e.value.code == ErrorCode.TOO_LARGE
 
 
 def test_sparsekv_blocks_lists_the_stores_by_engine(daemon):

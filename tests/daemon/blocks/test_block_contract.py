@@ -4,6 +4,8 @@ requests from several sessions and uids (hypothesis), step for step equal, with 
 model's invariants (zeroed free blocks, pinned blocks never evicted nor rewritten,
 reservations always covered) checked after every step."""
 
+import collections
+import functools
 import tracemalloc
 
 import numpy as np
@@ -12,9 +14,12 @@ from hypothesis import given, settings, strategies as st
 
 import helpers
 
+from sparsekv.client.blocks import Blocks
+from sparsekv.daemon.block_requests import lookup_reply
 from sparsekv.daemon.blocks.contract import ZERO, BlockError, BlockStoreModel, PoolExhausted, UidLedger
 from sparsekv.daemon.blocks import store as store_module
 from sparsekv.daemon.blocks.store import BlockStore
+from sparsekv.proto import MsgType
 
 
 def h(i: int) -> bytes:
@@ -29,12 +34,25 @@ def wire(keys) -> np.ndarray:
 
 class Real:
     """``BlockStore`` with the model's interface, and ``data`` and ``keys`` lists (a
-    block's rows and indexer keys) its zeroing writes."""
+    block's rows and indexer keys) its zeroing writes. With ``refs``, each session looks
+    chains up as a daemon's client does (``client.blocks.Blocks``: a chain it found before
+    named by the token the store gave, the reply as the daemon makes it), keeping its
+    tokens across a close of the session (a stale token must be refused, never answered)."""
 
-    def __init__(self, n_blocks: int, ledger: UidLedger):
+    def __init__(self, n_blocks: int, ledger: UidLedger, refs: bool = False):
         self.data = [ZERO] * n_blocks
         self.keys = [ZERO] * n_blocks
         self.s = BlockStore(n_blocks, self._zero, ledger)
+        self.clients: dict[int, Blocks] | None = {} if refs else None
+        self.tally = collections.Counter()  # lookup requests: by chain ("named"), answered "resend", "head"
+
+    def _lookup_call(self, session, kind, fields=None, arrays=None):
+        assert kind == MsgType.BLOCK_LOOKUP
+        chain = (fields or {}).get("chain")
+        found = self.s.find(session, arrays["hashes"], chain)
+        self.tally.update(["named"] * (chain is not None) + ["resend"] * (found is None)
+                          + ["head"] * bool(found is not None and found.head))
+        return lookup_reply(found, chain)
 
     def _zero(self, blocks):
         for b in blocks:
@@ -64,7 +82,11 @@ class Real:
         return self.s.commit(session, np.asarray(blocks, dtype=np.int64), wire(keys)).tolist()
 
     def lookup(self, session, keys):
-        return self.s.lookup(session, wire(keys)).tolist()
+        if self.clients is None:
+            return self.s.lookup(session, wire(keys)).tolist()
+        if session not in self.clients:
+            self.clients[session] = Blocks(functools.partial(self._lookup_call, session), "ns", 4, chain_refs=True)
+        return self.clients[session].lookup(wire(keys)).tolist()
 
     def release(self, session, blocks):
         self.s.release(session, np.asarray(blocks, dtype=np.int64))
@@ -426,26 +448,36 @@ def test_store_equals_model_and_keeps_the_invariants(n_blocks, quota, steps):
 MEMO_OPS = ("cache", "cache", "lookup", "lookup", "lookup", "release", "release", "alloc", "reserve", "close")
 
 
-@settings(max_examples=helpers.examples(50, 3000), deadline=None)
-@given(n_blocks=st.integers(2, 8), quota=st.sampled_from([0, 3, 6]),
-       steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(MEMO_OPS), st.integers(0, 9),
-                                st.integers(0, 9)), min_size=20, max_size=80))
-def test_chains_found_before_take_the_memo_and_answer_as_the_model(n_blocks, quota, steps):
+def test_chains_found_before_take_the_memo_and_answer_as_the_model():
     """The same with every chain remembered once found whole, and the part found of every
     chain found in part (CHAIN_MEMO_HEAD_MIN set to 1 here: a remembered chain is tried as
     the head of any longer one), so a lookup answers from the memo after checking it; the requests
     mostly commit and look chains up again (the same chain, or one ending in the same key
-    with keys swapped or repeated) between evictions, recommits and releases."""
-    old = store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN
+    with keys swapped or repeated) between evictions, recommits and releases. The sessions
+    look up as a daemon's clients do: a chain found before named by its token (two tokens
+    a session here, so that older ones are refused too); over the examples, chains are
+    named, answered with their blocks, and refused."""
+    tally = collections.Counter()
+
+    @settings(max_examples=helpers.examples(50, 3000), deadline=None)
+    @given(n_blocks=st.integers(2, 8), quota=st.sampled_from([0, 3, 6]),
+           steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(MEMO_OPS), st.integers(0, 9),
+                                    st.integers(0, 9)), min_size=20, max_size=80))
+    def runs(n_blocks, quota, steps):
+        tally.update(equal_runs(n_blocks, quota, steps, refs=True).tally)
+
+    old = store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN, store_module.CHAIN_GRANTS
     store_module.CHAIN_MEMO_MIN = store_module.CHAIN_MEMO_HEAD_MIN = 1  # heads of any length too
+    store_module.CHAIN_GRANTS = 2
     try:
-        equal_runs(n_blocks, quota, steps)
+        runs()
     finally:
-        store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN = old
+        store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN, store_module.CHAIN_GRANTS = old
+    assert tally["named"] and tally["head"] and tally["resend"], tally
 
 
-def equal_runs(n_blocks, quota, steps):
-    model, real = BlockStoreModel(n_blocks, UidLedger(quota)), Real(n_blocks, UidLedger(quota))
+def equal_runs(n_blocks, quota, steps, refs: bool = False) -> "Real":
+    model, real = BlockStoreModel(n_blocks, UidLedger(quota)), Real(n_blocks, UidLedger(quota), refs)
     uids = {1: 7, 2: 7, 3: 8}
     for m in (model, real):
         for s, uid in uids.items():
@@ -472,6 +504,7 @@ def equal_runs(n_blocks, quota, steps):
         if op == "lookup" and kind == "ok":
             for key, b in zip(args[0], answer):  # rows and keys never rewritten while cached
                 assert (model.data[b], model.keys[b]) == (real.data[b], real.keys[b]) == content[key]
+    return real
 
 
 def same(model, real, session: int, op: str, args: list) -> tuple:
@@ -535,3 +568,4 @@ def test_a_cached_prompt_found_in_part_heads_the_next_requests_and_only_their_ow
     got = s.lookup(1, wire(prompt + [h(2000)]))
     assert probed == [n + 1] and got.size < n  # the stale head dropped; the index answered
     s.release(1, got)
+

@@ -1,0 +1,101 @@
+"""Chains named by token (DESIGN §9): a lookup found whole gives the session a token for
+the chain, which its next lookups may send instead of the chain's hashes; the store answers
+a token only for the session it was given to, among its latest CHAIN_GRANTS, and exactly
+as the hashes would be answered. (The random sequences of test_block_contract.py run every
+lookup of the memo test this way too.)"""
+
+import numpy as np
+import pytest
+
+from sparsekv.daemon.blocks import store as store_module
+from sparsekv.daemon.blocks.contract import BlockError
+from sparsekv.daemon.blocks.store import BlockStore
+from test_block_contract import h, wire
+
+
+def test_a_chain_named_by_its_token_is_answered_as_its_hashes_and_only_what_follows_is_probed():
+    """A lookup found whole gives the session a token; naming it (no hashes, or the hashes
+    that follow it) pins what sending the whole chain would: the chain's blocks (``head``
+    counts them), then the rest found by the index, and the longer chain (found whole) gets
+    a token of its own."""
+    n = 6
+    s = BlockStore(4 * n, lambda blocks: None)
+    s.open(1, 7)
+    prompt = [h(i) for i in range(n)]
+    blocks = s.alloc(1, n)
+    s.commit(1, blocks, wire(prompt))
+    first = s.find(1, wire(prompt))
+    assert first.blocks.tolist() == blocks.tolist() and first.token is not None and first.head == 0
+    pins = s.pins.copy()
+    again = s.find(1, wire([]), first.token)
+    assert again.blocks.tolist() == blocks.tolist() and again.head == n and again.token == first.token
+    assert (s.pins - pins)[blocks].tolist() == [1] * n
+    own = s.alloc(1, 2)
+    s.commit(1, own, wire([h(100), h(101)]))
+    probed = []
+    find = s.index.find
+    s.index.find = lambda lo, hi: (probed.append(lo.size), find(lo, hi))[1]
+    longer = s.find(1, wire([h(100), h(101)]), first.token)
+    assert probed == [2] and longer.head == n
+    assert longer.blocks.tolist() == blocks.tolist() + own.tolist()
+    assert longer.token not in (None, first.token)
+
+
+def test_a_token_is_answered_only_for_the_session_it_was_given_to_while_its_chain_is_cached_whole():
+    """Another session naming the token, the session after it closed, or a token beyond the
+    session's CHAIN_GRANTS latest: None and nothing pinned. Once a block of the chain is
+    evicted, naming it answers what its hashes would (the index's longest prefix), head 0."""
+    n = 4
+    s = BlockStore(2 * n, lambda blocks: None)
+    s.open(1, 7)
+    s.open(2, 7)
+    prompt = [h(i) for i in range(n)]
+    blocks = s.alloc(1, n)
+    s.commit(1, blocks, wire(prompt))
+    token = s.find(1, wire(prompt)).token
+    pins = s.pins.copy()
+    assert s.find(2, wire([]), token) is None and s.find(2, wire([]), token + 1) is None
+    assert (s.pins == pins).all()
+    tokens = [token]
+    for k in range(store_module.CHAIN_GRANTS):  # as many newer tokens: the first falls out of the grants
+        tokens.append(s.find(1, wire(prompt[:k % n + 1] if k < n else prompt[1:k % n + 2])).token)
+    assert None not in tokens and s.find(1, wire([]), token) is None
+    token = s.find(1, wire(prompt)).token  # given again
+    assert s.find(1, wire([]), token).head == n
+    s.release(1, np.repeat(np.arange(s.n_blocks), s._pinned[1]))  # every pin: evictable, block 0 oldest
+    assert s.alloc(2, n + 1).size == n + 1  # the n free blocks, then the oldest evictable one
+    got = s.find(1, wire([]), token)
+    assert got.head == 0 and got.blocks.size == 0  # the chain's first block is gone: nothing cached of it
+    s.close(1)
+    s.open(1, 7)
+    assert s.find(1, wire([]), token) is None
+
+
+def test_a_named_chain_cut_short_by_the_reservations_is_answered_whole_with_head_zero():
+    """A chain named whose blocks are evictable, with others' reservations needing them:
+    the lookup stops early, as with its hashes, and the reply names no head (the blocks it
+    sends are all the session gets) nor a token."""
+    n = 4
+    s = BlockStore(n, lambda blocks: None)
+    s.open(1, 7)
+    s.open(2, 7)
+    prompt = [h(i) for i in range(n)]
+    blocks = s.alloc(1, n)
+    s.commit(1, blocks, wire(prompt))
+    token = s.find(1, wire(prompt)).token
+    s.release(1, np.concatenate([blocks, blocks]))
+    assert s.reserve(2, 3) == 3
+    got = s.find(1, wire([]), token)
+    assert got.blocks.tolist() == blocks[:1].tolist() and got.head == 0 and got.token is None
+
+
+def test_a_named_chain_and_the_hashes_after_it_are_held_to_max_blocks():
+    s = BlockStore(8, lambda blocks: None)
+    s.open(1, 7)
+    blocks = s.alloc(1, 2)
+    s.commit(1, blocks, wire([h(0), h(1)]))
+    token = s.find(1, wire([h(0), h(1)])).token
+    too_many = np.zeros((store_module.LIMITS.max_blocks - 1, 2), np.int64)
+    with pytest.raises(BlockError) as e:
+        s.find(1, too_many, token)
+    assert e.value.code == "TOO_LARGE"
