@@ -211,8 +211,9 @@ class ChainRefs:
         old = self._by_key.pop(key, None)
         if old is not None:
             self._ids -= old.blocks.size
-        blocks = np.array(blocks, dtype=np.int32)
-        blocks.flags.writeable = False
+        if blocks.flags.writeable:  # (a reply's own array is a read-only view of its frame: kept as it is)
+            blocks = blocks.copy()
+            blocks.flags.writeable = False
         self._by_key[key] = ChainRef(token, hashes.tobytes(), blocks, key)
         self._ids += blocks.size
         while len(self._by_key) > CHAIN_REFS or self._ids > CHAIN_REF_IDS:
