@@ -96,8 +96,9 @@ class Blocks:
         refs = self._refs
         ref = refs.match(hashes) if refs is not None else None
         if ref is not None:
+            rest = hashes[ref.blocks.size:]
             fields, arrays = self._call(MsgType.BLOCK_LOOKUP, {"chain": ref.token},
-                                        arrays={"hashes": hashes[ref.blocks.size:]})
+                                        arrays={"hashes": rest} if rest.size else None)
             if fields.get("resend"):  # the daemon has forgotten the chain: the hashes themselves
                 refs.drop(ref)
                 ref = None

@@ -74,7 +74,7 @@ class BlockRequests:
         if chain is not None and type(chain) is not int:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"chain must be a token a lookup's reply gave, got "
                                 f"{str(chain)[:40]}")
-        found = store.find(s.client_id, _array(a, "hashes"), chain)
+        found = store.find(s.client_id, lookup_hashes(chain, a), chain)
         if found is None:
             return lookup_reply(found, chain)
         space = self.engines.space(s.engine)
@@ -147,6 +147,15 @@ class BlockRequests:
         nbytes = ids.size * space.keys_plane.block_bytes
         self.stats.add(block_keys_bytes_loaded=nbytes)
         return {"bytes": nbytes, "copies": runs, **fields}, None
+
+
+_NO_HASHES = np.zeros((0, 2), np.int64)
+
+
+def lookup_hashes(chain: int | None, a: dict) -> np.ndarray:
+    """A BLOCK_LOOKUP's hashes: its ``hashes`` array; with a chain named it may send none
+    (no hash follows the chain)."""
+    return _NO_HASHES if chain is not None and "hashes" not in a else _array(a, "hashes")
 
 
 def lookup_reply(found: Found | None, chain: int | None) -> tuple[dict, dict | None]:

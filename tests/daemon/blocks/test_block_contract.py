@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 import helpers
 
 from sparsekv.client.blocks import Blocks
-from sparsekv.daemon.block_requests import lookup_reply
+from sparsekv.daemon.block_requests import lookup_hashes, lookup_reply
 from sparsekv.daemon.blocks.contract import ZERO, BlockError, BlockStoreModel, PoolExhausted, UidLedger
 from sparsekv.daemon.blocks import store as store_module
 from sparsekv.daemon.blocks.store import BlockStore
@@ -49,7 +49,7 @@ class Real:
     def _lookup_call(self, session, kind, fields=None, arrays=None):
         assert kind == MsgType.BLOCK_LOOKUP
         chain = (fields or {}).get("chain")
-        found = self.s.find(session, arrays["hashes"], chain)
+        found = self.s.find(session, lookup_hashes(chain, arrays or {}), chain)
         self.tally.update(["named"] * (chain is not None) + ["resend"] * (found is None)
                           + ["head"] * bool(found is not None and found.head))
         return lookup_reply(found, chain)
