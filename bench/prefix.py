@@ -91,6 +91,8 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
     """The cpu figures (module docstring): an engine of DeepSeek-V3.2's rows (61 layers of
     656 bytes) whose pool range is ``pool_gib`` (the restart goal's 8 GiB by default); on a
     GPU also the indexer keys' load, and serving the first ``serve_tokens`` positions."""
+    if not 0 < reps < blocks:
+        raise ValueError(f"reps must be in [1, blocks): each looks up a chain one block shorter, got {reps} of {blocks}")
     if serve_tokens <= 0 or serve_tokens % block_size:
         raise ValueError(f"serve_tokens must be a positive multiple of block_size {block_size}, got {serve_tokens}")
     serve_blocks = min(blocks, serve_tokens // block_size)

@@ -17,6 +17,7 @@ def test_bench_prefix_reports_lookup_and_restart():
     r = bench_prefix(blocks=32, block_size=4, reps=5, restarts=1, pool_gib=0.05)
     assert r["bench"] == "prefix" and r["blocks"] == 32 and 0.04 < r["pool_gib"] <= 0.05
     assert 0 < r["prefix_lookup_us_p50"] <= r["prefix_lookup_us_p99"]
+    assert r["prefix_lookup_sent_us_p50"] > 0 and r["prefix_lookup_cold_us_p50"] > 0
     legs = r["lookup_send_us"], r["lookup_daemon_us"], r["lookup_reply_us"]
     assert all(x > 0 for x in legs) and sum(legs) <= 1.5 * r["prefix_lookup_us_p99"], r
     assert 0 < r["restart_s_median"] < 30
@@ -33,7 +34,9 @@ def test_the_served_prefix_is_the_chains_first_blocks_looked_up_with_its_recompu
 
 def test_a_served_prefix_that_is_not_whole_blocks_is_refused():
     with pytest.raises(ValueError, match="multiple of block_size 4"):
-        bench_prefix(blocks=8, block_size=4, serve_tokens=6)
+        bench_prefix(blocks=8, block_size=4, reps=2, serve_tokens=6)
+    with pytest.raises(ValueError, match="reps must be in"):
+        bench_prefix(blocks=8, block_size=4, reps=8)
 
 
 def test_serving_is_the_lookup_plus_the_keys_load_over_the_recompute_bound():
