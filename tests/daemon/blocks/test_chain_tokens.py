@@ -13,32 +13,41 @@ from sparsekv.daemon.blocks.store import BlockStore
 from test_block_contract import h, wire
 
 
+def cached_prompt(n: int, n_blocks: int) -> tuple[BlockStore, np.ndarray, list, int]:
+    """A store of ``n_blocks`` with sessions 1 and 2 (uid 7) open, whose session 1 committed
+    an ``n``-block prompt and looked it up once: (store, the prompt's blocks, its keys,
+    the token that lookup gave session 1)."""
+    s = BlockStore(n_blocks, lambda blocks: None)
+    s.open(1, 7)
+    s.open(2, 7)
+    prompt = [h(i) for i in range(n)]
+    blocks = s.alloc(1, n)
+    s.commit(1, blocks, wire(prompt))
+    first = s.find(1, wire(prompt))
+    assert first.blocks.tolist() == blocks.tolist() and first.token is not None and first.head == 0
+    return s, blocks, prompt, first.token
+
+
 def test_a_chain_named_by_its_token_is_answered_as_its_hashes_and_only_what_follows_is_probed():
     """A lookup found whole gives the session a token; naming it (no hashes, or the hashes
     that follow it) pins what sending the whole chain would: the chain's blocks (``head``
     counts them), then the rest found by the index, and the longer chain (found whole) gets
     a token of its own."""
     n = 6
-    s = BlockStore(4 * n, lambda blocks: None)
-    s.open(1, 7)
-    prompt = [h(i) for i in range(n)]
-    blocks = s.alloc(1, n)
-    s.commit(1, blocks, wire(prompt))
-    first = s.find(1, wire(prompt))
-    assert first.blocks.tolist() == blocks.tolist() and first.token is not None and first.head == 0
+    s, blocks, _, token = cached_prompt(n, 4 * n)
     pins = s.pins.copy()
-    again = s.find(1, wire([]), first.token)
-    assert again.blocks.tolist() == blocks.tolist() and again.head == n and again.token == first.token
+    again = s.find(1, wire([]), token)
+    assert again.blocks.tolist() == blocks.tolist() and again.head == n and again.token == token
     assert (s.pins - pins)[blocks].tolist() == [1] * n
     own = s.alloc(1, 2)
     s.commit(1, own, wire([h(100), h(101)]))
     probed = []
     find = s.index.find
     s.index.find = lambda lo, hi: (probed.append(lo.size), find(lo, hi))[1]
-    longer = s.find(1, wire([h(100), h(101)]), first.token)
+    longer = s.find(1, wire([h(100), h(101)]), token)
     assert probed == [2] and longer.head == n
     assert longer.blocks.tolist() == blocks.tolist() + own.tolist()
-    assert longer.token not in (None, first.token)
+    assert longer.token not in (None, token)
 
 
 def test_a_token_is_answered_only_for_the_session_it_was_given_to_while_its_chain_is_cached_whole():
@@ -46,13 +55,7 @@ def test_a_token_is_answered_only_for_the_session_it_was_given_to_while_its_chai
     session's CHAIN_GRANTS latest: None and nothing pinned. Once a block of the chain is
     evicted, naming it answers what its hashes would (the index's longest prefix), head 0."""
     n = 4
-    s = BlockStore(2 * n, lambda blocks: None)
-    s.open(1, 7)
-    s.open(2, 7)
-    prompt = [h(i) for i in range(n)]
-    blocks = s.alloc(1, n)
-    s.commit(1, blocks, wire(prompt))
-    token = s.find(1, wire(prompt)).token
+    s, blocks, prompt, token = cached_prompt(n, 2 * n)
     pins = s.pins.copy()
     assert s.find(2, wire([]), token) is None and s.find(2, wire([]), token + 1) is None
     assert (s.pins == pins).all()
@@ -76,13 +79,7 @@ def test_a_named_chain_cut_short_by_the_reservations_is_answered_whole_with_head
     the lookup stops early, as with its hashes, and the reply names no head (the blocks it
     sends are all the session gets) nor a token."""
     n = 4
-    s = BlockStore(n, lambda blocks: None)
-    s.open(1, 7)
-    s.open(2, 7)
-    prompt = [h(i) for i in range(n)]
-    blocks = s.alloc(1, n)
-    s.commit(1, blocks, wire(prompt))
-    token = s.find(1, wire(prompt)).token
+    s, blocks, _, token = cached_prompt(n, n)
     s.release(1, np.concatenate([blocks, blocks]))
     assert s.reserve(2, 3) == 3
     got = s.find(1, wire([]), token)
