@@ -212,9 +212,8 @@ class ChainRefs:
         old = self._by_key.pop(key, None)
         if old is not None:
             self._ids -= old.blocks.size
-        if blocks.flags.writeable:  # (a reply's own array is a read-only view of its frame: kept as it is)
-            blocks = blocks.copy()
-            blocks.flags.writeable = False
+        blocks = np.array(blocks, dtype=np.int32)  # its own copy: the caller's array may be written (torch views)
+        blocks.flags.writeable = False
         self._by_key[key] = ChainRef(token, hashes.tobytes(), blocks, key)
         self._ids += blocks.size
         while len(self._by_key) > CHAIN_REFS or self._ids > CHAIN_REF_IDS:

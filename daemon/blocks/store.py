@@ -13,6 +13,7 @@ zeros. Who may write or read a block's bytes it answers (``writable``, ``keys_wr
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,10 +38,13 @@ CHAIN_MEMO_ENTRY_IDS = 16  # what a chain counts against CHAIN_MEMO_IDS at least
 # than it are tried as its head, at most this many (a try is one dict look-up).
 CHAIN_MEMO_HEAD_TRIES = 4
 CHAIN_MEMO_HEAD_MIN = 64  # chains shorter than this are probed whole
-# A remembered chain has a token (a number never reused in the store) that the lookup's reply
+# A remembered chain has a token (a number never reused in the process) that the lookup's reply
 # gives the session; the session's next lookup may name the chain by it instead of sending its
 # hashes (``BlockStore.find``). The tokens each session was given last, at most:
 CHAIN_GRANTS = 16
+# Tokens, one sequence for every store of the process: a token names one chain of one store,
+# never another (a client's token from another engine's store is not answered).
+_TOKENS = itertools.count(1)
 
 
 def _memo_cost(n: int) -> int:
@@ -148,7 +152,6 @@ class BlockStore:
         self._chain_ids_max = min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
         self._heads: collections.OrderedDict[int, None] = collections.OrderedDict()  # lengths found, latest last
         self._by_token: dict[int, _Memo] = {}  # the remembered chains by token
-        self._tokens = 1  # the next token (never reused, so a token names one chain and its blocks)
         self._grants: dict[int, collections.OrderedDict[int, None]] = {}  # session -> its tokens, latest last
 
     # -- what the store has ------------------------------------------------------------
@@ -274,7 +277,8 @@ class BlockStore:
         ``hashes`` (int64 [n, 2]). An evictable block it pins takes one block of
         ``session``'s reservation while it has one; past that, it stops before an evictable
         block that the reservations need."""
-        return self.find(session, hashes).blocks
+        blocks = self.find(session, hashes).blocks
+        return blocks.copy() if not blocks.flags.writeable else blocks  # (never a memo's own array)
 
     def find(self, session: int, hashes, chain: int | None = None) -> Found | None:
         """:meth:`lookup` of the chain whose keys are those of remembered chain ``chain`` (a
@@ -363,9 +367,11 @@ class BlockStore:
         self.counts["lookups"] += 1
         self.counts["hit_blocks"] += arr.size
         token = None
+        grants = self._grants[session]
+        if ref is not None:  # the chain named stays answered while the session names it
+            grants.move_to_end(ref.token)
         if memo is not None:
             token = memo.token
-            grants = self._grants[session]
             grants[token] = None
             grants.move_to_end(token)
             if len(grants) > CHAIN_GRANTS:
@@ -442,8 +448,7 @@ class BlockStore:
             self._forget(key)
         ids = arr.astype(np.int32)
         ids.flags.writeable = False
-        memo = _Memo(arr, run, hashes.tobytes(), self._epoch, self._tokens, key, ids)
-        self._tokens += 1
+        memo = _Memo(arr, run, hashes.tobytes(), self._epoch, next(_TOKENS), key, ids)
         self._chains[key] = memo
         self._by_token[memo.token] = memo
         self._chain_ids += _memo_cost(arr.size)

@@ -6,6 +6,7 @@ started again finds its blocks; another uid cannot attach the namespace. Then ev
 order, zeroing, read-only cached blocks and admission (reserve, POOL_EXHAUSTED, the
 per-uid quota) from a client in the test's process."""
 
+import ctypes
 import json
 import os
 import subprocess
@@ -287,3 +288,15 @@ def test_the_blocks_listing_shows_another_uids_stores_to_root_only(daemon):
 
         assert seen() == ["m"]  # root
         assert seen(4321) == []  # not its own
+
+
+def test_what_the_caller_writes_into_a_lookups_array_never_changes_a_later_answer(daemon):
+    """The client keeps the blocks of a chain a reply named for its next lookups: its own
+    copy, so that a caller writing the array it got (a torch tensor over it, here ctypes)
+    changes nothing the client answers later."""
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        keys, blocks = commit(c, 50, 4)
+        first = c.blocks.lookup(keys)
+        ctypes.memset(first.ctypes.data, 0x7F, first.nbytes)
+        assert c.blocks.lookup(keys).tolist() == blocks.tolist()

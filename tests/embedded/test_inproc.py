@@ -99,3 +99,17 @@ def test_inproc_refuses_a_tp_group():
     with InprocClient() as c:
         with pytest.raises(BadRequest, match="the in-process engine is one rank of its own"):
             c.attach(Layout(num_layers=1, row_bytes=16, top_k=2, region_stride=2, max_reqs=1, host_rows=8), tp_size=2)
+
+
+def test_a_lookup_answers_an_array_of_the_callers_own():
+    """In process the store answers a chain looked up again from its memo: the caller still
+    gets an array of its own, which it may write without changing later answers."""
+    with InprocClient() as c:
+        c.attach(helpers.layout(host_rows=64), engine="m", block_size=4)
+        keys = c.blocks.hashes(np.arange(16))
+        blocks = c.blocks.alloc(4)
+        c.blocks.commit(blocks, keys)
+        first = c.blocks.lookup(keys)
+        first[:] = 99
+        again = c.blocks.lookup(keys)
+        assert again.tolist() == blocks.tolist() and again is not first

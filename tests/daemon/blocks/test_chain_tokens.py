@@ -96,3 +96,27 @@ def test_a_named_chain_and_the_hashes_after_it_are_held_to_max_blocks():
     with pytest.raises(BlockError) as e:
         s.find(1, too_many, token)
     assert e.value.code == "TOO_LARGE"
+
+
+def test_tokens_are_never_the_same_in_two_stores_and_one_store_does_not_answer_anothers():
+    """One sequence for every store of the daemon: a client holding a token of engine m's
+    store that names it to engine n's store (a Blocks object kept over a re-attach) is
+    answered ``None`` there, even when it holds tokens of n too."""
+    m, _, _, token_m = cached_prompt(3, 8)
+    n, _, _, token_n = cached_prompt(3, 8)
+    assert token_m != token_n
+    assert n.find(1, wire([]), token_m) is None and m.find(1, wire([]), token_n) is None
+
+
+def test_naming_a_chain_keeps_its_token_answered_while_longer_chains_get_theirs():
+    """Requests behind one cached prompt each name the prompt's token with their own blocks
+    after it; each gets the token of its whole chain too, more than CHAIN_GRANTS of them: the
+    prompt's token, named every time, stays answered."""
+    n = 3
+    s, blocks, _, token = cached_prompt(n, 4 * n + 2 * store_module.CHAIN_GRANTS + 2)
+    for r in range(store_module.CHAIN_GRANTS + 2):
+        own = s.alloc(1, 1)
+        s.commit(1, own, wire([h(1000 + r)]))
+        got = s.find(1, wire([h(1000 + r)]), token)
+        assert got is not None and got.head == n and got.blocks.tolist() == blocks.tolist() + own.tolist()
+        assert got.token not in (None, token)
