@@ -14,9 +14,9 @@ from test_block_contract import h, wire
 
 
 def cached_prompt(n: int, n_blocks: int) -> tuple[BlockStore, np.ndarray, list, int]:
-    """A store of ``n_blocks`` with sessions 1 and 2 (uid 7) open, whose session 1 committed
-    an ``n``-block prompt and looked it up once: (store, the prompt's blocks, its keys,
-    the token that lookup gave session 1)."""
+    """A store of ``n_blocks`` with two sessions of uid 7 open (ids 1 and 2), of which the
+    first committed an ``n``-block prompt and looked it up once: (store, the prompt's blocks,
+    its keys, the token that lookup gave it)."""
     s = BlockStore(n_blocks, lambda blocks: None)
     s.open(1, 7)
     s.open(2, 7)
