@@ -52,15 +52,6 @@ def _memo_cost(n: int) -> int:
     return max(n, CHAIN_MEMO_ENTRY_IDS)
 
 
-def _run(ids: np.ndarray) -> slice | None:
-    """``ids`` as a slice when they are consecutive and ascending (blocks allocated
-    together), else None."""
-    n = ids.size
-    if n < 2 or int(ids[-1]) - int(ids[0]) != n - 1 or not (np.diff(ids) == 1).all():
-        return None
-    return slice(int(ids[0]), int(ids[0]) + n)
-
-
 @dataclass(slots=True)
 class _Memo:
     """A chain found whole (``BlockStore._chain``)."""
@@ -288,7 +279,7 @@ class BlockStore:
         never given to this session): the caller sends the keys instead."""
         uid = self._uid_of(session)
         hashes = _hash_array(hashes)
-        ref = None  # the chain named, while every block of it is cached under its key
+        ref = named = None  # the chain named; ref: while every block of it is cached under its key
         if chain is not None:
             ref = self._by_token.get(chain) if chain in self._grants[session] else None
             if ref is None:
@@ -296,35 +287,41 @@ class BlockStore:
             if ref.blocks.size + hashes.shape[0] > LIMITS.max_blocks:
                 raise BlockError("TOO_LARGE", f"a chain of {ref.blocks.size} blocks and {hashes.shape[0]} more "
                                  f"exceeds {LIMITS.max_blocks} blocks a request")
-            rest = hashes.shape[0]
-            named = ref
+            named, rest = ref, hashes
             if not self._valid(ref):
                 ref = None  # not cached whole now: its keys are probed
-            if ref is not None and not rest:
-                memo = ref  # (its keys are not needed)
+            hashes = None  # the whole chain's keys, made when needed
+            if ref is not None and not rest.shape[0]:
+                memo = ref
+            elif ref is not None and (int(rest[-1, 0]), int(rest[-1, 1])) not in self._chains:
+                memo = None  # not remembered whole: only the rest is probed
             else:
-                hashes = np.concatenate([named.hashes(), hashes]) if rest else named.hashes()
+                hashes = np.concatenate([named.hashes(), rest])
                 memo = self._chain(hashes)
         else:
             memo = self._chain(hashes)
         if memo is not None:
             arr, run = memo.blocks, memo.run
         else:
-            # A remembered chain it begins with: only the rest is probed (from 64 blocks: below,
-            # the probes cost about what the tries do).
-            n = hashes.shape[0]
+            # A remembered chain it begins with (the one named, or one of the heads tried from
+            # 64 blocks: below, the probes cost about what the tries do): only the rest is probed.
+            n = hashes.shape[0] if hashes is not None else ref.blocks.size + rest.shape[0]
             head = ref if ref is not None else self._head(hashes) if n >= CHAIN_MEMO_HEAD_MIN else None
             start = 0 if head is None else head.blocks.size
-            arr = self.index.find(*key_words(hashes[start:]))
-            if head is not None:
-                arr = np.concatenate([head.blocks, arr])
-            missing = np.flatnonzero(arr < 0)
+            part = self.index.find(*key_words(rest if hashes is None else hashes[start:]))
+            missing = np.flatnonzero(part < 0)
             if missing.size:
-                arr = arr[: missing[0]]
-            run = _run(arr)  # blocks allocated together: slices instead of gathers and scatters
+                part = part[: missing[0]]
+            if head is not None and not part.size:
+                arr, run = head.blocks, head.run
+            else:
+                arr = np.concatenate([head.blocks, part]) if head is not None else part
+                run = self._run(arr)  # blocks allocated together: slices instead of gathers and scatters
             # Found whole: remembered. Found in part (a long chain): that part, the head of the
             # next such request, unless it is no more than the head it began with.
             if arr.size >= CHAIN_MEMO_MIN and (not missing.size or (n >= CHAIN_MEMO_HEAD_MIN and arr.size > start)):
+                if hashes is None:
+                    hashes = np.concatenate([named.hashes(), rest])
                 memo = self._remember(hashes[:arr.size], arr, run)
             elif head is not None and arr.size == start:
                 memo = head
@@ -495,6 +492,17 @@ class BlockStore:
         self._clock += gone
         self.evictable_blocks += gone
         return True
+
+    def _run(self, ids: np.ndarray) -> slice | None:
+        """Block ids of the store (int64 [n]) as a slice when they are consecutive and
+        ascending (blocks allocated together), else None."""
+        n = ids.size
+        if n < 2:
+            return None
+        first = int(ids[0])
+        if int(ids[-1]) - first != n - 1 or not (ids == self._arange[first:first + n]).all():
+            return None
+        return slice(first, first + n)
 
     def _run_of(self, blocks) -> slice | None:
         """``blocks`` as a slice when they are a NumPy integer array of consecutive ascending

@@ -5,6 +5,7 @@ model's invariants (zeroed free blocks, pinned blocks never evicted nor rewritte
 reservations always covered) checked after every step."""
 
 import collections
+import contextlib
 import functools
 import tracemalloc
 
@@ -448,32 +449,46 @@ def test_store_equals_model_and_keeps_the_invariants(n_blocks, quota, steps):
 MEMO_OPS = ("cache", "cache", "lookup", "lookup", "lookup", "release", "release", "alloc", "reserve", "close")
 
 
-def test_chains_found_before_take_the_memo_and_answer_as_the_model():
+@settings(max_examples=helpers.examples(50, 3000), deadline=None)
+@given(n_blocks=st.integers(2, 8), quota=st.sampled_from([0, 3, 6]),
+       steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(MEMO_OPS), st.integers(0, 9),
+                                st.integers(0, 9)), min_size=20, max_size=80))
+def test_chains_found_before_take_the_memo_and_answer_as_the_model(n_blocks, quota, steps):
     """The same with every chain remembered once found whole, and the part found of every
     chain found in part (CHAIN_MEMO_HEAD_MIN set to 1 here: a remembered chain is tried as
     the head of any longer one), so a lookup answers from the memo after checking it; the requests
     mostly commit and look chains up again (the same chain, or one ending in the same key
     with keys swapped or repeated) between evictions, recommits and releases. The sessions
     look up as a daemon's clients do: a chain found before named by its token (two tokens
-    a session here, so that older ones are refused too); over the examples, chains are
-    named, answered with their blocks, and refused."""
+    a session here, so that older ones are refused too)."""
+    with memo_everywhere():
+        equal_runs(n_blocks, quota, steps, refs=True)
+
+
+def test_long_runs_of_memo_requests_name_chains_and_are_answered_and_refused_as_the_model():
+    """Fixed long sequences of the memo test's requests (random, seeded), each step equal to
+    the model, in which chains are named by token, answered with their blocks, and refused."""
     tally = collections.Counter()
+    rng = np.random.default_rng(7)
+    with memo_everywhere():
+        for n_blocks in (3, 5, 8):
+            steps = [(int(rng.choice([1, 2, 1, 2, 3])), str(rng.choice(MEMO_OPS)), int(rng.integers(10)),
+                      int(rng.integers(10))) for _ in range(400)]
+            tally.update(equal_runs(n_blocks, 3, steps, refs=True).tally)
+    assert tally["named"] > 20 and tally["head"] > 10 and tally["resend"] > 5, tally  # (88, 19, 68 here)
 
-    @settings(max_examples=helpers.examples(50, 3000), deadline=None)
-    @given(n_blocks=st.integers(2, 8), quota=st.sampled_from([0, 3, 6]),
-           steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(MEMO_OPS), st.integers(0, 9),
-                                    st.integers(0, 9)), min_size=20, max_size=80))
-    def runs(n_blocks, quota, steps):
-        tally.update(equal_runs(n_blocks, quota, steps, refs=True).tally)
 
+@contextlib.contextmanager
+def memo_everywhere():
+    """Every chain remembered and tried as a head (CHAIN_MEMO_MIN, CHAIN_MEMO_HEAD_MIN 1),
+    two tokens a session (CHAIN_GRANTS 2)."""
     old = store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN, store_module.CHAIN_GRANTS
-    store_module.CHAIN_MEMO_MIN = store_module.CHAIN_MEMO_HEAD_MIN = 1  # heads of any length too
+    store_module.CHAIN_MEMO_MIN = store_module.CHAIN_MEMO_HEAD_MIN = 1
     store_module.CHAIN_GRANTS = 2
     try:
-        runs()
+        yield
     finally:
         store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN, store_module.CHAIN_GRANTS = old
-    assert tally["named"] and tally["head"] and tally["resend"], tally
 
 
 def equal_runs(n_blocks, quota, steps, refs: bool = False) -> "Real":

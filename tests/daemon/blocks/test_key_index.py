@@ -32,5 +32,17 @@ def test_key_index_equals_a_dict(max_keys, seed, ops):
                 del ref[k]
         lo = np.array([k[0] for k in keys], np.int64)
         hi = np.array([k[1] for k in keys], np.int64)
-        assert index.find(lo, hi).tolist() == [ref.get(k, -1) for k in keys]
+        want = [ref.get(k, -1) for k in keys]
+        # key by key (few keys) and in vectorised passes (many), the same answers
+        assert index.find(lo, hi).tolist() == index._find_few(lo, hi).tolist() == want
+        assert index._probe(lo, hi)[1].tolist() == want
         assert index.tombs <= index.size // 4
+
+
+@settings(max_examples=helpers.examples(50, 500), deadline=None)
+@given(seed=st.integers(0, 2**32), words=st.lists(st.tuples(st.integers(-2**63, 2**63 - 1),
+                                                             st.integers(-2**63, 2**63 - 1)), min_size=1, max_size=40))
+def test_a_keys_slot_is_the_same_in_python_integers_and_in_numpy(seed, words):
+    index = KeyIndex(64, seed=seed)
+    lo, hi = np.array([w[0] for w in words], np.int64), np.array([w[1] for w in words], np.int64)
+    assert [index._start_one(a, b) for a, b in words] == index._start(lo, hi).tolist()
