@@ -48,19 +48,8 @@ class KeyIndex:
 
     def _find_few(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """``find`` key by key (few keys)."""
-        block, klo, khi, mask, out = self.block, self.lo, self.hi, self.size - 1, []
-        for a, b in zip(lo.tolist(), hi.tolist()):
-            pos = self._start_one(a, b)
-            while True:
-                x = int(block[pos])
-                if x == EMPTY:
-                    out.append(-1)
-                    break
-                if x >= 0 and int(klo[pos]) == a and int(khi[pos]) == b:
-                    out.append(x)
-                    break
-                pos = (pos + 1) & mask
-        return np.array(out, dtype=np.int64)
+        return np.array([self._probe_one(a, b, self._start_one(a, b))[1] for a, b in zip(lo.tolist(), hi.tolist())],
+                        dtype=np.int64)
 
     def _probe(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The slot holding each key and its block (int64 [n] each), -1 where it is absent.
@@ -72,13 +61,27 @@ class KeyIndex:
         slots, blocks = np.where(hit, pos, -1), np.where(hit, b, -1)
         todo = np.flatnonzero(~hit & (b != EMPTY))  # another key or a tombstone: the run goes on
         pos = (pos[todo] + 1) & (self.size - 1)
-        while todo.size:
+        while todo.size > FEW:
             b = self.block[pos]
             hit = (b >= 0) & (self.lo[pos] == lo[todo]) & (self.hi[pos] == hi[todo])
             slots[todo[hit]], blocks[todo[hit]] = pos[hit], b[hit]
             go_on = ~hit & (b != EMPTY)
             todo, pos = todo[go_on], (pos[go_on] + 1) & (self.size - 1)
+        for i, p in zip(todo.tolist(), pos.tolist()):  # the last few, key by key
+            slots[i], blocks[i] = self._probe_one(int(lo[i]), int(hi[i]), p)
         return slots, blocks
+
+    def _probe_one(self, lo: int, hi: int, pos: int) -> tuple[int, int]:
+        """The slot holding key (lo, hi) and its block, probing from slot ``pos`` on; (-1, -1)
+        where it is absent."""
+        block, klo, khi, mask = self.block, self.lo, self.hi, self.size - 1
+        while True:
+            x = int(block[pos])
+            if x == EMPTY:
+                return -1, -1
+            if x >= 0 and int(klo[pos]) == lo and int(khi[pos]) == hi:
+                return pos, x
+            pos = (pos + 1) & mask
 
     def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """The block of each key (int64 [n]), -1 where none."""
