@@ -104,12 +104,14 @@ class Blocks:
                 ref = None
         if ref is None:
             fields, arrays = self._call(MsgType.BLOCK_LOOKUP, arrays={"hashes": hashes})
-        blocks = arrays["blocks"]
         if ref is not None:
+            blocks = arrays["blocks"] if arrays else _NO_BLOCKS  # (none after the chain named: no array)
             if fields.get("head"):
                 blocks = np.concatenate([ref.blocks, blocks])
             else:  # found shorter than the chain named: it is not cached whole any more
                 refs.drop(ref)
+        else:
+            blocks = arrays["blocks"]
         token = fields.get("chain")
         if refs is not None and token is not None and (ref is None or token != ref.token):
             refs.add(token, hashes[:blocks.size], blocks)
@@ -225,6 +227,7 @@ class ChainRefs:
             self._ids -= ref.blocks.size
 
 
+_NO_BLOCKS = np.zeros(0, np.int32)
 CHAIN_REFS = 16  # the daemon answers the tokens of a client's 16 latest chains (CHAIN_GRANTS)
 CHAIN_REF_IDS = 1 << 18  # 5 MiB of hashes and block ids at most
 CHAIN_REF_TRIES = 4

@@ -164,14 +164,15 @@ def lookup_reply(found: Found | None, chain: int | None) -> tuple[dict, dict | N
     is not one the client may name now; it sends the hashes instead), else ``blocks``
     and, when the prefix found is a remembered chain, its token as ``chain``; with a chain
     named, ``head`` counts the first blocks that are the named chain's, which ``blocks``
-    leaves out."""
+    leaves out (no ``blocks`` when none follow them)."""
     if found is None:
         return {"resend": True}, None
     fields = {} if found.token is None else {"chain": found.token}
     if chain is None:
         return fields, {"blocks": found.blocks}
     fields["head"] = found.head
-    return fields, {"blocks": found.blocks[found.head:]}
+    rest = found.blocks[found.head:]
+    return fields, ({"blocks": rest} if rest.size else None)  # (none after the chain named: one frame)
 
 
 def _dst(h: dict) -> dict:

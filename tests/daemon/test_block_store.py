@@ -180,11 +180,14 @@ def test_a_chain_looked_up_again_is_sent_as_its_token_and_another_clients_token_
         assert first.tolist() == again.tolist() == blocks.tolist()
         store = daemon.engines.space("m").blocks
         assert store.pins[blocks].tolist() == [3] * 6  # the commit's pin and two lookups
+        fields, arrays = c._call(MsgType.BLOCK_LOOKUP, {"chain": token})  # the token alone: one frame each way
+        assert fields == {"chain": token, "head": 6} and not arrays
+        c.blocks.release(blocks)
         more, more_blocks = commit(c, 31, 2)
         both = c.blocks.lookup(np.concatenate([keys, more]))
         assert sent[2] == (token, 2) and both.tolist() == blocks.tolist() + more_blocks.tolist()
         stats = helpers.stats_json(daemon.run_dir)
-        assert stats["block_lookups"] == 3 and stats["block_hits"] == 6 + 6 + 8
+        assert stats["block_lookups"] == 4 and stats["block_hits"] == 6 + 6 + 6 + 8
         fields, arrays = other._call(MsgType.BLOCK_LOOKUP, {"chain": token}, {"hashes": np.zeros((0, 2), np.int64)})
         assert fields == {"resend": True} and not arrays
         assert store.pins[blocks].tolist() == [4] * 6
