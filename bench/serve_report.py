@@ -185,7 +185,7 @@ def _prefetch_figures(results: list[Result], penalty_context: int, overlap: floa
         d = _find(results, "daemon", r.context, r.batch, r.overlap)
         if d:
             out[f"serve_prefetch_vs_daemon_{tag}"] = round(r.p50_us / d.p50_us, 4)
-        g = _find(results, "gpu", r.context, r.batch, r.overlap) or _find(results, "gpu", r.context, r.batch, overlap)
+        g = _find(results, "gpu", r.context, r.batch, overlap)  # (bench serve runs all on the GPU at that one)
         if g and r.overlap != overlap:
             out[f"serve_offload_vs_gpu_tpot_{tag}"] = round(r.p50_us / g.p50_us, 4)
     if pk == "32k":
