@@ -75,12 +75,14 @@ class BlockRequests:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"chain must be a token a lookup's reply gave, got "
                                 f"{str(chain)[:40]}")
         found = store.find(s.client_id, lookup_hashes(chain, a), chain)
+        c = self.stats.c  # (Stats.add, without its keyword arguments: every lookup passes here)
+        if chain is not None:
+            c["block_chain_lookups" if found is not None else "block_chain_resends"] += 1
         if found is None:
             return lookup_reply(found, chain)
         space = self.engines.space(s.engine)
         hits = found.blocks.size
         tokens = hits * space.block_size
-        c = self.stats.c  # (Stats.add, without its keyword arguments: every lookup passes here)
         c["block_lookups"] += 1
         c["block_hits"] += hits
         c["block_hit_tokens"] += tokens

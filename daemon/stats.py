@@ -41,6 +41,8 @@ COUNTERS = (
     ("block_hits", "blocks found and pinned by lookups"),
     ("block_hit_tokens", "positions of the blocks found by lookups (not prefilled again)"),
     ("block_hit_bytes", "pool bytes of the blocks found by lookups (every layer's rows)"),
+    ("block_chain_lookups", "lookups that named a chain found before by its token instead of sending its hashes"),
+    ("block_chain_resends", "lookups naming a token no longer answered (the client sent the hashes instead)"),
     ("block_commits", "blocks cached under a hash (BLOCK_COMMIT)"),
     ("block_evictions", "cached blocks evicted (least recently unpinned first) to allocate"),
     ("block_keys_bytes_written", "indexer key bytes written into blocks' keys plane (BLOCK_WRITE_KEYS)"),

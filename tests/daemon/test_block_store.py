@@ -188,8 +188,10 @@ def test_a_chain_looked_up_again_is_sent_as_its_token_and_another_clients_token_
         assert sent[2] == (token, 2) and both.tolist() == blocks.tolist() + more_blocks.tolist()
         stats = helpers.stats_json(daemon.run_dir)
         assert stats["block_lookups"] == 4 and stats["block_hits"] == 6 + 6 + 6 + 8
+        assert stats["block_chain_lookups"] == 3 and stats["block_chain_resends"] == 0
         fields, arrays = other._call(MsgType.BLOCK_LOOKUP, {"chain": token}, {"hashes": np.zeros((0, 2), np.int64)})
         assert fields == {"resend": True} and not arrays
+        assert helpers.stats_json(daemon.run_dir)["block_chain_resends"] == 1
         assert store.pins[blocks].tolist() == [4] * 6
         with pytest.raises(BadRequest, match="chain must be a token"):
             c._call(MsgType.BLOCK_LOOKUP, {"chain": "1"}, {"hashes": np.zeros((0, 2), np.int64)})
