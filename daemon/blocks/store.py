@@ -13,7 +13,6 @@ zeros. Who may write or read a block's bytes it answers (``writable``, ``keys_wr
 from __future__ import annotations
 
 import collections
-import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,52 +20,11 @@ import numpy as np
 
 from sparsekv.proto import LIMITS
 
+from .chains import ChainMemo
 from .contract import BlockError, PoolExhausted, UidLedger
 from .index import KeyIndex
 
 FREE, CACHED = -1, -2  # ``state`` of a block that is not private (else: the owning session)
-# The chains looked up in full lately, by their last key (see BlockStore._chain): at most
-# this many block ids together, and this many a block of the store (a chain may name one
-# block many times: a small store's memo stays small); the least recently used goes first.
-# Each id keeps 24 bytes (its block and its 16-byte hash): 24 MiB at most.
-CHAIN_MEMO_IDS = 1 << 20
-CHAIN_MEMO_IDS_PER_BLOCK = 8
-CHAIN_MEMO_MIN = 1  # shorter chains take the index (~20 us more in the store than the memo for 1 to 63 blocks)
-CHAIN_MEMO_ENTRY_IDS = 16  # what a chain counts against CHAIN_MEMO_IDS at least (its entry's own bytes)
-# A chain not remembered whole may begin with one that is (a cached system prompt, then a
-# request's own blocks): the lengths of the most recently found remembered chains shorter
-# than it are tried as its head, at most this many (a try is one dict look-up).
-CHAIN_MEMO_HEAD_TRIES = 4
-CHAIN_MEMO_HEAD_MIN = 64  # chains shorter than this are probed whole
-# A remembered chain has a token (a number never reused in the process) that the lookup's reply
-# gives the session; the session's next lookup may name the chain by it instead of sending its
-# hashes (``BlockStore.find``). The tokens each session was given last, at most:
-CHAIN_GRANTS = 16
-# Tokens, one sequence for every store of the process: a token names one chain of one store,
-# never another (a client's token from another engine's store is not answered).
-_TOKENS = itertools.count(1)
-
-
-def _memo_cost(n: int) -> int:
-    """What a remembered chain of ``n`` blocks counts against the memo's bound."""
-    return max(n, CHAIN_MEMO_ENTRY_IDS)
-
-
-@dataclass(slots=True)
-class _Memo:
-    """A chain found whole (``BlockStore._chain``)."""
-
-    blocks: np.ndarray  # int64 [n], in chain order
-    run: slice | None  # the blocks as a slice, when consecutive (``_run``)
-    raw: bytes  # the chain's keys (int64 [n, 2]) as the wire carries them: one memcmp to compare
-    epoch: int  # the store's evictions when it was last checked against the cache
-    token: int  # its name in lookups (``BlockStore.find``)
-    key: tuple[int, int]  # its last key (where ``BlockStore._chains`` keeps it)
-    ids: np.ndarray  # ``blocks`` as int32, read-only: what a lookup answers
-
-    def hashes(self) -> np.ndarray:
-        """Its keys, int64 [n, 2] (a read-only view of ``raw``)."""
-        return np.frombuffer(self.raw, np.int64).reshape(-1, 2)
 
 
 @dataclass(slots=True)
@@ -133,17 +91,7 @@ class BlockStore:
         self._uid: dict[int, int] = {}
         self._pinned: dict[int, np.ndarray] = {}  # session -> its pins of each block
         self.counts = collections.Counter()  # lookups, hit_blocks, commits, evictions
-        # Last key of a chain found whole -> its _Memo. Only a hint: a lookup uses it only for
-        # the same hashes, and after checking every block of it is still cached under its
-        # key, unless no block was evicted since the last check (only an eviction takes a
-        # block out of the cache).
-        self._chains: collections.OrderedDict[tuple[int, int], _Memo] = collections.OrderedDict()
-        self._epoch = 0  # evictions so far (alloc's): a memo checked at this epoch holds
-        self._chain_ids = 0
-        self._chain_ids_max = min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
-        self._heads: collections.OrderedDict[int, None] = collections.OrderedDict()  # lengths found, latest last
-        self._by_token: dict[int, _Memo] = {}  # the remembered chains by token
-        self._grants: dict[int, collections.OrderedDict[int, None]] = {}  # session -> its tokens, latest last
+        self.chains = ChainMemo(n_blocks, self._still_cached)  # chains found lately (chains.py)
 
     # -- what the store has ------------------------------------------------------------
     @property
@@ -178,7 +126,7 @@ class BlockStore:
         self._uid[session] = uid
         if session not in self._pinned:
             self._pinned[session] = np.zeros(self.n_blocks, dtype=np.int64)  # pins can pass 2**31
-            self._grants[session] = collections.OrderedDict()
+            self.chains.open(session)
 
     def _uid_of(self, session: int) -> int:
         try:
@@ -222,7 +170,7 @@ class BlockStore:
         if n > take:
             evicted = self._oldest(n - take)
             self.index.delete(self.key_lo[evicted], self.key_hi[evicted])
-            self._epoch += 1
+            self.chains.evicted()
             self.cached_blocks -= len(evicted)
             self.evictable_blocks -= len(evicted)
             self.counts["evictions"] += len(evicted)
@@ -279,34 +227,34 @@ class BlockStore:
         never given to this session): the caller sends the keys instead."""
         uid = self._uid_of(session)
         hashes = _hash_array(hashes)
+        chains = self.chains
         ref = named = None  # the chain named; ref: while every block of it is cached under its key
         if chain is not None:
-            ref = self._by_token.get(chain) if chain in self._grants[session] else None
+            ref = chains.named(session, chain)
             if ref is None:
                 return None
             if ref.blocks.size + hashes.shape[0] > LIMITS.max_blocks:
                 raise BlockError("TOO_LARGE", f"a chain of {ref.blocks.size} blocks and {hashes.shape[0]} more "
                                  f"exceeds {LIMITS.max_blocks} blocks a request")
             named, rest = ref, hashes
-            if not self._valid(ref):
+            if not chains.valid(ref):
                 ref = None  # not cached whole now: its keys are probed
             hashes = None  # the whole chain's keys, made when needed
             if ref is not None and not rest.shape[0]:
                 memo = ref
-            elif ref is not None and (int(rest[-1, 0]), int(rest[-1, 1])) not in self._chains:
+            elif ref is not None and not chains.has((int(rest[-1, 0]), int(rest[-1, 1]))):
                 memo = None  # not remembered whole: only the rest is probed
             else:
                 hashes = np.concatenate([named.hashes(), rest])
-                memo = self._chain(hashes)
+                memo = chains.get(hashes)
         else:
-            memo = self._chain(hashes)
+            memo = chains.get(hashes)
         if memo is not None:
             arr, run = memo.blocks, memo.run
         else:
-            # A remembered chain it begins with (the one named, or one of the heads tried from
-            # 64 blocks: below, the probes cost about what the tries do): only the rest is probed.
+            # A remembered chain it begins with (the one named, or a head tried): only the rest is probed.
             n = hashes.shape[0] if hashes is not None else ref.blocks.size + rest.shape[0]
-            head = ref if ref is not None else self._head(hashes) if n >= CHAIN_MEMO_HEAD_MIN else None
+            head = ref if ref is not None else chains.head(hashes)
             start = 0 if head is None else head.blocks.size
             part = self.index.find(*key_words(rest if hashes is None else hashes[start:]))
             missing = np.flatnonzero(part < 0)
@@ -317,14 +265,8 @@ class BlockStore:
             else:
                 arr = np.concatenate([head.blocks, part]) if head is not None else part
                 run = self._run(arr)  # blocks allocated together: slices instead of gathers and scatters
-            # Found whole: remembered. Found in part (a long chain): that part, the head of the
-            # next such request, unless it is no more than the head it began with.
-            if arr.size >= CHAIN_MEMO_MIN and (not missing.size or (n >= CHAIN_MEMO_HEAD_MIN and arr.size > start)):
-                if hashes is None:
-                    hashes = np.concatenate([named.hashes(), rest])
-                memo = self._remember(hashes[:arr.size], arr, run)
-            elif head is not None and arr.size == start:
-                memo = head
+            memo = chains.probed(lambda: hashes if hashes is not None else np.concatenate([named.hashes(), rest]),
+                                 arr, run, not missing.size, n, head)
         at = run if run is not None else arr
         twice = False
         if run is None:
@@ -363,96 +305,14 @@ class BlockStore:
             self._pinned[session][at] += 1
         self.counts["lookups"] += 1
         self.counts["hit_blocks"] += arr.size
-        token = None
-        grants = self._grants[session]
-        if ref is not None:  # the chain named stays answered while the session names it
-            grants.move_to_end(ref.token)
-        if memo is not None:
-            token = memo.token
-            grants[token] = None
-            grants.move_to_end(token)
-            if len(grants) > CHAIN_GRANTS:
-                grants.popitem(last=False)
+        token = chains.grant(session, memo, ref)  # (the chain named stays answered while the session names it)
         head = ref.blocks.size if ref is not None and arr.size >= ref.blocks.size else 0
         return Found(memo.ids if memo is not None else arr.astype(np.int32), token, head)
 
-    def _chain(self, hashes: np.ndarray) -> _Memo | None:
-        """The memo of the chain ``hashes`` (int64 [n, 2]), when it
-        was found whole before and every block of that answer is still cached under its key
-        (then the index would answer the same: a key names one cached block); None
-        otherwise. Requests sharing a long system prompt look the same chain up again and
-        again: one comparison of the hashes when nothing was evicted since, a few array
-        operations (slices for a run) when something was, no probes."""
-        if hashes.shape[0] < CHAIN_MEMO_MIN:
-            return None
-        return self._checked(hashes)
-
-    def _head(self, hashes: np.ndarray) -> _Memo | None:
-        """The memo of the longest remembered chain, among the lengths found most
-        recently (CHAIN_MEMO_HEAD_TRIES), that ``hashes`` begins with and that is still
-        cached whole (as :meth:`_chain` checks it); None when none is."""
-        n = hashes.shape[0]
-        tries = [m for m in reversed(self._heads) if m < n][:CHAIN_MEMO_HEAD_TRIES]
-        for m in sorted(tries, reverse=True):
-            memo = self._checked(hashes[:m])
-            if memo is not None:
-                return memo
-        return None
-
-    def _checked(self, hashes: np.ndarray) -> _Memo | None:
-        """The memo of exactly the chain ``hashes``, if every block of it is still cached
-        under its key (then the index would answer the same: a key names one cached
-        block); a memo found stale is dropped."""
-        memo = self._chains.get((int(hashes[-1, 0]), int(hashes[-1, 1])))
-        if memo is None or memo.blocks.size != hashes.shape[0] or memo.raw != hashes.tobytes():
-            return None
-        return memo if self._valid(memo) else None
-
-    def _valid(self, memo: _Memo) -> bool:
-        """Whether every block of ``memo`` is still cached under its key (one comparison of
-        epochs when nothing was evicted since it was last checked); a memo found stale is
-        forgotten. Marks it the most recently used."""
-        if memo.epoch != self._epoch:
-            at = memo.run if memo.run is not None else memo.blocks
-            hashes = memo.hashes()
-            if not ((self.key_lo[at] == hashes[:, 0]).all() and (self.key_hi[at] == hashes[:, 1]).all()
-                    and (self.state[at] == CACHED).all()):
-                self._forget(memo.key)
-                return False
-            memo.epoch = self._epoch
-        self._chains.move_to_end(memo.key)
-        self._head_found(memo.blocks.size)
-        return True
-
-    def _forget(self, key: tuple[int, int]) -> None:
-        """The memo under ``key`` goes (its token names nothing from now on)."""
-        memo = self._chains.pop(key)
-        self._chain_ids -= _memo_cost(memo.blocks.size)
-        del self._by_token[memo.token]
-
-    def _head_found(self, n: int) -> None:
-        """A remembered chain of ``n`` blocks was made or used: its length is tried first."""
-        self._heads[n] = None
-        self._heads.move_to_end(n)
-        if len(self._heads) > 4 * CHAIN_MEMO_HEAD_TRIES:
-            self._heads.popitem(last=False)
-
-    def _remember(self, hashes: np.ndarray, arr: np.ndarray, run: slice | None) -> _Memo | None:
-        """Remember chain ``hashes`` found as ``arr``; its memo (None when the memo's bound
-        leaves no room for it)."""
-        key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
-        if key in self._chains:
-            self._forget(key)
-        ids = arr.astype(np.int32)
-        ids.flags.writeable = False
-        memo = _Memo(arr, run, hashes.tobytes(), self._epoch, next(_TOKENS), key, ids)
-        self._chains[key] = memo
-        self._by_token[memo.token] = memo
-        self._chain_ids += _memo_cost(arr.size)
-        self._head_found(arr.size)
-        while self._chain_ids > self._chain_ids_max:
-            self._forget(next(iter(self._chains)))
-        return memo if key in self._chains else None
+    def _still_cached(self, at, hashes: np.ndarray) -> bool:
+        """Whether blocks ``at`` (a slice or ids) are each cached under the key of ``hashes``."""
+        return bool((self.key_lo[at] == hashes[:, 0]).all() and (self.key_hi[at] == hashes[:, 1]).all()
+                    and (self.state[at] == CACHED).all())
 
     def release(self, session: int, blocks) -> None:
         """Unpin cached ``blocks`` (int [n]; named twice: unpinned twice) and free private
@@ -557,7 +417,8 @@ class BlockStore:
                       np.where(self.state[held] == session, 1, pinned[held]).astype(np.int64))
         self.reserve(session, -self.reserved.get(session, 0))
         self.reserved.pop(session, None)
-        del self._uid[session], self._pinned[session], self._grants[session]
+        del self._uid[session], self._pinned[session]
+        self.chains.close(session)
 
     def writable(self, session: int, rows: np.ndarray, block_size: int) -> None:
         """BAD_ARGUMENT unless every host row of ``rows`` lies in a block private to

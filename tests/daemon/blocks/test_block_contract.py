@@ -18,7 +18,7 @@ import helpers
 from sparsekv.client.blocks import Blocks
 from sparsekv.daemon.block_requests import lookup_hashes, lookup_reply
 from sparsekv.daemon.blocks.contract import ZERO, BlockError, BlockStoreModel, PoolExhausted, UidLedger
-from sparsekv.daemon.blocks import store as store_module
+from sparsekv.daemon.blocks import chains as chains_module
 from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.proto import MsgType
 
@@ -292,7 +292,7 @@ def test_a_long_chain_looked_up_again_after_evictions_and_recommits_answers_as_t
     """A chain of 72 blocks: found whole (remembered), then partly evicted, freed, committed
     again elsewhere, by two sessions, with runs of consecutive blocks and scattered ones:
     every answer, pin count and LRU order as the model's."""
-    n = max(store_module.CHAIN_MEMO_MIN, 72)
+    n = max(chains_module.CHAIN_MEMO_MIN, 72)
     model, real = both(n_blocks=2 * n)
     chain = [h(1000 + i) for i in range(n)]
 
@@ -339,7 +339,7 @@ def test_a_remembered_chain_whose_block_holds_another_key_now_is_not_answered_fr
     def key(lo: int, hi: int) -> bytes:
         return lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
 
-    n = max(store_module.CHAIN_MEMO_MIN, 64)
+    n = max(chains_module.CHAIN_MEMO_MIN, 64)
     model, real = both(n_blocks=n)
     chain = [key(i, 1) for i in range(n)]
     _, blocks = same(model, real, 1, "alloc", [n])
@@ -381,7 +381,7 @@ def test_the_memo_of_a_small_store_stays_in_proportion_to_its_blocks():
 def test_a_long_chain_given_as_nested_lists_is_looked_up_as_its_array():
     """``lookup`` takes a chain as ``commit`` does (anything int64 [n, 2] converts from),
     remembered chains included."""
-    n = max(store_module.CHAIN_MEMO_MIN, 64)
+    n = max(chains_module.CHAIN_MEMO_MIN, 64)
     s = BlockStore(n, lambda blocks: None)
     s.open(1, 7)
     chain = wire([h(i) for i in range(n)])
@@ -482,13 +482,13 @@ def test_long_runs_of_memo_requests_name_chains_and_are_answered_and_refused_as_
 def memo_everywhere():
     """Every chain remembered and tried as a head (CHAIN_MEMO_MIN, CHAIN_MEMO_HEAD_MIN 1),
     two tokens a session (CHAIN_GRANTS 2)."""
-    old = store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN, store_module.CHAIN_GRANTS
-    store_module.CHAIN_MEMO_MIN = store_module.CHAIN_MEMO_HEAD_MIN = 1
-    store_module.CHAIN_GRANTS = 2
+    old = chains_module.CHAIN_MEMO_MIN, chains_module.CHAIN_MEMO_HEAD_MIN, chains_module.CHAIN_GRANTS
+    chains_module.CHAIN_MEMO_MIN = chains_module.CHAIN_MEMO_HEAD_MIN = 1
+    chains_module.CHAIN_GRANTS = 2
     try:
         yield
     finally:
-        store_module.CHAIN_MEMO_MIN, store_module.CHAIN_MEMO_HEAD_MIN, store_module.CHAIN_GRANTS = old
+        chains_module.CHAIN_MEMO_MIN, chains_module.CHAIN_MEMO_HEAD_MIN, chains_module.CHAIN_GRANTS = old
 
 
 def equal_runs(n_blocks, quota, steps, refs: bool = False) -> "Real":
@@ -552,9 +552,9 @@ def test_short_chains_are_remembered_too_and_each_counts_at_least_an_entrys_wort
         s.release(1, b)
         got = s.lookup(1, wire([h(i)]))
         s.release(1, got)
-        assert s._chain((wire([h(i)]))) is not None  # remembered
-    assert len(s._chains) == 64 // store_module.CHAIN_MEMO_ENTRY_IDS
-    assert s._chain_ids == len(s._chains) * store_module.CHAIN_MEMO_ENTRY_IDS
+        assert s.chains.get(wire([h(i)])) is not None  # remembered
+    assert len(s.chains) == 64 // chains_module.CHAIN_MEMO_ENTRY_IDS
+    assert s.chains.ids == len(s.chains) * chains_module.CHAIN_MEMO_ENTRY_IDS
 
 
 def test_a_cached_prompt_found_in_part_heads_the_next_requests_and_only_their_own_blocks_are_probed():

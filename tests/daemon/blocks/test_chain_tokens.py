@@ -7,9 +7,10 @@ lookup of the memo test this way too.)"""
 import numpy as np
 import pytest
 
-from sparsekv.daemon.blocks import store as store_module
+from sparsekv.daemon.blocks import chains as chains_module
 from sparsekv.daemon.blocks.contract import BlockError
 from sparsekv.daemon.blocks.store import BlockStore
+from sparsekv.proto import LIMITS
 from test_block_contract import h, wire
 
 
@@ -60,7 +61,7 @@ def test_a_token_is_answered_only_for_the_session_it_was_given_to_while_its_chai
     assert s.find(2, wire([]), token) is None and s.find(2, wire([]), token + 1) is None
     assert (s.pins == pins).all()
     tokens = [token]
-    for k in range(store_module.CHAIN_GRANTS):  # as many newer tokens: the first falls out of the grants
+    for k in range(chains_module.CHAIN_GRANTS):  # as many newer tokens: the first falls out of the grants
         tokens.append(s.find(1, wire(prompt[:k % n + 1] if k < n else prompt[1:k % n + 2])).token)
     assert None not in tokens and s.find(1, wire([]), token) is None
     token = s.find(1, wire(prompt)).token  # given again
@@ -92,7 +93,7 @@ def test_a_named_chain_and_the_hashes_after_it_are_held_to_max_blocks():
     blocks = s.alloc(1, 2)
     s.commit(1, blocks, wire([h(0), h(1)]))
     token = s.find(1, wire([h(0), h(1)])).token
-    too_many = np.zeros((store_module.LIMITS.max_blocks - 1, 2), np.int64)
+    too_many = np.zeros((LIMITS.max_blocks - 1, 2), np.int64)
     with pytest.raises(BlockError) as e:
         s.find(1, too_many, token)
     assert e.value.code == "TOO_LARGE"
@@ -113,8 +114,8 @@ def test_naming_a_chain_keeps_its_token_answered_while_longer_chains_get_theirs(
     after it; each gets the token of its whole chain too, more than CHAIN_GRANTS of them: the
     prompt's token, named every time, stays answered."""
     n = 3
-    s, blocks, _, token = cached_prompt(n, 4 * n + 2 * store_module.CHAIN_GRANTS + 2)
-    for r in range(store_module.CHAIN_GRANTS + 2):
+    s, blocks, _, token = cached_prompt(n, 4 * n + 2 * chains_module.CHAIN_GRANTS + 2)
+    for r in range(chains_module.CHAIN_GRANTS + 2):
         own = s.alloc(1, 1)
         s.commit(1, own, wire([h(1000 + r)]))
         got = s.find(1, wire([h(1000 + r)]), token)
