@@ -105,11 +105,12 @@ class Blocks:
         if ref is None:
             fields, arrays = self._call(MsgType.BLOCK_LOOKUP, arrays={"hashes": hashes})
         if ref is not None:
-            blocks = arrays["blocks"] if arrays else _NO_BLOCKS  # (none after the chain named: no array)
+            tail = arrays["blocks"] if arrays else None  # (none after the chain named: no array)
             if fields.get("head"):
-                blocks = np.concatenate([ref.blocks, blocks])
+                blocks = ref.blocks.copy() if tail is None else np.concatenate([ref.blocks, tail])
             else:  # found shorter than the chain named: it is not cached whole any more
                 refs.drop(ref)
+                blocks = np.zeros(0, np.int32) if tail is None else tail
         else:
             blocks = arrays["blocks"]
         token = fields.get("chain")
@@ -227,7 +228,6 @@ class ChainRefs:
             self._ids -= ref.blocks.size
 
 
-_NO_BLOCKS = np.zeros(0, np.int32)
 CHAIN_REFS = 16  # the daemon answers the tokens of a client's 16 latest chains (CHAIN_GRANTS)
 CHAIN_REF_IDS = 1 << 18  # 5 MiB of hashes and block ids at most
 CHAIN_REF_TRIES = 4

@@ -175,6 +175,8 @@ class ChainMemo:
         key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
         if key in self._chains:
             self._forget(key)
+        if _memo_cost(arr.size) > self._ids_max:  # (it would push every other chain out, then itself)
+            return None
         ids = arr.astype(np.int32)
         ids.flags.writeable = False
         memo = Memo(arr, run, hashes.tobytes(), self._epoch, next(_TOKENS), key, ids)

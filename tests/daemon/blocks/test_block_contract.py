@@ -378,6 +378,15 @@ def test_the_memo_of_a_small_store_stays_in_proportion_to_its_blocks():
     assert kept < 64 << 10, kept
 
 
+def test_a_chain_over_the_memos_bound_is_not_remembered_and_pushes_no_other_out():
+    s = BlockStore(4, lambda blocks: None)  # a bound of 32 ids
+    s.open(1, 7)
+    s.commit(1, s.alloc(1, 2), wire([h(0), h(1)]))
+    s.lookup(1, wire([h(0), h(1)]))
+    s.lookup(1, wire([h(0)] * 64))  # 64 ids: over the bound
+    assert len(s.chains) == 1 and s.chains.get(wire([h(0), h(1)])) is not None
+
+
 def test_a_long_chain_given_as_nested_lists_is_looked_up_as_its_array():
     """``lookup`` takes a chain as ``commit`` does (anything int64 [n, 2] converts from),
     remembered chains included."""

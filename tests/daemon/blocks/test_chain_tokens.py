@@ -11,7 +11,7 @@ from sparsekv.daemon.blocks import chains as chains_module
 from sparsekv.daemon.blocks.contract import BlockError
 from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.proto import LIMITS
-from test_block_contract import h, wire
+from test_block_contract import both, h, wire
 
 
 def cached_prompt(n: int, n_blocks: int) -> tuple[BlockStore, np.ndarray, list, int]:
@@ -121,3 +121,48 @@ def test_naming_a_chain_keeps_its_token_answered_while_longer_chains_get_theirs(
         got = s.find(1, wire([h(1000 + r)]), token)
         assert got is not None and got.head == n and got.blocks.tolist() == blocks.tolist() + own.tolist()
         assert got.token not in (None, token)
+
+
+
+def test_a_token_whose_chain_lost_a_block_is_answered_as_the_index_answers_its_hashes_then():
+    """The chain's first block evicted and its hash committed again into another block:
+    naming the token (with a hash after it, or none) pins what sending the chain's hashes
+    would now (the model's answer), head 0: its blocks are not the chain's any more."""
+    for rest in ([], [h(60)]):
+        model, real = both(6)
+        keys = [h(i) for i in range(4)]
+        for m in (model, real):
+            blocks = m.alloc(1, 4)
+            assert m.commit(1, blocks, keys) == blocks
+        token = real.s.find(1, wire(keys)).token
+        model.lookup(1, keys)
+        for m in (model, real):
+            m.release(1, blocks)
+            m.release(1, blocks)  # evictable, the chain's first block the oldest
+            assert m.alloc(2, 3) == [4, 5, blocks[0]]
+            assert m.commit(2, [5], [keys[0]]) == [5]  # the first hash cached again, in block 5
+        found = real.s.find(1, wire(rest), token)
+        want = model.lookup(1, keys + rest)
+        assert found.blocks.tolist() == want == [5, *blocks[1:]] and found.head == 0
+        assert int(real.s.pins.sum()) == sum(sum(p.values()) for p in model.pins.values())
+
+
+def test_a_client_answer_with_no_blocks_is_an_array_of_the_callers_own():
+    """A chain named whose blocks are gone, nothing found (no blocks array in the reply):
+    each caller gets a new empty array, so what one does with it reaches no other answer."""
+    from test_block_contract import Real
+    from sparsekv.daemon.blocks.contract import UidLedger
+
+    got = []
+    for _ in range(2):  # two clients, the same story
+        real = Real(4, UidLedger(0), refs=True)
+        real.open(1, 7)
+        b = real.alloc(1, 2)
+        real.commit(1, b, [h(0), h(1)])
+        real.release(1, b)
+        real.lookup(1, [h(0), h(1)])  # found whole: the client keeps the chain and its token
+        real.release(1, b)
+        real.alloc(1, 4)  # both blocks evicted
+        got.append(real.clients[1].lookup(wire([h(0), h(1)])))  # named; nothing found
+        assert real.tally["named"] == 1 and got[-1].size == 0
+    assert got[0] is not got[1]
