@@ -8,7 +8,9 @@ lookup runs on).
   prefix again, as requests sharing a system prompt look it up (the client names the chain
   by the token an earlier reply gave it, DESIGN §9, and the store answers from the chain it
   found whole before, after checking it); ``prefix_lookup_sent_us_p50``: the same with
-  its 2,048 hashes sent (a client that never looked it up); ``prefix_lookup_cold_us_p50``: a
+  its 2,048 hashes sent (a client that never looked it up); ``prefix_lookup_behind_us_p50``:
+  a request behind that cached prompt, its hashes then 4 of its own (not cached);
+  ``prefix_lookup_cold_us_p50``: a
   prefix of about that length not looked up whole before (the index's probes); where a
   repeated lookup's time goes, from the header times (``Client.timings``, p50s):
   ``lookup_send_us`` (the client's send to the daemon's receive), ``lookup_daemon_us``
@@ -140,6 +142,15 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
                 serve_us.append((time.perf_counter() - t0) * 1e6)
                 c.blocks.release(got)
                 assert got.size == serve_blocks, f"the cached prefix has {got.size} of {serve_blocks} blocks"
+            behind_us = []  # requests behind the cached prompt: its hashes, then 4 of their own (not cached)
+            rng = np.random.default_rng(0)
+            for _ in range(reps):
+                chain = np.concatenate([keys, rng.integers(-2**63, 2**63 - 1, (4, 2), dtype=np.int64)])
+                t0 = time.perf_counter()
+                got = c.blocks.lookup(chain)
+                behind_us.append((time.perf_counter() - t0) * 1e6)
+                c.blocks.release(got)
+                assert got.size == blocks, f"the cached prompt has {got.size} of {blocks} blocks"
             # c closes here: the engine is kept for its cached blocks, as after a crash
         for _ in range(restarts):
             out = subprocess.run([sys.executable, "-c", _RESTART, d.run_dir, json.dumps(lay.to_wire()),
@@ -157,6 +168,7 @@ def bench_prefix(blocks: int = 2048, block_size: int = 64, reps: int = 200, rest
            **({"prefix_lookup_us_128k": p50} if (blocks, block_size) == (2048, 64) else {}),
            "prefix_lookup_cold_us_p50": round(float(np.median(cold_us)), 1),
            "prefix_lookup_sent_us_p50": round(float(np.median(sent_us)), 1),
+           "prefix_lookup_behind_us_p50": round(float(np.median(behind_us)), 1),
            **{k: round(float(v) * 1e-3, 1) for k, v in zip(("lookup_send_us", "lookup_daemon_us", "lookup_reply_us"),
                                                           np.median(np.array(legs), axis=0))},
            "release_us_p50": round(float(np.median(release_us)), 1),

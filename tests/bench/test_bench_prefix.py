@@ -18,6 +18,7 @@ def test_bench_prefix_reports_lookup_and_restart():
     assert r["bench"] == "prefix" and r["blocks"] == 32 and 0.04 < r["pool_gib"] <= 0.05
     assert 0 < r["prefix_lookup_us_p50"] <= r["prefix_lookup_us_p99"]
     assert r["prefix_lookup_sent_us_p50"] > 0 and r["prefix_lookup_cold_us_p50"] > 0
+    assert r["prefix_lookup_behind_us_p50"] > 0
     legs = r["lookup_send_us"], r["lookup_daemon_us"], r["lookup_reply_us"]
     assert all(x > 0 for x in legs) and sum(legs) <= 1.5 * r["prefix_lookup_us_p99"], r
     assert 0 < r["restart_s_median"] < 30
