@@ -4,7 +4,8 @@ too small for all of them (eviction pressure), while engines are SIGKILLed, some
 pins in the middle of a request, and started again. Every position of every request is
 read back through its block table and checked byte for byte (``bad``), its indexer keys
 read from the blocks' keys plane too (``bad_keys``), and the daemon's
-counters must show hits, evictions and admissions refused by POOL_EXHAUSTED."""
+counters must show hits, evictions, admissions refused by POOL_EXHAUSTED, and chains an
+engine looked up again named by token (DESIGN §9)."""
 
 import json
 import random
@@ -56,7 +57,9 @@ def test_two_engines_kills_restarts_and_eviction_leave_every_byte_right():
             for e in engines:
                 e.close()
         stats = helpers.stats_json(d.run_dir)
-    print(json.dumps({**totals, "evictions": stats["block_evictions"], "soak_s": SOAK_S}))
+    print(json.dumps({**totals, "evictions": stats["block_evictions"], "chain_lookups": stats["block_chain_lookups"],
+                      "chain_resends": stats["block_chain_resends"], "soak_s": SOAK_S}))
     assert totals["bad"] == totals["bad_keys"] == 0
     assert totals["kills"] and totals["hit_blocks"] and stats["block_evictions"]
+    assert stats["block_chain_lookups"]  # prompts looked up again by the same engine: named by token
     assert stats["block_hit_tokens"] == totals["hit_blocks"] * BS
