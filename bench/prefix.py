@@ -24,7 +24,7 @@ The engine's rows are DeepSeek-V3.2's (61 layers of 656 bytes) in a pool range o
 
 When a GPU is there (CuPy sees one, torch is installed), also the load of the cached
 prefix's indexer keys into the engine's GPU memory (``Client.blocks.load_keys``: the
-daemon's copy stream, after the engine's fence, an event back), DeepSeek-V3.2's shape:
+daemon's bulk stream, after the engine's fence, an event back), DeepSeek-V3.2's shape:
 2,048 blocks of 64 positions, 61 layers, 132 bytes a position and layer (1.06 GB), against
 a bulk pinned host-to-device copy of the same bytes in the same run:
 

@@ -19,7 +19,7 @@ With ``attach(..., index_bytes=m)`` each block has a second plane, DSA's indexer
 (``m`` bytes a position and layer): ``write_keys`` those of its own blocks before it
 commits them (they are committed with the block, read-only from then on), and
 ``read_keys`` those of the blocks a lookup found instead of computing them again, or
-``load_keys`` them straight into the engine's (GPU) buffer by the daemon's copy stream.
+``load_keys`` them straight into the engine's (GPU) buffer by the daemon's bulk stream.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class Blocks:
         bytes loaded."""
         blocks = _blocks(blocks)
         if self._load is None:
-            raise BadRequest("load_keys copies through a daemon's copy stream; in process, use read_keys",
+            raise BadRequest("load_keys copies through a daemon's bulk stream; in process, use read_keys",
                              ErrorCode.BAD_ARGUMENT)
         need = blocks.size * self._block_bytes()
         return self._load(blocks, need, dst)["bytes"]

@@ -114,7 +114,7 @@ class BlockRequests:
         self.stats.add(block_keys_bytes_read=keys.nbytes)
         return {}, {"keys": keys}
 
-    # A load copies keys straight into the engine's buffer: on cuda the rank's copy stream
+    # A load copies keys straight into the engine's buffer: on cuda its GPU's bulk stream
     # does it after the client's fence and records an event the client's stream waits on
     # (CudaRankState.load_keys; the reply comes once it is enqueued); on cpu the buffer is
     # a memfd the client deposited for this request, copied into before the reply.
