@@ -152,6 +152,7 @@ class BlockRequests:
 
 
 _NO_HASHES = np.zeros((0, 2), np.int64)
+_NO_HASHES.flags.writeable = False
 
 
 def lookup_hashes(chain: int | None, a: dict) -> np.ndarray:
