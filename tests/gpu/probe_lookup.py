@@ -33,14 +33,33 @@ import numpy as np
 from sparsekv.client import Client
 from sparsekv.proto import Layout
 
-# Run in the daemon's process: wrap, then start the daemon (its stamps pickled at exit).
+# Run in the daemon's process (argv: this file's folder, the stamps' file, the daemon's
+# arguments): wrap, then start the daemon (its stamps pickled at exit).
 _DAEMON = r"""
-import atexit, pickle, sys, time
+import atexit, pickle, sys
+sys.path.insert(0, sys.argv.pop(1))
+from probe_lookup import stamp
 from sparsekv.daemon import control_socket as cs, server as sv, zmtp, block_requests as br
 from sparsekv.daemon.blocks import store
-T, now = [], time.perf_counter_ns
-def wrap(cls, name, tag):
-    f = getattr(cls, name)
+T = []
+for cls, name, tag in ((cs.ControlSocket, "_read", "daemon read"), (zmtp.Decoder, "feed", "daemon parse"),
+                       (sv.Daemon, "_received", "daemon received"), (sv.Daemon, "_handle", "daemon handle"),
+                       (br.BlockRequests, "on_lookup", "daemon on_lookup"), (store.BlockStore, "find", "store find"),
+                       (sv.Daemon, "_ok", "daemon reply encode"), (cs.ControlSocket, "send", "daemon send")):
+    stamp(T, cls, name, tag)
+out = sys.argv.pop(1)
+atexit.register(lambda: pickle.dump(T, open(out, "wb")))
+sys.argv[0] = "sparsekvd"
+from sparsekv.daemon.main import main
+sys.exit(main())
+"""
+
+
+def stamp(T: list, cls, name: str, tag: str) -> None:
+    """Wrap method ``name`` of ``cls``: (tag, time) into ``T`` when it is called, (tag + "
+    end", time) when it returns."""
+    f, now = getattr(cls, name), time.perf_counter_ns
+
     def g(*a, **k):
         T.append((tag, now()))
         try:
@@ -48,17 +67,7 @@ def wrap(cls, name, tag):
         finally:
             T.append((tag + " end", now()))
     setattr(cls, name, g)
-for cls, name, tag in ((cs.ControlSocket, "_read", "daemon read"), (zmtp.Decoder, "feed", "daemon parse"),
-                       (sv.Daemon, "_received", "daemon received"), (sv.Daemon, "_handle", "daemon handle"),
-                       (br.BlockRequests, "on_lookup", "daemon on_lookup"), (store.BlockStore, "find", "store find"),
-                       (sv.Daemon, "_ok", "daemon reply encode"), (cs.ControlSocket, "send", "daemon send")):
-    wrap(cls, name, tag)
-out = sys.argv.pop(1)
-atexit.register(lambda: pickle.dump(T, open(out, "wb")))
-sys.argv[0] = "sparsekvd"
-from sparsekv.daemon.main import main
-sys.exit(main())
-"""
+
 
 # The lookup reads no rows: a small pool (1 layer of 16-byte rows) starts in no time.
 LAYOUT = Layout(num_layers=1, row_bytes=16, top_k=64, region_stride=128, max_reqs=1, host_rows=2048 * 64 * 2)
@@ -82,8 +91,8 @@ def cpu_pairs() -> dict[str, tuple[int, int] | None]:
 def start_daemon(run_dir: str, stamps: str | None, io_cpu: int | None) -> subprocess.Popen:
     args = ["--run-dir", run_dir, "--backend", "cpu", "--pool-size", f"{LAYOUT.pool_bytes + (8 << 20)}B",
             "--busy-poll-us", "1000", *(["--io-cpus", str(io_cpu)] if io_cpu is not None else [])]
-    cmd = [sys.executable, "-c", _DAEMON, stamps, *args] if stamps else [sys.executable, "-m", "sparsekv.daemon.main",
-                                                                        *args]
+    cmd = ([sys.executable, "-c", _DAEMON, os.path.dirname(os.path.abspath(__file__)), stamps, *args] if stamps
+           else [sys.executable, "-m", "sparsekv.daemon.main", *args])
     p = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     t0 = time.monotonic()
     while not os.path.exists(os.path.join(run_dir, "control.sock")):
@@ -142,22 +151,11 @@ def timeline(marks, events) -> list[tuple[str, float]]:
 def client_stamps() -> list:
     from sparsekv.client import blocks, connection, wire
 
-    T, now = [], time.perf_counter_ns
-
-    def wrap(cls, name, tag):
-        f = getattr(cls, name)
-
-        def g(*a, **k):
-            T.append((tag, now()))
-            try:
-                return f(*a, **k)
-            finally:
-                T.append((tag + " end", now()))
-        setattr(cls, name, g)
+    T: list = []
     for cls, name, tag in ((blocks.ChainRefs, "match", "client match"), (connection.Connection, "_send", "client send"),
                            (wire.Wire, "_write", "client write"), (wire.Wire, "_feed", "client read"),
                            (connection.Connection, "_receive_one", "client decode")):
-        wrap(cls, name, tag)
+        stamp(T, cls, name, tag)
     return T
 
 
