@@ -33,17 +33,37 @@ POLL_IN, POLL_OUT = select.POLLIN, select.POLLOUT
 POLL_END = select.POLLHUP | select.POLLERR
 
 
+CONNECT_RETRY_S = (0.0005, 0.02)  # the first and the longest pause between connects to a full accept queue
+
+
 def connect_unix(path: str, timeout_s: float) -> socket.socket:
-    """A Unix stream socket connected to ``path`` within ``timeout_s`` (a full accept queue
-    blocks a connect until there is room); connect's OSError as it comes, the socket closed."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
+    """A Unix stream socket connected to ``path`` within ``timeout_s``; connect's OSError as
+    it comes (TimeoutError once ``timeout_s`` passed with the accept queue full), the socket
+    closed. A connect that finds the daemon's accept queue full fails at once (EAGAIN, also
+    with a timeout set): it is tried again after a pause (doubling, CONNECT_RETRY_S) until
+    ``timeout_s``, so that a burst of clients (every rank of a node starting) or a flood of
+    another user's connections does not turn away a client the daemon would accept a
+    moment later."""
+    deadline = time.monotonic() + timeout_s
+    pause, longest = CONNECT_RETRY_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect(path)
+        except (BlockingIOError, TimeoutError):
+            sock.close()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{path}: the accept queue stayed full for {timeout_s} s") from None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, longest)
+            continue
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(timeout_s)
-        sock.connect(path)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+        return sock
 
 
 class WireClosed(ConnectionError):
