@@ -37,6 +37,11 @@ CHAIN_GRANTS = 16
 _TOKENS = itertools.count(1)
 
 
+def last_key(hashes: np.ndarray) -> tuple[int, int]:
+    """The last key of chain ``hashes`` (int64 [n, 2], n >= 1): where a memo of it is kept."""
+    return int(hashes[-1, 0]), int(hashes[-1, 1])
+
+
 def _memo_cost(n: int) -> int:
     """What a remembered chain of ``n`` blocks counts against the memo's bound."""
     return max(n, CHAIN_MEMO_ENTRY_IDS)
@@ -125,7 +130,7 @@ class ChainMemo:
         nothing was evicted since, a few array operations when something was, no probes."""
         if hashes.shape[0] < CHAIN_MEMO_MIN:
             return None
-        memo = self._chains.get((int(hashes[-1, 0]), int(hashes[-1, 1])))
+        memo = self._chains.get(last_key(hashes))
         if memo is None or memo.blocks.size != hashes.shape[0] or memo.raw != hashes.tobytes():
             return None
         return memo if self.valid(memo) else None
@@ -170,9 +175,9 @@ class ChainMemo:
         return head if head is not None and arr.size == start else None
 
     def _remember(self, hashes: np.ndarray, arr: np.ndarray, run: slice | None) -> Memo | None:
-        """Remember chain ``hashes`` found as ``arr``; its memo (None when the memo's bound
-        leaves no room for it)."""
-        key = (int(hashes[-1, 0]), int(hashes[-1, 1]))
+        """Remember chain ``hashes`` found as ``arr``; its memo (None when it alone is over
+        the memo's bound)."""
+        key = last_key(hashes)
         if key in self._chains:
             self._forget(key)
         if _memo_cost(arr.size) > self._ids_max:  # (it would push every other chain out, then itself)
@@ -184,9 +189,9 @@ class ChainMemo:
         self._by_token[memo.token] = memo
         self.ids += _memo_cost(arr.size)
         self._head_found(arr.size)
-        while self.ids > self._ids_max:
+        while self.ids > self._ids_max:  # (the oldest first: never this one, within the bound alone)
             self._forget(next(iter(self._chains)))
-        return memo if key in self._chains else None
+        return memo
 
     def _forget(self, key: tuple[int, int]) -> None:
         """The memo under ``key`` goes (its token names nothing from now on)."""

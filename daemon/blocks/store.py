@@ -20,7 +20,7 @@ import numpy as np
 
 from sparsekv.proto import LIMITS
 
-from .chains import ChainMemo
+from .chains import ChainMemo, last_key
 from .contract import BlockError, PoolExhausted, UidLedger
 from .index import KeyIndex
 
@@ -242,7 +242,7 @@ class BlockStore:
             hashes = None  # the whole chain's keys, made when needed
             if ref is not None and not rest.shape[0]:
                 memo = ref
-            elif ref is not None and not chains.has((int(rest[-1, 0]), int(rest[-1, 1]))):
+            elif ref is not None and not chains.has(last_key(rest)):
                 memo = None  # not remembered whole: only the rest is probed
             else:
                 hashes = np.concatenate([named.hashes(), rest])
