@@ -31,6 +31,7 @@ typedef long long i64;
 #define SKV_E_BAD_STATE_ROW 2   // a state row outside [-1, max_reqs): the row was padding
 #define SKV_E_TOO_MANY_TOKENS 3 // more rows of one state row than region_stride / top_k: refused
 #define SKV_E_BAD_STEP 4        // the descriptor is out of range: the launch did nothing
+#define SKV_E_TP_MISMATCH 5     // a TP follower's step or top-k row differed from its leader's: refused
 #define SKV_ERR_INTS 32
 
 __device__ __forceinline__ void skv_report(int* err, int kind, int row, const int* desc) {

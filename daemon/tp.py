@@ -303,3 +303,29 @@ def _first_difference(want: np.ndarray, got: np.ndarray) -> str:
         return f"its top-k is {list(got.shape)}, the peers' {list(want.shape)}"
     row = int(np.flatnonzero((want != got).any(axis=1))[0])
     return f"top-k row {row} differs"
+
+
+# -- the doorbell's group on the device (csrc/tp.cu): what each kernel must compute ----------
+def step_matches(lead: tuple, foll: tuple) -> bool:
+    """Whether a follower's STEP (``(step, state_rows, reset, invalidate)``, invalidate
+    [batch, n]) is the leader's: ``skv_tp_check_step``'s rule."""
+    (ls, lr, lx, li), (fs, fr, fx, fi) = lead, foll
+    return (ls == fs and lr.shape == fr.shape and li.shape == fi.shape and np.array_equal(lr, fr)
+            and np.array_equal(np.asarray(lx, bool), np.asarray(fx, bool)) and np.array_equal(li, fi))
+
+
+def follow_rows(lead: tuple, foll: tuple, slots: np.ndarray, misses: np.ndarray, step_ok: bool = True):
+    """A follower's answer to its TOPK (``(step, group, state_rows, topk)``) from the
+    leader's (``slots`` [batch, k], ``misses`` [batch]): ``skv_tp_follow``'s rule. Row b of
+    the follower is the leader's row b when the steps, groups and shapes agree, ``step_ok``,
+    and its state row and ids are the leader's; else slots -1 and 0 misses (refused).
+    Returns ``(slots, misses, refused)`` for the follower's batch, ``refused`` bool [batch]."""
+    (ls, lg, lr, lt), (fs, fg, fr, ft) = lead, foll
+    batch = fr.shape[0]
+    same = step_ok and ls == fs and lg == fg and lt.shape == ft.shape
+    ok = np.zeros(batch, bool)
+    if same:
+        ok = (lr == fr) & (lt == ft).all(axis=1)
+    out = np.full((batch, slots.shape[1]), -1, np.int32)
+    out[ok] = slots[:batch][ok]
+    return out, np.where(ok, misses[:batch], 0).astype(np.int32), ~ok

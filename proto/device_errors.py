@@ -9,7 +9,7 @@ counts into typed errors: for the daemon's next reply, and for a doorbell handle
 from __future__ import annotations
 
 # Kinds, in the record's order (csrc/common.cuh SKV_E_*).
-ERROR_KINDS = ("DUPLICATE_IDS", "CORRUPT_STATE", "BAD_STATE_ROW", "TOO_MANY_TOKENS", "BAD_STEP")
+ERROR_KINDS = ("DUPLICATE_IDS", "CORRUPT_STATE", "BAD_STATE_ROW", "TOO_MANY_TOKENS", "BAD_STEP", "TP_MISMATCH")
 
 # Kind -> (proto.ErrorCode name, what it means for the client).
 ERROR_CODES = {
@@ -20,6 +20,9 @@ ERROR_CODES = {
     "TOO_MANY_TOKENS": ("BAD_ARGUMENT", "is one token too many for its state row: region_stride / top_k tokens "
                         "of one request fit a step. That row was refused (slots -1, no state change)"),
     "BAD_STEP": ("BAD_ARGUMENT", "had a step descriptor out of range; nothing of it was done"),
+    "TP_MISMATCH": ("TP_MISMATCH", "differs from the same row of the TP group's leader rank (its state row, its "
+                    "top-k, or the step it belongs to); the row was refused (slots -1): every rank of a TP group "
+                    "sends the same steps and top-k batches"),
 }
 
 

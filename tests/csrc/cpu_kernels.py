@@ -465,6 +465,13 @@ def map_positions(grid: int, threads: int, topk, table, block_size: int, req_ids
 
 # The kernels of each source the tests run: the C parameter list, the names passed on.
 KERNELS = {
+    "tp.cu": {
+        "skv_tp_check_step": ("const int* lead, const int* foll, int max_batch, int inv_cap, unsigned int* bad, int* err",
+                              "lead, foll, max_batch, inv_cap, bad, err"),
+        "skv_tp_follow": ("const int* lead, const int* foll, const int* lead_slots, const int* lead_misses, int* slots, "
+                          "int* misses, int out_k, int max_batch, const unsigned int* step_bad, int* err",
+                          "lead, foll, lead_slots, lead_misses, slots, misses, out_k, max_batch, step_bad, err"),
+    },
     "resolve.cu": {
         "skv_resolve": (_RESOLVE_PARAMS, _RESOLVE_ARGS),
         "skv_reset": ("int* owner, int* lru, int groups, int max_reqs, int S, const int* state_rows, int n, "
