@@ -217,7 +217,8 @@ class Client(Connection):
         ``read_keys`` / ``load_keys``); every rank of the engine names the same. ``prefetch``: after each index group's top-k, the daemon fetches its rows ahead into
         the next group's regions, off this rank's critical path (DESIGN §4; both backends,
         both transports; useful with ``region_stride`` above ``top_k``: the latest
-        resolve's slots are kept). ``tp_size`` > 1 (cpu backend): this rank (the ``rank``
+        resolve's slots are kept). ``tp_size`` > 1 (cpu backend; cuda: with the doorbell
+        transport, every rank on one GPU): this rank (the ``rank``
         of this client, in ``[0, tp_size)``) is one of the engine's TP group, whose ranks send
         the same steps and top-k batches: the daemon resolves each batch once for them all
         and gathers its rows into every rank's slab (DESIGN §5.6); every rank names the same

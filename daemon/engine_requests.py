@@ -99,10 +99,6 @@ class EngineRequests:
         if type(tp_size) is not int or not 1 <= tp_size <= LIMITS.max_tp_size:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"tp_size must be an integer in [1, {LIMITS.max_tp_size}], "
                                 f"got {tp_size!r}")
-        if tp_size > 1 and self.backend.name != "cpu":
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TP group (tp_size > 1: one resolve for every rank) runs on "
-                                f"the cpu backend only; this daemon runs {self.backend.name}: attach each rank "
-                                "without tp_size (each resolves its own)")
         created = engine not in self.engines
         self.sessions.rewatch(s)
         slab_field = h.get("slab")
@@ -113,6 +109,10 @@ class EngineRequests:
         if transport == "doorbell" and self.backend.name != "cuda":
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "the doorbell transport needs the cuda backend (device rings "
                                 f"and stream memory operations); this daemon runs {self.backend.name}: use zmq")
+        if tp_size > 1 and self.backend.name == "cuda" and transport != "doorbell":
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TP group (tp_size > 1: one resolve for every rank) on the "
+                                "cuda backend runs on the doorbell transport (the check and the resolve on the "
+                                "device): attach its ranks with transport='doorbell', or each without tp_size")
         engine_slab = self._engine_slab(s, layout, slab_field) if slab_field is not None else None
         admin = not created and self.sessions.is_admin(s)  # only joining needs it (a /proc read)
         try:

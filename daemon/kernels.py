@@ -16,6 +16,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "resolve.cu": ("skv_resolve", "skv_reset", "skv_invalidate", "skv_begin_step"),
     "copy.cu": ("skv_copy_rows", "skv_gather", "skv_push", "skv_fetch"),
     "prefetch.cu": ("skv_prefetch",),
+    "tp.cu": ("skv_tp_check_step", "skv_tp_follow"),
 }
 
 RESOLVE_THREADS = 1024
@@ -74,6 +75,9 @@ class KernelCache(build.KernelCache):
                 names.append(fn)
         for fn in SOURCES["prefetch.cu"]:  # CudaResidency(prefetch=True): the block size only
             self.function("prefetch.cu", fn, resolve_defines())
+            names.append(fn)
+        for fn in SOURCES["tp.cu"]:  # a TP group's doorbell step (cuda/tp_doorbell.py)
+            self.function("tp.cu", fn, {})
             names.append(fn)
         for rb in row_bytes:
             for fn in SOURCES["copy.cu"]:

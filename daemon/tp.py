@@ -97,6 +97,7 @@ class TpGroup:
         self.joining: set[int] = set()  # ranks whose attach is under way: the entries are kept for them
         self.made = 0  # entries ever made (none yet: ranks may join)
         self.resolved_at: dict[int, int] = {}  # (prefetch) index group -> step of its latest batch
+        self.device = None  # the cuda backend's device side on the doorbell (cuda/tp_doorbell.py)
         self._pf_seen = (0, 0, 0)
 
     # -- membership ------------------------------------------------------------------

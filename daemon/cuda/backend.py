@@ -26,6 +26,7 @@ from .arena import DeviceArena
 from .buffers import HostBlocks
 from .deferred import DeferredFrees
 from .rank import CudaRankState
+from .tp_doorbell import TpDoorbellGroup
 
 log = logging.getLogger("sparsekv.cuda")
 
@@ -154,13 +155,18 @@ class CudaBackend(Backend):
                               blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
                               transport=transport, engine_slab=engine_slab, prefetch=prefetch,
                               free=self._deferred.free_for(worker.ordinal),
-                              host_blocks=self._host_blocks(space, worker.ordinal))
-        if fence_events:
-            try:
+                              host_blocks=self._host_blocks(space, worker.ordinal),
+                              tp=space.tp is not None)
+        try:
+            if fence_events:
                 state.fence_events = ImportedEvents(list(fence_events), worker.ordinal)
-            except Exception:
-                state.close()
-                raise
+            if space.tp is not None:  # the group's device side; it starts once every rank is in
+                if space.tp.device is None:
+                    space.tp.device = TpDoorbellGroup(space.tp.size, worker.kernels)
+                space.tp.device.add(rank, state)
+        except Exception:
+            state.close()
+            raise
         self._ranks[client_id] = state
         return state, state.export()
 

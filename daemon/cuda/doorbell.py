@@ -48,7 +48,7 @@ class DoorbellTransport(DeviceTransport):
         depth: step graphs kept launched ahead.
     """
 
-    def __init__(self, dstep, worker, depth: int = DEPTH):
+    def __init__(self, dstep, worker, depth: int = DEPTH, start: bool = True):
         import cupy as cp
 
         self.dstep, self.worker = dstep, worker
@@ -70,11 +70,34 @@ class DoorbellTransport(DeviceTransport):
             # for another doorbell rank's stream, which waits on its engine's bells).
             with self.stream:
                 self._arrivals = cp.zeros(L, dtype=cp.uint32)
-        self.graph = capture(self._enqueue_step, worker.ordinal)
+        self.graph = None
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._stock, name=f"sparsekv-doorbell-{worker.ordinal}", daemon=True)
+        self._thread: threading.Thread | None = None
+        self.bells_extra: list[int] = []  # other ranks' words this stream waits on (a TP group's leader)
+        if start:
+            self.start(self._enqueue_step)
+
+    def start(self, enqueue_step) -> None:
+        """Capture ``enqueue_step(stream)`` as this rank's step graph and keep it stocked
+        (a TP group's leader: the group's step; ``tp_doorbell.py``)."""
+        self.graph = capture(enqueue_step, self.worker.ordinal)
+        self._thread = threading.Thread(target=self._stock, name=f"sparsekv-doorbell-{self.worker.ordinal}",
+                                        daemon=True)
         self._thread.start()
+
+    @property
+    def bell_addresses(self) -> list[int]:
+        """Its step bell and its group bells (device addresses), the order they are rung."""
+        return [self._bell_step, *self._bells]
+
+    @property
+    def ready_addresses(self) -> list[int]:
+        return list(self._ready)
+
+    @property
+    def arrivals(self):
+        return self._arrivals
 
     def _wait_bell(self, stream, address: int, cleared_by_kernel: bool = False) -> None:
         """Wait until the word at ``address`` is 1 and set it to 0 again; with
@@ -144,9 +167,12 @@ class DoorbellTransport(DeviceTransport):
         import cupy as cp
 
         self._stop.set()
+        if self._thread is None:  # never started (a TP follower: the leader's stream serves it)
+            self._arrivals = None
+            return True
         self._thread.join()
         G = self.layout.num_groups
-        bells = [self.buffers.db_ctl.data.ptr + 4 * i for i in range(1 + G)]
+        bells = [self.buffers.db_ctl.data.ptr + 4 * i for i in range(1 + G)] + self.bells_extra
         with cp.cuda.Device(self.worker.ordinal):
             done = cp.cuda.Event(block=False, disable_timing=True)
             done.record(self.stream)

@@ -53,6 +53,8 @@ class CudaRankState(RankState):
         transport: ``"zmq"`` (steps arrive as messages) or ``"doorbell"`` (``doorbell.py``).
         engine_slab: an engine-owned slab (``engine.EngineSlabImport``): imported through
             CUDA IPC (closed with the rank), gathered into by its geometry.
+        tp: a rank of a TP group (doorbell): its transport starts nothing; the group's
+            leader stream serves it (``tp_doorbell.py``, once every rank has joined).
         prefetch: after each group's top-k, prefetch its rows into the next group's
             regions on the rank's stream (``DeviceStep.enqueue_prefetch``; zmq: once the
             result's event is recorded, by the rule of ``RankState.prefetch_next``;
@@ -66,7 +68,8 @@ class CudaRankState(RankState):
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
                  graphs: bool = True, blocks_path: str | None = None, transport: str = "zmq",
-                 engine_slab=None, prefetch: bool = False, free: FreeFn = free_now, host_blocks=None):
+                 engine_slab=None, prefetch: bool = False, free: FreeFn = free_now, host_blocks=None,
+                 tp: bool = False):
         import cupy as cp
 
         lay = space.layout
@@ -116,12 +119,13 @@ class CudaRankState(RankState):
                 self.dstep = DeviceStep(residency, mover, bufs, worker.kernels)
                 self.events = EventRing(worker.ordinal, ring_depth)
                 self.transport: MessageTransport | DeviceTransport = (
-                    DoorbellTransport(self.dstep, worker) if transport == "doorbell"
+                    DoorbellTransport(self.dstep, worker, start=not tp) if transport == "doorbell"
                     else ZmqTransport(self.dstep, worker, self.events, graphs=graphs))
             except Exception:
                 bufs.close(free, self._spare_host)
                 self._close_slab()
                 raise
+        self.tp_device = None  # its TP group's device side (tp_doorbell.py), once added to it
         self._write_uploads: list = []  # events after the last staged write's uploads
         self._write_done = None  # event after the last staged write's kernel
         self._errors = ErrorRecord(bufs.host_err)  # counts already turned into replies
@@ -393,6 +397,8 @@ class CudaRankState(RankState):
         """Wait for this rank's work, then free its graphs, events, host blocks and ranges.
         Returns False (and frees nothing) if the rank's stream did not drain: it may still
         touch every one of them."""
+        if self.tp_device is not None and not self.tp_device.remove(self.rank):
+            return False  # the group's stream, which reads this rank's memory, did not drain
         if not self.transport.close():
             return False
         # Its last staged write (a doorbell rank's too) runs on the GPU's shared stream and

@@ -122,12 +122,12 @@ def test_write_reaches_the_pool_and_drops_hot_copies(filled):
         np.testing.assert_array_equal(got, new[layer])
 
 
-def test_a_tp_group_is_refused_before_anything_is_allocated_and_the_others_are_served(filled):
+def test_a_tp_group_on_zmq_is_refused_before_anything_is_allocated_and_the_others_are_served(filled):
     lay, c, att = filled
     before = c.stats()
     with Client(c.run_dir, rank=1, device="cuda:0") as other:
         # (the pool has no room for a second engine: the refusal comes before any is sought)
-        with pytest.raises(BadRequest, match="runs on the cpu backend only"):
+        with pytest.raises(BadRequest, match="runs on the doorbell transport"):
             other.attach(lay, engine="tp", tp_size=2)
     after = c.stats()
     assert (after["engines"], after["pool_used_bytes"]) == (before["engines"], before["pool_used_bytes"])

@@ -715,11 +715,12 @@ def test_kernel_cache_dir_and_warm(tmp_path, monkeypatch):
     assert "#include" not in src and "#define SKV_RESOLVE_THREADS 64" in src
     kc = kernels.KernelCache(tmp_path / "c")
     names = kc.warm(row_bytes=(656, 32))
-    assert "skv_resolve" in names and "skv_copy_rows" in names and "skv_prefetch" in names
+    assert "skv_resolve" in names and "skv_copy_rows" in names and "skv_prefetch" in names and "skv_tp_follow" in names
     files = sorted(p.name for p in (tmp_path / "c").glob("*.cubin"))
     # resolve: every shape CudaResidency may pick (table x2 / x4, workspace in shared or
-    # global memory, lru and owner rows copied or not: 16); the prefetch; copy for two row sizes
-    assert len(files) == 16 + 1 + 2, files
+    # global memory, lru and owner rows copied or not: 16); the prefetch; the TP group's
+    # checks; copy for two row sizes
+    assert len(files) == 16 + 1 + 1 + 2, files
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.cubin")}
     kc2 = kernels.KernelCache(tmp_path / "c")
     kc2.warm(row_bytes=(656, 32))  # a new process: from disk

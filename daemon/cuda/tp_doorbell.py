@@ -1,0 +1,156 @@
+"""A TP group on the doorbell transport: one resolve per engine and index group for every
+rank of the group, on the device (DESIGN §5.6).
+
+The ranks of a TP engine ring their own bells with their own blocks, as any doorbell rank
+does. Once every rank of the group has attached (all on one GPU), the leader's (rank 0's)
+doorbell stream takes a step graph of the whole group, captured once: it waits for every
+member's step bell, checks each follower's STEP block against its own
+(``skv_tp_check_step``: a "bad" word per follower), begins the step once on the group's
+residency (the leader's), then per index group waits for every member's bell, resolves the
+leader's TOPK block once, hands each follower the leader's slots where its rows are the
+leader's (``skv_tp_follow``: a differing row is refused, TP_MISMATCH in the follower's error
+record), and gathers the plan into every member's slab, each member's ready words after
+its own rows (a refused follower's slab gets every row too: every slab mirrors the shared
+residency, or a later hit of that rank would read a stale row). With prefetch, the
+leader's prefetch plan goes into every slab the same way. Followers' streams run nothing.
+
+A member that leaves (detach, death) stops the group: the leader's stream is drained
+(every member's bells rung from the host) before any member's memory is given back; the
+engine's other ranks are then served no more (their streams wait on their ready words
+until they detach). Ranks on several GPUs are refused for now (their slabs would be
+written over peer access from the leader's GPU; the striped gather, each GPU fetching a
+share over its own link, is the design: docs/DESIGN.md §5.6).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from sparsekv.proto.stream_ops import wait32, write32
+
+from ..residency.base import ResidencyError
+
+log = logging.getLogger("sparsekv.cuda")
+
+CHECK_THREADS = 256
+
+
+class TpDoorbellGroup:
+    """The device side of one TP engine's ``TpGroup`` on the doorbell transport.
+
+    Args:
+        size: the group's ranks.
+        kernels: the GPU's kernel cache (``tp.cu``).
+    """
+
+    def __init__(self, size: int, kernels):
+        self.size = size
+        self.kernels = kernels
+        self.members: dict[int, object] = {}  # rank -> CudaRankState
+        self.started = False
+        self.stopped = False
+        self._bad = None  # uint32 [size]: a follower's step differed from the leader's
+
+    def add(self, rank: int, state) -> None:
+        """Rank ``rank``'s CudaRankState (doorbell transport, not started) joins; the group
+        starts once every rank has."""
+        if self.stopped:
+            raise ResidencyError("BAD_ARGUMENT", "this TP group stopped (a rank left): restart every rank of the "
+                                 "engine to form a new one")
+        if self.members:
+            first = next(iter(self.members.values()))
+            if first.worker is not state.worker:
+                raise ResidencyError("BAD_ARGUMENT", "the ranks of a TP group on the doorbell transport must share "
+                                     f"one GPU for now (rank {rank} is on GPU {state.worker.ordinal}, the group's on "
+                                     f"GPU {first.worker.ordinal})")
+        self.members[rank] = state
+        state.tp_device = self
+        if len(self.members) == self.size:
+            self._start()
+
+    def _start(self) -> None:
+        import cupy as cp
+
+        leader = self.members[0]
+        with cp.cuda.Device(leader.worker.ordinal):
+            stream = leader.transport.stream
+            with stream:
+                self._bad = cp.zeros(self.size, dtype=cp.uint32)
+        self._check_step = self.kernels.function("tp.cu", "skv_tp_check_step", {})
+        self._follow = self.kernels.function("tp.cu", "skv_tp_follow", {})
+        followers = [self.members[r] for r in range(1, self.size)]
+        leader.transport.bells_extra = [a for f in followers for a in f.transport.bell_addresses]
+        leader.transport.start(self._enqueue_step)
+        self.started = True
+
+    def _enqueue_step(self, stream) -> None:
+        """The group's step on the leader's stream (captured once)."""
+        i32 = np.int32
+        lead = self.members[0]
+        followers = [self.members[r] for r in range(1, self.size)]
+        lt, lb, ld = lead.transport, lead.buffers, lead.dstep
+        B, K = lb.max_batch, lead.dstep.layout.top_k
+        inv_cap = ld.residency.inv_cap
+        bad = [self._bad.data.ptr + 4 * r for r in range(self.size)]
+        for m in (lead, *followers):
+            address = m.transport.bell_addresses[0]
+            wait32(stream.ptr, address, 1)
+            write32(stream.ptr, address, 0)
+        with stream:
+            for r, f in enumerate(followers, 1):
+                self._check_step((1,), (CHECK_THREADS,),
+                                 (lb.db_step.block, f.buffers.db_step.block, i32(B), i32(inv_cap), np.uint64(bad[r]),
+                                  f.buffers.err))
+        ld.residency.launch_begin_step(lb.db_step.desc, lb.db_step.rows, lb.db_step.aux, lb.db_step.payload, lb.err,
+                                       B, stream)
+        groups = ld.layout.groups
+        for g, layers in enumerate(groups):
+            lead_bell = lt.bell_addresses[1 + g]
+            wait32(stream.ptr, lead_bell, 1)
+            for f in followers:
+                address = f.transport.bell_addresses[1 + g]
+                wait32(stream.ptr, address, 1)
+                write32(stream.ptr, address, 0)
+            t = lb.db_topk[g]
+            ld.enqueue_resolve(t, lb.db_slots[g], lb.db_misses[g], stream, clear=lead_bell)
+            with stream:
+                for r, f in enumerate(followers, 1):
+                    self._follow((B,), (CHECK_THREADS,),
+                                 (t.block, f.buffers.db_topk[g].block, lb.db_slots[g], lb.db_misses[g],
+                                  f.buffers.db_slots[g], f.buffers.db_misses[g], i32(K), i32(B), np.uint64(bad[r]),
+                                  f.buffers.err))
+            if g == len(groups) - 1:
+                for m in (lead, *followers):
+                    m.dstep.enqueue_stats_out(stream)
+            for layer in layers:
+                for m in (lead, *followers):
+                    m.mover.launch_gather(t.desc, lb.plan_rows, lb.plan_slots, lb.db_misses[g], B, stream,
+                                          group_layers=m.buffers.db_layers[layer],
+                                          ready=m.transport.ready_addresses[layer],
+                                          arrivals=m.transport.arrivals.data.ptr + 4 * layer)
+            if lb.prefetch and g + 1 < len(groups):
+                ld.enqueue_prefetch(t, stream)  # the residency's prefetch, its rows into the leader's slab
+                for f in followers:
+                    f.mover.launch_gather(t.desc, lb.pf_rows, lb.pf_slots, lb.pf_counts, B, stream,
+                                          group_layers=f.buffers.pf_layers)
+
+    def stop(self) -> bool:
+        """Stop serving the group: the leader's stream drained (every member's bells rung).
+        False when it did not drain (nothing of any member may be freed then)."""
+        if self.stopped:
+            return True
+        self.stopped = True
+        if not self.started:
+            return True
+        ok = self.members[0].transport.close()
+        if not ok:
+            log.error("the TP group's doorbell stream did not drain; its ranks' memory stays allocated")
+        return ok
+
+    def remove(self, rank: int) -> bool:
+        """Rank ``rank`` leaves: the group stops first (its stream reads every member's memory)."""
+        ok = self.stop()
+        self.members.pop(rank, None)
+        return ok
