@@ -75,9 +75,11 @@ class TpDoorbellGroup:
 
         leader = self.members[0]
         with cp.cuda.Device(leader.worker.ordinal):
+            # A memset, not a CuPy kernel: a kernel's first use loads a module, which waits
+            # for every stream of the GPU (another engine's parked doorbell stream too).
             stream = leader.transport.stream
-            with stream:
-                self._bad = cp.zeros(self.size, dtype=cp.uint32)
+            self._bad = cp.empty(self.size, dtype=cp.uint32)
+            cp.cuda.runtime.memsetAsync(self._bad.data.ptr, 0, self._bad.nbytes, stream.ptr)
         self._check_step = self.kernels.function("tp.cu", "skv_tp_check_step", {})
         self._follow = self.kernels.function("tp.cu", "skv_tp_follow", {})
         followers = [self.members[r] for r in range(1, self.size)]
