@@ -9,10 +9,13 @@ member's step bell, checks each follower's STEP block against its own
 residency (the leader's), then per index group waits for every member's bell, resolves the
 leader's TOPK block once, hands each follower the leader's slots where its rows are the
 leader's (``skv_tp_follow``: a differing row is refused, TP_MISMATCH in the follower's error
-record), and gathers the plan into every member's slab, each member's ready words after
+record), and puts the plan's rows into every member's slab, each member's ready words after
 its own rows (a refused follower's slab gets every row too: every slab mirrors the shared
-residency, or a later hit of that rank would read a stale row). With prefetch, the
-leader's prefetch plan goes into every slab the same way. Followers' streams run nothing.
+residency, or a later hit of that rank would read a stale row): striped when every slab is
+in the daemon's layout (member r gathers stripe r of each row's misses from the pool, then
+pushes it into the other members' slabs, so the pool is read once for the group), else
+each member gathers the whole plan. With prefetch, the leader's prefetch plan goes into
+every slab by whole gathers. Followers' streams run nothing.
 
 A member that leaves (detach, death) stops the group: the leader's stream is drained
 (every member's bells rung from the host) before any member's memory is given back; the
@@ -52,6 +55,7 @@ class TpDoorbellGroup:
         self.started = False
         self.stopped = False
         self._bad = None  # uint32 [size]: a follower's step differed from the leader's
+        self._targets = None  # [r][q]: member r's push target for member q's slab (striped gathers), or None
 
     def add(self, rank: int, state) -> None:
         """Rank ``rank``'s CudaRankState (doorbell transport, not started) joins; the group
@@ -80,6 +84,7 @@ class TpDoorbellGroup:
             stream = leader.transport.stream
             self._bad = cp.empty(self.size, dtype=cp.uint32)
             cp.cuda.runtime.memsetAsync(self._bad.data.ptr, 0, self._bad.nbytes, stream.ptr)
+        self._targets = self._stripe_targets()
         self._check_step = self.kernels.function("tp.cu", "skv_tp_check_step", {})
         self._follow = self.kernels.function("tp.cu", "skv_tp_follow", {})
         followers = [self.members[r] for r in range(1, self.size)]
@@ -127,16 +132,50 @@ class TpDoorbellGroup:
                 for m in (lead, *followers):
                     m.dstep.enqueue_stats_out(stream)
             for layer in layers:
-                for m in (lead, *followers):
-                    m.mover.launch_gather(t.desc, lb.plan_rows, lb.plan_slots, lb.db_misses[g], B, stream,
-                                          group_layers=m.buffers.db_layers[layer],
-                                          ready=m.transport.ready_addresses[layer],
-                                          arrivals=m.transport.arrivals.data.ptr + 4 * layer)
+                self._gather_layer(layer, t.desc, lb.plan_rows, lb.plan_slots, lb.db_misses[g], B, stream)
             if lb.prefetch and g + 1 < len(groups):
                 ld.enqueue_prefetch(t, stream)  # the residency's prefetch, its rows into the leader's slab
                 for f in followers:
                     f.mover.launch_gather(t.desc, lb.pf_rows, lb.pf_slots, lb.pf_counts, B, stream,
                                           group_layers=f.buffers.pf_layers)
+
+    def _gather_layer(self, layer: int, desc, plan_rows, plan_slots, misses, max_batch: int, stream) -> None:
+        """The group's plan into every member's slab for ``layer``, each member's ready word
+        once its rows are in. Striped (``self._targets``): member r gathers stripe r of the
+        plan from the pool into its own slab, then pushes it into every other member's slab
+        (device-to-device): the pool is read once, not once a member; a member's ready word
+        counts its own gather's blocks and the others' pushes (``size`` x blocks). Else each
+        member gathers the whole plan."""
+        members = [self.members[r] for r in range(self.size)]
+        ready = [m.transport.ready_addresses[layer] for m in members]
+        arrivals = [m.transport.arrivals.data.ptr + 4 * layer for m in members]
+        if self._targets is None:
+            for m, rd, ar in zip(members, ready, arrivals):
+                m.mover.launch_gather(desc, plan_rows, plan_slots, misses, max_batch, stream,
+                                      group_layers=m.buffers.db_layers[layer], ready=rd, arrivals=ar)
+            return
+        n, expect = self.size, self.size * members[0].mover.blocks
+        for r, m in enumerate(members):
+            m.mover.launch_gather(desc, plan_rows, plan_slots, misses, max_batch, stream,
+                                  group_layers=m.buffers.db_layers[layer], ready=ready[r], arrivals=arrivals[r],
+                                  stripe=r, stripes=n, expect=expect)
+        for r, m in enumerate(members):  # (after every gather on this stream: each stripe is in its slab)
+            for q in range(n):
+                if q != r:
+                    m.mover.launch_push(desc, plan_rows, plan_slots, misses, max_batch, stream, self._targets[r][q],
+                                        stripe=r, stripes=n, group_layers=m.buffers.db_layers[layer],
+                                        ready=ready[q], arrivals=arrivals[q], expect=expect)
+
+    def _stripe_targets(self) -> list | None:
+        """Each member's view of every other member's slab (``launch_push`` destinations),
+        when the group can stripe its gathers: every member's slab in the daemon's layout (a
+        push reads its source slab so), all on one GPU with the same gather grid; else None."""
+        members = [self.members[r] for r in range(self.size)]
+        movers = [m.mover for m in members]
+        if any(mv.engine_owned for mv in movers) or len({mv.blocks for mv in movers}) != 1:
+            return None
+        return [[mv.slab_target(movers[q].slab) if q != r else None for q in range(self.size)]
+                for r, mv in enumerate(movers)]
 
     def stop(self) -> bool:
         """Stop serving the group: the leader's stream drained (every member's bells rung).
