@@ -27,6 +27,7 @@ word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window.
 from __future__ import annotations
 
 import abc
+import ctypes
 import logging
 import threading
 import time
@@ -98,6 +99,8 @@ class DeviceSwapIn(abc.ABC):
         self._misses = misses  # torch int32 [groups, max_batch]: each group's misses per batch row
         self._errors = ErrorRecord(error_mirror) if error_mirror is not None else None
         self._gone: str | None = None
+        self._stopped_word = 0  # the rank's stop word in the daemon's arena (0: none; DoorbellSwapIn)
+        self._gone_code: ErrorCode | None = None  # why it is gone, when not the daemon's end
 
     # -- hand-off points ---------------------------------------------------------------
     def _step_bell(self) -> int:
@@ -257,15 +260,18 @@ class DeviceSwapIn(abc.ABC):
                      (self._slots[g], i32(lay.top_k), req.data_ptr(), i32(tokens), topk.data_ptr(), i32(k),
                       res_ptr, i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))),
                       i32(lay.region_stride), i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr,
-                      out.data_ptr(), valid.data_ptr() if valid is not None else 0, self._cleared_by_indices(layer)))
+                      self._stopped_word, out.data_ptr(), valid.data_ptr() if valid is not None else 0,
+                      self._cleared_by_indices(layer)))
         return (out, valid) if return_valid_counts else out
 
     def check(self) -> None:
         """Raise what went wrong since the last check: :class:`DaemonUnavailable` once the
-        daemon is gone, else the typed error of the first kind of row the daemon's kernels
-        refused (the rank's error mirror: complete once the stream has passed a step)."""
+        daemon is gone (``TpLag`` once the rank's TP group stopped: a peer rank left), else
+        the typed error of the first kind of row the daemon's kernels refused (the rank's
+        error mirror: complete once the stream has passed a step)."""
         if self._gone is not None:
-            raise DaemonUnavailable(self._gone)
+            raise DaemonUnavailable(self._gone) if self._gone_code is None else error_for(int(self._gone_code),
+                                                                                          self._gone)
         if self._errors is None:
             return
         found = self._errors.take()
@@ -343,10 +349,14 @@ class DoorbellSwapIn(DeviceSwapIn):
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]
         self._readys = [ctl + 4 * i for i in db["ready"]]
+        # Set by the daemon when the rank's TP group stops (a peer rank left): indices -1 from then on.
+        self._stopped_word = ctl + 4 * db["stopped"]
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(self.device):
             self._arrivals, = zeroed(cp, (G, cp.uint32))  # skv_db_topk's arrival counter per group
+            self._stop_seen = cp.cuda.alloc_pinned_memory(4)  # the stop word, read by the watcher
+            self._watch_stream = cp.cuda.Stream(non_blocking=True)
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
@@ -378,10 +388,15 @@ class DoorbellSwapIn(DeviceSwapIn):
             self._watcher.join(timeout=5.0)
 
     def _watch(self) -> None:
-        """Watch the daemon; once it is gone, release the engine's stream for ever."""
+        """Watch the daemon and the rank's stop word; once the daemon is gone or the rank's
+        TP group stopped, release the engine's stream for ever."""
         while not self._closed.wait(WATCH_INTERVAL_S):
             try:
                 why = self.client._daemon_dead()  # (only once its process is gone)
+                if why is None and self._stopped():
+                    why = ("a rank of this engine's TP group left, and the daemon stopped serving the group (the "
+                           "leader's log says which)")
+                    self._gone_code = ErrorCode.TP_LAG
             except Exception as e:  # noqa: BLE001 - keep watching
                 log.debug("daemon check failed: %r", e)
                 continue
@@ -391,6 +406,17 @@ class DoorbellSwapIn(DeviceSwapIn):
                 log.error("%s", self._gone)
                 self._release()
                 return
+
+    def _stopped(self) -> bool:
+        """Whether the daemon set the rank's stop word (a copy of it, on a stream of its own:
+        no module load, no wait for the engine's streams)."""
+        import cupy as cp  # noqa: PLC0415
+
+        with cp.cuda.Device(self.device):
+            cp.cuda.runtime.memcpyAsync(self._stop_seen.ptr, self._stopped_word, 4,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self._watch_stream.ptr)
+            self._watch_stream.synchronize()
+        return ctypes.c_uint32.from_address(self._stop_seen.ptr).value != 0
 
     def _release(self) -> None:
         """Set the dead word, then every ready word again and again, from a side stream,

@@ -121,8 +121,9 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
 // Attention indices of one layer: out[t, j] =
 //   resident copy:  resident_base + resident[req, p / bs] * bs + p % bs
 //   hot slot s >= 0: hot_base + req * region_stride + s
-//   otherwise -1 (and -1 everywhere once `dead[0]` is set: the daemon is gone; -1 for an
-//   index that would not fit int32: a resident block number far out of range).
+//   otherwise -1 (and -1 everywhere once `dead[0]` is set: the daemon is gone; or once
+//   `stopped[0]` is, the rank's word in the daemon's arena: its TP group stopped; -1 for
+//   an index that would not fit int32: a resident block number far out of range).
 // `slots` is the group's [max_batch, ld] result. valid[t] (optional) = entries >= 0.
 // `clear` (optional): a word set to 0 first thing (the ready word the stream waited on).
 // Grid: one block per token (grid-stride); blockDim a multiple of 32, at most 1024.
@@ -133,14 +134,14 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
                                           const int table_rows, const int block_size,
                                           const int region_stride,
                                           const i64 hot_base, const i64 resident_base,
-                                          const int* __restrict__ dead,
+                                          const int* __restrict__ dead, const u32* __restrict__ stopped,
                                           int* __restrict__ out, int* __restrict__ valid,
                                           u32* clear) {
     __shared__ int count;
     // The layer's ready word: clearing it here saves a stream operation. The daemon sets
     // it again only after the next bell, which this stream rings later.
     if (clear && blockIdx.x == 0 && threadIdx.x == 0) *(volatile u32*)clear = 0u;
-    const bool gone = dead && *(volatile const int*)dead != 0;
+    const bool gone = (dead && *(volatile const int*)dead != 0) || (stopped && *(volatile const u32*)stopped != 0u);
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
         if (threadIdx.x == 0) count = 0;
         __syncthreads();

@@ -18,7 +18,7 @@ Arena layout of one rank (each section a 256-byte aligned range of the arena):
 | ``workspace`` | uint8 ``[B, resolve workspace]`` | resolve, when its workspace is too big for shared memory |
 | ``db_step``, ``db_topk`` | int32 step block, ``[G]`` step blocks | doorbell: the engine's stream / the daemon's step graph |
 | ``db_slots``, ``db_misses`` | int32 ``[G, B, K]``, ``[G, B]`` | doorbell: resolve / the engine's ``skv_db_indices`` |
-| ``db_ctl`` | uint32 ``[1 + G + L]`` | doorbell words: the step bell, a bell per group, a ready word per layer |
+| ``db_ctl`` | uint32 ``[1 + G + L + 1]`` | doorbell words: the step bell, a bell per group, a ready word per layer, the stop word (set when the rank's TP group stops: its indices -1) |
 | ``done`` | uint32 ``[R]`` | zmq: per ring entry, the last device-wait TOPK whose result is in place |
 | ``db_layers`` | int32 ``[L, G, 2]`` | doorbell: per layer, a group table naming only that layer (one gather per layer) |
 | ``pf_rows``, ``pf_slots``, ``pf_counts`` | int32 ``[B, K]``, ``[B, K]``, ``[B]`` | prefetch: ``skv_prefetch`` / its gather (apart from the resolve's plan) |
@@ -181,7 +181,7 @@ class RankBuffers:
         if self.doorbell:
             sizes.update({"db_step": self.block_ints * 4, "db_topk": G * self.block_ints * 4,
                           "db_slots": G * B * K * 4, "db_misses": G * B * 4,
-                          "db_ctl": (1 + G + L) * 4, "db_layers": L * G * 2 * 4})
+                          "db_ctl": (1 + G + L + 1) * 4, "db_layers": L * G * 2 * 4})
         self.prefetch = bool(prefetch)
         pf_width = 1 + max(len(g) for g in lay.groups)
         if self.prefetch:
@@ -224,7 +224,7 @@ class RankBuffers:
                                 for g in range(G)]
                 self.db_slots = v(o["db_slots"], (G, B, K), "int32")
                 self.db_misses = v(o["db_misses"], (G, B), "int32")
-                self.db_ctl = v(o["db_ctl"], (1 + G + L,), "uint32")
+                self.db_ctl = v(o["db_ctl"], (1 + G + L + 1,), "uint32")
                 self.db_layers = v(o["db_layers"], (L, G, 2), "int32")
                 table = np.zeros((L, G, 2), np.int32)
                 for g, layers in enumerate(lay.groups):
@@ -315,7 +315,7 @@ class RankBuffers:
             out["doorbell"] = {"step_block_offset": o["db_step"], "topk_block_offset": o["db_topk"],
                                "slots_offset": o["db_slots"], "misses_offset": o["db_misses"],
                                "ctl_offset": o["db_ctl"], "bell_step": 0, "bells": [1 + i for i in range(g)],
-                               "ready": [1 + g + i for i in range(L)]}
+                               "ready": [1 + g + i for i in range(L)], "stopped": 1 + g + L}
         return out
 
     def release(self) -> None:

@@ -96,6 +96,12 @@ class DoorbellTransport(DeviceTransport):
         return list(self._ready)
 
     @property
+    def stop_address(self) -> int:
+        """The rank's stop word: once set, the engine's ``skv_db_indices`` answers -1 and its
+        handle releases its stream (a TP group stopped under it)."""
+        return self.buffers.db_ctl.data.ptr + 4 * (1 + self.layout.num_groups + self.layout.num_layers)
+
+    @property
     def arrivals(self):
         return self._arrivals
 

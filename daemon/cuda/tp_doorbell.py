@@ -56,6 +56,7 @@ class TpDoorbellGroup:
         self.stopped = False
         self._bad = None  # uint32 [size]: a follower's step differed from the leader's
         self._targets = None  # [r][q]: member r's push target for member q's slab (striped gathers), or None
+        self._drained: bool | None = None  # once stopped: whether the leader's stream drained
 
     def add(self, rank: int, state) -> None:
         """Rank ``rank``'s CudaRankState (doorbell transport, not started) joins; the group
@@ -78,16 +79,18 @@ class TpDoorbellGroup:
         import cupy as cp
 
         leader = self.members[0]
-        with cp.cuda.Device(leader.worker.ordinal):
+        followers = [self.members[r] for r in range(1, self.size)]
+        with cp.cuda.Device(leader.worker.ordinal):  # (the kernel cache's modules are per current device)
             # A memset, not a CuPy kernel: a kernel's first use loads a module, which waits
             # for every stream of the GPU (another engine's parked doorbell stream too).
             stream = leader.transport.stream
             self._bad = cp.empty(self.size, dtype=cp.uint32)
             cp.cuda.runtime.memsetAsync(self._bad.data.ptr, 0, self._bad.nbytes, stream.ptr)
-        self._targets = self._stripe_targets()
-        self._check_step = self.kernels.function("tp.cu", "skv_tp_check_step", {})
-        self._follow = self.kernels.function("tp.cu", "skv_tp_follow", {})
-        followers = [self.members[r] for r in range(1, self.size)]
+            for f in followers:  # their arrival counters were zeroed on their own streams, which run nothing else
+                f.transport.stream.synchronize()
+            self._targets = self._stripe_targets()
+            self._check_step = self.kernels.function("tp.cu", "skv_tp_check_step", {})
+            self._follow = self.kernels.function("tp.cu", "skv_tp_follow", {})
         leader.transport.bells_extra = [a for f in followers for a in f.transport.bell_addresses]
         leader.transport.start(self._enqueue_step)
         self.started = True
@@ -149,18 +152,22 @@ class TpDoorbellGroup:
         members = [self.members[r] for r in range(self.size)]
         ready = [m.transport.ready_addresses[layer] for m in members]
         arrivals = [m.transport.arrivals.data.ptr + 4 * layer for m in members]
+        # Every launch into the leader's slab comes last: once the leader's last ready word of
+        # a step is set, its engine may write its next step's top-k block (this ``desc``, with
+        # one index group) while launches after it would still read it.
         if self._targets is None:
-            for m, rd, ar in zip(members, ready, arrivals):
+            for r in (*range(1, self.size), 0):
+                m = members[r]
                 m.mover.launch_gather(desc, plan_rows, plan_slots, misses, max_batch, stream,
-                                      group_layers=m.buffers.db_layers[layer], ready=rd, arrivals=ar)
+                                      group_layers=m.buffers.db_layers[layer], ready=ready[r], arrivals=arrivals[r])
             return
         n, expect = self.size, self.size * members[0].mover.blocks
         for r, m in enumerate(members):
             m.mover.launch_gather(desc, plan_rows, plan_slots, misses, max_batch, stream,
                                   group_layers=m.buffers.db_layers[layer], ready=ready[r], arrivals=arrivals[r],
                                   stripe=r, stripes=n, expect=expect)
-        for r, m in enumerate(members):  # (after every gather on this stream: each stripe is in its slab)
-            for q in range(n):
+        for q in (*range(1, n), 0):  # (after every gather on this stream: each stripe is in its slab)
+            for r, m in enumerate(members):
                 if q != r:
                     m.mover.launch_push(desc, plan_rows, plan_slots, misses, max_batch, stream, self._targets[r][q],
                                         stripe=r, stripes=n, group_layers=m.buffers.db_layers[layer],
@@ -178,20 +185,34 @@ class TpDoorbellGroup:
                 for r, mv in enumerate(movers)]
 
     def stop(self) -> bool:
-        """Stop serving the group: the leader's stream drained (every member's bells rung).
-        False when it did not drain (nothing of any member may be freed then)."""
-        if self.stopped:
-            return True
+        """Stop serving the group: every member's stop word set (its engine's indices are -1
+        from then on, and its handle releases its stream), then the leader's stream drained
+        (every member's bells rung: the graphs it still runs read stale blocks). False when
+        it did not drain (nothing of any member may be freed then), on every later call too."""
+        if self._drained is not None:
+            return self._drained
         self.stopped = True
         if not self.started:
+            self._drained = True
             return True
-        ok = self.members[0].transport.close()
-        if not ok:
+        import cupy as cp
+
+        with cp.cuda.Device(self.members[0].worker.ordinal):
+            side = cp.cuda.Stream(non_blocking=True)  # (stream memory operations only: no module load)
+            for m in self.members.values():
+                write32(side.ptr, m.transport.stop_address, 1)
+            side.synchronize()
+        self._drained = self.members[0].transport.close()
+        if not self._drained:
             log.error("the TP group's doorbell stream did not drain; its ranks' memory stays allocated")
-        return ok
+        return self._drained
 
     def remove(self, rank: int) -> bool:
-        """Rank ``rank`` leaves: the group stops first (its stream reads every member's memory)."""
+        """Rank ``rank`` leaves: a group serving stops first (its stream reads every member's
+        memory); before it started, the rank just goes (it may attach again)."""
+        if not self.started and not self.stopped:
+            self.members.pop(rank, None)
+            return True
         ok = self.stop()
         self.members.pop(rank, None)
         return ok

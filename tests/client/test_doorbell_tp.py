@@ -134,3 +134,49 @@ def test_a_follower_row_that_differs_is_refused_and_the_rest_served():
                 h.close()
             for c in clients:
                 c.close()
+
+
+def test_a_rank_that_leaves_stops_the_group_and_the_other_ranks_get_minus_one_and_an_error():
+    """Rank 1 closes after some steps: the daemon sets every member's stop word before it
+    drains the group's stream, so rank 0's indices are -1 from then on (never another
+    step's slots), its stream is released (its next steps finish), and check() raises
+    TpLag naming the group."""
+    import time
+
+    import torch
+
+    from sparsekv.client.errors import TpLag
+
+    lay = layout()
+    plan = steps(lay, 8, seed=7)
+    with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
+                       log_path=DAEMON_LOG) as d:
+        clients, handles = group(d.run_dir, lay)
+        try:
+            streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+            run(lay, plan[:3], handles, streams, torch)
+            handles[1].close()
+            clients[1].close()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    handles[0].check()
+                except TpLag:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("rank 0 was not told that its TP group stopped")
+            h, s = handles[0], streams[0]
+            for state, reset, inval, req, per_group, _table in plan[3:6]:
+                with torch.cuda.stream(s):
+                    h.begin_step(dev(state, torch), dev(reset, torch), dev(inval, torch))
+                    for g, layers in enumerate(lay.groups):
+                        for layer in layers:
+                            idx = h.swap_in(dev(req, torch), None, dev(per_group[g], torch), layer=layer)
+                            s.synchronize()  # released: never waits for ever
+                            assert (idx.cpu().numpy() == -1).all(), layer
+        finally:
+            for h in handles:
+                h.close()
+            for c in clients:
+                c.close()

@@ -318,23 +318,25 @@ def test_the_handles_own_arguments_ring_the_groups_bell(grid):
 
 def test_the_engine_side_indices_point_at_hot_or_resident_rows():
     """skv_db_indices: resident positions -> resident_base + block * bs + offset, hot slots
-    -> hot_base + req * stride + slot, everything else -1; valid counts; all -1 once dead.
-    k = 300: two tiles of unrolled columns, as above."""
+    -> hot_base + req * stride + slot, everything else -1; valid counts; all -1 once dead
+    (the handle's word) or stopped (the rank's word in the daemon's arena: its TP group
+    stopped). k = 300: two tiles of unrolled columns, as above."""
     rng = np.random.default_rng(5)
     stride, hot, res_base = 64, 1000, 50_000
-    for k_cols, dead_flag in ((24, 0), (24, 1), (300, 0)):
+    for k_cols, dead_flag, stop_flag in ((24, 0, 0), (24, 1, 0), (24, 0, 1), (300, 0, 0)):
         req, table, resident, topk, bs = _positions_case(rng, k=k_cols)
         tokens, k = topk.shape
         slots = rng.integers(-1, stride, size=(8, k)).astype(np.int32)
         out = np.full((tokens, k), -9, np.int32)
         valid = np.full(tokens, -9, np.int32)
         dead = np.array([dead_flag], np.int32)
+        stopped = np.array([stop_flag * 7], np.uint32)
         cpu_kernels.db_indices(3, 32, slots, req, topk, resident, table.shape[0], bs, stride, hot, res_base, dead,
-                               out, valid)
+                               out, valid, stopped=stopped)
         want = np.full((tokens, k), -1, np.int64)
         for t in range(tokens):
             r = int(req[t])
-            if dead_flag or not 0 <= r < table.shape[0]:
+            if dead_flag or stop_flag or not 0 <= r < table.shape[0]:
                 continue
             for j in range(k):
                 p = int(topk[t, j])
@@ -344,7 +346,7 @@ def test_the_engine_side_indices_point_at_hot_or_resident_rows():
                     want[t, j] = res_base + rb * bs + p % bs
                 elif slots[t, j] >= 0:
                     want[t, j] = hot + r * stride + slots[t, j]
-        np.testing.assert_array_equal(out, want, err_msg=f"dead {dead_flag}")
+        np.testing.assert_array_equal(out, want, err_msg=f"dead {dead_flag} stopped {stop_flag}")
         np.testing.assert_array_equal(valid, (want >= 0).sum(axis=1))
 
 

@@ -77,19 +77,23 @@ def test_each_member_gathers_its_stripe_then_pushes_it_into_every_other_slab(n):
         assert (kw["stripe"], kw["stripes"], kw["expect"]) == (r, n, n * BLOCKS)
         assert (kw["ready"], kw["arrivals"]) == (ready(q, 2), arrivals(q, 2))
     assert into == {q: n for q in range(n)}
+    # the leader's slab last: its last ready word set, its engine may rewrite the top-k block
+    # (the descriptor every launch reads) while a launch after it would still read it
+    last = [dst[2] for _, _, dst, _ in pushes[-(n - 1):]]
+    assert last == ["slab0"] * (n - 1) and all(dst[2] != "slab0" for _, _, dst, _ in pushes[:-(n - 1)])
 
 
 @pytest.mark.parametrize("why", ["engine_owned", "blocks"])
 def test_an_engine_owned_slab_or_another_grid_makes_each_member_gather_the_whole_plan(why):
     """A push reads its source slab in the daemon's layout, and a ready word's count assumes
     one grid size: otherwise every member gathers the whole plan, its ready word after its
-    own grid."""
+    own grid, the leader's last."""
     log = []
     other = member(1, log, engine_owned=True) if why == "engine_owned" else member(1, log, blocks=16)
     g = group_of([member(0, log), other])
     assert g._targets is None
     g._gather_layer(1, "desc", "rows", "slots", "misses", 8, "stream")
-    assert [(r, kind) for r, kind, _, _ in log] == [(0, "gather"), (1, "gather")]
+    assert [(r, kind) for r, kind, _, _ in log] == [(1, "gather"), (0, "gather")]  # the leader's last
     for r, _, _, kw in log:
         assert "stripe" not in kw and "expect" not in kw
         assert (kw["ready"], kw["arrivals"]) == (ready(r, 1), arrivals(r, 1))
