@@ -225,14 +225,18 @@ if has all || has test || has e2e || has replay; then
   # Then the host-row trace with --prefetch (each step's next rows fetched into group 1):
   # group 0's slots and misses and group 1's hit and miss counts equal the in-process run's;
   # and with two ranks of one engine (on GPU r modulo the GPUs), each verified, each
-  # rank's slots equal rank 0's (ranks_differing 0: the exit status says so).
-  for run in rows positions rows-prefetch rows-ranks2; do
+  # rank's slots equal rank 0's (ranks_differing 0: the exit status says so); and the two
+  # ranks as a TP group (one resolve for both: the doorbell only, zmq TP is refused on cuda).
+  for run in rows positions rows-prefetch rows-ranks2 rows-tp2; do
     tr=${run%%-*}
     pf=$([[ $run == *-prefetch ]] && echo --prefetch)
     rk=$([[ $run == *-ranks2 ]] && echo --ranks 2)
+    [[ $run == *-tp2 ]] && rk="--ranks 2 --tp"
     timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" $pf --out "$R/$run-inproc.npz" \
       >"$R/$run-inproc.json" 2>&1
-    for t in zmq doorbell; do
+    transports="zmq doorbell"
+    [[ $run == *-tp2 ]] && transports=doorbell
+    for t in $transports; do
       timeout "$(left 120)" python3 -m sparsekv.cli.main replay "$R/$tr.npz" $pf $rk --backend cuda --transport $t \
         --verify --out "$R/$run-$t.npz" --daemon-log "$R/$run-$t-daemon.log" >"$R/$run-$t.json" 2>&1
       rc=$?
