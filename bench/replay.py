@@ -226,44 +226,65 @@ class DoorbellDriver(ZmqDriver):
         super().__init__(trace, stack, backend=backend, **kw)
         self.handle = self.client.doorbell_handle(hot_base=self.hot_base)
         stack.callback(self.handle.close)
+        # Its own stream: the ranks of a TP group enqueue their steps one after the other
+        # before any waits for its rows (their group's step waits for every rank's bells).
+        self.stream = torch.cuda.Stream(device=self.client.device)
+        self._pending = None
 
     def run_step(self, t: int) -> StepResult:
+        self.start_step(t)
+        return self.finish()
+
+    def start_step(self, t: int) -> None:
+        """Enqueue step ``t`` (``begin_step``, group 0's layers) on this rank's stream;
+        :meth:`finish` waits for it."""
         tr, h, lay = self.trace, self.handle, self.layout
-        dev = self._dev
         state = tr.state_rows[t]
-        h.begin_step(dev(state), dev(tr.reset[t]), dev(tr.invalidate[t]))
-        table, block_size = None, 1
-        if tr.positional:
-            rows = np.full((lay.max_reqs, tr.block_table.shape[2]), -1, np.int32)
-            live = state >= 0
-            rows[state[live]] = tr.block_table[t][live]  # a request's rows share its table (Trace.check)
-            table, block_size = dev(rows), tr.block_size
-        slots, misses = self._group(0, state, tr.topk[t], table, block_size)
-        return slots, misses, None, None
+        with self.torch.cuda.stream(self.stream):
+            dev = self._dev
+            h.begin_step(dev(state), dev(tr.reset[t]), dev(tr.invalidate[t]))
+            table, block_size = None, 1
+            if tr.positional:
+                rows = np.full((lay.max_reqs, tr.block_table.shape[2]), -1, np.int32)
+                live = state >= 0
+                rows[state[live]] = tr.block_table[t][live]  # a request's rows share its table (Trace.check)
+                table, block_size = dev(rows), tr.block_size
+            self._start_group(0, state, tr.topk[t], table, block_size)
 
     def run_ahead(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """Group 1's layers, their top-k the next step's host rows (no block table)."""
-        return self._group(1, self.trace.state_rows[t], ahead_rows(self.trace, t), None, 1)
+        self.start_ahead(t)
+        return self.finish()[:2]
+
+    def start_ahead(self, t: int) -> None:
+        with self.torch.cuda.stream(self.stream):
+            self._start_group(1, self.trace.state_rows[t], ahead_rows(self.trace, t), None, 1)
 
     def _dev(self, a):
         """``a`` on this rank's GPU (rank r's: cuda:r modulo the GPUs, not the current one)."""
         return self.torch.as_tensor(np.ascontiguousarray(a)).to(self.client.device)
 
-    def _group(self, g: int, state, topk, table, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every layer of group ``g``'s ``swap_in``; its (slots, misses) once done."""
+    def _start_group(self, g: int, state, topk, table, block_size: int) -> None:
+        """Every layer of group ``g``'s ``swap_in`` enqueued (on the current stream)."""
         h, lay = self.handle, self.layout
         req, topk = self._dev(state), self._dev(topk)
         first = None
         for layer in lay.groups[g]:
             idx = h.swap_in(req, table, topk, layer=layer, block_size=block_size)
             first = idx if first is None else first
-        self.torch.cuda.synchronize(self.client.device)
+        self._pending = (g, state, first)
+
+    def finish(self) -> StepResult:
+        """The enqueued group's (slots, misses, None, None) once this rank's stream is done."""
+        (g, state, first), self._pending = self._pending, None
+        lay, h = self.layout, self.handle
+        self.stream.synchronize()
         idx = first.cpu().numpy()
         slots = np.where(idx >= 0, idx - self.hot_base - state[:, None].astype(np.int64) * lay.region_stride,
                          -1).astype(np.int32)
         misses = h.misses(g)[: len(state)].cpu().numpy().copy()
         h.check()
-        return slots, misses
+        return slots, misses, None, None
 
 
 DRIVERS: dict[str, type[Driver]] = {"inproc": InprocDriver, "zmq": ZmqDriver, "doorbell": DoorbellDriver}
@@ -328,13 +349,19 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
         lat = np.zeros(trace.steps)
         hits = out_of_range = mismatched = ahead_misses = ahead_hits = differing = 0
         layers = layout.groups[0]
+        # A TP group on the doorbell resolves once every rank's bell rang: the ranks' steps
+        # are enqueued together, then read (one after another, each rank's would wait for ever).
+        together = tp and transport == "doorbell"
         t_start = time.perf_counter()
         for t in range(trace.steps):
             t0 = time.perf_counter()
             rows = trace.host_topk(t)  # what the step asked for, in host rows
+            if together:  # every rank's step enqueued before any is waited for
+                for d in drivers:
+                    d.start_step(t)
             for r, d in enumerate(drivers):
                 try:
-                    got_slots, got_misses, step_hits, step_oob = d.run_step(t)
+                    got_slots, got_misses, step_hits, step_oob = d.finish() if together else d.run_step(t)
                 except BadRequest as e:  # the trace breaks the contract: say where
                     raise BadRequest(f"step {t}{f', rank {r}' if ranks > 1 else ''}: {e.args[0]}", e.code) from None
                 if r == 0:
@@ -355,8 +382,11 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
             out_of_range += step_oob
             if prefetch:
                 nxt_rows = ahead_rows(trace, t)
+                if together:
+                    for d in drivers:
+                        d.start_ahead(t)
                 for r, d in enumerate(drivers):
-                    ahead_slots, ahead = d.run_ahead(t)
+                    ahead_slots, ahead = d.finish()[:2] if together else d.run_ahead(t)
                     if r == 0:
                         nxt = nxt_rows[trace.state_rows[t] >= 0]
                         ahead_misses += int(ahead.sum())
