@@ -139,6 +139,7 @@ class CudaAttachment:
         self._registered = None  # _RegisteredBlocks, at the first top-k copied from the GPU
         self._register_failed = False
         self.error_mirror = None  # the rank's pinned error record (in the blocks file)
+        self.stop_mirror = None  # a doorbell rank's stop word's host copy (in the blocks file)
         self._next = 0
         self._used = [False] * R
         self._seq = 0
@@ -164,6 +165,9 @@ class CudaAttachment:
             if "err_offset" in handles:
                 off = handles["err_offset"]
                 self.error_mirror = buf[off: off + 128].view(np.int32)
+            off = (handles.get("doorbell") or {}).get("stopped_host_offset")
+            if off is not None:
+                self.stop_mirror = buf[off: off + 4].view(np.int32)
             self._step_blocks = [view(o) for o in handles["client_step_offsets"]]
             self._topk_blocks = [view(o) for o in handles["client_topk_offsets"]]
         blocks = self._blocks_mm is not None
@@ -338,7 +342,7 @@ class CudaAttachment:
             torch.cuda.synchronize(self.torch_device)
         self.slab = self.staging = self._slots = self._misses = None
         self._views = {}
-        self._step_blocks = self._topk_blocks = self.error_mirror = None
+        self._step_blocks = self._topk_blocks = self.error_mirror = self.stop_mirror = None
         if self._registered is not None:  # copies from the GPU may still be queued into them
             if self._arena is None:  # work on the stream still waits: closed by a later sweep
                 _left_mapped.append((self._registered, _left_mapped[-1][1]))

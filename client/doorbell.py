@@ -27,7 +27,6 @@ word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window.
 from __future__ import annotations
 
 import abc
-import ctypes
 import logging
 import threading
 import time
@@ -355,8 +354,6 @@ class DoorbellSwapIn(DeviceSwapIn):
 
         with cp.cuda.Device(self.device):
             self._arrivals, = zeroed(cp, (G, cp.uint32))  # skv_db_topk's arrival counter per group
-            self._stop_seen = cp.cuda.alloc_pinned_memory(4)  # the stop word, read by the watcher
-            self._watch_stream = cp.cuda.Stream(non_blocking=True)
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
@@ -408,15 +405,11 @@ class DoorbellSwapIn(DeviceSwapIn):
                 return
 
     def _stopped(self) -> bool:
-        """Whether the daemon set the rank's stop word (a copy of it, on a stream of its own:
-        no module load, no wait for the engine's streams)."""
-        import cupy as cp  # noqa: PLC0415
-
-        with cp.cuda.Device(self.device):
-            cp.cuda.runtime.memcpyAsync(self._stop_seen.ptr, self._stopped_word, 4,
-                                        cp.cuda.runtime.memcpyDeviceToHost, self._watch_stream.ptr)
-            self._watch_stream.synchronize()
-        return ctypes.c_uint32.from_address(self._stop_seen.ptr).value != 0
+        """Whether the daemon set the rank's stop word, from its host copy in the blocks file:
+        a plain load, no CUDA call (one from this thread while the engine captures a CUDA
+        graph in global mode, torch's default, would break the capture)."""
+        mirror = self.att.stop_mirror
+        return mirror is not None and int(mirror[0]) != 0
 
     def _release(self) -> None:
         """Set the dead word, then every ready word again and again, from a side stream,

@@ -259,7 +259,7 @@ class RankBuffers:
         # Pinned host side: R step blocks, R top-k blocks, the stats mirror, the write blocks.
         n_write = 1 + lay.staging_rows
         total = 4 * R * (self.block_ints * 4 + 256) + self.stats_bytes + 256 + 2 * (n_write * 4 + 256) \
-            + lay.num_layers * 4 + 256 + PF_COUNTERS * 8 + 256
+            + lay.num_layers * 4 + 256 + PF_COUNTERS * 8 + 256 + 256
         try:
             self.host = make_host(total, blocks_name)
         except BaseException:
@@ -281,6 +281,11 @@ class RankBuffers:
             # The prefetch counters' mirror (stays 0 without prefetch).
             self.host_pf, self.host_pf_address = self.host.take(PF_COUNTERS * 8, np.uint64, (PF_COUNTERS,))
             self.host_pf[:] = 0
+            # The host's copy of a doorbell rank's stop word (set with it by the daemon): the
+            # handle's watcher reads it with a plain load, no CUDA call (which would break an
+            # engine's graph capture under way in another thread).
+            self.host_stop, _ = self.host.take(4, np.int32, (1,))
+            self.host_stop[:] = 0
         except Exception:
             self.host.close()
             self.release()
@@ -315,7 +320,8 @@ class RankBuffers:
             out["doorbell"] = {"step_block_offset": o["db_step"], "topk_block_offset": o["db_topk"],
                                "slots_offset": o["db_slots"], "misses_offset": o["db_misses"],
                                "ctl_offset": o["db_ctl"], "bell_step": 0, "bells": [1 + i for i in range(g)],
-                               "ready": [1 + g + i for i in range(L)], "stopped": 1 + g + L}
+                               "ready": [1 + g + i for i in range(L)], "stopped": 1 + g + L,
+                               "stopped_host_offset": self.host.offset_of(self.host_stop)}
         return out
 
     def release(self) -> None:

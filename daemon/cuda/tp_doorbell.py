@@ -202,6 +202,8 @@ class TpDoorbellGroup:
             for m in self.members.values():
                 write32(side.ptr, m.transport.stop_address, 1)
             side.synchronize()
+        for m in self.members.values():  # the handles' watchers read these (after the device words)
+            m.buffers.host_stop[0] = 1
         self._drained = self.members[0].transport.close()
         if not self._drained:
             log.error("the TP group's doorbell stream did not drain; its ranks' memory stays allocated")
