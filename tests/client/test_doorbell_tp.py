@@ -36,9 +36,12 @@ def group(run_dir, lay, prefetch: bool = False):
     return clients, handles
 
 
-def run(lay, plan, handles, streams, torch, alter=None):
+def run(lay, plan, handles, streams, torch, alter=None, check=None):
     """Every step of ``plan`` on both ranks, each on its stream; ``alter(t, rank, group,
-    arrays)`` may change what a rank sends. Returns per (step, layer) both ranks' indices."""
+    arrays)`` may change what a rank sends; ``check(t, layer, indices)`` is called once
+    the layer's rows are in (a slot's bytes hold its row only until a later step reuses
+    the slot: bytes are checked there, not after the run). Returns per (step, layer) both
+    ranks' indices."""
     out = []
     for t, (state, reset, inval, req, per_group, _table) in enumerate(plan):
         for r, (h, s) in enumerate(zip(handles, streams)):
@@ -59,6 +62,8 @@ def run(lay, plan, handles, streams, torch, alter=None):
                         got.append(h.swap_in(dev(req, torch), None, dev(a["topk"], torch), layer=layer))
                 torch.cuda.synchronize()
                 by_layer[layer] = [x.cpu().numpy() for x in got]
+                if check:
+                    check(t, layer, by_layer[layer])
         out.append(by_layer)
     return out
 
@@ -75,16 +80,19 @@ def test_two_ranks_of_one_engine_resolve_once_and_each_slab_holds_the_rows(prefe
         clients, handles = group(d.run_dir, lay, prefetch)
         try:
             streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-            got = run(lay, plan, handles, streams, torch)
-            for t, by_layer in enumerate(got):
-                for layer, (i0, i1) in by_layer.items():
-                    exp, ids = want[t][layer]
-                    if not prefetch:  # (with prefetch the slots differ from the reference's, the rows do not)
-                        np.testing.assert_array_equal(i0, exp, err_msg=f"rank 0 step {t} layer {layer}")
-                    np.testing.assert_array_equal(i1, i0, err_msg=f"rank 1 step {t} layer {layer}")
-                    np.testing.assert_array_equal(i0 >= 0, exp >= 0)
-                    for h, idx in zip(handles, (i0, i1)):
-                        check_bytes(h, lay, idx, ids, layer, torch)
+
+            def check(t, layer, got):
+                i0, i1 = got
+                exp, ids = want[t][layer]
+                if not prefetch:  # (with prefetch the slots differ from the reference's, the rows do not)
+                    np.testing.assert_array_equal(i0, exp, err_msg=f"rank 0 step {t} layer {layer}")
+                np.testing.assert_array_equal(i1, i0, err_msg=f"rank 1 step {t} layer {layer}")
+                np.testing.assert_array_equal(i0 >= 0, exp >= 0)
+                for h, idx in zip(handles, (i0, i1)):
+                    check_bytes(h, lay, idx, ids, layer, torch)
+
+            got = run(lay, plan, handles, streams, torch, check=check)
+            assert len(got) == len(plan)
             for h in handles:
                 h.check()
         finally:
@@ -113,19 +121,22 @@ def test_a_follower_row_that_differs_is_refused_and_the_rest_served():
         clients, handles = group(d.run_dir, lay)
         try:
             streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-            got = run(lay, plan, handles, streams, torch, alter)
-            for t, by_layer in enumerate(got):
-                for layer, (i0, i1) in by_layer.items():
-                    exp, ids = want[t][layer]
-                    np.testing.assert_array_equal(i0, exp, err_msg=f"the leader, step {t} layer {layer}")
-                    refused = np.zeros(exp.shape[0], bool)
-                    if t == 3 and layer in lay.groups[0]:
-                        refused[2] = True
-                    if t == 4:
-                        refused[: int((plan[t][0] >= -1).sum())] = True  # (the step's batch)
-                    assert (i1[refused] == -1).all(), (t, layer)
-                    np.testing.assert_array_equal(i1[~refused], exp[~refused], err_msg=f"step {t} layer {layer}")
-                    check_bytes(handles[1], lay, np.where(refused[:, None], -1, i1), ids, layer, torch)
+
+            def check(t, layer, got):
+                i0, i1 = got
+                exp, ids = want[t][layer]
+                np.testing.assert_array_equal(i0, exp, err_msg=f"the leader, step {t} layer {layer}")
+                refused = np.zeros(exp.shape[0], bool)
+                if t == 3 and layer in lay.groups[0]:
+                    refused[2] = True
+                if t == 4:
+                    refused[: int((plan[t][0] >= -1).sum())] = True  # (the step's batch)
+                assert (i1[refused] == -1).all(), (t, layer)
+                np.testing.assert_array_equal(i1[~refused], exp[~refused], err_msg=f"step {t} layer {layer}")
+                check_bytes(handles[1], lay, np.where(refused[:, None], -1, i1), ids, layer, torch)
+
+            got = run(lay, plan, handles, streams, torch, alter, check=check)
+            assert len(got) == len(plan)
             handles[0].check()
             with pytest.raises(SparseKVError, match="TP group"):
                 handles[1].check()
