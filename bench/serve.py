@@ -53,7 +53,6 @@ class Options:
     json_path: str | None = None
     plot_path: str | None = None
     daemon_log: str | None = None
-    leave_sms: int = 0  # SMs the query's matmuls leave to the rows' kernels (offloaded modes; client.sm_share)
 
     def validate(self, presets) -> "Options":
         """Raise ValueError naming the first bad option; return self."""
@@ -78,8 +77,6 @@ class Options:
             raise ValueError(f"--layer-overlap must lie in [0, 1], got {self.layer_overlap}")
         if any(not 0 <= o <= 1 for o in self.overlaps):
             raise ValueError(f"--overlaps must lie in [0, 1], got {list(self.overlaps)}")
-        if isinstance(self.leave_sms, bool) or not isinstance(self.leave_sms, int) or self.leave_sms < 0:
-            raise ValueError(f"--leave-sms must be a whole number >= 0, got {self.leave_sms!r}")
         region = self.region(top_k)
         if region < top_k:
             raise ValueError(f"--region-rows must be >= top-k {top_k}, got {region}")
@@ -125,9 +122,6 @@ def add_arguments(p) -> None:
                    help="the deployment's host memory per GPU (default 2 TiB / 8)")
     p.add_argument("--activations-gb", type=float, default=5.0, metavar="GB",
                    help="HBM per GPU for activations, CUDA graphs and workspaces (default 5)")
-    p.add_argument("--leave-sms", type=int, default=0, metavar="N",
-                   help="SMs the query's matmuls leave free for the rows' kernels beside them, in the offloaded "
-                        "modes (client.sm_share.leave_sms; default 0: none); all on the GPU runs without")
 
 
 def options_from_args(a, presets) -> Options:
@@ -146,7 +140,7 @@ def options_from_args(a, presets) -> Options:
         overlaps=tuple(a.overlaps) if a.overlaps is not None else (QUICK_OVERLAPS if quick else DEFAULT_OVERLAPS),
         region_rows=a.region_rows, host_pool_gib=a.host_pool_gib, hbm_gb=a.hbm_gb, host_gib=a.host_gib,
         activations_gb=a.activations_gb, gather_blocks=a.gather_blocks, seed=a.seed, json_path=a.json_path,
-        plot_path=a.plot_path, daemon_log=a.daemon_log, leave_sms=a.leave_sms).validate(presets)
+        plot_path=a.plot_path, daemon_log=a.daemon_log).validate(presets)
 
 
 def run_args(a) -> int:
@@ -165,12 +159,5 @@ def run_args(a) -> int:
         return 2
     if not torch.cuda.is_available():
         print("sparsekv bench serve: torch sees no CUDA device", file=sys.stderr)
-        return 2
-    from ..client.sm_share import check_sms  # noqa: PLC0415
-
-    try:
-        check_sms(opts.leave_sms, torch.cuda.get_device_properties(0).multi_processor_count)
-    except ValueError as e:
-        print(f"sparsekv bench serve: --leave-sms: {e}", file=sys.stderr)
         return 2
     return serve_run.main(opts)

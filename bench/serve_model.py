@@ -24,12 +24,10 @@ them, else ``dtype`` (float32 on the CPU, for the tests).
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from ..client.sm_share import leave_sms
 from . import serve_triton
 from .serve_capacity import LATENT_TILE, PRESETS, Shapes  # noqa: F401  (the shapes, without torch)
 
@@ -367,9 +365,8 @@ class Model:
             kv, idx = src.rows(layer)
             mark("rows_end")
         mark("query")
-        with leave_sms(src.leave_sms) if side is not None and src.leave_sms else nullcontext():
-            q = ops.mm(cq, w["wb_q"]).view(B, H, R)
-            q_lat = torch.bmm(q[..., :sh.nope].transpose(0, 1), w["w_uk"]).transpose(0, 1)
+        q = ops.mm(cq, w["wb_q"]).view(B, H, R)
+        q_lat = torch.bmm(q[..., :sh.nope].transpose(0, 1), w["w_uk"]).transpose(0, 1)
         q = torch.cat([q_lat, q[..., sh.nope:]], -1)
         mark("write")
         ops.write_row(ckv, src.new_rows(layer), sh)

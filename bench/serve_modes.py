@@ -101,7 +101,6 @@ class HbmRows:
         B, C = st.batch, st.context
         self.base = (torch.arange(B, dtype=torch.int32, device=kv.device) * C).unsqueeze(1)
         self.new = slice(B * C, B * C + B)  # the new rows
-        self.leave_sms = 0  # an engine without swap-ins has nothing to leave SMs to
 
     @classmethod
     def filled(cls, tile, st: Static, layers: int, block_size: int) -> "HbmRows":
@@ -142,9 +141,8 @@ class SwappedRows:
     head, off the layers' critical path. (A copy to the host per layer, each forked and
     joined, cost the batch-1 step ~10 us a layer on the H200.)"""
 
-    def __init__(self, h, st: Static, block_size: int, mirror, leave_sms: int = 0):
+    def __init__(self, h, st: Static, block_size: int, mirror):
         self.h, self.st, self.block_size = h, st, block_size
-        self.leave_sms = leave_sms  # SMs the query's matmuls leave to this layer's swap-in (Model.layer)
         self.side = torch.cuda.Stream(device=st.table.device)
         self.staged = torch.empty((mirror.shape[0], st.batch, mirror.shape[2]), dtype=torch.uint8,
                                   device=st.table.device)

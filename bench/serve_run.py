@@ -93,7 +93,7 @@ def run_config(model, off, tile, opts, context: int, batch: int, modes, host_row
                 why = f"{need / 1e9:.1f} GB of rows ran out of memory ({free / 1e9:.1f} GB were free)"
         if why:
             out.append(Result("gpu", context, batch, overlap, skipped=why))
-    sides += [(m, SwappedRows(off.handles[m], st, opts.block_size, mirror, opts.leave_sms)) for m in modes if m in OFFLOADED]
+    sides += [(m, SwappedRows(off.handles[m], st, opts.block_size, mirror)) for m in modes if m in OFFLOADED]
     if not sides:
         return out
     st.load(0)

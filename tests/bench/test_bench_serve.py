@@ -524,15 +524,6 @@ def test_the_prefetch_mode_needs_hot_region_rows_above_top_k():
         serve.Options(overlaps=(1.5,)).validate(sm.PRESETS)
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True])
-def test_leave_sms_must_be_a_whole_number(bad):
-    from sparsekv.bench import serve
-
-    with pytest.raises(ValueError, match="--leave-sms must be a whole number >= 0"):
-        serve.Options(leave_sms=bad).validate(sm.PRESETS)
-    assert serve.Options(leave_sms=8).validate(sm.PRESETS).leave_sms == 8
-
-
 def test_the_prefetch_figures_are_its_hidden_share_and_its_cost_against_the_daemon_without_it():
     caps = {32768: {"gpu": 21, "offload": 96}}
 
