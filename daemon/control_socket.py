@@ -429,7 +429,7 @@ class ControlSocket:
         if self._by_ident.get(c.ident) is not c:
             return  # dropped while its bytes were being decoded: nothing more of it is served
         if c.reserved:  # declared frames that never came
-            self.budget.give(c.peer.uid, c.reserved)
+            self._give(c.peer.uid, c.reserved)
             c.reserved = 0
         refusal, c.refusal = c.refusal, None
         if refusal is not None:
@@ -510,11 +510,11 @@ class ControlSocket:
         c.sock.close()
         c.out.clear()
         c.decoder = _CLOSED  # its buffers (and their budget) go now
-        if c.reserved:
-            self.budget.give(c.peer.uid, c.reserved)
-            c.reserved = 0
         if c in self._paused:
             self._paused.remove(c)
+        if c.reserved:  # (the connections paused behind it are woken)
+            self._give(c.peer.uid, c.reserved)
+            c.reserved = 0
         if notify and c.greeted:
             self.on_closed(c.ident)
 

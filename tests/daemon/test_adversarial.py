@@ -230,6 +230,26 @@ def test_a_paused_message_that_can_never_fit_is_ended():
         assert r is not None, "no reply and no close in 14 s"
 
 
+def test_a_connection_dropped_for_an_unfinished_message_wakes_those_paused_behind_its_budget():
+    """a begins a 40 MiB WRITE (40 of its uid's 64 MiB) and never finishes it; b's 30 MiB
+    WRITE pauses. Once a is dropped (a message unfinished for MESSAGE_TIMEOUT_S, 10 s), b
+    must be answered. Seen: not before some other traffic reached the control socket (the
+    budget went back without waking the connections paused for it)."""
+    with daemon() as d:
+        a, b = raw_peer(d.path), raw_peer(d.path)
+        for i, s in enumerate((a, b)):
+            assert hello(s, f"p{i}")["ok"]
+        rows = np.arange(1, dtype=np.int32)  # the header and the rows frame: 40 MiB reserved, no buffer yet
+        head = encode(MsgType.WRITE, 10, {"layers": None}, {"rows": rows, "data": np.zeros((1, 1, 40 * MiB), np.uint8)})[0]
+        a.sendall(zmtp.frame_header(len(head), zmtp.MORE) + head + zmtp.frame_header(4, zmtp.MORE) + rows.tobytes())
+        time.sleep(0.3)
+        threading.Thread(target=start_write, args=(b, 11, 30 * MiB, True), daemon=True).start()
+        r = answered_within(b, 16)
+        a.close()
+        b.close()
+        assert r is not None and r["id"] == 11  # seen: None
+
+
 # -- 4. the budget leaks when declared frames are not sent -------------------------------------
 
 def test_declared_frames_not_sent_leak_no_budget():
