@@ -105,6 +105,9 @@ class RankState:
             reset = np.asarray(reset)
             if reset.shape != state_rows.shape:
                 raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]={state_rows.shape}, got {reset.shape}")
+            if reset.dtype != np.bool_ and (reset.dtype.kind not in "iu" or ((reset != 0) & (reset != 1)).any()):
+                raise ResidencyError("BAD_ARGUMENT", f"reset must be bool (or integers 0 / 1), got {reset.dtype} "
+                                     f"{reset.tolist()[:8]}")
         if invalidate is not None:
             invalidate = as_ids("invalidate", invalidate, 2)
             if invalidate.shape[0] != state_rows.shape[0]:

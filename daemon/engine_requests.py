@@ -84,8 +84,8 @@ class EngineRequests:
     def on_attach(self, s: Session, identity, h, arrays):
         if s.state is not None:
             raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"client {s.client_id} is attached to engine {s.engine!r}")
-        engine = str(h["engine"])
-        if not engine or len(engine) > 128:
+        engine = h["engine"]
+        if not isinstance(engine, str) or not engine or len(engine) > 128:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "engine must be a name of 1..128 characters")
         try:
             layout = Layout.from_wire(h["layout"])

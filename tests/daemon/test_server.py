@@ -118,6 +118,9 @@ def test_bad_layout_names_the_field(dm):
     assert_error(h, ErrorCode.BAD_LAYOUT, "row_bytes must be a positive integer")
     assert_error(request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": 7})[0], ErrorCode.BAD_LAYOUT, "map")
     assert_error(request(dm, b"A", MsgType.ATTACH, {"engine": "", "layout": wire})[0], ErrorCode.BAD_ARGUMENT, "engine")
+    for not_a_name in (5, b"x", ["e"]):  # seen: str() of it became the engine's name
+        assert_error(request(dm, b"A", MsgType.ATTACH, {"engine": not_a_name, "layout": wire})[0],
+                     ErrorCode.BAD_ARGUMENT, "engine must be a name")
     assert dm.pool.used_bytes == 0
 
 
