@@ -329,8 +329,12 @@ class EngineSpace:
     def check_keys_load(self, session: int, blocks, dst_bytes: int) -> np.ndarray:
         """The block ids (int64 [n]) whose indexer keys a load may copy into ``dst_bytes``
         of the engine's buffer: the same rule as a read (pinned by ``session`` or private to
-        it), with no per-request size limit but the buffer's; BlockError otherwise."""
+        it), each named once (the work of a request is then bounded by the store's keys), with
+        no per-request size limit but the buffer's; BlockError otherwise."""
         plane = self._plane(blocks[:0])
+        ids = np.asarray(blocks)
+        if ids.size > 1 and np.unique(ids).size != ids.size:
+            raise BlockError("BAD_ARGUMENT", "a keys load names a block more than once: name each block once")
         need = len(blocks) * plane.block_bytes
         if need > dst_bytes:
             raise BlockError("BAD_ARGUMENT", f"the indexer keys of {len(blocks)} blocks take {need} bytes "

@@ -116,6 +116,10 @@ class Limits:
     max_batch: int = 4096
     max_write_rows: int = 1 << 20
     max_blocks: int = 1 << 16  # blocks or hashes in one block store request (a 4M-token chain of 64)
+    # Blocks of one engine's block store (host_rows // block_size, ATTACH's blocks field): its
+    # bookkeeping (~50 bytes a block) is allocated at attach. A 2 TiB pool of DeepSeek-V3.2
+    # blocks of 64 positions (2.56 MB) holds ~860,000.
+    max_store_blocks: int = 1 << 21
     # Indexer keys in one BLOCK_WRITE_KEYS or BLOCK_READ_KEYS (one array frame): 65 blocks of
     # 64 positions of DeepSeek-V3.2 (61 layers, 132 bytes); ``Blocks.read_keys`` splits reads.
     max_keys_bytes: int = 32 << 20
