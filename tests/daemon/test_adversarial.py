@@ -250,6 +250,65 @@ def test_a_connection_dropped_for_an_unfinished_message_wakes_those_paused_behin
         assert r is not None and r["id"] == 11  # seen: None
 
 
+STALLER = r"""
+import sys, time
+sys.path.insert(0, sys.argv[3])
+import numpy as np
+from zmtp_peer import hello, raw_peer
+from sparsekv.proto import MsgType, encode, zmtp
+path, k = sys.argv[1], int(sys.argv[2])
+rows, held = np.zeros(1, np.int32), []
+def stall(i):  # a WRITE's header and rows frame, declaring 21 MiB of data, then nothing
+    s = raw_peer(path)
+    assert hello(s, f"s{i}")["ok"]
+    head = encode(MsgType.WRITE, 100 + i, {"layers": None}, {"rows": rows, "data": np.zeros((1, 1, 21 << 20), np.uint8)})[0]
+    s.sendall(zmtp.frame_header(len(head), zmtp.MORE) + head + zmtp.frame_header(4, zmtp.MORE) + rows.tobytes())
+    held.append(s)
+for i in range(3):
+    stall(i)
+time.sleep(0.5)
+for i in range(3, 3 + k):  # paused: its uid holds 63 of its 64 MiB
+    stall(i)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
+def test_one_uids_paused_messages_do_not_hold_up_another_uids():
+    """uid 3000 holds 63 of its 64 MiB with three stalled WRITEs, then queues 6 more
+    connections (paused on its own share). Root's third 30 MiB WRITE pauses behind them;
+    once root's first two end, its share is free and the whole budget has room: it must be
+    answered at once. Seen: only as uid 3000's stalled messages expired, 10 s a round."""
+    with daemon() as d:
+        helpers.open_to_other_users(d.run_dir)
+        p = subprocess.Popen([*helpers.as_user(3000), sys.executable, "-c", STALLER, d.path, "6",
+                              os.path.dirname(os.path.dirname(os.path.abspath(__file__)))],
+                             stdout=subprocess.PIPE, text=True, cwd="/tmp")
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            time.sleep(0.3)
+            v1, v2, v3 = (raw_peer(d.path) for _ in range(3))
+            for i, v in enumerate((v1, v2, v3)):
+                assert hello(v, f"v{i}")["ok"]
+            rest1 = start_write(v1, 11, 30 * MiB, finish=False)
+            rest2 = start_write(v2, 12, 30 * MiB, finish=False)
+            time.sleep(0.3)
+            threading.Thread(target=start_write, args=(v3, 13, 30 * MiB, True), daemon=True).start()
+            time.sleep(0.5)
+            v1.sendall(rest1)
+            v2.sendall(rest2)
+            assert answered_within(v1, 5)["id"] == 11
+            assert answered_within(v2, 5)["id"] == 12
+            r = answered_within(v3, 3)
+            for v in (v1, v2, v3):
+                v.close()
+            assert r is not None and r["id"] == 13  # seen: None (answered after ~20 s)
+        finally:
+            p.kill()
+            p.wait()
+
+
 # -- 4. the budget leaks when declared frames are not sent -------------------------------------
 
 def test_declared_frames_not_sent_leak_no_budget():
