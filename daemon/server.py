@@ -273,6 +273,8 @@ class Daemon:
                 return self._step(job) if defer else self._inline(job)
             return self._ok(kind, msg_type, req_id, out, tr)
         except Exception as e:  # noqa: BLE001 - answered with its code, never raised
+            if not req_id:  # not decoded: answered under its header's type and id where it has them
+                msg_type, req_id = message_ids(frames)
             return self._failed(e, identity, msg_type, req_id, tr)
 
     def _ok(self, kind: MsgType, msg_type: int, req_id: int, out: tuple, tr: int) -> list:
