@@ -185,6 +185,28 @@ def start_write(s: socket.socket, req_id: int, nbytes: int, finish: bool) -> byt
     return msg[cut:]
 
 
+def third_write_after_two(path: str, wait_s: float):
+    """One uid's three 30 MiB WRITEs (64 MiB a uid): the first two begun, the third sent
+    whole (paused: 90 > 64 MiB), then the first two finished and answered. Returns the
+    third's reply within ``wait_s`` (None: none)."""
+    v1, v2, v3 = (raw_peer(path) for _ in range(3))
+    for i, v in enumerate((v1, v2, v3)):
+        assert hello(v, f"v{i}")["ok"]
+    rest1 = start_write(v1, 11, 30 * MiB, finish=False)  # holds 30 MiB of its uid's 64
+    rest2 = start_write(v2, 12, 30 * MiB, finish=False)  # 60
+    time.sleep(0.5)
+    threading.Thread(target=start_write, args=(v3, 13, 30 * MiB, True), daemon=True).start()
+    time.sleep(1)
+    v1.sendall(rest1)
+    v2.sendall(rest2)
+    assert answered_within(v1, 5)["id"] == 11
+    assert answered_within(v2, 5)["id"] == 12
+    r3 = answered_within(v3, wait_s)
+    for v in (v1, v2, v3):
+        v.close()
+    return r3
+
+
 def test_a_message_the_budget_can_never_hold_does_not_stall_everyone_paused_after_it():
     """Default budget (256 MiB, 64 MiB a uid). A session sends a header declaring 1 TiB and
     its first (small) array frame: its reads pause for good (and a paused connection is
@@ -197,23 +219,9 @@ def test_a_message_the_budget_can_never_hold_does_not_stall_everyone_paused_afte
         head, first = never_fits_header()
         a.sendall(zmtp.frame_header(len(head), zmtp.MORE) + head + zmtp.frame_header(len(first), zmtp.MORE) + first)
         time.sleep(0.5)
-        v1, v2, v3 = (raw_peer(d.path) for _ in range(3))
-        for i, v in enumerate((v1, v2, v3)):
-            assert hello(v, f"v{i}")["ok"]
-        rest1 = start_write(v1, 11, 30 * MiB, finish=False)  # holds 30 MiB of its uid's 64
-        rest2 = start_write(v2, 12, 30 * MiB, finish=False)  # 60
-        time.sleep(0.5)
-        t = threading.Thread(target=start_write, args=(v3, 13, 30 * MiB, True), daemon=True)
-        t.start()  # paused: 90 > 64 MiB
-        time.sleep(1)
-        v1.sendall(rest1)
-        v2.sendall(rest2)
-        assert answered_within(v1, 5)["id"] == 11
-        assert answered_within(v2, 5)["id"] == 12
-        r3 = answered_within(v3, 5)
+        r3 = third_write_after_two(d.path, 5)
         snap = helpers.stats_json(d.run_dir)
-        for s in (a, v1, v2, v3):
-            s.close()
+        a.close()
         assert r3 is not None and r3["id"] == 13, snap  # seen: None (no reply), inflight_bytes 0
 
 
@@ -288,21 +296,7 @@ def test_one_uids_paused_messages_do_not_hold_up_another_uids():
         try:
             assert p.stdout.readline().strip() == "ready"
             time.sleep(0.3)
-            v1, v2, v3 = (raw_peer(d.path) for _ in range(3))
-            for i, v in enumerate((v1, v2, v3)):
-                assert hello(v, f"v{i}")["ok"]
-            rest1 = start_write(v1, 11, 30 * MiB, finish=False)
-            rest2 = start_write(v2, 12, 30 * MiB, finish=False)
-            time.sleep(0.3)
-            threading.Thread(target=start_write, args=(v3, 13, 30 * MiB, True), daemon=True).start()
-            time.sleep(0.5)
-            v1.sendall(rest1)
-            v2.sendall(rest2)
-            assert answered_within(v1, 5)["id"] == 11
-            assert answered_within(v2, 5)["id"] == 12
-            r = answered_within(v3, 3)
-            for v in (v1, v2, v3):
-                v.close()
+            r = third_write_after_two(d.path, 3)
             assert r is not None and r["id"] == 13  # seen: None (answered after ~20 s)
         finally:
             p.kill()
