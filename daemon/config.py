@@ -100,7 +100,8 @@ class Config:
                                  "engine's store (DESIGN §9); 0: no quota", bounds=(0, 2**40))
     max_slab_share_per_uid: float = _s(0.5, "share of this host's memory that the ranks one uid's clients attached "
                                        "may take together (each bounded by max_slab_bytes: hot slab, staging, "
-                                       "residency state); 1: the whole memory", bounds=(0.01, 1), metavar="F")
+                                       "residency state; the cpu backend's, host memory); 1: the whole memory", bounds=(0.01, 1),
+                                       metavar="F")
     # Each connection costs a file descriptor; a process that said HELLO lately has no deadline.
     max_connections_per_uid: int = _s(-1, "open control connections of one uid at most (more are closed at once "
                                       "and counted); -1: twice the per-uid client cap, at least 16; 0: no cap",

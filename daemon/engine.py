@@ -486,6 +486,10 @@ class Backend(abc.ABC):
     name: str  # "cpu" or "cuda"
     devices: list[str]
     new_rank_on_loop = False
+    # Whether a rank's slab, staging and residency state are host memory (counted in the
+    # per-uid share, ``max_slab_share_per_uid``); cuda: they live in the device arena,
+    # whose size is fixed at start.
+    rank_memory_on_host = True
 
     @abc.abstractmethod
     def describe(self) -> dict:

@@ -63,7 +63,8 @@ class EngineRegistry:
             block store (QUOTA_EXCEEDED beyond it); 0: no quota.
         max_rank_bytes_per_uid: the memory every rank one uid's clients attached takes
             together (each bounded by ``max_slab_bytes``: hot slab, staging, residency
-            state); an attach beyond it is QUOTA_EXCEEDED. 0: no quota.
+            state), where the backend keeps it on the host (``rank_memory_on_host``); an
+            attach beyond it is QUOTA_EXCEEDED. 0: no quota.
 
     Iterating yields engine names; ``len()`` is the number of engines.
     """
@@ -110,7 +111,7 @@ class EngineRegistry:
         engine with an owner is joined only with the same uid, as uid 0, or when
         ``privileged``. Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED
         (checked first, naming neither the owner nor the layout) or LAYOUT_MISMATCH."""
-        uid = owner.uid if owner is not None else None
+        uid = owner.uid if owner is not None and self.backend.rank_memory_on_host else None
         rank_mem = rank_bytes(layout)
         rank_mem = rank_mem["total"] - (rank_mem["slab"] if engine_slab is not None else 0)
         self._check_rank_quota(uid, rank_mem)  # before anything is allocated
