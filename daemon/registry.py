@@ -75,7 +75,7 @@ class EngineRegistry:
         self.backend = backend
         self.max_pool_bytes_per_uid = max_pool_bytes_per_uid
         self.max_rank_bytes_per_uid = max_rank_bytes_per_uid
-        self.rank_bytes_by_uid: dict[int, int] = {}  # attached and attaching ranks' memory, per uid
+        self.rank_ledger = UidLedger()  # attached and attaching ranks' memory, per uid (checked here, not by it)
         self._rank_bytes: dict[int, tuple[int, int]] = {}  # client id -> (uid, bytes) of its rank
         self.block_ledger = UidLedger(max_blocks_per_uid)
         self.tp_ledger = TpLedger(1 << 30)  # (Config.tp_max_lag_bytes, set by the daemon's entry)
@@ -112,8 +112,7 @@ class EngineRegistry:
         ``privileged``. Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED
         (checked first, naming neither the owner nor the layout) or LAYOUT_MISMATCH."""
         uid = owner.uid if owner is not None and self.backend.rank_memory_on_host else None
-        rank_mem = rank_bytes(layout)
-        rank_mem = rank_mem["total"] - (rank_mem["slab"] if engine_slab is not None else 0)
+        rank_mem = rank_bytes(layout, engine_slab is not None)["total"]
         self._check_rank_quota(uid, rank_mem)  # before anything is allocated
         space = self._engines.get(engine_name)
         created = space is None
@@ -160,25 +159,25 @@ class EngineRegistry:
             kw["prefetch"] = True
         self._attaching[engine_name] = self._attaching.get(engine_name, 0) + 1
         if uid is not None:
-            self.rank_bytes_by_uid[uid] = self.rank_bytes_by_uid.get(uid, 0) + rank_mem
+            self.rank_ledger.add(uid, rank_mem)
         return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw,
                              uid=uid, rank_bytes=rank_mem)
 
     def _check_rank_quota(self, uid: int | None, nbytes: int) -> None:
-        held = self.rank_bytes_by_uid.get(uid, 0) if uid is not None else 0
+        held = self.rank_ledger.held.get(uid, 0) if uid is not None else 0
         if uid is not None and self.max_rank_bytes_per_uid and held + nbytes > self.max_rank_bytes_per_uid:
             raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, f"a rank of {format_size(nbytes)} would bring uid {uid}'s "
                                 f"attached ranks to {format_size(held + nbytes)} (max_slab_share_per_uid of this host: "
                                 f"{format_size(self.max_rank_bytes_per_uid)}; they hold {format_size(held)})")
 
     def _give_rank_bytes(self, uid: int | None, nbytes: int) -> None:
-        if uid is None:
-            return
-        left = self.rank_bytes_by_uid.get(uid, 0) - nbytes
-        if left > 0:
-            self.rank_bytes_by_uid[uid] = left
-        else:
-            self.rank_bytes_by_uid.pop(uid, None)
+        if uid is not None:
+            self.rank_ledger.add(uid, -nbytes)
+
+    @property
+    def rank_bytes_by_uid(self) -> dict[int, int]:
+        """Attached and attaching ranks' memory per uid (``max_rank_bytes_per_uid``'s count)."""
+        return self.rank_ledger.held
 
     def _reserve_tp_rank(self, space: EngineSpace, rank: int, tp_size: int, max_lag: int, prefetch: bool) -> None:
         """Hold rank ``rank`` of the engine's TP group (made by its first rank) for an attach."""
