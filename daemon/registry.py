@@ -59,8 +59,9 @@ class EngineRegistry:
             engine holds beyond its pool range.
         max_pool_bytes_per_uid: pool bytes the engines one uid created may hold together
             (their ranges); a new engine beyond it is QUOTA_EXCEEDED. 0: no quota.
-        max_blocks_per_uid: private + reserved blocks of one uid's sessions over every
-            block store (QUOTA_EXCEEDED beyond it); 0: no quota.
+        max_blocks_per_uid: private, reserved and pinned blocks of one uid's sessions (a
+            block once for each session that pins it) over every block store
+            (QUOTA_EXCEEDED beyond it; a lookup stops short of it); 0: no quota.
         max_rank_bytes_per_uid: the memory every rank one uid's clients attached takes
             together (each bounded by ``max_slab_bytes``: hot slab, staging, residency
             state), where the backend keeps it on the host (``rank_memory_on_host``); an

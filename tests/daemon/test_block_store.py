@@ -131,12 +131,27 @@ def test_reserve_is_granted_or_pool_exhausted_with_the_figures(daemon):
 
 
 def test_the_per_uid_block_quota():
-    with helpers.serving_daemon(4 << 20, max_blocks_per_uid=6) as d, Client(d.run_dir) as c:
+    """max_blocks_per_uid counts a uid's private, reserved and pinned blocks: blocks a
+    client committed and still pins count (allocating and committing again cannot pin more
+    than the quota), another client of the uid looks up no further than the room left, and
+    a release gives the room back."""
+    with helpers.serving_daemon(4 << 20, max_blocks_per_uid=6) as d, Client(d.run_dir) as c, \
+            Client(d.run_dir) as other:
         c.attach(LAY, engine="m", block_size=BS)
-        c.blocks.alloc(4)
+        other.attach(LAY, engine="m", block_size=BS)
+        held = c.blocks.alloc(4)
         with pytest.raises(QuotaExceeded, match="max_blocks_per_uid 6"):
             c.blocks.reserve(3)
         assert c.blocks.reserve(2)["reserved"] == 2
+        c.blocks.reserve(-2)
+        c.blocks.release(held)
+        keys, blocks = commit(c, 20, 3)
+        commit(c, 21, 3)  # 6 blocks cached, each pinned by its committer
+        with pytest.raises(QuotaExceeded, match="max_blocks_per_uid 6"):
+            c.blocks.alloc(1)
+        assert other.blocks.lookup(keys).size == 0
+        c.blocks.release(blocks[1:])
+        assert (other.blocks.lookup(keys) == blocks[:2]).all()  # room for two
 
 
 def test_block_requests_need_a_store_and_valid_arguments(daemon):

@@ -550,7 +550,7 @@ def same(model, real, session: int, op: str, args: list) -> tuple:
     assert real.data == model.data and real.keys == model.keys
     assert real.s.reserved_total == model.total_reserved()
     assert int(real.s.pins.sum()) == sum(sum(p.values()) for p in model.pins.values())
-    assert real.s.ledger.held == model.ledger.held
+    assert real.s.ledger.held == model.ledger.held == model.uid_counts()
     return got[0]
 
 
