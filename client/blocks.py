@@ -8,7 +8,9 @@ copy. The life of a request's blocks:
 
 1. ``reserve(n)`` at admission: ``n`` blocks promised, or ``PoolExhausted`` at once
    (``free``, ``evictable``, ``reserved``), never a failure later in the request;
-2. ``lookup(hashes)``: the longest cached prefix of the prompt's chain, pinned;
+2. ``lookup(hashes)``: the longest cached prefix of the prompt's chain, pinned (each
+   block this client did not pin yet takes one block of its reservation; past it, one of
+   its uid's ``max_blocks_per_uid``, and the prefix stops short of the quota);
 3. ``alloc(k)`` for the rest (zeroed, private), written with ``Client.write`` (rows:
    ``rows(blocks)``), then ``commit(blocks, hashes)`` for the full ones;
 4. ``release(blocks)`` when the request ends: cached blocks stay cached (evictable once

@@ -96,8 +96,9 @@ class Config:
                                   "0: no cap beyond max_clients", bounds=(-1, 1_000_000))
     max_pool_bytes_per_uid: int = _s(0, "pool bytes of the engines one uid created, with a unit; 0B: no quota",
                                      kind="size", bounds=(0, None))
-    max_blocks_per_uid: int = _s(0, "block store blocks one uid's sessions hold private or reserved, over every "
-                                 "engine's store (DESIGN §9); 0: no quota", bounds=(0, 2**40))
+    max_blocks_per_uid: int = _s(0, "block store blocks one uid's sessions hold private, reserved or pinned (a "
+                                 "block once for each session pinning it), over every engine's store (DESIGN §9); "
+                                 "0: no quota", bounds=(0, 2**40))
     max_slab_share_per_uid: float = _s(0.5, "share of this host's memory that the ranks one uid's clients attached "
                                        "may take together (each bounded by max_slab_bytes: hot slab, staging, "
                                        "residency state; the cpu backend's, host memory); 1: the whole memory", bounds=(0.01, 1),
