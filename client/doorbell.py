@@ -10,10 +10,12 @@ caller's current stream, capturable into the engine's CUDA graph.
 On the engine's stream, no host code of either process in between: ``begin_step``'s
 ``skv_db_begin`` writes the step block into the daemon's ring and rings the step bell; a
 group leader's ``swap_in`` runs ``skv_db_topk``, which maps positions to host rows into
-the group's top-k block and rings the group's bell; every layer's ``swap_in`` waits for
-the layer's ready word (``cuStreamWaitValue32``), then ``skv_db_indices`` clears it and
-turns the group's slots into attention indices (alternatives: docs/DESIGN.md, "Rejected
-designs"). Indexing is the portable handle's (client/README.md, "The engine's handle"), a
+the group's top-k block and rings the group's bell; every layer's ``swap_in`` launches
+``skv_db_indices``, which waits for the layer's ready word itself (thread 0 of each of its
+few blocks polls it; the last block to see it clears it), then turns the group's slots
+into attention indices. The engine's graph holds no stream memory operation: a
+``cuStreamWaitValue32`` there cost the batch-1 step ~7 µs a layer beside the model's
+kernels (alternatives: docs/DESIGN.md, "Rejected designs"). Indexing is the portable handle's (client/README.md, "The engine's handle"), a
 refused row also -1; the step's order is ``step_order.py``'s.
 
 **Failure.** A thread watches the daemon. If it dies, the handle sets its own "dead" word
@@ -21,7 +23,9 @@ refused row also -1; the step's order is ``step_order.py``'s.
 engine's stream never hangs; ``check()`` then raises ``DaemonUnavailable``. The release
 uses stream memory operations only: loading a CUDA module (a CuPy kernel's first use, a
 lazy torch kernel) can wait for the context's running work, a stream parked on a ready
-word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window.
+word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window. While it waits, an
+``skv_db_indices`` holds at most :data:`SPIN_GRID` blocks of SMs, so the daemon's kernels
+that set its word always find room.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from sparsekv.csrc.build import get_cache
 from sparsekv.proto import ErrorCode
 from sparsekv.proto.device_errors import ErrorRecord
 from sparsekv.proto.positions import INT32_MAX
-from sparsekv.proto.stream_ops import wait32, write32
+from sparsekv.proto.stream_ops import write32
 
 from .cuda_stream import external_stream
 from .device_wait import WATCH_INTERVAL_S
@@ -48,6 +52,7 @@ log = logging.getLogger("sparsekv.client")
 
 RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is set again
 THREADS = 256
+SPIN_GRID = 64  # most blocks of an skv_db_indices that waits for its ready word (they hold SMs meanwhile)
 
 
 def zeroed(cp, *specs) -> list:
@@ -127,7 +132,8 @@ class DeviceSwapIn(abc.ABC):
 
     @abc.abstractmethod
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
-        """On the engine's stream: make the stream wait until the layer's rows are in its slab."""
+        """On the engine's stream: make the stream wait until the layer's rows are in its slab
+        (nothing where the layer's ``skv_db_indices`` waits: :meth:`_waited_by_indices`)."""
 
     # -- the engine's calls ------------------------------------------------------------
     def kv(self, layer: int):
@@ -193,7 +199,7 @@ class DeviceSwapIn(abc.ABC):
             self._rang(g, s)
             self._order.rang(g)
         for layer in layers:
-            self._ready(layer, self._order.group_of[layer], s)
+            self._wait_alone(layer, self._order.group_of[layer], s)
             self._order.ready(layer)
 
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int = 1,
@@ -253,11 +259,13 @@ class DeviceSwapIn(abc.ABC):
             self._order.rang(g)
         self._ready(layer, g, s)
         self._order.ready(layer)
-        self._launch(self._k_indices, grid, s,
+        arrivals = self._waited_by_indices(layer)
+        self._launch(self._k_indices, min(grid, SPIN_GRID) if arrivals else grid, s,
                      (self._slots[g], i32(lay.top_k), req.data_ptr(), i32(tokens), topk.data_ptr(), i32(k),
                       res_ptr, i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))),
                       i32(lay.region_stride), i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr,
-                      out.data_ptr(), valid.data_ptr() if valid is not None else 0, self._cleared_by_indices(layer)))
+                      out.data_ptr(), valid.data_ptr() if valid is not None else 0, self._cleared_by_indices(layer),
+                      arrivals))
         return (out, valid) if return_valid_counts else out
 
     def check(self) -> None:
@@ -283,6 +291,23 @@ class DeviceSwapIn(abc.ABC):
     def _cleared_by_indices(self, layer: int) -> int:
         """The word ``skv_db_indices`` of ``layer`` sets to 0 (its ready word), or 0."""
         return 0
+
+    def _waited_by_indices(self, layer: int) -> int:
+        """The layer's zeroed arrival counter when ``skv_db_indices`` itself waits for the
+        ready word (then :meth:`_ready` puts no wait on the stream), or 0."""
+        return 0
+
+    def _wait_alone(self, layer: int, group: int, stream_ptr: int) -> None:
+        """The layer's wait with no indices wanted (:meth:`finish_step`): its ready word
+        consumed all the same, or the next step's wait would pass at once."""
+        self._ready(layer, group, stream_ptr)
+        arrivals = self._waited_by_indices(layer)
+        if arrivals:  # skv_db_indices of no token: the wait and the clear only
+            ctr = self._counter.data.ptr
+            self._launch(self._k_indices, 1, stream_ptr,
+                         (ctr, np.int32(self.layout.top_k), ctr, np.int32(0), ctr, np.int32(0), 0, np.int32(0),
+                          np.int32(0), np.int32(1), np.int32(self.layout.region_stride), np.int64(0), np.int64(0),
+                          self._dead.data.ptr, ctr, 0, self._cleared_by_indices(layer), arrivals))
 
     def _stream(self) -> int:
         return self._torch.cuda.current_stream(self.device).cuda_stream
@@ -346,7 +371,8 @@ class DoorbellSwapIn(DeviceSwapIn):
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(self.device):
-            self._arrivals, = zeroed(cp, (G, cp.uint32))  # skv_db_topk's arrival counter per group
+            # skv_db_topk's arrival counter per group; skv_db_indices' per layer
+            self._arrivals, self._idx_arrivals = zeroed(cp, (G, cp.uint32), (lay.num_layers, cp.uint32))
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
@@ -364,7 +390,10 @@ class DoorbellSwapIn(DeviceSwapIn):
         pass  # skv_db_topk rang the group's bell
 
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
-        wait32(stream_ptr, self._readys[layer], 1)
+        pass  # skv_db_indices waits for the ready word itself
+
+    def _waited_by_indices(self, layer: int) -> int:
+        return self._idx_arrivals.data.ptr + 4 * layer
 
     def _cleared_by_indices(self, layer: int) -> int:
         return self._readys[layer]

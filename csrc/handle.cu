@@ -124,7 +124,11 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
 //   otherwise -1 (and -1 everywhere once `dead[0]` is set: the daemon is gone; -1 for an
 //   index that would not fit int32: a resident block number far out of range).
 // `slots` is the group's [max_batch, ld] result. valid[t] (optional) = entries >= 0.
-// `clear` (optional): a word set to 0 first thing (the ready word the stream waited on).
+// `clear` (optional): the layer's ready word. Without `arrivals` the stream waited for it
+// already and block 0 sets it to 0 first thing. With `arrivals` (a zeroed counter of the
+// layer) this kernel is the wait: thread 0 of every block polls the word until it is set,
+// and the last block to see it sets it and the counter to 0 again. Such a grid is kept
+// small by its launcher: its blocks sit on SMs the daemon's kernels may need.
 // Grid: one block per token (grid-stride); blockDim a multiple of 32, at most 1024.
 extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const int ld,
                                           const int* __restrict__ req_ids, const int tokens,
@@ -135,11 +139,23 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
                                           const i64 hot_base, const i64 resident_base,
                                           const int* __restrict__ dead,
                                           int* __restrict__ out, int* __restrict__ valid,
-                                          u32* clear) {
+                                          u32* clear, u32* arrivals) {
     __shared__ int count;
     // The layer's ready word: clearing it here saves a stream operation. The daemon sets
     // it again only after the next bell, which this stream rings later.
-    if (clear && blockIdx.x == 0 && threadIdx.x == 0) *(volatile u32*)clear = 0u;
+    if (clear && arrivals) {
+        if (threadIdx.x == 0) {
+            while (*(volatile u32*)clear == 0u) __nanosleep(64);
+            __threadfence();  // the rows and slots written before the word, seen after it
+            if (atomicAdd(arrivals, 1u) == gridDim.x - 1) {  // every block has seen it
+                atomicExch(arrivals, 0u);
+                atomicExch(clear, 0u);
+            }
+        }
+        __syncthreads();
+    } else if (clear && blockIdx.x == 0 && threadIdx.x == 0) {
+        *(volatile u32*)clear = 0u;
+    }
     const bool gone = dead && *(volatile const int*)dead != 0;
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
         if (threadIdx.x == 0) count = 0;
