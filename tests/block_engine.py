@@ -114,11 +114,19 @@ def key_bytes(key: np.ndarray, num_layers: int, block_size: int, index_bytes: in
     return rng.integers(0, 256, (num_layers, block_size, index_bytes), dtype=np.uint8)
 
 
-def prefill(c: Client, tokens) -> dict:
-    """Look ``tokens``' chain up, then allocate, write and commit the blocks it misses."""
+def prefill(c: Client, tokens, admit: bool = False) -> dict:
+    """Look ``tokens``' chain up, then allocate, write and commit the blocks it misses;
+    with ``admit`` reserve those first (``PoolExhausted`` or QUOTA_EXCEEDED raised with
+    the hits released)."""
     blocks, lay, bs = c.blocks, c.attachment.layout, c.blocks.block_size
     keys = blocks.hashes(np.asarray(tokens))
     hit = blocks.lookup(keys)
+    if admit:
+        try:
+            blocks.reserve(len(keys) - hit.size)
+        except SparseKVError:
+            blocks.release(hit)
+            raise
     new = blocks.alloc(len(keys) - hit.size)
     dup = 0
     if new.size:
@@ -188,15 +196,12 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: st
                 if blocks.index_bytes:
                     out["bad_keys"] = verify_keys(c, cmd["tokens"], cmd["table"])
             elif op == "request":
-                keys = blocks.hashes(np.asarray(cmd["tokens"]))
                 try:
-                    blocks.reserve(len(keys))
+                    out = prefill(c, cmd["tokens"], admit=True)
                 except PoolExhausted as e:
                     print(json.dumps({"refused": {"free": e.free, "evictable": e.evictable,
                                                   "reserved": e.reserved}}), flush=True)
                     continue
-                out = prefill(c, cmd["tokens"])
-                blocks.reserve(-len(keys))  # what hits on pinned blocks left of the promise
                 out["bad"] = verify(c, handle, cmd["tokens"], out["table"])
                 if blocks.index_bytes:
                     out["bad_keys"] = verify_keys(c, cmd["tokens"], out["table"])

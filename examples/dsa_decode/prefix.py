@@ -132,10 +132,9 @@ class Lifetime:
             del self.free_blocks[:need]
         else:
             keys = store.hashes(r.prompt[: full * bs].numpy())
-            store.reserve(need)  # PoolExhausted: the pool is too small for this run
-            hit = store.lookup(keys).tolist()
+            hit = store.lookup(keys).tolist()  # a block this engine pins already costs nothing
+            store.reserve(need - len(hit))  # PoolExhausted: the pool is too small for this run
             own = store.alloc(need - len(hit)).tolist()
-            store.reserve(-need)  # what is left of the promise
             c["lookups"] += 1
         r.state_row, r.blocks, r.length = self.free_rows.pop(0), hit + own, n
         for b in own:

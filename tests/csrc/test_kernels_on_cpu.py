@@ -17,6 +17,7 @@ machine with a C++ compiler.
 from __future__ import annotations
 
 import ctypes
+import threading
 import zlib
 from types import SimpleNamespace
 
@@ -389,8 +390,16 @@ def test_the_indices_that_wait_for_the_ready_word_clear_it_once_every_block_has_
         for wait in (False, True):
             ready, arrivals = np.ones(1, np.uint32), np.zeros(1, np.uint32)
             out = np.full((tokens, k), -9, np.int32)
-            cpu_kernels.db_indices(grid, 32, slots, req, topk, resident, table.shape[0], bs, 64, 1000, 50_000,
-                                   np.zeros(1, np.int32), out, clear=ready, arrivals=arrivals if wait else None)
+            run = threading.Thread(target=cpu_kernels.db_indices, daemon=True,
+                                   args=(grid, 32, slots, req, topk, resident, table.shape[0], bs, 64, 1000, 50_000,
+                                         np.zeros(1, np.int32), out),
+                                   kwargs=dict(clear=ready, arrivals=arrivals if wait else None))
+            run.start()
+            run.join(10)
+            if run.is_alive():  # a block polls a word another block cleared: release it, then fail
+                ready[0] = 1
+                run.join(10)
+                raise AssertionError(f"grid {grid}: a block still polled after another cleared the word")
             assert ready.tolist() == [0] and arrivals.tolist() == [0], (grid, wait)
             outs.append(out)
     for out in outs[1:]:

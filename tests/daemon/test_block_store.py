@@ -154,6 +154,27 @@ def test_the_per_uid_block_quota():
         assert (other.blocks.lookup(keys) == blocks[:2]).all()  # room for two
 
 
+def test_a_request_sharing_a_prefix_its_client_pins_is_admitted_up_to_the_quota():
+    """The admission the docs give (look the prompt up, then reserve and allocate what it
+    missed; tests/block_engine.py's "request"): under max_blocks_per_uid 10, a second
+    request sharing the 6 blocks the first still pins is admitted with 2 blocks of its own
+    (8 held), a third that would need 3 more is refused, and the hits it pinned are given
+    back (a fourth needing 2 fits). Reserving before the lookup counted the shared prefix
+    twice (6 pinned + 8 reserved) and refused the second."""
+    with helpers.serving_daemon(4 << 20, max_blocks_per_uid=10) as d:
+        a = Engine(d.run_dir)
+        try:
+            assert a("request", tokens=tokens(3, 6), release=False)["hit"] == 0
+            got = a("request", tokens=tokens(3, 6) + tokens(4, 2), release=False)
+            assert got.get("hit") == 6 and got.get("bad") == 0, got
+            got = a("request", tokens=tokens(3, 6) + tokens(5, 3), release=False)
+            assert got.get("err") == "QUOTA_EXCEEDED", got
+            got = a("request", tokens=tokens(3, 6) + tokens(6, 2), release=False)
+            assert got.get("hit") == 6 and got.get("bad") == 0, got
+        finally:
+            a.close()
+
+
 def test_block_requests_need_a_store_and_valid_arguments(daemon):
     with Client(daemon.run_dir) as c:
         c.attach(LAY, engine="plain")
