@@ -14,7 +14,7 @@ copy. The life of a request's blocks:
    promised, or ``PoolExhausted`` at once (``free``, ``evictable``, ``reserved``; release
    the hits and admit the request later), never a failure later in the request (reserved
    before the lookup, a prefix this client pins already would count twice against the
-   quota until the lookup);
+   quota until the unused promise is given back);
 3. ``alloc(k)`` for the rest (zeroed, private), written with ``Client.write`` (rows:
    ``rows(blocks)``), then ``commit(blocks, hashes)`` for the full ones;
 4. ``release(blocks)`` when the request ends: cached blocks stay cached (evictable once

@@ -137,7 +137,7 @@ class DeviceSwapIn(abc.ABC):
     @abc.abstractmethod
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
         """On the engine's stream: make the stream wait until the layer's rows are in its slab
-        (nothing where the layer's ``skv_db_indices`` waits: :meth:`_waited_by_indices`)."""
+        (not called where the layer's ``skv_db_indices`` polls: :meth:`_poller`)."""
 
     # -- the engine's calls ------------------------------------------------------------
     def kv(self, layer: int):

@@ -244,14 +244,17 @@ def two_engines_one_detaching(cuda_daemon, lay, plan, want):
 
 
 @pytest.mark.cuda
-def test_a_whole_decode_step_captures_into_one_cuda_graph():
-    """The engine's whole step (its kernels ringing the bells, its skv_db_indices polling
-    the ready words the daemon's gathers set: 7 tokens, so the stream waits, then the
-    kernel) captures and replays exactly."""
+@pytest.mark.parametrize("few", [False, True])
+def test_a_whole_decode_step_captures_into_one_cuda_graph(few):
+    """The engine's whole step (its kernels ringing the bells, the waits for the ready
+    words the daemon's gathers set) captures and replays exactly: 7 tokens a layer (the
+    stream waits, then skv_db_indices), or with ``few`` 3 (skv_db_indices polls)."""
     import torch
 
     lay = layout()
     plan = steps(lay, 10, seed=5, positions=True)
+    if few:
+        plan = [(st, rs, iv, req[:3], [g[:3] for g in pg], tb) for st, rs, iv, req, pg, tb in plan]
     want = reference(lay, plan, True)
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
                        log_path=DAEMON_LOG) as d:
