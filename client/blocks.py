@@ -6,9 +6,15 @@ layer, so block ids go straight into the block table of ``swap_in`` / ``topk`` w
 same ``block_size`` (proto/positions.py): a looked-up prefix is read where it lies, no
 copy. The life of a request's blocks:
 
-1. ``reserve(n)`` at admission: ``n`` blocks promised, or ``PoolExhausted`` at once
-   (``free``, ``evictable``, ``reserved``), never a failure later in the request;
-2. ``lookup(hashes)``: the longest cached prefix of the prompt's chain, pinned;
+1. ``lookup(hashes)``: the longest cached prefix of the prompt's chain, pinned (a block
+   this client pins already costs nothing; any other takes one block of its reservation
+   if it has one, else one of its uid's ``max_blocks_per_uid``, and the prefix stops
+   short of the quota);
+2. ``reserve(n)`` for what the lookup missed and the decode will need: ``n`` blocks
+   promised, or ``PoolExhausted`` at once (``free``, ``evictable``, ``reserved``; release
+   the hits and admit the request later), never a failure later in the request (reserved
+   before the lookup, a prefix this client pins already would count twice against the
+   quota until the unused promise is given back);
 3. ``alloc(k)`` for the rest (zeroed, private), written with ``Client.write`` (rows:
    ``rows(blocks)``), then ``commit(blocks, hashes)`` for the full ones;
 4. ``release(blocks)`` when the request ends: cached blocks stay cached (evictable once
@@ -108,7 +114,8 @@ class Blocks:
             tail = arrays["blocks"] if arrays else None  # (none after the chain named: no array)
             if fields.get("head"):
                 blocks = ref.blocks.copy() if tail is None else np.concatenate([ref.blocks, tail])
-            else:  # found shorter than the chain named: it is not cached whole any more
+            else:  # found shorter than the chain named (not cached whole any more, or cut short by
+                # the uid's quota or others' reservations): the full hashes next time
                 refs.drop(ref)
                 blocks = np.zeros(0, np.int32) if tail is None else tail
         else:

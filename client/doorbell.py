@@ -11,17 +11,25 @@ On the engine's stream, no host code of either process in between: ``begin_step`
 ``skv_db_begin`` writes the step block into the daemon's ring and rings the step bell; a
 group leader's ``swap_in`` runs ``skv_db_topk``, which maps positions to host rows into
 the group's top-k block and rings the group's bell; every layer's ``swap_in`` waits for
-the layer's ready word (``cuStreamWaitValue32``), then ``skv_db_indices`` clears it and
-turns the group's slots into attention indices (alternatives: docs/DESIGN.md, "Rejected
-designs"). Indexing is the portable handle's (client/README.md, "The engine's handle"), a
-refused row also -1; the step's order is ``step_order.py``'s.
+the layer's ready word, then ``skv_db_indices`` clears it and turns the group's slots into
+attention indices. The wait: up to :data:`POLL_TOKENS` tokens, the kernel itself, in one
+block, polls the word (a ``cuStreamWaitValue32`` in the engine's graph cost the batch-1
+step ~7 µs a layer beside the model's kernels); more tokens, ``cuStreamWaitValue32`` on
+the stream, then the kernel on its full grid (polling blocks hold SMs, and the daemon's
+resolve needs a whole SM a block). ``finish_step`` consumes a skipped layer's word with an
+``skv_db_indices`` of no token (alternatives: docs/DESIGN.md, "Rejected designs").
+Indexing is the portable handle's (client/README.md, "The engine's handle"), a refused row
+also -1; the step's order is ``step_order.py``'s.
 
 **Failure.** A thread watches the daemon. If it dies, the handle sets its own "dead" word
 (``skv_db_indices`` then returns -1 everywhere) and keeps setting every ready word, so the
 engine's stream never hangs; ``check()`` then raises ``DaemonUnavailable``. The release
 uses stream memory operations only: loading a CUDA module (a CuPy kernel's first use, a
 lazy torch kernel) can wait for the context's running work, a stream parked on a ready
-word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window.
+word included; ``CUDA_MODULE_LOADING=EAGER`` in the engine removes that window. A polling
+``skv_db_indices`` also ends once the dead word is set; like a stream parked on a
+ready word, it must not outlive the handle (synchronize before ``close``). Under MPS a
+daemon killed with a kernel still polling broke its engines' contexts (DESIGN.md §8).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ log = logging.getLogger("sparsekv.client")
 
 RELEASE_INTERVAL_S = 0.0002  # once it is dead: how often every ready word is set again
 THREADS = 256
+POLL_TOKENS = 4  # up to this many tokens a layer's skv_db_indices polls its ready word itself, in one block
 
 
 def zeroed(cp, *specs) -> list:
@@ -129,7 +138,8 @@ class DeviceSwapIn(abc.ABC):
 
     @abc.abstractmethod
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
-        """On the engine's stream: make the stream wait until the layer's rows are in its slab."""
+        """On the engine's stream: make the stream wait until the layer's rows are in its slab
+        (not called where the layer's ``skv_db_indices`` polls: :meth:`_poller`)."""
 
     # -- the engine's calls ------------------------------------------------------------
     def kv(self, layer: int):
@@ -195,7 +205,7 @@ class DeviceSwapIn(abc.ABC):
             self._rang(g, s)
             self._order.rang(g)
         for layer in layers:
-            self._ready(layer, self._order.group_of[layer], s)
+            self._wait_alone(layer, self._order.group_of[layer], s)
             self._order.ready(layer)
 
     def swap_in(self, req_id_per_token, block_table, logical_topk_indices, *, layer: int, block_size: int = 1,
@@ -253,14 +263,19 @@ class DeviceSwapIn(abc.ABC):
                                          res_blocks, topk.data_ptr(), k, block_size))
             self._rang(g, s)
             self._order.rang(g)
-        self._ready(layer, g, s)
+        # A few tokens: one block of skv_db_indices polls the ready word (no stream wait in
+        # the engine's graph); more: the stream waits, then the indices on the full grid (a
+        # polling grid would hold SMs the daemon's kernels need).
+        arrivals = self._poller(layer, tokens)
+        if not arrivals:
+            self._ready(layer, g, s)
         self._order.ready(layer)
-        self._launch(self._k_indices, grid, s,
+        self._launch(self._k_indices, 1 if arrivals else grid, s,
                      (self._slots[g], i32(lay.top_k), req.data_ptr(), i32(tokens), topk.data_ptr(), i32(k),
                       res_ptr, i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))),
                       i32(lay.region_stride), i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr,
                       self._stopped_word, out.data_ptr(), valid.data_ptr() if valid is not None else 0,
-                      self._cleared_by_indices(layer)))
+                      self._cleared_by_indices(layer), arrivals))
         return (out, valid) if return_valid_counts else out
 
     def check(self) -> None:
@@ -288,6 +303,29 @@ class DeviceSwapIn(abc.ABC):
     def _cleared_by_indices(self, layer: int) -> int:
         """The word ``skv_db_indices`` of ``layer`` sets to 0 (its ready word), or 0."""
         return 0
+
+    def _waited_by_indices(self, layer: int) -> int:
+        """The layer's zeroed arrival counter where ``skv_db_indices`` of one block may wait
+        for the ready word itself (then no :meth:`_ready` before it), or 0."""
+        return 0
+
+    def _poller(self, layer: int, tokens: int) -> int:
+        """The arrival counter ``skv_db_indices`` of ``tokens`` tokens polls with (one
+        block), or 0: the stream waits (:meth:`_ready`) and the kernel runs on its full grid."""
+        return self._waited_by_indices(layer) if tokens <= POLL_TOKENS else 0
+
+    def _wait_alone(self, layer: int, group: int, stream_ptr: int) -> None:
+        """The layer's wait with no indices wanted (:meth:`finish_step`): its ready word
+        consumed all the same (set to 0), or the next step's wait would pass at once."""
+        arrivals = self._waited_by_indices(layer)
+        if not arrivals:
+            self._ready(layer, group, stream_ptr)
+        else:  # skv_db_indices of no token, one block: the wait and the clear only
+            ctr = self._counter.data.ptr
+            self._launch(self._k_indices, 1, stream_ptr,
+                         (ctr, np.int32(self.layout.top_k), ctr, np.int32(0), ctr, np.int32(0), 0, np.int32(0),
+                          np.int32(0), np.int32(1), np.int32(self.layout.region_stride), np.int64(0), np.int64(0),
+                          self._dead.data.ptr, self._stopped_word, ctr, 0, self._cleared_by_indices(layer), arrivals))
 
     def _stream(self) -> int:
         return self._torch.cuda.current_stream(self.device).cuda_stream
@@ -353,7 +391,8 @@ class DoorbellSwapIn(DeviceSwapIn):
         import cupy as cp  # noqa: PLC0415
 
         with cp.cuda.Device(self.device):
-            self._arrivals, = zeroed(cp, (G, cp.uint32))  # skv_db_topk's arrival counter per group
+            # skv_db_topk's arrival counter per group; skv_db_indices' per layer
+            self._arrivals, self._idx_arrivals = zeroed(cp, (G, cp.uint32), (lay.num_layers, cp.uint32))
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sparsekv-doorbell-watch", daemon=True)
         self._watcher.start()
@@ -372,6 +411,9 @@ class DoorbellSwapIn(DeviceSwapIn):
 
     def _ready(self, layer: int, group: int, stream_ptr: int) -> None:
         wait32(stream_ptr, self._readys[layer], 1)
+
+    def _waited_by_indices(self, layer: int) -> int:
+        return self._idx_arrivals.data.ptr + 4 * layer
 
     def _cleared_by_indices(self, layer: int) -> int:
         return self._readys[layer]

@@ -125,9 +125,14 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
 //   `stopped[0]` is, the rank's word in the daemon's arena: its TP group stopped; -1 for
 //   an index that would not fit int32: a resident block number far out of range).
 // `slots` is the group's [max_batch, ld] result. valid[t] (optional) = entries >= 0.
-// `clear` (optional): a word set to 0 first thing (the ready word the stream waited on).
+// `clear` (optional): the layer's ready word. Without `arrivals` the stream waited for it
+// already and block 0 sets it to 0 first thing. With `arrivals` (a zeroed counter of the
+// layer) this kernel is the wait: thread 0 of every block polls the word until it is set
+// (or `dead` is), and the last block to see it sets it and the counter to 0 again. Its
+// launcher polls with one block only: a polling block holds an SM that the daemon's
+// resolve (a whole SM's registers a block) cannot share.
 // Grid: one block per token (grid-stride); blockDim a multiple of 32, at most 1024.
-extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const int ld,
+extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
                                           const int* __restrict__ req_ids, const int tokens,
                                           const int* __restrict__ topk, const int k,
                                           const int* __restrict__ resident, const int res_blocks,
@@ -136,11 +141,27 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
                                           const i64 hot_base, const i64 resident_base,
                                           const int* __restrict__ dead, const u32* __restrict__ stopped,
                                           int* __restrict__ out, int* __restrict__ valid,
-                                          u32* clear) {
+                                          u32* clear, u32* arrivals) {
     __shared__ int count;
     // The layer's ready word: clearing it here saves a stream operation. The daemon sets
     // it again only after the next bell, which this stream rings later.
-    if (clear && blockIdx.x == 0 && threadIdx.x == 0) *(volatile u32*)clear = 0u;
+    if (clear && arrivals) {
+        if (threadIdx.x == 0) {
+            // Or until the handle's dead word or the rank's stopped word is set (each set
+            // before the ready words it releases): a poll that could never end must not
+            // outlive its process (MPS).
+            while (*(volatile u32*)clear == 0u && !(dead && *(volatile const int*)dead != 0)
+                   && !(stopped && *(volatile const u32*)stopped != 0u)) __nanosleep(64);
+            __threadfence();  // the rows and slots written before the word, seen after it
+            if (atomicAdd(arrivals, 1u) == gridDim.x - 1) {  // every block has seen it
+                atomicExch(arrivals, 0u);
+                atomicExch(clear, 0u);
+            }
+        }
+        __syncthreads();
+    } else if (clear && blockIdx.x == 0 && threadIdx.x == 0) {
+        *(volatile u32*)clear = 0u;
+    }
     const bool gone = (dead && *(volatile const int*)dead != 0) || (stopped && *(volatile const u32*)stopped != 0u);
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
         if (threadIdx.x == 0) count = 0;
@@ -159,7 +180,7 @@ extern "C" __global__ void skv_db_indices(const int* __restrict__ slots, const i
                 const bool on = live && j < k;
                 // Loaded whatever the others hold: no load waits on another's value.
                 pos[u] = (on && rrow) ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
-                sl[u] = on ? slots[(i64)t * ld + j] : -1;
+                sl[u] = on ? __ldcg(slots + (i64)t * ld + j) : -1;  // (written by the daemon while this kernel may poll)
                 rb[u] = skv_block_of(rrow, res_blocks, pos[u], block_size);
             }
 #pragma unroll

@@ -53,10 +53,16 @@ def map_engine_memory(fd: int, nbytes: int, what: str = "buffer", need: str = "i
     if not seals & fcntl.F_SEAL_SHRINK:
         raise ResidencyError("BAD_ARGUMENT", f"the engine's {what} memfd must be sealed against shrinking "
                              "(fcntl F_ADD_SEALS F_SEAL_SHRINK) before it is deposited")
+    if seals & (fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)):
+        raise ResidencyError("BAD_ARGUMENT", f"the engine's {what} memfd is sealed against writes "
+                             "(F_SEAL_WRITE or F_SEAL_FUTURE_WRITE): the daemon writes into it")
     size = os.fstat(fd).st_size
     if size < nbytes:
         raise ResidencyError("BAD_ARGUMENT", f"the engine's {what} memfd has {size} bytes, {need} {nbytes}")
-    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        raise ResidencyError("BAD_ARGUMENT", f"the engine's {what} memfd cannot be mapped for writing: {e}") from None
 
 
 class CpuBackend(Backend):

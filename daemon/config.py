@@ -96,8 +96,13 @@ class Config:
                                   "0: no cap beyond max_clients", bounds=(-1, 1_000_000))
     max_pool_bytes_per_uid: int = _s(0, "pool bytes of the engines one uid created, with a unit; 0B: no quota",
                                      kind="size", bounds=(0, None))
-    max_blocks_per_uid: int = _s(0, "block store blocks one uid's sessions hold private or reserved, over every "
-                                 "engine's store (DESIGN §9); 0: no quota", bounds=(0, 2**40))
+    max_blocks_per_uid: int = _s(0, "block store blocks one uid's sessions hold private, reserved or pinned (a "
+                                 "block once for each session pinning it), over every engine's store (DESIGN §9); "
+                                 "0: no quota", bounds=(0, 2**40))
+    max_slab_share_per_uid: float = _s(0.5, "share of this host's memory that the ranks one uid's clients attached "
+                                       "may take together (each bounded by max_slab_bytes: hot slab, staging, "
+                                       "residency state; the cpu backend's, host memory); 1: the whole memory", bounds=(0.01, 1),
+                                       metavar="F")
     # Each connection costs a file descriptor; a process that said HELLO lately has no deadline.
     max_connections_per_uid: int = _s(-1, "open control connections of one uid at most (more are closed at once "
                                       "and counted); -1: twice the per-uid client cap, at least 16; 0: no cap",
@@ -119,6 +124,14 @@ class Config:
     def pin_chunk_bytes(self) -> int:
         """``pin_chunk_gib`` in bytes: whole 2 MiB pages, at least one."""
         return max(1, round(self.pin_chunk_gib * (1 << 30) / PIN_PAGE_BYTES)) * PIN_PAGE_BYTES
+
+    @property
+    def uid_slab_cap(self) -> int:
+        """Bytes the ranks of one uid may take together: ``max_slab_share_per_uid`` of this
+        host's memory."""
+        import psutil  # noqa: PLC0415 - read once, at start
+
+        return int(self.max_slab_share_per_uid * psutil.virtual_memory().total)
 
     @property
     def uid_client_cap(self) -> int:

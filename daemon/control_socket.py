@@ -16,7 +16,9 @@ writes each connection itself, so every limit holds before anything is read:
   one budget (``inflight_bytes``, and a quarter of it per uid) and given back when the
   daemon drops the last reference to them (the request answered, or dropped). A frame
   the budget cannot take yet pauses that connection's reads until it can: the kernel's
-  socket buffer and the client wait, the daemon's memory does not grow.
+  socket buffer and the client wait, the daemon's memory does not grow. Paused
+  connections resume in the order they paused; one that waits only for its own uid's
+  share keeps its place without holding up the others' uids.
 * **How long.** No HELLO within ``hello_timeout_s``, or a message begun and not finished
   within ``MESSAGE_TIMEOUT_S`` (a peer that stops half way would hold its budget): closed.
 * **Descriptors.** Within ``reserve_fds`` of ``RLIMIT_NOFILE`` the daemon stops accepting
@@ -78,6 +80,7 @@ class Conn:
     plan: list | None = None  # the array frames' sizes its message's header declares
     refusal: tuple | None = None  # (code, message) its message in progress is refused with
     reserved: int = 0  # budget taken for those and not yet read into a buffer
+    wanted: int = 0  # the budget its paused message waits for
     events: int = 0  # registered with epoll
 
 
@@ -375,6 +378,7 @@ class ControlSocket:
                 raise Refused(ErrorCode.TOO_LARGE, f"arrays of {declared_bytes} bytes declared, more than "
                               f"{limits.max_message_bytes}")
             if big and not self.budget.take(c.peer.uid, big):
+                c.wanted = big
                 if c is not self._resuming:
                     self._paused.append(c)
                     self.counts["paused"] += 1
@@ -410,26 +414,35 @@ class ControlSocket:
 
     def _unpause(self) -> None:
         """Resume the connections waiting for the budget, first come first served, until
-        one still does not fit (it keeps its place)."""
-        while self._paused:
-            c = self._paused.popleft()
-            self._resuming = c
-            try:
-                if not self._resume(c):
-                    continue
-            finally:
-                self._resuming = None
-            if c.decoder.paused and not c.yielded and self._conns.get(c.sock.fileno()) is c:
-                self._paused.appendleft(c)
-                return  # still no room
-            c.message_at = self._clock()
-            self._watch(c)
+        one still does not fit the whole budget (it keeps its place). One that fits the
+        whole budget but not its uid's share keeps its place too, and the ones behind it
+        go on: a uid's own queue never holds up another uid's messages."""
+        skipped: list[Conn] = []
+        try:
+            while self._paused:
+                c = self._paused.popleft()
+                self._resuming = c
+                try:
+                    if not self._resume(c):
+                        continue
+                finally:
+                    self._resuming = None
+                if c.decoder.paused and not c.yielded and self._conns.get(c.sock.fileno()) is c:
+                    if self.budget.room_for(c.wanted):
+                        skipped.append(c)  # only its uid's share is full
+                        continue
+                    self._paused.appendleft(c)
+                    return  # still no room
+                c.message_at = self._clock()
+                self._watch(c)
+        finally:
+            self._paused.extendleft(reversed(skipped))
 
     def _message(self, c: Conn, frames: list) -> None:
         if self._by_ident.get(c.ident) is not c:
             return  # dropped while its bytes were being decoded: nothing more of it is served
         if c.reserved:  # declared frames that never came
-            self.budget.give(c.peer.uid, c.reserved)
+            self._give(c.peer.uid, c.reserved)
             c.reserved = 0
         refusal, c.refusal = c.refusal, None
         if refusal is not None:
@@ -510,11 +523,11 @@ class ControlSocket:
         c.sock.close()
         c.out.clear()
         c.decoder = _CLOSED  # its buffers (and their budget) go now
-        if c.reserved:
-            self.budget.give(c.peer.uid, c.reserved)
-            c.reserved = 0
         if c in self._paused:
             self._paused.remove(c)
+        if c.reserved:  # (the connections paused behind it are woken)
+            self._give(c.peer.uid, c.reserved)
+            c.reserved = 0
         if notify and c.greeted:
             self.on_closed(c.ident)
 

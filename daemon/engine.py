@@ -105,6 +105,9 @@ class RankState:
             reset = np.asarray(reset)
             if reset.shape != state_rows.shape:
                 raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]={state_rows.shape}, got {reset.shape}")
+            if reset.dtype != np.bool_ and (reset.dtype.kind not in "iu" or ((reset != 0) & (reset != 1)).any()):
+                raise ResidencyError("BAD_ARGUMENT", f"reset must be bool (or integers 0 / 1), got {reset.dtype} "
+                                     f"{reset.tolist()[:8]}")
         if invalidate is not None:
             invalidate = as_ids("invalidate", invalidate, 2)
             if invalidate.shape[0] != state_rows.shape[0]:
@@ -326,8 +329,12 @@ class EngineSpace:
     def check_keys_load(self, session: int, blocks, dst_bytes: int) -> np.ndarray:
         """The block ids (int64 [n]) whose indexer keys a load may copy into ``dst_bytes``
         of the engine's buffer: the same rule as a read (pinned by ``session`` or private to
-        it), with no per-request size limit but the buffer's; BlockError otherwise."""
+        it), each named once (the work of a request is then bounded by the store's keys), with
+        no per-request size limit but the buffer's; BlockError otherwise."""
         plane = self._plane(blocks[:0])
+        ids = np.asarray(blocks)
+        if ids.size > 1 and np.unique(ids).size != ids.size:
+            raise BlockError("BAD_ARGUMENT", "a keys load names a block more than once: name each block once")
         need = len(blocks) * plane.block_bytes
         if need > dst_bytes:
             raise BlockError("BAD_ARGUMENT", f"the indexer keys of {len(blocks)} blocks take {need} bytes "
@@ -479,6 +486,10 @@ class Backend(abc.ABC):
     name: str  # "cpu" or "cuda"
     devices: list[str]
     new_rank_on_loop = False
+    # Whether a rank's slab, staging and residency state are host memory (counted in the
+    # per-uid share, ``max_slab_share_per_uid``); cuda: they live in the device arena,
+    # whose size is fixed at start.
+    rank_memory_on_host = True
 
     @abc.abstractmethod
     def describe(self) -> dict:

@@ -84,8 +84,8 @@ class EngineRequests:
     def on_attach(self, s: Session, identity, h, arrays):
         if s.state is not None:
             raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"client {s.client_id} is attached to engine {s.engine!r}")
-        engine = str(h["engine"])
-        if not engine or len(engine) > 128:
+        engine = h["engine"]
+        if not isinstance(engine, str) or not engine or len(engine) > 128:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "engine must be a name of 1..128 characters")
         try:
             layout = Layout.from_wire(h["layout"])
@@ -352,7 +352,8 @@ def code_of(e: Exception) -> ErrorCode:
 def _blocks_field(field, layout: Layout) -> tuple[int, int]:
     """ATTACH's optional ``blocks`` field (``{"block_size": n}``, optionally
     ``"index_bytes": m``): the engine's block size (0 for none) and its indexer keys' bytes
-    a position and layer (0 for no keys plane). BAD_ARGUMENT unless 1 <= n <= host_rows and
+    a position and layer (0 for no keys plane). BAD_ARGUMENT unless 1 <= n <= host_rows (and
+    host_rows // n <= ``LIMITS.max_store_blocks``) and
     0 <= m <= MAX_INDEX_BYTES with one block's keys within ``LIMITS.max_keys_bytes`` (so
     that a request can carry them)."""
     if field is None:
@@ -362,6 +363,9 @@ def _blocks_field(field, layout: Layout) -> tuple[int, int]:
     if type(n) is not int or not 1 <= n <= layout.host_rows or set(field) - {"block_size", "index_bytes"}:
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"blocks must be {{'block_size': n}} with 1 <= n <= host_rows "
                             f"({layout.host_rows}), optionally with 'index_bytes', got {str(field)[:60]}")
+    if layout.host_rows // n > LIMITS.max_store_blocks:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"a block store of {layout.host_rows // n} blocks (host_rows "
+                            f"{layout.host_rows} // block_size {n}) exceeds {LIMITS.max_store_blocks}: use larger blocks")
     if type(m) is not int or not 0 <= m <= MAX_INDEX_BYTES:
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"index_bytes must be an integer in [0, {MAX_INDEX_BYTES}] "
                             f"(indexer key bytes of one position of one layer), got {str(m)[:40]}")

@@ -63,6 +63,11 @@ class Budget:
                 self.peak = self.held
             return True
 
+    def room_for(self, n: int) -> bool:
+        """Whether ``n`` more bytes fit the whole budget (whatever any uid holds)."""
+        with self._lock:
+            return self.held + n <= self.total
+
     def give(self, uid: int, n: int) -> None:
         with self._lock:
             self.held -= n

@@ -347,7 +347,7 @@ def main(argv=None) -> int:
                             metrics_port=cfg.metrics_port, admin_gid=cfg.admin_gid if cfg.admin_gid >= 0 else None,
                             max_clients_per_uid=cfg.uid_client_cap,
                             max_pool_bytes_per_uid=cfg.max_pool_bytes_per_uid,
-                            max_blocks_per_uid=cfg.max_blocks_per_uid,
+                            max_blocks_per_uid=cfg.max_blocks_per_uid, max_rank_bytes_per_uid=cfg.uid_slab_cap,
                             max_connections_per_uid=cfg.uid_connection_cap, hello_timeout_s=cfg.hello_timeout_s,
                             idle_timeout_s=cfg.idle_timeout_s, inflight_bytes=cfg.inflight_bytes,
                             io_cpus=io_cpus, warmer=warmer)

@@ -24,7 +24,7 @@ from .blocks.contract import UidLedger
 from .blocks.store import BlockStore
 from .engine import EngineSpace, Owner, RankState
 from .pool import HostPool
-from .residency.base import ResidencyError
+from .residency.base import ResidencyError, rank_bytes
 from .tp import TpGroup, TpLedger
 
 log = logging.getLogger("sparsekv.registry")
@@ -42,6 +42,8 @@ class PendingAttach:
     state: RankState | None = None  # the rank, once the backend made it
     handles: dict | None = None
     settled: bool = False  # committed or aborted
+    uid: int | None = None  # whose ranks' memory the rank counts in (its client's uid)
+    rank_bytes: int = 0  # the memory the rank takes (residency.base.rank_bytes, an engine slab left out)
 
     @property
     def rank(self) -> int:
@@ -57,16 +59,25 @@ class EngineRegistry:
             engine holds beyond its pool range.
         max_pool_bytes_per_uid: pool bytes the engines one uid created may hold together
             (their ranges); a new engine beyond it is QUOTA_EXCEEDED. 0: no quota.
-        max_blocks_per_uid: private + reserved blocks of one uid's sessions over every
-            block store (QUOTA_EXCEEDED beyond it); 0: no quota.
+        max_blocks_per_uid: private, reserved and pinned blocks of one uid's sessions (a
+            block once for each session that pins it) over every block store
+            (QUOTA_EXCEEDED beyond it; a lookup stops short of it); 0: no quota.
+        max_rank_bytes_per_uid: the memory every rank one uid's clients attached takes
+            together (each bounded by ``max_slab_bytes``: hot slab, staging, residency
+            state), where the backend keeps it on the host (``rank_memory_on_host``); an
+            attach beyond it is QUOTA_EXCEEDED. 0: no quota.
 
     Iterating yields engine names; ``len()`` is the number of engines.
     """
 
-    def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0, max_blocks_per_uid: int = 0):
+    def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0, max_blocks_per_uid: int = 0,
+                 max_rank_bytes_per_uid: int = 0):
         self.pool = pool
         self.backend = backend
         self.max_pool_bytes_per_uid = max_pool_bytes_per_uid
+        self.max_rank_bytes_per_uid = max_rank_bytes_per_uid
+        self.rank_ledger = UidLedger()  # attached and attaching ranks' memory, per uid (checked here, not by it)
+        self._rank_bytes: dict[int, tuple[int, int]] = {}  # client id -> (uid, bytes) of its rank
         self.block_ledger = UidLedger(max_blocks_per_uid)
         self.tp_ledger = TpLedger(1 << 30)  # (Config.tp_max_lag_bytes, set by the daemon's entry)
         self._engines: dict[str, EngineSpace] = {}
@@ -101,6 +112,9 @@ class EngineRegistry:
         engine with an owner is joined only with the same uid, as uid 0, or when
         ``privileged``. Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED
         (checked first, naming neither the owner nor the layout) or LAYOUT_MISMATCH."""
+        uid = owner.uid if owner is not None and self.backend.rank_memory_on_host else None
+        rank_mem = rank_bytes(layout, engine_slab is not None)["total"]
+        self._check_rank_quota(uid, rank_mem)  # before anything is allocated
         space = self._engines.get(engine_name)
         created = space is None
         if tp_size > 1 and not 0 <= rank < tp_size:  # before a new engine's range is taken
@@ -145,7 +159,26 @@ class EngineRegistry:
         if prefetch:
             kw["prefetch"] = True
         self._attaching[engine_name] = self._attaching.get(engine_name, 0) + 1
-        return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw)
+        if uid is not None:
+            self.rank_ledger.add(uid, rank_mem)
+        return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw,
+                             uid=uid, rank_bytes=rank_mem)
+
+    def _check_rank_quota(self, uid: int | None, nbytes: int) -> None:
+        held = self.rank_ledger.held.get(uid, 0) if uid is not None else 0
+        if uid is not None and self.max_rank_bytes_per_uid and held + nbytes > self.max_rank_bytes_per_uid:
+            raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, f"a rank of {format_size(nbytes)} would bring uid {uid}'s "
+                                f"attached ranks to {format_size(held + nbytes)} (max_slab_share_per_uid of this host: "
+                                f"{format_size(self.max_rank_bytes_per_uid)}; they hold {format_size(held)})")
+
+    def _give_rank_bytes(self, uid: int | None, nbytes: int) -> None:
+        if uid is not None:
+            self.rank_ledger.add(uid, -nbytes)
+
+    @property
+    def rank_bytes_by_uid(self) -> dict[int, int]:
+        """Attached and attaching ranks' memory per uid (``max_rank_bytes_per_uid``'s count)."""
+        return self.rank_ledger.held
 
     def _reserve_tp_rank(self, space: EngineSpace, rank: int, tp_size: int, max_lag: int, prefetch: bool) -> None:
         """Hold rank ``rank`` of the engine's TP group (made by its first rank) for an attach."""
@@ -199,6 +232,8 @@ class EngineRegistry:
         if p.state is None:  # the backend makes it here (new_rank_on_loop)
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
         p.space.ranks[p.client_id] = p.state
+        if p.uid is not None:
+            self._rank_bytes[p.client_id] = (p.uid, p.rank_bytes)
         if p.space.tp is not None:
             p.space.tp.join(p.rank, p.state)
         p.space.idle_since = None
@@ -210,6 +245,7 @@ class EngineRegistry:
         it was made, and its engine if that has no rank and no other attach pending."""
         if p.settled:
             return
+        self._give_rank_bytes(p.uid, p.rank_bytes)
         if p.state is not None:
             p.state = None
             self.backend.release_rank(p.client_id)
@@ -239,6 +275,7 @@ class EngineRegistry:
                 space.blocks.close(client_id)
         # The rank first: it may hold resources that refer to the engine's (pinned) pool.
         self.backend.release_rank(client_id)
+        self._give_rank_bytes(*self._rank_bytes.pop(client_id, (None, 0)))
         if space is not None and self._release_if_unused(space):
             log.info("engine %r released its pool range", engine_name)
 

@@ -53,7 +53,7 @@ class Daemon:
                  metrics_port: int = 0, admin_gid: int | None = None, max_clients_per_uid: int = 0,
                  max_pool_bytes_per_uid: int = 0, max_connections_per_uid: int = 0, hello_timeout_s: float = 10.0,
                  idle_timeout_s: float = 600.0, inflight_bytes: int = 256 << 20, io_cpus: tuple[int, ...] = (),
-                 warmer=None, max_blocks_per_uid: int = 0):
+                 warmer=None, max_blocks_per_uid: int = 0, max_rank_bytes_per_uid: int = 0):
         self.run_dir = run_dir
         self.control_path = os.path.join(run_dir, "control.sock")
         self.stats_path = os.path.join(run_dir, "stats.sock")
@@ -74,7 +74,8 @@ class Daemon:
         self.metrics_port = int(metrics_port)  # 0: no HTTP endpoint
         self.metrics_address: tuple[str, int] | None = None  # once bound
         self.engines = EngineRegistry(pool, backend, max_pool_bytes_per_uid=max_pool_bytes_per_uid,
-                                      max_blocks_per_uid=max_blocks_per_uid)
+                                      max_blocks_per_uid=max_blocks_per_uid,
+                                      max_rank_bytes_per_uid=max_rank_bytes_per_uid)
         self.heavy = HeavyRequests()
         self._serving = False
         self.fd_server = FdServer(self.stats, lambda cid: self.backend.share_fds(cid), is_attacher)
@@ -273,6 +274,8 @@ class Daemon:
                 return self._step(job) if defer else self._inline(job)
             return self._ok(kind, msg_type, req_id, out, tr)
         except Exception as e:  # noqa: BLE001 - answered with its code, never raised
+            if not req_id:  # not decoded: answered under its header's type and id where it has them
+                msg_type, req_id = message_ids(frames)
             return self._failed(e, identity, msg_type, req_id, tr)
 
     def _ok(self, kind: MsgType, msg_type: int, req_id: int, out: tuple, tr: int) -> list:

@@ -39,7 +39,8 @@ COUNTERS = (
     ("rows_staged", "rows copied to prefill staging buffers"),
     ("block_lookups", "block store lookups (BLOCK_LOOKUP)"),
     ("block_hits", "blocks found and pinned by lookups"),
-    ("block_hit_tokens", "positions of the blocks found by lookups (not prefilled again)"),
+    ("block_hit_tokens", "positions of the blocks found by lookups (not prefilled again; a request refused after "
+                          "its lookup counts them too)"),
     ("block_hit_bytes", "pool bytes of the blocks found by lookups (every layer's rows)"),
     ("block_chain_lookups", "lookups that named a chain found before by its token instead of sending its hashes"),
     ("block_chain_resends", "lookups naming a token no longer answered (the client sent the hashes instead)"),

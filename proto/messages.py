@@ -95,8 +95,9 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     "something else; this request was not run",
     ErrorCode.PERMISSION_DENIED: "another user's engine, or a connection whose credentials the daemon cannot read; "
     "attach as the engine's owner, as root or as a member of the daemon's admin group, or pick another engine name",
-    ErrorCode.QUOTA_EXCEEDED: "this user holds its share of the daemon (max_clients_per_uid, max_pool_bytes_per_uid "
-    "in the daemon's config): close or detach other clients of this user, or ask the operator to raise it",
+    ErrorCode.QUOTA_EXCEEDED: "this user holds its share of the daemon (max_clients_per_uid, max_pool_bytes_per_uid, "
+    "max_slab_share_per_uid, max_blocks_per_uid in the daemon's config): release blocks this user's clients pin or "
+    "hold, close or detach other clients of this user, or ask the operator to raise it",
     ErrorCode.POOL_EXHAUSTED: "the engine's block store cannot promise that many blocks now (the reply's detail "
     "names free, cached-evictable and reserved blocks): admit the request later, or release blocks",
 }
@@ -116,6 +117,10 @@ class Limits:
     max_batch: int = 4096
     max_write_rows: int = 1 << 20
     max_blocks: int = 1 << 16  # blocks or hashes in one block store request (a 4M-token chain of 64)
+    # Blocks of one engine's block store (host_rows // block_size, ATTACH's blocks field): its
+    # bookkeeping (~50 bytes a block) is allocated at attach. A 2 TiB pool of DeepSeek-V3.2
+    # blocks of 64 positions (2.56 MB) holds ~860,000.
+    max_store_blocks: int = 1 << 21
     # Indexer keys in one BLOCK_WRITE_KEYS or BLOCK_READ_KEYS (one array frame): 65 blocks of
     # 64 positions of DeepSeek-V3.2 (61 layers, 132 bytes); ``Blocks.read_keys`` splits reads.
     max_keys_bytes: int = 32 << 20

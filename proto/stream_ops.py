@@ -1,8 +1,9 @@
-"""Stream memory operations (CUDA driver API), the doorbell transport's only primitives.
+"""Stream memory operations (CUDA driver API), the doorbell transport's primitives (beside
+the engine's polling ``skv_db_indices`` at a few tokens, client/doorbell.py).
 
 A 32-bit store or wait on the GPU's front end, in stream order: no kernel, no CPU, and
 capturable into CUDA graphs. Each doorbell word (a group's bell, a layer's ready word) is a
-flip-flop: one side sets 1, the other waits for 1 and resets 0, so every value is a
+flip-flop: one side sets 1, the other waits for 1 (or polls it) and resets 0, so every value is a
 constant and a captured graph replays every step unchanged.
 
 Called through ``ctypes`` on ``libcuda.so.1`` (the driver itself): ``cuda-python`` is no

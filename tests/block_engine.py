@@ -13,9 +13,9 @@ The first line out is ``{"pid": ..., "client_id": ...}`` once attached (or the a
   request's block table: hits, then its own blocks) and ``duplicates`` (blocks another
   engine committed first: this one keeps its own); with INDEX_BYTES (an indexer keys
   plane) it writes its blocks' keys (:func:`key_bytes`) before it commits them;
-* ``request`` (tokens, release): a whole request as a scheduler runs it: ``reserve`` the
-  prompt's blocks (``{"refused": ...}`` on POOL_EXHAUSTED), ``prefill`` (hits on evictable
-  blocks and allocations use the promise), give back what is left of it, ``verify`` (its keys too), and
+* ``request`` (tokens, release): a whole request as a scheduler runs it: ``prefill`` with
+  admission (look the prompt up, then ``reserve`` what it missed: ``{"refused": ...,
+  "hit": n}`` on POOL_EXHAUSTED, the hits released again), ``verify`` (its keys too), and
   ``release`` the table if asked;
 * ``verify`` (tokens, table): read every position of the prompt through the engine's
   handle (``HostSwapIn.swap_in`` with the request's block table, which points at the
@@ -114,11 +114,20 @@ def key_bytes(key: np.ndarray, num_layers: int, block_size: int, index_bytes: in
     return rng.integers(0, 256, (num_layers, block_size, index_bytes), dtype=np.uint8)
 
 
-def prefill(c: Client, tokens) -> dict:
-    """Look ``tokens``' chain up, then allocate, write and commit the blocks it misses."""
+def prefill(c: Client, tokens, admit: bool = False) -> dict:
+    """Look ``tokens``' chain up, then allocate, write and commit the blocks it misses;
+    with ``admit`` reserve those first (``PoolExhausted`` or QUOTA_EXCEEDED raised with
+    the hits released)."""
     blocks, lay, bs = c.blocks, c.attachment.layout, c.blocks.block_size
     keys = blocks.hashes(np.asarray(tokens))
     hit = blocks.lookup(keys)
+    if admit:
+        try:
+            blocks.reserve(len(keys) - hit.size)
+        except SparseKVError as e:
+            blocks.release(hit)
+            e.hits = int(hit.size)  # looked up (and counted by the daemon) before the refusal
+            raise
     new = blocks.alloc(len(keys) - hit.size)
     dup = 0
     if new.size:
@@ -188,15 +197,12 @@ def serve(run_dir: str, engine: str, layout: Layout, block_size: int, device: st
                 if blocks.index_bytes:
                     out["bad_keys"] = verify_keys(c, cmd["tokens"], cmd["table"])
             elif op == "request":
-                keys = blocks.hashes(np.asarray(cmd["tokens"]))
                 try:
-                    blocks.reserve(len(keys))
+                    out = prefill(c, cmd["tokens"], admit=True)
                 except PoolExhausted as e:
                     print(json.dumps({"refused": {"free": e.free, "evictable": e.evictable,
-                                                  "reserved": e.reserved}}), flush=True)
+                                                  "reserved": e.reserved}, "hit": getattr(e, "hits", 0)}), flush=True)
                     continue
-                out = prefill(c, cmd["tokens"])
-                blocks.reserve(-len(keys))  # what hits on pinned blocks left of the promise
                 out["bad"] = verify(c, handle, cmd["tokens"], out["table"])
                 if blocks.index_bytes:
                     out["bad_keys"] = verify_keys(c, cmd["tokens"], out["table"])

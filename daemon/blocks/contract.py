@@ -17,18 +17,25 @@ Clauses, each one visible step below:
    written again until it is evicted.
 3. ``commit`` caches a private block under a hash and pins it for its committer; a hash
    already cached keeps its block (the committed one stays private: first commit wins).
-4. ``lookup`` pins the longest prefix of a hash chain that is cached. Pinning an
-   evictable block uses one block of the caller's reservation if it has one (a hit
-   stands for a block it would have allocated); without, the lookup stops early rather
-   than pin an evictable block that others' reservations need.
+4. ``lookup`` pins the longest prefix of a hash chain that is cached. Each block of it
+   the caller does not pin yet (its first mention, for a block named twice) uses one
+   block of the caller's reservation while it has one (a hit stands for a block it would
+   have allocated), evictable or not; past its reservation, each adds one to its uid's
+   count (clause 7), and the lookup stops early, with the shorter prefix, rather than
+   take the uid past its quota or pin an evictable block that others' reservations
+   need. A block the caller pins already costs nothing.
 5. ``release`` unpins cached blocks (the last unpin appends the block to ``lru``) and
    frees private ones (zeroed); all or nothing.
 6. ``reserve(n)`` promises ``n`` more blocks to a session, or raises
    :class:`PoolExhausted` naming free, evictable and reserved blocks. At all times
    ``free + evictable >= reserved`` (summed over sessions), so an ``alloc`` within a
    session's reservation never fails. ``reserve`` of a negative ``n`` gives blocks back.
-7. A uid's private and reserved blocks, over every store sharing a :class:`UidLedger`,
-   stay within ``max_blocks_per_uid`` (QUOTA_EXCEEDED).
+7. A uid's private, reserved and pinned blocks, over every store sharing a
+   :class:`UidLedger`, stay within ``max_blocks_per_uid``: ``reserve`` or ``alloc`` past
+   it is QUOTA_EXCEEDED, a lookup stops short of it (clause 4). A pinned block counts once
+   for each session of the uid that pins it (its first pin adds one, its last unpin
+   takes it back); a commit turns a private block into one pinned by its committer, so
+   the count stays: a uid cannot keep more blocks from eviction than its quota.
 8. ``close(session)``: everything the session held is released, its reservation dropped.
 9. A block's indexer keys (its second plane, ``keys``) follow its rows: ``write_keys``
    only into distinct blocks private to the writer (all or nothing; a cached block's keys
@@ -65,7 +72,8 @@ class PoolExhausted(BlockError):
 
 @dataclass
 class UidLedger:
-    """Private + reserved blocks per uid, over every store of the daemon (clause 7)."""
+    """Private, reserved and pinned blocks per uid (a block once for each of the uid's
+    sessions that pins it), over every store of the daemon (clause 7)."""
 
     max_blocks_per_uid: int = 0  # 0: no quota
     held: dict[int, int] = field(default_factory=dict)
@@ -73,8 +81,14 @@ class UidLedger:
     def check(self, uid: int, more: int) -> None:
         have = self.held.get(uid, 0)
         if self.max_blocks_per_uid and more > 0 and have + more > self.max_blocks_per_uid:
-            raise BlockError("QUOTA_EXCEEDED", f"{more} more blocks would bring uid {uid} to {have + more} private "
-                             f"and reserved blocks (max_blocks_per_uid {self.max_blocks_per_uid})")
+            raise BlockError("QUOTA_EXCEEDED", f"{more} more blocks would bring uid {uid} to {have + more} private, "
+                             f"reserved and pinned blocks (max_blocks_per_uid {self.max_blocks_per_uid})")
+
+    def room(self, uid: int) -> int:
+        """How many more blocks ``uid`` may hold (a huge number without a quota)."""
+        if not self.max_blocks_per_uid:
+            return 1 << 62
+        return max(0, self.max_blocks_per_uid - self.held.get(uid, 0))
 
     def add(self, uid: int, n: int) -> None:
         self.held[uid] = self.held.get(uid, 0) + n
@@ -108,6 +122,19 @@ class BlockStoreModel:
 
     def _exhausted(self, wanted: int) -> PoolExhausted:
         return PoolExhausted(wanted, len(self.free()), len(self.lru), self.total_reserved())
+
+    def uid_counts(self) -> dict[int, int]:
+        """Clause 7's count of each uid, from this store's blocks: its sessions' private and
+        reserved blocks, and each cached block once for each session of it that pins it
+        (what ``ledger`` holds when no other store shares it)."""
+        out: dict[int, int] = {}
+        held = [self.uid[s] for s in self.private.values()]
+        held += [self.uid[s] for pins in self.pins.values() for s in pins]
+        for uid in held:
+            out[uid] = out.get(uid, 0) + 1
+        for s, n in self.reserved.items():
+            out[self.uid[s]] = out.get(self.uid[s], 0) + n
+        return {uid: n for uid, n in out.items() if n}
 
     def open(self, session: int, uid: int) -> None:
         self.uid[session] = uid
@@ -188,9 +215,8 @@ class BlockStoreModel:
                 raise BlockError("BAD_ARGUMENT", f"block {b} is not private to this session")
         out = []
         for b, h in zip(blocks, hashes):
-            if h not in self.block_of:
+            if h not in self.block_of:  # private, then pinned by its committer: the uid's count stays
                 del self.private[b]
-                self.ledger.add(self.uid[session], -1)
                 self.hash_of[b], self.block_of[h] = h, b
                 self.pins[b] = {session: 1}
             out.append(self.block_of[h])
@@ -199,18 +225,23 @@ class BlockStoreModel:
     # -- clause 4 ----------------------------------------------------------------------
     def lookup(self, session: int, hashes: list[bytes]) -> list[int]:
         """Pin and return the blocks of the longest cached prefix of ``hashes``."""
+        uid = self.uid[session]
         out = []
         for h in hashes:
             b = self.block_of.get(h)
             if b is None:
                 break
-            if b in self.lru:
-                if self.reserved.get(session, 0):  # the caller's own promise pays for it
+            if not self.pins[b].get(session):  # a pin of the uid's more
+                if self.reserved.get(session, 0):  # the caller's own promise pays for it: reserved, now pinned
                     self.reserved[session] -= 1
-                    self.ledger.add(self.uid[session], -1)
-                elif len(self.free()) + len(self.lru) - 1 < self.total_reserved():
+                elif b in self.lru and len(self.free()) + len(self.lru) - 1 < self.total_reserved():
                     break  # pinning it would break a promise (clause 6)
-                self.lru.remove(b)
+                elif not self.ledger.room(uid):
+                    break  # past the uid's quota (clause 7)
+                else:
+                    self.ledger.add(uid, 1)
+                if b in self.lru:
+                    self.lru.remove(b)
             self.pins[b][session] = self.pins[b].get(session, 0) + 1
             out.append(b)
         return out
@@ -234,8 +265,9 @@ class BlockStoreModel:
                 continue
             pins = self.pins[b]
             pins[session] -= 1
-            if not pins[session]:
+            if not pins[session]:  # the session's last pin of it: its uid's count less one
                 del pins[session]
+                self.ledger.add(self.uid[session], -1)
             if not pins:
                 self.lru.append(b)
 

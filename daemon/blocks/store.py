@@ -8,6 +8,12 @@ over a block's rows in every layer (and its indexer keys) and drops their hot co
 runs whenever a block becomes free or is evicted, so a block handed out again holds
 zeros. Who may write or read a block's bytes it answers (``writable``, ``keys_writable``,
 ``keys_readable``); its engine moves them.
+
+Each uid's count against ``max_blocks_per_uid`` (clause 7, the shared ``UidLedger``) moves
+with a session's own pins of each block (``_pinned``): a lookup adds the blocks whose
+count goes from 0 (less those its reservation pays for), counted over the whole prefix
+at once, and a release gives back those whose count returns to 0; a commit changes it
+not (private, then pinned by the committer).
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ class BlockStore:
     Args:
         n_blocks: blocks in the store.
         zero: called with a list of blocks to zero (their rows in every layer, and hot copies dropped).
-        ledger: private + reserved blocks per uid, shared by every store of the daemon.
+        ledger: private, reserved and pinned blocks per uid (clause 7), shared by every
+            store of the daemon.
     """
 
     def __init__(self, n_blocks: int, zero: Callable[[list[int]], None], ledger: UidLedger | None = None):
@@ -184,7 +191,7 @@ class BlockStore:
         """Cache private ``blocks`` (int [n]) under ``hashes`` (int64 [n, 2]), each pinned
         once for ``session``; returns the block holding each hash (int32 [n]): the block
         itself, or the one cached under that hash before (the given one stays private)."""
-        uid = self._uid_of(session)
+        self._uid_of(session)
         blocks = self._block_ids(blocks)
         lo, hi = key_words(hashes)
         if lo.size != blocks.size or np.unique(blocks).size != blocks.size:
@@ -206,16 +213,16 @@ class BlockStore:
         self.cached_blocks += done.size
         self.state[done] = CACHED
         self.pins[done] = 1
-        self._pinned[session][done] += 1
-        self.ledger.add(uid, -done.size)
+        self._pinned[session][done] += 1  # (private, now pinned by the committer: its uid's count stays)
         self.counts["commits"] += done.size
         return out.astype(np.int32)
 
     def lookup(self, session: int, hashes) -> np.ndarray:
         """Pin and return (int32 [m]) the blocks of the longest cached prefix of the chain
-        ``hashes`` (int64 [n, 2]). An evictable block it pins takes one block of
-        ``session``'s reservation while it has one; past that, it stops before an evictable
-        block that the reservations need."""
+        ``hashes`` (int64 [n, 2]). A block ``session`` does not pin yet takes one block of
+        its reservation while it has one; past that, it adds one to the session's uid's
+        count, and the lookup stops before the block that would take the uid past its
+        quota, or an evictable block that the reservations need."""
         blocks = self.find(session, hashes).blocks
         return blocks.copy() if not blocks.flags.writeable else blocks  # (never a memo's own array)
 
@@ -268,41 +275,61 @@ class BlockStore:
             memo = chains.probed(lambda: hashes if hashes is not None else np.concatenate([named.hashes(), rest]),
                                  arr, run, not missing.size, n, head)
         at = run if run is not None else arr
+        pinned = self._pinned[session]
         twice = False
         if run is None:
             self._mark[arr] = np.arange(arr.size)  # a block named twice keeps only its last position here
             twice = bool((self._mark[arr] != np.arange(arr.size)).any())  # (np.unique costs 10x more)
-        if twice:  # a block named twice takes one evictable block
-            unpinned = self.pins[at] == 0
+        # taken: evictable blocks it pins; fresh: blocks the session does not pin yet (taken among them),
+        # each one more for its uid (clause 7) unless its reservation pays. A block named twice counts at
+        # its first mention only.
+        if twice:
             first = np.zeros(arr.size, dtype=bool)
             first[np.unique(arr, return_index=True)[1]] = True
-            unpinned &= first
-            taken = int(np.count_nonzero(unpinned))
-        else:
-            unpinned = None
-            taken = arr.size - int(np.count_nonzero(self.pins[at]))
+            unpinned = (self.pins[at] == 0) & first
+            new = (pinned[at] == 0) & first
+            taken, fresh = int(np.count_nonzero(unpinned)), int(np.count_nonzero(new))
+        else:  # (views of a run; of blocks apart, the gathers kept for the pins below)
+            unpinned = new = None
+            were, mine = self.pins[at], pinned[at]
+            taken = arr.size - int(np.count_nonzero(were))
+            fresh = arr.size - int(np.count_nonzero(mine))
         own = self.reserved.get(session, 0)
         slack = self.free_blocks + self.evictable_blocks - self.reserved_total
-        if taken > own + slack:  # stop before the first evictable block the others' promises need
+        room = self.ledger.room(uid)
+        if taken > own + slack or fresh > own + room:
+            # Stop before the first evictable block the others' promises need (the caller's promise pays
+            # for its first ``own`` fresh blocks, and one it spends on a block pinned already leaves one
+            # more evictable block to the others: so the bound is on evictable blocks, ``own + slack``),
+            # or before the first fresh block past the uid's quota.
             if unpinned is None:
-                unpinned = self.pins[at] == 0
-            cut = int(np.flatnonzero(np.cumsum(unpinned) > own + slack)[0])
-            arr, unpinned = arr[:cut], unpinned[:cut]
-            at = slice(run.start, run.start + cut) if run is not None else arr
-            taken = int(np.count_nonzero(unpinned))
+                unpinned, new = were == 0, mine == 0
+            cut = arr.size
+            if taken > own + slack:
+                cut = int(np.flatnonzero(np.cumsum(unpinned) > own + slack)[0])
+            if fresh > own + room:
+                cut = min(cut, int(np.flatnonzero(np.cumsum(new) > own + room)[0]))
+            arr, unpinned, new = arr[:cut], unpinned[:cut], new[:cut]
+            if not twice:
+                were, mine = were[:cut], mine[:cut]
+            taken, fresh = int(np.count_nonzero(unpinned)), int(np.count_nonzero(new))
             memo = None
         self.evictable_blocks -= taken
-        if own and taken:  # the caller's promise pays first
-            paid = min(own, taken)
+        paid = min(own, fresh)  # the caller's promise pays first: reserved, now pinned
+        if paid:
             self.reserved[session] = own - paid
             self.reserved_total -= paid
-            self.ledger.add(uid, -paid)
+        if fresh > paid:
+            self.ledger.add(uid, fresh - paid)
         if twice:
             np.add.at(self.pins, arr, 1)
-            np.add.at(self._pinned[session], arr, 1)
-        else:
-            self.pins[at] += 1
-            self._pinned[session][at] += 1
+            np.add.at(pinned, arr, 1)
+        elif run is not None:  # in place
+            were += 1
+            mine += 1
+        else:  # each block once: scatters only
+            self.pins[arr] = were + 1
+            pinned[arr] = mine + 1
         self.counts["lookups"] += 1
         self.counts["hit_blocks"] += arr.size
         token = chains.grant(session, memo, ref)  # (the chain named stays answered while the session names it)
@@ -320,7 +347,7 @@ class BlockStore:
         the order of their last mention."""
         uid = self._uid_of(session)
         run = self._run_of(blocks)
-        if run is not None and self._release_run(session, run):
+        if run is not None and self._release_run(session, uid, run):
             return
         blocks = self._block_ids(blocks)
         self._mark[blocks] = np.arange(blocks.size)  # as in lookup: a block named twice keeps its last position
@@ -331,7 +358,7 @@ class BlockStore:
             last = blocks.size - 1 - first_rev  # where each block is named last
         self._release(session, uid, uniq, last, count)
 
-    def _release_run(self, session: int, run: slice) -> bool:
+    def _release_run(self, session: int, uid: int, run: slice) -> bool:
         """``release`` of a run of consecutive blocks, each named once, all pinned by
         ``session`` (what it looked up): slices, no gathers; False (nothing done) for any
         other run."""
@@ -339,10 +366,14 @@ class BlockStore:
         # (CACHED is the least state: all are CACHED when the largest is)
         if self.state[run].max() != CACHED or pinned[run].min() < 1:
             return False
-        pinned[run] -= 1
+        mine = pinned[run]
+        mine -= 1
+        n = run.stop - run.start
+        dropped = n - int(np.count_nonzero(mine))  # the session's last pin of each: one less for its uid
+        if dropped:
+            self.ledger.add(uid, -dropped)
         pins = self.pins[run]
         pins -= 1
-        n = run.stop - run.start
         gone = n - int(np.count_nonzero(pins))
         if gone == n:  # evictable in the order named (each named once: last mention = position)
             np.add(self._arange[:n], self._clock, out=self.stamp[run])
@@ -383,16 +414,23 @@ class BlockStore:
         position ``last`` of the request."""
         pinned = self._pinned[session]
         private = self.state[uniq] == session
-        held = np.where(private, 1, pinned[uniq])
+        mine = pinned[uniq]
+        held = np.where(private, 1, mine)
         if (count > held).any():
             i = int(np.flatnonzero(count > held)[0])
             raise BlockError("BAD_ARGUMENT", f"block {int(uniq[i])} is not held by this session {int(count[i])} time(s)")
-        u, c = uniq[~private], count[~private]
-        pinned[u] -= c
-        self.pins[u] -= c
-        gone = self.pins[u] == 0
+        shared = ~private
+        u, c = uniq[shared], count[shared]
+        left = mine[shared] - c  # (each block once: scatters, not gathers again)
+        pinned[u] = left
+        dropped = u.size - int(np.count_nonzero(left))  # the session's last pin of each: one less for its uid
+        if dropped:
+            self.ledger.add(uid, -dropped)
+        left = self.pins[u] - c
+        self.pins[u] = left
+        gone = left == 0
         if gone.any():  # stamped in the order of each block's last mention
-            order = np.argsort(last[~private][gone], kind="stable")
+            order = np.argsort(last[shared][gone], kind="stable")
             self.stamp[u[gone][order]] = self._clock + np.arange(order.size)
             self._clock += order.size
             self.evictable_blocks += order.size

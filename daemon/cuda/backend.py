@@ -62,6 +62,7 @@ class DeviceWorker:
 
 class CudaBackend(Backend):
     name = "cuda"
+    rank_memory_on_host = False  # the device arena holds them
 
     def __init__(self, cfg, pool, pool_region=None):
         import cupy as cp  # noqa: PLC0415

@@ -205,11 +205,11 @@ def prefetch_into_next(resolved_at: dict, step: int, group: int, num_groups: int
 STATE_BYTES_PER_SLOT = 8  # per (index group, state row, slot): owner and lru, int32 each
 
 
-def rank_bytes(layout: Layout) -> dict[str, int]:
+def rank_bytes(layout: Layout, engine_slab: bool = False) -> dict[str, int]:
     """What one rank of ``layout`` costs the daemon, by part: ``slab`` (every layer's hot
-    regions), ``staging``, ``state`` (8 bytes a slot and group: tiny rows cost far more in
-    state than in slab) and ``total``."""
-    slab, staging = layout.slab_bytes, layout.staging_bytes
+    regions; 0 for an ``engine_slab``, which the engine owns), ``staging``, ``state`` (8
+    bytes a slot and group: tiny rows cost far more in state than in slab) and ``total``."""
+    slab, staging = 0 if engine_slab else layout.slab_bytes, layout.staging_bytes
     state = layout.num_groups * layout.max_reqs * layout.region_stride * STATE_BYTES_PER_SLOT
     return {"slab": slab, "staging": staging, "state": state, "total": slab + staging + state}
 
@@ -218,10 +218,7 @@ def check_layout_limits(layout: Layout, max_rank_bytes: int, engine_slab: bool =
     """Refuse (``ResidencyError`` TOO_LARGE, before anything is allocated) a layout whose
     rank would take more than ``max_rank_bytes`` (ATTACH: the daemon's ``max_slab_bytes``)
     by :func:`rank_bytes`, whose parts it returns; an ``engine_slab`` costs nothing."""
-    parts = rank_bytes(layout)
-    if engine_slab:
-        parts["total"] -= parts["slab"]
-        parts["slab"] = 0
+    parts = rank_bytes(layout, engine_slab)
     if parts["total"] > max_rank_bytes:
         mib = {k: v / (1 << 20) for k, v in parts.items()}
         raise ResidencyError(

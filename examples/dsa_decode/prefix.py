@@ -13,9 +13,9 @@ the first did not finish, from its start.
 1. Without the block store (in this process): each request's prompt is prefilled whole
    into blocks of its own; the first lifetime ends at the kill step.
 2. With the block store (``attach(..., block_size=)``), in engine processes of their own:
-   a request reserves its blocks, looks its prompt's full blocks up (``lookup`` of their
-   chain hashes), points its block table at the blocks found and reads their indexer keys
-   from the store (``read_keys``), allocates the rest, prefills only those, writes the
+   a request looks its prompt's full blocks up (``lookup`` of their chain hashes),
+   reserves the blocks it misses, points its block table at the blocks found and reads
+   their indexer keys from the store (``read_keys``), allocates the rest, prefills only those, writes the
    indexer keys of its full prompt blocks (``write_keys``) and commits them; it releases
    its table when done. The first process is SIGKILLed at the kill step with requests in flight (pins
    and blocks held); a new process attaches to the same engine name, finds the prompt
@@ -132,10 +132,9 @@ class Lifetime:
             del self.free_blocks[:need]
         else:
             keys = store.hashes(r.prompt[: full * bs].numpy())
-            store.reserve(need)  # PoolExhausted: the pool is too small for this run
-            hit = store.lookup(keys).tolist()
+            hit = store.lookup(keys).tolist()  # a block this engine pins already costs nothing
+            store.reserve(need - len(hit))  # PoolExhausted: the pool is too small for this run
             own = store.alloc(need - len(hit)).tolist()
-            store.reserve(-need)  # what is left of the promise
             c["lookups"] += 1
         r.state_row, r.blocks, r.length = self.free_rows.pop(0), hit + own, n
         for b in own:

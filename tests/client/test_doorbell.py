@@ -150,12 +150,17 @@ def check_bytes(h, lay, idx, ids, layer, torch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("positions,spec", [(False, False), (True, False), (True, True)])
-def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, positions, spec):
+@pytest.mark.parametrize("positions,spec,few", [(False, False, False), (True, False, False), (True, True, False),
+                                               (True, False, True)])
+def test_swap_in_equals_the_cpu_backend_and_rows_hold_their_bytes(cuda_daemon, positions, spec, few):
+    """``few``: 3 tokens a layer (requests 0-2), so each skv_db_indices polls its ready
+    word itself (client/doorbell.py POLL_TOKENS); else 7 or 8, the stream waits."""
     import torch
 
     lay = layout()
     plan = steps(lay, 12, seed=3, positions=positions, spec=spec)
+    if few:
+        plan = [(st, rs, iv, req[:3], [g[:3] for g in pg], tb) for st, rs, iv, req, pg, tb in plan]
     want = reference(lay, plan, positions)
     c, h = attach(cuda_daemon.run_dir, lay)
     try:
@@ -239,13 +244,17 @@ def two_engines_one_detaching(cuda_daemon, lay, plan, want):
 
 
 @pytest.mark.cuda
-def test_a_whole_decode_step_captures_into_one_cuda_graph():
-    """The engine's whole step (its kernels ringing the bells, stream operations waiting on
-    the ready words the daemon's gathers set) captures and replays exactly."""
+@pytest.mark.parametrize("few", [False, True])
+def test_a_whole_decode_step_captures_into_one_cuda_graph(few):
+    """The engine's whole step (its kernels ringing the bells, the waits for the ready
+    words the daemon's gathers set) captures and replays exactly: 7 tokens a layer (the
+    stream waits, then skv_db_indices), or with ``few`` 3 (skv_db_indices polls)."""
     import torch
 
     lay = layout()
     plan = steps(lay, 10, seed=5, positions=True)
+    if few:
+        plan = [(st, rs, iv, req[:3], [g[:3] for g in pg], tb) for st, rs, iv, req, pg, tb in plan]
     want = reference(lay, plan, True)
     with PrivateDaemon(pool_bytes=lay.pool_bytes + (8 << 20), backend="cuda", extra_args=ARENA,
                        log_path=DAEMON_LOG) as d:

@@ -313,9 +313,9 @@ _TOPK_ARGS = ("blk, counter, req_ids, tokens, table, table_rows, max_blocks, res
 _INDICES_PARAMS = ("const int* slots, int ld, const int* req_ids, int tokens, const int* topk, int k, "
                    "const int* resident, int res_blocks, int table_rows, int block_size, int region_stride, "
                    "long long hot_base, long long resident_base, const int* dead, const unsigned int* stopped, "
-                   "int* out, int* valid, unsigned int* clear")
+                   "int* out, int* valid, unsigned int* clear, unsigned int* arrivals")
 _INDICES_ARGS = ("slots, ld, req_ids, tokens, topk, k, resident, res_blocks, table_rows, block_size, region_stride, "
-                 "hot_base, resident_base, dead, stopped, out, valid, clear")
+                 "hot_base, resident_base, dead, stopped, out, valid, clear, arrivals")
 
 
 def _opt(a):
@@ -369,9 +369,12 @@ def run_raw(source: str, entry: str, grid: int, threads: int, args: tuple, defin
 
 
 def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_rows: int, block_size: int,
-               region_stride: int, hot_base: int, resident_base: int, dead, out, valid=None, clear=None, stopped=None):
+               region_stride: int, hot_base: int, resident_base: int, dead, out, valid=None, clear=None, stopped=None,
+               arrivals=None):
     """``skv_db_indices`` (csrc/handle.cu) over NumPy arrays; ``clear``: a uint32 word it
-    sets to 0 (the layer's ready word); ``stopped``: the rank's uint32 stop word."""
+    sets to 0 (the layer's ready word); ``stopped``: the rank's uint32 stop word; with
+    ``arrivals`` (uint32 [1]) it waits for the ready word first (set it before the call:
+    blocks run one after another here)."""
     lib = build("handle.cu", {})
     i = ctypes.c_int
     tokens, k = topk.shape
@@ -379,7 +382,7 @@ def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_ro
     lib.run_skv_db_indices(i(grid), i(threads), i(0), _ptr(slots), i(slots.shape[1]), _ptr(req_ids), i(tokens),
                            _ptr(topk), i(k), _opt(resident), i(res_blocks), i(table_rows), i(block_size),
                            i(region_stride), ctypes.c_longlong(hot_base), ctypes.c_longlong(resident_base),
-                           _opt(dead), _opt(stopped), _ptr(out), _opt(valid), _opt(clear))
+                           _opt(dead), _opt(stopped), _ptr(out), _opt(valid), _opt(clear), _opt(arrivals))
 
 
 _PLAN_COPY_TAIL = ("const int* group_layers, int layers_stride, int groups, const int* plan_rows, "

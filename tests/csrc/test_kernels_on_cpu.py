@@ -17,6 +17,7 @@ machine with a C++ compiler.
 from __future__ import annotations
 
 import ctypes
+import threading
 import zlib
 from types import SimpleNamespace
 
@@ -376,6 +377,65 @@ def test_the_indices_clear_the_layers_ready_word():
     assert readys.tolist() == [1, 0, 1]
 
 
+def test_the_indices_that_wait_for_the_ready_word_clear_it_once_every_block_has_seen_it():
+    """skv_db_indices given the layer's arrival counter waits for the ready word itself:
+    every block counts in, the last sets the word and the counter back to 0, and the
+    indices are those of a launch that did not wait. (In the emulator the blocks run one
+    after another: a block that cleared the word for the others would leave the next
+    one polling for ever.)"""
+    rng = np.random.default_rng(9)
+    req, table, resident, topk, bs = _positions_case(rng)
+    tokens, k = topk.shape
+    slots = rng.integers(-1, 64, size=(8, k)).astype(np.int32)
+    outs = []
+    for grid in (3, tokens):
+        for wait in (False, True):
+            ready, arrivals = np.ones(1, np.uint32), np.zeros(1, np.uint32)
+            out = np.full((tokens, k), -9, np.int32)
+            run = threading.Thread(target=cpu_kernels.db_indices, daemon=True,
+                                   args=(grid, 32, slots, req, topk, resident, table.shape[0], bs, 64, 1000, 50_000,
+                                         np.zeros(1, np.int32), out),
+                                   kwargs=dict(clear=ready, arrivals=arrivals if wait else None))
+            run.start()
+            run.join(10)
+            if run.is_alive():  # a block polls a word another block cleared: release it, then fail
+                ready[0] = 1
+                run.join(10)
+                raise AssertionError(f"grid {grid}: a block still polled after another cleared the word")
+            assert ready.tolist() == [0] and arrivals.tolist() == [0], (grid, wait)
+            outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(outs[0], out)
+
+
+def test_the_doorbell_handles_wait_for_an_unconsumed_layer_clears_its_ready_word():
+    """finish_step's wait for a layer no swap_in consumed: the handle's own argument
+    tuple for skv_db_indices of no token, run against the kernel's parameter order, waits
+    for the layer's ready word and clears it and the layer's arrival counter (left set, the
+    word would let the next step's wait pass before the daemon has the new rows)."""
+    L = 3
+    readys, idx_arrivals = np.ones(L, np.uint32), np.zeros(L, np.uint32)
+    counter, dead = np.array([5], np.int32), np.zeros(1, np.int32)
+    h = object.__new__(DoorbellSwapIn)  # no GPU: only the argument builder is used
+    h.layout = SimpleNamespace(top_k=16, region_stride=32)
+    h._readys = [readys.ctypes.data + 4 * i for i in range(L)]
+    h._counter = SimpleNamespace(data=SimpleNamespace(ptr=counter.ctypes.data))
+    h._dead = SimpleNamespace(data=SimpleNamespace(ptr=dead.ctypes.data))
+    h._stopped_word = 0
+    h._idx_arrivals = SimpleNamespace(data=SimpleNamespace(ptr=idx_arrivals.ctypes.data))
+    launched = []
+
+    def launch(fn, grid, stream_ptr, args, threads=32):
+        launched.append(grid)
+        cpu_kernels.run_raw("handle.cu", "skv_db_indices", grid, threads, args)
+
+    h._launch = launch
+    h._k_indices = None
+    h._wait_alone(1, 0, 0)
+    assert launched == [1]
+    assert readys.tolist() == [1, 0, 1] and idx_arrivals.tolist() == [0, 0, 0] and counter.tolist() == [5]
+
+
 def test_the_resolve_clears_the_word_it_is_given_and_resolves_the_same():
     """skv_resolve's ``clear`` (the doorbell's group bell): the word ends
     at 0 and the slots, plan and state are those of a launch without it."""
@@ -517,3 +577,4 @@ def test_begin_step_resets_then_invalidates_as_the_numpy_engine():
         np.testing.assert_array_equal(emu.owner, cpu.owner, err_msg=f"owner after step {step}")
         np.testing.assert_array_equal(emu.lru, cpu.lru, err_msg=f"lru after step {step}")
     assert not emu.err[:8].any()
+

@@ -185,6 +185,28 @@ def start_write(s: socket.socket, req_id: int, nbytes: int, finish: bool) -> byt
     return msg[cut:]
 
 
+def third_write_after_two(path: str, wait_s: float):
+    """One uid's three 30 MiB WRITEs (64 MiB a uid): the first two begun, the third sent
+    whole (paused: 90 > 64 MiB), then the first two finished and answered. Returns the
+    third's reply within ``wait_s`` (None: none)."""
+    v1, v2, v3 = (raw_peer(path) for _ in range(3))
+    for i, v in enumerate((v1, v2, v3)):
+        assert hello(v, f"v{i}")["ok"]
+    rest1 = start_write(v1, 11, 30 * MiB, finish=False)  # holds 30 MiB of its uid's 64
+    rest2 = start_write(v2, 12, 30 * MiB, finish=False)  # 60
+    time.sleep(0.5)
+    threading.Thread(target=start_write, args=(v3, 13, 30 * MiB, True), daemon=True).start()
+    time.sleep(1)
+    v1.sendall(rest1)
+    v2.sendall(rest2)
+    assert answered_within(v1, 5)["id"] == 11
+    assert answered_within(v2, 5)["id"] == 12
+    r3 = answered_within(v3, wait_s)
+    for v in (v1, v2, v3):
+        v.close()
+    return r3
+
+
 def test_a_message_the_budget_can_never_hold_does_not_stall_everyone_paused_after_it():
     """Default budget (256 MiB, 64 MiB a uid). A session sends a header declaring 1 TiB and
     its first (small) array frame: its reads pause for good (and a paused connection is
@@ -197,23 +219,9 @@ def test_a_message_the_budget_can_never_hold_does_not_stall_everyone_paused_afte
         head, first = never_fits_header()
         a.sendall(zmtp.frame_header(len(head), zmtp.MORE) + head + zmtp.frame_header(len(first), zmtp.MORE) + first)
         time.sleep(0.5)
-        v1, v2, v3 = (raw_peer(d.path) for _ in range(3))
-        for i, v in enumerate((v1, v2, v3)):
-            assert hello(v, f"v{i}")["ok"]
-        rest1 = start_write(v1, 11, 30 * MiB, finish=False)  # holds 30 MiB of its uid's 64
-        rest2 = start_write(v2, 12, 30 * MiB, finish=False)  # 60
-        time.sleep(0.5)
-        t = threading.Thread(target=start_write, args=(v3, 13, 30 * MiB, True), daemon=True)
-        t.start()  # paused: 90 > 64 MiB
-        time.sleep(1)
-        v1.sendall(rest1)
-        v2.sendall(rest2)
-        assert answered_within(v1, 5)["id"] == 11
-        assert answered_within(v2, 5)["id"] == 12
-        r3 = answered_within(v3, 5)
+        r3 = third_write_after_two(d.path, 5)
         snap = helpers.stats_json(d.run_dir)
-        for s in (a, v1, v2, v3):
-            s.close()
+        a.close()
         assert r3 is not None and r3["id"] == 13, snap  # seen: None (no reply), inflight_bytes 0
 
 
@@ -228,6 +236,71 @@ def test_a_paused_message_that_can_never_fit_is_ended():
         r = answered_within(a, 14)  # MESSAGE_TIMEOUT_S is 10 s
         a.close()
         assert r is not None, "no reply and no close in 14 s"
+
+
+def test_a_connection_dropped_for_an_unfinished_message_wakes_those_paused_behind_its_budget():
+    """a begins a 40 MiB WRITE (40 of its uid's 64 MiB) and never finishes it; b's 30 MiB
+    WRITE pauses. Once a is dropped (a message unfinished for MESSAGE_TIMEOUT_S, 10 s), b
+    must be answered. Seen: not before some other traffic reached the control socket (the
+    budget went back without waking the connections paused for it)."""
+    with daemon() as d:
+        a, b = raw_peer(d.path), raw_peer(d.path)
+        for i, s in enumerate((a, b)):
+            assert hello(s, f"p{i}")["ok"]
+        rows = np.arange(1, dtype=np.int32)  # the header and the rows frame: 40 MiB reserved, no buffer yet
+        head = encode(MsgType.WRITE, 10, {"layers": None}, {"rows": rows, "data": np.zeros((1, 1, 40 * MiB), np.uint8)})[0]
+        a.sendall(zmtp.frame_header(len(head), zmtp.MORE) + head + zmtp.frame_header(4, zmtp.MORE) + rows.tobytes())
+        time.sleep(0.3)
+        threading.Thread(target=start_write, args=(b, 11, 30 * MiB, True), daemon=True).start()
+        r = answered_within(b, 16)
+        a.close()
+        b.close()
+        assert r is not None and r["id"] == 11  # seen: None
+
+
+STALLER = r"""
+import sys, time
+sys.path.insert(0, sys.argv[3])
+import numpy as np
+from zmtp_peer import hello, raw_peer
+from sparsekv.proto import MsgType, encode, zmtp
+path, k = sys.argv[1], int(sys.argv[2])
+rows, held = np.zeros(1, np.int32), []
+def stall(i):  # a WRITE's header and rows frame, declaring 21 MiB of data, then nothing
+    s = raw_peer(path)
+    assert hello(s, f"s{i}")["ok"]
+    head = encode(MsgType.WRITE, 100 + i, {"layers": None}, {"rows": rows, "data": np.zeros((1, 1, 21 << 20), np.uint8)})[0]
+    s.sendall(zmtp.frame_header(len(head), zmtp.MORE) + head + zmtp.frame_header(4, zmtp.MORE) + rows.tobytes())
+    held.append(s)
+for i in range(3):
+    stall(i)
+time.sleep(0.5)
+for i in range(3, 3 + k):  # paused: its uid holds 63 of its 64 MiB
+    stall(i)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
+def test_one_uids_paused_messages_do_not_hold_up_another_uids():
+    """uid 3000 holds 63 of its 64 MiB with three stalled WRITEs, then queues 6 more
+    connections (paused on its own share). Root's third 30 MiB WRITE pauses behind them;
+    once root's first two end, its share is free and the whole budget has room: it must be
+    answered at once. Seen: only as uid 3000's stalled messages expired, 10 s a round."""
+    with daemon() as d:
+        helpers.open_to_other_users(d.run_dir)
+        p = subprocess.Popen([*helpers.as_user(3000), sys.executable, "-c", STALLER, d.path, "6",
+                              os.path.dirname(os.path.dirname(os.path.abspath(__file__)))],
+                             stdout=subprocess.PIPE, text=True, cwd="/tmp")
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            time.sleep(0.3)
+            r = third_write_after_two(d.path, 3)
+            assert r is not None and r["id"] == 13  # seen: None (answered after ~20 s)
+        finally:
+            p.kill()
+            p.wait()
 
 
 # -- 4. the budget leaks when declared frames are not sent -------------------------------------

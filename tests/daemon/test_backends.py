@@ -174,3 +174,21 @@ def test_gpu_probe_asks_the_driver_not_cupy(tmp_path, monkeypatch):
     assert backends.gpu_present() == "nvidia-smi lists GPU 0: NVIDIA H200 (UUID: GPU-0)"
     monkeypatch.setattr(backends.os.path, "exists", lambda p: p == "/dev/nvidiactl" or real_exists(p))
     assert backends.gpu_present() == "/dev/nvidiactl exists"
+
+
+@pytest.mark.parametrize("seal", ["F_SEAL_WRITE", "F_SEAL_FUTURE_WRITE"])
+def test_engine_memory_sealed_against_writes_is_refused_by_name(seal):
+    """A deposited slab or keys buffer the daemon cannot write (sealed against writes):
+    BAD_ARGUMENT naming the seal. Seen: PermissionError from mmap, answered INTERNAL."""
+    from sparsekv.daemon.backends import map_engine_memory
+    from sparsekv.daemon.residency.base import ResidencyError
+
+    fd = os.memfd_create("sealed", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4096)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | getattr(fcntl, seal, 0x10))
+        with pytest.raises(ResidencyError, match="sealed against writes") as e:
+            map_engine_memory(fd, 4096, "keys buffer")
+        assert e.value.code == "BAD_ARGUMENT"
+    finally:
+        os.close(fd)

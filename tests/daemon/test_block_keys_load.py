@@ -108,6 +108,21 @@ def test_only_blocks_the_loader_may_read_are_loaded(daemon):
         assert (loaded(buf, 2) == keys_of(3, 2)).all()
 
 
+def test_a_load_that_names_a_block_twice_is_refused_and_copies_nothing(daemon):
+    """Each block once: seen, one 32 MiB block named 65,536 times made one request copy
+    2 TiB on a worker thread every engine shares (found by an adversarial review)."""
+    with Client(daemon.run_dir) as c:
+        k = attach_keys(c)
+        b = k.alloc(2)
+        k.write_keys(b, keys_of(5, 2))
+        buf = EngineSlab.shared_memory(3 * BLOCK_BYTES)
+        with pytest.raises(BadRequest, match="names a block more than once"):
+            k.load_keys([int(b[0]), int(b[1]), int(b[0])], buf)
+        assert not buf.array.any() and not daemon.fd_server.deposits
+        k.load_keys(b, buf)
+        assert (loaded(buf, 2) == keys_of(5, 2)).all()
+
+
 def test_a_bad_destination_is_refused_before_anything_is_deposited_or_copied(daemon):
     with Client(daemon.run_dir) as c:
         blocks = attach_keys(c)

@@ -131,12 +131,48 @@ def test_reserve_is_granted_or_pool_exhausted_with_the_figures(daemon):
 
 
 def test_the_per_uid_block_quota():
-    with helpers.serving_daemon(4 << 20, max_blocks_per_uid=6) as d, Client(d.run_dir) as c:
+    """max_blocks_per_uid counts a uid's private, reserved and pinned blocks: blocks a
+    client committed and still pins count (allocating and committing again cannot pin more
+    than the quota), another client of the uid looks up no further than the room left, and
+    a release gives the room back."""
+    with helpers.serving_daemon(4 << 20, max_blocks_per_uid=6) as d, Client(d.run_dir) as c, \
+            Client(d.run_dir) as other:
         c.attach(LAY, engine="m", block_size=BS)
-        c.blocks.alloc(4)
+        other.attach(LAY, engine="m", block_size=BS)
+        held = c.blocks.alloc(4)
         with pytest.raises(QuotaExceeded, match="max_blocks_per_uid 6"):
             c.blocks.reserve(3)
         assert c.blocks.reserve(2)["reserved"] == 2
+        c.blocks.reserve(-2)
+        c.blocks.release(held)
+        keys, blocks = commit(c, 20, 3)
+        commit(c, 21, 3)  # 6 blocks cached, each pinned by its committer
+        with pytest.raises(QuotaExceeded, match="max_blocks_per_uid 6"):
+            c.blocks.alloc(1)
+        assert other.blocks.lookup(keys).size == 0
+        c.blocks.release(blocks[1:])
+        assert (other.blocks.lookup(keys) == blocks[:2]).all()  # room for two
+
+
+def test_a_request_sharing_a_prefix_its_client_pins_is_admitted_up_to_the_quota():
+    """The admission the docs give (look the prompt up, then reserve and allocate what it
+    missed; tests/block_engine.py's "request"): under max_blocks_per_uid 10, a second
+    request sharing the 6 blocks the first still pins is admitted with 2 blocks of its own
+    (8 held), a third that would need 3 more is refused, and the hits it pinned are given
+    back (a fourth needing 2 fits). Reserving before the lookup counted the shared prefix
+    twice (6 pinned + 8 reserved) and refused the second."""
+    with helpers.serving_daemon(4 << 20, max_blocks_per_uid=10) as d:
+        a = Engine(d.run_dir)
+        try:
+            assert a("request", tokens=tokens(3, 6), release=False)["hit"] == 0
+            got = a("request", tokens=tokens(3, 6) + tokens(4, 2), release=False)
+            assert got.get("hit") == 6 and got.get("bad") == 0, got
+            got = a("request", tokens=tokens(3, 6) + tokens(5, 3), release=False)
+            assert got.get("err") == "QUOTA_EXCEEDED", got
+            got = a("request", tokens=tokens(3, 6) + tokens(6, 2), release=False)
+            assert got.get("hit") == 6 and got.get("bad") == 0, got
+        finally:
+            a.close()
 
 
 def test_block_requests_need_a_store_and_valid_arguments(daemon):

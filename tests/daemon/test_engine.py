@@ -60,6 +60,8 @@ def test_padding_batch_rows_ignore_their_reset_and_invalidate():
         ([0, 9], None, None, "BAD_STATE_ROW", "state row 9"),
         ([[0]], None, None, "BAD_ARGUMENT", "state_rows must have 1 dimension"),
         ([0, 1], [True], None, "BAD_ARGUMENT", "reset must be"),
+        ([0, 1], np.array([np.nan, 0.0]), None, "BAD_ARGUMENT", "reset must be bool"),
+        ([0, 1], np.array([7, 0], np.int32), None, "BAD_ARGUMENT", "reset must be bool"),
         ([0, 1], [True, True], [[1]], "BAD_ARGUMENT", "invalidate must be"),
         ([0, 1], [True, True], [1, 2], "BAD_ARGUMENT", "invalidate must have 2 dimension"),
         (np.array([0.0]), None, None, "BAD_ARGUMENT", "must hold integers"),

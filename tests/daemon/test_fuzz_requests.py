@@ -16,7 +16,7 @@ from helpers import request
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.server import Daemon
-from sparsekv.proto import LIMITS, REQUESTS, ErrorCode, MsgType
+from sparsekv.proto import LIMITS, REQUESTS, ErrorCode, Layout, MsgType
 from sparsekv.proto.messages import WIRE_DTYPES
 
 MiB = 1 << 20
@@ -220,6 +220,11 @@ ROWS = np.zeros(1, np.int32)
     (MsgType.ATTACH, {"engine": "x", "layout": FUZZ_LAYOUT.to_wire(), "blocks": {"block_size": 0}}, {},
      ErrorCode.BAD_ARGUMENT, "blocks must be {'block_size': n} with 1 <= n <= host_rows (32)"),
     (MsgType.BLOCK_ALLOC, {"n": 1}, {}, ErrorCode.BAD_ARGUMENT, "engine 'fz' has no block store"),
+    # a store of 2**21 + 1 blocks of one 1-byte row: ~50 bytes of bookkeeping a block, allocated at attach
+    # (seen: 67M blocks from a 64 MiB range, 3.25 GiB and 7.9 s of the daemon's loop), refused before it
+    (MsgType.ATTACH, {"engine": "x", "layout": Layout(num_layers=1, row_bytes=1, top_k=1, region_stride=1, max_reqs=1,
+                                                      host_rows=LIMITS.max_store_blocks + 1).to_wire(),
+                      "blocks": {"block_size": 1}}, {}, ErrorCode.BAD_ARGUMENT, "exceeds 2097152: use larger blocks"),
 ])
 def test_client_mistakes_are_typed_errors(tmp_path, kind, fields, arrays, code, words):
     pool = HostPool(8 * MiB, threads=1)

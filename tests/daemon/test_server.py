@@ -118,6 +118,9 @@ def test_bad_layout_names_the_field(dm):
     assert_error(h, ErrorCode.BAD_LAYOUT, "row_bytes must be a positive integer")
     assert_error(request(dm, b"A", MsgType.ATTACH, {"engine": "e", "layout": 7})[0], ErrorCode.BAD_LAYOUT, "map")
     assert_error(request(dm, b"A", MsgType.ATTACH, {"engine": "", "layout": wire})[0], ErrorCode.BAD_ARGUMENT, "engine")
+    for not_a_name in (5, b"x", ["e"]):  # seen: str() of it became the engine's name
+        assert_error(request(dm, b"A", MsgType.ATTACH, {"engine": not_a_name, "layout": wire})[0],
+                     ErrorCode.BAD_ARGUMENT, "engine must be a name")
     assert dm.pool.used_bytes == 0
 
 
@@ -300,3 +303,13 @@ def test_every_reply_carries_daemon_receive_and_reply_times(dm):
     assert times(b"A", MsgType.STATS)["ok"]
     h = request(dm, b"A", MsgType.STATS)[0]  # handle() without a receive time takes its own
     assert h["tr"] <= h["tx"]
+
+
+def test_a_request_that_cannot_be_decoded_is_answered_under_its_own_id(dm):
+    """An array of a dtype the wire refuses (block ids as uint64): BAD_FRAME under the
+    request's id, so its client gets the error. Seen: under id 0, which no client waits
+    for (the caller waited out its timeout and reported the daemon gone)."""
+    hello(dm)
+    h, _ = request(dm, b"A", MsgType.BLOCK_RELEASE, {}, {"blocks": np.zeros(1, np.uint64)}, req_id=77)
+    assert_error(h, ErrorCode.BAD_FRAME, "uint64")
+    assert (h["id"], h["t"]) == (77, int(MsgType.BLOCK_RELEASE))

@@ -44,6 +44,7 @@ def test_two_engines_kills_restarts_and_eviction_leave_every_byte_right():
                 totals["requests"] += 1
                 if "refused" in got:
                     totals["refused"] += 1
+                    totals["hit_blocks"] += got["hit"]  # looked up before the refusal
                     f = got["refused"]
                     assert f["free"] + f["evictable"] - f["reserved"] < len(prompt) // BS
                     continue

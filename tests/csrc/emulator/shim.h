@@ -42,6 +42,7 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 inline void __threadfence_system() {}
+inline void __nanosleep(unsigned) { }
 template <class T> inline T atomicAdd(T* a, T v) { T o = *a; *a = o + v; return o; }
 template <class T> inline T atomicMin(T* a, T v) { T o = *a; if (v < o) *a = v; return o; }
 template <class T> inline T atomicOr(T* a, T v) { T o = *a; *a = o | v; return o; }

@@ -99,6 +99,10 @@ class Real:
     def lru(self):
         return list(self.s.lru)
 
+    @property
+    def ledger(self):
+        return self.s.ledger
+
 
 def both(n_blocks=4, quota=0):
     """The model and the store, each with its own ledger, sessions 1 and 2 of uid 7 open."""
@@ -447,7 +451,7 @@ def request(model, session: int, op: str, a: int, b: int, stamp: int, last: list
 
 
 @settings(max_examples=helpers.examples(50, 3000), deadline=None)
-@given(n_blocks=st.integers(1, 6), quota=st.sampled_from([0, 3, 6]),
+@given(n_blocks=st.integers(1, 6), quota=st.sampled_from([0, 1, 3, 6]),
        steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(OPS), st.integers(0, 9),
                                 st.integers(0, 9)), min_size=20, max_size=80))
 def test_store_equals_model_and_keeps_the_invariants(n_blocks, quota, steps):
@@ -459,7 +463,7 @@ MEMO_OPS = ("cache", "cache", "lookup", "lookup", "lookup", "release", "release"
 
 
 @settings(max_examples=helpers.examples(50, 3000), deadline=None)
-@given(n_blocks=st.integers(2, 8), quota=st.sampled_from([0, 3, 6]),
+@given(n_blocks=st.integers(2, 8), quota=st.sampled_from([0, 2, 3, 6]),
        steps=st.lists(st.tuples(st.sampled_from([1, 2, 1, 2, 3]), st.sampled_from(MEMO_OPS), st.integers(0, 9),
                                 st.integers(0, 9)), min_size=20, max_size=80))
 def test_chains_found_before_take_the_memo_and_answer_as_the_model(n_blocks, quota, steps):
@@ -546,6 +550,7 @@ def same(model, real, session: int, op: str, args: list) -> tuple:
     assert real.data == model.data and real.keys == model.keys
     assert real.s.reserved_total == model.total_reserved()
     assert int(real.s.pins.sum()) == sum(sum(p.values()) for p in model.pins.values())
+    assert real.s.ledger.held == model.ledger.held == model.uid_counts()
     return got[0]
 
 

@@ -87,6 +87,18 @@ def test_a_named_chain_cut_short_by_the_reservations_is_answered_whole_with_head
     assert got.blocks.tolist() == blocks[:1].tolist() and got.head == 0 and got.token is None
 
 
+def test_a_named_chain_cut_short_by_the_uids_quota_is_answered_with_head_zero():
+    """The same when the uid's quota (max_blocks_per_uid, its pins counted) stops the
+    lookup: room for 2 of the chain's 4 blocks, the 2 first pinned, no head, no token."""
+    n = 4
+    s, blocks, _, token = cached_prompt(n, n)
+    s.release(1, np.concatenate([blocks, blocks]))
+    s.ledger.max_blocks_per_uid = 2
+    got = s.find(1, wire([]), token)
+    assert got.blocks.tolist() == blocks[:2].tolist() and got.head == 0 and got.token is None
+    assert s.ledger.held == {7: 2}
+
+
 def test_a_named_chain_and_the_hashes_after_it_are_held_to_max_blocks():
     s = BlockStore(8, lambda blocks: None)
     s.open(1, 7)
