@@ -24,7 +24,8 @@ LOCK_FILE = "sparsekvd.lock"  # daemon/main.py RunDirLock: flock held for the da
 class StatsSocketError(Exception):
     """The stats socket could not be asked. ``kind``: ``missing`` (no socket, or nobody
     listens on it), ``starting`` (no socket yet, but a live daemon holds the run dir's
-    lock: it pre-faults its pool), ``timeout``, ``permission`` or ``error``."""
+    lock: it pre-faults its pool), ``busy`` (closed with no answer: every operator
+    connection of the daemon is taken), ``timeout``, ``permission`` or ``error``."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)
@@ -42,6 +43,9 @@ def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
         chunks = []
         while b := s.recv(65536):
             chunks.append(b)
+        if not chunks:
+            raise StatsSocketError(f"daemon at {path} closed the connection without an answer (its operator "
+                                   "connections are all taken: try again)", "busy")
         return b"".join(chunks).decode()
     except (FileNotFoundError, ConnectionRefusedError) as e:
         pid = lock_holder(run_dir)
@@ -54,6 +58,9 @@ def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
                                "missing") from None
     except PermissionError:
         raise StatsSocketError(f"permission denied on {path}: {_access_hint(path)}", "permission") from None
+    except (BrokenPipeError, ConnectionResetError):
+        raise StatsSocketError(f"daemon at {path} closed the connection without an answer (its operator "
+                               "connections are all taken: try again)", "busy") from None
     except socket.timeout:
         raise StatsSocketError(f"daemon at {path} did not answer within {timeout_s:g} s", "timeout") from None
     except OSError as e:
@@ -134,6 +141,8 @@ def probe(run_dir: str, timeout_s: float = 1.0) -> Health:
     try:
         answer = stats_query(run_dir, "health", timeout_s).strip()
     except StatsSocketError as e:
+        if e.kind == "busy":  # the loop accepted and closed: it serves
+            return Health(READY, "ready (busy: " + str(e) + ")")
         return Health(NOT_READY if e.kind == "starting" else UNREACHABLE, str(e))
     # Any answer means the loop serves (even an error line for an unknown `health`).
     return Health(READY, answer.splitlines()[0] if answer else "ready")
