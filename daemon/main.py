@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+UNIX_PATH_MAX = 107  # bytes of a UNIX socket's path (sun_path's 108, its NUL included)
+
+
 def check_run_dir(run_dir: str) -> None:
     """The run dir must be the daemon's own: a directory owned by its user (or root) that
     others cannot write to, or another user could plant its lock as a link or replace its
@@ -181,6 +184,10 @@ class RunDirLock:
     locks the next file instead)."""
 
     def __init__(self, run_dir: str):
+        longest = os.path.join(os.path.abspath(run_dir), "control.sock.busy")
+        if len(os.fsencode(longest)) > UNIX_PATH_MAX:
+            raise RuntimeError(f"run dir {run_dir} is too long for its sockets: {longest} has "
+                               f"{len(os.fsencode(longest))} bytes, a UNIX socket path at most {UNIX_PATH_MAX}")
         os.makedirs(run_dir, mode=0o755, exist_ok=True)
         check_run_dir(run_dir)
         self.path = os.path.join(run_dir, "sparsekvd.lock")

@@ -27,6 +27,13 @@ def test_a_lock_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path):
     assert victim.read_text() == "secret\n"
 
 
+def test_a_run_dir_too_long_for_its_sockets_is_refused_before_anything_is_made(tmp_path):
+    run = tmp_path / ("x" * 100)
+    with pytest.raises(RuntimeError, match=r"too long for its sockets: .* a UNIX socket path at most 107"):
+        RunDirLock(str(run))
+    assert not run.exists()
+
+
 def test_a_run_dir_every_user_may_write_is_refused(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
