@@ -236,20 +236,19 @@ def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
         if total > room:
             raise TraceError(f"trace {path} holds {total / 2**30:.1f} GiB of arrays; this machine has room for "
                              f"{room / 2**30:.1f} GiB ({TRACE_MEMORY_SHARE:g} of its available memory)")
-        out = {}
-        small = [key for key in members if key in scalars]
-        for key in [*small, *(k for k in members if k not in small)]:
-            if key not in small and len(out) == len(small):
-                check_scalars(out)
-            name = members[key]
-            try:
-                with zf.open(name) as f:
-                    out[key] = np.lib.format.read_array(f, allow_pickle=False)
-            except _READ_ERRORS as e:
-                raise TraceError(f"trace {path}: {key} could not be read: {e}") from None
-        if len(out) == len(small):  # (no array but the scalars)
-            check_scalars(out)
-        return out
+        def read(keys) -> dict:
+            got = {}
+            for key in keys:
+                try:
+                    with zf.open(members[key]) as f:
+                        got[key] = np.lib.format.read_array(f, allow_pickle=False)
+                except _READ_ERRORS as e:
+                    raise TraceError(f"trace {path}: {key} could not be read: {e}") from None
+            return got
+
+        out = read([key for key in members if key in scalars])
+        check_scalars(out)
+        return {**out, **read([key for key in members if key not in scalars])}
 
 
 def _int32(path: str, name: str, a: np.ndarray) -> np.ndarray:

@@ -32,6 +32,12 @@ class StatsSocketError(Exception):
         self.kind = kind
 
 
+def _busy(path: str) -> StatsSocketError:
+    """The daemon closed the connection before an answer (or before the command)."""
+    return StatsSocketError(f"daemon at {path} closed the connection without an answer (its operator connections "
+                            "are all taken: try again)", "busy")
+
+
 def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
     """Send one command line to RUN_DIR/stats.sock; return the whole answer."""
     path = os.path.join(run_dir, STATS_SOCKET)
@@ -44,8 +50,7 @@ def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
         while b := s.recv(65536):
             chunks.append(b)
         if not chunks:
-            raise StatsSocketError(f"daemon at {path} closed the connection without an answer (its operator "
-                                   "connections are all taken: try again)", "busy")
+            raise _busy(path)
         return b"".join(chunks).decode()
     except (FileNotFoundError, ConnectionRefusedError) as e:
         pid = lock_holder(run_dir)
@@ -59,8 +64,7 @@ def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
     except PermissionError:
         raise StatsSocketError(f"permission denied on {path}: {_access_hint(path)}", "permission") from None
     except (BrokenPipeError, ConnectionResetError):
-        raise StatsSocketError(f"daemon at {path} closed the connection without an answer (its operator "
-                               "connections are all taken: try again)", "busy") from None
+        raise _busy(path) from None
     except socket.timeout:
         raise StatsSocketError(f"daemon at {path} did not answer within {timeout_s:g} s", "timeout") from None
     except OSError as e:
