@@ -15,12 +15,15 @@ stays in host rows.
 
 from __future__ import annotations
 
+import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from sparsekv.proto import Layout
+from sparsekv.proto.layout import MAX_LAYERS
 from sparsekv.proto.positions import host_rows as map_positions
 
 SCALARS = ("region_stride", "host_rows", "max_reqs", "row_bytes", "num_layers")
@@ -147,37 +150,124 @@ class Trace:
 
     @classmethod
     def load(cls, path: str) -> "Trace":
-        try:
-            z = np.load(path, allow_pickle=False)
-        except OSError as e:
-            raise TraceError(f"cannot read trace {path}: {e}") from None
-        except ValueError:  # np.load's guess at an unknown format talks about pickles
-            raise TraceError(f"trace {path} is not an .npz archive (numpy.savez)") from None
-        if not isinstance(z, np.lib.npyio.NpzFile):  # np.load also reads a bare .npy array
-            raise TraceError(f"trace {path} is not an .npz archive")
+        """The trace at ``path`` (docs/TRACES.md), checked: each member's header (a NumPy
+        array, its type, shape and size) before any data is read, every integer array's
+        values within int32, the scalars integers, ``reset`` bool; TraceError otherwise."""
+        arrays = _read_npz(path, (*SCALARS, "block_size"), lambda scalars: _check_scalars(path, scalars))
         need = {"topk", "state_rows", "reset", "invalidate", *SCALARS}
-        missing = need - set(z.files)
+        missing = need - set(arrays)
         if missing:
             raise TraceError(f"trace {path} lacks {sorted(missing)}")
-        positional = {"block_table", "block_size"} & set(z.files)
+        positional = {"block_table", "block_size"} & set(arrays)
         if len(positional) == 1:
             raise TraceError(f"trace {path} has {positional.pop()} alone; a position trace needs both "
                              "block_table and block_size")
-        for name in ("topk", "state_rows", "invalidate", *(("block_table",) if positional else ())):
-            if z[name].dtype.kind not in "iu":
-                raise TraceError(f"trace {path}: {name} must hold integers (int32), got {z[name].dtype}")
-        try:
-            extra = {}
-            if positional:
-                extra = {"block_table": z["block_table"].astype(np.int32), "block_size": int(z["block_size"])}
-            trace = cls(
-                topk=z["topk"].astype(np.int32), state_rows=z["state_rows"].astype(np.int32),
-                reset=z["reset"].astype(bool), invalidate=z["invalidate"].astype(np.int32),
-                **{k: int(z[k]) for k in SCALARS}, **extra,
-            )
-        except (TypeError, ValueError) as e:  # object or text arrays, an array where a number belongs
-            raise TraceError(f"trace {path} has an array of the wrong type: {e}") from None
+        extra = {}
+        if positional:
+            extra = {"block_table": _int32(path, "block_table", arrays["block_table"]),
+                     "block_size": _scalar(path, "block_size", arrays["block_size"])}
+        reset = arrays["reset"]
+        if reset.dtype != np.bool_:
+            raise TraceError(f"trace {path}: reset must be bool, got {reset.dtype}")
+        trace = cls(topk=_int32(path, "topk", arrays["topk"]), state_rows=_int32(path, "state_rows", arrays["state_rows"]),
+                    reset=reset, invalidate=_int32(path, "invalidate", arrays["invalidate"]),
+                    **{k: _scalar(path, k, arrays[k]) for k in SCALARS}, **extra)
         return trace.check()
+
+
+# What a trace's arrays may take of the memory available when it is loaded (their bytes as
+# stored; the replay keeps them and its own state beside them).
+TRACE_MEMORY_SHARE = 0.25
+_READ_ERRORS = (OSError, EOFError, ValueError, MemoryError, zipfile.BadZipFile, zlib.error)
+
+
+def _check_scalars(path: str, scalars: dict) -> None:
+    """The layout the trace's scalars make, checked before its arrays are read."""
+    missing = set(SCALARS) - set(scalars)
+    if missing:
+        raise TraceError(f"trace {path} lacks {sorted(missing)}")
+    values = {k: _scalar(path, k, scalars[k]) for k in SCALARS}
+    if not 0 < values["num_layers"] <= MAX_LAYERS:
+        raise TraceError(f"trace {path}: its scalars do not make a valid layout: num_layers {values['num_layers']} is not in "
+                         f"[1, {MAX_LAYERS}]")
+    try:
+        Layout(top_k=1, index_groups=(tuple(range(values["num_layers"])),), **values).validate()
+    except (TypeError, ValueError) as e:
+        raise TraceError(f"trace {path}: its scalars do not make a valid layout: {e}") from None
+
+
+def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
+    """The members of the .npz at ``path`` as arrays: every header read and checked (a
+    NumPy array of a plain dtype, no negative dimension, all of them together within
+    TRACE_MEMORY_SHARE of the available memory, the members named in ``scalars`` 0-d),
+    then those read and given to ``check_scalars``, then the other members' data."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except FileNotFoundError as e:
+        raise TraceError(f"cannot read trace {path}: {e}") from None
+    except _READ_ERRORS as e:
+        raise TraceError(f"trace {path} is not an .npz archive (numpy.savez): {e}") from None
+    with zf:
+        members = {n[:-4]: n for n in zf.namelist() if n.endswith(".npy")}
+        total, shapes = 0, {}
+        for key, name in members.items():
+            try:
+                with zf.open(name) as f:
+                    version = np.lib.format.read_magic(f)
+                    if version == (1, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+                    elif version == (2, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+                    else:
+                        raise ValueError(f"NumPy array format version {version} (1.0 and 2.0 are read)")
+            except _READ_ERRORS as e:
+                raise TraceError(f"trace {path}: {key} is not a readable NumPy array: {e}") from None
+            if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biuf":
+                raise TraceError(f"trace {path}: {key} must hold integers or bool, got {dtype}")
+            if any(d < 0 for d in shape):
+                raise TraceError(f"trace {path}: {key} has shape {shape}")
+            if key in scalars and shape != ():
+                raise TraceError(f"trace {path}: {key} must be an integer scalar, got {dtype} of shape {shape}")
+            shapes[key] = shape
+            total += int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+        import psutil  # noqa: PLC0415
+
+        room = psutil.virtual_memory().available * TRACE_MEMORY_SHARE
+        if total > room:
+            raise TraceError(f"trace {path} holds {total / 2**30:.1f} GiB of arrays; this machine has room for "
+                             f"{room / 2**30:.1f} GiB ({TRACE_MEMORY_SHARE:g} of its available memory)")
+        def read(keys) -> dict:
+            got = {}
+            for key in keys:
+                try:
+                    with zf.open(members[key]) as f:
+                        got[key] = np.lib.format.read_array(f, allow_pickle=False)
+                except _READ_ERRORS as e:
+                    raise TraceError(f"trace {path}: {key} could not be read: {e}") from None
+            return got
+
+        out = read([key for key in members if key in scalars])
+        check_scalars(out)
+        return {**out, **read([key for key in members if key not in scalars])}
+
+
+def _int32(path: str, name: str, a: np.ndarray) -> np.ndarray:
+    """``a`` as int32: an integer array whose every value fits int32 (never wrapped)."""
+    if a.dtype.kind not in "iu":
+        raise TraceError(f"trace {path}: {name} must hold integers (int32), got {a.dtype}")
+    if a.size and a.dtype != np.int32:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
+            bad = lo if lo < np.iinfo(np.int32).min else hi
+            raise TraceError(f"trace {path}: {name} holds {bad}, outside int32")
+    return a.astype(np.int32)
+
+
+def _scalar(path: str, name: str, a: np.ndarray) -> int:
+    """A scalar of the trace: a 0-d integer array."""
+    if a.shape != () or a.dtype.kind not in "iu":
+        raise TraceError(f"trace {path}: {name} must be an integer scalar, got {a.dtype} of shape {a.shape}")
+    return int(a)
 
 
 # -- the synthetic generator ---------------------------------------------------------------

@@ -24,25 +24,45 @@ LOCK_FILE = "sparsekvd.lock"  # daemon/main.py RunDirLock: flock held for the da
 class StatsSocketError(Exception):
     """The stats socket could not be asked. ``kind``: ``missing`` (no socket, or nobody
     listens on it), ``starting`` (no socket yet, but a live daemon holds the run dir's
-    lock: it pre-faults its pool), ``timeout``, ``permission`` or ``error``."""
+    lock: it pre-faults its pool), ``busy`` (the daemon answered ``error: busy: ...``, or
+    closed with no answer: the operator connections it allows are taken), ``timeout``,
+    ``permission`` or ``error``."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)
         self.kind = kind
 
 
+BUSY = "error: busy: "  # how the daemon's stats socket answers a connection beyond its limits
+
+
+def _busy(path: str, said: str = "") -> StatsSocketError:
+    """The daemon answered busy (``said``: its line, after ``error: busy: ``), or closed
+    the connection before an answer (or before the command)."""
+    if said:
+        return StatsSocketError(f"daemon at {path} is busy: {said}", "busy")
+    return StatsSocketError(f"daemon at {path} closed the connection without an answer (its operator connections "
+                            "are all taken: try again)", "busy")
+
+
 def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
-    """Send one command line to RUN_DIR/stats.sock; return the whole answer."""
+    """Send one command line to RUN_DIR/stats.sock; return the whole answer. A busy daemon
+    (its ``error: busy: ...`` line, or no answer) raises :class:`StatsSocketError` ``busy``."""
     path = os.path.join(run_dir, STATS_SOCKET)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout_s)
     try:
         s.connect(path)
-        s.sendall(command.encode() + b"\n")
-        chunks = []
-        while b := s.recv(65536):
-            chunks.append(b)
-        return b"".join(chunks).decode()
+        try:
+            s.sendall(command.encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed before the command was read: its busy line may be there to read
+        answer = _read_answer(s)
+        if not answer:
+            raise _busy(path)
+        if answer.startswith(BUSY):
+            raise _busy(path, answer[len(BUSY):].strip())
+        return answer
     except (FileNotFoundError, ConnectionRefusedError) as e:
         pid = lock_holder(run_dir)
         if pid is not None:
@@ -54,12 +74,28 @@ def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
                                "missing") from None
     except PermissionError:
         raise StatsSocketError(f"permission denied on {path}: {_access_hint(path)}", "permission") from None
+    except (BrokenPipeError, ConnectionResetError):
+        raise _busy(path) from None
     except socket.timeout:
         raise StatsSocketError(f"daemon at {path} did not answer within {timeout_s:g} s", "timeout") from None
     except OSError as e:
         raise StatsSocketError(f"cannot ask the daemon at {path}: {e.strerror or e}", "error") from None
     finally:
         s.close()
+
+
+def _read_answer(s: socket.socket) -> str:
+    """Everything the daemon writes until it closes. A busy daemon answers and closes
+    without reading the command, so the kernel says "reset" once the busy line is read:
+    that line is the answer; a reset before it, or in any other answer, is raised."""
+    chunks = []
+    try:
+        while b := s.recv(65536):
+            chunks.append(b)
+    except ConnectionResetError:
+        if not b"".join(chunks).startswith(BUSY.encode()):
+            raise
+    return b"".join(chunks).decode(errors="replace")
 
 
 def _access_hint(path: str) -> str:
@@ -134,6 +170,8 @@ def probe(run_dir: str, timeout_s: float = 1.0) -> Health:
     try:
         answer = stats_query(run_dir, "health", timeout_s).strip()
     except StatsSocketError as e:
+        if e.kind == "busy":  # the loop accepted and answered busy (or closed): it serves
+            return Health(READY, "ready (busy: " + str(e) + ")")
         return Health(NOT_READY if e.kind == "starting" else UNREACHABLE, str(e))
     # Any answer means the loop serves (even an error line for an unknown `health`).
     return Health(READY, answer.splitlines()[0] if answer else "ready")

@@ -128,6 +128,17 @@ class DeviceSwapIn(abc.ABC):
                 i32(max_blocks), res_ptr, i32(res_blocks), topk_ptr, i32(k), i32(max(1, int(block_size))),
                 i32(group), i32(self.layout.max_batch), *self._group_ring(group))
 
+    def _indices_args(self, group: int, layer: int, tokens: int, req_ptr: int, topk_ptr: int, k: int, res_ptr: int,
+                      res_blocks: int, table_rows: int, block_size: int, out_ptr: int, valid_ptr: int,
+                      arrivals: int) -> tuple:
+        """The arguments of ``skv_db_indices`` (csrc/handle.cu) for ``layer``, in its parameter
+        order; ``arrivals``: the layer's counter when the kernel polls its ready word, or 0."""
+        i32, i64 = np.int32, np.int64
+        return (self._slots[group], i32(self.layout.top_k), req_ptr, i32(tokens), topk_ptr, i32(k), res_ptr,
+                i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))), i32(self.layout.region_stride),
+                i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr, self._stopped_word, out_ptr,
+                valid_ptr, self._cleared_by_indices(layer), arrivals)
+
     @abc.abstractmethod
     def _begun(self, stream_ptr: int) -> None:
         """On the engine's stream: the step block is written: hand the step off."""
@@ -248,7 +259,6 @@ class DeviceSwapIn(abc.ABC):
         valid = None
         if return_valid_counts or valid_counts_out is not None:
             valid = self._out("valid_counts_out", valid_counts_out, (tokens,))
-        i32, i64 = np.int32, np.int64
         s = self._stream()
         grid = max(1, min(tokens, 1024))
         # A table with no entries still means "positions": never a null pointer (null =
@@ -271,11 +281,9 @@ class DeviceSwapIn(abc.ABC):
             self._ready(layer, g, s)
         self._order.ready(layer)
         self._launch(self._k_indices, 1 if arrivals else grid, s,
-                     (self._slots[g], i32(lay.top_k), req.data_ptr(), i32(tokens), topk.data_ptr(), i32(k),
-                      res_ptr, i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))),
-                      i32(lay.region_stride), i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr,
-                      self._stopped_word, out.data_ptr(), valid.data_ptr() if valid is not None else 0,
-                      self._cleared_by_indices(layer), arrivals))
+                     self._indices_args(g, layer, tokens, req.data_ptr(), topk.data_ptr(), k, res_ptr, res_blocks,
+                                        table_rows, block_size, out.data_ptr(),
+                                        valid.data_ptr() if valid is not None else 0, arrivals))
         return (out, valid) if return_valid_counts else out
 
     def check(self) -> None:
@@ -321,11 +329,9 @@ class DeviceSwapIn(abc.ABC):
         if not arrivals:
             self._ready(layer, group, stream_ptr)
         else:  # skv_db_indices of no token, one block: the wait and the clear only
-            ctr = self._counter.data.ptr
+            ctr = self._counter.data.ptr  # any valid address: a batch of 0 tokens reads nothing
             self._launch(self._k_indices, 1, stream_ptr,
-                         (ctr, np.int32(self.layout.top_k), ctr, np.int32(0), ctr, np.int32(0), 0, np.int32(0),
-                          np.int32(0), np.int32(1), np.int32(self.layout.region_stride), np.int64(0), np.int64(0),
-                          self._dead.data.ptr, self._stopped_word, ctr, 0, self._cleared_by_indices(layer), arrivals))
+                         self._indices_args(group, layer, 0, ctr, ctr, 0, 0, 0, 0, 1, ctr, 0, arrivals))
 
     def _stream(self) -> int:
         return self._torch.cuda.current_stream(self.device).cuda_stream

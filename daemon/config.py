@@ -253,6 +253,8 @@ def _coerce(name: str, value, where: str, convert):
         value = convert(f, value)
     except (ValueError, OverflowError) as e:
         raise ConfigError(f"{where}: bad value for {name}: {e}") from None
+    if isinstance(value, str) and "\x00" in value:
+        raise ConfigError(f"{where}: bad value for {name}: text with a NUL character")
     try:
         _check(f, value)
     except ValueError as e:
@@ -314,8 +316,10 @@ def _read_file(cfg_file: str) -> dict:
             data = tomllib.load(fh)
     except OSError as e:
         raise ConfigError(f"cannot read config file {cfg_file}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {cfg_file} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {cfg_file} nests its tables or arrays too deep") from None
     return _settings_table(data, cfg_file)
 
 

@@ -4,6 +4,7 @@ commands and the loopback HTTP ``/metrics`` endpoint; none changes any state."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import socket
 import struct
@@ -15,20 +16,82 @@ from .peers import Peer
 
 # What generate_latest() writes (CONTENT_TYPE_LATEST names 1.0.0 in recent releases).
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-# Connections of the stats socket (and of the HTTP endpoint) open at once; more are closed
-# as soon as they are accepted, so that a flood of them cannot take the descriptors the
-# control socket needs. A command takes a millisecond: operators' tools never need more.
-MAX_OPEN = 32
+
+# Connections are bounded so that a flood of them cannot take the descriptors the control
+# socket needs; each of the two listeners counts its own, so a flood of one leaves the
+# other served. A connection beyond a limit is answered "busy" (stats socket: one line
+# ``error: busy: ...``; HTTP: 503 with Retry-After) and closed at once.
+#
+# The stats socket: STATS_MAX_OPEN connections at once, at most STATS_PER_UID of one uid
+# (the kernel's SO_PEERCRED uid, never what a client says; credentials that cannot be read
+# count as uid -1), so one user cannot take them all. Operators (root, the daemon's own
+# uid and admin_gid members: those who see every uid's clients) have STATS_RESERVED more
+# of their own, used once their share or the shared connections are taken.
+STATS_MAX_OPEN = 32
+STATS_PER_UID = 8
+STATS_RESERVED = 8
+# The loopback HTTP endpoint: TCP gives no uid, so one count for everyone.
+HTTP_MAX_OPEN = 32
+# Operators' tools send their command as soon as they connect: a connection silent for
+# this long is closed. An answer not taken by the client within ANSWER_TIMEOUT_S is dropped.
+REQUEST_TIMEOUT_S = 1.0
+ANSWER_TIMEOUT_S = 5.0
+RETRY_AFTER_S = 1
+
+
+class StatsSlots:
+    """The stats socket's connections by uid: :meth:`take` one for a connection's kernel
+    credentials (or say why not), :meth:`give` it back when the connection ends.
+
+    ``is_operator(peer)`` is asked only when a connection would otherwise be refused."""
+
+    def __init__(self, is_operator, max_open: int = STATS_MAX_OPEN, per_uid: int = STATS_PER_UID,
+                 reserved: int = STATS_RESERVED):
+        self.is_operator = is_operator
+        self.max_open, self.per_uid, self.reserved = max_open, per_uid, reserved
+        self.shared = 0  # connections in the shared slots
+        self.reserve = 0  # operators' connections beyond their share or the shared slots
+        self.by_uid: collections.Counter[int] = collections.Counter()  # shared slots by uid
+
+    @property
+    def open(self) -> int:
+        return self.shared + self.reserve
+
+    def take(self, peer: Peer) -> tuple[bool | None, str]:
+        """``(False, "")``: a shared slot; ``(True, "")``: one of the operators'; ``(None,
+        why)``: refused, ``why`` the busy line's text."""
+        mine = self.by_uid[peer.uid]
+        if mine < self.per_uid and self.shared < self.max_open:
+            self.shared += 1
+            self.by_uid[peer.uid] += 1
+            return False, ""
+        if self.reserve < self.reserved and self.is_operator(peer):
+            self.reserve += 1
+            return True, ""
+        if mine >= self.per_uid:
+            return None, (f"uid {peer.uid} has {mine} stats socket connections open, its share of the "
+                          f"{self.max_open}")
+        return None, f"{self.open} stats socket connections open (at most {self.max_open}, {self.per_uid} a uid)"
+
+    def give(self, peer: Peer, reserved: bool) -> None:
+        if reserved:
+            self.reserve -= 1
+            return
+        self.shared -= 1
+        self.by_uid[peer.uid] -= 1
+        if not self.by_uid[peer.uid]:
+            del self.by_uid[peer.uid]
 
 
 class OperatorRequests:
     """Over the daemon's :class:`~sparsekv.daemon.snapshot.Snapshot`, its own
-    ``prometheus_client`` registry and its sessions."""
+    ``prometheus_client`` registry, its sessions and its :class:`~sparsekv.daemon.stats.Stats`
+    (where refusals are counted: ``stats_connections_refused``, ``metrics_connections_refused``)."""
 
-    def __init__(self, snapshot, registry, sessions):
-        self.snapshot, self.registry, self.sessions = snapshot, registry, sessions
-        self.open = 0  # stats and HTTP connections being answered
-        self.refused = 0  # closed when accepted: MAX_OPEN were open
+    def __init__(self, snapshot, registry, sessions, stats):
+        self.snapshot, self.registry, self.sessions, self.stats = snapshot, registry, sessions, stats
+        self.slots = StatsSlots(sessions.sees_all)  # stats socket connections being answered
+        self.http_open = 0  # HTTP connections being answered
 
     def handlers(self) -> dict:
         """This role's control-socket handlers by message type."""
@@ -38,14 +101,16 @@ class OperatorRequests:
         return {"stats": self.snapshot()}, None
 
     async def stats_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection of the stats socket: one command line, one answer."""
-        if self.open >= MAX_OPEN:
-            self.refused += 1
-            writer.close()
+        """One connection of the stats socket: one command line, one answer; one busy
+        line when its uid's share and the operators' slots are taken (:class:`StatsSlots`)."""
+        peer = _viewer(writer)
+        reserved, why = self.slots.take(peer)
+        if reserved is None:
+            self.stats.add(stats_connections_refused=1)
+            _refuse(writer, f"error: busy: {why}; try again\n".encode())
             return
-        self.open += 1
         try:
-            line = await asyncio.wait_for(reader.readline(), timeout=5.0)
+            line = await asyncio.wait_for(reader.readline(), timeout=REQUEST_TIMEOUT_S)
             cmd = line.decode(errors="replace").strip().lower() or "stats"
             if cmd == "stats":
                 out = stats_mod.render_table(self.snapshot())
@@ -54,33 +119,34 @@ class OperatorRequests:
             elif cmd == "prometheus":
                 out = stats_mod.render_prometheus(self.registry)
             elif cmd == "clients":  # other uids' clients to root and the admin group only
-                out = self.sessions.client_lines(_viewer(writer))
+                out = self.sessions.client_lines(peer)
             elif cmd == "blocks":  # block stores by engine; other uids' to root and the admin group only
-                viewer = _viewer(writer)
-                out = self.sessions.engines.block_lines(None if self.sessions.sees_all(viewer) else viewer.uid)
+                out = self.sessions.engines.block_lines(None if self.sessions.sees_all(peer) else peer.uid)
             elif cmd == "health":
                 # The socket exists only once the daemon serves (READY=1 sent): answering is ready.
                 out = f"ready pid={os.getpid()} clients={len(self.sessions)}\n"
             else:
                 out = f"error: unknown command {cmd[:40]!r}; try stats, json, prometheus, clients, blocks, health\n"
-            writer.write(out.encode())
-            await writer.drain()
+            await _answer(writer, out.encode())
         except (asyncio.TimeoutError, ConnectionError):
             pass
         finally:
-            self.open -= 1
+            self.slots.give(peer, reserved)
             writer.close()
 
     async def http_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A minimal HTTP/1.0 responder: ``GET /metrics`` (Prometheus text), one request
-        per connection. Runs on the daemon's loop: a scrape costs one snapshot, no thread."""
-        if self.open >= MAX_OPEN:
-            self.refused += 1
-            writer.close()
+        per connection. Runs on the daemon's loop: a scrape costs one snapshot, no thread.
+        Beyond HTTP_MAX_OPEN connections: 503 with Retry-After, at once."""
+        if self.http_open >= HTTP_MAX_OPEN:
+            self.stats.add(metrics_connections_refused=1)
+            body = f"busy: {self.http_open} connections open (at most {HTTP_MAX_OPEN}); try again\n".encode()
+            _refuse(writer, _http_response("503 Service Unavailable", body, "text/plain; charset=utf-8",
+                                           f"Retry-After: {RETRY_AFTER_S}\r\n"))
             return
-        self.open += 1
+        self.http_open += 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5.0)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=REQUEST_TIMEOUT_S)
             parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
             body, ctype, extra = b"", "text/plain; charset=utf-8", ""
             if len(parts) != 3 or not parts[2].startswith("HTTP/"):
@@ -91,15 +157,43 @@ class OperatorRequests:
                 status, body = "404 Not Found", b"not found; metrics are at /metrics\n"
             else:
                 status, body, ctype = "200 OK", stats_mod.render_prometheus(self.registry).encode(), PROMETHEUS_TEXT
-            head_out = (f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                        f"{extra}Connection: close\r\n\r\n").encode()
-            writer.write(head_out if parts and parts[0] == "HEAD" else head_out + body)
-            await writer.drain()
+            await _answer(writer, _http_response(status, body, ctype, extra, head_only=parts[0] == "HEAD"))
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         finally:
-            self.open -= 1
+            self.http_open -= 1
             writer.close()
+
+
+def _http_response(status: str, body: bytes, ctype: str, extra: str = "", head_only: bool = False) -> bytes:
+    head = (f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}Connection: close\r\n\r\n").encode()
+    return head if head_only else head + body
+
+
+def _refuse(writer: asyncio.StreamWriter, answer: bytes) -> None:
+    """Answer a connection beyond a limit and close it, waiting for nothing: a short answer
+    fits the socket's buffer. Its request is not read (the client may see a reset after
+    the answer)."""
+    try:
+        writer.write(answer)
+    except (ConnectionError, RuntimeError):
+        pass
+    if writer.transport.get_write_buffer_size():  # the client's buffer is full: drop it
+        writer.transport.abort()
+    else:
+        writer.close()
+
+
+async def _answer(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """Write an answer; one the client has not taken within ANSWER_TIMEOUT_S is dropped
+    (the transport aborted), so a client that does not read cannot keep its slot."""
+    writer.write(data)
+    try:
+        await asyncio.wait_for(writer.drain(), timeout=ANSWER_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        writer.transport.abort()
+        raise
 
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid

@@ -85,7 +85,7 @@ class Daemon:
         self.snapshot = Snapshot(self.stats, backend, self.sessions, self.control, self.engines, io_cpus, warmer)
         self.registry.register(stats_mod.SnapshotCollector(self.snapshot))
         self.engine_requests = EngineRequests(self.sessions, self.engines, backend, pool, self.stats, self.fd_server)
-        self.operator_requests = OperatorRequests(self.snapshot, self.registry, self.sessions)
+        self.operator_requests = OperatorRequests(self.snapshot, self.registry, self.sessions, self.stats)
         self._stop = asyncio.Event()
         self.block_requests = BlockRequests(self.engines, self.stats, self.fd_server)
         self.handlers = {**self.engine_requests.handlers(), **self.operator_requests.handlers(),

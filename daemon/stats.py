@@ -58,6 +58,9 @@ COUNTERS = (
      "message stayed unfinished"),
     ("connections_broken", "control connections closed for breaking the protocol or a message over "
      "max_message_bytes"),
+    ("stats_connections_refused", "stats socket connections answered busy when accepted: their uid had its share "
+     "open, or every connection was open"),
+    ("metrics_connections_refused", "HTTP /metrics connections answered 503 when accepted: every connection was open"),
     ("messages_refused", "requests refused before their frames were read (a size or frame limit)"),
     ("reads_paused", "times a connection's reads waited for the inflight_bytes budget"),
     ("sessions_expired", "sessions not attached, dropped after idle_timeout_s without a request"),
@@ -280,6 +283,9 @@ def render_table(snap: dict) -> str:
         lines.append(f"connections    {snap.get('connections_open', 0)} open, closed: {closed['refused']} over the "
                      f"per-uid cap, {closed['expired']} without HELLO; {snap.get('sessions_expired', 0)} idle "
                      "sessions expired")
+    busy = {k: snap.get(f"{k}_connections_refused", 0) for k in ("stats", "metrics")}
+    if any(busy.values()):  # operator connections over their limits, answered busy
+        lines.append(f"operator busy  {busy['stats']} stats socket, {busy['metrics']} HTTP connections refused")
     if snap.get("fd_refusals"):  # fds.sock: a bad token, or not the process that attached
         lines.append(f"fd refusals    {snap['fd_refusals']}")
     if snap.get("device_errors"):  # cuda: rows the kernels refused or mended, by kind

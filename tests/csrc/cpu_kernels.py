@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -384,6 +385,24 @@ def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_ro
                            i(region_stride), ctypes.c_longlong(hot_base), ctypes.c_longlong(resident_base),
                            _opt(dead), _opt(stopped), _ptr(out), _opt(valid), _opt(clear), _opt(arrivals))
 
+
+
+def start(fn, *args, **kwargs) -> threading.Thread:
+    """``fn(*args, **kwargs)`` on a thread of its own (a kernel that polls a word, which
+    the caller may set while it runs)."""
+    t = threading.Thread(target=fn, args=args, kwargs=kwargs, daemon=True)
+    t.start()
+    return t
+
+
+def finish(t: threading.Thread, word, what: str, timeout_s: float = 10.0) -> None:
+    """Wait for :func:`start`'s thread; one still running after ``timeout_s`` polls for
+    ever: ``word[0]`` set to 1 to release it, then AssertionError(``what``)."""
+    t.join(timeout_s)
+    if t.is_alive():
+        word[0] = 1
+        t.join(timeout_s)
+        raise AssertionError(what)
 
 _PLAN_COPY_TAIL = ("const int* group_layers, int layers_stride, int groups, const int* plan_rows, "
                    "const int* plan_slots, const int* misses, int max_batch, int ld, const long long* layer_off, "

@@ -17,7 +17,6 @@ machine with a C++ compiler.
 from __future__ import annotations
 
 import ctypes
-import threading
 import zlib
 from types import SimpleNamespace
 
@@ -392,16 +391,10 @@ def test_the_indices_that_wait_for_the_ready_word_clear_it_once_every_block_has_
         for wait in (False, True):
             ready, arrivals = np.ones(1, np.uint32), np.zeros(1, np.uint32)
             out = np.full((tokens, k), -9, np.int32)
-            run = threading.Thread(target=cpu_kernels.db_indices, daemon=True,
-                                   args=(grid, 32, slots, req, topk, resident, table.shape[0], bs, 64, 1000, 50_000,
-                                         np.zeros(1, np.int32), out),
-                                   kwargs=dict(clear=ready, arrivals=arrivals if wait else None))
-            run.start()
-            run.join(10)
-            if run.is_alive():  # a block polls a word another block cleared: release it, then fail
-                ready[0] = 1
-                run.join(10)
-                raise AssertionError(f"grid {grid}: a block still polled after another cleared the word")
+            run = cpu_kernels.start(cpu_kernels.db_indices, grid, 32, slots, req, topk, resident, table.shape[0], bs,
+                                    64, 1000, 50_000, np.zeros(1, np.int32), out, clear=ready,
+                                    arrivals=arrivals if wait else None)
+            cpu_kernels.finish(run, ready, f"grid {grid}: a block still polled after another cleared the word")
             assert ready.tolist() == [0] and arrivals.tolist() == [0], (grid, wait)
             outs.append(out)
     for out in outs[1:]:
@@ -418,6 +411,7 @@ def test_the_doorbell_handles_wait_for_an_unconsumed_layer_clears_its_ready_word
     counter, dead = np.array([5], np.int32), np.zeros(1, np.int32)
     h = object.__new__(DoorbellSwapIn)  # no GPU: only the argument builder is used
     h.layout = SimpleNamespace(top_k=16, region_stride=32)
+    h._slots, h.hot_base, h.resident_base = [counter.ctypes.data], 0, 0  # (no token: nothing of them is read)
     h._readys = [readys.ctypes.data + 4 * i for i in range(L)]
     h._counter = SimpleNamespace(data=SimpleNamespace(ptr=counter.ctypes.data))
     h._dead = SimpleNamespace(data=SimpleNamespace(ptr=dead.ctypes.data))

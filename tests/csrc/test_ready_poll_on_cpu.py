@@ -5,7 +5,6 @@ launches poll (client/doorbell.py: one block, a few tokens)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -18,19 +17,12 @@ from test_kernels_on_cpu import _positions_case
 
 
 def _launch_polling(slots, req, topk, resident, table_rows, bs, dead, out, ready, arrivals):
-    t = threading.Thread(target=cpu_kernels.db_indices, daemon=True,
-                         args=(1, 32, slots, req, topk, resident, table_rows, bs, 64, 1000, 50_000, dead, out),
-                         kwargs=dict(clear=ready, arrivals=arrivals))
-    t.start()
-    return t
+    return cpu_kernels.start(cpu_kernels.db_indices, 1, 32, slots, req, topk, resident, table_rows, bs, 64, 1000,
+                             50_000, dead, out, clear=ready, arrivals=arrivals)
 
 
 def _finish(t, ready):
-    t.join(10)
-    if t.is_alive():  # never leave the emulated kernel polling
-        ready[0] = 1
-        t.join(10)
-        raise AssertionError("skv_db_indices still polls a set ready word")
+    cpu_kernels.finish(t, ready, "skv_db_indices still polls a set ready word")
 
 
 def test_the_polling_indices_read_the_slots_the_daemon_wrote_before_the_word():

@@ -94,3 +94,16 @@ def test_missing_shm_dir_is_refused_at_start(tmp_path):
     r = subprocess.run([*DAEMON, "--shm-dir", str(tmp_path / "nope"), "--print-config"], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 0 and "shm_dir" in r.stdout
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"\xff\xfe\x00bad", "is not valid TOML"),
+    (("x = " + "[" * 5000 + "1" + "]" * 5000 + "\n").encode(), "nests its tables or arrays too deep"),
+    (b'run_dir = "/tmp/x\\u0000y"\n', "bad value for run_dir: text with a NUL character"),
+])
+def test_undecodable_too_deep_or_nul_config_files_are_one_line_errors(tmp_path, data, words):
+    path = tmp_path / "d.toml"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError) as ei:
+        load(build_parser().parse_args(["--config", str(path)]), environ={})
+    assert words in str(ei.value) and "\n" not in str(ei.value)

@@ -1,0 +1,130 @@
+"""``Trace.load`` refuses what docs/TRACES.md does not allow, with a TraceError naming the
+file and the array, never by wrapping a value or by reading a huge array first."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+import numpy as np
+import pytest
+
+from sparsekv.bench.trace import Trace, TraceError, synth
+
+
+def _good() -> dict:
+    t = synth(steps=4, batch=2, top_k=4, region_stride=8, max_reqs=4, host_rows=256, num_layers=2, seed=1)
+    return {"topk": t.topk, "state_rows": t.state_rows, "reset": t.reset, "invalidate": t.invalidate,
+            **{k: np.int64(getattr(t, k)) for k in ("region_stride", "host_rows", "max_reqs", "row_bytes",
+                                                     "num_layers")}}
+
+
+def _save(tmp_path, arrays: dict) -> str:
+    path = str(tmp_path / "t.npz")
+    np.savez(path, **arrays)
+    return path
+
+
+def _live(a: dict) -> tuple[int, int]:
+    """(step, batch row) of a row with a request."""
+    t, b = np.argwhere(a["state_rows"] >= 0)[0]
+    return int(t), int(b)
+
+
+@pytest.mark.parametrize("name, value", [("topk", 2**32 + 5), ("state_rows", 2**32 + 1), ("invalidate", -2**31 - 1)])
+def test_an_id_outside_int32_is_refused_not_wrapped(tmp_path, name, value):
+    a = _good()
+    t, b = _live(a)
+    arr = a[name].astype(np.int64)
+    arr[t, b] = value  # (invalidate: the row's whole list)
+    a[name] = arr
+    with pytest.raises(TraceError, match=f"{name} holds {value}, outside int32"):
+        Trace.load(_save(tmp_path, a))
+
+
+def test_uint32_ids_are_refused_past_int32_and_taken_within_it(tmp_path):
+    a = _good()
+    a["topk"] = np.where(a["topk"] < 0, 0, a["topk"]).astype(np.uint32)
+    assert (Trace.load(_save(tmp_path, a)).topk == a["topk"]).all()
+    a["topk"][0, 0, 0] = 2**32 - 1  # would wrap to -1, "no id"
+    with pytest.raises(TraceError, match="outside int32"):
+        Trace.load(_save(tmp_path, a))
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("region_stride", np.float64(16.9), "region_stride must be an integer scalar"),
+    ("num_layers", np.bool_(True), "num_layers must be an integer scalar"),
+    ("host_rows", np.array([256]), "host_rows must be an integer scalar"),
+    ("host_rows", np.array("256"), "host_rows must hold integers or bool, got <U3"),
+])
+def test_scalars_of_another_type_are_refused(tmp_path, name, value, words):
+    a = _good()
+    a[name] = value
+    with pytest.raises(TraceError, match=words):
+        Trace.load(_save(tmp_path, a))
+
+
+def test_reset_must_be_bool(tmp_path):
+    a = _good()
+    a["reset"] = a["reset"].astype(np.float64)
+    with pytest.raises(TraceError, match="reset must be bool, got float64"):
+        Trace.load(_save(tmp_path, a))
+
+
+def test_the_scalars_are_checked_before_any_array_is_read(tmp_path):
+    """A bad layout is named even when an array's data is corrupt: the arrays were not read."""
+    a = _good()
+    a["host_rows"] = np.int64(-1)
+    path = _save(tmp_path, a)
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    body = bytearray(members["topk.npy"])
+    body[-8:] = b"\xff" * 8  # data after the header, not the header
+    with zipfile.ZipFile(path, "w") as z:
+        for n, data in members.items():
+            z.writestr(n, bytes(body) if n == "topk.npy" else data)
+    with pytest.raises(TraceError, match="host_rows must be a positive integer"):
+        Trace.load(path)
+
+
+def test_an_array_larger_than_the_memory_is_refused_from_its_header(tmp_path):
+    a = _good()
+    path = _save(tmp_path, a)
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<i4", "fortran_order": False, "shape": (1 << 40,)})
+    with zipfile.ZipFile(path, "w") as z:
+        for n, data in members.items():
+            z.writestr(n, buf.getvalue() + b"\0" * 64 if n == "topk.npy" else data)
+    with pytest.raises(TraceError, match="GiB of arrays; this machine has room for"):
+        Trace.load(path)
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda b: b[: len(b) // 2], "is not an .npz archive"),
+    (lambda b: b"", "is not an .npz archive"),
+])
+def test_a_damaged_archive_is_a_trace_error(tmp_path, damage, words):
+    path = _save(tmp_path, _good())
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(damage(data))
+    with pytest.raises(TraceError, match=words):
+        Trace.load(path)
+
+
+def test_a_member_with_a_bad_crc_names_the_array(tmp_path):
+    path = str(tmp_path / "t.npz")
+    np.savez_compressed(path, **_good())
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("topk.npy")
+    at = info.header_offset + 30 + len(info.filename) + len(info.extra) + info.compress_size // 2
+    data[at] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(TraceError, match="topk"):
+        Trace.load(path)

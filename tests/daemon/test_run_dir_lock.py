@@ -1,0 +1,102 @@
+"""The run dir and its lock (daemon/main.py ``check_run_dir``, ``RunDirLock``): the run dir
+must be the daemon's own, the lock is never followed through a link, and a lock file
+replaced while it is being locked is not taken (found by an adversarial review); an
+operator connection closed without an answer is "busy", not an empty success."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+from sparsekv.cli.health import READY, StatsSocketError, probe, stats_query
+from sparsekv.daemon import main as main_mod
+from sparsekv.daemon.main import RunDirLock
+
+
+def test_a_lock_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    victim = tmp_path / "victim.conf"
+    victim.write_text("secret\n")
+    (run / "sparsekvd.lock").symlink_to(victim)
+    with pytest.raises(RuntimeError, match="is a symbolic link: refused"):
+        RunDirLock(str(run))
+    assert victim.read_text() == "secret\n"
+
+
+def test_a_run_dir_too_long_for_its_sockets_is_refused_before_anything_is_made(tmp_path):
+    run = tmp_path / ("x" * 100)
+    with pytest.raises(RuntimeError, match=r"too long for its sockets: .* a UNIX socket path at most 107"):
+        RunDirLock(str(run))
+    assert not run.exists()
+
+
+def test_a_run_dir_every_user_may_write_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o777)
+    with pytest.raises(RuntimeError, match=r"writable by every user \(mode 0777\)"):
+        RunDirLock(str(run))
+    assert not (run / "sparsekvd.lock").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the run dir to another uid")
+def test_a_run_dir_of_another_user_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    os.chown(run, 65534, 65534)
+    with pytest.raises(RuntimeError, match="belongs to uid 65534"):
+        RunDirLock(str(run))
+
+
+def test_a_lock_file_replaced_while_it_is_being_locked_is_not_taken(tmp_path, monkeypatch):
+    """A stopping daemon unlinks its lock; one that opened the old file just before, and
+    locks it, must not go on: a third one may hold the new file at the path."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    path = run / "sparsekvd.lock"
+    real = main_mod.fcntl.flock
+    third = []
+
+    def flock(fd, op):
+        if not third:  # the holder stopped (unlinked) and a third daemon locked a new file
+            os.unlink(path)
+            fd3 = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.write(fd3, b"4242\n")
+            real(fd3, main_mod.fcntl.LOCK_EX | main_mod.fcntl.LOCK_NB)
+            third.append(fd3)
+        return real(fd, op)
+
+    monkeypatch.setattr(main_mod.fcntl, "flock", flock)
+    try:
+        with pytest.raises(RuntimeError, match=r"another sparsekvd \(pid 4242\)"):
+            RunDirLock(str(run))
+    finally:
+        for fd in third:
+            os.close(fd)
+
+
+def test_an_answer_closed_without_a_word_is_busy_and_the_daemon_alive(tmp_path):
+    """The daemon's operator connections all taken: it accepts and closes at once."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(tmp_path / "stats.sock"))
+    srv.listen(4)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            c, _ = srv.accept()
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with pytest.raises(StatsSocketError) as ei:
+            stats_query(str(tmp_path), "json", 2.0)
+        assert ei.value.kind == "busy" and "without an answer" in str(ei.value)
+        assert probe(str(tmp_path), 2.0).code == READY
+    finally:
+        stop.set()
+        srv.close()
