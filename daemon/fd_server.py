@@ -10,7 +10,12 @@ Two requests, one per connection, each checked against the connection's kernel i
   process, for :data:`DEPOSIT_TTL_S` (at most :data:`DEPOSITS_PER_PID` per process and
   :data:`DEPOSITS_PER_UID` per uid, so one user's processes cannot refuse another's).
 
-Bounded like the stats socket; every refusal is counted in ``fd_refusals``.
+Bounded like the stats socket (``uid_slots.py``): :data:`MAX_CONNECTIONS` served at once,
+at most :data:`PER_UID` of one uid (SO_PEERCRED), :data:`RESERVED` more for operators (root,
+the daemon's uid, ``admin_gid`` members); a connection beyond is answered at once with a
+busy refusal (QUOTA_EXCEEDED, ``"busy": true``, which the client retries for a moment:
+``proto/fd_socket.py``) and counted in ``fd_connections_refused``; a request must come
+within ``fd_socket.REQUEST_TIMEOUT_S``. Every other refusal is counted in ``fd_refusals``.
 """
 
 from __future__ import annotations
@@ -27,9 +32,25 @@ from dataclasses import dataclass
 from sparsekv.proto import ErrorCode, ProtocolError
 from sparsekv.proto import fd_socket
 
+from .peers import Peer
+from .uid_slots import UidSlots
+
 log = logging.getLogger("sparsekv.server")
 
-MAX_CONNECTIONS = 64  # fd socket connections served at once; more are closed unanswered
+# fd socket connections served at once. Each carries one request, sent as soon as the
+# client connects, and one answer, given by the loop in well under a millisecond: what is
+# open at once is the processes connecting in that moment (a rank at ATTACH, a slab or a
+# keys buffer deposited; 300 processes depositing in one instant held at most 6 open).
+# One uid may hold PER_UID of the MAX_CONNECTIONS: every rank of a TP group of the largest
+# size (LIMITS.max_tp_size, 64) connecting in the same instant; four uids are needed to
+# fill them. Operators (root, the daemon's own uid, which runs the engines in the
+# documented deployment, and admin_gid members) have RESERVED more, used once their share
+# or the shared ones are taken. A connection beyond is answered busy at once, which the
+# client tries again for up to fd_socket.BUSY_RETRY_S; a silent one is closed after
+# fd_socket.REQUEST_TIMEOUT_S.
+MAX_CONNECTIONS = 256
+PER_UID = 64
+RESERVED = 64
 DEPOSIT_TTL_S = 60.0  # a deposited slab descriptor not used by an ATTACH is closed after this
 DEPOSITS_PER_PID = 4
 DEPOSITS_PER_UID = 64
@@ -52,13 +73,14 @@ class FdServer:
             the session's rank.
     """
 
-    def __init__(self, stats, share_fds, is_attacher):
+    def __init__(self, stats, share_fds, is_attacher, is_operator=lambda peer: False):
         self.stats = stats
         self._share_fds = share_fds
         self._is_attacher = is_attacher
         self.offers: dict[str, object] = {}  # token -> session (one per attached rank at most)
         self.deposits: dict[str, Deposit] = {}
-        self._conns = 0
+        # connections being served, by uid; is_operator: Sessions.sees_all
+        self.slots = UidSlots(is_operator, MAX_CONNECTIONS, PER_UID, RESERVED, "fd socket connections")
         self._listener: socket.socket | None = None
         self._task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -143,21 +165,27 @@ class FdServer:
                 log.warning("fd socket: accept failed: %s", e)
                 await asyncio.sleep(0.05)
                 continue
-            if self._conns >= MAX_CONNECTIONS:  # a flood: keep the descriptors for clients
-                self.stats.add(fd_refusals=1)  # (not logged: a flood would flood the log too)
+            try:
+                conn.setblocking(False)
+                pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+                peer = Peer(uid, gid, pid, True)
+            except OSError as e:  # the peer hung up already, say
+                log.debug("fd socket: %s", e)
                 conn.close()
                 continue
-            t = loop.create_task(self._serve(conn))
+            reserved, why = self.slots.take(peer)
+            if reserved is None:  # its uid's share, or every slot, is taken: keep the descriptors
+                self.stats.add(fd_connections_refused=1)  # (not logged: a flood would flood the log too)
+                _refuse_busy(conn, why)
+                continue
+            t = loop.create_task(self._serve(conn, peer, reserved))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
-        self._conns += 1
+    async def _serve(self, conn: socket.socket, peer: Peer, reserved: bool) -> None:
         received: list[int] = []
         try:
-            conn.setblocking(False)
-            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                 struct.calcsize("3i")))
+            pid, uid, gid = peer.pid, peer.uid, peer.gid
             line, received = await _read_line(conn)
             answer, fds = self._answer(line, received, pid, uid, gid)  # a deposit takes its fd out
             socket.send_fds(conn, [answer], fds)
@@ -169,7 +197,7 @@ class FdServer:
             for fd in received:
                 os.close(fd)
             conn.close()
-            self._conns -= 1
+            self.slots.give(peer, reserved)
 
     def _answer(self, line: bytes | None, received: list[int], pid: int, uid: int,
                 gid: int) -> tuple[bytes, list[int]]:
@@ -180,7 +208,7 @@ class FdServer:
             return self._deposit(received, pid, uid, gid)
         s = self.offers.get(text) if text else None
         if line is None:
-            why = f"no request within {fd_socket.TIMEOUT_S:g} s"
+            why = f"no request within {fd_socket.REQUEST_TIMEOUT_S:g} s"
         elif received:
             why = "descriptors are taken only with a deposit request"
         elif s is None:
@@ -220,11 +248,25 @@ class FdServer:
         return fd_socket.answer(False, code=code, msg=why), []
 
 
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _refuse_busy(conn: socket.socket, why: str) -> None:
+    """Answer a connection beyond the limits (busy: the client may try again) and close it,
+    its request unread (the client may see a reset after the answer). The short answer fits
+    the new connection's buffer: nothing waits."""
+    try:
+        conn.send(fd_socket.answer(False, code=ErrorCode.QUOTA_EXCEEDED, msg=f"busy: {why}; try again", busy=True))
+    except OSError:
+        pass
+    conn.close()
+
+
 async def _read_line(conn: socket.socket) -> tuple[bytes | None, list[int]]:
     """One request line (at most ``MAX_REQUEST_BYTES``) and the descriptors that came with
-    it, within ``TIMEOUT_S``; None for the line if it did not come in time."""
+    it, within ``REQUEST_TIMEOUT_S``; None for the line if it did not come in time."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + fd_socket.TIMEOUT_S
+    deadline = loop.time() + fd_socket.REQUEST_TIMEOUT_S
     data, fds = b"", []
     while b"\n" not in data and len(data) < fd_socket.MAX_REQUEST_BYTES:
         ready = loop.create_future()

@@ -4,7 +4,6 @@ commands and the loopback HTTP ``/metrics`` endpoint; none changes any state."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import socket
 import struct
@@ -13,6 +12,7 @@ from sparsekv.proto import MsgType
 
 from . import stats as stats_mod
 from .peers import Peer
+from .uid_slots import UidSlots
 
 # What generate_latest() writes (CONTENT_TYPE_LATEST names 1.0.0 in recent releases).
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,7 +26,8 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 # (the kernel's SO_PEERCRED uid, never what a client says; credentials that cannot be read
 # count as uid -1), so one user cannot take them all. Operators (root, the daemon's own
 # uid and admin_gid members: those who see every uid's clients) have STATS_RESERVED more
-# of their own, used once their share or the shared connections are taken.
+# of their own, used once their share or the shared connections are taken (UidSlots,
+# which the fd socket uses too).
 STATS_MAX_OPEN = 32
 STATS_PER_UID = 8
 STATS_RESERVED = 8
@@ -39,50 +40,6 @@ ANSWER_TIMEOUT_S = 5.0
 RETRY_AFTER_S = 1
 
 
-class StatsSlots:
-    """The stats socket's connections by uid: :meth:`take` one for a connection's kernel
-    credentials (or say why not), :meth:`give` it back when the connection ends.
-
-    ``is_operator(peer)`` is asked only when a connection would otherwise be refused."""
-
-    def __init__(self, is_operator, max_open: int = STATS_MAX_OPEN, per_uid: int = STATS_PER_UID,
-                 reserved: int = STATS_RESERVED):
-        self.is_operator = is_operator
-        self.max_open, self.per_uid, self.reserved = max_open, per_uid, reserved
-        self.shared = 0  # connections in the shared slots
-        self.reserve = 0  # operators' connections beyond their share or the shared slots
-        self.by_uid: collections.Counter[int] = collections.Counter()  # shared slots by uid
-
-    @property
-    def open(self) -> int:
-        return self.shared + self.reserve
-
-    def take(self, peer: Peer) -> tuple[bool | None, str]:
-        """``(False, "")``: a shared slot; ``(True, "")``: one of the operators'; ``(None,
-        why)``: refused, ``why`` the busy line's text."""
-        mine = self.by_uid[peer.uid]
-        if mine < self.per_uid and self.shared < self.max_open:
-            self.shared += 1
-            self.by_uid[peer.uid] += 1
-            return False, ""
-        if self.reserve < self.reserved and self.is_operator(peer):
-            self.reserve += 1
-            return True, ""
-        if mine >= self.per_uid:
-            return None, (f"uid {peer.uid} has {mine} stats socket connections open, its share of the "
-                          f"{self.max_open}")
-        return None, f"{self.open} stats socket connections open (at most {self.max_open}, {self.per_uid} a uid)"
-
-    def give(self, peer: Peer, reserved: bool) -> None:
-        if reserved:
-            self.reserve -= 1
-            return
-        self.shared -= 1
-        self.by_uid[peer.uid] -= 1
-        if not self.by_uid[peer.uid]:
-            del self.by_uid[peer.uid]
-
-
 class OperatorRequests:
     """Over the daemon's :class:`~sparsekv.daemon.snapshot.Snapshot`, its own
     ``prometheus_client`` registry, its sessions and its :class:`~sparsekv.daemon.stats.Stats`
@@ -90,7 +47,8 @@ class OperatorRequests:
 
     def __init__(self, snapshot, registry, sessions, stats):
         self.snapshot, self.registry, self.sessions, self.stats = snapshot, registry, sessions, stats
-        self.slots = StatsSlots(sessions.sees_all)  # stats socket connections being answered
+        self.slots = UidSlots(sessions.sees_all, STATS_MAX_OPEN, STATS_PER_UID, STATS_RESERVED,
+                              "stats socket connections")  # stats socket connections being answered
         self.http_open = 0  # HTTP connections being answered
 
     def handlers(self) -> dict:
@@ -102,7 +60,7 @@ class OperatorRequests:
 
     async def stats_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection of the stats socket: one command line, one answer; one busy
-        line when its uid's share and the operators' slots are taken (:class:`StatsSlots`)."""
+        line when its uid's share and the operators' slots are taken (:class:`UidSlots`)."""
         peer = _viewer(writer)
         reserved, why = self.slots.take(peer)
         if reserved is None:

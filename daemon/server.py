@@ -78,7 +78,8 @@ class Daemon:
                                       max_rank_bytes_per_uid=max_rank_bytes_per_uid)
         self.heavy = HeavyRequests()
         self._serving = False
-        self.fd_server = FdServer(self.stats, lambda cid: self.backend.share_fds(cid), is_attacher)
+        self.fd_server = FdServer(self.stats, lambda cid: self.backend.share_fds(cid), is_attacher,
+                                  lambda peer: self.sessions.sees_all(peer))
         self.sessions = Sessions(self.engines, self.heavy, self.fd_server, self.stats, max_clients=max_clients,
                                  max_clients_per_uid=max_clients_per_uid, idle_timeout_s=idle_timeout_s,
                                  admin_gid=admin_gid)

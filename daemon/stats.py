@@ -53,6 +53,8 @@ COUNTERS = (
     ("errors", "requests answered with an error"),
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
     ("fd_refusals", "fd socket connections refused (a bad, used or withdrawn token, or not the attaching process)"),
+    ("fd_connections_refused", "fd socket connections answered busy when accepted: their uid had its share open, "
+     "or every connection was open"),
     ("connections_refused", "control connections closed when accepted: their uid had max_connections_per_uid open"),
     ("connections_expired", "control connections closed because no HELLO came within hello_timeout_s, or a "
      "message stayed unfinished"),
@@ -288,6 +290,8 @@ def render_table(snap: dict) -> str:
         lines.append(f"operator busy  {busy['stats']} stats socket, {busy['metrics']} HTTP connections refused")
     if snap.get("fd_refusals"):  # fds.sock: a bad token, or not the process that attached
         lines.append(f"fd refusals    {snap['fd_refusals']}")
+    if snap.get("fd_connections_refused"):  # fds.sock connections over their uid's share or the limit
+        lines.append(f"fd socket busy {snap['fd_connections_refused']} connections refused")
     if snap.get("device_errors"):  # cuda: rows the kernels refused or mended, by kind
         lines.append("device errors  " + " ".join(f"{k}={v}" for k, v in sorted(snap["device_errors"].items())))
     if snap.get("io_cpus") or snap.get("warm_cpus"):

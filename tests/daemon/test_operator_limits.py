@@ -21,15 +21,16 @@ from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.cli.health import READY, StatsSocketError, probe, stats_query
 from sparsekv.daemon import operator_requests as ops
 from sparsekv.daemon.peers import Peer
+from sparsekv.daemon.uid_slots import UidSlots
 
 
 def peer(uid: int) -> Peer:
     return Peer(uid, uid, 1000 + uid, True)
 
 
-# -- the stats socket's slots, by uid --------------------------------------------------------
+# -- the stats socket's slots, by uid (daemon/uid_slots.py) --------------------------------
 def test_one_uid_gets_its_share_and_operators_their_reserve():
-    slots = ops.StatsSlots(lambda p: p.uid == 0, max_open=32, per_uid=8, reserved=8)
+    slots = UidSlots(lambda p: p.uid == 0, max_open=32, per_uid=8, reserved=8, what="stats socket connections")
     mine = [slots.take(peer(1000)) for _ in range(8)]
     assert mine == [(False, "")] * 8
     held, why = slots.take(peer(1000))
@@ -50,7 +51,7 @@ def test_one_uid_gets_its_share_and_operators_their_reserve():
 
 def test_operators_are_asked_about_only_when_a_connection_would_be_refused():
     asked = []
-    slots = ops.StatsSlots(lambda p: asked.append(p.uid) or False, max_open=4, per_uid=2, reserved=1)
+    slots = UidSlots(lambda p: asked.append(p.uid) or False, max_open=4, per_uid=2, reserved=1, what="connections")
     assert slots.take(peer(5)) == (False, "") and not asked
     for _ in range(3):
         slots.take(peer(6))
