@@ -10,8 +10,7 @@ Modes (each over the same top-k sequence of a (batch, hits) config), in this ord
 * ``doorbell``: a private cuda ``sparsekvd``, the rank attached with
   ``transport="doorbell"``, ``Client.doorbell_handle()``, the same engine code as inproc.
 * ``prefetch`` (only when ``--modes`` names it, with doorbell): the doorbell rank again,
-  attached with cross-layer prefetch (DESIGN.md §4; the default ``prefetch_min_batch``, 2:
-  a batch of one row prefetches nothing), on the same daemon and pool after the
+  attached with cross-layer prefetch (DESIGN.md §4), on the same daemon and pool after the
   doorbell rank; its figures: the share of misses fetched off the critical path, and its
   step against the doorbell's and the all-on-GPU step at equal batch. A prefetch never
   evicts a row of a region's latest resolve, so with this mode every offloaded mode's

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import psutil
 
-from sparsekv.proto import LIMITS, PREFETCH_MIN_BATCH
+from sparsekv.proto import LIMITS
 from sparsekv.proto.cuda_ipc import device_count
 from sparsekv.proto.layout import Layout
 from sparsekv.proto.slab import SlabGeometry
@@ -133,7 +133,7 @@ class Driver:
 
     def __init__(self, trace: Trace, stack: contextlib.ExitStack, *, backend: str, engine: str,
                  connect: str | None = None, daemon_log: str | None = None, slab: str = "daemon",
-                 prefetch: bool = False, prefetch_min_batch: int | None = None, rank: int = 0, tp_size: int = 1):
+                 prefetch: bool = False, rank: int = 0, tp_size: int = 1):
         if slab not in SLABS:
             raise ValueError(f"unknown slab {slab!r}; use {' or '.join(SLABS)}")
         self.trace = trace
@@ -143,8 +143,6 @@ class Driver:
         self.layout = ahead_layout(trace) if prefetch else trace.layout()
         self.client = self.open(stack, backend=backend, connect=connect, daemon_log=daemon_log)
         kw = dict(self.attach_kw, **({"prefetch": True} if prefetch else {}))
-        if prefetch_min_batch is not None:  # else the daemon's default
-            kw["prefetch_min_batch"] = prefetch_min_batch
         if tp_size > 1:
             kw["tp_size"] = tp_size
         self.engine_rows = None
@@ -319,17 +317,15 @@ def ahead_rows(trace: Trace, t: int) -> np.ndarray:
 
 def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", verify: bool = False,
            connect: str | None = None, engine: str = "replay", daemon_log: str | None = None,
-           slab: str = "daemon", prefetch: bool = False, prefetch_min_batch: int | None = None, ranks: int = 1,
-           tp: bool = False, progress: Callable[[int], None] | None = None) -> tuple[dict, dict]:
+           slab: str = "daemon", prefetch: bool = False, ranks: int = 1, tp: bool = False,
+           progress: Callable[[int], None] | None = None) -> tuple[dict, dict]:
     """Run ``trace``; return (summary, result arrays ``slots`` and ``misses``).
     ``slab="engine"``: the hot rows in a buffer the replay owns (:class:`EngineRows`),
     with guard bytes around them that must stay unchanged (``guard_bytes_changed``).
     ``prefetch``: attach with prefetch and replay each step as index group 0 and then
     group 1 (the next step's rows, :func:`ahead_rows`); the results stay group 0's (a
     prefetch never fills group 0), the summary adds group 1's misses and hits, and
-    ``--verify`` checks group 1's rows too. ``prefetch_min_batch`` (with ``prefetch``;
-    None: the default, ``proto.PREFETCH_MIN_BATCH``): the attach's, only batches of that
-    many rows (padding rows included) are fetched ahead. ``ranks``: that many rank clients of one
+    ``--verify`` checks group 1's rows too. ``ranks``: that many rank clients of one
     engine (a daemon's; on cuda rank r on GPU r modulo the GPUs), each sending every step
     in turn; the results are rank 0's, ``ranks_differing`` counts the (step, rank) whose
     slots or misses differ from rank 0's, and ``--verify`` checks every rank's rows.
@@ -343,15 +339,12 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
         raise ValueError("several ranks attach to a daemon: use --transport zmq or doorbell")
     if tp and ranks < 2:
         raise ValueError("a TP group needs 2 ranks or more (--ranks)")
-    if prefetch_min_batch is not None and not prefetch:
-        raise ValueError("prefetch_min_batch needs prefetch (--prefetch)")
     with contextlib.ExitStack() as stack:
         drivers = []
         for r in range(ranks):
             drivers.append(DRIVERS[transport](trace, stack, backend=backend, engine=engine,
                                               connect=connect if r == 0 else drivers[0].run_dir,
-                                              daemon_log=daemon_log, slab=slab, prefetch=prefetch,
-                                              prefetch_min_batch=prefetch_min_batch, rank=r,
+                                              daemon_log=daemon_log, slab=slab, prefetch=prefetch, rank=r,
                                               tp_size=ranks if tp else 1))
         driver = drivers[0]
         layout = driver.layout
@@ -434,8 +427,7 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
         "verified": verify,
         "mismatched_rows": int(mismatched) if verify else None,
         "guard_bytes_changed": guard,
-        **({"prefetch": True, "prefetch_min_batch": PREFETCH_MIN_BATCH if prefetch_min_batch is None
-            else prefetch_min_batch, "next_group_hits": int(ahead_hits), "next_group_misses": int(ahead_misses)}
+        **({"prefetch": True, "next_group_hits": int(ahead_hits), "next_group_misses": int(ahead_misses)}
            if prefetch else {}),
         **({"ranks": ranks, "tp_group": tp, "ranks_differing": int(differing)} if ranks > 1 else {}),
         "elapsed_s": round(elapsed, 4),

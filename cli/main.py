@@ -23,7 +23,7 @@ from sparsekv.bench.replay import replay, save_result
 from sparsekv.bench.trace import Trace, synth
 from sparsekv.client.client import default_run_dir
 from sparsekv.client.errors import BadRequest, SparseKVError
-from sparsekv.proto import LIMITS, MAX_PREFETCH_MIN_BATCH, PREFETCH_MIN_BATCH
+from sparsekv.proto import LIMITS
 from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list
 from .demo import DEFAULTS as DEMO_DEFAULTS, format_table, run_demo
 from .health import StatsSocketError, exit_code, probe, stats_query
@@ -72,17 +72,6 @@ def rank_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"a whole number of ranks is needed, got {text!r}") from None
     if not 1 <= value <= LIMITS.max_tp_size:
         raise argparse.ArgumentTypeError(f"ranks must lie in [1, {LIMITS.max_tp_size}], got {value}")
-    return value
-
-
-def min_batch(text: str) -> int:
-    """``--prefetch-min-batch``: a whole number of rows in [1, MAX_PREFETCH_MIN_BATCH]."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a whole number of rows is needed, got {text!r}") from None
-    if not 1 <= value <= MAX_PREFETCH_MIN_BATCH:
-        raise argparse.ArgumentTypeError(f"the rows must lie in [1, {MAX_PREFETCH_MIN_BATCH}], got {value}")
     return value
 
 
@@ -153,16 +142,13 @@ def cmd_replay(a) -> int:
         raise UsageError(f"{what} needs a daemon: add --transport zmq or doorbell")
     if a.tp and a.ranks < 2:
         raise UsageError("--tp needs --ranks 2 or more")
-    if a.prefetch_min_batch is not None and not a.prefetch:
-        raise UsageError("--prefetch-min-batch needs --prefetch")
     check_output(a.out)
     if a.daemon_log:
         check_output(a.daemon_log, "--daemon-log")
     trace = Trace.load(a.trace)
     bar = None if a.quiet else Progress("replay", trace.steps)
     summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify, connect=a.connect,
-                             daemon_log=a.daemon_log, slab=a.slab, prefetch=a.prefetch,
-                             prefetch_min_batch=a.prefetch_min_batch, ranks=a.ranks, tp=a.tp,
+                             daemon_log=a.daemon_log, slab=a.slab, prefetch=a.prefetch, ranks=a.ranks, tp=a.tp,
                              progress=bar and bar.update)
     if bar:
         bar.close()
@@ -283,9 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--prefetch", action="store_true",
                    help="attach with prefetch and replay each step as index group 0, then as group 1 the next "
                         "step's rows (fetched ahead from group 0's); DESIGN §4")
-    q.add_argument("--prefetch-min-batch", type=min_batch, metavar="N",
-                   help="with --prefetch: attach with prefetch_min_batch N (fetch ahead only from batches of N rows "
-                        f"or more, padding rows included; default: the daemon's, {PREFETCH_MIN_BATCH})")
     q.add_argument("--ranks", type=rank_count, default=1, metavar="N",
                    help="N rank clients of one engine send every step in turn (zmq or doorbell; on cuda rank r on "
                         "GPU r modulo the GPUs seen); rank 0's results are saved, every rank's must equal them "

@@ -203,8 +203,7 @@ class Client(Connection):
 
     # -- requests ----------------------------------------------------------------
     def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq",
-               slab=None, block_size: int = 0, index_bytes: int = 0, prefetch: bool = False,
-               prefetch_min_batch: int | None = None, tp_size: int = 1):
+               slab=None, block_size: int = 0, index_bytes: int = 0, prefetch: bool = False, tp_size: int = 1):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
         before each gather, so attention still reading earlier rows is never overwritten.
@@ -218,12 +217,7 @@ class Client(Connection):
         ``read_keys`` / ``load_keys``); every rank of the engine names the same. ``prefetch``: after each index group's top-k, the daemon fetches its rows ahead into
         the next group's regions, off this rank's critical path (DESIGN §4; both backends,
         both transports; useful with ``region_stride`` above ``top_k``: the latest
-        resolve's slots are kept). ``prefetch_min_batch`` (with ``prefetch``; an integer
-        in [1, 65535], sent only when given): only a top-k batch of at least that many rows
-        is fetched ahead, padding rows (state row -1) included; the daemon's default
-        (``proto.PREFETCH_MIN_BATCH``, 2) when not given: at batch 1 the prefetch costs
-        more than it saves. Every rank of a TP group names the same.
-        ``tp_size`` > 1 (cpu backend; cuda: with the doorbell
+        resolve's slots are kept). ``tp_size`` > 1 (cpu backend; cuda: with the doorbell
         transport, every rank on one GPU): this rank (the ``rank``
         of this client, in ``[0, tp_size)``) is one of the engine's TP group, whose ranks send
         the same steps and top-k batches: the daemon resolves each batch once for them all
@@ -235,8 +229,6 @@ class Client(Connection):
         fields = {"engine": engine, "layout": layout.to_wire()}
         if prefetch:
             fields["prefetch"] = True
-        if prefetch_min_batch is not None:  # checked by the daemon (prefetch_min_batch_field)
-            fields["prefetch_min_batch"] = prefetch_min_batch
         if tp_size != 1:
             fields["tp_size"] = int(tp_size)
         if index_bytes and not block_size:

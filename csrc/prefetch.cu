@@ -97,9 +97,7 @@ __device__ __forceinline__ void skv_pf_chunk(int n, int* per, int* c0, int* c1) 
 // descriptor's plus group_offset (0 for a descriptor written for the prefetch; 1 to reuse
 // the source group's own top-k block, as the doorbell step would).
 //
-// Grid: max_batch blocks, fixed; blocks at or past the descriptor's batch exit. A batch of
-// fewer than min_batch rows (padding rows included) is not prefetched: every block of it
-// writes count 0 for its row and exits, touching no state and no counter. The block
+// Grid: max_batch blocks, fixed; blocks at or past the descriptor's batch exit. The block
 // of the first batch row naming a state row prefetches every batch row naming it, in batch
 // order; padding rows (state row -1) get count 0 and touch no state. Per batch row b of
 // state row s, with kept = S - min(top_k, S):
@@ -120,7 +118,6 @@ __device__ __forceinline__ void skv_pf_chunk(int n, int* per, int* c0, int* c1) 
 extern "C" __global__ void __launch_bounds__(SKV_PT, 1) skv_prefetch(
     const int* __restrict__ desc,          // step descriptor (batch, k, group)
     const int group_offset,                // target group = desc group + group_offset
-    const int min_batch,                   // a batch of fewer rows is not prefetched (1: every batch)
     int* __restrict__ owner_all,           // [groups, max_reqs, S]
     int* __restrict__ lru_all,             // [groups, max_reqs, S]
     unsigned char* __restrict__ fresh_all,  // [groups, max_reqs, S], padded to 4 bytes
@@ -160,10 +157,6 @@ extern "C" __global__ void __launch_bounds__(SKV_PT, 1) skv_prefetch(
         return;
     }
     if (b0 >= batch) return;
-    if (batch < min_batch) {  // too small a batch to pay (DESIGN.md §4): nothing taken
-        if (tid == 0) counts[b0] = 0;
-        return;
-    }
     const int s = sh_row[0];
     if (s < 0 || s >= max_reqs) {
         if (tid == 0) {

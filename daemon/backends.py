@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from sparsekv.proto import PREFETCH_MIN_BATCH
-
 from .cuda.backend import CudaBackend
 from .engine import Backend, EngineSpace, RankState
 from .memfd import new_memfd, remove_stale, run_dir_tag
@@ -85,16 +83,13 @@ class CpuBackend(Backend):
         return None  # nothing of the cpu backend fails on its own
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str,
-                 fence_events=None, engine_slab=None, prefetch: bool = False,
-                 prefetch_min_batch: int = PREFETCH_MIN_BATCH) -> tuple[RankState, dict]:
+                 fence_events=None, engine_slab=None, prefetch: bool = False) -> tuple[RankState, dict]:
         """A rank's state and what its client needs to map the slab. ``engine_slab``: an
         engine-owned slab (a memfd this backend takes); the daemon then holds only staging.
-        ``prefetch``: the rank prefetches, from batches of at least ``prefetch_min_batch``
-        rows (``RankState.prefetch``, ``prefetch_min_batch``)."""
+        ``prefetch``: the rank prefetches (``RankState.prefetch``)."""
         state, handles = (self._engine_rank(space, client_id, rank, device, engine_slab) if engine_slab is not None
                           else self._own_rank(space, client_id, rank, device))
         state.prefetch = prefetch
-        state.prefetch_min_batch = prefetch_min_batch
         return state, handles
 
     def _own_rank(self, space: EngineSpace, client_id: int, rank: int, device: str):

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from sparsekv.proto import LIMITS, PREFETCH_MIN_BATCH
+from sparsekv.proto import LIMITS
 from sparsekv.proto.blocks import KeysPlane
 from sparsekv.proto.layout import Layout
 
@@ -74,7 +74,6 @@ class RankState:
     step: int = -1
     state_rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     prefetch: bool = False  # after each group's top-k, fetch its rows ahead into the next group's regions
-    prefetch_min_batch: int = PREFETCH_MIN_BATCH  # (prefetch) only from a batch of at least this many rows
     pending_prefetch: tuple | None = None  # (group, state rows, top-k) to prefetch once the reply is out
     resolved_at: dict = field(default_factory=dict)  # (prefetch) index group -> the step of its latest top-k
     _prefetch_seen: tuple[int, int, int] = (0, 0, 0)  # the residency's (prefetched, hits, wasted) last reported
@@ -132,9 +131,8 @@ class RankState:
         """Resolve one index group's top-k batch and gather its misses for every layer of
         the group; return the result and the bytes moved. With ``prefetch``, leave the
         next group's prefetch pending (:meth:`run_prefetch`), unless that group's top-k of
-        this step came already (its slots the engine was told about must stay, and a
-        prefetch keeps only its latest top-k row's) or the batch has fewer than
-        ``prefetch_min_batch`` rows."""
+        this step came already: its slots the engine was told about must stay, and a
+        prefetch keeps only its latest top-k row's."""
         res, moved, _ = self.resolve_and_gather(step, group, topk, state_rows)
         return res, moved
 
@@ -152,18 +150,15 @@ class RankState:
             return entry.resolved, moved, entry.maker == self.rank
         res = self.residency.resolve(group, state_rows, topk)
         moved = self.mover.gather(res.plan, lay.groups[group])
-        if self.prefetch_next(step, group, topk.shape[0]):
+        if self.prefetch_next(step, group):
             self.pending_prefetch = (group + 1, state_rows, topk)  # run by the caller once its result is out
         return res, moved, True
 
-    def prefetch_next(self, step: int, group: int, rows: int | None) -> bool:
-        """Record group ``group``'s top-k batch of ``step`` (``rows`` rows, padding
-        included; None: not known here); whether (with ``prefetch``) its rows go ahead into
-        group + 1's regions: not past the last group, not into a group that had a batch of
-        this step already, and only from a batch of at least ``prefetch_min_batch`` rows
-        (``prefetch_into_next``)."""
-        return self.prefetch and prefetch_into_next(self.resolved_at, step, group, self.residency.layout.num_groups,
-                                                    rows, self.prefetch_min_batch)
+    def prefetch_next(self, step: int, group: int) -> bool:
+        """Record group ``group``'s top-k batch of ``step``; whether (with ``prefetch``) its
+        rows go ahead into group + 1's regions: not past the last group, and not into a
+        group that had a batch of this step already."""
+        return self.prefetch and prefetch_into_next(self.resolved_at, step, group, self.residency.layout.num_groups)
 
     def serve_topk(self, step: int, group: int, topk, state_rows=None, fence=None) -> tuple[dict, dict, dict]:
         """The daemon's TOPK: (reply fields, reply arrays, counter deltas). The rows are in
@@ -508,7 +503,7 @@ class Backend(abc.ABC):
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
                  **kw) -> tuple[RankState, dict]:
         """A rank's state and the handles its client opens (``transport``, ``engine_slab``,
-        ``prefetch`` with ``prefetch_min_batch`` in ``kw`` when the ATTACH names them)."""
+        ``prefetch`` in ``kw`` when the ATTACH names them)."""
 
     @abc.abstractmethod
     def share_fds(self, client_id: int) -> dict[str, int]:

@@ -13,8 +13,7 @@ import logging
 import os
 from concurrent.futures import wait as wait_futures
 
-from sparsekv.proto import (LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, LayoutError, MsgType, ProtocolError,
-                            prefetch_min_batch_field)
+from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, LayoutError, MsgType, ProtocolError
 from sparsekv.proto import fd_socket
 from sparsekv.proto.blocks import MAX_INDEX_BYTES, KeysPlane
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
@@ -96,7 +95,6 @@ class EngineRequests:
         prefetch = h.get("prefetch", False)
         if type(prefetch) is not bool:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"prefetch must be true or false, got {prefetch!r}")
-        prefetch_min_batch = prefetch_min_batch_field(h, prefetch)
         tp_size = h.get("tp_size", 1)
         if type(tp_size) is not int or not 1 <= tp_size <= LIMITS.max_tp_size:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"tp_size must be an integer in [1, {LIMITS.max_tp_size}], "
@@ -127,8 +125,7 @@ class EngineRequests:
             pending = self.engines.begin_attach(s.client_id, s.rank, s.device, engine, layout,
                                                 h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
                                                 transport=transport, engine_slab=engine_slab, block_size=block_size,
-                                                index_bytes=index_bytes, prefetch=prefetch,
-                                                prefetch_min_batch=prefetch_min_batch, tp_size=tp_size,
+                                                index_bytes=index_bytes, prefetch=prefetch, tp_size=tp_size,
                                                 tp_max_lag=self.tp_max_lag)
             try:
                 # The slow part on a worker thread; ATTACHes to a new engine wait for it.

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from sparsekv.proto import PREFETCH_MIN_BATCH, ErrorCode, Layout, ProtocolError
+from sparsekv.proto import ErrorCode, Layout, ProtocolError
 from sparsekv.proto.blocks import KeysPlane
 from sparsekv.proto.settings import format_size
 
@@ -89,20 +89,18 @@ class EngineRegistry:
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
                      transport: str = "zmq", engine_slab=None, block_size: int = 0, index_bytes: int = 0,
-                     prefetch: bool = False, prefetch_min_batch: int = PREFETCH_MIN_BATCH, tp_size: int = 1,
-                     tp_max_lag: int = 256) -> PendingAttach:
+                     prefetch: bool = False, tp_size: int = 1, tp_max_lag: int = 256) -> PendingAttach:
         """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
         to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
         pool range. Then :meth:`prepare` (any thread), then :meth:`commit`; :meth:`abort` on
         any error. While an attach is pending its engine is not released.
 
-        ``prefetch``: the rank prefetches, from batches of at least ``prefetch_min_batch``
-        rows (both passed to the backend's ``new_rank``).
+        ``prefetch``: the rank prefetches (passed to the backend's ``new_rank``).
 
         ``tp_size`` > 1: the engine's ranks ``0..tp_size-1`` form a TP group resolving once
         (``tp.TpGroup``, keeping at most ``tp_max_lag`` entries): every rank names the same
-        size, prefetch choice and ``prefetch_min_batch`` (LAYOUT_MISMATCH), ``rank`` is a
-        free rank of it, and it joins before the group's first step (BAD_ARGUMENT).
+        size and prefetch choice (LAYOUT_MISMATCH), ``rank`` is a free rank of it, and it
+        joins before the group's first step (BAD_ARGUMENT).
 
         ``block_size`` > 0: the engine has a block store of ``host_rows // block_size``
         blocks (a new engine gets one; an existing one must have the same block size).
@@ -154,13 +152,12 @@ class EngineRegistry:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} has "
                                 f"{f'indexer keys of {have} bytes' if have else 'no indexer keys plane'} (a position "
                                 f"and layer), this rank asked for {index_bytes or 'none'}")
-        self._reserve_tp_rank(space, rank, tp_size, tp_max_lag, prefetch, prefetch_min_batch)
+        self._reserve_tp_rank(space, rank, tp_size, tp_max_lag, prefetch)
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
             kw["engine_slab"] = engine_slab
         if prefetch:
             kw["prefetch"] = True
-            kw["prefetch_min_batch"] = prefetch_min_batch
         self._attaching[engine_name] = self._attaching.get(engine_name, 0) + 1
         if uid is not None:
             self.rank_ledger.add(uid, rank_mem)
@@ -183,8 +180,7 @@ class EngineRegistry:
         """Attached and attaching ranks' memory per uid (``max_rank_bytes_per_uid``'s count)."""
         return self.rank_ledger.held
 
-    def _reserve_tp_rank(self, space: EngineSpace, rank: int, tp_size: int, max_lag: int, prefetch: bool,
-                         prefetch_min_batch: int = PREFETCH_MIN_BATCH) -> None:
+    def _reserve_tp_rank(self, space: EngineSpace, rank: int, tp_size: int, max_lag: int, prefetch: bool) -> None:
         """Hold rank ``rank`` of the engine's TP group (made by its first rank) for an attach."""
         group = space.tp
         if group is None and tp_size == 1:
@@ -194,11 +190,10 @@ class EngineRegistry:
                                 f"{f'a TP group of {group.size} ranks' if group else 'ranks without a TP group'}, "
                                 f"this rank asked for tp_size {tp_size}; every rank names the same")
         if group is None:
-            group = space.tp = TpGroup(tp_size, max_lag=max_lag, prefetch=prefetch,
-                                       prefetch_min_batch=prefetch_min_batch, ledger=self.tp_ledger,
+            group = space.tp = TpGroup(tp_size, max_lag=max_lag, prefetch=prefetch, ledger=self.tp_ledger,
                                        uid=space.owner.uid if space.owner else None)
         try:
-            group.reserve(rank, prefetch, prefetch_min_batch)
+            group.reserve(rank, prefetch)
         except ResidencyError:
             self._drop_tp_if_empty(space)
             raise

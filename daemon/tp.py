@@ -29,8 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsekv.proto import PREFETCH_MIN_BATCH
-
 from .residency.base import Plan, Residency, ResidencyError, Resolved, apply_step, check_batch, prefetch_into_next
 
 
@@ -85,15 +83,14 @@ class TopkEntry:
 class TpGroup:
     """One residency shared by the ranks ``0..size-1`` of a TP engine."""
 
-    def __init__(self, size: int, *, max_lag: int, prefetch: bool, prefetch_min_batch: int = PREFETCH_MIN_BATCH,
-                 ledger: TpLedger | None = None, uid: int | None = None):
+    def __init__(self, size: int, *, max_lag: int, prefetch: bool, ledger: TpLedger | None = None,
+                 uid: int | None = None):
         self.size = size
         self.ledger = ledger if ledger is not None else TpLedger(1 << 62)
         self.uid = uid  # the engine owner's: whose ledger share the entries take
         self.residency: Residency | None = None  # the first member's, from its join on
         self.max_lag = max_lag
         self.prefetch = prefetch  # every member attached with it, or none
-        self.prefetch_min_batch = prefetch_min_batch  # (prefetch) every member's: only from batches of this many rows
         self.entries: deque = deque()  # (entry, bytes) some member has not reached; entries[0] is number `base`
         self.base = 0
         self.cursor: dict[int, int] = {}  # member rank -> the number of the next entry it reaches
@@ -104,10 +101,9 @@ class TpGroup:
         self._pf_seen = (0, 0, 0)
 
     # -- membership ------------------------------------------------------------------
-    def reserve(self, rank: int, prefetch: bool, prefetch_min_batch: int = PREFETCH_MIN_BATCH) -> None:
+    def reserve(self, rank: int, prefetch: bool) -> None:
         """Rank ``rank``'s attach begins: it must be a free rank of the group, the group must
-        not have served yet, and its prefetch choice (and ``prefetch_min_batch``) the
-        group's. ResidencyError otherwise."""
+        not have served yet, and its prefetch choice the group's. ResidencyError otherwise."""
         if not 0 <= rank < self.size:
             raise ResidencyError("BAD_ARGUMENT", f"rank {rank} is not a rank of a TP group of {self.size} "
                                  f"(HELLO's rank must lie in [0, {self.size}))")
@@ -120,10 +116,6 @@ class TpGroup:
         if prefetch != self.prefetch:
             raise ResidencyError("LAYOUT_MISMATCH", "every rank of a TP group attaches with the same prefetch "
                                  f"choice; the group's is {self.prefetch}")
-        if prefetch and prefetch_min_batch != self.prefetch_min_batch:
-            raise ResidencyError("LAYOUT_MISMATCH", "every rank of a TP group attaches with the same "
-                                 f"prefetch_min_batch; the group's is {self.prefetch_min_batch}, this rank's "
-                                 f"{prefetch_min_batch}")
         self.joining.add(rank)
 
     def unreserve(self, rank: int) -> None:
@@ -200,8 +192,7 @@ class TpGroup:
         self._room(rank, nbytes)
         res = self.residency.resolve(group, state_rows, topk)
         entry = TopkEntry(int(step), int(group), state_rows.copy(), topk.copy(), res, rank)
-        if self.prefetch and prefetch_into_next(self.resolved_at, step, group, self.residency.layout.num_groups,
-                                                topk.shape[0], self.prefetch_min_batch):
+        if self.prefetch and prefetch_into_next(self.resolved_at, step, group, self.residency.layout.num_groups):
             entry.pf_group = group + 1
         self._append(rank, entry, nbytes)
         return entry

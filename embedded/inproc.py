@@ -17,7 +17,7 @@ from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.daemon.engine import EngineSpace, RankState, host_rows_arg
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
-from sparsekv.proto import LIMITS, ErrorCode, Layout, MsgType, ProtocolError, prefetch_min_batch_field
+from sparsekv.proto import LIMITS, ErrorCode, Layout, MsgType
 from sparsekv.proto.blocks import MAX_INDEX_BYTES, KeysPlane
 
 from sparsekv.client.blocks import Blocks
@@ -53,14 +53,8 @@ class InprocClient:
         self._space = self._state = None
 
     def attach(self, layout: Layout, engine: str = "default", block_size: int = 0, index_bytes: int = 0,
-               prefetch: bool = False, prefetch_min_batch: int | None = None, tp_size: int = 1) -> Attachment:
-        """As ``Client.attach`` (``prefetch_min_batch`` checked as the daemon checks it)."""
+               prefetch: bool = False, tp_size: int = 1) -> Attachment:
         layout.validate()
-        try:
-            min_batch = prefetch_min_batch_field({} if prefetch_min_batch is None
-                                                 else {"prefetch_min_batch": prefetch_min_batch}, bool(prefetch))
-        except ProtocolError as e:
-            raise error_for(int(e.code), e.args[0]) from None
         if tp_size != 1:
             raise error_for(int(ErrorCode.BAD_ARGUMENT), f"tp_size {tp_size!r}: the in-process engine is one rank of "
                             "its own; a TP group's ranks attach to a daemon (Client)")
@@ -80,7 +74,6 @@ class InprocClient:
         self._state = RankState(self.rank, "cpu", CpuResidency(layout), CpuMover(layout, pool, slab, staging), slab, staging)
         self._space.ranks[0] = self._state
         self._state.prefetch = bool(prefetch)
-        self._state.prefetch_min_batch = min_batch
         if block_size:
             self._space.block_size = block_size
             self._space.blocks = BlockStore(layout.host_rows // block_size, self._space.zero_blocks)

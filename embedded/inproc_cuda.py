@@ -40,7 +40,7 @@ from sparsekv.daemon.residency.cuda import (
     CudaResidency,
     DeviceBuffers,
 )
-from sparsekv.proto import MAX_PREFETCH_MIN_BATCH, PREFETCH_MIN_BATCH, Layout
+from sparsekv.proto import Layout
 
 GATHER_BLOCKS = 32  # the daemon's default gather_blocks (config.py)
 HUGE_PAGE = 2 << 20  # the pool is a whole number of 2 MiB pages
@@ -58,20 +58,14 @@ class InprocSwapIn(DeviceSwapIn):
             gather, joined before the next group's resolve): a step captured into a CUDA
             graph must then hold both ends, i.e. run from ``begin_step`` to its last
             layer in one capture.
-        prefetch_min_batch: (prefetch) only a batch of at least this many rows (padding
-            rows included) is fetched ahead: ``skv_prefetch`` of a smaller one takes
-            nothing (its stream is forked and joined all the same). Default as ATTACH's.
     """
 
     def __init__(self, layout: Layout, device: int = 0, gather_blocks: int = GATHER_BLOCKS,
-                 backing: str | None = None, prefetch: bool = False, prefetch_min_batch: int = PREFETCH_MIN_BATCH):
+                 backing: str | None = None, prefetch: bool = False):
         import cupy as cp  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
         lay = layout.validate()
-        if type(prefetch_min_batch) is not int or not 1 <= prefetch_min_batch <= MAX_PREFETCH_MIN_BATCH:
-            raise ValueError(f"prefetch_min_batch must be an integer in [1, {MAX_PREFETCH_MIN_BATCH}], "
-                             f"got {prefetch_min_batch!r}")  # before minutes of pre-faulting
         kernels = get_cache()
         nbytes = -(-lay.pool_bytes // HUGE_PAGE) * HUGE_PAGE
         settings = daemon_settings()  # a bad value named before minutes of pre-faulting
@@ -90,8 +84,7 @@ class InprocSwapIn(DeviceSwapIn):
                 self._pf_events = [(cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True))
                                    for _ in range(lay.num_groups if prefetch else 0)]
                 self._pf_pending: list = []  # join events the caller's stream has not waited for
-                residency = CudaResidency(lay, kernels=kernels, stream=stream, prefetch=prefetch,
-                                          prefetch_min_batch=prefetch_min_batch)
+                residency = CudaResidency(lay, kernels=kernels, stream=stream, prefetch=prefetch)
                 ws = residency.workspace_bytes if residency.workspace_global else 0
                 need = lay.slab_bytes + lay.staging_bytes + (64 << 20) + lay.max_batch * ws \
                     + 8 * lay.num_groups * lay.max_batch * lay.top_k * 4

@@ -3,22 +3,9 @@ limits, the layout value object and frame encoding. Imports nothing from the res
 
 from .frames import decode, encode, reply_error, reply_ok
 from .layout import Layout, LayoutError
-from .messages import (
-    ERROR_HINTS,
-    LIMITS,
-    MAX_PREFETCH_MIN_BATCH,
-    PREFETCH_MIN_BATCH,
-    PROTOCOL_VERSION,
-    REQUESTS,
-    ErrorCode,
-    Limits,
-    MsgType,
-    ProtocolError,
-    prefetch_min_batch_field,
-)
+from .messages import ERROR_HINTS, LIMITS, PROTOCOL_VERSION, REQUESTS, ErrorCode, Limits, MsgType, ProtocolError
 
 __all__ = [
-    "ERROR_HINTS", "LIMITS", "MAX_PREFETCH_MIN_BATCH", "PREFETCH_MIN_BATCH", "PROTOCOL_VERSION", "REQUESTS",
-    "ErrorCode", "Layout", "LayoutError", "Limits", "MsgType", "ProtocolError", "decode", "encode",
-    "prefetch_min_batch_field", "reply_error", "reply_ok",
+    "ERROR_HINTS", "LIMITS", "PROTOCOL_VERSION", "REQUESTS", "ErrorCode", "Layout", "LayoutError",
+    "Limits", "MsgType", "ProtocolError", "decode", "encode", "reply_error", "reply_ok",
 ]

@@ -171,29 +171,3 @@ class ProtocolError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.args[0]}"
-
-
-# ATTACH's ``prefetch_min_batch`` (with ``prefetch``; DESIGN §4, prefetch): a top-k batch
-# goes ahead into the next index group only when it has at least this many rows, padding
-# rows included. Absent: PREFETCH_MIN_BATCH (at batch 1 the prefetch costs more than it
-# saves, DESIGN §4). At most MAX_PREFETCH_MIN_BATCH, the most batch rows the cuda
-# prefetch takes (csrc/prefetch.cu).
-PREFETCH_MIN_BATCH = 2
-MAX_PREFETCH_MIN_BATCH = 0xFFFF
-
-
-def prefetch_min_batch_field(fields: dict, prefetch: bool) -> int:
-    """ATTACH's ``prefetch_min_batch``, from its header ``fields``, checked: the value, or
-    PREFETCH_MIN_BATCH when absent. ProtocolError BAD_ARGUMENT naming the field for a
-    value that is not an integer in [1, MAX_PREFETCH_MIN_BATCH] (a bool is none), or one
-    given without ``prefetch``."""
-    if "prefetch_min_batch" not in fields:
-        return PREFETCH_MIN_BATCH
-    value = fields["prefetch_min_batch"]
-    if type(value) is not int or not 1 <= value <= MAX_PREFETCH_MIN_BATCH:
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "prefetch_min_batch must be an integer in "
-                            f"[1, {MAX_PREFETCH_MIN_BATCH}], got {str(value)[:40]}")
-    if not prefetch:
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "prefetch_min_batch needs prefetch: attach with prefetch true, "
-                            "or without prefetch_min_batch")
-    return value

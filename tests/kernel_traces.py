@@ -10,7 +10,6 @@ Imported as ``kernel_traces`` (``tests/`` is on ``sys.path``, as for ``helpers``
 
 import numpy as np
 
-from sparsekv.daemon.residency.base import Plan
 from sparsekv.proto.layout import Layout
 
 JUNK = (-1, -2, -7, -(2**31))  # plus host_rows, host_rows + 5, 2**31 - 1 (made per layout)
@@ -166,21 +165,16 @@ def assert_marks(cpu, other, where=""):
     assert got == (cpu.prefetched, cpu.prefetch_hits, cpu.prefetch_wasted), where
 
 
-def run_prefetch_program(cpu, other, lay, seed, steps, batch, begin_step, check_plan=None, min_batch=1):
+def run_prefetch_program(cpu, other, lay, seed, steps, batch, begin_step, check_plan=None):
     """A random program on both residencies: resets, invalidations (one region and
     everywhere), begin-step blocks (``begin_step(other, state_rows, reset, invalidate)``),
     and decode steps in which each group resolves a batch and then prefetches it into the
     next group, whose batch drifts from it. After every operation the state, marks and
     counters are compared; each prefetch's plan equals the NumPy engine's (host row, then
-    slot order), no slot twice; ``check_plan(want_plan, where)``, if given, checks more.
-    ``min_batch`` > 1: ``other`` prefetches only batches of that many rows (its
-    ``prefetch_min_batch``), the steps' batches have 1 to ``batch`` rows, and a smaller
-    batch's prefetch must plan nothing and change nothing (the NumPy engine's prefetch is
-    not run for it)."""
+    slot order), no slot twice; ``check_plan(want_plan, where)``, if given, checks more."""
     rng = np.random.default_rng(seed)
     memory: dict = {}
     reqs, host_rows = lay.max_reqs, lay.host_rows
-    skipped = 0
     for step in range(steps):
         where = f"seed {seed} step {step}"
         op = rng.random()
@@ -211,20 +205,11 @@ def run_prefetch_program(cpu, other, lay, seed, steps, batch, begin_step, check_
                     cpu.invalidate(int(s), ids)
             begin_step(other, rows, reset, inv)
         else:
-            rows = batch if min_batch == 1 else int(rng.integers(1, batch + 1))  # (min 1: the programs as they were)
-            sr, tk = gen_batch(rng, lay, memory, rows, 0.6)
+            sr, tk = gen_batch(rng, lay, memory, batch, 0.6)
             for g in range(lay.num_groups):
                 assert_same(cpu.resolve(g, sr, tk), other.resolve(g, sr, tk), f"{where} resolve {g}")
                 assert_marks(cpu, other, f"{where} resolve {g}")
-                if g + 1 < lay.num_groups and rows < min_batch:
-                    w = f"{where} prefetch {g + 1} of {rows} rows"
-                    got = other.prefetch(g + 1, sr, tk)
-                    assert got.rows.size == 0 and got.slots.size == 0, w
-                    if check_plan is not None:
-                        check_plan(Plan(rows=np.empty(0, np.int32), slots=np.empty(0, np.int32)), w)
-                    assert_marks(cpu, other, w)
-                    skipped += 1
-                elif g + 1 < lay.num_groups:
+                if g + 1 < lay.num_groups:
                     w = f"{where} prefetch {g + 1}"
                     want = cpu.prefetch(g + 1, sr, tk)
                     got = other.prefetch(g + 1, sr, tk)
@@ -240,4 +225,3 @@ def run_prefetch_program(cpu, other, lay, seed, steps, batch, begin_step, check_
         assert cpu.prefetched and cpu.prefetch_hits and cpu.prefetch_wasted, (cpu.prefetched, cpu.prefetch_hits)
     else:
         assert cpu.prefetched == 0
-    assert (skipped > 0) == (min_batch > 1), skipped

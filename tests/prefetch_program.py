@@ -11,9 +11,6 @@ from sparsekv.proto import Layout
 
 GROUPS = ((0,), (1, 2), (3,))
 PF_KEYS = ("prefetched", "prefetch_hits", "prefetch_wasted")
-# The state rows of the steps of a program of small batches (``program(..., small=True)``):
-# one row and two in turn, a padding row counted as one of two.
-SMALL = ([0], [0, 1], [1], [1, -1], [2], [2, 0])
 
 
 def layout() -> Layout:
@@ -21,55 +18,43 @@ def layout() -> Layout:
                   index_groups=GROUPS, max_batch=8).validate()
 
 
-def program(lay: Layout, n: int, seed: int, small: bool = False):
+def program(lay: Layout, n: int, seed: int):
     """Per step: state rows (five requests and a padding row; request 4 restarts at step
     n // 2), resets, and each group's top-k: most of the previous group's rows of the step,
-    the rest new, every request's rows from its own window of host rows. ``small``: the
-    state rows of :data:`SMALL` in turn instead (batches of one and two rows; each request
-    reset at its first step), for the prefetch's ``prefetch_min_batch``."""
+    the rest new, every request's rows from its own window of host rows."""
     rng = np.random.default_rng(seed)
     span = lay.host_rows // lay.max_reqs
-    out, seen = [], set()
+    out = []
     for t in range(n):
-        if small:
-            state = np.array(SMALL[t % len(SMALL)], np.int32)
-            reset = np.array([s >= 0 and s not in seen for s in state])
-            seen.update(int(s) for s in state)
-        else:
-            state = np.array([0, 1, 2, 3, 4, -1], np.int32)
-            reset = np.zeros(6, bool)
-            reset[:5] = t == 0
-            reset[4] |= t == n // 2
+        state = np.array([0, 1, 2, 3, 4, -1], np.int32)
+        reset = np.zeros(6, bool)
+        reset[:5] = t == 0
+        reset[4] |= t == n // 2
         per_group, prev = [], None
         for _ in GROUPS:
-            rows = np.empty((state.size, lay.top_k), np.int32)
-            for b, s in enumerate(state):
-                if s < 0:
-                    rows[b] = rng.integers(-3, 50, lay.top_k)  # junk on the padding row
-                    continue
-                fresh = rng.permutation(300)[: lay.top_k] + s * span
+            rows = np.empty((6, lay.top_k), np.int32)
+            for b in range(5):
+                fresh = rng.permutation(300)[: lay.top_k] + b * span
                 if prev is not None:
                     keep = prev[b][rng.random(lay.top_k) < 0.8]
                     fresh = np.concatenate([keep, np.setdiff1d(fresh, keep)])[: lay.top_k]
                 rows[b] = fresh
+            rows[5] = rng.integers(-3, 50, lay.top_k)  # junk on the padding row
             per_group.append(rows)
             prev = rows
         out.append((state, reset, per_group))
     return out
 
 
-def reference(lay: Layout, plan, prefetch_min_batch: int | None = None, hits: bool = True):
-    """The cpu backend in process (attached with ``prefetch_min_batch``; None: the
-    default): per step, per group (slots, misses); the counters (``hits``: checked to
-    show prefetch hits)."""
+def reference(lay: Layout, plan):
+    """The cpu backend in process: per step, per group (slots, misses); the counters."""
     want = []
     with InprocClient(backend="cpu") as c:
-        c.attach(lay, engine="ref", prefetch=True,
-                 **({} if prefetch_min_batch is None else {"prefetch_min_batch": prefetch_min_batch}))
+        c.attach(lay, engine="ref", prefetch=True)
         for t, (state, reset, per_group) in enumerate(plan):
             c.step(t, state, reset)
             want.append([tuple(np.asarray(x) for x in c.topk(t, g, rows).host()) for g, rows in enumerate(per_group)])
         r = c._state.residency
         counters = {"prefetched": r.prefetched, "prefetch_hits": r.prefetch_hits, "prefetch_wasted": r.prefetch_wasted}
-    assert (counters["prefetch_hits"] > 0) == hits, counters
+    assert counters["prefetch_hits"] > 0
     return want, counters

@@ -14,7 +14,6 @@ import math
 import mmap
 import os
 
-from sparsekv.proto import PREFETCH_MIN_BATCH
 from sparsekv.proto.cuda_ipc import ImportedEvents, mps_running
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 
@@ -120,8 +119,7 @@ class CudaBackend(Backend):
     new_rank_on_loop = True
 
     def prepare_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
-                     transport: str = "zmq", engine_slab=None, prefetch: bool = False,
-                     prefetch_min_batch: int = PREFETCH_MIN_BATCH) -> DeviceWorker:
+                     transport: str = "zmq", engine_slab=None, prefetch: bool = False) -> DeviceWorker:
         """``new_rank``'s checks and its slow part, with its arguments; returns the rank's
         device worker. The slow part, when the pool was not page-locked at start:
         page-locking the engine's pool range (once per engine; ``release_engine`` undoes
@@ -148,8 +146,7 @@ class CudaBackend(Backend):
         return worker
 
     def new_rank(self, space: EngineSpace, client_id: int, rank: int, device: str, fence_events=None,
-                 transport: str = "zmq", engine_slab=None, prefetch: bool = False,
-                 prefetch_min_batch: int = PREFETCH_MIN_BATCH):
+                 transport: str = "zmq", engine_slab=None, prefetch: bool = False):
         # Checks again (cheap); pins only if nobody ran prepare_rank for this engine yet.
         worker = self.prepare_rank(space, client_id, rank, device, fence_events, transport, engine_slab)
         pinned = self._pinned[space.name]
@@ -158,7 +155,7 @@ class CudaBackend(Backend):
                               graphs=self.cfg.cuda_graphs,
                               blocks_path=f"{self._blocks_name}{client_id}",  # a memfd name
                               transport=transport, engine_slab=engine_slab, prefetch=prefetch,
-                              prefetch_min_batch=prefetch_min_batch, free=self._deferred.free_for(worker.ordinal),
+                              free=self._deferred.free_for(worker.ordinal),
                               host_blocks=self._host_blocks(space, worker.ordinal),
                               tp=space.tp is not None)
         try:

@@ -5,8 +5,7 @@ the arena (CUDA IPC) and rings words there with stream memory operations
 (``proto/stream_ops.py``); the daemon's stream, stocked ahead with one CUDA graph per
 step, waits on those words, runs the same device step as the zmq transport, and sets a
 ready word per layer (``_enqueue_step``: one step graph, captured once at attach); with
-prefetch, each group but the last then prefetches its rows into the next group's regions
-(``skv_prefetch`` itself takes nothing from a batch below the rank's ``prefetch_min_batch``).
+prefetch, each group but the last then prefetches its rows into the next group's regions.
 No host code of either process sits between a top-k and its rows.
 
 A stocking thread keeps ``depth`` step graphs launched ahead on the rank's own stream
@@ -133,8 +132,7 @@ class DoorbellTransport(DeviceTransport):
                 # After group g's ready words (its layers do not wait for it), before group
                 # g + 1's bell: its resolve finds the rows as hits, its ready words come after
                 # their bytes. The groups run in order within the step, so group g + 1 has had
-                # no batch of this step yet (DESIGN §4's rule holds by construction); a batch
-                # below prefetch_min_batch rows the kernel leaves alone (the graph is fixed).
+                # no batch of this step yet (DESIGN §4's rule holds by construction).
                 d.enqueue_prefetch(t, stream)
 
     def _stock(self) -> None:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from sparsekv.proto import LIMITS, PREFETCH_MIN_BATCH
+from sparsekv.proto import LIMITS
 from sparsekv.proto.cuda_ipc import EventRing, ImportedBuffer
 from sparsekv.proto.device_errors import ErrorRecord
 
@@ -59,10 +59,6 @@ class CudaRankState(RankState):
             regions on the rank's stream (``DeviceStep.enqueue_prefetch``; zmq: once the
             result's event is recorded, by the rule of ``RankState.prefetch_next``;
             doorbell: in the step graph, after each group but the last).
-        prefetch_min_batch: (prefetch) only from a batch of at least this many rows, padding
-            rows included: a condition ``skv_prefetch`` applies on the GPU (the residency's
-            ``prefetch_min_batch``), where the batch's size is known on either transport; a
-            smaller batch's prefetch launches and does nothing.
         free: how its CUDA IPC imports (and pinned host blocks, without ``host_blocks``)
             are freed (``deferred.py``: those frees wait for every stream of the process, a
             parked doorbell stream too).
@@ -72,8 +68,8 @@ class CudaRankState(RankState):
 
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
                  graphs: bool = True, blocks_path: str | None = None, transport: str = "zmq",
-                 engine_slab=None, prefetch: bool = False, prefetch_min_batch: int = PREFETCH_MIN_BATCH,
-                 free: FreeFn = free_now, host_blocks=None, tp: bool = False):
+                 engine_slab=None, prefetch: bool = False, free: FreeFn = free_now, host_blocks=None,
+                 tp: bool = False):
         import cupy as cp
 
         lay = space.layout
@@ -98,8 +94,7 @@ class CudaRankState(RankState):
         with cp.cuda.Device(worker.ordinal):
             stream = worker.stream
             try:
-                residency = CudaResidency(lay, kernels=worker.kernels, stream=stream, prefetch=prefetch,
-                                          prefetch_min_batch=prefetch_min_batch)
+                residency = CudaResidency(lay, kernels=worker.kernels, stream=stream, prefetch=prefetch)
             except ValueError as e:  # (prefetch) a workspace beyond shared memory, max_batch > 65535
                 self._close_slab()
                 if not prefetch:
@@ -135,8 +130,7 @@ class CudaRankState(RankState):
         self._write_done = None  # event after the last staged write's kernel
         self._errors = ErrorRecord(bufs.host_err)  # counts already turned into replies
         super().__init__(rank=rank, device=f"cuda:{worker.ordinal}", residency=residency, mover=mover,
-                         slab=bufs.slab, staging=bufs.staging, prefetch=prefetch,
-                         prefetch_min_batch=prefetch_min_batch)
+                         slab=bufs.slab, staging=bufs.staging, prefetch=prefetch)
 
     def _fed(self) -> MessageTransport:
         """The transport a STEP or TOPK message is enqueued on."""
@@ -183,10 +177,8 @@ class CudaRankState(RankState):
     def _note_prefetch(self, step: int, group: int) -> None:
         """After a TOPK was enqueued: leave the next group's prefetch pending by the cpu
         rank's rule (its rows are in the device block ``topk``, which nothing else
-        touches before :meth:`run_prefetch`), all of it but the batch's size: a
-        client-written block's is on the GPU only, so ``skv_prefetch`` compares it with
-        ``prefetch_min_batch`` there, for every TOPK alike (never the host as well)."""
-        if self.prefetch_next(int(step), int(group), None):
+        touches before :meth:`run_prefetch`)."""
+        if self.prefetch_next(int(step), int(group)):
             self.pending_prefetch = (int(group) + 1, None, None)
 
     def run_prefetch(self) -> dict:

@@ -5,8 +5,7 @@ STEP is ``skv_begin_step``; a TOPK is ``skv_resolve`` into a ring entry and the 
 plans, then their gather for every layer of the group; each is followed by
 ``enqueue_stats_out`` (counters and error record -> the pinned host mirror, no wait). With
 prefetch, ``enqueue_prefetch`` follows a group's TOPK: its rows into the next group's
-regions (``skv_prefetch``; a batch below the residency's ``prefetch_min_batch`` rows gets
-empty plans), then their gather into that group's layers.
+regions (``skv_prefetch``), then their gather into that group's layers.
 
 Every size comes from the descriptor in the block, every launch has a fixed grid and
 shared memory, and nothing reads back or waits: the sequence captures into a CUDA graph.

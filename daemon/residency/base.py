@@ -193,18 +193,13 @@ def apply_step(residency: Residency, state_rows: np.ndarray, reset, invalidate) 
                 residency.invalidate(int(state_rows[b]), rows)
 
 
-def prefetch_into_next(resolved_at: dict, step: int, group: int, num_groups: int, rows: int | None,
-                       min_batch: int) -> bool:
+def prefetch_into_next(resolved_at: dict, step: int, group: int, num_groups: int) -> bool:
     """The prefetch rule of DESIGN §4: record group ``group``'s top-k batch of ``step`` in
-    ``resolved_at`` (index group -> the step of its latest batch; recorded whatever the
-    batch's size); whether its rows go ahead into group + 1's regions: not past the last
-    group, not into a group that had a batch of this step already, and only from a batch
-    of at least ``min_batch`` ``rows`` (padding rows included). ``rows`` None: the batch's
-    size is not known here, and the prefetch applies that last condition itself (a cuda
-    rank's ``skv_prefetch``, given ``min_batch`` by its ``CudaResidency``)."""
+    ``resolved_at`` (index group -> the step of its latest batch); whether its rows go ahead
+    into group + 1's regions: not past the last group, and not into a group that had a
+    batch of this step already."""
     resolved_at[group] = step
-    return (group + 1 < num_groups and resolved_at.get(group + 1) != step
-            and (rows is None or rows >= min_batch))
+    return group + 1 < num_groups and resolved_at.get(group + 1) != step
 
 
 STATE_BYTES_PER_SLOT = 8  # per (index group, state row, slot): owner and lru, int32 each

@@ -113,22 +113,3 @@ class RegionModel:
         rest = [s for s in self.lru if s not in protected and s not in set(taken)]
         self.lru = rest + taken + [s for s in self.lru if s in protected]
         return plan
-
-
-@dataclass
-class PrefetchOrder:
-    """Which top-k batches of a rank attached with prefetch go ahead into the next index
-    group (DESIGN §4, prefetch), one :meth:`batch` call per batch in the order the rank
-    gets them: a batch of group g in step t does when g is not the last group, group
-    g + 1's latest batch is not of step t, and the batch has at least ``min_batch`` rows
-    (padding rows included). Every batch, of any size, becomes its group's latest."""
-
-    num_groups: int
-    min_batch: int
-    latest: dict[int, int] = field(default_factory=dict)  # index group -> the step of its latest batch
-
-    def batch(self, step: int, group: int, rows: int) -> bool:
-        """Record group ``group``'s batch of ``rows`` rows in ``step``; whether it goes ahead."""
-        ahead = group + 1 < self.num_groups and self.latest.get(group + 1) != step and rows >= self.min_batch
-        self.latest[group] = step
-        return ahead

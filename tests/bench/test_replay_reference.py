@@ -120,30 +120,6 @@ def test_replay_with_prefetch_misses_less_in_group_1_than_the_same_schedule_with
     assert on["next_group_misses"] < off["next_group_misses"]
 
 
-def test_replay_of_a_batch_1_trace_fetches_ahead_only_with_prefetch_min_batch_1(monkeypatch):
-    """A trace of one row a step: attached with the default prefetch_min_batch (2) the
-    prefetch fetches nothing ahead, so group 1 misses as it does with the rank attached
-    without prefetch; with ``prefetch_min_batch=1`` (``--prefetch-min-batch 1``) it
-    fetches ahead and misses less, in process and through a daemon alike. The summary
-    says the value; every row verified. Without ``prefetch`` the value is refused."""
-    tr = synth(steps=40, batch=1, top_k=16, region_stride=32, max_reqs=8, host_rows=4096, row_bytes=16,
-               num_layers=1, overlap=0.8, context=300, pad=0.1, invalidate=0.1, seed=6)
-    default, _ = replay(tr, transport="inproc", verify=True, prefetch=True)
-    one, _ = replay(tr, transport="inproc", verify=True, prefetch=True, prefetch_min_batch=1)
-    one_zmq, _ = replay(tr, transport="zmq", verify=True, prefetch=True, prefetch_min_batch=1)
-    attach = InprocClient.attach
-    monkeypatch.setattr(InprocClient, "attach", lambda self, layout, engine, prefetch: attach(self, layout, engine))
-    off, _ = replay(tr, transport="inproc", verify=True, prefetch=True)
-    assert default["mismatched_rows"] == one["mismatched_rows"] == one_zmq["mismatched_rows"] == 0
-    assert (default["prefetch_min_batch"], one["prefetch_min_batch"]) == (2, 1)
-    assert default["next_group_misses"] == off["next_group_misses"]
-    assert one["next_group_misses"] < default["next_group_misses"]
-    assert (one_zmq["next_group_misses"], one_zmq["next_group_hits"]) == (one["next_group_misses"],
-                                                                          one["next_group_hits"])
-    with pytest.raises(ValueError, match="prefetch_min_batch needs prefetch"):
-        replay(tr, transport="inproc", prefetch_min_batch=1)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("transport,block_size", [("zmq", 0), ("doorbell", 0), ("doorbell", 16)])
 def test_replay_with_prefetch_on_the_cuda_backend_serves_what_the_cpu_backend_serves(transport, block_size):

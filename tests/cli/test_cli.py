@@ -120,21 +120,6 @@ def test_bad_rank_options_are_refused(trace_path, tmp_path, args, words):
     assert r.returncode == 2 and words in r.stderr and not (tmp_path / "r.npz").exists()
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--prefetch-min-batch", "2"], "sparsekv replay: --prefetch-min-batch needs --prefetch\n"),
-    (["--prefetch", "--prefetch-min-batch", "0"], "the rows must lie in [1, 65535], got 0"),
-    (["--prefetch", "--prefetch-min-batch", "two"], "a whole number of rows is needed, got 'two'")])
-def test_bad_prefetch_min_batch_options_are_refused(trace_path, tmp_path, args, words):
-    r = cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz", *args)
-    assert r.returncode == 2 and words in r.stderr and not (tmp_path / "r.npz").exists()
-
-
-def test_replay_with_prefetch_says_its_prefetch_min_batch(trace_path, tmp_path):
-    for extra, want in (([], 2), (["--prefetch-min-batch", "5"], 5)):
-        s = summary_of(cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz", "--prefetch", *extra))
-        assert s["prefetch"] is True and s["prefetch_min_batch"] == want
-
-
 @pytest.mark.parametrize("option", ["--connect", "--daemon-log"])
 def test_daemon_options_without_a_daemon_transport_are_refused(trace_path, tmp_path, option):
     r = cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz", option, tmp_path / "x")

@@ -148,14 +148,11 @@ class Resolve:
     (slots, misses, hits, out_of_range, the plan concatenated and stable-sorted) plus
     ``misses_counted`` and the raw per-row outputs; ``err`` is the error record. With
     ``prefetch``, the prefetch marks ``fresh`` and counters (as ``CudaResidency(prefetch=True)``
-    keeps them) and :meth:`prefetch` (``skv_prefetch`` of csrc/prefetch.cu, given
-    ``prefetch_min_batch`` as ``CudaResidency`` gives it)."""
+    keeps them) and :meth:`prefetch` (``skv_prefetch`` of csrc/prefetch.cu)."""
 
     def __init__(self, lay, threads: int = 64, workspace: str = "shared", hash_scale: int = 2,
-                 lru_smem: bool = False, owner_smem: bool = False, prefetch: bool = False,
-                 prefetch_min_batch: int = 1):
+                 lru_smem: bool = False, owner_smem: bool = False, prefetch: bool = False):
         self.lay, self.threads = lay, int(threads)
-        self.prefetch_min_batch = int(prefetch_min_batch)
         # the workspace's options (CudaResidency picks them), in the defines and its size
         self.opts = {"hash_scale": int(hash_scale), "lru_smem": bool(lru_smem), "owner_smem": bool(owner_smem)}
         self.workspace = workspace  # shared: built with SKV_WS_SMEM, as CudaResidency does
@@ -200,15 +197,15 @@ class Resolve:
         i = ctypes.c_int
         self.pf_lib.run_skv_prefetch(
             i(B), i(self.threads), i(prefetch_workspace_bytes(K, lay.region_stride)), _ptr(desc), i(group_offset),
-            i(self.prefetch_min_batch), _ptr(self.owner), _ptr(self.lru), _ptr(self.fresh), i(lay.num_groups),
-            i(lay.max_reqs), i(lay.region_stride), i(lay.host_rows), i(K), i(B), _ptr(sr), _ptr(tk), i(K),
-            _ptr(out.prow), _ptr(out.pslot), _ptr(out.counts), _ptr(self.pf), _ptr(self.err))
+            _ptr(self.owner), _ptr(self.lru), _ptr(self.fresh), i(lay.num_groups), i(lay.max_reqs), i(lay.region_stride),
+            i(lay.host_rows), i(K), i(B), _ptr(sr), _ptr(tk), i(K), _ptr(out.prow), _ptr(out.pslot),
+            _ptr(out.counts), _ptr(self.pf), _ptr(self.err))
         take = np.arange(K)[None, :] < out.counts[:batch, None]
         rows, flat = out.prow[:batch][take], out.pslot[:batch][take]
         keep = flat >= 0
         rows, flat = rows[keep], flat[keep]
         by = np.lexsort((flat, rows))  # by host row, then slot: the NumPy engine's order
-        out.rows, out.slots, out.batch = rows[by], flat[by], batch
+        out.rows, out.slots = rows[by], flat[by]
         self.last_prefetch = out
         return out
 
@@ -513,12 +510,11 @@ KERNELS = {
                            "fresh, pf"),
     },
     "prefetch.cu": {
-        "skv_prefetch": ("const int* desc, int group_offset, int min_batch, int* owner, int* lru, "
-                         "unsigned char* fresh, int groups, int max_reqs, int S, int host_rows, int top_k, "
-                         "int max_batch, const int* state_rows, const int* topk, int ld, int* prow, int* pslot, "
-                         "int* counts, unsigned long long* pf, int* err",
-                         "desc, group_offset, min_batch, owner, lru, fresh, groups, max_reqs, S, host_rows, top_k, "
-                         "max_batch, state_rows, topk, ld, prow, pslot, counts, pf, err"),
+        "skv_prefetch": ("const int* desc, int group_offset, int* owner, int* lru, unsigned char* fresh, int groups, int max_reqs, "
+                         "int S, int host_rows, int top_k, int max_batch, const int* state_rows, const int* topk, "
+                         "int ld, int* prow, int* pslot, int* counts, unsigned long long* pf, int* err",
+                         "desc, group_offset, owner, lru, fresh, groups, max_reqs, S, host_rows, top_k, max_batch, state_rows, "
+                         "topk, ld, prow, pslot, counts, pf, err"),
     },
     "handle.cu": {"skv_db_topk": (_TOPK_PARAMS, _TOPK_ARGS), "skv_db_indices": (_INDICES_PARAMS, _INDICES_ARGS),
                   **{f"skv_map_positions_{p}_{t}": (_map_params(p, t), _MAP_ARGS) for p in _INTS for t in _INTS}},

@@ -60,9 +60,9 @@ class EmuResidency:
         e, lay = self.emu, self.layout
         e.pf_lib.run_skv_prefetch(
             i32(max_batch), i32(e.threads), i32(prefetch_workspace_bytes(lay.top_k, lay.region_stride)), _p(desc),
-            i32(group_offset), i32(e.prefetch_min_batch), _p(e.owner), _p(e.lru), _p(e.fresh), i32(lay.num_groups),
-            i32(lay.max_reqs), i32(lay.region_stride), i32(lay.host_rows), i32(lay.top_k), i32(max_batch),
-            _p(state_rows), _p(topk), i32(lay.top_k), _p(plan_rows), _p(plan_slots), _p(counts), _p(e.pf), _p(err))
+            i32(group_offset), _p(e.owner), _p(e.lru), _p(e.fresh), i32(lay.num_groups), i32(lay.max_reqs),
+            i32(lay.region_stride), i32(lay.host_rows), i32(lay.top_k), i32(max_batch), _p(state_rows), _p(topk),
+            i32(lay.top_k), _p(plan_rows), _p(plan_slots), _p(counts), _p(e.pf), _p(err))
 
 
 class EmuMover:
@@ -82,13 +82,12 @@ class EmuMover:
         cpu_kernels.gather(desc, self.pool, self.slab, self.slab.shape[1], table, plan_rows, plan_slots, misses)
 
 
-def inproc(lay, prefetch: bool, seed: int = 0, min_batch: int = 1):
+def inproc(lay, prefetch: bool, seed: int = 0):
     """A stand-in for InprocSwapIn's self: its buffers (RankBuffers' doorbell and pf_*
-    sections as NumPy arrays) and a real DeviceStep over the emulated launches (its
-    residency's ``prefetch_min_batch`` ``min_batch``)."""
+    sections as NumPy arrays) and a real DeviceStep over the emulated launches."""
     rng = np.random.default_rng(seed)
     G, L, B, K = lay.num_groups, lay.num_layers, lay.max_batch, lay.top_k
-    emu = cpu_kernels.Resolve(lay, threads=32, prefetch=True, prefetch_min_batch=min_batch)
+    emu = cpu_kernels.Resolve(lay, threads=32, prefetch=True)
     pool = rng.integers(0, 256, size=(L, lay.host_rows, 32), dtype=np.uint8)
     slab = np.zeros((L, lay.max_reqs * lay.region_stride, 32), np.uint8)
     db_layers = np.zeros((L, G, 2), np.int32)
@@ -228,12 +227,11 @@ def regrouped(lay, groups):
 
 def ring(h, ref, g, step, state_rows, topk):
     """A group's TOPK block and ``_rang``, and what the cpu backend does for it (the
-    resolve, then with prefetch the prefetch of its rows into the next group, from a batch
-    of ``prefetch_min_batch`` rows or more)."""
+    resolve, then with prefetch the prefetch of its rows into the next group)."""
     write_topk(h.buffers.db_topk[g], step, step, g, state_rows, topk)
     InprocSwapIn._rang(h, g, 0)
     want = ref.resolve(g, state_rows, topk)
-    if h.buffers.prefetch and g + 1 < h.layout.num_groups and len(state_rows) >= h.emu.prefetch_min_batch:
+    if h.buffers.prefetch and g + 1 < h.layout.num_groups:
         ref.prefetch(g + 1, state_rows, topk)
     return want
 
@@ -312,24 +310,6 @@ def test_inproc_in_orders_step_order_accepts_equals_the_cpu_backend(case, prefet
         assert run_checked_step(h, ref, order, t, sr, tk, stop_after=stop if t % 2 else None) == [], f"step {t}"
         assert_state_is_the_backends(h, ref, f"{name} step {t}")
     assert (ref.prefetched > 0) == prefetch
-
-
-def test_inproc_prefetches_only_batches_of_min_batch_rows():
-    """The in-process handle's prefetch with ``prefetch_min_batch`` 2 (its default), steps
-    of two rows and of one in turn: the one-row steps' prefetches take nothing (the kernel
-    decides: the handle forks them all the same); rows, slots, state, marks and counters
-    are the cpu backend's prefetching the two-row batches only."""
-    lay = regrouped(layout(4, 8, 64, 2, groups=3, layers_per_group=2, max_batch=2), ((0, 1), (2, 3), (4, 5)))
-    h, ref = inproc(lay, True, min_batch=2), CpuResidency(lay)
-    seen = []
-    for t, (sr, tk) in enumerate(steps(lay, 6, 11)):
-        if t % 2:
-            sr, tk = sr[:1], [x[:1] for x in tk]
-        before = ref.prefetched
-        assert run_checked_step(h, ref, range(lay.num_layers), t, sr, tk) == [], f"step {t}"
-        assert_state_is_the_backends(h, ref, f"step {t}")
-        seen.append(ref.prefetched > before)
-    assert seen == [True, False] * 3
 
 
 @pytest.mark.cuda

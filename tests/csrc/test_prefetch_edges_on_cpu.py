@@ -3,8 +3,7 @@ reference model itself (``contract.RegionModel``, one per region), the NumPy eng
 beside them, on shapes the shared programs do not draw: top_k 1, a region one slot above
 top_k, batches of more rows than the block has threads (several tiles of one state row),
 narrower batches than top_k, groups resolved out of order, a prefetch into a group other
-than the next, resets and invalidations between a group's resolve and its prefetch, and
-``min_batch`` 1, 2 or 3 in turn (a batch of fewer rows: no plan, nothing changed)."""
+than the next, resets and invalidations between a group's resolve and its prefetch."""
 
 from __future__ import annotations
 
@@ -97,7 +96,6 @@ def test_prefetch_kernels_equal_the_reference_model(shape):
     cpu = CpuResidency(lay)
     rng = np.random.default_rng(sum(shape))
     prev: dict = {}
-    skipped = 0
     for step in range(25):
         where = f"step {step}"
         if rng.random() < 0.1:
@@ -132,14 +130,7 @@ def test_prefetch_kernels_equal_the_reference_model(shape):
                 for r in (ref, cpu, emu):
                     r.reset(rs)
             target = g + 1 if rng.random() < 0.8 else int(rng.integers(groups))
-            emu.prefetch_min_batch = 1 + (step + g) % 3  # (not drawn: the programs stay the seed's)
-            if target < groups and batch < emu.prefetch_min_batch:
-                ptk = np.array([gen_row(rng, lay, kk, [x for x in row if 0 <= x < host_rows]) for row in tk], np.int32)
-                out = emu.prefetch(target, sr, ptk)
-                assert out.rows.size == 0 and (out.counts[:batch] == 0).all(), f"{where} prefetch {target}"
-                ref.check(emu, f"{where} prefetch {target} of {batch} rows, min_batch {emu.prefetch_min_batch}")
-                skipped += 1
-            elif target < groups:
+            if target < groups:
                 ptk = np.array([gen_row(rng, lay, kk, [x for x in row if 0 <= x < host_rows]) for row in tk], np.int32)
                 want = ref.prefetch(target, sr, ptk)
                 for plan in (emu.prefetch(target, sr, ptk), cpu.prefetch(target, sr, ptk)):
@@ -151,4 +142,3 @@ def test_prefetch_kernels_equal_the_reference_model(shape):
                 prev[s] = [x for x in tk[b] if 0 <= x < host_rows]
         assert not emu.err[:8].any(), where
     assert emu.prefetched and emu.prefetch_hits, (emu.prefetched, emu.prefetch_hits)
-    assert skipped or max_batch > 6, "no batch below min_batch"

@@ -29,14 +29,13 @@ def raw_entries(out, batch):
     return [(int(out.prow[b, i]), int(out.pslot[b, i])) for b in range(batch) for i in range(out.counts[b])]
 
 
-def check_raw(emu):
+def check_raw(emu, batch_of):
     """``check_plan`` of the programs: the last launch's per-row plans hold exactly the
     plan's pairs, each slot once, the rest dropped as (-1, -1), each row's in host-row
-    order; rows past the batch untouched (a batch below ``prefetch_min_batch``: every
-    count of the batch 0)."""
+    order; rows past the batch untouched."""
     def check(want, where):
         out = emu.last_prefetch
-        batch = out.batch
+        batch = batch_of()
         entries = raw_entries(out, batch)
         kept = [e for e in entries if e[1] >= 0]
         assert all(e == (-1, -1) for e in entries if e[1] < 0), where
@@ -70,74 +69,7 @@ def test_prefetch_programs_on_cpu_equal_the_numpy_engine(case):
     lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
     emu = cpu_kernels.Resolve(lay, threads=threads, prefetch=True)
     run_prefetch_program(CpuResidency(lay), emu, lay, sum(map(ord, name)), steps, batch, emu_begin_step,
-                         check_raw(emu))
-    assert not emu.err[:8].any()
-
-
-# name, top_k, stride, host_rows, max_reqs, groups, batch, steps, threads, prefetch_min_batch
-MIN_BATCH_PROGRAMS = [
-    ("tiny-min2", 4, 12, 40, 3, 3, 6, 60, 32, 2),
-    ("three-tokens-min3", 8, 24, 80, 4, 2, 8, 50, 64, 3),
-]
-
-
-@pytest.mark.parametrize("case", MIN_BATCH_PROGRAMS, ids=[p[0] for p in MIN_BATCH_PROGRAMS])
-def test_prefetch_programs_with_a_min_batch_on_cpu_equal_the_numpy_engine(case):
-    """The programs with batches of 1 to ``batch`` rows and ``skv_prefetch`` given
-    ``min_batch``: a batch of fewer rows gets counts 0 and changes no state, mark or
-    counter; a larger one is prefetched as the NumPy engine prefetches it."""
-    name, k, stride, host_rows, reqs, groups, batch, steps, threads, min_batch = case
-    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    emu = cpu_kernels.Resolve(lay, threads=threads, prefetch=True, prefetch_min_batch=min_batch)
-    run_prefetch_program(CpuResidency(lay), emu, lay, sum(map(ord, name)), steps, batch, emu_begin_step,
-                         check_raw(emu), min_batch=min_batch)
-    assert not emu.err[:8].any()
-
-
-def test_a_batch_below_min_batch_takes_nothing_and_one_at_it_as_before():
-    """``skv_prefetch`` with ``min_batch`` 2 (the ATTACH default): a batch of one row
-    writes count 0 for it (the gather after it reads the counts), leaves the rows past the
-    batch, every plan entry, owner, lru row, fresh mark and counter as they were; a batch
-    of two rows, one of them padding, and one of two live rows prefetch as the NumPy
-    engine does; ``min_batch`` 1 prefetches the batch of one row too. The daemon's path
-    (group g's own descriptor, group_offset 1, then ``skv_gather`` of the per-row plans)
-    copies nothing for the small batch."""
-    lay = layout(4, 12, 100, 3, groups=2, max_batch=4)
-    cpu = CpuResidency(lay)
-    emu = cpu_kernels.Resolve(lay, threads=32, prefetch=True, prefetch_min_batch=2)
-    warm = np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32)
-    for r in (cpu, emu):
-        r.resolve(1, np.array([0, 1], np.int32), warm)
-    one, tk1 = np.array([0], np.int32), np.array([[10, 11, 12, 13]], np.int32)
-    before = emu.owner.copy(), emu.lru.copy(), emu.fresh.copy(), emu.pf.copy()
-    out = emu.prefetch(1, one, tk1, group_offset=1)  # the descriptor of group 0's top-k block
-    assert out.counts[0] == 0 and (out.counts[1:] == -7).all()
-    assert (out.prow == -7).all() and (out.pslot == -7).all() and out.rows.size == 0
-    for a, b in zip(before, (emu.owner, emu.lru, emu.fresh, emu.pf)):
-        np.testing.assert_array_equal(a, b)
-    assert_marks(cpu, emu, "batch of one")
-    rng = np.random.default_rng(3)
-    pool = rng.integers(0, 256, size=(2, lay.host_rows, 32), dtype=np.uint8)
-    slab = np.zeros((2, lay.max_reqs * lay.region_stride, 32), np.uint8)
-    groups = np.array([[1, 1], [0, -1]], np.int32)  # prefetch_layers: row 0 names group 1's layer
-    cpu_kernels.gather(make_desc(1, lay.top_k, 0), pool, slab, slab.shape[1], groups, out.prow, out.pslot,
-                       out.counts)
-    assert not slab.any()
-    for sr, tk in ((np.array([1, -1], np.int32), np.array([[20, 21, 22, 23], [24, 25, 26, 27]], np.int32)),
-                   (np.array([0, 1], np.int32), np.array([[30, 31, 32, 33], [34, 35, 36, 37]], np.int32))):
-        want = cpu.prefetch(1, sr, tk)
-        got = emu.prefetch(1, sr, tk, group_offset=1)
-        assert want.rows.size
-        np.testing.assert_array_equal(got.rows, want.rows)
-        np.testing.assert_array_equal(got.slots, want.slots)
-        assert_marks(cpu, emu, f"batch {sr.tolist()}")
-    emu.prefetch_min_batch = 1
-    want = cpu.prefetch(1, one, tk1)
-    got = emu.prefetch(1, one, tk1, group_offset=1)
-    assert want.rows.size and got.counts[0] == want.rows.size
-    np.testing.assert_array_equal(got.rows, want.rows)
-    np.testing.assert_array_equal(got.slots, want.slots)
-    assert_marks(cpu, emu, "batch of one, min_batch 1")
+                         check_raw(emu, lambda: batch))
     assert not emu.err[:8].any()
 
 

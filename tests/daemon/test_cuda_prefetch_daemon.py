@@ -2,9 +2,7 @@
 prefetch counters, equal the cpu backend's for the same program (its prefetch contract,
 DESIGN §4), and every row served holds its host row's bytes; through TOPK messages (zmq)
 through the doorbell handle (the step graph), and in process (``InprocSwapIn``). Three index groups: group 1 gets group
-0's rows ahead, group 2 group 1's, group 0 none. Each path also with batches of one and two
-rows in turn: with the default ``prefetch_min_batch`` (2) the one-row batches go ahead
-nowhere (``skv_prefetch`` takes nothing from them), with 1 they do, as on the cpu backend."""
+0's rows ahead, group 2 group 1's, group 0 none."""
 
 import numpy as np
 import pytest
@@ -16,19 +14,6 @@ from sparsekv.client import Client
 from sparsekv.embedded.inproc_cuda import InprocSwapIn
 
 ARENA = ["--device-arena-size", "1GiB"]
-# (program of small batches, prefetch_min_batch: None = not given, the default)
-CASES = [pytest.param(False, None, id="batch-6"), pytest.param(True, None, id="batches-1-2-default-min"),
-         pytest.param(True, 1, id="batches-1-2-min-1")]
-
-
-def case(lay, seed: int, small: bool, min_batch):
-    """The program, the cpu backend's answers and counters for it, and the attach's
-    prefetch_min_batch argument (none when not given)."""
-    plan = program(lay, 12, seed=seed, small=small)
-    want, counters = reference(lay, plan, min_batch)
-    if small and min_batch is None:  # the rule changes what is served: the test can tell
-        assert counters != reference(lay, plan, 1)[1]
-    return plan, want, counters, ({} if min_batch is None else {"prefetch_min_batch": min_batch})
 
 
 @pytest.fixture
@@ -39,12 +24,12 @@ def cuda_daemon():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("small, min_batch", CASES)
-def test_topk_messages_with_prefetch_serve_the_cpu_backends_slots_and_rows(cuda_daemon, small, min_batch):
+def test_topk_messages_with_prefetch_serve_the_cpu_backends_slots_and_rows(cuda_daemon):
     lay = layout()
-    plan, want, counters, kw = case(lay, 1, small, min_batch)
+    plan = program(lay, 12, seed=1)
+    want, counters = reference(lay, plan)
     with Client(cuda_daemon.run_dir, name="pf", device="cuda:0") as c:
-        att = c.attach(lay, engine="pf", prefetch=True, **kw)
+        att = c.attach(lay, engine="pf", prefetch=True)
         fill_pool(c, lay)
         for t, (state, reset, per_group) in enumerate(plan):
             c.step(t, state, reset)
@@ -85,12 +70,12 @@ def drive_handle(h, lay, plan, want) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("small, min_batch", CASES)
-def test_the_doorbell_step_graph_with_prefetch_serves_the_cpu_backends_slots_and_rows(cuda_daemon, small, min_batch):
+def test_the_doorbell_step_graph_with_prefetch_serves_the_cpu_backends_slots_and_rows(cuda_daemon):
     lay = layout()
-    plan, want, counters, kw = case(lay, 2, small, min_batch)
+    plan = program(lay, 12, seed=2)
+    want, counters = reference(lay, plan)
     with Client(cuda_daemon.run_dir, name="pf-db", device="cuda:0") as c:
-        c.attach(lay, engine="pfdb", transport="doorbell", prefetch=True, **kw)
+        c.attach(lay, engine="pfdb", transport="doorbell", prefetch=True)
         fill_pool(c, lay)
         h = c.doorbell_handle()
         try:
@@ -102,11 +87,11 @@ def test_the_doorbell_step_graph_with_prefetch_serves_the_cpu_backends_slots_and
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("small, min_batch", CASES)
-def test_the_in_process_engine_with_prefetch_serves_the_cpu_backends_slots_and_rows(small, min_batch):
+def test_the_in_process_engine_with_prefetch_serves_the_cpu_backends_slots_and_rows():
     lay = layout()
-    plan, want, counters, kw = case(lay, 4, small, min_batch)
-    h = InprocSwapIn(lay, prefetch=True, **kw)
+    plan = program(lay, 12, seed=4)
+    want, counters = reference(lay, plan)
+    h = InprocSwapIn(lay, prefetch=True)
     try:
         for layer in range(lay.num_layers):
             h.pool[layer] = fill_pattern(layer, np.arange(lay.host_rows), lay.row_bytes)

@@ -21,7 +21,6 @@ from sparsekv.bench.verify import count_mismatches, pattern
 from sparsekv.daemon.engine import EngineSpace
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuResidency
-from sparsekv.proto import PREFETCH_MIN_BATCH
 from sparsekv.proto.layout import Layout
 
 pytestmark = pytest.mark.cuda
@@ -38,8 +37,7 @@ def small_trace(**kw):
 class Rig:
     """A cuda rank in this process: worker, pinned pool holding the verify pattern, rank."""
 
-    def __init__(self, layout: Layout, graphs: bool = False, arena_bytes: int = 256 << 20, prefetch: bool = False,
-                 prefetch_min_batch: int = PREFETCH_MIN_BATCH):
+    def __init__(self, layout: Layout, graphs: bool = False, arena_bytes: int = 256 << 20, prefetch: bool = False):
         import cupy as cp
 
         from sparsekv.daemon.cuda.backend import DeviceWorker
@@ -58,7 +56,7 @@ class Rig:
         self.pinned = PinnedRegion(self.pool.address, -(-lay.pool_bytes // 4096) * 4096, lay.row_bytes)
         self.space = EngineSpace("rig", lay, view, 0)
         self.rank = CudaRankState(0, self.worker, self.space, self.pinned, ring_depth=4, gather_blocks=8,
-                                  graphs=graphs, prefetch=prefetch, prefetch_min_batch=prefetch_min_batch)
+                                  graphs=graphs, prefetch=prefetch)
         self.space.ranks[1] = self.rank
 
     def close(self):
@@ -301,22 +299,16 @@ def test_a_bad_descriptor_in_a_client_block_does_nothing_and_leaves_no_stale_res
         r.rank.serve_topk(0, 1, ids)
 
 
-@pytest.mark.parametrize("min_batch", [None, 2, 1, 3],
-                         ids=["batch-6", "batches-1-2-min-2", "batches-1-2-min-1", "batches-1-2-min-3"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_prefetch_after_each_topk_gives_the_cpu_backends_slots_counters_and_rows(rig, graphs, min_batch):
+def test_prefetch_after_each_topk_gives_the_cpu_backends_slots_counters_and_rows(rig, graphs):
     """The rank as the server drives it: each TOPK, then the prefetch it left pending
     (``run_prefetch``: launched kernel by kernel or as the transport's prefetch graph);
     none after the last group's. Slots, misses and the prefetch counters are the cpu
-    backend's; every row in the slab is its host row's. With batches of one and two rows
-    (``min_batch``: the rank's and the reference's prefetch_min_batch; 3: no batch goes
-    ahead) the host leaves every prefetch pending as before and ``skv_prefetch`` applies
-    the batch's size, whatever the transport's graphs."""
+    backend's; every row in the slab is its host row's."""
     lay = prefetch_program.layout()
-    plan = prefetch_program.program(lay, 10, seed=3, small=min_batch is not None)
-    want, counters = prefetch_program.reference(lay, plan, min_batch, hits=min_batch != 3)
-    assert (counters["prefetched"] == 0) == (min_batch == 3)
-    r = rig(lay, graphs=graphs, prefetch=True, **({} if min_batch is None else {"prefetch_min_batch": min_batch}))
+    plan = prefetch_program.program(lay, 10, seed=3)
+    want, counters = prefetch_program.reference(lay, plan)
+    r = rig(lay, graphs=graphs, prefetch=True)
     for t, (state, reset, per_group) in enumerate(plan):
         r.rank.begin_step(t, state, reset)
         for g, rows in enumerate(per_group):

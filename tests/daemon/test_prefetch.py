@@ -7,15 +7,14 @@ import os
 import socket
 
 import numpy as np
-import pytest
 
 import helpers
 from zmtp_peer import hello, raw_peer, read_reply, send_message
-from sparsekv.client import BadRequest, Client
+from sparsekv.client import Client
 from sparsekv.daemon.cuda.buffers import prefetch_layers
 from sparsekv.daemon.stats import render_table
 from sparsekv.embedded.inproc import InprocClient
-from sparsekv.proto import PREFETCH_MIN_BATCH, ErrorCode, MsgType, encode
+from sparsekv.proto import ErrorCode, MsgType, encode
 
 GROUPS = ((0,), (1, 2), (3,))
 
@@ -133,11 +132,11 @@ def test_no_prefetch_into_a_group_the_step_already_resolved():
     4 slots), then group 0. A prefetch into group 1 then could keep only the second
     token's slots (the latest resolve's) and would overwrite the first token's, which the
     engine was told about this step. It does not run; the next step's group 0 prefetches
-    again (a batch of one row: prefetch_min_batch 1)."""
+    again."""
     lay2 = helpers.layout(num_layers=2, top_k=2, region_stride=4, max_reqs=1, host_rows=64, max_batch=2,
                           index_groups=((1,), (0,)))
     with InprocClient() as c:
-        att = c.attach(lay2, prefetch=True, prefetch_min_batch=1)
+        att = c.attach(lay2, prefetch=True)
         helpers.fill(c, lay2)
         c.step(0, [0, 0])
         named = np.array([[1, 2], [3, 4]], np.int32)
@@ -189,9 +188,8 @@ def test_prefetched_rows_a_write_or_a_reset_drops_count_as_wasted_at_once(daemon
 
 def test_attach_hands_prefetch_to_the_backend_that_makes_the_rank_whatever_its_name(tmp_path, monkeypatch):
     """The backend builds a prefetching rank (the cuda one: its residency with the marks,
-    its buffers with the prefetch plan), so it gets ``prefetch`` and ``prefetch_min_batch``
-    (the ATTACH's, or the default) with the rank's other arguments; an ATTACH without
-    prefetch passes nothing new."""
+    its buffers with the prefetch plan), so it gets ``prefetch`` with the rank's other
+    arguments; an ATTACH without it passes nothing new."""
     with helpers.inproc_daemon(tmp_path) as d:
         backend = d.engine_requests.backend
         monkeypatch.setattr(backend, "name", "cuda")  # no backend is refused by its name
@@ -202,15 +200,12 @@ def test_attach_hands_prefetch_to_the_backend_that_makes_the_rank_whatever_its_n
             return new_rank(*a, **kw)
 
         monkeypatch.setattr(backend, "new_rank", recording)
-        for ident, engine, extra in ((b"a", "e", {"prefetch": True}), (b"b", "f", {}),
-                                     (b"c", "g", {"prefetch": True, "prefetch_min_batch": 5})):
+        for ident, engine, extra in ((b"a", "e", {"prefetch": True}), (b"b", "f", {})):
             helpers.request(d, ident, MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""})
             h, _ = helpers.request(d, ident, MsgType.ATTACH, {"engine": engine, "layout": lay().to_wire(), **extra})
             assert h["ok"], h
-        assert seen == [{"prefetch": True, "prefetch_min_batch": PREFETCH_MIN_BATCH}, {},
-                        {"prefetch": True, "prefetch_min_batch": 5}]
-        ranks = [st for name in ("e", "f", "g") for st in d.engines.space(name).ranks.values()]
-        assert [(st.prefetch, st.prefetch_min_batch) for st in ranks] == [(True, 2), (False, 2), (True, 5)]
+        assert seen == [{"prefetch": True}, {}]
+        assert [st.prefetch for name in ("e", "f") for st in d.engines.space(name).ranks.values()] == [True, False]
 
 
 def test_the_cuda_prefetch_gathers_into_the_next_groups_layers():
@@ -241,107 +236,3 @@ def test_two_ranks_of_one_engine_one_with_prefetch_each_serve_the_pools_rows(dae
                     bad += helpers.bad_rows(att.slab, GROUPS[g], [0, 1], topk, res.slots, 64, gen)
         s = a.stats()
     assert bad == 0 and s["prefetched"] > 0
-
-
-# -- prefetch_min_batch (DESIGN §4: only batches of that many rows go ahead) -----------------
-BAD_MIN_BATCHES = (True, False, 2.0, 1.5, "2", None, [2], 0, -1, 65536)
-
-
-def test_prefetch_min_batch_is_an_integer_in_range_given_with_prefetch(tmp_path):
-    """ATTACH's prefetch_min_batch: an integer in [1, 65535]; a bool, a float, a string,
-    null, a list or a value outside is refused (BAD_ARGUMENT naming the field), as one
-    given without prefetch true; nothing is attached. 1 and 65535 are taken; absent, the
-    rank gets the default."""
-    hello = {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": ""}
-    with helpers.inproc_daemon(tmp_path) as d:
-        helpers.request(d, b"a", MsgType.HELLO, hello)
-        for bad in BAD_MIN_BATCHES:
-            h, _ = helpers.request(d, b"a", MsgType.ATTACH, {"engine": "e", "layout": lay().to_wire(),
-                                                             "prefetch": True, "prefetch_min_batch": bad})
-            assert not h["ok"] and h["code"] == ErrorCode.BAD_ARGUMENT, bad
-            assert "prefetch_min_batch must be an integer in [1, 65535]" in h["msg"], (bad, h["msg"])
-        for extra in ({}, {"prefetch": False}):
-            h, _ = helpers.request(d, b"a", MsgType.ATTACH, {"engine": "e", "layout": lay().to_wire(),
-                                                             "prefetch_min_batch": 2, **extra})
-            assert not h["ok"] and h["code"] == ErrorCode.BAD_ARGUMENT, extra
-            assert "prefetch_min_batch needs prefetch" in h["msg"]
-        assert "e" not in d.engines
-        for ident, engine, extra in ((b"a", "e", {"prefetch_min_batch": 1}), (b"b", "f", {"prefetch_min_batch": 65535}),
-                                     (b"c", "g", {})):
-            helpers.request(d, ident, MsgType.HELLO, hello)
-            h, _ = helpers.request(d, ident, MsgType.ATTACH, {"engine": engine, "layout": lay().to_wire(),
-                                                              "prefetch": True, **extra})
-            assert h["ok"], h
-        got = [st.prefetch_min_batch for name in "efg" for st in d.engines.space(name).ranks.values()]
-        assert got == [1, 65535, PREFETCH_MIN_BATCH] and PREFETCH_MIN_BATCH == 2
-
-
-def test_the_clients_refuse_a_bad_prefetch_min_batch_as_the_daemon_does(daemon):
-    """``Client.attach`` sends prefetch_min_batch as given (the daemon refuses it);
-    ``InprocClient.attach`` checks it the same way."""
-    with Client(daemon.run_dir, name="c") as c, InprocClient() as ic:
-        for client in (c, ic):
-            with pytest.raises(BadRequest, match="prefetch_min_batch needs prefetch"):
-                client.attach(lay(), engine="x", prefetch_min_batch=2)
-            for bad in (True, 2.0, "2", 0, 65536):
-                with pytest.raises(BadRequest, match=r"prefetch_min_batch must be an integer in \[1, 65535\]"):
-                    client.attach(lay(), engine="x", prefetch=True, prefetch_min_batch=bad)
-
-
-SMALL = helpers.layout(num_layers=2, top_k=2, region_stride=4, max_reqs=2, host_rows=64, max_batch=3,
-                       index_groups=((0,), (1,)))
-
-
-@pytest.mark.parametrize("min_batch, rows, ahead", [
-    (None, [0], False),  # the default, 2
-    (None, [0, 1], True),
-    (None, [1, -1], True),  # a padding row counts
-    (1, [0], True),
-    (3, [0, 1], False),
-    (3, [0, -1, 1], True),
-])
-def test_only_a_batch_of_prefetch_min_batch_rows_goes_ahead(min_batch, rows, ahead):
-    """A rank attached with prefetch fetches group g's batch ahead into group g + 1 only
-    when the batch has prefetch_min_batch rows or more (padding rows included); below, the
-    prefetch does nothing: group 1's regions as they were (no slot taken, lru unchanged),
-    no counter moves, and group 1 then misses its rows; at or above, as before."""
-    with InprocClient() as c:
-        att = c.attach(SMALL, prefetch=True, **({} if min_batch is None else {"prefetch_min_batch": min_batch}))
-        helpers.fill(c, SMALL)
-        r = c._state.residency
-        topk = np.array([[1, 2], [3, 4], [5, 6]][:len(rows)], np.int32)
-        c.step(0, rows)
-        before = r.owner[1].copy(), r.lru[1].copy(), r.fresh[1].copy()
-        c.topk(0, 0, topk)
-        live = sum(s >= 0 for s in rows)
-        assert int((r.owner[1] >= 0).sum()) == (2 * live if ahead else 0)
-        if not ahead:
-            for a, b in zip(before, (r.owner[1], r.lru[1], r.fresh[1])):
-                np.testing.assert_array_equal(a, b)
-        assert (r.prefetched, r.prefetch_hits, r.prefetch_wasted) == (2 * live if ahead else 0, 0, 0)
-        res = c.topk(0, 1, topk)
-        assert res.misses.tolist() == [0 if ahead or s < 0 else 2 for s in rows]
-        assert helpers.bad_rows(att.slab, (1,), rows, topk, res.slots, 64) == 0
-
-
-def test_the_daemon_prefetches_from_batches_of_prefetch_min_batch_rows(daemon):
-    """Through a daemon: with the default, a batch of one row fetches nothing ahead and one
-    of two does; attached with prefetch_min_batch 1, both do. Its counters say so."""
-    got = {}
-    for min_batch in (None, 1):
-        with Client(daemon.run_dir, name="pf") as c:
-            att = c.attach(SMALL, engine=f"pf{min_batch}", prefetch=True,
-                           **({} if min_batch is None else {"prefetch_min_batch": min_batch}))
-            helpers.fill(c, SMALL)
-            seen, bad = [], 0
-            for t, (rows, topk) in enumerate((([0], [[1, 2]]), ([0, 1], [[3, 4], [5, 6]]))):
-                before = c.stats()["prefetched"]
-                c.step(t, rows)
-                c.topk(t, 0, np.array(topk, np.int32))
-                res = c.topk(t, 1, np.array(topk, np.int32))
-                bad += helpers.bad_rows(att.slab, (1,), rows, np.array(topk, np.int32), res.slots, 64)
-                seen.append((c.stats()["prefetched"] - before, res.misses.tolist()))
-            got[min_batch] = seen
-            assert bad == 0
-    assert got[None] == [(0, [2]), (4, [0, 0])]
-    assert got[1] == [(2, [0]), (4, [0, 0])]

@@ -1,18 +1,15 @@
 """Prefetch (DESIGN §4) on one engine (RankState + EngineSpace + the NumPy residency and
 mover) over random programs of writes, steps (resets, invalidations, padding rows, several
-tokens of a request) and every index group's top-k, with a random ``prefetch_min_batch``:
-which batches go ahead is the reference's rule (``contract.PrefetchOrder``), the regions
-equal the reference model per (index group, state row) with its counters, every hot slot
-holds the pool's current bytes of the row it owns, and every slot a top-k of the step
-named still holds its row when the step ends (the engine reads them all before the next
-step)."""
+tokens of a request) and every index group's top-k: equal to the reference model per
+(index group, state row) with its counters, every hot slot holding the pool's current
+bytes of the row it owns, and every slot a top-k of the step named still holding its
+row when the step ends (the engine reads them all before the next step)."""
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 import helpers
 from engine_program import ProgramEngine, programs
-from sparsekv.daemon.residency.contract import PrefetchOrder
 
 GROUPINGS = [((0,), (1,), (2,)), ((0, 2), (1,)), ((0,), (1, 2))]
 
@@ -21,15 +18,14 @@ def inval(lay):
     return st.lists(st.integers(-1, lay.host_rows - 1), min_size=2, max_size=2)
 
 
-def run(program, min_batch: int) -> int:
-    """Run ``program`` with prefetch on from batches of ``min_batch`` rows, checking the
-    model and the slab invariant as it goes; return the slots named in a step that no
-    longer held their row's bytes at the step's end."""
+def run(program) -> int:
+    """Run ``program`` with prefetch on, checking the model and the slab invariant as it
+    goes; return the slots named in a step that no longer held their row's bytes at the
+    step's end."""
     lay, steps, seed = program
     eng = ProgramEngine(lay, seed)
     pool, slab, rank, model = eng.pool, eng.slab, eng.rank, eng.model
-    rank.prefetch, rank.prefetch_min_batch = True, min_batch
-    order = PrefetchOrder(lay.num_groups, min_batch)
+    rank.prefetch = True
     prefetched = hits = wasted = stale = 0
     for t, (writes, batch, reset, inval, group_topk) in enumerate(steps):
         eng.begin(t, writes, batch, reset, inval)
@@ -42,9 +38,7 @@ def run(program, min_batch: int) -> int:
                 want, _, _ = model[g][s].resolve(rows[b], lay.host_rows)
                 assert res.slots[b].tolist() == want
                 told += [(g, s, r, slot) for r, slot in zip(rows[b], want) if slot >= 0]
-            ahead = order.batch(t, g, len(batch))
-            assert (rank.pending_prefetch is not None) == ahead, (t, g, len(batch), min_batch)
-            if ahead:  # as the daemon: once the reply is out
+            if rank.pending_prefetch is not None:  # as the daemon: once the reply is out
                 deltas = rank.run_prefetch()
                 prefetched += deltas["prefetched"]
                 hits += deltas["prefetch_hits"]
@@ -72,12 +66,12 @@ def run(program, min_batch: int) -> int:
 
 
 @settings(max_examples=helpers.examples(60, 2500), deadline=None)
-@given(programs(GROUPINGS, spare_slots=4, max_host_rows=24, inval=inval, ordered=True), st.integers(1, 4))
-def test_prefetch_in_group_order_equals_the_model_and_never_spoils_a_named_slot(program, min_batch):
-    assert run(program, min_batch) == 0
+@given(programs(GROUPINGS, spare_slots=4, max_host_rows=24, inval=inval, ordered=True))
+def test_prefetch_in_group_order_equals_the_model_and_never_spoils_a_named_slot(program):
+    assert run(program) == 0
 
 
 @settings(max_examples=helpers.examples(60, 2500), deadline=None)
-@given(programs(GROUPINGS, spare_slots=4, max_host_rows=24, inval=inval), st.integers(1, 4))
-def test_prefetch_with_the_groups_of_a_step_in_any_order_never_spoils_a_named_slot(program, min_batch):
-    assert run(program, min_batch) == 0
+@given(programs(GROUPINGS, spare_slots=4, max_host_rows=24, inval=inval))
+def test_prefetch_with_the_groups_of_a_step_in_any_order_never_spoils_a_named_slot(program):
+    assert run(program) == 0

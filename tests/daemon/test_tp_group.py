@@ -56,18 +56,13 @@ def check_rows(att, req, res) -> int:
     return helpers.bad_rows(att.slab, GROUPS[g], rows, topk, res.slots, HOST_ROWS)
 
 
-def prefetch_kw(prefetch) -> dict:
-    """Attach arguments of a test's ``prefetch``: False, True, or a prefetch_min_batch."""
-    return {"prefetch": bool(prefetch), **({"prefetch_min_batch": prefetch} if type(prefetch) is int else {})}
-
-
 def run_group(run_dir, reqs, order, prefetch=False):
     """Rank 0 and 1 of a TP group send ``reqs``; ``order`` lists which rank sends its next
     request, in turn. Returns each rank's results in request order and the wrong rows seen
     (checked at each reply, on the replying rank's slab)."""
     with Client(run_dir, rank=0, name="r0") as c0, Client(run_dir, rank=1, name="r1") as c1:
         ranks = [c0, c1]
-        atts = [c.attach(lay(), engine="tp", tp_size=2, **prefetch_kw(prefetch)) for c in ranks]
+        atts = [c.attach(lay(), engine="tp", tp_size=2, prefetch=prefetch) for c in ranks]
         helpers.fill(c0, lay())
         got, pos, bad = [[], []], [0, 0], 0
         for r in order:
@@ -83,7 +78,7 @@ def run_group(run_dir, reqs, order, prefetch=False):
 
 def run_alone(run_dir, reqs, prefetch=False):
     with Client(run_dir, name="ref") as c:
-        att = c.attach(lay(), engine="ref", **prefetch_kw(prefetch))
+        att = c.attach(lay(), engine="ref", prefetch=prefetch)
         helpers.fill(c, lay())
         got, bad = [], 0
         for req in reqs:
@@ -105,7 +100,7 @@ def orders(n: int):
             "random": rand}
 
 
-@pytest.mark.parametrize("prefetch", [False, True, 4], ids=["plain", "prefetch", "prefetch-min-batch-4"])
+@pytest.mark.parametrize("prefetch", [False, True])
 def test_every_rank_gets_the_slots_of_one_resolve_and_the_pools_rows_in_any_order(daemon, prefetch):
     reqs = requests_of(1)
     want, bad, alone = run_alone(daemon.run_dir, reqs, prefetch)
@@ -128,7 +123,6 @@ def test_every_rank_gets_the_slots_of_one_resolve_and_the_pools_rows_in_any_orde
                                                                          + alone["out_of_range"])
     if prefetch:
         assert s["prefetched"] == (runs + 1) * alone["prefetched"]
-        assert (alone["prefetched"] > 0) == (prefetch is True)  # batches of 3 rows: none goes ahead at 4
 
 
 def test_a_rank_whose_topk_differs_is_refused_and_stays_where_it_was(daemon):
@@ -303,29 +297,3 @@ def test_the_entries_kept_for_a_rank_go_when_it_dies_and_the_group_with_its_last
             slow.close()
         c0.detach()
         assert "tp" not in d.engines and not d.engines.tp_ledger.held
-
-
-def test_every_rank_of_a_tp_group_names_the_same_prefetch_min_batch(daemon):
-    """The ranks of a TP group prefetch once for all of them: a rank naming another
-    prefetch_min_batch (or none, the default) than the group's is refused; one naming the
-    same joins. The group then fetches ahead only batches of that many rows: here none of
-    one row, then a batch of three."""
-    run = daemon.run_dir
-    with Client(run, rank=0) as c0, Client(run, rank=1) as c1:
-        c0.attach(lay(), engine="tp", tp_size=2, prefetch=True, prefetch_min_batch=3)
-        with pytest.raises(LayoutMismatch, match="the same prefetch_min_batch; the group's is 3, this rank's 2"):
-            c1.attach(lay(), engine="tp", tp_size=2, prefetch=True)
-        with pytest.raises(LayoutMismatch, match="the same prefetch_min_batch; the group's is 3, this rank's 4"):
-            c1.attach(lay(), engine="tp", tp_size=2, prefetch=True, prefetch_min_batch=4)
-        c1.attach(lay(), engine="tp", tp_size=2, prefetch=True, prefetch_min_batch=3)
-        helpers.fill(c0, lay())
-        seen = []
-        for t, rows in enumerate(([0], [0, 1, -1])):
-            rows = np.array(rows, np.int32)
-            topk = np.arange(4 * len(rows), dtype=np.int32).reshape(len(rows), 4) + 10 * t
-            before = c0.stats()["prefetched"]
-            for c in (c0, c1):
-                c.step(t, rows)
-                c.topk(t, 0, topk)
-            seen.append(c0.stats()["prefetched"] - before)
-    assert seen == [0, 8]

@@ -7,7 +7,7 @@ bytes), the daemon's counters are the reference's once (tp_followed the batches 
 from a peer's resolve). Steps sent alone or riding on a TOPK, TOPKs with their own state
 rows, several batches of a group in a step, writes from any rank at any point, requests
 that differ from the peers' (refused, nothing changed), a rank that leaves mid-run,
-prefetch on (from batches of 1, 2 or 3 rows: ``prefetch_min_batch``) and off."""
+prefetch on and off."""
 
 import numpy as np
 import pytest
@@ -57,11 +57,9 @@ def run(run_dir: str, seed: int, prefetch: bool, max_lag: int) -> None:
     weight = rng.random(n) + 0.05  # one rank often far ahead of another
     ranks = [Client(run_dir, rank=r, name=f"tp{r}").connect() for r in range(n)]
     ref = InprocClient()
-    # batches of 1-3 rows: some go ahead, some not (not drawn from rng: the sequence stays the seed's)
-    pf = {"prefetch": True, "prefetch_min_batch": 1 + seed % 3} if prefetch else {}
     try:
-        atts = [c.attach(lay(), engine=f"tp{seed}", tp_size=n, **pf) for c in ranks]
-        ref.attach(lay(), **pf)
+        atts = [c.attach(lay(), engine=f"tp{seed}", tp_size=n, prefetch=prefetch) for c in ranks]
+        ref.attach(lay(), prefetch=prefetch)
         gen = np.zeros(HOST_ROWS, np.int64)
         everything = np.arange(HOST_ROWS, dtype=np.int32)
         ranks[0].write(everything, pool_rows(everything, gen))

@@ -75,8 +75,7 @@ def main() -> int:
     hs = {}
     try:
         for name in ("offload", "offload_filled"):
-            hs[name] = InprocSwapIn(lay, device=0, gather_blocks=o.gather_blocks, prefetch=o.prefetch,
-                                    prefetch_min_batch=1)  # batch 1 is what it measures
+            hs[name] = InprocSwapIn(lay, device=0, gather_blocks=o.gather_blocks, prefetch=o.prefetch)
             fill_pattern(hs[name].pool)
         table = wl.block_table
         if o.spread > 1:  # the request's blocks at distinct random host blocks of the larger pool

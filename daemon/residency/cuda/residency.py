@@ -22,7 +22,6 @@ from __future__ import annotations
 import numpy as np
 
 from sparsekv.daemon.kernels import DEFAULT_HASH_SCALE, RESOLVE_THREADS, get_cache, resolve_defines
-from sparsekv.proto import MAX_PREFETCH_MIN_BATCH
 from sparsekv.proto.layout import Layout
 
 from ..base import Plan, Residency, ResidencyError, Resolved, check_batch
@@ -70,19 +69,11 @@ class CudaResidency(Residency):
             default): each where the workspace (with the table above) still fits.
         prefetch: keep the prefetch marks and counters, and build ``skv_prefetch``
             (a layout whose prefetch workspace exceeds shared memory is refused).
-        prefetch_min_batch: (prefetch) ``skv_prefetch`` takes nothing from a batch of
-            fewer rows (padding rows included; DESIGN §4, prefetch): every launch, the
-            step graphs' and :meth:`prefetch`'s. 1 (the default): every batch, as
-            ``CpuResidency.prefetch``; a rank passes its ATTACH's.
     """
 
     def __init__(self, layout: Layout, *, kernels=None, stream=None, threads: int = RESOLVE_THREADS,
                  workspace: str = "auto", hash_scale: int | None = None, lru_smem: bool | None = None, owner_smem: bool | None = None,
-                 prefetch: bool = False, prefetch_min_batch: int = 1):
-        if type(prefetch_min_batch) is not int or not 1 <= prefetch_min_batch <= MAX_PREFETCH_MIN_BATCH:
-            raise ValueError(f"prefetch_min_batch must be an integer in [1, {MAX_PREFETCH_MIN_BATCH}], "
-                             f"got {prefetch_min_batch!r}")
-        self.prefetch_min_batch = prefetch_min_batch
+                 prefetch: bool = False):
         cp = cp_module()
         self.layout = layout.validate()
         kernels = kernels if kernels is not None else get_cache()
@@ -299,8 +290,7 @@ class CudaResidency(Residency):
         [batch, k], another group's) into the regions of group ``desc`` group +
         ``group_offset`` (1: ``desc`` is the source group's top-k block), the plan into
         ``plan_rows`` / ``plan_slots`` [max_batch, top_k] and ``counts`` [max_batch] (the
-        format ``skv_gather`` reads); a batch of fewer than ``prefetch_min_batch`` rows
-        gets counts 0 and changes nothing. Device arrays only; no read-back."""
+        format ``skv_gather`` reads). Device arrays only; no read-back."""
         if self._prefetch is None:
             raise ResidencyError("BAD_ARGUMENT", "this residency was made without prefetch")
         lay = self.layout
@@ -308,16 +298,13 @@ class CudaResidency(Residency):
         with stream:
             self._prefetch(
                 (int(max_batch),), (self.threads,),
-                (desc, i32(group_offset), i32(self.prefetch_min_batch), self.owner, self.lru, self.fresh,
-                 i32(lay.num_groups), i32(lay.max_reqs), i32(lay.region_stride), i32(lay.host_rows), i32(lay.top_k),
-                 i32(max_batch), state_rows, topk, i32(lay.top_k), plan_rows, plan_slots, counts, self.pf_counters,
-                 err),
+                (desc, np.int32(group_offset), self.owner, self.lru, self.fresh, i32(lay.num_groups), i32(lay.max_reqs),
+                 i32(lay.region_stride), i32(lay.host_rows), i32(lay.top_k), i32(max_batch), state_rows, topk,
+                 i32(lay.top_k), plan_rows, plan_slots, counts, self.pf_counters, err),
                 shared_mem=self.prefetch_smem,
             )
 
     def prefetch(self, group: int, state_rows: np.ndarray, topk: np.ndarray) -> Plan:
-        """``Residency.prefetch`` by ``skv_prefetch``: an empty plan, nothing changed, for
-        a batch of fewer than ``prefetch_min_batch`` rows."""
         if self._prefetch is None:
             return super().prefetch(group, state_rows, topk)
         cp = cp_module()

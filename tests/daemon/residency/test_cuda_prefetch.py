@@ -2,8 +2,7 @@
 residency kernels) through ``CudaResidency(prefetch=True)``, against the NumPy engine bit
 for bit: the random programs of ``kernel_traces.run_prefetch_program`` (the emulator runs
 the same ones in ``tests/csrc/test_prefetch_on_cpu.py``), the per-row plans of the device
-path, the layouts refused, batches below ``prefetch_min_batch`` (nothing planned, nothing
-changed). Every test needs a GPU (marked ``cuda``).
+path, the layouts refused. Every test needs a GPU (marked ``cuda``).
 """
 
 from __future__ import annotations
@@ -61,85 +60,6 @@ def test_prefetch_programs_on_the_gpu_equal_the_numpy_engine(case, kc):
     gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, prefetch=True)
     run_prefetch_program(CpuResidency(lay), gpu, lay, sum(map(ord, name)), steps, batch, gpu_begin_step)
     assert gpu.last_errors == 0
-
-
-# name, top_k, stride, host_rows, max_reqs, groups, batch, steps, threads, prefetch_min_batch
-MIN_BATCH_PROGRAMS = [
-    ("tiny-min2", 4, 12, 40, 3, 3, 6, 80, 32, 2),
-    ("three-tokens-min3", 8, 24, 80, 4, 2, 8, 60, 64, 3),
-    ("wide-min2", 64, 200, 2_000, 4, 2, 10, 30, 128, 2),
-]
-
-
-@pytest.mark.parametrize("case", MIN_BATCH_PROGRAMS, ids=[p[0] for p in MIN_BATCH_PROGRAMS])
-def test_prefetch_programs_with_a_min_batch_on_the_gpu_equal_the_numpy_engine(case, kc):
-    """Batches of 1 to ``batch`` rows, ``CudaResidency(prefetch_min_batch=)``: a smaller
-    batch's prefetch plans nothing and changes nothing, a larger one is the NumPy
-    engine's (as on the emulator, tests/csrc/test_prefetch_on_cpu.py)."""
-    name, k, stride, host_rows, reqs, groups, batch, steps, threads, min_batch = case
-    lay = layout(k, stride, host_rows, reqs, groups=groups, max_batch=batch)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=threads, prefetch=True, prefetch_min_batch=min_batch)
-    run_prefetch_program(CpuResidency(lay), gpu, lay, sum(map(ord, name)), steps, batch, gpu_begin_step,
-                         min_batch=min_batch)
-    assert gpu.last_errors == 0
-
-
-def test_the_device_path_takes_nothing_from_a_batch_below_min_batch(kc):
-    """``launch_prefetch`` as the daemon's step runs it (group 0's descriptor,
-    group_offset 1) with ``prefetch_min_batch`` 2: a batch of one row gets count 0, no
-    plan entry written, the owners, lru rows, marks and counters as they were; a batch of
-    two rows (one of them padding) is the NumPy engine's prefetch; with
-    ``prefetch_min_batch`` 1 the batch of one row is too. A value outside [1, 65535] is
-    refused at construction."""
-    import cupy as cp
-
-    lay = layout(4, 12, 100, 3, groups=2, max_batch=4)
-    cpu = CpuResidency(lay)
-    gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, prefetch=True, prefetch_min_batch=2)
-    for r in (cpu, gpu):
-        r.resolve(1, np.array([0, 1], np.int32), np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32))
-
-    def launch(sr, tk):
-        out = gpu.new_output()
-        with gpu.stream:
-            out.plan_rows.fill(-7)
-            out.misses.fill(-7)
-            out.desc.set(cuda.make_desc(len(sr), 4, 0), stream=gpu.stream)
-            gpu.launch_prefetch(out.desc, cp.asarray(np.concatenate([sr, np.full(4 - len(sr), -1, np.int32)])),
-                                cp.asarray(tk), out.plan_rows, out.plan_slots, out.misses, out.err, out.max_batch,
-                                gpu.stream, group_offset=1)
-        gpu.stream.synchronize()
-        with gpu.stream:
-            return out.plan_rows.get(), out.plan_slots.get(), out.misses.get()
-
-    one, tk1 = np.array([0], np.int32), np.array([[10, 11, 12, 13]], np.int32)
-    with gpu.stream:
-        before = [a.get() for a in (gpu.owner, gpu.lru, gpu.fresh, gpu.pf_counters)]
-    prow, _, counts = launch(one, tk1)
-    assert counts[0] == 0 and (counts[1:] == -7).all() and (prow == -7).all()
-    with gpu.stream:
-        for a, b in zip(before, (gpu.owner, gpu.lru, gpu.fresh, gpu.pf_counters)):
-            np.testing.assert_array_equal(a, b.get())
-    assert_marks(cpu, gpu, "batch of one")
-    assert gpu.prefetch(1, one, tk1).rows.size == 0  # the host convenience call: the same rule
-    assert_marks(cpu, gpu, "batch of one, host call")
-    sr, tk = np.array([1, -1], np.int32), np.array([[20, 21, 22, 23], [24, 25, 26, 27]], np.int32)
-    want = cpu.prefetch(1, sr, tk)
-    prow, pslot, counts = launch(sr, tk)
-    assert counts[:2].tolist() == [want.rows.size, 0] and want.rows.size
-    assert sorted(zip(prow[0, :counts[0]].tolist(), pslot[0, :counts[0]].tolist())) == \
-        sorted(zip(want.rows.tolist(), want.slots.tolist()))
-    assert_marks(cpu, gpu, "batch of two")
-    one_gpu = cuda.CudaResidency(lay, kernels=kc, threads=32, prefetch=True, prefetch_min_batch=1)
-    one_cpu = CpuResidency(lay)
-    want, got = one_cpu.prefetch(1, one, tk1), one_gpu.prefetch(1, one, tk1)
-    assert want.rows.size
-    np.testing.assert_array_equal(got.rows, want.rows)
-    np.testing.assert_array_equal(got.slots, want.slots)
-    assert_marks(one_cpu, one_gpu, "min_batch 1")
-    for bad in (0, 65536, True, 2.0):
-        with pytest.raises(ValueError, match="prefetch_min_batch must be an integer"):
-            cuda.CudaResidency(lay, kernels=kc, prefetch=True, prefetch_min_batch=bad)
 
 
 def test_the_device_path_plan_drops_a_slot_a_later_token_retook(kc):
