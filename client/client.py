@@ -266,7 +266,10 @@ class Client(Connection):
         try:
             fds = fetch_fds(self.run_dir, h, self.timeout_s)
         except SparseKVError as e:
-            if not cuda:  # no slab to read: give the rank back
+            # No slab to read, or a doorbell rank, whose error record and stop word live in
+            # the step blocks (without them its handle could neither report a device error
+            # nor see its TP group stop): give the rank back.
+            if not cuda or transport == "doorbell":
                 self._detach_quietly()
                 raise
             # cuda: only the pinned step blocks are missing; top-k batches go as arrays.

@@ -220,3 +220,38 @@ def test_after_a_failure_to_page_lock_the_step_blocks_the_rank_takes_no_gpu_top_
     monkeypatch.setattr(cuda_attach, "_RegisteredBlocks", lambda mm, device: ("registered", device))
     assert takes(ok) is True and ok._registered == ("registered", 0)
     assert takes(SimpleNamespace(_blocks_mm=object(), _fence=None, _register_failed=False)) is False  # no fences
+
+
+@pytest.mark.parametrize("transport", ["zmq", "doorbell"])
+def test_a_doorbell_attach_without_its_step_blocks_gives_the_rank_back(monkeypatch, transport):
+    """The fd socket could not hand over the rank's descriptors (busy past its retries, say).
+    A zmq rank goes on, its top-k batches sent as arrays; a doorbell rank's error record and
+    TP stop word live in those step blocks, so without them its handle could neither report
+    a device error nor see its group stop: the rank is detached and the error raised."""
+    from sparsekv.client import client as client_mod
+    from sparsekv.client.errors import QuotaExceeded
+    from sparsekv.proto import Layout
+
+    made = []
+    monkeypatch.setattr(client_mod, "CudaAttachment", lambda *a, **kw: made.append(kw) or SimpleNamespace())
+    c = client_mod.Client("/nonexistent", device="cuda:0")
+    c._sock = SimpleNamespace(close=lambda linger=0: None)
+    sent = []
+
+    def call(t, fields=None):
+        sent.append(t.name)
+        return {"handles": {"kind": "cuda_ipc", "bus_id": "0000:00:06.0"}}, None
+
+    def busy(run_dir, h, timeout_s):
+        raise QuotaExceeded("busy: uid 1000 has 64 fd socket connections open, its share of the 256; try again")
+
+    monkeypatch.setattr(c, "_call", call)
+    monkeypatch.setattr(client_mod, "fetch_fds", busy)
+    lay = Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
+    if transport == "zmq":
+        c.attach(lay, engine="e", transport=transport)
+        assert sent == ["ATTACH"] and made and made[0]["fds"] == {}
+        return
+    with pytest.raises(QuotaExceeded, match="busy"):
+        c.attach(lay, engine="e", transport=transport)
+    assert sent == ["ATTACH", "DETACH"] and not made and c.attachment is None
