@@ -15,7 +15,17 @@ at most :data:`PER_UID` of one uid (SO_PEERCRED), :data:`RESERVED` more for oper
 the daemon's uid, ``admin_gid`` members); a connection beyond is answered at once with a
 busy refusal (QUOTA_EXCEEDED, ``"busy": true``, which the client retries for a moment:
 ``proto/fd_socket.py``) and counted in ``fd_connections_refused``; a request must come
-within ``fd_socket.REQUEST_TIMEOUT_S``. Every other refusal is counted in ``fd_refusals``.
+within ``fd_socket.REQUEST_TIMEOUT_S``. Every other refusal is answered and counted in
+``fd_refusals``; a connection closed before it sent anything is answered nothing, logged
+nothing and counted in ``fd_connections_empty``. Refusals are logged at most
+``ratelog.BURST`` lines a cause every ``ratelog.INTERVAL_S`` (``ratelog.py``).
+
+A request brings at most one descriptor (a deposit's): each read makes room for one and,
+once one came, for none, so a connection makes the daemon hold one descriptor at most. A
+second, or one the kernel had to cut off (``MSG_CTRUNC``: more than one in a message, or
+one after the first), ends the request: whatever came is closed and it is refused
+(BAD_ARGUMENT). The descriptors a request brought are closed on every path but a deposit
+kept (an answer, a refusal, a timeout, an error, the daemon stopping).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from sparsekv.proto import ErrorCode, ProtocolError
 from sparsekv.proto import fd_socket
 
 from .peers import Peer
+from .ratelog import RateLimitedLog
 from .uid_slots import UidSlots
 
 log = logging.getLogger("sparsekv.server")
@@ -73,8 +84,9 @@ class FdServer:
             the session's rank.
     """
 
-    def __init__(self, stats, share_fds, is_attacher, is_operator=lambda peer: False):
+    def __init__(self, stats, share_fds, is_attacher, is_operator=lambda peer: False, clock=time.monotonic):
         self.stats = stats
+        self.rlog = RateLimitedLog(log, clock=clock)  # refusals: any local user can cause them at will
         self._share_fds = share_fds
         self._is_attacher = is_attacher
         self.offers: dict[str, object] = {}  # token -> session (one per attached rank at most)
@@ -148,11 +160,13 @@ class FdServer:
         return dep.fd
 
     def expire(self, now: float | None = None) -> int:
-        """Close deposits older than :data:`DEPOSIT_TTL_S`; return how many."""
+        """Close deposits older than :data:`DEPOSIT_TTL_S`; return how many. (Called
+        every ``reap_interval_s``: the refusals' log summaries are written here too.)"""
         now = time.monotonic() if now is None else now
         old = [k for k, d in self.deposits.items() if now - d.at > DEPOSIT_TTL_S]
         for k in old:
             os.close(self.deposits.pop(k).fd)
+        self.rlog.flush()
         return len(old)
 
     # -- the socket --------------------------------------------------------------------
@@ -183,11 +197,19 @@ class FdServer:
             t.add_done_callback(self._tasks.discard)
 
     async def _serve(self, conn: socket.socket, peer: Peer, reserved: bool) -> None:
-        received: list[int] = []
+        received: list[int] = []  # what came with the request: closed below unless a deposit took it
         try:
             pid, uid, gid = peer.pid, peer.uid, peer.gid
-            line, received = await _read_line(conn)
-            answer, fds = self._answer(line, received, pid, uid, gid)  # a deposit takes its fd out
+            try:
+                line = await _read_line(conn, received)
+            except _TooManyFds:
+                answer, fds = self._refuse(pid, uid, _TOO_MANY_FDS, ErrorCode.BAD_ARGUMENT, cause="descriptors")
+            else:
+                if line == b"":  # closed before sending anything: nobody to answer, nothing to log
+                    self.stats.add(fd_connections_empty=1)
+                    log.debug("fd socket: pid %d uid %d closed its connection without a request", pid, uid)
+                    return
+                answer, fds = self._answer(line, received, pid, uid, gid)  # a deposit takes its fd out
             socket.send_fds(conn, [answer], fds)
         except (OSError, ValueError) as e:  # the peer hung up, say
             log.debug("fd socket: %s", e)
@@ -201,50 +223,55 @@ class FdServer:
 
     def _answer(self, line: bytes | None, received: list[int], pid: int, uid: int,
                 gid: int) -> tuple[bytes, list[int]]:
-        """The answer to ``line`` (None: nothing came in time) and the descriptors to send;
-        a deposit takes its own out of ``received``, the caller closes the rest."""
-        text = (line or b"").strip().decode("ascii", "replace")
+        """The answer to ``line`` (what came up to its newline; None: nothing came in time)
+        and the descriptors to send; a deposit takes its own out of ``received``, the
+        caller closes the rest."""
+        text = (line or b"").split(b"\n", 1)[0].strip().decode("ascii", "replace")
         if text == fd_socket.DEPOSIT:
             return self._deposit(received, pid, uid, gid)
         s = self.offers.get(text) if text else None
         if line is None:
-            why = f"no request within {fd_socket.REQUEST_TIMEOUT_S:g} s"
+            why, cause = f"no request within {fd_socket.REQUEST_TIMEOUT_S:g} s", "no request in time"
         elif received:
-            why = "descriptors are taken only with a deposit request"
+            why, cause = "descriptors are taken only with a deposit request", "descriptors"
         elif s is None:
-            why = ("unknown or already used token: a token serves one connection, from the process that attached, "
-                   "until it detaches")
+            why, cause = ("unknown or already used token: a token serves one connection, from the process that "
+                          "attached, until it detaches"), "unknown token"
         elif not self._is_attacher(s, pid, uid, gid):  # leaked or stolen: kept for the rank's process
-            log.warning("fd socket: pid %d (uid %d gid %d) presented the token of client %d (pid %d uid %d)",
-                        pid, uid, gid, s.client_id, s.pid, s.uid)
-            why = (f"this process (pid {pid}, uid {uid}) did not attach this rank: only the process that attached "
-                   "it gets its memory")
+            self.rlog.log("another process's token", logging.WARNING, "fd socket: pid %d (uid %d gid %d) presented "
+                          "the token of client %d (pid %d uid %d)", pid, uid, gid, s.client_id, s.pid, s.uid)
+            why, cause = (f"this process (pid {pid}, uid {uid}) did not attach this rank: only the process that "
+                          "attached it gets its memory"), "another process's token"
         else:
             del self.offers[text]
             s.fd_token = None
             fds = self._share_fds(s.client_id)
             log.debug("fd socket: client %d (pid %d) got %s", s.client_id, pid, ", ".join(fds))
             return fd_socket.answer(True, fds=list(fds)), list(fds.values())
-        return self._refuse(pid, uid, why)
+        return self._refuse(pid, uid, why, cause=cause)
 
     def _deposit(self, received: list[int], pid: int, uid: int, gid: int) -> tuple[bytes, list[int]]:
         if len(received) != 1:
-            return self._refuse(pid, uid, f"a deposit brings exactly one descriptor, this one {len(received)}")
+            return self._refuse(pid, uid, f"a deposit brings exactly one descriptor, this one {len(received)}",
+                                cause="deposit refused")
         self.expire()
         mine = sum(1 for d in self.deposits.values() if d.pid == pid)
         users = sum(1 for d in self.deposits.values() if d.uid == uid)
         if mine >= DEPOSITS_PER_PID or users >= DEPOSITS_PER_UID:
             return self._refuse(pid, uid, f"too many slab deposits not yet used by an ATTACH ({mine} of this "
                                 f"process, {users} of its uid); attach with them or wait "
-                                f"{DEPOSIT_TTL_S:g} s", ErrorCode.TOO_LARGE)
+                                f"{DEPOSIT_TTL_S:g} s", ErrorCode.TOO_LARGE, cause="deposit refused")
         dep_id = secrets.token_hex(fd_socket.TOKEN_BYTES)
         self.deposits[dep_id] = Deposit(received.pop(), pid, uid, gid, time.monotonic())
         log.debug("fd socket: pid %d deposited a slab descriptor", pid)
         return fd_socket.answer(True, deposit=dep_id), []
 
-    def _refuse(self, pid: int, uid: int, why: str, code: ErrorCode = ErrorCode.PERMISSION_DENIED):
+    def _refuse(self, pid: int, uid: int, why: str, code: ErrorCode = ErrorCode.PERMISSION_DENIED, *,
+                cause: str = "refused"):
+        """A refusal's answer, counted (``fd_refusals``) and logged, at most so many lines a
+        ``cause`` (``ratelog.py``): any local user can cause them as fast as it connects."""
         self.stats.add(fd_refusals=1)
-        log.info("fd socket: refused pid %d uid %d: %s", pid, uid, why)
+        self.rlog.log(f"fd socket: {cause}", logging.INFO, "fd socket: refused pid %d uid %d: %s", pid, uid, why)
         return fd_socket.answer(False, code=code, msg=why), []
 
 
@@ -262,28 +289,42 @@ def _refuse_busy(conn: socket.socket, why: str) -> None:
     conn.close()
 
 
-async def _read_line(conn: socket.socket) -> tuple[bytes | None, list[int]]:
-    """One request line (at most ``MAX_REQUEST_BYTES``) and the descriptors that came with
-    it, within ``REQUEST_TIMEOUT_S``; None for the line if it did not come in time."""
+_TOO_MANY_FDS = "a request brings at most one descriptor (a deposit's); this one brought more"
+
+
+class _TooManyFds(Exception):
+    """A request brought a second descriptor (or more in one message)."""
+
+
+async def _read_line(conn: socket.socket, fds: list[int]) -> bytes | None:
+    """What came of one request (at most ``MAX_REQUEST_BYTES``), up to its newline or the
+    connection's end, within ``REQUEST_TIMEOUT_S``: None if it did not come in time,
+    ``b""`` if the connection was closed before anything came. The descriptor that came
+    with it is appended to ``fds`` as it comes (the caller closes it, whatever happens
+    here). Each read makes room for one descriptor, and for none once one came: raises
+    :class:`_TooManyFds` at a second or more (the kernel cut them off, ``MSG_CTRUNC``, and
+    closed them), so the daemon never holds more than one for a connection."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + fd_socket.REQUEST_TIMEOUT_S
-    data, fds = b"", []
+    data = b""
     while b"\n" not in data and len(data) < fd_socket.MAX_REQUEST_BYTES:
         ready = loop.create_future()
         loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
         try:
             await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
-            return None, fds
+            return None
         finally:
             loop.remove_reader(conn.fileno())
         try:
-            chunk, got, _flags, _ = socket.recv_fds(conn, fd_socket.MAX_REQUEST_BYTES - len(data), fd_socket.MAX_FDS,
-                                                    socket.MSG_CMSG_CLOEXEC)
+            chunk, got, flags, _ = socket.recv_fds(conn, fd_socket.MAX_REQUEST_BYTES - len(data), 1 - len(fds),
+                                                   socket.MSG_CMSG_CLOEXEC)
         except BlockingIOError:
             continue
         fds.extend(got)
+        if len(fds) > 1 or flags & socket.MSG_CTRUNC:
+            raise _TooManyFds
         if not chunk:
             break
         data += chunk
-    return data.split(b"\n", 1)[0], fds
+    return data

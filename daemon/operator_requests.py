@@ -38,6 +38,10 @@ HTTP_MAX_OPEN = 32
 REQUEST_TIMEOUT_S = 1.0
 ANSWER_TIMEOUT_S = 5.0
 RETRY_AFTER_S = 1
+# A command line (HTTP: a request head) longer than this is answered "command too long"
+# (HTTP: 431) and closed: the limit of the asyncio.StreamReader that reads it.
+STREAM_LIMIT = 2 ** 16
+COMMANDS = "stats, json, prometheus, clients, blocks, health"
 
 
 class OperatorRequests:
@@ -68,7 +72,12 @@ class OperatorRequests:
             _refuse(writer, f"error: busy: {why}; try again\n".encode())
             return
         try:
-            line = await asyncio.wait_for(reader.readline(), timeout=REQUEST_TIMEOUT_S)
+            try:
+                line = await asyncio.wait_for(reader.readline(), timeout=REQUEST_TIMEOUT_S)
+            except (ValueError, asyncio.LimitOverrunError):  # no newline within the reader's limit (64 KiB)
+                await _answer(writer, f"error: command too long (no newline within {STREAM_LIMIT} bytes); try "
+                                      f"{COMMANDS}\n".encode())
+                return
             cmd = line.decode(errors="replace").strip().lower() or "stats"
             if cmd == "stats":
                 out = stats_mod.render_table(self.snapshot())
@@ -84,7 +93,7 @@ class OperatorRequests:
                 # The socket exists only once the daemon serves (READY=1 sent): answering is ready.
                 out = f"ready pid={os.getpid()} clients={len(self.sessions)}\n"
             else:
-                out = f"error: unknown command {cmd[:40]!r}; try stats, json, prometheus, clients, blocks, health\n"
+                out = f"error: unknown command {cmd[:40]!r}; try {COMMANDS}\n"
             await _answer(writer, out.encode())
         except (asyncio.TimeoutError, ConnectionError):
             pass
@@ -104,7 +113,13 @@ class OperatorRequests:
             return
         self.http_open += 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=REQUEST_TIMEOUT_S)
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=REQUEST_TIMEOUT_S)
+            except asyncio.LimitOverrunError:  # no blank line within the reader's limit (64 KiB)
+                await _answer(writer, _http_response("431 Request Header Fields Too Large",
+                                                     f"request head over {STREAM_LIMIT} bytes\n".encode(),
+                                                     "text/plain; charset=utf-8"))
+                return
             parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
             body, ctype, extra = b"", "text/plain; charset=utf-8", ""
             if len(parts) != 3 or not parts[2].startswith("HTTP/"):

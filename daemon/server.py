@@ -31,7 +31,7 @@ from .engine_requests import EngineRequests, code_of
 from .fd_server import FdServer
 from .heavy import MAX_WAITING, Gone, HeavyRequests, Job
 from .notify import Notifier
-from .operator_requests import OperatorRequests
+from .operator_requests import STREAM_LIMIT, OperatorRequests
 from .pool import HostPool, PoolError
 from .registry import EngineRegistry
 from .residency.base import ResidencyError
@@ -105,7 +105,7 @@ class Daemon:
             # First: a port in use fails the start before any socket of the run dir exists.
             # Loopback only: the endpoint has no authentication.
             http_server = await asyncio.start_server(self.operator_requests.http_client, host="127.0.0.1",
-                                                     port=self.metrics_port)
+                                                     port=self.metrics_port, limit=STREAM_LIMIT)
             self.metrics_address = http_server.sockets[0].getsockname()[:2]
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
         others = os.sched_getaffinity(0)
@@ -114,7 +114,8 @@ class Daemon:
         if os.path.lexists(self.stats_path):
             os.unlink(self.stats_path)
         # The stats and fd sockets first: whoever sees control.sock finds them there too.
-        stats_server = await asyncio.start_unix_server(self.operator_requests.stats_client, path=self.stats_path)
+        stats_server = await asyncio.start_unix_server(self.operator_requests.stats_client, path=self.stats_path,
+                                                       limit=STREAM_LIMIT)
         os.chmod(self.stats_path, 0o660)
         try:
             await self.fd_server.start(self.fd_path)

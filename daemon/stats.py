@@ -52,7 +52,11 @@ COUNTERS = (
     ("requests", "requests handled"),
     ("errors", "requests answered with an error"),
     ("async_errors", "requests not run, answered with an error their rank found after the fact (also in errors)"),
-    ("fd_refusals", "fd socket connections refused (a bad, used or withdrawn token, or not the attaching process)"),
+    ("fd_refusals", "fd socket requests refused with an answer (a bad, used or withdrawn token, not the attaching "
+     "process, no request within 1 s, a descriptor beside a request other than a deposit, more than one descriptor, "
+     "a deposit of no descriptor or over its caps), and ATTACHes naming another process's slab deposit"),
+    ("fd_connections_empty", "fd socket connections closed by their client before sending anything (not answered, "
+     "not logged)"),
     ("fd_connections_refused", "fd socket connections answered busy when accepted: their uid had its share open, "
      "or every connection was open"),
     ("connections_refused", "control connections closed when accepted: their uid had max_connections_per_uid open"),
@@ -288,8 +292,10 @@ def render_table(snap: dict) -> str:
     busy = {k: snap.get(f"{k}_connections_refused", 0) for k in ("stats", "metrics")}
     if any(busy.values()):  # operator connections over their limits, answered busy
         lines.append(f"operator busy  {busy['stats']} stats socket, {busy['metrics']} HTTP connections refused")
-    if snap.get("fd_refusals"):  # fds.sock: a bad token, or not the process that attached
+    if snap.get("fd_refusals"):  # fds.sock: a bad token, not the process that attached, no request in time...
         lines.append(f"fd refusals    {snap['fd_refusals']}")
+    if snap.get("fd_connections_empty"):  # fds.sock connections closed before sending anything
+        lines.append(f"fd socket      {snap['fd_connections_empty']} connections closed without a request")
     if snap.get("fd_connections_refused"):  # fds.sock connections over their uid's share or the limit
         lines.append(f"fd socket busy {snap['fd_connections_refused']} connections refused")
     if snap.get("device_errors"):  # cuda: rows the kernels refused or mended, by kind

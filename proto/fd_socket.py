@@ -11,7 +11,9 @@ The client connects, sends the token and a newline (at most :data:`MAX_REQUEST_B
 and reads one answer: a JSON line ``{"ok": true, "fds": [names]}`` with the descriptors,
 in that order, as ``SCM_RIGHTS``; or ``{"ok": false, "code": "<ErrorCode name>", "msg":
 ...}`` without any. Only the process that attached (``SO_PEERCRED`` pid and uid) gets
-them; anything else is refused and counted (``fd_refusals``).
+them; anything else is refused and counted (``fd_refusals``). A request brings at most
+one descriptor (a deposit's, :func:`deposit_fd`): one bringing more is refused
+``BAD_ARGUMENT``, none of them kept.
 
 The daemon serves a bounded number of connections at once, a share of them to each uid
 (``daemon/fd_server.py``); a connection beyond is answered at once, its request unread,
@@ -33,7 +35,7 @@ FD_SOCKET = "fds.sock"
 TOKEN_BYTES = 16  # sent as 32 hex digits
 MAX_REQUEST_BYTES = 128  # the token line; the daemon reads no more
 MAX_ANSWER_BYTES = 4096
-MAX_FDS = 8
+MAX_FDS = 8  # descriptors an answer brings at most (a request: one, a deposit's)
 TIMEOUT_S = 5.0  # a client gives up on a daemon that does not answer after this
 # The daemon closes a connection whose request has not come after this: clients send it
 # in the call that connected, so a second is ample on a loaded host, and a silent

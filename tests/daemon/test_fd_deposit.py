@@ -86,3 +86,28 @@ def test_deposits_expire_and_are_closed_and_belong_to_their_process():
     os.fstat(got)  # the caller owns it now
     os.close(got)
     srv.close()
+
+
+def test_a_deposit_brings_one_descriptor_in_any_message_of_its_line_and_no_second(daemon):
+    """Room for one descriptor a request (daemon/fd_server.py): a deposit whose descriptor
+    comes with the first part of its line is kept; one whose message brings two is refused
+    BAD_ARGUMENT, neither kept."""
+    fd = memfd()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(sock_path(daemon))
+            socket.send_fds(s, [b"dep"], [fd])
+            s.sendall(b"osit\n")
+            head = fd_socket._read_answer(s, b"")
+        assert head["ok"] is True and isinstance(head["deposit"], str)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(sock_path(daemon))
+            socket.send_fds(s, [b"deposit\n"], [fd, fd])
+            with pytest.raises(ProtocolError, match=r"^BAD_ARGUMENT: a request brings at most one descriptor") as e:
+                fd_socket._read_answer(s, b"")
+        assert e.value.code == ErrorCode.BAD_ARGUMENT
+        assert fd_socket.deposit_fd(sock_path(daemon), fd)  # one, the client's way
+    finally:
+        os.close(fd)

@@ -7,7 +7,9 @@ connections of any local user, for all uids together, each held up to 5 s, made 
 other engine's ATTACH fail ("Broken pipe") for as long as they were held."""
 
 import json
+import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -299,3 +301,168 @@ def test_other_uids_holding_the_fd_socket_lock_out_no_other_engine(daemon):
             p.kill()
             p.wait()
     assert helpers.stats_json(daemon.run_dir)["fd_connections_refused"] == 37
+
+
+# -- descriptors a request brings; the log lines refusals cause -----------------------------
+def daemon_fds(d) -> int:
+    return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+
+
+def closed_by_the_daemon(r: int, timeout_s: float) -> bool:
+    """Whether the pipe whose write end was sent (and closed here) reads EOF within
+    ``timeout_s``: every copy of that end closed, the daemon's too."""
+    ready, _, _ = select.select([r], [], [], timeout_s)
+    return bool(ready) and os.read(r, 1) == b""
+
+
+def read_answer(s: socket.socket) -> dict:
+    data = b""
+    try:
+        while not data.endswith(b"\n") and (b := s.recv(4096)):
+            data += b
+    except ConnectionResetError:  # the daemon closed with our later messages unread
+        pass
+    return json.loads(data)
+
+
+@pytest.mark.parametrize("per_message", [1, 8])
+def test_a_request_bringing_many_descriptors_is_refused_and_the_daemon_holds_one_at_most(daemon, per_message):
+    """8 connections each send 32 one-byte messages (no newline), each with 1 or 8
+    descriptors: each is refused at once, BAD_ARGUMENT, at its second descriptor (or its
+    first message of 8), and the daemon never holds more than one of them a connection.
+    Before: the daemon read 8 a message and kept all until the request's 1 s was over,
+    ~1,000 a connection, 65,000 in one uid's share: past its RLIMIT_NOFILE, no engine of
+    another uid could attach ("no ZMTP handshake"). An engine attaches meanwhile."""
+    path = os.path.join(daemon.run_dir, FD_SOCKET)
+    before = daemon_fds(daemon)
+    dev = os.open(os.devnull, os.O_RDONLY)
+    conns = []
+    try:
+        for _ in range(8):
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(5)
+            s.connect(path)
+            conns.append(s)
+            for _ in range(32):
+                try:
+                    socket.send_fds(s, [b"x"], [dev] * per_message)
+                except OSError:  # refused and closed already
+                    break
+                time.sleep(0.001)  # each message read apart
+        time.sleep(0.1)
+        held = daemon_fds(daemon) - before
+        assert held <= 2 * len(conns), f"the daemon holds {held} more descriptors for {len(conns)} connections"
+        with Client(daemon.run_dir) as c:
+            c.attach(helpers.layout())
+        for s in conns:
+            assert read_answer(s) == {"ok": False, "code": "BAD_ARGUMENT", "msg": "a request brings at most one "
+                                      "descriptor (a deposit's); this one brought more"}
+    finally:
+        os.close(dev)
+        for s in conns:
+            s.close()
+    helpers.wait_for(lambda: daemon_fds(daemon) <= before + 2, 5, what="the daemon's descriptors back")
+    assert helpers.stats_json(daemon.run_dir)["fd_refusals"] == len(conns)
+
+
+def test_descriptors_a_request_brought_are_closed_when_refused_or_silent(daemon):
+    """A second descriptor: both closed as it is refused, at once (not after the request's
+    1 s). One descriptor and then silence: closed with the timeout's answer."""
+    path = os.path.join(daemon.run_dir, FD_SOCKET)
+    pipes = [os.pipe() for _ in range(3)]
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(path)
+            t0 = time.monotonic()
+            socket.send_fds(s, [b"de"], [pipes[0][1]])
+            time.sleep(0.05)
+            socket.send_fds(s, [b"posit\n"], [pipes[1][1]])
+            for _, w in pipes[:2]:
+                os.close(w)
+            assert read_answer(s)["code"] == "BAD_ARGUMENT" and time.monotonic() - t0 < 0.5
+            assert closed_by_the_daemon(pipes[0][0], 1) and closed_by_the_daemon(pipes[1][0], 1)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(path)
+            socket.send_fds(s, [b"deposi"], [pipes[2][1]])
+            os.close(pipes[2][1])
+            assert not closed_by_the_daemon(pipes[2][0], 0.5)  # held while the request may go on
+            assert read_answer(s)["msg"] == "no request within 1 s"
+            assert closed_by_the_daemon(pipes[2][0], 1)
+    finally:
+        for r, _ in pipes:
+            os.close(r)
+
+
+def test_a_descriptor_held_for_a_request_is_closed_when_the_daemon_stops():
+    """In process: the request's task cancelled (``FdServer.close``) with one descriptor
+    received. Before: the descriptors read so far were _read_line's, lost when it was
+    cancelled or raised: kept open until the process ended."""
+    import asyncio
+
+    class Counts:
+        def add(self, **kw):
+            pass
+
+    r, w = os.pipe()
+
+    async def main(run_dir):
+        srv = FdServer(Counts(), lambda cid: {}, lambda *a: False)
+        await srv.start(os.path.join(run_dir, FD_SOCKET))
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(os.path.join(run_dir, FD_SOCKET))
+        socket.send_fds(s, [b"dep"], [w])
+        os.close(w)
+        await asyncio.sleep(0.1)  # received, the request not finished
+        assert not closed_by_the_daemon(r, 0)
+        srv.close()
+        await asyncio.sleep(0.05)  # the cancelled task's finally
+        s.close()
+
+    try:
+        with helpers.short_tmpdir() as run_dir:
+            asyncio.run(main(run_dir))
+        assert closed_by_the_daemon(r, 1)
+    finally:
+        os.close(r)
+
+
+def test_empty_and_refused_connections_log_a_bounded_number_of_lines(daemon, tmp_path):
+    """300 connections closed without a word and 60 with an unknown token: the empty ones
+    are counted (``fd_connections_empty``), neither refused nor logged; the refusals logged
+    10 lines (``ratelog.py``). Before: one INFO line each, every empty connection an
+    "unknown or already used token" refusal (13,562 lines in 2 s)."""
+    path = os.path.join(daemon.run_dir, FD_SOCKET)
+    for _ in range(300):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+    helpers.wait_for(lambda: helpers.stats_json(daemon.run_dir)["fd_connections_empty"] == 300, 5,
+                     what="300 empty connections counted")  # (served: the backlog free again)
+    for _ in range(60):
+        assert "unknown or already used token" in raw_answer(path)["msg"]
+    assert helpers.stats_json(daemon.run_dir)["fd_refusals"] == 60
+    assert "fd socket      300 connections closed without a request" in helpers.stats_query(daemon.run_dir, "stats")
+    log = (tmp_path / "sparsekvd.log").read_text()
+    assert log.count("fd socket: refused") == 10, log
+    assert "without a request" not in log
+
+
+def test_refusals_are_logged_a_few_a_cause_then_summed_up(caplog):
+    clock = [0.0]
+    srv = FdServer(None, lambda cid: {}, lambda *a: False, clock=lambda: clock[0])
+    srv.stats = type("S", (), {"add": lambda self, **kw: None})()
+    with caplog.at_level(logging.INFO, logger="sparsekv.server"):
+        for _ in range(25):
+            srv._answer(b"nope\n", [], 1, 1000, 1000)
+            srv._answer(None, [], 1, 1000, 1000)
+        clock[0] = 11.0
+        srv.expire()  # every reap_interval_s
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("unknown or already used token" in m for m in lines) == 10
+    assert sum("no request within 1 s" in m for m in lines) == 10
+    assert sorted(m for m in lines if "left out" in m) == [
+        "15 more log lines of cause 'fd socket: no request in time' left out in the last 11 s (10 logged; at most 10 "
+        "a cause every 10 s)",
+        "15 more log lines of cause 'fd socket: unknown token' left out in the last 11 s (10 logged; at most 10 a "
+        "cause every 10 s)"]
