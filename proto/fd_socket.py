@@ -39,7 +39,7 @@ MAX_FDS = 8  # descriptors an answer brings at most (a request: one, a deposit's
 TIMEOUT_S = 5.0  # a client gives up on a daemon that does not answer after this
 # The daemon closes a connection whose request has not come after this: clients send it
 # in the call that connected, so a second is ample on a loaded host, and a silent
-# connection holds its slot 1 s (it was 5 s).
+# connection holds its slot 1 s.
 REQUEST_TIMEOUT_S = 1.0
 # A busy answer is tried again, after 1 ms doubling to 50 ms, for up to this long: past
 # the daemon's REQUEST_TIMEOUT_S, so every connection that held the slots at the first
