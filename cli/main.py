@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "GPU r modulo the GPUs seen); rank 0's results are saved, every rank's must equal them "
                         "(ranks_differing) and --verify checks every rank's rows")
     q.add_argument("--tp", action="store_true",
-                   help="the ranks form a TP group (attach tp_size: one resolve for them all, DESIGN §5.6; cpu)")
+                   help="the ranks form a TP group (attach tp_size: one resolve for them all, DESIGN §5.6; cpu, or cuda on the doorbell with every rank on one GPU)")
     q.add_argument("--connect", metavar="RUN_DIR",
                    help="use this running daemon instead of a private one (default: a private daemon)")
     q.add_argument("--daemon-log", metavar="FILE",
