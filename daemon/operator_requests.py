@@ -12,7 +12,6 @@ from sparsekv.proto import MsgType
 
 from . import stats as stats_mod
 from .peers import Peer
-from .sock_diag import UNKNOWN, SockDiag
 from .uid_slots import UidSlots
 
 # What generate_latest() writes (CONTENT_TYPE_LATEST names 1.0.0 in recent releases).
@@ -32,18 +31,8 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 STATS_MAX_OPEN = 32
 STATS_PER_UID = 8
 STATS_RESERVED = 8
-# The loopback HTTP endpoint: the same, by the uid that owns the client's socket. TCP has
-# no SO_PEERCRED: the kernel names that socket's owner on a NETLINK_SOCK_DIAG lookup of
-# the connection's 4-tuple (sock_diag.py; one netlink round trip, ~10 us, as each
-# connection is accepted); a socket it does not name (closed already, or no lookup here)
-# counts as uid -1. HTTP_MAX_OPEN connections at once, at most HTTP_PER_UID of one uid: a
-# scraper needs one at a time, so a smaller share than the stats socket's (eight uids to
-# fill the shared slots, not four). Operators have HTTP_RESERVED more: root and the
-# daemon's own uid only (the kernel names a socket's uid, not its process's groups, so
-# admin_gid members have a share like any uid).
+# The loopback HTTP endpoint: TCP gives no uid, so one count for everyone.
 HTTP_MAX_OPEN = 32
-HTTP_PER_UID = 4
-HTTP_RESERVED = 4
 # Operators' tools send their command as soon as they connect: a connection silent for
 # this long is closed. An answer not taken by the client within ANSWER_TIMEOUT_S is dropped.
 REQUEST_TIMEOUT_S = 1.0
@@ -64,12 +53,7 @@ class OperatorRequests:
         self.snapshot, self.registry, self.sessions, self.stats = snapshot, registry, sessions, stats
         self.slots = UidSlots(sessions.sees_all, STATS_MAX_OPEN, STATS_PER_UID, STATS_RESERVED,
                               "stats socket connections")  # stats socket connections being answered
-        self.http_slots = UidSlots(_http_operator, HTTP_MAX_OPEN, HTTP_PER_UID, HTTP_RESERVED,
-                                   "HTTP connections")  # HTTP connections being answered
-        self.sock_diag = SockDiag()  # who owns an HTTP connection's client socket
-
-    def close(self) -> None:
-        self.sock_diag.close()
+        self.http_open = 0  # HTTP connections being answered
 
     def handlers(self) -> dict:
         """This role's control-socket handlers by message type."""
@@ -120,15 +104,14 @@ class OperatorRequests:
     async def http_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A minimal HTTP/1.0 responder: ``GET /metrics`` (Prometheus text), one request
         per connection. Runs on the daemon's loop: a scrape costs one snapshot, no thread.
-        Beyond its uid's share and the operators' slots (:class:`UidSlots`; the uid the
-        kernel says owns the client's socket, :func:`_http_peer`): 503 with Retry-After, at once."""
-        peer = _http_peer(self.sock_diag, writer)
-        reserved, why = self.http_slots.take(peer)
-        if reserved is None:
+        Beyond HTTP_MAX_OPEN connections: 503 with Retry-After, at once."""
+        if self.http_open >= HTTP_MAX_OPEN:
             self.stats.add(metrics_connections_refused=1)
-            _refuse(writer, _http_response("503 Service Unavailable", f"busy: {why}; try again\n".encode(),
-                                           "text/plain; charset=utf-8", f"Retry-After: {RETRY_AFTER_S}\r\n"))
+            body = f"busy: {self.http_open} connections open (at most {HTTP_MAX_OPEN}); try again\n".encode()
+            _refuse(writer, _http_response("503 Service Unavailable", body, "text/plain; charset=utf-8",
+                                           f"Retry-After: {RETRY_AFTER_S}\r\n"))
             return
+        self.http_open += 1
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=REQUEST_TIMEOUT_S)
@@ -151,7 +134,7 @@ class OperatorRequests:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         finally:
-            self.http_slots.give(peer, reserved)
+            self.http_open -= 1
             writer.close()
 
 
@@ -198,15 +181,3 @@ def _viewer(writer: asyncio.StreamWriter) -> Peer:
     except (OSError, AttributeError, struct.error):
         return Peer(-1, -1, 0, False)
     return Peer(uid, gid, pid, True)
-
-
-def _http_peer(sock_diag: SockDiag, writer: asyncio.StreamWriter) -> Peer:
-    """An HTTP connection's peer: the uid that owns the client's socket, as the kernel
-    says (gid and pid unknown: -1, 0); uid -1 when it names none."""
-    uid = sock_diag.peer_uid(writer.get_extra_info("peername"), writer.get_extra_info("sockname"))
-    return Peer(uid, -1, 0, uid != UNKNOWN)
-
-
-def _http_operator(peer: Peer) -> bool:
-    """Who has the HTTP endpoint's reserve: root and the daemon's own uid."""
-    return peer.uid in (0, os.getuid())

@@ -108,9 +108,6 @@ class Daemon:
                                                      port=self.metrics_port, limit=STREAM_LIMIT)
             self.metrics_address = http_server.sockets[0].getsockname()[:2]
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
-            # Its connections are shared out by the uid owning the client's socket, which
-            # the kernel names (NETLINK_SOCK_DIAG): asked once here, a warning if it cannot.
-            self.operator_requests.sock_diag.check(self.metrics_address)
         others = os.sched_getaffinity(0)
         if self.io_cpus:  # this thread reads the control socket; the workers keep off its CPUs
             os.sched_setaffinity(0, self.io_cpus)
@@ -156,7 +153,6 @@ class Daemon:
             self.fd_server.close()
             if http_server is not None:
                 http_server.close()
-                self.operator_requests.close()
             for job in self.heavy.close(wait=not self.exit_code):
                 self._resume(job, None, Gone("the daemon stops"))
             if self.exit_code:  # the GPU context is lost: the process exit frees everything

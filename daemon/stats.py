@@ -66,8 +66,7 @@ COUNTERS = (
      "max_message_bytes"),
     ("stats_connections_refused", "stats socket connections answered busy when accepted: their uid had its share "
      "open, or every connection was open"),
-    ("metrics_connections_refused", "HTTP /metrics connections answered 503 when accepted: the uid owning their "
-     "client's socket had its share open, or every connection was open"),
+    ("metrics_connections_refused", "HTTP /metrics connections answered 503 when accepted: every connection was open"),
     ("messages_refused", "requests refused before their frames were read (a size or frame limit)"),
     ("reads_paused", "times a connection's reads waited for the inflight_bytes budget"),
     ("sessions_expired", "sessions not attached, dropped after idle_timeout_s without a request"),

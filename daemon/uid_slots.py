@@ -1,12 +1,11 @@
 """A listener's connections shared out by uid, so that one local user cannot take them all.
 
-The stats socket and the loopback HTTP endpoint (``operator_requests.py``) and the fd
-socket (``fd_server.py``) bound the connections they serve at once; each gives one uid (the
-kernel's, never what a client says: SO_PEERCRED on the UNIX sockets, on HTTP the owner of
-the client's socket, ``sock_diag.py``) a share of them, and keeps a reserve for operators
-(root, the daemon's own uid and ``admin_gid`` members: ``Sessions.sees_all``; HTTP: root
-and the daemon's uid), used once their share or the shared connections are taken. A
-connection refused is answered busy by its listener, in its own protocol.
+The stats socket (``operator_requests.py``) and the fd socket (``fd_server.py``) bound the
+connections they serve at once; each gives one uid (the kernel's SO_PEERCRED uid, never
+what a client says) a share of them, and keeps a reserve for operators (root, the
+daemon's own uid and ``admin_gid`` members: ``Sessions.sees_all``), used once their share
+or the shared connections are taken. A connection refused is answered busy by its
+listener, in its own protocol.
 """
 
 from __future__ import annotations

@@ -227,10 +227,9 @@ def test_sysusers_file_creates_user_and_group_sparsekv():
     assert ["u", "sparsekv"] in [ln[:2] for ln in lines]
 
 
-def test_metrics_drop_in_adds_only_ipv4_loopback_and_netlink():
-    """AF_NETLINK: the HTTP endpoint asks NETLINK_SOCK_DIAG who owns each connection."""
+def test_metrics_drop_in_adds_only_ipv4_loopback():
     unit = parse_unit(DEPLOY / "sparsekvd.service.d" / "metrics.conf")
-    assert one(unit, "Service", "RestrictAddressFamilies").split() == ["AF_UNIX", "AF_INET", "AF_NETLINK"]
+    assert one(unit, "Service", "RestrictAddressFamilies").split() == ["AF_UNIX", "AF_INET"]
     assert one(unit, "Service", "IPAddressAllow") == "localhost"
 
 
