@@ -10,12 +10,12 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 import cli_inproc
+import fake_stats
 import helpers
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.cli.health import READY, StatsSocketError, probe, stats_query
@@ -68,26 +68,15 @@ def test_the_defaults_leave_room_for_four_uids_and_the_operators():
 def test_a_busy_line_is_busy_for_the_stats_commands_and_ready_for_health(tmp_path, reads_command):
     """The daemon answers ``error: busy: ...`` and closes, its command unread (the client's
     next read is a reset) or read."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(tmp_path / "stats.sock"))
-    srv.listen(8)
-    stop = threading.Event()
+    def answer(c):
+        if reads_command:
+            c.recv(100)
+        else:
+            time.sleep(0.05)  # the command is there, unread, when the daemon closes
+        c.sendall(b"error: busy: 32 stats socket connections open (at most 32, 8 a uid); try again\n")
+        c.close()
 
-    def serve():
-        while not stop.is_set():
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            if reads_command:
-                c.recv(100)
-            else:
-                time.sleep(0.05)  # the command is there, unread, when the daemon closes
-            c.sendall(b"error: busy: 32 stats socket connections open (at most 32, 8 a uid); try again\n")
-            c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
+    with fake_stats.fake_stats_socket(str(tmp_path), answer):
         with pytest.raises(StatsSocketError) as ei:
             stats_query(str(tmp_path), "json", 2.0)
         assert ei.value.kind == "busy"
@@ -99,9 +88,6 @@ def test_a_busy_line_is_busy_for_the_stats_commands_and_ready_for_health(tmp_pat
             r = cli_inproc.run(command, "--run-dir", tmp_path)
             assert r.returncode == 1 and r.stdout == "" and "is busy: 32 stats socket" in r.stderr, r
         assert cli_inproc.run("health", "--run-dir", tmp_path).returncode == 0
-    finally:
-        stop.set()
-        srv.close()
 
 
 # -- a real daemon -------------------------------------------------------------------------

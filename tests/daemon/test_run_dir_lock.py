@@ -6,11 +6,10 @@ operator connection closed without an answer is "busy", not an empty success."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
 
 import pytest
 
+import fake_stats
 from sparsekv.cli.health import READY, StatsSocketError, probe, stats_query
 from sparsekv.daemon import main as main_mod
 from sparsekv.daemon.main import RunDirLock
@@ -81,22 +80,8 @@ def test_a_lock_file_replaced_while_it_is_being_locked_is_not_taken(tmp_path, mo
 
 def test_an_answer_closed_without_a_word_is_busy_and_the_daemon_alive(tmp_path):
     """The daemon's operator connections all taken: it accepts and closes at once."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(tmp_path / "stats.sock"))
-    srv.listen(4)
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            c, _ = srv.accept()
-            c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
+    with fake_stats.fake_stats_socket(str(tmp_path), lambda c: c.close()):
         with pytest.raises(StatsSocketError) as ei:
             stats_query(str(tmp_path), "json", 2.0)
         assert ei.value.kind == "busy" and "without an answer" in str(ei.value)
         assert probe(str(tmp_path), 2.0).code == READY
-    finally:
-        stop.set()
-        srv.close()
