@@ -38,7 +38,6 @@ import logging
 import os
 import select
 import socket
-import struct
 import time
 import weakref
 from dataclasses import dataclass
@@ -55,7 +54,6 @@ from .zmtp import Decoder, ZmtpError
 
 log = logging.getLogger("sparsekv.server")
 
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 SMALL_FRAME = 4096  # frames up to this are plain bytes, outside the budget
 READ_SLICE = 4 << 20  # bytes read from one connection before the others get their turn
 SCRATCH_BYTES = 256 << 10
@@ -276,10 +274,11 @@ class ControlSocket:
     def _admit(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         try:
-            pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+            peer = Peer.of_socket(sock)
         except OSError:
             sock.close()
             return
+        pid, uid = peer.pid, peer.uid
         if self.max_per_uid and pid != self.exempt_pid:
             n = sum(1 for c in self._conns.values() if c.peer.uid == uid)
             if n >= self.max_per_uid:
@@ -290,7 +289,7 @@ class ControlSocket:
                               uid, n, self.max_per_uid, self.counts["refused"])
                 return
         self._next += 1
-        c = Conn(sock, b"c" + self._next.to_bytes(8, "little"), Peer(uid, gid, pid, True), self._clock(),
+        c = Conn(sock, b"c" + self._next.to_bytes(8, "little"), peer, self._clock(),
                  self._outboxes.new(sock, uid))
         ref = weakref.ref(c)
         self._conns[sock.fileno()] = c

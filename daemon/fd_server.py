@@ -35,7 +35,6 @@ import logging
 import os
 import secrets
 import socket
-import struct
 import time
 from dataclasses import dataclass
 
@@ -181,8 +180,7 @@ class FdServer:
                 continue
             try:
                 conn.setblocking(False)
-                pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-                peer = Peer(uid, gid, pid, True)
+                peer = Peer.of_socket(conn)
             except OSError as e:  # the peer hung up already, say
                 log.debug("fd socket: %s", e)
                 conn.close()
@@ -273,9 +271,6 @@ class FdServer:
         self.stats.add(fd_refusals=1)
         self.rlog.log(f"fd socket: {cause}", logging.INFO, "fd socket: refused pid %d uid %d: %s", pid, uid, why)
         return fd_socket.answer(False, code=code, msg=why), []
-
-
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def _refuse_busy(conn: socket.socket, why: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import struct
 
 from sparsekv.proto import MsgType
@@ -169,15 +168,10 @@ async def _answer(writer: asyncio.StreamWriter, data: bytes) -> None:
         raise
 
 
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
 def _viewer(writer: asyncio.StreamWriter) -> Peer:
     """The kernel's credentials of a stats socket connection (SO_PEERCRED); a viewer
     whose credentials cannot be read is nobody (uid -1: sees no client)."""
-    sock = writer.get_extra_info("socket")
     try:
-        pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        return Peer.of_socket(writer.get_extra_info("socket"))
     except (OSError, AttributeError, struct.error):
         return Peer(-1, -1, 0, False)
-    return Peer(uid, gid, pid, True)

@@ -15,6 +15,8 @@ import asyncio
 import logging
 import os
 import select
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +42,16 @@ class Peer:
     @classmethod
     def unverified(cls) -> "Peer":
         return cls(os.getuid(), os.getgid(), 0, False)
+
+    @classmethod
+    def of_socket(cls, sock: socket.socket) -> "Peer":
+        """The kernel's credentials of a UNIX socket's peer (``SO_PEERCRED``); OSError when
+        they cannot be read (the peer hung up already, say)."""
+        pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        return cls(uid, gid, pid, True)
+
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def process_groups(pid: int) -> frozenset[int]:
