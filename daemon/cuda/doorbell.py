@@ -133,7 +133,8 @@ class DoorbellTransport(DeviceTransport):
                 # g + 1's bell: its resolve finds the rows as hits, its ready words come after
                 # their bytes. The groups run in order within the step, so group g + 1 has had
                 # no batch of this step yet (DESIGN §4's rule holds by construction).
-                d.enqueue_prefetch(t, stream)
+                # Its counters go out with the last group's (after every prefetch of the step).
+                d.enqueue_prefetch(t, stream, stats_out=False)
 
     def _stock(self) -> None:
         import cupy as cp

@@ -62,14 +62,15 @@ class DeviceStep:
         self.mover.launch_gather(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream,
                                  group_layers=group_layers, ready=ready, arrivals=arrivals)
 
-    def enqueue_prefetch(self, block, stream) -> None:
+    def enqueue_prefetch(self, block, stream, stats_out: bool = True) -> None:
         """The cross-layer prefetch after ``block``'s TOPK (group g < G - 1, its resolve
         and gathers enqueued before on ``stream``): ``skv_prefetch`` of the block's rows
         into group g + 1's regions (``group_offset`` 1: the block's own descriptor), its
         plan into the ``pf_*`` buffers (never the resolve's: the next resolve would
         overwrite it; its errors into ``pf_err``: the resolve reported them), then the
         gather of that plan into group g + 1's layers (the table ``pf_layers``, whose row
-        g names them), then the prefetch counters out. On the
+        g names them), then (``stats_out``) the counters out: a doorbell step leaves that
+        to its last group's, which comes after every prefetch of the step. On the
         same stream as the next group's resolve, which then finds the rows as hits, and
         whose ready word comes after the rows' bytes."""
         bufs = self.buffers
@@ -77,7 +78,8 @@ class DeviceStep:
                                        bufs.pf_counts, bufs.pf_err, bufs.max_batch, stream, group_offset=1)
         self.mover.launch_gather(block.desc, bufs.pf_rows, bufs.pf_slots, bufs.pf_counts, bufs.max_batch, stream,
                                  group_layers=bufs.pf_layers)
-        self.enqueue_stats_out(stream)
+        if stats_out:
+            self.enqueue_stats_out(stream)
 
     def enqueue_stats_out(self, stream) -> None:
         """Counters and error record (and, with prefetch, the prefetch counters) -> their

@@ -137,7 +137,9 @@ class TpDoorbellGroup:
             for layer in layers:
                 self._gather_layer(layer, t.desc, lb.plan_rows, lb.plan_slots, lb.db_misses[g], B, stream)
             if lb.prefetch and g + 1 < len(groups):
-                ld.enqueue_prefetch(t, stream)  # the residency's prefetch, its rows into the leader's slab
+                # The residency's prefetch, its rows into the leader's slab; its counters go out
+                # with the last group's (after every prefetch of the step).
+                ld.enqueue_prefetch(t, stream, stats_out=False)
                 for f in followers:
                     f.mover.launch_gather(t.desc, lb.pf_rows, lb.pf_slots, lb.pf_counts, B, stream,
                                           group_layers=f.buffers.pf_layers)
