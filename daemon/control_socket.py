@@ -350,6 +350,10 @@ class ControlSocket:
         the first array frame reserves the budget of all of them at once, so a message
         begun never waits half read."""
         limits = LIMITS
+        if c is None or self._by_ident.get(c.ident) is not c:
+            # Dropped while its bytes were being decoded (a reply's send failed): the rest
+            # is never read, and nothing is reserved for a connection nobody gives back for.
+            return Decoder.PAUSE
         c.burst += 1
         if c.burst > MAX_BURST:  # this frame is asked again on its next turn
             self._yield(c)
@@ -376,6 +380,11 @@ class ControlSocket:
             if declared_bytes > limits.max_message_bytes:
                 raise Refused(ErrorCode.TOO_LARGE, f"arrays of {declared_bytes} bytes declared, more than "
                               f"{limits.max_message_bytes}")
+            if not c.greeted and total + declared_bytes > limits.max_header_bytes:
+                # Before HELLO a message is small: refused before any budget is reserved for it.
+                c.refusal = (ErrorCode.TOO_LARGE, f"a message of {total + declared_bytes} bytes declared before "
+                             f"HELLO, more than {limits.max_header_bytes}")
+                return Decoder.DISCARD
             if big and not self.budget.take(c.peer.uid, big):
                 c.wanted = big
                 if c is not self._resuming:

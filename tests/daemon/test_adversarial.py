@@ -696,3 +696,52 @@ def test_a_slow_reader_of_many_pongs_does_not_hold_the_loop():
             a.close()
             v.close()
         assert r is not None and took < 1.0, took
+
+
+# -- a connection dropped mid-chunk, and declarations before HELLO, reserve no budget -------------
+
+def _write_head(req_id: int, nbytes: int) -> bytes:
+    rows = np.arange(1, dtype=np.int32)
+    return encode(MsgType.WRITE, req_id, {"layers": None},
+                  {"rows": rows, "data": np.zeros((1, 1, nbytes), np.uint8)})[0]
+
+
+def test_bytes_decoded_after_a_failed_reply_dropped_the_connection_reserve_nothing():
+    """One write of a request answered at once (its reply fails: the peer shut its read side,
+    so the daemon drops the connection) and the header and first frame of a 60 MiB WRITE.
+    Seen: the decoder went on with the chunk after the drop and reserved the 60 MiB for a
+    connection nobody gave it back for: inflight_bytes 60 MiB with no connection open, for
+    good (four uids doing it held the whole budget: every large request paused)."""
+    with daemon() as d:
+        for i in range(2):
+            s = raw_peer(d.path)
+            s.shutdown(socket.SHUT_RD)
+            first = encode(MsgType.STATS, 1)[0]  # NOT_HELLO, answered at once
+            s.sendall(wire([first]) + zmtp.frame_header(len(h := _write_head(2, 60 * MiB)), zmtp.MORE) + h
+                      + zmtp.frame_header(4, zmtp.MORE) + bytes(4))
+            time.sleep(0.2)
+            s.close()
+        helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["connections_open"] == 0, timeout_s=5,
+                         what="closed")
+        assert helpers.stats_json(d.run_dir)["inflight_bytes"] == 0  # seen: 62914560 after one
+
+
+def test_a_message_before_hello_declaring_more_than_a_header_reserves_nothing():
+    """No HELLO, a WRITE header declaring 60 MiB and its first small frame, then nothing.
+    Seen: the 60 MiB reserved at once (the limit before HELLO was checked frame by frame),
+    held until the message timed out, and a same-uid engine's 1 MiB WRITE waited 10 s."""
+    with daemon() as d:
+        s = raw_peer(d.path)
+        try:
+            h = _write_head(3, 60 * MiB)
+            s.sendall(zmtp.frame_header(len(h), zmtp.MORE) + h + zmtp.frame_header(4, zmtp.MORE) + bytes(4))
+            time.sleep(0.3)
+            assert helpers.stats_json(d.run_dir)["inflight_bytes"] == 0  # seen: 62914560
+            v = raw_peer(d.path)
+            assert hello(v)["ok"]
+            start_write(v, 7, MiB, finish=True)
+            r = answered_within(v, 5)
+            v.close()
+            assert r is not None and r["id"] == 7
+        finally:
+            s.close()
