@@ -59,7 +59,12 @@ class OperatorRequests:
         return {MsgType.STATS: self.on_stats}
 
     def on_stats(self, s, identity, h, a):
-        return {"stats": self.snapshot()}, None
+        return {"stats": self.snapshot(self._owner_filter(s))}, None
+
+    def _owner_filter(self, viewer) -> int | None:
+        """None where ``viewer`` (a Peer or a Session: uid, gid, pid from the kernel) may
+        see every uid's engines, else its uid: ``per_engine`` then holds its own only."""
+        return None if self.sessions.sees_all(viewer) else viewer.uid
 
     async def stats_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection of the stats socket: one command line, one answer; one busy
@@ -78,10 +83,10 @@ class OperatorRequests:
                                       f"{COMMANDS}\n".encode())
                 return
             cmd = line.decode(errors="replace").strip().lower() or "stats"
-            if cmd == "stats":
-                out = stats_mod.render_table(self.snapshot())
+            if cmd == "stats":  # other uids' engines to root and the admin group only
+                out = stats_mod.render_table(self.snapshot(self._owner_filter(peer)))
             elif cmd == "json":
-                out = stats_mod.render_json(self.snapshot())
+                out = stats_mod.render_json(self.snapshot(self._owner_filter(peer)))
             elif cmd == "prometheus":
                 out = stats_mod.render_prometheus(self.registry)
             elif cmd == "clients":  # other uids' clients to root and the admin group only

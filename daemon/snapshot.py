@@ -22,7 +22,9 @@ class Snapshot:
         self.io_cpus, self.warmer = tuple(io_cpus), warmer
         self.version = package_version()
 
-    def __call__(self) -> dict:
+    def __call__(self, owner_uid: int | None = None) -> dict:
+        """The snapshot; with ``owner_uid``, ``per_engine`` holds only the engines that uid
+        owns (a viewer who may not see every uid's: ``Sessions.sees_all``)."""
         device_errors, arenas = self.backend.device_errors(), self.backend.arenas()
         warmer = self.warmer
         return self.stats.snapshot(self.backend.device_counters(), {
@@ -33,7 +35,7 @@ class Snapshot:
             **self.control.counters(),
             "attached": sum(1 for s in self.sessions.values() if s.state is not None),
             **self.engines.gauges(),
-            "per_engine": self._per_engine(),
+            "per_engine": self._per_engine(owner_uid),
             "protocol_version": PROTOCOL_VERSION,
             "version": self.version,
             "io_cpus": format_cpu_list(self.io_cpus),
@@ -43,10 +45,12 @@ class Snapshot:
             "pid": os.getpid(),
         })
 
-    def _per_engine(self) -> dict:
+    def _per_engine(self, owner_uid: int | None = None) -> dict:
         out = {}
         for name in self.engines:
             space = self.engines.space(name)
+            if owner_uid is not None and (space.owner is None or space.owner.uid != owner_uid):
+                continue  # another uid's engine: its name and figures are its owner's business
             lay = space.layout
             out[name] = {"ranks": len(space.ranks), "pool_bytes": space.range_bytes,
                          "slab_bytes": len(space.ranks) * lay.slab_bytes,

@@ -307,7 +307,7 @@ import socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(5)
 s.connect(sys.argv[1] + "/stats.sock")
-s.sendall(b"blocks\n")
+s.sendall(sys.argv[2].encode() + b"\n")
 out = b""
 while b := s.recv(65536):
     out += b
@@ -322,13 +322,48 @@ def test_the_blocks_listing_shows_another_uids_stores_to_root_only(daemon):
         helpers.open_to_other_users(daemon.run_dir, "stats.sock")
 
         def seen(uid=None):
-            r = subprocess.run([*helpers.as_user(uid), sys.executable, "-c", BLOCKS_QUERY, daemon.run_dir],
+            r = subprocess.run([*helpers.as_user(uid), sys.executable, "-c", BLOCKS_QUERY, daemon.run_dir, "blocks"],
                                capture_output=True, text=True, timeout=30, cwd="/tmp")
             assert r.returncode == 0, r.stderr
             return [line.split("\t")[0] for line in r.stdout.splitlines()[1:]]
 
         assert seen() == ["m"]  # root
         assert seen(4321) == []  # not its own
+
+
+STATS_QUERY = r"""
+import json, socket, sys
+from sparsekv.client import Client
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+s.connect(sys.argv[1] + "/stats.sock")
+s.sendall(b"json\n")
+out = b""
+while b := s.recv(65536):
+    out += b
+with Client(sys.argv[1], name="nosy", timeout_s=5) as c:
+    control = c.stats()
+print(json.dumps([sorted(json.loads(out)["per_engine"]), sorted(control["per_engine"])]))
+"""
+
+
+@pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
+def test_the_stats_snapshot_shows_another_uids_engines_to_root_only(daemon):
+    """``json`` on the stats socket and STATS on the control socket: ``per_engine`` names
+    another uid's engine (and its block gauges) to root only. Seen (an adversarial review):
+    every uid got every engine's name, ranks, sizes and block gauges, which ``blocks`` hid."""
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="m", block_size=BS)
+        helpers.open_to_other_users(daemon.run_dir, "stats.sock", "control.sock")
+
+        def seen(uid=None):
+            r = subprocess.run([*helpers.as_user(uid), sys.executable, "-c", STATS_QUERY, daemon.run_dir],
+                               capture_output=True, text=True, timeout=30, cwd="/tmp")
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout.splitlines()[-1])
+
+        assert seen() == [["m"], ["m"]]  # root
+        assert seen(4321) == [[], []]  # seen: [["m"], ["m"]]
 
 
 def test_what_the_caller_writes_into_a_lookups_array_never_changes_a_later_answer(daemon):
