@@ -117,7 +117,9 @@ class EngineRequests:
         admin = not created and self.sessions.is_admin(s)  # only joining needs it (a /proc read)
         try:
             nbytes = range_bytes(layout, block_size, index_bytes)
-            if created:  # engines kept only for their cached blocks yield to a new one
+            if created:  # engines kept only for their cached blocks yield to a new one the checks admit
+                self.engines.check_rank(s.rank, layout, owner=Owner(s.uid, s.gid), engine_slab=engine_slab,
+                                        tp_size=tp_size)
                 self.engines.make_room(nbytes, Owner(s.uid, s.gid))
             if created and (zeroing := self.pool.zeroing_to_wait_for(nbytes)):
                 # Only released ranges, once zeroed, make room: wait for them off the loop.

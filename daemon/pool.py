@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -302,6 +303,12 @@ class HostPool:
     def range_bytes(self, nbytes: int) -> int:
         """The bytes an engine range of ``nbytes`` takes (rounded up to 2 MiB)."""
         return self._ranges.rounded(nbytes)
+
+    def fits_after(self, nbytes: int, held: Iterable[int] = ()) -> bool:
+        """Whether ``allocate(nbytes)`` will find a free range once the ranges being zeroed
+        and the held ranges at the offsets ``held`` are free (contiguity counted, not bytes)."""
+        self._collect()
+        return self._ranges.fits_with(nbytes, [*self._zeroing, *held])
 
     def zeroing_to_wait_for(self, nbytes: int) -> list:
         """The futures ``allocate(nbytes)`` would wait for now (empty when it would not), for

@@ -4,6 +4,7 @@ buffers in a GPU's device arena."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 
 class RangeFull(RuntimeError):
@@ -37,6 +38,22 @@ class RangeAllocator:
         need = self.rounded(nbytes)
         with self._lock:
             return any(length >= need for _, length in self._free)
+
+    def fits_with(self, nbytes: int, held: Iterable[int] = ()) -> bool:
+        """Whether ``allocate(nbytes)`` would find a free range once the ranges at the
+        offsets ``held`` (each of them allocated now) were released too."""
+        need = self.rounded(nbytes)
+        with self._lock:
+            spans = sorted(self._free + [(off, self._used[off]) for off in set(held)])
+        run_at, run = None, 0
+        for off, n in spans:
+            if run_at is not None and run_at + run == off:
+                run += n
+            else:
+                run_at, run = off, n
+            if run >= need:
+                return True
+        return False
 
     def release(self, offset: int) -> None:
         """Give back the range at ``offset``, merging it with free neighbours."""

@@ -82,9 +82,9 @@ class EngineRegistry:
         self.tp_ledger = TpLedger(1 << 30)  # (Config.tp_max_lag_bytes, set by the daemon's entry)
         self._engines: dict[str, EngineSpace] = {}
         self._attaching: dict[str, int] = {}  # engine name -> attaches begun, not settled
-        # Pool bytes of released engines the backend has not given back yet (a held
-        # unregister, cuda/deferred.py): make_room counts them as coming.
-        self.returning_bytes = 0
+        # Pool ranges (offset -> bytes) of released engines the backend has not given back
+        # yet (a held unregister, cuda/deferred.py): make_room counts them as coming.
+        self._returning: dict[int, int] = {}
 
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
@@ -112,14 +112,9 @@ class EngineRegistry:
         engine with an owner is joined only with the same uid, as uid 0, or when
         ``privileged``. Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED
         (checked first, naming neither the owner nor the layout) or LAYOUT_MISMATCH."""
-        uid = owner.uid if owner is not None and self.backend.rank_memory_on_host else None
-        rank_mem = rank_bytes(layout, engine_slab is not None)["total"]
-        self._check_rank_quota(uid, rank_mem)  # before anything is allocated
+        uid, rank_mem = self.check_rank(rank, layout, owner=owner, engine_slab=engine_slab, tp_size=tp_size)
         space = self._engines.get(engine_name)
         created = space is None
-        if tp_size > 1 and not 0 <= rank < tp_size:  # before a new engine's range is taken
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"rank {rank} is not a rank of a TP group of {tp_size} "
-                                f"(HELLO's rank must lie in [0, {tp_size}))")
         if created:
             nbytes = range_bytes(layout, block_size, index_bytes)
             self._check_quota(owner, nbytes)
@@ -163,6 +158,25 @@ class EngineRegistry:
             self.rank_ledger.add(uid, rank_mem)
         return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw,
                              uid=uid, rank_bytes=rank_mem)
+
+    @property
+    def returning_bytes(self) -> int:
+        """Pool bytes of released engines not given back yet."""
+        return sum(self._returning.values())
+
+    def check_rank(self, rank: int, layout: Layout, *, owner: Owner | None = None, engine_slab=None,
+                   tp_size: int = 1) -> tuple[int | None, int]:
+        """What :meth:`begin_attach` refuses of a rank whatever the engine (the uid's rank
+        quota, a rank outside its TP group), before anything is allocated, and before
+        :meth:`make_room` releases anything for it. Returns (the uid its rank memory counts
+        against, or None; that memory)."""
+        uid = owner.uid if owner is not None and self.backend.rank_memory_on_host else None
+        rank_mem = rank_bytes(layout, engine_slab is not None)["total"]
+        self._check_rank_quota(uid, rank_mem)
+        if tp_size > 1 and not 0 <= rank < tp_size:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"rank {rank} is not a rank of a TP group of {tp_size} "
+                                f"(HELLO's rank must lie in [0, {tp_size}))")
+        return uid, rank_mem
 
     def _check_rank_quota(self, uid: int | None, nbytes: int) -> None:
         held = self.rank_ledger.held.get(uid, 0) if uid is not None else 0
@@ -280,24 +294,39 @@ class EngineRegistry:
             log.info("engine %r released its pool range", engine_name)
 
     def make_room(self, nbytes: int, owner: Owner | None = None) -> list[str]:
-        """Before a new engine of ``nbytes`` pool bytes (created by ``owner``) is allocated:
-        its uid's quota checked first (QUOTA_EXCEEDED, nothing released), then, while the
-        pool's free bytes and those being zeroed cannot hold its range, the engine kept
-        longest for its cached blocks alone (no rank, no attach pending) released. Idle
-        namespaces yield to engines that come to work. Returns the names released. A range
-        larger than the whole pool is POOL_FULL at once, nothing released."""
+        """Before a new engine of ``nbytes`` pool bytes (created by ``owner``) is allocated
+        (after :meth:`check_rank`): its uid's quota checked first (QUOTA_EXCEEDED, nothing
+        released); then, unless a free range will hold it once the ranges being zeroed or
+        given back are free, engines kept for their cached blocks alone (no rank, no attach
+        pending) released, the longest kept first, only those whose ranges the new one
+        needs, and none when releasing all of them would not open a range large enough
+        (the attach is then POOL_FULL with every kept engine intact). Idle namespaces yield
+        to engines that come to work. Returns the names released. A range larger than the
+        whole pool is POOL_FULL at once, nothing released."""
         self._check_quota(owner, nbytes)
         need = self.pool.range_bytes(nbytes)
         if need > self.pool.size_bytes:
             raise ProtocolError(ErrorCode.POOL_FULL, f"host pool has no free range of {format_size(need)}: the new "
                                 "engine's range (its rows, and its indexer keys plane if it has one) exceeds the whole "
                                 f"pool of {format_size(self.pool.size_bytes)}")
+        coming = list(self._returning)  # (bytes still returning: the attach says POOL_FULL until they are back)
+        if self.pool.fits_after(need, coming):
+            return []
         kept = sorted((space for space in self._engines.values() if space.idle_since is not None
                        and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
+        chosen: list[EngineSpace] = []
+        for space in kept:  # the longest kept first, until their ranges open one large enough
+            chosen.append(space)
+            if self.pool.fits_after(need, coming + [sp.pool_offset for sp in chosen]):
+                break
+        else:
+            return []  # not even all of them would: keep them
+        for space in reversed(chosen[:-1]):  # then only those the opened range needs
+            rest = [sp.pool_offset for sp in chosen if sp is not space]
+            if self.pool.fits_after(need, coming + rest):
+                chosen.remove(space)
         out = []
-        for space in kept:
-            if self.pool.free_bytes + self.pool.zeroing_bytes + self.returning_bytes >= need:
-                break  # (bytes still returning: the attach says POOL_FULL until they are back)
+        for space in chosen:
             cached = space.blocks.cached_blocks
             if self._release_if_unused(space, keep_cached=False):
                 log.info("engine %r, kept for its %d cached blocks with no rank, released to make room",
@@ -324,10 +353,10 @@ class EngineRegistry:
         space.blocks = None  # (the store's zeroing refers back to the space: no cycle keeps the pool's view)
         # Unpinned first (cuda): the pool zeroes the range only once no device mapping is left.
         offset, size = space.pool_offset, self.pool.range_bytes(space.range_bytes)
-        self.returning_bytes += size
+        self._returning[offset] = size
 
         def give_back() -> None:
-            self.returning_bytes -= size
+            self._returning.pop(offset, None)
             self.pool.release(offset, zero=zero)
         self.backend.release_engine(space, give_back)
         return True

@@ -62,6 +62,28 @@ def test_an_engine_killed_and_started_again_finds_its_blocks(daemon):
         again.close()
 
 
+def test_an_attach_refused_by_its_checks_releases_no_kept_engine(daemon):
+    """A kept namespace (its engine gone, its blocks cached), then an attach of a new engine
+    as large as the pool that its checks refuse (rank 5 of a TP group of 2): the namespace
+    must stay. Seen (an adversarial review): kept engines were released to make room
+    before the attach's own checks ran, so any uid's refused attach wiped them."""
+    prompt = tokens(3, 4)
+    a = Engine(daemon.run_dir)
+    table = a("prefill", tokens=prompt)["table"]
+    a.close()
+    helpers.wait_for(lambda: not daemon.engines.space("m").ranks, what="the engine's rank released")
+    big = type(LAY)(**{**LAY.__dict__, "host_rows": (4 << 20) // (LAY.num_layers * LAY.row_bytes)}).validate()  # the pool
+    with Client(daemon.run_dir, rank=5) as c:
+        with pytest.raises(BadRequest, match="not a rank of a TP group of 2"):
+            c.attach(big, engine="big", tp_size=2)
+    assert "m" in daemon.engines and "big" not in daemon.engines
+    again = Engine(daemon.run_dir)
+    try:
+        assert again("prefill", tokens=prompt)["table"] == table  # every block found again
+    finally:
+        again.close()
+
+
 def test_an_engine_without_cached_blocks_gives_its_range_back(daemon):
     a = Engine(daemon.run_dir)
     a("alloc", n=3)

@@ -245,13 +245,47 @@ def keep_two_engines(reg):
 
 
 def test_engines_kept_for_their_blocks_yield_to_a_new_engine_oldest_first(reg, pool):
+    """The pool full: old, newer (kept), busy, busy2 (a rank each), 2 MiB each."""
     lay = keep_two_engines(reg)
     attach(reg, 9, 0, "cpu", "busy", lay)
-    free = pool.free_bytes + pool.zeroing_bytes
-    assert reg.make_room(free) == []  # it fits as it is
-    assert reg.make_room(free + 1) == ["old"]
-    assert "newer" in reg and "busy" in reg
-    assert reg.make_room(8 * MiB) == ["newer"]  # never an engine with a rank
+    attach(reg, 10, 0, "cpu", "busy2", lay)
+    assert reg.make_room(2 * MiB) == ["old"]  # either would do: the longest kept
+    assert reg.make_room(2 * MiB) == []  # it fits as it is (old's range)
+    assert reg.make_room(4 * MiB) == ["newer"]  # its range and old's, side by side
+    assert "busy" in reg and "busy2" in reg  # never an engine with a rank
+
+
+def test_make_room_releases_only_the_kept_engines_whose_ranges_the_new_one_needs(reg, pool):
+    """busy [0, 2), old (kept) [2, 4), newer (kept) [4, 6), free [6, 8) MiB: a 4 MiB engine
+    needs newer's range beside the free one, not old's (the longer kept). Then, busy gone,
+    6 MiB are free in two holes, [0, 2) and [4, 8): a 6 MiB engine needs old's range
+    between them. Seen: the free bytes counted, not a free range: nothing released, and
+    the attach POOL_FULL."""
+    lay = helpers.layout(host_rows=(2 * MiB) // 64)
+    attach(reg, 9, 0, "cpu", "busy", lay)
+    keep_two_engines(reg)
+    assert reg.make_room(4 * MiB) == ["newer"]
+    assert "old" in reg
+    reg.detach(9, "busy")  # free [0, 2) and [4, 8): 6 MiB in two holes
+    assert "busy" not in reg
+    assert reg.make_room(6 * MiB) == ["old"]  # seen: nothing released (the free bytes were enough), POOL_FULL
+
+
+def test_make_room_releases_nothing_that_cannot_open_a_range_large_enough(reg, pool):
+    """busy [0, 2), kept [2, 4), busy2 [4, 6), free [6, 8): a 6 MiB engine cannot fit
+    whatever is released (the busy ranges stay): kept stays. Seen: kept released (4 MiB
+    free once it went, and 6 MiB counted in bytes), then POOL_FULL all the same."""
+    lay = helpers.layout(host_rows=(2 * MiB) // 64)
+    attach(reg, 9, 0, "cpu", "busy", lay)
+    attach(reg, 0, 0, "cpu", "kept", lay, block_size=4)
+    store = reg.space("kept").blocks
+    store.open(0, 0)
+    store.commit(0, store.alloc(0, 1), np.full((1, 2), 5, dtype=np.int64))
+    reg.detach(0, "kept")
+    attach(reg, 10, 0, "cpu", "busy2", lay)
+    assert reg.make_room(4 * MiB) == []  # [2, 4) and [6, 8) are not side by side either
+    assert reg.make_room(6 * MiB) == []
+    assert "kept" in reg and reg.space("kept").blocks.cached_blocks == 1
 
 
 def test_a_tp_rank_whose_attach_is_under_way_when_its_peers_begin_reaches_their_entries(reg):
@@ -325,12 +359,14 @@ def test_make_room_counts_a_range_the_backend_gives_back_later_and_stops_releasi
     backend = Holding(str(tmp_path), shm_dir=str(tmp_path))
     reg = EngineRegistry(pool, backend)
     try:
-        keep_two_engines(reg)
-        free = pool.free_bytes + pool.zeroing_bytes
-        assert reg.make_room(free + 1) == ["old"]  # "newer" stays: old's bytes are coming
-        assert len(held) == 1 and reg.returning_bytes > 0
-        assert pool.free_bytes + pool.zeroing_bytes == free  # not given back yet
+        lay = keep_two_engines(reg)
+        attach(reg, 9, 0, "cpu", "busy", lay)
+        attach(reg, 10, 0, "cpu", "busy2", lay)  # the pool full
+        assert reg.make_room(2 * MiB) == ["old"]
+        assert reg.make_room(2 * MiB) == []  # "newer" stays: old's range is coming
+        assert len(held) == 1 and reg.returning_bytes == 2 * MiB
+        assert pool.free_bytes + pool.zeroing_bytes == 0  # not given back yet
         held.pop()()
-        assert reg.returning_bytes == 0 and pool.free_bytes + pool.zeroing_bytes > free
+        assert reg.returning_bytes == 0 and pool.free_bytes + pool.zeroing_bytes == 2 * MiB
     finally:
         backend.close()
