@@ -23,8 +23,10 @@ writes each connection itself, so every limit holds before anything is read:
   within ``MESSAGE_TIMEOUT_S`` (a peer that stops half way would hold its budget): closed.
 * **Descriptors.** Within ``reserve_fds`` of ``RLIMIT_NOFILE`` the daemon stops accepting
   (``daemon/listener.py``).
-* **Turns.** A connection's reads stop after ``MAX_BURST`` frames or PINGs until every
-  other ready connection has had its turn: a flood of tiny frames delays no one for long.
+* **Turns.** A connection's reads stop after ``MAX_BURST`` frames or PINGs, or at its
+  next message once ``TURN_NS`` have passed since they began, until every other ready
+  connection has had its turn: a flood of tiny frames, or of requests that each take long
+  (a STEP invalidating in every row of a large batch), delays others by one request each.
 * **Replies.** What a peer does not read is queued up to ``MAX_OUT_BYTES`` a connection
   and ``MAX_OUT_TOTAL`` in all (``daemon/outbox.py``); past either the connection is
   closed. A connection dropped while its bytes are being decoded serves nothing more (its
@@ -59,6 +61,7 @@ READ_SLICE = 4 << 20  # bytes read from one connection before the others get the
 SCRATCH_BYTES = 256 << 10
 MESSAGE_TIMEOUT_S = 10.0
 MAX_BURST = 256  # frames and PINGs of one connection read before the others get their turn
+TURN_NS = 5_000_000  # past this since a connection's reads began, its next message waits for the others' turn
 MAX_EVENTS = 256
 
 
@@ -74,7 +77,8 @@ class Conn:
     message_at: float = 0.0  # when its message in progress began (or was last resumed)
     closing: bool = False  # refused: closed once its last reply is out
     burst: int = 0  # frames and PINGs read since its turn began
-    yielded: bool = False  # its reads wait for the next turn (MAX_BURST reached)
+    yielded: bool = False  # its reads wait for the next turn (MAX_BURST or TURN_NS reached)
+    turn_at: int = 0  # perf_counter_ns when its reads of this turn began
     plan: list | None = None  # the array frames' sizes its message's header declares
     refusal: tuple | None = None  # (code, message) its message in progress is refused with
     reserved: int = 0  # budget taken for those and not yet read into a buffer
@@ -231,7 +235,7 @@ class ControlSocket:
         already); how many."""
         yielded, self._yielded = self._yielded, []
         for c in yielded:
-            c.yielded, c.burst = False, 0
+            c.yielded, c.burst, c.turn_at = False, 0, time.perf_counter_ns()
             if self._resume(c):
                 self._watch(c)
         return len(yielded)
@@ -303,6 +307,7 @@ class ControlSocket:
     def _read(self, c: Conn) -> None:
         got = 0
         dec = c.decoder
+        c.turn_at = time.perf_counter_ns()
         try:
             while got < READ_SLICE and not dec.paused and not c.closing:
                 view = dec.body_view()
@@ -355,8 +360,8 @@ class ControlSocket:
             # is never read, and nothing is reserved for a connection nobody gives back for.
             return Decoder.PAUSE
         c.burst += 1
-        if c.burst > MAX_BURST:  # this frame is asked again on its next turn
-            self._yield(c)
+        if c.burst > MAX_BURST or (count == 0 and c.burst > 1 and time.perf_counter_ns() - c.turn_at > TURN_NS):
+            self._yield(c)  # asked again on its next turn (a turn: frames, or time at a message's start)
             return Decoder.PAUSE
         if count == 0:
             c.message_at = self._clock()

@@ -102,6 +102,15 @@ class Residency(abc.ABC):
     def invalidate(self, state_row: int, rows: np.ndarray) -> None:
         """In every group of ``state_row``, empty the slots owning one of ``rows``."""
 
+    def invalidate_pairs(self, state_rows: np.ndarray, rows: np.ndarray) -> None:
+        """For each i, in every group of ``state_rows[i]``, empty the slots owning
+        ``rows[i]`` (all >= 0): each state row's region once, for all its rows."""
+        order = np.argsort(state_rows, kind="stable")
+        state_rows, rows = state_rows[order], rows[order]
+        states, starts = np.unique(state_rows, return_index=True)
+        for s, part in zip(states, np.split(rows, starts[1:])):
+            self.invalidate(int(s), part)
+
     @abc.abstractmethod
     def invalidate_everywhere(self, rows: np.ndarray) -> int:
         """Empty every slot of every state row owning one of ``rows``; return how many."""
@@ -187,10 +196,11 @@ def apply_step(residency: Residency, state_rows: np.ndarray, reset, invalidate) 
     if reset is not None and reset.any():
         residency.reset(state_rows[reset & (state_rows >= 0)])
     if invalidate is not None and invalidate.size:
-        for b in np.flatnonzero(state_rows >= 0):
-            rows = invalidate[b][invalidate[b] >= 0]
-            if rows.size:
-                residency.invalidate(int(state_rows[b]), rows)
+        live = state_rows >= 0
+        owners, inv = np.broadcast_to(state_rows[live][:, None], invalidate[live].shape), invalidate[live]
+        keep = inv >= 0
+        if keep.any():
+            residency.invalidate_pairs(owners[keep], inv[keep])
 
 
 def prefetch_into_next(resolved_at: dict, step: int, group: int, num_groups: int) -> bool:

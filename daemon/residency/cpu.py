@@ -35,6 +35,9 @@ def slab_views(layout: Layout, geometry, buffer: np.ndarray) -> list[np.ndarray]
     return out
 
 
+PAIRS_AT_ONCE = 1 << 20  # CpuResidency.invalidate_pairs: region slots of one vectorised pass at most
+
+
 class CpuResidency(Residency):
     def __init__(self, layout: Layout):
         self.layout = layout.validate()
@@ -66,6 +69,29 @@ class CpuResidency(Residency):
             fresh = self.fresh[:, state_row]
             self.prefetch_wasted += int(fresh[gone].sum())
             fresh[gone] = False
+
+    def invalidate_pairs(self, state_rows: np.ndarray, rows: np.ndarray) -> None:
+        """Up to ``PAIRS_AT_ONCE`` slots of named regions, one vectorised pass (a state row
+        a key's high part); more, a region at a time (one sort of them all would cost more)."""
+        states, which = np.unique(np.asarray(state_rows, dtype=np.int64), return_inverse=True)
+        if states.size and (states[0] < 0 or states[-1] >= self.layout.max_reqs):
+            raise ResidencyError("BAD_STATE_ROW", f"state row {int(states[0] if states[0] < 0 else states[-1])} "
+                                 "out of range")
+        if states.size * self.layout.num_groups * self.layout.region_stride > PAIRS_AT_ONCE:
+            super().invalidate_pairs(np.asarray(state_rows), np.asarray(rows))
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        base = max(self.layout.host_rows, int(rows.max()) + 1)
+        region = self.owner[:, states]  # [groups, named state rows, stride]: a copy
+        at = np.arange(states.size, dtype=np.int64)[None, :, None]
+        gone = (region >= 0) & np.isin(at * base + region, which * base + rows)
+        if gone.any():
+            region[gone] = -1
+            self.owner[:, states] = region
+            fresh = self.fresh[:, states]
+            self.prefetch_wasted += int(fresh[gone].sum())
+            fresh[gone] = False
+            self.fresh[:, states] = fresh
 
     def invalidate_everywhere(self, rows: np.ndarray) -> int:
         rows = np.asarray(rows, dtype=np.int32)
