@@ -93,7 +93,8 @@ class Wire:
             self.sock.close()
             raise
         self._poller = select.poll()
-        self._poller.register(self.sock.fileno(), POLL_IN)
+        self._fd = self.sock.fileno()  # kept: the socket may be closed under an ending write
+        self._poller.register(self._fd, POLL_IN)
         self._scratch = bytearray(SCRATCH_BYTES)
         self._scratch_view = memoryview(self._scratch)
         self._messages: collections.deque = collections.deque()
@@ -256,7 +257,10 @@ class Wire:
     def _end(self, why: str) -> None:
         if self._ended is None:
             self._ended = why
-            self._poller.unregister(self.sock.fileno())
+            try:
+                self._poller.unregister(self._fd)
+            except KeyError:
+                pass
 
     def _feed(self, data: memoryview) -> None:
         i, n = 0, len(data)

@@ -81,6 +81,29 @@ def test_killed_daemon_is_noticed_within_seconds_and_a_new_one_serves_at_once(ru
         stop(p)
 
 
+def test_a_large_write_a_stopped_daemon_does_not_read_raises_daemon_unavailable(run_dir):
+    """A 32 MiB WRITE while the daemon is stopped: after ``timeout_s`` without progress the
+    client cuts the connection and raises DaemonUnavailable. Seen (an adversarial review):
+    a bare ValueError (the ending write unregistered the fd of the socket it had just
+    closed); only the next request raised the typed error."""
+    from sparsekv.proto import Layout
+
+    p = start(run_dir, "--pool-size", "64MiB")
+    lay = Layout(num_layers=1, row_bytes=4096, top_k=4, region_stride=8, max_reqs=2, host_rows=8192,
+                 index_groups=[[0]])
+    try:
+        with Client(run_dir, timeout_s=1) as c:
+            c.attach(lay)
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DaemonUnavailable, match="read none of a request"):
+                    c.write(np.arange(8192, dtype=np.int64), np.ones((1, 8192, 4096), np.uint8))
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+    finally:
+        stop(p)
+
+
 def test_restarted_daemon_is_noticed_by_its_socket(run_dir, monkeypatch):
     p = start(run_dir)
     try:
