@@ -77,7 +77,13 @@ class EngineRequests:
         # Who the client is comes from the kernel (SO_PEERCRED); the "pid" field is only
         # compared with the kernel's.
         peer, self.peer = self.peer, None
-        s = self.sessions.open(identity, peer or Peer.unverified(), h, _int(h, "rank"))
+        rank = _int(h, "rank")
+        if not 0 <= rank < 1 << 16:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"rank must be in [0, 65536), got {rank}")
+        for name in ("device", "name"):
+            if not isinstance(h.get(name), str) or len(h[name]) > 128:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{name} must be a string of at most 128 characters")
+        s = self.sessions.open(identity, peer or Peer.unverified(), h, rank)
         return {"client_id": s.client_id, "daemon_pid": os.getpid(), "version": PROTOCOL_VERSION,
                 **self.backend.describe()}, None
 
@@ -226,7 +232,9 @@ class EngineRequests:
             raise
 
     def _topk(self, s: Session, h, a):
-        begin = h.get("begin") is True
+        begin = h.get("begin", False)
+        if type(begin) is not bool:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"begin must be true or false, got {begin!r}"[:120])
         st = self._rank(s, MsgType.TOPK, began=begin)
         fence, step, group = _fence(h), _int(h, "step"), _int(h, "group")
         block = h.get("block")

@@ -67,6 +67,27 @@ def test_unknown_message_type(dm):
     assert_error(request(dm, b"A", 99)[0], ErrorCode.UNKNOWN_TYPE, "unknown message type 99")
 
 
+@pytest.mark.parametrize("fields, words", [
+    ({"rank": -1}, "rank must be in [0, 65536)"),
+    ({"rank": 1 << 20}, "rank must be in [0, 65536)"),
+    ({"device": 5}, "device must be a string"),
+    ({"device": "x" * 129}, "device must be a string of at most 128"),
+    ({"name": ["n"]}, "name must be a string"),
+])
+def test_a_hello_with_a_rank_or_a_device_out_of_bounds_is_bad_argument(dm, fields, words):
+    h, _ = request(dm, b"A", MsgType.HELLO, {"pid": 1, "rank": 0, "device": "cpu", "name": "", **fields})
+    assert_error(h, ErrorCode.BAD_ARGUMENT, words)
+
+
+def test_a_topk_begin_that_is_not_a_bool_is_bad_argument(dm):
+    """Seen (an adversarial review): ``begin: 1`` was taken as no begin, silently."""
+    hello(dm)
+    attach(dm)
+    h, _ = request(dm, b"A", MsgType.TOPK, {"step": 0, "group": 0, "begin": 1},
+                   {"topk": np.zeros((1, 4), np.int32), "state_rows": np.zeros(1, np.int32)})
+    assert_error(h, ErrorCode.BAD_ARGUMENT, "begin must be true or false, got 1")
+
+
 def test_undecodable_request_is_bad_frame(dm):
     h, _ = decode(dm.handle(b"A", [b"\xc1"]))
     assert_error(h, ErrorCode.BAD_FRAME, "not msgpack")
