@@ -295,23 +295,25 @@ class EngineRegistry:
 
     def make_room(self, nbytes: int, owner: Owner | None = None) -> list[str]:
         """Before a new engine of ``nbytes`` pool bytes (created by ``owner``) is allocated
-        (after :meth:`check_rank`): its uid's quota checked first (QUOTA_EXCEEDED, nothing
-        released); then, unless a free range will hold it once the ranges being zeroed or
+        (after :meth:`check_rank`): its uid's quota checked first (its own kept engines
+        yield where they alone take it past: :meth:`_yield_own_kept`; QUOTA_EXCEEDED, nothing
+        else released); then, unless a free range will hold it once the ranges being zeroed or
         given back are free, engines kept for their cached blocks alone (no rank, no attach
         pending) released, the longest kept first, only those whose ranges the new one
         needs, and none when releasing all of them would not open a range large enough
         (the attach is then POOL_FULL with every kept engine intact). Idle namespaces yield
         to engines that come to work. Returns the names released. A range larger than the
         whole pool is POOL_FULL at once, nothing released."""
-        self._check_quota(owner, nbytes)
         need = self.pool.range_bytes(nbytes)
         if need > self.pool.size_bytes:
             raise ProtocolError(ErrorCode.POOL_FULL, f"host pool has no free range of {format_size(need)}: the new "
                                 "engine's range (its rows, and its indexer keys plane if it has one) exceeds the whole "
                                 f"pool of {format_size(self.pool.size_bytes)}")
+        yielded = self._yield_own_kept(owner, nbytes)
+        self._check_quota(owner, nbytes)
         coming = list(self._returning)  # (bytes still returning: the attach says POOL_FULL until they are back)
         if self.pool.fits_after(need, coming):
-            return []
+            return yielded
         kept = sorted((space for space in self._engines.values() if space.idle_since is not None
                        and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
         chosen: list[EngineSpace] = []
@@ -320,17 +322,48 @@ class EngineRegistry:
             if self.pool.fits_after(need, coming + [sp.pool_offset for sp in chosen]):
                 break
         else:
-            return []  # not even all of them would: keep them
+            return yielded  # not even all of them would: keep them
         for space in reversed(chosen[:-1]):  # then only those the opened range needs
             rest = [sp.pool_offset for sp in chosen if sp is not space]
             if self.pool.fits_after(need, coming + rest):
                 chosen.remove(space)
-        out = []
+        out = yielded
         for space in chosen:
             cached = space.blocks.cached_blocks
             if self._release_if_unused(space, keep_cached=False):
                 log.info("engine %r, kept for its %d cached blocks with no rank, released to make room",
                          space.name, cached)
+                out.append(space.name)
+        return out
+
+    def _yield_own_kept(self, owner: Owner | None, nbytes: int) -> list[str]:
+        """Where ``owner``'s new engine would take its uid past ``max_pool_bytes_per_uid``,
+        its own engines kept for their cached blocks (no rank, no attach pending) yield, the
+        longest kept first, only as many as bring it under; none when all would not (the
+        attach is then QUOTA_EXCEEDED, every one intact). Another engine name of the uid
+        (a new model, a changed layout) would otherwise stay refused while they live."""
+        if not self.max_pool_bytes_per_uid or owner is None:
+            return []
+        over = self.pool_bytes_of(owner.uid) + self.pool.range_bytes(nbytes) - self.max_pool_bytes_per_uid
+        if over <= 0:
+            return []
+        mine = sorted((space for space in self._engines.values() if space.idle_since is not None
+                       and not space.ranks and not self._attaching.get(space.name) and space.owner is not None
+                       and space.owner.uid == owner.uid), key=lambda sp: sp.idle_since)
+        chosen, freed = [], 0
+        for space in mine:
+            if freed >= over:
+                break
+            chosen.append(space)
+            freed += self.pool.range_bytes(space.range_bytes)
+        if freed < over:
+            return []
+        out = []
+        for space in chosen:
+            cached = space.blocks.cached_blocks
+            if self._release_if_unused(space, keep_cached=False):
+                log.info("engine %r of uid %d, kept for its %d cached blocks with no rank, released: a new engine of "
+                         "that uid needs its share of the pool", space.name, owner.uid, cached)
                 out.append(space.name)
         return out
 

@@ -370,3 +370,35 @@ def test_make_room_counts_a_range_the_backend_gives_back_later_and_stops_releasi
         assert reg.returning_bytes == 0 and pool.free_bytes + pool.zeroing_bytes == 2 * MiB
     finally:
         backend.close()
+
+
+def _keep(reg, client: int, name: str, lay, owner):
+    """Engine ``name`` of ``owner``, kept for one cached block with no rank."""
+    attach(reg, client, 0, "cpu", name, lay, block_size=4, owner=owner)
+    store = reg.space(name).blocks
+    store.open(client, owner.uid)
+    store.commit(client, store.alloc(client, 1), np.full((1, 2), client, dtype=np.int64))
+    reg.detach(client, name)
+
+
+def test_a_uids_own_kept_engines_yield_to_its_next_engine_past_its_pool_share(pool, backend):
+    """max_pool_bytes_per_uid 4 MiB: uid 7 keeps "v1" and "v0" (2 MiB each), uid 8 keeps
+    "other". uid 7's "v2" (2 MiB) needs one of its own to go: the longest kept ("v0"),
+    not uid 8's. A 6 MiB engine of uid 7 cannot fit its share whatever goes: nothing goes.
+    Seen (an adversarial review): QUOTA_EXCEEDED for good while the pool had room (no
+    operator command drops a kept engine)."""
+    from sparsekv.daemon.registry import Owner
+
+    reg = EngineRegistry(pool, backend, max_pool_bytes_per_uid=4 * MiB)
+    lay = helpers.layout(host_rows=(2 * MiB) // 64)
+    _keep(reg, 1, "v0", lay, Owner(7, 7))
+    _keep(reg, 2, "v1", lay, Owner(7, 7))
+    _keep(reg, 3, "other", lay, Owner(8, 8))
+    with pytest.raises(ProtocolError) as e:
+        reg.make_room(6 * MiB, Owner(7, 7))
+    assert e.value.code == ErrorCode.QUOTA_EXCEEDED
+    assert {"v0", "v1", "other"} <= set(reg._engines)
+    assert reg.make_room(2 * MiB, Owner(7, 7)) == ["v0"]
+    assert "v1" in reg and "other" in reg
+    attach(reg, 4, 0, "cpu", "v2", lay, owner=Owner(7, 7))
+    assert reg.pool_bytes_of(7) == 4 * MiB
