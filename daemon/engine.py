@@ -113,9 +113,6 @@ class RankState:
             if invalidate.shape[0] != state_rows.shape[0]:
                 raise ResidencyError("BAD_ARGUMENT", f"invalidate must be [batch, n] with batch {state_rows.shape[0]}, "
                                      f"got {invalidate.shape}")
-            if invalidate.shape[1] > lay.top_k:  # as the cuda backend's step block holds them
-                raise ResidencyError("TOO_LARGE", f"invalidate has {invalidate.shape[1]} columns; at most top_k "
-                                     f"{lay.top_k} per step")
         return state_rows, None if reset is None else reset.astype(bool), invalidate
 
     def batch_rows(self, step: int, state_rows) -> np.ndarray:

@@ -66,7 +66,6 @@ def test_padding_batch_rows_ignore_their_reset_and_invalidate():
         ([0, 1], [True, True], [1, 2], "BAD_ARGUMENT", "invalidate must have 2 dimension"),
         (np.array([0.0]), None, None, "BAD_ARGUMENT", "must hold integers"),
         (np.array([2**40]), None, None, "BAD_ARGUMENT", "outside int32"),
-        ([0, 1], None, np.zeros((2, 5), np.int32), "TOO_LARGE", "invalidate has 5 columns; at most top_k 4"),
     ],
 )
 def test_bad_step_is_rejected_without_state_change(state_rows, reset, invalidate, code, words):
