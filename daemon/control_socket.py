@@ -126,6 +126,9 @@ class ControlSocket:
         self._scratch = bytearray(SCRATCH_BYTES)
         self._scratch_view = memoryview(self._scratch)
         self._loop = None  # the event loop, to wake it when a give-back unpauses someone
+        # Inside poll(): only there does a turn yielded for time get taken up again (by the
+        # next poll's _next_turn); a give-back's _unpause runs outside, with nothing to wake it.
+        self._polling = False
         self.rlog = RateLimitedLog(log, clock=clock)
         self.counts = collections.Counter()  # refused, expired, broken, too_large, paused, stalled, not_reading
 
@@ -208,6 +211,13 @@ class ControlSocket:
     def poll(self) -> int:
         """Do what is ready now (accept, read, write) without blocking; returns how many
         events there were."""
+        self._polling = True  # a turn yielded for time is taken up by the next poll
+        try:
+            return self._poll()
+        finally:
+            self._polling = False
+
+    def _poll(self) -> int:
         self._unpause()
         turns = self._next_turn()
         events = self._ep.poll(0, MAX_EVENTS)
@@ -360,7 +370,8 @@ class ControlSocket:
             # is never read, and nothing is reserved for a connection nobody gives back for.
             return Decoder.PAUSE
         c.burst += 1
-        if c.burst > MAX_BURST or (count == 0 and c.burst > 1 and time.perf_counter_ns() - c.turn_at > TURN_NS):
+        if c.burst > MAX_BURST or (count == 0 and c.burst > 1 and self._polling
+                                   and time.perf_counter_ns() - c.turn_at > TURN_NS):
             self._yield(c)  # asked again on its next turn (a turn: frames, or time at a message's start)
             return Decoder.PAUSE
         if count == 0:

@@ -745,3 +745,89 @@ def test_a_message_before_hello_declaring_more_than_a_header_reserves_nothing():
             assert r is not None and r["id"] == 7
         finally:
             s.close()
+
+
+# -- a connection resumed by a give-back outside the loop's poll is not stranded ----------------
+
+class _Replies:
+    """Replies of a raw peer, kept across reads (two may come in one recv)."""
+
+    def __init__(self, s: socket.socket):
+        self.s, self.buf = s, b""
+
+    def next(self, timeout_s: float):
+        from sparsekv.proto import decode
+        self.s.settimeout(timeout_s)
+        frames = []
+        try:
+            while True:
+                while len(self.buf) < 2 or (self.buf[0] & zmtp.LONG and len(self.buf) < 9):
+                    self._more()
+                flags = self.buf[0]
+                size, at = (int.from_bytes(self.buf[1:9], "big"), 9) if flags & zmtp.LONG else (self.buf[1], 2)
+                while len(self.buf) < at + size:
+                    self._more()
+                body, self.buf = self.buf[at:at + size], self.buf[at + size:]
+                if flags & zmtp.COMMAND:
+                    continue
+                frames.append(body)
+                if not flags & zmtp.MORE:
+                    return decode(frames)[0]
+        except (socket.timeout, TimeoutError):
+            return None
+
+    def _more(self):
+        chunk = self.s.recv(1 << 20)
+        if not chunk:
+            raise ConnectionResetError("closed")
+        self.buf += chunk
+
+
+HOG = r"""
+import sys, time
+import numpy as np
+from zmtp_peer import hello, raw_peer
+from sparsekv.proto import MsgType, encode, zmtp
+s = raw_peer(sys.argv[1])
+assert hello(s, "hog")["ok"]
+rows = np.arange(1, dtype=np.int32)
+msg = b"".join(bytes(b) for b in zmtp.encode_message(encode(MsgType.WRITE, 3, {"layers": None},
+               {"rows": rows, "data": np.zeros((1, 1, 64 * 2**20 - 4096), np.uint8)})))
+s.sendall(msg[:len(msg) - 2**20])  # its uid's share held, the message unfinished
+time.sleep(0.3)
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_connection_resumed_when_a_timed_out_message_gives_its_budget_back_is_answered(monkeypatch):
+    """A hog holds nearly all of its uid's budget with a message it never finishes; a peer
+    of the same uid sends a 16 KiB WRITE (paused for the budget) and a STATS behind it in
+    one write. When the hog's message times out (a loop task, outside the control socket's
+    poll) the peer is resumed: both must be answered. Seen (a review of the turn by time):
+    the STATS stayed unanswered until another client's request woke the loop."""
+    from sparsekv.daemon import control_socket
+
+    monkeypatch.setattr(control_socket, "MESSAGE_TIMEOUT_S", 1.0)
+    with helpers.serving_daemon() as d:
+        path = os.path.join(d.run_dir, "control.sock")
+        # The hog in a process of its own (the daemon's own pid is never expired).
+        hog = subprocess.Popen([sys.executable, "-c", HOG, path], stdout=subprocess.PIPE, text=True,
+                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        v = raw_peer(path)
+        try:
+            assert hog.stdout.readline().strip() == "holding"
+            assert hello(v, "victim")["ok"]
+            rows = np.arange(1, dtype=np.int32)
+            small = wire(encode(MsgType.WRITE, 5, {"layers": None},
+                                {"rows": rows, "data": np.zeros((1, 1, 16384), np.uint8)}))
+            v.sendall(small + wire(encode(MsgType.STATS, 6)))
+            replies = _Replies(v)
+            first = replies.next(10)
+            assert first is not None and first["id"] == 5
+            second = replies.next(5)
+            assert second is not None and second["id"] == 6  # seen: None
+        finally:
+            hog.kill()
+            hog.wait()
+            v.close()
