@@ -48,8 +48,9 @@ class OperatorRequests:
     ``prometheus_client`` registry, its sessions and its :class:`~sparsekv.daemon.stats.Stats`
     (where refusals are counted: ``stats_connections_refused``, ``metrics_connections_refused``)."""
 
-    def __init__(self, snapshot, registry, sessions, stats):
+    def __init__(self, snapshot, registry, sessions, stats, collector=None):
         self.snapshot, self.registry, self.sessions, self.stats = snapshot, registry, sessions, stats
+        self.collector = collector  # the registry's SnapshotCollector: filtered per viewer on the stats socket
         self.slots = UidSlots(sessions.sees_all, STATS_MAX_OPEN, STATS_PER_UID, STATS_RESERVED,
                               "stats socket connections")  # stats socket connections being answered
         self.http_open = 0  # HTTP connections being answered
@@ -60,6 +61,17 @@ class OperatorRequests:
 
     def on_stats(self, s, identity, h, a):
         return {"stats": self.snapshot(self._owner_filter(s))}, None
+
+    def _prometheus(self, owner_uid: int | None) -> str:
+        """The registry's text, its engines those of ``owner_uid`` only (None: all)."""
+        c = self.collector
+        if c is not None:
+            c.owner_uid = owner_uid
+        try:
+            return stats_mod.render_prometheus(self.registry)
+        finally:
+            if c is not None:
+                c.owner_uid = None
 
     def _owner_filter(self, viewer) -> int | None:
         """None where ``viewer`` (a Peer or a Session: uid, gid, pid from the kernel) may
@@ -87,8 +99,8 @@ class OperatorRequests:
                 out = stats_mod.render_table(self.snapshot(self._owner_filter(peer)))
             elif cmd == "json":
                 out = stats_mod.render_json(self.snapshot(self._owner_filter(peer)))
-            elif cmd == "prometheus":
-                out = stats_mod.render_prometheus(self.registry)
+            elif cmd == "prometheus":  # other uids' engines to root and the admin group only
+                out = self._prometheus(self._owner_filter(peer))
             elif cmd == "clients":  # other uids' clients to root and the admin group only
                 out = self.sessions.client_lines(peer)
             elif cmd == "blocks":  # block stores by engine; other uids' to root and the admin group only

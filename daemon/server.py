@@ -84,9 +84,10 @@ class Daemon:
                                  max_clients_per_uid=max_clients_per_uid, idle_timeout_s=idle_timeout_s,
                                  admin_gid=admin_gid)
         self.snapshot = Snapshot(self.stats, backend, self.sessions, self.control, self.engines, io_cpus, warmer)
-        self.registry.register(stats_mod.SnapshotCollector(self.snapshot))
+        collector = stats_mod.SnapshotCollector(self.snapshot)
+        self.registry.register(collector)
         self.engine_requests = EngineRequests(self.sessions, self.engines, backend, pool, self.stats, self.fd_server)
-        self.operator_requests = OperatorRequests(self.snapshot, self.registry, self.sessions, self.stats)
+        self.operator_requests = OperatorRequests(self.snapshot, self.registry, self.sessions, self.stats, collector)
         self._stop = asyncio.Event()
         self.block_requests = BlockRequests(self.engines, self.stats, self.fd_server)
         self.handlers = {**self.engine_requests.handlers(), **self.operator_requests.handlers(),

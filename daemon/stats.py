@@ -157,13 +157,15 @@ class Stats:
 
 # -- Prometheus ----------------------------------------------------------------------------
 class SnapshotCollector(Collector):
-    """Metric families built from ``snapshot()`` at each scrape (nothing per request)."""
+    """Metric families built from ``snapshot()`` at each scrape (nothing per request).
+    ``owner_uid``: while set (one render, on the loop), the engines of that uid only."""
 
-    def __init__(self, snapshot: Callable[[], dict]):
+    def __init__(self, snapshot: Callable[..., dict]):
         self._snapshot = snapshot
+        self.owner_uid: int | None = None
 
     def collect(self) -> Iterator[Metric]:
-        return metric_families(self._snapshot())
+        return metric_families(self._snapshot(self.owner_uid))
 
 
 def metric_families(snap: dict) -> Iterator[Metric]:
@@ -254,7 +256,7 @@ def metric_families(snap: dict) -> Iterator[Metric]:
 def registry_for(snap: dict) -> CollectorRegistry:
     """A registry exposing one fixed snapshot (no histogram): for tests and tools."""
     reg = CollectorRegistry()
-    reg.register(SnapshotCollector(lambda: snap))
+    reg.register(SnapshotCollector(lambda owner_uid=None: snap))
     return reg
 
 

@@ -365,13 +365,22 @@ while b := s.recv(65536):
     out += b
 with Client(sys.argv[1], name="nosy", timeout_s=5) as c:
     control = c.stats()
-print(json.dumps([sorted(json.loads(out)["per_engine"]), sorted(control["per_engine"])]))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+s.connect(sys.argv[1] + "/stats.sock")
+s.sendall(b"prometheus\n")
+prom = b""
+while b := s.recv(65536):
+    prom += b
+labelled = sorted({line.split('engine="')[1].split('"')[0] for line in prom.decode().splitlines()
+                   if 'engine="' in line})
+print(json.dumps([sorted(json.loads(out)["per_engine"]), sorted(control["per_engine"]), labelled]))
 """
 
 
 @pytest.mark.skipif(helpers.why_not_other_users() is not None, reason=str(helpers.why_not_other_users()))
 def test_the_stats_snapshot_shows_another_uids_engines_to_root_only(daemon):
-    """``json`` on the stats socket and STATS on the control socket: ``per_engine`` names
+    """``json`` and ``prometheus`` on the stats socket and STATS on the control socket name
     another uid's engine (and its block gauges) to root only. Seen (an adversarial review):
     every uid got every engine's name, ranks, sizes and block gauges, which ``blocks`` hid."""
     with Client(daemon.run_dir) as c:
@@ -384,8 +393,8 @@ def test_the_stats_snapshot_shows_another_uids_engines_to_root_only(daemon):
             assert r.returncode == 0, r.stderr
             return json.loads(r.stdout.splitlines()[-1])
 
-        assert seen() == [["m"], ["m"]]  # root
-        assert seen(4321) == [[], []]  # seen: [["m"], ["m"]]
+        assert seen() == [["m"], ["m"], ["m"]]  # root
+        assert seen(4321) == [[], [], []]  # seen: [["m"], ["m"], ["m"]]
 
 
 def test_what_the_caller_writes_into_a_lookups_array_never_changes_a_later_answer(daemon):
