@@ -295,56 +295,60 @@ class EngineRegistry:
 
     def make_room(self, nbytes: int, owner: Owner | None = None) -> list[str]:
         """Before a new engine of ``nbytes`` pool bytes (created by ``owner``) is allocated
-        (after :meth:`check_rank`): its uid's quota checked first (its own kept engines
-        yield where they alone take it past: :meth:`_yield_own_kept`; QUOTA_EXCEEDED, nothing
-        else released); then, unless a free range will hold it once the ranges being zeroed or
-        given back are free, engines kept for their cached blocks alone (no rank, no attach
-        pending) released, the longest kept first, only those whose ranges the new one
-        needs, and none when releasing all of them would not open a range large enough
-        (the attach is then POOL_FULL with every kept engine intact). Idle namespaces yield
-        to engines that come to work. Returns the names released. A range larger than the
-        whole pool is POOL_FULL at once, nothing released."""
+        (after :meth:`check_rank`), release what must go for it, or nothing:
+
+        * its uid's quota (``max_pool_bytes_per_uid``): the uid's own engines kept for their
+          cached blocks (no rank, no attach pending) yield, the longest kept first, as many
+          as bring it under; QUOTA_EXCEEDED (nothing released) when all of them would not;
+        * a free range: unless one will hold it once the ranges being zeroed or given back
+          (and those yielding above) are free, other kept engines are released, the longest
+          kept first until their ranges open one large enough, then only those that range
+          needs. When releasing all of them would not, nothing at all is released (the
+          attach is then POOL_FULL, or QUOTA_EXCEEDED, every kept engine intact).
+
+        Idle namespaces yield to engines that come to work. Returns the names released. A
+        range larger than the whole pool is POOL_FULL at once, nothing released."""
         need = self.pool.range_bytes(nbytes)
         if need > self.pool.size_bytes:
             raise ProtocolError(ErrorCode.POOL_FULL, f"host pool has no free range of {format_size(need)}: the new "
                                 "engine's range (its rows, and its indexer keys plane if it has one) exceeds the whole "
                                 f"pool of {format_size(self.pool.size_bytes)}")
-        yielded = self._yield_own_kept(owner, nbytes)
-        self._check_quota(owner, nbytes)
-        coming = list(self._returning)  # (bytes still returning: the attach says POOL_FULL until they are back)
-        if self.pool.fits_after(need, coming):
-            return yielded
-        kept = sorted((space for space in self._engines.values() if space.idle_since is not None
-                       and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
+        own = self._own_kept_for_quota(owner, need)
+        if own is None:
+            self._check_quota(owner, nbytes)  # raises: its own kept engines cannot bring it under
+            own = []
+        coming = list(self._returning) + [sp.pool_offset for sp in own]
         chosen: list[EngineSpace] = []
-        for space in kept:  # the longest kept first, until their ranges open one large enough
-            chosen.append(space)
-            if self.pool.fits_after(need, coming + [sp.pool_offset for sp in chosen]):
-                break
-        else:
-            return yielded  # not even all of them would: keep them
-        for space in reversed(chosen[:-1]):  # then only those the opened range needs
-            rest = [sp.pool_offset for sp in chosen if sp is not space]
-            if self.pool.fits_after(need, coming + rest):
-                chosen.remove(space)
-        out = yielded
-        for space in chosen:
+        if not self.pool.fits_after(need, coming):
+            kept = sorted((space for space in self._engines.values() if space.idle_since is not None
+                           and not space.ranks and not self._attaching.get(space.name) and space not in own),
+                          key=lambda sp: sp.idle_since)
+            for space in kept:  # the longest kept first, until their ranges open one large enough
+                chosen.append(space)
+                if self.pool.fits_after(need, coming + [sp.pool_offset for sp in chosen]):
+                    break
+            else:
+                return []  # not even all of them would: keep every one (the attach is refused)
+            for space in reversed(chosen[:-1]):  # then only those the opened range needs
+                rest = [sp.pool_offset for sp in chosen if sp is not space]
+                if self.pool.fits_after(need, coming + rest):
+                    chosen.remove(space)
+        out = []
+        for space in own + chosen:
             cached = space.blocks.cached_blocks
             if self._release_if_unused(space, keep_cached=False):
-                log.info("engine %r, kept for its %d cached blocks with no rank, released to make room",
-                         space.name, cached)
+                log.info("engine %r, kept for its %d cached blocks with no rank, released to make room%s", space.name,
+                         cached, " (its uid's share of the pool)" if space in own else "")
                 out.append(space.name)
         return out
 
-    def _yield_own_kept(self, owner: Owner | None, nbytes: int) -> list[str]:
-        """Where ``owner``'s new engine would take its uid past ``max_pool_bytes_per_uid``,
-        its own engines kept for their cached blocks (no rank, no attach pending) yield, the
-        longest kept first, only as many as bring it under; none when all would not (the
-        attach is then QUOTA_EXCEEDED, every one intact). Another engine name of the uid
-        (a new model, a changed layout) would otherwise stay refused while they live."""
+    def _own_kept_for_quota(self, owner: Owner | None, need: int) -> list[EngineSpace] | None:
+        """The kept engines of ``owner``'s uid that must yield for its new range of
+        ``need`` bytes to fit ``max_pool_bytes_per_uid``, the longest kept first ([]: none
+        must); None when all of them would not do."""
         if not self.max_pool_bytes_per_uid or owner is None:
             return []
-        over = self.pool_bytes_of(owner.uid) + self.pool.range_bytes(nbytes) - self.max_pool_bytes_per_uid
+        over = self.pool_bytes_of(owner.uid) + need - self.max_pool_bytes_per_uid
         if over <= 0:
             return []
         mine = sorted((space for space in self._engines.values() if space.idle_since is not None
@@ -356,16 +360,7 @@ class EngineRegistry:
                 break
             chosen.append(space)
             freed += self.pool.range_bytes(space.range_bytes)
-        if freed < over:
-            return []
-        out = []
-        for space in chosen:
-            cached = space.blocks.cached_blocks
-            if self._release_if_unused(space, keep_cached=False):
-                log.info("engine %r of uid %d, kept for its %d cached blocks with no rank, released: a new engine of "
-                         "that uid needs its share of the pool", space.name, owner.uid, cached)
-                out.append(space.name)
-        return out
+        return chosen if freed >= over else None
 
     def drop_kept(self) -> list[str]:
         """Release every engine kept only for its cached blocks (no rank, no attach

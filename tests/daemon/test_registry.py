@@ -402,3 +402,18 @@ def test_a_uids_own_kept_engines_yield_to_its_next_engine_past_its_pool_share(po
     assert "v1" in reg and "other" in reg
     attach(reg, 4, 0, "cpu", "v2", lay, owner=Owner(7, 7))
     assert reg.pool_bytes_of(7) == 4 * MiB
+
+
+def test_a_uids_own_kept_engine_stays_when_the_pool_has_no_range_for_its_next_one(pool, backend):
+    """8 MiB pool, 4 MiB share: uid 7 keeps "v0" [0, 2), three engines of other uids with a
+    rank fill [2, 8). uid 7's 4 MiB engine needs v0 gone for its share, and would still
+    find no 4 MiB range: nothing is released. Seen (a review): v0 went, then POOL_FULL."""
+    from sparsekv.daemon.registry import Owner
+
+    reg = EngineRegistry(pool, backend, max_pool_bytes_per_uid=4 * MiB)
+    lay = helpers.layout(host_rows=(2 * MiB) // 64)
+    _keep(reg, 1, "v0", lay, Owner(7, 7))
+    for i in range(3):
+        attach(reg, 10 + i, 0, "cpu", f"busy{i}", lay, owner=Owner(20 + i, 20 + i))
+    assert reg.make_room(4 * MiB, Owner(7, 7)) == []
+    assert "v0" in reg and reg.space("v0").blocks.cached_blocks == 1
