@@ -3,6 +3,7 @@ tests and the attack soak use it to send what no libzmq client would."""
 
 import os
 import socket
+import weakref
 
 from sparsekv.daemon.zmtp import READY as DAEMON_READY
 from sparsekv.proto import MsgType, decode, encode, zmtp
@@ -31,23 +32,40 @@ def send_message(s: socket.socket, *frames) -> None:
     s.sendall(b"".join(bytes(b) for b in zmtp.encode_message(list(frames))))
 
 
+_LEFT: "weakref.WeakKeyDictionary[socket.socket, bytes]" = weakref.WeakKeyDictionary()
+
+
 def read_reply(s: socket.socket) -> dict:
-    """The header of the next message on ``s`` (frames: flags, size, body)."""
-    buf = b""
+    """The header of the next message on ``s`` (frames: flags, size, body). Bytes read past
+    it (a second reply in the same recv), or of a message a timeout cut, are kept for the
+    next call on ``s``."""
+    buf, at = _LEFT.pop(s, b""), 0
     frames = []
-    while True:
-        while len(buf) < 9:
+
+    def need(n: int) -> None:
+        nonlocal buf
+        while len(buf) < n:
             chunk = s.recv(65536)
             assert chunk, "closed before a reply"
             buf += chunk
-        flags = buf[0]
-        size, at = (int.from_bytes(buf[1:9], "big"), 9) if flags & zmtp.LONG else (buf[1], 2)
-        while len(buf) < at + size:
-            buf += s.recv(65536)
-        frames.append(buf[at:at + size])
-        buf = buf[at + size:]
-        if not flags & zmtp.MORE:
-            return decode(frames)[0]
+
+    try:
+        while True:
+            need(at + 2)
+            flags = buf[at]
+            if flags & zmtp.LONG:
+                need(at + 9)
+            size, head = (int.from_bytes(buf[at + 1:at + 9], "big"), 9) if flags & zmtp.LONG else (buf[at + 1], 2)
+            need(at + head + size)
+            frames.append(buf[at + head:at + head + size])
+            at += head + size
+            if not flags & zmtp.MORE:
+                if at < len(buf):
+                    _LEFT[s] = buf[at:]
+                return decode(frames)[0]
+    except OSError:  # a timeout (or a reset): nothing read is lost for the next call
+        _LEFT[s] = buf
+        raise
 
 
 def hello(s: socket.socket, name: str = "attacker") -> dict:

@@ -749,40 +749,6 @@ def test_a_message_before_hello_declaring_more_than_a_header_reserves_nothing():
 
 # -- a connection resumed by a give-back outside the loop's poll is not stranded ----------------
 
-class _Replies:
-    """Replies of a raw peer, kept across reads (two may come in one recv)."""
-
-    def __init__(self, s: socket.socket):
-        self.s, self.buf = s, b""
-
-    def next(self, timeout_s: float):
-        from sparsekv.proto import decode
-        self.s.settimeout(timeout_s)
-        frames = []
-        try:
-            while True:
-                while len(self.buf) < 2 or (self.buf[0] & zmtp.LONG and len(self.buf) < 9):
-                    self._more()
-                flags = self.buf[0]
-                size, at = (int.from_bytes(self.buf[1:9], "big"), 9) if flags & zmtp.LONG else (self.buf[1], 2)
-                while len(self.buf) < at + size:
-                    self._more()
-                body, self.buf = self.buf[at:at + size], self.buf[at + size:]
-                if flags & zmtp.COMMAND:
-                    continue
-                frames.append(body)
-                if not flags & zmtp.MORE:
-                    return decode(frames)[0]
-        except (socket.timeout, TimeoutError):
-            return None
-
-    def _more(self):
-        chunk = self.s.recv(1 << 20)
-        if not chunk:
-            raise ConnectionResetError("closed")
-        self.buf += chunk
-
-
 HOG = r"""
 import sys, time
 import numpy as np
@@ -822,10 +788,9 @@ def test_a_connection_resumed_when_a_timed_out_message_gives_its_budget_back_is_
             small = wire(encode(MsgType.WRITE, 5, {"layers": None},
                                 {"rows": rows, "data": np.zeros((1, 1, 16384), np.uint8)}))
             v.sendall(small + wire(encode(MsgType.STATS, 6)))
-            replies = _Replies(v)
-            first = replies.next(10)
+            first = answered_within(v, 10)
             assert first is not None and first["id"] == 5
-            second = replies.next(5)
+            second = answered_within(v, 5)
             assert second is not None and second["id"] == 6  # seen: None
         finally:
             hog.kill()
