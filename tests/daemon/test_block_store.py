@@ -356,25 +356,24 @@ def test_the_blocks_listing_shows_another_uids_stores_to_root_only(daemon):
 STATS_QUERY = r"""
 import json, socket, sys
 from sparsekv.client import Client
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.settimeout(5)
-s.connect(sys.argv[1] + "/stats.sock")
-s.sendall(b"json\n")
-out = b""
-while b := s.recv(65536):
-    out += b
+
+
+def ask(command: bytes) -> str:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(sys.argv[1] + "/stats.sock")
+    s.sendall(command + b"\n")
+    out = b""
+    while b := s.recv(65536):
+        out += b
+    return out.decode()
+
+
 with Client(sys.argv[1], name="nosy", timeout_s=5) as c:
     control = c.stats()
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.settimeout(5)
-s.connect(sys.argv[1] + "/stats.sock")
-s.sendall(b"prometheus\n")
-prom = b""
-while b := s.recv(65536):
-    prom += b
-labelled = sorted({line.split('engine="')[1].split('"')[0] for line in prom.decode().splitlines()
+labelled = sorted({line.split('engine="')[1].split('"')[0] for line in ask(b"prometheus").splitlines()
                    if 'engine="' in line})
-print(json.dumps([sorted(json.loads(out)["per_engine"]), sorted(control["per_engine"]), labelled]))
+print(json.dumps([sorted(json.loads(ask(b"json"))["per_engine"]), sorted(control["per_engine"]), labelled]))
 """
 
 
