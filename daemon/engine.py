@@ -78,6 +78,11 @@ class RankState:
     resolved_at: dict = field(default_factory=dict)  # (prefetch) index group -> the step of its latest top-k
     _prefetch_seen: tuple[int, int, int] = (0, 0, 0)  # the residency's (prefetched, hits, wasted) last reported
     tp: TpGroup | None = None  # the engine's TP group (daemon/tp.py): its residency is this rank's, shared
+    # A TP rank's lone STEP (not riding on its TOPK), as the group took it: its arrays, and
+    # whether a top-k of that step came since; or the error that refused it (its step's
+    # top-k batches are refused too, until the STEP comes again: all or nothing of a step).
+    _tp_step: tuple | None = None
+    _tp_step_refused: tuple | None = None  # (step, code, message)
 
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None, then=None) -> None:
         """Record the batch of a decode step; apply its resets and invalidations. ``then``:
@@ -86,7 +91,17 @@ class RankState:
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
         then = None if then is None else (int(then[0]), as_ids("topk", then[1], 2))
         if self.tp is not None:
-            self.tp.begin_step(self.rank, int(step), state_rows, reset, invalidate, then)
+            if then is None and self._tp_step is not None and self._tp_step[0] == int(step) \
+                    and _same_step(self._tp_step[1:], (state_rows, reset, invalidate)):
+                return  # the same STEP again (its top-k was refused, as a client retries): the group holds it
+            try:
+                self.tp.begin_step(self.rank, int(step), state_rows, reset, invalidate, then)
+            except ResidencyError as e:
+                if then is None:
+                    self._tp_step_refused = (int(step), e.code, str(e))
+                raise
+            self._tp_step_refused = None
+            self._tp_step = (int(step), state_rows, reset, invalidate) if then is None else None
         else:
             if then is not None:
                 check_batch(self.residency.layout, then[0], state_rows, then[1])
@@ -143,7 +158,12 @@ class RankState:
         topk = as_ids("topk", topk, 2)
         lay = self.residency.layout
         if self.tp is not None:
+            refused = self._tp_step_refused
+            if refused is not None and refused[0] == int(step):
+                raise ResidencyError(refused[1], f"step {step}'s STEP was refused ({refused[2]}); its top-k batches "
+                                     "wait for it: send the step again")
             entry = self.tp.topk(self.rank, int(step), int(group), state_rows, topk)
+            self._tp_step = None  # a top-k of the step came: the same STEP again is a new one
             moved = self.mover.gather(entry.resolved.plan, lay.groups[group])
             if entry.pf_group is not None:
                 self.pending_prefetch = entry  # its plan gathered by run_prefetch once the result is out
@@ -544,3 +564,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release every rank and everything the backend holds."""
+
+
+def _same_step(a: tuple, b: tuple) -> bool:
+    """Whether two steps' (state rows, reset, invalidate) are the same (None: none)."""
+    return all((x is None and y is None) or (x is not None and y is not None and np.array_equal(x, y))
+               for x, y in zip(a, b))

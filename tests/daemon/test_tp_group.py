@@ -297,3 +297,69 @@ def test_the_entries_kept_for_a_rank_go_when_it_dies_and_the_group_with_its_last
             slow.close()
         c0.detach()
         assert "tp" not in d.engines and not d.engines.tp_ledger.held
+
+
+def test_a_lone_step_taken_before_its_refused_topk_is_not_taken_again(tmp_path):
+    """``topk(..., state_rows=)`` sends the step's STEP alone first. Rank 0's STEP 1 takes
+    the group's last place and its TOPK is refused (TpLag); the rank sends the step again
+    as the client's docs say: the group, holding that STEP, takes nothing new, and both
+    ranks go on in step. Seen (an adversarial review): the STEP was kept twice and the
+    peer, sending the same requests, was refused TP_MISMATCH for good."""
+    rows = np.array([0, 1, 2], np.int32)
+    rng = np.random.default_rng(0)
+    tk = [np.stack([rng.choice(HOST_ROWS, 4, replace=False) for _ in range(3)]).astype(np.int32) for _ in range(3)]
+    with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--tp-max-lag", "3"],
+                       log_path=str(tmp_path / "d.log")) as d:
+        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
+            for c in (c0, c1):
+                c.attach(lay(), engine="tp", tp_size=2)
+            helpers.fill(c0, lay())
+            c0.step(0, rows)
+            c0.topk(0, 0, tk[0], state_rows=rows)
+            c0.step(1, rows)
+            with pytest.raises(TpLag):
+                c0.topk(1, 0, tk[1], state_rows=rows)  # its STEP was taken, this TOPK refused
+            c1.step(0, rows)
+            c1.topk(0, 0, tk[0], state_rows=rows)
+            c0.step(1, rows)  # sent again: the group has it already
+            a = c0.topk(1, 0, tk[1], state_rows=rows)
+            c1.step(1, rows)
+            b = c1.topk(1, 0, tk[1], state_rows=rows)  # seen: TpMismatch (it sent the TOPK at the second STEP 1)
+            np.testing.assert_array_equal(a.slots, b.slots)
+            for c in (c0, c1):
+                c.step(2, rows)
+                c.topk(2, 0, tk[2], state_rows=rows)
+            assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
+
+
+def test_the_topk_of_a_refused_lone_step_is_refused_too(tmp_path):
+    """Rank 0's lone STEP 1 (large invalidations) is refused by the bytes the group may keep
+    for a slow rank; its TOPK, smaller, would fit: it must be refused too (the step runs
+    all or nothing), and once the peer caught up both go through. Seen (an adversarial
+    review): the TOPK ran without its STEP (its resets and invalidations skipped) and the
+    peer, sending STEP 1 then TOPK 1, was refused TP_MISMATCH for good."""
+    big = helpers.layout(num_layers=1, row_bytes=16, top_k=1024, region_stride=1024, max_reqs=64, host_rows=4096)
+    rng = np.random.default_rng(0)
+    rows = np.arange(48, dtype=np.int32)
+    tk0 = np.stack([rng.permutation(4096)[:1024] for _ in range(48)]).astype(np.int32)
+    r1 = np.array([0], np.int32)
+    tk1 = rng.permutation(4096)[:1024].astype(np.int32)[None]
+    inval = np.full((1, 80000), -1, np.int32)
+    with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=["--tp-max-lag-bytes", "1MiB"],
+                       log_path=str(tmp_path / "d.log")) as d:
+        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
+            for c in (c0, c1):
+                c.attach(big, engine="A", tp_size=2)
+            c0.step(0, rows)
+            c0.topk(0, 0, tk0)
+            c0.step(1, r1, invalidate=inval)
+            with pytest.raises(TpLag):
+                c0.topk(1, 0, tk1, state_rows=r1)
+            assert helpers.stats_json(d.run_dir)["per_engine"]["A"]["tp_lag"] == 2  # seen: 3 (the TOPK ran)
+            c1.step(0, rows)
+            c1.topk(0, 0, tk0)
+            got = []
+            for c in (c0, c1):
+                c.step(1, r1, invalidate=inval)
+                got.append(c.topk(1, 0, tk1, state_rows=r1).slots)
+            np.testing.assert_array_equal(got[0], got[1])
