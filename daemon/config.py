@@ -82,7 +82,8 @@ class Config:
                              "state, 8 bytes per slot and index group), with a unit", kind="size", bounds=(1, None))
     tp_max_lag: int = _s(256, "requests a TP group's ranks may run ahead of its slowest rank (attach with "
                          "tp_size): the group keeps that many resolved top-k batches for the ranks still to "
-                         "reach them; one more is refused (TP_LAG)", bounds=(1, 65536))
+                         "reach them; one more is refused (TP_LAG); at least 2 (a TOPK carrying its STEP makes "
+                         "two)", bounds=(2, 65536))
     tp_max_lag_bytes: int = _s(1 << 30, "bytes of the entries the TP groups of one uid's engines keep for their "
                                "slowest ranks (resolved batches: about 4 x the top-k's bytes each, 6 x with prefetch), "
                                "with a unit; a request that would keep more is refused (TP_LAG)", kind="size",

@@ -251,6 +251,10 @@ class TpGroup:
         behind = [(c, r) for r, c in self._positions().items() if r != rank]
         if not behind:
             return  # nobody to keep it for: it goes at once
+        if nbytes > self.ledger.cap:  # kept for the peers whatever they do: never, however often sent
+            raise ResidencyError("TOO_LARGE", f"this request's entry would keep {nbytes} bytes for the other ranks of "
+                                 f"its TP group, more than tp_max_lag_bytes ({self.ledger.cap}) allows at all: send "
+                                 "smaller batches or raise tp_max_lag_bytes")
         end = self.base + len(self.entries)
         c, slow = min(behind)
         if end - c + entries > self.max_lag:

@@ -363,3 +363,21 @@ def test_the_topk_of_a_refused_lone_step_is_refused_too(tmp_path):
                 c.step(1, r1, invalidate=inval)
                 got.append(c.topk(1, 0, tk1, state_rows=r1).slots)
             np.testing.assert_array_equal(got[0], got[1])
+
+
+def test_a_batch_whose_entry_alone_exceeds_tp_max_lag_bytes_is_too_large_not_tp_lag(tmp_path):
+    """With every rank in step, a top-k batch whose entry would keep more than
+    tp_max_lag_bytes for the other ranks can never be kept: TOO_LARGE, naming the cap.
+    Seen (an adversarial review): TP_LAG on every rank at lag 0, blaming a peer, for good."""
+    big = helpers.layout(num_layers=1, row_bytes=16, top_k=1024, region_stride=1024, max_reqs=64, host_rows=4096)
+    rng = np.random.default_rng(0)
+    rows = np.arange(64, dtype=np.int32)
+    tk = np.stack([rng.permutation(4096)[:1024] for _ in range(64)]).astype(np.int32)
+    with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=["--tp-max-lag-bytes", "1MiB"],
+                       log_path=str(tmp_path / "d.log")) as d:
+        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
+            for c in (c0, c1):
+                c.attach(big, engine="A", tp_size=2)
+            with pytest.raises(BadRequest, match="TOO_LARGE.*more than tp_max_lag_bytes"):
+                c0.topk(0, 0, tk, state_rows=rows)
+            c0.topk(0, 0, tk[:8], state_rows=rows[:8])  # a smaller batch goes
