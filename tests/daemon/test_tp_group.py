@@ -6,6 +6,8 @@ order the ranks come in (one rank far ahead, interleaved, the other first), hits
 counted once; a rank whose request differs is refused and stays where it was; a rank
 too far ahead is refused naming the one it waits for; joining follows the group's rules."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -39,6 +41,19 @@ def requests_of(seed: int, steps: int = 6):
             topk[rng.random((3, 4)) < 0.1] = -1
             out.append(("topk", t, g, topk, rows))
     return out
+
+
+@contextlib.contextmanager
+def two_ranks(tmp_path, layout, *args, engine: str = "tp", fill: bool = True, pool: int = 16 << 20):
+    """A private cpu daemon (``args``: its options) and ranks 0 and 1 of a TP group of 2
+    attached to ``engine`` (the pool filled through rank 0 unless ``fill`` is False)."""
+    with PrivateDaemon(pool_bytes=pool, backend="cpu", extra_args=list(args), log_path=str(tmp_path / "d.log")) as d:
+        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
+            for c in (c0, c1):
+                c.attach(layout, engine=engine, tp_size=2)
+            if fill:
+                helpers.fill(c0, layout)
+            yield d, c0, c1
 
 
 def send(c, req):
@@ -154,25 +169,20 @@ def test_a_rank_whose_topk_differs_is_refused_and_stays_where_it_was(daemon):
 
 def test_a_rank_too_far_ahead_is_refused_naming_the_slow_one(tmp_path):
     reqs = requests_of(3, steps=3)
-    with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--tp-max-lag", "3"],
-                       log_path=str(tmp_path / "d.log")) as d:
-        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
-            for c in (c0, c1):
-                c.attach(lay(), engine="tp", tp_size=2)
-            helpers.fill(c0, lay())
-            for req in reqs[:3]:
-                send(c0, req)
-            with pytest.raises(TpLag, match="rank 0 is 3 requests ahead of rank 1 .* at most 3"):
-                send(c0, reqs[3])
-            e = helpers.stats_json(d.run_dir)["per_engine"]["tp"]  # what an operator sees of it
-            assert (e["tp_size"], e["tp_lag"]) == (2, 3)
-            for req in reqs[:2]:  # rank 1 moves (its STEP rides on its TOPK): rank 0 may go on
-                send(c1, req)
+    with two_ranks(tmp_path, lay(), "--tp-max-lag", "3") as (d, c0, c1):
+        for req in reqs[:3]:
+            send(c0, req)
+        with pytest.raises(TpLag, match="rank 0 is 3 requests ahead of rank 1 .* at most 3"):
             send(c0, reqs[3])
-            send(c0, reqs[4])
-            c1.detach()  # a rank that leaves stops counting
-            for req in reqs[4:]:
-                send(c0, req)
+        e = helpers.stats_json(d.run_dir)["per_engine"]["tp"]  # what an operator sees of it
+        assert (e["tp_size"], e["tp_lag"]) == (2, 3)
+        for req in reqs[:2]:  # rank 1 moves (its STEP rides on its TOPK): rank 0 may go on
+            send(c1, req)
+        send(c0, reqs[3])
+        send(c0, reqs[4])
+        c1.detach()  # a rank that leaves stops counting
+        for req in reqs[4:]:
+            send(c0, req)
 
 
 def test_joining_a_tp_group(daemon):
@@ -308,28 +318,23 @@ def test_a_lone_step_taken_before_its_refused_topk_is_not_taken_again(tmp_path):
     rows = np.array([0, 1, 2], np.int32)
     rng = np.random.default_rng(0)
     tk = [np.stack([rng.choice(HOST_ROWS, 4, replace=False) for _ in range(3)]).astype(np.int32) for _ in range(3)]
-    with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", extra_args=["--tp-max-lag", "3"],
-                       log_path=str(tmp_path / "d.log")) as d:
-        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
-            for c in (c0, c1):
-                c.attach(lay(), engine="tp", tp_size=2)
-            helpers.fill(c0, lay())
-            c0.step(0, rows)
-            c0.topk(0, 0, tk[0], state_rows=rows)
-            c0.step(1, rows)
-            with pytest.raises(TpLag):
-                c0.topk(1, 0, tk[1], state_rows=rows)  # its STEP was taken, this TOPK refused
-            c1.step(0, rows)
-            c1.topk(0, 0, tk[0], state_rows=rows)
-            c0.step(1, rows)  # sent again: the group has it already
-            a = c0.topk(1, 0, tk[1], state_rows=rows)
-            c1.step(1, rows)
-            b = c1.topk(1, 0, tk[1], state_rows=rows)  # seen: TpMismatch (it sent the TOPK at the second STEP 1)
-            np.testing.assert_array_equal(a.slots, b.slots)
-            for c in (c0, c1):
-                c.step(2, rows)
-                c.topk(2, 0, tk[2], state_rows=rows)
-            assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
+    with two_ranks(tmp_path, lay(), "--tp-max-lag", "3") as (d, c0, c1):
+        c0.step(0, rows)
+        c0.topk(0, 0, tk[0], state_rows=rows)
+        c0.step(1, rows)
+        with pytest.raises(TpLag):
+            c0.topk(1, 0, tk[1], state_rows=rows)  # its STEP was taken, this TOPK refused
+        c1.step(0, rows)
+        c1.topk(0, 0, tk[0], state_rows=rows)
+        c0.step(1, rows)  # sent again: the group has it already
+        a = c0.topk(1, 0, tk[1], state_rows=rows)
+        c1.step(1, rows)
+        b = c1.topk(1, 0, tk[1], state_rows=rows)  # seen: TpMismatch (it sent the TOPK at the second STEP 1)
+        np.testing.assert_array_equal(a.slots, b.slots)
+        for c in (c0, c1):
+            c.step(2, rows)
+            c.topk(2, 0, tk[2], state_rows=rows)
+        assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
 
 
 def test_the_topk_of_a_refused_lone_step_is_refused_too(tmp_path):
@@ -345,24 +350,20 @@ def test_the_topk_of_a_refused_lone_step_is_refused_too(tmp_path):
     r1 = np.array([0], np.int32)
     tk1 = rng.permutation(4096)[:1024].astype(np.int32)[None]
     inval = np.full((1, 80000), -1, np.int32)
-    with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=["--tp-max-lag-bytes", "1MiB"],
-                       log_path=str(tmp_path / "d.log")) as d:
-        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
-            for c in (c0, c1):
-                c.attach(big, engine="A", tp_size=2)
-            c0.step(0, rows)
-            c0.topk(0, 0, tk0)
-            c0.step(1, r1, invalidate=inval)
-            with pytest.raises(TpLag):
-                c0.topk(1, 0, tk1, state_rows=r1)
-            assert helpers.stats_json(d.run_dir)["per_engine"]["A"]["tp_lag"] == 2  # seen: 3 (the TOPK ran)
-            c1.step(0, rows)
-            c1.topk(0, 0, tk0)
-            got = []
-            for c in (c0, c1):
-                c.step(1, r1, invalidate=inval)
-                got.append(c.topk(1, 0, tk1, state_rows=r1).slots)
-            np.testing.assert_array_equal(got[0], got[1])
+    with two_ranks(tmp_path, big, "--tp-max-lag-bytes", "1MiB", engine="A", fill=False, pool=64 << 20) as (d, c0, c1):
+        c0.step(0, rows)
+        c0.topk(0, 0, tk0)
+        c0.step(1, r1, invalidate=inval)
+        with pytest.raises(TpLag):
+            c0.topk(1, 0, tk1, state_rows=r1)
+        assert helpers.stats_json(d.run_dir)["per_engine"]["A"]["tp_lag"] == 2  # seen: 3 (the TOPK ran)
+        c1.step(0, rows)
+        c1.topk(0, 0, tk0)
+        got = []
+        for c in (c0, c1):
+            c.step(1, r1, invalidate=inval)
+            got.append(c.topk(1, 0, tk1, state_rows=r1).slots)
+        np.testing.assert_array_equal(got[0], got[1])
 
 
 def test_a_batch_whose_entry_alone_exceeds_tp_max_lag_bytes_is_too_large_not_tp_lag(tmp_path):
@@ -373,11 +374,7 @@ def test_a_batch_whose_entry_alone_exceeds_tp_max_lag_bytes_is_too_large_not_tp_
     rng = np.random.default_rng(0)
     rows = np.arange(64, dtype=np.int32)
     tk = np.stack([rng.permutation(4096)[:1024] for _ in range(64)]).astype(np.int32)
-    with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=["--tp-max-lag-bytes", "1MiB"],
-                       log_path=str(tmp_path / "d.log")) as d:
-        with Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
-            for c in (c0, c1):
-                c.attach(big, engine="A", tp_size=2)
-            with pytest.raises(BadRequest, match="TOO_LARGE.*more than tp_max_lag_bytes"):
-                c0.topk(0, 0, tk, state_rows=rows)
-            c0.topk(0, 0, tk[:8], state_rows=rows[:8])  # a smaller batch goes
+    with two_ranks(tmp_path, big, "--tp-max-lag-bytes", "1MiB", engine="A", fill=False, pool=64 << 20) as (d, c0, c1):
+        with pytest.raises(BadRequest, match="TOO_LARGE.*more than tp_max_lag_bytes"):
+            c0.topk(0, 0, tk, state_rows=rows)
+        c0.topk(0, 0, tk[:8], state_rows=rows[:8])  # a smaller batch goes
