@@ -65,6 +65,7 @@ class HostSwapIn:
         if att is None:
             raise NotAttached("HostSwapIn needs an attached client: call client.attach(layout) first")
         self._client = client
+        self._att = att  # its rank: after a detach (or the client's close) the handle refuses to serve
         self.layout = att.layout
         lay = self.layout
         self._stride = lay.region_stride
@@ -261,6 +262,10 @@ class HostSwapIn:
     def _open(self) -> None:
         if self._closed:
             raise SparseKVError("this HostSwapIn is closed; make a new one")
+        if self._client.attachment is not self._att:  # its slab views are of a rank that is gone
+            self.close()
+            raise NotAttached("this HostSwapIn's rank was detached (or its client closed): its slab is gone; "
+                              "make a new HostSwapIn from the attached client")
 
     def _reqs(self, req_id_per_token) -> np.ndarray:
         """``req_id_per_token`` on the host. On a fenced rank a tensor on the GPU is copied

@@ -196,6 +196,26 @@ def test_kv_is_a_view_of_the_attached_slab(client):
         assert (slab[layer, 2, 5] == 200 + layer).all()
 
 
+def test_a_handle_of_a_rank_that_detached_refuses_to_serve(client):
+    """A handle made before ``detach`` (then ``attach`` again) must not serve the new rank
+    from the old slab's views. Seen (an adversarial review): begin_step and swap_in ran,
+    the top-k went to the new rank and ``kv`` read the old slab: other rows, no error."""
+    h = HostSwapIn(client)
+    client.detach()
+    client.attach(LAYOUT)
+    with pytest.raises(NotAttached, match="rank was detached"):
+        h.begin_step(np.array([0], np.int32))
+    with pytest.raises(SparseKVError, match="closed"):  # and from then on, closed
+        h.kv(0)
+    h2 = HostSwapIn(client)
+    client.detach()
+    with pytest.raises(NotAttached, match="rank was detached"):
+        h2.kv(0)
+    client.attach(LAYOUT)
+    fresh = HostSwapIn(client)
+    assert np.shares_memory(fresh.kv(0), client.attachment.slab[0])
+
+
 def test_torch_in_torch_out_and_torch_out_arrays():
     torch = pytest.importorskip("torch")
     with InprocClient() as c:
