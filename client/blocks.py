@@ -39,6 +39,7 @@ from sparsekv.proto import LIMITS, ErrorCode, MsgType
 from sparsekv.proto.blocks import chain_hashes
 
 from .errors import BadRequest
+from .tensors import INT32_MAX, host_int32
 
 
 class Blocks:
@@ -70,19 +71,23 @@ class Blocks:
 
     def rows(self, blocks) -> np.ndarray:
         """The host rows (int32 [n * block_size]) of ``blocks``, in order."""
-        b = np.asarray(blocks, dtype=np.int64).reshape(-1, 1)
-        return (b * self.block_size + np.arange(self.block_size)).reshape(-1).astype(np.int32)
+        b = host_int32("blocks", blocks).astype(np.int64).reshape(-1, 1)
+        rows = b * self.block_size + np.arange(self.block_size)
+        if rows.size and (rows.min() < 0 or rows.max() > INT32_MAX):
+            raise BadRequest(f"blocks {int(b.min())}..{int(b.max())} of {self.block_size} rows are not host rows "
+                             "(0 .. int32)", ErrorCode.BAD_ARGUMENT)
+        return rows.reshape(-1).astype(np.int32)
 
     def reserve(self, n: int) -> dict:
         """Promise ``n`` more blocks to this client (``n < 0`` gives some back); returns
         ``reserved`` (this client's now) and the store's ``blocks``, ``free``, ``cached``,
         ``referenced``, ``evictable``, ``private`` and ``reserved_total`` counts.
         ``PoolExhausted`` when it cannot."""
-        return self._call(MsgType.BLOCK_RESERVE, {"n": int(n)})[0]
+        return self._call(MsgType.BLOCK_RESERVE, {"n": _count("n", n)})[0]
 
     def alloc(self, n: int) -> np.ndarray:
         """``n`` zeroed blocks (int32 [n]) only this client may write; its reservation first."""
-        return self._call(MsgType.BLOCK_ALLOC, {"n": int(n)})[1]["blocks"]
+        return self._call(MsgType.BLOCK_ALLOC, {"n": _count("n", n)})[1]["blocks"]
 
     def commit(self, blocks, hashes) -> np.ndarray:
         """Cache this client's ``blocks`` under ``hashes`` (int64 [n, 2]), pinned for it; they
@@ -147,7 +152,7 @@ class Blocks:
         """The indexer keys (uint8 [n, layers, block_size, index_bytes]) of ``blocks``, each
         pinned by this client (a lookup's) or its own private one; in requests of at most
         ``LIMITS.max_keys_bytes`` and ``LIMITS.max_blocks`` blocks."""
-        blocks = np.asarray(blocks, dtype=np.int32).reshape(-1)
+        blocks = host_int32("blocks", blocks).reshape(-1)
         out = np.empty((blocks.size, *self.keys_shape), np.uint8)
         step = min(self._per_request(), LIMITS.max_blocks)
         for i in range(0, blocks.size, step):
@@ -240,8 +245,15 @@ CHAIN_REF_IDS = 1 << 18  # 5 MiB of hashes and block ids at most
 CHAIN_REF_TRIES = 4
 
 
+def _count(name: str, n) -> int:
+    """An integer argument (not a float or bool a cast would truncate), or BadRequest."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise BadRequest(f"{name} must be an integer, got {n!r}"[:120], ErrorCode.BAD_ARGUMENT)
+    return int(n)
+
+
 def _blocks(blocks) -> np.ndarray:
-    b = np.asarray(blocks, dtype=np.int32).reshape(-1)
+    b = host_int32("blocks", blocks).reshape(-1)
     if b.size > LIMITS.max_blocks:
         raise BadRequest(f"{b.size} blocks exceed {LIMITS.max_blocks} a request", ErrorCode.TOO_LARGE)
     return b

@@ -27,7 +27,7 @@ from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, Protocol
 from .keys_load import KeysLoader
 from .rank_memory import fetch_fds, map_shared, offer_slab
 from .results import AttachmentCaps, TopkResult
-from .tensors import device_ids, on_gpu
+from .tensors import device_ids, host_bytes, host_int32, on_gpu
 from .wire import Wire
 
 log = logging.getLogger("sparsekv.client")
@@ -381,11 +381,11 @@ class Client(Connection):
         """Begin decode step ``step``: the batch's state rows (-1 = padding), which of them
         start a new request (``reset`` bool [batch]) and rows rewritten since the last step
         (``invalidate`` int32 [batch, n], -1 = none)."""
-        arrays = {"state_rows": np.asarray(state_rows, dtype=np.int32)}
+        arrays = {"state_rows": host_int32("state_rows", state_rows)}
         if reset is not None:
             arrays["reset"] = np.asarray(reset, dtype=bool)
         if invalidate is not None:
-            arrays["invalidate"] = np.asarray(invalidate, dtype=np.int32)
+            arrays["invalidate"] = host_int32("invalidate", invalidate)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
         self._pending_step = (int(step), arrays)
@@ -427,14 +427,14 @@ class Client(Connection):
             if device and att.takes_device_topk and topk.device == att.torch_device:
                 return self._submit_topk_block(att, fields, device_ids(topk), state_rows, begin)
             topk = topk.cpu()
-        arrays = {"topk": np.asarray(topk, dtype=np.int32)}
+        arrays = {"topk": host_int32("topk", topk)}
         if device and att.caps.step_blocks:
             return self._submit_topk_block(att, fields, arrays["topk"], state_rows, begin)
         if begin is not None:
             arrays.update(begin)  # state_rows, reset, invalidate of the step
             fields["begin"] = True
         elif state_rows is not None:
-            arrays["state_rows"] = np.asarray(state_rows, dtype=np.int32)
+            arrays["state_rows"] = host_int32("state_rows", state_rows)
         if device:
             fence = att.record_fence()
             if fence is not None:
@@ -453,7 +453,7 @@ class Client(Connection):
             rows = begin["state_rows"]
             begin = (begin.get("reset"), begin.get("invalidate"))
         elif state_rows is not None:
-            rows = np.asarray(state_rows, dtype=np.int32)
+            rows = host_int32("state_rows", state_rows)
         elif self._step_rows is not None and self._step_rows[0] == step:
             rows = self._step_rows[1]
         else:
@@ -500,11 +500,17 @@ class Client(Connection):
         """Copy ``data`` uint8 [len(layers), n, row_bytes] into host ``rows`` (all layers when
         ``layers`` is None); hot copies of those rows are dropped in every rank."""
         layers = None if layers is None else [int(x) for x in layers]
-        rows, data = np.asarray(rows, dtype=np.int32), np.asarray(data, dtype=np.uint8)
+        rows, data = host_int32("rows", rows), host_bytes("data", data)
         per_row = data.nbytes // max(1, data.shape[1]) if data.ndim == 3 and rows.ndim == 1 else 0
         if not per_row or (data.nbytes <= LIMITS.max_frame_bytes and rows.shape[0] <= LIMITS.max_write_rows):
             return self._call(MsgType.WRITE, {"layers": layers}, {"rows": rows, "data": data})[0]
-        # Larger than one frame may carry: several WRITEs of whole rows, each in order.
+        # Larger than one frame may carry: several WRITEs of whole rows, each in order, once the
+        # whole is checked (a part refused half way would leave the parts before it written).
+        n_layers = self.attachment.layout.num_layers if self.attachment is not None and layers is None else \
+            len(layers or ())
+        if data.shape[1] != rows.shape[0] or (n_layers and data.shape[0] != n_layers):
+            raise BadRequest(f"data must be [{n_layers or 'layers'}, {rows.shape[0]}, row_bytes] for {rows.shape[0]} "
+                             f"rows, got {list(data.shape)}", ErrorCode.BAD_ARGUMENT)
         step = max(1, min(LIMITS.max_frame_bytes // per_row, LIMITS.max_write_rows))
         total: dict = {}
         for i in range(0, rows.shape[0], step):
@@ -525,12 +531,12 @@ class Client(Connection):
             fence = att.record_fence()
             if fence is not None:
                 fields["fence"] = fence
-        return self._call(MsgType.WRITE_STAGED, fields, {"rows": np.asarray(rows, dtype=np.int32)})[0]
+        return self._call(MsgType.WRITE_STAGED, fields, {"rows": host_int32("rows", rows)})[0]
 
     def stage(self, rows, layers=None) -> int:
         """Copy host ``rows`` (e.g. whole blocks) of ``layers`` to the staging buffer's front."""
         fields, _ = self._call(MsgType.STAGE, {"layers": None if layers is None else [int(x) for x in layers]},
-                               {"rows": np.asarray(rows, dtype=np.int32)})
+                               {"rows": host_int32("rows", rows)})
         return fields["bytes"]
 
     def stats(self) -> dict:

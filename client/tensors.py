@@ -35,3 +35,43 @@ def device_ids(topk):
     import torch  # noqa: PLC0415 - a tensor was passed
 
     return topk.to(torch.int32).contiguous()
+
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def host_int32(name: str, a):
+    """``a`` (a NumPy array, a CPU tensor, a list) as a host int32 array, or BadRequest
+    naming it: its values must be integers (not floats or bools, which a cast would
+    truncate) within int32 (not wrapped)."""
+    import numpy as np  # noqa: PLC0415
+
+    if is_torch(a):
+        a = a.detach().cpu().numpy()
+    try:
+        arr = np.asarray(a)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"{name} must be an array of integers: {e}", ErrorCode.BAD_ARGUMENT) from None
+    if arr.size == 0 and arr.dtype.kind == "f":  # an empty list
+        arr = arr.astype(np.int32)
+    if arr.dtype.kind not in "iu":
+        raise BadRequest(f"{name} must hold integers, got {arr.dtype}", ErrorCode.BAD_ARGUMENT)
+    if arr.dtype.itemsize > 4 or arr.dtype == np.uint32:
+        if arr.size and (int(arr.min()) < INT32_MIN or int(arr.max()) > INT32_MAX):
+            bad = arr[(arr < INT32_MIN) | (arr > INT32_MAX)].reshape(-1)[0]
+            raise BadRequest(f"{name} holds {int(bad)}, outside int32", ErrorCode.BAD_ARGUMENT)
+    return arr.astype(np.int32, copy=False)
+
+
+def host_bytes(name: str, a):
+    """``a`` as a host uint8 array (a NumPy array, a CPU tensor), or BadRequest: bytes are
+    not converted from another dtype (a cast would change the values)."""
+    import numpy as np  # noqa: PLC0415
+
+    if is_torch(a):
+        a = a.detach().cpu().numpy()
+    arr = np.asarray(a)
+    if arr.dtype != np.uint8:
+        raise BadRequest(f"{name} must be uint8 (the rows' bytes), got {arr.dtype}: view it as uint8",
+                         ErrorCode.BAD_ARGUMENT)
+    return arr

@@ -1,0 +1,79 @@
+"""What the client refuses before it sends anything (found by an adversarial review of the
+client): ids that are floats or bools (a cast truncated them: scores passed for indices
+resolved as rows), ids outside int32 (wrapped: row 2**32 + 5 wrote row 5), data that is
+not bytes (value-cast), a write larger than one frame whose data and rows differ (its
+first parts were written before the refusal), block counts that are floats. Each a
+BadRequest naming the argument; nothing written."""
+
+import numpy as np
+import pytest
+
+from sparsekv.bench.verify import pattern
+from sparsekv.client import BadRequest, Client
+from sparsekv.proto import Layout
+
+LAY = Layout(num_layers=2, row_bytes=4096, top_k=4, region_stride=8, max_reqs=2, host_rows=8192,
+             index_groups=((0,), (1,))).validate()
+
+
+@pytest.fixture
+def c(module_daemon):
+    with Client(module_daemon.run_dir, name="arguments") as c:
+        c.attach(LAY, engine="arguments")
+        yield c
+
+
+@pytest.mark.parametrize("ids, words", [
+    (np.array([[0.9, 1.0, 2.0, 3.0]]), "topk must hold integers, got float64"),
+    (np.array([[True, False, True, False]]), "topk must hold integers, got bool"),
+    (np.array([[2**32 + 1, 1, 2, 3]], np.int64), "topk holds 4294967297, outside int32"),
+])
+def test_a_topk_of_floats_bools_or_wide_ids_is_refused(c, ids, words):
+    c.step(0, [0])
+    with pytest.raises(BadRequest, match=words):
+        c.topk(0, 0, ids)
+
+
+def test_state_rows_and_invalidations_must_be_integers(c):
+    with pytest.raises(BadRequest, match="state_rows must hold integers"):
+        c.step(0, [0.9])
+    with pytest.raises(BadRequest, match="invalidate must hold integers"):
+        c.step(0, [0], invalidate=[[1.5]])
+
+
+def test_a_write_to_a_row_past_int32_or_of_data_not_bytes_writes_nothing(c):
+    with pytest.raises(BadRequest, match="rows holds 4294967301, outside int32"):
+        c.write(np.array([2**32 + 5], np.int64), np.ones((2, 1, 4096), np.uint8))
+    with pytest.raises(BadRequest, match="data must be uint8"):
+        c.write(np.array([5]), np.ones((2, 1, 4096), np.int16))
+    c.write(np.array([5]), pattern(0, np.array([5]), 4096)[None].repeat(2, 0))
+    c.step(1, [0], reset=[True])
+    res = c.topk(1, 0, np.array([[5, -1, -1, -1]], np.int32))
+    got = c.attachment.slab[0, 0, res.slots[0, 0]]
+    np.testing.assert_array_equal(got, pattern(0, np.array([5]), 4096)[0])  # row 5 is what was written to it
+
+
+def test_a_write_of_several_frames_whose_data_and_rows_differ_writes_no_part(c):
+    rows = np.arange(6000)
+    data = np.full((2, 8000, 4096), 7, np.uint8)  # 64 MiB: several frames, 2000 rows too many
+    with pytest.raises(BadRequest, match=r"data must be \[2, 6000, row_bytes\] for 6000 rows, got \[2, 8000, 4096\]"):
+        c.write(rows, data)
+    c.step(0, [0], reset=[True])
+    res = c.topk(0, 0, np.array([[0, 1, 2, 3]], np.int32))
+    assert not c.attachment.slab[0, 0, res.slots[0]].any()  # seen: the first 4096 rows written (7s)
+
+
+def test_block_counts_and_ids_must_be_integers(module_daemon):
+    with Client(module_daemon.run_dir, name="arguments-blocks") as c:
+        c.attach(Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
+                        index_groups=((0,),)).validate(), engine="arguments-blocks", block_size=4)
+        with pytest.raises(BadRequest, match="n must be an integer"):
+            c.blocks.reserve(1.7)
+        with pytest.raises(BadRequest, match="n must be an integer"):
+            c.blocks.alloc(True)
+        with pytest.raises(BadRequest, match="blocks must hold integers"):
+            c.blocks.rows([0.9])
+        with pytest.raises(BadRequest, match="outside int32"):
+            c.blocks.rows([2**31])
+        with pytest.raises(BadRequest, match="are not host rows"):
+            c.blocks.rows([2**30])
