@@ -112,6 +112,9 @@ class Client(Connection):
         reads the socket without sleeping before it sleeps in ``poll``."""
         self.run_dir = run_dir or default_run_dir()
         self.rank, self.device, self.name = rank, device, name
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e9:
+            raise BadRequest(f"timeout_s must be a number of seconds in (0, 1e9), got {timeout_s!r}",
+                             ErrorCode.BAD_ARGUMENT)
         self.timeout_s = timeout_s
         # Poll for a reply this long before sleeping on the socket (a wake-up costs more).
         self.spin_ns = (500 if device.startswith("cuda") else 0) * 1000 if spin_us is None else int(spin_us) * 1000
@@ -145,6 +148,9 @@ class Client(Connection):
 
     # -- connection --------------------------------------------------------------
     def connect(self) -> "Client":
+        if self._sock is not None:  # a second session would end the first one's without a word
+            raise SparseKVError("this Client is connected already (client %s); close() it first" %
+                                (self.info or {}).get("client_id", "?"))
         self._owner_pid = os.getpid()  # (a forked child shares the connection: refused, _send)
         path = self.control_path
         # Says what is wrong with a missing, refused or forbidden socket, and names the

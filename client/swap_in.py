@@ -448,6 +448,8 @@ def _check_out(name: str, out, shape: tuple) -> None:
         raise BadRequest(f"{name} must be an int32 NumPy array or torch tensor, got {got}", ErrorCode.BAD_ARGUMENT)
     if tuple(out.shape) != shape:
         raise BadRequest(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}", ErrorCode.BAD_ARGUMENT)
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise BadRequest(f"{name} is read-only", ErrorCode.BAD_ARGUMENT)
 
 
 def _deliver(result, out, like):

@@ -77,3 +77,31 @@ def test_block_counts_and_ids_must_be_integers(module_daemon):
             c.blocks.rows([2**31])
         with pytest.raises(BadRequest, match="are not host rows"):
             c.blocks.rows([2**30])
+
+
+def test_connect_twice_timeouts_and_read_only_out_arrays_are_refused_plainly(module_daemon):
+    """Seen (the same review): a second ``connect()`` opened a new session over the first
+    (its requests then timed out); ``timeout_s`` None / inf / -1 raised TypeError /
+    OverflowError / ValueError from deep inside; a read-only ``attention_indices_out``
+    raised a ValueError after the request ran (its retry was then refused)."""
+    from sparsekv.client import SparseKVError
+    from sparsekv.client.swap_in import HostSwapIn
+
+    for bad in (None, float("inf"), -1, float("nan"), True):
+        with pytest.raises(BadRequest, match="timeout_s must be a number of seconds"):
+            Client(module_daemon.run_dir, timeout_s=bad)
+    with Client(module_daemon.run_dir, name="arguments-twice") as c:
+        with pytest.raises(SparseKVError, match="connected already"):
+            c.connect()
+        c.stats()  # the first session serves on
+        lay = Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
+                     index_groups=((0,),)).validate()
+        c.attach(lay, engine="arguments-out")
+        h = HostSwapIn(c)
+        h.begin_step(np.array([0], np.int32))
+        out = np.zeros((1, 4), np.int32)
+        out.flags.writeable = False
+        args = (np.array([0]), np.array([[0, 1, 2, 3]]), np.array([[0, 1, 2, 3]]))
+        with pytest.raises(BadRequest, match="attention_indices_out is read-only"):
+            h.swap_in(*args, layer=0, block_size=4, attention_indices_out=out)
+        assert h.swap_in(*args, layer=0, block_size=4).shape == (1, 4)  # the layer was not used up
