@@ -196,7 +196,13 @@ class Connection:
             self._deferred.remove(r)
             header, _ = self._replies.pop(r)
             if not header.get("ok"):
-                raise error_for(header.get("code", int(ErrorCode.INTERNAL)), header.get("msg", "no message"))
+                try:
+                    what = MsgType(header.get("t")).name
+                except ValueError:
+                    what = "request"
+                raise error_for(header.get("code", int(ErrorCode.INTERNAL)),
+                                f"{header.get('msg', 'no message')} (the reply to an earlier {what} not waited "
+                                f"for, id {header.get('id')}; raised by the next request)")
 
     def _call(self, msg_type: MsgType, fields=None, arrays=None):
         """Send and wait; return (reply fields without the envelope, reply arrays)."""

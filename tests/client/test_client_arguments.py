@@ -105,3 +105,12 @@ def test_connect_twice_timeouts_and_read_only_out_arrays_are_refused_plainly(mod
         with pytest.raises(BadRequest, match="attention_indices_out is read-only"):
             h.swap_in(*args, layer=0, block_size=4, attention_indices_out=out)
         assert h.swap_in(*args, layer=0, block_size=4).shape == (1, 4)  # the layer was not used up
+
+
+def test_an_error_of_a_step_not_waited_for_says_whose_it_is(c):
+    """A STEP sent alone is not waited for: its refusal comes with the next request's
+    reply. Seen (the same review): the error read as the later request's own."""
+    c.step(0, [0, 9])  # state row 9 of 2: refused
+    c.step(1, [0])  # sends step 0's STEP alone
+    with pytest.raises(BadRequest, match=r"state row 9 .*\(the reply to an earlier STEP not waited for"):
+        c.write(np.array([5]), np.zeros((2, 1, 4096), np.uint8))
