@@ -67,6 +67,7 @@ class Pending:
     """A request on the wire; ``wait()`` returns its reply (or raises its error)."""
 
     _error: SparseKVError | None = None  # the error its reply said (raised by every wait)
+    _raised = False  # a wait raised (its own error, or an earlier request's in its place)
 
     def __init__(self, client: "Client", req_id: int, convert):
         self._client, self._id, self._convert = client, req_id, convert
@@ -83,10 +84,21 @@ class Pending:
                 # Its own reply (read once), not another request's error nor a lost daemon.
                 if not isinstance(e, DaemonUnavailable) and self._id not in self._client._replies:
                     self._error = e
+                self._raised = True
                 raise
             self._result = self._convert(header, arrays)
             self._done = True
         return self._result
+
+    def __del__(self):
+        # Dropped unread: its reply is not kept for nobody. An error in it is raised by a
+        # later request (as a deferred request's) unless a wait of it raised one already.
+        client = getattr(self, "_client", None)
+        if client is not None and not self._done and self._error is None:
+            try:
+                client._abandon(self._id, quietly=self._raised)
+            except Exception:  # noqa: BLE001 - at interpreter exit, or a client torn down
+                pass
 
 
 class Ready(Pending):
@@ -127,6 +139,8 @@ class Client(Connection):
         self._owner_pid = 0  # the process that connected
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
+        self._abandoned: set[int] = set()  # requests whose Pending was dropped unread: an error raised later
+        self._quiet: set[int] = set()  # the same whose waits raised already: their replies dropped
         self._deferred: list[int] = []  # requests sent without waiting (STEP; TOPK with device wait)
         if device_wait is None:
             device_wait = CLIENT_DEVICE_WAIT.get()

@@ -49,6 +49,8 @@ class Connection:
         self._sent.clear()
         self._replies.clear()
         self._deferred.clear()
+        self._abandoned.clear()
+        self._quiet.clear()
 
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
         if self._sock is None:
@@ -149,7 +151,28 @@ class Connection:
             self.timings[sent[0]] = (sent[1], tr, header.get("tx", tr), t_recv)
             if sent[0] == MsgType.TOPK:
                 self.enqueued_at = header.get("tl")  # None from a cpu rank or an error reply
+        if rid in self._quiet:
+            self._quiet.discard(rid)
+            return  # nobody reads it, and its caller had an error for it already
+        if rid in self._abandoned:
+            self._abandoned.discard(rid)
+            if header.get("ok"):
+                return  # nobody waits for it
+            self._deferred.append(rid)  # its error: raised by the next request
         self._replies[rid] = (header, arrays)
+
+    def _abandon(self, req_id: int, quietly: bool = False) -> None:
+        """``req_id``'s Pending was dropped unread: drop its reply (here or to come), but
+        raise its error at the next request (``quietly``: drop that too: its caller was
+        raised an error for it already)."""
+        got = self._replies.get(req_id)
+        if got is not None:
+            if got[0].get("ok") or quietly:
+                del self._replies[req_id]
+            elif req_id not in self._deferred:
+                self._deferred.append(req_id)
+        elif req_id in self._sent:
+            (self._quiet if quietly else self._abandoned).add(req_id)
 
     def _receive_arrived(self) -> None:
         """Take every reply already here, without waiting."""
@@ -206,7 +229,12 @@ class Connection:
 
     def _call(self, msg_type: MsgType, fields=None, arrays=None):
         """Send and wait; return (reply fields without the envelope, reply arrays)."""
-        header, arrays = self._await_reply(self._send(msg_type, fields, arrays))
+        req = self._send(msg_type, fields, arrays)
+        try:
+            header, arrays = self._await_reply(req)
+        except SparseKVError:
+            self._replies.pop(req, None)  # an earlier request's error was raised instead: nobody reads this one
+            raise
         fields = header.copy()
         for k in _ENVELOPE:
             fields.pop(k, None)

@@ -114,3 +114,25 @@ def test_an_error_of_a_step_not_waited_for_says_whose_it_is(c):
     c.step(1, [0])  # sends step 0's STEP alone
     with pytest.raises(BadRequest, match=r"state row 9 .*\(the reply to an earlier STEP not waited for"):
         c.write(np.array([5]), np.zeros((2, 1, 4096), np.uint8))
+    c.step(2, [0])
+    with pytest.raises(BadRequest):  # step 3's refused STEP, raised by step 4's topk in its place
+        c.step(3, [0, 9])
+        c.step(4, [0])
+        c.topk(4, 0, np.array([[1, 2, 3, 4]], np.int32))
+    c.stats()
+    assert not c._replies  # no reply is kept for nobody (the write's and the topk's)
+
+
+def test_replies_of_requests_dropped_unwaited_are_not_kept(c):
+    """``submit_topk`` results dropped without ``wait()``: their replies go (2,000 of them
+    kept ~3 MB for the client's life, seen in the review); an error among them is raised
+    by the next request, as a deferred request's."""
+    c.step(0, [0])
+    for _ in range(200):
+        c.submit_topk(0, 0, np.array([[1, 2, 3, 4]], np.int32))
+    c.stats()  # every reply has arrived by its own
+    assert len(c._replies) == 0 and not c._abandoned
+    c.submit_topk(0, 0, np.array([[1, 1, 2, 3]], np.int32))  # duplicate ids: refused
+    with pytest.raises(BadRequest, match="DUPLICATE_IDS|names the same host row twice"):
+        c.stats()
+    assert len(c._replies) == 0
