@@ -700,10 +700,9 @@ def test_a_slow_reader_of_many_pongs_does_not_hold_the_loop():
 
 # -- a connection dropped mid-chunk, and declarations before HELLO, reserve no budget -------------
 
-def _write_head(req_id: int, nbytes: int) -> bytes:
-    rows = np.arange(1, dtype=np.int32)
-    return encode(MsgType.WRITE, req_id, {"layers": None},
-                  {"rows": rows, "data": np.zeros((1, 1, nbytes), np.uint8)})[0]
+def write_start(req_id: int, nbytes: int) -> bytes:
+    """``write_msg``'s bytes up to its data (header, rows, the data frame's head)."""
+    return write_msg(req_id, nbytes)[:-nbytes]
 
 
 def test_bytes_decoded_after_a_failed_reply_dropped_the_connection_reserve_nothing():
@@ -717,8 +716,7 @@ def test_bytes_decoded_after_a_failed_reply_dropped_the_connection_reserve_nothi
             s = raw_peer(d.path)
             s.shutdown(socket.SHUT_RD)
             first = encode(MsgType.STATS, 1)[0]  # NOT_HELLO, answered at once
-            s.sendall(wire([first]) + zmtp.frame_header(len(h := _write_head(2, 60 * MiB)), zmtp.MORE) + h
-                      + zmtp.frame_header(4, zmtp.MORE) + bytes(4))
+            s.sendall(wire([first]) + write_start(2, 60 * MiB))
             time.sleep(0.2)
             s.close()
         helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["connections_open"] == 0, timeout_s=5,
@@ -733,8 +731,7 @@ def test_a_message_before_hello_declaring_more_than_a_header_reserves_nothing():
     with daemon() as d:
         s = raw_peer(d.path)
         try:
-            h = _write_head(3, 60 * MiB)
-            s.sendall(zmtp.frame_header(len(h), zmtp.MORE) + h + zmtp.frame_header(4, zmtp.MORE) + bytes(4))
+            s.sendall(write_start(3, 60 * MiB))
             time.sleep(0.3)
             assert helpers.stats_json(d.run_dir)["inflight_bytes"] == 0  # seen: 62914560
             v = raw_peer(d.path)
@@ -784,10 +781,7 @@ def test_a_connection_resumed_when_a_timed_out_message_gives_its_budget_back_is_
         try:
             assert hog.stdout.readline().strip() == "holding"
             assert hello(v, "victim")["ok"]
-            rows = np.arange(1, dtype=np.int32)
-            small = wire(encode(MsgType.WRITE, 5, {"layers": None},
-                                {"rows": rows, "data": np.zeros((1, 1, 16384), np.uint8)}))
-            v.sendall(small + wire(encode(MsgType.STATS, 6)))
+            v.sendall(write_msg(5, 16384) + wire(encode(MsgType.STATS, 6)))
             first = answered_within(v, 10)
             assert first is not None and first["id"] == 5
             second = answered_within(v, 5)
