@@ -320,9 +320,7 @@ class EngineRegistry:
         coming = list(self._returning) + [sp.pool_offset for sp in own]
         chosen: list[EngineSpace] = []
         if not self.pool.fits_after(need, coming):
-            kept = sorted((space for space in self._engines.values() if space.idle_since is not None
-                           and not space.ranks and not self._attaching.get(space.name) and space not in own),
-                          key=lambda sp: sp.idle_since)
+            kept = [space for space in self._kept() if space not in own]
             for space in kept:  # the longest kept first, until their ranges open one large enough
                 chosen.append(space)
                 if self.pool.fits_after(need, coming + [sp.pool_offset for sp in chosen]):
@@ -351,9 +349,7 @@ class EngineRegistry:
         over = self.pool_bytes_of(owner.uid) + need - self.max_pool_bytes_per_uid
         if over <= 0:
             return []
-        mine = sorted((space for space in self._engines.values() if space.idle_since is not None
-                       and not space.ranks and not self._attaching.get(space.name) and space.owner is not None
-                       and space.owner.uid == owner.uid), key=lambda sp: sp.idle_since)
+        mine = [space for space in self._kept() if space.owner is not None and space.owner.uid == owner.uid]
         chosen, freed = [], 0
         for space in mine:
             if freed >= over:
@@ -361,6 +357,12 @@ class EngineRegistry:
             chosen.append(space)
             freed += self.pool.range_bytes(space.range_bytes)
         return chosen if freed >= over else None
+
+    def _kept(self) -> list[EngineSpace]:
+        """The engines kept for their cached blocks alone (no rank, no attach pending), the
+        longest kept first."""
+        return sorted((space for space in self._engines.values() if space.idle_since is not None
+                       and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
 
     def drop_kept(self) -> list[str]:
         """Release every engine kept only for its cached blocks (no rank, no attach
