@@ -77,6 +77,8 @@ class CpuResidency(Residency):
         if states.size and (states[0] < 0 or states[-1] >= self.layout.max_reqs):
             raise ResidencyError("BAD_STATE_ROW", f"state row {int(states[0] if states[0] < 0 else states[-1])} "
                                  "out of range")
+        if not states.size:
+            return
         if states.size * self.layout.num_groups * self.layout.region_stride > PAIRS_AT_ONCE:
             super().invalidate_pairs(np.asarray(state_rows), np.asarray(rows))
             return
@@ -84,14 +86,10 @@ class CpuResidency(Residency):
         base = max(self.layout.host_rows, int(rows.max()) + 1)
         region = self.owner[:, states]  # [groups, named state rows, stride]: a copy
         at = np.arange(states.size, dtype=np.int64)[None, :, None]
-        gone = (region >= 0) & np.isin(at * base + region, which * base + rows)
-        if gone.any():
-            region[gone] = -1
-            self.owner[:, states] = region
-            fresh = self.fresh[:, states]
-            self.prefetch_wasted += int(fresh[gone].sum())
-            fresh[gone] = False
-            self.fresh[:, states] = fresh
+        g, i, slot = np.nonzero((region >= 0) & np.isin(at * base + region, which * base + rows))
+        where = (g, states[i], slot)
+        self.owner[where] = -1
+        self._waste(where)
 
     def invalidate_everywhere(self, rows: np.ndarray) -> int:
         rows = np.asarray(rows, dtype=np.int32)
