@@ -297,8 +297,9 @@ __device__ __forceinline__ void skv_plan_copy(
 // slab_layer_rows] slab). Grid: fixed (skv_gather_rows: a block per batch row and grid).
 // `ready` (or null): set to 1 by the last block once every block's rows are visible
 // (`arrivals`: its counter, 0 before and after): expect 0, after this grid's blocks
-// (skv_ring_when_done); otherwise after `expect` blocks of this and other kernels (the
-// pushes of peers into the same slab, skv_push), system-scope.
+// (skv_ring_when_done, device-scope: the word and the slab are this GPU's, read by its
+// engine's kernels and stream waits only); otherwise after `expect` blocks of this and
+// other kernels (the pushes of peers into the same slab, skv_push), system-scope.
 extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int* __restrict__ desc,
     const unsigned char* __restrict__ pool, const i64 host_rows, const int num_layers,
@@ -313,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     skv_plan_copy(desc, pool, host_rows, slab, slab_layer_rows, num_layers, group_layers, layers_stride, groups,
                   plan_rows, plan_slots, 0, 0, misses, max_batch, ld, geo, stripe, stripes);
     if (expect) skv_ring_after<true>(arrivals, ready, expect);
-    else skv_ring_when_done(arrivals, ready);
+    else skv_ring_when_done(arrivals, ready, true);
 }
 
 // A stripe of the plan, slab -> slab: the entries skv_gather with the same stripe copied
