@@ -178,7 +178,8 @@ class Client(Connection):
 
     # -- requests ----------------------------------------------------------------
     def attach(self, layout: Layout, engine: str = "default", fence: bool = False, transport: str = "zmq",
-               slab=None, block_size: int = 0, index_bytes: int = 0, prefetch: bool = False, tp_size: int = 1):
+               slab=None, block_size: int = 0, index_bytes: int = 0, prefetch: bool = False, tp_size: int = 1,
+               owner_uid: int | None = None):
         """Attach this rank to ``engine``; return its :class:`Attachment` (cpu) or
         ``CudaAttachment`` (cuda). ``fence`` (cuda): export events the daemon waits on
         before each gather, so attention still reading earlier rows is never overwritten.
@@ -199,9 +200,17 @@ class Client(Connection):
         and gathers its rows into every rank's slab (DESIGN §5.6); every rank names the same
         ``tp_size`` and attaches before the group's first step; a request that differs from
         the peers' is refused (``TpMismatch``), as one that runs ``tp_max_lag`` requests
-        ahead of the slowest rank (``TpLag``)."""
+        ahead of the slowest rank (``TpLag``). ``owner_uid``: join an engine another user
+        made (root and the daemon's admin group only): the uid that owns it, so that
+        this rank never trusts another user's rows and cached blocks by accident; without
+        it only an engine of this process's own uid is joined (a new one is created)."""
         layout.validate()
         fields = {"engine": engine, "layout": layout.to_wire()}
+        if owner_uid is not None:
+            if type(owner_uid) is not int or not 0 <= owner_uid < 1 << 32:
+                raise BadRequest(f"owner_uid must be a uid (an integer in [0, 2**32)), got {owner_uid!r}",
+                                 ErrorCode.BAD_ARGUMENT)
+            fields["owner_uid"] = owner_uid
         if prefetch:
             fields["prefetch"] = True
         if tp_size != 1:

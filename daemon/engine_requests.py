@@ -101,6 +101,10 @@ class EngineRequests:
         prefetch = h.get("prefetch", False)
         if type(prefetch) is not bool:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"prefetch must be true or false, got {prefetch!r}")
+        owner_uid = h.get("owner_uid")
+        if owner_uid is not None and (type(owner_uid) is not int or not 0 <= owner_uid < 1 << 32):
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"owner_uid must be a uid (an integer in [0, 2**32)), "
+                                f"got {owner_uid!r}")
         tp_size = h.get("tp_size", 1)
         if type(tp_size) is not int or not 1 <= tp_size <= LIMITS.max_tp_size:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"tp_size must be an integer in [1, {LIMITS.max_tp_size}], "
@@ -134,7 +138,7 @@ class EngineRequests:
                                                 h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
                                                 transport=transport, engine_slab=engine_slab, block_size=block_size,
                                                 index_bytes=index_bytes, prefetch=prefetch, tp_size=tp_size,
-                                                tp_max_lag=self.tp_max_lag)
+                                                tp_max_lag=self.tp_max_lag, owner_uid=owner_uid)
             try:
                 # The slow part on a worker thread; ATTACHes to a new engine wait for it.
                 yield Slow(functools.partial(self.engines.prepare, pending), engine=engine if pending.created else None)

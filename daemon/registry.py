@@ -89,7 +89,8 @@ class EngineRegistry:
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
                      transport: str = "zmq", engine_slab=None, block_size: int = 0, index_bytes: int = 0,
-                     prefetch: bool = False, tp_size: int = 1, tp_max_lag: int = 256) -> PendingAttach:
+                     prefetch: bool = False, tp_size: int = 1, tp_max_lag: int = 256,
+                     owner_uid: int | None = None) -> PendingAttach:
         """The first step of an attach of rank ``rank`` (client ``client_id``, on ``device``)
         to ``engine_name``, on the owner's thread: the checks, and a new engine's name and
         pool range. Then :meth:`prepare` (any thread), then :meth:`commit`; :meth:`abort` on
@@ -109,12 +110,20 @@ class EngineRegistry:
         for every rank, or LAYOUT_MISMATCH). :func:`range_bytes` is the range's size.
 
         ``owner``: the client's credentials; a new engine belongs to them. An existing
-        engine with an owner is joined only with the same uid, as uid 0, or when
-        ``privileged``. Raises ``PoolError`` (no room), ``ProtocolError`` PERMISSION_DENIED
-        (checked first, naming neither the owner nor the layout) or LAYOUT_MISMATCH."""
+        engine with an owner is joined with the same uid; another user's engine only as
+        uid 0 or ``privileged``, and only when ``owner_uid`` names its owner (a rank then
+        trusts that user's rows and cached blocks knowingly: a name another user took
+        first is never joined by accident). ``owner_uid`` given, it must be the engine's
+        owner (for a new engine: the client's own uid). Raises ``PoolError`` (no room),
+        ``ProtocolError`` PERMISSION_DENIED (checked first; naming the owner only to root
+        and the admin group, never the layout) or LAYOUT_MISMATCH."""
         uid, rank_mem = self.check_rank(rank, layout, owner=owner, engine_slab=engine_slab, tp_size=tp_size)
         space = self._engines.get(engine_name)
         created = space is None
+        if created and owner_uid is not None and owner is not None and owner_uid != owner.uid:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"engine {engine_name!r} does not exist: owner_uid "
+                                f"{owner_uid} names another user's engine, and a new one would be yours (uid "
+                                f"{owner.uid}); attach with owner_uid once its owner has made it")
         if created:
             nbytes = range_bytes(layout, block_size, index_bytes)
             self._check_quota(owner, nbytes)
@@ -132,9 +141,9 @@ class EngineRegistry:
                 self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
             self._engines[engine_name] = space
-        elif not _may_join(space.owner, owner, privileged):  # the same answer whatever the layout
-            raise ProtocolError(ErrorCode.PERMISSION_DENIED, f"engine {engine_name!r} belongs to another user; "
-                                "attach as its owner, or choose another name")
+        elif not _may_join(space.owner, owner, privileged, owner_uid):  # the same answer whatever the layout
+            raise ProtocolError(ErrorCode.PERMISSION_DENIED, _join_refusal(engine_name, space.owner, owner, privileged,
+                                                                           owner_uid))
         elif space.layout != layout:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} is attached with "
                                 f"{space.layout.to_wire()}, this rank sent {layout.to_wire()}")
@@ -431,8 +440,26 @@ def range_bytes(layout: Layout, block_size: int = 0, index_bytes: int = 0) -> in
     return KeysPlane.of(layout, block_size, index_bytes).end if index_bytes else layout.pool_bytes
 
 
-def _may_join(engine_owner: Owner | None, owner: Owner | None, privileged: bool) -> bool:
-    """Whether a client with ``owner`` credentials may join an engine of ``engine_owner``."""
-    if engine_owner is None or privileged:
-        return True
-    return owner is not None and owner.uid in (engine_owner.uid, 0)
+def _may_join(engine_owner: Owner | None, owner: Owner | None, privileged: bool, owner_uid: int | None) -> bool:
+    """Whether a client with ``owner`` credentials (``privileged``: in the admin group),
+    expecting the engine's owner to be ``owner_uid`` (None: its own uid), may join an
+    engine of ``engine_owner``."""
+    if engine_owner is None:
+        return owner_uid is None or owner is None or owner_uid == owner.uid
+    if owner is not None and owner.uid == engine_owner.uid:
+        return owner_uid is None or owner_uid == engine_owner.uid
+    return (privileged or (owner is not None and owner.uid == 0)) and owner_uid == engine_owner.uid
+
+
+def _join_refusal(engine_name: str, engine_owner: Owner | None, owner: Owner | None, privileged: bool,
+                  owner_uid: int | None) -> str:
+    """Why :func:`_may_join` said no: the owner named only to those who may join it."""
+    mine = owner is not None and engine_owner is not None and owner.uid == engine_owner.uid
+    if mine or engine_owner is None:
+        return f"engine {engine_name!r} is not uid {owner_uid}'s (owner_uid); attach without owner_uid to join it"
+    if privileged or (owner is not None and owner.uid == 0):
+        return (f"engine {engine_name!r} belongs to uid {engine_owner.uid}" +
+                (f", not uid {owner_uid}" if owner_uid is not None else "") +
+                f"; to join another user's engine (and trust its rows and cached blocks) attach with "
+                f"owner_uid={engine_owner.uid}, or choose another name")
+    return f"engine {engine_name!r} belongs to another user; attach as its owner, or choose another name"

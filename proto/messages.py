@@ -94,7 +94,7 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     ErrorCode.TP_LAG: "a rank of this TP group is too far behind its peers (tp_max_lag): it stopped, or sends "
     "something else; this request was not run",
     ErrorCode.PERMISSION_DENIED: "another user's engine, or a connection whose credentials the daemon cannot read; "
-    "attach as the engine's owner, as root or as a member of the daemon's admin group, or pick another engine name",
+    "attach as the engine's owner (root and the daemon's admin group: naming it, owner_uid), or pick another engine name",
     ErrorCode.QUOTA_EXCEEDED: "this user holds its share of the daemon (max_clients_per_uid, max_pool_bytes_per_uid, "
     "max_slab_share_per_uid, max_blocks_per_uid in the daemon's config): release blocks this user's clients pin or "
     "hold, close or detach other clients of this user, or ask the operator to raise it",

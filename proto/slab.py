@@ -23,6 +23,7 @@ import numpy as np
 from .layout import ROW_ALIGN_BYTES, Layout, LayoutError
 
 MAX_SLAB_BLOCKS = 1 << 22  # layers * blocks a geometry may describe (the overlap check sorts them)
+MAX_BUFFER_BYTES = 1 << 50  # an engine's slab buffer at most (1 PiB): every offset then fits int64 with room
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,10 @@ class SlabGeometry:
              f"(max_reqs * region_stride = {rows})")
         need(self.block_stride >= self.block_rows * rb or rows == self.block_rows,
              f"block_stride {self.block_stride} is less than a block ({self.block_rows} rows of {rb} bytes)")
-        need(self.buffer_bytes > 0, f"buffer_bytes must be > 0, got {self.buffer_bytes}")
+        need(0 < self.buffer_bytes <= MAX_BUFFER_BYTES,
+             f"buffer_bytes must be in [1, {MAX_BUFFER_BYTES}], got {self.buffer_bytes}")
+        need(0 <= self.block_stride <= self.buffer_bytes,
+             f"block_stride {self.block_stride} must be in [0, buffer_bytes {self.buffer_bytes}]")
         if align > 1:
             need(rb % align == 0, f"row_bytes {rb} must be a multiple of {align}")
             need(self.block_stride % align == 0, f"block_stride {self.block_stride} must be a multiple of {align}")
@@ -97,10 +101,16 @@ class SlabGeometry:
         need(L * nb <= MAX_SLAB_BLOCKS, f"{L} layers of {nb} blocks: more than {MAX_SLAB_BLOCKS} blocks; use "
              "larger blocks")
         block_bytes = self.block_rows * rb
+        # Each layer's last byte in exact integers first: every offset is then in [0,
+        # buffer_bytes], so the int64 arithmetic below cannot wrap (a wrapped start once
+        # passed both checks and pointed before the buffer).
+        span = (nb - 1) * int(self.block_stride) + block_bytes
+        for layer, o in enumerate(self.layer_offsets):
+            end = int(o) + span
+            need(end <= self.buffer_bytes, f"layer {layer}'s hot rows reach byte {end}, past the buffer's "
+                 f"{self.buffer_bytes}")
         starts = (np.asarray(self.layer_offsets, np.int64)[:, None]
-                  + np.arange(nb, dtype=np.int64)[None, :] * self.block_stride).ravel()
-        end = int(starts.max()) + block_bytes
-        need(end <= self.buffer_bytes, f"the hot rows reach byte {end}, past the buffer's {self.buffer_bytes}")
+                  + np.arange(nb, dtype=np.int64)[None, :] * np.int64(self.block_stride)).ravel()
         order = np.sort(starts)
         if order.size > 1:
             gap = np.diff(order)

@@ -546,15 +546,16 @@ from sparsekv.proto import MsgType
 run_dir, claimed, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 """ + RAW_CALL + r"""
 print(json.dumps(call(MsgType.HELLO, {"pid": claimed, "rank": 0, "device": "cpu", "name": "raw"})), flush=True)
-for engine, layout in steps:
-    print(json.dumps(call(MsgType.ATTACH, {"engine": engine, "layout": layout})), flush=True)
+for engine, layout, *more in steps:
+    print(json.dumps(call(MsgType.ATTACH, {"engine": engine, "layout": layout, **(more[0] if more else {})})),
+          flush=True)
 sys.stdin.read()  # until the test closes stdin or kills us
 """
 
 
 def raw_client(run_dir, claimed_pid, steps, uid=None, groups=()):
     """A process (as ``uid``) that says HELLO (claiming ``claimed_pid``) and ATTACHes
-    ``steps`` ([engine, layout wire]) over the control socket, then waits until its stdin
+    ``steps`` ([engine, layout wire] or [engine, layout wire, more fields]) over the control socket, then waits until its stdin
     closes; returns (process, replies): the HELLO's and each ATTACH's reply."""
     p = subprocess.Popen([*as_user(uid, groups), sys.executable, "-c", RAW_CLIENT, run_dir, str(claimed_pid),
                           json.dumps(steps)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/tmp")

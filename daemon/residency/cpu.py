@@ -21,11 +21,15 @@ def slab_views(layout: Layout, geometry, buffer: np.ndarray) -> list[np.ndarray]
     """Each layer's hot rows in ``buffer`` (uint8, 1-D) laid out by ``geometry`` (a
     checked :class:`~sparsekv.proto.slab.SlabGeometry`), one opaque element per row: 1-D
     ``[hot rows]`` when the rows follow each other, else ``[blocks, block_rows]``."""
-    rb, br, stride = layout.row_bytes, geometry.block_rows, geometry.block_stride
+    rb, br, stride = layout.row_bytes, geometry.block_rows, int(geometry.block_stride)
     nb = geometry.blocks(layout)
     linear = geometry.is_linear(layout)
     out = []
     for off in geometry.layer_offsets:
+        off = int(off)
+        end = off + (nb * br * rb if linear else (nb - 1) * stride + br * rb)
+        if off < 0 or stride < 0 or end > buffer.size:  # check() refuses these; a view must never leave the buffer
+            raise ValueError(f"slab geometry reaches bytes [{off}, {end}) outside the buffer's {buffer.size}")
         if linear:
             out.append(row_view(buffer[off: off + nb * br * rb], rb))
             continue

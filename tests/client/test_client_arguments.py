@@ -5,6 +5,8 @@ not bytes (value-cast), a write larger than one frame whose data and rows differ
 first parts were written before the refusal), block counts that are floats. Each a
 BadRequest naming the argument; nothing written."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -136,3 +138,11 @@ def test_replies_of_requests_dropped_unwaited_are_not_kept(c):
     with pytest.raises(BadRequest, match="DUPLICATE_IDS|names the same host row twice"):
         c.stats()
     assert len(c._replies) == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 32, "0", 1.0, True])
+def test_owner_uid_must_be_a_uid(module_daemon, bad):
+    with Client(module_daemon.run_dir, name="owner") as c:
+        with pytest.raises(BadRequest, match="owner_uid must be a uid"):
+            c.attach(LAY, engine="owner", owner_uid=bad)
+        c.attach(LAY, engine="owner", owner_uid=os.getuid())  # its own engine, named as such

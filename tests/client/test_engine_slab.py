@@ -186,3 +186,34 @@ def test_bad_engine_slabs_are_refused_clearly_and_the_daemon_serves_on(daemon):
         kv.close()
     finally:
         c.close()
+
+
+def test_a_geometry_whose_offsets_wrap_is_refused_by_the_daemon_and_it_serves_on(daemon):
+    """A client that skips its own check (a raw ATTACH) with a block stride of 2**63 - d:
+    the daemon's check once let it through (int64 starts wrapped), and the gather then wrote
+    before the engine's buffer (the daemon died of SIGSEGV, or another uid's hot rows were
+    overwritten). Refused as BAD_LAYOUT; a normal engine attaches and is served after it."""
+    from sparsekv.proto import MsgType, fd_socket
+
+    lay = Layout(num_layers=1, row_bytes=64, top_k=4, region_stride=4, max_reqs=3, host_rows=64,
+                 max_batch=3).validate()
+    d = 1 << 20
+    evil = SlabGeometry((d,), 4, (1 << 63) - d, d + 4 * 64)
+    buf = EngineSlab.shared_memory(evil.buffer_bytes)
+    c = Client(daemon.run_dir).connect()
+    try:
+        dep = fd_socket.deposit_fd(os.path.join(daemon.run_dir, fd_socket.FD_SOCKET), buf.fd)
+        with pytest.raises(BadRequest, match="block_stride .* must be in") as e:
+            c._call(MsgType.ATTACH, {"engine": "evil", "layout": lay.to_wire(),
+                                     "slab": {"deposit": dep, "geometry": evil.to_wire()}})
+        assert e.value.code == ErrorCode.BAD_LAYOUT
+        kv, _ = engine_cache()
+        c.attach(LAY, engine="e", slab=kv)
+        fill_pool(c, LAY)
+        c.step(0, np.array([0], np.int32), reset=np.array([True]))
+        res = c.topk(0, 0, np.array([[1, 2, 3, 4]], np.int32))
+        assert res.misses.tolist() == [4]
+        kv.close()
+    finally:
+        c.close()
+        buf.close()

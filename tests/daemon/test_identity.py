@@ -263,8 +263,12 @@ def test_another_users_engine_is_permission_denied_over_the_socket(tmp_path):
         rows = {r["pid"]: r for r in clients(d.run_dir)}
         assert rows[str(owner.pid)]["uid"] == "65534" and rows[str(stranger.pid)]["uid"] == "65533"
         assert rows[str(stranger.pid)]["attached"] == "no"
-        # root may join; for root, as for the owner, another layout is LAYOUT_MISMATCH with the layout
-        root, (h, mismatch, joined) = helpers.raw_client(d.run_dir, 1, [["e", other], ["e", lay]])
+        # root joins naming the owner (told who it is otherwise); for root, as for the owner,
+        # another layout is LAYOUT_MISMATCH with the layout
+        owned = {"owner_uid": 65534}
+        root, (h, unnamed, mismatch, joined) = helpers.raw_client(d.run_dir, 1, [["e", lay], ["e", other, owned],
+                                                                                  ["e", lay, owned]])
+        assert unnamed["code"] == int(ErrorCode.PERMISSION_DENIED) and "owner_uid=65534" in unnamed["msg"], unnamed
         assert mismatch["code"] == int(ErrorCode.LAYOUT_MISMATCH) and "top_k" in mismatch["msg"], mismatch
         assert joined["ok"], joined
         owner2, (h, own_mismatch) = helpers.raw_client(d.run_dir, 1, [["e", other]], uid=65534)

@@ -1,9 +1,11 @@
 """Engines belong to their creator: an engine records the uid and gid the kernel reported
-for its first rank; another rank joins only as the same uid, as root, or as a member of the
-daemon's admin group (``Daemon(admin_gid=...)``). Anyone else gets PERMISSION_DENIED,
-whatever layout it sends, and the message names neither the owner nor the layout; the
-owner (and root) still get LAYOUT_MISMATCH with the layout. Requests that act on an engine
-(STEP, TOPK, WRITE, STAGE) reach only the sender's own attachment."""
+for its first rank; another rank joins as the same uid, or, as root or a member of the
+daemon's admin group (``Daemon(admin_gid=...)``), only when its ATTACH names the owner
+(``owner_uid``): a privileged engine never trusts rows another user planted under a name
+it took first. Anyone else gets PERMISSION_DENIED, whatever layout it sends, and the
+message names neither the owner nor the layout; the owner (and root naming it) still get
+LAYOUT_MISMATCH with the layout. Requests that act on an engine (STEP, TOPK, WRITE, STAGE)
+reach only the sender's own attachment."""
 
 import contextlib
 import os
@@ -54,8 +56,11 @@ def connect(dm, ident, pid, uid, gid=None):
     return dm.sessions[ident]
 
 
-def attach(dm, ident, engine="e", **kw):
-    return request(dm, ident, MsgType.ATTACH, {"engine": engine, "layout": helpers.layout(**kw).to_wire()})[0]
+def attach(dm, ident, engine="e", owner_uid=None, **kw):
+    fields = {"engine": engine, "layout": helpers.layout(**kw).to_wire()}
+    if owner_uid is not None:
+        fields["owner_uid"] = owner_uid
+    return request(dm, ident, MsgType.ATTACH, fields)[0]
 
 
 def assert_denied(h):
@@ -98,20 +103,45 @@ def test_owner_still_gets_layout_mismatch_with_the_layout(dm, proc):
     assert h["code"] == int(ErrorCode.LAYOUT_MISMATCH) and "top_k" in h["msg"], h
 
 
-def test_root_joins_any_engine(dm, proc):
+def test_root_joins_another_users_engine_only_naming_its_owner(dm, proc):
     connect(dm, b"A", proc.pid, 1000)
     assert attach(dm, b"A")["ok"]
     connect(dm, b"R", proc.pid, 0)
-    h = attach(dm, b"R", top_k=2)
+    # A name another user took first is not joined by accident (its rows and cached blocks
+    # are that user's): refused, naming the owner to root, and nothing changed.
+    h = attach(dm, b"R")
+    assert h["code"] == int(ErrorCode.PERMISSION_DENIED) and "owner_uid=1000" in h["msg"], h
+    h = attach(dm, b"R", owner_uid=2000)
+    assert h["code"] == int(ErrorCode.PERMISSION_DENIED) and "belongs to uid 1000, not uid 2000" in h["msg"], h
+    assert dm.sessions[b"R"].state is None and len(dm.engines.space("e").ranks) == 1
+    h = attach(dm, b"R", owner_uid=1000, top_k=2)
     assert h["code"] == int(ErrorCode.LAYOUT_MISMATCH) and "top_k" in h["msg"]  # root may see it
-    assert attach(dm, b"R")["ok"]
+    assert attach(dm, b"R", owner_uid=1000)["ok"]
+
+
+def test_owner_uid_must_be_the_owner_of_an_engine_or_of_a_new_one(dm, proc):
+    connect(dm, b"A", proc.pid, 1000)
+    assert attach(dm, b"A", owner_uid=1000)["ok"]  # its own new engine, named as such
+    connect(dm, b"B", proc.pid, 1000)
+    h = attach(dm, b"B", owner_uid=0)
+    assert h["code"] == int(ErrorCode.PERMISSION_DENIED) and "attach without owner_uid" in h["msg"], h
+    h = attach(dm, b"B", engine="new", owner_uid=2000)  # would be uid 1000's, not 2000's
+    assert h["code"] == int(ErrorCode.BAD_ARGUMENT) and "does not exist" in h["msg"], h
+    assert "new" not in dm.engines
+    for bad in (-1, 1 << 32, "1000", 1.0, True):
+        h = attach(dm, b"B", owner_uid=bad)
+        assert h["code"] == int(ErrorCode.BAD_ARGUMENT) and "owner_uid must be a uid" in h["msg"], (bad, h)
+    # A stranger naming the owner gets nothing more than without it.
+    connect(dm, b"C", proc.pid, 2000)
+    assert_denied(attach(dm, b"C", owner_uid=1000))
 
 
 def test_admin_group_as_primary_gid_joins(dm, proc):
     connect(dm, b"A", proc.pid, 1000)
     assert attach(dm, b"A")["ok"]
     connect(dm, b"M", proc.pid, 3000, ADMIN)
-    assert attach(dm, b"M")["ok"]
+    assert attach(dm, b"M")["code"] == int(ErrorCode.PERMISSION_DENIED)
+    assert attach(dm, b"M", owner_uid=1000)["ok"]
 
 
 def test_admin_group_as_supplementary_group_joins(dm, proc, monkeypatch):
@@ -125,7 +155,7 @@ def test_admin_group_as_supplementary_group_joins(dm, proc, monkeypatch):
     connect(dm, b"A", proc.pid, 1000)
     assert attach(dm, b"A")["ok"]
     connect(dm, b"M", proc.pid, 3000, 3000)
-    assert attach(dm, b"M")["ok"] and seen == [proc.pid]
+    assert attach(dm, b"M", owner_uid=1000)["ok"] and seen == [proc.pid]
 
 
 def test_without_an_admin_group_nobody_else_joins(make_dm, proc):
@@ -133,9 +163,9 @@ def test_without_an_admin_group_nobody_else_joins(make_dm, proc):
     connect(dm, b"A", proc.pid, 1000)
     assert attach(dm, b"A")["ok"]
     connect(dm, b"M", proc.pid, 3000, ADMIN)
-    assert_denied(attach(dm, b"M"))
+    assert_denied(attach(dm, b"M", owner_uid=1000))
     connect(dm, b"R", proc.pid, 0)
-    assert attach(dm, b"R")["ok"]
+    assert attach(dm, b"R", owner_uid=1000)["ok"]
 
 
 def test_supplementary_groups_are_not_trusted_once_the_process_is_gone(dm, monkeypatch):
@@ -164,7 +194,7 @@ def test_admin_group_is_read_from_the_real_process(dm):
         connect(dm, b"A", os.getpid(), 1000)
         assert attach(dm, b"A")["ok"]
         connect(dm, b"M", p.pid, 3000)
-        assert attach(dm, b"M")["ok"]
+        assert attach(dm, b"M", owner_uid=1000)["ok"]
     finally:
         p.kill()
         p.wait()

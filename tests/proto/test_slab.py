@@ -38,6 +38,35 @@ def test_bad_geometries_are_refused_naming_the_fault(kw, match):
         SlabGeometry(**base).check(LAY)
 
 
+def test_offsets_that_wrap_int64_are_refused():
+    """Starts computed in int64 wrapped: with a stride of 2**63 - d, block 2 of a layer at
+    offset d started at -d (before the buffer) and block 1 at a wrapped address, yet the
+    largest start and the gaps between sorted starts passed. Each layer's last byte is
+    now taken in exact integers, the stride and the buffer bounded first."""
+    lay = helpers.layout(num_layers=1, row_bytes=64, top_k=4, region_stride=4, max_reqs=3)
+    d = 1 << 20
+    wrapped = SlabGeometry((d,), 4, (1 << 63) - d, d + 4 * 64)
+    for align in (1, 16):
+        with pytest.raises(LayoutError, match="block_stride 9223372036853727232 must be in"):
+            wrapped.check(lay, align=align)
+    # Values from the wire past int64 are named, not an OverflowError.
+    with pytest.raises(LayoutError, match="block_stride 18446744073709551600 must be in"):
+        SlabGeometry((0,), 4, (1 << 64) - 16, 1 << 20).check(lay)
+    with pytest.raises(LayoutError, match="layer 0's hot rows reach byte 18446744073709552368"):
+        SlabGeometry(((1 << 64) - 16,), 4, 256, 1 << 20).check(lay)
+    with pytest.raises(LayoutError, match="buffer_bytes must be in"):
+        SlabGeometry((0,), 4, 256, 1 << 63).check(lay)
+    with pytest.raises(LayoutError, match="block_stride -256 is less than a block"):
+        SlabGeometry((1024,), 4, -256, 1 << 20).check(lay)
+    one_block = helpers.layout(num_layers=1, row_bytes=64, top_k=4, region_stride=4, max_reqs=1)
+    with pytest.raises(LayoutError, match="block_stride -256 must be in"):  # its stride unused, yet bounded
+        SlabGeometry((1024,), 4, -256, 1 << 20).check(one_block)
+    # Every layer is checked, not only the one that reaches furthest.
+    two = helpers.layout(num_layers=2, row_bytes=64, top_k=4, region_stride=4, max_reqs=3)
+    with pytest.raises(LayoutError, match="layer 1's hot rows reach byte 1792, past the buffer's 1024"):
+        SlabGeometry((0, 1024), 4, 256, 1024).check(two)
+
+
 def test_interleaved_layers_that_do_not_overlap_are_accepted():
     # [blocks][layers][4 rows]: layer 1's block b follows layer 0's block b
     g = SlabGeometry((0, 128), 4, 256, 8 * 256).check(LAY)
