@@ -110,6 +110,8 @@ class Trace:
         s, b = self.topk.shape[:2]
         if not isinstance(bs, (int, np.integer)) or bs <= 0:
             raise TraceError(f"block_table given with block_size {bs}; a position trace needs both, block_size > 0")
+        if bs > self.host_rows:  # (and so < 2**31: position arithmetic stays in int64)
+            raise TraceError(f"block_size {bs} exceeds host_rows {self.host_rows}: no host block fits the pool")
         if table.ndim != 3 or table.shape[:2] != (s, b):
             raise TraceError(f"block_table must be [{s}, {b}, max_blocks], got {table.shape}")
         if table.dtype.kind not in "iu":

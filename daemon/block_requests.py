@@ -209,9 +209,12 @@ def _count(h: dict, signed: bool = False) -> int:
 
 
 def _array(a: dict, name: str) -> np.ndarray:
-    """Array ``name`` of the request, at most ``LIMITS.max_blocks`` long (TOO_LARGE)."""
+    """Array ``name`` of the request, at least 1-d (a scalar is no list of blocks, hashes
+    or keys) and at most ``LIMITS.max_blocks`` long (TOO_LARGE)."""
     if name not in a:
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"this request needs the {name} array")
-    if a[name].ndim and a[name].shape[0] > LIMITS.max_blocks:
+    if a[name].ndim == 0:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{name} must be an array (one entry a block), got a scalar")
+    if a[name].shape[0] > LIMITS.max_blocks:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{a[name].shape[0]} {name} exceed {LIMITS.max_blocks} a request")
     return a[name]

@@ -116,19 +116,27 @@ class RankState:
         if state_rows.size > 0 and ((state_rows < -1) | (state_rows >= lay.max_reqs)).any():
             bad = state_rows[(state_rows < -1) | (state_rows >= lay.max_reqs)][0]
             raise ResidencyError("BAD_STATE_ROW", f"state row {int(bad)} out of range [-1, {lay.max_reqs})")
-        if reset is not None:
-            reset = np.asarray(reset)
-            if reset.shape != state_rows.shape:
-                raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]={state_rows.shape}, got {reset.shape}")
-            if reset.dtype != np.bool_ and (reset.dtype.kind not in "iu" or ((reset != 0) & (reset != 1)).any()):
-                raise ResidencyError("BAD_ARGUMENT", f"reset must be bool (or integers 0 / 1), got {reset.dtype} "
-                                     f"{reset.tolist()[:8]}")
+        reset = self.check_reset(state_rows, reset)
         if invalidate is not None:
             invalidate = as_ids("invalidate", invalidate, 2)
             if invalidate.shape[0] != state_rows.shape[0]:
                 raise ResidencyError("BAD_ARGUMENT", f"invalidate must be [batch, n] with batch {state_rows.shape[0]}, "
                                      f"got {invalidate.shape}")
-        return state_rows, None if reset is None else reset.astype(bool), invalidate
+        return state_rows, reset, invalidate
+
+    @staticmethod
+    def check_reset(state_rows: np.ndarray, reset):
+        """A step's ``reset`` as bool ``[batch]`` (None stays None): bools, or integers 0 and
+        1 only (BAD_ARGUMENT: a cast would wrap 2**32 to 0 and turn NaN into a reset)."""
+        if reset is None:
+            return None
+        reset = np.asarray(reset)
+        if reset.shape != state_rows.shape:
+            raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]={state_rows.shape}, got {reset.shape}")
+        if reset.dtype != np.bool_ and (reset.dtype.kind not in "iu" or ((reset != 0) & (reset != 1)).any()):
+            raise ResidencyError("BAD_ARGUMENT", f"reset must be bool (or integers 0 / 1), got {reset.dtype} "
+                                 f"{reset.tolist()[:8]}")
+        return reset.astype(bool)
 
     def batch_rows(self, step: int, state_rows) -> np.ndarray:
         """The state rows of a top-k batch: given with it, or those of its STEP."""
@@ -487,14 +495,22 @@ def host_rows_arg(layout: Layout, rows, what: str) -> np.ndarray:
 
 
 def check_layers(layout: Layout, layers) -> tuple[int, ...]:
+    """A request's ``layers``: None (every layer), or distinct integer layer numbers of
+    ``layout`` (a float, bool or text is no layer number; a layer named twice would be
+    copied twice, and a list of them could multiply a request's work)."""
     if layers is None:
         return tuple(range(layout.num_layers))
-    try:
-        out = tuple(int(x) for x in layers)
-    except (TypeError, ValueError):
-        raise ResidencyError("BAD_ARGUMENT", "layers must be a list of layer numbers") from None
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise ResidencyError("BAD_ARGUMENT", "layers must be a list of layer numbers")
+    out = tuple(layers)
+    if any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in out):
+        raise ResidencyError("BAD_ARGUMENT", f"layers must be a list of layer numbers (integers), got "
+                             f"{[x for x in out][:8]!r}")
+    out = tuple(int(x) for x in out)
     if any(not 0 <= x < layout.num_layers for x in out):
-        raise ResidencyError("BAD_ARGUMENT", f"layers must lie in [0, {layout.num_layers}), got {list(out)}")
+        raise ResidencyError("BAD_ARGUMENT", f"layers must lie in [0, {layout.num_layers}), got {list(out)[:16]}")
+    if len(set(out)) != len(out):
+        raise ResidencyError("BAD_ARGUMENT", f"layers names a layer twice: {list(out)[:16]}")
     return out
 
 

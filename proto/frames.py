@@ -109,9 +109,11 @@ def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: bad shape {shape!r}")
     # Exact Python integers (bool, an int subclass NumPy refuses as a dimension, is not
     # int): an int64 product wraps around for huge shapes and could "match" a short frame.
+    # No dimension past the frame limit, even beside a 0 (an empty array of dimension 2**63
+    # is no array NumPy can shape).
     count = 1
     for d in shape:
-        if type(d) is not int or d < 0:
+        if type(d) is not int or d < 0 or d > limits.max_frame_bytes:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: bad shape {shape!r}")
         count *= d
     buf = frame if type(frame) is bytes or type(frame) is memoryview else _bytes(frame)
@@ -124,7 +126,10 @@ def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
         raise ProtocolError(ErrorCode.BAD_FRAME,
                             f"array {name!r}: shape {shape} of {dtype} needs {want} bytes, frame has {nbytes}")
     a = np.frombuffer(buf, dtype=dt) if nbytes else np.empty(0, dt)
-    return name, a.reshape(shape)
+    try:
+        return name, a.reshape(shape)
+    except ValueError:  # empty, but its other dimensions multiply past what NumPy indexes
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: bad shape {shape!r}") from None
 
 
 _DTYPES = {name: np.dtype(name) for name in WIRE_DTYPES}

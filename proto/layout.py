@@ -110,6 +110,8 @@ class Layout:
              f"staging_rows must be an integer in [0, 2**31 - 1), got {self.staging_rows!r}")
         need(type(self.max_batch) is int and 0 < self.max_batch <= 65536,
              f"max_batch must lie in [1, 65536], got {self.max_batch!r}")
+        need(self.max_batch * self.top_k < 2**31, f"max_batch * top_k = {self.max_batch * self.top_k} must fit in "
+             "int32 (the ids of one top-k batch)")
         seen = sorted(layer for g in self.groups for layer in g)
         need(all(len(g) > 0 for g in self.groups), "index_groups has an empty group")
         need(seen == list(range(self.num_layers)),

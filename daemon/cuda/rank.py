@@ -140,7 +140,10 @@ class CudaRankState(RankState):
         return self.transport
 
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None, then=None) -> None:
+        # State rows and invalidations are checked on the device (the error record); a
+        # reset is cast into the step block's int32 words here, so it is checked first.
         state_rows = as_ids("state_rows", state_rows, 1)
+        reset = self.check_reset(state_rows, reset)
         transport = self._fed()
         with self._cp.cuda.Device(self.worker.ordinal):
             transport.step(int(step), state_rows, reset, invalidate)

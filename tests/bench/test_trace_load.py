@@ -128,3 +128,15 @@ def test_a_member_with_a_bad_crc_names_the_array(tmp_path):
         f.write(bytes(data))
     with pytest.raises(TraceError, match="topk"):
         Trace.load(path)
+
+
+@pytest.mark.parametrize("block_size", [257, 2**31, 2**63 + 1])
+def test_a_block_size_past_host_rows_is_refused(tmp_path, block_size):
+    """A block_size the pool holds no block of (up to uint64 2**63 + 1: its position
+    arithmetic raised OverflowError, not a TraceError) is refused, naming it."""
+    a = _good()
+    s, b = a["topk"].shape[:2]
+    a["block_table"] = np.full((s, b, 2), -1, np.int32)
+    a["block_size"] = np.uint64(block_size)
+    with pytest.raises(TraceError, match=f"block_size {block_size} exceeds host_rows 256"):
+        Trace.load(_save(tmp_path, a))

@@ -292,3 +292,38 @@ def test_planes_of_odd_layouts_are_page_aligned_and_overlap_no_rows_nor_other_en
         for space in spaces:
             space.keys[:] = 0
             space.pool[:] = 0
+
+
+@pytest.mark.parametrize("msg_type", [MsgType.BLOCK_READ_KEYS, MsgType.BLOCK_WRITE_KEYS, MsgType.BLOCK_RELEASE,
+                                      MsgType.BLOCK_COMMIT])
+def test_a_scalar_blocks_array_is_a_bad_argument_not_an_internal_error(tmp_path, msg_type):
+    """A 0-d ``blocks`` (wire shape ``[]``; the client library never sends one) reached
+    len() in the keys requests: INTERNAL and a traceback each time. Refused for every
+    block request that takes the array."""
+    import msgpack
+
+    from sparsekv.proto import PROTOCOL_VERSION
+
+    with helpers.inproc_daemon(tmp_path, pool_bytes=16 << 20) as dm:
+        assert request(dm, b"a", MsgType.HELLO, {"pid": os.getpid(), "rank": 0, "device": "cpu", "name": "t"},
+                       peer=helpers.peer(os.getpid()))[0]["ok"]
+        h = request(dm, b"a", MsgType.ATTACH, {"engine": "e", "layout": LAY.to_wire(),
+                                               "blocks": {"block_size": BS, "index_bytes": INDEX_BYTES}})[0]
+        assert h["ok"], h
+        assert request(dm, b"a", MsgType.BLOCK_ALLOC, {"n": 1})[0]["ok"]
+        arrays = [["blocks", "int32", []]]
+        frames = [np.int32(0).tobytes()]
+        if msg_type == MsgType.BLOCK_WRITE_KEYS:
+            shape = [1, LAY.num_layers, BS, INDEX_BYTES]
+            arrays.append(["keys", "uint8", shape])
+            frames.append(bytes(int(np.prod(shape))))
+        if msg_type == MsgType.BLOCK_COMMIT:
+            arrays.append(["hashes", "uint8", [1, 16]])
+            frames.append(bytes(16))
+        head = msgpack.packb({"v": PROTOCOL_VERSION, "t": int(msg_type), "id": 7, "arrays": arrays}, use_bin_type=True)
+        from sparsekv.proto.frames import decode
+
+        reply, _ = decode([bytes(f) for f in dm.handle(b"a", [head, *frames])])
+        assert reply["ok"] is False and reply["code"] == int(ErrorCode.BAD_ARGUMENT), reply
+        assert "blocks must be an array" in reply["msg"], reply
+        assert dm.snapshot()["errors_by_code"].get("INTERNAL", 0) == 0

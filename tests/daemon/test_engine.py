@@ -152,3 +152,11 @@ def test_as_ids_and_check_layers():
     assert as_ids("x", np.array([1, 2], np.int64), 1).dtype == np.int32
     assert check_layers(helpers.layout(num_layers=3), None) == (0, 1, 2)
     assert check_layers(helpers.layout(num_layers=3), [2, 0]) == (2, 0)
+    assert check_layers(helpers.layout(num_layers=3), np.array([1, 2])) == (1, 2)
+    # A layer named twice would be copied twice (a list of them multiplied a STAGE's work;
+    # on cuda, WRITE_STAGED overflowed its layer table: INTERNAL); floats and bools are no
+    # layer numbers (1.5 was taken as 1).
+    for bad, words in (([0, 0], "names a layer twice"), ([1.5], "integers"), ([True], "integers"),
+                       (["1"], "integers"), ("01", "a list of layer numbers"), (3, "a list of layer numbers")):
+        with pytest.raises(ResidencyError, match=words):
+            check_layers(helpers.layout(num_layers=3), bad)

@@ -198,6 +198,8 @@ ROWS = np.zeros(1, np.int32)
     (MsgType.WRITE_STAGED, {"layers": []}, {"rows": ROWS}, ErrorCode.BAD_ARGUMENT, "non-empty list"),
     (MsgType.STAGE, {"layers": [True]}, {"rows": ROWS}, ErrorCode.BAD_ARGUMENT, "layers must be null"),
     (MsgType.STAGE, {"layers": [0, [1]]}, {"rows": ROWS}, ErrorCode.BAD_ARGUMENT, "layers must be null"),
+    (MsgType.STAGE, {"layers": [0, 0]}, {"rows": ROWS}, ErrorCode.BAD_ARGUMENT, "names a layer twice"),
+    (MsgType.WRITE_STAGED, {"layers": [0, 0]}, {"rows": ROWS}, ErrorCode.BAD_ARGUMENT, "names a layer twice"),
     (MsgType.STEP, {"step": 1.0}, {"state_rows": ROWS}, ErrorCode.BAD_ARGUMENT, "'step' must be an integer"),
     (MsgType.STEP, {"step": {"a": [1, {}]}}, {"state_rows": ROWS}, ErrorCode.BAD_ARGUMENT, "'step' must be an integer"),
     (MsgType.TOPK, {"step": 0, "group": 2**63}, {"topk": np.zeros((1, 4), np.int32), "state_rows": ROWS},

@@ -126,7 +126,17 @@ MALFORMED = {
     "bool dim": ([pack(header(arrays=[["a", "int32", [True]]])), I32[:4]], ErrorCode.BAD_FRAME, "bad shape"),
     # 2**32 x 2**32 int32 wraps to 0 bytes in int64 arithmetic: must not match an empty frame
     "huge shape, empty frame": ([pack(header(arrays=[["a", "int32", [2**32, 2**32]]])), b""], ErrorCode.BAD_FRAME,
-                                "frame has 0"),
+                                "bad shape"),
+    "huge shape within the frame limit": ([pack(header(arrays=[["a", "int32", [2**16, 2**16]]])), b""],
+                                          ErrorCode.BAD_FRAME, "frame has 0"),
+    # Empty (a 0 beside): NumPy cannot shape a dimension past intp, nor dimensions whose
+    # product is past it; each was an INTERNAL reply (and a traceback in the log) before.
+    "empty, a dimension of 2**63": ([pack(header(arrays=[["a", "int32", [0, 2**63]]])), b""], ErrorCode.BAD_FRAME,
+                                    "bad shape"),
+    "empty, a dimension of 2**64 - 1": ([pack(header(arrays=[["a", "uint8", [0, 2**64 - 1]]])), b""],
+                                        ErrorCode.BAD_FRAME, "bad shape"),
+    "empty, dimensions past intp": ([pack(header(arrays=[["a", "int32", [2**25, 2**25, 2**25, 0]]])), b""],
+                                    ErrorCode.BAD_FRAME, "bad shape"),
     "too many dims": ([pack(header(arrays=[["a", "int32", [1, 1, 1, 1, 3]]])), I32], ErrorCode.BAD_FRAME,
                       "bad shape"),
     "size mismatch": ([pack(header(arrays=[["a", "int32", [4]]])), I32], ErrorCode.BAD_FRAME,

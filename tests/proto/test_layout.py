@@ -39,6 +39,8 @@ def test_a_good_layout_validates_and_returns_itself():
         (dict(index_groups=((0, 1), (1, 2, 3))), "index_groups"),
         (dict(index_groups=((0, 1, 2, 3, 4),)), "index_groups"),
         (dict(index_groups=((0, 1, 2, 3), ())), "index_groups"),
+        # a top-k batch's ids counted in int32 on the device (2**31 wrapped: nothing fetched)
+        (dict(max_batch=65536, top_k=MAX_REGION_STRIDE, region_stride=MAX_REGION_STRIDE), "max_batch * top_k"),
     ],
 )
 def test_validation_message_names_the_field(kw, field):
@@ -50,6 +52,7 @@ def test_validation_message_names_the_field(kw, field):
 def test_region_stride_bounds_are_inclusive():
     make(region_stride=2048).validate()
     make(top_k=16, region_stride=MAX_REGION_STRIDE).validate()
+    make(max_batch=65535, top_k=MAX_REGION_STRIDE, region_stride=MAX_REGION_STRIDE).validate()
 
 
 def test_wire_round_trip():

@@ -1,0 +1,39 @@
+"""A STEP message's ``reset`` on the cuda backend (``CudaRankState.begin_step``) is checked
+on the host before it is written into the step block's int32 words, as on the cpu
+backend: int64 2**32 and -2**32 were cast to 0 (no reset), NaN and 2.0**40 to INT_MIN (a
+reset). Runs without a GPU: the check comes before anything of the rank's transport."""
+
+import numpy as np
+import pytest
+
+from sparsekv.daemon.cuda.rank import CudaRankState
+from sparsekv.daemon.residency.base import ResidencyError
+
+
+class Fed(Exception):
+    """The check passed: the step went on to the rank's transport."""
+
+
+def rank() -> CudaRankState:
+    r = CudaRankState.__new__(CudaRankState)  # no GPU: only what begin_step reaches before the transport
+
+    def fed():
+        raise Fed
+
+    r._fed = fed
+    return r
+
+
+@pytest.mark.parametrize("reset", [np.array([2**32, 0]), np.array([-2**32, 1]), np.array([0.5, 0.0]),
+                                   np.array([np.nan, 0.0]), np.array([2.0**40, 1.0]), np.array([2, 0], np.uint8)])
+def test_a_reset_that_a_cast_would_change_is_refused(reset):
+    with pytest.raises(ResidencyError, match="reset must be bool"):
+        rank().begin_step(0, np.array([0, 1], np.int32), reset=reset)
+
+
+def test_a_reset_of_another_length_is_refused_and_good_ones_go_on():
+    with pytest.raises(ResidencyError, match=r"reset must be \[batch\]"):
+        rank().begin_step(0, np.array([0, 1], np.int32), reset=np.array([True]))
+    for reset in (None, np.array([True, False]), np.array([1, 0], np.int64)):
+        with pytest.raises(Fed):
+            rank().begin_step(0, np.array([0, 1], np.int32), reset=reset)
