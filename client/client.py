@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType
+from sparsekv.proto.layout import layer_numbers
 from sparsekv.proto.cuda_ipc import EventRing, mps_running
 from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, RUN_DIR
 
@@ -483,7 +484,7 @@ class Client(Connection):
     def write(self, rows, data, layers=None) -> dict:
         """Copy ``data`` uint8 [len(layers), n, row_bytes] into host ``rows`` (all layers when
         ``layers`` is None); hot copies of those rows are dropped in every rank."""
-        layers = None if layers is None else [int(x) for x in layers]
+        layers = None if layers is None else _layers(layers)
         rows, data = host_int32("rows", rows), host_bytes("data", data)
         per_row = data.nbytes // max(1, data.shape[1]) if data.ndim == 3 and rows.ndim == 1 else 0
         if not per_row or (data.nbytes <= LIMITS.max_frame_bytes and rows.shape[0] <= LIMITS.max_write_rows):
@@ -508,7 +509,7 @@ class Client(Connection):
         :len(rows)]`` for each of ``layers``, all when None) into host ``rows``; hot copies
         of those rows are dropped in every rank. cuda: ordered after the current stream
         (fence events); reuse the staging buffer only after a later request's reply."""
-        fields = {"layers": None if layers is None else [int(x) for x in layers]}
+        fields = {"layers": None if layers is None else _layers(layers)}
         att = self.attachment
         if att is not None and att.caps.device:
             self._await_fence_free(att)
@@ -519,7 +520,7 @@ class Client(Connection):
 
     def stage(self, rows, layers=None) -> int:
         """Copy host ``rows`` (e.g. whole blocks) of ``layers`` to the staging buffer's front."""
-        fields, _ = self._call(MsgType.STAGE, {"layers": None if layers is None else [int(x) for x in layers]},
+        fields, _ = self._call(MsgType.STAGE, {"layers": None if layers is None else _layers(layers)},
                                {"rows": host_int32("rows", rows)})
         return fields["bytes"]
 
@@ -573,3 +574,12 @@ def _check_batch(att, rows: np.ndarray, topk: np.ndarray, begin) -> None:
             raise BadRequest(f"reset must be [batch]={rows.shape}, got {reset.shape}", ErrorCode.BAD_ARGUMENT)
         if inv is not None and (inv.ndim != 2 or inv.shape[0] != rows.shape[0] or inv.shape[1] > lay.top_k):
             raise BadRequest(f"invalidate must be [batch, n <= top_k], got {inv.shape}", ErrorCode.BAD_ARGUMENT)
+
+
+def _layers(layers) -> list[int]:
+    """A request's ``layers`` as a list of ints (BadRequest for a float, bool or text: a
+    cast would take 1.9 for layer 1)."""
+    try:
+        return list(layer_numbers(layers))
+    except ValueError as e:
+        raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None

@@ -88,8 +88,8 @@ class Config:
                                "slowest ranks (resolved batches: about 4 x the top-k's bytes each, 6 x with prefetch), "
                                "with a unit; a request that would keep more is refused (TP_LAG)", kind="size",
                                bounds=(1 << 20, None))
-    admin_gid: int = _s(-1, "members of this group may join any user's engine (operators' tools); -1: nobody "
-                        "but root", bounds=(-1, 2**32 - 2))
+    admin_gid: int = _s(-1, "members of this group may join any user's engine, naming its owner (ATTACH "
+                        "owner_uid); -1: nobody but root", bounds=(-1, 2**32 - 2))
     # Per-uid quotas, checked before anything is allocated; root counts like anyone. The
     # client and connection caps are on by default (-1: sized from max_clients, see
     # uid_client_cap / uid_connection_cap) so that one uid cannot lock out the others.

@@ -18,7 +18,7 @@ import numpy as np
 
 from sparsekv.proto import LIMITS
 from sparsekv.proto.blocks import KeysPlane
-from sparsekv.proto.layout import Layout
+from sparsekv.proto.layout import Layout, layer_numbers
 
 from .blocks.contract import BlockError
 from .residency.base import Mover, Residency, ResidencyError, Resolved, apply_step, check_batch, prefetch_into_next
@@ -500,13 +500,10 @@ def check_layers(layout: Layout, layers) -> tuple[int, ...]:
     copied twice, and a list of them could multiply a request's work)."""
     if layers is None:
         return tuple(range(layout.num_layers))
-    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-        raise ResidencyError("BAD_ARGUMENT", "layers must be a list of layer numbers")
-    out = tuple(layers)
-    if any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in out):
-        raise ResidencyError("BAD_ARGUMENT", f"layers must be a list of layer numbers (integers), got "
-                             f"{[x for x in out][:8]!r}")
-    out = tuple(int(x) for x in out)
+    try:
+        out = layer_numbers(layers)
+    except ValueError as e:
+        raise ResidencyError("BAD_ARGUMENT", str(e)) from None
     if any(not 0 <= x < layout.num_layers for x in out):
         raise ResidencyError("BAD_ARGUMENT", f"layers must lie in [0, {layout.num_layers}), got {list(out)[:16]}")
     if len(set(out)) != len(out):

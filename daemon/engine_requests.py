@@ -24,7 +24,7 @@ from .engine import EngineSlabImport, Owner, RankState, host_rows_arg
 from .heavy import HEAVY_BYTES, Slow
 from .peers import Peer
 from .pool import PoolError
-from .registry import range_bytes
+from .registry import check_new_owner, range_bytes
 from .residency.base import ResidencyError, check_layout_limits
 from .sessions import Session
 
@@ -128,6 +128,7 @@ class EngineRequests:
         try:
             nbytes = range_bytes(layout, block_size, index_bytes)
             if created:  # engines kept only for their cached blocks yield to a new one the checks admit
+                check_new_owner(engine, Owner(s.uid, s.gid), owner_uid)
                 self.engines.check_rank(s.rank, layout, owner=Owner(s.uid, s.gid), engine_slab=engine_slab,
                                         tp_size=tp_size)
                 self.engines.make_room(nbytes, Owner(s.uid, s.gid))

@@ -2,8 +2,8 @@
 
 An engine (one model served by one or several TP ranks) is created by its first rank's
 ATTACH, which reserves its host pool range; every later rank of the same name joins it
-(with the same layout, or LAYOUT_MISMATCH) if it may: only the creator's uid, root, or a
-member of the daemon's admin group. When its last rank detaches, the backend's per-engine
+(with the same layout, or LAYOUT_MISMATCH) if it may: the creator's uid, or root or a
+member of the daemon's admin group naming the creator (ATTACH ``owner_uid``). When its last rank detaches, the backend's per-engine
 resources and the pool range are released, unless the engine has a block store holding
 cached blocks (DESIGN §9): then it stays, for the next process that attaches to it. Everything
 per engine lives here and in :class:`~.engine.EngineSpace`.
@@ -120,11 +120,8 @@ class EngineRegistry:
         uid, rank_mem = self.check_rank(rank, layout, owner=owner, engine_slab=engine_slab, tp_size=tp_size)
         space = self._engines.get(engine_name)
         created = space is None
-        if created and owner_uid is not None and owner is not None and owner_uid != owner.uid:
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"engine {engine_name!r} does not exist: owner_uid "
-                                f"{owner_uid} names another user's engine, and a new one would be yours (uid "
-                                f"{owner.uid}); attach with owner_uid once its owner has made it")
         if created:
+            check_new_owner(engine_name, owner, owner_uid)
             nbytes = range_bytes(layout, block_size, index_bytes)
             self._check_quota(owner, nbytes)
             offset = self.pool.allocate(nbytes)
@@ -438,6 +435,15 @@ def range_bytes(layout: Layout, block_size: int = 0, index_bytes: int = 0) -> in
     """Bytes of the pool range of an engine of ``layout``: its rows, then its indexer keys
     plane when it has one (``index_bytes`` with a ``block_size``)."""
     return KeysPlane.of(layout, block_size, index_bytes).end if index_bytes else layout.pool_bytes
+
+
+def check_new_owner(engine_name: str, owner: Owner | None, owner_uid: int | None) -> None:
+    """An ATTACH that would create ``engine_name`` names no other owner than its sender
+    (BAD_ARGUMENT): checked before anything is made or released for it."""
+    if owner_uid is not None and owner is not None and owner_uid != owner.uid:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"engine {engine_name!r} does not exist: owner_uid {owner_uid} "
+                            f"names another user's engine, and a new one would be yours (uid {owner.uid}); attach "
+                            "with owner_uid once its owner has made it")
 
 
 def _may_join(engine_owner: Owner | None, owner: Owner | None, privileged: bool, owner_uid: int | None) -> bool:

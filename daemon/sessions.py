@@ -62,7 +62,8 @@ class Sessions(dict):
         max_clients_per_uid: sessions of one uid (QUOTA_EXCEEDED at HELLO); 0: no cap.
         idle_timeout_s: a session not attached, without a request this long, is dropped.
         admin_gid: members of this group (primary or supplementary) may join any user's
-            engine; None: nobody but the owner and root.
+            engine, naming its owner (ATTACH ``owner_uid``); None: nobody but the owner and
+            root.
     """
 
     def __init__(self, engines, heavy, fd_server, stats, *, max_clients: int = 256, max_clients_per_uid: int = 0,

@@ -109,17 +109,21 @@ def _array(item, frame, limits: Limits) -> tuple[str, np.ndarray]:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: bad shape {shape!r}")
     # Exact Python integers (bool, an int subclass NumPy refuses as a dimension, is not
     # int): an int64 product wraps around for huge shapes and could "match" a short frame.
-    # No dimension past the frame limit, even beside a 0 (an empty array of dimension 2**63
-    # is no array NumPy can shape).
     count = 1
+    widest = 0
     for d in shape:
-        if type(d) is not int or d < 0 or d > limits.max_frame_bytes:
+        if type(d) is not int or d < 0:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: bad shape {shape!r}")
         count *= d
+        widest = d if d > widest else widest
     buf = frame if type(frame) is bytes or type(frame) is memoryview else _bytes(frame)
     nbytes = len(buf)
     if nbytes > limits.max_frame_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"array {name!r} of {nbytes} bytes exceeds {limits.max_frame_bytes}")
+    # No dimension past the frame limit, even beside a 0 (an empty array of dimension 2**63
+    # is no array NumPy can shape).
+    if widest > limits.max_frame_bytes:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"array {name!r}: bad shape {shape!r}")
     dt = _DTYPES[dtype]
     want = count * dt.itemsize
     if want != nbytes:

@@ -26,6 +26,10 @@ MAX_SLAB_BLOCKS = 1 << 22  # layers * blocks a geometry may describe (the overla
 MAX_BUFFER_BYTES = 1 << 50  # an engine's slab buffer at most (1 PiB): every offset then fits int64 with room
 
 
+def _exact(v):
+    return int(v) if isinstance(v, np.integer) else v
+
+
 @dataclass(frozen=True)
 class SlabGeometry:
     """Where an engine-owned slab's hot rows are (the formula: module docstring).
@@ -38,7 +42,12 @@ class SlabGeometry:
     buffer_bytes: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_offsets", tuple(self.layer_offsets))
+        # NumPy integers as Python ints: fixed-width arithmetic on them wraps (an int16
+        # block_rows times 1 KiB rows was 0 bytes a block); anything else stays as given,
+        # for check() to name.
+        object.__setattr__(self, "layer_offsets", tuple(_exact(o) for o in self.layer_offsets))
+        for name in ("block_rows", "block_stride", "buffer_bytes"):
+            object.__setattr__(self, name, _exact(getattr(self, name)))
 
     @classmethod
     def paged(cls, layout: Layout, layer_bases, first_block: int, block_size: int, block_stride: int | None = None,

@@ -146,3 +146,17 @@ def test_owner_uid_must_be_a_uid(module_daemon, bad):
         with pytest.raises(BadRequest, match="owner_uid must be a uid"):
             c.attach(LAY, engine="owner", owner_uid=bad)
         c.attach(LAY, engine="owner", owner_uid=os.getuid())  # its own engine, named as such
+
+
+def test_layers_must_be_integers_in_every_call_that_takes_them(c):
+    """``Client`` cast layers with int(): layer 1.9 wrote layer 1, True layer 1."""
+    rows = np.arange(2, dtype=np.int32)
+    data = np.zeros((1, 2, LAY.row_bytes), np.uint8)
+    for bad in ([1.9], [True], np.array(0)):
+        with pytest.raises(BadRequest, match="layer numbers"):
+            c.write(rows, data, layers=bad)
+        with pytest.raises(BadRequest, match="layer numbers"):
+            c.stage(rows, layers=bad)
+        with pytest.raises(BadRequest, match="layer numbers"):
+            c.write_staged(rows, layers=bad)
+    c.write(rows, data, layers=np.array([1], np.int64))  # NumPy integers are layer numbers

@@ -157,6 +157,8 @@ def test_as_ids_and_check_layers():
     # on cuda, WRITE_STAGED overflowed its layer table: INTERNAL); floats and bools are no
     # layer numbers (1.5 was taken as 1).
     for bad, words in (([0, 0], "names a layer twice"), ([1.5], "integers"), ([True], "integers"),
-                       (["1"], "integers"), ("01", "a list of layer numbers"), (3, "a list of layer numbers")):
+                       (["1"], "integers"), ("01", "a list of layer numbers"), (3, "a list of layer numbers"),
+                       (np.array(0), "a list of layer numbers"), (np.array([0.0]), "integers"),
+                       ([np.bool_(True)], "integers")):
         with pytest.raises(ResidencyError, match=words):
             check_layers(helpers.layout(num_layers=3), bad)

@@ -227,3 +227,25 @@ def test_requests_reach_only_the_senders_own_attachment(dm, proc):
     assert h["ok"] and arrays["misses"][0] == 4
     b_slab = dm.sessions[b"B"].state.slab
     assert not (b_slab == 0xAB).any()
+
+
+def test_an_attach_refused_for_its_owner_uid_releases_no_kept_engine(make_dm, proc):
+    """A new name with another uid's owner_uid is refused before make_room: it released
+    other users' kept engines (their cached blocks) first, on every retry."""
+    dm = make_dm(admin_gid=None)
+    small = helpers.layout(num_layers=2, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
+    connect(dm, b"V", proc.pid, 2000)
+    h = request(dm, b"V", MsgType.ATTACH, {"engine": "victim", "layout": small.to_wire(), "blocks": {"block_size": 4}})[0]
+    assert h["ok"], h
+    h, a = request(dm, b"V", MsgType.BLOCK_ALLOC, {"n": 1})
+    assert h["ok"], h
+    h = request(dm, b"V", MsgType.BLOCK_COMMIT, {}, {"blocks": a["blocks"], "hashes": np.array([[7, 7]], np.int64)})[0]
+    assert h["ok"], h
+    assert request(dm, b"V", MsgType.DETACH)[0]["ok"]
+    assert "victim" in dm.engines  # kept for its cached block
+    big = helpers.layout(num_layers=2, row_bytes=16, top_k=4, region_stride=8, max_reqs=2,
+                         host_rows=dm.pool.size_bytes // 32 - 1024)  # fits only once the victim's range is free
+    connect(dm, b"A", proc.pid, 1000)
+    h = request(dm, b"A", MsgType.ATTACH, {"engine": "new", "layout": big.to_wire(), "owner_uid": 3000})[0]
+    assert h["code"] == int(ErrorCode.BAD_ARGUMENT) and "does not exist" in h["msg"], h
+    assert "victim" in dm.engines and "new" not in dm.engines

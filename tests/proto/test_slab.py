@@ -1,6 +1,7 @@
 """SlabGeometry (proto/slab.py): where an engine-owned slab's hot rows are, and the check
 that keeps the daemon's writes inside the engine's buffer and off each other."""
 
+import numpy as np
 import pytest
 
 import helpers
@@ -65,6 +66,18 @@ def test_offsets_that_wrap_int64_are_refused():
     two = helpers.layout(num_layers=2, row_bytes=64, top_k=4, region_stride=4, max_reqs=3)
     with pytest.raises(LayoutError, match="layer 1's hot rows reach byte 1792, past the buffer's 1024"):
         SlabGeometry((0, 1024), 4, 256, 1024).check(two)
+
+
+def test_narrow_numpy_fields_are_taken_as_exact_integers():
+    """An int16 block_rows times 1 KiB rows wrapped to 0 bytes a block: four 64 KiB blocks
+    16 bytes apart in a 4 KiB buffer passed (an engine's own process trusts its check)."""
+    lay = helpers.layout(num_layers=1, row_bytes=1024, top_k=4, region_stride=64, max_reqs=4)
+    g = SlabGeometry((np.int16(0),), np.int16(64), np.int16(16), np.int16(4096))
+    assert type(g.block_rows) is int and g == SlabGeometry((0,), 64, 16, 4096)
+    with pytest.raises(LayoutError, match="block_stride 16 is less than a block"):
+        g.check(lay, align=1)
+    with pytest.raises(LayoutError, match="block_rows must be an integer"):
+        SlabGeometry((0,), np.bool_(True), 64, 4096).check(lay, align=1)
 
 
 def test_interleaved_layers_that_do_not_overlap_are_accepted():
