@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType
-from sparsekv.proto.layout import layer_numbers
 from sparsekv.proto.cuda_ipc import EventRing, mps_running
 from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, RUN_DIR
 
@@ -29,7 +28,7 @@ from .keys_load import KeysLoader
 from .rank_memory import fetch_fds, map_shared, offer_slab
 from .results import AttachmentCaps, TopkResult
 from .pending import Pending, Ready  # noqa: F401 - Ready: the device-wait result (tests import it here)
-from .tensors import device_ids, host_bytes, host_int32, on_gpu
+from .tensors import device_ids, host_bytes, host_int32, layers_arg as _layers, on_gpu, reset_arg as _reset, whole as _whole
 from .wire import Wire
 
 log = logging.getLogger("sparsekv.client")
@@ -366,15 +365,16 @@ class Client(Connection):
         """Begin decode step ``step``: the batch's state rows (-1 = padding), which of them
         start a new request (``reset`` bool [batch]) and rows rewritten since the last step
         (``invalidate`` int32 [batch, n], -1 = none)."""
+        step = _whole("step", step)
         arrays = {"state_rows": host_int32("state_rows", state_rows)}
         if reset is not None:
-            arrays["reset"] = np.asarray(reset, dtype=bool)
+            arrays["reset"] = _reset(reset)
         if invalidate is not None:
             arrays["invalidate"] = host_int32("invalidate", invalidate)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
-        self._pending_step = (int(step), arrays)
-        self._step_rows = (int(step), arrays["state_rows"])
+        self._pending_step = (step, arrays)
+        self._step_rows = (step, arrays["state_rows"])
 
     def _send_pending_step(self) -> None:
         """Send the STEP not sent yet alone (not waited for)."""
@@ -402,7 +402,7 @@ class Client(Connection):
         the rank's GPU, copied into the rank's step block on the current stream without a
         wait (the daemon reads it after the fence behind the copy); a tensor on another
         GPU, or on a rank without step blocks or fence events, is copied to the host first."""
-        fields = {"step": int(step), "group": int(group)}
+        fields = {"step": _whole("step", step), "group": _whole("group", group)}
         att = self.attachment
         device = att is not None and att.caps.device
         if device:
@@ -575,11 +575,3 @@ def _check_batch(att, rows: np.ndarray, topk: np.ndarray, begin) -> None:
         if inv is not None and (inv.ndim != 2 or inv.shape[0] != rows.shape[0] or inv.shape[1] > lay.top_k):
             raise BadRequest(f"invalidate must be [batch, n <= top_k], got {inv.shape}", ErrorCode.BAD_ARGUMENT)
 
-
-def _layers(layers) -> list[int]:
-    """A request's ``layers`` as a list of ints (BadRequest for a float, bool or text: a
-    cast would take 1.9 for layer 1)."""
-    try:
-        return list(layer_numbers(layers))
-    except ValueError as e:
-        raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None

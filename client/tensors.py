@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from sparsekv.proto import ErrorCode
+from sparsekv.proto.layout import layer_numbers, whole_number
 
 from .errors import BadRequest
 
@@ -75,3 +76,31 @@ def host_bytes(name: str, a):
         raise BadRequest(f"{name} must be uint8 (the rows' bytes), got {arr.dtype}: view it as uint8",
                          ErrorCode.BAD_ARGUMENT)
     return arr
+
+
+def layers_arg(layers) -> list[int]:
+    """A request's ``layers`` as a list of ints (BadRequest for a float, bool or text: a
+    cast would take 1.9 for layer 1)."""
+    try:
+        return list(layer_numbers(layers))
+    except ValueError as e:
+        raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
+
+
+def whole(name: str, v) -> int:
+    """An exact integer argument (BadRequest for a float, bool or text: a cast took 1.9 for 1)."""
+    try:
+        return whole_number(name, v)
+    except ValueError as e:
+        raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
+
+
+def reset_arg(reset) -> np.ndarray:
+    """``reset`` as bool: bools, or integers 0 and 1 only (a cast made 2, NaN and 0.5 resets)."""
+    import numpy as np  # noqa: PLC0415
+
+    r = np.asarray(reset)
+    if r.dtype != np.bool_ and (r.dtype.kind not in "iu" or ((r != 0) & (r != 1)).any()):
+        raise BadRequest(f"reset must be bool (or integers 0 / 1), got {r.dtype} {r.ravel().tolist()[:8]}",
+                         ErrorCode.BAD_ARGUMENT)
+    return r.astype(bool)

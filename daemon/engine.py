@@ -18,7 +18,7 @@ import numpy as np
 
 from sparsekv.proto import LIMITS
 from sparsekv.proto.blocks import KeysPlane
-from sparsekv.proto.layout import Layout, layer_numbers
+from sparsekv.proto.layout import Layout, layer_numbers, whole_number
 
 from .blocks.contract import BlockError
 from .residency.base import Mover, Residency, ResidencyError, Resolved, apply_step, check_batch, prefetch_into_next
@@ -88,8 +88,9 @@ class RankState:
         """Record the batch of a decode step; apply its resets and invalidations. ``then``:
         ``(group, top-k)`` of the TOPK the step rides on, checked first (its resolve's
         checks; a TP group's too): a TOPK refused runs neither half."""
+        step = _whole("step", step)
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
-        then = None if then is None else (int(then[0]), as_ids("topk", then[1], 2))
+        then = None if then is None else (_whole("group", then[0]), as_ids("topk", then[1], 2))
         if self.tp is not None:
             if then is None and self._tp_step is not None and self._tp_step[0] == int(step) \
                     and _same_step(self._tp_step[1:], (state_rows, reset, invalidate)):
@@ -113,6 +114,8 @@ class RankState:
         """Validate a step's arrays (nothing changes on error); return them normalised."""
         lay = self.residency.layout
         state_rows = as_ids("state_rows", state_rows, 1)
+        if state_rows.shape[0] > lay.max_batch:  # as the daemon's message check, before anything changes
+            raise ResidencyError("TOO_LARGE", f"batch of {state_rows.shape[0]} rows exceeds max_batch {lay.max_batch}")
         if state_rows.size > 0 and ((state_rows < -1) | (state_rows >= lay.max_reqs)).any():
             bad = state_rows[(state_rows < -1) | (state_rows >= lay.max_reqs)][0]
             raise ResidencyError("BAD_STATE_ROW", f"state row {int(bad)} out of range [-1, {lay.max_reqs})")
@@ -156,6 +159,7 @@ class RankState:
         next group's prefetch pending (:meth:`run_prefetch`), unless that group's top-k of
         this step came already: its slots the engine was told about must stay, and a
         prefetch keeps only its latest top-k row's."""
+        step, group = _whole("step", step), _whole("group", group)  # a 0-d array indexes a copy of the state
         res, moved, _ = self.resolve_and_gather(step, group, topk, state_rows)
         return res, moved
 
@@ -494,6 +498,14 @@ def host_rows_arg(layout: Layout, rows, what: str) -> np.ndarray:
     return rows
 
 
+def _whole(name: str, v) -> int:
+    """An exact integer argument (``whole_number``), or BAD_ARGUMENT."""
+    try:
+        return whole_number(name, v)
+    except ValueError as e:
+        raise ResidencyError("BAD_ARGUMENT", str(e)) from None
+
+
 def check_layers(layout: Layout, layers) -> tuple[int, ...]:
     """A request's ``layers``: None (every layer), or distinct integer layer numbers of
     ``layout`` (a float, bool or text is no layer number; a layer named twice would be
@@ -504,6 +516,8 @@ def check_layers(layout: Layout, layers) -> tuple[int, ...]:
         out = layer_numbers(layers)
     except ValueError as e:
         raise ResidencyError("BAD_ARGUMENT", str(e)) from None
+    if not out:
+        raise ResidencyError("BAD_ARGUMENT", "layers must be null (every layer) or a non-empty list of layer numbers")
     if any(not 0 <= x < layout.num_layers for x in out):
         raise ResidencyError("BAD_ARGUMENT", f"layers must lie in [0, {layout.num_layers}), got {list(out)[:16]}")
     if len(set(out)) != len(out):

@@ -54,6 +54,9 @@ class InprocClient:
 
     def attach(self, layout: Layout, engine: str = "default", block_size: int = 0, index_bytes: int = 0,
                prefetch: bool = False, tp_size: int = 1) -> Attachment:
+        if self._state is not None:  # as the daemon: a second attach would start the engine anew, its rows gone
+            raise error_for(int(ErrorCode.ALREADY_ATTACHED), f"attached to engine {self._space.name!r} already; "
+                            "detach first")
         layout.validate()
         if tp_size != 1:
             raise error_for(int(ErrorCode.BAD_ARGUMENT), f"tp_size {tp_size!r}: the in-process engine is one rank of "

@@ -162,3 +162,15 @@ def layer_numbers(layers) -> tuple[int, ...]:
         except TypeError:
             raise ValueError(f"layers must be layer numbers (integers), got {x!r:.40}") from None
     return tuple(out)
+
+
+def whole_number(name: str, v) -> int:
+    """``v`` as a Python int when it is an integer (Python, NumPy, a 0-d integer array:
+    anything with ``__index__``), never a bool, float or text: a cast would take 1.9 for
+    1 (and a 0-d array as an index selects a copy). Raises ``ValueError`` naming it."""
+    try:
+        if type(v).__name__ in ("bool", "bool_"):
+            raise TypeError
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {v!r:.40}") from None

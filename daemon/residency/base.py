@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsekv.proto.layout import Layout
+from sparsekv.proto.layout import Layout, whole_number
 
 
 class ResidencyError(ValueError):
@@ -153,6 +153,10 @@ def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarra
     state rows, room for several query tokens, unique ids. Returns both arrays as int32."""
     state_rows = np.asarray(state_rows, dtype=np.int32)
     topk = np.asarray(topk, dtype=np.int32)
+    try:
+        group = whole_number("group", group)
+    except ValueError as e:
+        raise ResidencyError("BAD_ARGUMENT", str(e)) from None
     if not 0 <= group < layout.num_groups:
         raise ResidencyError("BAD_ARGUMENT", f"group {group} out of range [0, {layout.num_groups})")
     if state_rows.ndim != 1 or topk.ndim != 2 or topk.shape[0] != state_rows.shape[0]:

@@ -113,3 +113,45 @@ def test_a_lookup_answers_an_array_of_the_callers_own():
         first[:] = 99
         again = c.blocks.lookup(keys)
         assert again.tolist() == blocks.tolist() and again is not first
+
+
+def test_requests_the_daemon_refuses_are_refused_in_process_and_by_the_client_alike(module_daemon):
+    """Found by a differential review of the two paths: in process a 0-d group indexed a
+    copy of the residency state (rows gathered, state kept: later hits on slots holding
+    other rows), a second attach zeroed the engine, a batch past max_batch and an empty
+    layers list were taken; the client cast reset (2, NaN, 0.5 became resets), step and
+    group (1.9 became 1)."""
+    with InprocClient() as c, Client(module_daemon.run_dir, name="parity") as d:
+        att = c.attach(LAYOUT)
+        d.attach(LAYOUT, engine="parity")
+        for x in (c, d):
+            helpers.fill(x, LAYOUT)
+        with pytest.raises(BadRequest) as ei:
+            c.attach(LAYOUT)
+        assert ei.value.code == ErrorCode.ALREADY_ATTACHED
+        assert np.array_equal(c._space.pool[0, 5], gen_pattern(0, [5], 32)[0])  # the rows stayed
+        res = {}
+        for name, x in (("inproc", c), ("daemon", d)):
+            x.step(0, [1])
+            x.topk(0, np.array(1), [[10, 11, 12, 13]])  # an integer, as a 0-d array
+            x.step(1, [1])
+            r = x.topk(1, np.int64(1), [[1, 2, 3, 4]])
+            res[name] = (r.hits, np.asarray(r.misses).tolist())
+            for bad in (1.9, True, "1"):
+                with pytest.raises(BadRequest, match="group must be an integer"):
+                    x.topk(1, bad, [[1, 2, 3, 4]])
+            with pytest.raises(BadRequest, match="step must be an integer"):
+                x.step(1.9, [1])
+            for reset in ([2], [np.nan], [0.5]):
+                with pytest.raises(BadRequest, match="reset must be bool"):
+                    x.step(2, [1], reset=reset)
+                    x.topk(2, 1, [[1, 2, 3, 4]])  # the client sends its step with the top-k
+            with pytest.raises(BadRequest) as ei:
+                x.step(3, [0, 1, -1])  # max_batch 2
+                x.topk(3, 0, [[1, 2, 3, 4]] * 3)
+            assert ei.value.code == ErrorCode.TOO_LARGE
+            with pytest.raises(BadRequest, match="non-empty list"):
+                x.write(np.array([5], np.int32), np.zeros((0, 1, 32), np.uint8), layers=[])
+        assert res["inproc"] == res["daemon"] == (0, [4])  # new rows: nothing of step 0's hit them
+        assert helpers.bad_rows(att.slab, (1,), np.array([1]), np.array([[1, 2, 3, 4]]),
+                                c.topk(1, 1, [[1, 2, 3, 4]]).slots, 64) == 0
