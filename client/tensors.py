@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from sparsekv.proto import ErrorCode
-from sparsekv.proto.layout import layer_numbers, whole_number
+from sparsekv.proto.args import layer_numbers, reset_flags, whole_number
 
 from .errors import BadRequest
 
@@ -95,12 +95,9 @@ def whole(name: str, v) -> int:
         raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
 
 
-def reset_arg(reset) -> np.ndarray:
-    """``reset`` as bool: bools, or integers 0 and 1 only (a cast made 2, NaN and 0.5 resets)."""
-    import numpy as np  # noqa: PLC0415
-
-    r = np.asarray(reset)
-    if r.dtype != np.bool_ and (r.dtype.kind not in "iu" or ((r != 0) & (r != 1)).any()):
-        raise BadRequest(f"reset must be bool (or integers 0 / 1), got {r.dtype} {r.ravel().tolist()[:8]}",
-                         ErrorCode.BAD_ARGUMENT)
-    return r.astype(bool)
+def reset_arg(reset):
+    """``reset`` as a bool array (``reset_flags``: a cast made 2, NaN and 0.5 resets)."""
+    try:
+        return reset_flags(reset)
+    except ValueError as e:
+        raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None

@@ -18,7 +18,8 @@ import numpy as np
 
 from sparsekv.proto import LIMITS
 from sparsekv.proto.blocks import KeysPlane
-from sparsekv.proto.layout import Layout, layer_numbers, whole_number
+from sparsekv.proto.args import layer_numbers, reset_flags, whole_number
+from sparsekv.proto.layout import Layout
 
 from .blocks.contract import BlockError
 from .residency.base import Mover, Residency, ResidencyError, Resolved, apply_step, check_batch, prefetch_into_next
@@ -133,13 +134,12 @@ class RankState:
         1 only (BAD_ARGUMENT: a cast would wrap 2**32 to 0 and turn NaN into a reset)."""
         if reset is None:
             return None
-        reset = np.asarray(reset)
-        if reset.shape != state_rows.shape:
-            raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]={state_rows.shape}, got {reset.shape}")
-        if reset.dtype != np.bool_ and (reset.dtype.kind not in "iu" or ((reset != 0) & (reset != 1)).any()):
-            raise ResidencyError("BAD_ARGUMENT", f"reset must be bool (or integers 0 / 1), got {reset.dtype} "
-                                 f"{reset.tolist()[:8]}")
-        return reset.astype(bool)
+        if np.shape(reset) != state_rows.shape:
+            raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]={state_rows.shape}, got {np.shape(reset)}")
+        try:
+            return reset_flags(reset)
+        except ValueError as e:
+            raise ResidencyError("BAD_ARGUMENT", str(e)) from None
 
     def batch_rows(self, step: int, state_rows) -> np.ndarray:
         """The state rows of a top-k batch: given with it, or those of its STEP."""

@@ -3,8 +3,8 @@
 An engine (one model served by one or several TP ranks) is created by its first rank's
 ATTACH, which reserves its host pool range; every later rank of the same name joins it
 (with the same layout, or LAYOUT_MISMATCH) if it may: the creator's uid, or root or a
-member of the daemon's admin group naming the creator (ATTACH ``owner_uid``). When its last rank detaches, the backend's per-engine
-resources and the pool range are released, unless the engine has a block store holding
+member of the daemon's admin group naming the creator (ATTACH ``owner_uid``). When its
+last rank detaches, the backend's per-engine resources and the pool range are released, unless the engine has a block store holding
 cached blocks (DESIGN §9): then it stays, for the next process that attaches to it. Everything
 per engine lives here and in :class:`~.engine.EngineSpace`.
 """

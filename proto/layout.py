@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from dataclasses import asdict, dataclass, field, fields
 
 MAX_REGION_STRIDE = 32768
@@ -141,36 +140,3 @@ class Layout:
         groups = tuple(tuple(g) for g in raw)
         return cls(**{**d, "index_groups": groups}).validate()
 
-
-def layer_numbers(layers) -> tuple[int, ...]:
-    """A request's ``layers`` (not None) as Python ints: a list, tuple or 1-d array of
-    integers (anything with ``__index__``: NumPy integers, integer tensors), never bools,
-    floats or text; their range is the layout's to check. Raises ``ValueError`` naming
-    what was wrong."""
-    if isinstance(layers, (str, bytes)):
-        raise ValueError(f"layers must be a list of layer numbers, got {layers!r:.40}")
-    try:
-        items = tuple(layers)
-    except TypeError:  # not iterable (an int, a 0-d array)
-        raise ValueError(f"layers must be a list of layer numbers, got {layers!r:.40}") from None
-    out = []
-    for x in items:
-        try:
-            if type(x).__name__ in ("bool", "bool_"):  # Python's and NumPy's: an int to Python, no layer
-                raise TypeError
-            out.append(operator.index(x))
-        except TypeError:
-            raise ValueError(f"layers must be layer numbers (integers), got {x!r:.40}") from None
-    return tuple(out)
-
-
-def whole_number(name: str, v) -> int:
-    """``v`` as a Python int when it is an integer (Python, NumPy, a 0-d integer array:
-    anything with ``__index__``), never a bool, float or text: a cast would take 1.9 for
-    1 (and a 0-d array as an index selects a copy). Raises ``ValueError`` naming it."""
-    try:
-        if type(v).__name__ in ("bool", "bool_"):
-            raise TypeError
-        return operator.index(v)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {v!r:.40}") from None

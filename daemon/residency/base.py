@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsekv.proto.layout import Layout, whole_number
+from sparsekv.proto.args import whole_number
+from sparsekv.proto.layout import Layout
 
 
 class ResidencyError(ValueError):

@@ -1,0 +1,49 @@
+"""Arguments both ends check the same way (the client before it sends, the daemon and the
+in-process engine before they act): exact integers, layer lists, reset flags. Each raises
+``ValueError`` naming what was wrong; each side turns it into its own typed error."""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+
+def whole_number(name: str, v) -> int:
+    """``v`` as a Python int when it is an integer (Python, NumPy, a 0-d integer array:
+    anything with ``__index__``), never a bool, float or text: a cast would take 1.9 for
+    1 (and a 0-d array as an index selects a copy)."""
+    try:
+        if type(v).__name__ in ("bool", "bool_"):  # Python's and NumPy's: an int to Python, no number here
+            raise TypeError
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {v!r:.40}") from None
+
+
+def layer_numbers(layers) -> tuple[int, ...]:
+    """A request's ``layers`` (not None) as Python ints: a list, tuple or 1-d array of
+    integers (:func:`whole_number` each), never bools, floats or text; their range is the
+    layout's to check."""
+    if isinstance(layers, (str, bytes)):
+        raise ValueError(f"layers must be a list of layer numbers, got {layers!r:.40}")
+    try:
+        items = tuple(layers)
+    except TypeError:  # not iterable (an int, a 0-d array)
+        raise ValueError(f"layers must be a list of layer numbers, got {layers!r:.40}") from None
+    out = []
+    for x in items:
+        try:
+            out.append(whole_number("a layer", x))
+        except ValueError:
+            raise ValueError(f"layers must be layer numbers (integers), got {x!r:.40}") from None
+    return tuple(out)
+
+
+def reset_flags(reset) -> np.ndarray:
+    """A step's ``reset`` as a bool array: bools, or integers 0 and 1 only (a cast would
+    wrap 2**32 to 0 and turn 2, NaN or 0.5 into a reset). Its shape is the caller's to check."""
+    r = np.asarray(reset)
+    if r.dtype != np.bool_ and (r.dtype.kind not in "iu" or ((r != 0) & (r != 1)).any()):
+        raise ValueError(f"reset must be bool (or integers 0 / 1), got {r.dtype} {r.ravel().tolist()[:8]}")
+    return r.astype(bool)
