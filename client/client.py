@@ -213,15 +213,17 @@ class Client(Connection):
             fields["owner_uid"] = owner_uid
         if prefetch:
             fields["prefetch"] = True
+        tp_size = _whole("tp_size", tp_size)
         if tp_size != 1:
-            fields["tp_size"] = int(tp_size)
+            fields["tp_size"] = tp_size
+        block_size, index_bytes = _whole("block_size", block_size), _whole("index_bytes", index_bytes)
         if index_bytes and not block_size:
             raise BadRequest("index_bytes needs a block_size: the indexer keys are a plane of the blocks",
                              ErrorCode.BAD_ARGUMENT)
         if block_size:
-            fields["blocks"] = {"block_size": int(block_size)}
+            fields["blocks"] = {"block_size": block_size}
             if index_bytes:
-                fields["blocks"]["index_bytes"] = int(index_bytes)
+                fields["blocks"]["index_bytes"] = index_bytes
         if slab is not None:
             fields["slab"] = offer_slab(self.run_dir, self.device, layout, slab)
         if transport != "zmq":

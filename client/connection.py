@@ -65,7 +65,11 @@ class Connection:
             fields = {"ts": ts}
         else:
             fields["ts"] = ts
-        frames = encode(msg_type, req, fields, arrays)
+        try:
+            frames = encode(msg_type, req, fields, arrays)
+        except OverflowError:  # msgpack carries integers in [-2**63, 2**64)
+            raise BadRequest(f"{_too_wide(fields)} holds an integer outside what a request can carry "
+                             "([-2**63, 2**64))", ErrorCode.BAD_ARGUMENT) from None
         if len(frames[0]) > LIMITS.max_header_bytes:  # dropped unread: no reply could name the request
             raise BadRequest(f"a request header of {len(frames[0])} bytes exceeds the limit of "
                              f"{LIMITS.max_header_bytes} bytes (a name or a field too long)", ErrorCode.TOO_LARGE)
@@ -357,3 +361,18 @@ def start_time(pid: int) -> float | None:
         return psutil.Process(pid).create_time()
     except psutil.Error:
         return None
+
+
+def _too_wide(fields, name="a field") -> str:
+    """The name of the first field of ``fields`` (nested maps and lists too) whose integer
+    msgpack cannot carry."""
+    items = fields.items() if isinstance(fields, dict) else enumerate(fields)
+    for k, v in items:
+        here = k if isinstance(fields, dict) else name
+        if type(v) is int and not -(1 << 63) <= v < 1 << 64:
+            return str(here)
+        if isinstance(v, (dict, list, tuple)):
+            inner = _too_wide(v, str(here))
+            if inner != "a field":
+                return inner
+    return name

@@ -15,7 +15,8 @@ from concurrent.futures import wait as wait_futures
 
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, LayoutError, MsgType, ProtocolError
 from sparsekv.proto import fd_socket
-from sparsekv.proto.blocks import MAX_INDEX_BYTES, KeysPlane
+from sparsekv.proto.args import engine_name
+from sparsekv.proto.blocks import check_store
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 from sparsekv.proto.slab import SlabGeometry
 
@@ -90,9 +91,10 @@ class EngineRequests:
     def on_attach(self, s: Session, identity, h, arrays):
         if s.state is not None:
             raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"client {s.client_id} is attached to engine {s.engine!r}")
-        engine = h["engine"]
-        if not isinstance(engine, str) or not engine or len(engine) > 128:
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "engine must be a name of 1..128 characters")
+        try:
+            engine = engine_name(h["engine"])
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, str(e)) from None
         try:
             layout = Layout.from_wire(h["layout"])
         except (LayoutError, TypeError) as e:
@@ -367,28 +369,15 @@ def code_of(e: Exception) -> ErrorCode:
 def _blocks_field(field, layout: Layout) -> tuple[int, int]:
     """ATTACH's optional ``blocks`` field (``{"block_size": n}``, optionally
     ``"index_bytes": m``): the engine's block size (0 for none) and its indexer keys' bytes
-    a position and layer (0 for no keys plane). BAD_ARGUMENT unless 1 <= n <= host_rows (and
-    host_rows // n <= ``LIMITS.max_store_blocks``) and
-    0 <= m <= MAX_INDEX_BYTES with one block's keys within ``LIMITS.max_keys_bytes`` (so
-    that a request can carry them)."""
+    a position and layer (0 for no keys plane), as ``check_store`` admits them; a block
+    size of 0 here is refused (the field is left out for no store)."""
     if field is None:
         return 0, 0
     n = field.get("block_size") if isinstance(field, dict) else None
-    m = field.get("index_bytes", 0) if isinstance(field, dict) else None
-    if type(n) is not int or not 1 <= n <= layout.host_rows or set(field) - {"block_size", "index_bytes"}:
+    if type(n) is not int or n < 1 or set(field) - {"block_size", "index_bytes"}:
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"blocks must be {{'block_size': n}} with 1 <= n <= host_rows "
                             f"({layout.host_rows}), optionally with 'index_bytes', got {str(field)[:60]}")
-    if layout.host_rows // n > LIMITS.max_store_blocks:
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"a block store of {layout.host_rows // n} blocks (host_rows "
-                            f"{layout.host_rows} // block_size {n}) exceeds {LIMITS.max_store_blocks}: use larger blocks")
-    if type(m) is not int or not 0 <= m <= MAX_INDEX_BYTES:
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"index_bytes must be an integer in [0, {MAX_INDEX_BYTES}] "
-                            f"(indexer key bytes of one position of one layer), got {str(m)[:40]}")
-    if m and KeysPlane.of(layout, n, m).block_bytes > LIMITS.max_keys_bytes:
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"one block's indexer keys ({layout.num_layers} layers x {n} "
-                            f"positions x {m} bytes) exceed the {LIMITS.max_keys_bytes} bytes a request may carry: "
-                            "use smaller blocks")
-    return n, m
+    return check_store(layout, n, field.get("index_bytes", 0))
 
 
 def _own_blocks(s: Session, space, rows) -> None:

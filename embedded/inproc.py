@@ -17,8 +17,9 @@ from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.daemon.engine import EngineSpace, RankState, host_rows_arg
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
-from sparsekv.proto import LIMITS, ErrorCode, Layout, MsgType
-from sparsekv.proto.blocks import MAX_INDEX_BYTES, KeysPlane
+from sparsekv.proto import ErrorCode, Layout, MsgType, ProtocolError
+from sparsekv.proto.args import engine_name, whole_number
+from sparsekv.proto.blocks import KeysPlane, check_store
 
 from sparsekv.client.blocks import Blocks
 from sparsekv.client.client import Attachment
@@ -58,18 +59,16 @@ class InprocClient:
             raise error_for(int(ErrorCode.ALREADY_ATTACHED), f"attached to engine {self._space.name!r} already; "
                             "detach first")
         layout.validate()
-        if tp_size != 1:
-            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"tp_size {tp_size!r}: the in-process engine is one rank of "
-                            "its own; a TP group's ranks attach to a daemon (Client)")
-        if not 0 <= block_size <= layout.host_rows:
-            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"block_size must lie in [0, host_rows={layout.host_rows}]")
-        if type(index_bytes) is not int or not 0 <= index_bytes <= MAX_INDEX_BYTES or (index_bytes and not block_size):
-            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"index_bytes must be an integer in [0, {MAX_INDEX_BYTES}], "
-                            f"with a block_size, got {str(index_bytes)[:40]}")
-        if index_bytes and KeysPlane.of(layout, block_size, index_bytes).block_bytes > LIMITS.max_keys_bytes:
-            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"one block's indexer keys ({layout.num_layers} layers x "
-                            f"{block_size} positions x {index_bytes} bytes) exceed the {LIMITS.max_keys_bytes} bytes "
-                            "a request may carry: use smaller blocks")
+        with _errors():
+            try:
+                engine = engine_name(engine)
+                tp_size = whole_number("tp_size", tp_size)
+            except ValueError as e:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, str(e)) from None
+            if tp_size != 1:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"tp_size {tp_size}: the in-process engine is one rank "
+                                    "of its own; a TP group's ranks attach to a daemon (Client)")
+            block_size, index_bytes = check_store(layout, _exact(block_size), _exact(index_bytes))
         pool = np.zeros((layout.num_layers, layout.host_rows, layout.row_bytes), dtype=np.uint8)
         slab = np.zeros((layout.num_layers, layout.max_reqs, layout.region_stride, layout.row_bytes), np.uint8)
         staging = np.zeros((layout.num_layers, layout.staging_rows, layout.row_bytes), np.uint8) if layout.staging_rows else None
@@ -157,6 +156,15 @@ class InprocClient:
         return self._state
 
 
+def _exact(v):
+    """An integer argument as a Python int (NumPy's too), anything else as given, for the
+    check after it to refuse."""
+    try:
+        return whole_number("", v)
+    except ValueError:
+        return v
+
+
 @contextlib.contextmanager
 def _errors():
     """Raise the same typed exceptions as the daemon client."""
@@ -166,3 +174,5 @@ def _errors():
         raise error_for(int(ErrorCode[e.code]), str(e)) from None
     except BlockError as e:
         raise error_for(int(ErrorCode[e.code]), str(e), e.detail) from None
+    except ProtocolError as e:
+        raise error_for(int(e.code), e.args[0], e.detail) from None

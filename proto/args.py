@@ -47,3 +47,13 @@ def reset_flags(reset) -> np.ndarray:
     if r.dtype != np.bool_ and (r.dtype.kind not in "iu" or ((r != 0) & (r != 1)).any()):
         raise ValueError(f"reset must be bool (or integers 0 / 1), got {r.dtype} {r.ravel().tolist()[:8]}")
     return r.astype(bool)
+
+
+MAX_NAME_CHARS = 128
+
+
+def engine_name(v) -> str:
+    """An engine's name: text of 1..128 characters (the namespace its ranks and blocks share)."""
+    if type(v) is not str or not 1 <= len(v) <= MAX_NAME_CHARS:
+        raise ValueError(f"engine must be a name of 1..{MAX_NAME_CHARS} characters, got {v!r:.40}")
+    return v

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .layout import Layout
+from .messages import LIMITS, ErrorCode, ProtocolError
 
 KEY_BYTES = 16
 _ROOT = b"sparsekv-blocks\0"
@@ -91,3 +92,39 @@ class KeysPlane:
     def end(self) -> int:
         """The range's bytes: rows, alignment, keys."""
         return self.offset + self.nbytes
+
+
+def check_store(layout: Layout, block_size, index_bytes) -> tuple[int, int]:
+    """An engine's block store as ATTACH names it: ``block_size`` positions a block (0 for
+    no store) and ``index_bytes`` of indexer keys a position and layer (0 for no keys plane).
+    Returns them; ProtocolError (BAD_ARGUMENT) unless both are exact integers with
+    1 <= block_size <= host_rows, host_rows // block_size <= ``LIMITS.max_store_blocks``,
+    0 <= index_bytes <= MAX_INDEX_BYTES (and only with a block size), and one block's keys
+    within ``LIMITS.max_keys_bytes`` (so that a request can carry them). The daemon and the
+    in-process engine both check with it."""
+    if type(block_size) is not int:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"block_size must be an integer in [0, host_rows="
+                            f"{layout.host_rows}], got {block_size!r:.40}")
+    if type(index_bytes) is not int:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"index_bytes must be an integer in [0, {MAX_INDEX_BYTES}], "
+                            f"got {index_bytes!r:.40}")
+    if block_size == 0:
+        if index_bytes:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "index_bytes needs a block_size: the indexer keys are a "
+                                "plane of the blocks")
+        return 0, 0
+    if not 1 <= block_size <= layout.host_rows:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"block_size must be in [1, host_rows={layout.host_rows}] "
+                            f"(0: no block store), got {block_size}")
+    if layout.host_rows // block_size > LIMITS.max_store_blocks:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"a block store of {layout.host_rows // block_size} blocks "
+                            f"(host_rows {layout.host_rows} // block_size {block_size}) exceeds "
+                            f"{LIMITS.max_store_blocks}: use larger blocks")
+    if not 0 <= index_bytes <= MAX_INDEX_BYTES:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"index_bytes must be an integer in [0, {MAX_INDEX_BYTES}] "
+                            f"(indexer key bytes of one position of one layer), got {index_bytes}")
+    if index_bytes and KeysPlane.of(layout, block_size, index_bytes).block_bytes > LIMITS.max_keys_bytes:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"one block's indexer keys ({layout.num_layers} layers x "
+                            f"{block_size} positions x {index_bytes} bytes) exceed the {LIMITS.max_keys_bytes} "
+                            "bytes a request may carry: use smaller blocks")
+    return block_size, index_bytes

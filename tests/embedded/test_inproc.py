@@ -155,3 +155,39 @@ def test_requests_the_daemon_refuses_are_refused_in_process_and_by_the_client_al
         assert res["inproc"] == res["daemon"] == (0, [4])  # new rows: nothing of step 0's hit them
         assert helpers.bad_rows(att.slab, (1,), np.array([1]), np.array([[1, 2, 3, 4]]),
                                 c.topk(1, 1, [[1, 2, 3, 4]]).slots, 64) == 0
+
+
+def test_attach_arguments_are_checked_alike_in_process_and_through_the_client(module_daemon):
+    """Found by the differential review: in process attach took a NumPy block size
+    (AttributeError), a float one, any engine name, a store past max_store_blocks; the
+    client cast block_size and tp_size (1.9 became 1) and an integer msgpack cannot carry
+    raised its OverflowError."""
+    big = helpers.layout(host_rows=(1 << 21) * 2 + 2)  # host_rows // 1 > max_store_blocks
+    cases = [  # (attach's keywords, layout, the message's start)
+        ({"block_size": 1.9}, LAYOUT, "block_size must be an integer"),
+        ({"block_size": True}, LAYOUT, "block_size must be an integer"),
+        ({"block_size": LAYOUT.host_rows + 1}, LAYOUT, r"block_size must be in \[1, host_rows=64\]"),
+        ({"block_size": 4, "index_bytes": 2.0}, LAYOUT, "index_bytes must be an integer"),
+        ({"index_bytes": 8}, LAYOUT, "index_bytes needs a block_size"),
+        ({"engine": ""}, LAYOUT, "engine must be a name of 1..128 characters"),
+        ({"engine": "x" * 129}, LAYOUT, "engine must be a name of 1..128 characters"),
+        ({"engine": 7}, LAYOUT, "engine must be a name of 1..128 characters"),
+        ({"tp_size": 1.0}, LAYOUT, "tp_size must be an integer"),
+        ({"block_size": 1}, big, "a block store of 4194306 blocks"),
+    ]
+    with Client(module_daemon.run_dir, name="attach-parity") as d:
+        for kw, lay, msg in cases:
+            for x in (InprocClient(), d):
+                with pytest.raises(BadRequest, match=msg) as ei:
+                    x.attach(lay, **{"engine": "attach-parity", **kw})
+                assert ei.value.code == ErrorCode.BAD_ARGUMENT, (kw, x)
+        with InprocClient() as c:
+            c.attach(LAYOUT, engine="m", block_size=np.int64(4), index_bytes=np.int32(8))
+            assert c.blocks.block_size == 4 and c._space.keys_plane.index_bytes == 8
+        d.attach(LAYOUT, engine="attach-parity")
+        with pytest.raises(BadRequest, match="step holds an integer outside") as ei:
+            d.step(2**70, [0])
+            d.topk(2**70, 0, [[1, 2, 3, 4]])  # the client sends its step with the top-k
+        assert ei.value.code == ErrorCode.BAD_ARGUMENT
+        d.step(0, [0])  # the connection serves on
+        assert d.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
