@@ -182,6 +182,25 @@ __device__ __forceinline__ int skv_pow2(int n) {
 }
 
 
+// -- programmatic dependent launch (sm_90+) -----------------------------------------------
+// A kernel launched with the programmatic stream-serialization attribute
+// (daemon/residency/cuda/launch_ex.py) may start while the kernel before it on the stream
+// still runs, once that kernel's blocks have all called skv_pdl_launch_dependents() or
+// exited. skv_pdl_wait() returns once the kernel before has completed and its writes are
+// visible; every read of what it wrote must come after it. Launched plainly, the wait
+// returns at once and the trigger does nothing.
+__device__ __forceinline__ void skv_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void skv_pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // -- doorbell words (flip-flops: one side sets 1, the other waits for 1 and resets 0) --------
 
 // Set `bell` to 1 once `expect` blocks have passed this point, with all of their earlier

@@ -280,10 +280,15 @@ __device__ __forceinline__ void skv_plan_copy(
     const int group = sh_desc[SKV_D_GROUP];
     const int k = sh_desc[SKV_D_K];
     // Uniform over the grid (from the shared copy): every thread reaches the caller's signal.
-    if (batch <= 0 || batch > max_batch || group < 0 || group >= groups || k < 0 || k > ld ||
-        stripes < 1 || stripe < 0 || stripe >= stripes) return;
-    const int* g = group_layers + (i64)group * layers_stride;
-    int n_layers = g[0];
+    const bool ok = !(batch <= 0 || batch > max_batch || group < 0 || group >= groups || k < 0 || k > ld ||
+                      stripes < 1 || stripe < 0 || stripe >= stripes);
+    // The descriptor (written before the resolve ran) and the group's layer table (fixed)
+    // are read before the wait; the plan and the counts, the resolve's, after it. Every
+    // path waits: the caller's signal must not come before the resolve's slots.
+    const int* g = ok ? group_layers + (i64)group * layers_stride : nullptr;
+    int n_layers = ok ? g[0] : 0;
+    skv_pdl_wait();
+    if (!ok) return;
     n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
     skv_gather_rows(src, src_layer_rows, src_layer_rows, num_layers, dst, dst_layer_rows, dst_layer_rows,
                     num_layers, g + 1, n_layers, src_idx, dst_idx, keep_idx, keep_rows, misses, batch, ld, geo,

@@ -219,6 +219,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 {
     __shared__ int sh_rot[2 * (SKV_RT / 32)];
     SkvRot rot = {sh_rot, 0};
+    // The gather after this kernel (launched programmatically) may take its SMs and read
+    // its descriptor now; it waits for this grid's end before it reads the plan.
+    skv_pdl_launch_dependents();
     // The doorbell's group bell: clearing it here saves a stream operation. The engine
     // rings it again only after this step's ready word, set after this kernel.
     if (clear && blockIdx.x == 0 && threadIdx.x == 0) *(volatile u32*)clear = 0u;

@@ -131,7 +131,7 @@ class InprocSwapIn(DeviceSwapIn):
         self._join_prefetch(stream)
         t = b.db_topk[group]
         d.enqueue_resolve(t, b.db_slots[group], b.db_misses[group], stream)
-        d.enqueue_gather(t, b.db_misses[group], stream)
+        d.enqueue_gather(t, b.db_misses[group], stream, after_resolve=True)
         if b.prefetch and group + 1 < self.layout.num_groups:
             fork, join = self._pf_events[group]
             fork.record(stream)

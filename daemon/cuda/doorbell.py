@@ -121,13 +121,15 @@ class DoorbellTransport(DeviceTransport):
             t = b.db_topk[g]
             self._wait_bell(stream, self._bells[g], cleared_by_kernel=True)
             d.enqueue_resolve(t, b.db_slots[g], b.db_misses[g], stream, clear=self._bells[g])
-            if g == self.layout.num_groups - 1:
+            last = g == self.layout.num_groups - 1
+            if last:
                 # Before the last ready word: once the engine's stream has passed a step,
                 # the step's counters and errors are in the pinned mirror (check()).
                 d.enqueue_stats_out(stream)
-            for layer in layers:
+            for i, layer in enumerate(layers):
                 d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer],
-                                 ready=self._ready[layer], arrivals=self._arrivals.data.ptr + 4 * layer)
+                                 ready=self._ready[layer], arrivals=self._arrivals.data.ptr + 4 * layer,
+                                 after_resolve=i == 0 and not last)
             if b.prefetch and g + 1 < self.layout.num_groups:
                 # After group g's ready words (its layers do not wait for it), before group
                 # g + 1's bell: its resolve finds the rows as hits, its ready words come after

@@ -54,13 +54,17 @@ class DeviceStep:
                                       bufs.plan_rows, bufs.plan_slots, bufs.counters, 4, bufs.err,
                                       bufs.workspace, bufs.max_batch, stream, clear=clear)
 
-    def enqueue_gather(self, block, misses, stream, group_layers=None, ready: int = 0, arrivals: int = 0) -> None:
+    def enqueue_gather(self, block, misses, stream, group_layers=None, ready: int = 0, arrivals: int = 0,
+                       after_resolve: bool = False) -> None:
         """The gather of the last :meth:`enqueue_resolve`, for the group's layers (or the
         ones ``group_layers`` names). ``ready`` / ``arrivals``: a word the gather's last
-        block sets to 1 and its zeroed arrival counter (device addresses)."""
+        block sets to 1 and its zeroed arrival counter (device addresses).
+        ``after_resolve``: enqueued right after that resolve (no other operation between
+        them on ``stream``): launched programmatically (``CudaMover.launch_gather``)."""
         bufs = self.buffers
         self.mover.launch_gather(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream,
-                                 group_layers=group_layers, ready=ready, arrivals=arrivals)
+                                 group_layers=group_layers, ready=ready, arrivals=arrivals,
+                                 after_resolve=after_resolve)
 
     def enqueue_prefetch(self, block, stream, stats_out: bool = True) -> None:
         """The cross-layer prefetch after ``block``'s TOPK (group g < G - 1, its resolve
@@ -109,7 +113,7 @@ class DeviceStep:
             self.enqueue_fetch(host_address, self.buffers.topk.block, stream, step=False)
         b = self.buffers
         self.enqueue_resolve(b.topk, b.slots[entry], b.misses[entry], stream)
-        self.enqueue_gather(b.topk, b.misses[entry], stream)
+        self.enqueue_gather(b.topk, b.misses[entry], stream, after_resolve=True)
         self.enqueue_stats_out(stream)
 
 

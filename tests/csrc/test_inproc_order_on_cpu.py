@@ -77,7 +77,9 @@ class EmuMover:
             self.table[g, 1:1 + len(layers)] = layers
 
     def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch, stream, group_layers=None, ready=0,
-                      arrivals=0):
+                      arrivals=0, after_resolve=False):
+        # after_resolve (a programmatic launch on a GPU) changes nothing here: the
+        # emulator runs each kernel to its end before the next.
         table = self.table if group_layers is None else np.ascontiguousarray(group_layers)
         cpu_kernels.gather(desc, self.pool, self.slab, self.slab.shape[1], table, plan_rows, plan_slots, misses)
 

@@ -17,6 +17,7 @@ from sparsekv.proto.layout import Layout
 
 from ..base import Mover, Plan, ResidencyError, check_stripe
 from .device import ResolveOutput, cp_module, grid_blocks, null_ptr, smem_limit
+from . import launch_ex
 
 DEFAULT_COPY_BLOCKS = 32  # bounded: attention shares the SMs and the PCIe link
 
@@ -186,7 +187,7 @@ class CudaMover(Mover):
 
     def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream,
                       group_layers=None, ready: int = 0, arrivals: int = 0, stripe: int = 0, stripes: int = 1,
-                      expect: int = 0) -> None:
+                      expect: int = 0, after_resolve: bool = False) -> None:
         """Enqueue ``skv_gather``: the plan of the last :meth:`CudaResidency.launch_resolve`
         (per-row counts ``misses``), pool -> slab, for every layer of the descriptor's
         group. Device arrays only; fixed grid and shared memory. ``group_layers``: an int32
@@ -195,21 +196,26 @@ class CudaMover(Mover):
         (``base.stripe_bounds``; 0 of 1: all). ``ready`` / ``arrivals``: device addresses
         of a word set to 1 once every row is written, and of its zeroed arrival counter
         (0: no signal); ``expect``: the block arrivals that complete it (0: this grid's;
-        a striped slab: ``stripes * blocks``, the gather's and the peers' pushes')."""
+        a striped slab: ``stripes * blocks``, the gather's and the peers' pushes').
+        ``after_resolve``: the kernel before it on ``stream`` is the resolve whose plan it
+        copies; it is then launched programmatically (``launch_ex.py``: its blocks start
+        while the resolve runs and wait in the kernel for its end, which saves the launch
+        between them)."""
         check_stripe(stripe, stripes)
         self._check_signal(ready, arrivals, expect)
         lay = self.layout
         i32, i64 = np.int32, np.int64
         slots = lay.max_reqs * lay.region_stride
         table = self.group_layers if group_layers is None else group_layers
+        args = (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
+                table, i32(table.shape[1]), i32(lay.num_groups),
+                plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo,
+                i32(stripe), i32(stripes), np.uint64(ready), np.uint64(arrivals), np.uint32(expect))
+        if after_resolve:
+            launch_ex.launch(self._gather, self.blocks, self.threads, args, stream, self.group_layers.device.id)
+            return
         with stream:
-            self._gather(
-                (self.blocks,), (self.threads,),
-                (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
-                 table, i32(table.shape[1]), i32(lay.num_groups),
-                 plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo,
-                 i32(stripe), i32(stripes), np.uint64(ready), np.uint64(arrivals), np.uint32(expect)),
-            )
+            self._gather((self.blocks,), (self.threads,), args)
 
     def _check_signal(self, ready: int, arrivals: int, expect: int) -> None:
         """A ready word completed by more than one block arrival needs its counter."""

@@ -1,0 +1,71 @@
+"""The driver-API pieces of the programmatic gather launch (daemon/residency/cuda/launch_ex.py):
+the structures' layout must be CUDA's (cuda.h's CUlaunchConfig / CUlaunchAttribute), and
+each argument must carry exactly its parameter's bytes. The launch itself runs in the
+cuda tests (every doorbell and in-process step gathers through it)."""
+
+import ctypes
+import struct
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sparsekv.daemon.residency.cuda import launch_ex
+
+
+def test_structures_have_the_driver_layout():
+    assert ctypes.sizeof(launch_ex._Attr) == 72  # 4-byte id, padding, a 64-byte value union
+    assert launch_ex._Attr.value.offset == 8
+    cfg = launch_ex._Config
+    assert ctypes.sizeof(cfg) == 56
+    assert (cfg.sharedMemBytes.offset, cfg.hStream.offset, cfg.attrs.offset, cfg.numAttrs.offset) == (24, 32, 40, 48)
+
+
+def test_scalars_keep_their_width_and_arrays_pass_their_address():
+    p = launch_ex._param(np.int32(-2))
+    assert ctypes.sizeof(p) == 4 and p.raw == struct.pack("<i", -2)
+    p = launch_ex._param(np.int64(1 << 40))
+    assert ctypes.sizeof(p) == 8 and p.raw == struct.pack("<q", 1 << 40)
+    assert launch_ex._param(np.uint32(7)).raw == struct.pack("<I", 7)
+    arr = SimpleNamespace(data=SimpleNamespace(ptr=0xDEAD0000))
+    assert launch_ex._param(arr).value == 0xDEAD0000
+
+
+@pytest.mark.parametrize("bad", [5, 1.5, None, "x"])
+def test_an_argument_of_unknown_width_is_refused(bad):
+    with pytest.raises(TypeError, match="device array or a NumPy scalar"):
+        launch_ex._param(bad)
+
+
+def test_launch_hands_the_driver_the_config_attribute_and_arguments(monkeypatch):
+    """``launch`` through a stand-in driver: the grid, block, stream, the programmatic
+    attribute set to 1, the function of the kernel on its device, each argument's bytes."""
+    import contextlib
+
+    seen = {}
+
+    def driver(cfg_ref, func, params, extra):
+        cfg = cfg_ref._obj
+        seen["dims"] = (cfg.gridDimX, cfg.gridDimY, cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream, cfg.numAttrs)
+        attr = cfg.attrs[0]
+        seen["attr"] = (attr.id, struct.unpack("<i", bytes(attr)[8:12])[0])
+        seen["func"] = func.value
+        seen["args"] = (ctypes.cast(params[0], ctypes.POINTER(ctypes.c_uint64))[0],
+                        ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int32))[0])
+        return 0
+
+    fake_cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
+    monkeypatch.setattr(launch_ex, "_driver", lambda: driver)
+    monkeypatch.setattr(launch_ex, "supported", lambda device: True)
+    monkeypatch.setattr(launch_ex, "cp_module", lambda: fake_cp)
+    kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=0x1234))  # a RawKernel's compiled function
+    arr = SimpleNamespace(data=SimpleNamespace(ptr=0xBEEF00))
+    launch_ex.launch(kernel, 32, 256, (arr, np.int32(-7)), SimpleNamespace(ptr=0x5000), device=0)
+    assert seen["dims"] == (32, 1, 256, 0, 0x5000, 1)
+    assert seen["attr"] == (launch_ex.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    assert seen["func"] == 0x1234
+    assert seen["args"] == (0xBEEF00, -7)
+
+    monkeypatch.setattr(launch_ex, "_driver", lambda: lambda *a: 1)  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        launch_ex.launch(kernel, 1, 32, (), SimpleNamespace(ptr=0), device=0)
