@@ -126,7 +126,7 @@ class InprocClient:
             res, _ = st.topk(step, group, topk, state_rows)
             if st.pending_prefetch is not None:  # in process: at once (the same rows either way)
                 st.run_prefetch()
-        return TopkResult(res.slots, res.misses, res.hits, res.out_of_range)
+        return TopkResult(_read_only(res.slots), _read_only(res.misses), res.hits, res.out_of_range)
 
     def flush(self) -> None:
         """Nothing is deferred here: every call raises its own error (as ``Client.flush``)."""
@@ -154,6 +154,13 @@ class InprocClient:
         if self._state is None:
             raise ResidencyError("NOT_ATTACHED", "attach a layout first")
         return self._state
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view, as the daemon client's results (views of the reply's frames)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _exact(v):

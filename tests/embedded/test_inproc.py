@@ -153,6 +153,11 @@ def test_requests_the_daemon_refuses_are_refused_in_process_and_by_the_client_al
             with pytest.raises(BadRequest, match="non-empty list"):
                 x.write(np.array([5], np.int32), np.zeros((0, 1, 32), np.uint8), layers=[])
         assert res["inproc"] == res["daemon"] == (0, [4])  # new rows: nothing of step 0's hit them
+        for x in (c, d):  # read-only on both paths (the client's are views of the reply)
+            r = x.topk(1, 1, [[1, 2, 3, 4]])
+            for a in (r.slots, r.misses):
+                with pytest.raises(ValueError, match="read-only"):
+                    a[0] = 7
         assert helpers.bad_rows(att.slab, (1,), np.array([1]), np.array([[1, 2, 3, 4]]),
                                 c.topk(1, 1, [[1, 2, 3, 4]]).slots, 64) == 0
 
