@@ -52,19 +52,19 @@ class BlockRequests:
 
     def on_reserve(self, s: Session, identity, h, a):
         store = self._store(s)
-        reserved = store.reserve(s.client_id, _count(h, signed=True))
+        reserved = store.reserve(s.client_id, block_count(h, signed=True))
         return {**store.gauges(), "reserved": reserved}, None
 
     def on_alloc(self, s: Session, identity, h, a):
         store = self._store(s)
         before = store.counts["evictions"]
-        blocks = store.alloc(s.client_id, _count(h))
+        blocks = store.alloc(s.client_id, block_count(h))
         self.stats.add(block_evictions=store.counts["evictions"] - before)
         return {}, {"blocks": blocks}
 
     def on_commit(self, s: Session, identity, h, a):
         store = self._store(s)
-        held = store.commit(s.client_id, _array(a, "blocks"), _array(a, "hashes"))
+        held = store.commit(s.client_id, block_array(a, "blocks"), block_array(a, "hashes"))
         self.stats.add(block_commits=int((held == a["blocks"]).sum()))
         return {}, {"held": held}
 
@@ -90,15 +90,15 @@ class BlockRequests:
         return lookup_reply(found, chain)
 
     def on_release(self, s: Session, identity, h, a):
-        self._store(s).release(s.client_id, _array(a, "blocks"))
+        self._store(s).release(s.client_id, block_array(a, "blocks"))
         return {}, None
 
     # The keys' copies run on a worker thread from HEAVY_BYTES on, holding the engine (so
     # no request of it frees or evicts those blocks meanwhile, daemon/heavy.py).
     def on_write_keys(self, s: Session, identity, h, a):
         self._store(s)
-        space, keys = self.engines.space(s.engine), _array(a, "keys")
-        ids = space.check_keys_write(s.client_id, _array(a, "blocks"), keys)
+        space, keys = self.engines.space(s.engine), block_array(a, "keys")
+        ids = space.check_keys_write(s.client_id, block_array(a, "blocks"), keys)
         copy = functools.partial(space.copy_keys_in, ids, keys)
         nbytes = (yield Slow(copy, engine=s.engine)) if keys.nbytes >= self.heavy_bytes else copy()
         self.stats.add(block_keys_bytes_written=nbytes)
@@ -107,7 +107,7 @@ class BlockRequests:
     def on_read_keys(self, s: Session, identity, h, a):
         self._store(s)
         space = self.engines.space(s.engine)
-        ids = space.check_keys_read(s.client_id, _array(a, "blocks"))
+        ids = space.check_keys_read(s.client_id, block_array(a, "blocks"))
         copy = functools.partial(space.copy_keys_out, ids)
         keys = (yield Slow(copy, engine=s.engine)) if ids.size * space.keys_plane.block_bytes >= self.heavy_bytes \
             else copy()
@@ -127,7 +127,7 @@ class BlockRequests:
             if st.host_memory != (fd >= 0):
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "dst must be a deposited memfd (deposit) for a cpu rank, "
                                     "a CUDA IPC handle (ipc_handle) of the rank's GPU for a cuda rank")
-            ids = space.check_keys_load(s.client_id, _array(a, "blocks"), dst["bytes"])
+            ids = space.check_keys_load(s.client_id, block_array(a, "blocks"), dst["bytes"])
             runs = len(space.keys_runs(ids))
             if fd < 0:
                 fence = h.get("fence")
@@ -158,7 +158,7 @@ _NO_HASHES.flags.writeable = False
 def lookup_hashes(chain: int | None, a: dict) -> np.ndarray:
     """A BLOCK_LOOKUP's hashes: its ``hashes`` array; with a chain named it may send none
     (no hash follows the chain)."""
-    return _NO_HASHES if chain is not None and "hashes" not in a else _array(a, "hashes")
+    return _NO_HASHES if chain is not None and "hashes" not in a else block_array(a, "hashes")
 
 
 def lookup_reply(found: Found | None, chain: int | None) -> tuple[dict, dict | None]:
@@ -199,7 +199,7 @@ def _dst(h: dict) -> dict:
     return d
 
 
-def _count(h: dict, signed: bool = False) -> int:
+def block_count(h: dict, signed: bool = False) -> int:
     """The ``n`` field: an int within ``LIMITS.max_blocks`` (negative only when ``signed``)."""
     n = h.get("n")
     if type(n) is not int or abs(n) > LIMITS.max_blocks or (n < 0 and not signed):
@@ -208,7 +208,7 @@ def _count(h: dict, signed: bool = False) -> int:
     return n
 
 
-def _array(a: dict, name: str) -> np.ndarray:
+def block_array(a: dict, name: str) -> np.ndarray:
     """Array ``name`` of the request, at least 1-d (a scalar is no list of blocks, hashes
     or keys) and at most ``LIMITS.max_blocks`` long (TOO_LARGE)."""
     if name not in a:

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from sparsekv.daemon.blocks.contract import BlockError
+from sparsekv.daemon.block_requests import block_array, block_count
 from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.daemon.engine import EngineSpace, RankState, host_rows_arg
 from sparsekv.daemon.residency.base import ResidencyError
@@ -89,23 +90,24 @@ class InprocClient:
 
     def _block_call(self, kind: MsgType, fields=None, arrays=None):
         """A BLOCK_* request on this process's store, answered as the daemon would (``Blocks`` calls it)."""
-        store, a = self._space.blocks, arrays or {}
-        with _errors():
+        store, a, h = self._space.blocks, arrays or {}, fields or {}
+        with _errors():  # the daemon's checks of the fields and arrays first (block_requests.py)
             if kind == MsgType.BLOCK_RESERVE:
-                n = store.reserve(0, fields["n"])
+                n = store.reserve(0, block_count(h, signed=True))
                 return {**store.gauges(), "reserved": n}, {}
             if kind == MsgType.BLOCK_ALLOC:
-                return {}, {"blocks": store.alloc(0, fields["n"])}
+                return {}, {"blocks": store.alloc(0, block_count(h))}
             if kind == MsgType.BLOCK_COMMIT:
-                return {}, {"held": store.commit(0, a["blocks"], a["hashes"])}
+                return {}, {"held": store.commit(0, block_array(a, "blocks"), block_array(a, "hashes"))}
             if kind == MsgType.BLOCK_LOOKUP:
-                return {}, {"blocks": store.lookup(0, a["hashes"])}
+                return {}, {"blocks": store.lookup(0, block_array(a, "hashes"))}
             space = self._space
             if kind == MsgType.BLOCK_WRITE_KEYS:
-                return {"bytes": space.copy_keys_in(space.check_keys_write(0, a["blocks"], a["keys"]), a["keys"])}, {}
+                keys = block_array(a, "keys")
+                return {"bytes": space.copy_keys_in(space.check_keys_write(0, block_array(a, "blocks"), keys), keys)}, {}
             if kind == MsgType.BLOCK_READ_KEYS:
-                return {}, {"keys": space.copy_keys_out(space.check_keys_read(0, a["blocks"]))}
-            store.release(0, a["blocks"])
+                return {}, {"keys": space.copy_keys_out(space.check_keys_read(0, block_array(a, "blocks")))}
+            store.release(0, block_array(a, "blocks"))
             return {}, {}
 
     def _own_blocks(self, rows) -> None:

@@ -196,3 +196,19 @@ def test_attach_arguments_are_checked_alike_in_process_and_through_the_client(mo
         assert ei.value.code == ErrorCode.BAD_ARGUMENT
         d.step(0, [0])  # the connection serves on
         assert d.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
+
+
+def test_block_requests_are_checked_alike_in_process_and_through_the_client(module_daemon):
+    """In process a count past the request limit (max_blocks) was POOL_EXHAUSTED, and an
+    alloc of -5 had its own message: both paths now check with the daemon's block_count."""
+    lay = helpers.layout(host_rows=64)
+    with Client(module_daemon.run_dir, name="block-parity") as d, InprocClient() as c:
+        for x in (c, d):
+            x.attach(lay, engine="block-parity", block_size=4)
+        for n, what in ((10**6, "reserve"), (-(10**6), "reserve"), (10**6, "alloc"), (-5, "alloc"),
+                        (2**63, "alloc")):
+            for x in (c, d):
+                with pytest.raises(BadRequest, match=r"n must be an integer in \[") as ei:
+                    getattr(x.blocks, what)(n)
+                assert ei.value.code == ErrorCode.BAD_ARGUMENT, (n, what, x)
+        assert c.blocks.alloc(2).tolist() == d.blocks.alloc(2).tolist() == [0, 1]  # both stores serve on
