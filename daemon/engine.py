@@ -32,6 +32,8 @@ def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
     a = np.asarray(a)
     if a.ndim != ndim:
         raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
+    if a.size == 0 and a.dtype.kind == "f":  # an empty list (no value to cast), as the client takes it
+        a = a.astype(np.int32)
     if a.dtype.kind not in "iu":
         raise ResidencyError("BAD_ARGUMENT", f"{name} must hold integers, got {a.dtype}")
     if a.dtype != np.int32:

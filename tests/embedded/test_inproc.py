@@ -212,3 +212,18 @@ def test_block_requests_are_checked_alike_in_process_and_through_the_client(modu
                     getattr(x.blocks, what)(n)
                 assert ei.value.code == ErrorCode.BAD_ARGUMENT, (n, what, x)
         assert c.blocks.alloc(2).tolist() == d.blocks.alloc(2).tolist() == [0, 1]  # both stores serve on
+
+
+def test_empty_lists_are_taken_alike_in_process_and_through_the_client(module_daemon):
+    """An empty Python list is a float64 array to NumPy: the client took it (no value to
+    cast), in process it was 'must hold integers'."""
+    with Client(module_daemon.run_dir, name="empty-parity") as d, InprocClient() as c:
+        for x in (c, d):
+            x.attach(LAYOUT, engine="empty-parity")
+            x.step(0, [])
+            r = x.topk(0, 0, np.zeros((0, 4), np.int32))
+            assert r.slots.shape == (0, 4) and r.misses.shape == (0,)
+            x.step(1, [0], invalidate=[[]])
+            assert x.stage([]) == 0
+            assert x.write_staged([])["bytes"] == 0
+            assert x.write([], np.zeros((LAYOUT.num_layers, 0, LAYOUT.row_bytes), np.uint8))["bytes"] == 0
