@@ -17,6 +17,7 @@ import numpy as np
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType
 from sparsekv.proto.cuda_ipc import EventRing, mps_running
 from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, RUN_DIR
+from sparsekv.proto.args import engine_name
 
 from .blocks import Blocks
 from .connection import Connection, open_wire, start_time
@@ -205,6 +206,10 @@ class Client(Connection):
         this rank never trusts another user's rows and cached blocks by accident; without
         it only an engine of this process's own uid is joined (a new one is created)."""
         layout.validate()
+        try:
+            engine = engine_name(engine)
+        except ValueError as e:
+            raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
         fields = {"engine": engine, "layout": layout.to_wire()}
         if owner_uid is not None:
             if type(owner_uid) is not int or not 0 <= owner_uid < 1 << 32:

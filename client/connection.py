@@ -363,16 +363,17 @@ def start_time(pid: int) -> float | None:
         return None
 
 
-def _too_wide(fields, name="a field") -> str:
+def _too_wide(fields) -> str:
     """The name of the first field of ``fields`` (nested maps and lists too) whose integer
-    msgpack cannot carry."""
-    items = fields.items() if isinstance(fields, dict) else enumerate(fields)
-    for k, v in items:
-        here = k if isinstance(fields, dict) else name
-        if type(v) is int and not -(1 << 63) <= v < 1 << 64:
-            return str(here)
-        if isinstance(v, (dict, list, tuple)):
-            inner = _too_wide(v, str(here))
-            if inner != "a field":
-                return inner
-    return name
+    msgpack cannot carry (an entry of a list: the list's field)."""
+    return _wide_in(fields, "a field") or "a field"
+
+
+def _wide_in(value, name: str) -> str | None:
+    if type(value) is int:
+        return name if not -(1 << 63) <= value < 1 << 64 else None
+    if isinstance(value, dict):
+        return next((found for k, v in value.items() if (found := _wide_in(v, str(k)))), None)
+    if isinstance(value, (list, tuple)):
+        return next((found for v in value if (found := _wide_in(v, name))), None)
+    return None

@@ -22,25 +22,10 @@ from sparsekv.proto.args import layer_numbers, reset_flags, whole_number
 from sparsekv.proto.layout import Layout
 
 from .blocks.contract import BlockError
-from .residency.base import Mover, Residency, ResidencyError, Resolved, apply_step, check_batch, prefetch_into_next
+from .residency.base import (Mover, Residency, ResidencyError, Resolved, apply_step, as_ids, check_batch,
+                             prefetch_into_next)
 from .residency.cpu import CpuMover
 from .tp import TpGroup
-
-
-def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
-    """Integer array of ``ndim`` dims as int32, or a BAD_ARGUMENT error naming it."""
-    a = np.asarray(a)
-    if a.ndim != ndim:
-        raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
-    if a.size == 0 and a.dtype.kind == "f":  # an empty list (no value to cast), as the client takes it
-        a = a.astype(np.int32)
-    if a.dtype.kind not in "iu":
-        raise ResidencyError("BAD_ARGUMENT", f"{name} must hold integers, got {a.dtype}")
-    if a.dtype != np.int32:
-        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
-            raise ResidencyError("BAD_ARGUMENT", f"{name} has values outside int32")
-        a = a.astype(np.int32)
-    return a
 
 
 class EngineSlabImport:

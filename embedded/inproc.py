@@ -90,8 +90,10 @@ class InprocClient:
 
     def _block_call(self, kind: MsgType, fields=None, arrays=None):
         """A BLOCK_* request on this process's store, answered as the daemon would (``Blocks`` calls it)."""
-        store, a, h = self._space.blocks, arrays or {}, fields or {}
+        a, h = arrays or {}, fields or {}
         with _errors():  # the daemon's checks of the fields and arrays first (block_requests.py)
+            self._need()  # a Blocks kept past detach: NOT_ATTACHED, as through the daemon
+            store = self._space.blocks
             if kind == MsgType.BLOCK_RESERVE:
                 n = store.reserve(0, block_count(h, signed=True))
                 return {**store.gauges(), "reserved": n}, {}

@@ -44,6 +44,8 @@ def reset_flags(reset) -> np.ndarray:
     """A step's ``reset`` as a bool array: bools, or integers 0 and 1 only (a cast would
     wrap 2**32 to 0 and turn 2, NaN or 0.5 into a reset). Its shape is the caller's to check."""
     r = np.asarray(reset)
+    if r.size == 0 and r.dtype.kind == "f":  # an empty list (no value to cast)
+        r = r.astype(bool)
     if r.dtype != np.bool_ and (r.dtype.kind not in "iu" or ((r != 0) & (r != 1)).any()):
         raise ValueError(f"reset must be bool (or integers 0 / 1), got {r.dtype} {r.ravel().tolist()[:8]}")
     return r.astype(bool)
@@ -53,7 +55,12 @@ MAX_NAME_CHARS = 128
 
 
 def engine_name(v) -> str:
-    """An engine's name: text of 1..128 characters (the namespace its ranks and blocks share)."""
-    if type(v) is not str or not 1 <= len(v) <= MAX_NAME_CHARS:
+    """An engine's name: text of 1..128 characters that UTF-8 can carry (the namespace its
+    ranks and blocks share), as a plain ``str`` (a subclass, e.g. a str enum, travels as one)."""
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_NAME_CHARS:
         raise ValueError(f"engine must be a name of 1..{MAX_NAME_CHARS} characters, got {v!r:.40}")
-    return v
+    try:
+        v.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"engine must be text UTF-8 can encode, got {v!r:.40}") from None
+    return str(v)

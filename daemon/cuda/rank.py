@@ -16,8 +16,8 @@ from sparsekv.proto import LIMITS
 from sparsekv.proto.cuda_ipc import EventRing, ImportedBuffer
 from sparsekv.proto.device_errors import ErrorRecord
 
-from ..engine import RankState, as_ids
-from ..residency.base import ResidencyError
+from ..engine import RankState
+from ..residency.base import ResidencyError, as_ids
 from ..residency.cuda import (
     HITS,
     MISSES,

@@ -12,7 +12,7 @@ import numpy as np
 from sparsekv.proto.step_block import write_step, write_topk
 from sparsekv.proto.stream_ops import write32
 
-from ..engine import as_ids
+from ..residency.base import as_ids
 from ..residency.base import ResidencyError
 from .step import capture
 

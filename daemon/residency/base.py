@@ -257,3 +257,19 @@ def find_duplicates(topk: np.ndarray, state_rows: np.ndarray, host_rows: int) ->
     dup = (nxt == s[:, :-1]) & (nxt >= 0) & (nxt < host_rows)
     dup_rows = np.flatnonzero(dup.any(axis=1) & (state_rows >= 0))
     return int(dup_rows[0]) if dup_rows.size else -1
+
+
+def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
+    """Integer array of ``ndim`` dims as int32, or a BAD_ARGUMENT error naming it."""
+    a = np.asarray(a)
+    if a.ndim != ndim:
+        raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
+    if a.size == 0 and a.dtype.kind == "f":  # an empty list (no value to cast), as the client takes it
+        a = a.astype(np.int32)
+    if a.dtype.kind not in "iu":
+        raise ResidencyError("BAD_ARGUMENT", f"{name} must hold integers, got {a.dtype}")
+    if a.dtype != np.int32:
+        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+            raise ResidencyError("BAD_ARGUMENT", f"{name} has values outside int32")
+        a = a.astype(np.int32)
+    return a

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import helpers
-from sparsekv.daemon.engine import EngineSpace, RankState, as_ids, check_layers
+from sparsekv.daemon.engine import EngineSpace, RankState, check_layers
+from sparsekv.daemon.residency.base import as_ids
 from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 

@@ -227,3 +227,38 @@ def test_empty_lists_are_taken_alike_in_process_and_through_the_client(module_da
             assert x.stage([]) == 0
             assert x.write_staged([])["bytes"] == 0
             assert x.write([], np.zeros((LAYOUT.num_layers, 0, LAYOUT.row_bytes), np.uint8))["bytes"] == 0
+
+
+def test_review_findings_on_names_resets_wide_integers_and_kept_block_handles(module_daemon):
+    """From a review of the parity fixes: the client named the first nested field
+    (``index_groups`` of the layout) for any integer too wide to send; a str enum as the
+    engine's name was refused in process and taken through the daemon, a name UTF-8
+    cannot encode taken in process and a raw UnicodeEncodeError through the client;
+    ``reset=[]`` was refused; a ``blocks`` kept past detach raised AttributeError in
+    process (NOT_ATTACHED through the daemon)."""
+    import enum
+
+    from sparsekv.client import NotAttached
+    from sparsekv.client.connection import _too_wide
+
+    assert _too_wide({"layout": {"index_groups": []}, "blocks": {"block_size": 2**70}}) == "block_size"
+    assert _too_wide({"meta": {"a": 1}, "n": 2**64}) == "n"
+    assert _too_wide({"x": [1, [2, -(2**63) - 1]]}) == "x"
+
+    class Name(str, enum.Enum):
+        A = "review-parity"
+
+    with Client(module_daemon.run_dir, name="review-parity") as d, InprocClient() as c:
+        with pytest.raises(BadRequest, match="tp_size holds an integer outside"):
+            d.attach(LAYOUT, engine="review-parity", tp_size=2**70)
+        for x in (c, d):
+            with pytest.raises(BadRequest, match="UTF-8") as ei:
+                x.attach(LAYOUT, engine="bad\ud800")
+            assert ei.value.code == ErrorCode.BAD_ARGUMENT
+            x.attach(LAYOUT, engine=Name.A, block_size=4)
+            x.step(0, [], reset=[])
+            assert x.topk(0, 0, np.zeros((0, 4), np.int32)).slots.shape == (0, 4)
+            kept = x.blocks
+            x.detach()
+            with pytest.raises(NotAttached):
+                kept.alloc(1)

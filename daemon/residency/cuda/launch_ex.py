@@ -7,7 +7,8 @@ kernel node with a programmatic edge from the kernel before it.
 The kernel launched so must call ``skv_pdl_wait()`` (csrc/common.cuh) before it reads
 anything the kernel before it writes; that kernel lets it start early with
 ``skv_pdl_launch_dependents()``. On GPUs before compute capability 9.0 (no such launch)
-:func:`launch` launches plainly, which the same kernels also accept.
+:func:`launch` launches plainly, which the same kernels also accept; so it does for a
+kernel whose machine code was built for a capability below 9.0.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .device import cp_module
 
 ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 MIN_CAPABILITY = 90  # sm_90: griddepcontrol
+ATTR_BINARY_VERSION = 6  # CUfunction_attribute CU_FUNC_ATTRIBUTE_BINARY_VERSION
 
 
 class _Attr(ctypes.Structure):
@@ -39,12 +41,29 @@ class _Config(ctypes.Structure):
 
 
 @functools.cache
+def _lib():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+@functools.cache
 def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuLaunchKernelEx
+    fn = _lib().cuLaunchKernelEx
     fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
+
+
+@functools.cache
+def binary_version(func_ptr: int) -> int:
+    """The compute capability a kernel's machine code was built for (CUfunction's
+    CU_FUNC_ATTRIBUTE_BINARY_VERSION, e.g. 90), 0 when the driver does not say. A kernel
+    built below 9.0 has no ``griddepcontrol.wait`` in it (csrc/common.cuh leaves it out):
+    launched programmatically it would read the plan before the resolve ends."""
+    fn = _lib().cuFuncGetAttribute
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    v = ctypes.c_int(0)
+    return v.value if fn(ctypes.byref(v), ATTR_BINARY_VERSION, ctypes.c_void_p(func_ptr)) == 0 else 0
 
 
 @functools.cache
@@ -68,8 +87,16 @@ def _param(a):
 def launch(fn, grid: int, block: int, args, stream, device: int, shared_mem: int = 0) -> None:
     """Launch CuPy kernel ``fn`` on ``stream`` (a CuPy stream) with a programmatic
     dependency on the kernel before it there (plainly where ``device`` has none).
-    ``args``: device arrays and NumPy scalars, in the kernel's parameter order."""
-    if not supported(device):
+    ``args``: device arrays and NumPy scalars, in the kernel's parameter order. Plainly
+    too where the kernel's machine code is for a capability below 9.0 (``binary_version``)."""
+    func = None
+    if supported(device):
+        with cp_module().cuda.Device(device):
+            # A RawKernel's CUfunction on this device (compiled on first use), or a Function's.
+            func = fn.kernel if hasattr(fn, "kernel") else fn
+        if binary_version(int(func.ptr)) < MIN_CAPABILITY:
+            func = None
+    if func is None:
         with stream:
             fn((grid,), (block,), args, shared_mem=shared_mem)
         return
@@ -81,8 +108,6 @@ def launch(fn, grid: int, block: int, args, stream, device: int, shared_mem: int
                   sharedMemBytes=int(shared_mem), hStream=ctypes.c_void_p(int(stream.ptr)),
                   attrs=ctypes.pointer(attr), numAttrs=1)
     with cp_module().cuda.Device(device):
-        # A RawKernel's CUfunction on this device (compiled on first use), or a Function's.
-        func = fn.kernel if hasattr(fn, "kernel") else fn
         rc = _driver()(ctypes.byref(cfg), ctypes.c_void_p(int(func.ptr)), ptrs, None)
     if rc != 0:
         raise RuntimeError(f"cuLaunchKernelEx of {getattr(fn, 'name', fn)!r} failed: CUresult {rc}")

@@ -57,6 +57,7 @@ def test_launch_hands_the_driver_the_config_attribute_and_arguments(monkeypatch)
     fake_cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
     monkeypatch.setattr(launch_ex, "_driver", lambda: driver)
     monkeypatch.setattr(launch_ex, "supported", lambda device: True)
+    monkeypatch.setattr(launch_ex, "binary_version", lambda ptr: 90)
     monkeypatch.setattr(launch_ex, "cp_module", lambda: fake_cp)
     kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=0x1234))  # a RawKernel's compiled function
     arr = SimpleNamespace(data=SimpleNamespace(ptr=0xBEEF00))
@@ -69,3 +70,45 @@ def test_launch_hands_the_driver_the_config_attribute_and_arguments(monkeypatch)
     monkeypatch.setattr(launch_ex, "_driver", lambda: lambda *a: 1)  # CUDA_ERROR_INVALID_VALUE
     with pytest.raises(RuntimeError, match="CUresult 1"):
         launch_ex.launch(kernel, 1, 32, (), SimpleNamespace(ptr=0), device=0)
+
+
+def test_a_kernel_built_below_sm90_is_launched_plainly(monkeypatch):
+    """Found by review: a module built for a capability below 9.0 (CuPy's own compile, say)
+    has no griddepcontrol.wait; launched programmatically on an H100 its gather would read
+    the plan before the resolve ends. The launch checks the function's binary version."""
+    import contextlib
+
+    calls = []
+    monkeypatch.setattr(launch_ex, "_driver", lambda: lambda *a: calls.append("pdl") or 0)
+    monkeypatch.setattr(launch_ex, "supported", lambda device: True)
+    monkeypatch.setattr(launch_ex, "cp_module",
+                        lambda: SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: contextlib.nullcontext())))
+
+    class Kernel:
+        kernel = SimpleNamespace(ptr=0x1234)
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            calls.append(("plain", grid, block))
+
+    stream = contextlib.nullcontext()
+    stream.ptr = 0
+    for version, want in ((75, ("plain", (8,), (32,))), (80, ("plain", (8,), (32,))), (0, ("plain", (8,), (32,))),
+                          (90, "pdl")):
+        calls.clear()
+        monkeypatch.setattr(launch_ex, "binary_version", lambda ptr, v=version: v)
+        launch_ex.launch(Kernel(), 8, 32, (), stream, device=0)
+        assert calls == [want], version
+
+
+@pytest.mark.cuda
+def test_the_gather_on_this_gpu_is_built_for_its_capability(tmp_path):
+    """On the GPU: the kernel cache builds skv_gather for the device's own capability, which
+    ``binary_version`` reads back; from 9.0 the gather is launched programmatically."""
+    import cupy as cp
+
+    from sparsekv.daemon import kernels
+
+    fn = kernels.KernelCache(tmp_path).function("copy.cu", "skv_gather", kernels.copy_defines(656))
+    cc = int(cp.cuda.Device().compute_capability)
+    assert launch_ex.binary_version(int(fn.ptr)) == cc
+    assert launch_ex.supported(cp.cuda.Device().id) == (cc >= launch_ex.MIN_CAPABILITY)
