@@ -110,5 +110,6 @@ def test_the_gather_on_this_gpu_is_built_for_its_capability(tmp_path):
 
     fn = kernels.KernelCache(tmp_path).function("copy.cu", "skv_gather", kernels.copy_defines(656))
     cc = int(cp.cuda.Device().compute_capability)
-    assert launch_ex.binary_version(int(fn.ptr)) == cc
+    func = fn.kernel if hasattr(fn, "kernel") else fn  # a RawKernel: its CUfunction on this device
+    assert launch_ex.binary_version(int(func.ptr)) == cc
     assert launch_ex.supported(cp.cuda.Device().id) == (cc >= launch_ex.MIN_CAPABILITY)
