@@ -38,7 +38,7 @@ import numpy as np
 from sparsekv.proto import LIMITS, ErrorCode, MsgType
 from sparsekv.proto.blocks import chain_hashes
 
-from .errors import BadRequest
+from .errors import BadRequest, NotAttached
 from .tensors import INT32_MAX, host_int32
 
 
@@ -58,6 +58,18 @@ class Blocks:
         self.block_size = block_size
         self.num_layers = num_layers
         self.index_bytes = index_bytes  # 0: no indexer keys plane
+
+    def close(self) -> None:
+        """The attachment this handle was made by has ended (detach, a new attach, the
+        daemon lost): every request through it is NOT_ATTACHED from now on, never one to
+        whatever engine the client attaches next (its ``blocks`` is a new handle)."""
+        def ended(*args, **kwargs):
+            raise NotAttached(f"this block store handle of engine {self.namespace!r} belongs to an attachment "
+                              "that has ended; use the client's current .blocks")
+
+        self._call = ended
+        if self._load is not None:
+            self._load = ended
 
     @property
     def keys_shape(self) -> tuple[int, int, int]:

@@ -245,7 +245,7 @@ class Client(Connection):
             fence_ring = EventRing(local_device(self.device), 16)
             fields["fence_events"] = fence_ring.handles
         reply, _ = self._call(MsgType.ATTACH, fields)
-        self.blocks = None
+        self._end_blocks()
         if block_size:
             self._keys_loader = KeysLoader(self)
             self.blocks = Blocks(self._call, engine, int(block_size), layout.num_layers, int(index_bytes),
@@ -308,8 +308,14 @@ class Client(Connection):
             "back. Check that this process sees that GPU (CUDA_VISIBLE_DEVICES) and, under MPS, uses the daemon's "
             "MPS server (CUDA_MPS_PIPE_DIRECTORY)", getattr(e, "status", None)) from e
 
-    def _detach_quietly(self) -> None:
+    def _end_blocks(self) -> None:
+        """The attachment's block store handle ends with it (``Blocks.close``)."""
+        if self.blocks is not None:
+            self.blocks.close()
         self.blocks = None
+
+    def _detach_quietly(self) -> None:
+        self._end_blocks()
         try:
             self._call(MsgType.DETACH)
         except (SparseKVError, OSError):
@@ -360,7 +366,7 @@ class Client(Connection):
 
     def _close_attachment(self, wait_s: float | None = None) -> None:
         att, self.attachment = self.attachment, None
-        self.blocks = None
+        self._end_blocks()
         if self._keys_loader is not None:  # (the rank is detached: the daemon mapped none of its buffers)
             self._keys_loader.close()
             self._keys_loader = None

@@ -51,6 +51,8 @@ class InprocClient:
         return self
 
     def close(self) -> None:
+        if self.blocks is not None:  # a handle kept past detach: NOT_ATTACHED, as the client's
+            self.blocks.close()
         self.attachment = self.blocks = None
         self._space = self._state = None
 
@@ -92,8 +94,11 @@ class InprocClient:
         """A BLOCK_* request on this process's store, answered as the daemon would (``Blocks`` calls it)."""
         a, h = arrays or {}, fields or {}
         with _errors():  # the daemon's checks of the fields and arrays first (block_requests.py)
-            self._need()  # a Blocks kept past detach: NOT_ATTACHED, as through the daemon
+            self._need()
             store = self._space.blocks
+            if store is None:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"engine {self._space.name!r} has no block store: "
+                                    "attach with a block size (InprocClient.attach(..., block_size=n))")
             if kind == MsgType.BLOCK_RESERVE:
                 n = store.reserve(0, block_count(h, signed=True))
                 return {**store.gauges(), "reserved": n}, {}

@@ -63,4 +63,4 @@ def engine_name(v) -> str:
         v.encode()
     except UnicodeEncodeError:
         raise ValueError(f"engine must be text UTF-8 can encode, got {v!r:.40}") from None
-    return str(v)
+    return str.__str__(v)  # the text itself (a str enum's own str() is "Class.MEMBER")

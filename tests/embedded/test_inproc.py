@@ -256,9 +256,17 @@ def test_review_findings_on_names_resets_wide_integers_and_kept_block_handles(mo
                 x.attach(LAYOUT, engine="bad\ud800")
             assert ei.value.code == ErrorCode.BAD_ARGUMENT
             x.attach(LAYOUT, engine=Name.A, block_size=4)
+            assert x.attachment.engine == "review-parity" and type(x.attachment.engine) is str  # not "Name.A"
             x.step(0, [], reset=[])
             assert x.topk(0, 0, np.zeros((0, 4), np.int32)).slots.shape == (0, 4)
             kept = x.blocks
             x.detach()
             with pytest.raises(NotAttached):
                 kept.alloc(1)
+            # a second review: the kept handle reached the next engine (or, in process
+            # without a store, raised AttributeError)
+            for again in ({}, {"block_size": 4}):
+                x.attach(LAYOUT, engine="review-parity-next", **again)
+                with pytest.raises(NotAttached, match="attachment that has ended"):
+                    kept.alloc(1)
+                x.detach()

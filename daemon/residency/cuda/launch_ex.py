@@ -22,7 +22,8 @@ from .device import cp_module
 
 ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 MIN_CAPABILITY = 90  # sm_90: griddepcontrol
-ATTR_BINARY_VERSION = 6  # CUfunction_attribute CU_FUNC_ATTRIBUTE_BINARY_VERSION
+ATTR_PTX_VERSION = 5  # CUfunction_attribute CU_FUNC_ATTRIBUTE_PTX_VERSION
+ATTR_BINARY_VERSION = 6  # CU_FUNC_ATTRIBUTE_BINARY_VERSION
 
 
 class _Attr(ctypes.Structure):
@@ -54,16 +55,21 @@ def _driver():
 
 
 @functools.cache
-def binary_version(func_ptr: int) -> int:
-    """The compute capability a kernel's machine code was built for (CUfunction's
-    CU_FUNC_ATTRIBUTE_BINARY_VERSION, e.g. 90), 0 when the driver does not say. A kernel
-    built below 9.0 has no ``griddepcontrol.wait`` in it (csrc/common.cuh leaves it out):
-    launched programmatically it would read the plan before the resolve ends."""
+def compiled_capability(func_ptr: int) -> int:
+    """The capability a kernel was compiled for, e.g. 90: the lower of its machine code's
+    (CU_FUNC_ATTRIBUTE_BINARY_VERSION) and its PTX's (CU_FUNC_ATTRIBUTE_PTX_VERSION; code
+    built from PTX for an older virtual architecture reports the device's binary version),
+    0 when the driver does not say. A kernel whose PTX is for below 9.0 has no
+    ``griddepcontrol.wait`` in it (csrc/common.cuh leaves it out): launched
+    programmatically it would read the plan before the resolve ends."""
     fn = _lib().cuFuncGetAttribute
     fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
     fn.restype = ctypes.c_int
-    v = ctypes.c_int(0)
-    return v.value if fn(ctypes.byref(v), ATTR_BINARY_VERSION, ctypes.c_void_p(func_ptr)) == 0 else 0
+    out = []
+    for attr in (ATTR_BINARY_VERSION, ATTR_PTX_VERSION):
+        v = ctypes.c_int(0)
+        out.append(v.value if fn(ctypes.byref(v), attr, ctypes.c_void_p(func_ptr)) == 0 else 0)
+    return min(out)
 
 
 @functools.cache
@@ -88,14 +94,14 @@ def launch(fn, grid: int, block: int, args, stream, device: int, shared_mem: int
     """Launch CuPy kernel ``fn`` on ``stream`` (a CuPy stream) with a programmatic
     dependency on the kernel before it there (plainly where ``device`` has none).
     ``args``: device arrays and NumPy scalars, in the kernel's parameter order. Plainly
-    too where the kernel's machine code is for a capability below 9.0 (``binary_version``)."""
+    too where the kernel was compiled for a capability below 9.0 (``compiled_capability``)."""
     func = None
     if supported(device):
         with cp_module().cuda.Device(device):
             # A RawKernel's CUfunction on this device (compiled on first use), or a Function's.
             func = fn.kernel if hasattr(fn, "kernel") else fn
-        if binary_version(int(func.ptr)) < MIN_CAPABILITY:
-            func = None
+            if compiled_capability(int(func.ptr)) < MIN_CAPABILITY:
+                func = None
     if func is None:
         with stream:
             fn((grid,), (block,), args, shared_mem=shared_mem)

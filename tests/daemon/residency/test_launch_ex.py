@@ -57,7 +57,7 @@ def test_launch_hands_the_driver_the_config_attribute_and_arguments(monkeypatch)
     fake_cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
     monkeypatch.setattr(launch_ex, "_driver", lambda: driver)
     monkeypatch.setattr(launch_ex, "supported", lambda device: True)
-    monkeypatch.setattr(launch_ex, "binary_version", lambda ptr: 90)
+    monkeypatch.setattr(launch_ex, "compiled_capability", lambda ptr: 90)
     monkeypatch.setattr(launch_ex, "cp_module", lambda: fake_cp)
     kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=0x1234))  # a RawKernel's compiled function
     arr = SimpleNamespace(data=SimpleNamespace(ptr=0xBEEF00))
@@ -95,7 +95,7 @@ def test_a_kernel_built_below_sm90_is_launched_plainly(monkeypatch):
     for version, want in ((75, ("plain", (8,), (32,))), (80, ("plain", (8,), (32,))), (0, ("plain", (8,), (32,))),
                           (90, "pdl")):
         calls.clear()
-        monkeypatch.setattr(launch_ex, "binary_version", lambda ptr, v=version: v)
+        monkeypatch.setattr(launch_ex, "compiled_capability", lambda ptr, v=version: v)
         launch_ex.launch(Kernel(), 8, 32, (), stream, device=0)
         assert calls == [want], version
 
@@ -103,7 +103,7 @@ def test_a_kernel_built_below_sm90_is_launched_plainly(monkeypatch):
 @pytest.mark.cuda
 def test_the_gather_on_this_gpu_is_built_for_its_capability(tmp_path):
     """On the GPU: the kernel cache builds skv_gather for the device's own capability, which
-    ``binary_version`` reads back; from 9.0 the gather is launched programmatically."""
+    ``compiled_capability`` reads back; from 9.0 the gather is launched programmatically."""
     import cupy as cp
 
     from sparsekv.daemon import kernels
@@ -111,5 +111,25 @@ def test_the_gather_on_this_gpu_is_built_for_its_capability(tmp_path):
     fn = kernels.KernelCache(tmp_path).function("copy.cu", "skv_gather", kernels.copy_defines(656))
     cc = int(cp.cuda.Device().compute_capability)
     func = fn.kernel if hasattr(fn, "kernel") else fn  # a RawKernel: its CUfunction on this device
-    assert launch_ex.binary_version(int(func.ptr)) == cc
+    assert launch_ex.compiled_capability(int(func.ptr)) == cc
     assert launch_ex.supported(cp.cuda.Device().id) == (cc >= launch_ex.MIN_CAPABILITY)
+
+
+def test_the_capability_is_the_lower_of_the_machine_codes_and_the_ptxs(monkeypatch):
+    """Found by review: PTX for 8.0 that the driver compiled on an H100 reports binary
+    version 90 (its PTX version 80) and has no griddepcontrol.wait: the lower one counts;
+    an attribute the driver does not give counts as 0 (a plain launch)."""
+    answers = {}
+
+    def get_attribute(out, attr, func):
+        value = answers.get(attr)
+        if value is None:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        out._obj.value = value
+        return 0
+
+    monkeypatch.setattr(launch_ex, "_lib", lambda: SimpleNamespace(cuFuncGetAttribute=get_attribute))
+    for ptr, (binary, ptx, want) in enumerate([(90, 80, 80), (90, 90, 90), (90, None, 0), (80, 90, 80)], 1):
+        answers.clear()
+        answers.update({launch_ex.ATTR_BINARY_VERSION: binary, launch_ex.ATTR_PTX_VERSION: ptx})
+        assert launch_ex.compiled_capability(0xF000 + ptr) == want, (binary, ptx)
