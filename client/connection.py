@@ -370,7 +370,7 @@ def _too_wide(fields) -> str:
 
 
 def _wide_in(value, name: str) -> str | None:
-    if type(value) is int:
+    if isinstance(value, int):  # (an IntEnum too; a bool is in range)
         return name if not -(1 << 63) <= value < 1 << 64 else None
     if isinstance(value, dict):
         return next((found for k, v in value.items() if (found := _wide_in(v, str(k)))), None)

@@ -244,6 +244,7 @@ def test_review_findings_on_names_resets_wide_integers_and_kept_block_handles(mo
     assert _too_wide({"layout": {"index_groups": []}, "blocks": {"block_size": 2**70}}) == "block_size"
     assert _too_wide({"meta": {"a": 1}, "n": 2**64}) == "n"
     assert _too_wide({"x": [1, [2, -(2**63) - 1]]}) == "x"
+    assert _too_wide({"a": True, "big": enum.IntEnum("Big", {"X": 2**64}).X}) == "big"
 
     class Name(str, enum.Enum):
         A = "review-parity"
