@@ -248,7 +248,7 @@ class Client(Connection):
         self._end_blocks()
         if block_size:
             self._keys_loader = KeysLoader(self)
-            self.blocks = Blocks(self._call, engine, int(block_size), layout.num_layers, int(index_bytes),
+            self.blocks = Blocks(self._call, engine, block_size, layout.num_layers, index_bytes,
                                  self._keys_loader, chain_refs=True)
         h = reply["handles"]
         if h.get("kind") not in ("cuda_ipc", "shm"):

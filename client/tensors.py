@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from sparsekv.proto import ErrorCode
-from sparsekv.proto.args import layer_numbers, reset_flags, whole_number
+from sparsekv.proto.args import empty_list_as, layer_numbers, reset_flags, whole_number
 
 from .errors import BadRequest
 
@@ -53,8 +53,7 @@ def host_int32(name: str, a):
         arr = np.asarray(a)
     except (TypeError, ValueError) as e:
         raise BadRequest(f"{name} must be an array of integers: {e}", ErrorCode.BAD_ARGUMENT) from None
-    if arr.size == 0 and arr.dtype.kind == "f":  # an empty list
-        arr = arr.astype(np.int32)
+    arr = empty_list_as(arr, np.int32)
     if arr.dtype.kind not in "iu":
         raise BadRequest(f"{name} must hold integers, got {arr.dtype}", ErrorCode.BAD_ARGUMENT)
     if arr.dtype.itemsize > 4 or arr.dtype == np.uint32:

@@ -18,12 +18,12 @@ import numpy as np
 
 from sparsekv.proto import LIMITS
 from sparsekv.proto.blocks import KeysPlane
-from sparsekv.proto.args import layer_numbers, reset_flags, whole_number
+from sparsekv.proto.args import layer_numbers, reset_flags
 from sparsekv.proto.layout import Layout
 
 from .blocks.contract import BlockError
 from .residency.base import (Mover, Residency, ResidencyError, Resolved, apply_step, as_ids, check_batch,
-                             prefetch_into_next)
+                             prefetch_into_next, whole_arg)
 from .residency.cpu import CpuMover
 from .tp import TpGroup
 
@@ -76,9 +76,9 @@ class RankState:
         """Record the batch of a decode step; apply its resets and invalidations. ``then``:
         ``(group, top-k)`` of the TOPK the step rides on, checked first (its resolve's
         checks; a TP group's too): a TOPK refused runs neither half."""
-        step = _whole("step", step)
+        step = whole_arg("step", step)
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
-        then = None if then is None else (_whole("group", then[0]), as_ids("topk", then[1], 2))
+        then = None if then is None else (whole_arg("group", then[0]), as_ids("topk", then[1], 2))
         if self.tp is not None:
             if then is None and self._tp_step is not None and self._tp_step[0] == int(step) \
                     and _same_step(self._tp_step[1:], (state_rows, reset, invalidate)):
@@ -146,7 +146,7 @@ class RankState:
         next group's prefetch pending (:meth:`run_prefetch`), unless that group's top-k of
         this step came already: its slots the engine was told about must stay, and a
         prefetch keeps only its latest top-k row's."""
-        step, group = _whole("step", step), _whole("group", group)  # a 0-d array indexes a copy of the state
+        step, group = whole_arg("step", step), whole_arg("group", group)  # a 0-d array indexes a copy of the state
         res, moved, _ = self.resolve_and_gather(step, group, topk, state_rows)
         return res, moved
 
@@ -483,14 +483,6 @@ def host_rows_arg(layout: Layout, rows, what: str) -> np.ndarray:
     if rows.size and (rows.min() < 0 or rows.max() >= layout.host_rows):
         raise ResidencyError("BAD_ARGUMENT", f"{what} rows must lie in [0, {layout.host_rows})")
     return rows
-
-
-def _whole(name: str, v) -> int:
-    """An exact integer argument (``whole_number``), or BAD_ARGUMENT."""
-    try:
-        return whole_number(name, v)
-    except ValueError as e:
-        raise ResidencyError("BAD_ARGUMENT", str(e)) from None
 
 
 def check_layers(layout: Layout, layers) -> tuple[int, ...]:

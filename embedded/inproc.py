@@ -66,12 +66,13 @@ class InprocClient:
             try:
                 engine = engine_name(engine)
                 tp_size = whole_number("tp_size", tp_size)
+                block_size, index_bytes = whole_number("block_size", block_size), whole_number("index_bytes", index_bytes)
             except ValueError as e:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, str(e)) from None
             if tp_size != 1:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"tp_size {tp_size}: the in-process engine is one rank "
                                     "of its own; a TP group's ranks attach to a daemon (Client)")
-            block_size, index_bytes = check_store(layout, _exact(block_size), _exact(index_bytes))
+            block_size, index_bytes = check_store(layout, block_size, index_bytes)
         pool = np.zeros((layout.num_layers, layout.host_rows, layout.row_bytes), dtype=np.uint8)
         slab = np.zeros((layout.num_layers, layout.max_reqs, layout.region_stride, layout.row_bytes), np.uint8)
         staging = np.zeros((layout.num_layers, layout.staging_rows, layout.row_bytes), np.uint8) if layout.staging_rows else None
@@ -93,12 +94,8 @@ class InprocClient:
     def _block_call(self, kind: MsgType, fields=None, arrays=None):
         """A BLOCK_* request on this process's store, answered as the daemon would (``Blocks`` calls it)."""
         a, h = arrays or {}, fields or {}
+        store = self._space.blocks  # (a handle exists only with a store, and ends at detach: Blocks.close)
         with _errors():  # the daemon's checks of the fields and arrays first (block_requests.py)
-            self._need()
-            store = self._space.blocks
-            if store is None:
-                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"engine {self._space.name!r} has no block store: "
-                                    "attach with a block size (InprocClient.attach(..., block_size=n))")
             if kind == MsgType.BLOCK_RESERVE:
                 n = store.reserve(0, block_count(h, signed=True))
                 return {**store.gauges(), "reserved": n}, {}
@@ -170,15 +167,6 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
     return v
-
-
-def _exact(v):
-    """An integer argument as a Python int (NumPy's too), anything else as given, for the
-    check after it to refuse."""
-    try:
-        return whole_number("", v)
-    except ValueError:
-        return v
 
 
 @contextlib.contextmanager

@@ -40,12 +40,16 @@ def layer_numbers(layers) -> tuple[int, ...]:
     return tuple(out)
 
 
+def empty_list_as(a: np.ndarray, dtype) -> np.ndarray:
+    """``a``, or as ``dtype`` when it is an empty float array: an empty Python list, to
+    NumPy, with no value a cast could change."""
+    return a.astype(dtype) if a.size == 0 and a.dtype.kind == "f" else a
+
+
 def reset_flags(reset) -> np.ndarray:
     """A step's ``reset`` as a bool array: bools, or integers 0 and 1 only (a cast would
     wrap 2**32 to 0 and turn 2, NaN or 0.5 into a reset). Its shape is the caller's to check."""
-    r = np.asarray(reset)
-    if r.size == 0 and r.dtype.kind == "f":  # an empty list (no value to cast)
-        r = r.astype(bool)
+    r = empty_list_as(np.asarray(reset), bool)
     if r.dtype != np.bool_ and (r.dtype.kind not in "iu" or ((r != 0) & (r != 1)).any()):
         raise ValueError(f"reset must be bool (or integers 0 / 1), got {r.dtype} {r.ravel().tolist()[:8]}")
     return r.astype(bool)

@@ -139,4 +139,3 @@ class Layout:
             raise LayoutError(f"index_groups must be lists of layer numbers, got {str(raw)[:60]}")
         groups = tuple(tuple(g) for g in raw)
         return cls(**{**d, "index_groups": groups}).validate()
-

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsekv.proto.args import whole_number
+from sparsekv.proto.args import empty_list_as, whole_number
 from sparsekv.proto.layout import Layout
 
 
@@ -154,10 +154,7 @@ def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarra
     state rows, room for several query tokens, unique ids. Returns both arrays as int32."""
     state_rows = np.asarray(state_rows, dtype=np.int32)
     topk = np.asarray(topk, dtype=np.int32)
-    try:
-        group = whole_number("group", group)
-    except ValueError as e:
-        raise ResidencyError("BAD_ARGUMENT", str(e)) from None
+    group = whole_arg("group", group)
     if not 0 <= group < layout.num_groups:
         raise ResidencyError("BAD_ARGUMENT", f"group {group} out of range [0, {layout.num_groups})")
     if state_rows.ndim != 1 or topk.ndim != 2 or topk.shape[0] != state_rows.shape[0]:
@@ -264,8 +261,7 @@ def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
     a = np.asarray(a)
     if a.ndim != ndim:
         raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
-    if a.size == 0 and a.dtype.kind == "f":  # an empty list (no value to cast), as the client takes it
-        a = a.astype(np.int32)
+    a = empty_list_as(a, np.int32)  # as the client takes it
     if a.dtype.kind not in "iu":
         raise ResidencyError("BAD_ARGUMENT", f"{name} must hold integers, got {a.dtype}")
     if a.dtype != np.int32:
@@ -273,3 +269,11 @@ def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
             raise ResidencyError("BAD_ARGUMENT", f"{name} has values outside int32")
         a = a.astype(np.int32)
     return a
+
+
+def whole_arg(name: str, v) -> int:
+    """An exact integer argument (``proto.args.whole_number``), or BAD_ARGUMENT."""
+    try:
+        return whole_number(name, v)
+    except ValueError as e:
+        raise ResidencyError("BAD_ARGUMENT", str(e)) from None
