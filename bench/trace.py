@@ -464,6 +464,16 @@ def synth(
         span = host_rows // max_reqs  # host rows a state row's requests may use
         if span < top_k + 2:
             raise TraceError(f"host_rows {host_rows} gives {span} rows per request; need more than top_k {top_k}")
+    # The arrays' bytes (top-k, state rows, reset, invalidate; a position trace's tables
+    # besides), checked as a load checks them, before any is made.
+    total = steps * batch * (4 * top_k + 4 + 1 + 8 + (4 * max_blocks if block_size else 0))
+    import psutil  # noqa: PLC0415
+
+    room = psutil.virtual_memory().available * TRACE_MEMORY_SHARE
+    if total > room:
+        raise TraceError(f"a trace of {steps} steps of batch {batch} and top_k {top_k} takes {total / 2**30:.1f} GiB; "
+                         f"this machine has room for {room / 2**30:.1f} GiB ({TRACE_MEMORY_SHARE:g} of its available "
+                         "memory)")
     t_topk = np.full((steps, batch, top_k), -1, np.int32)
     t_rows = np.full((steps, batch), -1, np.int32)
     t_reset = np.zeros((steps, batch), bool)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import grp
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 READY, NOT_READY, UNREACHABLE = 0, 1, 2
@@ -51,13 +52,14 @@ def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
     path = os.path.join(run_dir, STATS_SOCKET)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout_s)
+    deadline = time.monotonic() + timeout_s  # for the whole answer, not each read of it
     try:
         s.connect(path)
         try:
             s.sendall(command.encode() + b"\n")
         except (BrokenPipeError, ConnectionResetError):
             pass  # closed before the command was read: its busy line may be there to read
-        answer = _read_answer(s)
+        answer = _read_answer(s, deadline)
         if not answer:
             raise _busy(path)
         if answer.startswith(BUSY):
@@ -84,13 +86,21 @@ def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
         s.close()
 
 
-def _read_answer(s: socket.socket) -> str:
-    """Everything the daemon writes until it closes. A busy daemon answers and closes
-    without reading the command, so the kernel says "reset" once the busy line is read:
-    that line is the answer; a reset before it, or in any other answer, is raised."""
+def _read_answer(s: socket.socket, deadline: float) -> str:
+    """Everything the daemon writes until it closes, by ``deadline`` (``time.monotonic``;
+    past it: socket.timeout). A busy daemon answers and closes without reading the command,
+    so the kernel says "reset" once the busy line is read: that line is the answer; a reset
+    before it, or in any other answer, is raised."""
     chunks = []
     try:
-        while b := s.recv(65536):
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the answer did not end in time")
+            s.settimeout(left)
+            b = s.recv(65536)
+            if not b:
+                break
             chunks.append(b)
     except ConnectionResetError:
         if not b"".join(chunks).startswith(BUSY.encode()):

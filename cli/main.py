@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ from sparsekv.bench.trace import Trace, synth
 from sparsekv.client.client import default_run_dir
 from sparsekv.client.errors import BadRequest, SparseKVError
 from sparsekv.proto import LIMITS
-from sparsekv.proto.cpus import CpuWarmer, format_cpu_list, parse_cpu_list
+from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, format_cpu_list, parse_cpu_list
 from .demo import DEFAULTS as DEMO_DEFAULTS, format_table, run_demo
 from .health import StatsSocketError, exit_code, probe, stats_query
 from .progress import Progress
@@ -53,14 +54,17 @@ def check_output(path: str, what: str = "--out") -> None:
         raise UsageError(why)
 
 
+MAX_SECONDS = 86400.0  # --timeout-s / --interval-s: at most a day (a socket timeout or sleep past ~1e10 s overflows)
+
+
 def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
+    """An argparse type: a number of seconds in (0, :data:`MAX_SECONDS`]."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a number of seconds is needed, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"a finite number of seconds > 0 is needed, got {text!r}")
+    if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"a number of seconds in (0, {MAX_SECONDS:g}] is needed, got {text!r}")
     return value
 
 
@@ -81,14 +85,20 @@ def cmd_stats(a) -> int:
     return 0
 
 
+FREE_TEXT = ("name", "engine")  # columns of the clients / blocks tables a client names: always text
+
+
 def _json_value(key: str, text: str):
-    """A cell of the clients table as JSON: numbers as numbers, ``attached`` as a boolean,
-    ``-`` (none) as null except in the free-text ``name``."""
+    """A cell of the clients or blocks table as JSON: ``attached`` as a boolean, ``-``
+    (none) as null except in the free-text ``name``, the rest of the text a client chose
+    (:data:`FREE_TEXT`) as it is, decimal numbers elsewhere as numbers."""
     if key == "attached":
         return text == "yes"
-    if text == "-" and key != "name":
+    if text == "-" and key != "name":  # (no engine is named "-": proto.args.engine_name)
         return None
-    return int(text) if text.lstrip("-").isdigit() else text
+    if key in FREE_TEXT:
+        return text
+    return int(text) if re.fullmatch(r"-?[0-9]+", text) else text
 
 
 def cmd_clients(a) -> int:
@@ -102,7 +112,7 @@ def cmd_clients(a) -> int:
 
 
 def cmd_top(a) -> int:
-    return run_top(a.run_dir, a.interval_s, once=a.once)
+    return run_top(a.run_dir, a.interval_s, once=a.once, timeout_s=a.timeout_s)
 
 
 def cmd_health(a) -> int:
@@ -123,6 +133,10 @@ def cmd_warm_cpus(a) -> int:
         return _fail("sparsekv warm-cpus", str(e))
     if not cpus:
         return _fail("sparsekv warm-cpus", "CPUS: name at least one CPU (e.g. 62 or 62-63)")
+    try:  # before CpuWarmer.start, which names the daemon's warm_cpus setting
+        check_cpus_usable(cpus, "CPUS")
+    except ValueError as e:
+        return _fail("sparsekv warm-cpus", str(e))
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(1))

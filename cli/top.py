@@ -120,16 +120,17 @@ def render(run_dir: str, prev: Sample, cur: Sample, clear: bool = False) -> str:
     return (CLEAR if clear else "") + "\n".join(lines) + "\n"
 
 
-def run_top(run_dir: str, interval_s: float = 1.0, once: bool = False, out=None) -> int:
+def run_top(run_dir: str, interval_s: float = 1.0, once: bool = False, out=None, timeout_s: float = 5.0) -> int:
     """Print a frame every ``interval_s`` until interrupted; ``once``: one frame after one
-    interval. Raises :class:`~.health.StatsSocketError` when the daemon cannot be asked."""
+    interval; each sample's answers within ``timeout_s``. Raises
+    :class:`~.health.StatsSocketError` when the daemon cannot be asked."""
     out = sys.stdout if out is None else out
     clear = out.isatty() and not once
-    prev = take_sample(run_dir)
+    prev = take_sample(run_dir, timeout_s)
     try:
         while True:
             time.sleep(interval_s)
-            cur = take_sample(run_dir)
+            cur = take_sample(run_dir, timeout_s)
             if cur.snap.get("pid") != prev.snap.get("pid"):  # a new daemon: its counters start at 0
                 prev = cur
                 continue

@@ -16,8 +16,9 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 
 from sparsekv.proto.cpus import parse_cpu_list
+from sparsekv.proto.args import breaks_line
 from sparsekv.proto.settings import (KERNEL_CACHE_DIR, Setting, SettingError, default_run_dir, format_size, parse_bool,
-                                     parse_float, parse_int, parse_size)
+                                     parse_float, parse_int, parse_size, size_text)
 
 ConfigError = SettingError  # a bad setting; the message names it and where it came from
 
@@ -200,11 +201,13 @@ def env_name(setting: str) -> str:
 def _check(f, v) -> None:
     """ValueError naming setting ``f`` when ``v`` is not one of its choices or out of its bounds."""
     m, kind = f.metadata, _kind(f)
+    if f.name.endswith("_dir") and isinstance(v, str) and not v.strip():
+        raise ValueError(f"{f.name} must name a directory, got {v!r}")
     if m["choices"] and v not in m["choices"]:
         raise ValueError(f"{f.name} must be {', '.join(m['choices'][:-1])} or {m['choices'][-1]}, got {v!r}")
     if m["bounds"]:
         lo, hi = m["bounds"]
-        shown = format_size if kind == "size" else str
+        shown = size_text if kind == "size" else str
         if kind == "float":  # nan fails both comparisons
             ok, want = lo < v and (hi is None or v <= hi), f"in ({lo}, {hi}]"
         else:
@@ -265,13 +268,27 @@ def _coerce(name: str, value, where: str, convert):
 
 def _toml_value(f, v) -> str:
     if _kind(f) == "size":
-        text = format_size(v)
-        return f'"{text}"' if parse_size(text) == v else f'"{v}B"'
+        return f'"{size_text(v)}"'
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(v)
     return str(v)
+
+
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_string(v: str) -> str:
+    """``v`` as a TOML basic string on one line that reads back as ``v``: its quote,
+    backslash, control characters and line separators escaped."""
+    out = []
+    for ch in v:
+        esc = _TOML_ESCAPES.get(ch)
+        if esc is None and breaks_line(ch):
+            esc = f"\\u{ord(ch):04X}"
+        out.append(esc or ch)
+    return '"' + "".join(out) + '"'
 
 
 def _toml_type(value) -> str:

@@ -188,7 +188,12 @@ class RunDirLock:
         if len(os.fsencode(longest)) > UNIX_PATH_MAX:
             raise RuntimeError(f"run dir {run_dir} is too long for its sockets: {longest} has "
                                f"{len(os.fsencode(longest))} bytes, a UNIX socket path at most {UNIX_PATH_MAX}")
-        os.makedirs(run_dir, mode=0o755, exist_ok=True)
+        if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+            raise RuntimeError(f"run dir {run_dir} is not a directory")
+        try:
+            os.makedirs(run_dir, mode=0o755, exist_ok=True)
+        except OSError as e:
+            raise RuntimeError(f"run dir {run_dir} cannot be made: {e.strerror}") from None
         check_run_dir(run_dir)
         self.path = os.path.join(run_dir, "sparsekvd.lock")
         for _ in range(8):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from sparsekv.proto import ErrorCode, ProtocolError
+from sparsekv.proto.args import breaks_line
 
 from .engine import RankState
 from .peers import Peer, PidWatch, process_groups
@@ -308,6 +309,7 @@ def _alive(s: Session) -> bool:
 
 
 def _cell(text) -> str:
-    """A client's string as one cell of a tab-separated line: control characters (tabs,
-    newlines: a forged line) become spaces; empty is "-"."""
-    return "".join(" " if ord(ch) < 32 or ord(ch) == 127 else ch for ch in str(text or "")) or "-"
+    """A client's string as one cell of a tab-separated line: what could break the line
+    (tabs, newlines, U+2028: a forged line; ``proto.args.breaks_line``) becomes a space;
+    empty is "-"."""
+    return "".join(" " if breaks_line(ch) else ch for ch in str(text or "")) or "-"

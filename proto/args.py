@@ -5,6 +5,7 @@ in-process engine before they act): exact integers, layer lists, reset flags. Ea
 from __future__ import annotations
 
 import operator
+import unicodedata
 
 import numpy as np
 
@@ -67,4 +68,14 @@ def engine_name(v) -> str:
         v.encode()
     except UnicodeEncodeError:
         raise ValueError(f"engine must be text UTF-8 can encode, got {v!r:.40}") from None
+    if v == "-":
+        raise ValueError("engine must not be \"-\": the operator's tables show an engine of none so")
+    if any(breaks_line(ch) for ch in v):  # the operator's tables print it as one cell of one line
+        raise ValueError(f"engine must be a name without control characters, tabs or line breaks, got {v!r:.40}")
     return str.__str__(v)  # the text itself (a str enum's own str() is "Class.MEMBER")
+
+
+def breaks_line(ch: str) -> bool:
+    """Whether character ``ch`` could break a tab-separated line of text: a control
+    character (tab, newline, DEL, C1) or one ``str.splitlines`` splits at (U+2028, U+2029)."""
+    return unicodedata.category(ch) in ("Cc", "Zl", "Zp")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from fractions import Fraction
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -31,9 +32,13 @@ class SettingError(ValueError):
     """A setting has a bad value; the message names it and where it came from."""
 
 
+MAX_SIZE = (1 << 63) - 1  # the largest size a setting takes (int64)
+
+
 def parse_size(text: str | int) -> int:
     """``'64GiB'`` -> bytes (units: see the module's docstring; case does not matter). A number
-    without a unit is an error: ``pool_size = 64`` meant as GiB would silently be 64 bytes."""
+    without a unit is an error: ``pool_size = 64`` meant as GiB would silently be 64 bytes;
+    so is a fraction of a byte (``1.5B``, ``0.1KiB``) and a size past :data:`MAX_SIZE`."""
     if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise ValueError(f"bad size {text!r}; use e.g. 256MiB or 64GiB")
     if isinstance(text, int):
@@ -50,7 +55,24 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"bad size {text!r}; use e.g. 256MiB, 64GiB or 4096B")
     if not unit:
         raise ValueError(f"size {number!r} has no unit; write e.g. \"{number}B\", 256MiB or 64GiB")
-    return round(float(number) * _UNITS[unit])
+    if len(number) > 40:  # before any arithmetic on it
+        raise ValueError(f"size {text.strip()[:48]!r}... is too long; at most {MAX_SIZE} bytes")
+    value = Fraction(number) * _UNITS[unit]
+    if value.denominator != 1:
+        raise ValueError(f"size {text.strip()!r} is not a whole number of bytes")
+    if value > MAX_SIZE:
+        raise ValueError(f"size {text.strip()!r} is too large; at most {MAX_SIZE} bytes")
+    return int(value)
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes as setting text that reads back as exactly ``n``: :func:`format_size`'s
+    where it is exact, else ``<n>B``."""
+    text = format_size(n)
+    try:
+        return text if parse_size(text) == n else f"{n}B"
+    except ValueError:
+        return f"{n}B"
 
 
 def format_size(n: int) -> str:
@@ -117,7 +139,7 @@ class Setting(Generic[T]):
             return None
         try:
             return self.parse(text)
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:
             raise SettingError(f"environment {self.env}: bad value for {self.name}: {e}") from None
 
     def get(self, environ: Mapping[str, str] | None = None) -> T:

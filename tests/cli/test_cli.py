@@ -206,6 +206,7 @@ def test_trace_synth_with_impossible_parameters_exits_2(tmp_path):
     (["--seed", -1], "seed must be >= 0, got -1"),
     (["--region-stride", 8, "--top-k", 16], "do not make a valid layout"),
     (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+    (["--steps", 10**11], "this machine has room for"),  # refused before its 745 TiB are asked for
 ])
 def test_trace_synth_refuses_a_bad_argument_in_one_line(tmp_path, args, words):
     r = cli_inproc.run("trace", "synth", "--out", tmp_path / "t.npz", *args)

@@ -18,6 +18,7 @@ import pytest
 
 import cli_inproc
 import helpers
+from fake_stats import fake_stats_socket
 from sparsekv.cli import main as cli
 from sparsekv.client import Client
 from sparsekv.cli import health as health_mod
@@ -196,7 +197,62 @@ def test_clients_json_is_a_list_of_clients(module_daemon):
 
 def test_clients_json_cells_have_json_types():
     assert [cli._json_value(k, v) for k, v in (("attached", "no"), ("engine", "-"), ("pid", "12"), ("name", "-"),
-                                               ("device", "cpu"))] == [False, None, 12, "-", "cpu"]
+                                               ("device", "cpu"), ("uid", "-3"))] == [False, None, 12, "-", "cpu", -3]
+
+
+def test_names_a_client_chose_stay_text_in_json():
+    """Found by a review: the name "007" came out as 7, and "²" (a digit to str.isdigit)
+    failed the whole command."""
+    for key in ("name", "engine"):
+        for text in ("007", "²", "12"):
+            assert cli._json_value(key, text) == text
+    assert cli._json_value("pid", "²") == "²"
+
+
+def test_a_client_name_with_a_line_separator_stays_one_row(module_daemon):
+    with Client(module_daemon.run_dir, name="x\u2028forged\x85y"):
+        r = cli_inproc.run("clients", "--json", "--run-dir", module_daemon.run_dir)
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)
+        assert [row["name"] for row in rows if "forged" in str(row.get("name"))] == ["x forged y"]
+        assert all("id" in row and isinstance(row["id"], int) for row in rows)
+
+
+def test_top_asks_within_its_timeout(tmp_path):
+    """Found by a review: top's --timeout-s was taken and ignored (5 s each ask)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(run / "stats.sock"))
+        s.listen()  # accepts, never answers
+        t0 = time.monotonic()
+        r = cli_inproc.run("top", "--once", "--timeout-s", "0.3", "--run-dir", run)
+        assert time.monotonic() - t0 < 4
+    assert "did not answer within 0.3 s" in one_line_error(r, 1)
+
+
+def test_health_gives_up_at_its_timeout_on_an_answer_that_never_ends(tmp_path):
+    """Found by a review: the timeout bounded each read, so a peer sending a byte every
+    0.2 s held health for ever."""
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def dribble(conn):
+        def go():
+            with conn:
+                try:
+                    for _ in range(100):
+                        conn.sendall(b"x")
+                        time.sleep(0.2)
+                except OSError:
+                    pass
+        threading.Thread(target=go, daemon=True).start()
+
+    with fake_stats_socket(str(run), dribble):
+        t0 = time.monotonic()
+        r = cli_inproc.run("health", "--timeout-s", "1", "--run-dir", run)
+        assert time.monotonic() - t0 < 5
+    assert "did not answer within 1 s" in one_line_error(r, 2)
 
 
 def test_an_unexpected_error_is_one_line_with_its_type(monkeypatch, capsys, tmp_path):
@@ -221,9 +277,9 @@ def test_seconds_are_finite_and_positive(text, ok):
 def test_a_bad_argument_is_one_line_without_the_usage_block():
     err = one_line_error(cli_inproc.run("top", "--interval-s", "x"), 2)
     assert err == "sparsekv top: argument --interval-s: a number of seconds is needed, got 'x' (see sparsekv top --help)\n"
-    for bad in ("0", "nan"):
+    for bad in ("0", "nan", "86401", "1e300"):  # past a day: a socket timeout or sleep overflows near 1e10 s
         err = one_line_error(cli_inproc.run("top", "--interval-s", bad), 2)
-        assert err == (f"sparsekv top: argument --interval-s: a finite number of seconds > 0 is needed, got {bad!r} "
+        assert err == (f"sparsekv top: argument --interval-s: a number of seconds in (0, 86400] is needed, got {bad!r} "
                        "(see sparsekv top --help)\n")
 
 
@@ -311,7 +367,7 @@ def test_top_without_daemon_is_one_line(tmp_path):
 
 def test_top_clears_the_screen_only_on_a_terminal(monkeypatch):
     frames = iter([sample(1.0, requests=0), sample(2.0, requests=10), sample(3.0, requests=30)])
-    monkeypatch.setattr(top_mod, "take_sample", lambda run_dir: next(frames))
+    monkeypatch.setattr(top_mod, "take_sample", lambda run_dir, timeout_s: next(frames))
     monkeypatch.setattr(top_mod.time, "sleep", lambda s: None)
 
     class Tty(io.StringIO):

@@ -95,6 +95,11 @@ def test_toml_top_level_table_and_env_config_file(tmp_path):
         ("", {"SPARSEKV_WARM_ROW_BYTES": "656,100"}, "warm_row_bytes must be a comma list of positive multiples of 16"),
         ('warm_row_bytes = "656,"', {}, "warm_row_bytes must be a comma list"),
         ("", {"SPARSEKV_REAP_INTERVAL_S": "0"}, "reap_interval_s"),
+        ("", {"SPARSEKV_POOL_SIZE": "1" * 400 + "B"}, "environment SPARSEKV_POOL_SIZE: bad value for pool_size: size"),
+        ('pool_size = "1.5B"', {}, "pool_size: size '1.5B' is not a whole number of bytes"),
+        ("", {"SPARSEKV_INFLIGHT_BYTES": "67108863B"}, "inflight_bytes must be >= 64MiB, got 67108863B"),
+        ('run_dir = ""', {}, "run_dir must name a directory, got ''"),
+        ("", {"SPARSEKV_KERNEL_CACHE_DIR": " "}, "kernel_cache_dir must name a directory"),
     ],
 )
 def test_bad_settings_name_the_setting_and_its_source(tmp_path, toml, env, words):
@@ -236,3 +241,12 @@ def test_per_uid_client_and_connection_caps_are_on_by_default_and_sized_from_max
     set_ = load(build_parser().parse_args(["--max-clients-per-uid", "5", "--max-connections-per-uid", "7"]),
                 environ={})
     assert (set_.uid_client_cap, set_.uid_connection_cap) == (5, 7)
+
+
+def test_print_config_escapes_control_characters_so_that_it_reads_back(tmp_path):
+    c = Config(run_dir="/r", shm_dir="/tmp/a\nb\tc\x1b\"d\\", kernel_cache_dir="/k\x7f\u2028k")
+    text = c.to_toml()
+    assert len(text.splitlines()) == len(dataclasses.fields(Config))  # one line a setting
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load(build_parser().parse_args(["--config", str(path)]), environ={}) == c

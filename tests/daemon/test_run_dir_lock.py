@@ -33,6 +33,17 @@ def test_a_run_dir_too_long_for_its_sockets_is_refused_before_anything_is_made(t
     assert not run.exists()
 
 
+def test_a_run_dir_that_is_a_file_or_under_one_is_refused_naming_it(tmp_path):
+    """Found by a review: a file as the run dir failed as a bare "[Errno 17] File exists"."""
+    f = tmp_path / "afile"
+    f.write_text("")
+    with pytest.raises(RuntimeError, match=f"run dir {f} is not a directory"):
+        RunDirLock(str(f))
+    with pytest.raises(RuntimeError, match=f"run dir {f}/sub cannot be made: Not a directory"):
+        RunDirLock(str(f / "sub"))
+    assert f.read_text() == ""
+
+
 def test_a_run_dir_every_user_may_write_is_refused(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -253,6 +253,10 @@ def test_the_warm_cpus_command_runs_until_sigterm_and_takes_its_loops_along():
         p.wait()
     r = subprocess.run([sys.executable, "-m", "sparsekv.cli.main", "warm-cpus", ""], capture_output=True, text=True)
     assert r.returncode == 1 and "name at least one CPU" in r.stderr
+    # A CPU it cannot run on: exit 1 as well, naming its argument, not the daemon's setting
+    r = subprocess.run([sys.executable, "-m", "sparsekv.cli.main", "warm-cpus", str(NOWHERE)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and r.stderr.startswith(f"sparsekv warm-cpus: CPUS names CPU(s) {NOWHERE}"), r.stderr
 
 
 @needs_two_cpus

@@ -177,6 +177,11 @@ def test_attach_arguments_are_checked_alike_in_process_and_through_the_client(mo
         ({"engine": ""}, LAYOUT, "engine must be a name of 1..128 characters"),
         ({"engine": "x" * 129}, LAYOUT, "engine must be a name of 1..128 characters"),
         ({"engine": 7}, LAYOUT, "engine must be a name of 1..128 characters"),
+        # A name the operator's tables would print as two lines (or a forged row), or as none:
+        ({"engine": "e\tforged\n99"}, LAYOUT, "engine must be a name without control characters"),
+        ({"engine": "e\u2028f"}, LAYOUT, "engine must be a name without control characters"),
+        ({"engine": "e\x85"}, LAYOUT, "engine must be a name without control characters"),
+        ({"engine": "-"}, LAYOUT, "engine must not be \"-\""),
         ({"tp_size": 1.0}, LAYOUT, "tp_size must be an integer"),
         ({"block_size": 1}, big, "a block store of 4194306 blocks"),
     ]

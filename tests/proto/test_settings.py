@@ -14,6 +14,7 @@ from sparsekv.proto.settings import (
     format_size,
     parse_bool,
     parse_size,
+    size_text,
 )
 
 
@@ -94,3 +95,23 @@ def test_the_run_dir_is_the_variable_else_systemds_runtime_directory_else_run_sp
 def test_the_kernel_cache_dir_is_shared_with_the_daemon_setting():
     assert KERNEL_CACHE_DIR.env == env_name("kernel_cache_dir")
     assert KERNEL_CACHE_DIR.default == Config().kernel_cache_dir
+
+
+@pytest.mark.parametrize("text, words", [("1.5B", "not a whole number of bytes"), ("0.1KiB", "not a whole number"),
+                                         ("9223372036854775808B", "too large"), ("1" * 400 + "B", "too long"),
+                                         ("8388608TiB", "too large")])
+def test_a_fraction_of_a_byte_or_a_size_past_int64_is_refused_not_rounded(text, words):
+    with pytest.raises(ValueError, match=words):
+        parse_size(text)
+    assert parse_size("9223372036854775807B") == (1 << 63) - 1
+
+
+def test_a_size_past_int64_in_the_environment_is_one_setting_error():
+    s = Setting("pool_size", parse_size, 0, "a size")
+    with pytest.raises(SettingError, match="environment SPARSEKV_POOL_SIZE: bad value for pool_size: .*too long"):
+        s.lookup({"SPARSEKV_POOL_SIZE": "1" * 400 + "B"})
+
+
+@pytest.mark.parametrize("n", [3 * 10**9 + 1, 67108863, 1536, 1 << 40, 0])
+def test_size_text_reads_back_exactly(n):
+    assert parse_size(size_text(n)) == n
