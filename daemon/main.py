@@ -18,6 +18,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import stat
 import sys
 import time
@@ -322,6 +323,20 @@ def backend_refusal(cfg) -> str | None:
     return None
 
 
+def metrics_port_refusal(cfg, sources: dict) -> str | None:
+    """Why ``metrics_port`` cannot be listened on (taken, or not this user's to take), found
+    before the pool is pre-faulted rather than minutes later; None when it can (or is 0)."""
+    if not cfg.metrics_port:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own listener
+        try:
+            s.bind(("127.0.0.1", cfg.metrics_port))
+        except OSError as e:
+            return f"metrics_port {cfg.metrics_port} ({sources.get('metrics_port', 'default')}): {e.strerror or e}"
+    return None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -342,7 +357,7 @@ def main(argv=None) -> int:
         return 2
     setup_logging(cfg.log_level)
     log_open_files_limit()
-    refusal = backend_refusal(cfg)
+    refusal = backend_refusal(cfg) or metrics_port_refusal(cfg, sources)
     if refusal is not None:
         log.error("cannot start: %s", refusal)
         return 1

@@ -303,7 +303,7 @@ def render_table(snap: dict) -> str:
     if snap.get("device_errors"):  # cuda: rows the kernels refused or mended, by kind
         lines.append("device errors  " + " ".join(f"{k}={v}" for k, v in sorted(snap["device_errors"].items())))
     if snap.get("io_cpus") or snap.get("warm_cpus"):
-        lines.append(f"cpus           zmq I/O on {snap.get('io_cpus') or 'any'}; warm {snap.get('warm_cpus') or 'none'}"
+        lines.append(f"cpus           loop on {snap.get('io_cpus') or 'any'}; warm {snap.get('warm_cpus') or 'none'}"
                      + (f" (loops running: {snap.get('warm_cpus_running', 0)})" if snap.get("warm_cpus") else ""))
     for engine, e in sorted(snap.get("per_engine", {}).items()):
         lines.append(f"engine {engine:<8}{e['ranks']} rank(s), pool {e['pool_bytes'] / 2**20:.1f} MiB, "
