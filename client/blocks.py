@@ -79,7 +79,10 @@ class Blocks:
     def hashes(self, tokens, parent: bytes | None = None) -> np.ndarray:
         """The chain hashes (int64 [n, 2]) of the full blocks of ``tokens`` in this
         namespace (proto/blocks.py)."""
-        return chain_hashes(self.namespace, tokens, self.block_size, parent)
+        try:
+            return chain_hashes(self.namespace, tokens, self.block_size, parent)
+        except ValueError as e:
+            raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
 
     def rows(self, blocks) -> np.ndarray:
         """The host rows (int32 [n * block_size]) of ``blocks``, in order."""

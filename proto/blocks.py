@@ -40,16 +40,47 @@ def chain_hashes(namespace: str, tokens, block_size: int, parent: bytes | None =
     None). Raises ValueError for a bad block size or a parent that is not a key."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    key = root_key(namespace) if parent is None else bytes(parent)
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"parent must be a {KEY_BYTES}-byte key, got {len(key)} bytes")
-    toks = np.ascontiguousarray(np.asarray(tokens).reshape(-1), dtype="<i4")
+    key = root_key(namespace) if parent is None else _parent_key(parent)
+    toks = _token_ids(tokens)
     n = toks.size // block_size
     out = bytearray()
     for i in range(n):
         key = hashlib.blake2b(key + toks[i * block_size:(i + 1) * block_size].tobytes(), digest_size=KEY_BYTES).digest()
         out += key
     return np.frombuffer(bytes(out), dtype=np.int64).reshape(n, 2).copy()
+
+
+def _parent_key(parent) -> bytes:
+    """A chain's parent key: 16 bytes, or one row of :func:`chain_hashes` (int64 [2])."""
+    if isinstance(parent, np.ndarray):
+        if parent.dtype != np.int64 or parent.shape != (2,):
+            raise ValueError(f"parent must be a key: {KEY_BYTES} bytes or one int64 [2] row of hashes, got "
+                             f"{parent.dtype} {parent.shape}")
+        return np.ascontiguousarray(parent).tobytes()
+    if not isinstance(parent, (bytes, bytearray, memoryview)):  # bytes(16) would be 16 zero bytes
+        raise ValueError(f"parent must be a key: {KEY_BYTES} bytes or one int64 [2] row of hashes, got "
+                         f"{type(parent).__name__}")
+    key = bytes(parent)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"parent must be a {KEY_BYTES}-byte key, got {len(key)} bytes")
+    return key
+
+
+def _token_ids(tokens) -> np.ndarray:
+    """Token ids as little-endian int32, refused rather than cast: floats and bools (a cast
+    truncates) and ids outside int32 (a cast wraps) would give another prompt's keys."""
+    try:
+        a = np.asarray(tokens)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ValueError(f"tokens must be integers, got {e}") from None
+    if a.size == 0:
+        return np.empty(0, dtype="<i4")
+    if a.dtype == bool or a.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integer ids (int32), got {a.dtype}")
+    lo, hi = int(a.min()), int(a.max())
+    if lo < -(1 << 31) or hi > (1 << 31) - 1:
+        raise ValueError(f"tokens must fit int32, got {lo if lo < -(1 << 31) else hi}")
+    return np.ascontiguousarray(a.reshape(-1), dtype="<i4")
 
 
 # The indexer keys plane starts on a page of its own after the rows: a later cuda path can

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY, TOMB = -1, -2
+CLAIM = -3  # insert_many: key i claims a free slot by writing CLAIM - i there for a moment
 _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F)
 _U64 = (1 << 64) - 1
 # Up to this many keys a find probes key by key in Python integers (each NumPy operation
@@ -95,6 +96,29 @@ class KeyIndex:
         self.tombs -= self.block[pos] == TOMB
         self.lo[pos], self.hi[pos], self.block[pos] = lo, hi, block
 
+    def insert_many(self, lo: np.ndarray, hi: np.ndarray, block: np.ndarray) -> None:
+        """Add distinct keys that are not in the index (int64 [n] each), in whole-array
+        rounds: each key still going on claims its slot when that slot holds no live key,
+        one of the keys claiming one slot in a round takes it, the others move on one slot. Every slot a key passes holds a live key, as :meth:`insert` leaves them."""
+        if lo.size <= FEW:
+            for a, b, x in zip(lo.tolist(), hi.tolist(), block.tolist()):
+                self.insert(a, b, x)
+            return
+        pos = self._start(lo, hi)
+        todo = np.arange(lo.size)
+        while todo.size:
+            p = pos[todo]
+            free = self.block[p] < 0
+            cand, slot = todo[free], p[free]
+            was = self.block[slot]
+            self.block[slot] = CLAIM - cand  # each claimant marks its slot; one mark stays
+            won = self.block[slot] == CLAIM - cand
+            win, at = cand[won], slot[won]
+            self.tombs -= int((was[won] == TOMB).sum())
+            self.lo[at], self.hi[at], self.block[at] = lo[win], hi[win], block[win]
+            todo = np.concatenate([todo[~free], cand[~won]])
+            pos[todo] = (pos[todo] + 1) & (self.size - 1)
+
     def delete(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Remove keys that are in the index."""
         s = self._probe(lo, hi)[0]
@@ -108,5 +132,4 @@ class KeyIndex:
         lo, hi, block = self.lo[live], self.hi[live], self.block[live]
         self.block[:] = EMPTY
         self.tombs = 0
-        for k in range(live.size):
-            self.insert(int(lo[k]), int(hi[k]), int(block[k]))
+        self.insert_many(lo, hi, block)

@@ -202,12 +202,13 @@ class BlockStore:
             raise BlockError("BAD_ARGUMENT", f"block {bad} is not private to this session (allocate it, write it, "
                              "then commit it; a cached block is read-only)")
         out = self.index.find(lo, hi)
-        first: dict[tuple[int, int], int] = {}  # a key twice in this commit: its first block
-        for i in np.flatnonzero(out < 0).tolist():
-            key, b = (int(lo[i]), int(hi[i])), int(blocks[i])
-            out[i] = first.setdefault(key, b)
-            if out[i] == b:
-                self.index.insert(key[0], key[1], b)
+        new = np.flatnonzero(out < 0)
+        if new.size:  # a key twice in this commit: its first block takes it
+            _, first, inverse = np.unique(np.stack([lo[new], hi[new]], axis=1), axis=0, return_index=True,
+                                          return_inverse=True)
+            firsts = new[first]
+            out[new] = blocks[firsts][inverse.reshape(-1)]
+            self.index.insert_many(lo[firsts], hi[firsts], blocks[firsts].astype(np.int64))
         done = blocks[out == blocks]
         self.key_lo[done], self.key_hi[done] = lo[out == blocks], hi[out == blocks]
         self.cached_blocks += done.size

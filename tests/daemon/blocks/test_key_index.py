@@ -46,3 +46,43 @@ def test_a_keys_slot_is_the_same_in_python_integers_and_in_numpy(seed, words):
     index = KeyIndex(64, seed=seed)
     lo, hi = np.array([w[0] for w in words], np.int64), np.array([w[1] for w in words], np.int64)
     assert [index._start_one(a, b) for a, b in words] == index._start(lo, hi).tolist()
+
+
+@settings(max_examples=helpers.examples(40, 1000), deadline=None)
+@given(seed=st.integers(0, 3), data=st.data())
+def test_keys_inserted_many_at_once_equal_a_dict(seed, data):
+    """``insert_many`` (commits and rebuilds: whole-array rounds, found by a review to stall
+    the loop for seconds key by key) leaves what inserting key by key would: every key
+    found, over tombstones and through rebuilds, on keys sharing words (long runs)."""
+    words = st.tuples(st.integers(-40, 40), st.integers(-3, 3))
+    index, ref, block = KeyIndex(120, seed=seed), {}, 0
+    for _ in range(data.draw(st.integers(1, 8))):
+        fresh = [k for k in dict.fromkeys(data.draw(st.lists(words, max_size=60))) if k not in ref]
+        fresh = fresh[:120 - len(ref)]
+        blocks = np.arange(block, block + len(fresh), dtype=np.int64)
+        index.insert_many(np.array([k[0] for k in fresh], np.int64), np.array([k[1] for k in fresh], np.int64),
+                          blocks)
+        ref.update(zip(fresh, blocks.tolist()))
+        block += len(fresh)
+        gone = [k for k in ref if data.draw(st.booleans())]
+        index.delete(np.array([k[0] for k in gone], np.int64), np.array([k[1] for k in gone], np.int64))
+        for k in gone:
+            del ref[k]
+        keys = list(ref) + data.draw(st.lists(words, max_size=20))
+        lo, hi = np.array([k[0] for k in keys], np.int64), np.array([k[1] for k in keys], np.int64)
+        want = [ref.get(k, -1) for k in keys]
+        assert index.find(lo, hi).tolist() == index._find_few(lo, hi).tolist() == want
+        assert index.tombs <= index.size // 4 and int((index.block >= 0).sum()) == len(ref)
+
+
+def test_a_large_index_inserted_at_once_and_rebuilt_finds_every_key():
+    """A quarter-full table of 2^18 random keys (the rounds' case: many keys, short runs)."""
+    n = 1 << 18
+    rng = np.random.default_rng(0)
+    index = KeyIndex(n, seed=1)
+    lo, hi = rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64), rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)
+    index.insert_many(lo, hi, np.arange(n, dtype=np.int64))
+    assert (index.find(lo, hi) == np.arange(n)).all()
+    index.delete(lo[::2], hi[::2])
+    index._rebuild()
+    assert index.tombs == 0 and (index.find(lo, hi) == np.where(np.arange(n) % 2, np.arange(n), -1)).all()
