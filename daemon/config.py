@@ -201,6 +201,11 @@ def env_name(setting: str) -> str:
 def _check(f, v) -> None:
     """ValueError naming setting ``f`` when ``v`` is not one of its choices or out of its bounds."""
     m, kind = f.metadata, _kind(f)
+    if isinstance(v, str):
+        try:
+            v.encode()
+        except UnicodeEncodeError:  # bytes the locale could not decode: the TOML of --print-config cannot hold them
+            raise ValueError(f"{f.name} must be UTF-8 text, got {v!r}") from None
     if f.name.endswith("_dir") and isinstance(v, str) and not v.strip():
         raise ValueError(f"{f.name} must name a directory, got {v!r}")
     if m["choices"] and v not in m["choices"]:

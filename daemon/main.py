@@ -357,7 +357,7 @@ def main(argv=None) -> int:
         return 2
     setup_logging(cfg.log_level)
     log_open_files_limit()
-    refusal = backend_refusal(cfg) or metrics_port_refusal(cfg, sources)
+    refusal = backend_refusal(cfg)
     if refusal is not None:
         log.error("cannot start: %s", refusal)
         return 1
@@ -367,6 +367,11 @@ def main(argv=None) -> int:
             lock = RunDirLock(cfg.run_dir)
         except (RuntimeError, OSError) as e:
             log.error("%s", e)
+            return 1
+        refusal = metrics_port_refusal(cfg, sources)  # after the lock: a second daemon is told so first
+        if refusal is not None:
+            log.error("cannot start: %s", refusal)
+            lock.release()
             return 1
         pool = backend = pool_region = pinner = warmer = None
         try:

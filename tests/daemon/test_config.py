@@ -100,6 +100,7 @@ def test_toml_top_level_table_and_env_config_file(tmp_path):
         ("", {"SPARSEKV_INFLIGHT_BYTES": "67108863B"}, "inflight_bytes must be >= 64MiB, got 67108863B"),
         ('run_dir = ""', {}, "run_dir must name a directory, got ''"),
         ("", {"SPARSEKV_KERNEL_CACHE_DIR": " "}, "kernel_cache_dir must name a directory"),
+        ("", {"SPARSEKV_SHM_DIR": "/tmp/d\udcff"}, "shm_dir must be UTF-8 text"),  # an undecodable byte
     ],
 )
 def test_bad_settings_name_the_setting_and_its_source(tmp_path, toml, env, words):

@@ -3,6 +3,8 @@ registry, and the optional loopback HTTP ``/metrics`` endpoint of a real daemon.
 
 import re
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -172,3 +174,16 @@ def test_metrics_port_in_use_fails_the_start_and_leaves_nothing(tmp_path):
     # for a large one); now before it, naming the setting.
     assert f"cannot start: metrics_port {port} (flag --metrics-port): Address already in use" in log, log
     assert "pre-faulting" not in log
+
+
+def test_a_second_daemon_with_the_same_metrics_port_is_told_of_the_first_not_the_port(tmp_path):
+    """Found by a review: with the port checked before the run dir's lock, a second start
+    on a served run dir said "Address already in use" instead of naming the daemon."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with PrivateDaemon(pool_bytes=64 << 20, extra_args=["--metrics-port", str(port)]) as d:
+        r = subprocess.run([sys.executable, "-m", "sparsekv.daemon.main", "--backend", "cpu", "--pool-size", "64MiB",
+                            "--run-dir", d.run_dir, "--metrics-port", str(port)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 1 and "another sparsekvd" in r.stderr and "metrics_port" not in r.stderr, r.stderr
