@@ -438,4 +438,6 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
 
 
 def save_result(path: str, result: dict) -> None:
-    np.savez_compressed(path, slots=result["slots"], misses=result["misses"])
+    """Write the result to ``path`` itself (NumPy would add ``.npz`` to a name without it)."""
+    with open(path, "wb") as f:
+        np.savez_compressed(f, slots=result["slots"], misses=result["misses"])

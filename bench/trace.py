@@ -79,10 +79,13 @@ class Trace:
         return replace(self, topk=topk.astype(np.int32), block_table=None, block_size=0)
 
     def layout(self, staging_rows: int = 0) -> Layout:
-        """The layout of one index group of ``num_layers`` layers, as the trace describes."""
+        """The layout of one index group of ``num_layers`` layers, as the trace describes;
+        ``max_batch`` its batch width where that passes ``max_reqs`` (several rows of one
+        state row: speculative decoding)."""
         return Layout(num_layers=self.num_layers, row_bytes=self.row_bytes, top_k=self.top_k,
                       region_stride=self.region_stride, max_reqs=self.max_reqs, host_rows=self.host_rows,
-                      index_groups=(tuple(range(self.num_layers)),), staging_rows=staging_rows).validate()
+                      index_groups=(tuple(range(self.num_layers)),), staging_rows=staging_rows,
+                      max_batch=max(self.max_reqs, self.topk.shape[1])).validate()
 
     def check(self) -> "Trace":
         s, b = self.topk.shape[:2] if self.topk.ndim == 3 else (None, None)
@@ -141,14 +144,16 @@ class Trace:
                              "but carry different block tables; a request's rows share its table (docs/TRACES.md)")
 
     def save(self, path: str) -> None:
+        """Write the trace to ``path`` itself (NumPy would add ``.npz`` to a name without it)."""
         extra = {}
         if self.block_table is not None:
             extra = {"block_table": self.block_table.astype(np.int32), "block_size": np.int64(self.block_size)}
-        np.savez_compressed(
-            path, topk=self.topk.astype(np.int32), state_rows=self.state_rows.astype(np.int32),
-            reset=self.reset.astype(bool), invalidate=self.invalidate.astype(np.int32),
-            **{k: np.int64(getattr(self, k)) for k in SCALARS}, **extra,
-        )
+        with open(path, "wb") as f:
+            np.savez_compressed(
+                f, topk=self.topk.astype(np.int32), state_rows=self.state_rows.astype(np.int32),
+                reset=self.reset.astype(bool), invalidate=self.invalidate.astype(np.int32),
+                **{k: np.int64(getattr(self, k)) for k in SCALARS}, **extra,
+            )
 
     @classmethod
     def load(cls, path: str) -> "Trace":
@@ -180,7 +185,9 @@ class Trace:
 # What a trace's arrays may take of the memory available when it is loaded (their bytes as
 # stored; the replay keeps them and its own state beside them).
 TRACE_MEMORY_SHARE = 0.25
-_READ_ERRORS = (OSError, EOFError, ValueError, MemoryError, zipfile.BadZipFile, zlib.error)
+# (RuntimeError: an encrypted member; NotImplementedError: a compression zipfile lacks.)
+_READ_ERRORS = (OSError, EOFError, ValueError, MemoryError, RuntimeError, NotImplementedError, zipfile.BadZipFile,
+                zlib.error)
 
 
 def _check_scalars(path: str, scalars: dict) -> None:
@@ -231,12 +238,16 @@ def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
             if key in scalars and shape != ():
                 raise TraceError(f"trace {path}: {key} must be an integer scalar, got {dtype} of shape {shape}")
             shapes[key] = shape
-            total += int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+            # As loaded: integers become int32 (an int8 array grows 4x), and the replay keeps
+            # slots as large as the top-k beside it.
+            loaded = dtype.itemsize if dtype.kind == "b" else max(dtype.itemsize, 4)
+            total += int(np.prod(shape, dtype=np.float64)) * loaded * (2 if key == "topk" else 1)
         import psutil  # noqa: PLC0415
 
         room = psutil.virtual_memory().available * TRACE_MEMORY_SHARE
         if total > room:
-            raise TraceError(f"trace {path} holds {total / 2**30:.1f} GiB of arrays; this machine has room for "
+            raise TraceError(f"trace {path} takes {total / 2**30:.1f} GiB loaded (its integers as int32, and the "
+                             f"replay's slots); this machine has room for "
                              f"{room / 2**30:.1f} GiB ({TRACE_MEMORY_SHARE:g} of its available memory)")
         def read(keys) -> dict:
             got = {}

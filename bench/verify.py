@@ -18,12 +18,26 @@ def pattern(layer: int, rows: np.ndarray, row_bytes: int) -> np.ndarray:
     return (x & np.uint64(0xFF)).astype(np.uint8)
 
 
+# Bytes of pattern made at once (its uint64 arithmetic takes ~8x that beside it), and of
+# one write of every layer's rows (past it, a write a layer): a layout of large rows or
+# many layers must not make --verify take gigabytes its pool does not.
+PATTERN_BYTES = 4 << 20
+WRITE_BYTES = 64 << 20
+
+
 def fill_pool(client, layout, chunk_rows: int = 8192) -> None:
-    """Write the pattern into every host row of every layer through ``client.write``."""
-    for start in range(0, layout.host_rows, chunk_rows):
-        rows = np.arange(start, min(start + chunk_rows, layout.host_rows), dtype=np.int32)
-        data = np.stack([pattern(layer, rows, layout.row_bytes) for layer in range(layout.num_layers)])
-        client.write(rows, data)
+    """Write the pattern into every host row of every layer through ``client.write``, at
+    most :data:`PATTERN_BYTES` of a layer's rows made at once."""
+    rb, n_layers = layout.row_bytes, layout.num_layers
+    step = max(1, min(chunk_rows, PATTERN_BYTES // rb))
+    by_layer = step * rb * n_layers > WRITE_BYTES
+    for start in range(0, layout.host_rows, step):
+        rows = np.arange(start, min(start + step, layout.host_rows), dtype=np.int32)
+        if by_layer:
+            for layer in range(n_layers):
+                client.write(rows, pattern(layer, rows, rb)[None], layers=[layer])
+        else:
+            client.write(rows, np.stack([pattern(layer, rows, rb) for layer in range(n_layers)]))
 
 
 def count_mismatches(slab: np.ndarray, layers, state_rows: np.ndarray, topk: np.ndarray,
@@ -39,10 +53,13 @@ def count_mismatches(slab: np.ndarray, layers, state_rows: np.ndarray, topk: np.
         if (slots[b][ok] < 0).any():
             bad += int((slots[b][ok] < 0).sum()) * len(layers)
             ok &= slots[b] >= 0
+        cols = np.flatnonzero(ok)
+        step = max(1, PATTERN_BYTES // row_bytes)
         for layer in layers:
-            got = slab[layer, int(state_rows[b]), slots[b][ok]]
-            if not isinstance(got, np.ndarray):  # a torch tensor on the GPU (cuda backend)
-                got = got.cpu().numpy()
-            want = pattern(layer, ids[ok], row_bytes)
-            bad += int((got != want).any(axis=1).sum())
+            for c in range(0, cols.size, step):
+                part = cols[c:c + step]
+                got = slab[layer, int(state_rows[b]), slots[b][part]]
+                if not isinstance(got, np.ndarray):  # a torch tensor on the GPU (cuda backend)
+                    got = got.cpu().numpy()
+                bad += int((got != pattern(layer, ids[part], row_bytes)).any(axis=1).sum())
     return bad

@@ -97,7 +97,7 @@ def test_an_array_larger_than_the_memory_is_refused_from_its_header(tmp_path):
     with zipfile.ZipFile(path, "w") as z:
         for n, data in members.items():
             z.writestr(n, buf.getvalue() + b"\0" * 64 if n == "topk.npy" else data)
-    with pytest.raises(TraceError, match="GiB of arrays; this machine has room for"):
+    with pytest.raises(TraceError, match="GiB loaded .* this machine has room for"):
         Trace.load(path)
 
 
@@ -140,3 +140,67 @@ def test_a_block_size_past_host_rows_is_refused(tmp_path, block_size):
     a["block_size"] = np.uint64(block_size)
     with pytest.raises(TraceError, match=f"block_size {block_size} exceeds host_rows 256"):
         Trace.load(_save(tmp_path, a))
+
+
+def test_the_memory_check_counts_arrays_as_loaded(tmp_path, monkeypatch):
+    """Found by a review: an int8 top-k was counted at a byte an id, then loaded as int32
+    beside the replay's slots of its shape (~8x): a trace under the bound was killed."""
+    import psutil
+
+    a = _good()
+    a["topk"] = a["topk"].astype(np.int8)
+    stored = sum(v.nbytes for v in a.values())
+    loaded = stored + a["topk"].size * (4 * 2 - 1)  # the top-k as int32, twice
+    path = _save(tmp_path, a)
+
+    class Mem:
+        available = 4 * (stored + loaded) // 2  # a quarter of it lies between the two counts
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
+    with pytest.raises(TraceError, match="loaded"):
+        Trace.load(path)
+
+
+def test_an_encrypted_member_or_an_unknown_compression_is_a_trace_error(tmp_path):
+    """Found by a review: zipfile's RuntimeError (encrypted) and NotImplementedError
+    (deflate64) escaped as other errors, naming neither the file nor the array."""
+    path = _save(tmp_path, _good())
+    with open(path, "rb") as f:
+        data = f.read()
+    with zipfile.ZipFile(path) as z:
+        local = z.getinfo("topk.npy").header_offset
+    central = data.find(b"PK\x01\x02", local)
+    while data[central + 46:central + 46 + len(b"topk.npy")] != b"topk.npy":
+        central = data.find(b"PK\x01\x02", central + 4)
+    # (local header offset, central header offset) of the general-purpose flags and the method
+    for what, (lo, ce), change in (("encrypted", (6, 8), lambda b: b | 1), ("deflate64", (8, 10), lambda b: 9)):
+        d = bytearray(data)
+        d[local + lo] = change(d[local + lo])
+        d[central + ce] = change(d[central + ce])
+        p = tmp_path / f"{what}.npz"
+        p.write_bytes(bytes(d))
+        with pytest.raises(TraceError, match=f"trace {p}: topk"):
+            Trace.load(str(p))
+
+
+def test_a_batch_wider_than_max_reqs_replays_its_rows_of_one_state_row(tmp_path):
+    """Found by a review: two rows of one state row (speculative decoding) with max_reqs 1
+    were refused as exceeding max_batch 1, which the trace format does not have."""
+    from sparsekv.bench.replay import replay
+
+    t = Trace(topk=np.array([[[0, 1], [2, 3]], [[0, 4], [2, 5]]], np.int32),
+              state_rows=np.zeros((2, 2), np.int32), reset=np.array([[True, False], [False, False]]),
+              invalidate=np.full((2, 2, 1), -1, np.int32), region_stride=4, host_rows=32, max_reqs=1, row_bytes=16,
+              num_layers=1).check()
+    _, result = replay(t, transport="inproc", backend="cpu", verify=True)
+    assert result["slots"].shape == (2, 2, 2) and (result["slots"] >= 0).all()
+    assert result["misses"].tolist() == [[2, 2], [1, 1]]
+
+
+def test_save_writes_the_path_it_is_given(tmp_path):
+    """Found by a review: NumPy added .npz to a name without it, and the CLI reported a
+    file it had not written."""
+    t = Trace.load(_save(tmp_path, _good()))
+    t.save(str(tmp_path / "plain"))
+    assert (tmp_path / "plain").exists() and not (tmp_path / "plain.npz").exists()
+    assert Trace.load(str(tmp_path / "plain")).topk.tolist() == t.topk.tolist()
