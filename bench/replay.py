@@ -301,8 +301,11 @@ def ahead_layout(trace: Trace) -> Layout:
     """``--prefetch``: the trace's layers as index group 0 and as many again as group 1
     (the group a prefetch fills)."""
     n = trace.num_layers
-    return dataclasses.replace(trace.layout(), num_layers=2 * n,
-                               index_groups=(tuple(range(n)), tuple(range(n, 2 * n)))).validate()
+    try:
+        return dataclasses.replace(trace.layout(), num_layers=2 * n,
+                                   index_groups=(tuple(range(n)), tuple(range(n, 2 * n)))).validate()
+    except ValueError as e:
+        raise TraceError(f"--prefetch doubles the trace's {n} layers (a second index group): {e}") from None
 
 
 def ahead_rows(trace: Trace, t: int) -> np.ndarray:

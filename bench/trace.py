@@ -179,7 +179,10 @@ class Trace:
         trace = cls(topk=_int32(path, "topk", arrays["topk"]), state_rows=_int32(path, "state_rows", arrays["state_rows"]),
                     reset=reset, invalidate=_int32(path, "invalidate", arrays["invalidate"]),
                     **{k: _scalar(path, k, arrays[k]) for k in SCALARS}, **extra)
-        return trace.check()
+        try:
+            return trace.check()
+        except TraceError as e:
+            raise TraceError(f"trace {path}: {e}") from None
 
 
 # What a trace's arrays may take of the memory available when it is loaded (their bytes as

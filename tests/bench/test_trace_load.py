@@ -204,3 +204,20 @@ def test_save_writes_the_path_it_is_given(tmp_path):
     t.save(str(tmp_path / "plain"))
     assert (tmp_path / "plain").exists() and not (tmp_path / "plain.npz").exists()
     assert Trace.load(str(tmp_path / "plain")).topk.tolist() == t.topk.tolist()
+
+
+def test_a_shape_error_names_the_file_and_prefetchs_doubled_layers_say_so(tmp_path):
+    """Found by a review: the shape checks named the array but not the file, and a trace of
+    600 layers under --prefetch failed on "num_layers 1200" without naming --prefetch."""
+    from sparsekv.bench.replay import ahead_layout
+
+    a = _good()
+    a["reset"] = a["reset"][:, :1]
+    path = _save(tmp_path, a)
+    with pytest.raises(TraceError, match=f"trace {path}: reset must be"):
+        Trace.load(path)
+    a = _good()
+    a["num_layers"] = np.int64(600)
+    t = Trace.load(_save(tmp_path, a))
+    with pytest.raises(TraceError, match="--prefetch doubles the trace's 600 layers"):
+        ahead_layout(t)
