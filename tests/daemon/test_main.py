@@ -205,7 +205,7 @@ def test_pool_larger_than_ram_is_refused_and_leaves_nothing(run_dir):
     r = subprocess.run([*DAEMON, "--backend", "cpu", "--run-dir", run_dir, "--pool-size", "64TiB"],
                        capture_output=True, text=True, timeout=30, env=clean_env())
     assert r.returncode == 1
-    assert "does not fit in available RAM" in r.stderr and "lower --pool-size" in r.stderr
+    assert "does not fit in available RAM" in r.stderr and "lower pool_size (--pool-size" in r.stderr
     assert os.listdir(run_dir) == []  # no sockets, lock released and removed
 
 
