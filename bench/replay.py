@@ -25,7 +25,7 @@ from sparsekv.client.engine_slab import EngineSlab
 from sparsekv.client.errors import BadRequest
 from sparsekv.embedded.inproc import InprocClient
 from .private_daemon import PrivateDaemon
-from .trace import Trace, TraceError
+from .trace import Trace, TraceError, save_npz
 from .verify import count_mismatches, fill_pool
 
 # run_step's answer: slots int32 [batch, top_k], misses int32 [batch], hits, out_of_range
@@ -441,6 +441,5 @@ def replay(trace: Trace, *, transport: str = "inproc", backend: str = "cpu", ver
 
 
 def save_result(path: str, result: dict) -> None:
-    """Write the result to ``path`` itself (NumPy would add ``.npz`` to a name without it)."""
-    with open(path, "wb") as f:
-        np.savez_compressed(f, slots=result["slots"], misses=result["misses"])
+    """Write the result to ``path`` (:func:`~.trace.save_npz`)."""
+    save_npz(path, slots=result["slots"], misses=result["misses"])

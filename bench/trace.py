@@ -15,6 +15,7 @@ stays in host rows.
 
 from __future__ import annotations
 
+import os
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from sparsekv.proto import Layout
-from sparsekv.proto.layout import MAX_LAYERS
+from sparsekv.proto.layout import MAX_BATCH, MAX_LAYERS
 from sparsekv.proto.positions import host_rows as map_positions
 
 SCALARS = ("region_stride", "host_rows", "max_reqs", "row_bytes", "num_layers")
@@ -96,6 +97,10 @@ class Trace:
                 raise TraceError(f"{name} must be [{s}, {b}], got {getattr(self, name).shape}")
         if self.invalidate.ndim != 3 or self.invalidate.shape[:2] != (s, b):
             raise TraceError(f"invalidate must be [{s}, {b}, n], got {self.invalidate.shape}")
+        k = self.topk.shape[2]
+        if b > MAX_BATCH or b * k >= 1 << 31:
+            raise TraceError(f"topk's batch of {b} rows of {k} ids passes a top-k batch's limits (at most {MAX_BATCH} "
+                             "rows, fewer than 2**31 ids)")
         try:
             self.layout()
         except ValueError as e:
@@ -144,16 +149,13 @@ class Trace:
                              "but carry different block tables; a request's rows share its table (docs/TRACES.md)")
 
     def save(self, path: str) -> None:
-        """Write the trace to ``path`` itself (NumPy would add ``.npz`` to a name without it)."""
+        """Write the trace to ``path`` (:func:`save_npz`)."""
         extra = {}
         if self.block_table is not None:
             extra = {"block_table": self.block_table.astype(np.int32), "block_size": np.int64(self.block_size)}
-        with open(path, "wb") as f:
-            np.savez_compressed(
-                f, topk=self.topk.astype(np.int32), state_rows=self.state_rows.astype(np.int32),
-                reset=self.reset.astype(bool), invalidate=self.invalidate.astype(np.int32),
-                **{k: np.int64(getattr(self, k)) for k in SCALARS}, **extra,
-            )
+        save_npz(path, topk=self.topk.astype(np.int32), state_rows=self.state_rows.astype(np.int32),
+                 reset=self.reset.astype(bool), invalidate=self.invalidate.astype(np.int32),
+                 **{k: np.int64(getattr(self, k)) for k in SCALARS}, **extra)
 
     @classmethod
     def load(cls, path: str) -> "Trace":
@@ -183,6 +185,20 @@ class Trace:
             return trace.check()
         except TraceError as e:
             raise TraceError(f"trace {path}: {e}") from None
+
+
+def save_npz(path: str, **arrays) -> None:
+    """``arrays`` as a compressed .npz at ``path`` itself (NumPy would add ``.npz`` to a name
+    without it), written beside it and renamed over it: a write that fails leaves what was
+    there."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, **arrays)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 # What a trace's arrays may take of the memory available when it is loaded (their bytes as

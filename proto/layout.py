@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 MAX_REGION_STRIDE = 32768
 MAX_LAYERS = 1024
 MAX_REQS = 65536
+MAX_BATCH = 65536  # most rows of one top-k batch (Layout.max_batch)
 ROW_ALIGN_BYTES = 16  # the cuda backend moves rows with 16-byte loads (it checks this)
 
 
@@ -108,8 +109,8 @@ class Layout:
         need(self.host_rows < 2**31 - 1, f"host_rows {self.host_rows} must fit in int32")
         need(type(self.staging_rows) is int and 0 <= self.staging_rows < 2**31 - 1,
              f"staging_rows must be an integer in [0, 2**31 - 1), got {self.staging_rows!r}")
-        need(type(self.max_batch) is int and 0 < self.max_batch <= 65536,
-             f"max_batch must lie in [1, 65536], got {self.max_batch!r}")
+        need(type(self.max_batch) is int and 0 < self.max_batch <= MAX_BATCH,
+             f"max_batch must lie in [1, {MAX_BATCH}], got {self.max_batch!r}")
         need(self.max_batch * self.top_k < 2**31, f"max_batch * top_k = {self.max_batch * self.top_k} must fit in "
              "int32 (the ids of one top-k batch)")
         seen = sorted(layer for g in self.groups for layer in g)

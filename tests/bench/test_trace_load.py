@@ -221,3 +221,28 @@ def test_a_shape_error_names_the_file_and_prefetchs_doubled_layers_say_so(tmp_pa
     t = Trace.load(_save(tmp_path, a))
     with pytest.raises(TraceError, match="--prefetch doubles the trace's 600 layers"):
         ahead_layout(t)
+
+
+def test_a_save_that_fails_leaves_the_trace_that_was_there(tmp_path):
+    """Found by a review: the exact-path save opened (emptied) the file before its arrays
+    were made, so a failing save destroyed a good trace at that path."""
+    path = _save(tmp_path, _good())
+    good = Trace.load(path)
+    good.save(path)
+    before = open(path, "rb").read()
+    bad = Trace.load(path)
+    bad.host_rows = 2**64  # np.int64() of it raises while the arrays are made
+    with pytest.raises(OverflowError):
+        bad.save(path)
+    assert open(path, "rb").read() == before and sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]
+
+
+def test_a_batch_past_a_top_k_batchs_limit_is_refused_naming_the_file(tmp_path):
+    a = _good()
+    a["topk"] = np.full((1, 65537, 1), -1, np.int32)
+    a["state_rows"] = np.full((1, 65537), -1, np.int32)
+    a["reset"] = np.zeros((1, 65537), bool)
+    a["invalidate"] = np.full((1, 65537, 1), -1, np.int32)
+    path = _save(tmp_path, a)
+    with pytest.raises(TraceError, match=f"trace {path}: topk's batch of 65537 rows .*at most 65536 rows"):
+        Trace.load(path)

@@ -38,11 +38,15 @@ def test_fill_pool_makes_and_writes_bounded_pieces(monkeypatch):
         assert client.largest <= max(verify.WRITE_BYTES, lay.row_bytes * max(1, verify.PATTERN_BYTES // lay.row_bytes))
 
 
-def test_count_mismatches_compares_in_bounded_pieces_and_still_counts():
+def test_count_mismatches_compares_in_bounded_pieces_and_still_counts(monkeypatch):
     lay = helpers.layout(num_layers=1, row_bytes=1 << 20, host_rows=16, top_k=8, region_stride=8, max_reqs=1)
     ids = np.arange(8)
     slab = verify.pattern(0, ids, lay.row_bytes)[None, None]  # [layers, state rows, slots, row_bytes]
     slots = np.arange(8)[None]
+    made = []
+    real = verify.pattern
+    monkeypatch.setattr(verify, "pattern", lambda layer, rows, rb: made.append(len(rows) * rb) or real(layer, rows, rb))
     assert verify.count_mismatches(slab, [0], np.array([0]), ids[None], slots, lay.host_rows) == 0
+    assert sum(made) == 8 * lay.row_bytes and max(made) <= verify.PATTERN_BYTES  # 8 MiB of rows, 4 MiB at most at once
     slab[0, 0, 3, 5] ^= 1
     assert verify.count_mismatches(slab, [0], np.array([0]), ids[None], slots, lay.host_rows) == 1
