@@ -4,9 +4,12 @@ daemon's event loop, and what each peer may cost it.
 Clients connect a ZMTP DEALER (``client/wire.py``, or libzmq's) to ``control.sock``; the daemon accepts, reads and
 writes each connection itself, so every limit holds before anything is read:
 
-* **Who.** ``SO_PEERCRED`` is read when a connection is accepted: the session a HELLO
-  opens is bound to that connection (its identity is the connection's, never a routing id
-  a peer chose), and a connection of a uid with ``max_per_uid`` open is closed at once.
+* **Who.** ``SO_PEERCRED`` is read when a connection is accepted, with a pidfd of the
+  process that connected (``SO_PEERPIDFD``, else ``pidfd_open`` of its pid at once): the
+  session a HELLO opens is bound to that connection (its identity is the connection's,
+  never a routing id a peer chose), a HELLO once that process has exited is refused (its
+  pid may be another process's), and a connection of a uid with ``max_per_uid`` open is
+  closed at once.
 * **How much.** A frame's size is known before its bytes are read. Before its HELLO is
   answered a connection may send messages of ``LIMITS.max_header_bytes`` at most; after,
   ``LIMITS.max_message_bytes``, frames of ``max_frame_bytes`` (the header frame
@@ -50,7 +53,7 @@ from sparsekv.proto.zmtp import encode_message
 from .inflight import Budget, FrameBuffer, Refused, declared
 from .listener import Listener
 from .outbox import NotReading, Outbox, Outboxes
-from .peers import Peer
+from .peers import Peer, peer_pidfd, pidfd_exited
 from .ratelog import RateLimitedLog
 from .zmtp import Decoder, ZmtpError
 
@@ -81,6 +84,7 @@ class Conn:
     turn_at: int = 0  # perf_counter_ns when its reads of this turn began
     plan: list | None = None  # the array frames' sizes its message's header declares
     refusal: tuple | None = None  # (code, message) its message in progress is refused with
+    pidfd: int | None = None  # the connecting process's pidfd (peers.peer_pidfd), closed with the connection
     reserved: int = 0  # budget taken for those and not yet read into a buffer
     wanted: int = 0  # the budget its paused message waits for
     events: int = 0  # registered with epoll
@@ -150,6 +154,13 @@ class ControlSocket:
         self._ep.close()
 
     # -- what the server asks ------------------------------------------------------------
+    def peer_alive(self, ident: bytes) -> bool:
+        """Whether the process that opened connection ``ident`` still runs (True where its
+        pidfd could not be had, or for a connection gone): a HELLO is refused on a connection
+        its opener left behind, whose pid another process may hold by now."""
+        c = self._by_ident.get(ident)
+        return c is None or c.pidfd is None or not pidfd_exited(c.pidfd)
+
     def peer(self, ident: bytes) -> Peer | None:
         """The credentials of connection ``ident`` (None: not a connection, e.g. in process)."""
         c = self._by_ident.get(ident)
@@ -305,6 +316,7 @@ class ControlSocket:
         self._next += 1
         c = Conn(sock, b"c" + self._next.to_bytes(8, "little"), peer, self._clock(),
                  self._outboxes.new(sock, uid))
+        c.pidfd = peer_pidfd(sock, pid)
         ref = weakref.ref(c)
         self._conns[sock.fileno()] = c
         self._by_ident[c.ident] = c
@@ -545,6 +557,9 @@ class ControlSocket:
             self._ep.unregister(fd)
             c.events = 0
         c.sock.close()
+        if c.pidfd is not None:
+            os.close(c.pidfd)
+            c.pidfd = None
         c.out.clear()
         c.decoder = _CLOSED  # its buffers (and their budget) go now
         if c in self._paused:

@@ -48,6 +48,7 @@ class EngineRequests:
         self.pool, self.stats, self.fd_server = pool, stats, fd_server
         # The credentials of the HELLO being handled (set by the dispatcher); None in process.
         self.peer: Peer | None = None
+        self.peer_alive = None  # HELLO: whether the process that opened its connection still runs (server.py)
         self.prefetching: list = []  # ranks whose last TOPK left a prefetch to run once its reply is out
 
     def run_prefetches(self) -> None:
@@ -78,13 +79,14 @@ class EngineRequests:
         # Who the client is comes from the kernel (SO_PEERCRED); the "pid" field is only
         # compared with the kernel's.
         peer, self.peer = self.peer, None
+        alive, self.peer_alive = self.peer_alive, None
         rank = _int(h, "rank")
         if not 0 <= rank < 1 << 16:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"rank must be in [0, 65536), got {rank}")
         for name in ("device", "name"):
             if not isinstance(h.get(name), str) or len(h[name]) > 128:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{name} must be a string of at most 128 characters")
-        s = self.sessions.open(identity, peer or Peer.unverified(), h, rank)
+        s = self.sessions.open(identity, peer or Peer.unverified(), h, rank, alive)
         return {"client_id": s.client_id, "daemon_pid": os.getpid(), "version": PROTOCOL_VERSION,
                 **self.backend.describe()}, None
 

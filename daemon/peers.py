@@ -52,6 +52,31 @@ class Peer:
 
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+: a pidfd of the process that connected
+
+
+def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
+    """A pidfd of the process at the other end of a UNIX socket, which the caller closes:
+    the kernel's own (``SO_PEERPIDFD``, the process that connected, whatever became of its
+    pid), else one opened from ``pid`` now (right after accept; before Linux 6.5); None
+    when neither can be had (pid 0: another pid namespace)."""
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        pass
+    if pid <= 0:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+
+def pidfd_exited(fd: int) -> bool:
+    """Whether the process of pidfd ``fd`` has exited (its pidfd is readable then)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 def process_groups(pid: int) -> frozenset[int]:

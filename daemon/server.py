@@ -269,6 +269,8 @@ class Daemon:
                 if peer is None and self._serving:  # its connection closed while it waited
                     raise ProtocolError(ErrorCode.PERMISSION_DENIED, "this connection is closed")
                 self.engine_requests.peer = peer
+                self.engine_requests.peer_alive = (lambda: self.control.peer_alive(identity)) if self._serving \
+                    else None
             out = self.handlers[kind](session, identity, header, arrays)
             if kind == MsgType.HELLO:  # full-size requests from now on
                 self.control.greet(identity)

@@ -85,9 +85,17 @@ class Sessions(dict):
         return self._expired.get(identity)
 
     # -- HELLO -----------------------------------------------------------------------
-    def open(self, identity: bytes, peer: Peer, h: dict, rank: int) -> Session:
+    def open(self, identity: bytes, peer: Peer, h: dict, rank: int, alive=None) -> Session:
         """The session a HELLO (header ``h``) of ``peer`` on ``identity`` opens, replacing the
-        connection's detached one; refused when attached, over a cap, or another process's."""
+        connection's detached one; refused when attached, over a cap, or another process's.
+        ``alive()``: whether the process that opened the connection still runs. A HELLO on a
+        connection it left behind (passed to a child, say) is refused: the pid SO_PEERCRED
+        gave may be another process's by now, whose groups and exit the session would take
+        for its own (found by a review: a recycled pid of the admin group let another uid
+        join an engine)."""
+        if alive is not None and not alive():
+            raise ProtocolError(ErrorCode.PERMISSION_DENIED, "the process that opened this connection has exited; "
+                                "connect again")
         old = self.get(identity)
         if old is not None:
             # The same connection says hello again: only its own process may, and never
@@ -117,6 +125,11 @@ class Sessions(dict):
                     started(pid) if pid > 0 else None, uid=peer.uid, gid=peer.gid, verified=peer.verified)
         self._next_client_id += 1
         s.watch = self.watch(s)
+        if alive is not None and not alive():  # it exited while its pid was watched: the watch may be another's
+            if s.watch is not None:
+                s.watch.close()
+            raise ProtocolError(ErrorCode.PERMISSION_DENIED, "the process that opened this connection has exited; "
+                                "connect again")
         self._expired.pop(identity, None)
         self[identity] = s
         self.rlog.log("hello", logging.INFO, "client %d hello: pid %d uid %d rank %d device %s %s", s.client_id, pid,

@@ -291,3 +291,39 @@ def test_attach_beyond_the_rank_memory_limit_is_refused_before_allocating(dm):
     assert request(dm, b"a", MsgType.ATTACH, {"engine": "big", "layout": lay.to_wire()})[0]["ok"]
 
 
+
+
+HANDED_OVER = r"""
+import os, sys, time
+from sparsekv.client.wire import Wire, connect_unix
+from sparsekv.proto import MsgType, decode, encode
+run_dir = sys.argv[1]
+w = Wire(connect_unix(run_dir + "/control.sock", 5))
+def call(t, fields):
+    w.send(encode(t, 1, fields))
+    assert w.wait(10000), "no reply"
+    return decode(w.recv())[0]
+hello = {"rank": 0, "device": "cpu", "name": "handed"}
+if sys.argv[2] == "first":  # the opener says HELLO itself first
+    print("opener", call(MsgType.HELLO, {**hello, "pid": os.getpid()})["ok"], flush=True)
+if os.fork():
+    os._exit(0)  # the opener exits; its child keeps the connection
+time.sleep(0.5)  # the opener is gone (and reaped) by now
+r = call(MsgType.HELLO, {**hello, "pid": os.getpid()})
+print("child", r["ok"], r.get("code"), r.get("msg", ""), flush=True)
+"""
+
+
+@pytest.mark.parametrize("first", ["first", "not"])
+def test_hello_on_a_connection_whose_opener_exited_is_refused(tmp_path, first):
+    """Found by a review: a connection handed to a child outlives its opener, whose pid
+    (SO_PEERCRED's) the kernel may give to another process; a HELLO on it took that
+    process's groups for its own (a recycled pid in the admin group let another uid join an
+    engine). The daemon now holds the opener's pidfd and refuses such a HELLO."""
+    with PrivateDaemon(pool_bytes=64 * MiB, backend="cpu", log_path=str(tmp_path / "d.log"), start_timeout_s=30) as d:
+        p = subprocess.run([sys.executable, "-c", HANDED_OVER, d.run_dir, first], capture_output=True, text=True,
+                           timeout=30, cwd=str(tmp_path))
+        lines = [line for line in p.stdout.splitlines() if line.startswith("child")]
+        assert lines, (p.stdout, p.stderr)
+        assert lines[0].startswith(f"child False {int(ErrorCode.PERMISSION_DENIED)}"), lines
+        assert "the process that opened this connection has exited" in lines[0]
