@@ -180,7 +180,7 @@ class FdServer:
                 continue
             try:
                 conn.setblocking(False)
-                peer = Peer.of_socket(conn)
+                peer = Peer.of_socket(conn, groups=True)
             except OSError as e:  # the peer hung up already, say
                 log.debug("fd socket: %s", e)
                 conn.close()

@@ -189,6 +189,6 @@ def _viewer(writer: asyncio.StreamWriter) -> Peer:
     """The kernel's credentials of a stats socket connection (SO_PEERCRED); a viewer
     whose credentials cannot be read is nobody (uid -1: sees no client)."""
     try:
-        return Peer.of_socket(writer.get_extra_info("socket"))
+        return Peer.of_socket(writer.get_extra_info("socket"), groups=True)
     except (OSError, AttributeError, struct.error):
         return Peer(-1, -1, 0, False)

@@ -32,23 +32,27 @@ class Peer:
         uid, gid, pid: the peer process's, pid in the daemon's pid namespace (0: unknown).
         verified: whether the kernel said so. False only for requests handed to
             ``Daemon.handle`` as plain bytes: taken as the daemon's own uid and gid, pid 0.
+        groups: the process's supplementary groups, read while a pidfd of the process
+            that connected showed it running (``of_socket(..., groups=True)``); None: not read.
     """
 
     uid: int
     gid: int
     pid: int
     verified: bool
+    groups: frozenset | None = None
 
     @classmethod
     def unverified(cls) -> "Peer":
         return cls(os.getuid(), os.getgid(), 0, False)
 
     @classmethod
-    def of_socket(cls, sock: socket.socket) -> "Peer":
+    def of_socket(cls, sock: socket.socket, groups: bool = False) -> "Peer":
         """The kernel's credentials of a UNIX socket's peer (``SO_PEERCRED``); OSError when
-        they cannot be read (the peer hung up already, say)."""
+        they cannot be read (the peer hung up already, say). ``groups``: with the
+        supplementary groups of the process that connected (:func:`connected_groups`)."""
         pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        return cls(uid, gid, pid, True)
+        return cls(uid, gid, pid, True, connected_groups(sock, pid) if groups else None)
 
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -70,6 +74,20 @@ def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
         return os.pidfd_open(pid)
     except (OSError, AttributeError):
         return None
+
+
+def connected_groups(sock: socket.socket, pid: int) -> frozenset[int]:
+    """The supplementary groups of the process that connected ``sock`` (``/proc``), empty
+    unless a pidfd of it (:func:`peer_pidfd`) shows it still running once they are read:
+    its pid may be another process's once it has exited."""
+    fd = peer_pidfd(sock, pid)
+    if fd is None:
+        return frozenset()
+    try:
+        groups = process_groups(pid)
+        return frozenset() if pidfd_exited(fd) else groups
+    finally:
+        os.close(fd)
 
 
 def pidfd_exited(fd: int) -> bool:

@@ -263,12 +263,14 @@ class Sessions(dict):
     def sees_all(self, viewer: Peer | None) -> bool:
         """Whether ``viewer`` (SO_PEERCRED of a stats socket connection; None: in process)
         may see every uid's clients: root, the daemon's own uid, and the admin group
-        (primary, or supplementary as ``/proc`` says while the query is answered)."""
+        (primary, or supplementary: the viewer's ``groups``, read at accept while its process
+        ran, else ``/proc`` now)."""
         if viewer is None or viewer.uid in (0, os.getuid()):
             return True
         if self.admin_gid is None:
             return False
-        return viewer.gid == self.admin_gid or self.admin_gid in process_groups(viewer.pid)
+        groups = viewer.groups if viewer.groups is not None else process_groups(viewer.pid)
+        return viewer.gid == self.admin_gid or self.admin_gid in groups
 
     def client_lines(self, viewer: Peer | None = None) -> str:
         """One tab-separated line per client under a header line; columns may be added
