@@ -119,7 +119,8 @@ class ControlSocket:
         self.exempt_pid = os.getpid()
         self._ep = select.epoll()
         self._conns: dict[int, Conn] = {}  # by descriptor
-        self.listener = Listener(path, self._ep, lambda: len(self._conns), limit_fds=limit_fds,
+        self._pidfds = 0  # the connections' pidfds open (each connection: its socket and maybe one)
+        self.listener = Listener(path, self._ep, lambda: len(self._conns) + self._pidfds, limit_fds=limit_fds,
                                  reserve_fds=reserve_fds)
         self._by_ident: dict[bytes, Conn] = {}
         self._paused: collections.deque[Conn] = collections.deque()  # waiting for the budget, in order
@@ -313,10 +314,16 @@ class ControlSocket:
                               "closed: uid %d has %d open (max_connections_per_uid %d); %d refused so far", pid, uid,
                               uid, n, self.max_per_uid, self.counts["refused"])
                 return
+        try:
+            pidfd = peer_pidfd(sock, pid)
+        except OSError:  # the process that connected is gone already
+            sock.close()
+            return
         self._next += 1
         c = Conn(sock, b"c" + self._next.to_bytes(8, "little"), peer, self._clock(),
                  self._outboxes.new(sock, uid))
-        c.pidfd = peer_pidfd(sock, pid)
+        c.pidfd = pidfd
+        self._pidfds += pidfd is not None
         ref = weakref.ref(c)
         self._conns[sock.fileno()] = c
         self._by_ident[c.ident] = c
@@ -560,6 +567,7 @@ class ControlSocket:
         if c.pidfd is not None:
             os.close(c.pidfd)
             c.pidfd = None
+            self._pidfds -= 1
         c.out.clear()
         c.decoder = _CLOSED  # its buffers (and their budget) go now
         if c in self._paused:

@@ -44,7 +44,8 @@ class Listener:
     Arguments:
         path: where ``control.sock`` goes.
         ep: the epoll the connections are read through.
-        connections: how many connections are open now (each holds a descriptor).
+        connections: how many descriptors the open connections hold now (a socket each, and
+            the pidfd of its opener).
         limit_fds, reserve_fds: the descriptor limit and how many to keep free.
     """
 

@@ -60,7 +60,7 @@ def set_cuda_environment() -> None:
 # second: a start that keeps moving is never killed by TimeoutStartSec=, a stuck one is.
 START_EXTEND_S = 60.0
 PROGRESS_LOG_INTERVAL_S = 5.0  # pre-fault progress lines in the log (STATUS= gets every one)
-MIN_OPEN_FILES = 4096  # below this the daemon warns: every client connection takes one
+MIN_OPEN_FILES = 4096  # below this the daemon warns: every client connection takes two (its socket, a pidfd)
 
 
 def log_open_files_limit() -> None:

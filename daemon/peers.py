@@ -12,6 +12,7 @@ once; where ``pidfd_open`` fails the reaper's periodic ``psutil`` check is the f
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import select
@@ -62,12 +63,14 @@ SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+: a pidfd of the
 def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
     """A pidfd of the process at the other end of a UNIX socket, which the caller closes:
     the kernel's own (``SO_PEERPIDFD``, the process that connected, whatever became of its
-    pid), else one opened from ``pid`` now (right after accept; before Linux 6.5); None
-    when neither can be had (pid 0: another pid namespace)."""
+    pid), else, where the kernel lacks that option (before Linux 6.5), one opened from
+    ``pid`` now (right after accept); None when neither can be had (pid 0: another pid
+    namespace). OSError when the kernel has the option and says the process is gone."""
     try:
         return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno not in (errno.ENOPROTOOPT, errno.EOPNOTSUPP):
+            raise  # the kernel has the option: the process is gone (reaped); its pid may be another's
     if pid <= 0:
         return None
     try:
@@ -80,7 +83,10 @@ def connected_groups(sock: socket.socket, pid: int) -> frozenset[int]:
     """The supplementary groups of the process that connected ``sock`` (``/proc``), empty
     unless a pidfd of it (:func:`peer_pidfd`) shows it still running once they are read:
     its pid may be another process's once it has exited."""
-    fd = peer_pidfd(sock, pid)
+    try:
+        fd = peer_pidfd(sock, pid)
+    except OSError:  # gone
+        return frozenset()
     if fd is None:
         return frozenset()
     try:

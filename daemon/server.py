@@ -264,6 +264,9 @@ class Daemon:
             if session is not None:
                 session.requests += 1
                 session.last_request_at = time.monotonic()
+            if kind == MsgType.ATTACH and self._serving and not self.control.peer_alive(identity):
+                raise ProtocolError(ErrorCode.PERMISSION_DENIED, "the process that opened this connection has exited; "
+                                    "connect again")  # (the session's pid may be another process's by now)
             if kind == MsgType.HELLO:
                 peer = peer or self.control.peer(identity)  # SO_PEERCRED (None: in process)
                 if peer is None and self._serving:  # its connection closed while it waited

@@ -147,6 +147,9 @@ class Sessions(dict):
         if s.watch is not None or s.pid <= 0:
             return
         s.watch = self.watch(s)
+        if s.watch is None and s.verified and not psutil.pid_exists(s.pid):  # no pidfd: the process is gone
+            raise ProtocolError(ErrorCode.PERMISSION_DENIED,
+                                f"the process that said HELLO as client {s.client_id} has exited; connect again")
         if s.watch is not None and s.proc_started is not None and started(s.pid) != s.proc_started:
             s.watch.close()  # not the process that said HELLO: the reaper reclaims it
             s.watch = None

@@ -555,8 +555,8 @@ def test_ghost_sessions_of_another_uid_do_not_take_places_for_good():
 def test_a_clients_device_cannot_forge_lines_of_the_clients_listing():
     """HELLO's ``device`` goes into the stats socket's tab-separated ``clients`` listing
     unescaped (``name`` is escaped): a client forges a line for a client that does not exist
-    (here: client 99, pid 1, uid 1000, attached to 'prod-engine'). Same for ATTACH's engine
-    name (1..128 characters, any)."""
+    (here: client 99, pid 1, uid 1000, attached to 'prod-engine'). ATTACH's engine name
+    may hold no tab or line break (proto.args.engine_name)."""
     with daemon() as d:
         s = raw_peer(d.path)
         fake = "cpu\tdefault\tyes\t0\t0\t0\t0\tx\n99\t1\t0\tcpu\tprod-engine\tyes\t5\t0\t3\t1000\tspoofed"

@@ -5,8 +5,10 @@ it dies, without waiting for the reaper's tick; a second HELLO never throws an a
 rank away."""
 
 import asyncio
+import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -294,7 +296,7 @@ def test_attach_beyond_the_rank_memory_limit_is_refused_before_allocating(dm):
 
 
 HANDED_OVER = r"""
-import os, sys, time
+import json, os, sys, time
 from sparsekv.client.wire import Wire, connect_unix
 from sparsekv.proto import MsgType, decode, encode
 run_dir = sys.argv[1]
@@ -304,26 +306,55 @@ def call(t, fields):
     assert w.wait(10000), "no reply"
     return decode(w.recv())[0]
 hello = {"rank": 0, "device": "cpu", "name": "handed"}
-if sys.argv[2] == "first":  # the opener says HELLO itself first
+layout = json.loads(sys.argv[3])
+if sys.argv[2] in ("first", "detached"):  # the opener says HELLO itself first
     print("opener", call(MsgType.HELLO, {**hello, "pid": os.getpid()})["ok"], flush=True)
+if sys.argv[2] == "detached":  # and attaches and detaches (DETACH stops watching its pid)
+    print("opener", call(MsgType.ATTACH, {"engine": "e", "layout": layout})["ok"],
+          call(MsgType.DETACH, {})["ok"], flush=True)
 if os.fork():
     os._exit(0)  # the opener exits; its child keeps the connection
 time.sleep(0.5)  # the opener is gone (and reaped) by now
-r = call(MsgType.HELLO, {**hello, "pid": os.getpid()})
+if sys.argv[2] == "detached":
+    r = call(MsgType.ATTACH, {"engine": "e", "layout": layout})
+else:
+    r = call(MsgType.HELLO, {**hello, "pid": os.getpid()})
 print("child", r["ok"], r.get("code"), r.get("msg", ""), flush=True)
 """
 
 
-@pytest.mark.parametrize("first", ["first", "not"])
+@pytest.mark.parametrize("first", ["first", "not", "detached"])
 def test_hello_on_a_connection_whose_opener_exited_is_refused(tmp_path, first):
     """Found by a review: a connection handed to a child outlives its opener, whose pid
     (SO_PEERCRED's) the kernel may give to another process; a HELLO on it took that
     process's groups for its own (a recycled pid in the admin group let another uid join an
     engine). The daemon now holds the opener's pidfd and refuses such a HELLO."""
     with PrivateDaemon(pool_bytes=64 * MiB, backend="cpu", log_path=str(tmp_path / "d.log"), start_timeout_s=30) as d:
-        p = subprocess.run([sys.executable, "-c", HANDED_OVER, d.run_dir, first], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-c", HANDED_OVER, d.run_dir, first,
+                            json.dumps(helpers.layout().to_wire())], capture_output=True, text=True,
                            timeout=30, cwd=str(tmp_path))
         lines = [line for line in p.stdout.splitlines() if line.startswith("child")]
         assert lines, (p.stdout, p.stderr)
         assert lines[0].startswith(f"child False {int(ErrorCode.PERMISSION_DENIED)}"), lines
         assert "the process that opened this connection has exited" in lines[0]
+
+
+def test_the_listener_counts_each_connections_pidfd_against_the_descriptor_reserve(tmp_path):
+    """Found by a review: each control connection holds its opener's pidfd beside its
+    socket, but the listener counted one descriptor a connection, so a burst of
+    connections used up the reserve kept for memfds and the fd socket twice as fast."""
+    from sparsekv.daemon.control_socket import ControlSocket
+
+    cs = ControlSocket(str(tmp_path / "control.sock"), on_message=lambda *a: None, on_closed=lambda *a: None)
+    cs.open(None)
+    try:
+        socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(5)]
+        for s in socks:
+            s.connect(str(tmp_path / "control.sock"))
+        helpers.wait_for(lambda: cs.poll() or len(cs._conns) == 5 or None, timeout_s=5, what="5 connections")
+        held = len(cs._conns) + sum(c.pidfd is not None for c in cs._conns.values())
+        assert held == 10 and cs.listener._connections() == held
+        for s in socks:
+            s.close()
+    finally:
+        cs.close()
