@@ -209,6 +209,17 @@ _READ_ERRORS = (OSError, EOFError, ValueError, MemoryError, RuntimeError, NotImp
                 zlib.error)
 
 
+def _check_room(total: float, what: str, how: str = "") -> None:
+    """TraceError ("``what`` N GiB``how``; this machine has room for ...") when ``total``
+    bytes of arrays pass :data:`TRACE_MEMORY_SHARE` of the memory available."""
+    import psutil  # noqa: PLC0415
+
+    room = psutil.virtual_memory().available * TRACE_MEMORY_SHARE
+    if total > room:
+        raise TraceError(f"{what} {total / 2**30:.1f} GiB{how}; this machine has room for {room / 2**30:.1f} GiB "
+                         f"({TRACE_MEMORY_SHARE:g} of its available memory)")
+
+
 def _check_scalars(path: str, scalars: dict) -> None:
     """The layout the trace's scalars make, checked before its arrays are read."""
     missing = set(SCALARS) - set(scalars)
@@ -261,13 +272,7 @@ def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
             # slots as large as the top-k beside it.
             loaded = dtype.itemsize if dtype.kind == "b" else max(dtype.itemsize, 4)
             total += int(np.prod(shape, dtype=np.float64)) * loaded * (2 if key == "topk" else 1)
-        import psutil  # noqa: PLC0415
-
-        room = psutil.virtual_memory().available * TRACE_MEMORY_SHARE
-        if total > room:
-            raise TraceError(f"trace {path} takes {total / 2**30:.1f} GiB loaded (its integers as int32, and the "
-                             f"replay's slots); this machine has room for "
-                             f"{room / 2**30:.1f} GiB ({TRACE_MEMORY_SHARE:g} of its available memory)")
+        _check_room(total, f"trace {path} takes", " loaded (its integers as int32, and the replay's slots)")
         def read(keys) -> dict:
             got = {}
             for key in keys:
@@ -496,14 +501,8 @@ def synth(
             raise TraceError(f"host_rows {host_rows} gives {span} rows per request; need more than top_k {top_k}")
     # The arrays' bytes (top-k, state rows, reset, invalidate; a position trace's tables
     # besides), checked as a load checks them, before any is made.
-    total = steps * batch * (4 * top_k + 4 + 1 + 8 + (4 * max_blocks if block_size else 0))
-    import psutil  # noqa: PLC0415
-
-    room = psutil.virtual_memory().available * TRACE_MEMORY_SHARE
-    if total > room:
-        raise TraceError(f"a trace of {steps} steps of batch {batch} and top_k {top_k} takes {total / 2**30:.1f} GiB; "
-                         f"this machine has room for {room / 2**30:.1f} GiB ({TRACE_MEMORY_SHARE:g} of its available "
-                         "memory)")
+    _check_room(steps * batch * (4 * top_k + 4 + 1 + 8 + (4 * max_blocks if block_size else 0)),
+                f"a trace of {steps} steps of batch {batch} and top_k {top_k} takes")
     t_topk = np.full((steps, batch, top_k), -1, np.int32)
     t_rows = np.full((steps, batch), -1, np.int32)
     t_reset = np.zeros((steps, batch), bool)

@@ -79,8 +79,8 @@ def log_open_files_limit() -> None:
     else:
         log.info("open files: soft limit %d (hard %d)", now, hard)
     if now < MIN_OPEN_FILES:
-        log.warning("open files: the limit %d is low: each client connection takes two (its socket and a pidfd), and new connections are "
-                    "held off near the limit; raise LimitNOFILE= (the unit sets 65536) or ulimit -Hn to at least %d",
+        log.warning("open files: the limit %d is low: each client connection takes two (its socket and a pidfd), "
+                    "and new connections are held off near the limit; raise LimitNOFILE= (the unit sets 65536) or ulimit -Hn to at least %d",
                     now, MIN_OPEN_FILES)
 
 

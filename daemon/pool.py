@@ -141,7 +141,8 @@ class HostPool:
         avail = psutil.virtual_memory().available
         if size_bytes > avail:
             raise PoolError(f"pool of {format_size(size_bytes)} does not fit in available RAM "
-                            f"({format_size(avail)}); lower pool_size (--pool-size, SPARSEKV_POOL_SIZE or the config file)")
+                            f"({format_size(avail)}); lower pool_size (--pool-size, SPARSEKV_POOL_SIZE or the "
+                            "config file)")
         self.size_bytes = int(size_bytes)
         self._ranges = RangeAllocator(self.size_bytes, ALIGN_BYTES)
         # Released ranges waiting to be zeroed: offset -> (length, chunk futures). Only the

@@ -35,7 +35,7 @@ from .operator_requests import STREAM_LIMIT, OperatorRequests
 from .pool import HostPool, PoolError
 from .registry import EngineRegistry
 from .residency.base import ResidencyError
-from .sessions import Sessions, is_attacher
+from .sessions import Sessions, is_attacher, opener_gone
 from .snapshot import Snapshot
 
 log = logging.getLogger("sparsekv.server")
@@ -265,8 +265,7 @@ class Daemon:
                 session.requests += 1
                 session.last_request_at = time.monotonic()
             if kind == MsgType.ATTACH and self._serving and not self.control.peer_alive(identity):
-                raise ProtocolError(ErrorCode.PERMISSION_DENIED, "the process that opened this connection has exited; "
-                                    "connect again")  # (the session's pid may be another process's by now)
+                raise opener_gone()
             if kind == MsgType.HELLO:
                 peer = peer or self.control.peer(identity)  # SO_PEERCRED (None: in process)
                 if peer is None and self._serving:  # its connection closed while it waited

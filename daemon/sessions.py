@@ -94,8 +94,7 @@ class Sessions(dict):
         for its own (found by a review: a recycled pid of the admin group let another uid
         join an engine)."""
         if alive is not None and not alive():
-            raise ProtocolError(ErrorCode.PERMISSION_DENIED, "the process that opened this connection has exited; "
-                                "connect again")
+            raise opener_gone()
         old = self.get(identity)
         if old is not None:
             # The same connection says hello again: only its own process may, and never
@@ -128,8 +127,7 @@ class Sessions(dict):
         if alive is not None and not alive():  # it exited while its pid was watched: the watch may be another's
             if s.watch is not None:
                 s.watch.close()
-            raise ProtocolError(ErrorCode.PERMISSION_DENIED, "the process that opened this connection has exited; "
-                                "connect again")
+            raise opener_gone()
         self._expired.pop(identity, None)
         self[identity] = s
         self.rlog.log("hello", logging.INFO, "client %d hello: pid %d uid %d rank %d device %s %s", s.client_id, pid,
@@ -300,6 +298,12 @@ def is_attacher(s: Session, pid: int, uid: int, gid: int) -> bool:
     if (pid, uid, gid) != (s.pid, s.uid, s.gid):
         return False
     return s.watch is None or not s.watch.exited()  # exited: the pid may be another's now
+
+
+def opener_gone() -> ProtocolError:
+    """The refusal of a HELLO or ATTACH on a connection whose opening process has exited:
+    the pid SO_PEERCRED gave may be another process's by now."""
+    return ProtocolError(ErrorCode.PERMISSION_DENIED, "the process that opened this connection has exited; connect again")
 
 
 def started(pid: int) -> float | None:

@@ -66,7 +66,8 @@ class InprocClient:
             try:
                 engine = engine_name(engine)
                 tp_size = whole_number("tp_size", tp_size)
-                block_size, index_bytes = whole_number("block_size", block_size), whole_number("index_bytes", index_bytes)
+                block_size = whole_number("block_size", block_size)
+                index_bytes = whole_number("index_bytes", index_bytes)
             except ValueError as e:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, str(e)) from None
             if tp_size != 1:

@@ -99,7 +99,8 @@ class KeyIndex:
     def insert_many(self, lo: np.ndarray, hi: np.ndarray, block: np.ndarray) -> None:
         """Add distinct keys that are not in the index (int64 [n] each), in whole-array
         rounds: each key still going on claims its slot when that slot holds no live key,
-        one of the keys claiming one slot in a round takes it, the others move on one slot. Every slot a key passes holds a live key, as :meth:`insert` leaves them."""
+        one of the keys claiming one slot in a round takes it, the others move on one slot.
+        Every slot a key passes holds a live key, as :meth:`insert` leaves them."""
         if lo.size <= FEW:
             for a, b, x in zip(lo.tolist(), hi.tolist(), block.tolist()):
                 self.insert(a, b, x)

@@ -358,3 +358,4 @@ def test_the_listener_counts_each_connections_pidfd_against_the_descriptor_reser
             s.close()
     finally:
         cs.close()
+
