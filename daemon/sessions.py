@@ -261,16 +261,18 @@ class Sessions(dict):
         self.stats.add(sessions_closed=1)
 
     # -- the operator's view ---------------------------------------------------------
-    def sees_all(self, viewer: Peer | None) -> bool:
-        """Whether ``viewer`` (SO_PEERCRED of a stats socket connection; None: in process)
-        may see every uid's clients: root, the daemon's own uid, and the admin group
-        (primary, or supplementary: the viewer's ``groups``, read at accept while its process
-        ran, else ``/proc`` now)."""
+    def sees_all(self, viewer: Peer | Session | None) -> bool:
+        """Whether ``viewer`` (SO_PEERCRED of a stats or fd socket connection, or a session
+        asking STATS; None: in process) may see every uid's clients: root, the daemon's own
+        uid, and the admin group (primary, or supplementary: a Peer's ``groups``, read at
+        accept while its process ran; a session's from ``/proc`` now)."""
         if viewer is None or viewer.uid in (0, os.getuid()):
             return True
         if self.admin_gid is None:
             return False
-        groups = viewer.groups if viewer.groups is not None else process_groups(viewer.pid)
+        groups = getattr(viewer, "groups", None)  # a Peer read at accept; a Session (STATS over control.sock): /proc
+        if groups is None:
+            groups = process_groups(viewer.pid)
         return viewer.gid == self.admin_gid or self.admin_gid in groups
 
     def client_lines(self, viewer: Peer | None = None) -> str:

@@ -359,3 +359,19 @@ def test_the_listener_counts_each_connections_pidfd_against_the_descriptor_reser
     finally:
         cs.close()
 
+
+def test_a_session_asking_stats_is_judged_by_its_groups_too(sleeper):
+    """STATS over control.sock hands the session itself to ``sees_all``; a session has no
+    ``groups`` read at accept (a Peer of the stats socket has): its groups come from /proc
+    (found reading the change: an AttributeError, INTERNAL, for any uid but root's and the
+    daemon's once admin_gid was set)."""
+    from types import SimpleNamespace
+
+    from sparsekv.daemon.sessions import Session, Sessions
+
+    p = sleeper()
+    s = Session(b"c1", 1, p.pid, 0, "cpu", "t", None, uid=os.getuid() + 12345, gid=7, verified=True)
+    judge = SimpleNamespace(admin_gid=4242)
+    assert Sessions.sees_all(judge, s) is False  # not in 4242: sees its own uid's
+    s.gid = 4242
+    assert Sessions.sees_all(judge, s) is True
