@@ -1,6 +1,6 @@
 """In-process transport: the daemon's residency engine and mover in the caller's process,
-with the methods and results of :class:`~sparsekv.client.Client` (baselines, tests, a library).
-With ``attach(..., block_size=n)`` its ``blocks`` is a block store (DESIGN §9) of this
+with the methods and results of :class:`~sparsekv.client.Client` (baselines, tests, a library),
+``stats()`` included: the daemon's counters of this one rank. With ``attach(..., block_size=n)`` its ``blocks`` is a block store (DESIGN §9) of this
 process alone (with ``index_bytes``, and an indexer keys plane): prefix reuse within it,
 nothing shared, nothing kept past ``close``.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import numpy as np
 
@@ -16,8 +17,9 @@ from sparsekv.daemon.blocks.contract import BlockError
 from sparsekv.daemon.block_requests import block_array, block_count
 from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.daemon.engine import EngineSpace, RankState, host_rows_arg
-from sparsekv.daemon.residency.base import ResidencyError
+from sparsekv.daemon.residency.base import ResidencyError, whole_arg
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
+from sparsekv.daemon.stats import Stats
 from sparsekv.proto import ErrorCode, Layout, MsgType, ProtocolError
 from sparsekv.proto.args import engine_name, whole_number
 from sparsekv.proto.blocks import KeysPlane, check_store
@@ -29,7 +31,8 @@ from sparsekv.client.results import TopkResult
 
 
 class InprocClient:
-    """One rank with its own host pool (NumPy backend)."""
+    """One rank with its own host pool (NumPy backend). Its counters (:meth:`stats`) are the
+    daemon's, counted alike, over this rank's requests since the client was made."""
 
     def __init__(self, rank: int = 0, backend: str = "cpu"):
         if backend != "cpu":
@@ -40,6 +43,7 @@ class InprocClient:
         self.blocks: Blocks | None = None
         self._space: EngineSpace | None = None
         self._state = None
+        self._stats = Stats()
 
     def __enter__(self) -> "InprocClient":
         return self
@@ -56,13 +60,31 @@ class InprocClient:
         self.attachment = self.blocks = None
         self._space = self._state = None
 
+    def stats(self) -> dict:
+        """The daemon's STATS snapshot of this one rank: every counter of ``sparsekv stats``
+        (steps, hits, misses, rows and bytes moved and written, block store requests,
+        requests and errors by code, the top-k's handling time: call to return), and the
+        engine's gauges (``per_engine``) while attached."""
+        space = self._space
+        engines = {}
+        if space is not None:
+            lay = space.layout
+            engines[space.name] = {"ranks": 1, "pool_bytes": space.range_bytes, "slab_bytes": lay.slab_bytes,
+                                   "tp_size": 1, "tp_lag": 0,
+                                   **({"blocks": space.blocks.gauges()} if space.blocks is not None else {})}
+        return self._stats.snapshot({}, {
+            **self.info, "transport": "inproc", "clients": 1, "attached": int(space is not None),
+            "engines": len(engines), "pool_bytes": space.range_bytes if space is not None else 0,
+            "per_engine": engines, "pid": os.getpid()})
+
     def attach(self, layout: Layout, engine: str = "default", block_size: int = 0, index_bytes: int = 0,
                prefetch: bool = False, tp_size: int = 1) -> Attachment:
-        if self._state is not None:  # as the daemon: a second attach would start the engine anew, its rows gone
-            raise error_for(int(ErrorCode.ALREADY_ATTACHED), f"attached to engine {self._space.name!r} already; "
-                            "detach first")
+        with _errors(self._stats):
+            if self._state is not None:  # as the daemon: a second attach would start the engine anew, its rows gone
+                raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"attached to engine {self._space.name!r} already; "
+                                    "detach first")
         layout.validate()
-        with _errors():
+        with _errors(self._stats, counted=True):
             try:
                 engine = engine_name(engine)
                 tp_size = whole_number("tp_size", tp_size)
@@ -95,23 +117,37 @@ class InprocClient:
     def _block_call(self, kind: MsgType, fields=None, arrays=None):
         """A BLOCK_* request on this process's store, answered as the daemon would (``Blocks`` calls it)."""
         a, h = arrays or {}, fields or {}
-        store = self._space.blocks  # (a handle exists only with a store, and ends at detach: Blocks.close)
-        with _errors():  # the daemon's checks of the fields and arrays first (block_requests.py)
+        space = self._space
+        store = space.blocks  # (a handle exists only with a store, and ends at detach: Blocks.close)
+        add = self._stats.add  # counted as the daemon's block_requests.py counts them
+        with _errors(self._stats):  # the daemon's checks of the fields and arrays first (block_requests.py)
             if kind == MsgType.BLOCK_RESERVE:
                 n = store.reserve(0, block_count(h, signed=True))
                 return {**store.gauges(), "reserved": n}, {}
             if kind == MsgType.BLOCK_ALLOC:
-                return {}, {"blocks": store.alloc(0, block_count(h))}
+                before = store.counts["evictions"]
+                blocks = store.alloc(0, block_count(h))
+                add(block_evictions=store.counts["evictions"] - before)
+                return {}, {"blocks": blocks}
             if kind == MsgType.BLOCK_COMMIT:
-                return {}, {"held": store.commit(0, block_array(a, "blocks"), block_array(a, "hashes"))}
+                held = store.commit(0, block_array(a, "blocks"), block_array(a, "hashes"))
+                add(block_commits=int((held == a["blocks"]).sum()))
+                return {}, {"held": held}
             if kind == MsgType.BLOCK_LOOKUP:
-                return {}, {"blocks": store.lookup(0, block_array(a, "hashes"))}
-            space = self._space
+                found = store.lookup(0, block_array(a, "hashes"))
+                tokens = found.size * space.block_size
+                add(block_lookups=1, block_hits=found.size, block_hit_tokens=tokens,
+                    block_hit_bytes=tokens * space.layout.num_layers * space.layout.row_bytes)
+                return {}, {"blocks": found}
             if kind == MsgType.BLOCK_WRITE_KEYS:
                 keys = block_array(a, "keys")
-                return {"bytes": space.copy_keys_in(space.check_keys_write(0, block_array(a, "blocks"), keys), keys)}, {}
+                nbytes = space.copy_keys_in(space.check_keys_write(0, block_array(a, "blocks"), keys), keys)
+                add(block_keys_bytes_written=nbytes)
+                return {"bytes": nbytes}, {}
             if kind == MsgType.BLOCK_READ_KEYS:
-                return {}, {"keys": space.copy_keys_out(space.check_keys_read(0, block_array(a, "blocks")))}
+                keys = space.copy_keys_out(space.check_keys_read(0, block_array(a, "blocks")))
+                add(block_keys_bytes_read=keys.nbytes)
+                return {}, {"keys": keys}
             store.release(0, block_array(a, "blocks"))
             return {}, {}
 
@@ -121,41 +157,59 @@ class InprocClient:
             self._space.blocks.writable(0, host_rows_arg(self._space.layout, rows, "write"), self._space.block_size)
 
     def detach(self) -> None:
+        self._stats.c["requests"] += 1
         self.close()
 
     def step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
-        with _errors():
-            self._need().begin_step(step, state_rows, reset, invalidate)
+        with _errors(self._stats):
+            st = self._need()
+            st.begin_step(step, state_rows, reset, invalidate)
+            self._stats.add(steps=1, **st.prefetch_outcomes())
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> TopkResult:
-        with _errors():
+        t0 = time.perf_counter()
+        with _errors(self._stats):
             st = self._need()
-            res, _ = st.topk(step, group, topk, state_rows)
+            step, group = whole_arg("step", step), whole_arg("group", group)  # as RankState.topk
+            fields, arrays, deltas = st.serve_topk(step, group, topk, state_rows)
+            self._stats.add(**deltas)
             if st.pending_prefetch is not None:  # in process: at once (the same rows either way)
-                st.run_prefetch()
-        return TopkResult(_read_only(res.slots), _read_only(res.misses), res.hits, res.out_of_range)
+                self._stats.add(**st.run_prefetch())
+        self._stats.latency(time.perf_counter() - t0)
+        return TopkResult(_read_only(arrays["slots"]), _read_only(arrays["misses"]), fields["hits"],
+                          fields["out_of_range"])
 
     def flush(self) -> None:
         """Nothing is deferred here: every call raises its own error (as ``Client.flush``)."""
 
     def write(self, rows, data, layers=None) -> dict:
-        with _errors():
-            self._need()
+        with _errors(self._stats):
+            st = self._need()
             self._own_blocks(rows)
             nbytes, dropped = self._space.write(layers, rows, data)
+            self._wrote(st, nbytes, dropped)
         return {"bytes": nbytes, "invalidated": dropped}
 
     def write_staged(self, rows, layers=None) -> dict:
-        with _errors():
+        with _errors(self._stats):
             st = self._need()
             self._own_blocks(rows)
             nbytes, dropped = self._space.write_staged(st, layers, rows)
+            self._wrote(st, nbytes, dropped)
         return {"bytes": nbytes, "invalidated": dropped}
 
+    def _wrote(self, st, nbytes: int, dropped: int) -> None:
+        """A write's counters, as the daemon's: its rows and bytes, the hot copies it
+        dropped, and the prefetched rows those were (wasted)."""
+        self._stats.add(rows_written=nbytes // self._space.layout.row_bytes, bytes_written=nbytes,
+                        hot_invalidated=dropped, **st.prefetch_outcomes())
+
     def stage(self, rows, layers=None) -> int:
-        with _errors():
+        with _errors(self._stats):
             st = self._need()
-            return st.stage(rows, layers)
+            nbytes = st.stage(rows, layers)
+            self._stats.add(rows_staged=nbytes // self._space.layout.row_bytes)
+            return nbytes
 
     def _need(self):
         if self._state is None:
@@ -171,13 +225,19 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _errors():
-    """Raise the same typed exceptions as the daemon client."""
+def _errors(stats: Stats, counted: bool = False):
+    """One request: raise the same typed exceptions as the daemon client, and count the
+    request (unless ``counted`` already) and its error by code, as the daemon does."""
+    if not counted:
+        stats.c["requests"] += 1
     try:
         yield
     except ResidencyError as e:
+        stats.error(e.code)
         raise error_for(int(ErrorCode[e.code]), str(e)) from None
     except BlockError as e:
+        stats.error(e.code)
         raise error_for(int(ErrorCode[e.code]), str(e), e.detail) from None
     except ProtocolError as e:
+        stats.error(ErrorCode(e.code).name)
         raise error_for(int(e.code), e.args[0], e.detail) from None

@@ -276,3 +276,57 @@ def test_review_findings_on_names_resets_wide_integers_and_kept_block_handles(mo
                 with pytest.raises(NotAttached, match="attachment that has ended"):
                     kept.alloc(1)
                 x.detach()
+
+
+COUNTED = ("steps", "topk_batches", "hits", "misses", "rows_moved", "bytes_moved", "out_of_range", "prefetched",
+           "prefetch_hits", "prefetch_wasted", "rows_written", "bytes_written", "hot_invalidated", "rows_staged",
+           "block_lookups", "block_hits", "block_hit_tokens", "block_hit_bytes", "block_commits",
+           "block_evictions", "block_keys_bytes_written", "block_keys_bytes_read", "errors")
+
+
+def _counted_workload(c) -> None:
+    """Steps, top-k batches with prefetch, writes that drop hot copies, staging, block
+    store requests that evict, key writes and reads, and two refused requests."""
+    lay = helpers.layout(num_layers=2, host_rows=32, max_reqs=2, staging_rows=4, index_groups=((0,), (1,)))
+    c.attach(lay, engine="counted", block_size=4, index_bytes=8, prefetch=True)
+    c.blocks.reserve(8)
+    blocks = c.blocks.alloc(8)  # every block: the engine writes only its own
+    helpers.fill(c, lay)
+    for step, cols in enumerate(([[1, 2, 3, 40]], [[1, 2, 5, 6]], [[7, 2, 5, -1]])):
+        c.step(step, [0])
+        for group in (0, 1):
+            c.topk(step, group, cols)
+    c.write(np.array([2, 5], np.int32), np.zeros((2, 2, lay.row_bytes), np.uint8))  # rows hot in the region
+    c.stage([0, 1, 2])
+    keys = c.blocks.hashes(np.arange(16))
+    c.blocks.write_keys(blocks[:2], np.ones((2, 2, 4, 8), np.uint8))
+    c.blocks.commit(blocks[:4], keys)
+    c.blocks.read_keys(blocks[:1])
+    c.blocks.release(blocks)
+    assert c.blocks.lookup(keys).size == 4
+    c.blocks.release(blocks[:4])
+    c.blocks.reserve(8)
+    c.blocks.alloc(8)  # every block again: the 4 cached ones evicted
+    with pytest.raises(BadRequest):
+        c.topk(2, 0, [[1, 1, 2, 3]])  # DUPLICATE_IDS, in a step begun
+    with pytest.raises(BadRequest):
+        c.step(4, [9])  # BAD_STATE_ROW
+        c.topk(4, 0, [[1, 2, 3, 4]])  # the client sends its step with the top-k
+
+
+def test_inproc_stats_count_what_the_daemons_count():
+    """``InprocClient.stats()`` is the daemon's STATS of one rank: the same workload on
+    both paths gives the same counters and errors by code."""
+    with InprocClient() as c:
+        _counted_workload(c)
+        inproc = c.stats()
+    with helpers.serving_daemon(4 << 20) as d, Client(d.run_dir) as c:
+        _counted_workload(c)
+        daemon = c.stats()
+    assert {k: inproc[k] for k in COUNTED} == {k: daemon[k] for k in COUNTED}
+    assert inproc["hits"] > 0 and inproc["prefetched"] > 0 and inproc["hot_invalidated"] > 0
+    assert inproc["block_evictions"] == 4 and inproc["block_hits"] == 4
+    assert inproc["errors_by_code"] == daemon["errors_by_code"] == {"DUPLICATE_IDS": 1, "BAD_STATE_ROW": 1}
+    assert inproc["topk_latency_us"]["n"] == inproc["topk_batches"] == 6  # the refused one not (as the daemon)
+    assert inproc["per_engine"]["counted"]["blocks"] == daemon["per_engine"]["counted"]["blocks"]
+    assert inproc["hit_rate"] == daemon["hit_rate"] and inproc["transport"] == "inproc"
