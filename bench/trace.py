@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from sparsekv.proto import Layout
+from sparsekv.proto.args import int32_array
 from sparsekv.proto.layout import MAX_BATCH, MAX_LAYERS
 from sparsekv.proto.positions import host_rows as map_positions
 
@@ -123,7 +124,7 @@ class Trace:
         if table.ndim != 3 or table.shape[:2] != (s, b):
             raise TraceError(f"block_table must be [{s}, {b}, max_blocks], got {table.shape}")
         if table.dtype.kind not in "iu":
-            raise TraceError(f"block_table must hold integers (int32), got {table.dtype}")
+            raise TraceError(f"block_table must hold integers, got {table.dtype}")
         if table.size:
             whole = self.host_rows // bs  # host blocks that lie wholly in the pool
             lo, hi = int(table.min()), int(table.max())
@@ -290,14 +291,10 @@ def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
 
 def _int32(path: str, name: str, a: np.ndarray) -> np.ndarray:
     """``a`` as int32: an integer array whose every value fits int32 (never wrapped)."""
-    if a.dtype.kind not in "iu":
-        raise TraceError(f"trace {path}: {name} must hold integers (int32), got {a.dtype}")
-    if a.size and a.dtype != np.int32:
-        lo, hi = int(a.min()), int(a.max())
-        if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
-            bad = lo if lo < np.iinfo(np.int32).min else hi
-            raise TraceError(f"trace {path}: {name} holds {bad}, outside int32")
-    return a.astype(np.int32)
+    try:
+        return int32_array(name, a)
+    except ValueError as e:
+        raise TraceError(f"trace {path}: {e}") from None
 
 
 def _scalar(path: str, name: str, a: np.ndarray) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from sparsekv.proto import ErrorCode
-from sparsekv.proto.args import empty_list_as, layer_numbers, reset_flags, whole_number
+from sparsekv.proto.args import INT32_MAX, int32_array, layer_numbers, reset_flags, whole_number
 
 from .errors import BadRequest
 
@@ -38,29 +38,16 @@ def device_ids(topk):
     return topk.to(torch.int32).contiguous()
 
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-
 def host_int32(name: str, a):
     """``a`` (a NumPy array, a CPU tensor, a list) as a host int32 array, or BadRequest
     naming it: its values must be integers (not floats or bools, which a cast would
     truncate) within int32 (not wrapped)."""
-    import numpy as np  # noqa: PLC0415
-
     if is_torch(a):
         a = a.detach().cpu().numpy()
     try:
-        arr = np.asarray(a)
-    except (TypeError, ValueError) as e:
-        raise BadRequest(f"{name} must be an array of integers: {e}", ErrorCode.BAD_ARGUMENT) from None
-    arr = empty_list_as(arr, np.int32)
-    if arr.dtype.kind not in "iu":
-        raise BadRequest(f"{name} must hold integers, got {arr.dtype}", ErrorCode.BAD_ARGUMENT)
-    if arr.dtype.itemsize > 4 or arr.dtype == np.uint32:
-        if arr.size and (int(arr.min()) < INT32_MIN or int(arr.max()) > INT32_MAX):
-            bad = arr[(arr < INT32_MIN) | (arr > INT32_MAX)].reshape(-1)[0]
-            raise BadRequest(f"{name} holds {int(bad)}, outside int32", ErrorCode.BAD_ARGUMENT)
-    return arr.astype(np.int32, copy=False)
+        return int32_array(name, a)
+    except ValueError as e:
+        raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
 
 
 def host_bytes(name: str, a):

@@ -41,6 +41,26 @@ def layer_numbers(layers) -> tuple[int, ...]:
     return tuple(out)
 
 
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def int32_array(name: str, a) -> np.ndarray:
+    """``a`` (a NumPy array, a list) as an int32 array: its values integers (floats and
+    bools are refused, a cast would truncate them; an empty list is taken) each within
+    int32 (a cast would wrap it to another row or token)."""
+    try:
+        arr = empty_list_as(np.asarray(a), np.int32)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{name} must be an array of integers: {e}") from None
+    if arr.dtype.kind not in "iu":  # (a bool's kind is 'b')
+        raise ValueError(f"{name} must hold integers, got {arr.dtype}")
+    if arr.dtype != np.int32 and arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < INT32_MIN or hi > INT32_MAX:
+            raise ValueError(f"{name} holds {lo if lo < INT32_MIN else hi}, outside int32")
+    return arr.astype(np.int32, copy=False)
+
+
 def empty_list_as(a: np.ndarray, dtype) -> np.ndarray:
     """``a``, or as ``dtype`` when it is an empty float array: an empty Python list, to
     NumPy, with no value a cast could change."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .args import int32_array
 from .layout import Layout
 from .messages import LIMITS, ErrorCode, ProtocolError
 
@@ -69,18 +70,7 @@ def _parent_key(parent) -> bytes:
 def _token_ids(tokens) -> np.ndarray:
     """Token ids as little-endian int32, refused rather than cast: floats and bools (a cast
     truncates) and ids outside int32 (a cast wraps) would give another prompt's keys."""
-    try:
-        a = np.asarray(tokens)
-    except (ValueError, TypeError, OverflowError) as e:
-        raise ValueError(f"tokens must be integers, got {e}") from None
-    if a.size == 0:
-        return np.empty(0, dtype="<i4")
-    if a.dtype == bool or a.dtype.kind not in "iu":
-        raise ValueError(f"tokens must be integer ids (int32), got {a.dtype}")
-    lo, hi = int(a.min()), int(a.max())
-    if lo < -(1 << 31) or hi > (1 << 31) - 1:
-        raise ValueError(f"tokens must fit int32, got {lo if lo < -(1 << 31) else hi}")
-    return np.ascontiguousarray(a.reshape(-1), dtype="<i4")
+    return np.ascontiguousarray(int32_array("tokens", tokens).reshape(-1), dtype="<i4")
 
 
 # The indexer keys plane starts on a page of its own after the rows: a later cuda path can

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsekv.proto.args import empty_list_as, whole_number
+from sparsekv.proto.args import int32_array, whole_number
 from sparsekv.proto.layout import Layout
 
 
@@ -261,14 +261,10 @@ def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
     a = np.asarray(a)
     if a.ndim != ndim:
         raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
-    a = empty_list_as(a, np.int32)  # as the client takes it
-    if a.dtype.kind not in "iu":
-        raise ResidencyError("BAD_ARGUMENT", f"{name} must hold integers, got {a.dtype}")
-    if a.dtype != np.int32:
-        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
-            raise ResidencyError("BAD_ARGUMENT", f"{name} has values outside int32")
-        a = a.astype(np.int32)
-    return a
+    try:
+        return int32_array(name, a)  # as the client takes it
+    except ValueError as e:
+        raise ResidencyError("BAD_ARGUMENT", str(e)) from None
 
 
 def whole_arg(name: str, v) -> int:

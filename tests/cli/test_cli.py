@@ -164,7 +164,7 @@ BAD_TRACES = {
     "pool past the memory": (lambda p: _save(p, host_rows=np.int64(2**30), row_bytes=np.int64(4096)),
                              "GiB of host memory"),
     "text array": (lambda p: _save(p, topk=np.full((3, 2, 4), "x")), "topk must hold integers"),
-    "float ids": (lambda p: _save(p, topk=np.zeros((3, 2, 4), np.float32)), "topk must hold integers (int32), got float32"),
+    "float ids": (lambda p: _save(p, topk=np.zeros((3, 2, 4), np.float32)), "topk must hold integers, got float32"),
     "bad layout scalars": (lambda p: _save(p, region_stride=2), "region_stride"),
     "state row beyond max_reqs": (lambda p: _save(p, state_rows=np.full((3, 2), 9, np.int32)), "state row 9"),
     "duplicate ids in a row": (lambda p: _save(p, topk=_dup_topk()), "step 1: top-k row 0 names the same host row twice"),

@@ -48,14 +48,14 @@ def test_a_parent_is_a_key_as_bytes_or_a_row_of_hashes():
 
 
 @pytest.mark.parametrize("tokens, words", [
-    ([11, 12, 13, 14 + 2**32], "fit int32, got 4294967310"),
-    (np.array([11, 12, 13, 14 + 2**32]), "fit int32"),
-    (np.array([2**64 - 2**32 + 4], np.uint64), "fit int32"),
-    ([-(2**31) - 1, 1], "fit int32, got -2147483649"),
-    ([11.0, 12.4, 13.9, 14.2], "integer ids .int32., got float64"),
+    ([11, 12, 13, 14 + 2**32], "tokens holds 4294967310, outside int32"),
+    (np.array([11, 12, 13, 14 + 2**32]), "outside int32"),
+    (np.array([2**64 - 2**32 + 4], np.uint64), "outside int32"),
+    ([-(2**31) - 1, 1], "tokens holds -2147483649, outside int32"),
+    ([11.0, 12.4, 13.9, 14.2], "tokens must hold integers, got float64"),
     (np.array([True, False]), "got bool"),
     (["a", "b"], "got <U1"),
-    ([[1, 2], [3]], "tokens must be integers"),
+    ([[1, 2], [3]], "tokens must be an array of integers"),
 ])
 def test_token_ids_a_cast_would_change_are_refused(tokens, words):
     with pytest.raises(ValueError, match=words):
