@@ -92,20 +92,29 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                 v[u] = j < k ? tk[j] : -1;
             }
             if (trow) {  // block-uniform
-                // Both tables' entries of every column loaded (none waiting on another),
-                // then each column's row.
-                i64 rb[SKV_DB_UNROLL], tb[SKV_DB_UNROLL];
+                // Both tables' entries of every column loaded (none waiting on another; no
+                // branch around a load, skv_entry_of), then each column's row.
+                int rb[SKV_DB_UNROLL], tb[SKV_DB_UNROLL];
+                if (live && rrow && res_blocks > 0) {  // token-uniform, as the next
 #pragma unroll
-                for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                    rb[u] = skv_block_of(live ? rrow : nullptr, res_blocks, v[u], block_size);
-                    tb[u] = skv_block_of(live ? trow : nullptr, max_blocks, v[u], block_size);
+                    for (int u = 0; u < SKV_DB_UNROLL; ++u) rb[u] = skv_entry_of(rrow, res_blocks, v[u], block_size);
+                } else {
+#pragma unroll
+                    for (int u = 0; u < SKV_DB_UNROLL; ++u) rb[u] = -1;
+                }
+                if (live && max_blocks > 0) {
+#pragma unroll
+                    for (int u = 0; u < SKV_DB_UNROLL; ++u) tb[u] = skv_entry_of(trow, max_blocks, v[u], block_size);
+                } else {
+#pragma unroll
+                    for (int u = 0; u < SKV_DB_UNROLL; ++u) tb[u] = -1;
                 }
 #pragma unroll
                 for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                     const int p = v[u];
                     if (!live) v[u] = SKV_UNMAPPED;
-                    else if (skv_row_in_block(rb[u], p, block_size) >= 0) v[u] = -1;  // resident on the engine's GPU
-                    else v[u] = skv_host_row_of(skv_row_in_block(tb[u], p, block_size));
+                    else if (skv_row_in_block((i64)rb[u], p, block_size) >= 0) v[u] = -1;  // resident on the engine's GPU
+                    else v[u] = skv_host_row_of(skv_row_in_block((i64)tb[u], p, block_size));
                 }
             }
 #pragma unroll
@@ -172,8 +181,7 @@ extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
         int mine = 0;
         // SKV_DB_UNROLL columns a thread in flight, as skv_db_topk.
         for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
-            int o[SKV_DB_UNROLL], sl[SKV_DB_UNROLL], pos[SKV_DB_UNROLL];
-            i64 rb[SKV_DB_UNROLL];
+            int o[SKV_DB_UNROLL], sl[SKV_DB_UNROLL], pos[SKV_DB_UNROLL], rb[SKV_DB_UNROLL];
 #pragma unroll
             for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                 const int j = j0 + u * blockDim.x + threadIdx.x;
@@ -181,14 +189,20 @@ extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
                 // Loaded whatever the others hold: no load waits on another's value.
                 pos[u] = (on && rrow) ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
                 sl[u] = on ? __ldcg(slots + (i64)t * ld + j) : -1;  // (written by the daemon while this kernel may poll)
-                rb[u] = skv_block_of(rrow, res_blocks, pos[u], block_size);
+            }
+            if (rrow && res_blocks > 0) {  // token-uniform; no branch around a load (skv_entry_of)
+#pragma unroll
+                for (int u = 0; u < SKV_DB_UNROLL; ++u) rb[u] = skv_entry_of(rrow, res_blocks, pos[u], block_size);
+            } else {
+#pragma unroll
+                for (int u = 0; u < SKV_DB_UNROLL; ++u) rb[u] = -1;
             }
 #pragma unroll
             for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                 const int j = j0 + u * blockDim.x + threadIdx.x;
                 o[u] = -1;
                 if (live && j < k) {
-                    const i64 r = skv_row_in_block(rb[u], pos[u], block_size);
+                    const i64 r = skv_row_in_block((i64)rb[u], pos[u], block_size);
                     i64 v = -1;
                     if (r >= 0) v = resident_base + r;
                     else if (sl[u] >= 0) v = hot_base + (i64)req * region_stride + sl[u];
