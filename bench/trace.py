@@ -292,7 +292,7 @@ def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
 def _int32(path: str, name: str, a: np.ndarray) -> np.ndarray:
     """``a`` as int32: an integer array whose every value fits int32 (never wrapped)."""
     try:
-        return int32_array(name, a)
+        return int32_array(name, a, lists=False)
     except ValueError as e:
         raise TraceError(f"trace {path}: {e}") from None
 

@@ -32,7 +32,7 @@ from sparsekv.client.results import TopkResult
 
 class InprocClient:
     """One rank with its own host pool (NumPy backend). Its counters (:meth:`stats`) are the
-    daemon's, counted alike, over this rank's requests since the client was made."""
+    daemon's, counted alike over what this rank ran since the client was made."""
 
     def __init__(self, rank: int = 0, backend: str = "cpu"):
         if backend != "cpu":
@@ -64,7 +64,11 @@ class InprocClient:
         """The daemon's STATS snapshot of this one rank: every counter of ``sparsekv stats``
         (steps, hits, misses, rows and bytes moved and written, block store requests,
         requests and errors by code, the top-k's handling time: call to return), and the
-        engine's gauges (``per_engine``) while attached."""
+        engine's gauges (``per_engine``) while attached. Where the paths differ: here each
+        call is a request that runs (and counts) at once, and every refused call is an
+        error; a :class:`~sparsekv.client.Client` sends its step with its next top-k (one
+        request; a refused top-k and its step both did not run), and refuses bad
+        arguments itself, so its daemon never counts them."""
         space = self._space
         engines = {}
         if space is not None:

@@ -44,14 +44,20 @@ def layer_numbers(layers) -> tuple[int, ...]:
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
-def int32_array(name: str, a) -> np.ndarray:
-    """``a`` (a NumPy array, a list) as an int32 array: its values integers (floats and
-    bools are refused, a cast would truncate them; an empty list is taken) each within
-    int32 (a cast would wrap it to another row or token)."""
+def int32_array(name: str, a, ndim: int | None = None, lists: bool = True) -> np.ndarray:
+    """``a`` (a NumPy array, a list) as an int32 array (of ``ndim`` dimensions, when
+    given): its values integers (floats and bools are refused, a cast would truncate them)
+    each within int32 (a cast would wrap it to another row or token). With ``lists``, an
+    empty float array is taken as an empty list (NumPy's reading of ``[]``); a file's
+    arrays (a trace) pass ``lists=False``."""
     try:
-        arr = empty_list_as(np.asarray(a), np.int32)
-    except (TypeError, ValueError, OverflowError) as e:
+        arr = np.asarray(a)
+    except (TypeError, ValueError, OverflowError) as e:  # (a ragged list)
         raise ValueError(f"{name} must be an array of integers: {e}") from None
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
+    if lists:
+        arr = empty_list_as(arr, np.int32)
     if arr.dtype.kind not in "iu":  # (a bool's kind is 'b')
         raise ValueError(f"{name} must hold integers, got {arr.dtype}")
     if arr.dtype != np.int32 and arr.size:

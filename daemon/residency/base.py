@@ -258,11 +258,8 @@ def find_duplicates(topk: np.ndarray, state_rows: np.ndarray, host_rows: int) ->
 
 def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
     """Integer array of ``ndim`` dims as int32, or a BAD_ARGUMENT error naming it."""
-    a = np.asarray(a)
-    if a.ndim != ndim:
-        raise ResidencyError("BAD_ARGUMENT", f"{name} must have {ndim} dimension(s), got shape {a.shape}")
     try:
-        return int32_array(name, a)  # as the client takes it
+        return int32_array(name, a, ndim)  # as the client takes it
     except ValueError as e:
         raise ResidencyError("BAD_ARGUMENT", str(e)) from None
 

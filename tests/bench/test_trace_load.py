@@ -246,3 +246,13 @@ def test_a_batch_past_a_top_k_batchs_limit_is_refused_naming_the_file(tmp_path):
     path = _save(tmp_path, a)
     with pytest.raises(TraceError, match=f"trace {path}: topk's batch of 65537 rows .*at most 65536 rows"):
         Trace.load(path)
+
+
+def test_an_empty_float_array_is_refused_where_integers_are_required(tmp_path):
+    """A file's arrays get no leniency for an empty Python list (NumPy reads ``[]`` as
+    float64, which the clients take as no ids): an empty float32 ``invalidate`` is a type
+    the trace format does not allow (found by a review of the one int32 rule)."""
+    a = _good()
+    a["invalidate"] = np.zeros(a["invalidate"].shape[:2] + (0,), np.float32)
+    with pytest.raises(TraceError, match="invalidate must hold integers, got float32"):
+        Trace.load(_save(tmp_path, a))

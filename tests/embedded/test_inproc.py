@@ -330,3 +330,27 @@ def test_inproc_stats_count_what_the_daemons_count():
     assert inproc["topk_latency_us"]["n"] == inproc["topk_batches"] == 6  # the refused one not (as the daemon)
     assert inproc["per_engine"]["counted"]["blocks"] == daemon["per_engine"]["counted"]["blocks"]
     assert inproc["hit_rate"] == daemon["hit_rate"] and inproc["transport"] == "inproc"
+
+
+@pytest.mark.parametrize("call", ["topk", "stage", "write", "step"])
+def test_a_ragged_list_is_a_bad_argument_in_process_as_through_the_client(call, module_daemon):
+    """NumPy refuses a ragged list with a bare ValueError, which reached the caller of the
+    in-process engine (found by a review of the one int32 rule); the client's is BadRequest."""
+    ragged = [[1, 2], [3]]
+    with InprocClient() as c, Client(module_daemon.run_dir, name="ragged") as d:
+        for x in (c, d):
+            x.attach(LAYOUT, engine="ragged")
+            x.step(0, [0])
+            x.topk(0, 0, [[1, 2, 3, 4]])
+            with pytest.raises(BadRequest) as ei:
+                if call == "topk":
+                    x.topk(0, 1, ragged)
+                elif call == "stage":
+                    x.stage(ragged)
+                elif call == "write":
+                    x.write(ragged, np.zeros((2, 2, 32), np.uint8))
+                else:
+                    x.step(1, ragged)
+                    x.topk(1, 0, [[1, 2, 3, 4]])  # the client sends its step with the top-k
+            assert ei.value.code == ErrorCode.BAD_ARGUMENT and "must be an array of integers" in str(ei.value)
+            x.detach()
