@@ -117,7 +117,9 @@ def add_arguments(p) -> None:
     p.add_argument("--host-pool-gib", type=float, default=16.0, metavar="GIB",
                    help="host pool of each offloaded mode on this machine; requests share host blocks beyond it "
                         "(default 16)")
-    p.add_argument("--hbm-gb", type=float, default=141.0, metavar="GB", help="the deployment's HBM per GPU")
+    p.add_argument("--hbm-gb", type=float, default=141.0, metavar="GB",
+                   help="the deployment's HBM per GPU, in 1e9 bytes (default 141: the H200's rated size; its driver "
+                        "reports 143771 MiB, 150.8 GB, of which an engine keeps a share for itself)")
     p.add_argument("--host-gib", type=float, default=256.0, metavar="GIB",
                    help="the deployment's host memory per GPU (default 2 TiB / 8)")
     p.add_argument("--activations-gb", type=float, default=5.0, metavar="GB",

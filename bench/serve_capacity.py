@@ -130,9 +130,13 @@ def capacity(sh, context: int, dep: Deployment = Deployment(), region_rows: int 
 def capacity_text(sh, contexts, dep: Deployment = Deployment(), region_rows: int | None = None) -> str:
     """The capacity arithmetic, printed."""
     w = weight_bytes(sh)
-    lines = [f"capacity per GPU: HBM {dep.hbm_bytes / GB:.0f} GB - weights {sum(w.values()) / GB:.1f} GB ("
+    # GB = 1e9 bytes throughout, so that the lines below divide as printed (the host's
+    # share is given in GiB: both shown).
+    free = dep.hbm_bytes - sum(w.values()) - dep.activation_bytes
+    lines = [f"capacity per GPU: HBM {dep.hbm_bytes / GB:.1f} GB - weights {sum(w.values()) / GB:.1f} GB ("
              + ", ".join(f"{k} {v / GB:.1f}" for k, v in w.items())
-             + f") - activations {dep.activation_bytes / GB:.0f} GB; host {dep.host_bytes / 2**30:.0f} GiB"]
+             + f") - activations {dep.activation_bytes / GB:.1f} GB = {free / GB:.1f} GB free; "
+             f"host {dep.host_bytes / GB:.1f} GB ({dep.host_bytes / 2**30:g} GiB)"]
     for c in contexts:
         cap = capacity(sh, c, dep, region_rows)
         lines.append(f"  context {c}: all on GPU {cap['gpu_hbm'] / GB:.3f} GB a request -> batch {cap['gpu']}; "
