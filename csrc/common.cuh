@@ -189,32 +189,6 @@ __device__ __forceinline__ int skv_pow2(int n) {
 // exited. skv_pdl_wait() returns once the kernel before has completed and its writes are
 // visible; every read of what it wrote must come after it. Launched plainly, the wait
 // returns at once and the trigger does nothing.
-// Loads kept in program order with each other and with volatile accesses (volatile loads:
-// the assembler keeps their order too), for a kernel whose loads must all go out before
-// any is used: otherwise the assembler scheduled one load's use (a request id made
-// uniform) before the next loads, and the thread waited a round trip there
-// (skv_db_indices). Volatile loads read L2, not L1: `_cg` names a word another process's
-// kernel writes while this one may run.
-__device__ __forceinline__ int skv_ld_ordered(const int* p) {
-#if defined(__CUDA_ARCH__)
-    int v;
-    asm volatile("ld.volatile.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-#else
-    return *p;
-#endif
-}
-
-__device__ __forceinline__ int skv_ld_cg_ordered(const int* p) {
-#if defined(__CUDA_ARCH__)
-    int v;
-    asm volatile("ld.volatile.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-#else
-    return __ldcg(p);
-#endif
-}
-
 __device__ __forceinline__ void skv_pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

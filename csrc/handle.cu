@@ -180,31 +180,24 @@ extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
     } else if (clear && blockIdx.x == 0 && threadIdx.x == 0) {
         *(volatile u32*)clear = 0u;
     }
+    const bool gone = (dead && *(volatile const int*)dead != 0) || (stopped && *(volatile const u32*)stopped != 0u);
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
         if (threadIdx.x == 0) count = 0;
         __syncthreads();
+        const int req = req_ids[t];
+        const bool live = !gone && req >= 0 && req < table_rows;
+        const int* rrow = (resident && live) ? resident + (i64)req * res_blocks : nullptr;
         int mine = 0;
         // SKV_DB_UNROLL columns a thread in flight, as skv_db_topk.
         for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
             int o[SKV_DB_UNROLL], sl[SKV_DB_UNROLL], pos[SKV_DB_UNROLL], rb[SKV_DB_UNROLL];
-            // The slots first, whatever the request (their addresses need neither it nor the
-            // stop words, whose loads and uses held them two or three round trips), then the
-            // request and both stop words: all loaded before any is used (in this order).
 #pragma unroll
             for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                 const int j = j0 + u * blockDim.x + threadIdx.x;
-                // (written by the daemon while this kernel may poll; j clamped: no branch)
-                sl[u] = skv_ld_cg_ordered(slots + (i64)t * ld + (j < k ? j : k - 1));
-            }
-            const int req = skv_ld_ordered(req_ids + t);
-            const int dead_now = dead ? *(volatile const int*)dead : 0;
-            const u32 stopped_now = stopped ? *(volatile const u32*)stopped : 0u;
-            const bool live = dead_now == 0 && stopped_now == 0u && req >= 0 && req < table_rows;
-            const int* rrow = (resident && live) ? resident + (i64)req * res_blocks : nullptr;
-#pragma unroll
-            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                const int j = j0 + u * blockDim.x + threadIdx.x;
-                pos[u] = (rrow && j < k) ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
+                const bool on = live && j < k;
+                // Loaded whatever the others hold: no load waits on another's value.
+                pos[u] = (on && rrow) ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
+                sl[u] = on ? __ldcg(slots + (i64)t * ld + j) : -1;  // (written by the daemon while this kernel may poll)
             }
             if (rrow && res_blocks > 0) {  // token-uniform; no branch around a load (skv_entry_of)
 #pragma unroll
@@ -217,7 +210,7 @@ extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
             for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                 const int j = j0 + u * blockDim.x + threadIdx.x;
                 o[u] = -1;
-                if (live && j < k) {  // (sl[u] of a j past k was loaded from column k - 1: unused)
+                if (live && j < k) {
                     const i64 r = skv_row_in_block((i64)rb[u], pos[u], block_size);
                     i64 v = -1;
                     if (r >= 0) v = resident_base + r;
