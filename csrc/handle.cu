@@ -64,13 +64,22 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                                        const int* __restrict__ topk, const int k, const int block_size,
                                        const int group, const int max_batch,
                                        u32* done, u32* bell) {
-    // Block 0's thread 0 writes the descriptor last, before the bell: written first, its
-    // counter's load and its stores held warp 0 back a round trip before its columns' loads.
-    const bool head = blockIdx.x == 0 && threadIdx.x == 0;
-    const int seq = head ? counter[0] : 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        for (int i = 0; i < SKV_DESC_INTS; ++i) blk[i] = 0;
+        blk[SKV_D_SEQ] = counter[0];
+        blk[SKV_D_STEP] = counter[0];
+        blk[SKV_D_BATCH] = tokens;
+        blk[SKV_D_K] = k;
+        blk[SKV_D_GROUP] = group;
+    }
     int* rows = blk + SKV_DESC_INTS;
     int* payload = rows + 2 * max_batch;
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        const int req = req_ids[t];
+        const bool live = req >= 0 && req < table_rows;
+        if (threadIdx.x == 0) rows[t] = req < 0 ? -1 : req;  // the daemon checks the range
+        const int* trow = table ? table + (i64)(live ? req : 0) * max_blocks : nullptr;
+        const int* rrow = resident ? resident + (i64)(live ? req : 0) * res_blocks : nullptr;
         const int* tk = topk + (i64)t * k;
         int* pl = payload + (i64)t * k;
         // SKV_DB_UNROLL columns a thread in flight: every load of a tile is issued before
@@ -82,13 +91,7 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                 const int j = j0 + u * blockDim.x + threadIdx.x;
                 v[u] = j < k ? tk[j] : -1;
             }
-            if (table) {  // block-uniform
-                // req loaded after the columns' loads went out, used by the table's: it
-                // loaded first, its use (hoisted) held the columns' loads a round trip.
-                const int req = req_ids[t];
-                const bool live = req >= 0 && req < table_rows;
-                const int* trow = table + (i64)(live ? req : 0) * max_blocks;
-                const int* rrow = resident ? resident + (i64)(live ? req : 0) * res_blocks : nullptr;
+            if (trow) {  // block-uniform
                 // Both tables' entries of every column loaded (none waiting on another; no
                 // branch around a load, skv_entry_of), then each column's row.
                 int rb[SKV_DB_UNROLL], tb[SKV_DB_UNROLL];
@@ -120,18 +123,6 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                 if (j < k) pl[j] = v[u];
             }
         }
-        if (threadIdx.x == 0) {  // the daemon checks the range
-            const int req = req_ids[t];
-            rows[t] = req < 0 ? -1 : req;
-        }
-    }
-    if (head) {
-        for (int i = 0; i < SKV_DESC_INTS; ++i) blk[i] = 0;
-        blk[SKV_D_SEQ] = seq;
-        blk[SKV_D_STEP] = seq;
-        blk[SKV_D_BATCH] = tokens;
-        blk[SKV_D_K] = k;
-        blk[SKV_D_GROUP] = group;
     }
     skv_ring_when_done(done, bell);
 }
