@@ -360,7 +360,17 @@ class Client(Connection):
 
     def detach(self) -> None:
         self._close_handles()
-        self._call(MsgType.DETACH)
+        req = self._send(MsgType.DETACH)
+        try:
+            self._await_reply(req)
+        except SparseKVError:
+            # An earlier request's error, raised in place of the DETACH's reply: when that
+            # reply came and says detached, so is this client (its slab unmapped, its blocks
+            # handle ended), as the daemon has it.
+            reply = self._replies.pop(req, None)
+            if reply is not None and reply[0].get("ok") and self.attachment is not None:
+                self._close_attachment()
+            raise
         if self.attachment is not None:
             self._close_attachment()
 
@@ -503,12 +513,16 @@ class Client(Connection):
         if not per_row or (data.nbytes <= LIMITS.max_frame_bytes and rows.shape[0] <= LIMITS.max_write_rows):
             return self._call(MsgType.WRITE, {"layers": layers}, {"rows": rows, "data": data})[0]
         # Larger than one frame may carry: several WRITEs of whole rows, each in order, once the
-        # whole is checked (a part refused half way would leave the parts before it written).
+        # whole is checked as the daemon checks each part (a part refused half way would leave
+        # the parts before it written). With a block store a later part may still be refused
+        # for rows outside this client's own blocks: the parts before it went into its own.
         n_layers = self.attachment.layout.num_layers if self.attachment is not None and layers is None else \
             len(layers or ())
         if data.shape[1] != rows.shape[0] or (n_layers and data.shape[0] != n_layers):
             raise BadRequest(f"data must be [{n_layers or 'layers'}, {rows.shape[0]}, row_bytes] for {rows.shape[0]} "
                              f"rows, got {list(data.shape)}", ErrorCode.BAD_ARGUMENT)
+        if self.attachment is not None:
+            _check_split_write(self.attachment.layout, layers, rows, data)
         step = max(1, min(LIMITS.max_frame_bytes // per_row, LIMITS.max_write_rows))
         total: dict = {}
         for i in range(0, rows.shape[0], step):
@@ -587,3 +601,21 @@ def _check_batch(att, rows: np.ndarray, topk: np.ndarray, begin) -> None:
             raise BadRequest(f"reset must be [batch]={rows.shape}, got {reset.shape}", ErrorCode.BAD_ARGUMENT)
         if inv is not None and (inv.ndim != 2 or inv.shape[0] != rows.shape[0] or inv.shape[1] > lay.top_k):
             raise BadRequest(f"invalidate must be [batch, n <= top_k], got {inv.shape}", ErrorCode.BAD_ARGUMENT)
+
+
+def _check_split_write(lay, layers, rows, data) -> None:
+    """What the daemon checks of each part of a write (``EngineSpace.check_write``), checked
+    for the whole before the first part is sent: the layers, every row in the pool, the
+    rows' bytes."""
+    if layers is not None:
+        if any(not 0 <= x < lay.num_layers for x in layers):
+            raise BadRequest(f"layers must lie in [0, {lay.num_layers}), got {list(layers)[:16]}", ErrorCode.BAD_ARGUMENT)
+        if len(set(layers)) != len(layers):
+            raise BadRequest(f"layers names a layer twice: {list(layers)[:16]}", ErrorCode.BAD_ARGUMENT)
+    if rows.ndim != 1:
+        raise BadRequest(f"rows must have 1 dimension(s), got shape {rows.shape}", ErrorCode.BAD_ARGUMENT)
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= lay.host_rows):
+        raise BadRequest(f"write rows must lie in [0, {lay.host_rows})", ErrorCode.BAD_ARGUMENT)
+    if data.shape[2] != lay.row_bytes:
+        raise BadRequest(f"write data must be uint8 [{data.shape[0]}, {rows.shape[0]}, {lay.row_bytes}], got "
+                         f"{data.dtype} {list(data.shape)}", ErrorCode.BAD_ARGUMENT)

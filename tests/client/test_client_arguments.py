@@ -65,6 +65,31 @@ def test_a_write_of_several_frames_whose_data_and_rows_differ_writes_no_part(c):
     assert not c.attachment.slab[0, 0, res.slots[0]].any()  # seen: the first 4096 rows written (7s)
 
 
+@pytest.mark.parametrize("case", ["row past the pool", "negative row", "layer past the layout", "layer twice",
+                                  "row_bytes"])
+def test_a_write_of_several_frames_the_daemon_would_refuse_in_a_later_part_writes_no_part(c, case):
+    """Found by a review of the client: each part was checked by the daemon alone, so a
+    write whose last row lay past the pool wrote its first 32 MiB before the refusal."""
+    rows, layers, width = np.arange(8192), None, 4096
+    if case == "row past the pool":
+        rows[-1] = 20000
+    elif case == "negative row":
+        rows[-1] = -3
+    elif case == "layer past the layout":
+        layers = [0, 2]
+    elif case == "layer twice":
+        layers = [0, 0]
+    else:
+        width = 4080
+    data = np.full((2, 8192, width), 7, np.uint8)  # 64 MiB: several frames
+    with pytest.raises(BadRequest) as ei:
+        c.write(rows, data, layers=layers)
+    assert ei.value.code == 9  # BAD_ARGUMENT
+    c.step(0, [0], reset=[True])
+    res = c.topk(0, 0, np.array([[0, 1, 2, 3]], np.int32))
+    assert not c.attachment.slab[0, 0, res.slots[0]].any()  # nothing of the refused write
+
+
 def test_block_counts_and_ids_must_be_integers(module_daemon):
     with Client(module_daemon.run_dir, name="arguments-blocks") as c:
         c.attach(Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64,

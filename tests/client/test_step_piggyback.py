@@ -1,10 +1,12 @@
 """A STEP rides on its step's first TOPK (one message); alone only when no TOPK follows."""
 
+import time
+
 import numpy as np
 import pytest
 
 import helpers
-from sparsekv.client import BadRequest, Client
+from sparsekv.client import BadRequest, Client, NotAttached, SparseKVError
 from sparsekv.proto import MsgType
 
 LAYOUT = helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
@@ -47,3 +49,43 @@ def test_a_topk_refused_by_its_resolve_runs_neither_its_step(module_daemon):
             c.topk(1, 0, np.array([[0, 0, 1, 2]], np.int32))
         c.step(1, [0])
         assert int(c.topk(1, 0, IDS).misses[0]) == 0  # the reset did not run: the rows are still there
+
+
+def test_a_detach_that_raises_an_earlier_steps_error_still_detaches_the_client(module_daemon):
+    """Found by a review of the client: the DETACH ran, but the deferred error of a STEP
+    sent alone was raised in place of its reply, and the client kept its slab mapped and
+    its blocks handle alive while the daemon had detached the rank."""
+    with Client(module_daemon.run_dir, timeout_s=10) as c:
+        c.attach(LAYOUT, engine="p-detach", block_size=4)
+        blocks = c.blocks
+        c.step(0, [0, 5])  # a bad state row (max_reqs 2) ...
+        c.step(1, [0])  # ... sent alone, not waited for
+        with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
+            c.detach()
+        assert c.attachment is None and c.blocks is None and c.stats()["attached"] == 0
+        with pytest.raises(NotAttached):
+            blocks.alloc(1)  # the handle ended here, not at the daemon
+        c.attach(LAYOUT, engine="p-detach")  # and attaches again
+        c.step(0, [0])
+        assert int(c.topk(0, 0, IDS).misses[0]) == 4
+
+
+def test_a_request_made_before_close_fails_at_once_after_connect(module_daemon):
+    """Found by a review of the client: its wait blocked for timeout_s after a reconnect
+    (the new connection never answers the old one's request), then said the daemon was gone."""
+    c = Client(module_daemon.run_dir, timeout_s=30).connect()
+    try:
+        c.attach(LAYOUT, engine="p-stale")
+        c.step(0, [0])
+        p = c.submit_topk(0, 0, IDS)
+        c.close()
+        c.connect()
+        t0 = time.monotonic()
+        with pytest.raises(SparseKVError, match="earlier connection"):
+            p.wait()
+        assert time.monotonic() - t0 < 5
+        c.attach(LAYOUT, engine="p-stale")  # the client works on
+        c.step(0, [0])
+        c.topk(0, 0, IDS)
+    finally:
+        c.close()
