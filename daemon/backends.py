@@ -180,19 +180,32 @@ def make_backend(cfg, pool, pool_region=None):
     ``pool_region``: the pool's :class:`~sparsekv.daemon.pinned.PinnedRegion` when it was
     page-locked at start (cuda; the caller keeps and closes it)."""
     if cfg.backend in ("auto", "cuda"):
-        reason, missing = _cuda_probe()
-        if reason is None:
+        why = backend_unusable(cfg.backend)
+        if why is not None:
+            raise RuntimeError(why)
+        if cuda_unavailable() is None:
             return CudaBackend(cfg, pool, pool_region)
-        fix = "install the cuda extra: pip install 'sparsekv[cuda]'" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
-        if cfg.backend == "cuda":
-            raise RuntimeError(f"--backend cuda: {reason}; {fix}")
-        gpu = gpu_present()
-        if gpu is not None:
-            raise RuntimeError(f"backend auto: this machine has an NVIDIA GPU ({gpu}) but the cuda backend "
-                               f"cannot use it ({reason}); {fix}, or set backend = \"cpu\" to serve from the "
-                               "cpu backend on purpose")
         log.info("no NVIDIA GPU on this machine; using the cpu backend")
     return CpuBackend(cfg.run_dir, cfg.shm_dir)
+
+
+def backend_unusable(backend: str) -> str | None:
+    """Why the backend ``backend`` names cannot serve on this machine, or None: ``cuda``
+    without a GPU CuPy can use, or ``auto`` on a machine whose NVIDIA GPU the cuda backend
+    cannot use (``auto`` on a machine with no NVIDIA GPU serves from the cpu backend)."""
+    if backend not in ("auto", "cuda"):
+        return None
+    reason, missing = _cuda_probe()
+    if reason is None:
+        return None
+    fix = "install the cuda extra: pip install 'sparsekv[cuda]'" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
+    if backend == "cuda":
+        return f"--backend cuda: {reason}; {fix}"
+    gpu = gpu_present()
+    if gpu is not None:
+        return (f"backend auto: this machine has an NVIDIA GPU ({gpu}) but the cuda backend cannot use it ({reason}); "
+                f"{fix}, or set backend = \"cpu\" to serve from the cpu backend on purpose")
+    return None
 
 
 def cuda_unavailable() -> str | None:

@@ -29,7 +29,7 @@ from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, cpu_quota, format_
 from sparsekv.proto.settings import format_size
 
 from . import config as config_mod
-from .backends import cuda_unavailable, make_backend
+from .backends import backend_unusable, cuda_unavailable, make_backend
 from .notify import Notifier
 from .pinned import PinError, PoolPinner
 from .pool import HostPool, PoolError
@@ -307,12 +307,13 @@ def pool_pinner(cfg):
 
 def backend_refusal(cfg) -> str | None:
     """Why the configured backend cannot start, found before the pool is pre-faulted; None
-    when it may. Only an explicit cuda backend is checked (``auto`` falls back to cpu)."""
+    when it may (``backends.backend_unusable``: ``auto`` on a machine with no NVIDIA GPU
+    serves from the cpu backend, on one whose GPU CuPy cannot use it does not start)."""
+    why = backend_unusable(cfg.backend)
+    if why is not None:
+        return why
     if cfg.backend != "cuda":
         return None
-    reason = cuda_unavailable()
-    if reason is not None:
-        return f"--backend cuda: {reason}"
     if cfg.devices != "all":
         import cupy  # noqa: PLC0415 - importable: cuda_unavailable() said so
 
@@ -328,7 +329,13 @@ def metrics_port_refusal(cfg, sources: dict) -> str | None:
     before the pool is pre-faulted rather than minutes later; None when it can (or is 0)."""
     if not cfg.metrics_port:
         return None
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as e:  # the unit allows AF_UNIX only unless its metrics drop-in is enabled
+        return (f"metrics_port {cfg.metrics_port} ({sources.get('metrics_port', 'default')}): cannot open an IPv4 "
+                f"socket ({e.strerror or e}); under the systemd unit, install the drop-in "
+                "deploy/sparsekvd.service.d/metrics.conf, which allows it")
+    with s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own listener
         try:
             s.bind(("127.0.0.1", cfg.metrics_port))

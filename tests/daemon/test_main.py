@@ -417,3 +417,45 @@ def test_the_pool_is_page_locked_at_start_unless_told_not_to_and_for_the_cuda_ba
     assert not after.while_faulting
     big = main_mod.pool_pinner(Config(backend="cuda", pool_size=64 << 20, pin_chunk_gib=16))
     assert big.max_chunk_bytes == 16 << 30
+
+
+def test_backend_auto_on_a_gpu_it_cannot_use_fails_before_the_pool_is_prefaulted(monkeypatch, tmp_path, caplog):
+    """Found by a review of the operator's path: auto on a GPU machine without CuPy (or with
+    a broken driver) pre-faulted the whole pool (minutes for a large one; five times under
+    the unit's restarts) before make_backend refused it."""
+    from sparsekv.daemon import backends
+
+    monkeypatch.setattr(backends, "_cuda_probe", lambda: ("CuPy is not installed", True))
+    monkeypatch.setattr(backends, "gpu_present", lambda: "/dev/nvidiactl exists")
+
+    def no_pool(*a, **kw):
+        raise AssertionError("the pool was pre-faulted")
+
+    monkeypatch.setattr(main_mod, "HostPool", no_pool)
+    monkeypatch.setattr(main_mod, "setup_logging", lambda level: None)
+    run = str(tmp_path / "run")
+    with caplog.at_level(logging.ERROR, logger="sparsekv"):
+        assert main_mod.main(["--backend", "auto", "--run-dir", run, "--pool-size", "1GiB"]) == 1
+    assert "cannot start: backend auto: this machine has an NVIDIA GPU" in caplog.text
+    assert not os.path.exists(run)  # not even the lock
+
+
+def test_a_metrics_port_the_sandbox_forbids_is_one_line_naming_the_drop_in(monkeypatch, tmp_path, caplog):
+    """Found by the review: under the unit (AF_UNIX only) opening the IPv4 socket raised
+    out of the start: a traceback, and the lock file left behind."""
+    real = socket.socket
+
+    def af_unix_only(family=socket.AF_INET, *a, **kw):
+        if family == socket.AF_INET:
+            raise PermissionError(1, "Operation not permitted")
+        return real(family, *a, **kw)
+
+    monkeypatch.setattr(main_mod.socket, "socket", af_unix_only)
+    monkeypatch.setattr(main_mod, "setup_logging", lambda level: None)
+    run = str(tmp_path / "run")
+    with caplog.at_level(logging.ERROR, logger="sparsekv"):
+        assert main_mod.main(["--backend", "cpu", "--run-dir", run, "--pool-size", "64MiB",
+                              "--metrics-port", "9400"]) == 1
+    assert "metrics_port 9400 (flag --metrics-port): cannot open an IPv4 socket (Operation not permitted)" \
+        in caplog.text and "sparsekvd.service.d/metrics.conf" in caplog.text
+    assert os.listdir(run) == []  # the lock released

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -168,6 +169,16 @@ def test_sparsekvd_unit_is_a_notify_service_with_watchdog_pinning_and_its_run_di
     assert one(skvd, "Install", "WantedBy") == "multi-user.target"
 
 
+def test_a_bad_setting_is_not_restarted(skvd, tmp_path):
+    """Found by a review of the deploy files: a typo'd setting exits 2, and Restart=on-failure
+    repeated it five times before the unit failed."""
+    r = subprocess.run([sys.executable, "-m", "sparsekv.daemon.main", "--run-dir", str(tmp_path / "run"),
+                        "--pool-size", "2G"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "pool_size" in r.stderr
+    assert one(skvd, "Service", "Restart") == "on-failure"
+    assert one(skvd, "Service", "RestartPreventExitStatus").split() == [str(r.returncode)]
+
+
 def test_the_daemon_run_dir_from_systemd_is_the_documented_one(monkeypatch):
     monkeypatch.setenv("RUNTIME_DIRECTORY", RUN_DIR)
     assert config_mod.default_run_dir() == RUN_DIR
@@ -206,7 +217,7 @@ def test_sparsekvd_wants_mps_and_starts_after_it(skvd, mps):
 
 
 def test_mps_unit_runs_the_control_daemon_for_user_sparsekv_in_the_foreground(mps):
-    assert one(mps, "Unit", "ConditionPathExists") == "/dev/nvidiactl"
+    assert one(mps, "Unit", "ConditionPathExists") == "/proc/driver/nvidia/version"  # not a file ExecStartPre makes
     assert one(mps, "Service", "Type") == "simple"
     assert one(mps, "Service", "ExecStart").split() == ["/usr/bin/nvidia-cuda-mps-control", "-f"]
     stop = one(mps, "Service", "ExecStop")
