@@ -39,7 +39,7 @@ from sparsekv.proto import LIMITS, ErrorCode, MsgType
 from sparsekv.proto.blocks import chain_hashes
 
 from .errors import BadRequest, NotAttached
-from .tensors import INT32_MAX, host_int32
+from .tensors import INT32_MAX, host_array, host_int32
 
 
 class Blocks:
@@ -154,7 +154,8 @@ class Blocks:
         distinct blocks this client allocated and has not committed; all or nothing, in one
         request (at most ``LIMITS.max_keys_bytes``: TOO_LARGE beyond, split the call).
         Returns the bytes written."""
-        blocks, keys = _blocks(blocks), np.ascontiguousarray(keys)
+        blocks, keys = _blocks(blocks), np.ascontiguousarray(host_array("keys", keys, "uint8 [n, layers, block_size, "
+                                                                           "index_bytes]"))
         if keys.dtype != np.uint8:
             raise BadRequest(f"keys must be uint8 [n, layers, block_size, index_bytes], got {keys.dtype}",
                              ErrorCode.BAD_ARGUMENT)
@@ -275,7 +276,7 @@ def _blocks(blocks) -> np.ndarray:
 
 
 def _hashes(hashes) -> np.ndarray:
-    h = np.asarray(hashes)
+    h = host_array("hashes", hashes, "int64 [n, 2]")
     if h.ndim != 2 or h.shape[1] != 2 or h.dtype != np.int64:
         raise BadRequest(f"hashes must be int64 [n, 2], got {h.dtype} {list(h.shape)}", ErrorCode.BAD_ARGUMENT)
     if h.shape[0] > LIMITS.max_blocks:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import re
 import os
 from dataclasses import dataclass
 
@@ -29,7 +30,8 @@ from .keys_load import KeysLoader
 from .rank_memory import fetch_fds, map_shared, offer_slab
 from .results import AttachmentCaps, TopkResult
 from .pending import Pending, Ready  # noqa: F401 - Ready: the device-wait result (tests import it here)
-from .tensors import device_ids, host_bytes, host_int32, layers_arg as _layers, on_gpu, reset_arg as _reset, whole as _whole
+from .tensors import check_batch, check_layout, check_split_write, device_ids, host_bytes, host_int32
+from .tensors import layers_arg as _layers, on_gpu, reset_arg as _reset, whole as _whole
 from .wire import Wire
 
 log = logging.getLogger("sparsekv.client")
@@ -79,6 +81,10 @@ class Client(Connection):
         ``spin_us`` (None: 500 for a cuda rank, 0 on cpu): how long a wait for a reply
         reads the socket without sleeping before it sleeps in ``poll``."""
         self.run_dir = run_dir or default_run_dir()
+        if not isinstance(device, str) or not (device == "cpu" or re.fullmatch(r"cuda:\d+", device)):
+            raise BadRequest(f"device must be 'cpu' or 'cuda:N', got {device!r:.40}", ErrorCode.BAD_ARGUMENT)
+        if spin_us is not None and (type(spin_us) is not int or not 0 <= spin_us <= 10**6):
+            raise BadRequest(f"spin_us must be an integer in [0, 1000000], got {spin_us!r:.40}", ErrorCode.BAD_ARGUMENT)
         self.rank, self.device, self.name = rank, device, name
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e9:
             raise BadRequest(f"timeout_s must be a number of seconds in (0, 1e9), got {timeout_s!r}",
@@ -205,11 +211,13 @@ class Client(Connection):
         made (root and the daemon's admin group only): the uid that owns it, so that
         this rank never trusts another user's rows and cached blocks by accident; without
         it only an engine of this process's own uid is joined (a new one is created)."""
-        layout.validate()
+        check_layout(layout)
         try:
             engine = engine_name(engine)
         except ValueError as e:
             raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
+        if type(prefetch) not in (bool, np.bool_):
+            raise BadRequest(f"prefetch must be True or False, got {prefetch!r:.40}", ErrorCode.BAD_ARGUMENT)
         fields = {"engine": engine, "layout": layout.to_wire()}
         if owner_uid is not None:
             if type(owner_uid) is not int or not 0 <= owner_uid < 1 << 32:
@@ -468,7 +476,7 @@ class Client(Connection):
             last = self._step_rows[0] if self._step_rows is not None else -1
             raise BadRequest(f"top-k for step {step} but the last STEP was {last}; send STEP first",
                              ErrorCode.BAD_ARGUMENT)
-        _check_batch(att, rows, topk, begin)  # before anything is consumed or written
+        check_batch(att, rows, topk, begin)  # before anything is consumed or written
         device_wait = self.device_wait and att.caps.done_words
         if device_wait:
             self._raise_if_watch_gone()
@@ -522,7 +530,7 @@ class Client(Connection):
             raise BadRequest(f"data must be [{n_layers or 'layers'}, {rows.shape[0]}, row_bytes] for {rows.shape[0]} "
                              f"rows, got {list(data.shape)}", ErrorCode.BAD_ARGUMENT)
         if self.attachment is not None:
-            _check_split_write(self.attachment.layout, layers, rows, data)
+            check_split_write(self.attachment.layout, layers, rows, data)
         step = max(1, min(LIMITS.max_frame_bytes // per_row, LIMITS.max_write_rows))
         total: dict = {}
         for i in range(0, rows.shape[0], step):
@@ -584,38 +592,3 @@ class Client(Connection):
         while self._deferred:
             self._receive_until(self._deferred[0])
             self._check_deferred()
-
-def _check_batch(att, rows: np.ndarray, topk: np.ndarray, begin) -> None:
-    """Shapes only (the daemon's kernels check every value), before a block is written."""
-    lay = att.layout
-    if rows.ndim != 1 or topk.ndim != 2 or topk.shape[0] != rows.shape[0]:
-        raise BadRequest(f"state_rows must be [batch] and topk [batch, top_k]; got {rows.shape} and {topk.shape}",
-                         ErrorCode.BAD_ARGUMENT)
-    if topk.shape[1] > lay.top_k:
-        raise BadRequest(f"topk has {topk.shape[1]} columns, layout top_k is {lay.top_k}", ErrorCode.BAD_ARGUMENT)
-    if rows.shape[0] > lay.max_batch:
-        raise BadRequest(f"batch {rows.shape[0]} exceeds max_batch {lay.max_batch} of the layout", ErrorCode.TOO_LARGE)
-    if begin is not None:
-        reset, inv = begin
-        if reset is not None and reset.shape != rows.shape:
-            raise BadRequest(f"reset must be [batch]={rows.shape}, got {reset.shape}", ErrorCode.BAD_ARGUMENT)
-        if inv is not None and (inv.ndim != 2 or inv.shape[0] != rows.shape[0] or inv.shape[1] > lay.top_k):
-            raise BadRequest(f"invalidate must be [batch, n <= top_k], got {inv.shape}", ErrorCode.BAD_ARGUMENT)
-
-
-def _check_split_write(lay, layers, rows, data) -> None:
-    """What the daemon checks of each part of a write (``EngineSpace.check_write``), checked
-    for the whole before the first part is sent: the layers, every row in the pool, the
-    rows' bytes."""
-    if layers is not None:
-        if any(not 0 <= x < lay.num_layers for x in layers):
-            raise BadRequest(f"layers must lie in [0, {lay.num_layers}), got {list(layers)[:16]}", ErrorCode.BAD_ARGUMENT)
-        if len(set(layers)) != len(layers):
-            raise BadRequest(f"layers names a layer twice: {list(layers)[:16]}", ErrorCode.BAD_ARGUMENT)
-    if rows.ndim != 1:
-        raise BadRequest(f"rows must have 1 dimension(s), got shape {rows.shape}", ErrorCode.BAD_ARGUMENT)
-    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= lay.host_rows):
-        raise BadRequest(f"write rows must lie in [0, {lay.host_rows})", ErrorCode.BAD_ARGUMENT)
-    if data.shape[2] != lay.row_bytes:
-        raise BadRequest(f"write data must be uint8 [{data.shape[0]}, {rows.shape[0]}, {lay.row_bytes}], got "
-                         f"{data.dtype} {list(data.shape)}", ErrorCode.BAD_ARGUMENT)

@@ -50,6 +50,27 @@ def host_int32(name: str, a):
         raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
 
 
+def host_array(name: str, a, what: str):
+    """``np.asarray(a)``, or BadRequest naming ``name`` for what NumPy cannot read as one
+    array (a ragged list: NumPy's own ValueError)."""
+    import numpy as np  # noqa: PLC0415
+
+    try:
+        return np.asarray(a)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise BadRequest(f"{name} must be {what}: {e}", ErrorCode.BAD_ARGUMENT) from None
+
+
+def check_layout(layout) -> None:
+    """``layout`` a :class:`~sparsekv.proto.Layout` with valid fields (``Layout.validate``'s
+    LayoutError), or BadRequest: anything else has no fields to send."""
+    from sparsekv.proto import Layout  # noqa: PLC0415
+
+    if not isinstance(layout, Layout):
+        raise BadRequest(f"layout must be a sparsekv.proto.Layout, got {type(layout).__name__}", ErrorCode.BAD_ARGUMENT)
+    layout.validate()
+
+
 def host_bytes(name: str, a):
     """``a`` as a host uint8 array (a NumPy array, a CPU tensor), or BadRequest: bytes are
     not converted from another dtype (a cast would change the values)."""
@@ -57,7 +78,7 @@ def host_bytes(name: str, a):
 
     if is_torch(a):
         a = a.detach().cpu().numpy()
-    arr = np.asarray(a)
+    arr = host_array(name, a, "an array of bytes (uint8)")
     if arr.dtype != np.uint8:
         raise BadRequest(f"{name} must be uint8 (the rows' bytes), got {arr.dtype}: view it as uint8",
                          ErrorCode.BAD_ARGUMENT)
@@ -87,3 +108,39 @@ def reset_arg(reset):
         return reset_flags(reset)
     except ValueError as e:
         raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
+
+
+def check_batch(att, rows, topk, begin) -> None:
+    """Shapes only (the daemon's kernels check every value), before a block is written."""
+    lay = att.layout
+    if rows.ndim != 1 or topk.ndim != 2 or topk.shape[0] != rows.shape[0]:
+        raise BadRequest(f"state_rows must be [batch] and topk [batch, top_k]; got {rows.shape} and {topk.shape}",
+                         ErrorCode.BAD_ARGUMENT)
+    if topk.shape[1] > lay.top_k:
+        raise BadRequest(f"topk has {topk.shape[1]} columns, layout top_k is {lay.top_k}", ErrorCode.BAD_ARGUMENT)
+    if rows.shape[0] > lay.max_batch:
+        raise BadRequest(f"batch {rows.shape[0]} exceeds max_batch {lay.max_batch} of the layout", ErrorCode.TOO_LARGE)
+    if begin is not None:
+        reset, inv = begin
+        if reset is not None and reset.shape != rows.shape:
+            raise BadRequest(f"reset must be [batch]={rows.shape}, got {reset.shape}", ErrorCode.BAD_ARGUMENT)
+        if inv is not None and (inv.ndim != 2 or inv.shape[0] != rows.shape[0] or inv.shape[1] > lay.top_k):
+            raise BadRequest(f"invalidate must be [batch, n <= top_k], got {inv.shape}", ErrorCode.BAD_ARGUMENT)
+
+
+def check_split_write(lay, layers, rows, data) -> None:
+    """What the daemon checks of each part of a write (``EngineSpace.check_write``), checked
+    for the whole before the first part is sent: the layers, every row in the pool, the
+    rows' bytes."""
+    if layers is not None:
+        if any(not 0 <= x < lay.num_layers for x in layers):
+            raise BadRequest(f"layers must lie in [0, {lay.num_layers}), got {list(layers)[:16]}", ErrorCode.BAD_ARGUMENT)
+        if len(set(layers)) != len(layers):
+            raise BadRequest(f"layers names a layer twice: {list(layers)[:16]}", ErrorCode.BAD_ARGUMENT)
+    if rows.ndim != 1:
+        raise BadRequest(f"rows must have 1 dimension(s), got shape {rows.shape}", ErrorCode.BAD_ARGUMENT)
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= lay.host_rows):
+        raise BadRequest(f"write rows must lie in [0, {lay.host_rows})", ErrorCode.BAD_ARGUMENT)
+    if data.shape[2] != lay.row_bytes:
+        raise BadRequest(f"write data must be uint8 [{data.shape[0]}, {rows.shape[0]}, {lay.row_bytes}], got "
+                         f"{data.dtype} {list(data.shape)}", ErrorCode.BAD_ARGUMENT)

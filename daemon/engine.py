@@ -121,12 +121,13 @@ class RankState:
         1 only (BAD_ARGUMENT: a cast would wrap 2**32 to 0 and turn NaN into a reset)."""
         if reset is None:
             return None
-        if np.shape(reset) != state_rows.shape:
-            raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]={state_rows.shape}, got {np.shape(reset)}")
         try:
-            return reset_flags(reset)
+            r = reset_flags(reset)
         except ValueError as e:
             raise ResidencyError("BAD_ARGUMENT", str(e)) from None
+        if r.shape != state_rows.shape:
+            raise ResidencyError("BAD_ARGUMENT", f"reset must be [batch]={state_rows.shape}, got {r.shape}")
+        return r
 
     def batch_rows(self, step: int, state_rows) -> np.ndarray:
         """The state rows of a top-k batch: given with it, or those of its STEP."""
@@ -426,8 +427,11 @@ class EngineSpace:
         lay = self.layout
         layers = check_layers(lay, layers)
         rows = host_rows_arg(lay, rows, "write")
-        data = np.asarray(data)
         want = (len(layers), rows.shape[0], lay.row_bytes)
+        try:
+            data = np.asarray(data)
+        except (TypeError, ValueError, OverflowError) as e:  # (a ragged list, in process)
+            raise ResidencyError("BAD_ARGUMENT", f"data must be uint8 {list(want)}: {e}") from None
         if data.dtype != np.uint8 or data.shape != want:
             raise ResidencyError("BAD_ARGUMENT", f"write data must be uint8 {list(want)}, got {data.dtype} {list(data.shape)}")
         return layers, rows, data

@@ -28,6 +28,7 @@ from sparsekv.client.blocks import Blocks
 from sparsekv.client.client import Attachment
 from sparsekv.client.errors import error_for
 from sparsekv.client.results import TopkResult
+from sparsekv.client.tensors import check_layout
 
 
 class InprocClient:
@@ -87,7 +88,9 @@ class InprocClient:
             if self._state is not None:  # as the daemon: a second attach would start the engine anew, its rows gone
                 raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"attached to engine {self._space.name!r} already; "
                                     "detach first")
-        layout.validate()
+        check_layout(layout)  # as the client: before anything is counted or made
+        if type(prefetch) not in (bool, np.bool_):
+            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"prefetch must be True or False, got {prefetch!r:.40}")
         with _errors(self._stats, counted=True):
             try:
                 engine = engine_name(engine)

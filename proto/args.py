@@ -76,7 +76,10 @@ def empty_list_as(a: np.ndarray, dtype) -> np.ndarray:
 def reset_flags(reset) -> np.ndarray:
     """A step's ``reset`` as a bool array: bools, or integers 0 and 1 only (a cast would
     wrap 2**32 to 0 and turn 2, NaN or 0.5 into a reset). Its shape is the caller's to check."""
-    r = empty_list_as(np.asarray(reset), bool)
+    try:
+        r = empty_list_as(np.asarray(reset), bool)
+    except (TypeError, ValueError, OverflowError) as e:  # (a ragged list)
+        raise ValueError(f"reset must be an array of bools: {e}") from None
     if r.dtype != np.bool_ and (r.dtype.kind not in "iu" or ((r != 0) & (r != 1)).any()):
         raise ValueError(f"reset must be bool (or integers 0 / 1), got {r.dtype} {r.ravel().tolist()[:8]}")
     return r.astype(bool)

@@ -354,3 +354,41 @@ def test_a_ragged_list_is_a_bad_argument_in_process_as_through_the_client(call, 
                     x.topk(1, 0, [[1, 2, 3, 4]])  # the client sends its step with the top-k
             assert ei.value.code == ErrorCode.BAD_ARGUMENT and "must be an array of integers" in str(ei.value)
             x.detach()
+
+
+def test_arguments_numpy_cannot_read_or_of_another_type_are_bad_arguments_on_both_paths(module_daemon):
+    """Found by a review of the client: a ragged list as write data, hashes, indexer keys or
+    reset raised NumPy's bare ValueError; a layout that is no Layout an AttributeError;
+    prefetch was taken for its truth value ("no" prefetched), and in process an array for it
+    left the engine half attached (no attachment, yet every later attach ALREADY_ATTACHED)."""
+    ragged = [[1, 2], [3]]
+    lay = helpers.layout(host_rows=64)
+    with InprocClient() as c, Client(module_daemon.run_dir, name="read") as d:
+        for x in (c, d):
+            for kw in ({"prefetch": "no"}, {"prefetch": np.array([1, 0])}, {"prefetch": 1}):
+                with pytest.raises(BadRequest, match="prefetch must be True or False"):
+                    x.attach(lay, engine="read", **kw)
+            with pytest.raises(BadRequest, match="layout must be a sparsekv.proto.Layout, got dict"):
+                x.attach({"num_layers": 2}, engine="read")
+            x.attach(lay, engine="read", block_size=4, index_bytes=8, prefetch=np.bool_(False))
+            x.blocks.reserve(1)
+            mine = x.blocks.alloc(1)
+            calls = {"data": lambda: x.write(x.blocks.rows(mine)[:2], ragged), "hashes": lambda: x.blocks.lookup(ragged),
+                     "keys": lambda: x.blocks.write_keys(mine, ragged),
+                     "reset": lambda: (x.step(0, [0, 1], reset=ragged), x.topk(0, 0, [[1, 2, 3, 4]] * 2))}
+            for name, call in calls.items():
+                with pytest.raises(BadRequest, match=f"{name} must be") as ei:
+                    call()
+                assert ei.value.code == ErrorCode.BAD_ARGUMENT, (name, x)
+            x.detach()
+
+
+@pytest.mark.parametrize("kw, words", [({"device": None}, "device must be 'cpu' or 'cuda:N', got None"),
+                                       ({"device": "tpu"}, "device must be 'cpu' or 'cuda:N', got 'tpu'"),
+                                       ({"spin_us": "x"}, "spin_us must be an integer"),
+                                       ({"spin_us": -5}, "spin_us must be an integer")])
+def test_a_client_of_an_unknown_device_or_spin_is_refused_when_made(kw, words):
+    """Found by the review: device=None raised AttributeError, "tpu" attached as a cpu rank;
+    spin_us "x" raised ValueError, -5 was taken."""
+    with pytest.raises(BadRequest, match=words):
+        Client("/nonexistent", **kw)
