@@ -397,11 +397,11 @@ class Client(Connection):
         start a new request (``reset`` bool [batch]) and rows rewritten since the last step
         (``invalidate`` int32 [batch, n], -1 = none)."""
         step = _whole("step", step)
-        arrays = {"state_rows": host_int32("state_rows", state_rows)}
+        arrays = {"state_rows": host_int32("state_rows", state_rows, 1)}
         if reset is not None:
             arrays["reset"] = _reset(reset)
         if invalidate is not None:
-            arrays["invalidate"] = host_int32("invalidate", invalidate)
+            arrays["invalidate"] = host_int32("invalidate", invalidate, 2)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
         self._pending_step = (step, arrays)
@@ -443,14 +443,14 @@ class Client(Connection):
             if device and att.takes_device_topk and topk.device == att.torch_device:
                 return self._submit_topk_block(att, fields, device_ids(topk), state_rows, begin)
             topk = topk.cpu()
-        arrays = {"topk": host_int32("topk", topk)}
+        arrays = {"topk": host_int32("topk", topk, 2)}
         if device and att.caps.step_blocks:
             return self._submit_topk_block(att, fields, arrays["topk"], state_rows, begin)
         if begin is not None:
             arrays.update(begin)  # state_rows, reset, invalidate of the step
             fields["begin"] = True
         elif state_rows is not None:
-            arrays["state_rows"] = host_int32("state_rows", state_rows)
+            arrays["state_rows"] = host_int32("state_rows", state_rows, 1)
         if device:
             fence = att.record_fence()
             if fence is not None:
@@ -469,7 +469,7 @@ class Client(Connection):
             rows = begin["state_rows"]
             begin = (begin.get("reset"), begin.get("invalidate"))
         elif state_rows is not None:
-            rows = host_int32("state_rows", state_rows)
+            rows = host_int32("state_rows", state_rows, 1)
         elif self._step_rows is not None and self._step_rows[0] == step:
             rows = self._step_rows[1]
         else:
@@ -516,7 +516,7 @@ class Client(Connection):
         """Copy ``data`` uint8 [len(layers), n, row_bytes] into host ``rows`` (all layers when
         ``layers`` is None); hot copies of those rows are dropped in every rank."""
         layers = None if layers is None else _layers(layers)
-        rows, data = host_int32("rows", rows), host_bytes("data", data)
+        rows, data = host_int32("rows", rows, 1), host_bytes("data", data)
         per_row = data.nbytes // max(1, data.shape[1]) if data.ndim == 3 and rows.ndim == 1 else 0
         if not per_row or (data.nbytes <= LIMITS.max_frame_bytes and rows.shape[0] <= LIMITS.max_write_rows):
             return self._call(MsgType.WRITE, {"layers": layers}, {"rows": rows, "data": data})[0]
@@ -551,12 +551,12 @@ class Client(Connection):
             fence = att.record_fence()
             if fence is not None:
                 fields["fence"] = fence
-        return self._call(MsgType.WRITE_STAGED, fields, {"rows": host_int32("rows", rows)})[0]
+        return self._call(MsgType.WRITE_STAGED, fields, {"rows": host_int32("rows", rows, 1)})[0]
 
     def stage(self, rows, layers=None) -> int:
         """Copy host ``rows`` (e.g. whole blocks) of ``layers`` to the staging buffer's front."""
         fields, _ = self._call(MsgType.STAGE, {"layers": None if layers is None else _layers(layers)},
-                               {"rows": host_int32("rows", rows)})
+                               {"rows": host_int32("rows", rows, 1)})
         return fields["bytes"]
 
     def stats(self) -> dict:

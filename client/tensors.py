@@ -38,14 +38,15 @@ def device_ids(topk):
     return topk.to(torch.int32).contiguous()
 
 
-def host_int32(name: str, a):
-    """``a`` (a NumPy array, a CPU tensor, a list) as a host int32 array, or BadRequest
-    naming it: its values must be integers (not floats or bools, which a cast would
-    truncate) within int32 (not wrapped)."""
+def host_int32(name: str, a, ndim: int | None = None):
+    """``a`` (a NumPy array, a CPU tensor, a list) as a host int32 array (of ``ndim``
+    dimensions when given: a scalar is no array of rows), or BadRequest naming it: its
+    values must be integers (not floats or bools, which a cast would truncate) within int32
+    (not wrapped)."""
     if is_torch(a):
         a = a.detach().cpu().numpy()
     try:
-        return int32_array(name, a)
+        return int32_array(name, a, ndim)
     except ValueError as e:
         raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
 
@@ -103,11 +104,14 @@ def whole(name: str, v) -> int:
 
 
 def reset_arg(reset):
-    """``reset`` as a bool array (``reset_flags``: a cast made 2, NaN and 0.5 resets)."""
+    """``reset`` as a bool array [batch] (``reset_flags``: a cast made 2, NaN and 0.5 resets)."""
     try:
-        return reset_flags(reset)
+        r = reset_flags(reset)
     except ValueError as e:
         raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
+    if r.ndim != 1:
+        raise BadRequest(f"reset must have 1 dimension(s), got shape {r.shape}", ErrorCode.BAD_ARGUMENT)
+    return r
 
 
 def check_batch(att, rows, topk, begin) -> None:

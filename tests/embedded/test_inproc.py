@@ -392,3 +392,22 @@ def test_a_client_of_an_unknown_device_or_spin_is_refused_when_made(kw, words):
     spin_us "x" raised ValueError, -5 was taken."""
     with pytest.raises(BadRequest, match=words):
         Client("/nonexistent", **kw)
+
+
+@pytest.mark.parametrize("call", ["stage", "write_staged", "write", "step", "reset", "topk"])
+def test_a_scalar_where_an_array_of_rows_goes_is_refused_on_both_paths(call, module_daemon):
+    """Found by the review: the client sent a 0-d array as one row (stage(3) staged row 3),
+    the in-process engine refused it: both refuse it now, BAD_ARGUMENT."""
+    lay = helpers.layout(host_rows=64, staging_rows=4)
+    with InprocClient() as c, Client(module_daemon.run_dir, name="scalar") as d:
+        for x in (c, d):
+            x.attach(lay, engine="scalar")
+            calls = {"stage": lambda: x.stage(3), "write_staged": lambda: x.write_staged(40),
+                     "write": lambda: x.write(5, np.zeros((2, 1, lay.row_bytes), np.uint8)),
+                     "step": lambda: (x.step(0, 1), x.topk(0, 0, [[1, 2, 3, 4]])),
+                     "reset": lambda: (x.step(0, [1], reset=True), x.topk(0, 0, [[1, 2, 3, 4]])),
+                     "topk": lambda: (x.step(0, [1]), x.topk(0, 0, [1, 2, 3, 4]))}
+            with pytest.raises(BadRequest, match=r"must have (1|2) dimension|reset must be \[batch\]") as ei:
+                calls[call]()
+            assert ei.value.code == ErrorCode.BAD_ARGUMENT
+            x.detach()
