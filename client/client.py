@@ -398,10 +398,16 @@ class Client(Connection):
         (``invalidate`` int32 [batch, n], -1 = none)."""
         step = _whole("step", step)
         arrays = {"state_rows": host_int32("state_rows", state_rows, 1)}
+        batch = arrays["state_rows"].shape
         if reset is not None:
             arrays["reset"] = _reset(reset)
+            if arrays["reset"].shape != batch:  # (else its TOPK, and the STEP riding on it, would be refused)
+                raise BadRequest(f"reset must be [batch]={batch}, got {arrays['reset'].shape}", ErrorCode.BAD_ARGUMENT)
         if invalidate is not None:
             arrays["invalidate"] = host_int32("invalidate", invalidate, 2)
+            if arrays["invalidate"].shape[0] != batch[0]:
+                raise BadRequest(f"invalidate must be [batch, n] with batch {batch[0]}, got "
+                                 f"{arrays['invalidate'].shape}", ErrorCode.BAD_ARGUMENT)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
         self._pending_step = (step, arrays)

@@ -26,7 +26,7 @@ from sparsekv.proto.positions import INT32_MAX, host_rows
 from . import swap_in_kernels
 from .errors import BadRequest, NotAttached, SparseKVError
 from .step_order import StepOrder
-from .tensors import is_int_dtype, is_torch, on_gpu
+from .tensors import host_array, is_int_dtype, is_torch, on_gpu, reset_arg
 
 log = logging.getLogger("sparsekv.client")
 
@@ -108,7 +108,7 @@ class HostSwapIn:
         self._slots.clear()
         self._req_cache = self._req_dev = None
         rows = _ints("state_rows", state_rows, 1)
-        reset = None if reset is None else _host(reset).astype(bool)
+        reset = None if reset is None else reset_arg(_host(reset, "reset"))  # (a cast made 0.5 and NaN resets)
         invalidate = None if invalidate is None else _ints("invalidate", invalidate, 2)
         step, self._next_step = self._next_step, self._next_step + 1
         self._client.step(step, rows, reset=reset, invalidate=invalidate)
@@ -315,8 +315,8 @@ class HostSwapIn:
             if device_map:  # on the top-k's GPU (None: dtypes the kernel does not take)
                 rows = _device_rows(topk, table, int(block_size), self._reqs_on(topk.device, reqs, req_arg))
             if rows is None:
-                topk = _host(topk)
-                rows = host_rows(topk, _host(table), block_size, table_rows=reqs)
+                topk = _host(topk, "logical_topk_indices")
+                rows = host_rows(topk, _host(table, "block_table"), block_size, table_rows=reqs)
             else:
                 att = self._client.attachment
                 if not (att.caps.device and att.takes_device_topk and topk.device == att.torch_device):
@@ -380,10 +380,11 @@ class HostSwapIn:
         return slots, resident
 
 
-def _host(a) -> np.ndarray:
+def _host(a, name: str) -> np.ndarray:
+    """``a`` (a tensor, an array, a list) as a host array, or BadRequest naming it."""
     if is_torch(a):
         return a.detach().cpu().numpy()
-    return np.asarray(a)
+    return host_array(name, a, "an array")
 
 
 def _block_size_ok(bs) -> bool:
@@ -426,7 +427,7 @@ def _ints(name: str, a, ndim: int, keep_cuda: bool = False):
         if not is_int_dtype(a.dtype):
             raise BadRequest(f"{name} must hold integers, got {a.dtype}", ErrorCode.BAD_ARGUMENT)
         return a
-    arr = _host(a)
+    arr = _host(a, name)
     if arr.ndim != ndim:
         raise BadRequest(f"{name} must have {ndim} dimension(s), got shape {arr.shape}", ErrorCode.BAD_ARGUMENT)
     if arr.dtype.kind not in "iu":

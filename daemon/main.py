@@ -324,23 +324,25 @@ def backend_refusal(cfg) -> str | None:
     return None
 
 
-def metrics_port_refusal(cfg, sources: dict) -> str | None:
+def metrics_port_refusal(cfg, sources: dict) -> tuple[str, int] | None:
     """Why ``metrics_port`` cannot be listened on (taken, or not this user's to take), found
-    before the pool is pre-faulted rather than minutes later; None when it can (or is 0)."""
+    before the pool is pre-faulted rather than minutes later, and the exit code: 2 (a bad
+    setting, not retried by the unit) when this process may not open an IPv4 socket at all,
+    1 when the port is taken (it may be free at the next start); None when it can (or is 0)."""
     if not cfg.metrics_port:
         return None
+    where = f"metrics_port {cfg.metrics_port} ({sources.get('metrics_port', 'default')})"
     try:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     except OSError as e:  # the unit allows AF_UNIX only unless its metrics drop-in is enabled
-        return (f"metrics_port {cfg.metrics_port} ({sources.get('metrics_port', 'default')}): cannot open an IPv4 "
-                f"socket ({e.strerror or e}); under the systemd unit, install the drop-in "
-                "deploy/sparsekvd.service.d/metrics.conf, which allows it")
+        return (f"{where}: cannot open an IPv4 socket ({e.strerror or e}); under the systemd unit, install the "
+                "drop-in deploy/sparsekvd.service.d/metrics.conf, which allows it", 2)
     with s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own listener
         try:
             s.bind(("127.0.0.1", cfg.metrics_port))
         except OSError as e:
-            return f"metrics_port {cfg.metrics_port} ({sources.get('metrics_port', 'default')}): {e.strerror or e}"
+            return f"{where}: {e.strerror or e}", 1
     return None
 
 
@@ -377,9 +379,9 @@ def main(argv=None) -> int:
             return 1
         refusal = metrics_port_refusal(cfg, sources)  # after the lock: a second daemon is told so first
         if refusal is not None:
-            log.error("cannot start: %s", refusal)
+            log.error("cannot start: %s", refusal[0])
             lock.release()
-            return 1
+            return refusal[1]
         pool = backend = pool_region = pinner = warmer = None
         try:
             warmer, io_cpus = place_io(cfg)

@@ -172,6 +172,21 @@ def test_bad_calls_raise_typed_errors_that_name_the_mistake(client):
     assert client.attachment is not None  # the handle leaves the client to its owner
 
 
+def test_a_step_of_arrays_numpy_cannot_read_or_a_cast_would_change_is_refused(client):
+    """Found by a review of the day's argument fixes: the handle's begin_step let NumPy's
+    bare ValueError out for a ragged list, and cast reset (0.5 and NaN began new requests)."""
+    h = HostSwapIn(client)
+    for kw, words in (({"state_rows": [[0], [0, 1]]}, "state_rows must be an array"),
+                      ({"state_rows": [0, 1], "reset": [[True], [True, False]]}, "reset must be an array"),
+                      ({"state_rows": [0, 1], "reset": [0.5, np.nan]}, "reset must be bool"),
+                      ({"state_rows": [0, 1], "reset": [2, 0]}, "reset must be bool"),
+                      ({"state_rows": [0, 1], "invalidate": [[1], [2, 3]]}, "invalidate must be an array")):
+        with pytest.raises(BadRequest, match=words) as ei:
+            h.begin_step(**kw)
+        assert ei.value.code == ErrorCode.BAD_ARGUMENT
+    h.begin_step([0, 1], reset=[True, False])  # the handle serves on
+
+
 def test_check_raises_a_refused_step_through_either_transport(client):
     h = HostSwapIn(client)
     with pytest.raises(BadRequest) as ei:

@@ -411,3 +411,18 @@ def test_a_scalar_where_an_array_of_rows_goes_is_refused_on_both_paths(call, mod
                 calls[call]()
             assert ei.value.code == ErrorCode.BAD_ARGUMENT
             x.detach()
+
+
+def test_a_reset_or_invalidate_of_another_batch_is_refused_at_the_step_on_both_paths(module_daemon):
+    """Found by a review: the client sent such a step, and its next top-k was refused for
+    it (neither ran); in process the step was refused. Both refuse the step now."""
+    with InprocClient() as c, Client(module_daemon.run_dir, name="batch") as d:
+        for x in (c, d):
+            x.attach(LAYOUT, engine="batch")
+            with pytest.raises(BadRequest, match=r"reset must be \[batch\]=\(1,\), got \(0,\)"):
+                x.step(3, [0], reset=[])
+            with pytest.raises(BadRequest, match=r"invalidate must be \[batch, n\] with batch 1"):
+                x.step(3, [0], invalidate=[[1], [2]])
+            x.step(3, [0])
+            assert x.topk(3, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
+            x.detach()
