@@ -205,7 +205,10 @@ class Connection:
             self._still_there()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DaemonUnavailable(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s")
+                # The session ends here, as for a lost daemon: the request may have run, and its
+                # reply would come to a client that no longer waits for it (later replies too).
+                self._lost(f"no reply from sparsekvd at {self.run_dir} within {self.timeout_s} s (the request may "
+                           "have run)")
             if self._sock.wait(max(1, int(min(left, LIVENESS_SLICE_S) * 1000))):
                 return
 

@@ -104,6 +104,36 @@ def test_a_large_write_a_stopped_daemon_does_not_read_raises_daemon_unavailable(
         stop(p)
 
 
+def test_a_reply_that_does_not_come_in_time_ends_the_session(run_dir):
+    """Found by a review of the client: after timeout_s the client raised DaemonUnavailable
+    yet kept the connection, so once the daemon went on the request had run and the next
+    ones were served: 'unavailable' meant nothing the caller could rely on. It ends the
+    session now, as for a lost daemon: every later request raises it too."""
+    from sparsekv.proto import Layout
+
+    p = start(run_dir, "--pool-size", "64MiB")
+    lay = Layout(num_layers=1, row_bytes=64, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
+                 index_groups=[[0]])
+    try:
+        with Client(run_dir, timeout_s=1) as c:
+            c.attach(lay)
+            c.step(0, [0])
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DaemonUnavailable, match=r"no reply .* within 1 s .*create a new Client"):
+                    c.topk(0, 0, [[1, 2, 3, 4]])
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            with pytest.raises(DaemonUnavailable, match="within 1 s"):
+                c.stats()
+        with Client(run_dir, timeout_s=5) as c2:  # a new client is served
+            c2.attach(lay, engine="after")
+            c2.step(0, [0])
+            assert c2.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
+    finally:
+        stop(p)
+
+
 def test_restarted_daemon_is_noticed_by_its_socket(run_dir, monkeypatch):
     p = start(run_dir)
     try:
