@@ -130,6 +130,11 @@ def test_a_reply_that_does_not_come_in_time_ends_the_session(run_dir):
             c2.attach(lay, engine="after")
             c2.step(0, [0])
             assert c2.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
+            deadline = time.monotonic() + 5
+            while c2.stats()["attached"] != 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            st = c2.stats()
+            assert st["attached"] == 1 and st["sessions_closed"] >= 1  # the first rank was dropped
     finally:
         stop(p)
 
