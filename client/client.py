@@ -31,7 +31,7 @@ from .rank_memory import fetch_fds, map_shared, offer_slab
 from .results import AttachmentCaps, TopkResult
 from .pending import Pending, Ready  # noqa: F401 - Ready: the device-wait result (tests import it here)
 from .tensors import check_batch, check_layout, check_split_write, device_ids, host_bytes, host_int32
-from .tensors import layers_arg as _layers, on_gpu, reset_arg as _reset, whole as _whole
+from .tensors import layers_arg as _layers, on_gpu, step_arrays, whole as _whole
 from .wire import Wire
 
 log = logging.getLogger("sparsekv.client")
@@ -128,6 +128,9 @@ class Client(Connection):
             raise SparseKVError("this Client is connected already (client %s); close() it first" %
                                 (self.info or {}).get("client_id", "?"))
         self._owner_pid = os.getpid()  # (a forked child shares the connection: refused, _send)
+        if self.attachment is not None:  # of a session lost since (not closed): the daemon dropped it
+            self._close_attachment(wait_s=GONE_CLOSE_WAIT_S)
+        self._replies.clear()  # (an old session's replies: their requests were made before close)
         path = self.control_path
         # Says what is wrong with a missing, refused or forbidden socket, and names the
         # daemon (its pid, its socket file) that the liveness checks follow.
@@ -397,17 +400,7 @@ class Client(Connection):
         start a new request (``reset`` bool [batch]) and rows rewritten since the last step
         (``invalidate`` int32 [batch, n], -1 = none)."""
         step = _whole("step", step)
-        arrays = {"state_rows": host_int32("state_rows", state_rows, 1)}
-        batch = arrays["state_rows"].shape
-        if reset is not None:
-            arrays["reset"] = _reset(reset)
-            if arrays["reset"].shape != batch:  # (else its TOPK, and the STEP riding on it, would be refused)
-                raise BadRequest(f"reset must be [batch]={batch}, got {arrays['reset'].shape}", ErrorCode.BAD_ARGUMENT)
-        if invalidate is not None:
-            arrays["invalidate"] = host_int32("invalidate", invalidate, 2)
-            if arrays["invalidate"].shape[0] != batch[0]:
-                raise BadRequest(f"invalidate must be [batch, n] with batch {batch[0]}, got "
-                                 f"{arrays['invalidate'].shape}", ErrorCode.BAD_ARGUMENT)
+        arrays = step_arrays(state_rows, reset, invalidate)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
         self._pending_step = (step, arrays)

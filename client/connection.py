@@ -36,18 +36,21 @@ class Connection:
         return os.path.join(self.run_dir, "control.sock")
 
     def _lost(self, why: str, what: str = "session is"):
-        """The daemon is gone: every request of this client fails from now on."""
+        """The daemon is gone: every request of this client fails from now on (the replies
+        read before stay readable: their requests ran)."""
         self._gone = f"{why}; this client's {what} gone: create a new Client (and attach again)"
-        self._drop_socket()
+        self._drop_socket(keep_replies=True)
         raise DaemonUnavailable(self._gone)
 
-    def _drop_socket(self) -> None:
-        """Close the connection; forget every request in flight (no reply will come for any)."""
+    def _drop_socket(self, keep_replies: bool = False) -> None:
+        """Close the connection; forget every request in flight (no reply will come for any)
+        and, unless ``keep_replies``, the replies read and not yet taken."""
         if self._sock is not None:
             self._sock.close()
         self._sock = None
         self._sent.clear()
-        self._replies.clear()
+        if not keep_replies:
+            self._replies.clear()
         self._deferred.clear()
         self._abandoned.clear()
         self._quiet.clear()

@@ -148,3 +148,21 @@ def check_split_write(lay, layers, rows, data) -> None:
     if data.shape[2] != lay.row_bytes:
         raise BadRequest(f"write data must be uint8 [{data.shape[0]}, {rows.shape[0]}, {lay.row_bytes}], got "
                          f"{data.dtype} {list(data.shape)}", ErrorCode.BAD_ARGUMENT)
+
+
+def step_arrays(state_rows, reset=None, invalidate=None) -> dict:
+    """A STEP's arrays, checked: ``state_rows`` int32 [batch], ``reset`` bool [batch],
+    ``invalidate`` int32 [batch, n] (a reset or invalidate of another batch would have the
+    TOPK the STEP rides on refused, neither running)."""
+    arrays = {"state_rows": host_int32("state_rows", state_rows, 1)}
+    batch = arrays["state_rows"].shape
+    if reset is not None:
+        arrays["reset"] = reset_arg(reset)
+        if arrays["reset"].shape != batch:
+            raise BadRequest(f"reset must be [batch]={batch}, got {arrays['reset'].shape}", ErrorCode.BAD_ARGUMENT)
+    if invalidate is not None:
+        arrays["invalidate"] = host_int32("invalidate", invalidate, 2)
+        if arrays["invalidate"].shape[0] != batch[0]:
+            raise BadRequest(f"invalidate must be [batch, n] with batch {batch[0]}, got {arrays['invalidate'].shape}",
+                             ErrorCode.BAD_ARGUMENT)
+    return arrays

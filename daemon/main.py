@@ -327,8 +327,9 @@ def backend_refusal(cfg) -> str | None:
 def metrics_port_refusal(cfg, sources: dict) -> tuple[str, int] | None:
     """Why ``metrics_port`` cannot be listened on (taken, or not this user's to take), found
     before the pool is pre-faulted rather than minutes later, and the exit code: 2 (a bad
-    setting, not retried by the unit) when this process may not open an IPv4 socket at all,
-    1 when the port is taken (it may be free at the next start); None when it can (or is 0)."""
+    setting, not retried by the unit) when this process may not open an IPv4 socket at all
+    or take that port, 1 when the port is taken (it may be free at the next start); None
+    when it can (or is 0)."""
     if not cfg.metrics_port:
         return None
     where = f"metrics_port {cfg.metrics_port} ({sources.get('metrics_port', 'default')})"
@@ -341,8 +342,8 @@ def metrics_port_refusal(cfg, sources: dict) -> tuple[str, int] | None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own listener
         try:
             s.bind(("127.0.0.1", cfg.metrics_port))
-        except OSError as e:
-            return f"{where}: {e.strerror or e}", 1
+        except OSError as e:  # a port this user may not take (below 1024) will never be: a setting
+            return f"{where}: {e.strerror or e}", 2 if e.errno in (errno.EACCES, errno.EPERM) else 1
     return None
 
 

@@ -139,6 +139,42 @@ def test_a_reply_that_does_not_come_in_time_ends_the_session(run_dir):
         stop(p)
 
 
+def test_a_reply_read_before_a_timeout_is_still_answered_and_a_new_connect_starts_clean(run_dir):
+    """Found by a review of the timeout change: the reply of an earlier pipelined request,
+    read while the client waited for a later one, was thrown away with the connection
+    (its wait said "no reply"); and a connect() after the lost session kept the old
+    attachment (its requests NOT_ATTACHED)."""
+    from sparsekv.proto import Layout
+
+    p = start(run_dir, "--pool-size", "64MiB")
+    lay = Layout(num_layers=1, row_bytes=64, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
+                 index_groups=[[0]])
+    try:
+        c = Client(run_dir, timeout_s=1).connect()
+        try:
+            c.attach(lay, engine="early")
+            c.step(0, [0])
+            p1 = c.submit_topk(0, 0, [[1, 2, 3, 4]])
+            time.sleep(0.5)  # its reply waits in the socket
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                p2 = c.submit_topk(0, 0, [[5, 6, 7, 8]])
+                with pytest.raises(DaemonUnavailable, match="within 1 s"):
+                    p2.wait()
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            assert p1.wait().misses.tolist() == [4]  # it ran, and its reply had come
+            c.connect()
+            assert c.attachment is None and c.blocks is None
+            c.attach(lay, engine="early2")
+            c.step(0, [0])
+            assert c.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
+        finally:
+            c.close()
+    finally:
+        stop(p)
+
+
 def test_restarted_daemon_is_noticed_by_its_socket(run_dir, monkeypatch):
     p = start(run_dir)
     try:

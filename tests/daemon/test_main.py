@@ -459,3 +459,23 @@ def test_a_metrics_port_the_sandbox_forbids_is_one_line_naming_the_drop_in(monke
     assert "metrics_port 9400 (flag --metrics-port): cannot open an IPv4 socket (Operation not permitted)" \
         in caplog.text and "sparsekvd.service.d/metrics.conf" in caplog.text
     assert os.listdir(run) == []  # the lock released
+
+
+def test_a_metrics_port_this_user_may_not_take_exits_2_and_a_taken_one_1(monkeypatch, tmp_path, caplog):
+    """Found by a review: a port below 1024 (EACCES for the unit's user) exited 1, so the
+    unit retried a setting that can never work; a taken port may be free at the next start."""
+    import errno as errno_mod
+
+    def refusing(err):
+        class Sock(socket.socket):
+            def bind(self, address):
+                raise OSError(err, os.strerror(err))
+        return Sock
+
+    monkeypatch.setattr(main_mod, "setup_logging", lambda level: None)
+    for err, code in ((errno_mod.EACCES, 2), (errno_mod.EADDRINUSE, 1)):
+        monkeypatch.setattr(main_mod.socket, "socket", refusing(err))
+        run = str(tmp_path / f"run{err}")
+        assert main_mod.main(["--backend", "cpu", "--run-dir", run, "--pool-size", "64MiB",
+                              "--metrics-port", "80"]) == code
+        assert os.listdir(run) == []
