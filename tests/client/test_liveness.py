@@ -5,6 +5,7 @@ a new Client against a new daemon on the same run dir works at once. ``Client.cl
 says goodbye (BYE): the daemon forgets the session, so a process may open and close
 clients for ever without filling ``max_clients``."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -42,6 +43,23 @@ def stop(p: subprocess.Popen) -> None:
     if p.poll() is None:
         p.kill()
     p.wait()
+
+
+@contextlib.contextmanager
+def stopped(p: subprocess.Popen):
+    """The daemon stopped (SIGSTOP) for the block's time: it reads nothing, answers nothing."""
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+
+
+def one_layer(row_bytes: int, host_rows: int):
+    from sparsekv.proto import Layout
+
+    return Layout(num_layers=1, row_bytes=row_bytes, top_k=4, region_stride=8, max_reqs=2, host_rows=host_rows,
+                  index_groups=[[0]])
 
 
 @pytest.fixture
@@ -86,20 +104,12 @@ def test_a_large_write_a_stopped_daemon_does_not_read_raises_daemon_unavailable(
     client cuts the connection and raises DaemonUnavailable. Seen (an adversarial review):
     a bare ValueError (the ending write unregistered the fd of the socket it had just
     closed); only the next request raised the typed error."""
-    from sparsekv.proto import Layout
-
     p = start(run_dir, "--pool-size", "64MiB")
-    lay = Layout(num_layers=1, row_bytes=4096, top_k=4, region_stride=8, max_reqs=2, host_rows=8192,
-                 index_groups=[[0]])
     try:
         with Client(run_dir, timeout_s=1) as c:
-            c.attach(lay)
-            os.kill(p.pid, signal.SIGSTOP)
-            try:
-                with pytest.raises(DaemonUnavailable, match="read none of a request"):
-                    c.write(np.arange(8192, dtype=np.int64), np.ones((1, 8192, 4096), np.uint8))
-            finally:
-                os.kill(p.pid, signal.SIGCONT)
+            c.attach(one_layer(4096, 8192))
+            with stopped(p), pytest.raises(DaemonUnavailable, match="read none of a request"):
+                c.write(np.arange(8192, dtype=np.int64), np.ones((1, 8192, 4096), np.uint8))
     finally:
         stop(p)
 
@@ -109,21 +119,14 @@ def test_a_reply_that_does_not_come_in_time_ends_the_session(run_dir):
     yet kept the connection, so once the daemon went on the request had run and the next
     ones were served: 'unavailable' meant nothing the caller could rely on. It ends the
     session now, as for a lost daemon: every later request raises it too."""
-    from sparsekv.proto import Layout
-
     p = start(run_dir, "--pool-size", "64MiB")
-    lay = Layout(num_layers=1, row_bytes=64, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
-                 index_groups=[[0]])
+    lay = one_layer(64, 64)
     try:
         with Client(run_dir, timeout_s=1) as c:
             c.attach(lay)
             c.step(0, [0])
-            os.kill(p.pid, signal.SIGSTOP)
-            try:
-                with pytest.raises(DaemonUnavailable, match=r"no reply .* within 1 s .*create a new Client"):
-                    c.topk(0, 0, [[1, 2, 3, 4]])
-            finally:
-                os.kill(p.pid, signal.SIGCONT)
+            with stopped(p), pytest.raises(DaemonUnavailable, match=r"no reply .* within 1 s .*create a new Client"):
+                c.topk(0, 0, [[1, 2, 3, 4]])
             with pytest.raises(DaemonUnavailable, match="within 1 s"):
                 c.stats()
         with Client(run_dir, timeout_s=5) as c2:  # a new client is served
@@ -144,11 +147,8 @@ def test_a_reply_read_before_a_timeout_is_still_answered_and_a_new_connect_start
     read while the client waited for a later one, was thrown away with the connection
     (its wait said "no reply"); and a connect() after the lost session kept the old
     attachment (its requests NOT_ATTACHED)."""
-    from sparsekv.proto import Layout
-
     p = start(run_dir, "--pool-size", "64MiB")
-    lay = Layout(num_layers=1, row_bytes=64, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
-                 index_groups=[[0]])
+    lay = one_layer(64, 64)
     try:
         c = Client(run_dir, timeout_s=1).connect()
         try:
@@ -156,13 +156,10 @@ def test_a_reply_read_before_a_timeout_is_still_answered_and_a_new_connect_start
             c.step(0, [0])
             p1 = c.submit_topk(0, 0, [[1, 2, 3, 4]])
             time.sleep(0.5)  # its reply waits in the socket
-            os.kill(p.pid, signal.SIGSTOP)
-            try:
+            with stopped(p):
                 p2 = c.submit_topk(0, 0, [[5, 6, 7, 8]])
                 with pytest.raises(DaemonUnavailable, match="within 1 s"):
                     p2.wait()
-            finally:
-                os.kill(p.pid, signal.SIGCONT)
             assert p1.wait().misses.tolist() == [4]  # it ran, and its reply had come
             c.connect()
             assert c.attachment is None and c.blocks is None
