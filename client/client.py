@@ -130,7 +130,7 @@ class Client(Connection):
         self._owner_pid = os.getpid()  # (a forked child shares the connection: refused, _send)
         if self.attachment is not None:  # of a session lost since (not closed): the daemon dropped it
             self._close_attachment(wait_s=GONE_CLOSE_WAIT_S)
-        self._replies.clear()  # (an old session's replies: their requests were made before close)
+        self._drop_socket()  # an old session's replies and requests: made before this connection
         path = self.control_path
         # Says what is wrong with a missing, refused or forbidden socket, and names the
         # daemon (its pid, its socket file) that the liveness checks follow.
@@ -586,8 +586,11 @@ class Client(Connection):
         super()._lost(why, "session and attachment are" if self.attachment else "session is")
 
     def flush(self) -> None:
-        """Wait for every deferred request (e.g. the last STEP); raise the first error."""
+        """Wait for every deferred request (e.g. the last STEP); raise the first error, or
+        DaemonUnavailable once the session is lost."""
         self._send_pending_step()
         while self._deferred:
             self._receive_until(self._deferred[0])
             self._check_deferred()
+        if self._sock is None and self._gone is not None:
+            raise DaemonUnavailable(self._gone)

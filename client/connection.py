@@ -49,9 +49,11 @@ class Connection:
             self._sock.close()
         self._sock = None
         self._sent.clear()
-        if not keep_replies:
+        if keep_replies:  # (a deferred request's error among them is raised still, by flush)
+            self._deferred[:] = [r for r in self._deferred if r in self._replies]
+        else:
             self._replies.clear()
-        self._deferred.clear()
+            self._deferred.clear()
         self._abandoned.clear()
         self._quiet.clear()
 

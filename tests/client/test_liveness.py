@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import helpers
-from sparsekv.client import Client, DaemonUnavailable
+from sparsekv.client import BadRequest, Client, DaemonUnavailable
 from sparsekv.client import client as client_mod
 from sparsekv.client import connection as connection_mod
 from sparsekv.proto import LIMITS
@@ -165,6 +165,64 @@ def test_a_reply_read_before_a_timeout_is_still_answered_and_a_new_connect_start
             assert c.attachment is None and c.blocks is None
             c.attach(lay, engine="early2")
             c.step(0, [0])
+            assert c.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
+        finally:
+            c.close()
+    finally:
+        stop(p)
+
+
+def test_a_lost_sessions_step_error_is_still_raised_and_a_reconnect_starts_clean(run_dir):
+    """Found by a review: a refused STEP whose error reply was read before the session was
+    lost was never raised (a top-k of the refused step returned slots), and a dropped
+    Pending's error from the lost session made every flush() of the next session fail."""
+    p = start(run_dir, "--pool-size", "64MiB")
+    lay = one_layer(64, 64)
+    try:
+        c = Client(run_dir, timeout_s=1).connect()
+        try:
+            c.attach(lay, engine="lost-step")
+            c.step(1, [5])  # max_reqs 2: refused ...
+            p1 = c.submit_topk(1, 0, [[1, 2, 3, 4]], state_rows=[0])  # ... sent alone, deferred
+            time.sleep(0.5)  # both replies wait in the socket
+            with stopped(p), pytest.raises(DaemonUnavailable, match="within 1 s"):
+                c.stats()
+            with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
+                p1.wait()
+            with pytest.raises(DaemonUnavailable, match="within 1 s"):
+                c.flush()  # the session is gone, whatever is deferred
+            c.connect()
+            c.attach(lay, engine="lost-step2")
+            c.step(0, [0])
+            c.flush()
+            assert c.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
+            c.flush()
+        finally:
+            c.close()
+    finally:
+        stop(p)
+
+
+def test_an_error_dropped_unread_in_a_lost_session_does_not_reach_the_next(run_dir):
+    """Found by the same review: its id stayed deferred across connect(), and flush()
+    raised "made on an earlier connection" for the rest of the new session."""
+    p = start(run_dir, "--pool-size", "64MiB")
+    lay = one_layer(64, 64)
+    try:
+        c = Client(run_dir, timeout_s=1).connect()
+        try:
+            c.attach(lay, engine="dropped")
+            c.step(0, [0])
+            c.topk(0, 0, [[1, 2, 3, 4]])
+            pend = c.submit_topk(0, 7, [[1, 2, 3, 4]])  # group 7: refused
+            time.sleep(0.5)
+            with stopped(p), pytest.raises(DaemonUnavailable):
+                c.stats()
+            del pend  # dropped unread: its error would be raised by the next request
+            c.connect()
+            c.attach(lay, engine="dropped2")
+            c.step(0, [0])
+            c.flush()
             assert c.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
         finally:
             c.close()
