@@ -142,92 +142,78 @@ def test_a_reply_that_does_not_come_in_time_ends_the_session(run_dir):
         stop(p)
 
 
-def test_a_reply_read_before_a_timeout_is_still_answered_and_a_new_connect_starts_clean(run_dir):
+@pytest.fixture
+def lost(run_dir):
+    """A daemon subprocess and a client of it (timeout 1 s) attached to engine "lost",
+    for tests that lose the session by stopping the daemon past the timeout."""
+    p = start(run_dir, "--pool-size", "64MiB")
+    try:
+        c = Client(run_dir, timeout_s=1).connect()
+        try:
+            c.attach(one_layer(64, 64), engine="lost")
+            yield p, c
+        finally:
+            c.close()
+    finally:
+        stop(p)
+
+
+def serves_again(c: Client) -> None:
+    """``c`` connects again and serves a new attachment as a fresh client would."""
+    c.connect()
+    assert c.attachment is None and c.blocks is None
+    c.attach(one_layer(64, 64), engine="again")
+    c.step(0, [0])
+    c.flush()
+    assert c.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
+    c.flush()
+
+
+def test_a_reply_read_before_a_timeout_is_still_answered_and_a_new_connect_starts_clean(lost):
     """Found by a review of the timeout change: the reply of an earlier pipelined request,
     read while the client waited for a later one, was thrown away with the connection
     (its wait said "no reply"); and a connect() after the lost session kept the old
     attachment (its requests NOT_ATTACHED)."""
-    p = start(run_dir, "--pool-size", "64MiB")
-    lay = one_layer(64, 64)
-    try:
-        c = Client(run_dir, timeout_s=1).connect()
-        try:
-            c.attach(lay, engine="early")
-            c.step(0, [0])
-            p1 = c.submit_topk(0, 0, [[1, 2, 3, 4]])
-            time.sleep(0.5)  # its reply waits in the socket
-            with stopped(p):
-                p2 = c.submit_topk(0, 0, [[5, 6, 7, 8]])
-                with pytest.raises(DaemonUnavailable, match="within 1 s"):
-                    p2.wait()
-            assert p1.wait().misses.tolist() == [4]  # it ran, and its reply had come
-            c.connect()
-            assert c.attachment is None and c.blocks is None
-            c.attach(lay, engine="early2")
-            c.step(0, [0])
-            assert c.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
-        finally:
-            c.close()
-    finally:
-        stop(p)
+    p, c = lost
+    c.step(0, [0])
+    p1 = c.submit_topk(0, 0, [[1, 2, 3, 4]])
+    time.sleep(0.5)  # its reply waits in the socket
+    with stopped(p):
+        p2 = c.submit_topk(0, 0, [[5, 6, 7, 8]])
+        with pytest.raises(DaemonUnavailable, match="within 1 s"):
+            p2.wait()
+    assert p1.wait().misses.tolist() == [4]  # it ran, and its reply had come
+    serves_again(c)
 
 
-def test_a_lost_sessions_step_error_is_still_raised_and_a_reconnect_starts_clean(run_dir):
+def test_a_lost_sessions_step_error_is_still_raised_and_a_reconnect_starts_clean(lost):
     """Found by a review: a refused STEP whose error reply was read before the session was
-    lost was never raised (a top-k of the refused step returned slots), and a dropped
-    Pending's error from the lost session made every flush() of the next session fail."""
-    p = start(run_dir, "--pool-size", "64MiB")
-    lay = one_layer(64, 64)
-    try:
-        c = Client(run_dir, timeout_s=1).connect()
-        try:
-            c.attach(lay, engine="lost-step")
-            c.step(1, [5])  # max_reqs 2: refused ...
-            p1 = c.submit_topk(1, 0, [[1, 2, 3, 4]], state_rows=[0])  # ... sent alone, deferred
-            time.sleep(0.5)  # both replies wait in the socket
-            with stopped(p), pytest.raises(DaemonUnavailable, match="within 1 s"):
-                c.stats()
-            with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
-                p1.wait()
-            with pytest.raises(DaemonUnavailable, match="within 1 s"):
-                c.flush()  # the session is gone, whatever is deferred
-            c.connect()
-            c.attach(lay, engine="lost-step2")
-            c.step(0, [0])
-            c.flush()
-            assert c.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
-            c.flush()
-        finally:
-            c.close()
-    finally:
-        stop(p)
+    lost was never raised (a top-k of the refused step returned slots)."""
+    p, c = lost
+    c.step(1, [5])  # max_reqs 2: refused ...
+    p1 = c.submit_topk(1, 0, [[1, 2, 3, 4]], state_rows=[0])  # ... sent alone, deferred
+    time.sleep(0.5)  # both replies wait in the socket
+    with stopped(p), pytest.raises(DaemonUnavailable, match="within 1 s"):
+        c.stats()
+    with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
+        p1.wait()
+    with pytest.raises(DaemonUnavailable, match="within 1 s"):
+        c.flush()  # the session is gone, whatever is deferred
+    serves_again(c)
 
 
-def test_an_error_dropped_unread_in_a_lost_session_does_not_reach_the_next(run_dir):
+def test_an_error_dropped_unread_in_a_lost_session_does_not_reach_the_next(lost):
     """Found by the same review: its id stayed deferred across connect(), and flush()
     raised "made on an earlier connection" for the rest of the new session."""
-    p = start(run_dir, "--pool-size", "64MiB")
-    lay = one_layer(64, 64)
-    try:
-        c = Client(run_dir, timeout_s=1).connect()
-        try:
-            c.attach(lay, engine="dropped")
-            c.step(0, [0])
-            c.topk(0, 0, [[1, 2, 3, 4]])
-            pend = c.submit_topk(0, 7, [[1, 2, 3, 4]])  # group 7: refused
-            time.sleep(0.5)
-            with stopped(p), pytest.raises(DaemonUnavailable):
-                c.stats()
-            del pend  # dropped unread: its error would be raised by the next request
-            c.connect()
-            c.attach(lay, engine="dropped2")
-            c.step(0, [0])
-            c.flush()
-            assert c.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
-        finally:
-            c.close()
-    finally:
-        stop(p)
+    p, c = lost
+    c.step(0, [0])
+    c.topk(0, 0, [[1, 2, 3, 4]])
+    pend = c.submit_topk(0, 7, [[1, 2, 3, 4]])  # group 7: refused
+    time.sleep(0.5)
+    with stopped(p), pytest.raises(DaemonUnavailable):
+        c.stats()
+    del pend  # dropped unread: its error would be raised by the next request
+    serves_again(c)
 
 
 def test_restarted_daemon_is_noticed_by_its_socket(run_dir, monkeypatch):
