@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import mmap
-import re
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +30,7 @@ from .keys_load import KeysLoader
 from .rank_memory import fetch_fds, map_shared, offer_slab
 from .results import AttachmentCaps, TopkResult
 from .pending import Pending, Ready  # noqa: F401 - Ready: the device-wait result (tests import it here)
-from .tensors import check_batch, check_layout, check_split_write, device_ids, host_bytes, host_int32
+from .tensors import check_batch, check_layout, check_prefetch, check_split_write, device_ids, host_bytes, host_int32
 from .tensors import layers_arg as _layers, on_gpu, step_arrays, whole as _whole
 from .wire import Wire
 
@@ -219,8 +219,7 @@ class Client(Connection):
             engine = engine_name(engine)
         except ValueError as e:
             raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
-        if type(prefetch) not in (bool, np.bool_):
-            raise BadRequest(f"prefetch must be True or False, got {prefetch!r:.40}", ErrorCode.BAD_ARGUMENT)
+        check_prefetch(prefetch)
         fields = {"engine": engine, "layout": layout.to_wire()}
         if owner_uid is not None:
             if type(owner_uid) is not int or not 0 <= owner_uid < 1 << 32:
@@ -516,7 +515,7 @@ class Client(Connection):
         ``layers`` is None); hot copies of those rows are dropped in every rank."""
         layers = None if layers is None else _layers(layers)
         rows, data = host_int32("rows", rows, 1), host_bytes("data", data)
-        per_row = data.nbytes // max(1, data.shape[1]) if data.ndim == 3 and rows.ndim == 1 else 0
+        per_row = data.nbytes // max(1, data.shape[1]) if data.ndim == 3 else 0
         if not per_row or (data.nbytes <= LIMITS.max_frame_bytes and rows.shape[0] <= LIMITS.max_write_rows):
             return self._call(MsgType.WRITE, {"layers": layers}, {"rows": rows, "data": data})[0]
         # Larger than one frame may carry: several WRITEs of whole rows, each in order, once the

@@ -26,7 +26,7 @@ from sparsekv.proto.positions import INT32_MAX, host_rows
 from . import swap_in_kernels
 from .errors import BadRequest, NotAttached, SparseKVError
 from .step_order import StepOrder
-from .tensors import host_array, is_int_dtype, is_torch, on_gpu, reset_arg
+from .tensors import host_array, is_int_dtype, is_torch, on_gpu
 
 log = logging.getLogger("sparsekv.client")
 
@@ -108,7 +108,7 @@ class HostSwapIn:
         self._slots.clear()
         self._req_cache = self._req_dev = None
         rows = _ints("state_rows", state_rows, 1)
-        reset = None if reset is None else reset_arg(_host(reset, "reset"))  # (a cast made 0.5 and NaN resets)
+        reset = None if reset is None else _host(reset, "reset")  # (checked by the client's step, no cast)
         invalidate = None if invalidate is None else _ints("invalidate", invalidate, 2)
         step, self._next_step = self._next_step, self._next_step + 1
         self._client.step(step, rows, reset=reset, invalidate=invalidate)

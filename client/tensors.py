@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from sparsekv.proto import ErrorCode
-from sparsekv.proto.args import INT32_MAX, int32_array, layer_numbers, reset_flags, whole_number
+from sparsekv.proto.args import INT32_MAX, int32_array, layer_numbers, layers_in, reset_flags, whole_number
 
 from .errors import BadRequest
 
@@ -60,6 +60,14 @@ def host_array(name: str, a, what: str):
         return np.asarray(a)
     except (TypeError, ValueError, OverflowError) as e:
         raise BadRequest(f"{name} must be {what}: {e}", ErrorCode.BAD_ARGUMENT) from None
+
+
+def check_prefetch(prefetch) -> None:
+    """BadRequest unless ``prefetch`` is True or False (its truth value took "no" for True)."""
+    import numpy as np  # noqa: PLC0415
+
+    if type(prefetch) not in (bool, np.bool_):
+        raise BadRequest(f"prefetch must be True or False, got {prefetch!r:.40}", ErrorCode.BAD_ARGUMENT)
 
 
 def check_layout(layout) -> None:
@@ -124,11 +132,9 @@ def check_batch(att, rows, topk, begin) -> None:
         raise BadRequest(f"topk has {topk.shape[1]} columns, layout top_k is {lay.top_k}", ErrorCode.BAD_ARGUMENT)
     if rows.shape[0] > lay.max_batch:
         raise BadRequest(f"batch {rows.shape[0]} exceeds max_batch {lay.max_batch} of the layout", ErrorCode.TOO_LARGE)
-    if begin is not None:
-        reset, inv = begin
-        if reset is not None and reset.shape != rows.shape:
-            raise BadRequest(f"reset must be [batch]={rows.shape}, got {reset.shape}", ErrorCode.BAD_ARGUMENT)
-        if inv is not None and (inv.ndim != 2 or inv.shape[0] != rows.shape[0] or inv.shape[1] > lay.top_k):
+    if begin is not None:  # (the step's reset and invalidate fit its batch: step_arrays)
+        inv = begin[1]
+        if inv is not None and inv.shape[1] > lay.top_k:
             raise BadRequest(f"invalidate must be [batch, n <= top_k], got {inv.shape}", ErrorCode.BAD_ARGUMENT)
 
 
@@ -137,12 +143,10 @@ def check_split_write(lay, layers, rows, data) -> None:
     for the whole before the first part is sent: the layers, every row in the pool, the
     rows' bytes."""
     if layers is not None:
-        if any(not 0 <= x < lay.num_layers for x in layers):
-            raise BadRequest(f"layers must lie in [0, {lay.num_layers}), got {list(layers)[:16]}", ErrorCode.BAD_ARGUMENT)
-        if len(set(layers)) != len(layers):
-            raise BadRequest(f"layers names a layer twice: {list(layers)[:16]}", ErrorCode.BAD_ARGUMENT)
-    if rows.ndim != 1:
-        raise BadRequest(f"rows must have 1 dimension(s), got shape {rows.shape}", ErrorCode.BAD_ARGUMENT)
+        try:
+            layers_in(layers, lay.num_layers)
+        except ValueError as e:
+            raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
     if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= lay.host_rows):
         raise BadRequest(f"write rows must lie in [0, {lay.host_rows})", ErrorCode.BAD_ARGUMENT)
     if data.shape[2] != lay.row_bytes:

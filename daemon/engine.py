@@ -18,7 +18,7 @@ import numpy as np
 
 from sparsekv.proto import LIMITS
 from sparsekv.proto.blocks import KeysPlane
-from sparsekv.proto.args import layer_numbers, reset_flags
+from sparsekv.proto.args import layers_in, reset_flags
 from sparsekv.proto.layout import Layout
 
 from .blocks.contract import BlockError
@@ -496,16 +496,9 @@ def check_layers(layout: Layout, layers) -> tuple[int, ...]:
     if layers is None:
         return tuple(range(layout.num_layers))
     try:
-        out = layer_numbers(layers)
+        return layers_in(layers, layout.num_layers)
     except ValueError as e:
         raise ResidencyError("BAD_ARGUMENT", str(e)) from None
-    if not out:
-        raise ResidencyError("BAD_ARGUMENT", "layers must be null (every layer) or a non-empty list of layer numbers")
-    if any(not 0 <= x < layout.num_layers for x in out):
-        raise ResidencyError("BAD_ARGUMENT", f"layers must lie in [0, {layout.num_layers}), got {list(out)[:16]}")
-    if len(set(out)) != len(out):
-        raise ResidencyError("BAD_ARGUMENT", f"layers names a layer twice: {list(out)[:16]}")
-    return out
 
 
 class Backend(abc.ABC):

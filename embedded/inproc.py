@@ -1,8 +1,9 @@
 """In-process transport: the daemon's residency engine and mover in the caller's process,
-with the methods and results of :class:`~sparsekv.client.Client` (baselines, tests, a library),
-``stats()`` included: the daemon's counters of this one rank. With ``attach(..., block_size=n)`` its ``blocks`` is a block store (DESIGN §9) of this
-process alone (with ``index_bytes``, and an indexer keys plane): prefix reuse within it,
-nothing shared, nothing kept past ``close``.
+with the methods and results of :class:`~sparsekv.client.Client` (baselines, tests, a
+library), ``stats()`` included: the daemon's counters of this one rank. With
+``attach(..., block_size=n)`` its ``blocks`` is a block store (DESIGN §9) of this process
+alone (with ``index_bytes``, and an indexer keys plane): prefix reuse within it, nothing
+shared, nothing kept past ``close``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sparsekv.client.blocks import Blocks
 from sparsekv.client.client import Attachment
 from sparsekv.client.errors import error_for
 from sparsekv.client.results import TopkResult
-from sparsekv.client.tensors import check_layout
+from sparsekv.client.tensors import check_layout, check_prefetch
 
 
 class InprocClient:
@@ -89,8 +90,7 @@ class InprocClient:
                 raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"attached to engine {self._space.name!r} already; "
                                     "detach first")
         check_layout(layout)  # as the client: before anything is counted or made
-        if type(prefetch) not in (bool, np.bool_):
-            raise error_for(int(ErrorCode.BAD_ARGUMENT), f"prefetch must be True or False, got {prefetch!r:.40}")
+        check_prefetch(prefetch)
         with _errors(self._stats, counted=True):
             try:
                 engine = engine_name(engine)

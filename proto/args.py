@@ -41,6 +41,20 @@ def layer_numbers(layers) -> tuple[int, ...]:
     return tuple(out)
 
 
+def layers_in(layers, num_layers: int) -> tuple[int, ...]:
+    """A request's ``layers`` (not None: that is every layer) as distinct layer numbers of a
+    layout of ``num_layers`` layers (a layer named twice would be copied twice, and a list
+    of them could multiply a request's work)."""
+    out = layer_numbers(layers)
+    if not out:
+        raise ValueError("layers must be null (every layer) or a non-empty list of layer numbers")
+    if any(not 0 <= x < num_layers for x in out):
+        raise ValueError(f"layers must lie in [0, {num_layers}), got {list(out)[:16]}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"layers names a layer twice: {list(out)[:16]}")
+    return out
+
+
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
