@@ -180,22 +180,24 @@ def make_backend(cfg, pool, pool_region=None):
     ``pool_region``: the pool's :class:`~sparsekv.daemon.pinned.PinnedRegion` when it was
     page-locked at start (cuda; the caller keeps and closes it)."""
     if cfg.backend in ("auto", "cuda"):
-        why = backend_unusable(cfg.backend)
+        probe = _cuda_probe()
+        if probe[0] is None:
+            return CudaBackend(cfg, pool, pool_region)
+        why = backend_unusable(cfg.backend, probe)
         if why is not None:
             raise RuntimeError(why)
-        if cuda_unavailable() is None:
-            return CudaBackend(cfg, pool, pool_region)
         log.info("no NVIDIA GPU on this machine; using the cpu backend")
     return CpuBackend(cfg.run_dir, cfg.shm_dir)
 
 
-def backend_unusable(backend: str) -> str | None:
+def backend_unusable(backend: str, probe: tuple[str | None, bool] | None = None) -> str | None:
     """Why the backend ``backend`` names cannot serve on this machine, or None: ``cuda``
     without a GPU CuPy can use, or ``auto`` on a machine whose NVIDIA GPU the cuda backend
-    cannot use (``auto`` on a machine with no NVIDIA GPU serves from the cpu backend)."""
+    cannot use (``auto`` on a machine with no NVIDIA GPU serves from the cpu backend).
+    ``probe``: ``_cuda_probe()``'s answer when the caller has it."""
     if backend not in ("auto", "cuda"):
         return None
-    reason, missing = _cuda_probe()
+    reason, missing = probe if probe is not None else _cuda_probe()
     if reason is None:
         return None
     fix = "install the cuda extra: pip install 'sparsekv[cuda]'" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
