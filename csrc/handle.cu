@@ -56,6 +56,64 @@ extern "C" __global__ void skv_db_begin(int* __restrict__ blk, int* __restrict__
 // not a miss, not counted; skv_db_indices points it at the resident copy.
 // Without a table (null), the top-k holds host rows and is copied as it is.
 // Grid: one block per token (grid-stride), any block size.
+//
+// At batch 1 this kernel runs beside the query's matmuls, where every instruction it
+// issues costs 2-3x its time alone (PERF.md run BR): the body is specialised on whether a
+// resident table is given and whether the block size is a power of two (a shift, not a
+// division), so the common path issues only the instructions it needs.
+template <bool kResident, bool kPow2>
+__device__ __forceinline__ void skv_db_topk_rows(int* __restrict__ rows, int* __restrict__ payload,
+                                                 const int* __restrict__ req_ids, const int tokens,
+                                                 const int* __restrict__ table, const int table_rows,
+                                                 const int max_blocks, const int* __restrict__ resident,
+                                                 const int res_blocks, const int* __restrict__ topk, const int k,
+                                                 const int block_size) {
+    const int shift = kPow2 ? __ffs(block_size) - 1 : 0;
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        const int req = req_ids[t];
+        const bool live = req >= 0 && req < table_rows;
+        if (threadIdx.x == 0) rows[t] = req < 0 ? -1 : req;  // the daemon checks the range
+        const bool tab = live && max_blocks > 0;                // token-uniform, as the next
+        const bool res = kResident && live && res_blocks > 0;
+        const int* trow = table + (i64)(tab ? req : 0) * max_blocks;
+        const int* rrow = kResident ? resident + (i64)(res ? req : 0) * res_blocks : nullptr;
+        const int* tk = topk + (i64)t * k;
+        int* pl = payload + (i64)t * k;
+        // SKV_DB_UNROLL columns a thread in flight: every load of a tile is issued before
+        // the first store, and no load waits on another's value (skv_entry_of's rule: the
+        // entry loaded at index 0 when p has none, then -1).
+        for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
+            int v[SKV_DB_UNROLL], tb[SKV_DB_UNROLL], rb[SKV_DB_UNROLL];
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int j = j0 + u * blockDim.x + threadIdx.x;
+                v[u] = j < k ? tk[j] : -1;
+            }
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int b = kPow2 ? v[u] >> shift : v[u] / block_size;
+                const bool in = v[u] >= 0 && b < max_blocks;
+                tb[u] = tab ? trow[in ? b : 0] : -1;
+                if (!in) tb[u] = -1;
+                if (kResident) {
+                    const bool rin = v[u] >= 0 && b < res_blocks;
+                    rb[u] = res ? rrow[rin ? b : 0] : -1;
+                    if (!rin) rb[u] = -1;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int j = j0 + u * blockDim.x + threadIdx.x;
+                const int in_block = kPow2 ? v[u] & (block_size - 1) : v[u] % block_size;
+                int r = SKV_UNMAPPED;
+                if (kResident && rb[u] >= 0) r = -1;  // resident on the engine's GPU
+                else if (tb[u] >= 0) r = skv_host_row_of((i64)tb[u] * block_size + in_block);
+                if (j < k) pl[j] = r;
+            }
+        }
+    }
+}
+
 extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restrict__ counter,
                                        const int* __restrict__ req_ids, const int tokens,
                                        const int* __restrict__ table, const int table_rows,
@@ -64,67 +122,106 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                                        const int* __restrict__ topk, const int k, const int block_size,
                                        const int group, const int max_batch,
                                        u32* done, u32* bell) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        for (int i = 0; i < SKV_DESC_INTS; ++i) blk[i] = 0;
-        blk[SKV_D_SEQ] = counter[0];
-        blk[SKV_D_STEP] = counter[0];
-        blk[SKV_D_BATCH] = tokens;
-        blk[SKV_D_K] = k;
-        blk[SKV_D_GROUP] = group;
+    if (blockIdx.x == 0 && threadIdx.x < SKV_DESC_INTS) {  // the descriptor, an int a thread
+        const int i = threadIdx.x;
+        int d = 0;
+        if (i == SKV_D_SEQ || i == SKV_D_STEP) d = counter[0];
+        else if (i == SKV_D_BATCH) d = tokens;
+        else if (i == SKV_D_K) d = k;
+        else if (i == SKV_D_GROUP) d = group;
+        blk[i] = d;
     }
     int* rows = blk + SKV_DESC_INTS;
     int* payload = rows + 2 * max_batch;
-    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
-        const int req = req_ids[t];
-        const bool live = req >= 0 && req < table_rows;
-        if (threadIdx.x == 0) rows[t] = req < 0 ? -1 : req;  // the daemon checks the range
-        const int* trow = table ? table + (i64)(live ? req : 0) * max_blocks : nullptr;
-        const int* rrow = resident ? resident + (i64)(live ? req : 0) * res_blocks : nullptr;
-        const int* tk = topk + (i64)t * k;
-        int* pl = payload + (i64)t * k;
-        // SKV_DB_UNROLL columns a thread in flight: every load of a tile is issued before
-        // the first store (a batch-1 step waits on this kernel's latency, not its bytes).
-        for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
-            int v[SKV_DB_UNROLL];
-#pragma unroll
-            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                const int j = j0 + u * blockDim.x + threadIdx.x;
-                v[u] = j < k ? tk[j] : -1;
-            }
-            if (trow) {  // block-uniform
-                // Both tables' entries of every column loaded (none waiting on another; no
-                // branch around a load, skv_entry_of), then each column's row.
-                int rb[SKV_DB_UNROLL], tb[SKV_DB_UNROLL];
-                if (live && rrow && res_blocks > 0) {  // token-uniform, as the next
-#pragma unroll
-                    for (int u = 0; u < SKV_DB_UNROLL; ++u) rb[u] = skv_entry_of(rrow, res_blocks, v[u], block_size);
-                } else {
-#pragma unroll
-                    for (int u = 0; u < SKV_DB_UNROLL; ++u) rb[u] = -1;
-                }
-                if (live && max_blocks > 0) {
-#pragma unroll
-                    for (int u = 0; u < SKV_DB_UNROLL; ++u) tb[u] = skv_entry_of(trow, max_blocks, v[u], block_size);
-                } else {
-#pragma unroll
-                    for (int u = 0; u < SKV_DB_UNROLL; ++u) tb[u] = -1;
-                }
-#pragma unroll
-                for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                    const int p = v[u];
-                    if (!live) v[u] = SKV_UNMAPPED;
-                    else if (skv_row_in_block((i64)rb[u], p, block_size) >= 0) v[u] = -1;  // resident on the engine's GPU
-                    else v[u] = skv_host_row_of(skv_row_in_block((i64)tb[u], p, block_size));
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                const int j = j0 + u * blockDim.x + threadIdx.x;
-                if (j < k) pl[j] = v[u];
-            }
+    if (!table) {  // host rows already: copied as they are
+        for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+            if (threadIdx.x == 0) rows[t] = req_ids[t] < 0 ? -1 : req_ids[t];
+            for (int j = threadIdx.x; j < k; j += blockDim.x) payload[(i64)t * k + j] = topk[(i64)t * k + j];
+        }
+    } else {  // block-uniform choices: one path each
+        const bool pow2 = (block_size & (block_size - 1)) == 0;
+        if (resident) {
+            if (pow2) skv_db_topk_rows<true, true>(rows, payload, req_ids, tokens, table, table_rows, max_blocks,
+                                                   resident, res_blocks, topk, k, block_size);
+            else skv_db_topk_rows<true, false>(rows, payload, req_ids, tokens, table, table_rows, max_blocks,
+                                               resident, res_blocks, topk, k, block_size);
+        } else if (pow2) {
+            skv_db_topk_rows<false, true>(rows, payload, req_ids, tokens, table, table_rows, max_blocks, nullptr,
+                                          0, topk, k, block_size);
+        } else {
+            skv_db_topk_rows<false, false>(rows, payload, req_ids, tokens, table, table_rows, max_blocks, nullptr,
+                                           0, topk, k, block_size);
         }
     }
     skv_ring_when_done(done, bell);
+}
+
+// skv_db_indices' tokens: `gone` (the daemon or the TP group stopped) -> -1 everywhere.
+// Specialised as skv_db_topk's rows: whether a resident table is given (without one the
+// top-k and block size are not read) and whether the block size is a power of two.
+template <bool kResident, bool kPow2>
+__device__ __forceinline__ void skv_db_indices_rows(const int* slots, const int ld, const int* __restrict__ req_ids,
+                                                    const int tokens, const int* __restrict__ topk, const int k,
+                                                    const int* __restrict__ resident, const int res_blocks,
+                                                    const int table_rows, const int block_size,
+                                                    const int region_stride, const i64 hot_base,
+                                                    const i64 resident_base, const bool gone,
+                                                    int* __restrict__ out, int* __restrict__ valid) {
+    __shared__ int count;
+    const int shift = kPow2 ? __ffs(block_size) - 1 : 0;
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        if (threadIdx.x == 0) count = 0;
+        __syncthreads();
+        const int req = req_ids[t];
+        const bool live = !gone && req >= 0 && req < table_rows;
+        const bool res = kResident && live && res_blocks > 0;  // token-uniform
+        const int* rrow = kResident ? resident + (i64)(res ? req : 0) * res_blocks : nullptr;
+        const i64 hot = hot_base + (i64)(live ? req : 0) * region_stride;  // the request's region
+        const int* sl_row = slots + (i64)t * ld;
+        const int* tk = kResident ? topk + (i64)t * k : nullptr;
+        int* o_row = out + (i64)t * k;
+        int mine = 0;
+        // SKV_DB_UNROLL columns a thread in flight, as skv_db_topk.
+        for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
+            int sl[SKV_DB_UNROLL], pos[SKV_DB_UNROLL], rb[SKV_DB_UNROLL];
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int j = j0 + u * blockDim.x + threadIdx.x;
+                const bool on = live && j < k;
+                // Loaded whatever the others hold: no load waits on another's value.
+                sl[u] = on ? __ldcg(sl_row + j) : -1;  // (written by the daemon while this kernel may poll)
+                if (kResident) pos[u] = (on && res) ? tk[j] : -1;
+            }
+            if (kResident) {
+#pragma unroll
+                for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                    const int b = kPow2 ? pos[u] >> shift : pos[u] / block_size;
+                    const bool in = pos[u] >= 0 && b < res_blocks;
+                    rb[u] = res ? rrow[in ? b : 0] : -1;
+                    if (!in) rb[u] = -1;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
+                const int j = j0 + u * blockDim.x + threadIdx.x;
+                i64 v = -1;
+                if (kResident && rb[u] >= 0)
+                    v = resident_base + (i64)rb[u] * block_size + (kPow2 ? pos[u] & (block_size - 1) : pos[u] % block_size);
+                else if (sl[u] >= 0) v = hot + sl[u];
+                const int o = v <= 0x7fffffffll ? (int)v : -1;  // an index past int32 is no row
+                if (j < k) {
+                    o_row[j] = o;
+                    mine += o >= 0;
+                }
+            }
+        }
+        if (valid) {
+            if (mine) atomicAdd(&count, mine);
+            __syncthreads();
+            if (threadIdx.x == 0) valid[t] = count;
+        }
+        __syncthreads();
+    }
 }
 
 // Attention indices of one layer: out[t, j] =
@@ -151,7 +248,6 @@ extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
                                           const int* __restrict__ dead, const u32* __restrict__ stopped,
                                           int* __restrict__ out, int* __restrict__ valid,
                                           u32* clear, u32* arrivals) {
-    __shared__ int count;
     // The layer's ready word: clearing it here saves a stream operation. The daemon sets
     // it again only after the next bell, which this stream rings later.
     if (clear && arrivals) {
@@ -172,58 +268,16 @@ extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
         *(volatile u32*)clear = 0u;
     }
     const bool gone = (dead && *(volatile const int*)dead != 0) || (stopped && *(volatile const u32*)stopped != 0u);
-    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
-        if (threadIdx.x == 0) count = 0;
-        __syncthreads();
-        const int req = req_ids[t];
-        const bool live = !gone && req >= 0 && req < table_rows;
-        const int* rrow = (resident && live) ? resident + (i64)req * res_blocks : nullptr;
-        int mine = 0;
-        // SKV_DB_UNROLL columns a thread in flight, as skv_db_topk.
-        for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
-            int o[SKV_DB_UNROLL], sl[SKV_DB_UNROLL], pos[SKV_DB_UNROLL], rb[SKV_DB_UNROLL];
-#pragma unroll
-            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                const int j = j0 + u * blockDim.x + threadIdx.x;
-                const bool on = live && j < k;
-                // Loaded whatever the others hold: no load waits on another's value.
-                pos[u] = (on && rrow) ? topk[(i64)t * k + j] : -1;  // (topk may be null without resident)
-                sl[u] = on ? __ldcg(slots + (i64)t * ld + j) : -1;  // (written by the daemon while this kernel may poll)
-            }
-            if (rrow && res_blocks > 0) {  // token-uniform; no branch around a load (skv_entry_of)
-#pragma unroll
-                for (int u = 0; u < SKV_DB_UNROLL; ++u) rb[u] = skv_entry_of(rrow, res_blocks, pos[u], block_size);
-            } else {
-#pragma unroll
-                for (int u = 0; u < SKV_DB_UNROLL; ++u) rb[u] = -1;
-            }
-#pragma unroll
-            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                const int j = j0 + u * blockDim.x + threadIdx.x;
-                o[u] = -1;
-                if (live && j < k) {
-                    const i64 r = skv_row_in_block((i64)rb[u], pos[u], block_size);
-                    i64 v = -1;
-                    if (r >= 0) v = resident_base + r;
-                    else if (sl[u] >= 0) v = hot_base + (i64)req * region_stride + sl[u];
-                    if (v <= 0x7fffffffll) o[u] = (int)v;  // an index past int32 is no row (-1)
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                const int j = j0 + u * blockDim.x + threadIdx.x;
-                if (j < k) {
-                    out[(i64)t * k + j] = o[u];
-                    mine += o[u] >= 0;
-                }
-            }
-        }
-        if (valid) {
-            if (mine) atomicAdd(&count, mine);
-            __syncthreads();
-            if (threadIdx.x == 0) valid[t] = count;
-        }
-        __syncthreads();
+    if (resident) {  // block-uniform: one path each (see skv_db_topk)
+        if ((block_size & (block_size - 1)) == 0)
+            skv_db_indices_rows<true, true>(slots, ld, req_ids, tokens, topk, k, resident, res_blocks, table_rows,
+                                            block_size, region_stride, hot_base, resident_base, gone, out, valid);
+        else
+            skv_db_indices_rows<true, false>(slots, ld, req_ids, tokens, topk, k, resident, res_blocks, table_rows,
+                                             block_size, region_stride, hot_base, resident_base, gone, out, valid);
+    } else {
+        skv_db_indices_rows<false, true>(slots, ld, req_ids, tokens, topk, k, nullptr, 0, table_rows, block_size,
+                                         region_stride, hot_base, resident_base, gone, out, valid);
     }
 }
 

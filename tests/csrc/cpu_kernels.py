@@ -375,13 +375,14 @@ def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_ro
     """``skv_db_indices`` (csrc/handle.cu) over NumPy arrays; ``clear``: a uint32 word it
     sets to 0 (the layer's ready word); ``stopped``: the rank's uint32 stop word; with
     ``arrivals`` (uint32 [1]) it waits for the ready word first (set it before the call:
-    blocks run one after another here)."""
+    blocks run one after another here). ``topk`` None without ``resident`` (the kernel does
+    not read it then); the shape [tokens, k] is ``out``'s."""
     lib = build("handle.cu", {})
     i = ctypes.c_int
-    tokens, k = topk.shape
+    tokens, k = out.shape
     res_blocks = resident.shape[1] if resident is not None else 0
     lib.run_skv_db_indices(i(grid), i(threads), i(0), _ptr(slots), i(slots.shape[1]), _ptr(req_ids), i(tokens),
-                           _ptr(topk), i(k), _opt(resident), i(res_blocks), i(table_rows), i(block_size),
+                           _opt(topk), i(k), _opt(resident), i(res_blocks), i(table_rows), i(block_size),
                            i(region_stride), ctypes.c_longlong(hot_base), ctypes.c_longlong(resident_base),
                            _opt(dead), _opt(stopped), _ptr(out), _opt(valid), _opt(clear), _opt(arrivals))
 

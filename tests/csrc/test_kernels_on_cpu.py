@@ -262,17 +262,22 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
     """skv_db_topk: position -> host row by the request's block table (proto/positions.py's
     rule), resident blocks -> -1 (no host row), unmapped -> -2; the step block's head; and
     the bell rung once every block is done, its arrival counter back at 0. k = 300 spans
-    two tiles of a block's unrolled columns (32 threads x 8), the second one partial."""
+    two tiles of a block's unrolled columns (32 threads x 8), the second one partial. Each
+    of the kernel's specialised paths: with and without a resident table, a block size that
+    is a power of two (a shift) and one that is not (a division)."""
     rng = np.random.default_rng(grid)
-    for trial in range(8):
-        req, table, resident, topk, bs = _positions_case(rng, k=(24, 300)[trial % 2])
+    for trial in range(16):
+        with_res, block = trial % 4 < 2, (4, 3, 1, 5)[trial % 4]
+        req, table, resident, topk, bs = _positions_case(rng, k=(24, 300)[trial % 2], bs=block)
+        if not with_res:
+            resident = np.full((table.shape[0], 1), -1, np.int32)  # the expectation's: nothing resident
         tokens, k = topk.shape
         max_batch = 8
         blk = np.full(16 + 2 * max_batch + max_batch * k, -9, np.int32)
         counter = np.array([41], np.int32)
         done, bell = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
-        cpu_kernels.db_topk(grid, 32, blk, counter, req, table, resident, topk, bs, group=2, max_batch=max_batch,
-                            done=done, bell=bell)
+        cpu_kernels.db_topk(grid, 32, blk, counter, req, table, resident if with_res else None, topk, bs, group=2,
+                            max_batch=max_batch, done=done, bell=bell)
         live = (req >= 0) & (req < table.shape[0])
         rows_tab = np.where(live[:, None], table[np.clip(req, 0, table.shape[0] - 1)], -1)
         want = positions.host_rows(topk, rows_tab, bs)
@@ -284,7 +289,8 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
         payload = blk[16 + 2 * max_batch:16 + 2 * max_batch + tokens * k].reshape(tokens, k)
         np.testing.assert_array_equal(payload, want, err_msg=f"trial {trial}")
         np.testing.assert_array_equal(blk[16:16 + tokens], np.where(req < 0, -1, req))
-        assert blk[2] == tokens and blk[3] == k and blk[4] == 2 and blk[0] == 41  # batch, k, group, seq
+        assert blk[2] == tokens and blk[3] == k and blk[4] == 2 and blk[0] == blk[1] == 41  # batch, k, group, seq
+        assert (blk[5:16] == 0).all(), f"trial {trial}: the descriptor's other ints"
         assert bell[0] == 1 and done[0] == 0
 
 
@@ -320,19 +326,26 @@ def test_the_engine_side_indices_point_at_hot_or_resident_rows():
     """skv_db_indices: resident positions -> resident_base + block * bs + offset, hot slots
     -> hot_base + req * stride + slot, everything else -1; valid counts; all -1 once dead
     (the handle's word) or stopped (the rank's word in the daemon's arena: its TP group
-    stopped). k = 300: two tiles of unrolled columns, as above."""
+    stopped). k = 300: two tiles of unrolled columns, as above; with and without a resident
+    table, block sizes a power of two and not (the kernel's specialised paths)."""
     rng = np.random.default_rng(5)
     stride, hot, res_base = 64, 1000, 50_000
-    for k_cols, dead_flag, stop_flag in ((24, 0, 0), (24, 1, 0), (24, 0, 1), (300, 0, 0)):
-        req, table, resident, topk, bs = _positions_case(rng, k=k_cols)
+    for k_cols, dead_flag, stop_flag, block, with_res in ((24, 0, 0, 4, True), (24, 1, 0, 4, True),
+                                                          (24, 0, 1, 4, True), (300, 0, 0, 4, True),
+                                                          (300, 0, 0, 3, True), (24, 0, 0, 5, True),
+                                                          (300, 0, 0, 4, False), (24, 0, 0, 3, False),
+                                                          (24, 1, 0, 4, False)):
+        req, table, resident, topk, bs = _positions_case(rng, k=k_cols, bs=block)
+        if not with_res:
+            resident = np.full((table.shape[0], 1), -1, np.int32)  # the expectation's: nothing resident
         tokens, k = topk.shape
         slots = rng.integers(-1, stride, size=(8, k)).astype(np.int32)
         out = np.full((tokens, k), -9, np.int32)
         valid = np.full(tokens, -9, np.int32)
         dead = np.array([dead_flag], np.int32)
         stopped = np.array([stop_flag * 7], np.uint32)
-        cpu_kernels.db_indices(3, 32, slots, req, topk, resident, table.shape[0], bs, stride, hot, res_base, dead,
-                               out, valid, stopped=stopped)
+        cpu_kernels.db_indices(3, 32, slots, req, topk if with_res else None, resident if with_res else None,
+                               table.shape[0], bs, stride, hot, res_base, dead, out, valid, stopped=stopped)
         want = np.full((tokens, k), -1, np.int64)
         for t in range(tokens):
             r = int(req[t])
@@ -346,7 +359,7 @@ def test_the_engine_side_indices_point_at_hot_or_resident_rows():
                     want[t, j] = res_base + rb * bs + p % bs
                 elif slots[t, j] >= 0:
                     want[t, j] = hot + r * stride + slots[t, j]
-        np.testing.assert_array_equal(out, want, err_msg=f"dead {dead_flag} stopped {stop_flag}")
+        np.testing.assert_array_equal(out, want, err_msg=f"dead {dead_flag} stopped {stop_flag} bs {bs} {with_res}")
         np.testing.assert_array_equal(valid, (want >= 0).sum(axis=1))
 
 

@@ -39,6 +39,7 @@ inline unsigned __ballot_sync(unsigned, int p) { emu_f[emu_cur].pred = p ? 1 : 0
 inline unsigned __reduce_add_sync(unsigned, unsigned v) { emu_f[emu_cur].pred = 0; emu_f[emu_cur].val = v; emu_yield(WAIT_WARP); return emu_f[emu_cur].sum; }
 inline int __reduce_add_sync(unsigned m, int v) { return (int)__reduce_add_sync(m, (unsigned)v); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 inline void __threadfence_system() {}
