@@ -58,7 +58,7 @@ extern "C" __global__ void skv_db_begin(int* __restrict__ blk, int* __restrict__
 // Grid: one block per token (grid-stride), any block size.
 //
 // At batch 1 this kernel runs beside the query's matmuls, where every instruction it
-// issues costs 2-3x its time alone (PERF.md run BR): the body is specialised on whether a
+// issues costs 1.6-3x its time alone (PERF.md runs BP, BR): the body is specialised on whether a
 // resident table is given and whether the block size is a power of two (a shift, not a
 // division), so the common path issues only the instructions it needs.
 template <bool kResident, bool kPow2>
