@@ -12,7 +12,9 @@ over the rows dequantised once both are done, W_UV and o_proj, then the dense FF
 first ``dense_layers``) or the MoE (shared expert + the local routed experts, balanced
 routing). Every mode runs this schedule (on the CPU the two streams are one). RoPE and the norms' weights are left out (elementwise, a few
 us a step). The indexer's top-k is computed and dropped: random weights give meaningless
-scores, so the rows read are the bench's top-k sequence.
+scores, so the rows read are the bench's top-k sequence, the layer's copied right after
+that top-k into the one buffer the rows read (``src.topk``): an engine's top-k kernel hands
+its consumers indices it has just written, not a tensor loaded before the step.
 
 :class:`Ops` picks how matmuls and the indexer run on the device, each path checked once
 against the plain torch one at a small size before use (a path that fails its check is
@@ -340,7 +342,8 @@ class Model:
     def layer(self, layer: int, x, state, src, mark):
         """One decoder layer over ``x`` [B, hidden]; ``state``: the batch's indexer keys and
         MoE groups (:class:`BatchState`), ``src``: where the layer's KV rows come from and
-        its new row goes (``begin``, ``rows``, ``new_rows``; ``end`` after the last layer, ``finish`` after the head),
+        its new row goes (``begin``, ``topk``, ``rows``, ``new_rows``; ``end`` after the last layer, ``finish`` after
+        the head),
         ``mark(part)``: called as each part starts, on the step's stream (``swap_in``: the
         wait for the rows after the work beside them), and as the rows begin and end on
         theirs (``rows``, ``rows_end``). Returns the new ``x``."""
@@ -357,12 +360,13 @@ class Model:
         logits = ops.indexer(q_idx.view(B, sh.idx_heads, sh.idx_dim), w_idx, state.keys[layer], state.kscale[layer])
         mark("topk")
         torch.topk(logits, min(sh.top_k, logits.shape[1]), dim=-1, sorted=False)
+        topk = src.topk(layer)
         side = self._side_stream(x)
         if side is not None:  # the rows on the side stream, from here (after the top-k) on
             side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):  # (None: the step's own stream)
             mark("rows")
-            kv, idx = src.rows(layer)
+            kv, idx = src.rows(layer, topk)
             mark("rows_end")
         mark("query")
         q = ops.mm(cq, w["wb_q"]).view(B, H, R)

@@ -81,6 +81,7 @@ class Static:
         self.reset = torch.zeros(batch, dtype=torch.bool, device=device)
         self.table = torch.from_numpy(table).to(device)
         self.topk = torch.zeros((sh.layers, batch, workload.base.shape[2]), dtype=torch.int32, device=device)
+        self.fresh = torch.zeros_like(self.topk[0])  # the top-k a layer's rows read (handed_topk)
         self.idx = torch.zeros_like(self.topk)
         self._base = torch.from_numpy(workload.base.reshape(workload.steps, -1)).to(device=device, dtype=torch.int64)
         self._perms = torch.from_numpy(workload.perms).to(device)
@@ -90,6 +91,16 @@ class Static:
         """Step ``t``'s top-k and reset (step 0 resets every request: empty hot regions)."""
         self.reset.copy_(self._reset[t])
         self.topk.view(self.topk.shape[0], -1).copy_(self._perms.index_select(1, self._base[t]))
+
+    def handed_topk(self, layer: int):
+        """The layer's top-k as an engine's top-k kernel leaves it: copied from the loaded
+        sequence (in HBM since before the step) into :attr:`fresh` on the step's stream,
+        called right after the indexer's own top-k; every mode's rows read it there, warm.
+        (Read straight from the sequence, the offloaded modes' first kernel waited on HBM
+        beside the query's matmuls, which an engine's fresh indices do not.) One buffer
+        serves every layer: a layer's rows are done before the next layer's top-k."""
+        self.fresh.copy_(self.topk[layer])
+        return self.fresh
 
 
 class HbmRows:
@@ -117,8 +128,12 @@ class HbmRows:
     def begin(self) -> None:
         pass
 
-    def rows(self, layer: int):
-        return self.kv[layer], self.st.topk[layer] + self.base
+    def topk(self, layer: int):
+        return self.st.handed_topk(layer)
+
+    def rows(self, layer: int, topk):
+        """The layer's rows and the indices of ``topk`` (positions [batch, k]) among them."""
+        return self.kv[layer], topk + self.base
 
     def new_rows(self, layer: int):
         """Where the layer's new rows go: rows ``batch * context`` on (contiguous)."""
@@ -153,9 +168,13 @@ class SwappedRows:
     def begin(self) -> None:
         self.h.begin_step(self.st.state, self.st.reset, None)
 
-    def rows(self, layer: int):
+    def topk(self, layer: int):
+        return self.st.handed_topk(layer)
+
+    def rows(self, layer: int, topk):
+        """The layer's hot slab and the indices of ``topk`` (positions [batch, k]) in it."""
         st = self.st
-        return self.h.kv(layer), self.h.swap_in(st.req, st.table, st.topk[layer], layer=layer,
+        return self.h.kv(layer), self.h.swap_in(st.req, st.table, topk, layer=layer,
                                                 block_size=self.block_size, attention_indices_out=st.idx[layer])
 
     def new_rows(self, layer: int):

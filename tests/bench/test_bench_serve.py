@@ -119,7 +119,7 @@ def test_the_all_on_gpu_rows_hold_what_the_host_rows_of_the_same_positions_hold(
     src = serve_modes.HbmRows.filled(tile, st, TINY.layers, bs)
     st.load(1)
     for layer in (0, TINY.layers - 1):
-        kv, idx = src.rows(layer)
+        kv, idx = src.rows(layer, st.topk[layer])
         pos = st.topk[layer].long()
         host = torch.from_numpy(table).long().gather(1, pos // bs) * bs + pos % bs
         assert torch.equal(kv[idx.long()], torch.from_numpy(tile)[host % tile.shape[0]])
@@ -252,6 +252,37 @@ def test_the_new_rows_and_keys_kernels_write_what_the_torch_path_writes_and_noth
     assert not keys[:, :-1].float().any() and not scale[:, :-1].any()
 
 
+def test_each_layers_rows_read_its_top_k_copied_after_the_indexers_top_k(cpu_ops):
+    """The rows of a layer are asked for with the layer's top-k of the sequence, copied
+    into the one buffer every layer uses once the indexer's own top-k is done (after the
+    "topk" mark, before the rows'), as an engine's top-k kernel hands over fresh indices."""
+    m = sm.Model.build(TINY, cpu_ops)
+    B, C, bs = 2, 128, 16
+    wl = generate(B, 0.9, steps=2, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
+    st = serve_modes.Static(m, B, serve_modes.block_table(B, C, bs, 4096), wl, "cpu")
+    src = serve_modes.HbmRows.filled(serve_modes.row_tile(m), st, TINY.layers, bs)
+    state = sm.BatchState(TINY, B, C, "cpu")
+    st.load(1)
+    seen, asked = [], []
+    topk, rows = src.topk, src.rows
+
+    def handed(layer):
+        seen.append(("handed", layer))
+        return topk(layer)
+
+    def asked_rows(layer, tk):
+        asked.append((layer, tk.data_ptr(), tk.clone()))
+        return rows(layer, tk)
+
+    src.topk, src.rows = handed, asked_rows
+    m.step(st.x, state, src, seen.append)
+    assert [a[0] for a in asked] == list(range(TINY.layers))
+    for layer, ptr, tk in asked:
+        assert ptr == st.fresh.data_ptr() and torch.equal(tk, st.topk[layer]), layer
+        at = seen.index(("handed", layer))
+        assert seen[at - 1] == "topk" and seen[at + 1] == "rows", seen[at - 2:at + 3]
+
+
 @pytest.mark.cuda
 def test_the_rows_come_on_the_side_stream_and_the_attention_waits_for_them():
     """Every layer's rows are asked for on the model's side stream; the attention, on the
@@ -268,10 +299,10 @@ def test_the_rows_come_on_the_side_stream_and_the_attention_waits_for_them():
     want = m.step(st.x, state, src)
     rows, seen = src.rows, []
 
-    def slow_rows(layer):
+    def slow_rows(layer, topk):
         seen.append(torch.cuda.current_stream())
         torch.cuda._sleep(2_000_000)  # ~1 ms of the side stream before its rows
-        return rows(layer)
+        return rows(layer, topk)
 
     src.rows = slow_rows
     got = m.step(st.x, state, src)
