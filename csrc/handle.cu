@@ -80,8 +80,7 @@ __device__ __forceinline__ void skv_db_topk_rows(int* __restrict__ rows, int* __
         const int* tk = topk + (i64)t * k;
         int* pl = payload + (i64)t * k;
         // SKV_DB_UNROLL columns a thread in flight: every load of a tile is issued before
-        // the first store, and no load waits on another's value (skv_entry_of's rule: the
-        // entry loaded at index 0 when p has none, then -1).
+        // the first store, and no load waits on another's value (skv_entry_of).
         for (int j0 = 0; j0 < k; j0 += blockDim.x * SKV_DB_UNROLL) {
             int v[SKV_DB_UNROLL], tb[SKV_DB_UNROLL], rb[SKV_DB_UNROLL];
 #pragma unroll
@@ -91,23 +90,16 @@ __device__ __forceinline__ void skv_db_topk_rows(int* __restrict__ rows, int* __
             }
 #pragma unroll
             for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                const int b = kPow2 ? v[u] >> shift : v[u] / block_size;
-                const bool in = v[u] >= 0 && b < max_blocks;
-                tb[u] = tab ? trow[in ? b : 0] : -1;
-                if (!in) tb[u] = -1;
-                if (kResident) {
-                    const bool rin = v[u] >= 0 && b < res_blocks;
-                    rb[u] = res ? rrow[rin ? b : 0] : -1;
-                    if (!rin) rb[u] = -1;
-                }
+                tb[u] = skv_entry_of<kPow2>(trow, tab, max_blocks, v[u], block_size, shift);
+                if (kResident) rb[u] = skv_entry_of<kPow2>(rrow, res, res_blocks, v[u], block_size, shift);
             }
 #pragma unroll
             for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                 const int j = j0 + u * blockDim.x + threadIdx.x;
-                const int in_block = kPow2 ? v[u] & (block_size - 1) : v[u] % block_size;
                 int r = SKV_UNMAPPED;
                 if (kResident && rb[u] >= 0) r = -1;  // resident on the engine's GPU
-                else if (tb[u] >= 0) r = skv_host_row_of((i64)tb[u] * block_size + in_block);
+                else if (tb[u] >= 0)
+                    r = skv_host_row_of((i64)tb[u] * block_size + skv_in_block<kPow2>(v[u], block_size));
                 if (j < k) pl[j] = r;
             }
         }
@@ -194,19 +186,15 @@ __device__ __forceinline__ void skv_db_indices_rows(const int* slots, const int 
             }
             if (kResident) {
 #pragma unroll
-                for (int u = 0; u < SKV_DB_UNROLL; ++u) {
-                    const int b = kPow2 ? pos[u] >> shift : pos[u] / block_size;
-                    const bool in = pos[u] >= 0 && b < res_blocks;
-                    rb[u] = res ? rrow[in ? b : 0] : -1;
-                    if (!in) rb[u] = -1;
-                }
+                for (int u = 0; u < SKV_DB_UNROLL; ++u)
+                    rb[u] = skv_entry_of<kPow2>(rrow, res, res_blocks, pos[u], block_size, shift);
             }
 #pragma unroll
             for (int u = 0; u < SKV_DB_UNROLL; ++u) {
                 const int j = j0 + u * blockDim.x + threadIdx.x;
                 i64 v = -1;
                 if (kResident && rb[u] >= 0)
-                    v = resident_base + (i64)rb[u] * block_size + (kPow2 ? pos[u] & (block_size - 1) : pos[u] % block_size);
+                    v = resident_base + (i64)rb[u] * block_size + skv_in_block<kPow2>(pos[u], block_size);
                 else if (sl[u] >= 0) v = hot + sl[u];
                 const int o = v <= 0x7fffffffll ? (int)v : -1;  // an index past int32 is no row
                 if (j < k) {

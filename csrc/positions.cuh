@@ -22,19 +22,32 @@ __device__ __forceinline__ i64 skv_block_of(const T* __restrict__ row_table, con
     return blkno < blocks ? (i64)row_table[blkno] : -1;
 }
 
+// For the engine's kernels (csrc/handle.cu), whose block size is fixed for a launch: the
+// block number and the offset in its block of a position p >= 0, a shift and a mask when
+// the block size is a power of two (kPow2: block_size == 1 << shift), else a division.
+template <bool kPow2>
+__device__ __forceinline__ int skv_blkno(const int p, const int block_size, const int shift) {
+    return kPow2 ? p >> shift : p / block_size;
+}
+
+template <bool kPow2>
+__device__ __forceinline__ int skv_in_block(const int p, const int block_size) {
+    return kPow2 ? (p & (block_size - 1)) : p % block_size;
+}
+
 // skv_block_of for a kernel that loads every column's entry before it uses any: the entry
 // is loaded whatever p is (at index 0 when p < 0 or p / bs is past the table, then -1),
-// and returned as loaded. With a branch around each load, the compiler widened each entry
-// to 64 bits right where it was loaded, so a thread waited on its loads one after another
-// (skv_db_topk at batch 1: 4.2 us alone, 3.3 with this; PERF.md run BN). `row_table`
-// non-null, with `blocks` >= 1.
-template <typename T, typename I>
-__device__ __forceinline__ T skv_entry_of(const T* __restrict__ row_table, const int blocks, const I p,
-                                          const I block_size) {
-    const I blkno = p / block_size;
-    const bool in = p >= 0 && blkno < blocks;
-    const T e = row_table[in ? blkno : 0];
-    return in ? e : (T)-1;
+// with no branch around the load. With a branch around each load, the compiler widened
+// each entry to 64 bits right where it was loaded, so a thread waited on its loads one
+// after another (PERF.md run BN). `on` (uniform over the token): the row exists, with
+// `blocks` >= 1 entries; otherwise nothing is loaded and the entry is -1.
+template <bool kPow2>
+__device__ __forceinline__ int skv_entry_of(const int* __restrict__ row_table, const bool on, const int blocks,
+                                            const int p, const int block_size, const int shift) {
+    const int b = skv_blkno<kPow2>(p, block_size, shift);
+    const bool in = p >= 0 && b < blocks;
+    const int e = on ? row_table[in ? b : 0] : -1;
+    return in ? e : -1;
 }
 
 template <typename I>
