@@ -114,8 +114,8 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                                        const int* __restrict__ topk, const int k, const int block_size,
                                        const int group, const int max_batch,
                                        u32* done, u32* bell) {
-    if (blockIdx.x == 0 && threadIdx.x < SKV_DESC_INTS) {  // the descriptor, an int a thread
-        const int i = threadIdx.x;
+    // The descriptor, an int a thread (block 0).
+    for (int i = threadIdx.x; blockIdx.x == 0 && i < SKV_DESC_INTS; i += blockDim.x) {
         int d = 0;
         if (i == SKV_D_SEQ || i == SKV_D_STEP) d = counter[0];
         else if (i == SKV_D_BATCH) d = tokens;

@@ -36,8 +36,8 @@ __device__ __forceinline__ int skv_in_block(const int p, const int block_size) {
 }
 
 // skv_block_of for a kernel that loads every column's entry before it uses any: the entry
-// is loaded whatever p is (at index 0 when p < 0 or p / bs is past the table, then -1),
-// with no branch around the load. With a branch around each load, the compiler widened
+// is loaded whatever p is (at index 0 when p < 0 or p / bs is past the table, then -1):
+// no branch on p around the load. With a branch around each load, the compiler widened
 // each entry to 64 bits right where it was loaded, so a thread waited on its loads one
 // after another (PERF.md run BN). `on` (uniform over the token): the row exists, with
 // `blocks` >= 1 entries; otherwise nothing is loaded and the entry is -1.

@@ -266,8 +266,9 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
     of the kernel's specialised paths: with and without a resident table, a block size that
     is a power of two (a shift) and one that is not (a division)."""
     rng = np.random.default_rng(grid)
-    for trial in range(16):
+    for trial in range(18):
         with_res, block = trial % 4 < 2, (4, 3, 1, 5)[trial % 4]
+        threads = 8 if trial >= 16 else 32  # fewer threads than the descriptor's ints too
         req, table, resident, topk, bs = _positions_case(rng, k=(24, 300)[trial % 2], bs=block)
         if not with_res:
             resident = np.full((table.shape[0], 1), -1, np.int32)  # the expectation's: nothing resident
@@ -276,7 +277,7 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
         blk = np.full(16 + 2 * max_batch + max_batch * k, -9, np.int32)
         counter = np.array([41], np.int32)
         done, bell = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
-        cpu_kernels.db_topk(grid, 32, blk, counter, req, table, resident if with_res else None, topk, bs, group=2,
+        cpu_kernels.db_topk(grid, threads, blk, counter, req, table, resident if with_res else None, topk, bs, group=2,
                             max_batch=max_batch, done=done, bell=bell)
         live = (req >= 0) & (req < table.shape[0])
         rows_tab = np.where(live[:, None], table[np.clip(req, 0, table.shape[0] - 1)], -1)
