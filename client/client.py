@@ -18,7 +18,7 @@ import numpy as np
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType
 from sparsekv.proto.cuda_ipc import EventRing, mps_running
 from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, RUN_DIR
-from sparsekv.proto.args import engine_name
+from sparsekv.proto.args import engine_name, hello_text
 
 from .blocks import Blocks
 from .connection import Connection, open_wire, start_time
@@ -85,6 +85,10 @@ class Client(Connection):
             raise BadRequest(f"device must be 'cpu' or 'cuda:N', got {device!r:.40}", ErrorCode.BAD_ARGUMENT)
         if spin_us is not None and (type(spin_us) is not int or not 0 <= spin_us <= 10**6):
             raise BadRequest(f"spin_us must be an integer in [0, 1000000], got {spin_us!r:.40}", ErrorCode.BAD_ARGUMENT)
+        try:
+            name = hello_text("name", name)
+        except ValueError as e:
+            raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
         self.rank, self.device, self.name = rank, device, name
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e9:
             raise BadRequest(f"timeout_s must be a number of seconds in (0, 1e9), got {timeout_s!r}",

@@ -15,7 +15,7 @@ from concurrent.futures import wait as wait_futures
 
 from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, LayoutError, MsgType, ProtocolError
 from sparsekv.proto import fd_socket
-from sparsekv.proto.args import engine_name
+from sparsekv.proto.args import engine_name, hello_text
 from sparsekv.proto.blocks import check_store
 from sparsekv.proto.layout import ROW_ALIGN_BYTES
 from sparsekv.proto.slab import SlabGeometry
@@ -84,8 +84,10 @@ class EngineRequests:
         if not 0 <= rank < 1 << 16:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"rank must be in [0, 65536), got {rank}")
         for name in ("device", "name"):
-            if not isinstance(h.get(name), str) or len(h[name]) > 128:
-                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{name} must be a string of at most 128 characters")
+            try:
+                h[name] = hello_text(name, h.get(name))
+            except ValueError as e:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, str(e)) from None
         s = self.sessions.open(identity, peer or Peer.unverified(), h, rank, alive)
         return {"client_id": s.client_id, "daemon_pid": os.getpid(), "version": PROTOCOL_VERSION,
                 **self.backend.describe()}, None

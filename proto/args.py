@@ -118,6 +118,21 @@ def engine_name(v) -> str:
     return str.__str__(v)  # the text itself (a str enum's own str() is "Class.MEMBER")
 
 
+def hello_text(field: str, v) -> str:
+    """A HELLO's ``device`` or ``name``: text of at most 128 characters that UTF-8 can
+    carry, without control characters, tabs or line breaks (the daemon's log and the
+    operator's tables print it on one line); empty allowed."""
+    if not isinstance(v, str) or len(v) > MAX_NAME_CHARS:
+        raise ValueError(f"{field} must be a string of at most {MAX_NAME_CHARS} characters, got {v!r:.40}")
+    try:
+        v.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{field} must be text UTF-8 can encode, got {v!r:.40}") from None
+    if any(breaks_line(ch) for ch in v):
+        raise ValueError(f"{field} must be text without control characters, tabs or line breaks, got {v!r:.40}")
+    return str.__str__(v)
+
+
 def breaks_line(ch: str) -> bool:
     """Whether character ``ch`` could break a tab-separated line of text: a control
     character (tab, newline, DEL, C1) or one ``str.splitlines`` splits at (U+2028, U+2029)."""

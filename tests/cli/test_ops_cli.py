@@ -20,7 +20,8 @@ import cli_inproc
 import helpers
 from fake_stats import fake_stats_socket
 from sparsekv.cli import main as cli
-from sparsekv.client import Client
+from sparsekv.client import BadRequest, Client
+from sparsekv.proto import ErrorCode
 from sparsekv.cli import health as health_mod
 from sparsekv.cli import top as top_mod
 
@@ -209,13 +210,20 @@ def test_names_a_client_chose_stay_text_in_json():
     assert cli._json_value("pid", "²") == "²"
 
 
-def test_a_client_name_with_a_line_separator_stays_one_row(module_daemon):
-    with Client(module_daemon.run_dir, name="x\u2028forged\x85y"):
-        r = cli_inproc.run("clients", "--json", "--run-dir", module_daemon.run_dir)
-        assert r.returncode == 0, r.stderr
-        rows = json.loads(r.stdout)
-        assert [row["name"] for row in rows if "forged" in str(row.get("name"))] == ["x forged y"]
-        assert all("id" in row and isinstance(row["id"], int) for row in rows)
+def test_a_client_name_with_a_line_separator_is_refused_and_no_row_is_forged(module_daemon):
+    """The client refuses such a name when made; a client that sends it anyway (the check
+    bypassed) is refused in HELLO: the listing never shows it."""
+    with pytest.raises(BadRequest, match="name must be text without control characters") as ei:
+        Client(module_daemon.run_dir, name="x\u2028forged\x85y")
+    assert ei.value.code == ErrorCode.BAD_ARGUMENT
+    c = Client(module_daemon.run_dir)
+    c.name = "x\u2028forged\x85y"
+    with pytest.raises(BadRequest, match="name must be text without control characters"):
+        c.connect()
+    c.close()
+    r = cli_inproc.run("clients", "--json", "--run-dir", module_daemon.run_dir)
+    assert r.returncode == 0, r.stderr
+    assert not [row for row in json.loads(r.stdout) if "forged" in str(row.get("name"))]
 
 
 def test_top_asks_within_its_timeout(tmp_path):

@@ -104,7 +104,9 @@ def test_a_header_over_the_limit_is_refused_here_not_left_to_time_out(run_dir): 
     try:
         t0 = time.monotonic()
         with pytest.raises(BadRequest, match="TOO_LARGE: a request header of .* bytes exceeds"):
-            Client(run_dir, name="x" * LIMITS.max_header_bytes, timeout_s=5).connect()
+            c = Client(run_dir, timeout_s=5)
+            c.name = "x" * LIMITS.max_header_bytes  # past the client's own check of the name
+            c.connect()
         assert time.monotonic() - t0 < 1.0
         with Client(run_dir, timeout_s=5) as c:
             assert c.stats()["clients"] == 1

@@ -73,6 +73,9 @@ def test_unknown_message_type(dm):
     ({"device": 5}, "device must be a string"),
     ({"device": "x" * 129}, "device must be a string of at most 128"),
     ({"name": ["n"]}, "name must be a string"),
+    ({"name": "engine-0\nsparsekvd: forged log line"}, "name must be text without control characters"),
+    ({"name": "a\tb"}, "name must be text without control characters"),
+    ({"device": "cuda:0\u2028x"}, "device must be text without control characters"),
 ])
 def test_a_hello_with_a_rank_or_a_device_out_of_bounds_is_bad_argument(dm, fields, words):
     h, _ = request(dm, b"A", MsgType.HELLO, {"pid": 1, "rank": 0, "device": "cpu", "name": "", **fields})

@@ -386,10 +386,14 @@ def test_arguments_numpy_cannot_read_or_of_another_type_are_bad_arguments_on_bot
 @pytest.mark.parametrize("kw, words", [({"device": None}, "device must be 'cpu' or 'cuda:N', got None"),
                                        ({"device": "tpu"}, "device must be 'cpu' or 'cuda:N', got 'tpu'"),
                                        ({"spin_us": "x"}, "spin_us must be an integer"),
-                                       ({"spin_us": -5}, "spin_us must be an integer")])
+                                       ({"spin_us": -5}, "spin_us must be an integer"),
+                                       ({"name": "rank 0\nsparsekvd: forged"}, "name must be text without control"),
+                                       ({"name": "\ud800"}, "name must be text UTF-8 can encode"),
+                                       ({"name": 7}, "name must be a string")])
 def test_a_client_of_an_unknown_device_or_spin_is_refused_when_made(kw, words):
     """Found by the review: device=None raised AttributeError, "tpu" attached as a cpu rank;
-    spin_us "x" raised ValueError, -5 was taken."""
+    spin_us "x" raised ValueError, -5 was taken. A name with a line break went into the
+    daemon's log and the operator's tables as lines of their own."""
     with pytest.raises(BadRequest, match=words):
         Client("/nonexistent", **kw)
 
