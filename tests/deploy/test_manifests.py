@@ -16,9 +16,12 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -230,6 +233,27 @@ def test_mps_unit_runs_the_control_daemon_for_user_sparsekv_in_the_foreground(mp
     assert not any("/tmp" in v for v in env.values())
     # The control daemon calls set*id() for its own uid when it starts a server.
     assert "~@privileged" not in mps["Service"]["SystemCallFilter"]
+
+
+def test_mps_unit_counts_as_started_only_once_its_control_pipe_exists(mps, tmp_path):
+    """Type=simple: without a wait, sparsekvd (After=) could make its CUDA context before
+    the control daemon's pipe exists, and run without MPS. ExecStartPost, run here with %t
+    pointing at a scratch directory: it waits for the pipe, and gives up at its timeout."""
+    post = one(mps, "Service", "ExecStartPost")
+    assert post.startswith("/usr/bin/timeout 30 ") and "%t/nvidia-mps/control" in post
+    assert "$" not in post  # systemd would expand a shell variable itself
+    argv = shlex.split(post.replace("%t", str(tmp_path)))
+    assert argv[0] == "/usr/bin/timeout" and argv[2:4] == ["/bin/sh", "-c"]
+    (tmp_path / "nvidia-mps").mkdir()
+    pipe = tmp_path / "nvidia-mps" / "control"
+    threading.Timer(0.4, lambda: os.mkfifo(pipe)).start()
+    t0 = time.monotonic()
+    assert subprocess.run(["timeout", "10", *argv[2:]], timeout=20).returncode == 0
+    assert 0.3 < time.monotonic() - t0 < 5  # it waited for the pipe, and not much longer
+    pipe.unlink()
+    t0 = time.monotonic()
+    assert subprocess.run(["timeout", "1", *argv[2:]], timeout=20).returncode != 0  # no pipe: fails
+    assert time.monotonic() - t0 < 5
 
 
 def test_sysusers_file_creates_user_and_group_sparsekv():
