@@ -56,17 +56,12 @@ class BlockRequests:
         return {**store.gauges(), "reserved": reserved}, None
 
     def on_alloc(self, s: Session, identity, h, a):
-        store = self._store(s)
-        before = store.counts["evictions"]
-        blocks = store.alloc(s.client_id, block_count(h))
-        self.stats.add(block_evictions=store.counts["evictions"] - before)
-        return {}, {"blocks": blocks}
+        return {}, {"blocks": alloc_counted(self._store(s), self.stats, s.client_id, block_count(h))}
 
     def on_commit(self, s: Session, identity, h, a):
         store = self._store(s)
-        held = store.commit(s.client_id, block_array(a, "blocks"), block_array(a, "hashes"))
-        self.stats.add(block_commits=int((held == a["blocks"]).sum()))
-        return {}, {"held": held}
+        return {}, {"held": commit_counted(store, self.stats, s.client_id, block_array(a, "blocks"),
+                                           block_array(a, "hashes"))}
 
     def on_lookup(self, s: Session, identity, h, a):
         store = self._store(s)
@@ -80,13 +75,7 @@ class BlockRequests:
             c["block_chain_lookups" if found is not None else "block_chain_resends"] += 1
         if found is None:
             return lookup_reply(found, chain)
-        space = self.engines.space(s.engine)
-        hits = found.blocks.size
-        tokens = hits * space.block_size
-        c["block_lookups"] += 1
-        c["block_hits"] += hits
-        c["block_hit_tokens"] += tokens
-        c["block_hit_bytes"] += tokens * space.layout.num_layers * space.layout.row_bytes
+        count_hits(c, self.engines.space(s.engine), found.blocks.size)
         return lookup_reply(found, chain)
 
     def on_release(self, s: Session, identity, h, a):
@@ -153,6 +142,31 @@ class BlockRequests:
 
 _NO_HASHES = np.zeros((0, 2), np.int64)
 _NO_HASHES.flags.writeable = False
+
+
+# How a block request is counted, by the daemon and in process alike (embedded/inproc.py).
+def alloc_counted(store: BlockStore, stats, client: int, n: int) -> np.ndarray:
+    """BLOCK_ALLOC's ``n`` blocks for ``client``; the cached blocks it evicted counted."""
+    before = store.counts["evictions"]
+    blocks = store.alloc(client, n)
+    stats.add(block_evictions=store.counts["evictions"] - before)
+    return blocks
+
+
+def commit_counted(store: BlockStore, stats, client: int, blocks: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    """BLOCK_COMMIT's held blocks; those cached under their hash (held as given) counted."""
+    held = store.commit(client, blocks, hashes)
+    stats.add(block_commits=int((held == blocks).sum()))
+    return held
+
+
+def count_hits(c: dict, space, hits: int) -> None:
+    """A lookup that found ``hits`` blocks of ``space``'s store, into the counters ``c``."""
+    tokens = hits * space.block_size
+    c["block_lookups"] += 1
+    c["block_hits"] += hits
+    c["block_hit_tokens"] += tokens
+    c["block_hit_bytes"] += tokens * space.layout.num_layers * space.layout.row_bytes
 
 
 def lookup_hashes(chain: int | None, a: dict) -> np.ndarray:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from sparsekv.daemon.blocks.contract import BlockError
-from sparsekv.daemon.block_requests import block_array, block_count
+from sparsekv.daemon.block_requests import alloc_counted, block_array, block_count, commit_counted, count_hits
 from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.daemon.engine import EngineSpace, RankState, host_rows_arg
 from sparsekv.daemon.residency.base import ResidencyError, whole_arg
@@ -132,19 +132,13 @@ class InprocClient:
                 n = store.reserve(0, block_count(h, signed=True))
                 return {**store.gauges(), "reserved": n}, {}
             if kind == MsgType.BLOCK_ALLOC:
-                before = store.counts["evictions"]
-                blocks = store.alloc(0, block_count(h))
-                add(block_evictions=store.counts["evictions"] - before)
-                return {}, {"blocks": blocks}
+                return {}, {"blocks": alloc_counted(store, self._stats, 0, block_count(h))}
             if kind == MsgType.BLOCK_COMMIT:
-                held = store.commit(0, block_array(a, "blocks"), block_array(a, "hashes"))
-                add(block_commits=int((held == a["blocks"]).sum()))
-                return {}, {"held": held}
+                return {}, {"held": commit_counted(store, self._stats, 0, block_array(a, "blocks"),
+                                                   block_array(a, "hashes"))}
             if kind == MsgType.BLOCK_LOOKUP:
                 found = store.lookup(0, block_array(a, "hashes"))
-                tokens = found.size * space.block_size
-                add(block_lookups=1, block_hits=found.size, block_hit_tokens=tokens,
-                    block_hit_bytes=tokens * space.layout.num_layers * space.layout.row_bytes)
+                count_hits(self._stats.c, space, found.size)
                 return {}, {"blocks": found}
             if kind == MsgType.BLOCK_WRITE_KEYS:
                 keys = block_array(a, "keys")
