@@ -119,7 +119,7 @@ class Sessions(dict):
         claimed = h.get("pid")
         if peer.verified and claimed != pid:  # another pid namespace, or a lie: the kernel's wins
             self.rlog.log("hello's pid", logging.INFO, "client hello claims pid %s; the kernel says %d (another pid "
-                          "namespace?): using %d", str(claimed)[:24], pid, pid)
+                          "namespace?): using %d", repr(claimed)[:24], pid, pid)  # (repr: no line of its own)
         s = Session(identity, self._next_client_id, pid, rank, str(h["device"]), str(h["name"])[:128],
                     started(pid) if pid > 0 else None, uid=peer.uid, gid=peer.gid, verified=peer.verified)
         self._next_client_id += 1

@@ -73,6 +73,18 @@ def test_session_identity_comes_from_the_kernel_not_the_hello(dm, sleeper, caplo
     assert not [r for r in caplog.records if "claims pid" in r.getMessage()]
 
 
+def test_a_hellos_claimed_pid_cannot_forge_a_line_of_the_log(dm, sleeper, caplog):
+    """Found by a review: the claimed pid was logged as it came: a string holding a line
+    break put a line of the client's choosing into the daemon's log."""
+    child = sleeper()
+    with caplog.at_level(logging.INFO, logger="sparsekv.server"):
+        h = request(dm, b"A", MsgType.HELLO, hello_fields(pid="1\nsparsekvd FORGED"),
+                    peer=helpers.peer(child.pid, 1234, 99))[0]
+    assert h["ok"], h
+    claim = [r.getMessage() for r in caplog.records if "claims pid" in r.getMessage()]
+    assert claim and not any(ch in m for m in claim for ch in "\n\r\x85\u2028"), claim
+
+
 def test_in_process_hello_is_the_daemons_own_user_unverified_and_never_reaped(dm):
     assert request(dm, b"A", MsgType.HELLO, hello_fields(pid=os.getpid()), peer=None)[0]["ok"]
     s = dm.sessions[b"A"]

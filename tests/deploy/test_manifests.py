@@ -238,7 +238,9 @@ def test_mps_unit_runs_the_control_daemon_for_user_sparsekv_in_the_foreground(mp
 def test_mps_unit_counts_as_started_only_once_its_control_pipe_exists(mps, tmp_path):
     """Type=simple: without a wait, sparsekvd (After=) could make its CUDA context before
     the control daemon's pipe exists, and run without MPS. ExecStartPost, run here with %t
-    pointing at a scratch directory: it waits for the pipe, and gives up at its timeout."""
+    pointing at a scratch directory: it waits for the pipe, and gives up at its timeout;
+    ExecStartPre removes a stale pipe first (found by a review: a control daemon that died
+    left its socket, and the wait after the restart ended at once)."""
     post = one(mps, "Service", "ExecStartPost")
     assert post.startswith("/usr/bin/timeout 30 ") and "%t/nvidia-mps/control" in post
     assert "$" not in post  # systemd would expand a shell variable itself
@@ -254,6 +256,13 @@ def test_mps_unit_counts_as_started_only_once_its_control_pipe_exists(mps, tmp_p
     t0 = time.monotonic()
     assert subprocess.run(["timeout", "1", *argv[2:]], timeout=20).returncode != 0  # no pipe: fails
     assert time.monotonic() - t0 < 5
+    # A pipe a dead control daemon left (the directory outlives a restart) is removed before
+    # the start, as the user the unit runs as, or the wait would end at once on it.
+    os.mkfifo(pipe)
+    pre = [v for v in mps["Service"]["ExecStartPre"] if "nvidia-mps/control" in v]
+    assert len(pre) == 1 and pre[0][0] not in "+!-", pre  # no privilege, and a failure counts
+    assert subprocess.run(shlex.split(pre[0].replace("%t", str(tmp_path))), timeout=20).returncode == 0
+    assert not pipe.exists()
 
 
 def test_sysusers_file_creates_user_and_group_sparsekv():
