@@ -42,13 +42,19 @@ def test_the_all_on_gpu_rows_hold_what_the_host_rows_of_the_same_positions_hold(
     assert bool((src.kv[0, B * C:] == 7).all()) and not bool((src.kv[0, :B * C] == 7).all(1).any())
 
 
-def test_a_whole_step_runs_and_marks_every_part(cpu_ops):
+def tiny_step_on_the_cpu(cpu_ops, B: int = 2, C: int = 128, bs: int = 16):
+    """The tiny model on torch's CPU device, a top-k sequence of 2 steps, its inputs and
+    all-on-GPU rows: (model, static inputs, rows, batch state)."""
     m = sm.Model.build(TINY, cpu_ops)
-    B, C, bs = 2, 128, 16
     wl = generate(B, 0.9, steps=2, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
     st = serve_modes.Static(m, B, serve_modes.block_table(B, C, bs, 4096), wl, "cpu")
     src = serve_modes.HbmRows.filled(serve_modes.row_tile(m), st, TINY.layers, bs)
-    state = sm.BatchState(TINY, B, C, "cpu")
+    return m, st, src, sm.BatchState(TINY, B, C, "cpu")
+
+
+def test_a_whole_step_runs_and_marks_every_part(cpu_ops):
+    m, st, src, state = tiny_step_on_the_cpu(cpu_ops)
+    B = st.batch
     st.load(0)
     seen = []
     out = m.step(st.x, state, src, seen.append)
@@ -62,12 +68,7 @@ def test_each_layers_rows_read_its_top_k_copied_after_the_indexers_top_k(cpu_ops
     """The rows of a layer are asked for with the layer's top-k of the sequence, copied
     into the one buffer every layer uses once the indexer's own top-k is done (after the
     "topk" mark, before the rows'), as an engine's top-k kernel hands over fresh indices."""
-    m = sm.Model.build(TINY, cpu_ops)
-    B, C, bs = 2, 128, 16
-    wl = generate(B, 0.9, steps=2, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
-    st = serve_modes.Static(m, B, serve_modes.block_table(B, C, bs, 4096), wl, "cpu")
-    src = serve_modes.HbmRows.filled(serve_modes.row_tile(m), st, TINY.layers, bs)
-    state = sm.BatchState(TINY, B, C, "cpu")
+    m, st, src, state = tiny_step_on_the_cpu(cpu_ops)
     st.load(1)
     seen, asked = [], []
     topk, rows = src.topk, src.rows
@@ -135,14 +136,18 @@ def assert_steps_equal_all_on_gpu(m, st, tile, bs: int, handle, steps: int) -> N
         assert torch.equal(swapped.host, hbm.kv[:, B * C:].cpu()), f"step {t}: the mirror"
 
 
+def tiny_on_the_gpu():
+    """The tiny model on the GPU (plain torch ops), batch 4, context 1024, blocks of 16
+    positions, 4096 host rows, and its row tile: (model, B, C, bs, host_rows, tile)."""
+    m = sm.Model.build(TINY, sm.Ops("cuda", torch.bfloat16, fast=False))
+    return m, 4, 1024, 16, 4096, serve_modes.row_tile(m)
+
+
 @pytest.mark.cuda
 def test_all_on_the_gpu_and_through_swap_in_give_the_same_step_output():
     from sparsekv.embedded.inproc_cuda import InprocSwapIn
 
-    ops = sm.Ops("cuda", torch.bfloat16, fast=False)
-    m = sm.Model.build(TINY, ops)
-    B, C, bs, host_rows = 4, 1024, 16, 4096
-    tile = serve_modes.row_tile(m)
+    m, B, C, bs, host_rows, tile = tiny_on_the_gpu()
     table = serve_modes.block_table(B, C, bs, host_rows)
     wl = generate(B, 0.9, steps=3, layers=TINY.layers, context=C, top_k=TINY.top_k, block_size=bs)
     st = serve_modes.Static(m, B, table, wl, "cuda")
@@ -158,10 +163,7 @@ def test_all_on_the_gpu_and_through_swap_in_give_the_same_step_output():
 
 @pytest.mark.cuda
 def test_the_prefetch_daemon_gives_the_all_on_gpu_step_output_and_hits_rows_it_fetched():
-    ops = sm.Ops("cuda", torch.bfloat16, fast=False)
-    m = sm.Model.build(TINY, ops)
-    B, C, bs, host_rows = 4, 1024, 16, 4096
-    tile = serve_modes.row_tile(m)
+    m, B, C, bs, host_rows, tile = tiny_on_the_gpu()
     off = serve_modes.Offload(serve_modes.offload_layout(TINY, B, host_rows, 2 * TINY.top_k), tile, ("prefetch",),
                               32, None)
     try:
