@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsekv.proto import LIMITS, PROTOCOL_VERSION, ErrorCode, Layout, MsgType
+from sparsekv.proto import PROTOCOL_VERSION, ErrorCode, Layout, MsgType
 from sparsekv.proto.cuda_ipc import EventRing, mps_running
 from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, RUN_DIR
 from sparsekv.proto.args import engine_name, hello_text
@@ -30,8 +30,8 @@ from .keys_load import KeysLoader
 from .rank_memory import fetch_fds, map_shared, offer_slab
 from .results import AttachmentCaps, TopkResult
 from .pending import Pending, Ready  # noqa: F401 - Ready: the device-wait result (tests import it here)
-from .tensors import check_batch, check_layout, check_prefetch, check_split_write, device_ids, host_bytes, host_int32
-from .tensors import layers_arg as _layers, on_gpu, step_arrays, whole as _whole
+from .tensors import check_batch, check_layout, check_prefetch, device_ids, host_bytes, host_int32
+from .tensors import layers_arg as _layers, on_gpu, step_arrays, whole as _whole, write_in_parts
 from .wire import Wire
 
 log = logging.getLogger("sparsekv.client")
@@ -516,30 +516,11 @@ class Client(Connection):
 
     def write(self, rows, data, layers=None) -> dict:
         """Copy ``data`` uint8 [len(layers), n, row_bytes] into host ``rows`` (all layers when
-        ``layers`` is None); hot copies of those rows are dropped in every rank."""
+        ``layers`` is None); hot copies of those rows are dropped in every rank. Larger than
+        one frame may carry: in parts (``client.tensors.write_in_parts``)."""
         layers = None if layers is None else _layers(layers)
         rows, data = host_int32("rows", rows, 1), host_bytes("data", data)
-        per_row = data.nbytes // max(1, data.shape[1]) if data.ndim == 3 else 0
-        if not per_row or (data.nbytes <= LIMITS.max_frame_bytes and rows.shape[0] <= LIMITS.max_write_rows):
-            return self._call(MsgType.WRITE, {"layers": layers}, {"rows": rows, "data": data})[0]
-        # Larger than one frame may carry: several WRITEs of whole rows, each in order, once the
-        # whole is checked as the daemon checks each part (a part refused half way would leave
-        # the parts before it written). With a block store a later part may still be refused
-        # for rows outside this client's own blocks: the parts before it went into its own.
-        n_layers = self.attachment.layout.num_layers if self.attachment is not None and layers is None else \
-            len(layers or ())
-        if data.shape[1] != rows.shape[0] or (n_layers and data.shape[0] != n_layers):
-            raise BadRequest(f"data must be [{n_layers or 'layers'}, {rows.shape[0]}, row_bytes] for {rows.shape[0]} "
-                             f"rows, got {list(data.shape)}", ErrorCode.BAD_ARGUMENT)
-        if self.attachment is not None:
-            check_split_write(self.attachment.layout, layers, rows, data)
-        step = max(1, min(LIMITS.max_frame_bytes // per_row, LIMITS.max_write_rows))
-        total: dict = {}
-        for i in range(0, rows.shape[0], step):
-            part = self._call(MsgType.WRITE, {"layers": layers}, {"rows": rows[i:i + step], "data": data[:, i:i + step]})[0]
-            for k, v in part.items():
-                total[k] = total.get(k, 0) + v if isinstance(v, int) else v
-        return total
+        return write_in_parts(self._call, self.attachment, layers, rows, data)
 
     def write_staged(self, rows, layers=None) -> dict:
         """Write rows this rank put at the front of its staging buffer (``att.staging[layer,

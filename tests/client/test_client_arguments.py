@@ -90,6 +90,26 @@ def test_a_write_of_several_frames_the_daemon_would_refuse_in_a_later_part_write
     assert not c.attachment.slab[0, 0, res.slots[0]].any()  # nothing of the refused write
 
 
+def test_a_write_of_several_frames_refused_for_a_block_not_its_own_says_what_it_wrote(module_daemon):
+    """With a block store, a part may be refused for rows outside the writer's own blocks,
+    which the client cannot check first: the error says how many rows went in before it
+    (``written_rows``), all into the writer's own blocks."""
+    lay = Layout(num_layers=1, row_bytes=4096, top_k=4, region_stride=8, max_reqs=2, host_rows=16384,
+                 index_groups=((0,),)).validate()
+    with Client(module_daemon.run_dir, name="arguments-parts") as c:
+        c.attach(lay, engine="arguments-parts", block_size=4096)
+        mine = c.blocks.alloc(2)
+        rows = c.blocks.rows(mine).reshape(-1)  # 8192 rows of its own blocks
+        theirs = (set(range(4)) - {int(b) for b in mine}).pop()  # a block it did not allocate
+        rows = np.concatenate([rows, np.arange(theirs * 4096, theirs * 4096 + 4096, dtype=np.int32)])
+        data = np.full((1, rows.size, 4096), 7, np.uint8)  # 48 MiB: two parts of 8192 rows, then one
+        with pytest.raises(BadRequest, match="the write's first 8192 rows, its parts before this one, were written") \
+                as ei:
+            c.write(rows, data)
+        assert ei.value.written_rows == 8192
+        c.blocks.release(mine)
+
+
 def test_block_counts_and_ids_must_be_integers(module_daemon):
     with Client(module_daemon.run_dir, name="arguments-blocks") as c:
         c.attach(Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64,

@@ -17,7 +17,7 @@ import pytest
 
 import helpers
 from sparsekv.client import BadRequest, Client, DaemonUnavailable
-from sparsekv.client import client as client_mod
+from sparsekv.client import tensors as tensors_mod
 from sparsekv.client import connection as connection_mod
 from sparsekv.proto import LIMITS
 
@@ -342,7 +342,7 @@ def test_a_write_larger_than_one_frame_is_split(run_dir, monkeypatch):
             rows = np.arange(64, dtype=np.int32)
             data = np.stack([helpers.gen_pattern(layer, rows, 32) for layer in range(2)])
             # A frame limit of 10 rows (of both layers): seven WRITEs, the same result.
-            monkeypatch.setattr(client_mod, "LIMITS", LIMITS.__class__(max_frame_bytes=10 * 2 * 32))
+            monkeypatch.setattr(tensors_mod, "LIMITS", LIMITS.__class__(max_frame_bytes=10 * 2 * 32))
             out = c.write(rows, data)
             assert out["bytes"] == data.nbytes
             c.step(0, [0])
