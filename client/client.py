@@ -520,7 +520,7 @@ class Client(Connection):
         one frame may carry: in parts (``client.tensors.write_in_parts``)."""
         layers = None if layers is None else _layers(layers)
         rows, data = host_int32("rows", rows, 1), host_bytes("data", data)
-        return write_in_parts(self._call, self.attachment, layers, rows, data)
+        return write_in_parts(self._call, self.attachment, layers, rows, data, settle=self.flush)
 
     def write_staged(self, rows, layers=None) -> dict:
         """Write rows this rank put at the front of its staging buffer (``att.staging[layer,

@@ -8,7 +8,7 @@ import sys
 from sparsekv.proto import LIMITS, ErrorCode, MsgType
 from sparsekv.proto.args import INT32_MAX, int32_array, layer_numbers, layers_in, reset_flags, whole_number
 
-from .errors import BadRequest, SparseKVError
+from .errors import BadRequest, DaemonUnavailable, SparseKVError
 
 
 def is_torch(a) -> bool:
@@ -138,14 +138,17 @@ def check_batch(att, rows, topk, begin) -> None:
             raise BadRequest(f"invalidate must be [batch, n <= top_k], got {inv.shape}", ErrorCode.BAD_ARGUMENT)
 
 
-def write_in_parts(call, att, layers, rows, data) -> dict:
+def write_in_parts(call, att, layers, rows, data, settle=None) -> dict:
     """WRITE ``rows`` (int32 [n]) of ``data`` (uint8 [layers, n, row_bytes]) through ``call``
     (a client's request call), ``att`` the client's attachment or None: one request when it
     fits one frame, else several of whole rows, in order, once the whole is checked as the
     daemon checks each part (a part refused half way would leave the parts before it
-    written); the replies' counts summed. With a block store a later part may still be
-    refused for rows outside the client's own blocks: the parts before it went into its
-    own, and the error says how many rows that was (``written_rows``)."""
+    written), and once ``settle`` (the client's flush) has raised any earlier request's
+    error (else one could come out of a part's call, after that part was written); the
+    replies' counts summed. With a block store a later part may still be refused for rows
+    outside the client's own blocks: the parts before it went into its own, and the error
+    (a part's: not DaemonUnavailable, after which a part sent may or may not have run)
+    says how many rows that was (``written_rows``)."""
     per_row = data.nbytes // max(1, data.shape[1]) if data.ndim == 3 else 0
     if not per_row or (data.nbytes <= LIMITS.max_frame_bytes and rows.shape[0] <= LIMITS.max_write_rows):
         return call(MsgType.WRITE, {"layers": layers}, {"rows": rows, "data": data})[0]
@@ -155,12 +158,16 @@ def write_in_parts(call, att, layers, rows, data) -> dict:
                          f"rows, got {list(data.shape)}", ErrorCode.BAD_ARGUMENT)
     if att is not None:
         check_split_write(att.layout, layers, rows, data)
+    if settle is not None:
+        settle()
     step = max(1, min(LIMITS.max_frame_bytes // per_row, LIMITS.max_write_rows))
     total: dict = {}
     for i in range(0, rows.shape[0], step):
         try:
             part = call(MsgType.WRITE, {"layers": layers}, {"rows": rows[i:i + step], "data": data[:, i:i + step]})[0]
         except SparseKVError as e:
+            if isinstance(e, DaemonUnavailable):
+                raise
             e.written_rows = i
             if i:
                 e.args = (f"{e.args[0]} (the write's first {i} rows, its parts before this one, were written)",

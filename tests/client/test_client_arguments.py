@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from sparsekv.bench.verify import pattern
-from sparsekv.client import BadRequest, Client
-from sparsekv.proto import Layout
+from sparsekv.client import BadRequest, Client, DaemonUnavailable
+from sparsekv.client import tensors as tensors_mod
+from sparsekv.proto import LIMITS, ErrorCode, Layout
 
 LAY = Layout(num_layers=2, row_bytes=4096, top_k=4, region_stride=8, max_reqs=2, host_rows=8192,
              index_groups=((0,), (1,))).validate()
@@ -108,6 +109,40 @@ def test_a_write_of_several_frames_refused_for_a_block_not_its_own_says_what_it_
             c.write(rows, data)
         assert ei.value.written_rows == 8192
         c.blocks.release(mine)
+
+
+def test_a_lost_daemon_during_a_large_write_claims_no_rows_written(monkeypatch):
+    """After DaemonUnavailable a part sent may or may not have run (and a restart loses
+    the rows): the error says nothing of rows written. A refused part's error does."""
+    monkeypatch.setattr(tensors_mod, "LIMITS", LIMITS.__class__(max_frame_bytes=10 * 32))
+    rows, data = np.arange(40, dtype=np.int32), np.zeros((1, 40, 32), np.uint8)
+    for error, claim in ((DaemonUnavailable("no reply from sparsekvd"), None),
+                         (BadRequest("a block not yours", ErrorCode.BAD_ARGUMENT), 20)):
+        calls = []
+
+        def call(kind, fields, arrays):
+            calls.append(arrays["rows"].size)
+            if len(calls) == 3:
+                raise error
+            return {"bytes": arrays["data"].nbytes}, {}
+
+        with pytest.raises(type(error)) as ei:
+            tensors_mod.write_in_parts(call, None, [0], rows, data)
+        assert calls == [10, 10, 10] and getattr(ei.value, "written_rows", None) == claim
+        assert ("first 20 rows" in str(ei.value)) == (claim is not None)
+
+
+def test_an_earlier_steps_error_comes_before_any_part_of_a_large_write(c):
+    """Found by a review: a STEP made before the write was sent with its first part, whose
+    call then raised the STEP's error, its part written and written_rows 0."""
+    c.step(0, [0, 1, 2])  # batch 3 > max_reqs 2: only the daemon refuses it
+    rows = np.arange(6000, dtype=np.int32)
+    with pytest.raises(Exception, match="batch of 3 rows exceeds max_batch 2") as ei:
+        c.write(rows, np.full((2, 6000, 4096), 9, np.uint8))  # 48 MiB: two parts
+    assert not hasattr(ei.value, "written_rows")
+    c.step(1, [0], reset=[True])
+    res = c.topk(1, 0, np.array([[0, 1, 2, 3]], np.int32))
+    assert not c.attachment.slab[0, 0, res.slots[0]].any()  # no part was written
 
 
 def test_block_counts_and_ids_must_be_integers(module_daemon):
