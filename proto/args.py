@@ -113,24 +113,37 @@ def engine_name(v) -> str:
         raise ValueError(f"engine must be text UTF-8 can encode, got {v!r:.40}") from None
     if v == "-":
         raise ValueError("engine must not be \"-\": the operator's tables show an engine of none so")
-    if any(breaks_line(ch) for ch in v):  # the operator's tables print it as one cell of one line
-        raise ValueError(f"engine must be a name without control characters, tabs or line breaks, got {v!r:.40}")
+    if any(breaks_line(ch) or reorders_text(ch) for ch in v):  # the operator's tables print it in one cell
+        raise ValueError(f"engine must be a name without control characters, tabs, line breaks or bidi controls, "
+                         f"got {v!r:.40}")
     return str.__str__(v)  # the text itself (a str enum's own str() is "Class.MEMBER")
 
 
 def hello_text(field: str, v) -> str:
     """A HELLO's ``device`` or ``name``: text of at most 128 characters that UTF-8 can
-    carry, without control characters, tabs or line breaks (the daemon's log and the
-    operator's tables print it on one line); empty allowed."""
+    carry, without control characters, tabs, line breaks or bidi controls (the daemon's log
+    and the operator's tables print it on one line, in order); empty allowed."""
     if not isinstance(v, str) or len(v) > MAX_NAME_CHARS:
         raise ValueError(f"{field} must be a string of at most {MAX_NAME_CHARS} characters, got {v!r:.40}")
     try:
         v.encode()
     except UnicodeEncodeError:
         raise ValueError(f"{field} must be text UTF-8 can encode, got {v!r:.40}") from None
-    if any(breaks_line(ch) for ch in v):
-        raise ValueError(f"{field} must be text without control characters, tabs or line breaks, got {v!r:.40}")
+    if any(breaks_line(ch) or reorders_text(ch) for ch in v):
+        raise ValueError(f"{field} must be text without control characters, tabs, line breaks or bidi controls, "
+                         f"got {v!r:.40}")
     return str.__str__(v)
+
+
+# Bidi classes of the characters that reorder the text after them on screen: embeddings,
+# overrides, isolates and their ends (U+202A-U+202E, U+2066-U+2069).
+_REORDERING = frozenset({"LRE", "RLE", "PDF", "LRO", "RLO", "LRI", "RLI", "FSI", "PDI"})
+
+
+def reorders_text(ch: str) -> bool:
+    """Whether character ``ch`` makes a terminal show the text after it in another order
+    (a bidi embedding, override or isolate): a name holding one could pass for another."""
+    return unicodedata.bidirectional(ch) in _REORDERING
 
 
 def breaks_line(ch: str) -> bool:

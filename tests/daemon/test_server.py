@@ -76,6 +76,8 @@ def test_unknown_message_type(dm):
     ({"name": "engine-0\nsparsekvd: forged log line"}, "name must be text without control characters"),
     ({"name": "a\tb"}, "name must be text without control characters"),
     ({"device": "cuda:0\u2028x"}, "device must be text without control characters"),
+    ({"name": "decode-\u202eed"}, "name must be text without control characters, tabs, line breaks or bidi"),
+    ({"name": "a\u2066b\u2069"}, "name must be text without control characters, tabs, line breaks or bidi"),
 ])
 def test_a_hello_with_a_rank_or_a_device_out_of_bounds_is_bad_argument(dm, fields, words):
     h, _ = request(dm, b"A", MsgType.HELLO, {"pid": 1, "rank": 0, "device": "cpu", "name": "", **fields})

@@ -181,6 +181,8 @@ def test_attach_arguments_are_checked_alike_in_process_and_through_the_client(mo
         ({"engine": "e\tforged\n99"}, LAYOUT, "engine must be a name without control characters"),
         ({"engine": "e\u2028f"}, LAYOUT, "engine must be a name without control characters"),
         ({"engine": "e\x85"}, LAYOUT, "engine must be a name without control characters"),
+        ({"engine": "prod\u202edoc"}, LAYOUT, "engine must be a name without control characters, tabs, line breaks or "
+                                                "bidi controls"),
         ({"engine": "-"}, LAYOUT, "engine must not be \"-\""),
         ({"tp_size": 1.0}, LAYOUT, "tp_size must be an integer"),
         ({"block_size": 1}, big, "a block store of 4194306 blocks"),
