@@ -166,7 +166,8 @@ def main(opts, device=None) -> int:
     say(f"the expert-parallel all-to-all is left out of every mode (one GPU); the indexer's own top-k is computed "
         f"and dropped: the rows read follow the bench's sequence ({opts.hits:g} % step-to-step hits, "
         f"{opts.layer_overlap:g} layer-to-layer overlap), each layer's copied right after that top-k into the "
-        f"buffer its rows read, as an engine's top-k kernel leaves its indices; the offloaded modes' hot regions hold {region} rows a layer")
+        f"buffer its rows read, as an engine's top-k kernel leaves its indices; the offloaded modes' hot regions "
+        f"hold {region} rows a layer")
     d = torch.device(device or f"cuda:{DEVICE}")
     cuda = d.type == "cuda"
     if cuda:

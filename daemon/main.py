@@ -315,7 +315,7 @@ def backend_refusal(cfg) -> str | None:
     if cfg.backend != "cuda":
         return None
     if cfg.devices != "all":
-        import cupy  # noqa: PLC0415 - importable: cuda_unavailable() said so
+        import cupy  # noqa: PLC0415 - importable: backend_unusable() said so
 
         count = cupy.cuda.runtime.getDeviceCount()
         bad = [int(o) for o in cfg.devices.split(",") if not 0 <= int(o) < count]

@@ -107,15 +107,9 @@ def engine_name(v) -> str:
     ranks and blocks share), as a plain ``str`` (a subclass, e.g. a str enum, travels as one)."""
     if not isinstance(v, str) or not 1 <= len(v) <= MAX_NAME_CHARS:
         raise ValueError(f"engine must be a name of 1..{MAX_NAME_CHARS} characters, got {v!r:.40}")
-    try:
-        v.encode()
-    except UnicodeEncodeError:
-        raise ValueError(f"engine must be text UTF-8 can encode, got {v!r:.40}") from None
     if v == "-":
         raise ValueError("engine must not be \"-\": the operator's tables show an engine of none so")
-    if any(breaks_line(ch) or reorders_text(ch) for ch in v):  # the operator's tables print it in one cell
-        raise ValueError(f"engine must be a name without control characters, tabs, line breaks or bidi controls, "
-                         f"got {v!r:.40}")
+    _one_cell("engine", "a name", v)
     return str.__str__(v)  # the text itself (a str enum's own str() is "Class.MEMBER")
 
 
@@ -125,14 +119,20 @@ def hello_text(field: str, v) -> str:
     and the operator's tables print it on one line, in order); empty allowed."""
     if not isinstance(v, str) or len(v) > MAX_NAME_CHARS:
         raise ValueError(f"{field} must be a string of at most {MAX_NAME_CHARS} characters, got {v!r:.40}")
+    _one_cell(field, "text", v)
+    return str.__str__(v)
+
+
+def _one_cell(field: str, noun: str, v: str) -> None:
+    """ValueError naming ``field`` unless ``v`` is text UTF-8 can carry that prints as one
+    cell of one line, in order (the operator's tables, the daemon's log)."""
     try:
         v.encode()
     except UnicodeEncodeError:
         raise ValueError(f"{field} must be text UTF-8 can encode, got {v!r:.40}") from None
     if any(breaks_line(ch) or reorders_text(ch) for ch in v):
-        raise ValueError(f"{field} must be text without control characters, tabs, line breaks or bidi controls, "
+        raise ValueError(f"{field} must be {noun} without control characters, tabs, line breaks or bidi controls, "
                          f"got {v!r:.40}")
-    return str.__str__(v)
 
 
 # Bidi classes of the characters that reorder the text after them on screen: embeddings,
