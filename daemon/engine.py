@@ -320,15 +320,16 @@ class EngineSpace:
         dead client's million blocks one by one had held the loop for a second)."""
         bs = self.block_size
         self.quiesce()
-        ids = np.sort(np.asarray(blocks, dtype=np.int64))  # (np.unique hashes: 2 s for 2M ids)
-        ids = ids[np.r_[True, ids[1:] != ids[:-1]]] if ids.size else ids
+        # Sorted once (a block named twice is a run of its own: zeroed twice), then used for
+        # the keys and the rows too: the list is converted once. (np.unique hashed 2M ids in 2 s.)
+        ids = np.sort(np.asarray(blocks, dtype=np.int64))
         for first, _, n in self.keys_runs(ids):
             self.pool[:, first * bs:(first + n) * bs] = 0
         if self.keys is not None:
             for r in self.ranks.values():
                 r.quiesce_keys()
-            self.keys[blocks] = 0
-        rows = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
+            self.keys[ids] = 0
+        rows = (ids.astype(np.int32)[:, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
         self.drop_rewritten(rows)
 
     # A keys request in two steps: the checks (the loop's thread), then the copy (any
