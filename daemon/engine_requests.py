@@ -137,7 +137,8 @@ class EngineRequests:
                 check_new_owner(engine, Owner(s.uid, s.gid), owner_uid)
                 self.engines.check_rank(s.rank, layout, owner=Owner(s.uid, s.gid), engine_slab=engine_slab,
                                         tp_size=tp_size)
-                self.engines.make_room(nbytes, Owner(s.uid, s.gid))
+                self.engines.make_room(nbytes, Owner(s.uid, s.gid),
+                                        layout.host_rows // block_size if block_size else 0)
             if created and (zeroing := self.pool.zeroing_to_wait_for(nbytes)):
                 # Only released ranges, once zeroed, make room: wait for them off the loop.
                 yield Slow(functools.partial(wait_futures, zeroing), engine=engine)

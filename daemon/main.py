@@ -437,6 +437,7 @@ def main(argv=None) -> int:
             daemon.engine_requests.max_slab_bytes = cfg.max_slab_bytes
             daemon.engine_requests.tp_max_lag = cfg.tp_max_lag
             daemon.engines.tp_ledger.cap = cfg.tp_max_lag_bytes
+            daemon.engines.max_store_blocks_total = cfg.max_store_blocks_total
             return _run(daemon, signals)
         except _Interrupted:
             notifier.stopping()
