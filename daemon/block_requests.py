@@ -43,12 +43,12 @@ class BlockRequests:
         """The block store of ``s``'s engine, opened for ``s``."""
         if s.state is None:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, f"client {s.client_id} has not attached to an engine")
-        store = self.engines.space(s.engine).blocks
-        if store is None:
+        space = self.engines.space(s.engine)
+        if space.blocks is None:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"engine {s.engine!r} has no block store: its first rank "
                                 "attaches with a block size (Client.attach(..., block_size=n))")
-        store.open(s.client_id, s.uid)
-        return store
+        self.engines.open_store(space, s.client_id, s.uid)
+        return space.blocks
 
     def on_reserve(self, s: Session, identity, h, a):
         store = self._store(s)

@@ -101,10 +101,14 @@ class Config:
     max_blocks_per_uid: int = _s(0, "block store blocks one uid's sessions hold private, reserved or pinned (a "
                                  "block once for each session pinning it), over every engine's store (DESIGN §9); "
                                  "0: no quota", bounds=(0, 2**40))
-    max_store_blocks_total: int = _s(1 << 23, "blocks of every engine's block store together: each costs the "
-                                     "daemon up to ~250 B of its own memory (and 8 B for each session using its "
-                                     "store) whatever its rows' size; a new store beyond it is POOL_FULL unless "
-                                     "engines kept for their cached blocks yield; 0: no cap", bounds=(0, 2**40))
+    max_store_bytes: int = _s(2 << 30, "daemon memory the block stores' bookkeeping may take, with a unit: "
+                              "about 160 B a block of every store and 8 B a block for each session using one, "
+                              "whatever the rows' size; a new store or session beyond it is POOL_FULL unless "
+                              "engines kept for their cached blocks yield; 0B: no cap", kind="size",
+                              bounds=(0, None))
+    max_store_share_per_uid: float = _s(0.5, "share of max_store_bytes one uid's stores (its engines') and "
+                                        "sessions may take (QUOTA_EXCEEDED beyond it)", bounds=(0.01, 1),
+                                        metavar="F")
     max_slab_share_per_uid: float = _s(0.5, "share of this host's memory that the ranks one uid's clients attached "
                                        "may take together (each bounded by max_slab_bytes: hot slab, staging, "
                                        "residency state; the cpu backend's, host memory); 1: the whole memory", bounds=(0.01, 1),

@@ -34,6 +34,7 @@ from .notify import Notifier
 from .pinned import PinError, PoolPinner
 from .pool import HostPool, PoolError
 from .server import Daemon
+from .store_room import StoreRoom
 from .stats import package_version
 
 log = logging.getLogger("sparsekv")
@@ -437,7 +438,7 @@ def main(argv=None) -> int:
             daemon.engine_requests.max_slab_bytes = cfg.max_slab_bytes
             daemon.engine_requests.tp_max_lag = cfg.tp_max_lag
             daemon.engines.tp_ledger.cap = cfg.tp_max_lag_bytes
-            daemon.engines.max_store_blocks_total = cfg.max_store_blocks_total
+            daemon.engines.store_room = StoreRoom(cfg.max_store_bytes, cfg.max_store_share_per_uid)
             return _run(daemon, signals)
         except _Interrupted:
             notifier.stopping()

@@ -25,6 +25,7 @@ from .blocks.store import BlockStore
 from .engine import EngineSpace, Owner, RankState
 from .pool import HostPool
 from .residency.base import ResidencyError, rank_bytes
+from .store_room import SESSION_BYTES_PER_BLOCK, STORE_BYTES_PER_BLOCK, StoreRoom
 from .tp import TpGroup, TpLedger
 
 log = logging.getLogger("sparsekv.registry")
@@ -66,17 +67,17 @@ class EngineRegistry:
             together (each bounded by ``max_slab_bytes``: hot slab, staging, residency
             state), where the backend keeps it on the host (``rank_memory_on_host``); an
             attach beyond it is QUOTA_EXCEEDED. 0: no quota.
-        max_store_blocks_total: blocks of every engine's block store together (the store's
-            arrays cost the daemon ~250 bytes of its own memory a block, whatever the rows'
-            size); a new store beyond it is POOL_FULL unless kept engines yield. 0: no cap.
+
+    ``store_room`` (``store_room.StoreRoom``) caps the daemon memory the block stores take
+    (``max_store_bytes``); the daemon's entry sets it from its Config.
 
     Iterating yields engine names; ``len()`` is the number of engines.
     """
 
     def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0, max_blocks_per_uid: int = 0,
-                 max_rank_bytes_per_uid: int = 0, max_store_blocks_total: int = 0):
+                 max_rank_bytes_per_uid: int = 0):
         self.pool = pool
-        self.max_store_blocks_total = max_store_blocks_total
+        self.store_room = StoreRoom()
         self.backend = backend
         self.max_pool_bytes_per_uid = max_pool_bytes_per_uid
         self.max_rank_bytes_per_uid = max_rank_bytes_per_uid
@@ -128,7 +129,9 @@ class EngineRegistry:
             check_new_owner(engine_name, owner, owner_uid)
             nbytes = range_bytes(layout, block_size, index_bytes)
             self._check_quota(owner, nbytes)
-            self._check_store_blocks(layout.host_rows // block_size if block_size else 0)
+            if block_size:  # engines kept for their cached blocks may yield (see make_room)
+                for kept in self._store_yielding(layout.host_rows // block_size, owner):
+                    self._release_if_unused(kept, keep_cached=False)
             offset = self.pool.allocate(nbytes)
             try:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
@@ -244,22 +247,27 @@ class EngineRegistry:
                                 f"{held + pool_bytes} "
                                 f"(max_pool_bytes_per_uid {self.max_pool_bytes_per_uid}; its engines hold {held})")
 
-    @property
-    def store_blocks(self) -> int:
-        """Blocks of every engine's block store together (``max_store_blocks_total``'s count)."""
-        return sum(space.blocks.n_blocks for space in self._engines.values() if space.blocks is not None)
+    def _store_yielding(self, blocks: int, owner: Owner | None, leaving: list[EngineSpace] = ()) -> list[EngineSpace]:
+        """The kept engines (beside ``leaving``) that must yield for a new store of
+        ``blocks`` blocks (of ``owner``) to fit ``max_store_bytes``; QUOTA_EXCEEDED or
+        POOL_FULL when all of them would not do."""
+        return self.store_room.yielding(blocks * STORE_BYTES_PER_BLOCK, owner.uid if owner else None,
+                                        [sp for sp in self._engines.values() if sp not in leaving],
+                                        [sp for sp in self._kept() if sp not in leaving],
+                                        f"a block store of {blocks} blocks")
 
-    def _check_store_blocks(self, blocks: int, leaving: list[EngineSpace] = ()) -> None:
-        """POOL_FULL when a new store of ``blocks`` blocks would bring the stores past
-        ``max_store_blocks_total`` (the stores of ``leaving`` not counted)."""
-        if not blocks or not self.max_store_blocks_total:
-            return
-        held = self.store_blocks - sum(space.blocks.n_blocks for space in leaving if space.blocks is not None)
-        if held + blocks > self.max_store_blocks_total:
-            raise ProtocolError(ErrorCode.POOL_FULL, f"a block store of {blocks} blocks would bring this daemon's "
-                                f"stores to {held + blocks} blocks (max_store_blocks_total {self.max_store_blocks_total}"
-                                f"; each block costs the daemon memory of its own whatever the rows' size): use "
-                                "larger blocks, or release engines")
+    def open_store(self, space: EngineSpace, session: int, uid: int) -> None:
+        """Open ``space``'s block store for ``session`` (of ``uid``), unless it is: its pins
+        count against ``max_store_bytes`` (other engines kept for their cached blocks may
+        yield; QUOTA_EXCEEDED or POOL_FULL when they would not do)."""
+        store = space.blocks
+        if not store.is_open(session):
+            need = store.n_blocks * SESSION_BYTES_PER_BLOCK
+            for kept in self.store_room.yielding(need, uid, list(self._engines.values()),
+                                                 [sp for sp in self._kept() if sp is not space],
+                                                 f"a session's pins of the {store.n_blocks} blocks of {space.name!r}"):
+                self._release_if_unused(kept, keep_cached=False)
+        store.open(session, uid)
 
     def prepare(self, p: PendingAttach) -> None:
         """The slow part of an attach, on any thread: the backend's ``prepare_rank`` and,
@@ -334,9 +342,9 @@ class EngineRegistry:
           kept first until their ranges open one large enough, then only those that range
           needs. When releasing all of them would not, nothing at all is released (the
           attach is then POOL_FULL, or QUOTA_EXCEEDED, every kept engine intact);
-        * ``max_store_blocks_total``: then more kept engines yield, the longest kept first,
-          until the stores' blocks with the new one's fit; POOL_FULL (nothing released) when
-          all of them would not do.
+        * ``max_store_bytes`` (the new store's bookkeeping): checked here, so that nothing
+          is released for an attach it refuses; the kept engines it needs yield in
+          :meth:`begin_attach`, in the same step as the store is made.
 
         Idle namespaces yield to engines that come to work. Returns the names released. A
         range larger than the whole pool is POOL_FULL at once, nothing released."""
@@ -363,7 +371,8 @@ class EngineRegistry:
                 rest = [sp.pool_offset for sp in chosen if sp is not space]
                 if self.pool.fits_after(need, coming + rest):
                     chosen.remove(space)
-        chosen += self._kept_for_blocks(blocks, own + chosen)
+        if blocks:
+            self._store_yielding(blocks, owner, own + chosen)  # raises when they would not do
         out = []
         for space in own + chosen:
             cached = space.blocks.cached_blocks
@@ -372,25 +381,6 @@ class EngineRegistry:
                          cached, " (its uid's share of the pool)" if space in own else "")
                 out.append(space.name)
         return out
-
-    def _kept_for_blocks(self, blocks: int, leaving: list[EngineSpace]) -> list[EngineSpace]:
-        """The kept engines (beside ``leaving``) that must yield for a new store of
-        ``blocks`` blocks to fit ``max_store_blocks_total``, the longest kept first;
-        POOL_FULL when all of them would not do."""
-        if not blocks or not self.max_store_blocks_total:
-            return []
-        over = self.store_blocks + blocks - self.max_store_blocks_total \
-            - sum(space.blocks.n_blocks for space in leaving if space.blocks is not None)
-        chosen = []
-        for space in self._kept():
-            if over <= 0:
-                break
-            if space not in leaving and space.blocks is not None:
-                chosen.append(space)
-                over -= space.blocks.n_blocks
-        if over > 0:
-            self._check_store_blocks(blocks, leaving + chosen)  # raises
-        return chosen
 
     def _own_kept_for_quota(self, owner: Owner | None, need: int) -> list[EngineSpace] | None:
         """The kept engines of ``owner``'s uid that must yield for its new range of

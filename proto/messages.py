@@ -80,7 +80,8 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     ErrorCode.NOT_ATTACHED: "attach a layout before sending steps, top-k batches or writes",
     ErrorCode.BAD_LAYOUT: "the layout is inconsistent; the message names the field",
     ErrorCode.LAYOUT_MISMATCH: "every rank of one engine must attach with the same layout",
-    ErrorCode.POOL_FULL: "the host pool has no room for this layout; raise --pool-size or lower host_rows",
+    ErrorCode.POOL_FULL: "the host pool, or the daemon's memory for block stores, has no room for this; raise --pool-size "
+                          "(or --max-store-bytes), lower host_rows, or use larger blocks",
     ErrorCode.BAD_ARGUMENT: "an argument has the wrong shape, type or range",
     ErrorCode.BAD_STATE_ROW: "state rows must lie in [-1, max_reqs)",
     ErrorCode.DUPLICATE_IDS: "a top-k row must not name the same host row twice",
@@ -96,8 +97,8 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     ErrorCode.PERMISSION_DENIED: "another user's engine, or a connection whose credentials the daemon cannot read; "
     "attach as the engine's owner (root and the daemon's admin group: naming it, owner_uid), or pick another engine name",
     ErrorCode.QUOTA_EXCEEDED: "this user holds its share of the daemon (max_clients_per_uid, max_pool_bytes_per_uid, "
-    "max_slab_share_per_uid, max_blocks_per_uid in the daemon's config): release blocks this user's clients pin or "
-    "hold, close or detach other clients of this user, or ask the operator to raise it",
+    "max_slab_share_per_uid, max_blocks_per_uid, max_store_share_per_uid in the daemon's config): release blocks "
+    "this user's clients pin or hold, close or detach other clients of this user, or ask the operator to raise it",
     ErrorCode.POOL_EXHAUSTED: "the engine's block store cannot promise that many blocks now (the reply's detail "
     "names free, cached-evictable and reserved blocks): admit the request later, or release blocks",
 }

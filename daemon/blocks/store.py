@@ -135,6 +135,13 @@ class BlockStore:
             self._pinned[session] = np.zeros(self.n_blocks, dtype=np.int64)  # pins can pass 2**31
             self.chains.open(session)
 
+    def is_open(self, session: int) -> bool:
+        return session in self._uid
+
+    def sessions_of(self, uid: int | None = None) -> int:
+        """Sessions that opened the store (of ``uid`` only, when given)."""
+        return len(self._uid) if uid is None else sum(1 for u in self._uid.values() if u == uid)
+
     def _uid_of(self, session: int) -> int:
         try:
             return self._uid[session]

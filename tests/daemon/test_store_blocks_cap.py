@@ -1,91 +1,132 @@
-"""``max_store_blocks_total``: the blocks of every engine's block store together are capped,
-because each block costs the daemon memory of its own (the store's arrays) whatever its
-rows' size, so engines of tiny rows kept for their cached blocks cannot grow the daemon
-without bound. A new store past the cap is POOL_FULL before anything is allocated, unless
-engines kept for their cached blocks yield (the longest kept first, only as many as
-needed); an engine with a rank never yields; an engine without a store is not counted."""
+"""``max_store_bytes``: the daemon memory the block stores' bookkeeping takes (about 160 B a
+block of every store, 8 B a block for each session using one, whatever the rows' size) is
+capped, at most ``max_store_share_per_uid`` of it for one uid, so engines of tiny rows
+cannot grow the daemon without bound. A new store or session past a cap is refused
+(POOL_FULL, or QUOTA_EXCEEDED for the uid's share) before anything is allocated, unless
+engines kept for their cached blocks yield: the longest kept first, only as many as
+needed, the uid's own first for its share, in the same step as the store is made; an
+engine with a rank never yields."""
 
 import numpy as np
 import pytest
 
 import helpers
 from helpers import registry_attach as attach
-from sparsekv.client import Client, PoolFull
+from sparsekv.client import Client, PoolFull, QuotaExceeded
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.config import Config
+from sparsekv.daemon.engine import Owner
 from sparsekv.daemon.pool import HostPool
 from sparsekv.daemon.registry import EngineRegistry
+from sparsekv.daemon.store_room import SESSION_BYTES_PER_BLOCK, STORE_BYTES_PER_BLOCK, StoreRoom
 from sparsekv.proto import ErrorCode, ProtocolError
 
 MiB = 1 << 20
 LAY = helpers.layout(host_rows=4096)  # one 2 MiB range each
 BS = 4
 BLOCKS = LAY.host_rows // BS  # 1024 blocks a store
+STORE = BLOCKS * STORE_BYTES_PER_BLOCK  # one store's bookkeeping
+SESSION = BLOCKS * SESSION_BYTES_PER_BLOCK  # one session's pins of it
+ALICE, BOB = Owner(1000, 1000), Owner(2000, 2000)
 
 
 @pytest.fixture
 def reg(tmp_path):
-    pool = HostPool(16 * MiB, threads=1)
+    pool = HostPool(32 * MiB, threads=1)
     backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
-    yield EngineRegistry(pool, backend, max_store_blocks_total=3 * BLOCKS)
+    r = EngineRegistry(pool, backend)
+    r.store_room = StoreRoom(3 * STORE, share_per_uid=1.0)
+    yield r
     backend.close()
     pool.close()
 
 
-def keep(reg, client: int, name: str) -> None:
+def keep(reg, client: int, name: str, owner=None) -> None:
     """Engine ``name`` with a store, kept for one cached block with no rank."""
-    attach(reg, client, 0, "cpu", name, LAY, block_size=BS)
+    attach(reg, client, 0, "cpu", name, LAY, block_size=BS, owner=owner)
+    reg.open_store(reg.space(name), client, owner.uid if owner else 0)
     store = reg.space(name).blocks
-    store.open(client, 0)
-    store.commit(client, store.alloc(client, 1), np.full((1, 2), client, dtype=np.int64))
+    store.commit(client, store.alloc(client, 1), np.full((1, 2), client + 1, dtype=np.int64))
     reg.detach(client, name)
-    assert name in reg
+    assert name in reg and reg.store_room.cost(reg.space(name)) == STORE  # its session closed with its rank
 
 
 def test_a_store_past_the_cap_is_pool_full_before_anything_is_allocated(reg):
     for i, name in enumerate("abc"):
         attach(reg, i, 0, "cpu", name, LAY, block_size=BS)
-    assert reg.store_blocks == 3 * BLOCKS
     used = reg.pool.used_bytes
-    with pytest.raises(ProtocolError, match=rf"{4 * BLOCKS} blocks \(max_store_blocks_total {3 * BLOCKS}") as e:
+    with pytest.raises(ProtocolError, match=r"block stores' bookkeeping .*max_store_bytes") as e:
         attach(reg, 9, 0, "cpu", "d", LAY, block_size=BS)
     assert e.value.code == ErrorCode.POOL_FULL
     assert "d" not in reg and reg.pool.used_bytes == used
     attach(reg, 9, 0, "cpu", "plain", LAY)  # no store: not counted
-    assert reg.store_blocks == 3 * BLOCKS
     reg.detach(0, "a")
     attach(reg, 10, 0, "cpu", "d", LAY, block_size=BS)  # a's store gone: room
-    assert reg.store_blocks == 3 * BLOCKS
+
+
+def test_a_sessions_pins_count_and_a_session_past_the_cap_is_refused(reg):
+    reg.store_room = StoreRoom(2 * STORE + SESSION, share_per_uid=1.0)
+    attach(reg, 1, 0, "cpu", "a", LAY, block_size=BS)
+    attach(reg, 2, 1, "cpu", "a", LAY, block_size=BS)
+    attach(reg, 3, 0, "cpu", "b", LAY, block_size=BS)
+    space = reg.space("a")
+    reg.open_store(space, 1, 0)
+    reg.open_store(space, 1, 0)  # open already: nothing more
+    assert reg.store_room.held(reg._engines.values()) == 2 * STORE + SESSION
+    with pytest.raises(ProtocolError, match="a session's pins of the 1024 blocks of 'a'") as e:
+        reg.open_store(space, 2, 0)
+    assert e.value.code == ErrorCode.POOL_FULL and not space.blocks.is_open(2)
+    reg.detach(1, "a")  # its session closed: its pins no longer count
+    reg.open_store(space, 2, 0)
 
 
 def test_kept_engines_yield_longest_kept_first_and_only_as_many_as_needed(reg):
     keep(reg, 1, "old")
     keep(reg, 2, "newer")
     attach(reg, 3, 0, "cpu", "busy", LAY, block_size=BS)
-    assert reg.make_room(LAY.pool_bytes, None, BLOCKS) == ["old"]
-    assert "newer" in reg and "busy" in reg
+    assert reg.make_room(LAY.pool_bytes, None, BLOCKS) == []  # checked there; they yield at the attach
     attach(reg, 4, 0, "cpu", "second", LAY, block_size=BS)
-    assert reg.store_blocks == 3 * BLOCKS
+    assert "old" not in reg and "newer" in reg and "busy" in reg
 
 
 def test_when_all_kept_engines_would_not_do_nothing_is_released(reg):
     keep(reg, 1, "old")
     attach(reg, 2, 0, "cpu", "busy", LAY, block_size=BS)
     attach(reg, 3, 0, "cpu", "busy2", LAY, block_size=BS)
-    with pytest.raises(ProtocolError, match="max_store_blocks_total") as e:
-        reg.make_room(LAY.pool_bytes, None, 2 * BLOCKS)  # old's 1024 blocks are not enough
-    assert e.value.code == ErrorCode.POOL_FULL
-    assert "old" in reg and reg.space("old").blocks.cached_blocks == 1
-    assert reg.make_room(LAY.pool_bytes, None, 0) == []  # no store: no cap
+    big = helpers.layout(host_rows=2 * LAY.host_rows)
+    for call in (lambda: reg.make_room(big.pool_bytes, None, 2 * BLOCKS),
+                 lambda: attach(reg, 4, 0, "cpu", "big", big, block_size=BS)):
+        with pytest.raises(ProtocolError, match="max_store_bytes") as e:
+            call()  # old's store is not enough
+        assert e.value.code == ErrorCode.POOL_FULL
+        assert "old" in reg and reg.space("old").blocks.cached_blocks == 1
 
 
-def test_the_daemon_takes_the_cap_from_its_config_and_refuses_past_it():
-    assert Config().max_store_blocks_total == 1 << 23
+def test_one_uid_takes_at_most_its_share_and_its_own_kept_engines_yield_first(reg):
+    reg.store_room = StoreRoom(4 * STORE, share_per_uid=0.5)
+    keep(reg, 1, "bob-old", BOB)  # longest kept, but another uid's
+    keep(reg, 2, "a-kept", ALICE)
+    attach(reg, 3, 0, "cpu", "a-busy", LAY, block_size=BS, owner=ALICE)
+    with pytest.raises(ProtocolError, match="uid 1000's block stores' bookkeeping") as e:
+        attach(reg, 4, 0, "cpu", "a-big", helpers.layout(host_rows=2 * LAY.host_rows), block_size=BS, owner=ALICE)
+    assert e.value.code == ErrorCode.QUOTA_EXCEEDED and "a-kept" in reg
+    attach(reg, 4, 0, "cpu", "a-new", LAY, block_size=BS, owner=ALICE)  # a-kept yields, not bob-old
+    assert "a-kept" not in reg and "bob-old" in reg
+    attach(reg, 5, 0, "cpu", "bob", LAY, block_size=BS, owner=BOB)  # alice's share left bob his
+
+
+def test_the_daemon_takes_the_caps_from_its_config_and_the_client_sees_the_refusals():
+    assert (Config().max_store_bytes, Config().max_store_share_per_uid) == (2 << 30, 0.5)
     with helpers.serving_daemon(8 * MiB) as d:
-        d.engines.max_store_blocks_total = BLOCKS + BLOCKS // 2  # as daemon/main.py sets it from Config
+        d.engines.store_room = StoreRoom(STORE + STORE // 4 + SESSION + 1024, share_per_uid=1.0)  # as daemon/main.py does
         with Client(d.run_dir) as a, Client(d.run_dir) as b:
             a.attach(LAY, engine="a", block_size=BS)
-            with pytest.raises(PoolFull, match="max_store_blocks_total 1536"):
+            with pytest.raises(PoolFull, match="max_store_bytes"):
                 b.attach(LAY, engine="b", block_size=BS)
             b.attach(LAY, engine="b", block_size=4 * BS)  # 256 blocks: fits
-            assert d.engines.store_blocks == BLOCKS + BLOCKS // 4
+            a.blocks.reserve(1)  # a's session: its pins of a's 1024 blocks
+            with pytest.raises(PoolFull, match="a session's pins"):
+                b.blocks.reserve(1)
+        d.engines.store_room = StoreRoom(4 * STORE, share_per_uid=0.25)
+        with Client(d.run_dir) as c, pytest.raises(QuotaExceeded, match="block stores' bookkeeping"):
+            c.attach(helpers.layout(host_rows=2 * LAY.host_rows), engine="c", block_size=BS)
