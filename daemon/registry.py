@@ -25,7 +25,7 @@ from .blocks.store import BlockStore
 from .engine import EngineSpace, Owner, RankState
 from .pool import HostPool
 from .residency.base import ResidencyError, rank_bytes
-from .store_room import SESSION_BYTES_PER_BLOCK, STORE_BYTES_PER_BLOCK, StoreRoom
+from .store_room import SESSION_BYTES_PER_BLOCK, StoreRoom
 from .tp import TpGroup, TpLedger
 
 log = logging.getLogger("sparsekv.registry")
@@ -129,9 +129,9 @@ class EngineRegistry:
             check_new_owner(engine_name, owner, owner_uid)
             nbytes = range_bytes(layout, block_size, index_bytes)
             self._check_quota(owner, nbytes)
-            if block_size:  # engines kept for their cached blocks may yield (see make_room)
-                for kept in self._store_yielding(layout.host_rows // block_size, owner):
-                    self._release_if_unused(kept, keep_cached=False)
+            # Engines kept for their cached blocks may yield for its store (see make_room),
+            # once it is made: an attach refused releases nothing.
+            yielding = self._store_yielding(layout.host_rows // block_size, owner) if block_size else []
             offset = self.pool.allocate(nbytes)
             try:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
@@ -146,6 +146,8 @@ class EngineRegistry:
                 self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
             self._engines[engine_name] = space
+            for kept in yielding:
+                self._release_if_unused(kept, keep_cached=False)
         elif not _may_join(space.owner, owner, privileged, owner_uid):  # the same answer whatever the layout
             raise ProtocolError(ErrorCode.PERMISSION_DENIED, _join_refusal(engine_name, space.owner, owner, privileged,
                                                                            owner_uid))
@@ -251,7 +253,7 @@ class EngineRegistry:
         """The kept engines (beside ``leaving``) that must yield for a new store of
         ``blocks`` blocks (of ``owner``) to fit ``max_store_bytes``; QUOTA_EXCEEDED or
         POOL_FULL when all of them would not do."""
-        return self.store_room.yielding(blocks * STORE_BYTES_PER_BLOCK, owner.uid if owner else None,
+        return self.store_room.yielding(BlockStore.bookkeeping_bytes(blocks), owner.uid if owner else None,
                                         [sp for sp in self._engines.values() if sp not in leaving],
                                         [sp for sp in self._kept() if sp not in leaving],
                                         f"a block store of {blocks} blocks")
@@ -344,7 +346,7 @@ class EngineRegistry:
           attach is then POOL_FULL, or QUOTA_EXCEEDED, every kept engine intact);
         * ``max_store_bytes`` (the new store's bookkeeping): checked here, so that nothing
           is released for an attach it refuses; the kept engines it needs yield in
-          :meth:`begin_attach`, in the same step as the store is made.
+          :meth:`begin_attach`, once the store is made (a refused attach releases nothing).
 
         Idle namespaces yield to engines that come to work. Returns the names released. A
         range larger than the whole pool is POOL_FULL at once, nothing released."""

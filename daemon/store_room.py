@@ -1,7 +1,8 @@
 """The daemon's own memory that block stores take, and its caps (DESIGN §9).
 
-A store's bookkeeping (``blocks/store.py``: its arrays, its key table) costs the daemon
-about ``STORE_BYTES_PER_BLOCK`` a block once used, and each session that uses the store
+A store's bookkeeping (``blocks/store.py``: its arrays, its key table, its chain memo)
+costs the daemon ``BlockStore.bookkeeping_bytes`` at most (about 200 to 900 B a block,
+the most for small stores), and each session that uses the store
 ``SESSION_BYTES_PER_BLOCK`` a block (its pins of each block), whatever the rows' size: an
 engine of one-byte rows has as many blocks per pool byte as its block size allows. So the
 pool's room does not bound it, and ``max_store_bytes`` does: the stores of every engine
@@ -22,7 +23,8 @@ from typing import Iterable
 from sparsekv.proto import ErrorCode, ProtocolError
 from sparsekv.proto.settings import format_size
 
-STORE_BYTES_PER_BLOCK = 160  # a store's arrays and key table, filled (162 B measured on 2,097,152 blocks)
+from .blocks.store import BlockStore
+
 SESSION_BYTES_PER_BLOCK = 8  # a session's pin count of each block (int64)
 
 
@@ -47,8 +49,8 @@ class StoreRoom:
         if store is None:
             return 0
         mine = uid is None or (space.owner is not None and space.owner.uid == uid)
-        return store.n_blocks * ((STORE_BYTES_PER_BLOCK if mine else 0)
-                                 + SESSION_BYTES_PER_BLOCK * store.sessions_of(uid))
+        return ((BlockStore.bookkeeping_bytes(store.n_blocks) if mine else 0)
+                + store.n_blocks * SESSION_BYTES_PER_BLOCK * store.sessions_of(uid))
 
     def held(self, spaces: Iterable, uid: int | None = None) -> int:
         """Bytes the stores of ``spaces`` take (of ``uid`` only, when given)."""
@@ -88,7 +90,7 @@ class StoreRoom:
             held = self.held(spaces)
             raise ProtocolError(ErrorCode.POOL_FULL, f"{what} would bring the block stores' bookkeeping to "
                                 f"{format_size(held + need)} of the daemon's memory (max_store_bytes "
-                                f"{format_size(self.cap_bytes)}; about {STORE_BYTES_PER_BLOCK} B a block, and "
-                                f"{SESSION_BYTES_PER_BLOCK} B a block for each session using a store, whatever the "
-                                "rows' size): use larger blocks, or release engines")
+                                f"{format_size(self.cap_bytes)}; 200 to 900 B a block, and {SESSION_BYTES_PER_BLOCK}"
+                                " B a block for each session using a store, whatever the rows' size): use larger "
+                                "blocks, or release engines")
         return chosen

@@ -18,9 +18,13 @@ import numpy as np
 
 # At most this many block ids together, and this many a block of the store (a chain may name
 # one block many times: a small store's memo stays small); the least recently used goes
-# first. Each id keeps 24 bytes (its block and its 16-byte hash): 24 MiB at most.
+# first: CHAIN_MEMO_BYTES_PER_ID each (80 MiB at most a store).
 CHAIN_MEMO_IDS = 1 << 20
 CHAIN_MEMO_IDS_PER_BLOCK = 8
+# What the memo takes of the daemon's memory for each id its bound counts, at most: chains
+# of CHAIN_MEMO_ENTRY_IDS blocks (the most entries for the bound) measured 75 B an id with
+# tracemalloc (a Memo, its two arrays and raw keys, its dict entries).
+CHAIN_MEMO_BYTES_PER_ID = 80
 CHAIN_MEMO_MIN = 1  # shorter chains take the index (~20 us more in the store than the memo for 1 to 63 blocks)
 CHAIN_MEMO_ENTRY_IDS = 16  # what a chain counts against CHAIN_MEMO_IDS at least (its entry's own bytes)
 # A chain not remembered whole may begin with one that is (a cached system prompt, then a
@@ -82,7 +86,17 @@ class ChainMemo:
         self._heads: collections.OrderedDict[int, None] = collections.OrderedDict()  # lengths found, latest last
         self._epoch = 0  # evictions so far: a memo checked at this epoch holds
         self.ids = 0  # block ids remembered (each chain at least CHAIN_MEMO_ENTRY_IDS)
-        self._ids_max = min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
+        self._ids_max = self.max_ids(n_blocks)
+
+    @staticmethod
+    def max_ids(n_blocks: int) -> int:
+        """The bound on ids remembered for a store of ``n_blocks`` blocks."""
+        return min(CHAIN_MEMO_IDS, CHAIN_MEMO_IDS_PER_BLOCK * n_blocks)
+
+    @classmethod
+    def max_bytes(cls, n_blocks: int) -> int:
+        """The most memory the memo of a store of ``n_blocks`` blocks takes."""
+        return cls.max_ids(n_blocks) * CHAIN_MEMO_BYTES_PER_ID
 
     def __len__(self) -> int:
         return len(self._chains)

@@ -28,7 +28,7 @@ class KeyIndex:
     """Keys of at most ``max_keys`` blocks at once."""
 
     def __init__(self, max_keys: int, seed: int | None = None):
-        self.size = 1 << max(4, (4 * max(1, max_keys) - 1).bit_length())  # >= 4 x max_keys
+        self.size = self.slots(max_keys)
         self.mask = np.uint64(self.size - 1)
         self.salt = np.random.default_rng(seed).integers(0, 2**63, dtype=np.uint64)
         self._salt = int(self.salt)
@@ -36,6 +36,16 @@ class KeyIndex:
         self.hi = np.zeros(self.size, dtype=np.int64)
         self.block = np.full(self.size, EMPTY, dtype=np.int64)
         self.tombs = 0
+
+    @staticmethod
+    def slots(max_keys: int) -> int:
+        """The table's slots for ``max_keys`` keys: the power of two >= 4 x max_keys (4 to 8 a key)."""
+        return 1 << max(4, (4 * max(1, max_keys) - 1).bit_length())
+
+    @classmethod
+    def table_bytes(cls, max_keys: int) -> int:
+        """Bytes of the table for ``max_keys`` keys (three int64 arrays)."""
+        return 24 * cls.slots(max_keys)
 
     def _start(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):

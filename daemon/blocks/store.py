@@ -31,6 +31,8 @@ from .contract import BlockError, PoolExhausted, UidLedger
 from .index import KeyIndex
 
 FREE, CACHED = -1, -2  # ``state`` of a block that is not private (else: the owning session)
+# The store's arrays of a block: state, pins, stamp, _mark, _arange, key_lo, key_hi (int64), _arange32
+ARRAY_BYTES_PER_BLOCK = 7 * 8 + 4
 
 
 @dataclass(slots=True)
@@ -99,6 +101,13 @@ class BlockStore:
         self._pinned: dict[int, np.ndarray] = {}  # session -> its pins of each block
         self.counts = collections.Counter()  # lookups, hit_blocks, commits, evictions
         self.chains = ChainMemo(n_blocks, self._still_cached)  # chains found lately (chains.py)
+
+    @staticmethod
+    def bookkeeping_bytes(n_blocks: int) -> int:
+        """The most of the daemon's memory a store of ``n_blocks`` blocks takes, its
+        sessions' pins apart (8 B a block each): its arrays, its key table, its chain memo
+        full (``store_room.py`` counts it)."""
+        return n_blocks * ARRAY_BYTES_PER_BLOCK + KeyIndex.table_bytes(n_blocks) + ChainMemo.max_bytes(n_blocks)
 
     # -- what the store has ------------------------------------------------------------
     @property

@@ -1,11 +1,14 @@
-"""``max_store_bytes``: the daemon memory the block stores' bookkeeping takes (about 160 B a
-block of every store, 8 B a block for each session using one, whatever the rows' size) is
-capped, at most ``max_store_share_per_uid`` of it for one uid, so engines of tiny rows
+"""``max_store_bytes``: the daemon memory the block stores' bookkeeping takes (at most
+``BlockStore.bookkeeping_bytes`` a store, 8 B a block for each session using one, whatever
+the rows' size; measured here against what a store really takes) is capped, at most ``max_store_share_per_uid`` of it for one uid, so engines of tiny rows
 cannot grow the daemon without bound. A new store or session past a cap is refused
 (POOL_FULL, or QUOTA_EXCEEDED for the uid's share) before anything is allocated, unless
 engines kept for their cached blocks yield: the longest kept first, only as many as
-needed, the uid's own first for its share, in the same step as the store is made; an
-engine with a rank never yields."""
+needed, the uid's own first for its share, once the new store is made (an attach refused
+releases nothing); an engine with a rank never yields."""
+
+import gc
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -16,23 +19,24 @@ from sparsekv.client import Client, PoolFull, QuotaExceeded
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.config import Config
 from sparsekv.daemon.engine import Owner
-from sparsekv.daemon.pool import HostPool
+from sparsekv.daemon.blocks.store import BlockStore
+from sparsekv.daemon.pool import HostPool, PoolError
 from sparsekv.daemon.registry import EngineRegistry
-from sparsekv.daemon.store_room import SESSION_BYTES_PER_BLOCK, STORE_BYTES_PER_BLOCK, StoreRoom
+from sparsekv.daemon.store_room import SESSION_BYTES_PER_BLOCK, StoreRoom
 from sparsekv.proto import ErrorCode, ProtocolError
 
 MiB = 1 << 20
 LAY = helpers.layout(host_rows=4096)  # one 2 MiB range each
 BS = 4
 BLOCKS = LAY.host_rows // BS  # 1024 blocks a store
-STORE = BLOCKS * STORE_BYTES_PER_BLOCK  # one store's bookkeeping
+STORE = BlockStore.bookkeeping_bytes(BLOCKS)  # one store's bookkeeping, at most
 SESSION = BLOCKS * SESSION_BYTES_PER_BLOCK  # one session's pins of it
 ALICE, BOB = Owner(1000, 1000), Owner(2000, 2000)
 
 
 @pytest.fixture
-def reg(tmp_path):
-    pool = HostPool(32 * MiB, threads=1)
+def reg(request, tmp_path):
+    pool = HostPool(getattr(request, "param", 32) * MiB, threads=1)
     backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
     r = EngineRegistry(pool, backend)
     r.store_room = StoreRoom(3 * STORE, share_per_uid=1.0)
@@ -118,7 +122,8 @@ def test_one_uid_takes_at_most_its_share_and_its_own_kept_engines_yield_first(re
 def test_the_daemon_takes_the_caps_from_its_config_and_the_client_sees_the_refusals():
     assert (Config().max_store_bytes, Config().max_store_share_per_uid) == (2 << 30, 0.5)
     with helpers.serving_daemon(8 * MiB) as d:
-        d.engines.store_room = StoreRoom(STORE + STORE // 4 + SESSION + 1024, share_per_uid=1.0)  # as daemon/main.py does
+        d.engines.store_room = StoreRoom(STORE + BlockStore.bookkeeping_bytes(BLOCKS // 4) + SESSION + 1024,
+                                         share_per_uid=1.0)  # as daemon/main.py does
         with Client(d.run_dir) as a, Client(d.run_dir) as b:
             a.attach(LAY, engine="a", block_size=BS)
             with pytest.raises(PoolFull, match="max_store_bytes"):
@@ -130,3 +135,48 @@ def test_the_daemon_takes_the_caps_from_its_config_and_the_client_sees_the_refus
         d.engines.store_room = StoreRoom(4 * STORE, share_per_uid=0.25)
         with Client(d.run_dir) as c, pytest.raises(QuotaExceeded, match="block stores' bookkeeping"):
             c.attach(helpers.layout(host_rows=2 * LAY.host_rows), engine="c", block_size=BS)
+
+
+@pytest.mark.parametrize("reg", [8], indirect=True)  # an 8 MiB pool
+def test_an_attach_the_pool_refuses_makes_no_kept_engine_yield(reg):
+    """The pool has no range for the new engine even with the kept engine's (so make_room
+    releases nothing): the store cap's yield waits for the store to be made, so the kept
+    engine stays, its cached block with it."""
+    attach(reg, 1, 0, "cpu", "busy1", LAY, block_size=BS)  # [0, 2) MiB
+    keep(reg, 2, "k")  # [2, 4)
+    attach(reg, 3, 0, "cpu", "busy2", LAY, block_size=BS)  # [4, 6); [6, 8) free
+    big = helpers.layout(host_rows=9 * 4096)  # a 4 MiB range, its store 1024 blocks of 36 rows
+    assert reg.make_room(big.pool_bytes, None, big.host_rows // 36) == []
+    with pytest.raises(PoolError):
+        attach(reg, 9, 0, "cpu", "new", big, block_size=36)
+    assert "new" not in reg and "k" in reg and reg.space("k").blocks.cached_blocks == 1
+
+
+@pytest.mark.parametrize("n", [(1 << 12) + 1, 1 << 12])
+def test_a_store_takes_no_more_than_its_bookkeeping_bytes_with_its_chain_memo_full(n):
+    """The worst a session can make of a store (filled, then half its blocks looked up as
+    distinct 16-block chains, each remembered: the memo at its bound), measured with
+    tracemalloc, stays within ``bookkeeping_bytes`` (which a store of 2**k + 1 blocks, its
+    key table twice as large a block, counts too); the session's pins apart."""
+    hashes = np.random.default_rng(n).integers(1, 2**62, size=(n, 2), dtype=np.int64)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        store = BlockStore(n, lambda b: None)
+        store.open(1, 1000)
+        blocks = store.alloc(1, n)
+        store.commit(1, blocks, hashes)
+        store.release(1, blocks)
+        for start in range(n - 16):
+            if store.chains.ids >= store.chains.max_ids(n) - 16:
+                break
+            store.release(1, store.lookup(1, hashes[start:start + 16]))
+        del store._pinned[1]
+        gc.collect()
+        taken = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert store.chains.ids >= store.chains.max_ids(n) - 16  # the memo full
+    assert taken <= BlockStore.bookkeeping_bytes(n), (taken / n, BlockStore.bookkeeping_bytes(n) / n)
+    assert taken >= 0.6 * BlockStore.bookkeeping_bytes(n)  # and the figure not far above it
