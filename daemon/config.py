@@ -102,7 +102,7 @@ class Config:
                                  "block once for each session pinning it), over every engine's store (DESIGN §9); "
                                  "0: no quota", bounds=(0, 2**40))
     max_store_bytes: int = _s(2 << 30, "daemon memory the block stores' bookkeeping may take, with a unit: "
-                              "200 to 900 B a block of every store (its arrays, key table and chain memo) and 8 B a block "
+                              "8 KiB and 170 to 900 B a block of every store (its arrays, key table and chain memo) and 8 B a block "
                               "for each session using one, "
                               "whatever the rows' size; a new store or session beyond it is POOL_FULL unless "
                               "engines kept for their cached blocks yield; 0B: no cap", kind="size",

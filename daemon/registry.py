@@ -25,7 +25,7 @@ from .blocks.store import BlockStore
 from .engine import EngineSpace, Owner, RankState
 from .pool import HostPool
 from .residency.base import ResidencyError, rank_bytes
-from .store_room import SESSION_BYTES_PER_BLOCK, StoreRoom
+from .store_room import StoreRoom, session_bytes
 from .tp import TpGroup, TpLedger
 
 log = logging.getLogger("sparsekv.registry")
@@ -129,9 +129,8 @@ class EngineRegistry:
             check_new_owner(engine_name, owner, owner_uid)
             nbytes = range_bytes(layout, block_size, index_bytes)
             self._check_quota(owner, nbytes)
-            # Engines kept for their cached blocks may yield for its store (see make_room),
-            # once it is made: an attach refused releases nothing.
-            yielding = self._store_yielding(layout.host_rows // block_size, owner) if block_size else []
+            if block_size:  # checked here; engines kept for their cached blocks yield at the commit
+                self._store_yielding(layout.host_rows // block_size, owner)
             offset = self.pool.allocate(nbytes)
             try:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
@@ -146,8 +145,6 @@ class EngineRegistry:
                 self.pool.release(offset, zero=False)  # nothing was written to it
                 raise
             self._engines[engine_name] = space
-            for kept in yielding:
-                self._release_if_unused(kept, keep_cached=False)
         elif not _may_join(space.owner, owner, privileged, owner_uid):  # the same answer whatever the layout
             raise ProtocolError(ErrorCode.PERMISSION_DENIED, _join_refusal(engine_name, space.owner, owner, privileged,
                                                                            owner_uid))
@@ -264,7 +261,7 @@ class EngineRegistry:
         yield; QUOTA_EXCEEDED or POOL_FULL when they would not do)."""
         store = space.blocks
         if not store.is_open(session):
-            need = store.n_blocks * SESSION_BYTES_PER_BLOCK
+            need = session_bytes(store.n_blocks)
             for kept in self.store_room.yielding(need, uid, list(self._engines.values()),
                                                  [sp for sp in self._kept() if sp is not space],
                                                  f"a session's pins of the {store.n_blocks} blocks of {space.name!r}"):
@@ -280,7 +277,13 @@ class EngineRegistry:
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
 
     def commit(self, p: PendingAttach) -> tuple[RankState, dict]:
-        """The last step of an attach (owner's thread): the rank joins its engine."""
+        """The last step of an attach (owner's thread): the rank joins its engine. A new
+        engine's store is checked against ``max_store_bytes`` again (others may have come
+        since), and the engines kept for their cached blocks that it needs yield now, so
+        that an attach refused at any step before releases none."""
+        yielding = []
+        if p.created and p.space.blocks is not None:
+            yielding = self._store_yielding(p.space.blocks.n_blocks, p.space.owner, [p.space])
         if p.state is None:  # the backend makes it here (new_rank_on_loop)
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
         p.space.ranks[p.client_id] = p.state
@@ -290,6 +293,8 @@ class EngineRegistry:
             p.space.tp.join(p.rank, p.state)
         p.space.idle_since = None
         self._settle(p)
+        for kept in yielding:
+            self._release_if_unused(kept, keep_cached=False)
         return p.state, p.handles
 
     def abort(self, p: PendingAttach) -> None:
@@ -345,8 +350,8 @@ class EngineRegistry:
           needs. When releasing all of them would not, nothing at all is released (the
           attach is then POOL_FULL, or QUOTA_EXCEEDED, every kept engine intact);
         * ``max_store_bytes`` (the new store's bookkeeping): checked here, so that nothing
-          is released for an attach it refuses; the kept engines it needs yield in
-          :meth:`begin_attach`, once the store is made (a refused attach releases nothing).
+          is released for an attach it refuses; the kept engines it needs yield at
+          :meth:`commit` (an attach refused before releases none).
 
         Idle namespaces yield to engines that come to work. Returns the names released. A
         range larger than the whole pool is POOL_FULL at once, nothing released."""

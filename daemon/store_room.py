@@ -1,9 +1,9 @@
 """The daemon's own memory that block stores take, and its caps (DESIGN §9).
 
 A store's bookkeeping (``blocks/store.py``: its arrays, its key table, its chain memo)
-costs the daemon ``BlockStore.bookkeeping_bytes`` at most (about 200 to 900 B a block,
-the most for small stores), and each session that uses the store
-``SESSION_BYTES_PER_BLOCK`` a block (its pins of each block), whatever the rows' size: an
+costs the daemon ``BlockStore.bookkeeping_bytes`` at most (8 KiB and 170 to 900 B a
+block, the most for small stores), and each session that uses the store
+``session_bytes`` (2 KiB and 8 B a block: its pins of each block), whatever the rows' size: an
 engine of one-byte rows has as many blocks per pool byte as its block size allows. So the
 pool's room does not bound it, and ``max_store_bytes`` does: the stores of every engine
 and their sessions together, at most ``max_store_share_per_uid`` of it for one uid (a
@@ -26,6 +26,12 @@ from sparsekv.proto.settings import format_size
 from .blocks.store import BlockStore
 
 SESSION_BYTES_PER_BLOCK = 8  # a session's pin count of each block (int64)
+SESSION_FIXED_BYTES = 2 << 10  # its entries in the store's dicts, its tokens (at most CHAIN_GRANTS)
+
+
+def session_bytes(n_blocks: int) -> int:
+    """What a session using a store of ``n_blocks`` blocks takes of the daemon's memory."""
+    return SESSION_FIXED_BYTES + n_blocks * SESSION_BYTES_PER_BLOCK
 
 
 class StoreRoom:
@@ -50,7 +56,7 @@ class StoreRoom:
             return 0
         mine = uid is None or (space.owner is not None and space.owner.uid == uid)
         return ((BlockStore.bookkeeping_bytes(store.n_blocks) if mine else 0)
-                + store.n_blocks * SESSION_BYTES_PER_BLOCK * store.sessions_of(uid))
+                + session_bytes(store.n_blocks) * store.sessions_of(uid))
 
     def held(self, spaces: Iterable, uid: int | None = None) -> int:
         """Bytes the stores of ``spaces`` take (of ``uid`` only, when given)."""
@@ -90,7 +96,7 @@ class StoreRoom:
             held = self.held(spaces)
             raise ProtocolError(ErrorCode.POOL_FULL, f"{what} would bring the block stores' bookkeeping to "
                                 f"{format_size(held + need)} of the daemon's memory (max_store_bytes "
-                                f"{format_size(self.cap_bytes)}; 200 to 900 B a block, and {SESSION_BYTES_PER_BLOCK}"
+                                f"{format_size(self.cap_bytes)}; 170 to 900 B a block, and {SESSION_BYTES_PER_BLOCK}"
                                 " B a block for each session using a store, whatever the rows' size): use larger "
                                 "blocks, or release engines")
         return chosen

@@ -196,6 +196,8 @@ class ChainMemo:
             self._forget(key)
         if _memo_cost(arr.size) > self._ids_max:  # (it would push every other chain out, then itself)
             return None
+        if arr.base is not None:  # a view of a lookup's answer for every key it named: keep only these
+            arr = arr.copy()
         ids = arr.astype(np.int32)
         ids.flags.writeable = False
         memo = Memo(arr, run, hashes.tobytes(), self._epoch, next(_TOKENS), key, ids)

@@ -33,6 +33,7 @@ from .index import KeyIndex
 FREE, CACHED = -1, -2  # ``state`` of a block that is not private (else: the owning session)
 # The store's arrays of a block: state, pins, stamp, _mark, _arange, key_lo, key_hi (int64), _arange32
 ARRAY_BYTES_PER_BLOCK = 7 * 8 + 4
+STORE_FIXED_BYTES = 8 << 10  # its objects whatever its size (4.5 KiB measured for a store of one block)
 
 
 @dataclass(slots=True)
@@ -105,9 +106,10 @@ class BlockStore:
     @staticmethod
     def bookkeeping_bytes(n_blocks: int) -> int:
         """The most of the daemon's memory a store of ``n_blocks`` blocks takes, its
-        sessions' pins apart (8 B a block each): its arrays, its key table, its chain memo
-        full (``store_room.py`` counts it)."""
-        return n_blocks * ARRAY_BYTES_PER_BLOCK + KeyIndex.table_bytes(n_blocks) + ChainMemo.max_bytes(n_blocks)
+        sessions apart (``store_room.py``): its objects, its arrays, its key table, its
+        chain memo full."""
+        return (STORE_FIXED_BYTES + n_blocks * ARRAY_BYTES_PER_BLOCK + KeyIndex.table_bytes(n_blocks)
+                + ChainMemo.max_bytes(n_blocks))
 
     # -- what the store has ------------------------------------------------------------
     @property

@@ -4,8 +4,8 @@ the rows' size; measured here against what a store really takes) is capped, at m
 cannot grow the daemon without bound. A new store or session past a cap is refused
 (POOL_FULL, or QUOTA_EXCEEDED for the uid's share) before anything is allocated, unless
 engines kept for their cached blocks yield: the longest kept first, only as many as
-needed, the uid's own first for its share, once the new store is made (an attach refused
-releases nothing); an engine with a rank never yields."""
+needed, the uid's own first for its share, once the attach commits (an attach refused at
+any step before releases none); an engine with a rank never yields."""
 
 import gc
 import tracemalloc
@@ -21,16 +21,17 @@ from sparsekv.daemon.config import Config
 from sparsekv.daemon.engine import Owner
 from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.daemon.pool import HostPool, PoolError
+from sparsekv.daemon.residency.base import ResidencyError
 from sparsekv.daemon.registry import EngineRegistry
-from sparsekv.daemon.store_room import SESSION_BYTES_PER_BLOCK, StoreRoom
-from sparsekv.proto import ErrorCode, ProtocolError
+from sparsekv.daemon.store_room import StoreRoom, session_bytes
+from sparsekv.proto import LIMITS, ErrorCode, ProtocolError
 
 MiB = 1 << 20
 LAY = helpers.layout(host_rows=4096)  # one 2 MiB range each
 BS = 4
 BLOCKS = LAY.host_rows // BS  # 1024 blocks a store
 STORE = BlockStore.bookkeeping_bytes(BLOCKS)  # one store's bookkeeping, at most
-SESSION = BLOCKS * SESSION_BYTES_PER_BLOCK  # one session's pins of it
+SESSION = session_bytes(BLOCKS)  # one session using it
 ALICE, BOB = Owner(1000, 1000), Owner(2000, 2000)
 
 
@@ -150,6 +151,81 @@ def test_an_attach_the_pool_refuses_makes_no_kept_engine_yield(reg):
     with pytest.raises(PoolError):
         attach(reg, 9, 0, "cpu", "new", big, block_size=36)
     assert "new" not in reg and "k" in reg and reg.space("k").blocks.cached_blocks == 1
+
+
+def test_an_attach_the_backend_refuses_after_its_store_is_made_makes_no_kept_engine_yield(reg, monkeypatch):
+    """The rank refused by the backend (a bad engine slab, say) after ``begin_attach`` made
+    the new store: the attach aborted, the kept engine its store needed stays."""
+    reg.store_room = StoreRoom(2 * STORE, share_per_uid=1.0)
+    keep(reg, 1, "k")
+    attach(reg, 2, 0, "cpu", "busy", LAY, block_size=BS)
+
+    def refuse(*a, **k):
+        raise ResidencyError("BAD_ARGUMENT", "the engine's slab memfd has 0 bytes")
+    monkeypatch.setattr(reg.backend, "new_rank", refuse)
+    p = reg.begin_attach(9, 0, "cpu", "new", LAY, block_size=BS)
+    with pytest.raises(ResidencyError):
+        try:
+            reg.prepare(p)
+        finally:
+            reg.abort(p)
+    assert "new" not in reg and "k" in reg and reg.space("k").blocks.cached_blocks == 1
+    monkeypatch.undo()
+    attach(reg, 9, 0, "cpu", "new", LAY, block_size=BS)  # committed: now k yields
+    assert "k" not in reg
+
+
+def _taken(n: int, fill) -> tuple[int, BlockStore]:
+    """The memory a store of ``n`` blocks takes (tracemalloc) after ``fill(store, hashes)``,
+    with its one session open, whose pins are counted apart."""
+    hashes = np.random.default_rng(n).integers(1, 2**62, size=(n, 2), dtype=np.int64)
+    warm = BlockStore(64, lambda b: None)  # (what a first commit and lookup import, outside the count)
+    warm.open(1, 1000)
+    fill(warm, np.random.default_rng(0).integers(1, 2**62, size=(64, 2), dtype=np.int64))
+    del warm
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        store = BlockStore(n, lambda b: None)
+        store.open(1, 1000)
+        fill(store, hashes)
+        del store._pinned[1]
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - base, store
+    finally:
+        tracemalloc.stop()
+
+
+def _cache_all(store, hashes):
+    blocks = store.alloc(1, len(hashes))
+    store.commit(1, blocks, hashes)
+    store.release(1, blocks)
+
+
+def test_a_tiny_store_takes_no_more_than_its_bookkeeping_bytes():
+    taken, _ = _taken(1, _cache_all)
+    assert taken <= BlockStore.bookkeeping_bytes(1), taken
+
+
+def test_a_chain_found_in_part_is_remembered_without_the_lookups_whole_answer():
+    """A lookup of many keys whose first only is cached, once for each cached block: each
+    remembered chain keeps its own blocks, not the lookup's answer for every key it named
+    (a view of it had kept 8 B a key named: 32 KiB a chain here, 512 KiB at the wire's
+    limit of keys)."""
+    junk = np.random.default_rng(5).integers(1, 2**62, size=(4095, 2), dtype=np.int64)
+    assert junk.shape[0] < LIMITS.max_blocks
+
+    def fill(store, hashes):
+        _cache_all(store, hashes)
+        req = np.concatenate([hashes[:1], junk])
+        for i in range(min(len(hashes), 64)):
+            req[0] = hashes[i]
+            store.release(1, store.lookup(1, req))
+    taken, store = _taken(256, fill)
+    assert len(store.chains) >= 60  # remembered: the case this is about
+    assert all(m.blocks.base is None for m in store.chains._chains.values())
+    assert taken <= BlockStore.bookkeeping_bytes(256), (taken, BlockStore.bookkeeping_bytes(256))
 
 
 @pytest.mark.parametrize("n", [(1 << 12) + 1, 1 << 12])
