@@ -233,26 +233,14 @@ def test_a_store_takes_no_more_than_its_bookkeeping_bytes_with_its_chain_memo_fu
     """The worst a session can make of a store (filled, then half its blocks looked up as
     distinct 16-block chains, each remembered: the memo at its bound), measured with
     tracemalloc, stays within ``bookkeeping_bytes`` (which a store of 2**k + 1 blocks, its
-    key table twice as large a block, counts too); the session's pins apart."""
-    hashes = np.random.default_rng(n).integers(1, 2**62, size=(n, 2), dtype=np.int64)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        store = BlockStore(n, lambda b: None)
-        store.open(1, 1000)
-        blocks = store.alloc(1, n)
-        store.commit(1, blocks, hashes)
-        store.release(1, blocks)
-        for start in range(n - 16):
-            if store.chains.ids >= store.chains.max_ids(n) - 16:
+    key table twice as large a block, counts too)."""
+    def fill(store, hashes):
+        _cache_all(store, hashes)
+        for start in range(len(hashes) - 16):
+            if store.chains.ids >= store.chains.max_ids(len(hashes)) - 16:
                 break
             store.release(1, store.lookup(1, hashes[start:start + 16]))
-        del store._pinned[1]
-        gc.collect()
-        taken = tracemalloc.get_traced_memory()[0] - base
-    finally:
-        tracemalloc.stop()
+    taken, store = _taken(n, fill)
     assert store.chains.ids >= store.chains.max_ids(n) - 16  # the memo full
     assert taken <= BlockStore.bookkeeping_bytes(n), (taken / n, BlockStore.bookkeeping_bytes(n) / n)
     assert taken >= 0.6 * BlockStore.bookkeeping_bytes(n)  # and the figure not far above it
