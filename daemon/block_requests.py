@@ -185,11 +185,17 @@ def lookup_reply(found: Found | None, chain: int | None) -> tuple[dict, dict | N
     if found is None:
         return {"resend": True}, None
     fields = {} if found.token is None else {"chain": found.token}
+    # A view is copied: the reply may wait in the outbox, which counts the bytes it sends,
+    # and a view would keep its whole base (a remembered chain's ids) alive with it.
     if chain is None:
-        return fields, {"blocks": found.blocks}
+        return fields, {"blocks": _own(found.blocks)}
     fields["head"] = found.head
     rest = found.blocks[found.head:]
-    return fields, ({"blocks": rest} if rest.size else None)  # (none after the chain named: one frame)
+    return fields, ({"blocks": _own(rest)} if rest.size else None)  # (none after the chain named: one frame)
+
+
+def _own(a: np.ndarray) -> np.ndarray:
+    return a if a.base is None else a.copy()
 
 
 def _dst(h: dict) -> dict:

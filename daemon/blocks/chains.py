@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -75,11 +76,13 @@ class ChainMemo:
         n_blocks: the store's blocks (the bound on ids is kept in proportion).
         still_cached: ``(at, hashes) -> bool``, whether the store's blocks ``at`` (a slice
             or an index array) are each still cached under the key of ``hashes`` (int64
-            [n, 2]); asked only after an eviction (:meth:`evicted`).
+            [n, 2]); asked only after an eviction (:meth:`evicted`). A bound method, kept
+            weakly: the store that owns the memo is freed as soon as nothing else holds it,
+            not at the next collection of reference cycles.
     """
 
     def __init__(self, n_blocks: int, still_cached: Callable[[object, np.ndarray], bool]):
-        self._still_cached = still_cached
+        self._still_cached = weakref.WeakMethod(still_cached)
         self._chains: collections.OrderedDict[tuple[int, int], Memo] = collections.OrderedDict()
         self._by_token: dict[int, Memo] = {}
         self._grants: dict[int, collections.OrderedDict[int, None]] = {}  # session -> its tokens, latest last
@@ -169,7 +172,7 @@ class ChainMemo:
         epochs when nothing was evicted since it was last checked); a memo found stale is
         forgotten. Marks it the most recently used."""
         if memo.epoch != self._epoch:
-            if not self._still_cached(memo.run if memo.run is not None else memo.blocks, memo.hashes()):
+            if not self._still_cached()(memo.run if memo.run is not None else memo.blocks, memo.hashes()):
                 self._forget(memo.key)
                 return False
             memo.epoch = self._epoch

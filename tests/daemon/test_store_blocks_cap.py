@@ -9,6 +9,7 @@ any step before releases none); an engine with a rank never yields."""
 
 import gc
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import helpers
 from helpers import registry_attach as attach
 from sparsekv.client import Client, PoolFull, QuotaExceeded
 from sparsekv.daemon.backends import CpuBackend
+from sparsekv.daemon.block_requests import lookup_reply
 from sparsekv.daemon.config import Config
 from sparsekv.daemon.engine import Owner
 from sparsekv.daemon.blocks.store import BlockStore
@@ -244,3 +246,42 @@ def test_a_store_takes_no_more_than_its_bookkeeping_bytes_with_its_chain_memo_fu
     assert store.chains.ids >= store.chains.max_ids(n) - 16  # the memo full
     assert taken <= BlockStore.bookkeeping_bytes(n), (taken / n, BlockStore.bookkeeping_bytes(n) / n)
     assert taken >= 0.6 * BlockStore.bookkeeping_bytes(n)  # and the figure not far above it
+
+
+def test_a_released_engines_store_is_freed_at_once_not_at_the_next_cycle_collection(reg):
+    """The caps count the stores that exist: a released engine's store (its arrays, key
+    table, chain memo, sessions' pins) must go with it, without waiting for Python's cycle
+    collector (the memo had held the store through a bound method: an engine attached,
+    used and detached again and again kept its dead stores until a full collection)."""
+    gc.collect()
+    gc.disable()
+    try:
+        attach(reg, 1, 0, "cpu", "e", LAY, block_size=BS)
+        reg.open_store(reg.space("e"), 1, 0)
+        store = weakref.ref(reg.space("e").blocks)
+        store().reserve(1, 1)
+        reg.detach(1, "e")  # nothing cached: released
+        assert "e" not in reg
+        assert store() is None
+    finally:
+        gc.enable()
+
+
+def test_a_lookup_reply_owns_its_blocks():
+    """A lookup that names a remembered chain answers the blocks after it, which are a
+    slice of the new chain's own ids: the reply carries a copy, so a reply waiting in the
+    outbox (which counts the bytes it sends) keeps no more than those alive."""
+    n = 4096
+    hashes = np.random.default_rng(3).integers(1, 2**62, size=(n, 2), dtype=np.int64)
+    store = BlockStore(n, lambda b: None)
+    store.open(1, 1000)
+    _cache_all(store, hashes)
+    first = store.find(1, hashes[:3000])
+    store.release(1, first.blocks.copy())
+    found = store.find(1, hashes[3000:4000], first.token)
+    assert found is not None and found.head == 3000
+    fields, arrays = lookup_reply(found, first.token)
+    assert fields["head"] == 3000 and arrays["blocks"].tolist() == found.blocks[3000:].tolist()
+    assert arrays["blocks"].base is None
+    fields, arrays = lookup_reply(found, None)
+    assert arrays["blocks"].base is None or arrays["blocks"].base.nbytes == arrays["blocks"].nbytes
