@@ -102,13 +102,13 @@ class Config:
                                  "block once for each session pinning it), over every engine's store (DESIGN §9); "
                                  "0: no quota", bounds=(0, 2**40))
     max_store_bytes: int = _s(2 << 30, "daemon memory the block stores' bookkeeping may take, with a unit: "
-                              "8 KiB and 170 to 900 B a block of every store (its arrays, key table and chain memo) and 8 B a block "
-                              "for each session using one, "
-                              "whatever the rows' size; a new store or session beyond it is POOL_FULL unless "
-                              "engines kept for their cached blocks yield; 0B: no cap", kind="size",
+                              "8 KiB and about 200 B to 1.1 KiB a block of every store (its arrays, key table and "
+                              "chain memo) and 8 B a block for each rank attached to one, whatever the rows' size; "
+                              "an ATTACH beyond it is POOL_FULL unless engines kept for their cached blocks yield; "
+                              "0B: no cap", kind="size",
                               bounds=(0, None))
     max_store_share_per_uid: float = _s(0.5, "share of max_store_bytes one uid's stores (its engines') and "
-                                        "sessions may take (QUOTA_EXCEEDED beyond it)", bounds=(0.01, 1),
+                                        "ranks may take (QUOTA_EXCEEDED beyond it)", bounds=(0.01, 1),
                                         metavar="F")
     max_slab_share_per_uid: float = _s(0.5, "share of this host's memory that the ranks one uid's clients attached "
                                        "may take together (each bounded by max_slab_bytes: hot slab, staging, "

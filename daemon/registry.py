@@ -44,6 +44,7 @@ class PendingAttach:
     handles: dict | None = None
     settled: bool = False  # committed or aborted
     uid: int | None = None  # whose ranks' memory the rank counts in (its client's uid)
+    client_uid: int | None = None  # its client's uid (its use of a block store counts against it)
     rank_bytes: int = 0  # the memory the rank takes (residency.base.rank_bytes, an engine slab left out)
 
     @property
@@ -130,7 +131,7 @@ class EngineRegistry:
             nbytes = range_bytes(layout, block_size, index_bytes)
             self._check_quota(owner, nbytes)
             if block_size:  # checked here; engines kept for their cached blocks yield at the commit
-                self._store_yielding(layout.host_rows // block_size, owner)
+                self._store_yielding(layout.host_rows // block_size, owner.uid if owner else None)
             offset = self.pool.allocate(nbytes)
             try:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
@@ -160,6 +161,8 @@ class EngineRegistry:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} has "
                                 f"{f'indexer keys of {have} bytes' if have else 'no indexer keys plane'} (a position "
                                 f"and layer), this rank asked for {index_bytes or 'none'}")
+        if not created and space.blocks is not None:  # this rank's use of the store (checked again at the commit)
+            self._store_yielding(space.blocks.n_blocks, owner.uid if owner else None, store=False)
         self._reserve_tp_rank(space, rank, tp_size, tp_max_lag, prefetch)
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
@@ -170,7 +173,7 @@ class EngineRegistry:
         if uid is not None:
             self.rank_ledger.add(uid, rank_mem)
         return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw,
-                             uid=uid, rank_bytes=rank_mem)
+                             uid=uid, rank_bytes=rank_mem, client_uid=owner.uid if owner else None)
 
     @property
     def returning_bytes(self) -> int:
@@ -246,14 +249,24 @@ class EngineRegistry:
                                 f"{held + pool_bytes} "
                                 f"(max_pool_bytes_per_uid {self.max_pool_bytes_per_uid}; its engines hold {held})")
 
-    def _store_yielding(self, blocks: int, owner: Owner | None, leaving: list[EngineSpace] = ()) -> list[EngineSpace]:
-        """The kept engines (beside ``leaving``) that must yield for a new store of
-        ``blocks`` blocks (of ``owner``) to fit ``max_store_bytes``; QUOTA_EXCEEDED or
-        POOL_FULL when all of them would not do."""
-        return self.store_room.yielding(BlockStore.bookkeeping_bytes(blocks), owner.uid if owner else None,
-                                        [sp for sp in self._engines.values() if sp not in leaving],
+    def _store_yielding(self, blocks: int, uid: int | None, leaving: list[EngineSpace] = (),
+                        store: bool = True) -> list[EngineSpace]:
+        """The kept engines (beside ``leaving``) that must yield for a rank of ``uid`` to
+        use a block store of ``blocks`` blocks (with ``store``: a new one, its bookkeeping
+        too) within ``max_store_bytes``; QUOTA_EXCEEDED or POOL_FULL when all of them
+        would not do."""
+        need = session_bytes(blocks) + (BlockStore.bookkeeping_bytes(blocks) if store else 0)
+        return self.store_room.yielding(need, uid, [sp for sp in self._engines.values() if sp not in leaving],
                                         [sp for sp in self._kept() if sp not in leaving],
-                                        f"a block store of {blocks} blocks")
+                                        f"a block store of {blocks} blocks and this rank's use of it" if store
+                                        else f"this rank's use of the block store of {blocks} blocks")
+
+    def _yield_for_store(self, kept: list[EngineSpace]) -> None:
+        for space in kept:
+            cached = space.blocks.cached_blocks
+            if self._release_if_unused(space, keep_cached=False):
+                log.info("engine %r, kept for its %d cached blocks with no rank, released to make room for "
+                         "another engine's block store (max_store_bytes)", space.name, cached)
 
     def open_store(self, space: EngineSpace, session: int, uid: int) -> None:
         """Open ``space``'s block store for ``session`` (of ``uid``), unless it is: its pins
@@ -262,10 +275,9 @@ class EngineRegistry:
         store = space.blocks
         if not store.is_open(session):
             need = session_bytes(store.n_blocks)
-            for kept in self.store_room.yielding(need, uid, list(self._engines.values()),
-                                                 [sp for sp in self._kept() if sp is not space],
-                                                 f"a session's pins of the {store.n_blocks} blocks of {space.name!r}"):
-                self._release_if_unused(kept, keep_cached=False)
+            self._yield_for_store(self.store_room.yielding(
+                need, uid, list(self._engines.values()), [sp for sp in self._kept() if sp is not space],
+                f"a session's pins of the {store.n_blocks} blocks of {space.name!r}"))
         store.open(session, uid)
 
     def prepare(self, p: PendingAttach) -> None:
@@ -281,9 +293,9 @@ class EngineRegistry:
         engine's store is checked against ``max_store_bytes`` again (others may have come
         since), and the engines kept for their cached blocks that it needs yield now, so
         that an attach refused at any step before releases none."""
-        yielding = []
-        if p.created and p.space.blocks is not None:
-            yielding = self._store_yielding(p.space.blocks.n_blocks, p.space.owner, [p.space])
+        store = p.space.blocks
+        yielding = [] if store is None else \
+            self._store_yielding(store.n_blocks, p.client_uid, [p.space] if p.created else [], store=p.created)
         if p.state is None:  # the backend makes it here (new_rank_on_loop)
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
         p.space.ranks[p.client_id] = p.state
@@ -293,8 +305,9 @@ class EngineRegistry:
             p.space.tp.join(p.rank, p.state)
         p.space.idle_since = None
         self._settle(p)
-        for kept in yielding:
-            self._release_if_unused(kept, keep_cached=False)
+        if store is not None and p.client_uid is not None:
+            store.open(p.client_id, p.client_uid)  # counted above: its block requests need no more room
+        self._yield_for_store(yielding)
         return p.state, p.handles
 
     def abort(self, p: PendingAttach) -> None:
@@ -379,7 +392,7 @@ class EngineRegistry:
                 if self.pool.fits_after(need, coming + rest):
                     chosen.remove(space)
         if blocks:
-            self._store_yielding(blocks, owner, own + chosen)  # raises when they would not do
+            self._store_yielding(blocks, owner.uid if owner else None, own + chosen)  # raises when they would not do
         out = []
         for space in own + chosen:
             cached = space.blocks.cached_blocks

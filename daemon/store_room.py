@@ -1,16 +1,17 @@
 """The daemon's own memory that block stores take, and its caps (DESIGN §9).
 
 A store's bookkeeping (``blocks/store.py``: its arrays, its key table, its chain memo)
-costs the daemon ``BlockStore.bookkeeping_bytes`` at most (8 KiB and 170 to 900 B a
-block, the most for small stores), and each session that uses the store
+costs the daemon ``BlockStore.bookkeeping_bytes`` at most (8 KiB and about 200 B to
+1.1 KiB a block, the most for small stores), and each session that uses the store
 ``session_bytes`` (2 KiB and 8 B a block: its pins of each block), whatever the rows' size: an
 engine of one-byte rows has as many blocks per pool byte as its block size allows. So the
 pool's room does not bound it, and ``max_store_bytes`` does: the stores of every engine
 and their sessions together, at most ``max_store_share_per_uid`` of it for one uid (a
 store counts against its engine's owner, a session's pins against the session's uid).
 
-Counted from what exists (the stores and their open sessions), never kept as a tally that
-could drift. Engines kept only for their cached blocks yield for a new store or session
+A rank's session opens its engine's store at its ATTACH, which counts it (the registry),
+so its block requests never need more room. Counted from what exists (the stores and
+their open sessions), never kept as a tally that could drift. Engines kept only for their cached blocks yield for a new store or session
 that would pass a cap, the longest kept first, only as many as needed (the uid's own
 first for its share); when all of them would not do, nothing yields and the request is
 refused: QUOTA_EXCEEDED for the uid's share, POOL_FULL for the daemon's cap.
@@ -82,9 +83,9 @@ class StoreRoom:
             if over > 0:
                 held = self.held(spaces, uid)
                 raise ProtocolError(ErrorCode.QUOTA_EXCEEDED, f"{what} would bring uid {uid}'s block stores' "
-                                    f"bookkeeping to {format_size(held + need)} of the daemon's memory (its share "
-                                    f"of max_store_bytes: {format_size(self.uid_cap)}; it holds {format_size(held)})"
-                                    ": use larger blocks, or fewer engines")
+                                    f"bookkeeping to {held + need} bytes of the daemon's memory, {over} over its "
+                                    f"share of max_store_bytes ({self.uid_cap}; it holds {held}): use larger "
+                                    "blocks, or fewer engines")
         over = self.held(spaces) - sum(self.cost(space) for space in chosen) + need - self.cap_bytes
         for space in kept:
             if over <= 0:
@@ -95,8 +96,8 @@ class StoreRoom:
         if over > 0:
             held = self.held(spaces)
             raise ProtocolError(ErrorCode.POOL_FULL, f"{what} would bring the block stores' bookkeeping to "
-                                f"{format_size(held + need)} of the daemon's memory (max_store_bytes "
-                                f"{format_size(self.cap_bytes)}; 170 to 900 B a block, and {SESSION_BYTES_PER_BLOCK}"
-                                " B a block for each session using a store, whatever the rows' size): use larger "
-                                "blocks, or release engines")
+                                f"{held + need} bytes of the daemon's memory, {over} over max_store_bytes "
+                                f"({format_size(self.cap_bytes)}; about 200 B to 1.1 KiB a block, and "
+                                f"{SESSION_BYTES_PER_BLOCK} B a block for each rank using a store, whatever the rows' "
+                                "size): use larger blocks, or release engines")
         return chosen

@@ -172,7 +172,8 @@ class ChainMemo:
         epochs when nothing was evicted since it was last checked); a memo found stale is
         forgotten. Marks it the most recently used."""
         if memo.epoch != self._epoch:
-            if not self._still_cached()(memo.run if memo.run is not None else memo.blocks, memo.hashes()):
+            check = self._still_cached()  # None once the store is gone: nothing of it is cached
+            if check is None or not check(memo.run if memo.run is not None else memo.blocks, memo.hashes()):
                 self._forget(memo.key)
                 return False
             memo.epoch = self._epoch

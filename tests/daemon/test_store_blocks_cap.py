@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import helpers
-from helpers import registry_attach as attach
 from sparsekv.client import Client, PoolFull, QuotaExceeded
 from sparsekv.daemon.backends import CpuBackend
 from sparsekv.daemon.block_requests import lookup_reply
@@ -33,8 +32,14 @@ LAY = helpers.layout(host_rows=4096)  # one 2 MiB range each
 BS = 4
 BLOCKS = LAY.host_rows // BS  # 1024 blocks a store
 STORE = BlockStore.bookkeeping_bytes(BLOCKS)  # one store's bookkeeping, at most
-SESSION = session_bytes(BLOCKS)  # one session using it
-ALICE, BOB = Owner(1000, 1000), Owner(2000, 2000)
+SESSION = session_bytes(BLOCKS)  # one rank using it
+ENGINE = STORE + SESSION  # what a new engine's first rank needs
+ROOT, ALICE, BOB = Owner(0, 0), Owner(1000, 1000), Owner(2000, 2000)
+
+
+def attach(reg, *args, owner=ROOT, **kw):
+    """``helpers.registry_attach`` as a client of ``owner`` (root unless given)."""
+    return helpers.registry_attach(reg, *args, owner=owner, **kw)
 
 
 @pytest.fixture
@@ -42,16 +47,16 @@ def reg(request, tmp_path):
     pool = HostPool(getattr(request, "param", 32) * MiB, threads=1)
     backend = CpuBackend(str(tmp_path), shm_dir=str(tmp_path))
     r = EngineRegistry(pool, backend)
-    r.store_room = StoreRoom(3 * STORE, share_per_uid=1.0)
+    r.store_room = StoreRoom(3 * ENGINE, share_per_uid=1.0)
     yield r
     backend.close()
     pool.close()
 
 
-def keep(reg, client: int, name: str, owner=None) -> None:
+def keep(reg, client: int, name: str, owner=ROOT) -> None:
     """Engine ``name`` with a store, kept for one cached block with no rank."""
     attach(reg, client, 0, "cpu", name, LAY, block_size=BS, owner=owner)
-    reg.open_store(reg.space(name), client, owner.uid if owner else 0)
+    assert reg.store_room.cost(reg.space(name)) == ENGINE  # its rank's session opened at the commit
     store = reg.space(name).blocks
     store.commit(client, store.alloc(client, 1), np.full((1, 2), client + 1, dtype=np.int64))
     reg.detach(client, name)
@@ -71,20 +76,22 @@ def test_a_store_past_the_cap_is_pool_full_before_anything_is_allocated(reg):
     attach(reg, 10, 0, "cpu", "d", LAY, block_size=BS)  # a's store gone: room
 
 
-def test_a_sessions_pins_count_and_a_session_past_the_cap_is_refused(reg):
-    reg.store_room = StoreRoom(2 * STORE + SESSION, share_per_uid=1.0)
+def test_each_rank_counts_its_use_of_the_store_at_its_attach(reg):
+    """A rank's session (its pins of every block) counts from its attach, which opens the
+    store for it: a rank joining past the cap is refused there, never at its first block
+    request."""
+    reg.store_room = StoreRoom(STORE + 2 * SESSION + SESSION // 2, share_per_uid=1.0)
     attach(reg, 1, 0, "cpu", "a", LAY, block_size=BS)
     attach(reg, 2, 1, "cpu", "a", LAY, block_size=BS)
-    attach(reg, 3, 0, "cpu", "b", LAY, block_size=BS)
     space = reg.space("a")
-    reg.open_store(space, 1, 0)
+    assert space.blocks.is_open(1) and space.blocks.is_open(2)
+    assert reg.store_room.held(reg._engines.values()) == STORE + 2 * SESSION
     reg.open_store(space, 1, 0)  # open already: nothing more
-    assert reg.store_room.held(reg._engines.values()) == 2 * STORE + SESSION
-    with pytest.raises(ProtocolError, match="a session's pins of the 1024 blocks of 'a'") as e:
-        reg.open_store(space, 2, 0)
-    assert e.value.code == ErrorCode.POOL_FULL and not space.blocks.is_open(2)
+    with pytest.raises(ProtocolError, match="this rank's use of the block store of 1024 blocks") as e:
+        attach(reg, 3, 2, "cpu", "a", LAY, block_size=BS)
+    assert e.value.code == ErrorCode.POOL_FULL and 3 not in space.ranks and not space.blocks.is_open(3)
     reg.detach(1, "a")  # its session closed: its pins no longer count
-    reg.open_store(space, 2, 0)
+    attach(reg, 3, 2, "cpu", "a", LAY, block_size=BS)
 
 
 def test_kept_engines_yield_longest_kept_first_and_only_as_many_as_needed(reg):
@@ -110,7 +117,7 @@ def test_when_all_kept_engines_would_not_do_nothing_is_released(reg):
 
 
 def test_one_uid_takes_at_most_its_share_and_its_own_kept_engines_yield_first(reg):
-    reg.store_room = StoreRoom(4 * STORE, share_per_uid=0.5)
+    reg.store_room = StoreRoom(4 * ENGINE, share_per_uid=0.5)
     keep(reg, 1, "bob-old", BOB)  # longest kept, but another uid's
     keep(reg, 2, "a-kept", ALICE)
     attach(reg, 3, 0, "cpu", "a-busy", LAY, block_size=BS, owner=ALICE)
@@ -125,17 +132,18 @@ def test_one_uid_takes_at_most_its_share_and_its_own_kept_engines_yield_first(re
 def test_the_daemon_takes_the_caps_from_its_config_and_the_client_sees_the_refusals():
     assert (Config().max_store_bytes, Config().max_store_share_per_uid) == (2 << 30, 0.5)
     with helpers.serving_daemon(8 * MiB) as d:
-        d.engines.store_room = StoreRoom(STORE + BlockStore.bookkeeping_bytes(BLOCKS // 4) + SESSION + 1024,
-                                         share_per_uid=1.0)  # as daemon/main.py does
-        with Client(d.run_dir) as a, Client(d.run_dir) as b:
+        small = BlockStore.bookkeeping_bytes(BLOCKS // 4) + session_bytes(BLOCKS // 4)
+        d.engines.store_room = StoreRoom(ENGINE + small + 1024, share_per_uid=1.0)  # as daemon/main.py does
+        with Client(d.run_dir) as a, Client(d.run_dir) as b, Client(d.run_dir, rank=1) as a1:
             a.attach(LAY, engine="a", block_size=BS)
             with pytest.raises(PoolFull, match="max_store_bytes"):
                 b.attach(LAY, engine="b", block_size=BS)
             b.attach(LAY, engine="b", block_size=4 * BS)  # 256 blocks: fits
-            a.blocks.reserve(1)  # a's session: its pins of a's 1024 blocks
-            with pytest.raises(PoolFull, match="a session's pins"):
-                b.blocks.reserve(1)
-        d.engines.store_room = StoreRoom(4 * STORE, share_per_uid=0.25)
+            a.blocks.reserve(1)
+            b.blocks.reserve(1)  # (their ranks' use counted at their attach)
+            with pytest.raises(PoolFull, match="this rank's use of the block store"):
+                a1.attach(LAY, engine="a", block_size=BS)
+        d.engines.store_room = StoreRoom(4 * ENGINE, share_per_uid=0.25)
         with Client(d.run_dir) as c, pytest.raises(QuotaExceeded, match="block stores' bookkeeping"):
             c.attach(helpers.layout(host_rows=2 * LAY.host_rows), engine="c", block_size=BS)
 
@@ -158,7 +166,7 @@ def test_an_attach_the_pool_refuses_makes_no_kept_engine_yield(reg):
 def test_an_attach_the_backend_refuses_after_its_store_is_made_makes_no_kept_engine_yield(reg, monkeypatch):
     """The rank refused by the backend (a bad engine slab, say) after ``begin_attach`` made
     the new store: the attach aborted, the kept engine its store needed stays."""
-    reg.store_room = StoreRoom(2 * STORE, share_per_uid=1.0)
+    reg.store_room = StoreRoom(2 * ENGINE, share_per_uid=1.0)
     keep(reg, 1, "k")
     attach(reg, 2, 0, "cpu", "busy", LAY, block_size=BS)
 
