@@ -162,7 +162,7 @@ class EngineRegistry:
                                 f"{f'indexer keys of {have} bytes' if have else 'no indexer keys plane'} (a position "
                                 f"and layer), this rank asked for {index_bytes or 'none'}")
         if not created and space.blocks is not None:  # this rank's use of the store (checked again at the commit)
-            self._store_yielding(space.blocks.n_blocks, owner.uid if owner else None, store=False)
+            self._store_yielding(space.blocks.n_blocks, owner.uid if owner else None, store=False, joining=space)
         self._reserve_tp_rank(space, rank, tp_size, tp_max_lag, prefetch)
         kw = {"transport": transport} if transport != "zmq" else {}
         if engine_slab is not None:
@@ -250,14 +250,16 @@ class EngineRegistry:
                                 f"(max_pool_bytes_per_uid {self.max_pool_bytes_per_uid}; its engines hold {held})")
 
     def _store_yielding(self, blocks: int, uid: int | None, leaving: list[EngineSpace] = (),
-                        store: bool = True) -> list[EngineSpace]:
-        """The kept engines (beside ``leaving``) that must yield for a rank of ``uid`` to
-        use a block store of ``blocks`` blocks (with ``store``: a new one, its bookkeeping
-        too) within ``max_store_bytes``; QUOTA_EXCEEDED or POOL_FULL when all of them
-        would not do."""
-        need = session_bytes(blocks) + (BlockStore.bookkeeping_bytes(blocks) if store else 0)
+                        store: bool = True, joining: EngineSpace | None = None,
+                        sessions: int = 0) -> list[EngineSpace]:
+        """The kept engines (beside ``leaving``, not counted, and ``joining``, the engine a
+        join is for) that must yield for a rank of ``uid`` to use a block store of
+        ``blocks`` blocks (with ``store``: a new one, its bookkeeping and ``sessions``
+        ranks already using it too) within ``max_store_bytes``; QUOTA_EXCEEDED or
+        POOL_FULL when all of them would not do."""
+        need = session_bytes(blocks) * (1 + sessions) + (BlockStore.bookkeeping_bytes(blocks) if store else 0)
         return self.store_room.yielding(need, uid, [sp for sp in self._engines.values() if sp not in leaving],
-                                        [sp for sp in self._kept() if sp not in leaving],
+                                        [sp for sp in self._kept() if sp not in leaving and sp is not joining],
                                         f"a block store of {blocks} blocks and this rank's use of it" if store
                                         else f"this rank's use of the block store of {blocks} blocks")
 
@@ -265,8 +267,8 @@ class EngineRegistry:
         for space in kept:
             cached = space.blocks.cached_blocks
             if self._release_if_unused(space, keep_cached=False):
-                log.info("engine %r, kept for its %d cached blocks with no rank, released to make room for "
-                         "another engine's block store (max_store_bytes)", space.name, cached)
+                log.info("engine %r, kept for its %d cached blocks with no rank, released to make room for a "
+                         "block store's bookkeeping (max_store_bytes)", space.name, cached)
 
     def open_store(self, space: EngineSpace, session: int, uid: int) -> None:
         """Open ``space``'s block store for ``session`` (of ``uid``), unless it is: its pins
@@ -295,9 +297,12 @@ class EngineRegistry:
         that an attach refused at any step before releases none."""
         store = p.space.blocks
         yielding = [] if store is None else \
-            self._store_yielding(store.n_blocks, p.client_uid, [p.space] if p.created else [], store=p.created)
+            self._store_yielding(store.n_blocks, p.client_uid, [p.space] if p.created else [], store=p.created,
+                                 joining=p.space, sessions=store.sessions_of() if p.created else 0)
         if p.state is None:  # the backend makes it here (new_rank_on_loop)
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
+        if store is not None and p.client_uid is not None:
+            store.open(p.client_id, p.client_uid)  # counted above: its block requests need no more room
         p.space.ranks[p.client_id] = p.state
         if p.uid is not None:
             self._rank_bytes[p.client_id] = (p.uid, p.rank_bytes)
@@ -305,8 +310,6 @@ class EngineRegistry:
             p.space.tp.join(p.rank, p.state)
         p.space.idle_since = None
         self._settle(p)
-        if store is not None and p.client_uid is not None:
-            store.open(p.client_id, p.client_uid)  # counted above: its block requests need no more room
         self._yield_for_store(yielding)
         return p.state, p.handles
 
@@ -316,6 +319,8 @@ class EngineRegistry:
         if p.settled:
             return
         self._give_rank_bytes(p.uid, p.rank_bytes)
+        if p.space.blocks is not None:
+            p.space.blocks.close(p.client_id)  # (opened by a commit that failed after)
         if p.state is not None:
             p.state = None
             self.backend.release_rank(p.client_id)

@@ -293,3 +293,32 @@ def test_a_lookup_reply_owns_its_blocks():
     assert arrays["blocks"].base is None
     fields, arrays = lookup_reply(found, None)
     assert arrays["blocks"].base is None or arrays["blocks"].base.nbytes == arrays["blocks"].nbytes
+
+
+def test_a_process_rejoining_its_kept_engine_past_the_cap_is_refused_before_its_rank_is_made(reg):
+    """The engine rejoined does not count as a kept engine that could yield for the join:
+    refused at begin_attach, before the backend makes anything."""
+    keep(reg, 1, "k")
+    reg.store_room = StoreRoom(STORE + SESSION // 2, share_per_uid=1.0)  # the store fits, a rank's use not
+    with pytest.raises(ProtocolError, match="this rank's use of the block store") as e:
+        reg.begin_attach(2, 0, "cpu", "k", LAY, block_size=BS, owner=ROOT)
+    assert e.value.code == ErrorCode.POOL_FULL and "k" in reg and not reg._attaching.get("k")
+
+
+def test_the_creators_commit_counts_the_ranks_that_joined_before_it(reg):
+    """(At registry level: the daemon answers a new engine's creator before its joins.) A
+    TP rank joined and committed before the creator: the creator's commit counts that
+    rank's use too, and is refused when both do not fit."""
+    reg.store_room = StoreRoom(ENGINE + SESSION // 2, share_per_uid=1.0)  # one rank's use only
+    p0 = reg.begin_attach(1, 0, "cpu", "a", LAY, block_size=BS, owner=ROOT, tp_size=2)
+    p1 = reg.begin_attach(2, 1, "cpu", "a", LAY, block_size=BS, owner=ROOT, tp_size=2)
+    reg.prepare(p1)
+    reg.commit(p1)
+    reg.prepare(p0)
+    with pytest.raises(ProtocolError, match="max_store_bytes"):
+        try:
+            reg.commit(p0)
+        finally:
+            reg.abort(p0)
+    assert not reg.space("a").blocks.is_open(1)
+    assert reg.store_room.held(reg._engines.values()) <= reg.store_room.cap_bytes
