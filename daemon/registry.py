@@ -276,10 +276,7 @@ class EngineRegistry:
         yield; QUOTA_EXCEEDED or POOL_FULL when they would not do)."""
         store = space.blocks
         if not store.is_open(session):
-            need = session_bytes(store.n_blocks)
-            self._yield_for_store(self.store_room.yielding(
-                need, uid, list(self._engines.values()), [sp for sp in self._kept() if sp is not space],
-                f"a session's pins of the {store.n_blocks} blocks of {space.name!r}"))
+            self._yield_for_store(self._store_yielding(store.n_blocks, uid, store=False, joining=space))
         store.open(session, uid)
 
     def prepare(self, p: PendingAttach) -> None:

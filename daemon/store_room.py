@@ -3,18 +3,19 @@
 A store's bookkeeping (``blocks/store.py``: its arrays, its key table, its chain memo)
 costs the daemon ``BlockStore.bookkeeping_bytes`` at most (8 KiB and about 200 B to
 1.1 KiB a block, the most for small stores), and each session that uses the store
-``session_bytes`` (2 KiB and 8 B a block: its pins of each block), whatever the rows' size: an
-engine of one-byte rows has as many blocks per pool byte as its block size allows. So the
+``session_bytes`` (2 KiB and 8 B a block: its pins of each block), whatever the rows'
+size: an engine of one-byte rows has as many blocks per pool byte as its block size allows. So the
 pool's room does not bound it, and ``max_store_bytes`` does: the stores of every engine
 and their sessions together, at most ``max_store_share_per_uid`` of it for one uid (a
 store counts against its engine's owner, a session's pins against the session's uid).
 
 A rank's session opens its engine's store at its ATTACH, which counts it (the registry),
 so its block requests never need more room. Counted from what exists (the stores and
-their open sessions), never kept as a tally that could drift. Engines kept only for their cached blocks yield for a new store or session
-that would pass a cap, the longest kept first, only as many as needed (the uid's own
-first for its share); when all of them would not do, nothing yields and the request is
-refused: QUOTA_EXCEEDED for the uid's share, POOL_FULL for the daemon's cap.
+their open sessions), never kept as a tally that could drift. Engines kept only for
+their cached blocks yield for a new store or session that would pass a cap, the longest
+kept first, only as many as needed (the uid's own first for its share); when all of them
+would not do, nothing yields and the request is refused: QUOTA_EXCEEDED for the uid's
+share, POOL_FULL for the daemon's cap.
 """
 
 from __future__ import annotations

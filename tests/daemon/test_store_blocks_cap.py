@@ -1,7 +1,8 @@
 """``max_store_bytes``: the daemon memory the block stores' bookkeeping takes (at most
 ``BlockStore.bookkeeping_bytes`` a store, 8 B a block for each session using one, whatever
-the rows' size; measured here against what a store really takes) is capped, at most ``max_store_share_per_uid`` of it for one uid, so engines of tiny rows
-cannot grow the daemon without bound. A new store or session past a cap is refused
+the rows' size; measured here against what a store really takes) is capped, at most
+``max_store_share_per_uid`` of it for one uid, so engines of tiny rows cannot grow the
+daemon without bound. A new store or session past a cap is refused
 (POOL_FULL, or QUOTA_EXCEEDED for the uid's share) before anything is allocated, unless
 engines kept for their cached blocks yield: the longest kept first, only as many as
 needed, the uid's own first for its share, once the attach commits (an attach refused at
