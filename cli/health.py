@@ -16,10 +16,11 @@ import socket
 import time
 from dataclasses import dataclass
 
+from sparsekv.proto.run_dir import LOCK_FILE, lock_holder
+
 READY, NOT_READY, UNREACHABLE = 0, 1, 2
 
 STATS_SOCKET = "stats.sock"
-LOCK_FILE = "sparsekvd.lock"  # daemon/main.py RunDirLock: flock held for the daemon's life, holds its pid
 
 
 class StatsSocketError(Exception):
@@ -115,58 +116,6 @@ def _access_hint(path: str) -> str:
     except (OSError, KeyError):
         return "run as the daemon's user or a member of its group"
     return f"the socket is mode {st.st_mode & 0o777:04o}, group {group}; run as a member of group {group}"
-
-
-def lock_holder(run_dir: str) -> int | None:
-    """The pid of the process holding RUN_DIR/sparsekvd.lock (0 when it holds it but the
-    pid cannot be read), or None when nobody holds it."""
-    path = os.path.join(run_dir, LOCK_FILE)
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    try:
-        with open(path) as fh:
-            text = fh.read(32).strip()
-    except OSError:
-        text = ""
-    pid = int(text) if text.isdigit() else None
-    held = _flock_held(st)
-    if held is None:  # no /proc/locks: believe the pid in the file if it is alive
-        held = pid is not None and _pid_alive(pid)
-    return (pid or 0) if held else None
-
-
-def _flock_held(st: os.stat_result) -> bool | None:
-    """Whether /proc/locks lists a flock on the file ``st`` describes (None: cannot tell).
-    Lines look like ``1: FLOCK  ADVISORY  WRITE 1234 fe:00:2247208 0 EOF``."""
-    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    try:
-        with open("/proc/locks") as fh:
-            lines = fh.readlines()
-    except OSError:
-        return None
-    for line in lines:
-        f = line.split()
-        if len(f) < 6 or f[1] != "FLOCK":  # waiters: "->" there
-            continue
-        try:
-            major, minor, ino = f[5].split(":")
-            if (int(major, 16), int(minor, 16), int(ino)) == want:
-                return True
-        except ValueError:
-            continue
-    return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, belongs to someone else
-    return True
 
 
 @dataclass(frozen=True)

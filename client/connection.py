@@ -17,6 +17,7 @@ import time
 import psutil
 
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError, decode, encode
+from sparsekv.proto.run_dir import lock_holder
 
 from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
 from .wire import Wire, WireClosed, connect_unix
@@ -322,6 +323,10 @@ def open_wire(path: str, run_dir: str, timeout_s: float) -> tuple[Wire, int, tup
         if os.path.exists(path + BUSY_SUFFIX):
             raise DaemonUnavailable(f"sparsekvd at {run_dir} refuses new connections for now: it is short of file "
                                     "descriptors (too many open connections; see its log); retry later") from None
+        pid = lock_holder(run_dir)
+        if pid is not None:
+            raise DaemonUnavailable(f"sparsekvd (pid {pid or '?'}) at {run_dir} is starting: it does not serve yet "
+                                    "(pre-faulting its pool or starting its backend); retry shortly") from None
         raise DaemonUnavailable(f"no daemon socket at {path}; is sparsekvd running with --run-dir {run_dir}?") from None
     except PermissionError:
         raise DaemonUnavailable(f"permission denied on {run_dir}: this user may not enter sparsekvd's run dir "

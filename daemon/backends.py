@@ -180,7 +180,7 @@ def make_backend(cfg, pool, pool_region=None):
     ``pool_region``: the pool's :class:`~sparsekv.daemon.pinned.PinnedRegion` when it was
     page-locked at start (cuda; the caller keeps and closes it)."""
     if cfg.backend in ("auto", "cuda"):
-        probe = _cuda_probe()
+        probe = cuda_probe()
         if probe[0] is None:
             return CudaBackend(cfg, pool, pool_region)
         why = backend_unusable(cfg.backend, probe)
@@ -190,32 +190,34 @@ def make_backend(cfg, pool, pool_region=None):
     return CpuBackend(cfg.run_dir, cfg.shm_dir)
 
 
-def backend_unusable(backend: str, probe: tuple[str | None, bool] | None = None) -> str | None:
+def backend_unusable(backend: str, probe: tuple[str | None, bool] | None = None, source: str = "") -> str | None:
     """Why the backend ``backend`` names cannot serve on this machine, or None: ``cuda``
     without a GPU CuPy can use, or ``auto`` on a machine whose NVIDIA GPU the cuda backend
     cannot use (``auto`` on a machine with no NVIDIA GPU serves from the cpu backend).
-    ``probe``: ``_cuda_probe()``'s answer when the caller has it."""
+    ``probe``: ``cuda_probe()``'s answer when the caller has it; ``source``: where the
+    setting came from (default, file, env, flag), named in the message."""
     if backend not in ("auto", "cuda"):
         return None
-    reason, missing = probe if probe is not None else _cuda_probe()
+    reason, missing = probe if probe is not None else cuda_probe()
     if reason is None:
         return None
     fix = "install the cuda extra: pip install 'sparsekv[cuda]'" if missing else "check the driver and CUDA_VISIBLE_DEVICES"
+    where = f"backend {backend}" + (f" ({source})" if source else "")
     if backend == "cuda":
-        return f"--backend cuda: {reason}; {fix}"
+        return f"{where}: {reason}; {fix}"
     gpu = gpu_present()
     if gpu is not None:
-        return (f"backend auto: this machine has an NVIDIA GPU ({gpu}) but the cuda backend cannot use it ({reason}); "
+        return (f"{where}: this machine has an NVIDIA GPU ({gpu}) but the cuda backend cannot use it ({reason}); "
                 f"{fix}, or set backend = \"cpu\" to serve from the cpu backend on purpose")
     return None
 
 
 def cuda_unavailable() -> str | None:
     """None when CuPy sees a GPU, else why not."""
-    return _cuda_probe()[0]
+    return cuda_probe()[0]
 
 
-def _cuda_probe() -> tuple[str | None, bool]:
+def cuda_probe() -> tuple[str | None, bool]:
     """(why CuPy cannot use a GPU, or None; whether that is because CuPy is not installed)."""
     try:
         import cupy  # noqa: PLC0415

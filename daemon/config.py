@@ -9,6 +9,7 @@ line naming the setting and its source.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -42,8 +43,8 @@ class Config:
     backend: str = _s("auto", "auto: cuda when CuPy sees a GPU, else cpu", choices=("auto", "cpu", "cuda"))
     run_dir: str = _s(None, "where the sockets and the lock live", factory=default_run_dir, metavar="DIR",
                       shown="$RUNTIME_DIRECTORY or /run/sparsekv")
-    pool_size: int = _s(1 << 30, "host pool for every engine's KV rows (all layers), with a unit: 256MiB, 64GiB",
-                        kind="size", bounds=(1, None))
+    pool_size: int = _s(1 << 30, "host pool for every engine's KV rows (all layers), with a unit: 256MiB, 64GiB; "
+                        "at least 2MiB (an engine's range is whole 2 MiB pages)", kind="size", bounds=(2 << 20, None))
     pool_backing: str = _s("anon_thp", "anon_thp: anonymous memory in transparent huge pages; memfd: shared "
                            "memory in small pages (ten times slower to pre-fault)", choices=("anon_thp", "memfd"))
     prefault_threads: int = _s(0, "threads that pre-fault the pool; 0: one per core, at most 16", bounds=(0, 1024))
@@ -124,9 +125,9 @@ class Config:
                              "together (a quarter per uid), with a unit; at least 64MiB", kind="size",
                              bounds=(64 << 20, None))
     hello_timeout_s: float = _s(10.0, "a control connection that sends no HELLO within this is closed",
-                                bounds=(0, 86400), metavar="S")
+                                bounds=(0.1, 86400), metavar="S")
     idle_timeout_s: float = _s(600.0, "a session not attached is dropped after this long without a request",
-                               bounds=(0, 86400), metavar="S")
+                               bounds=(0.1, 86400), metavar="S")
     log_level: str = _s("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     cuda_graphs: bool = _s(True, "cuda: replay one captured CUDA graph per request; 0: launch kernel by kernel "
                            "(for compute-sanitizer)", debug=True, metavar="1|0")
@@ -202,6 +203,25 @@ _SETTINGS = {f.name: Setting(f.name, _PARSERS.get(_kind(f), str.strip),
 CONFIG_FILE = Setting("config", str.strip, "", "the TOML file of sparsekvd's settings (--config)")
 
 
+def unknown_env(environ=None) -> list[str]:
+    """One line for each ``SPARSEKV_*`` variable set in ``environ`` that is no setting of
+    the daemon nor a variable another part of sparsekv reads (``proto/settings.py``): a
+    misspelt name would be ignored without a word (the TOML file refuses an unknown key;
+    the environment is shared with clients and tools, so this is a warning)."""
+    from sparsekv.proto import settings as proto_settings  # noqa: PLC0415 - its variables, at call time
+
+    environ = os.environ if environ is None else environ
+    daemon = [s.env for s in _SETTINGS.values()] + [CONFIG_FILE.env]
+    known = set(daemon) | {v.env for v in vars(proto_settings).values() if isinstance(v, Setting)}
+    lines = []
+    for name in sorted(environ):
+        if name.startswith("SPARSEKV_") and environ[name] and name not in known:
+            near = difflib.get_close_matches(name, daemon, n=1, cutoff=0.8)
+            lines.append(f"{name} is set but is no setting of sparsekvd"
+                         + (f" (did you mean {near[0]}?)" if near else "") + ": ignored")
+    return lines
+
+
 def env_name(setting: str) -> str:
     """The one environment variable of ``setting``."""
     return _SETTINGS[setting].env
@@ -252,6 +272,8 @@ def _from_toml(f, value):
         return parse_size(value)  # raises: a size needs its unit
     if type(value) is int and kind == "cpus":
         value = str(value)  # io_cpus = 63
+    if type(value) is int and any(c.isdigit() for c in f.metadata["choices"]):
+        value = str(value)  # pin_pool_at_start = 1: checked against the choices as text
     if type(value) not in {"int": (int,), "float": (int, float), "bool": (bool,)}.get(kind, (str,)):
         raise ValueError(f"{_NEEDS[kind]}, got {_toml_type(value)} {value!r}")
     if kind == "float" and not math.isfinite(value):
@@ -327,6 +349,10 @@ def load_with_sources(args: argparse.Namespace | None = None, environ=None) -> t
     if cfg_file:
         for k, v in _read_file(cfg_file).items():
             values[k] = _coerce(k, v, f"config file {cfg_file}", _from_toml)
+            if k.endswith("_dir") and not values[k].startswith(("/", "~")):
+                raise ConfigError(f"config file {cfg_file}: {k} must be an absolute path, got {values[k]!r} (a "
+                                  "relative one would be taken from the daemon's working directory, / under "
+                                  "systemd, not from the file's)")
             sources[k] = f"file {cfg_file}"
     for name, setting in _SETTINGS.items():
         value = setting.lookup(environ)  # ConfigError naming the variable for a bad text
@@ -359,6 +385,7 @@ def _settings_table(data: dict, cfg_file: str) -> dict:
     """The settings of a parsed TOML file: the table ``[sparsekvd]``, or the top level
     when there is none. Anything else is a one-line error, never a setting ignored."""
     where = f"config file {cfg_file}"
+    inside = ""  # how the file names a table in the settings' table
     if "sparsekvd" in data:
         section = data["sparsekvd"]
         if not isinstance(section, dict):
@@ -366,10 +393,10 @@ def _settings_table(data: dict, cfg_file: str) -> dict:
         others = sorted(k for k in data if k != "sparsekvd")
         if others:
             raise ConfigError(f"{where}: {others} outside the table [sparsekvd]; put every setting in it")
-        data = section
+        data, inside = section, "sparsekvd."
     for k, v in data.items():
         if isinstance(v, dict) or (isinstance(v, list) and v and all(isinstance(x, dict) for x in v)):
-            what = f"setting {k} cannot be a table" if k in _FIELDS else f"unknown table [{k}]"
+            what = f"setting {k} cannot be a table" if k in _FIELDS else f"unknown table [{inside}{k}]"
             raise ConfigError(f"{where}: {what}; settings are plain keys (at the top level or in [sparsekvd])")
     return data
 

@@ -118,7 +118,12 @@ class EngineRequests:
         created = engine not in self.engines
         self.sessions.rewatch(s)
         slab_field = h.get("slab")
-        check_layout_limits(layout, self.max_slab_bytes, engine_slab=slab_field is not None)  # before allocating
+        try:
+            check_layout_limits(layout, self.max_slab_bytes, engine_slab=slab_field is not None)  # before allocating
+        except ResidencyError as e:  # a daemon setting refused it: the operator's business too
+            log.warning("client %d (pid %d uid %d rank %d) refused: attach to engine %r: %s: %s", s.client_id,
+                        s.pid, s.uid, s.rank, engine, code_of(e).name, e.args[0])
+            raise
         transport = h.get("transport", "zmq")
         if transport not in TRANSPORTS:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"transport must be 'zmq' or 'doorbell', got {transport!r}")

@@ -2,8 +2,8 @@
 
 Start: configuration, run-dir lock, a check that the backend can start at all (before
 minutes of pre-faulting), the pool, the backend, then serving. SIGTERM/SIGINT stop
-cleanly at any point (during the pre-fault too); SIGHUP is logged and ignored (settings
-are read at start only).
+cleanly at any point (during the pre-fault too); SIGHUP (settings are read at start
+only) and SIGUSR1 are logged and ignored; SIGUSR2 writes every thread's stack to the log.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import stat
 import sys
 import time
 
+import psutil
 import uvloop
 
 from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, cpu_quota, format_cpu_list, keep_off, parse_cpu_list
 from sparsekv.proto.settings import format_size
 
+from . import backends as backends_mod
 from . import config as config_mod
 from .backends import backend_unusable, cuda_unavailable, make_backend
 from .notify import Notifier
@@ -163,18 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
 UNIX_PATH_MAX = 107  # bytes of a UNIX socket's path (sun_path's 108, its NUL included)
 
 
+class SettingRefused(RuntimeError):
+    """A start refused for a setting that no restart would change (a run dir that is a
+    file, CPUs this process may not use, a pool larger than the machine's RAM): exit code
+    2, which the systemd unit does not restart. Other refusals exit 1 and are retried."""
+
+
 def check_run_dir(run_dir: str) -> None:
     """The run dir must be the daemon's own: a directory owned by its user (or root) that
     others cannot write to, or another user could plant its lock as a link or replace its
-    sockets (RuntimeError naming what is wrong)."""
+    sockets (SettingRefused naming what is wrong)."""
     st = os.stat(run_dir)
     if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"run dir {run_dir} is not a directory")
+        raise SettingRefused(f"run dir {run_dir} is not a directory")
     if st.st_uid not in (os.geteuid(), 0):
-        raise RuntimeError(f"run dir {run_dir} belongs to uid {st.st_uid}, not to this daemon's user "
+        raise SettingRefused(f"run dir {run_dir} belongs to uid {st.st_uid}, not to this daemon's user "
                            f"({os.geteuid()}) or root: use a directory of the daemon's own")
     if st.st_mode & stat.S_IWOTH:
-        raise RuntimeError(f"run dir {run_dir} is writable by every user (mode {stat.S_IMODE(st.st_mode):04o}): "
+        raise SettingRefused(f"run dir {run_dir} is writable by every user (mode {stat.S_IMODE(st.st_mode):04o}): "
                            "another user could replace its sockets; use a directory of the daemon's own (chmod o-w)")
 
 
@@ -188,14 +196,15 @@ class RunDirLock:
     def __init__(self, run_dir: str):
         longest = os.path.join(os.path.abspath(run_dir), "control.sock.busy")
         if len(os.fsencode(longest)) > UNIX_PATH_MAX:
-            raise RuntimeError(f"run dir {run_dir} is too long for its sockets: {longest} has "
+            raise SettingRefused(f"run dir {run_dir} is too long for its sockets: {longest} has "
                                f"{len(os.fsencode(longest))} bytes, a UNIX socket path at most {UNIX_PATH_MAX}")
         if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
-            raise RuntimeError(f"run dir {run_dir} is not a directory")
+            raise SettingRefused(f"run dir {run_dir} is not a directory")
         try:
             os.makedirs(run_dir, mode=0o755, exist_ok=True)
-        except OSError as e:
-            raise RuntimeError(f"run dir {run_dir} cannot be made: {e.strerror}") from None
+        except OSError as e:  # under a file: no restart makes it (a permission may come with a mount)
+            raise (SettingRefused if e.errno == errno.ENOTDIR else RuntimeError)(
+                f"run dir {run_dir} cannot be made: {e.strerror}") from None
         check_run_dir(run_dir)
         self.path = os.path.join(run_dir, "sparsekvd.lock")
         for _ in range(8):
@@ -250,7 +259,7 @@ class _Interrupted(BaseException):
 class StartSignals:
     """Signal handling until the event loop takes over (a context manager). SIGTERM/SIGINT
     raise :class:`_Interrupted` at once inside :meth:`interruptible` (the pool's
-    pre-fault), elsewhere at the next :meth:`check`. SIGHUP is logged and ignored."""
+    pre-fault), elsewhere at the next :meth:`check`. SIGHUP and SIGUSR1 are logged and ignored."""
 
     def __init__(self):
         self.requested: int | None = None
@@ -258,7 +267,8 @@ class StartSignals:
         self._saved: dict[int, object] = {}
 
     def __enter__(self) -> "StartSignals":
-        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop), (signal.SIGHUP, self._on_hup)):
+        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop), (signal.SIGHUP, self._on_hup),
+                        (signal.SIGUSR1, self._on_hup)):
             self._saved[sig] = signal.signal(sig, fn)
         return self
 
@@ -276,7 +286,7 @@ class StartSignals:
             raise _Interrupted(signum)
 
     def _on_hup(self, signum, frame) -> None:
-        log_sighup()
+        log_ignored(signal.Signals(signum))
 
     @contextlib.contextmanager
     def interruptible(self):
@@ -292,9 +302,13 @@ class StartSignals:
             raise _Interrupted(self.requested)
 
 
-def log_sighup() -> None:
-    log.warning("SIGHUP ignored: settings are read only at start (restart sparsekvd to change them); "
-                "logs go to stderr, nothing to reopen")
+def log_ignored(sig: signal.Signals) -> None:
+    """SIGHUP and SIGUSR1 (whose default would kill the daemon without its clean-up)."""
+    if sig == signal.SIGHUP:
+        log.warning("SIGHUP ignored: settings are read only at start (restart sparsekvd to change them); "
+                    "logs go to stderr, nothing to reopen")
+    else:
+        log.warning("%s ignored (SIGUSR2 writes every thread's stack to the log; SIGTERM stops)", sig.name)
 
 
 def pool_pinner(cfg):
@@ -306,13 +320,16 @@ def pool_pinner(cfg):
     return PoolPinner(cfg.pool_size, max_chunk_bytes=cfg.pin_chunk_bytes, while_faulting=cfg.pin_pool_at_start == "1")
 
 
-def backend_refusal(cfg) -> str | None:
-    """Why the configured backend cannot start, found before the pool is pre-faulted; None
-    when it may (``backends.backend_unusable``: ``auto`` on a machine with no NVIDIA GPU
-    serves from the cpu backend, on one whose GPU CuPy cannot use it does not start)."""
-    why = backend_unusable(cfg.backend)
+def backend_refusal(cfg, sources: dict) -> tuple[str, int] | None:
+    """Why the configured backend cannot start, found before the pool is pre-faulted, and
+    the exit code: 2 when no restart would change it (CuPy not installed, ``devices``
+    naming GPUs that are not there), 1 when it may (a GPU the driver does not serve yet);
+    None when it may start (``backends.backend_unusable``: ``auto`` on a machine with no
+    NVIDIA GPU serves from the cpu backend, on one whose GPU CuPy cannot use it does not)."""
+    probe = backends_mod.cuda_probe() if cfg.backend in ("auto", "cuda") else (None, False)
+    why = backend_unusable(cfg.backend, probe, source=sources.get("backend", "default"))
     if why is not None:
-        return why
+        return why, 2 if probe[1] else 1
     if cfg.backend != "cuda":
         return None
     if cfg.devices != "all":
@@ -321,8 +338,19 @@ def backend_refusal(cfg) -> str | None:
         count = cupy.cuda.runtime.getDeviceCount()
         bad = [int(o) for o in cfg.devices.split(",") if not 0 <= int(o) < count]
         if bad:
-            return f"--devices names GPU(s) {bad}, but {count} are visible"
+            return f"devices {cfg.devices} ({sources.get('devices', 'default')}) names GPU(s) {bad}, but {count} " \
+                   "are visible", 2
     return None
+
+
+def check_pool_fits(cfg, sources: dict) -> None:
+    """SettingRefused when ``pool_size`` is more than this machine's RAM (no restart makes
+    it fit; more than the RAM available now is the pool's own refusal, exit 1: it may fit
+    once other processes are gone)."""
+    total = psutil.virtual_memory().total
+    if cfg.pool_size > total:
+        raise SettingRefused(f"pool_size {format_size(cfg.pool_size)} ({sources.get('pool_size', 'default')}) is "
+                             f"more than this machine's RAM ({format_size(total)}): lower it")
 
 
 def metrics_port_refusal(cfg, sources: dict) -> tuple[str, int] | None:
@@ -356,7 +384,7 @@ def main(argv=None) -> int:
         print(f"sparsekvd: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        sys.stdout.write(cfg.to_toml(sources))
+        sys.stdout.write(cfg.to_toml(sources) + "".join(f"# {line}\n" for line in config_mod.unknown_env()))
         return 0
     if cfg.backend != "cpu":
         set_cuda_environment()  # before anything asks CUDA about devices
@@ -367,15 +395,20 @@ def main(argv=None) -> int:
               "older versions are removed there: point shm_dir at the engines' /dev/shm", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    for line in config_mod.unknown_env():
+        log.warning("%s", line)
     log_open_files_limit()
-    refusal = backend_refusal(cfg)
+    refusal = backend_refusal(cfg, sources)
     if refusal is not None:
-        log.error("cannot start: %s", refusal)
-        return 1
+        log.error("cannot start: %s", refusal[0])
+        return refusal[1]
     notifier = Notifier()
     with StartSignals() as signals:
         try:
             lock = RunDirLock(cfg.run_dir)
+        except SettingRefused as e:
+            log.error("cannot start: %s (run_dir: %s)", e, sources.get("run_dir", "default"))
+            return 2
         except (RuntimeError, OSError) as e:
             log.error("%s", e)
             return 1
@@ -386,7 +419,8 @@ def main(argv=None) -> int:
             return refusal[1]
         pool = backend = pool_region = pinner = warmer = None
         try:
-            warmer, io_cpus = place_io(cfg)
+            warmer, io_cpus = place_io(cfg, sources)
+            check_pool_fits(cfg, sources)
             size = format_size(cfg.pool_size)
             log.info("sparsekvd %s (pid %d) on %s: pre-faulting host pool of %s", package_version(), os.getpid(),
                      cfg.run_dir, size)
@@ -444,6 +478,9 @@ def main(argv=None) -> int:
             notifier.stopping()
             log.info("stopped before serving")
             return 0
+        except SettingRefused as e:
+            log.error("cannot start: %s", e)
+            return 2
         except (PoolError, PinError, RuntimeError, OSError, ValueError) as e:
             log.error("cannot start: %s", e)
             return 1
@@ -466,24 +503,35 @@ def main(argv=None) -> int:
             notifier.close()
 
 
-def place_io(cfg) -> tuple:
+def place_io(cfg, sources: dict) -> tuple:
     """The daemon's ``io_cpus`` (checked against the CPUs it may run on) and its warm CPU
-    loops, started (proto/cpus.py). ValueError or RuntimeError naming what is wrong."""
-    io_cpus = parse_cpu_list(cfg.io_cpus, "io_cpus")
-    warm = parse_cpu_list(cfg.warm_cpus, "warm_cpus")
-    check_cpus_usable(io_cpus, "io_cpus")
+    loops, started (proto/cpus.py). SettingRefused naming what is wrong and where the
+    setting came from."""
+    def refuse(name: str, why: str) -> SettingRefused:
+        return SettingRefused(f"{why} ({name}: {sources.get(name, 'default')})")
+
+    try:
+        io_cpus = parse_cpu_list(cfg.io_cpus, "io_cpus")
+        check_cpus_usable(io_cpus, "io_cpus")
+    except ValueError as e:
+        raise refuse("io_cpus", str(e)) from None
+    try:
+        warm = parse_cpu_list(cfg.warm_cpus, "warm_cpus")
+        check_cpus_usable(warm, "warm_cpus")
+    except ValueError as e:
+        raise refuse("warm_cpus", str(e)) from None
     if io_cpus and os.sched_getaffinity(0) <= set(io_cpus):
-        raise ValueError(f"io_cpus {format_cpu_list(io_cpus)} are all the CPUs this process may run on: "
-                         "leave some for its other threads")
+        raise refuse("io_cpus", f"io_cpus {format_cpu_list(io_cpus)} are all the CPUs this process may run on: "
+                     "leave some for its other threads")
     warmer = None
     quota = cpu_quota() if warm else None
     if quota is not None:
         # Each loop spends a CPU of the cgroup's quota (k8s CPU limits, systemd CPUQuota=):
         # the daemon's own threads would be throttled.
         if len(warm) + 1 > quota:
-            raise ValueError(f"warm_cpus {format_cpu_list(warm)} would spend {len(warm)} of the {quota:g} CPUs of "
-                             "run time this cgroup's cpu.max allows (a loop spends it, idle priority or not), "
-                             "leaving the daemon less than one: raise the CPU limit by as many CPUs, or warm fewer")
+            raise refuse("warm_cpus", f"warm_cpus {format_cpu_list(warm)} would spend {len(warm)} of the {quota:g} "
+                         "CPUs of run time this cgroup's cpu.max allows (a loop spends it, idle priority or not), "
+                         "leaving the daemon less than one: raise the CPU limit by as many CPUs, or warm fewer")
         log.warning("warm_cpus: the %d loops spend %d of the %g CPUs of run time this cgroup's cpu.max allows; "
                     "raise the CPU limit by as many CPUs", len(warm), len(warm), quota)
     if warm:
@@ -517,7 +565,8 @@ def _run(daemon, signals: StartSignals) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop, sig)
-        loop.add_signal_handler(signal.SIGHUP, log_sighup)
+        for sig in (signal.SIGHUP, signal.SIGUSR1):
+            loop.add_signal_handler(sig, log_ignored, sig)
         # `kill -USR2 <pid>`: every thread's stack to stderr (the journal), for a stuck daemon.
         faulthandler.register(signal.SIGUSR2, all_threads=True)
         if signals.requested is not None:  # arrived between the last check and the handlers above

@@ -306,7 +306,7 @@ def render_table(snap: dict) -> str:
         lines.append(f"cpus           loop on {snap.get('io_cpus') or 'any'}; warm {snap.get('warm_cpus') or 'none'}"
                      + (f" (loops running: {snap.get('warm_cpus_running', 0)})" if snap.get("warm_cpus") else ""))
     for engine, e in sorted(snap.get("per_engine", {}).items()):
-        lines.append(f"engine {engine:<8}{e['ranks']} rank(s), pool {e['pool_bytes'] / 2**20:.1f} MiB, "
+        lines.append(f"engine {engine:<8} {e['ranks']} rank(s), pool {e['pool_bytes'] / 2**20:.1f} MiB, "
                      f"slabs {e['slab_bytes'] / 2**20:.1f} MiB")
         if e.get("tp_size", 1) > 1:
             lines.append(f"  tp group     {e['tp_size']} ranks, one resolve; slowest rank {e['tp_lag']} request(s) behind")

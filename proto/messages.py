@@ -84,8 +84,9 @@ ERROR_HINTS: dict[ErrorCode, str] = {
                           "(or --max-store-bytes), lower host_rows, or use larger blocks",
     ErrorCode.BAD_ARGUMENT: "an argument has the wrong shape, type or range",
     ErrorCode.BAD_STATE_ROW: "state rows must lie in [-1, max_reqs)",
-    ErrorCode.DUPLICATE_IDS: "a top-k row must not name the same host row twice",
-    ErrorCode.TOO_LARGE: "the message exceeds a protocol limit; split it",
+    ErrorCode.DUPLICATE_IDS: "each host row at most once in a top-k row (-1 pads)",
+    ErrorCode.TOO_LARGE: "past a protocol or daemon limit, which the message names: split the request, or lower what "
+                          "it names",
     ErrorCode.ALREADY_ATTACHED: "this client is attached already; detach first",
     ErrorCode.TOO_MANY_CLIENTS: "the daemon serves its maximum number of clients",
     ErrorCode.INTERNAL: "the daemon hit a bug; see its log (journalctl -u sparsekvd)",

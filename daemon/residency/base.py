@@ -13,6 +13,7 @@ import numpy as np
 
 from sparsekv.proto.args import int32_array, whole_number
 from sparsekv.proto.layout import Layout
+from sparsekv.proto.settings import format_size
 
 
 class ResidencyError(ValueError):
@@ -189,7 +190,7 @@ def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarra
             )
     dup = find_duplicates(topk, state_rows, layout.host_rows)
     if dup >= 0:
-        raise ResidencyError("DUPLICATE_IDS", f"top-k row {dup} names the same host row twice; ids must be unique")
+        raise ResidencyError("DUPLICATE_IDS", f"top-k row {dup} names the same host row twice")
     return state_rows, topk
 
 
@@ -232,12 +233,12 @@ def check_layout_limits(layout: Layout, max_rank_bytes: int, engine_slab: bool =
     by :func:`rank_bytes`, whose parts it returns; an ``engine_slab`` costs nothing."""
     parts = rank_bytes(layout, engine_slab)
     if parts["total"] > max_rank_bytes:
-        mib = {k: v / (1 << 20) for k, v in parts.items()}
+        size = {k: format_size(v) for k, v in parts.items()}
         raise ResidencyError(
             "TOO_LARGE",
-            f"a rank of this layout takes {mib['total']:.0f} MiB (hot slab {mib['slab']:.0f} MiB, staging "
-            f"{mib['staging']:.0f} MiB, residency state {mib['state']:.0f} MiB), more than the daemon's "
-            f"max_slab_bytes of {max_rank_bytes / (1 << 20):.0f} MiB; lower max_reqs, region_stride or num_layers "
+            f"a rank of this layout takes {size['total']} (hot slab {size['slab']}, staging "
+            f"{size['staging']}, residency state {size['state']}), more than the daemon's "
+            f"max_slab_bytes of {format_size(max_rank_bytes)}; lower max_reqs, region_stride or num_layers "
             "(or index groups), or raise max_slab_bytes",
         )
     return parts

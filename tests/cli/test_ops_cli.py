@@ -116,6 +116,16 @@ def test_health_after_a_killed_daemon_is_2(tmp_path):
     assert cli_inproc.run("health", "--live", "--run-dir", run).returncode == 2
 
 
+def test_a_client_says_a_starting_daemon_is_starting(starting_daemon):
+    """Found by an operator's review: an engine that connected while the daemon pre-faulted
+    was told there was no daemon at all."""
+    from sparsekv.client import DaemonUnavailable
+
+    with pytest.raises(DaemonUnavailable, match=rf"sparsekvd \(pid {os.getpid()}\) at {starting_daemon} is "
+                       r"starting: it does not serve yet \(pre-faulting its pool"):
+        Client(str(starting_daemon)).connect()
+
+
 @pytest.mark.parametrize("command", [["stats"], ["stats", "--json"], ["clients"], ["top", "--once"]])
 def test_the_stats_commands_say_a_starting_daemon_is_starting(starting_daemon, command):
     err = one_line_error(cli_inproc.run(*command, "--run-dir", starting_daemon))

@@ -106,7 +106,7 @@ def _cfg(tmp_path, backend):
 def _no_cupy(monkeypatch):
     from sparsekv.daemon import backends
 
-    monkeypatch.setattr(backends, "_cuda_probe",
+    monkeypatch.setattr(backends, "cuda_probe",
                         lambda: ("CuPy is not installed (ModuleNotFoundError: No module named 'cupy')", True))
 
 
@@ -143,7 +143,7 @@ def test_backend_cuda_without_cupy_names_the_cuda_extra(tmp_path, monkeypatch):
 
     _no_cupy(monkeypatch)
     monkeypatch.setattr(backends, "gpu_present", lambda: None)
-    with pytest.raises(RuntimeError, match=r"--backend cuda: CuPy is not installed.*pip install 'sparsekv\[cuda\]'"):
+    with pytest.raises(RuntimeError, match=r"backend cuda: CuPy is not installed.*pip install 'sparsekv\[cuda\]'"):
         backends.make_backend(_cfg(tmp_path, "cuda"), None)
 
 

@@ -4,13 +4,14 @@ tests/proto/test_settings.py; the subprocess check of ``--print-config`` is in
 test_main.py)."""
 
 import dataclasses
+import os
 import re
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from sparsekv.daemon.config import Config, ConfigError, env_name, load, load_with_sources
+from sparsekv.daemon.config import Config, ConfigError, env_name, load, load_with_sources, unknown_env
 from sparsekv.daemon.main import build_parser
 
 
@@ -80,7 +81,7 @@ def test_toml_top_level_table_and_env_config_file(tmp_path):
         ("pool_size = [", {}, "not valid TOML"),
         ("", {"SPARSEKV_MAX_CLIENTS": "many"}, "environment SPARSEKV_MAX_CLIENTS"),
         ("", {"SPARSEKV_BACKEND": "tpu"}, "backend must be auto, cpu or cuda"),
-        ("", {"SPARSEKV_POOL_SIZE": "0B"}, "environment SPARSEKV_POOL_SIZE: pool_size must be positive, got 0B"),
+        ("", {"SPARSEKV_POOL_SIZE": "0B"}, "environment SPARSEKV_POOL_SIZE: pool_size must be >= 2MiB, got 0B"),
         ("", {"SPARSEKV_POOL_SIZE": "1G"}, "environment SPARSEKV_POOL_SIZE: bad value for pool_size: size '1G' is "
          "ambiguous"),
         ("", {"SPARSEKV_MAX_CLIENTS": "abc"}, "environment SPARSEKV_MAX_CLIENTS: bad value for max_clients: an "
@@ -251,3 +252,25 @@ def test_print_config_escapes_control_characters_so_that_it_reads_back(tmp_path)
     path = tmp_path / "c.toml"
     path.write_text(text)
     assert load(build_parser().parse_args(["--config", str(path)]), environ={}) == c
+
+
+def test_a_misspelt_variable_is_named_in_the_log_and_the_printed_config(monkeypatch, capsys):
+    """Found by an operator's review: SPARSEKV_POOL_SISE was ignored without a word (the TOML
+    file refuses an unknown key). The environment is shared with clients and tools: their
+    variables (proto/settings.py) and empty ones are not named."""
+    env = {"SPARSEKV_POOL_SISE": "2GiB", "SPARSEKV_POOL_SIZE": "1GiB", "SPARSEKV_KERNEL_CACHE_DIR": "/k",
+           "SPARSEKV_CLIENT_DEVICE_WAIT": "1", "SPARSEKV_CONFIG": "", "SPARSEKV_NOTHING_LIKE_IT": "1",
+           "SPARSEKV_EMPTY_TYPO": "", "OTHER_POOL_SISE": "1"}
+    assert unknown_env(env) == [
+        "SPARSEKV_NOTHING_LIKE_IT is set but is no setting of sparsekvd: ignored",
+        "SPARSEKV_POOL_SISE is set but is no setting of sparsekvd (did you mean SPARSEKV_POOL_SIZE?): ignored"]
+    from sparsekv.daemon import main as main_mod
+
+    for name in [n for n in os.environ if n.startswith("SPARSEKV_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SPARSEKV_MAX_CLIENT", "4")
+    assert main_mod.main(["--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("# SPARSEKV_MAX_CLIENT is set but is no setting of sparsekvd "
+                        "(did you mean SPARSEKV_MAX_CLIENTS?): ignored\n")
+    assert tomllib.loads(out)["max_clients"] == Config().max_clients  # still reads back

@@ -43,6 +43,12 @@ def load_toml(tmp_path, text, env=None, args=()):
     ("prefault_threads = -2", {}, [], "prefault_threads must be in [0, 1024]"),
     ("pool_size = \"64G\"", {}, [], "bad value for pool_size: size '64G' is ambiguous: write 64GiB"),
     ("", {"SPARSEKV_ADMIN_GID": "-2"}, [], "environment SPARSEKV_ADMIN_GID: admin_gid must be in [-1, "),
+    # Found by an operator's review: accepted, then every attach refused or every client dropped
+    ('pool_size = "4097B"', {}, [], "pool_size must be >= 2MiB, got 4097B"),
+    ("", {}, ["--hello-timeout-s", "0.0001"], "hello_timeout_s must be in (0.1, 86400], got 0.0001"),
+    ("idle_timeout_s = 0", {}, [], "idle_timeout_s must be in (0.1, 86400], got 0"),
+    ('run_dir = "relative/dir"', {}, [], "run_dir must be an absolute path, got 'relative/dir' (a relative one"),
+    ('kernel_cache_dir = "cache"', {}, [], "kernel_cache_dir must be an absolute path"),
 ])
 def test_bad_numbers_and_types_are_errors(tmp_path, toml, env, args, words):
     with pytest.raises(ConfigError) as ei:
@@ -55,6 +61,13 @@ def test_numbers_of_the_right_kind_still_load(tmp_path):
     cfg = load_toml(tmp_path, 'reap_interval_s = 1\nmax_clients = 7\nmax_slab_bytes = "1GiB"\n',
                     {"SPARSEKV_RING_DEPTH": " 4 "})
     assert (cfg.reap_interval_s, cfg.max_clients, cfg.max_slab_bytes, cfg.ring_depth) == (1.0, 7, 1 << 30, 4)
+    # a choice written as a TOML integer, as io_cpus may be
+    assert load_toml(tmp_path, "pin_pool_at_start = 0\n").pin_pool_at_start == "0"
+    with pytest.raises(ConfigError, match="pin_pool_at_start must be 1, after or 0, got '2'"):
+        load_toml(tmp_path, "pin_pool_at_start = 2\n")
+    # a relative directory is the command line's business (the shell's working directory), not a file's
+    assert load_toml(tmp_path, "", {}, ["--run-dir", "rel"]).run_dir == "rel"
+    assert load_toml(tmp_path, 'kernel_cache_dir = "~/k"\n').kernel_cache_dir == "~/k"
 
 
 @pytest.mark.parametrize("toml, words", [
@@ -64,6 +77,7 @@ def test_numbers_of_the_right_kind_still_load(tmp_path):
     ("pool_size = \"1GiB\"\n[sparsekvd]\nmax_clients = 3\n", "['pool_size'] outside the table [sparsekvd]"),
     ("[sparsekvd]\n[sparsekvd.backend]\nx = 1\n", "setting backend cannot be a table"),
     ("[[servers]]\nname = 1\n", "unknown table [servers]"),
+    ("[sparsekvd]\n[sparsekvd.extra]\nx = 1\n", "unknown table [sparsekvd.extra]"),  # as the file names it
 ])
 def test_tables_where_settings_belong_are_one_line_errors(tmp_path, toml, words):
     with pytest.raises(ConfigError) as ei:

@@ -175,6 +175,18 @@ def test_mps_state_is_shown_for_the_cuda_backend():
     assert "MPS" not in render_table(cpu) and "sparsekv_mps" not in render_prometheus(registry_for(cpu))
 
 
+def test_an_engine_name_is_kept_apart_from_its_rank_count_in_the_table():
+    """Found by an operator's review: "engine deepseek-v3.21 rank(s)" for deepseek-v3.2 and one rank."""
+    from sparsekv.daemon.stats import Stats, render_table
+
+    engine = {"ranks": 1, "pool_bytes": 2 << 20, "slab_bytes": 1 << 20}
+    snap = Stats().snapshot({}, {"backend": "cpu", "devices": ["cpu"],
+                                 "per_engine": {"deepseek-v3.2": engine, "short": engine}})
+    table = render_table(snap)
+    assert "engine deepseek-v3.2 1 rank(s), pool 2.0 MiB" in table
+    assert "engine short    1 rank(s)" in table
+
+
 # The stats socket's `clients` answer, asked by this script's user.
 CLIENTS_QUERY = r"""
 import socket, sys

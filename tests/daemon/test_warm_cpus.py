@@ -147,14 +147,17 @@ def test_daemon_pins_its_loop_thread_and_warms_cpus(tmp_path):
 
 @needs_two_cpus
 def test_daemon_refuses_io_cpus_it_cannot_use(tmp_path):
+    """A bad setting: exit code 2 (the unit does not restart it), naming where it came from
+    (found by an operator's review: exit 1, restarted into the same refusal)."""
     for args, says in ((["--io-cpus", str(NOWHERE)], "io_cpus names CPU"),
                        (["--io-cpus", format_cpu_list(ALLOWED)], "leave some for its other threads"),
                        (["--warm-cpus", str(NOWHERE)], "warm_cpus names CPU")):
         log = tmp_path / f"d{len(says)}.log"
-        with pytest.raises(Exception, match="exited with code 1"):
+        with pytest.raises(Exception, match="exited with code 2"):
             with PrivateDaemon(pool_bytes=64 << 20, backend="cpu", extra_args=args, log_path=str(log)):
                 pass
-        assert says in log.read_text()
+        name = args[0][2:].replace("-", "_")
+        assert says in log.read_text() and f"({name}: flag {args[0]})" in log.read_text()
 
 
 def test_a_client_runs_no_thread_of_its_own(tmp_path):
@@ -214,8 +217,9 @@ def test_daemon_refuses_warm_loops_that_would_eat_its_cpu_quota(monkeypatch):
     from sparsekv.daemon import main as main_mod
 
     monkeypatch.setattr(main_mod, "cpu_quota", lambda: 2.0)
-    with pytest.raises(ValueError, match="would spend 2 of the 2 CPUs of run time"):
-        main_mod.place_io(Config(warm_cpus=f"{ALLOWED[0]},{ALLOWED[-1]}" if len(ALLOWED) > 1 else "0-1").validate())
+    with pytest.raises(main_mod.SettingRefused, match=r"would spend 2 of the 2 CPUs of run time.*\(warm_cpus: file x\)"):
+        main_mod.place_io(Config(warm_cpus=f"{ALLOWED[0]},{ALLOWED[-1]}" if len(ALLOWED) > 1 else "0-1").validate(),
+                          {"warm_cpus": "file x"})
 
 
 def test_bench_io_placement_is_an_option_of_cuda_transport_only(capsys, monkeypatch):

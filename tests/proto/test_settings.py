@@ -49,7 +49,9 @@ def test_a_size_without_a_unit_is_an_error(text):
 
 @pytest.mark.parametrize("nbytes, text", [(1 << 30, "1GiB"), (3 << 20, "3MiB"), (64 << 30, "64GiB"), (1 << 40, "1TiB"),
                                           (64 * 10**9, "64GB"), (10**9, "1GB"), (1536, "1.5KiB"), (100, "100B"),
-                                          (0, "0B"), (3 * 10**9 + 1, "2.8GiB")])
+                                          (0, "0B"), (3 * 10**9 + 1, "2.8GiB"),
+                                          # found by an operator's review: printed 1.5GiB, which no unit holds whole
+                                          (1536 << 20, "1536MiB"), (2304 << 20, "2304MiB")])
 def test_sizes_print_in_the_largest_unit_that_holds_them(nbytes, text):
     assert format_size(nbytes) == text
 
