@@ -325,8 +325,9 @@ def open_wire(path: str, run_dir: str, timeout_s: float) -> tuple[Wire, int, tup
                                     "descriptors (too many open connections; see its log); retry later") from None
         pid = lock_holder(run_dir)
         if pid is not None:
-            raise DaemonUnavailable(f"sparsekvd (pid {pid or '?'}) at {run_dir} is starting: it does not serve yet "
-                                    "(pre-faulting its pool or starting its backend); retry shortly") from None
+            raise DaemonUnavailable(f"sparsekvd (pid {pid or '?'}) holds {run_dir} but has no control socket: it is "
+                                    "starting (pre-faulting its pool or starting its backend) or stopping; retry "
+                                    "shortly") from None
         raise DaemonUnavailable(f"no daemon socket at {path}; is sparsekvd running with --run-dir {run_dir}?") from None
     except PermissionError:
         raise DaemonUnavailable(f"permission denied on {run_dir}: this user may not enter sparsekvd's run dir "

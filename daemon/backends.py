@@ -9,6 +9,7 @@ residency and mover are the kernels of ``csrc/`` (see ``residency/cuda/``).
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import logging
 import mmap
 import os
@@ -218,10 +219,13 @@ def cuda_unavailable() -> str | None:
 
 
 def cuda_probe() -> tuple[str | None, bool]:
-    """(why CuPy cannot use a GPU, or None; whether that is because CuPy is not installed)."""
+    """(why CuPy cannot use a GPU, or None; whether that is because CuPy is not installed:
+    an installed CuPy whose import fails, e.g. on a driver library not loadable yet, is not)."""
     try:
         import cupy  # noqa: PLC0415
     except ImportError as e:
+        if importlib.util.find_spec("cupy") is not None:
+            return f"CuPy is installed but cannot be imported ({type(e).__name__}: {e})", False
         return f"CuPy is not installed ({type(e).__name__}: {e})", True
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:

@@ -58,7 +58,8 @@ class Config:
                                 bounds=(0, 3600), metavar="S")
     shm_dir: str = _s("/dev/shm", "where older versions put slab files; stale ones of this run dir are removed at "
                       "start", metavar="DIR")
-    kernel_cache_dir: str = _s(KERNEL_CACHE_DIR.default, "cuda: compiled kernel cache", metavar="DIR")
+    kernel_cache_dir: str = _s(None, "cuda: compiled kernel cache", metavar="DIR",
+                               factory=lambda: os.path.expanduser(KERNEL_CACHE_DIR.default), shown=KERNEL_CACHE_DIR.default)
     gather_blocks: int = _s(32, "cuda: thread blocks the gather may use (SMs are shared with attention)",
                             bounds=(1, None))
     device_arena_size: int = _s(16 << 30, "cuda: one allocation per GPU for every rank's slab and rings, with a "
@@ -204,21 +205,24 @@ CONFIG_FILE = Setting("config", str.strip, "", "the TOML file of sparsekvd's set
 
 
 def unknown_env(environ=None) -> list[str]:
-    """One line for each ``SPARSEKV_*`` variable set in ``environ`` that is no setting of
-    the daemon nor a variable another part of sparsekv reads (``proto/settings.py``): a
-    misspelt name would be ignored without a word (the TOML file refuses an unknown key;
-    the environment is shared with clients and tools, so this is a warning)."""
+    """One line for each ``SPARSEKV_*`` variable set in ``environ`` whose name is close to a
+    setting's but is none, nor a variable another part of sparsekv reads
+    (``proto/settings.py``): a misspelt setting would be ignored without a word (the TOML
+    file refuses an unknown key). Names close to none are left alone: the prefix is shared
+    with clients and tools. Names are shown escaped (one line each, valid in a TOML comment)."""
     from sparsekv.proto import settings as proto_settings  # noqa: PLC0415 - its variables, at call time
 
     environ = os.environ if environ is None else environ
-    daemon = [s.env for s in _SETTINGS.values()] + [CONFIG_FILE.env]
-    known = set(daemon) | {v.env for v in vars(proto_settings).values() if isinstance(v, Setting)}
+    daemon = {s.env[len("SPARSEKV_"):]: s.env for s in [*_SETTINGS.values(), CONFIG_FILE]}
+    known = set(daemon.values()) | {v.env for v in vars(proto_settings).values() if isinstance(v, Setting)}
     lines = []
     for name in sorted(environ):
-        if name.startswith("SPARSEKV_") and environ[name] and name not in known:
-            near = difflib.get_close_matches(name, daemon, n=1, cutoff=0.8)
-            lines.append(f"{name} is set but is no setting of sparsekvd"
-                         + (f" (did you mean {near[0]}?)" if near else "") + ": ignored")
+        if not name.startswith("SPARSEKV_") or not environ[name] or name in known:
+            continue
+        near = difflib.get_close_matches(name[len("SPARSEKV_"):], daemon, n=1, cutoff=0.8)
+        if near:
+            shown = name if re.fullmatch(r"\w+", name, re.ASCII) else ascii(name)
+            lines.append(f"{shown} is set but is no setting of sparsekvd (did you mean {daemon[near[0]]}?): ignored")
     return lines
 
 
@@ -365,7 +369,13 @@ def load_with_sources(args: argparse.Namespace | None = None, environ=None) -> t
             flag = f"--{name.replace('_', '-')}"
             values[name] = _coerce(name, text, f"flag {flag}", lambda f, v: _SETTINGS[f.name].parse(v))
             sources[name] = f"flag {flag}"
+    for name in _DIRS:  # what the daemon uses, and what --print-config writes so that it reads back
+        if name in values:  # the defaults are absolute
+            values[name] = os.path.abspath(os.path.expanduser(values[name]))
     return Config(**values), sources
+
+
+_DIRS = [name for name in _FIELDS if name.endswith("_dir")]
 
 
 def _read_file(cfg_file: str) -> dict:
@@ -396,7 +406,8 @@ def _settings_table(data: dict, cfg_file: str) -> dict:
         data, inside = section, "sparsekvd."
     for k, v in data.items():
         if isinstance(v, dict) or (isinstance(v, list) and v and all(isinstance(x, dict) for x in v)):
-            what = f"setting {k} cannot be a table" if k in _FIELDS else f"unknown table [{inside}{k}]"
+            named = f"[{inside}{k}]" if isinstance(v, dict) else f"[[{inside}{k}]]"
+            what = f"setting {k} cannot be a table" if k in _FIELDS else f"unknown table {named}"
             raise ConfigError(f"{where}: {what}; settings are plain keys (at the top level or in [sparsekvd])")
     return data
 

@@ -212,12 +212,12 @@ class RunDirLock:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             except OSError as e:
                 if e.errno == errno.ELOOP:
-                    raise RuntimeError(f"{self.path} is a symbolic link: refused") from None
+                    raise SettingRefused(f"{self.path} is a symbolic link: refused") from None
                 raise
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 os.close(fd)
-                raise RuntimeError(f"{self.path} is not a regular file of this daemon's user: refused")
+                raise SettingRefused(f"{self.path} is not a regular file of this daemon's user: refused")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -322,15 +322,18 @@ def pool_pinner(cfg):
 
 def backend_refusal(cfg, sources: dict) -> tuple[str, int] | None:
     """Why the configured backend cannot start, found before the pool is pre-faulted, and
-    the exit code: 2 when no restart would change it (CuPy not installed, ``devices``
-    naming GPUs that are not there), 1 when it may (a GPU the driver does not serve yet);
-    None when it may start (``backends.backend_unusable``: ``auto`` on a machine with no
-    NVIDIA GPU serves from the cpu backend, on one whose GPU CuPy cannot use it does not)."""
-    probe = backends_mod.cuda_probe() if cfg.backend in ("auto", "cuda") else (None, False)
+    the exit code: 2 when no restart would change it (CuPy not installed), 1 when one may
+    (a GPU the driver does not serve yet, ``devices`` naming GPUs not visible now: a GPU
+    being reset or repartitioned); None when it may start (``backends.backend_unusable``:
+    ``auto`` on a machine with no NVIDIA GPU serves from the cpu backend, on one whose GPU
+    CuPy cannot use it does not)."""
+    if cfg.backend == "cpu":
+        return None
+    probe = backends_mod.cuda_probe()
     why = backend_unusable(cfg.backend, probe, source=sources.get("backend", "default"))
     if why is not None:
         return why, 2 if probe[1] else 1
-    if cfg.backend != "cuda":
+    if probe[0] is not None:  # auto on a machine without an NVIDIA GPU: the cpu backend
         return None
     if cfg.devices != "all":
         import cupy  # noqa: PLC0415 - importable: backend_unusable() said so
@@ -339,7 +342,7 @@ def backend_refusal(cfg, sources: dict) -> tuple[str, int] | None:
         bad = [int(o) for o in cfg.devices.split(",") if not 0 <= int(o) < count]
         if bad:
             return f"devices {cfg.devices} ({sources.get('devices', 'default')}) names GPU(s) {bad}, but {count} " \
-                   "are visible", 2
+                   "are visible", 1
     return None
 
 
@@ -395,6 +398,8 @@ def main(argv=None) -> int:
               "older versions are removed there: point shm_dir at the engines' /dev/shm", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    # Its default would kill the daemon without its clean-up; StartSignals and the loop keep it so.
+    signal.signal(signal.SIGUSR1, lambda signum, frame: log_ignored(signal.SIGUSR1))
     for line in config_mod.unknown_env():
         log.warning("%s", line)
     log_open_files_limit()
@@ -410,7 +415,7 @@ def main(argv=None) -> int:
             log.error("cannot start: %s (run_dir: %s)", e, sources.get("run_dir", "default"))
             return 2
         except (RuntimeError, OSError) as e:
-            log.error("%s", e)
+            log.error("cannot start: %s (run_dir: %s)", e, sources.get("run_dir", "default"))
             return 1
         refusal = metrics_port_refusal(cfg, sources)  # after the lock: a second daemon is told so first
         if refusal is not None:

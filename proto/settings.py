@@ -66,20 +66,26 @@ def parse_size(text: str | int) -> int:
 
 
 def size_text(n: int) -> str:
-    """``n`` bytes as setting text that reads back as exactly ``n``: :func:`format_size`'s
-    where it names a whole number of a unit, else ``<n>B``."""
-    text = format_size(n)
-    return f"{n}B" if "." in text else text
+    """``n`` bytes as setting text that reads back as exactly ``n``: in the largest unit,
+    binary or decimal, that holds it whole (``64GiB``, ``1536MiB``, ``64GB``), else in
+    bytes. What ``--print-config`` writes and a message that names a limit exactly."""
+    whole = [(scale, unit) for unit, scale in (*_BINARY.items(), *_DECIMAL.items()) if n >= scale and n % scale == 0]
+    if not whole:
+        return f"{n}B"
+    scale, unit = max(whole)
+    return f"{n // scale}{unit}"
 
 
 def format_size(n: int) -> str:
-    """``n`` bytes in the largest unit, binary or decimal, that holds it whole (``64GiB``,
-    ``1536MiB``, ``64GB``), else in the largest binary unit it fills, to one decimal
-    (``4.0KiB`` for 4097 bytes: rounded)."""
-    whole = [(scale, unit) for unit, scale in (*_BINARY.items(), *_DECIMAL.items()) if n >= scale and n % scale == 0]
-    if whole:
-        scale, unit = max(whole)
-        return f"{n // scale}{unit}"
+    """``n`` bytes for a person to read: in the largest binary unit it fills, whole where
+    that unit holds it whole (``64GiB``), else the largest decimal one that does
+    (``64GB``), else to one decimal (``1.5GiB``, ``23.5GiB``; rounded)."""
+    for units in (_BINARY, _DECIMAL):
+        for unit, scale in units.items():
+            if n >= scale:
+                if n % scale == 0:
+                    return f"{n // scale}{unit}"
+                break
     for unit, scale in _BINARY.items():
         if n >= scale:
             return f"{n / scale:.1f}{unit}"

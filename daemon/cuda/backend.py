@@ -71,7 +71,7 @@ class CudaBackend(Backend):
         ordinals = list(range(count)) if cfg.devices == "all" else [int(x) for x in cfg.devices.split(",")]
         bad = [o for o in ordinals if not 0 <= o < count]
         if bad:
-            raise RuntimeError(f"--devices names GPU(s) {bad}, but {count} are visible")
+            raise RuntimeError(f"devices names GPU(s) {bad}, but {count} are visible")
         if not mps_running():
             log.warning("NVIDIA MPS is not running: every cross-process GPU hand-off will cost ~300 us "
                         "instead of ~26 us (start nvidia-cuda-mps-control -d; see deploy/)")

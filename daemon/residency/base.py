@@ -13,7 +13,7 @@ import numpy as np
 
 from sparsekv.proto.args import int32_array, whole_number
 from sparsekv.proto.layout import Layout
-from sparsekv.proto.settings import format_size
+from sparsekv.proto.settings import format_size, size_text
 
 
 class ResidencyError(ValueError):
@@ -238,7 +238,7 @@ def check_layout_limits(layout: Layout, max_rank_bytes: int, engine_slab: bool =
             "TOO_LARGE",
             f"a rank of this layout takes {size['total']} (hot slab {size['slab']}, staging "
             f"{size['staging']}, residency state {size['state']}), more than the daemon's "
-            f"max_slab_bytes of {format_size(max_rank_bytes)}; lower max_reqs, region_stride or num_layers "
+            f"max_slab_bytes of {size_text(max_rank_bytes)}; lower max_reqs, region_stride or num_layers "
             "(or index groups), or raise max_slab_bytes",
         )
     return parts

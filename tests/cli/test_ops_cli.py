@@ -121,8 +121,9 @@ def test_a_client_says_a_starting_daemon_is_starting(starting_daemon):
     was told there was no daemon at all."""
     from sparsekv.client import DaemonUnavailable
 
-    with pytest.raises(DaemonUnavailable, match=rf"sparsekvd \(pid {os.getpid()}\) at {starting_daemon} is "
-                       r"starting: it does not serve yet \(pre-faulting its pool"):
+    with pytest.raises(DaemonUnavailable, match=rf"sparsekvd \(pid {os.getpid()}\) holds {starting_daemon} but has "
+                       r"no control socket: it is starting \(pre-faulting its pool or starting its backend\) or "
+                       r"stopping"):
         Client(str(starting_daemon)).connect()
 
 

@@ -192,3 +192,25 @@ def test_engine_memory_sealed_against_writes_is_refused_by_name(seal):
         assert e.value.code == "BAD_ARGUMENT"
     finally:
         os.close(fd)
+
+
+def test_an_installed_cupy_that_cannot_be_imported_is_not_missing(tmp_path, monkeypatch):
+    """Found by a review: a driver library not loadable yet (a reinstall, a container before
+    its NVIDIA libraries are injected) read as "CuPy is not installed", exit 2: the unit
+    would never restart the daemon once the driver came."""
+    import importlib
+    import sys
+
+    from sparsekv.daemon import backends
+
+    pkg = tmp_path / "cupy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    importlib.invalidate_caches()
+    why, missing = backends.cuda_probe()
+    assert not missing and why.startswith("CuPy is installed but cannot be imported (ImportError: libcuda.so.1")
+    monkeypatch.syspath_prepend(str(tmp_path / "empty"))
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: None)
+    assert backends.cuda_probe()[1]  # not found at all: missing

@@ -145,7 +145,7 @@ def test_run_dir_from_runtime_directory_says_so():
 def test_an_empty_variable_is_an_unset_one():
     cfg, src = load_with_sources(None, environ={"SPARSEKV_MAX_CLIENTS": "", "SPARSEKV_KERNEL_CACHE_DIR": ""})
     assert cfg.max_clients == 256 and src["max_clients"] == "default"
-    assert cfg.kernel_cache_dir == "~/.cache/sparsekv/kernels"
+    assert cfg.kernel_cache_dir == os.path.expanduser("~/.cache/sparsekv/kernels")
 
 
 def test_the_pool_and_page_lock_settings():
@@ -260,10 +260,14 @@ def test_a_misspelt_variable_is_named_in_the_log_and_the_printed_config(monkeypa
     variables (proto/settings.py) and empty ones are not named."""
     env = {"SPARSEKV_POOL_SISE": "2GiB", "SPARSEKV_POOL_SIZE": "1GiB", "SPARSEKV_KERNEL_CACHE_DIR": "/k",
            "SPARSEKV_CLIENT_DEVICE_WAIT": "1", "SPARSEKV_CONFIG": "", "SPARSEKV_NOTHING_LIKE_IT": "1",
-           "SPARSEKV_EMPTY_TYPO": "", "OTHER_POOL_SISE": "1"}
+           "SPARSEKV_IDLE_TIMEOUT_S_": "", "OTHER_POOL_SISE": "1",
+           # the test tools' own (found by a review: SPARSEKV_LONG read as a misspelt SPARSEKV_CONFIG)
+           "SPARSEKV_LONG": "1", "SPARSEKV_CLIENT_IO_CPUS": "1", "SPARSEKV_TEST_DAEMON_LOG": "/x",
+           # a name that would break the TOML comment or forge a log line
+           "SPARSEKV_POOL_SIZ\nE": "1"}
     assert unknown_env(env) == [
-        "SPARSEKV_NOTHING_LIKE_IT is set but is no setting of sparsekvd: ignored",
-        "SPARSEKV_POOL_SISE is set but is no setting of sparsekvd (did you mean SPARSEKV_POOL_SIZE?): ignored"]
+        "SPARSEKV_POOL_SISE is set but is no setting of sparsekvd (did you mean SPARSEKV_POOL_SIZE?): ignored",
+        "'SPARSEKV_POOL_SIZ\\nE' is set but is no setting of sparsekvd (did you mean SPARSEKV_POOL_SIZE?): ignored"]
     from sparsekv.daemon import main as main_mod
 
     for name in [n for n in os.environ if n.startswith("SPARSEKV_")]:

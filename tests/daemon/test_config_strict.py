@@ -65,9 +65,11 @@ def test_numbers_of_the_right_kind_still_load(tmp_path):
     assert load_toml(tmp_path, "pin_pool_at_start = 0\n").pin_pool_at_start == "0"
     with pytest.raises(ConfigError, match="pin_pool_at_start must be 1, after or 0, got '2'"):
         load_toml(tmp_path, "pin_pool_at_start = 2\n")
-    # a relative directory is the command line's business (the shell's working directory), not a file's
-    assert load_toml(tmp_path, "", {}, ["--run-dir", "rel"]).run_dir == "rel"
-    assert load_toml(tmp_path, 'kernel_cache_dir = "~/k"\n').kernel_cache_dir == "~/k"
+    # a relative directory is the command line's business (the shell's working directory), not a file's;
+    # either is made absolute, and ~ expanded, so that --print-config reads back as the same settings
+    assert load_toml(tmp_path, "", {}, ["--run-dir", "rel"]).run_dir == os.path.abspath("rel")
+    assert load_toml(tmp_path, "", {"SPARSEKV_SHM_DIR": "~/shm"}).shm_dir == os.path.expanduser("~/shm")
+    assert load_toml(tmp_path, 'run_dir = "~/k"\n').run_dir == os.path.expanduser("~/k")
 
 
 @pytest.mark.parametrize("toml, words", [
@@ -76,7 +78,8 @@ def test_numbers_of_the_right_kind_still_load(tmp_path):
     ("sparsekvd = 3\n", "sparsekvd must be a table ([sparsekvd]), got an integer"),
     ("pool_size = \"1GiB\"\n[sparsekvd]\nmax_clients = 3\n", "['pool_size'] outside the table [sparsekvd]"),
     ("[sparsekvd]\n[sparsekvd.backend]\nx = 1\n", "setting backend cannot be a table"),
-    ("[[servers]]\nname = 1\n", "unknown table [servers]"),
+    ("[[servers]]\nname = 1\n", "unknown table [[servers]]"),
+    ("[sparsekvd]\n[[sparsekvd.arr]]\nx = 1\n", "unknown table [[sparsekvd.arr]]"),
     ("[sparsekvd]\n[sparsekvd.extra]\nx = 1\n", "unknown table [sparsekvd.extra]"),  # as the file names it
 ])
 def test_tables_where_settings_belong_are_one_line_errors(tmp_path, toml, words):

@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import tomllib
 import uuid
@@ -515,3 +516,19 @@ def test_a_run_dir_that_is_a_file_is_a_bad_setting(tmp_path):
         assert f"cannot start: run dir {run} " in r.stderr and "(run_dir: flag --run-dir)" in r.stderr
     assert f.read_text() == ""
 
+
+
+def test_devices_naming_gpus_not_visible_are_refused_before_the_pool_for_auto_and_cuda(monkeypatch):
+    """Found by a review: with backend auto the check was skipped, and CudaBackend refused
+    it only after the whole pool was pre-faulted. Exit 1: a GPU being reset or repartitioned
+    comes back."""
+    from sparsekv.daemon import backends
+
+    monkeypatch.setattr(backends, "cuda_probe", lambda: (None, False))
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(
+        cuda=SimpleNamespace(runtime=SimpleNamespace(getDeviceCount=lambda: 1))))
+    for backend in ("auto", "cuda"):
+        assert main_mod.backend_refusal(Config(backend=backend, devices="0,3"), {"devices": "file x.toml"}) == (
+            "devices 0,3 (file x.toml) names GPU(s) [3], but 1 are visible", 1)
+        assert main_mod.backend_refusal(Config(backend=backend, devices="0"), {}) is None
+    assert main_mod.backend_refusal(Config(backend="cpu", devices="3"), {}) is None

@@ -49,9 +49,7 @@ def test_a_size_without_a_unit_is_an_error(text):
 
 @pytest.mark.parametrize("nbytes, text", [(1 << 30, "1GiB"), (3 << 20, "3MiB"), (64 << 30, "64GiB"), (1 << 40, "1TiB"),
                                           (64 * 10**9, "64GB"), (10**9, "1GB"), (1536, "1.5KiB"), (100, "100B"),
-                                          (0, "0B"), (3 * 10**9 + 1, "2.8GiB"),
-                                          # found by an operator's review: printed 1.5GiB, which no unit holds whole
-                                          (1536 << 20, "1536MiB"), (2304 << 20, "2304MiB")])
+                                          (0, "0B"), (3 * 10**9 + 1, "2.8GiB"), (1536 << 20, "1.5GiB")])
 def test_sizes_print_in_the_largest_unit_that_holds_them(nbytes, text):
     assert format_size(nbytes) == text
 
@@ -117,3 +115,11 @@ def test_a_size_past_int64_in_the_environment_is_one_setting_error():
 @pytest.mark.parametrize("n", [3 * 10**9 + 1, 67108863, 1536, 1 << 40, 0])
 def test_size_text_reads_back_exactly(n):
     assert parse_size(size_text(n)) == n
+
+
+@pytest.mark.parametrize("nbytes, text", [(1 << 30, "1GiB"), (64 * 10**9, "64GB"), (1536, "1536B"), (100, "100B"),
+                                          (0, "0B"), (3 * 10**9 + 1, "3000000001B"), (2 << 40, "2TiB"),
+                                          # found by an operator's review: --print-config wrote 1.5GiB
+                                          (1536 << 20, "1536MiB"), (2304 << 20, "2304MiB"), (1000, "1KB")])
+def test_setting_text_is_in_the_largest_unit_that_holds_it_whole(nbytes, text):
+    assert size_text(nbytes) == text

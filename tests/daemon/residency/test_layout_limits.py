@@ -23,10 +23,10 @@ def test_tiny_rows_cost_eight_times_their_slab_in_state():
     with pytest.raises(ResidencyError) as ei:
         check_layout_limits(lay, 1 * GiB)
     assert ei.value.code == "TOO_LARGE"
-    assert "2304MiB (hot slab 256MiB, staging 0B, residency state 2GiB)" in str(ei.value)
+    assert "2.2GiB (hot slab 256MiB, staging 0B, residency state 2GiB)" in str(ei.value)
     assert "max_slab_bytes of 1GiB" in str(ei.value)
     assert check_layout_limits(lay, 3 * GiB) == parts
-    # Found by an operator's review: a limit under 1 MiB read "0 MiB"
+    # Found by an operator's review: a limit under 1 MiB read "0 MiB"; the limit is named exactly
     with pytest.raises(ResidencyError, match="more than the daemon's max_slab_bytes of 1001B;"):
         check_layout_limits(lay, 1001)
 
