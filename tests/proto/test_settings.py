@@ -1,6 +1,8 @@
 """The environment's settings registry: sizes and their units, typed values, and one
 clear line naming the variable for a bad value."""
 
+import os
+
 import pytest
 
 from sparsekv.daemon.config import Config, env_name
@@ -94,7 +96,7 @@ def test_the_run_dir_is_the_variable_else_systemds_runtime_directory_else_run_sp
 
 def test_the_kernel_cache_dir_is_shared_with_the_daemon_setting():
     assert KERNEL_CACHE_DIR.env == env_name("kernel_cache_dir")
-    assert KERNEL_CACHE_DIR.default == Config().kernel_cache_dir
+    assert os.path.expanduser(KERNEL_CACHE_DIR.default) == Config().kernel_cache_dir  # used absolute
 
 
 @pytest.mark.parametrize("text, words", [("1.5B", "not a whole number of bytes"), ("0.1KiB", "not a whole number"),
