@@ -46,6 +46,10 @@ class PendingAttach:
     uid: int | None = None  # whose ranks' memory the rank counts in (its client's uid)
     client_uid: int | None = None  # its client's uid (its use of a block store counts against it)
     rank_bytes: int = 0  # the memory the rank takes (residency.base.rank_bytes, an engine slab left out)
+    # A new engine's block store: its blocks, and the store once made (off the loop, by prepare: a
+    # store of 2M blocks page-faults ~100 MB of tables), which the commit gives the engine.
+    store_blocks: int = 0
+    store: BlockStore | None = None
 
     @property
     def rank(self) -> int:
@@ -137,8 +141,7 @@ class EngineRegistry:
                 view = self.pool.view(offset, (layout.num_layers, layout.host_rows, layout.row_bytes))
                 space = EngineSpace(engine_name, layout, view, offset, owner)
                 if block_size:
-                    space.block_size = block_size
-                    space.blocks = BlockStore(layout.host_rows // block_size, space.zero_blocks, self.block_ledger)
+                    space.block_size = block_size  # its store is made by prepare, given at the commit
                 if index_bytes:
                     space.keys_plane = plane = KeysPlane.of(layout, block_size, index_bytes)
                     space.keys = self.pool.view(offset + plane.offset, plane.shape)
@@ -161,6 +164,8 @@ class EngineRegistry:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"engine {engine_name!r} has "
                                 f"{f'indexer keys of {have} bytes' if have else 'no indexer keys plane'} (a position "
                                 f"and layer), this rank asked for {index_bytes or 'none'}")
+        if not created and space.block_size and space.blocks is None:  # its creator's commit is still to come
+            space.blocks = BlockStore(layout.host_rows // space.block_size, space.zero_blocks, self.block_ledger)
         if not created and space.blocks is not None:  # this rank's use of the store (checked again at the commit)
             self._store_yielding(space.blocks.n_blocks, owner.uid if owner else None, store=False, joining=space)
         self._reserve_tp_rank(space, rank, tp_size, tp_max_lag, prefetch)
@@ -173,7 +178,8 @@ class EngineRegistry:
         if uid is not None:
             self.rank_ledger.add(uid, rank_mem)
         return PendingAttach(space, created, client_id, (space, client_id, rank, device, fence_events), kw,
-                             uid=uid, rank_bytes=rank_mem, client_uid=owner.uid if owner else None)
+                             uid=uid, rank_bytes=rank_mem, client_uid=owner.uid if owner else None,
+                             store_blocks=layout.host_rows // block_size if created and block_size else 0)
 
     @property
     def returning_bytes(self) -> int:
@@ -281,8 +287,10 @@ class EngineRegistry:
 
     def prepare(self, p: PendingAttach) -> None:
         """The slow part of an attach, on any thread: the backend's ``prepare_rank`` and,
-        unless ``new_rank_on_loop``, the rank itself. It touches only ``p``, its engine's
-        pool range and what the backend makes for it."""
+        unless ``new_rank_on_loop``, the rank itself; a new engine's block store. It touches
+        only ``p``, its engine's pool range and what the backend makes for it."""
+        if p.store_blocks:  # only this attach knows the store: made here, given to the engine at the commit
+            p.store = BlockStore(p.store_blocks, p.space.zero_blocks, self.block_ledger)
         self.backend.prepare_rank(*p.new_rank_args, **p.new_rank_kw)
         if not self.backend.new_rank_on_loop:
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
@@ -292,6 +300,9 @@ class EngineRegistry:
         engine's store is checked against ``max_store_bytes`` again (others may have come
         since), and the engines kept for their cached blocks that it needs yield now, so
         that an attach refused at any step before releases none."""
+        if p.store_blocks and p.space.blocks is None:
+            p.space.blocks = p.store if p.store is not None else \
+                BlockStore(p.store_blocks, p.space.zero_blocks, self.block_ledger)
         store = p.space.blocks
         yielding = [] if store is None else \
             self._store_yielding(store.n_blocks, p.client_uid, [p.space] if p.created else [], store=p.created,

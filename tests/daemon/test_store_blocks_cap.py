@@ -323,3 +323,39 @@ def test_the_creators_commit_counts_the_ranks_that_joined_before_it(reg):
             reg.abort(p0)
     assert not reg.space("a").blocks.is_open(1)
     assert reg.store_room.held(reg._engines.values()) <= reg.store_room.cap_bytes
+
+
+def test_a_new_engines_block_store_is_made_off_the_loop_by_prepare(reg, monkeypatch):
+    """A store of 2M blocks page-faults ~100 MB of tables (0.25 s here): made by the attach's
+    slow part (prepare, a worker thread in the daemon), given to the engine at the commit.
+    A rank that joins before the creator's commit (registry level only) makes it there."""
+    import threading
+
+    from sparsekv.daemon import registry as registry_mod
+
+    made = []
+
+    class Store(BlockStore):
+        def __init__(self, *a, **kw):
+            made.append(threading.current_thread())
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(registry_mod, "BlockStore", Store)
+    p = reg.begin_attach(1, 0, "cpu", "a", LAY, block_size=BS, owner=ROOT)
+    assert made == [] and reg.space("a").blocks is None
+    worker = threading.Thread(target=reg.prepare, args=(p,))
+    worker.start()
+    worker.join()
+    assert made == [worker]
+    reg.commit(p)
+    assert reg.space("a").blocks is p.store and p.store.is_open(1) and p.store.n_blocks == LAY.host_rows // BS
+    # the creator second: the joining rank made the store, the creator's commit keeps it
+    q0 = reg.begin_attach(2, 0, "cpu", "b", LAY, block_size=BS, owner=ROOT, tp_size=2)
+    q1 = reg.begin_attach(3, 1, "cpu", "b", LAY, block_size=BS, owner=ROOT, tp_size=2)
+    joined = reg.space("b").blocks
+    assert joined is not None and made[-1] is threading.current_thread()
+    reg.prepare(q1)
+    reg.commit(q1)
+    reg.prepare(q0)
+    reg.commit(q0)
+    assert reg.space("b").blocks is joined and joined.is_open(2) and joined.is_open(3)
