@@ -54,9 +54,10 @@ class StoreRoom:
         sessions' pins; of ``uid`` only: the arrays when ``uid`` owns the engine, and that
         uid's sessions' pins."""
         store = space.blocks
-        if store is None:
-            return 0
         mine = uid is None or (space.owner is not None and space.owner.uid == uid)
+        if store is None:  # none, or a new engine's, made by its attach's slow part: counted already
+            pending = space.layout.host_rows // space.block_size if space.block_size else 0
+            return BlockStore.bookkeeping_bytes(pending) if pending and mine else 0
         return ((BlockStore.bookkeeping_bytes(store.n_blocks) if mine else 0)
                 + session_bytes(store.n_blocks) * store.sessions_of(uid))
 

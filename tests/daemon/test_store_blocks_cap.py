@@ -343,6 +343,8 @@ def test_a_new_engines_block_store_is_made_off_the_loop_by_prepare(reg, monkeypa
     monkeypatch.setattr(registry_mod, "BlockStore", Store)
     p = reg.begin_attach(1, 0, "cpu", "a", LAY, block_size=BS, owner=ROOT)
     assert made == [] and reg.space("a").blocks is None
+    # counted against the cap from the start, as before (another new engine's check sees it)
+    assert reg.store_room.held(reg._engines.values()) == BlockStore.bookkeeping_bytes(LAY.host_rows // BS)
     worker = threading.Thread(target=reg.prepare, args=(p,))
     worker.start()
     worker.join()
