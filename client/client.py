@@ -423,11 +423,20 @@ class Client(Connection):
 
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
         """Send a request, after the STEP not sent yet (requests reach the daemon in the
-        order they were made) unless this is the TOPK it rides on (``begin``)."""
+        order they were made) unless this is the TOPK it rides on (``begin``). Any request
+        but a TOPK or a DETACH first waits for that STEP's reply and raises its refusal:
+        a WRITE or a block request must not run and then raise an error that was the
+        STEP's (the caller would take it as its own, and an ALLOC's blocks would be lost).
+        A TOPK after it is not held back: it raises the STEP's refusal instead of its result."""
         self._raise_if_watch_gone()
         if msg_type == MsgType.TOPK and fields.get("begin"):
             self._pending_step = None  # the TOPK carries it
+        lone_step = self._pending_step is not None
         self._send_pending_step()
+        if lone_step and msg_type not in (MsgType.TOPK, MsgType.DETACH):
+            step_req = self._deferred[-1]
+            self._receive_until(step_req)
+            self._check_deferred()
         return super()._send(msg_type, fields, arrays)
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:

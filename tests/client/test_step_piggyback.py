@@ -89,3 +89,30 @@ def test_a_request_made_before_close_fails_at_once_after_connect(module_daemon):
         c.topk(0, 0, IDS)
     finally:
         c.close()
+
+
+def test_a_request_after_a_refused_step_sent_alone_raises_its_refusal_and_is_not_run(module_daemon):
+    """Found by an integrator's review: a STEP sent alone (a WRITE or a block request came
+    before its TOPK) was not waited for; the next request ran, then raised the STEP's
+    refusal as its own: a WRITE that raised had written, an ALLOC that raised held blocks
+    the caller never saw. Now that request waits for the STEP's reply first."""
+    with Client(module_daemon.run_dir, timeout_s=10) as c:
+        att = c.attach(LAYOUT, engine="p-alone")
+        c.write([0], np.full((1, 1, 32), 1, np.uint8))
+        c.step(0, [7])  # a bad state row (max_reqs 2)
+        with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
+            c.write([0], np.full((1, 1, 32), 2, np.uint8))
+        c.step(1, [0], reset=[True])
+        r = c.topk(1, 0, np.array([[0, -1, -1, -1]], np.int32))
+        assert (att.slab[0, 0, r.slots[0, 0]] == 1).all()  # the WRITE did not run
+        # a good STEP sent alone: the WRITE after it runs, and the step's TOPK still works
+        c.step(2, [0])
+        c.write([1], np.full((1, 1, 32), 3, np.uint8))
+        r = c.topk(2, 0, np.array([[1, -1, -1, -1]], np.int32))
+        assert (att.slab[0, 0, r.slots[0, 0]] == 3).all()
+    with Client(module_daemon.run_dir, timeout_s=10) as c:
+        c.attach(LAYOUT, engine="p-alone-blocks", block_size=4)
+        c.step(0, [7])
+        with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
+            c.blocks.alloc(2)
+        assert c.blocks.reserve(0)["private"] == 0  # the ALLOC did not run
