@@ -62,7 +62,8 @@ class Connection:
         if self._sock is None:
             if self._gone is not None:
                 raise DaemonUnavailable(self._gone)
-            raise SparseKVError("client is not connected; call connect() or use it as a context manager")
+            raise SparseKVError("client is not connected; call connect() or use it as a context manager",
+                                ErrorCode.NOT_HELLO)
         self._check_owner()
         req = self._next_id
         self._next_id += 1
@@ -120,7 +121,7 @@ class Connection:
         parent's session."""
         if os.getpid() != self._owner_pid:
             raise SparseKVError(f"this Client was connected by process {self._owner_pid}; a forked child must "
-                                "create a Client of its own")
+                                "create a Client of its own", ErrorCode.NOT_HELLO)
 
     def _closed_why(self, e: WireClosed) -> str:
         """Why the connection ended: the daemon gone or restarted, or it closed this one. A

@@ -24,7 +24,7 @@ from sparsekv.proto import ErrorCode, Layout
 from sparsekv.proto.positions import INT32_MAX, host_rows
 
 from . import swap_in_kernels
-from .errors import BadRequest, NotAttached, SparseKVError
+from .errors import BadRequest, NotAttached
 from .step_order import StepOrder
 from .tensors import host_array, is_int_dtype, is_torch, on_gpu
 
@@ -261,7 +261,7 @@ class HostSwapIn:
     # -- internals -------------------------------------------------------------------
     def _open(self) -> None:
         if self._closed:
-            raise SparseKVError("this HostSwapIn is closed; make a new one")
+            raise NotAttached("this HostSwapIn is closed; make a new one from the attached client")
         if self._client.attachment is not self._att:  # its slab views are of a rank that is gone
             self.close()
             raise NotAttached("this HostSwapIn's rank was detached (or its client closed): its slab is gone; "

@@ -14,7 +14,7 @@ import pytest
 
 import helpers
 from sparsekv.client import BadRequest, Client, DaemonUnavailable, SparseKVError
-from sparsekv.proto import LIMITS
+from sparsekv.proto import LIMITS, ErrorCode
 from test_liveness import run_dir, start, stop  # noqa: F401 - the fixture
 
 
@@ -83,7 +83,7 @@ def test_a_forked_child_cannot_use_or_end_its_parents_session(run_dir):  # noqa:
                     request()
                     code |= 1
                 except SparseKVError as e:
-                    code |= 0 if "forked child must create a Client" in str(e) else 2
+                    code |= 0 if "forked child must create a Client" in str(e) and e.code.name == "NOT_HELLO" else 2
                 except BaseException:  # noqa: BLE001 - reported by the exit code
                     code |= 4
             c.close()
@@ -153,3 +153,12 @@ def test_a_daemon_killed_while_a_write_waits_for_room_is_noticed_within_seconds(
         assert time.monotonic() - t0 < 0.2
     finally:
         stop(p)
+
+
+def test_a_client_not_connected_says_so_with_a_code_of_its_own(tmp_path):
+    """Found by an integrator's review: it raised the base error with INTERNAL ("the daemon
+    hit a bug; see its log"), before and after close()."""
+    c = Client(str(tmp_path))
+    with pytest.raises(SparseKVError, match="client is not connected; call connect") as e:
+        c.stats()
+    assert e.value.code == ErrorCode.NOT_HELLO
