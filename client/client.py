@@ -403,6 +403,9 @@ class Client(Connection):
         start a new request (``reset`` bool [batch]) and rows rewritten since the last step
         (``invalidate`` int32 [batch, n], -1 = none)."""
         step = _whole("step", step)
+        if not -(1 << 63) <= step < 1 << 64:  # held, not sent yet: the request that carries it would fail
+            raise BadRequest(f"step {step} is outside what a request can carry ([-2**63, 2**64))",
+                             ErrorCode.BAD_ARGUMENT)
         arrays = step_arrays(state_rows, reset, invalidate)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()

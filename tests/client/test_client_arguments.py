@@ -44,6 +44,17 @@ def test_state_rows_and_invalidations_must_be_integers(c):
         c.step(0, [0], invalidate=[[1.5]])
 
 
+def test_a_step_number_a_request_cannot_carry_is_refused_by_step_itself(c):
+    """Found by an integrator's review: step(2**64) returned, and the next call (another
+    step's TOPK) raised, naming neither."""
+    for step in (1 << 64, -(1 << 63) - 1):
+        with pytest.raises(BadRequest, match=rf"step {step} is outside what a request can carry"):
+            c.step(step, [0])
+    c.step((1 << 64) - 1, [0])  # the edges are carried
+    c.step(-(1 << 63), [0])
+    c.flush()
+
+
 def test_a_write_to_a_row_past_int32_or_of_data_not_bytes_writes_nothing(c):
     with pytest.raises(BadRequest, match="rows holds 4294967301, outside int32"):
         c.write(np.array([2**32 + 5], np.int64), np.ones((2, 1, 4096), np.uint8))
