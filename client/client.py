@@ -112,6 +112,7 @@ class Client(Connection):
             device_wait = CLIENT_DEVICE_WAIT.get()
         self.device_wait = bool(device_wait)
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
+        self._lone_steps: list[int] = []  # STEPs sent alone whose replies were not read yet
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
         self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
         self._fence_requests: dict[int, int] = {}  # cuda: fence event -> the last request that carried it
@@ -172,6 +173,7 @@ class Client(Connection):
     def _goodbye(self) -> None:
         timeout_s, self.timeout_s = self.timeout_s, min(self.timeout_s, BYE_TIMEOUT_S)
         self._pending_step = None  # a STEP not sent yet: nobody will use it
+        self._lone_steps.clear()
         try:
             try:
                 self._call(MsgType.BYE)
@@ -403,9 +405,8 @@ class Client(Connection):
         start a new request (``reset`` bool [batch]) and rows rewritten since the last step
         (``invalidate`` int32 [batch, n], -1 = none)."""
         step = _whole("step", step)
-        if not -(1 << 63) <= step < 1 << 64:  # held, not sent yet: the request that carries it would fail
-            raise BadRequest(f"step {step} is outside what a request can carry ([-2**63, 2**64))",
-                             ErrorCode.BAD_ARGUMENT)
+        if not -(1 << 63) <= step < 1 << 64:  # held, not sent yet: the request carrying it would fail
+            raise BadRequest(f"step {step} is outside what a request can carry ([-2**63, 2**64))", ErrorCode.BAD_ARGUMENT)
         arrays = step_arrays(state_rows, reset, invalidate)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
@@ -416,7 +417,19 @@ class Client(Connection):
         """Send the STEP not sent yet alone (not waited for)."""
         pending, self._pending_step = self._pending_step, None
         if pending is not None:
-            self._deferred.append(self._send(MsgType.STEP, {"step": pending[0]}, pending[1]))
+            self._lone_steps.append(self._send(MsgType.STEP, {"step": pending[0]}, pending[1]))
+            self._deferred.append(self._lone_steps[-1])
+
+    def _settle_steps(self) -> None:
+        """Send the STEP not sent yet; wait for every STEP sent alone and raise its refusal:
+        a request (or its side effects: a keys buffer deposited) must not run and then raise
+        a STEP's error as its own (a WRITE that raised had written; an ALLOC's blocks lost)."""
+        self._send_pending_step()
+        while self._lone_steps:
+            req = self._lone_steps.pop(0)
+            if req in self._deferred:  # (its reply may have been read and raised already)
+                self._receive_until(req)
+                self._check_deferred()
 
     def _riding_step(self, step: int, state_rows) -> dict | None:
         """The arrays of the STEP not sent yet when the TOPK of ``step`` about to be sent
@@ -426,20 +439,13 @@ class Client(Connection):
 
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
         """Send a request, after the STEP not sent yet (requests reach the daemon in the
-        order they were made) unless this is the TOPK it rides on (``begin``). Any request
-        but a TOPK or a DETACH first waits for that STEP's reply and raises its refusal:
-        a WRITE or a block request must not run and then raise an error that was the
-        STEP's (the caller would take it as its own, and an ALLOC's blocks would be lost).
-        A TOPK after it is not held back: it raises the STEP's refusal instead of its result."""
+        order they were made) unless this is the TOPK it rides on (``begin``); any request
+        but a TOPK or a DETACH after :meth:`_settle_steps`."""
         self._raise_if_watch_gone()
         if msg_type == MsgType.TOPK and fields.get("begin"):
             self._pending_step = None  # the TOPK carries it
-        lone_step = self._pending_step is not None
-        self._send_pending_step()
-        if lone_step and msg_type not in (MsgType.TOPK, MsgType.DETACH):
-            step_req = self._deferred[-1]
-            self._receive_until(step_req)
-            self._check_deferred()
+        # (a STEP here is the one being sent alone)
+        self._send_pending_step() if msg_type in (MsgType.TOPK, MsgType.DETACH, MsgType.STEP) else self._settle_steps()
         return super()._send(msg_type, fields, arrays)
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:
@@ -579,6 +585,7 @@ class Client(Connection):
         self._block_requests.clear()
         self._fence_requests.clear()
         self._pending_step = None
+        self._lone_steps.clear()
         super()._lost(why, "session and attachment are" if self.attachment else "session is")
 
     def flush(self) -> None:

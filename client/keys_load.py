@@ -51,6 +51,7 @@ class KeysLoader:
         att = c.attachment
         if att is None:
             raise BadRequest("load_keys needs an attached rank", ErrorCode.NOT_ATTACHED)
+        c._settle_steps()  # before the buffer is deposited or a fence recorded for a request that would not go
         if not c.device.startswith("cuda"):
             return self._load_shared(blocks, need, dst)
         import torch  # noqa: PLC0415  (cuda ranks only)

@@ -1,5 +1,6 @@
 """A STEP rides on its step's first TOPK (one message); alone only when no TOPK follows."""
 
+import contextlib
 import time
 
 import numpy as np
@@ -116,3 +117,33 @@ def test_a_request_after_a_refused_step_sent_alone_raises_its_refusal_and_is_not
         with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
             c.blocks.alloc(2)
         assert c.blocks.reserve(0)["private"] == 0  # the ALLOC did not run
+
+
+@pytest.mark.parametrize("topk_kw", [{"step": 1}, {"step": 0, "state_rows": [0]}])
+def test_a_request_after_a_topk_that_sent_a_refused_step_alone_is_not_run(module_daemon, topk_kw):
+    """Found by a review of the fix above: a TOPK that does not carry the STEP (another
+    step, or state rows of its own, as HostSwapIn sends) sent it alone, and the WRITE or
+    ALLOC after the TOPK ran and raised the STEP's refusal."""
+    with Client(module_daemon.run_dir, timeout_s=10) as c:
+        att = c.attach(LAYOUT, engine="p-alone-topk", block_size=4)
+        c.step(0, [7])  # a bad state row
+        pending = c.submit_topk(group=0, topk=IDS, **topk_kw)  # not waited for
+        with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
+            c.blocks.alloc(2)
+        with contextlib.suppress(BadRequest):  # (its own answer: refused for another step, served for its rows)
+            pending.wait()
+        assert c.blocks.reserve(0)["private"] == 0  # the ALLOC did not run
+        c.step(2, [0], reset=[True])
+        assert int(c.topk(2, 0, IDS).misses[0]) == 4
+        new = c.blocks.alloc(1)
+        rows = c.blocks.rows(new)[:1]
+        c.write(rows, np.full((1, 1, 32), 5, np.uint8))
+        c.step(3, [7])
+        pending = c.submit_topk(group=0, topk=IDS, **{**topk_kw, "step": topk_kw["step"] + 3})
+        with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
+            c.write(rows, np.full((1, 1, 32), 6, np.uint8))
+        with contextlib.suppress(BadRequest):
+            pending.wait()
+        c.step(5, [0])
+        r = c.topk(5, 0, np.array([[int(rows[0]), -1, -1, -1]], np.int32))
+        assert (att.slab[0, 0, r.slots[0, 0]] == 5).all()  # the second WRITE did not run

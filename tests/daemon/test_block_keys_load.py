@@ -261,3 +261,20 @@ def test_cuda_a_load_waits_for_the_engines_stream_and_the_engine_reads_right_aft
             # LIMITS.max_keys_targets of them: bench prefix loads 21 times into one buffer).
             assert len(c._keys_loader._targets) == 1
             assert helpers.stats_json(d.run_dir)["block_keys_bytes_loaded"] == (5 * 16 + 3) * BLOCK_BYTES
+
+
+def test_a_load_after_a_refused_step_deposits_nothing(daemon):
+    """Found by a review: a keys load held back by a refused STEP sent alone had deposited
+    its buffer first; the daemon kept each deposit 60 s, and after 4 the process's next
+    good load was refused (too many deposits)."""
+    with Client(daemon.run_dir) as c:
+        blocks = attach_keys(c)
+        mine = blocks.alloc(1)
+        blocks.write_keys(mine, keys_of(3, 1))
+        buf = EngineSlab.shared_memory(BLOCK_BYTES)
+        for step in range(5):
+            c.step(step, [LAY.max_reqs])  # a bad state row, sent alone by the load
+            with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
+                blocks.load_keys(mine, buf)
+        assert blocks.load_keys(mine, buf) == BLOCK_BYTES
+        assert (loaded(buf, 1) == keys_of(3, 1)).all()

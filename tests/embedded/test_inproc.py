@@ -197,9 +197,12 @@ def test_attach_arguments_are_checked_alike_in_process_and_through_the_client(mo
             c.attach(LAYOUT, engine="m", block_size=np.int64(4), index_bytes=np.int32(8))
             assert c.blocks.block_size == 4 and c._space.keys_plane.index_bytes == 8
         d.attach(LAYOUT, engine="attach-parity")
-        with pytest.raises(BadRequest, match=r"step \d+ is outside what a request can carry") as ei:
-            d.step(2**70, [0])  # refused here, not by the top-k that would carry it
-        assert ei.value.code == ErrorCode.BAD_ARGUMENT
+        for x in (InprocClient(), d):
+            if x is not d:
+                x.attach(LAYOUT, engine="step-parity")
+            with pytest.raises(BadRequest, match=r"step \d+ is outside what a request can carry") as ei:
+                x.step(2**70, [0])  # refused here, not by the top-k that would carry it
+            assert ei.value.code == ErrorCode.BAD_ARGUMENT
         d.step(0, [0])  # the connection serves on
         assert d.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
 
