@@ -589,8 +589,9 @@ class Client(Connection):
         super()._lost(why, "session and attachment are" if self.attachment else "session is")
 
     def flush(self) -> None:
-        """Wait for every deferred request (e.g. the last STEP); raise the first error, or
-        DaemonUnavailable once the session is lost."""
+        """Wait for every deferred request (the last STEP); raise the first error (session lost: DaemonUnavailable)."""
+        if self._sock is not None:
+            self._check_owner()  # a forked child has nothing of its own to wait for
         self._send_pending_step()
         while self._deferred:
             self._receive_until(self._deferred[0])

@@ -138,7 +138,10 @@ class Connection:
 
     def _receive_until(self, req_id: int) -> None:
         if self._sock is None and req_id not in self._replies:
-            raise DaemonUnavailable(self._gone or "client is not connected")
+            if self._gone is not None:
+                raise DaemonUnavailable(self._gone)
+            raise SparseKVError("client is not connected (closed since the request was made); no reply will come "
+                                "for it", ErrorCode.NOT_HELLO)
         if req_id not in self._sent and req_id not in self._replies:  # (waited for it blocked until timeout_s)
             raise SparseKVError(f"request {req_id} was made on an earlier connection of this client, closed since: "
                                 "no reply will come for it")

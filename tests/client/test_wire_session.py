@@ -78,7 +78,7 @@ def test_a_forked_child_cannot_use_or_end_its_parents_session(run_dir):  # noqa:
         pid = os.fork()
         if pid == 0:  # the child
             code = 0
-            for request in (c.stats, pending.wait):  # a request, a read of the parent's reply
+            for request in (c.stats, pending.wait, c.flush):  # a request, a read of the parent's reply, a flush
                 try:
                     request()
                     code |= 1
@@ -162,3 +162,19 @@ def test_a_client_not_connected_says_so_with_a_code_of_its_own(tmp_path):
     with pytest.raises(SparseKVError, match="client is not connected; call connect") as e:
         c.stats()
     assert e.value.code == ErrorCode.NOT_HELLO
+
+
+def test_a_pending_request_of_a_closed_client_says_the_client_is_closed(run_dir):  # noqa: F811
+    """Found by a review: it raised DaemonUnavailable (INTERNAL), the daemon serving on."""
+    p = start(run_dir)
+    try:
+        c = Client(run_dir, timeout_s=5).connect()
+        c.attach(helpers.layout())
+        c.step(0, [0])
+        pending = c.submit_topk(0, 0, [[1, 2, 3, 4]])
+        c.close()
+        with pytest.raises(SparseKVError, match=r"client is not connected \(closed since the request was made\)") as e:
+            pending.wait()
+        assert e.value.code == ErrorCode.NOT_HELLO and not isinstance(e.value, DaemonUnavailable)
+    finally:
+        stop(p)
