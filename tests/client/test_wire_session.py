@@ -4,6 +4,7 @@ no wrong row; a forked child may not use (nor end) its parent's session; a heade
 limit is refused before it is sent; a Pending's error reply is raised by every wait; a daemon
 killed while a large WRITE waits for room is noticed within seconds."""
 
+import contextlib
 import os
 import signal
 import threading
@@ -65,16 +66,25 @@ def test_a_write_cut_by_an_exception_ends_the_session_and_writes_no_wrong_row(ru
         stop(p)
 
 
-def test_a_forked_child_cannot_use_or_end_its_parents_session(run_dir):  # noqa: F811
-    """A child forked from a process with a Client shares its connection: a request of the
-    child's would mix with the parent's on the stream, its close() would say goodbye for
-    the parent. The child is refused, and its close() leaves the parent's session alone."""
+@contextlib.contextmanager
+def a_pending_topk(run_dir):
+    """A daemon, a client attached to it and a TOPK of step 0 not waited for; the daemon
+    stopped at the end."""
     p = start(run_dir)
     try:
         c = Client(run_dir, timeout_s=5).connect()
         c.attach(helpers.layout())
         c.step(0, [0])
-        pending = c.submit_topk(0, 0, [[1, 2, 3, 4]])
+        yield c, c.submit_topk(0, 0, [[1, 2, 3, 4]])
+    finally:
+        stop(p)
+
+
+def test_a_forked_child_cannot_use_or_end_its_parents_session(run_dir):  # noqa: F811
+    """A child forked from a process with a Client shares its connection: a request of the
+    child's would mix with the parent's on the stream, its close() would say goodbye for
+    the parent. The child is refused, and its close() leaves the parent's session alone."""
+    with a_pending_topk(run_dir) as (c, pending):
         pid = os.fork()
         if pid == 0:  # the child
             code = 0
@@ -93,8 +103,6 @@ def test_a_forked_child_cannot_use_or_end_its_parents_session(run_dir):  # noqa:
         assert pending.wait().slots.shape == (1, 4)
         assert c.stats()["attached"] == 1
         c.close()
-    finally:
-        stop(p)
 
 
 def test_a_header_over_the_limit_is_refused_here_not_left_to_time_out(run_dir):  # noqa: F811
@@ -166,15 +174,8 @@ def test_a_client_not_connected_says_so_with_a_code_of_its_own(tmp_path):
 
 def test_a_pending_request_of_a_closed_client_says_the_client_is_closed(run_dir):  # noqa: F811
     """Found by a review: it raised DaemonUnavailable (INTERNAL), the daemon serving on."""
-    p = start(run_dir)
-    try:
-        c = Client(run_dir, timeout_s=5).connect()
-        c.attach(helpers.layout())
-        c.step(0, [0])
-        pending = c.submit_topk(0, 0, [[1, 2, 3, 4]])
+    with a_pending_topk(run_dir) as (c, pending):
         c.close()
         with pytest.raises(SparseKVError, match=r"client is not connected \(closed since the request was made\)") as e:
             pending.wait()
         assert e.value.code == ErrorCode.NOT_HELLO and not isinstance(e.value, DaemonUnavailable)
-    finally:
-        stop(p)
