@@ -404,9 +404,7 @@ class Client(Connection):
         """Begin decode step ``step``: the batch's state rows (-1 = padding), which of them
         start a new request (``reset`` bool [batch]) and rows rewritten since the last step
         (``invalidate`` int32 [batch, n], -1 = none)."""
-        step = _whole("step", step)
-        if not -(1 << 63) <= step < 1 << 64:  # held, not sent yet: the request carrying it would fail
-            raise BadRequest(f"step {step} is outside what a request can carry ([-2**63, 2**64))", ErrorCode.BAD_ARGUMENT)
+        step = _whole("step", step, carried=True)  # held, not sent yet: the request carrying it would fail
         arrays = step_arrays(state_rows, reset, invalidate)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
@@ -444,8 +442,10 @@ class Client(Connection):
         self._raise_if_watch_gone()
         if msg_type == MsgType.TOPK and fields.get("begin"):
             self._pending_step = None  # the TOPK carries it
-        # (a STEP here is the one being sent alone)
-        self._send_pending_step() if msg_type in (MsgType.TOPK, MsgType.DETACH, MsgType.STEP) else self._settle_steps()
+        if msg_type in (MsgType.TOPK, MsgType.DETACH, MsgType.STEP):  # (a STEP: the one being sent alone)
+            self._send_pending_step()
+        else:
+            self._settle_steps()
         return super()._send(msg_type, fields, arrays)
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:

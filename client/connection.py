@@ -17,6 +17,7 @@ import time
 import psutil
 
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError, decode, encode
+from sparsekv.proto.args import CARRIED
 from sparsekv.proto.run_dir import lock_holder
 
 from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
@@ -76,7 +77,7 @@ class Connection:
             frames = encode(msg_type, req, fields, arrays)
         except OverflowError:  # msgpack carries integers in [-2**63, 2**64)
             raise BadRequest(f"{_too_wide(fields)} holds an integer outside what a request can carry "
-                             "([-2**63, 2**64))", ErrorCode.BAD_ARGUMENT) from None
+                             f"({CARRIED})", ErrorCode.BAD_ARGUMENT) from None
         if len(frames[0]) > LIMITS.max_header_bytes:  # dropped unread: no reply could name the request
             raise BadRequest(f"a request header of {len(frames[0])} bytes exceeds the limit of "
                              f"{LIMITS.max_header_bytes} bytes (a name or a field too long)", ErrorCode.TOO_LARGE)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 
 from sparsekv.proto import LIMITS, ErrorCode, MsgType
-from sparsekv.proto.args import INT32_MAX, int32_array, layer_numbers, layers_in, reset_flags, whole_number
+from sparsekv.proto.args import (INT32_MAX, carried_number, int32_array, layer_numbers, layers_in, reset_flags,
+                                 whole_number)
 
 from .errors import BadRequest, DaemonUnavailable, SparseKVError
 
@@ -103,10 +104,11 @@ def layers_arg(layers) -> list[int]:
         raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
 
 
-def whole(name: str, v) -> int:
-    """An exact integer argument (BadRequest for a float, bool or text: a cast took 1.9 for 1)."""
+def whole(name: str, v, carried: bool = False) -> int:
+    """An exact integer argument (BadRequest for a float, bool or text: a cast took 1.9 for 1);
+    with ``carried``, one a request can carry (``proto.args.carried_number``)."""
     try:
-        return whole_number(name, v)
+        return (carried_number if carried else whole_number)(name, v)
     except ValueError as e:
         raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
 

@@ -19,6 +19,7 @@ import numpy as np
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError
 
 from .backends import map_engine_memory
+from .blocks.chains import owned
 from .blocks.store import BlockStore, Found
 from .heavy import HEAVY_BYTES, Slow
 from .sessions import Session
@@ -188,14 +189,10 @@ def lookup_reply(found: Found | None, chain: int | None) -> tuple[dict, dict | N
     # A view is copied: the reply may wait in the outbox, which counts the bytes it sends,
     # and a view would keep its whole base (a remembered chain's ids) alive with it.
     if chain is None:
-        return fields, {"blocks": _own(found.blocks)}
+        return fields, {"blocks": owned(found.blocks)}
     fields["head"] = found.head
     rest = found.blocks[found.head:]
-    return fields, ({"blocks": _own(rest)} if rest.size else None)  # (none after the chain named: one frame)
-
-
-def _own(a: np.ndarray) -> np.ndarray:
-    return a if a.base is None else a.copy()
+    return fields, ({"blocks": owned(rest)} if rest.size else None)  # (none after the chain named: one frame)
 
 
 def _dst(h: dict) -> dict:

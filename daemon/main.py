@@ -259,7 +259,8 @@ class _Interrupted(BaseException):
 class StartSignals:
     """Signal handling until the event loop takes over (a context manager). SIGTERM/SIGINT
     raise :class:`_Interrupted` at once inside :meth:`interruptible` (the pool's
-    pre-fault), elsewhere at the next :meth:`check`. SIGHUP and SIGUSR1 are logged and ignored."""
+    pre-fault), elsewhere at the next :meth:`check`. SIGHUP is logged and ignored (SIGUSR1
+    too, by the handler ``main`` set before)."""
 
     def __init__(self):
         self.requested: int | None = None
@@ -267,8 +268,7 @@ class StartSignals:
         self._saved: dict[int, object] = {}
 
     def __enter__(self) -> "StartSignals":
-        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop), (signal.SIGHUP, self._on_hup),
-                        (signal.SIGUSR1, self._on_hup)):
+        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop), (signal.SIGHUP, self._on_hup)):
             self._saved[sig] = signal.signal(sig, fn)
         return self
 
@@ -286,7 +286,7 @@ class StartSignals:
             raise _Interrupted(signum)
 
     def _on_hup(self, signum, frame) -> None:
-        log_ignored(signal.Signals(signum))
+        log_ignored(signal.SIGHUP)
 
     @contextlib.contextmanager
     def interruptible(self):
@@ -411,12 +411,9 @@ def main(argv=None) -> int:
     with StartSignals() as signals:
         try:
             lock = RunDirLock(cfg.run_dir)
-        except SettingRefused as e:
-            log.error("cannot start: %s (run_dir: %s)", e, sources.get("run_dir", "default"))
-            return 2
         except (RuntimeError, OSError) as e:
             log.error("cannot start: %s (run_dir: %s)", e, sources.get("run_dir", "default"))
-            return 1
+            return 2 if isinstance(e, SettingRefused) else 1
         refusal = metrics_port_refusal(cfg, sources)  # after the lock: a second daemon is told so first
         if refusal is not None:
             log.error("cannot start: %s", refusal[0])
@@ -483,12 +480,9 @@ def main(argv=None) -> int:
             notifier.stopping()
             log.info("stopped before serving")
             return 0
-        except SettingRefused as e:
-            log.error("cannot start: %s", e)
-            return 2
         except (PoolError, PinError, RuntimeError, OSError, ValueError) as e:
             log.error("cannot start: %s", e)
-            return 1
+            return 2 if isinstance(e, SettingRefused) else 1
         finally:
             # Each step by itself: after a fatal error (a lost GPU context) one may fail,
             # and the exit code must still say why the daemon stopped, not this.
@@ -515,16 +509,14 @@ def place_io(cfg, sources: dict) -> tuple:
     def refuse(name: str, why: str) -> SettingRefused:
         return SettingRefused(f"{why} ({name}: {sources.get(name, 'default')})")
 
-    try:
-        io_cpus = parse_cpu_list(cfg.io_cpus, "io_cpus")
-        check_cpus_usable(io_cpus, "io_cpus")
-    except ValueError as e:
-        raise refuse("io_cpus", str(e)) from None
-    try:
-        warm = parse_cpu_list(cfg.warm_cpus, "warm_cpus")
-        check_cpus_usable(warm, "warm_cpus")
-    except ValueError as e:
-        raise refuse("warm_cpus", str(e)) from None
+    lists = {}
+    for name in ("io_cpus", "warm_cpus"):
+        try:
+            lists[name] = parse_cpu_list(getattr(cfg, name), name)
+            check_cpus_usable(lists[name], name)
+        except ValueError as e:
+            raise refuse(name, str(e)) from None
+    io_cpus, warm = lists["io_cpus"], lists["warm_cpus"]
     if io_cpus and os.sched_getaffinity(0) <= set(io_cpus):
         raise refuse("io_cpus", f"io_cpus {format_cpu_list(io_cpus)} are all the CPUs this process may run on: "
                      "leave some for its other threads")

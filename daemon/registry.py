@@ -165,7 +165,7 @@ class EngineRegistry:
                                 f"{f'indexer keys of {have} bytes' if have else 'no indexer keys plane'} (a position "
                                 f"and layer), this rank asked for {index_bytes or 'none'}")
         if not created and space.block_size and space.blocks is None:  # its creator's commit is still to come
-            space.blocks = BlockStore(layout.host_rows // space.block_size, space.zero_blocks, self.block_ledger)
+            space.blocks = self._new_store(space, layout.host_rows // space.block_size)
         if not created and space.blocks is not None:  # this rank's use of the store (checked again at the commit)
             self._store_yielding(space.blocks.n_blocks, owner.uid if owner else None, store=False, joining=space)
         self._reserve_tp_rank(space, rank, tp_size, tp_max_lag, prefetch)
@@ -285,12 +285,16 @@ class EngineRegistry:
             self._yield_for_store(self._store_yielding(store.n_blocks, uid, store=False, joining=space))
         store.open(session, uid)
 
+    def _new_store(self, space: EngineSpace, n_blocks: int) -> BlockStore:
+        """A block store of ``n_blocks`` blocks for ``space`` (any thread: it touches nothing shared)."""
+        return BlockStore(n_blocks, space.zero_blocks, self.block_ledger)
+
     def prepare(self, p: PendingAttach) -> None:
         """The slow part of an attach, on any thread: the backend's ``prepare_rank`` and,
         unless ``new_rank_on_loop``, the rank itself; a new engine's block store. It touches
         only ``p``, its engine's pool range and what the backend makes for it."""
         if p.store_blocks:  # only this attach knows the store: made here, given to the engine at the commit
-            p.store = BlockStore(p.store_blocks, p.space.zero_blocks, self.block_ledger)
+            p.store = self._new_store(p.space, p.store_blocks)
         self.backend.prepare_rank(*p.new_rank_args, **p.new_rank_kw)
         if not self.backend.new_rank_on_loop:
             p.state, p.handles = self.backend.new_rank(*p.new_rank_args, **p.new_rank_kw)
@@ -301,8 +305,7 @@ class EngineRegistry:
         since), and the engines kept for their cached blocks that it needs yield now, so
         that an attach refused at any step before releases none."""
         if p.store_blocks and p.space.blocks is None:
-            p.space.blocks = p.store if p.store is not None else \
-                BlockStore(p.store_blocks, p.space.zero_blocks, self.block_ledger)
+            p.space.blocks = p.store if p.store is not None else self._new_store(p.space, p.store_blocks)
         store = p.space.blocks
         yielding = [] if store is None else \
             self._store_yielding(store.n_blocks, p.client_uid, [p.space] if p.created else [], store=p.created,

@@ -164,10 +164,7 @@ class InprocClient:
     def step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         with _errors(self._stats):
             st = self._need()
-            step = whole_arg("step", step)
-            if not -(1 << 63) <= step < 1 << 64:  # as the client, whose requests carry no more
-                raise ResidencyError("BAD_ARGUMENT", f"step {step} is outside what a request can carry "
-                                     "([-2**63, 2**64))")
+            step = whole_arg("step", step, carried=True)  # as the client, whose requests carry no more
             st.begin_step(step, state_rows, reset, invalidate)
             self._stats.add(steps=1, **st.prefetch_outcomes())
 

@@ -10,6 +10,17 @@ import unicodedata
 import numpy as np
 
 
+CARRIED = "[-2**63, 2**64)"  # the integers a request's header carries (msgpack)
+
+
+def carried_number(name: str, v) -> int:
+    """:func:`whole_number` that a request's header can carry (:data:`CARRIED`)."""
+    n = whole_number(name, v)
+    if not -(1 << 63) <= n < 1 << 64:
+        raise ValueError(f"{name} {n} is outside what a request can carry ({CARRIED})")
+    return n
+
+
 def whole_number(name: str, v) -> int:
     """``v`` as a Python int when it is an integer (Python, NumPy, a 0-d integer array:
     anything with ``__index__``), never a bool, float or text: a cast would take 1.9 for

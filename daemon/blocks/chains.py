@@ -69,6 +69,11 @@ class Memo:
         return np.frombuffer(self.raw, np.int64).reshape(-1, 2)
 
 
+def owned(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy of it when it is a view: a view keeps its whole base alive."""
+    return a if a.base is None else a.copy()
+
+
 class ChainMemo:
     """The remembered chains of one store of ``n_blocks`` blocks.
 
@@ -200,8 +205,7 @@ class ChainMemo:
             self._forget(key)
         if _memo_cost(arr.size) > self._ids_max:  # (it would push every other chain out, then itself)
             return None
-        if arr.base is not None:  # a view of a lookup's answer for every key it named: keep only these
-            arr = arr.copy()
+        arr = owned(arr)  # a view of a lookup's answer for every key it named: keep only these
         ids = arr.astype(np.int32)
         ids.flags.writeable = False
         memo = Memo(arr, run, hashes.tobytes(), self._epoch, next(_TOKENS), key, ids)

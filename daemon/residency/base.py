@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsekv.proto.args import int32_array, whole_number
+from sparsekv.proto.args import carried_number, int32_array, whole_number
 from sparsekv.proto.layout import Layout
 from sparsekv.proto.settings import format_size, size_text
 
@@ -265,9 +265,10 @@ def as_ids(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
         raise ResidencyError("BAD_ARGUMENT", str(e)) from None
 
 
-def whole_arg(name: str, v) -> int:
-    """An exact integer argument (``proto.args.whole_number``), or BAD_ARGUMENT."""
+def whole_arg(name: str, v, carried: bool = False) -> int:
+    """An exact integer argument (``proto.args.whole_number``; with ``carried``, one a
+    request can carry: ``carried_number``), or BAD_ARGUMENT."""
     try:
-        return whole_number(name, v)
+        return (carried_number if carried else whole_number)(name, v)
     except ValueError as e:
         raise ResidencyError("BAD_ARGUMENT", str(e)) from None
