@@ -14,7 +14,9 @@ the group's top-k block and rings the group's bell; every layer's ``swap_in`` wa
 the layer's ready word, then ``skv_db_indices`` clears it and turns the group's slots into
 attention indices. The wait: up to :data:`POLL_TOKENS` tokens, the kernel itself, in one
 block, polls the word (a ``cuStreamWaitValue32`` in the engine's graph cost the batch-1
-step ~7 µs a layer beside the model's kernels); more tokens, ``cuStreamWaitValue32`` on
+step ~7 µs a layer beside the model's kernels), and makes the indices as soon as the
+daemon's gather has marked the group's slots written (the TOPK block's ``D_SLOTS`` word),
+while the rows still cross PCIe, then waits for the ready word; more tokens, ``cuStreamWaitValue32`` on
 the stream, then the kernel on its full grid (polling blocks hold SMs, and the daemon's
 resolve needs a whole SM a block). ``finish_step`` consumes a skipped layer's word with an
 ``skv_db_indices`` of no token (alternatives: docs/DESIGN.md, "Rejected designs").
@@ -45,6 +47,7 @@ from sparsekv.csrc.build import get_cache
 from sparsekv.proto import ErrorCode
 from sparsekv.proto.device_errors import ErrorRecord
 from sparsekv.proto.positions import INT32_MAX
+from sparsekv.proto.step_block import D_SLOTS
 from sparsekv.proto.stream_ops import wait32, write32
 
 from .cuda_stream import external_stream
@@ -137,7 +140,8 @@ class DeviceSwapIn(abc.ABC):
         return (self._slots[group], i32(self.layout.top_k), req_ptr, i32(tokens), topk_ptr, i32(k), res_ptr,
                 i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))), i32(self.layout.region_stride),
                 i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr, self._stopped_word, out_ptr,
-                valid_ptr, self._cleared_by_indices(layer), arrivals)
+                valid_ptr, self._cleared_by_indices(layer), arrivals,
+                self._slots_word(group) if arrivals and tokens else 0)
 
     @abc.abstractmethod
     def _begun(self, stream_ptr: int) -> None:
@@ -317,6 +321,11 @@ class DeviceSwapIn(abc.ABC):
         for the ready word itself (then no :meth:`_ready` before it), or 0."""
         return 0
 
+    def _slots_word(self, group: int) -> int:
+        """The word a polling ``skv_db_indices`` of ``group`` makes its indices at, before
+        the rows are in (the TOPK block's ``D_SLOTS``, set by the daemon's gather), or 0."""
+        return 0
+
     def _poller(self, layer: int, tokens: int) -> int:
         """The arrival counter ``skv_db_indices`` of ``tokens`` tokens polls with (one
         block), or 0: the stream waits (:meth:`_ready`) and the kernel runs on its full grid."""
@@ -423,6 +432,9 @@ class DoorbellSwapIn(DeviceSwapIn):
 
     def _cleared_by_indices(self, layer: int) -> int:
         return self._readys[layer]
+
+    def _slots_word(self, group: int) -> int:
+        return self._topk_blocks[group] + 4 * D_SLOTS
 
     def close(self) -> None:
         """Stop the watcher and refuse every later call; called before the rank's memory is

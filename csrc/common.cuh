@@ -21,6 +21,8 @@ typedef long long i64;
 #define SKV_D_K 3        // top-k columns of this batch, in [0, top_k]
 #define SKV_D_GROUP 4    // index group, in [0, groups)
 #define SKV_D_INV_N 5    // invalidate columns of a STEP block, in [0, top_k]
+#define SKV_D_SLOTS 6    // a doorbell TOPK block: 0 as the engine writes it, 1 once the daemon's
+                         // resolve of it has written its slots (set by the first gather)
 #define SKV_DESC_INTS 16
 
 // The per-rank error record: int32[SKV_ERR_INTS] in device memory. For each kind e:

@@ -586,3 +586,4 @@ def test_begin_step_resets_then_invalidates_as_the_numpy_engine():
         np.testing.assert_array_equal(emu.lru, cpu.lru, err_msg=f"lru after step {step}")
     assert not emu.err[:8].any()
 
+
