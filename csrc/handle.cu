@@ -296,7 +296,9 @@ extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
     if (threadIdx.x == 0) {
         skv_db_poll(clear, nullptr, dead, stopped);
         skv_db_consume(clear, arrivals);
-        sh_gone = !gone && skv_db_gone(dead, stopped);
+        // Read again whatever `gone` said: each thread read it for itself, and a warp that
+        // read it before the watcher set it made live indices to rows that may never come.
+        sh_gone = skv_db_gone(dead, stopped);
     }
     __syncthreads();
     if (!sh_gone) return;
