@@ -431,6 +431,19 @@ def _plan_tail(group_layers, plan_rows, plan_slots, misses, layer_off, block_row
             i(stripes), _opt(ready), _opt(arrivals), ctypes.c_uint(expect))
 
 
+def small_plan(seed: int):
+    """A small gather case: pool [2, 50, 32] (uint8), both layers in group 0, 3 batch rows
+    of ld 4 (host rows, slots mod 12, misses 4 / 0 / 2). Returns (pool, groups, rows, slots,
+    misses, slots_n)."""
+    rng = np.random.default_rng(seed)
+    L, host_rows, rb, B, ld, slots_n = 2, 50, 32, 3, 4, 12
+    pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)
+    groups = np.array([[2, 0, 1]], np.int32)
+    rows = rng.integers(0, host_rows, size=(B, ld)).astype(np.int32)
+    slots = np.arange(B * ld, dtype=np.int32).reshape(B, ld) % slots_n
+    return pool, groups, rows, slots, np.array([4, 0, 2], np.int32), slots_n
+
+
 def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan_slots, misses, grid: int = 4,
            threads: int = 64, layer_off=None, block_rows: int = 1, block_stride: int = 0, ready=None, arrivals=None,
            defines: dict | None = None, stripe: int = 0, stripes: int = 1, expect: int = 0,

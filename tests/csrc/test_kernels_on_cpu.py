@@ -537,13 +537,8 @@ def test_the_gather_sets_its_ready_word_once_every_block_is_done(grid):
     copied as without it, the word is 1 afterwards and the arrival counter back at 0;
     also when the descriptor is out of range (nothing copied, the engine still released);
     without a word nothing is signalled."""
-    rng = np.random.default_rng(3)
-    L, host_rows, rb, B, ld, slots_n = 2, 50, 32, 3, 4, 12
-    pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)
-    groups = np.array([[2, 0, 1]], np.int32)
-    rows = rng.integers(0, host_rows, size=(B, ld)).astype(np.int32)
-    slots = np.arange(B * ld, dtype=np.int32).reshape(B, ld) % slots_n
-    misses = np.array([4, 0, 2], np.int32)
+    pool, groups, rows, slots, misses, slots_n = cpu_kernels.small_plan(3)
+    L, rb, ld = pool.shape[0], pool.shape[2], rows.shape[1]
     for desc, copies in ((make_desc(3, ld, 0), True), (make_desc(3, ld, 5), False), (make_desc(0, ld, 0), False)):
         slab = np.zeros((L, slots_n, rb), np.uint8)
         ready, arrivals = np.zeros(1, np.uint32), np.zeros(1, np.uint32)

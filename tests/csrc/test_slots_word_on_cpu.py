@@ -21,13 +21,8 @@ def test_the_gather_marks_the_blocks_slots_written_only_when_asked(grid):
     and without mark_slots the word stays 0."""
     from sparsekv.proto.step_block import D_SLOTS
 
-    rng = np.random.default_rng(4)
-    L, host_rows, rb, B, ld, slots_n = 2, 50, 32, 3, 4, 12
-    pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)
-    groups = np.array([[2, 0, 1]], np.int32)
-    rows = rng.integers(0, host_rows, size=(B, ld)).astype(np.int32)
-    slots = np.arange(B * ld, dtype=np.int32).reshape(B, ld) % slots_n
-    misses = np.array([4, 0, 2], np.int32)
+    pool, groups, rows, slots, misses, slots_n = cpu_kernels.small_plan(4)
+    L, rb, ld = pool.shape[0], pool.shape[2], rows.shape[1]
     for desc in (make_desc(3, ld, 0), make_desc(3, ld, 5)):
         for mark in (False, True):
             d = desc.copy()
