@@ -118,10 +118,11 @@ class DeviceSwapIn(abc.ABC):
         """The word ``skv_db_begin`` rings itself (0: none; :meth:`_begun` hands off)."""
         return 0
 
-    def _group_ring(self, group: int) -> tuple[int, int]:
-        """``skv_db_topk``'s last two arguments, in its order: (arrival counter, bell) of
-        the group's bell that the kernel rings itself ((0, 0): none)."""
-        return 0, 0
+    def _group_ring(self, group: int) -> tuple[int, int, int]:
+        """``skv_db_topk``'s last three arguments, in its order: (arrival counter, bell,
+        local) of the group's bell that the kernel rings itself ((0, 0, 0): none); local 1:
+        only this GPU waits on the bell."""
+        return 0, 0, np.int32(0)
 
     def _topk_args(self, group: int, tokens: int, req_ptr: int, table_ptr: int, table_rows: int, max_blocks: int,
                    res_ptr: int, res_blocks: int, topk_ptr: int, k: int, block_size: int) -> tuple:
@@ -400,6 +401,10 @@ class DoorbellSwapIn(DeviceSwapIn):
         ctl = arena.ptr + db["ctl_offset"]
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]
+        # Whether only this GPU waits on the group bells (the daemon's stream; no TP
+        # group's leader elsewhere): then skv_db_topk's fence before a ring is device-scope.
+        # A daemon that does not say so gets the system-scope one.
+        self._bells_local = db.get("bells_local") is True
         self._readys = [ctl + 4 * i for i in db["ready"]]
         # Set by the daemon when the rank's TP group stops (a peer rank left): indices -1 from then on.
         self._stopped_word = ctl + 4 * db["stopped"]
@@ -415,8 +420,8 @@ class DoorbellSwapIn(DeviceSwapIn):
     def _step_bell(self) -> int:
         return self._bell_step
 
-    def _group_ring(self, group: int) -> tuple[int, int]:
-        return self._arrivals.data.ptr + 4 * group, self._bells[group]
+    def _group_ring(self, group: int) -> tuple[int, int, int]:
+        return self._arrivals.data.ptr + 4 * group, self._bells[group], np.int32(self._bells_local)
 
     def _begun(self, stream_ptr: int) -> None:
         pass  # skv_db_begin rang the step bell

@@ -113,7 +113,7 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                                        const int* __restrict__ resident, const int res_blocks,
                                        const int* __restrict__ topk, const int k, const int block_size,
                                        const int group, const int max_batch,
-                                       u32* done, u32* bell) {
+                                       u32* done, u32* bell, const int local_bell) {
     // The descriptor, an int a thread (block 0).
     for (int i = threadIdx.x; blockIdx.x == 0 && i < SKV_DESC_INTS; i += blockDim.x) {
         int d = 0;
@@ -145,7 +145,9 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                                            0, topk, k, block_size);
         }
     }
-    skv_ring_when_done(done, bell);
+    // `local_bell`: only this GPU waits on the bell (the daemon's stream; no TP group's
+    // leader on another GPU): a device-scope fence orders the block before it.
+    skv_ring_when_done(done, bell, local_bell != 0);
 }
 
 // skv_db_indices' tokens: `gone` (the daemon or the TP group stopped) -> -1 everywhere.

@@ -76,6 +76,7 @@ class CudaRankState(RankState):
         self._free = free
         make_host, self._spare_host = host_blocks if host_blocks is not None else (HostBlocks, None)
         self.space_name = space.name
+        self.tp = tp  # one of a TP group (export: its bells are waited on from the leader's GPU)
         self.worker, self._cp = worker, cp
         self.fence_events = None
         self.pinned = pinned
@@ -385,6 +386,9 @@ class CudaRankState(RankState):
         out = self.buffers.export(self.worker.ordinal, self.worker.bus_id, self.events.handles)
         if "doorbell" in out:  # begin_step checks its invalidate width on the engine's side
             out["doorbell"]["inv_cap"] = self.residency.inv_cap
+            # Only this GPU's stream waits on the rank's group bells unless it is one of a
+            # TP group (the leader's stream waits on every member's, from its own GPU).
+            out["doorbell"]["bells_local"] = not self.tp
         return out
 
     @property

@@ -308,9 +308,9 @@ class Resolve:
 
 _TOPK_PARAMS = ("int* blk, const int* counter, const int* req_ids, int tokens, const int* table, int table_rows, "
                 "int max_blocks, const int* resident, int res_blocks, const int* topk, int k, int block_size, "
-                "int group, int max_batch, unsigned* done, unsigned* bell")
+                "int group, int max_batch, unsigned* done, unsigned* bell, int local_bell")
 _TOPK_ARGS = ("blk, counter, req_ids, tokens, table, table_rows, max_blocks, resident, res_blocks, topk, k, block_size, "
-              "group, max_batch, done, bell")
+              "group, max_batch, done, bell, local_bell")
 _INDICES_PARAMS = ("const int* slots, int ld, const int* req_ids, int tokens, const int* topk, int k, "
                    "const int* resident, int res_blocks, int table_rows, int block_size, int region_stride, "
                    "long long hot_base, long long resident_base, const int* dead, const unsigned int* stopped, "
@@ -324,9 +324,10 @@ def _opt(a):
 
 
 def db_topk(grid: int, threads: int, blk, counter, req_ids, table, resident, topk, block_size: int, group: int,
-            max_batch: int, done=None, bell=None):
+            max_batch: int, done=None, bell=None, local_bell: bool = False):
     """``skv_db_topk`` (csrc/handle.cu) over NumPy arrays; ``table`` / ``resident`` None
-    for none."""
+    for none; ``local_bell``: the bell rung after a device-scope fence (the emulator has
+    one memory: the same result)."""
     lib = build("handle.cu", {})
     i = ctypes.c_int
     tokens, k = topk.shape
@@ -334,7 +335,7 @@ def db_topk(grid: int, threads: int, blk, counter, req_ids, table, resident, top
     res_blocks = resident.shape[1] if resident is not None else 0
     lib.run_skv_db_topk(i(grid), i(threads), i(0), _ptr(blk), _ptr(counter), _ptr(req_ids), i(tokens), _opt(table),
                         i(table_rows), i(max_blocks), _opt(resident), i(res_blocks), _ptr(topk), i(k), i(block_size),
-                        i(group), i(max_batch), _opt(done), _opt(bell))
+                        i(group), i(max_batch), _opt(done), _opt(bell), i(1 if local_bell else 0))
 
 
 def db_topk_raw(grid: int, threads: int, args: tuple):
