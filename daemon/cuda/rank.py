@@ -76,7 +76,9 @@ class CudaRankState(RankState):
         self._free = free
         make_host, self._spare_host = host_blocks if host_blocks is not None else (HostBlocks, None)
         self.space_name = space.name
-        self.tp = tp  # one of a TP group (export: its bells are waited on from the leader's GPU)
+        # One of a TP group (export: the leader's stream waits on its bells). Not `tp`: that is
+        # RankState's field (the group, once joined), which its __init__ below sets to None.
+        self.tp_member = tp
         self.worker, self._cp = worker, cp
         self.fence_events = None
         self.pinned = pinned
@@ -388,7 +390,7 @@ class CudaRankState(RankState):
             out["doorbell"]["inv_cap"] = self.residency.inv_cap
             # Only this GPU's stream waits on the rank's group bells unless it is one of a
             # TP group (the leader's stream waits on every member's, from its own GPU).
-            out["doorbell"]["bells_local"] = not self.tp
+            out["doorbell"]["bells_local"] = not self.tp_member
         return out
 
     @property

@@ -98,3 +98,20 @@ def test_the_doorbell_step_marks_each_groups_slots_with_its_first_gather_only(mo
         at = calls.index(("resolve", t))
         assert calls[at + 1 + (g == 2)][:2] == ("gather", t)  # the last group: the counters' copy between
     assert (("prefetch", "t0") in calls) == prefetch and ("prefetch", "t2") not in calls
+
+
+@pytest.mark.parametrize("member", [False, True])
+def test_the_attach_reply_says_whether_only_this_gpu_waits_on_the_bells(member):
+    """A doorbell rank's export (its attach reply) says ``bells_local`` unless the rank is
+    one of a TP group, whose leader's stream waits on every member's bells: the engine's
+    skv_db_topk rings after a device-scope fence only where it is true."""
+    from types import SimpleNamespace
+
+    rank = CudaRankState.__new__(CudaRankState)
+    rank.tp_member = member
+    rank.worker = SimpleNamespace(ordinal=0, bus_id="0000:00:00.0")
+    rank.events = SimpleNamespace(handles=[])
+    rank.residency = SimpleNamespace(inv_cap=8)
+    rank.buffers = SimpleNamespace(export=lambda *a: {"doorbell": {"bells": [1]}})
+    out = rank.export()
+    assert out["doorbell"]["bells_local"] is (not member) and out["doorbell"]["inv_cap"] == 8
