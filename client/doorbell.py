@@ -14,7 +14,9 @@ the group's top-k block and rings the group's bell; every layer's ``swap_in`` wa
 the layer's ready word, then ``skv_db_indices`` clears it and turns the group's slots into
 attention indices. The wait: up to :data:`POLL_TOKENS` tokens, the kernel itself, in one
 block, polls the word (a ``cuStreamWaitValue32`` in the engine's graph cost the batch-1
-step ~7 µs a layer beside the model's kernels); more tokens, ``cuStreamWaitValue32`` on
+step ~7 µs a layer beside the model's kernels), and makes the indices as soon as the
+daemon's gather has marked the group's slots written (the TOPK block's ``D_SLOTS`` word),
+while the rows still cross PCIe, then waits for the ready word; more tokens, ``cuStreamWaitValue32`` on
 the stream, then the kernel on its full grid (polling blocks hold SMs, and the daemon's
 resolve needs a whole SM a block). ``finish_step`` consumes a skipped layer's word with an
 ``skv_db_indices`` of no token (alternatives: docs/DESIGN.md, "Rejected designs").
@@ -45,6 +47,7 @@ from sparsekv.csrc.build import get_cache
 from sparsekv.proto import ErrorCode
 from sparsekv.proto.device_errors import ErrorRecord
 from sparsekv.proto.positions import INT32_MAX
+from sparsekv.proto.step_block import D_SLOTS
 from sparsekv.proto.stream_ops import wait32, write32
 
 from .cuda_stream import external_stream
@@ -115,10 +118,11 @@ class DeviceSwapIn(abc.ABC):
         """The word ``skv_db_begin`` rings itself (0: none; :meth:`_begun` hands off)."""
         return 0
 
-    def _group_ring(self, group: int) -> tuple[int, int]:
-        """``skv_db_topk``'s last two arguments, in its order: (arrival counter, bell) of
-        the group's bell that the kernel rings itself ((0, 0): none)."""
-        return 0, 0
+    def _group_ring(self, group: int) -> tuple[int, int, int]:
+        """``skv_db_topk``'s last three arguments, in its order: (arrival counter, bell,
+        local) of the group's bell that the kernel rings itself ((0, 0, 0): none); local 1:
+        only this GPU waits on the bell."""
+        return 0, 0, np.int32(0)
 
     def _topk_args(self, group: int, tokens: int, req_ptr: int, table_ptr: int, table_rows: int, max_blocks: int,
                    res_ptr: int, res_blocks: int, topk_ptr: int, k: int, block_size: int) -> tuple:
@@ -137,7 +141,8 @@ class DeviceSwapIn(abc.ABC):
         return (self._slots[group], i32(self.layout.top_k), req_ptr, i32(tokens), topk_ptr, i32(k), res_ptr,
                 i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))), i32(self.layout.region_stride),
                 i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr, self._stopped_word, out_ptr,
-                valid_ptr, self._cleared_by_indices(layer), arrivals)
+                valid_ptr, self._cleared_by_indices(layer), arrivals,
+                self._slots_word(group) if arrivals and tokens else 0)
 
     @abc.abstractmethod
     def _begun(self, stream_ptr: int) -> None:
@@ -317,6 +322,11 @@ class DeviceSwapIn(abc.ABC):
         for the ready word itself (then no :meth:`_ready` before it), or 0."""
         return 0
 
+    def _slots_word(self, group: int) -> int:
+        """The word a polling ``skv_db_indices`` of ``group`` makes its indices at, before
+        the rows are in (the TOPK block's ``D_SLOTS``, set by the daemon's gather), or 0."""
+        return 0
+
     def _poller(self, layer: int, tokens: int) -> int:
         """The arrival counter ``skv_db_indices`` of ``tokens`` tokens polls with (one
         block), or 0: the stream waits (:meth:`_ready`) and the kernel runs on its full grid."""
@@ -391,6 +401,10 @@ class DoorbellSwapIn(DeviceSwapIn):
         ctl = arena.ptr + db["ctl_offset"]
         self._bell_step = ctl + 4 * db["bell_step"]
         self._bells = [ctl + 4 * i for i in db["bells"]]
+        # Whether only this GPU waits on the group bells (the daemon's stream; no TP
+        # group's leader elsewhere): then skv_db_topk's fence before a ring is device-scope.
+        # A daemon that does not say so gets the system-scope one.
+        self._bells_local = db.get("bells_local") is True
         self._readys = [ctl + 4 * i for i in db["ready"]]
         # Set by the daemon when the rank's TP group stops (a peer rank left): indices -1 from then on.
         self._stopped_word = ctl + 4 * db["stopped"]
@@ -406,8 +420,8 @@ class DoorbellSwapIn(DeviceSwapIn):
     def _step_bell(self) -> int:
         return self._bell_step
 
-    def _group_ring(self, group: int) -> tuple[int, int]:
-        return self._arrivals.data.ptr + 4 * group, self._bells[group]
+    def _group_ring(self, group: int) -> tuple[int, int, int]:
+        return self._arrivals.data.ptr + 4 * group, self._bells[group], np.int32(self._bells_local)
 
     def _begun(self, stream_ptr: int) -> None:
         pass  # skv_db_begin rang the step bell
@@ -423,6 +437,9 @@ class DoorbellSwapIn(DeviceSwapIn):
 
     def _cleared_by_indices(self, layer: int) -> int:
         return self._readys[layer]
+
+    def _slots_word(self, group: int) -> int:
+        return self._topk_blocks[group] + 4 * D_SLOTS
 
     def close(self) -> None:
         """Stop the watcher and refuse every later call; called before the rank's memory is

@@ -98,4 +98,4 @@ def indices(slots, reqs, region_stride: int, hot_base: int, max_reqs: int, out, 
     _launch("skv_db_indices", slots.device.index, tokens,
             (slots.data_ptr(), i32(slots.stride(0)), reqs.data_ptr(), i32(tokens), 0, i32(k), 0, i32(0),
              i32(max_reqs), i32(1), i32(region_stride), np.int64(hot_base), np.int64(0), 0, 0,
-             out.data_ptr(), valid.data_ptr() if valid is not None else 0, 0, 0))
+             out.data_ptr(), valid.data_ptr() if valid is not None else 0, 0, 0, 0))

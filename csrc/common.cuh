@@ -21,6 +21,8 @@ typedef long long i64;
 #define SKV_D_K 3        // top-k columns of this batch, in [0, top_k]
 #define SKV_D_GROUP 4    // index group, in [0, groups)
 #define SKV_D_INV_N 5    // invalidate columns of a STEP block, in [0, top_k]
+#define SKV_D_SLOTS 6    // a doorbell TOPK block: 0 as the engine writes it, 1 once the daemon's
+                         // resolve of it has written its slots (set by the first gather)
 #define SKV_DESC_INTS 16
 
 // The per-rank error record: int32[SKV_ERR_INTS] in device memory. For each kind e:
@@ -213,7 +215,8 @@ __device__ __forceinline__ void skv_pdl_launch_dependents() {
 // system-scope too, unless `local`: the bell is read only on this GPU (a kernel or a
 // stream wait there), where a device-scope fence orders the rows before it (a gather's
 // ready word: ~1 us a layer less on the batch-1 step than a system-scope one). An engine's
-// bells stay system-scope: a TP group's leader may wait on them from another GPU.
+// bells are system-scope where a TP group's leader may wait on them from another GPU, else
+// local (skv_db_topk's `local_bell`: the daemon's attach reply says `bells_local`).
 template <bool kSystem>
 __device__ __forceinline__ void skv_ring_after(u32* done, u32* bell, const u32 expect, const bool local = false) {
     if (!bell) return;

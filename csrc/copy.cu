@@ -263,13 +263,15 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_copy_rows(
 // numbers), stripe `stripe` of `stripes` of each batch row's misses[b] entries, source
 // row src_idx[e] -> destination row dst_idx[e] (see skv_gather_rows). A descriptor or a
 // stripe out of range copies nothing. Every thread returns (the signal after it).
+// `mark_slots`: see skv_gather (set whatever the descriptor holds: the slots the resolve
+// wrote for it are final, -1 included).
 __device__ __forceinline__ void skv_plan_copy(
     const int* __restrict__ desc, const unsigned char* __restrict__ src, const i64 src_layer_rows,
     unsigned char* __restrict__ dst, const i64 dst_layer_rows, const int num_layers,
     const int* __restrict__ group_layers, const int layers_stride, const int groups,
     const int* __restrict__ src_idx, const int* __restrict__ dst_idx, const int* __restrict__ keep_idx,
     const i64 keep_rows, const int* __restrict__ misses, const int max_batch, const int ld,
-    const SkvDstGeometry geo, const int stripe, const int stripes)
+    const SkvDstGeometry geo, const int stripe, const int stripes, const int mark_slots)
 {
     // Read once into shared memory: the loop bounds (and barriers) of the copy depend on
     // them, and a client may rewrite its step block while the kernel runs.
@@ -288,6 +290,13 @@ __device__ __forceinline__ void skv_plan_copy(
     const int* g = ok ? group_layers + (i64)group * layers_stride : nullptr;
     int n_layers = ok ? g[0] : 0;
     skv_pdl_wait();
+    // The resolve's slots are written and visible now: an engine may read them before the
+    // rows are in (skv_db_indices, csrc/handle.cu). Ordered before this block's arrival,
+    // so before the ready word.
+    if (mark_slots && blockIdx.x == 0 && threadIdx.x == 0) {
+        __threadfence();
+        atomicExch((int*)desc + SKV_D_SLOTS, 1);
+    }
     if (!ok) return;
     n_layers = n_layers < 0 ? 0 : (n_layers > layers_stride - 1 ? layers_stride - 1 : n_layers);
     skv_gather_rows(src, src_layer_rows, src_layer_rows, num_layers, dst, dst_layer_rows, dst_layer_rows,
@@ -305,6 +314,8 @@ __device__ __forceinline__ void skv_plan_copy(
 // (skv_ring_when_done, device-scope: the word and the slab are this GPU's, read by its
 // engine's kernels and stream waits only); otherwise after `expect` blocks of this and
 // other kernels (the pushes of peers into the same slab, skv_push), system-scope.
+// `mark_slots`: desc[SKV_D_SLOTS] is set to 1 once the resolve's slots are visible (after
+// the programmatic wait, before any row is copied): a doorbell TOPK block's first gather.
 extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int* __restrict__ desc,
     const unsigned char* __restrict__ pool, const i64 host_rows, const int num_layers,
@@ -313,11 +324,11 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_gather(
     const int* __restrict__ plan_rows, const int* __restrict__ plan_slots,
     const int* __restrict__ misses, const int max_batch, const int ld,
     const i64* __restrict__ slab_layer_off, const i64 slab_block_rows, const i64 slab_block_stride,
-    const int stripe, const int stripes, u32* ready, u32* arrivals, const u32 expect)
+    const int stripe, const int stripes, u32* ready, u32* arrivals, const u32 expect, const int mark_slots)
 {
     const SkvDstGeometry geo = {slab_layer_off, slab_block_rows < 1 ? 1 : slab_block_rows, slab_block_stride};
     skv_plan_copy(desc, pool, host_rows, slab, slab_layer_rows, num_layers, group_layers, layers_stride, groups,
-                  plan_rows, plan_slots, 0, 0, misses, max_batch, ld, geo, stripe, stripes);
+                  plan_rows, plan_slots, 0, 0, misses, max_batch, ld, geo, stripe, stripes, mark_slots);
     if (expect) skv_ring_after<true>(arrivals, ready, expect);
     else skv_ring_when_done(arrivals, ready, true);
 }
@@ -342,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(SKV_CT, 1) skv_push(
     const SkvDstGeometry geo = {dst_layer_off, dst_block_rows < 1 ? 1 : dst_block_rows, dst_block_stride};
     skv_plan_copy(desc, src_slab, slab_layer_rows, dst_slab, slab_layer_rows, num_layers, group_layers,
                   layers_stride, groups, plan_slots, plan_slots, plan_rows, host_rows, misses, max_batch, ld, geo,
-                  stripe, stripes);
+                  stripe, stripes, 0);
     skv_ring_after<true>(arrivals, ready, expect ? expect : gridDim.x);
 }
 

@@ -113,7 +113,7 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                                        const int* __restrict__ resident, const int res_blocks,
                                        const int* __restrict__ topk, const int k, const int block_size,
                                        const int group, const int max_batch,
-                                       u32* done, u32* bell) {
+                                       u32* done, u32* bell, const int local_bell) {
     // The descriptor, an int a thread (block 0).
     for (int i = threadIdx.x; blockIdx.x == 0 && i < SKV_DESC_INTS; i += blockDim.x) {
         int d = 0;
@@ -145,7 +145,9 @@ extern "C" __global__ void skv_db_topk(int* __restrict__ blk, const int* __restr
                                            0, topk, k, block_size);
         }
     }
-    skv_ring_when_done(done, bell);
+    // `local_bell`: only this GPU waits on the bell (the daemon's stream; no TP group's
+    // leader on another GPU): a device-scope fence orders the block before it.
+    skv_ring_when_done(done, bell, local_bell != 0);
 }
 
 // skv_db_indices' tokens: `gone` (the daemon or the TP group stopped) -> -1 everywhere.
@@ -225,7 +227,36 @@ __device__ __forceinline__ void skv_db_indices_rows(const int* slots, const int 
 // (or `dead` is), and the last block to see it sets it and the counter to 0 again. Its
 // launcher polls with one block only: a polling block holds an SM that the daemon's
 // resolve (a whole SM's registers a block) cannot share.
+// `slots_ready` (optional, with `arrivals`): the group's TOPK block's SKV_D_SLOTS word,
+// which the daemon's gather sets once the resolve's slots are written: the indices are
+// made as soon as it (or the ready word) is set, while the rows still cross PCIe, and the
+// kernel then waits for the ready word; if the daemon or the TP group stops meanwhile,
+// they are -1 again. A daemon that never sets it leaves the plain wait.
 // Grid: one block per token (grid-stride); blockDim a multiple of 32, at most 1024.
+__device__ __forceinline__ bool skv_db_gone(const int* dead, const u32* stopped) {
+    return (dead && *(volatile const int*)dead != 0) || (stopped && *(volatile const u32*)stopped != 0u);
+}
+
+// Thread 0 of each block: until `word` (or `also`, when given) is set, or the handle's dead
+// word or the rank's stopped word is (each set before the ready words it releases): a poll
+// that could never end must not outlive its process (MPS). Then the rows and slots
+// written before the word are seen after it.
+__device__ __forceinline__ void skv_db_poll(const u32* word, const int* also, const int* dead, const u32* stopped) {
+    while (*(volatile const u32*)word == 0u && !(also && *(volatile const int*)also != 0) &&
+           !skv_db_gone(dead, stopped))
+        __nanosleep(64);
+    __threadfence();
+}
+
+// Thread 0 of each block, once it has seen the ready word: the last block of the grid sets
+// it and the arrival counter to 0 again.
+__device__ __forceinline__ void skv_db_consume(u32* clear, u32* arrivals) {
+    if (atomicAdd(arrivals, 1u) == gridDim.x - 1) {  // every block has seen it
+        atomicExch(arrivals, 0u);
+        atomicExch(clear, 0u);
+    }
+}
+
 extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
                                           const int* __restrict__ req_ids, const int tokens,
                                           const int* __restrict__ topk, const int k,
@@ -235,27 +266,21 @@ extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
                                           const i64 hot_base, const i64 resident_base,
                                           const int* __restrict__ dead, const u32* __restrict__ stopped,
                                           int* __restrict__ out, int* __restrict__ valid,
-                                          u32* clear, u32* arrivals) {
+                                          u32* clear, u32* arrivals, const int* slots_ready) {
     // The layer's ready word: clearing it here saves a stream operation. The daemon sets
     // it again only after the next bell, which this stream rings later.
-    if (clear && arrivals) {
+    const bool polls = clear && arrivals;
+    const bool early = polls && slots_ready;
+    if (polls) {
         if (threadIdx.x == 0) {
-            // Or until the handle's dead word or the rank's stopped word is set (each set
-            // before the ready words it releases): a poll that could never end must not
-            // outlive its process (MPS).
-            while (*(volatile u32*)clear == 0u && !(dead && *(volatile const int*)dead != 0)
-                   && !(stopped && *(volatile const u32*)stopped != 0u)) __nanosleep(64);
-            __threadfence();  // the rows and slots written before the word, seen after it
-            if (atomicAdd(arrivals, 1u) == gridDim.x - 1) {  // every block has seen it
-                atomicExch(arrivals, 0u);
-                atomicExch(clear, 0u);
-            }
+            skv_db_poll(clear, early ? slots_ready : nullptr, dead, stopped);
+            if (!early) skv_db_consume(clear, arrivals);
         }
         __syncthreads();
     } else if (clear && blockIdx.x == 0 && threadIdx.x == 0) {
         *(volatile u32*)clear = 0u;
     }
-    const bool gone = (dead && *(volatile const int*)dead != 0) || (stopped && *(volatile const u32*)stopped != 0u);
+    const bool gone = skv_db_gone(dead, stopped);
     if (resident) {  // block-uniform: one path each (see skv_db_topk)
         if ((block_size & (block_size - 1)) == 0)
             skv_db_indices_rows<true, true>(slots, ld, req_ids, tokens, topk, k, resident, res_blocks, table_rows,
@@ -266,6 +291,22 @@ extern "C" __global__ void skv_db_indices(const int* slots, const int ld,
     } else {
         skv_db_indices_rows<false, true>(slots, ld, req_ids, tokens, topk, k, nullptr, 0, table_rows, block_size,
                                          region_stride, hot_base, resident_base, gone, out, valid);
+    }
+    if (!early) return;
+    // The indices are out; now the rows (the stream's next kernel reads them).
+    __shared__ int sh_gone;
+    if (threadIdx.x == 0) {
+        skv_db_poll(clear, nullptr, dead, stopped);
+        skv_db_consume(clear, arrivals);
+        // Read again whatever `gone` said: each thread read it for itself, and a warp that
+        // read it before the watcher set it made live indices to rows that may never come.
+        sh_gone = skv_db_gone(dead, stopped);
+    }
+    __syncthreads();
+    if (!sh_gone) return;
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {  // gone while the rows came: -1 after all
+        for (int j = threadIdx.x; j < k; j += blockDim.x) out[(i64)t * k + j] = -1;
+        if (valid && threadIdx.x == 0) valid[t] = 0;
     }
 }
 

@@ -3,7 +3,9 @@
     [desc: DESC_INTS] [rows: max_batch] [aux: max_batch] [payload: max_batch * top_k]
 
 * ``desc``: ``SEQ`` (request number, for error reports), ``STEP``, ``BATCH`` (rows),
-  ``K`` (top-k columns), ``GROUP`` (index group), ``INV_N`` (invalidate columns);
+  ``K`` (top-k columns), ``GROUP`` (index group), ``INV_N`` (invalidate columns),
+  ``SLOTS`` (a doorbell TOPK block: 0 as the engine writes it; the daemon's first gather
+  of the group sets it to 1 once the block's slots are written); the rest 0;
 * ``rows``: the state row of each batch row (-1 = padding);
 * ``aux``: a STEP block's reset flag per batch row (0/1);
 * ``payload``: a TOPK block's ids ``[batch, K]``, a STEP block's invalidate rows
@@ -17,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 DESC_INTS = 16
-D_SEQ, D_STEP, D_BATCH, D_K, D_GROUP, D_INV_N = range(6)
+D_SEQ, D_STEP, D_BATCH, D_K, D_GROUP, D_INV_N, D_SLOTS = range(7)
 
 
 def block_ints(max_batch: int, top_k: int) -> int:

@@ -127,9 +127,11 @@ class DoorbellTransport(DeviceTransport):
                 # the step's counters and errors are in the pinned mirror (check()).
                 d.enqueue_stats_out(stream)
             for i, layer in enumerate(layers):
+                # The first one marks the block's slots written (D_SLOTS): the engine's
+                # polling skv_db_indices makes its indices while the rows still come.
                 d.enqueue_gather(t, b.db_misses[g], stream, group_layers=b.db_layers[layer],
                                  ready=self._ready[layer], arrivals=self._arrivals.data.ptr + 4 * layer,
-                                 after_resolve=i == 0 and not last)
+                                 after_resolve=i == 0 and not last, mark_slots=i == 0)
             if b.prefetch and g + 1 < self.layout.num_groups:
                 # After group g's ready words (its layers do not wait for it), before group
                 # g + 1's bell: its resolve finds the rows as hits, its ready words come after

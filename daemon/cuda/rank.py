@@ -76,6 +76,9 @@ class CudaRankState(RankState):
         self._free = free
         make_host, self._spare_host = host_blocks if host_blocks is not None else (HostBlocks, None)
         self.space_name = space.name
+        # One of a TP group (export: the leader's stream waits on its bells). Not `tp`: that is
+        # RankState's field (the group, once joined), which its __init__ below sets to None.
+        self.tp_member = tp
         self.worker, self._cp = worker, cp
         self.fence_events = None
         self.pinned = pinned
@@ -385,6 +388,9 @@ class CudaRankState(RankState):
         out = self.buffers.export(self.worker.ordinal, self.worker.bus_id, self.events.handles)
         if "doorbell" in out:  # begin_step checks its invalidate width on the engine's side
             out["doorbell"]["inv_cap"] = self.residency.inv_cap
+            # Only this GPU's stream waits on the rank's group bells unless it is one of a
+            # TP group (the leader's stream waits on every member's, from its own GPU).
+            out["doorbell"]["bells_local"] = not self.tp_member
         return out
 
     @property

@@ -55,16 +55,17 @@ class DeviceStep:
                                       bufs.workspace, bufs.max_batch, stream, clear=clear)
 
     def enqueue_gather(self, block, misses, stream, group_layers=None, ready: int = 0, arrivals: int = 0,
-                       after_resolve: bool = False) -> None:
+                       after_resolve: bool = False, mark_slots: bool = False) -> None:
         """The gather of the last :meth:`enqueue_resolve`, for the group's layers (or the
         ones ``group_layers`` names). ``ready`` / ``arrivals``: a word the gather's last
         block sets to 1 and its zeroed arrival counter (device addresses).
         ``after_resolve``: enqueued right after that resolve (no other operation between
-        them on ``stream``): launched programmatically (``CudaMover.launch_gather``)."""
+        them on ``stream``): launched programmatically (``CudaMover.launch_gather``).
+        ``mark_slots``: it sets the block's ``D_SLOTS`` word once the slots are written."""
         bufs = self.buffers
         self.mover.launch_gather(block.desc, bufs.plan_rows, bufs.plan_slots, misses, bufs.max_batch, stream,
                                  group_layers=group_layers, ready=ready, arrivals=arrivals,
-                                 after_resolve=after_resolve)
+                                 after_resolve=after_resolve, mark_slots=mark_slots)
 
     def enqueue_prefetch(self, block, stream, stats_out: bool = True) -> None:
         """The cross-layer prefetch after ``block``'s TOPK (group g < G - 1, its resolve

@@ -124,6 +124,7 @@ def attach(run_dir, lay, fill=True, engine="db"):
     if fill:
         fill_pool(c, lay)
     h = c.doorbell_handle()
+    assert h._bells_local is True  # a rank of no TP group: only this GPU's stream waits on its bells
     return c, h
 
 

@@ -29,6 +29,8 @@ def group(run_dir, lay, prefetch: bool = False):
             c.attach(lay, engine="tp", transport="doorbell", tp_size=2, prefetch=prefetch)
         fill_pool(clients[0], lay)
         handles = [c.doorbell_handle() for c in clients]
+        # the daemon says a TP member's bells are waited on by the leader: system-scope rings
+        assert all(h._bells_local is False for h in handles)
     except BaseException:
         for c in clients:
             c.close()

@@ -308,15 +308,15 @@ class Resolve:
 
 _TOPK_PARAMS = ("int* blk, const int* counter, const int* req_ids, int tokens, const int* table, int table_rows, "
                 "int max_blocks, const int* resident, int res_blocks, const int* topk, int k, int block_size, "
-                "int group, int max_batch, unsigned* done, unsigned* bell")
+                "int group, int max_batch, unsigned* done, unsigned* bell, int local_bell")
 _TOPK_ARGS = ("blk, counter, req_ids, tokens, table, table_rows, max_blocks, resident, res_blocks, topk, k, block_size, "
-              "group, max_batch, done, bell")
+              "group, max_batch, done, bell, local_bell")
 _INDICES_PARAMS = ("const int* slots, int ld, const int* req_ids, int tokens, const int* topk, int k, "
                    "const int* resident, int res_blocks, int table_rows, int block_size, int region_stride, "
                    "long long hot_base, long long resident_base, const int* dead, const unsigned int* stopped, "
-                   "int* out, int* valid, unsigned int* clear, unsigned int* arrivals")
+                   "int* out, int* valid, unsigned int* clear, unsigned int* arrivals, const int* slots_ready")
 _INDICES_ARGS = ("slots, ld, req_ids, tokens, topk, k, resident, res_blocks, table_rows, block_size, region_stride, "
-                 "hot_base, resident_base, dead, stopped, out, valid, clear, arrivals")
+                 "hot_base, resident_base, dead, stopped, out, valid, clear, arrivals, slots_ready")
 
 
 def _opt(a):
@@ -324,9 +324,10 @@ def _opt(a):
 
 
 def db_topk(grid: int, threads: int, blk, counter, req_ids, table, resident, topk, block_size: int, group: int,
-            max_batch: int, done=None, bell=None):
+            max_batch: int, done=None, bell=None, local_bell: bool = False):
     """``skv_db_topk`` (csrc/handle.cu) over NumPy arrays; ``table`` / ``resident`` None
-    for none."""
+    for none; ``local_bell``: the bell rung after a device-scope fence (the emulator has
+    one memory: the same result)."""
     lib = build("handle.cu", {})
     i = ctypes.c_int
     tokens, k = topk.shape
@@ -334,7 +335,7 @@ def db_topk(grid: int, threads: int, blk, counter, req_ids, table, resident, top
     res_blocks = resident.shape[1] if resident is not None else 0
     lib.run_skv_db_topk(i(grid), i(threads), i(0), _ptr(blk), _ptr(counter), _ptr(req_ids), i(tokens), _opt(table),
                         i(table_rows), i(max_blocks), _opt(resident), i(res_blocks), _ptr(topk), i(k), i(block_size),
-                        i(group), i(max_batch), _opt(done), _opt(bell))
+                        i(group), i(max_batch), _opt(done), _opt(bell), i(1 if local_bell else 0))
 
 
 def db_topk_raw(grid: int, threads: int, args: tuple):
@@ -371,12 +372,14 @@ def run_raw(source: str, entry: str, grid: int, threads: int, args: tuple, defin
 
 def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_rows: int, block_size: int,
                region_stride: int, hot_base: int, resident_base: int, dead, out, valid=None, clear=None, stopped=None,
-               arrivals=None):
+               arrivals=None, slots_ready=None):
     """``skv_db_indices`` (csrc/handle.cu) over NumPy arrays; ``clear``: a uint32 word it
     sets to 0 (the layer's ready word); ``stopped``: the rank's uint32 stop word; with
     ``arrivals`` (uint32 [1]) it waits for the ready word first (set it before the call:
-    blocks run one after another here). ``topk`` None without ``resident`` (the kernel does
-    not read it then); the shape [tokens, k] is ``out``'s."""
+    blocks run one after another here); with ``slots_ready`` too (int32 [1], the TOPK
+    block's SKV_D_SLOTS word) it makes the indices once that word is set, then waits for the
+    ready word. ``topk`` None without ``resident`` (the kernel does not read it then); the
+    shape [tokens, k] is ``out``'s."""
     lib = build("handle.cu", {})
     i = ctypes.c_int
     tokens, k = out.shape
@@ -384,7 +387,8 @@ def db_indices(grid: int, threads: int, slots, req_ids, topk, resident, table_ro
     lib.run_skv_db_indices(i(grid), i(threads), i(0), _ptr(slots), i(slots.shape[1]), _ptr(req_ids), i(tokens),
                            _opt(topk), i(k), _opt(resident), i(res_blocks), i(table_rows), i(block_size),
                            i(region_stride), ctypes.c_longlong(hot_base), ctypes.c_longlong(resident_base),
-                           _opt(dead), _opt(stopped), _ptr(out), _opt(valid), _opt(clear), _opt(arrivals))
+                           _opt(dead), _opt(stopped), _ptr(out), _opt(valid), _opt(clear), _opt(arrivals),
+                           _opt(slots_ready))
 
 
 
@@ -412,8 +416,8 @@ _PLAN_COPY_TAIL = ("const int* group_layers, int layers_stride, int groups, cons
 _PLAN_COPY_ARGS = ("group_layers, layers_stride, groups, plan_rows, plan_slots, misses, max_batch, ld, layer_off, "
                    "block_rows, block_stride, stripe, stripes, ready, arrivals, expect")
 _GATHER_PARAMS = ("const int* desc, const unsigned char* pool, long long host_rows, int num_layers, "
-                  "unsigned char* slab, long long slab_layer_rows, " + _PLAN_COPY_TAIL)
-_GATHER_ARGS = "desc, pool, host_rows, num_layers, slab, slab_layer_rows, " + _PLAN_COPY_ARGS
+                  "unsigned char* slab, long long slab_layer_rows, " + _PLAN_COPY_TAIL + ", int mark_slots")
+_GATHER_ARGS = "desc, pool, host_rows, num_layers, slab, slab_layer_rows, " + _PLAN_COPY_ARGS + ", mark_slots"
 _PUSH_PARAMS = ("const int* desc, long long host_rows, int num_layers, const unsigned char* src, unsigned char* dst, "
                 "long long slab_layer_rows, " + _PLAN_COPY_TAIL)
 _PUSH_ARGS = "desc, host_rows, num_layers, src, dst, slab_layer_rows, " + _PLAN_COPY_ARGS
@@ -428,14 +432,28 @@ def _plan_tail(group_layers, plan_rows, plan_slots, misses, layer_off, block_row
             i(stripes), _opt(ready), _opt(arrivals), ctypes.c_uint(expect))
 
 
+def small_plan(seed: int):
+    """A small gather case: pool [2, 50, 32] (uint8), both layers in group 0, 3 batch rows
+    of ld 4 (host rows, slots mod 12, misses 4 / 0 / 2). Returns (pool, groups, rows, slots,
+    misses, slots_n)."""
+    rng = np.random.default_rng(seed)
+    L, host_rows, rb, B, ld, slots_n = 2, 50, 32, 3, 4, 12
+    pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)
+    groups = np.array([[2, 0, 1]], np.int32)
+    rows = rng.integers(0, host_rows, size=(B, ld)).astype(np.int32)
+    slots = np.arange(B * ld, dtype=np.int32).reshape(B, ld) % slots_n
+    return pool, groups, rows, slots, np.array([4, 0, 2], np.int32), slots_n
+
+
 def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan_slots, misses, grid: int = 4,
            threads: int = 64, layer_off=None, block_rows: int = 1, block_stride: int = 0, ready=None, arrivals=None,
-           defines: dict | None = None, stripe: int = 0, stripes: int = 1, expect: int = 0):
+           defines: dict | None = None, stripe: int = 0, stripes: int = 1, expect: int = 0,
+           mark_slots: bool = False):
     """``skv_gather`` (csrc/copy.cu): the per-row plans (of each row, stripe ``stripe`` of
     ``stripes``), pool ``[L, host_rows, row_bytes]`` (uint8) -> ``slab`` (uint8, laid out
     flat or by the engine-slab geometry); ``ready`` / ``arrivals``: uint32 [1] each, the
     word set once ``expect`` blocks arrived (0: this grid's) and their counter;
-    ``defines``: more constants (a variant of the kernel)."""
+    ``mark_slots``: desc[D_SLOTS] set to 1; ``defines``: more constants (a variant of the kernel)."""
     L, host_rows, rb = pool.shape
     lib = build("copy.cu",
                 {"SKV_ROW_VECS": rb // 16, "SKV_COPY_THREADS": threads, **(defines or {})})
@@ -443,7 +461,7 @@ def gather(desc, pool, slab, slab_layer_rows: int, group_layers, plan_rows, plan
     lib.run_skv_gather(i(grid), i(threads), i(0), _ptr(desc), _ptr(pool), q(host_rows), i(L), _ptr(slab),
                        q(slab_layer_rows), *_plan_tail(group_layers, plan_rows, plan_slots, misses, layer_off,
                                                        block_rows, block_stride, stripe, stripes, ready, arrivals,
-                                                       expect))
+                                                       expect), i(1 if mark_slots else 0))
 
 
 def push(desc, host_rows: int, src, dst, slab_layer_rows: int, group_layers, plan_rows, plan_slots, misses,

@@ -77,11 +77,12 @@ class EmuMover:
             self.table[g, 1:1 + len(layers)] = layers
 
     def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch, stream, group_layers=None, ready=0,
-                      arrivals=0, after_resolve=False):
+                      arrivals=0, after_resolve=False, mark_slots=False):
         # after_resolve (a programmatic launch on a GPU) changes nothing here: the
         # emulator runs each kernel to its end before the next.
         table = self.table if group_layers is None else np.ascontiguousarray(group_layers)
-        cpu_kernels.gather(desc, self.pool, self.slab, self.slab.shape[1], table, plan_rows, plan_slots, misses)
+        cpu_kernels.gather(desc, self.pool, self.slab, self.slab.shape[1], table, plan_rows, plan_slots, misses,
+                           mark_slots=mark_slots)
 
 
 def inproc(lay, prefetch: bool, seed: int = 0):

@@ -278,7 +278,7 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
         counter = np.array([41], np.int32)
         done, bell = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
         cpu_kernels.db_topk(grid, threads, blk, counter, req, table, resident if with_res else None, topk, bs, group=2,
-                            max_batch=max_batch, done=done, bell=bell)
+                            max_batch=max_batch, done=done, bell=bell, local_bell=trial % 2 == 1)
         live = (req >= 0) & (req < table.shape[0])
         rows_tab = np.where(live[:, None], table[np.clip(req, 0, table.shape[0] - 1)], -1)
         want = positions.host_rows(topk, rows_tab, bs)
@@ -295,11 +295,13 @@ def test_the_engine_side_maps_positions_as_proto_positions_does_and_rings_once(g
         assert bell[0] == 1 and done[0] == 0
 
 
+@pytest.mark.parametrize("local", [False, True])
 @pytest.mark.parametrize("grid", [1, 3])
-def test_the_handles_own_arguments_ring_the_groups_bell(grid):
+def test_the_handles_own_arguments_ring_the_groups_bell(grid, local):
     """The doorbell handle's argument tuple for skv_db_topk (the one swap_in and
     finish_step launch), run against the kernel's parameter order: the group's bell ends at
-    1 and its arrival counter at 0. (The handle once passed the
+    1 and its arrival counter at 0, its fence device-scope where the daemon said only this
+    GPU waits on the bells (``bells_local``). (The handle once passed the
     two the other way round: the kernel counted arrivals on the bell, which the daemon's
     stream then never saw settle at 1, and the engine waited for ever.)"""
     tokens, k, max_batch, groups = 4, 8, 8, 2
@@ -313,9 +315,11 @@ def test_the_handles_own_arguments_ring_the_groups_bell(grid):
     h._counter = SimpleNamespace(data=SimpleNamespace(ptr=counter.ctypes.data))
     h._arrivals = SimpleNamespace(data=SimpleNamespace(ptr=arrivals.ctypes.data))
     h._bells = [bells.ctypes.data + 4 * g for g in range(groups)]
+    h._bells_local = local
     req = np.arange(tokens, dtype=np.int32)
     topk = np.arange(tokens * k, dtype=np.int32).reshape(tokens, k)
     args = h._topk_args(1, tokens, req.ctypes.data, 0, max_batch, 0, 0, 0, topk.ctypes.data, k, 1)
+    assert isinstance(args[-1], np.int32) and int(args[-1]) == local
     cpu_kernels.db_topk_raw(grid, 32, args)
     assert bells.tolist() == [0, 1] and arrivals.tolist() == [0, 0]
     payload = blks[1][16 + 2 * max_batch:16 + 2 * max_batch + tokens * k].reshape(tokens, k)
@@ -537,13 +541,8 @@ def test_the_gather_sets_its_ready_word_once_every_block_is_done(grid):
     copied as without it, the word is 1 afterwards and the arrival counter back at 0;
     also when the descriptor is out of range (nothing copied, the engine still released);
     without a word nothing is signalled."""
-    rng = np.random.default_rng(3)
-    L, host_rows, rb, B, ld, slots_n = 2, 50, 32, 3, 4, 12
-    pool = rng.integers(0, 256, size=(L, host_rows, rb), dtype=np.uint8)
-    groups = np.array([[2, 0, 1]], np.int32)
-    rows = rng.integers(0, host_rows, size=(B, ld)).astype(np.int32)
-    slots = np.arange(B * ld, dtype=np.int32).reshape(B, ld) % slots_n
-    misses = np.array([4, 0, 2], np.int32)
+    pool, groups, rows, slots, misses, slots_n = cpu_kernels.small_plan(3)
+    L, rb, ld = pool.shape[0], pool.shape[2], rows.shape[1]
     for desc, copies in ((make_desc(3, ld, 0), True), (make_desc(3, ld, 5), False), (make_desc(0, ld, 0), False)):
         slab = np.zeros((L, slots_n, rb), np.uint8)
         ready, arrivals = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
@@ -585,4 +584,5 @@ def test_begin_step_resets_then_invalidates_as_the_numpy_engine():
         np.testing.assert_array_equal(emu.owner, cpu.owner, err_msg=f"owner after step {step}")
         np.testing.assert_array_equal(emu.lru, cpu.lru, err_msg=f"lru after step {step}")
     assert not emu.err[:8].any()
+
 

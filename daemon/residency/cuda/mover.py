@@ -187,7 +187,7 @@ class CudaMover(Mover):
 
     def launch_gather(self, desc, plan_rows, plan_slots, misses, max_batch: int, stream,
                       group_layers=None, ready: int = 0, arrivals: int = 0, stripe: int = 0, stripes: int = 1,
-                      expect: int = 0, after_resolve: bool = False) -> None:
+                      expect: int = 0, after_resolve: bool = False, mark_slots: bool = False) -> None:
         """Enqueue ``skv_gather``: the plan of the last :meth:`CudaResidency.launch_resolve`
         (per-row counts ``misses``), pool -> slab, for every layer of the descriptor's
         group. Device arrays only; fixed grid and shared memory. ``group_layers``: an int32
@@ -200,7 +200,9 @@ class CudaMover(Mover):
         ``after_resolve``: the kernel before it on ``stream`` is the resolve whose plan it
         copies; it is then launched programmatically (``launch_ex.py``: its blocks start
         while the resolve runs and wait in the kernel for its end, which saves the launch
-        between them)."""
+        between them). ``mark_slots``: the kernel sets ``desc``'s ``D_SLOTS`` word to 1 once
+        the resolve's slots are written, before it copies (a doorbell TOPK block's first
+        gather: the engine's ``skv_db_indices`` makes its indices then)."""
         check_stripe(stripe, stripes)
         self._check_signal(ready, arrivals, expect)
         lay = self.layout
@@ -210,7 +212,8 @@ class CudaMover(Mover):
         args = (desc, self._pool(), i64(lay.host_rows), i32(lay.num_layers), self.slab, i64(slots),
                 table, i32(table.shape[1]), i32(lay.num_groups),
                 plan_rows, plan_slots, misses, i32(max_batch), i32(lay.top_k), *self._geo,
-                i32(stripe), i32(stripes), np.uint64(ready), np.uint64(arrivals), np.uint32(expect))
+                i32(stripe), i32(stripes), np.uint64(ready), np.uint64(arrivals), np.uint32(expect),
+                i32(1 if mark_slots else 0))
         if after_resolve:
             launch_ex.launch(self._gather, self.blocks, self.threads, args, stream, self.group_layers.device.id)
             return
