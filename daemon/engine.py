@@ -16,12 +16,11 @@ from typing import Callable
 
 import numpy as np
 
-from sparsekv.proto import LIMITS
 from sparsekv.proto.blocks import KeysPlane
 from sparsekv.proto.args import layers_in, reset_flags
 from sparsekv.proto.layout import Layout
 
-from .blocks.contract import BlockError
+from .engine_blocks import EngineBlocks
 from .residency.base import (Mover, Residency, ResidencyError, Resolved, apply_step, as_ids, check_batch,
                              prefetch_into_next, whole_arg)
 from .residency.cpu import CpuMover
@@ -284,7 +283,7 @@ class Owner:
     gid: int
 
 
-class EngineSpace:
+class EngineSpace(EngineBlocks):
     """One engine's share of the daemon: layout, pool range, and its ranks' states.
 
     ``owner``: the creator's credentials (None: the in-process transport's engine)."""
@@ -312,111 +311,6 @@ class EngineSpace:
     def range_bytes(self) -> int:
         """Bytes of its pool range: the rows, then the indexer keys plane if it has one."""
         return self.layout.pool_bytes if self.keys_plane is None else self.keys_plane.end
-
-    def zero_blocks(self, blocks: list[int]) -> None:
-        """Write zeros over every row of ``blocks`` in every layer (and their indexer keys)
-        and drop their hot copies in every rank: the block store frees or evicts them. A
-        run of consecutive blocks is one slice (a session's private blocks mostly are: a
-        dead client's million blocks one by one had held the loop for a second)."""
-        bs = self.block_size
-        self.quiesce()
-        # Sorted once (a block named twice is a run of its own: zeroed twice), then used for
-        # the keys and the rows too: the list is converted once. (np.unique hashed 2M ids in 2 s.)
-        ids = np.sort(np.asarray(blocks, dtype=np.int64))
-        for first, _, n in self.keys_runs(ids):
-            self.pool[:, first * bs:(first + n) * bs] = 0
-        if self.keys is not None:
-            for r in self.ranks.values():
-                r.quiesce_keys()
-            self.keys[ids] = 0
-        rows = (ids.astype(np.int32)[:, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
-        self.drop_rewritten(rows)
-
-    # A keys request in two steps: the checks (the loop's thread), then the copy (any
-    # thread: it touches those blocks' keys only, which nobody else may write or free meanwhile).
-    def check_keys_write(self, session: int, blocks, keys) -> np.ndarray:
-        """The block ids (int64 [n]) whose indexer keys ``keys`` (uint8 [n, layers,
-        block_size, index_bytes]) may replace: ``blocks`` distinct and private to
-        ``session``, the shape exact; BlockError before anything is written."""
-        plane = self._plane(blocks)
-        want = (len(blocks), *plane.shape[1:])
-        if keys.dtype != np.uint8 or keys.shape != want:
-            raise BlockError("BAD_ARGUMENT", f"keys must be uint8 {list(want)} ([blocks, layers, block_size, "
-                             f"index_bytes]), got {keys.dtype} {list(keys.shape)}")
-        return self.blocks.keys_writable(session, blocks)
-
-    def check_keys_read(self, session: int, blocks) -> np.ndarray:
-        """The block ids (int64 [n]) of ``blocks`` if each is pinned by ``session`` or
-        private to it and their keys fit one request; BlockError otherwise."""
-        self._plane(blocks)
-        return self.blocks.keys_readable(session, blocks)
-
-    def check_keys_load(self, session: int, blocks, dst_bytes: int) -> np.ndarray:
-        """The block ids (int64 [n]) whose indexer keys a load may copy into ``dst_bytes``
-        of the engine's buffer: the same rule as a read (pinned by ``session`` or private to
-        it), each named once (the work of a request is then bounded by the store's keys), with
-        no per-request size limit but the buffer's; BlockError otherwise."""
-        plane = self._plane(blocks[:0])
-        ids = np.asarray(blocks)
-        if ids.size > 1 and np.unique(ids).size != ids.size:
-            raise BlockError("BAD_ARGUMENT", "a keys load names a block more than once: name each block once")
-        need = len(blocks) * plane.block_bytes
-        if need > dst_bytes:
-            raise BlockError("BAD_ARGUMENT", f"the indexer keys of {len(blocks)} blocks take {need} bytes "
-                             f"({plane.block_bytes} each); the destination has {dst_bytes}")
-        return self.blocks.keys_readable(session, blocks)
-
-    def keys_runs(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
-        """``(first block, its index in ids, blocks)`` of each run of consecutive ids: the
-        keys of a run are one contiguous span of the plane (block-major), one copy."""
-        cut = np.flatnonzero(np.diff(ids) != 1) + 1
-        starts, ends = np.r_[0, cut], np.r_[cut, ids.size]
-        return [(int(ids[a]), int(a), int(b - a)) for a, b in zip(starts, ends) if b > a]
-
-    def keys_copies(self, ids: np.ndarray, pinned, dst: int) -> list[tuple[int, int, int]]:
-        """``(destination, host address, bytes)`` of each copy that loads the indexer keys of
-        blocks ``ids`` (checked) to device address ``dst`` (block ``i`` of ``ids`` at ``dst + i
-        * block_bytes``): one a run of consecutive ids, cut only where a page-locked chunk of
-        ``pinned`` (the engine's registered range, ``PinnedRegion`` or ``PinnedView``) ends."""
-        plane = self.keys_plane
-        bb = plane.block_bytes
-        copies = []
-        for first, i, n in self.keys_runs(ids):
-            to = dst + i * bb
-            for src, k in pinned.host_spans(plane.offset + first * bb, n * bb):
-                copies.append((to, src, k))
-                to += k
-        return copies
-
-    def copy_keys_to(self, ids: np.ndarray, out: np.ndarray) -> int:
-        """Copy the indexer keys of blocks ``ids`` (checked) into ``out`` (uint8, block ``i``
-        of ``ids`` at ``i * block_bytes``), one copy a run; returns the bytes."""
-        bb = self.keys_plane.block_bytes
-        flat = self.keys.reshape(self.keys.shape[0], bb)
-        for first, i, n in self.keys_runs(ids):
-            out[i * bb:(i + n) * bb] = flat[first:first + n].reshape(-1)
-        return ids.size * bb
-
-    def copy_keys_in(self, ids: np.ndarray, keys: np.ndarray) -> int:
-        """Copy ``keys`` into the indexer keys of blocks ``ids`` (checked); returns the bytes."""
-        self.keys[ids] = keys
-        return keys.nbytes
-
-    def copy_keys_out(self, ids: np.ndarray) -> np.ndarray:
-        """A copy of the indexer keys of blocks ``ids`` (checked): uint8 [n, layers, block_size, index_bytes]."""
-        return self.keys[ids]
-
-    def _plane(self, blocks) -> KeysPlane:
-        """The keys plane, if the engine has one and ``blocks``' keys fit one request."""
-        plane = self.keys_plane
-        if plane is None:
-            raise BlockError("BAD_ARGUMENT", f"engine {self.name!r} has no indexer keys plane: its first rank "
-                             "attaches with index_bytes (Client.attach(..., block_size=n, index_bytes=m))")
-        if len(blocks) * plane.block_bytes > LIMITS.max_keys_bytes:
-            raise BlockError("TOO_LARGE", f"the indexer keys of {len(blocks)} blocks ({plane.block_bytes} bytes each) "
-                             f"exceed {LIMITS.max_keys_bytes} bytes a request: at most "
-                             f"{LIMITS.max_keys_bytes // plane.block_bytes} blocks")
-        return plane
 
     def write(self, layers, rows, data) -> tuple[int, int]:
         """Copy ``data`` [len(layers), n, row_bytes] into host ``rows`` of ``layers`` and drop

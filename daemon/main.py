@@ -379,8 +379,24 @@ def metrics_port_refusal(cfg, sources: dict) -> tuple[str, int] | None:
     return None
 
 
+def join_dashed_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--pool-size -1GiB`` as ``--pool-size=-1GiB``: argparse reads a value that starts with
+    ``-`` and a digit as a flag ("expected one argument"); joined, the setting's own check
+    names what is wrong with it."""
+    takes_value = {s for a in parser._actions if a.option_strings and a.nargs is None and a.const is None
+                   for s in a.option_strings}
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in takes_value and len(arg) > 1 and arg[0] == "-" and (arg[1].isdigit() or arg[1] == "."):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(join_dashed_values(parser, list(sys.argv[1:] if argv is None else argv)))
     try:
         cfg, sources = config_mod.load_with_sources(args)
     except config_mod.ConfigError as e:

@@ -8,7 +8,8 @@ is the same as an unset one; a bad value raises :class:`SettingError` naming the
 
 Sizes (:func:`parse_size`) are a number and a unit: ``B``; ``KiB``, ``MiB``, ``GiB``,
 ``TiB`` (powers of 1024); ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000). A bare
-``K``/``M``/``G``/``T`` is refused: tools disagree on what it means.
+``K``/``M``/``G``/``T`` is refused: tools disagree on what it means; so is an upper-case
+prefix before a lower-case ``b`` (``1Mb``, ``64Gib``): that spelling is bits.
 """
 
 from __future__ import annotations
@@ -45,8 +46,13 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ValueError(f"size must be >= 0, got {text}")
         raise ValueError(f"size {text} has no unit; write e.g. \"{text}B\", 256MiB or 64GiB")
+    if re.fullmatch(r"\s*-.*", text):
+        raise ValueError(f"size {text.strip()!r} is negative; a size is at least 0B (e.g. 256MiB or 64GiB)")
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     number, unit = (m.group(1), m.group(2).lower()) if m else ("", "")
+    if m and re.fullmatch(r"[KMGT]i?b", m.group(2)):
+        raise ValueError(f"size {text.strip()!r} reads as bits (lower-case b): write {number}{m.group(2)[:-1]}B "
+                         "for bytes")
     if unit in ("k", "m", "g", "t"):
         u = unit.upper()
         raise ValueError(f"size {text.strip()!r} is ambiguous: write {number}{u}iB (powers of 1024) "

@@ -16,7 +16,7 @@ import cli_inproc
 import helpers
 from block_engine import BS, INDEX_BYTES, KEYS, LAY, Engine, attach_keys, keys_of, tokens
 from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolFull, QuotaExceeded
-from sparsekv.daemon import engine as daemon_engine
+from sparsekv.daemon import engine_blocks as daemon_engine_blocks
 from sparsekv.daemon.engine import EngineSpace
 from sparsekv.embedded.inproc import InprocClient
 from sparsekv.proto import LIMITS, ErrorCode, Limits, MsgType
@@ -138,7 +138,7 @@ def test_keys_requests_over_the_byte_limit_are_too_large_and_reads_are_split(dae
         mine = blocks.alloc(5)
         block_bytes = int(np.prod(KEYS))
         blocks.write_keys(mine, keys_of(5, 5))
-        monkeypatch.setattr(daemon_engine, "LIMITS", Limits(max_keys_bytes=2 * block_bytes))
+        monkeypatch.setattr(daemon_engine_blocks, "LIMITS", Limits(max_keys_bytes=2 * block_bytes))
         with pytest.raises(BadRequest, match="at most 2 blocks") as e:
             c._call(MsgType.BLOCK_READ_KEYS, arrays={"blocks": mine[:3]})
         assert e.value.code == ErrorCode.TOO_LARGE

@@ -1,10 +1,18 @@
 """The zeroing of a block store's freed blocks (found by an adversarial test: a dead
 client's million private blocks, all freed at once, zeroed one by one, held the daemon's
-loop for 1.3 s): a run of consecutive blocks at a time, exactly the blocks named."""
+loop for 1.3 s): a run of consecutive blocks at a time, exactly the blocks named; those
+of a request's blocks on a worker thread before its reply."""
+
+import threading
 
 import numpy as np
+import pytest
 
+import helpers
+from block_engine import BS, KEYS, LAY, attach_keys
+from sparsekv.client import Client
 from sparsekv.daemon.engine import EngineSpace
+from sparsekv.daemon.engine_blocks import ZeroWrite
 from sparsekv.proto import Layout
 
 
@@ -27,3 +35,71 @@ def test_zeroing_freed_blocks_zeroes_exactly_them_run_by_run():
     np.testing.assert_array_equal(space.keys[~gone], keys[~gone])
     space.zero_blocks([])  # nothing named: nothing changes
     np.testing.assert_array_equal(pool[:, ~rows], before[:, ~rows])
+
+
+# The zeros of the blocks a request frees or evicts are written before its reply, on a
+# worker thread from heavy_bytes on (2,048 DeepSeek-V3.2 blocks are 5.3 GB: ~75 ms that
+# held every client on the loop), holding only that engine's requests.
+def _hashes(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-2**62, 2**62, (n, 2), dtype=np.int64)
+
+
+def _block_rows(blocks) -> np.ndarray:
+    return (np.asarray(blocks)[:, None] * BS + np.arange(BS)).reshape(-1)
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """ZeroWrite held until ``go`` is set; ``threads``: where each ran."""
+    go, threads, started = threading.Event(), [], threading.Event()
+    write = ZeroWrite.__call__
+
+    def held(self):
+        threads.append(threading.current_thread())
+        started.set()
+        assert go.wait(20)
+        return write(self)
+
+    monkeypatch.setattr(ZeroWrite, "__call__", held)
+    return go, threads, started
+
+
+@pytest.mark.parametrize("request_kind", ["alloc_evicting", "release"])
+def test_the_zeros_of_a_requests_blocks_are_written_off_the_loop_before_its_reply(request_kind, gated):
+    go, threads, started = gated
+    with helpers.serving_daemon(4 << 20) as d:
+        d.block_requests.heavy_bytes = 1  # every zeroing on a worker thread
+        with Client(d.run_dir) as c, Client(d.run_dir) as other, Client(d.run_dir) as peer:
+            blocks = attach_keys(c)
+            space = d.engines.space("m")
+            mine = blocks.alloc(16)  # the whole store: nothing zeroed yet (free blocks hold zeros)
+            assert not threads
+            c.write(_block_rows(mine), np.full((LAY.num_layers, 16 * BS, LAY.row_bytes), 7, np.uint8))
+            blocks.write_keys(mine, np.full((16, *KEYS), 9, np.uint8))
+            if request_kind == "alloc_evicting":
+                blocks.commit(mine, _hashes(1, 16))
+                blocks.release(mine)  # cached, unpinned: evictable
+                assert not threads
+                target, call = mine[:6], lambda: blocks.alloc(6)  # the 6 least recently unpinned
+            else:
+                target, call = mine[2:8], lambda: blocks.release(mine[2:8])
+            done = {}
+            t = threading.Thread(target=lambda: done.setdefault("out", call()))
+            t.start()
+            assert started.wait(10)
+            other.attach(LAY, engine="other", block_size=BS)  # the loop serves another engine meanwhile
+            assert other.blocks.alloc(3).size == 3
+            # a rank of the same engine attaching, then asking, waits for the held engine
+            waiting = threading.Thread(target=lambda: done.setdefault("peer", attach_keys(peer).alloc(0)))
+            waiting.start()
+            waiting.join(0.3)
+            assert "out" not in done and "peer" not in done and waiting.is_alive()
+            go.set()
+            t.join(10), waiting.join(10)
+            assert threads and all(th is not d.thread for th in threads)
+            if request_kind == "alloc_evicting":
+                assert sorted(done["out"]) == sorted(target)
+            rows = _block_rows(target)
+            assert not space.pool[:, rows].any() and not space.keys[target].any()
+            rest = np.setdiff1d(mine, target)
+            assert (space.pool[:, _block_rows(rest)] == 7).all() and (space.keys[rest] == 9).all()

@@ -187,6 +187,9 @@ def test_print_config_shows_defaults_toml_env_command_line_precedence(tmp_path):
     [
         (["--pool-size", "12XB"], {}, "--pool-size: bad value for pool_size: bad size '12XB'"),
         (["--pool-size", "0B"], {}, "pool_size must be >= 2MiB, got 0B"),
+        (["--pool-size", "-1GiB"], {}, "flag --pool-size: bad value for pool_size: size '-1GiB' is negative"),
+        (["--pool-size", "1Gb"], {}, "size '1Gb' reads as bits (lower-case b): write 1GB for bytes"),
+        (["--hello-timeout-s", "-.5"], {}, "flag --hello-timeout-s: hello_timeout_s must be in (0.1, "),
         ([], {"SPARSEKV_POOL_SIZE": "lots"}, "environment SPARSEKV_POOL_SIZE: bad value for pool_size"),
         ([], {"SPARSEKV_POOL_SIZE": "1G"}, "size '1G' is ambiguous: write 1GiB (powers of 1024) or 1GB"),
         ([], {"SPARSEKV_MAX_CLIENTS": "abc"}, "environment SPARSEKV_MAX_CLIENTS: bad value for max_clients: an "

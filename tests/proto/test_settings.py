@@ -2,6 +2,7 @@
 clear line naming the variable for a bad value."""
 
 import os
+import re
 
 import pytest
 
@@ -34,6 +35,18 @@ def test_binary_units_are_powers_of_1024_and_decimal_ones_of_1000(text, nbytes):
                                                    ("512M", "512MiB", "512MB"), ("2k", "2KiB", "2KB")])
 def test_a_bare_unit_letter_is_refused_as_ambiguous_with_both_spellings(text, binary, decimal):
     with pytest.raises(ValueError, match=f"ambiguous: write {binary} .* or {decimal} "):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("text, bytes_text", [("1Mb", "1MB"), ("64Gib", "64GiB"), ("2.5Tb", "2.5TB"), ("8Kib", "8KiB")])
+def test_an_upper_case_prefix_before_a_lower_case_b_is_refused_as_bits(text, bytes_text):
+    with pytest.raises(ValueError, match=f"reads as bits .*write {re.escape(bytes_text)} for bytes"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("text", [" -5MiB", "-0B", "-1"])
+def test_a_negative_size_says_so(text):
+    with pytest.raises(ValueError, match="is negative"):
         parse_size(text)
 
 
