@@ -8,10 +8,8 @@ reply to a top-k batch arrives once the gather is done. Requests can be pipeline
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,7 +26,7 @@ from .doorbell import DoorbellSwapIn
 from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError
 from .keys_load import KeysLoader
 from .rank_memory import fetch_fds, map_shared, offer_slab
-from .results import AttachmentCaps, TopkResult
+from .results import Attachment, AttachmentCaps, TopkResult  # noqa: F401 - Attachment: imported from here
 from .pending import Pending, Ready  # noqa: F401 - Ready: the device-wait result (tests import it here)
 from .tensors import check_batch, check_layout, check_prefetch, device_ids, host_bytes, host_int32
 from .tensors import layers_arg as _layers, on_gpu, step_arrays, whole as _whole, write_in_parts
@@ -41,30 +39,6 @@ BYE_TIMEOUT_S = 0.5  # close() waits this long for the daemon's goodbye
 
 def default_run_dir() -> str:
     return RUN_DIR.get()
-
-
-@dataclass
-class Attachment:
-    """What attach gives a cpu rank: its layout and the hot slab it reads rows from."""
-
-    layout: Layout
-    engine: str
-    slab: np.ndarray  # uint8 [num_layers, max_reqs, region_stride, row_bytes]
-    staging: np.ndarray | None  # uint8 [num_layers, staging_rows, row_bytes]
-    _mm: mmap.mmap | None = None
-    # An engine-owned slab (client/engine_slab.py): the hot rows live there; ``slab`` is None.
-    engine_slab: object = None
-    caps = AttachmentCaps()
-
-    def close(self, wait_s: float | None = None) -> None:
-        """Unmap the slab. ``wait_s``: as CudaAttachment's (nothing here runs on a device)."""
-        self.slab = self.staging = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # a caller still holds a view; the OS unmaps at exit
-            self._mm = None
 
 
 class Client(Connection):
@@ -130,8 +104,8 @@ class Client(Connection):
     # -- connection --------------------------------------------------------------
     def connect(self) -> "Client":
         if self._sock is not None:  # a second session would end the first one's without a word
-            raise SparseKVError("this Client is connected already (client %s); close() it first" %
-                                (self.info or {}).get("client_id", "?"))
+            raise BadRequest("this Client is connected already (client %s); close() it first" %
+                             (self.info or {}).get("client_id", "?"), ErrorCode.BAD_ARGUMENT)
         self._owner_pid = os.getpid()  # (a forked child shares the connection: refused, _send)
         if self.attachment is not None:  # of a session lost since (not closed): the daemon dropped it
             self._close_attachment(wait_s=GONE_CLOSE_WAIT_S)
@@ -418,7 +392,7 @@ class Client(Connection):
             self._lone_steps.append(self._send(MsgType.STEP, {"step": pending[0]}, pending[1]))
             self._deferred.append(self._lone_steps[-1])
 
-    def _settle_steps(self) -> None:
+    def _settle_steps(self, held: str = "request") -> None:
         """Send the STEP not sent yet; wait for every STEP sent alone and raise its refusal:
         a request (or its side effects: a keys buffer deposited) must not run and then raise
         a STEP's error as its own (a WRITE that raised had written; an ALLOC's blocks lost)."""
@@ -426,7 +400,11 @@ class Client(Connection):
         while self._lone_steps:
             req = self._lone_steps.pop(0)
             if req in self._deferred:  # (its reply may have been read and raised already)
-                self._receive_until(req)
+                try:
+                    self._receive_until(req)
+                except DaemonUnavailable as e:  # (its "may have run" is the STEP's, not this request's)
+                    raise DaemonUnavailable(f"{e.args[0]}; this {held} was not sent: it waited for the reply to a "
+                                            f"STEP sent before it (request {req})") from None
                 self._check_deferred()
 
     def _riding_step(self, step: int, state_rows) -> dict | None:
@@ -445,7 +423,7 @@ class Client(Connection):
         if msg_type in (MsgType.TOPK, MsgType.DETACH, MsgType.STEP):  # (a STEP: the one being sent alone)
             self._send_pending_step()
         else:
-            self._settle_steps()
+            self._settle_steps(msg_type.name)
         return super()._send(msg_type, fields, arrays)
 
     def submit_topk(self, step: int, group: int, topk, state_rows=None) -> Pending:

@@ -145,7 +145,7 @@ class Connection:
                                 "for it", ErrorCode.NOT_HELLO)
         if req_id not in self._sent and req_id not in self._replies:  # (waited for it blocked until timeout_s)
             raise SparseKVError(f"request {req_id} was made on an earlier connection of this client, closed since: "
-                                "no reply will come for it")
+                                "no reply will come for it", ErrorCode.NOT_HELLO)
         self._check_owner()
         while req_id not in self._replies:
             if not self._spin() and not self._sock.wait(int(min(self.timeout_s, LIVENESS_SLICE_S) * 1000)):

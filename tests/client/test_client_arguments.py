@@ -184,8 +184,9 @@ def test_connect_twice_timeouts_and_read_only_out_arrays_are_refused_plainly(mod
         with pytest.raises(BadRequest, match="timeout_s must be a number of seconds"):
             Client(module_daemon.run_dir, timeout_s=bad)
     with Client(module_daemon.run_dir, name="arguments-twice") as c:
-        with pytest.raises(SparseKVError, match="connected already"):
+        with pytest.raises(BadRequest, match="connected already") as e:
             c.connect()
+        assert e.value.code == ErrorCode.BAD_ARGUMENT
         c.stats()  # the first session serves on
         lay = Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
                      index_groups=((0,),)).validate()

@@ -204,6 +204,19 @@ def test_a_lost_sessions_step_error_is_still_raised_and_a_reconnect_starts_clean
     serves_again(c)
 
 
+def test_a_write_held_back_behind_a_step_sent_alone_says_it_was_not_sent(lost):
+    """Found by an integrator's walkthrough: a WRITE waiting for the reply to a STEP sent
+    alone (the daemon stopped) raised "the request may have run", which was the STEP's."""
+    p, c = lost
+    c.step(0, [0])
+    with stopped(p):  # before the STEP goes: its reply cannot have come
+        c.submit_topk(0, 0, [[1, 2, 3, 4]], state_rows=[0])  # the STEP goes alone, not waited for
+        with pytest.raises(DaemonUnavailable, match=r"within 1 s .*; this WRITE was not sent: it waited for the "
+                                                     r"reply to a STEP sent before it"):
+            c.write([0], np.zeros((1, 1, 64), np.uint8))
+    serves_again(c)
+
+
 def test_an_error_dropped_unread_in_a_lost_session_does_not_reach_the_next(lost):
     """Found by the same review: its id stayed deferred across connect(), and flush()
     raised "made on an earlier connection" for the rest of the new session."""

@@ -8,7 +8,7 @@ import pytest
 
 import helpers
 from sparsekv.client import BadRequest, Client, NotAttached, SparseKVError
-from sparsekv.proto import MsgType
+from sparsekv.proto import ErrorCode, MsgType
 
 LAYOUT = helpers.layout(num_layers=1, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
 IDS = np.array([[0, 1, 2, 3]], np.int32)
@@ -82,8 +82,9 @@ def test_a_request_made_before_close_fails_at_once_after_connect(module_daemon):
         c.close()
         c.connect()
         t0 = time.monotonic()
-        with pytest.raises(SparseKVError, match="earlier connection"):
+        with pytest.raises(SparseKVError, match="earlier connection") as e:
             p.wait()
+        assert e.value.code == ErrorCode.NOT_HELLO  # the client's misuse, not "the daemon hit a bug"
         assert time.monotonic() - t0 < 5
         c.attach(LAYOUT, engine="p-stale")  # the client works on
         c.step(0, [0])
