@@ -6,8 +6,9 @@ Linear probing from a slot that mixes both words with a per-index random salt (a
 that picks its keys cannot aim them at one run of slots without knowing it); the table
 is kept at most a quarter full of live keys (a find is one vectorised pass per slot of
 the longest run it meets: at half full it took 7 passes for a 2,048-key chain, 1.3x the
-time); a deleted key leaves a tombstone, and the table is rebuilt once tombstones pass a
-quarter of it.
+time); a deleted key leaves a tombstone unless it ends its run (then it, and the tombstones it
+leaves at the end, are emptied), and the table is rebuilt once tombstones pass a quarter of
+it.
 """
 
 from __future__ import annotations
@@ -133,10 +134,27 @@ class KeyIndex:
     def delete(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Remove keys that are in the index."""
         s = self._probe(lo, hi)[0]
-        self.block[s[s >= 0]] = TOMB
-        self.tombs += int((s >= 0).sum())
+        s = s[s >= 0]
+        self.block[s] = TOMB
+        self.tombs += int(s.size)
+        self._clear_run_ends(s)
         if self.tombs > self.size // 4:
             self._rebuild()
+
+    def _clear_run_ends(self, slots: np.ndarray) -> None:
+        """Empty the tombstones among ``slots`` that end their run (the next slot empty: a
+        probe that reaches one stops at the next slot anyway), then those each leaves at the
+        end in turn: most deletions leave no tombstone, and the rebuild (0.26 s on the loop
+        for 2,097,152 keys) comes seldom."""
+        mask = self.size - 1
+        while slots.size:
+            slots = slots[(self.block[slots] == TOMB) & (self.block[(slots + 1) & mask] == EMPTY)]
+            if slots.size > 1:  # (two runs' tombstones could meet in one slot: counted once)
+                slots = np.sort(slots)
+                slots = slots[np.r_[True, slots[1:] != slots[:-1]]]
+            self.block[slots] = EMPTY
+            self.tombs -= int(slots.size)
+            slots = (slots - 1) & mask
 
     def _rebuild(self) -> None:
         live = np.flatnonzero(self.block >= 0)
