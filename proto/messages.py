@@ -82,7 +82,8 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     ErrorCode.LAYOUT_MISMATCH: "every rank of one engine must attach with the same layout",
     ErrorCode.POOL_FULL: "the host pool, or the daemon's memory for block stores, has no room for this; raise --pool-size "
                           "(or --max-store-bytes), lower host_rows, or use larger blocks",
-    ErrorCode.BAD_ARGUMENT: "an argument has the wrong shape, type or range",
+    ErrorCode.BAD_ARGUMENT: "a bad argument, or a request this client or engine may not make now; the message says "
+                             "which",
     ErrorCode.BAD_STATE_ROW: "state rows must lie in [-1, max_reqs)",
     ErrorCode.DUPLICATE_IDS: "each host row at most once in a top-k row (-1 pads)",
     ErrorCode.TOO_LARGE: "past a protocol or daemon limit, which the message names: split the request, or lower what "
