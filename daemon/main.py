@@ -200,6 +200,13 @@ class RunDirLock:
                                f"{len(os.fsencode(longest))} bytes, a UNIX socket path at most {UNIX_PATH_MAX}")
         if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
             raise SettingRefused(f"run dir {run_dir} is not a directory")
+        # The directories this daemon makes (deepest first), removed again at release when empty:
+        # a start refused leaves no run dir behind that it made.
+        self.made = []
+        d = os.path.abspath(run_dir)
+        while not os.path.lexists(d):
+            self.made.append(d)
+            d = os.path.dirname(d)
         try:
             os.makedirs(run_dir, mode=0o755, exist_ok=True)
         except OSError as e:  # under a file: no restart makes it (a permission may come with a mount)
@@ -245,6 +252,11 @@ class RunDirLock:
                 pass
             os.close(self.fd)
             self.fd = -1
+            for d in self.made:
+                try:
+                    os.rmdir(d)
+                except OSError:  # something in it (a client's file, a socket left): it stays
+                    break
 
 
 class _Interrupted(BaseException):

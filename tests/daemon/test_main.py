@@ -207,13 +207,24 @@ def test_bad_settings_are_one_line_naming_them_with_exit_2(run_dir, args, env, w
     assert not os.path.exists(run_dir)  # refused before touching anything
 
 
+def test_a_refused_start_removes_the_run_dir_it_made_and_only_that(run_dir):
+    """Found by an operator's walkthrough: a start refused after the run dir was made left
+    it behind (empty); one that existed stays."""
+    os.mkdir(run_dir)
+    fresh = os.path.join(run_dir, "made", "here")
+    r = subprocess.run([*DAEMON, "--backend", "cpu", "--run-dir", fresh, "--pool-size", "64TiB"],
+                       capture_output=True, text=True, timeout=30, env=clean_env())
+    assert r.returncode == 2 and "more than this machine's RAM" in r.stderr
+    assert os.listdir(run_dir) == []  # "made" and "made/here" both gone; run_dir, which existed, stays
+
+
 def test_a_pool_larger_than_the_machines_ram_is_a_bad_setting_and_leaves_nothing(run_dir):
     """Found by an operator's review: it exited 1, and the unit restarted it into the same refusal."""
     r = subprocess.run([*DAEMON, "--backend", "cpu", "--run-dir", run_dir, "--pool-size", "64TiB"],
                        capture_output=True, text=True, timeout=30, env=clean_env())
     assert r.returncode == 2
     assert "cannot start: pool_size 64TiB (flag --pool-size) is more than this machine's RAM" in r.stderr
-    assert os.listdir(run_dir) == []  # no sockets, lock released and removed
+    assert not os.path.exists(run_dir)  # no sockets, the run dir it made removed
 
 
 def test_a_pool_larger_than_the_ram_available_now_is_retried(monkeypatch, tmp_path, caplog):
@@ -226,7 +237,7 @@ def test_a_pool_larger_than_the_ram_available_now_is_retried(monkeypatch, tmp_pa
     with caplog.at_level(logging.ERROR, logger="sparsekv"):
         assert main_mod.main(["--backend", "cpu", "--run-dir", run, "--pool-size", "128MiB"]) == 1
     assert "does not fit in available RAM (64MiB); lower pool_size" in caplog.text
-    assert os.listdir(run) == []
+    assert not os.path.exists(run)  # the run dir it made removed
 
 
 def test_a_killed_daemon_leaves_no_slab_and_older_stale_files_are_removed(run_dir):
@@ -290,7 +301,7 @@ def test_sighup_and_sigusr1_are_logged_and_ignored(run_dir):
     # pre-fault progress is in the log at INFO
     assert re.search(r" INFO sparsekv: sparsekvd \S+ \(pid \d+\) on .*: pre-faulting host pool of 64MiB", text)
     assert re.search(r" INFO sparsekv.pool: pool 64MiB pre-faulted in", text)
-    assert os.listdir(run_dir) == []
+    assert not os.path.exists(run_dir)  # the run dir it made removed
 
 
 def wait_datagram(sock, pred, timeout_s=30.0) -> list[bytes]:
@@ -326,7 +337,7 @@ def test_sigterm_during_prefault_stops_cleanly(run_dir):
     assert "SIGTERM during start: stopping" in text and "stopped before serving" in text
     assert "pre-faulted in" not in text  # stopped part way, not at the end
     assert took_s < 10, text
-    assert os.listdir(run_dir) == []  # no sockets, lock released
+    assert not os.path.exists(run_dir)  # no sockets, the run dir it made removed
 
 
 def test_sigterm_during_prefault_in_process(monkeypatch, tmp_path):
@@ -359,7 +370,7 @@ def test_sigterm_during_prefault_in_process(monkeypatch, tmp_path):
         assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before  # restored
         got = wait_datagram(s, lambda m: b"STOPPING=1" in m, timeout_s=5)
     assert any(b"EXTEND_TIMEOUT_USEC=" in m for m in got)
-    assert os.listdir(run) == []  # lock released and removed
+    assert not os.path.exists(run)  # the run dir it made removed
 
 
 # -- logs ----------------------------------------------------------------------------------
@@ -485,7 +496,7 @@ def test_a_metrics_port_the_sandbox_forbids_is_one_line_naming_the_drop_in(monke
                               "--metrics-port", "9400"]) == 2  # a setting: the unit does not retry it
     assert "metrics_port 9400 (flag --metrics-port): cannot open an IPv4 socket (Operation not permitted)" \
         in caplog.text and "sparsekvd.service.d/metrics.conf" in caplog.text
-    assert os.listdir(run) == []  # the lock released
+    assert not os.path.exists(run)  # the run dir it made removed
 
 
 def test_a_metrics_port_this_user_may_not_take_exits_2_and_a_taken_one_1(monkeypatch, tmp_path, caplog):
@@ -505,7 +516,7 @@ def test_a_metrics_port_this_user_may_not_take_exits_2_and_a_taken_one_1(monkeyp
         run = str(tmp_path / f"run{err}")
         assert main_mod.main(["--backend", "cpu", "--run-dir", run, "--pool-size", "64MiB",
                               "--metrics-port", "80"]) == code
-        assert os.listdir(run) == []
+        assert not os.path.exists(run)  # the run dir it made removed
 
 
 def test_a_run_dir_that_is_a_file_is_a_bad_setting(tmp_path):
