@@ -1,4 +1,4 @@
-"""The run dir and its lock (daemon/main.py ``check_run_dir``, ``RunDirLock``): the run dir
+"""The run dir and its lock (daemon/run_dir_lock.py ``check_run_dir``, ``RunDirLock``): the run dir
 must be the daemon's own, the lock is never followed through a link, and a lock file
 replaced while it is being locked is not taken (found by an adversarial review); an
 operator connection closed without an answer is "busy", not an empty success."""
@@ -11,8 +11,8 @@ import pytest
 
 import fake_stats
 from sparsekv.cli.health import READY, StatsSocketError, probe, stats_query
-from sparsekv.daemon import main as main_mod
-from sparsekv.daemon.main import RunDirLock
+from sparsekv.daemon import run_dir_lock as lock_mod
+from sparsekv.daemon.run_dir_lock import RunDirLock
 
 
 def test_a_lock_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path):
@@ -68,7 +68,7 @@ def test_a_lock_file_replaced_while_it_is_being_locked_is_not_taken(tmp_path, mo
     run = tmp_path / "run"
     run.mkdir(mode=0o755)
     path = run / "sparsekvd.lock"
-    real = main_mod.fcntl.flock
+    real = lock_mod.fcntl.flock
     third = []
 
     def flock(fd, op):
@@ -76,11 +76,11 @@ def test_a_lock_file_replaced_while_it_is_being_locked_is_not_taken(tmp_path, mo
             os.unlink(path)
             fd3 = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             os.write(fd3, b"4242\n")
-            real(fd3, main_mod.fcntl.LOCK_EX | main_mod.fcntl.LOCK_NB)
+            real(fd3, lock_mod.fcntl.LOCK_EX | lock_mod.fcntl.LOCK_NB)
             third.append(fd3)
         return real(fd, op)
 
-    monkeypatch.setattr(main_mod.fcntl, "flock", flock)
+    monkeypatch.setattr(lock_mod.fcntl, "flock", flock)
     try:
         with pytest.raises(RuntimeError, match=r"another sparsekvd \(pid 4242\)"):
             RunDirLock(str(run))

@@ -1,0 +1,107 @@
+"""The daemon's run dir, taken at start: checked to be the daemon's own, made when it is
+missing (and removed again when empty at release), and locked for the daemon's life
+(``sparsekvd.lock``) so that a second daemon on it is refused; and :class:`SettingRefused`,
+the start refusals no restart changes (exit code 2)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+UNIX_PATH_MAX = 107  # bytes of a UNIX socket's path (sun_path's 108, its NUL included)
+
+
+class SettingRefused(RuntimeError):
+    """A start refused for a setting that no restart would change (a run dir that is a
+    file, CPUs this process may not use, a pool larger than the machine's RAM): exit code
+    2, which the systemd unit does not restart. Other refusals exit 1 and are retried."""
+
+
+def check_run_dir(run_dir: str) -> None:
+    """The run dir must be the daemon's own: a directory owned by its user (or root) that
+    others cannot write to, or another user could plant its lock as a link or replace its
+    sockets (SettingRefused naming what is wrong)."""
+    st = os.stat(run_dir)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SettingRefused(f"run dir {run_dir} is not a directory")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise SettingRefused(f"run dir {run_dir} belongs to uid {st.st_uid}, not to this daemon's user "
+                           f"({os.geteuid()}) or root: use a directory of the daemon's own")
+    if st.st_mode & stat.S_IWOTH:
+        raise SettingRefused(f"run dir {run_dir} is writable by every user (mode {stat.S_IMODE(st.st_mode):04o}): "
+                           "another user could replace its sockets; use a directory of the daemon's own (chmod o-w)")
+
+
+class RunDirLock:
+    """An exclusive lock on RUN_DIR/sparsekvd.lock held for the daemon's life: a second
+    daemon on the same run dir is refused instead of stealing its sockets. The lock is a
+    regular file of the daemon's user, never followed through a link; the file locked is
+    the one at the path (a daemon stopping unlinks it: one that opened it just before
+    locks the next file instead)."""
+
+    def __init__(self, run_dir: str):
+        longest = os.path.join(os.path.abspath(run_dir), "control.sock.busy")
+        if len(os.fsencode(longest)) > UNIX_PATH_MAX:
+            raise SettingRefused(f"run dir {run_dir} is too long for its sockets: {longest} has "
+                               f"{len(os.fsencode(longest))} bytes, a UNIX socket path at most {UNIX_PATH_MAX}")
+        if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+            raise SettingRefused(f"run dir {run_dir} is not a directory")
+        # The directories this daemon makes (deepest first), removed again at release when empty:
+        # a start refused leaves no run dir behind that it made.
+        self.made = []
+        d = os.path.abspath(run_dir)
+        while not os.path.lexists(d):
+            self.made.append(d)
+            d = os.path.dirname(d)
+        try:
+            os.makedirs(run_dir, mode=0o755, exist_ok=True)
+        except OSError as e:  # under a file: no restart makes it (a permission may come with a mount)
+            raise (SettingRefused if e.errno == errno.ENOTDIR else RuntimeError)(
+                f"run dir {run_dir} cannot be made: {e.strerror}") from None
+        check_run_dir(run_dir)
+        self.path = os.path.join(run_dir, "sparsekvd.lock")
+        for _ in range(8):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise SettingRefused(f"{self.path} is a symbolic link: refused") from None
+                raise
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                os.close(fd)
+                raise SettingRefused(f"{self.path} is not a regular file of this daemon's user: refused")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise RuntimeError(f"another sparsekvd (pid {other}) serves {run_dir}") from None
+            try:
+                now = os.lstat(self.path)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                break
+            os.close(fd)  # unlinked by the daemon that held it since we opened it: lock the next one
+        else:
+            raise RuntimeError(f"could not lock {self.path}: it was replaced 8 times while locking")
+        self.fd = fd
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            os.close(self.fd)
+            self.fd = -1
+            for d in self.made:
+                try:
+                    os.rmdir(d)
+                except OSError:  # something in it (a client's file, a socket left): it stays
+                    break
