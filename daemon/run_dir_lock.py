@@ -48,23 +48,17 @@ class RunDirLock:
                                f"{len(os.fsencode(longest))} bytes, a UNIX socket path at most {UNIX_PATH_MAX}")
         if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
             raise SettingRefused(f"run dir {run_dir} is not a directory")
-        # The directories this daemon makes (deepest first), removed again at release when empty:
-        # a start refused leaves no run dir behind that it made.
-        self.made = []
-        d = os.path.abspath(run_dir)
-        while not os.path.lexists(d):
-            self.made.append(d)
-            d = os.path.dirname(d)
-        try:
-            os.makedirs(run_dir, mode=0o755, exist_ok=True)
-        except OSError as e:  # under a file: no restart makes it (a permission may come with a mount)
-            raise (SettingRefused if e.errno == errno.ENOTDIR else RuntimeError)(
-                f"run dir {run_dir} cannot be made: {e.strerror}") from None
-        check_run_dir(run_dir)
+        # The directories this daemon made (path, device, inode; deepest first), removed again
+        # at release when empty and still the ones it made: a refused start leaves none behind.
+        self.made: list[tuple[str, int, int]] = []
+        self._make(run_dir)
         self.path = os.path.join(run_dir, "sparsekvd.lock")
         for _ in range(8):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            except FileNotFoundError:  # a daemon stopping removed the run dir it had made: make it again
+                self._make(run_dir)
+                continue
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise SettingRefused(f"{self.path} is a symbolic link: refused") from None
@@ -100,8 +94,31 @@ class RunDirLock:
                 pass
             os.close(self.fd)
             self.fd = -1
-            for d in self.made:
+            for d, dev, ino in self.made:
                 try:
+                    st = os.lstat(d)
+                    if (st.st_dev, st.st_ino) != (dev, ino):  # not the one it made (a link in the path moved)
+                        break
                     os.rmdir(d)
                 except OSError:  # something in it (a client's file, a socket left): it stays
                     break
+
+    def _make(self, run_dir: str) -> None:
+        """Make the run dir's missing directories, each counted as this daemon's only when its
+        own ``mkdir`` made it (another process may make one at the same time), then check it."""
+        missing = []
+        d = os.path.abspath(run_dir)
+        while not os.path.lexists(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o755)
+            except FileExistsError:
+                continue
+            except OSError as e:  # under a file: no restart makes it (a permission may come with a mount)
+                raise (SettingRefused if e.errno == errno.ENOTDIR else RuntimeError)(
+                    f"run dir {run_dir} cannot be made: {e.strerror}") from None
+            st = os.lstat(d)
+            self.made.insert(0, (d, st.st_dev, st.st_ino))
+        check_run_dir(run_dir)

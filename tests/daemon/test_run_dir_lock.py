@@ -96,3 +96,54 @@ def test_an_answer_closed_without_a_word_is_busy_and_the_daemon_alive(tmp_path):
             stats_query(str(tmp_path), "json", 2.0)
         assert ei.value.kind == "busy" and "without an answer" in str(ei.value)
         assert probe(str(tmp_path), 2.0).code == READY
+
+
+# The directories a daemon makes are removed at its release, when empty; only those it made
+# (found by an adversarial review of that change: races and links could remove others').
+def test_a_directory_another_process_made_meanwhile_is_not_removed(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    real = os.mkdir
+
+    def raced(path, mode=0o777):
+        if str(path) == str(shared):  # the other process makes it between the look and the mkdir
+            real(path)
+        return real(path, mode)
+
+    monkeypatch.setattr(lock_mod.os, "mkdir", raced)
+    lock = RunDirLock(str(shared / "run"))
+    assert [m[0] for m in lock.made] == [str(shared / "run")]
+    lock.release()
+    assert shared.is_dir() and not (shared / "run").exists()
+
+
+def test_a_run_dir_whose_link_now_points_elsewhere_is_not_removed(tmp_path):
+    for v in ("v1", "v2"):
+        (tmp_path / v).mkdir()
+    cur = tmp_path / "current"
+    cur.symlink_to(tmp_path / "v1")
+    lock = RunDirLock(str(cur / "run"))
+    (tmp_path / "v2" / "run").mkdir()
+    cur.unlink()
+    cur.symlink_to(tmp_path / "v2")  # repointed while the daemon runs
+    lock.release()
+    assert (tmp_path / "v2" / "run").is_dir()  # not the one it made: it stays
+
+
+def test_a_run_dir_removed_by_a_daemon_stopping_is_made_again_by_one_starting(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    first = RunDirLock(str(run))
+    real_open = os.open
+    state = {"stopped": False}
+
+    def open_after_the_other_stops(path, *a, **kw):
+        if not state["stopped"]:  # the first daemon releases between the second's look and its open
+            state["stopped"] = True
+            first.release()
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(lock_mod.os, "open", open_after_the_other_stops)
+    second = RunDirLock(str(run))
+    assert [m[0] for m in second.made] == [str(run)]  # made again, now the second one's
+    assert (run / "sparsekvd.lock").is_file()
+    second.release()
+    assert not run.exists()
