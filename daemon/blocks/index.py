@@ -132,7 +132,7 @@ class KeyIndex:
             pos[todo] = (pos[todo] + 1) & (self.size - 1)
 
     def delete(self, lo: np.ndarray, hi: np.ndarray) -> None:
-        """Remove keys that are in the index."""
+        """Remove distinct keys that are in the index."""
         s = self._probe(lo, hi)[0]
         s = s[s >= 0]
         self.block[s] = TOMB
