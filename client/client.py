@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import weakref
 
 import numpy as np
 
@@ -88,6 +89,9 @@ class Client(Connection):
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._lone_steps: list[int] = []  # STEPs sent alone whose replies were not read yet
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
+        # A TP rank's one step driver (weakref: this client's raw calls, or a handle) and the
+        # handle stepping now (see _claim_steps); tp_size of the attachment.
+        self._steps_by, self._stepper, self._tp_size = None, None, 1
         self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
         self._fence_requests: dict[int, int] = {}  # cuda: fence event -> the last request that carried it
         self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
@@ -236,6 +240,7 @@ class Client(Connection):
             fields["fence_events"] = fence_ring.handles
         reply, _ = self._call(MsgType.ATTACH, fields)
         self._end_blocks()
+        self._steps_by, self._tp_size = None, tp_size
         if block_size:
             self._keys_loader = KeysLoader(self)
             self.blocks = Blocks(self._call, engine, block_size, layout.num_layers, index_bytes,
@@ -313,7 +318,11 @@ class Client(Connection):
 
     def doorbell_handle(self, **kw):
         """The engine's handle of a rank attached with ``transport="doorbell"``
-        (:class:`~sparsekv.client.doorbell.DoorbellSwapIn`)."""
+        (:class:`~sparsekv.client.doorbell.DoorbellSwapIn`); one at a time (two would ring
+        the rank's bells each with its own count, and the daemon's stream would wait for ever)."""
+        if any(isinstance(h, DoorbellSwapIn) and not h._closed.is_set() for h in self._handles):
+            raise BadRequest("this rank has a doorbell handle already: one a rank; close() it first",
+                             ErrorCode.BAD_ARGUMENT)
         h = DoorbellSwapIn(self, **kw)
         self._handles.append(h)  # closed before the rank's memory is unmapped
         return h
@@ -380,10 +389,23 @@ class Client(Connection):
         (``invalidate`` int32 [batch, n], -1 = none)."""
         step = _whole("step", step, carried=True)  # held, not sent yet: the request carrying it would fail
         arrays = step_arrays(state_rows, reset, invalidate)
+        self._claim_steps(self._stepper or self)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
         self._pending_step = (step, arrays)
         self._step_rows = (step, arrays["state_rows"])
+
+    def _claim_steps(self, driver) -> None:
+        """``driver`` (this client's raw ``step`` calls, or a ``HostSwapIn``) sends this rank's
+        steps. A TP rank has one while it lives: its peers match its steps one for one, and a
+        second driver's steps would hold an entry they never match (a wedged group)."""
+        if self._tp_size <= 1:
+            return
+        cur = self._steps_by() if self._steps_by is not None else None
+        if cur is not None and cur is not driver and not getattr(cur, "_closed", False):
+            raise BadRequest(f"this TP rank's steps are sent by {'its raw step() calls' if cur is self else 'a handle'}; "
+                             "a rank of a TP group has one step driver (client/README.md)", ErrorCode.BAD_ARGUMENT)
+        self._steps_by = weakref.ref(driver)
 
     def _send_pending_step(self) -> None:
         """Send the STEP not sent yet alone (not waited for)."""

@@ -81,6 +81,9 @@ class HostSwapIn:
         else:
             self._kv = [att.slab[layer].reshape(lay.max_reqs * lay.region_stride, lay.row_bytes)
                         for layer in range(lay.num_layers)]
+        claim = getattr(client, "_claim_steps", None)  # (an in-process client has no TP group)
+        if claim is not None:
+            claim(self)
         self._next_step = 0
         self._step: int | None = None  # the step begun, None before the first / after a failed one
         self._failed = False  # the last begin_step raised
@@ -111,7 +114,11 @@ class HostSwapIn:
         reset = None if reset is None else _host(reset, "reset")  # (checked by the client's step, no cast)
         invalidate = None if invalidate is None else _ints("invalidate", invalidate, 2)
         step, self._next_step = self._next_step, self._next_step + 1
-        self._client.step(step, rows, reset=reset, invalidate=invalidate)
+        self._client._stepper = self  # (a TP rank's step driver: Client._claim_steps)
+        try:
+            self._client.step(step, rows, reset=reset, invalidate=invalidate)
+        finally:
+            self._client._stepper = None
         in_step = np.zeros(self.layout.max_reqs, dtype=bool)
         in_step[rows[(rows >= 0) & (rows < self.layout.max_reqs)]] = True  # (the daemon refuses the others)
         self._step, self._in_step, self._failed = step, in_step, False

@@ -252,3 +252,27 @@ def test_layers_must_be_integers_in_every_call_that_takes_them(c):
         with pytest.raises(BadRequest, match="layer numbers"):
             c.write_staged(rows, layers=bad)
     c.write(rows, data, layers=np.array([1], np.int64))  # NumPy integers are layer numbers
+
+
+def test_a_second_doorbell_handle_of_a_rank_is_refused_until_the_first_is_closed(monkeypatch, tmp_path):
+    """Two handles would ring the rank's bells each with its own count: the daemon's stream
+    would wait for ever. (The handle itself is faked: its refusal is the client's.)"""
+    import threading
+
+    from sparsekv.client import client as client_mod
+
+    class FakeHandle:
+        def __init__(self, client, **kw):
+            self._closed = threading.Event()
+
+        def close(self):
+            self._closed.set()
+
+    monkeypatch.setattr(client_mod, "DoorbellSwapIn", FakeHandle)
+    c = Client(str(tmp_path))
+    h = c.doorbell_handle()
+    with pytest.raises(BadRequest, match="this rank has a doorbell handle already") as e:
+        c.doorbell_handle()
+    assert e.value.code == ErrorCode.BAD_ARGUMENT
+    h.close()
+    c.doorbell_handle().close()

@@ -378,3 +378,30 @@ def test_a_batch_whose_entry_alone_exceeds_tp_max_lag_bytes_is_too_large_not_tp_
         with pytest.raises(BadRequest, match="TOO_LARGE.*more than tp_max_lag_bytes"):
             c0.topk(0, 0, tk, state_rows=rows)
         c0.topk(0, 0, tk[:8], state_rows=rows[:8])  # a smaller batch goes
+
+
+def test_a_tp_rank_has_one_step_driver_while_it_lives(tmp_path):
+    """Found by an integrator's walkthrough: raw step() calls and a HostSwapIn on one rank
+    of a TP group (or two handles) number their steps each on their own, and the group
+    held an entry its peers never matched. The second driver is refused; a closed handle
+    gives way; a rank of no TP group keeps both (nothing to match)."""
+    from sparsekv.client.swap_in import HostSwapIn
+
+    with two_ranks(tmp_path, lay(), fill=False) as (d, c0, c1):
+        h = HostSwapIn(c0)
+        with pytest.raises(BadRequest, match="steps are sent by a handle; a rank of a TP group has one step driver"):
+            c0.step(0, [0])
+        with pytest.raises(BadRequest, match="sent by a handle"):
+            HostSwapIn(c0)
+        h.close()
+        c0.step(0, [0])  # the raw calls take over
+        with pytest.raises(BadRequest, match="steps are sent by its raw step\\(\\) calls"):
+            HostSwapIn(c0)
+        c1.step(0, [0])
+        with pytest.raises(BadRequest, match="raw step"):
+            HostSwapIn(c1)  # rank 1's raw calls drive it too
+    with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", log_path=str(tmp_path / "d2.log")) as d:
+        with Client(d.run_dir) as c:
+            c.attach(lay(), engine="alone")
+            c.step(0, [0])
+            HostSwapIn(c).close()  # no TP group: not refused
