@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import weakref
 
 import numpy as np
 
@@ -28,6 +27,7 @@ from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, Protocol
 from .keys_load import KeysLoader
 from .rank_memory import fetch_fds, map_shared, offer_slab
 from .results import Attachment, AttachmentCaps, TopkResult  # noqa: F401 - Attachment: imported from here
+from .step_driver import StepDriver
 from .pending import Pending, Ready  # noqa: F401 - Ready: the device-wait result (tests import it here)
 from .tensors import check_batch, check_layout, check_prefetch, device_ids, host_bytes, host_int32
 from .tensors import layers_arg as _layers, on_gpu, step_arrays, whole as _whole, write_in_parts
@@ -89,9 +89,7 @@ class Client(Connection):
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._lone_steps: list[int] = []  # STEPs sent alone whose replies were not read yet
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
-        # A TP rank's one step driver (weakref: this client's raw calls, or a handle) and the
-        # handle stepping now (see _claim_steps); tp_size of the attachment.
-        self._steps_by, self._stepper, self._tp_size = None, None, 1
+        self._driver = StepDriver()  # a TP rank's one step driver (client/step_driver.py)
         self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
         self._fence_requests: dict[int, int] = {}  # cuda: fence event -> the last request that carried it
         self._sent: dict[int, tuple[MsgType, int]] = {}  # request id -> (type, ts) until its reply
@@ -240,7 +238,7 @@ class Client(Connection):
             fields["fence_events"] = fence_ring.handles
         reply, _ = self._call(MsgType.ATTACH, fields)
         self._end_blocks()
-        self._steps_by, self._tp_size = None, tp_size
+        self._driver.reset(tp_size)
         if block_size:
             self._keys_loader = KeysLoader(self)
             self.blocks = Blocks(self._call, engine, block_size, layout.num_layers, index_bytes,
@@ -375,6 +373,7 @@ class Client(Connection):
 
     def _close_attachment(self, wait_s: float | None = None) -> None:
         att, self.attachment = self.attachment, None
+        self._driver.reset()
         self._end_blocks()
         if self._keys_loader is not None:  # (the rank is detached: the daemon mapped none of its buffers)
             self._keys_loader.close()
@@ -387,25 +386,19 @@ class Client(Connection):
         """Begin decode step ``step``: the batch's state rows (-1 = padding), which of them
         start a new request (``reset`` bool [batch]) and rows rewritten since the last step
         (``invalidate`` int32 [batch, n], -1 = none)."""
+        self._step_as(self, step, state_rows, reset, invalidate)
+
+    def _step_as(self, driver, step: int, state_rows, reset=None, invalidate=None) -> None:
+        """:meth:`step` sent by ``driver`` (this client, or the handle driving its steps)."""
         step = _whole("step", step, carried=True)  # held, not sent yet: the request carrying it would fail
         arrays = step_arrays(state_rows, reset, invalidate)
-        self._claim_steps(self._stepper or self)
+        if self.attachment is not None:
+            self._driver.claim(self, driver)
         # Not sent yet: it rides on this step's first TOPK (client/README.md).
         self._send_pending_step()
         self._pending_step = (step, arrays)
         self._step_rows = (step, arrays["state_rows"])
-
-    def _claim_steps(self, driver) -> None:
-        """``driver`` (this client's raw ``step`` calls, or a ``HostSwapIn``) sends this rank's
-        steps. A TP rank has one while it lives: its peers match its steps one for one, and a
-        second driver's steps would hold an entry they never match (a wedged group)."""
-        if self._tp_size <= 1:
-            return
-        cur = self._steps_by() if self._steps_by is not None else None
-        if cur is not None and cur is not driver and not getattr(cur, "_closed", False):
-            raise BadRequest(f"this TP rank's steps are sent by {'its raw step() calls' if cur is self else 'a handle'}; "
-                             "a rank of a TP group has one step driver (client/README.md)", ErrorCode.BAD_ARGUMENT)
-        self._steps_by = weakref.ref(driver)
+        self._driver.stepped(step)
 
     def _send_pending_step(self) -> None:
         """Send the STEP not sent yet alone (not waited for)."""
@@ -453,8 +446,14 @@ class Client(Connection):
         the rank's GPU, copied into the rank's step block on the current stream without a
         wait (the daemon reads it after the fence behind the copy); a tensor on another
         GPU, or on a rank without step blocks or fence events, is copied to the host first."""
+        return self._submit_as(self, step, group, topk, state_rows)
+
+    def _submit_as(self, driver, step: int, group: int, topk, state_rows=None) -> Pending:
+        """:meth:`submit_topk` sent by ``driver`` (see :meth:`_step_as`)."""
         fields = {"step": _whole("step", step), "group": _whole("group", group)}
         att = self.attachment
+        if att is not None:
+            self._driver.claim(self, driver)
         device = att is not None and att.caps.device
         if device:
             self._await_fence_free(att)

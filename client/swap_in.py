@@ -81,10 +81,12 @@ class HostSwapIn:
         else:
             self._kv = [att.slab[layer].reshape(lay.max_reqs * lay.region_stride, lay.row_bytes)
                         for layer in range(lay.num_layers)]
-        claim = getattr(client, "_claim_steps", None)  # (an in-process client has no TP group)
-        if claim is not None:
-            claim(self)
-        self._next_step = 0
+        # A TP rank's step driver (client/step_driver.py): this handle, numbering on from the
+        # last step sent (an in-process client has no TP group: it steps from 0).
+        driver = getattr(client, "_driver", None)
+        if driver is not None:
+            driver.claim(client, self)
+        self._next_step = 0 if driver is None else driver.next_step
         self._step: int | None = None  # the step begun, None before the first / after a failed one
         self._failed = False  # the last begin_step raised
         self._in_step = np.zeros(lay.max_reqs, dtype=bool)
@@ -113,12 +115,13 @@ class HostSwapIn:
         rows = _ints("state_rows", state_rows, 1)
         reset = None if reset is None else _host(reset, "reset")  # (checked by the client's step, no cast)
         invalidate = None if invalidate is None else _ints("invalidate", invalidate, 2)
-        step, self._next_step = self._next_step, self._next_step + 1
-        self._client._stepper = self  # (a TP rank's step driver: Client._claim_steps)
-        try:
+        step = self._next_step
+        step_as = getattr(self._client, "_step_as", None)  # (sent as this handle's: client/step_driver.py)
+        if step_as is not None:
+            step_as(self, step, rows, reset, invalidate)
+        else:
             self._client.step(step, rows, reset=reset, invalidate=invalidate)
-        finally:
-            self._client._stepper = None
+        self._next_step = step + 1  # (a step its client refused takes no number)
         in_step = np.zeros(self.layout.max_reqs, dtype=bool)
         in_step[rows[(rows >= 0) & (rows < self.layout.max_reqs)]] = True  # (the daemon refuses the others)
         self._step, self._in_step, self._failed = step, in_step, False
@@ -352,7 +355,9 @@ class HostSwapIn:
 
                 torch.cuda.current_stream(self._reads_on).synchronize()
                 self._reads_on = None
-            res = self._client.topk(self._step, group, rows, state_rows=reqs)
+            submit = getattr(self._client, "_submit_as", None)
+            res = (submit(self, self._step, group, rows, reqs).wait() if submit is not None
+                   else self._client.topk(self._step, group, rows, state_rows=reqs))
             self._counts["batches"] += 1
             self._counts["hits"] += res.hits or 0
             self._counts["out_of_range"] += res.out_of_range or 0

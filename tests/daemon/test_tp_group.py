@@ -13,7 +13,7 @@ import pytest
 
 import helpers
 from sparsekv.bench.private_daemon import PrivateDaemon
-from sparsekv.client import BadRequest, Client, LayoutMismatch, TpLag, TpMismatch
+from sparsekv.client import BadRequest, Client, LayoutMismatch, NotAttached, TpLag, TpMismatch
 from sparsekv.proto import MsgType
 
 GROUPS = ((0,), (1, 2), (3,))
@@ -383,23 +383,41 @@ def test_a_batch_whose_entry_alone_exceeds_tp_max_lag_bytes_is_too_large_not_tp_
 def test_a_tp_rank_has_one_step_driver_while_it_lives(tmp_path):
     """Found by an integrator's walkthrough: raw step() calls and a HostSwapIn on one rank
     of a TP group (or two handles) number their steps each on their own, and the group
-    held an entry its peers never matched. The second driver is refused; a closed handle
-    gives way; a rank of no TP group keeps both (nothing to match)."""
+    held an entry its peers never matched. The second driver is refused (a raw top-k too,
+    from a review of the first fix); a closed handle gives way, and the next handle numbers
+    on from the last step; a detached client is told it is not attached; a rank of no TP
+    group keeps both (nothing to match)."""
     from sparsekv.client.swap_in import HostSwapIn
 
+    ids = np.array([[1, 2, 3, 4]], np.int32)
     with two_ranks(tmp_path, lay(), fill=False) as (d, c0, c1):
-        h = HostSwapIn(c0)
+        h0, h1 = HostSwapIn(c0), HostSwapIn(c1)
+        for h in (h0, h1):
+            h.begin_step([0], reset=[True])
         with pytest.raises(BadRequest, match="steps are sent by a handle; a rank of a TP group has one step driver"):
-            c0.step(0, [0])
+            c0.step(1, [0])
+        with pytest.raises(BadRequest, match="sent by a handle"):
+            c0.topk(0, 0, ids, state_rows=[0])  # a raw top-k of the handle's step: an entry the peer never sends
         with pytest.raises(BadRequest, match="sent by a handle"):
             HostSwapIn(c0)
-        h.close()
-        c0.step(0, [0])  # the raw calls take over
-        with pytest.raises(BadRequest, match="steps are sent by its raw step\\(\\) calls"):
+        for h in (h0, h1):
+            h.finish_step()
+        h0.close()
+        h0 = HostSwapIn(c0)  # a handle replaced on one rank: it numbers on from step 0
+        for h in (h0, h1):
+            h.begin_step([0])
+            h.finish_step()
+        h0.close()
+        c0.step(2, [0])  # the raw calls take over once the handle is closed
+        with pytest.raises(BadRequest, match="steps are sent by its raw step\\(\\) and topk\\(\\) calls"):
             HostSwapIn(c0)
-        c1.step(0, [0])
-        with pytest.raises(BadRequest, match="raw step"):
-            HostSwapIn(c1)  # rank 1's raw calls drive it too
+        c0.detach()
+        with pytest.raises(NotAttached):
+            c0.topk(2, 0, ids)  # not attached: told so, not "a second driver"
+        with pytest.raises(BadRequest, match="bad-name|engine must be"):
+            c0.attach(lay(), engine="bad name\n")  # refused: no TP attachment is left behind either
+        with pytest.raises(NotAttached):
+            c0.topk(0, 0, ids)
     with PrivateDaemon(pool_bytes=16 << 20, backend="cpu", log_path=str(tmp_path / "d2.log")) as d:
         with Client(d.run_dir) as c:
             c.attach(lay(), engine="alone")
