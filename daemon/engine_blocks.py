@@ -7,6 +7,9 @@ them waits) and its indexer keys plane's requests. ``self`` is the ``EngineSpace
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 
 from sparsekv.proto import LIMITS
@@ -29,20 +32,6 @@ class ZeroWrite:
             if sp.keys is not None:
                 sp.keys[first:first + n] = 0
         return self.nbytes
-
-
-class _Deferring:
-    def __init__(self, space: "EngineBlocks"):
-        self.space, self.zeros = space, []
-
-    def __enter__(self) -> list:
-        if self.space._deferred is not None:
-            raise RuntimeError("zeros are deferred already")
-        self.space._deferred = self.zeros
-        return self.zeros
-
-    def __exit__(self, *exc) -> None:
-        self.space._deferred = None
 
 
 class EngineBlocks:
@@ -80,12 +69,19 @@ class EngineBlocks:
         return ZeroWrite(self, self.keys_runs(ids), rows.size * self.layout.num_layers * self.layout.row_bytes
                          + keys_bytes)
 
-    def deferring_zeros(self) -> "_Deferring":
+    @contextlib.contextmanager
+    def deferring_zeros(self) -> Iterator[list]:
         """``with space.deferring_zeros() as zeros:`` the block store's zeros of the blocks
         freed or evicted inside are not written: ``zeros`` holds them (:class:`ZeroWrite`),
         for a worker thread. Only where nothing may use those blocks before they are written
         (a block request, whose reply comes after)."""
-        return _Deferring(self)
+        if self._deferred is not None:
+            raise RuntimeError("zeros are deferred already")
+        self._deferred = zeros = []
+        try:
+            yield zeros
+        finally:
+            self._deferred = None
 
     # A keys request in two steps: the checks (the loop's thread), then the copy (any
     # thread: it touches those blocks' keys only, which nobody else may write or free meanwhile).

@@ -33,7 +33,7 @@ from .backends import backend_unusable, cuda_unavailable, make_backend
 from .notify import Notifier
 from .pinned import PinError, PoolPinner
 from .pool import HostPool, PoolError
-from .run_dir_lock import UNIX_PATH_MAX, RunDirLock, SettingRefused, check_run_dir  # noqa: F401 - imported from here
+from .run_dir_lock import RunDirLock, SettingRefused
 from .server import Daemon
 from .store_room import StoreRoom
 from .stats import package_version
