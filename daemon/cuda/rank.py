@@ -143,10 +143,10 @@ class CudaRankState(RankState):
         return self.transport
 
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None, then=None) -> None:
-        # State rows and invalidations are checked on the device (the error record); a
-        # reset is cast into the step block's int32 words here, so it is checked first.
-        state_rows = as_ids("state_rows", state_rows, 1)
-        reset = self.check_reset(state_rows, reset)
+        # A STEP's arrays are on the host here: checked as the cpu rank checks them (a bad
+        # state row refuses the whole STEP in its reply, before anything is enqueued, so a
+        # request after it is not run). The invalidated rows' values are the kernels' to check.
+        state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
         transport = self._fed()
         with self._cp.cuda.Device(self.worker.ordinal):
             transport.step(int(step), state_rows, reset, invalidate)
