@@ -1,7 +1,10 @@
 """A STEP message's ``reset`` on the cuda backend (``CudaRankState.begin_step``) is checked
 on the host before it is written into the step block's int32 words, as on the cpu
 backend: int64 2**32 and -2**32 were cast to 0 (no reset), NaN and 2.0**40 to INT_MIN (a
-reset). Runs without a GPU: the check comes before anything of the rank's transport."""
+reset). Runs without a GPU: the check comes before anything of the rank's transport. So
+does the state rows' (a STEP message is refused whole in its reply, as on cpu)."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ class Fed(Exception):
 
 def rank() -> CudaRankState:
     r = CudaRankState.__new__(CudaRankState)  # no GPU: only what begin_step reaches before the transport
+    r.residency = SimpleNamespace(layout=SimpleNamespace(max_reqs=4, max_batch=4))  # (its checks read these)
 
     def fed():
         raise Fed
@@ -37,3 +41,11 @@ def test_a_reset_of_another_length_is_refused_and_good_ones_go_on():
     for reset in (None, np.array([True, False]), np.array([1, 0], np.int64)):
         with pytest.raises(Fed):
             rank().begin_step(0, np.array([0, 1], np.int32), reset=reset)
+
+
+def test_a_state_row_out_of_range_in_a_step_message_is_refused_before_the_transport():
+    for rows in (np.array([0, 4], np.int32), np.array([-2], np.int32)):
+        with pytest.raises(ResidencyError, match="BAD_STATE_ROW|state row"):
+            rank().begin_step(0, rows)
+    with pytest.raises(Fed):
+        rank().begin_step(0, np.array([-1, 3], np.int32))

@@ -3,6 +3,7 @@ layering that keeps daemon/cuda below daemon/backends.py."""
 
 import ast
 import pathlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ def test_a_doorbell_rank_refuses_step_and_topk_messages_and_answers_no_request_w
     rank = CudaRankState.__new__(CudaRankState)  # no GPU: only what runs before any device work
     rank.transport = DoorbellTransport.__new__(DoorbellTransport)
     rank.fence_events, rank.step, rank.state_rows = None, 0, np.zeros(1, np.int32)
+    rank.residency = SimpleNamespace(layout=SimpleNamespace(max_reqs=1, max_batch=1))  # (begin_step's checks)
     assert rank.device_driven
     for send in (lambda: rank.begin_step(0, np.zeros(1, np.int32)),
                  lambda: rank.serve_topk(0, 0, np.zeros((1, 2), np.int32)),
@@ -55,7 +57,7 @@ def test_the_doorbell_step_marks_each_groups_slots_with_its_first_gather_only(mo
     skv_db_indices makes its indices at), its other layers' gathers do not; a group's
     first gather follows its resolve, and only that one is launched programmatically (the
     last group's has the counters' copy between them)."""
-    from types import SimpleNamespace
+
 
     from sparsekv.daemon.cuda import doorbell
 
@@ -105,7 +107,7 @@ def test_the_attach_reply_says_whether_only_this_gpu_waits_on_the_bells(member):
     """A doorbell rank's export (its attach reply) says ``bells_local`` unless the rank is
     one of a TP group, whose leader's stream waits on every member's bells: the engine's
     skv_db_topk rings after a device-scope fence only where it is true."""
-    from types import SimpleNamespace
+
 
     rank = CudaRankState.__new__(CudaRankState)
     rank.tp_member = member
