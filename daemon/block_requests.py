@@ -21,6 +21,7 @@ from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError
 from .backends import map_engine_memory
 from .blocks.chains import owned
 from .blocks.store import BlockStore, Found
+from .engine_blocks import write_zeros
 from .heavy import HEAVY_BYTES, Slow
 from .sessions import Session
 
@@ -98,12 +99,12 @@ class BlockRequests:
             try:
                 out = op()
             except BaseException:
-                _write_all(zeros)  # what it freed before it failed is zeroed now, as without deferring
+                write_zeros(zeros)  # what it freed before it failed is zeroed now, as without deferring
                 raise
         if sum(z.nbytes for z in zeros) >= self.heavy_bytes:
-            yield Slow(functools.partial(_write_all, zeros), engine=s.engine)
+            yield Slow(functools.partial(write_zeros, zeros), engine=s.engine)
         else:
-            _write_all(zeros)
+            write_zeros(zeros)
         return out
 
     # The keys' copies run on a worker thread from HEAVY_BYTES on, holding the engine (so
@@ -162,11 +163,6 @@ class BlockRequests:
         nbytes = ids.size * space.keys_plane.block_bytes
         self.stats.add(block_keys_bytes_loaded=nbytes)
         return {"bytes": nbytes, "copies": runs, **fields}, None
-
-
-def _write_all(zeros: list) -> int:
-    """Write the zeros ``deferring_zeros`` left (any thread); returns their bytes."""
-    return sum(z() for z in zeros)
 
 
 _NO_HASHES = np.zeros((0, 2), np.int64)

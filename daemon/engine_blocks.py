@@ -34,6 +34,11 @@ class ZeroWrite:
         return self.nbytes
 
 
+def write_zeros(zeros: list[ZeroWrite]) -> int:
+    """Write the zeros ``EngineBlocks.deferring_zeros`` left (any thread); returns their bytes."""
+    return sum(z() for z in zeros)
+
+
 class EngineBlocks:
     """The block store's and the keys plane's part of an engine (see the module's docstring)."""
 

@@ -13,6 +13,10 @@ requests wait, in order, until it has replied. When its ``Slow`` names an engine
 that engine too: requests of every session attached to it, and ATTACHes naming it, wait
 as well, so no rank reads a row half written or joins an engine half made.
 
+The daemon's own work. :meth:`HeavyRequests.hold` runs a function that belongs to no
+request (the zeros of the blocks a gone client held) on a worker thread, holding its
+engine as a heavy request would.
+
 Lifetimes. When the session of a request in flight is gone (reaped) or the daemon stops,
 its handler is resumed with :class:`Gone` raised at its ``yield`` once ``fn`` has returned
 (a running ``fn`` is never interrupted): it rolls back what it took, re-raises, and
@@ -72,6 +76,15 @@ class Job:
     future: Future | None = None
 
 
+@dataclass(eq=False)
+class Hold:
+    """The daemon's own work holding an engine (:meth:`HeavyRequests.hold`)."""
+
+    engine: str
+    then: Callable[[], None]
+    future: Future | None = None
+
+
 class HeavyRequests:
     """The requests in flight on worker threads, what they hold, and the requests
     waiting for them. Used from the loop's thread only (``fn`` aside)."""
@@ -83,6 +96,8 @@ class HeavyRequests:
         self._jobs: dict[bytes, Job] = {}  # in flight, by session identity
         self._engines: dict[str, Job] = {}  # engines held, by name
         self._waiting: dict[bytes, deque] = {}  # requests waiting, by session identity
+        self._holds: dict[str, list[Hold]] = {}  # the daemon's own work in flight, by engine
+        self._released: Callable[[], None] | None = None  # (serving) after a hold: serve who waited
         self._cpus = None
 
     # -- state ---------------------------------------------------------------------
@@ -99,13 +114,48 @@ class HeavyRequests:
         return identity in self._jobs or identity in self._waiting
 
     def engine_busy(self, engine: str | None) -> bool:
-        return engine is not None and engine in self._engines
+        return engine is not None and (engine in self._engines or engine in self._holds)
 
     # -- running -------------------------------------------------------------------
-    def open(self, loop: asyncio.AbstractEventLoop, cpus=None) -> None:
-        """Serve on ``loop``; ``cpus``: where the worker threads run (None: where the loop does)."""
+    def open(self, loop: asyncio.AbstractEventLoop, cpus=None, released: Callable[[], None] | None = None) -> None:
+        """Serve on ``loop``; ``cpus``: where the worker threads run (None: where the loop
+        does); ``released``: called on the loop after a :meth:`hold` ends (the requests
+        that waited for its engine are served)."""
         self._loop = loop
         self._cpus = cpus
+        self._released = released
+
+    def hold(self, engine: str, fn: Callable[[], Any], then: Callable[[], None]) -> None:
+        """Run ``fn()``, the daemon's own work on ``engine`` (no session, no reply), on a
+        worker thread holding that engine: its requests and ATTACHes naming it wait, as
+        behind a heavy request. Then ``then()`` on the loop. Without a serving loop, both
+        now. An error of ``fn`` is logged (nobody to answer)."""
+        if self._loop is None:
+            try:
+                _logged(fn)
+            finally:
+                then()
+            return
+        h = Hold(engine, then)
+        self._holds.setdefault(engine, []).append(h)
+        loop = self._loop
+        h.future = future = self._workers().submit(_logged, fn)
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._hold_done, h, f))
+
+    def _hold_done(self, h: Hold, future: Future) -> None:
+        if h.future is not future:
+            return  # close() has taken it
+        h.future = None
+        self._end_hold(h)
+        if self._released is not None:
+            self._released()
+
+    def _end_hold(self, h: Hold) -> None:
+        holds = self._holds[h.engine]
+        holds.remove(h)
+        if not holds:
+            del self._holds[h.engine]
+        h.then()
 
     def start(self, job: Job, resume: Callable[[Job, Any, BaseException | None], None]) -> None:
         """Run ``job.slow.fn`` on a worker thread, holding the job's session (and its
@@ -187,18 +237,22 @@ class HeavyRequests:
         server to resume with :class:`Gone`; waiting requests are dropped. ``wait`` False
         (the daemon is failing): do not wait, return nothing."""
         self._loop = None
+        self._released = None
         self._waiting.clear()
         jobs = list(self._jobs.values())
         self._jobs.clear()
         self._engines.clear()
-        running = [j.future for j in jobs if j.future is not None]
-        for j in jobs:
-            j.future = None  # no resume from the futures' callbacks any more
+        holds = [h for hs in self._holds.values() for h in hs]
+        running = [j.future for j in jobs if j.future is not None] + [h.future for h in holds if h.future is not None]
+        for x in (*jobs, *holds):
+            x.future = None  # no resume from the futures' callbacks any more
         if not wait:
             return []
         if running:
-            log.info("stopping: waiting for %d heavy request(s) in flight", len(running))
+            log.info("stopping: waiting for %d heavy request(s) and engine holds in flight", len(running))
             wait_futures(running)
+        for h in holds:  # their work is done: what follows it (the engine may go now)
+            self._end_hold(h)
         return jobs
 
     def shutdown(self, wait: bool = True) -> None:
@@ -206,6 +260,14 @@ class HeavyRequests:
         if self._executor is not None:
             self._executor.shutdown(wait=wait, cancel_futures=not wait)
             self._executor = None
+
+
+def _logged(fn: Callable[[], Any]) -> None:
+    """``fn()``, the daemon's own work: an error is logged, never raised (nobody to answer)."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - no request to fail
+        log.exception("the daemon's own work on a worker thread failed")
 
 
 def _outcome(future: Future) -> tuple[Any, BaseException | None]:

@@ -23,6 +23,8 @@ from sparsekv.proto.settings import format_size
 from .blocks.contract import UidLedger
 from .blocks.store import BlockStore
 from .engine import EngineSpace, Owner, RankState
+from .engine_blocks import ZeroWrite, write_zeros
+from .heavy import HEAVY_BYTES
 from .pool import HostPool
 from .residency.base import ResidencyError, rank_bytes
 from .store_room import StoreRoom, session_bytes
@@ -79,6 +81,8 @@ class EngineRegistry:
     Iterating yields engine names; ``len()`` is the number of engines.
     """
 
+    heavy_bytes = HEAVY_BYTES  # a gone client's private blocks' zeros from this on: off the loop (detach)
+
     def __init__(self, pool: HostPool, backend, *, max_pool_bytes_per_uid: int = 0, max_blocks_per_uid: int = 0,
                  max_rank_bytes_per_uid: int = 0):
         self.pool = pool
@@ -95,6 +99,9 @@ class EngineRegistry:
         # Pool ranges (offset -> bytes) of released engines the backend has not given back
         # yet (a held unregister, cuda/deferred.py): make_room counts them as coming.
         self._returning: dict[int, int] = {}
+        # Engines whose gone clients' private blocks are being zeroed on a worker thread
+        # (name -> such zeroings in flight): none is released meanwhile (see detach).
+        self._zeroing: dict[str, int] = {}
 
     def begin_attach(self, client_id: int, rank: int, device: str, engine_name: str, layout: Layout,
                      fence_events=None, *, owner: Owner | None = None, privileged: bool = False,
@@ -348,20 +355,53 @@ class EngineRegistry:
         if left:
             self._attaching[p.space.name] = left
 
-    def detach(self, client_id: int, engine_name: str) -> None:
+    def detach(self, client_id: int, engine_name: str) -> list[ZeroWrite]:
         """Release client ``client_id``'s rank of ``engine_name``, and the engine with its
-        pool range once it has no rank and no attach pending."""
+        pool range once it has no rank and no attach pending.
+
+        The client's pins and private blocks go with it. Returns the zeros of those blocks
+        left to write when the engine stays and they are ``heavy_bytes`` or more: the caller
+        writes them on a worker thread holding the engine, between :meth:`zeroing` and
+        :meth:`zeroed`. Fewer are written here; none when the engine goes (its whole range
+        is zeroed as the pool takes it back)."""
         space = self._engines.get(engine_name)
+        zeros: list[ZeroWrite] = []
         if space is not None:
             state = space.ranks.pop(client_id, None)
             if space.tp is not None and state is not None:
                 space.tp.leave(state.rank)
                 self._drop_tp_if_empty(space)
-            if space.blocks is not None:  # its pins and private blocks (zeroed) go with it
-                space.blocks.close(client_id)
+            if space.blocks is not None:
+                with space.deferring_zeros() as zeros:
+                    try:
+                        space.blocks.close(client_id)
+                    except BaseException:
+                        write_zeros(zeros)  # what it freed before it failed, as without deferring
+                        raise
         # The rank first: it may hold resources that refer to the engine's (pinned) pool.
         self.backend.release_rank(client_id)
         self._give_rank_bytes(*self._rank_bytes.pop(client_id, (None, 0)))
+        if space is not None and self._release_if_unused(space):
+            log.info("engine %r released its pool range", engine_name)
+            return []
+        if sum(z.nbytes for z in zeros) < self.heavy_bytes:
+            write_zeros(zeros)
+            return []
+        return zeros
+
+    def zeroing(self, engine_name: str) -> None:
+        """A gone client's zeros (:meth:`detach`) are being written: ``engine_name`` is not
+        released, nor yields to another's attach, until :meth:`zeroed`."""
+        self._zeroing[engine_name] = self._zeroing.get(engine_name, 0) + 1
+
+    def zeroed(self, engine_name: str) -> None:
+        """The zeros :meth:`zeroing` announced are written: the engine is released if it
+        lost its last rank meanwhile."""
+        left = self._zeroing.pop(engine_name) - 1
+        if left:
+            self._zeroing[engine_name] = left
+            return
+        space = self._engines.get(engine_name)
         if space is not None and self._release_if_unused(space):
             log.info("engine %r released its pool range", engine_name)
 
@@ -439,8 +479,9 @@ class EngineRegistry:
     def _kept(self) -> list[EngineSpace]:
         """The engines kept for their cached blocks alone (no rank, no attach pending), the
         longest kept first."""
-        return sorted((space for space in self._engines.values() if space.idle_since is not None
-                       and not space.ranks and not self._attaching.get(space.name)), key=lambda sp: sp.idle_since)
+        return sorted((space for space in self._engines.values() if space.idle_since is not None and not space.ranks
+                       and not self._attaching.get(space.name) and space.name not in self._zeroing),
+                      key=lambda sp: sp.idle_since)
 
     def drop_kept(self) -> list[str]:
         """Release every engine kept only for its cached blocks (no rank, no attach
@@ -451,7 +492,8 @@ class EngineRegistry:
     def _release_if_unused(self, space: EngineSpace, zero: bool = True, keep_cached: bool = True) -> bool:
         """Release ``space`` (the backend's part, then its pool range) if it has no rank
         and no attach pending (and, with ``keep_cached``, no cached block); return whether it did."""
-        if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space:
+        if space.ranks or self._attaching.get(space.name) or self._engines.get(space.name) is not space \
+                or space.name in self._zeroing:
             return False
         if keep_cached and space.blocks is not None and space.blocks.cached_blocks:
             if space.idle_since is None:

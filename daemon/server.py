@@ -126,7 +126,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self.control.open(loop)
         self._serving = True
-        self.heavy.open(loop, others if self.io_cpus else None)
+        self.heavy.open(loop, others if self.io_cpus else None, released=lambda: self._serve_waiting(last=b""))
         loop.add_reader(self.control.fileno(), self._drain)
         tasks = [asyncio.create_task(self._reaper(), name="reaper"),
                  asyncio.create_task(self._health(), name="health"),

@@ -17,6 +17,7 @@ from sparsekv.proto import ErrorCode, ProtocolError
 from sparsekv.proto.args import breaks_line
 
 from .engine import RankState
+from .engine_blocks import write_zeros
 from .peers import Peer, PidWatch, process_groups
 from .ratelog import RateLimitedLog
 
@@ -180,7 +181,11 @@ class Sessions(dict):
             return
         if self.heavy.running(s.identity):
             return  # (reaped) its heavy request still uses the rank: the request's end releases it
-        self.engines.detach(s.client_id, s.engine)
+        zeros = self.engines.detach(s.client_id, s.engine)
+        if zeros:  # its private blocks' zeros (GBs): off the loop, its engine held meanwhile
+            self.engines.zeroing(s.engine)
+            self.heavy.hold(s.engine, functools.partial(write_zeros, zeros),
+                            functools.partial(self.engines.zeroed, s.engine))
         log.debug("client %d released its rank of engine %r", s.client_id, s.engine)
         s.state.pending_prefetch = None  # its TOPK's reply failed (the connection went): no prefetch for it
         # The last reference to a cpu rank's memory is dropped on a worker thread (a slow unmap).

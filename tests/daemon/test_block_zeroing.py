@@ -103,3 +103,61 @@ def test_the_zeros_of_a_requests_blocks_are_written_off_the_loop_before_its_repl
             assert not space.pool[:, rows].any() and not space.keys[target].any()
             rest = np.setdiff1d(mine, target)
             assert (space.pool[:, _block_rows(rest)] == 7).all() and (space.keys[rest] == 9).all()
+
+
+@pytest.mark.parametrize("how", ["detach", "close"])
+def test_a_gone_clients_private_blocks_are_zeroed_off_the_loop_holding_only_its_engine(how, gated):
+    """A client that detaches or goes holding private blocks (GBs of a long request): their
+    zeros are written on a worker thread while the loop serves others; its engine's other
+    ranks wait, and get zeroed blocks."""
+    go, threads, started = gated
+    with helpers.serving_daemon(4 << 20) as d:
+        d.engines.heavy_bytes = 1  # every gone client's zeros on a worker thread
+        with Client(d.run_dir) as c, Client(d.run_dir) as peer, Client(d.run_dir) as other:
+            blocks, theirs = attach_keys(c), attach_keys(peer)
+            space = d.engines.space("m")
+            mine, kept = blocks.alloc(10), theirs.alloc(6)  # the whole store
+            c.write(_block_rows(mine), np.full((LAY.num_layers, 10 * BS, LAY.row_bytes), 7, np.uint8))
+            blocks.write_keys(mine, np.full((10, *KEYS), 9, np.uint8))
+            peer.write(_block_rows(kept), np.full((LAY.num_layers, 6 * BS, LAY.row_bytes), 5, np.uint8))
+            assert not threads
+            c.detach() if how == "detach" else c.close()
+            assert started.wait(10)
+            other.attach(LAY, engine="other", block_size=BS)  # the loop serves another engine meanwhile
+            assert other.blocks.alloc(3).size == 3
+            done = {}
+            waiting = threading.Thread(target=lambda: done.setdefault("alloc", theirs.alloc(10)))
+            waiting.start()
+            waiting.join(0.3)
+            assert waiting.is_alive() and "alloc" not in done  # its engine is held
+            go.set()
+            waiting.join(10)
+            assert threads and all(th is not d.thread for th in threads)
+            assert sorted(done["alloc"]) == sorted(mine)  # the blocks it left, zeroed
+            assert not space.pool[:, _block_rows(mine)].any() and not space.keys[mine].any()
+            assert (space.pool[:, _block_rows(kept)] == 5).all()
+
+
+def test_the_daemon_stops_after_a_gone_clients_zeros_are_written(gated, monkeypatch):
+    """Stopping waits for a gone client's zeros in flight before the pool is closed (a
+    worker thread writing into an unmapped pool would crash the daemon), then releases
+    the engine they held."""
+    go, threads, started = gated
+    ended, seen = [], {}
+    held = ZeroWrite.__call__
+    monkeypatch.setattr(ZeroWrite, "__call__", lambda self: (held(self), ended.append(1))[0])
+    with helpers.serving_daemon(4 << 20) as d:
+        d.engines.heavy_bytes = 1
+        pool = d.engines.pool
+        close = pool.close
+        monkeypatch.setattr(pool, "close", lambda: (seen.update(ended=len(ended), used=pool.used_bytes), close()))
+        zeroed = d.engines.zeroed
+        monkeypatch.setattr(d.engines, "zeroed", lambda name: (seen.update(at_zeroed=len(ended)), zeroed(name)))
+        with Client(d.run_dir) as c, Client(d.run_dir) as peer:
+            blocks = attach_keys(c)
+            attach_keys(peer)
+            blocks.alloc(4)
+            c.detach()
+            assert started.wait(10)
+        threading.Timer(0.3, go.set).start()  # the stop waits for it
+    assert seen == {"at_zeroed": 1, "ended": 1, "used": 0}

@@ -417,3 +417,56 @@ def test_a_uids_own_kept_engine_stays_when_the_pool_has_no_range_for_its_next_on
         attach(reg, 10 + i, 0, "cpu", f"busy{i}", lay, owner=Owner(20 + i, 20 + i))
     assert reg.make_room(4 * MiB, Owner(7, 7)) == []
     assert "v0" in reg and reg.space("v0").blocks.cached_blocks == 1
+
+
+def test_a_gone_clients_large_zeros_are_left_to_the_caller_and_its_engine_stays_meanwhile(reg, pool):
+    """A client of an engine kept for its cached blocks goes holding private blocks:
+    ``detach`` returns their zeros (from ``heavy_bytes`` on) unwritten; between
+    ``zeroing`` and ``zeroed`` the engine neither yields to a new one nor is dropped."""
+    lay = helpers.layout(host_rows=(2 * MiB) // 64)
+    attach(reg, 9, 0, "cpu", "busy", lay)
+    keep_two_engines(reg)  # old, newer: kept, one cached block each
+    attach(reg, 1, 0, "cpu", "old", lay, block_size=4)  # a client of old again
+    store = reg.space("old").blocks
+    store.open(1, 0)
+    mine = store.alloc(1, 3)
+    space = reg.space("old")
+    rows = (np.asarray(mine)[:, None] * 4 + np.arange(4)).reshape(-1)
+    space.pool[:, rows] = 7
+    reg.heavy_bytes = 1
+    zeros = reg.detach(1, "old")
+    assert zeros and sum(z.nbytes for z in zeros) == rows.size * lay.num_layers * lay.row_bytes
+    assert (space.pool[:, rows] == 7).all()  # not written yet
+    reg.zeroing("old")
+    assert reg.make_room(4 * MiB) == ["newer"]  # [4, 8): newer's range beside the free one; old held
+    assert reg.make_room(6 * MiB) == []  # old's range would be needed: held, nothing released
+    assert reg.drop_kept() == [] and "old" in reg
+    for z in zeros:
+        z()
+    reg.zeroed("old")
+    assert not space.pool[:, rows].any() and "old" in reg and store.cached_blocks == 1  # kept, as before
+    assert reg.drop_kept() == ["old"]
+
+
+def test_a_gone_clients_zeros_are_not_written_when_its_engine_goes_or_they_are_small(reg, pool, monkeypatch):
+    """The last rank's blocks: none to write (the pool zeroes the whole range it takes
+    back); below ``heavy_bytes``: written in ``detach``."""
+    from sparsekv.daemon.engine_blocks import ZeroWrite
+    written = []
+    call = ZeroWrite.__call__
+    monkeypatch.setattr(ZeroWrite, "__call__", lambda self: written.append(self.nbytes) or call(self))
+    lay = helpers.layout()
+    reg.heavy_bytes = 1
+    attach(reg, 1, 0, "cpu", "e", lay, block_size=4)
+    reg.space("e").blocks.open(1, 0)
+    reg.space("e").blocks.alloc(1, 2)
+    assert reg.detach(1, "e") == [] and "e" not in reg and written == []
+    attach(reg, 2, 0, "cpu", "f", lay, block_size=4)
+    attach(reg, 3, 0, "cpu", "f", lay, block_size=4)  # a second rank keeps it
+    space = reg.space("f")
+    for c in (2, 3):
+        space.blocks.open(c, 0)
+    [b] = space.blocks.alloc(2, 1)
+    space.pool[:, b * 4:(b + 1) * 4] = 5
+    reg.heavy_bytes = 1 << 30
+    assert reg.detach(2, "f") == [] and written and not space.pool[:, b * 4:(b + 1) * 4].any()
