@@ -198,8 +198,9 @@ def test_device_errors_refuse_the_row_keep_the_state_and_come_back_typed(rig):
     assert e is not None and e.code == "BAD_ARGUMENT" and "batch row 2" in str(e)
 
     # A state row out of range in a STEP message: refused on the host, nothing enqueued.
-    with pytest.raises(ResidencyError, match="BAD_STATE_ROW"):
+    with pytest.raises(ResidencyError, match="state row 9 out of range") as refused:
         r.rank.begin_step(2, np.array([9], np.int32), reset=np.array([True]))
+    assert refused.value.code == "BAD_STATE_ROW"
     r.worker.stream.synchronize()
     assert r.rank.take_error() is None
     # The kernel's own check (a step block the client wrote): skipped, reported.
