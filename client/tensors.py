@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 
 from sparsekv.proto import LIMITS, ErrorCode, MsgType
-from sparsekv.proto.args import (INT32_MAX, carried_number, int32_array, layer_numbers, layers_in, reset_flags,
-                                 whole_number)
+from sparsekv.proto.args import (INT32_MAX, carried_number, int32_array, layer_numbers, layers_in, repeated,
+                                 reset_flags, whole_number)
 
 from .errors import BadRequest, DaemonUnavailable, SparseKVError
 
@@ -160,6 +160,8 @@ def write_in_parts(call, att, layers, rows, data, settle=None) -> dict:
                          f"rows, got {list(data.shape)}", ErrorCode.BAD_ARGUMENT)
     if att is not None:
         check_split_write(att.layout, layers, rows, data)
+    if (twice := repeated(rows)) is not None:  # (the daemon sees one part at a time)
+        raise BadRequest(f"a write names host row {twice} more than once: name each row once", ErrorCode.BAD_ARGUMENT)
     if settle is not None:
         settle()
     step = max(1, min(LIMITS.max_frame_bytes // per_row, LIMITS.max_write_rows))

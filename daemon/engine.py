@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from sparsekv.proto.blocks import KeysPlane
-from sparsekv.proto.args import layers_in, reset_flags
+from sparsekv.proto.args import layers_in, repeated, reset_flags
 from sparsekv.proto.layout import Layout
 
 from .engine_blocks import EngineBlocks
@@ -325,7 +325,7 @@ class EngineSpace(EngineBlocks):
         """A write's arguments checked (BAD_ARGUMENT, nothing changed) and normalised."""
         lay = self.layout
         layers = check_layers(lay, layers)
-        rows = host_rows_arg(lay, rows, "write")
+        rows = host_rows_arg(lay, rows, "write", distinct=True)
         want = (len(layers), rows.shape[0], lay.row_bytes)
         try:
             data = np.asarray(data)
@@ -367,7 +367,7 @@ class EngineSpace(EngineBlocks):
         """A staged write's arguments checked (nothing changed) and normalised."""
         lay = self.layout
         layers = check_layers(lay, layers)
-        rows = host_rows_arg(lay, rows, "write")
+        rows = host_rows_arg(lay, rows, "write", distinct=True)
         if rank.staging is None:
             raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0) to write from")
         if rows.shape[0] > lay.staging_rows:
@@ -380,11 +380,15 @@ class EngineSpace(EngineBlocks):
         return self.pool[np.asarray(layers)[:, None], rows[None, :]]
 
 
-def host_rows_arg(layout: Layout, rows, what: str) -> np.ndarray:
-    """``rows`` as int32 [n], each a host row in [0, host_rows), or BAD_ARGUMENT."""
+def host_rows_arg(layout: Layout, rows, what: str, distinct: bool = False) -> np.ndarray:
+    """``rows`` as int32 [n], each a host row in [0, host_rows), or BAD_ARGUMENT; with
+    ``distinct`` (a write's) each named once (two copies into one row: which lands, or a row torn between them on the
+    GPU's parallel copies, would be nobody's choice)."""
     rows = as_ids("rows", rows, 1)
     if rows.size and (rows.min() < 0 or rows.max() >= layout.host_rows):
         raise ResidencyError("BAD_ARGUMENT", f"{what} rows must lie in [0, {layout.host_rows})")
+    if distinct and (twice := repeated(rows)) is not None:
+        raise ResidencyError("BAD_ARGUMENT", f"a {what} names host row {twice} more than once: name each row once")
     return rows
 
 

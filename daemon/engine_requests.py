@@ -308,7 +308,7 @@ class EngineRequests:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE_STAGED needs the rows array")
         fence = _fence(h)
         space = self.engines.space(s.engine)
-        _own_blocks(s, space, host_rows_arg(space.layout, a["rows"], "write"))
+        _own_blocks(s, space, host_rows_arg(space.layout, a["rows"], "write", distinct=True))
         if st.host_memory:  # cpu: a host copy out of the staging buffer, maybe a large one
             layers, rows = space.check_staged(st, _layers(h), a["rows"])
             src = st.staged_rows(layers, rows.shape[0])

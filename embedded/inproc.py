@@ -155,7 +155,8 @@ class InprocClient:
     def _own_blocks(self, rows) -> None:
         """With a block store, a write names rows of this process's own blocks only."""
         if self._space.blocks is not None:
-            self._space.blocks.writable(0, host_rows_arg(self._space.layout, rows, "write"), self._space.block_size)
+            rows = host_rows_arg(self._space.layout, rows, "write", distinct=True)
+            self._space.blocks.writable(0, rows, self._space.block_size)
 
     def detach(self) -> None:
         self._stats.c["requests"] += 1

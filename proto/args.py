@@ -92,6 +92,16 @@ def int32_array(name: str, a, ndim: int | None = None, lists: bool = True) -> np
     return arr.astype(np.int32, copy=False)
 
 
+def repeated(ids: np.ndarray) -> int | None:
+    """The smallest value ``ids`` (int [n]) holds more than once, or None: increasing ids
+    (a write of whole blocks, a range) cost one pass, others a sort."""
+    if ids.size < 2 or (np.diff(ids) > 0).all():
+        return None
+    s = np.sort(ids)
+    twice = np.flatnonzero(s[1:] == s[:-1])
+    return int(s[twice[0]]) if twice.size else None
+
+
 def empty_list_as(a: np.ndarray, dtype) -> np.ndarray:
     """``a``, or as ``dtype`` when it is an empty float array: an empty Python list, to
     NumPy, with no value a cast could change."""

@@ -276,3 +276,30 @@ def test_a_second_doorbell_handle_of_a_rank_is_refused_until_the_first_is_closed
     assert e.value.code == ErrorCode.BAD_ARGUMENT
     h.close()
     c.doorbell_handle().close()
+
+
+def test_a_write_naming_a_row_twice_is_refused_whole(c, monkeypatch):
+    """Two copies into one host row in one write: which one lands (or, on the GPU's
+    parallel copies, a row torn between them) would be nobody's choice. Refused by the
+    daemon (one request) and by the client before the first part of a split write."""
+    c.write([5], np.full((2, 1, 4096), 1, np.uint8))
+    for rows in ([5, 6, 5], [7, 5, 5]):
+        with pytest.raises(BadRequest, match="names host row 5 more than once") as ei:
+            c.write(rows, np.full((2, 3, 4096), 2, np.uint8))
+        assert ei.value.code == ErrorCode.BAD_ARGUMENT
+    c.step(0, [0], reset=[True])
+    res = c.topk(0, 0, np.array([[5, 6, 7, 8]], np.int32))
+    assert (c.attachment.slab[0, 0, res.slots[0, 0]] == 1).all() and not c.attachment.slab[0, 0, res.slots[0, 1:]].any()
+    calls = []
+    monkeypatch.setattr(tensors_mod, "LIMITS", LIMITS.__class__(max_frame_bytes=10 * 32))
+    with pytest.raises(BadRequest, match="names host row 3 more than once"):  # in two parts: the client's check
+        tensors_mod.write_in_parts(lambda *a: calls.append(a), None, [0], np.r_[np.arange(20), 3].astype(np.int32),
+                                   np.zeros((1, 21, 32), np.uint8))
+    assert calls == []
+
+
+def test_repeated_finds_the_smallest_value_named_twice():
+    from sparsekv.proto.args import repeated
+    assert repeated(np.array([], np.int32)) is None and repeated(np.array([4], np.int32)) is None
+    assert repeated(np.arange(10, dtype=np.int32)) is None and repeated(np.array([3, 1, 2], np.int32)) is None
+    assert repeated(np.array([9, 2, 9, 2], np.int32)) == 2 and repeated(np.array([1, 1], np.int32)) == 1

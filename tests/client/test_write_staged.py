@@ -38,6 +38,15 @@ def check(c):
         c.write_staged(list(range(9)))
     with pytest.raises(BadRequest, match="write rows must lie"):
         c.write_staged([64])
+    att.staging[1, :3] = 99
+    with pytest.raises(BadRequest, match="names host row 2 more than once"):
+        c.write_staged([2, 4, 2], layers=[1])  # which copy lands would be nobody's choice
+    with pytest.raises(BadRequest, match="names host row 4 more than once"):
+        c.write([4, 4], np.zeros((3, 2, LAY.row_bytes), np.uint8))
+    c.step(2, [0])
+    r = c.topk(2, 0, [[2, 4, 5, 6]])
+    np.testing.assert_array_equal(att.slab[1, 0, r.slots[0, 0]], new[1][0])  # nothing of them written
+    np.testing.assert_array_equal(att.slab[1, 0, r.slots[0, 1]], pattern(1, np.array([4]), LAY.row_bytes)[0])
 
 
 def test_write_staged_in_process():
@@ -49,7 +58,7 @@ def test_write_staged_through_the_daemon():
     with PrivateDaemon(pool_bytes=32 << 20) as d, Client(d.run_dir) as c:
         check(c)
         # the daemon kept serving after the refused writes
-        assert c.stats()["errors_by_code"] == {"TOO_LARGE": 1, "BAD_ARGUMENT": 1}
+        assert c.stats()["errors_by_code"] == {"TOO_LARGE": 1, "BAD_ARGUMENT": 3}
 
 
 def test_flush_raises_the_error_of_a_step_nobody_waited_for():
