@@ -318,7 +318,7 @@ class Client(Connection):
         """The engine's handle of a rank attached with ``transport="doorbell"``
         (:class:`~sparsekv.client.doorbell.DoorbellSwapIn`); one at a time (two would ring
         the rank's bells each with its own count, and the daemon's stream would wait for ever)."""
-        if any(isinstance(h, DoorbellSwapIn) and not h._closed.is_set() for h in self._handles):
+        if any(isinstance(h, DoorbellSwapIn) and not h.closed for h in self._handles):
             raise BadRequest("this rank has a doorbell handle already: one a rank; close() it first",
                              ErrorCode.BAD_ARGUMENT)
         h = DoorbellSwapIn(self, **kw)

@@ -441,6 +441,11 @@ class DoorbellSwapIn(DeviceSwapIn):
     def _slots_word(self, group: int) -> int:
         return self._topk_blocks[group] + 4 * D_SLOTS
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the rank may then open another handle)."""
+        return self._closed.is_set()
+
     def close(self) -> None:
         """Stop the watcher and refuse every later call; called before the rank's memory is
         unmapped (the watcher writes into it)."""

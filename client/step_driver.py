@@ -31,7 +31,7 @@ class StepDriver:
         if self.tp_size <= 1:
             return
         cur = self._ref() if self._ref is not None else None
-        if cur is not None and cur is not driver and not getattr(cur, "_closed", False):
+        if cur is not None and cur is not driver and not getattr(cur, "closed", False):
             who = "its raw step() and topk() calls" if cur is client else "a handle"
             raise BadRequest(f"this TP rank's steps are sent by {who}; a rank of a TP group has one step driver "
                              "(client/README.md)", ErrorCode.BAD_ARGUMENT)

@@ -254,6 +254,11 @@ class HostSwapIn:
         self._open()
         self._client.flush()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (a TP rank's next step driver may then take over)."""
+        return self._closed
+
     def close(self) -> None:
         """Forget the slab views and the step's slots (idempotent). The client stays open:
         it belongs to the caller."""

@@ -265,6 +265,10 @@ def test_a_second_doorbell_handle_of_a_rank_is_refused_until_the_first_is_closed
         def __init__(self, client, **kw):
             self._closed = threading.Event()
 
+        @property
+        def closed(self):
+            return self._closed.is_set()
+
         def close(self):
             self._closed.set()
 
