@@ -45,6 +45,7 @@ import numpy as np
 
 from sparsekv.csrc.build import get_cache
 from sparsekv.proto import ErrorCode
+from sparsekv.proto.args import whole_number
 from sparsekv.proto.device_errors import ErrorRecord
 from sparsekv.proto.positions import INT32_MAX
 from sparsekv.proto.step_block import D_SLOTS
@@ -246,8 +247,13 @@ class DeviceSwapIn(abc.ABC):
             raise BadRequest(f"top-k has {k} columns, layout top_k is {lay.top_k}", ErrorCode.BAD_ARGUMENT)
         if block_table is not None:
             block_table = self._ids("block_table", block_table, 2)
-            if int(block_size) <= 0:
-                raise BadRequest(f"block_size must be positive, got {block_size}", ErrorCode.BAD_ARGUMENT)
+            try:  # (int() would take 2.5 for 2 and True for 1; the kernels take an int32)
+                bs = whole_number("block_size", block_size)
+            except ValueError as e:
+                raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
+            if not 0 < bs <= INT32_MAX:
+                raise BadRequest(f"block_size must lie in [1, 2**31), got {bs}", ErrorCode.BAD_ARGUMENT)
+            block_size = bs
             table_rows, max_blocks = block_table.shape
         else:
             if resident_block_table is not None:
