@@ -28,9 +28,20 @@ def lock_holder(run_dir: str) -> int | None:
         text = ""
     pid = int(text) if text.isdigit() else None
     held = _flock_held(st)
-    if held is None:  # no /proc/locks: believe the pid in the file if it is alive
-        held = pid is not None and _pid_alive(pid)
+    if held is None:  # no /proc/locks: believe the pid in the file if it is alive and could have written it
+        held = pid is not None and _pid_alive(pid) and not _started_after(pid, st.st_mtime)
     return (pid or 0) if held else None
+
+
+def _started_after(pid: int, mtime: float) -> bool:
+    """Whether process ``pid`` began after ``mtime`` (1 s of slack): then it did not write
+    the lock file, whose pid is a dead daemon's, reused (False when that cannot be told)."""
+    try:
+        import psutil  # noqa: PLC0415 - only on this fallback
+
+        return psutil.Process(pid).create_time() > mtime + 1.0
+    except Exception:  # noqa: BLE001 - psutil.Error, or no psutil: cannot tell
+        return False
 
 
 def _flock_held(st: os.stat_result) -> bool | None:

@@ -116,6 +116,21 @@ def test_health_after_a_killed_daemon_is_2(tmp_path):
     assert cli_inproc.run("health", "--live", "--run-dir", run).returncode == 2
 
 
+def test_without_proc_locks_a_lock_file_naming_a_reused_pid_is_stale(tmp_path, monkeypatch):
+    """With /proc/locks unreadable the pid in the lock file is believed while it lives, but
+    not when that process began after the file was written (a dead daemon's pid, reused)."""
+    from sparsekv.proto import run_dir as run_dir_mod
+
+    monkeypatch.setattr(run_dir_mod, "_flock_held", lambda st: None)  # cannot tell
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / "sparsekvd.lock"
+    lock.write_text(f"{os.getpid()}\n")
+    assert run_dir_mod.lock_holder(str(run)) == os.getpid()  # written after this process began
+    os.utime(lock, (1e9, 1e9))  # written in 2001: before this process began
+    assert run_dir_mod.lock_holder(str(run)) is None
+
+
 def test_a_client_says_a_starting_daemon_is_starting(starting_daemon):
     """Found by an operator's review: an engine that connected while the daemon pre-faulted
     was told there was no daemon at all."""
