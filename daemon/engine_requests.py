@@ -142,6 +142,9 @@ class EngineRequests:
                 check_new_owner(engine, Owner(s.uid, s.gid), owner_uid)
                 self.engines.check_rank(s.rank, layout, owner=Owner(s.uid, s.gid), engine_slab=engine_slab,
                                         tp_size=tp_size)
+                # Kept engines whose gone clients' zeros are being written may yield only after.
+                while zeroing := self.sessions.heavy.hold_futures(self.engines.kept_zeroing()):
+                    yield Slow(functools.partial(wait_futures, zeroing), engine=engine)
                 self.engines.make_room(nbytes, Owner(s.uid, s.gid),
                                         layout.host_rows // block_size if block_size else 0)
             if created and (zeroing := self.pool.zeroing_to_wait_for(nbytes)):

@@ -14,8 +14,8 @@ that engine too: requests of every session attached to it, and ATTACHes naming i
 as well, so no rank reads a row half written or joins an engine half made.
 
 The daemon's own work. :meth:`HeavyRequests.hold` runs a function that belongs to no
-request (the zeros of the blocks a gone client held) on a worker thread, holding its
-engine as a heavy request would.
+request (the zeros of the blocks a gone client held) on a thread of its own, holding its
+engine as a heavy request would; its failure stops the daemon.
 
 Lifetimes. When the session of a request in flight is gone (reaped) or the daemon stops,
 its handler is resumed with :class:`Gone` raised at its ``yield`` once ``fn`` has returned
@@ -98,6 +98,8 @@ class HeavyRequests:
         self._waiting: dict[bytes, deque] = {}  # requests waiting, by session identity
         self._holds: dict[str, list[Hold]] = {}  # the daemon's own work in flight, by engine
         self._released: Callable[[], None] | None = None  # (serving) after a hold: serve who waited
+        self._failed: Callable[[str], None] | None = None  # (serving) a hold's work failed: the daemon stops
+        self._hold_thread: ThreadPoolExecutor | None = None
         self._cpus = None
 
     # -- state ---------------------------------------------------------------------
@@ -117,45 +119,65 @@ class HeavyRequests:
         return engine is not None and (engine in self._engines or engine in self._holds)
 
     # -- running -------------------------------------------------------------------
-    def open(self, loop: asyncio.AbstractEventLoop, cpus=None, released: Callable[[], None] | None = None) -> None:
+    def open(self, loop: asyncio.AbstractEventLoop, cpus=None, released: Callable[[], None] | None = None,
+             failed: Callable[[str], None] | None = None) -> None:
         """Serve on ``loop``; ``cpus``: where the worker threads run (None: where the loop
         does); ``released``: called on the loop after a :meth:`hold` ends (the requests
-        that waited for its engine are served)."""
+        that waited for its engine are served); ``failed(why)``: a hold's work raised."""
         self._loop = loop
         self._cpus = cpus
-        self._released = released
+        self._released, self._failed = released, failed
 
     def hold(self, engine: str, fn: Callable[[], Any], then: Callable[[], None]) -> None:
-        """Run ``fn()``, the daemon's own work on ``engine`` (no session, no reply), on a
-        worker thread holding that engine: its requests and ATTACHes naming it wait, as
-        behind a heavy request. Then ``then()`` on the loop. Without a serving loop, both
-        now. An error of ``fn`` is logged (nobody to answer)."""
+        """Run ``fn()``, the daemon's own work on ``engine`` (no session, no reply), on the
+        holds' own thread (one: the two workers stay free for requests; holds run in turn)
+        holding that engine: its requests and ATTACHes naming it wait, as behind a heavy
+        request. Then ``then()`` on the loop, and the requests that waited are served. An
+        error of ``fn`` is fatal (``open``'s ``failed``: the daemon stops; nobody to answer,
+        and what it did not do, the zeros of freed blocks, must not be served). Without a
+        serving loop, all now (an error raised)."""
         if self._loop is None:
             try:
-                _logged(fn)
+                fn()
             finally:
                 then()
             return
         h = Hold(engine, then)
         self._holds.setdefault(engine, []).append(h)
         loop = self._loop
-        h.future = future = self._workers().submit(_logged, fn)
+        if self._hold_thread is None:
+            init = None if self._cpus is None else functools.partial(os.sched_setaffinity, 0, self._cpus)
+            self._hold_thread = ThreadPoolExecutor(1, thread_name_prefix="hold", initializer=init)
+        h.future = future = self._hold_thread.submit(_error_of, fn)
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._hold_done, h, f))
+
+    def hold_futures(self, engines) -> list[Future]:
+        """The work in flight of the holds on ``engines`` (done ones whose end has not run
+        on the loop yet included), for a worker thread to wait on."""
+        return [h.future for name in engines for h in self._holds.get(name, ()) if h.future is not None]
 
     def _hold_done(self, h: Hold, future: Future) -> None:
         if h.future is not future:
             return  # close() has taken it
         h.future = None
-        self._end_hold(h)
-        if self._released is not None:
-            self._released()
+        error = future.result()
+        if error is not None and self._failed is not None:  # before anyone waiting is served
+            self._failed(f"the daemon's own work on engine {h.engine!r} failed: {type(error).__name__}: {error}")
+        try:
+            self._end_hold(h)
+        finally:
+            if self._released is not None:
+                self._released()
 
     def _end_hold(self, h: Hold) -> None:
         holds = self._holds[h.engine]
         holds.remove(h)
         if not holds:
             del self._holds[h.engine]
-        h.then()
+        try:
+            h.then()
+        except Exception:  # noqa: BLE001 - a callback of the loop: log, never raise
+            log.exception("ending the daemon's own work on engine %r failed", h.engine)
 
     def start(self, job: Job, resume: Callable[[Job, Any, BaseException | None], None]) -> None:
         """Run ``job.slow.fn`` on a worker thread, holding the job's session (and its
@@ -237,7 +259,7 @@ class HeavyRequests:
         server to resume with :class:`Gone`; waiting requests are dropped. ``wait`` False
         (the daemon is failing): do not wait, return nothing."""
         self._loop = None
-        self._released = None
+        self._released = self._failed = None
         self._waiting.clear()
         jobs = list(self._jobs.values())
         self._jobs.clear()
@@ -251,23 +273,26 @@ class HeavyRequests:
         if running:
             log.info("stopping: waiting for %d heavy request(s) and engine holds in flight", len(running))
             wait_futures(running)
-        for h in holds:  # their work is done: what follows it (the engine may go now)
+        for h in holds:  # their work is done: what follows it (the engine may go now; an error is logged)
             self._end_hold(h)
         return jobs
 
     def shutdown(self, wait: bool = True) -> None:
         """End the worker threads (after :meth:`close`), waiting for what they run."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=wait, cancel_futures=not wait)
-            self._executor = None
+        for ex in (self._executor, self._hold_thread):
+            if ex is not None:
+                ex.shutdown(wait=wait, cancel_futures=not wait)
+        self._executor = self._hold_thread = None
 
 
-def _logged(fn: Callable[[], Any]) -> None:
-    """``fn()``, the daemon's own work: an error is logged, never raised (nobody to answer)."""
+def _error_of(fn: Callable[[], Any]) -> BaseException | None:
+    """Run ``fn()``, the daemon's own work; return its error (None when it succeeded)."""
     try:
         fn()
-    except Exception:  # noqa: BLE001 - no request to fail
+    except Exception as e:  # noqa: BLE001 - no request to fail: the loop decides (_hold_done)
         log.exception("the daemon's own work on a worker thread failed")
+        return e
+    return None
 
 
 def _outcome(future: Future) -> tuple[Any, BaseException | None]:

@@ -384,10 +384,23 @@ class EngineRegistry:
         if space is not None and self._release_if_unused(space):
             log.info("engine %r released its pool range", engine_name)
             return []
+        if space is not None and self._goes_once_zeroed(space):
+            return []  # (kept only by another's zeros in flight: its whole range is zeroed after)
         if sum(z.nbytes for z in zeros) < self.heavy_bytes:
             write_zeros(zeros)
             return []
         return zeros
+
+    def _goes_once_zeroed(self, space: EngineSpace) -> bool:
+        """Whether ``space`` stays only for zeros in flight (``zeroed`` releases it then)."""
+        return space.name in self._zeroing and not space.ranks and not self._attaching.get(space.name) \
+            and not (space.blocks is not None and space.blocks.cached_blocks)
+
+    def kept_zeroing(self) -> list[str]:
+        """The engines kept with no rank whose gone clients' zeros are being written: not
+        released meanwhile, so a new engine that may need their room waits for them."""
+        return [name for name in self._zeroing if (sp := self._engines.get(name)) is not None and not sp.ranks
+                and not self._attaching.get(name)]
 
     def zeroing(self, engine_name: str) -> None:
         """A gone client's zeros (:meth:`detach`) are being written: ``engine_name`` is not

@@ -126,7 +126,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self.control.open(loop)
         self._serving = True
-        self.heavy.open(loop, others if self.io_cpus else None, released=lambda: self._serve_waiting(last=b""))
+        self.heavy.open(loop, others if self.io_cpus else None, released=lambda: self._serve_waiting(last=b""),
+                        failed=self._fatal)
         loop.add_reader(self.control.fileno(), self._drain)
         tasks = [asyncio.create_task(self._reaper(), name="reaper"),
                  asyncio.create_task(self._health(), name="health"),
@@ -418,7 +419,10 @@ class Daemon:
 
     def _serve_waiting(self, last: bytes) -> None:
         """The requests that waited, each session's in order, until one waits again; session
-        ``last`` after the others, so it cannot keep an engine from them."""
+        ``last`` after the others, so it cannot keep an engine from them. None after a
+        fatal error."""
+        if self.exit_code:
+            return
         for identity in sorted(self.heavy.waiting_sessions(), key=lambda i: i == last):
             while (request := self.heavy.next_waiting(identity)) is not None:
                 out = self._handle(identity, *request, defer=True)
