@@ -34,9 +34,18 @@ class ZeroWrite:
         return self.nbytes
 
 
+class ZeroFailed(Exception):
+    """The zeros of freed blocks could not be written: those blocks are free and not zero,
+    so the daemon must not serve on (the server stops, exit code 70)."""
+
+
 def write_zeros(zeros: list[ZeroWrite]) -> int:
-    """Write the zeros ``EngineBlocks.deferring_zeros`` left (any thread); returns their bytes."""
-    return sum(z() for z in zeros)
+    """Write the zeros ``EngineBlocks.deferring_zeros`` left (any thread); returns their
+    bytes. ZeroFailed when any cannot be written."""
+    try:
+        return sum(z() for z in zeros)
+    except Exception as e:  # noqa: BLE001 - whatever it was, the blocks are dirty
+        raise ZeroFailed(f"writing the zeros of freed blocks failed: {type(e).__name__}: {e}") from e
 
 
 class EngineBlocks:

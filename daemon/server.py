@@ -27,6 +27,7 @@ from .control_socket import ControlSocket
 from .inflight import message_ids
 from .block_requests import BlockRequests
 from .blocks.contract import BlockError
+from .engine_blocks import ZeroFailed
 from .engine_requests import EngineRequests, code_of
 from .fd_server import FdServer
 from .heavy import MAX_WAITING, Gone, HeavyRequests, Job
@@ -301,6 +302,9 @@ class Daemon:
         if isinstance(e, (ProtocolError, ResidencyError, LayoutError, PoolError, BlockError)):
             log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
             msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
+        elif isinstance(e, ZeroFailed):  # freed blocks left dirty: serving on could hand them out
+            self._fatal(f"request type {msg_type}: {e}")
+            msg = f"{e}: sparsekvd exits and must be restarted"
         elif (sticky := sticky_cuda_error(e)) is not None:
             # The GPU context is lost: exit now, so systemd restarts the daemon and every client learns at once.
             self._fatal(f"sticky CUDA error {sticky} on request type {msg_type}: {type(e).__name__}: {e}")

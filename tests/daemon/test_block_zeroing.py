@@ -161,3 +161,19 @@ def test_the_daemon_stops_after_a_gone_clients_zeros_are_written(gated, monkeypa
             assert started.wait(10)
         threading.Timer(0.3, go.set).start()  # the stop waits for it
     assert seen == {"at_zeroed": 1, "ended": 1, "used": 0}
+
+
+@pytest.mark.parametrize("off_loop", [False, True])
+def test_a_failed_zero_write_of_a_request_stops_the_daemon(monkeypatch, off_loop):
+    """A BLOCK_RELEASE whose zeros cannot be written has freed blocks that are not zero:
+    the daemon stops (exit code 70) rather than hand them out."""
+    with helpers.serving_daemon(4 << 20) as d:
+        d.block_requests.heavy_bytes = 1 if off_loop else 1 << 40
+        with Client(d.run_dir, timeout_s=5) as c:
+            blocks = attach_keys(c)
+            mine = blocks.alloc(4)
+            monkeypatch.setattr(ZeroWrite, "__call__", lambda self: (_ for _ in ()).throw(MemoryError("boom")))
+            with pytest.raises(Exception, match="writing the zeros of freed blocks failed: MemoryError: boom"):
+                blocks.release(mine)
+            d.thread.join(10)
+            assert not d.thread.is_alive() and d.exit_code == 70 and "MemoryError: boom" in d.fatal_reason
