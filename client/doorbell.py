@@ -130,7 +130,7 @@ class DeviceSwapIn(abc.ABC):
         """The arguments of ``skv_db_topk`` (csrc/handle.cu), in its parameter order."""
         i32 = np.int32
         return (self._topk_blocks[group], self._counter.data.ptr, req_ptr, i32(tokens), table_ptr, i32(table_rows),
-                i32(max_blocks), res_ptr, i32(res_blocks), topk_ptr, i32(k), i32(max(1, int(block_size))),
+                i32(max_blocks), res_ptr, i32(res_blocks), topk_ptr, i32(k), i32(block_size),
                 i32(group), i32(self.layout.max_batch), *self._group_ring(group))
 
     def _indices_args(self, group: int, layer: int, tokens: int, req_ptr: int, topk_ptr: int, k: int, res_ptr: int,
@@ -140,7 +140,7 @@ class DeviceSwapIn(abc.ABC):
         order; ``arrivals``: the layer's counter when the kernel polls its ready word, or 0."""
         i32, i64 = np.int32, np.int64
         return (self._slots[group], i32(self.layout.top_k), req_ptr, i32(tokens), topk_ptr, i32(k), res_ptr,
-                i32(res_blocks), i32(table_rows), i32(max(1, int(block_size))), i32(self.layout.region_stride),
+                i32(res_blocks), i32(table_rows), i32(block_size), i32(self.layout.region_stride),
                 i64(self.hot_base), i64(self.resident_base), self._dead.data.ptr, self._stopped_word, out_ptr,
                 valid_ptr, self._cleared_by_indices(layer), arrivals,
                 self._slots_word(group) if arrivals and tokens else 0)
@@ -245,15 +245,14 @@ class DeviceSwapIn(abc.ABC):
             raise BadRequest(f"{tokens} tokens exceed max_batch {lay.max_batch} of the layout", ErrorCode.TOO_LARGE)
         if k > lay.top_k:
             raise BadRequest(f"top-k has {k} columns, layout top_k is {lay.top_k}", ErrorCode.BAD_ARGUMENT)
+        try:  # (int() would take 2.5 for 2 and True for 1; the kernels take an int32, table or not)
+            block_size = whole_number("block_size", block_size)
+        except ValueError as e:
+            raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
+        if not 0 < block_size <= INT32_MAX:
+            raise BadRequest(f"block_size must lie in [1, 2**31), got {block_size}", ErrorCode.BAD_ARGUMENT)
         if block_table is not None:
             block_table = self._ids("block_table", block_table, 2)
-            try:  # (int() would take 2.5 for 2 and True for 1; the kernels take an int32)
-                bs = whole_number("block_size", block_size)
-            except ValueError as e:
-                raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
-            if not 0 < bs <= INT32_MAX:
-                raise BadRequest(f"block_size must lie in [1, 2**31), got {bs}", ErrorCode.BAD_ARGUMENT)
-            block_size = bs
             table_rows, max_blocks = block_table.shape
         else:
             if resident_block_table is not None:

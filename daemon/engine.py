@@ -218,7 +218,7 @@ class RankState:
 
     def write_staged(self, space: "EngineSpace", layers: tuple[int, ...], rows: np.ndarray, fence=None) -> tuple[int, int]:
         """Write the first ``len(rows)`` rows of this rank's staging buffer (each of
-        ``layers``) into host ``rows``; checked by :meth:`EngineSpace.write_staged`."""
+        ``layers``) into host ``rows``, checked (:meth:`EngineSpace.check_staged`)."""
         space.quiesce()
         space.copy_rows(layers, rows, self.staged_rows(layers, rows.shape[0]))
         return len(layers) * rows.shape[0] * space.layout.row_bytes, space.drop_rewritten(rows)
@@ -312,10 +312,12 @@ class EngineSpace(EngineBlocks):
         """Bytes of its pool range: the rows, then the indexer keys plane if it has one."""
         return self.layout.pool_bytes if self.keys_plane is None else self.keys_plane.end
 
-    def write(self, layers, rows, data) -> tuple[int, int]:
+    def write(self, layers, rows, data, checked: bool = False) -> tuple[int, int]:
         """Copy ``data`` [len(layers), n, row_bytes] into host ``rows`` of ``layers`` and drop
-        every hot copy of those rows in every rank. Returns (bytes written, slots dropped)."""
-        layers, rows, data = self.check_write(layers, rows, data)
+        every hot copy of those rows in every rank (``checked``: by :meth:`check_write`
+        already). Returns (bytes written, slots dropped)."""
+        if not checked:
+            layers, rows, data = self.check_write(layers, rows, data)
         self.quiesce()
         self.copy_rows(layers, rows, data)
         return data.nbytes, self.drop_rewritten(rows)
@@ -357,22 +359,17 @@ class EngineSpace(EngineBlocks):
                 n += r.drop_rewritten(rows)
         return n
 
-    def write_staged(self, rank: RankState, layers, rows, fence=None) -> tuple[int, int]:
-        """Write the rows the client put at the front of its staging buffer (each of
-        ``layers``) into host ``rows``, dropping every hot copy of them in every rank."""
-        layers, rows = self.check_staged(rank, layers, rows)
-        return rank.write_staged(self, layers, rows, fence)
-
     def check_staged(self, rank: RankState, layers, rows) -> tuple[tuple[int, ...], np.ndarray]:
-        """A staged write's arguments checked (nothing changed) and normalised."""
+        """A staged write's arguments checked (nothing changed) and normalised: its size
+        first (a rows array no staging buffer holds is refused before it is read)."""
         lay = self.layout
         layers = check_layers(lay, layers)
-        rows = host_rows_arg(lay, rows, "write", distinct=True)
         if rank.staging is None:
             raise ResidencyError("BAD_ARGUMENT", "layout has no staging buffer (staging_rows = 0) to write from")
+        rows = as_ids("rows", rows, 1)
         if rows.shape[0] > lay.staging_rows:
             raise ResidencyError("TOO_LARGE", f"{rows.shape[0]} rows exceed the staging buffer of {lay.staging_rows}")
-        return layers, rows
+        return layers, host_rows_arg(lay, rows, "write", distinct=True)
 
     def read(self, layers, rows) -> np.ndarray:
         layers = check_layers(self.layout, layers)

@@ -21,7 +21,7 @@ from sparsekv.proto.layout import ROW_ALIGN_BYTES
 from sparsekv.proto.slab import SlabGeometry
 
 from .blocks.contract import BlockError
-from .engine import EngineSlabImport, Owner, RankState, host_rows_arg
+from .engine import EngineSlabImport, Owner, RankState
 from .heavy import HEAVY_BYTES, Slow
 from .peers import Peer
 from .pool import PoolError
@@ -311,13 +311,13 @@ class EngineRequests:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "WRITE_STAGED needs the rows array")
         fence = _fence(h)
         space = self.engines.space(s.engine)
-        _own_blocks(s, space, host_rows_arg(space.layout, a["rows"], "write", distinct=True))
+        layers, rows = space.check_staged(st, _layers(h), a["rows"])
+        _own_blocks(s, space, rows)
         if st.host_memory:  # cpu: a host copy out of the staging buffer, maybe a large one
-            layers, rows = space.check_staged(st, _layers(h), a["rows"])
             src = st.staged_rows(layers, rows.shape[0])
             nbytes, dropped = yield from self._write_rows(s, space, layers, rows, src)
         else:  # cuda: enqueued on the device, never waited for
-            nbytes, dropped = space.write_staged(st, _layers(h), a["rows"], fence)
+            nbytes, dropped = st.write_staged(space, layers, rows, fence)
         self.stats.add(rows_written=nbytes // st.residency.layout.row_bytes, bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
 

@@ -17,7 +17,7 @@ import numpy as np
 from sparsekv.daemon.blocks.contract import BlockError
 from sparsekv.daemon.block_requests import alloc_counted, block_array, block_count, commit_counted, count_hits
 from sparsekv.daemon.blocks.store import BlockStore
-from sparsekv.daemon.engine import EngineSpace, RankState, host_rows_arg
+from sparsekv.daemon.engine import EngineSpace, RankState
 from sparsekv.daemon.residency.base import ResidencyError, whole_arg
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.daemon.stats import Stats
@@ -153,9 +153,8 @@ class InprocClient:
             return {}, {}
 
     def _own_blocks(self, rows) -> None:
-        """With a block store, a write names rows of this process's own blocks only."""
+        """With a block store, a write names rows (checked) of this process's own blocks only."""
         if self._space.blocks is not None:
-            rows = host_rows_arg(self._space.layout, rows, "write", distinct=True)
             self._space.blocks.writable(0, rows, self._space.block_size)
 
     def detach(self) -> None:
@@ -188,16 +187,18 @@ class InprocClient:
     def write(self, rows, data, layers=None) -> dict:
         with _errors(self._stats):
             st = self._need()
+            layers, rows, data = self._space.check_write(layers, rows, data)  # as the daemon: these first
             self._own_blocks(rows)
-            nbytes, dropped = self._space.write(layers, rows, data)
+            nbytes, dropped = self._space.write(layers, rows, data, checked=True)
             self._wrote(st, nbytes, dropped)
         return {"bytes": nbytes, "invalidated": dropped}
 
     def write_staged(self, rows, layers=None) -> dict:
         with _errors(self._stats):
             st = self._need()
+            layers, rows = self._space.check_staged(st, layers, rows)  # as the daemon: these first
             self._own_blocks(rows)
-            nbytes, dropped = self._space.write_staged(st, layers, rows)
+            nbytes, dropped = st.write_staged(self._space, layers, rows)
             self._wrote(st, nbytes, dropped)
         return {"bytes": nbytes, "invalidated": dropped}
 

@@ -35,7 +35,11 @@ def lock_holder(run_dir: str) -> int | None:
 
 def _started_after(pid: int, mtime: float) -> bool:
     """Whether process ``pid`` began after ``mtime`` (1 s of slack): then it did not write
-    the lock file, whose pid is a dead daemon's, reused (False when that cannot be told)."""
+    the lock file, whose pid is a dead daemon's, reused (False when that cannot be told).
+    A start time is read against the wall clock (psutil: boot time from /proc/stat), so
+    a clock stepped forward by more than the slack since a daemon wrote its lock file
+    reads that daemon as stale here too: a daemon with no control socket yet is then
+    reported missing, not starting (only where /proc/locks cannot be read)."""
     try:
         import psutil  # noqa: PLC0415 - only on this fallback
 

@@ -17,7 +17,7 @@ from sparsekv.proto.cuda_ipc import EventRing, ImportedBuffer
 from sparsekv.proto.device_errors import ErrorRecord
 
 from ..engine import RankState
-from ..residency.base import ResidencyError, as_ids
+from ..residency.base import ResidencyError, as_ids, check_batch_shape
 from ..residency.cuda import (
     HITS,
     MISSES,
@@ -145,8 +145,11 @@ class CudaRankState(RankState):
     def begin_step(self, step: int, state_rows, reset=None, invalidate=None, then=None) -> None:
         # A STEP's arrays are on the host here: checked as the cpu rank checks them (a bad
         # state row refuses the whole STEP in its reply, before anything is enqueued, so a
-        # request after it is not run). The invalidated rows' values are the kernels' to check.
+        # request after it is not run); so are the shapes of the TOPK it rides on (``then``:
+        # all or nothing). The invalidated rows' and the top-k's values are the kernels'.
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
+        if then is not None:
+            check_batch_shape(self.residency.layout, then[0], state_rows, as_ids("topk", then[1], 2))
         transport = self._fed()
         with self._cp.cuda.Device(self.worker.ordinal):
             transport.step(int(step), state_rows, reset, invalidate)

@@ -153,6 +153,14 @@ class Mover(abc.ABC):
 def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarray, np.ndarray]:
     """The checks every backend makes before a resolve changes anything: shapes, group,
     state rows, room for several query tokens, unique ids. Returns both arrays as int32."""
+    state_rows, topk = check_batch_shape(layout, group, state_rows, topk)
+    _check_batch_values(layout, state_rows, topk)
+    return state_rows, topk
+
+
+def check_batch_shape(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarray, np.ndarray]:
+    """The part of :func:`check_batch` that reads no id: the group, the arrays' shapes,
+    the batch size (the cuda rank's kernels check the values)."""
     state_rows = np.asarray(state_rows, dtype=np.int32)
     topk = np.asarray(topk, dtype=np.int32)
     group = whole_arg("group", group)
@@ -169,6 +177,10 @@ def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarra
         )
     if topk.shape[0] > layout.max_batch:  # padding rows cost a resolve as much as live ones
         raise ResidencyError("TOO_LARGE", f"batch of {topk.shape[0]} rows exceeds max_batch {layout.max_batch}")
+    return state_rows, topk
+
+
+def _check_batch_values(layout: Layout, state_rows: np.ndarray, topk: np.ndarray) -> None:
     bad = (state_rows < -1) | (state_rows >= layout.max_reqs)
     if bad.any():
         raise ResidencyError(
@@ -191,7 +203,6 @@ def check_batch(layout: Layout, group: int, state_rows, topk) -> tuple[np.ndarra
     dup = find_duplicates(topk, state_rows, layout.host_rows)
     if dup >= 0:
         raise ResidencyError("DUPLICATE_IDS", f"top-k row {dup} names the same host row twice")
-    return state_rows, topk
 
 
 def apply_step(residency: Residency, state_rows: np.ndarray, reset, invalidate) -> None:

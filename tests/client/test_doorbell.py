@@ -432,8 +432,9 @@ def test_the_handle_refuses_bad_arguments_before_anything_runs(cuda_daemon):
             h.swap_in(dev(req, torch), None, dev(per_group[1], torch), layer=2)  # group 1 before group 0
         for bs, what in ((2.5, "block_size must be an integer"), (True, "block_size must be an integer"),
                          (0, r"block_size must lie in \[1, 2\*\*31\)"), (2**31, "block_size must lie in")):
-            with pytest.raises(BadRequest, match=what):  # (int() took 2.5 for 2; the kernels an int32)
-                h.swap_in(dev(req, torch), dev(table, torch), dev(per_group[0], torch), layer=0, block_size=bs)
+            for tab in (dev(table, torch), None):  # (without a table too: the kernels take it all the same)
+                with pytest.raises(BadRequest, match=what):  # (int() took 2.5 for 2; the kernels an int32)
+                    h.swap_in(dev(req, torch), tab, dev(per_group[0], torch), layer=0, block_size=bs)
         bad_valid = torch.empty((len(req), 2), dtype=torch.int32, device="cuda")[:, 0]  # not contiguous
         with pytest.raises(BadRequest, match="valid_counts_out must be a contiguous int32"):
             h.swap_in(dev(req, torch), dev(table, torch), dev(per_group[0], torch), layer=0, block_size=BLOCK,

@@ -8,7 +8,7 @@ from sparsekv.client import BadRequest, Client
 from sparsekv.embedded.inproc import InprocClient
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.bench.verify import fill_pool, pattern
-from sparsekv.proto import Layout
+from sparsekv.proto import ErrorCode, Layout
 
 LAY = Layout(num_layers=3, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64,
              index_groups=((0, 1), (2,)), staging_rows=8)
@@ -71,3 +71,23 @@ def test_flush_raises_the_error_of_a_step_nobody_waited_for():
         c.step(1, [0])
         c.flush()  # nothing pending, nothing raised
         assert int(c.topk(1, 0, [[1, 2, 3, 4]]).misses[0]) == 4
+
+
+def test_an_oversized_staged_write_is_too_large_before_its_rows_are_sorted(monkeypatch):
+    """Found by a review: a rows array no staging buffer holds (a full frame of them) was
+    sorted for repeats first, on the daemon's loop, and refused BAD_ARGUMENT."""
+    from sparsekv.daemon import engine as engine_mod
+
+    sorted_sizes = []
+    real = engine_mod.repeated
+    monkeypatch.setattr(engine_mod, "repeated", lambda ids: (sorted_sizes.append(ids.size), real(ids))[1])
+    rows = (np.arange(100_000) % 64).astype(np.int32)  # repeats, and more than staging_rows
+    with InprocClient() as c:
+        c.attach(LAY)
+        with pytest.raises(BadRequest, match="exceed the staging buffer") as ei:
+            c.write_staged(rows)
+    assert ei.value.code == ErrorCode.TOO_LARGE and max(sorted_sizes, default=0) <= LAY.staging_rows
+    with PrivateDaemon(pool_bytes=32 << 20) as d, Client(d.run_dir) as c:
+        c.attach(LAY)
+        with pytest.raises(BadRequest, match="exceed the staging buffer"):
+            c.write_staged(rows)

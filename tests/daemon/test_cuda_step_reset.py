@@ -19,7 +19,7 @@ class Fed(Exception):
 
 def rank() -> CudaRankState:
     r = CudaRankState.__new__(CudaRankState)  # no GPU: only what begin_step reaches before the transport
-    r.residency = SimpleNamespace(layout=SimpleNamespace(max_reqs=4, max_batch=4))  # (its checks read these)
+    r.residency = SimpleNamespace(layout=SimpleNamespace(max_reqs=4, max_batch=4, top_k=4, num_groups=2))
 
     def fed():
         raise Fed
@@ -49,3 +49,16 @@ def test_a_state_row_out_of_range_in_a_step_message_is_refused_before_the_transp
             rank().begin_step(0, rows)
     with pytest.raises(Fed):
         rank().begin_step(0, np.array([-1, 3], np.int32))
+
+
+@pytest.mark.parametrize("then", [(7, np.zeros((2, 2), np.int32)),  # group out of range
+                                  (0, np.zeros((3, 2), np.int32)),  # another batch
+                                  (0, np.zeros((2, 9), np.int32)),  # k > top_k
+                                  (0, np.zeros(2, np.int32))])      # not [batch, k]
+def test_a_step_riding_on_a_topk_whose_shape_is_refused_is_not_fed(then):
+    """All or nothing, as on cpu: the TOPK a STEP rides on is refused before the STEP goes
+    to the transport (found by a review: its group and shape were checked only after)."""
+    with pytest.raises(ResidencyError):
+        rank().begin_step(0, np.array([0, 1], np.int32), reset=np.array([True, False]), then=then)
+    with pytest.raises(Fed):
+        rank().begin_step(0, np.array([0, 1], np.int32), then=(1, np.zeros((2, 4), np.int32)))
