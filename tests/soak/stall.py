@@ -1,6 +1,6 @@
 """How long one client's heavy request stalls another client's top-k (cpu backend).
 
-    .venv/bin/python tests/soak/stall.py [--pool-gib 7] [--engine-gib 5] [--slab-gib 2] [--rounds 3]
+    .venv/bin/python tests/soak/stall.py [--pool-gib 7] [--engine-gib 5] [--slab-gib 2] [--rounds 3] [--blocks-gib 5]
 
 A private cpu sparsekvd. Client A (its own process) attaches a small engine, fills it and
 sends small TOPK requests in a loop (one every ~1 ms: a decode step), recording each one's
@@ -10,7 +10,10 @@ one case at a time, ``--rounds`` times each:
 - ``attach``: ATTACH of a large engine (a pool range of ``--engine-gib`` and a rank of
   ``--slab-gib``: hot slab, staging and residency state), then its DETACH (``detach``);
 - ``write``: a WRITE of one data frame of ``LIMITS.max_frame_bytes``;
-- ``stage`` / ``write_staged``: STAGE of the whole staging buffer, WRITE_STAGED of it.
+- ``stage`` / ``write_staged``: STAGE of the whole staging buffer, WRITE_STAGED of it;
+- ``gone_blocks`` (with ``--blocks-gib``): a second client of an engine with a block store
+  of that size takes every block private, then detaches (as a client that exits does): the
+  window runs until the first client's next block request, which waits for their zeros.
 
 For each case it prints A's largest latency among the top-k requests in flight during B's
 request (the stall), next to A's own p50 and max while B is idle. One JSON line per case,
@@ -72,12 +75,28 @@ def big_layout(engine_bytes: int, rank_bytes: int) -> Layout:
                   host_rows=host_rows, staging_rows=staging).validate()
 
 
+def gone_blocks(b: Client, store_bytes: int, run_dir: str, timed) -> None:
+    """The ``gone_blocks`` case: ``b`` and a second client attach an engine whose block
+    store holds ``store_bytes``; the second takes every block and detaches; ``b``'s next
+    block request waits for their zeros (the window); then ``b`` detaches (the engine goes)."""
+    lay = big_layout(store_bytes, 64 << 20)
+    lay = Layout(num_layers=lay.num_layers, row_bytes=lay.row_bytes, top_k=64, region_stride=128, max_reqs=2,
+                 host_rows=lay.host_rows // 64 * 64).validate()
+    b.attach(lay, engine="blocks", block_size=64)
+    with Client(run_dir, name="stall-b2", timeout_s=300) as b2:
+        b2.attach(lay, engine="blocks", block_size=64)
+        b2.blocks.alloc(lay.host_rows // 64)
+        timed("gone_blocks", lambda: (b2.detach(), b.blocks.reserve(0)))
+    b.detach()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pool-gib", type=float, default=7.0, help="the daemon's pool")
     p.add_argument("--engine-gib", type=float, default=5.0, help="pool range of the large engine")
     p.add_argument("--slab-gib", type=float, default=2.0, help="memory of the large engine's rank")
     p.add_argument("--rounds", type=int, default=3, help="repetitions of each case")
+    p.add_argument("--blocks-gib", type=float, default=0.0, help="the block store of the gone_blocks case (0: no case)")
     p.add_argument("--log", default=None, help="the daemon's log file (default: discarded)")
     a = p.parse_args(argv)
     big = big_layout(int(a.engine_gib * GiB), int(a.slab_gib * GiB))
@@ -109,6 +128,8 @@ def main(argv=None) -> int:
                 timed("stage", lambda: b.stage(np.arange(big.staging_rows, dtype=np.int32)))
                 timed("write_staged", lambda: b.write_staged(np.arange(big.staging_rows, dtype=np.int32)))
                 timed("detach", b.detach)
+                if a.blocks_gib:
+                    gone_blocks(b, int(a.blocks_gib * GiB), d.run_dir, timed)
             time.sleep(0.3)
         stop.set()
         samples = np.array(recv.recv())
