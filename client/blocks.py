@@ -94,7 +94,8 @@ class Blocks:
         return rows.reshape(-1).astype(np.int32)
 
     def reserve(self, n: int) -> dict:
-        """Promise ``n`` more blocks to this client (``n < 0`` gives some back); returns
+        """Promise ``n`` more blocks to this client (``n < 0`` gives back up to ``-n``, at most
+        what it holds); returns
         ``reserved`` (this client's now) and the store's ``blocks``, ``free``, ``cached``,
         ``referenced``, ``evictable``, ``private`` and ``reserved_total`` counts.
         ``PoolExhausted`` when it cannot."""
