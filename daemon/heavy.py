@@ -151,6 +151,14 @@ class HeavyRequests:
         h.future = future = self._hold_thread.submit(_error_of, fn)
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._hold_done, h, f))
 
+    def fail(self, why: str) -> bool:
+        """The daemon cannot serve on (``open``'s ``failed``: it stops); False without a
+        serving loop (the caller raises)."""
+        if self._failed is None:
+            return False
+        self._failed(why)
+        return True
+
     def hold_futures(self, engines) -> list[Future]:
         """The work in flight of the holds on ``engines`` (done ones whose end has not run
         on the loop yet included), for a worker thread to wait on."""

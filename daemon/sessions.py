@@ -17,7 +17,7 @@ from sparsekv.proto import ErrorCode, ProtocolError
 from sparsekv.proto.args import breaks_line
 
 from .engine import RankState
-from .engine_blocks import write_zeros
+from .engine_blocks import ZeroFailed, write_zeros
 from .peers import Peer, PidWatch, process_groups
 from .ratelog import RateLimitedLog
 
@@ -181,7 +181,12 @@ class Sessions(dict):
             return
         if self.heavy.running(s.identity):
             return  # (reaped) its heavy request still uses the rank: the request's end releases it
-        zeros = self.engines.detach(s.client_id, s.engine)
+        try:
+            zeros = self.engines.detach(s.client_id, s.engine)
+        except ZeroFailed as e:  # its freed blocks are dirty: the daemon stops (as a request's would)
+            if not self.heavy.fail(str(e)):
+                raise
+            zeros = []
         if zeros:  # its private blocks' zeros (GBs): off the loop, its engine held meanwhile
             self.engines.zeroing(s.engine)
             self.heavy.hold(s.engine, functools.partial(write_zeros, zeros),

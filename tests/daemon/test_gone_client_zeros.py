@@ -281,3 +281,16 @@ def test_a_failed_zero_write_stops_the_daemon_before_anyone_gets_those_blocks(mo
                 assert not (space.pool[:, _rows(got)] == 7).any()  # (not reached: the daemon stops)
             d.thread.join(10)
             assert not d.thread.is_alive() and d.exit_code == 70 and "MemoryError: boom" in d.fatal_reason
+
+
+def test_a_failed_zero_write_of_a_gone_clients_few_blocks_stops_the_daemon_too(monkeypatch):
+    """Below heavy_bytes the zeros are written on the loop as the client is reaped: their
+    failure stops the daemon as well (the reaper would only have logged it)."""
+    with helpers.serving_daemon(4 << 20) as d:
+        with Client(d.run_dir) as a, Client(d.run_dir, timeout_s=5) as peer:
+            attach_keys(a).alloc(2)
+            attach_keys(peer)
+            monkeypatch.setattr(ZeroWrite, "__call__", lambda self: (_ for _ in ()).throw(MemoryError("boom")))
+            crash(d, a)
+            d.thread.join(10)
+            assert not d.thread.is_alive() and d.exit_code == 70 and "MemoryError: boom" in d.fatal_reason
