@@ -33,7 +33,7 @@ from .backends import backend_unusable, cuda_unavailable, make_backend
 from .notify import Notifier
 from .pinned import PinError, PoolPinner
 from .pool import HostPool, PoolError
-from .run_dir_lock import RunDirLock, SettingRefused
+from .run_dir_lock import RunDirLock, SettingRefused, run_dir_refusal
 from .server import Daemon
 from .store_room import StoreRoom
 from .stats import package_version
@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     config_mod.add_arguments(p)
     p.add_argument("--print-config", action="store_true",
                    help="print the effective settings as TOML, each with where it came from "
-                   "(default / file / env / flag), and exit")
+                   "(default / file / env / flag), run the start's checks that make nothing, and exit: 0, or the "
+                   "start's exit code with each refusal on stderr")
     p.add_argument("--version", action="version", version=f"sparsekvd {package_version()}",
                    help="print the version and exit")
     return p
@@ -260,6 +261,41 @@ def backend_refusal(cfg, sources: dict) -> tuple[str, int] | None:
     return None
 
 
+def shm_dir_refusal(cfg, sources: dict) -> str | None:
+    """Why ``shm_dir`` cannot serve (a setting: exit code 2), or None."""
+    if os.path.isdir(cfg.shm_dir) and os.access(cfg.shm_dir, os.W_OK | os.X_OK):
+        return None
+    why = "does not exist" if not os.path.exists(cfg.shm_dir) else (
+        "is not a directory" if not os.path.isdir(cfg.shm_dir) else "is not writable by this user")
+    return (f"shm_dir {cfg.shm_dir} ({sources.get('shm_dir', 'default')}) {why}; stale slab files of older "
+            "versions are removed there: point shm_dir at the engines' /dev/shm")
+
+
+def would_start(cfg, sources: dict) -> int:
+    """``--print-config``'s verdict, after the settings: the start's own checks that make,
+    lock, pre-fault and start nothing (the shm and run dirs, the backend, the pool against
+    the RAM, the CPU lists, the metrics port), each refusal on stderr as the start would
+    log it. 0 when none refuses, else the start's exit code (2: a setting; 1: may pass at
+    a later start)."""
+    found: list[tuple[str, int]] = []
+    if (why := shm_dir_refusal(cfg, sources)) is not None:
+        found.append((why, 2))
+    if (why := run_dir_refusal(cfg.run_dir)) is not None:
+        found.append((f"{why} (run_dir: {sources.get('run_dir', 'default')})", 2))
+    if (refusal := backend_refusal(cfg, sources)) is not None:
+        found.append(refusal)
+    for check in (check_pool_fits, check_cpu_lists):
+        try:
+            check(cfg, sources)
+        except SettingRefused as e:
+            found.append((str(e), 2))
+    if (refusal := metrics_port_refusal(cfg, sources)) is not None:
+        found.append(refusal)
+    for why, _ in found:
+        print(f"sparsekvd: would not start: {why}", file=sys.stderr)
+    return max((code for _, code in found), default=0)
+
+
 def check_pool_fits(cfg, sources: dict) -> None:
     """SettingRefused when ``pool_size`` is more than this machine's RAM (no restart makes
     it fit; more than the RAM available now is the pool's own refusal, exit 1: it may fit
@@ -316,16 +352,14 @@ def main(argv=None) -> int:
     except config_mod.ConfigError as e:
         print(f"sparsekvd: {e}", file=sys.stderr)
         return 2
-    if args.print_config:
-        sys.stdout.write(cfg.to_toml(sources) + "".join(f"# {line}\n" for line in config_mod.unknown_env()))
-        return 0
     if cfg.backend != "cpu":
         set_cuda_environment()  # before anything asks CUDA about devices
-    if not os.path.isdir(cfg.shm_dir) or not os.access(cfg.shm_dir, os.W_OK | os.X_OK):
-        why = "does not exist" if not os.path.exists(cfg.shm_dir) else (
-            "is not a directory" if not os.path.isdir(cfg.shm_dir) else "is not writable by this user")
-        print(f"sparsekvd: shm_dir {cfg.shm_dir} ({sources.get('shm_dir', 'default')}) {why}; stale slab files of "
-              "older versions are removed there: point shm_dir at the engines' /dev/shm", file=sys.stderr)
+    if args.print_config:
+        sys.stdout.write(cfg.to_toml(sources) + "".join(f"# {line}\n" for line in config_mod.unknown_env()))
+        return would_start(cfg, sources)
+    refusal = shm_dir_refusal(cfg, sources)
+    if refusal is not None:
+        print(f"sparsekvd: {refusal}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
     # Its default would kill the daemon without its clean-up; StartSignals and the loop keep it so.
@@ -436,29 +470,9 @@ def place_io(cfg, sources: dict) -> tuple:
     """The daemon's ``io_cpus`` (checked against the CPUs it may run on) and its warm CPU
     loops, started (proto/cpus.py). SettingRefused naming what is wrong and where the
     setting came from."""
-    def refuse(name: str, why: str) -> SettingRefused:
-        return SettingRefused(f"{why} ({name}: {sources.get(name, 'default')})")
-
-    lists = {}
-    for name in ("io_cpus", "warm_cpus"):
-        try:
-            lists[name] = parse_cpu_list(getattr(cfg, name), name)
-            check_cpus_usable(lists[name], name)
-        except ValueError as e:
-            raise refuse(name, str(e)) from None
-    io_cpus, warm = lists["io_cpus"], lists["warm_cpus"]
-    if io_cpus and os.sched_getaffinity(0) <= set(io_cpus):
-        raise refuse("io_cpus", f"io_cpus {format_cpu_list(io_cpus)} are all the CPUs this process may run on: "
-                     "leave some for its other threads")
+    io_cpus, warm, quota = check_cpu_lists(cfg, sources)
     warmer = None
-    quota = cpu_quota() if warm else None
     if quota is not None:
-        # Each loop spends a CPU of the cgroup's quota (k8s CPU limits, systemd CPUQuota=):
-        # the daemon's own threads would be throttled.
-        if len(warm) + 1 > quota:
-            raise refuse("warm_cpus", f"warm_cpus {format_cpu_list(warm)} would spend {len(warm)} of the {quota:g} "
-                         "CPUs of run time this cgroup's cpu.max allows (a loop spends it, idle priority or not), "
-                         "leaving the daemon less than one: raise the CPU limit by as many CPUs, or warm fewer")
         log.warning("warm_cpus: the %d loops spend %d of the %g CPUs of run time this cgroup's cpu.max allows; "
                     "raise the CPU limit by as many CPUs", len(warm), len(warm), quota)
     if warm:
@@ -474,6 +488,35 @@ def place_io(cfg, sources: dict) -> tuple:
                 format_cpu_list(io_cpus),
                 f"; {format_cpu_list(cold)} not in warm_cpus (a halted CPU is slow to wake in a VM)" if cold else "")
     return warmer, io_cpus
+
+
+def check_cpu_lists(cfg, sources: dict) -> tuple:
+    """``io_cpus`` and ``warm_cpus`` parsed and checked (CPUs this process may use, some
+    left to its other threads, the warm loops within the cgroup's CPU quota); with the
+    quota when there are warm CPUs under one (else None). SettingRefused naming what is
+    wrong and where the setting came from."""
+    def refuse(name: str, why: str) -> SettingRefused:
+        return SettingRefused(f"{why} ({name}: {sources.get(name, 'default')})")
+
+    lists = {}
+    for name in ("io_cpus", "warm_cpus"):
+        try:
+            lists[name] = parse_cpu_list(getattr(cfg, name), name)
+            check_cpus_usable(lists[name], name)
+        except ValueError as e:
+            raise refuse(name, str(e)) from None
+    io_cpus, warm = lists["io_cpus"], lists["warm_cpus"]
+    if io_cpus and os.sched_getaffinity(0) <= set(io_cpus):
+        raise refuse("io_cpus", f"io_cpus {format_cpu_list(io_cpus)} are all the CPUs this process may run on: "
+                     "leave some for its other threads")
+    quota = cpu_quota() if warm else None
+    # Each loop spends a CPU of the cgroup's quota (k8s CPU limits, systemd CPUQuota=): the
+    # daemon's own threads would be throttled.
+    if quota is not None and len(warm) + 1 > quota:
+        raise refuse("warm_cpus", f"warm_cpus {format_cpu_list(warm)} would spend {len(warm)} of the {quota:g} "
+                     "CPUs of run time this cgroup's cpu.max allows (a loop spends it, idle priority or not), "
+                     "leaving the daemon less than one: raise the CPU limit by as many CPUs, or warm fewer")
+    return io_cpus, warm, quota
 
 
 GIL_SWITCH_S = 0.0005

@@ -34,6 +34,26 @@ def check_run_dir(run_dir: str) -> None:
                            "another user could replace its sockets; use a directory of the daemon's own (chmod o-w)")
 
 
+def run_dir_refusal(run_dir: str) -> str | None:
+    """What :class:`RunDirLock` would refuse in ``run_dir`` as it is now, without making or
+    locking anything (``--print-config``); None when nothing is seen."""
+    longest = os.path.join(os.path.abspath(run_dir), "control.sock.busy")
+    if len(os.fsencode(longest)) > UNIX_PATH_MAX:
+        return f"run dir {run_dir} is too long for its sockets ({len(os.fsencode(longest))} bytes with a socket's name)"
+    d = os.path.abspath(run_dir)
+    while not os.path.lexists(d):
+        d = os.path.dirname(d)
+    if d != os.path.abspath(run_dir):
+        return None if os.path.isdir(d) else f"run dir {run_dir} cannot be made: {d} is not a directory"
+    try:
+        check_run_dir(run_dir)
+    except SettingRefused as e:
+        return str(e)
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        return f"run dir {run_dir} is not writable by this user"
+    return None
+
+
 class RunDirLock:
     """An exclusive lock on RUN_DIR/sparsekvd.lock held for the daemon's life: a second
     daemon on the same run dir is refused instead of stealing its sockets. The lock is a
@@ -62,6 +82,9 @@ class RunDirLock:
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise SettingRefused(f"{self.path} is a symbolic link: refused") from None
+                if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # (an immutable or read-only dir)
+                    raise SettingRefused(f"cannot make its lock file {self.path}: {e.strerror}: the run dir must be "
+                                         "writable by the daemon's user") from None
                 raise
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
@@ -72,7 +95,8 @@ class RunDirLock:
             except BlockingIOError:
                 other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                raise RuntimeError(f"another sparsekvd (pid {other}) serves {run_dir}") from None
+                raise RuntimeError(f"another sparsekvd (pid {other}) holds {run_dir} (serving it, or starting)") \
+                    from None
             try:
                 now = os.lstat(self.path)
             except FileNotFoundError:

@@ -19,5 +19,5 @@ def test_a_failed_start_shows_the_daemons_last_error_lines(daemon, tmp_path, wit
         second.__enter__()
     msg = str(ei.value)
     assert msg.startswith("private sparsekvd exited with code 1: ")
-    assert f"another sparsekvd (pid {daemon.proc.pid}) serves {daemon.run_dir}" in msg
+    assert f"another sparsekvd (pid {daemon.proc.pid}) holds {daemon.run_dir}" in msg
     assert " INFO " not in msg  # its errors, not its start-up chatter
