@@ -226,6 +226,13 @@ def unknown_env(environ=None) -> list[str]:
     return lines
 
 
+def cuda_settings_set(sources: dict[str, str]) -> list[str]:
+    """The settings of the cuda backend alone (their help says ``cuda:``) given in a file,
+    the environment or a flag: what the cpu backend ignores, for its start to say so."""
+    return [name for name, f in _FIELDS.items() if f.metadata["help"].startswith("cuda:")
+            and name in sources and not sources[name].startswith("default")]
+
+
 def env_name(setting: str) -> str:
     """The one environment variable of ``setting``."""
     return _SETTINGS[setting].env

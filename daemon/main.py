@@ -425,6 +425,9 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status="starting backend")
             backend = make_backend(cfg, pool, pool_region)
             signals.check()
+            if backend.name == "cpu" and (ignored := config_mod.cuda_settings_set(sources)):
+                log.warning("the cpu backend ignores the cuda settings given: %s",
+                            ", ".join(f"{n} ({sources[n]})" for n in ignored))
             busy_poll_us = cfg.busy_poll_us if cfg.busy_poll_us >= 0 else (1000 if backend.name == "cuda" else 0)
             daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
                             reap_interval_s=cfg.reap_interval_s, notifier=notifier, busy_poll_us=busy_poll_us,

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from sparsekv.proto import (ERROR_HINTS, PROTOCOL_VERSION, REQUESTS, ErrorCode, LayoutError, MsgType, ProtocolError,
                             decode, reply_error, reply_ok)
 from sparsekv.proto import fd_socket
+from sparsekv.proto.settings import format_size
 
 from . import stats as stats_mod
 from .control_socket import ControlSocket
@@ -135,7 +136,8 @@ class Daemon:
                  asyncio.create_task(self._connections(), name="connections")]
         if self.notifier.watchdog_interval_s:
             tasks.append(asyncio.create_task(self._watchdog(), name="watchdog"))
-        status = f"serving {len(self.backend.devices)} device(s), pool {self.pool.size_bytes >> 20} MiB"
+        where = "the cpu backend" if self.backend.name == "cpu" else f"{len(self.backend.devices)} GPU(s)"
+        status = f"serving on {where}, pool {format_size(self.pool.size_bytes)}"
         log.info("ready: %s on %s", status, self.control_path)
         self.notifier.ready(status)
         if on_ready:

@@ -119,7 +119,7 @@ def test_sd_notify_status_ready_stopping_and_clean_exit(run_dir, address):
         assert status and b"pre-faulting host pool" in status[0], before_ready
         # systemd's TimeoutStartSec= must not kill a long pre-fault that keeps moving
         assert all(b"EXTEND_TIMEOUT_USEC=" in m for m in status), status
-        assert b"STATUS=serving" in before_ready[-1]
+        assert b"STATUS=serving on the cpu backend, pool 64MiB" in before_ready[-1]  # (not "1 device(s)")
         # watchdog pings at half of WATCHDOG_USEC
         receive_until(s, b"WATCHDOG=1", timeout_s=5)
         c = Client(run_dir).connect()
@@ -546,3 +546,16 @@ def test_devices_naming_gpus_not_visible_are_refused_before_the_pool_for_auto_an
             "devices 0,3 (file x.toml) names GPU(s) [3], but 1 are visible", 1)
         assert main_mod.backend_refusal(Config(backend=backend, devices="0"), {}) is None
     assert main_mod.backend_refusal(Config(backend="cpu", devices="3"), {}) is None
+
+
+def test_the_cpu_backend_names_the_cuda_settings_it_ignores(run_dir):
+    """Found by an operator's review: --devices, --gather-blocks and the like were taken
+    without a word on the cpu backend."""
+    with sparsekvd(run_dir, "--devices", "0,1", "--gather-blocks", "5", "--shm-dir", "/dev/shm",
+                   env=clean_env(SPARSEKV_RING_DEPTH="4")) as p:
+        wait_serving(run_dir, p)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+        text = log_text(p)
+    assert ("the cpu backend ignores the cuda settings given: devices (flag --devices), gather_blocks "
+            "(flag --gather-blocks), ring_depth (env SPARSEKV_RING_DEPTH)") in text, text
