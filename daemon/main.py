@@ -150,8 +150,10 @@ def setup_logging(level: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviations: "--pool-s" would take another meaning, or none, once a setting is added.
     p = argparse.ArgumentParser(prog="sparsekvd", description="sparsekv per-node KV-cache daemon. Settings: "
-                                "defaults < TOML file < SPARSEKV_<NAME> environment < these flags.")
+                                "defaults < TOML file < SPARSEKV_<NAME> environment < these flags.",
+                                allow_abbrev=False)
     config_mod.add_arguments(p)
     p.add_argument("--print-config", action="store_true",
                    help="print the effective settings as TOML, each with where it came from "

@@ -158,3 +158,12 @@ def test_a_run_dir_the_daemon_cannot_write_is_a_setting_refused(tmp_path, monkey
         lock_mod.RunDirLock(str(run))
     monkeypatch.setattr(lock_mod.os, "access", lambda path, mode: False)
     assert lock_mod.run_dir_refusal(str(run)) == f"run dir {run} is not writable by this user"
+
+
+def test_sparsekvd_takes_no_abbreviated_flag():
+    """Found by an operator's review: --pool-s and --print-conf were taken; a unit written
+    so would change meaning, or stop, once a setting with the same start is added."""
+    for argv in (["--pool-s", "128MiB"], ["--print-conf"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+    assert build_parser().parse_args(["--pool-size", "128MiB"]).pool_size == "128MiB"
