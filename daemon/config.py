@@ -299,7 +299,7 @@ def _coerce(name: str, value, where: str, convert):
     naming both otherwise."""
     f = _FIELDS.get(name)
     if f is None:
-        near = difflib.get_close_matches(str(name), list(_FIELDS), n=1, cutoff=0.8)
+        near = difflib.get_close_matches(str(name).lower(), list(_FIELDS), n=1, cutoff=0.8)
         raise ConfigError(f"{where}: unknown setting {name!r}" + (f" (did you mean {near[0]}?)" if near else ""))
     try:
         value = convert(f, value)

@@ -282,8 +282,8 @@ def would_start(cfg, sources: dict) -> int:
     found: list[tuple[str, int]] = []
     if (why := shm_dir_refusal(cfg, sources)) is not None:
         found.append((why, 2))
-    if (why := run_dir_refusal(cfg.run_dir)) is not None:
-        found.append((f"{why} (run_dir: {sources.get('run_dir', 'default')})", 2))
+    if (refusal := run_dir_refusal(cfg.run_dir)) is not None:
+        found.append((f"{refusal[0]} (run_dir: {sources.get('run_dir', 'default')})", refusal[1]))
     if (refusal := backend_refusal(cfg, sources)) is not None:
         found.append(refusal)
     for check in (check_pool_fits, check_cpu_lists):
@@ -295,6 +295,9 @@ def would_start(cfg, sources: dict) -> int:
         found.append(refusal)
     for why, _ in found:
         print(f"sparsekvd: would not start: {why}", file=sys.stderr)
+    if cfg.backend == "cpu" and (ignored := config_mod.cuda_settings_set(sources)):
+        print("sparsekvd: the cpu backend ignores the cuda settings given: "
+              + ", ".join(f"{n} ({sources[n]})" for n in ignored), file=sys.stderr)
     return max((code for _, code in found), default=0)
 
 

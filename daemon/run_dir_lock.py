@@ -10,6 +10,8 @@ import fcntl
 import os
 import stat
 
+from sparsekv.proto.run_dir import lock_holder
+
 UNIX_PATH_MAX = 107  # bytes of a UNIX socket's path (sun_path's 108, its NUL included)
 
 
@@ -32,25 +34,44 @@ def check_run_dir(run_dir: str) -> None:
     if st.st_mode & stat.S_IWOTH:
         raise SettingRefused(f"run dir {run_dir} is writable by every user (mode {stat.S_IMODE(st.st_mode):04o}): "
                            "another user could replace its sockets; use a directory of the daemon's own (chmod o-w)")
+    if not os.access(run_dir, os.W_OK | os.X_OK):  # (before minutes of pre-faulting, not at the sockets' bind)
+        raise SettingRefused(f"run dir {run_dir} is not writable by this daemon's user")
 
 
-def run_dir_refusal(run_dir: str) -> str | None:
-    """What :class:`RunDirLock` would refuse in ``run_dir`` as it is now, without making or
-    locking anything (``--print-config``); None when nothing is seen."""
+def run_dir_refusal(run_dir: str) -> tuple[str, int] | None:
+    """What :class:`RunDirLock` would refuse in ``run_dir`` as it is now, and the start's
+    exit code (2: a setting; 1: may pass later), without making or locking anything
+    (``--print-config``); None when nothing is seen."""
     longest = os.path.join(os.path.abspath(run_dir), "control.sock.busy")
     if len(os.fsencode(longest)) > UNIX_PATH_MAX:
-        return f"run dir {run_dir} is too long for its sockets ({len(os.fsencode(longest))} bytes with a socket's name)"
+        return f"run dir {run_dir} is too long for its sockets ({len(os.fsencode(longest))} bytes with a socket's " \
+               "name)", 2
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+        return f"run dir {run_dir} is not a directory", 2
     d = os.path.abspath(run_dir)
     while not os.path.lexists(d):
         d = os.path.dirname(d)
-    if d != os.path.abspath(run_dir):
-        return None if os.path.isdir(d) else f"run dir {run_dir} cannot be made: {d} is not a directory"
+    if d != os.path.abspath(run_dir):  # made at start, under d (RunDirLock._make's codes)
+        if os.path.isdir(d):
+            return None if os.access(d, os.W_OK | os.X_OK) else (f"run dir {run_dir} cannot be made: {d} is not "
+                                                                  "writable by this user", 1)
+        if os.path.islink(d) and not os.path.exists(d):
+            return f"run dir {run_dir} cannot be made: {d} is a link to nothing", 1
+        return f"run dir {run_dir} cannot be made: {d} is not a directory", 2
     try:
         check_run_dir(run_dir)
     except SettingRefused as e:
-        return str(e)
-    if not os.access(run_dir, os.W_OK | os.X_OK):
-        return f"run dir {run_dir} is not writable by this user"
+        return str(e), 2
+    lock = os.path.join(run_dir, "sparsekvd.lock")
+    if os.path.islink(lock):
+        return f"{lock} is a symbolic link: refused", 2
+    if os.path.lexists(lock):
+        st = os.lstat(lock)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return f"{lock} is not a regular file of this daemon's user: refused", 2
+        pid = lock_holder(run_dir)
+        if pid is not None:
+            return f"another sparsekvd (pid {pid or '?'}) holds {run_dir} (serving it, or starting)", 1
     return None
 
 
@@ -85,6 +106,8 @@ class RunDirLock:
                 if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # (an immutable or read-only dir)
                     raise SettingRefused(f"cannot make its lock file {self.path}: {e.strerror}: the run dir must be "
                                          "writable by the daemon's user") from None
+                if e.errno == errno.EISDIR:
+                    raise SettingRefused(f"{self.path} is not a regular file of this daemon's user: refused") from None
                 raise
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
@@ -114,7 +137,7 @@ class RunDirLock:
         if self.fd >= 0:
             try:
                 os.unlink(self.path)
-            except FileNotFoundError:
+            except OSError:  # gone already, or a run dir made read-only meanwhile: the lock ends with the fd
                 pass
             os.close(self.fd)
             self.fd = -1

@@ -157,7 +157,38 @@ def test_a_run_dir_the_daemon_cannot_write_is_a_setting_refused(tmp_path, monkey
                        "run dir must be writable"):
         lock_mod.RunDirLock(str(run))
     monkeypatch.setattr(lock_mod.os, "access", lambda path, mode: False)
-    assert lock_mod.run_dir_refusal(str(run)) == f"run dir {run} is not writable by this user"
+    assert lock_mod.run_dir_refusal(str(run)) == (f"run dir {run} is not writable by this daemon's user", 2)
+    with pytest.raises(lock_mod.SettingRefused, match="is not writable by this daemon's user"):
+        lock_mod.RunDirLock(str(run))  # (before any lock file is opened: not at the sockets, minutes later)
+    assert lock_mod.run_dir_refusal(str(run / "sub")) == (f"run dir {run / 'sub'} cannot be made: {run} is not "
+                                                          "writable by this user", 1)  # (the start's mkdir: exit 1)
+
+
+@pytest.mark.parametrize("case", ["dangling_run_dir", "dangling_parent", "lock_link", "lock_dir"])
+def test_print_config_and_the_start_agree_on_a_run_dir(tmp_path, case):
+    """Found by a review of the first --print-config checks: a dangling link as the run dir
+    was a traceback; the lock file was not looked at; a lock file that is a directory was a
+    bare EISDIR at start."""
+    run = tmp_path / "run"
+    if case == "dangling_run_dir":
+        run.symlink_to(tmp_path / "nowhere")
+    elif case == "dangling_parent":
+        (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+        run = tmp_path / "link" / "run"
+    else:
+        run.mkdir()
+        lock = run / "sparsekvd.lock"
+        if case == "lock_link":
+            (tmp_path / "f").write_text("")
+            lock.symlink_to(tmp_path / "f")
+        else:
+            lock.mkdir()
+    args = [*DAEMON, "--backend", "cpu", "--run-dir", str(run), "--pool-size", "16MiB"]
+    checked = subprocess.run([*args, "--print-config"], capture_output=True, text=True, timeout=30)
+    started = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    assert "Traceback" not in checked.stderr + started.stderr, checked.stderr + started.stderr
+    want = 1 if case == "dangling_parent" else 2
+    assert checked.returncode == started.returncode == want, (checked.stderr, started.stderr)
 
 
 def test_sparsekvd_takes_no_abbreviated_flag():

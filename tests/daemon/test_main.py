@@ -153,6 +153,10 @@ def test_second_daemon_on_the_same_run_dir_is_refused(run_dir):
                                 capture_output=True, text=True, timeout=30, env=clean_env())
         assert second.returncode == 1
         assert f"another sparsekvd (pid {first.pid}) holds {run_dir} (serving it, or starting)" in second.stderr
+        # --print-config says the same (the lock looked at, never taken)
+        checked = subprocess.run([*DAEMON, "--backend", "cpu", "--run-dir", run_dir, "--pool-size", "64MiB",
+                                  "--print-config"], capture_output=True, text=True, timeout=30, env=clean_env())
+        assert checked.returncode == 1 and f"(pid {first.pid}) holds {run_dir}" in checked.stderr, checked.stderr
         # the first one still serves
         assert first.poll() is None
         assert helpers.stats_json(run_dir)["pid"] == first.pid
