@@ -79,6 +79,7 @@ def test_toml_top_level_table_and_env_config_file(tmp_path):
         ('pool_size = "lots"', {}, "config file"),
         ("bogus = 1", {}, "unknown setting 'bogus'"),
         ('pool_sise = "1GiB"', {}, "unknown setting 'pool_sise' (did you mean pool_size?)"),  # as the environment's
+        ('Pool_Size = "1GiB"', {}, "unknown setting 'Pool_Size' (did you mean pool_size?)"),
         ("pool_size = [", {}, "not valid TOML"),
         ("", {"SPARSEKV_MAX_CLIENTS": "many"}, "environment SPARSEKV_MAX_CLIENTS"),
         ("", {"SPARSEKV_BACKEND": "tpu"}, "backend must be auto, cpu or cuda"),
