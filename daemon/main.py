@@ -32,7 +32,7 @@ from . import config as config_mod
 from .backends import backend_unusable, cuda_unavailable, make_backend
 from .notify import Notifier
 from .pinned import PinError, PoolPinner
-from .pool import HostPool, PoolError
+from .pool import ALIGN_BYTES, HostPool, PoolError
 from .run_dir_lock import RunDirLock, SettingRefused, run_dir_refusal
 from .server import Daemon
 from .store_room import StoreRoom
@@ -393,6 +393,9 @@ def main(argv=None) -> int:
             warmer, io_cpus = place_io(cfg, sources)
             check_pool_fits(cfg, sources)
             size = format_size(cfg.pool_size)
+            if tail := cfg.pool_size % ALIGN_BYTES:  # engine ranges are whole 2 MiB pieces of it
+                log.warning("pool_size %s (%s) is not a multiple of %s: its last %s never hold an engine's range",
+                            size, sources.get("pool_size", "default"), format_size(ALIGN_BYTES), format_size(tail))
             log.info("sparsekvd %s (pid %d) on %s: pre-faulting host pool of %s", package_version(), os.getpid(),
                      cfg.run_dir, size)
             notifier.extend_timeout(START_EXTEND_S, status=f"pre-faulting host pool of {size}")

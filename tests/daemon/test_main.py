@@ -563,3 +563,14 @@ def test_the_cpu_backend_names_the_cuda_settings_it_ignores(run_dir):
         text = log_text(p)
     assert ("the cpu backend ignores the cuda settings given: devices (flag --devices), gather_blocks "
             "(flag --gather-blocks), ring_depth (env SPARSEKV_RING_DEPTH)") in text, text
+
+
+def test_a_pool_size_off_the_2mib_grain_is_named_at_start(run_dir):
+    """Found by an operator's review: 3000001B was taken without a word; engine ranges are
+    whole 2 MiB pieces of the pool, so its last 881.7KiB are never used."""
+    with sparsekvd(run_dir, pool="3000001B") as p:
+        wait_serving(run_dir, p)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+        text = log_text(p)
+    assert "pool_size 2.9MiB (flag --pool-size) is not a multiple of 2MiB: its last 881.7KiB never hold" in text, text
