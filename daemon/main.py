@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import faulthandler
+import grp
 import logging
 import os
 import resource
@@ -263,6 +264,14 @@ def backend_refusal(cfg, sources: dict) -> tuple[str, int] | None:
     return None
 
 
+def _group_exists(gid: int) -> bool:
+    try:
+        grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return True
+
+
 def shm_dir_refusal(cfg, sources: dict) -> str | None:
     """Why ``shm_dir`` cannot serve (a setting: exit code 2), or None."""
     if os.path.isdir(cfg.shm_dir) and os.access(cfg.shm_dir, os.W_OK | os.X_OK):
@@ -371,6 +380,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGUSR1, lambda signum, frame: log_ignored(signal.SIGUSR1))
     for line in config_mod.unknown_env():
         log.warning("%s", line)
+    if cfg.admin_gid >= 0 and not _group_exists(cfg.admin_gid):
+        log.warning("admin_gid %d (%s) names no group on this host: no client is an admin through it",
+                    cfg.admin_gid, sources.get("admin_gid", "default"))
     log_open_files_limit()
     refusal = backend_refusal(cfg, sources)
     if refusal is not None:

@@ -574,3 +574,21 @@ def test_a_pool_size_off_the_2mib_grain_is_named_at_start(run_dir):
         assert p.wait(timeout=20) == 0
         text = log_text(p)
     assert "pool_size 2.9MiB (flag --pool-size) is not a multiple of 2MiB: its last 881.7KiB never hold" in text, text
+
+
+def test_an_admin_gid_of_no_group_is_named_at_start(run_dir):
+    import grp
+
+    gid = 64999
+    while True:  # a gid this host has no group for
+        try:
+            grp.getgrgid(gid)
+            gid -= 1
+        except KeyError:
+            break
+    with sparsekvd(run_dir, "--admin-gid", str(gid)) as p:
+        wait_serving(run_dir, p)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+        text = log_text(p)
+    assert f"admin_gid {gid} (flag --admin-gid) names no group on this host" in text, text
