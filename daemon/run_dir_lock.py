@@ -13,6 +13,8 @@ import stat
 from sparsekv.proto.run_dir import lock_holder
 
 UNIX_PATH_MAX = 107  # bytes of a UNIX socket's path (sun_path's 108, its NUL included)
+# The sockets the daemon binds in its run dir (and the names it binds them under first).
+SOCKET_NAMES = ("control.sock", "control.sock.new", "control.sock.busy", "stats.sock", "fds.sock", "fds.sock.new")
 
 
 class SettingRefused(RuntimeError):
@@ -36,6 +38,10 @@ def check_run_dir(run_dir: str) -> None:
                            "another user could replace its sockets; use a directory of the daemon's own (chmod o-w)")
     if not os.access(run_dir, os.W_OK | os.X_OK):  # (before minutes of pre-faulting, not at the sockets' bind)
         raise SettingRefused(f"run dir {run_dir} is not writable by this daemon's user")
+    for name in SOCKET_NAMES:  # a daemon's own left ones are replaced; anything else is not its to remove
+        path = os.path.join(run_dir, name)
+        if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise SettingRefused(f"{path} is not a socket a daemon left: remove it (the daemon binds a socket there)")
 
 
 def run_dir_refusal(run_dir: str) -> tuple[str, int] | None:

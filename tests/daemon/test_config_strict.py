@@ -164,11 +164,11 @@ def test_a_run_dir_the_daemon_cannot_write_is_a_setting_refused(tmp_path, monkey
                                                           "writable by this user", 1)  # (the start's mkdir: exit 1)
 
 
-@pytest.mark.parametrize("case", ["dangling_run_dir", "dangling_parent", "lock_link", "lock_dir"])
+@pytest.mark.parametrize("case", ["dangling_run_dir", "dangling_parent", "lock_link", "lock_dir", "socket_dir"])
 def test_print_config_and_the_start_agree_on_a_run_dir(tmp_path, case):
     """Found by a review of the first --print-config checks: a dangling link as the run dir
-    was a traceback; the lock file was not looked at; a lock file that is a directory was a
-    bare EISDIR at start."""
+    was a traceback; the lock file was not looked at; a lock file, or a socket's path, that
+    is a directory was a bare EISDIR at start (the socket's after the pre-fault)."""
     run = tmp_path / "run"
     if case == "dangling_run_dir":
         run.symlink_to(tmp_path / "nowhere")
@@ -181,8 +181,10 @@ def test_print_config_and_the_start_agree_on_a_run_dir(tmp_path, case):
         if case == "lock_link":
             (tmp_path / "f").write_text("")
             lock.symlink_to(tmp_path / "f")
-        else:
+        elif case == "lock_dir":
             lock.mkdir()
+        else:  # a directory where a socket goes: a bare EISDIR after the pre-fault before
+            (run / "stats.sock").mkdir()
     args = [*DAEMON, "--backend", "cpu", "--run-dir", str(run), "--pool-size", "16MiB"]
     checked = subprocess.run([*args, "--print-config"], capture_output=True, text=True, timeout=30)
     started = subprocess.run(args, capture_output=True, text=True, timeout=30)
