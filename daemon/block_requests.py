@@ -96,11 +96,7 @@ class BlockRequests:
         meanwhile, and nobody else learns a taken block before the reply."""
         space = self.engines.space(s.engine)
         with space.deferring_zeros() as zeros:
-            try:
-                out = op()
-            except BaseException:
-                write_zeros(zeros)  # what it freed before it failed is zeroed now, as without deferring
-                raise
+            out = op()
         if sum(z.nbytes for z in zeros) >= self.heavy_bytes:
             yield Slow(functools.partial(write_zeros, zeros), engine=s.engine)
         else:

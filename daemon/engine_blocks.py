@@ -88,12 +88,16 @@ class EngineBlocks:
         """``with space.deferring_zeros() as zeros:`` the block store's zeros of the blocks
         freed or evicted inside are not written: ``zeros`` holds them (:class:`ZeroWrite`),
         for a worker thread. Only where nothing may use those blocks before they are written
-        (a block request, whose reply comes after)."""
+        (a block request, whose reply comes after). When the block raises, what it freed
+        before is zeroed at once, as without deferring, and the error goes on."""
         if self._deferred is not None:
             raise RuntimeError("zeros are deferred already")
         self._deferred = zeros = []
         try:
             yield zeros
+        except BaseException:
+            write_zeros(zeros)
+            raise
         finally:
             self._deferred = None
 

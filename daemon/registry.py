@@ -373,11 +373,7 @@ class EngineRegistry:
                 self._drop_tp_if_empty(space)
             if space.blocks is not None:
                 with space.deferring_zeros() as zeros:
-                    try:
-                        space.blocks.close(client_id)
-                    except BaseException:
-                        write_zeros(zeros)  # what it freed before it failed, as without deferring
-                        raise
+                    space.blocks.close(client_id)
         # The rank first: it may hold resources that refer to the engine's (pinned) pool.
         self.backend.release_rank(client_id)
         self._give_rank_bytes(*self._rank_bytes.pop(client_id, (None, 0)))

@@ -177,3 +177,19 @@ def test_a_failed_zero_write_of_a_request_stops_the_daemon(monkeypatch, off_loop
                 blocks.release(mine)
             d.thread.join(10)
             assert not d.thread.is_alive() and d.exit_code == 70 and "MemoryError: boom" in d.fatal_reason
+
+
+def test_zeros_deferred_in_a_block_that_raises_are_written_before_the_error_goes_on():
+    lay = Layout(num_layers=2, row_bytes=16, top_k=4, region_stride=8, max_reqs=1, host_rows=64,
+                 index_groups=((0, 1),)).validate()
+    space = EngineSpace("e", lay, np.full((2, 64, 16), 5, np.uint8))
+    space.block_size = 4
+    with pytest.raises(KeyError):
+        with space.deferring_zeros() as zeros:
+            space.zero_blocks([2, 3])
+            assert zeros and (space.pool[:, 8:16] == 5).all()  # deferred
+            raise KeyError("the store's request failed after freeing them")
+    assert not space.pool[:, 8:16].any() and (space.pool[:, 16:] == 5).all()
+    with space.deferring_zeros() as zeros:  # and it may defer again
+        space.zero_blocks([4])
+    assert (space.pool[:, 16:20] == 5).all() and zeros
