@@ -226,11 +226,13 @@ def unknown_env(environ=None) -> list[str]:
     return lines
 
 
-def cuda_settings_set(sources: dict[str, str]) -> list[str]:
+def cuda_settings_ignored(sources: dict[str, str]) -> str | None:
     """The settings of the cuda backend alone (their help says ``cuda:``) given in a file,
-    the environment or a flag: what the cpu backend ignores, for its start to say so."""
-    return [name for name, f in _FIELDS.items() if f.metadata["help"].startswith("cuda:")
-            and name in sources and not sources[name].startswith("default")]
+    the environment or a flag, as the cpu backend's start says it ignores them; None when
+    there are none."""
+    given = [f"{name} ({sources[name]})" for name, f in _FIELDS.items() if f.metadata["help"].startswith("cuda:")
+             and name in sources and not sources[name].startswith("default")]
+    return f"the cpu backend ignores the cuda settings given: {', '.join(given)}" if given else None
 
 
 def env_name(setting: str) -> str:

@@ -304,9 +304,8 @@ def would_start(cfg, sources: dict) -> int:
         found.append(refusal)
     for why, _ in found:
         print(f"sparsekvd: would not start: {why}", file=sys.stderr)
-    if cfg.backend == "cpu" and (ignored := config_mod.cuda_settings_set(sources)):
-        print("sparsekvd: the cpu backend ignores the cuda settings given: "
-              + ", ".join(f"{n} ({sources[n]})" for n in ignored), file=sys.stderr)
+    if cfg.backend == "cpu" and (ignored := config_mod.cuda_settings_ignored(sources)):
+        print(f"sparsekvd: {ignored}", file=sys.stderr)
     return max((code for _, code in found), default=0)
 
 
@@ -445,9 +444,8 @@ def main(argv=None) -> int:
             notifier.extend_timeout(START_EXTEND_S, status="starting backend")
             backend = make_backend(cfg, pool, pool_region)
             signals.check()
-            if backend.name == "cpu" and (ignored := config_mod.cuda_settings_set(sources)):
-                log.warning("the cpu backend ignores the cuda settings given: %s",
-                            ", ".join(f"{n} ({sources[n]})" for n in ignored))
+            if backend.name == "cpu" and (ignored := config_mod.cuda_settings_ignored(sources)):
+                log.warning("%s", ignored)
             busy_poll_us = cfg.busy_poll_us if cfg.busy_poll_us >= 0 else (1000 if backend.name == "cuda" else 0)
             daemon = Daemon(cfg.run_dir, backend, pool, max_clients=cfg.max_clients,
                             reap_interval_s=cfg.reap_interval_s, notifier=notifier, busy_poll_us=busy_poll_us,

@@ -44,16 +44,24 @@ def check_run_dir(run_dir: str) -> None:
             raise SettingRefused(f"{path} is not a socket a daemon left: remove it (the daemon binds a socket there)")
 
 
+def _path_refusal(run_dir: str) -> str | None:
+    """What is wrong with ``run_dir``'s path itself: too long for its sockets, or not a
+    directory (a setting either way); None when nothing."""
+    longest = os.path.join(os.path.abspath(run_dir), "control.sock.busy")
+    if len(os.fsencode(longest)) > UNIX_PATH_MAX:
+        return (f"run dir {run_dir} is too long for its sockets: {longest} has {len(os.fsencode(longest))} bytes, "
+                f"a UNIX socket path at most {UNIX_PATH_MAX}")
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+        return f"run dir {run_dir} is not a directory"
+    return None
+
+
 def run_dir_refusal(run_dir: str) -> tuple[str, int] | None:
     """What :class:`RunDirLock` would refuse in ``run_dir`` as it is now, and the start's
     exit code (2: a setting; 1: may pass later), without making or locking anything
     (``--print-config``); None when nothing is seen."""
-    longest = os.path.join(os.path.abspath(run_dir), "control.sock.busy")
-    if len(os.fsencode(longest)) > UNIX_PATH_MAX:
-        return f"run dir {run_dir} is too long for its sockets ({len(os.fsencode(longest))} bytes with a socket's " \
-               "name)", 2
-    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
-        return f"run dir {run_dir} is not a directory", 2
+    if (why := _path_refusal(run_dir)) is not None:
+        return why, 2
     d = os.path.abspath(run_dir)
     while not os.path.lexists(d):
         d = os.path.dirname(d)
@@ -89,12 +97,8 @@ class RunDirLock:
     locks the next file instead)."""
 
     def __init__(self, run_dir: str):
-        longest = os.path.join(os.path.abspath(run_dir), "control.sock.busy")
-        if len(os.fsencode(longest)) > UNIX_PATH_MAX:
-            raise SettingRefused(f"run dir {run_dir} is too long for its sockets: {longest} has "
-                               f"{len(os.fsencode(longest))} bytes, a UNIX socket path at most {UNIX_PATH_MAX}")
-        if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
-            raise SettingRefused(f"run dir {run_dir} is not a directory")
+        if (why := _path_refusal(run_dir)) is not None:
+            raise SettingRefused(why)
         # The directories this daemon made (path, device, inode; deepest first), removed again
         # at release when empty and still the ones it made: a refused start leaves none behind.
         self.made: list[tuple[str, int, int]] = []
