@@ -222,18 +222,17 @@ __device__ __forceinline__ void skv_ring_after(u32* done, u32* bell, const u32 e
     if (!bell) return;
     __syncthreads();
     if (threadIdx.x == 0) {
-        if (kSystem) __threadfence_system(); else __threadfence();
-        bool last = true;
+        const bool system_bell = kSystem || !local;
         if (expect > 1 && done) {
-            last = (kSystem ? atomicAdd_system(done, 1u) : atomicAdd(done, 1u)) == expect - 1;
-            if (last) {
-                if (kSystem) atomicExch_system(done, 0u); else atomicExch(done, 0u);
-            }
+            if (kSystem) __threadfence_system(); else __threadfence();
+            const bool last = (kSystem ? atomicAdd_system(done, 1u) : atomicAdd(done, 1u)) == expect - 1;
+            if (!last) return;
+            if (kSystem) atomicExch_system(done, 0u); else atomicExch(done, 0u);
         }
-        if (last) {
-            if (!kSystem && local) __threadfence(); else __threadfence_system();
-            if (kSystem) atomicExch_system(bell, 1u); else atomicExch(bell, 1u);
-        }
+        // One fence between this block's writes (or, for the last arrival, every block's,
+        // seen through the counter) and the bell.
+        if (system_bell) __threadfence_system(); else __threadfence();
+        if (kSystem) atomicExch_system(bell, 1u); else atomicExch(bell, 1u);
     }
 }
 

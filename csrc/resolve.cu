@@ -44,6 +44,7 @@
 //   evict int[k]           the oldest evictable slots, in LRU order (miss m takes evict[m])
 //   hmask u32[ceil(S/32)]  bit per slot: a hit this step
 //   smask u32[ceil(S/32)]  bit per slot: seen in the lru (finds repeated entries)
+//   fmask u32[ceil(S/32)]  bit per slot: its prefetch mark was set (read with the lru row)
 //   lcopy int[S]           the lru row as it was before this resolve
 //   lnew  int[S]           only with SKV_LRU_SMEM 1: the new lru row, copied out whole
 //   ocopy int[S]           only with SKV_OWNER_SMEM 1: the owner row as it was
@@ -55,6 +56,7 @@ struct SkvWs {
     int* evict;
     u32* hmask;
     u32* smask;
+    u32* fmask;
     int* lcopy;
     int* lnew;
     int* ocopy;
@@ -75,6 +77,8 @@ __device__ __forceinline__ SkvWs skv_ws(unsigned char* base, int kp, int k, int 
     off += skv_align16((u64)((S + 31) / 32) * 4ull);
     w.smask = (u32*)(base + off);
     off += skv_align16((u64)((S + 31) / 32) * 4ull);
+    w.fmask = (u32*)(base + off);
+    off += skv_align16((u64)((S + 31) / 32) * 4ull);
     w.lcopy = (int*)(base + off);
     off += skv_align16((u64)S * 4ull);
     w.lnew = (int*)(base + off);
@@ -90,6 +94,7 @@ __device__ __forceinline__ void skv_clear_masks(const SkvWs& w, int mask_words) 
     for (int i = threadIdx.x; i < mask_words; i += SKV_RT) {
         w.hmask[i] = 0u;
         w.smask[i] = 0u;
+        w.fmask[i] = 0u;
     }
 }
 
@@ -121,14 +126,13 @@ __device__ __forceinline__ int skv_lru_pos(const SkvWs& w, int sl, bool hit, int
 // m-th evictable, which it now owns (owner, colv = MISS_TAG | slot); -1 for an invalid
 // column and for a miss without a valid evictable (corrupt: *bad_slot = 1, not planned).
 __device__ __forceinline__ int skv_slot_of(const SkvWs& w, int c, int m, int n_take, int S,
-                                           const int* __restrict__ ids, int* __restrict__ owner,
-                                           int* bad_slot) {
+                                           int* __restrict__ owner, int* bad_slot) {
     const int v = w.colv[c];
     if (v >= 0 && v < S) return v;
     if (v != SKV_PENDING) return SKV_NONE;
     const int sl = m < n_take ? w.evict[m] : -1;
     if (sl >= 0 && sl < S) {
-        owner[sl] = ids[c];
+        owner[sl] = (int)(w.keys[c] >> 32);  // the host row the plan gathers (a pending column's key)
         w.colv[c] = SKV_MISS_TAG | sl;
         return sl;
     }
@@ -239,6 +243,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     // one block that saw different values would diverge around the barriers.
     if (tid < SKV_DESC_INTS) sh_desc[tid] = desc[tid];
     if (tid == 0) sh_row[0] = b0 < max_batch ? state_rows[b0] : -1;
+    // Loaded with the descriptor, before the batch is known (one round trip fewer before
+    // phase 1): the first tile's state rows, and the rows before b0 (the check below).
+    const int sr_pre = b0 + tid < max_batch ? state_rows[b0 + tid] : -1;
+    const int sr_low = tid < b0 && tid < max_batch ? state_rows[tid] : -1;
     __syncthreads();
     const int batch = sh_desc[SKV_D_BATCH];
     const int k = sh_desc[SKV_D_K];
@@ -296,11 +304,11 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         w.keys[i] = key;
         return counts;
     };
-    // The first tile's state rows, loaded with the check below.
-    const int sr_first = b0 + tid < batch ? state_rows[b0 + tid] : -1;
-    // Only the first batch row naming s works; it walks the later ones in order.
-    int earlier = 0;
-    for (int j = tid; j < b0; j += SKV_RT) earlier |= (state_rows[j] == s);
+    const int sr_first = b0 + tid < batch ? sr_pre : -1;
+    // Only the first batch row naming s works; it walks the later ones in order
+    // (b0 < batch <= max_batch: the first SKV_RT of rows [0, b0) are in sr_low).
+    int earlier = tid < b0 && sr_low == s;
+    for (int j = tid + SKV_RT; j < b0; j += SKV_RT) earlier |= (state_rows[j] == s);
     if (__syncthreads_or(earlier)) return;
     const int max_tokens = S / top_k;
 
@@ -340,13 +348,14 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         int lru_bad = 0;
         const int span = kp > S ? kp : S;
         for (int base_i = 0; base_i < span; base_i += SKV_RT * SKV_P1_WAVE) {
-            int vk[SKV_P1_WAVE], vl[SKV_P1_WAVE], vo[SKV_P1_WAVE];
+            int vk[SKV_P1_WAVE], vl[SKV_P1_WAVE], vo[SKV_P1_WAVE], vf[SKV_P1_WAVE];
 #pragma unroll
             for (int u = 0; u < SKV_P1_WAVE; ++u) {
                 const int i = base_i + u * SKV_RT + tid;
                 vk[u] = i < k ? ids[i] : 0;
                 vl[u] = i < S ? lru[i] : 0;
                 vo[u] = (SKV_OWNER_SMEM && i < S) ? owner[i] : 0;
+                vf[u] = (fresh && i < S) ? fresh[i] : 0;  // the marks, read here (not in phase 4)
             }
             if (base_i == 0)
                 for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
@@ -360,6 +369,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                     if (v < 0 || v >= S) lru_bad = 1;
                     else atomicOr(&w.smask[v >> 5], 1u << (v & 31));
                     if (SKV_OWNER_SMEM) w.ocopy[i] = vo[u];
+                    if (vf[u]) atomicOr(&w.fmask[i >> 5], 1u << (i & 31));
                 }
             }
         }
@@ -507,9 +517,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             int m = skv_rot_scan_count<SKV_RT>(rot, pend, skv_bits_for(per), &total_pending);
             for (int c = c0; c < c1; ++c) {
                 const bool pending = w.colv[c] == SKV_PENDING;
-                const int sl = skv_slot_of(w, c, m, n_take, S, ids, owner, &bad_slot);
+                const int sl = skv_slot_of(w, c, m, n_take, S, owner, &bad_slot);
                 out_slots[c] = sl;
-                if (fresh && sl >= 0 && fresh[sl]) {  // a prefetched row used, or evicted unused
+                if (fresh && sl >= 0 && ((w.fmask[sl >> 5] >> (sl & 31)) & 1u)) {  // a prefetched row used, or evicted unused
                     fresh[sl] = 0;
                     if (pending) ++pf_wasted; else ++pf_hits;
                 }

@@ -44,6 +44,8 @@ TRACES = [
     ("wide", 256, 512, 20_000, 8, 1, 12, 10, 0.8, 128, "shared"),
     # more misses in a row than the hash plan ranks by counting (SKV_RANK_MAX): sorted
     ("many-misses", 768, 1024, 40_000, 2, 1, 2, 4, 0.2, 128, "shared"),
+    # more batch rows than threads: the rows before a block's own past its first load
+    ("batch-past-block", 4, 8, 400, 24, 1, 40, 20, 0.6, 32, "shared"),
 ]
 
 

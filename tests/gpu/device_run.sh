@@ -26,6 +26,9 @@
 #             profiler (B1_ARGS; B1_TIMEOUT_S, default 120); only when named
 #   serve_b1  tests/gpu/probe_serve_b1.py: bench serve's batch-1 step, each mode alone (profiled and not)
 #             and both in turn (SERVE_B1_ARGS; SERVE_B1_TIMEOUT_S, default 150); only when named
+#   launch    tests/gpu/probe_launch.py: bench serve's configs (LAUNCH_ARGS, default batch 1, 32K, every
+#             mode) with each step's graph launch timed and its GPU time with the launch hidden
+#             (LAUNCH_TIMEOUT_S, default 200); only when named
 #   lookup    tests/gpu/probe_lookup.py: where a repeated block lookup's time goes on this host's CPUs
 #             (a timeline of both processes' stamps) and its p50 with the client and the daemon's loop
 #             on free, sibling or separate CPUs (LOOKUP_TIMEOUT_S, default 120); only when named
@@ -59,7 +62,7 @@ nvidia-cuda-mps-control -d && echo "MPS started"
 # At most 8 files come back from $OUT: the figures and the pytest log stay as they are,
 # every other log goes into logs.tgz.
 pack_logs() {
-  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|serve.json|serve.png|hf.json|pytest-cuda.log|bench-kernels.json|probe.jsonl|probe-b1.json|probe-serve-b1.json|probe-lookup.json|logs.tgz' \
+  (cd "$OUT" && ls | grep -vxE 'latest.json|decode.json|serve.json|serve.png|hf.json|pytest-cuda.log|bench-kernels.json|probe.jsonl|probe-b1.json|probe-serve-b1.json|probe-lookup.json|probe-launch.json|logs.tgz' \
      | tar czf logs.tgz --remove-files -T - 2>/dev/null)
 }
 # Logs first: stopping MPS waits for its clients (a daemon a test left behind, say), and
@@ -178,6 +181,13 @@ if has serve_b1; then  # the serving bench's batch-1 step alone, profiled, and i
     >"$OUT/probe-serve-b1.log" 2>&1
   rc=$?; grep -E '^(==|in turn)' "$OUT/probe-serve-b1.log"
   result serve_b1 "rc $rc $(grep '^in turn' "$OUT/probe-serve-b1.log" | tail -1)"
+fi
+if has launch; then  # a step's launch against its time on the GPU, per mode (issue 34)
+  timeout "$(left "${LAUNCH_TIMEOUT_S:-200}")" python3 tests/gpu/probe_launch.py \
+    ${LAUNCH_ARGS:---batches 1 --contexts 32k --overlaps none --modes gpu,inproc,daemon,prefetch --steps 30} \
+    >"$OUT/probe-launch.log" 2>&1
+  rc=$?; grep -E '^probe_launch' "$OUT/probe-launch.log"; tail -n 12 "$OUT/probe-launch.log"
+  result launch "rc $rc"
 fi
 if has lookup; then  # where a block lookup's time goes on this host's CPUs (issue 36's goal is a GPU host's)
   timeout "$(left "${LOOKUP_TIMEOUT_S:-120}")" python3 tests/gpu/probe_lookup.py --out "$OUT" >"$OUT/probe-lookup.log" 2>&1

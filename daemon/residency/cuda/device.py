@@ -79,7 +79,7 @@ def resolve_workspace_bytes(k: int, region_stride: int, hash_scale: int = 2, lru
     csrc/resolve.cu, built with ``hash_scale``, ``lru_smem``, ``owner_smem``)."""
     kp = pow2(k)
     rows = 1 + int(bool(lru_smem)) + int(bool(owner_smem))
-    base = _a16(kp * 8) + 2 * _a16(k * 4) + 2 * _a16((region_stride + 31) // 32 * 4) + rows * _a16(region_stride * 4)
+    base = _a16(kp * 8) + 2 * _a16(k * 4) + 3 * _a16((region_stride + 31) // 32 * 4) + rows * _a16(region_stride * 4)
     return base + _a16(2 * hash_scale * kp * 4)
 
 
