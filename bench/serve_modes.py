@@ -253,10 +253,18 @@ class Offload:
 
 
 # -- timing, parts (capture: decode_modes.capture_step) ----------------------------------------------------------------
-def timed(runs: list, st: Static, warmup: int, steps: int, counts: list):
+def wall_us(run, side: int, t: int) -> float:
+    """One replay of ``run``, timed (us) from its launch to the synchronisation after it."""
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def timed(runs: list, st: Static, warmup: int, steps: int, counts: list, replay=wall_us):
     """Step times (us) [len(runs), steps], the sides in turn each step (the order rotated),
-    each timed alone between two synchronisations; per side the growth of its counters
-    (``counts``, e.g. :data:`COUNTERS`) over the timed steps, or None."""
+    each timed alone by ``replay(run, side, step)`` (default :func:`wall_us`); per side the
+    growth of its counters (``counts``, e.g. :data:`COUNTERS`) over the timed steps, or None."""
     n = len(runs)
     times = np.zeros((n, steps))
     before = [None] * n
@@ -267,11 +275,9 @@ def timed(runs: list, st: Static, warmup: int, steps: int, counts: list):
             before = [c() if c else None for c in counts]
         for j in range(n):
             i = (t + j) % n
-            t0 = time.perf_counter()
-            runs[i]()
-            torch.cuda.synchronize()
+            dt = replay(runs[i], i, t)
             if t >= warmup:
-                times[i, t - warmup] = (time.perf_counter() - t0) * 1e6
+                times[i, t - warmup] = dt
     after = [c() if c else None for c in counts]
     deltas = [tuple(x - y for x, y in zip(a, b)) if a and b else None for a, b in zip(after, before)]
     return times, deltas

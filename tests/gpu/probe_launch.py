@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from sparsekv.bench import serve_run
+from sparsekv.bench import serve_modes, serve_run
 from sparsekv.cli.main import main as cli_main
 
 SLEEP_CYCLES = 8_000_000  # ~4 ms at ~2 GHz: longer than any graph launch seen
@@ -28,56 +28,41 @@ found: list[dict] = []
 
 
 def timed(runs: list, st, warmup: int, steps: int, counts: list):
-    n = len(runs)
-    times = np.zeros((n, steps))
-    wall = [[] for _ in range(n)]
-    hidden = [[] for _ in range(n)]
-    launch = [[] for _ in range(n)]
-    before = [None] * n
-    for t in range(warmup + steps):
-        st.load(t)
-        torch.cuda.synchronize()
-        if t == warmup:
-            before = [c() if c else None for c in counts]
-        for j in range(n):
-            i = (t + j) % n
-            if t % 2 == 0:
-                t0 = time.perf_counter()
-                runs[i]()
-                torch.cuda.synchronize()
-                dt = (time.perf_counter() - t0) * 1e6
-                if t >= warmup:
-                    wall[i].append(dt)
-            else:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(SLEEP_CYCLES)
-                a.record()
-                t0 = time.perf_counter()
-                runs[i]()
-                lt = (time.perf_counter() - t0) * 1e6
-                b.record()
-                torch.cuda.synchronize()
-                dt = a.elapsed_time(b) * 1e3
-                if t >= warmup:
-                    hidden[i].append(dt)
-                    launch[i].append(lt)
+    """``serve_modes.timed``, even steps by wall time, odd ones with the launch hidden."""
+    kinds = {k: [[] for _ in runs] for k in ("wall_us", "hidden_us", "launch_us")}
+
+    def replay(run, side: int, t: int) -> float:
+        if t % 2 == 0:
+            dt = serve_modes.wall_us(run, side, t)
             if t >= warmup:
-                times[i, t - warmup] = dt
-    after = [c() if c else None for c in counts]
-    deltas = [tuple(x - y for x, y in zip(aa, bb)) if aa and bb else None for aa, bb in zip(after, before)]
-    rec = {"batch": st.batch, "modes": [
-        {"wall_us": float(np.median(wall[i])), "hidden_us": float(np.median(hidden[i])),
-         "launch_us": float(np.median(launch[i]))} for i in range(n)]}
+                kinds["wall_us"][side].append(dt)
+            return dt
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        a.record()
+        t0 = time.perf_counter()
+        run()
+        launch = (time.perf_counter() - t0) * 1e6
+        b.record()
+        torch.cuda.synchronize()
+        dt = a.elapsed_time(b) * 1e3
+        if t >= warmup:
+            kinds["hidden_us"][side].append(dt)
+            kinds["launch_us"][side].append(launch)
+        return dt
+
+    out = serve_modes.timed(runs, st, warmup, steps, counts, replay=replay)
+    rec = {"batch": st.batch, "modes": [{k: float(np.median(v[i])) for k, v in kinds.items()}
+                                        for i in range(len(runs))]}
     found.append(rec)
     print("probe_launch: " + json.dumps(rec), flush=True)
-    return times, deltas
+    return out
 
 
 def main() -> int:
     serve_run.timed = timed
     rc = cli_main(["bench", "serve", *sys.argv[1:]])
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "probe-launch.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), "probe-launch.json"), "w") as f:
         json.dump(found, f, indent=1)
     return rc
 
