@@ -235,6 +235,27 @@ def cuda_settings_ignored(sources: dict[str, str]) -> str | None:
     return f"the cpu backend ignores the cuda settings given: {', '.join(given)}" if given else None
 
 
+def moot_settings(cfg: "Config", sources: dict[str, str]) -> list[str]:
+    """Limits that another setting makes moot, a line each naming both and where they came
+    from (the start logs them as warnings, ``--print-config`` prints them): each is taken as
+    it is, and the other one is what binds."""
+    def named(name: str, shown) -> str:
+        return f"{name} {shown} ({sources.get(name, 'default')})"
+
+    out = []
+    if cfg.max_clients_per_uid > cfg.max_clients:
+        out.append(f"{named('max_clients_per_uid', cfg.max_clients_per_uid)} is more than "
+                   f"{named('max_clients', cfg.max_clients)}: no uid reaches it")
+    if cfg.max_pool_bytes_per_uid > cfg.pool_size:
+        out.append(f"{named('max_pool_bytes_per_uid', format_size(cfg.max_pool_bytes_per_uid))} is more than "
+                   f"{named('pool_size', format_size(cfg.pool_size))}: no uid reaches it")
+    if cfg.backend != "cpu" and cfg.max_slab_bytes > cfg.device_arena_size:
+        out.append(f"{named('max_slab_bytes', format_size(cfg.max_slab_bytes))} is more than "
+                   f"{named('device_arena_size', format_size(cfg.device_arena_size))}: a rank's attach is bounded "
+                   "by its GPU's arena")
+    return out
+
+
 def env_name(setting: str) -> str:
     """The one environment variable of ``setting``."""
     return _SETTINGS[setting].env

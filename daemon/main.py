@@ -306,6 +306,8 @@ def would_start(cfg, sources: dict) -> int:
         print(f"sparsekvd: would not start: {why}", file=sys.stderr)
     if cfg.backend == "cpu" and (ignored := config_mod.cuda_settings_ignored(sources)):
         print(f"sparsekvd: {ignored}", file=sys.stderr)
+    for line in config_mod.moot_settings(cfg, sources):
+        print(f"sparsekvd: {line}", file=sys.stderr)
     return max((code for _, code in found), default=0)
 
 
@@ -378,6 +380,8 @@ def main(argv=None) -> int:
     # Its default would kill the daemon without its clean-up; StartSignals and the loop keep it so.
     signal.signal(signal.SIGUSR1, lambda signum, frame: log_ignored(signal.SIGUSR1))
     for line in config_mod.unknown_env():
+        log.warning("%s", line)
+    for line in config_mod.moot_settings(cfg, sources):
         log.warning("%s", line)
     if cfg.admin_gid >= 0 and not _group_exists(cfg.admin_gid):
         log.warning("admin_gid %d (%s) names no group on this host: no client is an admin through it",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sparsekv.daemon import config
 from sparsekv.daemon.config import Config, ConfigError, env_name, load, load_with_sources, unknown_env
 from sparsekv.daemon.main import build_parser
 
@@ -280,3 +281,21 @@ def test_a_misspelt_variable_is_named_in_the_log_and_the_printed_config(monkeypa
     assert out.endswith("# SPARSEKV_MAX_CLIENT is set but is no setting of sparsekvd "
                         "(did you mean SPARSEKV_MAX_CLIENTS?): ignored\n")
     assert tomllib.loads(out)["max_clients"] == Config().max_clients  # still reads back
+
+
+def test_limits_another_setting_makes_moot_are_named_with_their_sources():
+    """Found by an operator's review: max_clients_per_uid above max_clients (and the like)
+    was taken without a word."""
+    cfg = Config(max_clients=8, max_clients_per_uid=9, pool_size=4 << 30, max_pool_bytes_per_uid=5 << 30,
+                 backend="auto", max_slab_bytes=32 << 30, device_arena_size=16 << 30)
+    lines = config.moot_settings(cfg, {"max_clients_per_uid": "flag --max-clients-per-uid",
+                                        "pool_size": "file x.toml"})
+    assert lines == [
+        "max_clients_per_uid 9 (flag --max-clients-per-uid) is more than max_clients 8 (default): no uid reaches it",
+        "max_pool_bytes_per_uid 5GiB (default) is more than pool_size 4GiB (file x.toml): no uid reaches it",
+        "max_slab_bytes 32GiB (default) is more than device_arena_size 16GiB (default): a rank's attach is bounded "
+        "by its GPU's arena"]
+    # the cpu backend has no arena; equal limits, and the defaults, are not moot
+    assert config.moot_settings(dataclasses.replace(cfg, backend="cpu", max_clients_per_uid=8,
+                                                    max_pool_bytes_per_uid=4 << 30), {}) == []
+    assert config.moot_settings(Config(), {}) == []

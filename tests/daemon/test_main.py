@@ -565,6 +565,22 @@ def test_the_cpu_backend_names_the_cuda_settings_it_ignores(run_dir):
             "(flag --gather-blocks), ring_depth (env SPARSEKV_RING_DEPTH)") in text, text
 
 
+def test_a_limit_another_setting_makes_moot_is_named_by_print_config_and_at_start(run_dir):
+    """Found by an operator's review: max_clients_per_uid above max_clients was taken
+    without a word; the start still goes ahead (the smaller limit binds)."""
+    flags = ["--max-clients", "4", "--max-clients-per-uid", "5"]
+    line = "max_clients_per_uid 5 (flag --max-clients-per-uid) is more than max_clients 4 (flag --max-clients)"
+    r = subprocess.run([*DAEMON, "--backend", "cpu", "--run-dir", run_dir, "--pool-size", "64MiB", *flags,
+                        "--print-config"], capture_output=True, text=True, timeout=30, env=clean_env())
+    assert r.returncode == 0 and line in r.stderr, r.stderr
+    with sparsekvd(run_dir, *flags) as p:
+        wait_serving(run_dir, p)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+        text = log_text(p)
+    assert line in text, text
+
+
 def test_a_pool_size_off_the_2mib_grain_is_named_at_start(run_dir):
     """Found by an operator's review: 3000001B was taken without a word; engine ranges are
     whole 2 MiB pieces of the pool, so its last 881.7KiB are never used."""
