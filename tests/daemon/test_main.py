@@ -6,7 +6,6 @@ per run dir, ``--print-config`` precedence and sources, clear errors for bad set
 people, ``--version``, and no shared memory left behind, even by a daemon that was
 killed."""
 
-import contextlib
 import datetime
 import importlib.metadata
 import io
@@ -26,59 +25,13 @@ import psutil
 import pytest
 
 import helpers
+from sparsekvd_proc import DAEMON, clean_env, log_text, run_dir, sparsekvd, wait_serving  # noqa: F401 (a fixture)
 from sparsekv.client import Client
 from sparsekv.daemon import main as main_mod
 from sparsekv.daemon.backends import cuda_probe, cuda_unavailable, run_dir_tag
 from sparsekv.daemon.config import Config
 from sparsekv.daemon.main import JournalFormatter, UtcFormatter, log_handler, on_journald
 from sparsekv.daemon.pinned import PoolPinner
-
-DAEMON = [helpers.PY, "-m", "sparsekv.daemon.main"]
-
-
-def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SPARSEKV_", "NOTIFY_SOCKET", "WATCHDOG_", "RUNTIME_DIRECTORY", "JOURNAL_STREAM"))}
-    env.update(extra)
-    return env
-
-
-@contextlib.contextmanager
-def sparsekvd(run_dir, *args, env=None, pool="64MiB"):
-    """A daemon process; killed if the test leaves it running."""
-    with open(os.path.join(os.path.dirname(run_dir), "sparsekvd.log"), "w+b") as log:
-        p = subprocess.Popen([*DAEMON, "--backend", "cpu", "--run-dir", run_dir, "--pool-size", pool, *args],
-                             stdout=log, stderr=log, env=env or clean_env())
-        p.log = log
-        try:
-            yield p
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def log_text(p) -> str:
-    p.log.flush()
-    p.log.seek(0)
-    return p.log.read().decode(errors="replace")
-
-
-def wait_serving(run_dir, p, timeout_s=30.0):
-    """Until process ``p`` answers on the stats socket (a stale control.sock left by a
-    killed daemon must not count)."""
-
-    def serving():
-        if p.poll() is not None:
-            return True
-        try:
-            return helpers.stats_json(run_dir)["pid"] == p.pid
-        except (OSError, ValueError):
-            return False
-
-    helpers.wait_for(serving, timeout_s, what="the daemon to serve")
-    assert p.poll() is None, log_text(p)
-
 
 def receive_until(sock, want: bytes, timeout_s=30.0) -> list[bytes]:
     """Datagrams up to and including the first that contains ``want``."""
@@ -89,15 +42,6 @@ def receive_until(sock, want: bytes, timeout_s=30.0) -> list[bytes]:
         got.append(msg)
         if want in msg.split(b"\n"):
             return got
-
-
-@pytest.fixture
-def run_dir():
-    with helpers.short_tmpdir() as d:
-        run = os.path.join(d, "run")
-        yield run
-        for path in helpers.shm_files(run):  # a test that failed after making one
-            os.unlink(path)
 
 
 @pytest.mark.parametrize("address", ["path", "abstract"])
@@ -550,61 +494,3 @@ def test_devices_naming_gpus_not_visible_are_refused_before_the_pool_for_auto_an
             "devices 0,3 (file x.toml) names GPU(s) [3], but 1 are visible", 1)
         assert main_mod.backend_refusal(Config(backend=backend, devices="0"), {}) is None
     assert main_mod.backend_refusal(Config(backend="cpu", devices="3"), {}) is None
-
-
-def test_the_cpu_backend_names_the_cuda_settings_it_ignores(run_dir):
-    """Found by an operator's review: --devices, --gather-blocks and the like were taken
-    without a word on the cpu backend."""
-    with sparsekvd(run_dir, "--devices", "0,1", "--gather-blocks", "5", "--shm-dir", "/dev/shm",
-                   env=clean_env(SPARSEKV_RING_DEPTH="4")) as p:
-        wait_serving(run_dir, p)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=20) == 0
-        text = log_text(p)
-    assert ("the cpu backend ignores the cuda settings given: devices (flag --devices), gather_blocks "
-            "(flag --gather-blocks), ring_depth (env SPARSEKV_RING_DEPTH)") in text, text
-
-
-def test_a_limit_another_setting_makes_moot_is_named_by_print_config_and_at_start(run_dir):
-    """Found by an operator's review: max_clients_per_uid above max_clients was taken
-    without a word; the start still goes ahead (the smaller limit binds)."""
-    flags = ["--max-clients", "4", "--max-clients-per-uid", "5"]
-    line = "max_clients_per_uid 5 (flag --max-clients-per-uid) is more than max_clients 4 (flag --max-clients)"
-    r = subprocess.run([*DAEMON, "--backend", "cpu", "--run-dir", run_dir, "--pool-size", "64MiB", *flags,
-                        "--print-config"], capture_output=True, text=True, timeout=30, env=clean_env())
-    assert r.returncode == 0 and line in r.stderr, r.stderr
-    with sparsekvd(run_dir, *flags) as p:
-        wait_serving(run_dir, p)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=20) == 0
-        text = log_text(p)
-    assert line in text, text
-
-
-def test_a_pool_size_off_the_2mib_grain_is_named_at_start(run_dir):
-    """Found by an operator's review: 3000001B was taken without a word; engine ranges are
-    whole 2 MiB pieces of the pool, so its last 881.7KiB are never used."""
-    with sparsekvd(run_dir, pool="3000001B") as p:
-        wait_serving(run_dir, p)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=20) == 0
-        text = log_text(p)
-    assert "pool_size 2.9MiB (flag --pool-size) is not a multiple of 2MiB: its last 881.7KiB never hold" in text, text
-
-
-def test_an_admin_gid_of_no_group_is_named_at_start(run_dir):
-    import grp
-
-    gid = 64999
-    while True:  # a gid this host has no group for
-        try:
-            grp.getgrgid(gid)
-            gid -= 1
-        except KeyError:
-            break
-    with sparsekvd(run_dir, "--admin-gid", str(gid)) as p:
-        wait_serving(run_dir, p)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=20) == 0
-        text = log_text(p)
-    assert f"admin_gid {gid} (flag --admin-gid) names no group on this host" in text, text
