@@ -196,6 +196,12 @@ class SwappedRows:
 COUNTERS = ("hits", "misses", "prefetched", "prefetch_hits", "prefetch_wasted")  # what Offload.counts report
 
 
+def huge_share(huge: int, total: int) -> str:
+    """How much of a host pool is in transparent huge pages (the GPU reads its rows through
+    the pages' translations), as a progress line says it."""
+    return f"{100 * huge / max(1, total):.0f} % in huge pages"
+
+
 class Offload:
     """The in-process handle and the private daemons' doorbell handles (``daemon``; with
     cross-layer prefetch: ``prefetch``, a daemon of its own), each over a pool of ``lay``
@@ -214,7 +220,7 @@ class Offload:
                 self.handles["inproc"] = h
                 self.counts["inproc"] = lambda: tuple(h.counters()[k] for k in COUNTERS)
                 say(f"inproc: {lay.pool_bytes / 1e9:.1f} GB pinned pool made and filled in "
-                    f"{time.perf_counter() - t0:.1f} s")
+                    f"{time.perf_counter() - t0:.1f} s, {huge_share(h.pool_huge_bytes, lay.pool_bytes)}")
             for mode in ("daemon", "prefetch"):
                 if mode in modes:
                     log = daemon_log and (daemon_log if mode == "daemon" else f"{daemon_log}.{mode}")
@@ -245,8 +251,9 @@ class Offload:
             return tuple(int(s[k]) for k in COUNTERS) if all(k in s for k in COUNTERS) else None
 
         self.counts[mode] = counts
+        st = c.stats()
         say(f"{mode}: private sparsekvd up, {lay.pool_bytes / 1e9:.1f} GB pool written in "
-            f"{time.perf_counter() - t0:.1f} s (arena {size})")
+            f"{time.perf_counter() - t0:.1f} s (arena {size}), {huge_share(st['pool_huge_bytes'], st['pool_bytes'])}")
 
     def close(self) -> None:
         self._stack.close()
