@@ -29,6 +29,8 @@
 #   launch    tests/gpu/probe_launch.py: bench serve's configs (LAUNCH_ARGS, default batch 1, 32K, every
 #             mode) with each step's graph launch timed and its GPU time with the launch hidden
 #             (LAUNCH_TIMEOUT_S, default 200); only when named
+#   resolve   tests/gpu/probe_resolve.py: skv_resolve at batch 1 alone as a CUDA graph, without and with the
+#             prefetch marks (RESOLVE_ARGS, e.g. "--region-rows 4096"); only when named
 #   lookup    tests/gpu/probe_lookup.py: where a repeated block lookup's time goes on this host's CPUs
 #             (a timeline of both processes' stamps) and its p50 with the client and the daemon's loop
 #             on free, sibling or separate CPUs (LOOKUP_TIMEOUT_S, default 120); only when named
@@ -188,6 +190,12 @@ if has launch; then  # a step's launch against its time on the GPU, per mode (is
     >"$OUT/probe-launch.log" 2>&1
   rc=$?; grep -E '^probe_launch' "$OUT/probe-launch.log"; tail -n 12 "$OUT/probe-launch.log"
   result launch "rc $rc"
+fi
+if has resolve; then  # the resolve's batch-1 latency alone (issue 34)
+  for pf in "" --prefetch; do
+    timeout "$(left 60)" python3 tests/gpu/probe_resolve.py $pf ${RESOLVE_ARGS:-} 2>&1 | tail -1 | tee -a "$OUT/probe-resolve.log"
+  done
+  result resolve "$(tr '\n' ' ' <"$OUT/probe-resolve.log" | grep -oE '[0-9.]+ us' | tr '\n' ' ')"
 fi
 if has lookup; then  # where a block lookup's time goes on this host's CPUs (issue 36's goal is a GPU host's)
   timeout "$(left "${LOOKUP_TIMEOUT_S:-120}")" python3 tests/gpu/probe_lookup.py --out "$OUT" >"$OUT/probe-lookup.log" 2>&1
