@@ -242,11 +242,12 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     // memory: a client may rewrite its step block while the kernel runs, and threads of
     // one block that saw different values would diverge around the barriers.
     if (tid < SKV_DESC_INTS) sh_desc[tid] = desc[tid];
-    if (tid == 0) sh_row[0] = b0 < max_batch ? state_rows[b0] : -1;
     // Loaded with the descriptor, before the batch is known (one round trip fewer before
-    // phase 1): the first tile's state rows, and the rows before b0 (the check below).
+    // phase 1): the first tile's state rows (thread 0's is this block's own), and the rows
+    // before b0 (the check below).
     const int sr_pre = b0 + tid < max_batch ? state_rows[b0 + tid] : -1;
     const int sr_low = tid < b0 && tid < max_batch ? state_rows[tid] : -1;
+    if (tid == 0) sh_row[0] = sr_pre;
     __syncthreads();
     const int batch = sh_desc[SKV_D_BATCH];
     const int k = sh_desc[SKV_D_K];

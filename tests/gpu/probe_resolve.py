@@ -12,8 +12,6 @@ so that a profiler's source page names resolve.cu's lines.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import tempfile
 
 import cupy as cp
@@ -37,7 +35,7 @@ def main() -> int:
         build.OPTIONS = build.OPTIONS + ("-lineinfo",)
         kc = get_cache(tempfile.mkdtemp(prefix="skv-lineinfo-"))
     else:
-        kc = get_cache(os.environ.get("SPARSEKV_KERNEL_CACHE_DIR"))
+        kc = get_cache()  # kernel_cache_dir, as the daemon reads it
     k = 2048
     lay = Layout(num_layers=1, row_bytes=16, top_k=k, region_stride=o.region_rows, max_reqs=1,
                  host_rows=65536, max_batch=1).validate()
