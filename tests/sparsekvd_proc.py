@@ -60,7 +60,6 @@ def wait_serving(run_dir, p, timeout_s=30.0):
     assert p.poll() is None, log_text(p)
 
 
-
 def start_and_stop_log(run_dir, *args, **kw) -> str:
     """The log of a daemon started with ``args`` (``sparsekvd``'s keywords), once it
     serves, then stopped with SIGTERM (exit 0)."""
