@@ -236,9 +236,9 @@ def cuda_settings_ignored(sources: dict[str, str]) -> str | None:
 
 
 def moot_settings(cfg: "Config", sources: dict[str, str]) -> list[str]:
-    """Limits that another setting makes moot, a line each naming both and where they came
-    from (the start logs them as warnings, ``--print-config`` prints them): each is taken as
-    it is, and the other one is what binds."""
+    """Limits that another setting makes moot, or that no block store fits, a line each
+    naming the settings and where they came from (the start logs them as warnings,
+    ``--print-config`` prints them): each is taken as it is."""
     def named(name: str, shown) -> str:
         return f"{name} {shown} ({sources.get(name, 'default')})"
 
@@ -253,6 +253,16 @@ def moot_settings(cfg: "Config", sources: dict[str, str]) -> list[str]:
         out.append(f"{named('max_slab_bytes', format_size(cfg.max_slab_bytes))} is more than "
                    f"{named('device_arena_size', format_size(cfg.device_arena_size))}: a rank's attach is bounded "
                    "by its GPU's arena")
+    if cfg.max_store_bytes:
+        from .store_room import least_store_bytes  # (the block store's arrays: numpy, only here)
+        least = least_store_bytes()
+        if cfg.max_store_bytes < least:
+            out.append(f"{named('max_store_bytes', format_size(cfg.max_store_bytes))} is less than a block store "
+                       f"of one block and one rank takes ({least} bytes): every attach with a block size is refused")
+        elif int(cfg.max_store_bytes * cfg.max_store_share_per_uid) < least:
+            out.append(f"{named('max_store_share_per_uid', cfg.max_store_share_per_uid)} of "
+                       f"{named('max_store_bytes', format_size(cfg.max_store_bytes))} is less than a block store of "
+                       f"one block and one rank takes ({least} bytes): every attach with a block size is refused")
     return out
 
 

@@ -36,6 +36,12 @@ def session_bytes(n_blocks: int) -> int:
     return SESSION_FIXED_BYTES + n_blocks * SESSION_BYTES_PER_BLOCK
 
 
+def least_store_bytes() -> int:
+    """What the smallest block store takes with one rank using it (one block): a cap below
+    it refuses every store."""
+    return BlockStore.bookkeeping_bytes(1) + session_bytes(1)
+
+
 class StoreRoom:
     """Caps on the block stores' bookkeeping: ``cap_bytes`` for every store together (0: no
     cap) and ``share_per_uid`` of it for one uid's."""

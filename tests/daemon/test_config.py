@@ -13,7 +13,11 @@ import pytest
 
 from sparsekv.daemon import config
 from sparsekv.daemon.config import Config, ConfigError, env_name, load, load_with_sources, unknown_env
+from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.daemon.main import build_parser
+from sparsekv.daemon.store_room import StoreRoom, least_store_bytes, session_bytes
+from sparsekv.proto import ErrorCode, ProtocolError
+from sparsekv.proto.settings import format_size
 
 
 @pytest.mark.parametrize(
@@ -299,3 +303,32 @@ def test_limits_another_setting_makes_moot_are_named_with_their_sources():
     assert config.moot_settings(dataclasses.replace(cfg, backend="cpu", max_clients_per_uid=8,
                                                     max_pool_bytes_per_uid=4 << 30), {}) == []
     assert config.moot_settings(Config(), {}) == []
+
+
+def test_a_store_cap_no_block_store_fits_is_named():
+    """A max_store_bytes below the smallest store (one block, one rank) refused every
+    attach with a block size, and was named only there."""
+    least = least_store_bytes()
+    cfg = Config(max_store_bytes=least - 1)
+    assert config.moot_settings(cfg, {"max_store_bytes": "flag --max-store-bytes"}) == [
+        f"max_store_bytes {format_size(least - 1)} (flag --max-store-bytes) is less than a block store of one block and one "
+        f"rank takes ({least} bytes): every attach with a block size is refused"]
+    # the uid's share below it: named with both settings
+    cfg = Config(max_store_bytes=least, max_store_share_per_uid=0.5)
+    assert config.moot_settings(cfg, {}) == [
+        f"max_store_share_per_uid 0.5 (default) of max_store_bytes {format_size(least)} (default) is less than a block store "
+        f"of one block and one rank takes ({least} bytes): every attach with a block size is refused"]
+    # the smallest that fits, and no cap at all, are not named
+    assert config.moot_settings(Config(max_store_bytes=least, max_store_share_per_uid=1), {}) == []
+    assert config.moot_settings(Config(max_store_bytes=0), {}) == []
+
+
+def test_the_least_store_is_what_the_room_counts_for_one_block_and_one_rank():
+    """least_store_bytes is StoreRoom's own count of a one-block store with one session:
+    a cap of exactly it lets that store in, one byte less refuses it."""
+    least = least_store_bytes()
+    assert least == BlockStore.bookkeeping_bytes(1) + session_bytes(1)
+    assert StoreRoom(least, 1).yielding(least, 7, [], [], "an attach") == []
+    with pytest.raises(ProtocolError) as e:
+        StoreRoom(least - 1, 1).yielding(least, 7, [], [], "an attach")
+    assert e.value.code == ErrorCode.POOL_FULL
