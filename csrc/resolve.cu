@@ -12,6 +12,7 @@
 #ifndef SKV_HASH_SCALE
 #define SKV_HASH_SCALE 2
 #endif
+static_assert(SKV_HASH_SCALE == 2 || SKV_HASH_SCALE == 4, "SKV_HASH_SCALE is 2 or 4");
 // Where the lru partition writes the new lru: 1 into the workspace (lnew), then one
 // coalesced copy to global memory; 0 scattered to global memory at once.
 #ifndef SKV_LRU_SMEM
@@ -49,7 +50,8 @@
 //   lnew  int[S]           only with SKV_LRU_SMEM 1: the new lru row, copied out whole
 //   ocopy int[S]           only with SKV_OWNER_SMEM 1: the owner row as it was
 //   htab  int[H kp], hcol int[H kp]  (H = SKV_HASH_SCALE) host row -> column table;
-//                          reused as u64[kp] for the misses' keys of the plan
+//                          then the plan's: the misses' host rows (hcol[0, kp)) and slots
+//                          (hcol[kp, 2 kp)), their ranks (htab), or u64[kp] sort keys (htab)
 struct SkvWs {
     u64* keys;
     int* colv;
@@ -264,8 +266,7 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         return;
     }
     if (b0 >= batch) return;
-    int kp = 1;
-    while (kp < k) kp <<= 1;
+    const int kp = skv_pow2(k);
     int* owner_g = owner_all + (i64)group * max_reqs * S;
     int* lru_g = lru_all + (i64)group * max_reqs * S;
     u64* cnt = counters + (i64)group * counters_per_group;
@@ -311,7 +312,6 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
     int earlier = tid < b0 && sr_low == s;
     for (int j = tid + SKV_RT; j < b0; j += SKV_RT) earlier |= (state_rows[j] == s);
     if (__syncthreads_or(earlier)) return;
-    const int max_tokens = S / top_k;
 
     u64 sum_hits = 0, sum_misses = 0, sum_oor = 0;
     int tokens = 0;
@@ -329,7 +329,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         const int b = sh_list[li];
         const int* ids = topk + (i64)b * k;
         int* out_slots = slots_out + (i64)b * out_k;
-        if (++tokens > max_tokens) {
+        ++tokens;
+        if ((i64)tokens * top_k > S) {  // tokens > S / top_k, without the division
             for (int c = tid; c < out_k; c += SKV_RT) out_slots[c] = SKV_NONE;
             if (tid == 0) {
                 misses_out[b] = 0;
@@ -342,9 +343,8 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // its first shared store (one round trip a wave). Each lru entry is marked seen as
         // it is copied: with every entry in range, the lru repeats an entry iff a slot's
         // bit is missing (S entries, S slots), checked after the next barrier.
-        int hbits = 1;
-        while ((1 << hbits) < SKV_HASH_SCALE * kp) ++hbits;
-        const int hsize = 1 << hbits;
+        const int hsize = SKV_HASH_SCALE * kp;  // a power of two >= 2
+        const int hbits = __ffs(hsize) - 1;
         int oor = 0;
         int lru_bad = 0;
         const int span = kp > S ? kp : S;
@@ -506,8 +506,10 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
 #endif
 
         // 4. miss m (column order) takes evict[m]; every column's slot written; each miss's
-        // key into the (now free) table at its number among the misses.
-        u64* mkeys = (u64*)w.htab;
+        // host row and slot into the (now free) table at its number among the misses.
+        int* const mrow = w.hcol;
+        int* const mslot = w.hcol + kp;
+        int* const mrank = w.htab;
         int bad_slot = 0;
         int total_pending = 0;
         {
@@ -525,8 +527,9 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                     if (pending) ++pf_wasted; else ++pf_hits;
                 }
                 if (pending) {
-                    mkeys[m] = w.keys[c];
-                    w.hcol[m] = 0;  // the miss's rank, counted below
+                    mrow[m] = (int)(w.keys[c] >> 32);
+                    mslot[m] = sl;
+                    mrank[m] = 0;  // counted below
                 }
                 m += pending ? 1 : 0;
             }
@@ -558,41 +561,46 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             for (int c = c0; c < c1; ++c) {
                 const int v = w.colv[c];
                 if (v >= SKV_MISS_TAG && v != SKV_PENDING) {
-                    w.hcol[q] = 0;
-                    mkeys[q++] = w.keys[c];
+                    mrow[q] = (int)(w.keys[c] >> 32);
+                    mslot[q] = v & SKV_SLOT_MASK;
+                    mrank[q++] = 0;
                 }
             }
             __syncthreads();
         }
         if (n_plan <= SKV_RANK_MAX) {
-            // A miss's rank is the count of smaller keys (distinct: no duplicate ids). G
-            // threads a miss (a power of two <= 32, block-uniform) each count every G-th key
-            // into its rank (hcol, zeroed above).
+            // A miss's rank is the count of smaller host rows (distinct: no duplicate ids).
+            // G threads a miss (a power of two <= 32, block-uniform) each count every G-th
+            // row into its rank (mrank, zeroed above).
             int lg = 0;
             while (lg < 5 && (n_plan << (lg + 1)) <= SKV_RT) ++lg;
             const int part = tid & ((1 << lg) - 1);
             for (int q2 = tid >> lg; q2 < n_plan; q2 += SKV_RT >> lg) {
-                const u64 key = mkeys[q2];
+                const int row = mrow[q2];
                 int r = 0;
-                for (int j = part; j < n_plan; j += 1 << lg) r += mkeys[j] < key ? 1 : 0;
-                atomicAdd(&w.hcol[q2], r);
+#pragma unroll 4
+                for (int j = part; j < n_plan; j += 1 << lg) r += mrow[j] < row ? 1 : 0;
+                atomicAdd(&mrank[q2], r);
             }
             __syncthreads();
             for (int q2 = tid >> lg; q2 < n_plan && part == 0; q2 += SKV_RT >> lg) {
-                const u64 key = mkeys[q2];
-                const int r = w.hcol[q2];
-                prow[r] = (int)(key >> 32);
-                pslot[r] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
+                const int r = mrank[q2];
+                prow[r] = mrow[q2];
+                pslot[r] = flat0 + mslot[q2];
             }
         } else {
+            // Sorted as (host row << 32 | slot) keys in the table's first 2 kp ints (the
+            // rows and slots are in hcol: no overlap).
+            u64* mkeys = (u64*)w.htab;
             const int np2 = skv_pow2(n_plan);
-            for (int i = n_plan + tid; i < np2; i += SKV_RT) mkeys[i] = SKV_NO_KEY;
+            for (int i = tid; i < np2; i += SKV_RT)
+                mkeys[i] = i < n_plan ? ((u64)(u32)mrow[i] << 32) | (u64)(u32)mslot[i] : SKV_NO_KEY;
             __syncthreads();
             skv_bitonic_sort(mkeys, np2);
             for (int q2 = tid; q2 < n_plan; q2 += SKV_RT) {
                 const u64 key = mkeys[q2];
                 prow[q2] = (int)(key >> 32);
-                pslot[q2] = flat0 + (w.colv[(u32)key] & SKV_SLOT_MASK);
+                pslot[q2] = flat0 + (int)(u32)key;
             }
         }
         if (tid == 0) misses_out[b] = n_plan;
