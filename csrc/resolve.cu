@@ -358,8 +358,11 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
                 vo[u] = (SKV_OWNER_SMEM && i < S) ? owner[i] : 0;
                 vf[u] = (fresh && i < S) ? fresh[i] : 0;  // the marks, read here (not in phase 4)
             }
-            if (base_i == 0)
-                for (int i = tid; i < hsize; i += SKV_RT) w.htab[i] = -1;
+            if (base_i == 0)  // hsize >= 4 but for k <= 1 (16-aligned): 16-byte stores
+                for (int i = 4 * tid; i < hsize; i += 4 * SKV_RT) {
+                    if (i + 4 <= hsize) *reinterpret_cast<int4*>(w.htab + i) = make_int4(-1, -1, -1, -1);
+                    else for (int j = i; j < hsize; ++j) w.htab[j] = -1;
+                }
 #pragma unroll
             for (int u = 0; u < SKV_P1_WAVE; ++u) {
                 const int i = base_i + u * SKV_RT + tid;
@@ -468,13 +471,20 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
         // evictables (not S - n_hit) keeps it a permutation even when the state is corrupt.
         int per, i0, i1;
         skv_chunk(S, &per, &i0, &i1);
-        // Chunks of 4 (the default shapes): one 16-byte load, no bank conflicts.
-        const bool vec = per == 4 && i1 - i0 == 4;  // block-uniform but for the last chunks
+        // Chunks of 4 (S = 4096): one 16-byte load, no bank conflicts; chunks of up to 4
+        // otherwise (S = 2560: 3) unrolled, each entry predicated; longer ones a loop.
+        const int n_chunk = i1 - i0;
+        const bool vec = per == 4 && n_chunk == 4;  // block-uniform but for the last chunks
+        const bool few = per <= 4;               // block-uniform
         int ev = 0;
         if (vec) {
             const int4 q = *reinterpret_cast<const int4*>(w.lcopy + i0);
             ev = !skv_lru_hit(w, q.x, S) + !skv_lru_hit(w, q.y, S) + !skv_lru_hit(w, q.z, S) +
                  !skv_lru_hit(w, q.w, S);
+        } else if (few) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                if (r < n_chunk) ev += skv_lru_hit(w, w.lcopy[i0 + r], S) ? 0 : 1;
         } else {
             for (int i = i0; i < i1; ++i) ev += skv_lru_hit(w, w.lcopy[i], S) ? 0 : 1;
         }
@@ -489,6 +499,15 @@ extern "C" __global__ void __launch_bounds__(SKV_RT, 1) skv_resolve(
             for (int r = 0; r < 4; ++r) {
                 const bool hit = skv_lru_hit(w, v[r], S);
                 lru_out[skv_lru_pos(w, v[r], hit, i0 + r, e, n_evict, n_take)] = v[r];
+                e += hit ? 0 : 1;
+            }
+        } else if (few) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                if (r >= n_chunk) break;
+                const int sl = w.lcopy[i0 + r];
+                const bool hit = skv_lru_hit(w, sl, S);
+                lru_out[skv_lru_pos(w, sl, hit, i0 + r, e, n_evict, n_take)] = sl;
                 e += hit ? 0 : 1;
             }
         } else {
