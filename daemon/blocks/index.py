@@ -144,7 +144,7 @@ class KeyIndex:
     def _clear_run_ends(self, slots: np.ndarray) -> None:
         """Empty the tombstones among ``slots`` that end their run (the next slot empty: a
         probe that reaches one stops at the next slot anyway), then those each leaves at the
-        end in turn: most deletions leave no tombstone, and the rebuild (0.26 s on the loop
+        end in turn: most deletions leave no tombstone, and the rebuild (0.14 s on the loop
         for 2,097,152 keys) comes seldom."""
         mask = self.size - 1
         while slots.size:
@@ -157,8 +157,24 @@ class KeyIndex:
             slots = (slots - 1) & mask
 
     def _rebuild(self) -> None:
+        """The live keys laid out again without tombstones, in one pass: taken in the order
+        of their start slots, each goes to its start or to the slot after the key before
+        it, whichever is later (the layout linear probing makes: every slot from a key's
+        start to its own holds a key); the few pushed past the table's end wrap round
+        through :meth:`insert_many`. 0.14 s on the loop for 2,097,152 keys on the dev VM
+        (0.20-0.26 s inserted again in rounds)."""
         live = np.flatnonzero(self.block >= 0)
         lo, hi, block = self.lo[live], self.hi[live], self.block[live]
         self.block[:] = EMPTY
         self.tombs = 0
-        self.insert_many(lo, hi, block)
+        start = self._start(lo, hi)
+        order = np.argsort(start, kind="stable")  # (in table order the starts are nearly sorted)
+        s = start[order]
+        n = np.arange(s.size)
+        pos = np.maximum.accumulate(s - n) + n if s.size else s
+        inside = pos < self.size
+        at, keys = pos[inside], order[inside]
+        self.lo[at], self.hi[at], self.block[at] = lo[keys], hi[keys], block[keys]
+        wrap = order[~inside]
+        if wrap.size:
+            self.insert_many(lo[wrap], hi[wrap], block[wrap])

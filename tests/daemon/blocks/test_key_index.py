@@ -102,3 +102,29 @@ def test_a_large_index_inserted_at_once_and_rebuilt_finds_every_key():
     index.delete(lo[::2], hi[::2])
     index._rebuild()
     assert index.tombs == 0 and (index.find(lo, hi) == np.where(np.arange(n) % 2, np.arange(n), -1)).all()
+
+
+def test_a_rebuild_wraps_the_keys_pushed_past_the_tables_end():
+    """The rebuild lays keys out in the order of their start slots; those pushed past the
+    last slot wrap round to the table's start, after the keys that start there."""
+    index = KeyIndex(4, seed=3)  # 16 slots
+    rng = np.random.default_rng(5)
+    by_start: dict[int, list] = {}
+    while len(by_start.get(index.size - 1, [])) < 3 or len(by_start.get(0, [])) < 1:
+        a, b = (int(x) for x in rng.integers(-2**63, 2**63 - 1, 2, dtype=np.int64))
+        by_start.setdefault(index._start_one(a, b), []).append((a, b))
+    keys = by_start[index.size - 1][:3] + by_start[0][:1]  # three start at the last slot, one at slot 0
+    lo, hi = np.array([k[0] for k in keys], np.int64), np.array([k[1] for k in keys], np.int64)
+    index.insert_many(lo, hi, np.arange(4, dtype=np.int64))
+    index.delete(lo[3:], hi[3:])  # a tombstone at slot 0 or 1 (keys run on past it)
+    index.insert_many(lo[3:], hi[3:], np.array([3], np.int64))
+    wrapped = []
+    insert_many = index.insert_many
+    index.insert_many = lambda a, b, c: (wrapped.append(c.tolist()), insert_many(a, b, c))
+    index._rebuild()
+    assert index.tombs == 0 and (index.block >= EMPTY).all()
+    assert index.find(lo, hi).tolist() == [0, 1, 2, 3]
+    # the key of slot 0 stays there, one of the three takes slot 15, the other two wrap
+    # round to slots 1 and 2: every slot from a key's start to its own holds a key
+    assert len(wrapped) == 1 and sorted(wrapped[0] + [index.block[15]]) == [0, 1, 2]
+    assert index.block[0] == 3 and sorted(index.block[[1, 2]].tolist()) == sorted(wrapped[0]) and index.block[3] == EMPTY
