@@ -112,6 +112,10 @@ class RankState:
             if invalidate.shape[0] != state_rows.shape[0]:
                 raise ResidencyError("BAD_ARGUMENT", f"invalidate must be [batch, n] with batch {state_rows.shape[0]}, "
                                      f"got {invalidate.shape}")
+            bad = (invalidate < -1) | (invalidate >= lay.host_rows)
+            if bad.any():
+                raise ResidencyError("BAD_ARGUMENT", f"invalidate holds {int(invalidate[bad][0])}: a host row in "
+                                     f"[0, {lay.host_rows}), or -1 for none")
         return state_rows, reset, invalidate
 
     @staticmethod

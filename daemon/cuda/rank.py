@@ -146,7 +146,8 @@ class CudaRankState(RankState):
         # A STEP's arrays are on the host here: checked as the cpu rank checks them (a bad
         # state row refuses the whole STEP in its reply, before anything is enqueued, so a
         # request after it is not run); so are the shapes of the TOPK it rides on (``then``:
-        # all or nothing). The invalidated rows' and the top-k's values are the kernels'.
+        # all or nothing), the invalidated rows' values too. The top-k's values are the
+        # kernels', and so are those of a step block an engine's kernel wrote.
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
         if then is not None:
             check_batch_shape(self.residency.layout, then[0], state_rows, as_ids("topk", then[1], 2))

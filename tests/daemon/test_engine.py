@@ -67,6 +67,9 @@ def test_padding_batch_rows_ignore_their_reset_and_invalidate():
         ([0, 1], [True, True], [1, 2], "BAD_ARGUMENT", "invalidate must have 2 dimension"),
         (np.array([0.0]), None, None, "BAD_ARGUMENT", "must hold integers"),
         (np.array([2**40]), None, None, "BAD_ARGUMENT", "outside int32"),
+        # invalidated host rows: -1 (none) or in [0, host_rows); found by an adversarial review
+        ([0, 1], None, [[1], [64]], "BAD_ARGUMENT", "invalidate holds 64"),
+        ([0, 1], None, [[-7], [1]], "BAD_ARGUMENT", "invalidate holds -7"),
     ],
 )
 def test_bad_step_is_rejected_without_state_change(state_rows, reset, invalidate, code, words):
