@@ -98,6 +98,11 @@ class Trace:
                 raise TraceError(f"{name} must be [{s}, {b}], got {getattr(self, name).shape}")
         if self.invalidate.ndim != 3 or self.invalidate.shape[:2] != (s, b):
             raise TraceError(f"invalidate must be [{s}, {b}, n], got {self.invalidate.shape}")
+        bad = (self.invalidate < -1) | (self.invalidate >= self.host_rows)
+        if bad.any():
+            t, r, _ = (int(x[0]) for x in np.nonzero(bad))
+            raise TraceError(f"invalidate at step {t}, batch row {r} holds {int(self.invalidate[bad][0])}: a host row "
+                             f"in [0, {self.host_rows}), or -1 for none")
         k = self.topk.shape[2]
         if b > MAX_BATCH or b * k >= 1 << 31:
             raise TraceError(f"topk's batch of {b} rows of {k} ids passes a top-k batch's limits (at most {MAX_BATCH} "
@@ -163,8 +168,9 @@ class Trace:
         """The trace at ``path`` (docs/TRACES.md), checked: each member's header (a NumPy
         array, its type, shape and size) before any data is read, every integer array's
         values within int32, the scalars integers, ``reset`` bool; TraceError otherwise."""
-        arrays = _read_npz(path, (*SCALARS, "block_size"), lambda scalars: _check_scalars(path, scalars))
         need = {"topk", "state_rows", "reset", "invalidate", *SCALARS}
+        arrays = _read_npz(path, (*SCALARS, "block_size"), lambda scalars: _check_scalars(path, scalars),
+                           frozenset({*need, "block_table", "block_size"}))
         missing = need - set(arrays)
         if missing:
             raise TraceError(f"trace {path} lacks {sorted(missing)}")
@@ -202,6 +208,10 @@ def save_npz(path: str, **arrays) -> None:
             os.unlink(tmp)
 
 
+# What the replay keeps per step whatever the batch (its time, and room for the driver's
+# per-step state): counted with the arrays, so that a trace of many empty steps is refused
+# by its size as a large one is, before its steps are run.
+STEP_BYTES = 64
 # What a trace's arrays may take of the memory available when it is loaded (their bytes as
 # stored; the replay keeps them and its own state beside them).
 TRACE_MEMORY_SHARE = 0.25
@@ -236,11 +246,13 @@ def _check_scalars(path: str, scalars: dict) -> None:
         raise TraceError(f"trace {path}: its scalars do not make a valid layout: {e}") from None
 
 
-def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
-    """The members of the .npz at ``path`` as arrays: every header read and checked (a
-    NumPy array of a plain dtype, no negative dimension, all of them together within
-    TRACE_MEMORY_SHARE of the available memory, the members named in ``scalars`` 0-d),
-    then those read and given to ``check_scalars``, then the other members' data."""
+def _read_npz(path: str, scalars: tuple, check_scalars, known: frozenset) -> dict:
+    """The members of the .npz at ``path`` as arrays: each one of ``known`` (no other
+    member: a NumPy array of another name, or another file), every header read and
+    checked (a NumPy array of a plain dtype, no negative dimension, all of them together
+    within TRACE_MEMORY_SHARE of the available memory, the members named in ``scalars``
+    0-d), then those read and given to ``check_scalars``, then the other members' data,
+    each read to its member's end (nothing after the array; the zip's CRC checked)."""
     try:
         zf = zipfile.ZipFile(path)
     except FileNotFoundError as e:
@@ -248,7 +260,13 @@ def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
     except _READ_ERRORS as e:
         raise TraceError(f"trace {path} is not an .npz archive (numpy.savez): {e}") from None
     with zf:
-        members = {n[:-4]: n for n in zf.namelist() if n.endswith(".npy")}
+        members = {}
+        for n in zf.namelist():
+            key = n[:-4] if n.endswith(".npy") else None
+            if key not in known:
+                raise TraceError(f"trace {path}: member {n!r} is not one of its arrays ({', '.join(sorted(known))}, "
+                                 "each a NumPy .npy)")
+            members[key] = n
         total, shapes = 0, {}
         for key, name in members.items():
             try:
@@ -273,6 +291,8 @@ def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
             # slots as large as the top-k beside it.
             loaded = dtype.itemsize if dtype.kind == "b" else max(dtype.itemsize, 4)
             total += int(np.prod(shape, dtype=np.float64)) * loaded * (2 if key == "topk" else 1)
+            if key == "topk" and shape:  # the replay's own per step: its time, a batch's misses
+                total += shape[0] * STEP_BYTES
         _check_room(total, f"trace {path} takes", " loaded (its integers as int32, and the replay's slots)")
         def read(keys) -> dict:
             got = {}
@@ -280,6 +300,8 @@ def _read_npz(path: str, scalars: tuple, check_scalars) -> dict:
                 try:
                     with zf.open(members[key]) as f:
                         got[key] = np.lib.format.read_array(f, allow_pickle=False)
+                        if f.read(1):  # (reaching the member's end checks its CRC too)
+                            raise ValueError("bytes follow the array in its member")
                 except _READ_ERRORS as e:
                     raise TraceError(f"trace {path}: {key} could not be read: {e}") from None
             return got
@@ -466,6 +488,9 @@ def synth(
                         lifetime=lifetime).items():
         if v < 1:
             raise TraceError(f"{name} must be >= 1, got {v}")
+    for name, v in dict(context=context, lifetime=lifetime).items():
+        if v >= 1 << 31:
+            raise TraceError(f"{name} must be < 2**31, got {v}")
     for name, v in dict(overlap=overlap, arrive=arrive, pad=pad, invalidate=invalidate, out_of_range=out_of_range,
                         share_prefix=share_prefix, spec=spec).items():
         if not 0.0 <= v <= 1.0:

@@ -106,7 +106,7 @@ class Layout:
         need(self.top_k <= self.region_stride <= MAX_REGION_STRIDE,
              f"region_stride {self.region_stride} must lie in [top_k={self.top_k}, {MAX_REGION_STRIDE}]")
         need(self.max_reqs <= MAX_REQS, f"max_reqs {self.max_reqs} exceeds {MAX_REQS}")
-        need(self.host_rows < 2**31 - 1, f"host_rows {self.host_rows} must fit in int32")
+        need(self.host_rows < 2**31 - 1, f"host_rows {self.host_rows} must be below 2**31 - 1")
         need(type(self.staging_rows) is int and 0 <= self.staging_rows < 2**31 - 1,
              f"staging_rows must be an integer in [0, 2**31 - 1), got {self.staging_rows!r}")
         need(type(self.max_batch) is int and 0 < self.max_batch <= MAX_BATCH,

@@ -256,3 +256,74 @@ def test_an_empty_float_array_is_refused_where_integers_are_required(tmp_path):
     a["invalidate"] = np.zeros(a["invalidate"].shape[:2] + (0,), np.float32)
     with pytest.raises(TraceError, match="invalidate must hold integers, got float32"):
         Trace.load(_save(tmp_path, a))
+
+
+def _rewrite_member(path: str, name: str, data: bytes) -> None:
+    """``path`` again with member ``name`` holding ``data`` (stored, its CRC computed)."""
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    members[name] = data
+    with zipfile.ZipFile(path, "w") as z:
+        for n, b in members.items():
+            z.writestr(n, b)
+
+
+def test_bytes_after_an_array_in_its_member_are_refused(tmp_path):
+    """Found by an adversarial review: a member with bytes after its array was read up to
+    the array's end only, so neither those bytes nor the member's CRC were checked (a bit
+    flipped in the array of such a member loaded as good data)."""
+    path = _save(tmp_path, _good())
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, _good()["topk"])
+    _rewrite_member(path, "topk.npy", buf.getvalue() + b"\0" * 64)
+    with pytest.raises(TraceError, match=f"trace {path}: topk could not be read: bytes follow the array"):
+        Trace.load(path)
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "extra.npy", "blocktable.npy"])
+def test_a_member_that_is_not_one_of_the_arrays_is_refused(tmp_path, name):
+    """docs/TRACES.md: a member that is not a NumPy array is refused; so is an array the
+    format does not name (a misspelt block_table made a position trace replay as host rows)."""
+    path = _save(tmp_path, _good())
+    _rewrite_member(path, name, b"x")
+    with pytest.raises(TraceError, match=f"trace {path}: member '{name}' is not one of its arrays"):
+        Trace.load(path)
+
+
+@pytest.mark.parametrize("value", [-2, 256, 2**31 - 1])
+def test_an_invalidated_row_outside_the_pool_is_refused(tmp_path, value):
+    """-1 is "none"; any other value outside [0, host_rows) is refused at load, naming where
+    (the daemon refuses such a STEP too)."""
+    a = _good()
+    t, b = _live(a)
+    inv = np.full(a["invalidate"].shape[:2] + (2,), -1, np.int32)
+    inv[t, b, 1] = value
+    a["invalidate"] = inv
+    path = _save(tmp_path, a)
+    with pytest.raises(TraceError, match=f"trace {path}: invalidate at step {t}, batch row {b} holds {value}"):
+        Trace.load(path)
+
+
+def test_many_empty_steps_are_refused_by_the_room_they_take(tmp_path, monkeypatch):
+    """Found by an adversarial review: a 2 KB trace of 10**12 steps of an empty batch passed
+    the size check (its arrays hold nothing) and then failed allocating 7 TiB, or ran for
+    hours; each step counts what the replay keeps for it."""
+    a = _good()
+    steps = 10**12
+    for k, tail in (("topk", (0, 4)), ("state_rows", (0,)), ("reset", (0,)), ("invalidate", (0, 1))):
+        a[k] = np.lib.stride_tricks.as_strided(np.zeros(1, a[k].dtype), (steps, *tail), (0,) * (1 + len(tail)))
+    path = str(tmp_path / "t.npz")
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in a.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, v)
+            z.writestr(f"{k}.npy", buf.getvalue())
+    with pytest.raises(TraceError, match="GiB loaded .* this machine has room for"):
+        Trace.load(path)
+
+
+@pytest.mark.parametrize("name", ["context", "lifetime"])
+def test_synth_refuses_a_context_or_lifetime_past_int32_before_generating(name):
+    """Found by an adversarial review: --lifetime 10**19 failed inside NumPy's generator."""
+    with pytest.raises(TraceError, match=f"{name} must be < 2\\*\\*31, got {10**19}"):
+        synth(steps=2, batch=2, top_k=4, region_stride=8, max_reqs=4, host_rows=256, num_layers=2, **{name: 10**19})
