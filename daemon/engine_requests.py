@@ -22,7 +22,7 @@ from sparsekv.proto.slab import SlabGeometry
 
 from .blocks.contract import BlockError
 from .engine import EngineSlabImport, Owner, RankState
-from .heavy import HEAVY_BYTES, Slow
+from .heavy import HEAVY_BYTES, HEAVY_SLOTS, Slow
 from .peers import Peer
 from .pool import PoolError
 from .registry import check_new_owner, range_bytes
@@ -42,6 +42,9 @@ class EngineRequests:
     tp_max_lag = 256  # Config.tp_max_lag
     # Copies of at least this many bytes run on a worker thread. An ATTACH's slow part always runs there.
     heavy_bytes = HEAVY_BYTES
+    # A cpu rank's STEP or TOPK of at least this much host work (region slots its resets and
+    # invalidations scan, top-k ids it resolves) runs there too (:meth:`_host_heavy`).
+    heavy_slots = HEAVY_SLOTS
 
     def __init__(self, sessions, engines, backend, pool, stats, fd_server):
         self.sessions, self.engines, self.backend = sessions, engines, backend
@@ -230,13 +233,32 @@ class EngineRequests:
             raise err
         return st
 
+    def _host_heavy(self, st, state_rows, reset, invalidate, topk=None) -> bool:
+        """Whether a cpu rank's STEP (its resets and invalidations scan each named region of
+        every group) or TOPK (its resolve and gather, the STEP it begins) is host work of
+        ``heavy_slots`` or more: then it runs on a worker thread, its engine's and its
+        session's later requests waiting for it (one STEP over 4,096 regions of 2,048
+        slots took 3 s on the loop). Sizes only: the arrays are checked where they are used."""
+        if not st.host_memory:
+            return False
+        lay = st.residency.layout
+        work = topk.size if topk is not None else 0
+        if state_rows is not None and (reset is not None or (invalidate is not None and invalidate.size)):
+            work += state_rows.size * lay.num_groups * lay.region_stride
+        return work >= self.heavy_slots
+
     def on_step(self, s: Session, identity, h, a):
         st = self._rank(s, MsgType.STEP)
         if "state_rows" not in a:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "STEP needs the state_rows array")
         # .size, not .shape[0]: a 0-d array must reach begin_step's BAD_ARGUMENT, not IndexError.
         _batch_fits(st, a["state_rows"].size)
-        st.begin_step(_int(h, "step"), a["state_rows"], a.get("reset"), a.get("invalidate"))
+        state_rows, reset, invalidate = a["state_rows"], a.get("reset"), a.get("invalidate")
+        begin = functools.partial(st.begin_step, _int(h, "step"), state_rows, reset, invalidate)
+        if self._host_heavy(st, state_rows, reset, invalidate):
+            yield Slow(begin, engine=s.engine)
+        else:
+            begin()
         self.stats.add(steps=1, **st.prefetch_outcomes())  # prefetched rows its resets and invalidations dropped
         return {}, None
 
@@ -245,7 +267,7 @@ class EngineRequests:
         step block the client wrote. All or nothing: the STEP does not run if the TOPK
         cannot. A failed device-wait TOPK still releases its client's stream."""
         try:
-            return self._topk(s, h, a)
+            return (yield from self._topk(s, h, a))
         except Exception:
             if h.get("done") is not None:
                 release_device_wait(s, h)
@@ -272,18 +294,33 @@ class EngineRequests:
             state_rows, topk = a.get("state_rows"), a["topk"]
             if topk.ndim:  # before any work: rows of padding cost as much as live ones
                 _batch_fits(st, topk.shape[0])
+            reset, invalidate = a.get("reset"), a.get("invalidate")
             if begin:
                 if state_rows is None:
                     raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TOPK that begins a step needs the state_rows array")
                 _batch_fits(st, state_rows.size)
                 st.check_fence(fence)
-                st.begin_step(step, state_rows, a.get("reset"), a.get("invalidate"), then=(group, topk))
-                self.stats.c["steps"] += 1
-                state_rows = None  # the step has begun: resolve against its state rows
             elif "reset" in a or "invalidate" in a:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT,
                                     "reset and invalidate go with a TOPK only when it begins a step")
-            fields, arrays, deltas = st.serve_topk(step, group, topk, state_rows, fence)
+
+            began = []
+
+            def serve():
+                rows = state_rows
+                if begin:
+                    st.begin_step(step, rows, reset, invalidate, then=(group, topk))
+                    began.append(step)
+                    rows = None  # the step has begun: resolve against its state rows
+                return st.serve_topk(step, group, topk, rows, fence)
+
+            try:
+                if self._host_heavy(st, state_rows if begin else None, reset, invalidate, topk):
+                    fields, arrays, deltas = yield Slow(serve, engine=s.engine)
+                else:
+                    fields, arrays, deltas = serve()
+            finally:
+                self.stats.c["steps"] += len(began)  # (on the loop: a slow part's too)
         if st.pending_prefetch is not None:
             self.prefetching.append(st)
         c = self.stats.c

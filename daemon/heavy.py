@@ -42,6 +42,9 @@ THREADS = 2
 # Copies of at least this many bytes (a write's rows, indexer keys) run on a worker thread;
 # smaller ones cost less than the hop.
 HEAVY_BYTES = 4 << 20
+# A cpu rank's STEP or TOPK from this much host work on (region slots scanned, top-k ids
+# resolved): EngineRequests._host_heavy.
+HEAVY_SLOTS = 1 << 20
 # Requests one session may have waiting behind a request in flight; more are dropped
 # unanswered (as libzmq drops messages past its high-water mark).
 MAX_WAITING = 1024

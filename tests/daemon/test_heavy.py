@@ -350,3 +350,75 @@ def test_a_backend_that_makes_ranks_on_the_loop_prepares_them_on_a_worker_thread
         assert d.backend.threads["new_rank"] is d.thread  # the loop's thread
         assert d.backend.threads["prepare_rank"].name.startswith("heavy")  # not the loop's
         a.close()
+
+
+def _call(r: Raw, t, fields=None, arrays=None) -> tuple[dict, dict]:
+    """A request and its reply's (header, arrays)."""
+    req = r.send(t, fields, arrays)
+    assert r.sock.poll(10000)
+    h, out = decode(r.sock.recv_multipart())
+    assert h["id"] == req and h["ok"], h
+    return h, out
+
+
+def test_a_heavy_cpu_step_runs_off_the_loop_and_its_sessions_topk_waits_for_it(raw, monkeypatch):
+    """Found by an adversarial review: one STEP invalidating 2,048 rows in each of 4,096
+    regions held every client (and the stats socket) for 3-9 s on the loop. From
+    ``heavy_slots`` of host work on it runs on a worker thread: another engine's client is
+    served meanwhile, and the session's TOPK after it waits and sees its invalidation."""
+    gate, real, threads = Gate(), engine_mod.RankState.begin_step, []
+
+    def held(self, step, *a, **kw):
+        if step == 7:
+            threads.append(threading.current_thread())
+            gate.wait()
+        return real(self, step, *a, **kw)
+
+    monkeypatch.setattr(engine_mod.RankState, "begin_step", held)
+    with serving() as d:
+        d.engine_requests.heavy_slots = 1  # every STEP with invalidations is heavy
+        a = attached_client(d.run_dir)
+        b = raw(d.run_dir)
+        b.hello()
+        _call(b, MsgType.ATTACH, {"engine": "w", "layout": LAYOUT.to_wire()})
+        rows, topk = np.arange(2, dtype=np.int32), np.array([[5, 6, 7, 8], [1, 2, 3, 4]], np.int32)
+        _call(b, MsgType.STEP, {"step": 6}, {"state_rows": rows})
+        assert _call(b, MsgType.TOPK, {"step": 6, "group": 0}, {"topk": topk})[0]["hits"] == 0
+        inv = np.array([[5], [-1]], np.int32)  # row 5 rewritten: batch row 0's copy goes
+        rs = b.send(MsgType.STEP, {"step": 7}, {"state_rows": rows, "invalidate": inv})
+        rt = b.send(MsgType.TOPK, {"step": 7, "group": 0}, {"topk": topk})
+        assert gate.entered.wait(10) and threads[0] is not d.thread  # on a worker thread, not the loop's
+        topk_ok(a)  # engine "a": served meanwhile
+        assert b.recv(timeout_s=0.2) is None  # the STEP's reply, and the TOPK behind it, wait
+        gate.open()
+        hs = b.recv()
+        assert hs["id"] == rs and hs["ok"], hs
+        assert b.sock.poll(10000)
+        ht, out = decode(b.sock.recv_multipart())
+        assert ht["id"] == rt and ht["ok"] and ht["hits"] == 7 and out["misses"].tolist() == [1, 0], (ht, out)
+        assert a.stats()["steps"] >= 3
+        a.close()
+
+
+def test_a_heavy_cpu_topk_prefetches_before_its_sessions_next_request():
+    """A TOPK run on a worker thread (every one here) leaves its prefetch to run once its
+    reply is out, before the session's next TOPK reaches the rank: the misses of every
+    group equal those of the same steps served on the loop."""
+    groups = ((0,), (1,), (2,))
+    lay = helpers.layout(num_layers=3, top_k=4, region_stride=8, max_reqs=2, host_rows=64, index_groups=groups)
+    rng = np.random.default_rng(4)
+    results = []
+    for slots in (1, 1 << 40):  # every TOPK on a worker thread, then none
+        with serving() as d, Client(d.run_dir, name="pf", timeout_s=10) as c:
+            d.engine_requests.heavy_slots = slots
+            c.attach(lay, engine="pf", prefetch=True)
+            helpers.fill(c, lay)
+            misses = []
+            for t in range(4):
+                c.step(t, [0, 1])
+                base = np.stack([rng.choice(64, 4, replace=False) for _ in range(2)]).astype(np.int32)
+                for g in range(3):
+                    misses.append(int(c.topk(t, g, base).misses.sum()))
+            results.append((misses, c.stats()["prefetch_hits"]))
+        rng = np.random.default_rng(4)
+    assert results[0] == results[1] and results[0][1] > 0, results
