@@ -288,7 +288,8 @@ class ControlSocket:
                 self.rlog.log("connection without HELLO", logging.INFO, "control connection of pid %d uid %d closed: "
                               "no HELLO within %g s", c.peer.pid, c.peer.uid, self.hello_timeout_s)
                 self._drop(c)
-            elif c.decoder.in_message and not c.decoder.paused and now - c.message_at > MESSAGE_TIMEOUT_S:
+            elif c.decoder.in_message and not c.decoder.paused and now - (
+                    c.message_at if c.decoder.head_since is None else c.decoder.head_since) > MESSAGE_TIMEOUT_S:
                 self.counts["stalled"] += 1
                 self.rlog.log("message not finished", logging.WARNING, "control connection of pid %d uid %d closed: "
                               "a message begun %g s ago is not finished", c.peer.pid, c.peer.uid, MESSAGE_TIMEOUT_S)
@@ -329,7 +330,7 @@ class ControlSocket:
         self._by_ident[c.ident] = c
         c.decoder = Decoder(on_message=lambda frames: self._message(ref(), frames),
                             send=lambda data: self._raw_send(ref(), data),
-                            admit=lambda *a: self._frame(ref(), *a))  # sends the greeting
+                            admit=lambda *a: self._frame(ref(), *a), clock=self._clock)  # sends the greeting
         self._watch(c)
 
     # -- reading -----------------------------------------------------------------------

@@ -17,6 +17,7 @@ at any time between frames, PING commands (answered with PONG). Anything else is
 from __future__ import annotations
 
 import struct
+import time
 
 from sparsekv.proto.zmtp import (COMMAND, GREETING, GREETING_LEN, LONG, MAX_COMMAND_BYTES, MORE, ZmtpError,
                                  check_greeting, command, parse_properties, properties, split_command)
@@ -41,10 +42,12 @@ class Decoder:
     PAUSE = object()
     DISCARD = object()
 
-    def __init__(self, *, on_message, send, admit):
+    def __init__(self, *, on_message, send, admit, clock=time.monotonic):
         self.on_message = on_message
         self.send = send
         self.admit = admit
+        self._clock = clock
+        self.head_since: float | None = None  # when a message's first frame header began, while it is cut short
         self.ready = False  # greeting and READY done
         self.paused = False
         self.peer_properties: dict[str, bytes] = {}
@@ -68,8 +71,9 @@ class Decoder:
 
     @property
     def in_message(self) -> bool:
-        """Whether a message has begun and not ended (its frames hold budget)."""
-        return bool(self._count) or self._body is not None or self._pending_size >= 0
+        """Whether a message has begun and not ended: its frames hold budget, or its first
+        frame's header came in part (:attr:`head_since`)."""
+        return bool(self._count) or self._body is not None or self._pending_size >= 0 or bool(self._head)
 
     def body_view(self) -> memoryview | None:
         """Where the rest of a large frame's body goes, or None."""
@@ -141,6 +145,8 @@ class Decoder:
                 size = struct.unpack_from(">Q", data, i + 1)[0] if need == 9 else data[i + 1]
                 i += need
                 return self._frame(size, flags, data, i, n)
+            if not self._count:  # a message's first header, cut short: its time counts from now
+                self.head_since = self._clock()
             head += data[i:n]
             return n
         need = 9 if head[0] & LONG else 2
@@ -151,6 +157,7 @@ class Decoder:
             flags = head[0]
             size = struct.unpack_from(">Q", head, 1)[0] if need == 9 else head[1]
             head.clear()
+            self.head_since = None
             return self._frame(size, flags, data, i, n)
         return i
 

@@ -791,3 +791,35 @@ def test_a_connection_resumed_when_a_timed_out_message_gives_its_budget_back_is_
             hog.kill()
             hog.wait()
             v.close()
+
+
+# -- a message's first frame header cut short times out as a message does -----------------
+
+HALF_HEAD = r"""
+import socket, sys, time
+from zmtp_peer import hello, raw_peer
+s = raw_peer(sys.argv[1])
+assert hello(s, "half")["ok"]
+s.sendall(bytes([0x02, 0, 0]))  # 3 of a long frame header's 9 bytes
+t = time.monotonic()
+s.settimeout(20)
+try:
+    closed = s.recv(1) == b""
+except OSError:
+    closed = True
+print("closed" if closed else "open", round(time.monotonic() - t, 1), flush=True)
+"""
+
+
+def test_a_frame_header_cut_short_is_closed_when_its_message_times_out(monkeypatch):
+    """Found by an adversarial review: a connection holding 3 of a frame header's 9 bytes was
+    not in a message (no frame counted yet), so it stayed open past the message timeout."""
+    from sparsekv.daemon import control_socket
+
+    monkeypatch.setattr(control_socket, "MESSAGE_TIMEOUT_S", 1.0)
+    with helpers.serving_daemon() as d:
+        path = os.path.join(d.run_dir, "control.sock")
+        peer = subprocess.run([sys.executable, "-c", HALF_HEAD, path], capture_output=True, text=True, timeout=60,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        said, waited = peer.stdout.split()
+        assert said == "closed" and float(waited) < 10, (peer.stdout, peer.stderr)
