@@ -148,11 +148,17 @@ class Trace:
         order = np.lexsort((b, state, t))
         t, b, state = t[order], b[order], state[order]
         pairs = np.flatnonzero((t[1:] == t[:-1]) & (state[1:] == state[:-1]))  # row i and i + 1: one request
-        differ = (self.block_table[t[pairs], b[pairs]] != self.block_table[t[pairs + 1], b[pairs + 1]]).any(axis=1)
-        if differ.any():
-            i = pairs[np.flatnonzero(differ)[0]]
-            raise TraceError(f"step {t[i]}: batch rows {b[i]} and {b[i + 1]} are one request (state row {state[i]}) "
-                             "but carry different block tables; a request's rows share its table (docs/TRACES.md)")
+        # Compared a chunk of pairs at a time: two copies of the whole table's rows took
+        # 2.7x the memory the load counts when every row was one request's.
+        chunk = max(1, TABLE_CHUNK_BYTES // max(1, self.block_table.shape[2] * self.block_table.itemsize))
+        for lo in range(0, pairs.size, chunk):
+            p = pairs[lo:lo + chunk]
+            differ = (self.block_table[t[p], b[p]] != self.block_table[t[p + 1], b[p + 1]]).any(axis=1)
+            if differ.any():
+                i = p[np.flatnonzero(differ)[0]]
+                raise TraceError(f"step {t[i]}: batch rows {b[i]} and {b[i + 1]} are one request (state row "
+                                 f"{state[i]}) but carry different block tables; a request's rows share its table "
+                                 "(docs/TRACES.md)")
 
     def save(self, path: str) -> None:
         """Write the trace to ``path`` (:func:`save_npz`)."""
@@ -208,6 +214,8 @@ def save_npz(path: str, **arrays) -> None:
             os.unlink(tmp)
 
 
+# The block-table rows one comparison of a request's rows copies at most (Trace._check_shared_tables).
+TABLE_CHUNK_BYTES = 32 << 20
 # What the replay keeps per step whatever the batch (its time, and room for the driver's
 # per-step state): counted with the arrays, so that a trace of many empty steps is refused
 # by its size as a large one is, before its steps are run.
@@ -287,9 +295,10 @@ def _read_npz(path: str, scalars: tuple, check_scalars, known: frozenset) -> dic
             if key in scalars and shape != ():
                 raise TraceError(f"trace {path}: {key} must be an integer scalar, got {dtype} of shape {shape}")
             shapes[key] = shape
-            # As loaded: integers become int32 (an int8 array grows 4x), and the replay keeps
-            # slots as large as the top-k beside it.
-            loaded = dtype.itemsize if dtype.kind == "b" else max(dtype.itemsize, 4)
+            # As loaded: integers become int32, the copy made beside the array read (an int8
+            # array takes 5 bytes a value, an int64 one 12), and the replay keeps slots as
+            # large as the top-k beside it.
+            loaded = dtype.itemsize if dtype.kind == "b" or dtype.itemsize == 4 else dtype.itemsize + 4
             total += int(np.prod(shape, dtype=np.float64)) * loaded * (2 if key == "topk" else 1)
             if key == "topk" and shape:  # the replay's own per step: its time, a batch's misses
                 total += shape[0] * STEP_BYTES
