@@ -32,6 +32,7 @@ from .sessions import Session
 log = logging.getLogger("sparsekv.server")
 
 TRANSPORTS = ("zmq", "doorbell")
+MAX_FENCE_EVENTS = 256  # an ATTACH's fence event ring (the client's has 16)
 
 
 class EngineRequests:
@@ -118,6 +119,11 @@ class EngineRequests:
         if type(tp_size) is not int or not 1 <= tp_size <= LIMITS.max_tp_size:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"tp_size must be an integer in [1, {LIMITS.max_tp_size}], "
                                 f"got {tp_size!r}")
+        fence_events = h.get("fence_events")
+        if fence_events is not None and (type(fence_events) is not list or not 1 <= len(fence_events) <= MAX_FENCE_EVENTS
+                                         or any(type(e) is not bytes or len(e) != 64 for e in fence_events)):
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"fence_events must be a list of 1 to {MAX_FENCE_EVENTS} CUDA "
+                                "IPC event handles of 64 bytes each")
         created = engine not in self.engines
         self.sessions.rewatch(s)
         slab_field = h.get("slab")
@@ -154,7 +160,7 @@ class EngineRequests:
                 # Only released ranges, once zeroed, make room: wait for them off the loop.
                 yield Slow(functools.partial(wait_futures, zeroing), engine=engine)
             pending = self.engines.begin_attach(s.client_id, s.rank, s.device, engine, layout,
-                                                h.get("fence_events"), owner=Owner(s.uid, s.gid), privileged=admin,
+                                                fence_events, owner=Owner(s.uid, s.gid), privileged=admin,
                                                 transport=transport, engine_slab=engine_slab, block_size=block_size,
                                                 index_bytes=index_bytes, prefetch=prefetch, tp_size=tp_size,
                                                 tp_max_lag=self.tp_max_lag, owner_uid=owner_uid)

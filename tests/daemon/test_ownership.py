@@ -249,3 +249,16 @@ def test_an_attach_refused_for_its_owner_uid_releases_no_kept_engine(make_dm, pr
     h = request(dm, b"A", MsgType.ATTACH, {"engine": "new", "layout": big.to_wire(), "owner_uid": 3000})[0]
     assert h["code"] == int(ErrorCode.BAD_ARGUMENT) and "does not exist" in h["msg"], h
     assert "victim" in dm.engines and "new" not in dm.engines
+
+
+def test_fence_events_must_be_a_list_of_event_handles(dm, proc):
+    """Found by an adversarial review: junk fence_events ([b"x"]) were answered ok on the cpu
+    backend (which has no use for them) and would reach cudaIpcOpenEventHandle on cuda."""
+    connect(dm, b"A", proc.pid, 1000)
+    fields = {"engine": "e", "layout": helpers.layout().to_wire()}
+    for bad in ([b"x"], [], b"\0" * 64, [b"\0" * 64] * 257, [b"\0" * 64, "h"], [b"\0" * 65]):
+        h = request(dm, b"A", MsgType.ATTACH, {**fields, "fence_events": bad})[0]
+        assert h["code"] == int(ErrorCode.BAD_ARGUMENT) and "fence_events must be a list of 1 to 256" in h["msg"], \
+            (bad, h)
+    assert dm.sessions[b"A"].state is None
+    assert request(dm, b"A", MsgType.ATTACH, {**fields, "fence_events": [b"\0" * 64] * 16})[0]["ok"]  # cpu: ignored
