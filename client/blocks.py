@@ -283,3 +283,13 @@ def _hashes(hashes) -> np.ndarray:
     if h.shape[0] > LIMITS.max_blocks:
         raise BadRequest(f"{h.shape[0]} hashes exceed {LIMITS.max_blocks} a request", ErrorCode.TOO_LARGE)
     return np.ascontiguousarray(h)
+
+
+def block_store(blocks: "Blocks | None", attached: bool) -> "Blocks":
+    """A client's ``blocks``: its attachment's block store handle, or NotAttached saying
+    why there is none (no attachment, or an engine attached without a block size)."""
+    if blocks is None:
+        why = ("its engine has no block store (attach with block_size=n)" if attached
+               else "it is not attached (call attach(layout, block_size=n) first)")
+        raise NotAttached(f"this client has no block store: {why}")
+    return blocks

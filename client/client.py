@@ -18,7 +18,7 @@ from sparsekv.proto.cuda_ipc import EventRing, mps_running
 from sparsekv.proto.settings import CLIENT_DEVICE_WAIT, RUN_DIR
 from sparsekv.proto.args import engine_name, hello_text
 
-from .blocks import Blocks
+from .blocks import Blocks, block_store
 from .connection import Connection, open_wire, start_time
 from .cuda_attach import CudaAttachment, bus_id_of, local_device
 from .device_wait import DeviceWaitWatch
@@ -73,7 +73,7 @@ class Client(Connection):
         self.spin_ns = (500 if device.startswith("cuda") else 0) * 1000 if spin_us is None else int(spin_us) * 1000
         self.info: dict = {}
         self.attachment: Attachment | None = None
-        self.blocks: Blocks | None = None  # the attached engine's block store (attach's block_size)
+        self._blocks: Blocks | None = None  # the attached engine's block store (attach's block_size)
         self._keys_loader: KeysLoader | None = None  # its BLOCK_LOAD_KEYS (client/keys_load.py)
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
         self._sock: Wire | None = None
@@ -241,7 +241,7 @@ class Client(Connection):
         self._driver.reset(tp_size)
         if block_size:
             self._keys_loader = KeysLoader(self)
-            self.blocks = Blocks(self._call, engine, block_size, layout.num_layers, index_bytes,
+            self._blocks = Blocks(self._call, engine, block_size, layout.num_layers, index_bytes,
                                  self._keys_loader, chain_refs=True)
         h = reply["handles"]
         if h.get("kind") not in ("cuda_ipc", "shm"):
@@ -301,11 +301,17 @@ class Client(Connection):
             "back. Check that this process sees that GPU (CUDA_VISIBLE_DEVICES) and, under MPS, uses the daemon's "
             "MPS server (CUDA_MPS_PIPE_DIRECTORY)", getattr(e, "status", None)) from e
 
+    @property
+    def blocks(self) -> Blocks:
+        """The attached engine's block store (``attach(block_size=n)``); NotAttached when
+        this client has no attachment, or its engine no block store."""
+        return block_store(self._blocks, self.attachment is not None)
+
     def _end_blocks(self) -> None:
         """The attachment's block store handle ends with it (``Blocks.close``)."""
-        if self.blocks is not None:
-            self.blocks.close()
-        self.blocks = None
+        if self._blocks is not None:
+            self._blocks.close()
+        self._blocks = None
 
     def _detach_quietly(self) -> None:
         self._end_blocks()

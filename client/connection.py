@@ -12,7 +12,9 @@ import os
 import socket
 import stat
 import struct
+import threading
 import time
+from contextlib import contextmanager
 
 import psutil
 
@@ -30,8 +32,36 @@ BUSY_SUFFIX = ".busy"  # the socket's name while the daemon is short of descript
 
 
 class Connection:
-    """Requests and replies on the rank's socket, and the daemon's liveness. Not
-    thread-safe: one thread per client."""
+    """Requests and replies on the rank's socket, and the daemon's liveness. One thread
+    at a time: a request from another thread while one is being sent or waited for is
+    refused (:meth:`_turn`)."""
+
+    _turn_lock: threading.Lock | None = None  # held while a thread sends or waits (made at first use)
+    _turn_holder: int | None = None
+
+    @contextmanager
+    def _turn(self):
+        """This thread's turn at the connection for a send, a wait, or both (a call):
+        BadRequest at once if another thread's is on (two threads' reads would race on the
+        socket, and a request sent between another's send and its reply would leave its
+        reply, e.g. the pins of a lookup, unread). Nested turns of one thread pass."""
+        me = threading.get_ident()
+        if self._turn_holder == me:
+            yield
+            return
+        lock = self._turn_lock
+        if lock is None:
+            lock = self.__dict__.setdefault("_turn_lock", threading.Lock())
+        if not lock.acquire(blocking=False):
+            raise BadRequest(f"this Client is in use by another thread (thread {self._turn_holder}); a Client serves "
+                             "one thread at a time: create one per thread, or hand it over between requests",
+                             ErrorCode.BAD_ARGUMENT)
+        self._turn_holder = me
+        try:
+            yield
+        finally:
+            self._turn_holder = None
+            lock.release()
 
     @property
     def control_path(self) -> str:
@@ -60,6 +90,10 @@ class Connection:
         self._quiet.clear()
 
     def _send(self, msg_type: MsgType, fields=None, arrays=None) -> int:
+        with self._turn():
+            return self._send_now(msg_type, fields, arrays)
+
+    def _send_now(self, msg_type: MsgType, fields=None, arrays=None) -> int:
         if self._sock is None:
             if self._gone is not None:
                 raise DaemonUnavailable(self._gone)
@@ -138,6 +172,10 @@ class Connection:
             time.sleep(0.01)
 
     def _receive_until(self, req_id: int) -> None:
+        with self._turn():
+            self._receive_now(req_id)
+
+    def _receive_now(self, req_id: int) -> None:
         if self._sock is None and req_id not in self._replies:
             if self._gone is not None:
                 raise DaemonUnavailable(self._gone)
@@ -194,8 +232,9 @@ class Connection:
 
     def _receive_arrived(self) -> None:
         """Take every reply already here, without waiting."""
-        while self._sock is not None and self._sock.ready():
-            self._receive_one()
+        with self._turn():
+            while self._sock is not None and self._sock.ready():
+                self._receive_one()
 
     def _spin(self) -> bool:
         """Poll without sleeping for up to ``spin_us``; True once a reply is waiting."""
@@ -249,13 +288,14 @@ class Connection:
                                 f"for, id {header.get('id')}; raised by the next request)")
 
     def _call(self, msg_type: MsgType, fields=None, arrays=None):
-        """Send and wait; return (reply fields without the envelope, reply arrays)."""
-        req = self._send(msg_type, fields, arrays)
-        try:
-            header, arrays = self._await_reply(req)
-        except SparseKVError:
-            self._replies.pop(req, None)  # an earlier request's error was raised instead: nobody reads this one
-            raise
+        """Send and wait, in one turn; return (reply fields without the envelope, reply arrays)."""
+        with self._turn():
+            req = self._send(msg_type, fields, arrays)
+            try:
+                header, arrays = self._await_reply(req)
+            except SparseKVError:
+                self._replies.pop(req, None)  # an earlier request's error was raised instead: nobody reads this one
+                raise
         fields = header.copy()
         for k in _ENVELOPE:
             fields.pop(k, None)

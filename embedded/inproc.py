@@ -25,7 +25,7 @@ from sparsekv.proto import ErrorCode, Layout, MsgType, ProtocolError
 from sparsekv.proto.args import engine_name, whole_number
 from sparsekv.proto.blocks import KeysPlane, check_store
 
-from sparsekv.client.blocks import Blocks
+from sparsekv.client.blocks import Blocks, block_store
 from sparsekv.client.client import Attachment
 from sparsekv.client.errors import error_for
 from sparsekv.client.results import TopkResult
@@ -42,7 +42,7 @@ class InprocClient:
         self.rank = rank
         self.info = {"backend": backend, "devices": ["cpu"]}
         self.attachment: Attachment | None = None
-        self.blocks: Blocks | None = None
+        self._blocks: Blocks | None = None
         self._space: EngineSpace | None = None
         self._state = None
         self._stats = Stats()
@@ -56,10 +56,15 @@ class InprocClient:
     def connect(self) -> "InprocClient":
         return self
 
+    @property
+    def blocks(self) -> Blocks:
+        """The attached engine's block store, as the client's (NotAttached without one)."""
+        return block_store(self._blocks, self.attachment is not None)
+
     def close(self) -> None:
-        if self.blocks is not None:  # a handle kept past detach: NOT_ATTACHED, as the client's
-            self.blocks.close()
-        self.attachment = self.blocks = None
+        if self._blocks is not None:  # a handle kept past detach: NOT_ATTACHED, as the client's
+            self._blocks.close()
+        self.attachment = self._blocks = None
         self._space = self._state = None
 
     def stats(self) -> dict:
@@ -114,7 +119,7 @@ class InprocClient:
             self._space.block_size = block_size
             self._space.blocks = BlockStore(layout.host_rows // block_size, self._space.zero_blocks)
             self._space.blocks.open(0, os.getuid())
-            self.blocks = Blocks(self._block_call, engine, block_size, layout.num_layers, index_bytes)
+            self._blocks = Blocks(self._block_call, engine, block_size, layout.num_layers, index_bytes)
         if index_bytes:
             self._space.keys_plane = plane = KeysPlane.of(layout, block_size, index_bytes)
             self._space.keys = np.zeros(plane.shape, np.uint8)

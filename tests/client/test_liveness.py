@@ -161,7 +161,7 @@ def lost(run_dir):
 def serves_again(c: Client) -> None:
     """``c`` connects again and serves a new attachment as a fresh client would."""
     c.connect()
-    assert c.attachment is None and c.blocks is None
+    assert c.attachment is None and c._blocks is None
     c.attach(one_layer(64, 64), engine="again")
     c.step(0, [0])
     c.flush()

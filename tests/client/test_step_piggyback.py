@@ -63,7 +63,7 @@ def test_a_detach_that_raises_an_earlier_steps_error_still_detaches_the_client(m
         c.step(1, [0])  # ... sent alone, not waited for
         with pytest.raises(BadRequest, match="BAD_STATE_ROW"):
             c.detach()
-        assert c.attachment is None and c.blocks is None and c.stats()["attached"] == 0
+        assert c.attachment is None and c._blocks is None and c.stats()["attached"] == 0
         with pytest.raises(NotAttached):
             blocks.alloc(1)  # the handle ended here, not at the daemon
         c.attach(LAYOUT, engine="p-detach")  # and attaches again

@@ -19,7 +19,7 @@ import cli_inproc
 import helpers
 from block_engine import BS, INDEX_BYTES, LAY, Engine, tokens
 from sparsekv.bench.private_daemon import PrivateDaemon
-from sparsekv.client import BadRequest, Client, LayoutMismatch, PoolExhausted, QuotaExceeded
+from sparsekv.client import BadRequest, Client, LayoutMismatch, NotAttached, PoolExhausted, QuotaExceeded
 from sparsekv.proto import LIMITS, ErrorCode, MsgType
 
 @pytest.fixture
@@ -200,7 +200,8 @@ def test_a_request_sharing_a_prefix_its_client_pins_is_admitted_up_to_the_quota(
 def test_block_requests_need_a_store_and_valid_arguments(daemon):
     with Client(daemon.run_dir) as c:
         c.attach(LAY, engine="plain")
-        assert c.blocks is None
+        with pytest.raises(NotAttached, match="its engine has no block store"):
+            c.blocks.alloc(1)  # (a typed error, not None: found by an adversarial review)
         with Client(daemon.run_dir) as other:
             with pytest.raises(LayoutMismatch, match="no block store"):
                 other.attach(LAY, engine="plain", block_size=BS)

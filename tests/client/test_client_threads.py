@@ -1,0 +1,69 @@
+"""A Client serves one thread at a time (client/connection.py ``_turn``): a request from a
+second thread while another thread's is being sent or waited for is refused at once,
+typed, before anything is sent; a Client handed over between requests works."""
+
+import threading
+
+import pytest
+
+from sparsekv.client import BadRequest, Client
+from sparsekv.proto import ErrorCode
+
+
+def test_a_second_thread_is_refused_while_one_thread_has_its_turn(module_daemon):
+    """Found by an adversarial review: four threads' lookups and releases on one Client
+    raised RuntimeError from the socket's poll (untyped), and a lookup whose reply its
+    thread never read left its blocks pinned."""
+    with Client(module_daemon.run_dir, name="threads", timeout_s=10) as c:
+        held, done = threading.Event(), threading.Event()
+
+        def hold():
+            with c._turn():  # (what a request in flight holds: its send and its wait)
+                held.set()
+                done.wait(10)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        try:
+            assert held.wait(10)
+            sent = c._next_id
+            with pytest.raises(BadRequest, match="in use by another thread") as e:
+                c.stats()
+            assert e.value.code == ErrorCode.BAD_ARGUMENT
+            assert c._next_id == sent  # refused before anything went out
+        finally:
+            done.set()
+            t.join(10)
+        assert c.stats()["clients"] >= 1  # its turn over: served
+
+
+def test_a_client_handed_to_another_thread_between_requests_works(module_daemon):
+    with Client(module_daemon.run_dir, name="handover", timeout_s=10) as c:
+        c.stats()
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("stats", c.stats()))
+        t.start()
+        t.join(10)
+        assert out["stats"]["clients"] >= 1
+        c.stats()  # and back
+
+
+def test_blocks_without_a_store_is_not_attached_saying_why(module_daemon):
+    """Found by an adversarial review: ``c.blocks`` was None without a store, so
+    ``c.blocks.alloc(1)`` raised AttributeError (before attach, without block_size, after
+    detach and after close)."""
+    from sparsekv.client import NotAttached
+
+    import helpers
+
+    with Client(module_daemon.run_dir, name="noblocks", timeout_s=10) as c:
+        with pytest.raises(NotAttached, match="it is not attached"):
+            c.blocks.alloc(1)
+        c.attach(helpers.layout(), engine="noblocks")
+        with pytest.raises(NotAttached, match="its engine has no block store"):
+            c.blocks.alloc(1)
+        c.detach()
+        with pytest.raises(NotAttached, match="it is not attached"):
+            c.blocks.alloc(1)
+    with pytest.raises(NotAttached, match="it is not attached"):
+        c.blocks.alloc(1)  # closed
