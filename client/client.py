@@ -56,7 +56,7 @@ class Client(Connection):
         ``spin_us`` (None: 500 for a cuda rank, 0 on cpu): how long a wait for a reply
         reads the socket without sleeping before it sleeps in ``poll``."""
         self.run_dir = run_dir or default_run_dir()
-        if not isinstance(device, str) or not (device == "cpu" or re.fullmatch(r"cuda:\d+", device)):
+        if not isinstance(device, str) or not (device == "cpu" or re.fullmatch(r"cuda:[0-9]+", device)):
             raise BadRequest(f"device must be 'cpu' or 'cuda:N', got {device!r:.40}", ErrorCode.BAD_ARGUMENT)
         if spin_us is not None and (type(spin_us) is not int or not 0 <= spin_us <= 10**6):
             raise BadRequest(f"spin_us must be an integer in [0, 1000000], got {spin_us!r:.40}", ErrorCode.BAD_ARGUMENT)

@@ -54,8 +54,8 @@ class Config:
                               "in GiB (rounded to whole 2 MiB pages)", bounds=(0, 1 << 20), metavar="GIB")
     devices: str = _s("all", "cuda: GPUs to serve, 'all' or a comma list of ordinals", metavar="all|0,1,..")
     max_clients: int = _s(256, "connected clients (engine ranks) at most", bounds=(1, 1_000_000))
-    reap_interval_s: float = _s(2.0, "seconds between checks for dead client processes (they are detached)",
-                                bounds=(0, 3600), metavar="S")
+    reap_interval_s: float = _s(2.0, "seconds between checks for dead client processes (they are detached); "
+                                "more than 0.01 (less kept a core busy)", bounds=(0.01, 3600), metavar="S")
     shm_dir: str = _s("/dev/shm", "where older versions put slab files; stale ones of this run dir are removed at "
                       "start", metavar="DIR")
     kernel_cache_dir: str = _s(None, "cuda: compiled kernel cache", metavar="DIR",
@@ -296,9 +296,9 @@ def _check(f, v) -> None:
             raise ValueError(f"{f.name} must be {want}, got {shown(v)}")
     if kind == "cpus":
         parse_cpu_list(v, f.name)
-    if f.name == "devices" and v != "all" and not re.fullmatch(r"\d+(,\d+)*", v):
+    if f.name == "devices" and v != "all" and not re.fullmatch(r"[0-9]+(,[0-9]+)*", v):
         raise ValueError(f"devices must be 'all' or a comma list of ordinals, got {v!r}")
-    if f.name == "warm_row_bytes" and (not re.fullmatch(r"\d+(,\d+)*", v)
+    if f.name == "warm_row_bytes" and (not re.fullmatch(r"[0-9]+(,[0-9]+)*", v)
                                        or any(int(x) <= 0 or int(x) % 16 for x in v.split(","))):
         raise ValueError(f"warm_row_bytes must be a comma list of positive multiples of 16, got {v!r}")
 

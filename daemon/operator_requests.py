@@ -146,7 +146,8 @@ class OperatorRequests:
                 status, body = "404 Not Found", b"not found; metrics are at /metrics\n"
             else:
                 status, body, ctype = "200 OK", stats_mod.render_prometheus(self.registry).encode(), PROMETHEUS_TEXT
-            await _answer(writer, _http_response(status, body, ctype, extra, head_only=parts[0] == "HEAD"))
+            head_only = status != "400 Bad Request" and parts[0] == "HEAD"  # (no parts at all: 400)
+            await _answer(writer, _http_response(status, body, ctype, extra, head_only=head_only))
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         finally:

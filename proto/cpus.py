@@ -58,7 +58,7 @@ while True:
     pass
 """
 
-_ITEM = re.compile(r"(\d+)(?:-(\d+))?")
+_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # (ASCII digits: \d takes any script's)
 # CPU numbers accepted: glibc's cpu_set_t (CPU_SETSIZE, 1024 CPUs), which the warm loops'
 # and other native placements use.
 MAX_CPU = 1024

@@ -48,7 +48,7 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"size {text} has no unit; write e.g. \"{text}B\", 256MiB or 64GiB")
     if re.fullmatch(r"\s*-.*", text):
         raise ValueError(f"size {text.strip()!r} is negative; a size is at least 0B (e.g. 256MiB or 64GiB)")
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)  # (ASCII digits: \d takes any script's)
     number, unit = (m.group(1), m.group(2).lower()) if m else ("", "")
     if m and re.fullmatch(r"[KMGT]i?b", m.group(2)):
         raise ValueError(f"size {text.strip()!r} reads as bits (lower-case b): write {number}{m.group(2)[:-1]}B "
@@ -99,15 +99,20 @@ def format_size(n: int) -> str:
 
 
 def parse_int(text: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ValueError(f"an integer is needed, got {text!r}") from None
+    """A decimal integer in ASCII digits, optionally signed (``int()`` would also take
+    ``1_0`` and other scripts' digits)."""
+    t = text.strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", t):
+        raise ValueError(f"an integer is needed, got {text!r}")
+    return int(t)
 
 
 def parse_float(text: str) -> float:
+    t = text.strip()
+    if not re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", t, re.I):
+        raise ValueError(f"a number is needed, got {text!r}")  # (ASCII digits, no underscores)
     try:
-        v = float(text.strip())
+        v = float(t)
     except ValueError:
         raise ValueError(f"a number is needed, got {text!r}") from None
     if not math.isfinite(v):

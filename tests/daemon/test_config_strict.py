@@ -25,7 +25,8 @@ def load_toml(tmp_path, text, env=None, args=()):
 @pytest.mark.parametrize("toml, env, args, words", [
     ("reap_interval_s = nan", {}, [], "bad value for reap_interval_s: nan is not a finite number"),
     ("reap_interval_s = inf", {}, [], "bad value for reap_interval_s: inf is not a finite number"),
-    ("reap_interval_s = -1.0", {}, [], "reap_interval_s must be in (0, 3600], got -1.0"),
+    ("reap_interval_s = -1.0", {}, [], "reap_interval_s must be in (0.01, 3600], got -1.0"),
+    ("reap_interval_s = 1e-7", {}, [], "reap_interval_s must be in (0.01, 3600], got 1e-07"),
     ("", {"SPARSEKV_REAP_INTERVAL_S": "nan"}, [], "environment SPARSEKV_REAP_INTERVAL_S: bad value"),
     ("", {"SPARSEKV_REAP_INTERVAL_S": "-inf"}, [], "not a finite number"),
     ("", {}, ["--reap-interval-s", "nan"], "--reap-interval-s: bad value"),
@@ -34,6 +35,11 @@ def load_toml(tmp_path, text, env=None, args=()):
     ("max_clients = true", {}, [], "an integer is needed, got a boolean"),
     ("max_clients = 0", {}, [], "max_clients must be in [1, 1000000], got 0"),
     ("", {"SPARSEKV_MAX_CLIENTS": "2.7"}, [], "environment SPARSEKV_MAX_CLIENTS: bad value"),
+    # ASCII digits only, no underscores (found by an adversarial review: int() and \d took both)
+    ("", {"SPARSEKV_MAX_CLIENTS": "1_0"}, [], "an integer is needed, got '1_0'"),
+    ("", {}, ["--pool-size", "\u0666\u0664MiB"], "bad size"),
+    ("", {}, ["--io-cpus", "\u0661"], "is not a CPU number or range"),
+    ("", {"SPARSEKV_REAP_INTERVAL_S": "1_0.5"}, [], "a number is needed, got '1_0.5'"),
     ("ring_depth = [8]", {}, [], "an integer is needed, got an array"),
     ("reap_interval_s = true", {}, [], "a number is needed, got a boolean"),
     ("shm_dir = 5", {}, [], "bad value for shm_dir: text is needed, got an integer"),

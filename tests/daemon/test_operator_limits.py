@@ -302,3 +302,18 @@ def test_a_command_line_too_long_is_answered_and_logs_no_error(metrics_daemon, t
     assert http_get(port).startswith(b"HTTP/1.0 200 OK")
     log = (tmp_path / "d.log").read_text()
     assert " ERROR " not in log and "Traceback" not in log and "Unhandled" not in log, log
+
+
+def test_an_empty_request_line_is_a_bad_request_not_a_handler_crash(metrics_daemon, tmp_path):
+    """Found by an adversarial review: ``\\r\\n\\r\\n`` (no request line) raised IndexError in
+    the handler (no answer, seven ERROR lines in the log a request, for any local user)."""
+    d, port = metrics_daemon
+    for raw in (b"\r\n\r\n", b" \r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(raw)
+            out = b""
+            while b := s.recv(65536):
+                out += b
+        assert out.startswith(b"HTTP/1.0 400 Bad Request") and out.endswith(b"bad request line\n"), out
+    assert http_get(port).startswith(b"HTTP/1.0 200 OK")
+    assert "Traceback" not in (tmp_path / "d.log").read_text()
