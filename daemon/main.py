@@ -289,26 +289,49 @@ def would_start(cfg, sources: dict) -> int:
     log it. 0 when none refuses, else the start's exit code (2: a setting; 1: may pass at
     a later start)."""
     found: list[tuple[str, int]] = []
-    if (why := shm_dir_refusal(cfg, sources)) is not None:
+    if (why := settings_refusal(cfg, sources)) is not None:
         found.append((why, 2))
-    if (refusal := run_dir_refusal(cfg.run_dir)) is not None:
-        found.append((f"{refusal[0]} (run_dir: {sources.get('run_dir', 'default')})", refusal[1]))
     if (refusal := backend_refusal(cfg, sources)) is not None:
         found.append(refusal)
-    for check in (check_pool_fits, check_cpu_lists):
-        try:
-            check(cfg, sources)
-        except SettingRefused as e:
-            found.append((str(e), 2))
+    if (refusal := run_dir_refusal(cfg.run_dir)) is not None:
+        found.append((f"{refusal[0]} (run_dir: {sources.get('run_dir', 'default')})", refusal[1]))
     if (refusal := metrics_port_refusal(cfg, sources)) is not None:
         found.append(refusal)
+    if (why := pool_room_refusal(cfg, sources)) is not None:
+        found.append((why, 1))
     for why, _ in found:
         print(f"sparsekvd: would not start: {why}", file=sys.stderr)
     if cfg.backend == "cpu" and (ignored := config_mod.cuda_settings_ignored(sources)):
         print(f"sparsekvd: {ignored}", file=sys.stderr)
     for line in config_mod.moot_settings(cfg, sources):
         print(f"sparsekvd: {line}", file=sys.stderr)
-    return max((code for _, code in found), default=0)
+    return found[0][1] if found else 0  # the start stops at its first refusal, in this order
+
+
+def settings_refusal(cfg, sources: dict) -> str | None:
+    """The first setting that no restart makes work (exit 2), checked before anything that
+    may pass at a later start (the backend's GPUs, the run dir's lock, the metrics port,
+    the RAM free now), so that a wrong setting is never retried as a busy resource: the
+    shm dir, the pool against this machine's RAM, the CPU lists. None when all pass."""
+    if (why := shm_dir_refusal(cfg, sources)) is not None:
+        return why
+    for check in (check_pool_fits, check_cpu_lists):
+        try:
+            check(cfg, sources)
+        except SettingRefused as e:
+            return str(e)
+    return None
+
+
+def pool_room_refusal(cfg, sources: dict) -> str | None:
+    """Why the pool does not fit the RAM available now (exit 1: it may once other processes
+    are gone; ``HostPool``'s own check, made before the pool is pre-faulted and the warm
+    CPU loops start), or None."""
+    avail = psutil.virtual_memory().available
+    if cfg.pool_size <= avail:
+        return None
+    return (f"pool_size {format_size(cfg.pool_size)} ({sources.get('pool_size', 'default')}) does not fit in "
+            f"available RAM ({format_size(avail)}); lower it, or free memory")
 
 
 def check_pool_fits(cfg, sources: dict) -> None:
@@ -377,6 +400,10 @@ def main(argv=None) -> int:
         print(f"sparsekvd: {refusal}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    refusal = settings_refusal(cfg, sources)  # (would_start's order: settings, backend, lock, port, RAM)
+    if refusal is not None:
+        log.error("cannot start: %s", refusal)
+        return 2
     # Its default would kill the daemon without its clean-up; StartSignals and the loop keep it so.
     signal.signal(signal.SIGUSR1, lambda signum, frame: log_ignored(signal.SIGUSR1))
     for line in config_mod.unknown_env():
@@ -399,6 +426,8 @@ def main(argv=None) -> int:
             log.error("cannot start: %s (run_dir: %s)", e, sources.get("run_dir", "default"))
             return 2 if isinstance(e, SettingRefused) else 1
         refusal = metrics_port_refusal(cfg, sources)  # after the lock: a second daemon is told so first
+        if refusal is None and (why := pool_room_refusal(cfg, sources)) is not None:
+            refusal = (why, 1)
         if refusal is not None:
             log.error("cannot start: %s", refusal[0])
             lock.release()
@@ -406,7 +435,6 @@ def main(argv=None) -> int:
         pool = backend = pool_region = pinner = warmer = None
         try:
             warmer, io_cpus = place_io(cfg, sources)
-            check_pool_fits(cfg, sources)
             size = format_size(cfg.pool_size)
             if tail := cfg.pool_size % ALIGN_BYTES:  # engine ranges are whole 2 MiB pieces of it
                 log.warning("pool_size %s (%s) is not a multiple of %s: its last %s never hold an engine's range",

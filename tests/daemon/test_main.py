@@ -184,8 +184,39 @@ def test_a_pool_larger_than_the_ram_available_now_is_retried(monkeypatch, tmp_pa
     run = str(tmp_path / "run")
     with caplog.at_level(logging.ERROR, logger="sparsekv"):
         assert main_mod.main(["--backend", "cpu", "--run-dir", run, "--pool-size", "128MiB"]) == 1
-    assert "does not fit in available RAM (64MiB); lower pool_size" in caplog.text
+    assert "pool_size 128MiB (flag --pool-size) does not fit in available RAM (64MiB); lower it" in caplog.text
+    assert "pre-faulting" not in caplog.text
     assert not os.path.exists(run)  # the run dir it made removed
+
+
+def test_print_config_says_what_the_start_says_first_with_its_code(monkeypatch, tmp_path, capsys, caplog):
+    """Found by an adversarial review: --print-config did not check the RAM available now
+    (0 where the start exited 1), and with two refusals it gave the larger code where the
+    start stopped at its first (a setting no restart fixes was reported as retryable).
+    Settings (exit 2) now come before what may pass later (1), in both."""
+    total = psutil.virtual_memory().total
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=total, available=64 << 20))
+    monkeypatch.setattr(main_mod, "setup_logging", lambda level: None)
+    monkeypatch.setattr(main_mod, "metrics_port_refusal",
+                        lambda cfg, sources: ("metrics_port 9: in use", 1) if cfg.metrics_port == 9 else None)
+    run = str(tmp_path / "run")
+    cases = [
+        (["--pool-size", "128MiB"], 1, "does not fit in available RAM (64MiB)"),  # RAM free now: may pass later
+        (["--pool-size", "128MiB", "--metrics-port", "9"], 1, "metrics_port 9: in use"),
+        (["--pool-size", f"{2 * total}B", "--metrics-port", "9"], 2, "is more than this machine's RAM"),
+        (["--pool-size", "128MiB", "--io-cpus", ",".join(map(str, sorted(os.sched_getaffinity(0))))], 2,
+         "are all the CPUs this process may run on"),  # a setting: before the RAM free now
+    ]
+    for args, code, words in cases:
+        argv = ["--backend", "cpu", "--run-dir", run, *args]
+        assert main_mod.main([*argv, "--print-config"]) == code, args
+        first = capsys.readouterr().err.splitlines()[0]
+        assert first.startswith("sparsekvd: would not start: ") and words in first, (args, first)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="sparsekv"):
+            assert main_mod.main(argv) == code, args
+        assert words in caplog.text, (args, caplog.text)
+        assert not os.path.exists(run)
 
 
 def test_a_killed_daemon_leaves_no_slab_and_older_stale_files_are_removed(run_dir):
@@ -221,8 +252,7 @@ def test_version():
 def test_backend_cuda_without_a_gpu_fails_before_the_pool_is_prefaulted(run_dir):
     if cuda_unavailable() is None:
         pytest.skip("a GPU is usable here")
-    # 64 TiB: had the pool come first, the error would be "does not fit in available RAM"
-    r = subprocess.run([*DAEMON, "--backend", "cuda", "--run-dir", run_dir, "--pool-size", "64TiB"],
+    r = subprocess.run([*DAEMON, "--backend", "cuda", "--run-dir", run_dir, "--pool-size", "64MiB"],
                        capture_output=True, text=True, timeout=60, env=clean_env())
     # CuPy missing: no restart installs it (exit 2); a GPU the driver does not serve yet may come (1)
     assert r.returncode == (2 if cuda_probe()[1] else 1)
