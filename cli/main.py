@@ -85,7 +85,7 @@ def cmd_stats(a) -> int:
     return 0
 
 
-FREE_TEXT = ("name", "engine")  # columns of the clients / blocks tables a client names: always text
+FREE_TEXT = ("name", "engine", "device")  # columns of the clients / blocks tables a client names: always text
 
 
 def _json_value(key: str, text: str):

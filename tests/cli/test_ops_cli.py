@@ -230,7 +230,7 @@ def test_clients_json_cells_have_json_types():
 def test_names_a_client_chose_stay_text_in_json():
     """Found by a review: the name "007" came out as 7, and "²" (a digit to str.isdigit)
     failed the whole command."""
-    for key in ("name", "engine"):
+    for key in ("name", "engine", "device"):  # (device: found by an adversarial review, "12" became 12)
         for text in ("007", "²", "12"):
             assert cli._json_value(key, text) == text
     assert cli._json_value("pid", "²") == "²"
