@@ -390,7 +390,10 @@ def load_with_sources(args: argparse.Namespace | None = None, environ=None) -> t
     sources: dict[str, str] = {name: "default" for name in _FIELDS}
     if environ.get("RUNTIME_DIRECTORY"):  # what default_run_dir() reads
         sources["run_dir"] = "default (env RUNTIME_DIRECTORY, set by systemd)"
-    cfg_file = getattr(args, "config", None) or CONFIG_FILE.get(environ)
+    cfg_file = getattr(args, "config", None)
+    if cfg_file == "":  # (an empty variable is unset; an empty flag is a mistake, not "use the variable")
+        raise ConfigError("flag --config: an empty path; name the file, or leave the flag out")
+    cfg_file = cfg_file or CONFIG_FILE.get(environ)
     if cfg_file:
         for k, v in _read_file(cfg_file).items():
             values[k] = _coerce(k, v, f"config file {cfg_file}", _from_toml)

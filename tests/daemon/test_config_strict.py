@@ -37,6 +37,7 @@ def load_toml(tmp_path, text, env=None, args=()):
     ("", {"SPARSEKV_MAX_CLIENTS": "2.7"}, [], "environment SPARSEKV_MAX_CLIENTS: bad value"),
     # ASCII digits only, no underscores (found by an adversarial review: int() and \d took both)
     ("", {"SPARSEKV_MAX_CLIENTS": "1_0"}, [], "an integer is needed, got '1_0'"),
+    ("", {"SPARSEKV_CONFIG": "/nonexistent.toml"}, ["--config", ""], "flag --config: an empty path"),
     ("", {}, ["--pool-size", "\u0666\u0664MiB"], "bad size"),
     ("", {}, ["--io-cpus", "\u0661"], "is not a CPU number or range"),
     ("", {"SPARSEKV_REAP_INTERVAL_S": "1_0.5"}, [], "a number is needed, got '1_0.5'"),
