@@ -288,9 +288,7 @@ def would_start(cfg, sources: dict) -> int:
     the RAM, the CPU lists, the metrics port), each refusal on stderr as the start would
     log it. 0 when none refuses, else the start's exit code (2: a setting; 1: may pass at
     a later start)."""
-    found: list[tuple[str, int]] = []
-    if (why := settings_refusal(cfg, sources)) is not None:
-        found.append((why, 2))
+    found: list[tuple[str, int]] = [(why, 2) for why in settings_refusals(cfg, sources)]
     if (refusal := backend_refusal(cfg, sources)) is not None:
         found.append(refusal)
     if (refusal := run_dir_refusal(cfg.run_dir)) is not None:
@@ -308,19 +306,18 @@ def would_start(cfg, sources: dict) -> int:
     return found[0][1] if found else 0  # the start stops at its first refusal, in this order
 
 
-def settings_refusal(cfg, sources: dict) -> str | None:
-    """The first setting that no restart makes work (exit 2), checked before anything that
-    may pass at a later start (the backend's GPUs, the run dir's lock, the metrics port,
-    the RAM free now), so that a wrong setting is never retried as a busy resource: the
-    shm dir, the pool against this machine's RAM, the CPU lists. None when all pass."""
-    if (why := shm_dir_refusal(cfg, sources)) is not None:
-        return why
+def settings_refusals(cfg, sources: dict) -> list[str]:
+    """The settings that no restart makes work (exit 2), checked before anything that may
+    pass at a later start (the backend's GPUs, the run dir's lock, the metrics port, the
+    RAM free now), so that a wrong setting is never retried as a busy resource: the shm
+    dir, the pool against this machine's RAM, the CPU lists. Empty when all pass."""
+    found = [why] if (why := shm_dir_refusal(cfg, sources)) is not None else []
     for check in (check_pool_fits, check_cpu_lists):
         try:
             check(cfg, sources)
         except SettingRefused as e:
-            return str(e)
-    return None
+            found.append(str(e))
+    return found
 
 
 def pool_room_refusal(cfg, sources: dict) -> str | None:
@@ -400,9 +397,10 @@ def main(argv=None) -> int:
         print(f"sparsekvd: {refusal}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
-    refusal = settings_refusal(cfg, sources)  # (would_start's order: settings, backend, lock, port, RAM)
-    if refusal is not None:
-        log.error("cannot start: %s", refusal)
+    refusals = settings_refusals(cfg, sources)  # (would_start's order: settings, backend, lock, port, RAM)
+    if refusals:
+        for why in refusals:
+            log.error("cannot start: %s", why)
         return 2
     # Its default would kill the daemon without its clean-up; StartSignals and the loop keep it so.
     signal.signal(signal.SIGUSR1, lambda signum, frame: log_ignored(signal.SIGUSR1))
