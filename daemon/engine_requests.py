@@ -262,18 +262,27 @@ class EngineRequests:
         state_rows, reset, invalidate = a["state_rows"], a.get("reset"), a.get("invalidate")
         begin = functools.partial(st.begin_step, _int(h, "step"), state_rows, reset, invalidate)
         if self._host_heavy(st, state_rows, reset, invalidate):
-            yield Slow(begin, engine=s.engine)
-        else:
-            begin()
+            return self._slow_step(s, st, begin)
+        begin()
+        return self._stepped(st)
+
+    def _stepped(self, st):
         self.stats.add(steps=1, **st.prefetch_outcomes())  # prefetched rows its resets and invalidations dropped
         return {}, None
+
+    def _slow_step(self, s: Session, st, begin):
+        """A STEP's resets and invalidations on a worker thread (a heavy handler: the common
+        STEP returns its reply at once, no generator)."""
+        yield Slow(begin, engine=s.engine)
+        return self._stepped(st)
 
     def on_topk(self, s: Session, identity, h, a):
         """A TOPK, which may carry its step's STEP (``begin``), as arrays or (cuda) in the
         step block the client wrote. All or nothing: the STEP does not run if the TOPK
-        cannot. A failed device-wait TOPK still releases its client's stream."""
+        cannot. A failed device-wait TOPK still releases its client's stream (a cuda
+        rank's: never a heavy handler, whose errors come later, at its yield)."""
         try:
-            return (yield from self._topk(s, h, a))
+            return self._topk(s, h, a)
         except Exception:
             if h.get("done") is not None:
                 release_device_wait(s, h)
@@ -294,39 +303,49 @@ class EngineRequests:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "done must be an integer in [0, 2**32)")
             fields, arrays, deltas = st.serve_topk_block(step, group, block, begin, fence, done)
             self.stats.c["steps"] += begin
-        else:
-            if "topk" not in a:
-                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
-            state_rows, topk = a.get("state_rows"), a["topk"]
-            if topk.ndim:  # before any work: rows of padding cost as much as live ones
-                _batch_fits(st, topk.shape[0])
-            reset, invalidate = a.get("reset"), a.get("invalidate")
+            return self._served(st, fields, arrays, deltas)
+        if "topk" not in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "TOPK needs the topk array")
+        state_rows, topk = a.get("state_rows"), a["topk"]
+        if topk.ndim:  # before any work: rows of padding cost as much as live ones
+            _batch_fits(st, topk.shape[0])
+        reset, invalidate = a.get("reset"), a.get("invalidate")
+        if begin:
+            if state_rows is None:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TOPK that begins a step needs the state_rows array")
+            _batch_fits(st, state_rows.size)
+            st.check_fence(fence)
+        elif "reset" in a or "invalidate" in a:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT,
+                                "reset and invalidate go with a TOPK only when it begins a step")
+        began = []
+
+        def serve():
+            rows = state_rows
             if begin:
-                if state_rows is None:
-                    raise ProtocolError(ErrorCode.BAD_ARGUMENT, "a TOPK that begins a step needs the state_rows array")
-                _batch_fits(st, state_rows.size)
-                st.check_fence(fence)
-            elif "reset" in a or "invalidate" in a:
-                raise ProtocolError(ErrorCode.BAD_ARGUMENT,
-                                    "reset and invalidate go with a TOPK only when it begins a step")
+                st.begin_step(step, rows, reset, invalidate, then=(group, topk))
+                began.append(step)
+                rows = None  # the step has begun: resolve against its state rows
+            return st.serve_topk(step, group, topk, rows, fence)
 
-            began = []
+        if self._host_heavy(st, state_rows if begin else None, reset, invalidate, topk):
+            return self._slow_topk(s, st, serve, began)
+        try:
+            fields, arrays, deltas = serve()
+        finally:
+            self.stats.c["steps"] += len(began)
+        return self._served(st, fields, arrays, deltas)
 
-            def serve():
-                rows = state_rows
-                if begin:
-                    st.begin_step(step, rows, reset, invalidate, then=(group, topk))
-                    began.append(step)
-                    rows = None  # the step has begun: resolve against its state rows
-                return st.serve_topk(step, group, topk, rows, fence)
+    def _slow_topk(self, s: Session, st, serve, began: list):
+        """A TOPK's resolve and gather (and the STEP it begins) on a worker thread."""
+        try:
+            fields, arrays, deltas = yield Slow(serve, engine=s.engine)
+        finally:
+            self.stats.c["steps"] += len(began)  # (on the loop, as every counter)
+        return self._served(st, fields, arrays, deltas)
 
-            try:
-                if self._host_heavy(st, state_rows if begin else None, reset, invalidate, topk):
-                    fields, arrays, deltas = yield Slow(serve, engine=s.engine)
-                else:
-                    fields, arrays, deltas = serve()
-            finally:
-                self.stats.c["steps"] += len(began)  # (on the loop: a slow part's too)
+    def _served(self, st, fields, arrays, deltas):
+        """A TOPK's reply; its counters added, its rank's prefetch left to run after it."""
         if st.pending_prefetch is not None:
             self.prefetching.append(st)
         c = self.stats.c
