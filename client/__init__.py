@@ -4,6 +4,7 @@ from .blocks import Blocks
 from .client import Attachment, Client, Pending, TopkResult
 from .errors import (
     BadRequest,
+    ClientInUse,
     DaemonUnavailable,
     DeviceMappingFailed,
     LayoutMismatch,
@@ -19,7 +20,7 @@ from .errors import (
 )
 
 __all__ = [
-    "Attachment", "BadRequest", "Blocks", "Client", "DaemonUnavailable", "DeviceMappingFailed", "LayoutMismatch", "NotAttached",
+    "Attachment", "BadRequest", "Blocks", "Client", "ClientInUse", "DaemonUnavailable", "DeviceMappingFailed", "LayoutMismatch", "NotAttached",
     "Pending", "PermissionDenied", "PoolExhausted", "PoolFull", "ProtocolMismatch", "QuotaExceeded", "SparseKVError",
     "TopkResult", "TpLag", "TpMismatch",
 ]

@@ -22,7 +22,7 @@ from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError, decode, en
 from sparsekv.proto.args import CARRIED
 from sparsekv.proto.run_dir import lock_holder
 
-from .errors import BadRequest, DaemonUnavailable, SparseKVError, error_for
+from .errors import BadRequest, ClientInUse, DaemonUnavailable, SparseKVError, error_for
 from .wire import Wire, WireClosed, connect_unix
 
 _ENVELOPE = frozenset({"v", "t", "id", "ok", "tr", "tx"})
@@ -53,11 +53,11 @@ class Connection:
         if lock is None:
             lock = self.__dict__.setdefault("_turn_lock", threading.Lock())
         if not lock.acquire(blocking=False):
-            raise BadRequest(f"this Client is in use by another thread (thread {self._turn_holder}); a Client serves "
-                             "one thread at a time: create one per thread, or hand it over between requests",
-                             ErrorCode.BAD_ARGUMENT)
-        self._turn_holder = me
-        try:
+            raise ClientInUse(f"this Client is in use by another thread (thread {self._turn_holder}); a Client serves "
+                              "one thread at a time: create one per thread, or hand it over between requests",
+                              ErrorCode.BAD_ARGUMENT)
+        try:  # (at once: an interruption after the acquire must not keep the lock)
+            self._turn_holder = me
             yield
         finally:
             self._turn_holder = None

@@ -76,6 +76,12 @@ class BadRequest(SparseKVError):
     """The request was malformed or out of range (BAD_* , DUPLICATE_IDS, TOO_LARGE...)."""
 
 
+class ClientInUse(BadRequest):
+    """A request from a second thread while another thread's is being sent or awaited on
+    the same client (a client serves one thread at a time): refused before anything was
+    sent; the same call from the thread holding the client, or later, goes through."""
+
+
 class TpMismatch(BadRequest):
     """This rank's step or top-k batch differs from its TP group's peers' at the same point
     (``attach(..., tp_size=n)``): nothing ran and the rank stays where it was (a ``topk()``

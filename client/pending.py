@@ -3,7 +3,7 @@ whose result needs no reply (:class:`Ready`, device wait)."""
 
 from __future__ import annotations
 
-from .errors import DaemonUnavailable, SparseKVError
+from .errors import ClientInUse, DaemonUnavailable, SparseKVError
 
 
 class Pending:
@@ -24,7 +24,10 @@ class Pending:
             try:
                 header, arrays = self._client._await_reply(self._id)
             except SparseKVError as e:
-                # Its own reply (read once), not another request's error nor a lost daemon.
+                # Its own reply (read once), not another request's error, a lost daemon, nor
+                # another thread holding the client (the wait may be made again).
+                if isinstance(e, ClientInUse):
+                    raise
                 if not isinstance(e, DaemonUnavailable) and self._id not in self._client._replies:
                     self._error = e
                 self._raised = True

@@ -244,8 +244,10 @@ class EngineRequests:
         every group) or TOPK (its resolve and gather, the STEP it begins) is host work of
         ``heavy_slots`` or more: then it runs on a worker thread, its engine's and its
         session's later requests waiting for it (one STEP over 4,096 regions of 2,048
-        slots took 3 s on the loop). Sizes only: the arrays are checked where they are used."""
-        if not st.host_memory:
+        slots took 3 s on the loop). Sizes only: the arrays are checked where they are used.
+        Not a TP rank's: its group's state and the uid's TP ledger are shared beyond its
+        engine (its peers leave on the loop), so it stays there."""
+        if not st.host_memory or st.tp is not None:
             return False
         lay = st.residency.layout
         work = topk.size if topk is not None else 0

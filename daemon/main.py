@@ -392,10 +392,6 @@ def main(argv=None) -> int:
     if args.print_config:
         sys.stdout.write(cfg.to_toml(sources) + "".join(f"# {line}\n" for line in config_mod.unknown_env()))
         return would_start(cfg, sources)
-    refusal = shm_dir_refusal(cfg, sources)
-    if refusal is not None:
-        print(f"sparsekvd: {refusal}", file=sys.stderr)
-        return 2
     setup_logging(cfg.log_level)
     refusals = settings_refusals(cfg, sources)  # (would_start's order: settings, backend, lock, port, RAM)
     if refusals:

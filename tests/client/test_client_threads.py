@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from sparsekv.client import BadRequest, Client
+from sparsekv.client import BadRequest, Client, ClientInUse
 from sparsekv.proto import ErrorCode
 
 
@@ -67,3 +67,33 @@ def test_blocks_without_a_store_is_not_attached_saying_why(module_daemon):
             c.blocks.alloc(1)
     with pytest.raises(NotAttached, match="it is not attached"):
         c.blocks.alloc(1)  # closed
+
+
+def test_a_pendings_wait_refused_for_another_threads_turn_can_be_made_again(module_daemon):
+    """Found by a review: the refusal was kept as the request's own error, so every later
+    wait raised it and the reply stayed unread."""
+    import helpers
+
+    with Client(module_daemon.run_dir, name="pending", timeout_s=10) as c:
+        lay = helpers.layout()
+        c.attach(lay, engine="pending")
+        c.step(0, [0, 1])
+        p = c.submit_topk(0, 0, [[1, 2, 3, 4], [5, 6, 7, 8]])
+        held, done = threading.Event(), threading.Event()
+
+        def hold():
+            with c._turn():
+                held.set()
+                done.wait(10)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        try:
+            assert held.wait(10)
+            with pytest.raises(ClientInUse):
+                p.wait()
+        finally:
+            done.set()
+            t.join(10)
+        r = p.wait()  # the client free again: its reply
+        assert (r.slots >= 0).all() and int(r.misses.sum()) == 8

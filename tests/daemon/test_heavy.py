@@ -422,3 +422,20 @@ def test_a_heavy_cpu_topk_prefetches_before_its_sessions_next_request():
             results.append((misses, c.stats()["prefetch_hits"]))
         rng = np.random.default_rng(4)
     assert results[0] == results[1] and results[0][1] > 0, results
+
+
+def test_a_tp_ranks_step_stays_on_the_loop_whatever_its_size():
+    """Found by a review: a TP rank's work on a worker thread raced the uid's TP ledger
+    (shared by its engines) and its peers' leaving (on the loop): it is never heavy."""
+    from types import SimpleNamespace
+
+    from sparsekv.daemon.engine_requests import EngineRequests
+
+    er = EngineRequests.__new__(EngineRequests)
+    er.heavy_slots = 1
+    lay = SimpleNamespace(num_groups=2, region_stride=8)
+    rows, inv = np.arange(2, dtype=np.int32), np.zeros((2, 1), np.int32)
+    plain = SimpleNamespace(host_memory=True, tp=None, residency=SimpleNamespace(layout=lay))
+    assert er._host_heavy(plain, rows, None, inv)
+    assert not er._host_heavy(SimpleNamespace(host_memory=True, tp=object(), residency=plain.residency), rows, None, inv)
+    assert not er._host_heavy(SimpleNamespace(host_memory=False, tp=None, residency=plain.residency), rows, None, inv)
