@@ -21,7 +21,7 @@ from sparsekv.proto.args import engine_name, hello_text
 from .blocks import Blocks, block_store
 from .connection import Connection, open_wire, start_time
 from .cuda_attach import CudaAttachment, bus_id_of, local_device
-from .device_wait import DeviceWaitWatch
+from .device_wait import DeviceWaits
 from .doorbell import DoorbellSwapIn
 from .errors import BadRequest, DaemonUnavailable, DeviceMappingFailed, ProtocolMismatch, SparseKVError
 from .keys_load import KeysLoader
@@ -42,7 +42,7 @@ def default_run_dir() -> str:
     return RUN_DIR.get()
 
 
-class Client(Connection):
+class Client(Connection, DeviceWaits):
     """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
@@ -330,30 +330,6 @@ class Client(Connection):
         h = DoorbellSwapIn(self, **kw)
         self._handles.append(h)  # closed before the rank's memory is unmapped
         return h
-
-    def _watch_device_waits(self) -> None:
-        """Start (once per attachment) the thread that releases this rank's device waits
-        if the daemon dies: a stream waiting on a done word must never wait for ever."""
-        if any(isinstance(h, DeviceWaitWatch) for h in self._handles):
-            return
-        self._handles.append(DeviceWaitWatch(self._daemon_dead, self._release_device_waits))
-
-    def _raise_if_watch_gone(self) -> None:
-        """The device-wait watcher found the daemon gone: this client is lost (raises)."""
-        for h in self._handles:
-            if isinstance(h, DeviceWaitWatch) and h.gone is not None:
-                self._lost(h.gone)
-
-    def _release_device_waits(self) -> None:
-        """The daemon is gone: release this rank's device waits (``CudaAttachment.release_done``),
-        unless its process still lives (then its own stream sets the words)."""
-        att = self.attachment
-        if att is None or not att.caps.device or self._process_alive() is True:
-            return
-        try:
-            att.release_done()
-        except Exception as e:  # noqa: BLE001 - nothing more can be done for them
-            log.error("could not release the device waits of a lost daemon: %r", e)
 
     def _close_handles(self) -> None:
         """Close the rank's device handles: their threads write into its memory."""

@@ -50,3 +50,32 @@ class DeviceWaitWatch:
         self._closed.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
+
+
+class DeviceWaits:
+    """The client's side of it (a mixin of :class:`~sparsekv.client.Client`: its
+    ``_handles``, ``attachment``, ``_daemon_dead``, ``_process_alive`` and ``_lost``)."""
+
+    def _watch_device_waits(self) -> None:
+        """Start (once per attachment) the thread that releases this rank's device waits
+        if the daemon dies: a stream waiting on a done word must never wait for ever."""
+        if any(isinstance(h, DeviceWaitWatch) for h in self._handles):
+            return
+        self._handles.append(DeviceWaitWatch(self._daemon_dead, self._release_device_waits))
+
+    def _raise_if_watch_gone(self) -> None:
+        """The device-wait watcher found the daemon gone: this client is lost (raises)."""
+        for h in self._handles:
+            if isinstance(h, DeviceWaitWatch) and h.gone is not None:
+                self._lost(h.gone)
+
+    def _release_device_waits(self) -> None:
+        """The daemon is gone: release this rank's device waits (``CudaAttachment.release_done``),
+        unless its process still lives (then its own stream sets the words)."""
+        att = self.attachment
+        if att is None or not att.caps.device or self._process_alive() is True:
+            return
+        try:
+            att.release_done()
+        except Exception as e:  # noqa: BLE001 - nothing more can be done for them
+            log.error("could not release the device waits of a lost daemon: %r", e)

@@ -28,6 +28,7 @@ import helpers
 from sparsekvd_proc import DAEMON, clean_env, log_text, run_dir, sparsekvd, wait_serving  # noqa: F401 (a fixture)
 from sparsekv.client import Client
 from sparsekv.daemon import main as main_mod
+from sparsekv.daemon import start_checks
 from sparsekv.daemon.backends import cuda_probe, cuda_unavailable, run_dir_tag
 from sparsekv.daemon.config import Config
 from sparsekv.daemon.main import JournalFormatter, UtcFormatter, log_handler, on_journald
@@ -197,7 +198,7 @@ def test_print_config_says_what_the_start_says_first_with_its_code(monkeypatch, 
     total = psutil.virtual_memory().total
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=total, available=64 << 20))
     monkeypatch.setattr(main_mod, "setup_logging", lambda level: None)
-    monkeypatch.setattr(main_mod, "metrics_port_refusal",
+    monkeypatch.setattr(start_checks, "metrics_port_refusal",
                         lambda cfg, sources: ("metrics_port 9: in use", 1) if cfg.metrics_port == 9 else None)
     run = str(tmp_path / "run")
     cases = [
@@ -466,7 +467,7 @@ def test_a_metrics_port_the_sandbox_forbids_is_one_line_naming_the_drop_in(monke
             raise PermissionError(1, "Operation not permitted")
         return real(family, *a, **kw)
 
-    monkeypatch.setattr(main_mod.socket, "socket", af_unix_only)
+    monkeypatch.setattr(start_checks.socket, "socket", af_unix_only)
     monkeypatch.setattr(main_mod, "setup_logging", lambda level: None)
     run = str(tmp_path / "run")
     with caplog.at_level(logging.ERROR, logger="sparsekv"):
@@ -490,7 +491,7 @@ def test_a_metrics_port_this_user_may_not_take_exits_2_and_a_taken_one_1(monkeyp
 
     monkeypatch.setattr(main_mod, "setup_logging", lambda level: None)
     for err, code in ((errno_mod.EACCES, 2), (errno_mod.EADDRINUSE, 1)):
-        monkeypatch.setattr(main_mod.socket, "socket", refusing(err))
+        monkeypatch.setattr(start_checks.socket, "socket", refusing(err))
         run = str(tmp_path / f"run{err}")
         assert main_mod.main(["--backend", "cpu", "--run-dir", run, "--pool-size", "64MiB",
                               "--metrics-port", "80"]) == code
@@ -520,7 +521,7 @@ def test_devices_naming_gpus_not_visible_are_refused_before_the_pool_for_auto_an
     monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(
         cuda=SimpleNamespace(runtime=SimpleNamespace(getDeviceCount=lambda: 1))))
     for backend in ("auto", "cuda"):
-        assert main_mod.backend_refusal(Config(backend=backend, devices="0,3"), {"devices": "file x.toml"}) == (
+        assert start_checks.backend_refusal(Config(backend=backend, devices="0,3"), {"devices": "file x.toml"}) == (
             "devices 0,3 (file x.toml) names GPU(s) [3], but 1 are visible", 1)
-        assert main_mod.backend_refusal(Config(backend=backend, devices="0"), {}) is None
-    assert main_mod.backend_refusal(Config(backend="cpu", devices="3"), {}) is None
+        assert start_checks.backend_refusal(Config(backend=backend, devices="0"), {}) is None
+    assert start_checks.backend_refusal(Config(backend="cpu", devices="3"), {}) is None

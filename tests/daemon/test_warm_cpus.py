@@ -215,8 +215,9 @@ def test_cpu_quota_reads_the_smallest_of_the_cgroup_and_its_ancestors(tmp_path):
 
 def test_daemon_refuses_warm_loops_that_would_eat_its_cpu_quota(monkeypatch):
     from sparsekv.daemon import main as main_mod
+    from sparsekv.daemon import start_checks
 
-    monkeypatch.setattr(main_mod, "cpu_quota", lambda: 2.0)
+    monkeypatch.setattr(start_checks, "cpu_quota", lambda: 2.0)
     with pytest.raises(main_mod.SettingRefused, match=r"would spend 2 of the 2 CPUs of run time.*\(warm_cpus: file x\)"):
         main_mod.place_io(Config(warm_cpus=f"{ALLOWED[0]},{ALLOWED[-1]}" if len(ALLOWED) > 1 else "0-1").validate(),
                           {"warm_cpus": "file x"})
