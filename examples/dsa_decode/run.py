@@ -401,7 +401,8 @@ def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str
         def write(rows: torch.Tensor, data: torch.Tensor) -> None:
             client.write(rows.cpu().numpy().astype(np.int32), data.cpu().numpy())  # all layers
 
-        yield Engine("sparsekv", model, handle, write, layout.host_rows, resident, client.blocks)
+        yield Engine("sparsekv", model, handle, write, layout.host_rows, resident,
+                     client.blocks if block_size else None)  # (no block size: no store, NotAttached)
         handle.check()
 
 
