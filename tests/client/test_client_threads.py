@@ -2,6 +2,7 @@
 second thread while another thread's is being sent or waited for is refused at once,
 typed, before anything is sent; a Client handed over between requests works."""
 
+import contextlib
 import threading
 
 import pytest
@@ -10,30 +11,38 @@ from sparsekv.client import BadRequest, Client, ClientInUse
 from sparsekv.proto import ErrorCode
 
 
+@contextlib.contextmanager
+def turn_held_elsewhere(c: Client):
+    """Another thread holds ``c``'s turn (as a request in flight does: its send and its
+    wait) for the body, then lets it go."""
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with c._turn():
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(10)
+        yield
+    finally:
+        done.set()
+        t.join(10)
+
+
 def test_a_second_thread_is_refused_while_one_thread_has_its_turn(module_daemon):
     """Found by an adversarial review: four threads' lookups and releases on one Client
     raised RuntimeError from the socket's poll (untyped), and a lookup whose reply its
     thread never read left its blocks pinned."""
     with Client(module_daemon.run_dir, name="threads", timeout_s=10) as c:
-        held, done = threading.Event(), threading.Event()
-
-        def hold():
-            with c._turn():  # (what a request in flight holds: its send and its wait)
-                held.set()
-                done.wait(10)
-
-        t = threading.Thread(target=hold)
-        t.start()
-        try:
-            assert held.wait(10)
+        with turn_held_elsewhere(c):
             sent = c._next_id
             with pytest.raises(BadRequest, match="in use by another thread") as e:
                 c.stats()
             assert e.value.code == ErrorCode.BAD_ARGUMENT
             assert c._next_id == sent  # refused before anything went out
-        finally:
-            done.set()
-            t.join(10)
         assert c.stats()["clients"] >= 1  # its turn over: served
 
 
@@ -79,21 +88,8 @@ def test_a_pendings_wait_refused_for_another_threads_turn_can_be_made_again(modu
         c.attach(lay, engine="pending")
         c.step(0, [0, 1])
         p = c.submit_topk(0, 0, [[1, 2, 3, 4], [5, 6, 7, 8]])
-        held, done = threading.Event(), threading.Event()
-
-        def hold():
-            with c._turn():
-                held.set()
-                done.wait(10)
-
-        t = threading.Thread(target=hold)
-        t.start()
-        try:
-            assert held.wait(10)
+        with turn_held_elsewhere(c):
             with pytest.raises(ClientInUse):
                 p.wait()
-        finally:
-            done.set()
-            t.join(10)
         r = p.wait()  # the client free again: its reply
         assert (r.slots >= 0).all() and int(r.misses.sum()) == 8
