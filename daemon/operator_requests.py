@@ -113,6 +113,8 @@ class OperatorRequests:
             await _answer(writer, out.encode())
         except (asyncio.TimeoutError, ConnectionError):
             pass
+        except asyncio.CancelledError:  # the daemon stops: a connection still open ends with it
+            pass  # (re-raised, asyncio's callback would log a traceback for each one)
         finally:
             self.slots.give(peer, reserved)
             writer.close()
@@ -149,6 +151,8 @@ class OperatorRequests:
             head_only = status != "400 Bad Request" and parts[0] == "HEAD"  # (no parts at all: 400)
             await _answer(writer, _http_response(status, body, ctype, extra, head_only=head_only))
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        except asyncio.CancelledError:  # the daemon stops (as stats_client)
             pass
         finally:
             self.http_open -= 1

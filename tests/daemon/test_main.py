@@ -525,3 +525,24 @@ def test_devices_naming_gpus_not_visible_are_refused_before_the_pool_for_auto_an
             "devices 0,3 (file x.toml) names GPU(s) [3], but 1 are visible", 1)
         assert start_checks.backend_refusal(Config(backend=backend, devices="0"), {}) is None
     assert start_checks.backend_refusal(Config(backend="cpu", devices="3"), {}) is None
+
+
+def test_a_stop_with_stats_connections_open_logs_no_traceback(run_dir):
+    """Found by an adversarial review: each stats connection still open at SIGTERM (its
+    handler waiting for a command) logged an asyncio ERROR with a CancelledError traceback."""
+    import socket as socket_mod
+
+    with sparsekvd(run_dir) as p:
+        wait_serving(run_dir, p)
+        idle = []
+        for _ in range(4):
+            s = socket_mod.socket(socket_mod.AF_UNIX)
+            s.connect(os.path.join(run_dir, "stats.sock"))
+            idle.append(s)
+        helpers.wait_for(lambda: helpers.stats_json(run_dir)["pid"] == p.pid, 10, what="the daemon's answer")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+        text = log_text(p)
+        for s in idle:
+            s.close()
+    assert " ERROR " not in text and "Traceback" not in text, text
