@@ -339,11 +339,17 @@ class EngineRequests:
         return self._served(st, fields, arrays, deltas)
 
     def _slow_topk(self, s: Session, st, serve, began: list):
-        """A TOPK's resolve and gather (and the STEP it begins) on a worker thread."""
+        """A TOPK's resolve and gather (and the STEP it begins) on a worker thread, then the
+        prefetch it leaves there too, before its reply: a batch this large would hold the
+        loop as long in the prefetch after it (the engine waits for it instead)."""
         try:
             fields, arrays, deltas = yield Slow(serve, engine=s.engine)
         finally:
             self.stats.c["steps"] += len(began)  # (on the loop, as every counter)
+        if st.pending_prefetch is not None:
+            deltas = dict(deltas)
+            for k, v in (yield Slow(functools.partial(_prefetch_quietly, st), engine=s.engine)).items():
+                deltas[k] = deltas.get(k, 0) + v
         return self._served(st, fields, arrays, deltas)
 
     def _served(self, st, fields, arrays, deltas):
@@ -414,6 +420,16 @@ class EngineRequests:
             nbytes = st.stage(a["rows"], layers)
         self.stats.add(rows_staged=nbytes // st.residency.layout.row_bytes)
         return {"bytes": nbytes}, None
+
+
+def _prefetch_quietly(st) -> dict:
+    """``st.run_prefetch()``'s counter deltas; a prefetch that fails is logged and dropped,
+    as :meth:`EngineRequests.run_prefetches` drops it (the TOPK it follows stands)."""
+    try:
+        return st.run_prefetch()
+    except Exception:  # noqa: BLE001 - the state is what the resolve left
+        log.exception("prefetch of rank %d failed; dropped", st.rank)
+        return {}
 
 
 def release_device_wait(session, header: dict) -> None:

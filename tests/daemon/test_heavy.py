@@ -400,10 +400,17 @@ def test_a_heavy_cpu_step_runs_off_the_loop_and_its_sessions_topk_waits_for_it(r
         a.close()
 
 
-def test_a_heavy_cpu_topk_prefetches_before_its_sessions_next_request():
-    """A TOPK run on a worker thread (every one here) leaves its prefetch to run once its
-    reply is out, before the session's next TOPK reaches the rank: the misses of every
+def test_a_heavy_cpu_topk_prefetches_before_its_sessions_next_request(monkeypatch):
+    """A TOPK run on a worker thread (every one here) runs its prefetch there too, before
+    its reply and so before the session's next TOPK reaches the rank: the misses of every
     group equal those of the same steps served on the loop."""
+    real, threads = engine_mod.RankState.run_prefetch, []
+
+    def recorded(self):
+        threads.append(threading.current_thread())
+        return real(self)
+
+    monkeypatch.setattr(engine_mod.RankState, "run_prefetch", recorded)
     groups = ((0,), (1,), (2,))
     lay = helpers.layout(num_layers=3, top_k=4, region_stride=8, max_reqs=2, host_rows=64, index_groups=groups)
     rng = np.random.default_rng(4)
@@ -420,6 +427,9 @@ def test_a_heavy_cpu_topk_prefetches_before_its_sessions_next_request():
                 for g in range(3):
                     misses.append(int(c.topk(t, g, base).misses.sum()))
             results.append((misses, c.stats()["prefetch_hits"]))
+            ran = [t is not d.thread for t in threads]  # (d.thread: the daemon's loop)
+            threads.clear()
+            assert ran and set(ran) == {slots == 1}, ran  # heavy: every one on a worker; else every one on the loop
         rng = np.random.default_rng(4)
     assert results[0] == results[1] and results[0][1] > 0, results
 
