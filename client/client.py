@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 
 import numpy as np
 
@@ -43,7 +44,8 @@ def default_run_dir() -> str:
 
 
 class Client(Connection, DeviceWaits):
-    """One engine rank's connection to sparsekvd. Not thread-safe: one thread per Client."""
+    """One engine rank's connection to sparsekvd. One thread at a time: another thread's
+    request while one is in flight raises ClientInUse (Connection._turn)."""
 
     def __init__(self, run_dir: str | None = None, *, rank: int = 0, device: str = "cpu",
                  name: str = "", timeout_s: float = 30.0, spin_us: int | None = None,
@@ -78,6 +80,8 @@ class Client(Connection, DeviceWaits):
         self._handles: list = []  # device handles made by doorbell_handle (closed at detach)
         self._sock: Wire | None = None
         self._owner_pid = 0  # the process that connected
+        self._turn_lock = threading.Lock()  # held while a thread sends or waits (Connection._turn)
+        self._turn_holder: int | None = None
         self._next_id = 1
         self._replies: dict[int, tuple] = {}
         self._abandoned: set[int] = set()  # requests whose Pending was dropped unread: an error raised later

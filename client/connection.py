@@ -36,13 +36,10 @@ class Connection:
     at a time: a request from another thread while one is being sent or waited for is
     refused (:meth:`_turn`)."""
 
-    _turn_lock: threading.Lock | None = None  # held while a thread sends or waits (made at first use)
-    _turn_holder: int | None = None
-
     @contextmanager
     def _turn(self):
         """This thread's turn at the connection for a send, a wait, or both (a call):
-        BadRequest at once if another thread's is on (two threads' reads would race on the
+        ClientInUse at once if another thread's is on (two threads' reads would race on the
         socket, and a request sent between another's send and its reply would leave its
         reply, e.g. the pins of a lookup, unread). Nested turns of one thread pass."""
         me = threading.get_ident()
@@ -50,8 +47,6 @@ class Connection:
             yield
             return
         lock = self._turn_lock
-        if lock is None:
-            lock = self.__dict__.setdefault("_turn_lock", threading.Lock())
         if not lock.acquire(blocking=False):
             raise ClientInUse(f"this Client is in use by another thread (thread {self._turn_holder}); a Client serves "
                               "one thread at a time: create one per thread, or hand it over between requests",

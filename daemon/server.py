@@ -419,8 +419,6 @@ class Daemon:
             return  # stopping
         if out is not None:
             self._send(job.identity, out)
-        if self.engine_requests.prefetching:  # a TOPK's: before the requests that waited reach its rank
-            self.engine_requests.run_prefetches()
         if self.exit_code:  # a fatal error: run nothing more (serve() is stopping)
             return
         self._serve_waiting(last=job.identity)

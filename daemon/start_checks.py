@@ -111,8 +111,8 @@ def pool_room_refusal(cfg, sources: dict) -> str | None:
 
 def check_pool_fits(cfg, sources: dict) -> None:
     """SettingRefused when ``pool_size`` is more than this machine's RAM (no restart makes
-    it fit; more than the RAM available now is the pool's own refusal, exit 1: it may fit
-    once other processes are gone)."""
+    it fit; more than the RAM available now is :func:`pool_room_refusal`'s, exit 1: it may
+    fit once other processes are gone)."""
     total = psutil.virtual_memory().total
     if cfg.pool_size > total:
         raise SettingRefused(f"pool_size {format_size(cfg.pool_size)} ({sources.get('pool_size', 'default')}) is "

@@ -111,10 +111,7 @@ def parse_float(text: str) -> float:
     t = text.strip()
     if not re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", t, re.I):
         raise ValueError(f"a number is needed, got {text!r}")  # (ASCII digits, no underscores)
-    try:
-        v = float(t)
-    except ValueError:
-        raise ValueError(f"a number is needed, got {text!r}") from None
+    v = float(t)
     if not math.isfinite(v):
         raise ValueError(f"{text.strip()} is not a finite number")
     return v

@@ -171,7 +171,7 @@ class KeyIndex:
         order = np.argsort(start, kind="stable")  # (in table order the starts are nearly sorted)
         s = start[order]
         n = np.arange(s.size)
-        pos = np.maximum.accumulate(s - n) + n if s.size else s
+        pos = np.maximum.accumulate(s - n) + n
         inside = pos < self.size
         at, keys = pos[inside], order[inside]
         self.lo[at], self.hi[at], self.block[at] = lo[keys], hi[keys], block[keys]
