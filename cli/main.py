@@ -90,12 +90,12 @@ FREE_TEXT = ("name", "engine", "device")  # columns of the clients / blocks tabl
 
 def _json_value(key: str, text: str):
     """A cell of the clients or blocks table as JSON: ``attached`` as a boolean, ``-``
-    (none) as null except in the free-text ``name``, the rest of the text a client chose
-    (:data:`FREE_TEXT`) as it is, decimal numbers elsewhere as numbers."""
+    (none) as null except in ``name``, where it is the empty name, the rest of the text a
+    client chose (:data:`FREE_TEXT`) as it is, decimal numbers elsewhere as numbers."""
     if key == "attached":
         return text == "yes"
-    if text == "-" and key != "name":  # (no engine is named "-": proto.args.engine_name)
-        return None
+    if text == "-":  # (no engine, device or name is "-": proto.args.engine_name, hello_text)
+        return "" if key == "name" else None
     if key in FREE_TEXT:
         return text
     return int(text) if re.fullmatch(r"-?[0-9]+", text) else text

@@ -137,9 +137,12 @@ def engine_name(v) -> str:
 def hello_text(field: str, v) -> str:
     """A HELLO's ``device`` or ``name``: text of at most 128 characters that UTF-8 can
     carry, without control characters, tabs, line breaks or bidi controls (the daemon's log
-    and the operator's tables print it on one line, in order); empty allowed."""
+    and the operator's tables print it on one line, in order); empty allowed, "-" not (the
+    tables show an empty one so)."""
     if not isinstance(v, str) or len(v) > MAX_NAME_CHARS:
         raise ValueError(f"{field} must be a string of at most {MAX_NAME_CHARS} characters, got {v!r:.40}")
+    if v == "-":
+        raise ValueError(f"{field} must not be \"-\": the operator's tables show an empty {field} so")
     _one_cell(field, "text", v)
     return str.__str__(v)
 

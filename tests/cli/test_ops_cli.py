@@ -224,7 +224,7 @@ def test_clients_json_is_a_list_of_clients(module_daemon):
 
 def test_clients_json_cells_have_json_types():
     assert [cli._json_value(k, v) for k, v in (("attached", "no"), ("engine", "-"), ("pid", "12"), ("name", "-"),
-                                               ("device", "cpu"), ("uid", "-3"))] == [False, None, 12, "-", "cpu", -3]
+                                               ("device", "cpu"), ("uid", "-3"))] == [False, None, 12, "", "cpu", -3]
 
 
 def test_names_a_client_chose_stay_text_in_json():
@@ -250,6 +250,25 @@ def test_a_client_name_with_a_line_separator_is_refused_and_no_row_is_forged(mod
     r = cli_inproc.run("clients", "--json", "--run-dir", module_daemon.run_dir)
     assert r.returncode == 0, r.stderr
     assert not [row for row in json.loads(r.stdout) if "forged" in str(row.get("name"))]
+
+
+def test_a_client_named_dash_is_refused_and_an_empty_name_lists_as_empty(module_daemon):
+    """The tables show an empty name as "-": a client named "-" (in the client, and in HELLO
+    when the client's check is bypassed) is refused, so "-" in the name column means empty,
+    and ``--json`` gives it as ""."""
+    with pytest.raises(BadRequest, match='name must not be "-"') as ei:
+        Client(module_daemon.run_dir, name="-")
+    assert ei.value.code == ErrorCode.BAD_ARGUMENT
+    c = Client(module_daemon.run_dir)
+    c.name = "-"
+    with pytest.raises(BadRequest, match='name must not be "-"'):
+        c.connect()
+    c.close()
+    with Client(module_daemon.run_dir, rank=3, name="", timeout_s=10) as c:
+        r = cli_inproc.run("clients", "--json", "--run-dir", module_daemon.run_dir)
+        assert r.returncode == 0, r.stderr
+        me = [x for x in json.loads(r.stdout) if x["pid"] == os.getpid() and x["rank"] == 3]
+    assert len(me) == 1 and me[0]["name"] == "", me
 
 
 def test_top_asks_within_its_timeout(tmp_path):
