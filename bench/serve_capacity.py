@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparsekv.daemon.residency.base import STATE_BYTES_PER_SLOT
+
+from .decode_workload import FILL_STAGING_ROWS
+
 HBM_BPS = 4.8e12  # H200 HBM3e
 BF16_FLOPS = 989e12  # H200 dense peaks
 FP8_FLOPS = 1979e12
@@ -106,12 +110,20 @@ def weight_bytes(sh) -> dict[str, float]:
 
 def per_request(sh, context: int, region_rows: int | None = None) -> dict[str, float]:
     """Bytes one request of ``context`` tokens holds: all on the GPU (MLA rows and indexer
-    keys in HBM), offloaded (indexer keys and a hot region of ``region_rows`` rows a
-    layer in HBM, default top_k; the MLA rows in host memory)."""
-    L = sh.layers
+    keys in HBM), offloaded (in HBM its indexer keys, a hot region of ``region_rows`` rows
+    a layer, default top_k, the residency's state of each slot and the step's slot of each
+    top-k column, a layer each; the MLA rows in host memory)."""
+    L, region = sh.layers, region_rows or sh.top_k
     return {"gpu_hbm": context * L * (sh.row_bytes + sh.idx_key_bytes),
-            "offload_hbm": context * L * sh.idx_key_bytes + L * (region_rows or sh.top_k) * sh.row_bytes,
+            "offload_hbm": (context * L * sh.idx_key_bytes + L * region * (sh.row_bytes + STATE_BYTES_PER_SLOT)
+                            + L * sh.top_k * 4),
             "offload_host": context * L * sh.row_bytes}
+
+
+def offload_fixed_hbm(sh) -> int:
+    """HBM the offloaded modes take once, whatever the batch: the rank's staging buffer
+    (:data:`FILL_STAGING_ROWS` rows a layer, as the bench attaches)."""
+    return FILL_STAGING_ROWS * sh.layers * sh.row_bytes
 
 
 def capacity(sh, context: int, dep: Deployment = Deployment(), region_rows: int | None = None) -> dict:
@@ -120,9 +132,10 @@ def capacity(sh, context: int, dep: Deployment = Deployment(), region_rows: int 
     w = sum(weight_bytes(sh).values())
     free = dep.hbm_bytes - w - dep.activation_bytes
     req = per_request(sh, context, region_rows)
-    by_hbm = max(0, int(free // req["offload_hbm"]))
+    fixed = offload_fixed_hbm(sh)
+    by_hbm = max(0, int((free - fixed) // req["offload_hbm"]))
     by_host = int(dep.host_bytes // req["offload_host"])
-    return {"context": context, "weights_bytes": w, "free_hbm_bytes": free, **req,
+    return {"context": context, "weights_bytes": w, "free_hbm_bytes": free, "offload_fixed_hbm": fixed, **req,
             "gpu": max(0, int(free // req["gpu_hbm"])), "offload": min(by_hbm, by_host),
             "offload_limited_by": "HBM (indexer keys, hot regions)" if by_hbm <= by_host else "host memory"}
 
@@ -140,7 +153,8 @@ def capacity_text(sh, contexts, dep: Deployment = Deployment(), region_rows: int
     for c in contexts:
         cap = capacity(sh, c, dep, region_rows)
         lines.append(f"  context {c}: all on GPU {cap['gpu_hbm'] / GB:.3f} GB a request -> batch {cap['gpu']}; "
-                     f"offloaded {cap['offload_hbm'] / GB:.3f} GB HBM + {cap['offload_host'] / GB:.3f} GB host a "
+                     f"offloaded {cap['offload_fixed_hbm'] / GB:.3f} GB HBM once (staging), then "
+                     f"{cap['offload_hbm'] / GB:.3f} GB HBM + {cap['offload_host'] / GB:.3f} GB host a "
                      f"request -> batch {cap['offload']} (limited by {cap['offload_limited_by']})")
     return "\n".join(lines)
 
@@ -150,7 +164,8 @@ def bounds(sh, batch: int, context: int, misses_per_layer: float | None = None) 
     larger of its bytes at HBM_BPS and its FLOPs at the peaks (FP8 matmuls at FP8_FLOPS,
     bf16 ones at BF16_FLOPS), FP8 byte counts whatever dtype ran; ``query``: c_q -> q and
     W_UK, the projections beside the rows (``proj``: the others); ``swap_in``: the missed
-    rows over the link (None without misses: all on the GPU); ``write``: None (bytes)."""
+    rows over the link (None without misses: all on the GPU); ``write``: the new token's
+    latent, rope key and indexer key read in bf16, its row and key written."""
     B, H, K = batch, sh.heads, min(sh.top_k, context)
     fp8_proj = sh.a_out * sh.hidden + sh.idx_heads * sh.idx_dim * sh.q_lora + sh.hidden * H * sh.v_dim
     bf16_proj = H * sh.kv_lora * sh.v_dim  # W_UV
@@ -165,7 +180,7 @@ def bounds(sh, batch: int, context: int, misses_per_layer: float | None = None) 
     out = {
         "proj": bound(fp8_proj + 2 * bf16_proj, 2 * B * fp8_proj, 2 * B * bf16_proj),
         "query": bound(fp8_query + 2 * bf16_query, 2 * B * fp8_query, 2 * B * bf16_query),
-        "write": None,
+        "write": bound(B * (2 * (sh.kv_lora + sh.rope + sh.idx_dim) + sh.row_bytes + sh.idx_key_bytes)),
         # keys and scales read once, the logits written; the top-k reads them
         "indexer": bound(B * context * (sh.idx_key_bytes + 4), 2 * B * context * sh.idx_heads * sh.idx_dim),
         "topk": bound(B * context * 4),

@@ -1,6 +1,5 @@
 """``sparsekv bench serve``: the parts of its step at the tiny preset on torch's CPU device
-(rows, sparse MLA, the grouped MoE, the indexer), its capacity arithmetic and headline
-keys, its configs, the per-part times' replays; on a GPU (``cuda``) the FP8 / Triton paths
+(rows, sparse MLA, the grouped MoE, the indexer), its headline keys, its configs, the per-part times' replays; on a GPU (``cuda``) the FP8 / Triton paths
 against the torch ones. The step and its rows: test_bench_serve_step.py."""
 
 import math
@@ -16,7 +15,6 @@ torch = pytest.importorskip("torch")
 
 from sparsekv.bench import serve_model as sm  # noqa: E402
 from sparsekv.bench import serve_modes  # noqa: E402
-from sparsekv.bench.serve_capacity import Deployment, bounds, capacity  # noqa: E402
 
 TINY = sm.PRESETS["tiny"]
 
@@ -104,41 +102,6 @@ def test_the_indexer_is_relu_of_each_heads_dot_product_weighted_summed_and_scale
             want[b, t] = ks[b, t] * sum(w[b, h] * max(0.0, float(q[b, h] @ keys[b, t].float())) for h in range(Hi))
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
     assert torch.allclose(sm.indexer_reference(q, w, keys, ks), want, rtol=1e-4, atol=1e-4)
-
-
-def test_capacity_matches_the_arithmetic_by_hand():
-    sh = sm.PRESETS["v32"]
-    # weights per GPU: attention a layer = fused x-proj 2304 x 7168 + fused q-proj 32768 x 1536 + o_proj
-    # 7168 x 16384 (FP8) + W_UK and W_UV 2 x 128 x 512 x 256 bytes (bf16); routed 58 layers x 32 experts x
-    # 3 x 7168 x 2048; shared + router 58 x (3 x 7168 x 2048 + 2 x 7168 x 256); dense 3 x 3 x 7168 x 18432;
-    # embedding and head 2 x 2 x 129280 x 7168
-    attn = 2304 * 7168 + 32768 * 1536 + 7168 * 16384 + 2 * 128 * 512 * 256
-    weights = (61 * attn + 58 * 32 * 3 * 7168 * 2048 + 58 * (3 * 7168 * 2048 + 2 * 7168 * 256)
-               + 3 * 3 * 7168 * 18432 + 2 * 2 * 129280 * 7168)
-    free = 141e9 - weights - 5e9
-    cap = capacity(sh, 131072, Deployment())
-    assert cap["weights_bytes"] == weights == 102_689_931_264
-    assert cap["gpu_hbm"] == 131072 * 61 * (656 + 132)
-    assert cap["offload_hbm"] == 131072 * 61 * 132 + 61 * 2048 * 656
-    assert cap["gpu"] == int(free // (131072 * 61 * 788)) == 5
-    assert cap["offload"] == min(int(free // cap["offload_hbm"]), int(256 * 2**30 // (131072 * 61 * 656))) == 29
-    wide = capacity(sh, 131072, Deployment(), region_rows=4096)  # hot regions of 4096 rows: 164 MB a request
-    assert wide["offload_hbm"] == 131072 * 61 * 132 + 61 * 4096 * 656
-    assert wide["offload"] == int(free // wide["offload_hbm"]) == 27
-    small_host = capacity(sh, 131072, Deployment(host_bytes=64 * 2**30))
-    assert small_host["offload"] == 64 * 2**30 // (131072 * 61 * 656) == 13
-    assert small_host["offload_limited_by"] == "host memory"
-
-
-def test_bounds_are_bytes_at_the_hbm_rate_or_flops_at_the_peaks():
-    sh = sm.PRESETS["v32"]
-    b = bounds(sh, 64, 32768, misses_per_layer=1000)
-    assert b["moe"] == pytest.approx(1e6 * 33 * 3 * 7168 * 2048 / 4.8e12 + 1e6 * 7168 * 256 * 2 / 4.8e12)  # router: bf16
-    assert b["indexer"] == pytest.approx(1e6 * 64 * 32768 * (132 + 4) / 4.8e12)
-    assert b["topk"] == pytest.approx(1e6 * 64 * 32768 * 4 / 4.8e12)
-    assert b["swap_in"] == pytest.approx(1e6 * 1000 * 656 / 55e9)
-    assert bounds(sh, 1, 32768)["swap_in"] is None
-    assert len(sh.expert_counts(1)) == 8  # batch 1: 8 pairs, 8 experts read
 
 
 def test_headline_keys_are_the_ratios_of_the_right_configs():
