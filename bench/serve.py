@@ -18,11 +18,17 @@ timing), ``serve_run`` (the run), ``serve_report`` (figures, table, plot).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
+import psutil
+
+from sparsekv.proto.layout import MAX_BATCH, MAX_REGION_STRIDE
+
 from .decode import _csv
-from .serve_report import MODES, PENALTY_BATCHES
+from .serve_capacity import PRESETS
+from .serve_report import MODES, OFFLOADED, PENALTY_BATCHES
 
 DEFAULT_CONTEXTS = (32768, 65536, 131072)
 QUICK_CONTEXTS = (32768, 131072)
@@ -71,8 +77,17 @@ class Options:
             raise ValueError(f"--contexts: {min(self.contexts)} is too short for top-k {top_k} at {self.hits:g} % "
                              f"hits (>= {need})")
         for name in ("steps", "warmup", "block_size", "host_pool_gib", "hbm_gb", "host_gib"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(self, name)}")
+        if not 0 <= self.activations_gb < math.inf:
+            raise ValueError(f"--activations-gb must be a number >= 0, got {self.activations_gb}")
+        if self.gather_blocks is not None and self.gather_blocks < 1:
+            raise ValueError(f"--gather-blocks must be >= 1, got {self.gather_blocks}")
+        if max(self.batches) > MAX_BATCH:
+            raise ValueError(f"--batches: at most {MAX_BATCH} rows a batch, got {max(self.batches)}")
+        ram = psutil.virtual_memory().total / 2**30
+        if set(self.modes) & set(OFFLOADED) and self.host_pool_gib > ram:
+            raise ValueError(f"--host-pool-gib {self.host_pool_gib:g}: this machine has {ram:.1f} GiB of RAM")
         if not 0 <= self.layer_overlap <= 1:
             raise ValueError(f"--layer-overlap must lie in [0, 1], got {self.layer_overlap}")
         if any(not 0 <= o <= 1 for o in self.overlaps):
@@ -80,6 +95,8 @@ class Options:
         region = self.region(top_k)
         if region < top_k:
             raise ValueError(f"--region-rows must be >= top-k {top_k}, got {region}")
+        if region > MAX_REGION_STRIDE:
+            raise ValueError(f"--region-rows must be <= {MAX_REGION_STRIDE}, got {region}")
         if "prefetch" in self.modes and region == top_k:
             raise ValueError(f"--region-rows {region}: the prefetch mode needs rows above top-k {top_k} (a prefetch "
                              "never evicts a row of the latest top-k)")
@@ -137,7 +154,7 @@ def options_from_args(a, presets) -> Options:
         preset=a.preset, contexts=a.contexts or (QUICK_CONTEXTS if quick else DEFAULT_CONTEXTS),
         batches=a.batches or (QUICK_BATCHES if quick else PENALTY_BATCHES),
         modes=tuple(dict.fromkeys(a.modes)) if a.modes else MODES, hits=a.hits[0] if a.hits else 90.0,
-        steps=a.steps or (10 if quick else 30), warmup=3 if quick else 5, block_size=a.block_size,
+        steps=a.steps if a.steps is not None else (10 if quick else 30), warmup=3 if quick else 5, block_size=a.block_size,
         layer_overlap=a.layer_overlap,
         overlaps=tuple(a.overlaps) if a.overlaps is not None else (QUICK_OVERLAPS if quick else DEFAULT_OVERLAPS),
         region_rows=a.region_rows, host_pool_gib=a.host_pool_gib, hbm_gb=a.hbm_gb, host_gib=a.host_gib,
@@ -146,7 +163,13 @@ def options_from_args(a, presets) -> Options:
 
 
 def run_args(a) -> int:
-    """``sparsekv bench serve``: exit 0, 1 when a config failed, 2 for bad options or no GPU."""
+    """``sparsekv bench serve``: exit 0, 1 when a config failed, 2 for bad options or no GPU
+    (the options checked first, without torch)."""
+    try:
+        opts = options_from_args(a, PRESETS)
+    except ValueError as e:
+        print(f"sparsekv bench serve: {e}", file=sys.stderr)
+        return 2
     try:
         import torch  # noqa: PLC0415 - the CLI runs without torch; this bench needs it
     except ImportError:
@@ -154,11 +177,6 @@ def run_args(a) -> int:
         return 2
     from . import serve_run  # noqa: PLC0415 - imports torch at its top
 
-    try:
-        opts = options_from_args(a, serve_run.PRESETS)
-    except ValueError as e:
-        print(f"sparsekv bench serve: {e}", file=sys.stderr)
-        return 2
     if not torch.cuda.is_available():
         print("sparsekv bench serve: torch sees no CUDA device", file=sys.stderr)
         return 2

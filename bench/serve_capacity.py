@@ -149,7 +149,9 @@ def capacity_text(sh, contexts, dep: Deployment = Deployment(), region_rows: int
     lines = [f"capacity per GPU: HBM {dep.hbm_bytes / GB:.1f} GB - weights {sum(w.values()) / GB:.1f} GB ("
              + ", ".join(f"{k} {v / GB:.1f}" for k, v in w.items())
              + f") - activations {dep.activation_bytes / GB:.1f} GB = {free / GB:.1f} GB free; "
-             f"host {dep.host_bytes / GB:.1f} GB ({dep.host_bytes / 2**30:g} GiB)"]
+             f"host {dep.host_bytes / GB:.1f} GB ({dep.host_bytes / 2**30:g} GiB)"
+             + ("; no HBM is left for KV rows: no mode has a largest batch, the equal-batch configs run alone"
+                if free <= 0 else "")]
     for c in contexts:
         cap = capacity(sh, c, dep, region_rows)
         lines.append(f"  context {c}: all on GPU {cap['gpu_hbm'] / GB:.3f} GB a request -> batch {cap['gpu']}; "

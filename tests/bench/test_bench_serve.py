@@ -122,13 +122,6 @@ def test_headline_keys_are_the_ratios_of_the_right_configs():
     assert f["serve_max_batch_offload_128k"] == 29
 
 
-def test_serve_refuses_more_than_one_hit_rate(capsys):
-    from sparsekv.cli.main import main
-
-    assert main(["bench", "serve", "--hits", "80,90"]) == 2
-    assert "--hits" in capsys.readouterr().err
-
-
 # -- on a GPU --------------------------------------------------------------------------------
 @pytest.mark.cuda
 def test_the_fp8_and_triton_paths_pass_their_checks_on_the_gpu():
@@ -298,20 +291,6 @@ def test_more_overlaps_run_the_first_contexts_largest_batch_with_every_offloaded
     gpu_only = serve.Options(contexts=(32768,), batches=(64,), modes=("gpu",), overlaps=(0.5,))
     assert serve_run.configs(gpu_only, {32768: {"gpu": 21, "offload": 96}}) == [
         (32768, 21, 0.85, ("gpu",)), (32768, 64, 0.85, ("gpu",))]
-
-
-def test_the_prefetch_mode_needs_hot_region_rows_above_top_k():
-    from sparsekv.bench import serve
-
-    top_k = sm.PRESETS["v32"].top_k
-    assert serve.Options().region(top_k) == top_k + top_k // 4
-    with pytest.raises(ValueError, match="--region-rows 2048: the prefetch mode needs rows above top-k"):
-        serve.Options(region_rows=top_k).validate(sm.PRESETS)
-    serve.Options(region_rows=top_k, modes=("gpu", "daemon")).validate(sm.PRESETS)  # no prefetch: top_k will do
-    with pytest.raises(ValueError, match="--region-rows must be >= top-k 2048, got 2000"):
-        serve.Options(region_rows=2000, modes=("daemon",)).validate(sm.PRESETS)
-    with pytest.raises(ValueError, match="--overlaps must lie in"):
-        serve.Options(overlaps=(1.5,)).validate(sm.PRESETS)
 
 
 def test_the_prefetch_figures_are_its_hidden_share_and_its_cost_against_the_daemon_without_it():
