@@ -85,9 +85,6 @@ class Options:
             raise ValueError(f"--gather-blocks must be >= 1, got {self.gather_blocks}")
         if max(self.batches) > MAX_BATCH:
             raise ValueError(f"--batches: at most {MAX_BATCH} rows a batch, got {max(self.batches)}")
-        ram = psutil.virtual_memory().total / 2**30
-        if set(self.modes) & set(OFFLOADED) and self.host_pool_gib > ram:
-            raise ValueError(f"--host-pool-gib {self.host_pool_gib:g}: this machine has {ram:.1f} GiB of RAM")
         if not 0 <= self.layer_overlap <= 1:
             raise ValueError(f"--layer-overlap must lie in [0, 1], got {self.layer_overlap}")
         if any(not 0 <= o <= 1 for o in self.overlaps):
@@ -100,6 +97,9 @@ class Options:
         if "prefetch" in self.modes and region == top_k:
             raise ValueError(f"--region-rows {region}: the prefetch mode needs rows above top-k {top_k} (a prefetch "
                              "never evicts a row of the latest top-k)")
+        ram = psutil.virtual_memory().total / 2**30  # (last: the other options' errors do not hang on the machine)
+        if set(self.modes) & set(OFFLOADED) and self.host_pool_gib > ram:
+            raise ValueError(f"--host-pool-gib {self.host_pool_gib:g}: this machine has {ram:.1f} GiB of RAM")
         return self
 
     def region(self, top_k: int) -> int:

@@ -42,7 +42,7 @@ def test_the_prefetch_mode_needs_hot_region_rows_above_top_k():
     assert serve.Options().region(top_k) == top_k + top_k // 4
     with pytest.raises(ValueError, match="--region-rows 2048: the prefetch mode needs rows above top-k"):
         serve.Options(region_rows=top_k).validate(PRESETS)
-    serve.Options(region_rows=top_k, modes=("gpu", "daemon")).validate(PRESETS)  # no prefetch: top_k will do
+    serve.Options(region_rows=top_k, modes=("gpu", "daemon"), host_pool_gib=1.0).validate(PRESETS)  # no prefetch: top_k will do
     with pytest.raises(ValueError, match="--region-rows must be >= top-k 2048, got 2000"):
         serve.Options(region_rows=2000, modes=("daemon",)).validate(PRESETS)
     with pytest.raises(ValueError, match="--overlaps must lie in"):
@@ -52,7 +52,7 @@ def test_the_prefetch_mode_needs_hot_region_rows_above_top_k():
 def test_an_hbm_the_weights_fill_runs_the_equal_batch_configs_and_says_so():
     """--hbm-gb below the weights (1 GB: the batch-1 probes use it) is taken: no mode has a
     largest batch, and the capacity lines say why."""
-    serve.Options(hbm_gb=1.0).validate(PRESETS)
+    serve.Options(hbm_gb=1.0, host_pool_gib=1.0).validate(PRESETS)
     text = capacity_text(Shapes(), [32768], Deployment(hbm_bytes=1e9))
     assert "no HBM is left for KV rows" in text and "batch 0" in text
     assert "no HBM is left" not in capacity_text(Shapes(), [32768], Deployment())
