@@ -9,6 +9,7 @@ import importlib.metadata
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -236,17 +237,24 @@ def test_names_a_client_chose_stay_text_in_json():
     assert cli._json_value("pid", "²") == "²"
 
 
+def refused_in_client_and_hello(run_dir, name: str, words: str) -> None:
+    """A client ``name`` refused (BAD_ARGUMENT, ``words``) by the client when made, and by the
+    daemon in HELLO when a client sends it anyway (the client's check bypassed)."""
+    with pytest.raises(BadRequest, match=re.escape(words)) as ei:
+        Client(run_dir, name=name)
+    assert ei.value.code == ErrorCode.BAD_ARGUMENT
+    c = Client(run_dir)
+    c.name = name
+    with pytest.raises(BadRequest, match=re.escape(words)):
+        c.connect()
+    c.close()
+
+
 def test_a_client_name_with_a_line_separator_is_refused_and_no_row_is_forged(module_daemon):
     """The client refuses such a name when made; a client that sends it anyway (the check
     bypassed) is refused in HELLO: the listing never shows it."""
-    with pytest.raises(BadRequest, match="name must be text without control characters") as ei:
-        Client(module_daemon.run_dir, name="x\u2028forged\x85y")
-    assert ei.value.code == ErrorCode.BAD_ARGUMENT
-    c = Client(module_daemon.run_dir)
-    c.name = "x\u2028forged\x85y"
-    with pytest.raises(BadRequest, match="name must be text without control characters"):
-        c.connect()
-    c.close()
+    refused_in_client_and_hello(module_daemon.run_dir, "x\u2028forged\x85y",
+                                "name must be text without control characters")
     r = cli_inproc.run("clients", "--json", "--run-dir", module_daemon.run_dir)
     assert r.returncode == 0, r.stderr
     assert not [row for row in json.loads(r.stdout) if "forged" in str(row.get("name"))]
@@ -256,14 +264,7 @@ def test_a_client_named_dash_is_refused_and_an_empty_name_lists_as_empty(module_
     """The tables show an empty name as "-": a client named "-" (in the client, and in HELLO
     when the client's check is bypassed) is refused, so "-" in the name column means empty,
     and ``--json`` gives it as ""."""
-    with pytest.raises(BadRequest, match='name must not be "-"') as ei:
-        Client(module_daemon.run_dir, name="-")
-    assert ei.value.code == ErrorCode.BAD_ARGUMENT
-    c = Client(module_daemon.run_dir)
-    c.name = "-"
-    with pytest.raises(BadRequest, match='name must not be "-"'):
-        c.connect()
-    c.close()
+    refused_in_client_and_hello(module_daemon.run_dir, "-", 'name must not be "-"')
     with Client(module_daemon.run_dir, rank=3, name="", timeout_s=10) as c:
         r = cli_inproc.run("clients", "--json", "--run-dir", module_daemon.run_dir)
         assert r.returncode == 0, r.stderr
