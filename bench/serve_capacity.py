@@ -96,8 +96,10 @@ class Deployment:
 
 def weight_bytes(sh) -> dict[str, float]:
     """Per-GPU weights of the whole model: matmul weights in FP8, W_UK / W_UV, the router,
-    embedding and LM head in bf16; every GPU its own attention (data-parallel), 1/ep of
-    the routed experts."""
+    embedding and LM head in bf16 (W_UK / W_UV as an engine keeps them for the absorbed MLA
+    after load, dequantised from the checkpoint's FP8 ``wkv_b``); every GPU its own
+    attention (data-parallel), 1/ep of the routed experts. The MTP layer is not counted
+    (loaded only for speculative decoding, which the bench does not run)."""
     moe_layers = sh.layers - sh.dense_layers
     attn = (sh.a_out * sh.hidden + (sh.q_dim + sh.idx_heads * sh.idx_dim) * sh.q_lora + sh.hidden * sh.heads * sh.v_dim
             + 2 * sh.heads * sh.kv_lora * (sh.nope + sh.v_dim))
