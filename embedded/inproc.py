@@ -13,12 +13,14 @@ import os
 import time
 
 import numpy as np
+import psutil
 
 from sparsekv.daemon.blocks.contract import BlockError
 from sparsekv.daemon.block_requests import alloc_counted, block_array, block_count, commit_counted, count_hits
 from sparsekv.daemon.blocks.store import BlockStore
 from sparsekv.daemon.engine import EngineSpace, RankState
-from sparsekv.daemon.residency.base import ResidencyError, whole_arg
+from sparsekv.daemon.config import Config
+from sparsekv.daemon.residency.base import ResidencyError, check_layout_limits, rank_bytes, whole_arg
 from sparsekv.daemon.residency.cpu import CpuMover, CpuResidency
 from sparsekv.daemon.stats import Stats
 from sparsekv.proto import ErrorCode, Layout, MsgType, ProtocolError
@@ -27,19 +29,31 @@ from sparsekv.proto.blocks import KeysPlane, check_store
 
 from sparsekv.client.blocks import Blocks, block_store
 from sparsekv.client.client import Attachment
-from sparsekv.client.errors import error_for
+from sparsekv.client.errors import SparseKVError, error_for
 from sparsekv.client.results import TopkResult
 from sparsekv.client.tensors import check_layout, check_prefetch
 
 
 class InprocClient:
     """One rank with its own host pool (NumPy backend). Its counters (:meth:`stats`) are the
-    daemon's, counted alike over what this rank ran since the client was made."""
+    daemon's, counted alike over what this rank ran since the client was made.
+    ``max_slab_bytes``: the most one attach may take besides its pool (hot slab, staging,
+    residency state), as the daemon's setting of that name (default its default).
 
-    def __init__(self, rank: int = 0, backend: str = "cpu"):
+    As the daemon client's, a :meth:`step` is held until the next request: a :meth:`topk`
+    of that step (without state rows of its own) carries it, and a top-k refused runs
+    neither; any other request runs the step first, alone. After :meth:`close` every call
+    but :meth:`connect` raises (NOT_HELLO), and a detached attachment's slab is gone."""
+
+    def __init__(self, rank: int = 0, backend: str = "cpu", max_slab_bytes: int = Config.max_slab_bytes):
         if backend != "cpu":
             raise ValueError(f"inproc transport supports backend 'cpu' here, not {backend!r}")
+        if type(max_slab_bytes) is not int or max_slab_bytes <= 0:
+            raise ValueError(f"max_slab_bytes must be a positive integer, got {max_slab_bytes!r}")
         self.rank = rank
+        self.max_slab_bytes = max_slab_bytes
+        self._closed = False
+        self._pending_step: tuple | None = None  # a step() not run yet: (step, state_rows, reset, invalidate)
         self.info = {"backend": backend, "devices": ["cpu"]}
         self.attachment: Attachment | None = None
         self._blocks: Blocks | None = None
@@ -54,6 +68,7 @@ class InprocClient:
         self.close()
 
     def connect(self) -> "InprocClient":
+        self._closed = False
         return self
 
     @property
@@ -62,20 +77,35 @@ class InprocClient:
         return block_store(self._blocks, self.attachment is not None)
 
     def close(self) -> None:
+        self._end_attachment()
+        self._closed = True
+
+    def _end_attachment(self) -> None:
         if self._blocks is not None:  # a handle kept past detach: NOT_ATTACHED, as the client's
             self._blocks.close()
+        if self.attachment is not None:  # its slab and staging gone, as the daemon client's (unmapped)
+            self.attachment.close()
         self.attachment = self._blocks = None
         self._space = self._state = None
+        self._pending_step = None
+
+    def _open(self) -> None:
+        """Raise as the daemon client does once closed."""
+        if self._closed:
+            raise SparseKVError("client is not connected; call connect() or use it as a context manager",
+                                ErrorCode.NOT_HELLO)
 
     def stats(self) -> dict:
         """The daemon's STATS snapshot of this one rank: every counter of ``sparsekv stats``
         (steps, hits, misses, rows and bytes moved and written, block store requests,
         requests and errors by code, the top-k's handling time: call to return), and the
-        engine's gauges (``per_engine``) while attached. Where the paths differ: here each
-        call is a request that runs (and counts) at once, and every refused call is an
-        error; a :class:`~sparsekv.client.Client` sends its step with its next top-k (one
-        request; a refused top-k and its step both did not run), and refuses bad
-        arguments itself, so its daemon never counts them."""
+        engine's gauges (``per_engine``) while attached. Where the paths differ: here every
+        refused call is an error, where a :class:`~sparsekv.client.Client` refuses bad
+        arguments itself, so that its daemon never counts them. A step held (:meth:`step`)
+        runs first."""
+        self._open()
+        with _errors(self._stats, counted=True):
+            self._settle()
         space = self._space
         engines = {}
         if space is not None:
@@ -90,6 +120,7 @@ class InprocClient:
 
     def attach(self, layout: Layout, engine: str = "default", block_size: int = 0, index_bytes: int = 0,
                prefetch: bool = False, tp_size: int = 1) -> Attachment:
+        self._open()
         with _errors(self._stats):
             if self._state is not None:  # as the daemon: a second attach would start the engine anew, its rows gone
                 raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"attached to engine {self._space.name!r} already; "
@@ -108,6 +139,14 @@ class InprocClient:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"tp_size {tp_size}: the in-process engine is one rank "
                                     "of its own; a TP group's ranks attach to a daemon (Client)")
             block_size, index_bytes = check_store(layout, block_size, index_bytes)
+            # As the daemon: the limits before anything is allocated; the pool, the
+            # daemon's own there, is this process's memory here.
+            check_layout_limits(layout, self.max_slab_bytes)
+            need = layout.pool_bytes + rank_bytes(layout)["total"]
+            avail = psutil.virtual_memory().available
+            if need > avail:
+                raise ProtocolError(ErrorCode.POOL_FULL, f"the layout's pool and rank take {need / 2**30:.1f} GiB; "
+                                    f"this machine has {avail / 2**30:.1f} GiB available")
         pool = np.zeros((layout.num_layers, layout.host_rows, layout.row_bytes), dtype=np.uint8)
         slab = np.zeros((layout.num_layers, layout.max_reqs, layout.region_stride, layout.row_bytes), np.uint8)
         staging = np.zeros((layout.num_layers, layout.staging_rows, layout.row_bytes), np.uint8) if layout.staging_rows else None
@@ -133,6 +172,7 @@ class InprocClient:
         store = space.blocks  # (a handle exists only with a store, and ends at detach: Blocks.close)
         add = self._stats.add  # counted as the daemon's block_requests.py counts them
         with _errors(self._stats):  # the daemon's checks of the fields and arrays first (block_requests.py)
+            self._settle()
             if kind == MsgType.BLOCK_RESERVE:
                 n = store.reserve(0, block_count(h, signed=True))
                 return {**store.gauges(), "reserved": n}, {}
@@ -163,21 +203,43 @@ class InprocClient:
             self._space.blocks.writable(0, rows, self._space.block_size)
 
     def detach(self) -> None:
+        self._open()
         self._stats.c["requests"] += 1
-        self.close()
+        self._end_attachment()  # (a step held is dropped with the rank)
 
     def step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
+        """Check and hold the step; the next request runs it (see the class)."""
+        self._open()
         with _errors(self._stats):
             st = self._need()
             step = whole_arg("step", step, carried=True)  # as the client, whose requests carry no more
-            st.begin_step(step, state_rows, reset, invalidate)
+            checked = st.check_step(state_rows, reset, invalidate)
+            self._settle()  # a step held before runs alone (as the client sends it)
+            self._pending_step = (step, *checked)
+        self._stats.c["requests"] -= 1  # counted when it runs: alone, or with its top-k
+
+    def _settle(self) -> None:
+        """Run the step held, alone (counted as a request of its own)."""
+        pending, self._pending_step = self._pending_step, None
+        if pending is not None:
+            self._stats.c["requests"] += 1
+            st = self._state
+            st.begin_step(*pending)
             self._stats.add(steps=1, **st.prefetch_outcomes())
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> TopkResult:
+        self._open()
         t0 = time.perf_counter()
         with _errors(self._stats):
             st = self._need()
             step, group = whole_arg("step", step), whole_arg("group", group)  # as RankState.topk
+            pending = self._pending_step
+            if pending is not None and pending[0] == step and state_rows is None:
+                self._pending_step = None  # carried: a top-k refused runs neither (as the daemon's STEP + TOPK)
+                st.begin_step(*pending, then=(group, topk))
+                self._stats.add(steps=1, **st.prefetch_outcomes())
+            else:
+                self._settle()
             fields, arrays, deltas = st.serve_topk(step, group, topk, state_rows)
             self._stats.add(**deltas)
             if st.pending_prefetch is not None:  # in process: at once (the same rows either way)
@@ -190,8 +252,9 @@ class InprocClient:
         """Nothing is deferred here: every call raises its own error (as ``Client.flush``)."""
 
     def write(self, rows, data, layers=None) -> dict:
+        self._open()
         with _errors(self._stats):
-            st = self._need()
+            st = self._ready()
             layers, rows, data = self._space.check_write(layers, rows, data)  # as the daemon: these first
             self._own_blocks(rows)
             nbytes, dropped = self._space.write(layers, rows, data, checked=True)
@@ -199,8 +262,9 @@ class InprocClient:
         return {"bytes": nbytes, "invalidated": dropped}
 
     def write_staged(self, rows, layers=None) -> dict:
+        self._open()
         with _errors(self._stats):
-            st = self._need()
+            st = self._ready()
             layers, rows = self._space.check_staged(st, layers, rows)  # as the daemon: these first
             self._own_blocks(rows)
             nbytes, dropped = st.write_staged(self._space, layers, rows)
@@ -214,8 +278,9 @@ class InprocClient:
                         hot_invalidated=dropped, **st.prefetch_outcomes())
 
     def stage(self, rows, layers=None) -> int:
+        self._open()
         with _errors(self._stats):
-            st = self._need()
+            st = self._ready()
             nbytes = st.stage(rows, layers)
             self._stats.add(rows_staged=nbytes // self._space.layout.row_bytes)
             return nbytes
@@ -224,6 +289,12 @@ class InprocClient:
         if self._state is None:
             raise ResidencyError("NOT_ATTACHED", "attach a layout first")
         return self._state
+
+    def _ready(self):
+        """The rank, attached, its held step run (a request other than a top-k)."""
+        st = self._need()
+        self._settle()
+        return st
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
