@@ -203,9 +203,15 @@ class InprocClient:
             self._space.blocks.writable(0, rows, self._space.block_size)
 
     def detach(self) -> None:
+        """Detach, after a step held (its error raised, as the daemon client raises it in
+        place of the detach's reply; detached either way)."""
         self._open()
-        self._stats.c["requests"] += 1
-        self._end_attachment()  # (a step held is dropped with the rank)
+        try:
+            with _errors(self._stats, counted=True):
+                self._settle()
+        finally:
+            self._stats.c["requests"] += 1
+            self._end_attachment()
 
     def step(self, step: int, state_rows, reset=None, invalidate=None) -> None:
         """Check and hold the step; the next request runs it (see the class)."""
@@ -249,7 +255,11 @@ class InprocClient:
                           fields["out_of_range"])
 
     def flush(self) -> None:
-        """Nothing is deferred here: every call raises its own error (as ``Client.flush``)."""
+        """Run a step held (as ``Client.flush`` sends it), raising its error; nothing else
+        is deferred here."""
+        self._open()
+        with _errors(self._stats, counted=True):
+            self._settle()
 
     def write(self, rows, data, layers=None) -> dict:
         self._open()

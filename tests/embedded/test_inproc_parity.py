@@ -99,3 +99,15 @@ def test_after_detach_the_slab_is_gone_and_after_close_every_call_raises():
     x.step(0, [0])
     assert x.topk(0, 0, [[1, 2, 3, 4]]).misses.tolist() == [4]
     x.close()
+
+
+def test_flush_and_detach_run_a_step_held():
+    """As the daemon client's: flush() runs the step held, detach() too (each counted)."""
+    with InprocClient() as x:
+        x.attach(LAYOUT)
+        x.step(0, [0])
+        x.flush()
+        assert x._pending_step is None
+        x.step(1, [0])
+        x.detach()
+        assert x.stats()["steps"] == 2
