@@ -3,6 +3,8 @@ review): a layout past max_slab_bytes taken (allocated, gigabytes), a refused to
 left its step applied, a slab still there after detach, calls after close. Each side by
 side with the daemon client on the same calls."""
 
+import contextlib
+
 import numpy as np
 import psutil
 import pytest
@@ -15,13 +17,23 @@ from sparsekv.proto import ErrorCode, Layout
 LAYOUT = helpers.layout(num_layers=2, row_bytes=32, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
 
 
-def both(run_dir):
-    """An in-process client and a daemon client, each attached to LAYOUT, the pool written."""
-    x, c = InprocClient(), Client(run_dir, timeout_s=10).connect()
-    for cl in (x, c):
-        cl.attach(LAYOUT, engine=f"parity-{id(cl)}")
-        helpers.fill(cl, LAYOUT)
-    return x, c
+@contextlib.contextmanager
+def both():
+    """An in-process client and a daemon client (of a daemon served from this process), each
+    attached to LAYOUT, the pool written."""
+    with helpers.serving_daemon() as d:
+        with InprocClient() as x, Client(d.run_dir, timeout_s=10) as c:
+            for cl in (x, c):
+                cl.attach(LAYOUT, engine=f"parity-{id(cl)}")
+                helpers.fill(cl, LAYOUT)
+            yield x, c
+
+
+def hot_then_reset(cl) -> None:
+    """Rows 1-4 made hot for request 0 at step 0, then step 1 (held) resetting request 0."""
+    cl.step(0, [0])
+    cl.topk(0, 0, [[1, 2, 3, 4]])
+    cl.step(1, [0], reset=[True])
 
 
 def test_a_layout_past_max_slab_bytes_is_refused_before_anything_is_allocated():
@@ -49,21 +61,17 @@ def test_a_refused_top_k_runs_neither_half_of_its_step():
     the reset did not happen, a retry of the top-k without its step is refused, and a later
     step serves request 0's rows as hits."""
     got = []
-    with helpers.serving_daemon() as d:
-        x, c = both(d.run_dir)
-        with x, c:
-            for cl in (x, c):
-                cl.step(0, [0])
-                cl.topk(0, 0, [[1, 2, 3, 4]])
-                cl.step(1, [0], reset=[True])
-                with pytest.raises(BadRequest) as ei:
-                    cl.topk(1, 0, [[5, 5, 6, 7]])
-                assert ei.value.code == ErrorCode.DUPLICATE_IDS
-                with pytest.raises(BadRequest, match="the last STEP was 0"):
-                    cl.topk(1, 0, [[1, 2, 3, 4]])
-                cl.step(2, [0])
-                r = cl.topk(2, 0, [[1, 2, 3, 4]])
-                got.append((r.slots.tolist(), r.misses.tolist()))
+    with both() as clients:
+        for cl in clients:
+            hot_then_reset(cl)
+            with pytest.raises(BadRequest) as ei:
+                cl.topk(1, 0, [[5, 5, 6, 7]])
+            assert ei.value.code == ErrorCode.DUPLICATE_IDS
+            with pytest.raises(BadRequest, match="the last STEP was 0"):
+                cl.topk(1, 0, [[1, 2, 3, 4]])
+            cl.step(2, [0])
+            r = cl.topk(2, 0, [[1, 2, 3, 4]])
+            got.append((r.slots.tolist(), r.misses.tolist()))
     assert got[0] == got[1] and got[0][1] == [0]  # no reset: every row still hot
 
 
@@ -71,16 +79,12 @@ def test_a_step_held_runs_before_any_other_request():
     """A write after a step runs the step first (as the client sends it alone): the step's
     reset is applied, counted once, on both paths."""
     got = []
-    with helpers.serving_daemon() as d:
-        x, c = both(d.run_dir)
-        with x, c:
-            for cl in (x, c):
-                cl.step(0, [0])
-                cl.topk(0, 0, [[1, 2, 3, 4]])
-                cl.step(1, [0], reset=[True])
-                cl.write(np.array([9], np.int32), np.zeros((2, 1, 32), np.uint8))
-                got.append(cl.topk(1, 0, [[1, 2, 3, 4]]).misses.tolist())
-            assert x.stats()["steps"] == 2
+    with both() as clients:
+        for cl in clients:
+            hot_then_reset(cl)
+            cl.write(np.array([9], np.int32), np.zeros((2, 1, 32), np.uint8))
+            got.append(cl.topk(1, 0, [[1, 2, 3, 4]]).misses.tolist())
+        assert clients[0].stats()["steps"] == 2
     assert got == [[4], [4]]
 
 
