@@ -224,13 +224,14 @@ class InprocClient:
             self._pending_step = (step, *checked)
         self._stats.c["requests"] -= 1  # counted when it runs: alone, or with its top-k
 
-    def _settle(self) -> None:
-        """Run the step held, alone (counted as a request of its own)."""
+    def _settle(self, then=None) -> None:
+        """Run the step held: alone (a request of its own), or carried by the top-k ``then``
+        (``(group, top-k)``, checked first: refused, neither runs, as the daemon's STEP + TOPK)."""
         pending, self._pending_step = self._pending_step, None
         if pending is not None:
-            self._stats.c["requests"] += 1
+            self._stats.c["requests"] += then is None
             st = self._state
-            st.begin_step(*pending)
+            st.begin_step(*pending, then=then)
             self._stats.add(steps=1, **st.prefetch_outcomes())
 
     def topk(self, step: int, group: int, topk, state_rows=None) -> TopkResult:
@@ -240,12 +241,8 @@ class InprocClient:
             st = self._need()
             step, group = whole_arg("step", step), whole_arg("group", group)  # as RankState.topk
             pending = self._pending_step
-            if pending is not None and pending[0] == step and state_rows is None:
-                self._pending_step = None  # carried: a top-k refused runs neither (as the daemon's STEP + TOPK)
-                st.begin_step(*pending, then=(group, topk))
-                self._stats.add(steps=1, **st.prefetch_outcomes())
-            else:
-                self._settle()
+            carried = pending is not None and pending[0] == step and state_rows is None
+            self._settle(then=(group, topk) if carried else None)
             fields, arrays, deltas = st.serve_topk(step, group, topk, state_rows)
             self._stats.add(**deltas)
             if st.pending_prefetch is not None:  # in process: at once (the same rows either way)
