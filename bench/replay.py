@@ -12,13 +12,11 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import psutil
 
 from sparsekv.proto import LIMITS
 from sparsekv.proto.cuda_ipc import device_count
 from sparsekv.proto.layout import Layout
 from sparsekv.proto.slab import SlabGeometry
-from sparsekv.daemon.residency.base import rank_bytes
 
 from sparsekv.client.client import Client
 from sparsekv.client.engine_slab import EngineSlab
@@ -193,11 +191,8 @@ class InprocDriver(Driver):
         super().__init__(trace, stack, **kw)
 
     def open(self, stack, *, backend, connect, daemon_log):
-        need = self.layout.pool_bytes + sum(rank_bytes(self.layout).values())
-        avail = psutil.virtual_memory().available
-        if backend == "cpu" and need > avail:  # (a daemon checks its pool and ranks itself)
-            raise TraceError(f"the trace's layout needs {need / 2**30:.1f} GiB of host memory (its pool and its "
-                             f"rank's slab and state), this machine has {avail / 2**30:.1f} GiB available")
+        # Its attach refuses (POOL_FULL) a layout whose pool and rank exceed the RAM
+        # available, before allocating, as a daemon does.
         return stack.enter_context(InprocClient(backend=backend))
 
 

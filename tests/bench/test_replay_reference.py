@@ -135,3 +135,29 @@ def test_replay_with_prefetch_on_the_cuda_backend_serves_what_the_cpu_backend_se
     np.testing.assert_array_equal(r["misses"], rw["misses"])
     assert (got["next_group_misses"], got["next_group_hits"]) == (want["next_group_misses"], want["next_group_hits"])
     assert got["next_group_hits"] > 0
+
+
+def test_inproc_replay_refuses_a_layout_past_the_ram_available_before_allocating(monkeypatch):
+    """The in-process attach is the replay's one host-memory check: the trace's pool and
+    rank (its ``total``, counted once) against the RAM available, refused as a daemon
+    refuses it (PoolFull, the CLI's exit 1)."""
+    import psutil
+
+    from sparsekv.client.errors import PoolFull
+    from sparsekv.daemon.residency.base import rank_bytes
+
+    trace = synth(steps=4, batch=2, top_k=8, region_stride=16, max_reqs=4, host_rows=256, row_bytes=16,
+                  num_layers=2, seed=1)
+    layout = trace.layout()
+    need = layout.pool_bytes + rank_bytes(layout)["total"]
+    real = psutil.virtual_memory()
+
+    def available(room):
+        return lambda: real._replace(available=room)
+
+    monkeypatch.setattr(psutil, "virtual_memory", available(need - 1))
+    with pytest.raises(PoolFull, match="GiB available"):
+        replay(trace, transport="inproc")
+    monkeypatch.setattr(psutil, "virtual_memory", available(need))  # exactly enough: it runs
+    summary, _ = replay(trace, transport="inproc")
+    assert summary["steps"] == trace.steps
