@@ -241,16 +241,20 @@ class EngineRequests:
 
     def _host_heavy(self, st, state_rows, reset, invalidate, topk=None) -> bool:
         """Whether a cpu rank's STEP (its resets and invalidations scan each named region of
-        every group) or TOPK (its resolve and gather, the STEP it begins) is host work of
+        every group) or TOPK (its resolve sorts each batch row's region and places its ids;
+        its prefetch scans the regions again; the STEP it begins) is host work of
         ``heavy_slots`` or more: then it runs on a worker thread, its engine's and its
         session's later requests waiting for it (one STEP over 4,096 regions of 2,048
-        slots took 3 s on the loop). Sizes only: the arrays are checked where they are used.
+        slots took 3 s on the loop; a TOPK of 4,096 rows of one id in regions of 32,768
+        slots 1.5 s). Sizes only: the arrays are checked where they are used.
         Not a TP rank's: its group's state and the uid's TP ledger are shared beyond its
         engine (its peers leave on the loop), so it stays there."""
         if not st.host_memory or st.tp is not None:
             return False
         lay = st.residency.layout
-        work = topk.size if topk is not None else 0
+        work = 0
+        if topk is not None:  # a batch row's region is scanned whatever its width
+            work = topk.size + (topk.shape[0] * lay.region_stride if topk.ndim else 0)
         if state_rows is not None and (reset is not None or (invalidate is not None and invalidate.size)):
             work += state_rows.size * lay.num_groups * lay.region_stride
         return work >= self.heavy_slots

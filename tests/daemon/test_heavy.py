@@ -449,3 +449,25 @@ def test_a_tp_ranks_step_stays_on_the_loop_whatever_its_size():
     assert er._host_heavy(plain, rows, None, inv)
     assert not er._host_heavy(SimpleNamespace(host_memory=True, tp=object(), residency=plain.residency), rows, None, inv)
     assert not er._host_heavy(SimpleNamespace(host_memory=False, tp=None, residency=plain.residency), rows, None, inv)
+
+
+def test_a_narrow_topk_counts_the_regions_its_batch_rows_scan():
+    """Found by an adversarial review: a TOPK of 4,096 rows of one id each in regions of
+    32,768 slots is 4,096 ids but 134M region slots sorted; counted by its ids it ran on
+    the loop and held every client 1.5 s. Its estimate counts each batch row's region."""
+    from types import SimpleNamespace
+
+    from sparsekv.daemon.engine_requests import EngineRequests
+
+    er = EngineRequests.__new__(EngineRequests)
+    er.heavy_slots = 1 << 20
+    wide = SimpleNamespace(host_memory=True, tp=None,
+                           residency=SimpleNamespace(layout=SimpleNamespace(num_groups=1, region_stride=32768)))
+    narrow = np.zeros((4096, 1), np.int32)
+    assert er._host_heavy(wide, None, None, None, narrow)  # 4,096 × 32,768 slots
+    assert not er._host_heavy(wide, None, None, None, narrow[:31])  # 31 × 32,769 < 1M
+    assert er._host_heavy(wide, None, None, None, narrow[:32])  # 32 × 32,769 ≥ 1M
+    small = SimpleNamespace(host_memory=True, tp=None,
+                            residency=SimpleNamespace(layout=SimpleNamespace(num_groups=1, region_stride=8)))
+    assert not er._host_heavy(small, None, None, None, np.zeros((64, 4), np.int32))
+    assert er._host_heavy(small, None, None, None, np.zeros(1 << 20, np.int32).reshape(1 << 18, 4))
