@@ -355,13 +355,24 @@ class EngineSpace(EngineBlocks):
 
     def drop_rewritten(self, rows: np.ndarray) -> int:
         """Empty every slot of every rank holding one of ``rows``; return how many. A TP
-        group's ranks share one residency: it is scanned once."""
+        group's ranks share one residency: it is scanned once. Any thread, when
+        :meth:`drop_scan_slots` is not 0 and the engine is held (its ranks as they were
+        when the call began)."""
         done, n = set(), 0
-        for r in self.ranks.values():
+        for r in list(self.ranks.values()):
             if id(r.residency) not in done:
                 done.add(id(r.residency))
                 n += r.drop_rewritten(rows)
         return n
+
+    def drop_scan_slots(self) -> int:
+        """Region slots :meth:`drop_rewritten` scans in host memory: every rank's state; 0
+        where it must stay on the loop's thread (a cuda rank: a kernel on its stream; a TP
+        group's state: shared beyond the engine)."""
+        if self.tp is not None or not all(r.host_memory for r in self.ranks.values()):
+            return 0
+        lay = self.layout
+        return len(self.ranks) * lay.num_groups * lay.max_reqs * lay.region_stride
 
     def check_staged(self, rank: RankState, layers, rows) -> tuple[tuple[int, ...], np.ndarray]:
         """A staged write's arguments checked (nothing changed) and normalised: its size

@@ -471,3 +471,49 @@ def test_a_narrow_topk_counts_the_regions_its_batch_rows_scan():
                             residency=SimpleNamespace(layout=SimpleNamespace(num_groups=1, region_stride=8)))
     assert not er._host_heavy(small, None, None, None, np.zeros((64, 4), np.int32))
     assert er._host_heavy(small, None, None, None, np.zeros(1 << 20, np.int32).reshape(1 << 18, 4))
+
+
+def test_a_small_write_whose_drop_scans_much_state_runs_off_the_loop(raw, monkeypatch):
+    """Found by an adversarial review: a one-row WRITE to an engine of 128M cpu slots
+    scanned them all on the loop (0.8 s held every client). From ``heavy_slots`` of state
+    the copy and the drop of hot copies run on a worker thread holding the engine: another
+    engine's client is served meanwhile, the writer's next TOPK waits and misses the row."""
+    gate, real, threads = Gate(), engine_mod.EngineSpace.drop_rewritten, []
+
+    def held(self, rows):
+        if self.name == "w":
+            threads.append(threading.current_thread())
+            gate.wait()
+        return real(self, rows)
+
+    monkeypatch.setattr(engine_mod.EngineSpace, "drop_rewritten", held)
+    with serving() as d:
+        a = attached_client(d.run_dir)
+        d.engine_requests.heavy_slots = LAYOUT.num_groups * LAYOUT.max_reqs * LAYOUT.region_stride  # one rank's
+        b = raw(d.run_dir)
+        b.hello()
+        _call(b, MsgType.ATTACH, {"engine": "w", "layout": LAYOUT.to_wire()})
+        rows, topk = np.arange(2, dtype=np.int32), np.array([[5, 6, 7, 8], [1, 2, 3, 4]], np.int32)
+        _call(b, MsgType.STEP, {"step": 6}, {"state_rows": rows})
+        assert _call(b, MsgType.TOPK, {"step": 6, "group": 0}, {"topk": topk})[0]["hits"] == 0
+        data = np.full((1, 1, LAYOUT.row_bytes), 9, np.uint8)  # 1 row: far below heavy_bytes
+        rw = b.send(MsgType.WRITE, {"layers": [0]}, {"rows": np.array([5], np.int32), "data": data})
+        rt = b.send(MsgType.TOPK, {"step": 6, "group": 0}, {"topk": topk})
+        assert gate.entered.wait(10) and threads[0] is not d.thread  # on a worker thread, not the loop's
+        topk_ok(a)  # engine "a": served meanwhile
+        assert b.recv(timeout_s=0.2) is None  # the WRITE's reply, and the TOPK behind it, wait
+        gate.open()
+        hw = b.recv()
+        assert hw["id"] == rw and hw["ok"] and hw["invalidated"] == 1, hw
+        assert b.sock.poll(10000)
+        ht, out = decode(b.sock.recv_multipart())
+        assert ht["id"] == rt and ht["ok"] and ht["hits"] == 7 and out["misses"].tolist() == [1, 0], (ht, out)
+        a.close()
+    threads.clear()
+    with serving() as d:  # below heavy_slots: on the loop
+        d.engine_requests.heavy_slots = 1 << 40
+        c = attached_client(d.run_dir, engine="w")
+        gate.open()
+        c.write(np.array([5], np.int32), np.zeros((LAYOUT.num_layers, 1, LAYOUT.row_bytes), np.uint8))
+        assert threads and set(threads) == {d.thread}
+        c.close()

@@ -1,7 +1,8 @@
 """``CpuResidency.invalidate_pairs`` (a STEP's invalidations in one call) against one
 ``invalidate`` a batch row, on random regions with repeated state rows, rows named twice,
 rows no slot owns and prefetch marks; both of its ways (one vectorised pass, a region at a
-time past ``PAIRS_AT_ONCE``)."""
+time past ``PAIRS_AT_ONCE``); ``invalidate_everywhere`` a piece at a time against every
+state row invalidated."""
 
 from __future__ import annotations
 
@@ -52,3 +53,23 @@ def test_a_state_row_out_of_range_is_refused_before_anything_changes():
     with pytest.raises(ResidencyError, match="BAD_STATE_ROW|out of range"):
         a.invalidate_pairs(np.array([0, lay.max_reqs]), np.array([1, 2]))
     np.testing.assert_array_equal(a.owner, before)
+
+
+@pytest.mark.parametrize("at_once", [1 << 20, 7, 1])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rewrite_empties_every_slot_of_its_rows_in_pieces_as_at_once(monkeypatch, at_once, seed):
+    """A write's drop scans the whole state ``PAIRS_AT_ONCE`` slots at a time (bounded
+    temporaries): the same slots emptied, marks dropped and count as every state row's
+    ``invalidate``, whatever the pieces' size."""
+    monkeypatch.setattr(cpu, "PAIRS_AT_ONCE", at_once)
+    rng, lay, a, b = _pair(seed)
+    rows = rng.integers(-1, lay.host_rows, 40).astype(np.int32)
+    rows[1] = rows[0]  # a row named twice
+    owned = int(np.isin(a.owner, rows[rows >= 0]).sum())
+    n = a.invalidate_everywhere(rows)
+    for s in range(lay.max_reqs):
+        b.invalidate(s, rows)
+    assert n == owned > 0
+    np.testing.assert_array_equal(a.owner, b.owner)
+    np.testing.assert_array_equal(a.fresh, b.fresh)
+    assert a.prefetch_wasted == b.prefetch_wasted > 0
