@@ -22,7 +22,7 @@ from .backends import map_engine_memory
 from .blocks.chains import owned
 from .blocks.store import BlockStore, Found
 from .engine_blocks import write_zeros
-from .heavy import HEAVY_BYTES, Slow
+from .heavy import HEAVY_BYTES, HEAVY_SLOTS, Slow
 from .sessions import Session
 
 
@@ -30,6 +30,7 @@ class BlockRequests:
     """The handlers of the block store requests, over the daemon's engine registry and stats."""
 
     heavy_bytes = HEAVY_BYTES
+    heavy_slots = HEAVY_SLOTS  # their hot copies' drop with the zeros from this many cpu slots scanned on
 
     def __init__(self, engines, stats, fd_server=None):
         self.engines, self.stats, self.fd_server = engines, stats, fd_server
@@ -92,12 +93,14 @@ class BlockRequests:
         """``op()``, a store request that may free or evict blocks, for ``yield from``: the
         zeros of those blocks are written before the reply, on a worker thread holding the
         engine from ``heavy_bytes`` on (2,048 DeepSeek-V3.2 blocks are 5.3 GB: ~75 ms that
-        held every client on the loop): no request of the engine may take or write them
-        meanwhile, and nobody else learns a taken block before the reply."""
+        held every client on the loop), their hot copies dropped there first when that
+        scans ``heavy_slots`` of cpu state or more: no request of the engine may take or
+        write them, or read a copy, meanwhile, and nobody else learns a taken block before
+        the reply."""
         space = self.engines.space(s.engine)
-        with space.deferring_zeros() as zeros:
+        with space.deferring_zeros(drops_from=self.heavy_slots) as zeros:
             out = op()
-        if sum(z.nbytes for z in zeros) >= self.heavy_bytes:
+        if sum(z.nbytes for z in zeros) >= self.heavy_bytes or any(z.drop is not None for z in zeros):
             yield Slow(functools.partial(write_zeros, zeros), engine=s.engine)
         else:
             write_zeros(zeros)

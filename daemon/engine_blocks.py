@@ -22,11 +22,16 @@ class ZeroWrite:
     """The zeros of blocks freed or evicted (``EngineSpace.forget_blocks``), to write on any
     thread: their rows in every layer, a slice a run of consecutive blocks, and their keys."""
 
-    def __init__(self, space: "EngineBlocks", runs: list[tuple[int, int, int]], nbytes: int):
+    def __init__(self, space: "EngineBlocks", runs: list[tuple[int, int, int]], nbytes: int,
+                 drop: np.ndarray | None = None):
         self.space, self.runs, self.nbytes = space, runs, nbytes
+        self.drop = drop  # rows whose hot copies are dropped first (None: dropped already)
 
     def __call__(self) -> int:
         sp, bs = self.space, self.space.block_size
+        if self.drop is not None:
+            sp.drop_rewritten(self.drop)
+            self.drop = None
         for first, _, n in self.runs:
             sp.pool[:, first * bs:(first + n) * bs] = 0
             if sp.keys is not None:
@@ -52,6 +57,7 @@ class EngineBlocks:
     """The block store's and the keys plane's part of an engine (see the module's docstring)."""
 
     _deferred: list | None = None  # inside deferring_zeros: the zeros not written yet
+    _drops_from: int | None = None  # inside deferring_zeros: the drops scanning this many slots or more go too
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Write zeros over every row of ``blocks`` in every layer (and their indexer keys)
@@ -78,28 +84,36 @@ class EngineBlocks:
             for r in self.ranks.values():
                 r.quiesce_keys()
         rows = (ids.astype(np.int32)[:, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
-        self.drop_rewritten(rows)
+        drop = None
+        if self._drops_from is not None and self.drop_scan_slots() >= self._drops_from:
+            drop = rows  # with the zeros, on the thread that writes them
+        else:
+            self.drop_rewritten(rows)
         keys_bytes = 0 if self.keys is None else ids.size * self.keys[0].nbytes
         return ZeroWrite(self, self.keys_runs(ids), rows.size * self.layout.num_layers * self.layout.row_bytes
-                         + keys_bytes)
+                         + keys_bytes, drop)
 
     @contextlib.contextmanager
-    def deferring_zeros(self) -> Iterator[list]:
+    def deferring_zeros(self, drops_from: int | None = None) -> Iterator[list]:
         """``with space.deferring_zeros() as zeros:`` the block store's zeros of the blocks
         freed or evicted inside are not written: ``zeros`` holds them (:class:`ZeroWrite`),
         for a worker thread. Only where nothing may use those blocks before they are written
-        (a block request, whose reply comes after). When the block raises, what it freed
-        before is zeroed at once, as without deferring, and the error goes on."""
+        (a block request, whose reply comes after). ``drops_from``: their hot copies' drop
+        goes with them when it scans that many host slots or more (:meth:`drop_scan_slots`;
+        only where nothing else touches the engine's ranks until they are written: a request
+        holding its engine). When the block raises, what it freed before is zeroed (and
+        dropped) at once, as without deferring, and the error goes on."""
         if self._deferred is not None:
             raise RuntimeError("zeros are deferred already")
-        self._deferred = zeros = []
+        zeros = self._deferred = []
+        self._drops_from = drops_from
         try:
             yield zeros
         except BaseException:
             write_zeros(zeros)
             raise
         finally:
-            self._deferred = None
+            self._deferred = self._drops_from = None
 
     # A keys request in two steps: the checks (the loop's thread), then the copy (any
     # thread: it touches those blocks' keys only, which nobody else may write or free meanwhile).

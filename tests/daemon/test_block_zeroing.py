@@ -193,3 +193,33 @@ def test_zeros_deferred_in_a_block_that_raises_are_written_before_the_error_goes
     with space.deferring_zeros() as zeros:  # and it may defer again
         space.zero_blocks([4])
     assert (space.pool[:, 16:20] == 5).all() and zeros
+
+
+def test_a_released_blocks_hot_copies_are_dropped_off_the_loop_from_heavy_slots(gated):
+    """Found by an adversarial review: freeing a block dropped its rows' hot copies on the
+    loop, scanning every slot of every rank (seconds for 128M cpu slots). From
+    ``heavy_slots`` the drop goes with the zeros to the worker thread, before the reply:
+    the rank's copies of those rows are gone when the release returns, the others kept."""
+    go, threads, started = gated
+    go.set()
+    with helpers.serving_daemon(4 << 20) as d:
+        with Client(d.run_dir) as c:
+            blocks = attach_keys(c)
+            space = d.engines.space("m")
+            slots = space.drop_scan_slots()
+            d.block_requests.heavy_slots = slots  # this engine's drops: on the worker thread
+            d.block_requests.heavy_bytes = 1 << 40  # (not for the zeros' bytes)
+            mine = blocks.alloc(4)
+            c.write(_block_rows(mine), np.full((LAY.num_layers, 4 * BS, LAY.row_bytes), 7, np.uint8))
+            c.step(0, np.array([0], np.int32), np.array([True]))
+            hot = np.concatenate([_block_rows(mine[:1]), _block_rows(mine[3:])])[:LAY.top_k].astype(np.int32)
+            c.topk(0, 0, hot[None, :])
+            assert not threads
+            blocks.release(mine[:1])
+            assert threads and all(th is not d.thread for th in threads)
+            r = c.topk(0, 0, hot[None, :])  # the released block's rows were dropped, the others hit
+            assert int(r.misses.sum()) == np.isin(hot, _block_rows(mine[:1])).sum() > 0, (r.misses, hot)
+            threads.clear()
+            d.block_requests.heavy_slots = slots + 1  # below it: on the loop, as before
+            blocks.release(mine[1:2])
+            assert threads and all(th is d.thread for th in threads)
