@@ -100,8 +100,9 @@ class BlockRequests:
         space = self.engines.space(s.engine)
         with space.deferring_zeros(drops_from=self.heavy_slots) as zeros:
             out = op()
-        if sum(z.nbytes for z in zeros) >= self.heavy_bytes or any(z.drop is not None for z in zeros):
-            yield Slow(functools.partial(write_zeros, zeros), engine=s.engine)
+        drops = any(z.drop is not None for z in zeros)
+        if sum(z.nbytes for z in zeros) >= self.heavy_bytes or drops:
+            yield Slow(functools.partial(write_zeros, zeros), engine=s.engine, ranks=drops)
         else:
             write_zeros(zeros)
         return out

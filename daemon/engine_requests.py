@@ -279,7 +279,7 @@ class EngineRequests:
     def _slow_step(self, s: Session, st, begin):
         """A STEP's resets and invalidations on a worker thread (a heavy handler: the common
         STEP returns its reply at once, no generator)."""
-        yield Slow(begin, engine=s.engine)
+        yield Slow(begin, engine=s.engine, ranks=True)
         return self._stepped(st)
 
     def on_topk(self, s: Session, identity, h, a):
@@ -347,12 +347,12 @@ class EngineRequests:
         prefetch it leaves there too, before its reply: a batch this large would hold the
         loop as long in the prefetch after it (the engine waits for it instead)."""
         try:
-            fields, arrays, deltas = yield Slow(serve, engine=s.engine)
+            fields, arrays, deltas = yield Slow(serve, engine=s.engine, ranks=True)
         finally:
             self.stats.c["steps"] += len(began)  # (on the loop, as every counter)
         if st.pending_prefetch is not None:
             deltas = dict(deltas)
-            for k, v in (yield Slow(functools.partial(_prefetch_quietly, st), engine=s.engine)).items():
+            for k, v in (yield Slow(functools.partial(_prefetch_quietly, st), engine=s.engine, ranks=True)).items():
                 deltas[k] = deltas.get(k, 0) + v
         return self._served(st, fields, arrays, deltas)
 
@@ -413,7 +413,7 @@ class EngineRequests:
 
         try:
             if nbytes >= self.heavy_bytes or space.drop_scan_slots() >= self.heavy_slots:
-                yield Slow(write, engine=s.engine)
+                yield Slow(write, engine=s.engine, ranks=True)
             else:
                 write()
         finally:

@@ -57,6 +57,7 @@ class Slow:
 
     fn: Callable[[], Any]
     engine: str | None = None
+    ranks: bool = False  # fn touches the residency of the engine's ranks (a cpu STEP, TOPK or drop)
 
 
 class Gone(Exception):
@@ -117,6 +118,12 @@ class HeavyRequests:
     def busy(self, identity: bytes) -> bool:
         """Whether a new request of ``identity`` must queue: one is in flight or waits."""
         return identity in self._jobs or identity in self._waiting
+
+    def ranks_in_use(self, engine: str | None) -> bool:
+        """Whether a request in flight holds ``engine`` with a slow part that works on its
+        ranks' residency (``Slow.ranks``) on a worker thread."""
+        job = self._engines.get(engine) if engine is not None else None
+        return job is not None and job.slow is not None and job.slow.ranks
 
     def engine_busy(self, engine: str | None) -> bool:
         return engine is not None and (engine in self._engines or engine in self._holds)

@@ -415,6 +415,7 @@ class Daemon:
         self.heavy.finish(job)
         if self.sessions.get(job.identity) is not job.session:
             self.sessions.detach(job.session)  # reaped while its request ran: its rank goes now
+        self.sessions.detach_postponed()  # others of its engine reaped meanwhile: theirs too
         if not self.heavy.serving:
             return  # stopping
         if out is not None:

@@ -80,6 +80,9 @@ class Sessions(dict):
         self.rlog = RateLimitedLog(log)  # lines a client can cause at will, limited per cause
         # Identities of sessions dropped for idleness -> what their next request is told.
         self._expired: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        # Sessions gone while another's heavy request held their engine: their ranks go
+        # when it ends (detach_postponed).
+        self._postponed: list[Session] = []
 
     def expired(self, identity: bytes) -> str | None:
         """Why ``identity`` has no session any more, if it was dropped for idleness."""
@@ -181,6 +184,11 @@ class Sessions(dict):
             return
         if self.heavy.running(s.identity):
             return  # (reaped) its heavy request still uses the rank: the request's end releases it
+        if self.heavy.ranks_in_use(s.engine):
+            # (reaped) another session's heavy request works on this engine's ranks on a
+            # worker thread: dropping this one's blocks' hot copies from them now would race it
+            self._postponed.append(s)
+            return
         try:
             zeros = self.engines.detach(s.client_id, s.engine)
         except ZeroFailed as e:  # its freed blocks are dirty: the daemon stops (as a request's would)
@@ -197,6 +205,13 @@ class Sessions(dict):
         box = [s.state] if s.state.host_memory else []
         s.state, s.engine = None, None
         self.heavy.release(box)
+
+    def detach_postponed(self) -> None:
+        """Release the ranks of the sessions gone while their engine was held (:meth:`detach`)
+        whose engine is free now (a heavy request ended)."""
+        waiting, self._postponed = self._postponed, []
+        for s in waiting:
+            self.detach(s)  # (postponed again while its engine is still held)
 
     def watch(self, s: Session) -> PidWatch | None:
         """A pidfd of ``s``'s process whose exit reaps ``s`` at once (None: pid 0, or no

@@ -294,3 +294,46 @@ def test_a_failed_zero_write_of_a_gone_clients_few_blocks_stops_the_daemon_too(m
             crash(d, a)
             d.thread.join(10)
             assert not d.thread.is_alive() and d.exit_code == 70 and "MemoryError: boom" in d.fatal_reason
+
+
+def test_a_client_gone_while_another_request_works_on_its_engine_is_detached_after_it(monkeypatch):
+    """Found by a review: a client reaped while another session's heavy request ran on its
+    engine (a cpu TOPK on a worker thread) was detached at once, dropping its freed
+    blocks' hot copies from the other ranks on the loop while the worker resolved on
+    them. It is detached when that request ends: its rank stays until then, and the other
+    rank's copies of its rows are dropped after, not during."""
+    from sparsekv.daemon import engine as engine_mod
+
+    gate_in, gate_open, real = threading.Event(), threading.Event(), engine_mod.RankState.begin_step
+
+    def held(self, step, *a, **kw):
+        if step == 7:
+            gate_in.set()
+            assert gate_open.wait(20)
+        return real(self, step, *a, **kw)
+
+    monkeypatch.setattr(engine_mod.RankState, "begin_step", held)
+    with helpers.serving_daemon(4 << 20) as d:
+        with Client(d.run_dir) as a, Client(d.run_dir) as b:
+            ba, _ = attach_keys(a), attach_keys(b)
+            space = d.engines.space("m")
+            mine = ba.alloc(2)
+            a.write(_rows(mine), np.full((LAY.num_layers, 2 * BS, LAY.row_bytes), 7, np.uint8))
+            ids = _rows(mine)[:LAY.top_k].astype(np.int32)[None, :]
+            b.step(6, np.array([0], np.int32), np.array([True]))
+            assert int(b.topk(6, 0, ids).misses.sum()) == LAY.top_k  # a's rows hot in b's region
+            d.engine_requests.heavy_slots = 1  # b's next TOPK on a worker thread
+            b.step(7, np.array([0], np.int32))
+            got = {}
+            t, box = in_thread(lambda: got.setdefault("misses", int(b.topk(7, 0, ids).misses.sum())))
+            assert gate_in.wait(10)
+            ranks = len(space.ranks)
+            crash(d, a)
+            assert on_loop(d, lambda: len(space.ranks)) == ranks == 2  # a's rank waits for b's request
+            gate_open.set()
+            t.join(10)
+            assert box.get("v") == "ok" and got["misses"] == 0, (box, got)  # b's TOPK: before a's rows went
+            assert on_loop(d, lambda: len(space.ranks)) == 1
+            b.step(8, np.array([0], np.int32))
+            assert int(b.topk(8, 0, ids).misses.sum()) == LAY.top_k  # a's freed blocks' copies: dropped
+            assert not space.pool[:, _rows(mine)].any()
