@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import stat
 import sys
 import time
 
@@ -216,7 +217,7 @@ def run_args(a) -> int:
         if path and not (alone and flag in FILE_OPTIONS[alone[0]]):
             return _refuse(what, f"{flag} is an option of {' or '.join(n for n, o in FILE_OPTIONS.items() if flag in o)}")
     for flag, path in (("--json", a.json_path), ("--plot", a.plot_path), ("--daemon-log", a.daemon_log)):
-        why = output_problem(path, flag) if path else None
+        why = output_problem(path, flag, replaced=flag == "--json") if path else None
         if why:
             return _refuse(what, why)
     why = cuda_unavailable() if set(which) & set(GPU_BENCHES) else None
@@ -228,15 +229,44 @@ def run_args(a) -> int:
     return 0
 
 
-def output_problem(path: str, what: str = "--out") -> str | None:
-    """Why an output path cannot be written (its directory missing or not writable, or the
-    path a directory), found before any work; None when it can."""
+# An output is written beside its path under a temporary name this much longer
+# (".tmp-" and a process id), then renamed over it.
+TEMP_SUFFIX_BYTES = 12
+
+
+def output_problem(path: str, what: str = "--out", replaced: bool = True) -> str | None:
+    """Why an output path cannot be written, found before any work; None when it can. It
+    must name a file (not empty, not a directory) in a directory that exists and is
+    writable. One ``replaced`` whole (written under a temporary name, then renamed over
+    it: a trace, a result, JSON) must have a name that fits the file system with the
+    temporary suffix, and what is there must be a regular file (a symlink, a device or a
+    FIFO would be replaced by the rename, not written through); a log (appended) or a
+    plot may be any file."""
+    if not path:
+        return f"{what} is empty; name a file"
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return f"{what} {path} is a directory; name a file"
     if not os.path.isdir(folder):
         return f"{what} {path}: directory {folder} does not exist"
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    try:
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    name = len(os.fsencode(os.path.basename(path)))
+    if name + (TEMP_SUFFIX_BYTES if replaced else 0) > name_max:
+        return (f"{what} {path}: its file name is {name} bytes; at most {name_max - TEMP_SUFFIX_BYTES} here "
+                f"(it is written under a name {TEMP_SUFFIX_BYTES} bytes longer first)")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        return f"{what} {path}: {e.strerror}"
+    if replaced and mode is not None and not stat.S_ISREG(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        return f"{what} {path} is {kind}, which the output would replace; name a regular file or a new one"
+    if not os.access(folder, os.W_OK | os.X_OK) or (mode is not None and not os.access(path, os.W_OK)):
         return f"{what} {path}: not writable by this user"
     return None
 

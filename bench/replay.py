@@ -20,7 +20,7 @@ from sparsekv.proto.slab import SlabGeometry
 
 from sparsekv.client.client import Client
 from sparsekv.client.engine_slab import EngineSlab
-from sparsekv.client.errors import BadRequest
+from sparsekv.client.errors import BadRequest, PoolFull
 from sparsekv.embedded.inproc import InprocClient
 from .private_daemon import PrivateDaemon
 from .trace import Trace, TraceError, save_npz
@@ -188,11 +188,12 @@ class InprocDriver(Driver):
     def __init__(self, trace, stack, *, slab="daemon", **kw):
         if slab == "engine":
             raise ValueError("an engine-owned slab is given to a daemon: use --transport zmq or doorbell")
-        super().__init__(trace, stack, **kw)
+        try:
+            super().__init__(trace, stack, **kw)
+        except PoolFull as e:  # the attach's check, before allocating: the trace is too large here (exit 2)
+            raise TraceError(f"the trace's layout needs more host memory than this machine has: {e.args[0]}") from None
 
     def open(self, stack, *, backend, connect, daemon_log):
-        # Its attach refuses (POOL_FULL) a layout whose pool and rank exceed the RAM
-        # available, before allocating, as a daemon does.
         return stack.enter_context(InprocClient(backend=backend))
 
 

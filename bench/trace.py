@@ -16,6 +16,7 @@ stays in host rows.
 from __future__ import annotations
 
 import os
+import stat
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -48,6 +49,14 @@ class Trace:
     num_layers: int
     block_table: np.ndarray | None = None  # position traces: int32 [steps, batch, max_blocks]
     block_size: int = 0  # position traces: tokens per block; 0: topk holds host rows
+
+    def __post_init__(self):
+        # A NumPy integer scalar is an int here (the layout takes Python ints only); any
+        # other type stays as given, for the layout's check to name.
+        for name in (*SCALARS, "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, np.integer):
+                setattr(self, name, int(v))
 
     @property
     def steps(self) -> int:
@@ -214,6 +223,14 @@ def save_npz(path: str, **arrays) -> None:
             os.unlink(tmp)
 
 
+# Copies of a request's context ids (int64 [span]) synth makes at once while it draws a
+# top-k row: the ids, the position mask and table lookups, setdiff1d's sort, choice's pool
+# (measured: 2**24 rows a request, host rows or positions, peaked at 7.5-7.6 copies).
+SYNTH_CONTEXT_COPIES = 8
+# What Trace._check_shared_tables takes per (step, batch row) of a position trace at once:
+# the live cells' indices, their order and the reordered copies (measured: 58 bytes, every
+# cell live, 300 steps of 65,536 rows).
+SHARED_TABLE_CELL_BYTES = 64
 # The block-table rows one comparison of a request's rows copies at most (Trace._check_shared_tables).
 TABLE_CHUNK_BYTES = 32 << 20
 # What the replay keeps per step whatever the batch (its time, and room for the driver's
@@ -226,6 +243,14 @@ TRACE_MEMORY_SHARE = 0.25
 # (RuntimeError: an encrypted member; NotImplementedError: a compression zipfile lacks.)
 _READ_ERRORS = (OSError, EOFError, ValueError, MemoryError, RuntimeError, NotImplementedError, zipfile.BadZipFile,
                 zlib.error)
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a plain file"
 
 
 def _check_room(total: float, what: str, how: str = "") -> None:
@@ -262,6 +287,12 @@ def _read_npz(path: str, scalars: tuple, check_scalars, known: frozenset) -> dic
     0-d), then those read and given to ``check_scalars``, then the other members' data,
     each read to its member's end (nothing after the array; the zip's CRC checked)."""
     try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise TraceError(f"cannot read trace {path}: {e}") from None
+    if not stat.S_ISREG(mode):  # a FIFO would block for ever, a device be read without end
+        raise TraceError(f"trace {path} is not a regular file ({_file_kind(mode)}); name an .npz file")
+    try:
         zf = zipfile.ZipFile(path)
     except FileNotFoundError as e:
         raise TraceError(f"cannot read trace {path}: {e}") from None
@@ -274,6 +305,8 @@ def _read_npz(path: str, scalars: tuple, check_scalars, known: frozenset) -> dic
             if key not in known:
                 raise TraceError(f"trace {path}: member {n!r} is not one of its arrays ({', '.join(sorted(known))}, "
                                  "each a NumPy .npy)")
+            if key in members:  # (zipfile would read the last of them)
+                raise TraceError(f"trace {path}: member {n!r} appears twice")
             members[key] = n
         total, shapes = 0, {}
         for key, name in members.items():
@@ -288,20 +321,25 @@ def _read_npz(path: str, scalars: tuple, check_scalars, known: frozenset) -> dic
                         raise ValueError(f"NumPy array format version {version} (1.0 and 2.0 are read)")
             except _READ_ERRORS as e:
                 raise TraceError(f"trace {path}: {key} is not a readable NumPy array: {e}") from None
-            if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biuf":
-                raise TraceError(f"trace {path}: {key} must hold integers or bool, got {dtype}")
+            # Its type from the header, before its data is read: reset bool, the rest integers.
+            if key in scalars and (shape != () or dtype.kind not in "iu"):
+                raise TraceError(f"trace {path}: {key} must be an integer scalar, got {dtype} of shape {shape}")
+            if dtype.hasobject or dtype.fields is not None or dtype.kind not in ("b" if key == "reset" else "iu"):
+                raise TraceError(f"trace {path}: {key} must {'be bool' if key == 'reset' else 'hold integers'}, "
+                                 f"got {dtype}")
             if any(d < 0 for d in shape):
                 raise TraceError(f"trace {path}: {key} has shape {shape}")
-            if key in scalars and shape != ():
-                raise TraceError(f"trace {path}: {key} must be an integer scalar, got {dtype} of shape {shape}")
             shapes[key] = shape
-            # As loaded: integers become int32, the copy made beside the array read (an int8
-            # array takes 5 bytes a value, an int64 one 12), and the replay keeps slots as
+            # As loaded: integers become int32, the copy made beside the array read unless it
+            # is int32 in this machine's byte order (an int8 array takes 5 bytes a value, a
+            # uint32 or big-endian one 8, an int64 one 12), and the replay keeps slots as
             # large as the top-k beside it.
-            loaded = dtype.itemsize if dtype.kind == "b" or dtype.itemsize == 4 else dtype.itemsize + 4
+            loaded = dtype.itemsize if dtype.kind == "b" or dtype == np.int32 else dtype.itemsize + 4
             total += int(np.prod(shape, dtype=np.float64)) * loaded * (2 if key == "topk" else 1)
-            if key == "topk" and shape:  # the replay's own per step: its time, a batch's misses
-                total += shape[0] * STEP_BYTES
+            if key == "topk" and len(shape) >= 2:  # the replay's own: per step, and a batch row's misses
+                total += shape[0] * STEP_BYTES + shape[0] * shape[1] * 4
+            if key == "block_table" and len(shape) >= 2:  # the check that a request's rows share one table
+                total += shape[0] * shape[1] * SHARED_TABLE_CELL_BYTES
         _check_room(total, f"trace {path} takes", " loaded (its integers as int32, and the replay's slots)")
         def read(keys) -> dict:
             got = {}
@@ -531,9 +569,13 @@ def synth(
         if span < top_k + 2:
             raise TraceError(f"host_rows {host_rows} gives {span} rows per request; need more than top_k {top_k}")
     # The arrays' bytes (top-k, state rows, reset, invalidate; a position trace's tables
-    # besides), checked as a load checks them, before any is made.
-    _check_room(steps * batch * (4 * top_k + 4 + 1 + 8 + (4 * max_blocks if block_size else 0)),
-                f"a trace of {steps} steps of batch {batch} and top_k {top_k} takes")
+    # besides), checked as a load checks them, before any is made; with the working memory
+    # of a step: a request's context ids (int64, up to ``span``) and their copies while its
+    # top-k is drawn (SYNTH_CONTEXT_COPIES), and with ``spec`` every served row's kept too.
+    working = ((batch if spec > 0 else 0) + SYNTH_CONTEXT_COPIES) * 8 * span
+    _check_room(steps * batch * (4 * top_k + 4 + 1 + 8 + (4 * max_blocks if block_size else 0)) + working,
+                f"a trace of {steps} steps of batch {batch} and top_k {top_k} takes",
+                f" (with {working / 2**30:.1f} GiB of context ids of up to {span} rows a request while it is drawn)")
     t_topk = np.full((steps, batch, top_k), -1, np.int32)
     t_rows = np.full((steps, batch), -1, np.int32)
     t_reset = np.zeros((steps, batch), bool)
@@ -565,7 +607,7 @@ def synth(
                 t_table[t, b, : len(req.table)] = req.table
             if rng.random() < invalidate and ctx.size:
                 t_inval[t, b, 0] = req.host_rows_of(ctx[rng.integers(ctx.size)], block_size)
-            served.append((b, req, ctx))
+            served.append((b, req, ctx if spec > 0 else None))  # (a context kept only for speculative rows)
             req.grow(span, block_size, max_blocks)
             req.left -= 1
         if spec > 0:  # speculative rows: a second batch row of a served request, on a free batch row

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -47,9 +48,9 @@ def _version() -> str:
         return "unknown"
 
 
-def check_output(path: str, what: str = "--out") -> None:
-    """Refuse, before any work, an output path that cannot be written."""
-    why = output_problem(path, what)
+def check_output(path: str, what: str = "--out", replaced: bool = True) -> None:
+    """Refuse, before any work, an output path that cannot be written (``output_problem``)."""
+    why = output_problem(path, what, replaced)
     if why:
         raise UsageError(why)
 
@@ -157,8 +158,10 @@ def cmd_replay(a) -> int:
     if a.tp and a.ranks < 2:
         raise UsageError("--tp needs --ranks 2 or more")
     check_output(a.out)
+    if os.path.exists(a.out) and os.path.exists(a.trace) and os.path.samefile(a.out, a.trace):
+        raise UsageError(f"--out {a.out} is the trace being replayed; name another file")
     if a.daemon_log:
-        check_output(a.daemon_log, "--daemon-log")
+        check_output(a.daemon_log, "--daemon-log", replaced=False)
     trace = Trace.load(a.trace)
     bar = None if a.quiet else Progress("replay", trace.steps)
     summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify, connect=a.connect,

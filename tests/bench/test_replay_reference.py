@@ -139,11 +139,10 @@ def test_replay_with_prefetch_on_the_cuda_backend_serves_what_the_cpu_backend_se
 
 def test_inproc_replay_refuses_a_layout_past_the_ram_available_before_allocating(monkeypatch):
     """The in-process attach is the replay's one host-memory check: the trace's pool and
-    rank (its ``total``, counted once) against the RAM available, refused as a daemon
-    refuses it (PoolFull, the CLI's exit 1)."""
+    rank (its ``total``, counted once) against the RAM available, refused before
+    allocating as a TraceError (the CLI's exit 2, as for every trace too large)."""
     import psutil
 
-    from sparsekv.client.errors import PoolFull
     from sparsekv.daemon.residency.base import rank_bytes
 
     trace = synth(steps=4, batch=2, top_k=8, region_stride=16, max_reqs=4, host_rows=256, row_bytes=16,
@@ -156,7 +155,7 @@ def test_inproc_replay_refuses_a_layout_past_the_ram_available_before_allocating
         return lambda: real._replace(available=room)
 
     monkeypatch.setattr(psutil, "virtual_memory", available(need - 1))
-    with pytest.raises(PoolFull, match="GiB available"):
+    with pytest.raises(TraceError, match="needs more host memory than this machine has: .* GiB available"):
         replay(trace, transport="inproc")
     monkeypatch.setattr(psutil, "virtual_memory", available(need))  # exactly enough: it runs
     summary, _ = replay(trace, transport="inproc")

@@ -12,6 +12,7 @@ import pytest
 
 import cli_inproc
 import helpers
+from sparsekv.bench.bench import output_problem
 from sparsekv.bench.trace import Trace, synth
 from sparsekv.cli.progress import Progress
 
@@ -162,7 +163,7 @@ BAD_TRACES = {
     "array for a scalar": (lambda p: _save(p, host_rows=np.arange(2)), "host_rows must be an integer scalar"),
     "id past int32": (lambda p: _save(p, topk=np.full((3, 2, 4), 2**32 + 5, np.int64)), "topk holds 4294967301, outside int32"),
     "pool past the memory": (lambda p: _save(p, host_rows=np.int64(2**30), row_bytes=np.int64(4096)),
-                             "GiB of host memory"),
+                             "needs more host memory than this machine has"),
     "text array": (lambda p: _save(p, topk=np.full((3, 2, 4), "x")), "topk must hold integers"),
     "float ids": (lambda p: _save(p, topk=np.zeros((3, 2, 4), np.float32)), "topk must hold integers, got float32"),
     "bad layout scalars": (lambda p: _save(p, region_stride=2), "region_stride"),
@@ -224,6 +225,37 @@ def test_output_paths_are_checked_before_any_work(trace_path, tmp_path):
     assert r.returncode == 2 and r.stderr == f"sparsekv replay: --out {tmp_path} is a directory; name a file\n"
     r = cli_inproc.run("replay", trace_path, "--out", tmp_path / "r.npz", "--daemon-log", tmp_path / "no" / "d.log")
     assert r.returncode == 2 and "--daemon-log" in r.stderr and not (tmp_path / "r.npz").exists()
+
+
+@pytest.mark.parametrize("case", ["empty", "name too long", "symlink", "fifo", "the trace itself"])
+def test_an_output_that_would_fail_or_replace_something_else_is_refused_before_any_work(trace_path, tmp_path, case):
+    """Found by an adversarial review: an empty or overlong --out (its temporary name longer
+    still) failed after the whole replay; a device, FIFO or symlink given as --out was
+    replaced by the rename (as root, --out /dev/null replaced /dev/null); --out naming
+    the trace overwrote it."""
+    import os
+
+    target = tmp_path / "elsewhere.npz"
+    out, words = {
+        "empty": ("", "--out is empty; name a file"),
+        "name too long": (tmp_path / ("a" * 250 + ".npz"), "its file name is 254 bytes; at most 243 here"),
+        "symlink": (tmp_path / "link.npz", "is a symbolic link, which the output would replace"),
+        "fifo": (tmp_path / "fifo.npz", "is not a regular file, which the output would replace"),
+        "the trace itself": (trace_path, "is the trace being replayed; name another file"),
+    }[case]
+    if case == "symlink":
+        os.symlink(target, out)
+    elif case == "fifo":
+        os.mkfifo(out)
+    before = os.stat(trace_path).st_mtime_ns
+    r = cli_inproc.run("replay", trace_path, "--out", out)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not target.exists() and os.stat(trace_path).st_mtime_ns == before
+    if case != "the trace itself":
+        r = cli_inproc.run("trace", "synth", "--out", out, *SYNTH)
+        assert r.returncode == 2 and words in r.stderr, r.stderr
+    if case == "fifo":  # a log is appended to: a FIFO or a symlink is taken there
+        assert output_problem(str(out), "--daemon-log", replaced=False) is None
 
 
 def test_replay_and_synth_print_progress_on_stderr_without_carriage_returns(trace_path, tmp_path):
