@@ -82,7 +82,7 @@ class Config:
     metrics_port: int = _s(0, "serve Prometheus text on http://127.0.0.1:PORT/metrics from the daemon's loop; "
                            "0: off (the stats socket serves the same)", bounds=(0, 65535), metavar="PORT")
     max_slab_bytes: int = _s(16 << 30, "most memory one rank's attach may take (hot slab + staging + residency "
-                             "state, 8 bytes per slot and index group), with a unit", kind="size", bounds=(1, None))
+                             "state, 9 bytes per slot and index group), with a unit", kind="size", bounds=(1, None))
     tp_max_lag: int = _s(256, "requests a TP group's ranks may run ahead of its slowest rank (attach with "
                          "tp_size): the group keeps that many resolved top-k batches for the ranks still to "
                          "reach them; one more is refused (TP_LAG); at least 2 (a TOPK carrying its STEP makes "

@@ -226,12 +226,14 @@ def prefetch_into_next(resolved_at: dict, step: int, group: int, num_groups: int
     return group + 1 < num_groups and resolved_at.get(group + 1) != step
 
 
-STATE_BYTES_PER_SLOT = 8  # per (index group, state row, slot): owner and lru, int32 each
+# Per (index group, state row, slot): owner and lru, int32 each, and the prefetch mark (a
+# byte: the cpu residency keeps it always, the cuda one with prefetch).
+STATE_BYTES_PER_SLOT = 9
 
 
 def rank_bytes(layout: Layout, engine_slab: bool = False) -> dict[str, int]:
     """What one rank of ``layout`` costs the daemon, by part: ``slab`` (every layer's hot
-    regions; 0 for an ``engine_slab``, which the engine owns), ``staging``, ``state`` (8
+    regions; 0 for an ``engine_slab``, which the engine owns), ``staging``, ``state`` (9
     bytes a slot and group: tiny rows cost far more in state than in slab) and ``total``."""
     slab, staging = 0 if engine_slab else layout.slab_bytes, layout.staging_bytes
     state = layout.num_groups * layout.max_reqs * layout.region_stride * STATE_BYTES_PER_SLOT

@@ -23,15 +23,15 @@ def test_capacity_matches_the_arithmetic_by_hand():
     cap = capacity(sh, 131072, Deployment())
     assert cap["weights_bytes"] == weights == 102_689_931_264
     assert cap["gpu_hbm"] == 131072 * 61 * (656 + 132)
-    # offloaded, in HBM: indexer keys, the hot region (656 B a row + 8 B of residency state a
+    # offloaded, in HBM: indexer keys, the hot region (656 B a row + 9 B of residency state a
     # slot) and the step's slot of each column (4 B), a layer each; once: 4096 staging rows a layer
-    assert cap["offload_hbm"] == 131072 * 61 * 132 + 61 * 2048 * (656 + 8) + 61 * 2048 * 4
+    assert cap["offload_hbm"] == 131072 * 61 * 132 + 61 * 2048 * (656 + 9) + 61 * 2048 * 4
     assert cap["offload_fixed_hbm"] == 4096 * 61 * 656
     assert cap["gpu"] == int(free // (131072 * 61 * 788)) == 5
     assert cap["offload"] == min(int((free - 4096 * 61 * 656) // cap["offload_hbm"]),
                                  int(256 * 2**30 // (131072 * 61 * 656))) == 29
     wide = capacity(sh, 131072, Deployment(), region_rows=4096)  # hot regions of 4096 rows: 164 MB a request
-    assert wide["offload_hbm"] == 131072 * 61 * 132 + 61 * 4096 * (656 + 8) + 61 * 2048 * 4
+    assert wide["offload_hbm"] == 131072 * 61 * 132 + 61 * 4096 * (656 + 9) + 61 * 2048 * 4
     assert wide["offload"] == int((free - 4096 * 61 * 656) // wide["offload_hbm"]) == 27
     small_host = capacity(sh, 131072, Deployment(host_bytes=64 * 2**30))
     assert small_host["offload"] == 64 * 2**30 // (131072 * 61 * 656) == 13
