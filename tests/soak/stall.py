@@ -13,7 +13,11 @@ one case at a time, ``--rounds`` times each:
 - ``stage`` / ``write_staged``: STAGE of the whole staging buffer, WRITE_STAGED of it;
 - ``gone_blocks`` (with ``--blocks-gib``): a second client of an engine with a block store
   of that size takes every block private, then detaches (as a client that exits does): the
-  window runs until the first client's next block request, which waits for their zeros.
+  window runs until the first client's next block request, which waits for their zeros;
+- ``narrow_topk`` / ``small_write`` (with ``--cheap``): small requests of much host work:
+  a TOPK of 4,096 rows of one id in regions of 32,768 slots (134M slots sorted), and a
+  one-row WRITE to an engine of 64 layers x 4,096 regions x 512 slots (134M slots of
+  residency state scanned for the row's hot copies).
 
 For each case it prints A's largest latency among the top-k requests in flight during B's
 request (the stall), next to A's own p50 and max while B is idle. One JSON line per case,
@@ -90,6 +94,26 @@ def gone_blocks(b: Client, store_bytes: int, run_dir: str, timed) -> None:
     b.detach()
 
 
+# The --cheap cases' layouts: small requests that cost much host work (module docstring).
+NARROW = Layout(num_layers=1, row_bytes=16, top_k=1, region_stride=32768, max_reqs=1, max_batch=4096, host_rows=64,
+                index_groups=((0,),))
+WIDE_STATE = Layout(num_layers=64, row_bytes=1, top_k=4, region_stride=512, max_reqs=4096, host_rows=64,
+                    index_groups=tuple((i,) for i in range(64)))
+
+
+def cheap_cases(run_dir: str, round_: int, timed) -> None:
+    with Client(run_dir, name="stall-c", timeout_s=300) as c:
+        c.attach(NARROW, engine="narrow")
+        c.step(round_, np.zeros(NARROW.max_batch, np.int32))
+        ids = (np.arange(NARROW.max_batch, dtype=np.int32) % NARROW.host_rows).reshape(-1, 1)
+        timed("narrow_topk", lambda: c.topk(round_, 0, ids))
+        c.detach()
+        c.attach(WIDE_STATE, engine="state")
+        row = np.ones((WIDE_STATE.num_layers, 1, WIDE_STATE.row_bytes), np.uint8)
+        timed("small_write", lambda: c.write(np.array([round_ % WIDE_STATE.host_rows], np.int32), row))
+        c.detach()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pool-gib", type=float, default=7.0, help="the daemon's pool")
@@ -97,13 +121,14 @@ def main(argv=None) -> int:
     p.add_argument("--slab-gib", type=float, default=2.0, help="memory of the large engine's rank")
     p.add_argument("--rounds", type=int, default=3, help="repetitions of each case")
     p.add_argument("--blocks-gib", type=float, default=0.0, help="the block store of the gone_blocks case (0: no case)")
+    p.add_argument("--cheap", action="store_true", help="also the narrow_topk and small_write cases")
     p.add_argument("--log", default=None, help="the daemon's log file (default: discarded)")
     a = p.parse_args(argv)
     big = big_layout(int(a.engine_gib * GiB), int(a.slab_gib * GiB))
     ctx = mp.get_context("spawn")
     windows: dict[str, list[tuple[float, float]]] = {}
     with PrivateDaemon(pool_bytes=int(a.pool_gib * GiB), backend="cpu", log_path=a.log, start_timeout_s=300,
-                       extra_args=["--max-slab-bytes", f"{int(a.slab_gib * GiB * 1.5)}B"]) as d:
+                       extra_args=["--max-slab-bytes", f"{int(max(a.slab_gib * 1.5, 2 if a.cheap else 0) * GiB)}B"]) as d:
         stop, ready = ctx.Event(), ctx.Event()
         recv, send = ctx.Pipe(duplex=False)
         pa = ctx.Process(target=client_a, args=(d.run_dir, stop, ready, send), daemon=True)
@@ -130,6 +155,8 @@ def main(argv=None) -> int:
                 timed("detach", b.detach)
                 if a.blocks_gib:
                     gone_blocks(b, int(a.blocks_gib * GiB), d.run_dir, timed)
+            for r in range(a.rounds if a.cheap else 0):
+                cheap_cases(d.run_dir, r, timed)
             time.sleep(0.3)
         stop.set()
         samples = np.array(recv.recv())
