@@ -20,7 +20,7 @@ from sparsekv.client import Client
 from sparsekv.proto import MsgType
 
 from .private_daemon import PrivateDaemon
-from .trace import synth
+from .synth import synth
 
 WARMUP = 20
 

@@ -36,7 +36,7 @@ from sparsekv.proto.cuda_ipc import EventRing, ImportedEvents
 from sparsekv.proto.settings import BENCH_DAEMON_LOG
 
 from .private_daemon import PrivateDaemon
-from .trace import synth
+from .synth import synth
 
 
 def bench_transport(steps=100, batch=8, top_k=256) -> dict:

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from sparsekv.bench.private_daemon import PrivateDaemon, die_with_parent
-from sparsekv.bench.trace import synth
+from sparsekv.bench.synth import synth
 from sparsekv.bench.verify import count_mismatches, fill_pool
 from sparsekv.client.client import Client
 from sparsekv.daemon.backends import cuda_unavailable

@@ -22,7 +22,8 @@ from sparsekv.bench.bench import add_arguments as add_bench_arguments
 from sparsekv.bench.bench import output_problem
 from sparsekv.bench.bench import run_args as run_bench_args
 from sparsekv.bench.replay import replay, save_result
-from sparsekv.bench.trace import Trace, synth
+from sparsekv.bench.synth import synth
+from sparsekv.bench.trace import Trace
 from sparsekv.client.client import default_run_dir
 from sparsekv.client.errors import BadRequest, SparseKVError
 from sparsekv.proto import LIMITS

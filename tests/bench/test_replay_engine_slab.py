@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sparsekv.bench.replay import EngineRows, replay
-from sparsekv.bench.trace import synth
+from sparsekv.bench.synth import synth
 
 BASE = dict(steps=30, batch=6, top_k=128, region_stride=256, max_reqs=10, host_rows=10 * 2048, num_layers=2,
             context=1200, lifetime=12, overlap=0.7, invalidate=0.2, out_of_range=0.01, seed=4)

@@ -1,4 +1,4 @@
-"""Synthetic traces (bench/trace.py ``synth``) replayed in process must give exactly the
+"""Synthetic traces (bench/synth.py) replayed in process must give exactly the
 slots and misses of the same trace driven through the reference model."""
 
 import numpy as np
@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 import helpers
 from sparsekv.bench.replay import replay
-from sparsekv.bench.trace import Trace, TraceError, synth
+from sparsekv.bench.synth import synth
+from sparsekv.bench.trace import Trace, TraceError
 from sparsekv.embedded.inproc import InprocClient
 
 

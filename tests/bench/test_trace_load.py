@@ -9,7 +9,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from sparsekv.bench.trace import Trace, TraceError, synth
+from sparsekv.bench.synth import synth
+from sparsekv.bench.trace import Trace, TraceError
 
 
 def _good() -> dict:
@@ -387,7 +388,7 @@ def test_a_position_traces_table_check_is_counted_in_the_room_it_takes(tmp_path,
     path = str(tmp_path / "p.npz")
     t.save(path)
     counted = []
-    monkeypatch.setattr(trace_mod, "_check_room", lambda total, *a: counted.append(total))
+    monkeypatch.setattr(trace_mod, "check_room", lambda total, *a: counted.append(total))
     Trace.load(path)
     monkeypatch.setattr(trace_mod, "SHARED_TABLE_CELL_BYTES", 0)
     Trace.load(path)

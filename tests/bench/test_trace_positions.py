@@ -15,7 +15,8 @@ from sparsekv.bench import replay as replay_mod
 from sparsekv.embedded.inproc import InprocClient
 from sparsekv.bench.replay import DRIVERS, InprocDriver, replay
 from sparsekv.client.results import TopkResult
-from sparsekv.bench.trace import Trace, TraceError, synth
+from sparsekv.bench.synth import synth
+from sparsekv.bench.trace import Trace, TraceError
 from sparsekv.proto.positions import UNMAPPED
 
 # A small position trace with every feature: shared prefixes, null blocks, stray

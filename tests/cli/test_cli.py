@@ -13,7 +13,8 @@ import pytest
 import cli_inproc
 import helpers
 from sparsekv.bench.bench import output_problem
-from sparsekv.bench.trace import Trace, synth
+from sparsekv.bench.synth import synth
+from sparsekv.bench.trace import Trace
 from sparsekv.cli.progress import Progress
 
 SYNTH = ["--steps", 30, "--batch", 4, "--top-k", 16, "--region-stride", 32, "--max-reqs", 8, "--host-rows", 2048,

@@ -544,7 +544,7 @@ def test_a_cpu_daemon_refuses_the_doorbell_transport(daemon):
                                 {"block_size": 16, "spec": 0.3, "slab": "engine"}, {"ranks": 2}])
 def test_replay_through_the_doorbell_equals_inproc_and_verifies(kw):
     from sparsekv.bench.replay import replay
-    from sparsekv.bench.trace import synth
+    from sparsekv.bench.synth import synth
 
     base = dict(steps=30, batch=6, top_k=128, region_stride=256, max_reqs=10, host_rows=10 * 2048, num_layers=2,
                 context=1200, lifetime=12, overlap=0.7, invalidate=0.2, out_of_range=0.01, seed=4)
@@ -565,7 +565,7 @@ def test_replay_through_the_doorbell_equals_inproc_and_verifies(kw):
 
 def test_replay_refuses_the_doorbell_without_the_cuda_backend():
     from sparsekv.bench.replay import replay
-    from sparsekv.bench.trace import synth
+    from sparsekv.bench.synth import synth
 
     trace = synth(steps=2, batch=2, top_k=16, region_stride=32, max_reqs=4, host_rows=4 * 256, context=100)
     with pytest.raises(ValueError, match="--backend cuda"):

@@ -15,7 +15,7 @@ import pytest
 
 import helpers
 from sparsekv.bench.replay import replay
-from sparsekv.bench.trace import synth
+from sparsekv.bench.synth import synth
 
 pytestmark = pytest.mark.soak
 

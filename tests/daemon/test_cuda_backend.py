@@ -16,7 +16,7 @@ import pytest
 from sparsekv.client import BadRequest, Client
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.bench.replay import replay
-from sparsekv.bench.trace import synth
+from sparsekv.bench.synth import synth
 from sparsekv.bench.verify import count_mismatches, fill_pool, pattern
 from sparsekv.proto import MsgType
 

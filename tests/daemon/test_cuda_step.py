@@ -16,7 +16,7 @@ import pytest
 
 import prefetch_program
 from sparsekv.bench.replay import replay
-from sparsekv.bench.trace import synth
+from sparsekv.bench.synth import synth
 from sparsekv.bench.verify import count_mismatches, pattern
 from sparsekv.daemon.engine import EngineSpace
 from sparsekv.daemon.residency.base import ResidencyError

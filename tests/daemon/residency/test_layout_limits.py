@@ -15,15 +15,16 @@ from sparsekv.proto import Layout
 MiB, GiB = 1 << 20, 1 << 30
 
 
-def test_tiny_rows_cost_eight_times_their_slab_in_state():
-    # 256 MiB of one-byte rows, one index group per layer: 2 GiB of owner + lru.
+def test_tiny_rows_cost_nine_times_their_slab_in_state():
+    # 256 MiB of one-byte rows, one index group per layer: 2.25 GiB of owner, lru and marks.
     lay = Layout(num_layers=64, row_bytes=1, top_k=64, region_stride=4096, max_reqs=1024, host_rows=4096).validate()
     parts = rank_bytes(lay)
-    assert parts == {"slab": 256 * MiB, "staging": 0, "state": 2 * GiB, "total": 256 * MiB + 2 * GiB}
+    state = 9 * 256 * MiB
+    assert parts == {"slab": 256 * MiB, "staging": 0, "state": state, "total": 256 * MiB + state}
     with pytest.raises(ResidencyError) as ei:
         check_layout_limits(lay, 1 * GiB)
     assert ei.value.code == "TOO_LARGE"
-    assert "2.2GiB (hot slab 256MiB, staging 0B, residency state 2GiB)" in str(ei.value)
+    assert "2.5GiB (hot slab 256MiB, staging 0B, residency state 2.2GiB)" in str(ei.value)
     assert "max_slab_bytes of 1GiB" in str(ei.value)
     assert check_layout_limits(lay, 3 * GiB) == parts
     # Found by an operator's review: a limit under 1 MiB read "0 MiB"; the limit is named exactly
@@ -35,7 +36,7 @@ def test_state_bytes_are_what_the_cpu_backend_allocates():
     lay = helpers.layout(num_layers=4, index_groups=((0, 1), (2, 3)), staging_rows=3)
     r = CpuResidency(lay)
     parts = rank_bytes(lay)
-    assert parts["state"] == r.owner.nbytes + r.lru.nbytes
+    assert parts["state"] == r.owner.nbytes + r.lru.nbytes + r.fresh.nbytes
     assert parts["slab"] == lay.slab_bytes and parts["staging"] == lay.staging_bytes
 
 
