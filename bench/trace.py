@@ -295,6 +295,10 @@ def _read_npz(path: str, scalars: tuple, check_scalars, known: frozenset) -> dic
     except _READ_ERRORS as e:
         raise TraceError(f"trace {path} is not an .npz archive (numpy.savez): {e}") from None
     with zf:
+        declared = _entries_declared(zf)
+        if declared is not None and declared != len(zf.infolist()):  # (a damaged central directory hides some)
+            raise TraceError(f"trace {path} is a damaged .npz archive: its directory declares {declared} members, "
+                             f"{len(zf.infolist())} can be read")
         members = {}
         for n in zf.namelist():
             key = n[:-4] if n.endswith(".npy") else None
@@ -352,6 +356,17 @@ def _read_npz(path: str, scalars: tuple, check_scalars, known: frozenset) -> dic
         out = read([key for key in members if key in scalars])
         check_scalars(out)
         return {**out, **read([key for key in members if key not in scalars])}
+
+
+def _entries_declared(zf: zipfile.ZipFile) -> int | None:
+    """The member count the archive's end record declares (None where zipfile's reader of
+    it is not there): a damaged central directory entry can swallow the entries after it
+    (its comment's length), which zipfile then reads as fewer members without a word."""
+    try:
+        end = zipfile._EndRecData(zf.fp)  # noqa: SLF001 - the stdlib's own reader of the record
+        return None if end is None else int(end[zipfile._ECD_ENTRIES_TOTAL])  # noqa: SLF001
+    except (AttributeError, IndexError, TypeError, ValueError, OSError):
+        return None
 
 
 def _int32(path: str, name: str, a: np.ndarray) -> np.ndarray:

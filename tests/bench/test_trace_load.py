@@ -410,3 +410,33 @@ def test_a_trace_made_in_code_takes_numpy_integer_scalars_and_names_other_types(
     assert made.layout() == t.layout() and type(made.host_rows) is int
     with pytest.raises(TraceError, match="region_stride must be a positive integer, got 8.5"):
         Trace(*arrays, 8.5, 256, 4, 656, 2).check()
+
+
+def test_a_central_directory_entry_swallowing_the_next_is_refused(tmp_path):
+    """Found by an adversarial review: one byte of a directory entry (its comment's length)
+    hid the members after it, and a position trace without its table loaded as a host-row
+    trace. The end record's member count tells."""
+    import struct
+
+    t = synth(steps=4, batch=2, top_k=4, region_stride=8, max_reqs=4, host_rows=256, num_layers=2, block_size=4,
+              seed=1)
+    path = str(tmp_path / "p.npz")
+    t.save(path)
+    with zipfile.ZipFile(path) as z:
+        cd, names = z.start_dir, z.namelist()
+    data = bytearray(open(path, "rb").read())
+    entry = cd
+    for _ in range(names.index("block_table.npy") - 1):  # the entry before block_table's
+        n, e, c = struct.unpack("<HHH", data[entry + 28:entry + 34])
+        entry += 46 + n + e + c
+    n, e, c = struct.unpack("<HHH", data[entry + 28:entry + 34])
+    nxt = entry + 46 + n + e + c
+    n2, e2, c2 = struct.unpack("<HHH", data[nxt + 28:nxt + 34])
+    struct.pack_into("<H", data, entry + 32, c + 46 + n2 + e2 + c2)  # its comment covers the next entry
+    with open(path, "wb") as f:
+        f.write(data)
+    with zipfile.ZipFile(path) as z:
+        assert "block_table.npy" not in z.namelist()  # zipfile alone does not see it
+    with pytest.raises(TraceError, match=rf"damaged .npz archive: its directory declares {len(names)} members, "
+                                         rf"{len(names) - 1} can be read"):
+        Trace.load(path)
