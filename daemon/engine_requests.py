@@ -397,26 +397,31 @@ class EngineRequests:
 
     def _write_rows(self, s: Session, space, layers, rows, src):
         """A write's bulk, for ``yield from``: the engine quiesced, ``src`` copied into the
-        pool rows, then every hot copy of the rows dropped, whatever happened; on a worker
-        thread holding the engine when the copy is large or the drop scans ``heavy_slots``
-        of host state or more (a one-row write to an engine of 128M cpu slots held every
-        client 0.8 s). Returns (bytes, slots dropped)."""
+        pool rows (on a worker thread holding the engine when large), then every hot copy
+        of the rows dropped, whatever happened: with the copy on the worker thread when
+        the drop scans ``heavy_slots`` of cpu state or more (a one-row write to an engine
+        of 134M cpu slots held every client 1.5 s), else on the loop (a cuda rank's or a TP
+        group's drop always: ``drop_scan_slots`` 0). Returns (bytes, slots dropped)."""
         nbytes = len(layers) * rows.shape[0] * space.layout.row_bytes
         space.quiesce()
+        drop_there = space.drop_scan_slots() >= self.heavy_slots
         dropped = []
 
         def write():
             try:
                 space.copy_rows(layers, rows, src)
             finally:
-                dropped.append(space.drop_rewritten(rows))
+                if drop_there:
+                    dropped.append(space.drop_rewritten(rows))
 
         try:
-            if nbytes >= self.heavy_bytes or space.drop_scan_slots() >= self.heavy_slots:
-                yield Slow(write, engine=s.engine, ranks=True)
+            if nbytes >= self.heavy_bytes or drop_there:
+                yield Slow(write, engine=s.engine, ranks=drop_there)
             else:
                 write()
         finally:
+            if not dropped:  # (on the loop; or the worker's drop failed: again here)
+                dropped.append(space.drop_rewritten(rows))
             for st in space.ranks.values():  # prefetched rows dropped: wasted
                 self.stats.add(**st.prefetch_outcomes())
         return nbytes, dropped[0]

@@ -404,7 +404,11 @@ class Daemon:
         """(loop) ``job``'s slow part is over: run its handler on, then reply, release
         what it held and serve the requests that waited for it."""
         if self.sessions.get(job.identity) is not job.session and not isinstance(error, Gone):
-            if error is not None:
+            if isinstance(error, ZeroFailed) or (error is not None and sticky_cuda_error(error) is not None):
+                # fatal whoever asked: freed blocks left dirty, or the GPU context lost
+                self._fatal(f"request type {job.msg_type} of client {job.session.client_id}, gone since: "
+                            f"{type(error).__name__}: {error}")
+            elif error is not None:
                 log.debug("heavy request of a client that is gone failed: %r", error)
             value, error = None, Gone(f"client {job.session.client_id} is gone")
         out = self._step(job, value, error)

@@ -211,7 +211,10 @@ class Sessions(dict):
         whose engine is free now (a heavy request ended)."""
         waiting, self._postponed = self._postponed, []
         for s in waiting:
-            self.detach(s)  # (postponed again while its engine is still held)
+            try:
+                self.detach(s)  # (postponed again while its engine is still held)
+            except Exception:  # noqa: BLE001 - the others, and the request that ended, go on
+                log.exception("releasing the rank of client %d, gone while its engine was held, failed", s.client_id)
 
     def watch(self, s: Session) -> PidWatch | None:
         """A pidfd of ``s``'s process whose exit reaps ``s`` at once (None: pid 0, or no

@@ -337,3 +337,31 @@ def test_a_client_gone_while_another_request_works_on_its_engine_is_detached_aft
             b.step(8, np.array([0], np.int32))
             assert int(b.topk(8, 0, ids).misses.sum()) == LAY.top_k  # a's freed blocks' copies: dropped
             assert not space.pool[:, _rows(mine)].any()
+
+
+def test_a_failed_zero_write_of_a_request_whose_client_went_meanwhile_stops_the_daemon(monkeypatch):
+    """Found by a review: a block release's zeros failing on the worker thread while its
+    client was reaped were answered to nobody (Gone) and dropped: the blocks, free and
+    dirty, went to the next client. The failure stops the daemon whoever asked."""
+    entered, go = threading.Event(), threading.Event()
+
+    def failing(self):
+        entered.set()
+        assert go.wait(20)
+        raise MemoryError("boom")
+
+    with helpers.serving_daemon(4 << 20) as d:
+        d.block_requests.heavy_bytes = 1  # the release's zeros on a worker thread
+        with Client(d.run_dir) as a, Client(d.run_dir, timeout_s=5) as peer:
+            ba = attach_keys(a)
+            attach_keys(peer)
+            mine = ba.alloc(4)
+            a.write(_rows(mine), np.full((LAY.num_layers, 4 * BS, LAY.row_bytes), 7, np.uint8))
+            monkeypatch.setattr(ZeroWrite, "__call__", failing)
+            t, _ = in_thread(lambda: ba.release(mine))
+            assert entered.wait(10)
+            crash(d, a)
+            go.set()
+            d.thread.join(10)
+            assert not d.thread.is_alive() and d.exit_code == 70 and "MemoryError: boom" in d.fatal_reason
+            t.join(10)

@@ -517,3 +517,28 @@ def test_a_small_write_whose_drop_scans_much_state_runs_off_the_loop(raw, monkey
         c.write(np.array([5], np.int32), np.zeros((LAYOUT.num_layers, 1, LAYOUT.row_bytes), np.uint8))
         assert threads and set(threads) == {d.thread}
         c.close()
+
+
+def test_a_large_write_to_a_tp_group_copies_off_the_loop_and_drops_on_it(monkeypatch):
+    """Found by a review: a write of heavy_bytes ran its drop on the worker thread with its
+    copy, also where the drop must stay on the loop (a TP group's shared state, a cuda
+    rank's kernel: ``drop_scan_slots`` 0). The copy goes; the drop stays."""
+    real_copy, real_drop, where = engine_mod.EngineSpace.copy_rows, engine_mod.EngineSpace.drop_rewritten, {}
+
+    def copy(self, *a):
+        where["copy"] = threading.current_thread()
+        return real_copy(self, *a)
+
+    def drop(self, rows):
+        where["drop"] = threading.current_thread()
+        return real_drop(self, rows)
+
+    monkeypatch.setattr(engine_mod.EngineSpace, "copy_rows", copy)
+    monkeypatch.setattr(engine_mod.EngineSpace, "drop_rewritten", drop)
+    with serving() as d, Client(d.run_dir, rank=0) as c0, Client(d.run_dir, rank=1) as c1:
+        for c in (c0, c1):
+            c.attach(LAYOUT, engine="t", tp_size=2)
+        assert d.engines.space("t").drop_scan_slots() == 0
+        d.engine_requests.heavy_bytes, d.engine_requests.heavy_slots = 1, 1
+        c0.write(np.array([3], np.int32), np.ones((LAYOUT.num_layers, 1, LAYOUT.row_bytes), np.uint8))
+        assert where["copy"] is not d.thread and where["drop"] is d.thread
