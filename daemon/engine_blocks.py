@@ -30,7 +30,7 @@ class ZeroWrite:
     def __call__(self) -> int:
         sp, bs = self.space, self.space.block_size
         if self.drop is not None:
-            sp.drop_rewritten(self.drop)
+            drop_copies(sp, self.drop)
             self.drop = None
         for first, _, n in self.runs:
             sp.pool[:, first * bs:(first + n) * bs] = 0
@@ -39,9 +39,27 @@ class ZeroWrite:
         return self.nbytes
 
 
-class ZeroFailed(Exception):
-    """The zeros of freed blocks could not be written: those blocks are free and not zero,
-    so the daemon must not serve on (the server stops, exit code 70)."""
+class UnsafeRows(Exception):
+    """Rows freed or rewritten could not be made safe to serve, so the daemon must not serve
+    on (the server stops, exit code 70): a later request could get a wrong row."""
+
+
+class ZeroFailed(UnsafeRows):
+    """The zeros of freed blocks could not be written: those blocks are free and not zero."""
+
+
+class DropFailed(UnsafeRows):
+    """The hot copies of rows rewritten or freed could not all be dropped: a later top-k
+    could hit a stale copy."""
+
+
+def drop_copies(space, rows) -> int:
+    """``space.drop_rewritten(rows)``; DropFailed when it raises (whatever it was, stale
+    copies may remain)."""
+    try:
+        return space.drop_rewritten(rows)
+    except Exception as e:  # noqa: BLE001 - whatever it was, copies may be stale
+        raise DropFailed(f"dropping the hot copies of rewritten or freed rows failed: {type(e).__name__}: {e}") from e
 
 
 def write_zeros(zeros: list[ZeroWrite]) -> int:
@@ -49,6 +67,8 @@ def write_zeros(zeros: list[ZeroWrite]) -> int:
     bytes. ZeroFailed when any cannot be written."""
     try:
         return sum(z() for z in zeros)
+    except DropFailed:
+        raise
     except Exception as e:  # noqa: BLE001 - whatever it was, the blocks are dirty
         raise ZeroFailed(f"writing the zeros of freed blocks failed: {type(e).__name__}: {e}") from e
 
@@ -88,7 +108,7 @@ class EngineBlocks:
         if self._drops_from is not None and self.drop_scan_slots() >= self._drops_from:
             drop = rows  # with the zeros, on the thread that writes them
         else:
-            self.drop_rewritten(rows)
+            drop_copies(self, rows)
         keys_bytes = 0 if self.keys is None else ids.size * self.keys[0].nbytes
         return ZeroWrite(self, self.keys_runs(ids), rows.size * self.layout.num_layers * self.layout.row_bytes
                          + keys_bytes, drop)

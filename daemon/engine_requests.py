@@ -22,6 +22,7 @@ from sparsekv.proto.slab import SlabGeometry
 
 from .blocks.contract import BlockError
 from .engine import EngineSlabImport, Owner, RankState
+from .engine_blocks import drop_copies
 from .heavy import HEAVY_BYTES, HEAVY_SLOTS, Slow
 from .peers import Peer
 from .pool import PoolError
@@ -412,7 +413,7 @@ class EngineRequests:
                 space.copy_rows(layers, rows, src)
             finally:
                 if drop_there:
-                    dropped.append(space.drop_rewritten(rows))
+                    dropped.append(drop_copies(space, rows))
 
         try:
             if nbytes >= self.heavy_bytes or drop_there:
@@ -420,8 +421,8 @@ class EngineRequests:
             else:
                 write()
         finally:
-            if not dropped:  # (on the loop; or the worker's drop failed: again here)
-                dropped.append(space.drop_rewritten(rows))
+            if not drop_there:  # on the loop (a failure is fatal: DropFailed)
+                dropped.append(drop_copies(space, rows))
             for st in space.ranks.values():  # prefetched rows dropped: wasted
                 self.stats.add(**st.prefetch_outcomes())
         return nbytes, dropped[0]

@@ -28,7 +28,7 @@ from .control_socket import ControlSocket
 from .inflight import message_ids
 from .block_requests import BlockRequests
 from .blocks.contract import BlockError
-from .engine_blocks import ZeroFailed
+from .engine_blocks import UnsafeRows
 from .engine_requests import EngineRequests, code_of
 from .fd_server import FdServer
 from .heavy import MAX_WAITING, Gone, HeavyRequests, Job
@@ -304,7 +304,7 @@ class Daemon:
         if isinstance(e, (ProtocolError, ResidencyError, LayoutError, PoolError, BlockError)):
             log.debug("request type %s from %r failed: %s: %s", msg_type, identity, code.name, e)
             msg = f"{e.args[0]} ({ERROR_HINTS.get(code, '')})"
-        elif isinstance(e, ZeroFailed):  # freed blocks left dirty: serving on could hand them out
+        elif isinstance(e, UnsafeRows):  # freed blocks left dirty, or stale hot copies: serving on could hand them out
             self._fatal(f"request type {msg_type}: {e}")
             msg = f"{e}: sparsekvd exits and must be restarted"
         elif (sticky := sticky_cuda_error(e)) is not None:
@@ -404,8 +404,8 @@ class Daemon:
         """(loop) ``job``'s slow part is over: run its handler on, then reply, release
         what it held and serve the requests that waited for it."""
         if self.sessions.get(job.identity) is not job.session and not isinstance(error, Gone):
-            if isinstance(error, ZeroFailed) or (error is not None and sticky_cuda_error(error) is not None):
-                # fatal whoever asked: freed blocks left dirty, or the GPU context lost
+            if isinstance(error, UnsafeRows) or (error is not None and sticky_cuda_error(error) is not None):
+                # fatal whoever asked: freed blocks left dirty, stale hot copies, or the GPU context lost
                 self._fatal(f"request type {job.msg_type} of client {job.session.client_id}, gone since: "
                             f"{type(error).__name__}: {error}")
             elif error is not None:

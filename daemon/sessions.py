@@ -17,7 +17,7 @@ from sparsekv.proto import ErrorCode, ProtocolError
 from sparsekv.proto.args import breaks_line
 
 from .engine import RankState
-from .engine_blocks import ZeroFailed, write_zeros
+from .engine_blocks import UnsafeRows, write_zeros
 from .peers import Peer, PidWatch, process_groups
 from .ratelog import RateLimitedLog
 
@@ -191,7 +191,7 @@ class Sessions(dict):
             return
         try:
             zeros = self.engines.detach(s.client_id, s.engine)
-        except ZeroFailed as e:  # its freed blocks are dirty: the daemon stops (as a request's would)
+        except UnsafeRows as e:  # its freed blocks are dirty or copies stale: the daemon stops (as a request's would)
             if not self.heavy.fail(str(e)):
                 raise
             zeros = []

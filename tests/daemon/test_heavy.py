@@ -542,3 +542,27 @@ def test_a_large_write_to_a_tp_group_copies_off_the_loop_and_drops_on_it(monkeyp
         d.engine_requests.heavy_bytes, d.engine_requests.heavy_slots = 1, 1
         c0.write(np.array([3], np.int32), np.ones((LAYOUT.num_layers, 1, LAYOUT.row_bytes), np.uint8))
         assert where["copy"] is not d.thread and where["drop"] is d.thread
+
+
+@pytest.mark.parametrize("off_loop", [False, True])
+def test_a_write_whose_hot_copies_cannot_be_dropped_stops_the_daemon(monkeypatch, off_loop):
+    """Found by a review: a drop that raised after the copy answered INTERNAL and served on,
+    a rank still hitting the rewritten row's stale copy. It stops the daemon (exit 70),
+    on the loop or on the worker thread."""
+    real, armed = engine_mod.EngineSpace.drop_rewritten, []
+
+    def failing(self, rows):
+        if armed:
+            raise MemoryError("boom")
+        return real(self, rows)
+
+    monkeypatch.setattr(engine_mod.EngineSpace, "drop_rewritten", failing)
+    with serving() as d:
+        d.engine_requests.heavy_slots = 1 if off_loop else 1 << 40
+        c = attached_client(d.run_dir, engine="w")
+        armed.append(True)
+        with pytest.raises(Exception, match="dropping the hot copies of rewritten or freed rows failed: MemoryError"):
+            c.write(np.array([3], np.int32), np.zeros((LAYOUT.num_layers, 1, LAYOUT.row_bytes), np.uint8))
+        d.thread.join(10)
+        assert not d.thread.is_alive() and d.exit_code == 70 and "MemoryError: boom" in d.fatal_reason
+        c.close()
