@@ -361,6 +361,35 @@ def _call(r: Raw, t, fields=None, arrays=None) -> tuple[dict, dict]:
     return h, out
 
 
+def warm_session(raw, run_dir: str):
+    """A raw session of engine "w" whose step 6 has put rows 5-8 and 1-4 in its two
+    regions; (session, state rows, that top-k)."""
+    b = raw(run_dir)
+    b.hello()
+    _call(b, MsgType.ATTACH, {"engine": "w", "layout": LAYOUT.to_wire()})
+    rows, topk = np.arange(2, dtype=np.int32), np.array([[5, 6, 7, 8], [1, 2, 3, 4]], np.int32)
+    _call(b, MsgType.STEP, {"step": 6}, {"state_rows": rows})
+    assert _call(b, MsgType.TOPK, {"step": 6, "group": 0}, {"topk": topk})[0]["hits"] == 0
+    return b, rows, topk
+
+
+def held_off_the_loop(d, a: Client, b, gate: Gate, threads: list, first: int, topk_req: int) -> dict:
+    """``b``'s request ``first`` is held at ``gate`` on a worker thread, not the loop's:
+    engine "a"'s client is served meanwhile while ``b``'s replies wait; once the gate
+    opens, ``first``'s reply (returned), then that of TOPK ``topk_req`` (the warm top-k
+    again), which saw row 5's copy gone and every other row hit."""
+    assert gate.entered.wait(10) and threads[0] is not d.thread
+    topk_ok(a)
+    assert b.recv(timeout_s=0.2) is None
+    gate.open()
+    h = b.recv()
+    assert h["id"] == first and h["ok"], h
+    assert b.sock.poll(10000)
+    ht, out = decode(b.sock.recv_multipart())
+    assert ht["id"] == topk_req and ht["ok"] and ht["hits"] == 7 and out["misses"].tolist() == [1, 0], (ht, out)
+    return h
+
+
 def test_a_heavy_cpu_step_runs_off_the_loop_and_its_sessions_topk_waits_for_it(raw, monkeypatch):
     """Found by an adversarial review: one STEP invalidating 2,048 rows in each of 4,096
     regions held every client (and the stats socket) for 3-9 s on the loop. From
@@ -378,24 +407,11 @@ def test_a_heavy_cpu_step_runs_off_the_loop_and_its_sessions_topk_waits_for_it(r
     with serving() as d:
         d.engine_requests.heavy_slots = 1  # every STEP with invalidations is heavy
         a = attached_client(d.run_dir)
-        b = raw(d.run_dir)
-        b.hello()
-        _call(b, MsgType.ATTACH, {"engine": "w", "layout": LAYOUT.to_wire()})
-        rows, topk = np.arange(2, dtype=np.int32), np.array([[5, 6, 7, 8], [1, 2, 3, 4]], np.int32)
-        _call(b, MsgType.STEP, {"step": 6}, {"state_rows": rows})
-        assert _call(b, MsgType.TOPK, {"step": 6, "group": 0}, {"topk": topk})[0]["hits"] == 0
+        b, rows, topk = warm_session(raw, d.run_dir)
         inv = np.array([[5], [-1]], np.int32)  # row 5 rewritten: batch row 0's copy goes
         rs = b.send(MsgType.STEP, {"step": 7}, {"state_rows": rows, "invalidate": inv})
         rt = b.send(MsgType.TOPK, {"step": 7, "group": 0}, {"topk": topk})
-        assert gate.entered.wait(10) and threads[0] is not d.thread  # on a worker thread, not the loop's
-        topk_ok(a)  # engine "a": served meanwhile
-        assert b.recv(timeout_s=0.2) is None  # the STEP's reply, and the TOPK behind it, wait
-        gate.open()
-        hs = b.recv()
-        assert hs["id"] == rs and hs["ok"], hs
-        assert b.sock.poll(10000)
-        ht, out = decode(b.sock.recv_multipart())
-        assert ht["id"] == rt and ht["ok"] and ht["hits"] == 7 and out["misses"].tolist() == [1, 0], (ht, out)
+        held_off_the_loop(d, a, b, gate, threads, rs, rt)
         assert a.stats()["steps"] >= 3
         a.close()
 
@@ -490,24 +506,11 @@ def test_a_small_write_whose_drop_scans_much_state_runs_off_the_loop(raw, monkey
     with serving() as d:
         a = attached_client(d.run_dir)
         d.engine_requests.heavy_slots = LAYOUT.num_groups * LAYOUT.max_reqs * LAYOUT.region_stride  # one rank's
-        b = raw(d.run_dir)
-        b.hello()
-        _call(b, MsgType.ATTACH, {"engine": "w", "layout": LAYOUT.to_wire()})
-        rows, topk = np.arange(2, dtype=np.int32), np.array([[5, 6, 7, 8], [1, 2, 3, 4]], np.int32)
-        _call(b, MsgType.STEP, {"step": 6}, {"state_rows": rows})
-        assert _call(b, MsgType.TOPK, {"step": 6, "group": 0}, {"topk": topk})[0]["hits"] == 0
+        b, rows, topk = warm_session(raw, d.run_dir)
         data = np.full((1, 1, LAYOUT.row_bytes), 9, np.uint8)  # 1 row: far below heavy_bytes
         rw = b.send(MsgType.WRITE, {"layers": [0]}, {"rows": np.array([5], np.int32), "data": data})
         rt = b.send(MsgType.TOPK, {"step": 6, "group": 0}, {"topk": topk})
-        assert gate.entered.wait(10) and threads[0] is not d.thread  # on a worker thread, not the loop's
-        topk_ok(a)  # engine "a": served meanwhile
-        assert b.recv(timeout_s=0.2) is None  # the WRITE's reply, and the TOPK behind it, wait
-        gate.open()
-        hw = b.recv()
-        assert hw["id"] == rw and hw["ok"] and hw["invalidated"] == 1, hw
-        assert b.sock.poll(10000)
-        ht, out = decode(b.sock.recv_multipart())
-        assert ht["id"] == rt and ht["ok"] and ht["hits"] == 7 and out["misses"].tolist() == [1, 0], (ht, out)
+        assert held_off_the_loop(d, a, b, gate, threads, rw, rt)["invalidated"] == 1
         a.close()
     threads.clear()
     with serving() as d:  # below heavy_slots: on the loop
