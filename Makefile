@@ -65,10 +65,16 @@ wheel:
 
 # The wheels tests/gpu/device_run.sh installs on the GPU machine (python 3.12, no pyzmq,
 # pytest or prometheus-client there), downloaded into .whl/ for the device tool to carry.
+# One version of each is kept (the newest): two stop the machine's pip install, and pip
+# download can leave two (it fetched two hypothesis versions once).
 gpu-wheels:
 	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
 	  pyzmq "setuptools>=77" prometheus-client pytest hypothesis pytest-timeout
+	$(PY) -c 'import collections, glob, os; from packaging.version import Version; \
+	  w = collections.defaultdict(list); \
+	  [w[os.path.basename(p).split("-")[0].lower()].append(p) for p in glob.glob(".whl/*.whl")]; \
+	  [os.remove(p) for ps in w.values() for p in sorted(ps, key=lambda p: Version(os.path.basename(p).split("-")[1]))[:-1]]'
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
