@@ -35,7 +35,8 @@ class StatsSocketError(Exception):
         self.kind = kind
 
 
-BUSY = "error: busy: "  # how the daemon's stats socket answers a connection beyond its limits
+ERROR = "error: "  # how the daemon's stats socket answers what it cannot
+BUSY = ERROR + "busy: "  # ... and a connection beyond its limits
 
 
 def _busy(path: str, said: str = "") -> StatsSocketError:
@@ -49,7 +50,8 @@ def _busy(path: str, said: str = "") -> StatsSocketError:
 
 def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
     """Send one command line to RUN_DIR/stats.sock; return the whole answer. A busy daemon
-    (its ``error: busy: ...`` line, or no answer) raises :class:`StatsSocketError` ``busy``."""
+    (its ``error: busy: ...`` line, or no answer) raises :class:`StatsSocketError` ``busy``;
+    any other ``error: ...`` answer (a command it does not know) ``error``."""
     path = os.path.join(run_dir, STATS_SOCKET)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout_s)
@@ -65,6 +67,8 @@ def stats_query(run_dir: str, command: str, timeout_s: float = 5.0) -> str:
             raise _busy(path)
         if answer.startswith(BUSY):
             raise _busy(path, answer[len(BUSY):].strip())
+        if answer.startswith(ERROR):  # (an unknown command: a daemon older than this CLI)
+            raise StatsSocketError(f"daemon at {path} refused {command!r}: {answer[len(ERROR):].strip()}", "error")
         return answer
     except (FileNotFoundError, ConnectionRefusedError) as e:
         pid = lock_holder(run_dir)

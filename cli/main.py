@@ -28,6 +28,7 @@ from sparsekv.client.client import default_run_dir
 from sparsekv.client.errors import BadRequest, SparseKVError
 from sparsekv.proto import LIMITS
 from sparsekv.proto.cpus import CpuWarmer, check_cpus_usable, format_cpu_list, parse_cpu_list
+from sparsekv.proto.settings import SettingError, parse_dir
 from .demo import DEFAULTS as DEMO_DEFAULTS, format_table, run_demo
 from .health import StatsSocketError, exit_code, probe, stats_query
 from .progress import Progress
@@ -47,6 +48,15 @@ def _version() -> str:
         return metadata.version("sparsekv")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def run_dir_path(text: str) -> str:
+    """``--run-dir`` as the daemon reads its run dir (``parse_dir``): ``~`` expanded, absolute;
+    empty refused."""
+    try:
+        return parse_dir(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_output(path: str, what: str = "--out", replaced: bool = True) -> None:
@@ -231,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
 
     def run_dir_arg(q, timeout_s: float = 5.0):
-        q.add_argument("--run-dir", default=default_run_dir(),
+        q.add_argument("--run-dir", default=default_run_dir(), type=run_dir_path,
                        help="the daemon's run dir ($SPARSEKV_RUN_DIR, else $RUNTIME_DIRECTORY, else /run/sparsekv)")
         q.add_argument("--timeout-s", type=seconds, default=timeout_s, metavar="S",
                        help="give up when the daemon has not answered after this many seconds")
@@ -346,7 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()  # (its defaults read SPARSEKV_* settings)
+    except SettingError as e:
+        return _fail("sparsekv", str(e), 2)
+    a = parser.parse_args(argv)
     what = f"sparsekv {a.cmd}" + (f" {a.trace_cmd}" if a.cmd == "trace" else "")
     signal.signal(signal.SIGTERM, _terminate)
     try:

@@ -165,7 +165,17 @@ def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
     return runtime.split(":")[0] or "/run/sparsekv"
 
 
-RUN_DIR = Setting("run_dir", str, default_run_dir, "the daemon's run dir (its sockets), for clients and the CLI")
+def parse_dir(text: str) -> str:
+    """A directory setting as sparsekvd uses it: surrounding blanks dropped, ``~`` expanded,
+    absolute; empty (or blank) refused."""
+    path = text.strip()
+    if not path:
+        raise ValueError("an empty path; name a directory")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+RUN_DIR = Setting("run_dir", parse_dir, default_run_dir,
+                  "the daemon's run dir (its sockets), for clients and the CLI (read as sparsekvd reads it)")
 KERNEL_CACHE_DIR = Setting("kernel_cache_dir", str, "~/.cache/sparsekv/kernels",
                            "compiled kernels (csrc/build.py), for every process that launches them")
 CLIENT_DEVICE_WAIT = Setting("client_device_wait", parse_bool, False,

@@ -436,3 +436,49 @@ def test_top_clears_the_screen_only_on_a_terminal(monkeypatch):
     out = Tty()
     assert top_mod.run_top("/r", 1.0, once=True, out=out) == 0
     assert top_mod.CLEAR not in out.getvalue()
+
+
+@pytest.mark.parametrize("argv", [["stats", "--json"], ["stats", "--prometheus"], ["clients", "--json"],
+                                  ["blocks", "--json"], ["top", "--once"]])
+def test_a_daemon_that_answers_an_error_fails_the_command_with_its_message(tmp_path, argv):
+    """Found by an adversarial review: a daemon older than the CLI answers a command it
+    does not know with ``error: unknown command ...``; `blocks --json` printed [] and exited
+    0, `stats --json` printed the error as its JSON, `top` exited 2 on a JSON error."""
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def older(conn):
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"error: unknown command 'x'; try stats, clients\n")
+
+    with fake_stats_socket(str(run), older):
+        r = cli_inproc.run(*argv, "--run-dir", run)
+    assert "refused" in one_line_error(r, 1) and "unknown command 'x'" in r.stderr, r.stderr
+    assert r.stdout == ""
+
+
+def test_the_run_dir_setting_is_read_as_the_daemon_reads_it(tmp_path, monkeypatch):
+    """Found by an adversarial review: SPARSEKV_RUN_DIR='~/skv' (or with a trailing blank)
+    was /root/skv to the daemon and '~/skv' to clients and the CLI: one unit setting it for
+    both left them in different directories. A blank one is refused."""
+    from sparsekv.daemon import config
+    from sparsekv.proto.settings import RUN_DIR, SettingError
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for text in ("~/skv", f" {tmp_path}/skv ", "skv"):
+        env = {"SPARSEKV_RUN_DIR": text}
+        assert RUN_DIR.get(env) == config.load(None, env).run_dir
+    assert RUN_DIR.get({"SPARSEKV_RUN_DIR": "~/skv"}) == str(tmp_path / "skv")
+    with pytest.raises(SettingError, match="SPARSEKV_RUN_DIR: bad value for run_dir: an empty path"):
+        RUN_DIR.get({"SPARSEKV_RUN_DIR": "  "})
+    r = cli_inproc.run("health", "--run-dir", "")
+    assert "--run-dir: an empty path; name a directory" in one_line_error(r, 2)
+
+
+def test_a_blank_config_file_variable_is_refused_not_ignored():
+    from sparsekv.daemon import config
+    from sparsekv.proto.settings import SettingError
+
+    with pytest.raises(SettingError, match="SPARSEKV_CONFIG: bad value for config: a blank path"):
+        config.load(None, {"SPARSEKV_CONFIG": " "})
