@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
-import psutil
 
+from sparsekv.proto.cgroups import memory_room
 from sparsekv.proto.settings import format_size
 
 from .ranges import RangeAllocator, RangeFull
@@ -138,9 +138,9 @@ class HostPool:
                  backing: str = "anon_thp"):
         if backing not in BACKINGS:
             raise PoolError(f"pool backing must be one of {', '.join(BACKINGS)}, got {backing!r}")
-        avail = psutil.virtual_memory().available
+        avail, what = memory_room()
         if size_bytes > avail:
-            raise PoolError(f"pool of {format_size(size_bytes)} does not fit in available RAM "
+            raise PoolError(f"pool of {format_size(size_bytes)} does not fit in {what} "
                             f"({format_size(avail)}); lower pool_size (--pool-size, SPARSEKV_POOL_SIZE or the "
                             "config file)")
         self.size_bytes = int(size_bytes)

@@ -13,8 +13,8 @@ import os
 import socket
 import sys
 
-import psutil
 
+from sparsekv.proto.cgroups import memory_room, memory_total
 from sparsekv.proto.cpus import check_cpus_usable, cpu_quota, format_cpu_list, parse_cpu_list
 from sparsekv.proto.settings import format_size
 
@@ -99,24 +99,25 @@ def settings_refusals(cfg, sources: dict) -> list[str]:
 
 
 def pool_room_refusal(cfg, sources: dict) -> str | None:
-    """Why the pool does not fit the RAM available now (exit 1: it may once other processes
+    """Why the pool does not fit the RAM available now, or the room its cgroup's memory
+    limit leaves (exit 1: it may once other processes
     are gone; ``HostPool``'s own check, made before the pool is pre-faulted and the warm
     CPU loops start), or None."""
-    avail = psutil.virtual_memory().available
+    avail, what = memory_room()
     if cfg.pool_size <= avail:
         return None
     return (f"pool_size {format_size(cfg.pool_size)} ({sources.get('pool_size', 'default')}) does not fit in "
-            f"available RAM ({format_size(avail)}); lower it, or free memory")
+            f"{what} ({format_size(avail)}); lower it, or free memory")
 
 
 def check_pool_fits(cfg, sources: dict) -> None:
-    """SettingRefused when ``pool_size`` is more than this machine's RAM (no restart makes
-    it fit; more than the RAM available now is :func:`pool_room_refusal`'s, exit 1: it may
+    """SettingRefused when ``pool_size`` is more than this machine's RAM or its cgroup's
+    memory limit (no restart makes it fit; more than the RAM available now is :func:`pool_room_refusal`'s, exit 1: it may
     fit once other processes are gone)."""
-    total = psutil.virtual_memory().total
+    total, what = memory_total()
     if cfg.pool_size > total:
         raise SettingRefused(f"pool_size {format_size(cfg.pool_size)} ({sources.get('pool_size', 'default')}) is "
-                             f"more than this machine's RAM ({format_size(total)}): lower it")
+                             f"more than {what} ({format_size(total)}): lower it")
 
 
 def metrics_port_refusal(cfg, sources: dict) -> tuple[str, int] | None:

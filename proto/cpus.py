@@ -24,6 +24,8 @@ import sys
 import threading
 import time
 
+from .cgroups import cgroup_dirs
+
 # Seen in `ps`: what the warm CPU loops are.
 WARM_MARK = "sparsekv-warm-cpu"
 
@@ -131,26 +133,8 @@ def cpu_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/sel
     """CPUs' worth of run time per period that this process's cgroup and its ancestors
     allow (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``; the smallest), or None without a
     quota. Each warm CPU's loop spends one CPU of it, ``SCHED_IDLE`` or not."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-    except OSError:
-        return None
-    quotas = []
-    for hier, controllers, path in lines:
-        if hier == "0" and controllers == "":
-            base, read = cgroup_root, _quota_v2  # v2 (unified)
-        elif "cpu" in controllers.split(","):
-            base, read = os.path.join(cgroup_root, controllers), _quota_v1
-            if not os.path.isdir(base):
-                base = os.path.join(cgroup_root, "cpu")
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        for i in range(len(parts), -1, -1):
-            q = read(os.path.join(base, *parts[:i]))
-            if q is not None:
-                quotas.append(q)
+    quotas = [q for version, d in cgroup_dirs("cpu", cgroup_root, proc_cgroup)
+              if (q := (_quota_v2 if version == 2 else _quota_v1)(d)) is not None]
     return min(quotas) if quotas else None
 
 

@@ -7,6 +7,7 @@ import signal
 from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
 
 from sparsekv.daemon import pool as pool_mod
@@ -16,7 +17,7 @@ MiB = 1 << 20
 
 
 def test_pool_larger_than_available_ram_is_refused_with_a_clear_error(monkeypatch):
-    monkeypatch.setattr(pool_mod.psutil, "virtual_memory", lambda: SimpleNamespace(available=8 * MiB))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=8 * MiB))
     with pytest.raises(PoolError) as ei:
         HostPool(16 * MiB)
     msg = str(ei.value)
