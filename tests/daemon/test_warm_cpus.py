@@ -185,34 +185,6 @@ def test_a_client_runs_no_thread_of_its_own(tmp_path):
         assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
-def _cgroup_tree(tmp_path, proc_lines: str, files: dict) -> tuple[str, str]:
-    root = tmp_path / "cg"
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-    proc = tmp_path / "cgroup"
-    proc.write_text(proc_lines)
-    return str(root), str(proc)
-
-
-def test_cpu_quota_reads_the_smallest_of_the_cgroup_and_its_ancestors(tmp_path):
-    from sparsekv.proto.cpus import cpu_quota
-
-    # v2: the pod's 4 CPUs under a node slice of 8, the container without its own.
-    root, proc = _cgroup_tree(tmp_path / "v2", "0::/kube/pod/ctr\n", {
-        "cpu.max": "max 100000\n", "kube/cpu.max": "800000 100000\n", "kube/pod/cpu.max": "400000 100000\n",
-        "kube/pod/ctr/cpu.max": "max 100000\n"})
-    assert cpu_quota(root, proc) == 4.0
-    # v1: cpu,cpuacct mounted together; -1: none.
-    root, proc = _cgroup_tree(tmp_path / "v1", "4:memory:/x\n2:cpu,cpuacct:/svc\n", {
-        "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
-        "cpu,cpuacct/svc/cpu.cfs_quota_us": "150000\n", "cpu,cpuacct/svc/cpu.cfs_period_us": "100000\n"})
-    assert cpu_quota(root, proc) == 1.5
-    root, proc = _cgroup_tree(tmp_path / "none", "0::/a\n", {"cpu.max": "max 100000\n"})
-    assert cpu_quota(root, proc) is None
-    assert cpu_quota(str(tmp_path / "missing"), str(tmp_path / "missing-cgroup")) is None
-
-
 def test_daemon_refuses_warm_loops_that_would_eat_its_cpu_quota(monkeypatch):
     from sparsekv.daemon import main as main_mod
     from sparsekv.daemon import start_checks

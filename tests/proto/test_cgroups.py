@@ -1,6 +1,7 @@
-"""The memory a cgroup allows (``proto/cgroups.py``), found by an operator review: the pool
-checks read the machine's RAM only, so under ``MemoryMax=`` or a Kubernetes limit a pool
-too large was OOM-killed while it was pre-faulted instead of refused at start."""
+"""What this process's cgroups allow (``proto/cgroups.py``): the CPU quota the warm loops
+spend, and the memory (found by an operator review: the pool checks read the machine's RAM
+only, so under ``MemoryMax=`` or a Kubernetes limit a pool too large was OOM-killed while
+it was pre-faulted instead of refused at start)."""
 
 from types import SimpleNamespace
 
@@ -58,3 +59,21 @@ def test_the_pool_checks_name_the_cgroup_where_it_leaves_less_than_the_ram(monke
     monkeypatch.setattr(cgroups, "memory_limit", lambda: None)  # no limit: the RAM's figures
     cfg.pool_size = 33 * GiB
     assert "available RAM (32GiB)" in pool_room_refusal(cfg, {})
+
+
+def test_cpu_quota_reads_the_smallest_of_the_cgroup_and_its_ancestors(tmp_path):
+    from sparsekv.proto.cpus import cpu_quota
+
+    # v2: the pod's 4 CPUs under a node slice of 8, the container without its own.
+    root, proc = _tree(tmp_path / "v2", "0::/kube/pod/ctr\n", {
+        "cpu.max": "max 100000\n", "kube/cpu.max": "800000 100000\n", "kube/pod/cpu.max": "400000 100000\n",
+        "kube/pod/ctr/cpu.max": "max 100000\n"})
+    assert cpu_quota(root, proc) == 4.0
+    # v1: cpu,cpuacct mounted together; -1: none.
+    root, proc = _tree(tmp_path / "v1", "4:memory:/x\n2:cpu,cpuacct:/svc\n", {
+        "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "cpu,cpuacct/svc/cpu.cfs_quota_us": "150000\n", "cpu,cpuacct/svc/cpu.cfs_period_us": "100000\n"})
+    assert cpu_quota(root, proc) == 1.5
+    root, proc = _tree(tmp_path / "none", "0::/a\n", {"cpu.max": "max 100000\n"})
+    assert cpu_quota(root, proc) is None
+    assert cpu_quota(str(tmp_path / "missing"), str(tmp_path / "missing-cgroup")) is None
