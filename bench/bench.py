@@ -253,10 +253,10 @@ def output_problem(path: str, what: str = "--out", replaced: bool = True) -> str
         name_max = os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError):
         name_max = 255
-    name = len(os.fsencode(os.path.basename(path)))
-    if name + (TEMP_SUFFIX_BYTES if replaced else 0) > name_max:
-        return (f"{what} {path}: its file name is {name} bytes; at most {name_max - TEMP_SUFFIX_BYTES} here "
-                f"(it is written under a name {TEMP_SUFFIX_BYTES} bytes longer first)")
+    name, suffix = len(os.fsencode(os.path.basename(path))), TEMP_SUFFIX_BYTES if replaced else 0
+    if name + suffix > name_max:
+        why = f" (it is written under a name {suffix} bytes longer first)" if suffix else ""
+        return f"{what} {path}: its file name is {name} bytes; at most {name_max - suffix} here{why}"
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

@@ -201,6 +201,8 @@ _PARSERS = {"int": parse_int, "float": parse_float, "bool": parse_bool, "size": 
 _SETTINGS = {f.name: Setting(f.name, _PARSERS.get(_kind(f), str.strip),
                              f.default if f.default is not MISSING else f.default_factory, f.metadata["help"])
              for f in fields(Config)}
+
+
 def _config_path(text: str) -> str:
     path = text.strip()
     if not path:  # (a blank value is a mistake, not "no file": the unset variable says that)

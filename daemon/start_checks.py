@@ -13,7 +13,6 @@ import os
 import socket
 import sys
 
-
 from sparsekv.proto.cgroups import memory_room, memory_total
 from sparsekv.proto.cpus import check_cpus_usable, cpu_quota, format_cpu_list, parse_cpu_list
 from sparsekv.proto.settings import format_size
@@ -100,9 +99,8 @@ def settings_refusals(cfg, sources: dict) -> list[str]:
 
 def pool_room_refusal(cfg, sources: dict) -> str | None:
     """Why the pool does not fit the RAM available now, or the room its cgroup's memory
-    limit leaves (exit 1: it may once other processes
-    are gone; ``HostPool``'s own check, made before the pool is pre-faulted and the warm
-    CPU loops start), or None."""
+    limit leaves (exit 1: it may once other processes are gone; ``HostPool``'s own check,
+    made before the pool is pre-faulted and the warm CPU loops start), or None."""
     avail, what = memory_room()
     if cfg.pool_size <= avail:
         return None
@@ -112,8 +110,8 @@ def pool_room_refusal(cfg, sources: dict) -> str | None:
 
 def check_pool_fits(cfg, sources: dict) -> None:
     """SettingRefused when ``pool_size`` is more than this machine's RAM or its cgroup's
-    memory limit (no restart makes it fit; more than the RAM available now is :func:`pool_room_refusal`'s, exit 1: it may
-    fit once other processes are gone)."""
+    memory limit (no restart makes it fit; more than the room left now is
+    :func:`pool_room_refusal`'s, exit 1: it may fit once other processes are gone)."""
     total, what = memory_total()
     if cfg.pool_size > total:
         raise SettingRefused(f"pool_size {format_size(cfg.pool_size)} ({sources.get('pool_size', 'default')}) is "
