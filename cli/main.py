@@ -3,7 +3,8 @@ demo, bench).
 
 A common mistake (no daemon, a wrong run dir, a pool too small for a layout, no
 permission on a socket) ends the command with one line on stderr and a non-zero exit,
-never a traceback: :func:`main` turns those errors into that line.
+never a traceback: :func:`main` turns those errors into that line. Output piped to a
+reader that leaves (``sparsekv top | head``) ends the command silently with 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -373,6 +374,12 @@ def main(argv=None) -> int:
         # The daemon refused (its code and message; DaemonUnavailable: none to ask), a demo
         # rank or a warm-cpus loop failed, a GPU refused.
         return _fail(what, str(e))
+    except BrokenPipeError:
+        # The reader went away (``sparsekv top | head``): end quietly, as a tool killed by
+        # SIGPIPE would, with stdout pointed at /dev/null so that the exit's flush cannot
+        # raise again.
+        _drop_stdout()
+        return 128 + signal.SIGPIPE
     except PermissionError as e:
         return _fail(what, f"permission denied: {e.filename or e}")
     except OSError as e:
@@ -383,6 +390,18 @@ def main(argv=None) -> int:
         return 128 + signal.SIGTERM
     except Exception as e:  # noqa: BLE001 - a bug: still one line, with the error's type to report
         return _fail(what, f"unexpected {type(e).__name__}: {e}")
+
+
+def _drop_stdout() -> None:
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a test's capture): nothing is flushed to a pipe
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def _terminate(*_) -> None:

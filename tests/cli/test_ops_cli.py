@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -482,3 +483,18 @@ def test_a_blank_config_file_variable_is_refused_not_ignored():
 
     with pytest.raises(SettingError, match="SPARSEKV_CONFIG: bad value for config: a blank path"):
         config.load(None, {"SPARSEKV_CONFIG": " "})
+
+
+def test_top_into_a_closed_pipe_ends_quietly(module_daemon):
+    # `sparsekv top | head -1`: the reader leaves; top ends as a tool killed by SIGPIPE
+    # would (exit 141), saying nothing, instead of "Broken pipe" and exit 1.
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([helpers.PY, "-m", "sparsekv.cli.main", "top", "--interval-s", "0.05",
+                            "--run-dir", module_daemon.run_dir],
+                           stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert p.returncode == 128 + signal.SIGPIPE, p.stderr
+    assert p.stderr == ""
