@@ -68,6 +68,7 @@ def would_start(cfg, sources: dict) -> int:
     found: list[tuple[str, int]] = [(why, 2) for why in settings_refusals(cfg, sources)]
     if (refusal := backend_refusal(cfg, sources)) is not None:
         found.append(refusal)
+    no_gpu = None if cfg.backend != "auto" or refusal is not None else backends_mod.cuda_probe()[0]
     if (refusal := run_dir_refusal(cfg.run_dir)) is not None:
         found.append((f"{refusal[0]} (run_dir: {sources.get('run_dir', 'default')})", refusal[1]))
     if (refusal := metrics_port_refusal(cfg, sources)) is not None:
@@ -76,7 +77,10 @@ def would_start(cfg, sources: dict) -> int:
         found.append((why, 1))
     for why, _ in found:
         print(f"sparsekvd: would not start: {why}", file=sys.stderr)
-    if cfg.backend == "cpu" and (ignored := config_mod.cuda_settings_ignored(sources)):
+    if no_gpu is not None:  # auto on a machine without an NVIDIA GPU, as the start would log it
+        print(f"sparsekvd: backend auto ({sources.get('backend', 'default')}): no NVIDIA GPU on this machine; "
+              "the start would use the cpu backend", file=sys.stderr)
+    if (cfg.backend == "cpu" or no_gpu is not None) and (ignored := config_mod.cuda_settings_ignored(sources)):
         print(f"sparsekvd: {ignored}", file=sys.stderr)
     for line in config_mod.moot_settings(cfg, sources):
         print(f"sparsekvd: {line}", file=sys.stderr)

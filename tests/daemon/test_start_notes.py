@@ -7,6 +7,10 @@ from __future__ import annotations
 import grp
 import subprocess
 
+import pytest
+
+from sparsekv.daemon.backends import backend_unusable, cuda_probe
+
 from sparsekvd_proc import DAEMON, clean_env, run_dir, start_and_stop_log  # noqa: F401 (a fixture)
 
 
@@ -48,3 +52,18 @@ def test_an_admin_gid_of_no_group_is_named_at_start(run_dir):
             break
     text = start_and_stop_log(run_dir, "--admin-gid", str(gid))
     assert f"admin_gid {gid} (flag --admin-gid) names no group on this host" in text, text
+
+
+def test_print_config_with_backend_auto_and_no_gpu_names_the_cuda_settings_it_would_ignore(run_dir):
+    """Found by an operator's review: with ``backend = "auto"`` on a machine without a GPU,
+    ``--print-config`` said nothing of the cpu backend it would start, nor of the cuda
+    settings that start ignores (the start itself logs both)."""
+    probe = cuda_probe()
+    if probe[0] is None or backend_unusable("auto", probe, source="default") is not None:
+        pytest.skip("this machine has a GPU: auto would not start the cpu backend")
+    r = subprocess.run([*DAEMON, "--backend", "auto", "--run-dir", run_dir, "--pool-size", "64MiB", "--devices",
+                        "0", "--print-config"], capture_output=True, text=True, timeout=30, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    assert "backend auto (flag --backend): no NVIDIA GPU on this machine; the start would use the cpu backend" \
+        in r.stderr, r.stderr
+    assert "the cpu backend ignores the cuda settings given: devices (flag --devices)" in r.stderr, r.stderr
