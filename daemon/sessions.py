@@ -44,7 +44,7 @@ class Session:
     connected_at: float = field(default_factory=time.time)
     engine: str | None = None
     state: RankState | None = None
-    requests: int = 0
+    requests: int = 1  # requests answered, errors included; its HELLO the first (as the daemon's count)
     errors: int = 0
     uid: int = -1
     gid: int = -1

@@ -115,11 +115,12 @@ def test_clients_lists_one_line_per_client_with_pid_and_rank(busy):
     assert {(r["pid"], r["rank"], r["name"]) for r in rows} == {(str(os.getpid()), "0", "main"),
                                                                  (str(other.pid), "3", "other")}
     assert all(r["engine"] == "e" and r["attached"] == "yes" for r in rows)
-    # per-client counters (``sparsekv top`` shows their rates): main sent ATTACH, two TOPK
-    # each carrying its step's STEP, and one refused TOPK (HELLO opens the count)
+    # per-client counters (``sparsekv top`` shows their rates): main sent HELLO, ATTACH, two
+    # TOPK each carrying its step's STEP, and one refused TOPK; as the daemon's own count,
+    # HELLO and the refused one included
     by_name = {r["name"]: r for r in rows}
     assert by_name["main"]["errors"] == "1" and by_name["other"]["errors"] == "0"
-    assert by_name["main"]["requests"] == "4" and by_name["other"]["requests"] == "1"
+    assert by_name["main"]["requests"] == "5" and by_name["other"]["requests"] == "2"
 
 
 def test_json_has_per_engine_use_and_the_histogram_totals(busy):
