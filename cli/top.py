@@ -77,6 +77,13 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
+def _latency(lat: dict) -> str:
+    """The daemon's recent top-k latencies: ``-`` while its window holds none."""
+    if not lat.get("n"):
+        return "p50 -   p99 -   (last 0)"
+    return f"p50 {lat.get('p50', 0):.0f} us   p99 {lat.get('p99', 0):.0f} us   (last {lat['n']})"
+
+
 def render(run_dir: str, prev: Sample, cur: Sample, clear: bool = False) -> str:
     """One frame: what happened between ``prev`` and ``cur``."""
     r = rates(prev, cur)
@@ -95,7 +102,7 @@ def render(run_dir: str, prev: Sample, cur: Sample, clear: bool = False) -> str:
         f"hit rate  {hit:>12}   ({r['hits']:.0f} hits/s, {r['misses']:.0f} misses/s)",
         f"moved     {r['bytes_moved'] / 1e9:10.3f} GB/s ({r['rows_moved']:.0f} rows/s)   "
         f"written {r['bytes_written'] / 1e9:.3f} GB/s",
-        f"top-k     p50 {lat.get('p50', 0):.0f} us   p99 {lat.get('p99', 0):.0f} us   (last {lat.get('n', 0)}){mean}",
+        f"top-k     {_latency(lat)}{mean}",
         f"pool      {_mib(used)} / {_mib(pool)} used ({used / pool * 100 if pool else 0:.1f} %)   "
         f"engines {s.get('engines', 0)}   clients {s.get('clients', 0)} ({s.get('attached', 0)} attached)",
     ]

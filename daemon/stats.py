@@ -266,6 +266,17 @@ def render_prometheus(registry: CollectorRegistry) -> str:
 
 
 # -- people and scripts --------------------------------------------------------------------
+def _percent(share: float) -> str:
+    return f"{share * 100:.2f} %"
+
+
+def _latency(lat: dict) -> str:
+    """The top-k latency window's line: ``-`` while it holds none (no 0 us to misread)."""
+    if not lat.get("n"):
+        return "p50 -  p99 -  (last 0)"
+    return f"p50 {lat['p50']:.0f} us  p99 {lat['p99']:.0f} us  (last {lat['n']})"
+
+
 def render_table(snap: dict) -> str:
     lat = snap["topk_latency_us"]
     lines = [
@@ -275,11 +286,12 @@ def render_table(snap: dict) -> str:
         f"clients        {snap.get('clients', 0)}  engines {snap.get('engines', 0)}",
         f"pool           {snap.get('pool_used_bytes', 0) / 2**20:.1f} / {snap.get('pool_bytes', 0) / 2**20:.1f} MiB used, "
         f"{snap.get('pool_huge_bytes', 0) * 100 // max(1, snap.get('pool_bytes', 0))} % in huge pages",
-        f"hit rate       {snap['hit_rate'] * 100:.2f} %  ({snap['hits']} hits, {snap['misses']} misses)",
+        f"hit rate       {_percent(snap['hit_rate']) if snap['hits'] + snap['misses'] else '-'}  "
+        f"({snap['hits']} hits, {snap['misses']} misses)",
         f"moved          {snap['rows_moved']} rows, {snap['bytes_moved'] / 2**20:.1f} MiB",
         f"written        {snap['rows_written']} rows, {snap['bytes_written'] / 2**20:.1f} MiB",
         f"out of range   {snap['out_of_range']}",
-        f"top-k latency  p50 {lat['p50']:.0f} us  p99 {lat['p99']:.0f} us  (last {lat['n']})",
+        f"top-k latency  {_latency(lat)}",
         f"errors         {snap['errors']}"
         + ("  " + " ".join(f"{k}={v}" for k, v in sorted(snap["errors_by_code"].items())) if snap["errors_by_code"] else ""),
     ]

@@ -378,6 +378,9 @@ def test_top_with_nothing_happening_shows_no_rate():
     a, b = sample(1.0), sample(2.0)
     out = top_mod.render("/r", a, b)
     assert "hit rate             -" in out and "(no clients)" in out
+    idle = top_mod.render("/r", sample(1.0, topk_latency_us={"p50": 0.0, "p99": 0.0, "n": 0}),
+                          sample(2.0, topk_latency_us={"p50": 0.0, "p99": 0.0, "n": 0}))
+    assert "top-k     p50 -   p99 -   (last 0)" in idle  # no latencies yet: no 0 us to misread
 
 
 def test_top_once_against_a_daemon_under_load(module_daemon):

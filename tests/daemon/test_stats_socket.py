@@ -188,6 +188,22 @@ def test_an_engine_name_is_kept_apart_from_its_rank_count_in_the_table():
     assert "engine short    1 rank(s)" in table
 
 
+def test_a_daemon_that_served_no_top_k_shows_no_hit_rate_or_latency():
+    """Found by an operator's look at a fresh daemon: "hit rate 0.00 %" and "p50 0 us"
+    before any top-k, as if every lookup had missed in no time."""
+    from sparsekv.daemon.stats import Stats, render_table
+
+    stats = Stats()
+    table = render_table(stats.snapshot({}, {"backend": "cpu", "devices": ["cpu"]}))
+    assert "hit rate       -  (0 hits, 0 misses)" in table
+    assert "top-k latency  p50 -  p99 -  (last 0)" in table
+    stats.add(hits=3, misses=1)
+    stats.latency(40e-6)
+    table = render_table(stats.snapshot({}, {"backend": "cpu", "devices": ["cpu"]}))
+    assert "hit rate       75.00 %  (3 hits, 1 misses)" in table
+    assert "top-k latency  p50 40 us  p99 40 us  (last 1)" in table
+
+
 # The stats socket's `clients` answer, asked by this script's user.
 CLIENTS_QUERY = r"""
 import socket, sys
