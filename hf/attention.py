@@ -52,12 +52,39 @@ def sparse_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return _attend(scores * scaling, ok[:, None], values, "bhqk,bkhv->bqhv", query.dtype)
 
 
+def check_projections(model, geo) -> None:
+    """UnsupportedModel unless every DSA layer's ``kv_b_proj`` is linear without a bias
+    (its output for a zero latent is zero): the absorbed prefill takes its matrix, the
+    decode applies the module itself (a wrapped or quantized one included)."""
+    for i, layer in enumerate(model.model.layers):
+        proj = layer.self_attn.kv_b_proj
+        weight = next(proj.parameters(), None)
+        if weight is None:
+            raise UnsupportedModel(f"layer {i}'s kv_b_proj has no parameters")
+        with torch.no_grad():
+            zero = proj(torch.zeros(1, geo.kv_lora_rank, dtype=geo.dtype, device=weight.device))
+        if zero.shape[-1] != geo.num_heads * (geo.nope_dim + geo.v_dim) or bool(zero.any()):
+            raise UnsupportedModel(f"layer {i}'s kv_b_proj ({type(proj).__name__}) must map the latent linearly, "
+                                   "without a bias, to heads x (nope + v) values")
+
+
+def _kv_b_matrix(proj, geo, dtype, device) -> torch.Tensor:
+    """``kv_b_proj``'s matrix [out, rank]: a plain Linear's weight; another module's (an
+    adapter such as LoRA, a quantized or hooked layer) from its output for each unit
+    latent, so that what it adds is applied as the eager path applies it."""
+    if type(proj) is torch.nn.Linear and not (proj._forward_hooks or proj._forward_pre_hooks):
+        return proj.weight
+    with torch.no_grad():
+        return proj(torch.eye(geo.kv_lora_rank, dtype=dtype, device=device)).T
+
+
 def _absorbed(module, geo, query, rows, ok, scaling: float):
     """Prefill: many queries of a sequence, each with its own top-k. Expanding every
     query's selected latents would take k x heads x (nope + v) values per query, so the
     module's ``kv_b_proj`` is applied to the queries and outputs instead (MLA's absorbed
     form: the same products, grouped the other way)."""
-    w = module.kv_b_proj.weight.view(geo.num_heads, geo.nope_dim + geo.v_dim, geo.kv_lora_rank)
+    w = _kv_b_matrix(module.kv_b_proj, geo, query.dtype, query.device)
+    w = w.reshape(geo.num_heads, geo.nope_dim + geo.v_dim, geo.kv_lora_rank)
     w_k, w_v = w.split([geo.nope_dim, geo.v_dim], dim=1)  # [heads, nope, rank], [heads, v, rank]
     q_nope, q_rope = query.split([geo.nope_dim, geo.rope_dim], dim=-1)  # [batch, heads, q, .]
     q_lat = torch.einsum("bhqn,hnr->bhqr", q_nope, w_k)
@@ -69,9 +96,9 @@ def _absorbed(module, geo, query, rows, ok, scaling: float):
 
 def _expand(module, geo, rows: torch.Tensor, dtype):
     """Per-head keys [..., heads, nope + rope] and values [..., heads, v] of latent rows
-    [..., row_dim], through the module's own ``kv_b_proj``."""
+    [..., row_dim], through the module's own ``kv_b_proj`` (its forward: an adapter on it applies)."""
     latent, rope = rows.split([geo.kv_lora_rank, geo.rope_dim], dim=-1)
-    kv = F.linear(latent.to(dtype), module.kv_b_proj.weight).unflatten(-1, (geo.num_heads, -1))
+    kv = module.kv_b_proj(latent.to(dtype)).unflatten(-1, (geo.num_heads, -1))
     k_nope, values = kv.split([geo.nope_dim, geo.v_dim], dim=-1)
     rope = rope.to(dtype).unsqueeze(-2).expand(*k_nope.shape[:-1], -1)
     return torch.cat([k_nope, rope], dim=-1), values

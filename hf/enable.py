@@ -24,7 +24,11 @@ REFUSED = {
     "cache_implementation": (lambda v: v is not None, "another cache (cache_implementation, e.g. 'static')"),
     "prompt_lookup_num_tokens": (lambda v: v is not None, "prompt lookup decoding"),
     "use_cache": (lambda v: v is False, "use_cache=False (the rows are only kept in the cache)"),
+    "assistant_early_exit": (lambda v: v is not None, "self-speculative decoding (assistant_early_exit)"),
+    "output_attentions": (lambda v: v is True, "output_attentions=True (the sparse attention returns no "
+                          "attention weights)"),
 }
+_ENABLED: dict[int, object] = {}  # id(client) -> the model it serves: one enabled model per client
 
 
 def enable(model, client, *, max_batch: int | None = None, host_rows: int | None = None, block_size: int = 64,
@@ -51,6 +55,10 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
         raise ValueError(f"transport must be 'zmq' or 'doorbell', got {transport!r}")
     if getattr(model, "sparsekv", None) is not None:
         raise UnsupportedModel("sparsekv is already enabled on this model: disable(model) first")
+    if id(client) in _ENABLED:  # its state rows and host rows would be shared by two allocators
+        raise UnsupportedModel("this sparsekv client serves another enabled model: disable(that model) first, "
+                               "or give each model a client of its own")
+    attention.check_projections(model, geo)
     model_device = torch.device(model.device)
     client_device = torch.device(getattr(client, "device", "cpu"))  # InprocClient: the cpu backend
     if model_device.type != client_device.type or (model_device.type == "cuda" and
@@ -66,7 +74,10 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
         _attach(client, layout, engine, transport, on_gpu=model_device.type == "cuda")
     runtime = Runtime(client, geo, block_size, doorbell=transport == "doorbell")
     attention.register()
-    hooks = []
+    # Every forward starts with no cache of this runtime running it: the cache's update
+    # (each layer's, before its attention) names itself, so a forward without one (another
+    # cache, use_cache=False) is refused rather than served another generation's rows.
+    hooks = [model.model.register_forward_pre_hook(lambda module, args: runtime.forget_active())]
     for layer_idx, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         attn.sparsekv_runtime = runtime
@@ -82,8 +93,7 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
                                         f"{type(past).__name__}")
         if kwargs.get("assistant_model") is not None:
             raise UnsupportedGeneration("assisted decoding (assistant_model) is not supported with sparsekv")
-        gc = copy.deepcopy(generation_config or model.generation_config)
-        gc.update(**{k: v for k, v in kwargs.items() if hasattr(gc, k)})
+        gc, default_length = _resolved(model, generation_config, kwargs)
         for name, (refused, what) in REFUSED.items():
             if refused(getattr(gc, name, None)):
                 raise UnsupportedGeneration(f"{what} is not supported with sparsekv")
@@ -94,14 +104,14 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
             raise UnsupportedGeneration("generate needs input_ids [batch, length] (inputs_embeds are not supported "
                                         "with sparsekv)")
         batch, length = ids.shape
-        max_length = length + gc.max_new_tokens if gc.max_new_tokens is not None else max(gc.max_length, length)
-        cache = SparseKVCache(runtime, batch, length, max_length)
+        cache = SparseKVCache(runtime, batch, length, _max_length(model, gc, default_length, length))
         try:
             return original(inputs, generation_config, past_key_values=cache, **kwargs)
         finally:
             cache.release()
 
     def undo() -> None:
+        _ENABLED.pop(id(client), None)
         for h in hooks:
             h.remove()
         for layer in model.model.layers:
@@ -114,7 +124,33 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
     model.generate = generate
     runtime.undo = undo
     model.sparsekv = runtime
+    _ENABLED[id(client)] = model
     return runtime
+
+
+def _resolved(model, generation_config, kwargs: dict):
+    """The generation config transformers' ``generate`` will run (the one passed, else a
+    default one; its unset fields from the model's; then the keyword arguments:
+    transformers' own resolution, so that the refusals and the cache's length see what
+    runs), and whether ``max_length`` is nobody's (``generate`` then adds its default to
+    the prompt)."""
+    gc, _ = model._prepare_generation_config(copy.deepcopy(generation_config), **dict(kwargs))
+    unset = (kwargs.get("max_length") is None and (generation_config is None or generation_config.max_length is None)
+             and model.generation_config.max_length is None)
+    return gc, unset
+
+
+def _max_length(model, gc, default_length: bool, length: int) -> int:
+    """Positions a sequence reaches, as ``generate`` counts them: the prompt and
+    ``max_new_tokens``; else ``max_length`` when set; else the prompt and the default
+    ``max_length`` (20), within ``max_position_embeddings``."""
+    if gc.max_new_tokens is not None:
+        return length + gc.max_new_tokens
+    if default_length:
+        total = gc.max_length + length
+        limit = getattr(model.config, "max_position_embeddings", None)
+        return max(min(total, limit), length) if limit is not None else total
+    return max(gc.max_length, length)
 
 
 def disable(model) -> None:
@@ -137,6 +173,9 @@ def _attach(client, layout: Layout, engine: str, transport: str, on_gpu: bool) -
 
 def _keep_latent(runtime: Runtime, layer_idx: int):
     def hook(module, args, output):
+        if output.dtype != runtime.geometry.dtype:  # the pool's rows and the hot rows' view are of enable()'s dtype
+            raise UnsupportedModel(f"the model runs in {output.dtype}, but sparsekv was enabled on it in "
+                                   f"{runtime.geometry.dtype}: disable(model), then enable it again after the cast")
         runtime.latents[layer_idx] = output  # kv_a_layernorm's output: the latent the pool row starts with
 
     return hook

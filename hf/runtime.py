@@ -43,6 +43,10 @@ class Runtime:
         self.active = None  # the cache of the forward running now (set by its update)
         self.in_use = False  # a generation holds the state rows
 
+    def forget_active(self) -> None:
+        """A forward begins: no cache runs it until one's update names itself."""
+        self.active = None
+
     def _typed(self, kv) -> torch.Tensor:
         t = kv if isinstance(kv, torch.Tensor) else torch.from_numpy(kv)  # NumPy: a shared view, no copy
         return t.view(self.geometry.dtype)  # [rows, row_dim]

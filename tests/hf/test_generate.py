@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import HOST_ROWS, KINDS, NEW_TOKENS, check_same, generate, one_torch_thread, tiny  # noqa: E402,F401
+from hf_models import HOST_ROWS, KINDS, NEW_TOKENS, check_same, generate, one_torch_thread, prompts, tiny  # noqa: E402,F401
 
 from sparsekv import hf  # noqa: E402
 from sparsekv.client import Client  # noqa: E402
@@ -66,3 +66,58 @@ def test_chunked_prefill_matches_eager_chunked(kind):
     with InprocClient() as c:
         hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
         check_same(ref, generate(model, do_sample=False, prefill_chunk_size=6))
+
+
+def _outputs(model, **kw):
+    """(sequences, logits) of greedy ``generate`` on the prompts, with ``kw`` as given."""
+    ids, mask = prompts()
+    out = model.generate(ids, attention_mask=mask, output_logits=True, return_dict_in_generate=True,
+                         do_sample=False, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+def test_the_generation_length_is_the_one_transformers_runs():
+    """Found by an adversarial review: ``generate(ids)`` without a length raised a
+    TypeError (transformers 5.17 leaves ``max_length`` None until its own resolution);
+    a GenerationConfig passed with ``max_length`` sized the cache by it while transformers
+    ran the model's ``max_new_tokens``, refused mid-run."""
+    from transformers import GenerationConfig
+
+    model = tiny(KINDS[0])
+    plain = _outputs(model)  # transformers' default: 20 new tokens
+    model.generation_config.max_new_tokens = 30
+    merged = _outputs(model, generation_config=GenerationConfig(max_length=25))  # the model's 30 new tokens win
+    assert plain[0].shape[1] == 20 + 20 and merged[0].shape[1] == 20 + 30
+    with InprocClient() as c:
+        rt = hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        model.generation_config.max_new_tokens = None
+        check_same(plain, _outputs(model))
+        model.generation_config.max_new_tokens = 30
+        check_same(merged, _outputs(model, generation_config=GenerationConfig(max_length=25)))
+        assert rt.free_rows == HOST_ROWS
+
+
+class Adapter(torch.nn.Module):
+    """A low-rank update on a Linear, applied in its forward (as LoRA's adapters are)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Parameter(torch.randn(rank, base.in_features) * 0.3)
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, rank) * 0.3)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.a.T) @ self.b.T
+
+
+def test_an_adapter_on_kv_b_proj_is_applied_as_on_the_eager_path():
+    """Found by an adversarial review: a LoRA adapter on ``kv_b_proj`` was ignored (its
+    weight read directly): the tokens differed from the second one on."""
+    model = tiny(KINDS[0])
+    torch.manual_seed(3)
+    for layer in model.model.layers:
+        layer.self_attn.kv_b_proj = Adapter(layer.self_attn.kv_b_proj)
+    ref = _outputs(model, max_new_tokens=16)
+    with InprocClient() as c:
+        hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        check_same(ref, _outputs(model, max_new_tokens=16))

@@ -28,6 +28,8 @@ def enabled():
     ({"cache_implementation": "static"}, "another cache"),
     ({"use_cache": False}, "use_cache=False"),
     ({"past_key_values": "not a cache"}, "must be a SparseKVCache"),
+    ({"assistant_early_exit": 1}, "assistant_early_exit"),  # its nested generate left the model one layer short
+    ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
 ])
 def test_generation_options_it_cannot_serve_are_refused(enabled, kw, what):
     model, rt = enabled
@@ -77,3 +79,54 @@ def test_a_fill_must_cover_the_prompt_and_nothing_more(enabled):
     with pytest.raises(hf.UnsupportedGeneration, match="filled to 6 of the prompt's 10 positions"):
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=2)
     cache.release()
+
+
+def test_a_second_model_on_one_client_is_refused_until_the_first_is_disabled():
+    """Found by an adversarial review: two models enabled on one client each kept their own
+    free host rows over the same pool and state rows; the second overwrote the first's."""
+    a, b = tiny("deepseek_v32"), tiny("deepseek_v32", seed=5)
+    with InprocClient() as c:
+        hf.enable(a, c, max_batch=4, host_rows=256, block_size=16)
+        with pytest.raises(hf.UnsupportedModel, match="serves another enabled model"):
+            hf.enable(b, c)
+        assert getattr(b, "sparsekv", None) is None
+        hf.disable(a)
+        hf.enable(b, c)  # one after the other: allowed
+
+
+def test_a_forward_without_the_live_cache_is_refused(enabled):
+    """Found by an adversarial review: a plain forward while a caller's SparseKVCache was
+    live read that generation's rows and returned wrong logits."""
+    model, rt = enabled
+    ids, mask = prompts()
+    cache = hf.SparseKVCache(rt, 4, ids.shape[1], ids.shape[1] + 8)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, past_key_values=cache)
+    with pytest.raises(hf.UnsupportedGeneration, match="no sparsekv cache is running this forward"):
+        model(ids[:, :5], use_cache=False)
+    cache.release()
+    assert rt.free_rows == 256
+
+
+def test_a_cast_after_enable_is_refused(enabled):
+    """Found by an adversarial review: a model cast to another dtype of the same size after
+    enable() read its hot rows in the old dtype (wrong logits), to another size failed
+    with an untyped error."""
+    model, rt = enabled
+    ids, mask = prompts()
+    model.to(torch.float64)
+    with pytest.raises(hf.UnsupportedModel, match="runs in torch.float64, but sparsekv was enabled on it in "
+                                                  "torch.float32"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4)
+    assert rt.free_rows == 256 and not rt.in_use
+
+
+def test_a_kv_b_proj_with_a_bias_is_refused():
+    model = tiny("deepseek_v32")
+    proj = model.model.layers[1].self_attn.kv_b_proj
+    biased = torch.nn.Linear(proj.in_features, proj.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(proj.weight)
+        biased.bias.fill_(0.5)
+    model.model.layers[1].self_attn.kv_b_proj = biased
+    with InprocClient() as c, pytest.raises(hf.UnsupportedModel, match="layer 1's kv_b_proj"):
+        hf.enable(model, c, max_batch=1, host_rows=64)
