@@ -31,6 +31,12 @@ CLOSED_LOOK_S = 0.5  # how long a closed connection's daemon is watched for its 
 BUSY_SUFFIX = ".busy"  # the socket's name while the daemon is short of descriptors (daemon/listener.py)
 
 
+
+def _earlier(error: SparseKVError, what: str) -> SparseKVError:
+    """``error``, marked as the refusal of an earlier request of type ``what``."""
+    error.earlier = what
+    return error
+
 class Connection:
     """Requests and replies on the rank's socket, and the daemon's liveness. One thread
     at a time: a request from another thread while one is being sent or waited for is
@@ -278,9 +284,11 @@ class Connection:
                     what = MsgType(header.get("t")).name
                 except ValueError:
                     what = "request"
-                raise error_for(header.get("code", int(ErrorCode.INTERNAL)),
-                                f"{header.get('msg', 'no message')} (the reply to an earlier {what} not waited "
-                                f"for, id {header.get('id')}; raised by the next request)")
+                # (not held in a local: the traceback's frame would keep it, and the Pending of
+                # the request raising it, alive in a cycle: its reply kept for nobody)
+                raise _earlier(error_for(header.get("code", int(ErrorCode.INTERNAL)),
+                                         f"{header.get('msg', 'no message')} (the reply to an earlier {what} not "
+                                         f"waited for, id {header.get('id')}; raised by the next request)"), what)
 
     def _call(self, msg_type: MsgType, fields=None, arrays=None):
         """Send and wait, in one turn; return (reply fields without the envelope, reply arrays)."""

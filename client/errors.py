@@ -6,9 +6,12 @@ from sparsekv.proto import ErrorCode
 
 
 class SparseKVError(Exception):
-    """A request failed. ``code`` is a :class:`~sparsekv.proto.ErrorCode`."""
+    """A request failed. ``code`` is a :class:`~sparsekv.proto.ErrorCode`; ``earlier``:
+    the type name of the earlier request, not waited for, whose refusal this is (raised by
+    the next request in its place), or None (the request's own)."""
 
     code: ErrorCode = ErrorCode.INTERNAL
+    earlier: str | None = None
 
     def __init__(self, message: str, code: ErrorCode | None = None):
         super().__init__(message)

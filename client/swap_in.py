@@ -24,7 +24,7 @@ from sparsekv.proto import ErrorCode, Layout
 from sparsekv.proto.positions import INT32_MAX, host_rows
 
 from . import swap_in_kernels
-from .errors import BadRequest, NotAttached
+from .errors import BadRequest, NotAttached, SparseKVError
 from .step_order import StepOrder
 from .tensors import host_array, is_int_dtype, is_torch, on_gpu
 
@@ -101,6 +101,7 @@ class HostSwapIn:
         if att.caps.device and not self._fenced:
             log.info("HostSwapIn on a cuda rank without fence events: each index group's leader waits for the "
                      "stream when an input is on the GPU (attach with fence=True to avoid it)")
+        self._asked = False  # a top-k of the step begun was sent (its STEP went before it)
         self._closed = False
 
     # -- the API ---------------------------------------------------------------------
@@ -110,6 +111,7 @@ class HostSwapIn:
         self._open()
         self._order.check_begin()
         self._step, self._failed = None, True  # until it has begun, swap_in refuses to run
+        self._asked = False  # no top-k of this step sent yet
         self._slots.clear()
         self._req_cache = self._req_dev = None
         rows = _ints("state_rows", state_rows, 1)
@@ -131,6 +133,15 @@ class HostSwapIn:
         """End an interrupted step (as the device handle's): the groups not yet called
         resolve nothing this step, the layers not yet called are done."""
         self._open()
+        self._complete_order()
+
+    def _abandon_step(self) -> None:
+        """The step's STEP was refused (over zmq: raised by its first top-k): the step
+        ends, and swap_in refuses until the next begin_step."""
+        self._step, self._failed = None, True
+        self._complete_order()
+
+    def _complete_order(self) -> None:
         groups, layers = self._order.pending()
         for g in groups:
             self._order.rang(g)
@@ -149,7 +160,8 @@ class HostSwapIn:
         like = next((a for a in (logical_topk_indices, req_id_per_token) if is_torch(a)), None)
         group, leader = self._group(layer)
         if self._step is None:
-            why = "the last begin_step failed" if self._failed else "swap_in before begin_step"
+            why = ("the last begin_step, or its step's first swap_in, failed" if self._failed
+                   else "swap_in before begin_step")
             raise BadRequest(f"{why}: call begin_step(state_rows, ...) once per decode step before its first swap_in",
                              ErrorCode.BAD_ARGUMENT)
         reqs = self._reqs(req_id_per_token)
@@ -252,7 +264,12 @@ class HostSwapIn:
         """Wait for the STEPs the zmq client sent without waiting and raise the typed error
         of one the daemon refused (every other error is raised by the call that made it)."""
         self._open()
-        self._client.flush()
+        try:
+            self._client.flush()
+        except SparseKVError as e:
+            if e.earlier == "STEP" and self._step is not None and not self._asked:  # this step's, refused
+                self._abandon_step()
+            raise
 
     @property
     def closed(self) -> bool:
@@ -361,8 +378,14 @@ class HostSwapIn:
                 torch.cuda.current_stream(self._reads_on).synchronize()
                 self._reads_on = None
             submit = getattr(self._client, "_submit_as", None)
-            res = (submit(self, self._step, group, rows, reqs).wait() if submit is not None
-                   else self._client.topk(self._step, group, rows, state_rows=reqs))
+            first, self._asked = not self._asked, True
+            try:
+                res = (submit(self, self._step, group, rows, reqs).wait() if submit is not None
+                       else self._client.topk(self._step, group, rows, state_rows=reqs))
+            except SparseKVError as e:
+                if first and e.earlier == "STEP":  # the step's STEP, sent before this request, was refused
+                    self._abandon_step()  # so the step never began: a retry would serve the last step's rows
+                raise
             self._counts["batches"] += 1
             self._counts["hits"] += res.hits or 0
             self._counts["out_of_range"] += res.out_of_range or 0

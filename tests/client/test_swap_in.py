@@ -195,9 +195,31 @@ def test_check_raises_a_refused_step_through_either_transport(client):
         h.begin_step([5])
         h.check()
     assert ei.value.code == ErrorCode.BAD_STATE_ROW
-    h.finish_step()  # a no-op in process (the step never began); ends the refused one over zmq
+    with pytest.raises(BadRequest, match="the last begin_step, or its step's first swap_in, failed"):
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)  # the refused step was not begun: nothing to serve
     h.begin_step([0, 1, -1])
     h.check()  # nothing refused since
+
+
+def test_a_step_refused_at_its_first_swap_in_is_not_served_on_a_retry(client):
+    """Found by an adversarial review: over zmq a refused STEP (here its invalidate) is
+    raised at the step's first swap_in; a retried swap_in then ran without it, serving
+    as hits the rows of the last step that the step had reset. The step ends there: swap_in
+    refuses until the next begin_step, which serves as asked."""
+    fill_pool(client, LAYOUT)
+    h = HostSwapIn(client)
+    h.begin_step([0, 1, -1], reset=[True, True, False])
+    h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+    h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS)
+    h.swap_in(REQS, TABLE, POS, layer=2, block_size=BS)
+    with pytest.raises(BadRequest, match="invalidate holds 64"):
+        h.begin_step([0, 1, -1], reset=[True, True, False], invalidate=[[64], [-1], [-1]])
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)  # (zmq: the STEP's refusal comes here)
+    with pytest.raises(BadRequest, match="the last begin_step, or its step's first swap_in, failed"):
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+    h.begin_step([0, 1, -1], reset=[True, True, False])  # no finish_step needed: the step ended
+    idx = h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+    assert np.array_equal(idx, WANT) and rows_match(h, 0, idx, HOST)  # regions reset: misses, as at first
 
 
 def test_kv_is_a_view_of_the_attached_slab(client):
@@ -459,7 +481,7 @@ def test_a_failed_begin_step_leaves_no_step_to_swap_into():
         h.finish_step()
         with pytest.raises(BadRequest, match="state_rows must hold integers"):
             h.begin_step(np.array([0.0, 1.0]))
-        with pytest.raises(BadRequest, match="the last begin_step failed"):
+        with pytest.raises(BadRequest, match="the last begin_step, or its step's first swap_in, failed"):
             h.swap_in(REQS, TABLE, POS, layer=1, block_size=BS)  # not the last step's slots either
         h.begin_step([0, 1, -1])
         with pytest.raises(BadRequest, match="block_size must be positive"):
