@@ -227,6 +227,7 @@ class Client(Connection, DeviceWaits):
                 fields["blocks"]["index_bytes"] = index_bytes
         if slab is not None:
             fields["slab"] = offer_slab(self.run_dir, self.device, layout, slab)
+            slab = slab.frozen()  # (the geometry offered: a later with_geometry moves no index of this rank)
         if transport != "zmq":
             if transport != "doorbell":
                 raise BadRequest(f"transport must be 'zmq' or 'doorbell', got {transport!r}", ErrorCode.BAD_ARGUMENT)

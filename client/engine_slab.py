@@ -135,6 +135,15 @@ class EngineSlab:
             return torch.as_strided(buf, (nb, br, rb), (stride, rb, 1), storage_offset=buf.storage_offset() + origin)
         return np.lib.stride_tricks.as_strided(buf[origin:], shape=(nb, br, rb), strides=(stride, rb, 1))
 
+    def frozen(self) -> "EngineSlab":
+        """This buffer with the geometry it has now, for an attachment: the rows the daemon
+        gathers into stay those an index of the attachment's handles reads, whatever
+        :meth:`with_geometry` does to this object later (its descriptor stays this one's)."""
+        copy = EngineSlab.__new__(EngineSlab)
+        copy.__dict__.update(self.__dict__)
+        copy.fd = -1  # not the copy's to close
+        return copy
+
     def close(self) -> None:
         """Close this process's descriptor (the mapping stays while ``array`` is used)."""
         if self.fd >= 0:

@@ -15,6 +15,7 @@ import mmap
 import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ class _ShmSlab:
     mm: mmap.mmap | None
     engine_fd: int = -1  # an engine-owned slab's descriptor (deposited by the client)
     engine_mm: mmap.mmap | None = None
+    engine_file: tuple[int, int] | None = None  # its memfd's (st_dev, st_ino): one rank's slab at a time
 
 
 def map_engine_slab(fd: int, geometry) -> mmap.mmap:
@@ -75,6 +77,7 @@ class CpuBackend(Backend):
         self.devices = ["cpu"]
         self._name = f"sparsekv-{run_dir_tag(run_dir)}-"  # memfd names: <name><client id>
         self._slabs: dict[int, _ShmSlab] = {}
+        self._lock = threading.Lock()  # _slabs: its engine slabs checked and added at once
         remove_stale(os.path.join(shm_dir, self._name))
 
     def describe(self) -> dict:
@@ -125,6 +128,8 @@ class CpuBackend(Backend):
         lay, geo = space.layout, engine_slab.geometry
         fd, mm, shm = engine_slab.take_fd(), None, None
         try:
+            st = os.fstat(fd)
+            file = (st.st_dev, st.st_ino)
             engine_mm = map_engine_slab(fd, geo)
             nbytes = lay.staging_bytes
             staging = None
@@ -140,8 +145,20 @@ class CpuBackend(Backend):
                 raise ResidencyError("TOO_LARGE", f"cannot map the engine's slab or a staging buffer: {e.strerror}") \
                     from None
             raise
+        with self._lock:  # (ranks are made on worker threads: two attaches may offer one memfd at once)
+            other = next((cid for cid, s in self._slabs.items() if s.engine_file == file), None)
+            if other is None:
+                self._slabs[client_id] = _ShmSlab(-1 if shm is None else shm, mm, fd, engine_mm, file)
+        if other is not None:  # both ranks' rows would be gathered into the same bytes
+            for m in (engine_mm, mm):
+                if m is not None:
+                    m.close()
+            for f in (fd, shm):
+                if f is not None:
+                    os.close(f)
+            raise ResidencyError("BAD_ARGUMENT", f"this engine slab's memory is already the slab of client {other}: "
+                                 "each rank needs a slab of its own (another memfd)")
         buf = np.frombuffer(engine_mm, dtype=np.uint8)
-        self._slabs[client_id] = _ShmSlab(-1 if shm is None else shm, mm, fd, engine_mm)
         state = RankState(rank=rank, device=device, residency=CpuResidency(lay),
                           mover=CpuMover(lay, space.pool, buf, staging, geometry=geo), slab=buf, staging=staging)
         handles = {"kind": "shm", "engine_slab": True, "bytes": nbytes, "slab_bytes": 0}

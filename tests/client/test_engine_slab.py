@@ -49,7 +49,7 @@ def test_hot_rows_land_in_the_engines_blocks_and_one_index_array_reads_resident_
     c = Client(daemon.run_dir, name="engine-slab").connect()
     try:
         att = c.attach(LAY, engine="own", slab=kv)
-        assert att.slab is None and att.engine_slab is kv
+        assert att.slab is None and att.engine_slab.array is kv.array and att.engine_slab.geometry is kv.geometry
         fill_pool(c, LAY)
         h = HostSwapIn(c, hot_base=RESIDENT_BLOCKS * BS)
         linear = block_stride == BS * 32
@@ -100,6 +100,63 @@ def test_hot_rows_land_in_the_engines_blocks_and_one_index_array_reads_resident_
                 hot[off: off + LAY.row_bytes] = True
         assert np.array_equal(kv.array[~hot], before[~hot])
         assert not np.array_equal(kv.array[hot], before[hot])
+    finally:
+        c.close()
+        kv.close()
+
+
+def _served_rows_match(c):
+    """One step of request 0 over rows 0..3 of every layer: each index reads its host row."""
+    h = HostSwapIn(c, hot_base=RESIDENT_BLOCKS * BS)
+    table = np.array([[0, 1, 2, 3], [-1] * 4, [-1] * 4], np.int32)
+    h.begin_step([0], reset=[True])
+    for layer in range(LAY.num_layers):
+        idx = h.swap_in(np.array([0], np.int32), table, np.array([[0, 1, 2, 3]], np.int32), layer=layer,
+                        block_size=BS)
+        rows = h.kv(layer)
+        got = np.stack([rows[i] if rows.ndim == 2 else rows[i // BS, i % BS] for i in idx[0]])
+        if not np.array_equal(got, pattern(layer, np.arange(4), LAY.row_bytes)):
+            return False
+    return True
+
+
+def test_one_engine_slab_serves_one_rank_at_a_time(daemon):
+    """Found by an adversarial review: the same engine slab attached by two ranks (or two
+    engines) was taken twice, and one rank's gathers overwrote the other's hot rows: rank
+    0 read rank 1's rows, counted as hits. The second attach is refused; once the first
+    rank detaches, the slab may serve another."""
+    kv, _ = engine_cache()
+    a, b = Client(daemon.run_dir, rank=0, name="a").connect(), Client(daemon.run_dir, rank=1, name="b").connect()
+    try:
+        a.attach(LAY, engine="shared-slab", slab=kv)
+        fill_pool(a, LAY)
+        for other, engine in ((b, "shared-slab"), (b, "another")):
+            with pytest.raises(BadRequest, match="already the slab of client") as ei:
+                other.attach(LAY, engine=engine, slab=kv)
+            assert ei.value.code == ErrorCode.BAD_ARGUMENT and other.attachment is None
+        assert _served_rows_match(a)
+        a.detach()
+        b.attach(LAY, engine="another", slab=kv)
+        fill_pool(b, LAY)
+        assert _served_rows_match(b)
+    finally:
+        a.close()
+        b.close()
+        kv.close()
+
+
+def test_a_geometry_given_after_attach_moves_no_index_of_the_attached_rank(daemon):
+    """Found by an adversarial review: ``with_geometry`` on the attached slab changed the
+    geometry a later HostSwapIn read by, while the daemon gathered into the one given at
+    attach: its indices read guard bytes and shifted rows."""
+    kv, bases = engine_cache()
+    c = Client(daemon.run_dir, name="regeometry").connect()
+    try:
+        c.attach(LAY, engine="regeometry", slab=kv)
+        fill_pool(c, LAY)
+        kv.with_geometry(SlabGeometry.paged(LAY, [b + 64 for b in bases], first_block=RESIDENT_BLOCKS,
+                                            block_size=BS, block_stride=BS * 32, buffer_bytes=kv.nbytes))
+        assert _served_rows_match(c)  # the handle reads the rows the daemon gathered into
     finally:
         c.close()
         kv.close()
@@ -182,7 +239,7 @@ def test_bad_engine_slabs_are_refused_clearly_and_the_daemon_serves_on(daemon):
                                      "slab": {"deposit": dep, "geometry": kv.geometry.to_wire()}})
         # Nothing of the refusals stayed: a normal attach of the engine works.
         att = c.attach(LAY, engine="e", slab=kv)
-        assert att.engine_slab is kv
+        assert att.engine_slab.array is kv.array
         kv.close()
     finally:
         c.close()
