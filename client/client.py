@@ -140,15 +140,17 @@ class Client(Connection, DeviceWaits):
     def close(self) -> None:
         """Say goodbye (BYE: the daemon detaches this rank and forgets the connection),
         then close. Waits at most ``BYE_TIMEOUT_S`` and ignores every failure: the daemon's
-        reaper frees what the client held once its process exits."""
-        self._close_handles()  # before the daemon lets the rank's memory go
-        if self._sock is not None and self.info:
-            self._goodbye()
-        if self.attachment is not None:
-            # Once the daemon is gone its events may never complete: wait a bounded time.
-            self._close_attachment(wait_s=GONE_CLOSE_WAIT_S if self._gone is not None else None)
-        self._drop_socket()
-        self.info = {}
+        reaper frees what the client held once its process exits. ClientInUse while another
+        thread's request is on (closing under it would pull its socket away)."""
+        with self._turn():
+            self._close_handles()  # before the daemon lets the rank's memory go
+            if self._sock is not None and self.info:
+                self._goodbye()
+            if self.attachment is not None:
+                # Once the daemon is gone its events may never complete: wait a bounded time.
+                self._close_attachment(wait_s=GONE_CLOSE_WAIT_S if self._gone is not None else None)
+            self._drop_socket()
+            self.info = {}
 
     def _goodbye(self) -> None:
         timeout_s, self.timeout_s = self.timeout_s, min(self.timeout_s, BYE_TIMEOUT_S)

@@ -69,6 +69,10 @@ class HostSwapIn:
         self.layout = att.layout
         lay = self.layout
         self._stride = lay.region_stride
+        for name, v in (("hot_base", hot_base), ("resident_base", resident_base)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= INT32_MAX:
+                raise BadRequest(f"{name} must be an integer in [0, {INT32_MAX}] (an index of the engine's rows), "
+                                 f"got {v!r}", ErrorCode.BAD_ARGUMENT)
         engine_slab = att.engine_slab
         if hot_base and engine_slab is None:
             raise BadRequest("hot_base needs an engine-owned slab (attach with slab=EngineSlab...)",
@@ -357,7 +361,15 @@ class HostSwapIn:
             raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
         resident = None
         if resident_table is not None:
+            if self._att.engine_slab is None:  # its indices would land in the daemon's hot rows
+                raise BadRequest("resident_block_table needs an engine-owned slab (attach with slab=EngineSlab...): "
+                                 "its rows are the engine's own", ErrorCode.BAD_ARGUMENT)
             res = _ints("resident_block_table", resident_table, 2)
+            if res.size and (int(res.min()) < -1 or
+                             (int(res.max()) + 1) * block_size + self.resident_base > INT32_MAX + 1):
+                raise BadRequest(f"resident_block_table holds a block outside [-1, {INT32_MAX}] once its rows are "
+                                 f"indices (block_size {block_size}, resident_base {self.resident_base})",
+                                 ErrorCode.BAD_ARGUMENT)
             if res.shape[0] != table.shape[0]:
                 raise BadRequest(f"resident_block_table must have {table.shape[0]} rows like block_table, got "
                                  f"{res.shape}", ErrorCode.BAD_ARGUMENT)

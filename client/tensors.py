@@ -213,4 +213,6 @@ def step_arrays(state_rows, reset=None, invalidate=None) -> dict:
         if arrays["invalidate"].shape[0] != batch[0]:
             raise BadRequest(f"invalidate must be [batch, n] with batch {batch[0]}, got {arrays['invalidate'].shape}",
                              ErrorCode.BAD_ARGUMENT)
-    return arrays
+    # Copies: the STEP is sent later (with the step's first request), and the caller may
+    # reuse its arrays meanwhile.
+    return {name: a.copy() for name, a in arrays.items()}

@@ -221,7 +221,8 @@ class InprocClient:
             step = whole_arg("step", step, carried=True)  # as the client, whose requests carry no more
             checked = st.check_step(state_rows, reset, invalidate)
             self._settle()  # a step held before runs alone (as the client sends it)
-            self._pending_step = (step, *checked)
+            # Copies: the caller may reuse its arrays before the request that runs the step.
+            self._pending_step = (step, *(None if a is None else np.array(a, copy=True) for a in checked))
         self._stats.c["requests"] -= 1  # counted when it runs: alone, or with its top-k
 
     def _settle(self, then=None) -> None:

@@ -50,6 +50,8 @@ def host_rows(positions, block_table, block_size: int, table_rows=None) -> np.nd
             raise ValueError(f"table_rows must lie in [-1, {table.shape[0]}) (the block table's rows)")
     if not np.issubdtype(pos.dtype, np.integer) or not np.issubdtype(table.dtype, np.integer):
         raise ValueError(f"positions and block_table must be integer arrays, got {pos.dtype} and {table.dtype}")
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):  # 4.5 or "4": no cast
+        raise ValueError(f"block_size must be an integer, got {block_size!r}")
     bs = int(block_size)
     if bs <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

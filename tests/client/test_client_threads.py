@@ -46,6 +46,19 @@ def test_a_second_thread_is_refused_while_one_thread_has_its_turn(module_daemon)
         assert c.stats()["clients"] >= 1  # its turn over: served
 
 
+def test_close_from_another_thread_during_a_request_is_refused_and_the_request_ends_well(module_daemon):
+    """Found by an adversarial review: close() from a second thread while a request was in
+    flight pulled the socket from under it (the request raised an untyped AttributeError)."""
+    with Client(module_daemon.run_dir, name="closer", timeout_s=10) as c:
+        with turn_held_elsewhere(c):
+            with pytest.raises(ClientInUse, match="in use by another thread"):
+                c.close()
+            assert c._sock is not None and c.info  # nothing of the connection closed
+        assert c.stats()["clients"] >= 1
+        c.close()
+    assert c._sock is None
+
+
 def test_a_client_handed_to_another_thread_between_requests_works(module_daemon):
     with Client(module_daemon.run_dir, name="handover", timeout_s=10) as c:
         c.stats()

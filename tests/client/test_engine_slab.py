@@ -162,6 +162,25 @@ def test_a_geometry_given_after_attach_moves_no_index_of_the_attached_rank(daemo
         kv.close()
 
 
+def test_a_resident_block_past_int32_indices_is_refused(daemon):
+    kv, _ = engine_cache()
+    c = Client(daemon.run_dir, name="resident-range").connect()
+    try:
+        c.attach(LAY, engine="resident-range", slab=kv)
+        h = HostSwapIn(c, hot_base=RESIDENT_BLOCKS * BS)
+        h.begin_step([0], reset=[True])
+        table = np.array([[0, 1, 2, 3], [-1] * 4, [-1] * 4], np.int32)
+        for bad in (2 ** 62, -2):
+            resident = np.full((3, 4), -1, np.int64)
+            resident[0, 0] = bad
+            with pytest.raises(BadRequest, match="resident_block_table holds a block outside"):
+                h.swap_in(np.array([0], np.int32), table, np.array([[0, 1, 2, 3]], np.int32), layer=0,
+                          block_size=BS, resident_block_table=resident)
+    finally:
+        c.close()
+        kv.close()
+
+
 def test_another_process_cannot_attach_with_an_engines_deposit(daemon):
     """The deposit id is bound to the process that deposited it."""
     import multiprocessing as mp

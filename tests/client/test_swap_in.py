@@ -222,6 +222,53 @@ def test_a_step_refused_at_its_first_swap_in_is_not_served_on_a_retry(client):
     assert np.array_equal(idx, WANT) and rows_match(h, 0, idx, HOST)  # regions reset: misses, as at first
 
 
+def test_a_steps_arrays_reused_before_its_first_swap_in_change_nothing(client):
+    """Found by an adversarial review: over zmq the STEP goes with the step's first
+    request, and it held the caller's arrays: state rows rewritten in between made the
+    daemon reset another request's region."""
+    fill_pool(client, LAYOUT)
+
+    def two_steps(reuse: bool):
+        h = HostSwapIn(client)
+        h.begin_step([0, 1, -1], reset=[True, True, False])
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+        h.finish_step()
+        rows, reset = np.array([0, 1, -1], np.int32), np.array([True, False, False])
+        h.begin_step(rows, reset=reset)  # request 0 starts again: its region is emptied
+        if reuse:  # the engine fills its buffers for the next step early
+            rows[:], reset[:] = [2, 1, -1], [False, False, False]
+        idx = h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)
+        h.finish_step()
+        return idx, dict(h.counts)
+
+    idx, counts = two_steps(reuse=True)
+    want_idx, want_counts = two_steps(reuse=False)
+    assert np.array_equal(idx, want_idx) and counts == want_counts
+    assert np.array_equal(idx[0], WANT[0])  # request 0 missed again: reset as asked
+
+
+def test_arguments_a_cast_would_change_are_refused(client):
+    """Found by an adversarial review: ``block_size`` 4.5, "4" or True was taken as 4 or 1;
+    a negative ``hot_base`` gave negative indices; a ``resident_block_table`` without an
+    engine slab pointed into the daemon's hot rows (another request's), and one past
+    int64 wrapped to small indices."""
+    h = HostSwapIn(client)
+    h.begin_step([0, 1, -1], reset=[True, True, False])
+    for bs in (4.5, "4", True):
+        with pytest.raises(BadRequest, match="block_size must be an integer") as ei:
+            h.swap_in(REQS, TABLE, POS, layer=0, block_size=bs)
+        assert ei.value.code == ErrorCode.BAD_ARGUMENT
+    with pytest.raises(BadRequest, match="resident_block_table needs an engine-owned slab"):
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS, resident_block_table=np.full((3, 4), -1))
+    for base in (-4, 2.0, True):
+        with pytest.raises(BadRequest, match="hot_base must be an integer in"):
+            HostSwapIn(client, hot_base=base)
+    with pytest.raises(BadRequest, match="resident_base must be an integer in"):
+        HostSwapIn(client, resident_base=-1)
+    idx = h.swap_in(REQS, TABLE, POS, layer=0, block_size=np.int64(BS))  # a NumPy integer is one
+    assert np.array_equal(idx, WANT)
+
+
 def test_kv_is_a_view_of_the_attached_slab(client):
     h = HostSwapIn(client)
     slab = client.attachment.slab
