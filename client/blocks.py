@@ -270,7 +270,11 @@ def _count(name: str, n) -> int:
 
 
 def _blocks(blocks) -> np.ndarray:
-    b = host_int32("blocks", blocks).reshape(-1)
+    """Block ids int32 [n] (one id: [1]); BadRequest for another shape."""
+    b = host_int32("blocks", blocks)
+    if b.ndim > 1:
+        raise BadRequest(f"blocks must be block ids [n], got shape {list(b.shape)}", ErrorCode.BAD_ARGUMENT)
+    b = b.reshape(-1)
     if b.size > LIMITS.max_blocks:
         raise BadRequest(f"{b.size} blocks exceed {LIMITS.max_blocks} a request", ErrorCode.TOO_LARGE)
     return b

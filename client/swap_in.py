@@ -320,7 +320,8 @@ class HostSwapIn:
 
     def _group(self, layer) -> tuple[int, int]:
         """(its index group, the group's leader layer) of a valid ``layer``, else BadRequest."""
-        g = self._order.group_of.get(int(layer)) if isinstance(layer, (int, np.integer)) else None
+        whole = isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_))
+        g = self._order.group_of.get(int(layer)) if whole else None
         if g is None:
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
         return g, self._order.groups[g][0]

@@ -265,6 +265,8 @@ def test_arguments_a_cast_would_change_are_refused(client):
             HostSwapIn(client, hot_base=base)
     with pytest.raises(BadRequest, match="resident_base must be an integer in"):
         HostSwapIn(client, resident_base=-1)
+    with pytest.raises(BadRequest, match="layer True out of range"):
+        h.swap_in(REQS, TABLE, POS, layer=True, block_size=BS)
     idx = h.swap_in(REQS, TABLE, POS, layer=0, block_size=np.int64(BS))  # a NumPy integer is one
     assert np.array_equal(idx, WANT)
 

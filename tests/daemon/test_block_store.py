@@ -133,6 +133,17 @@ def test_eviction_is_lru_of_unpinned_blocks_zeroed_and_cached_blocks_are_read_on
         assert helpers.stats_json(daemon.run_dir)["block_evictions"] == 8
 
 
+def test_block_ids_of_another_shape_are_refused_before_anything_is_sent(daemon):
+    """Found by an adversarial review: release([[b]]) was flattened and released b."""
+    with Client(daemon.run_dir) as c:
+        c.attach(LAY, engine="shapes", block_size=BS)
+        got = c.blocks.alloc(2)
+        with pytest.raises(BadRequest, match=r"blocks must be block ids \[n\], got shape \[1, 2\]"):
+            c.blocks.release(got.reshape(1, 2))
+        c.blocks.release(got[0])  # one id: a block of its own
+        c.blocks.release(got[1:])
+
+
 def test_reserve_is_granted_or_pool_exhausted_with_the_figures(daemon):
     with Client(daemon.run_dir) as a, Client(daemon.run_dir) as b:
         a.attach(LAY, engine="m", block_size=BS)
