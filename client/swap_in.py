@@ -331,6 +331,9 @@ class HostSwapIn:
         """The group's leader: positions -> host rows, one top-k batch, keep the slots
         (and the resident rows: ``[tokens, k]`` row of the engine's storage, -1 = none)."""
         lay = self.layout
+        if resident_table is not None and self._att.engine_slab is None:  # its indices would read the daemon's hot rows
+            raise BadRequest("resident_block_table needs an engine-owned slab (attach with slab=EngineSlab...): its "
+                             "rows are the engine's own", ErrorCode.BAD_ARGUMENT)
         device_map = on_gpu(topk) and resident_table is None and _block_size_ok(block_size) \
             and swap_in_kernels.available()
         table = _ints("block_table", block_table, 2, keep_cuda=device_map)
@@ -362,9 +365,6 @@ class HostSwapIn:
             raise BadRequest(str(e), ErrorCode.BAD_ARGUMENT) from None
         resident = None
         if resident_table is not None:
-            if self._att.engine_slab is None:  # its indices would land in the daemon's hot rows
-                raise BadRequest("resident_block_table needs an engine-owned slab (attach with slab=EngineSlab...): "
-                                 "its rows are the engine's own", ErrorCode.BAD_ARGUMENT)
             res = _ints("resident_block_table", resident_table, 2)
             if res.size and (int(res.min()) < -1 or
                              (int(res.max()) + 1) * block_size + self.resident_base > INT32_MAX + 1):

@@ -407,8 +407,8 @@ def test_a_top_k_on_the_gpu_is_mapped_there_and_only_the_rows_come_to_the_host(m
     """A top-k tensor on the GPU (here: any tensor) is mapped by the kernel on its device
     where CuPy is installed (here a stand-in), never by host_rows, with a block table
     either on the host or a tensor; the same indices as the hand-worked case. Its shape
-    and type are checked in place, with the host path's errors. A resident block table,
-    a dtype the kernel does not take, or no CuPy: the host path (host_rows)."""
+    and type are checked in place, with the host path's errors. A top-k on the host, a
+    dtype the kernel does not take, or no CuPy: the host path (host_rows)."""
     torch = pytest.importorskip("torch")
     from sparsekv.client import swap_in as swap_in_mod
 
@@ -443,7 +443,10 @@ def test_a_top_k_on_the_gpu_is_mapped_there_and_only_the_rows_come_to_the_host(m
         with pytest.raises(BadRequest, match="block_size must be positive"):  # the host path names it
             h.swap_in(REQS, TABLE, pos, layer=0, block_size=np.int64(0))
         assert mapped == [1, 1] and hosted == [1]
-        h.swap_in(REQS, TABLE, pos, layer=0, block_size=BS, resident_block_table=np.full((3, 2), -1, np.int32))
+        with pytest.raises(BadRequest, match="resident_block_table needs an engine-owned slab"):  # before any work
+            h.swap_in(REQS, TABLE, pos, layer=0, block_size=BS, resident_block_table=np.full((3, 2), -1, np.int32))
+        assert mapped == [1, 1] and hosted == [1]
+        h.swap_in(REQS, TABLE, POS, layer=0, block_size=BS)  # a top-k on the host: the host path
         assert mapped == [1, 1] and hosted == [1, 1]
         h.swap_in(REQS, TABLE, pos.to(torch.int16), layer=1, block_size=BS)  # a follower: nothing mapped
         h.swap_in(REQS, TABLE, pos, layer=2, block_size=BS)  # a leader
