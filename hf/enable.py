@@ -4,6 +4,8 @@ decodes with its rows in sparsekv; ``disable(model)`` undoes it."""
 from __future__ import annotations
 
 import copy
+import itertools
+import os
 
 import torch
 
@@ -15,7 +17,8 @@ from .errors import UnsupportedGeneration, UnsupportedModel
 from .geometry import Geometry
 from .runtime import Runtime
 
-ENGINE = "transformers"
+ENGINE = "transformers"  # the default engine name's prefix: "transformers-<pid>-<n>", one per enable()
+_ENGINE_NUMBERS = itertools.count()
 # generate() options the cache cannot serve, and why (each raises UnsupportedGeneration).
 REFUSED = {
     "num_beams": (lambda v: v is not None and v > 1, "beam search (num_beams > 1)"),
@@ -32,7 +35,7 @@ _ENABLED: dict[int, object] = {}  # id(client) -> the model it serves: one enabl
 
 
 def enable(model, client, *, max_batch: int | None = None, host_rows: int | None = None, block_size: int = 64,
-           region_stride: int | None = None, transport: str = "zmq", engine: str = ENGINE) -> Runtime:
+           region_stride: int | None = None, transport: str = "zmq", engine: str | None = None) -> Runtime:
     """Serve ``model``'s sparse attention from sparsekv; return the :class:`Runtime`.
 
     Args:
@@ -49,6 +52,9 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
         region_stride: hot rows per sequence and index group (default twice the top-k).
         transport: ``"zmq"`` (the portable handle, any client) or ``"doorbell"`` (a cuda
             rank: the device handle, every step's hand-off on the model's stream).
+        engine: the engine name to attach under (ranks of one engine share its host rows:
+            another model, or another process, must not use it); default one of this call
+            alone, ``transformers-<pid>-<n>``.
     """
     geo = Geometry.of(model)
     if transport not in ("zmq", "doorbell"):
@@ -71,6 +77,8 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
         if max_batch is None or host_rows is None:
             raise ValueError("the client is not attached: pass max_batch and host_rows (or attach it yourself)")
         layout = geo.layout(max_batch, host_rows, region_stride)
+        if engine is None:
+            engine = f"{ENGINE}-{os.getpid()}-{next(_ENGINE_NUMBERS)}"
         _attach(client, layout, engine, transport, on_gpu=model_device.type == "cuda")
     runtime = Runtime(client, geo, block_size, doorbell=transport == "doorbell")
     attention.register()

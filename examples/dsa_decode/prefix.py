@@ -227,7 +227,8 @@ class Result:
 def _lifetime_in_process(cfg, pc, transport, run_dir, rids, stop_at, outputs) -> dict:
     """An engine lifetime without the block store, in this process; it ends at ``stop_at``."""
     reqs = [r for r in make_requests(pc, cfg.vocab) if r.rid in rids]
-    with sparsekv_engine(DsaModel(cfg), pc.run_config(), transport, run_dir, engine=ENGINE_NO_STORE) as e:
+    with sparsekv_engine(DsaModel(cfg), pc.run_config(), transport, run_dir,
+                         engine=f"{ENGINE_NO_STORE}-{os.getpid()}") as e:  # (its rows: this run's alone)
         return serve(e, pc, reqs, stop_at, out=lambda d: outputs.update({d["done"]: d}))
 
 

@@ -356,13 +356,16 @@ def private_daemon(layout: Layout, on_gpu: bool, engines: int = 1) -> PrivateDae
 
 @contextlib.contextmanager
 def sparsekv_engine(model: DsaModel, rc: RunConfig, transport: str, run_dir: str | None = None,
-                    slab: str = "daemon", max_blocks: int = 0, engine: str = "dsa-example", block_size: int = 0,
+                    slab: str = "daemon", max_blocks: int = 0, engine: str | None = None, block_size: int = 0,
                     index_bytes: int = 0):
-    """An Engine whose KV rows live in sparsekv: connect, attach (to ``engine``; with a
+    """An Engine whose KV rows live in sparsekv: connect, attach (to ``engine``, default a
+    name of this process's own: the ranks of one engine share its host rows, so two runs on
+    one daemon must not share one; with a
     block store of blocks of ``block_size`` rows when > 0, whose blocks have an indexer
     keys plane of ``index_bytes`` a position and layer when > 0), wrap in a handle.
     ``slab="engine"``: the hot region inside the engine's own KV cache (ResidentBlocks)."""
     layout = layout_for(model.cfg, rc)
+    engine = engine if engine is not None else f"dsa-example-{os.getpid()}"
     with contextlib.ExitStack() as stack:
         if slab == "engine" and transport == "inproc":
             raise SystemExit("--slab engine gives the engine's memory to a daemon: use --transport zmq or doorbell")

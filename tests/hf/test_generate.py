@@ -121,3 +121,28 @@ def test_an_adapter_on_kv_b_proj_is_applied_as_on_the_eager_path():
     with InprocClient() as c:
         hf.enable(model, c, max_batch=4, host_rows=HOST_ROWS, block_size=16)
         check_same(ref, _outputs(model, max_new_tokens=16))
+
+
+def test_two_models_on_one_daemon_keep_their_own_rows(daemon):
+    """Found by an adversarial review: two processes each enabling a model on one daemon
+    attached to the same default engine ("transformers") and shared its host rows: each
+    overwrote the other's, tokens differed. The default engine name is each enable()'s own."""
+    from transformers import DynamicCache
+
+    a, b = tiny(KINDS[0]), tiny(KINDS[0], seed=5)
+    ids, mask = prompts()
+    ref_b = _outputs(b, max_new_tokens=6)
+    past = DynamicCache(config=a.config)
+    first = a.generate(ids, attention_mask=mask, max_new_tokens=6, past_key_values=past, do_sample=False)
+    mask2 = torch.cat([mask, torch.ones(ids.shape[0], 6, dtype=mask.dtype)], 1)
+    ref_a = a.generate(first, attention_mask=mask2, max_new_tokens=6, past_key_values=past, do_sample=False)
+    with Client(daemon.run_dir, name="model-a") as ca, Client(daemon.run_dir, name="model-b") as cb:
+        hf.enable(a, ca, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        hf.enable(b, cb, max_batch=4, host_rows=HOST_ROWS, block_size=16)
+        cache = hf.SparseKVCache(a.sparsekv, ids.shape[0], ids.shape[1], ids.shape[1] + 12)
+        got_first = a.generate(ids, attention_mask=mask, max_new_tokens=6, past_key_values=cache, do_sample=False)
+        check_same(ref_b, _outputs(b, max_new_tokens=6))  # model b's generation between a's two calls
+        got_a = a.generate(got_first, attention_mask=mask2, max_new_tokens=6, past_key_values=cache, do_sample=False)
+        cache.release()
+        assert torch.equal(got_first, first) and torch.equal(got_a, ref_a)
+        assert ca.attachment.engine != cb.attachment.engine
