@@ -241,14 +241,17 @@ def output_problem(path: str, what: str = "--out", replaced: bool = True) -> str
     it: a trace, a result, JSON) must have a name that fits the file system with the
     temporary suffix, and what is there must be a regular file (a symlink, a device or a
     FIFO would be replaced by the rename, not written through); a log (appended) or a
-    plot may be any file."""
+    plot may be any file but a FIFO or a socket (its open would wait for a reader)."""
     if not path:
         return f"{what} is empty; name a file"
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return f"{what} {path} is a directory; name a file"
+    if path.endswith(os.sep):  # (abspath drops it: the file would be made, then not found at the end)
+        return f"{what} {path} ends with {os.sep}; name a file"
     if not os.path.isdir(folder):
-        return f"{what} {path}: directory {folder} does not exist"
+        return f"{what} {path}: " + (f"{folder} is not a directory" if os.path.exists(folder)
+                                      else f"directory {folder} does not exist")
     try:
         name_max = os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError):
@@ -266,6 +269,8 @@ def output_problem(path: str, what: str = "--out", replaced: bool = True) -> str
     if replaced and mode is not None and not stat.S_ISREG(mode):
         kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
         return f"{what} {path} is {kind}, which the output would replace; name a regular file or a new one"
+    if mode is not None and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):  # an open of it would wait for a reader
+        return f"{what} {path} is a {'FIFO' if stat.S_ISFIFO(mode) else 'socket'}; name a file"
     if not os.access(folder, os.W_OK | os.X_OK) or (mode is not None and not os.access(path, os.W_OK)):
         return f"{what} {path}: not writable by this user"
     return None

@@ -60,10 +60,10 @@ class PrivateDaemon:
         self._reader: threading.Thread | None = None
 
     def __enter__(self) -> "PrivateDaemon":
+        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # (a failure: no run dir made)
         self.run_dir = tempfile.mkdtemp(prefix="sparsekv-run-")
         cmd = [sys.executable, "-m", "sparsekv.daemon.main", "--run-dir", self.run_dir, "--backend", self.backend,
                "--pool-size", f"{self.pool_bytes}B", *self.extra_args]
-        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ if self.env is None else self.env)
         env.pop("NOTIFY_SOCKET", None)
         parent = os.getpid()

@@ -17,6 +17,7 @@ import numpy as np
 
 from sparsekv.bench.private_daemon import PrivateDaemon, die_with_parent
 from sparsekv.bench.synth import synth
+from sparsekv.bench.trace import check_room
 from sparsekv.bench.verify import count_mismatches, fill_pool
 from sparsekv.client.client import Client
 from sparsekv.daemon.backends import cuda_unavailable
@@ -77,6 +78,10 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
     params = dict(DEFAULTS)
     if steps is not None:
         params["steps"] = steps
+    # Each rank synthesizes the trace (its top-k and step arrays): checked here, before the
+    # daemon and the ranks start, as each rank's synth would check its own.
+    check_room(2 * params["steps"] * params["batch"] * (4 * params["top_k"] + 4 + 1 + 8),
+               f"the demo's two ranks' traces of {params['steps']} steps take")
     pool_bytes = params["num_layers"] * params["host_rows"] * params["row_bytes"] + (16 << 20)
     reason = cuda_unavailable() if backend != "cpu" else None
     if backend == "auto":

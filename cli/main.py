@@ -173,7 +173,13 @@ def cmd_replay(a) -> int:
     if os.path.exists(a.out) and os.path.exists(a.trace) and os.path.samefile(a.out, a.trace):
         raise UsageError(f"--out {a.out} is the trace being replayed; name another file")
     if a.daemon_log:
+        if a.connect:
+            raise UsageError("--daemon-log is the private daemon's log: with --connect there is none")
         check_output(a.daemon_log, "--daemon-log", replaced=False)
+        for other, name in ((a.trace, "the trace being replayed"), (a.out, "--out")):
+            if os.path.abspath(a.daemon_log) == os.path.abspath(other) or (
+                    os.path.exists(a.daemon_log) and os.path.exists(other) and os.path.samefile(a.daemon_log, other)):
+                raise UsageError(f"--daemon-log {a.daemon_log} is {name}; name another file")
     trace = Trace.load(a.trace)
     bar = None if a.quiet else Progress("replay", trace.steps)
     summary, result = replay(trace, transport=a.transport, backend=a.backend, verify=a.verify, connect=a.connect,
@@ -304,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(ranks_differing) and --verify checks every rank's rows")
     q.add_argument("--tp", action="store_true",
                    help="the ranks form a TP group (attach tp_size: one resolve for them all, DESIGN §5.6; cpu, or cuda on the doorbell with every rank on one GPU)")
-    q.add_argument("--connect", metavar="RUN_DIR",
+    q.add_argument("--connect", metavar="RUN_DIR", type=run_dir_path,
                    help="use this running daemon instead of a private one (default: a private daemon)")
     q.add_argument("--daemon-log", metavar="FILE",
                    help="log of the private daemon (default: discarded; a failed start shows its last lines)")

@@ -255,8 +255,42 @@ def test_an_output_that_would_fail_or_replace_something_else_is_refused_before_a
     if case != "the trace itself":
         r = cli_inproc.run("trace", "synth", "--out", out, *SYNTH)
         assert r.returncode == 2 and words in r.stderr, r.stderr
-    if case == "fifo":  # a log is appended to: a FIFO or a symlink is taken there
-        assert output_problem(str(out), "--daemon-log", replaced=False) is None
+    if case == "fifo":  # a log is appended to, but a FIFO's open would wait for a reader: refused too
+        assert output_problem(str(out), "--daemon-log", replaced=False) == f"--daemon-log {out} is a FIFO; name a file"
+
+
+@pytest.mark.parametrize("case", ["log is the trace", "log is --out", "log with --connect", "out ends with /",
+                                  "out under a file", "empty --connect"])
+def test_replay_refuses_outputs_that_would_clobber_its_input_or_fail_late(trace_path, tmp_path, case):
+    """Found by an adversarial review: --daemon-log naming the trace appended the log to
+    it (exit 0); naming --out lost the log; with --connect no log was made; an --out
+    ending with / ran the whole replay, then failed; --connect "" asked the node's daemon."""
+    import os
+
+    args, words = {
+        "log is the trace": (["--daemon-log", trace_path], "is the trace being replayed; name another file"),
+        "log is --out": (["--daemon-log", tmp_path / "r.npz"], "is --out; name another file"),
+        "log with --connect": (["--daemon-log", tmp_path / "d.log", "--connect", tmp_path],
+                               "with --connect there is none"),
+        "out ends with /": (["--out", f"{tmp_path}/new.npz/"], "ends with /; name a file"),
+        "out under a file": (["--out", f"{trace_path}/r.npz"], f"{trace_path} is not a directory"),
+        "empty --connect": (["--connect", ""], "argument --connect: an empty path"),
+    }[case]
+    out = [] if "--out" in args else ["--out", tmp_path / "r.npz"]
+    before = os.stat(trace_path)
+    r = cli_inproc.run("replay", trace_path, *out, *args, "--transport", "zmq")
+    assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    after = os.stat(trace_path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert not (tmp_path / "r.npz").exists() and not (tmp_path / "d.log").exists()
+
+
+def test_a_demo_too_large_for_this_machine_is_refused_before_anything_starts():
+    """Found by an adversarial review: the daemon and both ranks started, then each rank
+    printed a traceback of the refusal of its trace, exit 1."""
+    r = cli_inproc.run("demo", "--backend", "cpu", "--steps", 99999999999999)
+    assert r.returncode == 2 and r.stderr.startswith("sparsekv demo: the demo's two ranks' traces of "), r.stderr
+    assert "this machine has room for" in r.stderr and r.stderr.count("\n") == 1
 
 
 def test_replay_and_synth_print_progress_on_stderr_without_carriage_returns(trace_path, tmp_path):
