@@ -8,6 +8,8 @@ live in sparsekv, and check the tokens against transformers' own eager path.
     python examples/hf_generate/run.py --model /path/to/checkpoint  # a local checkpoint (no downloads)
 
 Prints the generated ids of both paths and whether they are equal (exit status 1 if not).
+The model runs in float32 (a checkpoint is loaded so): the two paths sum the same terms in
+another order, which in bf16 or fp16 can flip a token after a few steps.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ except ImportError:  # one line, not a traceback
     sys.exit("examples/hf_generate needs torch and transformers: pip install 'sparsekv[transformers]'")
 
 from sparsekv import hf
-from sparsekv.client import Client
+from sparsekv.client import Client, SparseKVError
 from sparsekv.embedded.inproc import InprocClient
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
@@ -41,7 +43,7 @@ def load(name: str, device: str):
         cfg = GlmMoeDsaConfig(**TINY, num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
         model = GlmMoeDsaForCausalLM(cfg)
     else:  # a local checkpoint
-        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, dtype=torch.float32)
     return model.to(device).eval()
 
 
@@ -53,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--sample", action="store_true", help="sample (seeded) instead of greedy")
     a = ap.parse_args(argv)
+    if a.new_tokens < 1:
+        ap.error(f"--new-tokens must be >= 1, got {a.new_tokens}")
     if a.device != "cpu" and not a.run_dir:
         ap.error("a model on the GPU reads its rows from a cuda daemon's slab: pass --run-dir")
     torch.manual_seed(0)
@@ -65,17 +69,16 @@ def main(argv=None) -> int:
     ids, mask = ids.to(a.device), mask.to(a.device)
     kw = dict(attention_mask=mask, max_new_tokens=a.new_tokens, do_sample=a.sample)
 
-    model.set_attn_implementation("eager")  # transformers' own path: a DynamicCache of per-head K/V
-    torch.manual_seed(1)
-    eager = model.generate(ids, **kw)
-
     with contextlib.ExitStack() as stack:
-        if a.run_dir:
+        if a.run_dir:  # connected first: a daemon that is not there is said before the eager run
             on_gpu = a.device.startswith("cuda")
             client = stack.enter_context(Client(a.run_dir, name="hf-example", device=a.device))
             transport = "doorbell" if on_gpu else "zmq"
         else:
             client, transport = stack.enter_context(InprocClient()), "zmq"
+        model.set_attn_implementation("eager")  # transformers' own path: a DynamicCache of per-head K/V
+        torch.manual_seed(1)
+        eager = model.generate(ids, **kw)
         # The pool holds each token's latent + rope row per layer; 3 sequences of at most
         # prompt + new tokens, in blocks of 16 rows.
         rows = len(lengths) * -(-(max(lengths) + a.new_tokens) // 16) * 16
@@ -96,4 +99,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (SparseKVError, OSError) as e:  # no daemon, a checkpoint not found: one line (2: not a comparison)
+        print(f"run.py: {e}", file=sys.stderr)
+        sys.exit(2)
