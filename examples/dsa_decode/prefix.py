@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model import Config, DsaModel  # noqa: E402
 from run import Engine, Plan, Request, RunConfig, Scheduler, layout_for, private_daemon, sparsekv_engine  # noqa: E402
 
-from sparsekv.client import Client  # noqa: E402
+from sparsekv.client import Client, SparseKVError  # noqa: E402
 
 ENGINE_NO_STORE = "dsa-prefix-no-store"
 COUNTS = ("admitted", "done", "prefilled", "prefilled_system", "cached", "index_keys_read", "lookups")
@@ -347,10 +347,22 @@ def main(argv=None) -> int:
         return 0
     if not a.device.startswith("cuda"):
         torch.set_num_threads(1)  # a tiny model: more threads only fight the daemon for the cores
+    d = PrefixConfig()
+    most = (d.host_blocks * d.block_size // d.max_reqs - d.tail[1] - d.new_tokens[1]) // d.block_size
+    for name in ("requests", "kill_at"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if not 1 <= a.system_blocks <= most:
+        ap.error(f"--system-blocks must be in [1, {most}] (a request's system prompt, own tokens and new tokens "
+                 f"in the host pool's blocks), got {a.system_blocks}")
     cfg = Config(device=a.device, seed=a.seed)
     pc = PrefixConfig(requests=a.requests, system_blocks=a.system_blocks, kill_at=a.kill_at, seed=a.seed)
     return 0 if run(cfg, pc, a.transport, a.run_dir).equal else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SparseKVError as e:  # no daemon at --run-dir, a refusal: one line (2: not a comparison)
+        print(f"prefix.py: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -35,12 +35,13 @@ except ImportError:  # one line, not a traceback, for a newcomer without it
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model import Batch, Config, DsaModel, LocalKV  # noqa: E402
 
-from sparsekv.client import Client  # noqa: E402
+from sparsekv.client import Client, SparseKVError  # noqa: E402
 from sparsekv.client.engine_slab import EngineSlab  # noqa: E402
 from sparsekv.embedded.inproc import InprocClient  # noqa: E402
 from sparsekv.bench.private_daemon import PrivateDaemon  # noqa: E402
 from sparsekv.client.swap_in import HostSwapIn  # noqa: E402
 from sparsekv.proto import Layout  # noqa: E402
+from sparsekv.proto.layout import LayoutError  # noqa: E402
 from sparsekv.proto.slab import SlabGeometry  # noqa: E402
 
 
@@ -501,12 +502,27 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=Config.top_k)
     ap.add_argument("--seed", type=int, default=RunConfig.seed)
     a = ap.parse_args(argv)
+    for name in ("steps", "requests", "layers", "layers_per_indexer", "top_k"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.layers_per_indexer > a.layers:
+        ap.error(f"--layers-per-indexer {a.layers_per_indexer} is more than --layers {a.layers}")
+    if a.run_dir and a.transport == "inproc":
+        ap.error("--run-dir names a daemon: add --transport zmq or doorbell")
     cfg = Config(num_layers=a.layers, top_k=a.top_k, layers_per_indexer=a.layers_per_indexer, seed=a.seed,
                  device=a.device)
     rc = RunConfig(steps=a.steps, requests=a.requests, seed=a.seed)
+    try:
+        layout_for(cfg, rc)
+    except LayoutError as e:  # e.g. a top-k the hot regions cannot hold
+        ap.error(str(e))
     res = run(cfg, rc, a.kv, a.transport, a.run_dir, slab=a.slab)
     return 0 if res.equal in (True, None) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SparseKVError as e:  # no daemon at --run-dir, a refusal: one line (2: not a comparison)
+        print(f"run.py: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -98,6 +98,21 @@ def test_engine_slab_needs_a_daemon():
         run.run(CFG, RC, kv="sparsekv", transport="inproc", out=lambda s: None, slab="engine")
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--steps", "-5"], "--steps must be >= 1"),
+    (["--requests", "0"], "--requests must be >= 1"),  # it had printed "outputs equal" comparing nothing
+    (["--layers-per-indexer", "0"], "--layers-per-indexer must be >= 1"),
+    (["--layers", "2", "--layers-per-indexer", "3"], "is more than --layers 2"),
+    (["--top-k", "100000"], "region_stride"),
+    (["--run-dir", "/nonexistent"], "--run-dir names a daemon: add --transport zmq or doorbell"),
+])
+def test_the_example_refuses_a_bad_argument_in_one_line(capsys, args, words):
+    """Found by an adversarial review: these gave tracebacks, or ran and claimed equality."""
+    with pytest.raises(SystemExit) as e:
+        run.main(args)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_a_wrong_byte_in_the_pool_shows_as_different_outputs(monkeypatch):
     """The comparison is live: one flipped byte in one written row changes the outputs."""
     from sparsekv.embedded.inproc import InprocClient
