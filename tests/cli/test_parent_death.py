@@ -22,7 +22,7 @@ TRACE = ["--steps", 2000, "--batch", 4, "--top-k", 16, "--region-stride", 32, "-
 DEMO = """
 import sys
 from sparsekv.cli import demo
-demo.DEFAULTS.update(host_rows=4096, num_layers=4, top_k=16, region_stride=32, batch=4, context=150, steps=10**7)
+demo.DEFAULTS.update(host_rows=4096, num_layers=4, top_k=16, region_stride=32, batch=4, context=150, steps=10**6)
 demo.run_demo(backend="cpu", progress=False)
 """
 
