@@ -300,8 +300,11 @@ def run(cfg: Config, pc: PrefixConfig, transport: str = "zmq", run_dir: str | No
     out("daemon's block counters over the run with the store: "
         + ", ".join(f"{k} {v}" for k, v in counters.items()))
     sys_prefills = {name: sum(c["prefilled_system"] for c in lifetimes[name]) / pc.system_tokens for name in lifetimes}
+    restarted = bool(lifetimes["store"][0].get("killed"))
     out(f"system prompt prefilled {sys_prefills['no_store']:g} times without the store, "
-        f"{sys_prefills['store']:g} with it (across the restart)")
+        f"{sys_prefills['store']:g} with it "
+        + ("(across the restart)" if restarted else "(no restart: the first engine ended every request before "
+           "--kill-at)"))
     out(f"outputs {'equal, bit for bit' if equal else 'NOT equal'}: {len(outputs['store'])} of {pc.requests} "
         "requests, the sha256 of each request's logits over all its steps")
     return Result(outputs, lifetimes, counters, equal)
