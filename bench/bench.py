@@ -203,6 +203,9 @@ def run_args(a) -> int:
                        f"{', '.join(CPU_BENCHES + MORE_CPU_BENCHES + GPU_BENCHES + ('decode', 'serve'))}")
     if alone and len(which) != 1:
         return _refuse("sparsekv bench", f"{alone[0]} runs alone (sparsekv bench {alone[0]} [options])")
+    twice = sorted({w for w in which if which.count(w) > 1})
+    if twice:  # (it would run again, its figures under the same keys)
+        return _refuse("sparsekv bench", f"{', '.join(twice)} named twice; name each benchmark once")
     why = _foreign_option(a, which)
     if why:
         return _refuse(what, why)

@@ -76,6 +76,12 @@ def test_an_unknown_bench_name_lists_prefix_among_the_choices():
     assert r.returncode == 2 and "prefix" in r.stderr
 
 
+def test_a_bench_named_twice_is_refused_before_any_work():
+    """Found by an adversarial review: `bench transport transport` ran it twice."""
+    r = cli_inproc.run("bench", "transport", "resolve", "transport")
+    assert r.returncode == 2 and r.stderr == "sparsekv bench: transport named twice; name each benchmark once\n"
+
+
 def test_the_restarted_engine_imports_what_an_engine_imports_and_no_daemon_module():
     """restart_s times an engine process from its start: its script's imports are the
     client's, not the daemon's (each module imported is time counted in the figure)."""
