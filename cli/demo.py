@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import queue
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ from .progress import Progress
 DEFAULTS = dict(steps=300, batch=8, top_k=256, region_stride=512, max_reqs=16, host_rows=65536,
                 row_bytes=656, num_layers=4, overlap=0.8, context=2048, lifetime=64, seed=7)
 GROUPS = ((0, 1), (2, 3))  # two index groups of two layers (leader + follower)
+RESULT_POLL_S = 5.0  # how often the demo looks for a rank that ended without its result
 SYNC_EVERY = 16  # steps between the ranks' meetings (3 requests a step: far below tp_max_lag)
 
 
@@ -38,6 +40,18 @@ def _rank_main(parent: int, run_dir: str, rank: int, device: str, params: dict, 
         barrier.abort()
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
         raise
+
+
+def _result(results, procs) -> dict:
+    """The next rank's result, however long the demo runs; RuntimeError once a rank ended
+    without one (killed: no error of its own to send)."""
+    while True:
+        try:
+            return results.get(timeout=RESULT_POLL_S)
+        except queue.Empty:
+            gone = [p.exitcode for p in procs if not p.is_alive() and p.exitcode != 0]
+            if gone:
+                raise RuntimeError(f"a demo rank ended with exit code {gone[0]} before its result") from None
 
 
 def _rank_body(run_dir, rank, device, params, barrier, results, show_progress) -> None:
@@ -106,7 +120,7 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
         for p in procs:
             p.start()
         try:
-            out = [results.get(timeout=600) for _ in procs]
+            out = [_result(results, procs) for _ in procs]
             errors = [r["error"] for r in out if "error" in r]
             if errors:
                 raise RuntimeError(f"a demo rank failed: {errors[0]}")

@@ -328,3 +328,22 @@ def test_replay_help_says_what_each_transport_is():
     r = cli_inproc.run("replay", "--help")
     assert r.returncode == 0 and "designed, not built" not in r.stdout
     assert "doorbell: a daemon driven from the GPU" in " ".join(r.stdout.split())
+
+
+def test_a_demo_rank_that_ends_without_its_result_fails_the_demo_at_once(monkeypatch):
+    """Found by an adversarial review: the demo waited 600 s for each rank's result, and a
+    longer run ended with "unexpected Empty". It waits as long as the ranks run, and
+    fails once one has ended without a result (killed: nothing of its own to send)."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from sparsekv.cli import demo
+
+    monkeypatch.setattr(demo, "RESULT_POLL_S", 0.05)
+    results = mp.get_context("spawn").Queue()
+    running = SimpleNamespace(is_alive=lambda: True, exitcode=None)
+    killed = SimpleNamespace(is_alive=lambda: False, exitcode=-9)
+    results.put({"rank": 0})
+    assert demo._result(results, [running, killed]) == {"rank": 0}  # a result waiting: taken
+    with pytest.raises(RuntimeError, match="a demo rank ended with exit code -9 before its result"):
+        demo._result(results, [running, killed])
