@@ -134,6 +134,12 @@ def _with_strays(rng, row: np.ndarray, rate: float, strays: list[int]) -> np.nda
     return row
 
 
+def trace_bytes(steps: int, batch: int, top_k: int, max_blocks: int = 0) -> int:
+    """Bytes of a synthesized trace's arrays: top-k (int32), state rows (int32), reset
+    (bool), invalidate (2 x int32), and a position trace's block tables (int32 ``max_blocks``)."""
+    return steps * batch * (4 * top_k + 4 + 1 + 8 + 4 * max_blocks)
+
+
 def synth(
     *,
     steps: int = 200,
@@ -216,7 +222,7 @@ def synth(
     # of a step: a request's context ids (int64, up to ``span``) and their copies while its
     # top-k is drawn (SYNTH_CONTEXT_COPIES), and with ``spec`` every served row's kept too.
     working = ((batch if spec > 0 else 0) + SYNTH_CONTEXT_COPIES) * 8 * span
-    check_room(steps * batch * (4 * top_k + 4 + 1 + 8 + (4 * max_blocks if block_size else 0)) + working,
+    check_room(trace_bytes(steps, batch, top_k, max_blocks) + working,
                 f"a trace of {steps} steps of batch {batch} and top_k {top_k} takes",
                 f" (with {working / 2**30:.1f} GiB of context ids of up to {span} rows a request while it is drawn)")
     t_topk = np.full((steps, batch, top_k), -1, np.int32)

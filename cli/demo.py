@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from sparsekv.bench.private_daemon import PrivateDaemon, die_with_parent
-from sparsekv.bench.synth import synth
+from sparsekv.bench.synth import synth, trace_bytes
 from sparsekv.bench.trace import check_room
 from sparsekv.bench.verify import count_mismatches, fill_pool
 from sparsekv.client.client import Client
@@ -94,7 +94,7 @@ def run_demo(backend: str = "auto", steps: int | None = None, progress: bool = T
         params["steps"] = steps
     # Each rank synthesizes the trace (its top-k and step arrays): checked here, before the
     # daemon and the ranks start, as each rank's synth would check its own.
-    check_room(2 * params["steps"] * params["batch"] * (4 * params["top_k"] + 4 + 1 + 8),
+    check_room(2 * trace_bytes(params["steps"], params["batch"], params["top_k"]),
                f"the demo's two ranks' traces of {params['steps']} steps take")
     pool_bytes = params["num_layers"] * params["host_rows"] * params["row_bytes"] + (16 << 20)
     reason = cuda_unavailable() if backend != "cpu" else None

@@ -170,15 +170,14 @@ def cmd_replay(a) -> int:
     if a.tp and a.ranks < 2:
         raise UsageError("--tp needs --ranks 2 or more")
     check_output(a.out)
-    if os.path.exists(a.out) and os.path.exists(a.trace) and os.path.samefile(a.out, a.trace):
+    if _same_file(a.out, a.trace):
         raise UsageError(f"--out {a.out} is the trace being replayed; name another file")
     if a.daemon_log:
         if a.connect:
             raise UsageError("--daemon-log is the private daemon's log: with --connect there is none")
         check_output(a.daemon_log, "--daemon-log", replaced=False)
         for other, name in ((a.trace, "the trace being replayed"), (a.out, "--out")):
-            if os.path.abspath(a.daemon_log) == os.path.abspath(other) or (
-                    os.path.exists(a.daemon_log) and os.path.exists(other) and os.path.samefile(a.daemon_log, other)):
+            if _same_file(a.daemon_log, other):
                 raise UsageError(f"--daemon-log {a.daemon_log} is {name}; name another file")
     trace = Trace.load(a.trace)
     bar = None if a.quiet else Progress("replay", trace.steps)
@@ -396,6 +395,12 @@ def main(argv=None) -> int:
         return 128 + signal.SIGTERM
     except Exception as e:  # noqa: BLE001 - a bug: still one line, with the error's type to report
         return _fail(what, f"unexpected {type(e).__name__}: {e}")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file: the same path, or (both there) one inode."""
+    return os.path.abspath(a) == os.path.abspath(b) or (os.path.exists(a) and os.path.exists(b)
+                                                          and os.path.samefile(a, b))
 
 
 def _drop_stdout() -> None:

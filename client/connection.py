@@ -31,11 +31,11 @@ CLOSED_LOOK_S = 0.5  # how long a closed connection's daemon is watched for its 
 BUSY_SUFFIX = ".busy"  # the socket's name while the daemon is short of descriptors (daemon/listener.py)
 
 
-
 def _earlier(error: SparseKVError, what: str) -> SparseKVError:
     """``error``, marked as the refusal of an earlier request of type ``what``."""
     error.earlier = what
     return error
+
 
 class Connection:
     """Requests and replies on the rank's socket, and the daemon's liveness. One thread

@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from sparsekv.proto import ErrorCode, Layout
+from sparsekv.proto.args import whole_number
 from sparsekv.proto.positions import INT32_MAX, host_rows
 
 from . import swap_in_kernels
@@ -70,7 +71,11 @@ class HostSwapIn:
         lay = self.layout
         self._stride = lay.region_stride
         for name, v in (("hot_base", hot_base), ("resident_base", resident_base)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= INT32_MAX:
+            try:
+                n = whole_number(name, v)
+            except ValueError:  # a float, bool or text: refused with the range below
+                n = -1
+            if not 0 <= n <= INT32_MAX:
                 raise BadRequest(f"{name} must be an integer in [0, {INT32_MAX}] (an index of the engine's rows), "
                                  f"got {v!r}", ErrorCode.BAD_ARGUMENT)
         engine_slab = att.engine_slab
@@ -320,8 +325,10 @@ class HostSwapIn:
 
     def _group(self, layer) -> tuple[int, int]:
         """(its index group, the group's leader layer) of a valid ``layer``, else BadRequest."""
-        whole = isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_))
-        g = self._order.group_of.get(int(layer)) if whole else None
+        try:
+            g = self._order.group_of.get(whole_number("layer", layer))
+        except ValueError:  # a float, bool or text (True was layer 1)
+            g = None
         if g is None:
             raise BadRequest(f"layer {layer!r} out of range [0, {self.layout.num_layers})", ErrorCode.BAD_ARGUMENT)
         return g, self._order.groups[g][0]

@@ -137,6 +137,12 @@ class CpuBackend(Backend):
                 shm = new_memfd(f"{self._name}{client_id}", nbytes)
                 mm = mmap.mmap(shm, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 staging = np.frombuffer(mm, dtype=np.uint8).reshape(lay.staging_shape)
+            with self._lock:  # (ranks are made on worker threads: two attaches may offer one memfd at once)
+                other = next((cid for cid, s in self._slabs.items() if s.engine_file == file), None)
+                if other is not None:  # both ranks' rows would be gathered into the same bytes
+                    raise ResidencyError("BAD_ARGUMENT", f"this engine slab's memory is already the slab of client "
+                                         f"{other}: each rank needs a slab of its own (another memfd)")
+                self._slabs[client_id] = _ShmSlab(-1 if shm is None else shm, mm, fd, engine_mm, file)
         except BaseException as e:
             for f in (fd, shm):
                 if f is not None:
@@ -145,19 +151,6 @@ class CpuBackend(Backend):
                 raise ResidencyError("TOO_LARGE", f"cannot map the engine's slab or a staging buffer: {e.strerror}") \
                     from None
             raise
-        with self._lock:  # (ranks are made on worker threads: two attaches may offer one memfd at once)
-            other = next((cid for cid, s in self._slabs.items() if s.engine_file == file), None)
-            if other is None:
-                self._slabs[client_id] = _ShmSlab(-1 if shm is None else shm, mm, fd, engine_mm, file)
-        if other is not None:  # both ranks' rows would be gathered into the same bytes
-            for m in (engine_mm, mm):
-                if m is not None:
-                    m.close()
-            for f in (fd, shm):
-                if f is not None:
-                    os.close(f)
-            raise ResidencyError("BAD_ARGUMENT", f"this engine slab's memory is already the slab of client {other}: "
-                                 "each rank needs a slab of its own (another memfd)")
         buf = np.frombuffer(engine_mm, dtype=np.uint8)
         state = RankState(rank=rank, device=device, residency=CpuResidency(lay),
                           mover=CpuMover(lay, space.pool, buf, staging, geometry=geo), slab=buf, staging=staging)

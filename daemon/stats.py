@@ -266,10 +266,6 @@ def render_prometheus(registry: CollectorRegistry) -> str:
 
 
 # -- people and scripts --------------------------------------------------------------------
-def _percent(share: float) -> str:
-    return f"{share * 100:.2f} %"
-
-
 def _latency(lat: dict) -> str:
     """The top-k latency window's line: ``-`` while it holds none (no 0 us to misread)."""
     if not lat.get("n"):
@@ -279,6 +275,7 @@ def _latency(lat: dict) -> str:
 
 def render_table(snap: dict) -> str:
     lat = snap["topk_latency_us"]
+    hit = f"{snap['hit_rate'] * 100:.2f} %" if snap["hits"] + snap["misses"] else "-"  # none yet: no 0 % to misread
     lines = [
         f"backend        {snap.get('backend', '?')}  devices {','.join(snap.get('devices', []))}"
         + ("" if "mps" not in snap else f"  MPS {'on' if snap['mps'] else 'OFF (every GPU hand-off costs ~300 us)'}"),
@@ -286,8 +283,7 @@ def render_table(snap: dict) -> str:
         f"clients        {snap.get('clients', 0)}  engines {snap.get('engines', 0)}",
         f"pool           {snap.get('pool_used_bytes', 0) / 2**20:.1f} / {snap.get('pool_bytes', 0) / 2**20:.1f} MiB used, "
         f"{snap.get('pool_huge_bytes', 0) * 100 // max(1, snap.get('pool_bytes', 0))} % in huge pages",
-        f"hit rate       {_percent(snap['hit_rate']) if snap['hits'] + snap['misses'] else '-'}  "
-        f"({snap['hits']} hits, {snap['misses']} misses)",
+        f"hit rate       {hit}  ({snap['hits']} hits, {snap['misses']} misses)",
         f"moved          {snap['rows_moved']} rows, {snap['bytes_moved'] / 2**20:.1f} MiB",
         f"written        {snap['rows_written']} rows, {snap['bytes_written'] / 2**20:.1f} MiB",
         f"out of range   {snap['out_of_range']}",

@@ -31,7 +31,7 @@ REFUSED = {
     "output_attentions": (lambda v: v is True, "output_attentions=True (the sparse attention returns no "
                           "attention weights)"),
 }
-_ENABLED: dict[int, object] = {}  # id(client) -> the model it serves: one enabled model per client
+_ENABLED: set[int] = set()  # id() of each client serving an enabled model: one enabled model per client
 
 
 def enable(model, client, *, max_batch: int | None = None, host_rows: int | None = None, block_size: int = 64,
@@ -119,7 +119,7 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
             cache.release()
 
     def undo() -> None:
-        _ENABLED.pop(id(client), None)
+        _ENABLED.discard(id(client))
         for h in hooks:
             h.remove()
         for layer in model.model.layers:
@@ -132,7 +132,7 @@ def enable(model, client, *, max_batch: int | None = None, host_rows: int | None
     model.generate = generate
     runtime.undo = undo
     model.sparsekv = runtime
-    _ENABLED[id(client)] = model
+    _ENABLED.add(id(client))
     return runtime
 
 
@@ -142,7 +142,7 @@ def _resolved(model, generation_config, kwargs: dict):
     transformers' own resolution, so that the refusals and the cache's length see what
     runs), and whether ``max_length`` is nobody's (``generate`` then adds its default to
     the prompt)."""
-    gc, _ = model._prepare_generation_config(copy.deepcopy(generation_config), **dict(kwargs))
+    gc, _ = model._prepare_generation_config(copy.deepcopy(generation_config), **kwargs)
     unset = (kwargs.get("max_length") is None and (generation_config is None or generation_config.max_length is None)
              and model.generation_config.max_length is None)
     return gc, unset

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .args import whole_number
+
 UNMAPPED = -2  # an id the residency counts as out of range (< -1), never a miss
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -50,9 +52,7 @@ def host_rows(positions, block_table, block_size: int, table_rows=None) -> np.nd
             raise ValueError(f"table_rows must lie in [-1, {table.shape[0]}) (the block table's rows)")
     if not np.issubdtype(pos.dtype, np.integer) or not np.issubdtype(table.dtype, np.integer):
         raise ValueError(f"positions and block_table must be integer arrays, got {pos.dtype} and {table.dtype}")
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):  # 4.5 or "4": no cast
-        raise ValueError(f"block_size must be an integer, got {block_size!r}")
-    bs = int(block_size)
+    bs = whole_number("block_size", block_size)  # 4.5, "4" or True: no cast
     if bs <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     batch, max_blocks = pos.shape[0], table.shape[1]
