@@ -157,7 +157,8 @@ class CudaBackend(Backend):
                               transport=transport, engine_slab=engine_slab, prefetch=prefetch,
                               free=self._deferred.free_for(worker.ordinal),
                               host_blocks=self._host_blocks(space, worker.ordinal),
-                              tp=space.tp is not None)
+                              tp=space.tp is not None,
+                              slab_owner=lambda ptr, n: self._slab_owner(worker.ordinal, ptr, n))
         try:
             if fence_events:
                 state.fence_events = ImportedEvents(list(fence_events), worker.ordinal)
@@ -170,6 +171,17 @@ class CudaBackend(Backend):
             raise
         self._ranks[client_id] = state
         return state, state.export()
+
+    def _slab_owner(self, ordinal: int, ptr: int, nbytes: int) -> int | None:
+        """The client whose rank's engine slab on GPU ``ordinal`` overlaps ``nbytes`` from
+        ``ptr`` (addresses of this process: cuIpcOpenMemHandle returns the mapping already
+        open for a handle it is given again), or None. Ranks are made on the loop: no race."""
+        for cid, st in self._ranks.items():
+            slab = st.engine_slab
+            if (slab is not None and st.worker.ordinal == ordinal and ptr < slab.ptr + slab.nbytes
+                    and slab.ptr < ptr + nbytes):
+                return cid
+        return None
 
     def _host_blocks(self, space: EngineSpace, device: int) -> tuple:
         """A rank's pinned host blocks: a spare its owner's detached rank left on this GPU

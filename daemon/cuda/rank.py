@@ -53,6 +53,9 @@ class CudaRankState(RankState):
         transport: ``"zmq"`` (steps arrive as messages) or ``"doorbell"`` (``doorbell.py``).
         engine_slab: an engine-owned slab (``engine.EngineSlabImport``): imported through
             CUDA IPC (closed with the rank), gathered into by its geometry.
+        slab_owner: ``(ptr, nbytes) -> client id or None``: which other rank's engine slab
+            overlaps these bytes of the imported one (an IPC handle opened again in this
+            process maps to the same address, so one allocation given twice is seen).
         tp: a rank of a TP group (doorbell): its transport starts nothing; the group's
             leader stream serves it (``tp_doorbell.py``, once every rank has joined).
         prefetch: after each group's top-k, prefetch its rows into the next group's
@@ -69,7 +72,7 @@ class CudaRankState(RankState):
     def __init__(self, rank: int, worker, space, pinned, ring_depth: int, gather_blocks: int,
                  graphs: bool = True, blocks_path: str | None = None, transport: str = "zmq",
                  engine_slab=None, prefetch: bool = False, free: FreeFn = free_now, host_blocks=None,
-                 tp: bool = False):
+                 tp: bool = False, slab_owner=None):
         import cupy as cp
 
         lay = space.layout
@@ -94,6 +97,11 @@ class CudaRankState(RankState):
             if self.engine_slab.ptr % 16:
                 self._close_slab()
                 raise ResidencyError("BAD_ARGUMENT", "the engine's slab must start on a 16-byte boundary")
+            other = None if slab_owner is None else slab_owner(self.engine_slab.ptr, self.engine_slab.nbytes)
+            if other is not None:  # both ranks' rows would be gathered into the same bytes
+                self._close_slab()
+                raise ResidencyError("BAD_ARGUMENT", f"this engine slab's memory overlaps the slab of client {other}: "
+                                     "each rank needs a slab of its own (memory no other rank's slab uses)")
         with cp.cuda.Device(worker.ordinal):
             stream = worker.stream
             try:
