@@ -173,8 +173,7 @@ def test_this_uids_idle_connections_get_busy_answers_and_are_closed_after_a_seco
         busy = raw_answer(path)
         assert busy == {"ok": False, "code": "QUOTA_EXCEEDED", "busy": True,
                         "msg": f"busy: uid {os.getuid()} has 64 fd socket connections open, its share of the 256; "
-                               "try again"}, busy
-        assert time.monotonic() - t0 < 0.9, "too slow to check within the request timeout"
+                               "try again"}, busy  # (so the 128 were still held)
         with Client(daemon.run_dir) as c:
             c.attach(helpers.layout())  # its fetch busy until the idle ones are closed
             attached = time.monotonic() - t0
@@ -260,8 +259,8 @@ def go(p):
 def test_other_uids_holding_the_fd_socket_lock_out_no_other_engine(daemon):
     """uid 65534 opens 100 idle connections: it gets its 64, the other 36 are answered busy
     naming its share; an engine of uid 65533 attaches all the same. Then four uids hold
-    64 each, the 256 shared: a fifth uid's request is answered busy (every shared
-    connection open), and root still attaches at once (the operators' reserve). Before:
+    64 each, the 256 shared: root still attaches at once (the operators' reserve), and a
+    fifth uid's request is answered busy (every shared connection open). Before:
     one uid's 64 idle connections failed every other engine's ATTACH."""
     helpers.open_to_other_users(daemon.run_dir, "control.sock", FD_SOCKET)
     path = os.path.join(daemon.run_dir, FD_SOCKET)
@@ -288,14 +287,14 @@ def test_other_uids_holding_the_fd_socket_lock_out_no_other_engine(daemon):
             go(p)
         for p in holders:
             assert json.loads(p.stdout.readline()) is None  # 64 each: none refused
-        t0 = time.monotonic()
+        with Client(daemon.run_dir) as c:  # root: the operators' reserve, no second try
+            c.attach(helpers.layout(), engine="root")
+        # Then the stranger: its answer counts 256 open, so all were held when root attached
+        # (the holders never reconnect; only the request timeout closes theirs).
         go(procs["stranger"])
         assert json.loads(procs["stranger"].stdout.readline()) == {
             "ok": False, "code": "QUOTA_EXCEEDED", "busy": True,
             "msg": "busy: 256 fd socket connections open (at most 256, 64 a uid); try again"}
-        with Client(daemon.run_dir) as c:  # root: the operators' reserve, no second try
-            c.attach(helpers.layout(), engine="root")
-        assert time.monotonic() - t0 < 0.9, "too slow to check within the request timeout"
     finally:
         for p in procs.values():
             p.kill()
