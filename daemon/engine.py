@@ -79,17 +79,20 @@ class RankState:
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
         then = None if then is None else (whole_arg("group", then[0]), as_ids("topk", then[1], 2))
         if self.tp is not None:
-            if then is None and self._tp_step is not None and self._tp_step[0] == int(step) \
+            if self._tp_step is not None and self._tp_step[0] == int(step) \
                     and _same_step(self._tp_step[1:], (state_rows, reset, invalidate)):
-                return  # the same STEP again (its top-k was refused, as a client retries): the group holds it
-            try:
-                self.tp.begin_step(self.rank, int(step), state_rows, reset, invalidate, then)
-            except ResidencyError as e:
-                if then is None:
-                    self._tp_step_refused = (int(step), e.code, str(e))
-                raise
-            self._tp_step_refused = None
-            self._tp_step = (int(step), state_rows, reset, invalidate) if then is None else None
+                # The same STEP again, alone or under the TOPK it rides on (its top-k was
+                # refused and the client retries): the group holds it; the TOPK goes on alone.
+                pass
+            else:
+                try:
+                    self.tp.begin_step(self.rank, int(step), state_rows, reset, invalidate, then)
+                except ResidencyError as e:
+                    if then is None:
+                        self._tp_step_refused = (int(step), e.code, str(e))
+                    raise
+                self._tp_step_refused = None
+                self._tp_step = (int(step), state_rows, reset, invalidate) if then is None else None
         else:
             if then is not None:
                 check_batch(self.residency.layout, then[0], state_rows, then[1])

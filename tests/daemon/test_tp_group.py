@@ -337,6 +337,46 @@ def test_a_lone_step_taken_before_its_refused_topk_is_not_taken_again(tmp_path):
         assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
 
 
+@pytest.mark.parametrize("who", ["leader", "follower"])
+def test_a_taken_step_sent_again_under_its_retried_topk_is_not_taken_again(tmp_path, who):
+    """As above, but the retry's STEP rides on its TOPK (``step()`` then ``topk()`` without
+    state rows, after the lone STEP went with ``flush()``). The leader's TOPK is refused
+    TpLag; the follower's, whose STEP matched its peer's, TP_MISMATCH (a wrong top-k): the
+    retry with the right one goes through and the peers go on in step. Seen (an
+    adversarial review): the riding STEP was taken again, a second STEP 1 for the leader
+    (its peer refused for good), a STEP where the follower's TOPK was due (it refused for
+    good)."""
+    rows = np.array([0, 1, 2], np.int32)
+    rng = np.random.default_rng(0)
+    tk = [np.stack([rng.choice(HOST_ROWS, 4, replace=False) for _ in range(3)]).astype(np.int32) for _ in range(3)]
+    lag = ("--tp-max-lag", "3") if who == "leader" else ()
+    with two_ranks(tmp_path, lay(), *lag) as (d, c0, c1):
+        first, second = (c0, c1) if who == "leader" else (c1, c0)
+        if who == "follower":
+            for t in range(2):
+                c0.step(t, rows)
+                c0.topk(t, 0, tk[t])
+        first.step(0, rows)
+        first.topk(0, 0, tk[0])
+        first.step(1, rows)
+        first.flush()  # the lone STEP 1, taken
+        with pytest.raises(TpLag if who == "leader" else TpMismatch):
+            first.topk(1, 0, tk[1] if who == "leader" else (tk[1] + 1) % HOST_ROWS)
+        if who == "leader":
+            second.step(0, rows)
+            second.topk(0, 0, tk[0])
+        first.step(1, rows)  # sent again: rides on the TOPK below
+        a = first.topk(1, 0, tk[1])
+        if who == "leader":
+            second.step(1, rows)
+            b = second.topk(1, 0, tk[1])
+            np.testing.assert_array_equal(a.slots, b.slots)
+        for c in (c0, c1):
+            c.step(2, rows)
+            c.topk(2, 0, tk[2])
+        assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
+
+
 def test_the_topk_of_a_refused_lone_step_is_refused_too(tmp_path):
     """Rank 0's lone STEP 1 (large invalidations) is refused by the bytes the group may keep
     for a slow rank; its TOPK, smaller, would fit: it must be refused too (the step runs
