@@ -41,3 +41,8 @@ class StepDriver:
         """Step ``step`` was begun on this rank: a new handle of a TP rank numbers on after it."""
         if self.tp_size > 1:
             self.next_step = step + 1
+
+    def unstep(self, step: int) -> None:
+        """Step ``step``'s STEP was refused: a new handle numbers from it again."""
+        if self.tp_size > 1 and self.next_step == step + 1:
+            self.next_step = step

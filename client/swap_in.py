@@ -92,7 +92,7 @@ class HostSwapIn:
                         for layer in range(lay.num_layers)]
         # A TP rank's step driver (client/step_driver.py): this handle, numbering on from the
         # last step sent (an in-process client has no TP group: it steps from 0).
-        driver = getattr(client, "_driver", None)
+        self._driver = driver = getattr(client, "_driver", None)
         if driver is not None:
             driver.claim(client, self)
         self._next_step = 0 if driver is None else driver.next_step
@@ -132,7 +132,7 @@ class HostSwapIn:
             step_as(self, step, rows, reset, invalidate)
         else:
             self._client.step(step, rows, reset=reset, invalidate=invalidate)
-        self._next_step = step + 1  # (a step its client refused takes no number)
+        self._next_step = step + 1  # (a step its client or the daemon refused takes no number)
         in_step = np.zeros(self.layout.max_reqs, dtype=bool)
         in_step[rows[(rows >= 0) & (rows < self.layout.max_reqs)]] = True  # (the daemon refuses the others)
         self._step, self._in_step, self._failed = step, in_step, False
@@ -146,7 +146,13 @@ class HostSwapIn:
 
     def _abandon_step(self) -> None:
         """The step's STEP was refused (over zmq: raised by its first top-k): the step
-        ends, and swap_in refuses until the next begin_step."""
+        ends, swap_in refuses until the next begin_step, and that step takes the refused
+        one's number (a TP rank's peers hold their STEP of that number: TpLag refuses a
+        rank ahead, which sends the step again once they caught up)."""
+        if self._step is not None:
+            self._next_step = self._step
+            if self._driver is not None:
+                self._driver.unstep(self._step)
         self._step, self._failed = None, True
         self._complete_order()
 

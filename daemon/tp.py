@@ -258,16 +258,18 @@ class TpGroup:
         end = self.base + len(self.entries)
         c, slow = min(behind)
         if end - c + entries > self.max_lag:
-            why = f"which keeps at most {self.max_lag} (tp_max_lag)"
-        elif self.ledger.held.get(self.uid, 0) + nbytes > self.ledger.cap:
-            why = (f"and the TP groups of this engine's owner keep {self.ledger.held.get(self.uid, 0)} bytes for ranks "
-                   f"behind, at most {self.ledger.cap} (tp_max_lag_bytes)")
-        else:
-            return
-        more = " (this TOPK and the STEP it carries would add 2)" if entries > 1 else ""
-        raise ResidencyError("TP_LAG", f"rank {rank} is {end - c} requests ahead of rank {slow} of its TP group{more}, "
-                             f"{why}; every rank must send the same steps and top-k batches: rank {slow} has stopped "
-                             "or sends something else")
+            more = " (this TOPK and the STEP it carries would add 2)" if entries > 1 else ""
+            raise ResidencyError("TP_LAG", f"rank {rank} is {end - c} requests ahead of rank {slow} of its TP group"
+                                 f"{more}, which keeps at most {self.max_lag} (tp_max_lag); every rank must send the "
+                                 f"same steps and top-k batches: rank {slow} has stopped or sends something else")
+        held = self.ledger.held.get(self.uid, 0)
+        if held + nbytes > self.ledger.cap:  # one budget for every TP engine of the owner: maybe another's rank
+            own = sum(b for _, b in self.entries)
+            raise ResidencyError("TP_LAG", f"the TP groups of this engine's owner keep {held} bytes for ranks behind "
+                                 f"({own} of them this group's) and this request's entry would add {nbytes}, past "
+                                 f"tp_max_lag_bytes ({self.ledger.cap}), one budget for all of that uid's TP engines: "
+                                 "a rank of one of them has stopped or sends something else (`sparsekv stats`: each "
+                                 "engine's tp_lag)")
 
     def _append(self, rank: int, entry, nbytes: int) -> None:
         self.entries.append((entry, nbytes))

@@ -94,8 +94,8 @@ ERROR_HINTS: dict[ErrorCode, str] = {
     ErrorCode.SHUTTING_DOWN: "the daemon is stopping",
     ErrorCode.TP_MISMATCH: "the ranks of a TP group (attach with tp_size) must send the same steps and top-k batches "
     "in the same order; this rank's request differs from its peers' and was not run",
-    ErrorCode.TP_LAG: "a rank of this TP group is too far behind its peers (tp_max_lag): it stopped, or sends "
-    "something else; this request was not run",
+    ErrorCode.TP_LAG: "a rank of a TP group is too far behind its peers (tp_max_lag, tp_max_lag_bytes): it "
+    "stopped, or sends something else; this request was not run",
     ErrorCode.PERMISSION_DENIED: "another user's engine, or a connection whose credentials the daemon cannot read; "
     "attach as the engine's owner (root and the daemon's admin group: naming it, owner_uid), or pick another engine name",
     ErrorCode.QUOTA_EXCEEDED: "this user holds its share of the daemon (max_clients_per_uid, max_pool_bytes_per_uid, "

@@ -231,9 +231,21 @@ def test_the_bytes_kept_for_a_slow_rank_are_bounded_per_uid(tmp_path):
             for c in (c0, c1):
                 c.attach(big, engine="tp", tp_size=2)
             c0.topk(0, 0, topk[0], state_rows=rows)  # ~0.66 MB kept for rank 1
-            with pytest.raises(TpLag, match=r"keep \d+ bytes for ranks behind, at most 1048576 \(tp_max_lag_bytes\)"):
+            with pytest.raises(TpLag, match=r"keep (\d+) bytes for ranks behind \(\1 of them this group's\) and this "
+                               r"request's entry would add \d+, past tp_max_lag_bytes \(1048576\)"):
                 c0.topk(0, 0, topk[1], state_rows=rows)
-            c1.topk(0, 0, topk[0], state_rows=rows)  # rank 1 reaches it: the bytes go
+            # Another TP engine of the uid, its ranks in step: refused by the one budget,
+            # which the message names (it had blamed the engine's own peer as "behind").
+            with Client(d.run_dir, rank=0) as o0, Client(d.run_dir, rank=1) as o1:
+                for c in (o0, o1):
+                    c.attach(big, engine="tp2", tp_size=2)
+                with pytest.raises(TpLag, match=r"keep \d+ bytes for ranks behind \(0 of them this group's\).* one "
+                                   r"budget for all of that uid's TP engines") as ei:
+                    o0.topk(0, 0, topk[0], state_rows=rows)
+                assert "rank 1" not in str(ei.value)
+                c1.topk(0, 0, topk[0], state_rows=rows)  # rank 1 reaches it: the bytes go
+                for c in (o0, o1):
+                    c.topk(0, 0, topk[0], state_rows=rows)
             c0.topk(0, 0, topk[1], state_rows=rows)
 
 
@@ -374,6 +386,50 @@ def test_a_taken_step_sent_again_under_its_retried_topk_is_not_taken_again(tmp_p
         for c in (c0, c1):
             c.step(2, rows)
             c.topk(2, 0, tk[2])
+        assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
+
+
+@pytest.mark.parametrize("max_lag", [4, 3])
+def test_a_handle_ahead_of_its_peer_goes_on_in_step_after_tplag(tmp_path, max_lag):
+    """Two HostSwapIn ranks; rank 0 runs ahead until TpLag. At tp_max_lag 4 its step's
+    first top-k is refused (its STEP taken): the same swap_in again, once rank 1 caught
+    up, goes through. At 3 its STEP is refused (raised by that swap_in, which ends the
+    step): begin_step again sends that step with the same number. Either way both go on
+    in step. Seen (an adversarial review): the refused STEP's number was used up, the
+    handle sent step 2 where its peer sent step 1, and the group was jammed for good."""
+    from sparsekv.client.swap_in import HostSwapIn
+
+    two = helpers.layout(num_layers=2, row_bytes=16, top_k=4, region_stride=8, max_reqs=3, host_rows=64,
+                         index_groups=((0,), (1,)), max_batch=8)
+    table, reqs = np.arange(16).reshape(2, 8) % 16, np.array([0, 1])
+
+    def pos(t):
+        return np.array([[t % 30, (t + 3) % 30, (t + 7) % 30, (t + 11) % 30]] * 2)
+
+    with two_ranks(tmp_path, two, "--tp-max-lag", str(max_lag)) as (d, c0, c1):
+        h = [HostSwapIn(c0), HostSwapIn(c1)]
+
+        def step(r, t, layers=(0, 1), begin=True):
+            if begin:
+                h[r].begin_step([0, 1])
+            return [h[r].swap_in(reqs, table, pos(t), layer=layer, block_size=4) for layer in layers]
+
+        step(0, 0)
+        h[0].begin_step([0, 1])
+        with pytest.raises(TpLag):
+            h[0].swap_in(reqs, table, pos(1), layer=0, block_size=4)
+        step(1, 0)
+        if max_lag == 4:
+            a = step(0, 1, begin=False)
+        else:
+            with pytest.raises(BadRequest, match="its step's first swap_in, failed"):
+                h[0].swap_in(reqs, table, pos(1), layer=0, block_size=4)  # the step ended with its STEP
+            a = step(0, 1)
+        b = step(1, 1)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+        for r in (0, 1):
+            step(r, 2)
         assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
 
 
