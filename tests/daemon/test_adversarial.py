@@ -356,13 +356,15 @@ def test_a_peer_dropped_while_resumed_does_not_unqueue_another_paused_peer():
             assert hello(s, f"p{i}")["ok"]
         m1 = write_msg(1, 64 * MiB - 4700)
         a1.sendall(m1[:-MiB])
-        time.sleep(0.5)
+        helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["inflight_bytes"] >= 64 * MiB - 4700 or None,
+                         timeout_s=30, what="a1's request reserving the budget")
         a2.shutdown(socket.SHUT_RD)
         a2.sendall(write_msg(2, 5000) + b"\xf0\x00")
-        time.sleep(0.3)
+        helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["reads_paused"] == 1 or None, timeout_s=30,
+                         what="a2 paused")  # (first in the queue)
         v.sendall(write_msg(3, 5000))
-        time.sleep(0.3)
-        assert helpers.stats_json(d.run_dir)["reads_paused"] == 2
+        helpers.wait_for(lambda: helpers.stats_json(d.run_dir)["reads_paused"] == 2 or None, timeout_s=30,
+                         what="v paused behind a2")
         a1.sendall(m1[-MiB:])
         assert answered_within(a1, 5) is not None
         r = answered_within(v, 5)

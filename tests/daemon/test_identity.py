@@ -324,9 +324,13 @@ if sys.argv[2] in ("first", "detached"):  # the opener says HELLO itself first
 if sys.argv[2] == "detached":  # and attaches and detaches (DETACH stops watching its pid)
     print("opener", call(MsgType.ATTACH, {"engine": "e", "layout": layout})["ok"],
           call(MsgType.DETACH, {})["ok"], flush=True)
+opener = os.getpid()
 if os.fork():
     os._exit(0)  # the opener exits; its child keeps the connection
-time.sleep(0.5)  # the opener is gone (and reaped) by now
+deadline = time.monotonic() + 30
+while os.getppid() == opener:  # reparented once the opener has exited
+    assert time.monotonic() < deadline, "the opener did not exit"
+    time.sleep(0.01)
 if sys.argv[2] == "detached":
     r = call(MsgType.ATTACH, {"engine": "e", "layout": layout})
 else:
@@ -341,7 +345,10 @@ def test_hello_on_a_connection_whose_opener_exited_is_refused(tmp_path, first):
     (SO_PEERCRED's) the kernel may give to another process; a HELLO on it took that
     process's groups for its own (a recycled pid in the admin group let another uid join an
     engine). The daemon now holds the opener's pidfd and refuses such a HELLO."""
-    with PrivateDaemon(pool_bytes=64 * MiB, backend="cpu", log_path=str(tmp_path / "d.log"), start_timeout_s=30) as d:
+    # No reaping meanwhile: the detached opener's session, its pid gone, would be dropped
+    # first (NOT_HELLO), however soon the child asks.
+    with PrivateDaemon(pool_bytes=64 * MiB, backend="cpu", log_path=str(tmp_path / "d.log"), start_timeout_s=30,
+                       extra_args=["--reap-interval-s", "3600"]) as d:
         p = subprocess.run([sys.executable, "-c", HANDED_OVER, d.run_dir, first,
                             json.dumps(helpers.layout().to_wire())], capture_output=True, text=True,
                            timeout=30, cwd=str(tmp_path))

@@ -140,16 +140,16 @@ def test_idle_http_connections_get_503_and_leave_the_stats_socket_served(metrics
     d, port = metrics_daemon
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(ops.HTTP_MAX_OPEN)]
     try:
-        t0 = time.monotonic()
         time.sleep(0.05)  # all accepted
+        assert stats_query(d.run_dir, "health").startswith("ready pid=")
+        # Then the 33rd: busy, so the 32 were held when the stats socket answered (they
+        # never reconnect; only the request timeout closes them).
         answer = http_get(port).decode()
         head = answer.split("\r\n")
         assert head[0] == "HTTP/1.0 503 Service Unavailable" and "Retry-After: 1" in head, answer
         assert answer.endswith("busy: 32 connections open (at most 32); try again\n")
-        assert stats_query(d.run_dir, "health").startswith("ready pid=")
         snap = helpers.stats_json(d.run_dir)
         assert (snap["metrics_connections_refused"], snap["stats_connections_refused"]) == (1, 0)
-        assert time.monotonic() - t0 < 1.0, "too slow to check within the request timeout"
         assert closed_within(held, 4.0) < 3.0
     finally:
         for s in held:
@@ -171,17 +171,17 @@ def test_idle_stats_connections_of_one_uid_get_a_busy_line_and_leave_http_served
             s = socket.socket(socket.AF_UNIX)
             s.connect(path)
             held.append(s)
-        t0 = time.monotonic()
         time.sleep(0.05)  # all accepted
+        assert http_get(port).startswith(b"HTTP/1.0 200 OK")
+        assert cli_inproc.run("health", "--run-dir", d.run_dir).returncode == 0
+        # Then the busy answers: the 16 were held when those two were answered (they never
+        # reconnect; only the request timeout closes them).
+        r = cli_inproc.run("stats", "--run-dir", d.run_dir)
+        assert r.returncode == 1 and "is busy: uid" in r.stderr, r
         with pytest.raises(StatsSocketError) as ei:
             stats_query(d.run_dir, "json")
         assert ei.value.kind == "busy" and str(ei.value).endswith(
             "is busy: uid %d has 8 stats socket connections open, its share of the 32; try again" % os.getuid())
-        r = cli_inproc.run("stats", "--run-dir", d.run_dir)
-        assert r.returncode == 1 and "is busy: uid" in r.stderr, r
-        assert cli_inproc.run("health", "--run-dir", d.run_dir).returncode == 0
-        assert http_get(port).startswith(b"HTTP/1.0 200 OK")
-        assert time.monotonic() - t0 < 1.0, "too slow to check within the request timeout"
         assert closed_within(held, 4.0) < 3.0
     finally:
         for s in held:
@@ -248,18 +248,17 @@ def test_other_uids_filling_the_stats_socket_lock_out_neither_root_nor_http(metr
         for p in procs[:4]:  # every holder at once
             p.stdin.write("go\n")
             p.stdin.flush()
-        t0 = time.monotonic()
         for uid, p in zip(uids, procs):
             assert p.stdout.readline().strip() == (f"error: busy: uid {uid} has 8 stats socket connections open, "
                                                    "its share of the 32; try again")
+        assert stats_query(d.run_dir, "health").startswith("ready pid=")  # root: the reserve
+        assert probe(d.run_dir).message.startswith("ready pid=")
+        assert http_get(port).startswith(b"HTTP/1.0 200 OK")
+        # Then the fifth uid: busy, all 32 open, so they were held when root was answered.
         procs[4].stdin.write("go\n")
         procs[4].stdin.flush()
         assert procs[4].stdout.readline().strip() == ("error: busy: 32 stats socket connections open (at most 32, "
                                                       "8 a uid); try again")
-        assert stats_query(d.run_dir, "health").startswith("ready pid=")  # root: the reserve
-        assert probe(d.run_dir).message.startswith("ready pid=")
-        assert http_get(port).startswith(b"HTTP/1.0 200 OK")
-        assert time.monotonic() - t0 < 1.0, "too slow to check within the request timeout"
         for p in procs[:4]:
             assert float(p.stdout.readline()) < 3.0  # the silent ones closed after 1 s
     finally:
