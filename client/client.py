@@ -257,6 +257,9 @@ class Client(Connection, DeviceWaits):
         try:
             fds = fetch_fds(self.run_dir, h, self.timeout_s)
         except SparseKVError as e:
+            why = self._check_daemon()
+            if why is not None:  # restarted since its reply: the new daemon knows no token of it
+                self._lost(f"{why} (the attach could not fetch the rank's memory: {e})")
             # No slab to read, or a doorbell rank, whose error record and stop word live in
             # the step blocks (without them its handle could neither report a device error
             # nor see its TP group stop): give the rank back.

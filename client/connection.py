@@ -20,7 +20,7 @@ import psutil
 
 from sparsekv.proto import LIMITS, ErrorCode, MsgType, ProtocolError, decode, encode
 from sparsekv.proto.args import CARRIED
-from sparsekv.proto.run_dir import lock_holder
+from sparsekv.proto.run_dir import LOCK_FILE, lock_holder
 
 from .errors import BadRequest, ClientInUse, DaemonUnavailable, SparseKVError, error_for
 from .wire import Wire, WireClosed, connect_unix
@@ -368,10 +368,10 @@ def open_wire(path: str, run_dir: str, timeout_s: float) -> tuple[Wire, int, tup
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        if os.path.exists(path + BUSY_SUFFIX):
+        pid = lock_holder(run_dir)
+        if pid is not None and _busy_is_the_holders(path, run_dir):
             raise DaemonUnavailable(f"sparsekvd at {run_dir} refuses new connections for now: it is short of file "
                                     "descriptors (too many open connections; see its log); retry later") from None
-        pid = lock_holder(run_dir)
         if pid is not None:
             raise DaemonUnavailable(f"sparsekvd (pid {pid or '?'}) holds {run_dir} but has no control socket: it is "
                                     "starting (pre-faulting its pool or starting its backend) or stopping; retry "
@@ -410,6 +410,18 @@ def open_wire(path: str, run_dir: str, timeout_s: float) -> tuple[Wire, int, tup
         raise DaemonUnavailable(f"sparsekvd at {run_dir} accepted a connection but its ZMTP handshake failed: {e}"
                                 ) from None
     return wire, max(pid, 0), file_id(st)
+
+
+def _busy_is_the_holders(path: str, run_dir: str) -> bool:
+    """Whether ``path`` renamed to its busy name (a daemon short of descriptors) is the
+    lock holder's: bound after it wrote the lock file, not left by a daemon that was killed
+    while busy (a new one removes that only once it serves)."""
+    try:
+        busy = os.stat(path + BUSY_SUFFIX).st_mtime_ns
+        lock = os.stat(os.path.join(run_dir, LOCK_FILE)).st_mtime_ns
+    except OSError:
+        return False
+    return busy >= lock
 
 
 def file_id(st: os.stat_result) -> tuple[int, int, int]:

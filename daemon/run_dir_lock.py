@@ -142,6 +142,16 @@ class RunDirLock:
         self.fd = fd
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        # The sockets a daemon killed on this run dir left go now, not once this one serves:
+        # meanwhile a client finds none and says this one is starting (a stale .busy had
+        # it say "short of descriptors"), and a stop before serving leaves the dir clean.
+        for name in SOCKET_NAMES:
+            path = os.path.join(run_dir, name)
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):  # (anything else: check_run_dir refuses it)
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def release(self) -> None:
         if self.fd >= 0:

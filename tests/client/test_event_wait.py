@@ -246,6 +246,7 @@ def test_a_doorbell_attach_without_its_step_blocks_gives_the_rank_back(monkeypat
         raise QuotaExceeded("busy: uid 1000 has 64 fd socket connections open, its share of the 256; try again")
 
     monkeypatch.setattr(c, "_call", call)
+    monkeypatch.setattr(c, "_check_daemon", lambda: None)  # the daemon is there (busy, not gone)
     monkeypatch.setattr(client_mod, "fetch_fds", busy)
     lay = Layout(num_layers=1, row_bytes=16, top_k=4, region_stride=8, max_reqs=2, host_rows=64)
     if transport == "zmq":

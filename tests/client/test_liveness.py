@@ -250,6 +250,34 @@ def test_restarted_daemon_is_noticed_by_its_socket(run_dir, monkeypatch):
         stop(p)
 
 
+def test_a_restart_between_the_attach_reply_and_the_memory_fetch_is_daemon_unavailable(run_dir, monkeypatch):
+    """Found by an adversarial review: a daemon killed and restarted after the ATTACH's
+    reply and before the client fetched the rank's descriptors: the new daemon knew no
+    such token, and the attach raised PermissionDenied, which an engine takes as final.
+    It is the lost daemon's DaemonUnavailable, as for any request to it."""
+    from sparsekv.client import client as client_mod
+
+    procs = [start(run_dir)]
+    real = client_mod.fetch_fds
+
+    def restarted_first(*a, **kw):
+        stop(procs[0])
+        procs.append(start(run_dir))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(client_mod, "fetch_fds", restarted_first)
+    try:
+        c = Client(run_dir, timeout_s=5).connect()
+        with pytest.raises(DaemonUnavailable, match="sparsekvd is gone .* could not fetch the rank's memory"):
+            c.attach(helpers.layout(), engine="race")
+        monkeypatch.undo()
+        with Client(run_dir, timeout_s=5) as c2:  # the new daemon serves
+            c2.attach(helpers.layout(), engine="race")
+    finally:
+        for p in procs:
+            stop(p)
+
+
 def test_a_socket_renamed_to_busy_and_back_between_two_looks_is_not_a_dead_daemon(run_dir, monkeypatch):
     """The daemon renames control.sock <-> control.sock.busy while it holds off new
     connections: a look at both names can miss both. The liveness check (and a doorbell

@@ -147,3 +147,25 @@ def test_a_run_dir_removed_by_a_daemon_stopping_is_made_again_by_one_starting(tm
     assert (run / "sparsekvd.lock").is_file()
     second.release()
     assert not run.exists()
+
+
+def test_the_sockets_a_killed_daemon_left_go_when_the_next_takes_the_lock(tmp_path):
+    """Found by an adversarial review: a daemon stopped while pre-faulting left the sockets
+    of the one killed before it (they went only once a daemon served), and a client read
+    a stale control.sock.busy as a daemon short of descriptors. Taking the lock removes
+    them; a file that is no socket is not the lock's to remove."""
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    for name in ("control.sock.busy", "stats.sock", "fds.sock"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(run / name))
+        s.close()
+    (run / "notes").write_text("an operator's\n")
+    lock = RunDirLock(str(run))
+    try:
+        assert sorted(os.listdir(run)) == ["notes", "sparsekvd.lock"]
+    finally:
+        lock.release()
+    assert os.listdir(run) == ["notes"]
