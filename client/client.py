@@ -92,6 +92,7 @@ class Client(Connection, DeviceWaits):
         self.device_wait = bool(device_wait)
         self._pending_step: tuple[int, dict] | None = None  # a STEP not sent yet (see step())
         self._lone_steps: list[int] = []  # STEPs sent alone whose replies were not read yet
+        self._lone_step_numbers: dict[int, int] = {}  # their request ids -> step numbers (SparseKVError.earlier_step)
         self._step_rows: tuple[int, np.ndarray] | None = None  # the last step's state rows
         self._driver = StepDriver()  # a TP rank's one step driver (client/step_driver.py)
         self._block_requests: dict[int, int] = {}  # cuda: step-block entry -> its last request
@@ -156,6 +157,7 @@ class Client(Connection, DeviceWaits):
         timeout_s, self.timeout_s = self.timeout_s, min(self.timeout_s, BYE_TIMEOUT_S)
         self._pending_step = None  # a STEP not sent yet: nobody will use it
         self._lone_steps.clear()
+        self._lone_step_numbers.clear()
         try:
             try:
                 self._call(MsgType.BYE)
@@ -398,6 +400,7 @@ class Client(Connection, DeviceWaits):
         if pending is not None:
             self._lone_steps.append(self._send(MsgType.STEP, {"step": pending[0]}, pending[1]))
             self._deferred.append(self._lone_steps[-1])
+            self._lone_step_numbers[self._lone_steps[-1]] = pending[0]
 
     def _settle_steps(self, held: str = "request") -> None:
         """Send the STEP not sent yet; wait for every STEP sent alone and raise its refusal:
@@ -577,6 +580,7 @@ class Client(Connection, DeviceWaits):
         self._fence_requests.clear()
         self._pending_step = None
         self._lone_steps.clear()
+        self._lone_step_numbers.clear()
         super()._lost(why, "session and attachment are" if self.attachment else "session is")
 
     def flush(self) -> None:

@@ -31,9 +31,10 @@ CLOSED_LOOK_S = 0.5  # how long a closed connection's daemon is watched for its 
 BUSY_SUFFIX = ".busy"  # the socket's name while the daemon is short of descriptors (daemon/listener.py)
 
 
-def _earlier(error: SparseKVError, what: str) -> SparseKVError:
-    """``error``, marked as the refusal of an earlier request of type ``what``."""
-    error.earlier = what
+def _earlier(error: SparseKVError, what: str, step: int | None = None) -> SparseKVError:
+    """``error``, marked as the refusal of an earlier request of type ``what`` (a STEP sent
+    alone: of ``step``)."""
+    error.earlier, error.earlier_step = what, step
     return error
 
 
@@ -279,6 +280,7 @@ class Connection:
         for r in [r for r in self._deferred if r in self._replies]:
             self._deferred.remove(r)
             header, _ = self._replies.pop(r)
+            step = self._lone_step_numbers.pop(r, None)
             if not header.get("ok"):
                 try:
                     what = MsgType(header.get("t")).name
@@ -288,7 +290,8 @@ class Connection:
                 # the request raising it, alive in a cycle: its reply kept for nobody)
                 raise _earlier(error_for(header.get("code", int(ErrorCode.INTERNAL)),
                                          f"{header.get('msg', 'no message')} (the reply to an earlier {what} not "
-                                         f"waited for, id {header.get('id')}; raised by the next request)"), what)
+                                         f"waited for, id {header.get('id')}; raised by the next request)"), what,
+                               step)
 
     def _call(self, msg_type: MsgType, fields=None, arrays=None):
         """Send and wait, in one turn; return (reply fields without the envelope, reply arrays)."""
@@ -415,7 +418,8 @@ def open_wire(path: str, run_dir: str, timeout_s: float) -> tuple[Wire, int, tup
 def _busy_is_the_holders(path: str, run_dir: str) -> bool:
     """Whether ``path`` renamed to its busy name (a daemon short of descriptors) is the
     lock holder's: bound after it wrote the lock file, not left by a daemon that was killed
-    while busy (a new one removes that only once it serves)."""
+    while busy (the next daemon removes that once it holds the lock: a client may look
+    before)."""
     try:
         busy = os.stat(path + BUSY_SUFFIX).st_mtime_ns
         lock = os.stat(os.path.join(run_dir, LOCK_FILE)).st_mtime_ns

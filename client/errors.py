@@ -8,10 +8,12 @@ from sparsekv.proto import ErrorCode
 class SparseKVError(Exception):
     """A request failed. ``code`` is a :class:`~sparsekv.proto.ErrorCode`; ``earlier``:
     the type name of the earlier request, not waited for, whose refusal this is (raised by
-    the next request in its place), or None (the request's own)."""
+    the next request in its place), or None (the request's own); ``earlier_step``: that
+    request's step number when it was a STEP sent alone."""
 
     code: ErrorCode = ErrorCode.INTERNAL
     earlier: str | None = None
+    earlier_step: int | None = None
 
     def __init__(self, message: str, code: ErrorCode | None = None):
         super().__init__(message)

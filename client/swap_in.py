@@ -144,6 +144,11 @@ class HostSwapIn:
         self._open()
         self._complete_order()
 
+    def _refused_this_step(self, e: SparseKVError) -> bool:
+        """Whether ``e`` is the refusal of the begun step's own STEP, sent alone (not an
+        earlier step's, raised in its place: that step ended without a top-k)."""
+        return e.earlier == "STEP" and e.earlier_step == self._step
+
     def _abandon_step(self) -> None:
         """The step's STEP was refused (over zmq: raised by its first top-k): the step
         ends, swap_in refuses until the next begin_step, and that step takes the refused
@@ -282,7 +287,7 @@ class HostSwapIn:
         try:
             self._client.flush()
         except SparseKVError as e:
-            if e.earlier == "STEP" and self._step is not None and not self._asked:  # this step's, refused
+            if self._step is not None and self._refused_this_step(e):
                 self._abandon_step()
             raise
 
@@ -409,7 +414,7 @@ class HostSwapIn:
                 res = (submit(self, self._step, group, rows, reqs).wait() if submit is not None
                        else self._client.topk(self._step, group, rows, state_rows=reqs))
             except SparseKVError as e:
-                if first and e.earlier == "STEP":  # the step's STEP, sent before this request, was refused
+                if first and self._refused_this_step(e):  # the step's STEP, sent before this request
                     self._abandon_step()  # so the step never began: a retry would serve the last step's rows
                 raise
             self._counts["batches"] += 1

@@ -433,6 +433,39 @@ def test_a_handle_ahead_of_its_peer_goes_on_in_step_after_tplag(tmp_path, max_la
         assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
 
 
+def test_an_earlier_steps_refusal_raised_by_a_later_step_keeps_that_steps_number(tmp_path):
+    """Found by a review of the fix above: a step ended by finish_step without a top-k
+    keeps its STEP unsent; the next step sends it alone, and its refusal is raised by that
+    step's first swap_in. That step's own STEP was taken: its number is not given back
+    (the next begin_step had sent step 2 twice), and the error names the step refused."""
+    from sparsekv.client.swap_in import HostSwapIn
+
+    two = helpers.layout(num_layers=2, row_bytes=16, top_k=4, region_stride=8, max_reqs=3, host_rows=64,
+                         index_groups=((0,), (1,)), max_batch=8)
+    table, reqs, pos = np.arange(16).reshape(2, 8) % 16, np.array([0, 1]), np.array([[0, 3, 7, 11]] * 2)
+    with two_ranks(tmp_path, two) as (d, c0, c1):
+        for c in (c0, c1):
+            sent, real = [], c._step_as
+            c._step_as = lambda drv, step, *a, _sent=sent, _real=real, **kw: _sent.append(step) or _real(drv, step, *a,
+                                                                                                          **kw)
+            h = HostSwapIn(c)
+            h.begin_step([0, 1])
+            for layer in (0, 1):
+                h.swap_in(reqs, table, pos, layer=layer, block_size=4)
+            h.begin_step([0, 7])  # step 1: state row 7 past max_reqs 3 (refused by the daemon), no top-k
+            h.finish_step()
+            h.begin_step([0, 1])  # step 2: step 1's STEP goes alone first
+            with pytest.raises(BadRequest, match="BAD_STATE_ROW") as ei:
+                h.swap_in(reqs, table, pos, layer=0, block_size=4)
+            assert (ei.value.earlier, ei.value.earlier_step) == ("STEP", 1)
+            h.finish_step()
+            h.begin_step([0, 1])
+            for layer in (0, 1):
+                h.swap_in(reqs, table, pos, layer=layer, block_size=4)
+            assert sent == [0, 1, 2, 3]
+        assert helpers.stats_json(d.run_dir)["per_engine"]["tp"]["tp_lag"] == 0
+
+
 def test_the_topk_of_a_refused_lone_step_is_refused_too(tmp_path):
     """Rank 0's lone STEP 1 (large invalidations) is refused by the bytes the group may keep
     for a slow rank; its TOPK, smaller, would fit: it must be refused too (the step runs

@@ -236,7 +236,6 @@ def test_the_warm_cpus_command_runs_until_sigterm_and_takes_its_loops_along():
     assert r.returncode == 1 and r.stderr.startswith(f"sparsekv warm-cpus: CPUS names CPU(s) {NOWHERE}"), r.stderr
 
 
-@needs_two_cpus
 def _exited(p: psutil.Process) -> bool:
     try:
         return p.status() == psutil.STATUS_ZOMBIE
@@ -244,6 +243,7 @@ def _exited(p: psutil.Process) -> bool:
         return True
 
 
+@needs_two_cpus
 def test_a_warm_loop_someone_killed_is_started_again(tmp_path):
     io = ALLOWED[-1]
     log = tmp_path / "d.log"
