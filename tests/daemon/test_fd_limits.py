@@ -177,7 +177,7 @@ def test_this_uids_idle_connections_get_busy_answers_and_are_closed_after_a_seco
         with Client(daemon.run_dir) as c:
             c.attach(helpers.layout())  # its fetch busy until the idle ones are closed
             attached = time.monotonic() - t0
-        assert 0.5 < attached < 2.5, attached
+        assert 0.5 < attached < 4.5, attached  # (the idle ones closed after 1 s: was 5 s)
         for s in held:  # each answered "no request within 1 s" and closed
             s.settimeout(1)
             assert "no request within 1 s" in s.recv(4096).decode()
