@@ -55,7 +55,7 @@ def test_a_write_cut_by_an_exception_ends_the_session_and_writes_no_wrong_row(ru
             t0 = time.monotonic()
             with pytest.raises(DaemonUnavailable, match="cut short by KeyboardInterrupt while being sent.*create a new"):
                 c.stats()  # not written after the cut: the daemon would take it for the WRITE's last bytes
-            assert time.monotonic() - t0 < 0.3
+            assert time.monotonic() - t0 < 2.0  # (not the 5 s timeout)
             c.close()
             other.step(0, [0])
             r = other.topk(0, 0, [[0, 1, 6, 7]])
@@ -135,7 +135,7 @@ def test_a_pending_whose_reply_was_an_error_raises_it_again(run_dir):  # noqa: F
                 t0 = time.monotonic()
                 with pytest.raises(BadRequest, match="DUPLICATE_IDS"):
                     pending.wait()
-                assert time.monotonic() - t0 < 0.5
+                assert time.monotonic() - t0 < 2.0  # (not the 5 s timeout)
             c.step(1, [0])
             assert c.topk(1, 0, [[1, 2, 3, 4]]).slots.shape == (1, 4)
     finally:
