@@ -23,7 +23,7 @@ from sparsekv.proto.slab import SlabGeometry
 from .blocks.contract import BlockError
 from .engine import EngineSlabImport, Owner, RankState
 from .engine_blocks import drop_copies
-from .heavy import HEAVY_BYTES, HEAVY_SLOTS, Slow
+from .heavy import HEAVY_BYTES, HEAVY_SLOTS, Gone, Slow
 from .peers import Peer
 from .pool import PoolError
 from .registry import check_new_owner, range_bytes
@@ -349,6 +349,10 @@ class EngineRequests:
         loop as long in the prefetch after it (the engine waits for it instead)."""
         try:
             fields, arrays, deltas = yield Slow(serve, engine=s.engine, ranks=True)
+        except Gone as e:  # its client went while it ran: the rows it moved count, unanswered
+            if e.result is not None:
+                self._count(e.result[2])
+            raise
         finally:
             self.stats.c["steps"] += len(began)  # (on the loop, as every counter)
         if st.pending_prefetch is not None:
@@ -361,10 +365,13 @@ class EngineRequests:
         """A TOPK's reply; its counters added, its rank's prefetch left to run after it."""
         if st.pending_prefetch is not None:
             self.prefetching.append(st)
+        self._count(deltas)
+        return fields, arrays
+
+    def _count(self, deltas: dict) -> None:
         c = self.stats.c
         for k, v in deltas.items():
             c[k] += v
-        return fields, arrays
 
     # -- the write path ------------------------------------------------------------------
     def on_write(self, s: Session, identity, h, a):
@@ -377,7 +384,6 @@ class EngineRequests:
         layers, rows, data = space.check_write(_layers(h), a["rows"], a["data"])
         _own_blocks(s, space, rows)
         nbytes, dropped = yield from self._write_rows(s, space, layers, rows, data)
-        self.stats.add(rows_written=rows.shape[0] * len(layers), bytes_written=nbytes, hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
 
     def on_write_staged(self, s: Session, identity, h, a):
@@ -393,7 +399,8 @@ class EngineRequests:
             nbytes, dropped = yield from self._write_rows(s, space, layers, rows, src)
         else:  # cuda: enqueued on the device, never waited for
             nbytes, dropped = st.write_staged(space, layers, rows, fence)
-        self.stats.add(rows_written=nbytes // st.residency.layout.row_bytes, bytes_written=nbytes, hot_invalidated=dropped)
+            self.stats.add(rows_written=nbytes // st.residency.layout.row_bytes, bytes_written=nbytes,
+                           hot_invalidated=dropped)
         return {"bytes": nbytes, "invalidated": dropped}, None
 
     def _write_rows(self, s: Session, space, layers, rows, src):
@@ -402,15 +409,17 @@ class EngineRequests:
         of the rows dropped, whatever happened: with the copy on the worker thread when
         the drop scans ``heavy_slots`` of cpu state or more (a one-row write to an engine
         of 134M cpu slots held every client 1.5 s), else on the loop (a cuda rank's or a TP
-        group's drop always: ``drop_scan_slots`` 0). Returns (bytes, slots dropped)."""
+        group's drop always: ``drop_scan_slots`` 0). Counted once copied (its client gone
+        meanwhile too). Returns (bytes, slots dropped)."""
         nbytes = len(layers) * rows.shape[0] * space.layout.row_bytes
         space.quiesce()
         drop_there = space.drop_scan_slots() >= self.heavy_slots
-        dropped = []
+        dropped, copied = [], []
 
         def write():
             try:
                 space.copy_rows(layers, rows, src)
+                copied.append(True)
             finally:
                 if drop_there:
                     dropped.append(drop_copies(space, rows))
@@ -425,6 +434,9 @@ class EngineRequests:
                 dropped.append(drop_copies(space, rows))
             for st in space.ranks.values():  # prefetched rows dropped: wasted
                 self.stats.add(**st.prefetch_outcomes())
+            if copied:
+                self.stats.add(rows_written=rows.shape[0] * len(layers), bytes_written=nbytes,
+                               hot_invalidated=dropped[0] if dropped else 0)
         return nbytes, dropped[0]
 
     def on_stage(self, s: Session, identity, h, a):

@@ -62,7 +62,13 @@ class Slow:
 
 class Gone(Exception):
     """Raised at a heavy handler's ``yield`` when nobody is left to answer (the session
-    is gone, or the daemon stops): roll back what the request took and re-raise."""
+    is gone, or the daemon stops): roll back what the request took and re-raise.
+    ``result``: what the slow part returned when it ran to its end (its work was done:
+    counted, not answered), else None."""
+
+    def __init__(self, why: str, result=None):
+        super().__init__(why)
+        self.result = result
 
 
 @dataclass(eq=False)

@@ -410,7 +410,7 @@ class Daemon:
                             f"{type(error).__name__}: {error}")
             elif error is not None:
                 log.debug("heavy request of a client that is gone failed: %r", error)
-            value, error = None, Gone(f"client {job.session.client_id} is gone")
+            value, error = None, Gone(f"client {job.session.client_id} is gone", value if error is None else None)
         out = self._step(job, value, error)
         value = error = None  # no reference cycle through this frame (see _step)
         if out is job and self.heavy.serving:

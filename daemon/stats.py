@@ -22,17 +22,18 @@ from sparsekv.proto import ErrorCode
 
 COUNTERS = (
     # name (the Prometheus counter is sparsekv_<name>_total), help
-    ("steps", "decode steps begun"),
-    ("topk_batches", "top-k batches served"),
+    ("steps", "decode steps begun, each rank's of a TP group counted"),
+    ("topk_batches", "top-k batches served, each rank's of a TP group counted"),
     ("tp_followed", "top-k batches a TP rank got from its group's resolve, made for a peer (gathered only)"),
-    ("hits", "top-k columns found in the hot region"),
-    ("misses", "top-k columns gathered from the host pool"),
+    ("hits", "top-k columns found in the hot region (a TP group's batch counted once)"),
+    ("misses", "top-k columns gathered from the host pool (a TP group's batch counted once)"),
     ("rows_moved", "rows copied host to hot slab (misses, and on the cpu backend prefetched rows, x layers of the group)"),
     ("bytes_moved", "bytes copied host to hot slab (as rows_moved: prefetched bytes on the cpu backend only)"),
     ("out_of_range", "top-k ids < -1 or >= host_rows (ignored, never read)"),
     ("prefetched", "rows fetched ahead into the next index group's regions (attach with prefetch)"),
     ("prefetch_hits", "prefetched rows a resolve then found (misses taken off the critical path)"),
-    ("prefetch_wasted", "prefetched rows that lost their slot before any resolve found them"),
+    ("prefetch_wasted", "prefetched rows that lost their slot (evicted, reset, invalidated) before any resolve "
+                        "found them; a detached rank's are in neither this nor prefetch_hits"),
     ("rows_written", "rows written into the host pool"),
     ("bytes_written", "bytes written into the host pool"),
     ("hot_invalidated", "hot slots dropped because their row was rewritten"),

@@ -279,6 +279,35 @@ def test_a_client_killed_mid_write_keeps_its_engine_until_the_copy_is_done(spawn
         assert "w" in d.engines and d.pool.used_bytes > 0 and d.pool.zeroing_bytes == 0
         gate.open()
         assert helpers.wait_for(lambda: nothing_left(d), what="the rank released after the copy")
+        assert d.stats.c["rows_written"] == 3 * LAYOUT.num_layers  # written, though answered to nobody
+
+
+def test_a_client_killed_mid_heavy_topk_has_its_rows_counted(spawn_rank, monkeypatch):
+    """Found by a review of the counters: a TOPK on a worker thread whose client died meanwhile
+    was not counted (batch, misses, rows moved), though its resolve and gather had run."""
+    gate, real = Gate(), engine_mod.RankState.resolve_and_gather
+
+    def held(self, *a, **kw):
+        gate.wait()
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(engine_mod.RankState, "resolve_and_gather", held)
+    with serving() as d:
+        d.engine_requests.heavy_slots = 1  # every TOPK on a worker thread
+        p = spawn_rank(d.run_dir, 0)
+        p.call("connect")
+        p.call("attach", layout=LAYOUT.to_wire(), engine="t")
+        p.call("fill")
+        before = dict(d.stats.c)
+        p.conn.send(("topk", {"step": 0, "group": 0, "topk": np.array([[1, 2, 3, 4]], np.int32),
+                              "state_rows": np.array([0], np.int32)}))
+        assert gate.entered.wait(10)
+        p.kill()
+        helpers.wait_for(lambda: not d.sessions, what="the killed client reaped")
+        gate.open()
+        assert helpers.wait_for(lambda: nothing_left(d), what="the rank released after the top-k")
+        grew = {k: d.stats.c[k] - before.get(k, 0) for k in ("topk_batches", "misses", "rows_moved")}
+        assert grew == {"topk_batches": 1, "misses": 4, "rows_moved": 4 * len(LAYOUT.groups[0])}, grew
 
 
 def test_a_daemon_stopped_mid_attach_waits_for_it_then_leaves_nothing(raw):
