@@ -79,12 +79,11 @@ class RankState:
         state_rows, reset, invalidate = self.check_step(state_rows, reset, invalidate)
         then = None if then is None else (whole_arg("group", then[0]), as_ids("topk", then[1], 2))
         if self.tp is not None:
-            if self._tp_step is not None and self._tp_step[0] == int(step) \
-                    and _same_step(self._tp_step[1:], (state_rows, reset, invalidate)):
-                # The same STEP again, alone or under the TOPK it rides on (its top-k was
-                # refused and the client retries): the group holds it; the TOPK goes on alone.
-                pass
-            else:
+            # The same STEP again, alone or under the TOPK it rides on (its top-k was refused
+            # and the client retries): the group holds it; the TOPK goes on alone.
+            held = self._tp_step is not None and self._tp_step[0] == int(step) \
+                and _same_step(self._tp_step[1:], (state_rows, reset, invalidate))
+            if not held:
                 try:
                     self.tp.begin_step(self.rank, int(step), state_rows, reset, invalidate, then)
                 except ResidencyError as e:

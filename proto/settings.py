@@ -184,3 +184,5 @@ STOP_TIMEOUT_S = Setting("stop_timeout_s", parse_float, 20.0,
                          "bench's private daemons: seconds a daemon may take to stop before it is killed")
 BENCH_DAEMON_LOG = Setting("bench_daemon_log", str, "", "bench: the file a benchmark's private daemon logs to")
 SOAK_S = Setting("soak_s", parse_float, 60.0, "make soak: seconds each long soak test runs")
+TEST_DAEMON_LOG = Setting("test_daemon_log", str, "", "tests: the file the GPU tests' private daemons log to "
+                          "(tests/gpu/device_run.sh sets it)")

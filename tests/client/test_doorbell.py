@@ -23,9 +23,10 @@ from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.bench.verify import fill_pool, pattern
 from sparsekv.proto import ErrorCode, Layout, MsgType
 from sparsekv.proto.positions import host_rows as map_positions
+from sparsekv.proto.settings import TEST_DAEMON_LOG
 
 ARENA = ["--device-arena-size", "2GiB"]
-DAEMON_LOG = os.environ.get("SPARSEKV_TEST_DAEMON_LOG")
+DAEMON_LOG = TEST_DAEMON_LOG.get() or None
 BLOCK = 16
 
 

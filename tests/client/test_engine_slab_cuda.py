@@ -1,13 +1,12 @@
 """Engine-owned slabs on the cuda backend: device memory one rank's slab at a time (the
 cpu backend's twin: tests/client/test_engine_slab.py)."""
 
-import os
-
 import pytest
 
 from sparsekv.bench.private_daemon import PrivateDaemon
 from sparsekv.client import BadRequest, Client
 from sparsekv.proto import ErrorCode, Layout
+from sparsekv.proto.settings import TEST_DAEMON_LOG
 
 BLOCK = 16
 LAY = Layout(num_layers=3, row_bytes=656, top_k=64, region_stride=128, max_reqs=8, host_rows=8 * 1024,
@@ -19,7 +18,7 @@ def cuda_daemon():
     # Room for two engines' pool ranges: the overlap is refused, not the pool.
     with PrivateDaemon(pool_bytes=3 * LAY.pool_bytes + (8 << 20), backend="cuda",
                        extra_args=["--device-arena-size", "2GiB"],
-                       log_path=os.environ.get("SPARSEKV_TEST_DAEMON_LOG")) as d:
+                       log_path=TEST_DAEMON_LOG.get() or None) as d:
         yield d
 
 

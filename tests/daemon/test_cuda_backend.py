@@ -19,12 +19,13 @@ from sparsekv.bench.replay import replay
 from sparsekv.bench.synth import synth
 from sparsekv.bench.verify import count_mismatches, fill_pool, pattern
 from sparsekv.proto import MsgType
+from sparsekv.proto.settings import TEST_DAEMON_LOG
 
 pytestmark = pytest.mark.cuda
 
 ARENA = ["--device-arena-size", "2GiB"]
 # On the GPU machine the device run script points this at its output folder.
-DAEMON_LOG = os.environ.get("SPARSEKV_TEST_DAEMON_LOG")
+DAEMON_LOG = TEST_DAEMON_LOG.get() or None
 
 
 def small_trace(**kw):
